@@ -1,0 +1,183 @@
+"""Run a list of techniques, each in its own subprocess, appending results as they finish.
+
+Resumable: a row already in ``results.jsonl`` with status ok and the same resolved config is
+skipped (``force`` reruns it). After every row the report (Markdown, CSV, JSON, plots) is
+rebuilt, so an interrupted bench still leaves a complete report of what finished.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from memtrain.bench.presets import SCALE_BUDGET, SCALE_MAX_BATCH, describe, scale_overrides, technique_overrides
+from memtrain.config import ConfigError, RunConfig, build_config, parse_size
+
+RESULTS = "results.jsonl"
+
+
+@dataclass
+class BenchOptions:
+    """What to compare and how."""
+
+    techniques: list[str]
+    scale: str = "quick"
+    out: Path = Path("runs/bench")
+    overrides: dict[str, Any] = field(default_factory=dict)  # shared by every row (data, model, ...)
+    file_layer: dict[str, Any] = field(default_factory=dict)  # from --config
+    force: bool = False
+    maxbatch: bool = True
+    memory_budget: Optional[str] = None
+    max_batch: Optional[int] = None
+    multiple_of: int = 1
+    progress: bool = True
+    timeout_s: Optional[float] = None
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    """Identity of a row's resolved config, ignoring where its output goes."""
+    c = json.loads(json.dumps(config))
+    c.get("train", {}).pop("out", None)
+    c.get("train", {}).pop("progress", None)
+    return hashlib.sha256(json.dumps(c, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def resolve_rows(opts: BenchOptions) -> list[tuple[str, RunConfig]]:
+    """Every row's validated config, before anything runs (a bad row fails the whole command
+    up front rather than after an hour of the others)."""
+    if not opts.techniques:
+        raise ConfigError("no techniques given; pass --techniques baseline,bf16,... or omit it for the default list")
+    rows = []
+    seen = set()
+    for name in opts.techniques:
+        if name in seen:
+            raise ConfigError(f"technique {name!r} is listed twice; list each once")
+        seen.add(name)
+        try:
+            cfg = build_config(scale_overrides(opts.scale), technique_overrides(name, opts.scale),
+                               opts.file_layer, opts.overrides)
+        except ConfigError as exc:
+            raise ConfigError(f"technique {name!r}: {exc}") from None
+        rows.append((name, cfg))
+    return rows
+
+
+def read_results(out: Path) -> list[dict[str, Any]]:
+    """All rows of ``results.jsonl``; a torn last line (killed mid-write) is ignored."""
+    path = out / RESULTS
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def append_result(out: Path, row: dict[str, Any]) -> None:
+    """Append one row as one line and flush it to disk before going on."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / RESULTS, "a") as fh:
+        fh.write(json.dumps(row, default=str) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _maxbatch_spec(opts: BenchOptions, cfg: RunConfig) -> Optional[dict[str, Any]]:
+    if not opts.maxbatch:
+        return None
+    from memtrain.runtime import resolve_device
+
+    device = resolve_device(cfg.train.device)
+    budget = opts.memory_budget or (SCALE_BUDGET.get(opts.scale) if device.type == "cpu" else None)
+    if device.type == "cpu" and budget is None:
+        budget = "1GiB"
+    return {
+        "budget_bytes": parse_size(budget) if budget else None,
+        "max_batch": opts.max_batch or SCALE_MAX_BATCH.get(opts.scale, 1024),
+        "multiple_of": opts.multiple_of,
+    }
+
+
+def run_row_subprocess(name: str, cfg: RunConfig, opts: BenchOptions) -> dict[str, Any]:
+    """Run one row in a fresh Python process; return its result dict (with status)."""
+    row_dir = opts.out / "rows" / name.replace("/", "_").replace("=", "-").replace("+", "_")
+    row_dir.mkdir(parents=True, exist_ok=True)
+    cfg = cfg.replace(out=str(row_dir))
+    spec = {"config": cfg.to_dict(), "maxbatch": _maxbatch_spec(opts, cfg), "progress": opts.progress}
+    with tempfile.TemporaryDirectory(prefix="memtrain-row-") as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        cmd = [sys.executable, "-m", "memtrain.bench.worker", str(spec_path), str(out_path)]
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+        try:
+            code = proc.wait(timeout=opts.timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            return {"status": "timeout", "error": f"row exceeded {opts.timeout_s:.0f} s", "config": cfg.to_dict()}
+        except KeyboardInterrupt:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
+        wall = time.perf_counter() - start
+        if out_path.is_file():
+            result = json.loads(out_path.read_text())
+        else:
+            # Killed (e.g. the kernel's OOM killer sends SIGKILL) before it could write.
+            how = f"signal {-code}" if code < 0 else f"exit code {code}"
+            result = {"status": "killed" if code < 0 else "error", "error": f"row process ended with {how} before writing a result"}
+    result.setdefault("config", cfg.to_dict())
+    result["row_wall_s"] = wall
+    return result
+
+
+def run_bench(opts: BenchOptions, on_row: Optional[Callable[[str, dict[str, Any]], None]] = None) -> list[dict[str, Any]]:
+    """Run every technique of ``opts`` not already done; return all rows of this bench."""
+    from memtrain.report import write_report
+
+    rows = resolve_rows(opts)
+    opts.out.mkdir(parents=True, exist_ok=True)
+    done = {} if opts.force else {
+        (r["technique"], r.get("config_hash")): r for r in read_results(opts.out) if r.get("status") == "ok"
+    }
+    for name, cfg in rows:
+        key = (name, config_hash(cfg.to_dict()))
+        if key in done:
+            if on_row:
+                on_row(name, {**done[key], "skipped": True})
+            continue
+        result = run_row_subprocess(name, cfg, opts)
+        result.update({"technique": name, "description": describe(name), "scale": opts.scale,
+                       "config_hash": key[1]})
+        append_result(opts.out, result)
+        if on_row:
+            on_row(name, result)
+        write_report(opts.out, techniques=[n for n, _ in rows])
+    return select_rows(read_results(opts.out), [n for n, _ in rows])
+
+
+def select_rows(all_rows: list[dict[str, Any]], techniques: Optional[list[str]] = None) -> list[dict[str, Any]]:
+    """The latest row per technique, in the order asked (or first-seen order)."""
+    latest: dict[str, dict[str, Any]] = {}
+    for r in all_rows:
+        latest[r.get("technique", "?")] = r
+    order = techniques or list(latest)
+    return [latest[t] for t in order if t in latest]

@@ -1,0 +1,75 @@
+"""One bench row, run in its own process: ``python -m memtrain.bench.worker SPEC OUT``.
+
+A fresh process per row means a fresh allocator and compile cache, so one technique's memory
+state cannot leak into the next row's numbers, and a row that crashes takes only itself down.
+
+SPEC is a JSON file {"config": {...}, "maxbatch": {...} | null, "progress": bool}. The worker
+writes OUT (JSON) with ``status`` ok | oom | invalid | error and, when ok, the train result
+plus ``max_batch`` and ``estimate``. The exit code is 0 whenever OUT was written.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+from memtrain.cli import write_json_atomic
+from memtrain.config import ConfigError, build_config
+
+
+def _is_oom(exc: BaseException) -> bool:
+    import torch
+
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def run_row(spec: dict[str, Any]) -> dict[str, Any]:
+    """Train, then search the max batch, then estimate; each part's failure is recorded."""
+    from memtrain.train import train
+
+    cfg = build_config(spec["config"])
+    result: dict[str, Any] = train(cfg, progress=spec.get("progress", True))
+    result["status"] = "ok"
+    mb = spec.get("maxbatch")
+    if mb:
+        from memtrain.maxbatch import find_max_batch
+
+        try:
+            found = find_max_batch(cfg, budget_bytes=mb.get("budget_bytes"), max_batch=mb.get("max_batch"),
+                                   multiple_of=mb.get("multiple_of", 1), progress=spec.get("progress", True))
+            result["max_batch"] = found.to_dict()
+        except (ConfigError, RuntimeError) as exc:
+            result["max_batch"] = {"batch_size": None, "error": str(exc).splitlines()[0]}
+    try:
+        from memtrain.estimate import estimate_memory
+
+        result["estimate"] = estimate_memory(cfg)
+    except ImportError:
+        result["estimate"] = None
+    except Exception as exc:  # noqa: BLE001 - an estimator gap must not lose the measured row
+        result["estimate"] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+    return result
+
+
+def main(argv: list[str]) -> int:
+    spec_path, out_path = Path(argv[0]), Path(argv[1])
+    spec = json.loads(spec_path.read_text())
+    try:
+        result = run_row(spec)
+    except ConfigError as exc:
+        result = {"status": "invalid", "error": str(exc)}
+    except BaseException as exc:  # noqa: BLE001 - record every failure, including OOM
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        status = "oom" if _is_oom(exc) else "error"
+        result = {"status": status, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                  "traceback": traceback.format_exc(limit=8)}
+    write_json_atomic(out_path, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

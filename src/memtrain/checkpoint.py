@@ -1,0 +1,102 @@
+"""Checkpoints that resume a run exactly: model, optimizer, scheduler, RNG, data position.
+
+Written atomically (a temporary file in the same directory, then ``os.replace``), so a run
+killed mid-save leaves the previous checkpoint intact. Loaded with ``weights_only=True``:
+a checkpoint holds only tensors, numbers, strings, lists and dicts, never pickled code.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from memtrain.config import ConfigError, RunConfig
+
+FORMAT_VERSION = 1
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module whose state_dict has the plain parameter names (compile/DDP wrap it)."""
+    while True:
+        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        if inner is None or not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def save_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    loader: Any,
+    precision: Any,
+    step: int,
+    losses: list[float],
+    cfg: RunConfig,
+) -> None:
+    """Write everything needed to continue after ``step`` completed optimizer steps."""
+    state = {
+        "format": FORMAT_VERSION,
+        "step": step,
+        "losses": list(losses),
+        "model": _unwrap(model).state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "loader": loader.state_dict(),
+        "rng_cpu": torch.get_rng_state(),
+        "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "scaler": precision.scaler.state_dict() if precision.scaler is not None else None,
+        "skipped_steps": precision.skipped_steps,
+        "config": cfg.to_dict(),
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    loader: Any,
+    precision: Any,
+) -> dict[str, Any]:
+    """Restore all state in place; return ``{"step", "losses"}`` of the saved run."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"checkpoint {str(p)!r} not found; check --resume")
+    try:
+        state = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a truncated or foreign file
+        raise ConfigError(f"cannot read checkpoint {str(p)!r} ({type(exc).__name__}); it is not a memtrain checkpoint") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
+        raise ConfigError(f"checkpoint {str(p)!r} has an unknown format; it was not written by this memtrain version")
+    try:
+        _unwrap(model).load_state_dict(state["model"])
+    except RuntimeError as exc:
+        first = str(exc).splitlines()[0]
+        raise ConfigError(f"checkpoint {str(p)!r} does not fit this model ({first}); use the same model flags as the saved run") from None
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    loader.load_state_dict(state["loader"])
+    torch.set_rng_state(state["rng_cpu"])
+    if state["rng_cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng_cuda"])
+    if state["scaler"] is not None and precision.scaler is not None:
+        precision.scaler.load_state_dict(state["scaler"])
+    precision.skipped_steps = state["skipped_steps"]
+    return {"step": int(state["step"]), "losses": state["losses"]}

@@ -1,0 +1,80 @@
+"""`memtrain bench`: compare techniques side by side (each row in its own process)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from memtrain.cli import add_config_flags, fmt_bytes, register
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    from memtrain.bench.presets import DEFAULT_TECHNIQUES, SCALES, TECHNIQUES
+
+    p.add_argument("--preset", default="quick", help=f"Scale of every row: {' | '.join(SCALES)} "
+                   "(seed: the published table's settings; quick: minutes on 2 CPU cores). Default quick.")
+    p.add_argument("--techniques", default=",".join(DEFAULT_TECHNIQUES),
+                   help=f"Comma-separated rows: presets ({', '.join(TECHNIQUES)}) or explicit "
+                   "combinations key=value+key=value (e.g. precision=bf16+loss=chunked). "
+                   f"Default: {','.join(DEFAULT_TECHNIQUES)}.")
+    p.add_argument("--out", dest="bench_out", default="runs/bench", help="Results folder (default runs/bench).")
+    p.add_argument("--force", action="store_true", help="Rerun rows already in results.jsonl.")
+    p.add_argument("--no-maxbatch", action="store_true", help="Skip the max-batch search of each row.")
+    p.add_argument("--memory-budget", default=None, help="Budget for the max-batch search, e.g. 8GiB "
+                   "(default: the device's memory on CUDA; 1GiB on CPU, through the tracked meter).")
+    p.add_argument("--max-batch", type=int, default=None, help="Upper bound of the max-batch search.")
+    p.add_argument("--multiple-of", type=int, default=1, help="Max batch searched in multiples of this (e.g. 8).")
+    p.add_argument("--row-timeout", type=float, default=None, help="Seconds before a row is stopped and recorded as timeout.")
+    add_config_flags(p, ("data", "model", "train"), exclude=("out", "save", "resume", "save_every"))
+
+
+def run(args: argparse.Namespace) -> int:
+    from memtrain.bench.runner import BenchOptions, run_bench
+    from memtrain.config import ConfigError, SECTIONS, load_config_file
+    from dataclasses import fields
+
+    known = {f.name for s in ("data", "model", "train") for f in fields(SECTIONS[s])}
+    overrides = {k: v for k, v in vars(args).items() if k in known}
+    if args.multiple_of < 1:
+        raise ConfigError(f"--multiple-of must be >= 1, got {args.multiple_of}")
+    opts = BenchOptions(
+        techniques=[t.strip() for t in args.techniques.split(",") if t.strip()],
+        scale=args.preset,
+        out=Path(args.bench_out),
+        overrides=overrides,
+        file_layer=load_config_file(args.config) if args.config else {},
+        force=args.force,
+        maxbatch=not args.no_maxbatch,
+        memory_budget=args.memory_budget,
+        max_batch=args.max_batch,
+        multiple_of=args.multiple_of,
+        timeout_s=args.row_timeout,
+    )
+
+    def on_row(name: str, row: dict) -> None:
+        if row.get("skipped"):
+            print(f"[{name}] already done (use --force to rerun)", file=sys.stderr)
+        elif row.get("status") == "ok":
+            mb = (row.get("max_batch") or {}).get("batch_size")
+            print(f"[{name}] ok: val ppl {row['val_ppl']:.1f}, step {row['step_time_s']['median']:.3f} s, "
+                  f"tracked peak {fmt_bytes(row['memory']['peak_bytes'])}, max batch {mb}", file=sys.stderr)
+        else:
+            print(f"[{name}] {row.get('status')}: {row.get('error')}", file=sys.stderr)
+
+    from memtrain.report import write_report
+
+    try:
+        rows = run_bench(opts, on_row=on_row)
+    except KeyboardInterrupt:
+        summary = write_report(opts.out, techniques=opts.techniques)
+        print(f"error: interrupted; partial report of {summary['rows']} row(s) in {opts.out}/report.md", file=sys.stderr)
+        return 130
+    summary = write_report(opts.out, techniques=opts.techniques)
+    print((opts.out / "report.md").read_text())
+    print(f"wrote {opts.out}/results.jsonl, report.md, report.csv, report.json and {len(summary['plots'])} plots")
+    return 0 if all(r.get("status") == "ok" for r in rows) else 1
+
+
+register("bench", "Compare techniques side by side: max batch, peak memory, step time, tokens/s, MFU, "
+         "val perplexity; tables and plots.", add_args, run)

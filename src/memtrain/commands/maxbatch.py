@@ -1,0 +1,38 @@
+"""`memtrain maxbatch`: the largest batch whose training step fits a device or a budget."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from memtrain.cli import add_config_flags, config_from_args, fmt_bytes, register
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--memory-budget", default=None, help="Budget, e.g. 8GiB (required on CPU; on CUDA default: the device).")
+    p.add_argument("--multiple-of", type=int, default=1, help="Search batches in multiples of this (e.g. 8 for tensor cores).")
+    p.add_argument("--max", dest="max_search", type=int, default=4096, help="Largest batch to try (default 4096).")
+    p.add_argument("--method", choices=("auto", "measure", "trace"), default="auto",
+                   help="measure: run real steps; trace: fake tensors, nothing allocated (default on CPU).")
+    p.add_argument("--json", action="store_true", help="Print JSON only.")
+    add_config_flags(p, ("model", "technique", "train"))
+
+
+def run(args: argparse.Namespace) -> int:
+    from memtrain.config import parse_size
+    from memtrain.maxbatch import find_max_batch
+
+    cfg = config_from_args(args)
+    budget = parse_size(args.memory_budget) if args.memory_budget else None
+    res = find_max_batch(cfg, budget_bytes=budget, max_batch=args.max_search, multiple_of=args.multiple_of,
+                         progress=not args.json, method=args.method)
+    if args.json:
+        print(json.dumps(res.to_dict(), indent=2))
+    else:
+        budget_text = fmt_bytes(res.budget_bytes) if res.budget_bytes else "the device memory"
+        print(f"max batch {res.batch_size} (seq {cfg.train.seq_len}) fits {budget_text}: "
+              f"peak {fmt_bytes(res.peak_bytes)} ({res.method}, {len(res.probes)} probes on {res.device})")
+    return 0
+
+
+register("maxbatch", "Find the largest batch whose training step fits a device or a memory budget.", add_args, run)

@@ -1,0 +1,30 @@
+"""`memtrain report DIR`: rebuild tables and plots from DIR/results.jsonl."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from memtrain.cli import register
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", help="A bench results folder (holding results.jsonl).")
+
+
+def run(args: argparse.Namespace) -> int:
+    from memtrain.config import ConfigError
+    from memtrain.report import write_report
+
+    out = Path(args.dir)
+    if not (out / "results.jsonl").is_file():
+        raise ConfigError(f"{out}/results.jsonl not found; point memtrain report at a folder written by memtrain bench")
+    summary = write_report(out)
+    if summary["rows"] == 0:
+        raise ConfigError(f"{out}/results.jsonl holds no rows; run memtrain bench first")
+    print((out / "report.md").read_text())
+    print(f"wrote {out}/report.md, report.csv, report.json and {len(summary['plots'])} plots")
+    return 0
+
+
+register("report", "Rebuild the bench tables and plots from a results folder.", add_args, run)

@@ -1,0 +1,383 @@
+"""Typed configuration for every memtrain command.
+
+One dataclass per stage (model, data, techniques, training), each validated once in
+``__post_init__`` with a :class:`ConfigError` whose message says what to change.
+Every field carries its documentation in ``metadata["help"]``; the command line is
+generated from these fields (see :mod:`memtrain.cli`), so a field added here becomes a
+``--flag`` automatically (underscores turn into dashes).
+
+Field names are unique across the sections so that a flat ``--key value`` or a flat
+config file key maps to exactly one field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """Bad user input. The message is one line that names the problem and the fix."""
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    """A dataclass field with its documentation attached (shown by ``--help``)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+# --------------------------------------------------------------------------- model
+@dataclass
+class ModelConfig:
+    """Shape of the decoder-only Transformer (GPT-2 style, pre-LayerNorm)."""
+
+    vocab_size: int = _f(50257, "Vocabulary size (GPT-2 BPE has 50257 tokens).")
+    vocab_multiple: int = _f(
+        1,
+        "Pad the embedding table to a multiple of this (64 gives 50304, which speeds up "
+        "matmuls and lets low-bit optimizers quantize the embedding). 1 = no padding.",
+    )
+    d_model: int = _f(256, "Hidden size of the residual stream.")
+    n_heads: int = _f(8, "Attention heads per layer; must divide d_model.")
+    n_layers: int = _f(4, "Number of Transformer blocks.")
+    d_ff: int = _f(1024, "Hidden size of the GELU MLP in each block.")
+    max_seq_len: int = _f(512, "Longest sequence the learned position embedding covers.")
+    dropout: float = _f(0.1, "Dropout probability on embeddings, attention output and MLP output.")
+    untie_embeddings: bool = _f(
+        False, "Give the LM head its own weight instead of sharing the token embedding."
+    )
+    bias: bool = _f(True, "Use biases in Linear layers and LayerNorms (GPT-2 does).")
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "vocab_multiple", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len"):
+            _require(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        _require(
+            self.d_model % self.n_heads == 0,
+            f"--n-heads ({self.n_heads}) must divide --d-model ({self.d_model}); try --n-heads "
+            f"{max(h for h in range(1, self.n_heads + 1) if self.d_model % h == 0)}",
+        )
+        _require(0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding table: vocab_size rounded up to vocab_multiple."""
+        m = self.vocab_multiple
+        return ((self.vocab_size + m - 1) // m) * m
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+# --------------------------------------------------------------------------- data
+@dataclass
+class DataConfig:
+    """Where the text comes from and how it becomes token blocks."""
+
+    data: str = _f(
+        "default",
+        "Text source: 'default' (embedded Python documentation), 'hf:OWNER/NAME' "
+        "(Hugging Face dataset, streamed), a local file or glob (.txt .jsonl .json "
+        ".parquet .csv), or a Stack Exchange Posts.xml dump.",
+    )
+    text_field: Optional[str] = _f(
+        None,
+        "Field holding the text in structured sources (default: 'Body' for Posts.xml and "
+        "mikex86/stackoverflow-posts, else 'text').",
+    )
+    strip_html: bool = _f(False, "Remove HTML tags and unescape entities (Stack Overflow bodies are HTML).")
+    max_documents: Optional[int] = _f(
+        None, "Read at most this many documents (needed to bound a streamed hub dataset)."
+    )
+    hf_split: str = _f("train", "Split of a Hugging Face dataset.")
+    val_fraction: float = _f(0.05, "Share of documents held out for validation (split by document, seeded).")
+    val_blocks: int = _f(32, "Validation blocks evaluated (a fixed subset of the held-out set).")
+    split_seed: int = _f(1234, "Seed of the train/validation document split (independent of --seed).")
+    cache_dir: str = _f(
+        "~/.cache/memtrain",
+        "Directory of the token cache (memmaps keyed by source, tokenizer and options). "
+        "Overridden by the MEMTRAIN_CACHE environment variable.",
+    )
+    no_cache: bool = _f(False, "Tokenize again even if a cache entry exists (the entry is rewritten).")
+    num_workers: int = _f(0, "DataLoader worker processes (dataloader_num_workers).")
+    pin_memory: bool = _f(False, "Pin host batches so host-to-device copies are asynchronous (dataloader_pin_memory).")
+    prefetch_factor: Optional[int] = _f(None, "Batches prefetched per worker (needs --num-workers > 0).")
+
+    def __post_init__(self) -> None:
+        _require(0.0 < self.val_fraction < 1.0, f"--val-fraction must be in (0, 1), got {self.val_fraction}")
+        _require(self.val_blocks > 0, f"--val-blocks must be positive, got {self.val_blocks}")
+        _require(self.num_workers >= 0, f"--num-workers must be >= 0, got {self.num_workers}")
+        _require(
+            self.prefetch_factor is None or self.num_workers > 0,
+            "--prefetch-factor needs --num-workers > 0; set --num-workers 2 or drop --prefetch-factor",
+        )
+        _require(
+            self.max_documents is None or self.max_documents > 0,
+            f"--max-documents must be positive, got {self.max_documents}",
+        )
+
+
+# --------------------------------------------------------------------------- techniques
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "bf16-pure")
+ATTENTIONS = ("math", "sdpa", "flash", "mem-efficient", "flex", "flash-attn")
+LOSSES = ("standard", "chunked")
+OPTIMS = (
+    "adamw", "adamw-fused", "adamw-foreach", "adafactor", "adamw-8bit", "adamw-4bit",
+    "adamw-bnb-8bit", "sgd",
+)
+DISTRIBUTED = ("none", "ddp", "zero1", "zero2", "fsdp", "deepspeed-zero2", "deepspeed-zero3")
+
+
+@dataclass
+class TechniqueConfig:
+    """Memory and speed techniques. All combine; they are applied in one documented order
+    (lora -> attention backend -> activation checkpointing -> compile -> distributed wrap)."""
+
+    precision: str = _f("fp32", "Numeric precision: " + "|".join(PRECISIONS) + ".")
+    attention: str = _f("math", "Attention implementation: " + "|".join(ATTENTIONS) + ".")
+    window: Optional[int] = _f(None, "Sliding-window attention: each token attends to the previous W tokens.")
+    checkpointing: str = _f(
+        "none", "Activation checkpointing: none|full|every:K|sqrt|selective (gradient_checkpointing)."
+    )
+    loss: str = _f("standard", "LM-head loss: standard (full logits) or chunked (logits never all alive).")
+    loss_chunk: int = _f(1024, "Tokens per chunk for --loss chunked.")
+    optim: str = _f("adamw", "Optimizer: " + "|".join(OPTIMS) + ".")
+    lora_rank: int = _f(0, "LoRA rank; 0 disables LoRA (base weights trained).")
+    lora_alpha: float = _f(16.0, "LoRA scaling numerator (scale = alpha / rank).")
+    lora_dropout: float = _f(0.0, "Dropout on the LoRA input.")
+    lora_targets: str = _f("qkv,proj,fc,fc_out", "Comma-separated Linear module names that get adapters.")
+    compile: bool = _f(False, "Compile the model with torch.compile (torch_compile).")
+    compile_mode: str = _f("default", "torch.compile mode: default|reduce-overhead|max-autotune.")
+    compile_scope: str = _f("model", "Compile the whole model or each block: model|block.")
+    distributed: str = _f("none", "Data-parallel strategy under torchrun: " + "|".join(DISTRIBUTED) + ".")
+    cpu_offload: bool = _f(False, "Offload sharded parameters/optimizer to CPU (FSDP2 CPUOffloadPolicy).")
+
+    def __post_init__(self) -> None:
+        _require(self.precision in PRECISIONS, f"unknown --precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        _require(self.attention in ATTENTIONS, f"unknown --attention {self.attention!r}; choose one of {', '.join(ATTENTIONS)}")
+        _require(self.loss in LOSSES, f"unknown --loss {self.loss!r}; choose one of {', '.join(LOSSES)}")
+        _require(self.optim in OPTIMS, f"unknown --optim {self.optim!r}; choose one of {', '.join(OPTIMS)}")
+        _require(self.distributed in DISTRIBUTED, f"unknown --distributed {self.distributed!r}; choose one of {', '.join(DISTRIBUTED)}")
+        _require(self.window is None or self.window > 0, f"--window must be positive, got {self.window}")
+        _require(self.loss_chunk > 0, f"--loss-chunk must be positive, got {self.loss_chunk}")
+        _require(self.lora_rank >= 0, f"--lora-rank must be >= 0, got {self.lora_rank}")
+        _require(self.compile_mode in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+                 f"unknown --compile-mode {self.compile_mode!r}; choose default, reduce-overhead or max-autotune")
+        _require(self.compile_scope in ("model", "block"), f"unknown --compile-scope {self.compile_scope!r}; choose model or block")
+        parse_checkpointing(self.checkpointing)
+
+
+def parse_checkpointing(policy: str) -> tuple[str, int]:
+    """Split a checkpointing policy into (kind, every). ``every:K`` -> ("every", K)."""
+    if policy in ("none", "full", "sqrt", "selective"):
+        return policy, 1
+    if policy.startswith("every:"):
+        try:
+            k = int(policy.split(":", 1)[1])
+        except ValueError:
+            k = 0
+        _require(k > 0, f"--checkpointing {policy!r}: K in every:K must be a positive integer, e.g. every:2")
+        return "every", k
+    raise ConfigError(f"unknown --checkpointing {policy!r}; choose none, full, every:K, sqrt or selective")
+
+
+# --------------------------------------------------------------------------- training
+@dataclass
+class TrainConfig:
+    """Optimisation loop, evaluation, checkpoints and output."""
+
+    batch_size: int = _f(8, "Micro-batch size (sequences per forward/backward).")
+    seq_len: int = _f(256, "Tokens per training sequence (<= --max-seq-len).")
+    steps: int = _f(200, "Optimizer steps (one epoch is 200 steps by default).")
+    grad_accum: int = _f(1, "Micro-batches per optimizer step (gradient_accumulation_steps).")
+    lr: float = _f(3e-4, "Peak learning rate.")
+    warmup_steps: int = _f(200, "Linear warm-up steps from 0 to --lr.")
+    schedule: str = _f("cosine", "Learning-rate shape after warm-up: cosine|constant.")
+    min_lr_ratio: float = _f(0.1, "Cosine floor as a fraction of --lr.")
+    weight_decay: float = _f(0.1, "Decoupled weight decay on matrices (not on biases, norms).")
+    beta1: float = _f(0.9, "Adam beta1.")
+    beta2: float = _f(0.95, "Adam beta2.")
+    grad_clip: float = _f(1.0, "Clip the global gradient norm to this (0 disables).")
+    seed: int = _f(1337, "Seed for weights, dropout and batch order.")
+    device: str = _f("auto", "Device: auto|cpu|cuda|cuda:N.")
+    eval_every: int = _f(0, "Also evaluate every N steps (0: only at the end).")
+    warmup_timing_steps: int = _f(3, "First steps left out of step-time statistics.")
+    out: str = _f("runs/train", "Output directory (result.json is written there).")
+    save: Optional[str] = _f(None, "Write a checkpoint to this file at the end (atomically).")
+    save_every: int = _f(0, "Also checkpoint every N steps to --save (0: only at the end).")
+    resume: Optional[str] = _f(None, "Resume model, optimizer, scheduler, RNG and data position from this checkpoint.")
+    progress: bool = _f(True, "Show a progress bar.")
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "seq_len", "steps", "grad_accum"):
+            _require(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        _require(self.lr > 0, f"--lr must be positive, got {self.lr}")
+        _require(self.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        _require(self.schedule in ("cosine", "constant"), f"unknown --schedule {self.schedule!r}; choose cosine or constant")
+        _require(self.grad_clip >= 0, f"--grad-clip must be >= 0, got {self.grad_clip}")
+        _require(0.0 <= self.min_lr_ratio <= 1.0, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "technique": TechniqueConfig,
+    "train": TrainConfig,
+}
+
+
+@dataclass
+class RunConfig:
+    """Everything one training run needs, resolved and validated."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    technique: TechniqueConfig = field(default_factory=TechniqueConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        _require(
+            self.train.seq_len <= self.model.max_seq_len,
+            f"--seq-len {self.train.seq_len} exceeds --max-seq-len {self.model.max_seq_len}; "
+            f"lower --seq-len or raise --max-seq-len",
+        )
+        if self.technique.window is not None:
+            _require(
+                self.technique.window <= self.train.seq_len,
+                f"--window {self.technique.window} is larger than --seq-len {self.train.seq_len}; "
+                f"use a window <= seq-len (or drop --window for full causal attention)",
+            )
+        if self.technique.lora_rank:
+            _require(self.technique.lora_rank <= self.model.d_model,
+                     f"--lora-rank {self.technique.lora_rank} exceeds --d-model {self.model.d_model}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **overrides: Any) -> "RunConfig":
+        """A copy with flat overrides applied (``batch_size=4, precision='bf16'``)."""
+        return build_config(self.to_dict(), overrides)
+
+
+def field_index() -> dict[str, str]:
+    """Map every field name to its section name (names are unique across sections)."""
+    index: dict[str, str] = {}
+    for section, cls in SECTIONS.items():
+        for f in fields(cls):
+            assert f.name not in index, f"duplicate config field {f.name}"
+            index[f.name] = section
+    return index
+
+
+def _coerce(cls: type, name: str, value: Any) -> Any:
+    """Coerce a value from a file or string into the field's declared type."""
+    f = {f.name: f for f in fields(cls)}[name]
+    t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    if value is None:
+        return None
+    optional = t.startswith("Optional[")
+    base = t[len("Optional["):-1] if optional else t
+    if isinstance(value, str) and optional and value.lower() in ("none", "null", ""):
+        return None
+    try:
+        if base == "bool":
+            if isinstance(value, str):
+                if value.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if value.lower() in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(value)
+            return bool(value)
+        if base == "int":
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            return int(value)
+        if base == "float":
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"--{name.replace('_', '-')} expects {base}, got {value!r}") from None
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML or TOML config file into a dict (sections or flat keys)."""
+    p = Path(path)
+    _require(p.is_file(), f"config file {str(p)!r} not found; check the --config path")
+    try:
+        if p.suffix.lower() == ".toml":
+            return tomllib.loads(p.read_text())
+        if p.suffix.lower() in (".yaml", ".yml", ".json"):
+            data = yaml.safe_load(p.read_text()) if p.suffix.lower() != ".json" else json.loads(p.read_text())
+            return data or {}
+    except (tomllib.TOMLDecodeError, yaml.YAMLError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot parse config file {str(p)!r}: {str(exc).splitlines()[0]}") from None
+    raise ConfigError(f"config file {str(p)!r} must end in .yaml, .yml, .toml or .json")
+
+
+def flatten(nested: dict[str, Any]) -> dict[str, Any]:
+    """Accept both ``{"model": {"d_model": 64}}`` and ``{"d_model": 64}``; return flat keys."""
+    flat: dict[str, Any] = {}
+    for key, value in (nested or {}).items():
+        key = key.replace("-", "_")
+        if key in SECTIONS and isinstance(value, dict):
+            for k, v in value.items():
+                flat[k.replace("-", "_")] = v
+        else:
+            flat[key] = value
+    return flat
+
+
+def build_config(*layers: dict[str, Any]) -> RunConfig:
+    """Merge layers of settings (later wins) into a validated RunConfig.
+
+    Each layer is nested by section or flat. Unknown keys are rejected with a hint.
+    """
+    index = field_index()
+    per_section: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    for layer in layers:
+        for key, value in flatten(layer).items():
+            if key not in index:
+                import difflib
+
+                close = difflib.get_close_matches(key, index.keys(), n=1)
+                hint = f"; did you mean --{close[0].replace('_', '-')}?" if close else "; see --help for the options"
+                raise ConfigError(f"unknown option --{key.replace('_', '-')}{hint}")
+            section = index[key]
+            per_section[section][key] = _coerce(SECTIONS[section], key, value)
+    parts = {s: SECTIONS[s](**kv) for s, kv in per_section.items()}
+    return RunConfig(**parts)
+
+
+def parse_size(text: str | int | float) -> int:
+    """Parse a memory size such as ``8GiB``, ``1.5GB``, ``512MiB`` or a byte count."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    s = text.strip().replace(" ", "")
+    units = {
+        "": 1, "b": 1,
+        "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+        "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+        "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    }
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    unit = s[len(num):].lower()
+    try:
+        value = float(num)
+    except ValueError:
+        value = math.nan
+    if unit not in units or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"cannot read memory size {text!r}; write it like 8GiB, 1.5GB or 512MiB")
+    return int(value * units[unit])

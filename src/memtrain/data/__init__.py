@@ -1,0 +1,40 @@
+"""Data pipeline: text source -> GPT-2 tokens -> cached train/validation split -> batches.
+
+    splits = prepare_tokens(cfg.data)                       # cached on disk, memory-mapped
+    loader = make_train_loader(splits.train, seq_len, batch_size, seed)
+    x, y = loader.next_batch()                              # resumable: loader.state_dict()
+    val = make_val_batches(splits.val, seq_len, cfg.data.val_blocks, batch_size)
+"""
+
+from memtrain.data.cache import FORMAT_VERSION, TokenSplits, cache_key, cache_root, prepare_tokens
+from memtrain.data.loader import (
+    BlockDataset,
+    ResumableBatchSampler,
+    TrainLoader,
+    make_train_loader,
+    make_val_batches,
+)
+from memtrain.data.sources import default_documents, html_to_text, iter_documents, source_identity
+from memtrain.data.tokenizer import EOT_ID, N_VOCAB, TOKENIZER_NAME, encode_batch, get_tokenizer
+
+__all__ = [
+    "BlockDataset",
+    "EOT_ID",
+    "FORMAT_VERSION",
+    "N_VOCAB",
+    "ResumableBatchSampler",
+    "TOKENIZER_NAME",
+    "TokenSplits",
+    "TrainLoader",
+    "cache_key",
+    "cache_root",
+    "default_documents",
+    "encode_batch",
+    "get_tokenizer",
+    "html_to_text",
+    "iter_documents",
+    "make_train_loader",
+    "make_val_batches",
+    "prepare_tokens",
+    "source_identity",
+]

@@ -1,0 +1,214 @@
+"""Tokenize a source once, split it into train/validation, and keep the tokens on disk.
+
+A cache entry is a directory named by a SHA-256 key of everything that determines its
+content (source identity, text options, tokenizer, split settings, FORMAT_VERSION). It
+holds ``train.bin`` and ``val.bin`` (uint16 token ids, each document followed by
+``<|endoftext|>``) and ``meta.json``. Entries are written into a temporary directory and
+renamed into place in one step, so an interrupted run never leaves a half-written entry;
+the arrays are memory-mapped on load, so a corpus larger than RAM still trains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from memtrain.config import DataConfig
+from memtrain.data.sources import iter_documents, source_identity
+from memtrain.data.tokenizer import EOT_ID, N_VOCAB, TOKENIZER_NAME, default_threads, get_tokenizer
+
+# Bump when the on-disk layout or the way documents are rendered changes.
+FORMAT_VERSION = 1
+TOKEN_DTYPE = np.uint16  # GPT-2's 50257 ids fit; half the disk and page cache of int32
+BATCH_DOCS = 512  # documents per encode_ordinary_batch call: enough to keep the threads busy
+SPLITS = ("train", "val")
+
+assert N_VOCAB <= np.iinfo(TOKEN_DTYPE).max + 1
+
+
+@dataclass
+class TokenSplits:
+    """Token ids of the train and validation documents (memory-mapped uint16 arrays)."""
+
+    train: np.ndarray
+    val: np.ndarray
+    n_train_docs: int
+    n_val_docs: int
+    from_cache: bool
+    tokens_per_s: float | None  # BPE encoding speed of this run; None when read from the cache
+    cache_path: str
+
+
+def prepare_tokens(cfg: DataConfig, progress: bool = True) -> TokenSplits:
+    """Tokens of ``cfg.data``, split by document; read from the cache when an entry exists.
+
+    ``cfg.no_cache`` tokenizes again and replaces the entry. ``progress`` shows a tqdm bar
+    (documents, tokens/s) on stderr while tokenizing.
+    """
+    root = cache_root(cfg)
+    final = root / cache_key(cfg)
+    if not cfg.no_cache:
+        cached = _load_entry(final, from_cache=True)
+        if cached is not None:
+            return cached
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
+    try:
+        meta = _write_tokens(cfg, tmp, progress)
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))  # written last: marks a complete entry
+        _publish(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone after a successful rename; cleans up after a failure
+    splits = _load_entry(final, from_cache=False)
+    assert splits is not None, f"cache entry {final} vanished right after it was written"
+    return splits
+
+
+def cache_root(cfg: DataConfig) -> Path:
+    """The cache directory: ``$MEMTRAIN_CACHE`` if set, else ``cfg.cache_dir``."""
+    return Path(os.environ.get("MEMTRAIN_CACHE") or cfg.cache_dir).expanduser()
+
+
+def cache_key(cfg: DataConfig) -> str:
+    """SHA-256 of everything that decides the cached tokens (no file content is read)."""
+    payload = {
+        "format_version": FORMAT_VERSION,
+        "source": source_identity(cfg),
+        "text_field": cfg.text_field,
+        "strip_html": cfg.strip_html,
+        "max_documents": cfg.max_documents,
+        "hf_split": cfg.hf_split,
+        "tokenizer": {"name": TOKENIZER_NAME, "n_vocab": N_VOCAB},
+        "val_fraction": cfg.val_fraction,
+        "split_seed": cfg.split_seed,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def assign_validation(rng: np.random.Generator, n_docs: int, val_fraction: float) -> np.ndarray:
+    """Which of the next ``n_docs`` documents go to validation: one uniform draw each, in order.
+
+    ``rng.random(n)`` yields the same numbers as ``n`` calls of ``rng.random()``, so the split
+    depends only on the seed and the document order, never on how documents are batched;
+    a streamed source therefore splits identically on every run.
+    """
+    return rng.random(n_docs) < val_fraction
+
+
+# --------------------------------------------------------------------------- writing
+def _write_tokens(cfg: DataConfig, out: Path, progress: bool) -> dict[str, Any]:
+    """Tokenize the source into ``out/train.bin`` and ``out/val.bin``; return the metadata."""
+    rng = np.random.default_rng(cfg.split_seed)
+    enc = get_tokenizer()  # built before the clock starts: tokens/s measures encoding only
+    threads = default_threads()
+    docs = {s: 0 for s in SPLITS}
+    tokens = {s: 0 for s in SPLITS}
+    encode_s = 0.0
+    start = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        files: dict[str, BinaryIO] = {s: stack.enter_context(open(out / f"{s}.bin", "wb")) for s in SPLITS}
+        bar = stack.enter_context(
+            tqdm(total=cfg.max_documents, unit="doc", desc="tokenizing", disable=not progress, dynamic_ncols=True)
+        )
+        for batch in _batched(iter_documents(cfg), BATCH_DOCS):
+            is_val = assign_validation(rng, len(batch), cfg.val_fraction)
+            t0 = time.perf_counter()
+            encoded = enc.encode_ordinary_batch(batch, num_threads=threads)
+            encode_s += time.perf_counter() - t0
+            for split, chosen in (("train", ~is_val), ("val", is_val)):
+                ids = _concat_with_eot([e for e, c in zip(encoded, chosen) if c])
+                files[split].write(ids.tobytes())
+                docs[split] += int(chosen.sum())
+                tokens[split] += len(ids)
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{sum(tokens.values()) / max(encode_s, 1e-9):,.0f}", refresh=False)
+    return {
+        "format_version": FORMAT_VERSION,
+        "source": source_identity(cfg),
+        "data": cfg.data,
+        "tokenizer": {"name": TOKENIZER_NAME, "n_vocab": N_VOCAB, "eot_id": EOT_ID},
+        "dtype": np.dtype(TOKEN_DTYPE).name,
+        "n_train_docs": docs["train"],
+        "n_val_docs": docs["val"],
+        "n_train_tokens": tokens["train"],
+        "n_val_tokens": tokens["val"],
+        "tokens_per_s": sum(tokens.values()) / max(encode_s, 1e-9),
+        "encode_s": encode_s,
+        "elapsed_s": time.perf_counter() - start,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def _concat_with_eot(encoded: list[list[int]]) -> np.ndarray:
+    """One uint16 array: each document's ids followed by the end-of-text id."""
+    flat: list[int] = []
+    for ids in encoded:
+        flat.extend(ids)
+        flat.append(EOT_ID)
+    return np.array(flat, dtype=TOKEN_DTYPE)
+
+
+def _batched(items: Iterable[str], n: int) -> Iterator[list[str]]:
+    it = iter(items)
+    while batch := list(itertools.islice(it, n)):
+        yield batch
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Move a complete entry into place atomically (rename), replacing an older one if any.
+
+    If another process published the same key meanwhile, its entry is kept: both hold the
+    same tokens, since the key determines the content.
+    """
+    if final.exists():
+        old = final.with_name(f".old-{final.name}-{os.getpid()}")
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(final, old)
+            shutil.rmtree(old, ignore_errors=True)
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not (final / "meta.json").exists():
+            raise
+
+
+# --------------------------------------------------------------------------- reading
+def _load_entry(entry: Path, from_cache: bool) -> TokenSplits | None:
+    """Open a cache entry, or None when it is missing or inconsistent (it is then rebuilt)."""
+    try:
+        meta = json.loads((entry / "meta.json").read_text())
+        sizes = {s: int(meta[f"n_{s}_tokens"]) for s in SPLITS}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if meta.get("format_version") != FORMAT_VERSION:
+        return None
+    arrays = {}
+    for split in SPLITS:
+        path = entry / f"{split}.bin"
+        n = sizes[split]
+        if not path.is_file() or path.stat().st_size != n * np.dtype(TOKEN_DTYPE).itemsize:
+            return None
+        # np.memmap cannot map an empty file; an empty split is an empty array.
+        arrays[split] = np.memmap(path, dtype=TOKEN_DTYPE, mode="r") if n else np.zeros(0, TOKEN_DTYPE)
+    return TokenSplits(
+        train=arrays["train"],
+        val=arrays["val"],
+        n_train_docs=meta["n_train_docs"],
+        n_val_docs=meta["n_val_docs"],
+        from_cache=from_cache,
+        tokens_per_s=None if from_cache else meta["tokens_per_s"],
+        cache_path=str(entry),
+    )

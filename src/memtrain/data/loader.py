@@ -1,0 +1,269 @@
+"""Token blocks, the resumable training loader and the fixed validation batches.
+
+The token stream is cut into non-overlapping blocks of ``seq_len + 1`` tokens; block ``i``
+gives the input ``x`` (its first ``seq_len`` tokens) and the target ``y`` (the same tokens
+shifted by one). Training visits the blocks in a seeded permutation per epoch, so the batch
+order is a pure function of (seed, epoch, batch index): that is what makes an exact resume
+possible with nothing more than two integers in the checkpoint.
+
+Usage::
+
+    loader = make_train_loader(splits.train, seq_len=256, batch_size=8, seed=1337)
+    x, y = loader.next_batch()          # or: for x, y in loader: ... (infinite)
+    state = loader.state_dict()         # {"epoch": 0, "batch_index": 1}
+    loader.load_state_dict(state)       # continues with exactly the next batch
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from memtrain.config import ConfigError
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class BlockDataset(Dataset):
+    """Non-overlapping blocks of ``seq_len + 1`` tokens; item ``i`` is ``(x, y)``, int64, length ``seq_len``.
+
+    The tail shorter than one block is dropped. ``tokens`` is usually a read-only np.memmap:
+    a block is copied out of it only when requested.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
+        if seq_len <= 0:
+            raise ConfigError(f"--seq-len must be positive, got {seq_len}")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.block_len = seq_len + 1
+        self.n_blocks = len(tokens) // self.block_len
+
+    def __len__(self) -> int:
+        return self.n_blocks
+
+    def __getitem__(self, index: int) -> Batch:
+        if index < 0:
+            index += self.n_blocks
+        if not 0 <= index < self.n_blocks:
+            raise IndexError(f"block {index} out of range for {self.n_blocks} blocks")
+        start = index * self.block_len
+        block = torch.from_numpy(np.asarray(self.tokens[start : start + self.block_len], dtype=np.int64))
+        return block[:-1], block[1:]
+
+    def blocks(self, count: int) -> torch.Tensor:
+        """The first ``count`` blocks as one (count, seq_len + 1) int64 tensor."""
+        flat = np.asarray(self.tokens[: count * self.block_len], dtype=np.int64)
+        return torch.from_numpy(flat.reshape(count, self.block_len))
+
+    # A memmap would be pickled as a full copy of its data when worker processes are
+    # spawned (rather than forked); a whole-file map travels as its file name instead.
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        tokens = self.tokens
+        if isinstance(tokens, np.memmap) and _is_whole_file_map(tokens):
+            state["tokens"] = ("memmap", str(tokens.filename), tokens.dtype.str, int(tokens.offset), len(tokens))
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        tokens = state["tokens"]
+        if isinstance(tokens, tuple) and tokens[0] == "memmap":
+            _, filename, dtype, offset, length = tokens
+            state["tokens"] = np.memmap(filename, dtype=np.dtype(dtype), mode="r", offset=offset, shape=(length,))
+        self.__dict__.update(state)
+
+
+def _is_whole_file_map(arr: np.memmap) -> bool:
+    """True for a map made directly on a file, from ``offset`` to its end (not a slice of one)."""
+    if arr.filename is None or arr.ndim != 1 or isinstance(arr.base, np.ndarray):  # a slice's base is its parent
+        return False
+    try:
+        return int(arr.offset) + arr.nbytes == os.path.getsize(arr.filename)
+    except OSError:
+        return False
+
+
+class ResumableBatchSampler(Sampler[list[int]]):
+    """Infinite batches of block indices, reproducible from (seed, epoch, batch index).
+
+    Epoch ``e`` visits the blocks in the permutation drawn with seed ``seed + e``; it is cut
+    into global batches of ``batch_size * world_size`` (an incomplete last one is dropped)
+    and rank ``r`` takes slice ``r`` of each, so ranks never share a block. Iteration starts
+    at (``epoch``, ``batch_index``).
+    """
+
+    def __init__(
+        self,
+        n_blocks: int,
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        epoch: int = 0,
+        batch_index: int = 0,
+    ) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ConfigError(f"rank {rank} is not in [0, world_size={world_size})")
+        self.n_blocks = n_blocks
+        self.batch_size = batch_size
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.epoch = epoch
+        self.batch_index = batch_index
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.n_blocks // (self.batch_size * self.world_size)
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The block permutation of one epoch (identical on every rank)."""
+        return np.random.default_rng(self.seed + epoch).permutation(self.n_blocks)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        epoch, start = self.epoch, self.batch_index
+        global_batch = self.batch_size * self.world_size
+        while True:
+            order = self.epoch_order(epoch)
+            for b in range(start, self.batches_per_epoch):
+                first = b * global_batch + self.rank * self.batch_size
+                yield order[first : first + self.batch_size].tolist()
+            epoch, start = epoch + 1, 0
+
+
+class TrainLoader:
+    """Infinite training batches with an exact, cheap resume.
+
+    ``next_batch()`` returns the next ``(x, y)``; iterating the loader does the same forever.
+    :meth:`state_dict` counts the batches already returned to the caller, not those that
+    DataLoader workers have prefetched, so restoring it with :meth:`load_state_dict` (here
+    or in a new loader over the same tokens) continues with exactly the batch an
+    uninterrupted loader would return next.
+    """
+
+    def __init__(
+        self,
+        dataset: BlockDataset,
+        batch_size: int,
+        seed: int,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        prefetch_factor: int | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.seed = seed
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.prefetch_factor = prefetch_factor
+        self.rank = rank
+        self.world_size = world_size
+        self.epoch = 0
+        self.batch_index = 0
+        self._iterator: Iterator[Any] | None = None
+        self.batches_per_epoch = self._sampler().batches_per_epoch
+
+    def _sampler(self) -> ResumableBatchSampler:
+        return ResumableBatchSampler(
+            len(self.dataset), self.batch_size, self.seed, self.rank, self.world_size,
+            epoch=self.epoch, batch_index=self.batch_index,
+        )
+
+    def _start(self) -> Iterator[Any]:
+        """A DataLoader iterator beginning at the current position."""
+        extra = {"prefetch_factor": self.prefetch_factor} if self.num_workers > 0 and self.prefetch_factor else {}
+        loader = DataLoader(
+            self.dataset,
+            batch_sampler=self._sampler(),
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            **extra,
+        )
+        return iter(loader)
+
+    def next_batch(self) -> Batch:
+        """The next ``(x, y)`` batch, each of shape (batch_size, seq_len), int64."""
+        if self._iterator is None:
+            self._iterator = self._start()
+        x, y = next(self._iterator)
+        self.batch_index += 1
+        if self.batch_index == self.batches_per_epoch:
+            self.epoch, self.batch_index = self.epoch + 1, 0
+        return x, y
+
+    def __iter__(self) -> Iterator[Batch]:
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, int]:
+        """Position after the batches returned so far: ``{"epoch", "batch_index"}``."""
+        return {"epoch": self.epoch, "batch_index": self.batch_index}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from a position saved by :meth:`state_dict`; prefetched batches are discarded."""
+        epoch, index = int(state["epoch"]), int(state["batch_index"])
+        if epoch < 0 or not 0 <= index < self.batches_per_epoch:
+            raise ConfigError(
+                f"loader state {state} does not fit this data ({self.batches_per_epoch} batches per epoch); "
+                f"resume with the same data, --batch-size and --seq-len"
+            )
+        self.close()
+        self.epoch, self.batch_index = epoch, index
+
+    def close(self) -> None:
+        """Stop worker processes (they are restarted on the next batch)."""
+        self._iterator = None
+
+
+def make_train_loader(
+    tokens: np.ndarray,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    prefetch_factor: int | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+) -> TrainLoader:
+    """A :class:`TrainLoader` over ``tokens``; ConfigError if they do not fill one global batch."""
+    if batch_size <= 0:
+        raise ConfigError(f"--batch-size must be positive, got {batch_size}")
+    dataset = BlockDataset(tokens, seq_len)
+    needed = batch_size * world_size
+    if len(dataset) < needed:
+        shape = f"{batch_size} x {world_size} ranks" if world_size > 1 else f"{batch_size}"
+        raise ConfigError(
+            f"training corpus has {len(tokens):,} tokens, fewer than one batch needs "
+            f"({shape} x {seq_len + 1} = {needed * (seq_len + 1):,}); "
+            f"use more data or lower --batch-size / --seq-len"
+        )
+    return TrainLoader(dataset, batch_size, seed, num_workers, pin_memory, prefetch_factor, rank, world_size)
+
+
+def make_val_batches(tokens: np.ndarray, seq_len: int, n_blocks: int, batch_size: int) -> list[Batch]:
+    """The first ``min(n_blocks, available)`` validation blocks, in order, as (x, y) batches.
+
+    A fixed subset, so every evaluation (and every technique in a benchmark) measures loss
+    on the same tokens. The last batch may be smaller than ``batch_size``.
+    """
+    if n_blocks <= 0 or batch_size <= 0:
+        raise ConfigError(f"--val-blocks and --batch-size must be positive, got {n_blocks} and {batch_size}")
+    dataset = BlockDataset(tokens, seq_len)
+    if len(dataset) == 0:
+        raise ConfigError(
+            f"validation split has {len(tokens):,} tokens, fewer than one block needs ({seq_len + 1:,}); "
+            f"raise --val-fraction, use more data or lower --seq-len"
+        )
+    blocks = dataset.blocks(min(n_blocks, len(dataset)))
+    return [
+        (chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous())
+        for chunk in torch.split(blocks, batch_size)
+    ]

@@ -1,0 +1,470 @@
+"""Text sources: everything that turns ``--data`` into a stream of documents (``str``).
+
+``--data`` selects one of four kinds of source:
+
+* ``default``: English technical prose from the running Python's own documentation
+  (``pydoc`` topics and the standard library's docstrings); needs no download.
+* ``hf:NAME``: a Hugging Face dataset, streamed. ``hf:`` followed by a local directory,
+  or ``hf:json:GLOB`` / ``hf:parquet:GLOB`` / ``hf:csv:GLOB``, reads local data through the
+  same code, which is how this path works (and is tested) without the Hub.
+* local files or a glob: ``.txt``, ``.jsonl``/``.json``, ``.parquet``, ``.csv``; structured
+  files go through ``datasets`` so they share the Hugging Face path.
+* any ``.xml`` file: a Stack Exchange dump such as ``Posts.xml``, read incrementally.
+
+:func:`iter_documents` is the one entry point; :func:`source_identity` describes the
+source for the token cache key. Every bad input raises :class:`ConfigError` with a one-line
+message naming the problem and the fix.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import glob
+import itertools
+import platform
+import re
+import sys
+import sysconfig
+import xml.etree.ElementTree as ET
+from collections.abc import Iterable, Iterator
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+from memtrain.config import ConfigError, DataConfig
+
+DEFAULT_SOURCE = "default"
+STACKOVERFLOW_HF = "mikex86/stackoverflow-posts"
+# Bump when the rendering of the default corpus changes, so cached tokens are rebuilt.
+DEFAULT_CORPUS_VERSION = 1
+
+# File suffix -> ``datasets`` packaged builder.
+STRUCTURED_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+HF_BUILDERS = ("json", "parquet", "csv")
+TEXT_SUFFIXES = (".txt",)
+XML_SUFFIXES = (".xml",)
+SUPPORTED_SUFFIXES = TEXT_SUFFIXES + tuple(STRUCTURED_BUILDERS) + XML_SUFFIXES
+
+# A .txt file is cut into documents at the first blank line after this many characters
+# (and at any line break after four times as many, for text without blank lines). A file
+# smaller than that stays one document; a single large file, such as a book, becomes many
+# documents, which the document-level train/validation split needs: one document could
+# only land wholly in one split. Each piece gets its own end-of-text token; at this size
+# (about 2,000 tokens) those artificial boundaries are rare inside training blocks.
+TXT_DOC_CHARS = 8192
+
+# Directories of the standard library that hold tests, the IDLE application or installed
+# third-party packages rather than documented library code.
+_SKIP_STDLIB_DIRS = frozenset({"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__"})
+
+
+# --------------------------------------------------------------------------- entry points
+def iter_documents(cfg: DataConfig) -> Iterator[str]:
+    """Yield the documents of ``cfg.data`` in a fixed order.
+
+    HTML is stripped when ``cfg.strip_html`` is set, empty documents are skipped and at most
+    ``cfg.max_documents`` are yielded. A source with no documents raises ConfigError.
+    """
+    docs: Iterable[str] = _raw_documents(cfg)
+    if cfg.strip_html:
+        docs = map(html_to_text, docs)
+    docs = (d for d in docs if d and not d.isspace())
+    if cfg.max_documents is not None:
+        docs = itertools.islice(docs, cfg.max_documents)
+    count = 0
+    for doc in docs:
+        count += 1
+        yield doc
+    if count == 0:
+        raise ConfigError(
+            f"{cfg.data!r} holds no documents (every text is empty or missing); "
+            f"check --data and --text-field"
+        )
+
+
+def source_identity(cfg: DataConfig) -> dict[str, Any]:
+    """What identifies the source's content, cheaply (no reading): the cache key uses it.
+
+    Local files contribute resolved path, size and modification time, so editing a file
+    invalidates its cached tokens; the default corpus depends only on the Python version;
+    a Hub dataset is named by its name and split (it cannot be checked without the network).
+    """
+    if cfg.data == DEFAULT_SOURCE:
+        return {
+            "kind": "default",
+            "python": platform.python_version(),
+            "implementation": sys.implementation.name,
+            "corpus_version": DEFAULT_CORPUS_VERSION,
+        }
+    if cfg.data.startswith("hf:"):
+        kind, target = _parse_hf(cfg.data)
+        if kind == "hub":
+            return {"kind": "hf", "name": target, "split": cfg.hf_split}
+        if kind == "dir":
+            files = sorted(p for p in Path(target).rglob("*") if p.is_file() and not _hidden(p, Path(target)))
+            return {"kind": "hf-dir", "path": str(Path(target).resolve()), "split": cfg.hf_split,
+                    "files": [_file_stat(p) for p in files]}
+        return {"kind": f"hf-{kind}", "files": [_file_stat(p) for p in _match_files(target, cfg.data)]}
+    return {"kind": "files", "files": [_file_stat(p) for p in resolve_local_files(cfg.data)]}
+
+
+def default_text_field(cfg: DataConfig, kind: str) -> str:
+    """The field holding the text: ``--text-field``, else 'Body' for Stack Overflow data, else 'text'."""
+    if cfg.text_field:
+        return cfg.text_field
+    return "Body" if kind in ("xml", STACKOVERFLOW_HF) else "text"
+
+
+def _raw_documents(cfg: DataConfig) -> Iterator[str]:
+    """Dispatch on ``cfg.data``; documents may still be empty or hold HTML."""
+    if cfg.data == DEFAULT_SOURCE:
+        return iter(default_documents())
+    if cfg.data.startswith("hf:"):
+        return _hf_documents(cfg)
+    return _local_documents(resolve_local_files(cfg.data), cfg)
+
+
+# --------------------------------------------------------------------------- default corpus
+@functools.lru_cache(maxsize=1)
+def default_documents() -> tuple[str, ...]:
+    """The default corpus, built once per process (parsing the stdlib takes a few seconds)."""
+    return tuple(collect_default_documents())
+
+
+def collect_default_documents() -> Iterator[str]:
+    """Python's own documentation: every ``pydoc`` topic, then one document per stdlib module.
+
+    A module's docstrings (module, classes, functions, in source order, each under its
+    qualified name) form one document rather than one document per docstring: most
+    docstrings are a line or two, so separate documents would make end-of-text tokens a
+    large share of the corpus and cut training blocks into unrelated fragments, while a
+    module reads as one coherent page, like a chapter of the library reference.
+    Sources are parsed with :mod:`ast` and never imported (importing runs code).
+    """
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:  # some distributions split pydoc_data into a separate package
+        topics = {}
+    for key in sorted(topics):
+        yield topics[key]
+    for path in _stdlib_sources():
+        doc = _module_document(path)
+        if doc:
+            yield doc
+
+
+def _stdlib_sources() -> list[Path]:
+    """The standard library's .py files, sorted, without tests, IDLE and site-packages."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(
+        p for p in root.rglob("*.py") if not _SKIP_STDLIB_DIRS.intersection(p.relative_to(root).parts[:-1])
+    )
+
+
+def _module_document(path: Path) -> str | None:
+    """All docstrings of one module as a single text, or None if it has none or cannot parse."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    module = ".".join(path.relative_to(root).with_suffix("").parts)
+    module = module.removesuffix(".__init__")
+    try:
+        tree = ast.parse(path.read_bytes(), filename=str(path))  # bytes: honours coding cookies
+    except (SyntaxError, ValueError):
+        return None  # e.g. deliberately broken files; skipping them is still deterministic
+    parts = [f"{name}\n\n{doc}" for name, doc in _docstrings(tree, module)]
+    return "\n\n\n".join(parts) or None
+
+
+def _docstrings(node: ast.AST, qualname: str) -> Iterator[tuple[str, str]]:
+    """(qualified name, docstring) of ``node`` and every def/class inside it, in source order.
+
+    Recurses through all statements, so definitions under ``if``/``try`` are found too.
+    """
+    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+        doc = ast.get_docstring(node)
+        if doc:
+            yield qualname, doc
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield from _docstrings(child, f"{qualname}.{child.name}")
+        elif isinstance(child, (ast.stmt, ast.excepthandler, ast.match_case)):
+            yield from _docstrings(child, qualname)
+
+
+# --------------------------------------------------------------------------- local files
+def resolve_local_files(pattern: str) -> list[Path]:
+    """Files named by ``--data``: one file, a glob (sorted) or a directory (supported files, sorted)."""
+    path = Path(pattern).expanduser()
+    if glob.has_magic(pattern):
+        files = _match_files(pattern, pattern)
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUPPORTED_SUFFIXES)
+        if not files:
+            raise ConfigError(
+                f"directory {pattern!r} holds no {', '.join(SUPPORTED_SUFFIXES)} files; check --data"
+            )
+    elif path.is_file():
+        files = [path]
+    else:
+        raise ConfigError(f"no file matches {pattern!r}; check --data (a file, a glob, 'default' or hf:NAME)")
+    for p in files:
+        if p.suffix.lower() not in SUPPORTED_SUFFIXES:
+            raise ConfigError(
+                f"unsupported file type {p.suffix or '(none)'!r} for {str(p)!r}; "
+                f"use {', '.join(SUPPORTED_SUFFIXES)} or convert the file"
+            )
+    return files
+
+
+def _match_files(pattern: str, data: str) -> list[Path]:
+    """Sorted files matching a glob (``**`` allowed); none -> ConfigError naming ``--data``."""
+    files = sorted(Path(p) for p in glob.glob(str(Path(pattern).expanduser()), recursive=True) if Path(p).is_file())
+    if not files:
+        raise ConfigError(f"no file matches {pattern!r}; check --data {data!r}")
+    return files
+
+
+def _local_documents(files: list[Path], cfg: DataConfig) -> Iterator[str]:
+    """Documents of each file in order, each file read by its suffix."""
+    for path in files:
+        suffix = path.suffix.lower()
+        if suffix in TEXT_SUFFIXES:
+            yield from _txt_documents(path)
+        elif suffix in XML_SUFFIXES:
+            yield from _xml_documents(path, default_text_field(cfg, "xml"))
+        else:
+            builder = STRUCTURED_BUILDERS[suffix]
+            yield from _structured_documents(builder, [path], default_text_field(cfg, builder), str(path))
+
+
+def _txt_documents(path: Path) -> Iterator[str]:
+    """A text file as documents of about TXT_DOC_CHARS characters, cut at blank lines."""
+    buf: list[str] = []
+    size = 0
+    try:
+        with path.open("r", encoding="utf-8") as f:
+            for line in f:
+                buf.append(line)
+                size += len(line)
+                if (size >= TXT_DOC_CHARS and not line.strip()) or size >= 4 * TXT_DOC_CHARS:
+                    yield "".join(buf)
+                    buf, size = [], 0
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"cannot read {str(path)!r} as UTF-8 (byte {exc.start} of a chunk is invalid); convert it to UTF-8"
+        ) from None
+    if buf:
+        yield "".join(buf)
+
+
+def _xml_documents(path: Path, field: str) -> Iterator[str]:
+    """The ``field`` attribute of every ``<row>`` of a Stack Exchange dump, read incrementally.
+
+    Each row is cleared once read, and detached from the root, so memory stays flat however
+    large the dump is. Rows without the attribute are skipped (dumps omit empty ones); if no
+    row has it, the field name is wrong.
+    """
+    n_rows, n_with_field, first_attrs = 0, 0, ""
+    with path.open("rb") as f:  # bytes: the parser honours the XML encoding declaration
+        events = ET.iterparse(f, events=("start", "end"))
+        root = None
+        while True:
+            try:
+                event, elem = next(events)
+            except StopIteration:
+                break
+            except ET.ParseError as exc:
+                raise ConfigError(_xml_error(path, exc)) from None
+            if root is None:
+                root = elem
+            if event != "end" or elem.tag != "row":
+                continue
+            n_rows += 1
+            first_attrs = first_attrs or ", ".join(elem.attrib)
+            text = elem.get(field)
+            elem.clear()
+            root.clear()
+            if text is not None:
+                n_with_field += 1
+                yield text
+    if n_rows and not n_with_field:
+        raise ConfigError(
+            f"field {field!r} not found in any of the {n_rows:,} rows of {str(path)!r} "
+            f"(attributes: {first_attrs}); set --text-field"
+        )
+
+
+def _xml_error(path: Path, exc: ET.ParseError) -> str:
+    line, column = getattr(exc, "position", (0, 0))
+    reason = str(exc).split(": line ")[0]
+    return f"cannot parse XML in {str(path)!r} at line {line}, column {column}: {reason}; check the file is a complete XML dump"
+
+
+# --------------------------------------------------------------------------- Hugging Face
+def _parse_hf(data: str) -> tuple[str, str]:
+    """Split ``hf:...`` into (kind, target): ('hub', NAME), ('dir', PATH) or (builder, GLOB)."""
+    spec = data[len("hf:"):]
+    if not spec:
+        raise ConfigError("--data hf: needs a dataset name, e.g. hf:mikex86/stackoverflow-posts or hf:json:'data/*.jsonl'")
+    builder, sep, rest = spec.partition(":")
+    if sep and builder in HF_BUILDERS:
+        return builder, rest
+    if Path(spec).expanduser().is_dir():
+        return "dir", str(Path(spec).expanduser())
+    return "hub", spec
+
+
+def _hf_documents(cfg: DataConfig) -> Iterator[str]:
+    """Documents of an ``hf:`` source, streamed through ``datasets.load_dataset``."""
+    kind, target = _parse_hf(cfg.data)
+    if kind == "hub":
+        yield from _hub_documents(target, cfg)
+    elif kind == "dir":
+        ds = _load_dataset(target, split=cfg.hf_split, label=target)
+        yield from _dataset_texts(ds, default_text_field(cfg, "text"), target)
+    else:
+        for path in _match_files(target, cfg.data):
+            yield from _structured_documents(kind, [path], default_text_field(cfg, kind), str(path))
+
+
+def _hub_documents(name: str, cfg: DataConfig) -> Iterator[str]:
+    """A dataset streamed from the Hugging Face Hub, with network failures as ConfigError."""
+    field = default_text_field(cfg, name)
+    ds = _load_dataset(name, split=cfg.hf_split, label=name, hub=True)
+    try:
+        yield from _dataset_texts(ds, field, name)
+    except ConnectionError as exc:
+        raise ConfigError(_hub_unreachable(name, exc)) from None
+
+
+def _structured_documents(builder: str, files: list[Path], field: str, label: str) -> Iterator[str]:
+    """Texts of local .jsonl/.json/.parquet/.csv files via the ``datasets`` packaged builders."""
+    ds = _load_dataset(builder, data_files=[str(p) for p in files], split="train", label=label)
+    yield from _dataset_texts(ds, field, label)
+
+
+def _load_dataset(path: str, *, split: str, label: str, hub: bool = False, **kwargs: Any) -> Any:
+    """``datasets.load_dataset(..., streaming=True)`` with its failures turned into ConfigError."""
+    import datasets  # imported here: it takes about a second and only these sources need it
+
+    try:
+        return datasets.load_dataset(path, split=split, streaming=True, **kwargs)
+    except ConnectionError as exc:
+        raise ConfigError(_hub_unreachable(label, exc)) from None
+    except datasets.exceptions.DatasetNotFoundError:
+        raise ConfigError(
+            f"dataset {label!r} not found on the Hugging Face Hub; check the name in --data hf:{label}"
+        ) from None
+    except ValueError as exc:
+        if "split" in str(exc).lower():
+            raise ConfigError(f"{label!r}: {_first_line(exc)}; set --hf-split") from None
+        raise ConfigError(f"cannot read {label!r}: {_first_line(exc)}; check --data") from None
+    except (OSError, datasets.exceptions.DatasetsError) as exc:
+        hint = "check the connection or pass a local file" if hub else "check --data"
+        raise ConfigError(f"cannot load {label!r}: {_first_line(exc)}; {hint}") from None
+
+
+def _hub_unreachable(name: str, exc: BaseException) -> str:
+    return (
+        f"cannot reach the Hugging Face Hub for {name!r} ({_first_line(exc)}); download the data "
+        f"and pass a local file, e.g. --data posts.parquet or --data hf:parquet:'data/*.parquet'"
+    )
+
+
+def _dataset_texts(ds: Iterable[dict[str, Any]], field: str, label: str) -> Iterator[str]:
+    """The ``field`` of every record; a missing field or a non-text value is a ConfigError.
+
+    Records are pulled one at a time inside ``try`` so that a parse error in the file
+    becomes a ConfigError, while errors raised by the consumer are left alone.
+    """
+    import datasets
+    import pyarrow as pa
+
+    records = iter(ds)
+    for index in itertools.count(1):
+        try:
+            record = next(records)
+        except StopIteration:
+            return
+        except ConnectionError:
+            raise
+        except (ValueError, OSError, pa.ArrowException, datasets.exceptions.DatasetsError) as exc:
+            raise ConfigError(f"cannot read {label!r}: {_first_line(exc)}; check the file format") from None
+        if field not in record:
+            raise ConfigError(
+                f"field {field!r} not found in record {index} of {label!r} "
+                f"(fields: {', '.join(map(str, record))}); set --text-field"
+            )
+        text = record[field]
+        if text is None:
+            continue  # a null or absent value in this record: an empty document
+        if not isinstance(text, str):
+            raise ConfigError(
+                f"field {field!r} in record {index} of {label!r} holds {type(text).__name__}, not text; "
+                f"set --text-field to a text field (fields: {', '.join(map(str, record))})"
+            )
+        yield text
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+# --------------------------------------------------------------------------- HTML
+_BLOCK_TAGS = frozenset(
+    "p div br pre blockquote ul ol li dl dt dd table tr thead tbody h1 h2 h3 h4 h5 h6 hr "
+    "section article header footer figure figcaption".split()
+)
+_DROP_TAGS = frozenset({"script", "style"})
+
+
+class _TextExtractor(HTMLParser):
+    """Collects the text of an HTML fragment; ``convert_charrefs`` unescapes entities."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.parts: list[str] = []
+        self._dropping = 0
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag in _DROP_TAGS:
+            self._dropping += 1
+        elif tag == "li":
+            self.parts.append("\n- ")
+        elif tag in _BLOCK_TAGS:
+            self.parts.append("\n")
+
+    def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.handle_starttag(tag, attrs)  # <br/> is one line break, not an open and a close
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in _DROP_TAGS:
+            self._dropping = max(0, self._dropping - 1)
+        elif tag in _BLOCK_TAGS:
+            self.parts.append("\n")
+
+    def handle_data(self, data: str) -> None:
+        # Text inside <code> and <pre> is kept verbatim: for Stack Overflow it is much of the content.
+        if not self._dropping:
+            self.parts.append(data)
+
+
+def html_to_text(html: str) -> str:
+    """Plain text of an HTML fragment: tags removed, entities unescaped, block tags as line breaks."""
+    parser = _TextExtractor()
+    parser.feed(html)
+    parser.close()
+    text = "".join(parser.parts)
+    return re.sub(r"\n[ \t]*\n(?:[ \t]*\n)+", "\n\n", text).strip()
+
+
+# --------------------------------------------------------------------------- helpers
+def _file_stat(path: Path) -> dict[str, Any]:
+    st = path.stat()
+    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _hidden(path: Path, root: Path) -> bool:
+    """Hidden files and folders (``.cache``, ``.git``) do not hold the dataset's content."""
+    return any(part.startswith(".") for part in path.relative_to(root).parts)

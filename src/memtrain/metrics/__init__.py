@@ -1,0 +1,37 @@
+"""Measurement: tracked memory by category, device peaks, step timing, MFU.
+
+- ``MemoryMeter`` counts live tensor storage by category (parameters, gradients, optimizer,
+  activations, temporaries) during a step, exactly and on any device, CPU and fake tensors
+  included, so CPU tests can prove what a technique saves.
+- ``device_peak_memory`` / ``reset_device_peak`` read the CUDA allocator's own peaks.
+- ``StepTimer`` synchronizes, drops warm-up steps and reports median and spread.
+- ``PEAK_FLOPS`` / ``lookup_gpu`` / ``mfu`` turn a FLOP count and a step time into MFU.
+"""
+
+from memtrain.metrics.gpus import PEAK_FLOPS, GpuSpec, device_gpu, lookup_gpu, mfu, peak_flops
+from memtrain.metrics.memory import (
+    CATEGORIES,
+    MemoryMeter,
+    MemoryStats,
+    device_peak_memory,
+    reset_device_peak,
+)
+from memtrain.metrics.timing import StepTimer, TimingStats, percentile, synchronize
+
+__all__ = [
+    "CATEGORIES",
+    "GpuSpec",
+    "MemoryMeter",
+    "MemoryStats",
+    "PEAK_FLOPS",
+    "StepTimer",
+    "TimingStats",
+    "device_gpu",
+    "device_peak_memory",
+    "lookup_gpu",
+    "mfu",
+    "peak_flops",
+    "percentile",
+    "reset_device_peak",
+    "synchronize",
+]

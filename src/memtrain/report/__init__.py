@@ -1,0 +1,30 @@
+"""Reports from bench results: tables (Markdown, CSV, JSON) and plots (PNG).
+
+``write_report(out)`` rebuilds everything from ``out/results.jsonl``; ``memtrain report DIR``
+calls it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from memtrain.report.plots import write_plots
+from memtrain.report.tables import csv_text, markdown_report, table_rows
+
+
+def write_report(out: Path, techniques: Optional[list[str]] = None) -> dict[str, Any]:
+    """Write report.md, report.csv, report.json and PNG plots into ``out``; return a summary."""
+    from memtrain.bench.runner import read_results, select_rows
+
+    out = Path(out)
+    rows = select_rows(read_results(out), techniques)
+    present = {r.get("technique") for r in rows}
+    missing = [t for t in (techniques or []) if t not in present]
+    records = table_rows(rows)
+    (out / "report.md").write_text(markdown_report(rows, missing) + "\n")
+    (out / "report.csv").write_text(csv_text(records))
+    (out / "report.json").write_text(json.dumps({"partial": bool(missing), "missing": missing, "rows": records}, indent=2) + "\n")
+    plots = write_plots(records, out)
+    return {"rows": len(rows), "missing": missing, "plots": [str(p) for p in plots]}

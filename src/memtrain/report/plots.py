@@ -1,0 +1,110 @@
+"""Bench plots (PNG): peak memory, step time, max batch per technique, and memory vs time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from memtrain.report.tables import CATEGORIES, GIB, MIB
+
+COLORS = {
+    "parameters": "#4C72B0", "gradients": "#55A868", "optimizer": "#C44E52",
+    "activations": "#8172B2", "temporaries": "#CCB974",
+}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _ok(records: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+    return [r for r in records if r.get(key) is not None]
+
+
+def plot_peak_memory(records: list[dict[str, Any]], path: Path) -> None:
+    """Stacked horizontal bars: the tracked peak split by category, per technique."""
+    plt = _plt()
+    recs = _ok(records, "peak_tracked_bytes")
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(recs) + 1.6))
+    names = [r["technique"] for r in recs]
+    left = [0.0] * len(recs)
+    for c in CATEGORIES:
+        vals = [(r.get(f"{c}_bytes") or 0) / MIB for r in recs]
+        ax.barh(names, vals, left=left, color=COLORS[c], label=c)
+        left = [a + b for a, b in zip(left, vals)]
+    for i, r in enumerate(recs):
+        ax.text(left[i], i, f" {r['peak_tracked_bytes'] / MIB:,.0f} MiB", va="center", fontsize=9)
+    ax.invert_yaxis()
+    ax.set_xlabel("tracked peak memory (MiB), split by category at the peak")
+    ax.set_title("Peak memory per technique")
+    ax.set_xlim(0, max(left or [1]) * 1.22)
+    ax.legend(loc="lower right", fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _bar(records: list[dict[str, Any]], key: str, label: str, title: str, path: Path, fmt: str, scale: float = 1.0) -> None:
+    plt = _plt()
+    recs = _ok(records, key)
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(recs) + 1.6))
+    names = [r["technique"] for r in recs]
+    vals = [r[key] * scale for r in recs]
+    ax.barh(names, vals, color="#4C72B0")
+    for i, v in enumerate(vals):
+        ax.text(v, i, " " + fmt.format(v), va="center", fontsize=9)
+    ax.invert_yaxis()
+    ax.set_xlabel(label)
+    ax.set_title(title)
+    ax.set_xlim(0, max(vals or [1]) * 1.2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_memory_vs_time(records: list[dict[str, Any]], path: Path) -> None:
+    """Scatter: tracked peak (x) vs median step time (y), labelled with validation perplexity.
+    Down and left is better; the label says what it cost in quality."""
+    plt = _plt()
+    recs = [r for r in records if r.get("peak_tracked_bytes") is not None and r.get("step_time_s") is not None]
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    xs = [r["peak_tracked_bytes"] / GIB for r in recs]
+    ys = [r["step_time_s"] for r in recs]
+    ax.scatter(xs, ys, s=60, color="#C44E52", zorder=3)
+    for x, y, r in zip(xs, ys, recs):
+        ppl = f"ppl {r['val_ppl']:.0f}" if r.get("val_ppl") is not None else "ppl n/a"
+        ax.annotate(f"{r['technique']}\n{ppl}", (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8)
+    ax.set_xlabel("tracked peak memory (GiB)")
+    ax.set_ylabel("median step time (s)")
+    ax.set_title("Memory vs step time (label: validation perplexity)")
+    ax.grid(True, alpha=0.3)
+    if xs:
+        ax.set_xlim(0, max(xs) * 1.25)
+        ax.set_ylim(0, max(ys) * 1.25)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_plots(records: list[dict[str, Any]], out: Path) -> list[Path]:
+    """Write every plot that has data; return the paths written."""
+    written = []
+    if _ok(records, "peak_tracked_bytes"):
+        plot_peak_memory(records, out / "peak_memory.png")
+        written.append(out / "peak_memory.png")
+    if _ok(records, "step_time_s"):
+        _bar(records, "step_time_s", "median step time (s)", "Step time per technique", out / "step_time.png", "{:.3f} s")
+        written.append(out / "step_time.png")
+    if _ok(records, "max_batch"):
+        _bar(records, "max_batch", "largest batch whose training step fits the budget", "Max batch per technique",
+             out / "max_batch.png", "{:.0f}")
+        written.append(out / "max_batch.png")
+    if _ok(records, "step_time_s") and _ok(records, "peak_tracked_bytes"):
+        plot_memory_vs_time(records, out / "memory_vs_time.png")
+        written.append(out / "memory_vs_time.png")
+    return written

@@ -1,0 +1,168 @@
+"""Comparison tables from bench rows: pure functions from result dicts to text."""
+
+from __future__ import annotations
+
+import csv
+import io
+from typing import Any, Callable, Optional
+
+GIB = 2**30
+MIB = 2**20
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+
+
+def _get(row: dict[str, Any], *path: str) -> Any:
+    cur: Any = row
+    for key in path:
+        if not isinstance(cur, dict):
+            return None
+        cur = cur.get(key)
+    return cur
+
+
+def estimate_peak(row: dict[str, Any]) -> Optional[float]:
+    est = row.get("estimate")
+    if isinstance(est, dict):
+        return est.get("peak_bytes")
+    return None
+
+
+def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One flat record per bench row with every column's raw value (None when unknown)."""
+    out = []
+    for r in rows:
+        ok = r.get("status") == "ok"
+        peak = _get(r, "memory", "peak_bytes") if ok else None
+        est = estimate_peak(r) if ok else None
+        rec: dict[str, Any] = {
+            "technique": r.get("technique"),
+            "method": r.get("description") or r.get("technique"),
+            "status": r.get("status"),
+            "max_batch": _get(r, "max_batch", "batch_size"),
+            "max_batch_budget_bytes": _get(r, "max_batch", "budget_bytes"),
+            "batch_size": _get(r, "config", "train", "batch_size"),
+            "peak_tracked_bytes": peak,
+            "peak_allocated_bytes": _get(r, "memory", "max_allocated_bytes") if ok else None,
+            "peak_reserved_bytes": _get(r, "memory", "max_reserved_bytes") if ok else None,
+            "step_time_s": _get(r, "step_time_s", "median") if ok else None,
+            "step_time_p10_s": _get(r, "step_time_s", "p10") if ok else None,
+            "step_time_p90_s": _get(r, "step_time_s", "p90") if ok else None,
+            "total_time_s": r.get("total_time_s") if ok else None,
+            "tokens_per_s": r.get("tokens_per_s") if ok else None,
+            "mfu": r.get("mfu") if ok else None,
+            "val_ppl": r.get("val_ppl") if ok else None,
+            "estimate_peak_bytes": est,
+            "estimate_error": (est - peak) / peak if (est and peak) else None,
+            "error": r.get("error"),
+        }
+        for c in CATEGORIES:
+            rec[f"{c}_bytes"] = _get(r, "memory", "by_category", c) if ok else None
+        out.append(rec)
+    return out
+
+
+def _fmt(value: Any, kind: str) -> str:
+    if value is None:
+        return "n/a"
+    if kind == "gib":
+        return f"{value / GIB:.3f}"
+    if kind == "mib":
+        return f"{value / MIB:.1f}"
+    if kind == "s":
+        return f"{value:.3f}"
+    if kind == "s1":
+        return f"{value:.1f}"
+    if kind == "int":
+        return f"{int(value):,}"
+    if kind == "pct":
+        return f"{value * 100:.1f}%"
+    if kind == "signed_pct":
+        return f"{value * 100:+.1f}%"
+    if kind == "ppl":
+        return f"{value:.2f}"
+    return str(value)
+
+
+# (header, record key, format)
+COLUMNS: list[tuple[str, str, str]] = [
+    ("Method", "method", "str"),
+    ("Max Batch", "max_batch", "int"),
+    ("Peak Memory (GiB, tracked)", "peak_tracked_bytes", "gib"),
+    ("Peak Allocated (GiB, CUDA)", "peak_allocated_bytes", "gib"),
+    ("Step Time (s)", "step_time_s", "s"),
+    ("Total Time (s)", "total_time_s", "s1"),
+    ("Tokens/s", "tokens_per_s", "int"),
+    ("MFU", "mfu", "pct"),
+    ("Val PPL", "val_ppl", "ppl"),
+    ("Estimate (GiB)", "estimate_peak_bytes", "gib"),
+    ("Est. vs tracked", "estimate_error", "signed_pct"),
+]
+BREAKDOWN: list[tuple[str, str, str]] = [("Method", "method", "str")] + [
+    (f"{c.capitalize()} (MiB)", f"{c}_bytes", "mib") for c in CATEGORIES
+] + [("Peak (MiB)", "peak_tracked_bytes", "mib")]
+
+
+def markdown_table(records: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
+    lines = ["| " + " | ".join(h for h, _, _ in columns) + " |",
+             "|" + "|".join("---" if k == "str" else "---:" for _, _, k in columns) + "|"]
+    for rec in records:
+        cells = []
+        for _, key, kind in columns:
+            cell = _fmt(rec.get(key), kind)
+            if key == "method" and rec.get("status") != "ok":
+                cell += f" ({rec.get('status')})"
+            cells.append(cell)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def csv_text(records: list[dict[str, Any]]) -> str:
+    buf = io.StringIO()
+    if records:
+        writer = csv.DictWriter(buf, fieldnames=list(records[0].keys()), lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(records)
+    return buf.getvalue()
+
+
+def markdown_report(rows: list[dict[str, Any]], missing: list[str], header: Callable[[], str] | None = None) -> str:
+    """The whole report.md: settings, main table, memory breakdown, failures, provenance."""
+    records = table_rows(rows)
+    parts = ["# memtrain bench report", ""]
+    if missing:
+        parts += [f"**Partial**: {len(missing)} of {len(missing) + len(rows)} techniques have no result yet "
+                  f"({', '.join(missing)}).", ""]
+    first_ok = next((r for r in rows if r.get("status") == "ok"), None)
+    if first_ok is not None:
+        t = first_ok["config"]["train"]
+        m = first_ok["config"]["model"]
+        env = first_ok.get("env", {})
+        parts += [
+            f"Model: d_model {m['d_model']}, {m['n_layers']} layers, {m['n_heads']} heads, d_ff {m['d_ff']}, "
+            f"vocab {m['vocab_size']}; batch {t['batch_size']} x seq {t['seq_len']}, {t['steps']} steps, "
+            f"lr {t['lr']}, warm-up {t['warmup_steps']}. Data: `{first_ok['config']['data']['data']}`.",
+            f"Hardware: {env.get('device')}; torch {env.get('torch')}; memtrain commit {env.get('commit')}.",
+            "",
+        ]
+    parts += [markdown_table(records, COLUMNS), ""]
+    parts += [
+        "Peak memory (tracked) is the largest total of live tensor storage during a steady-state "
+        "training step, counted by memtrain's meter on every device; Peak Allocated is "
+        "`torch.cuda.max_memory_allocated` after warm-up (CUDA only). Step time is the median "
+        "over the timed steps (warm-up and metered steps excluded). Max Batch is searched "
+        "(grow, then bisect) against the budget named in the rows' `max_batch` records.",
+        "",
+        "## Memory at the peak, by category",
+        "",
+        markdown_table(records, BREAKDOWN),
+        "",
+    ]
+    failed = [r for r in records if r["status"] != "ok"]
+    if failed:
+        parts += ["## Rows that did not finish", ""]
+        parts += [f"- {r['method']}: {r['status']}: {r['error']}" for r in failed]
+        parts.append("")
+    budgets = {r["max_batch_budget_bytes"] for r in records if r.get("max_batch_budget_bytes")}
+    if budgets:
+        parts += [f"Max-batch budget: {', '.join(f'{b / GIB:.2f} GiB' for b in sorted(budgets))} (tracked meter).", ""]
+    return "\n".join(parts)

@@ -1,0 +1,149 @@
+"""Activation checkpointing: keep fewer activations in the forward pass, recompute them in
+the backward pass (``--checkpointing none|full|every:K|sqrt|selective``).
+
+Unit of checkpointing: a whole Transformer block. A checkpointed block keeps only its
+input during the forward pass and runs its forward a second time during backward, so its
+internal activations (the attention scores, the d_ff-wide MLP hidden, LayerNorm outputs,
+dropout masks) never stay alive together across the model.
+
+Policies (L = number of blocks):
+
+* ``full``: every block. Saves the most; costs one extra forward of the blocks.
+* ``every:K``: blocks ``0, K, 2K, ...`` (``i % K == 0``), i.e. ``ceil(L / K)`` blocks.
+  Counting from the first block on purpose: the last block's activations are consumed
+  first by the backward pass, so recomputing them saves nothing at the peak, while an
+  early block's activations would otherwise sit through the whole backward pass.
+  (torchtitan's layer-level ``ac_freq`` picks the K-th, 2K-th, ... block instead.)
+* ``sqrt``: ``every:K`` with ``K = round(sqrt(L))``, a middle point in the spirit of
+  Chen et al. 2016 ("Training deep nets with sublinear memory cost"): about sqrt(L)
+  blocks are recomputed.
+* ``selective``: every block, but with torch's selective activation checkpointing
+  (``create_selective_checkpoint_contexts``): the outputs of matrix multiplications and
+  fused attention kernels are SAVED, everything cheap (LayerNorm, GELU, softmax,
+  dropout, masking, residual adds) is recomputed. Memory lands between ``none`` and
+  ``full`` and the recompute costs almost no FLOPs.
+
+Numerics: non-reentrant ``torch.utils.checkpoint`` with ``preserve_rng_state=True``
+restores the RNG state before the recompute, so dropout draws the same masks and the loss
+and every gradient are bitwise equal to the model without checkpointing (tested).
+
+How a block is wrapped: its ``forward`` is replaced, on the instance, by a callable that
+runs the class's forward under ``torch.utils.checkpoint.checkpoint``. The module tree is
+left alone, so ``state_dict`` keys, ``named_parameters`` names (which the optimizer,
+LoRA and FSDP see) and ``model.blocks[i].attn`` stay exactly as in the plain model.
+(``checkpoint_wrapper`` from ``torch.distributed`` would insert a
+``_checkpoint_wrapped_module`` level into every parameter name.) ``torch.compile``
+traces ``torch.utils.checkpoint`` natively, so compiling afterwards composes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from memtrain.config import TechniqueConfig, parse_checkpointing
+
+__all__ = [
+    "apply_checkpointing",
+    "checkpointed_blocks",
+    "is_checkpointed",
+    "selective_policy",
+    "SAVED_OPS",
+]
+
+
+def _aten_ops(*names: str) -> frozenset:
+    """The default overloads of the named aten ops that exist in this torch build (the fused
+    attention kernels differ between versions and builds)."""
+    ops = set()
+    for name in names:
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is not None and hasattr(packet, "default"):
+            ops.add(packet.default)
+    return frozenset(ops)
+
+
+# Ops whose outputs selective checkpointing keeps: the expensive ones (O(n * d^2) or
+# O(n^2 * d) FLOPs) whose outputs are comparatively small. Everything else is recomputed.
+SAVED_OPS = _aten_ops(
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "linear",  # composite (it reaches the dispatcher as addmm/mm), listed for safety
+    "_scaled_mm",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+)
+
+
+def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Save matmul and attention-kernel outputs, recompute every other op."""
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts() -> tuple[Any, Any]:
+    # A fresh pair of contexts for each checkpointed call (they hold that call's cache).
+    return create_selective_checkpoint_contexts(selective_policy)
+
+
+def _checkpointed_call(
+    forward: Callable[..., Any],
+    context_fn: Optional[Callable[[], tuple[Any, Any]]],
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """Run ``forward`` under non-reentrant checkpointing (RNG state preserved for dropout)."""
+    extra = {"context_fn": context_fn} if context_fn is not None else {}
+    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+
+
+def _wrap(block: nn.Module, selective: bool) -> None:
+    """Replace ``block.forward`` on the instance by its checkpointed version.
+
+    A ``functools.partial`` of a module-level function over the bound class forward (not a
+    closure): ``copy.deepcopy`` and pickling then rebind it to the copied block.
+    """
+    if is_checkpointed(block):
+        raise ValueError("block is already checkpointed")
+    original = type(block).forward.__get__(block)
+    block.forward = functools.partial(
+        _checkpointed_call, original, _selective_contexts if selective else None
+    )
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether ``apply_checkpointing`` wrapped this module."""
+    fwd = module.__dict__.get("forward")
+    return isinstance(fwd, functools.partial) and fwd.func is _checkpointed_call
+
+
+def checkpointed_blocks(policy: str, n_layers: int) -> list[int]:
+    """Indices of the blocks a policy checkpoints (see the module docstring)."""
+    kind, every = parse_checkpointing(policy)
+    if kind == "none":
+        return []
+    if kind in ("full", "selective"):
+        return list(range(n_layers))
+    if kind == "sqrt":
+        every = max(1, round(math.sqrt(n_layers)))
+    return [i for i in range(n_layers) if i % every == 0]
+
+
+def apply_checkpointing(model: nn.Module, tech: TechniqueConfig) -> None:
+    """Checkpoint ``model.blocks`` in place as ``tech.checkpointing`` says."""
+    kind, _ = parse_checkpointing(tech.checkpointing)
+    if kind == "none":
+        return
+    blocks = model.blocks
+    for i in checkpointed_blocks(tech.checkpointing, len(blocks)):
+        _wrap(blocks[i], selective=(kind == "selective"))

@@ -1,0 +1,177 @@
+"""LM-head loss: ``--loss standard`` (full logits) or ``--loss chunked --loss-chunk N``.
+
+The standard loss builds the (tokens x vocab) logits, keeps a log-softmax of the same size
+for backward and builds two more of that size in backward. With GPT-2's 50257-token
+vocabulary that is the largest memory item of a small model.
+
+The chunked loss never holds more than ``chunk x vocab`` logits, in forward or backward.
+It is a fused "linear + cross-entropy": for each chunk of tokens it computes the logits,
+their log-sum-exp and the target logit, and, while the chunk's logits are still alive,
+the gradient ``(softmax - onehot) / n_valid`` and from it the gradients with respect to
+the chunk's hidden states and to the LM-head weight (accumulated in float32). The forward
+pass thus leaves behind only ``grad_hidden`` (tokens x d) and ``grad_weight`` (vocab x d);
+backward scales them by the incoming gradient. This is the method of Liger-Kernel's
+``LigerFusedLinearCrossEntropyLoss``. Liger (and Apple's Cut Cross-Entropy) are Triton
+kernels that need CUDA, so the torch version here is written by hand; on CUDA, when
+``liger_kernel`` is installed, ``--loss chunked`` uses Liger's kernel instead (it picks its
+own chunk size and ignores ``--loss-chunk``).
+
+Precision matches the standard loss: under autocast the logits are computed in the autocast
+dtype (as ``F.linear`` would), the softmax statistics in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from memtrain.config import ConfigError, TechniqueConfig
+from memtrain.model import LossFn, standard_lm_loss
+
+IGNORE_INDEX = -100
+
+__all__ = ["apply_loss", "chunked_lm_loss", "make_loss_fn", "IGNORE_INDEX"]
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype ``F.linear(hidden, weight)`` would compute the logits in."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+def _chunk_stats(
+    h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float32 logits of one chunk, their log-sum-exp and the per-token loss (0 where ignored)."""
+    logits = (h @ w.t()).float()  # no copy when already float32
+    lse = torch.logsumexp(logits, dim=-1)
+    valid = targets != IGNORE_INDEX
+    safe = torch.where(valid, targets, 0)
+    target_logit = logits.gather(1, safe.unsqueeze(1)).squeeze(1)
+    return logits, lse, torch.where(valid, lse - target_logit, 0.0)
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of ``hidden @ weight.T``; gradients computed during forward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        chunk: int,
+        compute_dtype: torch.dtype,
+        need_grad_hidden: bool,
+        need_grad_weight: bool,
+    ) -> torch.Tensor:
+        # Casts are explicit below; autocast must not recast inside the loop.
+        with torch.autocast(hidden.device.type, enabled=False):
+            h_all = hidden.to(compute_dtype)
+            w = weight.to(compute_dtype)  # one (V x d) cast, as autocast's weight cache does
+            n = h_all.shape[0]
+            n_valid = (targets != IGNORE_INDEX).sum()
+            # float32 division as F.cross_entropy does (no host sync on the count).
+            inv_n = 1.0 / n_valid.float()
+            loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            grad_h = torch.empty_like(hidden) if need_grad_hidden else None
+            # float32 accumulation across chunks, whatever the compute dtype.
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad_weight else None
+            for start in range(0, n, chunk):
+                h = h_all[start : start + chunk]
+                t = targets[start : start + chunk]
+                logits, lse, per_token = _chunk_stats(h, w, t)
+                loss_sum += per_token.sum()
+                # d loss / d logits = (softmax - onehot) / n_valid on valid rows, 0 elsewhere.
+                # In place on the chunk's logits so at most ~2 chunk-sized buffers are alive.
+                g = logits.sub_(lse.unsqueeze(1)).exp_()
+                valid = t != IGNORE_INDEX
+                g.scatter_add_(1, torch.where(valid, t, 0).unsqueeze(1), -valid.unsqueeze(1).to(g.dtype))
+                g.mul_((valid.to(g.dtype) * inv_n).unsqueeze(1))
+                g = g.to(compute_dtype)
+                if grad_h is not None:
+                    grad_h[start : start + chunk] = g @ w
+                if grad_w is not None:
+                    if g.dtype == torch.float32:
+                        grad_w.addmm_(g.t(), h)
+                    else:
+                        grad_w += g.t() @ h
+                del logits, g
+        if grad_w is not None:
+            grad_w = grad_w.to(weight.dtype)
+        # Intermediaries, not inputs or outputs: saving them is allowed (no double backward).
+        ctx.save_for_backward(grad_h, grad_w)
+        return loss_sum * inv_n
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor):  # type: ignore[override]
+        grad_h, grad_w = ctx.saved_tensors
+        # Scale in place: no second (V x d) buffer at the start of backward, where the model's
+        # activations peak. A second backward through the same graph (retain_graph=True)
+        # would see the bumped version counter and raise instead of reusing scaled values.
+        if grad_h is not None:
+            grad_h = grad_h.mul_(grad_out.to(grad_h.dtype))
+        if grad_w is not None:
+            grad_w = grad_w.mul_(grad_out.to(grad_w.dtype))
+        return grad_h, grad_w, None, None, None, None, None
+
+
+def chunked_lm_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 1024
+) -> torch.Tensor:
+    """Mean cross-entropy of ``hidden @ weight.T`` against ``targets`` (``-100`` ignored),
+    never materializing more than ``chunk`` rows of logits. Same contract as
+    :func:`memtrain.model.standard_lm_loss`.
+    """
+    if chunk <= 0:
+        raise ValueError(f"chunk must be positive, got {chunk}")
+    compute_dtype = _compute_dtype(hidden, weight)
+    grad_on = torch.is_grad_enabled()
+    need_h = grad_on and hidden.requires_grad
+    need_w = grad_on and weight.requires_grad
+    if not (need_h or need_w):
+        # Evaluation: the loss only, chunk by chunk, no gradient work.
+        with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+            h_all, w = hidden.to(compute_dtype), weight.to(compute_dtype)
+            total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            for start in range(0, h_all.shape[0], chunk):
+                total += _chunk_stats(h_all[start : start + chunk], w, targets[start : start + chunk])[2].sum()
+            return total / (targets != IGNORE_INDEX).sum().float()
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk, compute_dtype, need_h, need_w)
+
+
+def _liger_loss() -> Optional[LossFn]:
+    """Liger-Kernel's fused linear cross-entropy, when installed (CUDA + Triton only)."""
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        return None
+    module = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="mean")
+
+    def liger_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return module(weight, hidden, targets)
+
+    return liger_lm_loss
+
+
+def make_loss_fn(tech: TechniqueConfig, device: torch.device) -> LossFn:
+    """The ``model.loss_fn`` that ``tech.loss`` names for ``device``."""
+    if tech.loss == "standard":
+        return standard_lm_loss
+    if tech.loss == "chunked":
+        if device.type == "cuda":
+            liger = _liger_loss()
+            if liger is not None:
+                return liger
+        return functools.partial(chunked_lm_loss, chunk=tech.loss_chunk)
+    raise ConfigError(f"unknown --loss {tech.loss!r}; choose standard or chunked")
+
+
+def apply_loss(model: nn.Module, tech: TechniqueConfig, device: torch.device) -> None:
+    """Set ``model.loss_fn`` as ``tech.loss`` says."""
+    model.loss_fn = make_loss_fn(tech, device)

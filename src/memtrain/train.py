@@ -1,0 +1,253 @@
+"""The training loop: micro-steps (autocast, loss, backward) -> clip -> optimizer step.
+
+``train(cfg)`` runs one configured run and returns its result dict (the ``result.json``
+contract of docs/architecture.md). It prints nothing itself except an optional progress bar;
+the CLI decides what to show.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.nn as nn
+
+from memtrain.checkpoint import load_checkpoint, save_checkpoint
+from memtrain.config import RunConfig
+from memtrain.data import make_train_loader, make_val_batches, prepare_tokens
+from memtrain.metrics import MemoryMeter, StepTimer, device_gpu, device_peak_memory, mfu, reset_device_peak
+from memtrain.model import GPT
+from memtrain.runtime import environment, resolve_device, seed_everything
+from memtrain.techniques import Precision, build_optimizer, make_precision, prepare_model
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+# Steps whose memory is tracked (the meter slows a step down, so only these are metered and
+# they are also left out of the timing). Step 0 creates the optimizer state; step 1 is the
+# steady state whose peak is reported.
+METERED_STEPS = (0, 1)
+
+
+def lr_lambda(cfg: RunConfig) -> Callable[[int], float]:
+    """Linear warm-up to 1, then cosine down to ``min_lr_ratio`` (or constant)."""
+    t = cfg.train
+
+    def factor(step: int) -> float:
+        if t.warmup_steps and step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        if t.schedule == "constant":
+            return 1.0
+        decay_steps = max(1, t.steps - t.warmup_steps)
+        progress = min(1.0, (step - t.warmup_steps) / decay_steps)
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def train_step(
+    model: nn.Module,
+    micro_batches: list[Batch],
+    optimizer: torch.optim.Optimizer,
+    precision: Precision,
+    grad_clip: float,
+    device: torch.device,
+    meter: Optional[MemoryMeter] = None,
+    no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+) -> float:
+    """One optimizer step over ``len(micro_batches)`` micro-batches; returns the mean loss.
+
+    Each micro-batch loss is scaled by 1/N so the summed gradients equal the gradient of the
+    mean loss over the large batch (gradient accumulation). ``no_sync`` (data parallel)
+    suppresses the gradient all-reduce on all but the last micro-batch.
+    """
+    phase = meter.phase if meter is not None else (lambda name: contextlib.nullcontext())
+    n = len(micro_batches)
+    total = torch.zeros((), device=device)
+    scaler = precision.scaler
+    for i, (x, y) in enumerate(micro_batches):
+        x = x.to(device, non_blocking=True)
+        y = y.to(device, non_blocking=True)
+        sync_ctx = no_sync() if (no_sync is not None and i < n - 1) else contextlib.nullcontext()
+        with sync_ctx:
+            with phase("forward"), precision.autocast():
+                loss = model(x, y) / n
+            with phase("backward"):
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+        total += loss.detach()
+    with phase("optimizer"):
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        if grad_clip > 0:
+            params = [p for p in model.parameters() if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        if scaler is not None:
+            scale_before = scaler.get_scale()
+            scaler.step(optimizer)
+            scaler.update()
+            if scaler.get_scale() < scale_before:
+                # GradScaler skips the step when it finds inf/nan and lowers the scale.
+                precision.skipped_steps += 1
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return float(total)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[Batch], precision: Precision, device: torch.device) -> float:
+    """Mean token loss over the fixed validation batches."""
+    was_training = model.training
+    model.eval()
+    losses, weights = [], []
+    for x, y in batches:
+        with precision.autocast():
+            loss = model(x.to(device), y.to(device))
+        losses.append(float(loss))
+        weights.append(y.numel())
+    model.train(was_training)
+    return sum(l * w for l, w in zip(losses, weights)) / sum(weights)
+
+
+@dataclass
+class _Progress:
+    """A tqdm bar that is silent when disabled."""
+
+    total: int
+    initial: int
+    enabled: bool
+    bar: Any = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=self.total, initial=self.initial, desc="train", unit="step", dynamic_ncols=True)
+
+    def update(self, loss: float, tokens_per_s: float) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _micro_batches(it: Iterator[Batch], n: int) -> list[Batch]:
+    return [next(it) for _ in range(n)]
+
+
+def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = True) -> dict[str, Any]:
+    """Run one training run as configured; return the result dict."""
+    t = cfg.train
+    show = t.progress if progress is None else progress
+    device = resolve_device(t.device)
+    seed_everything(t.seed)
+
+    # Data first: a bad source fails before any model is built or file written.
+    splits = prepare_tokens(cfg.data, progress=show)
+    loader = make_train_loader(
+        splits.train, t.seq_len, t.batch_size, seed=t.seed,
+        num_workers=cfg.data.num_workers, pin_memory=cfg.data.pin_memory,
+        prefetch_factor=cfg.data.prefetch_factor,
+    )
+    val_batches = make_val_batches(splits.val, t.seq_len, cfg.data.val_blocks, t.batch_size)
+
+    precision = make_precision(cfg.technique.precision, device)
+    base = GPT(cfg.model)
+    n_params = base.num_parameters()
+    model = prepare_model(base, cfg, device, precision)
+    model.train()
+    optimizer = build_optimizer(model, cfg.technique, t)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+
+    start_step = 0
+    losses: list[float] = []
+    if t.resume:
+        state = load_checkpoint(t.resume, model, optimizer, scheduler, loader, precision)
+        start_step, losses = state["step"], list(state["losses"])
+
+    tokens_per_step = t.batch_size * t.grad_accum * t.seq_len
+    # Metered steps run slower (the meter sees every op): keep them inside the timing warm-up.
+    warmup = max(t.warmup_timing_steps, len(METERED_STEPS) if track_memory else 0)
+    timer = StepTimer(device, warmup=min(warmup, max(0, t.steps - start_step - 1)))
+    meter = MemoryMeter(model, optimizer) if track_memory else None
+    reset_device_peak(device)
+    bar = _Progress(total=t.steps, initial=start_step, enabled=show)
+    batches = iter(loader)
+    wall_start = time.perf_counter()
+    val_history: list[dict[str, float]] = []
+    try:
+        for step in range(start_step, t.steps):
+            metered = meter is not None and (step - start_step) in METERED_STEPS
+            with timer.data_wait():
+                micro = _micro_batches(batches, t.grad_accum)
+            step_start = time.perf_counter()
+            with timer.step():
+                with meter if metered else contextlib.nullcontext():
+                    if metered and step - start_step == METERED_STEPS[-1]:
+                        meter.reset_peak()
+                    loss = train_step(model, micro, optimizer, precision, t.grad_clip, device,
+                                      meter if metered else None)
+                scheduler.step()
+            losses.append(loss)
+            bar.update(loss, tokens_per_step / max(time.perf_counter() - step_start, 1e-9))
+            done = step + 1
+            if t.eval_every and done % t.eval_every == 0 and done < t.steps:
+                v = evaluate(model, val_batches, precision, device)
+                val_history.append({"step": done, "val_loss": v, "val_ppl": math.exp(min(v, 50))})
+            if t.save and t.save_every and done % t.save_every == 0:
+                save_checkpoint(t.save, model, optimizer, scheduler, loader, precision, done, losses, cfg)
+    finally:
+        bar.close()
+    total_time = time.perf_counter() - wall_start
+
+    val_loss = evaluate(model, val_batches, precision, device)
+    if t.save:
+        save_checkpoint(t.save, model, optimizer, scheduler, loader, precision, t.steps, losses, cfg)
+
+    stats = timer.summary().to_dict()
+    tail = losses[-min(10, len(losses)):] if losses else [float("nan")]
+    memory: dict[str, Any] = {"peak_bytes": None, "by_category": None}
+    if meter is not None and len(losses) > 0:
+        memory.update(meter.stats().to_dict())
+    memory.update(device_peak_memory(device))
+    from memtrain.flops import rule_flops_per_token
+
+    flops_per_token = rule_flops_per_token(cfg.model, t.seq_len, n_params)
+    median = stats["median"]
+    result: dict[str, Any] = {
+        "config": cfg.to_dict(),
+        "train_loss": sum(tail) / len(tail),
+        "val_loss": val_loss,
+        "val_ppl": math.exp(min(val_loss, 50)),
+        "steps": t.steps,
+        "steps_run": t.steps - start_step,
+        "tokens": tokens_per_step * t.steps,
+        "step_time_s": {k: stats[k] for k in ("median", "p10", "p90", "mean")},
+        "data_wait_share": stats.get("data_wait_share"),
+        "total_time_s": total_time,
+        "tokens_per_s": tokens_per_step / median if median else None,
+        "mfu": mfu(flops_per_token * tokens_per_step, median, device_gpu(device), cfg.technique.precision) if median else None,
+        "flops_per_token": flops_per_token,
+        "memory": memory,
+        "parameters": n_params,
+        "trainable_parameters": sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values()),
+        "loss_history": losses,
+        "val_history": val_history,
+        "skipped_steps": precision.skipped_steps,
+        "data": {
+            "train_tokens": int(len(splits.train)),
+            "val_tokens": int(len(splits.val)),
+            "train_documents": splits.n_train_docs,
+            "val_documents": splits.n_val_docs,
+            "from_cache": splits.from_cache,
+            "tokenize_tokens_per_s": splits.tokens_per_s,
+        },
+        "env": environment(device),
+    }
+    return result

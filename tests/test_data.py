@@ -1,0 +1,412 @@
+"""Tests of the data pipeline: tokenizer, sources, token cache, split and loaders (CPU, fast)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from memtrain.config import ConfigError, DataConfig
+from memtrain.data import (
+    EOT_ID,
+    BlockDataset,
+    cache_key,
+    default_documents,
+    get_tokenizer,
+    html_to_text,
+    iter_documents,
+    make_train_loader,
+    make_val_batches,
+    prepare_tokens,
+    source_identity,
+)
+from memtrain.data import cache as cache_mod
+from memtrain.data import sources as sources_mod
+
+SAMPLE_XML = Path(__file__).resolve().parents[2] / "shared" / "data" / "stackoverflow_posts_sample.xml"
+
+POSTS_XML = """<?xml version="1.0" encoding="utf-8"?>
+<posts>
+  <row Id="1" PostTypeId="1" Title="Opacity" Body="&lt;p&gt;How do I set &lt;b&gt;opacity&lt;/b&gt; &amp;amp; alpha?&lt;/p&gt;&#xA;&lt;pre&gt;&lt;code&gt;x = 1 &amp;lt; 2;&#xA;&lt;/code&gt;&lt;/pre&gt;" />
+  <row Id="2" PostTypeId="2" Body="&lt;p&gt;Use &lt;code&gt;Opacity = 0.5&lt;/code&gt;.&lt;/p&gt;" />
+  <row Id="3" PostTypeId="2" />
+  <row Id="4" PostTypeId="2" Body="" />
+  <row Id="5" PostTypeId="1" Body="&lt;ul&gt;&lt;li&gt;one&lt;/li&gt;&lt;li&gt;two&lt;/li&gt;&lt;/ul&gt;" />
+</posts>
+"""
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Never touch the user's token cache."""
+    monkeypatch.setenv("MEMTRAIN_CACHE", str(tmp_path / "cache"))
+
+
+def cfg(data: str | Path, **kw) -> DataConfig:
+    return DataConfig(data=str(data), **kw)
+
+
+def docs_of(data: str | Path, **kw) -> list[str]:
+    return list(iter_documents(cfg(data, **kw)))
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def corpus(n: int = 200) -> list[str]:
+    """Distinct documents of varying length."""
+    return [f"Document number {i} says: " + "the quick brown fox jumps. " * (1 + i % 7) for i in range(n)]
+
+
+# --------------------------------------------------------------------------- tokenizer
+def test_tokenizer_is_gpt2() -> None:
+    enc = get_tokenizer()
+    assert enc.encode_ordinary("Hello world") == [15496, 995]
+    assert EOT_ID == 50256 == enc.eot_token
+    assert enc.n_vocab == 50257
+    assert enc.encode("<|endoftext|>", allowed_special="all") == [EOT_ID]
+    assert enc.encode_ordinary_batch(["Hello world", "Hello"], num_threads=2) == [[15496, 995], [15496]]
+    assert get_tokenizer() is enc  # built once
+
+
+# --------------------------------------------------------------------------- local sources
+def test_txt_small_file_is_one_document(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("First paragraph.\n\nSecond paragraph.\n")
+    assert docs_of(tmp_path / "a.txt") == ["First paragraph.\n\nSecond paragraph.\n"]
+
+
+def test_txt_large_file_splits_at_blank_lines(tmp_path: Path) -> None:
+    paragraphs = [f"Paragraph {i}. " + "words " * 200 + "\n" for i in range(100)]
+    text = "\n".join(paragraphs)
+    (tmp_path / "book.txt").write_text(text)
+    docs = docs_of(tmp_path / "book.txt")
+    assert len(docs) > 5
+    assert "".join(docs) == text  # nothing lost or reordered
+    assert all(d.endswith("\n\n") for d in docs[:-1])  # every cut falls on a blank line
+    assert all(len(d) >= sources_mod.TXT_DOC_CHARS for d in docs[:-1])
+
+
+def test_glob_reads_files_in_sorted_order(tmp_path: Path) -> None:
+    for name in ("b.txt", "a.txt", "c.txt"):
+        (tmp_path / name).write_text(f"text of {name}")
+    assert docs_of(tmp_path / "*.txt") == ["text of a.txt", "text of b.txt", "text of c.txt"]
+
+
+def test_jsonl_and_json_and_csv(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "d.jsonl", [{"title": "t", "text": "alpha"}, {"title": "u", "text": "beta"}])
+    assert docs_of(tmp_path / "d.jsonl") == ["alpha", "beta"]
+    (tmp_path / "d.json").write_text(json.dumps([{"text": "gamma"}, {"text": "delta"}]))
+    assert docs_of(tmp_path / "d.json") == ["gamma", "delta"]
+    (tmp_path / "d.csv").write_text('text,n\nhello,1\n,2\n"two\nlines",3\n')
+    assert docs_of(tmp_path / "d.csv") == ["hello", "two\nlines"]  # the empty value is skipped
+
+
+def test_parquet_with_body_column(tmp_path: Path) -> None:
+    table = pa.table({"Id": [1, 2, 3], "Body": ["<p>one</p>", "<p>two &amp; three</p>", None]})
+    pq.write_table(table, tmp_path / "posts.parquet")
+    assert docs_of(tmp_path / "posts.parquet", text_field="Body") == ["<p>one</p>", "<p>two &amp; three</p>"]
+    assert docs_of(tmp_path / "posts.parquet", text_field="Body", strip_html=True) == ["one", "two & three"]
+
+
+def test_posts_xml(tmp_path: Path) -> None:
+    (tmp_path / "Posts.xml").write_text(POSTS_XML)
+    raw = docs_of(tmp_path / "Posts.xml")
+    assert len(raw) == 3  # row 3 has no Body, row 4 an empty one
+    assert raw[1] == "<p>Use <code>Opacity = 0.5</code>.</p>"
+    clean = docs_of(tmp_path / "Posts.xml", strip_html=True)
+    assert clean[0] == "How do I set opacity & alpha?\n\nx = 1 < 2;"
+    assert clean[1] == "Use Opacity = 0.5."
+    assert clean[2] == "- one\n- two"
+    assert docs_of(tmp_path / "Posts.xml", text_field="Title") == ["Opacity"]
+
+
+def test_max_documents(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in corpus(50)])
+    assert docs_of(tmp_path / "d.jsonl", max_documents=7) == corpus(50)[:7]
+
+
+def test_strip_html() -> None:
+    html = (
+        "<h1>Title</h1><p>Caf&eacute; &lt;tag&gt; &#39;q&#39;<br/>next</p>"
+        "<pre><code>if a &lt; b:\n    return a\n</code></pre><script>evil()</script><p>end</p>"
+    )
+    assert html_to_text(html) == "Title\n\nCafé <tag> 'q'\nnext\n\nif a < b:\n    return a\n\nend"
+    assert html_to_text("plain text") == "plain text"
+
+
+# --------------------------------------------------------------------------- Hugging Face path
+def test_hf_builder_globs(tmp_path: Path) -> None:
+    pq.write_table(pa.table({"text": ["p1", "p2"]}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"text": ["p3"]}), tmp_path / "b.parquet")
+    assert docs_of(f"hf:parquet:{tmp_path}/*.parquet") == ["p1", "p2", "p3"]
+    write_jsonl(tmp_path / "x.jsonl", [{"Body": "j1"}, {"Body": "j2"}])
+    assert docs_of(f"hf:json:{tmp_path}/*.jsonl", text_field="Body") == ["j1", "j2"]
+    (tmp_path / "x.csv").write_text("text\nc1\n")
+    assert docs_of(f"hf:csv:{tmp_path}/x.csv") == ["c1"]
+
+
+def test_hf_local_directory(tmp_path: Path) -> None:
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", [{"text": "one"}, {"text": "two"}, {"text": "three"}])
+    assert docs_of(f"hf:{folder}") == ["one", "two", "three"]
+    assert docs_of(f"hf:{folder}", max_documents=2) == ["one", "two"]
+    assert source_identity(cfg(f"hf:{folder}"))["kind"] == "hf-dir"
+    with pytest.raises(ConfigError, match="--hf-split"):
+        docs_of(f"hf:{folder}", hf_split="validation")
+
+
+def test_hf_hub_unreachable_is_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import datasets
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'mikex86/stackoverflow-posts' on the Hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(ConfigError, match="cannot reach the Hugging Face Hub.*local file") as err:
+        docs_of("hf:mikex86/stackoverflow-posts", max_documents=10)
+    assert "\n" not in str(err.value)
+    assert source_identity(cfg("hf:mikex86/stackoverflow-posts")) == {
+        "kind": "hf", "name": "mikex86/stackoverflow-posts", "split": "train"
+    }
+
+
+def test_hub_stackoverflow_defaults_to_body(monkeypatch: pytest.MonkeyPatch) -> None:
+    import datasets
+
+    seen = {}
+
+    def fake(name, split, streaming, **kwargs):
+        seen.update(name=name, split=split, streaming=streaming)
+        return [{"Id": i, "Body": f"<p>post {i}</p>"} for i in range(100)]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake)
+    docs = docs_of("hf:mikex86/stackoverflow-posts", max_documents=3, strip_html=True)
+    assert docs == ["post 0", "post 1", "post 2"]
+    assert seen == {"name": "mikex86/stackoverflow-posts", "split": "train", "streaming": True}
+
+
+# --------------------------------------------------------------------------- real data
+def test_stackoverflow_sample() -> None:
+    if not SAMPLE_XML.is_file():
+        pytest.skip(f"{SAMPLE_XML} not present")
+    docs = docs_of(SAMPLE_XML, strip_html=True)
+    assert len(docs) == 1000  # every one of the 1000 rows has a non-empty Body
+    assert docs[0].startswith("I want to use a track-bar to change a form's opacity.")
+    assert not any("&lt;" in d or "<p>" in d for d in docs)
+
+
+def test_default_source_is_large_and_deterministic() -> None:
+    docs = default_documents()
+    assert sum(len(d.encode()) for d in docs) >= 2_000_000
+    assert len(docs) > 500
+    assert any("json.dumps" in d for d in docs)  # docstrings of stdlib modules
+    assert tuple(sources_mod.collect_default_documents()) == docs  # a fresh parse gives the same corpus
+    assert list(iter_documents(cfg("default"))) == list(docs)
+    assert source_identity(cfg("default"))["python"]
+
+
+# --------------------------------------------------------------------------- cache and split
+def test_prepare_tokens_and_cache_reuse(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    texts = corpus(200)
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in texts])
+    c = cfg(path, val_fraction=0.2)
+    first = prepare_tokens(c, progress=False)
+    assert not first.from_cache and first.tokens_per_s and first.tokens_per_s > 0
+    assert first.n_train_docs + first.n_val_docs == 200 and first.n_val_docs > 0
+    assert isinstance(first.train, np.memmap) and first.train.dtype == np.uint16
+    # Each document ends with EOT, so EOT counts equal document counts.
+    assert int((first.train == EOT_ID).sum()) == first.n_train_docs
+    assert int((first.val == EOT_ID).sum()) == first.n_val_docs
+    enc = get_tokenizer()
+    assert len(first.train) + len(first.val) == sum(len(enc.encode_ordinary(t)) + 1 for t in texts)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a cache hit must not read the source or tokenize")
+
+    monkeypatch.setattr(cache_mod, "get_tokenizer", forbidden)
+    monkeypatch.setattr(cache_mod, "iter_documents", forbidden)
+    second = prepare_tokens(c, progress=False)
+    assert second.from_cache and second.tokens_per_s is None
+    assert second.cache_path == first.cache_path
+    np.testing.assert_array_equal(second.train, first.train)
+    np.testing.assert_array_equal(second.val, first.val)
+    assert (second.n_train_docs, second.n_val_docs) == (first.n_train_docs, first.n_val_docs)
+
+
+def test_no_cache_rebuilds_and_file_change_changes_key(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in corpus(50)])
+    first = prepare_tokens(cfg(path), progress=False)
+    again = prepare_tokens(cfg(path, no_cache=True), progress=False)
+    assert not again.from_cache
+    np.testing.assert_array_equal(again.train, first.train)
+    key = cache_key(cfg(path))
+    write_jsonl(path, [{"text": t} for t in corpus(51)])
+    assert cache_key(cfg(path)) != key  # size and mtime are part of the key
+    assert cache_key(cfg(path, strip_html=True)) != cache_key(cfg(path))
+
+
+def test_interrupted_run_leaves_no_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in corpus(1200)])
+    real = cache_mod.iter_documents
+
+    def dies_midway(c):
+        for i, doc in enumerate(real(c)):
+            if i == 700:  # after one batch has been written
+                raise KeyboardInterrupt
+            yield doc
+
+    monkeypatch.setattr(cache_mod, "iter_documents", dies_midway)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_tokens(cfg(path), progress=False)
+    assert list((tmp_path / "cache").iterdir()) == []
+    monkeypatch.setattr(cache_mod, "iter_documents", real)
+    assert not prepare_tokens(cfg(path), progress=False).from_cache
+
+
+def test_split_is_seeded_per_document(tmp_path: Path) -> None:
+    texts = corpus(300)
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in texts])
+
+    def val_docs(seed: int) -> list[str]:
+        splits = prepare_tokens(cfg(path, val_fraction=0.2, split_seed=seed, no_cache=True), progress=False)
+        text = get_tokenizer().decode(splits.val.tolist())
+        return [d for d in text.split("<|endoftext|>") if d]
+
+    a, b, other = val_docs(1), val_docs(1), val_docs(2)
+    assert a == b and a != other
+    # The split is one rng.random() draw per document, in order (independent of batching).
+    rng = np.random.default_rng(1)
+    assert a == [t for t in texts if rng.random() < 0.2]
+
+
+# --------------------------------------------------------------------------- loader
+def test_block_dataset_packs_and_shifts() -> None:
+    tokens = np.arange(23, dtype=np.uint16)
+    ds = BlockDataset(tokens, seq_len=4)
+    assert len(ds) == 4  # 23 // 5; the 3-token tail is dropped
+    x, y = ds[1]
+    assert x.dtype == torch.int64 and x.tolist() == [5, 6, 7, 8] and y.tolist() == [6, 7, 8, 9]
+    with pytest.raises(IndexError):
+        ds[4]
+
+
+def test_val_batches_are_fixed_leading_blocks() -> None:
+    tokens = np.arange(100, dtype=np.uint16)
+    batches = make_val_batches(tokens, seq_len=9, n_blocks=7, batch_size=3)
+    assert [b[0].shape for b in batches] == [(3, 9), (3, 9), (1, 9)]
+    xs = torch.cat([x for x, _ in batches])
+    assert xs[:, 0].tolist() == [0, 10, 20, 30, 40, 50, 60]
+    assert torch.equal(torch.cat([y for _, y in batches]), xs + 1)
+    assert len(make_val_batches(tokens, seq_len=9, n_blocks=100, batch_size=4)) == 3  # only 10 blocks exist
+
+
+def block_ids(x: torch.Tensor, seq_len: int) -> list[int]:
+    return (x[:, 0] // (seq_len + 1)).tolist()
+
+
+def test_train_loader_epochs_are_permutations() -> None:
+    tokens = np.arange(10 * 9, dtype=np.uint16)  # 10 blocks of 8 + 1
+    loader = make_train_loader(tokens, seq_len=8, batch_size=3, seed=0)
+    assert loader.batches_per_epoch == 3
+    epoch0 = [b for _ in range(3) for b in block_ids(loader.next_batch()[0], 8)]
+    assert len(set(epoch0)) == 9 and loader.state_dict() == {"epoch": 1, "batch_index": 0}
+    epoch1 = [b for _ in range(3) for b in block_ids(loader.next_batch()[0], 8)]
+    assert epoch1 != epoch0  # a new permutation each epoch
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_train_loader_resumes_exactly(num_workers: int) -> None:
+    tokens = np.arange(40 * 17, dtype=np.uint16)  # 40 blocks of 16 + 1
+    kw = dict(seq_len=16, batch_size=4, seed=7, num_workers=num_workers)
+    if num_workers:
+        kw["prefetch_factor"] = 4  # workers run ahead; the state must not
+    reference = make_train_loader(tokens, **kw)
+    expected = [reference.next_batch() for _ in range(25)]  # crosses two epoch boundaries
+    interrupted = make_train_loader(tokens, **kw)
+    for _ in range(13):
+        interrupted.next_batch()
+    state = interrupted.state_dict()
+    assert state == {"epoch": 1, "batch_index": 3}
+    resumed = make_train_loader(tokens, **kw)
+    resumed.load_state_dict(state)
+    for want, (x, y) in zip(expected[13:], (resumed.next_batch() for _ in range(12))):
+        assert torch.equal(x, want[0]) and torch.equal(y, want[1])
+
+
+def test_ranks_take_disjoint_blocks() -> None:
+    tokens = np.arange(50 * 9, dtype=np.uint16)
+    loaders = [make_train_loader(tokens, seq_len=8, batch_size=4, seed=3, rank=r, world_size=3) for r in range(3)]
+    assert loaders[0].batches_per_epoch == 4  # 50 // 12
+    seen = [set() for _ in loaders]
+    for _ in range(4):
+        for r, loader in enumerate(loaders):
+            seen[r].update(block_ids(loader.next_batch()[0], 8))
+    assert all(len(s) == 16 for s in seen)
+    assert not (seen[0] & seen[1] or seen[0] & seen[2] or seen[1] & seen[2])
+
+
+# --------------------------------------------------------------------------- bad input
+def test_missing_file_and_glob(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no file matches .*check --data"):
+        docs_of(tmp_path / "nope.jsonl")
+    with pytest.raises(ConfigError, match=r"no file matches .*\*\.jsonl"):
+        docs_of(tmp_path / "*.jsonl")
+    with pytest.raises(ConfigError, match="no file matches"):
+        prepare_tokens(cfg(tmp_path / "nope.txt"), progress=False)
+    (tmp_path / "x.docx").write_text("?")
+    with pytest.raises(ConfigError, match="unsupported file type '.docx'"):
+        docs_of(tmp_path / "x.docx")
+
+
+def test_empty_corpus(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "e.jsonl", [{"text": ""}, {"text": "   "}, {"text": None}])
+    with pytest.raises(ConfigError, match="holds no documents"):
+        docs_of(tmp_path / "e.jsonl")
+    (tmp_path / "e.txt").write_text("\n\n")
+    with pytest.raises(ConfigError, match="holds no documents"):
+        prepare_tokens(cfg(tmp_path / "e.txt"), progress=False)
+    assert not any((tmp_path / "cache").iterdir())
+
+
+def test_field_absent(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "data.jsonl", [{"title": "a", "text": "b"}] * 3)
+    with pytest.raises(ConfigError) as err:
+        docs_of(tmp_path / "data.jsonl", text_field="Body")
+    msg = str(err.value)
+    assert "field 'Body' not found in record 1" in msg and "(fields: title, text); set --text-field" in msg
+    (tmp_path / "Posts.xml").write_text(POSTS_XML)
+    with pytest.raises(ConfigError, match="field 'Text' not found in any of the 5 rows.*set --text-field"):
+        docs_of(tmp_path / "Posts.xml", text_field="Text")
+    pq.write_table(pa.table({"n": [1, 2]}), tmp_path / "n.parquet")
+    with pytest.raises(ConfigError, match="holds int, not text"):
+        docs_of(tmp_path / "n.parquet", text_field="n")
+
+
+def test_unreadable_files(tmp_path: Path) -> None:
+    (tmp_path / "Posts.xml").write_text('<?xml version="1.0"?>\n<posts>\n  <row Body="ok" />\n  <row Body="x" <oops\n</posts>\n')
+    with pytest.raises(ConfigError, match=r"cannot parse XML in .*Posts\.xml.* at line 4"):
+        docs_of(tmp_path / "Posts.xml")
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": oops}\n')
+    with pytest.raises(ConfigError, match=r"cannot read .*bad\.jsonl"):
+        docs_of(tmp_path / "bad.jsonl")
+
+
+def test_too_small_corpus() -> None:
+    with pytest.raises(ConfigError) as err:
+        make_train_loader(np.zeros(1234, np.uint16), seq_len=256, batch_size=8, seed=0)
+    assert str(err.value) == (
+        "training corpus has 1,234 tokens, fewer than one batch needs (8 x 257 = 2,056); "
+        "use more data or lower --batch-size / --seq-len"
+    )
+    with pytest.raises(ConfigError, match=r"8 x 2 ranks x 257 = 4,112"):
+        make_train_loader(np.zeros(3000, np.uint16), seq_len=256, batch_size=8, seed=0, world_size=2)
+    with pytest.raises(ConfigError, match="--val-fraction"):
+        make_val_batches(np.zeros(100, np.uint16), seq_len=256, n_blocks=32, batch_size=8)
