@@ -10,6 +10,7 @@ import torch
 
 from memtrain.attention import _banded, banded_attention, causal_mask, math_attention, sdpa_attention
 from memtrain.config import ConfigError, ModelConfig, TechniqueConfig, build_config
+from memtrain.metrics import MemoryMeter
 from memtrain.model import GPT
 from memtrain.techniques.attention import apply_attention, build_attention
 from memtrain.techniques.precision import make_precision
@@ -185,17 +186,9 @@ def test_probe_leaves_global_rng_alone() -> None:
 
 
 # --------------------------------------------------------------------------- memory
-def _meter_cls():
-    try:
-        from memtrain.metrics import MemoryMeter
-    except ImportError:  # the package re-export may not be there yet; same class
-        from memtrain.metrics.memory import MemoryMeter
-    return MemoryMeter
-
-
 def attention_memory(fn, seq: int) -> tuple[int, int]:
     """(activation bytes held after forward, peak bytes over forward + backward) of one call."""
-    meter = _meter_cls()(None)
+    meter = MemoryMeter(None)
     q, k, v = qkv(b=1, h=4, s=seq, d=16)
     with meter:
         with meter.phase("forward"):
@@ -216,9 +209,11 @@ def test_banded_memory_grows_linearly_while_math_grows_quadratically() -> None:
         (held_1, peak_1), (held_2, peak_2) = attention_memory(fn, 256), attention_memory(fn, 512)
         assert lo <= held_2 / held_1 <= hi, (name, held_1, held_2)
         assert lo <= peak_2 / peak_1 <= hi, (name, peak_1, peak_2)
-    # And at one length the band holds far less than the full matrix.
-    assert attention_memory(functools.partial(banded_attention, window=window), 512)[1] * 4 < \
-        attention_memory(math_attention, 512)[1]
+    # At one length the band holds far less than the full matrix, and the SDPA band kernel
+    # (fused: no band scores kept) less than the math band.
+    band_math = attention_memory(functools.partial(banded_attention, window=window), 512)[1]
+    band_sdpa = attention_memory(functools.partial(banded_attention, window=window, kernel="sdpa"), 512)[1]
+    assert band_sdpa < band_math and band_math * 4 < attention_memory(math_attention, 512)[1]
 
 
 def test_sdpa_model_holds_fewer_activations_than_math() -> None:
@@ -226,7 +221,7 @@ def test_sdpa_model_holds_fewer_activations_than_math() -> None:
     held = {}
     for kind in ("math", "sdpa"):
         model = applied(tiny_model(), kind)
-        meter = _meter_cls()(model)
+        meter = MemoryMeter(model)
         with meter:
             with meter.phase("forward"):
                 loss = model(x, x)

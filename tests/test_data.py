@@ -97,6 +97,7 @@ def test_glob_reads_files_in_sorted_order(tmp_path: Path) -> None:
     for name in ("b.txt", "a.txt", "c.txt"):
         (tmp_path / name).write_text(f"text of {name}")
     assert docs_of(tmp_path / "*.txt") == ["text of a.txt", "text of b.txt", "text of c.txt"]
+    assert docs_of(tmp_path) == ["text of a.txt", "text of b.txt", "text of c.txt"]  # a folder: its files
 
 
 def test_jsonl_and_json_and_csv(tmp_path: Path) -> None:
@@ -161,6 +162,8 @@ def test_hf_local_directory(tmp_path: Path) -> None:
     assert source_identity(cfg(f"hf:{folder}"))["kind"] == "hf-dir"
     with pytest.raises(ConfigError, match="--hf-split"):
         docs_of(f"hf:{folder}", hf_split="validation")
+    with pytest.raises(ConfigError, match="no directory"):
+        docs_of(f"hf:{tmp_path / 'absent'}")
 
 
 def test_hf_hub_unreachable_is_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -197,10 +200,12 @@ def test_hub_stackoverflow_defaults_to_body(monkeypatch: pytest.MonkeyPatch) -> 
 def test_stackoverflow_sample() -> None:
     if not SAMPLE_XML.is_file():
         pytest.skip(f"{SAMPLE_XML} not present")
+    raw = docs_of(SAMPLE_XML)
     docs = docs_of(SAMPLE_XML, strip_html=True)
-    assert len(docs) == 1000  # every one of the 1000 rows has a non-empty Body
-    assert docs[0].startswith("I want to use a track-bar to change a form's opacity.")
-    assert not any("&lt;" in d or "<p>" in d for d in docs)
+    assert len(raw) == len(docs) == 1000  # every one of the 1000 rows has a non-empty Body
+    assert docs[0].startswith("I want to use a track-bar to change a form's opacity.\n\nThis is my code:")
+    assert sum("<p>" in d for d in raw) > 900
+    assert sum("<p>" in d for d in docs) == 2  # two posts quote HTML inside their code blocks
 
 
 def test_default_source_is_large_and_deterministic() -> None:
@@ -208,7 +213,14 @@ def test_default_source_is_large_and_deterministic() -> None:
     assert sum(len(d.encode()) for d in docs) >= 2_000_000
     assert len(docs) > 500
     assert any("json.dumps" in d for d in docs)  # docstrings of stdlib modules
-    assert tuple(sources_mod.collect_default_documents()) == docs  # a fresh parse gives the same corpus
+    # Deterministic: topics in sorted order, then modules in sorted path order, each rendered
+    # from its parse alone. Re-render a few modules (a full second parse costs seconds).
+    paths = sources_mod._stdlib_sources()
+    assert paths == sorted(paths) == sources_mod._stdlib_sources()
+    module_docs = [d for d in map(sources_mod._module_document, paths[:40]) if d]
+    assert list(docs).index(module_docs[0]) + len(module_docs) <= len(docs)
+    start = list(docs).index(module_docs[0])
+    assert list(docs[start : start + len(module_docs)]) == module_docs
     assert list(iter_documents(cfg("default"))) == list(docs)
     assert source_identity(cfg("default"))["python"]
 
@@ -296,6 +308,19 @@ def test_block_dataset_packs_and_shifts() -> None:
     assert x.dtype == torch.int64 and x.tolist() == [5, 6, 7, 8] and y.tolist() == [6, 7, 8, 9]
     with pytest.raises(IndexError):
         ds[4]
+
+
+def test_block_dataset_pickles_a_memmap_by_file_name(tmp_path: Path) -> None:
+    import pickle
+
+    np.arange(1000, dtype=np.uint16).tofile(tmp_path / "t.bin")
+    ds = BlockDataset(np.memmap(tmp_path / "t.bin", dtype=np.uint16, mode="r"), seq_len=9)
+    blob = pickle.dumps(ds)
+    assert len(blob) < 1000  # the file name travels, not the tokens (spawned DataLoader workers)
+    copy = pickle.loads(blob)
+    assert isinstance(copy.tokens, np.memmap) and torch.equal(copy[3][0], ds[3][0])
+    sliced = BlockDataset(ds.tokens[100:], seq_len=9)  # a slice of a map is pickled as data
+    assert torch.equal(pickle.loads(pickle.dumps(sliced))[0][0], sliced[0][0])
 
 
 def test_val_batches_are_fixed_leading_blocks() -> None:
@@ -391,7 +416,8 @@ def test_field_absent(tmp_path: Path) -> None:
 
 
 def test_unreadable_files(tmp_path: Path) -> None:
-    (tmp_path / "Posts.xml").write_text('<?xml version="1.0"?>\n<posts>\n  <row Body="ok" />\n  <row Body="x" <oops\n</posts>\n')
+    broken = '<?xml version="1.0"?>\n<posts>\n  <row Body="ok" />\n  <row Body="x" <oops\n</posts>\n'
+    (tmp_path / "Posts.xml").write_text(broken)
     with pytest.raises(ConfigError, match=r"cannot parse XML in .*Posts\.xml.* at line 4"):
         docs_of(tmp_path / "Posts.xml")
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": oops}\n')

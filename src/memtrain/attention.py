@@ -214,20 +214,6 @@ def _sdpa_masked(
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
 
 
-def windowed_sdpa_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    dropout_p: float = 0.0,
-    *,
-    window: int,
-    backend: Optional[SDPBackend] = None,
-    block: Optional[int] = None,
-) -> torch.Tensor:
-    """Sliding window through SDPA, one masked call over all bands (see :func:`banded_attention`)."""
-    return banded_attention(q, k, v, dropout_p, window=window, block=block, kernel="sdpa", backend=backend)
-
-
 # --------------------------------------------------------------------------- CUDA-only kernels
 _compiled_flex: Optional[Callable[..., torch.Tensor]] = None
 

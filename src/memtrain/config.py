@@ -219,6 +219,11 @@ class TrainConfig:
     save: Optional[str] = _f(None, "Write a checkpoint to this file at the end (atomically).")
     save_every: int = _f(0, "Also checkpoint every N steps to --save (0: only at the end).")
     resume: Optional[str] = _f(None, "Resume model, optimizer, scheduler, RNG and data position from this checkpoint.")
+    stop_after: Optional[int] = _f(
+        None,
+        "Stop after this many optimizer steps, as if interrupted, with --save writing a checkpoint "
+        "there; the schedule still spans --steps, so --resume continues the same run.",
+    )
     progress: bool = _f(True, "Show a progress bar.")
 
     def __post_init__(self) -> None:
@@ -229,6 +234,8 @@ class TrainConfig:
         _require(self.schedule in ("cosine", "constant"), f"unknown --schedule {self.schedule!r}; choose cosine or constant")
         _require(self.grad_clip >= 0, f"--grad-clip must be >= 0, got {self.grad_clip}")
         _require(0.0 <= self.min_lr_ratio <= 1.0, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        _require(self.stop_after is None or 0 < self.stop_after <= self.steps,
+                 f"--stop-after must be between 1 and --steps ({self.steps}), got {self.stop_after}")
 
 
 SECTIONS: dict[str, type] = {

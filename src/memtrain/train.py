@@ -174,15 +174,16 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
     tokens_per_step = t.batch_size * t.grad_accum * t.seq_len
     # Metered steps run slower (the meter sees every op): keep them inside the timing warm-up.
     warmup = max(t.warmup_timing_steps, len(METERED_STEPS) if track_memory else 0)
-    timer = StepTimer(device, warmup=min(warmup, max(0, t.steps - start_step - 1)))
+    timer = StepTimer(device, warmup=min(warmup, max(0, (t.stop_after or t.steps) - start_step - 1)))
     meter = MemoryMeter(model, optimizer) if track_memory else None
     reset_device_peak(device)
-    bar = _Progress(total=t.steps, initial=start_step, enabled=show)
+    end_step = t.stop_after or t.steps
+    bar = _Progress(total=end_step, initial=start_step, enabled=show)
     batches = iter(loader)
     wall_start = time.perf_counter()
     val_history: list[dict[str, float]] = []
     try:
-        for step in range(start_step, t.steps):
+        for step in range(start_step, end_step):
             metered = meter is not None and (step - start_step) in METERED_STEPS
             with timer.data_wait():
                 micro = _micro_batches(batches, t.grad_accum)
@@ -197,7 +198,7 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
             losses.append(loss)
             bar.update(loss, tokens_per_step / max(time.perf_counter() - step_start, 1e-9))
             done = step + 1
-            if t.eval_every and done % t.eval_every == 0 and done < t.steps:
+            if t.eval_every and done % t.eval_every == 0 and done < end_step:
                 v = evaluate(model, val_batches, precision, device)
                 val_history.append({"step": done, "val_loss": v, "val_ppl": math.exp(min(v, 50))})
             if t.save and t.save_every and done % t.save_every == 0:
@@ -208,7 +209,7 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
 
     val_loss = evaluate(model, val_batches, precision, device)
     if t.save:
-        save_checkpoint(t.save, model, optimizer, scheduler, loader, precision, t.steps, losses, cfg)
+        save_checkpoint(t.save, model, optimizer, scheduler, loader, precision, end_step, losses, cfg)
 
     stats = timer.summary().to_dict()
     tail = losses[-min(10, len(losses)):] if losses else [float("nan")]
@@ -225,9 +226,10 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
         "train_loss": sum(tail) / len(tail),
         "val_loss": val_loss,
         "val_ppl": math.exp(min(val_loss, 50)),
-        "steps": t.steps,
-        "steps_run": t.steps - start_step,
-        "tokens": tokens_per_step * t.steps,
+        "steps": end_step,
+        "steps_run": end_step - start_step,
+        "stopped_early": end_step < t.steps,
+        "tokens": tokens_per_step * end_step,
         "step_time_s": {k: stats[k] for k in ("median", "p10", "p90", "mean")},
         "data_wait_share": stats.get("data_wait_share"),
         "total_time_s": total_time,

@@ -184,6 +184,9 @@ class TrainLoader:
             batch_sampler=self._sampler(),
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
+            # A private generator: creating a DataLoader iterator draws a worker base seed, and
+            # from the global RNG that draw would shift dropout masks after a resume.
+            generator=torch.Generator().manual_seed(self.seed + 7919 * self.epoch + self.batch_index),
             **extra,
         )
         return iter(loader)

@@ -103,8 +103,12 @@ def source_identity(cfg: DataConfig) -> dict[str, Any]:
             return {"kind": "hf", "name": target, "split": cfg.hf_split}
         if kind == "dir":
             files = sorted(p for p in Path(target).rglob("*") if p.is_file() and not _hidden(p, Path(target)))
-            return {"kind": "hf-dir", "path": str(Path(target).resolve()), "split": cfg.hf_split,
-                    "files": [_file_stat(p) for p in files]}
+            return {
+                "kind": "hf-dir",
+                "path": str(Path(target).resolve()),
+                "split": cfg.hf_split,
+                "files": [_file_stat(p) for p in files],
+            }
         return {"kind": f"hf-{kind}", "files": [_file_stat(p) for p in _match_files(target, cfg.data)]}
     return {"kind": "files", "files": [_file_stat(p) for p in resolve_local_files(cfg.data)]}
 
@@ -295,9 +299,12 @@ def _xml_documents(path: Path, field: str) -> Iterator[str]:
 
 
 def _xml_error(path: Path, exc: ET.ParseError) -> str:
-    line, column = getattr(exc, "position", (0, 0))
-    reason = str(exc).split(": line ")[0]
-    return f"cannot parse XML in {str(path)!r} at line {line}, column {column}: {reason}; check the file is a complete XML dump"
+    line, column = exc.position
+    reason = str(exc).split(": line ")[0]  # the position is reported separately
+    return (
+        f"cannot parse XML in {str(path)!r} at line {line}, column {column}: {reason}; "
+        f"check that the file is a complete XML dump"
+    )
 
 
 # --------------------------------------------------------------------------- Hugging Face
@@ -305,12 +312,16 @@ def _parse_hf(data: str) -> tuple[str, str]:
     """Split ``hf:...`` into (kind, target): ('hub', NAME), ('dir', PATH) or (builder, GLOB)."""
     spec = data[len("hf:"):]
     if not spec:
-        raise ConfigError("--data hf: needs a dataset name, e.g. hf:mikex86/stackoverflow-posts or hf:json:'data/*.jsonl'")
+        raise ConfigError(
+            "--data hf: needs a dataset name, e.g. hf:mikex86/stackoverflow-posts or hf:json:'data/*.jsonl'"
+        )
     builder, sep, rest = spec.partition(":")
     if sep and builder in HF_BUILDERS:
         return builder, rest
     if Path(spec).expanduser().is_dir():
         return "dir", str(Path(spec).expanduser())
+    if spec.startswith((".", "/", "~")):  # a path, never a Hub name (OWNER/NAME)
+        raise ConfigError(f"no directory {spec!r}; check --data hf:{spec} (a local dataset folder or a Hub name)")
     return "hub", spec
 
 
@@ -426,6 +437,7 @@ class _TextExtractor(HTMLParser):
         super().__init__(convert_charrefs=True)
         self.parts: list[str] = []
         self._dropping = 0
+        self._pre = 0
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         if tag in _DROP_TAGS:
@@ -434,6 +446,7 @@ class _TextExtractor(HTMLParser):
             self.parts.append("\n- ")
         elif tag in _BLOCK_TAGS:
             self.parts.append("\n")
+        self._pre += tag == "pre"
 
     def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         self.handle_starttag(tag, attrs)  # <br/> is one line break, not an open and a close
@@ -441,13 +454,22 @@ class _TextExtractor(HTMLParser):
     def handle_endtag(self, tag: str) -> None:
         if tag in _DROP_TAGS:
             self._dropping = max(0, self._dropping - 1)
-        elif tag in _BLOCK_TAGS:
+        elif tag in _BLOCK_TAGS and tag != "li":  # the next item's "- " starts its own line
             self.parts.append("\n")
+        if tag == "pre":
+            self._pre = max(0, self._pre - 1)
 
     def handle_data(self, data: str) -> None:
         # Text inside <code> and <pre> is kept verbatim: for Stack Overflow it is much of the content.
-        if not self._dropping:
-            self.parts.append(data)
+        if self._dropping:
+            return
+        if not self._pre and data.isspace() and "\n" in data:
+            # Source line breaks between tags: nothing at a line start (after a block tag),
+            # a word space between inline elements, as a browser would render them.
+            if self.parts and not self.parts[-1].endswith("\n"):
+                self.parts.append(" ")
+            return
+        self.parts.append(data)
 
 
 def html_to_text(html: str) -> str:
@@ -455,8 +477,9 @@ def html_to_text(html: str) -> str:
     parser = _TextExtractor()
     parser.feed(html)
     parser.close()
-    text = "".join(parser.parts)
-    return re.sub(r"\n[ \t]*\n(?:[ \t]*\n)+", "\n\n", text).strip()
+    text = "".join(parser.parts).replace("\r\n", "\n").replace("\r", "\n")
+    text = re.sub(r"[ \t]+\n", "\n", text)  # trailing spaces left by inline breaks
+    return re.sub(r"\n{3,}", "\n\n", text).strip()
 
 
 # --------------------------------------------------------------------------- helpers

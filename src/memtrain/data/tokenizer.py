@@ -40,14 +40,13 @@ def get_tokenizer() -> tiktoken.Encoding:
         vocab_bpe_hash=_VOCAB_BPE_SHA256,
         encoder_json_hash=_ENCODER_JSON_SHA256,
     )
-    enc = tiktoken.Encoding(
+    return tiktoken.Encoding(
         name=TOKENIZER_NAME,
         pat_str=GPT2_PAT_STR,
         mergeable_ranks=ranks,
         special_tokens={EOT_TEXT: EOT_ID},
-        explicit_n_vocab=N_VOCAB,
+        explicit_n_vocab=N_VOCAB,  # tiktoken checks the ranks and special tokens add up to it
     )
-    return enc
 
 
 def encode_batch(texts: list[str], num_threads: int | None = None) -> list[list[int]]:

@@ -37,15 +37,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.weak import WeakIdKeyDictionary
-
-try:  # present in every torch this project supports; guarded so a rename degrades gracefully
-    from torch._guards import active_fake_mode as _active_fake_mode
-except ImportError:  # pragma: no cover
-    def _active_fake_mode() -> Any:
-        return None
 
 __all__ = [
     "CATEGORIES",
@@ -65,23 +58,39 @@ _ROLES = {"parameters": _PARAM, "gradients": _GRAD, "optimizer": _OPT,
           "activations": _ACT, "temporaries": _TEMP}
 
 
+def _active_fake_mode() -> Any:
+    """The FakeTensorMode in effect, or None (a C lookup: this runs once per op)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+
+
 def _in_autograd_backward() -> bool:
     """True while the autograd engine executes a backward graph on this thread."""
     return torch._C._current_graph_task_id() != -1
 
 
+@functools.lru_cache(maxsize=None)
+def _is_wrapper_type(cls: type) -> bool:
+    """Whether ``cls`` is a traceable wrapper subclass: a tensor whose bytes live in inner
+    tensors listed by ``__tensor_flatten__`` (DTensor, torchao low-bit state, float8, NF4)."""
+    return (
+        cls is not torch.Tensor
+        and cls is not nn.Parameter
+        and hasattr(cls, "__tensor_flatten__")
+        and hasattr(cls, "__tensor_unflatten__")
+    )
+
+
 def _leaf_storages(t: torch.Tensor) -> Iterator[tuple[torch.UntypedStorage, torch.device]]:
     """The real storages behind ``t`` with the device each belongs to.
 
-    Wrapper subclasses (torchao's low-bit optimizer state, float8 and NF4 weights, DTensor)
-    hold no memory of their own: their bytes live in the inner tensors named by
-    ``__tensor_flatten__``, which are walked instead. The device reported is the tensor's, not
-    the storage's, because a fake 'cuda' tensor has a 'meta' storage.
+    Wrapper subclasses hold no memory of their own, so their inner tensors are walked instead.
+    The device reported is the tensor's, not the storage's, because a fake 'cuda' tensor has a
+    'meta' storage.
     """
     stack = [t]
     while stack:
         x = stack.pop()
-        if type(x) is not torch.Tensor and type(x) is not nn.Parameter and is_traceable_wrapper_subclass(x):
+        if _is_wrapper_type(type(x)):
             attrs, _ = x.__tensor_flatten__()
             stack.extend(v for v in (getattr(x, a) for a in attrs) if isinstance(v, torch.Tensor))
             continue
@@ -154,7 +163,24 @@ class _AllocationWatcher(TorchDispatchMode):
         # propagation (DTensor, compile tracing), not memory the step holds.
         self._fake_mode = _active_fake_mode()
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Let ``torch.compile`` compile with the meter on (torch >= 2.9 reads this).
+
+        Without it, dynamo refuses to compile under any non-infra dispatch mode: compiled models
+        silently fall back to eager (so the meter would measure eager memory) and
+        ``fullgraph=True`` callers such as torchao's low-bit optimizers fail outright. With it,
+        the mode is off while compiling and on while the compiled code runs, so the buffers the
+        compiled code allocates are counted; what happens inside a fused kernel is not.
+        """
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if any(_is_wrapper_type(t) for t in types):
+            # Let a wrapper subclass (DTensor, torchao state, float8) run its own dispatch
+            # first: the ops it issues on its inner tensors come back through this mode, so the
+            # scratch it makes (e.g. the FP32 copy while quantizing) is seen too.
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
         if _active_fake_mode() is self._fake_mode:
             self._meter._observe_output(out)
@@ -226,8 +252,10 @@ class MemoryMeter:
         self._depth = 0
         self._mode: _AllocationWatcher | None = None
         self._hooks: list[Any] = []
-        # Parameters that carry our grad hook; keyed by identity (tensor == is elementwise).
-        self._hooked = WeakIdKeyDictionary()
+        # Parameters that carry our grad hook, by id; strong references (only while the meter
+        # is active) because a weakref on a parameter makes nn.Module.to() fail when it swaps
+        # tensors (torch.utils.swap_tensors refuses tensors with weakrefs).
+        self._hooked: dict[int, torch.Tensor] = {}
         if optimizer is not None:
             self.attach_optimizer(optimizer)
 
@@ -331,7 +359,8 @@ class MemoryMeter:
             for h in self._hooks:
                 h.remove()
             self._hooks.clear()
-            self._hooked = WeakIdKeyDictionary()
+            self._hooked.clear()
+            self._in_opt = 0  # a step that raised never ran its post hook
 
     # ----------------------------------------------------------------------------- internals
 
@@ -446,8 +475,8 @@ class MemoryMeter:
                 self._assign(p, _PARAM)
                 if p.grad is not None:
                     self._assign(p.grad, _GRAD)
-                if self._depth and p.requires_grad and p not in self._hooked:
-                    self._hooked[p] = True
+                if self._depth and p.requires_grad and id(p) not in self._hooked:
+                    self._hooked[id(p)] = p
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
             for b in model.buffers():
                 self._assign(b, _PARAM)

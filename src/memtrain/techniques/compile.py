@@ -41,21 +41,28 @@ def has_cpp_compiler() -> bool:
     return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
 
 
-def _compile_kwargs(tech: TechniqueConfig) -> dict:
+def _compile_kwargs(tech: TechniqueConfig, backend: str) -> dict:
+    if backend != "inductor":
+        # Modes are inductor settings; other backends (used by fast tests) take none.
+        return {"backend": backend}
     # mode "default" is torch.compile's own default; pass None so torch picks it.
-    return {"mode": None if tech.compile_mode == "default" else tech.compile_mode}
+    return {"backend": backend, "mode": None if tech.compile_mode == "default" else tech.compile_mode}
 
 
-def apply_compile(model: nn.Module, tech: TechniqueConfig) -> nn.Module:
-    """Compile ``model`` (or each of ``model.blocks``) in place; return ``model``."""
+def apply_compile(model: nn.Module, tech: TechniqueConfig, backend: str = "inductor") -> nn.Module:
+    """Compile ``model`` (or each of ``model.blocks``) in place; return ``model``.
+
+    ``backend`` is torch.compile's; "aot_eager" traces the same graphs (dynamo and
+    AOTAutograd) without generating kernels, which tests use to stay fast.
+    """
     if not tech.compile:
         return model
     device_types = {p.device.type for p in model.parameters()}
-    if "cpu" in device_types and not has_cpp_compiler():
+    if backend == "inductor" and "cpu" in device_types and not has_cpp_compiler():
         raise ConfigError(
             "--compile on CPU needs a C++ compiler (g++ or clang++, or set $CXX); install one or drop --compile"
         )
-    kwargs = _compile_kwargs(tech)
+    kwargs = _compile_kwargs(tech, backend)
     if tech.compile_scope == "model":
         model.compile(**kwargs)
     elif tech.compile_scope == "block":

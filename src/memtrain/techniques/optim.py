@@ -1,4 +1,36 @@
-"""Optimizer construction: AdamW (plain, foreach, fused), SGD, and (see below) memory-lean ones.
+"""Optimizer construction, and how much memory an optimizer's state takes.
+
+``--optim`` chooses one of:
+
+=================  ==========================================================  ==============
+name               implementation                                              state / param
+=================  ==========================================================  ==============
+adamw              ``torch.optim.AdamW(foreach=False)``: one kernel per tensor  8 bytes
+adamw-foreach      ``torch.optim.AdamW(foreach=True)``: batched multi-tensor    8 bytes
+adamw-fused        ``torch.optim.AdamW(fused=True)``: one fused kernel          8 bytes
+                   (CPU and CUDA)
+adafactor          ``torch.optim.Adafactor``: no first moment, second moment    ~0 (O(m+n) per
+                   factored into row and column averages                        m x n matrix)
+adamw-8bit         ``torchao.optim.AdamW8bit``: block-wise 8-bit moments        ~2 bytes
+adamw-4bit         ``torchao.optim.AdamW4bit``: block-wise 4-bit moments        ~1 byte
+adamw-bnb-8bit     ``bitsandbytes.optim.AdamW8bit`` (CUDA only)                 ~2 bytes
+sgd                ``torch.optim.SGD(momentum=0.9)``                            4 bytes
+=================  ==========================================================  ==============
+
+With ``--precision bf16-pure`` the weights are BF16 and there is no FP32 master copy: an update
+smaller than half a BF16 step (1/256 of the weight) would be rounded away every time. The
+optimizers that can run there use torchao's BF16 *stochastic rounding*
+(``bf16_stochastic_round=True``): the FP32 result of the update is rounded up or down with
+probability proportional to its distance, so small updates survive in expectation.
+``adamw`` maps to ``torchao.optim._AdamW`` (plain AdamW whose state has the parameter dtype),
+``adamw-8bit``/``adamw-4bit`` to the low-bit ones with the same flag; the others raise a
+ConfigError.
+
+torchao's low-bit optimizers quantize only tensors with at least 4096 elements whose element
+count divides into the quantization block (256 for 8-bit, 128 for 4-bit); every other tensor
+keeps FP32 state. Biases and LayerNorm weights are small and cost nothing noticeable, but GPT-2's
+odd vocabulary (50257 rows) can leave the largest matrix, the token embedding, unquantized:
+:func:`build_optimizer` warns (:class:`LowBitSkipWarning`) naming such tensors and the fix.
 
 Weight decay goes to matrices and embeddings only; biases and LayerNorm weights are not
 decayed (as GPT-2 and nanoGPT do), which needs two parameter groups.
@@ -6,10 +38,43 @@ decayed (as GPT-2 and nanoGPT do), which needs two parameter groups.
 
 from __future__ import annotations
 
+import importlib.util
+import warnings
+from typing import Any, Iterator
+
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from memtrain.config import ConfigError, TechniqueConfig, TrainConfig
+
+__all__ = [
+    "LOW_BIT_BLOCK",
+    "LOW_BIT_MIN_NUMEL",
+    "LowBitSkipWarning",
+    "build_optimizer",
+    "low_bit_skipped",
+    "optimizer_state_bytes",
+    "param_groups",
+    "state_bytes_per_param",
+]
+
+# torchao's quantization block per optimizer (its defaults) and the size below which it keeps
+# FP32 state (the rule it copies from bitsandbytes). Used to predict what will be skipped.
+LOW_BIT_BLOCK = {"adamw-8bit": 256, "adamw-4bit": 128}
+LOW_BIT_MIN_NUMEL = 4096
+
+# Optimizers that can update BF16 weights without an FP32 master copy (stochastic rounding).
+BF16_PURE_OPTIMS = ("adamw", "adamw-8bit", "adamw-4bit")
+
+BNB_MESSAGE = (
+    "--optim adamw-bnb-8bit needs CUDA and `pip install bitsandbytes`; "
+    "use --optim adamw-8bit (torchao) on CPU"
+)
+
+
+class LowBitSkipWarning(UserWarning):
+    """A large tensor keeps FP32 optimizer state under a low-bit optimizer."""
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -24,14 +89,167 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return groups
 
 
+def _trainable(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """Named trainable parameters, each once, without wrapper prefixes (compile, DDP)."""
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            while name.startswith(("_orig_mod.", "module.")):
+                name = name.split(".", 1)[1]
+            yield name, p
+
+
+def low_bit_skipped(model: nn.Module, block_size: int, min_numel: int = LOW_BIT_MIN_NUMEL) -> list[tuple[str, tuple[int, ...]]]:
+    """Trainable tensors large enough to matter (>= ``min_numel`` elements) that a torchao
+    low-bit optimizer with ``block_size`` leaves in FP32 because their size does not divide
+    into the block. Small tensors (biases, norms) are skipped too but are not listed."""
+    return [
+        (name, tuple(p.shape))
+        for name, p in _trainable(model)
+        if p.numel() >= min_numel and p.numel() % block_size != 0
+    ]
+
+
+def _vocab_fix(model: nn.Module, shape: tuple[int, ...], block_size: int) -> str:
+    """The --vocab-multiple that makes an embedding of ``shape`` quantizable."""
+    base = getattr(model, "_orig_mod", model)
+    cfg = getattr(base, "cfg", None)
+    vocab = getattr(cfg, "vocab_size", shape[0])
+    d = shape[1] if len(shape) > 1 else 1
+    for multiple in (64, 128, 256, 512, 1024):
+        padded = -(-vocab // multiple) * multiple
+        if padded * d % block_size == 0:
+            return f"--vocab-multiple {multiple} (pads {vocab} to {padded} rows)"
+    return f"a --d-model divisible by {block_size}"
+
+
+def _warn_low_bit_skips(model: nn.Module, optim: str) -> None:
+    block = LOW_BIT_BLOCK[optim]
+    skipped = low_bit_skipped(model, block)
+    if not skipped:
+        return
+    total = sum(p.numel() for _, p in _trainable(model))
+    lost = sum(torch.Size(s).numel() for _, s in skipped)
+    names = ", ".join(f"{n} {tuple(s)}" for n, s in skipped)
+    fixes = []
+    if any(n.endswith(("wte.weight", "lm_head.weight")) for n, _ in skipped):
+        emb = next(s for n, s in skipped if n.endswith(("wte.weight", "lm_head.weight")))
+        fixes.append("pad the vocabulary with " + _vocab_fix(model, emb, block))
+    if any(not n.endswith(("wte.weight", "lm_head.weight")) for n, _ in skipped):
+        fixes.append(f"choose sizes whose element count is a multiple of {block}")
+    warnings.warn(
+        f"--optim {optim} keeps FP32 state for {names}: {lost / total:.0%} of the trainable "
+        f"parameters, because {block} does not divide their element count; "
+        f"{' and '.join(fixes)}",
+        LowBitSkipWarning,
+        stacklevel=3,
+    )
+
+
+def _torchao_optim(name: str) -> Any:
+    # Imported only when asked for: importing torchao is slow and prints loader noise.
+    import torchao.optim as ao
+
+    return getattr(ao, name)
+
+
+def _first_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
 def build_optimizer(model: nn.Module, tech: TechniqueConfig, train: TrainConfig) -> torch.optim.Optimizer:
-    """The optimizer named by ``tech.optim`` over the model's trainable parameters."""
+    """The optimizer named by ``tech.optim`` over the model's trainable parameters.
+
+    Under ``tech.precision == "bf16-pure"`` the BF16-stochastic-rounding variant is built
+    (see the module docstring); an optimizer without one is a ConfigError.
+    """
     groups = param_groups(model, train.weight_decay)
+    if not any(g["params"] for g in groups):
+        raise ConfigError("the model has no trainable parameters; check --lora-rank / --lora-targets")
     betas = (train.beta1, train.beta2)
     name = tech.optim
+    pure_bf16 = tech.precision == "bf16-pure"
+    if pure_bf16 and name not in BF16_PURE_OPTIMS:
+        raise ConfigError(
+            f"--optim {name} cannot update BF16 weights without an FP32 copy; with --precision "
+            f"bf16-pure use --optim {', '.join(BF16_PURE_OPTIMS)} (BF16 stochastic rounding), "
+            f"or use --precision bf16 (autocast, FP32 weights)"
+        )
+
+    if name == "adamw" and pure_bf16:
+        # torchao's _AdamW: AdamW whose update is computed in FP32 and stochastically rounded
+        # into the BF16 weight; its moments are kept in the parameter dtype (BF16).
+        return _torchao_optim("_AdamW")(groups, lr=train.lr, betas=betas, bf16_stochastic_round=True)
     if name in ("adamw", "adamw-foreach", "adamw-fused"):
         kw = {"foreach": False} if name == "adamw" else {"foreach": True} if name == "adamw-foreach" else {"fused": True}
         return torch.optim.AdamW(groups, lr=train.lr, betas=betas, **kw)
+    if name in LOW_BIT_BLOCK:
+        cls = _torchao_optim("AdamW8bit" if name == "adamw-8bit" else "AdamW4bit")
+        _warn_low_bit_skips(model, name)
+        return cls(groups, lr=train.lr, betas=betas, block_size=LOW_BIT_BLOCK[name],
+                   bf16_stochastic_round=pure_bf16)
+    if name == "adafactor":
+        # No first moment and a factored second moment: the optimizer with (almost) no state.
+        # Its update is RMS-normalized, so it takes --lr as an absolute step size.
+        return torch.optim.Adafactor(groups, lr=train.lr)
+    if name == "adamw-bnb-8bit":
+        if _first_device(model).type != "cuda" or importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError(BNB_MESSAGE)
+        import bitsandbytes as bnb
+
+        # bitsandbytes pads blocks itself; it keeps 32-bit state only for tensors < 4096 values.
+        return bnb.optim.AdamW8bit(groups, lr=train.lr, betas=betas)
     if name == "sgd":
         return torch.optim.SGD(groups, lr=train.lr, momentum=0.9)
-    raise ConfigError(f"--optim {name} is not available in this build")
+    raise ConfigError(f"unknown --optim {name!r}")
+
+
+# --------------------------------------------------------------------------- state accounting
+def _leaf_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Plain tensors holding ``t``'s data. Wrapper subclasses (torchao's OptimState8bit and
+    OptimState4bit, DTensor) own no storage of their own; their ``__tensor_flatten__`` names
+    the inner tensors that do (codes, scales, quantization map)."""
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        for attr in attrs:
+            yield from _leaf_tensors(getattr(t, attr))
+    else:
+        yield t
+
+
+def _state_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _state_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _state_tensors(v)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of storage held in ``optimizer.state``, each storage counted once.
+
+    State is created lazily on the first ``step``; before it this is 0. Includes the small
+    per-tensor extras (step counters, block scales, quantization maps) because they are real
+    memory, which is why a low-bit optimizer is not exactly 1/4 or 1/8 of AdamW.
+    """
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    for tensor in _state_tensors(list(optimizer.state.values())):
+        for leaf in _leaf_tensors(tensor):
+            storage = leaf.untyped_storage()
+            key = (str(leaf.device), storage.data_ptr())
+            if storage.nbytes() == 0 or key in seen:
+                continue
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def state_bytes_per_param(optimizer: torch.optim.Optimizer, model: nn.Module) -> float:
+    """Optimizer state bytes per trainable parameter of ``model`` (8.0 for FP32 AdamW)."""
+    n = sum(p.numel() for _, p in _trainable(model))
+    return optimizer_state_bytes(optimizer) / n if n else 0.0

@@ -2,12 +2,31 @@
 
 ``make_precision(precision, device)`` returns a :class:`Precision` that the train loop
 uses without knowing which mode is on: ``autocast()`` around forward and loss, ``scaler``
-(a GradScaler for FP16, else a pass-through), and ``param_dtype`` for the weights.
+(a GradScaler for FP16, else None), and ``param_dtype`` for the weights.
+
+========== ============ ============= ==========================================================
+mode       weights      matmuls       notes
+========== ============ ============= ==========================================================
+fp32       FP32         FP32          the reference
+tf32       FP32         TF32 (CUDA)   10-bit mantissa inputs on Ampere+ tensor cores; on CPU,
+                                      oneDNN uses TF32 only where the CPU has it, else FP32
+bf16       FP32         BF16 autocast FP32 weights, gradients and optimizer state; activations
+                                      saved for backward are BF16
+fp16       FP32         FP16 autocast plus a GradScaler: FP16's 5-bit exponent underflows small
+                                      gradients, so the loss is scaled up before backward and
+                                      a step whose gradients overflowed is skipped (counted in
+                                      ``skipped_steps``)
+bf16-pure  BF16         BF16          no FP32 master copy: weights and gradients take half the
+                                      bytes; the optimizer rounds its FP32 update into the BF16
+                                      weight stochastically (torchao ``bf16_stochastic_round``,
+                                      see :mod:`memtrain.techniques.optim`)
+========== ============ ============= ==========================================================
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, field
 from typing import ContextManager, Optional
 
@@ -33,23 +52,50 @@ class Precision:
         return torch.autocast(device_type=self.device_type, dtype=self.autocast_dtype)
 
 
+def _set_tf32(enabled: bool) -> None:
+    # TF32 is a process-wide switch: set it explicitly every run (on or off) so that one
+    # bench row cannot leak into the next.
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+    torch.set_float32_matmul_precision("high" if enabled else "highest")
+
+
+def _cpu_fp16_autocast_works() -> bool:
+    """Whether this torch build runs CPU autocast in FP16 (older builds silently fall back)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # an unsupported dtype warns, then autocast is off
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = torch.ones(2, 2) @ torch.ones(2, 2)
+            torch.amp.GradScaler("cpu")
+    except (RuntimeError, ValueError, AssertionError):
+        return False
+    return out.dtype == torch.float16
+
+
 def make_precision(precision: str, device: torch.device) -> Precision:
-    """Validate ``precision`` for ``device`` and set global matmul precision (TF32)."""
+    """Validate ``precision`` for ``device`` and set the global matmul precision (TF32)."""
     dt = device.type
-    # TF32 is a global switch: set it explicitly every run so one row cannot leak into the next.
-    tf32 = precision == "tf32"
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-    torch.backends.cudnn.allow_tf32 = tf32
-    torch.set_float32_matmul_precision("high" if tf32 else "highest")
-    if precision in ("fp32", "tf32"):
+    _set_tf32(precision == "tf32")
+    if precision == "fp32":
+        return Precision(precision, dt)
+    if precision == "tf32":
+        if dt == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
+            raise ConfigError("--precision tf32 needs an Ampere or newer GPU; use --precision fp32 or fp16")
         return Precision(precision, dt)
     if precision in ("bf16", "bf16-pure"):
         if dt == "cuda" and not torch.cuda.is_bf16_supported():
-            raise ConfigError("--precision bf16 needs a GPU with bfloat16 (Ampere or newer); use --precision fp16")
+            raise ConfigError(f"--precision {precision} needs a GPU with bfloat16 (Ampere or newer); use --precision fp16")
         if precision == "bf16":
             return Precision(precision, dt, autocast_dtype=torch.bfloat16)
         return Precision(precision, dt, param_dtype=torch.bfloat16)
     if precision == "fp16":
-        scaler = torch.amp.GradScaler(dt)
-        return Precision(precision, dt, autocast_dtype=torch.float16, scaler=scaler)
-    raise ConfigError(f"unknown --precision {precision!r}")
+        if dt == "cpu" and not _cpu_fp16_autocast_works():
+            raise ConfigError(
+                f"--precision fp16 needs CPU float16 autocast, which torch {torch.__version__} lacks; "
+                "use --precision bf16 on CPU"
+            )
+        if dt not in ("cpu", "cuda"):
+            raise ConfigError(f"--precision fp16 is not supported on {dt}; use --precision fp32")
+        return Precision(precision, dt, autocast_dtype=torch.float16, scaler=torch.amp.GradScaler(dt))
+    raise ConfigError(f"unknown --precision {precision!r}; choose fp32, tf32, bf16, fp16 or bf16-pure")

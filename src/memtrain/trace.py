@@ -1,0 +1,172 @@
+"""Trace a real training step under fake tensors: the exact tracked peak, nothing allocated.
+
+The real model, techniques, optimizer and ``memtrain.train.train_step`` run under
+``torch._subclasses.fake_tensor.FakeTensorMode``: every op computes shapes, dtypes and
+strides but no data, so a 7B-parameter step "runs" on a laptop in seconds. The
+:class:`memtrain.metrics.MemoryMeter` counts the fake storages exactly as it counts real ones,
+so the traced peak is what the same step would measure (to the byte on CPU; on CUDA the
+allocator's 512-byte rounding and caching come on top, as for any tracked figure).
+
+Two steps are traced, as in a run: the first creates the optimizer state, the second is the
+steady state whose peak is reported.
+
+What fake tensors cannot do, and what is done instead:
+
+* ``.item()`` has no value to return: a dispatch mode answers 1 (AdamW's step counter, the
+  loss). Values never change memory here.
+* ``Module.to`` swaps parameters and refuses fake ones that are weakly referenced (torch
+  2.13): the model is built directly on the fake device in the parameter dtype, and
+  ``prepare_model``'s move becomes a no-op for that call.
+* Fake CUDA tensors need a CUDA build of torch: the autograd engine asks for CUDA's device
+  guard when it records a CUDA tensor, and a CPU-only build aborts the process there (not an
+  exception). ``device_type="cuda"`` is therefore refused on such a build with a ConfigError;
+  on a CUDA build the random kernels (dropout, init) are replaced by their memory footprint,
+  since fake mode cannot reach the CUDA generator without a GPU.
+* ``--compile`` is traced eagerly (the compiled graph's own memory planning is not traced).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
+from typing import Any, Iterator, Optional
+
+from memtrain.config import ConfigError, RunConfig
+
+__all__ = ["trace_step", "trace_peak_bytes", "cuda_trace_supported"]
+
+
+def cuda_trace_supported() -> bool:
+    """Whether fake CUDA tensors can run autograd in this torch build."""
+    import torch
+
+    return torch.version.cuda is not None or torch.cuda.is_available()
+
+
+def _stub_mode(device_type: str) -> Any:
+    """A dispatch mode above the fake mode: answers ``.item()`` and, on fake CUDA, replaces
+    random kernels by allocations of the same size (the memory they would take)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    inplace_random = {"uniform_", "normal_", "bernoulli_", "random_", "exponential_", "geometric_",
+                      "log_normal_", "cauchy_"}
+
+    class _Stubs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            kwargs = kwargs or {}
+            if func is aten._local_scalar_dense.default:
+                t = args[0]
+                if t.dtype == torch.bool:
+                    return True
+                return 1.0 if t.dtype.is_floating_point else 1
+            if device_type == "cuda":
+                name = func.overloadpacket.__name__
+                if name in inplace_random:
+                    return args[0]
+                if name == "native_dropout":
+                    x = args[0]
+                    return torch.empty_like(x), torch.empty_like(x, dtype=torch.bool)
+                if name == "bernoulli":
+                    return torch.empty_like(args[0])
+                if name in ("randint", "rand", "randn", "randperm"):
+                    size = next(a for a in args if isinstance(a, (list, tuple, torch.Size)))
+                    dtype = kwargs.get("dtype") or (torch.int64 if name in ("randint", "randperm") else torch.float32)
+                    return torch.empty(size, dtype=dtype, device=kwargs.get("device"))
+            return func(*args, **kwargs)
+
+    return _Stubs()
+
+
+@contextlib.contextmanager
+def _cuda_stubs(device_type: str) -> Iterator[None]:
+    """On a CUDA build without a visible GPU, answer the few torch.cuda queries a step makes."""
+    import torch
+
+    if device_type != "cuda" or torch.cuda.is_available():
+        yield
+        return
+    saved = {name: getattr(torch.cuda, name) for name in ("get_rng_state", "set_rng_state", "is_bf16_supported")}
+    torch.cuda.get_rng_state = lambda device="cuda": torch.empty(16, dtype=torch.uint8)  # type: ignore[assignment]
+    torch.cuda.set_rng_state = lambda state, device="cuda": None  # type: ignore[assignment]
+    torch.cuda.is_bf16_supported = lambda *a, **k: True  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.cuda, name, fn)
+
+
+def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict[str, Any]:
+    """Run ``steps`` training steps of ``cfg`` on fake tensors; return the last step's
+    :class:`memtrain.metrics.MemoryStats` as a dict (``peak_bytes``, ``by_category``,
+    ``peak_phase``, ``phase_peaks``...), plus ``device_type``."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memtrain.metrics import MemoryMeter
+    from memtrain.model import GPT
+    from memtrain.techniques import build_optimizer, make_precision, prepare_model
+    from memtrain.train import train_step
+
+    if device_type not in ("cpu", "cuda"):
+        raise ConfigError(f"--trace-device {device_type!r}: use cpu or cuda")
+    if device_type == "cuda" and not cuda_trace_supported():
+        raise ConfigError(
+            "--trace-device cuda needs a CUDA build of torch (fake CUDA tensors cannot run autograd "
+            f"in this CPU-only build, torch {torch.__version__}); use --trace-device cpu, or the "
+            "analytic estimate (its cuda kernel facts: 1-byte dropout masks, fused SDPA with dropout)")
+    if cfg.technique.compile:
+        cfg = cfg.replace(compile=False)  # traced eagerly (see the module docstring)
+    device = torch.device(device_type)
+    with _cuda_stubs(device_type):
+        precision = make_precision(cfg.technique.precision, device)
+        if device_type == "cuda" and precision.scaler is not None and not torch.cuda.is_available():
+            precision.scaler = None  # GradScaler disables itself without a GPU; its memory is scalars
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        default_dtype = torch.get_default_dtype()
+        # Compiled functions (torchao's low-bit optimizer steps) cannot be compiled over fake
+        # tensors: run them eagerly. Their eager scratch is larger than the fused kernel's.
+        with fake, _stub_mode(device_type), torch.compiler.set_stance("force_eager"):
+            try:
+                torch.set_default_dtype(precision.param_dtype)
+                with torch.device(device):
+                    base = GPT(cfg.model)
+            finally:
+                torch.set_default_dtype(default_dtype)
+            # prepare_model moves the model first; it is already where it should be, and
+            # Module.to cannot swap fake parameters (see the module docstring).
+            base.to = lambda *a, **k: base  # type: ignore[method-assign]
+            try:
+                model = prepare_model(base, cfg, device, precision)
+            finally:
+                del base.to
+            model.train()
+            optimizer = build_optimizer(model, cfg.technique, cfg.train)
+            meter = MemoryMeter(model, optimizer)
+            t = cfg.train
+            for step in range(steps):
+                micro = [
+                    (torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len), device=device),
+                     torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len), device=device))
+                    for _ in range(t.grad_accum)
+                ]
+                with meter:
+                    if step == steps - 1:
+                        meter.reset_peak()
+                    train_step(model, micro, optimizer, precision, t.grad_clip, device, meter)
+            stats = meter.stats().to_dict()
+    stats["device_type"] = device_type
+    return stats
+
+
+def trace_peak_bytes(cfg: RunConfig, device_type: Optional[str] = None) -> int:
+    """The traced steady-state peak of ``cfg`` (device type from ``cfg.train.device``)."""
+    if device_type is None:
+        device_type = "cuda" if cfg.train.device.startswith("cuda") else "cpu"
+        if cfg.train.device == "auto":
+            import torch
+
+            device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return int(trace_step(cfg, device_type)["peak_bytes"])

@@ -1,0 +1,117 @@
+"""The command line: exit codes, one-line errors, nothing half-written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from memtrain.cli import main
+
+from conftest import SHARED_SAMPLE, TINY_MODEL
+
+
+def _flags(d: dict) -> list[str]:
+    out = []
+    for k, v in d.items():
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            out.append(flag)
+        elif v is False:
+            out.append("--no-" + k.replace("_", "-"))
+        else:
+            out += [flag, str(v)]
+    return out
+
+
+def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
+    code = main(args)
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--bogus", "1"], "unrecognized arguments"),
+        (["--seq-len", "1024"], "exceeds --max-seq-len"),
+        (["--data", "/nonexistent/x.jsonl"], "x.jsonl"),
+        (["--precision", "fp8"], "unknown --precision"),
+        (["--n-heads", "5"], "must divide --d-model"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(extra, message, tmp_path, capsys):
+    out = tmp_path / "out"
+    try:
+        code, _, err = run_cli(["train", "--out", str(out), "--no-progress", *extra], capsys)
+    except SystemExit as exc:  # argparse errors
+        code, err = exc.code, capsys.readouterr().err
+    assert code == 2
+    lines = [l for l in err.strip().splitlines() if l]
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0]
+    assert not out.exists()
+
+
+def test_field_absent_and_empty_and_too_small_corpus(tmp_path, capsys):
+    absent = tmp_path / "a.jsonl"
+    absent.write_text(json.dumps({"title": "x"}) + "\n")
+    empty = tmp_path / "e.txt"
+    empty.write_text("")
+    small = tmp_path / "s.txt"
+    small.write_text("just a few words")
+    bad_xml = tmp_path / "Posts.xml"
+    bad_xml.write_text('<posts><row Body="x"></posts>')
+    for path, message in ((absent, "text"), (empty, "no documents"), (small, "fewer than one batch"),
+                          (bad_xml, "XML")):
+        code, _, err = run_cli(["train", "--data", str(path), "--out", str(tmp_path / "o"), "--no-progress",
+                                "--seq-len", "32",
+                                *_flags(TINY_MODEL)], capsys)
+        assert code == 2, err
+        assert err.startswith("error:") and message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_train_writes_result_json(small_corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    code, stdout, _ = run_cli(["train", "--data", str(small_corpus), "--out", str(out), "--steps", "3",
+                               "--batch-size", "2", "--seq-len", "32", "--warmup-steps", "1", "--no-progress",
+                               *_flags(TINY_MODEL)], capsys)
+    assert code == 0
+    result = json.loads((out / "result.json").read_text())
+    assert result["steps"] == 3 and "val ppl" in stdout
+
+
+def test_config_file_and_override(small_corpus, tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'data = "{small_corpus}"\nsteps = 2\n[model]\nd_model = 32\nn_heads = 4\nn_layers = 1\n'
+                   f'd_ff = 64\nmax_seq_len = 64\n[train]\nbatch_size = 2\nseq_len = 16\nwarmup_steps = 1\n')
+    code, _, err = run_cli(["train", "--config", str(cfg), "--steps", "3", "--out", str(tmp_path / "r"),
+                            "--no-progress"], capsys)
+    assert code == 0, err
+    result = json.loads((tmp_path / "r" / "result.json").read_text())
+    assert result["steps"] == 3 and result["config"]["model"]["n_layers"] == 1
+
+
+@pytest.mark.skipif(not SHARED_SAMPLE.is_file(), reason="../shared/data is not beside this checkout")
+def test_train_on_stackoverflow_posts_xml(tmp_path, capsys):
+    code, _, err = run_cli(["train", "--data", str(SHARED_SAMPLE), "--strip-html", "--out", str(tmp_path / "so"),
+                            "--steps", "4", "--batch-size", "2", "--seq-len", "32", "--warmup-steps", "1",
+                            "--no-progress", *_flags(TINY_MODEL)], capsys)
+    assert code == 0, err
+    r = json.loads((tmp_path / "so" / "result.json").read_text())
+    assert r["data"]["train_documents"] + r["data"]["val_documents"] == 1000
+
+
+def test_python_dash_m_and_help():
+    env = {**os.environ}
+    proc = subprocess.run([sys.executable, "-m", "memtrain", "--help"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0
+    for command in ("train", "bench", "maxbatch", "report"):
+        assert command in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "memtrain", "train", "--seq-len", "9999"],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 2 and proc.stderr.startswith("error:") and "Traceback" not in proc.stderr

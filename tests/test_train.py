@@ -1,0 +1,67 @@
+"""The training loop: learning happens, results follow the contract, resume is exact."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from memtrain.config import ConfigError, build_config
+from memtrain.train import lr_lambda, train
+
+CONTRACT_KEYS = {"config", "train_loss", "val_loss", "val_ppl", "steps", "tokens", "step_time_s",
+                 "total_time_s", "tokens_per_s", "mfu", "memory", "env"}
+
+
+def test_result_follows_contract_and_loss_falls(tiny_run):
+    cfg = build_config({**tiny_run, "steps": 30, "lr": 3e-3, "warmup_steps": 3})
+    r = train(cfg)
+    assert CONTRACT_KEYS <= r.keys()
+    assert set(r["step_time_s"]) >= {"median", "p10", "p90"}
+    assert set(r["memory"]["by_category"]) == {"parameters", "gradients", "optimizer", "activations", "temporaries"}
+    assert r["memory"]["peak_bytes"] == sum(r["memory"]["by_category"].values())
+    assert r["memory"]["max_allocated_bytes"] is None  # CPU
+    assert r["tokens"] == 30 * 4 * 32
+    assert r["env"]["device_type"] == "cpu" and r["env"]["torch"] == torch.__version__
+    # Untrained loss is ~ln(50257) = 10.8; a few dozen steps on a repetitive corpus go far below.
+    assert r["loss_history"][0] > 10.0
+    assert r["val_loss"] < 8.5
+    assert math.isclose(r["val_ppl"], math.exp(r["val_loss"]))
+
+
+def test_schedule_warmup_then_cosine():
+    cfg = build_config({"steps": 100, "warmup_steps": 10, "min_lr_ratio": 0.1})
+    f = lr_lambda(cfg)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(1.0) and f(100) == pytest.approx(0.1)
+    assert 0.1 < f(55) < 1.0
+    const = lr_lambda(build_config({"steps": 100, "warmup_steps": 10, "schedule": "constant"}))
+    assert const(50) == 1.0
+
+
+def test_resume_continues_exactly(tiny_run, tmp_path):
+    """Stop after 4 of 8 steps, resume, and get the same losses as one uninterrupted run."""
+    base = {**tiny_run, "steps": 8, "dropout": 0.1}
+    full = train(build_config(base))
+    half = train(build_config({**base, "stop_after": 4, "save": str(tmp_path / "half.pt")}))
+    assert half["stopped_early"] and half["loss_history"] == full["loss_history"][:4]
+    resumed = train(build_config({**base, "resume": str(tmp_path / "half.pt")}))
+    assert resumed["steps_run"] == 4
+    assert resumed["loss_history"] == full["loss_history"]
+    assert resumed["val_loss"] == pytest.approx(full["val_loss"], abs=0)
+
+
+def test_resume_rejects_other_model(tiny_run, tmp_path):
+    train(build_config({**tiny_run, "steps": 2, "save": str(tmp_path / "a.pt")}))
+    with pytest.raises(ConfigError, match="does not fit this model"):
+        train(build_config({**tiny_run, "d_model": 64, "resume": str(tmp_path / "a.pt")}))
+    bad = tmp_path / "junk.pt"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(ConfigError, match="cannot read checkpoint"):
+        train(build_config({**tiny_run, "resume": str(bad)}))
+
+
+def test_grad_accum_counts_tokens(tiny_run):
+    r = train(build_config({**tiny_run, "steps": 3, "grad_accum": 2}))
+    assert r["tokens"] == 3 * 2 * 4 * 32
