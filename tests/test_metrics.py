@@ -51,7 +51,9 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
     return sum(storages.values())
 
 
-def train_step(meter: MemoryMeter, model: nn.Module, opt: torch.optim.Optimizer | None, x: torch.Tensor) -> None:
+def train_step(
+    meter: MemoryMeter, model: nn.Module, opt: torch.optim.Optimizer | None, x: torch.Tensor
+) -> None:
     with meter.phase("forward"):
         loss = model(x).square().mean()
     with meter.phase("backward"):
@@ -188,7 +190,7 @@ def test_views_are_not_double_counted_and_frees_leave_the_total() -> None:
     meter = MemoryMeter()
     with meter:
         a = torch.empty(1000)
-        views = [a.view(10, 100), a[:500], a.t() if a.dim() == 2 else a.reshape(100, 10), a.detach()]
+        views = [a.view(10, 100), a[:500], a.reshape(100, 10).t(), a.detach(), a.as_strided((10,), (100,))]
         assert meter.current()["total"] == 4000
         b = a.clone()
         assert meter.current()["total"] == 8000
@@ -371,7 +373,8 @@ def test_tensor_subclass_optimizer_state_counts_inner_tensors() -> None:
 
 
 @pytest.mark.skipif(
-    not hasattr(TorchDispatchMode, "ignore_compile_internals"), reason="torch too old to compile under a dispatch mode"
+    not hasattr(TorchDispatchMode, "ignore_compile_internals"),
+    reason="this torch cannot compile under a dispatch mode",
 )
 def test_compiled_code_runs_and_is_counted_under_the_meter() -> None:
     # fullgraph=True fails if dynamo will not compile with the meter's mode on (torchao's

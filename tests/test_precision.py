@@ -129,7 +129,7 @@ def test_stochastic_rounding_keeps_small_updates(eager_torchao):
         opt.step()
         changed[kind] = sum(int(((a != b) & (a.abs() >= 2**-9)).sum()) for a, b in zip(base.parameters(), model.parameters()))
     assert changed["torch"] == 0
-    assert changed["sr"] > 100
+    assert changed["sr"] > 100, changed
 
 
 @pytest.mark.parametrize("optim", ["adamw-fused", "adamw-foreach", "adafactor", "sgd"])

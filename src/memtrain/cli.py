@@ -92,6 +92,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     out = Path(cfg.train.out)
     result = train(cfg)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0  # under torchrun only rank 0 writes and prints (result["ranks"] has every rank)
     write_json_atomic(out / "result.json", result)
     mem = result["memory"]
     print(

@@ -226,7 +226,6 @@ class StepCount:
     trainable_params: int
     rule_flops: float
     rule_terms: dict[str, float]
-    notes: list[str] = field(default_factory=list)
 
     def phase_total(self, phase: str, kind: str = "flops") -> float:
         return sum(getattr(c, kind) for c in self.table.get(phase, {}).values())
@@ -370,32 +369,67 @@ def _leaf_module(parents: Iterable[str]) -> str:
     return max(names, key=lambda n: n.count(".")) if names else "Global"
 
 
-def _make_recorder(tracker: Any, registry: dict, vocab: int, profile: bool = False) -> Any:
+def _make_recorder(model: Any, tracker: Any, registry: dict, vocab: int, profile: bool = False) -> Any:
     """A TorchDispatchMode that attributes every aten op to (phase, class): FLOPs by the flop
-    counter's formulas, analytic element-wise FLOPs, bytes. With ``profile`` it also wraps each
-    op in a profiler range ``mt::<class>`` so kernel time can be summed per class."""
+    counter's formulas, analytic element-wise FLOPs, bytes. With ``profile`` it instead wraps
+    each op in a profiler range ``mt::<class>`` so kernel time can be summed per class.
+
+    Which module runs an op: in the forward pass, and whenever a module's forward runs during
+    the backward pass (that is activation checkpointing recomputing it: phase ``recompute``),
+    the innermost module on a stack kept by global forward hooks (``always_call``, so the stack
+    stays balanced when checkpointing stops a recompute early by raising). Otherwise, in the
+    backward pass proper, the innermost module of ``tracker`` (torch's ModuleTracker, the one
+    FlopCounterMode uses, which follows gradients through module boundaries).
+    """
+    import torch
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    names = {m: ("GPT." + n if n else "GPT") for n, m in model.named_modules()}
 
     class _Recorder(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
             self.phase = "forward"
+            self.stack: list[str] = []
             self.table: dict[str, dict[str, ClassCount]] = defaultdict(lambda: defaultdict(ClassCount))
+            self._hooks: list[Any] = []
+
+        def __enter__(self) -> "_Recorder":
+            def push(module: Any, args: Any) -> None:
+                self.stack.append(names.get(module, type(module).__name__))
+
+            def pop(module: Any, args: Any, out: Any) -> None:  # must return None: a value would replace the output
+                if self.stack:
+                    self.stack.pop()
+
+            self._hooks = [register_module_forward_pre_hook(push), register_module_forward_hook(pop, always_call=True)]
+            return super().__enter__()
+
+        def __exit__(self, *exc: Any) -> None:
+            for h in self._hooks:
+                h.remove()
+            self.stack.clear()
+            return super().__exit__(*exc)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             kwargs = kwargs or {}
             if func.namespace in ("prim", "profiler"):  # metadata queries (fake tensors ask for .device)
                 return func(*args, **kwargs)
             name = func._overloadpacket.__name__
-            cls = classify(_leaf_module(tracker.parents), name, _tensors((args, kwargs)), vocab)
+            phase = self.phase
+            if self.stack:
+                module = self.stack[-1]
+                if phase == "backward":
+                    phase = "recompute"
+            else:
+                module = _leaf_module(tracker.parents) if phase == "backward" else "GPT"
+            cls = classify(module, name, _tensors((args, kwargs)), vocab)
             if profile:
-                import torch
-
                 with torch.profiler.record_function(f"mt::{cls}"):
-                    out = func(*args, **kwargs)
-                return out
+                    return func(*args, **kwargs)
             out = func(*args, **kwargs)
-            c = self.table[self.phase][cls]
+            c = self.table[phase][cls]
             packet = func._overloadpacket
             if packet in registry:
                 c.counted += registry[packet](*args, **kwargs, out_val=out)
@@ -460,36 +494,44 @@ def _counting_config(cfg: RunConfig, **overrides: Any) -> RunConfig:
     return cfg.replace(compile=False, distributed="none", cpu_offload=False, device="cpu", **overrides)
 
 
-def _cuda_dropout_mode() -> Any:
-    """A TorchFunctionMode that runs dropout as CUDA does, as one fused ``native_dropout``
-    kernel (output and mask in one pass). On CPU ``F.dropout`` decomposes into bernoulli_,
-    div_ and mul kernels, three passes over the tensor; counting that would describe a step
-    no GPU runs. FLOPs are unaffected either way."""
+def _use_fused_dropout(model: Any) -> None:
+    """Make this (throwaway) model run dropout as CUDA does: one fused ``native_dropout`` kernel
+    (output and mask in one pass). On CPU ``F.dropout`` decomposes into bernoulli_, div_ and
+    mul kernels, three passes over the tensor; counting those would describe bytes no GPU
+    moves. FLOPs are unaffected. ``nn.Dropout`` modules get an instance ``forward``; attention
+    functions (which call ``F.dropout`` inside, e.g. the math backend) run under a
+    TorchFunctionMode that rewrites the call. Both act again in checkpointing's recompute,
+    which must see the same ops as the forward did."""
     import torch
+    import torch.nn as nn
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
 
-    targets = {F.dropout, torch.dropout, torch.nn.functional.dropout}
-    backward_fns = {torch.Tensor.backward, torch.autograd.backward}
+    def fused(x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+        return torch.native_dropout(x, p, True)[0] if train and p > 0.0 else x
+
+    targets = {F.dropout, torch.dropout}
 
     class _FusedDropout(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             kwargs = kwargs or {}
             if func in targets:
-                x = args[0]
                 p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
                 train = kwargs.get("training", kwargs.get("train", args[2] if len(args) > 2 else True))
-                if not train or p == 0.0:
-                    return x
-                return torch.native_dropout(x, p, True)[0]
-            if func in backward_fns:
-                # A mode is off while its handler runs; stay on through the backward so that
-                # checkpointing's recompute sees the same fused dropout as the forward did.
-                with self:
-                    return func(*args, **kwargs)
+                return fused(args[0], p, train)
             return func(*args, **kwargs)
 
-    return _FusedDropout()
+    def wrap_attention(fn: Any) -> Any:
+        def attn_fn(*args: Any, **kwargs: Any) -> Any:
+            with _FusedDropout():
+                return fn(*args, **kwargs)
+        return attn_fn
+
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.forward = (lambda m: lambda x: fused(x, m.p, m.training))(module)
+        if callable(getattr(module, "attn_fn", None)):
+            module.attn_fn = wrap_attention(module.attn_fn)
 
 
 def _empty_model(cfg: ModelConfig) -> Any:
@@ -541,6 +583,7 @@ def _trace(cfg: RunConfig, fake: bool = True) -> tuple[dict[str, dict[str, Class
     n_params = base.num_parameters()
     model = prepare_model(base, cfg, torch.device("cpu"), precision)
     model.train()
+    _use_fused_dropout(model)
     # Parameters are real (uninitialized) CPU tensors: modules built inside FakeTensorMode
     # cannot be moved with .to(), which prepare_model does. Everything the step computes is fake.
     with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
@@ -549,8 +592,8 @@ def _trace(cfg: RunConfig, fake: bool = True) -> tuple[dict[str, dict[str, Class
         targets = torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len))
         counter = FlopCounterMode(display=False, custom_mapping=_cpu_attention_mapping())
         with counter:
-            recorder = _make_recorder(counter.mod_tracker, counter.flop_registry, cfg.model.padded_vocab_size)
-            with recorder, _cuda_dropout_mode():
+            recorder = _make_recorder(model, counter.mod_tracker, counter.flop_registry, cfg.model.padded_vocab_size)
+            with recorder:
                 with precision.autocast():
                     loss = model(idx, targets)
                 recorder.phase = "backward"
@@ -580,9 +623,9 @@ def count_step(cfg: RunConfig) -> StepCount:
     """Counted FLOPs and bytes of one optimizer step of ``cfg``, by phase and operation class.
 
     Forward and backward are counted on one micro-batch and multiplied by ``grad_accum`` (the
-    micro-batches have the same shapes). With activation checkpointing the step is traced twice,
-    with and without it: recompute = backward(checkpointed) - backward(plain), per class, so it
-    holds exactly what the recomputation adds, whatever the policy.
+    micro-batches have the same shapes). With activation checkpointing, ops that run inside a
+    module's forward during the backward pass are the recomputation; they are counted as phase
+    ``recompute``, whatever the policy (full, every:K, selective).
     """
     return _count_step_cached(_cache_key(cfg))
 
@@ -603,18 +646,7 @@ def _count_step_cached(key: str) -> StepCount:
     table, counter_total, n_params, trainable = _trace(cfg)
     forward = table.get("forward", {})
     backward = table.get("backward", {})
-    recompute: dict[str, ClassCount] = {}
-    notes: list[str] = []
-    if cfg.technique.checkpointing != "none":
-        plain, plain_total, _, _ = _trace(cfg.replace(checkpointing="none"))
-        plain_bwd = plain.get("backward", {})
-        for name, c in backward.items():
-            p = plain_bwd.get(name, ClassCount())
-            diff = ClassCount(c.counted - p.counted, c.elementwise - p.elementwise, c.bytes - p.bytes, c.ops - p.ops)
-            if diff.counted > 0 or diff.elementwise > 0 or diff.bytes > 0:
-                recompute[name] = ClassCount(max(diff.counted, 0.0), max(diff.elementwise, 0.0), max(diff.bytes, 0.0), max(diff.ops, 0))
-        backward = {name: plain_bwd.get(name, ClassCount()) for name in set(backward) | set(plain_bwd)}
-        notes.append("recompute = backward with checkpointing - backward without, per class")
+    recompute = table.get("recompute", {})
     accum = t.grad_accum
     scaled: dict[str, dict[str, ClassCount]] = {}
     for phase, classes in (("forward", forward), ("backward", backward), ("recompute", recompute)):
@@ -633,7 +665,7 @@ def _count_step_cached(key: str) -> StepCount:
     return StepCount(
         table=scaled, counter_flops=counter_total * accum, tokens=tokens, n_params=n_params,
         trainable_params=trainable, rule_flops=terms["six_n_d"] + terms["attention"],
-        rule_terms=terms, notes=notes,
+        rule_terms=terms,
     )
 
 
@@ -818,7 +850,6 @@ def flops_report(cfg: RunConfig, gpu: Optional[str] = None, measured_s: Optional
         "method": ("FLOPs: torch.utils.flop_counter.FlopCounterMode on one training step under "
                    "FakeTensorMode (CPU); element-wise and optimizer FLOPs analytic; bytes: sum of "
                    "input and output sizes of each eager aten op"),
-        "notes": count.notes,
     }
     if measured_s is not None:
         report["measured"] = {"device": measured_device, "step_time_s": sum(v for v in measured_s.values() if v),
@@ -871,7 +902,7 @@ def profile_op_classes(cfg: RunConfig, steps: int = 5, warmup: int = 3) -> dict[
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     tracker = ModuleTracker()
-    recorder = _make_recorder(tracker, {}, cfg.model.padded_vocab_size, profile=True)
+    recorder = _make_recorder(model, tracker, {}, cfg.model.padded_vocab_size, profile=True)
     scaler = precision.scaler
     with profile(activities=activities) as prof:
         for _ in range(steps):

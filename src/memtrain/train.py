@@ -19,10 +19,12 @@ import torch.nn as nn
 from memtrain.checkpoint import load_checkpoint, save_checkpoint
 from memtrain.config import RunConfig
 from memtrain.data import make_train_loader, make_val_batches, prepare_tokens
+from memtrain.distributed_checkpoint import load_checkpoint as dcp_load, save_checkpoint as dcp_save
 from memtrain.metrics import MemoryMeter, StepTimer, device_gpu, device_peak_memory, mfu, reset_device_peak
 from memtrain.model import GPT
 from memtrain.runtime import environment, resolve_device, seed_everything
 from memtrain.techniques import Precision, build_optimizer, make_precision, prepare_model
+from memtrain.techniques.distributed import DistContext, distributed_session
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -142,18 +144,30 @@ def _micro_batches(it: Iterator[Batch], n: int) -> list[Batch]:
 
 
 def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = True) -> dict[str, Any]:
-    """Run one training run as configured; return the result dict."""
+    """Run one training run as configured; return the result dict.
+
+    Under ``--distributed`` every rank (torchrun process) runs this and gets the result;
+    only rank 0 shows progress (see :mod:`memtrain.techniques.distributed`).
+    """
+    with distributed_session(cfg, resolve_device(cfg.train.device)) as dist_ctx:
+        return _train(cfg, dist_ctx, progress, track_memory)
+
+
+def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], track_memory: bool) -> dict[str, Any]:
     t = cfg.train
-    show = t.progress if progress is None else progress
-    device = resolve_device(t.device)
+    show = (t.progress if progress is None else progress) and dist_ctx.is_main
+    device = dist_ctx.device
     seed_everything(t.seed)
+    # Distributed runs save a sharded checkpoint directory (torch.distributed.checkpoint).
+    save_ckpt, load_ckpt = (dcp_save, dcp_load) if dist_ctx.enabled else (save_checkpoint, load_checkpoint)
 
     # Data first: a bad source fails before any model is built or file written.
-    splits = prepare_tokens(cfg.data, progress=show)
+    with dist_ctx.main_first():  # rank 0 fills the token cache, the other ranks then read it
+        splits = prepare_tokens(cfg.data, progress=show)
     loader = make_train_loader(
         splits.train, t.seq_len, t.batch_size, seed=t.seed,
         num_workers=cfg.data.num_workers, pin_memory=cfg.data.pin_memory,
-        prefetch_factor=cfg.data.prefetch_factor,
+        prefetch_factor=cfg.data.prefetch_factor, rank=dist_ctx.rank, world_size=dist_ctx.world_size,
     )
     val_batches = make_val_batches(splits.val, t.seq_len, cfg.data.val_blocks, t.batch_size)
 
@@ -163,19 +177,22 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
     model = prepare_model(base, cfg, device, precision)
     model.train()
     optimizer = build_optimizer(model, cfg.technique, t)
+    model, optimizer = dist_ctx.wrap_optimizer(model, optimizer)  # ZeRO-1 / DeepSpeed; else unchanged
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
 
     start_step = 0
     losses: list[float] = []
     if t.resume:
-        state = load_checkpoint(t.resume, model, optimizer, scheduler, loader, precision)
+        state = load_ckpt(t.resume, model, optimizer, scheduler, loader, precision)
         start_step, losses = state["step"], list(state["losses"])
 
-    tokens_per_step = t.batch_size * t.grad_accum * t.seq_len
+    tokens_per_step = t.batch_size * t.grad_accum * t.seq_len * dist_ctx.world_size  # global batch
     # Metered steps run slower (the meter sees every op): keep them inside the timing warm-up.
     warmup = max(t.warmup_timing_steps, len(METERED_STEPS) if track_memory else 0)
     timer = StepTimer(device, warmup=min(warmup, max(0, (t.stop_after or t.steps) - start_step - 1)))
     meter = MemoryMeter(model, optimizer) if track_memory else None
+    dist_ctx.attach_meter(meter)
+    step_fn, no_sync = dist_ctx.train_step or train_step, dist_ctx.no_sync(model)
     reset_device_peak(device)
     end_step = t.stop_after or t.steps
     bar = _Progress(total=end_step, initial=start_step, enabled=show)
@@ -192,8 +209,9 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
                 with meter if metered else contextlib.nullcontext():
                     if metered and step - start_step == METERED_STEPS[-1]:
                         meter.reset_peak()
-                    loss = train_step(model, micro, optimizer, precision, t.grad_clip, device,
-                                      meter if metered else None)
+                    loss = step_fn(model, micro, optimizer, precision, t.grad_clip, device,
+                                   meter if metered else None, no_sync=no_sync)
+                loss = dist_ctx.mean(loss)  # the global batch's loss, the same on every rank
                 scheduler.step()
             losses.append(loss)
             bar.update(loss, tokens_per_step / max(time.perf_counter() - step_start, 1e-9))
@@ -202,14 +220,14 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
                 v = evaluate(model, val_batches, precision, device)
                 val_history.append({"step": done, "val_loss": v, "val_ppl": math.exp(min(v, 50))})
             if t.save and t.save_every and done % t.save_every == 0:
-                save_checkpoint(t.save, model, optimizer, scheduler, loader, precision, done, losses, cfg)
+                save_ckpt(t.save, model, optimizer, scheduler, loader, precision, done, losses, cfg)
     finally:
         bar.close()
     total_time = time.perf_counter() - wall_start
 
     val_loss = evaluate(model, val_batches, precision, device)
     if t.save:
-        save_checkpoint(t.save, model, optimizer, scheduler, loader, precision, end_step, losses, cfg)
+        save_ckpt(t.save, model, optimizer, scheduler, loader, precision, end_step, losses, cfg)
 
     stats = timer.summary().to_dict()
     tail = losses[-min(10, len(losses)):] if losses else [float("nan")]
@@ -234,7 +252,7 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
         "data_wait_share": stats.get("data_wait_share"),
         "total_time_s": total_time,
         "tokens_per_s": tokens_per_step / median if median else None,
-        "mfu": mfu(flops_per_token * tokens_per_step, median, device_gpu(device), cfg.technique.precision) if median else None,
+        "mfu": mfu(flops_per_token * tokens_per_step / dist_ctx.world_size, median, device_gpu(device), cfg.technique.precision) if median else None,
         "flops_per_token": flops_per_token,
         "memory": memory,
         "parameters": n_params,
@@ -252,4 +270,5 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
         },
         "env": environment(device),
     }
+    result.update(dist_ctx.result_fields(memory))  # distributed: "ranks" (memory per rank), "distributed"
     return result

@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         multiple_of=args.multiple_of,
         timeout_s=args.row_timeout,
+        progress=overrides.get("progress", True) not in (False, "false"),
     )
 
     def on_row(name: str, row: dict) -> None:

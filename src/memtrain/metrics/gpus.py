@@ -158,7 +158,9 @@ def peak_flops(gpu: GpuSpec | None, dtype: str | torch.dtype) -> float | None:
     return value
 
 
-def mfu(flops_per_step: float, step_time_s: float, gpu: GpuSpec | None, dtype: str | torch.dtype) -> float | None:
+def mfu(
+    flops_per_step: float, step_time_s: float, gpu: GpuSpec | None, dtype: str | torch.dtype
+) -> float | None:
     """Model FLOP utilization: achieved FLOP/s (``flops_per_step / step_time_s``) over the
     GPU's dense peak for ``dtype``. None where the peak is unknown (CPU, unlisted GPU, a type
     the GPU has no tensor cores for)."""

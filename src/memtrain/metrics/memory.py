@@ -17,9 +17,11 @@ inflate the optimizer share at the peak (AdamW on a small MLP: 1.32 MB "optimize
 for 0.79 MB of real state); (2) its peak cannot be restarted after warm-up without touching
 private fields, and it refuses a second forward of the root module unless its module stats are
 reset; (3) it knows nothing of step phases; (4) it only looks one level deep into
-``optimizer.state``.  The tracker below keeps the parts that work (a ``TorchDispatchMode`` that
-sees every op output, weakref finalizers on ``UntypedStorage`` to see frees, flattening of
-wrapper subclasses) and fixes those four points.
+``optimizer.state``; (5) like any dispatch mode that does not opt in, it makes
+``torch.compile`` fall back to eager, so a compiled step's memory is not what it measures.
+The tracker below keeps the parts that work (a ``TorchDispatchMode`` that sees every op output,
+weakref finalizers on ``UntypedStorage`` to see frees, flattening of wrapper subclasses) and
+fixes those points.
 
 Device peaks (``torch.cuda.max_memory_allocated``/``max_memory_reserved``) are in
 ``device_peak_memory``; they include allocator rounding and caching, which the tracked meter
@@ -281,7 +283,10 @@ class MemoryMeter:
             raise ValueError(f"unknown category {category!r}; choose one of {', '.join(CATEGORIES)}")
         cat = _ROLES[category]
         for obj in objs:
-            tensors = list(obj.parameters()) + list(obj.buffers()) if isinstance(obj, nn.Module) else _tensors_in(obj)
+            if isinstance(obj, nn.Module):
+                tensors = [*obj.parameters(), *obj.buffers()]
+            else:
+                tensors = list(_tensors_in(obj))
             for t in tensors:
                 self._assign(t, cat)
         self._check_peak()
@@ -526,5 +531,6 @@ def reset_device_peak(device: str | torch.device) -> None:
     """Restart the device allocator's peak counters (no-op off CUDA)."""
     dev = torch.device(device)
     if dev.type == "cuda" and torch.cuda.is_available():
-        torch.cuda.synchronize(dev)  # let queued kernels finish so their memory is attributed before the reset
+        # Let queued kernels finish first, so their allocations land before the reset.
+        torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)

@@ -30,7 +30,7 @@ def plot_peak_memory(records: list[dict[str, Any]], path: Path) -> None:
     """Stacked horizontal bars: the tracked peak split by category, per technique."""
     plt = _plt()
     recs = _ok(records, "peak_tracked_bytes")
-    fig, ax = plt.subplots(figsize=(9, 0.55 * len(recs) + 1.6))
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(recs) + 2.2))
     names = [r["technique"] for r in recs]
     left = [0.0] * len(recs)
     for c in CATEGORIES:
@@ -43,7 +43,8 @@ def plot_peak_memory(records: list[dict[str, Any]], path: Path) -> None:
     ax.set_xlabel("tracked peak memory (MiB), split by category at the peak")
     ax.set_title("Peak memory per technique")
     ax.set_xlim(0, max(left or [1]) * 1.22)
-    ax.legend(loc="lower right", fontsize=8, frameon=False)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.28 if len(recs) < 4 else -0.12), ncol=5, fontsize=8,
+              frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

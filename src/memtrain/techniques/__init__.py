@@ -20,6 +20,7 @@ from memtrain.model import GPT
 from memtrain.techniques.attention import apply_attention
 from memtrain.techniques.checkpointing import apply_checkpointing
 from memtrain.techniques.compile import apply_compile
+from memtrain.techniques.distributed import apply_distributed
 from memtrain.techniques.lora import apply_lora
 from memtrain.techniques.loss import apply_loss
 from memtrain.techniques.optim import build_optimizer
@@ -31,7 +32,8 @@ __all__ = ["prepare_model", "build_optimizer", "make_precision", "Precision"]
 def prepare_model(model: GPT, cfg: RunConfig, device: torch.device, precision: Precision) -> torch.nn.Module:
     """Move ``model`` to ``device`` and apply every technique of ``cfg.technique`` in order.
 
-    Returns the module to train (the GPT itself, or a compiled wrapper around it).
+    Returns the module to train (the GPT itself, or a compiled wrapper around it, or its
+    DistributedDataParallel wrapper; FSDP2 shards the GPT in place).
     """
     tech = cfg.technique
     model = model.to(device=device, dtype=precision.param_dtype)
@@ -39,4 +41,5 @@ def prepare_model(model: GPT, cfg: RunConfig, device: torch.device, precision: P
     apply_attention(model, tech, device, precision)
     apply_checkpointing(model, tech)
     apply_loss(model, tech, device)
-    return apply_compile(model, tech)
+    model = apply_compile(model, tech)
+    return apply_distributed(model, tech, device, precision)

@@ -1,0 +1,180 @@
+"""Checkpoints of distributed runs: a directory written by all ranks together.
+
+``--save CKPT`` under ``--distributed`` writes::
+
+    CKPT/
+      .metadata, __R_0.distcp   torch.distributed.checkpoint (DCP): the model weights and, for
+                                ddp/zero2/fsdp, the optimizer state; each rank writes its own
+                                shards (replicated tensors are written once)
+      rank-R.pt                 per rank: RNG states, LR schedule, loss scaler; under zero1
+                                also the rank's ZeroRedundancyOptimizer shard
+      meta.json                 step, loss history, data position, ranks, strategy, config
+
+and ``--resume CKPT`` restores all of it, so a resumed run continues exactly as the
+uninterrupted one would (the promise of :mod:`memtrain.checkpoint`). The same functions and
+signatures as that module, so the train loop only chooses which pair to call.
+
+Written atomically: all ranks write into a sibling temporary directory, and rank 0 renames
+it into place once every rank has finished, so a run killed mid-save keeps the previous
+checkpoint. Ranks must share the file system (one machine, or a shared mount).
+
+Resuming needs the same number of ranks (each rank's data position and RNG state are its
+own) and, for zero1, the same strategy (its optimizer shards follow ZeRO's partition);
+ddp, zero2 and fsdp read one another's checkpoints, since DCP stores tensors by name.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from memtrain.config import ConfigError, RunConfig
+
+FORMAT = "memtrain-dcp-1"
+META = "meta.json"
+
+
+def _zero1_local(optimizer: Any) -> Any:
+    """The rank-local optimizer of a ZeroRedundancyOptimizer, else None."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else None
+
+
+def _app_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """What DCP saves/loads: canonical parameter names (no ``module.`` prefix) whatever the
+    wrapper, and DTensor shards under FSDP2. ZeRO-1's optimizer is not DCP-aware; its shard
+    travels in the rank file instead."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if _zero1_local(optimizer) is not None:
+        return {"model": get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optimizer": optim_sd}
+
+
+def _rank_file(root: Path, rank: int) -> Path:
+    return root / f"rank-{rank}.pt"
+
+
+def save_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    loader: Any,
+    precision: Any,
+    step: int,
+    losses: list[float],
+    cfg: RunConfig,
+) -> None:
+    """Write everything needed to continue after ``step`` (a collective: every rank calls it)."""
+    import torch.distributed.checkpoint as dcp
+
+    final = Path(path)
+    if final.exists() and not final.is_dir():
+        raise ConfigError(f"--save {str(final)!r} is a file; distributed runs save a directory, give a new path")
+    tmp = final.with_name(f".{final.name}.tmp")
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(_app_state(model, optimizer), checkpoint_id=str(tmp))
+    local = _zero1_local(optimizer)
+    torch.save(
+        {
+            "rng_cpu": torch.get_rng_state(),
+            "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "scheduler": scheduler.state_dict(),
+            "scaler": precision.scaler.state_dict() if precision.scaler is not None else None,
+            "skipped_steps": precision.skipped_steps,
+            "optimizer": local.state_dict() if local is not None else None,
+        },
+        _rank_file(tmp, rank),
+    )
+    if rank == 0:
+        meta = {
+            "format": FORMAT,
+            "step": step,
+            "losses": list(losses),
+            "loader": loader.state_dict(),
+            "world_size": dist.get_world_size(),
+            "strategy": cfg.technique.distributed,
+            "config": cfg.to_dict(),
+        }
+        (tmp / META).write_text(json.dumps(meta, indent=1))
+    dist.barrier()  # every rank has written its part
+    if rank == 0:
+        old = final.with_name(f".{final.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()  # nobody reads or rewrites the checkpoint before it is in place
+
+
+def load_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    loader: Any,
+    precision: Any,
+) -> dict[str, Any]:
+    """Restore all state in place (every rank calls it); return ``{"step", "losses"}``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    p = Path(path)
+    if not (p / META).is_file():
+        hint = "it is a single-process checkpoint; resume it without --distributed" if p.is_file() else "check --resume"
+        raise ConfigError(f"{str(p)!r} is not a distributed checkpoint directory ({hint})")
+    meta = json.loads((p / META).read_text())
+    if meta.get("format") != FORMAT:
+        raise ConfigError(f"checkpoint {str(p)!r} has an unknown format; it was not written by this memtrain version")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if meta["world_size"] != world:
+        raise ConfigError(
+            f"checkpoint {str(p)!r} was written by {meta['world_size']} ranks, this run has {world}; "
+            f"resume with torchrun --nproc_per_node {meta['world_size']}"
+        )
+    local = _zero1_local(optimizer)
+    if (meta["strategy"] == "zero1") != (local is not None):
+        raise ConfigError(f"checkpoint {str(p)!r} was written with --distributed {meta['strategy']}; resume with the same strategy")
+
+    state = _app_state(model, optimizer)
+    try:
+        dcp.load(state, checkpoint_id=str(p))
+    except CheckpointException as exc:  # a BaseException in torch: turn it into a user error
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"checkpoint {str(p)!r} does not fit this model ({first}); use the same model flags as the saved run") from None
+    if local is None:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    else:
+        set_model_state_dict(model, state["model"])
+
+    own = torch.load(_rank_file(p, rank), map_location="cpu", weights_only=True)
+    if local is not None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        local.load_state_dict(own["optimizer"])
+        # The outer optimizer's param_groups are what the LR schedule edits; copy them back.
+        ZeroRedundancyOptimizer._sync_param_groups(local.param_groups, optimizer.param_groups)
+    scheduler.load_state_dict(own["scheduler"])
+    loader.load_state_dict(meta["loader"])
+    torch.set_rng_state(own["rng_cpu"])
+    if own["rng_cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(own["rng_cuda"])
+    if own["scaler"] is not None and precision.scaler is not None:
+        precision.scaler.load_state_dict(own["scaler"])
+    precision.skipped_steps = own["skipped_steps"]
+    return {"step": int(meta["step"]), "losses": meta["losses"]}

@@ -1,0 +1,333 @@
+"""``memtrain plan``: the fastest technique set whose training step fits a memory budget.
+
+1. Enumerate technique sets: precision x attention x checkpointing x loss x optimizer, and for
+   each the largest micro-batch (a divisor of the target batch, the rest made up by gradient
+   accumulation) whose *estimated* peak, plus a safety margin, fits the budget
+   (:func:`memtrain.estimate.estimate`).
+2. Rank the sets that fit by a relative step-time model (:func:`step_cost`).
+3. Optionally verify the best one by training it for a few steps and comparing the tracked
+   peak with the prediction (:func:`verify`).
+
+The cost model is a model, not a measurement (docs/estimation.md gives its table): FLOPs of the
+step (6 x parameters x tokens + attention, plus what checkpointing recomputes), divided by a
+device throughput that depends on precision and on how full a micro-batch keeps the device,
+plus the optimizer step as memory traffic. Its job is to order candidates sensibly; use
+``memtrain bench`` to time the ones that matter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Sequence
+
+from memtrain.config import ConfigError, RunConfig, parse_checkpointing
+from memtrain.estimate import GPT2_ARCH, Arch, estimate, param_table
+
+__all__ = ["Candidate", "PlanResult", "DEVICE_PROFILES", "default_space", "plan", "step_cost", "verify"]
+
+
+# --------------------------------------------------------------------------- the cost model
+# Per device type: matmul throughput by precision (FLOP/s, the order of magnitude of what eager
+# PyTorch reaches, not the datasheet), memory bandwidth for the optimizer step, and the
+# micro-batch size (tokens) at which the device runs at half its throughput.
+DEVICE_PROFILES: dict[str, dict[str, Any]] = {
+    "cuda": {"flops": {"fp32": 40e12, "tf32": 120e12, "bf16": 250e12, "fp16": 250e12, "bf16-pure": 280e12},
+             "bandwidth": 2.0e12, "half_tokens": 2048},
+    # CPUs without AMX/AVX512-BF16 emulate bf16 matmuls through fp32: not faster, usually slower.
+    "cpu": {"flops": {"fp32": 1.0e11, "tf32": 1.0e11, "bf16": 0.8e11, "fp16": 0.5e11, "bf16-pure": 0.8e11},
+            "bandwidth": 2.0e10, "half_tokens": 64},
+}
+# Bytes of memory traffic per trainable parameter in one optimizer step (read/write of
+# weights, gradients and states; kernel-launch overhead folded in for the per-tensor loop).
+OPTIMIZER_TRAFFIC = {"adamw": 40, "adamw-foreach": 28, "adamw-fused": 24, "sgd": 16, "adafactor": 24,
+                     "adamw-8bit": 24, "adamw-4bit": 24, "adamw-bnb-8bit": 16}
+# Extra time of the attention core (QK^T, softmax, AV) when the (s x s) scores are materialized,
+# relative to a fused kernel: the softmax and masking passes are memory-bound.
+MATH_ATTENTION_PENALTY = {"cuda": 2.0, "cpu": 1.0}
+# Selective checkpointing recomputes only the cheap (elementwise) ops: charged as this share of
+# a block's forward.
+SELECTIVE_RECOMPUTE_SHARE = 0.05
+
+
+def _flops_per_token(cfg: RunConfig, arch: Arch) -> dict[str, float]:
+    """Forward FLOPs per token: block matmuls, attention core, LM head (2 per multiply-add)."""
+    m, s = cfg.model, cfg.train.seq_len
+    kv = (arch.n_kv_heads or m.n_heads) * m.head_dim
+    mlp = (3 if arch.mlp == "swiglu" else 2) * m.d_model * m.d_ff
+    block = 2 * (m.d_model * (m.d_model + 2 * kv) + m.d_model * m.d_model + mlp)
+    window = cfg.technique.window
+    keys = min(window, s) if window else s
+    attn = 2 * 2 * keys * m.d_model  # QK^T and AV
+    head = 2 * m.padded_vocab_size * m.d_model
+    return {"blocks": block * m.n_layers, "attention": attn * m.n_layers, "head": head}
+
+
+def step_cost(cfg: RunConfig, device_type: str, arch: Arch = GPT2_ARCH) -> tuple[float, dict[str, float]]:
+    """Modelled seconds of one optimizer step (``batch_size x grad_accum`` sequences)."""
+    prof = DEVICE_PROFILES[device_type]
+    tech, t = cfg.technique, cfg.train
+    f = _flops_per_token(cfg, arch)
+    tokens = t.batch_size * t.grad_accum * t.seq_len
+    attn = f["attention"] * (MATH_ATTENTION_PENALTY[device_type] if _materialized(cfg, device_type) else 1.0)
+    fwd_blocks = f["blocks"] + attn
+    train = 3 * (fwd_blocks + f["head"])
+    kind, every = parse_checkpointing(tech.checkpointing)
+    L = cfg.model.n_layers
+    if kind == "full":
+        recompute = fwd_blocks
+    elif kind == "selective":
+        recompute = SELECTIVE_RECOMPUTE_SHARE * fwd_blocks
+    elif kind in ("every", "sqrt"):
+        k = max(1, round(math.sqrt(L))) if kind == "sqrt" else every
+        recompute = fwd_blocks * len(range(0, L, k)) / L
+    else:
+        recompute = 0.0
+    if tech.loss == "chunked":
+        train += 0.02 * 3 * f["head"]  # the per-chunk loop and its casts
+    micro_tokens = t.batch_size * t.seq_len
+    efficiency = micro_tokens / (micro_tokens + prof["half_tokens"])
+    rate = prof["flops"][tech.precision] * efficiency
+    compute = (train + recompute) * tokens / rate
+    trainable = sum(p.numel for p in param_table(cfg.model, arch, tech) if p.trainable)
+    optimizer = OPTIMIZER_TRAFFIC.get(tech.optim, 32) * trainable / prof["bandwidth"]
+    return compute + optimizer, {"compute_s": compute, "recompute_flops_per_token": recompute,
+                                 "optimizer_s": optimizer, "micro_batch_efficiency": efficiency}
+
+
+def _materialized(cfg: RunConfig, device_type: str) -> bool:
+    tech = cfg.technique
+    if tech.attention == "math":
+        return True
+    return tech.attention == "sdpa" and device_type == "cpu" and cfg.model.dropout > 0
+
+
+# --------------------------------------------------------------------------- enumeration
+@dataclass
+class Candidate:
+    """One technique set at its micro-batch, with its prediction."""
+
+    techniques: dict[str, Any]
+    batch_size: int
+    grad_accum: int
+    peak_bytes: float
+    peak_phase: str
+    step_time_s: float
+    relative_time: float = 1.0
+    fits: bool = True
+
+    def label(self) -> str:
+        t = self.techniques
+        parts = [t["precision"], f"attention {t['attention']}", f"checkpointing {t['checkpointing']}",
+                 f"loss {t['loss']}", t["optim"]]
+        return ", ".join(parts) + f", micro-batch {self.batch_size} x {self.grad_accum}"
+
+
+@dataclass
+class PlanResult:
+    budget_bytes: int
+    margin: float
+    device_type: str
+    target_batch: Optional[int]
+    candidates: list[Candidate]
+    evaluated: int
+    baseline_step_time_s: float
+    verified: Optional[dict[str, Any]] = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for c in d["candidates"]:
+            c["peak_bytes"] = int(round(c["peak_bytes"]))
+            c["config_flags"] = _flags(c)
+        return d
+
+
+def _flags(c: dict[str, Any]) -> str:
+    t = c["techniques"]
+    return (f"--precision {t['precision']} --attention {t['attention']} --checkpointing {t['checkpointing']} "
+            f"--loss {t['loss']} --optim {t['optim']} --batch-size {c['batch_size']} --grad-accum {c['grad_accum']}")
+
+
+def default_space(cfg: RunConfig, device_type: str) -> dict[str, list[str]]:
+    """The technique values ``plan`` tries by default on ``device_type``.
+
+    Only choices that keep the training algorithm: the configured optimizer's family (on CPU
+    the low-bit optimizers are left out: their torch.compile'd step takes minutes to build
+    there), no sliding window (it changes the model), no fp16 (it needs loss scaling).
+    """
+    cpu = device_type == "cpu"
+    optim = cfg.technique.optim
+    if optim in ("adamw", "adamw-foreach", "adamw-fused"):
+        optims = [optim] if cpu else ["adamw-fused", "adamw-8bit"]
+    else:
+        optims = [optim]
+    attentions = ["math"] if (cpu and cfg.model.dropout > 0) else ["math", "sdpa"]
+    if not cpu:
+        attentions = ["sdpa", "math"]
+    return {
+        "precision": ["fp32", "bf16"] if cpu else ["bf16", "tf32", "bf16-pure"],
+        "attention": attentions,
+        "checkpointing": ["none", "selective", "every:2", "full"] if cfg.model.n_layers > 1 else ["none", "full"],
+        "loss": ["standard", "chunked"],
+        "optim": optims,
+    }
+
+
+def _sets(space: dict[str, list[str]]) -> list[dict[str, str]]:
+    from itertools import product
+
+    keys = list(space)
+    out = []
+    for values in product(*(space[k] for k in keys)):
+        t = dict(zip(keys, values))
+        if t["precision"] == "bf16-pure" and t["optim"] not in ("adamw", "adamw-8bit", "adamw-4bit"):
+            continue  # bf16-pure needs a stochastic-rounding optimizer (techniques/optim.py)
+        out.append(t)
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return sorted({d for i in range(1, int(math.isqrt(n)) + 1) if n % i == 0 for d in (i, n // i)}, reverse=True)
+
+
+def plan(
+    cfg: RunConfig,
+    budget_bytes: int,
+    device_type: str = "cpu",
+    arch: Arch = GPT2_ARCH,
+    max_batch: bool = False,
+    margin: float = 0.10,
+    top: int = 5,
+    space: Optional[dict[str, list[str]]] = None,
+    max_batch_limit: int = 4096,
+) -> PlanResult:
+    """Rank technique sets that fit ``budget_bytes`` (with ``margin`` of safety) by modelled
+    step time. The target batch is ``cfg.train.batch_size x cfg.train.grad_accum`` sequences;
+    with ``max_batch`` each set instead gets the largest batch that fits and sets are ranked
+    by modelled time per token."""
+    if budget_bytes <= 0:
+        raise ConfigError("--budget must be positive, e.g. 24GiB")
+    if not 0 <= margin < 1:
+        raise ConfigError(f"--margin must be in [0, 1), got {margin}")
+    space = space or default_space(cfg, device_type)
+    sets = _sets(space)
+    target = cfg.train.batch_size * cfg.train.grad_accum
+    limit = budget_bytes / (1 + margin)
+    evaluated = 0
+    base_cfg = cfg.replace(precision="fp32", attention="math", checkpointing="none", loss="standard",
+                           window=None, batch_size=target, grad_accum=1)
+    baseline, _ = step_cost(base_cfg, device_type, arch)
+
+    def at(t: dict[str, str], micro: int, accum: int) -> RunConfig:
+        return cfg.replace(**t, batch_size=micro, grad_accum=accum)
+
+    def peak(c: RunConfig) -> tuple[float, str]:
+        nonlocal evaluated
+        evaluated += 1
+        e = estimate(c, arch, device_type)
+        return e.peak_bytes, e.peak_phase
+
+    fits: list[Candidate] = []
+    smallest: Optional[tuple[float, dict[str, str], int, int]] = None
+    if not max_batch:
+        micros = _divisors(target)
+        # Branch and bound: a set's cost at the full micro-batch is a lower bound of its cost.
+        bounds = sorted(((step_cost(at(t, target, 1), device_type, arch)[0], i) for i, t in enumerate(sets)))
+        for bound, i in bounds:
+            if len(fits) >= top and bound > sorted(c.step_time_s for c in fits)[top - 1]:
+                break
+            t = sets[i]
+            # The largest micro-batch that fits (peak grows with the micro-batch): bisect.
+            lo, hi, best = 0, len(micros) - 1, None
+            while lo <= hi:
+                mid = (lo + hi) // 2
+                c = at(t, micros[mid], target // micros[mid])
+                p, ph = peak(c)
+                if p <= limit:
+                    best, hi = (micros[mid], p, ph), mid - 1
+                else:
+                    lo = mid + 1
+                    if micros[mid] == 1 and (smallest is None or p < smallest[0]):
+                        smallest = (p, t, 1, target)
+            if best is None:
+                if smallest is None or micros[-1] != 1:
+                    p, _ = peak(at(t, micros[-1], target // micros[-1]))
+                    if smallest is None or p < smallest[0]:
+                        smallest = (p, t, micros[-1], target // micros[-1])
+                continue
+            micro, p, ph = best
+            c = at(t, micro, target // micro)
+            cost, _ = step_cost(c, device_type, arch)
+            fits.append(Candidate(dict(t), micro, target // micro, p, ph, cost, cost / baseline))
+        fits.sort(key=lambda c: c.step_time_s)
+    else:
+        for t in sets:
+            lo, hi = 0, 1
+            p, ph = peak(at(t, 1, 1))
+            if p > limit:
+                if smallest is None or p < smallest[0]:
+                    smallest = (p, t, 1, 1)
+                continue
+            best = (1, p, ph)
+            while hi <= max_batch_limit:
+                p2, ph2 = peak(at(t, hi * 2 if hi > 1 else 2, 1))
+                b = hi * 2 if hi > 1 else 2
+                if p2 > limit:
+                    lo, hi = best[0], b
+                    break
+                best, hi = (b, p2, ph2), b
+            else:
+                hi = best[0]
+            lo = best[0]
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                p3, ph3 = peak(at(t, mid, 1))
+                if p3 <= limit:
+                    best, lo = (mid, p3, ph3), mid
+                else:
+                    hi = mid
+            b, p, ph = best
+            c = at(t, b, 1)
+            cost, _ = step_cost(c, device_type, arch)
+            per_token = cost / (b * cfg.train.seq_len)
+            fits.append(Candidate(dict(t), b, 1, p, ph, per_token, 1.0))
+        fits.sort(key=lambda c: (c.step_time_s, -c.batch_size))
+        if fits:
+            best_rate = fits[0].step_time_s
+            for c in fits:
+                c.relative_time = c.step_time_s / best_rate
+    if not fits:
+        assert smallest is not None
+        p, t, micro, accum = smallest
+        what = Candidate(dict(t), micro, accum, p, "", 0.0).label()
+        raise ConfigError(
+            f"nothing fits in {_gib(budget_bytes)} (with a {margin:.0%} margin): the smallest option needs "
+            f"{_gib(p * (1 + margin))} ({_gib(p)} predicted; {what}); raise --budget or lower "
+            f"--batch-size/--seq-len")
+    notes = [f"cost model: {device_type} profile; a model to order candidates, not a measurement"]
+    return PlanResult(budget_bytes, margin, device_type, None if max_batch else target, fits[:top],
+                      evaluated, baseline, notes=notes)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def candidate_config(cfg: RunConfig, c: Candidate) -> RunConfig:
+    return cfg.replace(**c.techniques, batch_size=c.batch_size, grad_accum=c.grad_accum)
+
+
+def verify(cfg: RunConfig, c: Candidate, steps: int = 2, arch: Arch = GPT2_ARCH) -> dict[str, Any]:
+    """Train candidate ``c`` for ``steps`` steps (embedded default data unless ``cfg`` says
+    otherwise) and compare the tracked peak of the steady-state step with the prediction."""
+    from memtrain.train import train
+
+    run_cfg = candidate_config(cfg, c).replace(steps=max(2, steps), warmup_steps=0, eval_every=0,
+                                              warmup_timing_steps=0, progress=False, val_blocks=1)
+    result = train(run_cfg, progress=False)
+    measured = result["memory"]["peak_bytes"]
+    return {"predicted_bytes": int(round(c.peak_bytes)), "measured_bytes": measured,
+            "error": (c.peak_bytes / measured - 1) if measured else None,
+            "by_category": result["memory"].get("by_category"), "steps": run_cfg.train.steps,
+            "step_time_s": result["step_time_s"]["median"]}

@@ -1,0 +1,136 @@
+"""`memtrain bench`, `memtrain report` and `memtrain maxbatch`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from memtrain.bench.presets import DEFAULT_TECHNIQUES, TECHNIQUES, technique_overrides
+from memtrain.bench.runner import BenchOptions, read_results, resolve_rows, run_bench
+from memtrain.cli import main
+from memtrain.config import ConfigError, build_config
+from memtrain.maxbatch import find_max_batch
+from memtrain.report import write_report
+
+from conftest import TINY_MODEL
+
+DATA = Path(__file__).parent / "data"
+UPDATE_GOLDEN = False  # set True once to rewrite the golden report after an intended change
+
+
+def test_report_from_synthetic_results_matches_golden(tmp_path):
+    shutil.copy(DATA / "bench_results.jsonl", tmp_path / "results.jsonl")
+    summary = write_report(tmp_path, techniques=["baseline", "chunked-loss", "compile", "lora"])
+    text = (tmp_path / "report.md").read_text()
+    golden = DATA / "bench_report.md"
+    if UPDATE_GOLDEN:
+        golden.write_text(text)
+    assert text == golden.read_text()
+    assert summary["missing"] == ["lora"] and "**Partial**" in text
+    assert {Path(p).name for p in summary["plots"]} == {"peak_memory.png", "step_time.png", "max_batch.png",
+                                                         "memory_vs_time.png"}
+    for p in summary["plots"]:
+        assert Path(p).stat().st_size > 10_000
+    csv_lines = (tmp_path / "report.csv").read_text().splitlines()
+    assert len(csv_lines) == 4 and csv_lines[0].startswith("technique,method,status")
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["partial"] is True and report["rows"][1]["estimate_error"] == pytest.approx(10 / 300)
+
+
+def test_report_command(tmp_path, capsys):
+    shutil.copy(DATA / "bench_results.jsonl", tmp_path / "results.jsonl")
+    assert main(["report", str(tmp_path)]) == 0
+    assert "Chunked LM-head loss" in capsys.readouterr().out
+    assert main(["report", str(tmp_path / "nothing")]) == 2
+    assert "results.jsonl not found" in capsys.readouterr().err
+
+
+def test_presets_resolve_for_both_scales():
+    for scale in ("quick", "seed"):
+        rows = resolve_rows(BenchOptions(techniques=list(TECHNIQUES), scale=scale))
+        assert [n for n, _ in rows] == list(TECHNIQUES)
+        for _, cfg in rows:
+            assert cfg.technique.window is None or cfg.technique.window <= cfg.train.seq_len
+    assert set(DEFAULT_TECHNIQUES) <= set(TECHNIQUES)
+    assert technique_overrides("precision=bf16+loss=chunked", "quick") == {"precision": "bf16", "loss": "chunked"}
+
+
+@pytest.mark.parametrize("techniques, message", [
+    (["nope"], "unknown technique 'nope'"),
+    (["bf16", "bf16"], "listed twice"),
+    (["precision=fp9"], "unknown --precision"),
+])
+def test_bad_technique_lists(techniques, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve_rows(BenchOptions(techniques=techniques))
+
+
+def test_bench_rows_resume_and_failures(small_corpus, tmp_path):
+    """Two real rows in subprocesses, one that cannot run; rerun skips what finished."""
+    overrides = {**TINY_MODEL, "data": str(small_corpus), "steps": 3, "warmup_steps": 1, "batch_size": 2,
+                 "seq_len": 32, "val_blocks": 2}
+    opts = BenchOptions(techniques=["baseline", "precision=bf16", "attention=flex"], out=tmp_path / "b",
+                        overrides=overrides, maxbatch=False, progress=False)
+    rows = run_bench(opts)
+    status = {r["technique"]: r["status"] for r in rows}
+    assert status == {"baseline": "ok", "precision=bf16": "ok", "attention=flex": "invalid"}
+    assert "flex" in rows[2]["error"]
+    lines = (tmp_path / "b" / "results.jsonl").read_text().splitlines()
+    assert len(lines) == 3
+    assert (tmp_path / "b" / "report.md").is_file()
+    # Resume: the ok rows are skipped, the failed one is tried again.
+    seen = []
+    run_bench(opts, on_row=lambda name, row: seen.append((name, bool(row.get("skipped")))))
+    assert seen == [("baseline", True), ("precision=bf16", True), ("attention=flex", False)]
+    assert len(read_results(tmp_path / "b")) == 4
+    # --force reruns everything.
+    run_bench(BenchOptions(**{**opts.__dict__, "techniques": ["baseline"], "force": True}))
+    assert len(read_results(tmp_path / "b")) == 5
+
+
+def test_bench_row_timeout_is_recorded(small_corpus, tmp_path):
+    opts = BenchOptions(techniques=["baseline"], out=tmp_path / "t", maxbatch=False, progress=False,
+                        overrides={**TINY_MODEL, "data": str(small_corpus), "steps": 3, "seq_len": 32},
+                        timeout_s=0.5)
+    rows = run_bench(opts)
+    assert rows[0]["status"] == "timeout"
+
+
+def test_maxbatch_search_with_synthetic_probe():
+    """Grow then bisect: with a linear memory model the answer is exact and probes are few."""
+    cfg = build_config({**TINY_MODEL, "seq_len": 32})
+    probe = lambda c, b: 1000 + 100 * b  # noqa: E731
+    res = find_max_batch(cfg, budget_bytes=1000 + 100 * 37, probe=probe, progress=False)
+    assert res.batch_size == 37 and res.peak_bytes == 1000 + 3700
+    assert len(res.probes) <= 12
+    res8 = find_max_batch(cfg, budget_bytes=1000 + 100 * 37, probe=probe, multiple_of=8, progress=False)
+    assert res8.batch_size == 32
+    capped = find_max_batch(cfg, budget_bytes=10**9, probe=probe, max_batch=20, progress=False)
+    assert capped.batch_size == 20
+    with pytest.raises(ConfigError, match="even batch 1 does not fit"):
+        find_max_batch(cfg, budget_bytes=500, probe=probe, progress=False)
+    with pytest.raises(ConfigError, match="needs a budget"):
+        find_max_batch(cfg, progress=False)
+
+
+def test_maxbatch_checkpointing_fits_larger_batch():
+    """Real steps under the tracked meter: full checkpointing frees activations, so more fits."""
+    base = {**TINY_MODEL, "vocab_size": 256, "n_layers": 4, "seq_len": 64, "loss": "chunked"}
+    budget = 24 * 2**20
+    plain = find_max_batch(build_config(base), budget_bytes=budget, max_batch=256, progress=False, method="measure")
+    ckpt = find_max_batch(build_config({**base, "checkpointing": "full"}), budget_bytes=budget, max_batch=256,
+                          progress=False, method="measure")
+    assert plain.peak_bytes <= budget and ckpt.peak_bytes <= budget
+    assert ckpt.batch_size > plain.batch_size
+
+
+def test_maxbatch_cli_json(capsys):
+    code = main(["maxbatch", "--json", "--memory-budget", "16MiB", "--method", "measure", "--max", "8",
+                 "--d-model", "32", "--n-heads", "4", "--n-layers", "1", "--d-ff", "64", "--vocab-size", "256",
+                 "--max-seq-len", "64", "--seq-len", "32"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and {"batch_size", "peak_bytes", "budget_bytes"} <= out.keys()
+    assert out["budget_bytes"] == 16 * 2**20 and out["peak_bytes"] <= out["budget_bytes"]
