@@ -89,6 +89,29 @@ def test_names_and_state_dict_unchanged(base):
     assert model.blocks[0].attn.attn_fn is base.blocks[0].attn.attn_fn
 
 
+def test_composes_with_lora(base, batch):
+    """LoRA runs first (adapters inside the blocks); checkpointing must keep adapter names,
+    the frozen/trainable split and bitwise-equal adapter gradients (with LoRA dropout)."""
+    from memtrain.techniques.lora import apply_lora
+
+    tech = TechniqueConfig(lora_rank=4, lora_dropout=0.1, checkpointing="full")
+    plain = copy.deepcopy(base)
+    apply_lora(plain, tech)
+    model = copy.deepcopy(plain)
+    apply_checkpointing(model, tech)
+    assert list(model.state_dict()) == list(plain.state_dict())
+    assert any("lora_A" in k for k in model.state_dict())
+    ref_loss, ref_grads = loss_and_grads(plain, batch)
+    loss, grads = loss_and_grads(model, batch)
+    assert torch.equal(loss, ref_loss)
+    trained = [n for n, g in ref_grads.items() if g is not None]
+    assert trained and all("lora_" in n for n in trained)
+    for name in ref_grads:
+        assert (grads[name] is None) == (ref_grads[name] is None), name
+        if ref_grads[name] is not None:
+            assert torch.equal(grads[name], ref_grads[name]), name
+
+
 def test_deepcopy_rebinds_to_the_copy(base, batch):
     model = checkpointed(base, "full")
     clone = copy.deepcopy(model)

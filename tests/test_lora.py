@@ -145,3 +145,11 @@ def test_prepare_model_keeps_a_gpt(tmp_path):
     assert model.blocks[0].attn.qkv.lora_B["default"].weight.grad is not None
     assert model.wte.weight.grad is None
     copy.deepcopy(model)  # checkpoint/export paths copy the model
+
+
+def test_low_bit_optimizer_warns_that_adapters_stay_fp32():
+    """Rank-4 adapters are under torchao's 4096-element floor: 8-bit state would save nothing."""
+    from memtrain.techniques.optim import LowBitSkipWarning
+
+    with pytest.warns(LowBitSkipWarning, match="small LoRA adapters"):
+        build_optimizer(_lora_model(4), TechniqueConfig(optim="adamw-8bit"), TrainConfig())

@@ -221,3 +221,18 @@ def test_low_bit_compiled_on_cuda(name):
         opt.zero_grad()
         losses.append(float(loss))
     assert losses[-1] < losses[0] - 0.05
+
+
+def test_low_bit_state_survives_a_weights_only_checkpoint(tmp_path, eager_torchao):
+    """Checkpoints load with weights_only=True; torchao registers its state classes as safe."""
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = build_optimizer(model, TechniqueConfig(optim="adamw-8bit"), TrainConfig())
+    model(torch.randn(4, 512)).square().mean().backward()
+    opt.step()
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    fresh = build_optimizer(model, TechniqueConfig(optim="adamw-8bit"), TrainConfig())
+    fresh.load_state_dict(torch.load(tmp_path / "opt.pt", weights_only=True))
+    assert optimizer_state_bytes(fresh) == optimizer_state_bytes(opt)
+    a, b = opt.state[model[0].weight]["exp_avg"], fresh.state[model[0].weight]["exp_avg"]
+    assert torch.equal(a.dequantize(), b.dequantize())

@@ -153,7 +153,11 @@ class TechniqueConfig:
         "none", "Activation checkpointing: none|full|every:K|sqrt|selective (gradient_checkpointing)."
     )
     loss: str = _f("standard", "LM-head loss: standard (full logits) or chunked (logits never all alive).")
-    loss_chunk: int = _f(1024, "Tokens per chunk for --loss chunked.")
+    loss_chunk: int = _f(
+        256,
+        "Tokens per chunk for --loss chunked (256 x 50257 fp32 logits = 51 MB alive at a time; "
+        "ignored by Liger-Kernel on CUDA, which picks its own).",
+    )
     optim: str = _f("adamw", "Optimizer: " + "|".join(OPTIMS) + ".")
     lora_rank: int = _f(0, "LoRA rank; 0 disables LoRA (base weights trained).")
     lora_alpha: float = _f(16.0, "LoRA scaling numerator (scale = alpha / rank).")

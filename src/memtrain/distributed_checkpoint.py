@@ -96,6 +96,10 @@ def save_checkpoint(
             "scaler": precision.scaler.state_dict() if precision.scaler is not None else None,
             "skipped_steps": precision.skipped_steps,
             "optimizer": local.state_dict() if local is not None else None,
+            # ZeRO-1's outer param_groups carry the scheduled LR of the next step; the local
+            # optimizer's still hold the last step's (they are synced at the start of a step).
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+            if local is not None else None,
         },
         _rank_file(tmp, rank),
     )
@@ -167,8 +171,9 @@ def load_checkpoint(
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         local.load_state_dict(own["optimizer"])
-        # The outer optimizer's param_groups are what the LR schedule edits; copy them back.
-        ZeroRedundancyOptimizer._sync_param_groups(local.param_groups, optimizer.param_groups)
+        for group, saved in zip(optimizer.param_groups, own["param_groups"]):
+            group.update(saved)
+        ZeroRedundancyOptimizer._sync_param_groups(optimizer.param_groups, local.param_groups)
     scheduler.load_state_dict(own["scheduler"])
     loader.load_state_dict(meta["loader"])
     torch.set_rng_state(own["rng_cpu"])

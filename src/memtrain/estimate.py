@@ -460,7 +460,7 @@ class _Graph:
         self.param_grad_sid: dict[str, int] = {k: -1 for k in param_grad} if grads_exist else {}
         self._shared: dict[int, str] = {}  # gradient storage id -> forward key it belongs to
         self.tied: set[str] = set()  # parameters used twice (the tied embedding / LM head)
-        self.deferred: dict[str, str] = {}  # tied parameter -> buffered forward gradient key
+        self.deferred: dict[str, Any] = {}  # tied parameter -> its buffered first gradient (key or sid)
 
     # ---- forward
     def _release(self, key: str) -> None:
@@ -513,23 +513,30 @@ class _Graph:
             if name not in self.param_grad:
                 return  # frozen parameter
             if name in self.deferred:
-                # The tied weight's second gradient (the embedding's): it and the buffered one
-                # are summed out of place into the .grad; then both are freed.
+                # The tied weight's second gradient (the embedding's): autograd sums it with the
+                # buffered first one out of place into the .grad; then both are freed.
                 tmp = sim.alloc(nbytes, "temporaries")
                 self.param_grad_sid[name] = sim.alloc(self.param_grad[name], "gradients")
                 sim.free(tmp)
-                self._release(self.deferred.pop(name))
+                buffered = self.deferred.pop(name)
+                if isinstance(buffered, str):
+                    self._release(buffered)
+                else:
+                    sim.free(buffered)
                 return
             if name in self.param_grad_sid:
                 if key not in n.grad_from:
                     sim.transient(nbytes)  # the op's gradient, added in place into .grad
                 return
-            src = n.grad_from.get(key)
-            if src is not None and name in self.tied and src in self.store:
-                # A tied weight has two gradient edges: autograd buffers the first (the chunked
-                # loss's grad_w itself) until the embedding's arrives.
-                self.deferred[name] = src
-                self.saved_refs[src] = self.saved_refs.get(src, 0) + 1
+            if name in self.tied:
+                # A tied weight has two gradient edges: autograd buffers the first (the LM
+                # head's; for the chunked loss, its grad_w itself) until the embedding's arrives.
+                src = n.grad_from.get(key)
+                if src is not None and src in self.store:
+                    self.deferred[name] = src
+                    self.saved_refs[src] = self.saved_refs.get(src, 0) + 1
+                else:
+                    self.deferred[name] = sim.alloc(nbytes, "temporaries")
                 return
             self.param_grad_sid[name] = sim.alloc(self.param_grad[name], "gradients")
             return
@@ -700,17 +707,29 @@ def _linear(nodes: list[_Node], dm: _Dims, name: str, x: str, out: str, n_in: in
     nodes.append(_Node(name, out=[(base_out, N * n_out * a)], inputs=[x] + extra, saves=[x] + extra,
                        grads=grads, matmul=True))
     if lora:
-        # peft: out = base(x) + lora_B(lora_A(x)) * scale; adapters are float32 parameters
-        # (autocast casts them like any weight; their casts are tiny and not modelled).
+        # peft: out = base(x) + lora_B(lora_A(x)) * scale. The adapters are float32; under
+        # autocast they compute in the autocast dtype, on a bf16-pure base peft casts x up to
+        # float32 for them and the result back down.
+        ad = 4 if (not dm.autocast and a != 4) else a
         la, lb = f"{name}.lora_a", f"{name}.lora_b"
-        nodes.append(_Node(la, out=[(la, N * lora * a)], inputs=[x], saves=[x], matmul=True,
-                           grads=[(x, N * n_in * a), (f"param:{name}.lora_A", 0.0)]))
-        nodes.append(_Node(lb, out=[(lb, N * n_out * a)], inputs=[la], saves=[la], matmul=True,
-                           grads=[(la, N * lora * a), (f"param:{name}.lora_B", 0.0)]))
-        nodes.append(_Node(f"{name}.lora_scale", out=[(f"{lb}.s", N * n_out * a)], inputs=[lb],
-                           grads=[(lb, N * n_out * a)]))
-        nodes.append(_Node(f"{name}.lora_add", out=[(out, N * n_out * a)], inputs=[base_out, f"{lb}.s"],
-                           grads=[(base_out, 0.0), (f"{lb}.s", 0.0)]))
+        xa = x
+        if ad != a:
+            nodes.append(_Node(f"{name}.lora_cast", out=[(f"{x}@lora", N * n_in * ad)], inputs=[x],
+                               grads=[(x, N * n_in * a)]))
+            xa = f"{x}@lora"
+        nodes.append(_Node(la, out=[(la, N * lora * ad)], inputs=[xa], saves=[xa], matmul=True,
+                           grads=[(xa, N * n_in * ad), (f"param:{name}.lora_A", 0.0)]))
+        nodes.append(_Node(lb, out=[(lb, N * n_out * ad)], inputs=[la], saves=[la], matmul=True,
+                           grads=[(la, N * lora * ad), (f"param:{name}.lora_B", 0.0)]))
+        nodes.append(_Node(f"{name}.lora_scale", out=[(f"{lb}.s", N * n_out * ad)], inputs=[lb],
+                           grads=[(lb, N * n_out * ad)]))
+        src = f"{lb}.s"
+        if ad != a:
+            nodes.append(_Node(f"{name}.lora_back", out=[(f"{lb}.c", N * n_out * a)], inputs=[src],
+                               grads=[(src, N * n_out * ad)]))
+            src = f"{lb}.c"
+        nodes.append(_Node(f"{name}.lora_add", out=[(out, N * n_out * a)], inputs=[base_out, src],
+                           grads=[(base_out, 0.0), (src, 0.0)]))
 
 
 def _dropout(nodes: list[_Node], dm: _Dims, name: str, x: str, out: str, numel: float, elt: float) -> None:

@@ -89,7 +89,7 @@ _MODULE_ROLES = {
     "qkv": "qkv", "proj": "attn_proj", "fc": "mlp_fc", "fc_out": "mlp_fc_out",
     "lm_head": "lm_head", "wte": "embedding", "wpe": "embedding",
 }
-_MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_mm"})
+_MATMUL_OPS = frozenset({"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "matmul", "linear", "_scaled_mm"})
 _ATTENTION_KERNELS = frozenset({
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
@@ -205,10 +205,6 @@ class ClassCount:
         self.bytes += scale * other.bytes
         self.ops += int(scale * other.ops)
 
-    def to_dict(self) -> dict[str, float]:
-        return {"flops": self.flops, "counted_flops": self.counted, "elementwise_flops": self.elementwise,
-                "bytes": self.bytes}
-
 
 PHASES = ("forward", "backward", "recompute", "optimizer")
 
@@ -226,6 +222,7 @@ class StepCount:
     trainable_params: int
     rule_flops: float
     rule_terms: dict[str, float]
+    notes: list[str] = field(default_factory=list)
 
     def phase_total(self, phase: str, kind: str = "flops") -> float:
         return sum(getattr(c, kind) for c in self.table.get(phase, {}).values())
@@ -471,14 +468,22 @@ def _precision_for_count(name: str) -> Any:
     return Precision(name, "cpu")
 
 
-def _cpu_attention_mapping() -> dict:
-    """Formulas for CPU attention kernels the counter lacks (torch 2.13 has the CUDA ones only):
-    the same counts as torch's own SDPA formulas."""
+def _extra_flop_formulas() -> dict:
+    """Formulas the counter lacks in torch 2.13, with the counts of torch's own formulas:
+
+    * in-place ``addmm_`` / ``baddbmm_`` (the chunked loss accumulates the LM-head weight
+      gradient with ``addmm_``; without this a third of the LM head would go uncounted);
+    * the CPU flash-attention kernels SDPA picks on CPU (torch registers the CUDA ones only).
+    """
     import torch
     from torch.utils import flop_counter as fc
 
     aten = torch.ops.aten
     mapping: dict = {}
+    if aten.addmm_ not in fc.flop_registry:
+        mapping[aten.addmm_] = lambda self, a, b, *args, out_shape=None, **kw: fc.mm_flop(a, b)
+    if aten.baddbmm_ not in fc.flop_registry:
+        mapping[aten.baddbmm_] = lambda self, a, b, *args, out_shape=None, **kw: fc.bmm_flop(a, b)
     fwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
     if fwd is not None and fwd not in fc.flop_registry:
@@ -590,7 +595,7 @@ def _trace(cfg: RunConfig, fake: bool = True) -> tuple[dict[str, dict[str, Class
         trainable = sum({id(p): p.numel() for p in model.parameters() if p.requires_grad}.values())
         idx = torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len))
         targets = torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len))
-        counter = FlopCounterMode(display=False, custom_mapping=_cpu_attention_mapping())
+        counter = FlopCounterMode(display=False, custom_mapping=_extra_flop_formulas())
         with counter:
             recorder = _make_recorder(model, counter.mod_tracker, counter.flop_registry, cfg.model.padded_vocab_size)
             with recorder:
@@ -643,7 +648,19 @@ def _count_step_cached(key: str) -> StepCount:
 
     cfg = _counting_config(build_config(json.loads(key)))
     t = cfg.train
-    table, counter_total, n_params, trainable = _trace(cfg)
+    notes: list[str] = []
+    try:
+        table, counter_total, n_params, trainable = _trace(cfg)
+    except ConfigError as exc:
+        # Some kernels exist on CUDA only (mem-efficient, flex backward, flash-attn). The count
+        # runs on CPU, so it runs the same model with SDPA: torch counts every fused attention
+        # kernel with the same formula (full seq x seq), so the FLOPs are the same; the
+        # attention bytes are those of the CPU SDPA path.
+        if cfg.technique.attention in ("math", "sdpa"):
+            raise
+        table, counter_total, n_params, trainable = _trace(cfg.replace(attention="sdpa"))
+        notes.append(f"--attention {cfg.technique.attention} cannot run on CPU ({exc}); counted with "
+                     f"--attention sdpa: same FLOPs, attention bytes of the CPU SDPA path")
     forward = table.get("forward", {})
     backward = table.get("backward", {})
     recompute = table.get("recompute", {})
@@ -665,7 +682,7 @@ def _count_step_cached(key: str) -> StepCount:
     return StepCount(
         table=scaled, counter_flops=counter_total * accum, tokens=tokens, n_params=n_params,
         trainable_params=trainable, rule_flops=terms["six_n_d"] + terms["attention"],
-        rule_terms=terms,
+        rule_terms=terms, notes=notes,
     )
 
 
@@ -847,6 +864,7 @@ def flops_report(cfg: RunConfig, gpu: Optional[str] = None, measured_s: Optional
         "config": {"model": cfg.to_dict()["model"], "technique": cfg.to_dict()["technique"],
                    "batch_size": cfg.train.batch_size, "seq_len": cfg.train.seq_len,
                    "grad_accum": cfg.train.grad_accum},
+        "notes": count.notes,
         "method": ("FLOPs: torch.utils.flop_counter.FlopCounterMode on one training step under "
                    "FakeTensorMode (CPU); element-wise and optimizer FLOPs analytic; bytes: sum of "
                    "input and output sizes of each eager aten op"),

@@ -15,8 +15,8 @@ What fake tensors cannot do, and what is done instead:
 * ``.item()`` has no value to return: a dispatch mode answers 1 (AdamW's step counter, the
   loss). Values never change memory here.
 * ``Module.to`` swaps parameters and refuses fake ones that are weakly referenced (torch
-  2.13): the model is built directly on the fake device in the parameter dtype, and
-  ``prepare_model``'s move becomes a no-op for that call.
+  2.13): the model is built directly on the fake device in the parameter dtype, and while
+  ``prepare_model`` runs, ``Module.to`` replaces parameters instead of swapping them.
 * Fake CUDA tensors need a CUDA build of torch: the autograd engine asks for CUDA's device
   guard when it records a CUDA tensor, and a CPU-only build aborts the process there (not an
   exception). ``device_type="cuda"`` is therefore refused on such a build with a ConfigError;
@@ -98,6 +98,37 @@ def _cuda_stubs(device_type: str) -> Iterator[None]:
             setattr(torch.cuda, name, fn)
 
 
+@contextlib.contextmanager
+def _fake_safe_module_to() -> Iterator[None]:
+    """``Module.to`` that replaces parameters instead of swapping them (swapping refuses fake
+    tensors); a parameter already on the target device and dtype is left alone, so tied
+    weights stay tied. Needed because peft moves its adapters with ``.to``."""
+    import torch
+
+    original = torch.nn.Module.to
+
+    def to(module, *args, **kwargs):  # type: ignore[no-untyped-def]
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        for m in module.modules():
+            for store in (m._parameters, m._buffers):
+                for name, t in list(store.items()):
+                    if t is None:
+                        continue
+                    new = t.to(device=device, dtype=dtype if (dtype is not None and t.is_floating_point()) else None)
+                    if new is t:
+                        continue
+                    if isinstance(t, torch.nn.Parameter):
+                        new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+                    store[name] = new
+        return module
+
+    torch.nn.Module.to = to  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.to = original  # type: ignore[method-assign]
+
+
 def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict[str, Any]:
     """Run ``steps`` training steps of ``cfg`` on fake tensors; return the last step's
     :class:`memtrain.metrics.MemoryStats` as a dict (``peak_bytes``, ``by_category``,
@@ -135,13 +166,10 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
                     base = GPT(cfg.model)
             finally:
                 torch.set_default_dtype(default_dtype)
-            # prepare_model moves the model first; it is already where it should be, and
-            # Module.to cannot swap fake parameters (see the module docstring).
-            base.to = lambda *a, **k: base  # type: ignore[method-assign]
-            try:
+            # prepare_model moves the model first (already where it should be); Module.to
+            # cannot swap fake parameters (see the module docstring), so it replaces them.
+            with _fake_safe_module_to(), torch.device(device):
                 model = prepare_model(base, cfg, device, precision)
-            finally:
-                del base.to
             model.train()
             optimizer = build_optimizer(model, cfg.technique, cfg.train)
             meter = MemoryMeter(model, optimizer)

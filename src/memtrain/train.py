@@ -143,6 +143,20 @@ def _micro_batches(it: Iterator[Batch], n: int) -> list[Batch]:
     return [next(it) for _ in range(n)]
 
 
+def _flops_per_rank_step(cfg: RunConfig, n_params: int) -> tuple[float, str]:
+    """Model FLOPs of one optimizer step on one rank, the MFU numerator: the counted
+    forward + backward (as ``memtrain flops`` reports them, so both agree), or the 6ND +
+    attention rule when the model cannot be traced for counting."""
+    from memtrain.flops import counted_flops_per_step, rule_flops_per_token
+
+    try:
+        return float(counted_flops_per_step(cfg)["model_flops"]), "counted"
+    except Exception:  # noqa: BLE001 - a counting gap must not fail a finished run
+        t = cfg.train
+        tokens = t.batch_size * t.grad_accum * t.seq_len
+        return rule_flops_per_token(cfg.model, t.seq_len, n_params) * tokens, "rule"
+
+
 def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = True) -> dict[str, Any]:
     """Run one training run as configured; return the result dict.
 
@@ -235,9 +249,7 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     if meter is not None and len(losses) > 0:
         memory.update(meter.stats().to_dict())
     memory.update(device_peak_memory(device))
-    from memtrain.flops import rule_flops_per_token
-
-    flops_per_token = rule_flops_per_token(cfg.model, t.seq_len, n_params)
+    flops_per_rank_step, flops_source = _flops_per_rank_step(cfg, n_params)
     median = stats["median"]
     result: dict[str, Any] = {
         "config": cfg.to_dict(),
@@ -252,8 +264,9 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         "data_wait_share": stats.get("data_wait_share"),
         "total_time_s": total_time,
         "tokens_per_s": tokens_per_step / median if median else None,
-        "mfu": mfu(flops_per_token * tokens_per_step / dist_ctx.world_size, median, device_gpu(device), cfg.technique.precision) if median else None,
-        "flops_per_token": flops_per_token,
+        "mfu": mfu(flops_per_rank_step, median, device_gpu(device), cfg.technique.precision) if median else None,
+        "flops_per_step": flops_per_rank_step,
+        "flops_source": flops_source,
         "memory": memory,
         "parameters": n_params,
         "trainable_parameters": sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values()),

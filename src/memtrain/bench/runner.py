@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -40,6 +41,7 @@ class BenchOptions:
     multiple_of: int = 1
     progress: bool = True
     timeout_s: Optional[float] = None
+    nproc: int = 1  # processes per row (torchrun); > 1 runs rows data-parallel, ddp unless a row sets distributed=
 
 
 def config_hash(config: dict[str, Any]) -> str:
@@ -66,6 +68,8 @@ def resolve_rows(opts: BenchOptions) -> list[tuple[str, RunConfig]]:
                                opts.file_layer, opts.overrides)
         except ConfigError as exc:
             raise ConfigError(f"technique {name!r}: {exc}") from None
+        if opts.nproc > 1 and cfg.technique.distributed == "none":
+            cfg = cfg.replace(distributed="ddp")
         rows.append((name, cfg))
     return rows
 
@@ -117,17 +121,25 @@ def run_row_subprocess(name: str, cfg: RunConfig, opts: BenchOptions) -> dict[st
     row_dir = opts.out / "rows" / name.replace("/", "_").replace("=", "-").replace("+", "_")
     row_dir.mkdir(parents=True, exist_ok=True)
     cfg = cfg.replace(out=str(row_dir))
-    spec = {"config": cfg.to_dict(), "maxbatch": _maxbatch_spec(opts, cfg), "progress": opts.progress}
+    distributed = cfg.technique.distributed != "none"
+    # The max-batch search runs one process; it is not defined for a distributed row.
+    spec = {"config": cfg.to_dict(), "maxbatch": None if distributed else _maxbatch_spec(opts, cfg), "progress": opts.progress}
     with tempfile.TemporaryDirectory(prefix="memtrain-row-") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
         cmd = [sys.executable, "-m", "memtrain.bench.worker", str(spec_path), str(out_path)]
+        if distributed:  # one worker per rank; only rank 0 writes OUT
+            cmd[1:3] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={opts.nproc}", "-m", "memtrain.bench.worker"]
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+        # Its own session, so a timeout can stop torchrun and all of its workers together.
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, start_new_session=distributed)
         try:
             code = proc.wait(timeout=opts.timeout_s)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            if distributed:
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                proc.kill()
             proc.wait()
             return {"status": "timeout", "error": f"row exceeded {opts.timeout_s:.0f} s", "config": cfg.to_dict()}
         except KeyboardInterrupt:
@@ -144,6 +156,10 @@ def run_row_subprocess(name: str, cfg: RunConfig, opts: BenchOptions) -> dict[st
             # Killed (e.g. the kernel's OOM killer sends SIGKILL) before it could write.
             how = f"signal {-code}" if code < 0 else f"exit code {code}"
             result = {"status": "killed" if code < 0 else "error", "error": f"row process ended with {how} before writing a result"}
+        for rank_file in sorted(Path(tmp).glob(out_path.name + ".rank*")):
+            if result.get("status") != "ok":  # a failed rank other than 0 names the root cause
+                result = json.loads(rank_file.read_text())
+                break
     result.setdefault("config", cfg.to_dict())
     result["row_wall_s"] = wall
     return result

@@ -6,11 +6,16 @@ state cannot leak into the next row's numbers, and a row that crashes takes only
 SPEC is a JSON file {"config": {...}, "maxbatch": {...} | null, "progress": bool}. The worker
 writes OUT (JSON) with ``status`` ok | oom | invalid | error and, when ok, the train result
 plus ``max_batch`` and ``estimate``. The exit code is 0 whenever OUT was written.
+
+Under torchrun (a distributed row) every rank runs the row and only rank 0 writes OUT; a
+failed rank other than 0 writes ``OUT.rankR`` instead, and a failed rank exits 1 so that
+torchrun stops the others at once rather than leaving them blocked in a collective.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -57,6 +62,7 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str]) -> int:
     spec_path, out_path = Path(argv[0]), Path(argv[1])
     spec = json.loads(spec_path.read_text())
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     try:
         result = run_row(spec)
     except ConfigError as exc:
@@ -67,8 +73,11 @@ def main(argv: list[str]) -> int:
         status = "oom" if _is_oom(exc) else "error"
         result = {"status": status, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
                   "traceback": traceback.format_exc(limit=8)}
-    write_json_atomic(out_path, result)
-    return 0
+    if rank == 0:
+        write_json_atomic(out_path, result)
+    elif result["status"] != "ok":
+        write_json_atomic(out_path.with_name(f"{out_path.name}.rank{rank}"), result)
+    return 1 if world > 1 and result["status"] != "ok" else 0
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=None, help="Upper bound of the max-batch search.")
     p.add_argument("--multiple-of", type=int, default=1, help="Max batch searched in multiples of this (e.g. 8).")
     p.add_argument("--row-timeout", type=float, default=None, help="Seconds before a row is stopped and recorded as timeout.")
+    p.add_argument("--nproc", type=int, default=1, help="Processes (devices) per row, launched with torchrun; rows "
+                   "run data-parallel with --distributed ddp unless they set distributed=zero1|zero2|fsdp. Default 1.")
     add_config_flags(p, ("data", "model", "train"), exclude=("out", "save", "resume", "save_every"))
 
 
@@ -38,6 +40,8 @@ def run(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in vars(args).items() if k in known}
     if args.multiple_of < 1:
         raise ConfigError(f"--multiple-of must be >= 1, got {args.multiple_of}")
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
     opts = BenchOptions(
         techniques=[t.strip() for t in args.techniques.split(",") if t.strip()],
         scale=args.preset,
@@ -50,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         multiple_of=args.multiple_of,
         timeout_s=args.row_timeout,
+        nproc=args.nproc,
         progress=overrides.get("progress", True) not in (False, "false"),
     )
 

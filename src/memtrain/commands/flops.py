@@ -81,20 +81,23 @@ def render(report: dict[str, Any]) -> str:
         f"rule of thumb 6ND + attention: {_g(report['rule_flops'])} GFLOP = 6 x {rule['rule_params'] / 1e6:.2f}M params "
         f"x {report['tokens']:,} tokens ({_g(rule['six_n_d'])}) + 12 x layers x d_model x seq x tokens ({_g(rule['attention'])})",
         f"counted forward + backward:    {_g(counted)} GFLOP ({diff * 100:+.2f}% vs the rule)",
-        f"  biases and LayerNorm weights are in 6N but do element-wise work only: {_g(rec['bias_and_norm_params'])}",
+        f"  biases and LayerNorm weights are in 6N but do element-wise work only: {_g(rec['bias_and_norm_params'])} GFLOP",
     ]
     if rec["untied_embedding_lookup"]:
-        lines.append(f"  the untied token embedding is in 6N but is a lookup (no FLOPs): {_g(rec['untied_embedding_lookup'])}")
+        lines.append(f"  the untied token embedding is in 6N but is a lookup (no FLOPs): {_g(rec['untied_embedding_lookup'])} GFLOP")
     lines += [
-        f"  left unexplained: {_g(rec['unexplained'])}"
+        f"  left unexplained: {_g(rec['unexplained'])} GFLOP"
         + ("" if abs(rec["unexplained"]) < 1e-6 * max(counted, 1) else
-           " (a technique changes the work, e.g. LoRA computes no gradients of frozen weights)"),
+           " (a technique changes the work: LoRA computes no gradients of frozen weights, a sliding "
+           "window computes only the band)"),
         "  the counter counts the full seq x seq score matrix (causal half included), as the rule does; the "
         "tied LM head is counted once, as a matmul; embeddings are lookups (0 FLOPs).",
         f"  the step also runs {_g(ph['recompute']['counted_flops'])} GFLOP of recompute, "
         f"{_g(report['total_flops'] - report['counter_flops'] - ph['optimizer']['flops'])} GFLOP of element-wise work "
         f"and {_g(ph['optimizer']['flops'])} GFLOP of optimizer update that the rule leaves out.",
     ]
+    for note in report.get("notes", []):
+        lines.append(f"note: {note}")
     if measured:
         meas = report["measured"]
         lines += ["", f"measured on {meas['device']}: {meas['step_time_s'] * 1e3:.2f} ms of kernels per step "

@@ -41,7 +41,7 @@ class GpuSpec:
     """One GPU model's dense peak FLOP/s by dtype and its memory bandwidth (bytes/s)."""
 
     name: str
-    flops: Mapping[str, float | None] = field(repr=False)
+    flops: Mapping[str, float | None] = field(repr=False, hash=False)  # a dict: not hashable
     mem_bandwidth: float
 
     def peak(self, dtype: str | torch.dtype) -> float | None:

@@ -32,8 +32,8 @@ __all__ = ["prepare_model", "build_optimizer", "make_precision", "Precision"]
 def prepare_model(model: GPT, cfg: RunConfig, device: torch.device, precision: Precision) -> torch.nn.Module:
     """Move ``model`` to ``device`` and apply every technique of ``cfg.technique`` in order.
 
-    Returns the module to train (the GPT itself, or a compiled wrapper around it, or its
-    DistributedDataParallel wrapper; FSDP2 shards the GPT in place).
+    Returns the module to train: the GPT itself (compile works in place), or its
+    DistributedDataParallel wrapper (FSDP2 shards the GPT in place).
     """
     tech = cfg.technique
     model = model.to(device=device, dtype=precision.param_dtype)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 import shutil
 
-import torch
 import torch.nn as nn
 
 from memtrain.config import ConfigError, TechniqueConfig

@@ -368,6 +368,18 @@ def _storage_bytes(tensors: Any) -> int:
     return total
 
 
+def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in nested dicts/lists (optimizer state)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_in(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors_in(v)
+
+
 class ShardedStateBytes:
     """What this rank holds of the training state (weights, gradients, optimizer state),
     read at every optimizer step (gradients are complete then) and kept at its maximum.
@@ -390,9 +402,7 @@ class ShardedStateBytes:
         self.gradients = max(self.gradients, _storage_bytes(p.grad for p in params if p.grad is not None))
 
     def _after_step(self, *_: Any) -> None:
-        from memtrain.techniques.optim import optimizer_state_bytes
-
-        self.optimizer = max(self.optimizer, optimizer_state_bytes(self._state_owner))
+        self.optimizer = max(self.optimizer, _storage_bytes(_tensors_in(list(self._state_owner.state.values()))))
 
     def to_dict(self) -> dict[str, int]:
         return {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer}

@@ -7,10 +7,10 @@ vocabulary that is the largest memory item of a small model.
 The chunked loss never holds more than ``chunk x vocab`` logits, in forward or backward.
 It is a fused "linear + cross-entropy": for each chunk of tokens it computes the logits,
 their log-sum-exp and the target logit, and, while the chunk's logits are still alive,
-the gradient ``(softmax - onehot) / n_valid`` and from it the gradients with respect to
-the chunk's hidden states and to the LM-head weight (accumulated in float32). The forward
+the logit gradient ``softmax - onehot`` and from it the gradients with respect to the
+chunk's hidden states and to the LM-head weight (accumulated in float32). The forward
 pass thus leaves behind only ``grad_hidden`` (tokens x d) and ``grad_weight`` (vocab x d);
-backward scales them by the incoming gradient. This is the method of Liger-Kernel's
+backward scales them, in place, by ``grad_output / n_valid``. This is the method of Liger-Kernel's
 ``LigerFusedLinearCrossEntropyLoss``. Liger (and Apple's Cut Cross-Entropy) are Triton
 kernels that need CUDA, so the torch version here is written by hand; on CUDA, when
 ``liger_kernel`` is installed, ``--loss chunked`` uses Liger's kernel instead (it picks its
@@ -75,9 +75,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             h_all = hidden.to(compute_dtype)
             w = weight.to(compute_dtype)  # one (V x d) cast, as autocast's weight cache does
             n = h_all.shape[0]
-            n_valid = (targets != IGNORE_INDEX).sum()
             # float32 division as F.cross_entropy does (no host sync on the count).
-            inv_n = 1.0 / n_valid.float()
+            inv_n = 1.0 / (targets != IGNORE_INDEX).sum().float()
             loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
             grad_h = torch.empty_like(hidden) if need_grad_hidden else None
             # float32 accumulation across chunks, whatever the compute dtype.
@@ -88,36 +87,40 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 logits, lse, per_token = _chunk_stats(h, w, t)
                 loss_sum += per_token.sum()
                 # d loss / d logits = (softmax - onehot) / n_valid on valid rows, 0 elsewhere.
-                # In place on the chunk's logits so at most ~2 chunk-sized buffers are alive.
+                # Built in place on the chunk's logits (at most ~2 chunk-sized buffers alive).
+                # The 1/n_valid factor and the upstream gradient are applied in backward, in
+                # float32: scaling before the cast to a 16-bit compute dtype would flush small
+                # gradients to zero before an fp16 GradScaler could lift them.
                 g = logits.sub_(lse.unsqueeze(1)).exp_()
                 valid = t != IGNORE_INDEX
                 g.scatter_add_(1, torch.where(valid, t, 0).unsqueeze(1), -valid.unsqueeze(1).to(g.dtype))
-                g.mul_((valid.to(g.dtype) * inv_n).unsqueeze(1))
-                g = g.to(compute_dtype)
+                g.mul_(valid.unsqueeze(1))
+                g_lp = g.to(compute_dtype)  # the same tensor when computing in float32
+                del logits, g  # the float32 buffer goes before the matmuls' outputs arrive
                 if grad_h is not None:
-                    grad_h[start : start + chunk] = g @ w
+                    grad_h[start : start + chunk] = g_lp @ w
                 if grad_w is not None:
-                    if g.dtype == torch.float32:
-                        grad_w.addmm_(g.t(), h)
+                    if g_lp.dtype == torch.float32:
+                        grad_w.addmm_(g_lp.t(), h)
                     else:
-                        grad_w += g.t() @ h
-                del logits, g
-        if grad_w is not None:
-            grad_w = grad_w.to(weight.dtype)
+                        grad_w += g_lp.t() @ h
+                del g_lp
         # Intermediaries, not inputs or outputs: saving them is allowed (no double backward).
-        ctx.save_for_backward(grad_h, grad_w)
+        ctx.save_for_backward(grad_h, grad_w, inv_n)
+        ctx.weight_dtype = weight.dtype
         return loss_sum * inv_n
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor):  # type: ignore[override]
-        grad_h, grad_w = ctx.saved_tensors
+        grad_h, grad_w, inv_n = ctx.saved_tensors
+        scale = grad_out.float() * inv_n
         # Scale in place: no second (V x d) buffer at the start of backward, where the model's
         # activations peak. A second backward through the same graph (retain_graph=True)
         # would see the bumped version counter and raise instead of reusing scaled values.
         if grad_h is not None:
-            grad_h = grad_h.mul_(grad_out.to(grad_h.dtype))
+            grad_h = grad_h.mul_(scale)
         if grad_w is not None:
-            grad_w = grad_w.mul_(grad_out.to(grad_w.dtype))
+            grad_w = grad_w.mul_(scale).to(ctx.weight_dtype)
         return grad_h, grad_w, None, None, None, None, None
 
 
@@ -154,7 +157,12 @@ def _liger_loss() -> Optional[LossFn]:
     module = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="mean")
 
     def liger_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return module(weight, hidden, targets)
+        # Liger's kernel has mixed float32/bfloat16 operand bugs under autocast
+        # (linkedin/Liger-Kernel#305, #501): hand it both operands already in the compute
+        # dtype, with autocast off; autograd casts the gradients back to the parameters' dtype.
+        dt = _compute_dtype(hidden, weight)
+        with torch.autocast(hidden.device.type, enabled=False):
+            return module(weight.to(dt), hidden.to(dt), targets).float()
 
     return liger_lm_loss
 

@@ -123,31 +123,47 @@ def _vocab_fix(model: nn.Module, shape: tuple[int, ...], block_size: int) -> str
 
 
 def _warn_low_bit_skips(model: nn.Module, optim: str) -> None:
+    """Warn when a large share of the state would stay FP32 (the saving silently vanishes)."""
     block = LOW_BIT_BLOCK[optim]
+    params = list(_trainable(model))
+    total = sum(p.numel() for _, p in params)
     skipped = low_bit_skipped(model, block)
-    if not skipped:
-        return
-    total = sum(p.numel() for _, p in _trainable(model))
-    lost = sum(torch.Size(s).numel() for _, s in skipped)
-    names = ", ".join(f"{n} {tuple(s)}" for n, s in skipped)
-    fixes = []
-    if any(n.endswith(("wte.weight", "lm_head.weight")) for n, _ in skipped):
-        emb = next(s for n, s in skipped if n.endswith(("wte.weight", "lm_head.weight")))
-        fixes.append("pad the vocabulary with " + _vocab_fix(model, emb, block))
-    if any(not n.endswith(("wte.weight", "lm_head.weight")) for n, _ in skipped):
-        fixes.append(f"choose sizes whose element count is a multiple of {block}")
-    warnings.warn(
-        f"--optim {optim} keeps FP32 state for {names}: {lost / total:.0%} of the trainable "
-        f"parameters, because {block} does not divide their element count; "
-        f"{' and '.join(fixes)}",
-        LowBitSkipWarning,
-        stacklevel=3,
-    )
+    if skipped:
+        lost = sum(torch.Size(s).numel() for _, s in skipped)
+        names = ", ".join(f"{n} {tuple(s)}" for n, s in skipped)
+        is_emb = [n.endswith(("wte.weight", "lm_head.weight")) for n, _ in skipped]
+        fixes = []
+        if any(is_emb):
+            emb = skipped[is_emb.index(True)][1]
+            fixes.append("pad the vocabulary with " + _vocab_fix(model, emb, block))
+        if not all(is_emb):
+            fixes.append(f"choose sizes whose element count is a multiple of {block}")
+        warnings.warn(
+            f"--optim {optim} keeps FP32 state for {names}: {lost / total:.0%} of the trainable "
+            f"parameters, because {block} does not divide their element count; "
+            f"{' and '.join(fixes)}",
+            LowBitSkipWarning,
+            stacklevel=3,
+        )
+    small = sum(p.numel() for _, p in params if p.numel() < LOW_BIT_MIN_NUMEL)
+    if total and small / total >= 0.5:
+        # Typical of LoRA: an r x d adapter is below the floor unless r * d >= 4096.
+        warnings.warn(
+            f"--optim {optim} keeps FP32 state for {small / total:.0%} of the trainable parameters "
+            f"(tensors under {LOW_BIT_MIN_NUMEL} elements, e.g. small LoRA adapters); it saves little "
+            f"here, use --optim adamw",
+            LowBitSkipWarning,
+            stacklevel=3,
+        )
 
 
 def _torchao_optim(name: str) -> Any:
     # Imported only when asked for: importing torchao is slow and prints loader noise.
     import torchao.optim as ao
+
+    # torch.compile advises every tensor subclass to implement a cache hash; torchao's state
+    # classes do not, which only costs a cache miss. Keep that advice out of users' logs.
+    warnings.filterwarnings("ignore", message=r".*does not implement _stable_hash_for_caching")
 
     return getattr(ao, name)
 

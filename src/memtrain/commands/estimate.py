@@ -1,0 +1,146 @@
+"""`memtrain estimate`: predicted memory by component, analytic or traced (fake tensors)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from memtrain.cli import add_config_flags, config_from_args, fmt_bytes, register
+
+
+def add_model_choice(p: argparse.ArgumentParser) -> None:
+    """--model PRESET | --params COUNT (shared with `memtrain plan`)."""
+    from memtrain.presets import PRESETS
+
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--model", dest="preset", default=None, metavar="PRESET",
+                   help="Model preset: " + ", ".join(PRESETS) + " (flags given next to it override it).")
+    g.add_argument("--params", default=None, metavar="COUNT",
+                   help="Parameter count such as 3B or 124M: a GPT-2-style shape of that size is derived.")
+
+
+def resolve_model(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(RunConfig, Arch) from --model/--params and the config flags."""
+    from memtrain.estimate import GPT2_ARCH, parse_count, shape_for_params
+    from memtrain.presets import preset
+
+    base: dict[str, Any] = {}
+    arch = GPT2_ARCH
+    if getattr(args, "preset", None):
+        base, arch = preset(args.preset)
+    cfg = config_from_args(args, base=base)
+    if getattr(args, "params", None):
+        m = shape_for_params(parse_count(args.params), cfg.model)
+        cfg = cfg.replace(d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers, d_ff=m.d_ff)
+    return cfg, arch
+
+
+def device_type_for(args: argparse.Namespace, cfg: Any) -> str:
+    explicit = getattr(args, "device_type", None) or getattr(args, "trace_device", None)
+    if explicit:
+        return explicit
+    if cfg.train.device.startswith("cuda"):
+        return "cuda"
+    if cfg.train.device == "cpu":
+        return "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_model_choice(p)
+    p.add_argument("--mode", choices=("train", "inference"), default="train",
+                   help="train: one steady-state training step; inference: one forward without autograd.")
+    p.add_argument("--weights-dtype", choices=("fp32", "bf16", "fp16", "int8"), default="bf16",
+                   help="Inference mode: the dtype the weights are stored in (default bf16).")
+    p.add_argument("--device-type", choices=("cpu", "cuda"), default=None,
+                   help="Kernel facts to assume (dropout masks, SDPA kernels); default: from --device.")
+    p.add_argument("--world-size", type=int, default=1, help="Data-parallel ranks (memory is per rank).")
+    p.add_argument("--shard", choices=("none", "zero1", "zero2", "fsdp"), default=None,
+                   help="Sharding over --world-size ranks (default: --distributed).")
+    p.add_argument("--trace", action="store_true",
+                   help="Also run one real step under fake tensors (nothing allocated) and compare.")
+    p.add_argument("--trace-device", choices=("cpu", "cuda"), default=None,
+                   help="Device type of the fake tensors (cuda needs a CUDA build of torch).")
+    p.add_argument("--explain", action="store_true", help="Print the formula behind each line.")
+    p.add_argument("--json", action="store_true", help="Print JSON only.")
+    add_config_flags(p, ("model", "technique", "train"))
+
+
+def _table(rows: list[tuple[str, str, str]]) -> str:
+    w = [max(len(r[i]) for r in rows) for i in range(3)]
+    return "\n".join(f"  {a:<{w[0]}}  {b:>{w[1]}}  {c}" for a, b, c in rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    from memtrain.config import ConfigError
+    from memtrain.estimate import estimate, estimate_inference
+
+    cfg, arch = resolve_model(args)
+    if args.mode == "inference":
+        res = estimate_inference(cfg, args.weights_dtype, arch)
+        if args.json:
+            print(json.dumps(res, indent=2, default=float))
+            return 0
+        b = res["bytes"]
+        print(f"inference, {res['parameters']:,} parameters, weights {args.weights_dtype}, "
+              f"batch {cfg.train.batch_size} x seq {cfg.train.seq_len}")
+        print(_table([("weights", fmt_bytes(b["weights"]), ""),
+                      ("one block (transient)", fmt_bytes(b["activations"]), ""),
+                      ("logits (all positions)", fmt_bytes(b["logits"]), ""),
+                      ("peak", fmt_bytes(res["peak_bytes"]), res["peak_phase"]),
+                      ("rule: 1.2 x weights", fmt_bytes(res["rule_of_thumb_bytes"]),
+                       "holds" if res["rule_holds"] else f"breaks ({res['ratio_to_weights']:.2f} x weights)")]))
+        if args.explain:
+            print("\n".join("  " + line for line in res["explanation"]))
+        return 0
+    device_type = device_type_for(args, cfg)
+    shard = args.shard if args.shard not in (None, "none") else None
+    if args.world_size > 1 and shard is None and cfg.technique.distributed in ("none", "ddp"):
+        shard = "none"
+    est = estimate(cfg, arch, device_type, world_size=args.world_size, shard=shard)
+    out = est.to_dict()
+    traced = None
+    if args.trace:
+        if arch.name != "gpt2":
+            raise ConfigError(f"--trace runs our GPT-2-style model; --model {args.preset} is estimated analytically only")
+        if args.world_size > 1:
+            raise ConfigError("--trace traces one process; drop --world-size to trace, or use the analytic estimate")
+        from memtrain.trace import trace_step
+
+        traced = trace_step(cfg, args.trace_device or device_type)
+        out["trace"] = {"peak_bytes": traced["peak_bytes"], "by_category": traced["by_category"],
+                        "peak_phase": traced["peak_phase"], "device_type": traced["device_type"],
+                        "error": est.peak_bytes / traced["peak_bytes"] - 1 if traced["peak_bytes"] else None}
+    if args.json:
+        print(json.dumps(out, indent=2, default=float))
+        return 0
+    m, t = cfg.model, cfg.train
+    print(f"{arch.name} d_model {m.d_model}, {m.n_layers} layers, {m.n_heads} heads, vocab {m.padded_vocab_size}: "
+          f"{est.parameters:,} parameters ({est.trainable_parameters:,} trainable)")
+    print(f"batch {t.batch_size} x seq {t.seq_len} x accum {t.grad_accum}, {cfg.technique.precision}, "
+          f"attention {cfg.technique.attention}, checkpointing {cfg.technique.checkpointing}, "
+          f"loss {cfg.technique.loss}, optim {cfg.technique.optim} ({device_type} kernels"
+          + (f", {est.shard} over {est.world_size} ranks, per rank" if est.world_size > 1 else "") + ")")
+    rows = [("component at the peak", "bytes", "")]
+    for k, v in est.bytes.items():
+        rows.append((k, fmt_bytes(v), ""))
+    rows.append(("peak", fmt_bytes(est.peak_bytes), f"{est.peak_phase} ({est.peak_detail})"))
+    rows.append(("activations per layer", fmt_bytes(est.activations_per_layer), "saved by one block, no checkpointing"))
+    rule = est.rules
+    rows.append(("rule of thumb: optimizer", fmt_bytes(rule["optimizer_bytes"]),
+                 f"{rule['bytes_per_param']:g} B/param ({rule['optimizer']})"))
+    if traced is not None:
+        rows.append(("traced peak (fake tensors)", fmt_bytes(traced["peak_bytes"]),
+                     f"{traced['peak_phase']}; estimate {out['trace']['error']:+.1%}"))
+    print(_table(rows))
+    if args.explain:
+        print("how:")
+        print("\n".join("  " + line for line in est.explanation))
+    return 0
+
+
+register("estimate", "Predict training (or inference) memory by component without running it; --trace to check with fake tensors.",
+         add_args, run)

@@ -1,0 +1,222 @@
+"""Data-parallel training (--distributed) on CPU: 2 ranks on gloo, launched as users launch it
+(``torchrun --standalone --nproc_per_node 2 -m memtrain train ...``, here through
+``python -m torch.distributed.run``, the module behind the torchrun script).
+
+One torchrun call per scenario; each result is compared with a single process training on the
+same global batch (2 ranks x batch 2 == 1 process x batch 4, dropout 0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from memtrain.config import ConfigError, build_config
+from memtrain.train import train
+
+from conftest import TINY_MODEL
+
+TIMEOUT_S = 240  # per torchrun call; far above its normal duration, so only a hang reaches it
+# Loss of 2 ranks vs 1 process on the same global batch: the same arithmetic summed in another
+# order (measured differences are ~1e-7 relative); a rank training on the wrong data or without
+# gradient exchange is off by ~1e-3 after one update.
+LOSS_RTOL = 1e-5
+
+UNTIED = {**TINY_MODEL, "untie_embeddings": True}  # two equal V x d matrices: ZeRO-1 balances them
+RUN = {"seq_len": 32, "steps": 4, "warmup_steps": 1, "val_blocks": 4, "warmup_timing_steps": 1}
+
+
+def _flags(settings: dict) -> list[str]:
+    out = []
+    for k, v in settings.items():
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            out.append(flag if v else "--no-" + flag[2:])
+        else:
+            out += [flag, str(v)]
+    return out
+
+
+def _torchrun(settings: dict, cache: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "memtrain", "train", *_flags({**settings, "progress": False})]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MEMTRAIN_CACHE": str(cache), **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=full_env)
+
+
+def _result(proc: subprocess.CompletedProcess, out: Path) -> dict:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / "result.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(small_corpus, tmp_path_factory) -> dict:
+    """The 2-rank runs shared by the tests below (each strategy once)."""
+    root = tmp_path_factory.mktemp("dist")
+    cache = root / "cache"
+    base = {**UNTIED, **RUN, "data": str(small_corpus), "batch_size": 2}
+    done: dict = {}
+    for s in ("ddp", "zero1", "zero2"):
+        proc = _torchrun({**base, "distributed": s, "out": str(root / s)}, cache)
+        done[s] = _result(proc, root / s)
+        done[s + "_stdout"] = proc.stdout
+    # fsdp with the tied LM head, gradient accumulation and activation checkpointing: stop after
+    # 2 of 4 steps with a sharded checkpoint, then resume to the end.
+    tied = {**TINY_MODEL, **RUN, "data": str(small_corpus), "batch_size": 2, "grad_accum": 2,
+            "checkpointing": "full", "distributed": "fsdp"}
+    ckpt = root / "ckpt"
+    done["fsdp_half"] = _result(_torchrun({**tied, "stop_after": 2, "save": str(ckpt), "out": str(root / "a")}, cache), root / "a")
+    done["fsdp"] = _result(_torchrun({**tied, "resume": str(ckpt), "out": str(root / "b")}, cache), root / "b")
+    done["ckpt"] = ckpt
+    return done
+
+
+def test_strategies_match_single_process_on_the_global_batch(runs, small_corpus, tmp_path):
+    single = train(build_config({**UNTIED, **RUN, "data": str(small_corpus), "batch_size": 4,
+                                 "progress": False, "out": str(tmp_path / "one")}))
+    for s in ("ddp", "zero1", "zero2"):
+        r = runs[s]
+        assert r["loss_history"] == pytest.approx(single["loss_history"], rel=LOSS_RTOL), s
+        assert r["val_loss"] == pytest.approx(single["val_loss"], rel=LOSS_RTOL), s
+        assert r["tokens"] == single["tokens"]  # the global batch
+        assert r["distributed"] == {"strategy": s, "world_size": 2, "backend": "gloo"}
+        assert [m["rank"] for m in r["ranks"]] == [0, 1]
+        assert {"peak_bytes", "by_category", "max_allocated_bytes", "sharded_state"} <= set(r["ranks"][0])
+        assert runs[s + "_stdout"].count("wrote ") == 1  # only rank 0 prints and writes
+
+
+def test_sharded_state_halves_per_rank(runs):
+    """Tracked per-rank bytes: zero1 halves optimizer state, zero2 also gradients, fsdp also
+    the weights at the peak (each vs ddp, which keeps everything on every rank)."""
+    ddp = runs["ddp"]["ranks"]
+    full = ddp[0]["sharded_state"]
+    assert ddp[0]["by_category"]["parameters"] == full["parameters"]
+    for rank in runs["zero1"]["ranks"]:
+        st = rank["sharded_state"]
+        assert st["optimizer"] <= 0.55 * full["optimizer"]
+        assert st["gradients"] == full["gradients"] and st["parameters"] == full["parameters"]
+        assert rank["by_category"]["optimizer"] <= 0.55 * ddp[0]["by_category"]["optimizer"]
+        assert rank["peak_bytes"] < ddp[0]["peak_bytes"]
+    assert sum(r["sharded_state"]["optimizer"] for r in runs["zero1"]["ranks"]) == pytest.approx(full["optimizer"], rel=0.01)
+    for rank in runs["zero2"]["ranks"]:
+        st = rank["sharded_state"]
+        assert st["optimizer"] <= 0.55 * full["optimizer"] and st["gradients"] <= 0.55 * full["gradients"]
+        # FSDP2 without resharding after forward: the gathered weights stay until backward,
+        # beside the shard, so the weights at the peak are *more* than DDP's (documented).
+        assert rank["by_category"]["parameters"] > full["parameters"]
+        assert rank["peak_bytes"] < ddp[0]["peak_bytes"]
+    fsdp = runs["fsdp"]
+    weight_bytes = 4 * fsdp["parameters"]  # FP32, tied head counted once
+    for rank in fsdp["ranks"]:
+        st = rank["sharded_state"]
+        assert rank["by_category"]["parameters"] <= 0.55 * weight_bytes
+        assert st["parameters"] <= 0.55 * weight_bytes and st["gradients"] <= 0.55 * weight_bytes
+        assert st["optimizer"] <= 0.55 * 2 * weight_bytes + 1024  # + step counters
+
+
+def test_fsdp_resume_continues_identically_and_keeps_the_tie(runs, small_corpus, tmp_path):
+    half, resumed = runs["fsdp_half"], runs["fsdp"]
+    assert half["stopped_early"] and resumed["steps_run"] == 2
+    assert resumed["loss_history"][:2] == half["loss_history"]  # restored, not recomputed
+    # The uninterrupted reference: one process on the same global batch.
+    single = train(build_config({**TINY_MODEL, **RUN, "data": str(small_corpus), "batch_size": 4, "grad_accum": 2,
+                                 "checkpointing": "full", "progress": False, "out": str(tmp_path / "one")}))
+    assert resumed["loss_history"] == pytest.approx(single["loss_history"], rel=LOSS_RTOL)
+    assert resumed["val_loss"] == pytest.approx(single["val_loss"], rel=LOSS_RTOL)
+    # lm_head.weight is still wte.weight after fully_shard: counted once among trainable tensors.
+    assert resumed["trainable_parameters"] == resumed["parameters"] == single["parameters"]
+    ckpt = runs["ckpt"]
+    assert {"meta.json", "rank-0.pt", "rank-1.pt", ".metadata"} <= {p.name for p in ckpt.iterdir()}
+
+
+def test_failing_rank_fails_the_run_without_hanging(small_corpus, tmp_path):
+    settings = {**UNTIED, **RUN, "data": str(small_corpus), "batch_size": 2, "distributed": "ddp",
+                "out": str(tmp_path / "run")}
+    proc = _torchrun(settings, tmp_path / "cache", env={"MEMTRAIN_TEST_FAIL_RANK": "1", "MEMTRAIN_DIST_TIMEOUT": "60"})
+    assert proc.returncode != 0
+    assert "injected failure on rank 1" in proc.stderr + proc.stdout
+    assert not (tmp_path / "run" / "result.json").exists()
+
+
+# --------------------------------------------------------------------------- in-process checks
+def test_distributed_needs_torchrun(tiny_run, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ConfigError, match="torchrun --nproc_per_node N"):
+        train(build_config({**tiny_run, "distributed": "fsdp"}))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="--distributed is none"):
+        train(build_config(tiny_run))
+
+
+def test_bad_combinations_are_config_errors(tiny_run, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError, match="--cpu-offload"):
+        train(build_config({**tiny_run, "distributed": "fsdp", "cpu_offload": True, "device": "cpu"}))
+    with pytest.raises(ConfigError, match="--cpu-offload needs sharded state"):
+        train(build_config({**tiny_run, "distributed": "ddp", "cpu_offload": True}))
+    with pytest.raises(ConfigError, match="precision bf16"):
+        train(build_config({**tiny_run, "distributed": "zero2", "precision": "fp16"}))
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        with pytest.raises(ConfigError, match="pip install deepspeed"):
+            train(build_config({**tiny_run, "distributed": "deepspeed-zero3"}))
+
+
+def test_deepspeed_config_maps_options():
+    from memtrain.techniques.distributed import deepspeed_config
+
+    cfg = build_config({"distributed": "deepspeed-zero3", "batch_size": 4, "grad_accum": 2, "grad_clip": 0.5,
+                        "precision": "bf16", "cpu_offload": True})
+    ds = deepspeed_config(cfg, world_size=8)
+    assert ds["train_batch_size"] == 4 * 2 * 8 and ds["train_micro_batch_size_per_gpu"] == 4
+    assert ds["zero_optimization"]["stage"] == 3 and ds["gradient_clipping"] == 0.5
+    assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
+    assert ds["zero_optimization"]["offload_param"]["device"] == "cpu"
+    two = deepspeed_config(cfg.replace(distributed="deepspeed-zero2", cpu_offload=False), world_size=2)
+    assert two["zero_optimization"]["stage"] == 2 and "offload_optimizer" not in two["zero_optimization"]
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A 1-process gloo group, enough to build the wrappers in this process."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fully_shard_keeps_weight_tying_and_no_sync_skips_reduction(one_rank_group):
+    from torch.distributed.tensor import DTensor
+
+    from memtrain.config import ModelConfig
+    from memtrain.model import GPT
+    from memtrain.techniques.distributed import DistContext, apply_distributed
+    from memtrain.techniques.precision import make_precision
+
+    torch.manual_seed(0)
+    cfg = build_config({**TINY_MODEL, "seq_len": 32, "distributed": "fsdp"})
+    model = apply_distributed(GPT(ModelConfig(**TINY_MODEL)), cfg.technique, torch.device("cpu"),
+                              make_precision("fp32", torch.device("cpu")))
+    assert isinstance(model.wte.weight, DTensor) and model.lm_head.weight is model.wte.weight
+    no_sync = DistContext(strategy="fsdp").no_sync(model)
+    assert no_sync is not None
+    groups = [g for m in model.modules() if hasattr(m, "_get_fsdp_state") for g in m._get_fsdp_state()._fsdp_param_groups]
+    with no_sync():
+        assert not any(g.reduce_grads for g in groups)
+    assert all(g.reduce_grads for g in groups)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 50257, (2, 16))
+    model(x, x).backward()
+    opt.step()
+    assert model.lm_head.weight is model.wte.weight
+    assert len(opt.param_groups[0]["params"]) == len({id(p) for p in model.parameters()})

@@ -1,0 +1,301 @@
+"""memtrain estimate: model-state rules, the analytic step timeline against real measurements
+(MemoryMeter over a real CPU training step), fake-tensor tracing, presets and the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from memtrain.cli import main
+from memtrain.config import ConfigError, ModelConfig, build_config
+from memtrain.estimate import (
+    LLAMA_ARCH,
+    estimate,
+    estimate_inference,
+    model_state_rule,
+    optimizer_state_bytes,
+    param_table,
+    parse_count,
+    shape_for_params,
+)
+from memtrain.presets import preset
+
+TINY = dict(vocab_size=512, d_model=64, n_heads=4, n_layers=4, d_ff=128, max_seq_len=128, dropout=0.0,
+            batch_size=4, seq_len=64, device="cpu")
+# Parameters dominate here, so the peak moves to the optimizer step.
+WIDE = dict(TINY, d_model=128, d_ff=512, batch_size=1, seq_len=16)
+
+# The accuracy grid: (id, overrides). Every technique wired at the time of writing is in it;
+# the peak lands in the loss backward, a block's backward, the loss forward (chunked) and the
+# optimizer step across the grid.
+GRID = [
+    ("baseline", dict(TINY)),
+    ("dropout", dict(TINY, dropout=0.1)),
+    ("untied-sgd", dict(TINY, untie_embeddings=True, optim="sgd")),
+    ("long-seq", dict(TINY, seq_len=128, batch_size=2, n_heads=8)),
+    ("bf16", dict(TINY, precision="bf16", dropout=0.1)),
+    ("bf16-pure", dict(TINY, precision="bf16-pure")),
+    ("ckpt-full", dict(TINY, checkpointing="full", dropout=0.1)),
+    ("ckpt-selective", dict(TINY, checkpointing="selective")),
+    ("ckpt-every2-chunked", dict(TINY, checkpointing="every:2", loss="chunked", loss_chunk=64)),
+    ("chunked", dict(TINY, loss="chunked", loss_chunk=64)),
+    ("sdpa", dict(TINY, attention="sdpa")),
+    ("window", dict(TINY, attention="math", window=8)),
+    ("grad-accum", dict(TINY, grad_accum=2)),
+    ("foreach-wide", dict(WIDE, optim="adamw-foreach")),
+    ("adafactor-wide", dict(WIDE, optim="adafactor")),
+    ("lora", dict(TINY, lora_rank=8)),
+    ("bf16-sdpa-selective-chunked", dict(TINY, precision="bf16", attention="sdpa", checkpointing="selective",
+                                         loss="chunked")),
+]
+
+
+def _measure(cfg) -> dict:
+    """Tracked peak of the second (steady-state) real training step on CPU."""
+    from memtrain.metrics import MemoryMeter
+    from memtrain.model import GPT
+    from memtrain.techniques import build_optimizer, make_precision, prepare_model
+    from memtrain.train import train_step
+
+    device = torch.device("cpu")
+    torch.manual_seed(0)
+    precision = make_precision(cfg.technique.precision, device)
+    model = prepare_model(GPT(cfg.model), cfg, device, precision)
+    model.train()
+    opt = build_optimizer(model, cfg.technique, cfg.train)
+    meter = MemoryMeter(model, opt)
+    t = cfg.train
+    g = torch.Generator().manual_seed(0)
+    micro = [(torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len), generator=g),
+              torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len), generator=g))
+             for _ in range(t.grad_accum)]
+    for step in range(2):
+        with meter:
+            if step == 1:
+                meter.reset_peak()
+            train_step(model, micro, opt, precision, t.grad_clip, device, meter)
+    return meter.stats().to_dict()
+
+
+@pytest.fixture(scope="module")
+def grid_results():
+    from memtrain.trace import trace_step
+
+    rows = []
+    for name, overrides in GRID:
+        cfg = build_config(overrides)
+        measured = _measure(cfg)
+        traced = trace_step(cfg, "cpu")
+        est = estimate(cfg, device_type="cpu")
+        rows.append((name, est, measured, traced))
+    return rows
+
+
+def _table(rows) -> str:
+    lines = [f"{'config':<30} {'predicted':>12} {'measured':>12} {'error':>8}  phase"]
+    for name, est, meas, _ in rows:
+        lines.append(f"{name:<30} {est.peak_bytes:>12,.0f} {meas['peak_bytes']:>12,} "
+                     f"{est.peak_bytes / meas['peak_bytes'] - 1:>+8.2%}  {est.peak_phase}/{meas['peak_phase']}")
+    return "\n".join(lines)
+
+
+def test_analytic_peak_within_10_percent_of_measured(grid_results):
+    assert len(grid_results) >= 12
+    bad = [r for r in grid_results if abs(r[1].peak_bytes / r[2]["peak_bytes"] - 1) > 0.10]
+    assert not bad, "\n" + _table(grid_results)
+
+
+def test_traced_peak_within_3_percent_of_measured(grid_results):
+    bad = [r for r in grid_results if abs(r[3]["peak_bytes"] / r[2]["peak_bytes"] - 1) > 0.03]
+    assert not bad, [(r[0], r[3]["peak_bytes"], r[2]["peak_bytes"]) for r in bad]
+
+
+def test_each_component_within_15_percent(grid_results):
+    # A component is compared relative to itself; one that is tiny at the peak (under 2% of
+    # it, e.g. a few scalars of temporaries) is compared against 2% of the peak instead.
+    failures = []
+    for name, est, meas, _ in grid_results:
+        for cat, m in meas["by_category"].items():
+            e = est.by_category[cat]
+            tol = max(0.15 * m, 0.02 * meas["peak_bytes"])
+            if abs(e - m) > tol:
+                failures.append((name, cat, e, m))
+    assert not failures, failures
+
+
+def test_peak_phase_matches_measured(grid_results):
+    mismatched = [(r[0], r[1].peak_phase, r[2]["peak_phase"]) for r in grid_results
+                  if r[1].peak_phase != r[2]["peak_phase"]]
+    # The phase can only differ where two phases are within a hair of each other.
+    for name, est, meas, _ in grid_results:
+        if est.peak_phase != meas["peak_phase"]:
+            other = meas["phase_peaks"].get(est.peak_phase, 0)
+            assert other >= 0.97 * meas["peak_bytes"], mismatched
+
+
+# --------------------------------------------------------------------------- model state
+def test_adamw_fp32_3b_needs_24_gb_of_state():
+    cfg = build_config({"device": "cpu", "batch_size": 1, "seq_len": 64})
+    m = shape_for_params(3_000_000_000, cfg.model)
+    n = sum(p.numel for p in param_table(m))
+    assert abs(n / 3e9 - 1) < 0.001
+    assert model_state_rule(3_000_000_000, "adamw")["optimizer_bytes"] == 24e9
+    state, _ = optimizer_state_bytes(param_table(m), "adamw", 4)
+    assert state == pytest.approx(24e9, rel=0.001)
+
+
+def test_adafactor_and_8bit_rules():
+    assert model_state_rule(3_000_000_000, "adafactor")["optimizer_bytes"] == 12e9
+    assert model_state_rule(3_000_000_000, "adamw-8bit")["optimizer_bytes"] == 6e9
+    # Ours: torch.optim.Adafactor keeps no first moment and a factored second moment (~0 B/param).
+    m = shape_for_params(3_000_000_000)
+    ours, _ = optimizer_state_bytes(param_table(m), "adafactor", 4)
+    assert ours < 0.01 * 3e9
+    # torchao 8-bit: 2 x 1 byte + a fp32 scale per 256 elements (vocab padded so wte quantizes).
+    m64 = ModelConfig(**{**m.__dict__, "vocab_multiple": 64})
+    eight, _ = optimizer_state_bytes(param_table(m64), "adamw-8bit", 4)
+    assert eight == pytest.approx(6e9, rel=0.03)
+
+
+def test_lora_7b_optimizer_memory_is_2_4_gb_not_84():
+    full = model_state_rule(7_000_000_000, "adamw", mixed_precision=True)
+    lora = model_state_rule(7_000_000_000, "adamw", trainable=200_000_000, mixed_precision=True)
+    assert full["optimizer_bytes"] == 84e9
+    assert lora["optimizer_bytes"] == pytest.approx(2.4e9)
+    # Ours: only the adapters have gradients and optimizer state.
+    fields, arch = preset("llama-7b")
+    cfg = build_config(fields, {"lora_rank": 16, "precision": "bf16", "device": "cpu", "batch_size": 1,
+                                "seq_len": 128})
+    e = estimate(cfg, arch)
+    assert e.trainable_parameters < 0.01 * e.parameters
+    assert e.extra["model_state"]["optimizer"] == pytest.approx(8 * e.trainable_parameters, rel=0.01)
+    assert e.extra["model_state"]["gradients"] == pytest.approx(4 * e.trainable_parameters, rel=0.01)
+
+
+def test_preset_parameter_counts():
+    counts = {}
+    for name in ("gpt2", "gpt2-xl", "llama-7b", "llama3-8b"):
+        fields, arch = preset(name)
+        counts[name] = sum(p.numel for p in param_table(ModelConfig(**fields), arch))
+    assert counts["gpt2"] == 124_439_808
+    assert counts["gpt2-xl"] == 1_557_611_200
+    assert counts["llama-7b"] == 6_738_415_616
+    assert counts["llama3-8b"] == 8_030_261_248
+    with pytest.raises(ConfigError, match="gpt2-medium"):
+        preset("gpt3")
+
+
+def test_parse_count():
+    assert parse_count("3B") == 3_000_000_000
+    assert parse_count("124M") == 124_000_000
+    with pytest.raises(ConfigError):
+        parse_count("lots")
+
+
+# --------------------------------------------------------------------------- techniques
+def _est(**kw):
+    return estimate(build_config(dict(TINY, **kw)), device_type="cpu")
+
+
+def test_sdpa_has_no_quadratic_term_and_math_does():
+    def per_layer(attn, s):
+        return _est(attention=attn, seq_len=s, max_seq_len=512).activations_per_layer
+
+    math_growth = per_layer("math", 256) / per_layer("math", 128)
+    sdpa_growth = per_layer("sdpa", 256) / per_layer("sdpa", 128)
+    assert math_growth > 2.5  # the s^2 terms grow 4x
+    assert sdpa_growth == pytest.approx(2.0, rel=0.05)
+
+
+def test_checkpointing_and_chunked_loss_shrink_activations():
+    base = _est(dropout=0.1)
+    full = _est(dropout=0.1, checkpointing="full")
+    sel = _est(dropout=0.1, checkpointing="selective")
+    assert full.peak_bytes < sel.peak_bytes < base.peak_bytes
+    std = _est(vocab_size=4096)
+    chunk = _est(vocab_size=4096, loss="chunked", loss_chunk=32)
+    # Left: the (V x d) float32 grad_w and (N x d) grad_h it computes in forward, and one chunk.
+    assert chunk.bytes["logits"] < 0.5 * std.bytes["logits"]
+    assert chunk.peak_bytes < std.peak_bytes
+
+
+def test_cuda_dropout_masks_are_one_byte():
+    cfg = build_config(dict(TINY, dropout=0.1))
+    assert estimate(cfg, device_type="cuda").activations_per_layer < estimate(cfg, device_type="cpu").activations_per_layer
+
+
+def test_sharding_divides_model_state_per_rank():
+    cfg = build_config(dict(WIDE))
+    one = estimate(cfg, device_type="cuda").extra["model_state"]
+    z1 = estimate(cfg, device_type="cuda", world_size=4, shard="zero1").extra["model_state"]
+    z2 = estimate(cfg, device_type="cuda", world_size=4, shard="zero2").extra["model_state"]
+    fs = estimate(cfg, device_type="cuda", world_size=4, shard="fsdp").extra["model_state"]
+    assert z1["optimizer"] == pytest.approx(one["optimizer"] / 4)
+    assert z1["gradients"] == one["gradients"] and z2["gradients"] == pytest.approx(one["gradients"] / 4)
+    assert fs["weights"] == pytest.approx(one["weights"] / 4) and z2["weights"] == one["weights"]
+
+
+def test_inference_rule_of_thumb_holds_and_breaks():
+    fields, _ = preset("gpt2-xl")
+    small = estimate_inference(build_config(fields, {"batch_size": 1, "seq_len": 128, "attention": "sdpa"}), "bf16")
+    big = estimate_inference(build_config(fields, {"batch_size": 64, "seq_len": 1024, "attention": "sdpa"}), "bf16")
+    assert small["rule_holds"] and small["ratio_to_weights"] < 1.2
+    assert not big["rule_holds"] and big["bytes"]["logits"] > big["bytes"]["weights"]
+
+
+def test_inference_estimate_matches_a_measured_forward():
+    from memtrain.metrics import MemoryMeter
+    from memtrain.model import GPT
+
+    cfg = build_config(dict(TINY, batch_size=8))
+    model = GPT(cfg.model).eval()
+    meter = MemoryMeter(model)
+    x = torch.randint(0, 512, (8, 64))
+    with torch.no_grad(), meter:
+        model(x)
+    measured = meter.stats().peak_bytes
+    predicted = estimate_inference(cfg, "fp32")["peak_bytes"]
+    assert predicted == pytest.approx(measured, rel=0.15)
+
+
+# --------------------------------------------------------------------------- trace + CLI
+def test_trace_refuses_fake_cuda_on_a_cpu_build():
+    from memtrain.trace import cuda_trace_supported, trace_step
+
+    if cuda_trace_supported():
+        pytest.skip("this torch build can trace fake CUDA")
+    with pytest.raises(ConfigError, match="CUDA build"):
+        trace_step(build_config(TINY), "cuda")
+
+
+def test_cli_estimate_json(capsys):
+    assert main(["estimate", "--params", "3B", "--batch-size", "1", "--seq-len", "128", "--device", "cpu", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("parameters", "bytes", "peak_bytes", "peak_phase", "activations_per_layer", "explanation"):
+        assert key in out
+    assert set(out["bytes"]) == {"weights", "gradients", "optimizer", "activations", "logits", "temporaries"}
+    assert out["bytes"]["optimizer"] == pytest.approx(24e9, rel=0.001)
+
+
+def test_cli_estimate_trace_and_explain(capsys):
+    args = ["estimate", "--vocab-size", "512", "--d-model", "64", "--n-heads", "4", "--n-layers", "2",
+            "--d-ff", "128", "--batch-size", "2", "--seq-len", "32", "--device", "cpu", "--trace", "--explain"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "traced peak" in out and "how:" in out
+
+
+@pytest.mark.parametrize("argv, text", [
+    (["estimate", "--n-heads", "7"], "must divide"),
+    (["estimate", "--batch-size", "-1"], "must be positive"),
+    (["estimate", "--model", "gpt5"], "choose one of default"),
+    (["estimate", "--params", "many"], "parameter count"),
+    (["estimate", "--model", "llama-7b", "--trace"], "analytically only"),
+])
+def test_cli_bad_input_is_one_line(argv, text, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and text in err and "\n" not in err
