@@ -52,7 +52,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -390,8 +389,9 @@ def run_theirs(cfg: RunConfig, track_memory: bool = True) -> dict[str, Any]:
     train_ds = hf_train_dataset(splits.train, cfg)
     val_batches = make_val_batches(splits.val, t.seq_len, cfg.data.val_blocks, t.batch_size)
 
-    model = apply_hf_lora(build_hf_model(cfg, plan), plan)
-    n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    model = build_hf_model(cfg, plan)
+    n_params = model.num_parameters()  # the base model, as memtrain counts it (adapters not included)
+    model = apply_hf_lora(model, plan)
     MeteredTrainer, MeterCallback = _trainer_classes()
     meter = StepMeter(device, t.steps, t.warmup_timing_steps, track_memory)
     with tempfile.TemporaryDirectory(prefix="hf-trainer-") as tmp:
@@ -457,6 +457,22 @@ class _ItemStub:
         self._mode.__exit__(*exc)
 
 
+@contextlib.contextmanager
+def _modules_stay_put() -> Iterator[None]:
+    """Make ``nn.Module.to`` a no-op while peft adds adapters under fake tensors.
+
+    peft moves each new adapter to its base layer's device; the adapter is already there (the
+    fake mode creates it on the same device, in FP32), but ``Module.to`` swaps parameters and
+    torch refuses to swap fake ones that the fake mode references weakly.
+    """
+    original = torch.nn.Module.to
+    torch.nn.Module.to = lambda self, *a, **k: self  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.nn.Module.to = original  # type: ignore[method-assign]
+
+
 def hf_step_peak(cfg: RunConfig, batch: int, fake: Optional[bool] = None) -> Optional[int]:
     """Peak bytes of two Trainer-equivalent steps of the HF model at ``batch`` (second step).
 
@@ -495,7 +511,8 @@ def hf_step_peak(cfg: RunConfig, batch: int, fake: Optional[bool] = None) -> Opt
                 kw = dict(args.activation_checkpointing_kwargs or {})
                 every = kw.pop("every_n_layers", 1)
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw or None, every_n_layers=every)
-            model = apply_hf_lora(model, plan)
+            with _modules_stay_put() if fake else contextlib.nullcontext():
+                model = apply_hf_lora(model, plan)
             model.train()
             optimizer = make_hf_optimizer(model, args)
             forward = model.forward
@@ -829,8 +846,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                          f"| {_mib(o.get('max_reserved_bytes'))} | {_mib(t.get('max_reserved_bytes'))} |")
     lines += ["", "## Memory at the peak, by category (MiB)", "",
               "| preset | side | parameters | gradients | optimizer | activations | temporaries | peak phase "
-              "| traced peak at run batch |",
-              "|---|---|---:|---:|---:|---:|---:|---|---:|"]
+              "| traced peak at run batch | params (trainable) |",
+              "|---|---|---:|---:|---:|---:|---:|---|---:|---|"]
     for e in report["rows"]:
         for side in SIDES:
             d = e["sides"].get(side, {})
@@ -839,7 +856,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             c = d["by_category"]
             lines.append(f"| {e['preset']} | {side} | " + " | ".join(_mib(c.get(k)) for k in
                          ("parameters", "gradients", "optimizer", "activations", "temporaries"))
-                         + f" | {d.get('peak_phase')} | {_mib(d.get('traced_peak_at_run_batch'))} |")
+                         + f" | {d.get('peak_phase')} | {_mib(d.get('traced_peak_at_run_batch'))} "
+                         f"| {_num(d.get('parameters'), '{:,}')} ({_num(d.get('trainable_parameters'), '{:,}')}) |")
     lines += ["", "## How each preset maps onto the Trainer", ""]
     for e in report["rows"]:
         lines.append(f"- **{e['preset']}** ({e['hf_status']}; attn_implementation `{e['hf_attn_implementation']}`, "

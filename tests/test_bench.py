@@ -116,15 +116,27 @@ def test_maxbatch_search_with_synthetic_probe():
         find_max_batch(cfg, progress=False)
 
 
-def test_maxbatch_checkpointing_fits_larger_batch():
-    """Real steps under the tracked meter: full checkpointing frees activations, so more fits."""
+@pytest.mark.parametrize("method", ["trace"])
+def test_maxbatch_checkpointing_fits_larger_batch(method):
+    """Training steps under the tracked meter (traced with fake tensors: the same meter and
+    code path as a real step, without the compute): full checkpointing frees activations, so
+    a larger batch fits the same budget."""
     base = {**TINY_MODEL, "vocab_size": 256, "n_layers": 4, "seq_len": 64, "loss": "chunked"}
     budget = 24 * 2**20
-    plain = find_max_batch(build_config(base), budget_bytes=budget, max_batch=256, progress=False, method="measure")
+    plain = find_max_batch(build_config(base), budget_bytes=budget, max_batch=256, progress=False, method=method)
     ckpt = find_max_batch(build_config({**base, "checkpointing": "full"}), budget_bytes=budget, max_batch=256,
-                          progress=False, method="measure")
+                          progress=False, method=method)
     assert plain.peak_bytes <= budget and ckpt.peak_bytes <= budget
     assert ckpt.batch_size > plain.batch_size
+    assert plain.method == method
+
+
+def test_traced_probe_equals_measured_step():
+    """The fast probe (fake tensors) gives the real step's tracked peak, to the byte."""
+    from memtrain.maxbatch import measured_step_peak, traced_step_peak
+
+    cfg = build_config({**TINY_MODEL, "vocab_size": 256, "seq_len": 32, "checkpointing": "full"})
+    assert traced_step_peak(cfg, 3) == measured_step_peak(cfg, 3)
 
 
 def test_maxbatch_cli_json(capsys):

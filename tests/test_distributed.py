@@ -58,23 +58,29 @@ def _result(proc: subprocess.CompletedProcess, out: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(small_corpus, tmp_path_factory) -> dict:
-    """The 2-rank runs shared by the tests below (each strategy once)."""
+    """The 2-rank runs shared by the tests below. zero1 and fsdp stop after 2 of 4 steps with a
+    sharded checkpoint and resume to the end (their two checkpoint layouts differ)."""
     root = tmp_path_factory.mktemp("dist")
     cache = root / "cache"
-    base = {**UNTIED, **RUN, "data": str(small_corpus), "batch_size": 2}
     done: dict = {}
-    for s in ("ddp", "zero1", "zero2"):
-        proc = _torchrun({**base, "distributed": s, "out": str(root / s)}, cache)
-        done[s] = _result(proc, root / s)
-        done[s + "_stdout"] = proc.stdout
-    # fsdp with the tied LM head, gradient accumulation and activation checkpointing: stop after
-    # 2 of 4 steps with a sharded checkpoint, then resume to the end.
+
+    def run(name: str, settings: dict) -> dict:
+        proc = _torchrun({**settings, "out": str(root / name)}, cache)
+        done[name] = _result(proc, root / name)
+        done[name + "_stdout"] = proc.stdout
+        return done[name]
+
+    base = {**UNTIED, **RUN, "data": str(small_corpus), "batch_size": 2}
+    run("ddp", {**base, "distributed": "ddp"})
+    run("zero2", {**base, "distributed": "zero2"})
+    run("zero1_half", {**base, "distributed": "zero1", "stop_after": 2, "save": str(root / "ck1")})
+    run("zero1", {**base, "distributed": "zero1", "resume": str(root / "ck1")})
+    # fsdp with the tied LM head, gradient accumulation and activation checkpointing.
     tied = {**TINY_MODEL, **RUN, "data": str(small_corpus), "batch_size": 2, "grad_accum": 2,
             "checkpointing": "full", "distributed": "fsdp"}
-    ckpt = root / "ckpt"
-    done["fsdp_half"] = _result(_torchrun({**tied, "stop_after": 2, "save": str(ckpt), "out": str(root / "a")}, cache), root / "a")
-    done["fsdp"] = _result(_torchrun({**tied, "resume": str(ckpt), "out": str(root / "b")}, cache), root / "b")
-    done["ckpt"] = ckpt
+    run("fsdp_half", {**tied, "stop_after": 2, "save": str(root / "ck2")})
+    run("fsdp", {**tied, "resume": str(root / "ck2")})
+    done["ckpt"] = root / "ck2"
     return done
 
 
@@ -121,10 +127,13 @@ def test_sharded_state_halves_per_rank(runs):
         assert st["optimizer"] <= 0.55 * 2 * weight_bytes + 1024  # + step counters
 
 
-def test_fsdp_resume_continues_identically_and_keeps_the_tie(runs, small_corpus, tmp_path):
-    half, resumed = runs["fsdp_half"], runs["fsdp"]
-    assert half["stopped_early"] and resumed["steps_run"] == 2
-    assert resumed["loss_history"][:2] == half["loss_history"]  # restored, not recomputed
+def test_resume_continues_identically_and_fsdp_keeps_the_tie(runs, small_corpus, tmp_path):
+    """Stopped and resumed runs (zero1 above, fsdp here) follow the uninterrupted reference."""
+    for name in ("zero1", "fsdp"):
+        half, resumed = runs[name + "_half"], runs[name]
+        assert half["stopped_early"] and resumed["steps_run"] == 2
+        assert resumed["loss_history"][:2] == half["loss_history"]  # restored, not recomputed
+    resumed = runs["fsdp"]
     # The uninterrupted reference: one process on the same global batch.
     single = train(build_config({**TINY_MODEL, **RUN, "data": str(small_corpus), "batch_size": 4, "grad_accum": 2,
                                  "checkpointing": "full", "progress": False, "out": str(tmp_path / "one")}))

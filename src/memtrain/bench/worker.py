@@ -49,11 +49,11 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
         except (ConfigError, RuntimeError) as exc:
             result["max_batch"] = {"batch_size": None, "error": str(exc).splitlines()[0]}
     try:
-        from memtrain.estimate import estimate_memory
+        from memtrain.estimate import estimate
+        from memtrain.runtime import resolve_device
 
-        result["estimate"] = estimate_memory(cfg)
-    except ImportError:
-        result["estimate"] = None
+        # The analytic prediction of the same run, shown beside the measurement in the report.
+        result["estimate"] = estimate(cfg, device_type=resolve_device(cfg.train.device).type).to_dict()
     except Exception as exc:  # noqa: BLE001 - an estimator gap must not lose the measured row
         result["estimate"] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
     return result

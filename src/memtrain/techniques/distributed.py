@@ -69,7 +69,6 @@ __all__ = [
     "init_distributed",
 ]
 
-TORCH_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 DEEPSPEED_STRATEGIES = ("deepspeed-zero2", "deepspeed-zero3")
 TIMEOUT_ENV = "MEMTRAIN_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
@@ -350,9 +349,21 @@ def _install_fault_injection(model: nn.Module) -> None:
 
 
 # --------------------------------------------------------------------------- measurement
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t`` (the shard of a DTensor, else ``t``)."""
-    return t.to_local() if hasattr(t, "to_local") else t
+def _leaves(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The plain tensors holding this rank's part of ``t``: a DTensor's local shard; the inner
+    tensors of a wrapper subclass (torchao's low-bit optimizer state), which owns no storage."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        for attr in attrs:
+            inner = getattr(t, attr)
+            if isinstance(inner, torch.Tensor):
+                yield from _leaves(inner)
+    else:
+        yield t
 
 
 def _storage_bytes(tensors: Any) -> int:
@@ -360,11 +371,12 @@ def _storage_bytes(tensors: Any) -> int:
     seen: set[tuple[str, int]] = set()
     total = 0
     for t in tensors:
-        st = _local(t).untyped_storage()
-        key = (str(t.device), st.data_ptr())
-        if st.nbytes() and key not in seen:
-            seen.add(key)
-            total += st.nbytes()
+        for leaf in _leaves(t):
+            st = leaf.untyped_storage()
+            key = (str(leaf.device), st.data_ptr())
+            if st.nbytes() and key not in seen:
+                seen.add(key)
+                total += st.nbytes()
     return total
 
 

@@ -1,0 +1,212 @@
+"""Building blocks of benchmarks/compare_hf.py: the HF side must train the same model on the same
+tokens with the same schedule and be measured by the same meters, or the comparison means nothing."""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+transformers = pytest.importorskip("transformers")
+
+import compare_hf as C  # noqa: E402
+import hf_presets as H  # noqa: E402
+
+from memtrain.bench.presets import TECHNIQUES, scale_overrides, technique_overrides  # noqa: E402
+from memtrain.config import ModelConfig, build_config  # noqa: E402
+from memtrain.model import GPT  # noqa: E402
+from memtrain.runtime import seed_everything  # noqa: E402
+
+TINY = {"vocab_size": 512, "d_model": 64, "n_heads": 4, "n_layers": 2, "d_ff": 128, "max_seq_len": 32,
+        "dropout": 0.0, "seq_len": 16, "batch_size": 2, "progress": False}
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    transformers.logging.set_verbosity_error()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def quick(name: str, **extra):
+    return build_config(scale_overrides("quick"), technique_overrides(name, "quick"), {"progress": False, **extra})
+
+
+# ----------------------------------------------------------------------------- mapping
+def test_every_preset_has_a_plan_with_the_expected_status():
+    plans = {name: H.hf_plan(quick(name), "cpu") for name in TECHNIQUES}
+    assert plans["baseline"].status == "matched"
+    assert plans["baseline"].attn_implementation == "eager"
+    assert plans["baseline"].training_args["optim"] == "adamw_torch"
+    assert plans["baseline"].matmul_precision == "high"  # tf32 on CPU: the same global switch as memtrain
+    assert plans["bf16"].training_args["bf16"] is True
+    assert plans["flash-bf16"].attn_implementation == "sdpa"
+    assert plans["window-flash"].status == "none" and "window" in plans["window-flash"].missing[0]
+    ck = plans["ckpt-bf16"].training_args
+    assert ck["activation_checkpointing"] is True and ck["activation_checkpointing_kwargs"] == {"use_reentrant": False}
+    assert plans["chunked-loss"].status == "closest" and "Liger" in plans["chunked-loss"].missing[0]
+    assert plans["adamw-8bit"].training_args["optim"] == "adamw_torch_8bit"
+    assert plans["adafactor"].training_args["optim"] == "adafactor"
+    assert plans["lowest-memory"].training_args["optim"] == "adamw_torch_4bit"
+    assert plans["lora"].lora["target_modules"] == ["attn.c_proj", "c_attn", "c_fc", "mlp.c_proj"]
+    assert plans["compile"].training_args["torch_compile"] is True
+
+
+def test_plan_edge_cases():
+    every = H.hf_plan(quick("bf16", checkpointing="every:2"), "cpu")
+    assert every.training_args["activation_checkpointing_kwargs"]["every_n_layers"] == 2
+    assert H.hf_plan(quick("bf16", checkpointing="selective"), "cpu").status == "closest"
+    assert H.hf_plan(quick("bf16", precision="bf16-pure"), "cpu").status == "none"
+    assert H.hf_plan(quick("bf16", distributed="ddp"), "cpu").status == "none"
+    assert H.hf_plan(quick("baseline"), "cuda").training_args["tf32"] is True
+
+
+def test_default_model_has_the_same_parameter_count():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        hf = GPT2LMHeadModel(GPT2Config(**H.gpt2_config_kwargs(ModelConfig())))
+        ours = GPT(ModelConfig())
+    assert hf.num_parameters() == ours.num_parameters() == 16_156_416
+    assert hf.lm_head.weight is hf.transformer.wte.weight
+
+
+# ----------------------------------------------------------------------------- same model
+@pytest.mark.parametrize("overrides", [{"attention": "math"}, {"attention": "sdpa"}, {"untie_embeddings": True}])
+def test_hf_model_starts_from_memtrains_weights(overrides):
+    cfg = build_config(TINY, overrides)
+    plan = H.hf_plan(cfg, "cpu")
+    hf = C.build_hf_model(cfg, plan)
+    seed_everything(cfg.train.seed)
+    ours = GPT(cfg.model)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 512, (2, 16), generator=g)
+    y = torch.randint(0, 512, (2, 16), generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=x).logits, ours(x), atol=1e-5, rtol=1e-5)
+        same = hf(input_ids=x, labels=y, shift_labels=y).loss
+        shifted = hf(input_ids=x, labels=y).loss  # HF's own shift drops the last target of each row
+        assert float(same) == pytest.approx(float(ours(x, y)), abs=1e-5)
+        assert abs(float(shifted) - float(same)) > 1e-4
+
+
+def test_dataset_reproduces_memtrains_batches():
+    from memtrain.data import make_train_loader
+    from transformers import default_data_collator
+
+    tokens = np.arange(5000, dtype=np.uint16) % 997
+    cfg = build_config(TINY, {"steps": 5})
+    ds = C.hf_train_dataset(tokens, cfg)
+    assert len(ds) == 5 * cfg.train.batch_size
+    loader = make_train_loader(tokens, cfg.train.seq_len, cfg.train.batch_size, seed=cfg.train.seed)
+    for step in range(5):
+        x, y = loader.next_batch()
+        b = cfg.train.batch_size
+        batch = default_data_collator([ds[i] for i in range(step * b, (step + 1) * b)])
+        assert torch.equal(batch["input_ids"], x)
+        assert torch.equal(batch["shift_labels"], y)
+
+
+def test_schedule_is_memtrains_up_to_hfs_one_step_warmup_offset():
+    from transformers import get_scheduler
+
+    from memtrain.train import lr_lambda
+
+    cfg = build_config(TINY, {"steps": 20, "warmup_steps": 5})
+    plan = H.hf_plan(cfg, "cpu")
+    model = torch.nn.Linear(2, 2)
+    args = C.training_arguments(cfg, plan, "/tmp/unused", torch.device("cpu"))
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = get_scheduler(args.lr_scheduler_type, optimizer=opt, num_warmup_steps=args.warmup_steps,
+                          num_training_steps=args.max_steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs)
+    hf = [sched.lr_lambdas[0](s) for s in range(20)]
+    ours = [lr_lambda(cfg)(s) for s in range(20)]
+    assert hf[:5] == pytest.approx([0.0] + ours[:4])  # HF: s / W, memtrain: (s + 1) / W
+    assert hf[5:] == pytest.approx(ours[5:])
+    assert ours[-1] > cfg.train.min_lr_ratio  # still decaying towards the same floor
+    assert sched.lr_lambdas[0](20) == pytest.approx(cfg.train.min_lr_ratio)
+
+
+def test_trainer_optimizer_decays_the_same_tensors():
+    from memtrain.techniques.optim import param_groups
+
+    cfg = build_config(TINY)
+    plan = H.hf_plan(cfg, "cpu")
+    hf = C.build_hf_model(cfg, plan)
+    args = C.training_arguments(cfg, plan, "/tmp/unused", torch.device("cpu"))
+    opt = C.make_hf_optimizer(hf, args)
+    assert type(opt) is torch.optim.AdamW and opt.defaults["betas"] == (0.9, 0.95)
+    ours = param_groups(GPT(cfg.model), cfg.train.weight_decay)
+    numel = lambda group: sum(p.numel() for p in group["params"])  # noqa: E731
+    assert [numel(g) for g in opt.param_groups] == [numel(g) for g in ours]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+
+
+# ----------------------------------------------------------------------------- meters
+def test_traced_hf_probe_equals_the_real_step():
+    cfg = build_config(TINY)
+    traced = C.hf_step_peak(cfg, 2, fake=True)
+    real = C.hf_step_peak(cfg, 2, fake=False)
+    assert traced == real
+    assert C.hf_step_peak(cfg, 4, fake=True) > traced  # grows with the batch
+
+
+def test_trainer_run_is_metered_like_memtrain(small_corpus):
+    from memtrain.train import train
+
+    cfg = build_config({**TINY, "vocab_size": 50257, "max_seq_len": 32, "d_model": 32, "d_ff": 64},
+                       {"data": str(small_corpus), "steps": 4, "warmup_steps": 2, "val_blocks": 4,
+                        "warmup_timing_steps": 1})
+    theirs = C.run_theirs(cfg)
+    ours = train(cfg, progress=False)
+    mem = theirs["memory"]
+    assert mem["peak_bytes"] == sum(mem["by_category"].values()) > 0
+    assert mem["by_category"]["optimizer"] == ours["memory"]["by_category"]["optimizer"] > 0
+    assert mem["peak_phase"] in ("forward", "backward", "optimizer")
+    assert theirs["timed_steps"] == 4 - 2  # the two metered steps are left out, as in memtrain
+    assert theirs["parameters"] == ours["parameters"]
+    # Same weights, same first batch: the same first loss (the schedules differ from step 1 on).
+    assert theirs["loss_history"][0] == pytest.approx(ours["loss_history"][0], abs=1e-4)
+    assert math.isfinite(theirs["val_ppl"])
+
+
+# ----------------------------------------------------------------------------- report
+def _fake_run(preset, side, rep, h, step, peak, ppl=100.0, mb=8):
+    return {"preset": preset, "side": side, "rep": rep, "position": 1, "config_hash": h, "result": {
+        "status": "ok", "step_time_s": {"median": step, "p10": step, "p90": step, "mean": step},
+        "memory": {"peak_bytes": peak, "by_category": {"parameters": peak}, "peak_phase": "backward"},
+        "val_ppl": ppl, "train_loss": 5.0, "parameters": 10, "trainable_parameters": 10,
+        "max_batch": {"batch_size": mb, "peak_bytes": peak, "probes": [{"batch_size": 4, "peak_bytes": peak}]}}}
+
+
+def test_aggregate_ratios_and_markdown():
+    rows = C.resolve_rows("quick", ["baseline", "window-flash"], {"progress": False}, "cpu")
+    h = C.config_hash(rows[0]["config"])
+    runs = [_fake_run("baseline", "ours", 0, h, 1.0, 100), _fake_run("baseline", "theirs", 0, h, 2.0, 200, mb=4),
+            _fake_run("baseline", "ours", 1, h, 3.0, 100), _fake_run("baseline", "theirs", 1, h, 2.0, 200, mb=4)]
+    table = C.aggregate(rows, runs)
+    r = table[0]["ratios"]
+    assert r["peak_bytes"] == 0.5 and r["max_batch"] == 2.0
+    assert r["step_time_s"] == pytest.approx(2.0 / 2.0)
+    assert table[0]["paired_step_ratios"] == [0.5, 1.5]
+    assert table[1]["hf_status"] == "none"
+    md = C.render_markdown({"env": {"commit": "abc"}, "settings": {
+        "scale": "quick", "batch_size": 4, "seq_len": 128, "steps": 8, "warmup_steps": 3, "grad_accum": 1,
+        "dropout": 0.0, "repeats": 2, "budget": "1GiB", "max_batch": 256, "maxbatch_method": "trace"},
+        "command": "python benchmarks/compare_hf.py", "finished": "now", "wall_s": 60, "rows": table, "runs": runs})
+    assert "| window-flash | no HF equivalent |" in md
+    assert "| baseline | 0.50 | 1.00 | 0.50, 1.50 |" in md
+
+
+def test_cli_rejects_an_unknown_preset(capsys):
+    assert C.main(["--presets", "nope", "--out", "/tmp/compare-hf-unused"]) == 2
+    assert capsys.readouterr().err.startswith("error: preset 'nope'")
