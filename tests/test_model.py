@@ -84,3 +84,25 @@ def test_standard_loss_ignores_index():
     keep = t != -100
     ref = torch.nn.functional.cross_entropy(h[keep] @ w.T, t[keep])
     assert torch.allclose(standard_lm_loss(h, w, t), ref)
+
+
+def test_vocab_padding_changes_storage_not_the_model():
+    """Same seed, padded or not: same initial weights for real tokens, same loss and gradients;
+    padded rows are zero and stay out of the logits."""
+    idx = torch.randint(0, 97, (2, 16))
+    y = torch.randint(0, 97, (2, 16))
+    for untie in (False, True):
+        torch.manual_seed(3)
+        plain = GPT(ModelConfig(**TINY, untie_embeddings=untie))
+        torch.manual_seed(3)
+        padded = GPT(ModelConfig(**TINY, untie_embeddings=untie, vocab_multiple=64))
+        assert padded.wte.weight.shape[0] == 128 and padded.lm_head.weight.shape[0] == 128
+        assert torch.equal(padded.wte.weight[:97], plain.wte.weight)
+        assert torch.count_nonzero(padded.wte.weight[97:]) == 0
+        assert torch.equal(padded.blocks[1].mlp.fc.weight, plain.blocks[1].mlp.fc.weight)
+        lp, lq = plain(idx, y), padded(idx, y)
+        assert torch.allclose(lp, lq, atol=1e-6)
+        lp.backward()
+        lq.backward()
+        assert torch.allclose(padded.wte.weight.grad[:97], plain.wte.weight.grad, atol=1e-6)
+        assert padded(idx).shape[-1] == 97

@@ -87,6 +87,20 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def _padded(module: nn.Module, cfg: ModelConfig) -> nn.Module:
+    """Grow ``module``'s (vocab_size x d) weight to padded_vocab_size rows of zeros at the end."""
+    extra = cfg.padded_vocab_size - cfg.vocab_size
+    if extra:
+        w = module.weight.data
+        module.weight = nn.Parameter(torch.cat([w, w.new_zeros(extra, w.shape[1])]))
+        if isinstance(module, nn.Embedding):
+            module.num_embeddings = cfg.padded_vocab_size
+        else:
+            module.out_features = cfg.padded_vocab_size
+        module._vocab_padded = True  # type: ignore[attr-defined]
+    return module
+
+
 class GPT(nn.Module):
     """The language model. ``forward(idx, targets)`` returns the mean loss when targets are
     given, else the logits of every position."""
@@ -94,18 +108,21 @@ class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        vocab = cfg.padded_vocab_size
-        self.wte = nn.Embedding(vocab, cfg.d_model)
+        # Padding (--vocab-multiple) only changes the storage: modules are built and
+        # initialised with vocab_size rows, so a padded model draws the same random numbers
+        # and starts from the same weights as the unpadded one; the extra rows are zeros
+        # that no token uses and the loss never sees (see ``head_weight``).
+        self.wte = _padded(nn.Embedding(cfg.vocab_size, cfg.d_model), cfg)
         self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
-        self.lm_head = nn.Linear(cfg.d_model, vocab, bias=False)
+        self.lm_head = _padded(nn.Linear(cfg.d_model, cfg.vocab_size, bias=False), cfg)
         if not cfg.untie_embeddings:
             # Weight tying (Press & Wolf 2017): one (V x d) matrix serves input and output.
             self.lm_head.weight = self.wte.weight
         self.loss_fn: LossFn = standard_lm_loss
-        self.apply(self._init_weights)
+        self.apply(lambda m: self._init_weights(m, cfg.vocab_size))
         # GPT-2: scale the residual projections by 1/sqrt(2 * n_layers) so the residual
         # stream's variance does not grow with depth.
         for name, p in self.named_parameters():
@@ -113,13 +130,18 @@ class GPT(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layers))
 
     @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
+    def _init_weights(module: nn.Module, vocab_size: int) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            w = module.weight
+            if getattr(module, "_vocab_padded", False):
+                # Draw exactly what the unpadded model draws; padded rows stay zero.
+                with torch.no_grad():
+                    nn.init.normal_(w[:vocab_size], mean=0.0, std=0.02)
+                    w[vocab_size:].zero_()
+            else:
+                nn.init.normal_(w, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
         """Final-LayerNorm output (batch, seq, d_model): everything before the LM head."""
@@ -132,11 +154,17 @@ class GPT(nn.Module):
             x = block(x)
         return self.ln_f(x)
 
+    def head_weight(self) -> torch.Tensor:
+        """The LM-head rows of real tokens: padded rows (if any) are sliced off (a view, no
+        copy), so padding never changes the logits, the loss or the gradients."""
+        w = self.lm_head.weight
+        return w if w.shape[0] == self.cfg.vocab_size else w[: self.cfg.vocab_size]
+
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         h = self.hidden_states(idx)
         if targets is None:
-            return self.lm_head(h)
-        return self.loss_fn(h.reshape(-1, h.shape[-1]), self.lm_head.weight, targets.reshape(-1))
+            return F.linear(h, self.head_weight())
+        return self.loss_fn(h.reshape(-1, h.shape[-1]), self.head_weight(), targets.reshape(-1))
 
     def num_parameters(self, trainable_only: bool = False, exclude_positional: bool = False) -> int:
         """Count parameters once each (the tied head is not counted twice)."""

@@ -175,16 +175,8 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     # Distributed runs save a sharded checkpoint directory (torch.distributed.checkpoint).
     save_ckpt, load_ckpt = (dcp_save, dcp_load) if dist_ctx.enabled else (save_checkpoint, load_checkpoint)
 
-    # Data first: a bad source fails before any model is built or file written.
-    with dist_ctx.main_first():  # rank 0 fills the token cache, the other ranks then read it
-        splits = prepare_tokens(cfg.data, progress=show)
-    loader = make_train_loader(
-        splits.train, t.seq_len, t.batch_size, seed=t.seed,
-        num_workers=cfg.data.num_workers, pin_memory=cfg.data.pin_memory,
-        prefetch_factor=cfg.data.prefetch_factor, rank=dist_ctx.rank, world_size=dist_ctx.world_size,
-    )
-    val_batches = make_val_batches(splits.val, t.seq_len, cfg.data.val_blocks, t.batch_size)
-
+    # Techniques first: an impossible combination (a backend the device lacks, an optimizer
+    # that cannot pair with the precision) fails in seconds, before a long tokenization.
     precision = make_precision(cfg.technique.precision, device)
     base = GPT(cfg.model)
     n_params = base.num_parameters()
@@ -193,6 +185,16 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     optimizer = build_optimizer(model, cfg.technique, t)
     model, optimizer = dist_ctx.wrap_optimizer(model, optimizer)  # ZeRO-1 / DeepSpeed; else unchanged
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+
+    # Then data; nothing is written before both succeeded.
+    with dist_ctx.main_first():  # rank 0 fills the token cache, the other ranks then read it
+        splits = prepare_tokens(cfg.data, progress=show)
+    loader = make_train_loader(
+        splits.train, t.seq_len, t.batch_size, seed=t.seed,
+        num_workers=cfg.data.num_workers, pin_memory=cfg.data.pin_memory,
+        prefetch_factor=cfg.data.prefetch_factor, rank=dist_ctx.rank, world_size=dist_ctx.world_size,
+    )
+    val_batches = make_val_batches(splits.val, t.seq_len, cfg.data.val_blocks, t.batch_size)
 
     start_step = 0
     losses: list[float] = []
