@@ -14,6 +14,7 @@ state exists) at one batch size and returns its peak:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
@@ -46,11 +47,12 @@ def _random_batch(cfg: RunConfig, batch: int, device: torch.device) -> tuple[tor
     return x.to(device), y.to(device)
 
 
-def measured_step_peak(cfg: RunConfig, batch: int) -> Optional[int]:
-    """Peak bytes of two real training steps at ``batch`` (None on a CUDA out-of-memory).
-
-    The second step is the steady state (optimizer state exists); its peak is returned."""
-    from memtrain.metrics import MemoryMeter, reset_device_peak
+def measure_step_memory(cfg: RunConfig, batch: int) -> Optional[dict[str, Any]]:
+    """Memory of two real training steps at ``batch``: the second (steady-state: optimizer
+    state exists) step's tracked stats (``MemoryStats.to_dict()``) plus the device peaks.
+    None on a CUDA out-of-memory error. On CUDA the meter is off (it would slow the step and
+    the allocator's own peak is the number that decides whether a batch fits)."""
+    from memtrain.metrics import MemoryMeter, device_peak_memory, reset_device_peak
     from memtrain.model import GPT
     from memtrain.runtime import resolve_device
     from memtrain.techniques import build_optimizer, make_precision, prepare_model
@@ -64,22 +66,19 @@ def measured_step_peak(cfg: RunConfig, batch: int) -> Optional[int]:
         model = prepare_model(GPT(cfg.model), cfg, device, precision)
         optimizer = build_optimizer(model, cfg.technique, cfg.train)
         micro = [_random_batch(cfg, batch, device) for _ in range(cfg.train.grad_accum)]
-        tracked = device.type != "cuda"
-        meter = MemoryMeter(model, optimizer) if tracked else None
+        meter = MemoryMeter(model, optimizer) if device.type != "cuda" else None
         for step in range(2):
             if step == 1:
                 if meter is not None:
                     meter.reset_peak()
                 reset_device_peak(device)
-            if meter is not None:
-                with meter:
-                    train_step(model, micro, optimizer, precision, cfg.train.grad_clip, device, meter)
-            else:
-                train_step(model, micro, optimizer, precision, cfg.train.grad_clip, device)
-        if meter is not None:
-            return int(meter.stats().peak_bytes)
-        torch.cuda.synchronize(device)
-        return int(torch.cuda.max_memory_allocated(device))
+            with meter if meter is not None else contextlib.nullcontext():
+                train_step(model, micro, optimizer, precision, cfg.train.grad_clip, device, meter)
+        stats: dict[str, Any] = meter.stats().to_dict() if meter is not None else {"peak_bytes": None}
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        stats.update(device_peak_memory(device))
+        return stats
     except torch.OutOfMemoryError:
         return None
     finally:
@@ -87,6 +86,16 @@ def measured_step_peak(cfg: RunConfig, batch: int) -> Optional[int]:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def measured_step_peak(cfg: RunConfig, batch: int) -> Optional[int]:
+    """Peak bytes of a real steady-state training step (None when it ran out of memory):
+    the tracked peak, or on CUDA ``max_memory_allocated``."""
+    stats = measure_step_memory(cfg, batch)
+    if stats is None:
+        return None
+    peak = stats["peak_bytes"] if stats["peak_bytes"] is not None else stats["max_allocated_bytes"]
+    return int(peak)
 
 
 def traced_step_peak(cfg: RunConfig, batch: int) -> Optional[int]:
