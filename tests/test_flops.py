@@ -20,7 +20,7 @@ from memtrain.flops import (
     resolve_roof,
 )
 
-# The brief's tiny model, with dropout on so the dropout class is exercised.
+# A tiny model, with dropout on so the dropout class is exercised.
 TINY = {"vocab_size": 512, "d_model": 64, "n_heads": 4, "n_layers": 4, "d_ff": 128, "max_seq_len": 128,
         "dropout": 0.1, "batch_size": 2, "seq_len": 64}
 

@@ -29,6 +29,26 @@ def _unwrap(model: nn.Module) -> nn.Module:
         model = inner
 
 
+def rng_and_scaler_state(precision: Any) -> dict[str, Any]:
+    """The per-process state besides model and optimizer: RNG streams and the loss scaler."""
+    return {
+        "rng_cpu": torch.get_rng_state(),
+        "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "scaler": precision.scaler.state_dict() if precision.scaler is not None else None,
+        "skipped_steps": precision.skipped_steps,
+    }
+
+
+def restore_rng_and_scaler(state: dict[str, Any], precision: Any) -> None:
+    """Inverse of :func:`rng_and_scaler_state`."""
+    torch.set_rng_state(state["rng_cpu"])
+    if state["rng_cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng_cuda"])
+    if state["scaler"] is not None and precision.scaler is not None:
+        precision.scaler.load_state_dict(state["scaler"])
+    precision.skipped_steps = state["skipped_steps"]
+
+
 def save_checkpoint(
     path: str | Path,
     model: nn.Module,
@@ -49,10 +69,7 @@ def save_checkpoint(
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "loader": loader.state_dict(),
-        "rng_cpu": torch.get_rng_state(),
-        "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "scaler": precision.scaler.state_dict() if precision.scaler is not None else None,
-        "skipped_steps": precision.skipped_steps,
+        **rng_and_scaler_state(precision),
         "config": cfg.to_dict(),
     }
     path = Path(path)
@@ -93,10 +110,5 @@ def load_checkpoint(
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     loader.load_state_dict(state["loader"])
-    torch.set_rng_state(state["rng_cpu"])
-    if state["rng_cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng_cuda"])
-    if state["scaler"] is not None and precision.scaler is not None:
-        precision.scaler.load_state_dict(state["scaler"])
-    precision.skipped_steps = state["skipped_steps"]
+    restore_rng_and_scaler(state, precision)
     return {"step": int(state["step"]), "losses": state["losses"]}

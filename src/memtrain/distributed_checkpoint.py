@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from memtrain.checkpoint import restore_rng_and_scaler, rng_and_scaler_state
 from memtrain.config import ConfigError, RunConfig
 
 FORMAT = "memtrain-dcp-1"
@@ -90,11 +91,8 @@ def save_checkpoint(
     local = _zero1_local(optimizer)
     torch.save(
         {
-            "rng_cpu": torch.get_rng_state(),
-            "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            **rng_and_scaler_state(precision),
             "scheduler": scheduler.state_dict(),
-            "scaler": precision.scaler.state_dict() if precision.scaler is not None else None,
-            "skipped_steps": precision.skipped_steps,
             "optimizer": local.state_dict() if local is not None else None,
             # ZeRO-1's outer param_groups carry the scheduled LR of the next step; the local
             # optimizer's still hold the last step's (they are synced at the start of a step).
@@ -176,10 +174,5 @@ def load_checkpoint(
         ZeroRedundancyOptimizer._sync_param_groups(optimizer.param_groups, local.param_groups)
     scheduler.load_state_dict(own["scheduler"])
     loader.load_state_dict(meta["loader"])
-    torch.set_rng_state(own["rng_cpu"])
-    if own["rng_cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(own["rng_cuda"])
-    if own["scaler"] is not None and precision.scaler is not None:
-        precision.scaler.load_state_dict(own["scaler"])
-    precision.skipped_steps = own["skipped_steps"]
+    restore_rng_and_scaler(own, precision)
     return {"step": int(meta["step"]), "losses": meta["losses"]}
