@@ -58,7 +58,7 @@ SCALES: dict[str, dict[str, Any]] = {
     # dominated by the 50257-token logits, is the real one) at a smaller batch and sequence,
     # fewer steps, and a shorter warm-up so perplexity still moves. Dropout is off because
     # PyTorch's CPU flash kernel has no dropout (the flash rows could not run on CPU).
-    "quick": {"batch_size": 4, "seq_len": 128, "steps": 30, "warmup_steps": 10, "val_blocks": 16,
+    "quick": {"batch_size": 4, "seq_len": 128, "steps": 20, "warmup_steps": 5, "val_blocks": 16,
               "dropout": 0.0},
 }
 
