@@ -52,6 +52,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -61,7 +62,68 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-import torch
+BATON_ENV = "COMPARE_HF_BATON"
+
+
+class Baton:
+    """Turn-taking between the two sides of a lockstep pair (``--lockstep``, the default).
+
+    Both processes live at once but only the one holding the turn computes: a side holds it
+    from start-up to the end of each training step, then hands it over and waits for it to come
+    back. Consecutive steps of ours and theirs thus alternate, a few seconds apart, under the
+    same machine load, and no timed step ever overlaps the other side's work (start-up, data,
+    compile, evaluation or max-batch search included). The turn travels as one byte over two
+    pipes set up by the parent: ``g`` (your turn) or ``d`` (the other side has finished: run
+    freely). Outside a pair (env var unset) every call is a no-op.
+    """
+
+    def __init__(self, spec: Optional[str]) -> None:
+        self.in_fd: Optional[int] = None
+        self.out_fd: Optional[int] = None
+        self.free = True
+        if spec:
+            self.in_fd, self.out_fd = (int(x) for x in spec.split(","))
+            self.free = False
+
+    def acquire(self) -> None:
+        """Block until it is this side's turn (or the other side is gone)."""
+        if self.free or self.in_fd is None:
+            return
+        if os.read(self.in_fd, 1) in (b"d", b""):
+            self.free = True
+
+    def _send(self, token: bytes) -> None:
+        if self.out_fd is None:
+            return
+        try:
+            os.write(self.out_fd, token)
+        except OSError:  # the other side has exited
+            self.free = True
+
+    def handoff(self) -> None:
+        """End of a step: give the turn to the other side and wait for it to come back."""
+        if self.free:
+            return
+        self._send(b"g")
+        self.acquire()
+
+    def finish(self) -> None:
+        """This side is done: let the other side run freely from now on."""
+        self._send(b"d")
+        self.out_fd = None
+        self.free = True
+
+
+BATON = Baton(os.environ.get(BATON_ENV))
+# (start, end) wall-clock times of every training step of this process, so the report can show
+# that the two sides' steps never overlapped.
+STEP_WINDOWS: list[tuple[float, float]] = []
+if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    # Wait for the turn before importing torch: the import is heavy and the other side may be
+    # in the middle of a timed step.
+    BATON.acquire()
+
+import torch  # noqa: E402
 
 # The script runs as a file (python benchmarks/compare_hf.py): its folder is on sys.path, so the
 # mapping module next to it imports by name.
@@ -72,6 +134,7 @@ from memtrain.bench.presets import SCALE_BUDGET, SCALE_MAX_BATCH, SCALES, TECHNI
 from memtrain.config import ConfigError, RunConfig, build_config, parse_size  # noqa: E402
 
 RUNS_FILE = "runs.jsonl"
+COMMANDS_FILE = "commands.log"  # every invocation that wrote into the folder (--resume adds to runs.jsonl)
 REPORT_JSON = "compare_hf.json"
 REPORT_MD = "compare_hf.md"
 SIDES = ("ours", "theirs")
@@ -271,6 +334,7 @@ class StepMeter:
             self.meter = MemoryMeter(model, getattr(optimizer, "optimizer", optimizer))
 
     def begin_step(self) -> None:
+        self._window_start = time.time()
         stack = contextlib.ExitStack()
         stack.enter_context(self.timer.step())
         if self.metering:
@@ -299,6 +363,8 @@ class StepMeter:
             self.step_losses.append(torch.stack(self._micro_losses).sum())
             self._micro_losses = []
         self.step += 1
+        STEP_WINDOWS.append((self._window_start, time.time()))
+        BATON.handoff()
 
 
 def _trainer_classes() -> tuple[type, type]:
@@ -334,6 +400,16 @@ def _trainer_classes() -> tuple[type, type]:
         """
 
         step_meter: StepMeter
+        exact_schedule: Optional[Callable[[int], float]] = None
+
+        def create_scheduler(self, num_training_steps, optimizer=None):  # type: ignore[no-untyped-def]
+            # --exact-schedule: memtrain's own warm-up + cosine instead of cosine_with_min_lr, to
+            # show that the perplexity gap of short runs is the warm-up offset and nothing else.
+            if self.exact_schedule is not None and self.lr_scheduler is None:
+                self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer or self.optimizer, self.exact_schedule)
+                self._created_lr_scheduler = True
+                return self.lr_scheduler
+            return super().create_scheduler(num_training_steps, optimizer)
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # type: ignore[no-untyped-def]
             self.step_meter.switch_phase("forward")
@@ -368,8 +444,12 @@ def hf_evaluate(model: torch.nn.Module, batches: list, device: torch.device, aut
 
 
 # ============================================================================ runs
-def run_theirs(cfg: RunConfig, track_memory: bool = True) -> dict[str, Any]:
-    """Train with ``transformers.Trainer``; return a result dict shaped like memtrain's."""
+def run_theirs(cfg: RunConfig, track_memory: bool = True, exact_schedule: bool = False) -> dict[str, Any]:
+    """Train with ``transformers.Trainer``; return a result dict shaped like memtrain's.
+
+    ``exact_schedule`` replaces the Trainer's ``cosine_with_min_lr`` by memtrain's schedule
+    (a check, not the comparison: see the module docstring on the warm-up offset).
+    """
     import transformers
 
     from memtrain.data import make_val_batches, prepare_tokens
@@ -401,6 +481,10 @@ def run_theirs(cfg: RunConfig, track_memory: bool = True) -> dict[str, Any]:
         trainer = MeteredTrainer(model=model, args=args, train_dataset=train_ds,
                                  data_collator=default_data_collator, callbacks=[MeterCallback(meter)])
         trainer.step_meter = meter
+        if exact_schedule:
+            from memtrain.train import lr_lambda
+
+            trainer.exact_schedule = lr_lambda(cfg)
         wall = time.perf_counter()
         trainer.train()
         total_time = time.perf_counter() - wall
@@ -430,6 +514,7 @@ def run_theirs(cfg: RunConfig, track_memory: bool = True) -> dict[str, Any]:
         "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "loss_history": losses,
         "hf_plan": plan.to_dict(),
+        "lr_schedule": "memtrain (--exact-schedule)" if exact_schedule else args.lr_scheduler_type,
         "transformers": transformers.__version__,
         "env": environment(device),
     }
@@ -570,20 +655,35 @@ def _probe_at(max_batch: Optional[dict[str, Any]], batch: int) -> Optional[int]:
     return None
 
 
-def run_side(side: str, cfg: RunConfig, maxbatch: Optional[dict[str, Any]]) -> dict[str, Any]:
+def run_side(side: str, cfg: RunConfig, maxbatch: Optional[dict[str, Any]], exact_schedule: bool = False) -> dict[str, Any]:
     """One side's run (training, then the max-batch search); the worker process calls this."""
     from memtrain.maxbatch import find_max_batch
     from memtrain.runtime import resolve_device
 
     if side == "ours":
-        from memtrain.train import train
+        import memtrain.train
+        from memtrain.metrics import StepTimer
 
-        result = train(cfg, progress=False)
+        class HandoffStepTimer(StepTimer):
+            """memtrain's StepTimer that hands the lockstep turn over after every step."""
+
+            @contextlib.contextmanager
+            def step(self) -> Iterator[None]:
+                start = time.time()
+                with super().step():
+                    yield
+                STEP_WINDOWS.append((start, time.time()))
+                BATON.handoff()
+
+        # The one hook into memtrain's loop: train() builds its timer from this name.
+        memtrain.train.StepTimer = HandoffStepTimer  # type: ignore[misc]
+        result = memtrain.train.train(cfg, progress=False)
     else:
-        result = run_theirs(cfg)
+        result = run_theirs(cfg, exact_schedule=exact_schedule)
+    result["step_windows"] = list(STEP_WINDOWS)
     if maxbatch:
         device = resolve_device(cfg.train.device)
-        method = "measure" if device.type == "cuda" else "trace"
+        method = maxbatch.get("method") or ("measure" if device.type == "cuda" else "trace")
         probe = None if side == "ours" else (lambda c, b: hf_step_peak(c, b, fake=method == "trace"))
         try:
             found = find_max_batch(cfg, budget_bytes=maxbatch.get("budget_bytes"), max_batch=maxbatch.get("max_batch"),
@@ -617,7 +717,7 @@ def worker_main(side: str, spec_path: str, out_path: str) -> int:
     start = time.perf_counter()
     try:
         cfg = build_config(spec["config"])
-        result = run_side(side, cfg, spec.get("maxbatch"))
+        result = run_side(side, cfg, spec.get("maxbatch"), bool(spec.get("exact_schedule")))
         result["status"] = "ok"
     except ConfigError as exc:
         msg = str(exc)
@@ -633,15 +733,17 @@ def worker_main(side: str, spec_path: str, out_path: str) -> int:
     tmp = Path(out_path).with_suffix(".tmp")
     tmp.write_text(json.dumps(result, default=str))
     tmp.replace(out_path)
+    BATON.finish()
     return 0
 
 
 def run_subprocess(side: str, cfg: RunConfig, maxbatch: Optional[dict[str, Any]], threads: Optional[int],
-                   timeout: Optional[float]) -> dict[str, Any]:
+                   timeout: Optional[float], exact_schedule: bool = False) -> dict[str, Any]:
     """Run one side in a fresh Python process; return its result (with status)."""
     with tempfile.TemporaryDirectory(prefix="compare-hf-") as tmp:
         spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec.write_text(json.dumps({"config": cfg.to_dict(), "maxbatch": maxbatch, "threads": threads}))
+        spec.write_text(json.dumps({"config": cfg.to_dict(), "maxbatch": maxbatch, "threads": threads,
+                                    "exact_schedule": exact_schedule}))
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", side, str(spec), str(out)]
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -659,6 +761,66 @@ def run_subprocess(side: str, cfg: RunConfig, maxbatch: Optional[dict[str, Any]]
             result = {"status": "error", "error": f"worker ended with code {proc.returncode} before writing: {tail}"}
     result["process_wall_s"] = wall
     return result
+
+
+def run_pair(order: tuple[str, str], cfg: RunConfig, maxbatch: Optional[dict[str, Any]], threads: Optional[int],
+             timeout: Optional[float], exact_schedule: bool = False) -> dict[str, dict[str, Any]]:
+    """Run both sides at once in lockstep (see :class:`Baton`), ``order[0]`` taking the first turn."""
+    inbox = {side: os.pipe() for side in order}  # side -> (read end, write end)
+    procs: dict[str, subprocess.Popen] = {}
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="compare-hf-") as tmp:
+        paths = {}
+        for side in order:
+            other = order[1] if side == order[0] else order[0]
+            spec, out, err = (Path(tmp) / f"{side}.{x}" for x in ("spec.json", "out.json", "stderr"))
+            paths[side] = (out, err)
+            spec.write_text(json.dumps({"config": cfg.to_dict(), "maxbatch": maxbatch, "threads": threads,
+                                        "exact_schedule": exact_schedule}))
+            fds = (inbox[side][0], inbox[other][1])
+            env = {**os.environ, BATON_ENV: f"{fds[0]},{fds[1]}"}
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", side, str(spec), str(out)]
+            with open(err, "w") as fh:
+                procs[side] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=fh, env=env, pass_fds=fds)
+        for side in order:
+            os.close(inbox[side][0])
+        start = time.perf_counter()
+        os.write(inbox[order[0]][1], b"g")
+        walls: dict[str, float] = {}
+        try:
+            while len(walls) < len(procs):
+                for side, proc in procs.items():
+                    if side not in walls and proc.poll() is not None:
+                        walls[side] = time.perf_counter() - start
+                        for other in procs:  # a side that died mid-run must not leave the other waiting
+                            if other != side:
+                                with contextlib.suppress(OSError):
+                                    os.write(inbox[other][1], b"d")
+                if timeout is not None and time.perf_counter() - start > timeout:
+                    for side, proc in procs.items():
+                        if side not in walls:
+                            proc.kill()
+                            proc.wait()
+                            walls[side] = -1.0
+                    break
+                time.sleep(0.2)
+        finally:
+            for side in order:
+                with contextlib.suppress(OSError):
+                    os.close(inbox[side][1])
+        for side in order:
+            out, err = paths[side]
+            if walls.get(side, -1.0) < 0:
+                results[side] = {"status": "timeout", "error": f"pair exceeded {timeout:.0f} s"}
+                continue
+            if out.is_file():
+                results[side] = json.loads(out.read_text())
+            else:
+                tail = " | ".join(err.read_text().strip().splitlines()[-3:])
+                results[side] = {"status": "error", "error": f"worker ended with code {procs[side].returncode} "
+                                                            f"before writing: {tail}"}
+            results[side]["process_wall_s"] = walls[side]
+    return results
 
 
 # ============================================================================ rows and report
@@ -701,7 +863,7 @@ def _slim(result: dict[str, Any]) -> dict[str, Any]:
     """What a run line keeps (the full config is in the report once per row)."""
     keep = ("status", "error", "train_loss", "val_loss", "val_ppl", "steps", "tokens", "step_time_s", "timed_steps",
             "total_time_s", "tokens_per_s", "memory", "parameters", "trainable_parameters", "max_batch",
-            "loss_history", "worker_wall_s", "process_wall_s", "transformers", "env", "hf_plan")
+            "loss_history", "worker_wall_s", "process_wall_s", "transformers", "env", "hf_plan", "lr_schedule", "step_windows")
     return {k: result[k] for k in keep if k in result}
 
 
@@ -756,13 +918,16 @@ def aggregate(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[di
                 "max_batch_error": (mb or {}).get("error"),
                 "traced_peak_at_run_batch": _probe_at(mb, cfg.train.batch_size),
             }
-        # Paired ratios: the two sides of one repetition ran back to back.
-        pairs = []
+        # Paired ratios: the two sides of one repetition ran together (lockstep) or back to back.
+        pairs, overlaps = [], []
         for rep in sorted({r["rep"] for r in mine}):
             by_side = {r["side"]: r["result"] for r in mine if r["rep"] == rep and r["result"].get("status") == "ok"}
             if len(by_side) == 2:
                 pairs.append(by_side["ours"]["step_time_s"]["median"] / by_side["theirs"]["step_time_s"]["median"])
+                overlaps.append(window_overlap_s(by_side["ours"].get("step_windows") or [],
+                                                 by_side["theirs"].get("step_windows") or []))
         entry["paired_step_ratios"] = pairs
+        entry["step_overlap_s"] = overlaps
         o, t = entry["sides"].get("ours", {}), entry["sides"].get("theirs", {})
         if o.get("status") == "ok" and t.get("status") == "ok":
             def ratio(key: str) -> Optional[float]:
@@ -774,6 +939,11 @@ def aggregate(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[di
             entry["ratios"]["paired_step_time_median"] = _median(pairs)
         table.append(entry)
     return table
+
+
+def window_overlap_s(a: list, b: list) -> float:
+    """Seconds during which a step of one side ran while a step of the other side also ran."""
+    return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in a for s2, e2 in b)
 
 
 def _mib(b: Optional[float]) -> str:
@@ -790,7 +960,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines = [
         "# memtrain vs Hugging Face Trainer",
         "",
-        f"- command: `{report['command']}`",
+        *(f"- command: `{c}`" for c in report.get("commands") or [report["command"]]),
         f"- commit: `{env.get('commit')}`; memtrain {env.get('memtrain')}, torch {env.get('torch')}, "
         f"transformers {report.get('transformers')}, python {env.get('python')}",
         f"- hardware: {env.get('device')}, {env.get('host_threads')} torch threads"
@@ -798,8 +968,13 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"- finished: {report['finished']}; wall time {report['wall_s'] / 60:.1f} min",
         f"- scale `{s['scale']}`: batch {s['batch_size']}, seq {s['seq_len']}, {s['steps']} steps "
         f"({s['warmup_steps']} warm-up), grad_accum {s['grad_accum']}, dropout {s['dropout']}; "
-        f"{s['repeats']} repetition(s), sides alternating first; each run in a fresh process",
-        f"- max batch: budget {s['budget']}, at most {s['max_batch']}, method {s['maxbatch_method']} on both sides",
+        f"{s['repeats']} repetition(s); each side in a fresh process; "
+        + ("lockstep: both sides of a preset run at once, taking turns step by step (no timed step overlaps "
+           "other work of either side), the first turn alternating between rows and repetitions"
+           if s.get("lockstep") else "sides one after the other, which one first alternating")
+        + ("; HF given memtrain's LR schedule (--exact-schedule)" if s.get("exact_schedule") else ""),
+        (f"- max batch: budget {s['budget']}, at most {s['max_batch']}, method {s['maxbatch_method']} on both sides"
+         if s.get("maxbatch_method") else "- max batch: not searched (--no-maxbatch)"),
         "",
         "Peak = tracked live tensor bytes of the steady-state step (memtrain.metrics.MemoryMeter, same "
         "meter and steps on both sides). Step time = median over timed steps (metered and warm-up steps "
@@ -828,15 +1003,17 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"| {cell(o, 'val_ppl', lambda x: _num(x, '{:,.1f}'))} | {cell(t, 'val_ppl', lambda x: _num(x, '{:,.1f}'))} "
             f"| {cell(o, 'max_batch', lambda x: _num(x, '{}'))} | {cell(t, 'max_batch', lambda x: _num(x, '{}'))} |")
     lines += ["", "## Ratios (ours / theirs)", "",
-              "| preset | peak | step time | step time, paired per repetition | tokens/s | val PPL | max batch |",
-              "|---|---:|---:|---|---:|---:|---:|"]
+              "| preset | peak | step time | step time, paired per repetition | tokens/s | val PPL | max batch "
+              "| steps overlapping, s |",
+              "|---|---:|---:|---|---:|---:|---:|---:|"]
     for e in report["rows"]:
         r = e.get("ratios")
         if not r:
             continue
         pairs = ", ".join(f"{p:.2f}" for p in e.get("paired_step_ratios", []))
         lines.append(f"| {e['preset']} | {_num(r['peak_bytes'])} | {_num(r['step_time_s'])} | {pairs} "
-                     f"| {_num(r['tokens_per_s'])} | {_num(r['val_ppl'], '{:.3f}')} | {_num(r['max_batch'])} |")
+                     f"| {_num(r['tokens_per_s'])} | {_num(r['val_ppl'], '{:.3f}')} | {_num(r['max_batch'])} "
+                     f"| {_num(sum(e.get('step_overlap_s') or [0.0]), '{:.1f}')} |")
     if any((e["sides"].get("ours", {}).get("max_allocated_bytes") is not None) for e in report["rows"]):
         lines += ["", "## CUDA allocator peaks (whole run)", "",
                   "| preset | max allocated MiB ours | HF | max reserved MiB ours | HF |", "|---|---:|---:|---:|---:|"]
@@ -867,7 +1044,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         for m in e["hf_missing"]:
             lines.append(f"  - missing in HF: {m}")
     failures = [(e["preset"], side, d) for e in report["rows"] for side, d in e["sides"].items()
-                if d.get("status") not in ("ok", None)]
+                if e["hf_status"] != "none" and d.get("status") not in ("ok", None)]
     if failures:
         lines += ["", "## Runs that did not finish", ""]
         for name, side, d in failures:
@@ -883,13 +1060,22 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(out: Path, rows: list[dict[str, Any]], settings: dict[str, Any], command: str, start: float) -> dict[str, Any]:
+def write_report(out: Path, rows: list[dict[str, Any]], settings: dict[str, Any], command: Optional[str],
+                 start: float) -> dict[str, Any]:
     """Aggregate every recorded run of these rows; write JSON and Markdown; return the report."""
     from memtrain.runtime import environment, resolve_device
 
-    runs = read_runs(out)
     hashes = {config_hash(r["config"]) for r in rows}
-    runs = [r for r in runs if r["config_hash"] in hashes]
+    runs = [r for r in read_runs(out) if r["config_hash"] in hashes]
+    commands = (out / COMMANDS_FILE).read_text().splitlines() if (out / COMMANDS_FILE).is_file() else [command]
+    wall = time.perf_counter() - start
+    if command is None:  # --report-only: the runs' own wall time (a lockstep pair lasts as long as its longer side)
+        command = commands[-1].split("  #")[0] if commands else None
+        pairs: dict[tuple, list[float]] = {}
+        for r in runs:
+            pairs.setdefault((r["rep"], r["preset"], r.get("lockstep") and "pair" or r["side"]), []).append(
+                r["result"].get("process_wall_s") or 0.0)
+        wall = sum(max(v) for v in pairs.values())
     tf_version = next((r["result"].get("transformers") for r in runs if r["result"].get("transformers")), None)
     if tf_version is None:
         try:
@@ -900,11 +1086,12 @@ def write_report(out: Path, rows: list[dict[str, Any]], settings: dict[str, Any]
             tf_version = None
     report = {
         "command": command,
+        "commands": commands,
         "env": environment(resolve_device(settings["device"])),
         "transformers": tf_version,
         "settings": settings,
         "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "wall_s": time.perf_counter() - start,
+        "wall_s": wall,
         "rows": aggregate(rows, runs),
         "configs": {r["preset"]: r["config"].to_dict() for r in rows},
         "runs": runs,
@@ -923,12 +1110,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--budget", default=None, help="memory budget of the max-batch search (default: the scale's on CPU)")
     ap.add_argument("--max-batch", type=int, default=None, help="largest batch the search tries")
     ap.add_argument("--no-maxbatch", action="store_true", help="skip the max-batch search")
+    ap.add_argument("--maxbatch-method", default="auto", choices=("auto", "trace", "measure"),
+                    help="probe steps under fake tensors (trace: fast, exact for eager steps; CPU default) or run "
+                         "them (measure: needed for compiled steps such as torchao's low-bit optimizers; CUDA default)")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the scale's)")
     ap.add_argument("--warmup-steps", type=int, default=None, help="learning-rate warm-up steps (default: the scale's)")
     ap.add_argument("--repeats", type=int, default=1, help="repetitions of every preset (timing noise)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads in each run (default: torch's)")
     ap.add_argument("--device", default="auto", help="auto|cpu|cuda")
     ap.add_argument("--timeout", type=float, default=None, help="seconds one run may take")
+    ap.add_argument("--lockstep", action=argparse.BooleanOptionalAction, default=True,
+                    help="run both sides of a preset at once, taking turns step by step (default); "
+                         "--no-lockstep runs them one after the other")
+    ap.add_argument("--exact-schedule", action="store_true",
+                    help="give the Trainer memtrain's learning-rate schedule (a check of the PPL gap; "
+                         "default: HF's cosine_with_min_lr)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="rebuild compare_hf.json/.md from OUT/runs.jsonl without running anything")
     ap.add_argument("--resume", action="store_true", help="keep runs already in OUT/runs.jsonl with the same config")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="any other memtrain config field for every row, e.g. --set d_model=64 (repeatable)")
@@ -963,6 +1161,8 @@ def main(argv: list[str]) -> int:
         maxbatch = None if opts.no_maxbatch else {
             "budget_bytes": parse_size(budget) if budget else None,
             "max_batch": opts.max_batch or SCALE_MAX_BATCH.get(opts.scale, 1024),
+            "method": opts.maxbatch_method if opts.maxbatch_method != "auto" else (
+                "measure" if device.type == "cuda" else "trace"),
         }
         if opts.repeats < 1:
             raise ConfigError(f"--repeats must be >= 1, got {opts.repeats}")
@@ -974,13 +1174,26 @@ def main(argv: list[str]) -> int:
         "scale": opts.scale, "batch_size": t0.batch_size, "seq_len": t0.seq_len, "steps": t0.steps,
         "warmup_steps": t0.warmup_steps, "grad_accum": t0.grad_accum, "dropout": rows[0]["config"].model.dropout,
         "repeats": opts.repeats, "budget": budget, "max_batch": (maxbatch or {}).get("max_batch"),
-        "maxbatch_method": None if maxbatch is None else ("measure" if device.type == "cuda" else "trace"),
-        "threads": opts.threads, "device": opts.device,
+        "maxbatch_method": None if maxbatch is None else maxbatch["method"],
+        "threads": opts.threads, "device": opts.device, "lockstep": opts.lockstep,
+        "exact_schedule": opts.exact_schedule,
     }
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
-    if not opts.resume and (out / RUNS_FILE).exists():
-        (out / RUNS_FILE).unlink()
+    if opts.report_only:
+        if not (out / RUNS_FILE).is_file():
+            print(f"error: {out / RUNS_FILE} not found; run the comparison first", file=sys.stderr)
+            return 2
+        command = None  # keep the commands that produced the runs
+        report = write_report(out, rows, settings, command, start)
+        print((out / REPORT_MD).read_text().split("## Memory at the peak")[0])
+        return 0
+    if not opts.resume:
+        for name in (RUNS_FILE, COMMANDS_FILE):
+            if (out / name).exists():
+                (out / name).unlink()
+    with open(out / COMMANDS_FILE, "a") as fh:
+        fh.write(f"{command}  # started {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
     done = {(r["preset"], r["side"], r["rep"], r["config_hash"]) for r in read_runs(out)
             if r["result"].get("status") == "ok"}
     for rep in range(opts.repeats):
@@ -991,13 +1204,20 @@ def main(argv: list[str]) -> int:
                     print(f"[{name}] no HF equivalent: {'; '.join(plan.missing)}", flush=True)
                 continue
             order = SIDES if (rep + i) % 2 == 0 else SIDES[::-1]
-            for position, side in enumerate(order, 1):
-                key = (name, side, rep, config_hash(cfg))
-                if key in done:
-                    continue
-                result = run_subprocess(side, cfg, maxbatch if rep == 0 else None, opts.threads, opts.timeout)
-                line = {"preset": name, "side": side, "rep": rep, "position": position, "config_hash": key[3],
-                        "result": _slim(result)}
+            h = config_hash(cfg)
+            todo = [side for side in order if (name, side, rep, h) not in done]
+            if not todo:
+                continue
+            mb = maxbatch if rep == 0 else None
+            if opts.lockstep and len(todo) == 2:
+                results = run_pair(order, cfg, mb, opts.threads, opts.timeout, opts.exact_schedule)
+            else:
+                results = {side: run_subprocess(side, cfg, mb, opts.threads, opts.timeout, opts.exact_schedule)
+                           for side in todo}
+            for side in todo:
+                result = results[side]
+                line = {"preset": name, "side": side, "rep": rep, "position": order.index(side) + 1,
+                        "lockstep": bool(opts.lockstep and len(todo) == 2), "config_hash": h, "result": _slim(result)}
                 with open(out / RUNS_FILE, "a") as fh:
                     fh.write(json.dumps(line, default=str) + "\n")
                 st = (result.get("step_time_s") or {}).get("median")
@@ -1009,7 +1229,8 @@ def main(argv: list[str]) -> int:
             write_report(out, rows, settings, command, start)
     report = write_report(out, rows, settings, command, start)
     print((out / REPORT_MD).read_text().split("## Memory at the peak")[0])
-    return 0 if all(e["sides"].get(s, {}).get("status") in ("ok", None) for e in report["rows"] for s in SIDES) else 1
+    return 0 if all(e["sides"].get(s, {}).get("status") in ("ok", None)
+                    for e in report["rows"] if e["hf_status"] != "none" for s in SIDES) else 1
 
 
 if __name__ == "__main__":

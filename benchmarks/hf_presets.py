@@ -235,8 +235,9 @@ def hf_plan(cfg: RunConfig, device_type: str) -> HFPlan:
         if t.optim == "adamw":
             note = " (memtrain uses foreach=False; HF passes no foreach: the same on CPU, foreach on CUDA)"
         elif t.optim == "adafactor":
-            note = (" (transformers.Adafactor, scale_parameter=False, relative_step=False; memtrain uses "
-                    "torch.optim.Adafactor: same factored second moment, different defaults)")
+            note = (" (transformers.Adafactor, scale_parameter=False, relative_step=False: lr is the absolute "
+                    "step; memtrain uses torch.optim.Adafactor, whose step is lr x max(1e-3, RMS(weight)), "
+                    "a relative step: same factored second moment, much smaller updates at the same --lr)")
         elif t.optim == "adamw-4bit":
             # memtrain uses torchao's 4-bit block of 128; the Trainer passes block_size 256, and
             # optim_args="block_size=128" reaches torchao as the string "128" in transformers

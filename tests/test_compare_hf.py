@@ -205,6 +205,7 @@ def test_aggregate_ratios_and_markdown():
         "command": "python benchmarks/compare_hf.py", "finished": "now", "wall_s": 60, "rows": table, "runs": runs})
     assert "| window-flash | no HF equivalent |" in md
     assert "| baseline | 0.50 | 1.00 | 0.50, 1.50 |" in md
+    assert table[0]["step_overlap_s"] == [0.0, 0.0]
 
 
 def test_cli_rejects_an_unknown_preset(capsys):
