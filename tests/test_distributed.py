@@ -229,3 +229,29 @@ def test_fully_shard_keeps_weight_tying_and_no_sync_skips_reduction(one_rank_gro
     opt.step()
     assert model.lm_head.weight is model.wte.weight
     assert len(opt.param_groups[0]["params"]) == len({id(p) for p in model.parameters()})
+
+
+def test_session_frees_the_run_before_leaving_the_group(tiny_run, monkeypatch):
+    """The wrapped model must be gone (and its collectives settled) when the group is destroyed:
+    left to interpreter shutdown, gloo's threads release tensors during finalization and abort
+    a run that had finished ("terminate called without an active exception")."""
+    import gc
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+    seen: dict = {}
+    destroy = dist.destroy_process_group
+
+    def checking_destroy(*args, **kwargs):
+        seen["alive"] = [o for o in gc.get_objects() if type(o) is torch.nn.parallel.DistributedDataParallel]
+        return destroy(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "destroy_process_group", checking_destroy)
+    train(build_config({**tiny_run, "steps": 2, "distributed": "ddp"}))
+    assert seen["alive"] == [], "the DDP model outlived the run into destroy_process_group"
+    assert not dist.is_initialized()
