@@ -5,13 +5,17 @@
 
 For each memtrain bench preset (``memtrain.bench.presets.TECHNIQUES``) two runs are made, each
 in a fresh Python process (so neither side inherits the other's allocator state, compile
-cache, thread pool or global TF32 switch), in alternating order (ours first on even rows of
-a repetition, theirs first on odd ones, flipped every repetition) so slow drift in a shared
-machine's load is spread over both sides:
+cache, thread pool or global TF32 switch):
 
 * ours:   ``memtrain.train.train(cfg)`` (the code path of ``memtrain train``);
 * theirs: ``transformers.GPT2LMHeadModel`` trained by ``transformers.Trainer`` with the
   ``TrainingArguments`` of :mod:`hf_presets`.
+
+By default the two processes run in lockstep (:class:`Baton`): both alive, taking turns step by
+step, so step k of each side runs seconds apart under the same machine load and no timed step
+overlaps the other side's work; which side moves first alternates between rows and repetitions.
+``--no-lockstep`` runs them one after the other instead. ``--profile N`` times the phases of both
+steps in one process (:func:`profile_phases`) to find where one side loses time.
 
 What is identical on both sides, and how:
 
@@ -129,7 +133,7 @@ import torch  # noqa: E402
 # mapping module next to it imports by name.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hf_presets import HFPlan, gpt2_config_kwargs, hf_plan  # noqa: E402
+from hf_presets import HFPlan, gpt2_config_kwargs, hf_plan, trainer_alignment  # noqa: E402
 from memtrain.bench.presets import SCALE_BUDGET, SCALE_MAX_BATCH, SCALES, TECHNIQUES, scale_overrides, technique_overrides  # noqa: E402
 from memtrain.config import ConfigError, RunConfig, build_config, parse_size  # noqa: E402
 
@@ -558,18 +562,82 @@ def _modules_stay_put() -> Iterator[None]:
         torch.nn.Module.to = original  # type: ignore[method-assign]
 
 
-def hf_step_peak(cfg: RunConfig, batch: int, fake: Optional[bool] = None) -> Optional[int]:
-    """Peak bytes of two Trainer-equivalent steps of the HF model at ``batch`` (second step).
+class HFStep:
+    """The Trainer's training step, outside the Trainer (for probes and phase profiles).
 
-    The step is the Trainer's: the model prepared as ``Trainer.train`` prepares it (activation
-    checkpointing, LoRA), accelerate's mixed-precision forward (autocast, outputs converted to
-    FP32), ``compute_loss`` with ``num_items_in_batch``, backward, ``clip_grad_norm_``, the
-    Trainer's optimizer, ``model.zero_grad()``. ``fake`` (default: on CPU) traces it under fake
-    tensors; otherwise it runs for real and, on CUDA, reports ``max_memory_allocated`` (None on
-    out-of-memory). Compiled rows are traced eagerly, as memtrain's trace does.
+    The model is prepared as ``Trainer.train`` prepares it (activation checkpointing, LoRA); the
+    forward is accelerate's mixed-precision forward (autocast, outputs converted to FP32) called
+    as ``compute_loss`` calls it (``num_items_in_batch``); then backward, ``clip_grad_norm_``, the
+    Trainer's optimizer and ``model.zero_grad()``. ``init_from_memtrain`` loads memtrain's initial
+    weights (not possible under fake tensors).
+    """
+
+    def __init__(self, cfg: RunConfig, device: torch.device, fake: bool = False, init_from_memtrain: bool = False) -> None:
+        from accelerate.utils import convert_outputs_to_fp32
+
+        self.cfg, self.device = cfg, device
+        plan = hf_plan(cfg, device.type)
+        with tempfile.TemporaryDirectory(prefix="hf-step-") as tmp:
+            self.args = args = training_arguments(cfg, plan, tmp, device)
+        with torch.device(device):
+            model = build_hf_model(cfg, plan, init_from_memtrain=init_from_memtrain)
+        if args.activation_checkpointing:
+            kw = dict(args.activation_checkpointing_kwargs or {})
+            every = kw.pop("every_n_layers", 1)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw or None, every_n_layers=every)
+        with _modules_stay_put() if fake else contextlib.nullcontext():
+            model = apply_hf_lora(model, plan)
+        model.train()
+        self.model = model
+        self.optimizer = make_hf_optimizer(model, args)
+        forward = model.forward
+        dtype = _autocast_dtype(args)
+        if dtype is not None:
+            forward = convert_outputs_to_fp32(torch.autocast(device.type, dtype=dtype)(forward))
+        if args.torch_compile and not fake:
+            forward = torch.compile(forward)
+        self.forward = forward
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(self, micro: list[tuple[torch.Tensor, torch.Tensor]], phase: Callable[[str], Any],
+             clock: Optional[Callable[[str], None]] = None) -> None:
+        """One optimizer step over ``micro`` (``phase(name)`` labels a MemoryMeter; ``clock(name)``
+        marks the end of each phase for timing)."""
+        t = self.cfg.train
+        n_items = torch.tensor(sum(y.numel() for _, y in micro), device=self.device)
+        mark = clock or (lambda name: None)
+        for x, y in micro:
+            with phase("forward"):
+                loss = self.forward(input_ids=x, labels=y, shift_labels=y, num_items_in_batch=n_items).loss
+            mark("forward")
+            with phase("backward"):
+                loss.backward()
+            mark("backward")
+            del loss
+        with phase("optimizer"):
+            if t.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip)
+            self.optimizer.step()
+            self.model.zero_grad(set_to_none=True)
+        mark("optimizer")
+
+
+def _random_micro_batches(cfg: RunConfig, batch: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # Memory and time do not depend on the token values.
+    g = torch.Generator().manual_seed(0)
+    t = cfg.train
+    return [tuple(torch.randint(0, cfg.model.vocab_size, (batch, t.seq_len), generator=g).to(device)  # type: ignore[misc]
+                  for _ in range(2)) for _ in range(t.grad_accum)]
+
+
+def hf_step_peak(cfg: RunConfig, batch: int, fake: Optional[bool] = None) -> Optional[int]:
+    """Peak bytes of two Trainer-equivalent steps (:class:`HFStep`) at ``batch`` (second step).
+
+    ``fake`` (default: on CPU) traces them under fake tensors; otherwise they run for real and,
+    on CUDA, report ``max_memory_allocated`` (None on out-of-memory). Compiled rows are traced
+    eagerly, as memtrain's trace does.
     """
     import transformers
-    from accelerate.utils import convert_outputs_to_fp32
 
     from memtrain.metrics import MemoryMeter, reset_device_peak
     from memtrain.runtime import resolve_device
@@ -578,61 +646,25 @@ def hf_step_peak(cfg: RunConfig, batch: int, fake: Optional[bool] = None) -> Opt
     device = resolve_device(cfg.train.device)
     fake = device.type != "cuda" if fake is None else fake
     cfg = cfg.replace(batch_size=batch)
-    plan = hf_plan(cfg, device.type)
-    t = cfg.train
-    model = optimizer = meter = None
+    hf = meter = None
     try:
-        with tempfile.TemporaryDirectory(prefix="hf-probe-") as tmp, contextlib.ExitStack() as stack:
-            args = training_arguments(cfg, plan, tmp, device)
+        with contextlib.ExitStack() as stack:
             if fake:
                 from torch._subclasses.fake_tensor import FakeTensorMode
 
                 stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
                 stack.enter_context(_ItemStub())
                 stack.enter_context(torch.compiler.set_stance("force_eager"))
-            with torch.device(device):
-                model = build_hf_model(cfg, plan, init_from_memtrain=False)
-            if args.activation_checkpointing:
-                kw = dict(args.activation_checkpointing_kwargs or {})
-                every = kw.pop("every_n_layers", 1)
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw or None, every_n_layers=every)
-            with _modules_stay_put() if fake else contextlib.nullcontext():
-                model = apply_hf_lora(model, plan)
-            model.train()
-            optimizer = make_hf_optimizer(model, args)
-            forward = model.forward
-            dtype = _autocast_dtype(args)
-            if dtype is not None:
-                forward = convert_outputs_to_fp32(torch.autocast(device.type, dtype=dtype)(forward))
-            if args.torch_compile and not fake:
-                forward = torch.compile(forward)
-            g = torch.Generator().manual_seed(0)
-            micro = []
-            for _ in range(t.grad_accum):
-                x = torch.randint(0, cfg.model.vocab_size, (batch, t.seq_len), generator=g).to(device)
-                y = torch.randint(0, cfg.model.vocab_size, (batch, t.seq_len), generator=g).to(device)
-                micro.append((x, y))
-            n_items = torch.tensor(batch * t.seq_len * t.grad_accum, device=device)
-            params = [p for p in model.parameters() if p.requires_grad]
-            meter = MemoryMeter(model, optimizer) if device.type != "cuda" else None
+            hf = HFStep(cfg, device, fake=fake)
+            micro = _random_micro_batches(cfg, batch, device)
+            meter = MemoryMeter(hf.model, hf.optimizer) if device.type != "cuda" else None
             for step in range(2):
                 with meter if meter is not None else contextlib.nullcontext():
                     if step == 1:
                         if meter is not None:
                             meter.reset_peak()
                         reset_device_peak(device)
-                    phase = meter.phase if meter is not None else (lambda name: contextlib.nullcontext())
-                    for x, y in micro:
-                        with phase("forward"):
-                            loss = forward(input_ids=x, labels=y, shift_labels=y, num_items_in_batch=n_items).loss
-                        with phase("backward"):
-                            loss.backward()
-                        del loss
-                    with phase("optimizer"):
-                        if t.grad_clip > 0:
-                            torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
-                        optimizer.step()
-                        model.zero_grad(set_to_none=True)
+                    hf.step(micro, meter.phase if meter is not None else (lambda name: contextlib.nullcontext()))
             if meter is not None:
                 return int(meter.stats().peak_bytes)
             torch.cuda.synchronize(device)
@@ -640,12 +672,90 @@ def hf_step_peak(cfg: RunConfig, batch: int, fake: Optional[bool] = None) -> Opt
     except torch.OutOfMemoryError:
         return None
     finally:
-        del model, optimizer, meter
+        del hf, meter
         import gc
 
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def profile_phases(cfg: RunConfig, steps: int, top_ops: int = 12) -> dict[str, Any]:
+    """Forward / backward / optimizer time of ours and of the Trainer-equivalent step, in one
+    process, alternating step by step (which side goes first alternates too), after 3 warm-up
+    steps each; plus each side's top operators (torch.profiler, self CPU/CUDA time, 3 steps).
+
+    For finding *where* one side is slower; the lockstep runs are the comparison itself (here
+    both sides share one allocator and, with torchao, one compile cache).
+    """
+    import transformers
+    from torch.profiler import ProfilerActivity, profile
+
+    from memtrain.metrics import synchronize
+    from memtrain.model import GPT
+    from memtrain.runtime import resolve_device, seed_everything
+    from memtrain.techniques import build_optimizer, make_precision, prepare_model
+    from memtrain.train import train_step
+
+    transformers.logging.set_verbosity_error()
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)  # two sides' graphs
+    device = resolve_device(cfg.train.device)
+    t = cfg.train
+    micro = _random_micro_batches(cfg, t.batch_size, device)
+    precision = make_precision(cfg.technique.precision, device)
+    seed_everything(t.seed)
+    ours = prepare_model(GPT(cfg.model), cfg, device, precision)
+    ours.train()
+    ours_opt = build_optimizer(ours, cfg.technique, t)
+    plan = hf_plan(cfg, device.type)
+    if plan.matmul_precision:
+        torch.set_float32_matmul_precision(plan.matmul_precision)
+    hf = HFStep(cfg, device, init_from_memtrain=True)
+    null_phase = lambda name: contextlib.nullcontext()  # noqa: E731
+
+    def run(side: str, record: Optional[list[dict[str, float]]]) -> None:
+        marks: dict[str, float] = {}
+        synchronize(device)
+        start = time.perf_counter()
+
+        def clock(name: str) -> None:
+            synchronize(device)
+            marks[name] = marks.get(name, 0.0) + time.perf_counter() - start - sum(marks.values())
+
+        if side == "ours":
+            # train_step's own phases, timed by a meter-shaped clock.
+            class _Phases:
+                def phase(self, name: str) -> Any:
+                    @contextlib.contextmanager
+                    def cm() -> Iterator[None]:
+                        yield
+                        clock(name)
+                    return cm()
+
+            train_step(ours, micro, ours_opt, precision, t.grad_clip, device, _Phases())  # type: ignore[arg-type]
+        else:
+            hf.step(micro, null_phase, clock)
+        if record is not None:
+            record.append(marks)
+
+    times: dict[str, list[dict[str, float]]] = {"ours": [], "theirs": []}
+    for _ in range(3):
+        run("ours", None)
+        run("theirs", None)
+    for i in range(steps):
+        for side in (("ours", "theirs") if i % 2 == 0 else ("theirs", "ours")):
+            run(side, times[side])
+    result: dict[str, Any] = {}
+    for side, recs in times.items():
+        result[side] = {k: statistics.median(r.get(k, 0.0) for r in recs) for k in ("forward", "backward", "optimizer")}
+        result[side]["step"] = statistics.median(sum(r.values()) for r in recs)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            for _ in range(3):
+                run(side, None)
+        sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        result[side]["top_ops"] = prof.key_averages().table(sort_by=sort, row_limit=top_ops)
+    return result
 
 
 def _probe_at(max_batch: Optional[dict[str, Any]], batch: int) -> Optional[int]:
@@ -825,11 +935,16 @@ def run_pair(order: tuple[str, str], cfg: RunConfig, maxbatch: Optional[dict[str
 
 # ============================================================================ rows and report
 def resolve_rows(scale: str, presets: list[str], overrides: dict[str, Any], device_type: str) -> list[dict[str, Any]]:
-    """Each preset's memtrain config and Hugging Face plan, validated before anything runs."""
+    """Each preset's memtrain config and Hugging Face plan, validated before anything runs.
+
+    A preset takes :func:`hf_presets.trainer_alignment` (settings the Trainer cannot change,
+    e.g. the low-bit optimizers' block) below the user's ``--set`` overrides."""
     rows = []
     for name in presets:
         try:
-            cfg = build_config(scale_overrides(scale), technique_overrides(name, scale), overrides)
+            layers = [scale_overrides(scale), technique_overrides(name, scale)]
+            align = trainer_alignment(build_config(*layers, overrides))
+            cfg = build_config(*layers, align, overrides)
         except ConfigError as exc:
             raise ConfigError(f"preset {name!r}: {exc}") from None
         plan = hf_plan(cfg, device_type)
@@ -919,15 +1034,22 @@ def aggregate(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[di
                 "traced_peak_at_run_batch": _probe_at(mb, cfg.train.batch_size),
             }
         # Paired ratios: the two sides of one repetition ran together (lockstep) or back to back.
-        pairs, overlaps = [], []
+        pairs, overlaps, per_step = [], [], []
+        skip = max(cfg.train.warmup_timing_steps, 2)  # the steps StepTimer leaves out (metered + warm-up)
         for rep in sorted({r["rep"] for r in mine}):
             by_side = {r["side"]: r["result"] for r in mine if r["rep"] == rep and r["result"].get("status") == "ok"}
             if len(by_side) == 2:
                 pairs.append(by_side["ours"]["step_time_s"]["median"] / by_side["theirs"]["step_time_s"]["median"])
-                overlaps.append(window_overlap_s(by_side["ours"].get("step_windows") or [],
-                                                 by_side["theirs"].get("step_windows") or []))
+                wo, wt = (by_side[s].get("step_windows") or [] for s in SIDES)
+                overlaps.append(window_overlap_s(wo, wt))
+                lockstep = all(r.get("lockstep") for r in mine if r["rep"] == rep)
+                if lockstep and len(wo) == len(wt):
+                    # Step k of ours and step k of theirs ran back to back, seconds apart: their
+                    # ratio is the least load-sensitive figure a shared machine gives.
+                    per_step += [(eo - so) / (et - st) for (so, eo), (st, et) in list(zip(wo, wt))[skip:]]
         entry["paired_step_ratios"] = pairs
         entry["step_overlap_s"] = overlaps
+        entry["per_step_ratios"] = per_step
         o, t = entry["sides"].get("ours", {}), entry["sides"].get("theirs", {})
         if o.get("status") == "ok" and t.get("status") == "ok":
             def ratio(key: str) -> Optional[float]:
@@ -937,6 +1059,10 @@ def aggregate(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[di
             entry["ratios"] = {k: ratio(k) for k in ("peak_bytes", "step_time_s", "tokens_per_s", "val_ppl", "max_batch",
                                                     "max_allocated_bytes")}
             entry["ratios"]["paired_step_time_median"] = _median(pairs)
+            if per_step:
+                q = statistics.quantiles(per_step, n=4) if len(per_step) > 1 else [per_step[0]] * 3
+                entry["ratios"]["per_step"] = {"median": q[1], "q1": q[0], "q3": q[2], "n": len(per_step),
+                                               "ours_faster_share": sum(r < 1 for r in per_step) / len(per_step)}
         table.append(entry)
     return table
 
@@ -961,7 +1087,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "# memtrain vs Hugging Face Trainer",
         "",
         *(f"- command: `{c}`" for c in report.get("commands") or [report["command"]]),
-        f"- commit: `{env.get('commit')}`; memtrain {env.get('memtrain')}, torch {env.get('torch')}, "
+        f"- commit: `{', '.join(report.get('commits') or [str(env.get('commit'))])}`; memtrain {env.get('memtrain')}, "
+        f"torch {env.get('torch')}, "
         f"transformers {report.get('transformers')}, python {env.get('python')}",
         f"- hardware: {env.get('device')}, {env.get('host_threads')} torch threads"
         + (f", {env.get('gpu_memory_bytes', 0) / 2**30:.0f} GiB" if env.get("gpu_memory_bytes") else ""),
@@ -978,8 +1105,11 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         "Peak = tracked live tensor bytes of the steady-state step (memtrain.metrics.MemoryMeter, same "
         "meter and steps on both sides). Step time = median over timed steps (metered and warm-up steps "
-        "excluded), median over repetitions. Ratios are ours / theirs: below 1 is better for peak, step "
-        "time and PPL, above 1 is better for tokens/s and max batch.",
+        "excluded), median over repetitions; on a shared machine the absolute times move with other "
+        "people's load, so compare sides with the ratios. Ratios are ours / theirs: below 1 is better for "
+        "peak, step time and PPL, above 1 is better for tokens/s and max batch. The per-step-pair ratio "
+        "divides ours' step k by theirs' step k (run back to back in lockstep) over every timed step of "
+        "every repetition: the figure to trust for speed.",
         "",
         "## Results",
         "",
@@ -993,6 +1123,10 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {e['preset']} | no HF equivalent | | | | | | | | | | |")
             continue
 
+        def batch(x: Optional[int]) -> str:
+            # A batch equal to the search's cap may not be the largest that fits.
+            return _num(x, "{}") if x is None or x != s.get("max_batch") else f">= {x} (cap)"
+
         def cell(side: dict[str, Any], key: str, f: Callable[[Any], str]) -> str:
             return f(side.get(key)) if side.get("status") == "ok" else side.get("status", "n/a")
 
@@ -1001,17 +1135,19 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"| {cell(o, 'step_time_s', _num)} | {cell(t, 'step_time_s', _num)} "
             f"| {cell(o, 'tokens_per_s', lambda x: _num(x, '{:,.0f}'))} | {cell(t, 'tokens_per_s', lambda x: _num(x, '{:,.0f}'))} "
             f"| {cell(o, 'val_ppl', lambda x: _num(x, '{:,.1f}'))} | {cell(t, 'val_ppl', lambda x: _num(x, '{:,.1f}'))} "
-            f"| {cell(o, 'max_batch', lambda x: _num(x, '{}'))} | {cell(t, 'max_batch', lambda x: _num(x, '{}'))} |")
+            f"| {cell(o, 'max_batch', batch)} | {cell(t, 'max_batch', batch)} |")
     lines += ["", "## Ratios (ours / theirs)", "",
-              "| preset | peak | step time | step time, paired per repetition | tokens/s | val PPL | max batch "
-              "| steps overlapping, s |",
-              "|---|---:|---:|---|---:|---:|---:|---:|"]
+              "| preset | peak | step time | step time, per run pair | step time, per step pair: median [IQR] (n) "
+              "| tokens/s | val PPL | max batch | steps overlapping, s |",
+              "|---|---:|---:|---|---|---:|---:|---:|---:|"]
     for e in report["rows"]:
         r = e.get("ratios")
         if not r:
             continue
         pairs = ", ".join(f"{p:.2f}" for p in e.get("paired_step_ratios", []))
-        lines.append(f"| {e['preset']} | {_num(r['peak_bytes'])} | {_num(r['step_time_s'])} | {pairs} "
+        ps = r.get("per_step")
+        per_step = f"**{ps['median']:.2f}** [{ps['q1']:.2f}, {ps['q3']:.2f}] ({ps['n']})" if ps else "n/a"
+        lines.append(f"| {e['preset']} | {_num(r['peak_bytes'])} | {_num(r['step_time_s'])} | {pairs} | {per_step} "
                      f"| {_num(r['tokens_per_s'])} | {_num(r['val_ppl'], '{:.3f}')} | {_num(r['max_batch'])} "
                      f"| {_num(sum(e.get('step_overlap_s') or [0.0]), '{:.1f}')} |")
     if any((e["sides"].get("ours", {}).get("max_allocated_bytes") is not None) for e in report["rows"]):
@@ -1067,7 +1203,8 @@ def write_report(out: Path, rows: list[dict[str, Any]], settings: dict[str, Any]
 
     hashes = {config_hash(r["config"]) for r in rows}
     runs = [r for r in read_runs(out) if r["config_hash"] in hashes]
-    commands = (out / COMMANDS_FILE).read_text().splitlines() if (out / COMMANDS_FILE).is_file() else [command]
+    commands = ((out / COMMANDS_FILE).read_text().splitlines() if (out / COMMANDS_FILE).is_file()
+                else [command] if command else [])
     wall = time.perf_counter() - start
     if command is None:  # --report-only: the runs' own wall time (a lockstep pair lasts as long as its longer side)
         command = commands[-1].split("  #")[0] if commands else None
@@ -1087,7 +1224,10 @@ def write_report(out: Path, rows: list[dict[str, Any]], settings: dict[str, Any]
     report = {
         "command": command,
         "commands": commands,
-        "env": environment(resolve_device(settings["device"])),
+        # The machine and commit of the runs themselves (a --report-only rebuild may come later).
+        "env": next((r["result"]["env"] for r in runs if r["result"].get("env")), None)
+        or environment(resolve_device(settings["device"])),
+        "commits": sorted({str(r["result"]["env"].get("commit")) for r in runs if r["result"].get("env")}),
         "transformers": tf_version,
         "settings": settings,
         "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -1100,6 +1240,34 @@ def write_report(out: Path, rows: list[dict[str, Any]], settings: dict[str, Any]
     (out / REPORT_JSON).write_text(json.dumps(report, indent=1, default=str))
     (out / REPORT_MD).write_text(render_markdown(report))
     return report
+
+
+def write_profiles(out: Path, rows: list[dict[str, Any]], steps: int, command: str) -> int:
+    """``--profile``: per-phase medians of both sides for every row with a Trainer counterpart."""
+    from memtrain.runtime import environment, git_commit, resolve_device
+
+    env = environment(resolve_device(rows[0]["config"].train.device))
+    lines = ["# Per-phase step times, memtrain vs the Trainer-equivalent step", "",
+             f"- command: `{command}`", f"- commit: `{git_commit()}`; hardware: {env['device']}, "
+             f"{env['host_threads']} torch threads", "",
+             "Both steps in one process, alternating step by step; median milliseconds per phase "
+             "(ours' phases are train_step's: forward includes the loss, optimizer includes clipping; "
+             "the Trainer's: clipping is counted in its optimizer phase here too).", "",
+             "| preset | side | forward | backward | optimizer | step |", "|---|---|---:|---:|---:|---:|"]
+    details = []
+    for row in rows:
+        if row["plan"].status == "none":
+            continue
+        res = profile_phases(row["config"], steps)
+        for side in SIDES:
+            r = res[side]
+            lines.append(f"| {row['preset']} | {side} | " + " | ".join(f"{r[k] * 1000:.1f}" for k in
+                         ("forward", "backward", "optimizer", "step")) + " |")
+            details += ["", f"### {row['preset']}: {side}", "", "```", r["top_ops"].rstrip(), "```"]
+        print("\n".join(lines[-2:]), flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile.md").write_text("\n".join(lines + ["", "## Top operators (3 steps)"] + details) + "\n")
+    return 0
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -1125,6 +1293,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--exact-schedule", action="store_true",
                     help="give the Trainer memtrain's learning-rate schedule (a check of the PPL gap; "
                          "default: HF's cosine_with_min_lr)")
+    ap.add_argument("--profile", type=int, default=None, metavar="STEPS",
+                    help="instead of the comparison: per-phase times of both steps over STEPS alternating steps "
+                         "in one process, and their top operators (OUT/profile.md)")
     ap.add_argument("--report-only", action="store_true",
                     help="rebuild compare_hf.json/.md from OUT/runs.jsonl without running anything")
     ap.add_argument("--resume", action="store_true", help="keep runs already in OUT/runs.jsonl with the same config")
@@ -1180,6 +1351,8 @@ def main(argv: list[str]) -> int:
     }
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
+    if opts.profile is not None:
+        return write_profiles(out, rows, opts.profile, command)
     if opts.report_only:
         if not (out / RUNS_FILE).is_file():
             print(f"error: {out / RUNS_FILE} not found; run the comparison first", file=sys.stderr)

@@ -28,7 +28,25 @@ from typing import Any, Optional
 
 from memtrain.config import ConfigError, ModelConfig, RunConfig, parse_checkpointing
 
-__all__ = ["HFPlan", "gpt2_config_kwargs", "hf_plan", "lora_targets", "MODEL_TO_GPT2"]
+__all__ = ["HFPlan", "gpt2_config_kwargs", "hf_plan", "lora_targets", "trainer_alignment", "MODEL_TO_GPT2",
+           "TRAINER_LOW_BIT_BLOCK"]
+
+# transformers passes block_size=256 to torchao's AdamW8bit and AdamW4bit, and cannot be told
+# otherwise: optim_args="block_size=128" reaches torchao as the string "128" in transformers
+# 5.23 (its step then fails on `numel % "128"`).
+TRAINER_LOW_BIT_BLOCK = 256
+
+
+def trainer_alignment(cfg: RunConfig) -> dict[str, Any]:
+    """memtrain settings that a row takes so that both sides run the same optimizer, where the
+    Trainer's setting is fixed and memtrain's is an option (applied unless the user sets them).
+
+    Today: the low-bit optimizers' quantization block (memtrain's 4-bit default is torchao's 128;
+    the Trainer's is 256). Comparing 128 against 256 would time the block size, not the loop.
+    """
+    if cfg.technique.optim in ("adamw-8bit", "adamw-4bit"):
+        return {"optim_block": TRAINER_LOW_BIT_BLOCK}
+    return {}
 
 _EOT = 50256
 
@@ -235,17 +253,23 @@ def hf_plan(cfg: RunConfig, device_type: str) -> HFPlan:
         if t.optim == "adamw":
             note = " (memtrain uses foreach=False; HF passes no foreach: the same on CPU, foreach on CUDA)"
         elif t.optim == "adafactor":
-            note = (" (transformers.Adafactor, scale_parameter=False, relative_step=False: lr is the absolute "
-                    "step; memtrain uses torch.optim.Adafactor, whose step is lr x max(1e-3, RMS(weight)), "
-                    "a relative step: same factored second moment, much smaller updates at the same --lr)")
-        elif t.optim == "adamw-4bit":
-            # memtrain uses torchao's 4-bit block of 128; the Trainer passes block_size 256, and
-            # optim_args="block_size=128" reaches torchao as the string "128" in transformers
-            # 5.23 (its step then fails on `numel % "128"`), so HF keeps 256: one scale per 256
-            # values instead of 128, 0.25 MB less state for 16M parameters.
-            note = " (torchao AdamW4bit, block_size 256: optim_args='block_size=128' is passed as a string by transformers 5.23 and fails)"
-        elif t.optim == "adamw-8bit":
-            note = " (torchao AdamW8bit, block_size 256)"
+            note = (" (transformers.Adafactor, scale_parameter=False, relative_step=False: --lr is the step size "
+                    "on both sides; memtrain's torch.optim.Adafactor with its parameter-scale floor eps2 = 1)")
+            if t.adafactor_relative_step:
+                none.append("--adafactor-relative-step: the Trainer's optim='adafactor' always takes --lr as the "
+                            "step size (scale_parameter=False)")
+        elif t.optim in ("adamw-8bit", "adamw-4bit"):
+            from memtrain.techniques.optim import low_bit_block
+
+            block = low_bit_block(t)
+            cls = "AdamW8bit" if t.optim == "adamw-8bit" else "AdamW4bit"
+            note = f" (torchao {cls}, block_size {TRAINER_LOW_BIT_BLOCK}"
+            if block == TRAINER_LOW_BIT_BLOCK:
+                note += " on both sides)"
+            else:
+                note += f"; memtrain's --optim-block is {block})"
+                closest.append(f"--optim-block {block}: the Trainer's torchao block is always {TRAINER_LOW_BIT_BLOCK} "
+                               f"(optim_args='block_size=...' reaches torchao as a string and fails)")
         elif t.optim == "sgd":
             args["optim_args"] = "momentum=0.9"
             note = " with optim_args='momentum=0.9'"

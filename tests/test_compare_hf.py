@@ -70,6 +70,22 @@ def test_plan_edge_cases():
     assert H.hf_plan(quick("baseline"), "cuda").training_args["tf32"] is True
 
 
+def test_rows_run_the_trainers_low_bit_block_and_adafactor_step():
+    """The Trainer's torchao block is fixed at 256: a low-bit row runs memtrain with it too
+    (unless --set optim_block says otherwise, which the plan then reports); Adafactor takes
+    --lr as its step on both sides, and the relative step has no Trainer equivalent."""
+    rows = {r["preset"]: r for r in C.resolve_rows("quick", ["lowest-memory", "adamw-8bit", "baseline"],
+                                                            {"progress": False}, "cpu")}
+    assert rows["lowest-memory"]["config"].technique.optim_block == H.TRAINER_LOW_BIT_BLOCK
+    assert rows["adamw-8bit"]["config"].technique.optim_block == H.TRAINER_LOW_BIT_BLOCK
+    assert rows["baseline"]["config"].technique.optim_block == 0
+    assert any("on both sides" in m for m in rows["lowest-memory"]["plan"].mapping)
+    own = C.resolve_rows("quick", ["lowest-memory"], {"progress": False, "optim_block": 128}, "cpu")[0]
+    assert own["config"].technique.optim_block == 128
+    assert any("--optim-block 128" in m for m in own["plan"].missing)
+    assert H.hf_plan(quick("adafactor", adafactor_relative_step=True), "cpu").status == "none"
+
+
 def test_default_model_has_the_same_parameter_count():
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -211,3 +227,65 @@ def test_aggregate_ratios_and_markdown():
 def test_cli_rejects_an_unknown_preset(capsys):
     assert C.main(["--presets", "nope", "--out", "/tmp/compare-hf-unused"]) == 2
     assert capsys.readouterr().err.startswith("error: preset 'nope'")
+
+
+def test_report_only_rebuilds_the_tables(tmp_path):
+    import json
+
+    rows = C.resolve_rows("quick", ["baseline"], {"progress": False, "device": "auto"}, "cpu")
+    h = C.config_hash(rows[0]["config"])
+    runs = [_fake_run("baseline", "ours", 0, h, 1.0, 100), _fake_run("baseline", "theirs", 0, h, 2.0, 200)]
+    (tmp_path / C.RUNS_FILE).write_text("".join(json.dumps(r) + "\n" for r in runs))
+    assert C.main(["--presets", "baseline", "--out", str(tmp_path), "--report-only"]) == 0
+    report = json.loads((tmp_path / C.REPORT_JSON).read_text())
+    assert report["rows"][0]["ratios"]["peak_bytes"] == 0.5
+    assert "| baseline | matched | 0.0 | 0.0 |" in (tmp_path / C.REPORT_MD).read_text()  # 100 and 200 bytes in MiB
+
+
+# ----------------------------------------------------------------------------- lockstep
+def test_baton_alternates_two_sides():
+    import os
+    import threading
+
+    a_in, b_out = os.pipe()
+    b_in, a_out = os.pipe()
+    a, b = C.Baton(f"{a_in},{a_out}"), C.Baton(f"{b_in},{b_out}")
+    order: list[str] = []
+
+    def side(name, baton, steps):
+        baton.acquire()
+        for _ in range(steps):
+            order.append(name)
+            baton.handoff()
+        baton.finish()
+
+    os.write(b_out, b"g")  # a takes the first turn
+    threads = [threading.Thread(target=side, args=("a", a, 3)), threading.Thread(target=side, args=("b", b, 5))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=30)
+    assert "".join(order) == "ababab" + "bb"  # strict turns, then b runs freely once a is done
+    assert C.Baton(None).free
+
+
+def test_lockstep_pair_never_overlaps_steps(small_corpus):
+    cfg = build_config({**TINY, "vocab_size": 50257, "d_model": 32, "d_ff": 64},
+                       {"data": str(small_corpus), "steps": 4, "warmup_steps": 1, "val_blocks": 2,
+                        "warmup_timing_steps": 1})
+    results = C.run_pair(("theirs", "ours"), cfg, None, None, 300)
+    assert {r["status"] for r in results.values()} == {"ok"}, results
+    ours, theirs = results["ours"]["step_windows"], results["theirs"]["step_windows"]
+    assert len(ours) == len(theirs) == 4
+    assert C.window_overlap_s(ours, theirs) == 0.0
+    timeline = sorted([(s, "o") for s, _ in ours] + [(s, "t") for s, _ in theirs])
+    assert "".join(side for _, side in timeline) == "totototo"
+
+
+def test_profile_phases_times_every_phase():
+    cfg = build_config(TINY, {"steps": 4})
+    result = C.profile_phases(cfg, steps=2, top_ops=3)
+    for side in ("ours", "theirs"):
+        assert all(result[side][k] > 0 for k in ("forward", "backward", "optimizer"))
+        assert result[side]["step"] >= result[side]["forward"]
+        assert "aten::" in result[side]["top_ops"]

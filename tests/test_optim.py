@@ -187,6 +187,78 @@ def test_adafactor_state_is_factored():
     assert state_bytes_per_param(opt, model) < 0.3
 
 
+def _adafactor_step(relative: bool, lr: float = 3e-4) -> tuple[torch.Tensor, torch.Tensor]:
+    """One Adafactor step on a GPT-sized matrix (weights with RMS 0.02): (weight before, change)."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(256, 128) * 0.02)
+    opt = build_optimizer(nn.ParameterList([w]), TechniqueConfig(optim="adafactor", adafactor_relative_step=relative),
+                          TrainConfig(lr=lr, weight_decay=0.0))
+    before = w.detach().clone()
+    w.grad = torch.randn_like(w) * 1e-3
+    opt.step()
+    return before, w.detach() - before
+
+
+def _rms(t: torch.Tensor) -> float:
+    return float(t.pow(2).mean().sqrt())
+
+
+def test_adafactor_takes_lr_as_the_step_size():
+    """Default: the RMS-clipped update moves the weights by --lr (as AdamW's first steps do);
+    with --adafactor-relative-step by --lr x RMS(weight), 50x less for RMS 0.02 weights."""
+    before, change = _adafactor_step(relative=False)
+    assert 0.5 * 3e-4 < _rms(change) <= 3e-4 * 1.0001
+    before, rel_change = _adafactor_step(relative=True)
+    assert _rms(rel_change) == pytest.approx(_rms(change) * _rms(before), rel=1e-4)
+
+
+def test_adafactor_matches_the_trainers_adafactor():
+    """The Trainer's optim='adafactor': transformers.Adafactor(scale_parameter=False,
+    relative_step=False, warmup_init=False) at the same lr. Three steps, same gradients."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    ours = nn.Parameter(torch.randn(256, 128) * 0.02)
+    theirs = nn.Parameter(ours.detach().clone())
+    opt_ours = build_optimizer(nn.ParameterList([ours]), TechniqueConfig(optim="adafactor"),
+                               TrainConfig(lr=3e-4, weight_decay=0.0))
+    opt_theirs = transformers.Adafactor([theirs], lr=3e-4, scale_parameter=False, relative_step=False,
+                                        warmup_init=False, weight_decay=0.0)
+    start = ours.detach().clone()
+    for step in range(3):
+        g = torch.randn(256, 128, generator=torch.Generator().manual_seed(step)) * 1e-3
+        ours.grad, theirs.grad = g.clone(), g.clone()
+        opt_ours.step()
+        opt_theirs.step()
+    moved = ours.detach() - start
+    assert _rms(moved) > 3e-4  # it did move, by about 3 steps of lr
+    torch.testing.assert_close(moved, theirs.detach() - start, rtol=1e-3, atol=1e-8)
+
+
+def test_optim_block_sets_torchaos_block(eager_torchao):
+    """--optim-block reaches torchao (fewer, coarser scales), and the estimator counts it."""
+    pytest.importorskip("torchao")
+    from memtrain.estimate import ParamInfo
+    from memtrain.estimate import optimizer_state_bytes as estimated_state
+
+    model = nn.Sequential(nn.Linear(512, 512, bias=False))
+    sizes = {}
+    for block in (0, 256):
+        opt = build_optimizer(model, TechniqueConfig(optim="adamw-4bit", optim_block=block), TrainConfig())
+        _train_linear(model, opt)
+        sizes[block] = optimizer_state_bytes(opt)
+        predicted, _ = estimated_state([ParamInfo("0.weight", (512, 512))], "adamw-4bit", 4, block)
+        assert predicted == pytest.approx(sizes[block], rel=0.01)
+    # 512 x 512 values, 2 states: 4-bit codes 262,144 B; FP32 scales 16,384 B per 128-block, half per 256.
+    assert sizes[0] - sizes[256] == pytest.approx(2 * 4 * 512 * 512 * (1 / 128 - 1 / 256), rel=0.01)
+
+
+def _train_linear(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    x = torch.randn(8, 512)
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
 def test_bnb_rejected_on_cpu():
     with pytest.raises(ConfigError, match=r"adamw-bnb-8bit needs CUDA and `pip install bitsandbytes`; use --optim adamw-8bit"):
         build_optimizer(GPT(SMALL), TechniqueConfig(optim="adamw-bnb-8bit"), TrainConfig())

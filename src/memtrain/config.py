@@ -159,6 +159,19 @@ class TechniqueConfig:
         "ignored by Liger-Kernel on CUDA, which picks its own).",
     )
     optim: str = _f("adamw", "Optimizer: " + "|".join(OPTIMS) + ".")
+    optim_block: int = _f(
+        0,
+        "Quantization block of --optim adamw-8bit / adamw-4bit (elements per FP32 scale); 0 = "
+        "torchao's default (256 for 8-bit, 128 for 4-bit; transformers' Trainer uses 256 for both). "
+        "Larger blocks: fewer scales and a faster step, coarser quantization. Ignored by other optimizers.",
+    )
+    adafactor_relative_step: bool = _f(
+        False,
+        "--optim adafactor: scale every update by the parameter's RMS (the paper's relative step, "
+        "torch.optim.Adafactor's default), so --lr is a fraction of each weight's size. Off: --lr is "
+        "the step size, as in the Trainer's optim='adafactor' (transformers' Adafactor, "
+        "scale_parameter=False, relative_step=False) and as for AdamW.",
+    )
     lora_rank: int = _f(0, "LoRA rank; 0 disables LoRA (base weights trained).")
     lora_alpha: float = _f(16.0, "LoRA scaling numerator (scale = alpha / rank).")
     lora_dropout: float = _f(0.0, "Dropout on the LoRA input.")
@@ -177,6 +190,8 @@ class TechniqueConfig:
         _require(self.distributed in DISTRIBUTED, f"unknown --distributed {self.distributed!r}; choose one of {', '.join(DISTRIBUTED)}")
         _require(self.window is None or self.window > 0, f"--window must be positive, got {self.window}")
         _require(self.loss_chunk > 0, f"--loss-chunk must be positive, got {self.loss_chunk}")
+        _require(self.optim_block >= 0 and self.optim_block % 2 == 0,
+                 f"--optim-block must be 0 (torchao's default) or a positive even number, e.g. 256; got {self.optim_block}")
         _require(self.lora_rank >= 0, f"--lora-rank must be >= 0, got {self.lora_rank}")
         _require(self.compile_mode in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
                  f"unknown --compile-mode {self.compile_mode!r}; choose default, reduce-overhead or max-autotune")

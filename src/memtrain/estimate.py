@@ -251,8 +251,12 @@ def _quantizable(numel: int, block: int) -> bool:
     return numel >= 4096 and numel % block == 0
 
 
-def optimizer_state_bytes(params: Iterable[ParamInfo], optim: str, param_bytes: float) -> tuple[float, list[str]]:
+def optimizer_state_bytes(params: Iterable[ParamInfo], optim: str, param_bytes: float,
+                          block: int = 0) -> tuple[float, list[str]]:
     """Steady-state optimizer state for *our* optimizers over the trainable ``params``.
+
+    ``block``: the low-bit optimizers' quantization block (``--optim-block``; 0 = torchao's
+    default for ``optim``; bitsandbytes always uses 256 here).
 
     Returns (bytes, explanation lines). ``param_bytes`` is the dtype size of the weights (AdamW
     keeps its moments in the parameters' dtype: 2 x 4 B in fp32, 2 x 2 B under bf16-pure).
@@ -280,7 +284,8 @@ def optimizer_state_bytes(params: Iterable[ParamInfo], optim: str, param_bytes: 
         return total, ["Adafactor: factored second moment (rows + columns per matrix), no first moment"]
     if optim in ("adamw-8bit", "adamw-4bit", "adamw-bnb-8bit"):
         bits = 4 if optim == "adamw-4bit" else 8
-        block = 128 if bits == 4 else 256
+        default = 128 if bits == 4 else 256
+        block = default if optim == "adamw-bnb-8bit" else (block or default)
         total = 0.0
         q = 0
         for p in ps:
@@ -1103,7 +1108,7 @@ def estimate(
     pbytes = {p.name: p.numel * (adapter_bytes if "lora_" in p.name else pb) for p in params}
     weights = sum(pbytes.values())
     grad_bytes = {p.name: pbytes[p.name] for p in trainable}
-    opt_bytes, opt_lines = optimizer_state_bytes(trainable, tech.optim, adapter_bytes)
+    opt_bytes, opt_lines = optimizer_state_bytes(trainable, tech.optim, adapter_bytes, tech.optim_block)
     opt_tmp = _optimizer_temporaries(trainable, tech.optim, adapter_bytes, t.weight_decay)
 
     # ---- sharding (one rank's share)
