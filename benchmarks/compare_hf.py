@@ -1080,6 +1080,16 @@ def _num(x: Optional[float], fmt: str = "{:.2f}") -> str:
     return "n/a" if x is None else fmt.format(x)
 
 
+def _repetitions(report: dict[str, Any], settings: dict[str, Any]) -> str:
+    """Repetitions behind the report's rows (a --report-only run does not know the count it
+    rebuilds): the recorded range, or the requested count when nothing was recorded."""
+    counts = {side["repeats"] for row in report.get("rows", []) for side in row.get("sides", {}).values()
+              if side.get("status") == "ok"}
+    if not counts:
+        return str(settings["repeats"])
+    return str(min(counts)) if len(counts) == 1 else f"{min(counts)} to {max(counts)}"
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     """The report as Markdown: provenance, values, ratios, breakdowns, mapping, raw runs."""
     env, s = report["env"], report["settings"]
@@ -1095,7 +1105,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"- finished: {report['finished']}; wall time {report['wall_s'] / 60:.1f} min",
         f"- scale `{s['scale']}`: batch {s['batch_size']}, seq {s['seq_len']}, {s['steps']} steps "
         f"({s['warmup_steps']} warm-up), grad_accum {s['grad_accum']}, dropout {s['dropout']}; "
-        f"{s['repeats']} repetition(s); each side in a fresh process; "
+        f"{_repetitions(report, s)} repetition(s); each side in a fresh process; "
         + ("lockstep: both sides of a preset run at once, taking turns step by step (no timed step overlaps "
            "other work of either side), the first turn alternating between rows and repetitions"
            if s.get("lockstep") else "sides one after the other, which one first alternating")
