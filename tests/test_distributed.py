@@ -255,3 +255,19 @@ def test_session_frees_the_run_before_leaving_the_group(tiny_run, monkeypatch):
     train(build_config({**tiny_run, "steps": 2, "distributed": "ddp"}))
     assert seen["alive"] == [], "the DDP model outlived the run into destroy_process_group"
     assert not dist.is_initialized()
+
+
+def test_optimizer_state_bytes_counts_sharded_state(one_rank_group):
+    """FSDP2 keeps AdamW's moments as DTensors: the count is their local shards' bytes."""
+    from torch.distributed.fsdp import fully_shard
+
+    from memtrain.techniques.optim import optimizer_state_bytes
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    n_params = sum(p.numel() for p in model.parameters())
+    # Two FP32 moments per value and one FP32 step counter per tensor (one rank: the whole).
+    assert optimizer_state_bytes(opt) == 8 * n_params + 4 * 4

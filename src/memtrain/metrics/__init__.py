@@ -15,6 +15,7 @@ from memtrain.metrics.memory import (
     MemoryStats,
     device_peak_memory,
     reset_device_peak,
+    storage_bytes,
 )
 from memtrain.metrics.timing import StepTimer, TimingStats, percentile, synchronize
 
@@ -28,6 +29,7 @@ __all__ = [
     "TimingStats",
     "device_gpu",
     "device_peak_memory",
+    "storage_bytes",
     "lookup_gpu",
     "mfu",
     "peak_flops",

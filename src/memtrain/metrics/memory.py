@@ -48,6 +48,7 @@ __all__ = [
     "MemoryStats",
     "device_peak_memory",
     "reset_device_peak",
+    "storage_bytes",
 ]
 
 CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer", "activations", "temporaries")
@@ -114,6 +115,22 @@ def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
             stack.extend(x.values())
         elif isinstance(x, (list, tuple)):
             stack.extend(x)
+
+
+def storage_bytes(obj: Any) -> int:
+    """Bytes of the distinct real storages behind every tensor in ``obj`` (a tensor or nested
+    dicts/lists/tuples, e.g. ``optimizer.state``), each storage counted once (views of one
+    bucket share it). Wrapper subclasses count their inner tensors: a DTensor its local shard,
+    torchao's low-bit state its codes, scales and quantization map."""
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    for t in _tensors_in(obj):
+        for st, device in _leaf_storages(t):
+            key = (str(device), st.data_ptr())
+            if st.nbytes() and key not in seen:
+                seen.add(key)
+                total += st.nbytes()
+    return total
 
 
 class _Record:

@@ -60,6 +60,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from memtrain.config import ConfigError, RunConfig, TechniqueConfig
+from memtrain.metrics.memory import storage_bytes
 
 __all__ = [
     "DistContext",
@@ -377,49 +378,6 @@ def _install_fault_injection(model: nn.Module) -> None:
 
 
 # --------------------------------------------------------------------------- measurement
-def _leaves(t: torch.Tensor) -> Iterator[torch.Tensor]:
-    """The plain tensors holding this rank's part of ``t``: a DTensor's local shard; the inner
-    tensors of a wrapper subclass (torchao's low-bit optimizer state), which owns no storage."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    if hasattr(t, "to_local"):
-        t = t.to_local()
-    if is_traceable_wrapper_subclass(t):
-        attrs, _ = t.__tensor_flatten__()
-        for attr in attrs:
-            inner = getattr(t, attr)
-            if isinstance(inner, torch.Tensor):
-                yield from _leaves(inner)
-    else:
-        yield t
-
-
-def _storage_bytes(tensors: Any) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one bucket count once)."""
-    seen: set[tuple[str, int]] = set()
-    total = 0
-    for t in tensors:
-        for leaf in _leaves(t):
-            st = leaf.untyped_storage()
-            key = (str(leaf.device), st.data_ptr())
-            if st.nbytes() and key not in seen:
-                seen.add(key)
-                total += st.nbytes()
-    return total
-
-
-def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in nested dicts/lists (optimizer state)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors_in(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors_in(v)
-
-
 class ShardedStateBytes:
     """What this rank holds of the training state (weights, gradients, optimizer state),
     read at every optimizer step (gradients are complete then) and kept at its maximum.
@@ -438,11 +396,11 @@ class ShardedStateBytes:
 
     def _before_step(self, *_: Any) -> None:
         params = list({id(p): p for p in self._model.parameters()}.values())
-        self.parameters = max(self.parameters, _storage_bytes(params))
-        self.gradients = max(self.gradients, _storage_bytes(p.grad for p in params if p.grad is not None))
+        self.parameters = max(self.parameters, storage_bytes(params))
+        self.gradients = max(self.gradients, storage_bytes([p.grad for p in params if p.grad is not None]))
 
     def _after_step(self, *_: Any) -> None:
-        self.optimizer = max(self.optimizer, _storage_bytes(_tensors_in(list(self._state_owner.state.values()))))
+        self.optimizer = max(self.optimizer, storage_bytes(list(self._state_owner.state.values())))
 
     def to_dict(self) -> dict[str, int]:
         return {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer}

@@ -45,9 +45,8 @@ from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
 from memtrain.config import ConfigError, TechniqueConfig, TrainConfig
+from memtrain.metrics.memory import storage_bytes
 
 __all__ = [
     "LOW_BIT_BLOCK",
@@ -241,47 +240,15 @@ def build_optimizer(model: nn.Module, tech: TechniqueConfig, train: TrainConfig)
 
 
 # --------------------------------------------------------------------------- state accounting
-def _leaf_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
-    """Plain tensors holding ``t``'s data. Wrapper subclasses (torchao's OptimState8bit and
-    OptimState4bit, DTensor) own no storage of their own; their ``__tensor_flatten__`` names
-    the inner tensors that do (codes, scales, quantization map)."""
-    if is_traceable_wrapper_subclass(t):
-        attrs, _ = t.__tensor_flatten__()
-        for attr in attrs:
-            yield from _leaf_tensors(getattr(t, attr))
-    else:
-        yield t
-
-
-def _state_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _state_tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _state_tensors(v)
-
-
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of storage held in ``optimizer.state``, each storage counted once.
 
     State is created lazily on the first ``step``; before it this is 0. Includes the small
     per-tensor extras (step counters, block scales, quantization maps) because they are real
-    memory, which is why a low-bit optimizer is not exactly 1/4 or 1/8 of AdamW.
+    memory, which is why a low-bit optimizer is not exactly 1/4 or 1/8 of AdamW. Sharded
+    (DTensor) state counts this rank's shard.
     """
-    seen: set[tuple[str, int]] = set()
-    total = 0
-    for tensor in _state_tensors(list(optimizer.state.values())):
-        for leaf in _leaf_tensors(tensor):
-            storage = leaf.untyped_storage()
-            key = (str(leaf.device), storage.data_ptr())
-            if storage.nbytes() == 0 or key in seen:
-                continue
-            seen.add(key)
-            total += storage.nbytes()
-    return total
+    return storage_bytes(list(optimizer.state.values()))
 
 
 def state_bytes_per_param(optimizer: torch.optim.Optimizer, model: nn.Module) -> float:
