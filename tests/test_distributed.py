@@ -143,6 +143,11 @@ def test_resume_continues_identically_and_fsdp_keeps_the_tie(runs, small_corpus,
     assert resumed["trainable_parameters"] == resumed["parameters"] == single["parameters"]
     ckpt = runs["ckpt"]
     assert {"meta.json", "rank-0.pt", "rank-1.pt", ".metadata"} <= {p.name for p in ckpt.iterdir()}
+    # The tied head is written once (it is 80% of this model's weights), and restored as the tie.
+    import torch.distributed.checkpoint as dcp
+
+    saved = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    assert "model.wte.weight" in saved and "model.lm_head.weight" not in saved
 
 
 def test_failing_rank_fails_the_run_without_hanging(small_corpus, tmp_path):

@@ -48,16 +48,45 @@ def _zero1_local(optimizer: Any) -> Any:
     return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else None
 
 
-def _app_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
+def _storage_key(t: Any) -> tuple[int, int]:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.untyped_storage().data_ptr(), local.storage_offset()
+
+
+def _split_aliases(model_sd: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The state dict without tied duplicates, and ``{alias: key it shares storage with}``.
+
+    A tied LM head appears twice in a module's state dict (``wte.weight`` and
+    ``lm_head.weight``, one tensor): saved as is, DCP would write the model's largest matrix
+    twice. It is saved once and the alias restored after loading."""
+    first: dict[tuple[int, int], str] = {}
+    unique: dict[str, Any] = {}
+    aliases: dict[str, str] = {}
+    for key, value in model_sd.items():
+        if not isinstance(value, torch.Tensor):
+            unique[key] = value
+            continue
+        k = _storage_key(value)
+        if k in first and model_sd[first[k]].shape == value.shape:
+            aliases[key] = first[k]
+        else:
+            first.setdefault(k, key)
+            unique[key] = value
+    return unique, aliases
+
+
+def _app_state(model: nn.Module, optimizer: Any) -> tuple[dict[str, Any], dict[str, str]]:
     """What DCP saves/loads: canonical parameter names (no ``module.`` prefix) whatever the
-    wrapper, and DTensor shards under FSDP2. ZeRO-1's optimizer is not DCP-aware; its shard
-    travels in the rank file instead."""
+    wrapper, DTensor shards under FSDP2, tied weights once; and the aliases left out. ZeRO-1's
+    optimizer is not DCP-aware; its shard travels in the rank file instead."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if _zero1_local(optimizer) is not None:
-        return {"model": get_model_state_dict(model)}
+        model_sd, aliases = _split_aliases(get_model_state_dict(model))
+        return {"model": model_sd}, aliases
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optimizer": optim_sd}
+    model_sd, aliases = _split_aliases(model_sd)
+    return {"model": model_sd, "optimizer": optim_sd}, aliases
 
 
 def _rank_file(root: Path, rank: int) -> Path:
@@ -87,7 +116,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    dcp.save(_app_state(model, optimizer), checkpoint_id=str(tmp))
+    dcp.save(_app_state(model, optimizer)[0], checkpoint_id=str(tmp))
     local = _zero1_local(optimizer)
     torch.save(
         {
@@ -153,12 +182,14 @@ def load_checkpoint(
     if (meta["strategy"] == "zero1") != (local is not None):
         raise ConfigError(f"checkpoint {str(p)!r} was written with --distributed {meta['strategy']}; resume with the same strategy")
 
-    state = _app_state(model, optimizer)
+    state, aliases = _app_state(model, optimizer)
     try:
         dcp.load(state, checkpoint_id=str(p))
     except CheckpointException as exc:  # a BaseException in torch: turn it into a user error
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"checkpoint {str(p)!r} does not fit this model ({first}); use the same model flags as the saved run") from None
+    for alias, key in aliases.items():  # a tied weight: the same loaded tensor under both names
+        state["model"][alias] = state["model"][key]
     if local is None:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     else:
