@@ -77,9 +77,6 @@ def plot_memory_vs_time(records: list[dict[str, Any]], path: Path) -> None:
     xs = [r["peak_tracked_bytes"] / GIB for r in recs]
     ys = [r["step_time_s"] for r in recs]
     ax.scatter(xs, ys, s=60, color="#C44E52", zorder=3)
-    for x, y, r in zip(xs, ys, recs):
-        ppl = f"ppl {r['val_ppl']:.0f}" if r.get("val_ppl") is not None else "ppl n/a"
-        ax.annotate(f"{r['technique']}\n{ppl}", (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8)
     ax.set_xlabel("tracked peak memory (GiB)")
     ax.set_ylabel("median step time (s)")
     ax.set_title("Memory vs step time (label: validation perplexity)")
@@ -88,8 +85,66 @@ def plot_memory_vs_time(records: list[dict[str, Any]], path: Path) -> None:
         ax.set_xlim(0, max(xs) * 1.25)
         ax.set_ylim(0, max(ys) * 1.25)
     fig.tight_layout()
+    labels = [f"{r['technique']}\n" + (f"ppl {r['val_ppl']:.0f}" if r.get("val_ppl") is not None else "ppl n/a")
+              for r in recs]
+    place_labels(ax, list(zip(xs, ys)), labels)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# Where a label may go, relative to its point: rings of growing radius (points), and on each
+# ring the diagonals first (they keep the label clear of the marker), then the axes.
+_RADII = (8, 26, 44, 62, 80, 98)
+_ANGLES = (45, -45, 135, -135, 90, -90, 0, 180)
+
+
+def place_labels(ax: Any, points: list[tuple[float, float]], labels: list[str], fontsize: int = 8) -> list[Any]:
+    """Annotate each point without letting labels overlap one another, any marker or the axes'
+    edge: a label takes the first free spot on rings around its point (with a leader line when
+    it sits away from it); the first candidate when none is free.
+
+    Hand-written: matplotlib has no collision avoidance for annotations (adjustText does, with
+    scipy as a dependency, for a task this small)."""
+    import math
+
+    from matplotlib.text import Text
+    from matplotlib.transforms import Bbox
+
+    fig = ax.figure
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer)
+    r = 6 * fig.dpi / 72  # marker radius in pixels (scatter s=60 is ~7.7 points wide)
+    markers = [Bbox.from_extents(x - r, y - r, x + r, y + r) for x, y in ax.transData.transform(points)]
+    taken: list[Any] = list(markers)
+    placed = []
+    for (x, y), text in zip(points, labels):
+        chosen = None
+        for radius in _RADII:
+            for angle in _ANGLES:
+                dx, dy = radius * math.cos(math.radians(angle)), radius * math.sin(math.radians(angle))
+                ann = ax.annotate(
+                    text, (x, y), xytext=(dx, dy), textcoords="offset points", fontsize=fontsize,
+                    ha="left" if dx > 1 else "right" if dx < -1 else "center",
+                    va="bottom" if dy > 1 else "top" if dy < -1 else "center",
+                    arrowprops=dict(arrowstyle="-", color="0.55", lw=0.6, shrinkA=0, shrinkB=4) if radius > _RADII[0] else None,
+                )
+                ann.update_positions(renderer)
+                box = Text.get_window_extent(ann, renderer).padded(2)
+                inside = frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1
+                if inside and not any(box.overlaps(t) for t in taken):
+                    chosen = (ann, box)
+                    break
+                ann.remove()
+            if chosen:
+                break
+        if chosen is None:  # crowded beyond every ring: the plain spot, as before
+            ann = ax.annotate(text, (x, y), xytext=(6, 4), textcoords="offset points", fontsize=fontsize)
+            ann.update_positions(renderer)
+            chosen = (ann, Text.get_window_extent(ann, renderer))
+        taken.append(chosen[1])
+        placed.append(chosen[0])
+    return placed
 
 
 def write_plots(records: list[dict[str, Any]], out: Path) -> list[Path]:
