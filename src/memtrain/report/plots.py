@@ -101,7 +101,7 @@ _ANGLES = (45, -45, 135, -135, 90, -90, 0, 180)
 def place_labels(ax: Any, points: list[tuple[float, float]], labels: list[str], fontsize: int = 8) -> list[Any]:
     """Annotate each point without letting labels overlap one another, any marker or the axes'
     edge: a label takes the first free spot on rings around its point (with a leader line when
-    it sits away from it); the first candidate when none is free.
+    it sits away from it); up and right of the point, overlapping, when no spot is free.
 
     Hand-written: matplotlib has no collision avoidance for annotations (adjustText does, with
     scipy as a dependency, for a task this small)."""
