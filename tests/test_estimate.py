@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -12,7 +11,6 @@ import torch
 from memtrain.cli import main
 from memtrain.config import ConfigError, ModelConfig, build_config
 from memtrain.estimate import (
-    LLAMA_ARCH,
     estimate,
     estimate_inference,
     model_state_rule,

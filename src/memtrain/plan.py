@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from memtrain.config import ConfigError, RunConfig, parse_checkpointing
 from memtrain.estimate import GPT2_ARCH, Arch, estimate, param_table

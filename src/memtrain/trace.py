@@ -28,7 +28,6 @@ What fake tensors cannot do, and what is done instead:
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
 from typing import Any, Iterator, Optional
 
 from memtrain.config import ConfigError, RunConfig
