@@ -19,6 +19,7 @@ from memtrain.estimate import (
     parse_count,
     shape_for_params,
 )
+from memtrain.maxbatch import measure_step_memory
 from memtrain.presets import preset
 
 TINY = dict(vocab_size=512, d_model=64, n_heads=4, n_layers=4, d_ff=128, max_seq_len=128, dropout=0.0,
@@ -53,33 +54,6 @@ GRID = [
 ]
 
 
-def _measure(cfg) -> dict:
-    """Tracked peak of the second (steady-state) real training step on CPU."""
-    from memtrain.metrics import MemoryMeter
-    from memtrain.model import GPT
-    from memtrain.techniques import build_optimizer, make_precision, prepare_model
-    from memtrain.train import train_step
-
-    device = torch.device("cpu")
-    torch.manual_seed(0)
-    precision = make_precision(cfg.technique.precision, device)
-    model = prepare_model(GPT(cfg.model), cfg, device, precision)
-    model.train()
-    opt = build_optimizer(model, cfg.technique, cfg.train)
-    meter = MemoryMeter(model, opt)
-    t = cfg.train
-    g = torch.Generator().manual_seed(0)
-    micro = [(torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len), generator=g),
-              torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len), generator=g))
-             for _ in range(t.grad_accum)]
-    for step in range(2):
-        with meter:
-            if step == 1:
-                meter.reset_peak()
-            train_step(model, micro, opt, precision, t.grad_clip, device, meter)
-    return meter.stats().to_dict()
-
-
 @pytest.fixture(scope="module")
 def grid_results():
     from memtrain.trace import trace_step
@@ -87,7 +61,8 @@ def grid_results():
     rows = []
     for name, overrides in GRID:
         cfg = build_config(overrides)
-        measured = _measure(cfg)
+        # Tracked stats of the second (steady-state) real training step on CPU.
+        measured = measure_step_memory(cfg, cfg.train.batch_size)
         traced = trace_step(cfg, "cpu")
         est = estimate(cfg, device_type="cpu")
         rows.append((name, est, measured, traced))
