@@ -35,6 +35,8 @@ def test_layers_later_wins_and_nested_or_flat(tmp_path):
         ({"window": 300, "seq_len": 256}, "larger than --seq-len"),
         ({"steps": "ten"}, "expects int"),
         ({"prefetch_factor": 2}, "--num-workers"),
+        ({"optim_block": 3}, "--optim-block must be 0"),
+        ({"optim_block": -256}, "--optim-block must be 0"),
     ],
 )
 def test_bad_values_are_one_line_errors(layer, message):
