@@ -36,6 +36,7 @@ import torch.nn as nn
 
 from memtrain.checkpoint import restore_rng_and_scaler, rng_and_scaler_state
 from memtrain.config import ConfigError, RunConfig
+from memtrain.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError, read_metadata
 
 FORMAT = "memtrain-dcp-1"
 META = "meta.json"
@@ -87,6 +88,13 @@ def _app_state(model: nn.Module, optimizer: Any) -> tuple[dict[str, Any], dict[s
     model_sd, optim_sd = get_state_dict(model, optimizer)
     model_sd, aliases = _split_aliases(model_sd)
     return {"model": model_sd, "optimizer": optim_sd}, aliases
+
+
+def _meta_complete(meta: dict[str, Any]) -> bool:
+    """Whether meta.json has every key and type load_checkpoint relies on."""
+    return (isinstance(meta.get("step"), int) and isinstance(meta.get("losses"), list)
+            and isinstance(meta.get("world_size"), int) and isinstance(meta.get("loader"), dict)
+            and isinstance(meta.get("strategy"), str))
 
 
 def _rank_file(root: Path, rank: int) -> Path:
@@ -169,9 +177,17 @@ def load_checkpoint(
     if not (p / META).is_file():
         hint = "it is a single-process checkpoint; resume it without --distributed" if p.is_file() else "check --resume"
         raise ConfigError(f"{str(p)!r} is not a distributed checkpoint directory ({hint})")
-    meta = json.loads((p / META).read_text())
-    if meta.get("format") != FORMAT:
+    try:
+        meta = json.loads((p / META).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        meta = None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not _meta_complete(meta):
         raise ConfigError(f"checkpoint {str(p)!r} has an unknown format; it was not written by this memtrain version")
+    try:  # every rank checks the pickled DCP metadata before the collective load starts
+        read_metadata(p)
+    except (OSError, UnsafeCheckpointError) as exc:
+        raise ConfigError(f"checkpoint {str(p)!r} is refused: its .metadata is not a plain DCP metadata file ({exc}); "
+                          "resume only from checkpoints memtrain wrote") from None
     world, rank = dist.get_world_size(), dist.get_rank()
     if meta["world_size"] != world:
         raise ConfigError(
@@ -184,7 +200,8 @@ def load_checkpoint(
 
     state, aliases = _app_state(model, optimizer)
     try:
-        dcp.load(state, checkpoint_id=str(p))
+        # Our reader and planner: nothing in the directory is unpickled beyond plain data.
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(p)), planner=SafeLoadPlanner())
     except CheckpointException as exc:  # a BaseException in torch: turn it into a user error
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"checkpoint {str(p)!r} does not fit this model ({first}); use the same model flags as the saved run") from None
@@ -195,7 +212,11 @@ def load_checkpoint(
     else:
         set_model_state_dict(model, state["model"])
 
-    own = torch.load(_rank_file(p, rank), map_location="cpu", weights_only=True)
+    try:
+        own = torch.load(_rank_file(p, rank), map_location="cpu", weights_only=True)
+    except Exception as exc:  # missing, truncated, or holding more than plain data
+        raise ConfigError(f"cannot read {str(_rank_file(p, rank))!r} ({type(exc).__name__}); "
+                          "it is not a memtrain checkpoint part") from None
     if local is not None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 

@@ -1,0 +1,116 @@
+"""Read torch.distributed.checkpoint (DCP) directories without executing anything they hold.
+
+torch's own reader is not safe on a file from elsewhere: ``FileSystemReader.read_metadata``
+unpickles ``.metadata`` with plain :mod:`pickle` (a crafted ``__reduce__`` runs any command),
+and ``DefaultLoadPlanner.load_bytes`` reads every non-tensor item with
+``torch.load(weights_only=False)``. torch offers no safe switch for either (2.13), so this
+module hand-writes the two replacements:
+
+- :class:`SafeFileSystemReader`: ``.metadata`` through :class:`_MetadataUnpickler`, whose
+  ``find_class`` allows only the classes a DCP metadata file is made of (the dataclasses of
+  ``torch.distributed.checkpoint.metadata``, ``torch.Size``, dtypes, layouts, a path);
+  anything else raises :class:`UnsafeCheckpointError` before it is constructed.
+- :class:`SafeLoadPlanner`: byte items through ``torch.load(weights_only=True)`` (numbers,
+  strings, lists, dicts and tensors only). Tensor items are already read that way by torch.
+
+:func:`read_metadata` lets every rank check a checkpoint before the collective load starts,
+so a refused file fails every rank alike (no rank is left waiting in a collective).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
+
+METADATA_FILE = ".metadata"
+
+# (module, name) pairs found in the metadata torch 2.x writes; constructing any of them
+# runs no user-chosen code (dataclasses, an Enum, torch.Size of a tuple, a layout lookup).
+_ALLOWED: frozenset[tuple[str, str]] = frozenset({
+    ("torch.distributed.checkpoint.metadata", "Metadata"),
+    ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+    ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+    ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+    ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.planner", "LoadItemType"),
+    ("torch.distributed.checkpoint.planner", "WriteItemType"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+})
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint file references something outside the allow-list."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """pickle.Unpickler that resolves only allow-listed globals (and torch dtypes)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(f"{module}.{name} is not part of a DCP metadata file")
+
+
+def load_metadata(stream: io.BufferedIOBase | Any) -> Metadata:
+    """Unpickle a ``.metadata`` stream with the allow-list; check the result's type."""
+    try:
+        metadata = _MetadataUnpickler(stream).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as exc:  # truncated, garbage, or a class whose construction failed
+        raise UnsafeCheckpointError(f"unreadable metadata ({type(exc).__name__})") from None
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError(f"metadata is a {type(metadata).__name__}, not a DCP Metadata")
+    return metadata
+
+
+def read_metadata(checkpoint_dir: str | Path) -> Metadata:
+    """The checkpoint's ``.metadata``, read safely (raises :class:`UnsafeCheckpointError`)."""
+    with open(Path(checkpoint_dir) / METADATA_FILE, "rb") as fh:
+        return load_metadata(fh)
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """FileSystemReader whose metadata goes through the allow-listed unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as fh:
+            metadata = load_metadata(fh)
+        # What torch's reader does after unpickling (kept in step with torch 2.13).
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner whose byte items are loaded with ``weights_only=True``."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        # The same body as torch's, but weights_only=True.
+        from torch.distributed.checkpoint._traverse import set_element
+
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
