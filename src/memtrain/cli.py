@@ -13,12 +13,12 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from memtrain.config import SECTIONS, ConfigError, RunConfig, build_config, load_config_file
+from memtrain.results import write_json_atomic  # noqa: F401 - re-exported: older code imports it from here
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,16 +63,6 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = 
     flags = {k: v for k, v in vars(args).items() if k in known}
     file_layer = load_config_file(args.config) if getattr(args, "config", None) else {}
     return build_config(base or {}, file_layer, flags)
-
-
-def write_json_atomic(path: Path, payload: Any) -> None:
-    """Write JSON through a temporary file and a rename: never a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(payload, fh, indent=2, default=str)
-        fh.write("\n")
-    os.replace(tmp, path)
 
 
 def fmt_bytes(n: Optional[float]) -> str:

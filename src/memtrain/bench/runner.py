@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from memtrain.bench.process import clean_stale_row_dirs, row_tmpdir, start_row, stop_row
 from memtrain.bench.presets import SCALE_BUDGET, SCALE_MAX_BATCH, describe, scale_overrides, technique_overrides
 from memtrain.config import ConfigError, RunConfig, build_config, parse_size
+from memtrain.results import FolderLock, JsonlRead, append_jsonl, read_jsonl
 
 RESULTS = "results.jsonl"
 
@@ -74,30 +74,20 @@ def resolve_rows(opts: BenchOptions) -> list[tuple[str, RunConfig]]:
     return rows
 
 
+def read_results_counted(out: Path) -> JsonlRead:
+    """The object rows of ``results.jsonl`` and the count of lines that were not rows
+    (torn by a kill or a full disk, or not a JSON object)."""
+    return read_jsonl(Path(out) / RESULTS)
+
+
 def read_results(out: Path) -> list[dict[str, Any]]:
-    """All rows of ``results.jsonl``; a torn last line (killed mid-write) is ignored."""
-    path = out / RESULTS
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+    """All rows of ``results.jsonl``; torn and non-object lines are ignored."""
+    return read_results_counted(out).rows
 
 
 def append_result(out: Path, row: dict[str, Any]) -> None:
-    """Append one row as one line and flush it to disk before going on."""
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / RESULTS, "a") as fh:
-        fh.write(json.dumps(row, default=str) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
+    """Append one row as one line (on a line of its own) and flush it to disk before going on."""
+    append_jsonl(Path(out) / RESULTS, row)
 
 
 def _maxbatch_spec(opts: BenchOptions, cfg: RunConfig) -> Optional[dict[str, Any]]:
@@ -124,30 +114,23 @@ def run_row_subprocess(name: str, cfg: RunConfig, opts: BenchOptions) -> dict[st
     distributed = cfg.technique.distributed != "none"
     # The max-batch search runs one process; it is not defined for a distributed row.
     spec = {"config": cfg.to_dict(), "maxbatch": None if distributed else _maxbatch_spec(opts, cfg), "progress": opts.progress}
-    with tempfile.TemporaryDirectory(prefix="memtrain-row-") as tmp:
+    with row_tmpdir() as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
         cmd = [sys.executable, "-m", "memtrain.bench.worker", str(spec_path), str(out_path)]
         if distributed:  # one worker per rank; only rank 0 writes OUT
             cmd[1:3] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={opts.nproc}", "-m", "memtrain.bench.worker"]
         start = time.perf_counter()
-        # Its own session, so a timeout can stop torchrun and all of its workers together.
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, start_new_session=distributed)
+        # Its own process group (a timeout or Ctrl-C stops torchrun and all of its workers
+        # together, and a terminal's Ctrl-C reaches only the bench) that dies with the bench.
+        proc = start_row(cmd, stdout=subprocess.DEVNULL)
         try:
             code = proc.wait(timeout=opts.timeout_s)
         except subprocess.TimeoutExpired:
-            if distributed:
-                os.killpg(proc.pid, signal.SIGKILL)
-            else:
-                proc.kill()
-            proc.wait()
+            stop_row(proc, grace_s=0, sig=signal.SIGKILL)
             return {"status": "timeout", "error": f"row exceeded {opts.timeout_s:.0f} s", "config": cfg.to_dict()}
-        except KeyboardInterrupt:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        except BaseException:  # Ctrl-C, SIGTERM (raised as KeyboardInterrupt), anything: no orphan
+            stop_row(proc)
             raise
         wall = time.perf_counter() - start
         if out_path.is_file():
@@ -170,9 +153,19 @@ def run_bench(opts: BenchOptions, on_row: Optional[Callable[[str, dict[str, Any]
     from memtrain.report import write_report
 
     rows = resolve_rows(opts)
-    opts.out.mkdir(parents=True, exist_ok=True)
+    # One bench per folder: a second one would run every row twice under contention and
+    # interleave its appends with ours. Held until the last row is appended.
+    with FolderLock(opts.out, "memtrain bench"):
+        return _run_rows(opts, rows, on_row)
+
+
+def _run_rows(opts: BenchOptions, rows: list[tuple[str, RunConfig]],
+              on_row: Optional[Callable[[str, dict[str, Any]], None]]) -> list[dict[str, Any]]:
+    from memtrain.report import write_report
+
+    clean_stale_row_dirs()  # scratch of an earlier bench that was SIGKILL'd
     done = {} if opts.force else {
-        (r["technique"], r.get("config_hash")): r for r in read_results(opts.out) if r.get("status") == "ok"
+        (r.get("technique"), r.get("config_hash")): r for r in read_results(opts.out) if r.get("status") == "ok"
     }
     for name, cfg in rows:
         key = (name, config_hash(cfg.to_dict()))
@@ -194,6 +187,8 @@ def select_rows(all_rows: list[dict[str, Any]], techniques: Optional[list[str]] 
     """The latest row per technique, in the order asked (or first-seen order)."""
     latest: dict[str, dict[str, Any]] = {}
     for r in all_rows:
-        latest[r.get("technique", "?")] = r
+        technique = r.get("technique", "?")
+        if isinstance(technique, str):  # a hand-edited row with a non-string name is not a row of ours
+            latest[technique] = r
     order = techniques or list(latest)
     return [latest[t] for t in order if t in latest]

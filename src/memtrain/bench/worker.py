@@ -21,8 +21,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from memtrain.cli import write_json_atomic
 from memtrain.config import ConfigError, build_config
+from memtrain.results import write_json_atomic
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -63,6 +63,10 @@ def main(argv: list[str]) -> int:
     spec_path, out_path = Path(argv[0]), Path(argv[1])
     spec = json.loads(spec_path.read_text())
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if os.environ.get("MEMTRAIN_TEST_ROW_SLEEP"):  # tests: a row that is still running when signalled
+        import time
+
+        time.sleep(float(os.environ["MEMTRAIN_TEST_ROW_SLEEP"]))
     try:
         result = run_row(spec)
     except ConfigError as exc:
@@ -81,4 +85,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except KeyboardInterrupt:  # stopped by its bench: the bench reports it, no traceback here
+        sys.exit(130)

@@ -7,6 +7,14 @@ import sys
 from pathlib import Path
 
 from memtrain.cli import add_config_flags, fmt_bytes, register
+from memtrain.signals import sigterm_as_interrupt
+
+
+def warn_skipped_lines(out: Path, summary: dict) -> None:
+    """Say on stderr how many lines of results.jsonl were unreadable (torn or not a row)."""
+    if summary.get("skipped_lines"):
+        print(f"warning: skipped {summary['skipped_lines']} unreadable line(s) of {out}/results.jsonl "
+              "(torn by a kill or a full disk, or not a JSON object)", file=sys.stderr)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -71,14 +79,20 @@ def run(args: argparse.Namespace) -> int:
     from memtrain.report import write_report
 
     try:
-        rows = run_bench(opts, on_row=on_row)
+        with sigterm_as_interrupt():  # `kill`, systemd, a job scheduler: stop like Ctrl-C
+            rows = run_bench(opts, on_row=on_row)
     except KeyboardInterrupt:
         summary = write_report(opts.out, techniques=opts.techniques)
+        warn_skipped_lines(opts.out, summary)
         print(f"error: interrupted; partial report of {summary['rows']} row(s) in {opts.out}/report.md", file=sys.stderr)
         return 130
     summary = write_report(opts.out, techniques=opts.techniques)
     print((opts.out / "report.md").read_text())
     print(f"wrote {opts.out}/results.jsonl, report.md, report.csv, report.json and {len(summary['plots'])} plots")
+    warn_skipped_lines(opts.out, summary)
+    if summary["missing"]:
+        print(f"error: partial report: no row for {', '.join(summary['missing'])}", file=sys.stderr)
+        return 1
     return 0 if all(r.get("status") == "ok" for r in rows) else 1
 
 

@@ -13,6 +13,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from memtrain.commands.bench import warn_skipped_lines
     from memtrain.config import ConfigError
     from memtrain.report import write_report
 
@@ -23,6 +24,7 @@ def run(args: argparse.Namespace) -> int:
     if summary["rows"] == 0:
         raise ConfigError(f"{out}/results.jsonl holds no rows; run memtrain bench first")
     print((out / "report.md").read_text())
+    warn_skipped_lines(out, summary)
     print(f"wrote {out}/report.md, report.csv, report.json and {len(summary['plots'])} plots")
     return 0
 

@@ -16,10 +16,11 @@ from memtrain.report.tables import csv_text, markdown_report, table_rows
 
 def write_report(out: Path, techniques: Optional[list[str]] = None) -> dict[str, Any]:
     """Write report.md, report.csv, report.json and PNG plots into ``out``; return a summary."""
-    from memtrain.bench.runner import read_results, select_rows
+    from memtrain.bench.runner import read_results_counted, select_rows
 
     out = Path(out)
-    rows = select_rows(read_results(out), techniques)
+    read = read_results_counted(out)
+    rows = select_rows(read.rows, techniques)
     present = {r.get("technique") for r in rows}
     missing = [t for t in (techniques or []) if t not in present]
     records = table_rows(rows)
@@ -27,4 +28,4 @@ def write_report(out: Path, techniques: Optional[list[str]] = None) -> dict[str,
     (out / "report.csv").write_text(csv_text(records))
     (out / "report.json").write_text(json.dumps({"partial": bool(missing), "missing": missing, "rows": records}, indent=2) + "\n")
     plots = write_plots(records, out)
-    return {"rows": len(rows), "missing": missing, "plots": [str(p) for p in plots]}
+    return {"rows": len(rows), "missing": missing, "plots": [str(p) for p in plots], "skipped_lines": read.skipped}

@@ -1,0 +1,92 @@
+"""Row processes that never outlive their bench, and scratch folders that never pile up.
+
+- :func:`start_row` starts a row in its own process group (so Ctrl-C in a terminal reaches
+  only the bench, which then stops the row cleanly, and torchrun's workers are stopped with
+  it) and asks Linux to send it SIGTERM if the bench dies (``prctl(PR_SET_PDEATHSIG)``), so
+  even a SIGKILL'd bench leaves no orphan training on.
+- :func:`stop_row` stops the whole group: SIGTERM, a grace period, then SIGKILL.
+- :func:`row_tmpdir` names scratch folders ``memtrain-row-<bench pid>-*``;
+  :func:`clean_stale_row_dirs` removes those whose bench is gone (a SIGKILL skips every
+  ``finally``), on the next run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional, Sequence
+
+ROW_PREFIX = "memtrain-row-"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent() -> None:
+    """Runs in the child between fork and exec: SIGTERM me when my parent dies.
+
+    Hand-written through ctypes: no library exposes prctl(PR_SET_PDEATHSIG) (Linux only; a
+    no-op elsewhere, where the process group still lets the bench stop its rows)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except OSError:
+        pass
+
+
+def start_row(cmd: Sequence[str], **kw: object) -> subprocess.Popen:
+    """Start a row process in its own session, bound to live no longer than this process."""
+    return subprocess.Popen(list(cmd), start_new_session=True, preexec_fn=_die_with_parent, **kw)  # type: ignore[call-overload]
+
+
+def stop_row(proc: subprocess.Popen, grace_s: float = 10.0, sig: int = signal.SIGTERM) -> None:
+    """Stop ``proc`` and everything in its process group; wait for it."""
+    for s in (sig, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, s)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.wait(timeout=grace_s if s != signal.SIGKILL else None)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    # The leader may be gone while a worker it started lingers in the group.
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def row_tmpdir() -> tempfile.TemporaryDirectory:
+    """A scratch folder for one row, named after this bench's pid."""
+    return tempfile.TemporaryDirectory(prefix=f"{ROW_PREFIX}{os.getpid()}-")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale_row_dirs(root: Optional[Path] = None) -> int:
+    """Remove ``memtrain-row-<pid>-*`` folders whose bench process no longer exists."""
+    root = Path(root or tempfile.gettempdir())
+    removed = 0
+    for d in root.glob(ROW_PREFIX + "*"):
+        pid_text = d.name[len(ROW_PREFIX):].split("-", 1)[0]
+        if not pid_text.isdigit() or int(pid_text) == os.getpid() or _alive(int(pid_text)):
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed += 1
+    return removed

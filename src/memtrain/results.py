@@ -1,0 +1,151 @@
+"""Results on disk: atomic JSON files, the append-only JSONL store, and the folder lock.
+
+The one place that writes and reads what a run produced, so the promises of
+docs/reliability.md hold for every command alike:
+
+- :func:`write_json_atomic`: a temporary file, fsync, then ``os.replace``: a reader sees the
+  old file or the new one, never half of one. Non-finite floats become ``null`` (JSON has no
+  NaN; ``json.dumps`` would otherwise write the invalid token ``NaN``).
+- :func:`append_jsonl`: one row per line; when the file does not end with a newline (a
+  previous append was killed or hit a full disk mid-line) a newline comes first, so the torn
+  line stays alone and the new row is intact.
+- :func:`read_jsonl`: every JSON object line; torn, non-UTF-8 and non-object lines are
+  skipped and counted, never fatal (a caller decides whether to warn).
+- :class:`FolderLock`: ``fcntl.flock`` on a lock file inside an output folder; a second
+  holder is refused at once with a :class:`~memtrain.config.ConfigError` (exit 2). The kernel
+  drops the lock when its process dies, so a killed run never leaves the folder locked.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from memtrain.config import ConfigError
+
+LOCK_NAME = ".memtrain.lock"
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every NaN/inf float replaced by None (recursively through dicts/lists)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def dumps(payload: Any, **kw: Any) -> str:
+    """Strict JSON text of ``payload`` (non-finite floats as null; unknown objects as str)."""
+    return json.dumps(json_safe(payload), allow_nan=False, default=str, **kw)
+
+
+def write_json_atomic(path: Path, payload: Any) -> None:
+    """Write JSON through a temporary file and a rename: never a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = dumps(payload, indent=2) + "\n"  # serialize first: a bad payload leaves nothing behind
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def append_jsonl(path: Path, row: dict[str, Any]) -> None:
+    """Append ``row`` as one line, after a newline if the file ends mid-line; fsync it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = (dumps(row) + "\n").encode()
+    with open(path, "a+b") as fh:
+        fh.seek(0, os.SEEK_END)
+        if fh.tell() > 0:
+            fh.seek(-1, os.SEEK_END)
+            if fh.read(1) != b"\n":
+                line = b"\n" + line  # a torn predecessor: keep it on its own line
+        fh.seek(0, os.SEEK_END)
+        fh.write(line)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+@dataclass
+class JsonlRead:
+    """The object rows of a JSONL file and how many non-blank lines were not rows."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    skipped: int = 0
+
+
+def read_jsonl(path: Path) -> JsonlRead:
+    """Every JSON object line of ``path`` (missing file: none); other lines are counted."""
+    path = Path(path)
+    read = JsonlRead()
+    if not path.is_file():
+        return read
+    with open(path, "rb") as fh:
+        for raw in fh:
+            raw = raw.strip()
+            if not raw:
+                continue
+            try:
+                value = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError):
+                read.skipped += 1
+                continue
+            if isinstance(value, dict):
+                read.rows.append(value)
+            else:
+                read.skipped += 1
+    return read
+
+
+class FolderLock:
+    """Exclusive use of an output folder while the ``with`` block runs.
+
+    ``with FolderLock(out, "memtrain bench"):`` -- a second process asking for the same folder
+    gets a ConfigError naming the holder's pid instead of interleaving its rows with ours.
+    """
+
+    def __init__(self, folder: Path, what: str = "memtrain", flag: str = "--out") -> None:
+        self.folder = Path(folder)
+        self.what = what
+        self.flag = flag
+        self._fh: Optional[Any] = None
+
+    def __enter__(self) -> "FolderLock":
+        self.folder.mkdir(parents=True, exist_ok=True)
+        fh = open(self.folder / LOCK_NAME, "a+")
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "another process"
+            fh.close()
+            raise ConfigError(f"{self.flag} {str(self.folder)!r} is in use by {holder}; wait for it to finish "
+                              f"or choose another {self.flag}") from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"{self.what} (pid {os.getpid()})\n")
+        fh.flush()
+        self._fh = fh
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._fh is not None:
+            fcntl.flock(self._fh.fileno(), fcntl.LOCK_UN)
+            self._fh.close()
+            self._fh = None
