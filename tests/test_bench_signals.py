@@ -1,0 +1,131 @@
+"""`memtrain bench` under signals and concurrency: SIGTERM acts like Ctrl-C, a row process
+never outlives its bench, scratch folders are cleaned, a second bench on one --out is refused.
+
+A row is held running by MEMTRAIN_TEST_ROW_SLEEP (the worker sleeps before training), so the
+signal always arrives mid-row; every process started here is killed in a ``finally``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from memtrain.bench.process import ROW_PREFIX, clean_stale_row_dirs
+from memtrain.cli import main
+from memtrain.results import read_jsonl
+
+from conftest import TINY_MODEL
+
+
+def _flags(small_corpus: Path) -> list[str]:
+    settings = {**TINY_MODEL, "data": str(small_corpus), "steps": 2, "warmup_steps": 1, "batch_size": 2,
+                "seq_len": 32, "val_blocks": 2}
+    out = []
+    for k, v in settings.items():
+        out += ["--" + k.replace("_", "-"), str(v)]
+    return out + ["--no-maxbatch", "--no-progress"]
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purpose (its parent has not reaped it yet).
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_for(cond, timeout: float = 60.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _start_bench(small_corpus: Path, out: Path, techniques: str, env: dict) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "memtrain", "bench", "--techniques", techniques, "--out", str(out),
+           *_flags(small_corpus)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigterm_keeps_finished_rows_and_a_second_bench_is_refused(small_corpus, tmp_path, capsys):
+    out = tmp_path / "b"
+    # One finished row first (a real one), then a bench whose next row hangs.
+    assert main(["bench", "--techniques", "baseline", "--out", str(out), *_flags(small_corpus)]) == 0
+    capsys.readouterr()
+    bench = _start_bench(small_corpus, out, "baseline,precision=bf16", {"MEMTRAIN_TEST_ROW_SLEEP": "120"})
+    workers: list[int] = []
+    try:
+        assert _wait_for(lambda: bool(_children(bench.pid))), "the bench never started its row"
+        workers = _children(bench.pid)
+        scratch = list(Path(tempfile.gettempdir()).glob(f"{ROW_PREFIX}{bench.pid}-*"))
+        assert scratch, "the row's scratch folder is named after its bench"
+        # A second bench on the same folder: refused at once, before any row runs.
+        assert main(["bench", "--techniques", "baseline", "--out", str(out), *_flags(small_corpus)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: --out") and f"pid {bench.pid}" in err[0]
+
+        bench.send_signal(signal.SIGTERM)
+        _, stderr = bench.communicate(timeout=60)
+        assert bench.returncode == 130, stderr
+        assert stderr.strip().splitlines()[-1].startswith("error: interrupted; partial report of 1 row(s)")
+        assert "Traceback" not in stderr
+        assert _wait_for(lambda: not any(_alive(w) for w in workers), timeout=15), "the row outlived its bench"
+        assert not any(p.exists() for p in scratch)
+        rows = read_jsonl(out / "results.jsonl")
+        assert [r["technique"] for r in rows.rows] == ["baseline"] and rows.skipped == 0
+        assert "Baseline" in (out / "report.md").read_text() and "**Partial**" in (out / "report.md").read_text()
+    finally:
+        for pid in [bench.pid, *workers]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        bench.wait()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl and /proc are Linux")
+def test_sigkilled_bench_leaves_no_row_running_and_its_scratch_is_cleaned_next_run(small_corpus, tmp_path):
+    bench = _start_bench(small_corpus, tmp_path / "b", "baseline", {"MEMTRAIN_TEST_ROW_SLEEP": "120"})
+    workers: list[int] = []
+    try:
+        assert _wait_for(lambda: bool(_children(bench.pid))), "the bench never started its row"
+        workers = _children(bench.pid)
+        scratch = list(Path(tempfile.gettempdir()).glob(f"{ROW_PREFIX}{bench.pid}-*"))
+        assert scratch
+        bench.kill()  # SIGKILL: no handler, no finally runs in the bench
+        bench.wait()
+        # The kernel's parent-death signal stops the row.
+        assert _wait_for(lambda: not any(_alive(w) for w in workers), timeout=15), "orphaned row"
+        assert all(p.exists() for p in scratch)
+        assert clean_stale_row_dirs() >= 1  # what the next bench does first
+        assert not any(p.exists() for p in scratch)
+    finally:
+        for pid in [bench.pid, *workers]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        bench.wait()

@@ -1,0 +1,79 @@
+"""The results store (memtrain.results): atomic JSON, torn JSONL lines, the folder lock."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from memtrain.cli import main
+from memtrain.config import ConfigError
+from memtrain.results import FolderLock, append_jsonl, read_jsonl, write_json_atomic
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_append_after_a_torn_line_starts_a_new_line(tmp_path):
+    path = tmp_path / "results.jsonl"
+    path.write_text('{"technique": "a", "status": "ok"}\n{"technique": "b", "sta')  # killed mid-append
+    append_jsonl(path, {"technique": "c", "status": "ok"})
+    append_jsonl(path, {"technique": "d", "status": "ok"})
+    read = read_jsonl(path)
+    assert [r["technique"] for r in read.rows] == ["a", "c", "d"]
+    assert read.skipped == 1
+    assert path.read_text().endswith('"ok"}\n')
+
+
+def test_non_object_and_non_utf8_lines_are_counted_not_fatal(tmp_path):
+    path = tmp_path / "results.jsonl"
+    path.write_bytes(b'[1]\n"text"\n\xff\xfe garbage\n\n{"technique": "a"}\n')
+    read = read_jsonl(path)
+    assert read.rows == [{"technique": "a"}] and read.skipped == 3
+
+
+def test_json_never_holds_nan(tmp_path):
+    write_json_atomic(tmp_path / "r.json", {"loss": math.nan, "x": [math.inf, 1.0], "y": {"z": -math.inf}})
+    text = (tmp_path / "r.json").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    assert json.loads(text) == {"loss": None, "x": [None, 1.0], "y": {"z": None}}
+    append_jsonl(tmp_path / "r.jsonl", {"v": math.nan})
+    assert json.loads((tmp_path / "r.jsonl").read_text()) == {"v": None}
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".tmp"] == []
+
+
+def test_report_survives_torn_and_non_object_lines(tmp_path, capsys):
+    lines = (DATA / "bench_results.jsonl").read_text().splitlines()
+    (tmp_path / "results.jsonl").write_text("[1]\n" + "\n".join(lines) + '\n{"technique": "x", "sta')
+    assert main(["report", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert "Chunked LM-head loss" in captured.out
+    assert "skipped 2 unreadable line(s)" in captured.err
+
+
+def test_report_of_a_file_with_no_rows_is_bad_input(tmp_path, capsys):
+    (tmp_path / "results.jsonl").write_bytes(b"\x00\x01garbage\n[1, 2]\n")
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "holds no rows" in err[0]
+
+
+def test_folder_lock_refuses_a_second_holder_and_frees_on_exit(tmp_path):
+    code = ("import sys, time; from memtrain.results import FolderLock\n"
+            "with FolderLock(sys.argv[1], 'memtrain bench'):\n"
+            "    print('locked', flush=True); time.sleep(60)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(ConfigError, match=rf"in use by memtrain bench \(pid {holder.pid}\)"):
+            with FolderLock(tmp_path, "memtrain bench"):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with FolderLock(tmp_path, "memtrain bench"):  # the kernel dropped the dead holder's lock
+        pass
