@@ -7,7 +7,9 @@ a checkpoint holds only tensors, numbers, strings, lists and dicts, never pickle
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,8 @@ import torch.nn as nn
 from memtrain.config import ConfigError, RunConfig
 
 FORMAT_VERSION = 1
+REQUIRED_KEYS = ("step", "losses", "model", "optimizer", "scheduler", "loader", "rng_cpu", "rng_cuda",
+                 "scaler", "skipped_steps", "config")
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -47,6 +51,23 @@ def restore_rng_and_scaler(state: dict[str, Any], precision: Any) -> None:
     if state["scaler"] is not None and precision.scaler is not None:
         precision.scaler.load_state_dict(state["scaler"])
     precision.skipped_steps = state["skipped_steps"]
+
+
+def disk_full_or(exc: BaseException, path: Path) -> BaseException:
+    """``exc``, or an OSError(ENOSPC) naming ``path`` when the write failed on a full disk.
+
+    torch.save reports a failed write as a RuntimeError ("file write failed") without the
+    errno; a nearly full file system is then the cause worth naming."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return OSError(errno.ENOSPC, "No space left on device", str(path))
+    if isinstance(exc, RuntimeError) and "write failed" in str(exc):
+        try:
+            free = shutil.disk_usage(Path(path).parent).free
+        except OSError:
+            free = 0
+        if free < 256 * 2**20:
+            return OSError(errno.ENOSPC, "No space left on device", str(path))
+    return exc
 
 
 def save_checkpoint(
@@ -79,9 +100,9 @@ def save_checkpoint(
     try:
         torch.save(state, tmp)
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    except BaseException as exc:
+        Path(tmp).unlink(missing_ok=True)  # the previous checkpoint at ``path`` is untouched
+        raise disk_full_or(exc, path) from None
 
 
 def load_checkpoint(
@@ -102,13 +123,22 @@ def load_checkpoint(
         raise ConfigError(f"cannot read checkpoint {str(p)!r} ({type(exc).__name__}); it is not a memtrain checkpoint") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
         raise ConfigError(f"checkpoint {str(p)!r} has an unknown format; it was not written by this memtrain version")
+    missing = [k for k in REQUIRED_KEYS if k not in state]
+    if missing:
+        raise ConfigError(f"checkpoint {str(p)!r} lacks {', '.join(missing)}; it is incomplete or was not written by memtrain")
     try:
         _unwrap(model).load_state_dict(state["model"])
     except RuntimeError as exc:
         first = str(exc).splitlines()[0]
         raise ConfigError(f"checkpoint {str(p)!r} does not fit this model ({first}); use the same model flags as the saved run") from None
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    loader.load_state_dict(state["loader"])
-    restore_rng_and_scaler(state, precision)
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        loader.load_state_dict(state["loader"])
+        restore_rng_and_scaler(state, precision)
+    except ConfigError:
+        raise
+    except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as exc:
+        raise ConfigError(f"checkpoint {str(p)!r} does not fit this run ({type(exc).__name__}: {exc}); "
+                          "resume with the saved run's optimizer and settings") from None
     return {"step": int(state["step"]), "losses": state["losses"]}

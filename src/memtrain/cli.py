@@ -10,6 +10,7 @@ is a flag with its docstring as help, and a config file (YAML/TOML) may set the 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -81,10 +82,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     out = Path(cfg.train.out)
-    result = train(cfg)
-    if int(os.environ.get("RANK", "0")) != 0:
-        return 0  # under torchrun only rank 0 writes and prints (result["ranks"] has every rank)
-    write_json_atomic(out / "result.json", result)
+    main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 writes and prints
+
+    def write_result(result: dict) -> None:  # before the final checkpoint (see train())
+        if main_rank:
+            write_json_atomic(out / "result.json", result)
+
+    result = train(cfg, on_result=write_result)
+    if not main_rank:
+        return 0  # result["ranks"] has every rank's numbers
     mem = result["memory"]
     print(
         f"steps {result['steps']}  train loss {result['train_loss']:.4f}  "
@@ -147,11 +153,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("error: interrupted; results written so far are kept\n")
         return 130
-    except Exception as exc:  # noqa: BLE001 - the contract: exit 1 with the reason
-        if os.environ.get("MEMTRAIN_DEBUG"):
-            raise
-        sys.stderr.write(f"error: {type(exc).__name__}: {exc} (set MEMTRAIN_DEBUG=1 for the traceback)\n")
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC or os.environ.get("MEMTRAIN_DEBUG"):
+            return _failure(exc)
+        where = f" writing {exc.filename}" if exc.filename else ""
+        sys.stderr.write(f"error: disk full{where}; free space and run again (files written before are intact)\n")
         return 1
+    except Exception as exc:  # noqa: BLE001 - the contract: exit 1 with the reason
+        return _failure(exc)
+
+
+def _failure(exc: BaseException) -> int:
+    """Exit 1 with the reason on one line (the traceback with MEMTRAIN_DEBUG=1)."""
+    if os.environ.get("MEMTRAIN_DEBUG"):
+        raise exc
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    sys.stderr.write(f"error: {type(exc).__name__}: {first} (set MEMTRAIN_DEBUG=1 for the traceback)\n")
+    return 1
 
 
 if __name__ == "__main__":

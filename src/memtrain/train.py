@@ -22,6 +22,7 @@ from memtrain.data import make_train_loader, make_val_batches, prepare_tokens
 from memtrain.distributed_checkpoint import load_checkpoint as dcp_load, save_checkpoint as dcp_save
 from memtrain.metrics import MemoryMeter, StepTimer, device_gpu, device_peak_memory, mfu, reset_device_peak
 from memtrain.model import GPT
+from memtrain.preflight import check_destinations, check_resume
 from memtrain.runtime import environment, resolve_device, seed_everything
 from memtrain.techniques import Precision, build_optimizer, make_precision, prepare_model
 from memtrain.techniques.distributed import DistContext, distributed_session
@@ -157,17 +158,23 @@ def _flops_per_rank_step(cfg: RunConfig, n_params: int) -> tuple[float, str]:
         return rule_flops_per_token(cfg.model, t.seq_len, n_params) * tokens, "rule"
 
 
-def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = True) -> dict[str, Any]:
+def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = True,
+          on_result: Optional[Callable[[dict[str, Any]], None]] = None) -> dict[str, Any]:
     """Run one training run as configured; return the result dict.
 
     Under ``--distributed`` every rank (torchrun process) runs this and gets the result;
-    only rank 0 shows progress (see :mod:`memtrain.techniques.distributed`).
+    only rank 0 shows progress (see :mod:`memtrain.techniques.distributed`). ``on_result``
+    receives the result before the final checkpoint is written (the CLI writes result.json
+    there), so a failing final save cannot lose the run's numbers.
     """
+    check_destinations(cfg)  # before any step: never a run that cannot write its result
+    check_resume(cfg)  # a checkpoint of another run is refused before tokenizing
     with distributed_session(cfg, resolve_device(cfg.train.device)) as dist_ctx:
-        return _train(cfg, dist_ctx, progress, track_memory)
+        return _train(cfg, dist_ctx, progress, track_memory, on_result)
 
 
-def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], track_memory: bool) -> dict[str, Any]:
+def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], track_memory: bool,
+           on_result: Optional[Callable[[dict[str, Any]], None]] = None) -> dict[str, Any]:
     t = cfg.train
     show = (t.progress if progress is None else progress) and dist_ctx.is_main
     device = dist_ctx.device
@@ -242,8 +249,6 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     total_time = time.perf_counter() - wall_start
 
     val_loss = evaluate(model, val_batches, precision, device)
-    if t.save:
-        save_ckpt(t.save, model, optimizer, scheduler, loader, precision, end_step, losses, cfg)
 
     stats = timer.summary().to_dict()
     tail = losses[-min(10, len(losses)):] if losses else [float("nan")]
@@ -286,4 +291,8 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         "env": environment(device),
     }
     result.update(dist_ctx.result_fields(memory))  # distributed: "ranks" (memory per rank), "distributed"
+    if on_result is not None:
+        on_result(result)
+    if t.save:  # after the result is out: a full disk here loses no numbers
+        save_ckpt(t.save, model, optimizer, scheduler, loader, precision, end_step, losses, cfg)
     return result

@@ -1,0 +1,144 @@
+"""Checks made before the first training step, so a run never fails at its end.
+
+- :func:`check_destinations`: ``--out`` and ``--save`` can be written (a directory, not a
+  file; a probe file can be created and removed). Today's alternative is a run that trains
+  for an hour and then cannot write its result. Nothing is created by the check.
+- :func:`check_resume`: a checkpoint given to ``--resume`` belongs to *this* run: the saved
+  config agrees on everything that decides the numbers (model, data, batch, sequence,
+  accumulation, schedule, seed, optimizer, precision), and the saved step lies inside the run.
+  A mismatch is a ConfigError naming every differing key, raised before data is tokenized.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+from memtrain.config import ConfigError, RunConfig
+
+# Keys that may differ between the saved run and the resumed one: where output goes, how it
+# is shown, how fast it runs, and implementation choices that compute the same numbers.
+MAY_DIFFER: frozenset[str] = frozenset({
+    "out", "save", "save_every", "resume", "stop_after", "progress", "device", "eval_every",
+    "warmup_timing_steps", "cache_dir", "no_cache", "num_workers", "pin_memory", "prefetch_factor",
+    "attention", "checkpointing", "compile", "compile_mode", "compile_scope", "loss", "loss_chunk",
+    "distributed", "cpu_offload",
+})
+
+
+# --------------------------------------------------------------------------- destinations
+def _nearest_existing(path: Path) -> Path:
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _probe_dir(folder: Path) -> Optional[str]:
+    """None when a file can be created in ``folder``; else why not."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".memtrain-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
+
+
+def check_writable_dir(path: str | Path, flag: str) -> None:
+    """``path`` is (or can become) a directory memtrain can write into."""
+    p = Path(path).expanduser()
+    if str(path).strip() == "":
+        raise ConfigError(f"{flag} is empty; give a directory, e.g. {flag} runs/train")
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{flag} {str(p)!r} is a file; give a directory (a new or an existing one)")
+    base = _nearest_existing(p.absolute())
+    if not base.is_dir():
+        raise ConfigError(f"{flag} {str(p)!r} cannot be created: {str(base)!r} is a file")
+    why = _probe_dir(base)
+    if why is not None:
+        raise ConfigError(f"{flag} {str(p)!r} is not writable ({why} in {str(base)!r}); choose another {flag}")
+
+
+def check_writable_file(path: str | Path, flag: str) -> None:
+    """``path`` is (or can become) a file memtrain can replace atomically."""
+    p = Path(path).expanduser()
+    if str(path).strip() == "":
+        raise ConfigError(f"{flag} is empty; give a file path, e.g. {flag} runs/ckpt.pt")
+    if p.is_dir():
+        raise ConfigError(f"{flag} {str(p)!r} is a directory; give a file path inside it, e.g. {str(p / 'ckpt.pt')!r}")
+    check_writable_dir(p.parent if str(p.parent) else Path("."), f"{flag} (its folder)")
+
+
+def check_destinations(cfg: RunConfig) -> None:
+    """Every place this run will write, checked before anything runs."""
+    t = cfg.train
+    check_writable_dir(t.out, "--out")
+    if t.save is not None:
+        if cfg.technique.distributed != "none":
+            check_writable_dir(t.save, "--save")  # a sharded checkpoint is a directory
+        else:
+            check_writable_file(t.save, "--save")
+
+
+# --------------------------------------------------------------------------- resume
+def saved_run(path: str | Path) -> tuple[dict[str, Any], int]:
+    """The saved config and step of a checkpoint (single file or sharded directory).
+
+    Reads no tensor data: a sharded checkpoint's meta.json, or a single file memory-mapped
+    with ``weights_only=True`` (only the small entries are touched)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        meta_path = p / "meta.json"
+        if not meta_path.is_file():
+            raise ConfigError(f"--resume {str(p)!r} is a directory without meta.json; it is not a memtrain checkpoint")
+        try:
+            state = json.loads(meta_path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError):
+            raise ConfigError(f"cannot read {str(meta_path)!r}; it is not a memtrain checkpoint") from None
+    elif p.is_file():
+        import torch
+
+        try:
+            state = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:  # truncated, foreign, or holding more than plain data
+            raise ConfigError(f"cannot read checkpoint {str(p)!r} ({type(exc).__name__}); it is not a memtrain checkpoint") from None
+    else:
+        raise ConfigError(f"checkpoint {str(p)!r} not found; check --resume")
+    if not isinstance(state, dict) or not isinstance(state.get("config"), dict) or not isinstance(state.get("step"), int):
+        raise ConfigError(f"checkpoint {str(p)!r} holds no run config or step; it was not written by this memtrain version")
+    return state["config"], state["step"]
+
+
+def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """``["key: saved -> now", ...]`` for every key that decides the run's numbers."""
+    diffs = []
+    for section, values in now.items():
+        old_section = saved.get(section) if isinstance(saved.get(section), dict) else {}
+        for key, value in values.items():
+            if key in MAY_DIFFER:
+                continue
+            old = old_section.get(key, "<missing>")
+            if old != value:
+                diffs.append(f"{key}: {old!r} -> {value!r}")
+    return diffs
+
+
+def check_resume(cfg: RunConfig) -> None:
+    """Refuse ``--resume`` of a checkpoint from a different run (see the module docstring)."""
+    if not cfg.train.resume:
+        return
+    saved, step = saved_run(cfg.train.resume)
+    diffs = config_differences(saved, cfg.to_dict())
+    if diffs:
+        shown = "; ".join(diffs[:8]) + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else "")
+        what = "model" if any(d.split(":")[0] in saved.get("model", {}) for d in diffs) else "run"
+        raise ConfigError(f"checkpoint {cfg.train.resume!r} does not fit this {what}: it was saved by a different run "
+                          f"({shown}); resume with the saved run's settings or start a new run without --resume")
+    end = cfg.train.stop_after or cfg.train.steps
+    if not 0 <= step < end:
+        raise ConfigError(f"--resume {cfg.train.resume!r} is at step {step}, this run ends at step {end}; "
+                          "raise --stop-after (or drop it) to continue")
