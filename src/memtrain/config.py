@@ -193,6 +193,8 @@ class TechniqueConfig:
         _require(self.optim_block >= 0 and self.optim_block % 2 == 0,
                  f"--optim-block must be 0 (torchao's default) or a positive even number, e.g. 256; got {self.optim_block}")
         _require(self.lora_rank >= 0, f"--lora-rank must be >= 0, got {self.lora_rank}")
+        _require(math.isfinite(self.lora_alpha) and self.lora_alpha > 0, f"--lora-alpha must be positive, got {self.lora_alpha}")
+        _require(0.0 <= self.lora_dropout < 1.0, f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
         _require(self.compile_mode in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
                  f"unknown --compile-mode {self.compile_mode!r}; choose default, reduce-overhead or max-autotune")
         _require(self.compile_scope in ("model", "block"), f"unknown --compile-scope {self.compile_scope!r}; choose model or block")
@@ -214,6 +216,9 @@ def parse_checkpointing(policy: str) -> tuple[str, int]:
 
 
 # --------------------------------------------------------------------------- training
+MAX_LR = 10.0  # far above any working learning rate; 1e30 or inf is a typo, not a setting
+
+
 @dataclass
 class TrainConfig:
     """Optimisation loop, evaluation, checkpoints and output."""
@@ -248,10 +253,21 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len", "steps", "grad_accum"):
             _require(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        _require(self.lr > 0, f"--lr must be positive, got {self.lr}")
+        _require(math.isfinite(self.lr) and 0 < self.lr <= MAX_LR,
+                 f"--lr must be positive and at most {MAX_LR:g} (larger diverges at once), got {self.lr}")
+        _require(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+                 f"--weight-decay must be >= 0 and finite, got {self.weight_decay}")
+        for name in ("beta1", "beta2"):
+            _require(0.0 <= getattr(self, name) < 1.0, f"--{name} must be in [0, 1), got {getattr(self, name)}")
+        _require(0 <= self.seed < 2**32, f"--seed must be in [0, 2**32), got {self.seed}")
+        for name in ("eval_every", "save_every", "warmup_timing_steps"):
+            _require(getattr(self, name) >= 0, f"--{name.replace('_', '-')} must be >= 0 (0 turns it off), got {getattr(self, name)}")
+        _require(self.out.strip() != "", "--out is empty; give a directory, e.g. --out runs/train")
+        _require(self.save is None or self.save.strip() != "", "--save is empty; give a file path or drop --save")
+        _require(self.resume is None or self.resume.strip() != "", "--resume is empty; give a checkpoint path or drop --resume")
         _require(self.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         _require(self.schedule in ("cosine", "constant"), f"unknown --schedule {self.schedule!r}; choose cosine or constant")
-        _require(self.grad_clip >= 0, f"--grad-clip must be >= 0, got {self.grad_clip}")
+        _require(math.isfinite(self.grad_clip) and self.grad_clip >= 0, f"--grad-clip must be >= 0 and finite, got {self.grad_clip}")
         _require(0.0 <= self.min_lr_ratio <= 1.0, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         _require(self.stop_after is None or 0 < self.stop_after <= self.steps,
                  f"--stop-after must be between 1 and --steps ({self.steps}), got {self.stop_after}")
@@ -312,10 +328,16 @@ def _coerce(cls: type, name: str, value: Any) -> Any:
     """Coerce a value from a file or string into the field's declared type."""
     f = {f.name: f for f in fields(cls)}[name]
     t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-    if value is None:
-        return None
     optional = t.startswith("Optional[")
     base = t[len("Optional["):-1] if optional else t
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"--{name.replace('_', '-')} expects {base}, got null; give a value or leave the key out")
+    if isinstance(value, bool) and base in ("int", "float"):
+        raise ConfigError(f"--{name.replace('_', '-')} expects {base}, got {value!r}")
+    if isinstance(value, (dict, list)):
+        raise ConfigError(f"--{name.replace('_', '-')} expects {base}, got a {type(value).__name__}")
     if isinstance(value, str) and optional and value.lower() in ("none", "null", ""):
         return None
     try:
@@ -332,9 +354,12 @@ def _coerce(cls: type, name: str, value: Any) -> Any:
                 raise ValueError(value)
             return int(value)
         if base == "float":
-            return float(value)
+            number = float(value)
+            if math.isnan(number):  # NaN passes every comparison of the checks below as False
+                raise ValueError(value)
+            return number
         return str(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"--{name.replace('_', '-')} expects {base}, got {value!r}") from None
 
 
@@ -342,15 +367,34 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML or TOML config file into a dict (sections or flat keys)."""
     p = Path(path)
     _require(p.is_file(), f"config file {str(p)!r} not found; check the --config path")
+    suffix = p.suffix.lower()
+    if suffix not in (".toml", ".yaml", ".yml", ".json"):
+        raise ConfigError(f"config file {str(p)!r} must end in .yaml, .yml, .toml or .json")
     try:
-        if p.suffix.lower() == ".toml":
-            return tomllib.loads(p.read_text())
-        if p.suffix.lower() in (".yaml", ".yml", ".json"):
-            data = yaml.safe_load(p.read_text()) if p.suffix.lower() != ".json" else json.loads(p.read_text())
-            return data or {}
+        text = p.read_text(encoding="utf-8")
+        if suffix == ".toml":
+            data = tomllib.loads(text)
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            data = yaml.safe_load(text)
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {str(p)!r} is not UTF-8 text; save it as UTF-8") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(p)!r} ({exc.strerror}); check the --config path") from None
     except (tomllib.TOMLDecodeError, yaml.YAMLError, json.JSONDecodeError) as exc:
         raise ConfigError(f"cannot parse config file {str(p)!r}: {str(exc).splitlines()[0]}") from None
-    raise ConfigError(f"config file {str(p)!r} must end in .yaml, .yml, .toml or .json")
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} holds a {type(data).__name__}; it must be a mapping of settings "
+                          "(key: value, optionally under model/data/technique/train)")
+    for key, value in data.items():
+        inner = value.keys() if isinstance(value, dict) else ()
+        for k in (key, *inner):
+            if not isinstance(k, str):
+                raise ConfigError(f"config file {str(p)!r} has the key {k!r}; keys are setting names such as d_model")
+    return data
 
 
 def flatten(nested: dict[str, Any]) -> dict[str, Any]:

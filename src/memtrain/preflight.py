@@ -3,6 +3,7 @@
 - :func:`check_destinations`: ``--out`` and ``--save`` can be written (a directory, not a
   file; a probe file can be created and removed). Today's alternative is a run that trains
   for an hour and then cannot write its result. Nothing is created by the check.
+- :func:`check_vocab`: the model's vocabulary holds every token id of the tokenizer.
 - :func:`check_resume`: a checkpoint given to ``--resume`` belongs to *this* run: the saved
   config agrees on everything that decides the numbers (model, data, batch, sequence,
   accumulation, schedule, seed, optimizer, precision), and the saved step lies inside the run.
@@ -82,6 +83,16 @@ def check_destinations(cfg: RunConfig) -> None:
             check_writable_dir(t.save, "--save")  # a sharded checkpoint is a directory
         else:
             check_writable_file(t.save, "--save")
+
+
+def check_vocab(cfg: RunConfig) -> None:
+    """The embedding table holds every id the tokenizer can emit (else an index error after
+    a long tokenization)."""
+    from memtrain.data.tokenizer import N_VOCAB, TOKENIZER_NAME
+
+    if cfg.model.vocab_size < N_VOCAB:
+        raise ConfigError(f"--vocab-size {cfg.model.vocab_size} is smaller than the {TOKENIZER_NAME} tokenizer's "
+                          f"{N_VOCAB} ids; use --vocab-size {N_VOCAB} (or more) to train on text")
 
 
 # --------------------------------------------------------------------------- resume

@@ -22,7 +22,7 @@ from memtrain.data import make_train_loader, make_val_batches, prepare_tokens
 from memtrain.distributed_checkpoint import load_checkpoint as dcp_load, save_checkpoint as dcp_save
 from memtrain.metrics import MemoryMeter, StepTimer, device_gpu, device_peak_memory, mfu, reset_device_peak
 from memtrain.model import GPT
-from memtrain.preflight import check_destinations, check_resume
+from memtrain.preflight import check_destinations, check_resume, check_vocab
 from memtrain.runtime import environment, resolve_device, seed_everything
 from memtrain.techniques import Precision, build_optimizer, make_precision, prepare_model
 from memtrain.techniques.distributed import DistContext, distributed_session
@@ -33,6 +33,10 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 # they are also left out of the timing). Step 0 creates the optimizer state; step 1 is the
 # steady state whose peak is reported.
 METERED_STEPS = (0, 1)
+
+
+class LossDiverged(RuntimeError):
+    """The loss became NaN or infinite: further steps would only train on garbage."""
 
 
 def lr_lambda(cfg: RunConfig) -> Callable[[int], float]:
@@ -168,6 +172,7 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
     there), so a failing final save cannot lose the run's numbers.
     """
     check_destinations(cfg)  # before any step: never a run that cannot write its result
+    check_vocab(cfg)
     check_resume(cfg)  # a checkpoint of another run is refused before tokenizing
     with distributed_session(cfg, resolve_device(cfg.train.device)) as dist_ctx:
         return _train(cfg, dist_ctx, progress, track_memory, on_result)
@@ -235,6 +240,9 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
                     loss = step_fn(model, micro, optimizer, precision, t.grad_clip, device,
                                    meter if metered else None, no_sync=no_sync)
                 loss = dist_ctx.mean(loss)  # the global batch's loss, the same on every rank
+                if not math.isfinite(loss):  # the same value on every rank: all stop together
+                    raise LossDiverged(f"the training loss became {loss} at step {step + 1}; lower --lr "
+                                       f"(now {t.lr:g}) or keep --grad-clip on; checkpoints written before are intact")
                 scheduler.step()
             losses.append(loss)
             bar.update(loss, tokens_per_step / max(time.perf_counter() - step_start, 1e-9))

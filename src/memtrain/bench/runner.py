@@ -63,9 +63,15 @@ def resolve_rows(opts: BenchOptions) -> list[tuple[str, RunConfig]]:
         if name in seen:
             raise ConfigError(f"technique {name!r} is listed twice; list each once")
         seen.add(name)
+        row_layer = technique_overrides(name, opts.scale)
+        both = sorted(set(row_layer) & set(opts.overrides))
+        if both and "=" in name:
+            # An explicit row (key=value+...) and a flag that set the same key: neither may
+            # silently win over the other.
+            raise ConfigError(f"technique {name!r} sets {', '.join(both)} and --{both[0].replace('_', '-')} is "
+                              f"given too; drop one (the row's value applies to that row only)")
         try:
-            cfg = build_config(scale_overrides(opts.scale), technique_overrides(name, opts.scale),
-                               opts.file_layer, opts.overrides)
+            cfg = build_config(scale_overrides(opts.scale), row_layer, opts.file_layer, opts.overrides)
         except ConfigError as exc:
             raise ConfigError(f"technique {name!r}: {exc}") from None
         if opts.nproc > 1 and cfg.technique.distributed == "none":

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 
+from memtrain.argtypes import positive_int
 from memtrain.cli import add_config_flags, config_from_args, fmt_bytes, register
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-budget", default=None, help="Budget, e.g. 8GiB (required on CPU; on CUDA default: the device).")
-    p.add_argument("--multiple-of", type=int, default=1, help="Search batches in multiples of this (e.g. 8 for tensor cores).")
-    p.add_argument("--max", dest="max_search", type=int, default=4096, help="Largest batch to try (default 4096).")
+    p.add_argument("--multiple-of", type=positive_int, default=1, help="Search batches in multiples of this (e.g. 8 for tensor cores).")
+    p.add_argument("--max", dest="max_search", type=positive_int, default=4096, help="Largest batch to try (default 4096).")
     p.add_argument("--method", choices=("auto", "measure", "trace"), default="auto",
                    help="measure: run real steps; trace: fake tensors, nothing allocated (default on CPU).")
     p.add_argument("--json", action="store_true", help="Print JSON only.")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from memtrain.argtypes import positive_int
 from memtrain.cli import add_config_flags, fmt_bytes, register
 from memtrain.commands.estimate import add_model_choice, device_type_for, resolve_model
 
@@ -24,7 +25,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                        help=f"Comma-separated {what} values to consider (default: a per-device list).")
     p.add_argument("--verify", action="store_true",
                    help="Train the best choice for a few steps and compare the measured tracked peak.")
-    p.add_argument("--verify-steps", type=int, default=2, help="Steps for --verify (default 2).")
+    p.add_argument("--verify-steps", type=positive_int, default=2, help="Steps for --verify (default 2).")
     p.add_argument("--json", action="store_true", help="Print JSON only.")
     add_config_flags(p, ("model", "technique", "train"))
 

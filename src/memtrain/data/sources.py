@@ -350,6 +350,11 @@ def _hub_documents(name: str, cfg: DataConfig) -> Iterator[str]:
 
 def _structured_documents(builder: str, files: list[Path], field: str, label: str) -> Iterator[str]:
     """Texts of local .jsonl/.json/.parquet/.csv files via the ``datasets`` packaged builders."""
+    # An empty file makes the datasets builders end with a bare StopIteration (a RuntimeError
+    # inside this generator); it holds no documents, so leave it out and say so if none remain.
+    files = [p for p in files if p.stat().st_size > 0]
+    if not files:
+        raise ConfigError(f"{label!r} is empty (0 bytes); check --data")
     ds = _load_dataset(builder, data_files=[str(p) for p in files], split="train", label=label)
     yield from _dataset_texts(ds, field, label)
 
