@@ -35,6 +35,7 @@ FORMAT_VERSION = 1
 TOKEN_DTYPE = np.uint16  # GPT-2's 50257 ids fit; half the disk and page cache of int32
 BATCH_DOCS = 512  # documents per encode_ordinary_batch call: enough to keep the threads busy
 SPLITS = ("train", "val")
+TMP_PREFIX = ".tmp-"  # entries being written: .tmp-<pid>-<random>
 
 assert N_VOCAB <= np.iinfo(TOKEN_DTYPE).max + 1
 
@@ -64,8 +65,12 @@ def prepare_tokens(cfg: DataConfig, progress: bool = True) -> TokenSplits:
         cached = _load_entry(final, from_cache=True)
         if cached is not None:
             return cached
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        _clean_stale_tmp(root)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-", dir=root))
+    except OSError as exc:
+        return _tokenize_uncached(cfg, root, exc, progress)
     try:
         meta = _write_tokens(cfg, tmp, progress)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))  # written last: marks a complete entry
@@ -75,6 +80,39 @@ def prepare_tokens(cfg: DataConfig, progress: bool = True) -> TokenSplits:
     splits = _load_entry(final, from_cache=False)
     assert splits is not None, f"cache entry {final} vanished right after it was written"
     return splits
+
+
+def _tokenize_uncached(cfg: DataConfig, root: Path, exc: OSError, progress: bool) -> TokenSplits:
+    """Tokenize into a private temporary folder when the cache cannot be written (read-only
+    file system, a file in the way, no permission): the run goes on, only slower next time."""
+    import sys
+
+    print(f"warning: token cache {str(root)!r} is not writable ({exc.strerror or type(exc).__name__}); "
+          "tokenizing without a cache (set MEMTRAIN_CACHE to a writable folder)", file=sys.stderr)
+    tmp = Path(tempfile.mkdtemp(prefix="memtrain-tokens-"))
+    try:
+        meta = _write_tokens(cfg, tmp, progress)
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        splits = _load_entry(tmp, from_cache=False)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # the memmaps stay readable after the unlink (POSIX)
+    assert splits is not None, "tokens written to a temporary folder could not be read back"
+    splits.cache_path = ""
+    return splits
+
+
+def _clean_stale_tmp(root: Path) -> None:
+    """Remove ``.tmp-<pid>-*`` folders of writers that died (a SIGKILL skips their cleanup)."""
+    for d in root.glob(TMP_PREFIX + "*"):
+        pid = d.name[len(TMP_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except PermissionError:
+            pass
 
 
 def cache_root(cfg: DataConfig) -> Path:
@@ -191,9 +229,11 @@ def _load_entry(entry: Path, from_cache: bool) -> TokenSplits | None:
     try:
         meta = json.loads((entry / "meta.json").read_text())
         sizes = {s: int(meta[f"n_{s}_tokens"]) for s in SPLITS}
-    except (OSError, ValueError, KeyError, TypeError):
+        docs = {s: int(meta[f"n_{s}_docs"]) for s in SPLITS}
+        tokens_per_s = meta.get("tokens_per_s")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    if meta.get("format_version") != FORMAT_VERSION:
+    if meta.get("format_version") != FORMAT_VERSION or min(sizes.values()) < 0:
         return None
     arrays = {}
     for split in SPLITS:
@@ -203,12 +243,16 @@ def _load_entry(entry: Path, from_cache: bool) -> TokenSplits | None:
             return None
         # np.memmap cannot map an empty file; an empty split is an empty array.
         arrays[split] = np.memmap(path, dtype=TOKEN_DTYPE, mode="r") if n else np.zeros(0, TOKEN_DTYPE)
+        # An id the embedding cannot hold (a corrupted or foreign entry) would crash the first
+        # step with an index error; one pass over the tokens (GB/s) rebuilds the entry instead.
+        if n and int(arrays[split].max()) >= N_VOCAB:
+            return None
     return TokenSplits(
         train=arrays["train"],
         val=arrays["val"],
-        n_train_docs=meta["n_train_docs"],
-        n_val_docs=meta["n_val_docs"],
+        n_train_docs=docs["train"],
+        n_val_docs=docs["val"],
         from_cache=from_cache,
-        tokens_per_s=None if from_cache else meta["tokens_per_s"],
+        tokens_per_s=None if from_cache else tokens_per_s,
         cache_path=str(entry),
     )

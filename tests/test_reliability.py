@@ -1,0 +1,353 @@
+"""What memtrain promises a careless or hostile user (docs/reliability.md), one class per test:
+nothing read executes code, nothing produced is lost, resume refuses another run, nonsense is
+refused with exit 2 and one ``error:`` line, and the token cache heals itself."""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from memtrain.cli import main
+from memtrain.config import ConfigError, build_config
+
+from conftest import TINY_MODEL
+
+RUN = {"seq_len": 32, "warmup_steps": 1, "val_blocks": 2, "warmup_timing_steps": 1, "batch_size": 2}
+
+
+def _flags(settings: dict) -> list[str]:
+    out = []
+    for k, v in settings.items():
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            out.append(flag if v else "--no-" + flag[2:])
+        else:
+            out += [flag, str(v)]
+    return out
+
+
+def _one_error_line(err: str) -> str:
+    lines = [l for l in err.strip().splitlines() if l.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error:") and "Traceback" not in err
+    return lines[0]
+
+
+class _TouchFile:
+    """A pickle that, when loaded by plain pickle, creates a file (the audit's repro used os.system)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+# --------------------------------------------------------------------------- 1. nothing executed
+@pytest.fixture
+def one_rank_group(tmp_path):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_state(cfg):
+    """Model, optimizer, scheduler, loader position and precision of a tiny run (CPU)."""
+    from memtrain.model import GPT
+    from memtrain.techniques import build_optimizer, make_precision
+
+    class Position:  # the loader's state_dict protocol, without data
+        def __init__(self) -> None:
+            self.state = {"epoch": 0, "batch_index": 3}
+
+        def state_dict(self):
+            return dict(self.state)
+
+        def load_state_dict(self, s):
+            self.state = dict(s)
+
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    opt = build_optimizer(model, cfg.technique, cfg.train)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return model, opt, sched, Position(), make_precision("fp32", torch.device("cpu"))
+
+
+def _crafted_dcp(root: Path, marker: Path) -> Path:
+    ckpt = root / "evil"
+    ckpt.mkdir()
+    (ckpt / ".metadata").write_bytes(pickle.dumps(_TouchFile(marker)))
+    (ckpt / "meta.json").write_text(json.dumps({
+        "format": "memtrain-dcp-1", "step": 2, "losses": [1.0, 1.0], "loader": {"epoch": 0, "batch_index": 2},
+        "world_size": 1, "strategy": "ddp", "config": build_config({**TINY_MODEL, **RUN, "steps": 4}).to_dict()}))
+    return ckpt
+
+
+def test_crafted_dcp_metadata_is_refused_and_nothing_runs(one_rank_group, tmp_path):
+    from memtrain.distributed_checkpoint import load_checkpoint
+
+    marker = tmp_path / "touched"
+    ckpt = _crafted_dcp(tmp_path, marker)
+    cfg = build_config({**TINY_MODEL, **RUN, "steps": 4})
+    with pytest.raises(ConfigError, match="is refused: its .metadata is not a plain DCP metadata file"):
+        load_checkpoint(ckpt, *_run_state(cfg))
+    assert not marker.exists()
+    # torch's own reader runs it (here harmlessly: it creates the marker): the threat is real.
+    import torch.distributed.checkpoint as dcp
+
+    with pytest.raises(Exception):
+        dcp.FileSystemReader(str(ckpt)).read_metadata()
+    assert marker.exists()
+
+
+def test_safe_planner_refuses_a_pickled_byte_item(tmp_path):
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    from memtrain.safe_dcp import SafeLoadPlanner
+
+    marker = tmp_path / "touched"
+    buf = io.BytesIO()
+    torch.save({"x": _TouchFile(marker)}, buf)
+    buf.seek(0)
+    planner = SafeLoadPlanner(flatten_state_dict=False)
+    planner.state_dict = {}
+    item = ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex("x"), dest_offsets=torch.Size([0]),
+                    storage_index=MetadataIndex("x"), storage_offsets=torch.Size([0]), lengths=torch.Size([0]))
+    with pytest.raises(pickle.UnpicklingError):
+        planner.load_bytes(item, buf)
+    assert not marker.exists()
+
+
+def test_sharded_checkpoint_round_trips_through_the_safe_reader(one_rank_group, tmp_path):
+    from memtrain.distributed_checkpoint import load_checkpoint, save_checkpoint
+
+    cfg = build_config({**TINY_MODEL, **RUN, "steps": 4, "distributed": "ddp"})
+    model, opt, sched, loader, prec = _run_state(cfg)
+    x = torch.randint(0, cfg.model.vocab_size, (2, 16))
+    model(x, x).backward()
+    opt.step()
+    save_checkpoint(tmp_path / "ck", model, opt, sched, loader, prec, 1, [3.0], cfg)
+    model2, opt2, sched2, loader2, prec2 = _run_state(cfg)
+    loader2.state = {}
+    state = load_checkpoint(tmp_path / "ck", model2, opt2, sched2, loader2, prec2)
+    assert state == {"step": 1, "losses": [3.0]} and loader2.state == loader.state
+    for a, b in zip(model.state_dict().values(), model2.state_dict().values()):
+        assert torch.equal(a, b)
+    s1, s2 = opt.state_dict(), opt2.state_dict()
+    assert s1["param_groups"][0]["lr"] == s2["param_groups"][0]["lr"]
+    assert torch.equal(s1["state"][0]["exp_avg"], s2["state"][0]["exp_avg"])
+
+
+def test_torchrun_resume_of_a_crafted_checkpoint_exits_2_without_running_it(small_corpus, tmp_path):
+    marker = tmp_path / "touched"
+    ckpt = _crafted_dcp(tmp_path, marker)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m", "memtrain",
+           "train", *_flags({**TINY_MODEL, **RUN, "steps": 4, "data": str(small_corpus), "progress": False,
+                             "distributed": "ddp", "resume": str(ckpt), "out": str(tmp_path / "out")})]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "MEMTRAIN_CACHE": str(tmp_path / "cache")})
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and "is refused" in errors[0], proc.stderr[-3000:]
+    assert "exitcode  : 2" in proc.stderr  # the rank's own exit code, as torchrun reports it
+    assert not marker.exists() and not (tmp_path / "out" / "result.json").exists()
+
+
+# --------------------------------------------------------------------------- 3. nothing lost
+def test_unwritable_destinations_fail_before_the_first_step(tiny_run, tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    for extra, words in [({"save": str(tmp_path)}, "is a directory"),
+                         ({"out": str(tmp_path / "file")}, "is a file"),
+                         ({"out": str(tmp_path / "file" / "sub")}, "cannot be created"),
+                         ({"save": str(tmp_path / "file" / "ck.pt")}, "(its folder)")]:
+        assert main(["train", *_flags({**tiny_run, **extra})]) == 2
+        assert words in _one_error_line(capsys.readouterr().err)
+    assert not Path(tiny_run["out"]).exists()  # refused before anything was written
+
+
+def test_disk_full_at_the_final_save_keeps_result_and_previous_checkpoint(tiny_run, tmp_path, capsys, monkeypatch):
+    ck = tmp_path / "ck.pt"
+    run = {**tiny_run, "steps": 2, "save": str(ck)}
+    assert main(["train", *_flags(run)]) == 0
+    before = ck.read_bytes()
+    (Path(tiny_run["out"]) / "result.json").unlink()
+    capsys.readouterr()
+
+    def full_disk(obj, f, *a, **kw):
+        Path(f).write_bytes(b"half a checkpoint")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("memtrain.checkpoint.torch.save", full_disk)
+    assert main(["train", *_flags(run)]) == 1
+    line = _one_error_line(capsys.readouterr().err)
+    assert line.startswith("error: disk full") and str(ck) in line
+    assert ck.read_bytes() == before  # the previous checkpoint is intact
+    assert json.loads((Path(tiny_run["out"]) / "result.json").read_text())["steps"] == 2  # written first
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ck.pt")) == ["ck.pt"]
+
+
+def test_non_finite_loss_stops_the_run_and_writes_no_nan(tiny_run, capsys, monkeypatch):
+    monkeypatch.setattr("memtrain.train.train_step", lambda *a, **kw: float("nan"))
+    assert main(["train", *_flags(tiny_run)]) == 1
+    assert "the training loss became nan at step 1" in _one_error_line(capsys.readouterr().err)
+    assert not (Path(tiny_run["out"]) / "result.json").exists()
+
+
+# --------------------------------------------------------------------------- 4. torn results lines
+def test_bench_appends_after_a_torn_line_and_reports_partial(small_corpus, tmp_path, capsys):
+    from memtrain.bench.runner import BenchOptions, config_hash, resolve_rows
+
+    overrides = {**TINY_MODEL, "data": str(small_corpus), "steps": 2, "warmup_steps": 1, "batch_size": 2,
+                 "seq_len": 32, "val_blocks": 2}
+    (name, cfg), = resolve_rows(BenchOptions(techniques=["baseline"], overrides=overrides))
+    done = {"technique": "baseline", "status": "ok", "config_hash": config_hash(cfg.to_dict()),
+            "config": cfg.to_dict(), "val_ppl": 10.0, "step_time_s": {"median": 0.01},
+            "memory": {"peak_bytes": 1000}}
+    out = tmp_path / "b"
+    out.mkdir()
+    (out / "results.jsonl").write_text("[1]\n" + json.dumps(done) + '\n{"technique": "x", "stat')
+    # baseline is done (skipped); the invalid row runs and must land on a line of its own.
+    assert main(["bench", "--techniques", "baseline,attention=flex", "--out", str(out), "--no-maxbatch",
+                 *_flags({**overrides, "progress": False})]) == 1
+    err = capsys.readouterr().err
+    assert "skipped 2 unreadable line(s)" in err
+    lines = (out / "results.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["technique"] == "attention=flex"
+    assert json.loads(lines[1])["technique"] == "baseline" and lines[2] == '{"technique": "x", "stat'
+
+
+# --------------------------------------------------------------------------- 5. resume refuses another run
+@pytest.fixture(scope="module")
+def saved_run(small_corpus, tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    run = {**TINY_MODEL, **RUN, "data": str(small_corpus), "steps": 6, "stop_after": 3, "progress": False,
+           "save": str(root / "half.pt"), "out": str(root / "half")}
+    assert main(["train", *_flags(run)]) == 0
+    return run, root
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"d_model": 64}, "d_model"), ({"n_layers": 3}, "n_layers"), ({"batch_size": 4}, "batch_size"),
+    ({"seq_len": 16}, "seq_len"), ({"grad_accum": 2}, "grad_accum"), ({"steps": 10}, "steps"),
+    ({"schedule": "constant"}, "schedule"), ({"seed": 1}, "seed"), ({"optim": "sgd"}, "optim"),
+    ({"lr": 1e-3}, "lr"), ({"val_fraction": 0.1}, "val_fraction"), ({"data": "default"}, "data"),
+])
+def test_resume_with_a_changed_key_is_refused_naming_it(saved_run, change, key, capsys):
+    run, root = saved_run
+    resumed = {**run, "stop_after": None, "save": None, "resume": str(root / "half.pt"), "out": str(root / "r"), **change}
+    args = _flags({k: v for k, v in resumed.items() if v is not None})
+    assert main(["train", *args]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "different run" in line and f"{key}:" in line
+    assert not (root / "r").exists()
+
+
+def test_resume_outside_the_run_and_incomplete_checkpoints_are_refused(saved_run, tmp_path, capsys):
+    run, root = saved_run
+    base = {**run, "save": None, "resume": str(root / "half.pt"), "out": str(tmp_path / "r")}
+    assert main(["train", *_flags({**base, "stop_after": 2})]) == 2  # saved at step 3: steps_run would be -1
+    assert "is at step 3" in _one_error_line(capsys.readouterr().err)
+    state = torch.load(root / "half.pt", weights_only=True)
+    del state["model"]
+    torch.save(state, tmp_path / "nomodel.pt")
+    no_model = {k: v for k, v in base.items() if k != "stop_after"}
+    assert main(["train", *_flags({**no_model, "resume": str(tmp_path / "nomodel.pt")})]) == 2
+    assert "lacks model" in _one_error_line(capsys.readouterr().err)
+
+
+# --------------------------------------------------------------------------- 7/8. exit-code contract
+@pytest.mark.parametrize("args, words", [
+    (["--seed", "-1"], "--seed"), (["--beta1", "1.5"], "--beta1"), (["--lr", "inf"], "--lr"),
+    (["--lr", "1e30"], "--lr"), (["--lr", "nan"], "--lr"), (["--weight-decay", "-0.1"], "--weight-decay"),
+    (["--eval-every", "-1"], "--eval-every"), (["--save-every", "-1"], "--save-every"), (["--out", ""], "--out"),
+    (["--vocab-size", "100"], "--vocab-size 100"), (["--steps", "inf"], "--steps"),
+])
+def test_nonsense_flags_are_refused_before_anything_runs(tiny_run, args, words, capsys):
+    assert main(["train", *_flags(tiny_run), *args]) == 2
+    assert words in _one_error_line(capsys.readouterr().err)
+    assert not Path(tiny_run["out"]).exists()
+
+
+@pytest.mark.parametrize("name, content, words", [
+    ("list.yaml", b"- 1\n- 2\n", "holds a list"),
+    ("str.yaml", b"hello\n", "holds a str"),
+    ("null.yaml", b"d_model: null\n", "--d-model expects int, got null"),
+    ("intkey.yaml", b"1: 2\n", "has the key 1"),
+    ("latin1.toml", b'data = "caf\xe9"\n', "not UTF-8"),
+    ("bool.toml", b"batch_size = true\n", "--batch-size expects int, got True"),
+    ("nested.yaml", b"model: {d_model: [1]}\n", "--d-model expects int, got a list"),
+])
+def test_bad_config_files_are_refused(tiny_run, tmp_path, name, content, words, capsys):
+    (tmp_path / name).write_bytes(content)
+    assert main(["train", "--config", str(tmp_path / name), *_flags(tiny_run)]) == 2
+    assert words in _one_error_line(capsys.readouterr().err)
+
+
+def test_empty_data_file_and_command_counts_are_refused(tiny_run, tmp_path, capsys):
+    (tmp_path / "empty.jsonl").write_text("")
+    assert main(["train", *_flags({**tiny_run, "data": str(tmp_path / "empty.jsonl")})]) == 2
+    assert "is empty" in _one_error_line(capsys.readouterr().err)
+    for argv in (["bench", "--row-timeout", "0"], ["bench", "--max-batch", "-3"], ["maxbatch", "--max", "-5"],
+                 ["plan", "--verify-steps", "0"]):
+        with pytest.raises(SystemExit) as exc:  # argparse's one error line
+            main(argv)
+        assert exc.value.code == 2, argv
+        _one_error_line(capsys.readouterr().err)
+    # A bench row's own key and the same global flag: refused, neither silently wins.
+    assert main(["bench", "--techniques", "steps=5", "--steps", "10", "--out", str(tmp_path / "b")]) == 2
+    assert "sets steps and --steps is given too" in _one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "b").exists()
+
+
+# --------------------------------------------------------------------------- 9. the token cache heals
+def _entry(cfg) -> Path:
+    from memtrain.data.cache import cache_key, cache_root
+
+    return cache_root(cfg.data) / cache_key(cfg.data)
+
+
+def test_token_cache_rebuilds_bad_entries_and_works_without_a_writable_cache(tiny_run, tmp_path, monkeypatch, capsys):
+    from memtrain.data.cache import prepare_tokens
+
+    monkeypatch.setenv("MEMTRAIN_CACHE", str(tmp_path / "cache"))
+    cfg = build_config(tiny_run)
+    good = prepare_tokens(cfg.data, progress=False)
+    want = np.array(good.train)
+    entry = _entry(cfg)
+    # Out-of-range ids (same size): rebuilt, not an index error in the first step.
+    bad = np.array(good.train)
+    bad[5] = 65535
+    bad.tofile(entry / "train.bin")
+    again = prepare_tokens(cfg.data, progress=False)
+    assert not again.from_cache and np.array_equal(np.array(again.train), want)
+    # A wrong size: rebuilt.
+    with open(entry / "val.bin", "ab") as fh:
+        fh.write(b"\x00\x00")
+    assert not prepare_tokens(cfg.data, progress=False).from_cache
+    assert prepare_tokens(cfg.data, progress=False).from_cache
+    # A stale writer's scratch folder (its pid is gone) is removed by the next writer.
+    stale = entry.parent / ".tmp-999999999-abc"
+    stale.mkdir()
+    prepare_tokens(build_config({**tiny_run, "no_cache": True}).data, progress=False)
+    assert not stale.exists()
+    # A cache that cannot be written: one warning, tokens anyway.
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setenv("MEMTRAIN_CACHE", str(tmp_path / "afile" / "cache"))
+    capsys.readouterr()
+    splits = prepare_tokens(cfg.data, progress=False)
+    assert np.array_equal(np.array(splits.train), want)
+    warn = [l for l in capsys.readouterr().err.splitlines() if l.startswith("warning:")]
+    assert len(warn) == 1 and "not writable" in warn[0]
