@@ -86,13 +86,16 @@ def _run_state(cfg):
     return model, opt, sched, Position(), make_precision("fp32", torch.device("cpu"))
 
 
-def _crafted_dcp(root: Path, marker: Path) -> Path:
+def _crafted_dcp(root: Path, marker: Path, settings: dict | None = None) -> Path:
+    """A sharded checkpoint whose meta.json matches the run (an attacker can copy a config)
+    and whose .metadata is a pickle that creates ``marker`` when unpickled."""
     ckpt = root / "evil"
     ckpt.mkdir()
     (ckpt / ".metadata").write_bytes(pickle.dumps(_TouchFile(marker)))
     (ckpt / "meta.json").write_text(json.dumps({
         "format": "memtrain-dcp-1", "step": 2, "losses": [1.0, 1.0], "loader": {"epoch": 0, "batch_index": 2},
-        "world_size": 1, "strategy": "ddp", "config": build_config({**TINY_MODEL, **RUN, "steps": 4}).to_dict()}))
+        "world_size": 1, "strategy": "ddp",
+        "config": build_config(settings or {**TINY_MODEL, **RUN, "steps": 4}).to_dict()}))
     return ckpt
 
 
@@ -154,10 +157,10 @@ def test_sharded_checkpoint_round_trips_through_the_safe_reader(one_rank_group, 
 
 def test_torchrun_resume_of_a_crafted_checkpoint_exits_2_without_running_it(small_corpus, tmp_path):
     marker = tmp_path / "touched"
-    ckpt = _crafted_dcp(tmp_path, marker)
+    run = {**TINY_MODEL, **RUN, "steps": 4, "data": str(small_corpus), "progress": False, "distributed": "ddp"}
+    ckpt = _crafted_dcp(tmp_path, marker, run)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m", "memtrain",
-           "train", *_flags({**TINY_MODEL, **RUN, "steps": 4, "data": str(small_corpus), "progress": False,
-                             "distributed": "ddp", "resume": str(ckpt), "out": str(tmp_path / "out")})]
+           "train", *_flags({**run, "resume": str(ckpt), "out": str(tmp_path / "out")})]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "MEMTRAIN_CACHE": str(tmp_path / "cache")})
     errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
