@@ -148,7 +148,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return int(args._run(args) or 0)
     except ConfigError as exc:
-        sys.stderr.write(f"error: {exc}\n")
+        # Under torchrun every rank validates the same input and exits 2; only rank 0 says
+        # why, so the user reads the line once rather than once per rank.
+        if int(os.environ.get("RANK", "0")) == 0 or os.environ.get("MEMTRAIN_DEBUG"):
+            sys.stderr.write(f"error: {exc}\n")
         return 2
     except KeyboardInterrupt:
         sys.stderr.write("error: interrupted; results written so far are kept\n")

@@ -6,11 +6,11 @@ calls it.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Optional
 
 from memtrain.report.plots import write_plots
+from memtrain.results import dumps
 from memtrain.report.tables import csv_text, markdown_report, table_rows
 
 
@@ -26,6 +26,6 @@ def write_report(out: Path, techniques: Optional[list[str]] = None) -> dict[str,
     records = table_rows(rows)
     (out / "report.md").write_text(markdown_report(rows, missing) + "\n")
     (out / "report.csv").write_text(csv_text(records))
-    (out / "report.json").write_text(json.dumps({"partial": bool(missing), "missing": missing, "rows": records}, indent=2) + "\n")
+    (out / "report.json").write_text(dumps({"partial": bool(missing), "missing": missing, "rows": records}, indent=2) + "\n")
     plots = write_plots(records, out)
     return {"rows": len(rows), "missing": missing, "plots": [str(p) for p in plots], "skipped_lines": read.skipped}
