@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import signal
@@ -26,23 +25,26 @@ ROW_PREFIX = "memtrain-row-"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def _die_with_parent() -> None:
-    """Runs in the child between fork and exec: SIGTERM me when my parent dies.
-
-    Hand-written through ctypes: no library exposes prctl(PR_SET_PDEATHSIG) (Linux only; a
-    no-op elsewhere, where the process group still lets the bench stop its rows)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except OSError:
-        pass
+# Run by a small Python in front of the row command: ask the kernel for SIGTERM when the
+# parent (the bench) dies, check the bench did not die already, then become the row command
+# (the parent-death signal survives execv). Hand-written through ctypes: no library exposes
+# prctl(PR_SET_PDEATHSIG). Done after exec rather than in a preexec_fn, which is unsafe in a
+# process with threads (torch's), and inherited by torchrun's launcher, which stops its
+# workers on SIGTERM.
+_BIND_TO_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(%d, signal.SIGTERM, 0, 0, 0)\n"
+    "if os.getppid() != int(sys.argv[1]): sys.exit(143)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n" % PR_SET_PDEATHSIG
+)
 
 
 def start_row(cmd: Sequence[str], **kw: object) -> subprocess.Popen:
     """Start a row process in its own session, bound to live no longer than this process."""
-    return subprocess.Popen(list(cmd), start_new_session=True, preexec_fn=_die_with_parent, **kw)  # type: ignore[call-overload]
+    cmd = list(cmd)
+    if sys.platform.startswith("linux"):  # elsewhere the process group alone lets the bench stop it
+        cmd = [sys.executable, "-c", _BIND_TO_PARENT, str(os.getpid()), *cmd]
+    return subprocess.Popen(cmd, start_new_session=True, **kw)  # type: ignore[call-overload]
 
 
 def stop_row(proc: subprocess.Popen, grace_s: float = 10.0, sig: int = signal.SIGTERM) -> None:
