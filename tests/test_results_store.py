@@ -62,6 +62,20 @@ def test_report_of_a_file_with_no_rows_is_bad_input(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("error:") and "holds no rows" in err[0]
 
 
+def test_report_skips_rows_of_the_wrong_shape(tmp_path, capsys):
+    lines = (DATA / "bench_results.jsonl").read_text().splitlines()
+    bad = [{"technique": "a", "status": "ok", "val_ppl": "x", "memory": {"peak_bytes": "y"}, "step_time_s": 5, "config": 3},
+           {"technique": "b", "status": "ok", "memory": None, "max_batch": "z"},
+           {"technique": 7, "status": "error"}]
+    (tmp_path / "results.jsonl").write_text("\n".join([*lines, *map(json.dumps, bad)]) + "\n")
+    assert main(["report", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert "skipped 3 unreadable line(s)" in captured.err and "Chunked LM-head loss" in captured.out
+    (tmp_path / "results.jsonl").write_text("\n".join(map(json.dumps, bad)) + "\n")
+    assert main(["report", str(tmp_path)]) == 2
+    assert "holds no rows (3 unreadable line(s) skipped)" in capsys.readouterr().err
+
+
 def test_folder_lock_refuses_a_second_holder_and_frees_on_exit(tmp_path):
     code = ("import sys, time; from memtrain.results import FolderLock\n"
             "with FolderLock(sys.argv[1], 'memtrain bench'):\n"

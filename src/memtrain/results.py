@@ -149,3 +149,51 @@ class FolderLock:
             fcntl.flock(self._fh.fileno(), fcntl.LOCK_UN)
             self._fh.close()
             self._fh = None
+
+
+# --------------------------------------------------------------------------- bench rows
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _number_or_none(x: Any) -> bool:
+    return x is None or _number(x)
+
+
+_CONFIG_KEYS = {"model": ("d_model", "n_layers", "n_heads", "d_ff", "vocab_size"),
+                "train": ("batch_size", "seq_len", "steps", "lr", "warmup_steps"),
+                "data": ("data",)}
+
+
+def bench_row_problem(row: dict[str, Any]) -> Optional[str]:
+    """Why ``row`` cannot be a bench row the report can show, or None when it can.
+
+    A hand-edited or foreign line that parses as JSON but has the wrong shape (a string where
+    a number belongs, a list for the memory) is skipped like a torn line rather than crashing
+    ``memtrain report`` halfway through its files."""
+    if not isinstance(row.get("technique"), str) or not isinstance(row.get("status", ""), str):
+        return "technique and status must be strings"
+    if row.get("status") != "ok":
+        return None
+    config = row.get("config")
+    if not isinstance(config, dict) or any(
+            not isinstance(config.get(s), dict) or any(k not in config[s] for k in keys) for s, keys in _CONFIG_KEYS.items()):
+        return "config lacks the model, train or data settings"
+    memory, steps = row.get("memory"), row.get("step_time_s")
+    if not isinstance(memory, dict) or not isinstance(steps, dict):
+        return "memory and step_time_s must be objects"
+    by_cat = memory.get("by_category")
+    if by_cat is not None and (not isinstance(by_cat, dict) or not all(_number_or_none(v) for v in by_cat.values())):
+        return "memory.by_category must map categories to numbers"
+    numbers = [memory.get(k) for k in ("peak_bytes", "max_allocated_bytes", "max_reserved_bytes")]
+    numbers += [steps.get(k) for k in ("median", "p10", "p90")]
+    numbers += [row.get(k) for k in ("val_ppl", "tokens_per_s", "mfu", "total_time_s")]
+    for part in ("max_batch", "estimate"):
+        value = row.get(part)
+        if value is not None and not isinstance(value, dict):
+            return f"{part} must be an object"
+        if isinstance(value, dict):
+            numbers += [value.get(k) for k in ("batch_size", "budget_bytes", "peak_bytes")]
+    if not all(_number_or_none(v) for v in numbers):
+        return "a measured value is not a number"
+    return None

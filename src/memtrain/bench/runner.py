@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 from memtrain.bench.process import clean_stale_row_dirs, row_tmpdir, start_row, stop_row
 from memtrain.bench.presets import SCALE_BUDGET, SCALE_MAX_BATCH, describe, scale_overrides, technique_overrides
 from memtrain.config import ConfigError, RunConfig, build_config, parse_size
-from memtrain.results import FolderLock, JsonlRead, append_jsonl, read_jsonl
+from memtrain.results import FolderLock, JsonlRead, append_jsonl, bench_row_problem, read_jsonl
 
 RESULTS = "results.jsonl"
 
@@ -81,9 +81,11 @@ def resolve_rows(opts: BenchOptions) -> list[tuple[str, RunConfig]]:
 
 
 def read_results_counted(out: Path) -> JsonlRead:
-    """The object rows of ``results.jsonl`` and the count of lines that were not rows
-    (torn by a kill or a full disk, or not a JSON object)."""
-    return read_jsonl(Path(out) / RESULTS)
+    """The bench rows of ``results.jsonl`` and the count of lines that were not rows (torn by
+    a kill or a full disk, not a JSON object, or not shaped like a bench row)."""
+    read = read_jsonl(Path(out) / RESULTS)
+    rows = [r for r in read.rows if bench_row_problem(r) is None]
+    return JsonlRead(rows=rows, skipped=read.skipped + len(read.rows) - len(rows))
 
 
 def read_results(out: Path) -> list[dict[str, Any]]:

@@ -22,7 +22,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"{out}/results.jsonl not found; point memtrain report at a folder written by memtrain bench")
     summary = write_report(out)
     if summary["rows"] == 0:
-        raise ConfigError(f"{out}/results.jsonl holds no rows; run memtrain bench first")
+        skipped = f" ({summary['skipped_lines']} unreadable line(s) skipped)" if summary["skipped_lines"] else ""
+        raise ConfigError(f"{out}/results.jsonl holds no rows{skipped}; run memtrain bench first")
     print((out / "report.md").read_text())
     warn_skipped_lines(out, summary)
     print(f"wrote {out}/report.md, report.csv, report.json and {len(summary['plots'])} plots")
