@@ -47,8 +47,9 @@ def run(args: argparse.Namespace) -> int:
 
     known = {f.name for s in ("data", "model", "train") for f in fields(SECTIONS[s])}
     overrides = {k: v for k, v in vars(args).items() if k in known}
-    if not args.bench_out.strip():
-        raise ConfigError("--out is empty; give a results folder, e.g. --out runs/bench")
+    from memtrain.preflight import check_writable_dir
+
+    check_writable_dir(args.bench_out, "--out")  # empty, a file, or not writable: refused up front
     if args.multiple_of < 1:
         raise ConfigError(f"--multiple-of must be >= 1, got {args.multiple_of}")
     if args.nproc < 1:
