@@ -115,6 +115,9 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Restore all state in place; return ``{"step", "losses"}`` of the saved run."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{str(p)!r} is a sharded checkpoint directory; resume it under torchrun with the "
+                          "--distributed strategy and rank count that wrote it")
     if not p.is_file():
         raise ConfigError(f"checkpoint {str(p)!r} not found; check --resume")
     try:
