@@ -25,7 +25,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "(seed: the published table's settings; quick: minutes on 2 CPU cores). Default quick.")
     p.add_argument("--techniques", default=",".join(DEFAULT_TECHNIQUES),
                    help=f"Comma-separated rows: presets ({', '.join(TECHNIQUES)}) or explicit "
-                   "combinations key=value+key=value (e.g. precision=bf16+loss=chunked). "
+                   "combinations key=value+key=value (e.g. precision=bf16+loss=chunked). A flag "
+                   "(e.g. --vocab-multiple) overrides a preset's own setting; an explicit row may not "
+                   "set a key that a flag also sets (refused, so neither silently wins). "
                    f"Default: {','.join(DEFAULT_TECHNIQUES)}.")
     p.add_argument("--out", dest="bench_out", default="runs/bench", help="Results folder (default runs/bench).")
     p.add_argument("--force", action="store_true", help="Rerun rows already in results.jsonl.")
