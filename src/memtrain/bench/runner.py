@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 from memtrain.bench.process import clean_stale_row_dirs, row_tmpdir, start_row, stop_row
 from memtrain.bench.presets import SCALE_BUDGET, SCALE_MAX_BATCH, describe, scale_overrides, technique_overrides
-from memtrain.config import ConfigError, RunConfig, build_config, parse_size
+from memtrain.config import ConfigError, RunConfig, build_config, flatten, parse_size
 from memtrain.results import FolderLock, JsonlRead, append_jsonl, bench_row_problem, read_jsonl
 
 RESULTS = "results.jsonl"
@@ -64,12 +64,12 @@ def resolve_rows(opts: BenchOptions) -> list[tuple[str, RunConfig]]:
             raise ConfigError(f"technique {name!r} is listed twice; list each once")
         seen.add(name)
         row_layer = technique_overrides(name, opts.scale)
-        both = sorted(set(row_layer) & set(opts.overrides))
+        both = sorted(set(row_layer) & (set(flatten(opts.file_layer)) | set(opts.overrides)))
         if both and "=" in name:
-            # An explicit row (key=value+...) and a flag that set the same key: neither may
-            # silently win over the other.
+            # An explicit row (key=value+...) and a flag or --config key that set the same key:
+            # neither may silently win over the other.
             raise ConfigError(f"technique {name!r} sets {', '.join(both)} and --{both[0].replace('_', '-')} is "
-                              f"given too; drop one (the row's value applies to that row only)")
+                              f"given too (as a flag or in --config); drop one (the row's value applies to that row only)")
         try:
             cfg = build_config(scale_overrides(opts.scale), row_layer, opts.file_layer, opts.overrides)
         except ConfigError as exc:
