@@ -1,4 +1,4 @@
-"""`memtrain bench` under signals and concurrency: SIGTERM acts like Ctrl-C, a row process
+"""`memtrain bench` (and train) under signals and concurrency: SIGTERM acts like Ctrl-C, a row process
 never outlives its bench, scratch folders are cleaned, a second bench on one --out is refused.
 
 A row is held running by MEMTRAIN_TEST_ROW_SLEEP (the worker sleeps before training), so the
@@ -129,3 +129,26 @@ def test_sigkilled_bench_leaves_no_row_running_and_its_scratch_is_cleaned_next_r
             except ProcessLookupError:
                 pass
         bench.wait()
+
+
+def test_sigterm_stops_a_training_run_like_ctrl_c(small_corpus, tmp_path):
+    cache = tmp_path / "cache"
+    settings = {**TINY_MODEL, "data": str(small_corpus), "steps": 100000, "warmup_steps": 1, "batch_size": 2,
+                "seq_len": 32, "val_blocks": 2, "out": str(tmp_path / "run")}
+    cmd = [sys.executable, "-m", "memtrain", "train", "--no-progress"]
+    for k, v in settings.items():
+        cmd += ["--" + k.replace("_", "-"), str(v)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "MEMTRAIN_CACHE": str(cache)})
+    try:
+        # The token cache entry is published just before the first step (the handler is set earlier).
+        assert _wait_for(lambda: any((d / "meta.json").exists() for d in cache.glob("[0-9a-f]*"))), "never trained"
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 130, stderr
+        assert stderr.strip().splitlines()[-1].startswith("error: interrupted")
+        assert "Traceback" not in stderr and not list(cache.glob(".tmp-*"))
+    finally:
+        proc.kill()
+        proc.wait()

@@ -10,6 +10,7 @@ is a flag with its docstring as help, and a config file (YAML/TOML) may set the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import os
 import sys
@@ -87,7 +88,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         if main_rank:
             write_json_atomic(out / "result.json", result)
 
-    result = train(cfg, on_result=write_result)
+    # SIGTERM (kill, a job scheduler) stops like Ctrl-C: finally blocks run, scratch is removed,
+    # exit 130. Not under torchrun, whose launcher owns its workers' signals.
+    from memtrain.signals import sigterm_as_interrupt
+
+    guard = sigterm_as_interrupt() if "WORLD_SIZE" not in os.environ else contextlib.nullcontext()
+    with guard:
+        result = train(cfg, on_result=write_result)
     if not main_rank:
         return 0  # result["ranks"] has every rank's numbers
     mem = result["memory"]
