@@ -41,6 +41,8 @@ __all__ = [
     "estimate_inference",
     "model_state_rule",
     "optimizer_state_bytes",
+    "check_analytic_size",
+    "param_count",
     "param_table",
     "parse_count",
     "shape_for_params",
@@ -90,6 +92,9 @@ class ParamInfo:
     shape: tuple[int, ...]
     trainable: bool = True
     block: Optional[int] = None  # index of the Transformer block it belongs to
+    # How many tensors of this shape the entry stands for: a compressed table (one per layer
+    # *kind*, see :func:`param_count`) counts a block's parameters once with repeat = n_layers.
+    repeat: int = 1
 
     @property
     def numel(self) -> int:
@@ -105,7 +110,48 @@ def param_table(m: ModelConfig, arch: Arch = GPT2_ARCH, tech: Optional[Technique
 
     With LoRA (``tech.lora_rank > 0``) the base weights are frozen and each targeted Linear
     gets ``A (r x in)`` and ``B (out x r)`` adapters (peft's layout); only those train.
+    One entry per tensor, so O(n_layers): :func:`param_count` answers counts in O(1).
     """
+    check_analytic_size(m)
+    return _param_table(m, arch, tech, range(m.n_layers))
+
+
+def param_count(m: ModelConfig, arch: Arch = GPT2_ARCH, tech: Optional[TechniqueConfig] = None) -> tuple[int, int]:
+    """(parameters, trainable parameters) counted per layer kind: one block's tensors times
+    ``n_layers`` plus the rest, so the cost does not grow with the depth."""
+    check_analytic_size(m)
+    total = trainable = 0
+    for p in _param_table(m, arch, tech, range(min(1, m.n_layers))):
+        k = p.numel * (m.n_layers if p.block is not None else 1)
+        total += k
+        trainable += k if p.trainable else 0
+    return total, trainable
+
+
+# Limits of the analytic commands (estimate, plan, flops). Nothing near them has been trained
+# (GPT-3: 96 layers, d_model 12288; PaLM: 118 layers, 18432): a size beyond them is a typo or a
+# probe, and refusing it keeps every answer O(1) in time and memory (docs/estimation.md).
+MAX_LAYERS = 100_000
+MAX_WIDTH = 1 << 20  # d_model, d_ff, vocabulary, context length
+MAX_PARAMS = 10**15
+
+
+def check_analytic_size(m: ModelConfig) -> None:
+    """Refuse absurd model sizes (ConfigError: exit 2) before any arithmetic depends on them."""
+    if m.n_layers > MAX_LAYERS:
+        raise ConfigError(f"--n-layers {m.n_layers:,} is beyond what memtrain estimates (at most {MAX_LAYERS:,}); "
+                          f"give a real depth")
+    for name in ("d_model", "d_ff", "vocab_size", "max_seq_len"):
+        v = getattr(m, name)
+        if v > MAX_WIDTH:
+            raise ConfigError(f"--{name.replace('_', '-')} {v:,} is beyond what memtrain estimates "
+                              f"(at most {MAX_WIDTH:,}); give a real size")
+
+
+def _param_table(m: ModelConfig, arch: Arch, tech: Optional[TechniqueConfig], blocks: Iterable[int],
+                 repeat: Optional[dict[int, int]] = None) -> list[ParamInfo]:
+    """The table with only the blocks ``blocks`` (indices used in the names); ``repeat``
+    gives a block's entries a multiplicity (the compressed simulation's lumped periods)."""
     d, f, V = m.d_model, m.d_ff, m.padded_vocab_size
     kv = (arch.n_kv_heads or m.n_heads) * m.head_dim
     bias = m.bias and arch.name == "gpt2"
@@ -116,20 +162,24 @@ def param_table(m: ModelConfig, arch: Arch = GPT2_ARCH, tech: Optional[Technique
     if arch.positional == "learned":
         out.append(ParamInfo("wpe.weight", (m.max_seq_len, d), not frozen))
 
+    rep = repeat or {}
+
     def norm(name: str, i: Optional[int]) -> None:
-        out.append(ParamInfo(f"{name}.weight", (d,), not frozen, i))
+        k = rep.get(i, 1) if i is not None else 1
+        out.append(ParamInfo(f"{name}.weight", (d,), not frozen, i, k))
         if bias and arch.norm == "layernorm":
-            out.append(ParamInfo(f"{name}.bias", (d,), not frozen, i))
+            out.append(ParamInfo(f"{name}.bias", (d,), not frozen, i, k))
 
     def linear(name: str, short: str, n_in: int, n_out: int, i: int) -> None:
-        out.append(ParamInfo(f"{name}.weight", (n_out, n_in), not frozen, i))
+        k = rep.get(i, 1)
+        out.append(ParamInfo(f"{name}.weight", (n_out, n_in), not frozen, i, k))
         if bias:
-            out.append(ParamInfo(f"{name}.bias", (n_out,), not frozen, i))
+            out.append(ParamInfo(f"{name}.bias", (n_out,), not frozen, i, k))
         if lora and short in targets:
-            out.append(ParamInfo(f"{name}.lora_A", (lora, n_in), True, i))
-            out.append(ParamInfo(f"{name}.lora_B", (n_out, lora), True, i))
+            out.append(ParamInfo(f"{name}.lora_A", (lora, n_in), True, i, k))
+            out.append(ParamInfo(f"{name}.lora_B", (n_out, lora), True, i, k))
 
-    for i in range(m.n_layers):
+    for i in blocks:
         p = f"blocks.{i}"
         norm(f"{p}.ln_1", i)
         linear(f"{p}.attn.qkv", "qkv", d, d + 2 * kv, i)
@@ -159,6 +209,9 @@ def parse_count(text: str | int | float) -> int:
         value = math.nan
     if not math.isfinite(value) or value <= 0:
         raise ConfigError(f"cannot read parameter count {text!r}; write it like 3B, 124M or 7e9")
+    if value > MAX_PARAMS:
+        raise ConfigError(f"parameter count {text!r} is beyond what memtrain estimates (at most {MAX_PARAMS:.0e}); "
+                          f"give a real size such as 175B")
     return int(value)
 
 
@@ -179,7 +232,7 @@ def shape_for_params(target: int, base: Optional[ModelConfig] = None) -> ModelCo
 
     def count(n_layers: int, d: int, h: int, f: int) -> int:
         cfg = replace(base, d_model=d, n_heads=h, n_layers=n_layers, d_ff=f)
-        return sum(p.numel for p in param_table(cfg))
+        return param_count(cfg)[0]
 
     best = None
     for n_layers, d, h in _GPT3_SHAPES:
@@ -191,6 +244,10 @@ def shape_for_params(target: int, base: Optional[ModelConfig] = None) -> ModelCo
     per_layer = count(2, d, h, 4 * d) - count(1, d, h, 4 * d)
     fixed = count(1, d, h, 4 * d) - per_layer
     n_layers = max(1, round((target - fixed) / per_layer))
+    if n_layers > MAX_LAYERS:
+        raise ConfigError(f"--params {target:,} would need {n_layers:,} layers at d_model {d} (the widest GPT-3 "
+                          f"shape); memtrain estimates at most {MAX_LAYERS:,}: give the shape with "
+                          f"--d-model/--n-layers/--d-ff")
     # Per layer, d_ff contributes (2 d + 1) parameters for each unit (fc and fc_out, fc bias).
     per_ff = count(n_layers, d, h, 4 * d + 1) - count(n_layers, d, h, 4 * d)
     f = max(1, 4 * d + round((target - count(n_layers, d, h, 4 * d)) / per_ff))
@@ -262,8 +319,8 @@ def optimizer_state_bytes(params: Iterable[ParamInfo], optim: str, param_bytes: 
     keeps its moments in the parameters' dtype: 2 x 4 B in fp32, 2 x 2 B under bf16-pure).
     """
     ps = [p for p in params if p.trainable]
-    n = sum(p.numel for p in ps)
-    n_tensors = len(ps)
+    n = sum(p.numel * p.repeat for p in ps)
+    n_tensors = sum(p.repeat for p in ps)
     if optim in ("adamw", "adamw-foreach", "adamw-fused"):
         # exp_avg + exp_avg_sq per parameter, plus a 4-byte float32 ``step`` tensor each.
         return 2 * param_bytes * n + 4 * n_tensors, [f"AdamW: 2 moments x {param_bytes:g} B x {n:,} trainable params"]
@@ -277,10 +334,9 @@ def optimizer_state_bytes(params: Iterable[ParamInfo], optim: str, param_bytes: 
             if len(p.shape) >= 2:
                 r, c = p.shape[-2], p.shape[-1]
                 lead = math.prod(p.shape[:-2])
-                total += 4 * lead * (r + c)
+                total += (4 * lead * (r + c) + 4) * p.repeat
             else:
-                total += 4 * p.numel
-            total += 4
+                total += (4 * p.numel + 4) * p.repeat
         return total, ["Adafactor: factored second moment (rows + columns per matrix), no first moment"]
     if optim in ("adamw-8bit", "adamw-4bit", "adamw-bnb-8bit"):
         bits = 4 if optim == "adamw-4bit" else 8
@@ -290,16 +346,15 @@ def optimizer_state_bytes(params: Iterable[ParamInfo], optim: str, param_bytes: 
         q = 0
         for p in ps:
             if _quantizable(p.numel, block):
-                q += p.numel
+                q += p.numel * p.repeat
                 # codes + one fp32 scale per block, for each of the 2 states; torchao also keeps
                 # a 256-entry (8-bit) or 16-entry (4-bit) fp32 lookup table per state.
                 codes = p.numel * bits / 8
                 scales = 4 * p.numel / block
                 qmap = 4 * (2 ** bits) if optim != "adamw-bnb-8bit" else 0
-                total += 2 * (codes + scales + qmap)
+                total += (2 * (codes + scales + qmap) + 4) * p.repeat
             else:
-                total += 2 * 4 * p.numel
-            total += 4
+                total += (2 * 4 * p.numel + 4) * p.repeat
         lines = [f"{bits}-bit AdamW: 2 states x {bits} bits + fp32 scale per {block} elements on "
                  f"{q:,} of {n:,} params; the rest (tensors < 4096 elements or not a multiple of "
                  f"{block}) keep fp32 states"]
@@ -330,8 +385,8 @@ def _optimizer_temporaries(params: list[ParamInfo], optim: str, param_bytes: flo
         return worst
     if optim == "adamw-foreach":
         # _foreach_sqrt(exp_avg_sqs) materializes one buffer per parameter of a param group.
-        decay = sum(p.numel for p in ps if len(p.shape) >= 2) * param_bytes
-        no_decay = sum(p.numel for p in ps if len(p.shape) < 2) * param_bytes
+        decay = sum(p.numel * p.repeat for p in ps if len(p.shape) >= 2) * param_bytes
+        no_decay = sum(p.numel * p.repeat for p in ps if len(p.shape) < 2) * param_bytes
         return max(decay, no_decay)
     if optim == "sgd":
         # d_p = grad.add(param, alpha=weight_decay): one buffer for the largest parameter.
@@ -476,6 +531,47 @@ class _Graph:
         self._shared: dict[int, str] = {}  # gradient storage id -> forward key it belongs to
         self.tied: set[str] = set()  # parameters used twice (the tied embedding / LM head)
         self.deferred: dict[str, Any] = {}  # tied parameter -> its buffered first gradient (key or sid)
+        # Deep models: lumped periods of blocks (see _Compression); their storages by tag.
+        self.comp: Optional[_Compression] = None
+        self.lump_kept: list[int] = []  # freed in backward
+        self.lump_flush: list[int] = []  # autocast weight copies no op saved: freed when forward ends
+        self.lump_grads: list[int] = []  # what the lumped periods leave after backward (gradients)
+        self._kept_by_tag: dict[str, float] = {}
+
+    def _snapshot(self) -> dict[str, float]:
+        return dict(self.sim.by_tag)
+
+    def _lump_forward(self, before: dict[str, float], held: list[str], n_held_before: int) -> None:
+        """After the measured period's forward: allocate ``lumps`` copies of what it kept."""
+        comp, sim = self.comp, self.sim
+        assert comp is not None
+        flush: dict[str, float] = {}
+        for k in held[n_held_before:]:
+            if k not in self.saved_refs and k in self.store:
+                nbytes, tag = sim.live[self.store[k]]
+                flush[tag] = flush.get(tag, 0.0) + nbytes
+        for tag in COMPONENTS:
+            delta = sim.by_tag[tag] - before[tag]
+            kept = delta - flush.get(tag, 0.0)
+            self._kept_by_tag[tag] = kept
+            if kept:
+                self.lump_kept.append(sim.alloc(comp.lumps * kept, tag))
+            if flush.get(tag):
+                self.lump_flush.append(sim.alloc(comp.lumps * flush[tag], tag))
+
+    def _lump_backward(self, before: dict[str, float]) -> None:
+        """After the backward of the period above the lump: the lumped periods' backward, each
+        changing the live bytes by what that period's backward changed them by."""
+        comp, sim = self.comp, self.sim
+        assert comp is not None
+        delta = {tag: sim.by_tag[tag] - before[tag] for tag in COMPONENTS}
+        for sid in self.lump_kept:
+            sim.free(sid)
+        self.lump_kept = []
+        for tag in COMPONENTS:
+            left = comp.lumps * (self._kept_by_tag.get(tag, 0.0) + delta[tag])
+            if left:
+                self.lump_grads.append(sim.alloc(left, tag))
 
     # ---- forward
     def _release(self, key: str) -> None:
@@ -611,38 +707,58 @@ class _Graph:
                 for k in n.inputs:
                     last_seg[k] = idx
         held: list[str] = []
+        lump = self.comp is not None and self.comp.lumps > 0
         for idx, seg in enumerate(self.segments):
-            later = _Later(last_seg, idx)
-            sim.at("forward", seg.name)
-            if seg.checkpoint == "none":
-                held += self._run_forward(seg.nodes, True, None, set(), later)
-                continue
-            # Checkpointed: nothing saved but the block input (held by the checkpoint) and, for
-            # selective checkpointing, the matmul outputs; plus the RNG state it stores.
-            if seg.input_key and seg.input_key in self.store:
-                self.saved_refs[seg.input_key] = self.saved_refs.get(seg.input_key, 0) + 1
-            keep = {k for n in seg.nodes for k in n.sac_kept()} if seg.checkpoint == "selective" else set()
-            held += self._run_forward(seg.nodes, False, None, keep, later)
-            if self.rng_state_bytes:
-                sim.alloc(self.rng_state_bytes, "activations")
+            if lump and idx == self.comp.fwd_segments.start:
+                before, n_held = self._snapshot(), len(held)
+            self._forward_segment(idx, seg, _Later(last_seg, idx), held)
+            if lump and idx == self.comp.fwd_segments.stop - 1:
+                self._lump_forward(before, held, n_held)
         # Leaving autocast drops its weight cache: casts no op saved are freed now.
         self._flush(held)
+        for sid in self.lump_flush:
+            sim.free(sid)
+
+    def _forward_segment(self, idx: int, seg: _Segment, later: "_Later", held: list[str]) -> None:
+        sim = self.sim
+        sim.at("forward", seg.name)
+        if seg.checkpoint == "none":
+            held += self._run_forward(seg.nodes, True, None, set(), later)
+            return
+        # Checkpointed: nothing saved but the block input (held by the checkpoint) and, for
+        # selective checkpointing, the matmul outputs; plus the RNG state it stores.
+        if seg.input_key and seg.input_key in self.store:
+            self.saved_refs[seg.input_key] = self.saved_refs.get(seg.input_key, 0) + 1
+        keep = {k for n in seg.nodes for k in n.sac_kept()} if seg.checkpoint == "selective" else set()
+        held += self._run_forward(seg.nodes, False, None, keep, later)
+        if self.rng_state_bytes:
+            sim.alloc(self.rng_state_bytes, "activations")
 
     def backward(self) -> None:
         sim = self.sim
-        for seg in reversed(self.segments):
-            label = "loss backward" if seg.name == "head" else f"backward {seg.name}"
-            if seg.checkpoint != "none":
-                sim.at("backward", f"recompute {seg.name}")
-                # Recompute up to the last op whose tensors backward needs (non-reentrant
-                # checkpoint stops there); the recomputed saves live until their op's backward.
-                last_saver = max((i for i, n in enumerate(seg.nodes) if n.saves), default=-1)
-                held = self._run_forward(seg.nodes[: last_saver + 1], True, "temporaries", set(), set())
-                self._flush(held)
-            sim.at("backward", label)
-            self._backward_nodes(seg.nodes)
-            if seg.checkpoint != "none" and seg.input_key and seg.input_key in self.saved_refs:
-                self._release(seg.input_key)
+        lump = self.comp is not None and self.comp.lumps > 0
+        for idx in range(len(self.segments) - 1, -1, -1):
+            seg = self.segments[idx]
+            if lump and idx == self.comp.bwd_segments.stop - 1:
+                before = self._snapshot()
+            self._backward_segment(seg)
+            if lump and idx == self.comp.bwd_segments.start:
+                self._lump_backward(before)
+
+    def _backward_segment(self, seg: _Segment) -> None:
+        sim = self.sim
+        label = "loss backward" if seg.name == "head" else f"backward {seg.name}"
+        if seg.checkpoint != "none":
+            sim.at("backward", f"recompute {seg.name}")
+            # Recompute up to the last op whose tensors backward needs (non-reentrant
+            # checkpoint stops there); the recomputed saves live until their op's backward.
+            last_saver = max((i for i, n in enumerate(seg.nodes) if n.saves), default=-1)
+            held = self._run_forward(seg.nodes[: last_saver + 1], True, "temporaries", set(), set())
+            self._flush(held)
+        sim.at("backward", label)
+        self._backward_nodes(seg.nodes)
+        if seg.checkpoint != "none" and seg.input_key and seg.input_key in self.saved_refs:
+            self._release(seg.input_key)
 
 
 class _Later:
@@ -1052,23 +1168,70 @@ def _dims(cfg: RunConfig, arch: Arch, device_type: str, batch: Optional[int] = N
     return dm
 
 
-def _segments(cfg: RunConfig, arch: Arch, dm: _Dims, trainable_base: bool, grads_exist: bool) -> list[_Segment]:
+@dataclass
+class _Compression:
+    """Which blocks the simulation runs when the model is deep (layer kinds, not layers).
+
+    Block kinds repeat with a period ``P`` (1 without checkpointing or with full/selective;
+    K for ``every:K``; round(sqrt(L)) for ``sqrt``). The simulation runs the first two periods,
+    then stands ``lumps`` periods in as one allocation per category (what a period keeps after
+    its forward; what it changes in backward, measured on the period right after the lump),
+    then the last period plus the remainder. Exact, not an approximation: every lumped period
+    is the same sequence of allocations as its simulated neighbours, its live total differs
+    from theirs by a constant per period (forward: it only grows; backward: an affine function
+    of the position), so the largest total over the lumped periods is reached at a simulated
+    neighbour. ``real`` maps a simulated block to the model's block index (for labels).
+    """
+
+    period: int
+    lumps: int
+    blocks: int  # simulated blocks
+
+    def real(self, j: int) -> int:
+        return j if j < 2 * self.period else j + self.lumps * self.period
+
+    @property
+    def fwd_segments(self) -> range:
+        """Segment indices (embedding is 0) of the period whose forward is measured (period 1)."""
+        return range(1 + self.period, 1 + 2 * self.period)
+
+    @property
+    def bwd_segments(self) -> range:
+        """Segment indices of the period right after the lump (measured in backward)."""
+        return range(1 + 2 * self.period, 1 + 3 * self.period)
+
+
+def _compression(cfg: RunConfig) -> _Compression:
+    kind, every = parse_checkpointing(cfg.technique.checkpointing)
+    L = cfg.model.n_layers
+    # The period of the block kinds: blocks i % K == 0 are checkpointed under every:K and sqrt.
+    P = 1 if kind in ("full", "selective", "none") else (max(1, round(math.sqrt(L))) if kind == "sqrt" else every)
+    # Two periods, the lumps, then the last period and the remainder.
+    lumps = max(0, (L - 2 * P) // P - 1)
+    return _Compression(P, lumps, L - lumps * P)
+
+
+def _segments(cfg: RunConfig, arch: Arch, dm: _Dims, trainable_base: bool, grads_exist: bool,
+              comp: _Compression) -> list[_Segment]:
     m, tech = cfg.model, cfg.technique
     kind, every = parse_checkpointing(tech.checkpointing)
     L = m.n_layers
     if kind in ("full", "selective"):
-        ckpt = set(range(L))
+        ckpt = lambda i: True  # noqa: E731
     elif kind == "none":
-        ckpt = set()
+        ckpt = lambda i: False  # noqa: E731
     else:
-        k = max(1, round(math.sqrt(L))) if kind == "sqrt" else every
-        ckpt = {i for i in range(L) if i % k == 0}
+        k = comp.period
+        ckpt = lambda i: i % k == 0  # noqa: E731
     mode = "selective" if kind == "selective" else "full"
     segs = [_Segment("embedding", _embedding_nodes(dm, arch, trainable_base))]
-    for i in range(L):
-        segs.append(_Segment(f"block {i}", _block_nodes(dm, i, arch, tech, trainable_base),
-                             checkpoint=mode if i in ckpt else "none", input_key=f"blocks.{i}.in"))
-    segs.append(_Segment("head", _head_nodes(dm, m, tech, arch, trainable_base, grads_exist)))
+    for j in range(comp.blocks):
+        i = comp.real(j)
+        segs.append(_Segment(f"block {i}", _block_nodes(dm, j, arch, tech, trainable_base),
+                             checkpoint=mode if ckpt(i) else "none", input_key=f"blocks.{j}.in"))
+    segs.append(_Segment("head", _head_nodes(dm, replace(m, n_layers=comp.blocks), tech, arch, trainable_base,
+                                             grads_exist)))
+    assert L == comp.blocks + comp.lumps * comp.period
     return segs
 
 
@@ -1106,10 +1269,15 @@ def estimate(
         shard = "fsdp"
     if world_size < 1:
         raise ConfigError(f"--world-size must be >= 1, got {world_size}")
-    params = param_table(m, arch, tech)
-    n_params = sum(p.numel for p in params)
+    check_analytic_size(m)
+    # Deep models run a few blocks and lump the rest (per layer kind: O(1) in n_layers); the
+    # table has one entry per simulated tensor, the lumped blocks' counted by ``repeat``.
+    comp = _compression(cfg)
+    rep = {j: 1 + comp.lumps for j in range(comp.period, 2 * comp.period)} if comp.lumps else None
+    params = _param_table(m, arch, tech, range(comp.blocks), rep)
+    n_params = sum(p.numel * p.repeat for p in params)
     trainable = [p for p in params if p.trainable]
-    n_train = sum(p.numel for p in trainable)
+    n_train = sum(p.numel * p.repeat for p in trainable)
     pb, ab, autocast = _PRECISION[tech.precision]
     dm = _dims(cfg, arch, device_type)
     grads_exist = t.grad_accum > 1
@@ -1117,8 +1285,10 @@ def estimate(
     # LoRA adapters are created in float32 next to the (possibly bf16) frozen base.
     adapter_bytes = 4 if lora else pb
     pbytes = {p.name: p.numel * (adapter_bytes if "lora_" in p.name else pb) for p in params}
-    weights = sum(pbytes.values())
+    repeat = {p.name: p.repeat for p in params}
+    weights = sum(v * repeat[k] for k, v in pbytes.items())
     grad_bytes = {p.name: pbytes[p.name] for p in trainable}
+    grad_total = sum(v * repeat[k] for k, v in grad_bytes.items())
     opt_bytes, opt_lines = optimizer_state_bytes(trainable, tech.optim, adapter_bytes, tech.optim_block)
     opt_tmp = _optimizer_temporaries(trainable, tech.optim, adapter_bytes, t.weight_decay)
 
@@ -1139,23 +1309,25 @@ def estimate(
     sim.alloc(opt_bytes / shard_div["optimizer"], "optimizer")
     if shard == "fsdp" and n > 1:
         # FSDP all-gathers one block's parameters at a time (forward and backward).
-        per_block = max((sum(pbytes[p.name] for p in params if p.block == i) for i in range(m.n_layers)), default=0)
+        per_block = max((sum(pbytes[p.name] for p in params if p.block == i) for i in range(comp.blocks)), default=0)
         sim.alloc(per_block, "temporaries")
     if grads_exist:
-        sim.alloc(sum(grad_bytes.values()) / shard_div["gradients"], "gradients")
+        sim.alloc(grad_total / shard_div["gradients"], "gradients")
 
-    segs = _segments(cfg, arch, dm, not lora, grads_exist)
+    segs = _segments(cfg, arch, dm, not lora, grads_exist, comp)
     _fill_param_grads(segs, pbytes)
     graph = _Graph(sim, segs, grad_bytes, grads_exist, _CPU_RNG_STATE_BYTES if device_type == "cpu" else 0)
+    graph.comp = comp
     if not m.untie_embeddings:
         graph.tied.add("wte.weight")
     graph.forward()
     graph.backward()
     if shard_div["gradients"] > 1:
         # ZeRO-2 / FSDP: after the reduce-scatter a rank keeps 1/N of the gradients.
-        for sid in [v for v in graph.param_grad_sid.values() if v > 0]:
+        lumped = [sid for sid in graph.lump_grads if sim.live.get(sid, (0, ""))[1] == "gradients"]
+        for sid in [v for v in graph.param_grad_sid.values() if v > 0] + lumped:
             sim.free(sid)
-        sim.alloc(sum(grad_bytes.values()) / shard_div["gradients"], "gradients")
+        sim.alloc(grad_total / shard_div["gradients"], "gradients")
 
     # Optimizer step: weights + grads + states + scratch, then zero_grad frees the grads.
     sim.at("optimizer", f"{tech.optim} step")
@@ -1188,7 +1360,7 @@ def estimate(
         world_size=n,
         shard=shard if n > 1 else "none",
         extra={"model_state": {"weights": weights / shard_div["weights"],
-                               "gradients": sum(grad_bytes.values()) / shard_div["gradients"],
+                               "gradients": grad_total / shard_div["gradients"],
                                "optimizer": opt_bytes / shard_div["optimizer"],
                                "optimizer_step_scratch": opt_tmp / shard_div["optimizer"]},
                "device_type": device_type},
@@ -1278,8 +1450,7 @@ def estimate_inference(cfg: RunConfig, weights_dtype: str = "fp32", arch: Arch =
     if weights_dtype not in ("fp32", "bf16", "fp16", "int8"):
         raise ConfigError(f"--weights-dtype {weights_dtype!r}: choose fp32, bf16, fp16 or int8")
     m, t = cfg.model, cfg.train
-    params = param_table(m, arch)
-    n_params = sum(p.numel for p in params)
+    n_params = param_count(m, arch)[0]
     wb = DTYPE_BYTES[weights_dtype]
     weights = n_params * wb
     a = 4 if weights_dtype == "fp32" else 2  # int8 weights dequantize to 16-bit compute

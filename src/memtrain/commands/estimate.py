@@ -44,9 +44,28 @@ def device_type_for(args: argparse.Namespace, cfg: Any) -> str:
         return "cuda"
     if cfg.train.device == "cpu":
         return "cpu"
+    if _cpu_only_torch():
+        return "cpu"
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _cpu_only_torch() -> bool:
+    """True when the installed torch is a CPU-only build, read from its version.py as text:
+    importing torch costs seconds and ~200 MB, more than the whole analytic estimate."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    try:
+        spec = importlib.util.find_spec("torch")
+        locations = list(spec.submodule_search_locations or []) if spec else []
+        text = (Path(locations[0]) / "version.py").read_text(encoding="utf-8") if locations else ""
+    except (OSError, ValueError, ImportError, UnicodeDecodeError):
+        return False
+    builds = re.findall(r"^(cuda|hip)\b[^=\n]*=\s*(.+)$", text, flags=re.M)
+    return len(builds) == 2 and all(v.strip() == "None" for _, v in builds)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
