@@ -97,7 +97,8 @@ def test_compressed_timeline_equals_the_per_layer_one(L, ov, monkeypatch):
         fast = E.estimate(cfg, device_type=device, world_size=world, shard=shard)
         assert E._compression(cfg).lumps > 0 or L < 20  # at 20 layers every policy lumps
         with monkeypatch.context() as mp:
-            mp.setattr(E, "_compression", lambda c: E._Compression(1, 0, c.model.n_layers))
+            whole = E._Compression(E._compression(cfg).period, 0, L)
+            mp.setattr(E, "_compression", lambda c: whole)
             slow = E.estimate(cfg, device_type=device, world_size=world, shard=shard)
         assert fast.to_dict() == slow.to_dict()
 
