@@ -1129,7 +1129,7 @@ class Estimate:
     peak_detail: str
     by_category: dict[str, float]
     phase_peaks: dict[str, float]
-    activations_per_layer: float
+    activations_per_layer: float  # under the configured checkpointing (mean over blocks)
     explanation: list[str]
     rules: dict[str, Any]
     shape: dict[str, Any]
@@ -1137,6 +1137,7 @@ class Estimate:
     world_size: int = 1
     shard: str = "none"
     extra: dict[str, Any] = field(default_factory=dict)
+    activations_per_layer_no_checkpointing: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -1145,6 +1146,7 @@ class Estimate:
         d["phase_peaks"] = {k: int(round(v)) for k, v in self.phase_peaks.items()}
         d["peak_bytes"] = int(round(self.peak_bytes))
         d["activations_per_layer"] = int(round(self.activations_per_layer))
+        d["activations_per_layer_no_checkpointing"] = int(round(self.activations_per_layer_no_checkpointing))
         return d
 
 
@@ -1337,8 +1339,10 @@ def estimate(
     by_category = {c: 0.0 for c in CATEGORIES}
     for tag, v in peak_tags.items():
         by_category[_CATEGORY_OF[tag]] += v
-    act_layer = _activations_per_layer(cfg, arch, dm, not lora)
-    expl = _explain(cfg, arch, dm, params, n_params, n_train, weights, opt_bytes, opt_lines, act_layer,
+    rng = _CPU_RNG_STATE_BYTES if device_type == "cpu" else 0
+    act_layer = _activations_per_layer(cfg, arch, dm, not lora, rng)
+    act_layer_none = _activations_per_layer(cfg, arch, dm, not lora, rng, "none")
+    expl = _explain(cfg, arch, dm, params, n_params, n_train, weights, opt_bytes, opt_lines, act_layer_none,
                     sim, shard, n, device_type)
     rule = model_state_rule(n_params, tech.optim, trainable=n_train if lora else None,
                             mixed_precision=autocast)
@@ -1352,6 +1356,7 @@ def estimate(
         by_category=by_category,
         phase_peaks={k: v for k, v in sim.phase_peaks.items() if k},
         activations_per_layer=act_layer,
+        activations_per_layer_no_checkpointing=act_layer_none,
         explanation=expl,
         rules=rule,
         shape={"arch": arch.name, "d_model": m.d_model, "n_layers": m.n_layers, "n_heads": m.n_heads,
@@ -1375,12 +1380,33 @@ def _fill_param_grads(segs: list[_Segment], pbytes: dict[str, float]) -> None:
                        for k, v in n.grads]
 
 
-def _activations_per_layer(cfg: RunConfig, arch: Arch, dm: _Dims, trainable_base: bool) -> float:
-    """Bytes one block keeps for backward (no checkpointing), block input included."""
+def _activations_per_layer(cfg: RunConfig, arch: Arch, dm: _Dims, trainable_base: bool,
+                           rng_state_bytes: float = 0.0, policy: Optional[str] = None) -> float:
+    """Bytes one block keeps for backward between its forward and its backward, block input
+    included, under the checkpointing ``policy`` (default: the configured one).
+
+    none: everything autograd saves; full: the input the checkpoint holds (+ the RNG state it
+    stores on CPU); selective: that plus the outputs the policy keeps; every:K and sqrt: the
+    mean over the blocks (1 in K checkpointed). The same bytes the timeline keeps per block.
+    """
     nodes = _block_nodes(dm, 0, arch, replace(cfg.technique, checkpointing="none"), trainable_base)
-    sizes = {k: v for n in nodes for k, v in n.out}
+    sizes = {k: v for n in nodes for k, v, *_ in n.out}
+    block_input = dm.n * dm.d * dm.r
     saved = {k for n in nodes for k in n.saves if k in sizes}
-    return sum(sizes[k] for k in saved) + dm.n * dm.d * dm.r  # + the block input
+    none = sum(sizes[k] for k in saved) + block_input
+    kind, every = parse_checkpointing(policy or cfg.technique.checkpointing)
+    if kind == "none":
+        return none
+    full = block_input + rng_state_bytes
+    if kind == "full":
+        return full
+    if kind == "selective":
+        kept = {k for n in nodes for k in n.sac_kept() if k in sizes}
+        return full + sum(sizes[k] for k in kept)
+    L = cfg.model.n_layers
+    k = max(1, round(math.sqrt(L))) if kind == "sqrt" else every
+    n_ck = -(-L // k)
+    return (n_ck * full + (L - n_ck) * none) / L
 
 
 def _explain(cfg: RunConfig, arch: Arch, dm: _Dims, params: list[ParamInfo], n_params: int, n_train: int,
@@ -1398,7 +1424,8 @@ def _explain(cfg: RunConfig, arch: Arch, dm: _Dims, params: list[ParamInfo], n_p
         f"gradients = trainable x {pb if not tech.lora_rank else 4} B (same dtype as the parameter)"
         + (f"; alive across the {t.grad_accum} micro-batches" if t.grad_accum > 1 else ""),
         *[f"optimizer = {line}" for line in opt_lines],
-        f"activations per block = {act_layer / 2**20:.2f} MiB for b={dm.b} s={dm.s}: "
+        f"activations per block{' (no checkpointing)' if tech.checkpointing != 'none' else ''} = "
+        f"{act_layer / 2**20:.2f} MiB for b={dm.b} s={dm.s}: "
         + _act_formula(dm, tech, arch, device_type),
         f"logits ({tech.loss}) = "
         + (f"N x V x 4 B saved log-probs ({N:,} x {dm.V:,}); peak 3 x that at loss backward "

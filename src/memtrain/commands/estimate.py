@@ -147,7 +147,10 @@ def run(args: argparse.Namespace) -> int:
     for k, v in est.bytes.items():
         rows.append((k, fmt_bytes(v), ""))
     rows.append(("peak", fmt_bytes(est.peak_bytes), f"{est.peak_phase} ({est.peak_detail})"))
-    rows.append(("activations per layer", fmt_bytes(est.activations_per_layer), "saved by one block, no checkpointing"))
+    rows.append(("activations per layer", fmt_bytes(est.activations_per_layer),
+                 f"kept by one block for backward, checkpointing {cfg.technique.checkpointing}"
+                 + ("" if cfg.technique.checkpointing == "none"
+                    else f" ({fmt_bytes(est.activations_per_layer_no_checkpointing)} without)")))
     rule = est.rules
     rows.append(("rule of thumb: optimizer", fmt_bytes(rule["optimizer_bytes"]),
                  f"{rule['bytes_per_param']:g} B/param ({rule['optimizer']})"))
