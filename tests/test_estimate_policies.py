@@ -48,3 +48,68 @@ def test_full_checkpointing_keeps_the_block_input_only():
     n, d = 2 * 32, 64
     assert E.estimate(cfg, device_type="cuda").activations_per_layer == n * d * 4
     assert E.estimate(cfg, device_type="cpu").activations_per_layer == n * d * 4 + E._CPU_RNG_STATE_BYTES
+
+
+# --------------------------------------------------------------------------- selective (Megatron)
+SEL = dict(vocab_size=512, d_model=64, n_heads=4, n_layers=3, d_ff=128, max_seq_len=128, batch_size=2,
+           seq_len=128, device="cpu")
+
+
+@pytest.mark.parametrize("ov", [dict(), dict(dropout=0.1), dict(attention="sdpa"), dict(loss="chunked", loss_chunk=64)],
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "plain")
+def test_selective_estimate_matches_measured_tracked_memory(ov):
+    """Megatron's selective policy on a real CPU step (MemoryMeter) against the estimate."""
+    from memtrain.config import build_config
+    from memtrain.maxbatch import measure_step_memory
+
+    cfg = build_config(dict(SEL, checkpointing="selective", **ov))
+    measured = measure_step_memory(cfg, cfg.train.batch_size)
+    est = E.estimate(cfg, device_type="cpu")
+    assert est.peak_bytes == pytest.approx(measured["peak_bytes"], rel=0.02), (est.peak_bytes, measured)
+    acts = est.by_category["activations"]
+    assert acts == pytest.approx(measured["by_category"]["activations"], rel=0.05), (est.by_category, measured)
+
+
+def test_selective_keeps_no_s_squared_term_and_sits_between_none_and_full():
+    cfg = RunConfig().replace(**{k: v for k, v in SEL.items() if k != "device"})
+    per = {p: E.estimate(cfg.replace(checkpointing=p), device_type="cuda").activations_per_layer
+           for p in ("none", "selective-matmul", "selective", "full")}
+    assert per["full"] < per["selective"] < per["selective-matmul"] < per["none"]
+    # Doubling the sequence doubles a selective layer (no s^2 term) but more than doubles none.
+    longer = cfg.replace(seq_len=256, max_seq_len=256)
+    sel2 = E.estimate(longer.replace(checkpointing="selective"), device_type="cuda").activations_per_layer
+    none2 = E.estimate(longer, device_type="cuda").activations_per_layer
+    assert sel2 == pytest.approx(2 * per["selective"], rel=0.02)
+    assert none2 > 2.2 * per["none"]
+
+
+@pytest.mark.parametrize("ov", [dict(dropout=0.1), dict(attention="sdpa")], ids=["math-dropout", "sdpa"])
+def test_selective_numerics_equal_no_checkpointing(ov):
+    import torch
+
+    from memtrain.config import build_config
+    from memtrain.model import GPT
+    from memtrain.techniques.checkpointing import apply_checkpointing, is_checkpointed
+    from memtrain.techniques.attention import apply_attention
+    from memtrain.techniques import make_precision
+
+    cfg = build_config(dict(SEL, seq_len=32, **ov))
+    torch.manual_seed(0)
+    plain = GPT(cfg.model)
+    sel = GPT(cfg.model)
+    sel.load_state_dict(plain.state_dict())
+    prec = make_precision(cfg.technique.precision, torch.device("cpu"))
+    for m in (plain, sel):
+        apply_attention(m, cfg.technique, torch.device("cpu"), prec)
+    apply_checkpointing(sel, cfg.replace(checkpointing="selective").technique)
+    assert all(is_checkpointed(b) for b in sel.blocks) and not any(is_checkpointed(b) for b in plain.blocks)
+    idx = torch.randint(0, 512, (2, 32))
+    losses, grads = [], []
+    for m in (plain, sel):
+        torch.manual_seed(1)
+        loss = m(idx, idx)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append([p.grad.clone() for p in m.parameters()])
+    assert torch.equal(losses[0], losses[1])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

@@ -150,7 +150,10 @@ class TechniqueConfig:
     attention: str = _f("math", "Attention implementation: " + "|".join(ATTENTIONS) + ".")
     window: Optional[int] = _f(None, "Sliding-window attention: each token attends to the previous W tokens.")
     checkpointing: str = _f(
-        "none", "Activation checkpointing: none|full|every:K|sqrt|selective (gradient_checkpointing)."
+        "none", "Activation checkpointing: none|full|every:K|sqrt|selective|selective-matmul "
+        "(gradient_checkpointing). selective: Megatron's (Korthikanti et al. 2022): keep everything "
+        "but the attention core (scores, softmax, dropout), recompute that; selective-matmul: keep "
+        "matmul/attention-kernel outputs, recompute the rest of each block."
     )
     loss: str = _f("standard", "LM-head loss: standard (full logits) or chunked (logits never all alive).")
     loss_chunk: int = _f(
@@ -201,7 +204,7 @@ class TechniqueConfig:
 
 def parse_checkpointing(policy: str) -> tuple[str, int]:
     """Split a checkpointing policy into (kind, every). ``every:K`` -> ("every", K)."""
-    if policy in ("none", "full", "sqrt", "selective"):
+    if policy in ("none", "full", "sqrt", "selective", "selective-matmul"):
         return policy, 1
     if policy.startswith("every:"):
         try:
@@ -210,7 +213,7 @@ def parse_checkpointing(policy: str) -> tuple[str, int]:
             k = 0
         _require(k > 0, f"--checkpointing {policy!r}: K in every:K must be a positive integer, e.g. every:2")
         return "every", k
-    raise ConfigError(f"unknown --checkpointing {policy!r}; choose none, full, every:K, sqrt or selective")
+    raise ConfigError(f"unknown --checkpointing {policy!r}; choose none, full, every:K, sqrt, selective or selective-matmul")
 
 
 # --------------------------------------------------------------------------- training

@@ -490,6 +490,7 @@ class _Node:
     scratch: float = 0.0
     fwd_scratch: float = 0.0
     tag: str = "activations"
+    core: bool = False  # part of the attention core (q, k, v -> output) that selective recomputes
 
     def sac_kept(self) -> tuple[str, ...]:
         """Outputs selective checkpointing keeps (those of the matmul/attention kernel itself)."""
@@ -1013,7 +1014,12 @@ def _block_nodes(dm: _Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable
 
     norm(f"{p}.ln_1", x, f"{p}.ln1")
     lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv", d, d + 2 * dm.kv, r)
+    start = len(nodes)
     _attention_nodes(nodes, dm, p, tech.attention, tech.window)
+    # The attention core is what model.attn_fn computes: everything after the q/k/v split up
+    # to the (b, h, s, hd) output; the merge (transpose + contiguous) is outside it.
+    for n in nodes[start + 1:]:
+        n.core = not n.name.endswith(".merge")
     lin("proj", f"{p}.attn.proj", f"{p}.y", f"{p}.pr", d, d, a)
     _dropout(nodes, dm, f"{p}.resid_drop", f"{p}.pr", f"{p}.prd", N * d, a)
     # Residual add: type promotion makes it float32 under autocast; the low-precision branch's
@@ -1188,6 +1194,7 @@ class _Compression:
     period: int
     lumps: int
     blocks: int  # simulated blocks
+    per_block: int = 1  # segments per block (3 under selective: before, attention core, after)
 
     def real(self, j: int) -> int:
         return j if j < 2 * self.period else j + self.lumps * self.period
@@ -1195,22 +1202,25 @@ class _Compression:
     @property
     def fwd_segments(self) -> range:
         """Segment indices (embedding is 0) of the period whose forward is measured (period 1)."""
-        return range(1 + self.period, 1 + 2 * self.period)
+        w = self.period * self.per_block
+        return range(1 + w, 1 + 2 * w)
 
     @property
     def bwd_segments(self) -> range:
         """Segment indices of the period right after the lump (measured in backward)."""
-        return range(1 + 2 * self.period, 1 + 3 * self.period)
+        w = self.period * self.per_block
+        return range(1 + 2 * w, 1 + 3 * w)
 
 
 def _compression(cfg: RunConfig) -> _Compression:
     kind, every = parse_checkpointing(cfg.technique.checkpointing)
     L = cfg.model.n_layers
     # The period of the block kinds: blocks i % K == 0 are checkpointed under every:K and sqrt.
-    P = 1 if kind in ("full", "selective", "none") else (max(1, round(math.sqrt(L))) if kind == "sqrt" else every)
+    P = (1 if kind in ("full", "selective", "selective-matmul", "none")
+         else (max(1, round(math.sqrt(L))) if kind == "sqrt" else every))
     # Two periods, the lumps, then the last period and the remainder.
     lumps = max(0, (L - 2 * P) // P - 1)
-    return _Compression(P, lumps, L - lumps * P)
+    return _Compression(P, lumps, L - lumps * P, 3 if kind == "selective" else 1)
 
 
 def _segments(cfg: RunConfig, arch: Arch, dm: _Dims, trainable_base: bool, grads_exist: bool,
@@ -1218,18 +1228,29 @@ def _segments(cfg: RunConfig, arch: Arch, dm: _Dims, trainable_base: bool, grads
     m, tech = cfg.model, cfg.technique
     kind, every = parse_checkpointing(tech.checkpointing)
     L = m.n_layers
-    if kind in ("full", "selective"):
+    if kind in ("full", "selective-matmul"):
         ckpt = lambda i: True  # noqa: E731
-    elif kind == "none":
+    elif kind in ("none", "selective"):
         ckpt = lambda i: False  # noqa: E731
     else:
         k = comp.period
         ckpt = lambda i: i % k == 0  # noqa: E731
-    mode = "selective" if kind == "selective" else "full"
+    mode = "selective" if kind == "selective-matmul" else "full"
     segs = [_Segment("embedding", _embedding_nodes(dm, arch, trainable_base))]
     for j in range(comp.blocks):
         i = comp.real(j)
-        segs.append(_Segment(f"block {i}", _block_nodes(dm, j, arch, tech, trainable_base),
+        nodes = _block_nodes(dm, j, arch, tech, trainable_base)
+        if kind == "selective":
+            # Megatron's selective recomputation: the block runs as usual around a checkpointed
+            # attention core, which keeps only its input (q, k, v: views of the qkv output).
+            a = next(x for x, n in enumerate(nodes) if n.core)
+            b = a + sum(1 for n in nodes if n.core)
+            segs += [_Segment(f"block {i}", nodes[:a]),
+                     _Segment(f"block {i} attention core", nodes[a:b], checkpoint="full",
+                              input_key=f"blocks.{j}.qkv"),
+                     _Segment(f"block {i}", nodes[b:])]
+            continue
+        segs.append(_Segment(f"block {i}", nodes,
                              checkpoint=mode if ckpt(i) else "none", input_key=f"blocks.{j}.in"))
     segs.append(_Segment("head", _head_nodes(dm, replace(m, n_layers=comp.blocks), tech, arch, trainable_base,
                                              grads_exist)))
@@ -1400,9 +1421,14 @@ def _activations_per_layer(cfg: RunConfig, arch: Arch, dm: _Dims, trainable_base
     full = block_input + rng_state_bytes
     if kind == "full":
         return full
-    if kind == "selective":
+    if kind == "selective-matmul":
         kept = {k for n in nodes for k in n.sac_kept() if k in sizes}
         return full + sum(sizes[k] for k in kept)
+    if kind == "selective":
+        # Everything outside the attention core as without checkpointing, plus the core's
+        # input (the qkv output q, k and v are views of) and the RNG state its checkpoint stores.
+        outside = {k for n in nodes if not n.core for k in n.saves if k in sizes}
+        return sum(sizes[k] for k in outside | {"blocks.0.qkv"}) + block_input + rng_state_bytes
     L = cfg.model.n_layers
     k = max(1, round(math.sqrt(L))) if kind == "sqrt" else every
     n_ck = -(-L // k)
@@ -1434,7 +1460,9 @@ def _explain(cfg: RunConfig, arch: Arch, dm: _Dims, params: list[ParamInfo], n_p
         f"checkpointing {tech.checkpointing}: "
         + {"none": "all blocks keep their activations",
            "full": "each block keeps only its input; one block is recomputed at a time in backward",
-           "selective": "blocks keep input + matmul outputs; the rest is recomputed in backward"}.get(
+           "selective": "blocks keep everything but the attention core (scores, softmax, dropout), "
+                        "which keeps q, k, v and is recomputed in backward (Megatron's selective)",
+           "selective-matmul": "blocks keep input + matmul outputs; the rest is recomputed in backward"}.get(
                parse_checkpointing(tech.checkpointing)[0], "blocks i % K == 0 keep only their input"),
         f"peak = {sim.peak / 2**20:.2f} MiB in {sim.peak_phase} ({sim.peak_detail})",
     ]

@@ -636,7 +636,7 @@ def _trace_by_kind(cfg: RunConfig) -> tuple[dict[str, dict[str, ClassCount]], fl
     if L <= _TRACE_LAYERS or cfg.technique.lora_rank:
         return _trace(cfg)
     kind, every = parse_checkpointing(cfg.technique.checkpointing)
-    if kind in ("none", "full", "selective"):
+    if kind in ("none", "full", "selective", "selective-matmul"):
         counts = {cfg.technique.checkpointing: L}
     else:
         k = max(1, round(math.sqrt(L))) if kind == "sqrt" else every

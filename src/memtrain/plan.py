@@ -77,6 +77,8 @@ def step_cost(cfg: RunConfig, device_type: str, arch: Arch = GPT2_ARCH) -> tuple
     if kind == "full":
         recompute = fwd_blocks
     elif kind == "selective":
+        recompute = attn  # Megatron's selective: the attention core (its two matmuls) runs again
+    elif kind == "selective-matmul":
         recompute = SELECTIVE_RECOMPUTE_SHARE * fwd_blocks
     elif kind in ("every", "sqrt"):
         k = max(1, round(math.sqrt(L))) if kind == "sqrt" else every
