@@ -415,8 +415,8 @@ def _make_recorder(model: Any, tracker: Any, registry: dict, vocab: int, profile
                 return func(*args, **kwargs)
             name = func._overloadpacket.__name__
             phase = self.phase
-            if self.stack:
-                module = self.stack[-1]
+            if self.stack or _CORE_STACK:
+                module = self.stack[-1] if self.stack else _CORE_STACK[-1]
                 if phase == "backward":
                     phase = "recompute"
             else:
@@ -439,7 +439,7 @@ def _make_recorder(model: Any, tracker: Any, registry: dict, vocab: int, profile
     return _Recorder()
 
 
-def _split_attention(table: dict[str, ClassCount]) -> None:
+def _split_attention(table: dict[str, ClassCount], only_scores: bool = False) -> None:
     """Split the math backend's ``attn_core`` bmm into QK^T and AV, half each.
 
     Exact, not an estimate: QK^T multiplies (T x hd)(hd x T) and AV (T x T)(T x hd), so in
@@ -449,6 +449,11 @@ def _split_attention(table: dict[str, ClassCount]) -> None:
     dispatcher alone cannot tell them apart, but they are equal in FLOPs and bytes."""
     core = table.pop("attn_core", None)
     if core is None:
+        return
+    if only_scores:
+        # Selective checkpointing's recompute of the attention core stops (non-reentrant
+        # checkpoint's early stop) once q k^T's softmax and v are back: probs @ v never reruns.
+        table.setdefault("attn_scores", ClassCount()).add(core)
         return
     for name in ("attn_scores", "attn_values"):
         table.setdefault(name, ClassCount()).add(core, 0.5)
@@ -499,6 +504,19 @@ def _counting_config(cfg: RunConfig, **overrides: Any) -> RunConfig:
     return cfg.replace(compile=False, distributed="none", cpu_offload=False, device="cpu", **overrides)
 
 
+# Attention modules whose checkpointed core (selective checkpointing) is running: a core
+# recomputed during backward runs outside any module's forward, so the recorder looks here.
+_CORE_STACK: list[str] = []
+
+
+def _in_core(name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    _CORE_STACK.append(name)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _CORE_STACK.pop()
+
+
 def _use_fused_dropout(model: Any) -> None:
     """Make this (throwaway) model run dropout as CUDA does: one fused ``native_dropout`` kernel
     (output and mask in one pass). On CPU ``F.dropout`` decomposes into bernoulli_, div_ and
@@ -507,10 +525,14 @@ def _use_fused_dropout(model: Any) -> None:
     functions (which call ``F.dropout`` inside, e.g. the math backend) run under a
     TorchFunctionMode that rewrites the call. Both act again in checkpointing's recompute,
     which must see the same ops as the forward did."""
+    import functools
+
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
+
+    from memtrain.techniques.checkpointing import _checkpointed_call
 
     def fused(x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
         return torch.native_dropout(x, p, True)[0] if train and p > 0.0 else x
@@ -532,11 +554,20 @@ def _use_fused_dropout(model: Any) -> None:
                 return fn(*args, **kwargs)
         return attn_fn
 
+    names = {m: ("GPT." + n if n else "GPT") for n, m in model.named_modules()}
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.forward = (lambda m: lambda x: fused(x, m.p, m.training))(module)
-        if callable(getattr(module, "attn_fn", None)):
-            module.attn_fn = wrap_attention(module.attn_fn)
+        fn = getattr(module, "attn_fn", None)
+        if isinstance(fn, functools.partial) and fn.func is _checkpointed_call:
+            # Selective checkpointing checkpoints the attention core: the mode must be active
+            # inside it, where its recompute runs too, not around it. The core is no module,
+            # so it names its attention module on _CORE_STACK for the recorder.
+            inner = wrap_attention(fn.args[0])
+            core = (lambda f, name: lambda *a, **k: _in_core(name, f, *a, **k))(inner, names[module])
+            module.attn_fn = functools.partial(fn.func, core, *fn.args[1:], **fn.keywords)
+        elif callable(fn):
+            module.attn_fn = wrap_attention(fn)
 
 
 def _empty_model(cfg: ModelConfig) -> Any:
@@ -608,8 +639,8 @@ def _trace(cfg: RunConfig, fake: bool = True) -> tuple[dict[str, dict[str, Class
     attributed = sum(c.counted for v in table.values() for c in v.values())
     if not math.isclose(attributed, total, rel_tol=1e-9, abs_tol=1.0):
         raise RuntimeError(f"FLOP attribution lost FLOPs: classes sum to {attributed:.6g}, counter {total:.6g}")
-    for v in table.values():
-        _split_attention(v)
+    for phase, v in table.items():
+        _split_attention(v, only_scores=phase == "recompute" and cfg.technique.checkpointing == "selective")
     return table, total, n_params, trainable
 
 

@@ -77,7 +77,9 @@ def step_cost(cfg: RunConfig, device_type: str, arch: Arch = GPT2_ARCH) -> tuple
     if kind == "full":
         recompute = fwd_blocks
     elif kind == "selective":
-        recompute = attn  # Megatron's selective: the attention core (its two matmuls) runs again
+        # Megatron's selective: the attention core reruns up to what backward needs: q k^T
+        # (half the attention matmul FLOPs); probs @ v does not rerun (checkpoint's early stop).
+        recompute = 0.5 * attn
     elif kind == "selective-matmul":
         recompute = SELECTIVE_RECOMPUTE_SHARE * fwd_blocks
     elif kind in ("every", "sqrt"):
