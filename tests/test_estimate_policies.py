@@ -113,3 +113,21 @@ def test_selective_numerics_equal_no_checkpointing(ov):
         grads.append([p.grad.clone() for p in m.parameters()])
     assert torch.equal(losses[0], losses[1])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("b, s, h, a", [(2, 128, 64, 4), (4, 256, 128, 8), (1, 1024, 256, 4)])
+def test_per_layer_formula_is_korthikanti_plus_the_pytorch_facts(b, s, h, a):
+    """Korthikanti et al. 2022 (fp16, 1-byte masks, no tensor parallelism): 34 s b h + 5 a s^2 b
+    bytes per layer without recomputation, 34 s b h with selective recomputation. Our model on
+    CUDA under bf16 autocast adds (docs/estimation.md): fp32 LayerNorm inputs (+4 s b h), fp32
+    LayerNorm mean/rstd (+16 s b), autocast's cached bf16 weight copies (+24 h^2), and without
+    recomputation the fp32 softmax output (4 bytes where the paper has 2: +2 a s^2 b) and the
+    s x s bool mask that masked_fill saves (+s^2)."""
+    cfg = RunConfig().replace(vocab_size=512, d_model=h, n_heads=a, n_layers=4, d_ff=4 * h, max_seq_len=s,
+                              batch_size=b, seq_len=s, dropout=0.1, precision="bf16")
+    selective = E.estimate(cfg.replace(checkpointing="selective"), device_type="cuda").activations_per_layer
+    none = E.estimate(cfg, device_type="cuda").activations_per_layer
+    paper_selective, paper_none = 34 * s * b * h, 34 * s * b * h + 5 * a * s * s * b
+    facts = 4 * s * b * h + 16 * s * b + 24 * h * h
+    assert selective == paper_selective + facts
+    assert none == paper_none + facts + 2 * a * s * s * b + s * s
