@@ -422,10 +422,14 @@ class _Sim:
         self.detail = ""
         self.phase_peaks: dict[str, float] = {}
         self._next = 0
+        # (op, storage id, bytes) in order, for the CUDA caching-allocator replay; None = off.
+        self.events: Optional[list[tuple[str, int, float]]] = None
 
     def alloc(self, nbytes: float, tag: str) -> int:
         self._next += 1
         sid = self._next
+        if self.events is not None:
+            self.events.append(("alloc", sid, nbytes))
         self.live[sid] = (nbytes, tag)
         self.by_tag[tag] += nbytes
         self.total += nbytes
@@ -435,6 +439,8 @@ class _Sim:
     def free(self, sid: Optional[int]) -> None:
         if sid is None or sid not in self.live:
             return
+        if self.events is not None:
+            self.events.append(("free", sid, 0.0))
         nbytes, tag = self.live.pop(sid)
         self.by_tag[tag] -= nbytes
         self.total -= nbytes
@@ -1144,6 +1150,8 @@ class Estimate:
     shard: str = "none"
     extra: dict[str, Any] = field(default_factory=dict)
     activations_per_layer_no_checkpointing: float = 0.0
+    # With estimate(gpu=...): the CUDA caching allocator's view (memtrain.allocator.DeviceMemory).
+    device_memory: Optional[dict[str, Any]] = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -1274,8 +1282,16 @@ def estimate(
     device_type: Optional[str] = None,
     world_size: int = 1,
     shard: Optional[str] = None,
+    gpu: Optional[str] = None,
+    *,
+    _compress: bool = True,
 ) -> Estimate:
     """Memory of one steady-state training step (the second step: optimizer state exists).
+
+    ``gpu`` (with CUDA kernels): also replay the timeline through the CUDA caching-allocator
+    model (:mod:`memtrain.allocator`) and report ``device_memory`` {``allocated``, ``reserved``,
+    ``device_total``} as torch.cuda and nvidia-smi would show them, for that GPU kind's assumed
+    CUDA context ("default" for any other name). Runs the per-layer timeline: up to 1024 layers.
 
     ``device_type`` (cpu|cuda; default from ``cfg.train.device``, auto = cuda) decides the few
     kernel facts that differ: dropout keeps a float noise tensor on CPU but a 1-byte mask on
@@ -1296,6 +1312,8 @@ def estimate(
     # Deep models run a few blocks and lump the rest (per layer kind: O(1) in n_layers); the
     # table has one entry per simulated tensor, the lumped blocks' counted by ``repeat``.
     comp = _compression(cfg)
+    if not _compress:
+        comp = replace(comp, lumps=0, blocks=m.n_layers)
     rep = {j: 1 + comp.lumps for j in range(comp.period, 2 * comp.period)} if comp.lumps else None
     params = _param_table(m, arch, tech, range(comp.blocks), rep)
     n_params = sum(p.numel * p.repeat for p in params)
@@ -1325,11 +1343,18 @@ def estimate(
         if shard == "fsdp":
             shard_div["weights"] = n
 
+    if gpu is not None and device_type == "cuda" and _compress:
+        if m.n_layers > 1024:
+            raise ConfigError(f"--gpu (the CUDA allocator model) replays every layer: at most 1024, got {m.n_layers}")
+        est = estimate(cfg, arch, device_type, world_size, shard, gpu, _compress=False)
+        est.device_memory = est.extra.pop("_device_memory")
+        return est
     sim = _Sim()
+    if gpu is not None and device_type == "cuda":
+        sim.events = []
     sim.at("start", "weights and optimizer state")
     w_rank = weights / shard_div["weights"]
-    sim.alloc(w_rank, "weights")
-    sim.alloc(opt_bytes / shard_div["optimizer"], "optimizer")
+    state_sids = [sim.alloc(w_rank, "weights"), sim.alloc(opt_bytes / shard_div["optimizer"], "optimizer")]
     if shard == "fsdp" and n > 1:
         # FSDP all-gathers one block's parameters at a time (forward and backward).
         per_block = max((sum(pbytes[p.name] for p in params if p.block == i) for i in range(comp.blocks)), default=0)
@@ -1355,6 +1380,21 @@ def estimate(
     # Optimizer step: weights + grads + states + scratch, then zero_grad frees the grads.
     sim.at("optimizer", f"{tech.optim} step")
     sim.transient(opt_tmp / shard_div["optimizer"], "temporaries")
+
+    device_memory = None
+    if sim.events is not None:
+        from memtrain.allocator import replay
+
+        # The weights and optimizer state are one number each in the timeline but one tensor
+        # per parameter (per state) on the device: the allocator sees them tensor by tensor.
+        n_states = {"adamw": 2, "adamw-foreach": 2, "adamw-fused": 2, "sgd": 1}.get(tech.optim)
+        per_tensor = [pbytes[p.name] / shard_div["weights"] for p in params]
+        if n_states:
+            per_tensor += [pbytes[p.name] / shard_div["optimizer"] for p in trainable for _ in range(n_states)]
+        else:
+            per_tensor.append(opt_bytes / shard_div["optimizer"])
+        events = [e for e in sim.events if e[1] not in state_sids]
+        device_memory = replay(events, gpu, sim.peak, per_tensor).to_dict()
 
     peak_tags = sim.peak_tags
     by_category = {c: 0.0 for c in CATEGORIES}
@@ -1389,7 +1429,7 @@ def estimate(
                                "gradients": grad_total / shard_div["gradients"],
                                "optimizer": opt_bytes / shard_div["optimizer"],
                                "optimizer_step_scratch": opt_tmp / shard_div["optimizer"]},
-               "device_type": device_type},
+               "device_type": device_type, **({"_device_memory": device_memory} if device_memory else {})},
     )
 
 
