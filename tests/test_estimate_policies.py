@@ -131,3 +131,25 @@ def test_per_layer_formula_is_korthikanti_plus_the_pytorch_facts(b, s, h, a):
     facts = 4 * s * b * h + 16 * s * b + 24 * h * h
     assert selective == paper_selective + facts
     assert none == paper_none + facts + 2 * a * s * s * b + s * s
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_naive_loss_keeps_the_callers_logits_and_the_estimate_follows(precision):
+    """--loss naive (logits kept by the caller, as `logits = model(x); loss = F.cross_entropy(...)`
+    does): measured tracked peak on CPU against the estimate, and one more logits-sized buffer
+    than the standard loss."""
+    from memtrain.config import build_config
+    from memtrain.maxbatch import measure_step_memory
+
+    base = dict(vocab_size=2048, d_model=64, n_heads=4, n_layers=2, d_ff=128, max_seq_len=128, batch_size=4,
+                seq_len=64, device="cpu", precision=precision)
+    peaks = {}
+    for loss in ("standard", "naive"):
+        cfg = build_config(dict(base, loss=loss))
+        measured = measure_step_memory(cfg, 4)
+        est = E.estimate(cfg, device_type="cpu")
+        assert est.peak_bytes == pytest.approx(measured["peak_bytes"], rel=0.005)
+        assert est.peak_phase == measured["peak_phase"]
+        peaks[loss] = measured["peak_bytes"]
+    logits = 4 * 64 * 2048 * (4 if precision == "fp32" else 2)
+    assert peaks["naive"] - peaks["standard"] == pytest.approx(logits, rel=0.01)

@@ -133,7 +133,7 @@ class DataConfig:
 # --------------------------------------------------------------------------- techniques
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "bf16-pure")
 ATTENTIONS = ("math", "sdpa", "flash", "mem-efficient", "flex", "flash-attn")
-LOSSES = ("standard", "chunked")
+LOSSES = ("standard", "chunked", "naive")
 OPTIMS = (
     "adamw", "adamw-fused", "adamw-foreach", "adafactor", "adamw-8bit", "adamw-4bit",
     "adamw-bnb-8bit", "sgd",
@@ -155,7 +155,9 @@ class TechniqueConfig:
         "but the attention core (scores, softmax, dropout), recompute that; selective-matmul: keep "
         "matmul/attention-kernel outputs, recompute the rest of each block."
     )
-    loss: str = _f("standard", "LM-head loss: standard (full logits) or chunked (logits never all alive).")
+    loss: str = _f("standard", "LM-head loss: standard (full logits), chunked (logits never all alive) or naive "
+                               "(standard, with the logits kept by the caller until the next step replaces them, "
+                               "as the common `logits = model(x); loss = F.cross_entropy(...)` loop does).")
     loss_chunk: int = _f(
         256,
         "Tokens per chunk for --loss chunked (256 x 50257 fp32 logits = 51 MB alive at a time; "

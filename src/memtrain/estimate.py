@@ -540,6 +540,9 @@ class _Graph:
         self.deferred: dict[str, Any] = {}  # tied parameter -> its buffered first gradient (key or sid)
         # Deep models: lumped periods of blocks (see _Compression); their storages by tag.
         self.comp: Optional[_Compression] = None
+        # --loss naive: forward keys a caller keeps past the step, and actions after a node's forward.
+        self.pinned: set[str] = set()
+        self.after_forward: dict[str, Any] = {}
         self.lump_kept: list[int] = []  # freed in backward
         self.lump_flush: list[int] = []  # autocast weight copies no op saved: freed when forward ends
         self.lump_grads: list[int] = []  # what the lumped periods leave after backward (gradients)
@@ -587,6 +590,8 @@ class _Graph:
             self.saved_refs[key] = n - 1
             return
         self.saved_refs.pop(key, None)
+        if key in self.pinned:
+            return
         self.sim.free(self.store.pop(key, None))
 
     def _run_forward(self, nodes: list[_Node], keep_saves: bool, tag_override: Optional[str],
@@ -612,8 +617,11 @@ class _Graph:
                         self.saved_refs[k] = self.saved_refs.get(k, 0) + 1
             if n.hold:
                 held.extend(o[0] for o in n.out)
+            if n.name in self.after_forward:
+                self.after_forward.pop(n.name)()
             for k in set(n.inputs) | {o[0] for o in n.out}:
-                if last.get(k, -1) > i or k in later or k in keep_keys or k in self.saved_refs or k in held:
+                if (last.get(k, -1) > i or k in later or k in keep_keys or k in self.saved_refs or k in held
+                        or k in self.pinned):
                     continue
                 self.sim.free(self.store.pop(k, None))
         return held
@@ -1366,6 +1374,12 @@ def estimate(
     _fill_param_grads(segs, pbytes)
     graph = _Graph(sim, segs, grad_bytes, grads_exist, _CPU_RNG_STATE_BYTES if device_type == "cpu" else 0)
     graph.comp = comp
+    if tech.loss == "naive":
+        # The caller's `logits` holds the previous step's logits until model(x) returns the new
+        # ones, and the new ones past the end of this step.
+        previous = sim.alloc(dm.n * dm.V * dm.a, "logits")
+        graph.after_forward["lm_head"] = lambda: sim.free(previous)
+        graph.pinned.add("logits")
     if not m.untie_embeddings:
         graph.tied.add("wte.weight")
     graph.forward()
@@ -1495,7 +1509,9 @@ def _explain(cfg: RunConfig, arch: Arch, dm: _Dims, params: list[ParamInfo], n_p
         + _act_formula(dm, tech, arch, device_type),
         f"logits ({tech.loss}) = "
         + (f"N x V x 4 B saved log-probs ({N:,} x {dm.V:,}); peak 3 x that at loss backward "
-           f"(log-probs + their grad + grad of logits)" if tech.loss == "standard"
+           f"(log-probs + their grad + grad of logits)"
+           + (f"; naive: + the N x V x {dm.a:g} B logits the caller keeps (the previous step's until "
+              f"model(x) returns)" if tech.loss == "naive" else "") if tech.loss in ("standard", "naive")
            else f"chunk {min(tech.loss_chunk, N)} x V in flight + grad_h (N x d) + fp32 grad_w (V x d)"),
         f"checkpointing {tech.checkpointing}: "
         + {"none": "all blocks keep their activations",
