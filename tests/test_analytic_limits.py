@@ -47,6 +47,7 @@ def _run_bounded(args: list[str], mem_bytes: int = 1 << 30, timeout: float = 60)
     ["plan", "--params", "1e30", "--budget", "24GiB"],
     ["flops", "--n-layers", "1000000000"],
     ["estimate", "--d-model", "100000000", "--json"],
+    ["estimate", "--n-layers", "5000", "--trace"],
 ])
 def test_absurd_sizes_are_refused_in_bounded_memory(args):
     # 1 GiB of address space: the old per-layer table grew to 11 GB on --params 1e30.
