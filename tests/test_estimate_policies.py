@@ -153,3 +153,39 @@ def test_naive_loss_keeps_the_callers_logits_and_the_estimate_follows(precision)
         peaks[loss] = measured["peak_bytes"]
     logits = 4 * 64 * 2048 * (4 if precision == "fp32" else 2)
     assert peaks["naive"] - peaks["standard"] == pytest.approx(logits, rel=0.01)
+
+
+# --------------------------------------------------------------------------- ZeRO-1 per rank
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("untie", [False, True])
+def test_zero1_partition_is_zero_redundancy_optimizers(world, untie):
+    """The estimator's whole-tensor partition equals torch's (a fake process group of `world`
+    ranks in this one process; ZeroRedundancyOptimizer partitions in its constructor)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from memtrain.model import GPT
+    from memtrain.techniques.optim import param_groups
+
+    cfg = RunConfig().replace(vocab_size=512, d_model=64, n_heads=4, n_layers=3, d_ff=256, untie_embeddings=untie)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        z = ZeroRedundancyOptimizer(param_groups(GPT(cfg.model), 0.1), optimizer_class=torch.optim.AdamW, lr=1e-3)
+        theirs = [sorted(p.numel() for g in groups for p in g["params"]) for groups in z._partition_parameters()]
+    finally:
+        dist.destroy_process_group()
+    ours = [sorted(p.numel for p in ps) for ps in E._zero1_partition(E.param_table(cfg.model), world)]
+    assert ours == theirs
+
+
+def test_zero1_estimate_reports_the_largest_rank_as_measured():
+    """docs/distributed.md measured ZeRO-1's optimizer state per rank on the default model at 2
+    gloo ranks (ranks[i].sharded_state): 98.2 and 25.1 MiB (the tied embedding's state is on
+    rank 0). The estimate now reports the same split, and rank 0's share."""
+    cfg = RunConfig().replace(loss="chunked", seq_len=128, batch_size=4, dropout=0.0)
+    est = E.estimate(cfg, device_type="cpu", world_size=2, shard="zero1")
+    per_rank = [round(b / 2**20, 1) for b in est.extra["zero1"]["optimizer_per_rank"]]
+    assert per_rank == [98.2, 25.1]
+    assert est.extra["model_state"]["optimizer"] == est.extra["zero1"]["optimizer_per_rank"][0]

@@ -1340,6 +1340,15 @@ def estimate(
     grad_total = sum(v * repeat[k] for k, v in grad_bytes.items())
     opt_bytes, opt_lines = optimizer_state_bytes(trainable, tech.optim, adapter_bytes, tech.optim_block)
     opt_tmp = _optimizer_temporaries(trainable, tech.optim, adapter_bytes, t.weight_decay)
+    zero1 = None
+    if shard == "zero1" and world_size > 1 and sum(p.repeat for p in trainable) <= _ZERO1_MAX_TENSORS:
+        # ZeroRedundancyOptimizer gives whole tensors to ranks: the rank with the most state
+        # (the one that decides whether the run fits) is reported.
+        ranks = _zero1_partition(trainable, world_size)
+        per_rank = [optimizer_state_bytes(ps, tech.optim, adapter_bytes, tech.optim_block)[0] for ps in ranks]
+        worst = per_rank.index(max(per_rank))
+        zero1 = {"rank": worst, "optimizer_per_rank": per_rank,
+                 "scratch": _optimizer_temporaries(ranks[worst], tech.optim, adapter_bytes, t.weight_decay)}
 
     # ---- sharding (one rank's share)
     n = world_size
@@ -1362,7 +1371,9 @@ def estimate(
         sim.events = []
     sim.at("start", "weights and optimizer state")
     w_rank = weights / shard_div["weights"]
-    state_sids = [sim.alloc(w_rank, "weights"), sim.alloc(opt_bytes / shard_div["optimizer"], "optimizer")]
+    opt_share = zero1["optimizer_per_rank"][zero1["rank"]] if zero1 else opt_bytes / shard_div["optimizer"]
+    tmp_share = zero1["scratch"] if zero1 else opt_tmp / shard_div["optimizer"]
+    state_sids = [sim.alloc(w_rank, "weights"), sim.alloc(opt_share, "optimizer")]
     if shard == "fsdp" and n > 1:
         # FSDP all-gathers one block's parameters at a time (forward and backward).
         per_block = max((sum(pbytes[p.name] for p in params if p.block == i) for i in range(comp.blocks)), default=0)
@@ -1393,7 +1404,7 @@ def estimate(
 
     # Optimizer step: weights + grads + states + scratch, then zero_grad frees the grads.
     sim.at("optimizer", f"{tech.optim} step")
-    sim.transient(opt_tmp / shard_div["optimizer"], "temporaries")
+    sim.transient(tmp_share, "temporaries")
 
     device_memory = None
     if sim.events is not None:
@@ -1406,7 +1417,7 @@ def estimate(
         if n_states:
             per_tensor += [pbytes[p.name] / shard_div["optimizer"] for p in trainable for _ in range(n_states)]
         else:
-            per_tensor.append(opt_bytes / shard_div["optimizer"])
+            per_tensor.append(opt_share)
         events = [e for e in sim.events if e[1] not in state_sids]
         device_memory = replay(events, gpu, sim.peak, per_tensor).to_dict()
 
@@ -1441,10 +1452,31 @@ def estimate(
         shard=shard if n > 1 else "none",
         extra={"model_state": {"weights": weights / shard_div["weights"],
                                "gradients": grad_total / shard_div["gradients"],
-                               "optimizer": opt_bytes / shard_div["optimizer"],
-                               "optimizer_step_scratch": opt_tmp / shard_div["optimizer"]},
+                               "optimizer": opt_share,
+                               "optimizer_step_scratch": tmp_share},
+               **({"zero1": {"rank": zero1["rank"], "optimizer_per_rank": zero1["optimizer_per_rank"]}}
+                  if zero1 else {}),
                "device_type": device_type, **({"_device_memory": device_memory} if device_memory else {})},
     )
+
+
+# Above this many trainable tensors ZeRO-1's partition is not replayed (the even split is used).
+_ZERO1_MAX_TENSORS = 1_000_000
+
+
+def _zero1_partition(params: list[ParamInfo], world: int) -> list[list[ParamInfo]]:
+    """torch's ZeroRedundancyOptimizer partition (``_partition_parameters``): per parameter group
+    (memtrain's: matrices, then vectors), largest tensor first, each to the rank with the fewest
+    elements so far (first such rank on a tie), the counts carried across groups."""
+    sizes = [0] * world
+    out: list[list[ParamInfo]] = [[] for _ in range(world)]
+    for group in ([p for p in params if len(p.shape) >= 2], [p for p in params if len(p.shape) < 2]):
+        expanded = [replace(p, repeat=1) for p in group for _ in range(p.repeat)]
+        for p in sorted(expanded, key=lambda q: q.numel, reverse=True):
+            r = sizes.index(min(sizes))
+            out[r].append(p)
+            sizes[r] += p.numel
+    return out
 
 
 def _fill_param_grads(segs: list[_Segment], pbytes: dict[str, float]) -> None:
@@ -1523,7 +1555,9 @@ def _explain(cfg: RunConfig, arch: Arch, dm: _Dims, params: list[ParamInfo], n_p
         f"peak = {sim.peak / 2**20:.2f} MiB in {sim.peak_phase} ({sim.peak_detail})",
     ]
     if world > 1:
-        lines.append(f"sharding {shard} over {world} ranks: optimizer/N"
+        lines.append(f"sharding {shard} over {world} ranks: "
+                     + ("optimizer by ZeroRedundancyOptimizer's whole-tensor partition (largest rank)"
+                        if shard == "zero1" else "optimizer/N")
                      + (", gradients/N" if shard in ("zero2", "fsdp") else "")
                      + (", weights/N + one gathered block" if shard == "fsdp" else ""))
     return lines
