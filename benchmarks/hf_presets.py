@@ -227,8 +227,8 @@ def hf_plan(cfg: RunConfig, device_type: str) -> HFPlan:
         args["activation_checkpointing_kwargs"] = ck
         mapping.append(f"checkpointing {t.checkpointing} -> activation_checkpointing=True "
                        f"(alias gradient_checkpointing), kwargs {ck}")
-        if kind == "selective":
-            closest.append("--checkpointing selective: the Trainer checkpoints whole layers only "
+        if kind in ("selective", "selective-matmul"):
+            closest.append(f"--checkpointing {kind}: the Trainer checkpoints whole layers only "
                            "(no selective activation checkpointing); the HF side runs full checkpointing")
 
     # -- loss

@@ -154,10 +154,12 @@ def _activation_bytes(model: GPT, batch) -> int:
 
 
 def test_activation_memory_shrinks(base, batch):
-    mem = {p: _activation_bytes(checkpointed(base, p), batch) for p in ("none", "every:2", "selective", "full")}
+    mem = {p: _activation_bytes(checkpointed(base, p), batch)
+           for p in ("none", "every:2", "selective", "selective-matmul", "full")}
     print({p: f"{b / 2**20:.2f} MiB" for p, b in mem.items()})
     assert mem["full"] < mem["every:2"] < mem["none"]
     assert mem["full"] < mem["selective"] < mem["none"]
+    assert mem["full"] < mem["selective-matmul"] < mem["none"]
     # Full checkpointing keeps only block inputs: well under half of the plain model's.
     assert mem["full"] < 0.5 * mem["none"]
 
@@ -180,12 +182,18 @@ def test_full_recompute_costs_one_forward_of_the_blocks(base, batch):
 
     full = _train_flops(checkpointed(base, "full"), batch)
     every2 = _train_flops(checkpointed(base, "every:2"), batch)
-    selective = _train_flops(checkpointed(base, "selective"), batch)
-    print(f"plain {plain:,}  full {full:,}  blocks forward {blocks_forward:,}  every:2 {every2:,}  selective {selective:,}")
+    selective = _train_flops(checkpointed(base, "selective-matmul"), batch)
+    megatron = _train_flops(checkpointed(base, "selective"), batch)
+    print(f"plain {plain:,}  full {full:,}  blocks forward {blocks_forward:,}  every:2 {every2:,}  "
+          f"selective-matmul {selective:,}  selective {megatron:,}")
     assert abs((full - plain) - blocks_forward) <= 0.01 * blocks_forward
     assert abs((every2 - plain) - blocks_forward / 2) <= 0.01 * blocks_forward
-    # Selective saves every matmul output: the recompute adds no (matmul) FLOPs.
+    # selective-matmul saves every matmul output: the recompute adds no (matmul) FLOPs.
     assert selective - plain <= 0.01 * blocks_forward
+    # Megatron's selective recomputes the attention core up to what backward needs: q k^T
+    # (2 b s^2 d FLOPs) reruns, probs @ v (whose output nothing saves) does not.
+    b, s = batch[0].shape
+    assert megatron - plain == CFG.n_layers * 2 * b * s * s * CFG.d_model
 
 
 @pytest.mark.parametrize(
@@ -193,7 +201,7 @@ def test_full_recompute_costs_one_forward_of_the_blocks(base, batch):
     [
         ("every:0", "K in every:K must be a positive integer"),
         ("every:x", "K in every:K must be a positive integer"),
-        ("some", "choose none, full, every:K, sqrt or selective"),
+        ("some", "choose none, full, every:K, sqrt, selective or selective-matmul"),
     ],
 )
 def test_invalid_policy_rejected(policy, message):

@@ -130,13 +130,18 @@ def test_checkpointing_full_adds_one_forward_of_the_blocks():
     for name in ("qkv", "mlp_fc", "attn_scores"):
         assert full.table["recompute"][name].counted == fwd[name].counted
     assert "lm_head" not in full.table["recompute"]
-    # every:2 recomputes half the blocks; selective saves the matmuls and recomputes only
-    # element-wise work.
+    # every:2 recomputes half the blocks; selective-matmul saves the matmuls and recomputes
+    # only element-wise work; selective (Megatron's) recomputes the attention core.
     half = count_step(_tiny(checkpointing="every:2"))
     assert half.phase_total("recompute", "counted") == blocks_forward / 2
-    sel = count_step(_tiny(checkpointing="selective"))
+    sel = count_step(_tiny(checkpointing="selective-matmul"))
     assert sel.phase_total("recompute", "counted") == 0
     assert sel.phase_total("recompute", "elementwise") > 0
+    core = count_step(_tiny(checkpointing="selective"))
+    assert set(core.table["recompute"]) <= {"attn_scores", "softmax", "dropout", "other"}
+    # The recompute stops once the saved tensors are back: q k^T reruns, probs @ v does not.
+    assert core.phase_total("recompute", "counted") == fwd["attn_scores"].counted > 0
+    assert core.phase_total("backward", "counted") == plain.phase_total("backward", "counted")
 
 
 def test_chunked_loss_counts_the_same_lm_head_work():

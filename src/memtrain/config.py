@@ -133,7 +133,7 @@ class DataConfig:
 # --------------------------------------------------------------------------- techniques
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "bf16-pure")
 ATTENTIONS = ("math", "sdpa", "flash", "mem-efficient", "flex", "flash-attn")
-LOSSES = ("standard", "chunked")
+LOSSES = ("standard", "chunked", "naive")
 OPTIMS = (
     "adamw", "adamw-fused", "adamw-foreach", "adafactor", "adamw-8bit", "adamw-4bit",
     "adamw-bnb-8bit", "sgd",
@@ -150,9 +150,14 @@ class TechniqueConfig:
     attention: str = _f("math", "Attention implementation: " + "|".join(ATTENTIONS) + ".")
     window: Optional[int] = _f(None, "Sliding-window attention: each token attends to the previous W tokens.")
     checkpointing: str = _f(
-        "none", "Activation checkpointing: none|full|every:K|sqrt|selective (gradient_checkpointing)."
+        "none", "Activation checkpointing: none|full|every:K|sqrt|selective|selective-matmul "
+        "(gradient_checkpointing). selective: Megatron's (Korthikanti et al. 2022): keep everything "
+        "but the attention core (scores, softmax, dropout), recompute that; selective-matmul: keep "
+        "matmul/attention-kernel outputs, recompute the rest of each block."
     )
-    loss: str = _f("standard", "LM-head loss: standard (full logits) or chunked (logits never all alive).")
+    loss: str = _f("standard", "LM-head loss: standard (full logits), chunked (logits never all alive) or naive "
+                               "(standard, with the logits kept by the caller until the next step replaces them, "
+                               "as the common `logits = model(x); loss = F.cross_entropy(...)` loop does).")
     loss_chunk: int = _f(
         256,
         "Tokens per chunk for --loss chunked (256 x 50257 fp32 logits = 51 MB alive at a time; "
@@ -203,7 +208,7 @@ class TechniqueConfig:
 
 def parse_checkpointing(policy: str) -> tuple[str, int]:
     """Split a checkpointing policy into (kind, every). ``every:K`` -> ("every", K)."""
-    if policy in ("none", "full", "sqrt", "selective"):
+    if policy in ("none", "full", "sqrt", "selective", "selective-matmul"):
         return policy, 1
     if policy.startswith("every:"):
         try:
@@ -212,7 +217,7 @@ def parse_checkpointing(policy: str) -> tuple[str, int]:
             k = 0
         _require(k > 0, f"--checkpointing {policy!r}: K in every:K must be a positive integer, e.g. every:2")
         return "every", k
-    raise ConfigError(f"unknown --checkpointing {policy!r}; choose none, full, every:K, sqrt or selective")
+    raise ConfigError(f"unknown --checkpointing {policy!r}; choose none, full, every:K, sqrt, selective or selective-matmul")
 
 
 # --------------------------------------------------------------------------- training

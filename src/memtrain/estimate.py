@@ -41,6 +41,8 @@ __all__ = [
     "estimate_inference",
     "model_state_rule",
     "optimizer_state_bytes",
+    "check_analytic_size",
+    "param_count",
     "param_table",
     "parse_count",
     "shape_for_params",
@@ -90,6 +92,9 @@ class ParamInfo:
     shape: tuple[int, ...]
     trainable: bool = True
     block: Optional[int] = None  # index of the Transformer block it belongs to
+    # How many tensors of this shape the entry stands for: a compressed table (one per layer
+    # *kind*, see :func:`param_count`) counts a block's parameters once with repeat = n_layers.
+    repeat: int = 1
 
     @property
     def numel(self) -> int:
@@ -105,7 +110,48 @@ def param_table(m: ModelConfig, arch: Arch = GPT2_ARCH, tech: Optional[Technique
 
     With LoRA (``tech.lora_rank > 0``) the base weights are frozen and each targeted Linear
     gets ``A (r x in)`` and ``B (out x r)`` adapters (peft's layout); only those train.
+    One entry per tensor, so O(n_layers): :func:`param_count` answers counts in O(1).
     """
+    check_analytic_size(m)
+    return _param_table(m, arch, tech, range(m.n_layers))
+
+
+def param_count(m: ModelConfig, arch: Arch = GPT2_ARCH, tech: Optional[TechniqueConfig] = None) -> tuple[int, int]:
+    """(parameters, trainable parameters) counted per layer kind: one block's tensors times
+    ``n_layers`` plus the rest, so the cost does not grow with the depth."""
+    check_analytic_size(m)
+    total = trainable = 0
+    for p in _param_table(m, arch, tech, range(min(1, m.n_layers))):
+        k = p.numel * (m.n_layers if p.block is not None else 1)
+        total += k
+        trainable += k if p.trainable else 0
+    return total, trainable
+
+
+# Limits of the analytic commands (estimate, plan, flops). Nothing near them has been trained
+# (GPT-3: 96 layers, d_model 12288; PaLM: 118 layers, 18432): a size beyond them is a typo or a
+# probe, and refusing it keeps every answer O(1) in time and memory (docs/estimation.md).
+MAX_LAYERS = 100_000
+MAX_WIDTH = 1 << 20  # d_model, d_ff, vocabulary, context length
+MAX_PARAMS = 10**15
+
+
+def check_analytic_size(m: ModelConfig) -> None:
+    """Refuse absurd model sizes (ConfigError: exit 2) before any arithmetic depends on them."""
+    if m.n_layers > MAX_LAYERS:
+        raise ConfigError(f"--n-layers {m.n_layers:,} is beyond what memtrain estimates (at most {MAX_LAYERS:,}); "
+                          f"give a real depth")
+    for name in ("d_model", "d_ff", "vocab_size", "max_seq_len"):
+        v = getattr(m, name)
+        if v > MAX_WIDTH:
+            raise ConfigError(f"--{name.replace('_', '-')} {v:,} is beyond what memtrain estimates "
+                              f"(at most {MAX_WIDTH:,}); give a real size")
+
+
+def _param_table(m: ModelConfig, arch: Arch, tech: Optional[TechniqueConfig], blocks: Iterable[int],
+                 repeat: Optional[dict[int, int]] = None) -> list[ParamInfo]:
+    """The table with only the blocks ``blocks`` (indices used in the names); ``repeat``
+    gives a block's entries a multiplicity (the compressed simulation's lumped periods)."""
     d, f, V = m.d_model, m.d_ff, m.padded_vocab_size
     kv = (arch.n_kv_heads or m.n_heads) * m.head_dim
     bias = m.bias and arch.name == "gpt2"
@@ -116,20 +162,24 @@ def param_table(m: ModelConfig, arch: Arch = GPT2_ARCH, tech: Optional[Technique
     if arch.positional == "learned":
         out.append(ParamInfo("wpe.weight", (m.max_seq_len, d), not frozen))
 
+    rep = repeat or {}
+
     def norm(name: str, i: Optional[int]) -> None:
-        out.append(ParamInfo(f"{name}.weight", (d,), not frozen, i))
+        k = rep.get(i, 1) if i is not None else 1
+        out.append(ParamInfo(f"{name}.weight", (d,), not frozen, i, k))
         if bias and arch.norm == "layernorm":
-            out.append(ParamInfo(f"{name}.bias", (d,), not frozen, i))
+            out.append(ParamInfo(f"{name}.bias", (d,), not frozen, i, k))
 
     def linear(name: str, short: str, n_in: int, n_out: int, i: int) -> None:
-        out.append(ParamInfo(f"{name}.weight", (n_out, n_in), not frozen, i))
+        k = rep.get(i, 1)
+        out.append(ParamInfo(f"{name}.weight", (n_out, n_in), not frozen, i, k))
         if bias:
-            out.append(ParamInfo(f"{name}.bias", (n_out,), not frozen, i))
+            out.append(ParamInfo(f"{name}.bias", (n_out,), not frozen, i, k))
         if lora and short in targets:
-            out.append(ParamInfo(f"{name}.lora_A", (lora, n_in), True, i))
-            out.append(ParamInfo(f"{name}.lora_B", (n_out, lora), True, i))
+            out.append(ParamInfo(f"{name}.lora_A", (lora, n_in), True, i, k))
+            out.append(ParamInfo(f"{name}.lora_B", (n_out, lora), True, i, k))
 
-    for i in range(m.n_layers):
+    for i in blocks:
         p = f"blocks.{i}"
         norm(f"{p}.ln_1", i)
         linear(f"{p}.attn.qkv", "qkv", d, d + 2 * kv, i)
@@ -159,6 +209,9 @@ def parse_count(text: str | int | float) -> int:
         value = math.nan
     if not math.isfinite(value) or value <= 0:
         raise ConfigError(f"cannot read parameter count {text!r}; write it like 3B, 124M or 7e9")
+    if value > MAX_PARAMS:
+        raise ConfigError(f"parameter count {text!r} is beyond what memtrain estimates (at most {MAX_PARAMS:.0e}); "
+                          f"give a real size such as 175B")
     return int(value)
 
 
@@ -179,7 +232,7 @@ def shape_for_params(target: int, base: Optional[ModelConfig] = None) -> ModelCo
 
     def count(n_layers: int, d: int, h: int, f: int) -> int:
         cfg = replace(base, d_model=d, n_heads=h, n_layers=n_layers, d_ff=f)
-        return sum(p.numel for p in param_table(cfg))
+        return param_count(cfg)[0]
 
     best = None
     for n_layers, d, h in _GPT3_SHAPES:
@@ -191,6 +244,10 @@ def shape_for_params(target: int, base: Optional[ModelConfig] = None) -> ModelCo
     per_layer = count(2, d, h, 4 * d) - count(1, d, h, 4 * d)
     fixed = count(1, d, h, 4 * d) - per_layer
     n_layers = max(1, round((target - fixed) / per_layer))
+    if n_layers > MAX_LAYERS:
+        raise ConfigError(f"--params {target:,} would need {n_layers:,} layers at d_model {d} (the widest GPT-3 "
+                          f"shape); memtrain estimates at most {MAX_LAYERS:,}: give the shape with "
+                          f"--d-model/--n-layers/--d-ff")
     # Per layer, d_ff contributes (2 d + 1) parameters for each unit (fc and fc_out, fc bias).
     per_ff = count(n_layers, d, h, 4 * d + 1) - count(n_layers, d, h, 4 * d)
     f = max(1, 4 * d + round((target - count(n_layers, d, h, 4 * d)) / per_ff))
@@ -262,8 +319,8 @@ def optimizer_state_bytes(params: Iterable[ParamInfo], optim: str, param_bytes: 
     keeps its moments in the parameters' dtype: 2 x 4 B in fp32, 2 x 2 B under bf16-pure).
     """
     ps = [p for p in params if p.trainable]
-    n = sum(p.numel for p in ps)
-    n_tensors = len(ps)
+    n = sum(p.numel * p.repeat for p in ps)
+    n_tensors = sum(p.repeat for p in ps)
     if optim in ("adamw", "adamw-foreach", "adamw-fused"):
         # exp_avg + exp_avg_sq per parameter, plus a 4-byte float32 ``step`` tensor each.
         return 2 * param_bytes * n + 4 * n_tensors, [f"AdamW: 2 moments x {param_bytes:g} B x {n:,} trainable params"]
@@ -277,10 +334,9 @@ def optimizer_state_bytes(params: Iterable[ParamInfo], optim: str, param_bytes: 
             if len(p.shape) >= 2:
                 r, c = p.shape[-2], p.shape[-1]
                 lead = math.prod(p.shape[:-2])
-                total += 4 * lead * (r + c)
+                total += (4 * lead * (r + c) + 4) * p.repeat
             else:
-                total += 4 * p.numel
-            total += 4
+                total += (4 * p.numel + 4) * p.repeat
         return total, ["Adafactor: factored second moment (rows + columns per matrix), no first moment"]
     if optim in ("adamw-8bit", "adamw-4bit", "adamw-bnb-8bit"):
         bits = 4 if optim == "adamw-4bit" else 8
@@ -290,16 +346,15 @@ def optimizer_state_bytes(params: Iterable[ParamInfo], optim: str, param_bytes: 
         q = 0
         for p in ps:
             if _quantizable(p.numel, block):
-                q += p.numel
+                q += p.numel * p.repeat
                 # codes + one fp32 scale per block, for each of the 2 states; torchao also keeps
                 # a 256-entry (8-bit) or 16-entry (4-bit) fp32 lookup table per state.
                 codes = p.numel * bits / 8
                 scales = 4 * p.numel / block
                 qmap = 4 * (2 ** bits) if optim != "adamw-bnb-8bit" else 0
-                total += 2 * (codes + scales + qmap)
+                total += (2 * (codes + scales + qmap) + 4) * p.repeat
             else:
-                total += 2 * 4 * p.numel
-            total += 4
+                total += (2 * 4 * p.numel + 4) * p.repeat
         lines = [f"{bits}-bit AdamW: 2 states x {bits} bits + fp32 scale per {block} elements on "
                  f"{q:,} of {n:,} params; the rest (tensors < 4096 elements or not a multiple of "
                  f"{block}) keep fp32 states"]
@@ -330,8 +385,8 @@ def _optimizer_temporaries(params: list[ParamInfo], optim: str, param_bytes: flo
         return worst
     if optim == "adamw-foreach":
         # _foreach_sqrt(exp_avg_sqs) materializes one buffer per parameter of a param group.
-        decay = sum(p.numel for p in ps if len(p.shape) >= 2) * param_bytes
-        no_decay = sum(p.numel for p in ps if len(p.shape) < 2) * param_bytes
+        decay = sum(p.numel * p.repeat for p in ps if len(p.shape) >= 2) * param_bytes
+        no_decay = sum(p.numel * p.repeat for p in ps if len(p.shape) < 2) * param_bytes
         return max(decay, no_decay)
     if optim == "sgd":
         # d_p = grad.add(param, alpha=weight_decay): one buffer for the largest parameter.
@@ -367,10 +422,14 @@ class _Sim:
         self.detail = ""
         self.phase_peaks: dict[str, float] = {}
         self._next = 0
+        # (op, storage id, bytes) in order, for the CUDA caching-allocator replay; None = off.
+        self.events: Optional[list[tuple[str, int, float]]] = None
 
     def alloc(self, nbytes: float, tag: str) -> int:
         self._next += 1
         sid = self._next
+        if self.events is not None:
+            self.events.append(("alloc", sid, nbytes))
         self.live[sid] = (nbytes, tag)
         self.by_tag[tag] += nbytes
         self.total += nbytes
@@ -380,6 +439,8 @@ class _Sim:
     def free(self, sid: Optional[int]) -> None:
         if sid is None or sid not in self.live:
             return
+        if self.events is not None:
+            self.events.append(("free", sid, 0.0))
         nbytes, tag = self.live.pop(sid)
         self.by_tag[tag] -= nbytes
         self.total -= nbytes
@@ -435,6 +496,7 @@ class _Node:
     scratch: float = 0.0
     fwd_scratch: float = 0.0
     tag: str = "activations"
+    core: bool = False  # part of the attention core (q, k, v -> output) that selective recomputes
 
     def sac_kept(self) -> tuple[str, ...]:
         """Outputs selective checkpointing keeps (those of the matmul/attention kernel itself)."""
@@ -476,6 +538,50 @@ class _Graph:
         self._shared: dict[int, str] = {}  # gradient storage id -> forward key it belongs to
         self.tied: set[str] = set()  # parameters used twice (the tied embedding / LM head)
         self.deferred: dict[str, Any] = {}  # tied parameter -> its buffered first gradient (key or sid)
+        # Deep models: lumped periods of blocks (see _Compression); their storages by tag.
+        self.comp: Optional[_Compression] = None
+        # --loss naive: forward keys a caller keeps past the step, and actions after a node's forward.
+        self.pinned: set[str] = set()
+        self.after_forward: dict[str, Any] = {}
+        self.lump_kept: list[int] = []  # freed in backward
+        self.lump_flush: list[int] = []  # autocast weight copies no op saved: freed when forward ends
+        self.lump_grads: list[int] = []  # what the lumped periods leave after backward (gradients)
+        self._kept_by_tag: dict[str, float] = {}
+
+    def _snapshot(self) -> dict[str, float]:
+        return dict(self.sim.by_tag)
+
+    def _lump_forward(self, before: dict[str, float], held: list[str], n_held_before: int) -> None:
+        """After the measured period's forward: allocate ``lumps`` copies of what it kept."""
+        comp, sim = self.comp, self.sim
+        assert comp is not None
+        flush: dict[str, float] = {}
+        for k in held[n_held_before:]:
+            if k not in self.saved_refs and k in self.store:
+                nbytes, tag = sim.live[self.store[k]]
+                flush[tag] = flush.get(tag, 0.0) + nbytes
+        for tag in COMPONENTS:
+            delta = sim.by_tag[tag] - before[tag]
+            kept = delta - flush.get(tag, 0.0)
+            self._kept_by_tag[tag] = kept
+            if kept:
+                self.lump_kept.append(sim.alloc(comp.lumps * kept, tag))
+            if flush.get(tag):
+                self.lump_flush.append(sim.alloc(comp.lumps * flush[tag], tag))
+
+    def _lump_backward(self, before: dict[str, float]) -> None:
+        """After the backward of the period above the lump: the lumped periods' backward, each
+        changing the live bytes by what that period's backward changed them by."""
+        comp, sim = self.comp, self.sim
+        assert comp is not None
+        delta = {tag: sim.by_tag[tag] - before[tag] for tag in COMPONENTS}
+        for sid in self.lump_kept:
+            sim.free(sid)
+        self.lump_kept = []
+        for tag in COMPONENTS:
+            left = comp.lumps * (self._kept_by_tag.get(tag, 0.0) + delta[tag])
+            if left:
+                self.lump_grads.append(sim.alloc(left, tag))
 
     # ---- forward
     def _release(self, key: str) -> None:
@@ -484,6 +590,8 @@ class _Graph:
             self.saved_refs[key] = n - 1
             return
         self.saved_refs.pop(key, None)
+        if key in self.pinned:
+            return
         self.sim.free(self.store.pop(key, None))
 
     def _run_forward(self, nodes: list[_Node], keep_saves: bool, tag_override: Optional[str],
@@ -509,8 +617,11 @@ class _Graph:
                         self.saved_refs[k] = self.saved_refs.get(k, 0) + 1
             if n.hold:
                 held.extend(o[0] for o in n.out)
+            if n.name in self.after_forward:
+                self.after_forward.pop(n.name)()
             for k in set(n.inputs) | {o[0] for o in n.out}:
-                if last.get(k, -1) > i or k in later or k in keep_keys or k in self.saved_refs or k in held:
+                if (last.get(k, -1) > i or k in later or k in keep_keys or k in self.saved_refs or k in held
+                        or k in self.pinned):
                     continue
                 self.sim.free(self.store.pop(k, None))
         return held
@@ -611,38 +722,58 @@ class _Graph:
                 for k in n.inputs:
                     last_seg[k] = idx
         held: list[str] = []
+        lump = self.comp is not None and self.comp.lumps > 0
         for idx, seg in enumerate(self.segments):
-            later = _Later(last_seg, idx)
-            sim.at("forward", seg.name)
-            if seg.checkpoint == "none":
-                held += self._run_forward(seg.nodes, True, None, set(), later)
-                continue
-            # Checkpointed: nothing saved but the block input (held by the checkpoint) and, for
-            # selective checkpointing, the matmul outputs; plus the RNG state it stores.
-            if seg.input_key and seg.input_key in self.store:
-                self.saved_refs[seg.input_key] = self.saved_refs.get(seg.input_key, 0) + 1
-            keep = {k for n in seg.nodes for k in n.sac_kept()} if seg.checkpoint == "selective" else set()
-            held += self._run_forward(seg.nodes, False, None, keep, later)
-            if self.rng_state_bytes:
-                sim.alloc(self.rng_state_bytes, "activations")
+            if lump and idx == self.comp.fwd_segments.start:
+                before, n_held = self._snapshot(), len(held)
+            self._forward_segment(idx, seg, _Later(last_seg, idx), held)
+            if lump and idx == self.comp.fwd_segments.stop - 1:
+                self._lump_forward(before, held, n_held)
         # Leaving autocast drops its weight cache: casts no op saved are freed now.
         self._flush(held)
+        for sid in self.lump_flush:
+            sim.free(sid)
+
+    def _forward_segment(self, idx: int, seg: _Segment, later: "_Later", held: list[str]) -> None:
+        sim = self.sim
+        sim.at("forward", seg.name)
+        if seg.checkpoint == "none":
+            held += self._run_forward(seg.nodes, True, None, set(), later)
+            return
+        # Checkpointed: nothing saved but the block input (held by the checkpoint) and, for
+        # selective checkpointing, the matmul outputs; plus the RNG state it stores.
+        if seg.input_key and seg.input_key in self.store:
+            self.saved_refs[seg.input_key] = self.saved_refs.get(seg.input_key, 0) + 1
+        keep = {k for n in seg.nodes for k in n.sac_kept()} if seg.checkpoint == "selective" else set()
+        held += self._run_forward(seg.nodes, False, None, keep, later)
+        if self.rng_state_bytes:
+            sim.alloc(self.rng_state_bytes, "activations")
 
     def backward(self) -> None:
         sim = self.sim
-        for seg in reversed(self.segments):
-            label = "loss backward" if seg.name == "head" else f"backward {seg.name}"
-            if seg.checkpoint != "none":
-                sim.at("backward", f"recompute {seg.name}")
-                # Recompute up to the last op whose tensors backward needs (non-reentrant
-                # checkpoint stops there); the recomputed saves live until their op's backward.
-                last_saver = max((i for i, n in enumerate(seg.nodes) if n.saves), default=-1)
-                held = self._run_forward(seg.nodes[: last_saver + 1], True, "temporaries", set(), set())
-                self._flush(held)
-            sim.at("backward", label)
-            self._backward_nodes(seg.nodes)
-            if seg.checkpoint != "none" and seg.input_key and seg.input_key in self.saved_refs:
-                self._release(seg.input_key)
+        lump = self.comp is not None and self.comp.lumps > 0
+        for idx in range(len(self.segments) - 1, -1, -1):
+            seg = self.segments[idx]
+            if lump and idx == self.comp.bwd_segments.stop - 1:
+                before = self._snapshot()
+            self._backward_segment(seg)
+            if lump and idx == self.comp.bwd_segments.start:
+                self._lump_backward(before)
+
+    def _backward_segment(self, seg: _Segment) -> None:
+        sim = self.sim
+        label = "loss backward" if seg.name == "head" else f"backward {seg.name}"
+        if seg.checkpoint != "none":
+            sim.at("backward", f"recompute {seg.name}")
+            # Recompute up to the last op whose tensors backward needs (non-reentrant
+            # checkpoint stops there); the recomputed saves live until their op's backward.
+            last_saver = max((i for i, n in enumerate(seg.nodes) if n.saves), default=-1)
+            held = self._run_forward(seg.nodes[: last_saver + 1], True, "temporaries", set(), set())
+            self._flush(held)
+        sim.at("backward", label)
+        self._backward_nodes(seg.nodes)
+        if seg.checkpoint != "none" and seg.input_key and seg.input_key in self.saved_refs:
+            self._release(seg.input_key)
 
 
 class _Later:
@@ -897,7 +1028,12 @@ def _block_nodes(dm: _Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable
 
     norm(f"{p}.ln_1", x, f"{p}.ln1")
     lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv", d, d + 2 * dm.kv, r)
+    start = len(nodes)
     _attention_nodes(nodes, dm, p, tech.attention, tech.window)
+    # The attention core is what model.attn_fn computes: everything after the q/k/v split up
+    # to the (b, h, s, hd) output; the merge (transpose + contiguous) is outside it.
+    for n in nodes[start + 1:]:
+        n.core = not n.name.endswith(".merge")
     lin("proj", f"{p}.attn.proj", f"{p}.y", f"{p}.pr", d, d, a)
     _dropout(nodes, dm, f"{p}.resid_drop", f"{p}.pr", f"{p}.prd", N * d, a)
     # Residual add: type promotion makes it float32 under autocast; the low-precision branch's
@@ -1013,7 +1149,7 @@ class Estimate:
     peak_detail: str
     by_category: dict[str, float]
     phase_peaks: dict[str, float]
-    activations_per_layer: float
+    activations_per_layer: float  # under the configured checkpointing (mean over blocks)
     explanation: list[str]
     rules: dict[str, Any]
     shape: dict[str, Any]
@@ -1021,6 +1157,9 @@ class Estimate:
     world_size: int = 1
     shard: str = "none"
     extra: dict[str, Any] = field(default_factory=dict)
+    activations_per_layer_no_checkpointing: float = 0.0
+    # With estimate(gpu=...): the CUDA caching allocator's view (memtrain.allocator.DeviceMemory).
+    device_memory: Optional[dict[str, Any]] = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -1029,6 +1168,7 @@ class Estimate:
         d["phase_peaks"] = {k: int(round(v)) for k, v in self.phase_peaks.items()}
         d["peak_bytes"] = int(round(self.peak_bytes))
         d["activations_per_layer"] = int(round(self.activations_per_layer))
+        d["activations_per_layer_no_checkpointing"] = int(round(self.activations_per_layer_no_checkpointing))
         return d
 
 
@@ -1052,23 +1192,85 @@ def _dims(cfg: RunConfig, arch: Arch, device_type: str, batch: Optional[int] = N
     return dm
 
 
-def _segments(cfg: RunConfig, arch: Arch, dm: _Dims, trainable_base: bool, grads_exist: bool) -> list[_Segment]:
+@dataclass
+class _Compression:
+    """Which blocks the simulation runs when the model is deep (layer kinds, not layers).
+
+    Block kinds repeat with a period ``P`` (1 without checkpointing or with full/selective;
+    K for ``every:K``; round(sqrt(L)) for ``sqrt``). The simulation runs the first two periods,
+    then stands ``lumps`` periods in as one allocation per category (what a period keeps after
+    its forward; what it changes in backward, measured on the period right after the lump),
+    then the last period plus the remainder. Exact, not an approximation: every lumped period
+    is the same sequence of allocations as its simulated neighbours, its live total differs
+    from theirs by a constant per period (forward: it only grows; backward: an affine function
+    of the position), so the largest total over the lumped periods is reached at a simulated
+    neighbour. ``real`` maps a simulated block to the model's block index (for labels).
+    """
+
+    period: int
+    lumps: int
+    blocks: int  # simulated blocks
+    per_block: int = 1  # segments per block (3 under selective: before, attention core, after)
+
+    def real(self, j: int) -> int:
+        return j if j < 2 * self.period else j + self.lumps * self.period
+
+    @property
+    def fwd_segments(self) -> range:
+        """Segment indices (embedding is 0) of the period whose forward is measured (period 1)."""
+        w = self.period * self.per_block
+        return range(1 + w, 1 + 2 * w)
+
+    @property
+    def bwd_segments(self) -> range:
+        """Segment indices of the period right after the lump (measured in backward)."""
+        w = self.period * self.per_block
+        return range(1 + 2 * w, 1 + 3 * w)
+
+
+def _compression(cfg: RunConfig) -> _Compression:
+    kind, every = parse_checkpointing(cfg.technique.checkpointing)
+    L = cfg.model.n_layers
+    # The period of the block kinds: blocks i % K == 0 are checkpointed under every:K and sqrt.
+    P = (1 if kind in ("full", "selective", "selective-matmul", "none")
+         else (max(1, round(math.sqrt(L))) if kind == "sqrt" else every))
+    # Two periods, the lumps, then the last period and the remainder.
+    lumps = max(0, (L - 2 * P) // P - 1)
+    return _Compression(P, lumps, L - lumps * P, 3 if kind == "selective" else 1)
+
+
+def _segments(cfg: RunConfig, arch: Arch, dm: _Dims, trainable_base: bool, grads_exist: bool,
+              comp: _Compression) -> list[_Segment]:
     m, tech = cfg.model, cfg.technique
     kind, every = parse_checkpointing(tech.checkpointing)
     L = m.n_layers
-    if kind in ("full", "selective"):
-        ckpt = set(range(L))
-    elif kind == "none":
-        ckpt = set()
+    if kind in ("full", "selective-matmul"):
+        ckpt = lambda i: True  # noqa: E731
+    elif kind in ("none", "selective"):
+        ckpt = lambda i: False  # noqa: E731
     else:
-        k = max(1, round(math.sqrt(L))) if kind == "sqrt" else every
-        ckpt = {i for i in range(L) if i % k == 0}
-    mode = "selective" if kind == "selective" else "full"
+        k = comp.period
+        ckpt = lambda i: i % k == 0  # noqa: E731
+    mode = "selective" if kind == "selective-matmul" else "full"
     segs = [_Segment("embedding", _embedding_nodes(dm, arch, trainable_base))]
-    for i in range(L):
-        segs.append(_Segment(f"block {i}", _block_nodes(dm, i, arch, tech, trainable_base),
-                             checkpoint=mode if i in ckpt else "none", input_key=f"blocks.{i}.in"))
-    segs.append(_Segment("head", _head_nodes(dm, m, tech, arch, trainable_base, grads_exist)))
+    for j in range(comp.blocks):
+        i = comp.real(j)
+        nodes = _block_nodes(dm, j, arch, tech, trainable_base)
+        if kind == "selective":
+            # Megatron's selective recomputation: the block runs as usual around a checkpointed
+            # attention core, which keeps only its input (q, k, v: views of the qkv output).
+            a = next(x for x, n in enumerate(nodes) if n.core)
+            b = a + sum(1 for n in nodes if n.core)
+            segs += [_Segment(f"block {i}", nodes[:a]),
+                     _Segment(f"block {i} attention core", nodes[a:b], checkpoint="full",
+                              input_key=f"blocks.{j}.qkv"),
+                     _Segment(f"block {i}", nodes[b:])]
+            continue
+        segs.append(_Segment(f"block {i}", nodes,
+                             checkpoint=mode if ckpt(i) else "none", input_key=f"blocks.{j}.in"))
+    segs.append(_Segment("head", _head_nodes(dm, replace(m, n_layers=comp.blocks), tech, arch, trainable_base,
+                                             grads_exist)))
+    assert L == comp.blocks + comp.lumps * comp.period
     return segs
 
 
@@ -1088,8 +1290,16 @@ def estimate(
     device_type: Optional[str] = None,
     world_size: int = 1,
     shard: Optional[str] = None,
+    gpu: Optional[str] = None,
+    *,
+    _compress: bool = True,
 ) -> Estimate:
     """Memory of one steady-state training step (the second step: optimizer state exists).
+
+    ``gpu`` (with CUDA kernels): also replay the timeline through the CUDA caching-allocator
+    model (:mod:`memtrain.allocator`) and report ``device_memory`` {``allocated``, ``reserved``,
+    ``device_total``} as torch.cuda and nvidia-smi would show them, for that GPU kind's assumed
+    CUDA context ("default" for any other name). Runs the per-layer timeline: up to 1024 layers.
 
     ``device_type`` (cpu|cuda; default from ``cfg.train.device``, auto = cuda) decides the few
     kernel facts that differ: dropout keeps a float noise tensor on CPU but a 1-byte mask on
@@ -1106,10 +1316,17 @@ def estimate(
         shard = "fsdp"
     if world_size < 1:
         raise ConfigError(f"--world-size must be >= 1, got {world_size}")
-    params = param_table(m, arch, tech)
-    n_params = sum(p.numel for p in params)
+    check_analytic_size(m)
+    # Deep models run a few blocks and lump the rest (per layer kind: O(1) in n_layers); the
+    # table has one entry per simulated tensor, the lumped blocks' counted by ``repeat``.
+    comp = _compression(cfg)
+    if not _compress:
+        comp = replace(comp, lumps=0, blocks=m.n_layers)
+    rep = {j: 1 + comp.lumps for j in range(comp.period, 2 * comp.period)} if comp.lumps else None
+    params = _param_table(m, arch, tech, range(comp.blocks), rep)
+    n_params = sum(p.numel * p.repeat for p in params)
     trainable = [p for p in params if p.trainable]
-    n_train = sum(p.numel for p in trainable)
+    n_train = sum(p.numel * p.repeat for p in trainable)
     pb, ab, autocast = _PRECISION[tech.precision]
     dm = _dims(cfg, arch, device_type)
     grads_exist = t.grad_accum > 1
@@ -1117,10 +1334,21 @@ def estimate(
     # LoRA adapters are created in float32 next to the (possibly bf16) frozen base.
     adapter_bytes = 4 if lora else pb
     pbytes = {p.name: p.numel * (adapter_bytes if "lora_" in p.name else pb) for p in params}
-    weights = sum(pbytes.values())
+    repeat = {p.name: p.repeat for p in params}
+    weights = sum(v * repeat[k] for k, v in pbytes.items())
     grad_bytes = {p.name: pbytes[p.name] for p in trainable}
+    grad_total = sum(v * repeat[k] for k, v in grad_bytes.items())
     opt_bytes, opt_lines = optimizer_state_bytes(trainable, tech.optim, adapter_bytes, tech.optim_block)
     opt_tmp = _optimizer_temporaries(trainable, tech.optim, adapter_bytes, t.weight_decay)
+    zero1 = None
+    if shard == "zero1" and world_size > 1 and sum(p.repeat for p in trainable) <= _ZERO1_MAX_TENSORS:
+        # ZeroRedundancyOptimizer gives whole tensors to ranks: the rank with the most state
+        # (the one that decides whether the run fits) is reported.
+        ranks = _zero1_partition(trainable, world_size)
+        per_rank = [optimizer_state_bytes(ps, tech.optim, adapter_bytes, tech.optim_block)[0] for ps in ranks]
+        worst = per_rank.index(max(per_rank))
+        zero1 = {"rank": worst, "optimizer_per_rank": per_rank,
+                 "scratch": _optimizer_temporaries(ranks[worst], tech.optim, adapter_bytes, t.weight_decay)}
 
     # ---- sharding (one rank's share)
     n = world_size
@@ -1132,41 +1360,75 @@ def estimate(
         if shard == "fsdp":
             shard_div["weights"] = n
 
+    if gpu is not None and device_type == "cuda" and _compress:
+        if m.n_layers > 1024:
+            raise ConfigError(f"--gpu (the CUDA allocator model) replays every layer: at most 1024, got {m.n_layers}")
+        est = estimate(cfg, arch, device_type, world_size, shard, gpu, _compress=False)
+        est.device_memory = est.extra.pop("_device_memory")
+        return est
     sim = _Sim()
+    if gpu is not None and device_type == "cuda":
+        sim.events = []
     sim.at("start", "weights and optimizer state")
     w_rank = weights / shard_div["weights"]
-    sim.alloc(w_rank, "weights")
-    sim.alloc(opt_bytes / shard_div["optimizer"], "optimizer")
+    opt_share = zero1["optimizer_per_rank"][zero1["rank"]] if zero1 else opt_bytes / shard_div["optimizer"]
+    tmp_share = zero1["scratch"] if zero1 else opt_tmp / shard_div["optimizer"]
+    state_sids = [sim.alloc(w_rank, "weights"), sim.alloc(opt_share, "optimizer")]
     if shard == "fsdp" and n > 1:
         # FSDP all-gathers one block's parameters at a time (forward and backward).
-        per_block = max((sum(pbytes[p.name] for p in params if p.block == i) for i in range(m.n_layers)), default=0)
+        per_block = max((sum(pbytes[p.name] for p in params if p.block == i) for i in range(comp.blocks)), default=0)
         sim.alloc(per_block, "temporaries")
     if grads_exist:
-        sim.alloc(sum(grad_bytes.values()) / shard_div["gradients"], "gradients")
+        sim.alloc(grad_total / shard_div["gradients"], "gradients")
 
-    segs = _segments(cfg, arch, dm, not lora, grads_exist)
+    segs = _segments(cfg, arch, dm, not lora, grads_exist, comp)
     _fill_param_grads(segs, pbytes)
     graph = _Graph(sim, segs, grad_bytes, grads_exist, _CPU_RNG_STATE_BYTES if device_type == "cpu" else 0)
+    graph.comp = comp
+    if tech.loss == "naive":
+        # The caller's `logits` holds the previous step's logits until model(x) returns the new
+        # ones, and the new ones past the end of this step.
+        previous = sim.alloc(dm.n * dm.V * dm.a, "logits")
+        graph.after_forward["lm_head"] = lambda: sim.free(previous)
+        graph.pinned.add("logits")
     if not m.untie_embeddings:
         graph.tied.add("wte.weight")
     graph.forward()
     graph.backward()
     if shard_div["gradients"] > 1:
         # ZeRO-2 / FSDP: after the reduce-scatter a rank keeps 1/N of the gradients.
-        for sid in [v for v in graph.param_grad_sid.values() if v > 0]:
+        lumped = [sid for sid in graph.lump_grads if sim.live.get(sid, (0, ""))[1] == "gradients"]
+        for sid in [v for v in graph.param_grad_sid.values() if v > 0] + lumped:
             sim.free(sid)
-        sim.alloc(sum(grad_bytes.values()) / shard_div["gradients"], "gradients")
+        sim.alloc(grad_total / shard_div["gradients"], "gradients")
 
     # Optimizer step: weights + grads + states + scratch, then zero_grad frees the grads.
     sim.at("optimizer", f"{tech.optim} step")
-    sim.transient(opt_tmp / shard_div["optimizer"], "temporaries")
+    sim.transient(tmp_share, "temporaries")
+
+    device_memory = None
+    if sim.events is not None:
+        from memtrain.allocator import replay
+
+        # The weights and optimizer state are one number each in the timeline but one tensor
+        # per parameter (per state) on the device: the allocator sees them tensor by tensor.
+        n_states = {"adamw": 2, "adamw-foreach": 2, "adamw-fused": 2, "sgd": 1}.get(tech.optim)
+        per_tensor = [pbytes[p.name] / shard_div["weights"] for p in params]
+        if n_states:
+            per_tensor += [pbytes[p.name] / shard_div["optimizer"] for p in trainable for _ in range(n_states)]
+        else:
+            per_tensor.append(opt_share)
+        events = [e for e in sim.events if e[1] not in state_sids]
+        device_memory = replay(events, gpu, sim.peak, per_tensor).to_dict()
 
     peak_tags = sim.peak_tags
     by_category = {c: 0.0 for c in CATEGORIES}
     for tag, v in peak_tags.items():
         by_category[_CATEGORY_OF[tag]] += v
-    act_layer = _activations_per_layer(cfg, arch, dm, not lora)
-    expl = _explain(cfg, arch, dm, params, n_params, n_train, weights, opt_bytes, opt_lines, act_layer,
+    rng = _CPU_RNG_STATE_BYTES if device_type == "cpu" else 0
+    act_layer = _activations_per_layer(cfg, arch, dm, not lora, rng)
+    act_layer_none = _activations_per_layer(cfg, arch, dm, not lora, rng, "none")
+    expl = _explain(cfg, arch, dm, params, n_params, n_train, weights, opt_bytes, opt_lines, act_layer_none,
                     sim, shard, n, device_type)
     rule = model_state_rule(n_params, tech.optim, trainable=n_train if lora else None,
                             mixed_precision=autocast)
@@ -1180,6 +1442,7 @@ def estimate(
         by_category=by_category,
         phase_peaks={k: v for k, v in sim.phase_peaks.items() if k},
         activations_per_layer=act_layer,
+        activations_per_layer_no_checkpointing=act_layer_none,
         explanation=expl,
         rules=rule,
         shape={"arch": arch.name, "d_model": m.d_model, "n_layers": m.n_layers, "n_heads": m.n_heads,
@@ -1188,11 +1451,32 @@ def estimate(
         world_size=n,
         shard=shard if n > 1 else "none",
         extra={"model_state": {"weights": weights / shard_div["weights"],
-                               "gradients": sum(grad_bytes.values()) / shard_div["gradients"],
-                               "optimizer": opt_bytes / shard_div["optimizer"],
-                               "optimizer_step_scratch": opt_tmp / shard_div["optimizer"]},
-               "device_type": device_type},
+                               "gradients": grad_total / shard_div["gradients"],
+                               "optimizer": opt_share,
+                               "optimizer_step_scratch": tmp_share},
+               **({"zero1": {"rank": zero1["rank"], "optimizer_per_rank": zero1["optimizer_per_rank"]}}
+                  if zero1 else {}),
+               "device_type": device_type, **({"_device_memory": device_memory} if device_memory else {})},
     )
+
+
+# Above this many trainable tensors ZeRO-1's partition is not replayed (the even split is used).
+_ZERO1_MAX_TENSORS = 1_000_000
+
+
+def _zero1_partition(params: list[ParamInfo], world: int) -> list[list[ParamInfo]]:
+    """torch's ZeroRedundancyOptimizer partition (``_partition_parameters``): per parameter group
+    (memtrain's: matrices, then vectors), largest tensor first, each to the rank with the fewest
+    elements so far (first such rank on a tie), the counts carried across groups."""
+    sizes = [0] * world
+    out: list[list[ParamInfo]] = [[] for _ in range(world)]
+    for group in ([p for p in params if len(p.shape) >= 2], [p for p in params if len(p.shape) < 2]):
+        expanded = [replace(p, repeat=1) for p in group for _ in range(p.repeat)]
+        for p in sorted(expanded, key=lambda q: q.numel, reverse=True):
+            r = sizes.index(min(sizes))
+            out[r].append(p)
+            sizes[r] += p.numel
+    return out
 
 
 def _fill_param_grads(segs: list[_Segment], pbytes: dict[str, float]) -> None:
@@ -1203,12 +1487,38 @@ def _fill_param_grads(segs: list[_Segment], pbytes: dict[str, float]) -> None:
                        for k, v in n.grads]
 
 
-def _activations_per_layer(cfg: RunConfig, arch: Arch, dm: _Dims, trainable_base: bool) -> float:
-    """Bytes one block keeps for backward (no checkpointing), block input included."""
+def _activations_per_layer(cfg: RunConfig, arch: Arch, dm: _Dims, trainable_base: bool,
+                           rng_state_bytes: float = 0.0, policy: Optional[str] = None) -> float:
+    """Bytes one block keeps for backward between its forward and its backward, block input
+    included, under the checkpointing ``policy`` (default: the configured one).
+
+    none: everything autograd saves; full: the input the checkpoint holds (+ the RNG state it
+    stores on CPU); selective: that plus the outputs the policy keeps; every:K and sqrt: the
+    mean over the blocks (1 in K checkpointed). The same bytes the timeline keeps per block.
+    """
     nodes = _block_nodes(dm, 0, arch, replace(cfg.technique, checkpointing="none"), trainable_base)
-    sizes = {k: v for n in nodes for k, v in n.out}
+    sizes = {k: v for n in nodes for k, v, *_ in n.out}
+    block_input = dm.n * dm.d * dm.r
     saved = {k for n in nodes for k in n.saves if k in sizes}
-    return sum(sizes[k] for k in saved) + dm.n * dm.d * dm.r  # + the block input
+    none = sum(sizes[k] for k in saved) + block_input
+    kind, every = parse_checkpointing(policy or cfg.technique.checkpointing)
+    if kind == "none":
+        return none
+    full = block_input + rng_state_bytes
+    if kind == "full":
+        return full
+    if kind == "selective-matmul":
+        kept = {k for n in nodes for k in n.sac_kept() if k in sizes}
+        return full + sum(sizes[k] for k in kept)
+    if kind == "selective":
+        # Everything outside the attention core as without checkpointing, plus the core's
+        # input (the qkv output q, k and v are views of) and the RNG state its checkpoint stores.
+        outside = {k for n in nodes if not n.core for k in n.saves if k in sizes}
+        return sum(sizes[k] for k in outside | {"blocks.0.qkv"}) + block_input + rng_state_bytes
+    L = cfg.model.n_layers
+    k = max(1, round(math.sqrt(L))) if kind == "sqrt" else every
+    n_ck = -(-L // k)
+    return (n_ck * full + (L - n_ck) * none) / L
 
 
 def _explain(cfg: RunConfig, arch: Arch, dm: _Dims, params: list[ParamInfo], n_params: int, n_train: int,
@@ -1226,21 +1536,28 @@ def _explain(cfg: RunConfig, arch: Arch, dm: _Dims, params: list[ParamInfo], n_p
         f"gradients = trainable x {pb if not tech.lora_rank else 4} B (same dtype as the parameter)"
         + (f"; alive across the {t.grad_accum} micro-batches" if t.grad_accum > 1 else ""),
         *[f"optimizer = {line}" for line in opt_lines],
-        f"activations per block = {act_layer / 2**20:.2f} MiB for b={dm.b} s={dm.s}: "
+        f"activations per block{' (no checkpointing)' if tech.checkpointing != 'none' else ''} = "
+        f"{act_layer / 2**20:.2f} MiB for b={dm.b} s={dm.s}: "
         + _act_formula(dm, tech, arch, device_type),
         f"logits ({tech.loss}) = "
         + (f"N x V x 4 B saved log-probs ({N:,} x {dm.V:,}); peak 3 x that at loss backward "
-           f"(log-probs + their grad + grad of logits)" if tech.loss == "standard"
+           f"(log-probs + their grad + grad of logits)"
+           + (f"; naive: + the N x V x {dm.a:g} B logits the caller keeps (the previous step's until "
+              f"model(x) returns)" if tech.loss == "naive" else "") if tech.loss in ("standard", "naive")
            else f"chunk {min(tech.loss_chunk, N)} x V in flight + grad_h (N x d) + fp32 grad_w (V x d)"),
         f"checkpointing {tech.checkpointing}: "
         + {"none": "all blocks keep their activations",
            "full": "each block keeps only its input; one block is recomputed at a time in backward",
-           "selective": "blocks keep input + matmul outputs; the rest is recomputed in backward"}.get(
+           "selective": "blocks keep everything but the attention core (scores, softmax, dropout), "
+                        "which keeps q, k, v and is recomputed in backward (Megatron's selective)",
+           "selective-matmul": "blocks keep input + matmul outputs; the rest is recomputed in backward"}.get(
                parse_checkpointing(tech.checkpointing)[0], "blocks i % K == 0 keep only their input"),
         f"peak = {sim.peak / 2**20:.2f} MiB in {sim.peak_phase} ({sim.peak_detail})",
     ]
     if world > 1:
-        lines.append(f"sharding {shard} over {world} ranks: optimizer/N"
+        lines.append(f"sharding {shard} over {world} ranks: "
+                     + ("optimizer by ZeroRedundancyOptimizer's whole-tensor partition (largest rank)"
+                        if shard == "zero1" else "optimizer/N")
                      + (", gradients/N" if shard in ("zero2", "fsdp") else "")
                      + (", weights/N + one gathered block" if shard == "fsdp" else ""))
     return lines
@@ -1278,8 +1595,7 @@ def estimate_inference(cfg: RunConfig, weights_dtype: str = "fp32", arch: Arch =
     if weights_dtype not in ("fp32", "bf16", "fp16", "int8"):
         raise ConfigError(f"--weights-dtype {weights_dtype!r}: choose fp32, bf16, fp16 or int8")
     m, t = cfg.model, cfg.train
-    params = param_table(m, arch)
-    n_params = sum(p.numel for p in params)
+    n_params = param_count(m, arch)[0]
     wb = DTYPE_BYTES[weights_dtype]
     weights = n_params * wb
     a = 4 if weights_dtype == "fp32" else 2  # int8 weights dequantize to 16-bit compute

@@ -41,7 +41,7 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
@@ -415,8 +415,8 @@ def _make_recorder(model: Any, tracker: Any, registry: dict, vocab: int, profile
                 return func(*args, **kwargs)
             name = func._overloadpacket.__name__
             phase = self.phase
-            if self.stack:
-                module = self.stack[-1]
+            if self.stack or _CORE_STACK:
+                module = self.stack[-1] if self.stack else _CORE_STACK[-1]
                 if phase == "backward":
                     phase = "recompute"
             else:
@@ -439,7 +439,7 @@ def _make_recorder(model: Any, tracker: Any, registry: dict, vocab: int, profile
     return _Recorder()
 
 
-def _split_attention(table: dict[str, ClassCount]) -> None:
+def _split_attention(table: dict[str, ClassCount], only_scores: bool = False) -> None:
     """Split the math backend's ``attn_core`` bmm into QK^T and AV, half each.
 
     Exact, not an estimate: QK^T multiplies (T x hd)(hd x T) and AV (T x T)(T x hd), so in
@@ -449,6 +449,11 @@ def _split_attention(table: dict[str, ClassCount]) -> None:
     dispatcher alone cannot tell them apart, but they are equal in FLOPs and bytes."""
     core = table.pop("attn_core", None)
     if core is None:
+        return
+    if only_scores:
+        # Selective checkpointing's recompute of the attention core stops (non-reentrant
+        # checkpoint's early stop) once q k^T's softmax and v are back: probs @ v never reruns.
+        table.setdefault("attn_scores", ClassCount()).add(core)
         return
     for name in ("attn_scores", "attn_values"):
         table.setdefault(name, ClassCount()).add(core, 0.5)
@@ -499,6 +504,19 @@ def _counting_config(cfg: RunConfig, **overrides: Any) -> RunConfig:
     return cfg.replace(compile=False, distributed="none", cpu_offload=False, device="cpu", **overrides)
 
 
+# Attention modules whose checkpointed core (selective checkpointing) is running: a core
+# recomputed during backward runs outside any module's forward, so the recorder looks here.
+_CORE_STACK: list[str] = []
+
+
+def _in_core(name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    _CORE_STACK.append(name)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _CORE_STACK.pop()
+
+
 def _use_fused_dropout(model: Any) -> None:
     """Make this (throwaway) model run dropout as CUDA does: one fused ``native_dropout`` kernel
     (output and mask in one pass). On CPU ``F.dropout`` decomposes into bernoulli_, div_ and
@@ -507,10 +525,14 @@ def _use_fused_dropout(model: Any) -> None:
     functions (which call ``F.dropout`` inside, e.g. the math backend) run under a
     TorchFunctionMode that rewrites the call. Both act again in checkpointing's recompute,
     which must see the same ops as the forward did."""
+    import functools
+
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
+
+    from memtrain.techniques.checkpointing import _checkpointed_call
 
     def fused(x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
         return torch.native_dropout(x, p, True)[0] if train and p > 0.0 else x
@@ -532,11 +554,20 @@ def _use_fused_dropout(model: Any) -> None:
                 return fn(*args, **kwargs)
         return attn_fn
 
+    names = {m: ("GPT." + n if n else "GPT") for n, m in model.named_modules()}
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.forward = (lambda m: lambda x: fused(x, m.p, m.training))(module)
-        if callable(getattr(module, "attn_fn", None)):
-            module.attn_fn = wrap_attention(module.attn_fn)
+        fn = getattr(module, "attn_fn", None)
+        if isinstance(fn, functools.partial) and fn.func is _checkpointed_call:
+            # Selective checkpointing checkpoints the attention core: the mode must be active
+            # inside it, where its recompute runs too, not around it. The core is no module,
+            # so it names its attention module on _CORE_STACK for the recorder.
+            inner = wrap_attention(fn.args[0])
+            core = (lambda f, name: lambda *a, **k: _in_core(name, f, *a, **k))(inner, names[module])
+            module.attn_fn = functools.partial(fn.func, core, *fn.args[1:], **fn.keywords)
+        elif callable(fn):
+            module.attn_fn = wrap_attention(fn)
 
 
 def _empty_model(cfg: ModelConfig) -> Any:
@@ -608,9 +639,76 @@ def _trace(cfg: RunConfig, fake: bool = True) -> tuple[dict[str, dict[str, Class
     attributed = sum(c.counted for v in table.values() for c in v.values())
     if not math.isclose(attributed, total, rel_tol=1e-9, abs_tol=1.0):
         raise RuntimeError(f"FLOP attribution lost FLOPs: classes sum to {attributed:.6g}, counter {total:.6g}")
-    for v in table.values():
-        _split_attention(v)
+    for phase, v in table.items():
+        _split_attention(v, only_scores=phase == "recompute" and cfg.technique.checkpointing == "selective")
     return table, total, n_params, trainable
+
+
+# Models deeper than this are counted per layer kind (below), not traced whole.
+_TRACE_LAYERS = 8
+_LORA_TRACE_LAYERS = 128
+
+
+def _trace_by_kind(cfg: RunConfig) -> tuple[dict[str, dict[str, ClassCount]], float, int, int]:
+    """:func:`_trace`, in O(1) of the depth: every block of one kind (checkpointed or not)
+    dispatches the same ops, so a deep model's count is a 1-block model's plus (L - 1) times
+    one block's (the difference of a 2-block and a 1-block trace), per kind. Shallow models are
+    traced whole, as before."""
+    from memtrain.config import parse_checkpointing
+    from memtrain.estimate import check_analytic_size
+
+    check_analytic_size(cfg.model)
+    L = cfg.model.n_layers
+    if cfg.technique.lora_rank and L > _LORA_TRACE_LAYERS:
+        # peft's adapters make the counter's module tracker attribute backward ops to a
+        # neighbouring block's class, so per-class counts are not additive per block.
+        raise ConfigError(f"memtrain flops with --lora-rank traces the whole model, at most "
+                          f"{_LORA_TRACE_LAYERS} layers; got --n-layers {L}")
+    if L <= _TRACE_LAYERS or cfg.technique.lora_rank:
+        return _trace(cfg)
+    kind, every = parse_checkpointing(cfg.technique.checkpointing)
+    if kind in ("none", "full", "selective", "selective-matmul"):
+        counts = {cfg.technique.checkpointing: L}
+    else:
+        k = max(1, round(math.sqrt(L))) if kind == "sqrt" else every
+        n_ck = -(-L // k)  # blocks i % k == 0
+        counts = {"full": n_ck, "none": L - n_ck}
+    out: dict[str, dict[str, ClassCount]] = {}
+    total = 0.0
+    n_params = trainable = 0
+    first = True
+    for ck, n in counts.items():
+        t1, c1, p1, tr1 = _trace(cfg.replace(n_layers=1, checkpointing=ck))
+        t2, c2, p2, tr2 = _trace(cfg.replace(n_layers=2, checkpointing=ck))
+        if first:  # the embedding and the head, once: the 1-block trace minus its block
+            _accumulate(out, t1, 1.0)
+            _accumulate(out, t2, -1.0)
+            _accumulate(out, t1, 1.0)
+            total += 2 * c1 - c2
+            n_params += 2 * p1 - p2
+            trainable += 2 * tr1 - tr2
+            first = False
+        _accumulate(out, t2, float(n))
+        _accumulate(out, t1, -float(n))
+        total += n * (c2 - c1)
+        n_params += n * (p2 - p1)
+        trainable += n * (tr2 - tr1)
+    for phase in list(out):
+        out[phase] = {name: c for name, c in out[phase].items() if c.ops or c.counted or c.bytes or c.elementwise}
+        if not out[phase]:
+            del out[phase]
+    return out, total, n_params, trainable
+
+
+def _accumulate(into: dict[str, dict[str, ClassCount]], table: dict[str, dict[str, ClassCount]], scale: float) -> None:
+    for phase, classes in table.items():
+        dest = into.setdefault(phase, {})
+        for name, c in classes.items():
+            d = dest.setdefault(name, ClassCount())
+            d.counted += scale * c.counted
+            d.elementwise += scale * c.elementwise
+            d.bytes += scale * c.bytes
+            d.ops += round(scale * c.ops)
 
 
 def _rule_terms(cfg: RunConfig, n_params: int, tokens: int) -> dict[str, float]:
@@ -650,7 +748,7 @@ def _count_step_cached(key: str) -> StepCount:
     t = cfg.train
     notes: list[str] = []
     try:
-        table, counter_total, n_params, trainable = _trace(cfg)
+        table, counter_total, n_params, trainable = _trace_by_kind(cfg)
     except ConfigError as exc:
         # Some kernels exist on CUDA only (mem-efficient, flex backward, flash-attn). The count
         # runs on CPU, so it runs the same model with SDPA: torch counts every fused attention
@@ -658,7 +756,7 @@ def _count_step_cached(key: str) -> StepCount:
         # attention bytes are those of the CPU SDPA path.
         if cfg.technique.attention in ("math", "sdpa"):
             raise
-        table, counter_total, n_params, trainable = _trace(cfg.replace(attention="sdpa"))
+        table, counter_total, n_params, trainable = _trace_by_kind(cfg.replace(attention="sdpa"))
         notes.append(f"--attention {cfg.technique.attention} cannot run on CPU ({exc}); counted with "
                      f"--attention sdpa: same FLOPs, attention bytes of the CPU SDPA path")
     forward = table.get("forward", {})
@@ -819,12 +917,12 @@ def reconcile(cfg: RunConfig, count: StepCount) -> dict[str, float]:
     The attention term needs no correction: the counter counts the full (T x T) score matrix,
     as the rule does, masked half included.
     """
-    from memtrain.model import GPT
-    import torch
+    from memtrain.estimate import param_table
 
-    with torch.device("meta"):
-        model = GPT(cfg.model)
-    non_matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() < 2)
+    # One block's vectors times the depth (param_table lists model.named_parameters(); the
+    # model itself is not built: O(1) in n_layers).
+    one = param_table(replace(cfg.model, n_layers=1))
+    non_matmul = sum(p.numel * (cfg.model.n_layers if p.block is not None else 1) for p in one if len(p.shape) < 2)
     tokens = count.tokens
     untied = cfg.model.padded_vocab_size * cfg.model.d_model if cfg.model.untie_embeddings else 0
     counted = count.phase_total("forward", "counted") + count.phase_total("backward", "counted")

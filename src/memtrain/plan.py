@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from memtrain.config import ConfigError, RunConfig, parse_checkpointing
-from memtrain.estimate import GPT2_ARCH, Arch, estimate, param_table
+from memtrain.estimate import GPT2_ARCH, Arch, estimate, param_count
 
 __all__ = ["Candidate", "PlanResult", "DEVICE_PROFILES", "default_space", "plan", "step_cost", "verify"]
 
@@ -77,6 +77,10 @@ def step_cost(cfg: RunConfig, device_type: str, arch: Arch = GPT2_ARCH) -> tuple
     if kind == "full":
         recompute = fwd_blocks
     elif kind == "selective":
+        # Megatron's selective: the attention core reruns up to what backward needs: q k^T
+        # (half the attention matmul FLOPs); probs @ v does not rerun (checkpoint's early stop).
+        recompute = 0.5 * attn
+    elif kind == "selective-matmul":
         recompute = SELECTIVE_RECOMPUTE_SHARE * fwd_blocks
     elif kind in ("every", "sqrt"):
         k = max(1, round(math.sqrt(L))) if kind == "sqrt" else every
@@ -89,7 +93,7 @@ def step_cost(cfg: RunConfig, device_type: str, arch: Arch = GPT2_ARCH) -> tuple
     efficiency = micro_tokens / (micro_tokens + prof["half_tokens"])
     rate = prof["flops"][tech.precision] * efficiency
     compute = (train + recompute) * tokens / rate
-    trainable = sum(p.numel for p in param_table(cfg.model, arch, tech) if p.trainable)
+    trainable = param_count(cfg.model, arch, tech)[1]
     optimizer = OPTIMIZER_TRAFFIC.get(tech.optim, 32) * trainable / prof["bandwidth"]
     return compute + optimizer, {"compute_s": compute, "recompute_flops_per_token": recompute,
                                  "optimizer_s": optimizer, "micro_batch_efficiency": efficiency}

@@ -128,6 +128,9 @@ def _fake_safe_module_to() -> Iterator[None]:
         torch.nn.Module.to = original  # type: ignore[method-assign]
 
 
+MAX_TRACE_LAYERS = 1024
+
+
 def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict[str, Any]:
     """Run ``steps`` training steps of ``cfg`` on fake tensors; return the last step's
     :class:`memtrain.metrics.MemoryStats` as a dict (``peak_bytes``, ``by_category``,
@@ -142,6 +145,10 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
 
     if device_type not in ("cpu", "cuda"):
         raise ConfigError(f"--trace-device {device_type!r}: use cpu or cuda")
+    if cfg.model.n_layers > MAX_TRACE_LAYERS:
+        # A trace dispatches every op of every layer (O(n_layers)); the analytic estimate is O(1).
+        raise ConfigError(f"--trace runs every layer under fake tensors: at most {MAX_TRACE_LAYERS} layers, got "
+                          f"{cfg.model.n_layers}; drop --trace for the analytic estimate, which answers any depth")
     if device_type == "cuda" and not cuda_trace_supported():
         raise ConfigError(
             "--trace-device cuda needs a CUDA build of torch (fake CUDA tensors cannot run autograd "

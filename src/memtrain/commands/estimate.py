@@ -44,9 +44,28 @@ def device_type_for(args: argparse.Namespace, cfg: Any) -> str:
         return "cuda"
     if cfg.train.device == "cpu":
         return "cpu"
+    if _cpu_only_torch():
+        return "cpu"
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _cpu_only_torch() -> bool:
+    """True when the installed torch is a CPU-only build, read from its version.py as text:
+    importing torch costs seconds and ~200 MB, more than the whole analytic estimate."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    try:
+        spec = importlib.util.find_spec("torch")
+        locations = list(spec.submodule_search_locations or []) if spec else []
+        text = (Path(locations[0]) / "version.py").read_text(encoding="utf-8") if locations else ""
+    except (OSError, ValueError, ImportError, UnicodeDecodeError):
+        return False
+    builds = re.findall(r"^(cuda|hip)\b[^=\n]*=\s*(.+)$", text, flags=re.M)
+    return len(builds) == 2 and all(v.strip() == "None" for _, v in builds)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -60,6 +79,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=int, default=1, help="Data-parallel ranks (memory is per rank).")
     p.add_argument("--shard", choices=("none", "zero1", "zero2", "fsdp"), default=None,
                    help="Sharding over --world-size ranks (default: --distributed).")
+    p.add_argument("--gpu", default=None, metavar="NAME",
+                   help="With CUDA kernels: also model PyTorch's caching allocator and report allocated, reserved "
+                        "and device total (nvidia-smi) for this GPU kind (h100, a100, rtx4090; other names: a "
+                        "default CUDA context, stated as an assumption).")
     p.add_argument("--trace", action="store_true",
                    help="Also run one real step under fake tensors (nothing allocated) and compare.")
     p.add_argument("--trace-device", choices=("cpu", "cuda"), default=None,
@@ -100,7 +123,9 @@ def run(args: argparse.Namespace) -> int:
     shard = args.shard if args.shard not in (None, "none") else None
     if args.world_size > 1 and shard is None and cfg.technique.distributed in ("none", "ddp"):
         shard = "none"
-    est = estimate(cfg, arch, device_type, world_size=args.world_size, shard=shard)
+    if args.gpu is not None and device_type != "cuda":
+        raise ConfigError("--gpu models the CUDA caching allocator: add --device-type cuda (or --device cuda)")
+    est = estimate(cfg, arch, device_type, world_size=args.world_size, shard=shard, gpu=args.gpu)
     out = est.to_dict()
     traced = None
     if args.trace:
@@ -128,7 +153,16 @@ def run(args: argparse.Namespace) -> int:
     for k, v in est.bytes.items():
         rows.append((k, fmt_bytes(v), ""))
     rows.append(("peak", fmt_bytes(est.peak_bytes), f"{est.peak_phase} ({est.peak_detail})"))
-    rows.append(("activations per layer", fmt_bytes(est.activations_per_layer), "saved by one block, no checkpointing"))
+    rows.append(("activations per layer", fmt_bytes(est.activations_per_layer),
+                 f"kept by one block for backward, checkpointing {cfg.technique.checkpointing}"
+                 + ("" if cfg.technique.checkpointing == "none"
+                    else f" ({fmt_bytes(est.activations_per_layer_no_checkpointing)} without)")))
+    if est.device_memory:
+        dmem = est.device_memory
+        rows.append(("CUDA allocated (max_memory_allocated)", fmt_bytes(dmem["allocated"]), "512 B blocks, cuBLAS workspace"))
+        rows.append(("CUDA reserved (max_memory_reserved)", fmt_bytes(dmem["reserved"]), f"{dmem['segments']} cached segments"))
+        rows.append(("device total (nvidia-smi)", fmt_bytes(dmem["device_total"]),
+                     f"reserved + CUDA context {fmt_bytes(dmem['cuda_context'])} (assumed for {dmem['gpu']})"))
     rule = est.rules
     rows.append(("rule of thumb: optimizer", fmt_bytes(rule["optimizer_bytes"]),
                  f"{rule['bytes_per_param']:g} B/param ({rule['optimizer']})"))

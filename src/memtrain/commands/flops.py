@@ -112,6 +112,9 @@ def run(args: argparse.Namespace) -> int:
     from memtrain.flops import flops_report, profile_op_classes, resolve_roof
 
     cfg = config_from_args(args)
+    from memtrain.estimate import check_analytic_size
+
+    check_analytic_size(cfg.model)  # before torch is imported: an absurd size costs nothing
     if args.plot and not args.plot.lower().endswith(".png"):
         raise ConfigError(f"--plot {args.plot!r} must name a .png file, e.g. --plot roofline.png")
     if args.profile_steps <= 0:

@@ -17,11 +17,18 @@ Policies (L = number of blocks):
 * ``sqrt``: ``every:K`` with ``K = round(sqrt(L))``, a middle point in the spirit of
   Chen et al. 2016 ("Training deep nets with sublinear memory cost"): about sqrt(L)
   blocks are recomputed.
-* ``selective``: every block, but with torch's selective activation checkpointing
+* ``selective``: Megatron-LM's selective recomputation (Korthikanti et al. 2022, "Reducing
+  Activation Recomputation in Large Transformer Models", section 4.2): every block keeps
+  all its activations except the *attention core* (q k^T scores, scaling, mask, softmax,
+  attention dropout, probabilities @ v), which is checkpointed: it keeps only q, k, v and
+  runs again in backward. The s x s tensors, the part of a layer's activations that grows
+  with the sequence, are never kept; the recompute costs the two attention matmuls.
+* ``selective-matmul``: every block, with torch's selective activation checkpointing
   (``create_selective_checkpoint_contexts``): the outputs of matrix multiplications and
-  fused attention kernels are SAVED, everything cheap (LayerNorm, GELU, softmax,
-  dropout, masking, residual adds) is recomputed. Memory lands between ``none`` and
-  ``full`` and the recompute costs almost no FLOPs.
+  fused attention kernels are SAVED (with math attention that includes the s x s scores),
+  everything cheap (LayerNorm, GELU, softmax, dropout, masking, residual adds) is
+  recomputed. The recompute costs almost no FLOPs. (This was ``selective`` before
+  ``selective`` became the paper's policy.)
 
 Numerics: non-reentrant ``torch.utils.checkpoint`` with ``preserve_rng_state=True``
 restores the RNG state before the recompute, so dropout draws the same masks and the loss
@@ -107,6 +114,16 @@ def _checkpointed_call(
     return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
 
+def _wrap_attention_core(block: nn.Module) -> None:
+    """Checkpoint ``block.attn.attn_fn`` (q, k, v -> attention output): Megatron's selective
+    recomputation. The attention backend is installed before checkpointing, so this wraps
+    whichever kernel runs (math, SDPA, banded, flex)."""
+    attn = block.attn
+    if isinstance(attn.attn_fn, functools.partial) and attn.attn_fn.func is _checkpointed_call:
+        raise ValueError("attention core is already checkpointed")
+    attn.attn_fn = functools.partial(_checkpointed_call, attn.attn_fn, None)
+
+
 def _wrap(block: nn.Module, selective: bool) -> None:
     """Replace ``block.forward`` on the instance by its checkpointed version.
 
@@ -122,9 +139,12 @@ def _wrap(block: nn.Module, selective: bool) -> None:
 
 
 def is_checkpointed(module: nn.Module) -> bool:
-    """Whether ``apply_checkpointing`` wrapped this module."""
+    """Whether ``apply_checkpointing`` wrapped this module (whole, or its attention core)."""
     fwd = module.__dict__.get("forward")
-    return isinstance(fwd, functools.partial) and fwd.func is _checkpointed_call
+    if isinstance(fwd, functools.partial) and fwd.func is _checkpointed_call:
+        return True
+    core = getattr(getattr(module, "attn", None), "attn_fn", None)
+    return isinstance(core, functools.partial) and core.func is _checkpointed_call
 
 
 def checkpointed_blocks(policy: str, n_layers: int) -> list[int]:
@@ -132,7 +152,7 @@ def checkpointed_blocks(policy: str, n_layers: int) -> list[int]:
     kind, every = parse_checkpointing(policy)
     if kind == "none":
         return []
-    if kind in ("full", "selective"):
+    if kind in ("full", "selective", "selective-matmul"):
         return list(range(n_layers))
     if kind == "sqrt":
         every = max(1, round(math.sqrt(n_layers)))
@@ -146,4 +166,7 @@ def apply_checkpointing(model: nn.Module, tech: TechniqueConfig) -> None:
         return
     blocks = model.blocks
     for i in checkpointed_blocks(tech.checkpointing, len(blocks)):
-        _wrap(blocks[i], selective=(kind == "selective"))
+        if kind == "selective":
+            _wrap_attention_core(blocks[i])
+        else:
+            _wrap(blocks[i], selective=(kind == "selective-matmul"))

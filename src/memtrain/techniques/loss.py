@@ -27,13 +27,14 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from memtrain.config import ConfigError, TechniqueConfig
 from memtrain.model import LossFn, standard_lm_loss
 
 IGNORE_INDEX = -100
 
-__all__ = ["apply_loss", "chunked_lm_loss", "make_loss_fn", "IGNORE_INDEX"]
+__all__ = ["apply_loss", "chunked_lm_loss", "make_loss_fn", "NaiveLoss", "IGNORE_INDEX"]
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -177,7 +178,29 @@ def make_loss_fn(tech: TechniqueConfig, device: torch.device) -> LossFn:
             if liger is not None:
                 return liger
         return functools.partial(chunked_lm_loss, chunk=tech.loss_chunk)
-    raise ConfigError(f"unknown --loss {tech.loss!r}; choose standard or chunked")
+    if tech.loss == "naive":
+        return NaiveLoss()
+    raise ConfigError(f"unknown --loss {tech.loss!r}; choose standard, chunked or naive")
+
+
+class NaiveLoss:
+    """``--loss naive``: the standard loss, with the logits kept alive by the caller.
+
+    The common training loop ``logits = model(x); loss = F.cross_entropy(logits.view(-1, V),
+    y); loss.backward(); opt.step()`` holds ``logits`` through backward, the optimizer step and
+    the next forward, until ``logits = model(x)`` rebinds the name. Published memory tables
+    (e.g. the seed's RTX 4090 table) measured that loop, so memtrain can run it: this loss keeps
+    a reference to the logits until the next call replaces it, which is the same lifetime.
+    """
+
+    def __init__(self) -> None:
+        self.logits: Optional[torch.Tensor] = None
+
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, weight)
+        self.logits = logits  # the previous step's logits die here, as at the loop's rebinding
+        return F.cross_entropy(logits.float(), targets, ignore_index=-100)
+
 
 
 def apply_loss(model: nn.Module, tech: TechniqueConfig, device: torch.device) -> None:

@@ -1,0 +1,149 @@
+"""Check `memtrain estimate --gpu` (the CUDA caching-allocator model) against a real GPU.
+
+For each config, in a fresh process (so allocator caches and peaks do not leak between rows):
+two real training steps of memtrain's model (memtrain.maxbatch.measure_step_memory: the second,
+steady-state step is measured), then
+
+* ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` of that step,
+* the CUDA context: device memory in use (``torch.cuda.mem_get_info``) after CUDA is initialized
+  and torch holds nothing, and the nvidia-smi-style peak total = max reserved + what is in use
+  outside torch's cache after the run,
+
+next to the estimate (tracked peak, modelled allocated / reserved / device total). Rows include
+the seed table's batch 64 x 256 configs with ``--loss naive`` (the seed measured the common loop
+that keeps the logits; its published RTX 4090 figures are printed beside them, mapped to the
+rows in the order the issue lists them: baseline, bf16, flash-bf16, window-flash, ckpt-bf16).
+
+    python benchmarks/allocator_check.py --out benchmarks/results/allocator-h100
+
+Needs torch with CUDA and memtrain's own dependencies only; about 1-2 minutes on an H100.
+Writes OUT/allocator_check.json and OUT/allocator_check.md (command, commit, GPU, table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# (name, config overrides, seed-table figure in GB or None)
+SEED = {"batch_size": 64, "seq_len": 256}
+ROWS: list[tuple[str, dict[str, Any], Any]] = [
+    ("seed baseline, naive loss", {**SEED, "precision": "tf32", "attention": "math", "loss": "naive"}, 15.79),
+    ("seed bf16, naive loss", {**SEED, "precision": "bf16", "attention": "math", "loss": "naive"}, 16.14),
+    ("seed flash-bf16, naive loss", {**SEED, "precision": "bf16", "attention": "flash", "loss": "naive"}, 15.20),
+    ("seed window-flash, naive loss", {**SEED, "precision": "bf16", "attention": "flash", "window": 128,
+                                       "loss": "naive"}, 15.20),
+    ("seed ckpt-bf16, naive loss", {**SEED, "precision": "bf16", "attention": "math", "checkpointing": "full",
+                                    "loss": "naive"}, 14.57),
+    ("seed bf16, standard loss", {**SEED, "precision": "bf16", "attention": "math"}, None),
+    ("bf16 flash chunked, batch 16", {"batch_size": 16, "seq_len": 256, "precision": "bf16", "attention": "flash",
+                                      "loss": "chunked"}, None),
+    ("fp32 small batch (state-bound)", {"batch_size": 2, "seq_len": 128, "precision": "fp32"}, None),
+]
+
+
+def _one(overrides: dict[str, Any]) -> dict[str, Any]:
+    """Runs in the child: measure one config and estimate it."""
+    import torch
+
+    from memtrain.config import build_config
+    from memtrain.estimate import estimate
+    from memtrain.maxbatch import measure_step_memory
+
+    dev = torch.device("cuda")
+    torch.cuda.init()
+    torch.zeros(1, device=dev)
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    context = total - free - torch.cuda.memory_reserved()
+    cfg = build_config({**overrides, "device": "cuda"})
+    t0 = time.time()
+    stats = measure_step_memory(cfg, cfg.train.batch_size)
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    outside = total - free - torch.cuda.memory_reserved()  # context + libraries, after the run
+    name = torch.cuda.get_device_name(dev)
+    est = estimate(cfg, device_type="cuda", gpu=name)
+    dm = est.device_memory or {}
+    if stats is None:
+        measured = {"oom": True}
+    else:
+        measured = {"max_allocated": stats["max_allocated_bytes"], "max_reserved": stats["max_reserved_bytes"],
+                    "device_total": stats["max_reserved_bytes"] + outside}
+    return {"gpu": name, "seconds": time.time() - t0, "context_before": context, "outside_torch_after": outside,
+            "measured": measured,
+            "estimate": {"tracked_peak": est.peak_bytes, "allocated": dm.get("allocated"),
+                         "reserved": dm.get("reserved"), "device_total": dm.get("device_total"),
+                         "assumed_context": dm.get("cuda_context"), "peak_phase": est.peak_phase}}
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def _gb(x: Any) -> str:
+    return "-" if x is None else f"{x / 1e9:.2f}"
+
+
+def _ratio(a: Any, b: Any) -> str:
+    return "-" if not a or not b else f"{a / b - 1:+.1%}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results/allocator-check")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--timeout", type=float, default=120.0, help="Seconds per config (default 120).")
+    args = ap.parse_args(argv)
+    if args.one:
+        print(json.dumps(_one(json.loads(args.one))))
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name, overrides, seed in ROWS:
+        proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(overrides)], capture_output=True,
+                              text=True, timeout=args.timeout, env=dict(os.environ))
+        if proc.returncode != 0:
+            rows.append({"name": name, "overrides": overrides, "error": proc.stderr.strip().splitlines()[-1:]})
+            print(f"{name}: failed: {proc.stderr.strip()[-500:]}", file=sys.stderr)
+            continue
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        rows.append({"name": name, "overrides": overrides, "seed_table_gb": seed, **r})
+        print(f"{name}: measured {r['measured']}, estimate {r['estimate']}")
+    meta = {"command": " ".join([sys.executable, *sys.argv]), "commit": _commit(),
+            "gpu": next((r.get("gpu") for r in rows if r.get("gpu")), None)}
+    (out / "allocator_check.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
+    lines = [f"# CUDA allocator model vs measured ({meta['gpu']})", "",
+             f"Command: `{meta['command']}`, commit {meta['commit']}. GB = 1e9 bytes.", "",
+             "| config | tracked est. | allocated meas. | allocated est. | err | reserved meas. | reserved est. | err "
+             "| device total meas. | device total est. | err | seed table | context meas. / assumed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['name']} | failed: {r['error']} |" + " |" * 11)
+            continue
+        m, e = r["measured"], r["estimate"]
+        lines.append(
+            f"| {r['name']} | {_gb(e['tracked_peak'])} | {_gb(m.get('max_allocated'))} | {_gb(e['allocated'])} | "
+            f"{_ratio(e['allocated'], m.get('max_allocated'))} | {_gb(m.get('max_reserved'))} | {_gb(e['reserved'])} | "
+            f"{_ratio(e['reserved'], m.get('max_reserved'))} | {_gb(m.get('device_total'))} | {_gb(e['device_total'])} | "
+            f"{_ratio(e['device_total'], m.get('device_total'))} | {r['seed_table_gb'] or '-'} | "
+            f"{_gb(r['context_before'])} / {_gb(e['assumed_context'])} |")
+    (out / "allocator_check.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out / 'allocator_check.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

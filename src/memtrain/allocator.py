@@ -1,0 +1,233 @@
+"""What the GPU will say: PyTorch's CUDA caching allocator replayed over a tensor timeline.
+
+The estimator's timeline (and MemoryMeter) count live tensor bytes. Users read something else:
+``torch.cuda.max_memory_allocated`` (rounded blocks), ``max_memory_reserved`` (the segments the
+allocator took from the driver and keeps cached) and ``nvidia-smi`` (reserved + the CUDA context
++ libraries' workspaces). This module is a model of ``c10/cuda/CUDACachingAllocator.cpp`` (torch
+2.x, default settings, one stream, no ``expandable_segments``), hand-written because torch has
+no CPU-side simulator of it:
+
+* every request is rounded up to a multiple of 512 bytes (``kMinBlockSize``);
+* requests <= 1 MiB (``kSmallSize``) are served from the small pool, carved out of 2 MiB
+  segments (``kSmallBuffer``); larger ones from the large pool, whose new segments are 20 MiB
+  (``kLargeBuffer``) for requests < 10 MiB (``kMinLargeAlloc``) and the request rounded up to
+  2 MiB (``kRoundLarge``) otherwise;
+* a request takes the smallest cached free block of its pool that fits (best fit) and splits it
+  when the remainder is >= 512 B (small pool) or > 1 MiB (large pool);
+* a freed block is merged with free neighbours of its segment and stays cached: reserved memory
+  never shrinks during a step (no ``empty_cache``, no OOM-retry, which would free the cache).
+
+Device total = reserved + the cuBLAS workspace + the CUDA context. The workspace comes from the
+caching allocator in torch 2.x (so it is in ``allocated`` and ``reserved`` too); the context is
+outside torch and differs by GPU, driver and CUDA version: :data:`CUDA_CONTEXT_BYTES` holds the
+assumption per GPU kind, stated wherever it is used.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+__all__ = [
+    "CUDA_CONTEXT_BYTES",
+    "CUBLAS_WORKSPACE_BYTES",
+    "CachingAllocator",
+    "DeviceMemory",
+    "replay",
+    "round_size",
+]
+
+MiB = 1 << 20
+MIN_BLOCK = 512
+SMALL_SIZE = 1 * MiB
+SMALL_BUFFER = 2 * MiB
+LARGE_BUFFER = 20 * MiB
+MIN_LARGE_ALLOC = 10 * MiB
+ROUND_LARGE = 2 * MiB
+
+# ASSUMPTION (not measured here: no GPU on the machine this was written on). The CUDA context a
+# process holds on the device before torch allocates anything, as nvidia-smi shows it: the
+# driver's context plus the kernels of torch's CUDA libraries loaded lazily (torch >= 2.0 with
+# CUDA 12 lazy loading). Typical published figures; benchmarks/allocator_check.py measures it.
+CUDA_CONTEXT_BYTES = {
+    "h100": 520 * MiB,
+    "a100": 440 * MiB,
+    "rtx4090": 380 * MiB,
+    "default": 500 * MiB,
+}
+# cuBLAS workspace per handle and stream, allocated through the caching allocator at the first
+# matmul (torch's default CUBLAS_WORKSPACE_CONFIG: 4096 KiB x 8 on Hopper, 4096 KiB x 2 +
+# 16 KiB x 8 before it).
+CUBLAS_WORKSPACE_BYTES = {
+    "h100": 4096 * 1024 * 8,
+    "default": 4096 * 1024 * 2 + 16 * 1024 * 8,
+}
+
+
+def round_size(nbytes: float) -> int:
+    """The block size the allocator hands out for a request of ``nbytes`` (512-byte multiples)."""
+    n = int(-(-nbytes // 1)) if nbytes > 0 else 0
+    return MIN_BLOCK if n < MIN_BLOCK else MIN_BLOCK * (-(-n // MIN_BLOCK))
+
+
+def _segment_size(size: int) -> int:
+    if size <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if size < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return ROUND_LARGE * (-(-size // ROUND_LARGE))
+
+
+@dataclass
+class _Block:
+    segment: int
+    offset: int
+    size: int
+    free: bool = False
+    prev: Optional["_Block"] = field(default=None, repr=False)
+    next: Optional["_Block"] = field(default=None, repr=False)
+
+    def key(self) -> tuple[int, int, int]:
+        return (self.size, self.segment, self.offset)
+
+
+class CachingAllocator:
+    """The model: ``malloc(nbytes) -> handle``, ``free(handle)``; tracks allocated / reserved and
+    their peaks, like ``torch.cuda.memory_stats``'s ``allocated_bytes`` / ``reserved_bytes``."""
+
+    def __init__(self) -> None:
+        self._free: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}  # small? -> sorted keys
+        self._by_key: dict[tuple[int, int, int], _Block] = {}
+        self._live: dict[int, _Block] = {}
+        self._segments: dict[int, bool] = {}  # segment id -> small pool?
+        self._next_handle = 0
+        self.allocated = 0
+        self.reserved = 0
+        self.peak_allocated = 0
+        self.peak_reserved = 0
+        self.segments_created = 0
+
+    def _add_free(self, block: _Block, small: bool) -> None:
+        block.free = True
+        bisect.insort(self._free[small], block.key())
+        self._by_key[block.key()] = block
+
+    def _remove_free(self, block: _Block, small: bool) -> None:
+        pool = self._free[small]
+        i = bisect.bisect_left(pool, block.key())
+        assert pool[i] == block.key()
+        pool.pop(i)
+        del self._by_key[block.key()]
+        block.free = False
+
+    def malloc(self, nbytes: float) -> int:
+        size = round_size(nbytes)
+        small = size <= SMALL_SIZE
+        pool = self._free[small]
+        i = bisect.bisect_left(pool, (size, -1, -1))
+        if i < len(pool):
+            block = self._by_key[pool[i]]
+            self._remove_free(block, small)
+        else:
+            seg = self.segments_created
+            self.segments_created += 1
+            block = _Block(seg, 0, _segment_size(size))
+            self._segments[seg] = small
+            self.reserved += block.size
+            self.peak_reserved = max(self.peak_reserved, self.reserved)
+        remaining = block.size - size
+        if (small and remaining >= MIN_BLOCK) or (not small and remaining > SMALL_SIZE):
+            rest = _Block(block.segment, block.offset + size, remaining, prev=block, next=block.next)
+            if block.next is not None:
+                block.next.prev = rest
+            block.next = rest
+            block.size = size
+            self._add_free(rest, small)
+        self.allocated += block.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self._next_handle += 1
+        self._live[self._next_handle] = block
+        return self._next_handle
+
+    def free(self, handle: int) -> None:
+        block = self._live.pop(handle)
+        small = self._segments[block.segment]
+        self.allocated -= block.size
+        # Merge with free neighbours of the same segment (the segment stays reserved).
+        for neighbour in (block.prev, block.next):
+            if neighbour is not None and neighbour.free:
+                self._remove_free(neighbour, small)
+                if neighbour is block.prev:
+                    neighbour.size += block.size
+                    neighbour.next = block.next
+                    if block.next is not None:
+                        block.next.prev = neighbour
+                    block = neighbour
+                else:
+                    block.size += neighbour.size
+                    block.next = neighbour.next
+                    if neighbour.next is not None:
+                        neighbour.next.prev = block
+        self._add_free(block, small)
+
+
+@dataclass
+class DeviceMemory:
+    """What ``max_memory_allocated``, ``max_memory_reserved`` and nvidia-smi would report."""
+
+    tracked_peak: float  # live tensor bytes (the timeline's peak)
+    allocated: int  # peak of rounded blocks, cuBLAS workspace included
+    reserved: int  # peak of cached segments
+    device_total: int  # reserved + CUDA context
+    cuda_context: int
+    cublas_workspace: int
+    gpu: str
+    segments: int
+    assumptions: list[str]
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("tracked_peak", "allocated", "reserved", "device_total", "cuda_context",
+                                              "cublas_workspace", "gpu", "segments", "assumptions")}
+
+
+def _gpu_key(gpu: Optional[str]) -> str:
+    g = (gpu or "").lower().replace(" ", "").replace("-", "")
+    for key in ("h100", "a100", "rtx4090"):
+        if key in g or (key == "rtx4090" and "4090" in g):
+            return key
+    return "default"
+
+
+def replay(events: Iterable[tuple[str, int, float]], gpu: Optional[str] = None, tracked_peak: float = 0.0,
+           persistent_first: Iterable[float] = ()) -> DeviceMemory:
+    """Replay a timeline through the allocator model.
+
+    ``events``: ("alloc", id, nbytes) / ("free", id, 0) in order; ``persistent_first``: sizes of
+    tensors allocated before the timeline starts and never freed (e.g. each parameter). The
+    cuBLAS workspace is allocated first (the first matmul of the first step creates it).
+    """
+    key = _gpu_key(gpu)
+    alloc = CachingAllocator()
+    ws = CUBLAS_WORKSPACE_BYTES.get(key, CUBLAS_WORKSPACE_BYTES["default"])
+    for nbytes in persistent_first:
+        if nbytes > 0:
+            alloc.malloc(nbytes)
+    alloc.malloc(ws)
+    handles: dict[int, int] = {}
+    for op, sid, nbytes in events:
+        if op == "alloc":
+            if nbytes > 0:
+                handles[sid] = alloc.malloc(nbytes)
+        elif sid in handles:
+            alloc.free(handles.pop(sid))
+    ctx = CUDA_CONTEXT_BYTES[key]
+    return DeviceMemory(
+        tracked_peak=tracked_peak, allocated=alloc.peak_allocated, reserved=alloc.peak_reserved,
+        device_total=alloc.peak_reserved + ctx, cuda_context=ctx, cublas_workspace=ws, gpu=key,
+        segments=alloc.segments_created,
+        assumptions=[f"CUDA context {ctx / MiB:.0f} MiB for GPU kind '{key}' (assumed, not measured; "
+                     f"benchmarks/allocator_check.py measures it)",
+                     f"cuBLAS workspace {ws / MiB:.2f} MiB through the caching allocator",
+                     "caching allocator defaults: one stream, no expandable_segments, no empty_cache"],
+    )

@@ -1,0 +1,118 @@
+"""The analytic commands answer in O(1) of the model size, or refuse it.
+
+estimate/plan/flops count per layer *kind*: the estimator's timeline runs a few blocks and
+stands one allocation per category in for the rest (estimate._Compression), flops traces a
+1- and a 2-block model and scales. These tests prove both are exact (against the per-layer
+computation they replace) and that absurd sizes are refused with exit 2, bounded in time and
+memory.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import memtrain.estimate as E
+from memtrain.config import ConfigError, RunConfig
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+TINY = dict(vocab_size=512, d_model=64, n_heads=4, d_ff=128, max_seq_len=128, batch_size=2, seq_len=32)
+
+
+def _run_bounded(args: list[str], mem_bytes: int = 1 << 30, timeout: float = 60) -> tuple[subprocess.CompletedProcess, int]:
+    """Run ``python -m memtrain ARGS`` with an address-space limit; returns (process, max RSS in KB)."""
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
+
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    proc = subprocess.run([sys.executable, "-m", "memtrain", *args], capture_output=True, text=True,
+                          timeout=timeout, preexec_fn=limit, env=env)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return proc, max(before, after)
+
+
+@pytest.mark.parametrize("args", [
+    ["estimate", "--params", "1e30"],
+    ["estimate", "--params", "1e15"],
+    ["estimate", "--n-layers", "1000000000"],
+    ["estimate", "--params", "inf"],
+    ["plan", "--params", "1e30", "--budget", "24GiB"],
+    ["flops", "--n-layers", "1000000000"],
+    ["estimate", "--d-model", "100000000", "--json"],
+    ["estimate", "--n-layers", "5000", "--trace"],
+])
+def test_absurd_sizes_are_refused_in_bounded_memory(args):
+    # 1 GiB of address space: the old per-layer table grew to 11 GB on --params 1e30.
+    proc, _ = _run_bounded(args)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_deep_model_estimate_is_fast_and_small():
+    """100,000 layers (the limit) answer; RSS stays under 300 MB (measured on the child)."""
+    t0 = time.monotonic()
+    proc, rss_kb = _run_bounded(["estimate", "--n-layers", "100000", "--json", "--device", "cpu"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert rss_kb < 300 * 1024
+    assert time.monotonic() - t0 < 30  # generous: a shared CI core; the local figure is ~1 s
+
+
+def test_param_count_matches_the_table():
+    for L in (1, 3, 12):
+        for ov in (dict(), dict(untie_embeddings=True), dict(bias=False)):
+            cfg = RunConfig().replace(**TINY, n_layers=L, **ov)
+            table = E.param_table(cfg.model)
+            assert E.param_count(cfg.model) == (sum(p.numel for p in table), sum(p.numel for p in table if p.trainable))
+    cfg = RunConfig().replace(**TINY, n_layers=5, lora_rank=4)
+    table = E.param_table(cfg.model, tech=cfg.technique)
+    assert E.param_count(cfg.model, tech=cfg.technique)[1] == sum(p.numel for p in table if p.trainable)
+
+
+def test_huge_parameter_count_is_o1():
+    n, _ = E.param_count(RunConfig().replace(n_layers=100_000).model)
+    assert n > 100_000 * 12 * 256 * 256
+    with pytest.raises(ConfigError, match="beyond"):
+        E.param_count(RunConfig().replace(n_layers=100_001).model)
+
+
+@pytest.mark.parametrize("L", [11, 20])
+@pytest.mark.parametrize("ov", [
+    dict(), dict(dropout=0.1, checkpointing="full"), dict(checkpointing="selective"),
+    dict(checkpointing="every:3", loss="chunked", loss_chunk=16), dict(checkpointing="sqrt", dropout=0.1),
+    dict(precision="bf16", dropout=0.1), dict(precision="bf16-pure"), dict(grad_accum=2),
+    dict(lora_rank=4), dict(untie_embeddings=True, optim="adamw-8bit"), dict(optim="adafactor"),
+], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "plain")
+def test_compressed_timeline_equals_the_per_layer_one(L, ov, monkeypatch):
+    cfg = RunConfig().replace(**TINY, n_layers=L, **ov)
+    for device, world, shard in (("cpu", 1, None), ("cuda", 1, None), ("cuda", 4, "zero2"), ("cuda", 2, "fsdp")):
+        fast = E.estimate(cfg, device_type=device, world_size=world, shard=shard)
+        assert E._compression(cfg).lumps > 0 or L < 20  # at 20 layers every policy lumps
+        with monkeypatch.context() as mp:
+            whole = E._Compression(E._compression(cfg).period, 0, L)
+            mp.setattr(E, "_compression", lambda c: whole)
+            slow = E.estimate(cfg, device_type=device, world_size=world, shard=shard)
+        assert fast.to_dict() == slow.to_dict()
+
+
+def test_flops_per_kind_equals_the_whole_trace():
+    import memtrain.flops as F
+
+    cfg = F._counting_config(RunConfig().replace(d_model=32, n_heads=2, n_layers=9, d_ff=64, vocab_size=128,
+                                                 batch_size=2, seq_len=16, checkpointing="every:4"))
+    whole = F._trace(cfg)
+    kinds = F._trace_by_kind(cfg)
+    assert kinds[1:] == whole[1:]
+    for phase, classes in whole[0].items():
+        for name, c in classes.items():
+            k = kinds[0][phase][name]
+            assert (k.counted, k.elementwise, k.bytes, k.ops) == (c.counted, c.elementwise, c.bytes, c.ops)

@@ -1,0 +1,191 @@
+"""What `estimate` says per layer describes the configured checkpointing policy."""
+
+from __future__ import annotations
+
+import pytest
+
+import memtrain.estimate as E
+from memtrain.config import RunConfig
+
+TINY = dict(vocab_size=512, d_model=64, n_heads=4, n_layers=12, d_ff=128, max_seq_len=128, batch_size=2,
+            seq_len=32)
+
+
+def _timeline_kept_per_block(cfg: RunConfig, device: str) -> float:
+    """Activation bytes the step timeline keeps per block (measured on the lumped period)."""
+    kept = {}
+    original = E._Graph._lump_forward
+
+    def spy(self, before, held, n):
+        original(self, before, held, n)
+        kept.update(self._kept_by_tag)
+
+    E._Graph._lump_forward = spy
+    try:
+        E.estimate(cfg, device_type=device)
+    finally:
+        E._Graph._lump_forward = original
+    return kept["activations"] / E._compression(cfg).period
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("ov", [dict(), dict(checkpointing="full", dropout=0.1), dict(checkpointing="selective"),
+                                dict(checkpointing="every:3"), dict(precision="bf16", checkpointing="selective"),
+                                dict(precision="bf16", dropout=0.1)],
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "plain")
+def test_activations_per_layer_is_what_the_timeline_keeps(ov, device):
+    cfg = RunConfig().replace(**TINY, **ov)
+    est = E.estimate(cfg, device_type=device)
+    assert est.activations_per_layer == pytest.approx(_timeline_kept_per_block(cfg, device), rel=1e-12)
+    d = est.to_dict()
+    assert d["activations_per_layer_no_checkpointing"] >= d["activations_per_layer"]
+    if cfg.technique.checkpointing == "none":
+        assert d["activations_per_layer_no_checkpointing"] == d["activations_per_layer"]
+
+
+def test_full_checkpointing_keeps_the_block_input_only():
+    cfg = RunConfig().replace(**TINY, checkpointing="full")
+    n, d = 2 * 32, 64
+    assert E.estimate(cfg, device_type="cuda").activations_per_layer == n * d * 4
+    assert E.estimate(cfg, device_type="cpu").activations_per_layer == n * d * 4 + E._CPU_RNG_STATE_BYTES
+
+
+# --------------------------------------------------------------------------- selective (Megatron)
+SEL = dict(vocab_size=512, d_model=64, n_heads=4, n_layers=3, d_ff=128, max_seq_len=128, batch_size=2,
+           seq_len=128, device="cpu")
+
+
+@pytest.mark.parametrize("ov", [dict(), dict(dropout=0.1), dict(attention="sdpa"), dict(loss="chunked", loss_chunk=64)],
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "plain")
+def test_selective_estimate_matches_measured_tracked_memory(ov):
+    """Megatron's selective policy on a real CPU step (MemoryMeter) against the estimate."""
+    from memtrain.config import build_config
+    from memtrain.maxbatch import measure_step_memory
+
+    cfg = build_config(dict(SEL, checkpointing="selective", **ov))
+    measured = measure_step_memory(cfg, cfg.train.batch_size)
+    est = E.estimate(cfg, device_type="cpu")
+    assert est.peak_bytes == pytest.approx(measured["peak_bytes"], rel=0.02), (est.peak_bytes, measured)
+    acts = est.by_category["activations"]
+    assert acts == pytest.approx(measured["by_category"]["activations"], rel=0.05), (est.by_category, measured)
+
+
+def test_selective_keeps_no_s_squared_term_and_sits_between_none_and_full():
+    cfg = RunConfig().replace(**{k: v for k, v in SEL.items() if k != "device"})
+    per = {p: E.estimate(cfg.replace(checkpointing=p), device_type="cuda").activations_per_layer
+           for p in ("none", "selective-matmul", "selective", "full")}
+    assert per["full"] < per["selective"] < per["selective-matmul"] < per["none"]
+    # Doubling the sequence doubles a selective layer (no s^2 term) but more than doubles none.
+    longer = cfg.replace(seq_len=256, max_seq_len=256)
+    sel2 = E.estimate(longer.replace(checkpointing="selective"), device_type="cuda").activations_per_layer
+    none2 = E.estimate(longer, device_type="cuda").activations_per_layer
+    assert sel2 == pytest.approx(2 * per["selective"], rel=0.02)
+    assert none2 > 2.2 * per["none"]
+
+
+@pytest.mark.parametrize("ov", [dict(dropout=0.1), dict(attention="sdpa")], ids=["math-dropout", "sdpa"])
+def test_selective_numerics_equal_no_checkpointing(ov):
+    import torch
+
+    from memtrain.config import build_config
+    from memtrain.model import GPT
+    from memtrain.techniques.checkpointing import apply_checkpointing, is_checkpointed
+    from memtrain.techniques.attention import apply_attention
+    from memtrain.techniques import make_precision
+
+    cfg = build_config(dict(SEL, seq_len=32, **ov))
+    torch.manual_seed(0)
+    plain = GPT(cfg.model)
+    sel = GPT(cfg.model)
+    sel.load_state_dict(plain.state_dict())
+    prec = make_precision(cfg.technique.precision, torch.device("cpu"))
+    for m in (plain, sel):
+        apply_attention(m, cfg.technique, torch.device("cpu"), prec)
+    apply_checkpointing(sel, cfg.replace(checkpointing="selective").technique)
+    assert all(is_checkpointed(b) for b in sel.blocks) and not any(is_checkpointed(b) for b in plain.blocks)
+    idx = torch.randint(0, 512, (2, 32))
+    losses, grads = [], []
+    for m in (plain, sel):
+        torch.manual_seed(1)
+        loss = m(idx, idx)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append([p.grad.clone() for p in m.parameters()])
+    assert torch.equal(losses[0], losses[1])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("b, s, h, a", [(2, 128, 64, 4), (4, 256, 128, 8), (1, 1024, 256, 4)])
+def test_per_layer_formula_is_korthikanti_plus_the_pytorch_facts(b, s, h, a):
+    """Korthikanti et al. 2022 (fp16, 1-byte masks, no tensor parallelism): 34 s b h + 5 a s^2 b
+    bytes per layer without recomputation, 34 s b h with selective recomputation. Our model on
+    CUDA under bf16 autocast adds (docs/estimation.md): fp32 LayerNorm inputs (+4 s b h), fp32
+    LayerNorm mean/rstd (+16 s b), autocast's cached bf16 weight copies (+24 h^2), and without
+    recomputation the fp32 softmax output (4 bytes where the paper has 2: +2 a s^2 b) and the
+    s x s bool mask that masked_fill saves (+s^2)."""
+    cfg = RunConfig().replace(vocab_size=512, d_model=h, n_heads=a, n_layers=4, d_ff=4 * h, max_seq_len=s,
+                              batch_size=b, seq_len=s, dropout=0.1, precision="bf16")
+    selective = E.estimate(cfg.replace(checkpointing="selective"), device_type="cuda").activations_per_layer
+    none = E.estimate(cfg, device_type="cuda").activations_per_layer
+    paper_selective, paper_none = 34 * s * b * h, 34 * s * b * h + 5 * a * s * s * b
+    facts = 4 * s * b * h + 16 * s * b + 24 * h * h
+    assert selective == paper_selective + facts
+    assert none == paper_none + facts + 2 * a * s * s * b + s * s
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_naive_loss_keeps_the_callers_logits_and_the_estimate_follows(precision):
+    """--loss naive (logits kept by the caller, as `logits = model(x); loss = F.cross_entropy(...)`
+    does): measured tracked peak on CPU against the estimate, and one more logits-sized buffer
+    than the standard loss."""
+    from memtrain.config import build_config
+    from memtrain.maxbatch import measure_step_memory
+
+    base = dict(vocab_size=2048, d_model=64, n_heads=4, n_layers=2, d_ff=128, max_seq_len=128, batch_size=4,
+                seq_len=64, device="cpu", precision=precision)
+    peaks = {}
+    for loss in ("standard", "naive"):
+        cfg = build_config(dict(base, loss=loss))
+        measured = measure_step_memory(cfg, 4)
+        est = E.estimate(cfg, device_type="cpu")
+        assert est.peak_bytes == pytest.approx(measured["peak_bytes"], rel=0.005)
+        assert est.peak_phase == measured["peak_phase"]
+        peaks[loss] = measured["peak_bytes"]
+    logits = 4 * 64 * 2048 * (4 if precision == "fp32" else 2)
+    assert peaks["naive"] - peaks["standard"] == pytest.approx(logits, rel=0.01)
+
+
+# --------------------------------------------------------------------------- ZeRO-1 per rank
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("untie", [False, True])
+def test_zero1_partition_is_zero_redundancy_optimizers(world, untie):
+    """The estimator's whole-tensor partition equals torch's (a fake process group of `world`
+    ranks in this one process; ZeroRedundancyOptimizer partitions in its constructor)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from memtrain.model import GPT
+    from memtrain.techniques.optim import param_groups
+
+    cfg = RunConfig().replace(vocab_size=512, d_model=64, n_heads=4, n_layers=3, d_ff=256, untie_embeddings=untie)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        z = ZeroRedundancyOptimizer(param_groups(GPT(cfg.model), 0.1), optimizer_class=torch.optim.AdamW, lr=1e-3)
+        theirs = [sorted(p.numel() for g in groups for p in g["params"]) for groups in z._partition_parameters()]
+    finally:
+        dist.destroy_process_group()
+    ours = [sorted(p.numel for p in ps) for ps in E._zero1_partition(E.param_table(cfg.model), world)]
+    assert ours == theirs
+
+
+def test_zero1_estimate_reports_the_largest_rank_as_measured():
+    """docs/distributed.md measured ZeRO-1's optimizer state per rank on the default model at 2
+    gloo ranks (ranks[i].sharded_state): 98.2 and 25.1 MiB (the tied embedding's state is on
+    rank 0). The estimate now reports the same split, and rank 0's share."""
+    cfg = RunConfig().replace(loss="chunked", seq_len=128, batch_size=4, dropout=0.0)
+    est = E.estimate(cfg, device_type="cpu", world_size=2, shard="zero1")
+    per_rank = [round(b / 2**20, 1) for b in est.extra["zero1"]["optimizer_per_rank"]]
+    assert per_rank == [98.2, 25.1]
+    assert est.extra["model_state"]["optimizer"] == est.extra["zero1"]["optimizer_per_rank"][0]
