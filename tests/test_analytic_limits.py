@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import resource
 import subprocess
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -32,11 +33,26 @@ def _run_bounded(args: list[str], mem_bytes: int = 1 << 30, timeout: float = 60)
         resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
 
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    proc = subprocess.run([sys.executable, "-m", "memtrain", *args], capture_output=True, text=True,
-                          timeout=timeout, preexec_fn=limit, env=env)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return proc, max(before, after)
+    # os.wait4 gives this child's own peak RSS; RUSAGE_CHILDREN would report the largest child
+    # this test process ever waited for (an earlier training run, say), whatever ran here.
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen([sys.executable, "-m", "memtrain", *args], stdout=out, stderr=err, text=True,
+                                 preexec_fn=limit, env=env)
+        deadline = time.monotonic() + timeout
+        while True:
+            pid, status, usage = os.wait4(child.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() > deadline:
+                child.kill()
+                child.wait()
+                raise subprocess.TimeoutExpired(child.args, timeout)
+            time.sleep(0.02)
+        child.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        proc = subprocess.CompletedProcess(child.args, child.returncode, out.read(), err.read())
+    return proc, usage.ru_maxrss
 
 
 @pytest.mark.parametrize("args", [
