@@ -22,6 +22,8 @@ from typing import Any, Optional
 
 import yaml
 
+from memtrain.aliases import normalize as normalize_aliases
+
 
 class ConfigError(ValueError):
     """Bad user input. The message is one line that names the problem and the fix."""
@@ -374,7 +376,11 @@ def build_config(*layers: dict[str, Any]) -> RunConfig:
     index = field_index()
     per_section: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     for layer in layers:
-        for key, value in flatten(layer).items():
+        try:  # the Trainer's option names and values (memtrain.aliases) become ours
+            flat = normalize_aliases(flatten(layer))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        for key, value in flat.items():
             if key not in index:
                 import difflib
 

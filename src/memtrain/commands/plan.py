@@ -5,15 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 
-from memtrain.cli import add_config_flags, fmt_bytes, register
+from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, fmt_bytes, register
 from memtrain.commands.estimate import add_model_choice, device_type_for, resolve_model
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     add_model_choice(p)
-    p.add_argument("--budget", required=True, help="Memory budget, e.g. 24GiB or 1.5GB.")
-    p.add_argument("--max-batch", action="store_true",
-                   help="Find each set's largest batch instead of keeping --batch-size x --grad-accum.")
+    p.add_argument("--memory-budget", "--budget", dest="budget", required=True,
+                   help="Memory budget, e.g. 24GiB or 1.5GB (--budget is the older name).")
+    p.add_argument("--max-batch", nargs="?", type=int, const=4096, default=None, metavar="N",
+                   help="Find each set's largest batch, up to N (default 4096), instead of keeping "
+                        "--batch-size x --grad-accum. N is the search's upper bound, as in maxbatch and bench.")
     p.add_argument("--margin", type=float, default=0.10, help="Safety margin on predictions (default 0.10).")
     p.add_argument("--top", type=int, default=5, help="How many choices to show (default 5).")
     p.add_argument("--device-type", choices=("cpu", "cuda"), default=None,
@@ -26,7 +28,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Train the best choice for a few steps and compare the measured tracked peak.")
     p.add_argument("--verify-steps", type=int, default=2, help="Steps for --verify (default 2).")
     p.add_argument("--json", action="store_true", help="Print JSON only.")
-    add_config_flags(p, ("model", "technique", "train"))
+    add_config_flags(p, ("model", "technique", "train"), exclude=LOOP_ONLY_FIELDS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,8 +48,10 @@ def run(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise ConfigError(f"--top must be >= 1, got {args.top}")
     budget = parse_size(args.budget)
-    res = plan(cfg, budget, device_type, arch, max_batch=args.max_batch, margin=args.margin, top=args.top,
-               space=space)
+    if args.max_batch is not None and args.max_batch < 1:
+        raise ConfigError(f"--max-batch must be >= 1, got {args.max_batch}")
+    res = plan(cfg, budget, device_type, arch, max_batch=args.max_batch is not None, margin=args.margin,
+               top=args.top, space=space, max_batch_limit=args.max_batch or 4096)
     if args.verify:
         if arch.name != "gpt2":
             raise ConfigError(f"--verify trains our GPT-2-style model; --model {args.preset} can only be planned")
@@ -67,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     best = res.to_dict()["candidates"][0]
     print(f"best: memtrain train {best['config_flags']}")
     print("rel. time: modelled step time vs fp32/math/no checkpointing/standard loss at the full batch "
-          "(a cost model, not a measurement)" if not args.max_batch else
+          "(a cost model, not a measurement)" if args.max_batch is None else
           "rel. time: modelled time per token vs the best choice (a cost model, not a measurement)")
     if res.verified:
         v = res.verified
