@@ -99,3 +99,25 @@ def test_memory_budget_and_max_batch_are_one_vocabulary(capsys):
     assert main(["plan", "--memory-budget", "128MiB", "--max-batch", "4", *base]) == 0
     capped = json.loads(capsys.readouterr().out)["candidates"][0]
     assert capped["batch_size"] * capped["grad_accum"] <= 4
+
+
+def test_warmup_capped_only_when_no_layer_sets_it():
+    from memtrain.bench.presets import scale_overrides
+
+    assert build_config({"steps": 30}).train.warmup_steps == 3
+    assert build_config({"steps": 30}, {"warmup_steps": 200}).train.warmup_steps == 200
+    assert build_config({"steps": 5000}).train.warmup_steps == 200
+    assert build_config({"steps": 30}).train.warmup_defaulted is True
+    assert build_config({"warmup_steps": 7}).train.warmup_defaulted is False
+    # The seed scale names its warm-up, so it keeps the seed's 200.
+    assert build_config(scale_overrides("seed")).train.warmup_steps == 200
+
+
+def test_train_says_so_once(tmp_path, capsys):
+    from conftest import TINY_MODEL
+
+    flags = [x for k, v in TINY_MODEL.items() for x in ("--" + k.replace("_", "-"), str(v))]
+    code = main(["train", "--steps", "2", "--batch-size", "1", "--seq-len", "16", "--val-blocks", "1",
+                 "--no-progress", "--out", str(tmp_path / "r"), *flags])
+    err = capsys.readouterr().err
+    assert code == 0 and err.count("note: warm-up 1 steps (10% of --steps 2") == 1

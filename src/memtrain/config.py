@@ -225,7 +225,11 @@ class TrainConfig:
     steps: int = _f(200, "Optimizer steps (one epoch is 200 steps by default).")
     grad_accum: int = _f(1, "Micro-batches per optimizer step (gradient_accumulation_steps).")
     lr: float = _f(3e-4, "Peak learning rate.")
-    warmup_steps: int = _f(200, "Linear warm-up steps from 0 to --lr.")
+    warmup_steps: int = _f(
+        200,
+        "Linear warm-up steps from 0 to --lr. When no setting names it, it is capped at "
+        "10%% of --steps (the 200 is the seed's one-epoch warm-up; a 30-step run would never reach --lr).",
+    )
     schedule: str = _f("cosine", "Learning-rate shape after warm-up: cosine|constant.")
     min_lr_ratio: float = _f(0.1, "Cosine floor as a fraction of --lr.")
     weight_decay: float = _f(0.1, "Decoupled weight decay on matrices (not on biases, norms).")
@@ -389,8 +393,24 @@ def build_config(*layers: dict[str, Any]) -> RunConfig:
                 raise ConfigError(f"unknown option --{key.replace('_', '-')}{hint}")
             section = index[key]
             per_section[section][key] = _coerce(SECTIONS[section], key, value)
+    default_warmup = "warmup_steps" not in per_section["train"]
+    if default_warmup:
+        steps = per_section["train"].get("steps", TrainConfig.steps)
+        if isinstance(steps, int) and steps > 0:
+            per_section["train"]["warmup_steps"] = capped_warmup(steps)
     parts = {s: SECTIONS[s](**kv) for s, kv in per_section.items()}
-    return RunConfig(**parts)
+    cfg = RunConfig(**parts)
+    # Remembered (not a field, so not in result.json's config) for the CLI's one-line note.
+    cfg.train.warmup_defaulted = default_warmup
+    return cfg
+
+
+WARMUP_FRACTION = 0.1
+
+
+def capped_warmup(steps: int) -> int:
+    """Warm-up when none is set: the default 200, capped at 10% of ``steps`` (at least 1)."""
+    return min(TrainConfig.warmup_steps, max(1, math.ceil(WARMUP_FRACTION * steps)))
 
 
 def parse_size(text: str | int | float) -> int:
