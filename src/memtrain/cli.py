@@ -186,7 +186,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if getattr(cfg.train, "warmup_defaulted", False) and int(os.environ.get("RANK", "0")) == 0:
         sys.stderr.write(f"note: warm-up {cfg.train.warmup_steps} steps (10% of --steps {cfg.train.steps}, at most 200); "
                          "set --warmup-steps to choose\n")
-    result = train(cfg)
+    result = train(cfg, log_metrics=True)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0  # under torchrun only rank 0 writes and prints (result["ranks"] has every rank)
     write_json_atomic(out / "result.json", result)

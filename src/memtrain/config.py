@@ -250,6 +250,12 @@ class TrainConfig:
         "there; the schedule still spans --steps, so --resume continues the same run.",
     )
     progress: bool = _f(True, "Show a progress bar.")
+    report_to: str = _f(
+        "none",
+        "Where live metrics go besides OUT/metrics.jsonl (always written by train): "
+        "none|tensorboard|wandb, comma-separated (extras memtrain[tensorboard], memtrain[wandb]).",
+    )
+    log_every: int = _f(1, "Write a metrics.jsonl line (and TensorBoard/wandb point) every N steps.")
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len", "steps", "grad_accum"):
@@ -259,6 +265,9 @@ class TrainConfig:
         _require(self.schedule in ("cosine", "constant"), f"unknown --schedule {self.schedule!r}; choose cosine or constant")
         _require(self.grad_clip >= 0, f"--grad-clip must be >= 0, got {self.grad_clip}")
         _require(0.0 <= self.min_lr_ratio <= 1.0, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        _require(self.log_every > 0, f"--log-every must be positive, got {self.log_every}")
+        bad = [s for s in self.report_to.split(",") if s.strip() not in ("none", "tensorboard", "wandb")]
+        _require(not bad, f"unknown --report-to {bad[0] if bad else ''!r}; choose none, tensorboard or wandb (comma-separated)")
         _require(self.stop_after is None or 0 < self.stop_after <= self.steps,
                  f"--stop-after must be between 1 and --steps ({self.steps}), got {self.stop_after}")
 
