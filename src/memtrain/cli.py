@@ -183,12 +183,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     out = Path(cfg.train.out)
-    if getattr(cfg.train, "warmup_defaulted", False) and int(os.environ.get("RANK", "0")) == 0:
-        sys.stderr.write(f"note: warm-up {cfg.train.warmup_steps} steps (10% of --steps {cfg.train.steps}, at most 200); "
-                         "set --warmup-steps to choose\n")
     result = train(cfg, log_metrics=True)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0  # under torchrun only rank 0 writes and prints (result["ranks"] has every rank)
+    if getattr(cfg.train, "warmup_defaulted", False):
+        # After the run, so that a failure's stderr stays its one error: line.
+        sys.stderr.write(f"note: warm-up was {cfg.train.warmup_steps} steps (10% of --steps {cfg.train.steps}, "
+                         "at most 200); set --warmup-steps to choose\n")
     write_json_atomic(out / "result.json", result)
     mem = result["memory"]
     print(
@@ -237,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (help_text, add_args, run) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         add_args(p)
+        p.add_argument("--verbose", action="store_true", default=False,
+                       help="Show third-party import warnings (torchao kernel loading, deprecations) too.")
         p.set_defaults(_run=run, _parser=p)
     return parser
 
@@ -246,6 +249,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:
         args._parser.reject_unknown(extra)
+    if getattr(args, "verbose", False):
+        os.environ["MEMTRAIN_VERBOSE"] = "1"
+    from memtrain.extras import quiet_third_party
+
+    quiet_third_party()
     try:
         return int(args._run(args) or 0)
     except ConfigError as exc:

@@ -27,15 +27,10 @@ import torch
 from memtrain.config import ConfigError, RunConfig, build_config
 from memtrain.model import GPT
 
-HF_EXTRA = "pip install 'memtrain[hf]'"
-
-
 def _require_transformers() -> Any:
-    try:
-        import transformers
-    except ImportError:
-        raise ConfigError(f"exporting to and sampling with transformers needs the transformers package: {HF_EXTRA}") from None
-    return transformers
+    from memtrain.extras import require
+
+    return require("transformers")
 
 
 def load_trained(ckpt: str | Path) -> tuple[GPT, RunConfig]:
