@@ -68,3 +68,13 @@ def test_recommendation_fastest_fitting_smallest_near_and_ppl_noise():
 def test_no_noise_estimate_without_equivalent_rows():
     md = markdown_report([ROWS[0], ROWS[5]], [])
     assert "no noise estimate" in md
+
+
+def test_maxbatch_cli_marks_the_cap(capsys):
+    from memtrain.cli import main
+
+    tiny = ["--d-model", "32", "--n-heads", "4", "--n-layers", "1", "--d-ff", "64", "--vocab-size", "256",
+            "--seq-len", "16", "--method", "trace", "--memory-budget", "1GiB"]
+    assert main(["maxbatch", "--max-batch", "4", *tiny]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("max batch 4+ ") and "raise --max-batch" in out

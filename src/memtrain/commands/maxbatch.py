@@ -27,12 +27,18 @@ def run(args: argparse.Namespace) -> int:
     budget = parse_size(args.memory_budget) if args.memory_budget else None
     res = find_max_batch(cfg, budget_bytes=budget, max_batch=args.max_search, multiple_of=args.multiple_of,
                          progress=not args.json, method=args.method)
+    out = res.to_dict()
+    # Every probe fitted: the search's upper bound stopped it, so the batch is a lower bound.
+    out["capped"] = all(p["fits"] for p in out["probes"])
     if args.json:
-        print(json.dumps(res.to_dict(), indent=2))
+        print(json.dumps(out, indent=2))
     else:
         budget_text = fmt_bytes(res.budget_bytes) if res.budget_bytes else "the device memory"
-        print(f"max batch {res.batch_size} (seq {cfg.train.seq_len}) fits {budget_text}: "
+        size = f"{res.batch_size}+" if out["capped"] else str(res.batch_size)
+        print(f"max batch {size} (seq {cfg.train.seq_len}) fits {budget_text}: "
               f"peak {fmt_bytes(res.peak_bytes)} ({res.method}, {len(res.probes)} probes on {res.device})")
+        if out["capped"]:
+            print(f"  {res.batch_size} is the search's upper bound, not the memory's: raise --max-batch to search further")
     return 0
 
 
