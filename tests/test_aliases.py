@@ -39,6 +39,11 @@ def test_trainer_optim_values(trainer, ours):
     assert _cfg(["train", "--optim", trainer]).technique.optim == ours
 
 
+@pytest.mark.parametrize("ours", ["adamw", "adamw-fused", "adamw-8bit", "adamw-4bit", "adamw-bnb-8bit", "adafactor"])
+def test_our_optim_values_are_unchanged(ours):
+    assert _cfg(["train", "--optim", ours]).technique.optim == ours
+
+
 def test_aliases_in_config_files_and_help(capsys):
     cfg = build_config({"learning_rate": 5e-4, "bf16": True, "optim": "adamw_torch", "lora_r": 2})
     assert (cfg.train.lr, cfg.technique.precision, cfg.technique.optim, cfg.technique.lora_rank) == (5e-4, "bf16", "adamw", 2)

@@ -85,7 +85,9 @@ def normalize_value(field: str, value: Any) -> Any:
     table = VALUE_ALIASES.get(field)
     if table is None or not isinstance(value, str):
         return value
-    return table.get(value, table.get(value.replace("-", "_"), value))
+    # Exact Trainer spellings only: a dash-to-underscore fallback would turn our own
+    # "adamw-8bit" (torchao) into the Trainer's "adamw_8bit" (bitsandbytes).
+    return table.get(value, value)
 
 
 def normalize(flat: dict[str, Any]) -> dict[str, Any]:
