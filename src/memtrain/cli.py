@@ -29,41 +29,133 @@ class _Parser(argparse.ArgumentParser):
         sys.stderr.write(f"error: {message}; see '{self.prog} --help'\n")
         raise SystemExit(2)
 
+    def reject_unknown(self, extra: Sequence[str]) -> None:
+        """Refuse options this command does not know, naming the closest known one."""
+        import difflib
+
+        unknown = [a for a in extra if a.startswith("-")] or list(extra)
+        first = unknown[0].split("=", 1)[0]
+        close = difflib.get_close_matches(first, [o for o in self._option_string_actions if o.startswith("--")], n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        self.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+
 
 def _type_name(f: Any) -> str:
     t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     return t[len("Optional["):-1] if t.startswith("Optional[") else t
 
 
+# Fields that only the training loop reads (schedule, evaluation, checkpoints, output): the
+# verbs that look at one step (estimate, maxbatch, flops, plan) leave them out of their --help.
+LOOP_ONLY_FIELDS: tuple[str, ...] = (
+    "steps", "lr", "warmup_steps", "schedule", "min_lr_ratio", "weight_decay", "beta1", "beta2",
+    "grad_clip", "eval_every", "warmup_timing_steps", "out", "save", "save_every", "resume",
+    "stop_after", "progress", "adafactor_relative_step",
+)
+
+
+class _SwitchAlias(argparse.Action):
+    """A Trainer switch such as ``--bf16``: alone it sets its field; ``--bf16 false`` does not."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, alias: Any = None, **kw: Any) -> None:
+        self.alias = alias
+        super().__init__(option_strings, dest, nargs="?", **kw)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: Optional[str] = None) -> None:
+        from memtrain.aliases import switch_value
+
+        try:
+            value = switch_value(self.alias, values)
+        except ValueError as exc:
+            parser.error(str(exc))
+        if value is not None:
+            setattr(namespace, self.dest, value)
+
+
+def _add_aliases(parser: argparse.ArgumentParser, targets: set[str]) -> None:
+    """The Trainer's option names (memtrain.aliases) whose field this verb uses."""
+    from memtrain.aliases import ALIASES
+
+    chosen = [a for a in ALIASES if a.field in targets]
+    if not chosen:
+        return
+    group = parser.add_argument_group(
+        "transformers.TrainingArguments names",
+        "Aliases for users of the Hugging Face Trainer (dash or underscore spelling). Names the Trainer "
+        "shares with memtrain (--warmup_steps, --weight_decay, --seed, --lora_alpha, ...) work with "
+        "underscores too, and --optim takes the Trainer's values (adamw_torch_fused, adamw_torch, adafactor, "
+        "adamw_bnb_8bit, adamw_torch_8bit, adamw_torch_4bit).")
+    for a in chosen:
+        flags = list(dict.fromkeys(["--" + a.name, "--" + a.name.replace("_", "-")]))
+        if a.is_switch:
+            group.add_argument(*flags, dest=a.field, action=_SwitchAlias, alias=a, default=argparse.SUPPRESS,
+                               metavar="BOOL", help=a.help)
+        else:
+            group.add_argument(*flags, dest=a.field, default=argparse.SUPPRESS, metavar="VALUE", help=a.help)
+
+
 def add_config_flags(parser: argparse.ArgumentParser, sections: Sequence[str] = tuple(SECTIONS),
                      exclude: Sequence[str] = ()) -> None:
     """One flag per config field of ``sections`` (except the field names in ``exclude``);
     unset flags stay absent (SUPPRESS) so that a config file's values are only overridden by
-    flags actually given."""
+    flags actually given. The Trainer's names of these fields are added as aliases."""
     parser.add_argument("--config", help="YAML or TOML file with settings (sections model/data/technique/train or flat keys).")
+    added: set[str] = set()
     for section in sections:
         group = parser.add_argument_group(f"{section} options")
         for f in fields(SECTIONS[section]):
             if f.name in exclude:
                 continue
+            added.add(f.name)
             flag = "--" + f.name.replace("_", "-")
             default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
             help_text = f"{f.metadata.get('help', '')} (default: {default})"
             kind = _type_name(f)
-            if kind == "bool":
+            if kind == "bool" and f.name.startswith("no_"):
+                # A negative name (no_cache) gets one switch: BooleanOptionalAction would add --no-no-cache.
+                group.add_argument(flag, dest=f.name, action="store_true", default=argparse.SUPPRESS, help=help_text)
+            elif kind == "bool":
                 group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                    default=argparse.SUPPRESS, help=help_text)
             else:
                 group.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, metavar=kind.upper(),
                                    help=help_text)
+            if "_" in f.name:
+                # The underscore spelling (--warmup_steps, as TrainingArguments writes it), not listed.
+                if kind == "bool":
+                    group.add_argument("--" + f.name, dest=f.name, action="store_const", const=True,
+                                       default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+                else:
+                    group.add_argument("--" + f.name, dest=f.name, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    _add_aliases(parser, added)
 
 
-def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = None) -> RunConfig:
-    """Defaults <- ``base`` (e.g. a bench preset) <- config file <- flags."""
+def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = None,
+                     derive_max_seq_len: bool = False) -> RunConfig:
+    """Defaults <- ``base`` (e.g. a bench preset) <- config file <- flags.
+
+    ``derive_max_seq_len`` (the verbs that size one step): when no layer sets --max-seq-len,
+    it follows --seq-len, so ``estimate --seq-len 2048`` needs no second flag.
+    """
     known = {f.name for cls in SECTIONS.values() for f in fields(cls)}
     flags = {k: v for k, v in vars(args).items() if k in known}
     file_layer = load_config_file(args.config) if getattr(args, "config", None) else {}
-    return build_config(base or {}, file_layer, flags)
+    layers = [base or {}, file_layer, flags]
+    if derive_max_seq_len:
+        from memtrain.config import flatten
+
+        merged: dict[str, Any] = {}
+        for layer in layers:
+            merged.update(flatten(layer))
+        if "max_seq_len" not in merged and "seq_len" in merged:
+            try:
+                seq = int(merged["seq_len"])
+            except (TypeError, ValueError):
+                seq = 0  # build_config below reports the bad value
+            if seq > build_config(base or {}).model.max_seq_len:
+                layers.append({"max_seq_len": seq})
+    return build_config(*layers)
 
 
 def fmt_bytes(n: Optional[float]) -> str:
@@ -94,9 +186,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     guard = sigterm_as_interrupt() if "WORLD_SIZE" not in os.environ else contextlib.nullcontext()
     with guard:
-        result = train(cfg, on_result=write_result)
+        result = train(cfg, on_result=write_result, log_metrics=True)
     if not main_rank:
         return 0  # result["ranks"] has every rank's numbers
+    if getattr(cfg.train, "warmup_defaulted", False):
+        # After the run, so that a failure's stderr stays its one error: line.
+        sys.stderr.write(f"note: warm-up was {cfg.train.warmup_steps} steps (10% of --steps {cfg.train.steps}, "
+                         "at most 200); set --warmup-steps to choose\n")
     mem = result["memory"]
     print(
         f"steps {result['steps']}  train loss {result['train_loss']:.4f}  "
@@ -144,13 +240,22 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (help_text, add_args, run) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         add_args(p)
-        p.set_defaults(_run=run)
+        p.add_argument("--verbose", action="store_true", default=False,
+                       help="Show third-party import warnings (torchao kernel loading, deprecations) too.")
+        p.set_defaults(_run=run, _parser=p)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        args._parser.reject_unknown(extra)
+    if getattr(args, "verbose", False):
+        os.environ["MEMTRAIN_VERBOSE"] = "1"
+    from memtrain.extras import quiet_third_party
+
+    quiet_third_party()
     try:
         return int(args._run(args) or 0)
     except ConfigError as exc:

@@ -22,6 +22,8 @@ from typing import Any, Optional
 
 import yaml
 
+from memtrain.aliases import normalize as normalize_aliases
+
 
 class ConfigError(ValueError):
     """Bad user input. The message is one line that names the problem and the fix."""
@@ -233,7 +235,11 @@ class TrainConfig:
     steps: int = _f(200, "Optimizer steps (one epoch is 200 steps by default).")
     grad_accum: int = _f(1, "Micro-batches per optimizer step (gradient_accumulation_steps).")
     lr: float = _f(3e-4, "Peak learning rate.")
-    warmup_steps: int = _f(200, "Linear warm-up steps from 0 to --lr.")
+    warmup_steps: int = _f(
+        200,
+        "Linear warm-up steps from 0 to --lr. When no setting names it, it is capped at "
+        "10%% of --steps (the 200 is the seed's one-epoch warm-up; a 30-step run would never reach --lr).",
+    )
     schedule: str = _f("cosine", "Learning-rate shape after warm-up: cosine|constant.")
     min_lr_ratio: float = _f(0.1, "Cosine floor as a fraction of --lr.")
     weight_decay: float = _f(0.1, "Decoupled weight decay on matrices (not on biases, norms).")
@@ -254,6 +260,12 @@ class TrainConfig:
         "there; the schedule still spans --steps, so --resume continues the same run.",
     )
     progress: bool = _f(True, "Show a progress bar.")
+    report_to: str = _f(
+        "none",
+        "Where live metrics go besides OUT/metrics.jsonl (always written by train): "
+        "none|tensorboard|wandb, comma-separated (extras memtrain[tensorboard], memtrain[wandb]).",
+    )
+    log_every: int = _f(1, "Write a metrics.jsonl line (and TensorBoard/wandb point) every N steps.")
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len", "steps", "grad_accum"):
@@ -274,6 +286,9 @@ class TrainConfig:
         _require(self.schedule in ("cosine", "constant"), f"unknown --schedule {self.schedule!r}; choose cosine or constant")
         _require(math.isfinite(self.grad_clip) and self.grad_clip >= 0, f"--grad-clip must be >= 0 and finite, got {self.grad_clip}")
         _require(0.0 <= self.min_lr_ratio <= 1.0, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        _require(self.log_every > 0, f"--log-every must be positive, got {self.log_every}")
+        bad = [s for s in self.report_to.split(",") if s.strip() not in ("none", "tensorboard", "wandb")]
+        _require(not bad, f"unknown --report-to {bad[0] if bad else ''!r}; choose none, tensorboard or wandb (comma-separated)")
         _require(self.stop_after is None or 0 < self.stop_after <= self.steps,
                  f"--stop-after must be between 1 and --steps ({self.steps}), got {self.stop_after}")
 
@@ -423,7 +438,11 @@ def build_config(*layers: dict[str, Any]) -> RunConfig:
     index = field_index()
     per_section: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     for layer in layers:
-        for key, value in flatten(layer).items():
+        try:  # the Trainer's option names and values (memtrain.aliases) become ours
+            flat = normalize_aliases(flatten(layer))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        for key, value in flat.items():
             if key not in index:
                 import difflib
 
@@ -432,8 +451,26 @@ def build_config(*layers: dict[str, Any]) -> RunConfig:
                 raise ConfigError(f"unknown option --{key.replace('_', '-')}{hint}")
             section = index[key]
             per_section[section][key] = _coerce(SECTIONS[section], key, value)
+    # The seed's spec (a 200-step epoch with 200 warm-up steps) stands when no layer sets --steps;
+    # a run whose length was chosen but whose warm-up was not gets a warm-up that fits inside it.
+    default_warmup = "warmup_steps" not in per_section["train"] and "steps" in per_section["train"]
+    if default_warmup:
+        steps = per_section["train"]["steps"]
+        if isinstance(steps, int) and steps > 0:
+            per_section["train"]["warmup_steps"] = capped_warmup(steps)
     parts = {s: SECTIONS[s](**kv) for s, kv in per_section.items()}
-    return RunConfig(**parts)
+    cfg = RunConfig(**parts)
+    # Remembered (not a field, so not in result.json's config) for the CLI's one-line note.
+    cfg.train.warmup_defaulted = default_warmup
+    return cfg
+
+
+WARMUP_FRACTION = 0.1
+
+
+def capped_warmup(steps: int) -> int:
+    """Warm-up when none is set: the default 200, capped at 10% of ``steps`` (at least 1)."""
+    return min(TrainConfig.warmup_steps, max(1, math.ceil(WARMUP_FRACTION * steps)))
 
 
 def parse_size(text: str | int | float) -> int:

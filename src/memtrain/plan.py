@@ -274,9 +274,9 @@ def plan(
                     smallest = (p, t, 1, 1)
                 continue
             best = (1, p, ph)
-            while hi <= max_batch_limit:
-                p2, ph2 = peak(at(t, hi * 2 if hi > 1 else 2, 1))
-                b = hi * 2 if hi > 1 else 2
+            while hi < max_batch_limit:  # grow by doubling, never past the limit
+                b = min(hi * 2 if hi > 1 else 2, max_batch_limit)
+                p2, ph2 = peak(at(t, b, 1))
                 if p2 > limit:
                     lo, hi = best[0], b
                     break

@@ -20,6 +20,7 @@ from memtrain.checkpoint import load_checkpoint, save_checkpoint
 from memtrain.config import RunConfig
 from memtrain.data import make_train_loader, make_val_batches, prepare_tokens
 from memtrain.distributed_checkpoint import load_checkpoint as dcp_load, save_checkpoint as dcp_save
+from memtrain.logging_sinks import MetricsLogger, live_memory
 from memtrain.metrics import MemoryMeter, StepTimer, device_gpu, device_peak_memory, mfu, reset_device_peak
 from memtrain.model import GPT
 from memtrain.preflight import check_destinations, check_resume, check_vocab
@@ -90,7 +91,7 @@ def train_step(
             scaler.unscale_(optimizer)
         if grad_clip > 0:
             params = [p for p in model.parameters() if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(params, grad_clip)
+            precision.last_grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
         if scaler is not None:
             scale_before = scaler.get_scale()
             scaler.step(optimizer)
@@ -163,23 +164,36 @@ def _flops_per_rank_step(cfg: RunConfig, n_params: int) -> tuple[float, str]:
 
 
 def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = True,
-          on_result: Optional[Callable[[dict[str, Any]], None]] = None) -> dict[str, Any]:
+          on_result: Optional[Callable[[dict[str, Any]], None]] = None,
+          log_metrics: bool = False) -> dict[str, Any]:
     """Run one training run as configured; return the result dict.
 
     Under ``--distributed`` every rank (torchrun process) runs this and gets the result;
     only rank 0 shows progress (see :mod:`memtrain.techniques.distributed`). ``on_result``
     receives the result before the final checkpoint is written (the CLI writes result.json
-    there), so a failing final save cannot lose the run's numbers.
+    there), so a failing final save cannot lose the run's numbers. ``log_metrics`` (the
+    ``train`` command) writes ``OUT/metrics.jsonl`` and the ``--report-to`` sinks as steps
+    complete; library callers (bench rows, plan's check) leave it off.
     """
     check_destinations(cfg)  # before any step: never a run that cannot write its result
     check_vocab(cfg)
     check_resume(cfg)  # a checkpoint of another run is refused before tokenizing
     with distributed_session(cfg, resolve_device(cfg.train.device)) as dist_ctx:
-        return _train(cfg, dist_ctx, progress, track_memory, on_result)
+        return _train(cfg, dist_ctx, progress, track_memory, on_result, log_metrics)
+
+
+def _step_scalars(loss: float, scheduler: Any, precision: Precision, tokens_per_s: float,
+                  device: torch.device) -> dict[str, Any]:
+    """What one metrics.jsonl line holds besides the step number."""
+    norm = precision.last_grad_norm
+    return {"loss": loss, "lr": scheduler.get_last_lr()[0],
+            "grad_norm": float(norm) if norm is not None else None,
+            "tokens_per_s": tokens_per_s, **live_memory(device)}
 
 
 def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], track_memory: bool,
-           on_result: Optional[Callable[[dict[str, Any]], None]] = None) -> dict[str, Any]:
+           on_result: Optional[Callable[[dict[str, Any]], None]] = None,
+           log_metrics: bool = False) -> dict[str, Any]:
     t = cfg.train
     show = (t.progress if progress is None else progress) and dist_ctx.is_main
     device = dist_ctx.device
@@ -224,6 +238,8 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     reset_device_peak(device)
     end_step = t.stop_after or t.steps
     bar = _Progress(total=end_step, initial=start_step, enabled=show)
+    logger = MetricsLogger(t.out, t.report_to, t.log_every, enabled=log_metrics and dist_ctx.is_main,
+                           append=bool(t.resume), config=cfg.to_dict())
     batches = iter(loader)
     wall_start = time.perf_counter()
     val_history: list[dict[str, float]] = []
@@ -245,18 +261,27 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
                                        f"(now {t.lr:g}) or keep --grad-clip on; checkpoints written before are intact")
                 scheduler.step()
             losses.append(loss)
-            bar.update(loss, tokens_per_step / max(time.perf_counter() - step_start, 1e-9))
+            tokens_per_s = tokens_per_step / max(time.perf_counter() - step_start, 1e-9)
+            bar.update(loss, tokens_per_s)
             done = step + 1
+            if logger.sinks and (done % logger.every == 0 or done == end_step):
+                logger.log(done, _step_scalars(loss, scheduler, precision, tokens_per_s, device), force=True)
             if t.eval_every and done % t.eval_every == 0 and done < end_step:
                 v = evaluate(model, val_batches, precision, device)
                 val_history.append({"step": done, "val_loss": v, "val_ppl": math.exp(min(v, 50))})
+                logger.log(done, val_history[-1], force=True)
             if t.save and t.save_every and done % t.save_every == 0:
                 save_ckpt(t.save, model, optimizer, scheduler, loader, precision, done, losses, cfg)
+    except BaseException:
+        logger.close()
+        raise
     finally:
         bar.close()
     total_time = time.perf_counter() - wall_start
 
     val_loss = evaluate(model, val_batches, precision, device)
+    logger.log(end_step, {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, force=True)
+    logger.close()
 
     stats = timer.summary().to_dict()
     tail = losses[-min(10, len(losses)):] if losses else [float("nan")]

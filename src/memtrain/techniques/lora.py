@@ -58,7 +58,10 @@ def apply_lora(model: GPT, tech: TechniqueConfig) -> None:
         raise ConfigError(f"--lora-alpha must be positive, got {tech.lora_alpha}")
     targets = _parse_targets(model, tech.lora_targets)
 
-    # Imported on demand: peft is slow to import.
+    # Imported on demand: peft is slow to import, and an optional extra (memtrain[lora]).
+    from memtrain.extras import require
+
+    require("peft")
     from peft import LoraConfig, inject_adapter_in_model
     from peft.tuners.tuners_utils import cast_adapter_dtype
 

@@ -45,6 +45,9 @@ class Precision:
     param_dtype: torch.dtype = torch.float32
     scaler: Optional[torch.amp.GradScaler] = None
     skipped_steps: int = field(default=0)
+    # The last step's global gradient norm before clipping (a tensor: read it only when logging,
+    # so the step does not wait on the device for it).
+    last_grad_norm: Optional[torch.Tensor] = field(default=None, repr=False)
 
     def autocast(self) -> ContextManager:
         if self.autocast_dtype is None:

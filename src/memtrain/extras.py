@@ -1,0 +1,53 @@
+"""Optional dependencies: a clear error naming the extra to install, and quiet imports.
+
+Only some users need LoRA (peft), structured or hub data (datasets, pyarrow), TensorBoard,
+wandb or transformers; they are extras of the package (pyproject.toml), imported when used.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import warnings
+from types import ModuleType
+
+from memtrain.config import ConfigError
+
+# module -> (extra, what needs it)
+EXTRAS: dict[str, tuple[str, str]] = {
+    "peft": ("lora", "LoRA (--lora-rank)"),
+    "datasets": ("hub", "Hugging Face datasets and .jsonl/.json/.parquet/.csv files"),
+    "pyarrow": ("hub", "Parquet and other structured files"),
+    "transformers": ("hf", "transformers models, export and generate"),
+}
+
+
+def require(module: str) -> ModuleType:
+    """Import ``module`` or raise a ConfigError that names the extra providing it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        extra, what = EXTRAS[module]
+        raise ConfigError(f"{what} needs the {module} package, an optional extra: "
+                          f"pip install 'memtrain[{extra}]'") from None
+
+
+# Loggers whose import-time chatter is known and harmless: torchao reports the optional CUDA
+# kernels it cannot load on a CPU machine and the missing triton; torch's pytree warns about a
+# deprecated registration that torchao makes.
+NOISY_LOGGERS = ("torchao", "torch.utils._pytree")
+NOISY_MODULES = r"(torchao|peft|transformers|datasets|accelerate|torch\.utils\._pytree)(\..*)?"
+
+
+def quiet_third_party() -> None:
+    """Keep known third-party import warnings off the terminal (unless MEMTRAIN_VERBOSE=1).
+
+    The environment variable carries the choice into bench's row processes.
+    """
+    if os.environ.get("MEMTRAIN_VERBOSE") == "1":
+        return
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    for category in (DeprecationWarning, FutureWarning, UserWarning):
+        warnings.filterwarnings("ignore", category=category, module=NOISY_MODULES)

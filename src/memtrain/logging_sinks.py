@@ -1,0 +1,144 @@
+"""Live training logs: ``OUT/metrics.jsonl`` always, TensorBoard and Weights & Biases on request.
+
+``result.json`` is written at the end of a run; a killed run would leave no loss curve. The
+train loop hands each step's numbers to a :class:`MetricsLogger`, which appends one JSON line
+per logged step to ``metrics.jsonl`` (flushed, so a crash keeps every line written) and
+forwards the same scalars to the libraries the user already looks at: torch's
+``SummaryWriter`` (``--report-to tensorboard``, extra ``memtrain[tensorboard]``) and ``wandb``
+(``--report-to wandb``, extra ``memtrain[wandb]``; ``WANDB_MODE=offline`` works without an
+account). Under torchrun only rank 0 logs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional, Protocol
+
+from memtrain.config import ConfigError
+
+REPORT_TO = ("none", "tensorboard", "wandb")
+
+
+class Sink(Protocol):
+    def log(self, step: int, scalars: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    """One JSON object per logged step, appended and flushed line by line."""
+
+    def __init__(self, path: Path, append: bool) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # A resumed run appends to the curve it continues; a fresh run starts a new file.
+        self.fh = open(path, "a" if append else "w", encoding="utf-8")
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in scalars.items()}
+        self.fh.write(json.dumps({"step": step, **clean}) + "\n")
+        self.fh.flush()
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+class TensorBoardSink:
+    """torch.utils.tensorboard's SummaryWriter; tags ``train/<name>``."""
+
+    def __init__(self, log_dir: Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ConfigError("--report-to tensorboard needs the tensorboard package: "
+                              "pip install 'memtrain[tensorboard]'") from None
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        for k, v in scalars.items():
+            if v is not None:
+                self.writer.add_scalar(f"train/{k}", v, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """A wandb run in ``OUT`` (set WANDB_MODE=offline to log without an account)."""
+
+    def __init__(self, out: Path, config: dict[str, Any]) -> None:
+        try:
+            import wandb
+        except ImportError:
+            raise ConfigError("--report-to wandb needs the wandb package: pip install 'memtrain[wandb]'") from None
+        self.run = wandb.init(project="memtrain", dir=str(out), config=config, reinit=True)
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self.run.log({f"train/{k}": v for k, v in scalars.items() if v is not None}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def parse_report_to(spec: str) -> list[str]:
+    """``tensorboard,wandb`` -> the sink names; ``none`` -> []."""
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    for n in names:
+        if n not in REPORT_TO:
+            raise ConfigError(f"unknown --report-to {n!r}; choose from {', '.join(REPORT_TO)} (comma-separated)")
+    return [n for n in names if n != "none"]
+
+
+class MetricsLogger:
+    """Fans one step's scalars out to every sink; a no-op when ``enabled`` is False (rank > 0)."""
+
+    def __init__(self, out: str | Path, report_to: str = "none", every: int = 1, enabled: bool = True,
+                 append: bool = False, config: Optional[dict[str, Any]] = None) -> None:
+        self.every = max(1, every)
+        self.sinks: list[Sink] = []
+        names = parse_report_to(report_to)  # validated on every rank: a typo fails everywhere alike
+        if not enabled:
+            return
+        out = Path(out)
+        self.path = out / "metrics.jsonl"
+        self.sinks.append(JsonlSink(self.path, append))
+        try:
+            if "tensorboard" in names:
+                self.sinks.append(TensorBoardSink(out / "tensorboard"))
+            if "wandb" in names:
+                self.sinks.append(WandbSink(out, config or {}))
+        except BaseException:
+            self.close()
+            raise
+
+    def log(self, step: int, scalars: dict[str, Any], force: bool = False) -> None:
+        """Log ``scalars`` for ``step`` (1-based, the number of completed optimizer steps)."""
+        if self.sinks and (force or step % self.every == 0):
+            for sink in self.sinks:
+                sink.log(step, scalars)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+
+
+def live_memory(device: Any) -> dict[str, Optional[int]]:
+    """Memory figures cheap enough to read every step: the CUDA allocator's current and peak
+    bytes, or on CPU the process's peak resident set (the tracked meter runs on two steps only)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        return {"memory_allocated_bytes": int(torch.cuda.memory_allocated(dev)),
+                "max_allocated_bytes": int(torch.cuda.max_memory_allocated(dev))}
+    try:
+        import resource
+        import sys
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        return {"rss_peak_bytes": int(rss if sys.platform == "darwin" else rss * 1024)}
+    except (ImportError, OSError):
+        return {"rss_peak_bytes": None}

@@ -1,0 +1,131 @@
+"""The Trainer's option names, one vocabulary across verbs, and per-verb --help."""
+
+from __future__ import annotations
+
+import pytest
+
+from memtrain.cli import build_parser, config_from_args, main
+from memtrain.config import ConfigError, build_config
+
+
+def _cfg(argv: list[str]):
+    args, extra = build_parser().parse_known_args(argv)
+    assert not extra
+    return config_from_args(args)
+
+
+def test_trainer_names_map_onto_our_fields():
+    cfg = _cfg(["train", "--bf16", "--gradient_checkpointing", "--optim", "adamw_torch_fused",
+                "--learning_rate", "1e-3", "--max_steps", "7", "--per_device_train_batch_size", "2",
+                "--warmup_steps", "3", "--weight_decay", "0.2", "--max_grad_norm", "0.5",
+                "--output_dir", "/tmp/x", "--torch_compile", "--dataloader_num_workers", "1",
+                "--dataloader_pin_memory", "--lora_r", "4", "--gradient_accumulation_steps", "3"])
+    t, tech, d = cfg.train, cfg.technique, cfg.data
+    assert (tech.precision, tech.checkpointing, tech.optim, tech.compile, tech.lora_rank) == ("bf16", "full", "adamw-fused", True, 4)
+    assert (t.lr, t.steps, t.batch_size, t.warmup_steps, t.weight_decay, t.grad_clip, t.out, t.grad_accum) == \
+        (1e-3, 7, 2, 3, 0.2, 0.5, "/tmp/x", 3)
+    assert (d.num_workers, d.pin_memory) == (1, True)
+
+
+def test_dash_spelling_and_explicit_false():
+    cfg = _cfg(["train", "--learning-rate", "2e-3", "--fp16", "--bf16", "false", "--torch-compile", "False"])
+    assert cfg.train.lr == 2e-3 and cfg.technique.precision == "fp16" and cfg.technique.compile is False
+
+
+@pytest.mark.parametrize("trainer,ours", [("adamw_torch", "adamw"), ("adafactor", "adafactor"),
+                                         ("adamw_bnb_8bit", "adamw-bnb-8bit"), ("adamw_torch_8bit", "adamw-8bit"),
+                                         ("adamw_torch_4bit", "adamw-4bit")])
+def test_trainer_optim_values(trainer, ours):
+    assert _cfg(["train", "--optim", trainer]).technique.optim == ours
+
+
+@pytest.mark.parametrize("ours", ["adamw", "adamw-fused", "adamw-8bit", "adamw-4bit", "adamw-bnb-8bit", "adafactor"])
+def test_our_optim_values_are_unchanged(ours):
+    assert _cfg(["train", "--optim", ours]).technique.optim == ours
+
+
+def test_aliases_in_config_files_and_help(capsys):
+    cfg = build_config({"learning_rate": 5e-4, "bf16": True, "optim": "adamw_torch", "lora_r": 2})
+    assert (cfg.train.lr, cfg.technique.precision, cfg.technique.optim, cfg.technique.lora_rank) == (5e-4, "bf16", "adamw", 2)
+    with pytest.raises(ConfigError, match="--bf16 takes true or false"):
+        build_config({"bf16": "maybe"})
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    for name in ("--bf16", "--gradient_checkpointing", "--learning_rate", "--per_device_train_batch_size", "--lora_r"):
+        assert name in out
+
+
+def test_unknown_option_names_the_closest(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--learnin_rate", "3"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unrecognized arguments: --learnin_rate 3") and "did you mean --learning_rate?" in err
+    assert err.count("\n") == 1
+
+
+def test_per_verb_help_lists_only_used_options(capsys):
+    for verb in ("estimate", "maxbatch", "flops", "plan"):
+        with pytest.raises(SystemExit):
+            main([verb, "--help"])
+        out = capsys.readouterr().out
+        assert "--batch-size" in out and "--precision" in out, verb
+        for loop_only in ("--warmup-steps", "--save-every", "--resume", "--eval-every", "--lr ", "--no-no-cache"):
+            assert loop_only not in out, (verb, loop_only)
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert "--no-cache" in out and "--no-no-cache" not in out
+
+
+def test_no_cache_switch():
+    assert _cfg(["train", "--no-cache"]).data.no_cache is True
+    assert _cfg(["train"]).data.no_cache is False
+
+
+def test_estimate_derives_max_seq_len(capsys):
+    assert main(["estimate", "--params", "7e9", "--seq-len", "2048", "--device", "cpu", "--json"]) == 0
+    assert capsys.readouterr().out.lstrip().startswith("{")
+    # An explicit --max-seq-len still wins, and still refuses a longer --seq-len.
+    assert main(["estimate", "--params", "1e8", "--seq-len", "2048", "--max-seq-len", "1024", "--device", "cpu"]) == 2
+    assert "exceeds --max-seq-len 1024" in capsys.readouterr().err
+
+
+def test_memory_budget_and_max_batch_are_one_vocabulary(capsys):
+    base = ["--d-model", "64", "--n-heads", "4", "--n-layers", "2", "--d-ff", "128", "--seq-len", "32",
+            "--device", "cpu", "--top", "1", "--json"]
+    assert main(["plan", "--memory-budget", "128MiB", *base]) == 0
+    a = capsys.readouterr().out
+    assert main(["plan", "--budget", "128MiB", *base]) == 0
+    assert a == capsys.readouterr().out
+    import json
+
+    assert main(["plan", "--memory-budget", "128MiB", "--max-batch", "4", *base]) == 0
+    capped = json.loads(capsys.readouterr().out)["candidates"][0]
+    assert capped["batch_size"] * capped["grad_accum"] <= 4
+
+
+def test_warmup_capped_only_when_no_layer_sets_it():
+    from memtrain.bench.presets import scale_overrides
+
+    assert build_config({"steps": 30}).train.warmup_steps == 3
+    assert build_config({"steps": 30}, {"warmup_steps": 200}).train.warmup_steps == 200
+    assert build_config({"steps": 5000}).train.warmup_steps == 200
+    assert build_config({"steps": 30}).train.warmup_defaulted is True
+    assert build_config({"warmup_steps": 7}).train.warmup_defaulted is False
+    # No layer sets --steps: the seed's spec (200 steps, 200 warm-up steps) stands.
+    assert build_config().train.warmup_steps == 200
+    assert build_config().train.warmup_defaulted is False
+    # The seed scale names its warm-up, so it keeps the seed's 200.
+    assert build_config(scale_overrides("seed")).train.warmup_steps == 200
+
+
+def test_train_says_so_once(tmp_path, capsys):
+    from conftest import TINY_MODEL
+
+    flags = [x for k, v in TINY_MODEL.items() for x in ("--" + k.replace("_", "-"), str(v))]
+    code = main(["train", "--steps", "2", "--batch-size", "1", "--seq-len", "16", "--val-blocks", "1",
+                 "--no-progress", "--out", str(tmp_path / "r"), *flags])
+    err = capsys.readouterr().err
+    assert code == 0 and err.count("note: warm-up was 1 steps (10% of --steps 2") == 1

@@ -1,0 +1,85 @@
+"""Export to transformers' GPT2LMHeadModel (same logits), merged LoRA, and `memtrain generate`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY_MODEL
+from memtrain.cli import main
+
+transformers = pytest.importorskip("transformers")
+
+FLAGS = [x for k, v in TINY_MODEL.items() for x in ("--" + k.replace("_", "-"), str(v))]
+
+
+def _train(tmp_path: Path, *extra: str) -> Path:
+    ckpt = tmp_path / "ck.pt"
+    assert main(["train", "--steps", "3", "--batch-size", "1", "--seq-len", "16", "--val-blocks", "1",
+                 "--no-progress", "--warmup-steps", "1", "--lr", "3e-3", "--out", str(tmp_path / "r"),
+                 "--save", str(ckpt), *FLAGS, *extra]) == 0
+    return ckpt
+
+
+def _same_logits(ckpt: Path, out: Path) -> None:
+    from memtrain.export import load_trained
+
+    ours, _ = load_trained(ckpt)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    idx = torch.randint(0, 50257, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ours(idx), hf(idx).logits
+    assert a.shape == b.shape == (2, 24, 50257)
+    assert (a - b).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("extra", [(), ("--vocab-multiple", "64", "--untie-embeddings", "--no-bias")],
+                         ids=["tied", "padded-untied-nobias"])
+def test_export_loads_in_transformers_with_equal_logits(tmp_path, capsys, extra):
+    ckpt = _train(tmp_path, *extra)
+    out = tmp_path / "hf"
+    assert main(["export", str(ckpt), str(out)]) == 0
+    assert {"config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["activation_function"] == "gelu_pytorch_tanh" and cfg["vocab_size"] == 50257
+    _same_logits(ckpt, out)
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert tok("Hello world")["input_ids"] == [15496, 995]
+
+
+def test_export_merges_lora(tmp_path, capsys):
+    pytest.importorskip("peft")
+    ckpt = _train(tmp_path, "--lora-rank", "4")
+    out = tmp_path / "hf"
+    assert main(["export", str(ckpt), str(out)]) == 0
+    assert "LoRA merged" in capsys.readouterr().out
+    _same_logits(ckpt, out)
+    state = torch.load(ckpt, weights_only=True)["model"]
+    assert any("lora_B" in k and v.abs().sum() > 0 for k, v in state.items())  # the adapters did learn
+
+
+def test_export_refuses_bad_input(tmp_path, capsys):
+    assert main(["export", str(tmp_path / "none.pt"), str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.startswith("error: checkpoint")
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint")
+    assert main(["export", str(bad), str(tmp_path / "o")]) == 2
+    assert not (tmp_path / "o").exists()
+
+
+def test_generate_is_seeded_from_checkpoint_and_export(tmp_path, capsys):
+    ckpt = _train(tmp_path)
+    capsys.readouterr()
+    args = ["--prompt", "The", "--max-new-tokens", "8", "--seed", "3"]
+    assert main(["generate", str(ckpt), *args]) == 0
+    first = capsys.readouterr().out
+    assert main(["generate", str(ckpt), *args]) == 0
+    assert capsys.readouterr().out == first and first.startswith("The") and len(first) > len("The\n")
+    out = tmp_path / "hf"
+    assert main(["export", str(ckpt), str(out)]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(out), *args]) == 0
+    assert capsys.readouterr().out == first

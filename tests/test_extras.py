@@ -1,0 +1,71 @@
+"""Optional extras fail with the install line; known third-party import noise stays quiet."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import TINY_MODEL
+from memtrain.cli import main
+from memtrain.config import ConfigError
+
+FLAGS = [x for k, v in TINY_MODEL.items() for x in ("--" + k.replace("_", "-"), str(v))]
+
+
+@pytest.mark.parametrize("module,extra", [("peft", "lora"), ("datasets", "hub"), ("pyarrow", "hub"),
+                                          ("transformers", "hf")])
+def test_require_names_the_extra(monkeypatch, module, extra):
+    from memtrain.extras import require
+
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` now raises ImportError
+    with pytest.raises(ConfigError, match=rf"pip install 'memtrain\[{extra}\]'"):
+        require(module)
+
+
+def test_lora_without_peft_is_one_error_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "peft", None)
+    code = main(["train", "--lora-rank", "4", "--steps", "1", "--seq-len", "16", "--no-progress",
+                 "--out", str(tmp_path / "r"), *FLAGS])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: LoRA (--lora-rank) needs the peft package")
+    assert "pip install 'memtrain[lora]'" in err and err.count("\n") == 1
+    assert not (tmp_path / "r" / "result.json").exists()
+
+
+def test_jsonl_without_datasets_names_the_extra(tmp_path, monkeypatch, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    code = main(["train", "--data", str(data), "--no-cache", "--steps", "1", "--seq-len", "16", "--no-progress",
+                 "--out", str(tmp_path / "r"), *FLAGS])
+    err = capsys.readouterr().err
+    assert code == 2 and "pip install 'memtrain[hub]'" in err
+
+
+@pytest.mark.slow  # importing torchao takes seconds
+def test_torchao_import_noise_is_quiet():
+    pytest.importorskip("torchao")
+    env = {**os.environ, "MEMTRAIN_VERBOSE": "0"}
+    code = "from memtrain.extras import quiet_third_party; quiet_third_party(); import torchao.optim"
+    quiet = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert quiet.returncode == 0
+    for noise in ("Failed to load", "Detected no triton", "deprecated"):
+        assert noise not in quiet.stderr
+
+
+def test_verbose_keeps_third_party_loggers(monkeypatch):
+    import logging
+
+    from memtrain.extras import quiet_third_party
+
+    monkeypatch.setenv("MEMTRAIN_VERBOSE", "1")
+    logger = logging.getLogger("torchao")
+    monkeypatch.setattr(logger, "level", logging.NOTSET)
+    quiet_third_party()
+    assert logger.level == logging.NOTSET
+    monkeypatch.setenv("MEMTRAIN_VERBOSE", "0")
+    quiet_third_party()
+    assert logger.level == logging.ERROR

@@ -1,0 +1,79 @@
+"""metrics.jsonl written as training goes, and the TensorBoard / wandb sinks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY_MODEL
+from memtrain.cli import main
+
+FLAGS = [x for k, v in TINY_MODEL.items() for x in ("--" + k.replace("_", "-"), str(v))]
+RUN = ["train", "--steps", "4", "--batch-size", "1", "--seq-len", "16", "--val-blocks", "1", "--no-progress",
+       "--warmup-steps", "1", *FLAGS]
+
+
+def _lines(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_metrics_jsonl_has_one_line_per_step_and_matches_result(tmp_path, capsys):
+    out = tmp_path / "r"
+    assert main([*RUN, "--out", str(out)]) == 0
+    lines = _lines(out)
+    steps = [l for l in lines if "loss" in l]
+    assert [l["step"] for l in steps] == [1, 2, 3, 4]
+    for l in steps:
+        assert {"lr", "grad_norm", "tokens_per_s", "rss_peak_bytes"} <= l.keys()
+        assert l["grad_norm"] > 0 and l["tokens_per_s"] > 0
+    result = json.loads((out / "result.json").read_text())
+    assert [l["loss"] for l in steps] == pytest.approx(result["loss_history"])
+    assert lines[-1]["val_loss"] == pytest.approx(result["val_loss"])
+
+
+def test_a_run_that_dies_keeps_its_curve(tmp_path, monkeypatch, capsys):
+    import memtrain.train as T
+
+    def boom(*a, **k):
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(T, "evaluate", boom)  # the run fails after its last step, before result.json
+    out = tmp_path / "r"
+    assert main([*RUN, "--out", str(out)]) == 1
+    assert not (out / "result.json").exists()
+    assert [l["step"] for l in _lines(out)] == [1, 2, 3, 4]
+
+
+def test_log_every_and_bad_report_to(tmp_path, capsys):
+    out = tmp_path / "r"
+    assert main([*RUN, "--out", str(out), "--log-every", "3"]) == 0
+    assert [l["step"] for l in _lines(out) if "loss" in l] == [3, 4]  # every 3rd step and the last
+    assert main([*RUN, "--out", str(tmp_path / "bad"), "--report-to", "mlflow"]) == 2
+    assert "unknown --report-to 'mlflow'" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
+def test_tensorboard_event_file_reads_back(tmp_path, capsys):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "r"
+    assert main([*RUN, "--out", str(out), "--report-to", "tensorboard"]) == 0
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    loss = acc.Scalars("train/loss")
+    assert [e.step for e in loss] == [1, 2, 3, 4]
+    assert [e.value for e in loss] == pytest.approx([l["loss"] for l in _lines(out) if "loss" in l], rel=1e-6)
+    assert "train/lr" in acc.Tags()["scalars"]
+
+
+def test_wandb_offline(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "r"
+    assert main([*RUN, "--out", str(out), "--report-to", "wandb"]) == 0
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))

@@ -1,0 +1,51 @@
+"""plan shows what each choice does to the numerics and prefers the standard one when it fits."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from memtrain.cli import main
+from memtrain.numerics import is_standard, numerics_note
+
+ARGS = ["plan", "--device", "cpu", "--optims", "adamw,adamw-4bit", "--precisions", "bf16,bf16-pure", "--top", "2",
+        "--json"]
+RESULTS = Path(__file__).parent.parent / "benchmarks" / "results" / "cpu-quick"
+
+
+def test_numerics_notes():
+    assert is_standard({"precision": "bf16", "optim": "adamw"}) and is_standard({"precision": "fp16", "optim": "adamw-fused"})
+    assert "changes the optimizer's arithmetic" in numerics_note({"precision": "bf16", "optim": "adamw-8bit"})
+    assert "pure BF16 weights" in numerics_note({"precision": "bf16-pure", "optim": "adamw"})
+    assert "changes the model" in numerics_note({"precision": "bf16", "optim": "adamw", "window": 64})
+
+
+def test_plan_recommends_the_standard_choice_when_it_fits(capsys):
+    assert main([*ARGS, "--memory-budget", "450MiB"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    cands, rec = out["candidates"], out["recommended"]
+    assert not cands[0]["numerics_standard"]  # the fastest changes the numerics...
+    assert cands[rec]["numerics_standard"] and cands[rec]["numerics"].startswith("standard")  # ...the pick does not
+    assert rec == len(cands) - 1 and len(cands) == 3  # shown beyond --top 2
+    assert cands[rec]["relative_time"] >= cands[0]["relative_time"]
+
+
+def test_plan_falls_back_when_nothing_standard_fits(capsys):
+    assert main([*ARGS, "--memory-budget", "300MiB"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["recommended"] == 0 and not out["candidates"][0]["numerics_standard"]
+
+
+def test_plan_shows_the_measured_ppl_effect(tmp_path, capsys):
+    if not (RESULTS / "results.jsonl").is_file():
+        pytest.skip("recorded bench results not in this checkout")
+    shutil.copy(RESULTS / "results.jsonl", tmp_path / "results.jsonl")
+    assert main([*ARGS, "--precisions", "bf16", "--memory-budget", "450MiB", "--results", str(tmp_path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    four_bit = [c for c in out["candidates"] if c["techniques"]["optim"] == "adamw-4bit"]
+    assert four_bit and all(c["measured_ppl_effect"] > 0.01 for c in four_bit)
+    assert all(c["measured_ppl_effect"] is None for c in out["candidates"] if c["numerics_standard"])
+    assert main([*ARGS, "--memory-budget", "450MiB", "--results", str(tmp_path / "none")]) == 2
