@@ -149,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from memtrain.notices import install_warning_format
+
+    install_warning_format()
     try:
         return int(args._run(args) or 0)
     except ConfigError as exc:

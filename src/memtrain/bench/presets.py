@@ -71,9 +71,23 @@ SCALE_BUDGET = {"seed": None, "quick": "1GiB"}
 SCALE_MAX_BATCH = {"seed": 1024, "quick": 256}
 
 
+# A preset's name with this suffix is the same row with the next seed (other initial weights,
+# dropout and batch order): the PPL difference between the two is the run-to-run noise that
+# the report compares the other rows against. `memtrain bench` without --techniques adds
+# "baseline-seed2".
+NOISE_SUFFIX = "-seed2"
+NOISE_ROW = "baseline" + NOISE_SUFFIX
+
+
+def is_noise_row(name: str) -> bool:
+    return name.endswith(NOISE_SUFFIX) and name[: -len(NOISE_SUFFIX)] in TECHNIQUES
+
+
 def technique_overrides(name: str, scale: str) -> dict[str, Any]:
-    """Config overrides of technique ``name`` (a preset, or an explicit ``key=value+key=value``
-    combination) at ``scale``."""
+    """Config overrides of technique ``name`` (a preset, a preset's ``-seed2`` noise twin, or an
+    explicit ``key=value+key=value`` combination) at ``scale``."""
+    if is_noise_row(name):
+        name = name[: -len(NOISE_SUFFIX)]
     if "=" in name:
         out: dict[str, Any] = {}
         for part in name.split("+"):
@@ -101,4 +115,6 @@ def scale_overrides(scale: str) -> dict[str, Any]:
 
 
 def describe(name: str) -> str:
+    if is_noise_row(name):
+        return f"{describe(name[: -len(NOISE_SUFFIX)])}, seed + 1 (noise)"
     return DESCRIPTIONS.get(name, name)
