@@ -163,6 +163,14 @@ def _flops_per_rank_step(cfg: RunConfig, n_params: int) -> tuple[float, str]:
 StepCallback = Callable[[int, int, Optional[float]], None]
 
 
+def _optimizer_kernel(optimizer: Any) -> Optional[str]:
+    """Which AdamW kernel ran (``--optim adamw`` picks one per device): fused | foreach | for-loop."""
+    d = getattr(optimizer, "defaults", {}) or {}
+    if "fused" not in d and "foreach" not in d:
+        return None
+    return "fused" if d.get("fused") else "foreach" if d.get("foreach") else "for-loop"
+
+
 def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = True,
           on_step: Optional[StepCallback] = None) -> dict[str, Any]:
     """Run one training run as configured; return the result dict.
@@ -281,7 +289,8 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         "total_time_s": total_time,
         "tokens_per_s": tokens_per_step / median if median else None,
         "mfu": run_mfu,
-        "mfu_reference": mfu_reference,  # CUDA: datasheet peak; CPU: the GEMM rate measured here
+        "mfu_reference": mfu_reference,
+        "optimizer_kernel": _optimizer_kernel(optimizer),  # CUDA: datasheet peak; CPU: the GEMM rate measured here
         "device_caps": device_caps,
         "flops_per_step": flops_per_rank_step,
         "flops_source": flops_source,
