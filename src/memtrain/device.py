@@ -50,7 +50,7 @@ CACHE_VERSION = 1
 # is measured on a small transformer-like shape (tokens x d_model x 2*d_model of the default
 # model) against FP32 on the same shape, and the low-precision rate reported is the FP32 rate
 # divided by that slowdown.
-FP32_SHAPE = (512, 512, 512)
+FP32_SHAPE = (1024, 1024, 1024)
 CPU_LOW_SHAPE = (64, 256, 512)
 CUDA_SHAPE = (4096, 4096, 4096)
 TIME_BUDGET_S = 0.15  # per rate: repeat the GEMM until this much time is spent, keep the best
@@ -393,6 +393,38 @@ def probe(device: torch.device | str = "cpu", measure: bool = True, kernels: boo
                 setattr(caps, k, v)
     if measure_fn is None:
         _PROBES[memo_key] = caps  # type: ignore[index]
+    return caps
+
+
+def refresh_fp32_rate(caps: DeviceCaps) -> DeviceCaps:
+    """Measure the FP32 GEMM rate again and keep the best seen (here and in the cache).
+
+    A rate measured while other processes shared the cores is too low and would make every
+    later MFU too high; the train loop calls this when a run achieved more than the reference.
+    The best rate seen on a machine is the closest to what its BLAS can do."""
+    if caps.device_type != "cpu":
+        return caps
+    device = torch.device("cpu")
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        with torch.no_grad():
+            rate = measure_gemm(device, torch.float32, FP32_SHAPE, budget_s=2 * TIME_BUDGET_S)
+    finally:
+        torch.set_float32_matmul_precision(prev)
+    if rate and rate > (caps.gemm_fp32_flops or 0):
+        old = caps.gemm_fp32_flops
+        caps.gemm_fp32_flops = rate
+        for key in ("bf16", "fp16"):  # reported at the FP32 shape: FP32 rate over the slowdown
+            slow = getattr(caps, f"{key}_slowdown")
+            if slow:
+                setattr(caps, f"gemm_{key}_flops", rate / slow)
+        key = _cache_key("cpu", caps.name, caps.threads)
+        rates = _read_cache(cache_path(key), key)
+        if rates is not None and (rates.get("gemm_fp32_flops") or 0) <= rate:
+            rates.update({k: getattr(caps, k) for k in ("gemm_fp32_flops", "gemm_bf16_flops", "gemm_fp16_flops")})
+            rates["refreshed_from"] = old
+            _write_cache(cache_path(key), key, rates)
     return caps
 
 
