@@ -184,3 +184,16 @@ def test_stale_low_rate_is_measured_again(tmp_path, monkeypatch):
     assert ref["flops_per_s"] == caps.gemm_fp32_flops > 1e8  # measured again, kept
     assert 0 < m <= 1
     assert caps.gemm_bf16_flops == pytest.approx(caps.gemm_fp32_flops / caps.bf16_slowdown)
+
+
+def test_probe_leaves_the_random_generator_alone(tmp_path, monkeypatch):
+    """A run seeds, probes, then builds its weights: the probe (measuring or not) must not move
+    the generator, or the weights would depend on whether the rates were cached."""
+    monkeypatch.setenv("MEMTRAIN_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    for _ in range(2):  # measured, then from the cache
+        D._PROBES.clear()
+        torch.manual_seed(0)
+        D.probe("cpu")
+        assert torch.equal(torch.rand(3), expected)

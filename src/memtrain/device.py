@@ -333,10 +333,17 @@ def probe(device: torch.device | str = "cpu", measure: bool = True, kernels: boo
           measure_fn: Optional[Callable[[torch.device, list[torch.dtype]], dict[str, Any]]] = None) -> DeviceCaps:
     """Capabilities of ``device`` (see the module docstring); with ``measure`` the GEMM rates too
     (from the per-machine cache when present); with ``kernels`` the optimizer and SDPA kernel
-    probes (tiny runs on the device). Memoized per process."""
+    probes (tiny runs on the device). Memoized per process. The random number generators are
+    left exactly as they were (a run seeds, then probes, then builds its weights)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
+    with torch.random.fork_rng(devices=[device.index] if device.type == "cuda" else []):
+        return _probe(device, measure, kernels, measure_fn)
+
+
+def _probe(device: torch.device, measure: bool, kernels: bool,
+           measure_fn: Optional[Callable[[torch.device, list[torch.dtype]], dict[str, Any]]]) -> DeviceCaps:
     memo_key = (str(device), measure, kernels, os.environ.get(FORCE_BF16_ENV, ""))
     if measure_fn is None and memo_key in _PROBES:  # type: ignore[comparison-overlap]
         return _PROBES[memo_key]  # type: ignore[index]
@@ -408,7 +415,7 @@ def refresh_fp32_rate(caps: DeviceCaps) -> DeviceCaps:
     prev = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
             rate = measure_gemm(device, torch.float32, FP32_SHAPE, budget_s=2 * TIME_BUDGET_S)
     finally:
         torch.set_float32_matmul_precision(prev)
