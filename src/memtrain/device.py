@@ -398,6 +398,10 @@ def _probe(device: torch.device, measure: bool, kernels: bool,
         for k, v in rates.items():
             if hasattr(caps, k):
                 setattr(caps, k, v)
+    if device.type == "cuda":
+        # Give the probe's blocks back: they would otherwise stay reserved by the caching
+        # allocator and count in the run's max_memory_reserved.
+        torch.cuda.empty_cache()
     if measure_fn is None:
         _PROBES[memo_key] = caps  # type: ignore[index]
     return caps
