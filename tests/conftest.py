@@ -15,6 +15,20 @@ SHARED_SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "stack
 TINY_MODEL = {"d_model": 32, "n_heads": 4, "n_layers": 2, "d_ff": 64, "max_seq_len": 64, "dropout": 0.0}
 
 
+def pytest_collection_modifyitems(config, items):
+    """A ``bf16_heavy`` test is ``slow`` on a CPU without native BF16, where a BF16 matmul of the
+    default vocabulary's LM head takes seconds (5-200x FP32), and runs by default elsewhere."""
+    heavy = [item for item in items if item.get_closest_marker("bf16_heavy")]
+    if not heavy:
+        return
+    from memtrain.device import probe
+
+    # Before pytest's own -m filter (conftest hooks run first), so "not slow" sees the marker.
+    if not probe("cpu", measure=False, kernels=False).native_bf16:
+        for item in heavy:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Every test gets a token cache of its session, never the user's ~/.cache."""

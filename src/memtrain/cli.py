@@ -254,8 +254,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if getattr(args, "verbose", False):
         os.environ["MEMTRAIN_VERBOSE"] = "1"
     from memtrain.extras import quiet_third_party
+    from memtrain.notices import install_warning_format
 
     quiet_third_party()
+    install_warning_format()
     try:
         return int(args._run(args) or 0)
     except ConfigError as exc:

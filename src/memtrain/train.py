@@ -20,8 +20,9 @@ from memtrain.checkpoint import load_checkpoint, save_checkpoint
 from memtrain.config import RunConfig
 from memtrain.data import make_train_loader, make_val_batches, prepare_tokens
 from memtrain.distributed_checkpoint import load_checkpoint as dcp_load, save_checkpoint as dcp_save
+from memtrain.device_advice import mfu_for_run, run_device_facts
 from memtrain.logging_sinks import MetricsLogger, live_memory
-from memtrain.metrics import MemoryMeter, StepTimer, device_gpu, device_peak_memory, mfu, reset_device_peak
+from memtrain.metrics import MemoryMeter, StepTimer, device_peak_memory, percentile, reset_device_peak
 from memtrain.model import GPT
 from memtrain.preflight import check_destinations, check_resume, check_vocab
 from memtrain.runtime import environment, resolve_device, seed_everything
@@ -163,9 +164,22 @@ def _flops_per_rank_step(cfg: RunConfig, n_params: int) -> tuple[float, str]:
         return rule_flops_per_token(cfg.model, t.seq_len, n_params) * tokens, "rule"
 
 
+# Called after every optimizer step with (steps done, steps in this run, timed-step median so
+# far or None while still in the timing warm-up); the bench uses it for its ETA.
+StepCallback = Callable[[int, int, Optional[float]], None]
+
+
+def _optimizer_kernel(optimizer: Any) -> Optional[str]:
+    """Which AdamW kernel ran (``--optim adamw`` picks one per device): fused | foreach | for-loop."""
+    d = getattr(optimizer, "defaults", {}) or {}
+    if "fused" not in d and "foreach" not in d:
+        return None
+    return "fused" if d.get("fused") else "foreach" if d.get("foreach") else "for-loop"
+
+
 def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = True,
           on_result: Optional[Callable[[dict[str, Any]], None]] = None,
-          log_metrics: bool = False) -> dict[str, Any]:
+          log_metrics: bool = False, on_step: Optional[StepCallback] = None) -> dict[str, Any]:
     """Run one training run as configured; return the result dict.
 
     Under ``--distributed`` every rank (torchrun process) runs this and gets the result;
@@ -179,7 +193,7 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
     check_vocab(cfg)
     check_resume(cfg)  # a checkpoint of another run is refused before tokenizing
     with distributed_session(cfg, resolve_device(cfg.train.device)) as dist_ctx:
-        return _train(cfg, dist_ctx, progress, track_memory, on_result, log_metrics)
+        return _train(cfg, dist_ctx, progress, track_memory, on_result, log_metrics, on_step)
 
 
 def _step_scalars(loss: float, scheduler: Any, precision: Precision, tokens_per_s: float,
@@ -193,7 +207,7 @@ def _step_scalars(loss: float, scheduler: Any, precision: Precision, tokens_per_
 
 def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], track_memory: bool,
            on_result: Optional[Callable[[dict[str, Any]], None]] = None,
-           log_metrics: bool = False) -> dict[str, Any]:
+           log_metrics: bool = False, on_step: Optional[StepCallback] = None) -> dict[str, Any]:
     t = cfg.train
     show = (t.progress if progress is None else progress) and dist_ctx.is_main
     device = dist_ctx.device
@@ -204,6 +218,8 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     # Techniques first: an impossible combination (a backend the device lacks, an optimizer
     # that cannot pair with the precision) fails in seconds, before a long tokenization.
     precision = make_precision(cfg.technique.precision, device)
+    # Probe the device (cached per machine) and warn up front when this precision is slow here.
+    caps, device_caps = run_device_facts(cfg.technique.precision, device) if dist_ctx.is_main else (None, None)
     base = GPT(cfg.model)
     n_params = base.num_parameters()
     model = prepare_model(base, cfg, device, precision)
@@ -266,6 +282,9 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
             done = step + 1
             if logger.sinks and (done % logger.every == 0 or done == end_step):
                 logger.log(done, _step_scalars(loss, scheduler, precision, tokens_per_s, device), force=True)
+            if on_step is not None:
+                on_step(done - start_step, end_step - start_step,
+                        percentile(timer.step_times, 50) if timer.step_times else None)
             if t.eval_every and done % t.eval_every == 0 and done < end_step:
                 v = evaluate(model, val_batches, precision, device)
                 val_history.append({"step": done, "val_loss": v, "val_ppl": math.exp(min(v, 50))})
@@ -291,6 +310,7 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     memory.update(device_peak_memory(device))
     flops_per_rank_step, flops_source = _flops_per_rank_step(cfg, n_params)
     median = stats["median"]
+    run_mfu, mfu_reference = mfu_for_run(flops_per_rank_step, median, device, cfg.technique.precision, caps)
     result: dict[str, Any] = {
         "config": cfg.to_dict(),
         "train_loss": sum(tail) / len(tail),
@@ -304,7 +324,10 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         "data_wait_share": stats.get("data_wait_share"),
         "total_time_s": total_time,
         "tokens_per_s": tokens_per_step / median if median else None,
-        "mfu": mfu(flops_per_rank_step, median, device_gpu(device), cfg.technique.precision) if median else None,
+        "mfu": run_mfu,
+        "mfu_reference": mfu_reference,
+        "optimizer_kernel": _optimizer_kernel(optimizer),  # CUDA: datasheet peak; CPU: the GEMM rate measured here
+        "device_caps": device_caps,
         "flops_per_step": flops_per_rank_step,
         "flops_source": flops_source,
         "memory": memory,

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from memtrain.bench.process import clean_stale_row_dirs, row_tmpdir, start_row, stop_row
-from memtrain.bench.presets import SCALE_BUDGET, SCALE_MAX_BATCH, describe, scale_overrides, technique_overrides
+from memtrain.bench.presets import (SCALE_BUDGET, SCALE_MAX_BATCH, describe, is_noise_row, scale_overrides,
+                                    technique_overrides)
 from memtrain.config import ConfigError, RunConfig, build_config, flatten, parse_size
 from memtrain.results import FolderLock, JsonlRead, append_jsonl, bench_row_problem, read_jsonl
 
@@ -42,6 +43,10 @@ class BenchOptions:
     progress: bool = True
     timeout_s: Optional[float] = None
     nproc: int = 1  # processes per row (torchrun); > 1 runs rows data-parallel, ddp unless a row sets distributed=
+    # The rows are the default list (the user named none): rows whose precision has no native
+    # kernel on this device run in the nearest native one (bench/device_rows.py).
+    substitute_slow: bool = False
+    eta: bool = True  # print per-row and bench ETA lines on stderr
 
 
 def config_hash(config: dict[str, Any]) -> str:
@@ -74,6 +79,8 @@ def resolve_rows(opts: BenchOptions) -> list[tuple[str, RunConfig]]:
             cfg = build_config(scale_overrides(opts.scale), row_layer, opts.file_layer, opts.overrides)
         except ConfigError as exc:
             raise ConfigError(f"technique {name!r}: {exc}") from None
+        if is_noise_row(name):  # the same row with the next seed: run-to-run noise
+            cfg = cfg.replace(seed=cfg.train.seed + 1)
         if opts.nproc > 1 and cfg.technique.distributed == "none":
             cfg = cfg.replace(distributed="ddp")
         rows.append((name, cfg))
@@ -114,7 +121,7 @@ def _maxbatch_spec(opts: BenchOptions, cfg: RunConfig) -> Optional[dict[str, Any
     }
 
 
-def run_row_subprocess(name: str, cfg: RunConfig, opts: BenchOptions) -> dict[str, Any]:
+def run_row_subprocess(name: str, cfg: RunConfig, opts: BenchOptions, eta: Optional[Any] = None) -> dict[str, Any]:
     """Run one row in a fresh Python process; return its result dict (with status)."""
     row_dir = opts.out / "rows" / name.replace("/", "_").replace("=", "-").replace("+", "_")
     row_dir.mkdir(parents=True, exist_ok=True)
@@ -124,6 +131,8 @@ def run_row_subprocess(name: str, cfg: RunConfig, opts: BenchOptions) -> dict[st
     spec = {"config": cfg.to_dict(), "maxbatch": None if distributed else _maxbatch_spec(opts, cfg), "progress": opts.progress}
     with row_tmpdir() as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        heartbeat = Path(tmp) / "heartbeat.json"
+        spec["heartbeat"] = str(heartbeat)
         spec_path.write_text(json.dumps(spec))
         cmd = [sys.executable, "-m", "memtrain.bench.worker", str(spec_path), str(out_path)]
         if distributed:  # one worker per rank; only rank 0 writes OUT
@@ -133,7 +142,7 @@ def run_row_subprocess(name: str, cfg: RunConfig, opts: BenchOptions) -> dict[st
         # together, and a terminal's Ctrl-C reaches only the bench) that dies with the bench.
         proc = start_row(cmd, stdout=subprocess.DEVNULL)
         try:
-            code = proc.wait(timeout=opts.timeout_s)
+            code = _wait(proc, opts.timeout_s, start, lambda: _say_eta(eta, name, heartbeat, start))
         except subprocess.TimeoutExpired:
             stop_row(proc, grace_s=0, sig=signal.SIGKILL)
             return {"status": "timeout", "error": f"row exceeded {opts.timeout_s:.0f} s", "config": cfg.to_dict()}
@@ -156,34 +165,64 @@ def run_row_subprocess(name: str, cfg: RunConfig, opts: BenchOptions) -> dict[st
     return result
 
 
+def _say_eta(eta: Optional[Any], name: str, heartbeat: Path, start: float) -> None:
+    if eta is not None:
+        line = eta.line(name, heartbeat, time.perf_counter() - start)
+        if line:
+            print(line, file=sys.stderr, flush=True)
+
+
+def _wait(proc: subprocess.Popen, timeout_s: Optional[float], start: float, tick: Callable[[], None]) -> int:
+    """``proc.wait(timeout_s)``, calling ``tick`` about twice a second meanwhile."""
+    while True:
+        left = None if timeout_s is None else timeout_s - (time.perf_counter() - start)
+        if left is not None and left <= 0:
+            raise subprocess.TimeoutExpired(proc.args, timeout_s)
+        try:
+            return proc.wait(timeout=0.5 if left is None else min(0.5, left))
+        except subprocess.TimeoutExpired:
+            tick()
+
+
 def run_bench(opts: BenchOptions, on_row: Optional[Callable[[str, dict[str, Any]], None]] = None) -> list[dict[str, Any]]:
     """Run every technique of ``opts`` not already done; return all rows of this bench."""
-    from memtrain.report import write_report
+    from memtrain.bench.device_rows import adapt_rows, runner_caps
+    from memtrain.runtime import resolve_device
 
     rows = resolve_rows(opts)
+    caps = runner_caps(resolve_device(rows[0][1].train.device)) if rows else None
+    rows, substituted, notes = adapt_rows(rows, caps, opts.substitute_slow)
+    for note in notes:  # once, up front, not once per row
+        print(f"warning: {note}", file=sys.stderr, flush=True)
     # One bench per folder: a second one would run every row twice under contention and
     # interleave its appends with ours. Held until the last row is appended.
     with FolderLock(opts.out, "memtrain bench"):
-        return _run_rows(opts, rows, on_row)
+        return _run_rows(opts, rows, substituted, on_row)
 
 
-def _run_rows(opts: BenchOptions, rows: list[tuple[str, RunConfig]],
+def _run_rows(opts: BenchOptions, rows: list[tuple[str, RunConfig]], substituted: dict[str, Any],
               on_row: Optional[Callable[[str, dict[str, Any]], None]]) -> list[dict[str, Any]]:
+    from memtrain.bench.eta import BenchEta
     from memtrain.report import write_report
 
     clean_stale_row_dirs()  # scratch of an earlier bench that was SIGKILL'd
     done = {} if opts.force else {
         (r.get("technique"), r.get("config_hash")): r for r in read_results(opts.out) if r.get("status") == "ok"
     }
-    for name, cfg in rows:
-        key = (name, config_hash(cfg.to_dict()))
+    keys = [(name, config_hash(cfg.to_dict())) for name, cfg in rows]
+    eta = BenchEta(sum(k not in done for k in keys)) if opts.eta else None
+    for (name, cfg), key in zip(rows, keys):
         if key in done:
             if on_row:
                 on_row(name, {**done[key], "skipped": True})
             continue
-        result = run_row_subprocess(name, cfg, opts)
+        result = run_row_subprocess(name, cfg, opts, eta)
+        if eta is not None:
+            eta.row_finished(result)
         result.update({"technique": name, "description": describe(name), "scale": opts.scale,
                        "config_hash": key[1]})
+        if name in substituted:
+            result["substituted"] = substituted[name]
         append_result(opts.out, result)
         if on_row:
             on_row(name, result)

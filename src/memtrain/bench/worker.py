@@ -36,7 +36,17 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
     from memtrain.train import train
 
     cfg = build_config(spec["config"])
-    result: dict[str, Any] = train(cfg, progress=spec.get("progress", True))
+    heartbeat = spec.get("heartbeat")
+
+    def on_step(done: int, total: int, step_s: Any) -> None:
+        # The runner reads this to show the row's and the bench's ETA (a lost write costs nothing).
+        if heartbeat:
+            try:
+                write_json_atomic(Path(heartbeat), {"done": done, "total": total, "step_s": step_s})
+            except OSError:
+                pass
+
+    result: dict[str, Any] = train(cfg, progress=spec.get("progress", True), on_step=on_step)
     result["status"] = "ok"
     mb = spec.get("maxbatch")
     if mb:
@@ -65,6 +75,12 @@ def main(argv: list[str]) -> int:
     quiet_third_party()
     spec_path, out_path = Path(argv[0]), Path(argv[1])
     spec = json.loads(spec_path.read_text())
+    import warnings
+
+    from memtrain.notices import SlowPrecisionWarning
+
+    # The runner already said, once and up front, which rows run a precision that is slow here.
+    warnings.filterwarnings("ignore", category=SlowPrecisionWarning)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if os.environ.get("MEMTRAIN_TEST_ROW_SLEEP"):  # tests: a row that is still running when signalled
         import time

@@ -19,16 +19,19 @@ def warn_skipped_lines(out: Path, summary: dict) -> None:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from memtrain.bench.presets import DEFAULT_TECHNIQUES, SCALES, TECHNIQUES
+    from memtrain.bench.presets import DEFAULT_TECHNIQUES, NOISE_ROW, SCALES, TECHNIQUES
 
     p.add_argument("--preset", default="quick", help=f"Scale of every row: {' | '.join(SCALES)} "
                    "(seed: the published table's settings; quick: minutes on 2 CPU cores). Default quick.")
-    p.add_argument("--techniques", default=",".join(DEFAULT_TECHNIQUES),
-                   help=f"Comma-separated rows: presets ({', '.join(TECHNIQUES)}) or explicit "
-                   "combinations key=value+key=value (e.g. precision=bf16+loss=chunked). A flag "
+    p.add_argument("--techniques", default=None,
+                   help=f"Comma-separated rows: presets ({', '.join(TECHNIQUES)}), a preset's noise twin "
+                   "PRESET-seed2 (the same row with the next seed), or explicit combinations "
+                   "key=value+key=value (e.g. precision=bf16+loss=chunked). A flag "
                    "(e.g. --vocab-multiple) overrides a preset's own setting; an explicit row may not "
                    "set a key that a flag also sets (refused, so neither silently wins). "
-                   f"Default: {','.join(DEFAULT_TECHNIQUES)}.")
+                   f"Default: {','.join(DEFAULT_TECHNIQUES + [NOISE_ROW])}; on a device without native "
+                   "BF16 the default list runs its BF16 rows in the nearest native precision (FP16 where "
+                   "native, else FP32) and says so; rows named here run as asked (with a warning).")
     p.add_argument("--out", dest="bench_out", default="runs/bench", help="Results folder (default runs/bench).")
     p.add_argument("--force", action="store_true", help="Rerun rows already in results.jsonl.")
     p.add_argument("--no-maxbatch", action="store_true", help="Skip the max-batch search of each row.")
@@ -56,8 +59,13 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--multiple-of must be >= 1, got {args.multiple_of}")
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+    from memtrain.bench.presets import DEFAULT_TECHNIQUES, NOISE_ROW
+
+    default_list = args.techniques is None
+    techniques = DEFAULT_TECHNIQUES + [NOISE_ROW] if default_list else args.techniques.split(",")
     opts = BenchOptions(
-        techniques=[t.strip() for t in args.techniques.split(",") if t.strip()],
+        techniques=[t.strip() for t in techniques if t.strip()],
+        substitute_slow=default_list,
         scale=args.preset,
         out=Path(args.bench_out),
         overrides=overrides,

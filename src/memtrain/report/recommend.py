@@ -27,10 +27,13 @@ def max_batch_capped(row: dict[str, Any]) -> bool:
 def zero_categories(records: list[dict[str, Any]], categories: tuple[str, ...]) -> list[str]:
     """Categories that are 0 at the peak in every finished row."""
     ok = [r for r in records if r.get("status") == "ok"]
-    return [c for c in categories if ok and all(not r.get(f"{c}_bytes") for r in ok)]
+    # Only a recorded 0 is structural; a row without a breakdown (None) says nothing either way.
+    return [c for c in categories if ok and all(r.get(f"{c}_bytes") == 0 for r in ok)]
 
 
 WHY_ZERO = {
+    "parameters": "every row's model has weights; zero means the meter saw none at the peak (a fully "
+                  "offloaded or sharded-away model)",
     "gradients": "gradients exist from the backward pass until the optimizer step frees them "
                  "(zero_grad(set_to_none)); a peak in the forward pass or early in backward, before "
                  "the first gradient is written, holds none",

@@ -6,6 +6,7 @@ import csv
 import io
 from typing import Any, Callable, Optional
 
+from memtrain.report.noise import noise_markdown
 from memtrain.report.recommend import max_batch_capped, recommendation, zero_categories, zero_notes
 
 GIB = 2**30
@@ -53,11 +54,14 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "total_time_s": r.get("total_time_s") if ok else None,
             "tokens_per_s": r.get("tokens_per_s") if ok else None,
             "mfu": r.get("mfu") if ok else None,
+            "mfu_reference": _get(r, "mfu_reference", "kind") if ok else None,
             "val_ppl": r.get("val_ppl") if ok else None,
             "estimate_peak_bytes": est,
             "estimate_error": (est - peak) / peak if (est and peak) else None,
             "error": r.get("error"),
             "peak_phase": _get(r, "memory", "peak_phase") if ok else None,
+            "precision": _get(r, "config", "technique", "precision"),
+            "substituted_from": _get(r, "substituted", "from"),
         }
         for c in CATEGORIES:
             rec[f"{c}_bytes"] = _get(r, "memory", "by_category", c) if ok else None
@@ -117,6 +121,8 @@ def markdown_table(records: list[dict[str, Any]], columns: list[tuple[str, str, 
                 cell += "+"  # a lower bound: every probe fitted up to the search's cap
             if key == "method" and rec.get("status") != "ok":
                 cell += f" ({rec.get('status')})"
+            if key == "method" and rec.get("substituted_from"):
+                cell += f" [ran in {str(rec.get('precision')).upper()}*]"
             cells.append(cell)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -148,9 +154,10 @@ def markdown_report(rows: list[dict[str, Any]], missing: list[str], header: Call
             f"vocab {m['vocab_size']}; batch {t['batch_size']} x seq {t['seq_len']}, {t['steps']} steps, "
             f"lr {t['lr']}, warm-up {t['warmup_steps']}. Data: `{first_ok['config']['data']['data']}`.",
             f"Hardware: {env.get('device')}; torch {env.get('torch')}; memtrain commit {env.get('commit')}.",
-            "",
         ]
+        parts += device_lines(rows) + [""]
     parts += [markdown_table(records, COLUMNS), ""]
+    parts += substitution_lines(rows) + mfu_lines(rows)
     parts += [
         "Peak memory (tracked) is the largest total of live tensor storage during a steady-state "
         "training step, counted by memtrain's meter on every device; Peak Allocated is "
@@ -174,6 +181,7 @@ def markdown_report(rows: list[dict[str, Any]], missing: list[str], header: Call
     notes = zero_notes(records, CATEGORIES, hidden)
     if notes:
         parts += notes + [""]
+    parts += noise_markdown(rows)
     failed = [r for r in records if r["status"] != "ok"]
     if failed:
         parts += ["## Rows that did not finish", ""]
@@ -184,3 +192,57 @@ def markdown_report(rows: list[dict[str, Any]], missing: list[str], header: Call
         parts += [f"Max-batch budget: {', '.join(f'{b / GIB:.2f} GiB' for b in sorted(budgets))} (tracked meter).", ""]
     parts += recommendation(records, rows, min(budgets) if budgets else None)
     return "\n".join(parts)
+
+
+def _caps(rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    return next((r["device_caps"] for r in rows if r.get("status") == "ok" and isinstance(r.get("device_caps"), dict)
+                 and r["device_caps"].get("name")), None)
+
+
+def device_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The header's device line: the CPU/GPU model and whether BF16 is native (with the measured
+    BF16 slowdown where it is not, and the rows that ran BF16 anyway)."""
+    caps = _caps(rows)
+    if caps is None:
+        return []
+    forced = f", forced by {caps['forced']}" if caps.get("forced") else ""
+    if caps.get("native_bf16"):
+        line = f"Device: {caps['name']}; BF16 is native ({caps.get('bf16_reason')}{forced})."
+    else:
+        slow = caps.get("bf16_slowdown")
+        speed = f"; a BF16 matmul measured {slow:.1f}x slower than FP32" if slow and slow > 1 else ""
+        line = f"Device: {caps['name']}; **no native BF16** ({caps.get('bf16_reason')}{forced}){speed}."
+        slow_rows = [r.get("description") or r.get("technique") for r in rows if r.get("status") == "ok"
+                     and isinstance(r.get("device_caps"), dict) and r["device_caps"].get("precision_native") is False]
+        if slow_rows:
+            line += f" Rows that ran a precision without a native kernel here (slow): {', '.join(slow_rows)}."
+    return [line]
+
+
+def substitution_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The footnote of rows marked ``[ran in FP32*]``."""
+    subs = [r for r in rows if isinstance(r.get("substituted"), dict)]
+    if not subs:
+        return []
+    pairs = sorted({(s["substituted"]["from"], s["substituted"]["to"]) for s in subs})
+    what = "; ".join(f"{a.upper()} rows ran in {b.upper()}" for a, b in pairs)
+    return [f"\\* This device has no native BF16, so in this default list {what} (the technique's "
+            "memory and speed effects other than precision are kept; a BF16 row's own numbers need a device "
+            "with native BF16). Name a row in `--techniques` to run it in BF16 anyway.", ""]
+
+
+def mfu_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """What the MFU column is measured against."""
+    refs = {}
+    for r in rows:
+        ref = r.get("mfu_reference") if r.get("status") == "ok" else None
+        if isinstance(ref, dict) and ref.get("flops_per_s"):
+            refs.setdefault((ref.get("kind"), ref.get("name"), ref.get("flops_per_s")), True)
+    out = []
+    for kind, name, rate in refs:
+        if kind == "measured_gemm":
+            out.append(f"MFU (CPU rows) is against the measured GEMM rate, not a datasheet peak: {name}, "
+                       f"{rate / 1e9:.1f} GFLOP/s (`memtrain info`).")
+        else:
+            out.append(f"MFU (CUDA rows) is against the datasheet peak of {name}: {rate / 1e12:.1f} TFLOP/s.")
+    return out + ([""] if out else [])

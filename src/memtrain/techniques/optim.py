@@ -5,7 +5,9 @@
 =================  ==========================================================  ==============
 name               implementation                                              state / param
 =================  ==========================================================  ==============
-adamw              ``torch.optim.AdamW(foreach=False)``: one kernel per tensor  8 bytes
+adamw              ``torch.optim.AdamW``, the device's kernel: fused on CUDA,   8 bytes
+                   the per-tensor loop (``foreach=False``) on CPU
+                   (:func:`default_adamw_kernel`)
 adamw-foreach      ``torch.optim.AdamW(foreach=True)``: batched multi-tensor    8 bytes
 adamw-fused        ``torch.optim.AdamW(fused=True)``: one fused kernel          8 bytes
                    (CPU and CUDA)
@@ -194,6 +196,26 @@ def _adafactor_eps(relative_step: bool) -> tuple[None, float]:
     return (None, 1e-3 if relative_step else 1.0)
 
 
+def default_adamw_kernel(device: torch.device) -> dict[str, bool]:
+    """The AdamW kernel ``--optim adamw`` uses on ``device`` (the user chose AdamW, not a kernel;
+    ``adamw-foreach`` / ``adamw-fused`` pin one). All three compute the same update.
+
+    - CUDA: the fused kernel (one launch for all tensors; what torch recommends for speed),
+      else foreach where the probe finds no fused kernel.
+    - CPU: the plain per-tensor loop (``foreach=False``), unchanged: it needs no scratch at the
+      step, and the kernels' speed on CPU is a small share of a step (docs/performance.md).
+    """
+    if device.type == "cuda":
+        from memtrain.device import probe
+
+        caps = probe(device, measure=False)
+        if caps.fused_adamw:
+            return {"fused": True}
+        if caps.foreach_adamw:
+            return {"foreach": True}
+    return {"foreach": False}
+
+
 def build_optimizer(model: nn.Module, tech: TechniqueConfig, train: TrainConfig) -> torch.optim.Optimizer:
     """The optimizer named by ``tech.optim`` over the model's trainable parameters.
 
@@ -218,7 +240,8 @@ def build_optimizer(model: nn.Module, tech: TechniqueConfig, train: TrainConfig)
         # into the BF16 weight; its moments are kept in the parameter dtype (BF16).
         return _torchao_optim("_AdamW")(groups, lr=train.lr, betas=betas, bf16_stochastic_round=True)
     if name in ("adamw", "adamw-foreach", "adamw-fused"):
-        kw = {"foreach": False} if name == "adamw" else {"foreach": True} if name == "adamw-foreach" else {"fused": True}
+        kw = default_adamw_kernel(_first_device(model)) if name == "adamw" else (
+            {"foreach": True} if name == "adamw-foreach" else {"fused": True})
         return torch.optim.AdamW(groups, lr=train.lr, betas=betas, **kw)
     if name in LOW_BIT_BLOCK:
         cls = _torchao_optim("AdamW8bit" if name == "adamw-8bit" else "AdamW4bit")

@@ -1,0 +1,81 @@
+"""Fit a bench's rows to the device before any of them runs.
+
+On a device without native BF16 (an AVX2-only CPU, a pre-Ampere GPU) a BF16 row's matmuls run
+a slow reference kernel, 5x to 200x slower than FP32 on the CPUs measured; the default
+`memtrain bench` spent over an hour there instead of minutes. So:
+
+- rows of the *default* list run their BF16 precision in the nearest native one instead (FP16
+  where that is native, else FP32), and the result records the substitution so the report can
+  say so beside the row;
+- rows the user listed explicitly run as asked, with a warning up front naming the measured
+  slowdown.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from memtrain.config import RunConfig
+from memtrain.device import DeviceCaps, precision_is_native, probe, slow_precision_message
+
+__all__ = ["adapt_rows", "nearest_native", "runner_caps"]
+
+
+def runner_caps(device: torch.device) -> Optional[DeviceCaps]:
+    """The device's capabilities as the bench runner may learn them: on CPU the full probe (GEMM
+    rates cached per machine); on CUDA the compute capability only, without running a kernel
+    (a CUDA context in the runner would hold GPU memory while the rows measure theirs; each row
+    probes itself)."""
+    try:
+        if device.type == "cpu":
+            return probe(device)
+        if device.type == "cuda":
+            return probe(device, measure=False, kernels=False)
+    except Exception:  # noqa: BLE001 - without the answer, rows run as listed (each row probes again)
+        return None
+    return None
+
+
+def nearest_native(precision: str, caps: DeviceCaps) -> str:
+    """The precision a slow ``precision`` row runs in instead: FP16 (autocast) where that is
+    native and BF16 is not, else FP32."""
+    if precision in ("bf16", "bf16-pure") and caps.native_fp16:
+        return "fp16"
+    return "fp32"
+
+
+def adapt_rows(rows: list[tuple[str, RunConfig]], caps: Optional[DeviceCaps], substitute: bool
+               ) -> tuple[list[tuple[str, RunConfig]], dict[str, dict[str, Any]], list[str]]:
+    """Rows to run, the substitutions made (by row name) and the warnings to print up front.
+
+    ``substitute``: the rows are the default list (the user chose none), so slow precisions are
+    replaced; otherwise they run as asked and each slow precision is warned about once.
+    """
+    if caps is None:
+        return rows, {}, []
+    out, subs, warned = [], {}, {}
+    for name, cfg in rows:
+        precision = cfg.technique.precision
+        if precision_is_native(precision, caps):
+            out.append((name, cfg))
+            continue
+        msg = slow_precision_message(precision, caps) or ""
+        if substitute:
+            alt = nearest_native(precision, caps)
+            subs[name] = {"from": precision, "to": alt, "reason": msg}
+            cfg = cfg.replace(precision=alt)
+        else:
+            warned.setdefault(msg, []).append(name)
+        out.append((name, cfg))
+    warnings = [f"{msg} Rows: {', '.join(names)}." for msg, names in warned.items()]
+    if subs:
+        by = {}
+        for name, s in subs.items():
+            by.setdefault((s["from"], s["to"]), []).append(name)
+        for (src, alt), names in by.items():
+            reason = subs[names[0]]["reason"].split(": ", 1)[-1].split(". Expect")[0]
+            warnings.append(f"{src} rows of the default list run in {alt} here ({reason}): "
+                            f"{', '.join(names)}. Name them in --techniques to run them in {src} anyway.")
+    return out, subs, warnings

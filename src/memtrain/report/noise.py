@@ -1,0 +1,79 @@
+"""Run-to-run noise of validation perplexity, and which rows' PPL differences exceed it.
+
+A bench row ``X-seed2`` is row ``X`` again with the next seed (other initial weights, dropout
+masks and batch order). Their relative PPL difference is the seed-to-seed noise of this setup;
+every other row's PPL is compared with ``X``'s in the same relative terms. One extra seed gives
+the scale of the noise, not a confidence interval, so a difference is called beyond noise only
+when it is more than ``FACTOR`` times the seed-to-seed difference. The rows share ``X``'s seed,
+initial weights and batch order, so a technique's own effect is measured against less noise than
+this; the seed difference is the conservative yardstick.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+__all__ = ["FACTOR", "ppl_noise", "quality_vs_noise", "noise_markdown"]
+
+FACTOR = 2.0
+SUFFIX = "-seed2"
+
+
+def _ppl(row: dict[str, Any]) -> Optional[float]:
+    v = row.get("val_ppl")
+    return float(v) if row.get("status") == "ok" and isinstance(v, (int, float)) and v > 0 else None
+
+
+def ppl_noise(rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """The first ``X`` / ``X-seed2`` pair with both PPLs: {base, ppl, ppl_seed2, rel_noise}."""
+    by_name = {r.get("technique"): r for r in rows}
+    for name, row in by_name.items():
+        if not isinstance(name, str) or not name.endswith(SUFFIX):
+            continue
+        base = by_name.get(name[: -len(SUFFIX)])
+        a, b = (_ppl(base) if base else None), _ppl(row)
+        if a and b:
+            return {"base": name[: -len(SUFFIX)], "ppl": a, "ppl_seed2": b, "rel_noise": abs(b / a - 1)}
+    return None
+
+
+def quality_vs_noise(rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """Each row's PPL relative to the noise pair's base row, and its size in units of the noise."""
+    noise = ppl_noise(rows)
+    if noise is None:
+        return None
+    out = []
+    for r in rows:
+        name, ppl = r.get("technique"), _ppl(r)
+        if ppl is None or name in (noise["base"], noise["base"] + SUFFIX):
+            continue
+        rel = ppl / noise["ppl"] - 1
+        times = abs(rel) / noise["rel_noise"] if noise["rel_noise"] > 0 else None
+        beyond = (times is not None and times > FACTOR) or (times is None and rel != 0)
+        out.append({"technique": name, "method": r.get("description") or name, "val_ppl": ppl,
+                    "rel_diff": rel, "times_noise": times, "beyond_noise": beyond})
+    return {**noise, "factor": FACTOR, "rows": out}
+
+
+def noise_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """The report's "Quality against run-to-run noise" section (empty without a noise pair)."""
+    q = quality_vs_noise(rows)
+    if q is None:
+        return []
+    lines = [
+        "## Quality against run-to-run noise",
+        "",
+        f"Run-to-run noise: `{q['base']}` reached val PPL {q['ppl']:.2f}; the same row with the next seed "
+        f"(`{q['base']}{SUFFIX}`) {q['ppl_seed2']:.2f}, a {q['rel_noise'] * 100:.2f}% difference. "
+        f"A row's PPL difference from `{q['base']}` counts as beyond noise when it is more than "
+        f"{q['factor']:.0f}x that.",
+        "",
+        "| Method | Val PPL | vs " + q["base"] + " | x noise | beyond noise? |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for r in q["rows"]:
+        times = "n/a" if r["times_noise"] is None else f"{r['times_noise']:.1f}"
+        lines.append(f"| {r['method']} | {r['val_ppl']:.2f} | {r['rel_diff'] * 100:+.2f}% | {times} | "
+                     f"{'yes' if r['beyond_noise'] else 'no'} |")
+    lines.append("")
+    return lines

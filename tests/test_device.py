@@ -1,0 +1,199 @@
+"""The device probe: capabilities, the per-machine cache, the slow-precision warning, CPU MFU."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from memtrain import device as D
+from memtrain.cli import main
+from memtrain.config import build_config
+from memtrain.device_advice import mfu_for_run, run_device_facts
+from memtrain.notices import SlowPrecisionWarning, install_warning_format
+from memtrain.train import train
+
+
+def _caps(**kw) -> D.DeviceCaps:
+    base = dict(device_type="cpu", name="Test CPU", torch="x", threads=2, native_bf16=False, native_fp16=False,
+                tf32=False, bf16_reason="no avx512_bf16/amx_bf16 flag", fp16_reason="no avx512_fp16 flag",
+                fused_adamw=True, foreach_adamw=True, sdpa_flash=True, sdpa_mem_efficient=False,
+                gemm_fp32_flops=50e9, gemm_bf16_flops=50e9 / 5.3, bf16_slowdown=5.3, fp16_slowdown=4.0,
+                gemm_shapes={"fp32": [512, 512, 512], "low_precision": [64, 256, 512]})
+    base.update(kw)
+    return D.DeviceCaps(**base)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_probe(monkeypatch):
+    monkeypatch.delenv(D.FORCE_BF16_ENV, raising=False)
+    D._PROBES.clear()
+    yield
+    D._PROBES.clear()
+
+
+def test_probe_on_cpu_measures_and_caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMTRAIN_CACHE", str(tmp_path))
+    caps = D.probe("cpu")
+    assert caps.device_type == "cpu" and caps.name == D.cpu_model() and caps.name
+    assert caps.threads == torch.get_num_threads()
+    # The answers agree with what torch itself reports for this CPU.
+    onednn = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert caps.native_bf16 == (onednn or bool({"avx512_bf16", "amx_bf16"} & set(caps.isa_flags))
+                                or ("bf16" in caps.isa_flags))
+    assert isinstance(caps.fused_adamw, bool) and caps.foreach_adamw is True  # foreach runs on every device
+    assert caps.sdpa_flash is True  # torch's CPU flash kernel (torch >= 2.2)
+    assert caps.gemm_fp32_flops and caps.gemm_fp32_flops > 1e8  # > 0.1 GFLOP/s on any CPU of this decade
+    assert caps.bf16_slowdown and caps.bf16_slowdown > 0 and caps.from_cache is False
+    files = list((tmp_path / "device").glob("*.json"))
+    assert len(files) == 1
+    cached = json.loads(files[0].read_text())  # plain JSON, keyed by model + torch + threads
+    assert caps.name in cached["key"] and torch.__version__ in cached["key"]
+    assert cached["rates"]["gemm_fp32_flops"] == caps.gemm_fp32_flops
+
+    D._PROBES.clear()
+    again = D.probe("cpu", measure_fn=None)
+    assert again.from_cache and again.gemm_fp32_flops == caps.gemm_fp32_flops
+
+    # A damaged cache file is ignored and rewritten.
+    files[0].write_text("{not json")
+    D._PROBES.clear()
+    calls = []
+    fake = {"gemm_fp32_flops": 7e9, "bf16_slowdown": 2.0}
+    rates = D.probe("cpu", measure_fn=lambda dev, low: calls.append(1) or fake)
+    assert calls and rates.gemm_fp32_flops == 7e9
+    D._PROBES.clear()
+    fresh = D.probe("cpu")
+    assert not fresh.from_cache and json.loads(files[0].read_text())["rates"]["gemm_fp32_flops"] > 1e8
+
+
+def test_force_env_sets_both_answers(monkeypatch):
+    monkeypatch.setenv(D.FORCE_BF16_ENV, "0")
+    off = D.probe("cpu", measure=False)
+    assert off.native_bf16 is False and off.forced == "MEMTRAIN_FORCE_NATIVE_BF16=0"
+    monkeypatch.setenv(D.FORCE_BF16_ENV, "1")
+    on = D.probe("cpu", measure=False)
+    assert on.native_bf16 is True and "forced by MEMTRAIN_FORCE_NATIVE_BF16=1" in on.bf16_reason
+    assert "no native BF16" in off.label and "native BF16" in on.label
+
+
+def test_warning_text_names_the_measured_slowdown():
+    slow = _caps()
+    msg = D.slow_precision_message("bf16", slow)
+    assert msg.startswith("--precision bf16: bf16 matmul here is 5.3x slower than fp32; this CPU has no native BF16")
+    assert "fp32" in msg.split(";")[-1]
+    assert D.slow_precision_message("bf16-pure", slow).startswith("--precision bf16-pure: bf16 matmul here is 5.3x")
+    assert D.slow_precision_message("fp16", slow).startswith("--precision fp16: fp16 matmul here is 4.0x slower")
+    assert D.slow_precision_message("fp32", slow) is None and D.slow_precision_message("tf32", slow) is None
+    assert D.slow_precision_message("bf16", _caps(native_bf16=True)) is None
+
+
+class _Stop(Exception):
+    pass
+
+
+def _stop_at_data(*args, **kwargs):
+    raise _Stop
+
+
+def test_train_warns_up_front_before_any_step(tiny_run, monkeypatch):
+    """The warning comes before tokenization and the first step (stopped there: a BF16 step on a
+    CPU without native BF16 is the slow path this test must not take)."""
+    import memtrain.train as T
+
+    monkeypatch.setattr(T, "prepare_tokens", _stop_at_data)
+    monkeypatch.setenv(D.FORCE_BF16_ENV, "0")
+    with pytest.warns(SlowPrecisionWarning, match=r"bf16 matmul here .*this CPU has no native BF16"), \
+            pytest.raises(_Stop):
+        train(build_config({**tiny_run, "precision": "bf16"}))
+    monkeypatch.setenv(D.FORCE_BF16_ENV, "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SlowPrecisionWarning)
+        with pytest.raises(_Stop):
+            train(build_config({**tiny_run, "precision": "bf16"}))
+    _, facts = run_device_facts("bf16", torch.device("cpu"))
+    assert facts["precision_native"] is True and facts["precision_warning"] is None
+    monkeypatch.setenv(D.FORCE_BF16_ENV, "0")
+    _, facts = run_device_facts("bf16", torch.device("cpu"))
+    assert facts["precision_native"] is False and "no native BF16" in facts["precision_warning"]
+
+
+def test_warning_shown_as_one_error_style_line():
+    install_warning_format()
+    assert warnings.formatwarning("x is slow", SlowPrecisionWarning, "f.py", 1) == "warning: x is slow\n"
+    assert "UserWarning" in warnings.formatwarning("other", UserWarning, "f.py", 1)
+
+
+def test_cpu_mfu_against_measured_gemm(tiny_run):
+    r = train(build_config({**tiny_run, "steps": 6}))
+    assert r["device_caps"]["name"] == D.cpu_model() and r["device_caps"]["precision_native"] is True
+    assert r["optimizer_kernel"] == "for-loop"  # --optim adamw on CPU
+    assert r["mfu"] is not None and 0 < r["mfu"] <= 1
+    ref = r["mfu_reference"]
+    assert ref["kind"] == "measured_gemm" and "measured FP32 GEMM" in ref["name"]
+    assert r["mfu"] == pytest.approx(r["flops_per_step"] / r["step_time_s"]["median"] / ref["flops_per_s"])
+
+
+def test_mfu_reference_by_precision():
+    caps = _caps(native_bf16=True, bf16_slowdown=0.25)  # BF16 4x faster than FP32 here
+    m32, ref32 = mfu_for_run(50e9, 1.0, torch.device("cpu"), "fp32", caps)
+    m16, ref16 = mfu_for_run(50e9, 1.0, torch.device("cpu"), "bf16", caps)
+    assert m32 == pytest.approx(1.0) and ref32["dtype"] == "fp32"
+    assert m16 == pytest.approx(0.25) and ref16["dtype"] == "bf16"
+    # Slow BF16: judged against the faster kernel (FP32), so its low MFU shows the slowness.
+    assert mfu_for_run(50e9, 1.0, torch.device("cpu"), "bf16", _caps())[1]["dtype"] == "fp32"
+    assert mfu_for_run(1e9, None, torch.device("cpu"), "fp32", caps) == (None, None)
+
+
+def test_info_command(capsys, monkeypatch):
+    monkeypatch.setenv(D.FORCE_BF16_ENV, "0")
+    assert main(["info", "--device", "cpu", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["device_type"] == "cpu" and out["native_bf16"] is False and out["gemm_fp32_flops"] > 0
+    assert {"tf32", "fused_adamw", "foreach_adamw", "sdpa_flash", "sdpa_mem_efficient", "bf16_slowdown"} <= out.keys()
+    assert main(["info", "--device", "cpu"]) == 0
+    text = capsys.readouterr().out
+    assert "native BF16:       no" in text and "GEMM FP32:" in text and "MEMTRAIN_FORCE_NATIVE_BF16=0" in text
+    assert main(["info", "--device", "tpu"]) == 2
+
+
+def test_adamw_default_kernel_per_device(monkeypatch):
+    """--optim adamw: the fused kernel on CUDA (foreach where fused is missing), the per-tensor
+    loop on CPU; adamw-fused / adamw-foreach pin a kernel everywhere."""
+    from memtrain.techniques import optim as O
+
+    assert O.default_adamw_kernel(torch.device("cpu")) == {"foreach": False}
+    answers = {"fused": True, "foreach": True}
+    monkeypatch.setattr(D, "probe", lambda device, measure=True, kernels=True: _caps(
+        device_type="cuda", fused_adamw=answers["fused"], foreach_adamw=answers["foreach"]))
+    assert O.default_adamw_kernel(torch.device("cuda")) == {"fused": True}
+    answers["fused"] = False
+    assert O.default_adamw_kernel(torch.device("cuda")) == {"foreach": True}
+    answers["foreach"] = False
+    assert O.default_adamw_kernel(torch.device("cuda")) == {"foreach": False}
+
+
+def test_stale_low_rate_is_measured_again(tmp_path, monkeypatch):
+    """A reference measured on busy cores (here: absurdly low) is measured again when a run beats
+    it, and the better rate is kept, so CPU MFU stays a share of what the machine does."""
+    monkeypatch.setenv("MEMTRAIN_CACHE", str(tmp_path))
+    caps = _caps(name=D.cpu_model(), threads=torch.get_num_threads(), gemm_fp32_flops=1e6)
+    m, ref = mfu_for_run(2e8, 1.0, torch.device("cpu"), "fp32", caps)
+    assert ref["flops_per_s"] == caps.gemm_fp32_flops > 1e8  # measured again, kept
+    assert 0 < m <= 1
+    assert caps.gemm_bf16_flops == pytest.approx(caps.gemm_fp32_flops / caps.bf16_slowdown)
+
+
+def test_probe_leaves_the_random_generator_alone(tmp_path, monkeypatch):
+    """A run seeds, probes, then builds its weights: the probe (measuring or not) must not move
+    the generator, or the weights would depend on whether the rates were cached."""
+    monkeypatch.setenv("MEMTRAIN_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    for _ in range(2):  # measured, then from the cache
+        D._PROBES.clear()
+        torch.manual_seed(0)
+        D.probe("cpu")
+        assert torch.equal(torch.rand(3), expected)
