@@ -539,7 +539,7 @@ def _use_fused_dropout(model: Any) -> None:
             module.attn_fn = wrap_attention(module.attn_fn)
 
 
-def _empty_model(cfg: ModelConfig) -> Any:
+def _empty_model(cfg: ModelConfig, build: Any = None) -> Any:
     """A GPT whose weights are allocated but never initialized: built on the meta device (no
     init arithmetic), then given uninitialized CPU storage (pages are not touched until read).
     A count needs shapes, not values. ``to_empty`` unties shared weights, so ties are restored."""
@@ -548,7 +548,7 @@ def _empty_model(cfg: ModelConfig) -> Any:
     from memtrain.model import GPT
 
     with torch.device("meta"):
-        model = GPT(cfg)
+        model = build() if build is not None else GPT(cfg)  # build: a transformers --model
     first: dict[int, tuple[Any, str]] = {}
     ties: list[tuple[Any, str, Any, str]] = []
     for mod in model.modules():
@@ -579,12 +579,12 @@ def _trace(cfg: RunConfig, fake: bool = True) -> tuple[dict[str, dict[str, Class
 
     t = cfg.train
     precision = _precision_for_count(cfg.technique.precision)
-    if fake:
-        base = _empty_model(cfg.model)
-    else:
-        from memtrain.model import GPT
+    from memtrain.models import build_model, is_hf
 
-        base = GPT(cfg.model)
+    if fake:
+        base = _empty_model(cfg.model, (lambda: build_model(cfg, with_weights=False)) if is_hf(cfg) else None)
+    else:
+        base = build_model(cfg)
     n_params = base.num_parameters()
     model = prepare_model(base, cfg, torch.device("cpu"), precision)
     model.train()

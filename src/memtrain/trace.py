@@ -136,7 +136,7 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from memtrain.metrics import MemoryMeter
-    from memtrain.model import GPT
+    from memtrain.models import build_model
     from memtrain.techniques import build_optimizer, make_precision, prepare_model
     from memtrain.train import train_step
 
@@ -162,7 +162,7 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
             try:
                 torch.set_default_dtype(precision.param_dtype)
                 with torch.device(device):
-                    base = GPT(cfg.model)
+                    base = build_model(cfg, with_weights=False)  # weights never matter to memory
             finally:
                 torch.set_default_dtype(default_dtype)
             # prepare_model moves the model first (already where it should be); Module.to

@@ -21,7 +21,7 @@ from memtrain.config import RunConfig
 from memtrain.data import make_train_loader, make_val_batches, prepare_tokens
 from memtrain.distributed_checkpoint import load_checkpoint as dcp_load, save_checkpoint as dcp_save
 from memtrain.metrics import MemoryMeter, StepTimer, device_gpu, device_peak_memory, mfu, reset_device_peak
-from memtrain.model import GPT
+from memtrain.models import build_model, data_tokenizer
 from memtrain.runtime import environment, resolve_device, seed_everything
 from memtrain.techniques import Precision, build_optimizer, make_precision, prepare_model
 from memtrain.techniques.distributed import DistContext, distributed_session
@@ -178,7 +178,7 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     # Techniques first: an impossible combination (a backend the device lacks, an optimizer
     # that cannot pair with the precision) fails in seconds, before a long tokenization.
     precision = make_precision(cfg.technique.precision, device)
-    base = GPT(cfg.model)
+    base = build_model(cfg)  # memtrain's GPT, or a transformers model for --model SPEC
     n_params = base.num_parameters()
     model = prepare_model(base, cfg, device, precision)
     model.train()
@@ -188,7 +188,7 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
 
     # Then data; nothing is written before both succeeded.
     with dist_ctx.main_first():  # rank 0 fills the token cache, the other ranks then read it
-        splits = prepare_tokens(cfg.data, progress=show)
+        splits = prepare_tokens(cfg.data, progress=show, tokenizer=data_tokenizer(cfg))
     loader = make_train_loader(
         splits.train, t.seq_len, t.batch_size, seed=t.seed,
         num_workers=cfg.data.num_workers, pin_memory=cfg.data.pin_memory,
