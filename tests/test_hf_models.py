@@ -23,12 +23,13 @@ VOCAB = 384
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             max_position_embeddings=128, vocab_size=VOCAB)
 FAMILIES = {
-    "llama": lambda: transformers.LlamaConfig(**TINY, num_key_value_heads=2),
-    "qwen2": lambda: transformers.Qwen2Config(**TINY, num_key_value_heads=2),
-    "mistral": lambda: transformers.MistralConfig(**TINY, num_key_value_heads=2, sliding_window=64),
-    "gemma": lambda: transformers.GemmaConfig(**TINY, num_key_value_heads=1, head_dim=16),
-    "phi3": lambda: transformers.Phi3Config(**TINY, num_key_value_heads=4, pad_token_id=0),
-    "gpt2": lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=VOCAB),
+    "llama": lambda **kw: transformers.LlamaConfig(**{**TINY, "num_key_value_heads": 2, **kw}),
+    "qwen2": lambda **kw: transformers.Qwen2Config(**{**TINY, "num_key_value_heads": 2, **kw}),
+    "mistral": lambda **kw: transformers.MistralConfig(**{**TINY, "num_key_value_heads": 2, "sliding_window": 64, **kw}),
+    "gemma": lambda **kw: transformers.GemmaConfig(**{**TINY, "num_key_value_heads": 1, "head_dim": 16, **kw}),
+    "phi3": lambda **kw: transformers.Phi3Config(**{**TINY, "num_key_value_heads": 4, "pad_token_id": 0, **kw}),
+    "gpt2": lambda **kw: transformers.GPT2Config(**{"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128,
+                                                     "vocab_size": VOCAB, **kw}),
 }
 
 
@@ -73,9 +74,7 @@ def make_model_dir(root: Path, family: str, tokenizer_dir: Path | None, weights:
 
     d = root / family
     d.mkdir(parents=True, exist_ok=True)
-    cfg = FAMILIES[family]()
-    for k, v in overrides.items():
-        setattr(cfg, k, v)
+    cfg = FAMILIES[family](**overrides)
     cfg.save_pretrained(d)
     if tokenizer_dir is not None:
         for f in tokenizer_dir.iterdir():
@@ -198,7 +197,7 @@ def test_loss_falls_on_the_stackoverflow_sample(model_dirs, tmp_path):
     {"loss": "chunked", "loss_chunk": 32},
     {"lora_rank": 4},
     {"lora_rank": 4, "lora_targets": "q_proj,v_proj"},
-    {"optim": "adamw-8bit"},
+    {"optim": "adafactor"},
     {"precision": "bf16", "loss": "chunked"},
     {"grad_accum": 2},
 ])
@@ -208,9 +207,10 @@ def test_techniques_train_on_a_transformers_model(model_dirs, corpus, tmp_path, 
     res = train(run_cfg(model_dirs["llama"], corpus, tmp_path, steps=4, **tech))
     hist = res["loss_history"]
     assert all(math.isfinite(v) for v in hist)
-    assert hist[-1] < hist[0], hist
-    if "lora_rank" in tech:
+    if "lora_rank" in tech:  # adapters start at B = 0: 4 steps barely move the loss of a random base
         assert 0 < res["trainable_parameters"] < res["parameters"] / 2
+    else:
+        assert hist[-1] < hist[0], hist
 
 
 def test_checkpointing_and_chunked_loss_cut_the_tracked_peak(model_dirs, corpus, tmp_path):
@@ -222,6 +222,26 @@ def test_checkpointing_and_chunked_loss_cut_the_tracked_peak(model_dirs, corpus,
     chunk = measure_step_memory(base.replace(loss="chunked", loss_chunk=64), 8)
     assert ckpt["by_category"]["activations"] < 0.6 * plain["by_category"]["activations"]
     assert chunk["peak_bytes"] < plain["peak_bytes"]
+
+
+def test_lora_trains_only_the_adapters(model_dirs, corpus, tmp_path):
+    from memtrain.models import build_model
+    from memtrain.techniques import build_optimizer, make_precision, prepare_model
+    from memtrain.train import train_step
+
+    cpu = torch.device("cpu")
+    cfg = run_cfg(model_dirs["gemma"], corpus, tmp_path, lora_rank=4, lora_targets="q_proj,v_proj")
+    precision = make_precision("fp32", cpu)
+    model = prepare_model(build_model(cfg), cfg, cpu, precision)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert {n.split(".")[-2] for n, p in model.named_parameters() if p.requires_grad} == {"default"}
+    assert {n.split(".")[-4] for n, p in model.named_parameters() if p.requires_grad} == {"q_proj", "v_proj"}
+    opt = build_optimizer(model, cfg.technique, cfg.train)
+    ids = torch.randint(0, VOCAB, (2, 33))
+    for _ in range(2):
+        train_step(model, [(ids[:, :-1], ids[:, 1:])], opt, precision, 1.0, cpu)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]) != p.requires_grad, n  # adapters moved, the base did not
 
 
 def test_lora_freezes_the_base_and_shrinks_optimizer_state(model_dirs, corpus, tmp_path):
