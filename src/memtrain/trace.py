@@ -158,11 +158,14 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
         default_dtype = torch.get_default_dtype()
         # Compiled functions (torchao's low-bit optimizer steps) cannot be compiled over fake
         # tensors: run them eagerly. Their eager scratch is larger than the fused kernel's.
-        with fake, _stub_mode(device_type), torch.compiler.set_stance("force_eager"):
+        from memtrain.models.hf import same_paths_as_eager
+
+        with fake, _stub_mode(device_type), torch.compiler.set_stance("force_eager"), same_paths_as_eager():
             try:
                 torch.set_default_dtype(precision.param_dtype)
                 with torch.device(device):
                     base = build_model(cfg, with_weights=False)  # weights never matter to memory
+                    n_params = base.num_parameters()
             finally:
                 torch.set_default_dtype(default_dtype)
             # prepare_model moves the model first (already where it should be); Module.to
@@ -185,6 +188,7 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
                     train_step(model, micro, optimizer, precision, t.grad_clip, device, meter)
             stats = meter.stats().to_dict()
     stats["device_type"] = device_type
+    stats["parameters"] = n_params
     return stats
 
 

@@ -26,7 +26,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Train the best choice for a few steps and compare the measured tracked peak.")
     p.add_argument("--verify-steps", type=int, default=2, help="Steps for --verify (default 2).")
     p.add_argument("--json", action="store_true", help="Print JSON only.")
-    add_config_flags(p, ("model", "technique", "train"))
+    add_config_flags(p, ("model", "technique", "train"), exclude=("model",))  # --model is add_model_choice's
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,7 +18,8 @@ model is built), LoRA is peft, QLoRA's NF4 base weights are torchao (CPU) or bit
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -199,3 +200,26 @@ def prepare_hf_model(model: HFCausalLM, cfg: RunConfig, device: torch.device, pr
     apply_checkpointing(model, tech)
     apply_loss(model, tech, device)
     return apply_compile(model, tech)
+
+
+@contextlib.contextmanager
+def same_paths_as_eager() -> Iterator[None]:
+    """While tracing under fake tensors, let transformers take the paths a real step takes.
+
+    transformers treats a fake tensor as "tracing" (``is_tracing``) and then materializes the
+    (batch, 1, T, T) causal mask instead of relying on SDPA's ``is_causal``, which also moves
+    SDPA off its flash kernel: the trace would describe a different, larger step. memtrain
+    passes no padding mask, so no decision of that check needs tensor values; report fake
+    tensors as ordinary ones for the duration of the trace.
+    """
+    try:
+        import transformers.utils.import_utils as iu
+    except ImportError:
+        yield
+        return
+    original = iu.is_fake_tensor
+    iu.is_fake_tensor = lambda tensor: False  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        iu.is_fake_tensor = original  # type: ignore[assignment]
