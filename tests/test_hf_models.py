@@ -356,3 +356,33 @@ def test_estimate_cli_traces_a_transformers_model(model_dirs, capsys):
     # a preset of our GPT still goes the analytic way
     assert main(["estimate", "--model", "gpt2", "--seq-len", "64", "--batch-size", "1", "--json"]) == 0
     assert "method" not in json.loads(capsys.readouterr().out)
+
+
+# ------------------------------------------------------------------------------ maxbatch / plan
+def test_maxbatch_on_a_transformers_model(model_dirs, capsys):
+    from memtrain.cli import main
+
+    args = ["maxbatch", "--model", str(model_dirs["llama"]), "--seq-len", "32", "--attention", "sdpa",
+            "--max", "16", "--method", "measure", "--json"]
+    assert main(args + ["--memory-budget", "4MiB"]) == 0
+    small = json.loads(capsys.readouterr().out)
+    assert main(args + ["--memory-budget", "6MiB"]) == 0
+    large = json.loads(capsys.readouterr().out)
+    assert 1 <= small["batch_size"] < large["batch_size"]
+    assert small["peak_bytes"] <= small["budget_bytes"]
+
+
+@pytest.mark.slow  # ~10 traces plus a real run with tokenization: ~20-60 s on a shared 2-core CPU
+def test_plan_picks_and_verifies_on_a_transformers_model(model_dirs, capsys):
+    """plan traces every candidate of a transformers model; --verify trains the pick for real
+    (embedded default data through the model's own tokenizer) and the tracked peak agrees."""
+    from memtrain.cli import main
+
+    rc = main(["plan", "--model", str(model_dirs["qwen2"]), "--budget", "6MiB", "--seq-len", "32",
+               "--batch-size", "4", "--precisions", "fp32", "--attentions", "sdpa", "--losses", "standard,chunked",
+               "--checkpointings", "none,full", "--verify", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["candidates"]
+    assert any("traced" in n for n in out["notes"])
+    v = out["verified"]
+    assert abs(v["error"]) < 0.01, v

@@ -195,7 +195,7 @@ def plan(
     cfg: RunConfig,
     budget_bytes: int,
     device_type: str = "cpu",
-    arch: Arch = GPT2_ARCH,
+    arch: Optional[Arch] = GPT2_ARCH,
     max_batch: bool = False,
     margin: float = 0.10,
     top: int = 5,
@@ -208,6 +208,11 @@ def plan(
     by modelled time per token."""
     if budget_bytes <= 0:
         raise ConfigError("--budget must be positive, e.g. 24GiB")
+    traced = arch is None  # a transformers --model: each candidate's peak is traced, not modelled
+    if traced:
+        from memtrain.models.spec import cost_arch
+
+        arch = cost_arch(cfg.model.model)
     if not 0 <= margin < 1:
         raise ConfigError(f"--margin must be in [0, 1), got {margin}")
     space = space or default_space(cfg, device_type)
@@ -225,6 +230,11 @@ def plan(
     def peak(c: RunConfig) -> tuple[float, str]:
         nonlocal evaluated
         evaluated += 1
+        if traced:
+            from memtrain.trace import trace_step
+
+            r = trace_step(c, device_type)
+            return float(r["peak_bytes"]), str(r["peak_phase"])
         e = estimate(c, arch, device_type)
         return e.peak_bytes, e.peak_phase
 
@@ -306,6 +316,8 @@ def plan(
             f"{_gib(p * (1 + margin))} ({_gib(p)} predicted; {what}); raise --budget or lower "
             f"--batch-size/--seq-len")
     notes = [f"cost model: {device_type} profile; a model to order candidates, not a measurement"]
+    if traced:
+        notes.append("peaks traced under fake tensors (transformers model: no analytic memory model)")
     return PlanResult(budget_bytes, margin, device_type, None if max_batch else target, fits[:top],
                       evaluated, baseline, notes=notes)
 

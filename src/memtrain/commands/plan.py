@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     res = plan(cfg, budget, device_type, arch, max_batch=args.max_batch, margin=args.margin, top=args.top,
                space=space)
     if args.verify:
-        if arch.name != "gpt2":
+        if arch is not None and arch.name != "gpt2":
             raise ConfigError(f"--verify trains our GPT-2-style model; --model {args.preset} can only be planned")
         res.verified = verify(cfg, res.candidates[0], steps=args.verify_steps, arch=arch)
     if args.json:

@@ -149,6 +149,8 @@ def mirrored_fields(spec: str) -> dict[str, Any]:
         "d_ff": int(get("intermediate_size", "n_inner", default=4 * d_model)),
         "max_seq_len": int(get("max_position_embeddings", "n_positions", default=2048)),
         "untie_embeddings": not bool(getattr(c, "tie_word_embeddings", True)),
+        # attention dropout decides which SDPA kernels a CPU step may use (plan's search space)
+        "dropout": float(get("attention_dropout", "attn_pdrop", default=0.0)),
     }
 
 
@@ -166,3 +168,18 @@ def preset_fields(spec: str) -> Optional[dict[str, Any]]:
         raise ConfigError(f"--model {spec} is an analytic approximation (memtrain estimate only); to build or trace "
                           f"a LLaMA use --model {alt}")
     return dict(fields)
+
+
+def cost_arch(spec: str) -> Any:
+    """The closest :class:`memtrain.estimate.Arch` of a transformers model, for the plan's
+    step-time model and parameter table (orders candidates; memory comes from the trace).
+    A gated MLP (Llama, Qwen2, Mistral, Gemma, Phi-3: ``intermediate_size`` + a SiLU/GELU
+    gate) is ``llama``-like with its key/value heads; GPT-2 is ours."""
+    from dataclasses import replace
+
+    from memtrain.estimate import GPT2_ARCH, LLAMA_ARCH
+
+    c = load_config(spec)
+    if c.model_type == "gpt2":
+        return GPT2_ARCH
+    return replace(LLAMA_ARCH, name=c.model_type, n_kv_heads=getattr(c, "num_key_value_heads", None))
