@@ -386,3 +386,15 @@ def test_plan_picks_and_verifies_on_a_transformers_model(model_dirs, capsys):
     assert any("traced" in n for n in out["notes"])
     v = out["verified"]
     assert abs(v["error"]) < 0.01, v
+
+
+def test_flops_counts_a_transformers_model_by_class(model_dirs, capsys):
+    from memtrain.cli import main
+
+    assert main(["flops", "--model", str(model_dirs["llama"]), "--seq-len", "32", "--batch-size", "2",
+                 "--attention", "sdpa", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    ops = {o["name"]: o["flops"] for o in out["ops"]}
+    assert {"qkv", "attn_proj", "mlp_fc", "mlp_fc_out", "lm_head"} <= set(ops)
+    # 2 layers x (q 64x64 + k,v 64x32 each) x 64 tokens x 2 FLOPs x 3 (forward + two backward matmuls)
+    assert ops["qkv"] == pytest.approx(2 * (64 * 64 + 2 * 64 * 32) * 64 * 2 * 3, rel=0.01)
