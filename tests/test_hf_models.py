@@ -398,3 +398,18 @@ def test_flops_counts_a_transformers_model_by_class(model_dirs, capsys):
     assert {"qkv", "attn_proj", "mlp_fc", "mlp_fc_out", "lm_head"} <= set(ops)
     # 2 layers x (q 64x64 + k,v 64x32 each) x 64 tokens x 2 FLOPs x 3 (forward + two backward matmuls)
     assert ops["qkv"] == pytest.approx(2 * (64 * 64 + 2 * 64 * 32) * 64 * 2 * 3, rel=0.01)
+
+
+def test_train_cli_with_a_model_directory(model_dirs, corpus, tmp_path, capsys):
+    from memtrain.cli import main
+
+    out = tmp_path / "cli"
+    rc = main(["train", "--model", str(model_dirs["phi3"]), "--data", str(corpus), "--steps", "3",
+               "--batch-size", "2", "--seq-len", "32", "--attention", "sdpa", "--no-progress", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "result.json").read_text())
+    assert res["config"]["model"]["model"] == str(model_dirs["phi3"]) and res["config"]["model"]["vocab_size"] == VOCAB
+    assert main(["train", "--model", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --model")
+    assert not (tmp_path / "x").exists()
