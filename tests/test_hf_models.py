@@ -191,6 +191,7 @@ def test_loss_falls_on_the_stackoverflow_sample(model_dirs, tmp_path):
 
 @pytest.mark.parametrize("tech", [
     {"attention": "math"},
+    {"attention": "flash"},  # SDPA held to its flash kernel (CPU has one)
     {"checkpointing": "full"},
     {"checkpointing": "every:2"},
     {"checkpointing": "selective"},
@@ -279,7 +280,7 @@ def test_qlora_without_lora_is_an_error(model_dirs, corpus, tmp_path):
 def test_gpu_only_backends_are_clear_errors_on_cpu(model_dirs, corpus, tmp_path):
     from memtrain.train import train
 
-    for attention in ("flash", "flex"):
+    for attention in ("flash-attn", "flex", "mem-efficient"):
         with pytest.raises(ConfigError):
             train(run_cfg(model_dirs["llama"], corpus, tmp_path, attention=attention))
 

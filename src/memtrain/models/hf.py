@@ -33,10 +33,14 @@ from memtrain.models.spec import ModelSource, load_config, resolve
 ATTN_IMPLEMENTATION = {
     "math": "eager",
     "sdpa": "sdpa",
-    "flash": "flash_attention_2",
+    # memtrain's flash / mem-efficient are SDPA restricted to one kernel (as for our GPT);
+    # flash-attn is the flash-attn package, transformers' flash_attention_2.
+    "flash": "sdpa",
+    "mem-efficient": "sdpa",
     "flash-attn": "flash_attention_2",
     "flex": "flex_attention",
 }
+_SDPA_BACKEND = {"flash": "FLASH_ATTENTION", "mem-efficient": "EFFICIENT_ATTENTION"}
 # memtrain's default LoRA targets name our GPT's modules; for HF models the default is every
 # Linear of the decoder (peft's "all-linear", the QLoRA paper's choice; the LM head excluded).
 GPT_LORA_TARGETS = "qkv,proj,fc,fc_out"
@@ -51,6 +55,7 @@ class HFCausalLM(nn.Module):
         self.source_spec = source.spec
         self.loss_fn: LossFn = standard_lm_loss
         self.vocab_size = int(lm.config.vocab_size)
+        self.sdpa_backend: Optional[str] = None  # set by prepare_hf_model for --attention flash|mem-efficient
         softcap = getattr(lm.config, "final_logit_softcapping", None)
         if softcap:
             # Gemma 2 squashes the logits with tanh before the softmax; a loss on raw hidden @ W
@@ -79,8 +84,13 @@ class HFCausalLM(nn.Module):
 
     # -- forward ------------------------------------------------------------------------------
     def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
-        out = self.backbone(input_ids=idx, use_cache=False)
-        return out[0]
+        if self.sdpa_backend is None:
+            return self.backbone(input_ids=idx, use_cache=False)[0]
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        # Only this kernel: an input it cannot take fails instead of silently using another.
+        with sdpa_kernel([getattr(SDPBackend, self.sdpa_backend)]):
+            return self.backbone(input_ids=idx, use_cache=False)[0]
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         h = self.hidden_states(idx)
@@ -150,8 +160,10 @@ def _check_supported(model: HFCausalLM, cfg: RunConfig, device: torch.device) ->
     tech = cfg.technique
     if tech.distributed != "none":
         raise ConfigError("--distributed with a transformers --model is not supported yet; drop --distributed")
-    if tech.attention in ("flash", "flash-attn") and device.type != "cuda":
-        raise ConfigError("--attention flash (flash_attention_2) needs a CUDA GPU; use sdpa on CPU")
+    if tech.attention == "flash-attn" and device.type != "cuda":
+        raise ConfigError("--attention flash-attn (flash_attention_2) needs a CUDA GPU; use sdpa or flash on CPU")
+    if tech.attention == "mem-efficient" and device.type != "cuda":
+        raise ConfigError("--attention mem-efficient is a CUDA kernel; use sdpa or flash on CPU")
     if tech.attention == "flex" and device.type != "cuda":
         raise ConfigError("--attention flex has no CPU backward in this torch; use sdpa on CPU")
     if tech.qlora and not tech.lora_rank:
@@ -194,6 +206,7 @@ def prepare_hf_model(model: HFCausalLM, cfg: RunConfig, device: torch.device, pr
     _check_supported(model, cfg, device)
     tech = cfg.technique
     model = model.to(device=device, dtype=precision.param_dtype)
+    model.sdpa_backend = _SDPA_BACKEND.get(tech.attention)
     apply_hf_lora(model, cfg)
     if tech.qlora:
         quantize_base_weights(model, device)
