@@ -123,6 +123,17 @@ def test_bad_specs_are_config_errors(tmp_path):
         build_config({"model": "llama3-8b"})
 
 
+def test_hub_spec_offline_is_a_clear_error(monkeypatch):
+    """hf:ORG/NAME goes through the same from_pretrained as a directory; offline it must end in
+    one ConfigError, not a traceback."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from memtrain.models.spec import load_config
+
+    load_config.cache_clear()
+    with pytest.raises(ConfigError, match="cannot read the model config of --model 'hf:memtrain-test/no-such-model'"):
+        build_config({"model": "hf:memtrain-test/no-such-model"})
+
+
 def test_seq_len_checked_against_the_models_positions(model_dirs):
     with pytest.raises(ConfigError, match="max-seq-len 128"):
         build_config({"model": str(model_dirs["llama"]), "seq_len": 256})

@@ -114,15 +114,12 @@ def load_config(spec: str) -> Any:
         raise ConfigError("--model with a transformers config needs transformers: pip install 'memtrain[hf]'") from None
     src = resolve(spec)
     try:
-        if src.repo is not None:
-            cfg = AutoConfig.from_pretrained(src.repo, trust_remote_code=False)
-        else:
+        if src.repo is None:
             assert src.config_path is not None
-            raw = json.loads(src.config_path.read_text())
-            model_type = raw.pop("model_type", None)
-            if model_type is None:
+            if "model_type" not in json.loads(src.config_path.read_text()):
                 raise ConfigError(f"{src.config_path} has no 'model_type'; it is not a transformers config.json")
-            cfg = AutoConfig.for_model(model_type, **raw)
+        # One code path for a Hub repository, a directory and a config.json file.
+        cfg = AutoConfig.from_pretrained(src.repo or str(src.config_path), trust_remote_code=False)
     except ConfigError:
         raise
     except (OSError, ValueError, KeyError) as exc:
