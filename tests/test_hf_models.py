@@ -425,3 +425,17 @@ def test_train_cli_with_a_model_directory(model_dirs, corpus, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --model")
     assert not (tmp_path / "x").exists()
+
+
+def test_qlora_trace_matches_a_measured_step(tmp_path_factory, corpus, tmp_path):
+    """NF4 base weights under fake tensors: the trace equals the real step's tracked peak."""
+    from memtrain.maxbatch import measure_step_memory
+    from memtrain.trace import trace_step
+
+    d = make_model_dir(tmp_path_factory.mktemp("qt"), "llama", None, hidden_size=128,
+                       intermediate_size=256, num_key_value_heads=4)
+    cfg = run_cfg(d, corpus, tmp_path, seq_len=64, lora_rank=4, qlora=True, checkpointing="full",
+                  loss="chunked", loss_chunk=32)
+    measured = measure_step_memory(cfg, 4)["peak_bytes"]
+    traced = trace_step(cfg.replace(batch_size=4), "cpu")["peak_bytes"]
+    assert abs(traced / measured - 1) < 0.01, (traced, measured)
