@@ -439,3 +439,16 @@ def test_qlora_trace_matches_a_measured_step(tmp_path_factory, corpus, tmp_path)
     measured = measure_step_memory(cfg, 4)["peak_bytes"]
     traced = trace_step(cfg.replace(batch_size=4), "cpu")["peak_bytes"]
     assert abs(traced / measured - 1) < 0.01, (traced, measured)
+
+
+def test_qlora_resume_is_exact(tmp_path_factory, tokenizer_files, corpus, tmp_path):
+    """NF4 base weights go through the checkpoint (weights_only load) and back."""
+    from memtrain.train import train
+
+    d = make_model_dir(tmp_path_factory.mktemp("qr"), "llama", tokenizer_files, hidden_size=128,
+                       intermediate_size=256, num_key_value_heads=4)
+    kw = dict(steps=4, lora_rank=4, qlora=True)
+    full = train(run_cfg(d, corpus, tmp_path, **kw))
+    train(run_cfg(d, corpus, tmp_path, stop_after=2, save=str(tmp_path / "q.pt"), **kw))
+    resumed = train(run_cfg(d, corpus, tmp_path, resume=str(tmp_path / "q.pt"), **kw))
+    assert resumed["loss_history"] == full["loss_history"]
