@@ -209,10 +209,12 @@ def plan(
     if budget_bytes <= 0:
         raise ConfigError("--budget must be positive, e.g. 24GiB")
     traced = arch is None  # a transformers --model: each candidate's peak is traced, not modelled
-    if traced:
+    if arch is None:
         from memtrain.models.spec import cost_arch
 
+        assert cfg.model.model is not None, "arch=None plans a transformers --model"
         arch = cost_arch(cfg.model.model)
+    assert arch is not None
     if not 0 <= margin < 1:
         raise ConfigError(f"--margin must be in [0, 1), got {margin}")
     space = space or default_space(cfg, device_type)

@@ -49,7 +49,9 @@ GPT_LORA_TARGETS = "qkv,proj,fc,fc_out"
 class HFCausalLM(nn.Module):
     """A transformers causal LM with memtrain's ``forward(idx, targets) -> loss`` interface."""
 
-    def __init__(self, lm: nn.Module, source: ModelSource) -> None:
+    lm: Any  # a transformers PreTrainedModel (its attributes are dynamic to a type checker)
+
+    def __init__(self, lm: Any, source: ModelSource) -> None:
         super().__init__()
         self.lm = lm
         self.source_spec = source.spec
@@ -65,12 +67,12 @@ class HFCausalLM(nn.Module):
 
     # -- the seams the techniques use ---------------------------------------------------------
     @property
-    def backbone(self) -> nn.Module:
+    def backbone(self) -> Any:
         """The decoder without the LM head (``model.model`` for Llama, ``transformer`` for GPT-2)."""
         return self.lm.base_model
 
     @property
-    def head(self) -> nn.Module:
+    def head(self) -> Any:
         return self.lm.get_output_embeddings()
 
     @property
@@ -184,7 +186,7 @@ def apply_hf_lora(model: HFCausalLM, cfg: RunConfig) -> None:
         return
     from peft import LoraConfig, inject_adapter_in_model
 
-    lcfg = LoraConfig(r=tech.lora_rank, lora_alpha=tech.lora_alpha, lora_dropout=tech.lora_dropout,
+    lcfg = LoraConfig(r=tech.lora_rank, lora_alpha=tech.lora_alpha, lora_dropout=tech.lora_dropout,  # type: ignore[arg-type]
                       target_modules=lora_target_modules(tech.lora_targets), bias="none")
     try:
         inject_adapter_in_model(lcfg, model.lm)

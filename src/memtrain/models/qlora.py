@@ -63,7 +63,7 @@ def _bnb_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     import bitsandbytes as bnb
 
     w = self.weight
-    return bnb.matmul_4bit(x, w.t(), bias=self.bias, quant_state=w.quant_state)
+    return bnb.matmul_4bit(x, w.t(), bias=self.bias, quant_state=w.quant_state)  # type: ignore[attr-defined]
 
 
 def _quantize_bnb(linears: list[tuple[str, nn.Linear]], device: torch.device) -> int:

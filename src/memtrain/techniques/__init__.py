@@ -29,7 +29,7 @@ from memtrain.techniques.precision import Precision, make_precision
 __all__ = ["prepare_model", "build_optimizer", "make_precision", "Precision"]
 
 
-def prepare_model(model: GPT, cfg: RunConfig, device: torch.device, precision: Precision) -> torch.nn.Module:
+def prepare_model(model: torch.nn.Module, cfg: RunConfig, device: torch.device, precision: Precision) -> torch.nn.Module:
     """Move ``model`` to ``device`` and apply every technique of ``cfg.technique`` in order.
 
     Returns the module to train: the GPT itself (compile works in place), or its
