@@ -62,8 +62,22 @@ class ModelConfig:
         False, "Give the LM head its own weight instead of sharing the token embedding."
     )
     bias: bool = _f(True, "Use biases in Linear layers and LayerNorms (GPT-2 does).")
+    model: Optional[str] = _f(
+        None,
+        "Bring your own model: a transformers config.json, a directory holding one (optionally with "
+        "*.safetensors weights and tokenizer files), a bundled config (llama-3-8b, qwen2.5-7b, mistral-7b, "
+        "llama-3-70b, qwen2.5-0.5b) or hf:ORG/NAME; a GPT preset name (gpt2...) sets our GPT's shape. "
+        "The shape fields above then mirror the model's config. None: memtrain's GPT.",
+    )
 
     def __post_init__(self) -> None:
+        if self.model is not None:
+            # The shape fields mirror the chosen model, so every reader of cfg.model (random
+            # batches, FLOP rules, --seq-len/--lora-rank checks) sees its real shape.
+            from memtrain.models.spec import mirrored_fields, preset_fields
+
+            for name, value in (preset_fields(self.model) or mirrored_fields(self.model)).items():
+                setattr(self, name, value)
         for name in ("vocab_size", "vocab_multiple", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len"):
             _require(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         _require(
@@ -182,7 +196,10 @@ class TechniqueConfig:
     lora_rank: int = _f(0, "LoRA rank; 0 disables LoRA (base weights trained).")
     lora_alpha: float = _f(16.0, "LoRA scaling numerator (scale = alpha / rank).")
     lora_dropout: float = _f(0.0, "Dropout on the LoRA input.")
-    lora_targets: str = _f("qkv,proj,fc,fc_out", "Comma-separated Linear module names that get adapters.")
+    lora_targets: str = _f("qkv,proj,fc,fc_out", "Comma-separated Linear module names that get adapters "
+                           "(for a transformers --model the default means every decoder Linear, peft's all-linear).")
+    qlora: bool = _f(False, "QLoRA: store the frozen base weights in 4-bit NF4 (needs --lora-rank; transformers "
+                     "--model only): torchao NF4 on CPU, bitsandbytes on CUDA.")
     compile: bool = _f(False, "Compile the model with torch.compile (torch_compile).")
     compile_mode: str = _f("default", "torch.compile mode: default|reduce-overhead|max-autotune.")
     compile_scope: str = _f("model", "Compile the whole model or each block: model|block.")

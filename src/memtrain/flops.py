@@ -88,7 +88,12 @@ MATMUL_CLASSES = frozenset({"qkv", "attn_scores", "attn_values", "attn_fused", "
 _MODULE_ROLES = {
     "qkv": "qkv", "proj": "attn_proj", "fc": "mlp_fc", "fc_out": "mlp_fc_out",
     "lm_head": "lm_head", "wte": "embedding", "wpe": "embedding",
+    # transformers models (memtrain.models): Llama/Qwen2/Mistral/Gemma/Phi-3 and GPT-2 names
+    "q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "qkv_proj": "qkv", "c_attn": "qkv",
+    "o_proj": "attn_proj", "dense": "attn_proj", "gate_proj": "mlp_fc", "up_proj": "mlp_fc",
+    "gate_up_proj": "mlp_fc", "c_fc": "mlp_fc", "down_proj": "mlp_fc_out", "embed_tokens": "embedding",
 }
+_HF_BLOCK_LISTS = ("layers", "h")  # the decoder-layer ModuleList of transformers models
 _MATMUL_OPS = frozenset({"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "matmul", "linear", "_scaled_mm"})
 _ATTENTION_KERNELS = frozenset({
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
@@ -345,13 +350,15 @@ def classify(module_path: str, op: str, tensors: Iterable["torch.Tensor"], vocab
     for part in reversed(parts):
         if part in _MODULE_ROLES:
             return _MODULE_ROLES[part]
+        if part == "c_proj":  # GPT-2 (transformers) names both output projections c_proj
+            return "attn_proj" if "attn" in parts else "mlp_fc_out"
     if op in _OP_CLASS:
         return _OP_CLASS[op]
     if op in _ATTENTION_KERNELS:
         return "attn_fused"
-    in_block = "blocks" in parts
+    in_block = "blocks" in parts or any(p in parts for p in _HF_BLOCK_LISTS)
     if op in _MATMUL_OPS:
-        if in_block and "attn" in parts:
+        if in_block and ("attn" in parts or "self_attn" in parts):
             return "attn_core"
         if not in_block:
             return "lm_head"  # the loss seam calls F.linear with the (tied) head weight
@@ -570,7 +577,7 @@ def _use_fused_dropout(model: Any) -> None:
             module.attn_fn = wrap_attention(fn)
 
 
-def _empty_model(cfg: ModelConfig) -> Any:
+def _empty_model(cfg: ModelConfig, build: Any = None) -> Any:
     """A GPT whose weights are allocated but never initialized: built on the meta device (no
     init arithmetic), then given uninitialized CPU storage (pages are not touched until read).
     A count needs shapes, not values. ``to_empty`` unties shared weights, so ties are restored."""
@@ -579,7 +586,7 @@ def _empty_model(cfg: ModelConfig) -> Any:
     from memtrain.model import GPT
 
     with torch.device("meta"):
-        model = GPT(cfg)
+        model = build() if build is not None else GPT(cfg)  # build: a transformers --model
     first: dict[int, tuple[Any, str]] = {}
     ties: list[tuple[Any, str, Any, str]] = []
     for mod in model.modules():
@@ -610,12 +617,12 @@ def _trace(cfg: RunConfig, fake: bool = True) -> tuple[dict[str, dict[str, Class
 
     t = cfg.train
     precision = _precision_for_count(cfg.technique.precision)
-    if fake:
-        base = _empty_model(cfg.model)
-    else:
-        from memtrain.model import GPT
+    from memtrain.models import build_model, is_hf
 
-        base = GPT(cfg.model)
+    if fake:
+        base = _empty_model(cfg.model, (lambda: build_model(cfg, with_weights=False)) if is_hf(cfg) else None)
+    else:
+        base = build_model(cfg)
     n_params = base.num_parameters()
     model = prepare_model(base, cfg, torch.device("cpu"), precision)
     model.train()

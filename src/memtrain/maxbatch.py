@@ -53,7 +53,7 @@ def measure_step_memory(cfg: RunConfig, batch: int) -> Optional[dict[str, Any]]:
     None on a CUDA out-of-memory error. On CUDA the meter is off (it would slow the step and
     the allocator's own peak is the number that decides whether a batch fits)."""
     from memtrain.metrics import MemoryMeter, device_peak_memory, reset_device_peak
-    from memtrain.model import GPT
+    from memtrain.models import build_model
     from memtrain.runtime import resolve_device
     from memtrain.techniques import build_optimizer, make_precision, prepare_model
     from memtrain.train import train_step
@@ -63,7 +63,7 @@ def measure_step_memory(cfg: RunConfig, batch: int) -> Optional[dict[str, Any]]:
     try:
         precision = make_precision(cfg.technique.precision, device)
         torch.manual_seed(cfg.train.seed)
-        model = prepare_model(GPT(cfg.model), cfg, device, precision)
+        model = prepare_model(build_model(cfg), cfg, device, precision)
         optimizer = build_optimizer(model, cfg.technique, cfg.train)
         micro = [_random_batch(cfg, batch, device) for _ in range(cfg.train.grad_accum)]
         meter = MemoryMeter(model, optimizer) if device.type != "cuda" else None

@@ -199,7 +199,7 @@ def plan(
     cfg: RunConfig,
     budget_bytes: int,
     device_type: str = "cpu",
-    arch: Arch = GPT2_ARCH,
+    arch: Optional[Arch] = GPT2_ARCH,
     max_batch: bool = False,
     margin: float = 0.10,
     top: int = 5,
@@ -212,6 +212,13 @@ def plan(
     by modelled time per token."""
     if budget_bytes <= 0:
         raise ConfigError("--budget must be positive, e.g. 24GiB")
+    traced = arch is None  # a transformers --model: each candidate's peak is traced, not modelled
+    if arch is None:
+        from memtrain.models.spec import cost_arch
+
+        assert cfg.model.model is not None, "arch=None plans a transformers --model"
+        arch = cost_arch(cfg.model.model)
+    assert arch is not None
     if not 0 <= margin < 1:
         raise ConfigError(f"--margin must be in [0, 1), got {margin}")
     space = space or default_space(cfg, device_type)
@@ -229,6 +236,11 @@ def plan(
     def peak(c: RunConfig) -> tuple[float, str]:
         nonlocal evaluated
         evaluated += 1
+        if traced:
+            from memtrain.trace import trace_step
+
+            r = trace_step(c, device_type)
+            return float(r["peak_bytes"]), str(r["peak_phase"])
         e = estimate(c, arch, device_type)
         return e.peak_bytes, e.peak_phase
 
@@ -310,6 +322,8 @@ def plan(
             f"{_gib(p * (1 + margin))} ({_gib(p)} predicted; {what}); raise --budget or lower "
             f"--batch-size/--seq-len")
     notes = [f"cost model: {device_type} profile; a model to order candidates, not a measurement"]
+    if traced:
+        notes.append("peaks traced under fake tensors (transformers model: no analytic memory model)")
     return PlanResult(budget_bytes, margin, device_type, None if max_batch else target, fits[:top],
                       evaluated, baseline, notes=notes)
 

@@ -89,7 +89,10 @@ def check_vocab(cfg: RunConfig) -> None:
     """The embedding table holds every id the tokenizer can emit (else an index error after
     a long tokenization)."""
     from memtrain.data.tokenizer import N_VOCAB, TOKENIZER_NAME
+    from memtrain.models import is_hf
 
+    if is_hf(cfg):
+        return  # a transformers model brings its own tokenizer; memtrain.models checks that pair
     if cfg.model.vocab_size < N_VOCAB:
         raise ConfigError(f"--vocab-size {cfg.model.vocab_size} is smaller than the {TOKENIZER_NAME} tokenizer's "
                           f"{N_VOCAB} ids; use --vocab-size {N_VOCAB} (or more) to train on text")

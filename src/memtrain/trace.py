@@ -139,7 +139,7 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from memtrain.metrics import MemoryMeter
-    from memtrain.model import GPT
+    from memtrain.models import build_model
     from memtrain.techniques import build_optimizer, make_precision, prepare_model
     from memtrain.train import train_step
 
@@ -165,11 +165,14 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
         default_dtype = torch.get_default_dtype()
         # Compiled functions (torchao's low-bit optimizer steps) cannot be compiled over fake
         # tensors: run them eagerly. Their eager scratch is larger than the fused kernel's.
-        with fake, _stub_mode(device_type), torch.compiler.set_stance("force_eager"):
+        from memtrain.models.hf import same_paths_as_eager
+
+        with fake, _stub_mode(device_type), torch.compiler.set_stance("force_eager"), same_paths_as_eager():
             try:
                 torch.set_default_dtype(precision.param_dtype)
                 with torch.device(device):
-                    base = GPT(cfg.model)
+                    base = build_model(cfg, with_weights=False)  # weights never matter to memory
+                    n_params = base.num_parameters()
             finally:
                 torch.set_default_dtype(default_dtype)
             # prepare_model moves the model first (already where it should be); Module.to
@@ -192,6 +195,7 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
                     train_step(model, micro, optimizer, precision, t.grad_clip, device, meter)
             stats = meter.stats().to_dict()
     stats["device_type"] = device_type
+    stats["parameters"] = n_params
     return stats
 
 

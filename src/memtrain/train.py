@@ -23,7 +23,7 @@ from memtrain.distributed_checkpoint import load_checkpoint as dcp_load, save_ch
 from memtrain.device_advice import mfu_for_run, run_device_facts
 from memtrain.logging_sinks import MetricsLogger, live_memory
 from memtrain.metrics import MemoryMeter, StepTimer, device_peak_memory, percentile, reset_device_peak
-from memtrain.model import GPT
+from memtrain.models import build_model, data_tokenizer
 from memtrain.preflight import check_destinations, check_resume, check_vocab
 from memtrain.runtime import environment, resolve_device, seed_everything
 from memtrain.techniques import Precision, build_optimizer, make_precision, prepare_model
@@ -220,7 +220,7 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     precision = make_precision(cfg.technique.precision, device)
     # Probe the device (cached per machine) and warn up front when this precision is slow here.
     caps, device_caps = run_device_facts(cfg.technique.precision, device) if dist_ctx.is_main else (None, None)
-    base = GPT(cfg.model)
+    base = build_model(cfg)  # memtrain's GPT, or a transformers model for --model SPEC
     n_params = base.num_parameters()
     model = prepare_model(base, cfg, device, precision)
     model.train()
@@ -230,7 +230,7 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
 
     # Then data; nothing is written before both succeeded.
     with dist_ctx.main_first():  # rank 0 fills the token cache, the other ranks then read it
-        splits = prepare_tokens(cfg.data, progress=show)
+        splits = prepare_tokens(cfg.data, progress=show, tokenizer=data_tokenizer(cfg))
     loader = make_train_loader(
         splits.train, t.seq_len, t.batch_size, seed=t.seed,
         num_workers=cfg.data.num_workers, pin_memory=cfg.data.pin_memory,

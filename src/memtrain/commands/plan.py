@@ -33,7 +33,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="A bench results folder (results.jsonl): show the measured perplexity effect of each "
                         "choice that changes the numerics, where a row with the same numerics exists.")
     p.add_argument("--json", action="store_true", help="Print JSON only.")
-    add_config_flags(p, ("model", "technique", "train"), exclude=LOOP_ONLY_FIELDS)
+    add_config_flags(p, ("model", "technique", "train"), exclude=(*LOOP_ONLY_FIELDS, "model"))  # --model is add_model_choice's
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     rec = shown.index(rec)
     measured = _measured_effects(args.results, techs) if args.results else [None] * len(techs)
     if args.verify:
-        if arch.name != "gpt2":
+        if arch is not None and arch.name != "gpt2":
             raise ConfigError(f"--verify trains our GPT-2-style model; --model {args.preset} can only be planned")
         res.verified = verify(cfg, res.candidates[rec], steps=args.verify_steps, arch=arch)
     out = res.to_dict()

@@ -53,14 +53,16 @@ class TokenSplits:
     cache_path: str
 
 
-def prepare_tokens(cfg: DataConfig, progress: bool = True) -> TokenSplits:
+def prepare_tokens(cfg: DataConfig, progress: bool = True, tokenizer: Any = None) -> TokenSplits:
     """Tokens of ``cfg.data``, split by document; read from the cache when an entry exists.
 
     ``cfg.no_cache`` tokenizes again and replaces the entry. ``progress`` shows a tqdm bar
-    (documents, tokens/s) on stderr while tokenizing.
+    (documents, tokens/s) on stderr while tokenizing. ``tokenizer`` (None: GPT-2 BPE) is a
+    model's own tokenizer (memtrain.models.tokenizer.HFTokenizer: ``name``, ``n_vocab``,
+    ``eot_id``, ``encode_batch``); ids that do not fit uint16 are stored as uint32.
     """
     root = cache_root(cfg)
-    final = root / cache_key(cfg)
+    final = root / cache_key(cfg, tokenizer)
     if not cfg.no_cache:
         cached = _load_entry(final, from_cache=True)
         if cached is not None:
@@ -72,7 +74,7 @@ def prepare_tokens(cfg: DataConfig, progress: bool = True) -> TokenSplits:
     except OSError as exc:
         return _tokenize_uncached(cfg, root, exc, progress)
     try:
-        meta = _write_tokens(cfg, tmp, progress)
+        meta = _write_tokens(cfg, tmp, progress, tokenizer)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))  # written last: marks a complete entry
         _publish(tmp, final)
     finally:
@@ -120,7 +122,7 @@ def cache_root(cfg: DataConfig) -> Path:
     return Path(os.environ.get("MEMTRAIN_CACHE") or cfg.cache_dir).expanduser()
 
 
-def cache_key(cfg: DataConfig) -> str:
+def cache_key(cfg: DataConfig, tokenizer: Any = None) -> str:
     """SHA-256 of everything that decides the cached tokens (no file content is read)."""
     payload = {
         "format_version": FORMAT_VERSION,
@@ -129,7 +131,8 @@ def cache_key(cfg: DataConfig) -> str:
         "strip_html": cfg.strip_html,
         "max_documents": cfg.max_documents,
         "hf_split": cfg.hf_split,
-        "tokenizer": {"name": TOKENIZER_NAME, "n_vocab": N_VOCAB},
+        "tokenizer": {"name": TOKENIZER_NAME, "n_vocab": N_VOCAB} if tokenizer is None
+        else {"name": tokenizer.name, "n_vocab": tokenizer.n_vocab, "eot_id": tokenizer.eot_id},
         "val_fraction": cfg.val_fraction,
         "split_seed": cfg.split_seed,
     }
@@ -147,11 +150,22 @@ def assign_validation(rng: np.random.Generator, n_docs: int, val_fraction: float
 
 
 # --------------------------------------------------------------------------- writing
-def _write_tokens(cfg: DataConfig, out: Path, progress: bool) -> dict[str, Any]:
+def _token_dtype(n_vocab: int) -> np.dtype:
+    return np.dtype(TOKEN_DTYPE) if n_vocab <= np.iinfo(TOKEN_DTYPE).max + 1 else np.dtype(np.uint32)
+
+
+def _write_tokens(cfg: DataConfig, out: Path, progress: bool, tokenizer: Any = None) -> dict[str, Any]:
     """Tokenize the source into ``out/train.bin`` and ``out/val.bin``; return the metadata."""
     rng = np.random.default_rng(cfg.split_seed)
-    enc = get_tokenizer()  # built before the clock starts: tokens/s measures encoding only
     threads = default_threads()
+    if tokenizer is None:
+        gpt2 = get_tokenizer()  # built before the clock starts: tokens/s measures encoding only
+        encode = lambda texts: gpt2.encode_ordinary_batch(texts, num_threads=threads)  # noqa: E731
+        tok_meta = {"name": TOKENIZER_NAME, "n_vocab": N_VOCAB, "eot_id": EOT_ID}
+    else:
+        encode = tokenizer.encode_batch
+        tok_meta = {"name": tokenizer.name, "n_vocab": tokenizer.n_vocab, "eot_id": tokenizer.eot_id}
+    dtype = _token_dtype(tok_meta["n_vocab"])
     docs = {s: 0 for s in SPLITS}
     tokens = {s: 0 for s in SPLITS}
     encode_s = 0.0
@@ -164,10 +178,10 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: bool) -> dict[str, Any]:
         for batch in _batched(iter_documents(cfg), BATCH_DOCS):
             is_val = assign_validation(rng, len(batch), cfg.val_fraction)
             t0 = time.perf_counter()
-            encoded = enc.encode_ordinary_batch(batch, num_threads=threads)
+            encoded = encode(batch)
             encode_s += time.perf_counter() - t0
             for split, chosen in (("train", ~is_val), ("val", is_val)):
-                ids = _concat_with_eot([e for e, c in zip(encoded, chosen) if c])
+                ids = _concat_with_eot([e for e, c in zip(encoded, chosen) if c], tok_meta["eot_id"], dtype)
                 files[split].write(ids.tobytes())
                 docs[split] += int(chosen.sum())
                 tokens[split] += len(ids)
@@ -177,8 +191,8 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: bool) -> dict[str, Any]:
         "format_version": FORMAT_VERSION,
         "source": source_identity(cfg),
         "data": cfg.data,
-        "tokenizer": {"name": TOKENIZER_NAME, "n_vocab": N_VOCAB, "eot_id": EOT_ID},
-        "dtype": np.dtype(TOKEN_DTYPE).name,
+        "tokenizer": tok_meta,
+        "dtype": dtype.name,
         "n_train_docs": docs["train"],
         "n_val_docs": docs["val"],
         "n_train_tokens": tokens["train"],
@@ -190,13 +204,13 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: bool) -> dict[str, Any]:
     }
 
 
-def _concat_with_eot(encoded: list[list[int]]) -> np.ndarray:
-    """One uint16 array: each document's ids followed by the end-of-text id."""
+def _concat_with_eot(encoded: list[list[int]], eot_id: int = EOT_ID, dtype: Any = TOKEN_DTYPE) -> np.ndarray:
+    """One array: each document's ids followed by the end-of-text id."""
     flat: list[int] = []
     for ids in encoded:
         flat.extend(ids)
-        flat.append(EOT_ID)
-    return np.array(flat, dtype=TOKEN_DTYPE)
+        flat.append(eot_id)
+    return np.array(flat, dtype=dtype)
 
 
 def _batched(items: Iterable[str], n: int) -> Iterator[list[str]]:
@@ -236,16 +250,25 @@ def _load_entry(entry: Path, from_cache: bool) -> TokenSplits | None:
     if meta.get("format_version") != FORMAT_VERSION or min(sizes.values()) < 0:
         return None
     arrays = {}
+    # meta.json is read, not trusted: only the two id widths the writer produces are accepted.
+    dtype_name = meta.get("dtype", np.dtype(TOKEN_DTYPE).name)
+    if dtype_name not in (np.dtype(TOKEN_DTYPE).name, np.dtype(np.uint32).name):
+        return None
+    dtype = np.dtype(dtype_name)
+    tok = meta.get("tokenizer")
+    n_vocab = tok.get("n_vocab") if isinstance(tok, dict) else None
+    if not isinstance(n_vocab, int) or n_vocab <= 0:
+        n_vocab = N_VOCAB
     for split in SPLITS:
         path = entry / f"{split}.bin"
         n = sizes[split]
-        if not path.is_file() or path.stat().st_size != n * np.dtype(TOKEN_DTYPE).itemsize:
+        if not path.is_file() or path.stat().st_size != n * dtype.itemsize:
             return None
         # np.memmap cannot map an empty file; an empty split is an empty array.
-        arrays[split] = np.memmap(path, dtype=TOKEN_DTYPE, mode="r") if n else np.zeros(0, TOKEN_DTYPE)
+        arrays[split] = np.memmap(path, dtype=dtype, mode="r") if n else np.zeros(0, dtype)
         # An id the embedding cannot hold (a corrupted or foreign entry) would crash the first
         # step with an index error; one pass over the tokens (GB/s) rebuilds the entry instead.
-        if n and int(arrays[split].max()) >= N_VOCAB:
+        if n and int(arrays[split].max()) >= n_vocab:
             return None
     return TokenSplits(
         train=arrays["train"],

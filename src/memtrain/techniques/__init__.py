@@ -29,12 +29,20 @@ from memtrain.techniques.precision import Precision, make_precision
 __all__ = ["prepare_model", "build_optimizer", "make_precision", "Precision"]
 
 
-def prepare_model(model: GPT, cfg: RunConfig, device: torch.device, precision: Precision) -> torch.nn.Module:
+def prepare_model(model: torch.nn.Module, cfg: RunConfig, device: torch.device, precision: Precision) -> torch.nn.Module:
     """Move ``model`` to ``device`` and apply every technique of ``cfg.technique`` in order.
 
     Returns the module to train: the GPT itself (compile works in place), or its
     DistributedDataParallel wrapper (FSDP2 shards the GPT in place).
     """
+    if not isinstance(model, GPT):  # a transformers model (memtrain.models): its own mapping
+        from memtrain.models.hf import prepare_hf_model
+
+        return prepare_hf_model(model, cfg, device, precision)
+    if cfg.technique.qlora:
+        from memtrain.config import ConfigError
+
+        raise ConfigError("--qlora quantizes a transformers --model's base weights; memtrain's GPT has none to quantize")
     tech = cfg.technique
     model = model.to(device=device, dtype=precision.param_dtype)
     apply_lora(model, tech)

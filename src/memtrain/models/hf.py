@@ -1,0 +1,240 @@
+"""A transformers causal LM behind the same seams as memtrain's GPT.
+
+:class:`HFCausalLM` wraps any ``AutoModelForCausalLM`` so the step harness (train, trace,
+maxbatch, plan --verify) does not care which model it holds:
+
+* ``forward(idx, targets)`` returns the mean next-token loss, as ``GPT.forward`` does. The
+  loss is computed by ``self.loss_fn`` on the **final hidden states** and the LM-head weight
+  (the decoder is run without its head), so ``--loss chunked`` never materializes the full
+  (tokens x vocab) logits, exactly as for our GPT (memtrain.techniques.loss).
+* ``blocks`` is the decoder-layer list, so activation checkpointing (every policy) and
+  per-block compile apply to HF layers unchanged (memtrain.techniques.checkpointing/compile).
+
+:func:`prepare_hf_model` maps the techniques onto the model, each through the library that
+owns it: the attention backend is transformers' ``attn_implementation`` (chosen when the
+model is built), LoRA is peft, QLoRA's NF4 base weights are torchao (CPU) or bitsandbytes
+(CUDA), checkpointing/loss/compile are memtrain's own technique functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from memtrain.config import ConfigError, RunConfig
+from memtrain.model import LossFn, standard_lm_loss
+from memtrain.models.spec import ModelSource, load_config, resolve
+
+# --attention -> transformers' attn_implementation
+ATTN_IMPLEMENTATION = {
+    "math": "eager",
+    "sdpa": "sdpa",
+    # memtrain's flash / mem-efficient are SDPA restricted to one kernel (as for our GPT);
+    # flash-attn is the flash-attn package, transformers' flash_attention_2.
+    "flash": "sdpa",
+    "mem-efficient": "sdpa",
+    "flash-attn": "flash_attention_2",
+    "flex": "flex_attention",
+}
+_SDPA_BACKEND = {"flash": "FLASH_ATTENTION", "mem-efficient": "EFFICIENT_ATTENTION"}
+# memtrain's default LoRA targets name our GPT's modules; for HF models the default is every
+# Linear of the decoder (peft's "all-linear", the QLoRA paper's choice; the LM head excluded).
+GPT_LORA_TARGETS = "qkv,proj,fc,fc_out"
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM with memtrain's ``forward(idx, targets) -> loss`` interface."""
+
+    lm: Any  # a transformers PreTrainedModel (its attributes are dynamic to a type checker)
+
+    def __init__(self, lm: Any, source: ModelSource) -> None:
+        super().__init__()
+        self.lm = lm
+        self.source_spec = source.spec
+        self.loss_fn: LossFn = standard_lm_loss
+        self.vocab_size = int(lm.config.vocab_size)
+        self.sdpa_backend: Optional[str] = None  # set by prepare_hf_model for --attention flash|mem-efficient
+        softcap = getattr(lm.config, "final_logit_softcapping", None)
+        if softcap:
+            # Gemma 2 squashes the logits with tanh before the softmax; a loss on raw hidden @ W
+            # would be a different loss.
+            raise ConfigError(f"--model {source.spec!r} caps its logits (final_logit_softcapping); "
+                              "memtrain's loss on hidden states does not model that yet")
+
+    # -- the seams the techniques use ---------------------------------------------------------
+    @property
+    def backbone(self) -> Any:
+        """The decoder without the LM head (``model.model`` for Llama, ``transformer`` for GPT-2)."""
+        return self.lm.base_model
+
+    @property
+    def head(self) -> Any:
+        return self.lm.get_output_embeddings()
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        """The decoder layers: the one ModuleList of the backbone with num_hidden_layers entries."""
+        n = self.lm.config.num_hidden_layers
+        for module in self.backbone.children():
+            if isinstance(module, nn.ModuleList) and len(module) == n:
+                return module
+        raise ConfigError(f"cannot find the decoder layers of --model {self.source_spec!r}")
+
+    # -- forward ------------------------------------------------------------------------------
+    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
+        if self.sdpa_backend is None:
+            return self.backbone(input_ids=idx, use_cache=False)[0]
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        # Only this kernel: an input it cannot take fails instead of silently using another.
+        with sdpa_kernel([getattr(SDPBackend, self.sdpa_backend)]):
+            return self.backbone(input_ids=idx, use_cache=False)[0]
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = self.hidden_states(idx)
+        head = self.head
+        if targets is None:
+            return head(h)
+        h2, y = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+        if getattr(head, "bias", None) is not None:
+            if self.loss_fn is not standard_lm_loss:
+                raise ConfigError(f"--loss chunked needs an LM head without bias; --model {self.source_spec!r} has one")
+            return F.cross_entropy(head(h2).float(), y, ignore_index=-100)
+        return self.loss_fn(h2, head.weight, y)
+
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        """Distinct parameters (a tied head counted once); NF4 weights count their elements."""
+        seen: dict[int, nn.Parameter] = {}
+        for p in self.parameters():
+            if not trainable_only or p.requires_grad:
+                seen[id(p)] = p
+        return sum(p.numel() for p in seen.values())
+
+
+def build_hf_model(cfg: RunConfig, with_weights: bool = True) -> HFCausalLM:
+    """Build ``cfg.model.model`` on the current default device and dtype.
+
+    ``from_config`` (random initial weights) unless the source holds ``*.safetensors`` weights
+    and ``with_weights`` (training): then ``from_pretrained`` (fine-tuning). The trace builds
+    with ``with_weights=False`` under fake tensors: nothing is read or allocated.
+    """
+    from transformers import AutoModelForCausalLM
+
+    spec = cfg.model.model
+    assert spec is not None
+    source = resolve(spec)
+    config = load_config(spec).__class__.from_dict(load_config(spec).to_dict())  # a private copy
+    tech = cfg.technique
+    attn = ATTN_IMPLEMENTATION.get(tech.attention)
+    if attn is None:
+        raise ConfigError(f"--attention {tech.attention} has no transformers equivalent; "
+                          f"choose one of {', '.join(ATTN_IMPLEMENTATION)}")
+    if tech.window is not None:
+        if not hasattr(config, "sliding_window"):
+            raise ConfigError(f"--window: {config.model_type} has no sliding-window attention; drop --window")
+        config.sliding_window = tech.window
+        if hasattr(config, "use_sliding_window"):
+            config.use_sliding_window = True
+            config.max_window_layers = 0  # every layer windowed (Qwen2 counts full layers first)
+        if hasattr(config, "layer_types"):
+            config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+    config.use_cache = False
+    dtype = torch.get_default_dtype()
+    try:
+        if with_weights and source.has_weights():
+            lm = AutoModelForCausalLM.from_pretrained(
+                source.load_id, config=config, attn_implementation=attn, dtype=dtype,
+                use_safetensors=True, trust_remote_code=False)
+        else:
+            lm = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype,
+                                                  trust_remote_code=False)
+    except (ImportError, ValueError) as exc:
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"--model {spec!r} with --attention {tech.attention} ({attn}): {msg}") from None
+    return HFCausalLM(lm, source)
+
+
+def _check_supported(model: HFCausalLM, cfg: RunConfig, device: torch.device) -> None:
+    tech = cfg.technique
+    if tech.distributed != "none":
+        raise ConfigError("--distributed with a transformers --model is not supported yet; drop --distributed")
+    if tech.attention == "flash-attn" and device.type != "cuda":
+        raise ConfigError("--attention flash-attn (flash_attention_2) needs a CUDA GPU; use sdpa or flash on CPU")
+    if tech.attention == "mem-efficient" and device.type != "cuda":
+        raise ConfigError("--attention mem-efficient is a CUDA kernel; use sdpa or flash on CPU")
+    if tech.attention == "flex" and device.type != "cuda":
+        raise ConfigError("--attention flex has no CPU backward in this torch; use sdpa on CPU")
+    if tech.qlora and not tech.lora_rank:
+        raise ConfigError("--qlora quantizes the frozen base weights under LoRA; add --lora-rank 16")
+
+
+def lora_target_modules(targets: str) -> Any:
+    """peft's target_modules: every decoder Linear for the GPT default, else the named ones."""
+    if targets == GPT_LORA_TARGETS or targets == "all-linear":
+        return "all-linear"
+    return [t.strip() for t in targets.split(",") if t.strip()]
+
+
+def apply_hf_lora(model: HFCausalLM, cfg: RunConfig) -> None:
+    """Add LoRA adapters in place with peft; only the adapters stay trainable."""
+    tech = cfg.technique
+    if not tech.lora_rank:
+        return
+    from peft import LoraConfig, inject_adapter_in_model
+
+    lcfg = LoraConfig(r=tech.lora_rank, lora_alpha=tech.lora_alpha, lora_dropout=tech.lora_dropout,  # type: ignore[arg-type]
+                      target_modules=lora_target_modules(tech.lora_targets), bias="none")
+    try:
+        inject_adapter_in_model(lcfg, model.lm)
+    except ValueError as exc:
+        raise ConfigError(f"--lora-targets {tech.lora_targets!r}: {str(exc).splitlines()[0]}") from None
+    for name, p in model.lm.named_parameters():
+        p.requires_grad_("lora_" in name)
+
+
+def prepare_hf_model(model: HFCausalLM, cfg: RunConfig, device: torch.device, precision: Any) -> nn.Module:
+    """Apply ``cfg.technique`` to a transformers model in the documented order
+    (lora -> [qlora] -> checkpointing -> loss -> compile); the attention backend was chosen
+    when the model was built (``attn_implementation``)."""
+    from memtrain.models.qlora import quantize_base_weights
+    from memtrain.techniques.checkpointing import apply_checkpointing
+    from memtrain.techniques.compile import apply_compile
+    from memtrain.techniques.loss import apply_loss
+
+    _check_supported(model, cfg, device)
+    tech = cfg.technique
+    model = model.to(device=device, dtype=precision.param_dtype)
+    model.sdpa_backend = _SDPA_BACKEND.get(tech.attention)
+    apply_hf_lora(model, cfg)
+    if tech.qlora:
+        quantize_base_weights(model, device)
+    apply_checkpointing(model, tech)
+    apply_loss(model, tech, device)
+    return apply_compile(model, tech)
+
+
+@contextlib.contextmanager
+def same_paths_as_eager() -> Iterator[None]:
+    """While tracing under fake tensors, let transformers take the paths a real step takes.
+
+    transformers treats a fake tensor as "tracing" (``is_tracing``) and then materializes the
+    (batch, 1, T, T) causal mask instead of relying on SDPA's ``is_causal``, which also moves
+    SDPA off its flash kernel: the trace would describe a different, larger step. memtrain
+    passes no padding mask, so no decision of that check needs tensor values; report fake
+    tensors as ordinary ones for the duration of the trace.
+    """
+    try:
+        import transformers.utils.import_utils as iu
+    except ImportError:
+        yield
+        return
+    original = iu.is_fake_tensor
+    iu.is_fake_tensor = lambda tensor: False  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        iu.is_fake_tensor = original  # type: ignore[assignment]

@@ -1,0 +1,83 @@
+"""QLoRA: the frozen base weights stored in 4-bit NormalFloat (NF4), Dettmers et al. 2023.
+
+Every Linear of the decoder that is not trainable (the base layers under peft's LoRA, and
+every other frozen Linear; never the LM head or the embedding) gets its weight replaced:
+
+* on CPU by torchao's ``NF4Tensor`` (``to_nf4``: 64-value blocks, double-quantized scales).
+  ``F.linear`` on an NF4Tensor dispatches to torchao's ``linear_nf4``, which dequantizes
+  the weight per call and keeps only the NF4 bytes for backward, so the nn.Linear module,
+  and peft's wrapper around it, stay unchanged;
+* on CUDA by bitsandbytes' ``Params4bit`` with ``matmul_4bit`` (the PEFT/Trainer QLoRA path).
+
+torchao's NF4 needs a weight whose size divides into 64 x 256 values (its scales are
+quantized in blocks of 256): smaller or odd weights stay in their dtype, and the number left
+is returned so a run can say so.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn as nn
+
+from memtrain.config import ConfigError
+
+NF4_BLOCK = 64
+NF4_SCALER_BLOCK = 256
+
+
+def _frozen_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    head = model.head if hasattr(model, "head") else None
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear) and m is not head and "lora_" not in name and not m.weight.requires_grad:
+            out.append((name, m))
+    return out
+
+
+def quantize_base_weights(model: nn.Module, device: torch.device) -> int:
+    """Store the frozen Linear weights of ``model`` in NF4 in place; return how many stayed
+    unquantized (their size does not fit torchao's blocks)."""
+    linears = _frozen_linears(model)
+    if not linears:
+        raise ConfigError("--qlora found no frozen Linear weights to quantize; it needs --lora-rank")
+    if device.type == "cuda":
+        return _quantize_bnb(linears, device)
+    from torchao.quantization import to_nf4
+
+    skipped = []
+    for name, m in linears:
+        w = m.weight
+        if w.numel() % (NF4_BLOCK * NF4_SCALER_BLOCK):
+            skipped.append(name)
+            continue
+        m.weight = nn.Parameter(to_nf4(w.detach(), NF4_BLOCK, NF4_SCALER_BLOCK), requires_grad=False)
+    if skipped:
+        warnings.warn(f"--qlora: {len(skipped)} of {len(linears)} frozen Linear weights are not a multiple of "
+                      f"{NF4_BLOCK * NF4_SCALER_BLOCK} values and stay unquantized (e.g. {skipped[0]})", stacklevel=2)
+    return len(skipped)
+
+
+def _bnb_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    import bitsandbytes as bnb
+
+    w = self.weight
+    return bnb.matmul_4bit(x, w.t(), bias=self.bias, quant_state=w.quant_state)  # type: ignore[attr-defined]
+
+
+def _quantize_bnb(linears: list[tuple[str, nn.Linear]], device: torch.device) -> int:
+    """bitsandbytes NF4 on CUDA (needs a GPU; not exercised by the CPU tests)."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise ConfigError("--qlora on CUDA uses bitsandbytes: pip install bitsandbytes") from None
+    import functools
+
+    for _, m in linears:
+        w = m.weight.detach()
+        q = bnb.nn.Params4bit(w.to("cpu"), requires_grad=False, quant_type="nf4",
+                              compress_statistics=True).to(device)
+        m.weight = q
+        m.forward = functools.partial(_bnb_forward, m)  # type: ignore[method-assign]
+    return 0

@@ -1,0 +1,182 @@
+"""What ``--model SPEC`` names, and the transformers config behind it.
+
+SPEC is one of (tried in this order):
+
+* a preset of memtrain's own GPT (``memtrain.presets``: ``gpt2``, ``gpt2-medium`` ...);
+* a bundled transformers config (``llama-3-8b``, ``qwen2.5-7b`` ... in ``models/configs/``:
+  the public architecture hyper-parameters of each model's ``config.json``, no weights), so
+  full-size models can be estimated offline;
+* a path to a ``config.json``, or to a directory holding one (optionally with ``*.safetensors``
+  weights and tokenizer files);
+* ``hf:ORG/NAME``: a Hugging Face Hub repository, read by transformers' ``from_pretrained``
+  (the same code path as a local directory, so the offline tests cover it).
+
+Nothing read here can execute code: ``trust_remote_code`` is never set, and weights are read
+only from ``*.safetensors`` (never pickled ``*.bin`` files).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from memtrain.config import ConfigError
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+HUB_PREFIX = "hf:"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def bundled_names() -> list[str]:
+    """Names of the bundled transformers configs (``--model llama-3-8b`` ...)."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved ``--model SPEC`` for a transformers model."""
+
+    spec: str
+    config_path: Optional[Path]  # a local config.json, or None for a Hub repository
+    repo: Optional[str]  # the Hub repository (hf:ORG/NAME), else None
+
+    @property
+    def directory(self) -> Optional[Path]:
+        """The directory that may hold weights and tokenizer files (None for bundled configs)."""
+        if self.repo is not None:
+            return None
+        assert self.config_path is not None
+        return None if self.config_path.parent == CONFIG_DIR else self.config_path.parent
+
+    @property
+    def load_id(self) -> str:
+        """What ``from_pretrained`` is given: the directory or the Hub repository."""
+        if self.repo is not None:
+            return self.repo
+        return str(self.directory) if self.directory is not None else str(self.config_path)
+
+    def weight_files(self) -> list[Path]:
+        d = self.directory
+        return sorted(d.glob("*.safetensors")) if d is not None else []
+
+    def has_weights(self) -> bool:
+        if self.repo is not None:
+            return True  # a Hub repository of a causal LM ships its weights
+        return bool(self.weight_files())
+
+    def has_tokenizer(self) -> bool:
+        if self.repo is not None:
+            return True
+        d = self.directory
+        return d is not None and any((d / f).is_file() for f in TOKENIZER_FILES)
+
+
+def is_gpt_preset(spec: Optional[str]) -> bool:
+    """Whether ``spec`` names memtrain's own GPT (no spec, or one of its presets)."""
+    if spec is None:
+        return True
+    from memtrain.presets import PRESETS
+
+    return spec in PRESETS
+
+
+def resolve(spec: str) -> ModelSource:
+    """The transformers model ``spec`` names (ConfigError with the choices when none)."""
+    if spec.startswith(HUB_PREFIX):
+        repo = spec[len(HUB_PREFIX):].strip("/")
+        if repo.count("/") != 1 or not all(repo.split("/")):
+            raise ConfigError(f"--model {spec!r}: write a Hub model as hf:ORG/NAME, e.g. hf:Qwen/Qwen2.5-0.5B")
+        return ModelSource(spec, None, repo)
+    bundled = CONFIG_DIR / f"{spec}.json"
+    if "/" not in spec and bundled.is_file():
+        return ModelSource(spec, bundled, None)
+    p = Path(spec).expanduser()
+    if p.is_dir():
+        p = p / "config.json"
+    if p.is_file():
+        return ModelSource(spec, p.resolve(), None)
+    from memtrain.presets import PRESETS
+
+    raise ConfigError(
+        f"--model {spec!r} is not a preset, a bundled config, a config.json or a directory holding one; "
+        f"choose one of {', '.join(list(PRESETS) + bundled_names())}, a path, or hf:ORG/NAME")
+
+
+@functools.lru_cache(maxsize=32)
+def load_config(spec: str) -> Any:
+    """The ``transformers.PretrainedConfig`` of ``spec`` (read once per process)."""
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise ConfigError("--model with a transformers config needs transformers: pip install 'memtrain[hf]'") from None
+    src = resolve(spec)
+    try:
+        if src.repo is None:
+            assert src.config_path is not None
+            if "model_type" not in json.loads(src.config_path.read_text()):
+                raise ConfigError(f"{src.config_path} has no 'model_type'; it is not a transformers config.json")
+        # One code path for a Hub repository, a directory and a config.json file.
+        cfg = AutoConfig.from_pretrained(src.repo or str(src.config_path), trust_remote_code=False)
+    except ConfigError:
+        raise
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"cannot read the model config of --model {spec!r}: {first}") from None
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise ConfigError(f"--model {spec!r} is an encoder-decoder ({cfg.model_type}); memtrain trains causal LMs")
+    return cfg
+
+
+def mirrored_fields(spec: str) -> dict[str, Any]:
+    """The memtrain ModelConfig fields that describe ``spec``'s shape, so that every part of
+    memtrain that reads ``cfg.model`` (random batches, FLOP rules, validation of --seq-len and
+    --lora-rank) sees the transformers model's real vocabulary, width and length."""
+    c = load_config(spec)
+    get = lambda *names, default=None: next((getattr(c, n) for n in names if getattr(c, n, None) is not None), default)  # noqa: E731
+    d_model = int(get("hidden_size", "n_embd", "d_model"))
+    n_heads = int(get("num_attention_heads", "n_head"))
+    return {
+        "vocab_size": int(c.vocab_size),
+        "d_model": d_model,
+        "n_heads": n_heads if d_model % n_heads == 0 else 1,
+        "n_layers": int(get("num_hidden_layers", "n_layer")),
+        "d_ff": int(get("intermediate_size", "n_inner", default=4 * d_model)),
+        "max_seq_len": int(get("max_position_embeddings", "n_positions", default=2048)),
+        "untie_embeddings": not bool(getattr(c, "tie_word_embeddings", True)),
+        # attention dropout decides which SDPA kernels a CPU step may use (plan's search space)
+        "dropout": float(get("attention_dropout", "attn_pdrop", default=0.0)),
+    }
+
+
+def preset_fields(spec: str) -> Optional[dict[str, Any]]:
+    """ModelConfig fields of a GPT preset named by ``spec`` (None when ``spec`` is no preset).
+    The LLaMA presets are analytic approximations no run can build: point to the bundled
+    transformers configs instead."""
+    from memtrain.presets import PRESETS
+
+    if spec not in PRESETS:
+        return None
+    fields, arch, _ = PRESETS[spec]
+    if arch.name != "gpt2":
+        alt = {"llama3-8b": "llama-3-8b"}.get(spec, "a transformers config.json")
+        raise ConfigError(f"--model {spec} is an analytic approximation (memtrain estimate only); to build or trace "
+                          f"a LLaMA use --model {alt}")
+    return dict(fields)
+
+
+def cost_arch(spec: str) -> Any:
+    """The closest :class:`memtrain.estimate.Arch` of a transformers model, for the plan's
+    step-time model and parameter table (orders candidates; memory comes from the trace).
+    A gated MLP (Llama, Qwen2, Mistral, Gemma, Phi-3: ``intermediate_size`` + a SiLU/GELU
+    gate) is ``llama``-like with its key/value heads; GPT-2 is ours."""
+    from dataclasses import replace
+
+    from memtrain.estimate import GPT2_ARCH, LLAMA_ARCH
+
+    c = load_config(spec)
+    if c.model_type == "gpt2":
+        return GPT2_ARCH
+    return replace(LLAMA_ARCH, name=c.model_type, n_kv_heads=getattr(c, "num_key_value_heads", None))

@@ -1,0 +1,77 @@
+"""The tokenizer of a transformers model, for the data pipeline.
+
+A model brought with ``--model DIR`` reads its data through its own tokenizer
+(``AutoTokenizer`` from the directory, never remote code); memtrain's GPT-2 BPE stays for the
+built-in GPT. The token cache is keyed by the tokenizer's identity (a hash of its files), so
+two tokenizers never share cached tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Optional
+
+from memtrain.config import ConfigError, RunConfig
+from memtrain.models.spec import TOKENIZER_FILES, is_gpt_preset, load_config, resolve
+
+
+class HFTokenizer:
+    """The interface ``memtrain.data.prepare_tokens`` uses: ``name``, ``n_vocab``, ``eot_id``,
+    ``encode_batch``."""
+
+    def __init__(self, tok: Any, identity: str) -> None:
+        self.tok = tok
+        self.name = identity
+        self.n_vocab = len(tok)  # base vocabulary plus added tokens: the largest id + 1
+        eot = tok.eos_token_id
+        if eot is None:
+            raise ConfigError(f"tokenizer {identity!r} has no eos token to separate documents; set eos_token in its tokenizer_config.json")
+        self.eot_id = int(eot)
+
+    def encode_batch(self, texts: list[str], num_threads: Optional[int] = None) -> list[list[int]]:
+        # No special tokens inside documents (as encode_ordinary for GPT-2): a document's
+        # boundary is the eos token the cache appends.
+        return self.tok(texts, add_special_tokens=False)["input_ids"]
+
+
+def _identity(load_id: str, directory: Any) -> str:
+    h = hashlib.sha256(load_id.encode())
+    if directory is not None:
+        for name in sorted(p.name for p in directory.iterdir()):
+            if name.startswith("tokenizer") or name in ("vocab.json", "merges.txt", "special_tokens_map.json"):
+                h.update(name.encode())
+                h.update((directory / name).read_bytes())
+    return "hf-" + h.hexdigest()[:16]
+
+
+def data_tokenizer(cfg: RunConfig) -> Optional[HFTokenizer]:
+    """The tokenizer for ``cfg``'s data: None (memtrain's GPT-2 BPE) for our GPT, or for a
+    transformers model without tokenizer files trained from scratch whose vocabulary holds
+    GPT-2's; else the model's own tokenizer. A vocabulary the model cannot embed is an error."""
+    spec = cfg.model.model
+    if is_gpt_preset(spec):
+        return None
+    assert spec is not None
+    src = resolve(spec)
+    vocab = int(load_config(spec).vocab_size)
+    if not src.has_tokenizer():
+        from memtrain.data.tokenizer import N_VOCAB
+
+        if src.has_weights():
+            raise ConfigError(f"--model {spec!r} has weights but no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
+                              "add the tokenizer the weights were trained with")
+        if vocab < N_VOCAB:
+            raise ConfigError(f"--model {spec!r} has no tokenizer files and its vocab_size {vocab} is smaller than "
+                              f"GPT-2's {N_VOCAB}; add a tokenizer (tokenizer.json) to the directory")
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(src.load_id, trust_remote_code=False)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot load the tokenizer of --model {spec!r}: {str(exc).splitlines()[0]}") from None
+    wrapped = HFTokenizer(tok, _identity(src.load_id, src.directory))
+    if wrapped.n_vocab > vocab:
+        raise ConfigError(f"the tokenizer of --model {spec!r} has {wrapped.n_vocab} tokens but the model embeds only "
+                          f"vocab_size {vocab}; use the model's own tokenizer or raise vocab_size in config.json")
+    return wrapped
