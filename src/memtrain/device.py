@@ -213,16 +213,24 @@ def _sync(device: torch.device) -> None:
 
 def measure_gemm(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int],
                  budget_s: float = TIME_BUDGET_S) -> Optional[float]:
-    """Best FLOP/s of an (M x K) @ (K x N) matmul in ``dtype`` over repeats filling ``budget_s``
-    (the first run, which may pick a kernel or allocate, is not counted unless it is so slow
-    that it is the only run). None if the dtype does not run here."""
+    """Best FLOP/s of an (M x K) @ (K x N) matmul in ``dtype`` over repeats filling ``budget_s``,
+    after untimed warm-up products (which pick a kernel, allocate and wake a GPU). None if the
+    dtype does not run here."""
     m, k, n = shape
     try:
         a = torch.randn(m, k, device=device).to(dtype)
         b = torch.randn(k, n, device=device).to(dtype)
+        # Untimed warm-up first: a cold GPU's first products pay for cuBLAS's handle, kernel
+        # selection and clocks ramping up from idle (seen on an H100: one cold product read
+        # 100x below the warm rate). On CUDA a product is cheap, so a few timed repeats are
+        # always taken; on a CPU without native BF16 one slow product must stay one.
+        cuda = device.type == "cuda"
+        for _ in range(3 if cuda else 1):
+            torch.matmul(a, b)
+        _sync(device)
         times: list[float] = []
         spent = 0.0
-        while spent < budget_s:
+        while spent < budget_s or (cuda and len(times) < 5):
             _sync(device)
             t0 = time.perf_counter()
             torch.matmul(a, b)
@@ -230,7 +238,7 @@ def measure_gemm(device: torch.device, dtype: torch.dtype, shape: tuple[int, int
             dt = time.perf_counter() - t0
             times.append(dt)
             spent += dt
-        best = min(times[1:]) if len(times) > 1 else times[0]
+        best = min(times)
         return 2.0 * m * k * n / best if best > 0 else None
     except Exception:  # noqa: BLE001 - a dtype without a kernel on this device
         return None

@@ -237,12 +237,13 @@ def mfu_lines(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         ref = r.get("mfu_reference") if r.get("status") == "ok" else None
         if isinstance(ref, dict) and ref.get("flops_per_s"):
-            refs.setdefault((ref.get("kind"), ref.get("name"), ref.get("flops_per_s")), True)
+            refs.setdefault((ref.get("kind"), ref.get("name"), ref.get("flops_per_s"), ref.get("dtype")), True)
     out = []
-    for kind, name, rate in refs:
+    for kind, name, rate, dtype in refs:
+        what = f"{str(dtype).upper()} rows" if dtype else "CUDA rows"
         if kind == "measured_gemm":
             out.append(f"MFU (CPU rows) is against the measured GEMM rate, not a datasheet peak: {name}, "
                        f"{rate / 1e9:.1f} GFLOP/s (`memtrain info`).")
         else:
-            out.append(f"MFU (CUDA rows) is against the datasheet peak of {name}: {rate / 1e12:.1f} TFLOP/s.")
+            out.append(f"MFU ({what}) is against the datasheet peak of {name}: {rate / 1e12:.1f} TFLOP/s.")
     return out + ([""] if out else [])
