@@ -205,7 +205,7 @@ def test_loss_falls_on_the_stackoverflow_sample(model_dirs, tmp_path):
     {"attention": "flash"},  # SDPA held to its flash kernel (CPU has one)
     {"checkpointing": "full"},
     {"checkpointing": "every:2"},
-    {"checkpointing": "selective"},
+    {"checkpointing": "selective-matmul"},
     {"loss": "chunked", "loss_chunk": 32},
     {"lora_rank": 4},
     {"lora_rank": 4, "lora_targets": "q_proj,v_proj"},
@@ -452,3 +452,12 @@ def test_qlora_resume_is_exact(tmp_path_factory, tokenizer_files, corpus, tmp_pa
     train(run_cfg(d, corpus, tmp_path, stop_after=2, save=str(tmp_path / "q.pt"), **kw))
     resumed = train(run_cfg(d, corpus, tmp_path, resume=str(tmp_path / "q.pt"), **kw))
     assert resumed["loss_history"] == full["loss_history"]
+
+
+def test_attention_core_checkpointing_is_refused_for_transformers_models(model_dirs, corpus, tmp_path):
+    """Megatron's selective policy needs memtrain's attention seam; a transformers layer has none,
+    so the run is refused before anything is built rather than run with another policy."""
+    from memtrain.train import train
+
+    with pytest.raises(ConfigError, match="selective-matmul"):
+        train(run_cfg(model_dirs["llama"], corpus, tmp_path, steps=2, checkpointing="selective"))

@@ -170,6 +170,12 @@ def _check_supported(model: HFCausalLM, cfg: RunConfig, device: torch.device) ->
         raise ConfigError("--attention flex has no CPU backward in this torch; use sdpa on CPU")
     if tech.qlora and not tech.lora_rank:
         raise ConfigError("--qlora quantizes the frozen base weights under LoRA; add --lora-rank 16")
+    if tech.checkpointing == "selective":
+        # Megatron's policy recomputes only the attention core, which memtrain reaches through
+        # its own GPT's attention seam (block.attn.attn_fn); transformers' layers call their
+        # attention function from inside forward, so there is no such seam to wrap yet.
+        raise ConfigError("--checkpointing selective (recompute the attention core) is not available for a "
+                          "transformers --model yet; use selective-matmul, full, every:K or sqrt")
 
 
 def lora_target_modules(targets: str) -> Any:
