@@ -1342,8 +1342,8 @@ def estimate(
     opt_tmp = _optimizer_temporaries(trainable, tech.optim, adapter_bytes, t.weight_decay)
     zero1 = None
     if shard == "zero1" and world_size > 1 and sum(p.repeat for p in trainable) <= _ZERO1_MAX_TENSORS:
-        # ZeroRedundancyOptimizer gives whole tensors to ranks: the rank with the most state
-        # (the one that decides whether the run fits) is reported.
+        # memtrain's ZeRO-1 gives each rank the dim-0 chunk of every tensor (ceil(rows/N) rows,
+        # the last ranks fewer): the rank with the most state (rank 0) is reported.
         ranks = _zero1_partition(trainable, world_size)
         per_rank = [optimizer_state_bytes(ps, tech.optim, adapter_bytes, tech.optim_block)[0] for ps in ranks]
         worst = per_rank.index(max(per_rank))
@@ -1460,22 +1460,23 @@ def estimate(
     )
 
 
-# Above this many trainable tensors ZeRO-1's partition is not replayed (the even split is used).
+# Above this many trainable tensors ZeRO-1's per-rank split is not replayed (the even split is used).
 _ZERO1_MAX_TENSORS = 1_000_000
 
 
 def _zero1_partition(params: list[ParamInfo], world: int) -> list[list[ParamInfo]]:
-    """torch's ZeroRedundancyOptimizer partition (``_partition_parameters``): per parameter group
-    (memtrain's: matrices, then vectors), largest tensor first, each to the rank with the fewest
-    elements so far (first such rank on a tie), the counts carried across groups."""
-    sizes = [0] * world
+    """The tensors whose state each rank keeps under ``--distributed zero1``
+    (:class:`memtrain.techniques.zero1.ShardedZeRO1`): rank r's dim-0 chunk of every tensor,
+    ``torch.chunk``'s split (ceil(rows / N) rows each, the last ranks fewer or none)."""
+    from memtrain.techniques.zero1 import dim0_range
+
     out: list[list[ParamInfo]] = [[] for _ in range(world)]
-    for group in ([p for p in params if len(p.shape) >= 2], [p for p in params if len(p.shape) < 2]):
-        expanded = [replace(p, repeat=1) for p in group for _ in range(p.repeat)]
-        for p in sorted(expanded, key=lambda q: q.numel, reverse=True):
-            r = sizes.index(min(sizes))
-            out[r].append(p)
-            sizes[r] += p.numel
+    for p in params:
+        rows = p.shape[0] if p.shape else 1
+        for r in range(world):
+            start, end = dim0_range(rows, r, world)
+            if end > start:
+                out[r].append(replace(p, shape=(end - start, *p.shape[1:])))
     return out
 
 
@@ -1556,7 +1557,7 @@ def _explain(cfg: RunConfig, arch: Arch, dm: _Dims, params: list[ParamInfo], n_p
     ]
     if world > 1:
         lines.append(f"sharding {shard} over {world} ranks: "
-                     + ("optimizer by ZeroRedundancyOptimizer's whole-tensor partition (largest rank)"
+                     + ("optimizer by dim-0 chunks of every tensor (ceil(rows/N) rows; largest rank)"
                         if shard == "zero1" else "optimizer/N")
                      + (", gradients/N" if shard in ("zero2", "fsdp") else "")
                      + (", weights/N + one gathered block" if shard == "fsdp" else ""))
