@@ -1371,6 +1371,13 @@ def estimate(
         sim.events = []
     sim.at("start", "weights and optimizer state")
     w_rank = weights / shard_div["weights"]
+    gathered_bytes = 0.0
+    if shard == "zero2" and n > 1:
+        # FSDP2 with reshard_after_forward=False: each rank holds its 1/N shard, and the
+        # all-gathered full weights (in the compute dtype: FSDP2's MixedPrecisionPolicy gathers
+        # bf16 under autocast) from the forward until the end of backward.
+        w_rank = weights / n
+        gathered_bytes = sum(p.numel * p.repeat * (ab if autocast else pb) for p in params)
     opt_share = zero1["optimizer_per_rank"][zero1["rank"]] if zero1 else opt_bytes / shard_div["optimizer"]
     tmp_share = zero1["scratch"] if zero1 else opt_tmp / shard_div["optimizer"]
     state_sids = [sim.alloc(w_rank, "weights"), sim.alloc(opt_share, "optimizer")]
@@ -1378,6 +1385,9 @@ def estimate(
         # FSDP all-gathers one block's parameters at a time (forward and backward).
         per_block = max((sum(pbytes[p.name] for p in params if p.block == i) for i in range(comp.blocks)), default=0)
         sim.alloc(per_block, "temporaries")
+        # The root group (embeddings, final norm, tied head) is gathered at the first forward
+        # and kept until its backward ends: the whole step (in the compute dtype, as for zero2).
+        gathered_bytes = sum(p.numel * p.repeat * (ab if autocast else pb) for p in params if p.block is None)
     if grads_exist:
         sim.alloc(grad_total / shard_div["gradients"], "gradients")
 
@@ -1393,8 +1403,10 @@ def estimate(
         graph.pinned.add("logits")
     if not m.untie_embeddings:
         graph.tied.add("wte.weight")
+    gathered = sim.alloc(gathered_bytes, "weights") if gathered_bytes else None
     graph.forward()
     graph.backward()
+    sim.free(gathered)
     if shard_div["gradients"] > 1:
         # ZeRO-2 / FSDP: after the reduce-scatter a rank keeps 1/N of the gradients.
         lumped = [sid for sid in graph.lump_grads if sim.live.get(sid, (0, ""))[1] == "gradients"]
