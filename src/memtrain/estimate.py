@@ -1329,7 +1329,11 @@ def estimate(
     n_train = sum(p.numel * p.repeat for p in trainable)
     pb, ab, autocast = _PRECISION[tech.precision]
     dm = _dims(cfg, arch, device_type)
-    grads_exist = t.grad_accum > 1
+    # DDP (and zero1, which runs on DDP) keeps the gradients in its communication buckets
+    # (gradient_as_bucket_view) from the first step on: they exist before every backward, as
+    # under gradient accumulation, and each op's gradient is added into them.
+    ddp_buckets = world_size > 1 and shard in ("none", "ddp", "zero1")
+    grads_exist = t.grad_accum > 1 or ddp_buckets
     lora = tech.lora_rank > 0
     # LoRA adapters are created in float32 next to the (possibly bf16) frozen base.
     adapter_bytes = 4 if lora else pb
