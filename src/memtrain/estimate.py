@@ -1574,9 +1574,13 @@ def _explain(cfg: RunConfig, arch: Arch, dm: _Dims, params: list[ParamInfo], n_p
     if world > 1:
         lines.append(f"sharding {shard} over {world} ranks: "
                      + ("optimizer by dim-0 chunks of every tensor (ceil(rows/N) rows; largest rank)"
-                        if shard == "zero1" else "optimizer/N")
+                        if shard == "zero1" else "DDP, everything replicated" if shard in ("none", "ddp") else "optimizer/N")
                      + (", gradients/N" if shard in ("zero2", "fsdp") else "")
-                     + (", weights/N + one gathered block" if shard == "fsdp" else ""))
+                     + ("; gradients in DDP's buckets, alive across steps" if shard in ("none", "ddp", "zero1") else "")
+                     + ("; weight shard + all weights gathered (compute dtype) from forward to end of backward"
+                        if shard == "zero2" else "")
+                     + (", weights/N + one gathered block + the root group gathered for the whole step"
+                        if shard == "fsdp" else ""))
     return lines
 
 
