@@ -807,6 +807,9 @@ class _Dims:
     dropout: bool
     cuda: bool
     bias: bool = True
+    # FSDP2 under autocast gathers weights already in the compute dtype: autocast casts nothing
+    # (no cached copies) and the gathered weights are counted by the sharding rule instead.
+    weights_in_compute_dtype: bool = False
 
     @property
     def n(self) -> int:
@@ -833,11 +836,11 @@ def _linear(nodes: list[_Node], dm: _Dims, name: str, x: str, out: str, n_in: in
     if dm.autocast:
         # autocast casts the fp32 weight once per forward and caches the copy until the
         # autocast region ends; the copy is what the matmul saves for backward.
-        nodes.append(_Node(f"{name}.cast_w", out=[(f"{name}.wc", n_in * n_out * a)], hold=True,
+        nodes.append(_Node(f"{name}.cast_w", out=[(f"{name}.wc", 0.0 if dm.weights_in_compute_dtype else n_in * n_out * a)], hold=True,
                            grads=[(w, 0.0)] if trainable_base else []))
         w_in = f"{name}.wc"
         if bias:
-            nodes.append(_Node(f"{name}.cast_b", out=[(f"{name}.bc", n_out * a)], hold=True,
+            nodes.append(_Node(f"{name}.cast_b", out=[(f"{name}.bc", 0.0 if dm.weights_in_compute_dtype else n_out * a)], hold=True,
                                grads=[(bname, 0.0)] if trainable_base else []))
         if x_bytes != a:
             nodes.append(_Node(f"{name}.cast_x", out=[(f"{x}@{name}", N * n_in * a)], inputs=[x],
@@ -1117,7 +1120,7 @@ def _head_nodes(dm: _Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tr
     xin = "hf"
     extra: list[str] = []
     if dm.autocast:
-        nodes.append(_Node("head.cast_w", out=[("head.wc", V * d * a)], hold=True,
+        nodes.append(_Node("head.cast_w", out=[("head.wc", 0.0 if dm.weights_in_compute_dtype else V * d * a)], hold=True,
                            grads=[(f"param:{head}", 0.0)] if trainable else []))
         nodes.append(_Node("head.cast_x", out=[("hfc", N * d * a)], inputs=["hf"], grads=[("hf", N * d * r)]))
         xin, extra = "hfc", ["head.wc"]
@@ -1329,6 +1332,8 @@ def estimate(
     n_train = sum(p.numel * p.repeat for p in trainable)
     pb, ab, autocast = _PRECISION[tech.precision]
     dm = _dims(cfg, arch, device_type)
+    if autocast and world_size > 1 and shard in ("zero2", "fsdp"):
+        dm = replace(dm, weights_in_compute_dtype=True)
     # DDP (and zero1, which runs on DDP) keeps the gradients in its communication buckets
     # (gradient_as_bucket_view) from the first step on: they exist before every backward, as
     # under gradient accumulation, and each op's gradient is added into them.
