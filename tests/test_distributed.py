@@ -81,6 +81,13 @@ def runs(small_corpus, tmp_path_factory) -> dict:
     run("fsdp_half", {**tied, "stop_after": 2, "save": str(root / "ck2")})
     run("fsdp", {**tied, "resume": str(root / "ck2")})
     done["ckpt"] = root / "ck2"
+    # zero1 with the tied 50257-row embedding (~98% of this model, 80% of the default one):
+    # sharded within tensors, every rank keeps about half of DDP's optimizer state.
+    tied_plain = {**TINY_MODEL, **RUN, "data": str(small_corpus), "batch_size": 2}
+    run("ddp_tied", {**tied_plain, "distributed": "ddp"})
+    run("zero1_tied", {**tied_plain, "distributed": "zero1"})
+    run("fsdp_tied", {**tied_plain, "distributed": "fsdp"})
+    run("zero2_bf16", {**tied_plain, "distributed": "zero2", "precision": "bf16"})  # tiny: bf16 is slow here
     return done
 
 
@@ -125,6 +132,52 @@ def test_sharded_state_halves_per_rank(runs):
         assert rank["by_category"]["parameters"] <= 0.55 * weight_bytes
         assert st["parameters"] <= 0.55 * weight_bytes and st["gradients"] <= 0.55 * weight_bytes
         assert st["optimizer"] <= 0.55 * 2 * weight_bytes + 1024  # + step counters
+
+
+def test_zero1_shards_within_tensors_the_tied_embedding(runs, small_corpus, tmp_path):
+    """torch's ZeroRedundancyOptimizer would leave the whole embedding's state on one rank
+    (~98% of DDP's here); dim-0 chunks give each rank about half, and training is unchanged."""
+    ddp = runs["ddp_tied"]["ranks"][0]
+    ranks = runs["zero1_tied"]["ranks"]
+    for rank in ranks:
+        assert rank["sharded_state"]["optimizer"] <= 0.55 * ddp["sharded_state"]["optimizer"]
+        assert rank["by_category"]["optimizer"] <= 0.55 * ddp["by_category"]["optimizer"]
+        assert rank["sharded_state"]["parameters"] == ddp["sharded_state"]["parameters"]
+    assert sum(r["sharded_state"]["optimizer"] for r in ranks) == pytest.approx(ddp["sharded_state"]["optimizer"], rel=0.01)
+    single = train(build_config({**TINY_MODEL, **RUN, "data": str(small_corpus), "batch_size": 4,
+                                 "progress": False, "out": str(tmp_path / "one")}))
+    r = runs["zero1_tied"]
+    assert r["loss_history"] == pytest.approx(single["loss_history"], rel=LOSS_RTOL)
+    assert r["val_loss"] == pytest.approx(single["val_loss"], rel=LOSS_RTOL)
+
+
+def test_per_rank_estimate_matches_the_measured_peaks(runs):
+    """`estimate --world-size 2 --shard ...` against every rank's tracked peak of the runs above
+    (fp32 and bf16, tied and untied): DDP's persistent gradient buckets, zero1's chunked state, zero2's
+    shard plus gathered weights, fsdp's root group kept gathered."""
+    from memtrain.estimate import estimate
+
+    cases = {"ddp": (UNTIED, "none"), "zero2": (UNTIED, "zero2"), "zero1": (UNTIED, "zero1"),
+             "ddp_tied": (TINY_MODEL, "none"), "zero1_tied": (TINY_MODEL, "zero1"),
+             "fsdp_tied": (TINY_MODEL, "fsdp"), "zero2_bf16": ({**TINY_MODEL, "precision": "bf16"}, "zero2")}
+    # Not yet modelled (so not asserted): fsdp with --grad-accum keeps unreduced full-size
+    # gradients until the last micro-batch (runs["fsdp"]: estimated 0.95 of the measured peak).
+    for name, (model, shard) in cases.items():
+        cfg = build_config({**RUN, **model, "batch_size": 2})
+        est = estimate(cfg, device_type="cpu", world_size=2, shard=shard).peak_bytes
+        for rank in runs[name]["ranks"]:
+            assert est == pytest.approx(rank["peak_bytes"], rel=0.03), (name, rank["rank"])
+
+
+def test_zero1_chunks_cover_every_row_once():
+    from memtrain.techniques.zero1 import dim0_range
+
+    for rows in (1, 2, 3, 7, 50257):
+        for world in (1, 2, 3, 4, 8):
+            spans = [dim0_range(rows, r, world) for r in range(world)]
+            assert spans[0][0] == 0 and spans[-1][1] == rows
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+            assert max(e - s for s, e in spans) == -(-rows // world)
 
 
 def test_resume_continues_identically_and_fsdp_keeps_the_tie(runs, small_corpus, tmp_path):

@@ -217,11 +217,11 @@ def test_sharding_divides_model_state_per_rank():
     z1 = z1_est.extra["model_state"]
     z2 = estimate(cfg, device_type="cuda", world_size=4, shard="zero2").extra["model_state"]
     fs = estimate(cfg, device_type="cuda", world_size=4, shard="fsdp").extra["model_state"]
-    # ZeRO-1 gives whole tensors to ranks (ZeroRedundancyOptimizer): the ranks' shares add up to
-    # the whole state and the largest rank, the one reported, holds at least a quarter of it.
+    # ZeRO-1 gives every rank a dim-0 chunk of every tensor: the ranks' shares add up to the
+    # whole state (+ a step counter per tensor per rank) and the largest, reported, is ~a quarter.
     per_rank = z1_est.extra["zero1"]["optimizer_per_rank"]
-    assert sum(per_rank) == pytest.approx(one["optimizer"]) and z1["optimizer"] == max(per_rank)
-    assert z1["optimizer"] >= one["optimizer"] / 4
+    assert sum(per_rank) == pytest.approx(one["optimizer"], rel=1e-3) and z1["optimizer"] == max(per_rank)
+    assert z1["optimizer"] == pytest.approx(one["optimizer"] / 4, rel=0.01)
     assert z1["gradients"] == one["gradients"] and z2["gradients"] == pytest.approx(one["gradients"] / 4)
     assert fs["weights"] == pytest.approx(one["weights"] / 4) and z2["weights"] == one["weights"]
 

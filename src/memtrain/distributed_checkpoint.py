@@ -7,7 +7,7 @@
                                 ddp/zero2/fsdp, the optimizer state; each rank writes its own
                                 shards (replicated tensors are written once)
       rank-R.pt                 per rank: RNG states, LR schedule, loss scaler; under zero1
-                                also the rank's ZeroRedundancyOptimizer shard
+                                also the rank's ZeRO-1 optimizer shard
       meta.json                 step, loss history, data position, ranks, strategy, config
 
 and ``--resume CKPT`` restores all of it, so a resumed run continues exactly as the
@@ -19,7 +19,7 @@ it into place once every rank has finished, so a run killed mid-save keeps the p
 checkpoint. Ranks must share the file system (one machine, or a shared mount).
 
 Resuming needs the same number of ranks (each rank's data position and RNG state are its
-own) and, for zero1, the same strategy (its optimizer shards follow ZeRO's partition);
+own) and, for zero1, the same strategy (its optimizer shards are per-rank row chunks);
 ddp, zero2 and fsdp read one another's checkpoints, since DCP stores tensors by name.
 """
 
@@ -43,10 +43,10 @@ META = "meta.json"
 
 
 def _zero1_local(optimizer: Any) -> Any:
-    """The rank-local optimizer of a ZeroRedundancyOptimizer, else None."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
+    """The rank-local optimizer of ZeRO-1 (:class:`ShardedZeRO1`), else None."""
+    from memtrain.techniques.zero1 import ShardedZeRO1
 
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else None
+    return optimizer.optim if isinstance(optimizer, ShardedZeRO1) else None
 
 
 def _storage_key(t: Any) -> tuple[int, int]:
@@ -218,12 +218,10 @@ def load_checkpoint(
         raise ConfigError(f"cannot read {str(_rank_file(p, rank))!r} ({type(exc).__name__}); "
                           "it is not a memtrain checkpoint part") from None
     if local is not None:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
         local.load_state_dict(own["optimizer"])
         for group, saved in zip(optimizer.param_groups, own["param_groups"]):
             group.update(saved)
-        ZeroRedundancyOptimizer._sync_param_groups(optimizer.param_groups, local.param_groups)
+        optimizer.sync_param_groups()
     scheduler.load_state_dict(own["scheduler"])
     loader.load_state_dict(meta["loader"])
     restore_rng_and_scaler(own, precision)

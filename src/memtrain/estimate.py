@@ -807,6 +807,9 @@ class _Dims:
     dropout: bool
     cuda: bool
     bias: bool = True
+    # FSDP2 under autocast gathers weights already in the compute dtype: autocast casts nothing
+    # (no cached copies) and the gathered weights are counted by the sharding rule instead.
+    weights_in_compute_dtype: bool = False
 
     @property
     def n(self) -> int:
@@ -833,11 +836,11 @@ def _linear(nodes: list[_Node], dm: _Dims, name: str, x: str, out: str, n_in: in
     if dm.autocast:
         # autocast casts the fp32 weight once per forward and caches the copy until the
         # autocast region ends; the copy is what the matmul saves for backward.
-        nodes.append(_Node(f"{name}.cast_w", out=[(f"{name}.wc", n_in * n_out * a)], hold=True,
+        nodes.append(_Node(f"{name}.cast_w", out=[(f"{name}.wc", 0.0 if dm.weights_in_compute_dtype else n_in * n_out * a)], hold=True,
                            grads=[(w, 0.0)] if trainable_base else []))
         w_in = f"{name}.wc"
         if bias:
-            nodes.append(_Node(f"{name}.cast_b", out=[(f"{name}.bc", n_out * a)], hold=True,
+            nodes.append(_Node(f"{name}.cast_b", out=[(f"{name}.bc", 0.0 if dm.weights_in_compute_dtype else n_out * a)], hold=True,
                                grads=[(bname, 0.0)] if trainable_base else []))
         if x_bytes != a:
             nodes.append(_Node(f"{name}.cast_x", out=[(f"{x}@{name}", N * n_in * a)], inputs=[x],
@@ -1117,7 +1120,7 @@ def _head_nodes(dm: _Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tr
     xin = "hf"
     extra: list[str] = []
     if dm.autocast:
-        nodes.append(_Node("head.cast_w", out=[("head.wc", V * d * a)], hold=True,
+        nodes.append(_Node("head.cast_w", out=[("head.wc", 0.0 if dm.weights_in_compute_dtype else V * d * a)], hold=True,
                            grads=[(f"param:{head}", 0.0)] if trainable else []))
         nodes.append(_Node("head.cast_x", out=[("hfc", N * d * a)], inputs=["hf"], grads=[("hf", N * d * r)]))
         xin, extra = "hfc", ["head.wc"]
@@ -1329,7 +1332,13 @@ def estimate(
     n_train = sum(p.numel * p.repeat for p in trainable)
     pb, ab, autocast = _PRECISION[tech.precision]
     dm = _dims(cfg, arch, device_type)
-    grads_exist = t.grad_accum > 1
+    if autocast and world_size > 1 and shard in ("zero2", "fsdp"):
+        dm = replace(dm, weights_in_compute_dtype=True)
+    # DDP (and zero1, which runs on DDP) keeps the gradients in its communication buckets
+    # (gradient_as_bucket_view) from the first step on: they exist before every backward, as
+    # under gradient accumulation, and each op's gradient is added into them.
+    ddp_buckets = world_size > 1 and shard in ("none", "ddp", "zero1")
+    grads_exist = t.grad_accum > 1 or ddp_buckets
     lora = tech.lora_rank > 0
     # LoRA adapters are created in float32 next to the (possibly bf16) frozen base.
     adapter_bytes = 4 if lora else pb
@@ -1342,8 +1351,8 @@ def estimate(
     opt_tmp = _optimizer_temporaries(trainable, tech.optim, adapter_bytes, t.weight_decay)
     zero1 = None
     if shard == "zero1" and world_size > 1 and sum(p.repeat for p in trainable) <= _ZERO1_MAX_TENSORS:
-        # ZeroRedundancyOptimizer gives whole tensors to ranks: the rank with the most state
-        # (the one that decides whether the run fits) is reported.
+        # memtrain's ZeRO-1 gives each rank the dim-0 chunk of every tensor (ceil(rows/N) rows,
+        # the last ranks fewer): the rank with the most state (rank 0) is reported.
         ranks = _zero1_partition(trainable, world_size)
         per_rank = [optimizer_state_bytes(ps, tech.optim, adapter_bytes, tech.optim_block)[0] for ps in ranks]
         worst = per_rank.index(max(per_rank))
@@ -1371,6 +1380,13 @@ def estimate(
         sim.events = []
     sim.at("start", "weights and optimizer state")
     w_rank = weights / shard_div["weights"]
+    gathered_bytes = 0.0
+    if shard == "zero2" and n > 1:
+        # FSDP2 with reshard_after_forward=False: each rank holds its 1/N shard, and the
+        # all-gathered full weights (in the compute dtype: FSDP2's MixedPrecisionPolicy gathers
+        # bf16 under autocast) from the forward until the end of backward.
+        w_rank = weights / n
+        gathered_bytes = sum(p.numel * p.repeat * (ab if autocast else pb) for p in params)
     opt_share = zero1["optimizer_per_rank"][zero1["rank"]] if zero1 else opt_bytes / shard_div["optimizer"]
     tmp_share = zero1["scratch"] if zero1 else opt_tmp / shard_div["optimizer"]
     state_sids = [sim.alloc(w_rank, "weights"), sim.alloc(opt_share, "optimizer")]
@@ -1378,6 +1394,9 @@ def estimate(
         # FSDP all-gathers one block's parameters at a time (forward and backward).
         per_block = max((sum(pbytes[p.name] for p in params if p.block == i) for i in range(comp.blocks)), default=0)
         sim.alloc(per_block, "temporaries")
+        # The root group (embeddings, final norm, tied head) is gathered at the first forward
+        # and kept until its backward ends: the whole step (in the compute dtype, as for zero2).
+        gathered_bytes = sum(p.numel * p.repeat * (ab if autocast else pb) for p in params if p.block is None)
     if grads_exist:
         sim.alloc(grad_total / shard_div["gradients"], "gradients")
 
@@ -1393,8 +1412,10 @@ def estimate(
         graph.pinned.add("logits")
     if not m.untie_embeddings:
         graph.tied.add("wte.weight")
+    gathered = sim.alloc(gathered_bytes, "weights") if gathered_bytes else None
     graph.forward()
     graph.backward()
+    sim.free(gathered)
     if shard_div["gradients"] > 1:
         # ZeRO-2 / FSDP: after the reduce-scatter a rank keeps 1/N of the gradients.
         lumped = [sid for sid in graph.lump_grads if sim.live.get(sid, (0, ""))[1] == "gradients"]
@@ -1460,22 +1481,23 @@ def estimate(
     )
 
 
-# Above this many trainable tensors ZeRO-1's partition is not replayed (the even split is used).
+# Above this many trainable tensors ZeRO-1's per-rank split is not replayed (the even split is used).
 _ZERO1_MAX_TENSORS = 1_000_000
 
 
 def _zero1_partition(params: list[ParamInfo], world: int) -> list[list[ParamInfo]]:
-    """torch's ZeroRedundancyOptimizer partition (``_partition_parameters``): per parameter group
-    (memtrain's: matrices, then vectors), largest tensor first, each to the rank with the fewest
-    elements so far (first such rank on a tie), the counts carried across groups."""
-    sizes = [0] * world
+    """The tensors whose state each rank keeps under ``--distributed zero1``
+    (:class:`memtrain.techniques.zero1.ShardedZeRO1`): rank r's dim-0 chunk of every tensor,
+    ``torch.chunk``'s split (ceil(rows / N) rows each, the last ranks fewer or none)."""
+    from memtrain.techniques.zero1 import dim0_range
+
     out: list[list[ParamInfo]] = [[] for _ in range(world)]
-    for group in ([p for p in params if len(p.shape) >= 2], [p for p in params if len(p.shape) < 2]):
-        expanded = [replace(p, repeat=1) for p in group for _ in range(p.repeat)]
-        for p in sorted(expanded, key=lambda q: q.numel, reverse=True):
-            r = sizes.index(min(sizes))
-            out[r].append(p)
-            sizes[r] += p.numel
+    for p in params:
+        rows = p.shape[0] if p.shape else 1
+        for r in range(world):
+            start, end = dim0_range(rows, r, world)
+            if end > start:
+                out[r].append(replace(p, shape=(end - start, *p.shape[1:])))
     return out
 
 
@@ -1556,10 +1578,14 @@ def _explain(cfg: RunConfig, arch: Arch, dm: _Dims, params: list[ParamInfo], n_p
     ]
     if world > 1:
         lines.append(f"sharding {shard} over {world} ranks: "
-                     + ("optimizer by ZeroRedundancyOptimizer's whole-tensor partition (largest rank)"
-                        if shard == "zero1" else "optimizer/N")
+                     + ("optimizer by dim-0 chunks of every tensor (ceil(rows/N) rows; largest rank)"
+                        if shard == "zero1" else "DDP, everything replicated" if shard in ("none", "ddp") else "optimizer/N")
                      + (", gradients/N" if shard in ("zero2", "fsdp") else "")
-                     + (", weights/N + one gathered block" if shard == "fsdp" else ""))
+                     + ("; gradients in DDP's buckets, alive across steps" if shard in ("none", "ddp", "zero1") else "")
+                     + ("; weight shard + all weights gathered (compute dtype) from forward to end of backward"
+                        if shard == "zero2" else "")
+                     + (", weights/N + one gathered block + the root group gathered for the whole step"
+                        if shard == "fsdp" else ""))
     return lines
 
 

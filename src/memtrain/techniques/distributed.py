@@ -12,7 +12,8 @@ keeps of the training state (P = parameter bytes, N = ranks, Adam: optimizer = 2
 strategy    implementation                                 weights    gradients   optimizer
 ==========  ============================================  =========  ==========  ===========
 ddp         ``DistributedDataParallel`` (all-reduce)        P          P           2P
-zero1       DDP + ``ZeroRedundancyOptimizer``                P          P           2P / N
+zero1       DDP + :class:`~memtrain.techniques.zero1.     P          P           2P / N
+            ShardedZeRO1` (dim-0 chunks of every tensor)
 zero2       FSDP2 ``fully_shard``, reshard_after_forward    P/N + P*   P/N         2P / N
             =False (gathered weights kept to backward)
 fsdp        FSDP2 ``fully_shard``, reshard_after_forward    P/N + 1    P/N         2P / N
@@ -127,7 +128,7 @@ class DistContext:
     backend: Optional[str] = None
     owns_group: bool = False
     state: Optional["ShardedStateBytes"] = None
-    # zero1: the rank-local optimizer inside ZeroRedundancyOptimizer (holds the real state).
+    # zero1: the rank-local optimizer inside ShardedZeRO1 (holds the real state).
     local_optimizer: Optional[torch.optim.Optimizer] = None
     # deepspeed: a train_step replacement that drives the engine.
     train_step: Optional[Callable[..., float]] = None
@@ -350,12 +351,14 @@ def _constructor_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
 
 def _zero_redundancy(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """ZeRO-1: the same optimizer class and parameter groups, each rank keeping the state
-    of its share of the parameters and broadcasting its updated share after each step."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
+    """ZeRO-1: the same optimizer class and parameter groups, each rank keeping the state of
+    its dim-0 chunk of every parameter and broadcasting its updated rows after each step
+    (:class:`memtrain.techniques.zero1.ShardedZeRO1`; torch's ZeroRedundancyOptimizer gives
+    whole tensors to ranks, which leaves a large tied embedding's state on one rank)."""
+    from memtrain.techniques.zero1 import ShardedZeRO1
 
     groups = [dict(g) for g in optimizer.param_groups]
-    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **_constructor_kwargs(optimizer))
+    return ShardedZeRO1(groups, optimizer_class=type(optimizer), **_constructor_kwargs(optimizer))
 
 
 def _install_fault_injection(model: nn.Module) -> None:
