@@ -18,10 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import TINY_MODEL
 from memtrain.config import ConfigError, build_config
 from memtrain.train import train
-
-from conftest import TINY_MODEL
 
 TIMEOUT_S = 240  # per torchrun call; far above its normal duration, so only a hang reaches it
 # Loss of 2 ranks vs 1 process on the same global batch: the same arithmetic summed in another

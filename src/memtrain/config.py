@@ -15,11 +15,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
+import tomllib
 import yaml
 
 

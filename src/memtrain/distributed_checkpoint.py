@@ -223,7 +223,7 @@ def load_checkpoint(
         local.load_state_dict(own["optimizer"])
         for group, saved in zip(optimizer.param_groups, own["param_groups"]):
             group.update(saved)
-        ZeroRedundancyOptimizer._sync_param_groups(optimizer.param_groups, local.param_groups)
+        ZeroRedundancyOptimizer._sync_param_groups(optimizer.param_groups, local.param_groups)  # type: ignore[attr-defined]  # torch's private helper, the one ZeroRedundancyOptimizer uses itself
     scheduler.load_state_dict(own["scheduler"])
     loader.load_state_dict(meta["loader"])
     restore_rng_and_scaler(own, precision)

@@ -121,7 +121,7 @@ def _fake_safe_module_to() -> Iterator[None]:
                     store[name] = new
         return module
 
-    torch.nn.Module.to = to  # type: ignore[method-assign]
+    torch.nn.Module.to = to  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:

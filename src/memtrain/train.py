@@ -116,7 +116,7 @@ def evaluate(model: nn.Module, batches: list[Batch], precision: Precision, devic
         losses.append(float(loss))
         weights.append(y.numel())
     model.train(was_training)
-    return sum(l * w for l, w in zip(losses, weights)) / sum(weights)
+    return sum(loss * w for loss, w in zip(losses, weights)) / sum(weights)
 
 
 @dataclass
@@ -234,9 +234,9 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
                 micro = _micro_batches(batches, t.grad_accum)
             step_start = time.perf_counter()
             with timer.step():
-                with meter if metered else contextlib.nullcontext():
+                with meter if metered else contextlib.nullcontext():  # type: ignore[union-attr]  # meter is set whenever metered is true
                     if metered and step - start_step == METERED_STEPS[-1]:
-                        meter.reset_peak()
+                        meter.reset_peak()  # type: ignore[union-attr]  # meter is set whenever metered is true
                     loss = step_fn(model, micro, optimizer, precision, t.grad_clip, device,
                                    meter if metered else None, no_sync=no_sync)
                 loss = dist_ctx.mean(loss)  # the global batch's loss, the same on every rank

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from memtrain.bench.process import clean_stale_row_dirs, row_tmpdir, start_row, stop_row
 from memtrain.bench.presets import SCALE_BUDGET, SCALE_MAX_BATCH, describe, scale_overrides, technique_overrides
+from memtrain.bench.process import clean_stale_row_dirs, row_tmpdir, start_row, stop_row
 from memtrain.config import ConfigError, RunConfig, build_config, flatten, parse_size
 from memtrain.results import FolderLock, JsonlRead, append_jsonl, bench_row_problem, read_jsonl
 
@@ -158,7 +158,6 @@ def run_row_subprocess(name: str, cfg: RunConfig, opts: BenchOptions) -> dict[st
 
 def run_bench(opts: BenchOptions, on_row: Optional[Callable[[str, dict[str, Any]], None]] = None) -> list[dict[str, Any]]:
     """Run every technique of ``opts`` not already done; return all rows of this bench."""
-    from memtrain.report import write_report
 
     rows = resolve_rows(opts)
     # One bench per folder: a second one would run every row twice under contention and

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from memtrain.report.plots import write_plots
-from memtrain.results import dumps
 from memtrain.report.tables import csv_text, markdown_report, table_rows
+from memtrain.results import dumps
 
 
 def write_report(out: Path, techniques: Optional[list[str]] = None) -> dict[str, Any]:

@@ -41,5 +41,5 @@ def prepare_model(model: GPT, cfg: RunConfig, device: torch.device, precision: P
     apply_attention(model, tech, device, precision)
     apply_checkpointing(model, tech)
     apply_loss(model, tech, device)
-    model = apply_compile(model, tech)
+    model = apply_compile(model, tech)  # type: ignore[assignment]  # compile returns a wrapper module around the GPT
     return apply_distributed(model, tech, device, precision)

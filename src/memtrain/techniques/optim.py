@@ -45,6 +45,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
+
 from memtrain.config import ConfigError, TechniqueConfig, TrainConfig
 from memtrain.metrics.memory import storage_bytes
 
