@@ -265,7 +265,7 @@ def test_optimizer_state_bytes_counts_sharded_state(one_rank_group):
     """FSDP2 keeps AdamW's moments as DTensors: the count is their local shards' bytes."""
     from torch.distributed.fsdp import fully_shard
 
-    from memtrain.techniques.optim import optimizer_state_bytes
+    from memtrain.metrics import optimizer_state_bytes
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
     fully_shard(model)

@@ -20,7 +20,9 @@ from memtrain.checkpoint import load_checkpoint, save_checkpoint
 from memtrain.config import RunConfig
 from memtrain.data import make_train_loader, make_val_batches, prepare_tokens
 from memtrain.distributed_checkpoint import load_checkpoint as dcp_load, save_checkpoint as dcp_save
+from memtrain.flops import counted_flops_per_step, rule_flops_per_token
 from memtrain.metrics import MemoryMeter, StepTimer, device_gpu, device_peak_memory, mfu, reset_device_peak
+from memtrain.metrics.state import ShardedStateBytes
 from memtrain.model import GPT
 from memtrain.preflight import check_destinations, check_resume, check_vocab
 from memtrain.runtime import environment, resolve_device, seed_everything
@@ -152,8 +154,6 @@ def _flops_per_rank_step(cfg: RunConfig, n_params: int) -> tuple[float, str]:
     """Model FLOPs of one optimizer step on one rank, the MFU numerator: the counted
     forward + backward (as ``memtrain flops`` reports them, so both agree), or the 6ND +
     attention rule when the model cannot be traced for counting."""
-    from memtrain.flops import counted_flops_per_step, rule_flops_per_token
-
     try:
         return float(counted_flops_per_step(cfg)["model_flops"]), "counted"
     except Exception:  # noqa: BLE001 - a counting gap must not fail a finished run
@@ -196,6 +196,8 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     model.train()
     optimizer = build_optimizer(model, cfg.technique, t)
     model, optimizer = dist_ctx.wrap_optimizer(model, optimizer)  # ZeRO-1 / DeepSpeed; else unchanged
+    if dist_ctx.enabled:  # what this rank holds of the state, the result's ranks[].sharded_state
+        dist_ctx.state = ShardedStateBytes(model, optimizer, dist_ctx.local_optimizer or optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
 
     # Then data; nothing is written before both succeeded.

@@ -20,9 +20,7 @@ from typing import Any, Callable, Optional
 from memtrain.bench.presets import SCALE_BUDGET, SCALE_MAX_BATCH, describe, scale_overrides, technique_overrides
 from memtrain.bench.process import clean_stale_row_dirs, row_tmpdir, start_row, stop_row
 from memtrain.config import ConfigError, RunConfig, build_config, flatten, parse_size
-from memtrain.results import FolderLock, JsonlRead, append_jsonl, bench_row_problem, read_jsonl
-
-RESULTS = "results.jsonl"
+from memtrain.results import FolderLock, append_result, read_results, select_rows
 
 
 @dataclass
@@ -78,24 +76,6 @@ def resolve_rows(opts: BenchOptions) -> list[tuple[str, RunConfig]]:
             cfg = cfg.replace(distributed="ddp")
         rows.append((name, cfg))
     return rows
-
-
-def read_results_counted(out: Path) -> JsonlRead:
-    """The bench rows of ``results.jsonl`` and the count of lines that were not rows (torn by
-    a kill or a full disk, not a JSON object, or not shaped like a bench row)."""
-    read = read_jsonl(Path(out) / RESULTS)
-    rows = [r for r in read.rows if bench_row_problem(r) is None]
-    return JsonlRead(rows=rows, skipped=read.skipped + len(read.rows) - len(rows))
-
-
-def read_results(out: Path) -> list[dict[str, Any]]:
-    """All rows of ``results.jsonl``; torn and non-object lines are ignored."""
-    return read_results_counted(out).rows
-
-
-def append_result(out: Path, row: dict[str, Any]) -> None:
-    """Append one row as one line (on a line of its own) and flush it to disk before going on."""
-    append_jsonl(Path(out) / RESULTS, row)
 
 
 def _maxbatch_spec(opts: BenchOptions, cfg: RunConfig) -> Optional[dict[str, Any]]:
@@ -188,14 +168,3 @@ def _run_rows(opts: BenchOptions, rows: list[tuple[str, RunConfig]],
             on_row(name, result)
         write_report(opts.out, techniques=[n for n, _ in rows])
     return select_rows(read_results(opts.out), [n for n, _ in rows])
-
-
-def select_rows(all_rows: list[dict[str, Any]], techniques: Optional[list[str]] = None) -> list[dict[str, Any]]:
-    """The latest row per technique, in the order asked (or first-seen order)."""
-    latest: dict[str, dict[str, Any]] = {}
-    for r in all_rows:
-        technique = r.get("technique", "?")
-        if isinstance(technique, str):  # a hand-edited row with a non-string name is not a row of ours
-            latest[technique] = r
-    order = techniques or list(latest)
-    return [latest[t] for t in order if t in latest]
