@@ -81,6 +81,12 @@ def diff(a: Path, b: Path) -> int:
         fa, fb = a / name, b / name
         if not fa.exists() or not fb.exists():
             state = f"missing in {a if not fa.exists() else b}"
+        elif fa.read_text(encoding="utf-8").startswith("exit ") or fb.read_text(encoding="utf-8").startswith("exit "):
+            # A config that fails (on either side) proves nothing, even when both fail alike.
+            failed = [str(p.parent.name) for p in (fa, fb) if p.read_text(encoding="utf-8").startswith("exit ")]
+            state = "failed in " + ", ".join(failed) + ": " + " ".join(
+                next(p for p in (fa, fb) if p.read_text(encoding="utf-8").startswith("exit ")).read_text(
+                    encoding="utf-8").split())[:160]
         elif fa.read_bytes() == fb.read_bytes():
             state = "identical"
         else:
