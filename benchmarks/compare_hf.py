@@ -134,7 +134,14 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hf_presets import HFPlan, gpt2_config_kwargs, hf_plan, trainer_alignment  # noqa: E402
-from memtrain.bench.presets import SCALE_BUDGET, SCALE_MAX_BATCH, SCALES, TECHNIQUES, scale_overrides, technique_overrides  # noqa: E402
+from memtrain.bench.presets import (  # noqa: E402
+    SCALE_BUDGET,
+    SCALE_MAX_BATCH,
+    SCALES,
+    TECHNIQUES,
+    scale_overrides,
+    technique_overrides,
+)
 from memtrain.config import ConfigError, RunConfig, build_config, parse_size  # noqa: E402
 
 RUNS_FILE = "runs.jsonl"
@@ -1053,7 +1060,7 @@ def aggregate(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[di
         o, t = entry["sides"].get("ours", {}), entry["sides"].get("theirs", {})
         if o.get("status") == "ok" and t.get("status") == "ok":
             def ratio(key: str) -> Optional[float]:
-                a, b = o.get(key), t.get(key)
+                a, b = o.get(key), t.get(key)  # noqa: B023 - called at once, within this iteration
                 return a / b if a is not None and b else None
 
             entry["ratios"] = {k: ratio(k) for k in ("peak_bytes", "step_time_s", "tokens_per_s", "val_ppl", "max_batch",
@@ -1090,7 +1097,7 @@ def _repetitions(report: dict[str, Any], settings: dict[str, Any]) -> str:
     return str(min(counts)) if len(counts) == 1 else f"{min(counts)} to {max(counts)}"
 
 
-def render_markdown(report: dict[str, Any]) -> str:
+def render_markdown(report: dict[str, Any]) -> str:  # noqa: C901 - one flat section per table; moves with benchmarks/hf/
     """The report as Markdown: provenance, values, ratios, breakdowns, mapping, raw runs."""
     env, s = report["env"], report["settings"]
     lines = [
@@ -1314,7 +1321,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str]) -> int:  # noqa: C901 - flag checks in sequence; moves with benchmarks/hf/
     if argv[:1] == ["--worker"]:
         return worker_main(*argv[1:4])
     opts = parse_args(argv)

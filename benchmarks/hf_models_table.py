@@ -75,7 +75,7 @@ def main() -> None:
 
 
 def write_markdown(out: Path, lines: Path) -> None:
-    rows = [json.loads(l) for l in lines.read_text().splitlines()]
+    rows = [json.loads(ln) for ln in lines.read_text().splitlines()]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     md = [f"Traced with `python benchmarks/hf_models_table.py --out {out}` at commit {commit} on "
           f"{platform.processor() or platform.machine()} (CPU kernels, torch {torch.__version__}); "

@@ -19,7 +19,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 torch.set_num_threads(1)
 
 import test_hf_models as T  # noqa: E402  (the tiny configs the tests use)
-
 from memtrain.maxbatch import measure_step_memory  # noqa: E402
 from memtrain.trace import trace_step  # noqa: E402
 

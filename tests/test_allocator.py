@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from memtrain.allocator import MiB, CachingAllocator, replay, round_size
+from memtrain.allocator import CachingAllocator, MiB, replay, round_size
 from memtrain.config import ConfigError, RunConfig
 from memtrain.estimate import estimate
 

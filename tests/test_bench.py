@@ -8,14 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from conftest import TINY_MODEL
 from memtrain.bench.presets import DEFAULT_TECHNIQUES, TECHNIQUES, technique_overrides
 from memtrain.bench.runner import BenchOptions, read_results, resolve_rows, run_bench
 from memtrain.cli import main
 from memtrain.config import ConfigError, build_config
 from memtrain.maxbatch import find_max_batch
 from memtrain.report import write_report
-
-from conftest import TINY_MODEL
 
 DATA = Path(__file__).parent / "data"
 UPDATE_GOLDEN = False  # set True once to rewrite the golden report after an intended change

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from conftest import TINY_MODEL
 from memtrain import device as D
 from memtrain.bench.device_rows import adapt_rows
 from memtrain.bench.eta import BenchEta, fmt_duration
@@ -14,8 +15,6 @@ from memtrain.bench.presets import DEFAULT_TECHNIQUES, NOISE_ROW, describe, tech
 from memtrain.bench.runner import BenchOptions, resolve_rows, run_bench
 from memtrain.report.noise import quality_vs_noise
 from memtrain.report.tables import markdown_report
-
-from conftest import TINY_MODEL
 
 
 def _caps(**kw) -> D.DeviceCaps:

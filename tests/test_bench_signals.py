@@ -17,11 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from conftest import TINY_MODEL
 from memtrain.bench.process import ROW_PREFIX, clean_stale_row_dirs
 from memtrain.cli import main
 from memtrain.results import read_jsonl
-
-from conftest import TINY_MODEL
 
 
 def _flags(small_corpus: Path) -> list[str]:

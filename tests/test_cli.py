@@ -9,9 +9,8 @@ import sys
 
 import pytest
 
-from memtrain.cli import main
-
 from conftest import SHARED_SAMPLE, TINY_MODEL
+from memtrain.cli import main
 
 
 def _flags(d: dict) -> list[str]:
@@ -50,7 +49,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(extra, message, tmp_pat
     except SystemExit as exc:  # argparse errors
         code, err = exc.code, capsys.readouterr().err
     assert code == 2
-    lines = [l for l in err.strip().splitlines() if l]
+    lines = [line for line in err.strip().splitlines() if line]
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0]
     assert not out.exists()
 

@@ -19,7 +19,6 @@ transformers = pytest.importorskip("transformers")
 
 import compare_hf as C  # noqa: E402
 import hf_presets as H  # noqa: E402
-
 from memtrain.bench.presets import TECHNIQUES, scale_overrides, technique_overrides  # noqa: E402
 from memtrain.config import ModelConfig, build_config  # noqa: E402
 from memtrain.model import GPT  # noqa: E402
@@ -116,8 +115,9 @@ def test_hf_model_starts_from_memtrains_weights(overrides):
 
 
 def test_dataset_reproduces_memtrains_batches():
-    from memtrain.data import make_train_loader
     from transformers import default_data_collator
+
+    from memtrain.data import make_train_loader
 
     tokens = np.arange(5000, dtype=np.uint16) % 997
     cfg = build_config(TINY, {"steps": 5})

@@ -62,8 +62,8 @@ def prepared(base: GPT, backend: str, **tech) -> tuple[GPT, torch.nn.Module]:
 def assert_matches_eager(base: GPT, compiled: torch.nn.Module, **tech) -> None:
     eager = copy.deepcopy(base)
     apply_loss(eager, TechniqueConfig(**{k: v for k, v in tech.items() if k.startswith("loss")}), torch.device("cpu"))
-    for (l_ref, g_ref), (l, g) in zip(two_steps(eager), two_steps(compiled)):
-        torch.testing.assert_close(l, l_ref, rtol=1e-5, atol=1e-5)
+    for (l_ref, g_ref), (loss, g) in zip(two_steps(eager), two_steps(compiled)):
+        torch.testing.assert_close(loss, l_ref, rtol=1e-5, atol=1e-5)
         for name in g_ref:
             torch.testing.assert_close(g[name], g_ref[name], rtol=1e-5, atol=1e-5, msg=name)
     assert counters["stats"]["unique_graphs"] >= 1, "nothing was compiled"

@@ -15,6 +15,7 @@ from memtrain.config import ConfigError, DataConfig
 from memtrain.data import (
     EOT_ID,
     BlockDataset,
+    cache as cache_mod,
     cache_key,
     default_documents,
     get_tokenizer,
@@ -24,9 +25,8 @@ from memtrain.data import (
     make_val_batches,
     prepare_tokens,
     source_identity,
+    sources as sources_mod,
 )
-from memtrain.data import cache as cache_mod
-from memtrain.data import sources as sources_mod
 
 SAMPLE_XML = Path(__file__).resolve().parents[2] / "shared" / "data" / "stackoverflow_posts_sample.xml"
 

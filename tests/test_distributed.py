@@ -18,10 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import TINY_MODEL
 from memtrain.config import ConfigError, build_config
 from memtrain.train import train
-
-from conftest import TINY_MODEL
 
 TIMEOUT_S = 240  # per torchrun call; far above its normal duration, so only a hang reaches it
 # Loss of 2 ranks vs 1 process on the same global batch: the same arithmetic summed in another
@@ -319,7 +318,7 @@ def test_optimizer_state_bytes_counts_sharded_state(one_rank_group):
     """FSDP2 keeps AdamW's moments as DTensors: the count is their local shards' bytes."""
     from torch.distributed.fsdp import fully_shard
 
-    from memtrain.techniques.optim import optimizer_state_bytes
+    from memtrain.metrics import optimizer_state_bytes
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
     fully_shard(model)

@@ -113,7 +113,7 @@ def test_peak_phase_matches_measured(grid_results):
     mismatched = [(r[0], r[1].peak_phase, r[2]["peak_phase"]) for r in grid_results
                   if r[1].peak_phase != r[2]["peak_phase"]]
     # The phase can only differ where two phases are within a hair of each other.
-    for name, est, meas, _ in grid_results:
+    for _name, est, meas, _ in grid_results:
         if est.peak_phase != meas["peak_phase"]:
             other = meas["phase_peaks"].get(est.peak_phase, 0)
             assert other >= 0.97 * meas["peak_bytes"], mismatched

@@ -89,9 +89,9 @@ def test_selective_numerics_equal_no_checkpointing(ov):
 
     from memtrain.config import build_config
     from memtrain.model import GPT
-    from memtrain.techniques.checkpointing import apply_checkpointing, is_checkpointed
-    from memtrain.techniques.attention import apply_attention
     from memtrain.techniques import make_precision
+    from memtrain.techniques.attention import apply_attention
+    from memtrain.techniques.checkpointing import apply_checkpointing, is_checkpointed
 
     cfg = build_config(dict(SEL, seq_len=32, **ov))
     torch.manual_seed(0)

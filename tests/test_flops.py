@@ -16,9 +16,9 @@ from memtrain.flops import (
     counted_flops_per_step,
     flops_report,
     op_bytes,
-    profile_op_classes,
     resolve_roof,
 )
+from memtrain.flops_profile import profile_op_classes
 
 # A tiny model, with dropout on so the dropout class is exercised.
 TINY = {"vocab_size": 512, "d_model": 64, "n_heads": 4, "n_layers": 4, "d_ff": 128, "max_seq_len": 128,

@@ -9,10 +9,11 @@ import torch
 import torch.nn as nn
 
 from memtrain.config import ConfigError, ModelConfig, TechniqueConfig, TrainConfig, build_config
+from memtrain.metrics import optimizer_state_bytes
 from memtrain.model import GPT
 from memtrain.techniques import make_precision, prepare_model
 from memtrain.techniques.lora import apply_lora, lora_target_names, merge_lora
-from memtrain.techniques.optim import build_optimizer, optimizer_state_bytes
+from memtrain.techniques.optim import build_optimizer
 
 CPU = torch.device("cpu")
 CFG = ModelConfig(vocab_size=512, d_model=64, n_heads=4, n_layers=2, d_ff=128, max_seq_len=128, dropout=0.0)

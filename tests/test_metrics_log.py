@@ -23,13 +23,13 @@ def test_metrics_jsonl_has_one_line_per_step_and_matches_result(tmp_path, capsys
     out = tmp_path / "r"
     assert main([*RUN, "--out", str(out)]) == 0
     lines = _lines(out)
-    steps = [l for l in lines if "loss" in l]
-    assert [l["step"] for l in steps] == [1, 2, 3, 4]
-    for l in steps:
-        assert {"lr", "grad_norm", "tokens_per_s", "rss_peak_bytes"} <= l.keys()
-        assert l["grad_norm"] > 0 and l["tokens_per_s"] > 0
+    steps = [ln for ln in lines if "loss" in ln]
+    assert [ln["step"] for ln in steps] == [1, 2, 3, 4]
+    for ln in steps:
+        assert {"lr", "grad_norm", "tokens_per_s", "rss_peak_bytes"} <= ln.keys()
+        assert ln["grad_norm"] > 0 and ln["tokens_per_s"] > 0
     result = json.loads((out / "result.json").read_text())
-    assert [l["loss"] for l in steps] == pytest.approx(result["loss_history"])
+    assert [ln["loss"] for ln in steps] == pytest.approx(result["loss_history"])
     assert lines[-1]["val_loss"] == pytest.approx(result["val_loss"])
 
 
@@ -43,13 +43,13 @@ def test_a_run_that_dies_keeps_its_curve(tmp_path, monkeypatch, capsys):
     out = tmp_path / "r"
     assert main([*RUN, "--out", str(out)]) == 1
     assert not (out / "result.json").exists()
-    assert [l["step"] for l in _lines(out)] == [1, 2, 3, 4]
+    assert [ln["step"] for ln in _lines(out)] == [1, 2, 3, 4]
 
 
 def test_log_every_and_bad_report_to(tmp_path, capsys):
     out = tmp_path / "r"
     assert main([*RUN, "--out", str(out), "--log-every", "3"]) == 0
-    assert [l["step"] for l in _lines(out) if "loss" in l] == [3, 4]  # every 3rd step and the last
+    assert [ln["step"] for ln in _lines(out) if "loss" in ln] == [3, 4]  # every 3rd step and the last
     assert main([*RUN, "--out", str(tmp_path / "bad"), "--report-to", "mlflow"]) == 2
     assert "unknown --report-to 'mlflow'" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
@@ -65,7 +65,7 @@ def test_tensorboard_event_file_reads_back(tmp_path, capsys):
     acc.Reload()
     loss = acc.Scalars("train/loss")
     assert [e.step for e in loss] == [1, 2, 3, 4]
-    assert [e.value for e in loss] == pytest.approx([l["loss"] for l in _lines(out) if "loss" in l], rel=1e-6)
+    assert [e.value for e in loss] == pytest.approx([ln["loss"] for ln in _lines(out) if "loss" in ln], rel=1e-6)
     assert "train/lr" in acc.Tags()["scalars"]
 
 

@@ -16,15 +16,9 @@ import torch
 import torch.nn as nn
 
 from memtrain.config import ConfigError, ModelConfig, TechniqueConfig, TrainConfig
-from memtrain.metrics import MemoryMeter
+from memtrain.metrics import MemoryMeter, optimizer_state_bytes, state_bytes_per_param
 from memtrain.model import GPT
-from memtrain.techniques.optim import (
-    LowBitSkipWarning,
-    build_optimizer,
-    low_bit_skipped,
-    optimizer_state_bytes,
-    state_bytes_per_param,
-)
+from memtrain.techniques.optim import LowBitSkipWarning, build_optimizer, low_bit_skipped
 
 SMALL = ModelConfig(vocab_size=256, d_model=64, n_heads=4, n_layers=1, d_ff=128, max_seq_len=64, dropout=0.0)
 
@@ -237,8 +231,7 @@ def test_adafactor_matches_the_trainers_adafactor():
 def test_optim_block_sets_torchaos_block(eager_torchao):
     """--optim-block reaches torchao (fewer, coarser scales), and the estimator counts it."""
     pytest.importorskip("torchao")
-    from memtrain.estimate import ParamInfo
-    from memtrain.estimate import optimizer_state_bytes as estimated_state
+    from memtrain.estimate import ParamInfo, optimizer_state_bytes as estimated_state
 
     model = nn.Sequential(nn.Linear(512, 512, bias=False))
     sizes = {}

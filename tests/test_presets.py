@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import TINY_MODEL
 from memtrain.bench.presets import TECHNIQUES, technique_overrides
 from memtrain.config import build_config
 from memtrain.train import train
-
-from conftest import TINY_MODEL
 
 
 @pytest.mark.parametrize("name", [n for n in TECHNIQUES if n != "compile"])
@@ -19,7 +18,7 @@ def test_preset_trains_on_cpu(name, small_corpus, tmp_path):
     cfg = build_config({**TINY_MODEL, "data": str(small_corpus), "batch_size": 2, "seq_len": 32, "steps": 3,
                         "warmup_steps": 1, "val_blocks": 2, "progress": False, "out": str(tmp_path)}, overrides)
     r = train(cfg)
-    assert r["steps"] == 3 and all(l == l for l in r["loss_history"])  # finite, not NaN
+    assert r["steps"] == 3 and all(x == x for x in r["loss_history"])  # finite, not NaN
     assert r["memory"]["peak_bytes"] > 0
 
 

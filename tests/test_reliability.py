@@ -18,10 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import TINY_MODEL
 from memtrain.cli import main
 from memtrain.config import ConfigError, build_config
-
-from conftest import TINY_MODEL
 
 RUN = {"seq_len": 32, "warmup_steps": 1, "val_blocks": 2, "warmup_timing_steps": 1, "batch_size": 2}
 
@@ -38,7 +37,7 @@ def _flags(settings: dict) -> list[str]:
 
 
 def _one_error_line(err: str) -> str:
-    lines = [l for l in err.strip().splitlines() if l.strip()]
+    lines = [line for line in err.strip().splitlines() if line.strip()]
     assert len(lines) == 1, err
     assert lines[0].startswith("error:") and "Traceback" not in err
     return lines[0]
@@ -111,7 +110,7 @@ def test_crafted_dcp_metadata_is_refused_and_nothing_runs(one_rank_group, tmp_pa
     # torch's own reader runs it (here harmlessly: it creates the marker): the threat is real.
     import torch.distributed.checkpoint as dcp
 
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 - any failure of torch's reader will do; the marker is the check
         dcp.FileSystemReader(str(ckpt)).read_metadata()
     assert marker.exists()
 
@@ -163,7 +162,7 @@ def test_torchrun_resume_of_a_crafted_checkpoint_exits_2_without_running_it(smal
            "train", *_flags({**run, "resume": str(ckpt), "out": str(tmp_path / "out")})]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "MEMTRAIN_CACHE": str(tmp_path / "cache")})
-    errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "is refused" in errors[0], proc.stderr[-3000:]
     assert "exitcode  : 2" in proc.stderr  # the rank's own exit code, as torchrun reports it
     assert not marker.exists() and not (tmp_path / "out" / "result.json").exists()
@@ -352,5 +351,5 @@ def test_token_cache_rebuilds_bad_entries_and_works_without_a_writable_cache(tin
     capsys.readouterr()
     splits = prepare_tokens(cfg.data, progress=False)
     assert np.array_equal(np.array(splits.train), want)
-    warn = [l for l in capsys.readouterr().err.splitlines() if l.startswith("warning:")]
+    warn = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warn) == 1 and "not writable" in warn[0]

@@ -59,7 +59,7 @@ def test_recommendation_fastest_fitting_smallest_near_and_ppl_noise():
     assert "Fastest row that fits 1.00 GiB (tracked peak): **chunked**" in rec
     # within 10% of 0.37 s: chunked, flash-bf16 (0.38), bf16 and ckpt-chunked (0.40) -> ckpt-chunked is smallest
     assert "Smallest memory within 10% of that step time: **ckpt-chunked**" in rec
-    line = next(l for l in rec.splitlines() if "beyond noise" in l)
+    line = next(ln for ln in rec.splitlines() if "beyond noise" in ln)
     assert "window" in line and "4bit" in line
     for same in ("bf16 (", "flash-bf16", "chunked (", "ckpt-chunked ("):
         assert same not in line.split(":", 1)[1]

@@ -109,7 +109,7 @@ def add_config_flags(parser: argparse.ArgumentParser, sections: Sequence[str] = 
                 continue
             added.add(f.name)
             flag = "--" + f.name.replace("_", "-")
-            default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+            default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc,operator]  # MISSING ruled out just before
             help_text = f"{f.metadata.get('help', '')} (default: {default})"
             kind = _type_name(f)
             if kind == "bool" and f.name.startswith("no_"):

@@ -15,11 +15,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
+import tomllib
 import yaml
 
 from memtrain.aliases import normalize as normalize_aliases
@@ -478,7 +478,7 @@ def build_config(*layers: dict[str, Any]) -> RunConfig:
     parts = {s: SECTIONS[s](**kv) for s, kv in per_section.items()}
     cfg = RunConfig(**parts)
     # Remembered (not a field, so not in result.json's config) for the CLI's one-line note.
-    cfg.train.warmup_defaulted = default_warmup
+    cfg.train.warmup_defaulted = default_warmup  # read with getattr(..., False)
     return cfg
 
 

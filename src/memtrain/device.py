@@ -175,7 +175,7 @@ def _cpu_native(flags: list[str]) -> tuple[bool, str, bool, str]:
 
 
 # ----------------------------------------------------------------------------- kernel probes
-def _probe_adamw(device: torch.device, **kind: bool) -> bool:
+def _probe_adamw(device: torch.device, **kind: Any) -> bool:
     """Whether ``torch.optim.AdamW(**kind)`` runs one step on ``device``."""
     try:
         p = torch.nn.Parameter(torch.ones(4, device=device))

@@ -68,6 +68,8 @@ def mfu_for_run(flops_per_step: float, step_time_s: Optional[float], device: tor
         # The run beat the reference: it was measured while the cores were busier than now.
         refresh_fp32_rate(caps)
         rate, dtype = _reference_rate(caps, precision)
+        if not rate:
+            return None, None
     ref = {"kind": "measured_gemm", "name": f"{caps.name}, measured {dtype.upper()} GEMM "
            f"{'x'.join(map(str, caps.gemm_shapes.get('fp32', [])))}",
            "flops_per_s": rate, "dtype": dtype}

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterable, Optional
 
 from memtrain.config import ConfigError, ModelConfig, RunConfig, TechniqueConfig, parse_checkpointing
+from memtrain.limits import MAX_LAYERS, MAX_PARAMS, check_analytic_size
 
 __all__ = [
     "Arch",
@@ -128,26 +129,6 @@ def param_count(m: ModelConfig, arch: Arch = GPT2_ARCH, tech: Optional[Technique
     return total, trainable
 
 
-# Limits of the analytic commands (estimate, plan, flops). Nothing near them has been trained
-# (GPT-3: 96 layers, d_model 12288; PaLM: 118 layers, 18432): a size beyond them is a typo or a
-# probe, and refusing it keeps every answer O(1) in time and memory (docs/estimation.md).
-MAX_LAYERS = 100_000
-MAX_WIDTH = 1 << 20  # d_model, d_ff, vocabulary, context length
-MAX_PARAMS = 10**15
-
-
-def check_analytic_size(m: ModelConfig) -> None:
-    """Refuse absurd model sizes (ConfigError: exit 2) before any arithmetic depends on them."""
-    if m.n_layers > MAX_LAYERS:
-        raise ConfigError(f"--n-layers {m.n_layers:,} is beyond what memtrain estimates (at most {MAX_LAYERS:,}); "
-                          f"give a real depth")
-    for name in ("d_model", "d_ff", "vocab_size", "max_seq_len"):
-        v = getattr(m, name)
-        if v > MAX_WIDTH:
-            raise ConfigError(f"--{name.replace('_', '-')} {v:,} is beyond what memtrain estimates "
-                              f"(at most {MAX_WIDTH:,}); give a real size")
-
-
 def _param_table(m: ModelConfig, arch: Arch, tech: Optional[TechniqueConfig], blocks: Iterable[int],
                  repeat: Optional[dict[int, int]] = None) -> list[ParamInfo]:
     """The table with only the blocks ``blocks`` (indices used in the names); ``repeat``
@@ -156,7 +137,7 @@ def _param_table(m: ModelConfig, arch: Arch, tech: Optional[TechniqueConfig], bl
     kv = (arch.n_kv_heads or m.n_heads) * m.head_dim
     bias = m.bias and arch.name == "gpt2"
     lora = tech.lora_rank if tech is not None else 0
-    targets = _lora_targets(tech) if lora else set()
+    targets = _lora_targets(tech) if lora else set()  # type: ignore[arg-type]  # lora > 0 implies tech is not None
     frozen = bool(lora)
     out: list[ParamInfo] = [ParamInfo("wte.weight", (V, d), not frozen)]
     if arch.positional == "learned":
@@ -724,10 +705,10 @@ class _Graph:
         held: list[str] = []
         lump = self.comp is not None and self.comp.lumps > 0
         for idx, seg in enumerate(self.segments):
-            if lump and idx == self.comp.fwd_segments.start:
+            if lump and idx == self.comp.fwd_segments.start:  # type: ignore[union-attr]  # self.comp is set when lump is true
                 before, n_held = self._snapshot(), len(held)
             self._forward_segment(idx, seg, _Later(last_seg, idx), held)
-            if lump and idx == self.comp.fwd_segments.stop - 1:
+            if lump and idx == self.comp.fwd_segments.stop - 1:  # type: ignore[union-attr]  # self.comp is set when lump is true
                 self._lump_forward(before, held, n_held)
         # Leaving autocast drops its weight cache: casts no op saved are freed now.
         self._flush(held)
@@ -750,14 +731,13 @@ class _Graph:
             sim.alloc(self.rng_state_bytes, "activations")
 
     def backward(self) -> None:
-        sim = self.sim
         lump = self.comp is not None and self.comp.lumps > 0
         for idx in range(len(self.segments) - 1, -1, -1):
             seg = self.segments[idx]
-            if lump and idx == self.comp.bwd_segments.stop - 1:
+            if lump and idx == self.comp.bwd_segments.stop - 1:  # type: ignore[union-attr]  # self.comp is set when lump is true
                 before = self._snapshot()
             self._backward_segment(seg)
-            if lump and idx == self.comp.bwd_segments.start:
+            if lump and idx == self.comp.bwd_segments.start:  # type: ignore[union-attr]  # self.comp is set when lump is true
                 self._lump_backward(before)
 
     def _backward_segment(self, seg: _Segment) -> None:
@@ -1102,7 +1082,7 @@ def _head_nodes(dm: _Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tr
         casts = (N * d * a if a != r else 0) + (V * d * a if a != dm.p else 0)
         if a == 4:
             # float32 logits, turned into their gradient in place; g @ w for grad_h.
-            per_chunk = c * V * 4 + c * d * 4
+            per_chunk: float = c * V * 4 + c * d * 4
         else:
             # low-precision logits -> float32 copy (both alive for a moment); then the gradient
             # cast back, after which the float32 buffer is freed before g @ w (c x d) or
@@ -1287,7 +1267,7 @@ def _validate(cfg: RunConfig, arch: Arch, device_type: str) -> None:
         raise ConfigError(f"--trace-device/--device-type {device_type!r}: use cpu or cuda")
 
 
-def estimate(
+def estimate(  # noqa: C901 - the step timeline in order; splits with the analysis package
     cfg: RunConfig,
     arch: Arch = GPT2_ARCH,
     device_type: Optional[str] = None,
@@ -1342,14 +1322,14 @@ def estimate(
     lora = tech.lora_rank > 0
     # LoRA adapters are created in float32 next to the (possibly bf16) frozen base.
     adapter_bytes = 4 if lora else pb
-    pbytes = {p.name: p.numel * (adapter_bytes if "lora_" in p.name else pb) for p in params}
+    pbytes: dict[str, float] = {p.name: p.numel * (adapter_bytes if "lora_" in p.name else pb) for p in params}
     repeat = {p.name: p.repeat for p in params}
     weights = sum(v * repeat[k] for k, v in pbytes.items())
     grad_bytes = {p.name: pbytes[p.name] for p in trainable}
     grad_total = sum(v * repeat[k] for k, v in grad_bytes.items())
     opt_bytes, opt_lines = optimizer_state_bytes(trainable, tech.optim, adapter_bytes, tech.optim_block)
     opt_tmp = _optimizer_temporaries(trainable, tech.optim, adapter_bytes, t.weight_decay)
-    zero1 = None
+    zero1: Optional[dict[str, Any]] = None
     if shard == "zero1" and world_size > 1 and sum(p.repeat for p in trainable) <= _ZERO1_MAX_TENSORS:
         # memtrain's ZeRO-1 gives each rank the dim-0 chunk of every tensor (ceil(rows/N) rows,
         # the last ranks fewer): the rank with the most state (rank 0) is reported.

@@ -27,6 +27,7 @@ import torch
 from memtrain.config import ConfigError, RunConfig, build_config
 from memtrain.model import GPT
 
+
 def _require_transformers() -> Any:
     from memtrain.extras import require
 

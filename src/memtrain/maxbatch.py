@@ -105,7 +105,7 @@ def traced_step_peak(cfg: RunConfig, batch: int) -> Optional[int]:
     return int(trace_peak_bytes(cfg.replace(batch_size=batch)))
 
 
-def find_max_batch(
+def find_max_batch(  # noqa: C901 - grow then bisect, each with OOM and budget exits
     cfg: RunConfig,
     budget_bytes: Optional[int] = None,
     max_batch: Optional[int] = None,

@@ -92,12 +92,12 @@ def _padded(module: nn.Module, cfg: ModelConfig) -> nn.Module:
     extra = cfg.padded_vocab_size - cfg.vocab_size
     if extra:
         w = module.weight.data
-        module.weight = nn.Parameter(torch.cat([w, w.new_zeros(extra, w.shape[1])]))
+        module.weight = nn.Parameter(torch.cat([w, w.new_zeros(extra, w.shape[1])]))  # type: ignore[arg-type,index,list-item,operator]  # torch types nn.Module attributes as Tensor | Module
         if isinstance(module, nn.Embedding):
             module.num_embeddings = cfg.padded_vocab_size
         else:
-            module.out_features = cfg.padded_vocab_size
-        module._vocab_padded = True  # type: ignore[attr-defined]
+            module.out_features = cfg.padded_vocab_size  # type: ignore[assignment]  # torch types nn.Module attributes as Tensor | Module
+        module._vocab_padded = True  # type: ignore[assignment,attr-defined]  # torch types nn.Module attributes as Tensor | Module
     return module
 
 
@@ -158,7 +158,7 @@ class GPT(nn.Module):
         """The LM-head rows of real tokens: padded rows (if any) are sliced off (a view, no
         copy), so padding never changes the logits, the loss or the gradients."""
         w = self.lm_head.weight
-        return w if w.shape[0] == self.cfg.vocab_size else w[: self.cfg.vocab_size]
+        return w if w.shape[0] == self.cfg.vocab_size else w[: self.cfg.vocab_size]  # type: ignore[index,return-value]  # torch types nn.Module attributes as Tensor | Module
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         h = self.hidden_states(idx)
@@ -183,13 +183,13 @@ class GPT(nn.Module):
         """A readable table: each top-level part, its shape and parameter count."""
         c = self.cfg
         rows = [
-            ("token embedding", f"{c.padded_vocab_size} x {c.d_model}", self.wte.weight.numel()),
+            ("token embedding", f"{c.padded_vocab_size} x {c.d_model}", self.wte.weight.numel()),  # type: ignore[operator]  # torch types nn.Module attributes as Tensor | Module
             ("position embedding", f"{c.max_seq_len} x {c.d_model}", self.wpe.weight.numel()),
         ]
         per_block = sum(p.numel() for p in self.blocks[0].parameters()) if c.n_layers else 0
         rows.append((f"blocks ({c.n_layers})", f"{c.n_heads} heads, d_ff {c.d_ff}", per_block * c.n_layers))
         rows.append(("final LayerNorm", f"{c.d_model}", sum(p.numel() for p in self.ln_f.parameters())))
-        head = 0 if not c.untie_embeddings else self.lm_head.weight.numel()
+        head = 0 if not c.untie_embeddings else self.lm_head.weight.numel()  # type: ignore[operator]  # torch types nn.Module attributes as Tensor | Module
         rows.append(("LM head", "tied to token embedding" if not c.untie_embeddings else f"{c.d_model} x {c.padded_vocab_size}", head))
         width = max(len(r[0]) for r in rows)
         lines = [f"GPT: d_model {c.d_model}, {c.n_layers} layers, {c.n_heads} heads, vocab {c.vocab_size}"]

@@ -20,7 +20,7 @@ def install_warning_format() -> None:
     if getattr(original, "_memtrain", False):
         return
 
-    def fmt(message: Any, category: type, filename: str, lineno: int, line: Optional[str] = None) -> str:
+    def fmt(message: Any, category: type[Warning], filename: str, lineno: int, line: Optional[str] = None) -> str:
         if issubclass(category, SlowPrecisionWarning):
             return f"warning: {message}\n"
         return original(message, category, filename, lineno, line)

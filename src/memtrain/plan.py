@@ -195,7 +195,7 @@ def _divisors(n: int) -> list[int]:
     return sorted({d for i in range(1, int(math.isqrt(n)) + 1) if n % i == 0 for d in (i, n // i)}, reverse=True)
 
 
-def plan(
+def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one search
     cfg: RunConfig,
     budget_bytes: int,
     device_type: str = "cpu",
@@ -311,8 +311,8 @@ def plan(
         fits.sort(key=lambda c: (c.step_time_s, -c.batch_size))
         if fits:
             best_rate = fits[0].step_time_s
-            for c in fits:
-                c.relative_time = c.step_time_s / best_rate
+            for cand in fits:
+                cand.relative_time = cand.step_time_s / best_rate
     if not fits:
         assert smallest is not None
         p, t, micro, accum = smallest

@@ -135,7 +135,7 @@ def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
         for key, value in values.items():
             if key in MAY_DIFFER:
                 continue
-            old = old_section.get(key, "<missing>")
+            old = old_section.get(key, "<missing>")  # type: ignore[union-attr]  # old_section is a dict: non-dicts were replaced by {}
             if old != value:
                 diffs.append(f"{key}: {old!r} -> {value!r}")
     return diffs

@@ -11,6 +11,8 @@ docs/reliability.md hold for every command alike:
   line stays alone and the new row is intact.
 - :func:`read_jsonl`: every JSON object line; torn, non-UTF-8 and non-object lines are
   skipped and counted, never fatal (a caller decides whether to warn).
+- :func:`read_results_counted` / :func:`append_result` / :func:`select_rows`: the bench's
+  ``results.jsonl`` store, read by the bench runner and by ``memtrain report`` alike.
 - :class:`FolderLock`: ``fcntl.flock`` on a lock file inside an output folder; a second
   holder is refused at once with a :class:`~memtrain.config.ConfigError` (exit 2). The kernel
   drops the lock when its process dies, so a killed run never leaves the folder locked.
@@ -30,6 +32,8 @@ from typing import Any, Optional
 from memtrain.config import ConfigError
 
 LOCK_NAME = ".memtrain.lock"
+# The bench store: one row per line, appended as each row finishes (see memtrain.bench).
+BENCH_RESULTS = "results.jsonl"
 
 
 def json_safe(value: Any) -> Any:
@@ -197,3 +201,33 @@ def bench_row_problem(row: dict[str, Any]) -> Optional[str]:
     if not all(_number_or_none(v) for v in numbers):
         return "a measured value is not a number"
     return None
+
+
+# --------------------------------------------------------------------------- the bench store
+def read_results_counted(out: Path) -> JsonlRead:
+    """The bench rows of ``results.jsonl`` and the count of lines that were not rows (torn by
+    a kill or a full disk, not a JSON object, or not shaped like a bench row)."""
+    read = read_jsonl(Path(out) / BENCH_RESULTS)
+    rows = [r for r in read.rows if bench_row_problem(r) is None]
+    return JsonlRead(rows=rows, skipped=read.skipped + len(read.rows) - len(rows))
+
+
+def read_results(out: Path) -> list[dict[str, Any]]:
+    """All rows of ``results.jsonl``; torn and non-object lines are ignored."""
+    return read_results_counted(out).rows
+
+
+def append_result(out: Path, row: dict[str, Any]) -> None:
+    """Append one row as one line (on a line of its own) and flush it to disk before going on."""
+    append_jsonl(Path(out) / BENCH_RESULTS, row)
+
+
+def select_rows(all_rows: list[dict[str, Any]], techniques: Optional[list[str]] = None) -> list[dict[str, Any]]:
+    """The latest row per technique, in the order asked (or first-seen order)."""
+    latest: dict[str, dict[str, Any]] = {}
+    for r in all_rows:
+        technique = r.get("technique", "?")
+        if isinstance(technique, str):  # a hand-edited row with a non-string name is not a row of ours
+            latest[technique] = r
+    order = techniques or list(latest)
+    return [latest[t] for t in order if t in latest]

@@ -98,7 +98,7 @@ class SafeFileSystemReader(FileSystemReader):
         # What torch's reader does after unpickling (kept in step with torch 2.13).
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]  # set just above when missing
         return metadata
 
 

@@ -19,10 +19,12 @@ import torch.nn as nn
 from memtrain.checkpoint import load_checkpoint, save_checkpoint
 from memtrain.config import RunConfig
 from memtrain.data import make_train_loader, make_val_batches, prepare_tokens
-from memtrain.distributed_checkpoint import load_checkpoint as dcp_load, save_checkpoint as dcp_save
 from memtrain.device_advice import mfu_for_run, run_device_facts
+from memtrain.distributed_checkpoint import load_checkpoint as dcp_load, save_checkpoint as dcp_save
+from memtrain.flops import counted_flops_per_step, rule_flops_per_token
 from memtrain.logging_sinks import MetricsLogger, live_memory
 from memtrain.metrics import MemoryMeter, StepTimer, device_peak_memory, percentile, reset_device_peak
+from memtrain.metrics.state import ShardedStateBytes
 from memtrain.models import build_model, data_tokenizer
 from memtrain.preflight import check_destinations, check_resume, check_vocab
 from memtrain.runtime import environment, resolve_device, seed_everything
@@ -118,7 +120,7 @@ def evaluate(model: nn.Module, batches: list[Batch], precision: Precision, devic
         losses.append(float(loss))
         weights.append(y.numel())
     model.train(was_training)
-    return sum(l * w for l, w in zip(losses, weights)) / sum(weights)
+    return sum(loss * w for loss, w in zip(losses, weights)) / sum(weights)
 
 
 @dataclass
@@ -154,8 +156,6 @@ def _flops_per_rank_step(cfg: RunConfig, n_params: int) -> tuple[float, str]:
     """Model FLOPs of one optimizer step on one rank, the MFU numerator: the counted
     forward + backward (as ``memtrain flops`` reports them, so both agree), or the 6ND +
     attention rule when the model cannot be traced for counting."""
-    from memtrain.flops import counted_flops_per_step, rule_flops_per_token
-
     try:
         return float(counted_flops_per_step(cfg)["model_flops"]), "counted"
     except Exception:  # noqa: BLE001 - a counting gap must not fail a finished run
@@ -221,11 +221,13 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     # Probe the device (cached per machine) and warn up front when this precision is slow here.
     caps, device_caps = run_device_facts(cfg.technique.precision, device) if dist_ctx.is_main else (None, None)
     base = build_model(cfg)  # memtrain's GPT, or a transformers model for --model SPEC
-    n_params = base.num_parameters()
+    n_params = base.num_parameters()  # type: ignore[operator]  # GPT and HFCausalLM both define it
     model = prepare_model(base, cfg, device, precision)
     model.train()
     optimizer = build_optimizer(model, cfg.technique, t)
     model, optimizer = dist_ctx.wrap_optimizer(model, optimizer)  # ZeRO-1 / DeepSpeed; else unchanged
+    if dist_ctx.enabled:  # what this rank holds of the state, the result's ranks[].sharded_state
+        dist_ctx.state = ShardedStateBytes(model, optimizer, dist_ctx.local_optimizer or optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
 
     # Then data; nothing is written before both succeeded.
@@ -266,9 +268,9 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
                 micro = _micro_batches(batches, t.grad_accum)
             step_start = time.perf_counter()
             with timer.step():
-                with meter if metered else contextlib.nullcontext():
+                with meter if metered else contextlib.nullcontext():  # type: ignore[union-attr]  # meter is set whenever metered is true
                     if metered and step - start_step == METERED_STEPS[-1]:
-                        meter.reset_peak()
+                        meter.reset_peak()  # type: ignore[union-attr]  # meter is set whenever metered is true
                     loss = step_fn(model, micro, optimizer, precision, t.grad_clip, device,
                                    meter if metered else None, no_sync=no_sync)
                 loss = dist_ctx.mean(loss)  # the global batch's loss, the same on every rank

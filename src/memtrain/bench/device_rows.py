@@ -55,7 +55,9 @@ def adapt_rows(rows: list[tuple[str, RunConfig]], caps: Optional[DeviceCaps], su
     """
     if caps is None:
         return rows, {}, []
-    out, subs, warned = [], {}, {}
+    out: list[tuple[str, RunConfig]] = []
+    subs: dict[str, dict[str, Any]] = {}
+    warned: dict[str, list[str]] = {}
     for name, cfg in rows:
         precision = cfg.technique.precision
         if precision_is_native(precision, caps):
@@ -71,7 +73,7 @@ def adapt_rows(rows: list[tuple[str, RunConfig]], caps: Optional[DeviceCaps], su
         out.append((name, cfg))
     warnings = [f"{msg} Rows: {', '.join(names)}." for msg, names in warned.items()]
     if subs:
-        by = {}
+        by: dict[tuple[str, str], list[str]] = {}
         for name, s in subs.items():
             by.setdefault((s["from"], s["to"]), []).append(name)
         for (src, alt), names in by.items():

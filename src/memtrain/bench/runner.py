@@ -17,13 +17,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from memtrain.bench.presets import (
+    SCALE_BUDGET,
+    SCALE_MAX_BATCH,
+    describe,
+    is_noise_row,
+    scale_overrides,
+    technique_overrides,
+)
 from memtrain.bench.process import clean_stale_row_dirs, row_tmpdir, start_row, stop_row
-from memtrain.bench.presets import (SCALE_BUDGET, SCALE_MAX_BATCH, describe, is_noise_row, scale_overrides,
-                                    technique_overrides)
 from memtrain.config import ConfigError, RunConfig, build_config, flatten, parse_size
-from memtrain.results import FolderLock, JsonlRead, append_jsonl, bench_row_problem, read_jsonl
-
-RESULTS = "results.jsonl"
+from memtrain.results import FolderLock, append_result, read_results, select_rows
 
 
 @dataclass
@@ -87,24 +91,6 @@ def resolve_rows(opts: BenchOptions) -> list[tuple[str, RunConfig]]:
     return rows
 
 
-def read_results_counted(out: Path) -> JsonlRead:
-    """The bench rows of ``results.jsonl`` and the count of lines that were not rows (torn by
-    a kill or a full disk, not a JSON object, or not shaped like a bench row)."""
-    read = read_jsonl(Path(out) / RESULTS)
-    rows = [r for r in read.rows if bench_row_problem(r) is None]
-    return JsonlRead(rows=rows, skipped=read.skipped + len(read.rows) - len(rows))
-
-
-def read_results(out: Path) -> list[dict[str, Any]]:
-    """All rows of ``results.jsonl``; torn and non-object lines are ignored."""
-    return read_results_counted(out).rows
-
-
-def append_result(out: Path, row: dict[str, Any]) -> None:
-    """Append one row as one line (on a line of its own) and flush it to disk before going on."""
-    append_jsonl(Path(out) / RESULTS, row)
-
-
 def _maxbatch_spec(opts: BenchOptions, cfg: RunConfig) -> Optional[dict[str, Any]]:
     if not opts.maxbatch:
         return None
@@ -128,7 +114,7 @@ def run_row_subprocess(name: str, cfg: RunConfig, opts: BenchOptions, eta: Optio
     cfg = cfg.replace(out=str(row_dir))
     distributed = cfg.technique.distributed != "none"
     # The max-batch search runs one process; it is not defined for a distributed row.
-    spec = {"config": cfg.to_dict(), "maxbatch": None if distributed else _maxbatch_spec(opts, cfg), "progress": opts.progress}
+    spec: dict[str, Any] = {"config": cfg.to_dict(), "maxbatch": None if distributed else _maxbatch_spec(opts, cfg), "progress": opts.progress}
     with row_tmpdir() as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         heartbeat = Path(tmp) / "heartbeat.json"
@@ -177,7 +163,7 @@ def _wait(proc: subprocess.Popen, timeout_s: Optional[float], start: float, tick
     while True:
         left = None if timeout_s is None else timeout_s - (time.perf_counter() - start)
         if left is not None and left <= 0:
-            raise subprocess.TimeoutExpired(proc.args, timeout_s)
+            raise subprocess.TimeoutExpired(proc.args, float(timeout_s or 0))
         try:
             return proc.wait(timeout=0.5 if left is None else min(0.5, left))
         except subprocess.TimeoutExpired:
@@ -228,14 +214,3 @@ def _run_rows(opts: BenchOptions, rows: list[tuple[str, RunConfig]], substituted
             on_row(name, result)
         write_report(opts.out, techniques=[n for n, _ in rows])
     return select_rows(read_results(opts.out), [n for n, _ in rows])
-
-
-def select_rows(all_rows: list[dict[str, Any]], techniques: Optional[list[str]] = None) -> list[dict[str, Any]]:
-    """The latest row per technique, in the order asked (or first-seen order)."""
-    latest: dict[str, dict[str, Any]] = {}
-    for r in all_rows:
-        technique = r.get("technique", "?")
-        if isinstance(technique, str):  # a hand-edited row with a non-string name is not a row of ours
-            latest[technique] = r
-    order = techniques or list(latest)
-    return [latest[t] for t in order if t in latest]

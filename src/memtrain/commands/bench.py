@@ -46,9 +46,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memtrain.bench.runner import BenchOptions, run_bench
-    from memtrain.config import ConfigError, SECTIONS, load_config_file
     from dataclasses import fields
+
+    from memtrain.bench.runner import BenchOptions, run_bench
+    from memtrain.config import SECTIONS, ConfigError, load_config_file
 
     known = {f.name for s in ("data", "model", "train") for f in fields(SECTIONS[s])}
     overrides = {k: v for k, v in vars(args).items() if k in known}

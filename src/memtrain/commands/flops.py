@@ -109,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from memtrain.config import ConfigError
-    from memtrain.flops import flops_report, profile_op_classes, resolve_roof
+    from memtrain.flops import flops_report, resolve_roof
+    from memtrain.flops_profile import profile_op_classes
 
     cfg = config_from_args(args, derive_max_seq_len=True)
     from memtrain.estimate import check_analytic_size

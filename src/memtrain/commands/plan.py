@@ -102,9 +102,9 @@ def run(args: argparse.Namespace) -> int:
           "(a cost model, not a measurement)" if args.max_batch is None else
           "rel. time: modelled time per token vs the best choice (a cost model, not a measurement)")
     if res.verified:
-        v = res.verified
-        print(f"verified: measured tracked peak {fmt_bytes(v['measured_bytes'])} vs predicted "
-              f"{fmt_bytes(v['predicted_bytes'])} ({v['error']:+.1%}) over {v['steps']} steps")
+        ver = res.verified
+        print(f"verified: measured tracked peak {fmt_bytes(ver['measured_bytes'])} vs predicted "
+              f"{fmt_bytes(ver['predicted_bytes'])} ({ver['error']:+.1%}) over {ver['steps']} steps")
     return 0
 
 

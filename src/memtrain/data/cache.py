@@ -161,7 +161,7 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: bool, tokenizer: Any = N
     if tokenizer is None:
         gpt2 = get_tokenizer()  # built before the clock starts: tokens/s measures encoding only
         encode = lambda texts: gpt2.encode_ordinary_batch(texts, num_threads=threads)  # noqa: E731
-        tok_meta = {"name": TOKENIZER_NAME, "n_vocab": N_VOCAB, "eot_id": EOT_ID}
+        tok_meta: dict[str, Any] = {"name": TOKENIZER_NAME, "n_vocab": N_VOCAB, "eot_id": EOT_ID}
     else:
         encode = tokenizer.encode_batch
         tok_meta = {"name": tokenizer.name, "n_vocab": tokenizer.n_vocab, "eot_id": tokenizer.eot_id}

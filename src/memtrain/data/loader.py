@@ -187,7 +187,7 @@ class TrainLoader:
             # A private generator: creating a DataLoader iterator draws a worker base seed, and
             # from the global RNG that draw would shift dropout masks after a resume.
             generator=torch.Generator().manual_seed(self.seed + 7919 * self.epoch + self.batch_index),
-            **extra,
+            **extra,  # type: ignore[arg-type]  # extra holds only DataLoader keyword arguments
         )
         return iter(loader)
 

@@ -149,7 +149,7 @@ def collect_default_documents() -> Iterator[str]:
     try:
         from pydoc_data.topics import topics
     except ImportError:  # some distributions split pydoc_data into a separate package
-        topics = {}
+        topics = {}  # type: ignore[misc]  # fallback for the optional import above
     for key in sorted(topics):
         yield topics[key]
     for path in _stdlib_sources():

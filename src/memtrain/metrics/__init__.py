@@ -4,6 +4,7 @@
   activations, temporaries) during a step, exactly and on any device, CPU and fake tensors
   included, so CPU tests can prove what a technique saves.
 - ``device_peak_memory`` / ``reset_device_peak`` read the CUDA allocator's own peaks.
+- ``optimizer_state_bytes`` / ``ShardedStateBytes`` measure the training state one rank holds.
 - ``StepTimer`` synchronizes, drops warm-up steps and reports median and spread.
 - ``PEAK_FLOPS`` / ``lookup_gpu`` / ``mfu`` turn a FLOP count and a step time into MFU.
 """
@@ -17,6 +18,7 @@ from memtrain.metrics.memory import (
     reset_device_peak,
     storage_bytes,
 )
+from memtrain.metrics.state import ShardedStateBytes, optimizer_state_bytes, state_bytes_per_param
 from memtrain.metrics.timing import StepTimer, TimingStats, percentile, synchronize
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "MemoryMeter",
     "MemoryStats",
     "PEAK_FLOPS",
+    "ShardedStateBytes",
     "StepTimer",
     "TimingStats",
     "device_gpu",
@@ -32,8 +35,10 @@ __all__ = [
     "storage_bytes",
     "lookup_gpu",
     "mfu",
+    "optimizer_state_bytes",
     "peak_flops",
     "percentile",
     "reset_device_peak",
+    "state_bytes_per_param",
     "synchronize",
 ]

@@ -94,7 +94,7 @@ def _leaf_storages(t: torch.Tensor) -> Iterator[tuple[torch.UntypedStorage, torc
     while stack:
         x = stack.pop()
         if _is_wrapper_type(type(x)):
-            attrs, _ = x.__tensor_flatten__()
+            attrs, _ = x.__tensor_flatten__()  # type: ignore[attr-defined]  # wrapper subclasses define it (checked just above)
             stack.extend(v for v in (getattr(x, a) for a in attrs) if isinstance(v, torch.Tensor))
             continue
         try:

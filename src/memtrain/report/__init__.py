@@ -10,14 +10,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from memtrain.report.plots import write_plots
-from memtrain.results import dumps
 from memtrain.report.tables import csv_text, markdown_report, table_rows
+from memtrain.results import dumps, read_results_counted, select_rows
 
 
 def write_report(out: Path, techniques: Optional[list[str]] = None) -> dict[str, Any]:
     """Write report.md, report.csv, report.json and PNG plots into ``out``; return a summary."""
-    from memtrain.bench.runner import read_results_counted, select_rows
-
     out = Path(out)
     read = read_results_counted(out)
     rows = select_rows(read.rows, techniques)

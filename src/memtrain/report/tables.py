@@ -212,7 +212,7 @@ def device_lines(rows: list[dict[str, Any]]) -> list[str]:
         slow = caps.get("bf16_slowdown")
         speed = f"; a BF16 matmul measured {slow:.1f}x slower than FP32" if slow and slow > 1 else ""
         line = f"Device: {caps['name']}; **no native BF16** ({caps.get('bf16_reason')}{forced}){speed}."
-        slow_rows = [r.get("description") or r.get("technique") for r in rows if r.get("status") == "ok"
+        slow_rows = [str(r.get("description") or r.get("technique")) for r in rows if r.get("status") == "ok"
                      and isinstance(r.get("device_caps"), dict) and r["device_caps"].get("precision_native") is False]
         if slow_rows:
             line += f" Rows that ran a precision without a native kernel here (slow): {', '.join(slow_rows)}."
@@ -233,7 +233,7 @@ def substitution_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 def mfu_lines(rows: list[dict[str, Any]]) -> list[str]:
     """What the MFU column is measured against."""
-    refs = {}
+    refs: dict[tuple[Any, Any, Any, Any], bool] = {}
     for r in rows:
         ref = r.get("mfu_reference") if r.get("status") == "ok" else None
         if isinstance(ref, dict) and ref.get("flops_per_s"):

@@ -38,7 +38,7 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, device: torch.device, 
     if not isinstance(model, GPT):  # a transformers model (memtrain.models): its own mapping
         from memtrain.models.hf import prepare_hf_model
 
-        return prepare_hf_model(model, cfg, device, precision)
+        return prepare_hf_model(model, cfg, device, precision)  # type: ignore[arg-type]  # build_model made an HFCausalLM
     if cfg.technique.qlora:
         from memtrain.config import ConfigError
 
@@ -49,5 +49,5 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, device: torch.device, 
     apply_attention(model, tech, device, precision)
     apply_checkpointing(model, tech)
     apply_loss(model, tech, device)
-    model = apply_compile(model, tech)
+    model = apply_compile(model, tech)  # type: ignore[assignment]  # compile returns a wrapper module around the GPT
     return apply_distributed(model, tech, device, precision)

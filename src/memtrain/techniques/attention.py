@@ -89,13 +89,13 @@ def apply_attention(model: GPT, tech: TechniqueConfig, device: torch.device, pre
     """
     kind, window = tech.attention, tech.window
     dtype = attention_dtype(precision)
-    dropout = model.blocks[0].attn.attn_dropout if len(model.blocks) else 0.0
-    _check_static(kind, device, dropout)
+    dropout = model.blocks[0].attn.attn_dropout if len(model.blocks) else 0.0  # type: ignore[union-attr]  # torch types nn.Module attributes as Tensor | Module
+    _check_static(kind, device, dropout)  # type: ignore[arg-type]  # torch types nn.Module attributes as Tensor | Module
     fn = build_attention(kind, window)
     if kind != "math":  # the materialized baseline runs everywhere
-        probe_attention(kind, window, device, dtype, model.cfg.head_dim, dropout)
+        probe_attention(kind, window, device, dtype, model.cfg.head_dim, dropout)  # type: ignore[arg-type]  # torch types nn.Module attributes as Tensor | Module
     for block in model.blocks:
-        block.attn.attn_fn = fn
+        block.attn.attn_fn = fn  # type: ignore[union-attr]  # torch types nn.Module attributes as Tensor | Module
 
 
 def _check_static(kind: str, device: torch.device, dropout: float) -> None:

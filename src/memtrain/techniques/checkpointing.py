@@ -111,7 +111,7 @@ def _checkpointed_call(
 ) -> Any:
     """Run ``forward`` under non-reentrant checkpointing (RNG state preserved for dropout)."""
     extra = {"context_fn": context_fn} if context_fn is not None else {}
-    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)  # type: ignore[arg-type]  # context_fn is one of checkpoint's keyword arguments
 
 
 def _wrap_attention_core(block: nn.Module) -> None:
@@ -119,9 +119,9 @@ def _wrap_attention_core(block: nn.Module) -> None:
     recomputation. The attention backend is installed before checkpointing, so this wraps
     whichever kernel runs (math, SDPA, banded, flex)."""
     attn = block.attn
-    if isinstance(attn.attn_fn, functools.partial) and attn.attn_fn.func is _checkpointed_call:
+    if isinstance(attn.attn_fn, functools.partial) and attn.attn_fn.func is _checkpointed_call:  # type: ignore[union-attr]  # torch types nn.Module attributes as Tensor | Module
         raise ValueError("attention core is already checkpointed")
-    attn.attn_fn = functools.partial(_checkpointed_call, attn.attn_fn, None)
+    attn.attn_fn = functools.partial(_checkpointed_call, attn.attn_fn, None)  # type: ignore[arg-type,union-attr]  # torch types nn.Module attributes as Tensor | Module
 
 
 def _wrap(block: nn.Module, selective: bool) -> None:
@@ -165,8 +165,8 @@ def apply_checkpointing(model: nn.Module, tech: TechniqueConfig) -> None:
     if kind == "none":
         return
     blocks = model.blocks
-    for i in checkpointed_blocks(tech.checkpointing, len(blocks)):
+    for i in checkpointed_blocks(tech.checkpointing, len(blocks)):  # type: ignore[arg-type]  # torch types nn.Module attributes as Tensor | Module
         if kind == "selective":
-            _wrap_attention_core(blocks[i])
+            _wrap_attention_core(blocks[i])  # type: ignore[arg-type,index]  # torch types nn.Module attributes as Tensor | Module
         else:
-            _wrap(blocks[i], selective=(kind == "selective-matmul"))
+            _wrap(blocks[i], selective=(kind == "selective-matmul"))  # type: ignore[arg-type,index]  # torch types nn.Module attributes as Tensor | Module

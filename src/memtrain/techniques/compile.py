@@ -65,7 +65,7 @@ def apply_compile(model: nn.Module, tech: TechniqueConfig, backend: str = "induc
     if tech.compile_scope == "model":
         model.compile(**kwargs)
     elif tech.compile_scope == "block":
-        for block in model.blocks:
+        for block in model.blocks:  # type: ignore[union-attr]  # torch types nn.Module attributes as Tensor | Module
             block.compile(**kwargs)
     else:
         raise ConfigError(f"unknown --compile-scope {tech.compile_scope!r}; choose model or block")

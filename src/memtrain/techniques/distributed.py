@@ -61,11 +61,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from memtrain.config import ConfigError, RunConfig, TechniqueConfig
-from memtrain.metrics.memory import storage_bytes
 
 __all__ = [
     "DistContext",
-    "ShardedStateBytes",
     "apply_distributed",
     "deepspeed_config",
     "distributed_session",
@@ -127,7 +125,8 @@ class DistContext:
     world_size: int = 1
     backend: Optional[str] = None
     owns_group: bool = False
-    state: Optional["ShardedStateBytes"] = None
+    # memtrain.metrics.ShardedStateBytes, set by the train loop (measurement lives in metrics).
+    state: Optional[Any] = None
     # zero1: the rank-local optimizer inside ShardedZeRO1 (holds the real state).
     local_optimizer: Optional[torch.optim.Optimizer] = None
     # deepspeed: a train_step replacement that drives the engine.
@@ -154,15 +153,12 @@ class DistContext:
 
     def wrap_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         """The optimizer (and model) the loop should use: ZeRO-1 shards the optimizer here;
-        DeepSpeed builds its engine here (it needs the optimizer). Also starts counting the
-        state bytes this rank holds."""
+        DeepSpeed builds its engine here (it needs the optimizer)."""
         if self.strategy == "zero1":
             optimizer = _zero_redundancy(optimizer)
-            self.local_optimizer = optimizer.optim
+            self.local_optimizer = optimizer.optim  # type: ignore[attr-defined]  # ShardedZeRO1 keeps its rank-local optimizer as .optim
         elif self.strategy in DEEPSPEED_STRATEGIES:
             model, optimizer = self._deepspeed(model, optimizer)
-        if self.enabled:
-            self.state = ShardedStateBytes(model, optimizer, self.local_optimizer or optimizer)
         return model, optimizer
 
     def no_sync(self, model: nn.Module) -> Optional[Callable[[], contextlib.AbstractContextManager]]:
@@ -210,7 +206,7 @@ class DistContext:
         import deepspeed
 
         engine, _, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=deepspeed_config(self.cfg, self.world_size),
+            model=model, optimizer=optimizer, config=deepspeed_config(self.cfg, self.world_size),  # type: ignore[arg-type]  # cfg is set for the deepspeed strategy
             dist_init_required=False,
         )
         self.train_step = deepspeed_train_step
@@ -237,7 +233,7 @@ def init_distributed(cfg: RunConfig, device: torch.device) -> DistContext:
         rank, world, owns = dist.get_rank(), dist.get_world_size(), False
         local = int(os.environ.get("LOCAL_RANK", rank))
     else:
-        rank, world, owns = int(os.environ["RANK"]), int(env_world), True
+        rank, world, owns = int(os.environ["RANK"]), int(env_world), True  # type: ignore[arg-type]  # env_world is not None on this branch
         local = int(os.environ.get("LOCAL_RANK", "0"))
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
@@ -326,20 +322,20 @@ def _fully_shard(model: nn.Module, tech: TechniqueConfig, device: torch.device, 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=True) if tech.cpu_offload else OffloadPolicy()
     kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=offload)
-    for block in model.blocks:
-        fully_shard(block, **kw)
-    fully_shard(model, **kw)
+    for block in model.blocks:  # type: ignore[union-attr]  # torch types nn.Module attributes as Tensor | Module
+        fully_shard(block, **kw)  # type: ignore[call-overload]  # the policies dict matches fully_shard's keywords
+    fully_shard(model, **kw)  # type: ignore[call-overload]  # the policies dict matches fully_shard's keywords
     return model
 
 
 @contextlib.contextmanager
 def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
     """FSDP2's equivalent of DDP's ``no_sync``: accumulate unreduced gradients locally."""
-    model.set_requires_gradient_sync(False)
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]  # torch types nn.Module attributes as Tensor | Module
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(True)
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]  # torch types nn.Module attributes as Tensor | Module
 
 
 def _constructor_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -378,35 +374,6 @@ def _install_fault_injection(model: nn.Module) -> None:
             raise RuntimeError(f"injected failure on rank {dist.get_rank()} at forward {calls[0]} ({FAIL_ENV}={spec})")
 
     model.register_forward_pre_hook(hook)
-
-
-# --------------------------------------------------------------------------- measurement
-class ShardedStateBytes:
-    """What this rank holds of the training state (weights, gradients, optimizer state),
-    read at every optimizer step (gradients are complete then) and kept at its maximum.
-
-    Unlike the MemoryMeter's peak (everything alive at the worst moment of a step, gathered
-    weights and activations included), this is exactly the part ZeRO stages divide by the
-    number of ranks: compare it with ``memtrain estimate --world-size N --shard ...``.
-    """
-
-    def __init__(self, model: nn.Module, optimizer: Any, state_owner: Any) -> None:
-        self.parameters = self.gradients = self.optimizer = 0
-        self._model, self._state_owner = model, state_owner
-        if hasattr(optimizer, "register_step_pre_hook"):
-            optimizer.register_step_pre_hook(self._before_step)
-            optimizer.register_step_post_hook(self._after_step)
-
-    def _before_step(self, *_: Any) -> None:
-        params = list({id(p): p for p in self._model.parameters()}.values())
-        self.parameters = max(self.parameters, storage_bytes(params))
-        self.gradients = max(self.gradients, storage_bytes([p.grad for p in params if p.grad is not None]))
-
-    def _after_step(self, *_: Any) -> None:
-        self.optimizer = max(self.optimizer, storage_bytes(list(self._state_owner.state.values())))
-
-    def to_dict(self) -> dict[str, int]:
-        return {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer}
 
 
 # --------------------------------------------------------------------------- DeepSpeed

@@ -67,7 +67,7 @@ def apply_lora(model: GPT, tech: TechniqueConfig) -> None:
 
     config = LoraConfig(
         r=tech.lora_rank,
-        lora_alpha=tech.lora_alpha,
+        lora_alpha=tech.lora_alpha,  # type: ignore[arg-type]  # peft annotates lora_alpha as int; it takes a float
         lora_dropout=tech.lora_dropout,
         target_modules=targets,
         bias="none",

@@ -107,13 +107,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                         grad_w += g_lp.t() @ h
                 del g_lp
         # Intermediaries, not inputs or outputs: saving them is allowed (no double backward).
-        ctx.save_for_backward(grad_h, grad_w, inv_n)
-        ctx.weight_dtype = weight.dtype
+        ctx.save_for_backward(grad_h, grad_w, inv_n)  # type: ignore[arg-type]  # save_for_backward accepts None
+        ctx.weight_dtype = weight.dtype  # type: ignore[attr-defined]  # autograd ctx carries attributes set in forward
         return loss_sum * inv_n
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor):  # type: ignore[override]
-        grad_h, grad_w, inv_n = ctx.saved_tensors
+        grad_h, grad_w, inv_n = ctx.saved_tensors  # type: ignore[attr-defined]  # autograd ctx carries attributes set in forward
         scale = grad_out.float() * inv_n
         # Scale in place: no second (V x d) buffer at the start of backward, where the model's
         # activations peak. A second backward through the same graph (retain_graph=True)
@@ -121,7 +121,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         if grad_h is not None:
             grad_h = grad_h.mul_(scale)
         if grad_w is not None:
-            grad_w = grad_w.mul_(scale).to(ctx.weight_dtype)
+            grad_w = grad_w.mul_(scale).to(ctx.weight_dtype)  # type: ignore[attr-defined]  # autograd ctx carries attributes set in forward
         return grad_h, grad_w, None, None, None, None, None
 
 
@@ -205,4 +205,4 @@ class NaiveLoss:
 
 def apply_loss(model: nn.Module, tech: TechniqueConfig, device: torch.device) -> None:
     """Set ``model.loss_fn`` as ``tech.loss`` says."""
-    model.loss_fn = make_loss_fn(tech, device)
+    model.loss_fn = make_loss_fn(tech, device)  # type: ignore[assignment]  # torch types nn.Module attributes as Tensor | Module

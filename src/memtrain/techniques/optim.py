@@ -47,8 +47,8 @@ from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
+
 from memtrain.config import ConfigError, TechniqueConfig, TrainConfig
-from memtrain.metrics.memory import storage_bytes
 
 __all__ = [
     "LOW_BIT_BLOCK",
@@ -57,9 +57,7 @@ __all__ = [
     "build_optimizer",
     "low_bit_block",
     "low_bit_skipped",
-    "optimizer_state_bytes",
     "param_groups",
-    "state_bytes_per_param",
 ]
 
 # torchao's quantization block per optimizer (its defaults) and the size below which it keeps
@@ -260,21 +258,3 @@ def build_optimizer(model: nn.Module, tech: TechniqueConfig, train: TrainConfig)
     if name == "sgd":
         return torch.optim.SGD(groups, lr=train.lr, momentum=0.9)
     raise ConfigError(f"unknown --optim {name!r}")
-
-
-# --------------------------------------------------------------------------- state accounting
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of storage held in ``optimizer.state``, each storage counted once.
-
-    State is created lazily on the first ``step``; before it this is 0. Includes the small
-    per-tensor extras (step counters, block scales, quantization maps) because they are real
-    memory, which is why a low-bit optimizer is not exactly 1/4 or 1/8 of AdamW. Sharded
-    (DTensor) state counts this rank's shard.
-    """
-    return storage_bytes(list(optimizer.state.values()))
-
-
-def state_bytes_per_param(optimizer: torch.optim.Optimizer, model: nn.Module) -> float:
-    """Optimizer state bytes per trainable parameter of ``model`` (8.0 for FP32 AdamW)."""
-    n = sum(p.numel() for _, p in _trainable(model))
-    return optimizer_state_bytes(optimizer) / n if n else 0.0
