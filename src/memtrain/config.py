@@ -478,7 +478,7 @@ def build_config(*layers: dict[str, Any]) -> RunConfig:
     parts = {s: SECTIONS[s](**kv) for s, kv in per_section.items()}
     cfg = RunConfig(**parts)
     # Remembered (not a field, so not in result.json's config) for the CLI's one-line note.
-    cfg.train.warmup_defaulted = default_warmup  # read with getattr(..., False)  # type: ignore[attr-defined]  # not a field: kept out of result.json
+    cfg.train.warmup_defaulted = default_warmup  # type: ignore[attr-defined]  # read with getattr(..., False)
     return cfg
 
 
