@@ -24,9 +24,9 @@ import yaml
 
 from memtrain.aliases import normalize as normalize_aliases
 
-
-class ConfigError(ValueError):
-    """Bad user input. The message is one line that names the problem and the fix."""
+# ConfigError lives in a leaf module so that the modules config itself consults (model presets,
+# model-spec resolution) can raise it without importing config back.
+from memtrain.errors import ConfigError
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:

@@ -49,6 +49,8 @@ __all__ = [
     "shape_for_params",
 ]
 
+from memtrain.archs import GPT2_ARCH, LLAMA_ARCH, Arch  # noqa: E402
+
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "int8": 1, "int4": 0.5}
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
 # The JSON contract's component names, and which meter category each one is part of.
@@ -62,26 +64,7 @@ _CPU_RNG_STATE_BYTES = 5056
 
 
 # --------------------------------------------------------------------------- architecture
-@dataclass(frozen=True)
-class Arch:
-    """Architecture facts beyond :class:`ModelConfig` (which describes our GPT-2-style model).
-
-    Our trainer builds only ``gpt2`` (LayerNorm, GELU MLP, learned positions, biases per
-    ``ModelConfig.bias``). ``llama`` (RMSNorm, SwiGLU MLP with three matrices, rotary positions,
-    no biases, optional grouped-query attention) lets presets such as llama-7b be estimated with
-    their real parameter count; their activation inventory is our GPT's with those substitutions,
-    an approximation that no run here can check (see docs/estimation.md).
-    """
-
-    name: str = "gpt2"
-    mlp: str = "gelu"  # gelu: fc -> gelu -> fc_out; swiglu: (silu(gate) * up) -> down
-    norm: str = "layernorm"  # layernorm (weight + bias) | rmsnorm (weight only)
-    positional: str = "learned"  # learned (wpe table) | rope (no parameters)
-    n_kv_heads: Optional[int] = None  # grouped-query attention; None = n_heads
-
-
-GPT2_ARCH = Arch()
-LLAMA_ARCH = Arch(name="llama", mlp="swiglu", norm="rmsnorm", positional="rope")
+# Arch, GPT2_ARCH and LLAMA_ARCH live in memtrain.archs (a leaf module); re-exported here.
 
 
 # --------------------------------------------------------------------------- parameters

@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from memtrain.config import ConfigError
-from memtrain.estimate import GPT2_ARCH, LLAMA_ARCH, Arch
+from memtrain.archs import GPT2_ARCH, LLAMA_ARCH, Arch
+from memtrain.errors import ConfigError
 
 __all__ = ["PRESETS", "preset", "preset_names"]
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from memtrain.config import ConfigError
+from memtrain.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 HUB_PREFIX = "hf:"
@@ -174,7 +174,7 @@ def cost_arch(spec: str) -> Any:
     gate) is ``llama``-like with its key/value heads; GPT-2 is ours."""
     from dataclasses import replace
 
-    from memtrain.estimate import GPT2_ARCH, LLAMA_ARCH
+    from memtrain.archs import GPT2_ARCH, LLAMA_ARCH
 
     c = load_config(spec)
     if c.model_type == "gpt2":

@@ -1,0 +1,34 @@
+"""Architecture facts beyond ModelConfig: the families the analytic estimator models.
+
+A leaf module (it imports nothing of memtrain), so that presets and model-spec resolution can
+name an architecture without importing the estimator, which sits above the config layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["Arch", "GPT2_ARCH", "LLAMA_ARCH"]
+
+
+@dataclass(frozen=True)
+class Arch:
+    """Architecture facts beyond :class:`ModelConfig` (which describes our GPT-2-style model).
+
+    Our trainer builds only ``gpt2`` (LayerNorm, GELU MLP, learned positions, biases per
+    ``ModelConfig.bias``). ``llama`` (RMSNorm, SwiGLU MLP with three matrices, rotary positions,
+    no biases, optional grouped-query attention) lets presets such as llama-7b be estimated with
+    their real parameter count; their activation inventory is our GPT's with those substitutions,
+    an approximation that no run here can check (see docs/estimation.md).
+    """
+
+    name: str = "gpt2"
+    mlp: str = "gelu"  # gelu: fc -> gelu -> fc_out; swiglu: (silu(gate) * up) -> down
+    norm: str = "layernorm"  # layernorm (weight + bias) | rmsnorm (weight only)
+    positional: str = "learned"  # learned (wpe table) | rope (no parameters)
+    n_kv_heads: Optional[int] = None  # grouped-query attention; None = n_heads
+
+
+GPT2_ARCH = Arch()
+LLAMA_ARCH = Arch(name="llama", mlp="swiglu", norm="rmsnorm", positional="rope")

@@ -1,0 +1,37 @@
+"""The max-batch search starts from the analytic estimate and confirms it with traced probes:
+the same answer as the full traced search, in fewer probes."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import TINY_MODEL
+from memtrain.config import build_config
+from memtrain.maxbatch import find_max_batch, traced_step_peak
+
+
+# The shortcut is taken where the estimate is byte-exact (the plain step here); where it is not
+# (on this tiny model the chunked loss's peaks differ by 256 bytes per batch, and checkpointing's
+# by less than the estimate's error) the full search answers: the same answer either way.
+@pytest.mark.parametrize("tech,shortcut", [({}, True), ({"checkpointing": "full"}, False),
+                                           ({"loss": "chunked", "loss_chunk": 16}, False)])
+def test_analytic_start_gives_the_traced_answer_in_fewer_probes(tech, shortcut):
+    cfg = build_config({**TINY_MODEL, "vocab_size": 50257, "seq_len": 32, "device": "cpu", **tech})
+    budget = traced_step_peak(cfg, 6)  # the answer is 6 (peaks grow with the batch)
+    fast = find_max_batch(cfg, budget_bytes=budget, max_batch=64, progress=False)
+    # A probe that is not traced_step_peak itself takes the full grow-then-bisect search.
+    full = find_max_batch(cfg, budget_bytes=budget, max_batch=64, progress=False,
+                          probe=lambda c, b: traced_step_peak(c, b))
+    assert (fast.batch_size, fast.peak_bytes) == (full.batch_size, full.peak_bytes) == (6, budget)
+    if shortcut:
+        assert len(fast.probes) <= 3 < len(full.probes)
+
+
+def test_a_wrong_guess_falls_back_to_the_full_search(monkeypatch):
+    import memtrain.maxbatch as mb
+
+    cfg = build_config({**TINY_MODEL, "vocab_size": 50257, "seq_len": 32, "device": "cpu"})
+    budget = traced_step_peak(cfg, 6)
+    monkeypatch.setattr(mb, "_analytic_guess", lambda *a, **k: 9)  # too large: batch 9 does not fit
+    fast = find_max_batch(cfg, budget_bytes=budget, max_batch=64, progress=False)
+    assert fast.batch_size == 6 and len(fast.probes) > 3
