@@ -57,10 +57,11 @@ SCALES: dict[str, dict[str, Any]] = {
     # Finishes on 2 CPU cores in minutes: the same default model (so the memory picture,
     # dominated by the 50257-token logits, is the real one) at a smaller batch and sequence,
     # fewer steps, a short warm-up and a higher learning rate so the quality column means
-    # something: 30 steps at lr 1e-3 reach val PPL ~1,300 (20 steps at 3e-4 stopped at ~11,084,
-    # every row alike; measured on 2 CPU cores, see docs/performance.md). Dropout is off because
-    # PyTorch's CPU flash kernel has no dropout (the flash rows could not run on CPU).
-    "quick": {"batch_size": 4, "seq_len": 128, "steps": 30, "warmup_steps": 5, "lr": 1e-3, "val_blocks": 16,
+    # something: 20 steps at lr 2e-3 reach val PPL ~1,580 on the FP32 baseline (20 at 3e-4
+    # stopped at ~11,084, every row alike; 30 at 1e-3 reached ~1,380 but a row then took ~50 s on
+    # a 2-core AVX2 CPU, too long for 8 rows in 5 minutes; docs/performance.md). Dropout is off
+    # because PyTorch's CPU flash kernel has no dropout (the flash rows could not run on CPU).
+    "quick": {"batch_size": 4, "seq_len": 128, "steps": 20, "warmup_steps": 5, "lr": 2e-3, "val_blocks": 16,
               "dropout": 0.0},
 }
 
