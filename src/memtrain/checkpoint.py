@@ -70,6 +70,18 @@ def disk_full_or(exc: BaseException, path: Path) -> BaseException:
     return exc
 
 
+def read_state(p: Path, missing_hint: str) -> Any:
+    """A single-file checkpoint's contents, loaded with ``weights_only=True`` (tensors, numbers,
+    strings, lists and dicts only: nothing in the file can execute). A missing or unreadable file
+    is a one-line ConfigError; ``missing_hint`` says where the file should come from."""
+    if not p.is_file():
+        raise ConfigError(f"checkpoint {str(p)!r} not found; {missing_hint}")
+    try:
+        return torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a truncated or foreign file
+        raise ConfigError(f"cannot read checkpoint {str(p)!r} ({type(exc).__name__}); it is not a memtrain checkpoint") from None
+
+
 def save_checkpoint(
     path: str | Path,
     model: nn.Module,
@@ -118,12 +130,7 @@ def load_checkpoint(
     if p.is_dir():
         raise ConfigError(f"{str(p)!r} is a sharded checkpoint directory; resume it under torchrun with the "
                           "--distributed strategy and rank count that wrote it")
-    if not p.is_file():
-        raise ConfigError(f"checkpoint {str(p)!r} not found; check --resume")
-    try:
-        state = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as exc:  # a truncated or foreign file
-        raise ConfigError(f"cannot read checkpoint {str(p)!r} ({type(exc).__name__}); it is not a memtrain checkpoint") from None
+    state = read_state(p, "check --resume")
     if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
         raise ConfigError(f"checkpoint {str(p)!r} has an unknown format; it was not written by this memtrain version")
     missing = [k for k in REQUIRED_KEYS if k not in state]

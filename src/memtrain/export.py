@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from memtrain.checkpoint import read_state
 from memtrain.config import ConfigError, RunConfig, build_config
 from memtrain.model import GPT
 
@@ -40,12 +41,7 @@ def load_trained(ckpt: str | Path) -> tuple[GPT, RunConfig]:
     if p.is_dir():
         raise ConfigError(f"{str(p)!r} is a directory; give the single-file checkpoint written by --save "
                           "(a sharded distributed checkpoint cannot be exported yet)")
-    if not p.is_file():
-        raise ConfigError(f"checkpoint {str(p)!r} not found; give the file written by train --save")
-    try:
-        state = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as exc:  # a truncated or foreign file
-        raise ConfigError(f"cannot read checkpoint {str(p)!r} ({type(exc).__name__}); it is not a memtrain checkpoint") from None
+    state = read_state(p, "give the file written by train --save")
     if not isinstance(state, dict) or "model" not in state or "config" not in state:
         raise ConfigError(f"checkpoint {str(p)!r} is not a memtrain checkpoint (no model or config)")
     cfg = build_config(state["config"])
