@@ -57,3 +57,40 @@ def tiny_run(small_corpus, tmp_path) -> dict:
     return {**TINY_MODEL, "data": str(small_corpus), "batch_size": 4, "seq_len": 32, "steps": 6,
             "warmup_steps": 2, "val_blocks": 4, "progress": False, "out": str(tmp_path / "run"),
             "warmup_timing_steps": 2}
+
+
+def cli_flags(settings: dict) -> list[str]:
+    """Command-line flags for flat config settings (``{"seq_len": 32, "bias": False}`` ->
+    ``["--seq-len", "32", "--no-bias"]``)."""
+    out = []
+    for k, v in settings.items():
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            out.append(flag if v else "--no-" + flag[2:])
+        else:
+            out += [flag, str(v)]
+    return out
+
+
+def fake_caps(**kw):
+    """Device capabilities of a CPU without native BF16 (5.3x slower BF16 matmul); ``kw`` overrides."""
+    from memtrain import device as D
+
+    base = dict(device_type="cpu", name="Test CPU", torch="x", threads=2, native_bf16=False, native_fp16=False,
+                tf32=False, bf16_reason="no avx512_bf16/amx_bf16 flag", fp16_reason="no avx512_fp16 flag",
+                fused_adamw=True, foreach_adamw=True, sdpa_flash=True, sdpa_mem_efficient=False,
+                gemm_fp32_flops=50e9, gemm_bf16_flops=50e9 / 5.3, bf16_slowdown=5.3, fp16_slowdown=4.0,
+                gemm_shapes={"fp32": [512, 512, 512], "low_precision": [64, 256, 512]})
+    base.update(kw)
+    return D.DeviceCaps(**base)
+
+
+@pytest.fixture
+def fresh_probe(monkeypatch):
+    """No forced BF16 answer and no cached probe before and after the test."""
+    from memtrain import device as D
+
+    monkeypatch.delenv(D.FORCE_BF16_ENV, raising=False)
+    D._PROBES.clear()
+    yield
+    D._PROBES.clear()

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import TINY_MODEL
+from conftest import TINY_MODEL, fake_caps
 from memtrain import device as D
 from memtrain.bench.device_rows import adapt_rows
 from memtrain.bench.eta import BenchEta, fmt_duration
@@ -16,27 +16,12 @@ from memtrain.bench.runner import BenchOptions, resolve_rows, run_bench
 from memtrain.report.noise import quality_vs_noise
 from memtrain.report.tables import markdown_report
 
-
-def _caps(**kw) -> D.DeviceCaps:
-    base = dict(device_type="cpu", name="Test CPU", torch="x", threads=2, native_bf16=False, native_fp16=False,
-                tf32=False, bf16_reason="no avx512_bf16/amx_bf16 flag", fp16_reason="no avx512_fp16 flag",
-                fused_adamw=True, foreach_adamw=True, sdpa_flash=True, sdpa_mem_efficient=False,
-                gemm_fp32_flops=50e9, bf16_slowdown=5.3)
-    base.update(kw)
-    return D.DeviceCaps(**base)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_probe(monkeypatch):
-    monkeypatch.delenv(D.FORCE_BF16_ENV, raising=False)
-    D._PROBES.clear()
-    yield
-    D._PROBES.clear()
+pytestmark = pytest.mark.usefixtures("fresh_probe")
 
 
 def test_default_list_substitutes_slow_bf16_rows():
     rows = resolve_rows(BenchOptions(techniques=DEFAULT_TECHNIQUES + [NOISE_ROW]))
-    out, subs, notes = adapt_rows(rows, _caps(), substitute=True)
+    out, subs, notes = adapt_rows(rows, fake_caps(), substitute=True)
     precisions = {n: c.technique.precision for n, c in out}
     assert all(p in ("fp32", "tf32") for p in precisions.values())
     assert set(subs) == {n for n, c in rows if c.technique.precision == "bf16"} and "bf16" in subs
@@ -48,15 +33,15 @@ def test_default_list_substitutes_slow_bf16_rows():
     assert after["window-flash"].technique.window == before["window-flash"].technique.window
     assert len(notes) == 1 and "run in fp32 here" in notes[0] and "--techniques" in notes[0]
     # Where FP16 is native and BF16 is not, the nearest native precision is FP16.
-    out16, subs16, _ = adapt_rows(rows, _caps(native_fp16=True), substitute=True)
+    out16, subs16, _ = adapt_rows(rows, fake_caps(native_fp16=True), substitute=True)
     assert subs16["bf16"]["to"] == "fp16" and dict(out16)["bf16"].technique.precision == "fp16"
     # Native BF16: nothing changes, nothing is said.
-    assert adapt_rows(rows, _caps(native_bf16=True), substitute=True) == (rows, {}, [])
+    assert adapt_rows(rows, fake_caps(native_bf16=True), substitute=True) == (rows, {}, [])
 
 
 def test_named_rows_run_as_asked_with_one_warning():
     rows = resolve_rows(BenchOptions(techniques=["baseline", "bf16", "ckpt-bf16"]))
-    out, subs, notes = adapt_rows(rows, _caps(), substitute=False)
+    out, subs, notes = adapt_rows(rows, fake_caps(), substitute=False)
     assert out == rows and subs == {}
     assert len(notes) == 1
     assert notes[0].startswith("--precision bf16: bf16 matmul here is 5.3x slower than fp32; this CPU has no native BF16")

@@ -68,6 +68,16 @@ def _start_bench(small_corpus: Path, out: Path, techniques: str, env: dict) -> s
                             env={**os.environ, "OMP_NUM_THREADS": "1", **env})
 
 
+def _kill_all(bench: subprocess.Popen, workers: list[int]) -> None:
+    """Whatever the test's outcome, leave no bench or row process behind."""
+    for pid in [bench.pid, *workers]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    bench.wait()
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_sigterm_keeps_finished_rows_and_a_second_bench_is_refused(small_corpus, tmp_path, capsys):
     out = tmp_path / "b"
@@ -97,12 +107,7 @@ def test_sigterm_keeps_finished_rows_and_a_second_bench_is_refused(small_corpus,
         assert [r["technique"] for r in rows.rows] == ["baseline"] and rows.skipped == 0
         assert "Baseline" in (out / "report.md").read_text() and "**Partial**" in (out / "report.md").read_text()
     finally:
-        for pid in [bench.pid, *workers]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        bench.wait()
+        _kill_all(bench, workers)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl and /proc are Linux")
@@ -122,12 +127,7 @@ def test_sigkilled_bench_leaves_no_row_running_and_its_scratch_is_cleaned_next_r
         assert clean_stale_row_dirs() >= 1  # what the next bench does first
         assert not any(p.exists() for p in scratch)
     finally:
-        for pid in [bench.pid, *workers]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        bench.wait()
+        _kill_all(bench, workers)
 
 
 def test_sigterm_stops_a_training_run_like_ctrl_c(small_corpus, tmp_path):

@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 
+from conftest import fake_caps
 from memtrain import device as D
 from memtrain.cli import main
 from memtrain.config import build_config
@@ -15,23 +16,7 @@ from memtrain.device_advice import mfu_for_run, run_device_facts
 from memtrain.notices import SlowPrecisionWarning, install_warning_format
 from memtrain.train import train
 
-
-def _caps(**kw) -> D.DeviceCaps:
-    base = dict(device_type="cpu", name="Test CPU", torch="x", threads=2, native_bf16=False, native_fp16=False,
-                tf32=False, bf16_reason="no avx512_bf16/amx_bf16 flag", fp16_reason="no avx512_fp16 flag",
-                fused_adamw=True, foreach_adamw=True, sdpa_flash=True, sdpa_mem_efficient=False,
-                gemm_fp32_flops=50e9, gemm_bf16_flops=50e9 / 5.3, bf16_slowdown=5.3, fp16_slowdown=4.0,
-                gemm_shapes={"fp32": [512, 512, 512], "low_precision": [64, 256, 512]})
-    base.update(kw)
-    return D.DeviceCaps(**base)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_probe(monkeypatch):
-    monkeypatch.delenv(D.FORCE_BF16_ENV, raising=False)
-    D._PROBES.clear()
-    yield
-    D._PROBES.clear()
+pytestmark = pytest.mark.usefixtures("fresh_probe")
 
 
 def test_probe_on_cpu_measures_and_caches(tmp_path, monkeypatch):
@@ -80,14 +65,14 @@ def test_force_env_sets_both_answers(monkeypatch):
 
 
 def test_warning_text_names_the_measured_slowdown():
-    slow = _caps()
+    slow = fake_caps()
     msg = D.slow_precision_message("bf16", slow)
     assert msg.startswith("--precision bf16: bf16 matmul here is 5.3x slower than fp32; this CPU has no native BF16")
     assert "fp32" in msg.split(";")[-1]
     assert D.slow_precision_message("bf16-pure", slow).startswith("--precision bf16-pure: bf16 matmul here is 5.3x")
     assert D.slow_precision_message("fp16", slow).startswith("--precision fp16: fp16 matmul here is 4.0x slower")
     assert D.slow_precision_message("fp32", slow) is None and D.slow_precision_message("tf32", slow) is None
-    assert D.slow_precision_message("bf16", _caps(native_bf16=True)) is None
+    assert D.slow_precision_message("bf16", fake_caps(native_bf16=True)) is None
 
 
 class _Stop(Exception):
@@ -137,13 +122,13 @@ def test_cpu_mfu_against_measured_gemm(tiny_run):
 
 
 def test_mfu_reference_by_precision():
-    caps = _caps(native_bf16=True, bf16_slowdown=0.25)  # BF16 4x faster than FP32 here
+    caps = fake_caps(native_bf16=True, bf16_slowdown=0.25)  # BF16 4x faster than FP32 here
     m32, ref32 = mfu_for_run(50e9, 1.0, torch.device("cpu"), "fp32", caps)
     m16, ref16 = mfu_for_run(50e9, 1.0, torch.device("cpu"), "bf16", caps)
     assert m32 == pytest.approx(1.0) and ref32["dtype"] == "fp32"
     assert m16 == pytest.approx(0.25) and ref16["dtype"] == "bf16"
     # Slow BF16: judged against the faster kernel (FP32), so its low MFU shows the slowness.
-    assert mfu_for_run(50e9, 1.0, torch.device("cpu"), "bf16", _caps())[1]["dtype"] == "fp32"
+    assert mfu_for_run(50e9, 1.0, torch.device("cpu"), "bf16", fake_caps())[1]["dtype"] == "fp32"
     assert mfu_for_run(1e9, None, torch.device("cpu"), "fp32", caps) == (None, None)
 
 
@@ -166,7 +151,7 @@ def test_adamw_default_kernel_per_device(monkeypatch):
 
     assert O.default_adamw_kernel(torch.device("cpu")) == {"foreach": False}
     answers = {"fused": True, "foreach": True}
-    monkeypatch.setattr(D, "probe", lambda device, measure=True, kernels=True: _caps(
+    monkeypatch.setattr(D, "probe", lambda device, measure=True, kernels=True: fake_caps(
         device_type="cuda", fused_adamw=answers["fused"], foreach_adamw=answers["foreach"]))
     assert O.default_adamw_kernel(torch.device("cuda")) == {"fused": True}
     answers["fused"] = False
@@ -179,7 +164,7 @@ def test_stale_low_rate_is_measured_again(tmp_path, monkeypatch):
     """A reference measured on busy cores (here: absurdly low) is measured again when a run beats
     it, and the better rate is kept, so CPU MFU stays a share of what the machine does."""
     monkeypatch.setenv("MEMTRAIN_CACHE", str(tmp_path))
-    caps = _caps(name=D.cpu_model(), threads=torch.get_num_threads(), gemm_fp32_flops=1e6)
+    caps = fake_caps(name=D.cpu_model(), threads=torch.get_num_threads(), gemm_fp32_flops=1e6)
     m, ref = mfu_for_run(2e8, 1.0, torch.device("cpu"), "fp32", caps)
     assert ref["flops_per_s"] == caps.gemm_fp32_flops > 1e8  # measured again, kept
     assert 0 < m <= 1

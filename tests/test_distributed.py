@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import TINY_MODEL
+from conftest import TINY_MODEL, cli_flags
 from memtrain.config import ConfigError, build_config
 from memtrain.train import train
 
@@ -32,20 +32,10 @@ UNTIED = {**TINY_MODEL, "untie_embeddings": True}  # two equal V x d matrices: Z
 RUN = {"seq_len": 32, "steps": 4, "warmup_steps": 1, "val_blocks": 4, "warmup_timing_steps": 1}
 
 
-def _flags(settings: dict) -> list[str]:
-    out = []
-    for k, v in settings.items():
-        flag = "--" + k.replace("_", "-")
-        if isinstance(v, bool):
-            out.append(flag if v else "--no-" + flag[2:])
-        else:
-            out += [flag, str(v)]
-    return out
-
 
 def _torchrun(settings: dict, cache: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "memtrain", "train", *_flags({**settings, "progress": False})]
+           "-m", "memtrain", "train", *cli_flags({**settings, "progress": False})]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MEMTRAIN_CACHE": str(cache), **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=full_env)
 

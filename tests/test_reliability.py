@@ -18,22 +18,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import TINY_MODEL
+from conftest import TINY_MODEL, cli_flags
 from memtrain.cli import main
 from memtrain.config import ConfigError, build_config
 
 RUN = {"seq_len": 32, "warmup_steps": 1, "val_blocks": 2, "warmup_timing_steps": 1, "batch_size": 2}
 
-
-def _flags(settings: dict) -> list[str]:
-    out = []
-    for k, v in settings.items():
-        flag = "--" + k.replace("_", "-")
-        if isinstance(v, bool):
-            out.append(flag if v else "--no-" + flag[2:])
-        else:
-            out += [flag, str(v)]
-    return out
 
 
 def _one_error_line(err: str) -> str:
@@ -159,7 +149,7 @@ def test_torchrun_resume_of_a_crafted_checkpoint_exits_2_without_running_it(smal
     run = {**TINY_MODEL, **RUN, "steps": 4, "data": str(small_corpus), "progress": False, "distributed": "ddp"}
     ckpt = _crafted_dcp(tmp_path, marker, run)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m", "memtrain",
-           "train", *_flags({**run, "resume": str(ckpt), "out": str(tmp_path / "out")})]
+           "train", *cli_flags({**run, "resume": str(ckpt), "out": str(tmp_path / "out")})]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "MEMTRAIN_CACHE": str(tmp_path / "cache")})
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
@@ -175,7 +165,7 @@ def test_unwritable_destinations_fail_before_the_first_step(tiny_run, tmp_path, 
                          ({"out": str(tmp_path / "file")}, "is a file"),
                          ({"out": str(tmp_path / "file" / "sub")}, "cannot be created"),
                          ({"save": str(tmp_path / "file" / "ck.pt")}, "(its folder)")]:
-        assert main(["train", *_flags({**tiny_run, **extra})]) == 2
+        assert main(["train", *cli_flags({**tiny_run, **extra})]) == 2
         assert words in _one_error_line(capsys.readouterr().err)
     assert not Path(tiny_run["out"]).exists()  # refused before anything was written
 
@@ -183,7 +173,7 @@ def test_unwritable_destinations_fail_before_the_first_step(tiny_run, tmp_path, 
 def test_disk_full_at_the_final_save_keeps_result_and_previous_checkpoint(tiny_run, tmp_path, capsys, monkeypatch):
     ck = tmp_path / "ck.pt"
     run = {**tiny_run, "steps": 2, "save": str(ck)}
-    assert main(["train", *_flags(run)]) == 0
+    assert main(["train", *cli_flags(run)]) == 0
     before = ck.read_bytes()
     (Path(tiny_run["out"]) / "result.json").unlink()
     capsys.readouterr()
@@ -193,7 +183,7 @@ def test_disk_full_at_the_final_save_keeps_result_and_previous_checkpoint(tiny_r
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr("memtrain.checkpoint.torch.save", full_disk)
-    assert main(["train", *_flags(run)]) == 1
+    assert main(["train", *cli_flags(run)]) == 1
     line = _one_error_line(capsys.readouterr().err)
     assert line.startswith("error: disk full") and str(ck) in line
     assert ck.read_bytes() == before  # the previous checkpoint is intact
@@ -203,7 +193,7 @@ def test_disk_full_at_the_final_save_keeps_result_and_previous_checkpoint(tiny_r
 
 def test_non_finite_loss_stops_the_run_and_writes_no_nan(tiny_run, capsys, monkeypatch):
     monkeypatch.setattr("memtrain.train.train_step", lambda *a, **kw: float("nan"))
-    assert main(["train", *_flags(tiny_run)]) == 1
+    assert main(["train", *cli_flags(tiny_run)]) == 1
     assert "the training loss became nan at step 1" in _one_error_line(capsys.readouterr().err)
     assert not (Path(tiny_run["out"]) / "result.json").exists()
 
@@ -223,7 +213,7 @@ def test_bench_appends_after_a_torn_line_and_reports_partial(small_corpus, tmp_p
     (out / "results.jsonl").write_text("[1]\n" + json.dumps(done) + '\n{"technique": "x", "stat')
     # baseline is done (skipped); the invalid row runs and must land on a line of its own.
     assert main(["bench", "--techniques", "baseline,attention=flex", "--out", str(out), "--no-maxbatch",
-                 *_flags({**overrides, "progress": False})]) == 1
+                 *cli_flags({**overrides, "progress": False})]) == 1
     err = capsys.readouterr().err
     assert "skipped 2 unreadable line(s)" in err
     lines = (out / "results.jsonl").read_text().splitlines()
@@ -237,7 +227,7 @@ def saved_run(small_corpus, tmp_path_factory):
     root = tmp_path_factory.mktemp("resume")
     run = {**TINY_MODEL, **RUN, "data": str(small_corpus), "steps": 6, "stop_after": 3, "progress": False,
            "save": str(root / "half.pt"), "out": str(root / "half")}
-    assert main(["train", *_flags(run)]) == 0
+    assert main(["train", *cli_flags(run)]) == 0
     return run, root
 
 
@@ -250,7 +240,7 @@ def saved_run(small_corpus, tmp_path_factory):
 def test_resume_with_a_changed_key_is_refused_naming_it(saved_run, change, key, capsys):
     run, root = saved_run
     resumed = {**run, "stop_after": None, "save": None, "resume": str(root / "half.pt"), "out": str(root / "r"), **change}
-    args = _flags({k: v for k, v in resumed.items() if v is not None})
+    args = cli_flags({k: v for k, v in resumed.items() if v is not None})
     assert main(["train", *args]) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert "different run" in line and f"{key}:" in line
@@ -260,13 +250,13 @@ def test_resume_with_a_changed_key_is_refused_naming_it(saved_run, change, key, 
 def test_resume_outside_the_run_and_incomplete_checkpoints_are_refused(saved_run, tmp_path, capsys):
     run, root = saved_run
     base = {**run, "save": None, "resume": str(root / "half.pt"), "out": str(tmp_path / "r")}
-    assert main(["train", *_flags({**base, "stop_after": 2})]) == 2  # saved at step 3: steps_run would be -1
+    assert main(["train", *cli_flags({**base, "stop_after": 2})]) == 2  # saved at step 3: steps_run would be -1
     assert "is at step 3" in _one_error_line(capsys.readouterr().err)
     state = torch.load(root / "half.pt", weights_only=True)
     del state["model"]
     torch.save(state, tmp_path / "nomodel.pt")
     no_model = {k: v for k, v in base.items() if k != "stop_after"}
-    assert main(["train", *_flags({**no_model, "resume": str(tmp_path / "nomodel.pt")})]) == 2
+    assert main(["train", *cli_flags({**no_model, "resume": str(tmp_path / "nomodel.pt")})]) == 2
     assert "lacks model" in _one_error_line(capsys.readouterr().err)
 
 
@@ -278,7 +268,7 @@ def test_resume_outside_the_run_and_incomplete_checkpoints_are_refused(saved_run
     (["--vocab-size", "100"], "--vocab-size 100"), (["--steps", "inf"], "--steps"),
 ])
 def test_nonsense_flags_are_refused_before_anything_runs(tiny_run, args, words, capsys):
-    assert main(["train", *_flags(tiny_run), *args]) == 2
+    assert main(["train", *cli_flags(tiny_run), *args]) == 2
     assert words in _one_error_line(capsys.readouterr().err)
     assert not Path(tiny_run["out"]).exists()
 
@@ -294,13 +284,13 @@ def test_nonsense_flags_are_refused_before_anything_runs(tiny_run, args, words, 
 ])
 def test_bad_config_files_are_refused(tiny_run, tmp_path, name, content, words, capsys):
     (tmp_path / name).write_bytes(content)
-    assert main(["train", "--config", str(tmp_path / name), *_flags(tiny_run)]) == 2
+    assert main(["train", "--config", str(tmp_path / name), *cli_flags(tiny_run)]) == 2
     assert words in _one_error_line(capsys.readouterr().err)
 
 
 def test_empty_data_file_and_command_counts_are_refused(tiny_run, tmp_path, capsys):
     (tmp_path / "empty.jsonl").write_text("")
-    assert main(["train", *_flags({**tiny_run, "data": str(tmp_path / "empty.jsonl")})]) == 2
+    assert main(["train", *cli_flags({**tiny_run, "data": str(tmp_path / "empty.jsonl")})]) == 2
     assert "is empty" in _one_error_line(capsys.readouterr().err)
     for argv in (["bench", "--row-timeout", "0"], ["bench", "--max-batch", "-3"], ["maxbatch", "--max", "-5"],
                  ["plan", "--verify-steps", "0"]):

@@ -105,6 +105,26 @@ def traced_step_peak(cfg: RunConfig, batch: int) -> Optional[int]:
     return int(trace_peak_bytes(cfg.replace(batch_size=batch)))
 
 
+def _largest_fitting(fits: Callable[[int], bool], cap: int) -> int:
+    """The largest k in [1, cap] with ``fits(k)``, given that 1 fits and fitting is monotone:
+    grow geometrically until a k fails or the cap is reached, then bisect between the last fit
+    and the first failure."""
+    lo, hi = 1, None  # lo fits; hi (when known) does not
+    while hi is None and lo < cap:
+        k = min(lo * 2, cap)
+        if fits(k):
+            lo = k
+        else:
+            hi = k
+    while hi is not None and hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def _analytic_guess(cfg: RunConfig, budget_bytes: Optional[int], multiple_of: int, cap: int,
                     device_type: str) -> Optional[int]:
     """The largest k <= ``cap`` whose analytic estimate of batch ``k * multiple_of`` fits the
@@ -122,22 +142,7 @@ def _analytic_guess(cfg: RunConfig, budget_bytes: Optional[int], multiple_of: in
         def fits(k: int) -> bool:
             return estimate(cfg.replace(batch_size=k * multiple_of), device_type=device_type).peak_bytes <= budget_bytes
 
-        if not fits(1):
-            return None
-        lo, hi = 1, None
-        while hi is None and lo < cap:
-            k = min(lo * 2, cap)
-            if fits(k):
-                lo = k
-            else:
-                hi = k
-        while hi is not None and hi - lo > 1:
-            mid = (lo + hi) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        return _largest_fitting(fits, cap) if fits(1) else None
     except Exception:  # noqa: BLE001 - no guess: the full search below decides
         return None
 
@@ -193,7 +198,6 @@ def find_max_batch(  # noqa: C901 - grow then bisect, each with OOM and budget e
             raise ConfigError(
                 f"even batch {multiple_of} does not fit {budget} ({need}); raise --memory-budget or save memory "
                 "with --loss chunked, --checkpointing full, --precision bf16 or a smaller --seq-len")
-        best, best_peak = multiple_of, peak
         cap = limit // multiple_of  # the largest allowed batch, in units of multiple_of
         # A traced search costs one fake-tensor step per probe (about ten probes, most of a
         # bench row's overhead on CPU). The analytic estimate matches the trace on memtrain's
@@ -206,24 +210,8 @@ def find_max_batch(  # noqa: C901 - grow then bisect, each with OOM and budget e
                 ok, peak = fits(guess * multiple_of)
                 if ok and (guess >= cap or not fits((guess + 1) * multiple_of)[0]):
                     return MaxBatchResult(guess * multiple_of, peak, budget_bytes, device.type, method, probes)
-        lo, hi = 1, None  # lo fits; hi (when known) does not
-        # Grow geometrically until a batch fails or the cap is reached.
-        k = 2
-        while hi is None and lo < cap:
-            k = min(lo * 2, cap)
-            ok, peak = fits(k * multiple_of)
-            if ok:
-                lo, best, best_peak = k, k * multiple_of, peak
-            else:
-                hi = k
-        # Bisect between the last fit and the first failure.
-        while hi is not None and hi - lo > 1:
-            mid = (lo + hi) // 2
-            ok, peak = fits(mid * multiple_of)
-            if ok:
-                lo, best, best_peak = mid, mid * multiple_of, peak
-            else:
-                hi = mid
+        best = _largest_fitting(lambda k: fits(k * multiple_of)[0], cap) * multiple_of
+        best_peak = next(p["peak_bytes"] for p in reversed(probes) if p["batch_size"] == best and p["fits"])
     finally:
         if bar is not None:
             bar.close()
