@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
-from memtrain.config import ConfigError, RunConfig
-
-if TYPE_CHECKING:  # torch stays out of import time for ``memtrain --help``
-    pass
-
+from memtrain.analysis.estimate.params import param_table
 from memtrain.analysis.flops.classes import MATMUL_CLASSES, OP_CLASSES, PHASES, ClassCount, StepCount
 from memtrain.analysis.flops.count import count_step
+from memtrain.config import ConfigError, RunConfig
 
 
 # --------------------------------------------------------------------------- roofline
@@ -125,10 +122,6 @@ def reconcile(cfg: RunConfig, count: StepCount) -> dict[str, float]:
     The attention term needs no correction: the counter counts the full (T x T) score matrix,
     as the rule does, masked half included.
     """
-    # Local, and the one upward import left (benchmarks/import_graph.py): the parameter
-    # catalogue lives in estimate until that module is split along its seams.
-    from memtrain.analysis.estimate import param_table
-
     # One block's vectors times the depth (param_table lists model.named_parameters(); the
     # model itself is not built: O(1) in n_layers).
     one = param_table(replace(cfg.model, n_layers=1))

@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from memtrain.config import ModelConfig
-
-if TYPE_CHECKING:  # torch stays out of import time for ``memtrain --help``
-    pass
 
 
 def rule_flops_per_token(cfg: ModelConfig, seq_len: int, n_params: int) -> float:
