@@ -16,7 +16,7 @@ def _quantizable(numel: int, block: int) -> bool:
     return numel >= 4096 and numel % block == 0
 
 
-def optimizer_state_bytes(params: Iterable[ParamInfo], optim: str, param_bytes: float,
+def predicted_optimizer_state(params: Iterable[ParamInfo], optim: str, param_bytes: float,
                           block: int = 0) -> tuple[float, list[str]]:
     """Steady-state optimizer state for *our* optimizers over the trainable ``params``.
 

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from memtrain.analysis.estimate.explain import _activations_per_layer, _explain
 from memtrain.analysis.estimate.inventory import _PRECISION, _dims, _segments
-from memtrain.analysis.estimate.optimizer import _optimizer_temporaries, optimizer_state_bytes
+from memtrain.analysis.estimate.optimizer import _optimizer_temporaries, predicted_optimizer_state
 from memtrain.analysis.estimate.params import ParamInfo, _param_table
 from memtrain.analysis.estimate.rules import model_state_rule
 from memtrain.analysis.estimate.simulator import _compression, _Graph, _Segment, _Sim
@@ -131,14 +131,14 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     weights = sum(v * repeat[k] for k, v in pbytes.items())
     grad_bytes = {p.name: pbytes[p.name] for p in trainable}
     grad_total = sum(v * repeat[k] for k, v in grad_bytes.items())
-    opt_bytes, opt_lines = optimizer_state_bytes(trainable, tech.optim, adapter_bytes, tech.optim_block)
+    opt_bytes, opt_lines = predicted_optimizer_state(trainable, tech.optim, adapter_bytes, tech.optim_block)
     opt_tmp = _optimizer_temporaries(trainable, tech.optim, adapter_bytes, t.weight_decay)
     zero1: Optional[dict[str, Any]] = None
     if shard == "zero1" and world_size > 1 and sum(p.repeat for p in trainable) <= _ZERO1_MAX_TENSORS:
         # memtrain's ZeRO-1 gives each rank the dim-0 chunk of every tensor (ceil(rows/N) rows,
         # the last ranks fewer): the rank with the most state (rank 0) is reported.
         ranks = _zero1_partition(trainable, world_size)
-        per_rank = [optimizer_state_bytes(ps, tech.optim, adapter_bytes, tech.optim_block)[0] for ps in ranks]
+        per_rank = [predicted_optimizer_state(ps, tech.optim, adapter_bytes, tech.optim_block)[0] for ps in ranks]
         worst = per_rank.index(max(per_rank))
         zero1 = {"rank": worst, "optimizer_per_rank": per_rank,
                  "scratch": _optimizer_temporaries(ranks[worst], tech.optim, adapter_bytes, t.weight_decay)}
