@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from memtrain.metrics.memory import storage_bytes
+from memtrain.metrics.storage import storage_bytes
 
 __all__ = ["ShardedStateBytes", "optimizer_state_bytes", "state_bytes_per_param"]
 
