@@ -1363,8 +1363,13 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
         # The root group (embeddings, final norm, tied head) is gathered at the first forward
         # and kept until its backward ends: the whole step (in the compute dtype, as for zero2).
         gathered_bytes = sum(p.numel * p.repeat * (ab if autocast else pb) for p in params if p.block is None)
+    # FSDP2 (zero2, fsdp) under gradient accumulation skips the reduce-scatter on all micro-batches
+    # but the last (set_requires_gradient_sync(False)): each group keeps its *unsharded* gradients
+    # (full size) as its accumulated gradient, so the last micro-batch starts with all of them.
+    fsdp_accum = t.grad_accum > 1 and n > 1 and shard in ("zero2", "fsdp")
+    grads_lump = None
     if grads_exist:
-        sim.alloc(grad_total / shard_div["gradients"], "gradients")
+        grads_lump = sim.alloc(grad_total / (1 if fsdp_accum else shard_div["gradients"]), "gradients")
 
     segs = _segments(cfg, arch, dm, not lora, grads_exist, comp)
     _fill_param_grads(segs, pbytes)
@@ -1389,6 +1394,8 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
         lumped = [sid for sid in graph.lump_grads if sim.live.get(sid, (0, ""))[1] == "gradients"]
         for sid in [v for v in graph.param_grad_sid.values() if v > 0] + lumped:
             sim.free(sid)
+        if fsdp_accum:
+            sim.free(grads_lump)  # the last micro-batch's reduce-scatter replaces them with the shards
         sim.alloc(grad_total / shard_div["gradients"], "gradients")
 
     # Optimizer step: weights + grads + states + scratch, then zero_grad frees the grads.
