@@ -1,4 +1,4 @@
-"""The CUDA caching-allocator model (memtrain.allocator) on synthetic timelines, and its place
+"""The CUDA caching-allocator model (memtrain.analysis.allocator) on synthetic timelines, and its place
 in `estimate`. CPU-only: the constants are PyTorch's (CUDACachingAllocator.cpp); a GPU check of
 the whole model is benchmarks/allocator_check.py."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from memtrain.allocator import CachingAllocator, MiB, replay, round_size
+from memtrain.analysis.allocator import CachingAllocator, MiB, replay, round_size
+from memtrain.analysis.estimate import estimate
 from memtrain.config import ConfigError, RunConfig
-from memtrain.estimate import estimate
 
 
 def test_rounding_to_512_bytes():
@@ -117,7 +117,7 @@ def test_two_step_replay_creates_the_optimizer_state_in_freed_activations():
     backward freed; step 2's activations then need a new segment. Worked by hand: workspace
     32 MiB; step 1: A, B = 100 MiB segments each, freed; state 60 MiB splits A's (best fit,
     lowest segment); step 2: A takes B's 100 MiB, B finds only 40 MiB free: a new 100 MiB."""
-    from memtrain.device_replay import StepTimeline, replay_two_steps
+    from memtrain.analysis.device_replay import StepTimeline, replay_two_steps
 
     acts = [("alloc", 1, 0.0), ("alloc", 2, 100 * MiB), ("alloc", 3, 100 * MiB), ("free", 3, 0.0),
             ("free", 2, 0.0)]
@@ -136,7 +136,7 @@ def test_two_step_replay_creates_the_optimizer_state_in_freed_activations():
 def test_two_step_replay_carries_the_callers_logits_into_step_2():
     """--loss naive: step 1's logits live until step 2's are returned, so step 2 needs a second
     logits-sized block; the carried one is freed once, by step 2's free of its previous logits."""
-    from memtrain.device_replay import StepTimeline, replay_two_steps, two_step_events
+    from memtrain.analysis.device_replay import StepTimeline, replay_two_steps, two_step_events
 
     first = StepTimeline(events=[("alloc", 5, 50 * MiB)], optimizer_at=1, state_sids=[],
                          live_at_end={5: (50 * MiB, "logits")})

@@ -53,7 +53,7 @@ def runs(small_corpus, tmp_path_factory) -> dict:
 
 
 def test_per_rank_estimate_matches_every_rank_at_4_ranks(runs):
-    from memtrain.estimate import estimate
+    from memtrain.analysis.estimate import estimate
 
     for (strategy, config), result in runs.items():
         ranks = result["ranks"]

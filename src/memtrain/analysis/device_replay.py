@@ -1,5 +1,5 @@
 """The allocation timeline of a run's first two training steps, replayed through the CUDA
-caching-allocator model (:mod:`memtrain.allocator`).
+caching-allocator model (:mod:`memtrain.analysis.allocator`).
 
 ``torch.cuda.max_memory_reserved`` after the second (measured) step is not a property of that
 step alone: the allocator never returns a segment, so ``reserved`` is the high-water mark of
@@ -19,7 +19,7 @@ temporaries die; only the weights, the optimizer state and (naive loss) the call
 carry over. The allocated peak is reset at step 2 (as ``measure_step_memory`` resets it), the
 reserved figure is not (resetting it would not lower it: segments are all still cached).
 
-The two step timelines come from the estimator's simulator (:func:`memtrain.estimate.estimate`,
+The two step timelines come from the estimator's simulator (:func:`memtrain.analysis.estimate.estimate`,
 its ``events``): the same storages, sizes and order its tracked peak is computed from.
 """
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from memtrain.allocator import DeviceMemory, replay
+from memtrain.analysis.allocator import DeviceMemory, replay
 
 __all__ = ["StepTimeline", "two_step_events", "replay_two_steps"]
 
