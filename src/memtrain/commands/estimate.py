@@ -96,6 +96,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Also run one real step under fake tensors (nothing allocated) and compare.")
     p.add_argument("--trace-device", choices=("cpu", "cuda"), default=None,
                    help="Device type of the fake tensors (cuda needs a CUDA build of torch).")
+    p.add_argument("--full-trace", action="store_true",
+                   help="A transformers --model: trace every decoder layer instead of extrapolating from two "
+                        "shallow copies (memtrain.models.depth; the same bytes, seconds instead of minutes).")
     p.add_argument("--explain", action="store_true", help="Print the formula behind each line.")
     p.add_argument("--json", action="store_true", help="Print JSON only.")
     add_config_flags(p, ("model", "technique", "train"), exclude=(*LOOP_ONLY_FIELDS, "model"))  # --model is add_model_choice's
@@ -187,16 +190,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def traced_estimate(cfg: Any, device_type: str) -> dict[str, Any]:
+def traced_estimate(cfg: Any, device_type: str, full_trace: bool = False) -> dict[str, Any]:
     """The estimate JSON of a transformers model: its traced step (fake tensors, nothing
-    allocated), in the contract's keys. There is no analytic model of these families yet, so
-    ``method`` says "trace"; the logits are part of the traced ``activations``."""
+    allocated), in the contract's keys; the logits are part of the traced ``activations``.
+    ``method`` says how: "extrapolated" (two shallow copies of the model traced, every
+    category extended affinely to the real depth: memtrain.models.depth) or "trace" (every
+    layer; with ``full_trace``, for shallow models, or where the depth is not affine)."""
     import time
 
-    from memtrain.trace import trace_step
+    from memtrain.models.depth import trace_any_depth
 
     start = time.perf_counter()
-    traced = trace_step(cfg, device_type)
+    traced = trace_any_depth(cfg, device_type, full=full_trace)
     cats = traced["by_category"]
     # The analytic model of our GPT with the llama substitutions (memtrain.estimate), shown
     # beside the trace with its error so nobody mistakes it for the answer: on Llama-3-8B at
@@ -213,8 +218,12 @@ def traced_estimate(cfg: Any, device_type: str) -> dict[str, Any]:
         pass
     return {
         "model": cfg.model.model,
-        "method": "trace",
-        "note": "no analytic model for transformers families yet: traced under fake tensors (exact for this step)",
+        "method": traced["method"],
+        "probe_layers": traced["probe_layers"],
+        "note": ("traced under fake tensors with " + " and ".join(map(str, traced["probe_layers"]))
+                 + " decoder layers, every category extended to " + str(cfg.model.n_layers) + " layers"
+                 if traced["method"] == "extrapolated" else
+                 "traced under fake tensors, every layer (" + traced["full_trace_reason"] + ")"),
         "parameters": traced.get("parameters"),
         "bytes": {"weights": cats["parameters"], "gradients": cats["gradients"], "optimizer": cats["optimizer"],
                   "activations": cats["activations"], "logits": None, "temporaries": cats["temporaries"]},
@@ -235,7 +244,7 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
         raise ConfigError("--mode inference is analytic for memtrain's GPT only; drop --mode for a transformers --model")
     if args.world_size > 1:
         raise ConfigError("a transformers --model is traced in one process; drop --world-size")
-    out = traced_estimate(cfg, args.trace_device or device_type_for(args, cfg))
+    out = traced_estimate(cfg, args.trace_device or device_type_for(args, cfg), full_trace=args.full_trace)
     if args.json:
         print(json.dumps(out, indent=2, default=float))
         return 0
@@ -248,7 +257,7 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
     rows += [(k, fmt_bytes(v), "") for k, v in out["trace"]["by_category"].items()]
     rows.append(("peak", fmt_bytes(out["peak_bytes"]), f"{out['peak_phase']}"))
     print(_table(rows))
-    print(f"  traced under fake tensors in {out['trace_seconds']:.1f} s ({out['device_type']} kernels); "
+    print(f"  {out['note']}, in {out['trace_seconds']:.1f} s ({out['device_type']} kernels); "
           "no analytic model of this family is accurate enough to stand alone")
     a = out["analytic_approximation"]
     if a is not None and a["error_vs_trace"] is not None:
