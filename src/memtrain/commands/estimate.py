@@ -244,7 +244,14 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
         raise ConfigError("--mode inference is analytic for memtrain's GPT only; drop --mode for a transformers --model")
     if args.world_size > 1:
         raise ConfigError("a transformers --model is traced in one process; drop --world-size")
-    out = traced_estimate(cfg, args.trace_device or device_type_for(args, cfg), full_trace=args.full_trace)
+    device_type = args.trace_device or device_type_for(args, cfg)
+    from memtrain.models.hf_estimate import why_not_modelled
+
+    reason = why_not_modelled(cfg)
+    if reason is None and not args.full_trace:
+        return _run_hf_analytic(args, cfg, device_type)
+    out = traced_estimate(cfg, device_type, full_trace=args.full_trace)
+    out["not_analytic"] = reason or "--full-trace"
     if args.json:
         print(json.dumps(out, indent=2, default=float))
         return 0
@@ -258,11 +265,50 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
     rows.append(("peak", fmt_bytes(out["peak_bytes"]), f"{out['peak_phase']}"))
     print(_table(rows))
     print(f"  {out['note']}, in {out['trace_seconds']:.1f} s ({out['device_type']} kernels); "
-          "no analytic model of this family is accurate enough to stand alone")
+          f"not analytic: {out['not_analytic']}")
     a = out["analytic_approximation"]
     if a is not None and a["error_vs_trace"] is not None:
         print(f"  (our GPT's analytic model with llama substitutions would say {fmt_bytes(a['peak_bytes'])}, "
               f"{a['error_vs_trace']:+.1%} off the trace)")
+    return 0
+
+
+def _run_hf_analytic(args: argparse.Namespace, cfg: Any, device_type: str) -> int:
+    """A transformers family the analytic model covers (memtrain.models.hf_estimate): the
+    analytic estimate, with --trace the (extrapolated) trace beside it and the error."""
+    from memtrain.models.depth import trace_any_depth
+    from memtrain.models.hf_estimate import analytic_estimate
+
+    est = analytic_estimate(cfg, device_type)
+    assert est is not None
+    out = {"model": cfg.model.model, "method": "analytic",
+           "note": "analytic model of transformers decoder layers (memtrain.models.hf_estimate); --trace to check it",
+           **est.to_dict()}
+    if args.trace:
+        traced = trace_any_depth(cfg, device_type)
+        out["trace"] = {"peak_bytes": traced["peak_bytes"], "by_category": traced["by_category"],
+                        "peak_phase": traced["peak_phase"], "device_type": traced["device_type"],
+                        "method": traced["method"], "probe_layers": traced["probe_layers"],
+                        "error": est.peak_bytes / traced["peak_bytes"] - 1 if traced["peak_bytes"] else None}
+    if args.json:
+        print(json.dumps(out, indent=2, default=float))
+        return 0
+    m, t, tech = cfg.model, cfg.train, cfg.technique
+    print(f"{cfg.model.model}: {est.parameters:,} parameters ({est.trainable_parameters:,} trainable); "
+          f"batch {t.batch_size} x seq {t.seq_len} x accum {t.grad_accum}, {tech.precision}, attention {tech.attention}, "
+          f"checkpointing {tech.checkpointing}, loss {tech.loss}, optim {tech.optim}"
+          + (f", LoRA r{tech.lora_rank}" if tech.lora_rank else ""))
+    rows = [("component at the peak", "bytes", "")]
+    rows += [(k, fmt_bytes(v), "") for k, v in est.bytes.items()]
+    rows.append(("peak", fmt_bytes(est.peak_bytes), f"{est.peak_phase} ({est.peak_detail})"))
+    if "trace" in out:
+        tr = out["trace"]
+        rows.append(("traced peak (fake tensors)", fmt_bytes(tr["peak_bytes"]),
+                     f"{tr['peak_phase']}, {tr['method']}; estimate {tr['error']:+.1%}"))
+    print(_table(rows))
+    print(f"  {out['note']}")
+    if args.explain:
+        print("\n".join("  " + line for line in est.explanation))
     return 0
 
 
