@@ -4,7 +4,7 @@ For each bundled config (memtrain/models/configs) and each technique set, one st
 training step is traced under fake tensors (nothing allocated, the tracked peak exactly as a
 real step on the same kernels would meter it): by default two shallow copies of the model
 (2 and 3 decoder layers) extended affinely to the real depth (memtrain.models.depth), with
-``--full-trace`` every layer (memtrain.trace.trace_step). Writes ``OUT/hf_models_table.jsonl``
+``--full-trace`` every layer (memtrain.analysis.trace.trace_step). Writes ``OUT/hf_models_table.jsonl``
 (one line per row, as each finishes) and ``OUT/hf_models_table.md``; rows of ``OUT/full_traces.jsonl``
 (an earlier ``--full-trace`` run) are shown beside the same rows.
 

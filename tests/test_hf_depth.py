@@ -61,8 +61,8 @@ GRID = [
 
 @pytest.mark.parametrize("family,n_layers,tech", GRID)
 def test_extrapolated_trace_equals_the_full_trace(tmp_path, family, n_layers, tech):
+    from memtrain.analysis.trace import trace_step
     from memtrain.models.depth import extrapolated_trace
-    from memtrain.trace import trace_step
 
     cfg = _cfg(_model_dir(tmp_path, family, n_layers), **tech)
     full = trace_step(cfg, "cpu")

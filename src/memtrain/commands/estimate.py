@@ -25,7 +25,7 @@ def add_model_choice(p: argparse.ArgumentParser) -> None:
 def resolve_model(args: argparse.Namespace) -> tuple[Any, Any]:
     """(RunConfig, Arch) from --model/--params and the config flags. A transformers model
     (any --model that is not a preset) has no Arch: None (memtrain.models, traced)."""
-    from memtrain.estimate import GPT2_ARCH, parse_count, shape_for_params
+    from memtrain.analysis.estimate import GPT2_ARCH, parse_count, shape_for_params
     from memtrain.presets import PRESETS, preset
 
     base: dict[str, Any] = {}
@@ -110,8 +110,8 @@ def _table(rows: list[tuple[str, str, str]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from memtrain.analysis.estimate import estimate, estimate_inference
     from memtrain.config import ConfigError
-    from memtrain.estimate import estimate, estimate_inference
 
     cfg, arch = resolve_model(args)
     if arch is None:
@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--trace runs our GPT-2-style model; --model {args.preset} is estimated analytically only")
         if args.world_size > 1:
             raise ConfigError("--trace traces one process; drop --world-size to trace, or use the analytic estimate")
-        from memtrain.trace import trace_step
+        from memtrain.analysis.trace import trace_step
 
         traced = trace_step(cfg, args.trace_device or device_type)
         out["trace"] = {"peak_bytes": traced["peak_bytes"], "by_category": traced["by_category"],
@@ -203,12 +203,12 @@ def traced_estimate(cfg: Any, device_type: str, full_trace: bool = False) -> dic
     start = time.perf_counter()
     traced = trace_any_depth(cfg, device_type, full=full_trace)
     cats = traced["by_category"]
-    # The analytic model of our GPT with the llama substitutions (memtrain.estimate), shown
+    # The analytic model of our GPT with the llama substitutions (memtrain.analysis.estimate), shown
     # beside the trace with its error so nobody mistakes it for the answer: on Llama-3-8B at
     # seq 2048 it is 1-32% off (docs/models.md), outside the 10% it would need to stand alone.
     analytic = None
     try:
-        from memtrain.estimate import estimate
+        from memtrain.analysis.estimate import estimate
         from memtrain.models.spec import cost_arch
 
         e = estimate(cfg, cost_arch(cfg.model.model), device_type)
@@ -293,7 +293,7 @@ def _run_hf_analytic(args: argparse.Namespace, cfg: Any, device_type: str) -> in
     if args.json:
         print(json.dumps(out, indent=2, default=float))
         return 0
-    m, t, tech = cfg.model, cfg.train, cfg.technique
+    t, tech = cfg.train, cfg.technique
     print(f"{cfg.model.model}: {est.parameters:,} parameters ({est.trainable_parameters:,} trainable); "
           f"batch {t.batch_size} x seq {t.seq_len} x accum {t.grad_accum}, {tech.precision}, attention {tech.attention}, "
           f"checkpointing {tech.checkpointing}, loss {tech.loss}, optim {tech.optim}"

@@ -102,10 +102,10 @@ def _line(a: float, b: float, l1: int, l2: int, n: int) -> int:
 
 
 def extrapolated_trace(cfg: RunConfig, device_type: str = "cpu") -> dict[str, Any]:
-    """``memtrain.trace.trace_step``'s result for ``cfg`` from two shallow traces, plus
+    """``memtrain.analysis.trace.trace_step``'s result for ``cfg`` from two shallow traces, plus
     ``method: "extrapolated"`` and ``probe_layers``. Raises :class:`NotAffine` when the
     depths cannot be extrapolated (see the module docstring)."""
-    from memtrain.trace import trace_step
+    from memtrain.analysis.trace import trace_step
 
     probes = probe_depths(cfg)
     if probes is None:
@@ -156,7 +156,7 @@ def trace_any_depth(cfg: RunConfig, device_type: str = "cpu", full: bool = False
             reason = ""
     else:
         reason = "full trace asked for" if full else "memtrain's GPT"
-    from memtrain.trace import trace_step
+    from memtrain.analysis.trace import trace_step
 
     out = trace_step(cfg, device_type)
     out.update(method="trace", probe_layers=None, full_trace_reason=reason)

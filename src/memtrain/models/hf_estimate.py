@@ -1,6 +1,6 @@
 """The analytic memory model of transformers decoders memtrain models (Llama, Qwen2, Mistral).
 
-The analytic estimator (memtrain.estimate) simulates one step op by op from an inventory of
+The analytic estimator (memtrain.analysis.estimate) simulates one step op by op from an inventory of
 what each op allocates and saves for backward. Its block inventory is our GPT's; a Llama-style
 transformers decoder layer differs from it in three ways that matter for memory, written here
 and switched on by ``Arch.hf``:
@@ -71,11 +71,11 @@ def hf_arch(spec: str) -> Arch:
 
 
 def analytic_estimate(cfg: Any, device_type: str) -> Optional[Any]:
-    """memtrain.estimate.estimate of ``cfg`` with the transformers inventory, or None when the
+    """memtrain.analysis.estimate.estimate of ``cfg`` with the transformers inventory, or None when the
     family or technique is not modelled (see :func:`why_not_modelled`)."""
     if why_not_modelled(cfg) is not None:
         return None
-    from memtrain.estimate import estimate
+    from memtrain.analysis.estimate import estimate
 
     return estimate(cfg, hf_arch(cfg.model.model), device_type)
 
@@ -85,7 +85,7 @@ def hf_norm_node(dm: Any, name: str, src: str, out: str, trainable: bool) -> Any
     the float32 input (``src`` itself when the stream is float32), rstd, and (for a trainable
     weight) the normalized tensor in the stream's dtype; the output is read by the projections
     (saved by them)."""
-    from memtrain.estimate import _Node
+    from memtrain.analysis.estimate.simulator import _Node
 
     N, d, r = dm.n, dm.d, dm.r
     x32 = src if r == 4 else f"{name}.x32"
@@ -107,7 +107,7 @@ def hf_rope_node(dm: Any, qkv: str, out: str) -> Any:
     """apply_rotary_pos_emb: new q and k (``q * cos + rotate_half(q) * sin``); v passes on. For
     memory the q/k/v triple stays one storage (what SDPA saves); the forward's scratch is the
     products and the ``cat`` of rotate_half."""
-    from memtrain.estimate import _Node
+    from memtrain.analysis.estimate.simulator import _Node
 
     N, d, kv, a = dm.n, dm.d, dm.kv, dm.a
     return _Node(f"{out}.rope", out=[(out, N * (d + 2 * kv) * a)], inputs=[qkv],
