@@ -203,9 +203,9 @@ def traced_estimate(cfg: Any, device_type: str, full_trace: bool = False) -> dic
     start = time.perf_counter()
     traced = trace_any_depth(cfg, device_type, full=full_trace)
     cats = traced["by_category"]
-    # The analytic model of our GPT with the llama substitutions (memtrain.analysis.estimate), shown
-    # beside the trace with its error so nobody mistakes it for the answer: on Llama-3-8B at
-    # seq 2048 it is 1-32% off (docs/models.md), outside the 10% it would need to stand alone.
+    # What is traced is what memtrain.models.hf_estimate does not model (other families, QLoRA,
+    # ...). Our GPT's analytic model with the llama substitutions is shown beside the trace with
+    # its error, so nobody mistakes it for the answer.
     analytic = None
     try:
         from memtrain.analysis.estimate import estimate
