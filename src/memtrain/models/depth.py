@@ -17,9 +17,10 @@ same remainder modulo ``K`` as ``L``, and at least two layers, so the first and 
 
 Checked against full traces: equal to the byte in every category on tiny configs of Llama,
 Qwen2, Mistral, Gemma and GPT-2 under six technique sets (tests/test_hf_depth.py), and on the
-full-size Llama-3-8B QLoRA step (docs/models.md). Refused,
-so that the caller traces every layer instead, when the layers are not all of one kind (a
-``layer_types`` list mixing sliding and full attention), and when the two probes peak in different phases or the extrapolated phase peaks put the peak in
+full-size Llama-3-8B QLoRA step (docs/models.md). Refused, so that the caller traces every
+layer instead, when the layers are not all of one kind (a ``layer_types`` list mixing sliding
+and full attention), and when the two probes peak in different phases or the extrapolated
+phase peaks put the peak in
 another phase than the probes' (then the step's shape changes with depth and a straight line
 through two points says nothing).
 """
