@@ -237,9 +237,9 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
         nonlocal evaluated
         evaluated += 1
         if traced:
-            from memtrain.analysis.trace import trace_step
+            from memtrain.models.depth import trace_any_depth
 
-            r = trace_step(c, device_type)
+            r = trace_any_depth(c, device_type)  # 2 + 3 layers extended to the depth when exact
             return float(r["peak_bytes"]), str(r["peak_phase"])
         e = estimate(c, arch, device_type)
         return e.peak_bytes, e.peak_phase
@@ -323,7 +323,7 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
             f"--batch-size/--seq-len")
     notes = [f"cost model: {device_type} profile; a model to order candidates, not a measurement"]
     if traced:
-        notes.append("peaks traced under fake tensors (transformers model: no analytic memory model)")
+        notes.append("peaks traced under fake tensors (transformers model; deep ones from 2 + 3 layer probes)")
     return PlanResult(budget_bytes, margin, device_type, None if max_batch else target, fits[:top],
                       evaluated, baseline, notes=notes)
 

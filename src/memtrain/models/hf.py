@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from memtrain.config import ConfigError, RunConfig
 from memtrain.model import LossFn, standard_lm_loss
+from memtrain.models.depth import apply_layer_count
 from memtrain.models.spec import ModelSource, load_config, resolve
 
 # --attention -> transformers' attn_implementation
@@ -128,6 +129,7 @@ def build_hf_model(cfg: RunConfig, with_weights: bool = True) -> HFCausalLM:
     assert spec is not None
     source = resolve(spec)
     config = load_config(spec).__class__.from_dict(load_config(spec).to_dict())  # a private copy
+    apply_layer_count(config)  # a shallow copy of the model while memtrain.models.depth probes it
     tech = cfg.technique
     attn = ATTN_IMPLEMENTATION.get(tech.attention)
     if attn is None:

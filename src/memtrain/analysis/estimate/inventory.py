@@ -33,6 +33,7 @@ class _Dims:
     # FSDP2 under autocast gathers weights already in the compute dtype: autocast casts nothing
     # (no cached copies) and the gathered weights are counted by the sharding rule instead.
     weights_in_compute_dtype: bool = False
+    hf: bool = False  # a transformers decoder layer (Arch.hf; memtrain.models.hf_estimate)
 
     @property
     def n(self) -> int:
@@ -82,7 +83,7 @@ def _linear(nodes: list[_Node], dm: _Dims, name: str, x: str, out: str, n_in: in
         # peft: out = base(x) + lora_B(lora_A(x)) * scale. The adapters are float32; under
         # autocast they compute in the autocast dtype, on a bf16-pure base peft casts x up to
         # float32 for them and the result back down.
-        ad = 4 if (not dm.autocast and a != 4) else a
+        ad = 4 if (not dm.autocast and a != 4 and not dm.hf) else a  # peft (hf): the base's dtype
         la, lb = f"{name}.lora_a", f"{name}.lora_b"
         xa = x
         if ad != a:
@@ -240,6 +241,11 @@ def _block_nodes(dm: _Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable
     layer = arch.norm == "layernorm"
 
     def norm(name: str, src: str, out: str) -> None:
+        if dm.hf:
+            from memtrain.models.hf_estimate import hf_norm_node
+
+            nodes.append(hf_norm_node(dm, name, src, out, trainable_base))
+            return
         # LayerNorm saves its input and float32 mean + rstd per token (RMSNorm: rstd only).
         pg = [(f"param:{name}.weight", 0.0)] if trainable_base else []
         if trainable_base and layer and dm.bias:
@@ -253,7 +259,11 @@ def _block_nodes(dm: _Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable
                 lora if short in targets else 0, src_bytes)
 
     norm(f"{p}.ln_1", x, f"{p}.ln1")
-    lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv", d, d + 2 * dm.kv, r)
+    lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0" if dm.hf else f"{p}.qkv", d, d + 2 * dm.kv, r)
+    if dm.hf:
+        from memtrain.models.hf_estimate import hf_rope_node
+
+        nodes.append(hf_rope_node(dm, f"{p}.qkv0", f"{p}.qkv"))
     start = len(nodes)
     _attention_nodes(nodes, dm, p, tech.attention, tech.window)
     # The attention core is what model.attn_fn computes: everything after the q/k/v split up
@@ -317,6 +327,10 @@ def _head_nodes(dm: _Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tr
         pg.append(("param:ln_f.bias", 0.0))
     nodes = [_Node("ln_f", out=[("hf", N * d * r), ("ln_f.stats", (2 if layer else 1) * N * 4)], inputs=[x],
                    saves=[x, "ln_f.stats"], grad_out=("hf",), grads=[(x, N * d * r)] + pg)]
+    if dm.hf:
+        from memtrain.models.hf_estimate import hf_norm_node
+
+        nodes = [hf_norm_node(dm, "ln_f", x, "hf", trainable)]
     if tech.loss == "chunked":
         c = min(tech.loss_chunk, N)
         # _ChunkedLinearCrossEntropy.forward: casts of hidden and weight (when the compute dtype
@@ -333,7 +347,9 @@ def _head_nodes(dm: _Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tr
             per_chunk = max(c * V * 4 + c * V * a, c * V * a + max(c * d * a, V * d * a))
         # backward hands grad_h on as the hidden states' gradient; grad_w, still referenced by
         # ctx, cannot be stolen by AccumulateGrad, which clones it into .grad (or adds it in).
-        nodes.append(_Node("loss", out=[("loss.grad_h", N * d * r), ("loss.grad_w", V * d * 4)],
+        # (A frozen head, as under LoRA, gets no grad_w: counted for transformers models only.)
+        gw = V * d * 4 if (trainable or not dm.hf) else 0.0
+        nodes.append(_Node("loss", out=[("loss.grad_h", N * d * r), ("loss.grad_w", gw)],
                            inputs=["hf"], saves=["loss.grad_h", "loss.grad_w"], fwd_scratch=casts + per_chunk,
                            tag="logits", grad_from={"hf": "loss.grad_h", f"param:{head}": "loss.grad_w"},
                            grads=[("hf", N * d * r)] + ([(f"param:{head}", 0.0)] if trainable else [])))
@@ -378,7 +394,7 @@ def _dims(cfg: RunConfig, arch: Arch, device_type: str, batch: Optional[int] = N
     dm = _Dims(b=batch or t.batch_size, s=t.seq_len, d=m.d_model, f=m.d_ff, h=m.n_heads,
                kv=(arch.n_kv_heads or m.n_heads) * m.head_dim, V=m.padded_vocab_size, a=ab,
                r=pb, p=pb, autocast=autocast, dropout=m.dropout > 0, cuda=device_type == "cuda",
-               bias=m.bias and arch.name == "gpt2")
+               bias=m.bias and arch.name == "gpt2", hf=arch.hf)
     return dm
 
 
