@@ -279,6 +279,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C while importing or parsing (a rank just started): no traceback
+        _say("error: interrupted; results written so far are kept")
+        return 130
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args, extra = parser.parse_known_args(argv)
