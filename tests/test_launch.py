@@ -131,6 +131,7 @@ def test_agreement_without_a_process_group_re_raises_as_is():
 
 # --------------------------------------------------------------------------- the --out lock
 def test_train_holds_its_out_folder_like_a_bench(tiny_run, capsys, monkeypatch):
+    tiny_run = {**tiny_run, "steps": 2, "warmup_steps": 1, "warmup_timing_steps": 1, "val_blocks": 1}
     out = Path(tiny_run["out"])
     with FolderLock(out, "memtrain bench"):  # a bench (or another train) is using the folder
         assert main(["train", *cli_flags(tiny_run)]) == 2
@@ -165,3 +166,77 @@ def test_a_refused_train_leaves_no_out_folder(small_corpus, tmp_path, capsys):
     assert main(["train", *cli_flags(run)]) == 2  # refused after the lock was taken (at tokenizing)
     _one_error_line(capsys.readouterr().err)
     assert not out.exists()
+
+
+# --------------------------------------------------------------------------- log noise and siblings
+def _last_line_is_the_only_error(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("error:"), err
+    return _one_error_line(err)
+
+
+def test_datasets_and_hub_logs_stay_off_the_error_line(tmp_path, capfd):
+    """datasets logs a JSON parse error at ERROR and huggingface_hub every Hub retry at
+    WARNING; memtrain says the same in its one line."""
+    import logging
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"body": "ok"}\n{not json\n')
+    run = {**TINY_MODEL, **RUN, "data": str(bad), "text_field": "body", "out": str(tmp_path / "out")}
+    assert main(["train", *cli_flags(run)]) == 2
+    assert "cannot read" in _last_line_is_the_only_error(capfd.readouterr().err)
+    # the Hub's retry warning (a real retry takes ~20 s of back-off: its logger is checked instead)
+    logging.getLogger("huggingface_hub.utils._http").warning("Retrying in 8s [Retry 4/5].")
+    assert "Retrying" not in capfd.readouterr().err
+
+
+def test_ctrl_c_before_the_command_runs_is_one_line(monkeypatch, capsys):
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("memtrain.cli.build_parser", interrupted)  # e.g. while torch imports
+    assert main(["estimate"]) == 130
+    assert "interrupted" in _one_error_line(capsys.readouterr().err)
+
+
+def test_bad_transformers_model_folders_are_bad_input(tmp_path, capsys):
+    """--model DIR: an invalid size in config.json, or a corrupt *.safetensors file, is exit 2
+    (was exit 1 with transformers' or safetensors' exception); remote code stays refused."""
+    pytest.importorskip("transformers")
+    text_size = tmp_path / "text_size"
+    text_size.mkdir()
+    (text_size / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": "big", "n_layer": 2, "n_head": 4}))
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    (remote / "config.json").write_text(json.dumps({"model_type": "evil", "auto_map": {"AutoConfig": "evil.Config"}}))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 2,
+                                                    "vocab_size": 128, "n_positions": 64,
+                                                    "bos_token_id": 0, "eos_token_id": 0}))
+    (broken / "model.safetensors").write_bytes(b"\xff" * 64)
+    for argv, words in [(["estimate", "--model", str(text_size)], "cannot read the model config"),
+                        (["estimate", "--model", str(remote)], "cannot read the model config"),
+                        (["train", *cli_flags({**RUN, "steps": 1, "out": str(tmp_path / "o")}), "--model", str(broken)],
+                         "cannot read the weights")]:
+        assert main(argv) == 2, argv
+        assert words in _one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "o").exists()
+
+
+def test_odd_data_paths_are_refused_without_hanging(tmp_path, capsys):
+    """A symlink loop, a FIFO (opening it would block forever) and a folder of empty files."""
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    fifo_dir = tmp_path / "fifo"
+    fifo_dir.mkdir()
+    os.mkfifo(fifo_dir / "a.txt")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "a.txt").touch()
+    (empty / "b.jsonl").touch()
+    for data in ("loop1", "fifo", "fifo/a.txt", "empty"):
+        run = {**TINY_MODEL, **RUN, "steps": 1, "data": str(tmp_path / data), "out": str(tmp_path / "o")}
+        assert main(["train", *cli_flags(run)]) == 2, data
+        _one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "o").exists()

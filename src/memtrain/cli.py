@@ -279,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from memtrain.rank_errors import begin_command
+
+    begin_command()
     try:
         return _main(argv)
     except KeyboardInterrupt:  # Ctrl-C while importing or parsing (a rank just started): no traceback
@@ -297,11 +300,9 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         os.environ["MEMTRAIN_VERBOSE"] = "1"
     from memtrain.extras import quiet_third_party
     from memtrain.notices import install_warning_format
-    from memtrain.rank_errors import begin_command
 
     quiet_third_party()
     install_warning_format()
-    begin_command()
     try:
         return int(args._run(args) or 0)
     except ConfigError as exc:
