@@ -65,18 +65,41 @@ def raise_if_any_rank_failed(local: Optional[BaseException]) -> None:
         import torch.distributed as dist
 
         outcomes: list[Optional[tuple[str, str]]] = [None] * dist.get_world_size()
-        dist.all_gather_object(outcomes, _outcome(local))
-        if local is None:
-            for rank, outcome in enumerate(outcomes):
-                if outcome is None:
-                    continue
-                kind, text = outcome
-                local = ConfigError(f"rank {rank}: {text}") if kind == "config" else RuntimeError(f"rank {rank} failed: {text}")
-                break
-        if local is not None:
-            _exit_with_code_on_sigterm(local)
+        # A rank that fails exits right after this exchange, and the launcher then sends
+        # SIGTERM to the others, maybe before they have read the outcome (a loaded machine):
+        # hold the signal back until this rank knows how it ends.
+        with _sigterm_held() as held:
+            dist.all_gather_object(outcomes, _outcome(local))
+            if local is None:
+                for rank, outcome in enumerate(outcomes):
+                    if outcome is None:
+                        continue
+                    kind, text = outcome
+                    local = ConfigError(f"rank {rank}: {text}") if kind == "config" else RuntimeError(f"rank {rank} failed: {text}")
+                    break
+            if local is not None:
+                held.append(-1)  # the failure is agreed: SIGTERM from here on exits with its code
+                _exit_with_code_on_sigterm(local, now=signal.SIGTERM in held)
     if local is not None:
         raise local
+
+
+@contextlib.contextmanager
+def _sigterm_held() -> Iterator[list[int]]:
+    """Inside the block SIGTERM is recorded, not acted on; at its end a recorded SIGTERM is
+    delivered again under the previous handler, unless the block took over (appended -1)."""
+    held: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield held
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum))
+    try:
+        yield held
+    finally:
+        if -1 not in held:
+            signal.signal(signal.SIGTERM, previous)
+            if signal.SIGTERM in held:
+                os.kill(os.getpid(), signal.SIGTERM)
 
 
 def error_line(exc: BaseException) -> str:
@@ -113,10 +136,10 @@ def say_error(line: str, every_rank: bool = True) -> None:
         sys.stderr.flush()
 
 
-def _exit_with_code_on_sigterm(exc: BaseException) -> None:
+def _exit_with_code_on_sigterm(exc: BaseException, now: bool = False) -> None:
     """Once the ranks agree that the run failed, the launcher's SIGTERM (it stops the other
     ranks as soon as one has exited) must not turn this rank's exit 2 into "killed by
-    SIGTERM": say the line and exit with the agreed code at once."""
+    SIGTERM": say the line and exit with the agreed code at once (``now``: it came already)."""
     code = 2 if isinstance(exc, ConfigError) else 1
     line = error_line(exc)
 
@@ -126,6 +149,8 @@ def _exit_with_code_on_sigterm(exc: BaseException) -> None:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, handler)
+    if now:
+        handler(signal.SIGTERM, None)
 
 
 @contextlib.contextmanager
