@@ -109,6 +109,10 @@ def test_report_failures_prefers_the_refusal_and_its_own_line(capsys):
     assert capsys.readouterr().err == "error: RuntimeError: boom\n"
     assert report_failures({0: failure(-9)}) == 1  # no line anywhere: say who and how
     assert _one_error_line(capsys.readouterr().err).startswith("error: rank 0 ended with signal SIGTERM")
+    # torch's agent saw only rank 1 fail; rank 0's own line (from the launcher's folder) wins
+    said = {0: ("error: rank 1: bad shard", 2), 1: ("error: bad shard", 2)}
+    assert report_failures({1: failure(2, {"message": "error: bad shard"})}, said) == 2
+    assert capsys.readouterr().err == "error: rank 1: bad shard\n"
 
 
 def test_error_line_goes_into_torchelastics_error_file(tmp_path, monkeypatch):

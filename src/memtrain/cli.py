@@ -285,7 +285,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return _main(argv)
     except KeyboardInterrupt:  # Ctrl-C while importing or parsing (a rank just started): no traceback
-        _say("error: interrupted; results written so far are kept")
+        _say("error: interrupted; results written so far are kept", 130)
         return 130
 
 
@@ -308,25 +308,25 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     except ConfigError as exc:
         # Under torchrun every rank exits 2 (memtrain.rank_errors makes a rank-specific
         # refusal everyone's); only rank 0 says why, so the user reads the line once.
-        _say(f"error: {exc}", every_rank=False)  # = rank_errors.error_line(exc)
+        _say(f"error: {exc}", 2, every_rank=False)  # = rank_errors.error_line(exc)
         return 2
     except KeyboardInterrupt:
-        _say("error: interrupted; results written so far are kept")
+        _say("error: interrupted; results written so far are kept", 130)
         return 130
     except OSError as exc:
         if exc.errno != errno.ENOSPC or os.environ.get("MEMTRAIN_DEBUG"):
             return _failure(exc)
         where = f" writing {exc.filename}" if exc.filename else ""
-        _say(f"error: disk full{where}; free space and run again (files written before are intact)")
+        _say(f"error: disk full{where}; free space and run again (files written before are intact)", 1)
         return 1
     except Exception as exc:  # noqa: BLE001 - the contract: exit 1 with the reason
         return _failure(exc)
 
 
-def _say(line: str, every_rank: bool = True) -> None:
+def _say(line: str, code: int, every_rank: bool = True) -> None:
     from memtrain.rank_errors import say_error
 
-    say_error(line, every_rank)
+    say_error(line, code, every_rank)
 
 
 def _failure(exc: BaseException) -> int:
@@ -335,7 +335,7 @@ def _failure(exc: BaseException) -> int:
         raise exc
     from memtrain.rank_errors import error_line
 
-    _say(error_line(exc))
+    _say(error_line(exc), 1)
     return 1
 
 

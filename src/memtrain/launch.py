@@ -21,9 +21,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any, Sequence
+import tempfile
+from typing import Any, Optional, Sequence
 
-from memtrain.rank_errors import LAUNCHED_ENV, error_line_of
+from memtrain.rank_errors import ERROR_DIR_ENV, LAUNCHED_ENV, error_line_of, read_error_lines
 
 
 def _quiet_launcher_logs() -> None:
@@ -44,28 +45,41 @@ def launch(nproc: int, argv: Sequence[str]) -> int:
     os.environ[LAUNCHED_ENV] = "1"  # inherited by the ranks
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
     args = parse_args(["--standalone", f"--nproc_per_node={nproc}", "-m", "memtrain", *argv])
-    try:
-        run(args)
-    except ChildFailedError as exc:
-        return report_failures(exc.failures)
-    except (SignalException, KeyboardInterrupt):
-        sys.stderr.write("error: interrupted; the ranks were stopped, results written so far are kept\n")
-        return 130
+    with tempfile.TemporaryDirectory(prefix="memtrain-launch-") as errors:
+        os.environ[ERROR_DIR_ENV] = errors
+        try:
+            run(args)
+        except ChildFailedError as exc:
+            return report_failures(exc.failures, read_error_lines(errors))
+        except (SignalException, KeyboardInterrupt):
+            sys.stderr.write("error: interrupted; the ranks were stopped, results written so far are kept\n")
+            return 130
+        finally:
+            os.environ.pop(ERROR_DIR_ENV, None)
     return 0
 
 
-def report_failures(failures: dict[int, Any]) -> int:
-    """One line for the failed ranks (torchelastic ``ProcessFailure`` by global rank) and
-    the exit code: a rank's refusal of its input (2) wins over what it caused in the others
-    (the launcher stops the remaining ranks with SIGTERM once one fails)."""
+def report_failures(failures: dict[int, Any], said: Optional[dict[int, tuple[str, int]]] = None) -> int:
+    """One line for the failed ranks and the exit code.
+
+    ``said``: every rank's own line and exit code (:func:`memtrain.rank_errors.read_error_lines`),
+    also of ranks torch's agent stopped before it saw them fail; ``failures``: torchelastic's
+    ``ProcessFailure`` by global rank, for ranks that said nothing. A refusal of input (2)
+    wins over what it caused in the others; among refusals, the lowest rank's line (rank 0
+    names the rank that refused: ``error: rank 1: ...``)."""
+    for wanted in (2, 130):
+        chosen = sorted(r for r, (_, code) in (said or {}).items() if code == wanted)
+        if chosen:
+            sys.stderr.write((said or {})[chosen[0]][0] + "\n")
+            return wanted
     ranks = sorted(failures)
     lines = {r: error_line_of(failures[r].message) for r in ranks}
     codes = {r: failures[r].exitcode for r in ranks}
     for wanted in (2, 130):
         chosen = [r for r in ranks if codes[r] == wanted]
         if chosen:
-            said = [line for line in (lines[r] for r in chosen) if line]
-            sys.stderr.write((said[0] if said else f"error: rank {chosen[0]} exited with code {wanted}") + "\n")
+            found = [line for line in (lines[r] for r in chosen) if line]
+            sys.stderr.write((found[0] if found else f"error: rank {chosen[0]} exited with code {wanted}") + "\n")
             return wanted
     said_ranks = [r for r in ranks if lines[r]]
     if said_ranks:  # the first rank that said why (by the time it wrote its error file)

@@ -34,6 +34,7 @@ from memtrain.errors import ConfigError
 # Set by memtrain.launch for the ranks it starts: the launcher prints the error line (once,
 # after torch's launcher has gone quiet) and holds the --out lock for the ranks.
 LAUNCHED_ENV = "MEMTRAIN_LAUNCHED"
+ERROR_DIR_ENV = "MEMTRAIN_ERROR_DIR"  # where the launcher's ranks leave their error line
 
 
 def launched_by_memtrain() -> bool:
@@ -119,7 +120,7 @@ def begin_command() -> None:
     _said = False
 
 
-def say_error(line: str, every_rank: bool = True) -> None:
+def say_error(line: str, code: int, every_rank: bool = True) -> None:
     """The one ``error:`` line on stderr, at most once per process; under torchrun also into
     the rank's error file. Bad input is said by rank 0 only (every rank agrees on it), and
     under ``--nproc-per-node`` by the launcher alone (memtrain.launch), once, at the end."""
@@ -127,7 +128,7 @@ def say_error(line: str, every_rank: bool = True) -> None:
     if _said:
         return
     _said = True
-    record_error_line(line)
+    record_error_line(line, code)
     debug = bool(os.environ.get("MEMTRAIN_DEBUG"))
     if launched_by_memtrain() and not debug:
         return
@@ -144,7 +145,7 @@ def _exit_with_code_on_sigterm(exc: BaseException, now: bool = False) -> None:
     line = error_line(exc)
 
     def handler(signum: int, frame: Any) -> None:
-        say_error(line, every_rank=code != 2)
+        say_error(line, code, every_rank=code != 2)
         os._exit(code)
 
     if threading.current_thread() is threading.main_thread():
@@ -164,19 +165,41 @@ def agreement() -> Iterator[None]:
     raise_if_any_rank_failed(failure)
 
 
-def record_error_line(line: str) -> None:
-    """Write ``line`` into torchelastic's error file of this worker, when there is one.
+def record_error_line(line: str, code: int = 1) -> None:
+    """Write ``line`` into torchelastic's error file of this worker, when there is one, and
+    into memtrain's launcher folder (``MEMTRAIN_ERROR_DIR``) with the exit code.
 
-    The file holds what torch's own ``@record`` writes, with our line where the traceback
-    would be (torchrun prints that field as the failure's "traceback")."""
+    The torchelastic file holds what torch's own ``@record`` writes, with our line where the
+    traceback would be (torchrun prints that field as the failure's "traceback"). The
+    launcher reads its own folder: torch's agent reports only the ranks that had failed when
+    it looked, and stops the rest, so it may never see rank 0's line."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
     stamp = str(int(time.time()))
-    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": stamp}}}
-    with contextlib.suppress(OSError):
-        with open(path, "w") as fh:
-            json.dump(data, fh)
+    if path:
+        data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": stamp}}}
+        with contextlib.suppress(OSError):
+            with open(path, "w") as fh:
+                json.dump(data, fh)
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if folder and "RANK" in os.environ:
+        with contextlib.suppress(OSError):
+            with open(os.path.join(folder, f"rank-{int(os.environ['RANK'])}.json"), "w") as fh:
+                json.dump({"line": line, "code": code}, fh)
+
+
+def read_error_lines(folder: str) -> dict[int, tuple[str, int]]:
+    """``{rank: (line, exit code)}`` written by :func:`record_error_line` into ``folder``."""
+    found: dict[int, tuple[str, int]] = {}
+    for name in os.listdir(folder):
+        if not (name.startswith("rank-") and name.endswith(".json")):
+            continue
+        try:
+            with open(os.path.join(folder, name)) as fh:
+                data = json.load(fh)
+            found[int(name[len("rank-"):-len(".json")])] = (str(data["line"]), int(data["code"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a rank killed mid-write: the others still speak
+    return found
 
 
 def error_line_of(message: object) -> Optional[str]:
