@@ -36,6 +36,7 @@ import torch.nn as nn
 
 from memtrain.checkpoint import restore_rng_and_scaler, rng_and_scaler_state
 from memtrain.config import ConfigError, RunConfig
+from memtrain.rank_errors import agreement
 from memtrain.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError, read_metadata
 
 FORMAT = "memtrain-dcp-1"
@@ -174,6 +175,39 @@ def load_checkpoint(
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     p = Path(path)
+    # Every check, and this rank's own file, before the collective load: a refusal on any
+    # one rank (its rank-R.pt missing or corrupt) refuses the resume on all of them.
+    with agreement():
+        meta, own = _checked_parts(p, optimizer)
+    state, aliases = _app_state(model, optimizer)
+    try:
+        # Our reader and planner: nothing in the directory is unpickled beyond plain data.
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(p)), planner=SafeLoadPlanner())
+    except CheckpointException as exc:  # a BaseException in torch: turn it into a user error
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"checkpoint {str(p)!r} does not fit this model ({first}); use the same model flags as the saved run") from None
+    for alias, key in aliases.items():  # a tied weight: the same loaded tensor under both names
+        state["model"][alias] = state["model"][key]
+    local = _zero1_local(optimizer)
+    if local is None:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    else:
+        set_model_state_dict(model, state["model"])
+
+    if local is not None:
+        local.load_state_dict(own["optimizer"])
+        for group, saved in zip(optimizer.param_groups, own["param_groups"]):
+            group.update(saved)
+        optimizer.sync_param_groups()
+    scheduler.load_state_dict(own["scheduler"])
+    loader.load_state_dict(meta["loader"])
+    restore_rng_and_scaler(own, precision)
+    return {"step": int(meta["step"]), "losses": meta["losses"]}
+
+
+def _checked_parts(p: Path, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """meta.json and this rank's ``rank-R.pt`` of checkpoint ``p``, after every check that
+    needs no collective (format, pickled metadata, ranks, strategy)."""
     if not (p / META).is_file():
         hint = "it is a single-process checkpoint; resume it without --distributed" if p.is_file() else "check --resume"
         raise ConfigError(f"{str(p)!r} is not a distributed checkpoint directory ({hint})")
@@ -197,32 +231,11 @@ def load_checkpoint(
     local = _zero1_local(optimizer)
     if (meta["strategy"] == "zero1") != (local is not None):
         raise ConfigError(f"checkpoint {str(p)!r} was written with --distributed {meta['strategy']}; resume with the same strategy")
-
-    state, aliases = _app_state(model, optimizer)
-    try:
-        # Our reader and planner: nothing in the directory is unpickled beyond plain data.
-        dcp.load(state, storage_reader=SafeFileSystemReader(str(p)), planner=SafeLoadPlanner())
-    except CheckpointException as exc:  # a BaseException in torch: turn it into a user error
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"checkpoint {str(p)!r} does not fit this model ({first}); use the same model flags as the saved run") from None
-    for alias, key in aliases.items():  # a tied weight: the same loaded tensor under both names
-        state["model"][alias] = state["model"][key]
-    if local is None:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    else:
-        set_model_state_dict(model, state["model"])
-
     try:
         own = torch.load(_rank_file(p, rank), map_location="cpu", weights_only=True)
     except Exception as exc:  # missing, truncated, or holding more than plain data
         raise ConfigError(f"cannot read {str(_rank_file(p, rank))!r} ({type(exc).__name__}); "
                           "it is not a memtrain checkpoint part") from None
-    if local is not None:
-        local.load_state_dict(own["optimizer"])
-        for group, saved in zip(optimizer.param_groups, own["param_groups"]):
-            group.update(saved)
-        optimizer.sync_param_groups()
-    scheduler.load_state_dict(own["scheduler"])
-    loader.load_state_dict(meta["loader"])
-    restore_rng_and_scaler(own, precision)
-    return {"step": int(meta["step"]), "losses": meta["losses"]}
+    if not isinstance(own, dict) or not isinstance(own.get("scheduler"), dict):
+        raise ConfigError(f"{str(_rank_file(p, rank))!r} is not a memtrain checkpoint part (no scheduler state)")
+    return meta, own

@@ -11,6 +11,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -27,6 +28,8 @@ from memtrain.metrics import MemoryMeter, StepTimer, device_peak_memory, percent
 from memtrain.metrics.state import ShardedStateBytes
 from memtrain.models import build_model, data_tokenizer
 from memtrain.preflight import check_destinations, check_resume, check_vocab
+from memtrain.rank_errors import agreement
+from memtrain.results import FolderLock
 from memtrain.runtime import environment, resolve_device, seed_everything
 from memtrain.techniques import Precision, build_optimizer, make_precision, prepare_model
 from memtrain.techniques.distributed import DistContext, distributed_session
@@ -179,7 +182,8 @@ def _optimizer_kernel(optimizer: Any) -> Optional[str]:
 
 def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = True,
           on_result: Optional[Callable[[dict[str, Any]], None]] = None,
-          log_metrics: bool = False, on_step: Optional[StepCallback] = None) -> dict[str, Any]:
+          log_metrics: bool = False, on_step: Optional[StepCallback] = None,
+          lock_out: bool = False) -> dict[str, Any]:
     """Run one training run as configured; return the result dict.
 
     Under ``--distributed`` every rank (torchrun process) runs this and gets the result;
@@ -187,12 +191,19 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
     receives the result before the final checkpoint is written (the CLI writes result.json
     there), so a failing final save cannot lose the run's numbers. ``log_metrics`` (the
     ``train`` command) writes ``OUT/metrics.jsonl`` and the ``--report-to`` sinks as steps
-    complete; library callers (bench rows, plan's check) leave it off.
+    complete; library callers (bench rows, plan's check) leave it off. ``lock_out`` (the
+    ``train`` command) holds ``OUT``'s folder lock for the run, so a second train or bench
+    on the folder is refused (exit 2) instead of mixing their files.
     """
-    check_destinations(cfg)  # before any step: never a run that cannot write its result
-    check_vocab(cfg)
-    check_resume(cfg)  # a checkpoint of another run is refused before tokenizing
-    with distributed_session(cfg, resolve_device(cfg.train.device)) as dist_ctx:
+    with distributed_session(cfg, resolve_device(cfg.train.device)) as dist_ctx, contextlib.ExitStack() as held:
+        # Before any step and before the first collective: every rank checks, and a refusal
+        # on any one rank (its own file, its own disk) refuses the run on all of them.
+        with agreement():
+            check_destinations(cfg)  # never a run that cannot write its result
+            check_vocab(cfg)
+            check_resume(cfg)  # a checkpoint of another run is refused before tokenizing
+            if lock_out and dist_ctx.is_main:
+                held.enter_context(FolderLock(Path(cfg.train.out), "memtrain train", cleanup_if_unused=True))
         return _train(cfg, dist_ctx, progress, track_memory, on_result, log_metrics, on_step)
 
 
@@ -217,10 +228,11 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
 
     # Techniques first: an impossible combination (a backend the device lacks, an optimizer
     # that cannot pair with the precision) fails in seconds, before a long tokenization.
-    precision = make_precision(cfg.technique.precision, device)
-    # Probe the device (cached per machine) and warn up front when this precision is slow here.
-    caps, device_caps = run_device_facts(cfg.technique.precision, device) if dist_ctx.is_main else (None, None)
-    base = build_model(cfg)  # memtrain's GPT, or a transformers model for --model SPEC
+    with agreement():  # no collective yet: a rank that cannot build the model fails them all
+        precision = make_precision(cfg.technique.precision, device)
+        # Probe the device (cached per machine) and warn up front when this precision is slow here.
+        caps, device_caps = run_device_facts(cfg.technique.precision, device) if dist_ctx.is_main else (None, None)
+        base = build_model(cfg)  # memtrain's GPT, or a transformers model for --model SPEC
     n_params = base.num_parameters()  # type: ignore[operator]  # GPT and HFCausalLM both define it
     model = prepare_model(base, cfg, device, precision)
     model.train()

@@ -157,6 +157,12 @@ def build_hf_model(cfg: RunConfig, with_weights: bool = True) -> HFCausalLM:
     except (ImportError, ValueError) as exc:
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigError(f"--model {spec!r} with --attention {tech.attention} ({attn}): {msg}") from None
+    except Exception as exc:  # a truncated or foreign *.safetensors file (safetensors' own error type)
+        if not (with_weights and source.has_weights()):
+            raise
+        msg = str(exc).splitlines()[0] if str(exc) else ""
+        raise ConfigError(f"cannot read the weights of --model {spec!r} ({type(exc).__name__}: {msg}); "
+                          "its *.safetensors files must be complete and belong to its config.json") from None
     return HFCausalLM(lm, source)
 
 
