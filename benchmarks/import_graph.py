@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # numerator the train loop reports, so below the step; profiling it (flops_profile) trains.
     ("counting", ("flops",)),
     ("step", ("train", "checkpoint", "distributed_checkpoint", "safe_dcp", "preflight")),
-    ("analysis", ("estimate", "flops_profile", "trace", "plan", "maxbatch", "presets", "allocator")),
+    ("analysis", ("estimate", "flops_profile", "trace", "plan", "maxbatch", "presets", "model_presets", "allocator")),
     ("report", ("report",)),
     ("bench", ("bench",)),
     ("cli", ("cli", "commands", "__main__")),
