@@ -22,7 +22,7 @@ from .trainer_side import run_theirs
 
 def run_side(side: str, cfg: RunConfig, maxbatch: Optional[dict[str, Any]], exact_schedule: bool = False) -> dict[str, Any]:
     """One side's run (training, then the max-batch search); the worker process calls this."""
-    from memtrain.maxbatch import find_max_batch
+    from memtrain.analysis.maxbatch import find_max_batch
     from memtrain.runtime import resolve_device
 
     warm_device_facts(cfg)
@@ -51,7 +51,7 @@ def run_side(side: str, cfg: RunConfig, maxbatch: Optional[dict[str, Any]], exac
 def traced_peak(side: str, cfg: RunConfig) -> Optional[int]:
     """The traced steady-state peak at the run's own batch (CPU)."""
     if side == "ours":
-        from memtrain.maxbatch import traced_step_peak
+        from memtrain.analysis.maxbatch import traced_step_peak
 
         return traced_step_peak(cfg, cfg.train.batch_size)
     return hf_step_peak(cfg, cfg.train.batch_size, fake=True)

@@ -1,6 +1,6 @@
 """Measured seconds per operation class: ``memtrain flops --profile``.
 
-Beside :mod:`memtrain.flops` (which counts) because this one trains: it runs the configured
+Beside :mod:`memtrain.analysis.flops` (which counts) because this one trains: it runs the configured
 model with :func:`memtrain.train.train_step`, so it sits above the step while the counting
 that the train loop needs for MFU sits below it (no import circle between the two).
 """
@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from memtrain.config import ConfigError, RunConfig
-
 # The op-class recorder is shared with the counter so that profiled time and counted FLOPs
 # use the same classes; it stays private to the flops modules.
-from memtrain.flops import _make_recorder
+from memtrain.analysis.flops.recorder import _make_recorder
+from memtrain.config import ConfigError, RunConfig
 
 __all__ = ["profile_op_classes"]
 
