@@ -41,7 +41,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # are analysis.
     ("counting", ("analysis.flops", "flops")),
     ("step", ("train", "checkpoint", "distributed_checkpoint", "safe_dcp", "preflight")),
-    ("analysis", ("analysis", "analysis.flops.roofline", "analysis.flops.profile", "presets",
+    ("analysis", ("analysis", "analysis.flops.roofline", "analysis.flops.profile", "presets", "model_presets",
                   "estimate", "flops_profile", "trace", "plan", "maxbatch", "allocator")),
     ("report", ("report",)),
     ("bench", ("bench",)),

@@ -11,7 +11,7 @@ from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, config_from_args, f
 
 def add_model_choice(p: argparse.ArgumentParser) -> None:
     """--model PRESET | --params COUNT (shared with `memtrain plan`)."""
-    from memtrain.presets import PRESETS
+    from memtrain.model_presets import PRESETS
 
     g = p.add_mutually_exclusive_group()
     g.add_argument("--model", dest="preset", default=None, metavar="SPEC",
@@ -26,7 +26,7 @@ def resolve_model(args: argparse.Namespace) -> tuple[Any, Any]:
     """(RunConfig, Arch) from --model/--params and the config flags. A transformers model
     (any --model that is not a preset) has no Arch: None (memtrain.models, traced)."""
     from memtrain.analysis.estimate import GPT2_ARCH, parse_count, shape_for_params
-    from memtrain.presets import PRESETS, preset
+    from memtrain.model_presets import PRESETS, preset
 
     base: dict[str, Any] = {}
     arch = GPT2_ARCH

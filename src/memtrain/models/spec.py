@@ -2,7 +2,7 @@
 
 SPEC is one of (tried in this order):
 
-* a preset of memtrain's own GPT (``memtrain.presets``: ``gpt2``, ``gpt2-medium`` ...);
+* a preset of memtrain's own GPT (``memtrain.model_presets``: ``gpt2``, ``gpt2-medium`` ...);
 * a bundled transformers config (``llama-3-8b``, ``qwen2.5-7b`` ... in ``models/configs/``:
   the public architecture hyper-parameters of each model's ``config.json``, no weights), so
   full-size models can be estimated offline;
@@ -78,7 +78,7 @@ def is_gpt_preset(spec: Optional[str]) -> bool:
     """Whether ``spec`` names memtrain's own GPT (no spec, or one of its presets)."""
     if spec is None:
         return True
-    from memtrain.presets import PRESETS
+    from memtrain.model_presets import PRESETS
 
     return spec in PRESETS
 
@@ -98,7 +98,7 @@ def resolve(spec: str) -> ModelSource:
         p = p / "config.json"
     if p.is_file():
         return ModelSource(spec, p.resolve(), None)
-    from memtrain.presets import PRESETS
+    from memtrain.model_presets import PRESETS
 
     raise ConfigError(
         f"--model {spec!r} is not a preset, a bundled config, a config.json or a directory holding one; "
@@ -163,7 +163,7 @@ def preset_fields(spec: str) -> Optional[dict[str, Any]]:
     """ModelConfig fields of a GPT preset named by ``spec`` (None when ``spec`` is no preset).
     The LLaMA presets are analytic approximations no run can build: point to the bundled
     transformers configs instead."""
-    from memtrain.presets import PRESETS
+    from memtrain.model_presets import PRESETS
 
     if spec not in PRESETS:
         return None
