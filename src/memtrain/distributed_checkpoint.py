@@ -178,7 +178,8 @@ def load_checkpoint(path: str | Path, run: TrainState) -> dict[str, Any]:
     except (OSError, UnsafeCheckpointError) as exc:
         raise ConfigError(f"checkpoint {str(p)!r} is refused: its .metadata is not a plain DCP metadata file ({exc}); "
                           "resume only from checkpoints memtrain wrote") from None
-    model, optimizer = run.model, run.optimizer
+    model = run.model
+    optimizer: Any = run.optimizer  # ZeRO-1's ShardedZeRO1 adds sync_param_groups
     world, rank = dist.get_world_size(), dist.get_rank()
     if meta["world_size"] != world:
         raise ConfigError(

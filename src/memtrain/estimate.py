@@ -28,8 +28,9 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterable, Optional
 
-from memtrain.config import ConfigError, ModelConfig, RunConfig, TechniqueConfig, parse_checkpointing
+from memtrain.config import ConfigError, ModelConfig, RunConfig, TechniqueConfig
 from memtrain.limits import MAX_LAYERS, MAX_PARAMS, check_analytic_size
+from memtrain.techniques.facts import checkpoint_policy, optimizer_state_rule, precision_facts
 
 __all__ = [
     "Arch",
@@ -282,15 +283,11 @@ def optimizer_state_bytes(params: Iterable[ParamInfo], optim: str, param_bytes: 
     Returns (bytes, explanation lines). ``param_bytes`` is the dtype size of the weights (AdamW
     keeps its moments in the parameters' dtype: 2 x 4 B in fp32, 2 x 2 B under bf16-pure).
     """
+    rule = optimizer_state_rule(optim)  # the one state rule (memtrain.techniques.facts)
     ps = [p for p in params if p.trainable]
     n = sum(p.numel * p.repeat for p in ps)
     n_tensors = sum(p.repeat for p in ps)
-    if optim in ("adamw", "adamw-foreach", "adamw-fused"):
-        # exp_avg + exp_avg_sq per parameter, plus a 4-byte float32 ``step`` tensor each.
-        return 2 * param_bytes * n + 4 * n_tensors, [f"AdamW: 2 moments x {param_bytes:g} B x {n:,} trainable params"]
-    if optim == "sgd":
-        return param_bytes * n, [f"SGD momentum: 1 buffer x {param_bytes:g} B x {n:,}"]
-    if optim == "adafactor":
+    if rule.factored:
         # torch.optim.Adafactor: no first moment; the second moment of a matrix (R, C) is factored
         # into a row (R) and a column (C) vector, full for vectors; plus a step tensor.
         total = 0.0
@@ -302,28 +299,36 @@ def optimizer_state_bytes(params: Iterable[ParamInfo], optim: str, param_bytes: 
             else:
                 total += (4 * p.numel + 4) * p.repeat
         return total, ["Adafactor: factored second moment (rows + columns per matrix), no first moment"]
-    if optim in ("adamw-8bit", "adamw-4bit", "adamw-bnb-8bit"):
-        bits = 4 if optim == "adamw-4bit" else 8
-        default = 128 if bits == 4 else 256
-        block = default if optim == "adamw-bnb-8bit" else (block or default)
-        total = 0.0
-        q = 0
-        for p in ps:
-            if _quantizable(p.numel, block):
-                q += p.numel * p.repeat
-                # codes + one fp32 scale per block, for each of the 2 states; torchao also keeps
-                # a 256-entry (8-bit) or 16-entry (4-bit) fp32 lookup table per state.
-                codes = p.numel * bits / 8
-                scales = 4 * p.numel / block
-                qmap = 4 * (2 ** bits) if optim != "adamw-bnb-8bit" else 0
-                total += (2 * (codes + scales + qmap) + 4) * p.repeat
-            else:
-                total += (2 * 4 * p.numel + 4) * p.repeat
-        lines = [f"{bits}-bit AdamW: 2 states x {bits} bits + fp32 scale per {block} elements on "
-                 f"{q:,} of {n:,} params; the rest (tensors < 4096 elements or not a multiple of "
-                 f"{block}) keep fp32 states"]
-        return total, lines
-    raise ConfigError(f"unknown --optim {optim!r}")
+    if rule.quantized:
+        return _quantized_state_bytes(ps, rule, n, block)
+    if rule.step_tensor:
+        # AdamW: exp_avg + exp_avg_sq per parameter, plus a 4-byte float32 ``step`` tensor each.
+        return (rule.states * param_bytes * n + 4 * n_tensors,
+                [f"AdamW: 2 moments x {param_bytes:g} B x {n:,} trainable params"])
+    return param_bytes * n, [f"SGD momentum: 1 buffer x {param_bytes:g} B x {n:,}"]
+
+
+def _quantized_state_bytes(ps: list[ParamInfo], rule: Any, n: int, block: int) -> tuple[float, list[str]]:
+    """A low-bit AdamW's state: quantized codes + block scales on the tensors it quantizes."""
+    bits = rule.state_bits
+    block = rule.quant_block(block)
+    total = 0.0
+    q = 0
+    for p in ps:
+        if _quantizable(p.numel, block):
+            q += p.numel * p.repeat
+            # codes + one fp32 scale per block, for each of the 2 states; torchao also keeps
+            # a 256-entry (8-bit) or 16-entry (4-bit) fp32 lookup table per state.
+            codes = p.numel * bits / 8
+            scales = 4 * p.numel / block
+            qmap = 4 * (2 ** bits) if rule.qmap else 0
+            total += (2 * (codes + scales + qmap) + 4) * p.repeat
+        else:
+            total += (2 * 4 * p.numel + 4) * p.repeat
+    lines = [f"{bits}-bit AdamW: 2 states x {bits} bits + fp32 scale per {block} elements on "
+             f"{q:,} of {n:,} params; the rest (tensors < 4096 elements or not a multiple of "
+             f"{block}) keep fp32 states"]
+    return total, lines
 
 
 def _optimizer_temporaries(params: list[ParamInfo], optim: str, param_bytes: float, weight_decay: float) -> float:
@@ -1138,19 +1143,15 @@ class Estimate:
         return d
 
 
-_PRECISION = {
-    # precision -> (param bytes, compute bytes, autocast)
-    "fp32": (4, 4, False),
-    "tf32": (4, 4, False),
-    "bf16": (4, 2, True),
-    "fp16": (4, 2, True),
-    "bf16-pure": (2, 2, False),
-}
+def _precision_bytes(precision: str) -> tuple[int, int, bool]:
+    """(param bytes, compute bytes, autocast) of ``--precision`` (memtrain.techniques.facts)."""
+    f = precision_facts(precision)
+    return f.param_bytes, f.compute_bytes, f.autocast
 
 
 def _dims(cfg: RunConfig, arch: Arch, device_type: str, batch: Optional[int] = None) -> _Dims:
     m, t = cfg.model, cfg.train
-    pb, ab, autocast = _PRECISION[cfg.technique.precision]
+    pb, ab, autocast = _precision_bytes(cfg.technique.precision)
     dm = _Dims(b=batch or t.batch_size, s=t.seq_len, d=m.d_model, f=m.d_ff, h=m.n_heads,
                kv=(arch.n_kv_heads or m.n_heads) * m.head_dim, V=m.padded_vocab_size, a=ab,
                r=pb, p=pb, autocast=autocast, dropout=m.dropout > 0, cuda=device_type == "cuda",
@@ -1195,28 +1196,21 @@ class _Compression:
 
 
 def _compression(cfg: RunConfig) -> _Compression:
-    kind, every = parse_checkpointing(cfg.technique.checkpointing)
+    policy = checkpoint_policy(cfg.technique.checkpointing)
     L = cfg.model.n_layers
     # The period of the block kinds: blocks i % K == 0 are checkpointed under every:K and sqrt.
-    P = (1 if kind in ("full", "selective", "selective-matmul", "none")
-         else (max(1, round(math.sqrt(L))) if kind == "sqrt" else every))
+    P = policy.period(L)
     # Two periods, the lumps, then the last period and the remainder.
     lumps = max(0, (L - 2 * P) // P - 1)
-    return _Compression(P, lumps, L - lumps * P, 3 if kind == "selective" else 1)
+    return _Compression(P, lumps, L - lumps * P, 3 if policy.kind == "selective" else 1)
 
 
 def _segments(cfg: RunConfig, arch: Arch, dm: _Dims, trainable_base: bool, grads_exist: bool,
               comp: _Compression) -> list[_Segment]:
     m, tech = cfg.model, cfg.technique
-    kind, every = parse_checkpointing(tech.checkpointing)
+    policy = checkpoint_policy(tech.checkpointing)
+    kind = policy.kind
     L = m.n_layers
-    if kind in ("full", "selective-matmul"):
-        ckpt = lambda i: True  # noqa: E731
-    elif kind in ("none", "selective"):
-        ckpt = lambda i: False  # noqa: E731
-    else:
-        k = comp.period
-        ckpt = lambda i: i % k == 0  # noqa: E731
     mode = "selective" if kind == "selective-matmul" else "full"
     segs = [_Segment("embedding", _embedding_nodes(dm, arch, trainable_base))]
     for j in range(comp.blocks):
@@ -1233,7 +1227,7 @@ def _segments(cfg: RunConfig, arch: Arch, dm: _Dims, trainable_base: bool, grads
                      _Segment(f"block {i}", nodes[b:])]
             continue
         segs.append(_Segment(f"block {i}", nodes,
-                             checkpoint=mode if ckpt(i) else "none", input_key=f"blocks.{j}.in"))
+                             checkpoint=mode if policy.whole_block(i, L) else "none", input_key=f"blocks.{j}.in"))
     segs.append(_Segment("head", _head_nodes(dm, replace(m, n_layers=comp.blocks), tech, arch, trainable_base,
                                              grads_exist)))
     assert L == comp.blocks + comp.lumps * comp.period
@@ -1293,7 +1287,7 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     n_params = sum(p.numel * p.repeat for p in params)
     trainable = [p for p in params if p.trainable]
     n_train = sum(p.numel * p.repeat for p in trainable)
-    pb, ab, autocast = _PRECISION[tech.precision]
+    pb, ab, autocast = _precision_bytes(tech.precision)
     dm = _dims(cfg, arch, device_type)
     if autocast and world_size > 1 and shard in ("zero2", "fsdp"):
         dm = replace(dm, weights_in_compute_dtype=True)
@@ -1486,7 +1480,8 @@ def _activations_per_layer(cfg: RunConfig, arch: Arch, dm: _Dims, trainable_base
     block_input = dm.n * dm.d * dm.r
     saved = {k for n in nodes for k in n.saves if k in sizes}
     none = sum(sizes[k] for k in saved) + block_input
-    kind, every = parse_checkpointing(policy or cfg.technique.checkpointing)
+    ck = checkpoint_policy(policy or cfg.technique.checkpointing)
+    kind = ck.kind
     if kind == "none":
         return none
     full = block_input + rng_state_bytes
@@ -1501,8 +1496,7 @@ def _activations_per_layer(cfg: RunConfig, arch: Arch, dm: _Dims, trainable_base
         outside = {k for n in nodes if not n.core for k in n.saves if k in sizes}
         return sum(sizes[k] for k in outside | {"blocks.0.qkv"}) + block_input + rng_state_bytes
     L = cfg.model.n_layers
-    k = max(1, round(math.sqrt(L))) if kind == "sqrt" else every
-    n_ck = -(-L // k)
+    n_ck = ck.n_checkpointed(L)
     return (n_ck * full + (L - n_ck) * none) / L
 
 
@@ -1510,7 +1504,7 @@ def _explain(cfg: RunConfig, arch: Arch, dm: _Dims, params: list[ParamInfo], n_p
              weights: float, opt_bytes: float, opt_lines: list[str], act_layer: float, sim: _Sim,
              shard: str, world: int, device_type: str) -> list[str]:
     m, tech, t = cfg.model, cfg.technique, cfg.train
-    pb, ab, autocast = _PRECISION[tech.precision]
+    pb, ab, autocast = _precision_bytes(tech.precision)
     N = dm.n
     lines = [
         f"parameters = {n_params:,} (V*d{' x2 untied' if m.untie_embeddings else ' tied'} + "
@@ -1536,7 +1530,7 @@ def _explain(cfg: RunConfig, arch: Arch, dm: _Dims, params: list[ParamInfo], n_p
            "selective": "blocks keep everything but the attention core (scores, softmax, dropout), "
                         "which keeps q, k, v and is recomputed in backward (Megatron's selective)",
            "selective-matmul": "blocks keep input + matmul outputs; the rest is recomputed in backward"}.get(
-               parse_checkpointing(tech.checkpointing)[0], "blocks i % K == 0 keep only their input"),
+               checkpoint_policy(tech.checkpointing).kind, "blocks i % K == 0 keep only their input"),
         f"peak = {sim.peak / 2**20:.2f} MiB in {sim.peak_phase} ({sim.peak_detail})",
     ]
     if world > 1:

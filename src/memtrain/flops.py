@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from memtrain.config import ConfigError, ModelConfig, RunConfig
 from memtrain.limits import check_analytic_size
+from memtrain.techniques.facts import OPTIMIZER_STATE_RULES, checkpoint_policy, precision_facts
 
 if TYPE_CHECKING:  # torch stays out of import time for ``memtrain --help``
     import torch
@@ -170,12 +171,6 @@ OPTIMIZER_FLOPS_PER_PARAM: dict[str, float] = {
 }
 # Gradient clipping by global norm: square and accumulate (2), scale (1) per gradient element.
 CLIP_FLOPS_PER_PARAM = 3
-# Bytes of optimizer state per parameter per state tensor, and number of state tensors.
-_OPTIMIZER_STATE: dict[str, tuple[int, float]] = {
-    "adamw": (2, 4), "adamw-fused": (2, 4), "adamw-foreach": (2, 4),
-    "adamw-8bit": (2, 1), "adamw-bnb-8bit": (2, 1), "adamw-4bit": (2, 0.5),
-    "sgd": (1, 4), "adafactor": (0, 0),  # Adafactor's factored state is O(rows + cols)
-}
 
 
 def optimizer_bytes_per_param(optim: str, param_bytes: int, grad_clip: bool) -> float:
@@ -183,9 +178,10 @@ def optimizer_bytes_per_param(optim: str, param_bytes: int, grad_clip: bool) -> 
     weight, its gradient and each state tensor, write the weight and each state tensor back
     (the eager single-tensor loop moves several times this). Clipping reads the gradients
     twice (norm, then scale) and writes them once."""
-    n_states, state_bytes = _OPTIMIZER_STATE.get(optim, (2, 4))
-    if optim not in ("adamw-8bit", "adamw-bnb-8bit", "adamw-4bit") and param_bytes < 4:
-        state_bytes = param_bytes  # torch keeps the state in the weight's dtype (bf16-pure)
+    # The state rule of memtrain.techniques.facts: full-size state tensors (Adafactor's factored
+    # state is O(rows + cols): none), quantized, or in the weight's dtype (bf16-pure: 2 B).
+    rule = OPTIMIZER_STATE_RULES.get(optim, OPTIMIZER_STATE_RULES["adamw"])
+    n_states, state_bytes = rule.states, rule.state_bytes(param_bytes)
     update = 2 * param_bytes + param_bytes + 2 * n_states * state_bytes
     return update + (3 * param_bytes if grad_clip else 0)
 
@@ -470,15 +466,9 @@ def _split_attention(table: dict[str, ClassCount], only_scores: bool = False) ->
 def _precision_for_count(name: str) -> Any:
     """The run's precision on CPU, built without make_precision's global TF32 switches (a
     count must not change the settings of a run in the same process)."""
-    import torch
+    from memtrain.techniques.precision import precision_for_count
 
-    from memtrain.techniques.precision import Precision
-
-    if name in ("bf16", "fp16"):
-        return Precision(name, "cpu", autocast_dtype=torch.bfloat16 if name == "bf16" else torch.float16)
-    if name == "bf16-pure":
-        return Precision(name, "cpu", param_dtype=torch.bfloat16)
-    return Precision(name, "cpu")
+    return precision_for_count(name, "cpu")
 
 
 def _extra_flop_formulas() -> dict:
@@ -648,7 +638,7 @@ def _trace(cfg: RunConfig, fake: bool = True) -> tuple[dict[str, dict[str, Class
     if not math.isclose(attributed, total, rel_tol=1e-9, abs_tol=1.0):
         raise RuntimeError(f"FLOP attribution lost FLOPs: classes sum to {attributed:.6g}, counter {total:.6g}")
     for phase, v in table.items():
-        _split_attention(v, only_scores=phase == "recompute" and cfg.technique.checkpointing == "selective")
+        _split_attention(v, only_scores=phase == "recompute" and checkpoint_policy(cfg.technique.checkpointing).kind == "selective")
     return table, total, n_params, trainable
 
 
@@ -662,8 +652,6 @@ def _trace_by_kind(cfg: RunConfig) -> tuple[dict[str, dict[str, ClassCount]], fl
     dispatches the same ops, so a deep model's count is a 1-block model's plus (L - 1) times
     one block's (the difference of a 2-block and a 1-block trace), per kind. Shallow models are
     traced whole, as before."""
-    from memtrain.config import parse_checkpointing
-
     check_analytic_size(cfg.model)
     L = cfg.model.n_layers
     if cfg.technique.lora_rank and L > _LORA_TRACE_LAYERS:
@@ -673,12 +661,11 @@ def _trace_by_kind(cfg: RunConfig) -> tuple[dict[str, dict[str, ClassCount]], fl
                           f"{_LORA_TRACE_LAYERS} layers; got --n-layers {L}")
     if L <= _TRACE_LAYERS or cfg.technique.lora_rank:
         return _trace(cfg)
-    kind, every = parse_checkpointing(cfg.technique.checkpointing)
-    if kind in ("none", "full", "selective", "selective-matmul"):
-        counts = {cfg.technique.checkpointing: L}
+    policy = checkpoint_policy(cfg.technique.checkpointing)
+    if not policy.mixed:
+        counts = {policy.text: L}
     else:
-        k = max(1, round(math.sqrt(L))) if kind == "sqrt" else every
-        n_ck = -(-L // k)  # blocks i % k == 0
+        n_ck = policy.n_checkpointed(L)  # blocks i % K == 0
         counts = {"full": n_ck, "none": L - n_ck}
     out: dict[str, dict[str, ClassCount]] = {}
     total = 0.0
@@ -777,7 +764,7 @@ def _count_step_cached(key: str) -> StepCount:
             s = ClassCount()
             s.add(c, accum)
             scaled[phase][name] = s
-    param_bytes = 2 if cfg.technique.precision == "bf16-pure" else 4
+    param_bytes = precision_facts(cfg.technique.precision).param_bytes
     per_param = OPTIMIZER_FLOPS_PER_PARAM.get(cfg.technique.optim, 14) + (CLIP_FLOPS_PER_PARAM if t.grad_clip > 0 else 0)
     scaled["optimizer"] = {"optimizer": ClassCount(
         0.0, float(per_param * trainable),
@@ -848,8 +835,6 @@ class Roof:
                 "ridge": self.ridge, "vector_ridge": self.vector_ridge}
 
 
-_PRECISION_DTYPE = {"fp32": "fp32", "tf32": "tf32", "bf16": "bf16", "bf16-pure": "bf16", "fp16": "fp16"}
-
 
 def resolve_roof(gpu: Optional[str], precision: str) -> Roof:
     """The roof for ``gpu`` (a short name such as ``h100`` or a device name; None: the visible
@@ -868,7 +853,7 @@ def resolve_roof(gpu: Optional[str], precision: str) -> Roof:
         if spec is None:
             raise ConfigError(f"unknown --gpu {gpu!r}; choose one of {', '.join(PEAK_FLOPS)}")
     key = next(k for k, v in PEAK_FLOPS.items() if v is spec)
-    dtype = _PRECISION_DTYPE[precision]
+    dtype = precision_facts(precision).matmul_type
     peak = spec.peak(dtype)
     vector = spec.peak("fp32")
     if not peak or not vector:
