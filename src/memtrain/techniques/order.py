@@ -9,6 +9,7 @@ import torch
 
 from memtrain.config import RunConfig
 from memtrain.model import GPT
+from memtrain.models import family_of
 from memtrain.techniques.attention import apply_attention
 from memtrain.techniques.checkpointing import apply_checkpointing
 from memtrain.techniques.compile import apply_compile
@@ -26,14 +27,15 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, device: torch.device, 
     Returns the module to train: the GPT itself (compile works in place), or its
     DistributedDataParallel wrapper (FSDP2 shards the GPT in place).
     """
-    if not isinstance(model, GPT):  # a transformers model (memtrain.models): its own mapping
-        from memtrain.models.hf import prepare_hf_model
-
-        return prepare_hf_model(model, cfg, device, precision)  # type: ignore[arg-type]  # build_model made an HFCausalLM
+    family = family_of(cfg)
+    if family.prepare is not None:  # another family's mapping (memtrain.models.FAMILIES)
+        return family.prepare(model, cfg, device, precision)
     if cfg.technique.qlora:
         from memtrain.config import ConfigError
 
         raise ConfigError("--qlora quantizes a transformers --model's base weights; memtrain's GPT has none to quantize")
+    if not isinstance(model, GPT):
+        raise TypeError(f"{cfg.model.model!r} is memtrain's GPT, but the model given is a {type(model).__name__}")
     tech = cfg.technique
     model = model.to(device=device, dtype=precision.param_dtype)
     apply_lora(model, tech)
