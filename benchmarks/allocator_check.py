@@ -1,7 +1,7 @@
 """Check `memtrain estimate --gpu` (the CUDA caching-allocator model) against a real GPU.
 
 For each config, in a fresh process (so allocator caches and peaks do not leak between rows):
-two real training steps of memtrain's model (memtrain.maxbatch.measure_step_memory: the second,
+two real training steps of memtrain's model (memtrain.analysis.maxbatch.measure_step_memory: the second,
 steady-state step is measured), then
 
 * ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` of that step,
@@ -52,9 +52,9 @@ def _one(overrides: dict[str, Any]) -> dict[str, Any]:
     """Runs in the child: measure one config and estimate it."""
     import torch
 
+    from memtrain.analysis.estimate import estimate
+    from memtrain.analysis.maxbatch import measure_step_memory
     from memtrain.config import build_config
-    from memtrain.estimate import estimate
-    from memtrain.maxbatch import measure_step_memory
 
     dev = torch.device("cuda")
     torch.cuda.init()

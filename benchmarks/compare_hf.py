@@ -43,7 +43,7 @@ What is identical on both sides, and how:
   start), with forward / backward / optimizer phases; ``StepTimer`` with the same warm-up
   (metered steps excluded); validation loss on the same blocks of ``make_val_batches``.
   On CUDA, ``max_memory_allocated``/``max_memory_reserved`` are added on both sides.
-* Max batch: ``memtrain.maxbatch.find_max_batch`` on both sides under the same budget; ours
+* Max batch: ``memtrain.analysis.maxbatch.find_max_batch`` on both sides under the same budget; ours
   with its own probe, theirs with :func:`hf_step_peak` (two Trainer-equivalent steps: forward
   with labels, backward, clip, optimizer step, zero_grad). On CPU both probes trace the step
   under fake tensors (exact tracked bytes, no memory used); the traced peak at the run's batch
@@ -774,7 +774,7 @@ def _probe_at(max_batch: Optional[dict[str, Any]], batch: int) -> Optional[int]:
 
 def run_side(side: str, cfg: RunConfig, maxbatch: Optional[dict[str, Any]], exact_schedule: bool = False) -> dict[str, Any]:
     """One side's run (training, then the max-batch search); the worker process calls this."""
-    from memtrain.maxbatch import find_max_batch
+    from memtrain.analysis.maxbatch import find_max_batch
     from memtrain.runtime import resolve_device
 
     if side == "ours":
@@ -818,7 +818,7 @@ def run_side(side: str, cfg: RunConfig, maxbatch: Optional[dict[str, Any]], exac
 def traced_peak(side: str, cfg: RunConfig) -> Optional[int]:
     """The traced steady-state peak at the run's own batch (CPU)."""
     if side == "ours":
-        from memtrain.maxbatch import traced_step_peak
+        from memtrain.analysis.maxbatch import traced_step_peak
 
         return traced_step_peak(cfg, cfg.train.batch_size)
     return hf_step_peak(cfg, cfg.train.batch_size, fake=True)

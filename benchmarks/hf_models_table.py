@@ -1,7 +1,7 @@
 """Full-size transformers models traced on CPU: memory by category per technique set.
 
 For each bundled config (memtrain/models/configs) and each technique set, one steady-state
-training step is traced under fake tensors (memtrain.trace.trace_step: nothing allocated,
+training step is traced under fake tensors (memtrain.analysis.trace.trace_step: nothing allocated,
 the tracked peak exactly as a real step on the same kernels would meter it). Writes
 ``OUT/hf_models_table.json`` (one line per row, as each finishes) and ``OUT/hf_models_table.md``.
 
@@ -49,8 +49,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    from memtrain.analysis.trace import trace_step
     from memtrain.config import build_config
-    from memtrain.trace import trace_step
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

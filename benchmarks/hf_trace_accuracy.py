@@ -1,8 +1,8 @@
 """Trace vs a measured step on tiny transformers configs (the grid of tests/test_hf_models.py).
 
 For each (family, techniques) of ``TRACE_GRID``: the tracked peak of two real steps
-(memtrain.maxbatch.measure_step_memory) and of the same steps traced under fake tensors
-(memtrain.trace.trace_step), batch 4 x seq 64. Prints a Markdown table.
+(memtrain.analysis.maxbatch.measure_step_memory) and of the same steps traced under fake tensors
+(memtrain.analysis.trace.trace_step), batch 4 x seq 64. Prints a Markdown table.
 
     PYTHONPATH=src python benchmarks/hf_trace_accuracy.py
 """
@@ -19,8 +19,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 torch.set_num_threads(1)
 
 import test_hf_models as T  # noqa: E402  (the tiny configs the tests use)
-from memtrain.maxbatch import measure_step_memory  # noqa: E402
-from memtrain.trace import trace_step  # noqa: E402
+from memtrain.analysis.maxbatch import measure_step_memory  # noqa: E402
+from memtrain.analysis.trace import trace_step  # noqa: E402
 
 
 def main() -> None:

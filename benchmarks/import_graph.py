@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("data+model", ("data", "model", "attention")),
     ("techniques", ("techniques",)),
     ("metrics", ("metrics",)),
-    # FLOP counting of one step (memtrain.flops): a fact of model + techniques, the MFU
+    # FLOP counting of one step (memtrain.analysis.flops): a fact of model + techniques, the MFU
     # numerator the train loop reports, so below the step; profiling it (flops_profile) trains.
     ("counting", ("flops",)),
     ("step", ("train", "checkpoint", "distributed_checkpoint", "safe_dcp", "preflight")),

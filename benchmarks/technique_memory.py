@@ -15,8 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from memtrain.analysis.maxbatch import measure_step_memory
 from memtrain.config import build_config
-from memtrain.maxbatch import measure_step_memory
 from memtrain.runtime import environment, git_commit, resolve_device
 
 # (row name, overrides, what it shows)

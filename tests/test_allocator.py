@@ -1,4 +1,4 @@
-"""The CUDA caching-allocator model (memtrain.allocator) on synthetic timelines, and its place
+"""The CUDA caching-allocator model (memtrain.analysis.allocator) on synthetic timelines, and its place
 in `estimate`. CPU-only: the constants are PyTorch's (CUDACachingAllocator.cpp); a GPU check of
 the whole model is benchmarks/allocator_check.py."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from memtrain.allocator import CachingAllocator, MiB, replay, round_size
+from memtrain.analysis.allocator import CachingAllocator, MiB, replay, round_size
+from memtrain.analysis.estimate import estimate
 from memtrain.config import ConfigError, RunConfig
-from memtrain.estimate import estimate
 
 
 def test_rounding_to_512_bytes():

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-import memtrain.estimate as E
+import memtrain.analysis.estimate as E
+import memtrain.analysis.estimate.simulator as S
+import memtrain.analysis.estimate.training as T
 from memtrain.config import ConfigError, RunConfig
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -117,16 +119,16 @@ def test_compressed_timeline_equals_the_per_layer_one(L, ov, monkeypatch):
     cfg = RunConfig().replace(**TINY, n_layers=L, **ov)
     for device, world, shard in (("cpu", 1, None), ("cuda", 1, None), ("cuda", 4, "zero2"), ("cuda", 2, "fsdp")):
         fast = E.estimate(cfg, device_type=device, world_size=world, shard=shard)
-        assert E._compression(cfg).lumps > 0 or L < 20  # at 20 layers every policy lumps
+        assert S._compression(cfg).lumps > 0 or L < 20  # at 20 layers every policy lumps
         with monkeypatch.context() as mp:
-            whole = E._Compression(E._compression(cfg).period, 0, L)
-            mp.setattr(E, "_compression", lambda c: whole)  # noqa: B023 - used inside this iteration
+            whole = S._Compression(S._compression(cfg).period, 0, L)
+            mp.setattr(T, "_compression", lambda c: whole)  # noqa: B023 - used inside this iteration
             slow = E.estimate(cfg, device_type=device, world_size=world, shard=shard)
         assert fast.to_dict() == slow.to_dict()
 
 
 def test_flops_per_kind_equals_the_whole_trace():
-    import memtrain.flops as F
+    import memtrain.analysis.flops.count as F
 
     cfg = F._counting_config(RunConfig().replace(d_model=32, n_heads=2, n_layers=9, d_ff=64, vocab_size=128,
                                                  batch_size=2, seq_len=16, checkpointing="every:4"))

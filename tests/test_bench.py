@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY_MODEL
+from memtrain.analysis.maxbatch import find_max_batch
 from memtrain.bench.presets import DEFAULT_TECHNIQUES, TECHNIQUES, technique_overrides
 from memtrain.bench.runner import BenchOptions, read_results, resolve_rows, run_bench
 from memtrain.cli import main
 from memtrain.config import ConfigError, build_config
-from memtrain.maxbatch import find_max_batch
 from memtrain.report import write_report
 
 DATA = Path(__file__).parent / "data"
@@ -132,7 +132,7 @@ def test_maxbatch_checkpointing_fits_larger_batch(method):
 
 def test_traced_probe_equals_measured_step():
     """The fast probe (fake tensors) gives the real step's tracked peak, to the byte."""
-    from memtrain.maxbatch import measured_step_peak, traced_step_peak
+    from memtrain.analysis.maxbatch import measured_step_peak, traced_step_peak
 
     cfg = build_config({**TINY_MODEL, "vocab_size": 256, "seq_len": 32, "checkpointing": "full"})
     assert traced_step_peak(cfg, 3) == measured_step_peak(cfg, 3)

@@ -144,7 +144,7 @@ def test_per_rank_estimate_matches_the_measured_peaks(runs):
     """`estimate --world-size 2 --shard ...` against every rank's tracked peak of the runs above
     (fp32 and bf16, tied and untied): DDP's persistent gradient buckets, zero1's chunked state, zero2's
     shard plus gathered weights, fsdp's root group kept gathered."""
-    from memtrain.estimate import estimate
+    from memtrain.analysis.estimate import estimate
 
     cases = {"ddp": (UNTIED, "none"), "zero2": (UNTIED, "zero2"), "zero1": (UNTIED, "zero1"),
              "ddp_tied": (TINY_MODEL, "none"), "zero1_tied": (TINY_MODEL, "zero1"),

@@ -8,9 +8,7 @@ import json
 import pytest
 import torch
 
-from memtrain.cli import main
-from memtrain.config import ConfigError, ModelConfig, build_config
-from memtrain.estimate import (
+from memtrain.analysis.estimate import (
     estimate,
     estimate_inference,
     model_state_rule,
@@ -19,7 +17,9 @@ from memtrain.estimate import (
     parse_count,
     shape_for_params,
 )
-from memtrain.maxbatch import measure_step_memory
+from memtrain.analysis.maxbatch import measure_step_memory
+from memtrain.cli import main
+from memtrain.config import ConfigError, ModelConfig, build_config
 from memtrain.presets import preset
 
 TINY = dict(vocab_size=512, d_model=64, n_heads=4, n_layers=4, d_ff=128, max_seq_len=128, dropout=0.0,
@@ -56,7 +56,7 @@ GRID = [
 
 @pytest.fixture(scope="module")
 def grid_results():
-    from memtrain.trace import trace_step
+    from memtrain.analysis.trace import trace_step
 
     rows = []
     for name, overrides in GRID:
@@ -251,7 +251,7 @@ def test_inference_estimate_matches_a_measured_forward():
 
 # --------------------------------------------------------------------------- trace + CLI
 def test_trace_refuses_fake_cuda_on_a_cpu_build():
-    from memtrain.trace import cuda_trace_supported, trace_step
+    from memtrain.analysis.trace import cuda_trace_supported, trace_step
 
     if cuda_trace_supported():
         pytest.skip("this torch build can trace fake CUDA")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-import memtrain.estimate as E
+import memtrain.analysis.estimate as E
+import memtrain.analysis.estimate.simulator as S
+import memtrain.analysis.estimate.training as T
 from memtrain.config import RunConfig
 
 TINY = dict(vocab_size=512, d_model=64, n_heads=4, n_layers=12, d_ff=128, max_seq_len=128, batch_size=2,
@@ -14,18 +16,18 @@ TINY = dict(vocab_size=512, d_model=64, n_heads=4, n_layers=12, d_ff=128, max_se
 def _timeline_kept_per_block(cfg: RunConfig, device: str) -> float:
     """Activation bytes the step timeline keeps per block (measured on the lumped period)."""
     kept = {}
-    original = E._Graph._lump_forward
+    original = S._Graph._lump_forward
 
     def spy(self, before, held, n):
         original(self, before, held, n)
         kept.update(self._kept_by_tag)
 
-    E._Graph._lump_forward = spy
+    S._Graph._lump_forward = spy
     try:
         E.estimate(cfg, device_type=device)
     finally:
-        E._Graph._lump_forward = original
-    return kept["activations"] / E._compression(cfg).period
+        S._Graph._lump_forward = original
+    return kept["activations"] / S._compression(cfg).period
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -47,7 +49,7 @@ def test_full_checkpointing_keeps_the_block_input_only():
     cfg = RunConfig().replace(**TINY, checkpointing="full")
     n, d = 2 * 32, 64
     assert E.estimate(cfg, device_type="cuda").activations_per_layer == n * d * 4
-    assert E.estimate(cfg, device_type="cpu").activations_per_layer == n * d * 4 + E._CPU_RNG_STATE_BYTES
+    assert E.estimate(cfg, device_type="cpu").activations_per_layer == n * d * 4 + T._CPU_RNG_STATE_BYTES
 
 
 # --------------------------------------------------------------------------- selective (Megatron)
@@ -59,8 +61,8 @@ SEL = dict(vocab_size=512, d_model=64, n_heads=4, n_layers=3, d_ff=128, max_seq_
                          ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "plain")
 def test_selective_estimate_matches_measured_tracked_memory(ov):
     """Megatron's selective policy on a real CPU step (MemoryMeter) against the estimate."""
+    from memtrain.analysis.maxbatch import measure_step_memory
     from memtrain.config import build_config
-    from memtrain.maxbatch import measure_step_memory
 
     cfg = build_config(dict(SEL, checkpointing="selective", **ov))
     measured = measure_step_memory(cfg, cfg.train.batch_size)
@@ -138,8 +140,8 @@ def test_naive_loss_keeps_the_callers_logits_and_the_estimate_follows(precision)
     """--loss naive (logits kept by the caller, as `logits = model(x); loss = F.cross_entropy(...)`
     does): measured tracked peak on CPU against the estimate, and one more logits-sized buffer
     than the standard loss."""
+    from memtrain.analysis.maxbatch import measure_step_memory
     from memtrain.config import build_config
-    from memtrain.maxbatch import measure_step_memory
 
     base = dict(vocab_size=2048, d_model=64, n_heads=4, n_layers=2, d_ff=128, max_seq_len=128, batch_size=4,
                 seq_len=64, device="cpu", precision=precision)
@@ -170,7 +172,7 @@ def test_zero1_partition_is_the_sharded_optimizers(world, untie):
 
     cfg = RunConfig().replace(vocab_size=511, d_model=64, n_heads=4, n_layers=3, d_ff=256, untie_embeddings=untie)
     model = GPT(cfg.model)
-    ours = E._zero1_partition(E.param_table(cfg.model), world)
+    ours = T._zero1_partition(E.param_table(cfg.model), world)
     for rank in range(world):
         z = ShardedZeRO1(param_groups(model, 0.1), torch.optim.AdamW, rank=rank, world_size=world, lr=1e-3)
         theirs = sorted(tuple(p.shape) for g in z.optim.param_groups for p in g["params"])

@@ -7,18 +7,17 @@ import json
 import pytest
 import torch
 
-from memtrain.cli import main
-from memtrain.config import ConfigError, build_config
-from memtrain.flops import (
-    _counting_config,
-    _trace,
+from memtrain.analysis.flops import (
     count_step,
     counted_flops_per_step,
     flops_report,
     op_bytes,
     resolve_roof,
 )
-from memtrain.flops_profile import profile_op_classes
+from memtrain.analysis.flops.count import _counting_config, _trace
+from memtrain.analysis.flops.profile import profile_op_classes
+from memtrain.cli import main
+from memtrain.config import ConfigError, build_config
 
 # A tiny model, with dropout on so the dropout class is exercised.
 TINY = {"vocab_size": 512, "d_model": 64, "n_heads": 4, "n_layers": 4, "d_ff": 128, "max_seq_len": 128,

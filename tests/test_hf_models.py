@@ -226,7 +226,7 @@ def test_techniques_train_on_a_transformers_model(model_dirs, corpus, tmp_path, 
 
 
 def test_checkpointing_and_chunked_loss_cut_the_tracked_peak(model_dirs, corpus, tmp_path):
-    from memtrain.maxbatch import measure_step_memory
+    from memtrain.analysis.maxbatch import measure_step_memory
 
     base = run_cfg(model_dirs["llama"], corpus, tmp_path, seq_len=128)
     plain = measure_step_memory(base, 8)
@@ -257,7 +257,7 @@ def test_lora_trains_only_the_adapters(model_dirs, corpus, tmp_path):
 
 
 def test_lora_freezes_the_base_and_shrinks_optimizer_state(model_dirs, corpus, tmp_path):
-    from memtrain.maxbatch import measure_step_memory
+    from memtrain.analysis.maxbatch import measure_step_memory
 
     base = run_cfg(model_dirs["mistral"], corpus, tmp_path)
     full = measure_step_memory(base, 4)
@@ -267,7 +267,7 @@ def test_lora_freezes_the_base_and_shrinks_optimizer_state(model_dirs, corpus, t
 
 def test_qlora_nf4_on_cpu_stores_4bit_base_weights_and_trains(tmp_path_factory, tokenizer_files, corpus, tmp_path):
     """torchao NF4 needs weights of a multiple of 64 x 256 values: a 128-wide model."""
-    from memtrain.maxbatch import measure_step_memory
+    from memtrain.analysis.maxbatch import measure_step_memory
     from memtrain.train import train
 
     d = make_model_dir(tmp_path_factory.mktemp("q"), "llama", tokenizer_files, hidden_size=128,
@@ -346,9 +346,9 @@ TRACE_GRID = [
 @pytest.mark.parametrize("family,tech", TRACE_GRID)
 def test_trace_matches_a_measured_step_within_one_percent(model_dirs, corpus, tmp_path, family, tech):
     """The fake-tensor trace of a transformers model's step against the tracked peak of the
-    same step run for real (memtrain.maxbatch.measure_step_memory)."""
-    from memtrain.maxbatch import measure_step_memory
-    from memtrain.trace import trace_step
+    same step run for real (memtrain.analysis.maxbatch.measure_step_memory)."""
+    from memtrain.analysis.maxbatch import measure_step_memory
+    from memtrain.analysis.trace import trace_step
 
     cfg = run_cfg(model_dirs[family], corpus, tmp_path, seq_len=64, **tech)
     measured = measure_step_memory(cfg, 4)["peak_bytes"]
@@ -430,8 +430,8 @@ def test_train_cli_with_a_model_directory(model_dirs, corpus, tmp_path, capsys):
 
 def test_qlora_trace_matches_a_measured_step(tmp_path_factory, corpus, tmp_path):
     """NF4 base weights under fake tensors: the trace equals the real step's tracked peak."""
-    from memtrain.maxbatch import measure_step_memory
-    from memtrain.trace import trace_step
+    from memtrain.analysis.maxbatch import measure_step_memory
+    from memtrain.analysis.trace import trace_step
 
     d = make_model_dir(tmp_path_factory.mktemp("qt"), "llama", None, hidden_size=128,
                        intermediate_size=256, num_key_value_heads=4)

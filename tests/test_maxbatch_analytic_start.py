@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import TINY_MODEL
+from memtrain.analysis.maxbatch import find_max_batch, traced_step_peak
 from memtrain.config import build_config
-from memtrain.maxbatch import find_max_batch, traced_step_peak
 
 
 # The shortcut is taken where the estimate is byte-exact (the plain step here); where it is not
@@ -28,7 +28,7 @@ def test_analytic_start_gives_the_traced_answer_in_fewer_probes(tech, shortcut):
 
 
 def test_a_wrong_guess_falls_back_to_the_full_search(monkeypatch):
-    import memtrain.maxbatch as mb
+    import memtrain.analysis.maxbatch as mb
 
     cfg = build_config({**TINY_MODEL, "vocab_size": 50257, "seq_len": 32, "device": "cpu"})
     budget = traced_step_peak(cfg, 6)

@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
+from memtrain.analysis.estimate import estimate
+from memtrain.analysis.plan import candidate_config, plan, step_cost
 from memtrain.cli import main
 from memtrain.config import ConfigError, build_config
-from memtrain.estimate import estimate
-from memtrain.plan import candidate_config, plan, step_cost
 
 GiB = 2**30
 SMALL = dict(d_model=64, n_heads=4, n_layers=2, d_ff=128, batch_size=4, seq_len=32, device="cpu")

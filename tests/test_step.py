@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import TINY_MODEL
+from memtrain.analysis.estimate import optimizer_state_bytes, param_table
 from memtrain.config import ConfigError, build_config
-from memtrain.estimate import optimizer_state_bytes, param_table
 from memtrain.metrics import MemoryMeter, optimizer_state_bytes as measured_state_bytes
 from memtrain.step import TrainState, build_state, measure_steps, random_micro_batches, run_step
 from memtrain.techniques.checkpointing import checkpointed_blocks

@@ -1,7 +1,7 @@
 """Model presets for ``memtrain estimate --model NAME`` and ``memtrain plan --model NAME``.
 
 Each preset is a dict of :class:`memtrain.config.ModelConfig` fields (so any flag given next to
-``--model`` overrides it) plus an :class:`memtrain.estimate.Arch`.
+``--model`` overrides it) plus an :class:`memtrain.analysis.estimate.Arch`.
 
 The GPT-2 presets are exactly our model (GPT-2 small/medium/large/XL shapes, Radford et al.
 2019). The LLaMA presets are *not* our model: LLaMA uses RMSNorm, a SwiGLU MLP (three

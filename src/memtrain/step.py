@@ -2,9 +2,9 @@
 
 Every caller that trains goes through here, so a model family, a technique or a precision
 behaves the same in all of them: ``memtrain train`` (:mod:`memtrain.train`), the max-batch
-probe (:func:`memtrain.maxbatch.measure_step_memory`), the fake-tensor tracer
-(:func:`memtrain.trace.trace_step`), the op-class profiler
-(:func:`memtrain.flops_profile.profile_op_classes`), plan verification (through ``train``) and
+probe (:func:`memtrain.analysis.maxbatch.measure_step_memory`), the fake-tensor tracer
+(:func:`memtrain.analysis.trace.trace_step`), the op-class profiler
+(:func:`memtrain.analysis.flops.profile.profile_op_classes`), plan verification (through ``train``) and
 both checkpoint backends (which save and restore a :class:`TrainState`).
 
 Public API (stable; scripts such as ``benchmarks/compare_hf.py`` may build on it):

@@ -19,12 +19,12 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.nn as nn
 
+from memtrain.analysis.flops import counted_flops_per_step, rule_flops_per_token
 from memtrain.checkpoint import load_checkpoint, save_checkpoint
 from memtrain.config import RunConfig
 from memtrain.data import make_train_loader, make_val_batches, prepare_tokens
 from memtrain.device_advice import mfu_for_run, run_device_facts
 from memtrain.distributed_checkpoint import load_checkpoint as dcp_load, save_checkpoint as dcp_save
-from memtrain.flops import counted_flops_per_step, rule_flops_per_token
 from memtrain.logging_sinks import MetricsLogger, live_memory
 from memtrain.metrics import MemoryMeter, StepTimer, device_peak_memory, percentile, reset_device_peak
 from memtrain.metrics.state import ShardedStateBytes

@@ -50,7 +50,7 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
     result["status"] = "ok"
     mb = spec.get("maxbatch")
     if mb:
-        from memtrain.maxbatch import find_max_batch
+        from memtrain.analysis.maxbatch import find_max_batch
 
         try:
             found = find_max_batch(cfg, budget_bytes=mb.get("budget_bytes"), max_batch=mb.get("max_batch"),
@@ -59,7 +59,7 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
         except (ConfigError, RuntimeError) as exc:
             result["max_batch"] = {"batch_size": None, "error": str(exc).splitlines()[0]}
     try:
-        from memtrain.estimate import estimate
+        from memtrain.analysis.estimate import estimate
         from memtrain.runtime import resolve_device
 
         # The analytic prediction of the same run, shown beside the measurement in the report.

@@ -25,7 +25,7 @@ def add_model_choice(p: argparse.ArgumentParser) -> None:
 def resolve_model(args: argparse.Namespace) -> tuple[Any, Any]:
     """(RunConfig, Arch) from --model/--params and the config flags. A transformers model
     (any --model that is not a preset) has no Arch: None (memtrain.models, traced)."""
-    from memtrain.estimate import GPT2_ARCH, parse_count, shape_for_params
+    from memtrain.analysis.estimate import GPT2_ARCH, parse_count, shape_for_params
     from memtrain.presets import PRESETS, preset
 
     base: dict[str, Any] = {}
@@ -107,8 +107,8 @@ def _table(rows: list[tuple[str, str, str]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from memtrain.analysis.estimate import estimate, estimate_inference
     from memtrain.config import ConfigError
-    from memtrain.estimate import estimate, estimate_inference
 
     cfg, arch = resolve_model(args)
     if arch is None:
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--trace runs our GPT-2-style model; --model {args.preset} is estimated analytically only")
         if args.world_size > 1:
             raise ConfigError("--trace traces one process; drop --world-size to trace, or use the analytic estimate")
-        from memtrain.trace import trace_step
+        from memtrain.analysis.trace import trace_step
 
         traced = trace_step(cfg, args.trace_device or device_type)
         out["trace"] = {"peak_bytes": traced["peak_bytes"], "by_category": traced["by_category"],
@@ -193,17 +193,17 @@ def traced_estimate(cfg: Any, device_type: str) -> dict[str, Any]:
     ``method`` says "trace"; the logits are part of the traced ``activations``."""
     import time
 
-    from memtrain.trace import trace_step
+    from memtrain.analysis.trace import trace_step
 
     start = time.perf_counter()
     traced = trace_step(cfg, device_type)
     cats = traced["by_category"]
-    # The analytic model of our GPT with the llama substitutions (memtrain.estimate), shown
+    # The analytic model of our GPT with the llama substitutions (memtrain.analysis.estimate), shown
     # beside the trace with its error so nobody mistakes it for the answer: on Llama-3-8B at
     # seq 2048 it is 1-32% off (docs/models.md), outside the 10% it would need to stand alone.
     analytic = None
     try:
-        from memtrain.estimate import estimate
+        from memtrain.analysis.estimate import estimate
         from memtrain.models.spec import cost_arch
 
         e = estimate(cfg, cost_arch(cfg.model.model), device_type)

@@ -108,12 +108,12 @@ def render(report: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from memtrain.analysis.flops import flops_report, resolve_roof
+    from memtrain.analysis.flops.profile import profile_op_classes
     from memtrain.config import ConfigError
-    from memtrain.flops import flops_report, resolve_roof
-    from memtrain.flops_profile import profile_op_classes
 
     cfg = config_from_args(args, derive_max_seq_len=True)
-    from memtrain.estimate import check_analytic_size
+    from memtrain.analysis.estimate import check_analytic_size
 
     check_analytic_size(cfg.model)  # before torch is imported: an absurd size costs nothing
     if args.plot and not args.plot.lower().endswith(".png"):

@@ -21,8 +21,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from memtrain.analysis.maxbatch import find_max_batch
     from memtrain.config import parse_size
-    from memtrain.maxbatch import find_max_batch
 
     cfg = config_from_args(args, derive_max_seq_len=True)
     budget = parse_size(args.memory_budget) if args.memory_budget else None

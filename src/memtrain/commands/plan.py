@@ -37,8 +37,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from memtrain.analysis.plan import default_space, plan, verify
     from memtrain.config import ConfigError, parse_size
-    from memtrain.plan import default_space, plan, verify
 
     cfg, arch = resolve_model(args)
     device_type = device_type_for(args, cfg)

@@ -4,7 +4,7 @@ gradients and optimizer state.
 These read real tensors, so they are measurement and live here rather than beside the
 techniques that create the state (techniques never import metrics; the train loop wires the
 two together). The analytic counterpart of :func:`optimizer_state_bytes` is
-``memtrain.estimate.optimizer_state_bytes``, which predicts the same figure from a parameter
+``memtrain.analysis.estimate.optimizer_state_bytes``, which predicts the same figure from a parameter
 table without any tensor.
 """
 

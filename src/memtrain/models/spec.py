@@ -168,7 +168,7 @@ def preset_fields(spec: str) -> Optional[dict[str, Any]]:
 
 
 def cost_arch(spec: str) -> Any:
-    """The closest :class:`memtrain.estimate.Arch` of a transformers model, for the plan's
+    """The closest :class:`memtrain.analysis.estimate.Arch` of a transformers model, for the plan's
     step-time model and parameter table (orders candidates; memory comes from the trace).
     A gated MLP (Llama, Qwen2, Mistral, Gemma, Phi-3: ``intermediate_size`` + a SiLU/GELU
     gate) is ``llama``-like with its key/value heads; GPT-2 is ours."""

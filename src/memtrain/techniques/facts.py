@@ -1,8 +1,8 @@
 """What each technique *is*, as typed values parsed once: the one home of these facts.
 
 The techniques that change a run (``memtrain.techniques.*``), the analytic estimate
-(:mod:`memtrain.estimate`), the FLOP rules and counter (:mod:`memtrain.flops`), the planner
-(:mod:`memtrain.plan`) and the transformers mapping (:mod:`memtrain.models.hf`) all read
+(:mod:`memtrain.analysis.estimate`), the FLOP rules and counter (:mod:`memtrain.analysis.flops`), the planner
+(:mod:`memtrain.analysis.plan`) and the transformers mapping (:mod:`memtrain.models.hf`) all read
 these values instead of re-deriving them from the option strings:
 
 * :class:`CheckpointPolicy`: ``--checkpointing`` parsed (kind, K), and which blocks it

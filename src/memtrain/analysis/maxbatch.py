@@ -85,7 +85,7 @@ def measured_step_peak(cfg: RunConfig, batch: int) -> Optional[int]:
 
 def traced_step_peak(cfg: RunConfig, batch: int) -> Optional[int]:
     """Peak bytes of a training step traced under fake tensors (nothing allocated)."""
-    from memtrain.trace import trace_peak_bytes
+    from memtrain.analysis.trace import trace_peak_bytes
 
     return int(trace_peak_bytes(cfg.replace(batch_size=batch)))
 
@@ -118,7 +118,7 @@ def _analytic_guess(cfg: RunConfig, budget_bytes: Optional[int], multiple_of: in
     if budget_bytes is None:
         return None
     try:
-        from memtrain.estimate import estimate
+        from memtrain.analysis.estimate import estimate
         from memtrain.models import is_hf
 
         if is_hf(cfg):
@@ -153,7 +153,7 @@ def find_max_batch(  # noqa: C901 - grow then bisect, each with OOM and budget e
         method = "measure" if device.type == "cuda" else "trace"
         if method == "trace":
             try:
-                import memtrain.trace  # noqa: F401
+                import memtrain.analysis.trace  # noqa: F401
             except ImportError:
                 method = "measure"
     if probe is None:

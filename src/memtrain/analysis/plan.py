@@ -3,7 +3,7 @@
 1. Enumerate technique sets: precision x attention x checkpointing x loss x optimizer, and for
    each the largest micro-batch (a divisor of the target batch, the rest made up by gradient
    accumulation) whose *estimated* peak, plus a safety margin, fits the budget
-   (:func:`memtrain.estimate.estimate`).
+   (:func:`memtrain.analysis.estimate.estimate`).
 2. Rank the sets that fit by a relative step-time model (:func:`step_cost`).
 3. Optionally verify the best one by training it for a few steps and comparing the tracked
    peak with the prediction (:func:`verify`).
@@ -21,8 +21,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from memtrain.analysis.estimate import GPT2_ARCH, Arch, estimate, param_count
 from memtrain.config import ConfigError, RunConfig
-from memtrain.estimate import GPT2_ARCH, Arch, estimate, param_count
 from memtrain.techniques.facts import checkpoint_policy
 
 __all__ = ["Candidate", "PlanResult", "DEVICE_PROFILES", "default_space", "plan", "step_cost", "verify"]
@@ -238,7 +238,7 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
         nonlocal evaluated
         evaluated += 1
         if traced:
-            from memtrain.trace import trace_step
+            from memtrain.analysis.trace import trace_step
 
             r = trace_step(c, device_type)
             return float(r["peak_bytes"]), str(r["peak_phase"])

@@ -1,8 +1,9 @@
 """Measured seconds per operation class: ``memtrain flops --profile``.
 
-Beside :mod:`memtrain.flops` (which counts) because this one trains: it builds and steps the
-configured run with the step harness (:mod:`memtrain.step`), so it sits above the step while
-the counting that the train loop needs for MFU sits below it (no import circle between the two).
+Beside :mod:`memtrain.analysis.flops` (which counts) because this one trains: it builds and
+steps the configured run with the step harness (:mod:`memtrain.step`), so it sits above the
+step while the counting that the train loop needs for MFU sits below it (no import circle
+between the two).
 """
 
 from __future__ import annotations
@@ -11,11 +12,10 @@ import contextlib
 from collections import defaultdict
 from typing import Iterator
 
-from memtrain.config import ConfigError, RunConfig
-
 # The op-class recorder is shared with the counter so that profiled time and counted FLOPs
 # use the same classes; it stays private to the flops modules.
-from memtrain.flops import _make_recorder
+from memtrain.analysis.flops.recorder import _make_recorder
+from memtrain.config import ConfigError, RunConfig
 
 __all__ = ["profile_op_classes"]
 

@@ -1,0 +1,169 @@
+"""Parameter catalogue: every tensor of our model (and its LoRA adapters) from the model shape;
+parameter counts, and a plausible shape for a bare parameter count.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Iterable, Optional
+
+from memtrain.analysis.limits import MAX_LAYERS, MAX_PARAMS, check_analytic_size
+from memtrain.archs import GPT2_ARCH, Arch
+from memtrain.config import ConfigError, ModelConfig, TechniqueConfig
+
+
+# --------------------------------------------------------------------------- parameters
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter tensor: its name, shape and whether it is trained."""
+
+    name: str
+    shape: tuple[int, ...]
+    trainable: bool = True
+    block: Optional[int] = None  # index of the Transformer block it belongs to
+    # How many tensors of this shape the entry stands for: a compressed table (one per layer
+    # *kind*, see :func:`param_count`) counts a block's parameters once with repeat = n_layers.
+    repeat: int = 1
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _lora_targets(tech: TechniqueConfig) -> set[str]:
+    return {t.strip() for t in tech.lora_targets.split(",") if t.strip()}
+
+
+def param_table(m: ModelConfig, arch: Arch = GPT2_ARCH, tech: Optional[TechniqueConfig] = None) -> list[ParamInfo]:
+    """Every parameter tensor of the model, in ``model.parameters()`` order (tied head once).
+
+    With LoRA (``tech.lora_rank > 0``) the base weights are frozen and each targeted Linear
+    gets ``A (r x in)`` and ``B (out x r)`` adapters (peft's layout); only those train.
+    One entry per tensor, so O(n_layers): :func:`param_count` answers counts in O(1).
+    """
+    check_analytic_size(m)
+    return _param_table(m, arch, tech, range(m.n_layers))
+
+
+def param_count(m: ModelConfig, arch: Arch = GPT2_ARCH, tech: Optional[TechniqueConfig] = None) -> tuple[int, int]:
+    """(parameters, trainable parameters) counted per layer kind: one block's tensors times
+    ``n_layers`` plus the rest, so the cost does not grow with the depth."""
+    check_analytic_size(m)
+    total = trainable = 0
+    for p in _param_table(m, arch, tech, range(min(1, m.n_layers))):
+        k = p.numel * (m.n_layers if p.block is not None else 1)
+        total += k
+        trainable += k if p.trainable else 0
+    return total, trainable
+
+
+def _param_table(m: ModelConfig, arch: Arch, tech: Optional[TechniqueConfig], blocks: Iterable[int],
+                 repeat: Optional[dict[int, int]] = None) -> list[ParamInfo]:
+    """The table with only the blocks ``blocks`` (indices used in the names); ``repeat``
+    gives a block's entries a multiplicity (the compressed simulation's lumped periods)."""
+    d, f, V = m.d_model, m.d_ff, m.padded_vocab_size
+    kv = (arch.n_kv_heads or m.n_heads) * m.head_dim
+    bias = m.bias and arch.name == "gpt2"
+    lora = tech.lora_rank if tech is not None else 0
+    targets = _lora_targets(tech) if lora else set()  # type: ignore[arg-type]  # lora > 0 implies tech is not None
+    frozen = bool(lora)
+    out: list[ParamInfo] = [ParamInfo("wte.weight", (V, d), not frozen)]
+    if arch.positional == "learned":
+        out.append(ParamInfo("wpe.weight", (m.max_seq_len, d), not frozen))
+
+    rep = repeat or {}
+
+    def norm(name: str, i: Optional[int]) -> None:
+        k = rep.get(i, 1) if i is not None else 1
+        out.append(ParamInfo(f"{name}.weight", (d,), not frozen, i, k))
+        if bias and arch.norm == "layernorm":
+            out.append(ParamInfo(f"{name}.bias", (d,), not frozen, i, k))
+
+    def linear(name: str, short: str, n_in: int, n_out: int, i: int) -> None:
+        k = rep.get(i, 1)
+        out.append(ParamInfo(f"{name}.weight", (n_out, n_in), not frozen, i, k))
+        if bias:
+            out.append(ParamInfo(f"{name}.bias", (n_out,), not frozen, i, k))
+        if lora and short in targets:
+            out.append(ParamInfo(f"{name}.lora_A", (lora, n_in), True, i, k))
+            out.append(ParamInfo(f"{name}.lora_B", (n_out, lora), True, i, k))
+
+    for i in blocks:
+        p = f"blocks.{i}"
+        norm(f"{p}.ln_1", i)
+        linear(f"{p}.attn.qkv", "qkv", d, d + 2 * kv, i)
+        linear(f"{p}.attn.proj", "proj", d, d, i)
+        norm(f"{p}.ln_2", i)
+        if arch.mlp == "swiglu":
+            linear(f"{p}.mlp.fc", "fc", d, 2 * f, i)  # gate and up fused
+        else:
+            linear(f"{p}.mlp.fc", "fc", d, f, i)
+        linear(f"{p}.mlp.fc_out", "fc_out", f, d, i)
+    norm("ln_f", None)
+    if m.untie_embeddings:
+        out.append(ParamInfo("lm_head.weight", (V, d), not frozen))
+    return out
+
+
+def parse_count(text: str | int | float) -> int:
+    """``3B``, ``124M``, ``7e9``, ``350k`` -> a parameter count."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    s = str(text).strip().replace("_", "").replace(",", "")
+    mult = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+    unit = s[-1:].lower()
+    try:
+        value = float(s[:-1]) * mult[unit] if unit in mult else float(s)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"cannot read parameter count {text!r}; write it like 3B, 124M or 7e9")
+    if value > MAX_PARAMS:
+        raise ConfigError(f"parameter count {text!r} is beyond what memtrain estimates (at most {MAX_PARAMS:.0e}); "
+                          f"give a real size such as 175B")
+    return int(value)
+
+
+# GPT-3 paper (Brown et al. 2020, table 2.1): (n_layers, d_model, n_heads) by size. Used to give
+# a bare parameter count a plausible GPT-2-style shape.
+_GPT3_SHAPES = [(4, 256, 8), (8, 512, 8), (12, 768, 12), (24, 1024, 16), (24, 1536, 16), (24, 2048, 16), (32, 2560, 32),
+                (32, 4096, 32), (40, 5120, 40), (96, 12288, 96)]
+
+
+def shape_for_params(target: int, base: Optional[ModelConfig] = None) -> ModelConfig:
+    """A GPT-2-style ModelConfig with about ``target`` parameters (within 0.1%).
+
+    Width and heads come from the GPT-3 size ladder entry nearest in count; depth is scaled to
+    the target; ``d_ff`` (4 x d_model to start) is then adjusted so the total lands on the
+    target. Vocabulary, context length, dropout, bias and tying come from ``base``.
+    """
+    base = base or ModelConfig()
+
+    def count(n_layers: int, d: int, h: int, f: int) -> int:
+        cfg = replace(base, d_model=d, n_heads=h, n_layers=n_layers, d_ff=f)
+        return param_count(cfg)[0]
+
+    best = None
+    for n_layers, d, h in _GPT3_SHAPES:
+        c = count(n_layers, d, h, 4 * d)
+        if best is None or abs(math.log(c / target)) < abs(math.log(best[0] / target)):
+            best = (c, n_layers, d, h)
+    assert best is not None
+    _, n_layers, d, h = best
+    per_layer = count(2, d, h, 4 * d) - count(1, d, h, 4 * d)
+    fixed = count(1, d, h, 4 * d) - per_layer
+    n_layers = max(1, round((target - fixed) / per_layer))
+    if n_layers > MAX_LAYERS:
+        raise ConfigError(f"--params {target:,} would need {n_layers:,} layers at d_model {d} (the widest GPT-3 "
+                          f"shape); memtrain estimates at most {MAX_LAYERS:,}: give the shape with "
+                          f"--d-model/--n-layers/--d-ff")
+    # Per layer, d_ff contributes (2 d + 1) parameters for each unit (fc and fc_out, fc bias).
+    per_ff = count(n_layers, d, h, 4 * d + 1) - count(n_layers, d, h, 4 * d)
+    f = max(1, 4 * d + round((target - count(n_layers, d, h, 4 * d)) / per_ff))
+    got = count(n_layers, d, h, f)
+    if abs(got / target - 1) > 0.01:
+        raise ConfigError(
+            f"--params {target:,} cannot be matched by a GPT-2-style shape with vocabulary "
+            f"{base.vocab_size} (closest {got:,}); give the shape with --d-model/--n-layers/--d-ff instead")
+    return replace(base, d_model=d, n_heads=h, n_layers=n_layers, d_ff=f)

@@ -1,0 +1,448 @@
+"""The storage-lifetime simulator: nodes, segments, the step's timeline and its peak.
+
+Generic over the op inventory (:mod:`memtrain.analysis.estimate.inventory` builds the nodes);
+it knows only a step's structure (embedding, blocks, head; forward, loss, backward, optimizer
+step) and, for deep models, which blocks stand in for the rest (:class:`_Compression`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from memtrain.config import RunConfig
+from memtrain.techniques.facts import checkpoint_policy
+
+# The JSON contract's component names (training._CATEGORY_OF maps each to a meter category).
+COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "temporaries")
+
+
+# --------------------------------------------------------------------------- the simulator
+class _Sim:
+    """Live-storage accounting: allocations, frees and the peak with its breakdown.
+
+    Each storage has a category (final role, as MemoryMeter reports it at the peak) and a
+    component tag (weights, gradients, optimizer, activations, logits, temporaries).
+    """
+
+    def __init__(self) -> None:
+        self.live: dict[int, tuple[float, str]] = {}
+        self.by_tag: dict[str, float] = {c: 0.0 for c in COMPONENTS}
+        self.total = 0.0
+        self.peak = -1.0
+        self.peak_tags: dict[str, float] = {}
+        self.peak_phase = ""
+        self.peak_detail = ""
+        self.phase = ""
+        self.detail = ""
+        self.phase_peaks: dict[str, float] = {}
+        self._next = 0
+        # (op, storage id, bytes) in order, for the CUDA caching-allocator replay; None = off.
+        self.events: Optional[list[tuple[str, int, float]]] = None
+
+    def alloc(self, nbytes: float, tag: str) -> int:
+        self._next += 1
+        sid = self._next
+        if self.events is not None:
+            self.events.append(("alloc", sid, nbytes))
+        self.live[sid] = (nbytes, tag)
+        self.by_tag[tag] += nbytes
+        self.total += nbytes
+        self._check()
+        return sid
+
+    def free(self, sid: Optional[int]) -> None:
+        if sid is None or sid not in self.live:
+            return
+        if self.events is not None:
+            self.events.append(("free", sid, 0.0))
+        nbytes, tag = self.live.pop(sid)
+        self.by_tag[tag] -= nbytes
+        self.total -= nbytes
+
+    def transient(self, nbytes: float, tag: str = "temporaries") -> None:
+        if nbytes > 0:
+            self.free(self.alloc(nbytes, tag))
+
+    def retag(self, sid: int, tag: str) -> None:
+        nbytes, old = self.live[sid]
+        self.by_tag[old] -= nbytes
+        self.by_tag[tag] += nbytes
+        self.live[sid] = (nbytes, tag)
+
+    def at(self, phase: str, detail: str) -> None:
+        self.phase, self.detail = phase, detail
+
+    def _check(self) -> None:
+        if self.total > self.phase_peaks.get(self.phase, -1.0):
+            self.phase_peaks[self.phase] = self.total
+        if self.total > self.peak:
+            self.peak = self.total
+            self.peak_tags = dict(self.by_tag)
+            self.peak_phase = self.phase
+            self.peak_detail = self.detail
+
+
+@dataclass
+class _Node:
+    """One op of the forward pass, as far as memory is concerned.
+
+    ``out``: new storages it allocates, (key, bytes) or (key, bytes, tag); ``inputs``: keys it
+    reads (for lifetimes); ``saves``: keys autograd keeps for its backward; ``grads``: (key,
+    bytes) gradients its backward produces (``param:NAME`` for a parameter, bytes 0.0 there
+    meaning "the parameter's size"; bytes 0.0 for a tensor: the output's gradient passed through
+    without a copy); ``grad_out``: the key(s) whose gradient it consumes (default: first output);
+    ``grad_from``: gradients that are forward storages handed over (the chunked loss computes
+    them in forward); ``hold``: outputs live until the forward ends (autocast's weight cache);
+    ``matmul``: selective checkpointing keeps its outputs; ``scratch``/``fwd_scratch``: transient
+    bytes of its backward/forward.
+    """
+
+    name: str
+    out: list[tuple] = field(default_factory=list)
+    inputs: list[str] = field(default_factory=list)
+    saves: list[str] = field(default_factory=list)
+    grads: list[tuple[str, float]] = field(default_factory=list)
+    grad_out: Optional[tuple[str, ...]] = None
+    grad_from: dict[str, str] = field(default_factory=dict)
+    hold: bool = False
+    matmul: bool = False
+    keep: Optional[tuple[str, ...]] = None
+    scratch: float = 0.0
+    fwd_scratch: float = 0.0
+    tag: str = "activations"
+    core: bool = False  # part of the attention core (q, k, v -> output) that selective recomputes
+
+    def sac_kept(self) -> tuple[str, ...]:
+        """Outputs selective checkpointing keeps (those of the matmul/attention kernel itself)."""
+        if not self.matmul:
+            return ()
+        return self.keep if self.keep is not None else tuple(o[0] for o in self.out)
+
+    def out_keys(self) -> tuple[str, ...]:
+        if self.grad_out is not None:
+            return self.grad_out
+        return (self.out[0][0],) if self.out else ()
+
+
+@dataclass
+class _Segment:
+    """A run of nodes: a Transformer block (maybe checkpointed), the embedding or the head."""
+
+    name: str
+    nodes: list[_Node]
+    checkpoint: str = "none"  # none | full | selective
+    input_key: Optional[str] = None
+
+
+class _Graph:
+    """Runs forward and backward of a list of segments through a :class:`_Sim`."""
+
+    def __init__(self, sim: _Sim, segments: list[_Segment], param_grad: dict[str, float],
+                 grads_exist: bool, rng_state_bytes: float) -> None:
+        self.sim = sim
+        self.segments = segments
+        self.param_grad = param_grad  # trainable param name -> bytes of its .grad
+        self.rng_state_bytes = rng_state_bytes
+        self.store: dict[str, int] = {}  # key -> storage id (forward tensors)
+        self.saved_refs: dict[str, int] = {}
+        self.grad_sid: dict[str, int] = {}  # key -> storage id of its gradient
+        self.grad_refs: dict[int, int] = {}
+        # Gradient accumulation: every .grad exists already (sid -1: counted by the caller).
+        self.param_grad_sid: dict[str, int] = {k: -1 for k in param_grad} if grads_exist else {}
+        self._shared: dict[int, str] = {}  # gradient storage id -> forward key it belongs to
+        self.tied: set[str] = set()  # parameters used twice (the tied embedding / LM head)
+        self.deferred: dict[str, Any] = {}  # tied parameter -> its buffered first gradient (key or sid)
+        # Deep models: lumped periods of blocks (see _Compression); their storages by tag.
+        self.comp: Optional[_Compression] = None
+        # --loss naive: forward keys a caller keeps past the step, and actions after a node's forward.
+        self.pinned: set[str] = set()
+        self.after_forward: dict[str, Any] = {}
+        self.lump_kept: list[int] = []  # freed in backward
+        self.lump_flush: list[int] = []  # autocast weight copies no op saved: freed when forward ends
+        self.lump_grads: list[int] = []  # what the lumped periods leave after backward (gradients)
+        self._kept_by_tag: dict[str, float] = {}
+
+    def _snapshot(self) -> dict[str, float]:
+        return dict(self.sim.by_tag)
+
+    def _lump_forward(self, before: dict[str, float], held: list[str], n_held_before: int) -> None:
+        """After the measured period's forward: allocate ``lumps`` copies of what it kept."""
+        comp, sim = self.comp, self.sim
+        assert comp is not None
+        flush: dict[str, float] = {}
+        for k in held[n_held_before:]:
+            if k not in self.saved_refs and k in self.store:
+                nbytes, tag = sim.live[self.store[k]]
+                flush[tag] = flush.get(tag, 0.0) + nbytes
+        for tag in COMPONENTS:
+            delta = sim.by_tag[tag] - before[tag]
+            kept = delta - flush.get(tag, 0.0)
+            self._kept_by_tag[tag] = kept
+            if kept:
+                self.lump_kept.append(sim.alloc(comp.lumps * kept, tag))
+            if flush.get(tag):
+                self.lump_flush.append(sim.alloc(comp.lumps * flush[tag], tag))
+
+    def _lump_backward(self, before: dict[str, float]) -> None:
+        """After the backward of the period above the lump: the lumped periods' backward, each
+        changing the live bytes by what that period's backward changed them by."""
+        comp, sim = self.comp, self.sim
+        assert comp is not None
+        delta = {tag: sim.by_tag[tag] - before[tag] for tag in COMPONENTS}
+        for sid in self.lump_kept:
+            sim.free(sid)
+        self.lump_kept = []
+        for tag in COMPONENTS:
+            left = comp.lumps * (self._kept_by_tag.get(tag, 0.0) + delta[tag])
+            if left:
+                self.lump_grads.append(sim.alloc(left, tag))
+
+    # ---- forward
+    def _release(self, key: str) -> None:
+        n = self.saved_refs.get(key, 0)
+        if n > 1:
+            self.saved_refs[key] = n - 1
+            return
+        self.saved_refs.pop(key, None)
+        if key in self.pinned:
+            return
+        self.sim.free(self.store.pop(key, None))
+
+    def _run_forward(self, nodes: list[_Node], keep_saves: bool, tag_override: Optional[str],
+                     keep_keys: set[str], later: Any) -> list[str]:
+        """Allocate outputs, keep saved tensors, free the rest at last use; returns the keys held
+        by autocast's cache (freed when the autocast region ends)."""
+        last: dict[str, int] = {}
+        for i, n in enumerate(nodes):
+            for k in n.inputs:
+                last[k] = i
+        held: list[str] = []
+        for i, n in enumerate(nodes):
+            for o in n.out:
+                key, nbytes = o[0], o[1]
+                if key in self.store:
+                    continue  # selective checkpointing: output cached from the forward pass
+                tag = tag_override or (o[2] if len(o) > 2 else n.tag)
+                self.store[key] = self.sim.alloc(nbytes, tag)
+            self.sim.transient(n.fwd_scratch, tag_override or n.tag)
+            if keep_saves:
+                for k in n.saves:
+                    if k in self.store:
+                        self.saved_refs[k] = self.saved_refs.get(k, 0) + 1
+            if n.hold:
+                held.extend(o[0] for o in n.out)
+            if n.name in self.after_forward:
+                self.after_forward.pop(n.name)()
+            for k in set(n.inputs) | {o[0] for o in n.out}:
+                if (last.get(k, -1) > i or k in later or k in keep_keys or k in self.saved_refs or k in held
+                        or k in self.pinned):
+                    continue
+                self.sim.free(self.store.pop(k, None))
+        return held
+
+    def _flush(self, held: list[str]) -> None:
+        for k in held:
+            if k not in self.saved_refs:
+                self.sim.free(self.store.pop(k, None))
+
+    # ---- backward
+    def _grad_alloc(self, n: _Node, key: str, nbytes: float, through: Optional[int]) -> None:
+        sim = self.sim
+        if key.startswith("param:"):
+            name = key[6:]
+            if name not in self.param_grad:
+                return  # frozen parameter
+            if name in self.deferred:
+                # The tied weight's second gradient (the embedding's): autograd sums it with the
+                # buffered first one out of place into the .grad; then both are freed.
+                tmp = sim.alloc(nbytes, "temporaries")
+                self.param_grad_sid[name] = sim.alloc(self.param_grad[name], "gradients")
+                sim.free(tmp)
+                buffered = self.deferred.pop(name)
+                if isinstance(buffered, str):
+                    self._release(buffered)
+                else:
+                    sim.free(buffered)
+                return
+            if name in self.param_grad_sid:
+                if key not in n.grad_from:
+                    sim.transient(nbytes)  # the op's gradient, added in place into .grad
+                return
+            if name in self.tied:
+                # A tied weight has two gradient edges: autograd buffers the first (the LM
+                # head's; for the chunked loss, its grad_w itself) until the embedding's arrives.
+                src = n.grad_from.get(key)
+                if src is not None and src in self.store:
+                    self.deferred[name] = src
+                    self.saved_refs[src] = self.saved_refs.get(src, 0) + 1
+                else:
+                    self.deferred[name] = sim.alloc(nbytes, "temporaries")
+                return
+            self.param_grad_sid[name] = sim.alloc(self.param_grad[name], "gradients")
+            return
+        src = n.grad_from.get(key)
+        if src is not None and src in self.store and key not in self.grad_sid:
+            # A forward buffer handed on as this gradient: shared, freed with its last user.
+            sid = self.store[src]
+            self.saved_refs[src] = self.saved_refs.get(src, 0) + 1
+            self.grad_sid[key] = sid
+            self.grad_refs[sid] = self.grad_refs.get(sid, 0) + 1
+            self._shared[sid] = src
+            return
+        if key in self.grad_sid:
+            sim.transient(nbytes)  # a second gradient for the same tensor is added in
+            return
+        if nbytes == 0 and through is not None:
+            self.grad_sid[key] = through
+            self.grad_refs[through] = self.grad_refs.get(through, 0) + 1
+            return
+        sid = sim.alloc(nbytes, "temporaries")
+        self.grad_sid[key] = sid
+        self.grad_refs[sid] = 1
+
+    def _drop_grad(self, key: str) -> None:
+        if key not in self.grad_sid:
+            return
+        sid = self.grad_sid.pop(key)
+        self.grad_refs[sid] -= 1
+        if self.grad_refs[sid] <= 0:
+            self.grad_refs.pop(sid)
+            if sid in self._shared:
+                self._release(self._shared.pop(sid))
+            else:
+                self.sim.free(sid)
+
+    def _backward_nodes(self, nodes: list[_Node]) -> None:
+        for n in reversed(nodes):
+            keys = n.out_keys()
+            has_grad = any(k in self.grad_sid for k in keys)
+            if has_grad or n.name == "loss":
+                through = next((self.grad_sid[k] for k in keys if k in self.grad_sid), None)
+                for key, nbytes in n.grads:
+                    self._grad_alloc(n, key, nbytes, through)
+                self.sim.transient(n.scratch)
+                for k in keys:
+                    self._drop_grad(k)
+            for k in n.saves:
+                if k in self.saved_refs:
+                    self._release(k)
+
+    # ---- the step
+    def forward(self) -> None:
+        sim = self.sim
+        last_seg: dict[str, int] = {}
+        for idx, seg in enumerate(self.segments):
+            for n in seg.nodes:
+                for k in n.inputs:
+                    last_seg[k] = idx
+        held: list[str] = []
+        lump = self.comp is not None and self.comp.lumps > 0
+        for idx, seg in enumerate(self.segments):
+            if lump and idx == self.comp.fwd_segments.start:  # type: ignore[union-attr]  # self.comp is set when lump is true
+                before, n_held = self._snapshot(), len(held)
+            self._forward_segment(idx, seg, _Later(last_seg, idx), held)
+            if lump and idx == self.comp.fwd_segments.stop - 1:  # type: ignore[union-attr]  # self.comp is set when lump is true
+                self._lump_forward(before, held, n_held)
+        # Leaving autocast drops its weight cache: casts no op saved are freed now.
+        self._flush(held)
+        for sid in self.lump_flush:
+            sim.free(sid)
+
+    def _forward_segment(self, idx: int, seg: _Segment, later: "_Later", held: list[str]) -> None:
+        sim = self.sim
+        sim.at("forward", seg.name)
+        if seg.checkpoint == "none":
+            held += self._run_forward(seg.nodes, True, None, set(), later)
+            return
+        # Checkpointed: nothing saved but the block input (held by the checkpoint) and, for
+        # selective checkpointing, the matmul outputs; plus the RNG state it stores.
+        if seg.input_key and seg.input_key in self.store:
+            self.saved_refs[seg.input_key] = self.saved_refs.get(seg.input_key, 0) + 1
+        keep = {k for n in seg.nodes for k in n.sac_kept()} if seg.checkpoint == "selective" else set()
+        held += self._run_forward(seg.nodes, False, None, keep, later)
+        if self.rng_state_bytes:
+            sim.alloc(self.rng_state_bytes, "activations")
+
+    def backward(self) -> None:
+        lump = self.comp is not None and self.comp.lumps > 0
+        for idx in range(len(self.segments) - 1, -1, -1):
+            seg = self.segments[idx]
+            if lump and idx == self.comp.bwd_segments.stop - 1:  # type: ignore[union-attr]  # self.comp is set when lump is true
+                before = self._snapshot()
+            self._backward_segment(seg)
+            if lump and idx == self.comp.bwd_segments.start:  # type: ignore[union-attr]  # self.comp is set when lump is true
+                self._lump_backward(before)
+
+    def _backward_segment(self, seg: _Segment) -> None:
+        sim = self.sim
+        label = "loss backward" if seg.name == "head" else f"backward {seg.name}"
+        if seg.checkpoint != "none":
+            sim.at("backward", f"recompute {seg.name}")
+            # Recompute up to the last op whose tensors backward needs (non-reentrant
+            # checkpoint stops there); the recomputed saves live until their op's backward.
+            last_saver = max((i for i, n in enumerate(seg.nodes) if n.saves), default=-1)
+            held = self._run_forward(seg.nodes[: last_saver + 1], True, "temporaries", set(), set())
+            self._flush(held)
+        sim.at("backward", label)
+        self._backward_nodes(seg.nodes)
+        if seg.checkpoint != "none" and seg.input_key and seg.input_key in self.saved_refs:
+            self._release(seg.input_key)
+
+
+class _Later:
+    """``key in later``: the key is read by a segment after ``idx``."""
+
+    __slots__ = ("last", "idx")
+
+    def __init__(self, last: dict[str, int], idx: int) -> None:
+        self.last, self.idx = last, idx
+
+    def __contains__(self, key: str) -> bool:
+        return self.last.get(key, -1) > self.idx
+
+
+@dataclass
+class _Compression:
+    """Which blocks the simulation runs when the model is deep (layer kinds, not layers).
+
+    Block kinds repeat with a period ``P`` (1 without checkpointing or with full/selective;
+    K for ``every:K``; round(sqrt(L)) for ``sqrt``). The simulation runs the first two periods,
+    then stands ``lumps`` periods in as one allocation per category (what a period keeps after
+    its forward; what it changes in backward, measured on the period right after the lump),
+    then the last period plus the remainder. Exact, not an approximation: every lumped period
+    is the same sequence of allocations as its simulated neighbours, its live total differs
+    from theirs by a constant per period (forward: it only grows; backward: an affine function
+    of the position), so the largest total over the lumped periods is reached at a simulated
+    neighbour. ``real`` maps a simulated block to the model's block index (for labels).
+    """
+
+    period: int
+    lumps: int
+    blocks: int  # simulated blocks
+    per_block: int = 1  # segments per block (3 under selective: before, attention core, after)
+
+    def real(self, j: int) -> int:
+        return j if j < 2 * self.period else j + self.lumps * self.period
+
+    @property
+    def fwd_segments(self) -> range:
+        """Segment indices (embedding is 0) of the period whose forward is measured (period 1)."""
+        w = self.period * self.per_block
+        return range(1 + w, 1 + 2 * w)
+
+    @property
+    def bwd_segments(self) -> range:
+        """Segment indices of the period right after the lump (measured in backward)."""
+        w = self.period * self.per_block
+        return range(1 + 2 * w, 1 + 3 * w)
+
+
+def _compression(cfg: RunConfig) -> _Compression:
+    policy = checkpoint_policy(cfg.technique.checkpointing)
+    L = cfg.model.n_layers
+    # The period of the block kinds: blocks i % K == 0 are checkpointed under every:K and sqrt.
+    P = policy.period(L)
+    # Two periods, the lumps, then the last period and the remainder.
+    lumps = max(0, (L - 2 * P) // P - 1)
+    return _Compression(P, lumps, L - lumps * P, 3 if policy.kind == "selective" else 1)

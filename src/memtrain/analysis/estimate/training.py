@@ -1,0 +1,293 @@
+"""The estimate of one steady-state training step: the timeline replayed, by component and phase."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Optional
+
+from memtrain.analysis.estimate.explain import _activations_per_layer, _explain
+from memtrain.analysis.estimate.inventory import _dims, _precision_bytes, _segments
+from memtrain.analysis.estimate.optimizer import _optimizer_temporaries, optimizer_state_bytes
+from memtrain.analysis.estimate.params import ParamInfo, _param_table
+from memtrain.analysis.estimate.rules import model_state_rule
+from memtrain.analysis.estimate.simulator import _compression, _Graph, _Segment, _Sim
+from memtrain.analysis.limits import check_analytic_size
+from memtrain.archs import GPT2_ARCH, Arch
+from memtrain.config import ConfigError, RunConfig
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+# Which meter category each of the JSON contract's components (simulator.COMPONENTS) is part of.
+_CATEGORY_OF = {"weights": "parameters", "gradients": "gradients", "optimizer": "optimizer",
+                "activations": "activations", "logits": "activations", "temporaries": "temporaries"}
+
+# Bytes of torch.get_rng_state() on CPU: non-reentrant checkpointing stores one per block call
+# (preserve_rng_state=True) so that dropout draws the same masks during the recompute.
+_CPU_RNG_STATE_BYTES = 5056
+
+
+# --------------------------------------------------------------------------- the estimate
+@dataclass
+class Estimate:
+    """What :func:`estimate` returns (``to_dict`` is the JSON of ``memtrain estimate --json``)."""
+
+    parameters: int
+    trainable_parameters: int
+    bytes: dict[str, float]
+    peak_bytes: float
+    peak_phase: str
+    peak_detail: str
+    by_category: dict[str, float]
+    phase_peaks: dict[str, float]
+    activations_per_layer: float  # under the configured checkpointing (mean over blocks)
+    explanation: list[str]
+    rules: dict[str, Any]
+    shape: dict[str, Any]
+    mode: str = "train"
+    world_size: int = 1
+    shard: str = "none"
+    extra: dict[str, Any] = field(default_factory=dict)
+    activations_per_layer_no_checkpointing: float = 0.0
+    # With estimate(gpu=...): the CUDA caching allocator's view (memtrain.analysis.allocator.DeviceMemory).
+    device_memory: Optional[dict[str, Any]] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["bytes"] = {k: int(round(v)) for k, v in self.bytes.items()}
+        d["by_category"] = {k: int(round(v)) for k, v in self.by_category.items()}
+        d["phase_peaks"] = {k: int(round(v)) for k, v in self.phase_peaks.items()}
+        d["peak_bytes"] = int(round(self.peak_bytes))
+        d["activations_per_layer"] = int(round(self.activations_per_layer))
+        d["activations_per_layer_no_checkpointing"] = int(round(self.activations_per_layer_no_checkpointing))
+        return d
+
+
+def _validate(cfg: RunConfig, arch: Arch, device_type: str) -> None:
+    tech = cfg.technique
+    if tech.compile:
+        pass  # compile changes kernels, not (to first order) what is saved; estimated as eager
+    if arch.n_kv_heads and cfg.model.n_heads % arch.n_kv_heads:
+        raise ConfigError(f"n_kv_heads {arch.n_kv_heads} must divide --n-heads {cfg.model.n_heads}")
+    if device_type not in ("cpu", "cuda"):
+        raise ConfigError(f"--trace-device/--device-type {device_type!r}: use cpu or cuda")
+
+
+def estimate(  # noqa: C901 - the step timeline in order; splits with the analysis package
+    cfg: RunConfig,
+    arch: Arch = GPT2_ARCH,
+    device_type: Optional[str] = None,
+    world_size: int = 1,
+    shard: Optional[str] = None,
+    gpu: Optional[str] = None,
+    *,
+    _compress: bool = True,
+) -> Estimate:
+    """Memory of one steady-state training step (the second step: optimizer state exists).
+
+    ``gpu`` (with CUDA kernels): also replay the timeline through the CUDA caching-allocator
+    model (:mod:`memtrain.analysis.allocator`) and report ``device_memory`` {``allocated``, ``reserved``,
+    ``device_total``} as torch.cuda and nvidia-smi would show them, for that GPU kind's assumed
+    CUDA context ("default" for any other name). Runs the per-layer timeline: up to 1024 layers.
+
+    ``device_type`` (cpu|cuda; default from ``cfg.train.device``, auto = cuda) decides the few
+    kernel facts that differ: dropout keeps a float noise tensor on CPU but a 1-byte mask on
+    CUDA; SDPA on CPU has no dropout in its fused kernel. ``world_size``/``shard``
+    (zero1|zero2|fsdp, default ``cfg.technique.distributed``) give the memory of one rank.
+    """
+    device_type = device_type or ("cpu" if cfg.train.device == "cpu" else "cuda")
+    _validate(cfg, arch, device_type)
+    m, tech, t = cfg.model, cfg.technique, cfg.train
+    shard = shard or tech.distributed
+    if shard in ("deepspeed-zero2",):
+        shard = "zero2"
+    if shard in ("deepspeed-zero3",):
+        shard = "fsdp"
+    if world_size < 1:
+        raise ConfigError(f"--world-size must be >= 1, got {world_size}")
+    check_analytic_size(m)
+    # Deep models run a few blocks and lump the rest (per layer kind: O(1) in n_layers); the
+    # table has one entry per simulated tensor, the lumped blocks' counted by ``repeat``.
+    comp = _compression(cfg)
+    if not _compress:
+        comp = replace(comp, lumps=0, blocks=m.n_layers)
+    rep = {j: 1 + comp.lumps for j in range(comp.period, 2 * comp.period)} if comp.lumps else None
+    params = _param_table(m, arch, tech, range(comp.blocks), rep)
+    n_params = sum(p.numel * p.repeat for p in params)
+    trainable = [p for p in params if p.trainable]
+    n_train = sum(p.numel * p.repeat for p in trainable)
+    pb, ab, autocast = _precision_bytes(tech.precision)
+    dm = _dims(cfg, arch, device_type)
+    if autocast and world_size > 1 and shard in ("zero2", "fsdp"):
+        dm = replace(dm, weights_in_compute_dtype=True)
+    # DDP (and zero1, which runs on DDP) keeps the gradients in its communication buckets
+    # (gradient_as_bucket_view) from the first step on: they exist before every backward, as
+    # under gradient accumulation, and each op's gradient is added into them.
+    ddp_buckets = world_size > 1 and shard in ("none", "ddp", "zero1")
+    grads_exist = t.grad_accum > 1 or ddp_buckets
+    lora = tech.lora_rank > 0
+    # LoRA adapters are created in float32 next to the (possibly bf16) frozen base.
+    adapter_bytes = 4 if lora else pb
+    pbytes: dict[str, float] = {p.name: p.numel * (adapter_bytes if "lora_" in p.name else pb) for p in params}
+    repeat = {p.name: p.repeat for p in params}
+    weights = sum(v * repeat[k] for k, v in pbytes.items())
+    grad_bytes = {p.name: pbytes[p.name] for p in trainable}
+    grad_total = sum(v * repeat[k] for k, v in grad_bytes.items())
+    opt_bytes, opt_lines = optimizer_state_bytes(trainable, tech.optim, adapter_bytes, tech.optim_block)
+    opt_tmp = _optimizer_temporaries(trainable, tech.optim, adapter_bytes, t.weight_decay)
+    zero1: Optional[dict[str, Any]] = None
+    if shard == "zero1" and world_size > 1 and sum(p.repeat for p in trainable) <= _ZERO1_MAX_TENSORS:
+        # memtrain's ZeRO-1 gives each rank the dim-0 chunk of every tensor (ceil(rows/N) rows,
+        # the last ranks fewer): the rank with the most state (rank 0) is reported.
+        ranks = _zero1_partition(trainable, world_size)
+        per_rank = [optimizer_state_bytes(ps, tech.optim, adapter_bytes, tech.optim_block)[0] for ps in ranks]
+        worst = per_rank.index(max(per_rank))
+        zero1 = {"rank": worst, "optimizer_per_rank": per_rank,
+                 "scratch": _optimizer_temporaries(ranks[worst], tech.optim, adapter_bytes, t.weight_decay)}
+
+    # ---- sharding (one rank's share)
+    n = world_size
+    shard_div = {"weights": 1, "gradients": 1, "optimizer": 1}
+    if n > 1 and shard in ("zero1", "zero2", "fsdp"):
+        shard_div["optimizer"] = n
+        if shard in ("zero2", "fsdp"):
+            shard_div["gradients"] = n
+        if shard == "fsdp":
+            shard_div["weights"] = n
+
+    if gpu is not None and device_type == "cuda" and _compress:
+        if m.n_layers > 1024:
+            raise ConfigError(f"--gpu (the CUDA allocator model) replays every layer: at most 1024, got {m.n_layers}")
+        est = estimate(cfg, arch, device_type, world_size, shard, gpu, _compress=False)
+        est.device_memory = est.extra.pop("_device_memory")
+        return est
+    sim = _Sim()
+    if gpu is not None and device_type == "cuda":
+        sim.events = []
+    sim.at("start", "weights and optimizer state")
+    w_rank = weights / shard_div["weights"]
+    gathered_bytes = 0.0
+    if shard == "zero2" and n > 1:
+        # FSDP2 with reshard_after_forward=False: each rank holds its 1/N shard, and the
+        # all-gathered full weights (in the compute dtype: FSDP2's MixedPrecisionPolicy gathers
+        # bf16 under autocast) from the forward until the end of backward.
+        w_rank = weights / n
+        gathered_bytes = sum(p.numel * p.repeat * (ab if autocast else pb) for p in params)
+    opt_share = zero1["optimizer_per_rank"][zero1["rank"]] if zero1 else opt_bytes / shard_div["optimizer"]
+    tmp_share = zero1["scratch"] if zero1 else opt_tmp / shard_div["optimizer"]
+    state_sids = [sim.alloc(w_rank, "weights"), sim.alloc(opt_share, "optimizer")]
+    if shard == "fsdp" and n > 1:
+        # FSDP all-gathers one block's parameters at a time (forward and backward).
+        per_block = max((sum(pbytes[p.name] for p in params if p.block == i) for i in range(comp.blocks)), default=0)
+        sim.alloc(per_block, "temporaries")
+        # The root group (embeddings, final norm, tied head) is gathered at the first forward
+        # and kept until its backward ends: the whole step (in the compute dtype, as for zero2).
+        gathered_bytes = sum(p.numel * p.repeat * (ab if autocast else pb) for p in params if p.block is None)
+    if grads_exist:
+        sim.alloc(grad_total / shard_div["gradients"], "gradients")
+
+    segs = _segments(cfg, arch, dm, not lora, grads_exist, comp)
+    _fill_param_grads(segs, pbytes)
+    graph = _Graph(sim, segs, grad_bytes, grads_exist, _CPU_RNG_STATE_BYTES if device_type == "cpu" else 0)
+    graph.comp = comp
+    if tech.loss == "naive":
+        # The caller's `logits` holds the previous step's logits until model(x) returns the new
+        # ones, and the new ones past the end of this step.
+        previous = sim.alloc(dm.n * dm.V * dm.a, "logits")
+        graph.after_forward["lm_head"] = lambda: sim.free(previous)
+        graph.pinned.add("logits")
+    if not m.untie_embeddings:
+        graph.tied.add("wte.weight")
+    gathered = sim.alloc(gathered_bytes, "weights") if gathered_bytes else None
+    graph.forward()
+    graph.backward()
+    sim.free(gathered)
+    if shard_div["gradients"] > 1:
+        # ZeRO-2 / FSDP: after the reduce-scatter a rank keeps 1/N of the gradients.
+        lumped = [sid for sid in graph.lump_grads if sim.live.get(sid, (0, ""))[1] == "gradients"]
+        for sid in [v for v in graph.param_grad_sid.values() if v > 0] + lumped:
+            sim.free(sid)
+        sim.alloc(grad_total / shard_div["gradients"], "gradients")
+
+    # Optimizer step: weights + grads + states + scratch, then zero_grad frees the grads.
+    sim.at("optimizer", f"{tech.optim} step")
+    sim.transient(tmp_share, "temporaries")
+
+    device_memory = None
+    if sim.events is not None:
+        from memtrain.analysis.allocator import replay
+
+        # The weights and optimizer state are one number each in the timeline but one tensor
+        # per parameter (per state) on the device: the allocator sees them tensor by tensor.
+        n_states = {"adamw": 2, "adamw-foreach": 2, "adamw-fused": 2, "sgd": 1}.get(tech.optim)
+        per_tensor = [pbytes[p.name] / shard_div["weights"] for p in params]
+        if n_states:
+            per_tensor += [pbytes[p.name] / shard_div["optimizer"] for p in trainable for _ in range(n_states)]
+        else:
+            per_tensor.append(opt_share)
+        events = [e for e in sim.events if e[1] not in state_sids]
+        device_memory = replay(events, gpu, sim.peak, per_tensor).to_dict()
+
+    peak_tags = sim.peak_tags
+    by_category = {c: 0.0 for c in CATEGORIES}
+    for tag, v in peak_tags.items():
+        by_category[_CATEGORY_OF[tag]] += v
+    rng = _CPU_RNG_STATE_BYTES if device_type == "cpu" else 0
+    act_layer = _activations_per_layer(cfg, arch, dm, not lora, rng)
+    act_layer_none = _activations_per_layer(cfg, arch, dm, not lora, rng, "none")
+    expl = _explain(cfg, arch, dm, params, n_params, n_train, weights, opt_bytes, opt_lines, act_layer_none,
+                    sim, shard, n, device_type)
+    rule = model_state_rule(n_params, tech.optim, trainable=n_train if lora else None,
+                            mixed_precision=autocast)
+    return Estimate(
+        parameters=n_params,
+        trainable_parameters=n_train,
+        bytes=dict(peak_tags),
+        peak_bytes=sim.peak,
+        peak_phase=sim.peak_phase,
+        peak_detail=sim.peak_detail,
+        by_category=by_category,
+        phase_peaks={k: v for k, v in sim.phase_peaks.items() if k},
+        activations_per_layer=act_layer,
+        activations_per_layer_no_checkpointing=act_layer_none,
+        explanation=expl,
+        rules=rule,
+        shape={"arch": arch.name, "d_model": m.d_model, "n_layers": m.n_layers, "n_heads": m.n_heads,
+               "d_ff": m.d_ff, "vocab": m.padded_vocab_size, "tied": not m.untie_embeddings,
+               "batch_size": t.batch_size, "seq_len": t.seq_len, "grad_accum": t.grad_accum},
+        world_size=n,
+        shard=shard if n > 1 else "none",
+        extra={"model_state": {"weights": weights / shard_div["weights"],
+                               "gradients": grad_total / shard_div["gradients"],
+                               "optimizer": opt_share,
+                               "optimizer_step_scratch": tmp_share},
+               **({"zero1": {"rank": zero1["rank"], "optimizer_per_rank": zero1["optimizer_per_rank"]}}
+                  if zero1 else {}),
+               "device_type": device_type, **({"_device_memory": device_memory} if device_memory else {})},
+    )
+
+
+# Above this many trainable tensors ZeRO-1's per-rank split is not replayed (the even split is used).
+_ZERO1_MAX_TENSORS = 1_000_000
+
+
+def _zero1_partition(params: list[ParamInfo], world: int) -> list[list[ParamInfo]]:
+    """The tensors whose state each rank keeps under ``--distributed zero1``
+    (:class:`memtrain.techniques.zero1.ShardedZeRO1`): rank r's dim-0 chunk of every tensor,
+    ``torch.chunk``'s split (ceil(rows / N) rows each, the last ranks fewer or none)."""
+    from memtrain.techniques.zero1 import dim0_range
+
+    out: list[list[ParamInfo]] = [[] for _ in range(world)]
+    for p in params:
+        rows = p.shape[0] if p.shape else 1
+        for r in range(world):
+            start, end = dim0_range(rows, r, world)
+            if end > start:
+                out[r].append(replace(p, shape=(end - start, *p.shape[1:])))
+    return out
+
+
+def _fill_param_grads(segs: list[_Segment], pbytes: dict[str, float]) -> None:
+    """Replace the 0.0 placeholders of parameter gradients by the parameter's size."""
+    for seg in segs:
+        for n in seg.nodes:
+            n.grads = [(k, pbytes.get(k[6:], 0.0) if (k.startswith("param:") and v == 0.0) else v)
+                       for k, v in n.grads]

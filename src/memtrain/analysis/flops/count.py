@@ -1,0 +1,363 @@
+"""Counted FLOPs and bytes of one training step (FlopCounterMode under FakeTensorMode)."""
+
+from __future__ import annotations
+
+import json
+import math
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+from memtrain.analysis.flops.classes import ClassCount, StepCount
+from memtrain.analysis.flops.recorder import _in_core, _make_recorder
+from memtrain.analysis.flops.rules import CLIP_FLOPS_PER_PARAM, OPTIMIZER_FLOPS_PER_PARAM, optimizer_bytes_per_param
+from memtrain.analysis.limits import check_analytic_size
+from memtrain.config import ConfigError, ModelConfig, RunConfig
+from memtrain.techniques.facts import checkpoint_policy, precision_facts
+
+if TYPE_CHECKING:  # torch stays out of import time for ``memtrain --help``
+    import torch
+
+
+def _split_attention(table: dict[str, ClassCount], only_scores: bool = False) -> None:
+    """Split the math backend's ``attn_core`` bmm into QK^T and AV, half each.
+
+    Exact, not an estimate: QK^T multiplies (T x hd)(hd x T) and AV (T x T)(T x hd), so in
+    the forward both are 2*T*T*hd FLOPs reading one (T,T) and two (T,hd)-sized operands
+    (inputs and output together); in the backward each produces two gradients with the same
+    shapes. The two matmuls run as the same aten op (bmm) inside the same module, so the
+    dispatcher alone cannot tell them apart, but they are equal in FLOPs and bytes."""
+    core = table.pop("attn_core", None)
+    if core is None:
+        return
+    if only_scores:
+        # Selective checkpointing's recompute of the attention core stops (non-reentrant
+        # checkpoint's early stop) once q k^T's softmax and v are back: probs @ v never reruns.
+        table.setdefault("attn_scores", ClassCount()).add(core)
+        return
+    for name in ("attn_scores", "attn_values"):
+        table.setdefault(name, ClassCount()).add(core, 0.5)
+
+
+def _precision_for_count(name: str) -> Any:
+    """The run's precision on CPU, built without make_precision's global TF32 switches (a
+    count must not change the settings of a run in the same process)."""
+    from memtrain.techniques.precision import precision_for_count
+
+    return precision_for_count(name, "cpu")
+
+
+def _extra_flop_formulas() -> dict:
+    """Formulas the counter lacks in torch 2.13, with the counts of torch's own formulas:
+
+    * in-place ``addmm_`` / ``baddbmm_`` (the chunked loss accumulates the LM-head weight
+      gradient with ``addmm_``; without this a third of the LM head would go uncounted);
+    * the CPU flash-attention kernels SDPA picks on CPU (torch registers the CUDA ones only).
+    """
+    import torch
+    from torch.utils import flop_counter as fc
+
+    aten = torch.ops.aten
+    mapping: dict = {}
+    if aten.addmm_ not in fc.flop_registry:
+        mapping[aten.addmm_] = lambda self, a, b, *args, out_shape=None, **kw: fc.mm_flop(a, b)
+    if aten.baddbmm_ not in fc.flop_registry:
+        mapping[aten.baddbmm_] = lambda self, a, b, *args, out_shape=None, **kw: fc.bmm_flop(a, b)
+    fwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if fwd is not None and fwd not in fc.flop_registry:
+        mapping[fwd] = lambda q, k, v, *a, out_shape=None, **kw: fc.sdpa_flop_count(q, k, v)
+    if bwd is not None and bwd not in fc.flop_registry:
+        mapping[bwd] = lambda g, q, k, v, *a, out_shape=None, **kw: fc.sdpa_backward_flop_count(g, q, k, v)
+    return mapping
+
+
+def _counting_config(cfg: RunConfig, **overrides: Any) -> RunConfig:
+    """The config a count runs: the same model and techniques on CPU, eager (compile fuses
+    kernels but does not change the FLOPs), single process."""
+    return cfg.replace(compile=False, distributed="none", cpu_offload=False, device="cpu", **overrides)
+
+
+def _use_fused_dropout(model: Any) -> None:
+    """Make this (throwaway) model run dropout as CUDA does: one fused ``native_dropout`` kernel
+    (output and mask in one pass). On CPU ``F.dropout`` decomposes into bernoulli_, div_ and
+    mul kernels, three passes over the tensor; counting those would describe bytes no GPU
+    moves. FLOPs are unaffected. ``nn.Dropout`` modules get an instance ``forward``; attention
+    functions (which call ``F.dropout`` inside, e.g. the math backend) run under a
+    TorchFunctionMode that rewrites the call. Both act again in checkpointing's recompute,
+    which must see the same ops as the forward did."""
+    import functools
+
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    from memtrain.techniques.checkpointing import _checkpointed_call
+
+    def fused(x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+        return torch.native_dropout(x, p, True)[0] if train and p > 0.0 else x
+
+    targets = {F.dropout, torch.dropout}
+
+    class _FusedDropout(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            kwargs = kwargs or {}
+            if func in targets:
+                p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+                train = kwargs.get("training", kwargs.get("train", args[2] if len(args) > 2 else True))
+                return fused(args[0], p, train)
+            return func(*args, **kwargs)
+
+    def wrap_attention(fn: Any) -> Any:
+        def attn_fn(*args: Any, **kwargs: Any) -> Any:
+            with _FusedDropout():
+                return fn(*args, **kwargs)
+        return attn_fn
+
+    names = {m: ("GPT." + n if n else "GPT") for n, m in model.named_modules()}
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.forward = (lambda m: lambda x: fused(x, m.p, m.training))(module)  # type: ignore[method-assign]  # patches this instance's forward on purpose
+        fn = getattr(module, "attn_fn", None)
+        if isinstance(fn, functools.partial) and fn.func is _checkpointed_call:
+            # Selective checkpointing checkpoints the attention core: the mode must be active
+            # inside it, where its recompute runs too, not around it. The core is no module,
+            # so it names its attention module on _CORE_STACK for the recorder.
+            inner = wrap_attention(fn.args[0])
+            core = (lambda f, name: lambda *a, **k: _in_core(name, f, *a, **k))(inner, names[module])
+            module.attn_fn = functools.partial(fn.func, core, *fn.args[1:], **fn.keywords)
+        elif callable(fn):
+            module.attn_fn = wrap_attention(fn)
+
+
+def _empty_model(cfg: ModelConfig, build: Any = None) -> Any:
+    """A GPT whose weights are allocated but never initialized: built on the meta device (no
+    init arithmetic), then given uninitialized CPU storage (pages are not touched until read).
+    A count needs shapes, not values. ``to_empty`` unties shared weights, so ties are restored."""
+    import torch
+
+    from memtrain.model import GPT
+
+    with torch.device("meta"):
+        model = build() if build is not None else GPT(cfg)  # build: a transformers --model
+    first: dict[int, tuple[Any, str]] = {}
+    ties: list[tuple[Any, str, Any, str]] = []
+    for mod in model.modules():
+        for name, p in mod._parameters.items():
+            if p is None:
+                continue
+            if id(p) in first:
+                ties.append((mod, name, *first[id(p)]))
+            else:
+                first[id(p)] = (mod, name)
+    model.to_empty(device="cpu")
+    for mod, name, src_mod, src_name in ties:
+        setattr(mod, name, getattr(src_mod, src_name))
+    return model
+
+
+def _trace(cfg: RunConfig, fake: bool = True) -> tuple[dict[str, dict[str, ClassCount]], float, int, int]:
+    """One micro-batch forward + backward of the configured model under FakeTensorMode with
+    FlopCounterMode and the recorder; returns (table, counter total, params, trainable).
+    ``fake=False`` runs the same step with real tensors (tests check both agree)."""
+    import contextlib
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from memtrain.techniques import prepare_model
+
+    t = cfg.train
+    precision = _precision_for_count(cfg.technique.precision)
+    from memtrain.models import build_model, is_hf
+
+    if fake:
+        base = _empty_model(cfg.model, (lambda: build_model(cfg, with_weights=False)) if is_hf(cfg) else None)
+    else:
+        base = build_model(cfg)
+    n_params = base.num_parameters()
+    model = prepare_model(base, cfg, torch.device("cpu"), precision)
+    model.train()
+    _use_fused_dropout(model)
+    # Parameters are real (uninitialized) CPU tensors: modules built inside FakeTensorMode
+    # cannot be moved with .to(), which prepare_model does. Everything the step computes is fake.
+    with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+        trainable = sum({id(p): p.numel() for p in model.parameters() if p.requires_grad}.values())
+        idx = torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len))
+        targets = torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len))
+        counter = FlopCounterMode(display=False, custom_mapping=_extra_flop_formulas())
+        with counter:
+            recorder = _make_recorder(model, counter.mod_tracker, counter.flop_registry, cfg.model.padded_vocab_size)
+            with recorder:
+                with precision.autocast():
+                    loss = model(idx, targets)
+                recorder.phase = "backward"
+                loss.backward()
+    total = float(counter.get_total_flops())
+    table = {p: dict(v) for p, v in recorder.table.items()}
+    attributed = sum(c.counted for v in table.values() for c in v.values())
+    if not math.isclose(attributed, total, rel_tol=1e-9, abs_tol=1.0):
+        raise RuntimeError(f"FLOP attribution lost FLOPs: classes sum to {attributed:.6g}, counter {total:.6g}")
+    for phase, v in table.items():
+        _split_attention(v, only_scores=phase == "recompute" and checkpoint_policy(cfg.technique.checkpointing).kind == "selective")
+    return table, total, n_params, trainable
+
+
+# Models deeper than this are counted per layer kind (below), not traced whole.
+_TRACE_LAYERS = 8
+_LORA_TRACE_LAYERS = 128
+
+
+def _trace_by_kind(cfg: RunConfig) -> tuple[dict[str, dict[str, ClassCount]], float, int, int]:
+    """:func:`_trace`, in O(1) of the depth: every block of one kind (checkpointed or not)
+    dispatches the same ops, so a deep model's count is a 1-block model's plus (L - 1) times
+    one block's (the difference of a 2-block and a 1-block trace), per kind. Shallow models are
+    traced whole, as before."""
+    check_analytic_size(cfg.model)
+    L = cfg.model.n_layers
+    if cfg.technique.lora_rank and L > _LORA_TRACE_LAYERS:
+        # peft's adapters make the counter's module tracker attribute backward ops to a
+        # neighbouring block's class, so per-class counts are not additive per block.
+        raise ConfigError(f"memtrain flops with --lora-rank traces the whole model, at most "
+                          f"{_LORA_TRACE_LAYERS} layers; got --n-layers {L}")
+    if L <= _TRACE_LAYERS or cfg.technique.lora_rank:
+        return _trace(cfg)
+    policy = checkpoint_policy(cfg.technique.checkpointing)
+    if not policy.mixed:
+        counts = {policy.text: L}
+    else:
+        n_ck = policy.n_checkpointed(L)  # blocks i % K == 0
+        counts = {"full": n_ck, "none": L - n_ck}
+    out: dict[str, dict[str, ClassCount]] = {}
+    total = 0.0
+    n_params = trainable = 0
+    first = True
+    for ck, n in counts.items():
+        t1, c1, p1, tr1 = _trace(cfg.replace(n_layers=1, checkpointing=ck))
+        t2, c2, p2, tr2 = _trace(cfg.replace(n_layers=2, checkpointing=ck))
+        if first:  # the embedding and the head, once: the 1-block trace minus its block
+            _accumulate(out, t1, 1.0)
+            _accumulate(out, t2, -1.0)
+            _accumulate(out, t1, 1.0)
+            total += 2 * c1 - c2
+            n_params += 2 * p1 - p2
+            trainable += 2 * tr1 - tr2
+            first = False
+        _accumulate(out, t2, float(n))
+        _accumulate(out, t1, -float(n))
+        total += n * (c2 - c1)
+        n_params += n * (p2 - p1)
+        trainable += n * (tr2 - tr1)
+    for phase in list(out):
+        out[phase] = {name: c for name, c in out[phase].items() if c.ops or c.counted or c.bytes or c.elementwise}
+        if not out[phase]:
+            del out[phase]
+    return out, total, n_params, trainable
+
+
+def _accumulate(into: dict[str, dict[str, ClassCount]], table: dict[str, dict[str, ClassCount]], scale: float) -> None:
+    for phase, classes in table.items():
+        dest = into.setdefault(phase, {})
+        for name, c in classes.items():
+            d = dest.setdefault(name, ClassCount())
+            d.counted += scale * c.counted
+            d.elementwise += scale * c.elementwise
+            d.bytes += scale * c.bytes
+            d.ops += round(scale * c.ops)
+
+
+def _rule_terms(cfg: RunConfig, n_params: int, tokens: int) -> dict[str, float]:
+    """The rule's two terms and the parameters it names, for the side-by-side."""
+    m = cfg.model
+    matmul_params = n_params - m.max_seq_len * m.d_model
+    return {
+        "six_n_d": 6.0 * matmul_params * tokens,
+        "attention": 12.0 * m.n_layers * m.d_model * cfg.train.seq_len * tokens,
+        "rule_params": float(matmul_params),
+    }
+
+
+def count_step(cfg: RunConfig) -> StepCount:
+    """Counted FLOPs and bytes of one optimizer step of ``cfg``, by phase and operation class.
+
+    Forward and backward are counted on one micro-batch and multiplied by ``grad_accum`` (the
+    micro-batches have the same shapes). With activation checkpointing, ops that run inside a
+    module's forward during the backward pass are the recomputation; they are counted as phase
+    ``recompute``, whatever the policy (full, every:K, selective).
+    """
+    return _count_step_cached(_cache_key(cfg))
+
+
+def _cache_key(cfg: RunConfig) -> str:
+    """What a count depends on: model, techniques, micro-batch shape, accumulation, clipping."""
+    d = cfg.to_dict()
+    keep = {k: d["train"][k] for k in ("batch_size", "seq_len", "grad_accum", "grad_clip")}
+    return json.dumps({"model": d["model"], "technique": d["technique"], "train": keep}, sort_keys=True)
+
+
+@lru_cache(maxsize=32)
+def _count_step_cached(key: str) -> StepCount:
+    from memtrain.config import build_config
+
+    cfg = _counting_config(build_config(json.loads(key)))
+    t = cfg.train
+    notes: list[str] = []
+    try:
+        table, counter_total, n_params, trainable = _trace_by_kind(cfg)
+    except ConfigError as exc:
+        # Some kernels exist on CUDA only (mem-efficient, flex backward, flash-attn). The count
+        # runs on CPU, so it runs the same model with SDPA: torch counts every fused attention
+        # kernel with the same formula (full seq x seq), so the FLOPs are the same; the
+        # attention bytes are those of the CPU SDPA path.
+        if cfg.technique.attention in ("math", "sdpa"):
+            raise
+        table, counter_total, n_params, trainable = _trace_by_kind(cfg.replace(attention="sdpa"))
+        notes.append(f"--attention {cfg.technique.attention} cannot run on CPU ({exc}); counted with "
+                     f"--attention sdpa: same FLOPs, attention bytes of the CPU SDPA path")
+    forward = table.get("forward", {})
+    backward = table.get("backward", {})
+    recompute = table.get("recompute", {})
+    accum = t.grad_accum
+    scaled: dict[str, dict[str, ClassCount]] = {}
+    for phase, classes in (("forward", forward), ("backward", backward), ("recompute", recompute)):
+        scaled[phase] = {}
+        for name, c in classes.items():
+            s = ClassCount()
+            s.add(c, accum)
+            scaled[phase][name] = s
+    param_bytes = precision_facts(cfg.technique.precision).param_bytes
+    per_param = OPTIMIZER_FLOPS_PER_PARAM.get(cfg.technique.optim, 14) + (CLIP_FLOPS_PER_PARAM if t.grad_clip > 0 else 0)
+    scaled["optimizer"] = {"optimizer": ClassCount(
+        0.0, float(per_param * trainable),
+        float(optimizer_bytes_per_param(cfg.technique.optim, param_bytes, t.grad_clip > 0) * trainable), 1)}
+    tokens = t.batch_size * t.seq_len * accum
+    terms = _rule_terms(cfg, n_params, tokens)
+    return StepCount(
+        table=scaled, counter_flops=counter_total * accum, tokens=tokens, n_params=n_params,
+        trainable_params=trainable, rule_flops=terms["six_n_d"] + terms["attention"],
+        rule_terms=terms, notes=notes,
+    )
+
+
+def counted_flops_per_step(cfg: RunConfig) -> dict[str, float]:
+    """FLOPs of one optimizer step of ``cfg`` (all micro-batches), for MFU and reports.
+
+    Keys: ``forward``, ``backward``, ``recompute`` (FlopCounterMode counts: matmuls and
+    attention kernels), ``elementwise`` (analytic, all phases), ``optimizer`` (analytic update
+    and clipping), ``total`` (all of these), ``model_flops`` (forward + backward: the MFU
+    numerator by the PaLM convention, which leaves recomputation out so checkpointing does
+    not look faster), ``hardware_flops`` (``model_flops`` + recompute), ``rule`` (6ND +
+    attention) and ``tokens``. Cached per config (a count traces the model with fake tensors,
+    about a second for the default model).
+    """
+    s = count_step(cfg)
+    fwd, bwd, rec = (s.phase_total(p, "counted") for p in ("forward", "backward", "recompute"))
+    elementwise = sum(s.phase_total(p, "elementwise") for p in ("forward", "backward", "recompute"))
+    optimizer = s.phase_total("optimizer")
+    return {
+        "forward": fwd, "backward": bwd, "recompute": rec, "elementwise": elementwise,
+        "optimizer": optimizer, "total": fwd + bwd + rec + elementwise + optimizer,
+        "model_flops": fwd + bwd, "hardware_flops": fwd + bwd + rec,
+        "rule": s.rule_flops, "tokens": float(s.tokens),
+    }

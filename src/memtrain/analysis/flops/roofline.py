@@ -1,0 +1,183 @@
+"""The roofline of one step: a GPU's roofs, each class's position, the reconciliation with the rule."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Optional
+
+from memtrain.config import ConfigError, RunConfig
+from memtrain.techniques.facts import precision_facts
+
+if TYPE_CHECKING:  # torch stays out of import time for ``memtrain --help``
+    pass
+
+from memtrain.analysis.flops.classes import MATMUL_CLASSES, OP_CLASSES, PHASES, ClassCount, StepCount
+from memtrain.analysis.flops.count import count_step
+
+
+# --------------------------------------------------------------------------- roofline
+@dataclass(frozen=True)
+class Roof:
+    """A GPU's roofline for one precision: tensor-core peak (matmuls), FP32 vector peak
+    (everything else) and memory bandwidth."""
+
+    gpu: str
+    key: str
+    dtype: str
+    peak_flops: float
+    vector_flops: float
+    bandwidth: float
+
+    @property
+    def ridge(self) -> float:
+        """FLOP/byte where the matmul roof turns from memory- to compute-bound."""
+        return self.peak_flops / self.bandwidth
+
+    @property
+    def vector_ridge(self) -> float:
+        return self.vector_flops / self.bandwidth
+
+    def peak_for(self, op_class: str) -> float:
+        return self.peak_flops if op_class in MATMUL_CLASSES else self.vector_flops
+
+    def attainable(self, intensity: float, op_class: str) -> float:
+        return min(self.peak_for(op_class), self.bandwidth * intensity)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.gpu, "key": self.key, "dtype": self.dtype, "peak_flops": self.peak_flops,
+                "vector_peak_flops": self.vector_flops, "mem_bandwidth": self.bandwidth,
+                "ridge": self.ridge, "vector_ridge": self.vector_ridge}
+
+
+
+
+def resolve_roof(gpu: Optional[str], precision: str) -> Roof:
+    """The roof for ``gpu`` (a short name such as ``h100`` or a device name; None: the visible
+    CUDA GPU, else H100 SXM) at the matmul type of ``precision``."""
+    from memtrain.metrics import PEAK_FLOPS, device_gpu, lookup_gpu
+
+    if gpu is None:
+        import torch
+
+        spec = device_gpu("cuda") if torch.cuda.is_available() else lookup_gpu("h100")
+        if spec is None:
+            raise ConfigError(f"the visible GPU {torch.cuda.get_device_name()!r} has no peak figures here; "
+                              f"name a similar one with --gpu ({', '.join(PEAK_FLOPS)})")
+    else:
+        spec = lookup_gpu(gpu)
+        if spec is None:
+            raise ConfigError(f"unknown --gpu {gpu!r}; choose one of {', '.join(PEAK_FLOPS)}")
+    key = next(k for k, v in PEAK_FLOPS.items() if v is spec)
+    dtype = precision_facts(precision).matmul_type
+    peak = spec.peak(dtype)
+    vector = spec.peak("fp32")
+    if not peak or not vector:
+        raise ConfigError(f"--gpu {key} has no {dtype} tensor cores; choose --precision fp16 or fp32")
+    return Roof(spec.name, key, dtype, float(peak), float(vector), float(spec.mem_bandwidth))
+
+
+def roofline_ops(count: StepCount, roof: Roof, measured_s: Optional[dict[str, float]] = None) -> list[dict[str, Any]]:
+    """One row per operation class: FLOPs, bytes, intensity, attainable FLOP/s, verdict, the
+    roofline time estimate (max of compute time and memory time) and, when a measured profile
+    is given, the measured time and achieved FLOP/s."""
+    classes = count.by_class()
+    rows: list[dict[str, Any]] = []
+    for name, label in OP_CLASSES:
+        c = classes.get(name)
+        if c is None or (c.flops == 0 and c.bytes == 0):
+            continue
+        intensity = c.flops / c.bytes if c.bytes else math.inf
+        ridge = roof.peak_for(name) / roof.bandwidth
+        est = max(c.flops / roof.peak_for(name), c.bytes / roof.bandwidth)
+        row: dict[str, Any] = {
+            "name": name, "label": label, "flops": c.flops, "counted_flops": c.counted,
+            "elementwise_flops": c.elementwise, "bytes": c.bytes, "intensity": intensity,
+            "bound": "compute" if intensity >= ridge else "memory",
+            "ridge": ridge, "unit": "tensor" if name in MATMUL_CLASSES else "vector",
+            "attainable_flops_per_s": roof.attainable(intensity, name) if c.bytes else roof.peak_for(name),
+            "est_time_s": est,
+            **{f"{p}_flops": count.table.get(p, {}).get(name, ClassCount()).flops for p in PHASES},
+        }
+        if measured_s is not None:
+            t = measured_s.get(name)
+            row["measured_time_s"] = t
+            row["achieved_flops_per_s"] = c.flops / t if t else None
+        rows.append(row)
+    total_est = sum(r["est_time_s"] for r in rows) or 1.0
+    for r in rows:
+        r["est_time_share"] = r["est_time_s"] / total_est
+    if measured_s is not None:
+        total_meas = sum(v for v in measured_s.values() if v) or 1.0
+        for r in rows:
+            r["measured_time_share"] = (r["measured_time_s"] or 0.0) / total_meas
+    return rows
+
+
+def reconcile(cfg: RunConfig, count: StepCount) -> dict[str, float]:
+    """Why the counted forward+backward differs from the 6ND + attention rule, term by term.
+
+    - the rule's 6N includes biases and LayerNorm weights, whose work is element-wise: the
+      counter counts no FLOPs for them (addmm's bias add is not in its formula);
+    - with untied embeddings the rule also counts the token embedding, a lookup (no FLOPs);
+    - what is left (``unexplained``) is 0 for the plain model; techniques that change the work
+      (LoRA computes no gradients of frozen weights) show up there.
+    The attention term needs no correction: the counter counts the full (T x T) score matrix,
+    as the rule does, masked half included.
+    """
+    # Local, and the one upward import left (benchmarks/import_graph.py): the parameter
+    # catalogue lives in estimate until that module is split along its seams.
+    from memtrain.analysis.estimate import param_table
+
+    # One block's vectors times the depth (param_table lists model.named_parameters(); the
+    # model itself is not built: O(1) in n_layers).
+    one = param_table(replace(cfg.model, n_layers=1))
+    non_matmul = sum(p.numel * (cfg.model.n_layers if p.block is not None else 1) for p in one if len(p.shape) < 2)
+    tokens = count.tokens
+    untied = cfg.model.padded_vocab_size * cfg.model.d_model if cfg.model.untie_embeddings else 0
+    counted = count.phase_total("forward", "counted") + count.phase_total("backward", "counted")
+    terms = {
+        "rule_flops": count.rule_flops,
+        "bias_and_norm_params": -6.0 * non_matmul * tokens,
+        "untied_embedding_lookup": -6.0 * untied * tokens,
+    }
+    terms["unexplained"] = counted - sum(terms.values())
+    terms["counted_forward_backward"] = counted
+    return terms
+
+
+def flops_report(cfg: RunConfig, gpu: Optional[str] = None, measured_s: Optional[dict[str, float]] = None,
+                 measured_device: Optional[str] = None) -> dict[str, Any]:
+    """Everything ``memtrain flops`` prints or writes as JSON (the contract's keys first)."""
+    roof = resolve_roof(gpu, cfg.technique.precision)
+    count = count_step(cfg)
+    ops = roofline_ops(count, roof, measured_s)
+    phases = {p: {"flops": count.phase_total(p), "counted_flops": count.phase_total(p, "counted"),
+                  "bytes": count.phase_total(p, "bytes")} for p in PHASES}
+    report: dict[str, Any] = {
+        "total_flops": count.total_flops,
+        "rule_flops": count.rule_flops,
+        "ops": ops,
+        "counter_flops": count.counter_flops,
+        "phases": phases,
+        "rule": count.rule_terms,
+        "reconciliation": reconcile(cfg, count),
+        "tokens": count.tokens,
+        "parameters": count.n_params,
+        "trainable_parameters": count.trainable_params,
+        "gpu": roof.to_dict(),
+        "ridge": roof.ridge,
+        "total_bytes": sum(r["bytes"] for r in ops),
+        "est_step_time_s": sum(r["est_time_s"] for r in ops),
+        "config": {"model": cfg.to_dict()["model"], "technique": cfg.to_dict()["technique"],
+                   "batch_size": cfg.train.batch_size, "seq_len": cfg.train.seq_len,
+                   "grad_accum": cfg.train.grad_accum},
+        "notes": count.notes,
+        "method": ("FLOPs: torch.utils.flop_counter.FlopCounterMode on one training step under "
+                   "FakeTensorMode (CPU); element-wise and optimizer FLOPs analytic; bytes: sum of "
+                   "input and output sizes of each eager aten op"),
+    }
+    if measured_s is not None:
+        report["measured"] = {"device": measured_device, "step_time_s": sum(v for v in measured_s.values() if v),
+                              "by_class_s": measured_s}
+    return report

@@ -1,0 +1,48 @@
+"""FLOP and byte rules: the 6N + attention rule of thumb, the optimizer update and clipping."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from memtrain.config import ModelConfig
+from memtrain.techniques.facts import OPTIMIZER_STATE_RULES
+
+if TYPE_CHECKING:  # torch stays out of import time for ``memtrain --help``
+    pass
+
+
+def rule_flops_per_token(cfg: ModelConfig, seq_len: int, n_params: int) -> float:
+    """Training FLOPs per token by the 6N + attention rule."""
+    matmul_params = n_params - cfg.max_seq_len * cfg.d_model  # drop the position lookup table
+    return 6.0 * matmul_params + 12.0 * cfg.n_layers * cfg.d_model * seq_len
+
+
+# Optimizer update FLOPs per trainable parameter, counted from torch's single-tensor update
+# (torch/optim/adam.py, decoupled weight decay), a transcendental counted as one FLOP:
+#   AdamW: p *= 1 - lr*wd (1); m.lerp_(g, 1-b1) (3); v = b2*v + (1-b2)*g*g (4);
+#          denom = sqrt(v)/bc2 + eps (3); p -= step * m / denom (3)        = 14
+# (the often quoted "~12" drops the decay and bias corrections; the difference is 2 FLOPs
+# per parameter, about 0.01% of the default step). The low-bit AdamW variants do the same
+# arithmetic on dequantized values (their (de)quantization is not counted).
+#   SGD with momentum and weight decay: g += wd*p (2); buf = mu*buf + g (2); p -= lr*buf (2).
+#   Adafactor: factored second moment (row/col means of g^2, their outer product), RMS
+#   clipping and the update: about 12 (approximate).
+OPTIMIZER_FLOPS_PER_PARAM: dict[str, float] = {
+    "adamw": 14, "adamw-fused": 14, "adamw-foreach": 14, "adamw-8bit": 14, "adamw-4bit": 14,
+    "adamw-bnb-8bit": 14, "sgd": 6, "adafactor": 12,
+}
+# Gradient clipping by global norm: square and accumulate (2), scale (1) per gradient element.
+CLIP_FLOPS_PER_PARAM = 3
+
+
+def optimizer_bytes_per_param(optim: str, param_bytes: int, grad_clip: bool) -> float:
+    """Minimum memory traffic of one update per parameter, as a fused kernel does it: read the
+    weight, its gradient and each state tensor, write the weight and each state tensor back
+    (the eager single-tensor loop moves several times this). Clipping reads the gradients
+    twice (norm, then scale) and writes them once."""
+    # The state rule of memtrain.techniques.facts: full-size state tensors (Adafactor's factored
+    # state is O(rows + cols): none), quantized, or in the weight's dtype (bf16-pure: 2 B).
+    rule = OPTIMIZER_STATE_RULES.get(optim, OPTIMIZER_STATE_RULES["adamw"])
+    n_states, state_bytes = rule.states, rule.state_bytes(param_bytes)
+    update = 2 * param_bytes + param_bytes + 2 * n_states * state_bytes
+    return update + (3 * param_bytes if grad_clip else 0)
