@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # FLOP counting of one step (memtrain.analysis.flops): a fact of model + techniques, the MFU
     # numerator the train loop reports, so below the step; profiling it (flops_profile) trains.
     ("counting", ("flops",)),
-    ("step", ("train", "checkpoint", "distributed_checkpoint", "safe_dcp", "preflight")),
+    ("step", ("step", "train", "checkpoint", "distributed_checkpoint", "safe_dcp", "preflight")),
     ("analysis", ("estimate", "flops_profile", "trace", "plan", "maxbatch", "presets", "allocator")),
     ("report", ("report",)),
     ("bench", ("bench",)),
