@@ -16,6 +16,11 @@ rows in the order the issue lists them: baseline, bf16, flash-bf16, window-flash
 
     python benchmarks/allocator_check.py --out benchmarks/results/allocator-h100
 
+The columns "outside torch after the run" and "reserved after step 1" (measured beside the
+two-step replay's figure) were added after the recorded H100 run
+(benchmarks/results/gpu-h100/allocator-check, commit eedd2af): they are to be filled by the next
+run on a GPU.
+
 Needs torch with CUDA and memtrain's own dependencies only; about 1-2 minutes on an H100.
 Writes OUT/allocator_check.json and OUT/allocator_check.md (command, commit, GPU, table).
 """
@@ -63,8 +68,25 @@ def _one(overrides: dict[str, Any]) -> dict[str, Any]:
     free, total = torch.cuda.mem_get_info()
     context = total - free - torch.cuda.memory_reserved()
     cfg = build_config({**overrides, "device": "cuda"})
+    # Reserved after each of the two steps (the model replays both: step 1 creates the
+    # optimizer state in the blocks its backward freed, step 2 runs in that cache).
+    import memtrain.train as train_mod
+
+    reserved_after: list[int] = []
+    real_step = train_mod.train_step
+
+    def step_and_record(*a: Any, **k: Any) -> Any:
+        out = real_step(*a, **k)
+        torch.cuda.synchronize()
+        reserved_after.append(torch.cuda.memory_reserved())
+        return out
+
+    train_mod.train_step = step_and_record  # measure_step_memory imports it at call time
     t0 = time.time()
-    stats = measure_step_memory(cfg, cfg.train.batch_size)
+    try:
+        stats = measure_step_memory(cfg, cfg.train.batch_size)
+    finally:
+        train_mod.train_step = real_step
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
     outside = total - free - torch.cuda.memory_reserved()  # context + libraries, after the run
@@ -75,11 +97,13 @@ def _one(overrides: dict[str, Any]) -> dict[str, Any]:
         measured = {"oom": True}
     else:
         measured = {"max_allocated": stats["max_allocated_bytes"], "max_reserved": stats["max_reserved_bytes"],
-                    "device_total": stats["max_reserved_bytes"] + outside}
+                    "device_total": stats["max_reserved_bytes"] + outside,
+                    "reserved_after_step1": reserved_after[0] if reserved_after else None}
     return {"gpu": name, "seconds": time.time() - t0, "context_before": context, "outside_torch_after": outside,
             "measured": measured,
             "estimate": {"tracked_peak": est.peak_bytes, "allocated": dm.get("allocated"),
                          "reserved": dm.get("reserved"), "device_total": dm.get("device_total"),
+                         "reserved_after_step1": dm.get("reserved_first_step"),
                          "assumed_context": dm.get("cuda_context"), "peak_phase": est.peak_phase}}
 
 
@@ -127,11 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"# CUDA allocator model vs measured ({meta['gpu']})", "",
              f"Command: `{meta['command']}`, commit {meta['commit']}. GB = 1e9 bytes.", "",
              "| config | tracked est. | allocated meas. | allocated est. | err | reserved meas. | reserved est. | err "
-             "| device total meas. | device total est. | err | seed table | context meas. / assumed |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| device total meas. | device total est. | err | seed table | context meas. / assumed "
+             "| outside torch after the run meas. | reserved after step 1 meas. / est. |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['name']} | failed: {r['error']} |" + " |" * 11)
+            lines.append(f"| {r['name']} | failed: {r['error']} |" + " |" * 13)
             continue
         m, e = r["measured"], r["estimate"]
         lines.append(
@@ -139,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{_ratio(e['allocated'], m.get('max_allocated'))} | {_gb(m.get('max_reserved'))} | {_gb(e['reserved'])} | "
             f"{_ratio(e['reserved'], m.get('max_reserved'))} | {_gb(m.get('device_total'))} | {_gb(e['device_total'])} | "
             f"{_ratio(e['device_total'], m.get('device_total'))} | {r['seed_table_gb'] or '-'} | "
-            f"{_gb(r['context_before'])} / {_gb(e['assumed_context'])} |")
+            f"{_gb(r['context_before'])} / {_gb(e['assumed_context'])} | {_gb(r['outside_torch_after'])} | "
+            f"{_gb(m.get('reserved_after_step1'))} / {_gb(e.get('reserved_after_step1'))} |")
     (out / "allocator_check.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out / 'allocator_check.md'}")
     return 0

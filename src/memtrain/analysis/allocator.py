@@ -46,12 +46,16 @@ LARGE_BUFFER = 20 * MiB
 MIN_LARGE_ALLOC = 10 * MiB
 ROUND_LARGE = 2 * MiB
 
-# ASSUMPTION (not measured here: no GPU on the machine this was written on). The CUDA context a
-# process holds on the device before torch allocates anything, as nvidia-smi shows it: the
-# driver's context plus the kernels of torch's CUDA libraries loaded lazily (torch >= 2.0 with
-# CUDA 12 lazy loading). Typical published figures; benchmarks/allocator_check.py measures it.
+# What a process holds on the device outside torch's cache, as nvidia-smi shows it: the
+# driver's context plus the kernels of torch's CUDA libraries, loaded lazily (CUDA 12) by the
+# first kernels that use them, so it is read after a training step.
+# H100: MEASURED, 787,283,968 B (751 MiB; 649 MB right after CUDA init, before any kernel ran) by
+# benchmarks/allocator_check.py at commit eedd2af (torch CUDA build in /opt/torch, NVIDIA H100
+# 80GB HBM3; benchmarks/results/gpu-h100/allocator-check). The others are ASSUMPTIONS (typical
+# published figures, not measured here); they differ by driver and CUDA version.
+MEASURED_CONTEXT = {"h100"}
 CUDA_CONTEXT_BYTES = {
-    "h100": 520 * MiB,
+    "h100": 787_283_968,
     "a100": 440 * MiB,
     "rtx4090": 380 * MiB,
     "default": 500 * MiB,
@@ -96,7 +100,11 @@ class CachingAllocator:
     """The model: ``malloc(nbytes) -> handle``, ``free(handle)``; tracks allocated / reserved and
     their peaks, like ``torch.cuda.memory_stats``'s ``allocated_bytes`` / ``reserved_bytes``."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_split_size: Optional[int] = None) -> None:
+        # PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb: large blocks of at least this size are
+        # never split and serve only requests within kLargeBuffer (20 MiB) of their size.
+        # None: torch's default (unlimited).
+        self.max_split_size = max_split_size if max_split_size is not None else float("inf")
         self._free: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}  # small? -> sorted keys
         self._by_key: dict[tuple[int, int, int], _Block] = {}
         self._live: dict[int, _Block] = {}
@@ -126,7 +134,15 @@ class CachingAllocator:
         small = size <= SMALL_SIZE
         pool = self._free[small]
         i = bisect.bisect_left(pool, (size, -1, -1))
-        if i < len(pool):
+        mss = self.max_split_size
+        fits = i < len(pool)
+        if fits and not small:
+            # get_free_block: only the smallest fitting block is considered; an oversize one
+            # (>= max_split_size) is refused to a normal request, and to an oversize request
+            # when it is kLargeBuffer or more larger than it.
+            found = pool[i][0]
+            fits = not ((size < mss and found >= mss) or (size >= mss and found >= size + LARGE_BUFFER))
+        if fits:
             block = self._by_key[pool[i]]
             self._remove_free(block, small)
         else:
@@ -137,7 +153,7 @@ class CachingAllocator:
             self.reserved += block.size
             self.peak_reserved = max(self.peak_reserved, self.reserved)
         remaining = block.size - size
-        if (small and remaining >= MIN_BLOCK) or (not small and remaining > SMALL_SIZE):
+        if (small and remaining >= MIN_BLOCK) or (not small and size < mss and remaining > SMALL_SIZE):
             rest = _Block(block.segment, block.offset + size, remaining, prev=block, next=block.next)
             if block.next is not None:
                 block.next.prev = rest
@@ -185,10 +201,14 @@ class DeviceMemory:
     gpu: str
     segments: int
     assumptions: list[str]
+    # Reserved when the measured step starts (the first step's high-water mark; None when the
+    # timeline has no step boundary).
+    reserved_first_step: Optional[int] = None
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("tracked_peak", "allocated", "reserved", "device_total", "cuda_context",
-                                              "cublas_workspace", "gpu", "segments", "assumptions")}
+                                              "cublas_workspace", "gpu", "segments", "assumptions",
+                                              "reserved_first_step")}
 
 
 def _gpu_key(gpu: Optional[str]) -> str:
@@ -203,7 +223,7 @@ def replay(events: Iterable[tuple[str, int, float]], gpu: Optional[str] = None, 
            persistent_first: Iterable[float] = ()) -> DeviceMemory:
     """Replay a timeline through the allocator model.
 
-    ``events``: ("alloc", id, nbytes) / ("free", id, 0) in order; ``persistent_first``: sizes of
+    ``events``: ("alloc", id, nbytes) / ("free", id, 0) / ("reset_peak", 0, 0) in order; ``persistent_first``: sizes of
     tensors allocated before the timeline starts and never freed (e.g. each parameter). The
     cuBLAS workspace is allocated first (the first matmul of the first step creates it).
     """
@@ -215,8 +235,12 @@ def replay(events: Iterable[tuple[str, int, float]], gpu: Optional[str] = None, 
             alloc.malloc(nbytes)
     alloc.malloc(ws)
     handles: dict[int, int] = {}
+    first_step: Optional[int] = None
     for op, sid, nbytes in events:
-        if op == "alloc":
+        if op == "reset_peak":  # torch.cuda.reset_peak_memory_stats: allocated only (reserved keeps its segments)
+            alloc.peak_allocated = alloc.allocated
+            first_step = alloc.reserved
+        elif op == "alloc":
             if nbytes > 0:
                 handles[sid] = alloc.malloc(nbytes)
         elif sid in handles:
@@ -225,9 +249,11 @@ def replay(events: Iterable[tuple[str, int, float]], gpu: Optional[str] = None, 
     return DeviceMemory(
         tracked_peak=tracked_peak, allocated=alloc.peak_allocated, reserved=alloc.peak_reserved,
         device_total=alloc.peak_reserved + ctx, cuda_context=ctx, cublas_workspace=ws, gpu=key,
-        segments=alloc.segments_created,
-        assumptions=[f"CUDA context {ctx / MiB:.0f} MiB for GPU kind '{key}' (assumed, not measured; "
-                     f"benchmarks/allocator_check.py measures it)",
+        segments=alloc.segments_created, reserved_first_step=first_step,
+        assumptions=[f"CUDA context {ctx / MiB:.0f} MiB for GPU kind '{key}' (assumed: "
+                     + ("measured on an H100 at commit eedd2af, driver and CUDA version change it"
+                        if key in MEASURED_CONTEXT else "not measured; benchmarks/allocator_check.py measures it")
+                     + ")",
                      f"cuBLAS workspace {ws / MiB:.2f} MiB through the caching allocator",
                      "caching allocator defaults: one stream, no expandable_segments, no empty_cache"],
     )

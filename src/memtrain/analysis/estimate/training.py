@@ -80,6 +80,7 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     gpu: Optional[str] = None,
     *,
     _compress: bool = True,
+    _first_step: bool = False,
 ) -> Estimate:
     """Memory of one steady-state training step (the second step: optimizer state exists).
 
@@ -173,7 +174,9 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
         gathered_bytes = sum(p.numel * p.repeat * (ab if autocast else pb) for p in params)
     opt_share = zero1["optimizer_per_rank"][zero1["rank"]] if zero1 else opt_bytes / shard_div["optimizer"]
     tmp_share = zero1["scratch"] if zero1 else opt_tmp / shard_div["optimizer"]
-    state_sids = [sim.alloc(w_rank, "weights"), sim.alloc(opt_share, "optimizer")]
+    # _first_step (the allocator replay's first step): no optimizer state yet (created lazily
+    # by the first optimizer step) and no previous step's logits (--loss naive).
+    state_sids = [sim.alloc(w_rank, "weights")] + ([] if _first_step else [sim.alloc(opt_share, "optimizer")])
     if shard == "fsdp" and n > 1:
         # FSDP all-gathers one block's parameters at a time (forward and backward).
         per_block = max((sum(pbytes[p.name] for p in params if p.block == i) for i in range(comp.blocks)), default=0)
@@ -181,19 +184,26 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
         # The root group (embeddings, final norm, tied head) is gathered at the first forward
         # and kept until its backward ends: the whole step (in the compute dtype, as for zero2).
         gathered_bytes = sum(p.numel * p.repeat * (ab if autocast else pb) for p in params if p.block is None)
+    # FSDP2 (zero2, fsdp) under gradient accumulation skips the reduce-scatter on all micro-batches
+    # but the last (set_requires_gradient_sync(False)): each group keeps its *unsharded* gradients
+    # (full size) as its accumulated gradient, so the last micro-batch starts with all of them.
+    fsdp_accum = t.grad_accum > 1 and n > 1 and shard in ("zero2", "fsdp")
+    grads_lump = None
     if grads_exist:
-        sim.alloc(grad_total / shard_div["gradients"], "gradients")
+        grads_lump = sim.alloc(grad_total / (1 if fsdp_accum else shard_div["gradients"]), "gradients")
 
     segs = _segments(cfg, arch, dm, not lora, grads_exist, comp)
     _fill_param_grads(segs, pbytes)
     graph = _Graph(sim, segs, grad_bytes, grads_exist, _CPU_RNG_STATE_BYTES if device_type == "cpu" else 0)
     graph.comp = comp
+    previous: Optional[int] = None
     if tech.loss == "naive":
+        graph.pinned.add("logits")
+    if tech.loss == "naive" and not _first_step:
         # The caller's `logits` holds the previous step's logits until model(x) returns the new
         # ones, and the new ones past the end of this step.
         previous = sim.alloc(dm.n * dm.V * dm.a, "logits")
         graph.after_forward["lm_head"] = lambda: sim.free(previous)
-        graph.pinned.add("logits")
     if not m.untie_embeddings:
         graph.tied.add("wte.weight")
     gathered = sim.alloc(gathered_bytes, "weights") if gathered_bytes else None
@@ -205,26 +215,28 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
         lumped = [sid for sid in graph.lump_grads if sim.live.get(sid, (0, ""))[1] == "gradients"]
         for sid in [v for v in graph.param_grad_sid.values() if v > 0] + lumped:
             sim.free(sid)
+        if fsdp_accum:
+            sim.free(grads_lump)  # the last micro-batch's reduce-scatter replaces them with the shards
         sim.alloc(grad_total / shard_div["gradients"], "gradients")
 
     # Optimizer step: weights + grads + states + scratch, then zero_grad frees the grads.
     sim.at("optimizer", f"{tech.optim} step")
+    optimizer_at = len(sim.events) if sim.events is not None else 0
     sim.transient(tmp_share, "temporaries")
 
     device_memory = None
     if sim.events is not None:
-        from memtrain.analysis.allocator import replay
+        from memtrain.analysis.device_replay import StepTimeline, replay_two_steps
 
-        # The weights and optimizer state are one number each in the timeline but one tensor
-        # per parameter (per state) on the device: the allocator sees them tensor by tensor.
-        n_states = {"adamw": 2, "adamw-foreach": 2, "adamw-fused": 2, "sgd": 1}.get(tech.optim)
-        per_tensor = [pbytes[p.name] / shard_div["weights"] for p in params]
-        if n_states:
-            per_tensor += [pbytes[p.name] / shard_div["optimizer"] for p in trainable for _ in range(n_states)]
-        else:
-            per_tensor.append(opt_share)
-        events = [e for e in sim.events if e[1] not in state_sids]
-        device_memory = replay(events, gpu, sim.peak, per_tensor).to_dict()
+        step = StepTimeline(events=sim.events, optimizer_at=optimizer_at, state_sids=state_sids, carried_in=previous,
+                            live_at_end=dict(sim.live), peak=sim.peak)
+        if _first_step:
+            return step  # type: ignore[return-value]  # internal: the replay's first step
+        first: Any = estimate(cfg, arch, device_type, world_size, shard, gpu, _compress=False, _first_step=True)
+        device_memory = replay_two_steps(
+            first, step, gpu, weights=[pbytes[p.name] / shard_div["weights"] for p in params],
+            lazy_state=_lazy_optimizer_state(trainable, pbytes, tech.optim, shard_div["optimizer"], opt_share),
+        ).to_dict()
 
     peak_tags = sim.peak_tags
     by_category = {c: 0.0 for c in CATEGORIES}
@@ -263,6 +275,17 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
                   if zero1 else {}),
                "device_type": device_type, **({"_device_memory": device_memory} if device_memory else {})},
     )
+
+
+def _lazy_optimizer_state(trainable: list[ParamInfo], pbytes: dict[str, float], optim: str, div: int,
+                          total: float) -> list[float]:
+    """The optimizer state tensors in the order the first ``optimizer.step()`` creates them:
+    per parameter, AdamW's exp_avg then exp_avg_sq (SGD: one momentum buffer); other
+    optimizers as one tensor of their whole state."""
+    n_states = {"adamw": 2, "adamw-foreach": 2, "adamw-fused": 2, "sgd": 1}.get(optim)
+    if not n_states:
+        return [total]
+    return [pbytes[p.name] / div for p in trainable for _ in range(n_states)]
 
 
 # Above this many trainable tensors ZeRO-1's per-rank split is not replayed (the even split is used).
