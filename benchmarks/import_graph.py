@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Its roofline and report (flops.roofline) and its profiling (flops.profile, which trains)
     # are analysis.
     ("counting", ("analysis.flops", "flops")),
-    ("step", ("train", "checkpoint", "distributed_checkpoint", "safe_dcp", "preflight")),
+    ("step", ("step", "train", "checkpoint", "distributed_checkpoint", "safe_dcp", "preflight")),
     ("analysis", ("analysis", "analysis.flops.roofline", "analysis.flops.profile", "presets", "model_presets",
                   "estimate", "flops_profile", "trace", "plan", "maxbatch", "allocator")),
     ("report", ("report",)),

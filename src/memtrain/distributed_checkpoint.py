@@ -12,7 +12,8 @@
 
 and ``--resume CKPT`` restores all of it, so a resumed run continues exactly as the
 uninterrupted one would (the promise of :mod:`memtrain.checkpoint`). The same functions and
-signatures as that module, so the train loop only chooses which pair to call.
+signatures as that module (a path and the run's :class:`memtrain.step.TrainState`), so the
+train loop only chooses which pair to call.
 
 Written atomically: all ranks write into a sibling temporary directory, and rank 0 renames
 it into place once every rank has finished, so a run killed mid-save keeps the previous
@@ -28,15 +29,18 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from memtrain.checkpoint import restore_rng_and_scaler, rng_and_scaler_state
-from memtrain.config import ConfigError, RunConfig
+from memtrain.config import ConfigError
 from memtrain.rank_errors import agreement
+
+if TYPE_CHECKING:  # the harness imports the techniques (torch models); a checkpoint only reads it
+    from memtrain.step import TrainState
 from memtrain.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError, read_metadata
 
 FORMAT = "memtrain-dcp-1"
@@ -102,19 +106,11 @@ def _rank_file(root: Path, rank: int) -> Path:
     return root / f"rank-{rank}.pt"
 
 
-def save_checkpoint(
-    path: str | Path,
-    model: nn.Module,
-    optimizer: Any,
-    scheduler: Any,
-    loader: Any,
-    precision: Any,
-    step: int,
-    losses: list[float],
-    cfg: RunConfig,
-) -> None:
-    """Write everything needed to continue after ``step`` (a collective: every rank calls it)."""
+def save_checkpoint(path: str | Path, run: TrainState) -> None:
+    """Write everything needed to continue after ``run.step`` (a collective: every rank calls it)."""
     import torch.distributed.checkpoint as dcp
+
+    model, optimizer, scheduler, cfg = run.model, run.optimizer, run.scheduler, run.cfg
 
     final = Path(path)
     if final.exists() and not final.is_dir():
@@ -129,7 +125,7 @@ def save_checkpoint(
     local = _zero1_local(optimizer)
     torch.save(
         {
-            **rng_and_scaler_state(precision),
+            **rng_and_scaler_state(run.precision),
             "scheduler": scheduler.state_dict(),
             "optimizer": local.state_dict() if local is not None else None,
             # ZeRO-1's outer param_groups carry the scheduled LR of the next step; the local
@@ -142,9 +138,9 @@ def save_checkpoint(
     if rank == 0:
         meta = {
             "format": FORMAT,
-            "step": step,
-            "losses": list(losses),
-            "loader": loader.state_dict(),
+            "step": run.step,
+            "losses": list(run.losses),
+            "loader": run.loader.state_dict(),
             "world_size": dist.get_world_size(),
             "strategy": cfg.technique.distributed,
             "config": cfg.to_dict(),
@@ -161,20 +157,16 @@ def save_checkpoint(
     dist.barrier()  # nobody reads or rewrites the checkpoint before it is in place
 
 
-def load_checkpoint(
-    path: str | Path,
-    model: nn.Module,
-    optimizer: Any,
-    scheduler: Any,
-    loader: Any,
-    precision: Any,
-) -> dict[str, Any]:
-    """Restore all state in place (every rank calls it); return ``{"step", "losses"}``."""
+def load_checkpoint(path: str | Path, run: TrainState) -> dict[str, Any]:
+    """Restore all of ``run`` in place (every rank calls it; ``run.step`` and ``run.losses``
+    too); return ``{"step", "losses"}``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     p = Path(path)
+    model = run.model
+    optimizer: Any = run.optimizer  # ZeRO-1's ShardedZeRO1 adds sync_param_groups
     # Every check, and this rank's own file, before the collective load: a refusal on any
     # one rank (its rank-R.pt missing or corrupt) refuses the resume on all of them.
     with agreement():
@@ -199,9 +191,10 @@ def load_checkpoint(
         for group, saved in zip(optimizer.param_groups, own["param_groups"]):
             group.update(saved)
         optimizer.sync_param_groups()
-    scheduler.load_state_dict(own["scheduler"])
-    loader.load_state_dict(meta["loader"])
-    restore_rng_and_scaler(own, precision)
+    run.scheduler.load_state_dict(own["scheduler"])
+    run.loader.load_state_dict(meta["loader"])
+    restore_rng_and_scaler(own, run.precision)
+    run.step, run.losses = int(meta["step"]), list(meta["losses"])
     return {"step": int(meta["step"]), "losses": meta["losses"]}
 
 

@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from memtrain.analysis.estimate import GPT2_ARCH, Arch, estimate, param_count
-from memtrain.config import ConfigError, RunConfig, parse_checkpointing
+from memtrain.config import ConfigError, RunConfig
+from memtrain.techniques.facts import checkpoint_policy
 
 __all__ = ["Candidate", "PlanResult", "DEVICE_PROFILES", "default_space", "plan", "step_cost", "verify"]
 
@@ -72,7 +73,8 @@ def step_cost(cfg: RunConfig, device_type: str, arch: Arch = GPT2_ARCH) -> tuple
     attn = f["attention"] * (MATH_ATTENTION_PENALTY[device_type] if _materialized(cfg, device_type) else 1.0)
     fwd_blocks = f["blocks"] + attn
     train = 3 * (fwd_blocks + f["head"])
-    kind, every = parse_checkpointing(tech.checkpointing)
+    policy = checkpoint_policy(tech.checkpointing)
+    kind = policy.kind
     L = cfg.model.n_layers
     if kind == "full":
         recompute = fwd_blocks
@@ -82,9 +84,8 @@ def step_cost(cfg: RunConfig, device_type: str, arch: Arch = GPT2_ARCH) -> tuple
         recompute = 0.5 * attn
     elif kind == "selective-matmul":
         recompute = SELECTIVE_RECOMPUTE_SHARE * fwd_blocks
-    elif kind in ("every", "sqrt"):
-        k = max(1, round(math.sqrt(L))) if kind == "sqrt" else every
-        recompute = fwd_blocks * len(range(0, L, k)) / L
+    elif policy.mixed:
+        recompute = fwd_blocks * policy.n_checkpointed(L) / L
     else:
         recompute = 0.0
     if tech.loss == "chunked":

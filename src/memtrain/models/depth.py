@@ -67,10 +67,11 @@ def apply_layer_count(config: Any) -> None:
 
 def _period(cfg: RunConfig) -> tuple[int, str]:
     """(K, policy for the probes): the layers repeat every K; ``sqrt`` fixed at the real depth."""
-    from memtrain.techniques.checkpointing import parse_checkpointing
+    from memtrain.techniques.facts import checkpoint_policy
 
     policy = cfg.technique.checkpointing
-    kind, every = parse_checkpointing(policy)
+    parsed = checkpoint_policy(policy)
+    kind, every = parsed.kind, parsed.every
     if kind == "sqrt":
         k = max(1, round(math.sqrt(cfg.model.n_layers)))
         return k, f"every:{k}"

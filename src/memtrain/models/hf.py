@@ -29,6 +29,7 @@ from memtrain.config import ConfigError, RunConfig
 from memtrain.model import LossFn, standard_lm_loss
 from memtrain.models.depth import apply_layer_count
 from memtrain.models.spec import ModelSource, load_config, resolve
+from memtrain.techniques.facts import checkpoint_policy
 
 # --attention -> transformers' attn_implementation
 ATTN_IMPLEMENTATION = {
@@ -178,7 +179,7 @@ def _check_supported(model: HFCausalLM, cfg: RunConfig, device: torch.device) ->
         raise ConfigError("--attention flex has no CPU backward in this torch; use sdpa on CPU")
     if tech.qlora and not tech.lora_rank:
         raise ConfigError("--qlora quantizes the frozen base weights under LoRA; add --lora-rank 16")
-    if tech.checkpointing == "selective":
+    if checkpoint_policy(tech.checkpointing).kind == "selective":
         # Megatron's policy recomputes only the attention core, which memtrain reaches through
         # its own GPT's attention seam (block.attn.attn_fn); transformers' layers call their
         # attention function from inside forward, so there is no such seam to wrap yet.

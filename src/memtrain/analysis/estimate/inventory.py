@@ -8,7 +8,8 @@ from typing import Optional
 from memtrain.analysis.estimate.params import _lora_targets
 from memtrain.analysis.estimate.simulator import _Compression, _Node, _Segment
 from memtrain.archs import Arch
-from memtrain.config import ModelConfig, RunConfig, TechniqueConfig, parse_checkpointing
+from memtrain.config import ModelConfig, RunConfig, TechniqueConfig
+from memtrain.techniques.facts import checkpoint_policy, precision_facts
 
 
 # --------------------------------------------------------------------------- node builders
@@ -378,19 +379,15 @@ def _head_nodes(dm: _Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tr
     return nodes
 
 
-_PRECISION = {
-    # precision -> (param bytes, compute bytes, autocast)
-    "fp32": (4, 4, False),
-    "tf32": (4, 4, False),
-    "bf16": (4, 2, True),
-    "fp16": (4, 2, True),
-    "bf16-pure": (2, 2, False),
-}
+def _precision_bytes(precision: str) -> tuple[int, int, bool]:
+    """(param bytes, compute bytes, autocast) of ``--precision`` (memtrain.techniques.facts)."""
+    f = precision_facts(precision)
+    return f.param_bytes, f.compute_bytes, f.autocast
 
 
 def _dims(cfg: RunConfig, arch: Arch, device_type: str, batch: Optional[int] = None) -> _Dims:
     m, t = cfg.model, cfg.train
-    pb, ab, autocast = _PRECISION[cfg.technique.precision]
+    pb, ab, autocast = _precision_bytes(cfg.technique.precision)
     dm = _Dims(b=batch or t.batch_size, s=t.seq_len, d=m.d_model, f=m.d_ff, h=m.n_heads,
                kv=(arch.n_kv_heads or m.n_heads) * m.head_dim, V=m.padded_vocab_size, a=ab,
                r=pb, p=pb, autocast=autocast, dropout=m.dropout > 0, cuda=device_type == "cuda",
@@ -401,15 +398,9 @@ def _dims(cfg: RunConfig, arch: Arch, device_type: str, batch: Optional[int] = N
 def _segments(cfg: RunConfig, arch: Arch, dm: _Dims, trainable_base: bool, grads_exist: bool,
               comp: _Compression) -> list[_Segment]:
     m, tech = cfg.model, cfg.technique
-    kind, every = parse_checkpointing(tech.checkpointing)
+    policy = checkpoint_policy(tech.checkpointing)
+    kind = policy.kind
     L = m.n_layers
-    if kind in ("full", "selective-matmul"):
-        ckpt = lambda i: True  # noqa: E731
-    elif kind in ("none", "selective"):
-        ckpt = lambda i: False  # noqa: E731
-    else:
-        k = comp.period
-        ckpt = lambda i: i % k == 0  # noqa: E731
     mode = "selective" if kind == "selective-matmul" else "full"
     segs = [_Segment("embedding", _embedding_nodes(dm, arch, trainable_base))]
     for j in range(comp.blocks):
@@ -426,7 +417,7 @@ def _segments(cfg: RunConfig, arch: Arch, dm: _Dims, trainable_base: bool, grads
                      _Segment(f"block {i}", nodes[b:])]
             continue
         segs.append(_Segment(f"block {i}", nodes,
-                             checkpoint=mode if ckpt(i) else "none", input_key=f"blocks.{j}.in"))
+                             checkpoint=mode if policy.whole_block(i, L) else "none", input_key=f"blocks.{j}.in"))
     segs.append(_Segment("head", _head_nodes(dm, replace(m, n_layers=comp.blocks), tech, arch, trainable_base,
                                              grads_exist)))
     assert L == comp.blocks + comp.lumps * comp.period

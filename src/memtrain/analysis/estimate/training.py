@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
 from memtrain.analysis.estimate.explain import _activations_per_layer, _explain
-from memtrain.analysis.estimate.inventory import _PRECISION, _dims, _segments
+from memtrain.analysis.estimate.inventory import _dims, _precision_bytes, _segments
 from memtrain.analysis.estimate.optimizer import _optimizer_temporaries, predicted_optimizer_state
 from memtrain.analysis.estimate.params import ParamInfo, _param_table
 from memtrain.analysis.estimate.rules import model_state_rule
@@ -115,7 +115,7 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     n_params = sum(p.numel * p.repeat for p in params)
     trainable = [p for p in params if p.trainable]
     n_train = sum(p.numel * p.repeat for p in trainable)
-    pb, ab, autocast = _PRECISION[tech.precision]
+    pb, ab, autocast = _precision_bytes(tech.precision)
     dm = _dims(cfg, arch, device_type)
     if autocast and world_size > 1 and shard in ("zero2", "fsdp"):
         dm = replace(dm, weights_in_compute_dtype=True)

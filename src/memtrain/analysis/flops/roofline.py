@@ -10,6 +10,7 @@ from memtrain.analysis.estimate.params import param_table
 from memtrain.analysis.flops.classes import MATMUL_CLASSES, OP_CLASSES, PHASES, ClassCount, StepCount
 from memtrain.analysis.flops.count import count_step
 from memtrain.config import ConfigError, RunConfig
+from memtrain.techniques.facts import precision_facts
 
 
 # --------------------------------------------------------------------------- roofline
@@ -46,7 +47,6 @@ class Roof:
                 "ridge": self.ridge, "vector_ridge": self.vector_ridge}
 
 
-_PRECISION_DTYPE = {"fp32": "fp32", "tf32": "tf32", "bf16": "bf16", "bf16-pure": "bf16", "fp16": "fp16"}
 
 
 def resolve_roof(gpu: Optional[str], precision: str) -> Roof:
@@ -66,7 +66,7 @@ def resolve_roof(gpu: Optional[str], precision: str) -> Roof:
         if spec is None:
             raise ConfigError(f"unknown --gpu {gpu!r}; choose one of {', '.join(PEAK_FLOPS)}")
     key = next(k for k, v in PEAK_FLOPS.items() if v is spec)
-    dtype = _PRECISION_DTYPE[precision]
+    dtype = precision_facts(precision).matmul_type
     peak = spec.peak(dtype)
     vector = spec.peak("fp32")
     if not peak or not vector:
