@@ -3,7 +3,7 @@
 For each bundled config (memtrain/models/configs) and each technique set, one steady-state
 training step is traced under fake tensors (nothing allocated, the tracked peak exactly as a
 real step on the same kernels would meter it): by default two shallow copies of the model
-(2 and 3 decoder layers) extended affinely to the real depth (memtrain.models.depth), with
+(2 and 3 decoder layers) extended affinely to the real depth (memtrain.analysis.depth_trace), with
 ``--full-trace`` every layer (memtrain.analysis.trace.trace_step). Writes ``OUT/hf_models_table.jsonl``
 (one line per row, as each finishes) and ``OUT/hf_models_table.md``; rows of ``OUT/full_traces.jsonl``
 (an earlier ``--full-trace`` run) are shown beside the same rows.
@@ -53,8 +53,8 @@ def main() -> None:
     ap.add_argument("--full-trace", action="store_true", help="trace every layer (minutes per row)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    from memtrain.analysis.depth_trace import trace_any_depth
     from memtrain.config import build_config
-    from memtrain.models.depth import trace_any_depth
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

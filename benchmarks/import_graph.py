@@ -31,8 +31,12 @@ PACKAGE = "memtrain"
 # modules before they moved into memtrain.analysis (estimate, flops, trace, ...) stay listed so
 # that the graph of an older checkout (--src) is layered the same way, for before/after views.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("config", "argtypes", "runtime", "signals", "results", "analysis.limits", "limits")),
-    ("data+model", ("data", "model", "attention")),
+    ("foundation", ("config", "argtypes", "runtime", "signals", "results", "analysis.limits", "limits",
+                    "errors", "archs", "aliases", "extras", "notices", "numerics", "rank_errors", "device",
+                    # what a name refers to (a model preset, a --model SPEC) and the techniques'
+                    # typed facts: read while a config is validated, so below everything else
+                    "models.spec", "model_presets", "presets", "techniques.facts")),
+    ("data+model", ("data", "model", "models", "attention")),
     ("techniques", ("techniques",)),
     ("metrics", ("metrics",)),
     # FLOP counting of one step (memtrain.analysis.flops: rules, classes, recorder, count): a
@@ -40,8 +44,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Its roofline and report (flops.roofline) and its profiling (flops.profile, which trains)
     # are analysis.
     ("counting", ("analysis.flops", "flops")),
-    ("step", ("step", "train", "checkpoint", "distributed_checkpoint", "safe_dcp", "preflight")),
-    ("analysis", ("analysis", "analysis.flops.roofline", "analysis.flops.profile", "presets", "model_presets",
+    ("step", ("step", "train", "device_advice", "logging_sinks", "launch", "export", "generate", "checkpoint", "distributed_checkpoint", "safe_dcp", "preflight")),
+    ("analysis", ("analysis", "analysis.flops.roofline", "analysis.flops.profile",
                   "estimate", "flops_profile", "trace", "plan", "maxbatch", "allocator")),
     ("report", ("report",)),
     ("bench", ("bench",)),
@@ -196,6 +200,10 @@ def main() -> int:
         kind = "local" if arrows[(a, b)] else "module level"
         print(f"  {short[a]}:{lines[(a, b)]} -> {short[b]}  [{LAYERS[layer_of(a)][0]} -> "
               f"{LAYERS[layer_of(b)][0]}, {kind}]")
+
+    # A module in no layer escapes the upward-arrow check: name every one (the package root aside).
+    unlayered = sorted(short[m] for m in mods if layer_of(m) < 0 and m != PACKAGE)
+    print(f"\nmodules in no layer: {len(unlayered)}" + (f"  ({', '.join(unlayered)})" if unlayered else ""))
 
     sizes = sorted(((len(path.read_text(encoding="utf-8").splitlines()), short[m]) for m, path in mods.items()),
                    reverse=True)

@@ -1,4 +1,4 @@
-"""A deep transformers model traced from two shallow copies (memtrain.models.depth): the
+"""A deep transformers model traced from two shallow copies (memtrain.analysis.depth_trace): the
 extrapolated step equals the full trace to the byte, category by category."""
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ GRID = [
 
 @pytest.mark.parametrize("family,n_layers,tech", GRID)
 def test_extrapolated_trace_equals_the_full_trace(tmp_path, family, n_layers, tech):
+    from memtrain.analysis.depth_trace import extrapolated_trace
     from memtrain.analysis.trace import trace_step
-    from memtrain.models.depth import extrapolated_trace
 
     cfg = _cfg(_model_dir(tmp_path, family, n_layers), **tech)
     full = trace_step(cfg, "cpu")
@@ -74,7 +74,7 @@ def test_extrapolated_trace_equals_the_full_trace(tmp_path, family, n_layers, te
 
 
 def test_probe_depths_follow_the_checkpointing_period(tmp_path):
-    from memtrain.models.depth import probe_depths
+    from memtrain.analysis.depth_trace import probe_depths
 
     deep = _model_dir(tmp_path, "llama", 32)
     assert probe_depths(_cfg(deep)) == (2, 3, "none")

@@ -1,4 +1,4 @@
-"""The analytic model of transformers decoder layers (memtrain.models.hf_estimate) against the
+"""The analytic model of transformers decoder layers (memtrain.analysis.estimate.hf) against the
 fake-tensor trace of the same step: within 10% on tiny configs of every modelled family and
 technique, and the families/techniques it does not model are traced and say why."""
 
@@ -65,8 +65,8 @@ GRID = [
 
 @pytest.mark.parametrize("family,tech", GRID)
 def test_analytic_within_ten_percent_of_the_trace(dirs, family, tech):
+    from memtrain.analysis.estimate.hf import analytic_estimate
     from memtrain.analysis.trace import trace_step
-    from memtrain.models.hf_estimate import analytic_estimate
 
     cfg = _cfg(dirs[family], **tech)
     est = analytic_estimate(cfg, "cpu")
@@ -80,8 +80,8 @@ def test_the_llama_inventory_is_closer_than_our_gpts(dirs):
     """The transformers inventory (float32 norm saves, RoPE copies, bf16 adapters) against the
     old approximation (our GPT's inventory with llama substitutions) on the case it missed most."""
     from memtrain.analysis.estimate import estimate
+    from memtrain.analysis.estimate.hf import analytic_estimate
     from memtrain.analysis.trace import trace_step
-    from memtrain.models.hf_estimate import analytic_estimate
     from memtrain.models.spec import cost_arch
 
     cfg = _cfg(dirs["llama"], precision="bf16-pure", lora_rank=4)
@@ -92,8 +92,8 @@ def test_the_llama_inventory_is_closer_than_our_gpts(dirs):
 
 
 def test_unmodelled_families_and_techniques_say_they_traced(dirs, capsys):
+    from memtrain.analysis.estimate.hf import why_not_modelled
     from memtrain.cli import main
-    from memtrain.models.hf_estimate import why_not_modelled
 
     assert why_not_modelled(_cfg(dirs["llama"])) is None
     assert "gemma" in why_not_modelled(_cfg(dirs["gemma"]))

@@ -48,6 +48,12 @@ def test_memtrain_has_no_import_circle():
     assert "circles (all imports, function-local included): 0" in out, out
 
 
+def test_every_memtrain_module_is_layered_and_nothing_imports_upward():
+    out = _run("import_graph.py", "--src", str(SRC)).stdout
+    assert "modules in no layer: 0" in out, out
+    assert "upward arrows: 0 " in out, out
+
+
 def test_estimate_identity_diff_names_changed_added_and_failed(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     _write(a, {"same.json": '{"x": 1}\n', "moved.json": '{"x": 1, "y": {"z": 2}}\n', "grew.json": '{"x": 1}\n',

@@ -314,7 +314,7 @@ def hf_plan(cfg: RunConfig, device_type: str) -> HFPlan:  # noqa: C901 - one bra
 
     # -- LoRA
     if t.lora_rank and hf_model:
-        from memtrain.models.hf import lora_target_modules
+        from memtrain.techniques.hf_mapping import lora_target_modules
 
         # The same peft LoraConfig memtrain injects (targets, rank, alpha, dropout); peft itself
         # sets fan_in_fan_out for GPT-2's Conv1D on both sides.

@@ -238,7 +238,7 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
         nonlocal evaluated
         evaluated += 1
         if traced:
-            from memtrain.models.depth import trace_any_depth
+            from memtrain.analysis.depth_trace import trace_any_depth
 
             r = trace_any_depth(c, device_type)  # 2 + 3 layers extended to the depth when exact
             return float(r["peak_bytes"]), str(r["peak_phase"])

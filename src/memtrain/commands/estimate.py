@@ -98,7 +98,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Device type of the fake tensors (cuda needs a CUDA build of torch).")
     p.add_argument("--full-trace", action="store_true",
                    help="A transformers --model: trace every decoder layer instead of extrapolating from two "
-                        "shallow copies (memtrain.models.depth; the same bytes, seconds instead of minutes).")
+                        "shallow copies (memtrain.analysis.depth_trace; the same bytes, seconds instead of minutes).")
     p.add_argument("--explain", action="store_true", help="Print the formula behind each line.")
     p.add_argument("--json", action="store_true", help="Print JSON only.")
     add_config_flags(p, ("model", "technique", "train"), exclude=(*LOOP_ONLY_FIELDS, "model"))  # --model is add_model_choice's
@@ -194,16 +194,16 @@ def traced_estimate(cfg: Any, device_type: str, full_trace: bool = False) -> dic
     """The estimate JSON of a transformers model: its traced step (fake tensors, nothing
     allocated), in the contract's keys; the logits are part of the traced ``activations``.
     ``method`` says how: "extrapolated" (two shallow copies of the model traced, every
-    category extended affinely to the real depth: memtrain.models.depth) or "trace" (every
+    category extended affinely to the real depth: memtrain.analysis.depth_trace) or "trace" (every
     layer; with ``full_trace``, for shallow models, or where the depth is not affine)."""
     import time
 
-    from memtrain.models.depth import trace_any_depth
+    from memtrain.analysis.depth_trace import trace_any_depth
 
     start = time.perf_counter()
     traced = trace_any_depth(cfg, device_type, full=full_trace)
     cats = traced["by_category"]
-    # What is traced is what memtrain.models.hf_estimate does not model (other families, QLoRA,
+    # What is traced is what memtrain.analysis.estimate.hf does not model (other families, QLoRA,
     # ...). Our GPT's analytic model with the llama substitutions is shown beside the trace with
     # its error, so nobody mistakes it for the answer.
     analytic = None
@@ -245,7 +245,7 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
     if args.world_size > 1:
         raise ConfigError("a transformers --model is traced in one process; drop --world-size")
     device_type = args.trace_device or device_type_for(args, cfg)
-    from memtrain.models.hf_estimate import why_not_modelled
+    from memtrain.analysis.estimate.hf import why_not_modelled
 
     reason = why_not_modelled(cfg)
     if reason is None and not args.full_trace:
@@ -274,15 +274,15 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
 
 
 def _run_hf_analytic(args: argparse.Namespace, cfg: Any, device_type: str) -> int:
-    """A transformers family the analytic model covers (memtrain.models.hf_estimate): the
+    """A transformers family the analytic model covers (memtrain.analysis.estimate.hf): the
     analytic estimate, with --trace the (extrapolated) trace beside it and the error."""
-    from memtrain.models.depth import trace_any_depth
-    from memtrain.models.hf_estimate import analytic_estimate
+    from memtrain.analysis.depth_trace import trace_any_depth
+    from memtrain.analysis.estimate.hf import analytic_estimate
 
     est = analytic_estimate(cfg, device_type)
     assert est is not None
     out = {"model": cfg.model.model, "method": "analytic",
-           "note": "analytic model of transformers decoder layers (memtrain.models.hf_estimate); --trace to check it",
+           "note": "analytic model of transformers decoder layers (memtrain.analysis.estimate.hf); --trace to check it",
            **est.to_dict()}
     if args.trace:
         traced = trace_any_depth(cfg, device_type)

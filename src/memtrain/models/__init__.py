@@ -3,12 +3,12 @@
 One seam for every command that runs a step: a :class:`ModelFamily` in :data:`FAMILIES`
 says which configs it claims, how to build its model and how the techniques map onto it.
 :func:`build_model` builds through it, ``memtrain.techniques.prepare_model`` (called by the
-step harness, :mod:`memtrain.step`) applies the techniques through it, and
+step harness, :mod:`memtrain.step`) applies the techniques (a built-in family's mapping lives in memtrain.techniques, a plug-in family may bring its own ``prepare``), and
 :func:`data_tokenizer` names the tokenizer the data must be read with. A new model family is
 one more entry in :data:`FAMILIES` (claimed before the GPT, which takes every config left).
 
     spec.py       what --model SPEC names (preset, bundled config, path, hf:ORG/NAME)
-    hf.py         HFCausalLM (GPT's forward/loss/blocks seams) and the technique mapping
+    hf.py         HFCausalLM (GPT's forward/loss/blocks seams); its technique mapping: techniques/hf_mapping.py
     qlora.py      NF4 base weights (torchao on CPU, bitsandbytes on CUDA)
     tokenizer.py  the model's own tokenizer for the data pipeline
     configs/      public architecture hyper-parameters of full-size models (no weights)
@@ -17,7 +17,7 @@ one more entry in :data:`FAMILIES` (claimed before the GPT, which takes every co
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch.nn as nn
 
@@ -42,7 +42,8 @@ class ModelFamily:
     # (cfg, with_weights) -> the model on the current default device and dtype
     build: Callable[[RunConfig, bool], nn.Module]
     # (model, cfg, device, precision) -> the module to train, techniques applied in their order;
-    # None: memtrain's own order for its GPT (memtrain.techniques.order)
+    # None: the mapping memtrain.techniques.order keeps for its built-in families (the GPT's own
+    # order, the transformers mapping), which live with the techniques (models never import them)
     prepare: Optional[Callable[..., nn.Module]] = None
 
 
@@ -58,16 +59,10 @@ def _build_hf(cfg: RunConfig, with_weights: bool) -> nn.Module:
     return build_hf_model(cfg, with_weights=with_weights)
 
 
-def _prepare_hf(model: Any, cfg: RunConfig, device: Any, precision: Any) -> nn.Module:
-    from memtrain.models.hf import prepare_hf_model
-
-    return prepare_hf_model(model, cfg, device, precision)
-
-
 # Claimed in order; the GPT takes every config no other family claims. (Function-local
 # imports above: transformers and torch models load only when a model is built.)
 FAMILIES: list[ModelFamily] = [
-    ModelFamily("transformers", is_hf, _build_hf, _prepare_hf),
+    ModelFamily("transformers", is_hf, _build_hf),  # mapping: memtrain.techniques.hf_mapping
     ModelFamily("gpt", lambda cfg: True, _build_gpt),
 ]
 

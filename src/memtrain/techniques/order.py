@@ -28,8 +28,12 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, device: torch.device, 
     DistributedDataParallel wrapper (FSDP2 shards the GPT in place).
     """
     family = family_of(cfg)
-    if family.prepare is not None:  # another family's mapping (memtrain.models.FAMILIES)
+    if family.prepare is not None:  # a plug-in family's own mapping (memtrain.models.FAMILIES)
         return family.prepare(model, cfg, device, precision)
+    if family.name == "transformers":
+        from memtrain.techniques.hf_mapping import prepare_hf_model  # transformers/peft load only for such a model
+
+        return prepare_hf_model(model, cfg, device, precision)  # type: ignore[arg-type]  # the family built an HFCausalLM
     if cfg.technique.qlora:
         from memtrain.config import ConfigError
 

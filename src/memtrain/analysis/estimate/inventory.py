@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from memtrain.analysis.estimate.hf_nodes import hf_norm_node, hf_rope_node
 from memtrain.analysis.estimate.params import _lora_targets
 from memtrain.analysis.estimate.simulator import _Compression, _Node, _Segment
 from memtrain.archs import Arch
@@ -34,7 +35,7 @@ class _Dims:
     # FSDP2 under autocast gathers weights already in the compute dtype: autocast casts nothing
     # (no cached copies) and the gathered weights are counted by the sharding rule instead.
     weights_in_compute_dtype: bool = False
-    hf: bool = False  # a transformers decoder layer (Arch.hf; memtrain.models.hf_estimate)
+    hf: bool = False  # a transformers decoder layer (Arch.hf; memtrain.analysis.estimate.hf)
 
     @property
     def n(self) -> int:
@@ -243,7 +244,6 @@ def _block_nodes(dm: _Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable
 
     def norm(name: str, src: str, out: str) -> None:
         if dm.hf:
-            from memtrain.models.hf_estimate import hf_norm_node
 
             nodes.append(hf_norm_node(dm, name, src, out, trainable_base))
             return
@@ -262,7 +262,6 @@ def _block_nodes(dm: _Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable
     norm(f"{p}.ln_1", x, f"{p}.ln1")
     lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0" if dm.hf else f"{p}.qkv", d, d + 2 * dm.kv, r)
     if dm.hf:
-        from memtrain.models.hf_estimate import hf_rope_node
 
         nodes.append(hf_rope_node(dm, f"{p}.qkv0", f"{p}.qkv"))
     start = len(nodes)
@@ -329,7 +328,6 @@ def _head_nodes(dm: _Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tr
     nodes = [_Node("ln_f", out=[("hf", N * d * r), ("ln_f.stats", (2 if layer else 1) * N * 4)], inputs=[x],
                    saves=[x, "ln_f.stats"], grad_out=("hf",), grads=[(x, N * d * r)] + pg)]
     if dm.hf:
-        from memtrain.models.hf_estimate import hf_norm_node
 
         nodes = [hf_norm_node(dm, "ln_f", x, "hf", trainable)]
     if tech.loss == "chunked":

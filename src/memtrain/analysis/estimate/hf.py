@@ -2,8 +2,8 @@
 
 The analytic estimator (memtrain.analysis.estimate) simulates one step op by op from an inventory of
 what each op allocates and saves for backward. Its block inventory is our GPT's; a Llama-style
-transformers decoder layer differs from it in three ways that matter for memory, written here
-and switched on by ``Arch.hf``:
+transformers decoder layer differs from it in three ways that matter for memory, switched on by
+``Arch.hf`` (the nodes: :mod:`memtrain.analysis.estimate.hf_nodes`):
 
 * ``LlamaRMSNorm`` (and Qwen2's, Mistral's) computes in float32: ``x.to(float32)`` is kept for
   backward (a new tensor unless the residual stream is float32), so is the normalized tensor
@@ -28,9 +28,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Optional
 
+from memtrain.analysis.estimate.training import estimate
 from memtrain.archs import LLAMA_ARCH, Arch
 
-__all__ = ["MODELLED", "hf_arch", "why_not_modelled", "analytic_estimate", "hf_norm_node", "hf_rope_node"]
+__all__ = ["MODELLED", "hf_arch", "why_not_modelled", "analytic_estimate"]
 
 # model_type -> the layer code is Llama's (modeling_qwen2/modeling_mistral copy it)
 MODELLED = ("llama", "qwen2", "mistral")
@@ -39,7 +40,7 @@ MODELLED = ("llama", "qwen2", "mistral")
 def why_not_modelled(cfg: Any) -> Optional[str]:
     """None when the analytic model covers ``cfg`` (a RunConfig of a transformers model), else
     the reason it does not (the estimate then traces)."""
-    from memtrain.models.hf import GPT_LORA_TARGETS
+    from memtrain.models.hf import GPT_LORA_TARGETS  # imports torch: only when asked
     from memtrain.models.spec import load_config
 
     c = load_config(cfg.model.model)
@@ -75,41 +76,4 @@ def analytic_estimate(cfg: Any, device_type: str) -> Optional[Any]:
     family or technique is not modelled (see :func:`why_not_modelled`)."""
     if why_not_modelled(cfg) is not None:
         return None
-    from memtrain.analysis.estimate import estimate
-
     return estimate(cfg, hf_arch(cfg.model.model), device_type)
-
-
-def hf_norm_node(dm: Any, name: str, src: str, out: str, trainable: bool) -> Any:
-    """LlamaRMSNorm: ``w * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(dtype)``. Saved:
-    the float32 input (``src`` itself when the stream is float32), rstd, and (for a trainable
-    weight) the normalized tensor in the stream's dtype; the output is read by the projections
-    (saved by them)."""
-    from memtrain.analysis.estimate.simulator import _Node
-
-    N, d, r = dm.n, dm.d, dm.r
-    x32 = src if r == 4 else f"{name}.x32"
-    outs: list[tuple] = [(out, N * d * r), (f"{name}.stats", N * 4), (f"{name}.nrm", N * d * r)]
-    if r != 4:
-        outs.append((x32, N * d * 4))
-    # The weight multiply keeps the normalized tensor only for the weight's gradient: not when
-    # the norm is frozen (LoRA).
-    saves = [x32, f"{name}.stats"] + ([f"{name}.nrm"] if trainable else [])
-    return _Node(name, out=outs, inputs=[src], saves=saves, grad_out=(out,),
-                 grads=[(src, N * d * r)] + ([(f"param:{name}.weight", 0.0)] if trainable else []),
-                 # pow's output, and the float32 normalized tensor before its cast back
-                 fwd_scratch=N * d * 4 * (2 if r != 4 else 1),
-                 # backward: the float32 gradient through the cast, mul and pow
-                 scratch=2 * N * d * 4)
-
-
-def hf_rope_node(dm: Any, qkv: str, out: str) -> Any:
-    """apply_rotary_pos_emb: new q and k (``q * cos + rotate_half(q) * sin``); v passes on. For
-    memory the q/k/v triple stays one storage (what SDPA saves); the forward's scratch is the
-    products and the ``cat`` of rotate_half."""
-    from memtrain.analysis.estimate.simulator import _Node
-
-    N, d, kv, a = dm.n, dm.d, dm.kv, dm.a
-    return _Node(f"{out}.rope", out=[(out, N * (d + 2 * kv) * a)], inputs=[qkv],
-                 grads=[(qkv, N * (d + 2 * kv) * a)], fwd_scratch=3 * N * (d + kv) * a,
-                 scratch=2 * N * (d + kv) * a)

@@ -1,0 +1,89 @@
+"""The techniques mapped onto a transformers model (``--model SPEC``), in the documented order.
+
+Each through the library that owns it: the attention backend is transformers'
+``attn_implementation`` (chosen when :func:`memtrain.models.hf.build_hf_model` builds the model;
+here only SDPA's kernel restriction), LoRA is peft, QLoRA's NF4 base weights are torchao (CPU)
+or bitsandbytes (CUDA), checkpointing/loss/compile are memtrain's own technique functions.
+The model family itself (building, the GPT-like seams) is :mod:`memtrain.models.hf`; this
+mapping lives with the techniques so that models never import techniques.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from memtrain.config import ConfigError, RunConfig
+from memtrain.models.hf import GPT_LORA_TARGETS, HFCausalLM
+from memtrain.models.qlora import quantize_base_weights
+from memtrain.techniques.checkpointing import apply_checkpointing
+from memtrain.techniques.compile import apply_compile
+from memtrain.techniques.facts import checkpoint_policy
+from memtrain.techniques.loss import apply_loss
+
+__all__ = ["apply_hf_lora", "lora_target_modules", "prepare_hf_model"]
+
+# --attention flash / mem-efficient: SDPA restricted to one kernel (as for our GPT)
+_SDPA_BACKEND = {"flash": "FLASH_ATTENTION", "mem-efficient": "EFFICIENT_ATTENTION"}
+
+
+def _check_supported(model: HFCausalLM, cfg: RunConfig, device: torch.device) -> None:
+    tech = cfg.technique
+    if tech.distributed != "none":
+        raise ConfigError("--distributed with a transformers --model is not supported yet; drop --distributed")
+    if tech.attention == "flash-attn" and device.type != "cuda":
+        raise ConfigError("--attention flash-attn (flash_attention_2) needs a CUDA GPU; use sdpa or flash on CPU")
+    if tech.attention == "mem-efficient" and device.type != "cuda":
+        raise ConfigError("--attention mem-efficient is a CUDA kernel; use sdpa or flash on CPU")
+    if tech.attention == "flex" and device.type != "cuda":
+        raise ConfigError("--attention flex has no CPU backward in this torch; use sdpa on CPU")
+    if tech.qlora and not tech.lora_rank:
+        raise ConfigError("--qlora quantizes the frozen base weights under LoRA; add --lora-rank 16")
+    if checkpoint_policy(tech.checkpointing).kind == "selective":
+        # Megatron's policy recomputes only the attention core, which memtrain reaches through
+        # its own GPT's attention seam (block.attn.attn_fn); transformers' layers call their
+        # attention function from inside forward, so there is no such seam to wrap yet.
+        raise ConfigError("--checkpointing selective (recompute the attention core) is not available for a "
+                          "transformers --model yet; use selective-matmul, full, every:K or sqrt")
+
+
+def lora_target_modules(targets: str) -> Any:
+    """peft's target_modules: every decoder Linear for the GPT default, else the named ones."""
+    if targets == GPT_LORA_TARGETS or targets == "all-linear":
+        return "all-linear"
+    return [t.strip() for t in targets.split(",") if t.strip()]
+
+
+def apply_hf_lora(model: HFCausalLM, cfg: RunConfig) -> None:
+    """Add LoRA adapters in place with peft; only the adapters stay trainable."""
+    tech = cfg.technique
+    if not tech.lora_rank:
+        return
+    from peft import LoraConfig, inject_adapter_in_model
+
+    lcfg = LoraConfig(r=tech.lora_rank, lora_alpha=tech.lora_alpha, lora_dropout=tech.lora_dropout,  # type: ignore[arg-type]
+                      target_modules=lora_target_modules(tech.lora_targets), bias="none")
+    try:
+        inject_adapter_in_model(lcfg, model.lm)
+    except ValueError as exc:
+        raise ConfigError(f"--lora-targets {tech.lora_targets!r}: {str(exc).splitlines()[0]}") from None
+    for name, p in model.lm.named_parameters():
+        p.requires_grad_("lora_" in name)
+
+
+def prepare_hf_model(model: HFCausalLM, cfg: RunConfig, device: torch.device, precision: Any) -> nn.Module:
+    """Apply ``cfg.technique`` to a transformers model in the documented order
+    (lora -> [qlora] -> checkpointing -> loss -> compile); the attention backend was chosen
+    when the model was built (``attn_implementation``)."""
+    _check_supported(model, cfg, device)
+    tech = cfg.technique
+    model = model.to(device=device, dtype=precision.param_dtype)
+    model.sdpa_backend = _SDPA_BACKEND.get(tech.attention)
+    apply_hf_lora(model, cfg)
+    if tech.qlora:
+        quantize_base_weights(model, device)
+    apply_checkpointing(model, tech)
+    apply_loss(model, tech, device)
+    return apply_compile(model, tech)
