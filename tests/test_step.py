@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import TINY_MODEL
-from memtrain.analysis.estimate import optimizer_state_bytes, param_table
+from memtrain.analysis.estimate import param_table, predicted_optimizer_state
 from memtrain.config import ConfigError, build_config
 from memtrain.metrics import MemoryMeter, optimizer_state_bytes as measured_state_bytes
 from memtrain.step import TrainState, build_state, measure_steps, random_micro_batches, run_step
@@ -85,7 +85,7 @@ def test_optimizer_state_rule_predicts_the_measured_state(optim):
     torch.manual_seed(0)
     state = build_state(cfg, CPU)
     run_step(state, random_micro_batches(cfg, 2, CPU, torch.Generator().manual_seed(0)))
-    predicted, _ = optimizer_state_bytes(param_table(cfg.model), optim, 4)
+    predicted, _ = predicted_optimizer_state(param_table(cfg.model), optim, 4)
     assert measured_state_bytes(state.optimizer) == predicted
     rule = optimizer_state_rule(optim)
     assert rule.states == (2 if optim == "adamw" else 1) and rule.state_bytes(4) == 4
