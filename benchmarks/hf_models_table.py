@@ -1,9 +1,12 @@
 """Full-size transformers models traced on CPU: memory by category per technique set.
 
 For each bundled config (memtrain/models/configs) and each technique set, one steady-state
-training step is traced under fake tensors (memtrain.analysis.trace.trace_step: nothing allocated,
-the tracked peak exactly as a real step on the same kernels would meter it). Writes
-``OUT/hf_models_table.json`` (one line per row, as each finishes) and ``OUT/hf_models_table.md``.
+training step is traced under fake tensors (nothing allocated, the tracked peak exactly as a
+real step on the same kernels would meter it): by default two shallow copies of the model
+(2 and 3 decoder layers) extended affinely to the real depth (memtrain.models.depth), with
+``--full-trace`` every layer (memtrain.analysis.trace.trace_step). Writes ``OUT/hf_models_table.jsonl``
+(one line per row, as each finishes) and ``OUT/hf_models_table.md``; rows of ``OUT/full_traces.jsonl``
+(an earlier ``--full-trace`` run) are shown beside the same rows.
 
     python benchmarks/hf_models_table.py --out benchmarks/results/cpu-hf-models
     python benchmarks/hf_models_table.py --models llama-3-70b --sets qlora+ckpt+chunked --out DIR
@@ -47,14 +50,15 @@ def main() -> None:
     ap.add_argument("--sets", default=",".join(SETS))
     ap.add_argument("--out", required=True)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--full-trace", action="store_true", help="trace every layer (minutes per row)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from memtrain.analysis.trace import trace_step
     from memtrain.config import build_config
+    from memtrain.models.depth import trace_any_depth
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    lines = out / "hf_models_table.jsonl"
+    lines = out / ("full_traces.jsonl" if args.full_trace else "hf_models_table.jsonl")
     done = set()
     if lines.exists():
         done = {(r["model"], r["set"]) for r in map(json.loads, lines.read_text().splitlines())}
@@ -64,30 +68,48 @@ def main() -> None:
                 continue
             cfg = build_config({**BASE, **SETS[name], "model": model})
             start = time.perf_counter()
-            r = trace_step(cfg, "cpu")
-            row = {"model": model, "set": name, "flags": SETS[name], "peak_bytes": r["peak_bytes"],
+            r = trace_any_depth(cfg, "cpu", full=args.full_trace)
+            row = {"model": model, "set": name, "flags": SETS[name], "method": r["method"],
+                   "probe_layers": r["probe_layers"], "peak_bytes": r["peak_bytes"],
                    "peak_phase": r["peak_phase"], "by_category": r["by_category"], "parameters": r["parameters"],
                    "trace_seconds": round(time.perf_counter() - start, 1)}
             with open(lines, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
             print(model, name, f"{r['peak_bytes'] / GIB:.2f} GiB", f"{row['trace_seconds']} s", flush=True)
-    write_markdown(out, lines)
+    if not args.full_trace:
+        write_markdown(out, lines)
 
 
 def write_markdown(out: Path, lines: Path) -> None:
     rows = [json.loads(ln) for ln in lines.read_text().splitlines()]
+    full_file = out / "full_traces.jsonl"
+    full = {}
+    if full_file.exists():
+        full = {(r["model"], r["set"]): r for r in map(json.loads, full_file.read_text().splitlines())}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     md = [f"Traced with `python benchmarks/hf_models_table.py --out {out}` at commit {commit} on "
           f"{platform.processor() or platform.machine()} (CPU kernels, torch {torch.__version__}); "
-          f"batch 1 x seq 2048, bf16 weights, AdamW, SDPA. GiB at the step's peak.", "",
-          "| model | techniques | peak | weights | gradients | optimizer | activations | temporaries | phase | trace s |",
-          "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+          f"batch 1 x seq 2048, bf16 weights, AdamW, SDPA. GiB at the step's peak. 'trace s': wall time of "
+          f"this row ('method' extrapolated: 2 + 3 layers traced); 'full trace': the peak of the same step "
+          f"with every layer traced (full_traces.jsonl) and its wall time.", "",
+          "| model | techniques | peak | weights | gradients | optimizer | activations | temporaries | phase "
+          "| method | trace s | full trace | full s |",
+          "|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|"]
     for r in rows:
         c = r["by_category"]
         md.append(f"| {r['model']} | {r['set']} | {r['peak_bytes'] / GIB:.2f} | {c['parameters'] / GIB:.2f} | "
                   f"{c['gradients'] / GIB:.2f} | {c['optimizer'] / GIB:.2f} | {c['activations'] / GIB:.2f} | "
-                  f"{c['temporaries'] / GIB:.2f} | {r['peak_phase']} | {r['trace_seconds']} |")
+                  f"{c['temporaries'] / GIB:.2f} | {r['peak_phase']} | {r.get('method', 'trace')} | "
+                  f"{r['trace_seconds']} | {_full(full.get((r['model'], r['set'])), r)} |")
     (out / "hf_models_table.md").write_text("\n".join(md) + "\n")
+
+
+def _full(f: dict | None, r: dict) -> str:
+    """The full trace's peak (bytes equal, or the difference) and seconds, or blanks."""
+    if f is None:
+        return " | "
+    same = "same bytes" if f["peak_bytes"] == r["peak_bytes"] else f"{(r['peak_bytes'] - f['peak_bytes']) / GIB:+.4f} GiB"
+    return f"{f['peak_bytes'] / GIB:.2f} ({same}) | {f['trace_seconds']}"
 
 
 if __name__ == "__main__":

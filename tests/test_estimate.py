@@ -12,9 +12,9 @@ from memtrain.analysis.estimate import (
     estimate,
     estimate_inference,
     model_state_rule,
-    optimizer_state_bytes,
     param_table,
     parse_count,
+    predicted_optimizer_state,
     shape_for_params,
 )
 from memtrain.analysis.maxbatch import measure_step_memory
@@ -126,7 +126,7 @@ def test_adamw_fp32_3b_needs_24_gb_of_state():
     n = sum(p.numel for p in param_table(m))
     assert abs(n / 3e9 - 1) < 0.001
     assert model_state_rule(3_000_000_000, "adamw")["optimizer_bytes"] == 24e9
-    state, _ = optimizer_state_bytes(param_table(m), "adamw", 4)
+    state, _ = predicted_optimizer_state(param_table(m), "adamw", 4)
     assert state == pytest.approx(24e9, rel=0.001)
 
 
@@ -135,11 +135,11 @@ def test_adafactor_and_8bit_rules():
     assert model_state_rule(3_000_000_000, "adamw-8bit")["optimizer_bytes"] == 6e9
     # Ours: torch.optim.Adafactor keeps no first moment and a factored second moment (~0 B/param).
     m = shape_for_params(3_000_000_000)
-    ours, _ = optimizer_state_bytes(param_table(m), "adafactor", 4)
+    ours, _ = predicted_optimizer_state(param_table(m), "adafactor", 4)
     assert ours < 0.01 * 3e9
     # torchao 8-bit: 2 x 1 byte + a fp32 scale per 256 elements (vocab padded so wte quantizes).
     m64 = ModelConfig(**{**m.__dict__, "vocab_multiple": 64})
-    eight, _ = optimizer_state_bytes(param_table(m64), "adamw-8bit", 4)
+    eight, _ = predicted_optimizer_state(param_table(m64), "adamw-8bit", 4)
     assert eight == pytest.approx(6e9, rel=0.03)
 
 

@@ -10,12 +10,11 @@ import torch
 from memtrain.analysis.flops import (
     count_step,
     counted_flops_per_step,
-    flops_report,
     op_bytes,
-    resolve_roof,
 )
 from memtrain.analysis.flops.count import _counting_config, _trace
 from memtrain.analysis.flops.profile import profile_op_classes
+from memtrain.analysis.flops.roofline import flops_report, resolve_roof
 from memtrain.cli import main
 from memtrain.config import ConfigError, build_config
 

@@ -360,7 +360,7 @@ def test_estimate_cli_traces_a_transformers_model(model_dirs, capsys):
     from memtrain.cli import main
 
     rc = main(["estimate", "--model", str(model_dirs["qwen2"]), "--seq-len", "32", "--batch-size", "2",
-               "--attention", "sdpa", "--lora-rank", "4", "--json"])
+               "--attention", "sdpa", "--lora-rank", "4", "--full-trace", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["method"] == "trace" and out["peak_bytes"] > 0
     assert set(out["bytes"]) == {"weights", "gradients", "optimizer", "activations", "logits", "temporaries"}

@@ -231,7 +231,7 @@ def test_adafactor_matches_the_trainers_adafactor():
 def test_optim_block_sets_torchaos_block(eager_torchao):
     """--optim-block reaches torchao (fewer, coarser scales), and the estimator counts it."""
     pytest.importorskip("torchao")
-    from memtrain.analysis.estimate import ParamInfo, optimizer_state_bytes as estimated_state
+    from memtrain.analysis.estimate import ParamInfo, predicted_optimizer_state as estimated_state
 
     model = nn.Sequential(nn.Linear(512, 512, bias=False))
     sizes = {}

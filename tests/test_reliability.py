@@ -54,8 +54,9 @@ def one_rank_group(tmp_path):
 
 
 def _run_state(cfg):
-    """Model, optimizer, scheduler, loader position and precision of a tiny run (CPU)."""
+    """The train state of a tiny run (CPU): model, optimizer, scheduler, loader position, precision."""
     from memtrain.model import GPT
+    from memtrain.step import TrainState
     from memtrain.techniques import build_optimizer, make_precision
 
     class Position:  # the loader's state_dict protocol, without data
@@ -72,7 +73,9 @@ def _run_state(cfg):
     model = GPT(cfg.model)
     opt = build_optimizer(model, cfg.technique, cfg.train)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    return model, opt, sched, Position(), make_precision("fp32", torch.device("cpu"))
+    cpu = torch.device("cpu")
+    return TrainState(cfg, cpu, model, opt, make_precision("fp32", cpu), model.num_parameters(),
+                      scheduler=sched, loader=Position())
 
 
 def _crafted_dcp(root: Path, marker: Path, settings: dict | None = None) -> Path:
@@ -95,7 +98,7 @@ def test_crafted_dcp_metadata_is_refused_and_nothing_runs(one_rank_group, tmp_pa
     ckpt = _crafted_dcp(tmp_path, marker)
     cfg = build_config({**TINY_MODEL, **RUN, "steps": 4})
     with pytest.raises(ConfigError, match="is refused: its .metadata is not a plain DCP metadata file"):
-        load_checkpoint(ckpt, *_run_state(cfg))
+        load_checkpoint(ckpt, _run_state(cfg))
     assert not marker.exists()
     # torch's own reader runs it (here harmlessly: it creates the marker): the threat is real.
     import torch.distributed.checkpoint as dcp
@@ -128,14 +131,17 @@ def test_sharded_checkpoint_round_trips_through_the_safe_reader(one_rank_group, 
     from memtrain.distributed_checkpoint import load_checkpoint, save_checkpoint
 
     cfg = build_config({**TINY_MODEL, **RUN, "steps": 4, "distributed": "ddp"})
-    model, opt, sched, loader, prec = _run_state(cfg)
+    run = _run_state(cfg)
+    model, opt, loader = run.model, run.optimizer, run.loader
     x = torch.randint(0, cfg.model.vocab_size, (2, 16))
     model(x, x).backward()
     opt.step()
-    save_checkpoint(tmp_path / "ck", model, opt, sched, loader, prec, 1, [3.0], cfg)
-    model2, opt2, sched2, loader2, prec2 = _run_state(cfg)
+    run.step, run.losses = 1, [3.0]
+    save_checkpoint(tmp_path / "ck", run)
+    run2 = _run_state(cfg)
+    model2, opt2, loader2 = run2.model, run2.optimizer, run2.loader
     loader2.state = {}
-    state = load_checkpoint(tmp_path / "ck", model2, opt2, sched2, loader2, prec2)
+    state = load_checkpoint(tmp_path / "ck", run2)
     assert state == {"step": 1, "losses": [3.0]} and loader2.state == loader.state
     for a, b in zip(model.state_dict().values(), model2.state_dict().values()):
         assert torch.equal(a, b)

@@ -28,6 +28,10 @@ class Arch:
     norm: str = "layernorm"  # layernorm (weight + bias) | rmsnorm (weight only)
     positional: str = "learned"  # learned (wpe table) | rope (no parameters)
     n_kv_heads: Optional[int] = None  # grouped-query attention; None = n_heads
+    # A transformers decoder (Llama, Qwen2, Mistral: memtrain.models.hf_estimate): RMSNorm that
+    # upcasts to float32 and keeps the upcast and the normalized copy for backward, rotary
+    # embeddings that copy q and k, peft adapters in the parameter dtype.
+    hf: bool = False
 
 
 GPT2_ARCH = Arch()

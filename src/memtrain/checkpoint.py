@@ -12,12 +12,15 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 
-from memtrain.config import ConfigError, RunConfig
+from memtrain.config import ConfigError
+
+if TYPE_CHECKING:  # the harness imports the techniques (torch models); a checkpoint only reads it
+    from memtrain.step import TrainState
 
 FORMAT_VERSION = 1
 REQUIRED_KEYS = ("step", "losses", "model", "optimizer", "scheduler", "loader", "rng_cpu", "rng_cuda",
@@ -82,28 +85,18 @@ def read_state(p: Path, missing_hint: str) -> Any:
         raise ConfigError(f"cannot read checkpoint {str(p)!r} ({type(exc).__name__}); it is not a memtrain checkpoint") from None
 
 
-def save_checkpoint(
-    path: str | Path,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    loader: Any,
-    precision: Any,
-    step: int,
-    losses: list[float],
-    cfg: RunConfig,
-) -> None:
-    """Write everything needed to continue after ``step`` completed optimizer steps."""
+def save_checkpoint(path: str | Path, run: TrainState) -> None:
+    """Write everything needed to continue after ``run.step`` completed optimizer steps."""
     state = {
         "format": FORMAT_VERSION,
-        "step": step,
-        "losses": list(losses),
-        "model": _unwrap(model).state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "loader": loader.state_dict(),
-        **rng_and_scaler_state(precision),
-        "config": cfg.to_dict(),
+        "step": run.step,
+        "losses": list(run.losses),
+        "model": _unwrap(run.model).state_dict(),
+        "optimizer": run.optimizer.state_dict(),
+        "scheduler": run.scheduler.state_dict(),
+        "loader": run.loader.state_dict(),
+        **rng_and_scaler_state(run.precision),
+        "config": run.cfg.to_dict(),
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -117,15 +110,9 @@ def save_checkpoint(
         raise disk_full_or(exc, path) from None
 
 
-def load_checkpoint(
-    path: str | Path,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    loader: Any,
-    precision: Any,
-) -> dict[str, Any]:
-    """Restore all state in place; return ``{"step", "losses"}`` of the saved run."""
+def load_checkpoint(path: str | Path, run: TrainState) -> dict[str, Any]:
+    """Restore all of ``run`` in place (``run.step`` and ``run.losses`` too); return
+    ``{"step", "losses"}`` of the saved run."""
     p = Path(path)
     if p.is_dir():
         raise ConfigError(f"{str(p)!r} is a sharded checkpoint directory; resume it under torchrun with the "
@@ -137,18 +124,19 @@ def load_checkpoint(
     if missing:
         raise ConfigError(f"checkpoint {str(p)!r} lacks {', '.join(missing)}; it is incomplete or was not written by memtrain")
     try:
-        _unwrap(model).load_state_dict(state["model"])
+        _unwrap(run.model).load_state_dict(state["model"])
     except RuntimeError as exc:
         first = str(exc).splitlines()[0]
         raise ConfigError(f"checkpoint {str(p)!r} does not fit this model ({first}); use the same model flags as the saved run") from None
     try:
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        loader.load_state_dict(state["loader"])
-        restore_rng_and_scaler(state, precision)
+        run.optimizer.load_state_dict(state["optimizer"])
+        run.scheduler.load_state_dict(state["scheduler"])
+        run.loader.load_state_dict(state["loader"])
+        restore_rng_and_scaler(state, run.precision)
     except ConfigError:
         raise
     except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as exc:
         raise ConfigError(f"checkpoint {str(p)!r} does not fit this run ({type(exc).__name__}: {exc}); "
                           "resume with the saved run's optimizer and settings") from None
+    run.step, run.losses = int(state["step"]), list(state["losses"])
     return {"step": int(state["step"]), "losses": state["losses"]}

@@ -169,10 +169,40 @@ def fmt_bytes(n: Optional[float]) -> str:
 
 
 # --------------------------------------------------------------------------- train
+def add_train_flags(parser: argparse.ArgumentParser) -> None:
+    """train's flags: every config field, and how many ranks to start (not a config field:
+    it says how the run is launched, not what it computes)."""
+    from memtrain.argtypes import positive_int
+
+    add_config_flags(parser)
+    parser.add_argument("--nproc-per-node", dest="nproc_per_node", type=positive_int, default=None, metavar="N",
+                        help="Start N data-parallel ranks on this machine (torchrun's launcher, run by memtrain: "
+                        "bad input is one error: line and exit 2). Needs --distributed ddp|zero1|zero2|fsdp.")
+    parser.add_argument("--nproc_per_node", dest="nproc_per_node", type=positive_int, default=None,
+                        help=argparse.SUPPRESS)  # torchrun's spelling
+
+
+def _launch_ranks(args: argparse.Namespace, cfg: RunConfig) -> int:
+    """``--nproc-per-node N``: check everything a rank could refuse, hold the --out lock,
+    then start the ranks (memtrain.launch)."""
+    from memtrain.launch import launch
+    from memtrain.preflight import check_before_launch
+    from memtrain.results import FolderLock
+
+    if "WORLD_SIZE" in os.environ:
+        raise ConfigError("--nproc-per-node starts the ranks itself; under torchrun drop it (or run without torchrun)")
+    check_before_launch(cfg, args.nproc_per_node)
+    with FolderLock(Path(cfg.train.out), "memtrain train", cleanup_if_unused=True):
+        return launch(args.nproc_per_node, args._argv)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    from memtrain.rank_errors import launched_by_memtrain
     from memtrain.train import train
 
     cfg = config_from_args(args)
+    if getattr(args, "nproc_per_node", None) and not launched_by_memtrain():
+        return _launch_ranks(args, cfg)
     out = Path(cfg.train.out)
     main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 writes and prints
 
@@ -186,7 +216,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     guard = sigterm_as_interrupt() if "WORLD_SIZE" not in os.environ else contextlib.nullcontext()
     with guard:
-        result = train(cfg, on_result=write_result, log_metrics=True)
+        # The --out lock: a second train or bench on the folder is refused (exit 2). Under
+        # memtrain's launcher the launcher holds it for its ranks.
+        result = train(cfg, on_result=write_result, log_metrics=True, lock_out=not launched_by_memtrain())
     if not main_rank:
         return 0  # result["ranks"] has every rank's numbers
     if getattr(cfg.train, "warmup_defaulted", False):
@@ -218,7 +250,7 @@ def register(name: str, help: str, add_args: Callable[[argparse.ArgumentParser],
 
 def _load_commands() -> None:
     register("train", "Train one model with any combination of techniques; writes OUT/result.json.",
-             lambda p: add_config_flags(p), cmd_train)
+             add_train_flags, cmd_train)
     # Each module of memtrain/commands/ registers its own subcommand on import, so a new
     # command is a new file there and this module stays unchanged.
     import importlib
@@ -247,10 +279,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from memtrain.rank_errors import begin_command
+
+    begin_command()
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C while importing or parsing (a rank just started): no traceback
+        _say("error: interrupted; results written so far are kept", 130)
+        return 130
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args, extra = parser.parse_known_args(argv)
     if extra:
         args._parser.reject_unknown(extra)
+    args._argv = argv  # memtrain.launch hands the same command line to every rank
     if getattr(args, "verbose", False):
         os.environ["MEMTRAIN_VERBOSE"] = "1"
     from memtrain.extras import quiet_third_party
@@ -261,30 +306,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return int(args._run(args) or 0)
     except ConfigError as exc:
-        # Under torchrun every rank validates the same input and exits 2; only rank 0 says
-        # why, so the user reads the line once rather than once per rank.
-        if int(os.environ.get("RANK", "0")) == 0 or os.environ.get("MEMTRAIN_DEBUG"):
-            sys.stderr.write(f"error: {exc}\n")
+        # Under torchrun every rank exits 2 (memtrain.rank_errors makes a rank-specific
+        # refusal everyone's); only rank 0 says why, so the user reads the line once.
+        _say(f"error: {exc}", 2, every_rank=False)  # = rank_errors.error_line(exc)
         return 2
     except KeyboardInterrupt:
-        sys.stderr.write("error: interrupted; results written so far are kept\n")
+        _say("error: interrupted; results written so far are kept", 130)
         return 130
     except OSError as exc:
         if exc.errno != errno.ENOSPC or os.environ.get("MEMTRAIN_DEBUG"):
             return _failure(exc)
         where = f" writing {exc.filename}" if exc.filename else ""
-        sys.stderr.write(f"error: disk full{where}; free space and run again (files written before are intact)\n")
+        _say(f"error: disk full{where}; free space and run again (files written before are intact)", 1)
         return 1
     except Exception as exc:  # noqa: BLE001 - the contract: exit 1 with the reason
         return _failure(exc)
+
+
+def _say(line: str, code: int, every_rank: bool = True) -> None:
+    from memtrain.rank_errors import say_error
+
+    say_error(line, code, every_rank)
 
 
 def _failure(exc: BaseException) -> int:
     """Exit 1 with the reason on one line (the traceback with MEMTRAIN_DEBUG=1)."""
     if os.environ.get("MEMTRAIN_DEBUG"):
         raise exc
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    sys.stderr.write(f"error: {type(exc).__name__}: {first} (set MEMTRAIN_DEBUG=1 for the traceback)\n")
+    from memtrain.rank_errors import error_line
+
+    _say(error_line(exc), 1)
     return 1
 
 

@@ -66,7 +66,8 @@ class ModelConfig:
         None,
         "Bring your own model: a transformers config.json, a directory holding one (optionally with "
         "*.safetensors weights and tokenizer files), a bundled config (llama-3-8b, qwen2.5-7b, mistral-7b, "
-        "llama-3-70b, qwen2.5-0.5b) or hf:ORG/NAME; a GPT preset name (gpt2...) sets our GPT's shape. "
+        "llama-3-70b, qwen2.5-0.5b; tiny-llama and tiny-gpt2 train in seconds on a CPU) or hf:ORG/NAME; "
+        "a GPT preset name (gpt2...) sets our GPT's shape. "
         "The shape fields above then mirror the model's config. None: memtrain's GPT.",
     )
 

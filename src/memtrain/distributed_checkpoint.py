@@ -12,7 +12,8 @@
 
 and ``--resume CKPT`` restores all of it, so a resumed run continues exactly as the
 uninterrupted one would (the promise of :mod:`memtrain.checkpoint`). The same functions and
-signatures as that module, so the train loop only chooses which pair to call.
+signatures as that module (a path and the run's :class:`memtrain.step.TrainState`), so the
+train loop only chooses which pair to call.
 
 Written atomically: all ranks write into a sibling temporary directory, and rank 0 renames
 it into place once every rank has finished, so a run killed mid-save keeps the previous
@@ -28,14 +29,18 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from memtrain.checkpoint import restore_rng_and_scaler, rng_and_scaler_state
-from memtrain.config import ConfigError, RunConfig
+from memtrain.config import ConfigError
+from memtrain.rank_errors import agreement
+
+if TYPE_CHECKING:  # the harness imports the techniques (torch models); a checkpoint only reads it
+    from memtrain.step import TrainState
 from memtrain.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError, read_metadata
 
 FORMAT = "memtrain-dcp-1"
@@ -101,19 +106,11 @@ def _rank_file(root: Path, rank: int) -> Path:
     return root / f"rank-{rank}.pt"
 
 
-def save_checkpoint(
-    path: str | Path,
-    model: nn.Module,
-    optimizer: Any,
-    scheduler: Any,
-    loader: Any,
-    precision: Any,
-    step: int,
-    losses: list[float],
-    cfg: RunConfig,
-) -> None:
-    """Write everything needed to continue after ``step`` (a collective: every rank calls it)."""
+def save_checkpoint(path: str | Path, run: TrainState) -> None:
+    """Write everything needed to continue after ``run.step`` (a collective: every rank calls it)."""
     import torch.distributed.checkpoint as dcp
+
+    model, optimizer, scheduler, cfg = run.model, run.optimizer, run.scheduler, run.cfg
 
     final = Path(path)
     if final.exists() and not final.is_dir():
@@ -128,7 +125,7 @@ def save_checkpoint(
     local = _zero1_local(optimizer)
     torch.save(
         {
-            **rng_and_scaler_state(precision),
+            **rng_and_scaler_state(run.precision),
             "scheduler": scheduler.state_dict(),
             "optimizer": local.state_dict() if local is not None else None,
             # ZeRO-1's outer param_groups carry the scheduled LR of the next step; the local
@@ -141,9 +138,9 @@ def save_checkpoint(
     if rank == 0:
         meta = {
             "format": FORMAT,
-            "step": step,
-            "losses": list(losses),
-            "loader": loader.state_dict(),
+            "step": run.step,
+            "losses": list(run.losses),
+            "loader": run.loader.state_dict(),
             "world_size": dist.get_world_size(),
             "strategy": cfg.technique.distributed,
             "config": cfg.to_dict(),
@@ -160,20 +157,50 @@ def save_checkpoint(
     dist.barrier()  # nobody reads or rewrites the checkpoint before it is in place
 
 
-def load_checkpoint(
-    path: str | Path,
-    model: nn.Module,
-    optimizer: Any,
-    scheduler: Any,
-    loader: Any,
-    precision: Any,
-) -> dict[str, Any]:
-    """Restore all state in place (every rank calls it); return ``{"step", "losses"}``."""
+def load_checkpoint(path: str | Path, run: TrainState) -> dict[str, Any]:
+    """Restore all of ``run`` in place (every rank calls it; ``run.step`` and ``run.losses``
+    too); return ``{"step", "losses"}``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     p = Path(path)
+    model = run.model
+    optimizer: Any = run.optimizer  # ZeRO-1's ShardedZeRO1 adds sync_param_groups
+    # Every check, and this rank's own file, before the collective load: a refusal on any
+    # one rank (its rank-R.pt missing or corrupt) refuses the resume on all of them.
+    with agreement():
+        meta, own = _checked_parts(p, optimizer)
+    state, aliases = _app_state(model, optimizer)
+    try:
+        # Our reader and planner: nothing in the directory is unpickled beyond plain data.
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(p)), planner=SafeLoadPlanner())
+    except CheckpointException as exc:  # a BaseException in torch: turn it into a user error
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"checkpoint {str(p)!r} does not fit this model ({first}); use the same model flags as the saved run") from None
+    for alias, key in aliases.items():  # a tied weight: the same loaded tensor under both names
+        state["model"][alias] = state["model"][key]
+    local = _zero1_local(optimizer)
+    if local is None:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    else:
+        set_model_state_dict(model, state["model"])
+
+    if local is not None:
+        local.load_state_dict(own["optimizer"])
+        for group, saved in zip(optimizer.param_groups, own["param_groups"]):
+            group.update(saved)
+        optimizer.sync_param_groups()
+    run.scheduler.load_state_dict(own["scheduler"])
+    run.loader.load_state_dict(meta["loader"])
+    restore_rng_and_scaler(own, run.precision)
+    run.step, run.losses = int(meta["step"]), list(meta["losses"])
+    return {"step": int(meta["step"]), "losses": meta["losses"]}
+
+
+def _checked_parts(p: Path, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """meta.json and this rank's ``rank-R.pt`` of checkpoint ``p``, after every check that
+    needs no collective (format, pickled metadata, ranks, strategy)."""
     if not (p / META).is_file():
         hint = "it is a single-process checkpoint; resume it without --distributed" if p.is_file() else "check --resume"
         raise ConfigError(f"{str(p)!r} is not a distributed checkpoint directory ({hint})")
@@ -197,32 +224,11 @@ def load_checkpoint(
     local = _zero1_local(optimizer)
     if (meta["strategy"] == "zero1") != (local is not None):
         raise ConfigError(f"checkpoint {str(p)!r} was written with --distributed {meta['strategy']}; resume with the same strategy")
-
-    state, aliases = _app_state(model, optimizer)
-    try:
-        # Our reader and planner: nothing in the directory is unpickled beyond plain data.
-        dcp.load(state, storage_reader=SafeFileSystemReader(str(p)), planner=SafeLoadPlanner())
-    except CheckpointException as exc:  # a BaseException in torch: turn it into a user error
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"checkpoint {str(p)!r} does not fit this model ({first}); use the same model flags as the saved run") from None
-    for alias, key in aliases.items():  # a tied weight: the same loaded tensor under both names
-        state["model"][alias] = state["model"][key]
-    if local is None:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    else:
-        set_model_state_dict(model, state["model"])
-
     try:
         own = torch.load(_rank_file(p, rank), map_location="cpu", weights_only=True)
     except Exception as exc:  # missing, truncated, or holding more than plain data
         raise ConfigError(f"cannot read {str(_rank_file(p, rank))!r} ({type(exc).__name__}); "
                           "it is not a memtrain checkpoint part") from None
-    if local is not None:
-        local.load_state_dict(own["optimizer"])
-        for group, saved in zip(optimizer.param_groups, own["param_groups"]):
-            group.update(saved)
-        optimizer.sync_param_groups()
-    scheduler.load_state_dict(own["scheduler"])
-    loader.load_state_dict(meta["loader"])
-    restore_rng_and_scaler(own, precision)
-    return {"step": int(meta["step"]), "losses": meta["losses"]}
+    if not isinstance(own, dict) or not isinstance(own.get("scheduler"), dict):
+        raise ConfigError(f"{str(_rank_file(p, rank))!r} is not a memtrain checkpoint part (no scheduler state)")
+    return meta, own

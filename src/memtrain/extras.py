@@ -6,6 +6,7 @@ wandb or transformers; they are extras of the package (pyproject.toml), imported
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -51,3 +52,19 @@ def quiet_third_party() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     for category in (DeprecationWarning, FutureWarning, UserWarning):
         warnings.filterwarnings("ignore", category=category, module=NOISY_MODULES)
+
+
+def quiet_datasets() -> None:
+    """datasets and huggingface_hub log what memtrain then says in its one ``error:`` line
+    (a JSON parse error as ERROR, every Hub retry as WARNING); keep their logs to CRITICAL
+    through their own verbosity switches (unless MEMTRAIN_VERBOSE=1). Call after importing
+    datasets: it sets its loggers' level when first configured."""
+    if os.environ.get("MEMTRAIN_VERBOSE") == "1":
+        return
+    import datasets
+
+    datasets.utils.logging.set_verbosity(logging.CRITICAL)
+    with contextlib.suppress(ImportError):
+        import huggingface_hub
+
+        huggingface_hub.utils.logging.set_verbosity(logging.CRITICAL)

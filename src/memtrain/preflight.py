@@ -156,3 +156,38 @@ def check_resume(cfg: RunConfig) -> None:
     if not 0 <= step < end:
         raise ConfigError(f"--resume {cfg.train.resume!r} is at step {step}, this run ends at step {end}; "
                           "raise --stop-after (or drop it) to continue")
+
+
+# --------------------------------------------------------------------------- launch
+def check_before_launch(cfg: RunConfig, nproc: int) -> None:
+    """What ``memtrain train --nproc-per-node N`` checks before it starts any rank: the same
+    checks each rank makes (destinations, vocabulary, resume), the strategy and its
+    combinations, and a sharded checkpoint's rank count and per-rank files, so that bad
+    input costs no process start and no rendezvous."""
+    from memtrain.runtime import resolve_device
+    from memtrain.techniques.distributed import check_combination
+
+    if cfg.technique.distributed == "none":
+        raise ConfigError(f"--nproc-per-node {nproc} starts data-parallel ranks; add --distributed ddp "
+                          "(or zero1, zero2, fsdp)")
+    check_destinations(cfg)
+    check_vocab(cfg)
+    check_resume(cfg)
+    check_combination(cfg, resolve_device(cfg.train.device))
+    if cfg.train.resume:
+        check_sharded_resume(cfg.train.resume, nproc)
+
+
+def check_sharded_resume(path: str | Path, nproc: int) -> None:
+    """A sharded checkpoint was written by ``nproc`` ranks and holds every rank's file."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ConfigError(f"{str(p)!r} is not a distributed checkpoint directory; a single-process checkpoint "
+                          "resumes without --distributed and without --nproc-per-node")
+    meta = json.loads((p / "meta.json").read_text())  # saved_run (check_resume) has read it
+    world = meta.get("world_size")
+    if world != nproc:
+        raise ConfigError(f"checkpoint {str(p)!r} was written by {world} ranks; resume with --nproc-per-node {world}")
+    missing = [f"rank-{r}.pt" for r in range(nproc) if not (p / f"rank-{r}.pt").is_file()]
+    if missing:
+        raise ConfigError(f"checkpoint {str(p)!r} lacks {', '.join(missing)}; it is incomplete, resume from another one")

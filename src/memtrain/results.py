@@ -124,23 +124,40 @@ class FolderLock:
     gets a ConfigError naming the holder's pid instead of interleaving its rows with ours.
     """
 
-    def __init__(self, folder: Path, what: str = "memtrain", flag: str = "--out") -> None:
+    def __init__(self, folder: Path, what: str = "memtrain", flag: str = "--out",
+                 cleanup_if_unused: bool = False) -> None:
         self.folder = Path(folder)
         self.what = what
         self.flag = flag
+        # A folder this lock created and nothing else wrote into is removed again on exit, so a
+        # run refused after taking the lock leaves nothing behind (``train --out``).
+        self.cleanup_if_unused = cleanup_if_unused
+        self._created = False
         self._fh: Optional[Any] = None
 
     def __enter__(self) -> "FolderLock":
+        self._created = not self.folder.exists()
         self.folder.mkdir(parents=True, exist_ok=True)
-        fh = open(self.folder / LOCK_NAME, "a+")
-        try:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.seek(0)
-            holder = fh.read().strip() or "another process"
+        path = self.folder / LOCK_NAME
+        while True:
+            fh = open(path, "a+")
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                fh.seek(0)
+                holder = fh.read().strip() or "another process"
+                fh.close()
+                raise ConfigError(f"{self.flag} {str(self.folder)!r} is in use by {holder}; wait for it to finish "
+                                  f"or choose another {self.flag}") from None
+            # A holder that cleaned up may have unlinked the file we opened: lock the file
+            # that is there now, or two processes would each hold "the" lock.
+            try:
+                same = os.fstat(fh.fileno()).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
             fh.close()
-            raise ConfigError(f"{self.flag} {str(self.folder)!r} is in use by {holder}; wait for it to finish "
-                              f"or choose another {self.flag}") from None
         fh.seek(0)
         fh.truncate()
         fh.write(f"{self.what} (pid {os.getpid()})\n")
@@ -149,10 +166,18 @@ class FolderLock:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._fh is not None:
-            fcntl.flock(self._fh.fileno(), fcntl.LOCK_UN)
-            self._fh.close()
-            self._fh = None
+        if self._fh is None:
+            return
+        if self.cleanup_if_unused and self._created:
+            try:
+                if [p.name for p in self.folder.iterdir()] == [LOCK_NAME]:
+                    (self.folder / LOCK_NAME).unlink()  # while still locked: see __enter__
+                    self.folder.rmdir()
+            except OSError:
+                pass  # someone else's file appeared: keep the folder
+        fcntl.flock(self._fh.fileno(), fcntl.LOCK_UN)
+        self._fh.close()
+        self._fh = None
 
 
 # --------------------------------------------------------------------------- bench rows

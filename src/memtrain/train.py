@@ -1,8 +1,11 @@
-"""The training loop: micro-steps (autocast, loss, backward) -> clip -> optimizer step.
+"""The training run: data, the step loop, evaluation, checkpoints and the result.
 
 ``train(cfg)`` runs one configured run and returns its result dict (the ``result.json``
-contract of docs/architecture.md). It prints nothing itself except an optional progress bar;
-the CLI decides what to show.
+contract of docs/architecture.md). The run is built and stepped by the step harness
+(:mod:`memtrain.step`: one :class:`~memtrain.step.TrainState`, micro-steps -> clip -> optimizer
+step); this module adds what only a real run has: data, timing, the metered steps, logging,
+evaluation and checkpoints. It prints nothing itself except an optional progress bar; the CLI
+decides what to show.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -26,11 +30,15 @@ from memtrain.metrics import MemoryMeter, StepTimer, device_peak_memory, percent
 from memtrain.metrics.state import ShardedStateBytes
 from memtrain.models import build_model, data_tokenizer
 from memtrain.preflight import check_destinations, check_resume, check_vocab
+from memtrain.rank_errors import agreement
+from memtrain.results import FolderLock
 from memtrain.runtime import environment, resolve_device, seed_everything
-from memtrain.techniques import Precision, build_optimizer, make_precision, prepare_model
+from memtrain.step import Batch, TrainState, build_state, lr_lambda, run_step, train_step
+from memtrain.techniques import Precision, make_precision
 from memtrain.techniques.distributed import DistContext, distributed_session
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+# lr_lambda and train_step live in the step harness (memtrain.step); kept importable from here.
+__all__ = ["Batch", "LossDiverged", "evaluate", "lr_lambda", "train", "train_step"]
 
 # Steps whose memory is tracked (the meter slows a step down, so only these are metered and
 # they are also left out of the timing). Step 0 creates the optimizer state; step 1 is the
@@ -40,71 +48,6 @@ METERED_STEPS = (0, 1)
 
 class LossDiverged(RuntimeError):
     """The loss became NaN or infinite: further steps would only train on garbage."""
-
-
-def lr_lambda(cfg: RunConfig) -> Callable[[int], float]:
-    """Linear warm-up to 1, then cosine down to ``min_lr_ratio`` (or constant)."""
-    t = cfg.train
-
-    def factor(step: int) -> float:
-        if t.warmup_steps and step < t.warmup_steps:
-            return (step + 1) / t.warmup_steps
-        if t.schedule == "constant":
-            return 1.0
-        decay_steps = max(1, t.steps - t.warmup_steps)
-        progress = min(1.0, (step - t.warmup_steps) / decay_steps)
-        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def train_step(
-    model: nn.Module,
-    micro_batches: list[Batch],
-    optimizer: torch.optim.Optimizer,
-    precision: Precision,
-    grad_clip: float,
-    device: torch.device,
-    meter: Optional[MemoryMeter] = None,
-    no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
-) -> float:
-    """One optimizer step over ``len(micro_batches)`` micro-batches; returns the mean loss.
-
-    Each micro-batch loss is scaled by 1/N so the summed gradients equal the gradient of the
-    mean loss over the large batch (gradient accumulation). ``no_sync`` (data parallel)
-    suppresses the gradient all-reduce on all but the last micro-batch.
-    """
-    phase = meter.phase if meter is not None else (lambda name: contextlib.nullcontext())
-    n = len(micro_batches)
-    total = torch.zeros((), device=device)
-    scaler = precision.scaler
-    for i, (x, y) in enumerate(micro_batches):
-        x = x.to(device, non_blocking=True)
-        y = y.to(device, non_blocking=True)
-        sync_ctx = no_sync() if (no_sync is not None and i < n - 1) else contextlib.nullcontext()
-        with sync_ctx:
-            with phase("forward"), precision.autocast():
-                loss = model(x, y) / n
-            with phase("backward"):
-                (scaler.scale(loss) if scaler is not None else loss).backward()
-        total += loss.detach()
-    with phase("optimizer"):
-        if scaler is not None:
-            scaler.unscale_(optimizer)
-        if grad_clip > 0:
-            params = [p for p in model.parameters() if p.grad is not None]
-            precision.last_grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-        if scaler is not None:
-            scale_before = scaler.get_scale()
-            scaler.step(optimizer)
-            scaler.update()
-            if scaler.get_scale() < scale_before:
-                # GradScaler skips the step when it finds inf/nan and lowers the scale.
-                precision.skipped_steps += 1
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return float(total)
 
 
 @torch.no_grad()
@@ -178,7 +121,8 @@ def _optimizer_kernel(optimizer: Any) -> Optional[str]:
 
 def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = True,
           on_result: Optional[Callable[[dict[str, Any]], None]] = None,
-          log_metrics: bool = False, on_step: Optional[StepCallback] = None) -> dict[str, Any]:
+          log_metrics: bool = False, on_step: Optional[StepCallback] = None,
+          lock_out: bool = False) -> dict[str, Any]:
     """Run one training run as configured; return the result dict.
 
     Under ``--distributed`` every rank (torchrun process) runs this and gets the result;
@@ -186,12 +130,19 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
     receives the result before the final checkpoint is written (the CLI writes result.json
     there), so a failing final save cannot lose the run's numbers. ``log_metrics`` (the
     ``train`` command) writes ``OUT/metrics.jsonl`` and the ``--report-to`` sinks as steps
-    complete; library callers (bench rows, plan's check) leave it off.
+    complete; library callers (bench rows, plan's check) leave it off. ``lock_out`` (the
+    ``train`` command) holds ``OUT``'s folder lock for the run, so a second train or bench
+    on the folder is refused (exit 2) instead of mixing their files.
     """
-    check_destinations(cfg)  # before any step: never a run that cannot write its result
-    check_vocab(cfg)
-    check_resume(cfg)  # a checkpoint of another run is refused before tokenizing
-    with distributed_session(cfg, resolve_device(cfg.train.device)) as dist_ctx:
+    with distributed_session(cfg, resolve_device(cfg.train.device)) as dist_ctx, contextlib.ExitStack() as held:
+        # Before any step and before the first collective: every rank checks, and a refusal
+        # on any one rank (its own file, its own disk) refuses the run on all of them.
+        with agreement():
+            check_destinations(cfg)  # never a run that cannot write its result
+            check_vocab(cfg)
+            check_resume(cfg)  # a checkpoint of another run is refused before tokenizing
+            if lock_out and dist_ctx.is_main:
+                held.enter_context(FolderLock(Path(cfg.train.out), "memtrain train", cleanup_if_unused=True))
         return _train(cfg, dist_ctx, progress, track_memory, on_result, log_metrics, on_step)
 
 
@@ -222,82 +173,46 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
 
     # Techniques first: an impossible combination (a backend the device lacks, an optimizer
     # that cannot pair with the precision) fails in seconds, before a long tokenization.
-    precision = make_precision(cfg.technique.precision, device)
-    # Probe the device (cached per machine) and warn up front when this precision is slow here.
-    caps, device_caps = run_device_facts(cfg.technique.precision, device) if dist_ctx.is_main else (None, None)
-    base = build_model(cfg)  # memtrain's GPT, or a transformers model for --model SPEC
-    n_params = base.num_parameters()  # type: ignore[operator]  # GPT and HFCausalLM both define it
-    model = prepare_model(base, cfg, device, precision)
-    model.train()
-    optimizer = build_optimizer(model, cfg.technique, t)
-    model, optimizer = dist_ctx.wrap_optimizer(model, optimizer)  # ZeRO-1 / DeepSpeed; else unchanged
+    with agreement():  # no collective yet: a rank that cannot build the model fails them all
+        precision = make_precision(cfg.technique.precision, device)
+        # Probe the device (cached per machine) and warn up front when this precision is slow here.
+        caps, device_caps = run_device_facts(cfg.technique.precision, device) if dist_ctx.is_main else (None, None)
+        base = build_model(cfg)  # memtrain's GPT, or a transformers model for --model SPEC
+    state = build_state(cfg, device, precision, dist_ctx=dist_ctx, base=base, schedule=True)
+    # Looked up here, not in the harness: tests replace this module's train_step.
+    state.step_fn = dist_ctx.train_step or train_step
     if dist_ctx.enabled:  # what this rank holds of the state, the result's ranks[].sharded_state
-        dist_ctx.state = ShardedStateBytes(model, optimizer, dist_ctx.local_optimizer or optimizer)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+        dist_ctx.state = ShardedStateBytes(state.model, state.optimizer, dist_ctx.local_optimizer or state.optimizer)
 
     # Then data; nothing is written before both succeeded.
     with dist_ctx.main_first():  # rank 0 fills the token cache, the other ranks then read it
         splits = prepare_tokens(cfg.data, progress=show, tokenizer=data_tokenizer(cfg))
-    loader = make_train_loader(
+    state.loader = make_train_loader(
         splits.train, t.seq_len, t.batch_size, seed=t.seed,
         num_workers=cfg.data.num_workers, pin_memory=cfg.data.pin_memory,
         prefetch_factor=cfg.data.prefetch_factor, rank=dist_ctx.rank, world_size=dist_ctx.world_size,
     )
     val_batches = make_val_batches(splits.val, t.seq_len, cfg.data.val_blocks, t.batch_size)
-
-    start_step = 0
-    losses: list[float] = []
     if t.resume:
-        state = load_ckpt(t.resume, model, optimizer, scheduler, loader, precision)
-        start_step, losses = state["step"], list(state["losses"])
+        load_ckpt(t.resume, state)  # sets state.step and state.losses
+    start_step = state.step
 
     tokens_per_step = t.batch_size * t.grad_accum * t.seq_len * dist_ctx.world_size  # global batch
     # Metered steps run slower (the meter sees every op): keep them inside the timing warm-up.
     warmup = max(t.warmup_timing_steps, len(METERED_STEPS) if track_memory else 0)
     timer = StepTimer(device, warmup=min(warmup, max(0, (t.stop_after or t.steps) - start_step - 1)))
-    meter = MemoryMeter(model, optimizer) if track_memory else None
+    meter = MemoryMeter(state.model, state.optimizer) if track_memory else None
     dist_ctx.attach_meter(meter)
-    step_fn, no_sync = dist_ctx.train_step or train_step, dist_ctx.no_sync(model)
     reset_device_peak(device)
     end_step = t.stop_after or t.steps
-    bar = _Progress(total=end_step, initial=start_step, enabled=show)
     logger = MetricsLogger(t.out, t.report_to, t.log_every, enabled=log_metrics and dist_ctx.is_main,
                            append=bool(t.resume), config=cfg.to_dict())
-    batches = iter(loader)
+    loop = _Loop(state, timer, meter, logger, save_ckpt, val_batches, tokens_per_step, on_step,
+                 dist_ctx.mean)
     wall_start = time.perf_counter()
-    val_history: list[dict[str, float]] = []
+    bar = _Progress(total=end_step, initial=start_step, enabled=show)
     try:
-        for step in range(start_step, end_step):
-            metered = meter is not None and (step - start_step) in METERED_STEPS
-            with timer.data_wait():
-                micro = _micro_batches(batches, t.grad_accum)
-            step_start = time.perf_counter()
-            with timer.step():
-                with meter if metered else contextlib.nullcontext():  # type: ignore[union-attr]  # meter is set whenever metered is true
-                    if metered and step - start_step == METERED_STEPS[-1]:
-                        meter.reset_peak()  # type: ignore[union-attr]  # meter is set whenever metered is true
-                    loss = step_fn(model, micro, optimizer, precision, t.grad_clip, device,
-                                   meter if metered else None, no_sync=no_sync)
-                loss = dist_ctx.mean(loss)  # the global batch's loss, the same on every rank
-                if not math.isfinite(loss):  # the same value on every rank: all stop together
-                    raise LossDiverged(f"the training loss became {loss} at step {step + 1}; lower --lr "
-                                       f"(now {t.lr:g}) or keep --grad-clip on; checkpoints written before are intact")
-                scheduler.step()
-            losses.append(loss)
-            tokens_per_s = tokens_per_step / max(time.perf_counter() - step_start, 1e-9)
-            bar.update(loss, tokens_per_s)
-            done = step + 1
-            if logger.sinks and (done % logger.every == 0 or done == end_step):
-                logger.log(done, _step_scalars(loss, scheduler, precision, tokens_per_s, device), force=True)
-            if on_step is not None:
-                on_step(done - start_step, end_step - start_step,
-                        percentile(timer.step_times, 50) if timer.step_times else None)
-            if t.eval_every and done % t.eval_every == 0 and done < end_step:
-                v = evaluate(model, val_batches, precision, device)
-                val_history.append({"step": done, "val_loss": v, "val_ppl": math.exp(min(v, 50))})
-                logger.log(done, val_history[-1], force=True)
-            if t.save and t.save_every and done % t.save_every == 0:
-                save_ckpt(t.save, model, optimizer, scheduler, loader, precision, done, losses, cfg)
+        loop.run(start_step, end_step, bar)
     except BaseException:
         logger.close()
         raise
@@ -305,20 +220,96 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         bar.close()
     total_time = time.perf_counter() - wall_start
 
-    val_loss = evaluate(model, val_batches, precision, device)
+    val_loss = evaluate(state.model, val_batches, precision, device)
     logger.log(end_step, {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, force=True)
     logger.close()
 
-    stats = timer.summary().to_dict()
-    tail = losses[-min(10, len(losses)):] if losses else [float("nan")]
     memory: dict[str, Any] = {"peak_bytes": None, "by_category": None}
-    if meter is not None and len(losses) > 0:
+    if meter is not None and len(state.losses) > 0:
         memory.update(meter.stats().to_dict())
     memory.update(device_peak_memory(device))
-    flops_per_rank_step, flops_source = _flops_per_rank_step(cfg, n_params)
+    result = _result(state, timer, memory, splits, val_loss, loop.val_history, start_step, end_step,
+                     tokens_per_step, total_time, caps, device_caps)
+    result.update(dist_ctx.result_fields(memory))  # distributed: "ranks" (memory per rank), "distributed"
+    if on_result is not None:
+        on_result(result)
+    if t.save:  # after the result is out: a full disk here loses no numbers
+        state.step = end_step
+        save_ckpt(t.save, state)
+    return result
+
+
+@dataclass
+class _Loop:
+    """The step loop of one run: data wait, metered steps, NaN stop, logging, evaluation and
+    periodic checkpoints around :func:`memtrain.step.run_step`."""
+
+    state: TrainState
+    timer: StepTimer
+    meter: Optional[MemoryMeter]
+    logger: MetricsLogger
+    save_ckpt: Callable[[Any, TrainState], None]
+    val_batches: list[Batch]
+    tokens_per_step: int
+    on_step: Optional[StepCallback]
+    mean: Callable[[float], float]  # the mean over ranks (DistContext.mean)
+    val_history: list[dict[str, float]] = field(default_factory=list)
+
+    def run(self, start_step: int, end_step: int, bar: _Progress) -> None:
+        state, t = self.state, self.state.cfg.train
+        batches = iter(state.loader)
+        for step in range(start_step, end_step):
+            with self.timer.data_wait():
+                micro = _micro_batches(batches, t.grad_accum)
+            step_start = time.perf_counter()
+            with self.timer.step():
+                loss = self._one_step(micro, step - start_step)
+                if not math.isfinite(loss):  # the same value on every rank: all stop together
+                    raise LossDiverged(f"the training loss became {loss} at step {step + 1}; lower --lr "
+                                       f"(now {t.lr:g}) or keep --grad-clip on; checkpoints written before are intact")
+                state.scheduler.step()
+            state.losses.append(loss)
+            state.step = done = step + 1
+            tokens_per_s = self.tokens_per_step / max(time.perf_counter() - step_start, 1e-9)
+            bar.update(loss, tokens_per_s)
+            self._after_step(done, start_step, end_step, loss, tokens_per_s)
+
+    def _one_step(self, micro: list[Batch], index: int) -> float:
+        """One step, metered when it is one of METERED_STEPS; the global batch's mean loss."""
+        meter = self.meter if self.meter is not None and index in METERED_STEPS else None
+        with meter if meter is not None else contextlib.nullcontext():
+            if meter is not None and index == METERED_STEPS[-1]:
+                meter.reset_peak()
+            loss = run_step(self.state, micro, meter)
+        return self.mean(loss)  # the global batch's loss, the same on every rank
+
+    def _after_step(self, done: int, start_step: int, end_step: int, loss: float, tokens_per_s: float) -> None:
+        state, t, logger = self.state, self.state.cfg.train, self.logger
+        if logger.sinks and (done % logger.every == 0 or done == end_step):
+            logger.log(done, _step_scalars(loss, state.scheduler, state.precision, tokens_per_s, state.device),
+                       force=True)
+        if self.on_step is not None:
+            self.on_step(done - start_step, end_step - start_step,
+                         percentile(self.timer.step_times, 50) if self.timer.step_times else None)
+        if t.eval_every and done % t.eval_every == 0 and done < end_step:
+            v = evaluate(state.model, self.val_batches, state.precision, state.device)
+            self.val_history.append({"step": done, "val_loss": v, "val_ppl": math.exp(min(v, 50))})
+            logger.log(done, self.val_history[-1], force=True)
+        if t.save and t.save_every and done % t.save_every == 0:
+            self.save_ckpt(t.save, state)
+
+
+def _result(state: TrainState, timer: StepTimer, memory: dict[str, Any], splits: Any, val_loss: float,
+            val_history: list[dict[str, float]], start_step: int, end_step: int, tokens_per_step: int,
+            total_time: float, caps: Any, device_caps: Any) -> dict[str, Any]:
+    """The result dict of a finished run (the result.json contract of docs/architecture.md)."""
+    cfg, t, losses, device = state.cfg, state.cfg.train, state.losses, state.device
+    stats = timer.summary().to_dict()
+    tail = losses[-min(10, len(losses)):] if losses else [float("nan")]
+    flops_per_rank_step, flops_source = _flops_per_rank_step(cfg, state.n_params)
     median = stats["median"]
     run_mfu, mfu_reference = mfu_for_run(flops_per_rank_step, median, device, cfg.technique.precision, caps)
-    result: dict[str, Any] = {
+    return {
         "config": cfg.to_dict(),
         "train_loss": sum(tail) / len(tail),
         "val_loss": val_loss,
@@ -333,16 +324,16 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         "tokens_per_s": tokens_per_step / median if median else None,
         "mfu": run_mfu,
         "mfu_reference": mfu_reference,
-        "optimizer_kernel": _optimizer_kernel(optimizer),  # CUDA: datasheet peak; CPU: the GEMM rate measured here
+        "optimizer_kernel": _optimizer_kernel(state.optimizer),  # CUDA: datasheet peak; CPU: the GEMM rate measured here
         "device_caps": device_caps,
         "flops_per_step": flops_per_rank_step,
         "flops_source": flops_source,
         "memory": memory,
-        "parameters": n_params,
-        "trainable_parameters": sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values()),
+        "parameters": state.n_params,
+        "trainable_parameters": state.trainable_parameters,
         "loss_history": losses,
         "val_history": val_history,
-        "skipped_steps": precision.skipped_steps,
+        "skipped_steps": state.precision.skipped_steps,
         "data": {
             "train_tokens": int(len(splits.train)),
             "val_tokens": int(len(splits.val)),
@@ -353,9 +344,3 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         },
         "env": environment(device),
     }
-    result.update(dist_ctx.result_fields(memory))  # distributed: "ranks" (memory per rank), "distributed"
-    if on_result is not None:
-        on_result(result)
-    if t.save:  # after the result is out: a full disk here loses no numbers
-        save_ckpt(t.save, model, optimizer, scheduler, loader, precision, end_step, losses, cfg)
-    return result

@@ -14,7 +14,6 @@ state exists) at one batch size and returns its peak:
 
 from __future__ import annotations
 
-import contextlib
 import gc
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
@@ -39,41 +38,27 @@ class MaxBatchResult:
         return asdict(self)
 
 
-def _random_batch(cfg: RunConfig, batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    # Memory does not depend on token values, so random ids stand in for data.
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, cfg.model.vocab_size, (batch, cfg.train.seq_len), generator=g)
-    y = torch.randint(0, cfg.model.vocab_size, (batch, cfg.train.seq_len), generator=g)
-    return x.to(device), y.to(device)
-
-
 def measure_step_memory(cfg: RunConfig, batch: int) -> Optional[dict[str, Any]]:
     """Memory of two real training steps at ``batch``: the second (steady-state: optimizer
     state exists) step's tracked stats (``MemoryStats.to_dict()``) plus the device peaks.
     None on a CUDA out-of-memory error. On CUDA the meter is off (it would slow the step and
-    the allocator's own peak is the number that decides whether a batch fits)."""
-    from memtrain.metrics import MemoryMeter, device_peak_memory, reset_device_peak
-    from memtrain.models import build_model
+    the allocator's own peak is the number that decides whether a batch fits). Built and
+    stepped by the step harness (:mod:`memtrain.step`), as a training run is."""
+    from memtrain.metrics import MemoryMeter, device_peak_memory
     from memtrain.runtime import resolve_device
-    from memtrain.techniques import build_optimizer, make_precision, prepare_model
-    from memtrain.train import train_step
+    from memtrain.step import build_state, measure_steps, random_micro_batches
+    from memtrain.techniques import make_precision
 
     device = resolve_device(cfg.train.device)
-    model = optimizer = meter = None
+    state = meter = None
     try:
         precision = make_precision(cfg.technique.precision, device)
         torch.manual_seed(cfg.train.seed)
-        model = prepare_model(build_model(cfg), cfg, device, precision)
-        optimizer = build_optimizer(model, cfg.technique, cfg.train)
-        micro = [_random_batch(cfg, batch, device) for _ in range(cfg.train.grad_accum)]
-        meter = MemoryMeter(model, optimizer) if device.type != "cuda" else None
-        for step in range(2):
-            if step == 1:
-                if meter is not None:
-                    meter.reset_peak()
-                reset_device_peak(device)
-            with meter if meter is not None else contextlib.nullcontext():
-                train_step(model, micro, optimizer, precision, cfg.train.grad_clip, device, meter)
+        state = build_state(cfg, device, precision)
+        # Memory does not depend on token values, so random ids stand in for data.
+        micro = random_micro_batches(cfg, batch, device, torch.Generator().manual_seed(0))
+        meter = MemoryMeter(state.model, state.optimizer) if device.type != "cuda" else None
+        measure_steps(state, lambda: micro, steps=2, meter=meter)
         stats: dict[str, Any] = meter.stats().to_dict() if meter is not None else {"peak_bytes": None}
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -82,7 +67,7 @@ def measure_step_memory(cfg: RunConfig, batch: int) -> Optional[dict[str, Any]]:
     except torch.OutOfMemoryError:
         return None
     finally:
-        del model, optimizer, meter
+        del state, meter
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from memtrain.analysis.estimate import GPT2_ARCH, Arch, estimate, param_count
-from memtrain.config import ConfigError, RunConfig, parse_checkpointing
+from memtrain.config import ConfigError, RunConfig
+from memtrain.techniques.facts import checkpoint_policy
 
 __all__ = ["Candidate", "PlanResult", "DEVICE_PROFILES", "default_space", "plan", "step_cost", "verify"]
 
@@ -72,7 +73,8 @@ def step_cost(cfg: RunConfig, device_type: str, arch: Arch = GPT2_ARCH) -> tuple
     attn = f["attention"] * (MATH_ATTENTION_PENALTY[device_type] if _materialized(cfg, device_type) else 1.0)
     fwd_blocks = f["blocks"] + attn
     train = 3 * (fwd_blocks + f["head"])
-    kind, every = parse_checkpointing(tech.checkpointing)
+    policy = checkpoint_policy(tech.checkpointing)
+    kind = policy.kind
     L = cfg.model.n_layers
     if kind == "full":
         recompute = fwd_blocks
@@ -82,9 +84,8 @@ def step_cost(cfg: RunConfig, device_type: str, arch: Arch = GPT2_ARCH) -> tuple
         recompute = 0.5 * attn
     elif kind == "selective-matmul":
         recompute = SELECTIVE_RECOMPUTE_SHARE * fwd_blocks
-    elif kind in ("every", "sqrt"):
-        k = max(1, round(math.sqrt(L))) if kind == "sqrt" else every
-        recompute = fwd_blocks * len(range(0, L, k)) / L
+    elif policy.mixed:
+        recompute = fwd_blocks * policy.n_checkpointed(L) / L
     else:
         recompute = 0.0
     if tech.loss == "chunked":
@@ -237,9 +238,9 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
         nonlocal evaluated
         evaluated += 1
         if traced:
-            from memtrain.analysis.trace import trace_step
+            from memtrain.models.depth import trace_any_depth
 
-            r = trace_step(c, device_type)
+            r = trace_any_depth(c, device_type)  # 2 + 3 layers extended to the depth when exact
             return float(r["peak_bytes"]), str(r["peak_phase"])
         e = estimate(c, arch, device_type)
         return e.peak_bytes, e.peak_phase
@@ -323,7 +324,7 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
             f"--batch-size/--seq-len")
     notes = [f"cost model: {device_type} profile; a model to order candidates, not a measurement"]
     if traced:
-        notes.append("peaks traced under fake tensors (transformers model: no analytic memory model)")
+        notes.append("peaks traced under fake tensors (transformers model; deep ones from 2 + 3 layer probes)")
     return PlanResult(budget_bytes, margin, device_type, None if max_batch else target, fits[:top],
                       evaluated, baseline, notes=notes)
 

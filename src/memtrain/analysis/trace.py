@@ -1,6 +1,7 @@
 """Trace a real training step under fake tensors: the exact tracked peak, nothing allocated.
 
-The real model, techniques, optimizer and ``memtrain.train.train_step`` run under
+The real model, techniques, optimizer and training step (the step harness,
+:mod:`memtrain.step`: ``build_state`` and ``measure_steps``) run under
 ``torch._subclasses.fake_tensor.FakeTensorMode``: every op computes shapes, dtypes and
 strides but no data, so a 7B-parameter step "runs" on a laptop in seconds. The
 :class:`memtrain.metrics.MemoryMeter` counts the fake storages exactly as it counts real ones,
@@ -128,6 +129,16 @@ def _fake_safe_module_to() -> Iterator[None]:
         torch.nn.Module.to = original  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def _fake_prepare(device: Any) -> Iterator[None]:
+    """Where the technique pass runs under fake tensors: ``Module.to`` replaces parameters and
+    new tensors land on the traced device."""
+    import torch
+
+    with _fake_safe_module_to(), torch.device(device):
+        yield
+
+
 MAX_TRACE_LAYERS = 1024
 
 
@@ -140,8 +151,8 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
 
     from memtrain.metrics import MemoryMeter
     from memtrain.models import build_model
-    from memtrain.techniques import build_optimizer, make_precision, prepare_model
-    from memtrain.train import train_step
+    from memtrain.step import build_state, measure_steps, random_micro_batches
+    from memtrain.techniques import make_precision
 
     if device_type not in ("cpu", "cuda"):
         raise ConfigError(f"--trace-device {device_type!r}: use cpu or cuda")
@@ -176,30 +187,18 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
                 torch.set_default_dtype(precision.param_dtype)
                 with torch.device(device):
                     base = build_model(cfg, with_weights=False)  # weights never matter to memory
-                    n_params = base.num_parameters()  # type: ignore[operator]  # GPT and HFCausalLM both define it
             finally:
                 torch.set_default_dtype(default_dtype)
             # prepare_model moves the model first (already where it should be); Module.to
             # cannot swap fake parameters (see the module docstring), so it replaces them.
-            with _fake_safe_module_to(), torch.device(device):
-                model = prepare_model(base, cfg, device, precision)
-            model.train()
-            optimizer = build_optimizer(model, cfg.technique, cfg.train)
-            meter = MemoryMeter(model, optimizer)
-            t = cfg.train
-            for step in range(steps):
-                micro = [
-                    (torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len), device=device),
-                     torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len), device=device))
-                    for _ in range(t.grad_accum)
-                ]
-                with meter:
-                    if step == steps - 1:
-                        meter.reset_peak()
-                    train_step(model, micro, optimizer, precision, t.grad_clip, device, meter)
+            state = build_state(cfg, device, precision, base=base,
+                                prepare_context=lambda: _fake_prepare(device))
+            meter = MemoryMeter(state.model, state.optimizer)
+            batch = cfg.train.batch_size
+            measure_steps(state, lambda: random_micro_batches(cfg, batch, device), steps=steps, meter=meter)
             stats = meter.stats().to_dict()
     stats["device_type"] = device_type
-    stats["parameters"] = n_params
+    stats["parameters"] = state.n_params
     return stats
 
 

@@ -1,123 +1,17 @@
-"""Named technique sets (the rows of a comparison) and run scales (the columns' settings).
+"""Former home of the bench's technique sets and scales, kept so existing imports work:
+:mod:`memtrain.bench.technique_sets` (rows) and :mod:`memtrain.bench.scales` (run settings)."""
 
-A technique preset is a flat dict of config overrides; a scale preset sets the model, batch,
-sequence and steps shared by every row, so rows differ only in technique.
-"""
+from memtrain.bench.scales import SCALE_BUDGET, SCALE_MAX_BATCH, SCALE_WINDOW, SCALES, scale_overrides
+from memtrain.bench.technique_sets import (
+    DEFAULT_TECHNIQUES,
+    DESCRIPTIONS,
+    NOISE_ROW,
+    NOISE_SUFFIX,
+    TECHNIQUES,
+    describe,
+    is_noise_row,
+    technique_overrides,
+)
 
-from __future__ import annotations
-
-from typing import Any
-
-from memtrain.config import ConfigError
-
-# The chunked loss is on in most rows beyond the published five: with GPT-2's 50257-token
-# vocabulary the logits dominate the default model's memory, and any other saving would drown
-# in them (docs/techniques.md).
-TECHNIQUES: dict[str, dict[str, Any]] = {
-    "baseline": {"precision": "tf32", "attention": "math"},
-    "bf16": {"precision": "bf16", "attention": "math"},
-    "flash-bf16": {"precision": "bf16", "attention": "flash"},
-    "window-flash": {"precision": "bf16", "attention": "flash", "window": 128},
-    "ckpt-bf16": {"precision": "bf16", "attention": "math", "checkpointing": "full"},
-    "chunked-loss": {"precision": "bf16", "attention": "flash", "loss": "chunked"},
-    "adamw-8bit": {"precision": "bf16", "attention": "flash", "loss": "chunked", "optim": "adamw-8bit", "vocab_multiple": 64},
-    "adafactor": {"precision": "bf16", "attention": "flash", "loss": "chunked", "optim": "adafactor"},
-    "lora": {"precision": "bf16", "attention": "flash", "loss": "chunked", "lora_rank": 8},
-    "compile": {"precision": "bf16", "attention": "flash", "compile": True},
-    # Everything that lowers memory without changing what is trained: LoRA is left out (it
-    # freezes the base, a different experiment) and so is the window (it changes the model).
-    "lowest-memory": {
-        "precision": "bf16", "attention": "flash", "checkpointing": "full", "loss": "chunked",
-        "optim": "adamw-4bit", "vocab_multiple": 128,
-    },
-}
-
-DESCRIPTIONS: dict[str, str] = {
-    "baseline": "Baseline (TF32/FP32)",
-    "bf16": "BF16 Mixed Precision",
-    "flash-bf16": "FlashAttention + BF16",
-    "window-flash": "Windowed Attn + FlashAttn",
-    "ckpt-bf16": "Grad Checkpointing + BF16",
-    "chunked-loss": "Chunked LM-head loss + Flash + BF16",
-    "adamw-8bit": "8-bit AdamW + chunked loss",
-    "adafactor": "Adafactor + chunked loss",
-    "lora": "LoRA r=8 + chunked loss",
-    "compile": "torch.compile + Flash + BF16",
-    "lowest-memory": "Lowest memory (ckpt + chunked + 4-bit AdamW)",
-}
-
-# Rows of `memtrain bench` when --techniques is not given: the five published rows plus the
-# two that matter most for memory.
-DEFAULT_TECHNIQUES = ["baseline", "bf16", "flash-bf16", "window-flash", "ckpt-bf16", "chunked-loss", "lowest-memory"]
-
-SCALES: dict[str, dict[str, Any]] = {
-    # The published comparison's settings (RTX 4090): default model, batch 64, seq 256,
-    # one 200-step epoch with 200 warm-up steps.
-    "seed": {"batch_size": 64, "seq_len": 256, "steps": 200, "warmup_steps": 200, "val_blocks": 64},
-    # Finishes on 2 CPU cores in minutes: the same default model (so the memory picture,
-    # dominated by the 50257-token logits, is the real one) at a smaller batch and sequence,
-    # fewer steps, a short warm-up and a higher learning rate so the quality column means
-    # something: 20 steps at lr 2e-3 reach val PPL ~1,580 on the FP32 baseline (20 at 3e-4
-    # stopped at ~11,084, every row alike; 30 at 1e-3 reached ~1,380 but a row then took ~50 s on
-    # a 2-core AVX2 CPU, too long for 8 rows in 5 minutes; docs/performance.md). Dropout is off
-    # because PyTorch's CPU flash kernel has no dropout (the flash rows could not run on CPU).
-    "quick": {"batch_size": 4, "seq_len": 128, "steps": 20, "warmup_steps": 5, "lr": 2e-3, "val_blocks": 16,
-              "dropout": 0.0},
-}
-
-# Per-scale adjustments of technique presets (the window must fit the sequence).
-SCALE_WINDOW = {"seed": 128, "quick": 64}
-
-# Memory budget for the max-batch column by scale when the device has no memory limit of
-# its own (CPU): the search then runs against the tracked meter.
-SCALE_BUDGET = {"seed": None, "quick": "1GiB"}
-SCALE_MAX_BATCH = {"seed": 1024, "quick": 256}
-
-
-# A preset's name with this suffix is the same row with the next seed (other initial weights,
-# dropout and batch order): the PPL difference between the two is the run-to-run noise that
-# the report compares the other rows against. `memtrain bench` without --techniques adds
-# "baseline-seed2".
-NOISE_SUFFIX = "-seed2"
-NOISE_ROW = "baseline" + NOISE_SUFFIX
-
-
-def is_noise_row(name: str) -> bool:
-    return name.endswith(NOISE_SUFFIX) and name[: -len(NOISE_SUFFIX)] in TECHNIQUES
-
-
-def technique_overrides(name: str, scale: str) -> dict[str, Any]:
-    """Config overrides of technique ``name`` (a preset, a preset's ``-seed2`` noise twin, or an
-    explicit ``key=value+key=value`` combination) at ``scale``."""
-    if is_noise_row(name):
-        name = name[: -len(NOISE_SUFFIX)]
-    if "=" in name:
-        out: dict[str, Any] = {}
-        for part in name.split("+"):
-            key, _, value = part.partition("=")
-            if not key or not _:
-                raise ConfigError(f"cannot read technique {name!r}; write presets or key=value+key=value, e.g. precision=bf16+loss=chunked")
-            out[key.strip().replace("-", "_")] = value.strip()
-        return out
-    if name not in TECHNIQUES:
-        import difflib
-
-        close = difflib.get_close_matches(name, TECHNIQUES, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ConfigError(f"unknown technique {name!r}; {hint}choose from {', '.join(TECHNIQUES)} or key=value+key=value")
-    overrides = dict(TECHNIQUES[name])
-    if "window" in overrides:
-        overrides["window"] = SCALE_WINDOW[scale]
-    return overrides
-
-
-def scale_overrides(scale: str) -> dict[str, Any]:
-    if scale not in SCALES:
-        raise ConfigError(f"unknown --preset {scale!r}; choose {' or '.join(SCALES)}")
-    return dict(SCALES[scale])
-
-
-def describe(name: str) -> str:
-    if is_noise_row(name):
-        return f"{describe(name[: -len(NOISE_SUFFIX)])}, seed + 1 (noise)"
-    return DESCRIPTIONS.get(name, name)
+__all__ = ["SCALE_BUDGET", "SCALE_MAX_BATCH", "SCALE_WINDOW", "SCALES", "scale_overrides", "DEFAULT_TECHNIQUES",
+           "DESCRIPTIONS", "NOISE_ROW", "NOISE_SUFFIX", "TECHNIQUES", "describe", "is_noise_row", "technique_overrides"]

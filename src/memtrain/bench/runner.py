@@ -19,15 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from memtrain.bench.presets import (
-    SCALE_BUDGET,
-    SCALE_MAX_BATCH,
-    describe,
-    is_noise_row,
-    scale_overrides,
-    technique_overrides,
-)
 from memtrain.bench.process import clean_stale_row_dirs, row_tmpdir, start_row, stop_row
+from memtrain.bench.scales import SCALE_BUDGET, SCALE_MAX_BATCH, scale_overrides
+from memtrain.bench.technique_sets import describe, is_noise_row, technique_overrides
 from memtrain.config import ConfigError, RunConfig, build_config, flatten, parse_size
 from memtrain.results import FolderLock, append_result, read_results, select_rows
 

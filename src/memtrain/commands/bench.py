@@ -19,10 +19,13 @@ def warn_skipped_lines(out: Path, summary: dict) -> None:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from memtrain.bench.presets import DEFAULT_TECHNIQUES, NOISE_ROW, SCALES, TECHNIQUES
+    from memtrain.bench.scales import SCALES
+    from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, NOISE_ROW, TECHNIQUES
 
-    p.add_argument("--preset", default="quick", help=f"Scale of every row: {' | '.join(SCALES)} "
-                   "(seed: the published table's settings; quick: minutes on 2 CPU cores). Default quick.")
+    p.add_argument("--scale", "--preset", dest="scale", default="quick",
+                   help=f"Scale of every row (model, batch, sequence, steps): {' | '.join(SCALES)} "
+                   "(seed: the published table's settings; quick: minutes on 2 CPU cores). Default quick. "
+                   "--preset is the former name of this flag and works the same.")
     p.add_argument("--techniques", default=None,
                    help=f"Comma-separated rows: presets ({', '.join(TECHNIQUES)}), a preset's noise twin "
                    "PRESET-seed2 (the same row with the next seed), or explicit combinations "
@@ -60,14 +63,14 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--multiple-of must be >= 1, got {args.multiple_of}")
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
-    from memtrain.bench.presets import DEFAULT_TECHNIQUES, NOISE_ROW
+    from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, NOISE_ROW
 
     default_list = args.techniques is None
     techniques = DEFAULT_TECHNIQUES + [NOISE_ROW] if default_list else args.techniques.split(",")
     opts = BenchOptions(
         techniques=[t.strip() for t in techniques if t.strip()],
         substitute_slow=default_list,
-        scale=args.preset,
+        scale=args.scale,
         out=Path(args.bench_out),
         overrides=overrides,
         file_layer=load_config_file(args.config) if args.config else {},

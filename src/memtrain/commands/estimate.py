@@ -11,7 +11,7 @@ from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, config_from_args, f
 
 def add_model_choice(p: argparse.ArgumentParser) -> None:
     """--model PRESET | --params COUNT (shared with `memtrain plan`)."""
-    from memtrain.presets import PRESETS
+    from memtrain.model_presets import PRESETS
 
     g = p.add_mutually_exclusive_group()
     g.add_argument("--model", dest="preset", default=None, metavar="SPEC",
@@ -26,7 +26,7 @@ def resolve_model(args: argparse.Namespace) -> tuple[Any, Any]:
     """(RunConfig, Arch) from --model/--params and the config flags. A transformers model
     (any --model that is not a preset) has no Arch: None (memtrain.models, traced)."""
     from memtrain.analysis.estimate import GPT2_ARCH, parse_count, shape_for_params
-    from memtrain.presets import PRESETS, preset
+    from memtrain.model_presets import PRESETS, preset
 
     base: dict[str, Any] = {}
     arch = GPT2_ARCH
@@ -96,6 +96,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Also run one real step under fake tensors (nothing allocated) and compare.")
     p.add_argument("--trace-device", choices=("cpu", "cuda"), default=None,
                    help="Device type of the fake tensors (cuda needs a CUDA build of torch).")
+    p.add_argument("--full-trace", action="store_true",
+                   help="A transformers --model: trace every decoder layer instead of extrapolating from two "
+                        "shallow copies (memtrain.models.depth; the same bytes, seconds instead of minutes).")
     p.add_argument("--explain", action="store_true", help="Print the formula behind each line.")
     p.add_argument("--json", action="store_true", help="Print JSON only.")
     add_config_flags(p, ("model", "technique", "train"), exclude=(*LOOP_ONLY_FIELDS, "model"))  # --model is add_model_choice's
@@ -187,20 +190,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def traced_estimate(cfg: Any, device_type: str) -> dict[str, Any]:
+def traced_estimate(cfg: Any, device_type: str, full_trace: bool = False) -> dict[str, Any]:
     """The estimate JSON of a transformers model: its traced step (fake tensors, nothing
-    allocated), in the contract's keys. There is no analytic model of these families yet, so
-    ``method`` says "trace"; the logits are part of the traced ``activations``."""
+    allocated), in the contract's keys; the logits are part of the traced ``activations``.
+    ``method`` says how: "extrapolated" (two shallow copies of the model traced, every
+    category extended affinely to the real depth: memtrain.models.depth) or "trace" (every
+    layer; with ``full_trace``, for shallow models, or where the depth is not affine)."""
     import time
 
-    from memtrain.analysis.trace import trace_step
+    from memtrain.models.depth import trace_any_depth
 
     start = time.perf_counter()
-    traced = trace_step(cfg, device_type)
+    traced = trace_any_depth(cfg, device_type, full=full_trace)
     cats = traced["by_category"]
-    # The analytic model of our GPT with the llama substitutions (memtrain.analysis.estimate), shown
-    # beside the trace with its error so nobody mistakes it for the answer: on Llama-3-8B at
-    # seq 2048 it is 1-32% off (docs/models.md), outside the 10% it would need to stand alone.
+    # What is traced is what memtrain.models.hf_estimate does not model (other families, QLoRA,
+    # ...). Our GPT's analytic model with the llama substitutions is shown beside the trace with
+    # its error, so nobody mistakes it for the answer.
     analytic = None
     try:
         from memtrain.analysis.estimate import estimate
@@ -213,8 +218,12 @@ def traced_estimate(cfg: Any, device_type: str) -> dict[str, Any]:
         pass
     return {
         "model": cfg.model.model,
-        "method": "trace",
-        "note": "no analytic model for transformers families yet: traced under fake tensors (exact for this step)",
+        "method": traced["method"],
+        "probe_layers": traced["probe_layers"],
+        "note": ("traced under fake tensors with " + " and ".join(map(str, traced["probe_layers"]))
+                 + " decoder layers, every category extended to " + str(cfg.model.n_layers) + " layers"
+                 if traced["method"] == "extrapolated" else
+                 "traced under fake tensors, every layer (" + traced["full_trace_reason"] + ")"),
         "parameters": traced.get("parameters"),
         "bytes": {"weights": cats["parameters"], "gradients": cats["gradients"], "optimizer": cats["optimizer"],
                   "activations": cats["activations"], "logits": None, "temporaries": cats["temporaries"]},
@@ -235,7 +244,14 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
         raise ConfigError("--mode inference is analytic for memtrain's GPT only; drop --mode for a transformers --model")
     if args.world_size > 1:
         raise ConfigError("a transformers --model is traced in one process; drop --world-size")
-    out = traced_estimate(cfg, args.trace_device or device_type_for(args, cfg))
+    device_type = args.trace_device or device_type_for(args, cfg)
+    from memtrain.models.hf_estimate import why_not_modelled
+
+    reason = why_not_modelled(cfg)
+    if reason is None and not args.full_trace:
+        return _run_hf_analytic(args, cfg, device_type)
+    out = traced_estimate(cfg, device_type, full_trace=args.full_trace)
+    out["not_analytic"] = reason or "--full-trace"
     if args.json:
         print(json.dumps(out, indent=2, default=float))
         return 0
@@ -248,12 +264,51 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
     rows += [(k, fmt_bytes(v), "") for k, v in out["trace"]["by_category"].items()]
     rows.append(("peak", fmt_bytes(out["peak_bytes"]), f"{out['peak_phase']}"))
     print(_table(rows))
-    print(f"  traced under fake tensors in {out['trace_seconds']:.1f} s ({out['device_type']} kernels); "
-          "no analytic model of this family is accurate enough to stand alone")
+    print(f"  {out['note']}, in {out['trace_seconds']:.1f} s ({out['device_type']} kernels); "
+          f"not analytic: {out['not_analytic']}")
     a = out["analytic_approximation"]
     if a is not None and a["error_vs_trace"] is not None:
         print(f"  (our GPT's analytic model with llama substitutions would say {fmt_bytes(a['peak_bytes'])}, "
               f"{a['error_vs_trace']:+.1%} off the trace)")
+    return 0
+
+
+def _run_hf_analytic(args: argparse.Namespace, cfg: Any, device_type: str) -> int:
+    """A transformers family the analytic model covers (memtrain.models.hf_estimate): the
+    analytic estimate, with --trace the (extrapolated) trace beside it and the error."""
+    from memtrain.models.depth import trace_any_depth
+    from memtrain.models.hf_estimate import analytic_estimate
+
+    est = analytic_estimate(cfg, device_type)
+    assert est is not None
+    out = {"model": cfg.model.model, "method": "analytic",
+           "note": "analytic model of transformers decoder layers (memtrain.models.hf_estimate); --trace to check it",
+           **est.to_dict()}
+    if args.trace:
+        traced = trace_any_depth(cfg, device_type)
+        out["trace"] = {"peak_bytes": traced["peak_bytes"], "by_category": traced["by_category"],
+                        "peak_phase": traced["peak_phase"], "device_type": traced["device_type"],
+                        "method": traced["method"], "probe_layers": traced["probe_layers"],
+                        "error": est.peak_bytes / traced["peak_bytes"] - 1 if traced["peak_bytes"] else None}
+    if args.json:
+        print(json.dumps(out, indent=2, default=float))
+        return 0
+    t, tech = cfg.train, cfg.technique
+    print(f"{cfg.model.model}: {est.parameters:,} parameters ({est.trainable_parameters:,} trainable); "
+          f"batch {t.batch_size} x seq {t.seq_len} x accum {t.grad_accum}, {tech.precision}, attention {tech.attention}, "
+          f"checkpointing {tech.checkpointing}, loss {tech.loss}, optim {tech.optim}"
+          + (f", LoRA r{tech.lora_rank}" if tech.lora_rank else ""))
+    rows = [("component at the peak", "bytes", "")]
+    rows += [(k, fmt_bytes(v), "") for k, v in est.bytes.items()]
+    rows.append(("peak", fmt_bytes(est.peak_bytes), f"{est.peak_phase} ({est.peak_detail})"))
+    if "trace" in out:
+        tr = out["trace"]
+        rows.append(("traced peak (fake tensors)", fmt_bytes(tr["peak_bytes"]),
+                     f"{tr['peak_phase']}, {tr['method']}; estimate {tr['error']:+.1%}"))
+    print(_table(rows))
+    print(f"  {out['note']}")
+    if args.explain:
+        print("\n".join("  " + line for line in est.explanation))
     return 0
 
 

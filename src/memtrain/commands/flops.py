@@ -108,8 +108,8 @@ def render(report: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from memtrain.analysis.flops import flops_report, resolve_roof
     from memtrain.analysis.flops.profile import profile_op_classes
+    from memtrain.analysis.flops.roofline import flops_report, resolve_roof
     from memtrain.config import ConfigError
 
     cfg = config_from_args(args, derive_max_seq_len=True)

@@ -361,11 +361,12 @@ def _structured_documents(builder: str, files: list[Path], field: str, label: st
 
 def _load_dataset(path: str, *, split: str, label: str, hub: bool = False, **kwargs: Any) -> Any:
     """``datasets.load_dataset(..., streaming=True)`` with its failures turned into ConfigError."""
-    from memtrain.extras import require
+    from memtrain.extras import quiet_datasets, require
 
     # Imported here: it takes about a second, only these sources need it (extra memtrain[hub]).
     datasets = require("datasets")
     require("pyarrow")
+    quiet_datasets()  # its own log of a failure would come beside our error: line
 
     try:
         return datasets.load_dataset(path, split=split, streaming=True, **kwargs)

@@ -24,8 +24,9 @@ weakref finalizers on ``UntypedStorage`` to see frees, flattening of wrapper sub
 fixes those points.
 
 Device peaks (``torch.cuda.max_memory_allocated``/``max_memory_reserved``) are in
-``device_peak_memory``; they include allocator rounding and caching, which the tracked meter
-deliberately does not.
+:mod:`memtrain.metrics.device_peak`; they include allocator rounding and caching, which the
+tracked meter deliberately does not. The storage walk (each storage once, wrapper subclasses
+flattened) is :mod:`memtrain.metrics.storage`.
 """
 
 from __future__ import annotations
@@ -42,13 +43,12 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from memtrain.metrics.storage import _is_wrapper_type, _leaf_storages, _tensors_in
+
 __all__ = [
     "CATEGORIES",
     "MemoryMeter",
     "MemoryStats",
-    "device_peak_memory",
-    "reset_device_peak",
-    "storage_bytes",
 ]
 
 CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer", "activations", "temporaries")
@@ -69,68 +69,6 @@ def _active_fake_mode() -> Any:
 def _in_autograd_backward() -> bool:
     """True while the autograd engine executes a backward graph on this thread."""
     return torch._C._current_graph_task_id() != -1
-
-
-@functools.lru_cache(maxsize=None)
-def _is_wrapper_type(cls: type) -> bool:
-    """Whether ``cls`` is a traceable wrapper subclass: a tensor whose bytes live in inner
-    tensors listed by ``__tensor_flatten__`` (DTensor, torchao low-bit state, float8, NF4)."""
-    return (
-        cls is not torch.Tensor
-        and cls is not nn.Parameter
-        and hasattr(cls, "__tensor_flatten__")
-        and hasattr(cls, "__tensor_unflatten__")
-    )
-
-
-def _leaf_storages(t: torch.Tensor) -> Iterator[tuple[torch.UntypedStorage, torch.device]]:
-    """The real storages behind ``t`` with the device each belongs to.
-
-    Wrapper subclasses hold no memory of their own, so their inner tensors are walked instead.
-    The device reported is the tensor's, not the storage's, because a fake 'cuda' tensor has a
-    'meta' storage.
-    """
-    stack = [t]
-    while stack:
-        x = stack.pop()
-        if _is_wrapper_type(type(x)):
-            attrs, _ = x.__tensor_flatten__()  # type: ignore[attr-defined]  # wrapper subclasses define it (checked just above)
-            stack.extend(v for v in (getattr(x, a) for a in attrs) if isinstance(v, torch.Tensor))
-            continue
-        try:
-            st = x.untyped_storage()
-        except (RuntimeError, NotImplementedError, TypeError):
-            continue  # sparse/nested layouts have no single storage; the meter cannot see them
-        yield st, x.device
-
-
-def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
-    """All tensors in an arbitrarily nested dict/list/tuple (optimizer state has any shape)."""
-    stack = [obj]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            yield x
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-
-
-def storage_bytes(obj: Any) -> int:
-    """Bytes of the distinct real storages behind every tensor in ``obj`` (a tensor or nested
-    dicts/lists/tuples, e.g. ``optimizer.state``), each storage counted once (views of one
-    bucket share it). Wrapper subclasses count their inner tensors: a DTensor its local shard,
-    torchao's low-bit state its codes, scales and quantization map."""
-    seen: set[tuple[str, int]] = set()
-    total = 0
-    for t in _tensors_in(obj):
-        for st, device in _leaf_storages(t):
-            key = (str(device), st.data_ptr())
-            if st.nbytes() and key not in seen:
-                seen.add(key)
-                total += st.nbytes()
-    return total
 
 
 class _Record:
@@ -529,25 +467,3 @@ class MemoryMeter:
 
         self._hooks.append(opt.register_step_pre_hook(pre))
         self._hooks.append(opt.register_step_post_hook(post))
-
-
-def device_peak_memory(device: str | torch.device) -> dict[str, int | None]:
-    """The device allocator's peaks since the last reset: ``max_allocated_bytes`` and
-    ``max_reserved_bytes`` on CUDA (ROCm included); None for both elsewhere, where torch keeps no
-    such counters."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and torch.cuda.is_available():
-        return {
-            "max_allocated_bytes": int(torch.cuda.max_memory_allocated(dev)),
-            "max_reserved_bytes": int(torch.cuda.max_memory_reserved(dev)),
-        }
-    return {"max_allocated_bytes": None, "max_reserved_bytes": None}
-
-
-def reset_device_peak(device: str | torch.device) -> None:
-    """Restart the device allocator's peak counters (no-op off CUDA)."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and torch.cuda.is_available():
-        # Let queued kernels finish first, so their allocations land before the reset.
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)

@@ -4,8 +4,8 @@ gradients and optimizer state.
 These read real tensors, so they are measurement and live here rather than beside the
 techniques that create the state (techniques never import metrics; the train loop wires the
 two together). The analytic counterpart of :func:`optimizer_state_bytes` is
-``memtrain.analysis.estimate.optimizer_state_bytes``, which predicts the same figure from a parameter
-table without any tensor.
+``memtrain.analysis.estimate.predicted_optimizer_state``, which predicts the same figure from a
+parameter table without any tensor.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from memtrain.metrics.memory import storage_bytes
+from memtrain.metrics.storage import storage_bytes
 
 __all__ = ["ShardedStateBytes", "optimizer_state_bytes", "state_bytes_per_param"]
 

@@ -1,8 +1,11 @@
 """Models: memtrain's own GPT (the default) and any transformers causal LM (``--model SPEC``).
 
-One seam for every command that runs a step: :func:`build_model` returns the module for a
-config, ``memtrain.techniques.prepare_model`` applies the techniques to either kind, and
-:func:`data_tokenizer` names the tokenizer the data must be read with.
+One seam for every command that runs a step: a :class:`ModelFamily` in :data:`FAMILIES`
+says which configs it claims, how to build its model and how the techniques map onto it.
+:func:`build_model` builds through it, ``memtrain.techniques.prepare_model`` (called by the
+step harness, :mod:`memtrain.step`) applies the techniques through it, and
+:func:`data_tokenizer` names the tokenizer the data must be read with. A new model family is
+one more entry in :data:`FAMILIES` (claimed before the GPT, which takes every config left).
 
     spec.py       what --model SPEC names (preset, bundled config, path, hf:ORG/NAME)
     hf.py         HFCausalLM (GPT's forward/loss/blocks seams) and the technique mapping
@@ -13,12 +16,16 @@ config, ``memtrain.techniques.prepare_model`` applies the techniques to either k
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
 import torch.nn as nn
 
 from memtrain.config import RunConfig
 from memtrain.models.spec import bundled_names, is_gpt_preset, load_config, resolve
 
-__all__ = ["build_model", "is_hf", "data_tokenizer", "bundled_names", "load_config", "resolve"]
+__all__ = ["FAMILIES", "ModelFamily", "build_model", "family_of", "is_hf", "data_tokenizer", "bundled_names",
+           "load_config", "resolve"]
 
 
 def is_hf(cfg: RunConfig) -> bool:
@@ -26,16 +33,54 @@ def is_hf(cfg: RunConfig) -> bool:
     return not is_gpt_preset(cfg.model.model)
 
 
+@dataclass(frozen=True)
+class ModelFamily:
+    """One kind of model memtrain trains: the one seam a model family plugs into."""
+
+    name: str
+    claims: Callable[[RunConfig], bool]  # whether a config names a model of this family
+    # (cfg, with_weights) -> the model on the current default device and dtype
+    build: Callable[[RunConfig, bool], nn.Module]
+    # (model, cfg, device, precision) -> the module to train, techniques applied in their order;
+    # None: memtrain's own order for its GPT (memtrain.techniques.order)
+    prepare: Optional[Callable[..., nn.Module]] = None
+
+
+def _build_gpt(cfg: RunConfig, with_weights: bool) -> nn.Module:
+    from memtrain.model import GPT
+
+    return GPT(cfg.model)  # randomly initialized: memtrain's GPT has no pretrained weights
+
+
+def _build_hf(cfg: RunConfig, with_weights: bool) -> nn.Module:
+    from memtrain.models.hf import build_hf_model
+
+    return build_hf_model(cfg, with_weights=with_weights)
+
+
+def _prepare_hf(model: Any, cfg: RunConfig, device: Any, precision: Any) -> nn.Module:
+    from memtrain.models.hf import prepare_hf_model
+
+    return prepare_hf_model(model, cfg, device, precision)
+
+
+# Claimed in order; the GPT takes every config no other family claims. (Function-local
+# imports above: transformers and torch models load only when a model is built.)
+FAMILIES: list[ModelFamily] = [
+    ModelFamily("transformers", is_hf, _build_hf, _prepare_hf),
+    ModelFamily("gpt", lambda cfg: True, _build_gpt),
+]
+
+
+def family_of(cfg: RunConfig) -> ModelFamily:
+    """The family that claims ``cfg``'s model."""
+    return next(f for f in FAMILIES if f.claims(cfg))
+
+
 def build_model(cfg: RunConfig, with_weights: bool = True) -> nn.Module:
     """The model ``cfg`` describes, on the current default device and dtype: our GPT, or a
     transformers causal LM (pretrained weights when the source has them and ``with_weights``)."""
-    if is_hf(cfg):
-        from memtrain.models.hf import build_hf_model
-
-        return build_hf_model(cfg, with_weights=with_weights)
-    from memtrain.model import GPT
-
-    return GPT(cfg.model)
+    return family_of(cfg).build(cfg, with_weights)
 
 
 def data_tokenizer(cfg: RunConfig):  # type: ignore[no-untyped-def]

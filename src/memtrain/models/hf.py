@@ -27,7 +27,9 @@ import torch.nn.functional as F
 
 from memtrain.config import ConfigError, RunConfig
 from memtrain.model import LossFn, standard_lm_loss
+from memtrain.models.depth import apply_layer_count
 from memtrain.models.spec import ModelSource, load_config, resolve
+from memtrain.techniques.facts import checkpoint_policy
 
 # --attention -> transformers' attn_implementation
 ATTN_IMPLEMENTATION = {
@@ -128,6 +130,7 @@ def build_hf_model(cfg: RunConfig, with_weights: bool = True) -> HFCausalLM:
     assert spec is not None
     source = resolve(spec)
     config = load_config(spec).__class__.from_dict(load_config(spec).to_dict())  # a private copy
+    apply_layer_count(config)  # a shallow copy of the model while memtrain.models.depth probes it
     tech = cfg.technique
     attn = ATTN_IMPLEMENTATION.get(tech.attention)
     if attn is None:
@@ -155,6 +158,12 @@ def build_hf_model(cfg: RunConfig, with_weights: bool = True) -> HFCausalLM:
     except (ImportError, ValueError) as exc:
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigError(f"--model {spec!r} with --attention {tech.attention} ({attn}): {msg}") from None
+    except Exception as exc:  # a truncated or foreign *.safetensors file (safetensors' own error type)
+        if not (with_weights and source.has_weights()):
+            raise
+        msg = str(exc).splitlines()[0] if str(exc) else ""
+        raise ConfigError(f"cannot read the weights of --model {spec!r} ({type(exc).__name__}: {msg}); "
+                          "its *.safetensors files must be complete and belong to its config.json") from None
     return HFCausalLM(lm, source)
 
 
@@ -170,7 +179,7 @@ def _check_supported(model: HFCausalLM, cfg: RunConfig, device: torch.device) ->
         raise ConfigError("--attention flex has no CPU backward in this torch; use sdpa on CPU")
     if tech.qlora and not tech.lora_rank:
         raise ConfigError("--qlora quantizes the frozen base weights under LoRA; add --lora-rank 16")
-    if tech.checkpointing == "selective":
+    if checkpoint_policy(tech.checkpointing).kind == "selective":
         # Megatron's policy recomputes only the attention core, which memtrain reaches through
         # its own GPT's attention seam (block.attn.attn_fn); transformers' layers call their
         # attention function from inside forward, so there is no such seam to wrap yet.

@@ -2,7 +2,7 @@
 
 SPEC is one of (tried in this order):
 
-* a preset of memtrain's own GPT (``memtrain.presets``: ``gpt2``, ``gpt2-medium`` ...);
+* a preset of memtrain's own GPT (``memtrain.model_presets``: ``gpt2``, ``gpt2-medium`` ...);
 * a bundled transformers config (``llama-3-8b``, ``qwen2.5-7b`` ... in ``models/configs/``:
   the public architecture hyper-parameters of each model's ``config.json``, no weights), so
   full-size models can be estimated offline;
@@ -78,7 +78,7 @@ def is_gpt_preset(spec: Optional[str]) -> bool:
     """Whether ``spec`` names memtrain's own GPT (no spec, or one of its presets)."""
     if spec is None:
         return True
-    from memtrain.presets import PRESETS
+    from memtrain.model_presets import PRESETS
 
     return spec in PRESETS
 
@@ -98,7 +98,7 @@ def resolve(spec: str) -> ModelSource:
         p = p / "config.json"
     if p.is_file():
         return ModelSource(spec, p.resolve(), None)
-    from memtrain.presets import PRESETS
+    from memtrain.model_presets import PRESETS
 
     raise ConfigError(
         f"--model {spec!r} is not a preset, a bundled config, a config.json or a directory holding one; "
@@ -122,8 +122,8 @@ def load_config(spec: str) -> Any:
         cfg = AutoConfig.from_pretrained(src.repo or str(src.config_path), trust_remote_code=False)
     except ConfigError:
         raise
-    except (OSError, ValueError, KeyError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    except Exception as exc:  # noqa: BLE001 - OSError, bad JSON, or transformers' validation of a field
+        first = str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"cannot read the model config of --model {spec!r}: {first}") from None
     if getattr(cfg, "is_encoder_decoder", False):
         raise ConfigError(f"--model {spec!r} is an encoder-decoder ({cfg.model_type}); memtrain trains causal LMs")
@@ -134,7 +134,15 @@ def mirrored_fields(spec: str) -> dict[str, Any]:
     """The memtrain ModelConfig fields that describe ``spec``'s shape, so that every part of
     memtrain that reads ``cfg.model`` (random batches, FLOP rules, validation of --seq-len and
     --lora-rank) sees the transformers model's real vocabulary, width and length."""
-    c = load_config(spec)
+    c = load_config(spec)  # a ConfigError of its own when unreadable
+    try:
+        return _mirrored_fields(c)
+    except (TypeError, ValueError, OverflowError) as exc:  # a size that is missing, text, or not finite
+        raise ConfigError(f"--model {spec!r}: its config.json holds a size that is not a whole number ({exc}); "
+                          "fix the config") from None
+
+
+def _mirrored_fields(c: Any) -> dict[str, Any]:
     get = lambda *names, default=None: next((getattr(c, n) for n in names if getattr(c, n, None) is not None), default)  # noqa: E731
     d_model = int(get("hidden_size", "n_embd", "d_model"))
     n_heads = int(get("num_attention_heads", "n_head"))
@@ -155,7 +163,7 @@ def preset_fields(spec: str) -> Optional[dict[str, Any]]:
     """ModelConfig fields of a GPT preset named by ``spec`` (None when ``spec`` is no preset).
     The LLaMA presets are analytic approximations no run can build: point to the bundled
     transformers configs instead."""
-    from memtrain.presets import PRESETS
+    from memtrain.model_presets import PRESETS
 
     if spec not in PRESETS:
         return None

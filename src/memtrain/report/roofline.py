@@ -1,4 +1,4 @@
-"""Roofline plot (PNG) of one training step, from the report dict of :func:`memtrain.analysis.flops.flops_report`.
+"""Roofline plot (PNG) of one training step, from the report dict of :func:`memtrain.analysis.flops.roofline.flops_report`.
 
 Log-log axes: x is arithmetic intensity (FLOP per byte moved), y attainable FLOP/s. The roof is
 ``min(peak, bandwidth x intensity)``; a GPU has two compute ceilings, the tensor-core peak of the

@@ -46,14 +46,14 @@ traces ``torch.utils.checkpoint`` natively, so compiling afterwards composes.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from memtrain.config import TechniqueConfig, parse_checkpointing
+from memtrain.config import TechniqueConfig
+from memtrain.techniques.facts import checkpoint_policy
 
 __all__ = [
     "apply_checkpointing",
@@ -148,24 +148,19 @@ def is_checkpointed(module: nn.Module) -> bool:
 
 
 def checkpointed_blocks(policy: str, n_layers: int) -> list[int]:
-    """Indices of the blocks a policy checkpoints (see the module docstring)."""
-    kind, every = parse_checkpointing(policy)
-    if kind == "none":
-        return []
-    if kind in ("full", "selective", "selective-matmul"):
-        return list(range(n_layers))
-    if kind == "sqrt":
-        every = max(1, round(math.sqrt(n_layers)))
-    return [i for i in range(n_layers) if i % every == 0]
+    """Indices of the blocks a policy checkpoints (see the module docstring; the rule is
+    :class:`memtrain.techniques.facts.CheckpointPolicy`'s, which estimate and flops read too)."""
+    return checkpoint_policy(policy).blocks(n_layers)
 
 
 def apply_checkpointing(model: nn.Module, tech: TechniqueConfig) -> None:
     """Checkpoint ``model.blocks`` in place as ``tech.checkpointing`` says."""
-    kind, _ = parse_checkpointing(tech.checkpointing)
+    policy = checkpoint_policy(tech.checkpointing)
+    kind = policy.kind
     if kind == "none":
         return
     blocks = model.blocks
-    for i in checkpointed_blocks(tech.checkpointing, len(blocks)):  # type: ignore[arg-type]  # torch types nn.Module attributes as Tensor | Module
+    for i in policy.blocks(len(blocks)):  # type: ignore[arg-type]  # torch types nn.Module attributes as Tensor | Module
         if kind == "selective":
             _wrap_attention_core(blocks[i])  # type: ignore[arg-type,index]  # torch types nn.Module attributes as Tensor | Module
         else:

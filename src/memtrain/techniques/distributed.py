@@ -113,6 +113,12 @@ def _validate(cfg: RunConfig, device: torch.device) -> None:
         raise ConfigError(f"--distributed {s} with --precision fp16 needs a sharded gradient scaler; use --precision bf16")
 
 
+def check_combination(cfg: RunConfig, device: torch.device) -> None:
+    """The strategy's impossible combinations as ConfigErrors (``memtrain train
+    --nproc-per-node`` checks them before starting any rank)."""
+    _validate(cfg, device)
+
+
 # --------------------------------------------------------------------------- process group
 @dataclass
 class DistContext:
@@ -144,12 +150,22 @@ class DistContext:
 
     @contextlib.contextmanager
     def main_first(self) -> Iterator[None]:
-        """Rank 0 runs the block first (e.g. fills the token cache), the others after it."""
-        if self.enabled and not self.is_main:
-            dist.barrier()
-        yield
-        if self.enabled and self.is_main:
-            dist.barrier()
+        """Rank 0 runs the block first (e.g. fills the token cache), the others after it.
+
+        Each half ends in an exchange of outcomes (memtrain.rank_errors), not a bare
+        barrier: a rank that fails in the block (a data file only it cannot read) fails
+        every rank with its reason instead of leaving them waiting."""
+        from memtrain.rank_errors import agreement, raise_if_any_rank_failed
+
+        if not self.enabled:
+            yield
+            return
+        if not self.is_main:
+            raise_if_any_rank_failed(None)  # rank 0's turn
+        with agreement():
+            yield
+        if self.is_main:
+            raise_if_any_rank_failed(None)  # the other ranks' turn
 
     def wrap_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         """The optimizer (and model) the loop should use: ZeRO-1 shards the optimizer here;

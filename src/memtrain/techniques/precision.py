@@ -33,6 +33,7 @@ from typing import ContextManager, Optional
 import torch
 
 from memtrain.config import ConfigError
+from memtrain.techniques.facts import PrecisionFacts, precision_facts
 
 
 @dataclass
@@ -76,22 +77,26 @@ def _cpu_fp16_autocast_works() -> bool:
     return out.dtype == torch.float16
 
 
-def make_precision(precision: str, device: torch.device) -> Precision:
-    """Validate ``precision`` for ``device`` and set the global matmul precision (TF32)."""
+def torch_dtypes(facts: PrecisionFacts) -> tuple[torch.dtype, Optional[torch.dtype]]:
+    """The weight dtype and the autocast dtype (None: no autocast) of a precision's facts."""
+    autocast = getattr(torch, facts.autocast_dtype) if facts.autocast_dtype is not None else None
+    return getattr(torch, facts.param_dtype), autocast
+
+
+def precision_for_count(name: str, device_type: str = "cpu") -> Precision:
+    """``name``'s dtypes without make_precision's process-wide TF32 switch or a loss scaler:
+    for counting FLOPs, which must not change the settings of a run in the same process."""
+    param, autocast = torch_dtypes(precision_facts(name))
+    return Precision(name, device_type, autocast_dtype=autocast, param_dtype=param)
+
+
+def _check_device(precision: str, device: torch.device) -> None:
+    """A precision the device cannot run is a user error naming the alternative."""
     dt = device.type
-    _set_tf32(precision == "tf32")
-    if precision == "fp32":
-        return Precision(precision, dt)
-    if precision == "tf32":
-        if dt == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
-            raise ConfigError("--precision tf32 needs an Ampere or newer GPU; use --precision fp32 or fp16")
-        return Precision(precision, dt)
-    if precision in ("bf16", "bf16-pure"):
-        if dt == "cuda" and not torch.cuda.is_bf16_supported():
-            raise ConfigError(f"--precision {precision} needs a GPU with bfloat16 (Ampere or newer); use --precision fp16")
-        if precision == "bf16":
-            return Precision(precision, dt, autocast_dtype=torch.bfloat16)
-        return Precision(precision, dt, param_dtype=torch.bfloat16)
+    if precision == "tf32" and dt == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
+        raise ConfigError("--precision tf32 needs an Ampere or newer GPU; use --precision fp32 or fp16")
+    if precision in ("bf16", "bf16-pure") and dt == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"--precision {precision} needs a GPU with bfloat16 (Ampere or newer); use --precision fp16")
     if precision == "fp16":
         if dt == "cpu" and not _cpu_fp16_autocast_works():
             raise ConfigError(
@@ -100,5 +105,14 @@ def make_precision(precision: str, device: torch.device) -> Precision:
             )
         if dt not in ("cpu", "cuda"):
             raise ConfigError(f"--precision fp16 is not supported on {dt}; use --precision fp32")
-        return Precision(precision, dt, autocast_dtype=torch.float16, scaler=torch.amp.GradScaler(dt))
-    raise ConfigError(f"unknown --precision {precision!r}; choose fp32, tf32, bf16, fp16 or bf16-pure")
+
+
+def make_precision(precision: str, device: torch.device) -> Precision:
+    """Validate ``precision`` for ``device`` and set the global matmul precision (TF32).
+    The dtypes come from :mod:`memtrain.techniques.facts`, which estimate and flops read too."""
+    facts = precision_facts(precision)
+    _set_tf32(facts.tf32)
+    _check_device(precision, device)
+    param, autocast = torch_dtypes(facts)
+    scaler = torch.amp.GradScaler(device.type) if facts.scaler else None
+    return Precision(precision, device.type, autocast_dtype=autocast, param_dtype=param, scaler=scaler)

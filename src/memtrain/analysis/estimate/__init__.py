@@ -5,7 +5,7 @@ measurement always describe the same run. Three parts:
 
 1. **Model state** (exact for any size): parameter counts from the model shape, then weights,
    gradients and optimizer state in bytes for the configured precision, optimizer, LoRA and
-   sharding (:func:`param_table`, :func:`optimizer_state_bytes`).
+   sharding (:func:`param_table`, :func:`predicted_optimizer_state`).
 2. **The step's timeline**: a small storage-lifetime simulation over the op inventory of *our*
    model (what each op allocates, what autograd saves, when it is freed, what backward
    allocates). It replays forward, loss, backward block by block (with recomputation under
@@ -30,7 +30,7 @@ storage-lifetime simulator), :mod:`.inventory` (our GPT's op inventory as simula
 from __future__ import annotations
 
 from memtrain.analysis.estimate.inference import estimate_inference
-from memtrain.analysis.estimate.optimizer import optimizer_state_bytes
+from memtrain.analysis.estimate.optimizer import predicted_optimizer_state
 from memtrain.analysis.estimate.params import ParamInfo, param_count, param_table, parse_count, shape_for_params
 from memtrain.analysis.estimate.rules import OPTIMIZER_RULES, model_state_rule
 from memtrain.analysis.estimate.training import Estimate, estimate
@@ -47,7 +47,7 @@ __all__ = [
     "estimate",
     "estimate_inference",
     "model_state_rule",
-    "optimizer_state_bytes",
+    "predicted_optimizer_state",
     "check_analytic_size",
     "param_count",
     "param_table",

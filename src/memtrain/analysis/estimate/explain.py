@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Optional
 
-from memtrain.analysis.estimate.inventory import _PRECISION, _block_nodes, _Dims, _resolve_backend
+from memtrain.analysis.estimate.inventory import _block_nodes, _Dims, _precision_bytes, _resolve_backend
 from memtrain.analysis.estimate.params import ParamInfo
 from memtrain.analysis.estimate.simulator import _Sim
 from memtrain.archs import Arch
-from memtrain.config import RunConfig, TechniqueConfig, parse_checkpointing
+from memtrain.config import RunConfig, TechniqueConfig
+from memtrain.techniques.facts import checkpoint_policy
 
 
 def _activations_per_layer(cfg: RunConfig, arch: Arch, dm: _Dims, trainable_base: bool,
@@ -27,7 +27,8 @@ def _activations_per_layer(cfg: RunConfig, arch: Arch, dm: _Dims, trainable_base
     block_input = dm.n * dm.d * dm.r
     saved = {k for n in nodes for k in n.saves if k in sizes}
     none = sum(sizes[k] for k in saved) + block_input
-    kind, every = parse_checkpointing(policy or cfg.technique.checkpointing)
+    ck = checkpoint_policy(policy or cfg.technique.checkpointing)
+    kind = ck.kind
     if kind == "none":
         return none
     full = block_input + rng_state_bytes
@@ -42,8 +43,7 @@ def _activations_per_layer(cfg: RunConfig, arch: Arch, dm: _Dims, trainable_base
         outside = {k for n in nodes if not n.core for k in n.saves if k in sizes}
         return sum(sizes[k] for k in outside | {"blocks.0.qkv"}) + block_input + rng_state_bytes
     L = cfg.model.n_layers
-    k = max(1, round(math.sqrt(L))) if kind == "sqrt" else every
-    n_ck = -(-L // k)
+    n_ck = ck.n_checkpointed(L)
     return (n_ck * full + (L - n_ck) * none) / L
 
 
@@ -51,7 +51,7 @@ def _explain(cfg: RunConfig, arch: Arch, dm: _Dims, params: list[ParamInfo], n_p
              weights: float, opt_bytes: float, opt_lines: list[str], act_layer: float, sim: _Sim,
              shard: str, world: int, device_type: str) -> list[str]:
     m, tech, t = cfg.model, cfg.technique, cfg.train
-    pb, ab, autocast = _PRECISION[tech.precision]
+    pb, ab, autocast = _precision_bytes(tech.precision)
     N = dm.n
     lines = [
         f"parameters = {n_params:,} (V*d{' x2 untied' if m.untie_embeddings else ' tied'} + "
@@ -77,7 +77,7 @@ def _explain(cfg: RunConfig, arch: Arch, dm: _Dims, params: list[ParamInfo], n_p
            "selective": "blocks keep everything but the attention core (scores, softmax, dropout), "
                         "which keeps q, k, v and is recomputed in backward (Megatron's selective)",
            "selective-matmul": "blocks keep input + matmul outputs; the rest is recomputed in backward"}.get(
-               parse_checkpointing(tech.checkpointing)[0], "blocks i % K == 0 keep only their input"),
+               checkpoint_policy(tech.checkpointing).kind, "blocks i % K == 0 keep only their input"),
         f"peak = {sim.peak / 2**20:.2f} MiB in {sim.peak_phase} ({sim.peak_detail})",
     ]
     if world > 1:

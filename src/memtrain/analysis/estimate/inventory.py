@@ -8,7 +8,8 @@ from typing import Optional
 from memtrain.analysis.estimate.params import _lora_targets
 from memtrain.analysis.estimate.simulator import _Compression, _Node, _Segment
 from memtrain.archs import Arch
-from memtrain.config import ModelConfig, RunConfig, TechniqueConfig, parse_checkpointing
+from memtrain.config import ModelConfig, RunConfig, TechniqueConfig
+from memtrain.techniques.facts import checkpoint_policy, precision_facts
 
 
 # --------------------------------------------------------------------------- node builders
@@ -33,6 +34,7 @@ class _Dims:
     # FSDP2 under autocast gathers weights already in the compute dtype: autocast casts nothing
     # (no cached copies) and the gathered weights are counted by the sharding rule instead.
     weights_in_compute_dtype: bool = False
+    hf: bool = False  # a transformers decoder layer (Arch.hf; memtrain.models.hf_estimate)
 
     @property
     def n(self) -> int:
@@ -82,7 +84,7 @@ def _linear(nodes: list[_Node], dm: _Dims, name: str, x: str, out: str, n_in: in
         # peft: out = base(x) + lora_B(lora_A(x)) * scale. The adapters are float32; under
         # autocast they compute in the autocast dtype, on a bf16-pure base peft casts x up to
         # float32 for them and the result back down.
-        ad = 4 if (not dm.autocast and a != 4) else a
+        ad = 4 if (not dm.autocast and a != 4 and not dm.hf) else a  # peft (hf): the base's dtype
         la, lb = f"{name}.lora_a", f"{name}.lora_b"
         xa = x
         if ad != a:
@@ -240,6 +242,11 @@ def _block_nodes(dm: _Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable
     layer = arch.norm == "layernorm"
 
     def norm(name: str, src: str, out: str) -> None:
+        if dm.hf:
+            from memtrain.models.hf_estimate import hf_norm_node
+
+            nodes.append(hf_norm_node(dm, name, src, out, trainable_base))
+            return
         # LayerNorm saves its input and float32 mean + rstd per token (RMSNorm: rstd only).
         pg = [(f"param:{name}.weight", 0.0)] if trainable_base else []
         if trainable_base and layer and dm.bias:
@@ -253,7 +260,11 @@ def _block_nodes(dm: _Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable
                 lora if short in targets else 0, src_bytes)
 
     norm(f"{p}.ln_1", x, f"{p}.ln1")
-    lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv", d, d + 2 * dm.kv, r)
+    lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0" if dm.hf else f"{p}.qkv", d, d + 2 * dm.kv, r)
+    if dm.hf:
+        from memtrain.models.hf_estimate import hf_rope_node
+
+        nodes.append(hf_rope_node(dm, f"{p}.qkv0", f"{p}.qkv"))
     start = len(nodes)
     _attention_nodes(nodes, dm, p, tech.attention, tech.window)
     # The attention core is what model.attn_fn computes: everything after the q/k/v split up
@@ -317,6 +328,10 @@ def _head_nodes(dm: _Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tr
         pg.append(("param:ln_f.bias", 0.0))
     nodes = [_Node("ln_f", out=[("hf", N * d * r), ("ln_f.stats", (2 if layer else 1) * N * 4)], inputs=[x],
                    saves=[x, "ln_f.stats"], grad_out=("hf",), grads=[(x, N * d * r)] + pg)]
+    if dm.hf:
+        from memtrain.models.hf_estimate import hf_norm_node
+
+        nodes = [hf_norm_node(dm, "ln_f", x, "hf", trainable)]
     if tech.loss == "chunked":
         c = min(tech.loss_chunk, N)
         # _ChunkedLinearCrossEntropy.forward: casts of hidden and weight (when the compute dtype
@@ -333,7 +348,9 @@ def _head_nodes(dm: _Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tr
             per_chunk = max(c * V * 4 + c * V * a, c * V * a + max(c * d * a, V * d * a))
         # backward hands grad_h on as the hidden states' gradient; grad_w, still referenced by
         # ctx, cannot be stolen by AccumulateGrad, which clones it into .grad (or adds it in).
-        nodes.append(_Node("loss", out=[("loss.grad_h", N * d * r), ("loss.grad_w", V * d * 4)],
+        # (A frozen head, as under LoRA, gets no grad_w: counted for transformers models only.)
+        gw = V * d * 4 if (trainable or not dm.hf) else 0.0
+        nodes.append(_Node("loss", out=[("loss.grad_h", N * d * r), ("loss.grad_w", gw)],
                            inputs=["hf"], saves=["loss.grad_h", "loss.grad_w"], fwd_scratch=casts + per_chunk,
                            tag="logits", grad_from={"hf": "loss.grad_h", f"param:{head}": "loss.grad_w"},
                            grads=[("hf", N * d * r)] + ([(f"param:{head}", 0.0)] if trainable else [])))
@@ -362,38 +379,28 @@ def _head_nodes(dm: _Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tr
     return nodes
 
 
-_PRECISION = {
-    # precision -> (param bytes, compute bytes, autocast)
-    "fp32": (4, 4, False),
-    "tf32": (4, 4, False),
-    "bf16": (4, 2, True),
-    "fp16": (4, 2, True),
-    "bf16-pure": (2, 2, False),
-}
+def _precision_bytes(precision: str) -> tuple[int, int, bool]:
+    """(param bytes, compute bytes, autocast) of ``--precision`` (memtrain.techniques.facts)."""
+    f = precision_facts(precision)
+    return f.param_bytes, f.compute_bytes, f.autocast
 
 
 def _dims(cfg: RunConfig, arch: Arch, device_type: str, batch: Optional[int] = None) -> _Dims:
     m, t = cfg.model, cfg.train
-    pb, ab, autocast = _PRECISION[cfg.technique.precision]
+    pb, ab, autocast = _precision_bytes(cfg.technique.precision)
     dm = _Dims(b=batch or t.batch_size, s=t.seq_len, d=m.d_model, f=m.d_ff, h=m.n_heads,
                kv=(arch.n_kv_heads or m.n_heads) * m.head_dim, V=m.padded_vocab_size, a=ab,
                r=pb, p=pb, autocast=autocast, dropout=m.dropout > 0, cuda=device_type == "cuda",
-               bias=m.bias and arch.name == "gpt2")
+               bias=m.bias and arch.name == "gpt2", hf=arch.hf)
     return dm
 
 
 def _segments(cfg: RunConfig, arch: Arch, dm: _Dims, trainable_base: bool, grads_exist: bool,
               comp: _Compression) -> list[_Segment]:
     m, tech = cfg.model, cfg.technique
-    kind, every = parse_checkpointing(tech.checkpointing)
+    policy = checkpoint_policy(tech.checkpointing)
+    kind = policy.kind
     L = m.n_layers
-    if kind in ("full", "selective-matmul"):
-        ckpt = lambda i: True  # noqa: E731
-    elif kind in ("none", "selective"):
-        ckpt = lambda i: False  # noqa: E731
-    else:
-        k = comp.period
-        ckpt = lambda i: i % k == 0  # noqa: E731
     mode = "selective" if kind == "selective-matmul" else "full"
     segs = [_Segment("embedding", _embedding_nodes(dm, arch, trainable_base))]
     for j in range(comp.blocks):
@@ -410,7 +417,7 @@ def _segments(cfg: RunConfig, arch: Arch, dm: _Dims, trainable_base: bool, grads
                      _Segment(f"block {i}", nodes[b:])]
             continue
         segs.append(_Segment(f"block {i}", nodes,
-                             checkpoint=mode if ckpt(i) else "none", input_key=f"blocks.{j}.in"))
+                             checkpoint=mode if policy.whole_block(i, L) else "none", input_key=f"blocks.{j}.in"))
     segs.append(_Segment("head", _head_nodes(dm, replace(m, n_layers=comp.blocks), tech, arch, trainable_base,
                                              grads_exist)))
     assert L == comp.blocks + comp.lumps * comp.period

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Any, Iterable
 
 from memtrain.analysis.estimate.params import ParamInfo
-from memtrain.config import ConfigError
+from memtrain.techniques.facts import optimizer_state_rule
 
 
 # --------------------------------------------------------------------------- optimizer (ours)
@@ -16,7 +16,7 @@ def _quantizable(numel: int, block: int) -> bool:
     return numel >= 4096 and numel % block == 0
 
 
-def optimizer_state_bytes(params: Iterable[ParamInfo], optim: str, param_bytes: float,
+def predicted_optimizer_state(params: Iterable[ParamInfo], optim: str, param_bytes: float,
                           block: int = 0) -> tuple[float, list[str]]:
     """Steady-state optimizer state for *our* optimizers over the trainable ``params``.
 
@@ -26,15 +26,11 @@ def optimizer_state_bytes(params: Iterable[ParamInfo], optim: str, param_bytes: 
     Returns (bytes, explanation lines). ``param_bytes`` is the dtype size of the weights (AdamW
     keeps its moments in the parameters' dtype: 2 x 4 B in fp32, 2 x 2 B under bf16-pure).
     """
+    rule = optimizer_state_rule(optim)  # the one state rule (memtrain.techniques.facts)
     ps = [p for p in params if p.trainable]
     n = sum(p.numel * p.repeat for p in ps)
     n_tensors = sum(p.repeat for p in ps)
-    if optim in ("adamw", "adamw-foreach", "adamw-fused"):
-        # exp_avg + exp_avg_sq per parameter, plus a 4-byte float32 ``step`` tensor each.
-        return 2 * param_bytes * n + 4 * n_tensors, [f"AdamW: 2 moments x {param_bytes:g} B x {n:,} trainable params"]
-    if optim == "sgd":
-        return param_bytes * n, [f"SGD momentum: 1 buffer x {param_bytes:g} B x {n:,}"]
-    if optim == "adafactor":
+    if rule.factored:
         # torch.optim.Adafactor: no first moment; the second moment of a matrix (R, C) is factored
         # into a row (R) and a column (C) vector, full for vectors; plus a step tensor.
         total = 0.0
@@ -46,28 +42,36 @@ def optimizer_state_bytes(params: Iterable[ParamInfo], optim: str, param_bytes: 
             else:
                 total += (4 * p.numel + 4) * p.repeat
         return total, ["Adafactor: factored second moment (rows + columns per matrix), no first moment"]
-    if optim in ("adamw-8bit", "adamw-4bit", "adamw-bnb-8bit"):
-        bits = 4 if optim == "adamw-4bit" else 8
-        default = 128 if bits == 4 else 256
-        block = default if optim == "adamw-bnb-8bit" else (block or default)
-        total = 0.0
-        q = 0
-        for p in ps:
-            if _quantizable(p.numel, block):
-                q += p.numel * p.repeat
-                # codes + one fp32 scale per block, for each of the 2 states; torchao also keeps
-                # a 256-entry (8-bit) or 16-entry (4-bit) fp32 lookup table per state.
-                codes = p.numel * bits / 8
-                scales = 4 * p.numel / block
-                qmap = 4 * (2 ** bits) if optim != "adamw-bnb-8bit" else 0
-                total += (2 * (codes + scales + qmap) + 4) * p.repeat
-            else:
-                total += (2 * 4 * p.numel + 4) * p.repeat
-        lines = [f"{bits}-bit AdamW: 2 states x {bits} bits + fp32 scale per {block} elements on "
-                 f"{q:,} of {n:,} params; the rest (tensors < 4096 elements or not a multiple of "
-                 f"{block}) keep fp32 states"]
-        return total, lines
-    raise ConfigError(f"unknown --optim {optim!r}")
+    if rule.quantized:
+        return _quantized_state_bytes(ps, rule, n, block)
+    if rule.step_tensor:
+        # AdamW: exp_avg + exp_avg_sq per parameter, plus a 4-byte float32 ``step`` tensor each.
+        return (rule.states * param_bytes * n + 4 * n_tensors,
+                [f"AdamW: 2 moments x {param_bytes:g} B x {n:,} trainable params"])
+    return param_bytes * n, [f"SGD momentum: 1 buffer x {param_bytes:g} B x {n:,}"]
+
+
+def _quantized_state_bytes(ps: list[ParamInfo], rule: Any, n: int, block: int) -> tuple[float, list[str]]:
+    """A low-bit AdamW's state: quantized codes + block scales on the tensors it quantizes."""
+    bits = rule.state_bits
+    block = rule.quant_block(block)
+    total = 0.0
+    q = 0
+    for p in ps:
+        if _quantizable(p.numel, block):
+            q += p.numel * p.repeat
+            # codes + one fp32 scale per block, for each of the 2 states; torchao also keeps
+            # a 256-entry (8-bit) or 16-entry (4-bit) fp32 lookup table per state.
+            codes = p.numel * bits / 8
+            scales = 4 * p.numel / block
+            qmap = 4 * (2 ** bits) if rule.qmap else 0
+            total += (2 * (codes + scales + qmap) + 4) * p.repeat
+        else:
+            total += (2 * 4 * p.numel + 4) * p.repeat
+    lines = [f"{bits}-bit AdamW: 2 states x {bits} bits + fp32 scale per {block} elements on "
+             f"{q:,} of {n:,} params; the rest (tensors < 4096 elements or not a multiple of "
+             f"{block}) keep fp32 states"]
+    return total, lines
 
 
 def _optimizer_temporaries(params: list[ParamInfo], optim: str, param_bytes: float, weight_decay: float) -> float:

@@ -7,11 +7,11 @@ step) and, for deep models, which blocks stand in for the rest (:class:`_Compres
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from memtrain.config import RunConfig, parse_checkpointing
+from memtrain.config import RunConfig
+from memtrain.techniques.facts import checkpoint_policy
 
 # The JSON contract's component names (training._CATEGORY_OF maps each to a meter category).
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "temporaries")
@@ -439,11 +439,10 @@ class _Compression:
 
 
 def _compression(cfg: RunConfig) -> _Compression:
-    kind, every = parse_checkpointing(cfg.technique.checkpointing)
+    policy = checkpoint_policy(cfg.technique.checkpointing)
     L = cfg.model.n_layers
     # The period of the block kinds: blocks i % K == 0 are checkpointed under every:K and sqrt.
-    P = (1 if kind in ("full", "selective", "selective-matmul", "none")
-         else (max(1, round(math.sqrt(L))) if kind == "sqrt" else every))
+    P = policy.period(L)
     # Two periods, the lumps, then the last period and the remainder.
     lumps = max(0, (L - 2 * P) // P - 1)
-    return _Compression(P, lumps, L - lumps * P, 3 if kind == "selective" else 1)
+    return _Compression(P, lumps, L - lumps * P, 3 if policy.kind == "selective" else 1)

@@ -6,8 +6,8 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
 from memtrain.analysis.estimate.explain import _activations_per_layer, _explain
-from memtrain.analysis.estimate.inventory import _PRECISION, _dims, _segments
-from memtrain.analysis.estimate.optimizer import _optimizer_temporaries, optimizer_state_bytes
+from memtrain.analysis.estimate.inventory import _dims, _precision_bytes, _segments
+from memtrain.analysis.estimate.optimizer import _optimizer_temporaries, predicted_optimizer_state
 from memtrain.analysis.estimate.params import ParamInfo, _param_table
 from memtrain.analysis.estimate.rules import model_state_rule
 from memtrain.analysis.estimate.simulator import _compression, _Graph, _Segment, _Sim
@@ -115,7 +115,7 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     n_params = sum(p.numel * p.repeat for p in params)
     trainable = [p for p in params if p.trainable]
     n_train = sum(p.numel * p.repeat for p in trainable)
-    pb, ab, autocast = _PRECISION[tech.precision]
+    pb, ab, autocast = _precision_bytes(tech.precision)
     dm = _dims(cfg, arch, device_type)
     if autocast and world_size > 1 and shard in ("zero2", "fsdp"):
         dm = replace(dm, weights_in_compute_dtype=True)
@@ -126,20 +126,20 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     grads_exist = t.grad_accum > 1 or ddp_buckets
     lora = tech.lora_rank > 0
     # LoRA adapters are created in float32 next to the (possibly bf16) frozen base.
-    adapter_bytes = 4 if lora else pb
+    adapter_bytes = (pb if arch.hf else 4) if lora else pb  # peft makes them in the base's dtype
     pbytes: dict[str, float] = {p.name: p.numel * (adapter_bytes if "lora_" in p.name else pb) for p in params}
     repeat = {p.name: p.repeat for p in params}
     weights = sum(v * repeat[k] for k, v in pbytes.items())
     grad_bytes = {p.name: pbytes[p.name] for p in trainable}
     grad_total = sum(v * repeat[k] for k, v in grad_bytes.items())
-    opt_bytes, opt_lines = optimizer_state_bytes(trainable, tech.optim, adapter_bytes, tech.optim_block)
+    opt_bytes, opt_lines = predicted_optimizer_state(trainable, tech.optim, adapter_bytes, tech.optim_block)
     opt_tmp = _optimizer_temporaries(trainable, tech.optim, adapter_bytes, t.weight_decay)
     zero1: Optional[dict[str, Any]] = None
     if shard == "zero1" and world_size > 1 and sum(p.repeat for p in trainable) <= _ZERO1_MAX_TENSORS:
         # memtrain's ZeRO-1 gives each rank the dim-0 chunk of every tensor (ceil(rows/N) rows,
         # the last ranks fewer): the rank with the most state (rank 0) is reported.
         ranks = _zero1_partition(trainable, world_size)
-        per_rank = [optimizer_state_bytes(ps, tech.optim, adapter_bytes, tech.optim_block)[0] for ps in ranks]
+        per_rank = [predicted_optimizer_state(ps, tech.optim, adapter_bytes, tech.optim_block)[0] for ps in ranks]
         worst = per_rank.index(max(per_rank))
         zero1 = {"rank": worst, "optimizer_per_rank": per_rank,
                  "scratch": _optimizer_temporaries(ranks[worst], tech.optim, adapter_bytes, t.weight_decay)}

@@ -37,8 +37,11 @@ element-wise chains and moves less; the bytes here describe eager execution.
 
 Sub-modules: :mod:`.rules` (the rule of thumb, optimizer and clipping constants),
 :mod:`.classes` (operation classes and the count tables), :mod:`.recorder` (the dispatch
-recorder), :mod:`.count` (:func:`count_step`), :mod:`.roofline` (:func:`flops_report`) and
-:mod:`.profile` (measured time per class; it trains, so it is not imported here).
+recorder) and :mod:`.count` (:func:`count_step`): what the train loop needs for MFU, re-exported
+here. Above the step, and not imported here: :mod:`.roofline` (the roofline, the reconciliation
+with the rule and :func:`~memtrain.analysis.flops.roofline.flops_report`, which read the
+parameter catalogue of :mod:`memtrain.analysis.estimate`) and :mod:`.profile` (measured time per
+class; it trains).
 """
 
 from __future__ import annotations
@@ -55,7 +58,6 @@ from memtrain.analysis.flops.classes import (
 )
 from memtrain.analysis.flops.count import count_step, counted_flops_per_step
 from memtrain.analysis.flops.recorder import op_bytes
-from memtrain.analysis.flops.roofline import Roof, flops_report, reconcile, resolve_roof, roofline_ops
 from memtrain.analysis.flops.rules import (
     CLIP_FLOPS_PER_PARAM,
     OPTIMIZER_FLOPS_PER_PARAM,
@@ -72,16 +74,11 @@ __all__ = [
     "OP_CLASSES",
     "PHASES",
     "ClassCount",
-    "Roof",
     "StepCount",
     "classify",
     "count_step",
     "counted_flops_per_step",
-    "flops_report",
     "op_bytes",
     "optimizer_bytes_per_param",
-    "reconcile",
-    "resolve_roof",
-    "roofline_ops",
     "rule_flops_per_token",
 ]

@@ -107,7 +107,7 @@ _NO_BYTE_OPS = frozenset({
 _WRITE_ONLY = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "random_", "exponential_"})
 
 
-# --------------------------------------------------------------------------- counting
+# --------------------------------------------------------------------------- count tables
 @dataclass
 class ClassCount:
     """One operation class in one phase: FLOPs the counter counted, FLOPs added analytically

@@ -12,6 +12,7 @@ from memtrain.analysis.flops.recorder import _in_core, _make_recorder
 from memtrain.analysis.flops.rules import CLIP_FLOPS_PER_PARAM, OPTIMIZER_FLOPS_PER_PARAM, optimizer_bytes_per_param
 from memtrain.analysis.limits import check_analytic_size
 from memtrain.config import ConfigError, ModelConfig, RunConfig
+from memtrain.techniques.facts import checkpoint_policy, precision_facts
 
 if TYPE_CHECKING:  # torch stays out of import time for ``memtrain --help``
     import torch
@@ -40,15 +41,9 @@ def _split_attention(table: dict[str, ClassCount], only_scores: bool = False) ->
 def _precision_for_count(name: str) -> Any:
     """The run's precision on CPU, built without make_precision's global TF32 switches (a
     count must not change the settings of a run in the same process)."""
-    import torch
+    from memtrain.techniques.precision import precision_for_count
 
-    from memtrain.techniques.precision import Precision
-
-    if name in ("bf16", "fp16"):
-        return Precision(name, "cpu", autocast_dtype=torch.bfloat16 if name == "bf16" else torch.float16)
-    if name == "bf16-pure":
-        return Precision(name, "cpu", param_dtype=torch.bfloat16)
-    return Precision(name, "cpu")
+    return precision_for_count(name, "cpu")
 
 
 def _extra_flop_formulas() -> dict:
@@ -205,7 +200,7 @@ def _trace(cfg: RunConfig, fake: bool = True) -> tuple[dict[str, dict[str, Class
     if not math.isclose(attributed, total, rel_tol=1e-9, abs_tol=1.0):
         raise RuntimeError(f"FLOP attribution lost FLOPs: classes sum to {attributed:.6g}, counter {total:.6g}")
     for phase, v in table.items():
-        _split_attention(v, only_scores=phase == "recompute" and cfg.technique.checkpointing == "selective")
+        _split_attention(v, only_scores=phase == "recompute" and checkpoint_policy(cfg.technique.checkpointing).kind == "selective")
     return table, total, n_params, trainable
 
 
@@ -219,8 +214,6 @@ def _trace_by_kind(cfg: RunConfig) -> tuple[dict[str, dict[str, ClassCount]], fl
     dispatches the same ops, so a deep model's count is a 1-block model's plus (L - 1) times
     one block's (the difference of a 2-block and a 1-block trace), per kind. Shallow models are
     traced whole, as before."""
-    from memtrain.config import parse_checkpointing
-
     check_analytic_size(cfg.model)
     L = cfg.model.n_layers
     if cfg.technique.lora_rank and L > _LORA_TRACE_LAYERS:
@@ -230,12 +223,11 @@ def _trace_by_kind(cfg: RunConfig) -> tuple[dict[str, dict[str, ClassCount]], fl
                           f"{_LORA_TRACE_LAYERS} layers; got --n-layers {L}")
     if L <= _TRACE_LAYERS or cfg.technique.lora_rank:
         return _trace(cfg)
-    kind, every = parse_checkpointing(cfg.technique.checkpointing)
-    if kind in ("none", "full", "selective", "selective-matmul"):
-        counts = {cfg.technique.checkpointing: L}
+    policy = checkpoint_policy(cfg.technique.checkpointing)
+    if not policy.mixed:
+        counts = {policy.text: L}
     else:
-        k = max(1, round(math.sqrt(L))) if kind == "sqrt" else every
-        n_ck = -(-L // k)  # blocks i % k == 0
+        n_ck = policy.n_checkpointed(L)  # blocks i % K == 0
         counts = {"full": n_ck, "none": L - n_ck}
     out: dict[str, dict[str, ClassCount]] = {}
     total = 0.0
@@ -334,7 +326,7 @@ def _count_step_cached(key: str) -> StepCount:
             s = ClassCount()
             s.add(c, accum)
             scaled[phase][name] = s
-    param_bytes = 2 if cfg.technique.precision == "bf16-pure" else 4
+    param_bytes = precision_facts(cfg.technique.precision).param_bytes
     per_param = OPTIMIZER_FLOPS_PER_PARAM.get(cfg.technique.optim, 14) + (CLIP_FLOPS_PER_PARAM if t.grad_clip > 0 else 0)
     scaled["optimizer"] = {"optimizer": ClassCount(
         0.0, float(per_param * trainable),

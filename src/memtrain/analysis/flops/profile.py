@@ -1,13 +1,16 @@
 """Measured seconds per operation class: ``memtrain flops --profile``.
 
-Beside :mod:`memtrain.analysis.flops` (which counts) because this one trains: it runs the configured
-model with :func:`memtrain.train.train_step`, so it sits above the step while the counting
-that the train loop needs for MFU sits below it (no import circle between the two).
+Beside :mod:`memtrain.analysis.flops` (which counts) because this one trains: it builds and
+steps the configured run with the step harness (:mod:`memtrain.step`), so it sits above the
+step while the counting that the train loop needs for MFU sits below it (no import circle
+between the two).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
+from typing import Iterator
 
 # The op-class recorder is shared with the counter so that profiled time and counted FLOPs
 # use the same classes; it stays private to the flops modules.
@@ -37,50 +40,34 @@ def profile_op_classes(cfg: RunConfig, steps: int = 5, warmup: int = 3) -> dict[
     from torch.utils.module_tracker import ModuleTracker
 
     from memtrain.metrics import synchronize
-    from memtrain.model import GPT
     from memtrain.runtime import resolve_device, seed_everything
-    from memtrain.techniques import build_optimizer, make_precision, prepare_model
-    from memtrain.train import train_step
+    from memtrain.step import build_state, random_micro_batches, run_step
 
     if steps <= 0 or warmup < 0:
         raise ConfigError(f"--profile-steps must be positive, got {steps}")
     t = cfg.train
     device = resolve_device(t.device)
     seed_everything(t.seed)
-    precision = make_precision(cfg.technique.precision, device)
-    model = prepare_model(GPT(cfg.model), cfg, device, precision)
-    model.train()
-    optimizer = build_optimizer(model, cfg.technique, t)
-    gen = torch.Generator().manual_seed(t.seed)
-    micro = [tuple(torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len), generator=gen).to(device)
-                   for _ in range(2)) for _ in range(t.grad_accum)]
+    state = build_state(cfg, device)
+    micro = random_micro_batches(cfg, t.batch_size, device, torch.Generator().manual_seed(t.seed))
     for _ in range(warmup):
-        train_step(model, micro, optimizer, precision, t.grad_clip, device)  # type: ignore[arg-type]  # each tuple is (inputs, targets): range(2)
+        run_step(state, micro)
     synchronize(device)
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     tracker = ModuleTracker()
-    recorder = _make_recorder(model, tracker, {}, cfg.model.padded_vocab_size, profile=True)
-    scaler = precision.scaler
+    recorder = _make_recorder(state.model, tracker, {}, cfg.model.padded_vocab_size, profile=True)
+
+    @contextlib.contextmanager
+    def classes() -> Iterator[None]:  # each micro-batch's forward + backward, op by op
+        with tracker, recorder:
+            yield
+
     with profile(activities=activities) as prof:
         for _ in range(steps):
-            with tracker, recorder:
-                for x, y in micro:
-                    with precision.autocast():
-                        loss = model(x, y) / len(micro)
-                    (scaler.scale(loss) if scaler is not None else loss).backward()
-            with record_function("mt::optimizer"):
-                if scaler is not None:
-                    scaler.unscale_(optimizer)
-                if t.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], t.grad_clip)
-                if scaler is not None:
-                    scaler.step(optimizer)
-                    scaler.update()
-                else:
-                    optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+            run_step(state, micro, micro_context=classes,
+                     optimizer_context=lambda: record_function("mt::optimizer"))
         synchronize(device)
 
     micros: dict[str, float] = defaultdict(float)

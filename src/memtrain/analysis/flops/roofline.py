@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
-from memtrain.config import ConfigError, RunConfig
-
-if TYPE_CHECKING:  # torch stays out of import time for ``memtrain --help``
-    pass
-
+from memtrain.analysis.estimate.params import param_table
 from memtrain.analysis.flops.classes import MATMUL_CLASSES, OP_CLASSES, PHASES, ClassCount, StepCount
 from memtrain.analysis.flops.count import count_step
+from memtrain.config import ConfigError, RunConfig
+from memtrain.techniques.facts import precision_facts
 
 
 # --------------------------------------------------------------------------- roofline
@@ -49,7 +47,6 @@ class Roof:
                 "ridge": self.ridge, "vector_ridge": self.vector_ridge}
 
 
-_PRECISION_DTYPE = {"fp32": "fp32", "tf32": "tf32", "bf16": "bf16", "bf16-pure": "bf16", "fp16": "fp16"}
 
 
 def resolve_roof(gpu: Optional[str], precision: str) -> Roof:
@@ -69,7 +66,7 @@ def resolve_roof(gpu: Optional[str], precision: str) -> Roof:
         if spec is None:
             raise ConfigError(f"unknown --gpu {gpu!r}; choose one of {', '.join(PEAK_FLOPS)}")
     key = next(k for k, v in PEAK_FLOPS.items() if v is spec)
-    dtype = _PRECISION_DTYPE[precision]
+    dtype = precision_facts(precision).matmul_type
     peak = spec.peak(dtype)
     vector = spec.peak("fp32")
     if not peak or not vector:
@@ -125,10 +122,6 @@ def reconcile(cfg: RunConfig, count: StepCount) -> dict[str, float]:
     The attention term needs no correction: the counter counts the full (T x T) score matrix,
     as the rule does, masked half included.
     """
-    # Local, and the one upward import left (benchmarks/import_graph.py): the parameter
-    # catalogue lives in estimate until that module is split along its seams.
-    from memtrain.analysis.estimate import param_table
-
     # One block's vectors times the depth (param_table lists model.named_parameters(); the
     # model itself is not built: O(1) in n_layers).
     one = param_table(replace(cfg.model, n_layers=1))

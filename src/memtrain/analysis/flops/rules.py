@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from memtrain.config import ModelConfig
-
-if TYPE_CHECKING:  # torch stays out of import time for ``memtrain --help``
-    pass
+from memtrain.techniques.facts import OPTIMIZER_STATE_RULES
 
 
 def rule_flops_per_token(cfg: ModelConfig, seq_len: int, n_params: int) -> float:
@@ -32,12 +28,6 @@ OPTIMIZER_FLOPS_PER_PARAM: dict[str, float] = {
 }
 # Gradient clipping by global norm: square and accumulate (2), scale (1) per gradient element.
 CLIP_FLOPS_PER_PARAM = 3
-# Bytes of optimizer state per parameter per state tensor, and number of state tensors.
-_OPTIMIZER_STATE: dict[str, tuple[int, float]] = {
-    "adamw": (2, 4), "adamw-fused": (2, 4), "adamw-foreach": (2, 4),
-    "adamw-8bit": (2, 1), "adamw-bnb-8bit": (2, 1), "adamw-4bit": (2, 0.5),
-    "sgd": (1, 4), "adafactor": (0, 0),  # Adafactor's factored state is O(rows + cols)
-}
 
 
 def optimizer_bytes_per_param(optim: str, param_bytes: int, grad_clip: bool) -> float:
@@ -45,8 +35,9 @@ def optimizer_bytes_per_param(optim: str, param_bytes: int, grad_clip: bool) -> 
     weight, its gradient and each state tensor, write the weight and each state tensor back
     (the eager single-tensor loop moves several times this). Clipping reads the gradients
     twice (norm, then scale) and writes them once."""
-    n_states, state_bytes = _OPTIMIZER_STATE.get(optim, (2, 4))
-    if optim not in ("adamw-8bit", "adamw-bnb-8bit", "adamw-4bit") and param_bytes < 4:
-        state_bytes = param_bytes  # torch keeps the state in the weight's dtype (bf16-pure)
+    # The state rule of memtrain.techniques.facts: full-size state tensors (Adafactor's factored
+    # state is O(rows + cols): none), quantized, or in the weight's dtype (bf16-pure: 2 B).
+    rule = OPTIMIZER_STATE_RULES.get(optim, OPTIMIZER_STATE_RULES["adamw"])
+    n_states, state_bytes = rule.states, rule.state_bytes(param_bytes)
     update = 2 * param_bytes + param_bytes + 2 * n_states * state_bytes
     return update + (3 * param_bytes if grad_clip else 0)

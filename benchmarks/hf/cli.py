@@ -1,0 +1,182 @@
+"""``python benchmarks/compare_hf.py`` (or ``python -m hf`` from ``benchmarks/``): flags, the
+rows they name, and the loop over rows x repetitions (each side in its own process)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from memtrain.bench.presets import SCALE_BUDGET, SCALE_MAX_BATCH, SCALES, TECHNIQUES
+from memtrain.config import ConfigError, parse_size
+
+from .lockstep import run_pair, run_subprocess
+from .report import _mib, _num, write_profiles, write_report
+from .rows import COMMANDS_FILE, REPORT_MD, RUNS_FILE, SIDES, append_run, config_hash, read_runs, resolve_rows
+
+DESCRIPTION = "memtrain vs Hugging Face Trainer: the same model, tokens and schedule, the same meters."
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=DESCRIPTION)
+    ap.add_argument("--scale", default="quick", choices=sorted(SCALES),
+                    help="memtrain bench scale (model, batch, seq, steps); `memtrain bench --scale` names the same")
+    ap.add_argument("--techniques", "--presets", dest="techniques", default=",".join(TECHNIQUES),
+                    help="comma-separated rows, as `memtrain bench --techniques`: technique sets "
+                         f"({', '.join(TECHNIQUES)}) or key=value+key=value; --presets is the former name")
+    ap.add_argument("--model", default=None, metavar="SPEC",
+                    help="a transformers model for both sides (memtrain's --model SPEC: a bundled config such as "
+                         "tiny-llama or tiny-gpt2, a config.json, or a directory); default: memtrain's GPT against "
+                         "GPT2LMHeadModel")
+    ap.add_argument("--out", default="benchmarks/results/cpu", help="folder for runs.jsonl, compare_hf.json, compare_hf.md")
+    ap.add_argument("--budget", default=None, help="memory budget of the max-batch search (default: the scale's on CPU)")
+    ap.add_argument("--max-batch", type=int, default=None, help="largest batch the search tries")
+    ap.add_argument("--no-maxbatch", action="store_true", help="skip the max-batch search")
+    ap.add_argument("--maxbatch-method", default="auto", choices=("auto", "trace", "measure"),
+                    help="probe steps under fake tensors (trace: fast, exact for eager steps; CPU default) or run "
+                         "them (measure: needed for compiled steps such as torchao's low-bit optimizers; CUDA default)")
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the scale's)")
+    ap.add_argument("--warmup-steps", type=int, default=None, help="learning-rate warm-up steps (default: the scale's)")
+    ap.add_argument("--repeats", type=int, default=1, help="repetitions of every preset (timing noise)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads in each run (default: torch's)")
+    ap.add_argument("--device", default="auto", help="auto|cpu|cuda")
+    ap.add_argument("--timeout", type=float, default=None, help="seconds one run may take")
+    ap.add_argument("--lockstep", action=argparse.BooleanOptionalAction, default=True,
+                    help="run both sides of a preset at once, taking turns step by step (default); "
+                         "--no-lockstep runs them one after the other")
+    ap.add_argument("--exact-schedule", action="store_true",
+                    help="give the Trainer memtrain's learning-rate schedule (a check of the PPL gap; "
+                         "default: HF's cosine_with_min_lr)")
+    ap.add_argument("--profile", type=int, default=None, metavar="STEPS",
+                    help="instead of the comparison: per-phase times of both steps over STEPS alternating steps "
+                         "in one process, and their top operators (OUT/profile.md)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="rebuild compare_hf.json/.md from OUT/runs.jsonl without running anything")
+    ap.add_argument("--resume", action="store_true", help="keep runs already in OUT/runs.jsonl with the same config")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="any other memtrain config field for every row, e.g. --set d_model=64 (repeatable)")
+    return ap.parse_args(argv)
+
+
+def resolve(opts: argparse.Namespace) -> tuple[list[dict[str, Any]], Optional[dict[str, Any]], Optional[str]]:
+    """The rows, the max-batch settings and the budget the flags name (ConfigError when bad)."""
+    from memtrain.runtime import resolve_device
+
+    device = resolve_device(opts.device)
+    overrides: dict[str, Any] = {"progress": False, "device": opts.device}
+    if opts.steps is not None:
+        overrides["steps"] = opts.steps
+    if opts.warmup_steps is not None:
+        overrides["warmup_steps"] = opts.warmup_steps
+    if opts.model is not None:
+        overrides["model"] = opts.model
+    for item in opts.set:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"cannot read --set {item!r}; write KEY=VALUE, e.g. --set d_model=64")
+        overrides[key.strip().replace("-", "_")] = value.strip()
+    techniques = [p.strip() for p in opts.techniques.split(",") if p.strip()]
+    rows = resolve_rows(opts.scale, techniques, overrides, device.type)
+    budget = opts.budget or (SCALE_BUDGET.get(opts.scale) if device.type == "cpu" else None)
+    if device.type == "cpu" and budget is None:
+        budget = "1GiB"
+    maxbatch = None if opts.no_maxbatch else {
+        "budget_bytes": parse_size(budget) if budget else None,
+        "max_batch": opts.max_batch or SCALE_MAX_BATCH.get(opts.scale, 1024),
+        "method": opts.maxbatch_method if opts.maxbatch_method != "auto" else (
+            "measure" if device.type == "cuda" else "trace"),
+    }
+    if opts.repeats < 1:
+        raise ConfigError(f"--repeats must be >= 1, got {opts.repeats}")
+    return rows, maxbatch, budget
+
+
+def settings_of(opts: argparse.Namespace, rows: list[dict[str, Any]], maxbatch: Optional[dict[str, Any]],
+                budget: Optional[str]) -> dict[str, Any]:
+    """What the report's header says about the run (the same keys for every model)."""
+    t0 = rows[0]["config"].train
+    return {
+        "scale": opts.scale, "batch_size": t0.batch_size, "seq_len": t0.seq_len, "steps": t0.steps,
+        "warmup_steps": t0.warmup_steps, "grad_accum": t0.grad_accum, "dropout": rows[0]["config"].model.dropout,
+        "repeats": opts.repeats, "budget": budget, "max_batch": (maxbatch or {}).get("max_batch"),
+        "maxbatch_method": None if maxbatch is None else maxbatch["method"],
+        "threads": opts.threads, "device": opts.device, "lockstep": opts.lockstep,
+        "exact_schedule": opts.exact_schedule, "model": opts.model,
+    }
+
+
+def run_rows(opts: argparse.Namespace, out: Path, rows: list[dict[str, Any]], maxbatch: Optional[dict[str, Any]],
+             settings: dict[str, Any], command: str, start: float) -> None:
+    """Every row x repetition not yet recorded: both sides (in lockstep by default), one line
+    of ``runs.jsonl`` per side as it finishes, the report rewritten after each row."""
+    done = {(r["preset"], r["side"], r["rep"], r["config_hash"]) for r in read_runs(out)
+            if r["result"].get("status") == "ok"}
+    for rep in range(opts.repeats):
+        for i, row in enumerate(rows):
+            name, cfg, plan = row["preset"], row["config"], row["plan"]
+            if plan.status == "none":
+                if rep == 0:
+                    print(f"[{name}] no HF equivalent: {'; '.join(plan.missing)}", flush=True)
+                continue
+            order = SIDES if (rep + i) % 2 == 0 else SIDES[::-1]
+            h = config_hash(cfg)
+            todo = [side for side in order if (name, side, rep, h) not in done]
+            if not todo:
+                continue
+            mb = maxbatch if rep == 0 else None
+            lockstep = bool(opts.lockstep and len(todo) == 2)
+            if lockstep:
+                results = run_pair(order, cfg, mb, opts.threads, opts.timeout, opts.exact_schedule)
+            else:
+                results = {side: run_subprocess(side, cfg, mb, opts.threads, opts.timeout, opts.exact_schedule)
+                           for side in todo}
+            for side in todo:
+                result = results[side]
+                append_run(out, name, side, rep, order.index(side) + 1, lockstep, h, result)
+                st = (result.get("step_time_s") or {}).get("median")
+                peak = (result.get("memory") or {}).get("peak_bytes")
+                print(f"[rep {rep} {name} {side}] {result.get('status')}: step {_num(st)} s, peak {_mib(peak)} MiB, "
+                      f"val ppl {_num(result.get('val_ppl'), '{:,.1f}')}, max batch "
+                      f"{(result.get('max_batch') or {}).get('batch_size')}, {result.get('process_wall_s', 0):.0f} s"
+                      + (f" ({result.get('error')})" if result.get("status") != "ok" else ""), flush=True)
+            write_report(out, rows, settings, command, start)
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--worker"]:
+        from .worker import worker_main
+
+        return worker_main(*argv[1:4])
+    opts = parse_args(argv)
+    start = time.perf_counter()
+    command = "python benchmarks/compare_hf.py " + " ".join(argv)
+    try:
+        rows, maxbatch, budget = resolve(opts)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    settings = settings_of(opts, rows, maxbatch, budget)
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if opts.profile is not None:
+        return write_profiles(out, rows, opts.profile, command)
+    if opts.report_only:
+        if not (out / RUNS_FILE).is_file():
+            print(f"error: {out / RUNS_FILE} not found; run the comparison first", file=sys.stderr)
+            return 2
+        write_report(out, rows, settings, None, start)  # None: keep the commands that produced the runs
+        print((out / REPORT_MD).read_text().split("## Memory at the peak")[0])
+        return 0
+    if not opts.resume:
+        for name in (RUNS_FILE, COMMANDS_FILE):
+            if (out / name).exists():
+                (out / name).unlink()
+    with open(out / COMMANDS_FILE, "a") as fh:
+        fh.write(f"{command}  # started {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
+    run_rows(opts, out, rows, maxbatch, settings, command, start)
+    report = write_report(out, rows, settings, command, start)
+    print((out / REPORT_MD).read_text().split("## Memory at the peak")[0])
+    return 0 if all(e["sides"].get(s, {}).get("status") in ("ok", None)
+                    for e in report["rows"] if e["hf_status"] != "none" for s in SIDES) else 1

@@ -1,0 +1,375 @@
+"""How a memtrain run maps onto Hugging Face ``transformers.Trainer`` (+ ``peft``): for memtrain's
+GPT the Trainer trains ``GPT2LMHeadModel``; for ``--model SPEC`` the same transformers model.
+
+``hf_plan(cfg, device_type)`` reads a resolved :class:`memtrain.config.RunConfig` (not a preset
+name, so ``key=value`` rows work too) and returns an :class:`HFPlan`: the ``TrainingArguments``
+overrides, the attention implementation, an optional LoRA config, and, for every part of the
+run, whether Hugging Face has the same thing, only something close, or nothing.
+
+Three outcomes per row (``HFPlan.status``):
+
+``matched``  every technique has a Trainer equivalent doing the same computation;
+``closest``  some memory technique has no Trainer equivalent but leaves the trained model and
+             its math unchanged (chunked loss, selective checkpointing, per-block compile), so
+             the Hugging Face side runs without it: the row then shows what that technique buys
+             over what a Trainer user can get;
+``none``     a part changes what is computed (sliding-window attention, BF16 weights without an
+             FP32 copy, no biases) or cannot run in one process (distributed): there is nothing
+             to compare against, the row is listed with the reason and not run.
+
+Written against transformers 5.23, where ``gradient_checkpointing`` is the deprecated alias of
+``activation_checkpointing`` (with ``every_n_layers``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from memtrain.config import ConfigError, ModelConfig, RunConfig, parse_checkpointing
+from memtrain.models import is_hf
+
+__all__ = ["HFPlan", "gpt2_config_kwargs", "hf_plan", "lora_targets", "trainer_alignment", "MODEL_TO_GPT2",
+           "TRAINER_LOW_BIT_BLOCK"]
+
+# transformers passes block_size=256 to torchao's AdamW8bit and AdamW4bit, and cannot be told
+# otherwise: optim_args="block_size=128" reaches torchao as the string "128" in transformers
+# 5.23 (its step then fails on `numel % "128"`).
+TRAINER_LOW_BIT_BLOCK = 256
+
+
+def trainer_alignment(cfg: RunConfig) -> dict[str, Any]:
+    """memtrain settings that a row takes so that both sides run the same optimizer, where the
+    Trainer's setting is fixed and memtrain's is an option (applied unless the user sets them).
+
+    Today: the low-bit optimizers' quantization block (memtrain's 4-bit default is torchao's 128;
+    the Trainer's is 256). Comparing 128 against 256 would time the block size, not the loop.
+    """
+    if cfg.technique.optim in ("adamw-8bit", "adamw-4bit"):
+        return {"optim_block": TRAINER_LOW_BIT_BLOCK}
+    return {}
+
+_EOT = 50256
+
+# memtrain ModelConfig field -> GPT2Config field (the architecture is the same GPT-2 block).
+MODEL_TO_GPT2 = {
+    "padded_vocab_size": "vocab_size",
+    "max_seq_len": "n_positions",
+    "d_model": "n_embd",
+    "n_layers": "n_layer",
+    "n_heads": "n_head",
+    "d_ff": "n_inner",
+}
+
+# memtrain's LoRA targets -> GPT-2's Conv1D module names (GPT-2 calls both projections back
+# into the residual stream c_proj, so each is named with its parent).
+_LORA_TARGETS = {"qkv": "c_attn", "proj": "attn.c_proj", "fc": "c_fc", "fc_out": "mlp.c_proj"}
+
+# memtrain --optim -> TrainingArguments.optim
+_OPTIM = {
+    "adamw": "adamw_torch",
+    "adamw-foreach": "adamw_torch",
+    "adamw-fused": "adamw_torch_fused",
+    "adafactor": "adafactor",
+    "adamw-8bit": "adamw_torch_8bit",
+    "adamw-4bit": "adamw_torch_4bit",
+    "adamw-bnb-8bit": "adamw_bnb_8bit",
+    "sgd": "sgd",
+}
+
+
+@dataclass
+class HFPlan:
+    """What the Hugging Face side of one row runs.
+
+    Attributes:
+        status: ``matched``, ``closest`` or ``none`` (see the module docstring).
+        training_args: ``TrainingArguments`` keyword overrides for the techniques.
+        attn_implementation: ``eager``, ``sdpa``, ``flex_attention`` or ``flash_attention_2``.
+        lora: keyword arguments of ``peft.LoraConfig`` (None: full fine-tuning).
+        matmul_precision: ``torch.set_float32_matmul_precision`` value to set before training
+            (used for TF32 on CPU, where ``TrainingArguments.tf32`` refuses to run).
+        mapping: one line per technique: memtrain setting -> Trainer setting.
+        missing: for ``closest``/``none``: what Hugging Face lacks, and why.
+    """
+
+    status: str
+    training_args: dict[str, Any] = field(default_factory=dict)
+    attn_implementation: str = "eager"
+    lora: Optional[dict[str, Any]] = None
+    matmul_precision: Optional[str] = None
+    mapping: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "status": self.status,
+            "training_args": dict(self.training_args),
+            "attn_implementation": self.attn_implementation,
+            "lora": self.lora,
+            "matmul_precision": self.matmul_precision,
+            "mapping": list(self.mapping),
+            "missing": list(self.missing),
+        }
+
+
+def gpt2_config_kwargs(m: ModelConfig) -> dict[str, Any]:
+    """``GPT2Config`` keyword arguments for the same architecture as ``memtrain.model.GPT(m)``.
+
+    gelu_new is GELU's tanh approximation (memtrain's ``F.gelu(approximate="tanh")``);
+    layer_norm_epsilon 1e-5 is ``nn.LayerNorm``'s default; the vocabulary is the padded one, so
+    ``--vocab-multiple`` rows have the same embedding table on both sides.
+    """
+    if not m.bias:
+        raise ConfigError("GPT-2 always has biases; the Hugging Face comparison needs --bias (the default)")
+    return {
+        "vocab_size": m.padded_vocab_size,
+        "n_positions": m.max_seq_len,
+        "n_embd": m.d_model,
+        "n_layer": m.n_layers,
+        "n_head": m.n_heads,
+        "n_inner": m.d_ff,
+        "activation_function": "gelu_new",
+        "resid_pdrop": m.dropout,
+        "embd_pdrop": m.dropout,
+        "attn_pdrop": m.dropout,
+        "layer_norm_epsilon": 1e-5,
+        "tie_word_embeddings": not m.untie_embeddings,
+        "scale_attn_weights": True,
+        "use_cache": False,
+        # GPT-2's <|endoftext|>, or nothing when a small test vocabulary cannot hold it.
+        "bos_token_id": _EOT if _EOT < m.padded_vocab_size else None,
+        "eos_token_id": _EOT if _EOT < m.padded_vocab_size else None,
+    }
+
+
+def lora_targets(spec: str) -> list[str]:
+    """GPT-2 module names for memtrain's ``--lora-targets`` (``qkv,proj,fc,fc_out``)."""
+    names = [t.strip() for t in spec.split(",") if t.strip()]
+    unknown = [n for n in names if n not in _LORA_TARGETS]
+    if unknown:
+        raise ConfigError(f"--lora-targets {','.join(unknown)} has no GPT-2 counterpart; use qkv, proj, fc, fc_out")
+    # peft matches a listed name against the end of each module path (".attn.c_proj"), so the
+    # two c_proj modules can be chosen separately.
+    return sorted({_LORA_TARGETS[n] for n in names})
+
+
+def _liger_supports(model_type: str) -> bool:
+    """Whether the installed Liger-Kernel has a patch for ``model_type`` (none for gpt2 as of 0.6)."""
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except ImportError:
+        return False
+    return model_type in MODEL_TYPE_TO_APPLY_LIGER_FN
+
+
+def _model_type(cfg: RunConfig) -> str:
+    """transformers' model_type of the row's model (gpt2 for memtrain's GPT)."""
+    if not is_hf(cfg):
+        return "gpt2"
+    from memtrain.models import load_config
+
+    return str(load_config(cfg.model.model).model_type)
+
+
+def _transformers_model_attention(cfg: RunConfig, plan: HFPlan, mapping: list[str], none: list[str]) -> None:
+    """Attention of a ``--model SPEC`` row: memtrain's own attn_implementation choice (both sides
+    run one model, so they share it), and its sliding window where the architecture has one."""
+    from memtrain.models import load_config
+    from memtrain.models.hf import ATTN_IMPLEMENTATION
+
+    t = cfg.technique
+    plan.attn_implementation = ATTN_IMPLEMENTATION.get(t.attention, "eager")
+    mapping.append(f"attention {t.attention} -> attn_implementation={plan.attn_implementation!r} on both sides"
+                   + (" (memtrain restricts SDPA to that one kernel)" if t.attention in ("flash", "mem-efficient") else ""))
+    if t.window is not None:
+        config = load_config(cfg.model.model)
+        if hasattr(config, "sliding_window"):
+            mapping.append(f"window {t.window} -> the model config's sliding_window={t.window} on both sides")
+        else:
+            none.append(f"--window {t.window}: {config.model_type} has no sliding-window attention")
+
+
+def hf_plan(cfg: RunConfig, device_type: str) -> HFPlan:  # noqa: C901 - one branch per technique; splits when techniques carry their own HF mapping
+    """Map ``cfg``'s techniques onto Trainer settings for a run on ``device_type``."""
+    t = cfg.technique
+    args: dict[str, Any] = {}
+    mapping: list[str] = []
+    closest: list[str] = []  # memory-only techniques the Trainer lacks
+    none: list[str] = []  # differences in what is computed
+    cuda = device_type == "cuda"
+    plan = HFPlan(status="matched")
+
+    # -- precision
+    if t.precision == "fp32":
+        if cuda:
+            args["tf32"] = False
+        mapping.append("precision fp32 -> bf16=False, fp16=False" + (", tf32=False" if cuda else ""))
+    elif t.precision == "tf32":
+        if cuda:
+            args["tf32"] = True
+            mapping.append("precision tf32 -> tf32=True")
+        else:
+            # TrainingArguments(tf32=True) raises without an Ampere GPU; memtrain's tf32 on CPU is
+            # the same global switch, so it is set directly (identical on both sides).
+            plan.matmul_precision = "high"
+            mapping.append("precision tf32 -> torch.set_float32_matmul_precision('high') (tf32=True needs CUDA)")
+    elif t.precision == "bf16":
+        args["bf16"] = True
+        mapping.append("precision bf16 -> bf16=True (autocast, FP32 weights)")
+    elif t.precision == "fp16":
+        args["fp16"] = True
+        mapping.append("precision fp16 -> fp16=True (autocast + GradScaler)")
+    elif t.precision == "bf16-pure":
+        none.append("--precision bf16-pure: the Trainer has no BF16-weights-without-FP32-copy mode with "
+                    "stochastic rounding for AdamW")
+
+    # -- attention
+    hf_model = is_hf(cfg)
+    if hf_model:
+        _transformers_model_attention(cfg, plan, mapping, none)
+    elif t.window is not None:
+        none.append(f"--window {t.window}: GPT-2 in transformers has no sliding-window attention "
+                    "(GPT2Config has no sliding_window), so the model would differ")
+    if hf_model:
+        pass  # chosen above, as memtrain chooses it for this model
+    elif t.attention == "math":
+        plan.attn_implementation = "eager"
+        mapping.append("attention math -> attn_implementation='eager' (materialized scores)")
+    elif t.attention in ("sdpa", "flash", "mem-efficient"):
+        plan.attn_implementation = "sdpa"
+        mapping.append(f"attention {t.attention} -> attn_implementation='sdpa' (PyTorch picks the kernel; "
+                       "causal, no mask: the flash kernel on CPU and, in bf16, on CUDA)")
+    elif t.attention == "flex":
+        plan.attn_implementation = "flex_attention"
+        mapping.append("attention flex -> attn_implementation='flex_attention'")
+    elif t.attention == "flash-attn":
+        plan.attn_implementation = "flash_attention_2"
+        mapping.append("attention flash-attn -> attn_implementation='flash_attention_2'")
+
+    # -- activation checkpointing
+    kind, every = parse_checkpointing(t.checkpointing)
+    if kind != "none":
+        if kind == "sqrt":
+            every = max(1, round(math.sqrt(cfg.model.n_layers)))
+        ck: dict[str, Any] = {"use_reentrant": False}
+        if kind in ("every", "sqrt") and every > 1:
+            # Same rule as memtrain: layers with index % every_n_layers == 0.
+            ck["every_n_layers"] = every
+        args["activation_checkpointing"] = True
+        args["activation_checkpointing_kwargs"] = ck
+        mapping.append(f"checkpointing {t.checkpointing} -> activation_checkpointing=True "
+                       f"(alias gradient_checkpointing), kwargs {ck}")
+        if kind in ("selective", "selective-matmul"):
+            closest.append(f"--checkpointing {kind}: the Trainer checkpoints whole layers only "
+                           "(no selective activation checkpointing); the HF side runs full checkpointing")
+
+    # -- loss
+    if t.loss == "chunked":
+        model_type = _model_type(cfg)
+        if cuda and _liger_supports(model_type):
+            args["use_liger_kernel"] = True
+            mapping.append("loss chunked -> use_liger_kernel=True (fused linear cross-entropy)")
+        else:
+            why = ("Liger-Kernel needs CUDA (Triton)" if not cuda else
+                   f"Liger-Kernel has no {model_type} patch (its fused linear cross-entropy covers llama, "
+                   "mistral, gemma, qwen2, phi3, ...)")
+            closest.append(f"--loss chunked: {why}, and the model's own forward has no other chunked loss; "
+                           "the HF side materializes the full logits")
+
+    # -- optimizer
+    optim = _OPTIM.get(t.optim)
+    if optim is None:
+        none.append(f"--optim {t.optim}: no TrainingArguments.optim equivalent")
+    else:
+        args["optim"] = optim
+        note = ""
+        if t.optim == "adamw":
+            note = " (memtrain uses foreach=False; HF passes no foreach: the same on CPU, foreach on CUDA)"
+        elif t.optim == "adafactor":
+            note = (" (transformers.Adafactor, scale_parameter=False, relative_step=False: --lr is the step size "
+                    "on both sides; memtrain's torch.optim.Adafactor with its parameter-scale floor eps2 = 1)")
+            if t.adafactor_relative_step:
+                none.append("--adafactor-relative-step: the Trainer's optim='adafactor' always takes --lr as the "
+                            "step size (scale_parameter=False)")
+        elif t.optim in ("adamw-8bit", "adamw-4bit"):
+            from memtrain.techniques.optim import low_bit_block
+
+            block = low_bit_block(t)
+            cls = "AdamW8bit" if t.optim == "adamw-8bit" else "AdamW4bit"
+            note = f" (torchao {cls}, block_size {TRAINER_LOW_BIT_BLOCK}"
+            if block == TRAINER_LOW_BIT_BLOCK:
+                note += " on both sides)"
+            else:
+                note += f"; memtrain's --optim-block is {block})"
+                closest.append(f"--optim-block {block}: the Trainer's torchao block is always {TRAINER_LOW_BIT_BLOCK} "
+                               f"(optim_args='block_size=...' reaches torchao as a string and fails)")
+        elif t.optim == "sgd":
+            args["optim_args"] = "momentum=0.9"
+            note = " with optim_args='momentum=0.9'"
+        elif t.optim == "adamw-bnb-8bit" and not cuda:
+            none.append("--optim adamw-bnb-8bit: bitsandbytes needs CUDA")
+        mapping.append(f"optim {t.optim} -> optim='{optim}'{note}")
+
+    # -- LoRA
+    if t.lora_rank and hf_model:
+        from memtrain.models.hf import lora_target_modules
+
+        # The same peft LoraConfig memtrain injects (targets, rank, alpha, dropout); peft itself
+        # sets fan_in_fan_out for GPT-2's Conv1D on both sides.
+        plan.lora = {"r": t.lora_rank, "lora_alpha": t.lora_alpha, "lora_dropout": t.lora_dropout,
+                     "target_modules": lora_target_modules(t.lora_targets), "bias": "none"}
+        mapping.append(f"lora_rank {t.lora_rank} -> peft.get_peft_model(LoraConfig(r={t.lora_rank}, "
+                       f"lora_alpha={t.lora_alpha:g}, target_modules={plan.lora['target_modules']!r})); memtrain: "
+                       "peft.inject_adapter_in_model with the same LoraConfig")
+    elif t.lora_rank:
+        plan.lora = {
+            "r": t.lora_rank,
+            "lora_alpha": t.lora_alpha,
+            "lora_dropout": t.lora_dropout,
+            "target_modules": lora_targets(t.lora_targets),
+            "fan_in_fan_out": True,  # GPT-2's Conv1D stores weights as (in, out)
+            "bias": "none",
+        }
+        mapping.append(f"lora_rank {t.lora_rank} -> peft.get_peft_model(LoraConfig(r={t.lora_rank}, "
+                       f"lora_alpha={t.lora_alpha:g}, target_modules={plan.lora['target_modules']}))")
+
+    # -- compile
+    if t.compile:
+        args["torch_compile"] = True
+        if t.compile_mode != "default":
+            args["torch_compile_mode"] = t.compile_mode
+        mapping.append("compile -> torch_compile=True" + (f", torch_compile_mode='{t.compile_mode}'"
+                                                          if t.compile_mode != "default" else ""))
+        if t.compile_scope == "block":
+            closest.append("--compile-scope block: the Trainer compiles the whole model; the HF side does that")
+        if cuda and t.precision in ("fp32",):
+            mapping.append("note: with torch_compile=True and tf32 unset, the Trainer turns TF32 on (CUDA)")
+
+    # -- model and loop
+    if t.qlora:
+        none.append("--qlora: the Trainer's 4-bit base weights are bitsandbytes (CUDA); memtrain's CPU NF4 is torchao")
+    if hf_model:
+        mapping.append(f"model {cfg.model.model} -> the same AutoModelForCausalLM on both sides, built by "
+                       "memtrain.models.build_model under the run's seed (same initial weights)")
+    elif cfg.model.vocab_multiple != 1:
+        mapping.append(f"vocab_multiple {cfg.model.vocab_multiple} -> GPT2Config(vocab_size="
+                       f"{cfg.model.padded_vocab_size})")
+    if not cfg.model.bias and not hf_model:
+        none.append("--bias false: GPT-2 always has biases")
+    if t.distributed != "none":
+        none.append(f"--distributed {t.distributed}: this comparison runs one process per side")
+    if t.cpu_offload:
+        none.append("--cpu-offload: needs FSDP; this comparison runs one process per side")
+    if cfg.train.grad_accum > 1:
+        args["gradient_accumulation_steps"] = cfg.train.grad_accum
+        mapping.append(f"grad_accum {cfg.train.grad_accum} -> gradient_accumulation_steps={cfg.train.grad_accum}")
+
+    plan.training_args = args
+    plan.mapping = mapping
+    if none:
+        plan.status, plan.missing = "none", none + closest
+    elif closest:
+        plan.status, plan.missing = "closest", closest
+    return plan

@@ -1,0 +1,50 @@
+"""memtrain's side: ``memtrain.train.train(cfg)``, the code path of ``memtrain train``.
+
+The one hook into memtrain's loop is its step timer (:class:`HandoffStepTimer`), which hands
+the lockstep turn over after each step. This is the seam where memtrain's step harness plugs
+in: the side needs nothing but "train this config, call me after every step".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Iterator
+
+from memtrain.config import RunConfig
+
+from .lockstep import BATON, STEP_WINDOWS
+
+
+def warm_device_facts(cfg: RunConfig) -> None:
+    """Probe the device before either side seeds and builds its model.
+
+    ``memtrain.train`` probes the device (cached per machine) between seeding and building the
+    model; an uncached probe draws random matrices from the global generator and would give
+    memtrain other initial weights than the Trainer side. Probing first, in both workers,
+    makes the in-run probe a cache read on both sides."""
+    from memtrain.device_advice import run_device_facts
+    from memtrain.runtime import resolve_device
+
+    run_device_facts(cfg.technique.precision, resolve_device(cfg.train.device))
+
+
+def run_ours(cfg: RunConfig) -> dict[str, Any]:
+    """Train ``cfg`` with memtrain, handing the lockstep turn over after every step."""
+    import memtrain.train
+    from memtrain.metrics import StepTimer
+
+    class HandoffStepTimer(StepTimer):
+        """memtrain's StepTimer that hands the lockstep turn over after every step."""
+
+        @contextlib.contextmanager
+        def step(self) -> Iterator[None]:
+            start = time.time()
+            with super().step():
+                yield
+            STEP_WINDOWS.append((start, time.time()))
+            BATON.handoff()
+
+    # train() builds its timer from this module-level name.
+    memtrain.train.StepTimer = HandoffStepTimer  # type: ignore[misc]
+    return memtrain.train.train(cfg, progress=False)

@@ -1,0 +1,259 @@
+"""The Trainer's training step outside the Trainer: max-batch probes (traced under fake
+tensors or run) and per-phase profiles of both sides in one process."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import tempfile
+import time
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from memtrain.config import RunConfig
+from memtrain.models import is_hf
+from memtrain.models.hf import same_paths_as_eager
+
+from .hf_model import apply_hf_lora, build_hf_model
+from .mapping import hf_plan
+from .trainer_side import _autocast_dtype, make_hf_optimizer, training_arguments
+
+
+class _ItemStub:
+    """Under fake tensors ``.item()`` has no value: answer 1 (AdamW's step counter, the loss).
+    Values never change how much memory a step takes."""
+
+    def __enter__(self) -> "_ItemStub":
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                if func is torch.ops.aten._local_scalar_dense.default:
+                    t = args[0]
+                    return True if t.dtype == torch.bool else 1.0 if t.dtype.is_floating_point else 1
+                return func(*args, **(kwargs or {}))
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+
+
+@contextlib.contextmanager
+def _modules_stay_put() -> Iterator[None]:
+    """Make ``nn.Module.to`` a no-op while peft adds adapters under fake tensors.
+
+    peft moves each new adapter to its base layer's device; the adapter is already there (the
+    fake mode creates it on the same device, in FP32), but ``Module.to`` swaps parameters and
+    torch refuses to swap fake ones that the fake mode references weakly.
+    """
+    original = torch.nn.Module.to
+    torch.nn.Module.to = lambda self, *a, **k: self  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.nn.Module.to = original  # type: ignore[method-assign]
+
+
+class HFStep:
+    """The Trainer's training step, outside the Trainer (for probes and phase profiles).
+
+    The model is prepared as ``Trainer.train`` prepares it (activation checkpointing, LoRA); the
+    forward is accelerate's mixed-precision forward (autocast, outputs converted to FP32) called
+    as ``compute_loss`` calls it (``num_items_in_batch``); then backward, ``clip_grad_norm_``, the
+    Trainer's optimizer and ``model.zero_grad()``. ``init_from_memtrain`` loads memtrain's initial
+    weights (not possible under fake tensors).
+    """
+
+    def __init__(self, cfg: RunConfig, device: torch.device, fake: bool = False, init_from_memtrain: bool = False) -> None:
+        from accelerate.utils import convert_outputs_to_fp32
+
+        self.cfg, self.device = cfg, device
+        plan = hf_plan(cfg, device.type)
+        with tempfile.TemporaryDirectory(prefix="hf-step-") as tmp:
+            self.args = args = training_arguments(cfg, plan, tmp, device)
+        with torch.device(device):
+            model = build_hf_model(cfg, plan, init_from_memtrain=init_from_memtrain)
+        if args.activation_checkpointing:
+            kw = dict(args.activation_checkpointing_kwargs or {})
+            every = kw.pop("every_n_layers", 1)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw or None, every_n_layers=every)
+        with _modules_stay_put() if fake else contextlib.nullcontext():
+            model = apply_hf_lora(model, plan)
+        model.train()
+        self.model = model
+        self.optimizer = make_hf_optimizer(model, args)
+        forward = model.forward
+        dtype = _autocast_dtype(args)
+        if dtype is not None:
+            forward = convert_outputs_to_fp32(torch.autocast(device.type, dtype=dtype)(forward))
+        if args.torch_compile and not fake:
+            forward = torch.compile(forward)
+        self.forward = forward
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(self, micro: list[tuple[torch.Tensor, torch.Tensor]], phase: Callable[[str], Any],
+             clock: Optional[Callable[[str], None]] = None) -> None:
+        """One optimizer step over ``micro`` (``phase(name)`` labels a MemoryMeter; ``clock(name)``
+        marks the end of each phase for timing)."""
+        t = self.cfg.train
+        n_items = torch.tensor(sum(y.numel() for _, y in micro), device=self.device)
+        mark = clock or (lambda name: None)
+        for x, y in micro:
+            with phase("forward"):
+                loss = self.forward(input_ids=x, labels=y, shift_labels=y, num_items_in_batch=n_items).loss
+            mark("forward")
+            with phase("backward"):
+                loss.backward()
+            mark("backward")
+            del loss
+        with phase("optimizer"):
+            if t.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip)
+            self.optimizer.step()
+            self.model.zero_grad(set_to_none=True)
+        mark("optimizer")
+
+
+def _random_micro_batches(cfg: RunConfig, batch: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # Memory and time do not depend on the token values.
+    g = torch.Generator().manual_seed(0)
+    t = cfg.train
+    return [tuple(torch.randint(0, cfg.model.vocab_size, (batch, t.seq_len), generator=g).to(device)  # type: ignore[misc]
+                  for _ in range(2)) for _ in range(t.grad_accum)]
+
+
+def hf_step_peak(cfg: RunConfig, batch: int, fake: Optional[bool] = None) -> Optional[int]:
+    """Peak bytes of two Trainer-equivalent steps (:class:`HFStep`) at ``batch`` (second step).
+
+    ``fake`` (default: on CPU) traces them under fake tensors; otherwise they run for real and,
+    on CUDA, report ``max_memory_allocated`` (None on out-of-memory). Compiled rows are traced
+    eagerly, as memtrain's trace does.
+    """
+    import transformers
+
+    from memtrain.metrics import MemoryMeter, reset_device_peak
+    from memtrain.runtime import resolve_device
+
+    transformers.logging.set_verbosity_error()
+    device = resolve_device(cfg.train.device)
+    fake = device.type != "cuda" if fake is None else fake
+    cfg = cfg.replace(batch_size=batch)
+    hf = meter = None
+    try:
+        with contextlib.ExitStack() as stack:
+            if fake:
+                from torch._subclasses.fake_tensor import FakeTensorMode
+
+                stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+                stack.enter_context(_ItemStub())
+                stack.enter_context(torch.compiler.set_stance("force_eager"))
+                if is_hf(cfg):
+                    # transformers takes fake tensors for tracing and would build a different step
+                    # (a materialized causal mask): the same switch memtrain's own trace uses.
+                    stack.enter_context(same_paths_as_eager())
+            hf = HFStep(cfg, device, fake=fake)
+            micro = _random_micro_batches(cfg, batch, device)
+            meter = MemoryMeter(hf.model, hf.optimizer) if device.type != "cuda" else None
+            for step in range(2):
+                with meter if meter is not None else contextlib.nullcontext():
+                    if step == 1:
+                        if meter is not None:
+                            meter.reset_peak()
+                        reset_device_peak(device)
+                    hf.step(micro, meter.phase if meter is not None else (lambda name: contextlib.nullcontext()))
+            if meter is not None:
+                return int(meter.stats().peak_bytes)
+            torch.cuda.synchronize(device)
+            return int(torch.cuda.max_memory_allocated(device))
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        del hf, meter
+        import gc
+
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def profile_phases(cfg: RunConfig, steps: int, top_ops: int = 12) -> dict[str, Any]:
+    """Forward / backward / optimizer time of ours and of the Trainer-equivalent step, in one
+    process, alternating step by step (which side goes first alternates too), after 3 warm-up
+    steps each; plus each side's top operators (torch.profiler, self CPU/CUDA time, 3 steps).
+
+    For finding *where* one side is slower; the lockstep runs are the comparison itself (here
+    both sides share one allocator and, with torchao, one compile cache).
+    """
+    import transformers
+    from torch.profiler import ProfilerActivity, profile
+
+    from memtrain.metrics import synchronize
+    from memtrain.models import build_model
+    from memtrain.runtime import resolve_device, seed_everything
+    from memtrain.techniques import build_optimizer, make_precision, prepare_model
+    from memtrain.train import train_step
+
+    transformers.logging.set_verbosity_error()
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)  # two sides' graphs
+    device = resolve_device(cfg.train.device)
+    t = cfg.train
+    micro = _random_micro_batches(cfg, t.batch_size, device)
+    precision = make_precision(cfg.technique.precision, device)
+    seed_everything(t.seed)
+    ours = prepare_model(build_model(cfg), cfg, device, precision)
+    ours.train()
+    ours_opt = build_optimizer(ours, cfg.technique, t)
+    plan = hf_plan(cfg, device.type)
+    if plan.matmul_precision:
+        torch.set_float32_matmul_precision(plan.matmul_precision)
+    hf = HFStep(cfg, device, init_from_memtrain=True)
+    null_phase = lambda name: contextlib.nullcontext()  # noqa: E731
+
+    def run(side: str, record: Optional[list[dict[str, float]]]) -> None:
+        marks: dict[str, float] = {}
+        synchronize(device)
+        start = time.perf_counter()
+
+        def clock(name: str) -> None:
+            synchronize(device)
+            marks[name] = marks.get(name, 0.0) + time.perf_counter() - start - sum(marks.values())
+
+        if side == "ours":
+            # train_step's own phases, timed by a meter-shaped clock.
+            class _Phases:
+                def phase(self, name: str) -> Any:
+                    @contextlib.contextmanager
+                    def cm() -> Iterator[None]:
+                        yield
+                        clock(name)
+                    return cm()
+
+            train_step(ours, micro, ours_opt, precision, t.grad_clip, device, _Phases())  # type: ignore[arg-type]
+        else:
+            hf.step(micro, null_phase, clock)
+        if record is not None:
+            record.append(marks)
+
+    times: dict[str, list[dict[str, float]]] = {"ours": [], "theirs": []}
+    for _ in range(3):
+        run("ours", None)
+        run("theirs", None)
+    for i in range(steps):
+        for side in (("ours", "theirs") if i % 2 == 0 else ("theirs", "ours")):
+            run(side, times[side])
+    result: dict[str, Any] = {}
+    for side, recs in times.items():
+        result[side] = {k: statistics.median(r.get(k, 0.0) for r in recs) for k in ("forward", "backward", "optimizer")}
+        result[side]["step"] = statistics.median(sum(r.values()) for r in recs)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            for _ in range(3):
+                run(side, None)
+        sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        result[side]["top_ops"] = prof.key_averages().table(sort_by=sort, row_limit=top_ops)
+    return result
+

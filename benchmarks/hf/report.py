@@ -1,0 +1,314 @@
+"""The comparison's report: per-row medians and paired ratios (ours / theirs), written as
+``compare_hf.json`` and ``compare_hf.md``; ``--profile``'s per-phase table."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from memtrain.results import write_json_atomic
+
+from .lockstep import window_overlap_s
+from .rows import COMMANDS_FILE, REPORT_JSON, REPORT_MD, SIDES, _probe_at, config_hash, read_runs
+
+
+def _median(xs: list[float]) -> Optional[float]:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def aggregate(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per preset and side: medians over repetitions; paired step-time ratios per repetition."""
+    table = []
+    for row in rows:
+        name, cfg, plan = row["preset"], row["config"], row["plan"]
+        h = config_hash(cfg)
+        entry: dict[str, Any] = {"preset": name, "hf_status": plan.status, "hf_missing": plan.missing,
+                                 "hf_mapping": plan.mapping, "hf_training_args": plan.training_args,
+                                 "hf_attn_implementation": plan.attn_implementation, "sides": {}}
+        mine = [r for r in runs if r["preset"] == name and r["config_hash"] == h]
+        for side in SIDES:
+            rs = [r for r in mine if r["side"] == side]
+            ok = [r["result"] for r in rs if r["result"].get("status") == "ok"]
+            if not ok:
+                entry["sides"][side] = {"status": rs[-1]["result"].get("status") if rs else "not run",
+                                        "error": rs[-1]["result"].get("error") if rs else None}
+                continue
+            first = ok[0]
+            mb = next((r.get("max_batch") for r in ok if r.get("max_batch")), None)
+            peaks = [r["memory"]["peak_bytes"] for r in ok if r["memory"].get("peak_bytes") is not None]
+            medians = [r["step_time_s"]["median"] for r in ok]
+            tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.train.seq_len
+            step = _median(medians)
+            entry["sides"][side] = {
+                "status": "ok",
+                "repeats": len(ok),
+                "step_time_s": step,
+                "step_time_runs_s": medians,
+                "step_time_p10_s": _median([r["step_time_s"]["p10"] for r in ok]),
+                "step_time_p90_s": _median([r["step_time_s"]["p90"] for r in ok]),
+                "tokens_per_s": tokens_per_step / step if step else None,
+                "peak_bytes": max(peaks) if peaks else None,
+                "peak_bytes_runs": peaks,
+                "by_category": first["memory"].get("by_category"),
+                "peak_phase": first["memory"].get("peak_phase"),
+                "max_allocated_bytes": first["memory"].get("max_allocated_bytes"),
+                "max_reserved_bytes": first["memory"].get("max_reserved_bytes"),
+                "val_ppl": _median([r["val_ppl"] for r in ok]),
+                "train_loss": _median([r["train_loss"] for r in ok]),
+                "parameters": first.get("parameters"),
+                "trainable_parameters": first.get("trainable_parameters"),
+                "max_batch": (mb or {}).get("batch_size"),
+                "max_batch_peak_bytes": (mb or {}).get("peak_bytes"),
+                "max_batch_error": (mb or {}).get("error"),
+                "traced_peak_at_run_batch": _probe_at(mb, cfg.train.batch_size),
+            }
+        # Paired ratios: the two sides of one repetition ran together (lockstep) or back to back.
+        pairs, overlaps, per_step = [], [], []
+        skip = max(cfg.train.warmup_timing_steps, 2)  # the steps StepTimer leaves out (metered + warm-up)
+        for rep in sorted({r["rep"] for r in mine}):
+            by_side = {r["side"]: r["result"] for r in mine if r["rep"] == rep and r["result"].get("status") == "ok"}
+            if len(by_side) == 2:
+                pairs.append(by_side["ours"]["step_time_s"]["median"] / by_side["theirs"]["step_time_s"]["median"])
+                wo, wt = (by_side[s].get("step_windows") or [] for s in SIDES)
+                overlaps.append(window_overlap_s(wo, wt))
+                lockstep = all(r.get("lockstep") for r in mine if r["rep"] == rep)
+                if lockstep and len(wo) == len(wt):
+                    # Step k of ours and step k of theirs ran back to back, seconds apart: their
+                    # ratio is the least load-sensitive figure a shared machine gives.
+                    per_step += [(eo - so) / (et - st) for (so, eo), (st, et) in list(zip(wo, wt))[skip:]]
+        entry["paired_step_ratios"] = pairs
+        entry["step_overlap_s"] = overlaps
+        entry["per_step_ratios"] = per_step
+        o, t = entry["sides"].get("ours", {}), entry["sides"].get("theirs", {})
+        if o.get("status") == "ok" and t.get("status") == "ok":
+            def ratio(key: str) -> Optional[float]:
+                a, b = o.get(key), t.get(key)  # noqa: B023 - called at once, within this iteration
+                return a / b if a is not None and b else None
+
+            entry["ratios"] = {k: ratio(k) for k in ("peak_bytes", "step_time_s", "tokens_per_s", "val_ppl", "max_batch",
+                                                    "max_allocated_bytes")}
+            entry["ratios"]["paired_step_time_median"] = _median(pairs)
+            if per_step:
+                q = statistics.quantiles(per_step, n=4) if len(per_step) > 1 else [per_step[0]] * 3
+                entry["ratios"]["per_step"] = {"median": q[1], "q1": q[0], "q3": q[2], "n": len(per_step),
+                                               "ours_faster_share": sum(r < 1 for r in per_step) / len(per_step)}
+        table.append(entry)
+    return table
+
+
+
+def _mib(b: Optional[float]) -> str:
+    return "n/a" if b is None else f"{b / 2**20:,.1f}"
+
+
+def _num(x: Optional[float], fmt: str = "{:.2f}") -> str:
+    return "n/a" if x is None else fmt.format(x)
+
+
+def _repetitions(report: dict[str, Any], settings: dict[str, Any]) -> str:
+    """Repetitions behind the report's rows (a --report-only run does not know the count it
+    rebuilds): the recorded range, or the requested count when nothing was recorded."""
+    counts = {side["repeats"] for row in report.get("rows", []) for side in row.get("sides", {}).values()
+              if side.get("status") == "ok"}
+    if not counts:
+        return str(settings["repeats"])
+    return str(min(counts)) if len(counts) == 1 else f"{min(counts)} to {max(counts)}"
+
+
+def render_markdown(report: dict[str, Any]) -> str:  # noqa: C901 - one flat section per table, in reading order
+    """The report as Markdown: provenance, values, ratios, breakdowns, mapping, raw runs."""
+    env, s = report["env"], report["settings"]
+    lines = [
+        "# memtrain vs Hugging Face Trainer",
+        "",
+        *(f"- command: `{c}`" for c in report.get("commands") or [report["command"]]),
+        f"- commit: `{', '.join(report.get('commits') or [str(env.get('commit'))])}`; memtrain {env.get('memtrain')}, "
+        f"torch {env.get('torch')}, "
+        f"transformers {report.get('transformers')}, python {env.get('python')}",
+        f"- hardware: {env.get('device')}, {env.get('host_threads')} torch threads"
+        + (f", {env.get('gpu_memory_bytes', 0) / 2**30:.0f} GiB" if env.get("gpu_memory_bytes") else ""),
+        f"- finished: {report['finished']}; wall time {report['wall_s'] / 60:.1f} min",
+        (f"- model: `{s['model']}` (a transformers model, trained by memtrain through its model seam and by the "
+         "Trainer as is)" if s.get("model") else "- model: memtrain's GPT; the Trainer's GPT2LMHeadModel loaded with its weights"),
+        f"- scale `{s['scale']}`: batch {s['batch_size']}, seq {s['seq_len']}, {s['steps']} steps "
+        f"({s['warmup_steps']} warm-up), grad_accum {s['grad_accum']}, dropout {s['dropout']}; "
+        f"{_repetitions(report, s)} repetition(s); each side in a fresh process; "
+        + ("lockstep: both sides of a preset run at once, taking turns step by step (no timed step overlaps "
+           "other work of either side), the first turn alternating between rows and repetitions"
+           if s.get("lockstep") else "sides one after the other, which one first alternating")
+        + ("; HF given memtrain's LR schedule (--exact-schedule)" if s.get("exact_schedule") else ""),
+        (f"- max batch: budget {s['budget']}, at most {s['max_batch']}, method {s['maxbatch_method']} on both sides"
+         if s.get("maxbatch_method") else "- max batch: not searched (--no-maxbatch)"),
+        "",
+        "Peak = tracked live tensor bytes of the steady-state step (memtrain.metrics.MemoryMeter, same "
+        "meter and steps on both sides). Step time = median over timed steps (metered and warm-up steps "
+        "excluded), median over repetitions; on a shared machine the absolute times move with other "
+        "people's load, so compare sides with the ratios. Ratios are ours / theirs: below 1 is better for "
+        "peak, step time and PPL, above 1 is better for tokens/s and max batch. The per-step-pair ratio "
+        "divides ours' step k by theirs' step k (run back to back in lockstep) over every timed step of "
+        "every repetition: the figure to trust for speed.",
+        "",
+        "## Results",
+        "",
+        "| preset | HF match | peak MiB ours | peak MiB HF | step s ours | step s HF | tok/s ours | tok/s HF "
+        "| val PPL ours | val PPL HF | max batch ours | max batch HF |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for e in report["rows"]:
+        o, t = e["sides"].get("ours", {}), e["sides"].get("theirs", {})
+        if e["hf_status"] == "none":
+            lines.append(f"| {e['preset']} | no HF equivalent | | | | | | | | | | |")
+            continue
+
+        def batch(x: Optional[int]) -> str:
+            # A batch equal to the search's cap may not be the largest that fits.
+            return _num(x, "{}") if x is None or x != s.get("max_batch") else f">= {x} (cap)"
+
+        def cell(side: dict[str, Any], key: str, f: Callable[[Any], str]) -> str:
+            return f(side.get(key)) if side.get("status") == "ok" else side.get("status", "n/a")
+
+        lines.append(
+            f"| {e['preset']} | {e['hf_status']} | {cell(o, 'peak_bytes', _mib)} | {cell(t, 'peak_bytes', _mib)} "
+            f"| {cell(o, 'step_time_s', _num)} | {cell(t, 'step_time_s', _num)} "
+            f"| {cell(o, 'tokens_per_s', lambda x: _num(x, '{:,.0f}'))} | {cell(t, 'tokens_per_s', lambda x: _num(x, '{:,.0f}'))} "
+            f"| {cell(o, 'val_ppl', lambda x: _num(x, '{:,.1f}'))} | {cell(t, 'val_ppl', lambda x: _num(x, '{:,.1f}'))} "
+            f"| {cell(o, 'max_batch', batch)} | {cell(t, 'max_batch', batch)} |")
+    lines += ["", "## Ratios (ours / theirs)", "",
+              "| preset | peak | step time | step time, per run pair | step time, per step pair: median [IQR] (n) "
+              "| tokens/s | val PPL | max batch | steps overlapping, s |",
+              "|---|---:|---:|---|---|---:|---:|---:|---:|"]
+    for e in report["rows"]:
+        r = e.get("ratios")
+        if not r:
+            continue
+        pairs = ", ".join(f"{p:.2f}" for p in e.get("paired_step_ratios", []))
+        ps = r.get("per_step")
+        per_step = f"**{ps['median']:.2f}** [{ps['q1']:.2f}, {ps['q3']:.2f}] ({ps['n']})" if ps else "n/a"
+        lines.append(f"| {e['preset']} | {_num(r['peak_bytes'])} | {_num(r['step_time_s'])} | {pairs} | {per_step} "
+                     f"| {_num(r['tokens_per_s'])} | {_num(r['val_ppl'], '{:.3f}')} | {_num(r['max_batch'])} "
+                     f"| {_num(sum(e.get('step_overlap_s') or [0.0]), '{:.1f}')} |")
+    if any((e["sides"].get("ours", {}).get("max_allocated_bytes") is not None) for e in report["rows"]):
+        lines += ["", "## CUDA allocator peaks (whole run)", "",
+                  "| preset | max allocated MiB ours | HF | max reserved MiB ours | HF |", "|---|---:|---:|---:|---:|"]
+        for e in report["rows"]:
+            o, t = e["sides"].get("ours", {}), e["sides"].get("theirs", {})
+            lines.append(f"| {e['preset']} | {_mib(o.get('max_allocated_bytes'))} | {_mib(t.get('max_allocated_bytes'))} "
+                         f"| {_mib(o.get('max_reserved_bytes'))} | {_mib(t.get('max_reserved_bytes'))} |")
+    lines += ["", "## Memory at the peak, by category (MiB)", "",
+              "| preset | side | parameters | gradients | optimizer | activations | temporaries | peak phase "
+              "| traced peak at run batch | params (trainable) |",
+              "|---|---|---:|---:|---:|---:|---:|---|---:|---|"]
+    for e in report["rows"]:
+        for side in SIDES:
+            d = e["sides"].get(side, {})
+            if d.get("status") != "ok" or not d.get("by_category"):
+                continue
+            c = d["by_category"]
+            lines.append(f"| {e['preset']} | {side} | " + " | ".join(_mib(c.get(k)) for k in
+                         ("parameters", "gradients", "optimizer", "activations", "temporaries"))
+                         + f" | {d.get('peak_phase')} | {_mib(d.get('traced_peak_at_run_batch'))} "
+                         f"| {_num(d.get('parameters'), '{:,}')} ({_num(d.get('trainable_parameters'), '{:,}')}) |")
+    lines += ["", "## How each preset maps onto the Trainer", ""]
+    for e in report["rows"]:
+        lines.append(f"- **{e['preset']}** ({e['hf_status']}; attn_implementation `{e['hf_attn_implementation']}`, "
+                     f"TrainingArguments `{json.dumps(e['hf_training_args'])}`)")
+        for m in e["hf_mapping"]:
+            lines.append(f"  - {m}")
+        for m in e["hf_missing"]:
+            lines.append(f"  - missing in HF: {m}")
+    failures = [(e["preset"], side, d) for e in report["rows"] for side, d in e["sides"].items()
+                if e["hf_status"] != "none" and d.get("status") not in ("ok", None)]
+    if failures:
+        lines += ["", "## Runs that did not finish", ""]
+        for name, side, d in failures:
+            lines.append(f"- {name} / {side}: {d.get('status')}: {d.get('error')}")
+    lines += ["", "## Every run", "", "| rep | preset | side | ran | step s median | p10 | p90 | peak MiB | val PPL | run wall s |",
+              "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in report["runs"]:
+        res = r["result"]
+        st = res.get("step_time_s") or {}
+        lines.append(f"| {r['rep']} | {r['preset']} | {r['side']} | {r['position']} | {_num(st.get('median'))} "
+                     f"| {_num(st.get('p10'))} | {_num(st.get('p90'))} | {_mib((res.get('memory') or {}).get('peak_bytes'))} "
+                     f"| {_num(res.get('val_ppl'), '{:,.1f}')} | {_num(res.get('process_wall_s'), '{:.0f}')} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(out: Path, rows: list[dict[str, Any]], settings: dict[str, Any], command: Optional[str],
+                 start: float) -> dict[str, Any]:
+    """Aggregate every recorded run of these rows; write JSON and Markdown; return the report."""
+    from memtrain.runtime import environment, resolve_device
+
+    hashes = {config_hash(r["config"]) for r in rows}
+    runs = [r for r in read_runs(out) if r["config_hash"] in hashes]
+    commands = ((out / COMMANDS_FILE).read_text().splitlines() if (out / COMMANDS_FILE).is_file()
+                else [command] if command else [])
+    wall = time.perf_counter() - start
+    if command is None:  # --report-only: the runs' own wall time (a lockstep pair lasts as long as its longer side)
+        command = commands[-1].split("  #")[0] if commands else None
+        pairs: dict[tuple, list[float]] = {}
+        for r in runs:
+            pairs.setdefault((r["rep"], r["preset"], r.get("lockstep") and "pair" or r["side"]), []).append(
+                r["result"].get("process_wall_s") or 0.0)
+        wall = sum(max(v) for v in pairs.values())
+    tf_version = next((r["result"].get("transformers") for r in runs if r["result"].get("transformers")), None)
+    if tf_version is None:
+        try:
+            import importlib.metadata as md
+
+            tf_version = md.version("transformers")
+        except Exception:  # noqa: BLE001
+            tf_version = None
+    report = {
+        "command": command,
+        "commands": commands,
+        # The machine and commit of the runs themselves (a --report-only rebuild may come later).
+        "env": next((r["result"]["env"] for r in runs if r["result"].get("env")), None)
+        or environment(resolve_device(settings["device"])),
+        "commits": sorted({str(r["result"]["env"].get("commit")) for r in runs if r["result"].get("env")}),
+        "transformers": tf_version,
+        "settings": settings,
+        "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "wall_s": wall,
+        "rows": aggregate(rows, runs),
+        "configs": {r["preset"]: r["config"].to_dict() for r in rows},
+        "runs": runs,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / REPORT_JSON, report)
+    (out / REPORT_MD).write_text(render_markdown(report))
+    return report
+
+
+def write_profiles(out: Path, rows: list[dict[str, Any]], steps: int, command: str) -> int:
+    """``--profile``: per-phase medians of both sides for every row with a Trainer counterpart."""
+    from memtrain.runtime import environment, git_commit, resolve_device
+
+    from .probe import profile_phases  # the step machinery (torch, transformers) only when profiling
+
+    env = environment(resolve_device(rows[0]["config"].train.device))
+    lines = ["# Per-phase step times, memtrain vs the Trainer-equivalent step", "",
+             f"- command: `{command}`", f"- commit: `{git_commit()}`; hardware: {env['device']}, "
+             f"{env['host_threads']} torch threads", "",
+             "Both steps in one process, alternating step by step; median milliseconds per phase "
+             "(ours' phases are train_step's: forward includes the loss, optimizer includes clipping; "
+             "the Trainer's: clipping is counted in its optimizer phase here too).", "",
+             "| preset | side | forward | backward | optimizer | step |", "|---|---|---:|---:|---:|---:|"]
+    details = []
+    for row in rows:
+        if row["plan"].status == "none":
+            continue
+        res = profile_phases(row["config"], steps)
+        for side in SIDES:
+            r = res[side]
+            lines.append(f"| {row['preset']} | {side} | " + " | ".join(f"{r[k] * 1000:.1f}" for k in
+                         ("forward", "backward", "optimizer", "step")) + " |")
+            details += ["", f"### {row['preset']}: {side}", "", "```", r["top_ops"].rstrip(), "```"]
+        print("\n".join(lines[-2:]), flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile.md").write_text("\n".join(lines + ["", "## Top operators (3 steps)"] + details) + "\n")
+    return 0
+

@@ -1,0 +1,91 @@
+"""Named technique sets: the rows of a bench (``memtrain bench --techniques``). Each is a flat
+dict of config overrides applied on top of a scale (:mod:`memtrain.bench.scales`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memtrain.bench.scales import SCALE_WINDOW
+from memtrain.config import ConfigError
+
+# The chunked loss is on in most rows beyond the published five: with GPT-2's 50257-token
+# vocabulary the logits dominate the default model's memory, and any other saving would drown
+# in them (docs/techniques.md).
+TECHNIQUES: dict[str, dict[str, Any]] = {
+    "baseline": {"precision": "tf32", "attention": "math"},
+    "bf16": {"precision": "bf16", "attention": "math"},
+    "flash-bf16": {"precision": "bf16", "attention": "flash"},
+    "window-flash": {"precision": "bf16", "attention": "flash", "window": 128},
+    "ckpt-bf16": {"precision": "bf16", "attention": "math", "checkpointing": "full"},
+    "chunked-loss": {"precision": "bf16", "attention": "flash", "loss": "chunked"},
+    "adamw-8bit": {"precision": "bf16", "attention": "flash", "loss": "chunked", "optim": "adamw-8bit", "vocab_multiple": 64},
+    "adafactor": {"precision": "bf16", "attention": "flash", "loss": "chunked", "optim": "adafactor"},
+    "lora": {"precision": "bf16", "attention": "flash", "loss": "chunked", "lora_rank": 8},
+    "compile": {"precision": "bf16", "attention": "flash", "compile": True},
+    # Everything that lowers memory without changing what is trained: LoRA is left out (it
+    # freezes the base, a different experiment) and so is the window (it changes the model).
+    "lowest-memory": {
+        "precision": "bf16", "attention": "flash", "checkpointing": "full", "loss": "chunked",
+        "optim": "adamw-4bit", "vocab_multiple": 128,
+    },
+}
+
+DESCRIPTIONS: dict[str, str] = {
+    "baseline": "Baseline (TF32/FP32)",
+    "bf16": "BF16 Mixed Precision",
+    "flash-bf16": "FlashAttention + BF16",
+    "window-flash": "Windowed Attn + FlashAttn",
+    "ckpt-bf16": "Grad Checkpointing + BF16",
+    "chunked-loss": "Chunked LM-head loss + Flash + BF16",
+    "adamw-8bit": "8-bit AdamW + chunked loss",
+    "adafactor": "Adafactor + chunked loss",
+    "lora": "LoRA r=8 + chunked loss",
+    "compile": "torch.compile + Flash + BF16",
+    "lowest-memory": "Lowest memory (ckpt + chunked + 4-bit AdamW)",
+}
+
+# Rows of `memtrain bench` when --techniques is not given: the five published rows plus the
+# two that matter most for memory.
+DEFAULT_TECHNIQUES = ["baseline", "bf16", "flash-bf16", "window-flash", "ckpt-bf16", "chunked-loss", "lowest-memory"]
+
+# A preset's name with this suffix is the same row with the next seed (other initial weights,
+# dropout and batch order): the PPL difference between the two is the run-to-run noise that
+# the report compares the other rows against. `memtrain bench` without --techniques adds
+# "baseline-seed2".
+NOISE_SUFFIX = "-seed2"
+NOISE_ROW = "baseline" + NOISE_SUFFIX
+
+
+def is_noise_row(name: str) -> bool:
+    return name.endswith(NOISE_SUFFIX) and name[: -len(NOISE_SUFFIX)] in TECHNIQUES
+
+
+def technique_overrides(name: str, scale: str) -> dict[str, Any]:
+    """Config overrides of technique ``name`` (a preset, a preset's ``-seed2`` noise twin, or an
+    explicit ``key=value+key=value`` combination) at ``scale``."""
+    if is_noise_row(name):
+        name = name[: -len(NOISE_SUFFIX)]
+    if "=" in name:
+        out: dict[str, Any] = {}
+        for part in name.split("+"):
+            key, _, value = part.partition("=")
+            if not key or not _:
+                raise ConfigError(f"cannot read technique {name!r}; write presets or key=value+key=value, e.g. precision=bf16+loss=chunked")
+            out[key.strip().replace("-", "_")] = value.strip()
+        return out
+    if name not in TECHNIQUES:
+        import difflib
+
+        close = difflib.get_close_matches(name, TECHNIQUES, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"unknown technique {name!r}; {hint}choose from {', '.join(TECHNIQUES)} or key=value+key=value")
+    overrides = dict(TECHNIQUES[name])
+    if "window" in overrides:
+        overrides["window"] = SCALE_WINDOW[scale]
+    return overrides
+
+
+def describe(name: str) -> str:
+    if is_noise_row(name):
+        return f"{describe(name[: -len(NOISE_SUFFIX)])}, seed + 1 (noise)"
+    return DESCRIPTIONS.get(name, name)

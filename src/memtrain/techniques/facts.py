@@ -1,0 +1,189 @@
+"""What each technique *is*, as typed values parsed once: the one home of these facts.
+
+The techniques that change a run (``memtrain.techniques.*``), the analytic estimate
+(:mod:`memtrain.analysis.estimate`), the FLOP rules and counter (:mod:`memtrain.analysis.flops`), the planner
+(:mod:`memtrain.analysis.plan`) and the transformers mapping (:mod:`memtrain.models.hf`) all read
+these values instead of re-deriving them from the option strings:
+
+* :class:`CheckpointPolicy`: ``--checkpointing`` parsed (kind, K), and which blocks it
+  checkpoints for a given depth;
+* :class:`PrecisionFacts`: per ``--precision``, the weight dtype, the autocast (compute)
+  dtype, the loss scaler, TF32, and their byte sizes;
+* :class:`OptimizerStateRule`: per ``--optim``, the state tensors each parameter gets and
+  their element size (the dtype of the weights, or quantized bits with a block of scales).
+
+No torch here: the analytic commands answer without loading it (dtypes are named by their
+``torch`` attribute names; :mod:`memtrain.techniques.precision` turns them into dtypes).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+from memtrain.config import parse_checkpointing
+from memtrain.errors import ConfigError
+
+__all__ = [
+    "CheckpointPolicy", "OptimizerStateRule", "PrecisionFacts", "checkpoint_policy", "optimizer_state_rule",
+    "precision_facts",
+]
+
+
+# --------------------------------------------------------------------------- checkpointing
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """``--checkpointing`` as a value (policies: :mod:`memtrain.techniques.checkpointing`).
+
+    ``kind`` is none | full | every | sqrt | selective | selective-matmul; ``every`` is the K
+    of ``every:K`` (1 otherwise); ``text`` the option as given.
+    """
+
+    text: str
+    kind: str
+    every: int = 1
+
+    @property
+    def mixed(self) -> bool:
+        """Whether some blocks are checkpointed whole and the others not (every:K, sqrt)."""
+        return self.kind in ("every", "sqrt")
+
+    def period(self, n_layers: int) -> int:
+        """K of the blocks ``i % K == 0`` a mixed policy checkpoints (sqrt: round(sqrt(L)));
+        1 for the policies that treat every block alike."""
+        if self.kind == "sqrt":
+            return max(1, round(math.sqrt(n_layers)))
+        return self.every if self.kind == "every" else 1
+
+    def blocks(self, n_layers: int) -> list[int]:
+        """Indices of the blocks the policy wraps (whole, or their attention core under selective)."""
+        if self.kind == "none":
+            return []
+        k = self.period(n_layers)
+        return [i for i in range(n_layers) if i % k == 0]
+
+    def n_checkpointed(self, n_layers: int) -> int:
+        """How many blocks :meth:`blocks` names."""
+        return 0 if self.kind == "none" else -(-n_layers // self.period(n_layers))
+
+    def whole_block(self, i: int, n_layers: int) -> bool:
+        """Whether block ``i`` is checkpointed whole (keeps only its input; selective-matmul
+        keeps the matmul outputs too). Megatron's selective keeps the block and checkpoints
+        only its attention core, so it is False there."""
+        if self.kind in ("none", "selective"):
+            return False
+        return i % self.period(n_layers) == 0
+
+
+@lru_cache(maxsize=None)
+def checkpoint_policy(text: str) -> CheckpointPolicy:
+    """Parse ``--checkpointing`` once (a ConfigError naming the choices when it is unknown)."""
+    kind, every = parse_checkpointing(text)
+    return CheckpointPolicy(text, kind, every)
+
+
+# --------------------------------------------------------------------------- precision
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class PrecisionFacts:
+    """One ``--precision``: the dtypes a run computes and stores in (see
+    :mod:`memtrain.techniques.precision` for what each mode means)."""
+
+    name: str
+    param_dtype: str  # the weights (and so gradients and torch's optimizer states)
+    autocast_dtype: Optional[str] = None  # matmuls and saved activations under autocast
+    scaler: bool = False  # a GradScaler (FP16's narrow exponent)
+    tf32: bool = False  # TF32 matmuls (a process-wide switch)
+    matmul_type: str = "fp32"  # the tensor-core type of the matmuls (a GPU's roof)
+
+    @property
+    def autocast(self) -> bool:
+        return self.autocast_dtype is not None
+
+    @property
+    def param_bytes(self) -> int:
+        return _DTYPE_BYTES[self.param_dtype]
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of what the forward computes and saves for backward."""
+        return _DTYPE_BYTES[self.autocast_dtype or self.param_dtype]
+
+
+PRECISION_FACTS: dict[str, PrecisionFacts] = {
+    "fp32": PrecisionFacts("fp32", "float32"),
+    "tf32": PrecisionFacts("tf32", "float32", tf32=True, matmul_type="tf32"),
+    "bf16": PrecisionFacts("bf16", "float32", autocast_dtype="bfloat16", matmul_type="bf16"),
+    "fp16": PrecisionFacts("fp16", "float32", autocast_dtype="float16", scaler=True, matmul_type="fp16"),
+    "bf16-pure": PrecisionFacts("bf16-pure", "bfloat16", matmul_type="bf16"),
+}
+
+
+def precision_facts(name: str) -> PrecisionFacts:
+    """The facts of ``--precision name`` (a ConfigError naming the choices when it is unknown)."""
+    try:
+        return PRECISION_FACTS[name]
+    except KeyError:
+        raise ConfigError(f"unknown --precision {name!r}; choose fp32, tf32, bf16, fp16 or bf16-pure") from None
+
+
+# --------------------------------------------------------------------------- optimizer state
+@dataclass(frozen=True)
+class OptimizerStateRule:
+    """The state one ``--optim`` keeps per trainable parameter (steady state, after step 1).
+
+    ``states`` full-size state tensors per parameter, each element ``state_bits`` wide when
+    quantized (else in the weight's dtype: torch keeps AdamW's and SGD's moments in it);
+    quantized optimizers keep a 4-byte scale per ``block`` elements, and (torchao) a lookup
+    table of ``2**bits`` fp32 entries per state. ``step_tensor``: a 4-byte step count per
+    parameter tensor. ``factored``: Adafactor's row + column second moment instead.
+    """
+
+    name: str
+    states: int
+    state_bits: Optional[int] = None
+    block: int = 0  # default quantization block (0: not quantized)
+    fixed_block: bool = False  # bitsandbytes always uses its own block
+    qmap: bool = False  # torchao's per-state lookup table
+    step_tensor: bool = False
+    factored: bool = False
+
+    @property
+    def quantized(self) -> bool:
+        return self.state_bits is not None
+
+    def state_bytes(self, param_bytes: float) -> float:
+        """Bytes per element of one full-size state tensor (scales and tables not counted)."""
+        if self.state_bits is None:
+            return param_bytes
+        return self.state_bits // 8 if self.state_bits % 8 == 0 else self.state_bits / 8
+
+    def quant_block(self, block: int = 0) -> int:
+        """The quantization block a run uses (``--optim-block``, 0 = the optimizer's default)."""
+        return self.block if (self.fixed_block or not block) else block
+
+
+_ADAMW = OptimizerStateRule("adamw", states=2, step_tensor=True)
+OPTIMIZER_STATE_RULES: dict[str, OptimizerStateRule] = {
+    "adamw": _ADAMW,
+    "adamw-foreach": _ADAMW,
+    "adamw-fused": _ADAMW,
+    "sgd": OptimizerStateRule("sgd", states=1),
+    "adafactor": OptimizerStateRule("adafactor", states=0, step_tensor=True, factored=True),
+    "adamw-8bit": OptimizerStateRule("adamw-8bit", states=2, state_bits=8, block=256, qmap=True, step_tensor=True),
+    "adamw-4bit": OptimizerStateRule("adamw-4bit", states=2, state_bits=4, block=128, qmap=True, step_tensor=True),
+    "adamw-bnb-8bit": OptimizerStateRule("adamw-bnb-8bit", states=2, state_bits=8, block=256, fixed_block=True,
+                                         step_tensor=True),
+}
+
+
+def optimizer_state_rule(optim: str) -> OptimizerStateRule:
+    """The state rule of ``--optim`` (a ConfigError when it is unknown)."""
+    try:
+        return OPTIMIZER_STATE_RULES[optim]
+    except KeyError:
+        raise ConfigError(f"unknown --optim {optim!r}") from None

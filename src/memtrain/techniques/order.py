@@ -1,0 +1,46 @@
+"""The one order in which techniques are applied to a finished model (see the package docstring):
+
+    lora -> attention backend -> activation checkpointing -> loss -> compile -> distributed wrap
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memtrain.config import RunConfig
+from memtrain.model import GPT
+from memtrain.models import family_of
+from memtrain.techniques.attention import apply_attention
+from memtrain.techniques.checkpointing import apply_checkpointing
+from memtrain.techniques.compile import apply_compile
+from memtrain.techniques.distributed import apply_distributed
+from memtrain.techniques.lora import apply_lora
+from memtrain.techniques.loss import apply_loss
+from memtrain.techniques.precision import Precision
+
+__all__ = ["prepare_model"]
+
+
+def prepare_model(model: torch.nn.Module, cfg: RunConfig, device: torch.device, precision: Precision) -> torch.nn.Module:
+    """Move ``model`` to ``device`` and apply every technique of ``cfg.technique`` in order.
+
+    Returns the module to train: the GPT itself (compile works in place), or its
+    DistributedDataParallel wrapper (FSDP2 shards the GPT in place).
+    """
+    family = family_of(cfg)
+    if family.prepare is not None:  # another family's mapping (memtrain.models.FAMILIES)
+        return family.prepare(model, cfg, device, precision)
+    if cfg.technique.qlora:
+        from memtrain.config import ConfigError
+
+        raise ConfigError("--qlora quantizes a transformers --model's base weights; memtrain's GPT has none to quantize")
+    if not isinstance(model, GPT):
+        raise TypeError(f"{cfg.model.model!r} is memtrain's GPT, but the model given is a {type(model).__name__}")
+    tech = cfg.technique
+    model = model.to(device=device, dtype=precision.param_dtype)
+    apply_lora(model, tech)
+    apply_attention(model, tech, device, precision)
+    apply_checkpointing(model, tech)
+    apply_loss(model, tech, device)
+    model = apply_compile(model, tech)  # type: ignore[assignment]  # compile returns a wrapper module around the GPT
+    return apply_distributed(model, tech, device, precision)

@@ -1,0 +1,57 @@
+"""`memtrain bench --model SPEC`: a bench row trains a transformers model; `--scale` names the
+run scale (`--preset` is its former name and still works)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from memtrain.cli import build_parser, main  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    """A tiny Llama without tokenizer files (GPT-2's vocabulary: memtrain's BPE reads the data)."""
+    d = tmp_path_factory.mktemp("bench-llama")
+    transformers.LlamaConfig(vocab_size=50257, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                             eos_token_id=50256, bos_token_id=50256).save_pretrained(d)
+    return d
+
+
+def test_scale_flag_and_its_former_name():
+    parser = build_parser()
+    assert parser.parse_args(["bench", "--scale", "seed"]).scale == "seed"
+    assert parser.parse_args(["bench", "--preset", "seed"]).scale == "seed"
+    assert parser.parse_args(["bench"]).scale == "quick"
+
+
+def test_unknown_scale_is_a_clear_error(tmp_path, capsys):
+    assert main(["bench", "--scale", "huge", "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "unknown scale 'huge' (--scale, alias --preset)" in err
+
+
+def test_bench_row_trains_a_transformers_model(llama_dir, small_corpus, tmp_path, capsys):
+    """One row (each row is a fresh process: one keeps the test short): LoRA on the Llama."""
+    out = tmp_path / "bench"
+    code = main(["bench", "--model", str(llama_dir), "--scale", "quick", "--techniques",
+                 "precision=fp32+attention=sdpa+lora_rank=4", "--data", str(small_corpus), "--batch-size", "2",
+                 "--seq-len", "16", "--steps", "2", "--warmup-steps", "1", "--val-blocks", "2", "--no-maxbatch",
+                 "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["status"] for r in rows] == ["ok"]
+    row = rows[0]
+    assert row["config"]["model"]["model"] == str(llama_dir)
+    assert row["config"]["model"]["d_model"] == 16  # the shape mirrors the transformers config
+    assert row["memory"]["peak_bytes"] > 0 and len(row["loss_history"]) == 2
+    # peft's adapters only: 2 x r x (in + out) per Linear of the one decoder layer
+    assert 0 < row["trainable_parameters"] < row["parameters"]
+    # AdamW state of the adapters only: two FP32 moments per element (+ a step scalar per tensor)
+    assert 8 * row["trainable_parameters"] <= row["memory"]["by_category"]["optimizer"] < 8 * row["trainable_parameters"] + 512
+    assert (out / "report.md").is_file()

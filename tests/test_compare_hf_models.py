@@ -1,0 +1,101 @@
+"""The HF comparison on a transformers model (``benchmarks/compare_hf.py --model SPEC``): the
+Trainer side trains the very model memtrain trains (same config edits, same initial weights,
+same tokens), with peft's LoRA where memtrain injects the same LoraConfig."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+transformers = pytest.importorskip("transformers")
+
+from hf import cli, mapping, probe, rows  # noqa: E402
+from hf.memtrain_side import warm_device_facts  # noqa: E402
+from hf.trainer_side import run_theirs  # noqa: E402
+from memtrain.config import build_config  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _quiet_one_thread():
+    transformers.logging.set_verbosity_error()
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models on a shared 2-core machine
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    """A tiny Llama without tokenizer files: GPT-2's vocabulary, so memtrain's BPE reads its data."""
+    d = tmp_path_factory.mktemp("tiny-llama")
+    transformers.LlamaConfig(vocab_size=50257, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                             eos_token_id=50256, bos_token_id=50256).save_pretrained(d)
+    return d
+
+
+def _cfg(model_dir: Path, corpus: Path, **kw):
+    base = {"model": str(model_dir), "data": str(corpus), "batch_size": 2, "seq_len": 16, "steps": 3,
+            "warmup_steps": 1, "val_blocks": 2, "warmup_timing_steps": 1, "progress": False,
+            "attention": "sdpa", "device": "cpu"}
+    return build_config({**base, **kw})
+
+
+def test_plan_for_a_transformers_model(llama_dir):
+    base = mapping.hf_plan(build_config({"model": str(llama_dir), "attention": "math", "seq_len": 16}), "cpu")
+    assert base.status == "matched" and base.attn_implementation == "eager"
+    assert any("same AutoModelForCausalLM" in m for m in base.mapping)
+    lora = mapping.hf_plan(build_config({"model": str(llama_dir), "lora_rank": 4, "seq_len": 16}), "cpu")
+    assert lora.lora is not None and lora.lora["target_modules"] == "all-linear"  # memtrain's default for HF models
+    assert "fan_in_fan_out" not in lora.lora
+    window = mapping.hf_plan(build_config({"model": str(llama_dir), "window": 8, "seq_len": 16}), "cpu")
+    assert window.status == "none" and "sliding-window" in window.missing[0]  # Llama has none
+    assert mapping.hf_plan(build_config({"model": "mistral-7b", "window": 64, "seq_len": 128}), "cpu").status == "matched"
+    qlora = mapping.hf_plan(build_config({"model": str(llama_dir), "lora_rank": 4, "qlora": True, "seq_len": 16}), "cpu")
+    assert qlora.status == "none"
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_trainer_trains_the_same_transformers_model(llama_dir, small_corpus, lora_rank):
+    """Same parameters, same first loss (same weights and first batch), same tracked peak
+    category for the optimizer state; LoRA: the same adapters trainable on both sides."""
+    from memtrain.train import train
+
+    cfg = _cfg(llama_dir, small_corpus, lora_rank=lora_rank)
+    warm_device_facts(cfg)
+    theirs = run_theirs(cfg)
+    ours = train(cfg, progress=False)
+    assert theirs["parameters"] == ours["parameters"]
+    assert theirs["trainable_parameters"] == ours["trainable_parameters"]
+    assert (theirs["trainable_parameters"] < theirs["parameters"]) == bool(lora_rank)
+    assert theirs["loss_history"][0] == pytest.approx(ours["loss_history"][0], abs=1e-5)
+    assert theirs["memory"]["by_category"]["optimizer"] == ours["memory"]["by_category"]["optimizer"] > 0
+    assert theirs["timed_steps"] == 1  # steps 0 and 1 metered, left out of the timing as in memtrain
+
+
+def test_traced_trainer_probe_equals_the_real_step_on_a_transformers_model(llama_dir):
+    cfg = build_config({"model": str(llama_dir), "seq_len": 16, "attention": "sdpa", "lora_rank": 4})
+    traced = probe.hf_step_peak(cfg, 2, fake=True)
+    assert traced == probe.hf_step_peak(cfg, 2, fake=False)
+    assert probe.hf_step_peak(cfg, 4, fake=True) > traced
+
+
+def test_cli_names_rows_like_the_bench(llama_dir):
+    """--techniques is the bench's name for the rows (--presets kept); --model reaches every row."""
+    assert cli.parse_args(["--presets", "bf16"]).techniques == cli.parse_args(["--techniques", "bf16"]).techniques
+    opts = cli.parse_args(["--model", str(llama_dir), "--techniques", "baseline,lora", "--no-maxbatch",
+                           "--set", "seq_len=16"])
+    resolved, maxbatch, _ = cli.resolve(opts)
+    assert maxbatch is None
+    assert [r["config"].model.model for r in resolved] == [str(llama_dir)] * 2
+    assert cli.settings_of(opts, resolved, maxbatch, None)["model"] == str(llama_dir)
+    assert rows.config_hash(resolved[0]["config"]) != rows.config_hash(resolved[1]["config"])

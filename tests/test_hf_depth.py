@@ -1,0 +1,105 @@
+"""A deep transformers model traced from two shallow copies (memtrain.models.depth): the
+extrapolated step equals the full trace to the byte, category by category."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from memtrain.config import build_config  # noqa: E402
+
+VOCAB = 384
+TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, max_position_embeddings=128,
+            vocab_size=VOCAB)
+FAMILIES = {
+    "llama": lambda n: transformers.LlamaConfig(**TINY, num_hidden_layers=n, num_key_value_heads=2),
+    "qwen2": lambda n: transformers.Qwen2Config(**TINY, num_hidden_layers=n, num_key_value_heads=2),
+    "mistral": lambda n: transformers.MistralConfig(**TINY, num_hidden_layers=n, num_key_value_heads=2, sliding_window=16),
+    "gemma": lambda n: transformers.GemmaConfig(**TINY, num_hidden_layers=n, num_key_value_heads=1, head_dim=8),
+    "gpt2": lambda n: transformers.GPT2Config(n_embd=32, n_layer=n, n_head=4, n_positions=128, vocab_size=VOCAB),
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _model_dir(root: Path, family: str, n_layers: int, **overrides) -> Path:
+    d = root / f"{family}-{n_layers}"
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = FAMILIES[family](n_layers)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    cfg.save_pretrained(d)
+    return d
+
+
+def _cfg(model_dir: Path, **tech):
+    return build_config({"model": str(model_dir), "batch_size": 2, "seq_len": 32, "attention": "sdpa",
+                         "device": "cpu", **tech})
+
+
+GRID = [
+    ("llama", 4, {}),
+    ("llama", 4, {"lora_rank": 4, "checkpointing": "full", "loss": "chunked", "loss_chunk": 16,
+                  "precision": "bf16-pure"}),
+    ("qwen2", 4, {"lora_rank": 4, "attention": "math"}),
+    ("mistral", 6, {"checkpointing": "every:2", "lora_rank": 4}),
+    ("gemma", 4, {"precision": "bf16", "optim": "sgd"}),
+    ("gpt2", 4, {}),  # gelu_new and attention dropout in training
+]
+
+
+@pytest.mark.parametrize("family,n_layers,tech", GRID)
+def test_extrapolated_trace_equals_the_full_trace(tmp_path, family, n_layers, tech):
+    from memtrain.analysis.trace import trace_step
+    from memtrain.models.depth import extrapolated_trace
+
+    cfg = _cfg(_model_dir(tmp_path, family, n_layers), **tech)
+    full = trace_step(cfg, "cpu")
+    ex = extrapolated_trace(cfg, "cpu")
+    assert ex["method"] == "extrapolated" and ex["probe_layers"][1] < n_layers
+    assert ex["by_category"] == full["by_category"]
+    assert ex["peak_bytes"] == full["peak_bytes"] and ex["peak_phase"] == full["peak_phase"]
+    assert ex["parameters"] == full["parameters"]
+
+
+def test_probe_depths_follow_the_checkpointing_period(tmp_path):
+    from memtrain.models.depth import probe_depths
+
+    deep = _model_dir(tmp_path, "llama", 32)
+    assert probe_depths(_cfg(deep)) == (2, 3, "none")
+    assert probe_depths(_cfg(deep, checkpointing="every:3")) == (2, 5, "every:3")  # 32 = 2 mod 3
+    assert probe_depths(_cfg(deep, checkpointing="every:4")) == (4, 8, "every:4")
+    # sqrt is every:round(sqrt(L)) of the real depth, not of the probe's
+    assert probe_depths(_cfg(deep, checkpointing="sqrt")) == (2, 8, "every:6")  # 32 = 2 mod 6
+    # shallow: tracing every layer is as cheap
+    assert probe_depths(_cfg(_model_dir(tmp_path, "llama", 3))) is None
+    # layers of two kinds (sliding and full attention): not one repeated layer
+    mixed = _model_dir(tmp_path, "qwen2", 8, use_sliding_window=True, sliding_window=16, max_window_layers=4,
+                       layer_types=["full_attention"] * 4 + ["sliding_attention"] * 4)
+    assert probe_depths(_cfg(mixed)) is None
+
+
+def test_estimate_cli_says_how_it_traced(tmp_path, capsys):
+    from memtrain.cli import main
+
+    d = _model_dir(tmp_path, "gemma", 4)  # a family the analytic model does not cover: traced
+    flags = ["estimate", "--model", str(d), "--seq-len", "32", "--batch-size", "2", "--attention", "sdpa",
+             "--lora-rank", "4", "--json"]
+    assert main(flags) == 0
+    ex = json.loads(capsys.readouterr().out)
+    assert main([*flags, "--full-trace"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert ex["method"] == "extrapolated" and ex["probe_layers"] == [2, 3] and "2 and 3 decoder layers" in ex["note"]
+    assert full["method"] == "trace" and full["probe_layers"] is None and "every layer" in full["note"]
+    assert ex["peak_bytes"] == full["peak_bytes"] and ex["bytes"] == full["bytes"]

@@ -1,0 +1,246 @@
+"""Multi-rank failures and the --out lock (docs/reliability.md): ``memtrain train
+--nproc-per-node N`` checks its input before starting a rank and reports a failure as one
+``error:`` line with the ranks' exit code; a refusal that only one rank sees fails every rank
+(rank 0 says it); a train holds its --out folder like a bench."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import TINY_MODEL, cli_flags
+from memtrain.cli import main
+from memtrain.config import ConfigError, build_config
+from memtrain.launch import report_failures
+from memtrain.rank_errors import agreement, error_line_of, record_error_line
+from memtrain.results import FolderLock
+
+RUN = {"seq_len": 32, "steps": 4, "warmup_steps": 1, "val_blocks": 2, "warmup_timing_steps": 1, "batch_size": 2,
+       "progress": False}
+
+
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error:") and "Traceback" not in err
+    return lines[0]
+
+
+def _sharded_checkpoint(root: Path, settings: dict, rank1: bytes | None) -> Path:
+    """A 2-rank checkpoint of the run ``settings`` with a real DCP .metadata and rank-0.pt;
+    ``rank-1.pt`` holds ``rank1`` (None: missing)."""
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = root / "ck"
+    root.mkdir(parents=True, exist_ok=True)
+    dist.init_process_group("gloo", store=dist.FileStore(str(root / "store"), 1), rank=0, world_size=1)
+    try:
+        dcp.save({"model": {"x": torch.zeros(2)}}, checkpoint_id=str(ckpt))
+    finally:
+        dist.destroy_process_group()
+    (ckpt / "meta.json").write_text(json.dumps({
+        "format": "memtrain-dcp-1", "step": 1, "losses": [1.0], "loader": {"epoch": 0, "batch_index": 1},
+        "world_size": 2, "strategy": "ddp", "config": build_config(settings).to_dict()}))
+    torch.save({"scheduler": {"last_epoch": 1}}, ckpt / "rank-0.pt")
+    if rank1 is not None:
+        (ckpt / "rank-1.pt").write_bytes(rank1)
+    return ckpt
+
+
+# --------------------------------------------------------------------------- the launcher
+def test_launcher_checks_input_before_starting_any_rank(small_corpus, tmp_path, capsys, monkeypatch):
+    started = []
+    monkeypatch.setattr("memtrain.launch.launch", lambda *a: started.append(a) or 0)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    run = {**TINY_MODEL, **RUN, "data": str(small_corpus), "out": str(tmp_path / "out"), "distributed": "ddp"}
+    flags = cli_flags(run)
+    ck_missing = _sharded_checkpoint(tmp_path / "a", run, rank1=None)
+    for extra, words in [(["--seed", "-1"], "--seed"),
+                         (["--distributed", "none"], "add --distributed ddp"),
+                         (["--resume", str(ck_missing)], "lacks rank-1.pt"),
+                         (["--nproc-per-node", "3", "--resume", str(ck_missing)], "resume with --nproc-per-node 2")]:
+        argv = ["train", *flags, "--nproc-per-node", "2", *extra]
+        assert main(argv) == 2, extra
+        assert words in _one_error_line(capsys.readouterr().err)
+    with pytest.raises(SystemExit) as exit_:  # argparse: a positive count
+        main(["train", *flags, "--nproc-per-node", "0"])
+    assert exit_.value.code == 2
+    assert "--nproc-per-node" in _one_error_line(capsys.readouterr().err)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # already under torchrun: a second launcher is refused
+    assert main(["train", *flags, "--nproc-per-node", "2"]) == 2
+    assert "under torchrun drop it" in _one_error_line(capsys.readouterr().err)
+    assert not started and not (tmp_path / "out").exists()  # nothing started, nothing written
+
+
+def test_launched_ranks_refuse_together_and_the_line_is_said_once(small_corpus, tmp_path):
+    """rank-1.pt is corrupt: only rank 1 can see it. Every rank exits 2, rank 0 says rank
+    1's reason (the ``rank 1:`` prefix is only in rank 0's line), and the launcher prints it
+    once, as the last line, without torch's failure summary."""
+    run = {**TINY_MODEL, **RUN, "data": str(small_corpus), "distributed": "ddp"}
+    ckpt = _sharded_checkpoint(tmp_path, run, rank1=b"not a checkpoint")
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "memtrain", "train", *cli_flags({**run, "resume": str(ckpt), "out": str(out)}),
+           "--nproc-per-node", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEMTRAIN_CACHE": str(tmp_path / "cache"), "MEMTRAIN_DIST_TIMEOUT": "60"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = _one_error_line(proc.stderr)
+    assert line.startswith("error: rank 1: cannot read") and "rank-1.pt" in line
+    assert "ChildFailedError" not in proc.stderr and not out.exists()
+
+
+def test_report_failures_prefers_the_refusal_and_its_own_line(capsys):
+    def failure(code: int, message: object = "", stamp: int = 0):
+        return SimpleNamespace(exitcode=code, message=message, timestamp=stamp, signal_name=lambda: "SIGTERM")
+
+    line = "error: rank 1: --data 'x' not found"
+    # rank 0 was stopped by the launcher's SIGTERM, rank 1 refused its input
+    assert report_failures({0: failure(-15), 1: failure(2, {"message": line})}) == 2
+    assert capsys.readouterr().err == line + "\n"
+    assert report_failures({0: failure(1, {"message": "error: RuntimeError: boom"}, 5), 1: failure(-15)}) == 1
+    assert capsys.readouterr().err == "error: RuntimeError: boom\n"
+    assert report_failures({0: failure(-9)}) == 1  # no line anywhere: say who and how
+    assert _one_error_line(capsys.readouterr().err).startswith("error: rank 0 ended with signal SIGTERM")
+    # torch's agent saw only rank 1 fail; rank 0's own line (from the launcher's folder) wins
+    said = {0: ("error: rank 1: bad shard", 2), 1: ("error: bad shard", 2)}
+    assert report_failures({1: failure(2, {"message": "error: bad shard"})}, said) == 2
+    assert capsys.readouterr().err == "error: rank 1: bad shard\n"
+
+
+def test_error_line_goes_into_torchelastics_error_file(tmp_path, monkeypatch):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    record_error_line("error: --seed must be in [0, 2**32), got -1")
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(path))  # torch's own reader
+    assert error_line_of(failure.message) == "error: --seed must be in [0, 2**32), got -1"
+
+
+def test_agreement_without_a_process_group_re_raises_as_is():
+    with pytest.raises(ConfigError, match="bad"):
+        with agreement():
+            raise ConfigError("bad")
+    with agreement():
+        pass  # nothing failed: nothing raised
+
+
+# --------------------------------------------------------------------------- the --out lock
+def test_train_holds_its_out_folder_like_a_bench(tiny_run, capsys, monkeypatch):
+    tiny_run = {**tiny_run, "steps": 2, "warmup_steps": 1, "warmup_timing_steps": 1, "val_blocks": 1}
+    out = Path(tiny_run["out"])
+    with FolderLock(out, "memtrain bench"):  # a bench (or another train) is using the folder
+        assert main(["train", *cli_flags(tiny_run)]) == 2
+        assert "is in use by memtrain bench (pid" in _one_error_line(capsys.readouterr().err)
+    assert not (out / "result.json").exists()
+
+    import memtrain.train as train_module
+
+    refused: list[str] = []
+    real = train_module.prepare_tokens
+
+    def during_the_run(*a, **kw):  # while the train runs, a second holder is refused
+        try:
+            with FolderLock(out, "memtrain bench"):
+                pass
+        except ConfigError as exc:
+            refused.append(str(exc))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(train_module, "prepare_tokens", during_the_run)
+    assert main(["train", *cli_flags(tiny_run)]) == 0
+    assert refused and "in use by memtrain train (pid" in refused[0]
+    with FolderLock(out, "memtrain bench"):  # released when the train ended
+        pass
+
+
+def test_a_refused_train_leaves_no_out_folder(small_corpus, tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    out = tmp_path / "out"
+    run = {**TINY_MODEL, **RUN, "data": str(empty), "out": str(out)}
+    assert main(["train", *cli_flags(run)]) == 2  # refused after the lock was taken (at tokenizing)
+    _one_error_line(capsys.readouterr().err)
+    assert not out.exists()
+
+
+# --------------------------------------------------------------------------- log noise and siblings
+def _last_line_is_the_only_error(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("error:"), err
+    return _one_error_line(err)
+
+
+def test_datasets_and_hub_logs_stay_off_the_error_line(tmp_path, capfd):
+    """datasets logs a JSON parse error at ERROR and huggingface_hub every Hub retry at
+    WARNING; memtrain says the same in its one line."""
+    import logging
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"body": "ok"}\n{not json\n')
+    run = {**TINY_MODEL, **RUN, "data": str(bad), "text_field": "body", "out": str(tmp_path / "out")}
+    assert main(["train", *cli_flags(run)]) == 2
+    assert "cannot read" in _last_line_is_the_only_error(capfd.readouterr().err)
+    # the Hub's retry warning (a real retry takes ~20 s of back-off: its logger is checked instead)
+    logging.getLogger("huggingface_hub.utils._http").warning("Retrying in 8s [Retry 4/5].")
+    assert "Retrying" not in capfd.readouterr().err
+
+
+def test_ctrl_c_before_the_command_runs_is_one_line(monkeypatch, capsys):
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("memtrain.cli.build_parser", interrupted)  # e.g. while torch imports
+    assert main(["estimate"]) == 130
+    assert "interrupted" in _one_error_line(capsys.readouterr().err)
+
+
+def test_bad_transformers_model_folders_are_bad_input(tmp_path, capsys):
+    """--model DIR: an invalid size in config.json, or a corrupt *.safetensors file, is exit 2
+    (was exit 1 with transformers' or safetensors' exception); remote code stays refused."""
+    pytest.importorskip("transformers")
+    text_size = tmp_path / "text_size"
+    text_size.mkdir()
+    (text_size / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": "big", "n_layer": 2, "n_head": 4}))
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    (remote / "config.json").write_text(json.dumps({"model_type": "evil", "auto_map": {"AutoConfig": "evil.Config"}}))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 2,
+                                                    "vocab_size": 128, "n_positions": 64,
+                                                    "bos_token_id": 0, "eos_token_id": 0}))
+    (broken / "model.safetensors").write_bytes(b"\xff" * 64)
+    for argv, words in [(["estimate", "--model", str(text_size)], "cannot read the model config"),
+                        (["estimate", "--model", str(remote)], "cannot read the model config"),
+                        (["train", *cli_flags({**RUN, "steps": 1, "out": str(tmp_path / "o")}), "--model", str(broken)],
+                         "cannot read the weights")]:
+        assert main(argv) == 2, argv
+        assert words in _one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "o").exists()
+
+
+def test_odd_data_paths_are_refused_without_hanging(tmp_path, capsys):
+    """A symlink loop, a FIFO (opening it would block forever) and a folder of empty files."""
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    fifo_dir = tmp_path / "fifo"
+    fifo_dir.mkdir()
+    os.mkfifo(fifo_dir / "a.txt")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "a.txt").touch()
+    (empty / "b.jsonl").touch()
+    for data in ("loop1", "fifo", "fifo/a.txt", "empty"):
+        run = {**TINY_MODEL, **RUN, "steps": 1, "data": str(tmp_path / data), "out": str(tmp_path / "o")}
+        assert main(["train", *cli_flags(run)]) == 2, data
+        _one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "o").exists()
