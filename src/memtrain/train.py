@@ -25,7 +25,6 @@ from memtrain.checkpoint import load_checkpoint, save_checkpoint
 from memtrain.config import RunConfig
 from memtrain.data import make_train_loader, make_val_batches, prepare_tokens
 from memtrain.device_advice import mfu_for_run, run_device_facts
-from memtrain.distributed_checkpoint import load_checkpoint as dcp_load, save_checkpoint as dcp_save
 from memtrain.logging_sinks import MetricsLogger, live_memory
 from memtrain.metrics import MemoryMeter, StepTimer, device_peak_memory, percentile, reset_device_peak
 from memtrain.metrics.state import ShardedStateBytes
@@ -164,7 +163,13 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     device = dist_ctx.device
     seed_everything(t.seed)
     # Distributed runs save a sharded checkpoint directory (torch.distributed.checkpoint).
-    save_ckpt, load_ckpt = (dcp_save, dcp_load) if dist_ctx.enabled else (save_checkpoint, load_checkpoint)
+    save_ckpt, load_ckpt = save_checkpoint, load_checkpoint
+    if dist_ctx.enabled:
+        # Imported only here: torch.distributed.checkpoint pulls in DTensor and most of a
+        # bench row's import time (measured with python -X importtime), for runs that never use it.
+        from memtrain.distributed_checkpoint import load_checkpoint as dcp_load, save_checkpoint as dcp_save
+
+        save_ckpt, load_ckpt = dcp_save, dcp_load
 
     # Techniques first: an impossible combination (a backend the device lacks, an optimizer
     # that cannot pair with the precision) fails in seconds, before a long tokenization.

@@ -176,6 +176,19 @@ def find_max_batch(  # noqa: C901 - grow then bisect, each with OOM and budget e
         return ok, peak
 
     try:
+        cap = limit // multiple_of  # the largest allowed batch, in units of multiple_of
+        # A traced search costs one fake-tensor step per probe (about ten probes, most of a
+        # bench row's overhead on CPU). The analytic estimate matches the trace on memtrain's
+        # model, so start from its answer and confirm it with two probes: it fits and the next
+        # batch does not (the first of them also shows that batch 1 fits: peaks grow with the
+        # batch). Any disagreement falls through to the full search, so the answer is the
+        # traced one either way.
+        if probe is traced_step_peak:
+            guess = _analytic_guess(cfg, budget_bytes, multiple_of, cap, device.type)
+            if guess is not None and guess > 1:
+                ok, peak = fits(guess * multiple_of)
+                if ok and (guess >= cap or not fits((guess + 1) * multiple_of)[0]):
+                    return MaxBatchResult(guess * multiple_of, peak, budget_bytes, device.type, method, probes)
         ok, peak = fits(multiple_of)
         if not ok:
             need = f"needs {peak / 2**30:.2f} GiB" if peak is not None else "ran out of device memory"
@@ -183,18 +196,6 @@ def find_max_batch(  # noqa: C901 - grow then bisect, each with OOM and budget e
             raise ConfigError(
                 f"even batch {multiple_of} does not fit {budget} ({need}); raise --memory-budget or save memory "
                 "with --loss chunked, --checkpointing full, --precision bf16 or a smaller --seq-len")
-        cap = limit // multiple_of  # the largest allowed batch, in units of multiple_of
-        # A traced search costs one fake-tensor step per probe (about ten probes, most of a
-        # bench row's overhead on CPU). The analytic estimate matches the trace on memtrain's
-        # model, so start from its answer and confirm it with two probes: it fits and the next
-        # batch does not. Any disagreement falls through to the full search, so the answer is
-        # the traced one either way.
-        if probe is traced_step_peak:
-            guess = _analytic_guess(cfg, budget_bytes, multiple_of, cap, device.type)
-            if guess is not None and guess > 1:
-                ok, peak = fits(guess * multiple_of)
-                if ok and (guess >= cap or not fits((guess + 1) * multiple_of)[0]):
-                    return MaxBatchResult(guess * multiple_of, peak, budget_bytes, device.type, method, probes)
         best = _largest_fitting(lambda k: fits(k * multiple_of)[0], cap) * multiple_of
         best_peak = next(p["peak_bytes"] for p in reversed(probes) if p["batch_size"] == best and p["fits"])
     finally:

@@ -176,9 +176,13 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
         default_dtype = torch.get_default_dtype()
         # Compiled functions (torchao's low-bit optimizer steps) cannot be compiled over fake
         # tensors: run them eagerly. Their eager scratch is larger than the fused kernel's.
+        from memtrain.models import is_hf
         from memtrain.models.hf import same_paths_as_eager
 
-        with fake, _stub_mode(device_type), torch.compiler.set_stance("force_eager"), same_paths_as_eager():
+        # Only a transformers model needs transformers patched; importing it for memtrain's own
+        # model cost each max-batch probe about as long as importing torch.
+        hf_paths = same_paths_as_eager() if is_hf(cfg) else contextlib.nullcontext()
+        with fake, _stub_mode(device_type), torch.compiler.set_stance("force_eager"), hf_paths:
             try:
                 torch.set_default_dtype(precision.param_dtype)
                 with torch.device(device):

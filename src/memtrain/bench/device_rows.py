@@ -8,7 +8,14 @@ a slow reference kernel, 5x to 200x slower than FP32 on the CPUs measured; the d
   where that is native, else FP32), and the result records the substitution so the report can
   say so beside the row;
 - rows the user listed explicitly run as asked, with a warning up front naming the measured
-  slowdown.
+  slowdown;
+- on a CPU, rows of the default list whose optimizer is one of torchao's low-bit AdamWs run
+  Adafactor instead (:func:`adapt_compiled_optims`): torchao compiles their update with
+  inductor, whose C++ build of it took about 95 s of the 110 s lowest-memory row on a 2-core
+  Xeon with a cold compile cache (benchmarks/results/cpu-quick-native-bf16), a third of the
+  whole default bench; its eager path is no substitute (74 s per step and a 830 MB peak on the
+  2-core EPYC, against 238 MiB compiled). Adafactor (torch's, no compile) keeps the row what
+  it is for, the lowest memory: its factored state is smaller still.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import torch
 from memtrain.config import RunConfig
 from memtrain.device import DeviceCaps, precision_is_native, probe, slow_precision_message
 
-__all__ = ["adapt_rows", "nearest_native", "runner_caps"]
+__all__ = ["adapt_compiled_optims", "adapt_rows", "nearest_native", "runner_caps"]
 
 
 def runner_caps(device: torch.device) -> Optional[DeviceCaps]:
@@ -81,3 +88,36 @@ def adapt_rows(rows: list[tuple[str, RunConfig]], caps: Optional[DeviceCaps], su
             warnings.append(f"{src} rows of the default list run in {alt} here ({reason}): "
                             f"{', '.join(names)}. Name them in --techniques to run them in {src} anyway.")
     return out, subs, warnings
+
+
+# Optimizers whose update torchao compiles on first use, and what a CPU default-list row runs
+# instead (see the module docstring).
+COMPILED_OPTIMS = ("adamw-4bit", "adamw-8bit")
+CPU_OPTIM_SUBSTITUTE = "adafactor"
+
+
+def adapt_compiled_optims(rows: list[tuple[str, RunConfig]], device_type: str, substitute: bool
+                          ) -> tuple[list[tuple[str, RunConfig]], dict[str, dict[str, Any]], list[str]]:
+    """On a CPU, the default list's (``substitute``) low-bit AdamW rows run Adafactor instead.
+
+    Returns the rows, the substitutions by row name (``{"from", "to", "reason"}``, recorded as
+    the result's ``substituted_optim``) and the line to print up front. Rows the user named run
+    as asked.
+    """
+    if not substitute or device_type != "cpu":
+        return rows, {}, []
+    out: list[tuple[str, RunConfig]] = []
+    subs: dict[str, dict[str, Any]] = {}
+    reason = ("torchao compiles its low-bit AdamW update on first use, ~95 s on 2 CPU cores with a cold "
+              "compile cache")
+    for name, cfg in rows:
+        optim = cfg.technique.optim
+        if optim in COMPILED_OPTIMS:
+            subs[name] = {"from": optim, "to": CPU_OPTIM_SUBSTITUTE, "reason": reason}
+            cfg = cfg.replace(optim=CPU_OPTIM_SUBSTITUTE)
+        out.append((name, cfg))
+    notes = []
+    if subs:
+        notes.append(f"low-bit AdamW rows of the default list run {CPU_OPTIM_SUBSTITUTE} on this CPU ({reason}): "
+                     f"{', '.join(subs)}. Name them in --techniques to run torchao's optimizer anyway.")
+    return out, subs, notes

@@ -1,8 +1,10 @@
 """Run a list of techniques, each in its own subprocess, appending results as they finish.
 
 Resumable: a row already in ``results.jsonl`` with status ok and the same resolved config is
-skipped (``force`` reruns it). After every row the report (Markdown, CSV, JSON, plots) is
-rebuilt, so an interrupted bench still leaves a complete report of what finished.
+skipped (``force`` reruns it). After every row the report's tables (Markdown, CSV, JSON) are
+rebuilt, so an interrupted bench still leaves a complete report of what finished; the plots are
+drawn by the caller (``memtrain bench`` draws them at the end and when interrupted;
+``memtrain report DIR`` redraws everything).
 """
 
 from __future__ import annotations
@@ -101,14 +103,24 @@ def _maxbatch_spec(opts: BenchOptions, cfg: RunConfig) -> Optional[dict[str, Any
     }
 
 
-def run_row_subprocess(name: str, cfg: RunConfig, opts: BenchOptions, eta: Optional[Any] = None) -> dict[str, Any]:
-    """Run one row in a fresh Python process; return its result dict (with status)."""
+def trace_key(cfg: RunConfig) -> str:
+    """What a row's traced max-batch search depends on: its config less the seed (fake tensors
+    hold no values), so a ``-seed2`` noise row reuses its twin's answer instead of tracing again."""
+    return config_hash(cfg.replace(seed=0).to_dict())
+
+
+def run_row_subprocess(name: str, cfg: RunConfig, opts: BenchOptions, eta: Optional[Any] = None,
+                       known_max_batch: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Run one row in a fresh Python process; return its result dict (with status).
+    ``known_max_batch``: this bench's search result for a row with the same :func:`trace_key`."""
     row_dir = opts.out / "rows" / name.replace("/", "_").replace("=", "-").replace("+", "_")
     row_dir.mkdir(parents=True, exist_ok=True)
     cfg = cfg.replace(out=str(row_dir))
     distributed = cfg.technique.distributed != "none"
     # The max-batch search runs one process; it is not defined for a distributed row.
     spec: dict[str, Any] = {"config": cfg.to_dict(), "maxbatch": None if distributed else _maxbatch_spec(opts, cfg), "progress": opts.progress}
+    if spec["maxbatch"] and known_max_batch:
+        spec["maxbatch"]["known"] = known_max_batch
     with row_tmpdir() as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         heartbeat = Path(tmp) / "heartbeat.json"
@@ -166,22 +178,26 @@ def _wait(proc: subprocess.Popen, timeout_s: Optional[float], start: float, tick
 
 def run_bench(opts: BenchOptions, on_row: Optional[Callable[[str, dict[str, Any]], None]] = None) -> list[dict[str, Any]]:
     """Run every technique of ``opts`` not already done; return all rows of this bench."""
-    from memtrain.bench.device_rows import adapt_rows, runner_caps
+    from memtrain.bench.device_rows import adapt_compiled_optims, adapt_rows, runner_caps
     from memtrain.runtime import resolve_device
 
     rows = resolve_rows(opts)
-    caps = runner_caps(resolve_device(rows[0][1].train.device)) if rows else None
+    device = resolve_device(rows[0][1].train.device) if rows else None
+    caps = runner_caps(device) if device is not None else None
     rows, substituted, notes = adapt_rows(rows, caps, opts.substitute_slow)
-    for note in notes:  # once, up front, not once per row
+    rows, optim_subs, optim_notes = adapt_compiled_optims(rows, device.type if device is not None else "",
+                                                          opts.substitute_slow)
+    for note in notes + optim_notes:  # once, up front, not once per row
         print(f"warning: {note}", file=sys.stderr, flush=True)
     # One bench per folder: a second one would run every row twice under contention and
     # interleave its appends with ours. Held until the last row is appended.
     with FolderLock(opts.out, "memtrain bench"):
-        return _run_rows(opts, rows, substituted, on_row)
+        return _run_rows(opts, rows, substituted, on_row, optim_subs)
 
 
 def _run_rows(opts: BenchOptions, rows: list[tuple[str, RunConfig]], substituted: dict[str, Any],
-              on_row: Optional[Callable[[str, dict[str, Any]], None]]) -> list[dict[str, Any]]:
+              on_row: Optional[Callable[[str, dict[str, Any]], None]],
+              optim_subs: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
     from memtrain.bench.eta import BenchEta
     from memtrain.report import write_report
 
@@ -191,20 +207,30 @@ def _run_rows(opts: BenchOptions, rows: list[tuple[str, RunConfig]], substituted
     }
     keys = [(name, config_hash(cfg.to_dict())) for name, cfg in rows]
     eta = BenchEta(sum(k not in done for k in keys)) if opts.eta else None
+    names = [n for n, _ in rows]
+    searched: dict[str, dict[str, Any]] = {}  # trace_key -> a finished row's max-batch answer
     for (name, cfg), key in zip(rows, keys):
         if key in done:
             if on_row:
                 on_row(name, {**done[key], "skipped": True})
             continue
-        result = run_row_subprocess(name, cfg, opts, eta)
+        tkey = trace_key(cfg)
+        result = run_row_subprocess(name, cfg, opts, eta, known_max_batch=searched.get(tkey))
+        found = result.get("max_batch")
+        if isinstance(found, dict) and found.get("batch_size") and "reused_from" not in found:
+            searched.setdefault(tkey, {**found, "reused_from": name})
         if eta is not None:
             eta.row_finished(result)
         result.update({"technique": name, "description": describe(name), "scale": opts.scale,
                        "config_hash": key[1]})
         if name in substituted:
             result["substituted"] = substituted[name]
+        if optim_subs and name in optim_subs:
+            result["substituted_optim"] = optim_subs[name]
         append_result(opts.out, result)
         if on_row:
             on_row(name, result)
-        write_report(opts.out, techniques=[n for n, _ in rows])
-    return select_rows(read_results(opts.out), [n for n, _ in rows])
+        # The tables after every row, so an interrupted bench keeps them; the plots (most of a
+        # report's cost) are drawn once by the caller, at the end or on interruption.
+        write_report(opts.out, techniques=names, plots=False)
+    return select_rows(read_results(opts.out), names)

@@ -3,9 +3,10 @@
 A fresh process per row means a fresh allocator and compile cache, so one technique's memory
 state cannot leak into the next row's numbers, and a row that crashes takes only itself down.
 
-SPEC is a JSON file {"config": {...}, "maxbatch": {...} | null, "progress": bool}. The worker
-writes OUT (JSON) with ``status`` ok | oom | invalid | error and, when ok, the train result
-plus ``max_batch`` and ``estimate``. The exit code is 0 whenever OUT was written.
+SPEC is a JSON file {"config": {...}, "maxbatch": {...} | null, "progress": bool}; a
+"maxbatch" holding "known" (another row's answer, same config but the seed) is reused, not
+searched. The worker writes OUT (JSON) with ``status`` ok | oom | invalid | error and, when
+ok, the train result plus ``max_batch`` and ``estimate``. The exit code is 0 whenever OUT was written.
 
 Under torchrun (a distributed row) every rank runs the row and only rank 0 writes OUT; a
 failed rank other than 0 writes ``OUT.rankR`` instead, and a failed rank exits 1 so that
@@ -49,7 +50,11 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = train(cfg, progress=spec.get("progress", True), on_step=on_step)
     result["status"] = "ok"
     mb = spec.get("maxbatch")
-    if mb:
+    if mb and mb.get("known"):
+        # A row of this bench with the same config but the seed already searched: the trace
+        # holds no values, so the answer is the same (runner.trace_key).
+        result["max_batch"] = dict(mb["known"])
+    elif mb:
         from memtrain.analysis.maxbatch import find_max_batch
 
         try:

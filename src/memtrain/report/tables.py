@@ -62,6 +62,7 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "peak_phase": _get(r, "memory", "peak_phase") if ok else None,
             "precision": _get(r, "config", "technique", "precision"),
             "substituted_from": _get(r, "substituted", "from"),
+            "optim_substituted_to": _get(r, "substituted_optim", "to"),
         }
         for c in CATEGORIES:
             rec[f"{c}_bytes"] = _get(r, "memory", "by_category", c) if ok else None
@@ -123,6 +124,8 @@ def markdown_table(records: list[dict[str, Any]], columns: list[tuple[str, str, 
                 cell += f" ({rec.get('status')})"
             if key == "method" and rec.get("substituted_from"):
                 cell += f" [ran in {str(rec.get('precision')).upper()}*]"
+            if key == "method" and rec.get("optim_substituted_to"):
+                cell += f" [ran {OPTIM_NAMES.get(rec['optim_substituted_to'], rec['optim_substituted_to'])}\u2020]"
             cells.append(cell)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -157,7 +160,7 @@ def markdown_report(rows: list[dict[str, Any]], missing: list[str], header: Call
         ]
         parts += device_lines(rows) + [""]
     parts += [markdown_table(records, COLUMNS), ""]
-    parts += substitution_lines(rows) + mfu_lines(rows)
+    parts += substitution_lines(rows) + optim_substitution_lines(rows) + mfu_lines(rows)
     parts += [
         "Peak memory (tracked) is the largest total of live tensor storage during a steady-state "
         "training step, counted by memtrain's meter on every device; Peak Allocated is "
@@ -229,6 +232,21 @@ def substitution_lines(rows: list[dict[str, Any]]) -> list[str]:
     return [f"\\* This device has no native BF16, so in this default list {what} (the technique's "
             "memory and speed effects other than precision are kept; a BF16 row's own numbers need a device "
             "with native BF16). Name a row in `--techniques` to run it in BF16 anyway.", ""]
+
+
+OPTIM_NAMES = {"adafactor": "Adafactor", "adamw-4bit": "4-bit AdamW", "adamw-8bit": "8-bit AdamW"}
+
+
+def optim_substitution_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The footnote of rows marked ``[ran Adafactor\u2020]`` (bench/device_rows.py says why)."""
+    subs = [r["substituted_optim"] for r in rows if isinstance(r.get("substituted_optim"), dict)]
+    if not subs:
+        return []
+    pairs = sorted({(OPTIM_NAMES.get(s["from"], s["from"]), OPTIM_NAMES.get(s["to"], s["to"])) for s in subs})
+    what = "; ".join(f"{a} rows ran {b}" for a, b in pairs)
+    return [f"\u2020 On this CPU, in this default list, {what} ({subs[0].get('reason', '')}); the row still "
+            "shows the lowest memory, Adafactor's factored state being smaller still. Name the row in "
+            "`--techniques` to run torchao's optimizer.", ""]
 
 
 def mfu_lines(rows: list[dict[str, Any]]) -> list[str]:

@@ -1,0 +1,117 @@
+"""What keeps the default `memtrain bench` within minutes on 2 CPU cores: rows import only what
+they use, the max-batch search confirms the analytic answer in two probes, and on a CPU the
+default list's low-bit AdamW rows run Adafactor (no inductor compile), saying so."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import TINY_MODEL
+from memtrain.bench.device_rows import adapt_compiled_optims
+from memtrain.bench.presets import DEFAULT_TECHNIQUES, NOISE_ROW, describe
+from memtrain.bench.runner import BenchOptions, resolve_rows
+from memtrain.report.tables import markdown_report
+
+
+def _imported_after(code: str) -> dict[str, bool]:
+    """Which heavy packages a fresh interpreter has imported after running ``code``."""
+    probe = (code + "\nimport json, sys\n"
+             "print(json.dumps({m: m in sys.modules for m in ('torchao', 'transformers', 'datasets', "
+             "'matplotlib', 'torch.distributed.checkpoint')}))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_worker_and_train_import_no_optional_heavy_packages():
+    seen = _imported_after("import memtrain.bench.worker, memtrain.train")
+    assert not any(seen.values()), seen
+
+
+def test_a_traced_step_of_memtrains_model_does_not_import_transformers():
+    # Each max-batch probe traces a step; importing transformers there cost about as long as
+    # importing torch, per row.
+    cfg = json.dumps({**TINY_MODEL, "vocab_size": 128, "seq_len": 16, "batch_size": 2, "device": "cpu"})
+    seen = _imported_after(
+        "from memtrain.config import build_config\nfrom memtrain.analysis.trace import trace_step\n"
+        f"assert trace_step(build_config({cfg}))['peak_bytes'] > 0")
+    assert not seen["transformers"] and not seen["torchao"], seen
+
+
+def test_default_list_on_cpu_runs_adafactor_for_low_bit_adamw():
+    rows = resolve_rows(BenchOptions(techniques=DEFAULT_TECHNIQUES + [NOISE_ROW]))
+    out, subs, notes = adapt_compiled_optims(rows, "cpu", substitute=True)
+    assert set(subs) == {"lowest-memory"}
+    assert subs["lowest-memory"]["from"] == "adamw-4bit" and subs["lowest-memory"]["to"] == "adafactor"
+    before, after = dict(rows), dict(out)
+    assert after["lowest-memory"].technique.optim == "adafactor"
+    # Only the optimizer changes; every other row is untouched.
+    assert after["lowest-memory"].replace(optim="adamw-4bit") == before["lowest-memory"]
+    assert all(after[n] == before[n] for n in before if n != "lowest-memory")
+    assert len(notes) == 1 and "lowest-memory" in notes[0] and "--techniques" in notes[0]
+    # Named rows run as asked, and so does every row on CUDA.
+    assert adapt_compiled_optims(rows, "cpu", substitute=False) == (rows, {}, [])
+    assert adapt_compiled_optims(rows, "cuda", substitute=True) == (rows, {}, [])
+
+
+def test_report_marks_the_optimizer_substitution():
+    sub = {"from": "adamw-4bit", "to": "adafactor", "reason": "torchao compiles it"}
+    rows = [{"technique": name, "description": describe(name), "status": "ok", "val_ppl": 1000.0,
+             "config": {"model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "d_ff": 64, "vocab_size": 50257},
+                        "train": {"batch_size": 4, "seq_len": 32, "steps": 30, "lr": 1e-3, "warmup_steps": 3},
+                        "data": {"data": "default"}, "technique": {"precision": "fp32"}},
+             "memory": {"peak_bytes": 1, "by_category": {}}, "step_time_s": {"median": 0.1},
+             "env": {"device": "cpu"}, **extra}
+            for name, extra in (("baseline", {}), ("lowest-memory", {"substituted_optim": sub}))]
+    md = markdown_report(rows, [])
+    assert "Lowest memory (ckpt + chunked + 4-bit AdamW) [ran Adafactor\u2020]" in md
+    assert "\u2020 On this CPU, in this default list, 4-bit AdamW rows ran Adafactor (torchao compiles it)" in md
+    assert "[ran Adafactor" not in md.split("Lowest memory")[0]  # the baseline row is unmarked
+
+
+def test_bench_records_the_optimizer_substitution(small_corpus, tmp_path):
+    """A real default-list row in its subprocess: Adafactor ran, the result and report say so."""
+    from memtrain.bench.runner import run_bench
+
+    overrides = {**TINY_MODEL, "data": str(small_corpus), "steps": 2, "warmup_steps": 1, "batch_size": 2,
+                 "seq_len": 32, "val_blocks": 2, "precision": "fp32", "device": "cpu"}
+    opts = BenchOptions(techniques=["lowest-memory"], out=tmp_path / "b", overrides=overrides,
+                        maxbatch=False, progress=False, substitute_slow=True, eta=False)
+    (row,) = run_bench(opts)
+    assert row["status"] == "ok", row.get("error")
+    assert row["config"]["technique"]["optim"] == "adafactor"
+    assert row["substituted_optim"]["from"] == "adamw-4bit"
+    assert "[ran Adafactor\u2020]" in (tmp_path / "b" / "report.md").read_text()
+    # The runner rebuilt the tables after the row but left the plots to its caller (the CLI
+    # draws them once, at the end or when interrupted).
+    assert not list((tmp_path / "b").glob("*.png"))
+
+
+def test_write_report_without_plots_writes_the_tables_only(tmp_path):
+    from memtrain.report import write_report
+    from memtrain.results import append_result
+
+    append_result(tmp_path, {"technique": "baseline", "status": "error", "error": "x"})
+    summary = write_report(tmp_path, techniques=["baseline"], plots=False)
+    assert summary["plots"] == [] and not list(tmp_path.glob("*.png"))
+    assert all((tmp_path / f).is_file() for f in ("report.md", "report.csv", "report.json"))
+
+
+def test_noise_row_reuses_its_twins_max_batch_search(small_corpus, tmp_path):
+    """The traced search holds no values: the -seed2 row takes the baseline's answer, not a new trace."""
+    from memtrain.bench.runner import run_bench, trace_key
+
+    overrides = {**TINY_MODEL, "data": str(small_corpus), "steps": 2, "warmup_steps": 1, "batch_size": 2,
+                 "seq_len": 32, "val_blocks": 2, "device": "cpu"}
+    opts = BenchOptions(techniques=["baseline", NOISE_ROW], out=tmp_path / "b", overrides=overrides,
+                        memory_budget="64MiB", max_batch=8, progress=False, eta=False)
+    rows = dict(resolve_rows(opts))
+    assert trace_key(rows["baseline"]) == trace_key(rows[NOISE_ROW])
+    assert trace_key(rows["baseline"]) != trace_key(rows["baseline"].replace(batch_size=3))
+    first, second = run_bench(opts)
+    assert first["status"] == second["status"] == "ok"
+    assert "reused_from" not in first["max_batch"] and first["max_batch"]["batch_size"] >= 1
+    assert second["max_batch"]["reused_from"] == "baseline"
+    assert second["max_batch"]["batch_size"] == first["max_batch"]["batch_size"]
+    assert second["max_batch"]["probes"] == first["max_batch"]["probes"]
