@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,12 +24,8 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Tiny models: one thread (conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model_dir(root: Path, family: str, n_layers: int, **overrides) -> Path:

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,12 +23,8 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Tiny models: one thread (conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

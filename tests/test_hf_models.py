@@ -33,13 +33,8 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models on a shared 2-core machine run ~10x faster on one thread than on two busy ones."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Tiny models: one thread (conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _corpus_texts() -> list[str]:

@@ -150,9 +150,7 @@ def run(args: argparse.Namespace) -> int:
         from memtrain.analysis.trace import trace_step
 
         traced = trace_step(cfg, args.trace_device or device_type)
-        out["trace"] = {"peak_bytes": traced["peak_bytes"], "by_category": traced["by_category"],
-                        "peak_phase": traced["peak_phase"], "device_type": traced["device_type"],
-                        "error": est.peak_bytes / traced["peak_bytes"] - 1 if traced["peak_bytes"] else None}
+        out["trace"] = _trace_check(traced, est.peak_bytes)
     if args.json:
         print(json.dumps(out, indent=2, default=float))
         return 0
@@ -286,10 +284,8 @@ def _run_hf_analytic(args: argparse.Namespace, cfg: Any, device_type: str) -> in
            **est.to_dict()}
     if args.trace:
         traced = trace_any_depth(cfg, device_type)
-        out["trace"] = {"peak_bytes": traced["peak_bytes"], "by_category": traced["by_category"],
-                        "peak_phase": traced["peak_phase"], "device_type": traced["device_type"],
-                        "method": traced["method"], "probe_layers": traced["probe_layers"],
-                        "error": est.peak_bytes / traced["peak_bytes"] - 1 if traced["peak_bytes"] else None}
+        out["trace"] = _trace_check(traced, est.peak_bytes, method=traced["method"],
+                                    probe_layers=traced["probe_layers"])
     if args.json:
         print(json.dumps(out, indent=2, default=float))
         return 0
@@ -314,3 +310,11 @@ def _run_hf_analytic(args: argparse.Namespace, cfg: Any, device_type: str) -> in
 
 register("estimate", "Predict training (or inference) memory by component without running it; --trace to check with fake tensors.",
          add_args, run)
+
+
+def _trace_check(traced: dict[str, Any], estimated_peak: float, **how: Any) -> dict[str, Any]:
+    """The ``trace`` entry of ``estimate --trace``: the traced step, how it was traced (``how``),
+    and the estimate's error against it."""
+    return {"peak_bytes": traced["peak_bytes"], "by_category": traced["by_category"],
+            "peak_phase": traced["peak_phase"], "device_type": traced["device_type"], **how,
+            "error": estimated_peak / traced["peak_bytes"] - 1 if traced["peak_bytes"] else None}
