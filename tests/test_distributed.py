@@ -228,7 +228,7 @@ def test_bad_combinations_are_config_errors(tiny_run, monkeypatch):
 
 
 def test_deepspeed_config_maps_options():
-    from memtrain.techniques.distributed import deepspeed_config
+    from memtrain.techniques.distributed.deepspeed_engine import deepspeed_config
 
     cfg = build_config({"distributed": "deepspeed-zero3", "batch_size": 4, "grad_accum": 2, "grad_clip": 0.5,
                         "precision": "bf16", "cpu_offload": True})
@@ -256,7 +256,8 @@ def test_fully_shard_keeps_weight_tying_and_no_sync_skips_reduction(one_rank_gro
 
     from memtrain.config import ModelConfig
     from memtrain.model import GPT
-    from memtrain.techniques.distributed import DistContext, apply_distributed
+    from memtrain.techniques.distributed.session import DistContext
+    from memtrain.techniques.distributed.wrapping import apply_distributed
     from memtrain.techniques.precision import make_precision
 
     torch.manual_seed(0)

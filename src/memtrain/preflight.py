@@ -165,7 +165,7 @@ def check_before_launch(cfg: RunConfig, nproc: int) -> None:
     combinations, and a sharded checkpoint's rank count and per-rank files, so that bad
     input costs no process start and no rendezvous."""
     from memtrain.runtime import resolve_device
-    from memtrain.techniques.distributed import check_combination
+    from memtrain.techniques.distributed.validation import check_combination
 
     if cfg.technique.distributed == "none":
         raise ConfigError(f"--nproc-per-node {nproc} starts data-parallel ranks; add --distributed ddp "

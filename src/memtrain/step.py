@@ -172,7 +172,7 @@ def build_state(cfg: RunConfig, device: torch.device, precision: Optional[Precis
     ``base``: an already built model (the tracer builds it on fake tensors); otherwise it is
     built here through :func:`memtrain.models.build_model`, the one seam a model family plugs
     into. ``prepare_context`` wraps the technique pass (the tracer's fake-safe ``Module.to``).
-    ``dist_ctx`` (:class:`memtrain.techniques.distributed.DistContext`) wraps the optimizer and
+    ``dist_ctx`` (:class:`memtrain.techniques.distributed.session.DistContext`) wraps the optimizer and
     supplies the step function and no-sync context.
     """
     if precision is None:

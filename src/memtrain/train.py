@@ -35,7 +35,7 @@ from memtrain.results import FolderLock
 from memtrain.runtime import environment, resolve_device, seed_everything
 from memtrain.step import Batch, TrainState, build_state, lr_lambda, run_step, train_step
 from memtrain.techniques import Precision, make_precision
-from memtrain.techniques.distributed import DistContext, distributed_session
+from memtrain.techniques.distributed.session import DistContext, distributed_session
 
 # lr_lambda and train_step live in the step harness (memtrain.step); kept importable from here.
 __all__ = ["Batch", "LossDiverged", "evaluate", "lr_lambda", "train", "train_step"]
