@@ -22,7 +22,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from memtrain.analysis.estimate import estimate
 from memtrain.config import ConfigError, build_config
+from memtrain.extras import quiet_third_party
+from memtrain.notices import SlowPrecisionWarning
 from memtrain.results import write_json_atomic
 
 
@@ -64,7 +67,6 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
         except (ConfigError, RuntimeError) as exc:
             result["max_batch"] = {"batch_size": None, "error": str(exc).splitlines()[0]}
     try:
-        from memtrain.analysis.estimate import estimate
         from memtrain.runtime import resolve_device
 
         # The analytic prediction of the same run, shown beside the measurement in the report.
@@ -75,14 +77,10 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    from memtrain.extras import quiet_third_party
-
     quiet_third_party()
     spec_path, out_path = Path(argv[0]), Path(argv[1])
     spec = json.loads(spec_path.read_text())
     import warnings
-
-    from memtrain.notices import SlowPrecisionWarning
 
     # The runner already said, once and up front, which rows run a precision that is slow here.
     warnings.filterwarnings("ignore", category=SlowPrecisionWarning)
