@@ -191,7 +191,7 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
 def _launch_ranks(args: argparse.Namespace, cfg: RunConfig) -> int:
     """``--nproc-per-node N``: check everything a rank could refuse, hold the --out lock,
     then start the ranks (memtrain.launch)."""
-    from memtrain.launch import launch
+    from memtrain.launch import launch  # looked up at call time: tests stand in for it
 
     if "WORLD_SIZE" in os.environ:
         raise ConfigError("--nproc-per-node starts the ranks itself; under torchrun drop it (or run without torchrun)")
@@ -201,7 +201,7 @@ def _launch_ranks(args: argparse.Namespace, cfg: RunConfig) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from memtrain.train import train
+    from memtrain.train import train  # torch-free --help/estimate/plan
 
     cfg = config_from_args(args)
     if getattr(args, "nproc_per_node", None) and not launched_by_memtrain():

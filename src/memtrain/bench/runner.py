@@ -92,7 +92,7 @@ def resolve_rows(opts: BenchOptions) -> list[tuple[str, RunConfig]]:
 def _maxbatch_spec(opts: BenchOptions, cfg: RunConfig) -> Optional[dict[str, Any]]:
     if not opts.maxbatch:
         return None
-    from memtrain.runtime import resolve_device
+    from memtrain.runtime import resolve_device  # torch-free --help/estimate/plan
 
     device = resolve_device(cfg.train.device)
     budget = opts.memory_budget or (SCALE_BUDGET.get(opts.scale) if device.type == "cpu" else None)
@@ -180,8 +180,12 @@ def _wait(proc: subprocess.Popen, timeout_s: Optional[float], start: float, tick
 
 def run_bench(opts: BenchOptions, on_row: Optional[Callable[[str, dict[str, Any]], None]] = None) -> list[dict[str, Any]]:
     """Run every technique of ``opts`` not already done; return all rows of this bench."""
-    from memtrain.bench.device_rows import adapt_compiled_optims, adapt_rows, runner_caps
-    from memtrain.runtime import resolve_device
+    from memtrain.bench.device_rows import (  # torch-free --help/estimate/plan
+        adapt_compiled_optims,
+        adapt_rows,
+        runner_caps,
+    )
+    from memtrain.runtime import resolve_device  # torch-free --help/estimate/plan
 
     rows = resolve_rows(opts)
     device = resolve_device(rows[0][1].train.device) if rows else None

@@ -194,7 +194,7 @@ def traced_estimate(cfg: Any, device_type: str, full_trace: bool = False) -> dic
     layer; with ``full_trace``, for shallow models, or where the depth is not affine)."""
     import time
 
-    from memtrain.analysis.depth_trace import trace_any_depth
+    from memtrain.analysis.depth_trace import trace_any_depth  # torch-free --help/estimate/plan
 
     start = time.perf_counter()
     traced = trace_any_depth(cfg, device_type, full=full_trace)
@@ -204,7 +204,7 @@ def traced_estimate(cfg: Any, device_type: str, full_trace: bool = False) -> dic
     # its error, so nobody mistakes it for the answer.
     analytic = None
     try:
-        from memtrain.models.spec import cost_arch
+        from memtrain.models.spec import cost_arch  # torch-free --help/estimate/plan
 
         e = estimate(cfg, cost_arch(cfg.model.model), device_type)
         analytic = {"peak_bytes": e.peak_bytes, "bytes": e.bytes,
@@ -268,7 +268,7 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
 def _run_hf_analytic(args: argparse.Namespace, cfg: Any, device_type: str) -> int:
     """A transformers family the analytic model covers (memtrain.analysis.estimate.hf): the
     analytic estimate, with --trace the (extrapolated) trace beside it and the error."""
-    from memtrain.analysis.depth_trace import trace_any_depth
+    from memtrain.analysis.depth_trace import trace_any_depth  # torch-free --help/estimate/plan
 
     est = analytic_estimate(cfg, device_type)
     assert est is not None

@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
                               "for counted FLOPs and bytes (they do not need a GPU)")
         if cfg.train.device == "cpu":
             raise ConfigError("--profile needs --device cuda (or auto); the roofline is a GPU's")
-        from memtrain.runtime import device_name, resolve_device
+        from memtrain.runtime import device_name, resolve_device  # torch-free --help/estimate/plan
 
         measured = profile_op_classes(cfg, steps=args.profile_steps)
         device = device_name(resolve_device(cfg.train.device))

@@ -22,7 +22,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memtrain.analysis.maxbatch import find_max_batch
+    from memtrain.analysis.maxbatch import find_max_batch  # torch-free --help/estimate/plan
 
     cfg = config_from_args(args, derive_max_seq_len=True)
     budget = parse_size(args.memory_budget) if args.memory_budget else None

@@ -295,7 +295,7 @@ def _zero1_partition(params: list[ParamInfo], world: int) -> list[list[ParamInfo
     """The tensors whose state each rank keeps under ``--distributed zero1``
     (:class:`memtrain.techniques.zero1.ShardedZeRO1`): rank r's dim-0 chunk of every tensor,
     ``torch.chunk``'s split (ceil(rows / N) rows each, the last ranks fewer or none)."""
-    from memtrain.techniques.zero1 import dim0_range
+    from memtrain.techniques.zero1 import dim0_range  # torch-free --help/estimate/plan
 
     out: list[list[ParamInfo]] = [[] for _ in range(world)]
     for p in params:
