@@ -18,8 +18,20 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from memtrain.config import SECTIONS, ConfigError, RunConfig, build_config, load_config_file
-from memtrain.results import write_json_atomic  # noqa: F401 - re-exported: older code imports it from here
+import memtrain.commands as commands
+from memtrain import __version__
+from memtrain.aliases import ALIASES, switch_value
+from memtrain.argtypes import positive_int
+from memtrain.config import SECTIONS, ConfigError, RunConfig, build_config, flatten, load_config_file
+from memtrain.extras import quiet_third_party
+from memtrain.notices import install_warning_format
+from memtrain.preflight import check_before_launch
+from memtrain.rank_errors import begin_command, error_line, launched_by_memtrain, say_error
+from memtrain.results import (
+    FolderLock,
+    write_json_atomic,  # noqa: F401 - re-exported: older code imports it from here
+)
+from memtrain.signals import sigterm_as_interrupt
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,8 +75,6 @@ class _SwitchAlias(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: Optional[str] = None) -> None:
-        from memtrain.aliases import switch_value
-
         try:
             value = switch_value(self.alias, values)
         except ValueError as exc:
@@ -75,7 +85,6 @@ class _SwitchAlias(argparse.Action):
 
 def _add_aliases(parser: argparse.ArgumentParser, targets: set[str]) -> None:
     """The Trainer's option names (memtrain.aliases) whose field this verb uses."""
-    from memtrain.aliases import ALIASES
 
     chosen = [a for a in ALIASES if a.field in targets]
     if not chosen:
@@ -143,8 +152,6 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = 
     file_layer = load_config_file(args.config) if getattr(args, "config", None) else {}
     layers = [base or {}, file_layer, flags]
     if derive_max_seq_len:
-        from memtrain.config import flatten
-
         merged: dict[str, Any] = {}
         for layer in layers:
             merged.update(flatten(layer))
@@ -172,7 +179,6 @@ def fmt_bytes(n: Optional[float]) -> str:
 def add_train_flags(parser: argparse.ArgumentParser) -> None:
     """train's flags: every config field, and how many ranks to start (not a config field:
     it says how the run is launched, not what it computes)."""
-    from memtrain.argtypes import positive_int
 
     add_config_flags(parser)
     parser.add_argument("--nproc-per-node", dest="nproc_per_node", type=positive_int, default=None, metavar="N",
@@ -185,9 +191,7 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
 def _launch_ranks(args: argparse.Namespace, cfg: RunConfig) -> int:
     """``--nproc-per-node N``: check everything a rank could refuse, hold the --out lock,
     then start the ranks (memtrain.launch)."""
-    from memtrain.launch import launch
-    from memtrain.preflight import check_before_launch
-    from memtrain.results import FolderLock
+    from memtrain.launch import launch  # looked up at call time: tests stand in for it
 
     if "WORLD_SIZE" in os.environ:
         raise ConfigError("--nproc-per-node starts the ranks itself; under torchrun drop it (or run without torchrun)")
@@ -197,8 +201,7 @@ def _launch_ranks(args: argparse.Namespace, cfg: RunConfig) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from memtrain.rank_errors import launched_by_memtrain
-    from memtrain.train import train
+    from memtrain.train import train  # torch-free --help/estimate/plan
 
     cfg = config_from_args(args)
     if getattr(args, "nproc_per_node", None) and not launched_by_memtrain():
@@ -212,7 +215,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     # SIGTERM (kill, a job scheduler) stops like Ctrl-C: finally blocks run, scratch is removed,
     # exit 130. Not under torchrun, whose launcher owns its workers' signals.
-    from memtrain.signals import sigterm_as_interrupt
 
     guard = sigterm_as_interrupt() if "WORLD_SIZE" not in os.environ else contextlib.nullcontext()
     with guard:
@@ -256,8 +258,6 @@ def _load_commands() -> None:
     import importlib
     import pkgutil
 
-    import memtrain.commands as commands
-
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
         importlib.import_module(f"memtrain.commands.{info.name}")
 
@@ -265,7 +265,6 @@ def _load_commands() -> None:
 def build_parser() -> argparse.ArgumentParser:
     _load_commands()
     parser = _Parser(prog="memtrain", description="Train Transformer LMs under memory limits and measure what each technique buys.")
-    from memtrain import __version__
 
     parser.add_argument("--version", action="version", version=f"memtrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -279,8 +278,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from memtrain.rank_errors import begin_command
-
     begin_command()
     try:
         return _main(argv)
@@ -298,8 +295,6 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     args._argv = argv  # memtrain.launch hands the same command line to every rank
     if getattr(args, "verbose", False):
         os.environ["MEMTRAIN_VERBOSE"] = "1"
-    from memtrain.extras import quiet_third_party
-    from memtrain.notices import install_warning_format
 
     quiet_third_party()
     install_warning_format()
@@ -324,8 +319,6 @@ def _main(argv: Optional[Sequence[str]]) -> int:
 
 
 def _say(line: str, code: int, every_rank: bool = True) -> None:
-    from memtrain.rank_errors import say_error
-
     say_error(line, code, every_rank)
 
 
@@ -333,7 +326,6 @@ def _failure(exc: BaseException) -> int:
     """Exit 1 with the reason on one line (the traceback with MEMTRAIN_DEBUG=1)."""
     if os.environ.get("MEMTRAIN_DEBUG"):
         raise exc
-    from memtrain.rank_errors import error_line
 
     _say(error_line(exc), 1)
     return 1

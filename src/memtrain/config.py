@@ -75,7 +75,7 @@ class ModelConfig:
         if self.model is not None:
             # The shape fields mirror the chosen model, so every reader of cfg.model (random
             # batches, FLOP rules, --seq-len/--lora-rank checks) sees its real shape.
-            from memtrain.models.spec import mirrored_fields, preset_fields
+            from memtrain.models.spec import mirrored_fields, preset_fields  # torch-free --help/estimate/plan
 
             for name, value in (preset_fields(self.model) or mirrored_fields(self.model)).items():
                 setattr(self, name, value)

@@ -42,6 +42,7 @@ from memtrain.rank_errors import agreement
 if TYPE_CHECKING:  # the harness imports the techniques (torch models); a checkpoint only reads it
     from memtrain.step import TrainState
 from memtrain.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError, read_metadata
+from memtrain.techniques.zero1 import ShardedZeRO1
 
 FORMAT = "memtrain-dcp-1"
 META = "meta.json"
@@ -49,7 +50,6 @@ META = "meta.json"
 
 def _zero1_local(optimizer: Any) -> Any:
     """The rank-local optimizer of ZeRO-1 (:class:`ShardedZeRO1`), else None."""
-    from memtrain.techniques.zero1 import ShardedZeRO1
 
     return optimizer.optim if isinstance(optimizer, ShardedZeRO1) else None
 

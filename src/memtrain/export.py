@@ -26,12 +26,13 @@ import torch
 
 from memtrain.checkpoint import read_state
 from memtrain.config import ConfigError, RunConfig, build_config
+from memtrain.data.tokenizer import EOT_ID, vocab_dir
+from memtrain.extras import require
 from memtrain.model import GPT
+from memtrain.techniques.lora import apply_lora, merge_lora
 
 
 def _require_transformers() -> Any:
-    from memtrain.extras import require
-
     return require("transformers")
 
 
@@ -47,8 +48,6 @@ def load_trained(ckpt: str | Path) -> tuple[GPT, RunConfig]:
     cfg = build_config(state["config"])
     model = GPT(cfg.model)
     if cfg.technique.lora_rank:
-        from memtrain.techniques.lora import apply_lora, merge_lora
-
         apply_lora(model, cfg.technique)
         model.load_state_dict(state["model"])
         model = merge_lora(model)
@@ -61,7 +60,6 @@ def hf_config(cfg: RunConfig) -> Any:
     """The ``GPT2Config`` of our model's shape."""
     transformers = _require_transformers()
     m = cfg.model
-    from memtrain.data.tokenizer import EOT_ID
 
     return transformers.GPT2Config(
         vocab_size=m.vocab_size, n_positions=m.max_seq_len, n_embd=m.d_model, n_layer=m.n_layers,
@@ -126,7 +124,6 @@ def save_tokenizer(out: Path) -> None:
     import shutil
 
     transformers = _require_transformers()
-    from memtrain.data.tokenizer import vocab_dir
 
     d = vocab_dir()
     shutil.copyfile(d / "encoder.json", out / "vocab.json")

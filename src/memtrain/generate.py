@@ -8,13 +8,13 @@ from pathlib import Path
 import torch
 
 from memtrain.config import ConfigError
+from memtrain.data.tokenizer import EOT_ID, get_tokenizer
+from memtrain.export import _require_transformers, load_trained, to_hf_model
 
 
 def generate(model_path: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int,
              num_samples: int, seed: int) -> list[str]:
     """``num_samples`` continuations of ``prompt`` (the new text only)."""
-    from memtrain.data.tokenizer import EOT_ID, get_tokenizer
-    from memtrain.export import _require_transformers, load_trained, to_hf_model
 
     transformers = _require_transformers()
     if model_path.is_dir():

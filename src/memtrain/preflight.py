@@ -88,8 +88,8 @@ def check_destinations(cfg: RunConfig) -> None:
 def check_vocab(cfg: RunConfig) -> None:
     """The embedding table holds every id the tokenizer can emit (else an index error after
     a long tokenization)."""
-    from memtrain.data.tokenizer import N_VOCAB, TOKENIZER_NAME
-    from memtrain.models import is_hf
+    from memtrain.data.tokenizer import N_VOCAB, TOKENIZER_NAME  # torch loads only when this runs
+    from memtrain.models import is_hf  # torch loads only when this runs
 
     if is_hf(cfg):
         return  # a transformers model brings its own tokenizer; memtrain.models checks that pair
@@ -164,8 +164,8 @@ def check_before_launch(cfg: RunConfig, nproc: int) -> None:
     checks each rank makes (destinations, vocabulary, resume), the strategy and its
     combinations, and a sharded checkpoint's rank count and per-rank files, so that bad
     input costs no process start and no rendezvous."""
-    from memtrain.runtime import resolve_device
-    from memtrain.techniques.distributed.validation import check_combination
+    from memtrain.runtime import resolve_device  # torch loads only when this runs
+    from memtrain.techniques.distributed.validation import check_combination  # torch loads only when this runs
 
     if cfg.technique.distributed == "none":
         raise ConfigError(f"--nproc-per-node {nproc} starts data-parallel ranks; add --distributed ddp "

@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import torch
 
+import memtrain
 from memtrain.config import ConfigError
 
 
@@ -61,7 +62,6 @@ def device_name(device: torch.device) -> str:
 
 def environment(device: torch.device) -> dict[str, Any]:
     """What produced a result: device, software versions, commit."""
-    import memtrain
 
     env: dict[str, Any] = {
         "device": device_name(device),

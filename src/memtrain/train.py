@@ -167,7 +167,10 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     if dist_ctx.enabled:
         # Imported only here: torch.distributed.checkpoint pulls in DTensor and most of a
         # bench row's import time (measured with python -X importtime), for runs that never use it.
-        from memtrain.distributed_checkpoint import load_checkpoint as dcp_load, save_checkpoint as dcp_save
+        from memtrain.distributed_checkpoint import (  # torch.distributed.checkpoint loads only when used
+            load_checkpoint as dcp_load,
+            save_checkpoint as dcp_save,
+        )
 
         save_ckpt, load_ckpt = dcp_save, dcp_load
 

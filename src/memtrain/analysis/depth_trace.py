@@ -32,7 +32,10 @@ from typing import Any, Optional
 
 from memtrain.analysis.trace import trace_step
 from memtrain.config import RunConfig
+from memtrain.models import is_hf
 from memtrain.models.depth import layer_count
+from memtrain.models.spec import load_config
+from memtrain.techniques.facts import checkpoint_policy
 
 __all__ = ["probe_depths", "extrapolated_trace", "trace_any_depth", "NotAffine"]
 
@@ -43,7 +46,6 @@ class NotAffine(Exception):
 
 def _period(cfg: RunConfig) -> tuple[int, str]:
     """(K, policy for the probes): the layers repeat every K; ``sqrt`` fixed at the real depth."""
-    from memtrain.techniques.facts import checkpoint_policy
 
     policy = cfg.technique.checkpointing
     parsed = checkpoint_policy(policy)
@@ -59,7 +61,6 @@ def _period(cfg: RunConfig) -> tuple[int, str]:
 def probe_depths(cfg: RunConfig) -> Optional[tuple[int, int, str]]:
     """(L1, L2, checkpointing policy of the probes), or None when tracing every layer is as
     cheap (L2 >= L) or the layers are not all of one kind."""
-    from memtrain.models.spec import load_config
 
     n = cfg.model.n_layers
     types = getattr(load_config(cfg.model.model), "layer_types", None)
@@ -122,7 +123,6 @@ def trace_any_depth(cfg: RunConfig, device_type: str = "cpu", full: bool = False
     """The step's trace: extrapolated from two shallow probes when the model is deep enough
     and its memory is affine in depth, else (or with ``full``) every layer traced. The result
     says which in ``method`` ("extrapolated" or "trace")."""
-    from memtrain.models import is_hf
 
     if not full and is_hf(cfg):
         try:

@@ -20,7 +20,14 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from memtrain.analysis.estimate import estimate
+from memtrain.analysis.trace import trace_peak_bytes
 from memtrain.config import ConfigError, RunConfig
+from memtrain.metrics import MemoryMeter, device_peak_memory
+from memtrain.models import is_hf
+from memtrain.runtime import resolve_device
+from memtrain.step import build_state, measure_steps, random_micro_batches
+from memtrain.techniques import make_precision
 
 Probe = Callable[[RunConfig, int], Optional[int]]  # -> peak bytes, or None when it did not fit
 
@@ -44,10 +51,6 @@ def measure_step_memory(cfg: RunConfig, batch: int) -> Optional[dict[str, Any]]:
     None on a CUDA out-of-memory error. On CUDA the meter is off (it would slow the step and
     the allocator's own peak is the number that decides whether a batch fits). Built and
     stepped by the step harness (:mod:`memtrain.step`), as a training run is."""
-    from memtrain.metrics import MemoryMeter, device_peak_memory
-    from memtrain.runtime import resolve_device
-    from memtrain.step import build_state, measure_steps, random_micro_batches
-    from memtrain.techniques import make_precision
 
     device = resolve_device(cfg.train.device)
     state = meter = None
@@ -85,7 +88,6 @@ def measured_step_peak(cfg: RunConfig, batch: int) -> Optional[int]:
 
 def traced_step_peak(cfg: RunConfig, batch: int) -> Optional[int]:
     """Peak bytes of a training step traced under fake tensors (nothing allocated)."""
-    from memtrain.analysis.trace import trace_peak_bytes
 
     return int(trace_peak_bytes(cfg.replace(batch_size=batch)))
 
@@ -118,9 +120,6 @@ def _analytic_guess(cfg: RunConfig, budget_bytes: Optional[int], multiple_of: in
     if budget_bytes is None:
         return None
     try:
-        from memtrain.analysis.estimate import estimate
-        from memtrain.models import is_hf
-
         if is_hf(cfg):
             return None  # a transformers model is traced, not modelled analytically
 
@@ -142,7 +141,6 @@ def find_max_batch(  # noqa: C901 - grow then bisect, each with OOM and budget e
     probe: Optional[Probe] = None,
 ) -> MaxBatchResult:
     """Search the largest batch (a multiple of ``multiple_of``, at most ``max_batch``) that fits."""
-    from memtrain.runtime import resolve_device
 
     device = resolve_device(cfg.train.device)
     if device.type != "cuda" and budget_bytes is None:

@@ -215,7 +215,7 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
         raise ConfigError("--budget must be positive, e.g. 24GiB")
     traced = arch is None  # a transformers --model: each candidate's peak is traced, not modelled
     if arch is None:
-        from memtrain.models.spec import cost_arch
+        from memtrain.models.spec import cost_arch  # torch-free --help/estimate/plan
 
         assert cfg.model.model is not None, "arch=None plans a transformers --model"
         arch = cost_arch(cfg.model.model)
@@ -238,7 +238,7 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
         nonlocal evaluated
         evaluated += 1
         if traced:
-            from memtrain.analysis.depth_trace import trace_any_depth
+            from memtrain.analysis.depth_trace import trace_any_depth  # torch-free --help/estimate/plan
 
             r = trace_any_depth(c, device_type)  # 2 + 3 layers extended to the depth when exact
             return float(r["peak_bytes"]), str(r["peak_phase"])
@@ -340,7 +340,7 @@ def candidate_config(cfg: RunConfig, c: Candidate) -> RunConfig:
 def verify(cfg: RunConfig, c: Candidate, steps: int = 2, arch: Arch = GPT2_ARCH) -> dict[str, Any]:
     """Train candidate ``c`` for ``steps`` steps (embedded default data unless ``cfg`` says
     otherwise) and compare the tracked peak of the steady-state step with the prediction."""
-    from memtrain.train import train
+    from memtrain.train import train  # torch-free --help/estimate/plan
 
     run_cfg = candidate_config(cfg, c).replace(steps=max(2, steps), warmup_steps=0, eval_every=0,
                                               warmup_timing_steps=0, progress=False, val_blocks=1)

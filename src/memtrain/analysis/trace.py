@@ -149,10 +149,10 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memtrain.metrics import MemoryMeter
-    from memtrain.models import build_model
-    from memtrain.step import build_state, measure_steps, random_micro_batches
-    from memtrain.techniques import make_precision
+    from memtrain.metrics import MemoryMeter  # torch-free --help/estimate/plan
+    from memtrain.models import build_model  # torch-free --help/estimate/plan
+    from memtrain.step import build_state, measure_steps, random_micro_batches  # torch-free --help/estimate/plan
+    from memtrain.techniques import make_precision  # torch-free --help/estimate/plan
 
     if device_type not in ("cpu", "cuda"):
         raise ConfigError(f"--trace-device {device_type!r}: use cpu or cuda")
@@ -176,8 +176,8 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
         default_dtype = torch.get_default_dtype()
         # Compiled functions (torchao's low-bit optimizer steps) cannot be compiled over fake
         # tensors: run them eagerly. Their eager scratch is larger than the fused kernel's.
-        from memtrain.models import is_hf
-        from memtrain.models.hf import same_paths_as_eager
+        from memtrain.models import is_hf  # torch-free --help/estimate/plan
+        from memtrain.models.hf import same_paths_as_eager  # torch-free --help/estimate/plan
 
         # Only a transformers model needs transformers patched; importing it for memtrain's own
         # model cost each max-batch probe about as long as importing torch.

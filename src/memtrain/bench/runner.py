@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from memtrain.bench.eta import BenchEta
 from memtrain.bench.process import clean_stale_row_dirs, row_tmpdir, start_row, stop_row
 from memtrain.bench.scales import SCALE_BUDGET, SCALE_MAX_BATCH, scale_overrides
 from memtrain.bench.technique_sets import describe, is_noise_row, technique_overrides
 from memtrain.config import ConfigError, RunConfig, build_config, flatten, parse_size
+from memtrain.report import write_report
 from memtrain.results import FolderLock, append_result, read_results, select_rows
 
 
@@ -90,7 +92,7 @@ def resolve_rows(opts: BenchOptions) -> list[tuple[str, RunConfig]]:
 def _maxbatch_spec(opts: BenchOptions, cfg: RunConfig) -> Optional[dict[str, Any]]:
     if not opts.maxbatch:
         return None
-    from memtrain.runtime import resolve_device
+    from memtrain.runtime import resolve_device  # torch-free --help/estimate/plan
 
     device = resolve_device(cfg.train.device)
     budget = opts.memory_budget or (SCALE_BUDGET.get(opts.scale) if device.type == "cpu" else None)
@@ -178,8 +180,12 @@ def _wait(proc: subprocess.Popen, timeout_s: Optional[float], start: float, tick
 
 def run_bench(opts: BenchOptions, on_row: Optional[Callable[[str, dict[str, Any]], None]] = None) -> list[dict[str, Any]]:
     """Run every technique of ``opts`` not already done; return all rows of this bench."""
-    from memtrain.bench.device_rows import adapt_compiled_optims, adapt_rows, runner_caps
-    from memtrain.runtime import resolve_device
+    from memtrain.bench.device_rows import (  # torch-free --help/estimate/plan
+        adapt_compiled_optims,
+        adapt_rows,
+        runner_caps,
+    )
+    from memtrain.runtime import resolve_device  # torch-free --help/estimate/plan
 
     rows = resolve_rows(opts)
     device = resolve_device(rows[0][1].train.device) if rows else None
@@ -198,9 +204,6 @@ def run_bench(opts: BenchOptions, on_row: Optional[Callable[[str, dict[str, Any]
 def _run_rows(opts: BenchOptions, rows: list[tuple[str, RunConfig]], substituted: dict[str, Any],
               on_row: Optional[Callable[[str, dict[str, Any]], None]],
               optim_subs: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
-    from memtrain.bench.eta import BenchEta
-    from memtrain.report import write_report
-
     clean_stale_row_dirs()  # scratch of an earlier bench that was SIGKILL'd
     done = {} if opts.force else {
         (r.get("technique"), r.get("config_hash")): r for r in read_results(opts.out) if r.get("status") == "ok"

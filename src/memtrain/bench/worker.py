@@ -22,7 +22,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from memtrain.analysis.estimate import estimate
 from memtrain.config import ConfigError, build_config
+from memtrain.extras import quiet_third_party
+from memtrain.notices import SlowPrecisionWarning
 from memtrain.results import write_json_atomic
 
 
@@ -34,7 +37,7 @@ def _is_oom(exc: BaseException) -> bool:
 
 def run_row(spec: dict[str, Any]) -> dict[str, Any]:
     """Train, then search the max batch, then estimate; each part's failure is recorded."""
-    from memtrain.train import train
+    from memtrain.train import train  # torch loads only when this runs
 
     cfg = build_config(spec["config"])
     heartbeat = spec.get("heartbeat")
@@ -55,7 +58,7 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
         # holds no values, so the answer is the same (runner.trace_key).
         result["max_batch"] = dict(mb["known"])
     elif mb:
-        from memtrain.analysis.maxbatch import find_max_batch
+        from memtrain.analysis.maxbatch import find_max_batch  # torch loads only when this runs
 
         try:
             found = find_max_batch(cfg, budget_bytes=mb.get("budget_bytes"), max_batch=mb.get("max_batch"),
@@ -64,8 +67,7 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
         except (ConfigError, RuntimeError) as exc:
             result["max_batch"] = {"batch_size": None, "error": str(exc).splitlines()[0]}
     try:
-        from memtrain.analysis.estimate import estimate
-        from memtrain.runtime import resolve_device
+        from memtrain.runtime import resolve_device  # torch loads only when this runs
 
         # The analytic prediction of the same run, shown beside the measurement in the report.
         result["estimate"] = estimate(cfg, device_type=resolve_device(cfg.train.device).type).to_dict()
@@ -75,14 +77,10 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    from memtrain.extras import quiet_third_party
-
     quiet_third_party()
     spec_path, out_path = Path(argv[0]), Path(argv[1])
     spec = json.loads(spec_path.read_text())
     import warnings
-
-    from memtrain.notices import SlowPrecisionWarning
 
     # The runner already said, once and up front, which rows run a precision that is slow here.
     warnings.filterwarnings("ignore", category=SlowPrecisionWarning)

@@ -7,7 +7,13 @@ import sys
 from pathlib import Path
 
 from memtrain.argtypes import positive_float, positive_int
+from memtrain.bench.runner import BenchOptions, run_bench
+from memtrain.bench.scales import SCALES
+from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, NOISE_ROW, TECHNIQUES
 from memtrain.cli import add_config_flags, fmt_bytes, register
+from memtrain.config import SECTIONS, ConfigError, load_config_file
+from memtrain.preflight import check_writable_dir
+from memtrain.report import write_report
 from memtrain.signals import sigterm_as_interrupt
 
 
@@ -19,9 +25,6 @@ def warn_skipped_lines(out: Path, summary: dict) -> None:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from memtrain.bench.scales import SCALES
-    from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, NOISE_ROW, TECHNIQUES
-
     p.add_argument("--scale", "--preset", dest="scale", default="quick",
                    help=f"Scale of every row (model, batch, sequence, steps): {' | '.join(SCALES)} "
                    "(seed: the published table's settings; quick: minutes on 2 CPU cores). Default quick. "
@@ -51,19 +54,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import fields
 
-    from memtrain.bench.runner import BenchOptions, run_bench
-    from memtrain.config import SECTIONS, ConfigError, load_config_file
-
     known = {f.name for s in ("data", "model", "train") for f in fields(SECTIONS[s])}
     overrides = {k: v for k, v in vars(args).items() if k in known}
-    from memtrain.preflight import check_writable_dir
 
     check_writable_dir(args.bench_out, "--out")  # empty, a file, or not writable: refused up front
     if args.multiple_of < 1:
         raise ConfigError(f"--multiple-of must be >= 1, got {args.multiple_of}")
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
-    from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, NOISE_ROW
 
     default_list = args.techniques is None
     techniques = DEFAULT_TECHNIQUES + [NOISE_ROW] if default_list else args.techniques.split(",")
@@ -93,8 +91,6 @@ def run(args: argparse.Namespace) -> int:
                   f"tracked peak {fmt_bytes(row['memory']['peak_bytes'])}, max batch {mb}", file=sys.stderr)
         else:
             print(f"[{name}] {row.get('status')}: {row.get('error')}", file=sys.stderr)
-
-    from memtrain.report import write_report
 
     try:
         with sigterm_as_interrupt():  # `kill`, systemd, a job scheduler: stop like Ctrl-C

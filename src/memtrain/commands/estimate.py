@@ -6,12 +6,16 @@ import argparse
 import json
 from typing import Any
 
+from memtrain.analysis.estimate import GPT2_ARCH, estimate, estimate_inference, parse_count, shape_for_params
+from memtrain.analysis.estimate.hf import analytic_estimate, why_not_modelled
+from memtrain.analysis.trace import trace_step
 from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, config_from_args, fmt_bytes, register
+from memtrain.config import ConfigError
+from memtrain.model_presets import PRESETS, preset
 
 
 def add_model_choice(p: argparse.ArgumentParser) -> None:
     """--model PRESET | --params COUNT (shared with `memtrain plan`)."""
-    from memtrain.model_presets import PRESETS
 
     g = p.add_mutually_exclusive_group()
     g.add_argument("--model", dest="preset", default=None, metavar="SPEC",
@@ -25,15 +29,11 @@ def add_model_choice(p: argparse.ArgumentParser) -> None:
 def resolve_model(args: argparse.Namespace) -> tuple[Any, Any]:
     """(RunConfig, Arch) from --model/--params and the config flags. A transformers model
     (any --model that is not a preset) has no Arch: None (memtrain.models, traced)."""
-    from memtrain.analysis.estimate import GPT2_ARCH, parse_count, shape_for_params
-    from memtrain.model_presets import PRESETS, preset
 
     base: dict[str, Any] = {}
     arch = GPT2_ARCH
     if getattr(args, "preset", None) and args.preset not in PRESETS:
         if getattr(args, "params", None):
-            from memtrain.config import ConfigError
-
             raise ConfigError("--params sizes memtrain's GPT; drop it next to a transformers --model")
         return config_from_args(args, base={"model": args.preset}), None
     if getattr(args, "preset", None):
@@ -110,9 +110,6 @@ def _table(rows: list[tuple[str, str, str]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memtrain.analysis.estimate import estimate, estimate_inference
-    from memtrain.config import ConfigError
-
     cfg, arch = resolve_model(args)
     if arch is None:
         return _run_traced(args, cfg)
@@ -147,7 +144,6 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--trace runs our GPT-2-style model; --model {args.preset} is estimated analytically only")
         if args.world_size > 1:
             raise ConfigError("--trace traces one process; drop --world-size to trace, or use the analytic estimate")
-        from memtrain.analysis.trace import trace_step
 
         traced = trace_step(cfg, args.trace_device or device_type)
         out["trace"] = _trace_check(traced, est.peak_bytes)
@@ -196,7 +192,7 @@ def traced_estimate(cfg: Any, device_type: str, full_trace: bool = False) -> dic
     layer; with ``full_trace``, for shallow models, or where the depth is not affine)."""
     import time
 
-    from memtrain.analysis.depth_trace import trace_any_depth
+    from memtrain.analysis.depth_trace import trace_any_depth  # torch-free --help/estimate/plan
 
     start = time.perf_counter()
     traced = trace_any_depth(cfg, device_type, full=full_trace)
@@ -206,8 +202,7 @@ def traced_estimate(cfg: Any, device_type: str, full_trace: bool = False) -> dic
     # its error, so nobody mistakes it for the answer.
     analytic = None
     try:
-        from memtrain.analysis.estimate import estimate
-        from memtrain.models.spec import cost_arch
+        from memtrain.models.spec import cost_arch  # torch-free --help/estimate/plan
 
         e = estimate(cfg, cost_arch(cfg.model.model), device_type)
         analytic = {"peak_bytes": e.peak_bytes, "bytes": e.bytes,
@@ -236,14 +231,11 @@ def traced_estimate(cfg: Any, device_type: str, full_trace: bool = False) -> dic
 
 
 def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
-    from memtrain.config import ConfigError
-
     if args.mode != "train":
         raise ConfigError("--mode inference is analytic for memtrain's GPT only; drop --mode for a transformers --model")
     if args.world_size > 1:
         raise ConfigError("a transformers --model is traced in one process; drop --world-size")
     device_type = args.trace_device or device_type_for(args, cfg)
-    from memtrain.analysis.estimate.hf import why_not_modelled
 
     reason = why_not_modelled(cfg)
     if reason is None and not args.full_trace:
@@ -274,8 +266,7 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
 def _run_hf_analytic(args: argparse.Namespace, cfg: Any, device_type: str) -> int:
     """A transformers family the analytic model covers (memtrain.analysis.estimate.hf): the
     analytic estimate, with --trace the (extrapolated) trace beside it and the error."""
-    from memtrain.analysis.depth_trace import trace_any_depth
-    from memtrain.analysis.estimate.hf import analytic_estimate
+    from memtrain.analysis.depth_trace import trace_any_depth  # torch-free --help/estimate/plan
 
     est = analytic_estimate(cfg, device_type)
     assert est is not None

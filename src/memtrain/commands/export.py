@@ -13,7 +13,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memtrain.export import export_hf
+    from memtrain.export import export_hf  # torch-free --help/estimate/plan
 
     res = export_hf(args.checkpoint, args.out_dir)
     merged = " (LoRA merged)" if res["lora_merged"] else ""

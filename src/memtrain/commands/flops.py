@@ -8,7 +8,12 @@ import argparse
 import json
 from typing import Any
 
+from memtrain.analysis.estimate import check_analytic_size
+from memtrain.analysis.flops.profile import profile_op_classes
+from memtrain.analysis.flops.roofline import flops_report, resolve_roof
 from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, config_from_args, register
+from memtrain.config import ConfigError
+from memtrain.report.roofline import plot_roofline
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -108,12 +113,7 @@ def render(report: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from memtrain.analysis.flops.profile import profile_op_classes
-    from memtrain.analysis.flops.roofline import flops_report, resolve_roof
-    from memtrain.config import ConfigError
-
     cfg = config_from_args(args, derive_max_seq_len=True)
-    from memtrain.analysis.estimate import check_analytic_size
 
     check_analytic_size(cfg.model)  # before torch is imported: an absurd size costs nothing
     if args.plot and not args.plot.lower().endswith(".png"):
@@ -130,14 +130,12 @@ def run(args: argparse.Namespace) -> int:
                               "for counted FLOPs and bytes (they do not need a GPU)")
         if cfg.train.device == "cpu":
             raise ConfigError("--profile needs --device cuda (or auto); the roofline is a GPU's")
-        from memtrain.runtime import device_name, resolve_device
+        from memtrain.runtime import device_name, resolve_device  # torch-free --help/estimate/plan
 
         measured = profile_op_classes(cfg, steps=args.profile_steps)
         device = device_name(resolve_device(cfg.train.device))
     report = flops_report(cfg, args.gpu, measured, device)
     if args.plot:
-        from memtrain.report.roofline import plot_roofline
-
         plot_roofline(report, Path(args.plot))
     if args.json:
         print(json.dumps(report, indent=2, default=str))

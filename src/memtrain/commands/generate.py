@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from memtrain.cli import register
+from memtrain.config import ConfigError
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -19,8 +20,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memtrain.config import ConfigError
-    from memtrain.generate import generate
+    from memtrain.generate import generate  # torch-free --help/estimate/plan
 
     if args.max_new_tokens < 1 or args.num_samples < 1 or args.top_k < 0 or args.temperature < 0:
         raise ConfigError("--max-new-tokens and --num-samples must be >= 1, --top-k and --temperature >= 0")

@@ -62,8 +62,8 @@ def render(caps: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memtrain.device import cache_clear, probe
-    from memtrain.runtime import resolve_device
+    from memtrain.device import cache_clear, probe  # torch-free --help/estimate/plan
+    from memtrain.runtime import resolve_device  # torch-free --help/estimate/plan
 
     device = resolve_device(args.device)
     if args.remeasure:

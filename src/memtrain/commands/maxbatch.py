@@ -7,6 +7,7 @@ import json
 
 from memtrain.argtypes import positive_int
 from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, config_from_args, fmt_bytes, register
+from memtrain.config import parse_size
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -21,8 +22,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memtrain.analysis.maxbatch import find_max_batch
-    from memtrain.config import parse_size
+    from memtrain.analysis.maxbatch import find_max_batch  # torch-free --help/estimate/plan
 
     cfg = config_from_args(args, derive_max_seq_len=True)
     budget = parse_size(args.memory_budget) if args.memory_budget else None

@@ -6,9 +6,13 @@ import argparse
 import json
 from dataclasses import asdict
 
+from memtrain.analysis.plan import default_space, plan, verify
 from memtrain.argtypes import positive_int
+from memtrain.bench.runner import read_results
 from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, fmt_bytes, register
 from memtrain.commands.estimate import add_model_choice, device_type_for, resolve_model
+from memtrain.config import ConfigError, parse_size
+from memtrain.numerics import is_standard, numerics_key, numerics_note
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -37,9 +41,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memtrain.analysis.plan import default_space, plan, verify
-    from memtrain.config import ConfigError, parse_size
-
     cfg, arch = resolve_model(args)
     device_type = device_type_for(args, cfg)
     space = default_space(cfg, device_type)
@@ -59,7 +60,6 @@ def run(args: argparse.Namespace) -> int:
     # can be recommended even when faster non-standard sets fill the top of the list.
     res = plan(cfg, budget, device_type, arch, max_batch=args.max_batch is not None, margin=args.margin,
                top=10**6, space=space, max_batch_limit=args.max_batch or 4096)
-    from memtrain.numerics import is_standard, numerics_note
 
     techs = [{**asdict(cfg.technique), **c.techniques} for c in res.candidates]
     # Prefer the numerically standard choice when one fits: the fastest candidate may change the
@@ -113,10 +113,6 @@ def _measured_effects(results_dir: str, techs: list[dict]) -> list:
     numerically standard row of the same results, or None where no such pair exists."""
     import math
     from pathlib import Path
-
-    from memtrain.bench.runner import read_results
-    from memtrain.config import ConfigError
-    from memtrain.numerics import is_standard, numerics_key
 
     path = Path(results_dir)
     if not (path / "results.jsonl").is_file():

@@ -6,6 +6,9 @@ import argparse
 from pathlib import Path
 
 from memtrain.cli import register
+from memtrain.commands.bench import warn_skipped_lines
+from memtrain.config import ConfigError
+from memtrain.report import write_report
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -13,10 +16,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memtrain.commands.bench import warn_skipped_lines
-    from memtrain.config import ConfigError
-    from memtrain.report import write_report
-
     out = Path(args.dir)
     if not (out / "results.jsonl").is_file():
         raise ConfigError(f"{out}/results.jsonl not found; point memtrain report at a folder written by memtrain bench")

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from memtrain.config import ConfigError, DataConfig
+from memtrain.extras import quiet_datasets, require
 
 DEFAULT_SOURCE = "default"
 STACKOVERFLOW_HF = "mikex86/stackoverflow-posts"
@@ -361,7 +362,6 @@ def _structured_documents(builder: str, files: list[Path], field: str, label: st
 
 def _load_dataset(path: str, *, split: str, label: str, hub: bool = False, **kwargs: Any) -> Any:
     """``datasets.load_dataset(..., streaming=True)`` with its failures turned into ConfigError."""
-    from memtrain.extras import quiet_datasets, require
 
     # Imported here: it takes about a second, only these sources need it (extra memtrain[hub]).
     datasets = require("datasets")

@@ -22,7 +22,10 @@ from typing import Callable, Optional
 import torch.nn as nn
 
 from memtrain.config import RunConfig
+from memtrain.model import GPT
+from memtrain.models.hf import build_hf_model
 from memtrain.models.spec import bundled_names, is_gpt_preset, load_config, resolve
+from memtrain.models.tokenizer import data_tokenizer as _dt
 
 __all__ = ["FAMILIES", "ModelFamily", "build_model", "family_of", "is_hf", "data_tokenizer", "bundled_names",
            "load_config", "resolve"]
@@ -48,14 +51,10 @@ class ModelFamily:
 
 
 def _build_gpt(cfg: RunConfig, with_weights: bool) -> nn.Module:
-    from memtrain.model import GPT
-
     return GPT(cfg.model)  # randomly initialized: memtrain's GPT has no pretrained weights
 
 
 def _build_hf(cfg: RunConfig, with_weights: bool) -> nn.Module:
-    from memtrain.models.hf import build_hf_model
-
     return build_hf_model(cfg, with_weights=with_weights)
 
 
@@ -80,6 +79,5 @@ def build_model(cfg: RunConfig, with_weights: bool = True) -> nn.Module:
 
 def data_tokenizer(cfg: RunConfig):  # type: ignore[no-untyped-def]
     """The tokenizer for ``cfg``'s data (None: memtrain's GPT-2 BPE)."""
-    from memtrain.models.tokenizer import data_tokenizer as _dt
 
     return _dt(cfg)

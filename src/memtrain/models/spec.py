@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from memtrain.archs import GPT2_ARCH, LLAMA_ARCH
 from memtrain.errors import ConfigError
+from memtrain.model_presets import PRESETS
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 HUB_PREFIX = "hf:"
@@ -78,7 +80,6 @@ def is_gpt_preset(spec: Optional[str]) -> bool:
     """Whether ``spec`` names memtrain's own GPT (no spec, or one of its presets)."""
     if spec is None:
         return True
-    from memtrain.model_presets import PRESETS
 
     return spec in PRESETS
 
@@ -98,7 +99,6 @@ def resolve(spec: str) -> ModelSource:
         p = p / "config.json"
     if p.is_file():
         return ModelSource(spec, p.resolve(), None)
-    from memtrain.model_presets import PRESETS
 
     raise ConfigError(
         f"--model {spec!r} is not a preset, a bundled config, a config.json or a directory holding one; "
@@ -163,7 +163,6 @@ def preset_fields(spec: str) -> Optional[dict[str, Any]]:
     """ModelConfig fields of a GPT preset named by ``spec`` (None when ``spec`` is no preset).
     The LLaMA presets are analytic approximations no run can build: point to the bundled
     transformers configs instead."""
-    from memtrain.model_presets import PRESETS
 
     if spec not in PRESETS:
         return None
@@ -181,8 +180,6 @@ def cost_arch(spec: str) -> Any:
     A gated MLP (Llama, Qwen2, Mistral, Gemma, Phi-3: ``intermediate_size`` + a SiLU/GELU
     gate) is ``llama``-like with its key/value heads; GPT-2 is ours."""
     from dataclasses import replace
-
-    from memtrain.archs import GPT2_ARCH, LLAMA_ARCH
 
     c = load_config(spec)
     if c.model_type == "gpt2":

@@ -12,6 +12,7 @@ import hashlib
 from typing import Any, Optional
 
 from memtrain.config import ConfigError, RunConfig
+from memtrain.data.tokenizer import N_VOCAB
 from memtrain.models.spec import TOKENIZER_FILES, is_gpt_preset, load_config, resolve
 
 
@@ -55,8 +56,6 @@ def data_tokenizer(cfg: RunConfig) -> Optional[HFTokenizer]:
     src = resolve(spec)
     vocab = int(load_config(spec).vocab_size)
     if not src.has_tokenizer():
-        from memtrain.data.tokenizer import N_VOCAB
-
         if src.has_weights():
             raise ConfigError(f"--model {spec!r} has weights but no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
                               "add the tokenizer the weights were trained with")

@@ -22,6 +22,7 @@ import copy
 import torch.nn as nn
 
 from memtrain.config import ConfigError, TechniqueConfig
+from memtrain.extras import require
 from memtrain.model import GPT
 
 __all__ = ["apply_lora", "lora_target_names", "merge_lora"]
@@ -59,7 +60,6 @@ def apply_lora(model: GPT, tech: TechniqueConfig) -> None:
     targets = _parse_targets(model, tech.lora_targets)
 
     # Imported on demand: peft is slow to import, and an optional extra (memtrain[lora]).
-    from memtrain.extras import require
 
     require("peft")
     from peft import LoraConfig, inject_adapter_in_model

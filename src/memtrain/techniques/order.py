@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from memtrain.config import RunConfig
+from memtrain.config import ConfigError, RunConfig
 from memtrain.model import GPT
 from memtrain.models import family_of
 from memtrain.techniques.attention import apply_attention
@@ -35,8 +35,6 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, device: torch.device, 
 
         return prepare_hf_model(model, cfg, device, precision)  # type: ignore[arg-type]  # the family built an HFCausalLM
     if cfg.technique.qlora:
-        from memtrain.config import ConfigError
-
         raise ConfigError("--qlora quantizes a transformers --model's base weights; memtrain's GPT has none to quantize")
     if not isinstance(model, GPT):
         raise TypeError(f"{cfg.model.model!r} is memtrain's GPT, but the model given is a {type(model).__name__}")

@@ -41,7 +41,7 @@ def why_not_modelled(cfg: Any) -> Optional[str]:
     """None when the analytic model covers ``cfg`` (a RunConfig of a transformers model), else
     the reason it does not (the estimate then traces)."""
     from memtrain.models.hf import GPT_LORA_TARGETS  # imports torch: only when asked
-    from memtrain.models.spec import load_config
+    from memtrain.models.spec import load_config  # torch loads only when this runs
 
     c = load_config(cfg.model.model)
     tech = cfg.technique
@@ -65,7 +65,7 @@ def why_not_modelled(cfg: Any) -> Optional[str]:
 
 def hf_arch(spec: str) -> Arch:
     """The :class:`Arch` of a modelled transformers config (Llama-style layers, its k/v heads)."""
-    from memtrain.models.spec import load_config
+    from memtrain.models.spec import load_config  # torch loads only when this runs
 
     c = load_config(spec)
     return replace(LLAMA_ARCH, name=c.model_type, n_kv_heads=getattr(c, "num_key_value_heads", None), hf=True)

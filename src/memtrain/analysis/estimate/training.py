@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
+from memtrain.analysis.device_replay import StepTimeline, replay_two_steps
 from memtrain.analysis.estimate.explain import _activations_per_layer, _explain
 from memtrain.analysis.estimate.inventory import _dims, _precision_bytes, _segments
 from memtrain.analysis.estimate.optimizer import _optimizer_temporaries, predicted_optimizer_state
@@ -226,8 +227,6 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
 
     device_memory = None
     if sim.events is not None:
-        from memtrain.analysis.device_replay import StepTimeline, replay_two_steps
-
         step = StepTimeline(events=sim.events, optimizer_at=optimizer_at, state_sids=state_sids, carried_in=previous,
                             live_at_end=dict(sim.live), peak=sim.peak)
         if _first_step:
@@ -296,7 +295,7 @@ def _zero1_partition(params: list[ParamInfo], world: int) -> list[list[ParamInfo
     """The tensors whose state each rank keeps under ``--distributed zero1``
     (:class:`memtrain.techniques.zero1.ShardedZeRO1`): rank r's dim-0 chunk of every tensor,
     ``torch.chunk``'s split (ceil(rows / N) rows each, the last ranks fewer or none)."""
-    from memtrain.techniques.zero1 import dim0_range
+    from memtrain.techniques.zero1 import dim0_range  # torch-free --help/estimate/plan
 
     out: list[list[ParamInfo]] = [[] for _ in range(world)]
     for p in params:

@@ -41,7 +41,7 @@ def _split_attention(table: dict[str, ClassCount], only_scores: bool = False) ->
 def _precision_for_count(name: str) -> Any:
     """The run's precision on CPU, built without make_precision's global TF32 switches (a
     count must not change the settings of a run in the same process)."""
-    from memtrain.techniques.precision import precision_for_count
+    from memtrain.techniques.precision import precision_for_count  # torch-free --help/estimate/plan
 
     return precision_for_count(name, "cpu")
 
@@ -92,7 +92,7 @@ def _use_fused_dropout(model: Any) -> None:
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
 
-    from memtrain.techniques.checkpointing import _checkpointed_call
+    from memtrain.techniques.checkpointing import _checkpointed_call  # torch-free --help/estimate/plan
 
     def fused(x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
         return torch.native_dropout(x, p, True)[0] if train and p > 0.0 else x
@@ -136,7 +136,7 @@ def _empty_model(cfg: ModelConfig, build: Any = None) -> Any:
     A count needs shapes, not values. ``to_empty`` unties shared weights, so ties are restored."""
     import torch
 
-    from memtrain.model import GPT
+    from memtrain.model import GPT  # torch-free --help/estimate/plan
 
     with torch.device("meta"):
         model = build() if build is not None else GPT(cfg)  # build: a transformers --model
@@ -166,11 +166,11 @@ def _trace(cfg: RunConfig, fake: bool = True) -> tuple[dict[str, dict[str, Class
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    from memtrain.techniques import prepare_model
+    from memtrain.techniques import prepare_model  # torch-free --help/estimate/plan
 
     t = cfg.train
     precision = _precision_for_count(cfg.technique.precision)
-    from memtrain.models import build_model, is_hf
+    from memtrain.models import build_model, is_hf  # torch-free --help/estimate/plan
 
     if fake:
         base = _empty_model(cfg.model, (lambda: build_model(cfg, with_weights=False)) if is_hf(cfg) else None)
@@ -298,7 +298,7 @@ def _cache_key(cfg: RunConfig) -> str:
 
 @lru_cache(maxsize=32)
 def _count_step_cached(key: str) -> StepCount:
-    from memtrain.config import build_config
+    from memtrain.config import build_config  # torch-free --help/estimate/plan
 
     cfg = _counting_config(build_config(json.loads(key)))
     t = cfg.train

@@ -39,9 +39,9 @@ def profile_op_classes(cfg: RunConfig, steps: int = 5, warmup: int = 3) -> dict[
     from torch.profiler import ProfilerActivity, profile, record_function
     from torch.utils.module_tracker import ModuleTracker
 
-    from memtrain.metrics import synchronize
-    from memtrain.runtime import resolve_device, seed_everything
-    from memtrain.step import build_state, random_micro_batches, run_step
+    from memtrain.metrics import synchronize  # torch loads only when this runs
+    from memtrain.runtime import resolve_device, seed_everything  # torch loads only when this runs
+    from memtrain.step import build_state, random_micro_batches, run_step  # torch loads only when this runs
 
     if steps <= 0 or warmup < 0:
         raise ConfigError(f"--profile-steps must be positive, got {steps}")

@@ -52,7 +52,7 @@ class Roof:
 def resolve_roof(gpu: Optional[str], precision: str) -> Roof:
     """The roof for ``gpu`` (a short name such as ``h100`` or a device name; None: the visible
     CUDA GPU, else H100 SXM) at the matmul type of ``precision``."""
-    from memtrain.metrics import PEAK_FLOPS, device_gpu, lookup_gpu
+    from memtrain.metrics import PEAK_FLOPS, device_gpu, lookup_gpu  # torch loads only when this runs
 
     if gpu is None:
         import torch
