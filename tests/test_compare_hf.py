@@ -269,6 +269,7 @@ def test_baton_alternates_two_sides():
     assert C.Baton(None).free
 
 
+@pytest.mark.slow  # two processes stepping in lockstep, ~20 s: runs with `-m slow`
 def test_lockstep_pair_never_overlaps_steps(small_corpus):
     cfg = build_config({**TINY, "vocab_size": 50257, "d_model": 32, "d_ff": 64},
                        {"data": str(small_corpus), "steps": 4, "warmup_steps": 1, "val_blocks": 2,
@@ -282,6 +283,7 @@ def test_lockstep_pair_never_overlaps_steps(small_corpus):
     assert "".join(side for _, side in timeline) == "totototo"
 
 
+@pytest.mark.slow  # times every phase of a profiled step: runs with `-m slow`
 def test_profile_phases_times_every_phase():
     cfg = build_config(TINY, {"steps": 4})
     result = C.profile_phases(cfg, steps=2, top_ops=3)

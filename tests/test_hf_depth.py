@@ -43,12 +43,14 @@ def _cfg(model_dir: Path, **tech):
                          "device": "cpu", **tech})
 
 
+# The three heaviest cases (full traces of 4-6 layers, ~10-30 s each on 2 cores) run with `-m slow`.
+_SLOW = pytest.mark.slow
 GRID = [
     ("llama", 4, {}),
-    ("llama", 4, {"lora_rank": 4, "checkpointing": "full", "loss": "chunked", "loss_chunk": 16,
-                  "precision": "bf16-pure"}),
-    ("qwen2", 4, {"lora_rank": 4, "attention": "math"}),
-    ("mistral", 6, {"checkpointing": "every:2", "lora_rank": 4}),
+    pytest.param("llama", 4, {"lora_rank": 4, "checkpointing": "full", "loss": "chunked", "loss_chunk": 16,
+                              "precision": "bf16-pure"}, marks=_SLOW),
+    pytest.param("qwen2", 4, {"lora_rank": 4, "attention": "math"}, marks=_SLOW),
+    pytest.param("mistral", 6, {"checkpointing": "every:2", "lora_rank": 4}, marks=_SLOW),
     ("gemma", 4, {"precision": "bf16", "optim": "sgd"}),
     ("gpt2", 4, {}),  # gelu_new and attention dropout in training
 ]
