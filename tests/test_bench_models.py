@@ -4,23 +4,12 @@ run scale (`--preset` is its former name and still works)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 transformers = pytest.importorskip("transformers")
 
 from memtrain.cli import build_parser, main  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory) -> Path:
-    """A tiny Llama without tokenizer files (GPT-2's vocabulary: memtrain's BPE reads the data)."""
-    d = tmp_path_factory.mktemp("bench-llama")
-    transformers.LlamaConfig(vocab_size=50257, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                             eos_token_id=50256, bos_token_id=50256).save_pretrained(d)
-    return d
 
 
 def test_scale_flag_and_its_former_name():

@@ -33,14 +33,6 @@ def _quiet_one_thread():
     torch.set_num_threads(n)
 
 
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory) -> Path:
-    """A tiny Llama without tokenizer files: GPT-2's vocabulary, so memtrain's BPE reads its data."""
-    d = tmp_path_factory.mktemp("tiny-llama")
-    transformers.LlamaConfig(vocab_size=50257, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                             eos_token_id=50256, bos_token_id=50256).save_pretrained(d)
-    return d
 
 
 def _cfg(model_dir: Path, corpus: Path, **kw):
