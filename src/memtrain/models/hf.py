@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from memtrain.config import ConfigError, RunConfig
 from memtrain.model import LossFn, standard_lm_loss
 from memtrain.models.depth import apply_layer_count
+from memtrain.models.hub_access import from_pretrained_kwargs
 from memtrain.models.spec import ModelSource, load_config, resolve
 
 # --attention -> transformers' attn_implementation
@@ -149,7 +150,7 @@ def build_hf_model(cfg: RunConfig, with_weights: bool = True) -> HFCausalLM:
         if with_weights and source.has_weights():
             lm = AutoModelForCausalLM.from_pretrained(
                 source.load_id, config=config, attn_implementation=attn, dtype=dtype,
-                use_safetensors=True, trust_remote_code=False)
+                use_safetensors=True, trust_remote_code=False, **from_pretrained_kwargs(source.repo))
         else:
             lm = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype,
                                                   trust_remote_code=False)

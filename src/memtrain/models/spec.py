@@ -26,6 +26,7 @@ from typing import Any, Optional
 from memtrain.archs import GPT2_ARCH, LLAMA_ARCH
 from memtrain.errors import ConfigError
 from memtrain.model_presets import PRESETS
+from memtrain.models.hub_access import from_pretrained_kwargs, offline_hint
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 HUB_PREFIX = "hf:"
@@ -118,13 +119,15 @@ def load_config(spec: str) -> Any:
             assert src.config_path is not None
             if "model_type" not in json.loads(src.config_path.read_text()):
                 raise ConfigError(f"{src.config_path} has no 'model_type'; it is not a transformers config.json")
-        # One code path for a Hub repository, a directory and a config.json file.
-        cfg = AutoConfig.from_pretrained(src.repo or str(src.config_path), trust_remote_code=False)
+        # One code path for a Hub repository, a directory and a config.json file; an offline Hub
+        # is read from the local cache only (hub_access: seconds instead of half a minute of retries).
+        cfg = AutoConfig.from_pretrained(src.repo or str(src.config_path), trust_remote_code=False,
+                                         **from_pretrained_kwargs(src.repo))
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - OSError, bad JSON, or transformers' validation of a field
         first = str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"cannot read the model config of --model {spec!r}: {first}") from None
+        raise ConfigError(f"cannot read the model config of --model {spec!r}: {first}{offline_hint(src.repo)}") from None
     if getattr(cfg, "is_encoder_decoder", False):
         raise ConfigError(f"--model {spec!r} is an encoder-decoder ({cfg.model_type}); memtrain trains causal LMs")
     return cfg

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from memtrain.config import ConfigError, RunConfig
 from memtrain.data.tokenizer import N_VOCAB
+from memtrain.models.hub_access import from_pretrained_kwargs
 from memtrain.models.spec import TOKENIZER_FILES, is_gpt_preset, load_config, resolve
 
 
@@ -66,7 +67,7 @@ def data_tokenizer(cfg: RunConfig) -> Optional[HFTokenizer]:
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(src.load_id, trust_remote_code=False)
+        tok = AutoTokenizer.from_pretrained(src.load_id, trust_remote_code=False, **from_pretrained_kwargs(src.repo))
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot load the tokenizer of --model {spec!r}: {str(exc).splitlines()[0]}") from None
     wrapped = HFTokenizer(tok, _identity(src.load_id, src.directory))

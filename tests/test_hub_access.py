@@ -1,0 +1,66 @@
+"""An offline Hugging Face Hub is known before transformers asks it (memtrain.models.hub_access):
+``hf:ORG/NAME`` then reads the local cache only and fails in seconds, not after five retries."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from memtrain.models import hub_access
+
+
+@pytest.fixture
+def no_offline_env(monkeypatch):
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", *hub_access._PROXY_VARS):
+        monkeypatch.delenv(var, raising=False)
+    hub_access._unreachable.cache_clear()
+    yield monkeypatch
+    hub_access._unreachable.cache_clear()
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again when the block ends: a connection is refused
+
+
+@pytest.mark.parametrize("var", ["HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"])
+def test_offline_variable_read_at_call_time(no_offline_env, var):
+    no_offline_env.setenv(var, "1")
+    assert hub_access.offline_reason() == f"{var} is set"
+    assert hub_access.from_pretrained_kwargs("org/name") == {"local_files_only": True}
+    assert hub_access.from_pretrained_kwargs(None) == {}  # a local directory is never affected
+    assert "org/name is not in the local Hugging Face cache" in hub_access.offline_hint("org/name")
+
+
+def test_unreachable_endpoint_reads_the_cache_only(no_offline_env):
+    no_offline_env.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    assert "127.0.0.1 is unreachable" in hub_access.offline_reason()
+    assert hub_access.from_pretrained_kwargs("org/name") == {"local_files_only": True}
+
+
+def test_reachable_endpoint_and_proxies_leave_the_library_alone(no_offline_env):
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        no_offline_env.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.getsockname()[1]}")
+        assert hub_access.offline_reason() is None
+        assert hub_access.from_pretrained_kwargs("org/name") == {}
+    # Behind a proxy a direct connection says nothing about the Hub: no probe, the library decides.
+    no_offline_env.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    hub_access._unreachable.cache_clear()
+    no_offline_env.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
+    assert hub_access.offline_reason() is None
+
+
+def test_hub_model_on_an_unreachable_hub_is_one_config_error(no_offline_env):
+    pytest.importorskip("transformers")
+    from memtrain.config import ConfigError, build_config
+    from memtrain.models.spec import load_config
+
+    no_offline_env.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    load_config.cache_clear()
+    with pytest.raises(ConfigError, match=r"cannot read the model config of --model 'hf:memtrain-test/absent'.*"
+                                          r"the Hub was not asked: 127\.0\.0\.1 is unreachable"):
+        build_config({"model": "hf:memtrain-test/absent"})
