@@ -1,8 +1,10 @@
-"""Data-parallel training (--distributed) on CPU: 2 ranks on gloo, launched as users launch it
-(``torchrun --standalone --nproc_per_node 2 -m memtrain train ...``, here through
-``python -m torch.distributed.run``, the module behind the torchrun script).
+"""Data-parallel training (--distributed) on CPU: 2 ranks on gloo. The DDP run is launched as users
+launch it (``torchrun --standalone --nproc_per_node 2 -m memtrain train ...``, here through
+``python -m torch.distributed.run``, the module behind the torchrun script); the other scenarios
+go through the same launcher API from one driver process whose ranks are forked after the
+imports (tests/dist_launch.py: a scenario then costs its training, not three interpreter starts).
 
-One torchrun call per scenario; each result is compared with a single process training on the
+One launch per scenario; each result is compared with a single process training on the
 same global batch (2 ranks x batch 2 == 1 process x batch 4, dropout 0).
 """
 
@@ -53,30 +55,44 @@ def runs(small_corpus, tmp_path_factory) -> dict:
     cache = root / "cache"
     done: dict = {}
 
-    def run(name: str, settings: dict) -> dict:
-        proc = _torchrun({**settings, "out": str(root / name)}, cache)
-        done[name] = _result(proc, root / name)
-        done[name + "_stdout"] = proc.stdout
-        return done[name]
-
+    # Through real torchrun, as users launch it.
     base = {**UNTIED, **RUN, "data": str(small_corpus), "batch_size": 2}
-    run("ddp", {**base, "distributed": "ddp"})
-    run("zero2", {**base, "distributed": "zero2"})
-    run("zero1_half", {**base, "distributed": "zero1", "stop_after": 2, "save": str(root / "ck1")})
-    run("zero1", {**base, "distributed": "zero1", "resume": str(root / "ck1")})
+    proc = _torchrun({**base, "distributed": "ddp", "out": str(root / "ddp")}, cache)
+    done["ddp"] = _result(proc, root / "ddp")
+    done["ddp_stdout"] = proc.stdout
+
+    # The others from one driver process, in this order (a resume follows the run that saved it).
+    plan: list[tuple[str, dict]] = [
+        ("zero2", {**base, "distributed": "zero2"}),
+        ("zero1_half", {**base, "distributed": "zero1", "stop_after": 2, "save": str(root / "ck1")}),
+        ("zero1", {**base, "distributed": "zero1", "resume": str(root / "ck1")}),
+    ]
     # fsdp with the tied LM head, gradient accumulation and activation checkpointing.
     tied = {**TINY_MODEL, **RUN, "data": str(small_corpus), "batch_size": 2, "grad_accum": 2,
             "checkpointing": "full", "distributed": "fsdp"}
-    run("fsdp_half", {**tied, "stop_after": 2, "save": str(root / "ck2")})
-    run("fsdp", {**tied, "resume": str(root / "ck2")})
-    done["ckpt"] = root / "ck2"
+    plan += [("fsdp_half", {**tied, "stop_after": 2, "save": str(root / "ck2")}),
+             ("fsdp", {**tied, "resume": str(root / "ck2")})]
     # zero1 with the tied 50257-row embedding (~98% of this model, 80% of the default one):
     # sharded within tensors, every rank keeps about half of DDP's optimizer state.
     tied_plain = {**TINY_MODEL, **RUN, "data": str(small_corpus), "batch_size": 2}
-    run("ddp_tied", {**tied_plain, "distributed": "ddp"})
-    run("zero1_tied", {**tied_plain, "distributed": "zero1"})
-    run("fsdp_tied", {**tied_plain, "distributed": "fsdp"})
-    run("zero2_bf16", {**tied_plain, "distributed": "zero2", "precision": "bf16"})  # tiny: bf16 is slow here
+    plan += [("ddp_tied", {**tied_plain, "distributed": "ddp"}),
+             ("zero1_tied", {**tied_plain, "distributed": "zero1"}),
+             ("fsdp_tied", {**tied_plain, "distributed": "fsdp"}),
+             ("zero2_bf16", {**tied_plain, "distributed": "zero2", "precision": "bf16"})]  # tiny: bf16 is slow here
+    logs = root / "logs"
+    logs.mkdir()
+    runs_json = [(name, ["train", *cli_flags({**settings, "progress": False, "out": str(root / name)})])
+                 for name, settings in plan]
+    (root / "plan.json").write_text(json.dumps({"nproc": 2, "logs": str(logs), "runs": runs_json}))
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("dist_launch.py")), str(root / "plan.json")],
+                          capture_output=True, text=True, timeout=TIMEOUT_S * len(plan),
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "MEMTRAIN_CACHE": str(cache)})
+    rank_logs = {name: "".join(p.read_text() for p in sorted(logs.glob(f"{name}-rank*.log"))) for name, _ in plan}
+    assert proc.returncode == 0, proc.stderr[-3000:] + "".join(rank_logs.values())[-3000:]
+    for name, _ in plan:
+        done[name] = json.loads((root / name / "result.json").read_text())
+        done[name + "_stdout"] = rank_logs[name]
+    done["ckpt"] = root / "ck2"
     return done
 
 
