@@ -41,7 +41,7 @@ def pytest_runtest_protocol(item, nextitem):
     """memtrain runs gc.collect() after every measured batch probe (analysis.maxbatch) and when a
     distributed run ends. In the long-lived test process a full collection walks every object of
     every earlier test (~0.3 s each standalone, more late in the suite; a grid makes dozens).
-    The objects alive before a test (its setup included) are set aside while it runs
+    The objects alive when a test starts are set aside while it runs, its setup included
     (gc.freeze), so a collection scans what the test made; afterwards they return to the
     oldest generation (gc.unfreeze), so nothing stays uncollected."""
     gc.freeze()
