@@ -167,6 +167,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--gpu", default="h100")
     ap.add_argument("--part", choices=["memory", "train", "both"], default="both")
+    ap.add_argument("--rows", default=None, help="Only these MEMORY_ROWS (comma-separated indices).")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: this check needs a CUDA GPU")
@@ -182,7 +183,8 @@ def main() -> None:
               "transformers": transformers.__version__, "batch": BATCH, "seq": SEQ}
     print(json.dumps(header), flush=True)
     if a.part in ("memory", "both"):
-        for fam, tech in MEMORY_ROWS:
+        keep = {int(i) for i in a.rows.split(",")} if a.rows else set(range(len(MEMORY_ROWS)))
+        for fam, tech in (r for i, r in enumerate(MEMORY_ROWS) if i in keep):
             try:
                 row = memory_row(dirs[fam], fam, tech, a.gpu)
             except Exception as exc:  # noqa: BLE001 - a row's failure is recorded, the rest still run
