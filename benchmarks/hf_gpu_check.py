@@ -149,7 +149,7 @@ def train_row(model_dir: pathlib.Path, family: str, tech: dict[str, Any], work: 
     out_dir = work / f"train-{abs(hash(label(family, tech)))}"
     rc, _, err = cli(["train", "--model", str(model_dir), "--device", "cuda", "--steps", str(TRAIN_STEPS),
                       "--batch-size", "8", "--seq-len", "256", "--lr", "1e-3", "--warmup-steps", "5",
-                      "--log-every", "0", "--no-progress", "--out", str(out_dir), *flags(tech)])
+                      "--no-progress", "--out", str(out_dir), *flags(tech)])
     row: dict[str, Any] = {"row": label(family, tech), "exit": rc}
     if rc != 0:
         row["error"] = err.strip().splitlines()[-1] if err.strip() else ""

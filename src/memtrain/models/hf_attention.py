@@ -24,8 +24,9 @@ import torch
 __all__ = ["RESTRICTED_SDPA", "restricted_sdpa_implementation"]
 
 # memtrain's --attention -> (the name registered with transformers, SDPA's backend)
-RESTRICTED_SDPA = {"flash": ("memtrain_sdpa_flash", "FLASH_ATTENTION"),
-                   "mem-efficient": ("memtrain_sdpa_efficient", "EFFICIENT_ATTENTION")}
+# (No "flash" in a name: transformers 5.17 takes any such name for a flash-attn hub kernel.)
+RESTRICTED_SDPA = {"flash": ("memtrain_sdpa_fa_only", "FLASH_ATTENTION"),
+                   "mem-efficient": ("memtrain_sdpa_mea_only", "EFFICIENT_ATTENTION")}
 
 
 class _OneKVGroup:
