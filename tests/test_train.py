@@ -65,3 +65,18 @@ def test_resume_rejects_other_model(tiny_run, tmp_path):
 def test_grad_accum_counts_tokens(tiny_run):
     r = train(build_config({**tiny_run, "steps": 3, "grad_accum": 2}))
     assert r["tokens"] == 3 * 2 * 4 * 32
+
+
+def test_metrics_line_holds_plain_numbers_when_a_tensor_comes_back():
+    """A 0-d tensor as loss or learning rate (seen with --qlora on CUDA) must not stop the run
+    at its first metrics.jsonl line."""
+    import json
+    from types import SimpleNamespace
+
+    from memtrain.train import _step_scalars
+
+    sched = SimpleNamespace(get_last_lr=lambda: [torch.tensor(3e-4)])
+    prec = SimpleNamespace(last_grad_norm=torch.tensor(1.5))
+    out = _step_scalars(torch.tensor(2.25), sched, prec, 100.0, torch.device("cpu"))
+    line = json.loads(json.dumps(out))
+    assert line["loss"] == 2.25 and abs(line["lr"] - 3e-4) < 1e-9 and line["grad_norm"] == 1.5

@@ -150,9 +150,12 @@ def _step_scalars(loss: float, scheduler: Any, precision: Precision, tokens_per_
                   device: torch.device) -> dict[str, Any]:
     """What one metrics.jsonl line holds besides the step number."""
     norm = precision.last_grad_norm
-    return {"loss": loss, "lr": scheduler.get_last_lr()[0],
-            "grad_norm": float(norm) if norm is not None else None,
-            "tokens_per_s": tokens_per_s, **live_memory(device)}
+    scalars = {"loss": loss, "lr": scheduler.get_last_lr()[0],
+               "grad_norm": float(norm) if norm is not None else None,
+               "tokens_per_s": tokens_per_s, **live_memory(device)}
+    # A 0-d tensor where a number belongs would stop the run at its first metrics line (seen
+    # with --qlora on CUDA, an H100 run), so every value is made a plain number here.
+    return {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in scalars.items()}
 
 
 def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], track_memory: bool,
