@@ -81,3 +81,21 @@ def _quantize_bnb(linears: list[tuple[str, nn.Linear]], device: torch.device) ->
         m.weight = q
         m.forward = functools.partial(_bnb_forward, m)  # type: ignore[method-assign]
     return 0
+
+
+def nf4_unshardable(model: nn.Module, world_size: int) -> list[str]:
+    """Names of the NF4 weights FSDP2 cannot split into ``world_size`` dim-0 shards.
+
+    torchao's ``NF4Tensor`` shards by splitting its packed data, its per-block scales and its
+    per-(64 x 256)-values scale factors into equal parts (``nf4_split``); a weight whose rows,
+    or whose number of 64 x 256 scale blocks, do not divide by the rank count fails inside
+    ``fully_shard`` with an assertion. Said before sharding instead."""
+    out = []
+    for name, m in model.named_modules():
+        w = getattr(m, "weight", None) if isinstance(m, nn.Linear) else None
+        if w is None or not hasattr(w, "quantization_factor"):  # not torchao NF4
+            continue
+        blocks = w.numel() // (NF4_BLOCK * NF4_SCALER_BLOCK)
+        if w.shape[0] % world_size or blocks % world_size:
+            out.append(name)
+    return out
