@@ -171,3 +171,26 @@ def test_estimate_per_rank_for_a_transformers_model(llamas, capsys):
     assert main([*common, "--world-size", "2", "--qlora", "--lora-rank", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --world-size for a transformers --model needs its analytic model")
+
+
+def test_qlora_under_fsdp2_is_refused_when_a_weight_cannot_be_split(monkeypatch):
+    """The refusal names the weight and what to change, before fully_shard would assert; on
+    CUDA (bitsandbytes' Params4bit, whose quant_state a DTensor shard loses) it is refused outright."""
+    pytest.importorskip("torchao")
+    from memtrain.config import ConfigError
+    from memtrain.models.qlora import quantize_base_weights
+    from memtrain.techniques import hf_mapping
+
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128))  # one 64 x 256-value scale block
+    model[0].weight.requires_grad_(False)
+    quantize_base_weights(model, torch.device("cpu"))
+    monkeypatch.setattr(hf_mapping.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(hf_mapping.dist, "get_world_size", lambda: 2)
+    cfg = build_config({"qlora": True, "lora_rank": 4, "distributed": "fsdp"})
+    with pytest.raises(ConfigError, match=r"NF4 weight\(s\) \(e.g. 0\) do not split into 2 equal shards.*ddp or zero1"):
+        hf_mapping._check_qlora_shards(model, cfg, torch.device("cpu"))  # type: ignore[arg-type]
+    hf_mapping._check_qlora_shards(model, cfg.replace(distributed="zero1"), torch.device("cpu"))  # type: ignore[arg-type]
+    monkeypatch.setattr(hf_mapping.dist, "get_world_size", lambda: 1)
+    hf_mapping._check_qlora_shards(model, cfg, torch.device("cpu"))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="bitsandbytes"):
+        hf_mapping._check_qlora_shards(model, cfg, torch.device("cuda"))  # type: ignore[arg-type]
