@@ -215,3 +215,45 @@ def test_qlora_under_fsdp2_is_refused_when_a_weight_cannot_be_split(monkeypatch)
     hf_mapping._check_qlora_shards(model, cfg, torch.device("cpu"))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="bitsandbytes"):
         hf_mapping._check_qlora_shards(model, cfg, torch.device("cuda"))  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A 1-process gloo group: enough to build the FSDP2 wrap in this process."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_prepare_model_shards_each_decoder_layer_then_the_root(llamas, one_rank_group):
+    """The structure the 2-rank runs rely on, checked without torchrun: every decoder layer and
+    the root are FSDP2 modules, every weight a DTensor, LoRA's adapters the only trainable ones,
+    the tied head still the embedding, and a step runs."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from memtrain.models import build_model
+    from memtrain.techniques import build_optimizer, make_precision, prepare_model
+
+    cfg = build_config({"model": str(llamas["tied"]), **RUN, **COMPOSED, "batch_size": 2, "distributed": "fsdp"})
+    torch.manual_seed(0)
+    cpu = torch.device("cpu")
+    model = prepare_model(build_model(cfg), cfg, cpu, make_precision("fp32", cpu))
+    assert isinstance(model, FSDPModule) and len(model.blocks) == 2
+    assert all(isinstance(block, FSDPModule) for block in model.blocks)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    lm = model.lm
+    assert lm.get_output_embeddings().weight is lm.get_input_embeddings().weight
+    opt = build_optimizer(model, cfg.technique, cfg.train)
+    x = torch.randint(0, 50257, (2, 32))
+    before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    model(x, x).backward()
+    opt.step()
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p.full_tensor(), before[n])}
+    assert changed and changed <= trainable  # only adapters move (B starts at zero, so A may not yet)
