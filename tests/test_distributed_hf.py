@@ -2,8 +2,9 @@
 (``python -m torch.distributed.run``, the module behind torchrun), each run compared with one
 process training the same tiny Llama on the same global batch (2 ranks x batch 2 == 1 x 4).
 
-Each torchrun launch costs ~15-25 s on a shared 2-core CPU, so one launch carries most checks
-(FSDP2 + LoRA + checkpointing + chunked loss); the full fine-tune resume and ZeRO-1 are slow.
+Each torchrun launch costs ~15-50 s on a shared 2-core CPU, so those tests are marked slow and
+one launch carries most checks (FSDP2 + LoRA + checkpointing + chunked loss); by default the
+wrap is checked in this process on a 1-rank group (structure, and training through ``train``).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def _assert_same_training(dist_run: dict, single: dict) -> None:
     assert single["loss_history"][-1] < single["loss_history"][0]  # it trained: a wrong update would show
 
 
+@pytest.mark.slow  # one torchrun launch plus a reference run: 25-55 s on the shared 2-core CPU
 def test_fsdp2_with_lora_checkpointing_and_chunked_loss_matches_one_process(llamas, small_corpus, tmp_path):
     """FSDP2 per decoder layer on a transformers model, with LoRA (frozen base weights in the
     sharded groups), full checkpointing and the chunked loss: the same losses as one process,
@@ -257,3 +259,24 @@ def test_prepare_model_shards_each_decoder_layer_then_the_root(llamas, one_rank_
     opt.step()
     changed = {n for n, p in model.named_parameters() if not torch.equal(p.full_tensor(), before[n])}
     assert changed and changed <= trainable  # only adapters move (B starts at zero, so A may not yet)
+
+
+def test_train_under_fsdp_on_one_rank_matches_plain_training(llamas, small_corpus, tmp_path, monkeypatch):
+    """``memtrain train --distributed fsdp`` on a transformers model through the whole run path
+    (session, wrap, per-rank memory, result) in this process, as a 1-rank torchrun would start it:
+    the same losses as without --distributed (the 2-rank equality is the slow tests')."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    base = {"model": str(llamas["untied"]), "data": str(small_corpus), **RUN, **COMPOSED, "steps": 3,
+            "batch_size": 2, "progress": False}
+    plain = train(build_config({**base, "out": str(tmp_path / "plain")}))
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+    res = train(build_config({**base, "distributed": "fsdp", "out": str(tmp_path / "fsdp")}))
+    assert res["distributed"]["strategy"] == "fsdp" and len(res["ranks"]) == 1
+    assert res["loss_history"] == pytest.approx(plain["loss_history"], rel=LOSS_RTOL)
+    assert res["trainable_parameters"] == plain["trainable_parameters"]
