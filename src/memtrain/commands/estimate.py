@@ -252,7 +252,7 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
             raise ConfigError("--trace traces one process; drop --world-size to trace, or use the analytic estimate")
         return _run_hf_analytic(args, cfg, device_type)
     # One process trains the unsharded model: the trace needs no process group.
-    cfg = cfg.replace(distributed="none") if cfg.technique.distributed != "none" else cfg
+    cfg = cfg.replace(distributed="none", cpu_offload=False) if cfg.technique.distributed != "none" else cfg
     if reason is None and not args.full_trace:
         return _run_hf_analytic(args, cfg, device_type)
     out = traced_estimate(cfg, device_type, full_trace=args.full_trace)
