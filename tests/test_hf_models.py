@@ -365,6 +365,24 @@ def test_estimate_cli_traces_a_transformers_model(model_dirs, capsys):
     assert "method" not in json.loads(capsys.readouterr().out)
 
 
+def test_estimate_gpu_models_the_allocator_for_a_transformers_model(model_dirs, capsys):
+    """--gpu on the analytic transformers path replays the step through the caching-allocator
+    model (a traced family says it has none; tracing for CUDA needs a CUDA build of torch)."""
+    from memtrain.cli import main
+
+    base = ["estimate", "--seq-len", "32", "--batch-size", "2", "--attention", "sdpa", "--device-type", "cuda",
+            "--gpu", "h100", "--json"]
+    assert main(base + ["--model", str(model_dirs["llama"])]) == 0
+    out = json.loads(capsys.readouterr().out)
+    dmem = out["device_memory"]
+    assert out["method"] == "analytic" and dmem["gpu"] == "h100"
+    # allocated counts every tensor in 512-byte blocks plus the cuBLAS workspace
+    assert dmem["allocated"] >= out["peak_bytes"] + dmem["cublas_workspace"]
+    assert dmem["reserved"] >= dmem["allocated"]
+    assert main(["estimate", "--model", str(model_dirs["llama"]), "--seq-len", "32", "--gpu", "h100",
+                 "--device-type", "cpu"]) == 2
+
+
 # ------------------------------------------------------------------------------ maxbatch / plan
 def test_maxbatch_on_a_transformers_model(model_dirs, capsys):
     from memtrain.cli import main

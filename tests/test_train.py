@@ -65,3 +65,21 @@ def test_resume_rejects_other_model(tiny_run, tmp_path):
 def test_grad_accum_counts_tokens(tiny_run):
     r = train(build_config({**tiny_run, "steps": 3, "grad_accum": 2}))
     assert r["tokens"] == 3 * 2 * 4 * 32
+
+
+def test_metrics_line_holds_plain_numbers_when_a_tensor_comes_back():
+    """torchao's optimizers keep the learning rate as a 0-d tensor: the metrics.jsonl line
+    must still be written (it stopped a bf16-pure run on an H100 at its first line)."""
+    import json
+    from types import SimpleNamespace
+
+    ao = pytest.importorskip("torchao.optim")
+    from memtrain.train import _step_scalars
+
+    p = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))
+    sched = torch.optim.lr_scheduler.LambdaLR(ao._AdamW([p], lr=3e-4, bf16_stochastic_round=True), lambda s: 1.0)
+    assert isinstance(sched.get_last_lr()[0], torch.Tensor)  # what made the line unwritable
+    prec = SimpleNamespace(last_grad_norm=torch.tensor(1.5))
+    out = _step_scalars(torch.tensor(2.25), sched, prec, 100.0, torch.device("cpu"))
+    line = json.loads(json.dumps(out))
+    assert line["loss"] == 2.25 and abs(line["lr"] - 3e-4) < 1e-9 and line["grad_norm"] == 1.5

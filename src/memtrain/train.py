@@ -150,9 +150,13 @@ def _step_scalars(loss: float, scheduler: Any, precision: Precision, tokens_per_
                   device: torch.device) -> dict[str, Any]:
     """What one metrics.jsonl line holds besides the step number."""
     norm = precision.last_grad_norm
-    return {"loss": loss, "lr": scheduler.get_last_lr()[0],
-            "grad_norm": float(norm) if norm is not None else None,
-            "tokens_per_s": tokens_per_s, **live_memory(device)}
+    scalars = {"loss": loss, "lr": scheduler.get_last_lr()[0],
+               "grad_norm": float(norm) if norm is not None else None,
+               "tokens_per_s": tokens_per_s, **live_memory(device)}
+    # torchao's optimizers (bf16-pure's stochastic-rounding AdamW, the low-bit AdamWs) keep the
+    # learning rate as a 0-d tensor; json cannot write one and the run stopped at its first
+    # metrics line, so every value is made a plain number here.
+    return {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in scalars.items()}
 
 
 def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], track_memory: bool,

@@ -165,12 +165,7 @@ def run(args: argparse.Namespace) -> int:
                  f"kept by one block for backward, checkpointing {cfg.technique.checkpointing}"
                  + ("" if cfg.technique.checkpointing == "none"
                     else f" ({fmt_bytes(est.activations_per_layer_no_checkpointing)} without)")))
-    if est.device_memory:
-        dmem = est.device_memory
-        rows.append(("CUDA allocated (max_memory_allocated)", fmt_bytes(dmem["allocated"]), "512 B blocks, cuBLAS workspace"))
-        rows.append(("CUDA reserved (max_memory_reserved)", fmt_bytes(dmem["reserved"]), f"{dmem['segments']} cached segments"))
-        rows.append(("device total (nvidia-smi)", fmt_bytes(dmem["device_total"]),
-                     f"reserved + CUDA context {fmt_bytes(dmem['cuda_context'])} (assumed for {dmem['gpu']})"))
+    rows += _device_memory_rows(est.device_memory)
     rule = est.rules
     rows.append(("rule of thumb: optimizer", fmt_bytes(rule["optimizer_bytes"]),
                  f"{rule['bytes_per_param']:g} B/param ({rule['optimizer']})"))
@@ -242,6 +237,10 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
         return _run_hf_analytic(args, cfg, device_type)
     out = traced_estimate(cfg, device_type, full_trace=args.full_trace)
     out["not_analytic"] = reason or "--full-trace"
+    if args.gpu is not None:
+        # The allocator model replays the analytic simulator's events; a trace records none yet.
+        out["device_memory"] = None
+        out["device_memory_note"] = "--gpu: the caching-allocator model needs the analytic model; this one was traced"
     if args.json:
         print(json.dumps(out, indent=2, default=float))
         return 0
@@ -256,6 +255,8 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
     print(_table(rows))
     print(f"  {out['note']}, in {out['trace_seconds']:.1f} s ({out['device_type']} kernels); "
           f"not analytic: {out['not_analytic']}")
+    if "device_memory_note" in out:
+        print(f"  {out['device_memory_note']}")
     a = out["analytic_approximation"]
     if a is not None and a["error_vs_trace"] is not None:
         print(f"  (our GPT's analytic model with llama substitutions would say {fmt_bytes(a['peak_bytes'])}, "
@@ -268,7 +269,9 @@ def _run_hf_analytic(args: argparse.Namespace, cfg: Any, device_type: str) -> in
     analytic estimate, with --trace the (extrapolated) trace beside it and the error."""
     from memtrain.analysis.depth_trace import trace_any_depth  # torch-free --help/estimate/plan
 
-    est = analytic_estimate(cfg, device_type)
+    if args.gpu is not None and device_type != "cuda":
+        raise ConfigError("--gpu models the CUDA caching allocator: add --device-type cuda (or --device cuda)")
+    est = analytic_estimate(cfg, device_type, gpu=args.gpu)
     assert est is not None
     out = {"model": cfg.model.model, "method": "analytic",
            "note": "analytic model of transformers decoder layers (memtrain.analysis.estimate.hf); --trace to check it",
@@ -288,6 +291,7 @@ def _run_hf_analytic(args: argparse.Namespace, cfg: Any, device_type: str) -> in
     rows = [("component at the peak", "bytes", "")]
     rows += [(k, fmt_bytes(v), "") for k, v in est.bytes.items()]
     rows.append(("peak", fmt_bytes(est.peak_bytes), f"{est.peak_phase} ({est.peak_detail})"))
+    rows += _device_memory_rows(est.device_memory)
     if "trace" in out:
         tr = out["trace"]
         rows.append(("traced peak (fake tensors)", fmt_bytes(tr["peak_bytes"]),
@@ -301,6 +305,16 @@ def _run_hf_analytic(args: argparse.Namespace, cfg: Any, device_type: str) -> in
 
 register("estimate", "Predict training (or inference) memory by component without running it; --trace to check with fake tensors.",
          add_args, run)
+
+
+def _device_memory_rows(dmem: Any) -> list[tuple[str, str, str]]:
+    """The caching-allocator model's rows (``--gpu NAME``), none without it."""
+    if not dmem:
+        return []
+    return [("CUDA allocated (max_memory_allocated)", fmt_bytes(dmem["allocated"]), "512 B blocks, cuBLAS workspace"),
+            ("CUDA reserved (max_memory_reserved)", fmt_bytes(dmem["reserved"]), f"{dmem['segments']} cached segments"),
+            ("device total (nvidia-smi)", fmt_bytes(dmem["device_total"]),
+             f"reserved + CUDA context {fmt_bytes(dmem['cuda_context'])} (assumed for {dmem['gpu']})")]
 
 
 def _trace_check(traced: dict[str, Any], estimated_peak: float, **how: Any) -> dict[str, Any]:

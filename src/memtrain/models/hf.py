@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from memtrain.config import ConfigError, RunConfig
 from memtrain.model import LossFn, standard_lm_loss
 from memtrain.models.depth import apply_layer_count
+from memtrain.models.hf_attention import restricted_sdpa_implementation
 from memtrain.models.spec import ModelSource, load_config, resolve
 
 # --attention -> transformers' attn_implementation
@@ -57,7 +58,6 @@ class HFCausalLM(nn.Module):
         self.source_spec = source.spec
         self.loss_fn: LossFn = standard_lm_loss
         self.vocab_size = int(lm.config.vocab_size)
-        self.sdpa_backend: Optional[str] = None  # set by prepare_hf_model for --attention flash|mem-efficient
         softcap = getattr(lm.config, "final_logit_softcapping", None)
         if softcap:
             # Gemma 2 squashes the logits with tanh before the softmax; a loss on raw hidden @ W
@@ -86,13 +86,9 @@ class HFCausalLM(nn.Module):
 
     # -- forward ------------------------------------------------------------------------------
     def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
-        if self.sdpa_backend is None:
-            return self.backbone(input_ids=idx, use_cache=False)[0]
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        # Only this kernel: an input it cannot take fails instead of silently using another.
-        with sdpa_kernel([getattr(SDPBackend, self.sdpa_backend)]):
-            return self.backbone(input_ids=idx, use_cache=False)[0]
+        # --attention flash / mem-efficient hold SDPA to one kernel inside each attention call
+        # (memtrain.models.hf_attention), so a checkpointed layer's recomputation uses it too.
+        return self.backbone(input_ids=idx, use_cache=False)[0]
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         h = self.hidden_states(idx)
@@ -134,6 +130,7 @@ def build_hf_model(cfg: RunConfig, with_weights: bool = True) -> HFCausalLM:
     if attn is None:
         raise ConfigError(f"--attention {tech.attention} has no transformers equivalent; "
                           f"choose one of {', '.join(ATTN_IMPLEMENTATION)}")
+    attn = restricted_sdpa_implementation(tech.attention) or attn
     if tech.window is not None:
         if not hasattr(config, "sliding_window"):
             raise ConfigError(f"--window: {config.model_type} has no sliding-window attention; drop --window")

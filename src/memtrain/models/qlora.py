@@ -22,6 +22,7 @@ from typing import Iterator
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 
 from memtrain.config import ConfigError
 
@@ -44,7 +45,10 @@ def quantize_base_weights(model: nn.Module, device: torch.device) -> int:
     linears = _frozen_linears(model)
     if not linears:
         raise ConfigError("--qlora found no frozen Linear weights to quantize; it needs --lora-rank")
-    if device.type == "cuda":
+    # Under the tracer's fake tensors bitsandbytes cannot run (Params4bit quantizes real
+    # storage), so a CUDA trace stores torchao's NF4 instead: the same bytes per weight
+    # (4 bits a value, an 8-bit scale per 64 values, an fp32 scale per 256 of those).
+    if device.type == "cuda" and not is_fake(linears[0][1].weight):
         return _quantize_bnb(linears, device)
     from torchao.quantization import to_nf4
 

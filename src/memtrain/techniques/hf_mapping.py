@@ -2,7 +2,7 @@
 
 Each through the library that owns it: the attention backend is transformers'
 ``attn_implementation`` (chosen when :func:`memtrain.models.hf.build_hf_model` builds the model;
-here only SDPA's kernel restriction), LoRA is peft, QLoRA's NF4 base weights are torchao (CPU)
+flash / mem-efficient are :mod:`memtrain.models.hf_attention`), LoRA is peft, QLoRA's NF4 base weights are torchao (CPU)
 or bitsandbytes (CUDA), checkpointing/loss/compile are memtrain's own technique functions.
 The model family itself (building, the GPT-like seams) is :mod:`memtrain.models.hf`; this
 mapping lives with the techniques so that models never import techniques.
@@ -24,10 +24,6 @@ from memtrain.techniques.facts import checkpoint_policy
 from memtrain.techniques.loss import apply_loss
 
 __all__ = ["apply_hf_lora", "lora_target_modules", "prepare_hf_model"]
-
-# --attention flash / mem-efficient: SDPA restricted to one kernel (as for our GPT)
-_SDPA_BACKEND = {"flash": "FLASH_ATTENTION", "mem-efficient": "EFFICIENT_ATTENTION"}
-
 
 def _check_supported(model: HFCausalLM, cfg: RunConfig, device: torch.device) -> None:
     tech = cfg.technique
@@ -80,7 +76,6 @@ def prepare_hf_model(model: HFCausalLM, cfg: RunConfig, device: torch.device, pr
     _check_supported(model, cfg, device)
     tech = cfg.technique
     model = model.to(device=device, dtype=precision.param_dtype)
-    model.sdpa_backend = _SDPA_BACKEND.get(tech.attention)
     apply_hf_lora(model, cfg)
     if tech.qlora:
         quantize_base_weights(model, device)

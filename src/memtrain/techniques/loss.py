@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 from memtrain.config import ConfigError, TechniqueConfig
 from memtrain.model import LossFn, standard_lm_loss
@@ -149,8 +150,10 @@ def chunked_lm_loss(
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk, compute_dtype, need_h, need_w)
 
 
-def _liger_loss() -> Optional[LossFn]:
-    """Liger-Kernel's fused linear cross-entropy, when installed (CUDA + Triton only)."""
+def _liger_loss(fallback: LossFn) -> Optional[LossFn]:
+    """Liger-Kernel's fused linear cross-entropy, when installed (CUDA + Triton only).
+    ``fallback`` (memtrain's own chunked loss) runs under the tracer's fake tensors, where a
+    Triton kernel cannot: the trace then describes memtrain's kernel, not Liger's."""
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
     except ImportError:
@@ -161,6 +164,8 @@ def _liger_loss() -> Optional[LossFn]:
         # Liger's kernel has mixed float32/bfloat16 operand bugs under autocast
         # (linkedin/Liger-Kernel#305, #501): hand it both operands already in the compute
         # dtype, with autocast off; autograd casts the gradients back to the parameters' dtype.
+        if is_fake(hidden):
+            return fallback(hidden, weight, targets)
         dt = _compute_dtype(hidden, weight)
         with torch.autocast(hidden.device.type, enabled=False):
             return module(weight.to(dt), hidden.to(dt), targets).float()
@@ -173,11 +178,12 @@ def make_loss_fn(tech: TechniqueConfig, device: torch.device) -> LossFn:
     if tech.loss == "standard":
         return standard_lm_loss
     if tech.loss == "chunked":
+        own = functools.partial(chunked_lm_loss, chunk=tech.loss_chunk)
         if device.type == "cuda":
-            liger = _liger_loss()
+            liger = _liger_loss(own)
             if liger is not None:
                 return liger
-        return functools.partial(chunked_lm_loss, chunk=tech.loss_chunk)
+        return own
     if tech.loss == "naive":
         return NaiveLoss()
     raise ConfigError(f"unknown --loss {tech.loss!r}; choose standard, chunked or naive")

@@ -71,9 +71,10 @@ def hf_arch(spec: str) -> Arch:
     return replace(LLAMA_ARCH, name=c.model_type, n_kv_heads=getattr(c, "num_key_value_heads", None), hf=True)
 
 
-def analytic_estimate(cfg: Any, device_type: str) -> Optional[Any]:
+def analytic_estimate(cfg: Any, device_type: str, gpu: Optional[str] = None) -> Optional[Any]:
     """memtrain.analysis.estimate.estimate of ``cfg`` with the transformers inventory, or None when the
-    family or technique is not modelled (see :func:`why_not_modelled`)."""
+    family or technique is not modelled (see :func:`why_not_modelled`). ``gpu`` (CUDA kernels):
+    also replay the step through the caching-allocator model (``device_memory``)."""
     if why_not_modelled(cfg) is not None:
         return None
-    return estimate(cfg, hf_arch(cfg.model.model), device_type)
+    return estimate(cfg, hf_arch(cfg.model.model), device_type, gpu=gpu)
