@@ -77,7 +77,6 @@ def _one_chunk_if_fake(w: torch.Tensor) -> Iterator[None]:
     of dispatch, and a full-size weight has hundreds (a 70B MLP weight: 224), which made
     quantization most of a traced QLoRA step. Real weights keep torchao's chunking.
     """
-    from torch._subclasses.fake_tensor import is_fake
     from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
 
     if not is_fake(w) or w.numel() <= nf4_tensor.CHUNK_SIZE:
