@@ -13,8 +13,9 @@ steady state whose peak is reported.
 
 What fake tensors cannot do, and what is done instead:
 
-* ``.item()`` has no value to return: a dispatch mode answers 1 (AdamW's step counter, the
-  loss). Values never change memory here.
+* ``.item()`` has no value to return: the fake mode answers 1 (AdamW's step counter, the
+  loss). Values never change memory here, so the fake mode also keeps no "constants" (real
+  values of one-element tensors, which made every optimizer op run for real and uncached).
 * ``Module.to`` swaps parameters and refuses fake ones that are weakly referenced (torch
   2.13): the model is built directly on the fake device in the parameter dtype, and while
   ``prepare_model`` runs, ``Module.to`` replaces parameters instead of swapping them.
@@ -43,12 +44,26 @@ def cuda_trace_supported() -> bool:
     return torch.version.cuda is not None or torch.cuda.is_available()
 
 
+def _item_stub(t: Any) -> Any:
+    """What ``.item()`` answers on a fake tensor: 1 (True for bool). AdamW's step counter and
+    the loss are read this way; no value ever changes the memory of a step."""
+    import torch
+
+    if t.dtype == torch.bool:
+        return True
+    return 1.0 if t.dtype.is_floating_point else 1
+
+
 def _stub_mode(device_type: str) -> Any:
-    """A dispatch mode above the fake mode: answers ``.item()`` and, on fake CUDA, replaces
-    random kernels by allocations of the same size (the memory they would take)."""
+    """On fake CUDA, a dispatch mode above the fake mode that replaces random kernels by
+    allocations of the same size (the memory they would take); on CPU none is needed."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    if device_type != "cuda":
+        # Every op of a trace passes through each Python dispatch mode on the stack: a mode
+        # that would only forward costs time for nothing.
+        return contextlib.nullcontext()
     aten = torch.ops.aten
     inplace_random = {"uniform_", "normal_", "bernoulli_", "random_", "exponential_", "geometric_",
                       "log_normal_", "cauchy_"}
@@ -57,26 +72,51 @@ def _stub_mode(device_type: str) -> Any:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             kwargs = kwargs or {}
             if func is aten._local_scalar_dense.default:
-                t = args[0]
-                if t.dtype == torch.bool:
-                    return True
-                return 1.0 if t.dtype.is_floating_point else 1
-            if device_type == "cuda":
-                name = func.overloadpacket.__name__
-                if name in inplace_random:
-                    return args[0]
-                if name == "native_dropout":
-                    x = args[0]
-                    return torch.empty_like(x), torch.empty_like(x, dtype=torch.bool)
-                if name == "bernoulli":
-                    return torch.empty_like(args[0])
-                if name in ("randint", "rand", "randn", "randperm"):
-                    size = next(a for a in args if isinstance(a, (list, tuple, torch.Size)))
-                    dtype = kwargs.get("dtype") or (torch.int64 if name in ("randint", "randperm") else torch.float32)
-                    return torch.empty(size, dtype=dtype, device=kwargs.get("device"))
+                return _item_stub(args[0])
+            name = func.overloadpacket.__name__
+            if name in inplace_random:
+                return args[0]
+            if name == "native_dropout":
+                x = args[0]
+                return torch.empty_like(x), torch.empty_like(x, dtype=torch.bool)
+            if name == "bernoulli":
+                return torch.empty_like(args[0])
+            if name in ("randint", "rand", "randn", "randperm"):
+                size = next(a for a in args if isinstance(a, (list, tuple, torch.Size)))
+                dtype = kwargs.get("dtype") or (torch.int64 if name in ("randint", "randperm") else torch.float32)
+                return torch.empty(size, dtype=dtype, device=kwargs.get("device"))
             return func(*args, **kwargs)
 
     return _Stubs()
+
+
+def _fake_mode() -> Any:
+    """The fake mode a trace runs under: ``FakeTensorMode`` that answers ``.item()`` itself
+    (:func:`_item_stub`) and keeps no constants.
+
+    FakeTensorMode keeps the real value of every one-element tensor made by ``torch.tensor``
+    (AdamW's ``step`` and ``lr``) and computes each op on such "constants" for real; an op with
+    a constant among its inputs also bypasses the fake-kernel cache. Half of a traced step's
+    optimizer ops touch ``step`` or ``lr``, so this made the optimizer phase most of a trace's
+    time. Values never reach memory here (``.item()`` is answered before any constant is read)
+    and an output's storage is the same with or without the constant, so a trace without them
+    gives the same bytes, faster.
+    """
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    item = torch.ops.aten._local_scalar_dense.default
+
+    class _TraceFakeMode(FakeTensorMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is item:
+                return _item_stub(args[0])
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+        def may_turn_const(self, t: Any) -> bool:
+            return False
+
+    return _TraceFakeMode(allow_non_fake_inputs=True)
 
 
 @contextlib.contextmanager
@@ -147,7 +187,6 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
     :class:`memtrain.metrics.MemoryStats` as a dict (``peak_bytes``, ``by_category``,
     ``peak_phase``, ``phase_peaks``...), plus ``device_type``."""
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     from memtrain.metrics import MemoryMeter  # torch-free --help/estimate/plan
     from memtrain.models import build_model  # torch-free --help/estimate/plan
@@ -172,7 +211,7 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
         precision = make_precision(cfg.technique.precision, device)
         if device_type == "cuda" and precision.scaler is not None and not torch.cuda.is_available():
             precision.scaler = None  # GradScaler disables itself without a GPU; its memory is scalars
-        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        fake = _fake_mode()
         default_dtype = torch.get_default_dtype()
         # Compiled functions (torchao's low-bit optimizer steps) cannot be compiled over fake
         # tensors: run them eagerly. Their eager scratch is larger than the fused kernel's.

@@ -131,9 +131,7 @@ def run(args: argparse.Namespace) -> int:
             print("\n".join("  " + line for line in res["explanation"]))
         return 0
     device_type = device_type_for(args, cfg)
-    shard = args.shard if args.shard not in (None, "none") else None
-    if args.world_size > 1 and shard is None and cfg.technique.distributed in ("none", "ddp"):
-        shard = "none"
+    shard = _shard(args, cfg)
     if args.gpu is not None and device_type != "cuda":
         raise ConfigError("--gpu models the CUDA caching allocator: add --device-type cuda (or --device cuda)")
     est = estimate(cfg, arch, device_type, world_size=args.world_size, shard=shard, gpu=args.gpu)
@@ -225,14 +223,31 @@ def traced_estimate(cfg: Any, device_type: str, full_trace: bool = False) -> dic
     }
 
 
+def _shard(args: argparse.Namespace, cfg: Any) -> Any:
+    """The sharding to estimate: --shard, else --distributed; plain DDP over --world-size ranks."""
+    shard = args.shard if args.shard not in (None, "none") else None
+    if args.world_size > 1 and shard is None and cfg.technique.distributed in ("none", "ddp"):
+        shard = "none"
+    return shard
+
+
 def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
     if args.mode != "train":
         raise ConfigError("--mode inference is analytic for memtrain's GPT only; drop --mode for a transformers --model")
-    if args.world_size > 1:
-        raise ConfigError("a transformers --model is traced in one process; drop --world-size")
     device_type = args.trace_device or device_type_for(args, cfg)
 
     reason = why_not_modelled(cfg)
+    if args.world_size > 1:
+        # One rank's share is the analytic model's (the same sharding rules as for our GPT);
+        # the trace runs one process, which holds no shards.
+        if reason is not None:
+            raise ConfigError(f"--world-size for a transformers --model needs its analytic model, and {reason}; "
+                              "drop --world-size to trace one process")
+        if args.trace or args.full_trace:
+            raise ConfigError("--trace traces one process; drop --world-size to trace, or use the analytic estimate")
+        return _run_hf_analytic(args, cfg, device_type)
+    # One process trains the unsharded model: the trace needs no process group.
+    cfg = cfg.replace(distributed="none", cpu_offload=False) if cfg.technique.distributed != "none" else cfg
     if reason is None and not args.full_trace:
         return _run_hf_analytic(args, cfg, device_type)
     out = traced_estimate(cfg, device_type, full_trace=args.full_trace)
@@ -271,7 +286,7 @@ def _run_hf_analytic(args: argparse.Namespace, cfg: Any, device_type: str) -> in
 
     if args.gpu is not None and device_type != "cuda":
         raise ConfigError("--gpu models the CUDA caching allocator: add --device-type cuda (or --device cuda)")
-    est = analytic_estimate(cfg, device_type, gpu=args.gpu)
+    est = analytic_estimate(cfg, device_type, gpu=args.gpu, world_size=args.world_size, shard=_shard(args, cfg))
     assert est is not None
     out = {"model": cfg.model.model, "method": "analytic",
            "note": "analytic model of transformers decoder layers (memtrain.analysis.estimate.hf); --trace to check it",
@@ -287,7 +302,8 @@ def _run_hf_analytic(args: argparse.Namespace, cfg: Any, device_type: str) -> in
     print(f"{cfg.model.model}: {est.parameters:,} parameters ({est.trainable_parameters:,} trainable); "
           f"batch {t.batch_size} x seq {t.seq_len} x accum {t.grad_accum}, {tech.precision}, attention {tech.attention}, "
           f"checkpointing {tech.checkpointing}, loss {tech.loss}, optim {tech.optim}"
-          + (f", LoRA r{tech.lora_rank}" if tech.lora_rank else ""))
+          + (f", LoRA r{tech.lora_rank}" if tech.lora_rank else "")
+          + (f"; {est.shard} over {est.world_size} ranks, per rank" if est.world_size > 1 else ""))
     rows = [("component at the peak", "bytes", "")]
     rows += [(k, fmt_bytes(v), "") for k, v in est.bytes.items()]
     rows.append(("peak", fmt_bytes(est.peak_bytes), f"{est.peak_phase} ({est.peak_detail})"))

@@ -16,7 +16,9 @@ is returned so a run can say so.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -56,11 +58,36 @@ def quantize_base_weights(model: nn.Module, device: torch.device) -> int:
         if w.numel() % (NF4_BLOCK * NF4_SCALER_BLOCK):
             skipped.append(name)
             continue
-        m.weight = nn.Parameter(to_nf4(w.detach(), NF4_BLOCK, NF4_SCALER_BLOCK), requires_grad=False)
+        with _one_chunk_if_fake(w):
+            q = to_nf4(w.detach(), NF4_BLOCK, NF4_SCALER_BLOCK)
+        m.weight = nn.Parameter(q, requires_grad=False)
     if skipped:
         warnings.warn(f"--qlora: {len(skipped)} of {len(linears)} frozen Linear weights are not a multiple of "
                       f"{NF4_BLOCK * NF4_SCALER_BLOCK} values and stay unquantized (e.g. {skipped[0]})", stacklevel=2)
     return len(skipped)
+
+
+@contextlib.contextmanager
+def _one_chunk_if_fake(w: torch.Tensor) -> Iterator[None]:
+    """Quantize a fake (traced) weight in one chunk instead of torchao's 1M-value chunks.
+
+    torchao maps values to NF4 codes chunk by chunk to bound the real scratch memory; the
+    chunks write into one preallocated buffer, so the NF4Tensor it returns is the same whatever
+    the chunk size. Under fake tensors a chunk allocates nothing but costs a few milliseconds
+    of dispatch, and a full-size weight has hundreds (a 70B MLP weight: 224), which made
+    quantization most of a traced QLoRA step. Real weights keep torchao's chunking.
+    """
+    from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+
+    if not is_fake(w) or w.numel() <= nf4_tensor.CHUNK_SIZE:
+        yield
+        return
+    saved = nf4_tensor.CHUNK_SIZE
+    nf4_tensor.CHUNK_SIZE = w.numel()
+    try:
+        yield
+    finally:
+        nf4_tensor.CHUNK_SIZE = saved
 
 
 def _bnb_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -85,3 +112,21 @@ def _quantize_bnb(linears: list[tuple[str, nn.Linear]], device: torch.device) ->
         m.weight = q
         m.forward = functools.partial(_bnb_forward, m)  # type: ignore[method-assign]
     return 0
+
+
+def nf4_unshardable(model: nn.Module, world_size: int) -> list[str]:
+    """Names of the NF4 weights FSDP2 cannot split into ``world_size`` dim-0 shards.
+
+    torchao's ``NF4Tensor`` shards by splitting its packed data, its per-block scales and its
+    per-(64 x 256)-values scale factors into equal parts (``nf4_split``); a weight whose rows,
+    or whose number of 64 x 256 scale blocks, do not divide by the rank count fails inside
+    ``fully_shard`` with an assertion. Said before sharding instead."""
+    out = []
+    for name, m in model.named_modules():
+        w = getattr(m, "weight", None) if isinstance(m, nn.Linear) else None
+        if w is None or not hasattr(w, "quantization_factor"):  # not torchao NF4
+            continue
+        blocks = w.numel() // (NF4_BLOCK * NF4_SCALER_BLOCK)
+        if w.shape[0] % world_size or blocks % world_size:
+            out.append(name)
+    return out

@@ -3,7 +3,8 @@
 Each through the library that owns it: the attention backend is transformers'
 ``attn_implementation`` (chosen when :func:`memtrain.models.hf.build_hf_model` builds the model;
 flash / mem-efficient are :mod:`memtrain.models.hf_attention`), LoRA is peft, QLoRA's NF4 base weights are torchao (CPU)
-or bitsandbytes (CUDA), checkpointing/loss/compile are memtrain's own technique functions.
+or bitsandbytes (CUDA), checkpointing/loss/compile and the distributed wrap (DDP, ZeRO-1,
+FSDP2 per decoder layer) are memtrain's own technique functions.
 The model family itself (building, the GPT-like seams) is :mod:`memtrain.models.hf`; this
 mapping lives with the techniques so that models never import techniques.
 """
@@ -13,13 +14,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from memtrain.config import ConfigError, RunConfig
 from memtrain.models.hf import GPT_LORA_TARGETS, HFCausalLM
-from memtrain.models.qlora import quantize_base_weights
+from memtrain.models.qlora import nf4_unshardable, quantize_base_weights
 from memtrain.techniques.checkpointing import apply_checkpointing
 from memtrain.techniques.compile import apply_compile
+from memtrain.techniques.distributed.wrapping import apply_distributed
 from memtrain.techniques.facts import checkpoint_policy
 from memtrain.techniques.loss import apply_loss
 
@@ -27,8 +30,6 @@ __all__ = ["apply_hf_lora", "lora_target_modules", "prepare_hf_model"]
 
 def _check_supported(model: HFCausalLM, cfg: RunConfig, device: torch.device) -> None:
     tech = cfg.technique
-    if tech.distributed != "none":
-        raise ConfigError("--distributed with a transformers --model is not supported yet; drop --distributed")
     if tech.attention == "flash-attn" and device.type != "cuda":
         raise ConfigError("--attention flash-attn (flash_attention_2) needs a CUDA GPU; use sdpa or flash on CPU")
     if tech.attention == "mem-efficient" and device.type != "cuda":
@@ -69,16 +70,44 @@ def apply_hf_lora(model: HFCausalLM, cfg: RunConfig) -> None:
         p.requires_grad_("lora_" in name)
 
 
+def _check_qlora_shards(model: HFCausalLM, cfg: RunConfig, device: torch.device) -> None:
+    """QLoRA's 4-bit base weights under FSDP2 (zero2/fsdp), which splits every weight by rows.
+
+    torchao's NF4Tensor implements FSDP2's all-gather hooks (torchtune's QLoRA recipe shards
+    it), provided each weight's rows and 64 x 256-value scale blocks divide by the rank count.
+    bitsandbytes' Params4bit (CUDA) carries its quantization state as an attribute of the
+    parameter (``quant_state``), which the DTensor shard FSDP2 puts in its place does not
+    carry, so that pairing is refused (not run here: no GPU). ddp and zero1 keep whole weights on every rank."""
+    s = cfg.technique.distributed
+    if not cfg.technique.qlora or s not in ("zero2", "fsdp") or not dist.is_initialized():
+        return
+    if device.type == "cuda":
+        raise ConfigError(f"--qlora with --distributed {s} on CUDA: bitsandbytes' 4-bit weights cannot be sharded "
+                          "by FSDP2 here; use --distributed ddp or zero1 (whole frozen weights on every rank)")
+    n = dist.get_world_size()
+    bad = nf4_unshardable(model, n)
+    if bad:
+        raise ConfigError(f"--qlora with --distributed {s}: {len(bad)} NF4 weight(s) (e.g. {bad[0]}) do not split into "
+                          f"{n} equal shards (rows and 64x256-value scale blocks must divide by {n}); "
+                          "use --distributed ddp or zero1, or fewer ranks")
+
+
 def prepare_hf_model(model: HFCausalLM, cfg: RunConfig, device: torch.device, precision: Any) -> nn.Module:
     """Apply ``cfg.technique`` to a transformers model in the documented order
-    (lora -> [qlora] -> checkpointing -> loss -> compile); the attention backend was chosen
-    when the model was built (``attn_implementation``)."""
+    (lora -> [qlora] -> checkpointing -> loss -> compile -> distributed wrap); the attention
+    backend was chosen when the model was built (``attn_implementation``). The distributed
+    wrap is the GPT's own :func:`~memtrain.techniques.distributed.wrapping.apply_distributed`:
+    DDP around the model, or FSDP2 ``fully_shard`` on each of ``model.blocks`` (the decoder
+    layers, LoRA adapters and checkpoint wrappers included) and then the root (embeddings,
+    final norm, LM head)."""
     _check_supported(model, cfg, device)
     tech = cfg.technique
     model = model.to(device=device, dtype=precision.param_dtype)
     apply_hf_lora(model, cfg)
     if tech.qlora:
         quantize_base_weights(model, device)
+        _check_qlora_shards(model, cfg, device)
     apply_checkpointing(model, tech)
     apply_loss(model, tech, device)
-    return apply_compile(model, tech)
+    compiled = apply_compile(model, tech)
+    return apply_distributed(compiled, tech, device, precision)  # last: it shards the final modules

@@ -71,10 +71,14 @@ def hf_arch(spec: str) -> Arch:
     return replace(LLAMA_ARCH, name=c.model_type, n_kv_heads=getattr(c, "num_key_value_heads", None), hf=True)
 
 
-def analytic_estimate(cfg: Any, device_type: str, gpu: Optional[str] = None) -> Optional[Any]:
+def analytic_estimate(cfg: Any, device_type: str, gpu: Optional[str] = None, world_size: int = 1,
+                      shard: Optional[str] = None) -> Optional[Any]:
     """memtrain.analysis.estimate.estimate of ``cfg`` with the transformers inventory, or None when the
     family or technique is not modelled (see :func:`why_not_modelled`). ``gpu`` (CUDA kernels):
-    also replay the step through the caching-allocator model (``device_memory``)."""
+    also replay the step through the caching-allocator model (``device_memory``).
+    ``world_size``/``shard``: one rank's share under ``--distributed``, by the same rules as for
+    our GPT (the wrap is the same: DDP buckets, ZeRO-1 dim-0 chunks, FSDP2 per decoder layer
+    plus the root group)."""
     if why_not_modelled(cfg) is not None:
         return None
-    return estimate(cfg, hf_arch(cfg.model.model), device_type, gpu=gpu)
+    return estimate(cfg, hf_arch(cfg.model.model), device_type, world_size=world_size, shard=shard, gpu=gpu)

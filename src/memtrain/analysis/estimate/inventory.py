@@ -335,7 +335,8 @@ def _head_nodes(dm: _Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tr
         # _ChunkedLinearCrossEntropy.forward: casts of hidden and weight (when the compute dtype
         # differs), grad_h (N x d) and a float32 grad_w (V x d) kept for backward, and per chunk
         # the logits, their float32 copy, the gradient cast back and the chunk's matmuls.
-        casts = (N * d * a if a != r else 0) + (V * d * a if a != dm.p else 0)
+        # (No weight cast under FSDP2's bf16 gather: the gathered weight is in the compute dtype.)
+        casts = (N * d * a if a != r else 0) + (V * d * a if a != dm.p and not dm.weights_in_compute_dtype else 0)
         if a == 4:
             # float32 logits, turned into their gradient in place; g @ w for grad_h.
             per_chunk: float = c * V * 4 + c * d * 4

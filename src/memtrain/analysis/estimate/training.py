@@ -208,6 +208,13 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     if not m.untie_embeddings:
         graph.tied.add("wte.weight")
     gathered = sim.alloc(gathered_bytes, "weights") if gathered_bytes else None
+    if gathered_bytes and n > 1:
+        # FSDP2 all-gathers a group into one flat buffer and copies it out into the unsharded
+        # parameters: for a moment both exist, the root group's (embeddings, norm, head) first,
+        # before the first layer. The peak when nothing later outgrows it (a frozen LM head
+        # under LoRA and the chunked loss: no vocabulary-sized gradient in backward).
+        sim.at("forward", "FSDP2 all-gather of the root group")
+        sim.transient(sum(p.numel * p.repeat * (ab if autocast else pb) for p in params if p.block is None))
     graph.forward()
     graph.backward()
     sim.free(gathered)

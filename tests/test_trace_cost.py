@@ -1,0 +1,120 @@
+"""What keeps a full-size trace fast, checked without a clock: a traced step dispatches as many
+ops for an 8B-wide model as for a tiny one (nothing loops over the weights' values), and the
+fake mode never falls back to computing "constants" for real."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("torchao")
+
+from memtrain.config import build_config  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# Every technique that issues ops per weight or per chunk: LoRA over NF4 base weights (QLoRA),
+# checkpointing (recomputation), the chunked loss, AdamW.
+TECH = {"lora_rank": 4, "qlora": True, "checkpointing": "full", "loss": "chunked", "loss_chunk": 16,
+        "optim": "adamw", "attention": "sdpa", "batch_size": 1, "seq_len": 32, "device": "cpu"}
+
+
+def _llama(root: Path, name: str, heads: int, ffn: int) -> Path:
+    """A 1-layer Llama with head_dim 64: only the width differs between the ones used below."""
+    d = root / name
+    transformers.LlamaConfig(hidden_size=64 * heads, intermediate_size=ffn, num_attention_heads=heads,
+                             num_key_value_heads=heads // 2, num_hidden_layers=1, vocab_size=384,
+                             max_position_embeddings=64).save_pretrained(d)
+    return d
+
+
+def _traced_ops(model_dir: Path, monkeypatch) -> tuple[int, dict]:
+    """(ops the step issued, memory stats) of one traced training step (the optimizer creates
+    its state and steps: every kind of op a step issues). Counted where they enter the fake
+    mode, not counting the ops its own decompositions issue (those depend on what its kernel
+    cache already holds), nor ``torch.tensor`` literals (``lift_fresh``: some libraries make a
+    few once per process)."""
+    from memtrain.analysis import trace
+
+    count = [0]
+    literal = torch.ops.aten.lift_fresh.default
+    make_mode = trace._fake_mode
+
+    def counting_mode():  # type: ignore[no-untyped-def]
+        mode = make_mode()
+
+        class Counting(type(mode)):  # type: ignore[misc]
+            depth = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                count[0] += Counting.depth == 0 and func is not literal
+                Counting.depth += 1
+                try:
+                    return super().__torch_dispatch__(func, types, args, kwargs)
+                finally:
+                    Counting.depth -= 1
+
+        mode.__class__ = Counting
+        return mode
+
+    monkeypatch.setattr(trace, "_fake_mode", counting_mode)
+    stats = trace.trace_step(build_config({"model": str(model_dir), **TECH}), "cpu", steps=1)
+    return count[0], stats
+
+
+def test_a_full_width_trace_dispatches_no_more_ops_than_a_tiny_one(tmp_path, monkeypatch):
+    # Llama-3-8B's width (4096 hidden, 14336 FFN): each MLP weight has 58.7M values, 56 of
+    # torchao's 1M-value quantization chunks; the tiny one fits in one chunk.
+    tiny_ops, tiny = _traced_ops(_llama(tmp_path, "tiny", heads=4, ffn=1024), monkeypatch)
+    wide_ops, wide = _traced_ops(_llama(tmp_path, "wide", heads=64, ffn=14336), monkeypatch)
+    assert wide["peak_bytes"] > 100 * tiny["peak_bytes"]  # the trace did see the full-width weights
+    assert wide_ops == tiny_ops
+
+
+def test_nf4_quantization_is_the_same_in_one_chunk_as_in_many():
+    """The reason a fake weight may be quantized in one chunk: the chunks only bound scratch."""
+    from torchao.quantization import to_nf4
+    from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+
+    from memtrain.models.qlora import NF4_BLOCK, NF4_SCALER_BLOCK
+
+    w = torch.randn(256, 512)
+    one = to_nf4(w, NF4_BLOCK, NF4_SCALER_BLOCK)
+    saved = nf4_tensor.CHUNK_SIZE
+    nf4_tensor.CHUNK_SIZE = 4096  # 32 chunks
+    try:
+        many = to_nf4(w, NF4_BLOCK, NF4_SCALER_BLOCK)
+    finally:
+        nf4_tensor.CHUNK_SIZE = saved
+    for name in ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean"):
+        assert torch.equal(getattr(one, name), getattr(many, name)), name
+
+
+def test_quantizing_a_fake_weight_runs_one_chunk_and_a_real_one_keeps_torchao_chunks():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+
+    from memtrain.models.qlora import _one_chunk_if_fake
+
+    default = nf4_tensor.CHUNK_SIZE
+    with FakeTensorMode():
+        big = torch.empty(4096, 14336)
+    with _one_chunk_if_fake(big):
+        assert nf4_tensor.CHUNK_SIZE == big.numel()
+    assert nf4_tensor.CHUNK_SIZE == default
+    with _one_chunk_if_fake(torch.empty(2048, 1024)):  # real: torchao bounds its scratch
+        assert nf4_tensor.CHUNK_SIZE == default
+
+
+def test_a_trace_keeps_no_fake_constants(tmp_path, monkeypatch):
+    """AdamW's ``step`` and ``lr`` are one-element tensors: as fake "constants" every op on them
+    ran for real and bypassed the fake-kernel cache (most of a traced optimizer step)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    before = FakeTensorMode.cache_bypasses.get("constant attribute", 0)
+    ops, stats = _traced_ops(_llama(tmp_path, "tiny", heads=4, ffn=1024), monkeypatch)
+    assert ops > 0 and stats["current_by_category"]["optimizer"] > 0  # AdamW made its state
+    assert FakeTensorMode.cache_bypasses.get("constant attribute", 0) == before
