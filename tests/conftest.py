@@ -139,3 +139,16 @@ def llama_dir(tmp_path_factory) -> Path:
                              eos_token_id=50256, bos_token_id=50256).save_pretrained(d)
     return d
 
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A 1-process gloo group: enough to build the distributed wrappers (FSDP2, DDP, DCP) in
+    this process, without torchrun."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -257,15 +257,6 @@ def test_deepspeed_config_maps_options():
     assert two["zero_optimization"]["stage"] == 2 and "offload_optimizer" not in two["zero_optimization"]
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    """A 1-process gloo group, enough to build the wrappers in this process."""
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
 
 def test_fully_shard_keeps_weight_tying_and_no_sync_skips_reduction(one_rank_group):
     from torch.distributed.tensor import DTensor

@@ -219,17 +219,6 @@ def test_qlora_under_fsdp2_is_refused_when_a_weight_cannot_be_split(monkeypatch)
         hf_mapping._check_qlora_shards(model, cfg, torch.device("cuda"))  # type: ignore[arg-type]
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    """A 1-process gloo group: enough to build the FSDP2 wrap in this process."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
 
 def test_prepare_model_shards_each_decoder_layer_then_the_root(llamas, one_rank_group):
     """The structure the 2-rank runs rely on, checked without torchrun: every decoder layer and

@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from conftest import TINY_MODEL, cli_flags
 from memtrain.cli import main
@@ -44,13 +43,6 @@ class _TouchFile:
 
 
 # --------------------------------------------------------------------------- 1. nothing executed
-@pytest.fixture
-def one_rank_group(tmp_path):
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _run_state(cfg):
