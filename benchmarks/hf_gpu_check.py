@@ -15,8 +15,8 @@ each row of ``TRAIN_ROWS``: first and last losses, median step time, peak.
 
     PYTHONPATH=src python benchmarks/hf_gpu_check.py --out DIR [--gpu h100]
 
-Writes ``DIR/hf_gpu_memory.jsonl``, ``DIR/hf_gpu_train.jsonl`` (a line per row, as each
-finishes) and ``DIR/hf_gpu_check.md``.
+Writes ``DIR/hf_gpu_memory.jsonl`` and ``DIR/hf_gpu_train.jsonl``, a line per row as each
+finishes (a row's failure is recorded in its line and the other rows still run).
 """
 
 from __future__ import annotations

@@ -132,8 +132,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     device_type = device_type_for(args, cfg)
     shard = _shard(args, cfg)
-    if args.gpu is not None and device_type != "cuda":
-        raise ConfigError("--gpu models the CUDA caching allocator: add --device-type cuda (or --device cuda)")
+    _check_gpu_flag(args, device_type)
     est = estimate(cfg, arch, device_type, world_size=args.world_size, shard=shard, gpu=args.gpu)
     out = est.to_dict()
     traced = None
@@ -223,6 +222,12 @@ def traced_estimate(cfg: Any, device_type: str, full_trace: bool = False) -> dic
     }
 
 
+def _check_gpu_flag(args: argparse.Namespace, device_type: str) -> None:
+    """--gpu models the CUDA caching allocator: it needs CUDA kernel facts (every model path)."""
+    if args.gpu is not None and device_type != "cuda":
+        raise ConfigError("--gpu models the CUDA caching allocator: add --device-type cuda (or --device cuda)")
+
+
 def _shard(args: argparse.Namespace, cfg: Any) -> Any:
     """The sharding to estimate: --shard, else --distributed; plain DDP over --world-size ranks."""
     shard = args.shard if args.shard not in (None, "none") else None
@@ -235,6 +240,7 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
     if args.mode != "train":
         raise ConfigError("--mode inference is analytic for memtrain's GPT only; drop --mode for a transformers --model")
     device_type = args.trace_device or device_type_for(args, cfg)
+    _check_gpu_flag(args, device_type)
 
     reason = why_not_modelled(cfg)
     if args.world_size > 1:
@@ -284,8 +290,6 @@ def _run_hf_analytic(args: argparse.Namespace, cfg: Any, device_type: str) -> in
     analytic estimate, with --trace the (extrapolated) trace beside it and the error."""
     from memtrain.analysis.depth_trace import trace_any_depth  # torch-free --help/estimate/plan
 
-    if args.gpu is not None and device_type != "cuda":
-        raise ConfigError("--gpu models the CUDA caching allocator: add --device-type cuda (or --device cuda)")
     est = analytic_estimate(cfg, device_type, gpu=args.gpu, world_size=args.world_size, shard=_shard(args, cfg))
     assert est is not None
     out = {"model": cfg.model.model, "method": "analytic",
