@@ -161,11 +161,11 @@ def _liger_loss(fallback: LossFn) -> Optional[LossFn]:
     module = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="mean")
 
     def liger_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if is_fake(hidden):
+            return fallback(hidden, weight, targets)
         # Liger's kernel has mixed float32/bfloat16 operand bugs under autocast
         # (linkedin/Liger-Kernel#305, #501): hand it both operands already in the compute
         # dtype, with autocast off; autograd casts the gradients back to the parameters' dtype.
-        if is_fake(hidden):
-            return fallback(hidden, weight, targets)
         dt = _compute_dtype(hidden, weight)
         with torch.autocast(hidden.device.type, enabled=False):
             return module(weight.to(dt), hidden.to(dt), targets).float()
