@@ -220,6 +220,35 @@ def test_techniques_train_on_a_transformers_model(model_dirs, corpus, tmp_path, 
         assert hist[-1] < hist[0], hist
 
 
+def test_flash_holds_sdpa_to_its_kernel_in_every_call_recompute_included(model_dirs, corpus, tmp_path, monkeypatch):
+    """--attention flash on a transformers model: every SDPA call, the checkpointed layers'
+    recomputation in backward included, runs with only the flash kernel enabled (a restriction
+    around the forward alone left the recomputation free to pick another kernel, which stopped
+    the step on CUDA)."""
+    import torch.nn.functional as F
+
+    from memtrain.step import build_state
+    from memtrain.techniques import make_precision
+
+    sdpa, seen = F.scaled_dot_product_attention, []
+
+    def recording_sdpa(*args, **kwargs):
+        seen.append((torch.backends.cuda.flash_sdp_enabled(),
+                     torch.backends.cuda.math_sdp_enabled()))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
+    cfg = run_cfg(model_dirs["llama"], corpus, tmp_path, attention="flash", checkpointing="full")
+    cpu = torch.device("cpu")
+    state = build_state(cfg, cpu, make_precision("fp32", cpu))
+    ids = torch.randint(0, VOCAB, (2, 33))
+    state.model(ids[:, :-1], ids[:, 1:]).backward()
+    layers = cfg.model.n_layers
+    assert len(seen) == 2 * layers  # each layer's forward, then its recomputation in backward
+    assert all(flash and not math_ for flash, math_ in seen), seen
+    assert torch.backends.cuda.math_sdp_enabled()  # restored after each call
+
+
 def test_checkpointing_and_chunked_loss_cut_the_tracked_peak(model_dirs, corpus, tmp_path):
     from memtrain.analysis.maxbatch import measure_step_memory
 
