@@ -7,10 +7,6 @@ a checkpoint holds only tensors, numbers, strings, lists and dicts, never pickle
 
 from __future__ import annotations
 
-import errno
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from memtrain.config import ConfigError
+from memtrain.results import write_atomic
 
 if TYPE_CHECKING:  # the harness imports the techniques (torch models); a checkpoint only reads it
     from memtrain.step import TrainState
@@ -56,23 +53,6 @@ def restore_rng_and_scaler(state: dict[str, Any], precision: Any) -> None:
     precision.skipped_steps = state["skipped_steps"]
 
 
-def disk_full_or(exc: BaseException, path: Path) -> BaseException:
-    """``exc``, or an OSError(ENOSPC) naming ``path`` when the write failed on a full disk.
-
-    torch.save reports a failed write as a RuntimeError ("file write failed") without the
-    errno; a nearly full file system is then the cause worth naming."""
-    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-        return OSError(errno.ENOSPC, "No space left on device", str(path))
-    if isinstance(exc, RuntimeError) and "write failed" in str(exc):
-        try:
-            free = shutil.disk_usage(Path(path).parent).free
-        except OSError:
-            free = 0
-        if free < 256 * 2**20:
-            return OSError(errno.ENOSPC, "No space left on device", str(path))
-    return exc
-
-
 def read_state(p: Path, missing_hint: str) -> Any:
     """A single-file checkpoint's contents, loaded with ``weights_only=True`` (tensors, numbers,
     strings, lists and dicts only: nothing in the file can execute). A missing or unreadable file
@@ -98,16 +78,9 @@ def save_checkpoint(path: str | Path, run: TrainState) -> None:
         **rng_and_scaler_state(run.precision),
         "config": run.cfg.to_dict(),
     }
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-    except BaseException as exc:
-        Path(tmp).unlink(missing_ok=True)  # the previous checkpoint at ``path`` is untouched
-        raise disk_full_or(exc, path) from None
+    # A temporary file beside ``path``, then a rename: a failure or a kill mid-save leaves the
+    # previous checkpoint at ``path`` untouched (memtrain.results.write_atomic).
+    write_atomic(Path(path), lambda tmp: torch.save(state, tmp))
 
 
 def load_checkpoint(path: str | Path, run: TrainState) -> dict[str, Any]:

@@ -28,8 +28,9 @@ from memtrain.notices import install_warning_format
 from memtrain.preflight import check_before_launch
 from memtrain.rank_errors import begin_command, error_line, launched_by_memtrain, say_error
 from memtrain.results import (
+    RESULT_NAME,
     FolderLock,
-    write_json_atomic,  # noqa: F401 - re-exported: older code imports it from here
+    write_json_atomic,  # re-exported too: older code imports it from here
 )
 from memtrain.signals import sigterm_as_interrupt
 
@@ -195,8 +196,11 @@ def _launch_ranks(args: argparse.Namespace, cfg: RunConfig) -> int:
 
     if "WORLD_SIZE" in os.environ:
         raise ConfigError("--nproc-per-node starts the ranks itself; under torchrun drop it (or run without torchrun)")
+    from memtrain.train import remove_stale_writes
+
     check_before_launch(cfg, args.nproc_per_node)
     with FolderLock(Path(cfg.train.out), "memtrain train", cleanup_if_unused=True):
+        remove_stale_writes(cfg)
         return launch(args.nproc_per_node, args._argv)
 
 
@@ -211,7 +215,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     def write_result(result: dict) -> None:  # before the final checkpoint (see train())
         if main_rank:
-            write_json_atomic(out / "result.json", result)
+            write_json_atomic(out / RESULT_NAME, result)
 
     # SIGTERM (kill, a job scheduler) stops like Ctrl-C: finally blocks run, scratch is removed,
     # exit 130. Not under torchrun, whose launcher owns its workers' signals.

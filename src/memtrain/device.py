@@ -38,6 +38,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from memtrain.errors import ConfigError
+from memtrain.results import write_text_atomic
+
 __all__ = ["DeviceCaps", "probe", "cache_clear", "cpu_model", "cpu_flags", "measure_gemm", "FORCE_BF16_ENV", "cache_path",
            "slow_precision_message", "precision_is_native"]
 
@@ -303,12 +306,9 @@ def _read_cache(path: Path, key: str) -> Optional[dict[str, Any]]:
 
 def _write_cache(path: Path, key: str, rates: dict[str, Any]) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"version": CACHE_VERSION, "key": key, "rates": rates}, indent=2) + "\n")
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only cache only costs the next run another second
+        write_text_atomic(path, json.dumps({"version": CACHE_VERSION, "key": key, "rates": rates}, indent=2) + "\n")
+    except (OSError, ConfigError):
+        pass  # a read-only cache (or a link in its place) only costs the next run another second
 
 
 # ----------------------------------------------------------------------------- probe

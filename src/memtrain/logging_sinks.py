@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 from pathlib import Path
 from typing import Any, Optional, Protocol
 
 from memtrain.config import ConfigError
+from memtrain.results import METRICS_NAME, open_append, open_new, write_all
 
 REPORT_TO = ("none", "tensorboard", "wandb")
 
@@ -28,20 +31,36 @@ class Sink(Protocol):
 
 
 class JsonlSink:
-    """One JSON object per logged step, appended and flushed line by line."""
+    """One JSON object per logged step, appended line by line (unbuffered: a crash keeps every
+    line written).
+
+    A fresh run creates the file (``O_EXCL``: an earlier run's curve is never overwritten; the
+    CLI refuses such a folder before the first step). A resumed run appends to the curve it
+    continues, after a newline when a kill left the last line torn. Never through a link.
+    A failed write (a full disk) does not stop the run: the sink says so once, stops writing,
+    and keeps the error in :attr:`failure` for the run to report after its other writes."""
 
     def __init__(self, path: Path, append: bool) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # A resumed run appends to the curve it continues; a fresh run starts a new file.
-        self.fh = open(path, "a" if append else "w", encoding="utf-8")
+        self.path = Path(path)
+        self.fd: Optional[int] = open_append(self.path) if append else open_new(self.path)
+        self.failure: Optional[BaseException] = None
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
+        if self.fd is None:
+            return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in scalars.items()}
-        self.fh.write(json.dumps({"step": step, **clean}) + "\n")
-        self.fh.flush()
+        try:
+            write_all(self.fd, (json.dumps({"step": step, **clean}) + "\n").encode(), self.path)
+        except OSError as exc:
+            self.failure = exc
+            sys.stderr.write(f"warning: cannot write {self.path} ({exc.strerror or exc}); training goes on, "
+                             f"its curve from step {step} on is not logged\n")
+            self.close()
 
     def close(self) -> None:
-        self.fh.close()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 class TensorBoardSink:
@@ -98,12 +117,14 @@ class MetricsLogger:
                  append: bool = False, config: Optional[dict[str, Any]] = None) -> None:
         self.every = max(1, every)
         self.sinks: list[Sink] = []
+        self.jsonl: Optional[JsonlSink] = None
         names = parse_report_to(report_to)  # validated on every rank: a typo fails everywhere alike
         if not enabled:
             return
         out = Path(out)
-        self.path = out / "metrics.jsonl"
-        self.sinks.append(JsonlSink(self.path, append))
+        self.path = out / METRICS_NAME
+        self.jsonl = JsonlSink(self.path, append)
+        self.sinks.append(self.jsonl)
         try:
             if "tensorboard" in names:
                 self.sinks.append(TensorBoardSink(out / "tensorboard"))
@@ -118,6 +139,11 @@ class MetricsLogger:
         if self.sinks and (force or step % self.every == 0):
             for sink in self.sinks:
                 sink.log(step, scalars)
+
+    @property
+    def failure(self) -> Optional[BaseException]:
+        """The error that stopped ``metrics.jsonl`` (a full disk), or None."""
+        return self.jsonl.failure if self.jsonl is not None else None
 
     def close(self) -> None:
         for sink in self.sinks:

@@ -2,7 +2,11 @@
 
 - :func:`check_destinations`: ``--out`` and ``--save`` can be written (a directory, not a
   file; a probe file can be created and removed). Today's alternative is a run that trains
-  for an hour and then cannot write its result. Nothing is created by the check.
+  for an hour and then cannot write its result. Nothing is created by the check. What is
+  there already is never lost: ``--save`` replaces only a memtrain checkpoint (or an empty
+  file), never the data file, a file memtrain writes in ``--out``, a link, a device, a FIFO or
+  a folder; no name memtrain writes in ``--out`` may be a link; and a fresh ``train`` refuses
+  an ``--out`` that holds an earlier run's ``result.json`` or ``metrics.jsonl``.
 - :func:`check_vocab`: the model's vocabulary holds every token id of the tokenizer.
 - :func:`check_resume`: a checkpoint given to ``--resume`` belongs to *this* run: the saved
   config agrees on everything that decides the numbers (model, data, batch, sequence,
@@ -14,11 +18,13 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
 from memtrain.config import ConfigError, RunConfig
+from memtrain.results import METRICS_NAME, OUT_FILES, RESULT_NAME, refuse_odd_destination
 
 # Keys that may differ between the saved run and the resumed one: where output goes, how it
 # is shown, how fast it runs, and implementation choices that compute the same numbers.
@@ -74,8 +80,10 @@ def check_writable_file(path: str | Path, flag: str) -> None:
     check_writable_dir(p.parent if str(p.parent) else Path("."), f"{flag} (its folder)")
 
 
-def check_destinations(cfg: RunConfig) -> None:
-    """Every place this run will write, checked before anything runs."""
+def check_destinations(cfg: RunConfig, fresh_out: bool = False) -> None:
+    """Every place this run will write, checked before anything runs. ``fresh_out`` (the
+    ``train`` command, which writes result.json and metrics.jsonl): a folder holding an earlier
+    run's results is refused unless this run resumes."""
     t = cfg.train
     check_writable_dir(t.out, "--out")
     if t.save is not None:
@@ -83,6 +91,83 @@ def check_destinations(cfg: RunConfig) -> None:
             check_writable_dir(t.save, "--save")  # a sharded checkpoint is a directory
         else:
             check_writable_file(t.save, "--save")
+        check_save_target(cfg)
+    check_out_names(Path(t.out).expanduser(), "--out")
+    if fresh_out and not t.resume:
+        check_fresh_out(Path(t.out).expanduser())
+
+
+def check_out_names(out: Path, flag: str = "--out") -> None:
+    """No name memtrain writes in ``out`` is a link, a folder, a device or a FIFO (every write
+    there would be refused at its end: refuse it before the first step)."""
+    for name in OUT_FILES:
+        refuse_odd_destination(out / name, f"{flag} {str(out)!r}: {name}")
+
+
+def check_fresh_out(out: Path) -> None:
+    """A new run never writes over an earlier run's result.json or metrics.jsonl (its loss
+    curve would be lost and the two files would describe different runs)."""
+    held = [n for n in (RESULT_NAME, METRICS_NAME) if os.path.lexists(out / n)]
+    if held:
+        raise ConfigError(f"--out {str(out)!r} already holds {' and '.join(held)} of an earlier run; choose a new "
+                          "--out, or continue that run with --resume CHECKPOINT")
+
+
+def check_save_target(cfg: RunConfig) -> None:
+    """``--save`` replaces only what memtrain wrote: a checkpoint (or an empty file, for a
+    single-file checkpoint; an empty folder, for a sharded one) or a new name; never a link,
+    a device, a FIFO, the data file or a file memtrain writes in ``--out``."""
+    save = Path(cfg.train.save or "").expanduser()
+    sharded = cfg.technique.distributed != "none"
+    try:
+        st: Optional[os.stat_result] = os.lstat(save)
+    except FileNotFoundError:
+        st = None
+    if st is not None and stat.S_ISLNK(st.st_mode):
+        raise ConfigError(f"--save {str(save)!r} is a symbolic link; memtrain does not write through links: "
+                          "give the real path or a new name")
+    if st is not None and not sharded and not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"--save {str(save)!r} is not a regular file (a device, FIFO or socket); give a new file path")
+    if Path(os.path.realpath(save.parent)) == Path(os.path.realpath(Path(cfg.train.out).expanduser())) \
+            and save.name in OUT_FILES:
+        raise ConfigError(f"--save {str(save)!r} is a file memtrain writes in --out; give another name, e.g. "
+                          f"{str(save.with_name('ckpt.pt'))!r}")
+    if st is not None and _is_data_file(save, cfg.data.data):
+        raise ConfigError(f"--save {str(save)!r} is the training data (--data); give another path")
+    if st is None:
+        return
+    if sharded:
+        if stat.S_ISDIR(st.st_mode) and any(save.iterdir()) and not (save / "meta.json").is_file():
+            raise ConfigError(f"--save {str(save)!r} is a folder holding files that are not a memtrain checkpoint; "
+                              "give a new or empty folder")
+    elif st.st_size > 0 and not _holds_checkpoint(save):
+        raise ConfigError(f"--save {str(save)!r} exists and is not a memtrain checkpoint; memtrain replaces only "
+                          "its own checkpoints: give a new name")
+
+
+def _holds_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a single-file memtrain checkpoint (read as :func:`saved_run` does)."""
+    try:
+        saved_run(path)
+    except ConfigError:
+        return False
+    return True
+
+
+def _is_data_file(path: Path, data: str) -> bool:
+    """Whether the existing ``path`` is one of the files ``--data`` names."""
+    if data == "default" or data.startswith("hf:"):
+        return False
+    from memtrain.data.sources import resolve_local_files
+
+    try:
+        files = resolve_local_files(data)
+    except (ConfigError, OSError):
+        return False  # the data check itself reports a bad --data
+    try:
+        return any(os.path.samefile(path, f) for f in files)
+    except OSError:
+        return False
 
 
 def check_vocab(cfg: RunConfig) -> None:
@@ -170,7 +255,7 @@ def check_before_launch(cfg: RunConfig, nproc: int) -> None:
     if cfg.technique.distributed == "none":
         raise ConfigError(f"--nproc-per-node {nproc} starts data-parallel ranks; add --distributed ddp "
                           "(or zero1, zero2, fsdp)")
-    check_destinations(cfg)
+    check_destinations(cfg, fresh_out=True)
     check_vocab(cfg)
     check_resume(cfg)
     check_combination(cfg, resolve_device(cfg.train.device))

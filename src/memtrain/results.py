@@ -3,9 +3,18 @@
 The one place that writes and reads what a run produced, so the promises of
 docs/reliability.md hold for every command alike:
 
-- :func:`write_json_atomic`: a temporary file, fsync, then ``os.replace``: a reader sees the
-  old file or the new one, never half of one. Non-finite floats become ``null`` (JSON has no
-  NaN; ``json.dumps`` would otherwise write the invalid token ``NaN``).
+- :func:`write_atomic` (and :func:`write_text_atomic`, :func:`write_json_atomic`): every file
+  memtrain replaces (result.json, checkpoints, reports, plots) is written to a temporary file
+  beside it, fsynced, then renamed onto its name with ``os.replace``: a reader sees the old
+  file or the new one, never half of one, and a symbolic link (or a device, FIFO or folder)
+  at the name is refused, never written through. JSON never holds ``NaN`` (non-finite floats
+  become ``null``; ``json.dumps`` would otherwise write the invalid token). A failed write
+  raises an OSError that names the file.
+- temporary names are ``NAME.memtrain-<pid>.<random>.tmp``; :func:`remove_stale_temps` removes
+  those whose writer is gone (a SIGKILL mid-save skips the writer's own cleanup) and nothing else.
+- :func:`open_append` / :func:`open_new`: the files memtrain appends to or creates in an output
+  folder (results.jsonl, metrics.jsonl, the lock) are opened with ``O_NOFOLLOW``; a symbolic
+  link or a non-regular file there is refused.
 - :func:`append_jsonl`: one row per line; when the file does not end with a newline (a
   previous append was killed or hit a full disk mid-line) a newline comes first, so the torn
   line stays alone and the new row is intact.
@@ -20,20 +29,30 @@ docs/reliability.md hold for every command alike:
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import math
 import os
+import re
+import shutil
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from memtrain.config import ConfigError
 
 LOCK_NAME = ".memtrain.lock"
 # The bench store: one row per line, appended as each row finishes (see memtrain.bench).
 BENCH_RESULTS = "results.jsonl"
+RESULT_NAME = "result.json"  # memtrain train's result
+METRICS_NAME = "metrics.jsonl"  # memtrain train's loss curve (memtrain.logging_sinks)
+REPORT_FILES = ("report.md", "report.csv", "report.json")  # memtrain.report
+PLOT_FILES = ("peak_memory.png", "step_time.png", "max_batch.png", "memory_vs_time.png")  # memtrain.report.plots
+# Every name memtrain writes in an output folder: none may be a link, and --save is none of them.
+OUT_FILES = (RESULT_NAME, METRICS_NAME, LOCK_NAME, BENCH_RESULTS, *REPORT_FILES, *PLOT_FILES)
 
 
 def json_safe(value: Any) -> Any:
@@ -52,38 +71,198 @@ def dumps(payload: Any, **kw: Any) -> str:
     return json.dumps(json_safe(payload), allow_nan=False, default=str, **kw)
 
 
+# --------------------------------------------------------------------------- safe writes
+# NAME.memtrain-<pid>.<random>.tmp: the writer's pid tells a later run whether it is gone.
+_TEMP_RE = re.compile(r"^(?P<name>.+)\.memtrain-(?P<pid>\d+)\.[A-Za-z0-9_]+\.tmp$")
+
+
+def _temp_prefix(name: str) -> str:
+    return f"{name}.memtrain-{os.getpid()}."
+
+
+def refuse_odd_destination(path: Path, what: str = "") -> None:
+    """ConfigError when ``path``'s own name is a symbolic link or exists as anything but a
+    regular file (a folder, device, FIFO, socket): memtrain writes only plain files of its own
+    and never through a link, whoever planted it. A missing name is fine."""
+    path = Path(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:  # e.g. a parent that is a file
+        raise ConfigError(f"cannot write {what or str(path)!r}: {exc.strerror or exc}; choose another path") from None
+    label = what or repr(str(path))
+    if stat.S_ISLNK(st.st_mode):
+        raise ConfigError(f"{label} is a symbolic link; memtrain does not write through links: remove it "
+                          "or choose another path")
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file (a device, FIFO or socket)"
+        raise ConfigError(f"{label} is {kind}; memtrain writes only regular files: choose another path")
+
+
+def named_write_error(exc: BaseException, path: Path) -> BaseException:
+    """``exc`` as an error that names ``path``: an OSError gets it as its filename (the CLI's
+    ``disk full writing PATH`` line); torch.save's RuntimeError ("file write failed", no errno)
+    becomes OSError(ENOSPC) when the file system is nearly full, the likely cause."""
+    if isinstance(exc, OSError) and not isinstance(exc, FileExistsError):
+        return OSError(exc.errno, exc.strerror or str(exc), str(path))
+    if isinstance(exc, RuntimeError) and "write failed" in str(exc):
+        try:
+            free = shutil.disk_usage(Path(path).parent).free
+        except OSError:
+            free = 0
+        if free < 256 * 2**20:
+            return OSError(errno.ENOSPC, "No space left on device", str(path))
+    return exc
+
+
+def write_atomic(path: Path, write: Callable[[str], object]) -> None:
+    """Fill ``path`` through ``write(temp_path)`` and a rename: never a half-written file.
+
+    The temporary file is created (exclusively) beside ``path``, so the rename stays on one
+    file system; it is fsynced before the rename and removed on any failure, leaving what was
+    at ``path`` untouched. ``os.replace`` replaces the name itself, so nothing a link at
+    ``path`` points to is ever written; such a link is refused up front all the same."""
+    path = Path(path)
+    refuse_odd_destination(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path.name), suffix=".tmp", dir=path.parent)
+        os.close(fd)
+    except OSError as exc:
+        raise named_write_error(exc, path) from None
+    try:
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        refuse_odd_destination(path)  # planted while the file was being written
+        os.replace(tmp, path)
+    except BaseException as exc:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, Exception):
+            raise named_write_error(exc, path) from None
+        raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically (see :func:`write_atomic`)."""
+    data = text.encode("utf-8")
+    write_atomic(path, lambda tmp: Path(tmp).write_bytes(data))
+
+
 def write_json_atomic(path: Path, payload: Any) -> None:
     """Write JSON through a temporary file and a rename: never a half-written file."""
+    text = dumps(payload, indent=2) + "\n"  # serialize first: a bad payload leaves nothing behind
+    write_text_atomic(path, text)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process with this id exists (one we may not signal counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temps(folder: Path, name: Optional[str] = None) -> list[Path]:
+    """Remove memtrain's temporary files in ``folder`` (only ``NAME.memtrain-<pid>.*.tmp``,
+    for ``name`` when given) whose writing process no longer exists; return what was removed.
+    A live writer's file, this process's own and every other file are left alone."""
+    removed: list[Path] = []
+    try:
+        entries = list(Path(folder).iterdir())
+    except OSError:
+        return removed
+    for p in entries:
+        m = _TEMP_RE.match(p.name)
+        if m is None or (name is not None and m["name"] != name):
+            continue
+        pid = int(m["pid"])
+        if pid == os.getpid() or process_alive(pid):
+            continue
+        try:
+            p.unlink()  # a link is removed itself, never its target
+            removed.append(p)
+        except OSError:
+            pass
+    return removed
+
+
+def _open_regular(path: Path, flags: int) -> int:
+    """``os.open`` with O_NOFOLLOW that accepts only a regular file; ConfigError otherwise."""
+    refuse_odd_destination(path)
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a link planted since the check
+            refuse_odd_destination(path)
+        if isinstance(exc, FileExistsError):
+            raise
+        raise named_write_error(exc, path) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        refuse_odd_destination(path)
+    os.set_blocking(fd, True)
+    return fd
+
+
+def open_append(path: Path) -> int:
+    """A descriptor appending to ``path`` (created if missing; never through a link), after a
+    newline when the file ends mid-line (a killed or failed append left a torn line: it stays
+    alone and the next line is intact)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = dumps(payload, indent=2) + "\n"  # serialize first: a bad payload leaves nothing behind
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    fd = _open_regular(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
     try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        end = os.lseek(fd, 0, os.SEEK_END)
+        if end > 0 and os.pread(fd, 1, end - 1) != b"\n":
+            os.write(fd, b"\n")
+    except OSError as exc:
+        os.close(fd)
+        raise named_write_error(exc, path) from None
+    return fd
+
+
+def open_new(path: Path, flag: str = "--out") -> int:
+    """A descriptor of a new, empty ``path`` (O_EXCL: an existing file is never overwritten)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        return _open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    except FileExistsError:
+        raise ConfigError(f"{str(path)!r} already exists and is not overwritten; choose a new {flag} "
+                          "(or continue that run with --resume)") from None
+
+
+def write_all(fd: int, data: bytes, path: Path) -> None:
+    """Write every byte of ``data`` to ``fd`` (os.write may write less); errors name ``path``."""
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError as exc:
+        raise named_write_error(exc, path) from None
 
 
 def append_jsonl(path: Path, row: dict[str, Any]) -> None:
     """Append ``row`` as one line, after a newline if the file ends mid-line; fsync it."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     line = (dumps(row) + "\n").encode()
-    with open(path, "a+b") as fh:
-        fh.seek(0, os.SEEK_END)
-        if fh.tell() > 0:
-            fh.seek(-1, os.SEEK_END)
-            if fh.read(1) != b"\n":
-                line = b"\n" + line  # a torn predecessor: keep it on its own line
-        fh.seek(0, os.SEEK_END)
-        fh.write(line)
-        fh.flush()
-        os.fsync(fh.fileno())
+    fd = open_append(path)
+    try:
+        write_all(fd, line, path)
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            raise named_write_error(exc, path) from None
+    finally:
+        os.close(fd)
 
 
 @dataclass
@@ -140,19 +319,21 @@ class FolderLock:
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / LOCK_NAME
         while True:
-            fh = open(path, "a+")
+            # O_NOFOLLOW: a link planted at the lock's name is refused, never written through.
+            fd = _open_regular(path, os.O_RDWR | os.O_CREAT)
+            fh = os.fdopen(fd, "r+", encoding="utf-8", errors="replace")
             try:
                 fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 fh.seek(0)
-                holder = fh.read().strip() or "another process"
+                holder = (fh.read(200).strip().splitlines() or ["another process"])[0]
                 fh.close()
                 raise ConfigError(f"{self.flag} {str(self.folder)!r} is in use by {holder}; wait for it to finish "
                                   f"or choose another {self.flag}") from None
             # A holder that cleaned up may have unlinked the file we opened: lock the file
             # that is there now, or two processes would each hold "the" lock.
             try:
-                same = os.fstat(fh.fileno()).st_ino == os.stat(path).st_ino
+                same = os.fstat(fh.fileno()).st_ino == os.lstat(path).st_ino
             except FileNotFoundError:
                 same = False
             if same:

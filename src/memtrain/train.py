@@ -31,7 +31,7 @@ from memtrain.metrics.state import ShardedStateBytes
 from memtrain.models import build_model, data_tokenizer
 from memtrain.preflight import check_destinations, check_resume, check_vocab
 from memtrain.rank_errors import agreement
-from memtrain.results import FolderLock
+from memtrain.results import FolderLock, remove_stale_temps
 from memtrain.runtime import environment, resolve_device, seed_everything
 from memtrain.step import Batch, TrainState, build_state, lr_lambda, run_step, train_step
 from memtrain.techniques import Precision, make_precision
@@ -138,12 +138,23 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
         # Before any step and before the first collective: every rank checks, and a refusal
         # on any one rank (its own file, its own disk) refuses the run on all of them.
         with agreement():
-            check_destinations(cfg)  # never a run that cannot write its result
+            # Never a run that cannot write its result, nor one that would overwrite another's.
+            check_destinations(cfg, fresh_out=log_metrics)
             check_vocab(cfg)
             check_resume(cfg)  # a checkpoint of another run is refused before tokenizing
             if lock_out and dist_ctx.is_main:
                 held.enter_context(FolderLock(Path(cfg.train.out), "memtrain train", cleanup_if_unused=True))
+                remove_stale_writes(cfg)
         return _train(cfg, dist_ctx, progress, track_memory, on_result, log_metrics, on_step)
+
+
+def remove_stale_writes(cfg: RunConfig) -> None:
+    """Temporary files of an earlier writer of ``--out`` or of ``--save`` that was killed
+    mid-write (a SIGKILL skips its cleanup): memtrain's own names, whose process is gone."""
+    remove_stale_temps(Path(cfg.train.out))
+    if cfg.train.save and cfg.technique.distributed == "none":
+        save = Path(cfg.train.save).expanduser()
+        remove_stale_temps(save.parent, save.name)
 
 
 def _step_scalars(loss: float, scheduler: Any, precision: Precision, tokens_per_s: float,
@@ -238,12 +249,42 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     result = _result(state, timer, memory, splits, val_loss, loop.val_history, start_step, end_step,
                      tokens_per_step, total_time, caps, device_caps)
     result.update(dist_ctx.result_fields(memory))  # distributed: "ranks" (memory per rank), "distributed"
-    if on_result is not None:
-        on_result(result)
-    if t.save:  # after the result is out: a full disk here loses no numbers
-        state.step = end_step
-        save_ckpt(t.save, state)
+    _write_outputs(result, state, on_result, save_ckpt, end_step, logger.failure)
     return result
+
+
+def _write_outputs(result: dict[str, Any], state: TrainState, on_result: Optional[Callable[[dict[str, Any]], None]],
+                   save_ckpt: Callable[[Any, TrainState], None], end_step: int,
+                   earlier: Optional[BaseException]) -> None:
+    """The result (``on_result``: result.json) first, then the final checkpoint, each written
+    whatever became of the other: a full ``--out`` disk still leaves the checkpoint on
+    ``--save``'s file system, and the reverse. Then the first failure is raised (``earlier``:
+    metrics.jsonl's), naming every file that could not be written."""
+    failures = [earlier] if earlier is not None else []
+    if on_result is not None:
+        try:
+            on_result(result)
+        except Exception as exc:  # noqa: BLE001 - raised below, after the checkpoint
+            failures.append(exc)
+    if state.cfg.train.save:  # after the result is out: a full disk here loses no numbers
+        state.step = end_step
+        try:
+            save_ckpt(state.cfg.train.save, state)
+        except Exception as exc:  # noqa: BLE001 - raised below
+            failures.append(exc)
+    if failures:
+        raise _first_failure(failures)
+
+
+def _first_failure(failures: list[BaseException]) -> BaseException:
+    """The first failure; when every one is an OSError of the same kind (a full disk), one
+    OSError naming all their files (the CLI's line says ``disk full writing A and B``)."""
+    first = failures[0]
+    errors = [f for f in failures if isinstance(f, OSError)]
+    if len(failures) > 1 and len(errors) == len(failures) and len({e.errno for e in errors}) == 1:
+        names = [str(e.filename) for e in errors if e.filename]
+        return OSError(errors[0].errno, errors[0].strerror, " and ".join(dict.fromkeys(names)))
+    return first
 
 
 @dataclass

@@ -25,7 +25,7 @@ from memtrain.bench.scales import SCALE_BUDGET, SCALE_MAX_BATCH, scale_overrides
 from memtrain.bench.technique_sets import describe, is_noise_row, technique_overrides
 from memtrain.config import ConfigError, RunConfig, build_config, flatten, parse_size
 from memtrain.report import write_report
-from memtrain.results import FolderLock, append_result, read_results, select_rows
+from memtrain.results import FolderLock, append_result, read_results, remove_stale_temps, select_rows
 
 
 @dataclass
@@ -198,6 +198,7 @@ def run_bench(opts: BenchOptions, on_row: Optional[Callable[[str, dict[str, Any]
     # One bench per folder: a second one would run every row twice under contention and
     # interleave its appends with ours. Held until the last row is appended.
     with FolderLock(opts.out, "memtrain bench"):
+        remove_stale_temps(opts.out)  # a report write of an earlier bench that was SIGKILL'd
         return _run_rows(opts, rows, substituted, on_row, optim_subs)
 
 

@@ -12,7 +12,7 @@ from memtrain.bench.scales import SCALES
 from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, NOISE_ROW, TECHNIQUES
 from memtrain.cli import add_config_flags, fmt_bytes, register
 from memtrain.config import SECTIONS, ConfigError, load_config_file
-from memtrain.preflight import check_writable_dir
+from memtrain.preflight import check_out_names, check_writable_dir
 from memtrain.report import write_report
 from memtrain.signals import sigterm_as_interrupt
 
@@ -58,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in vars(args).items() if k in known}
 
     check_writable_dir(args.bench_out, "--out")  # empty, a file, or not writable: refused up front
+    check_out_names(Path(args.bench_out).expanduser())  # a link at results.jsonl, report.md, ...: refused up front
     if args.multiple_of < 1:
         raise ConfigError(f"--multiple-of must be >= 1, got {args.multiple_of}")
     if args.nproc < 1:

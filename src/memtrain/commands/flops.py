@@ -14,6 +14,7 @@ from memtrain.analysis.flops.roofline import flops_report, resolve_roof
 from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, config_from_args, register
 from memtrain.config import ConfigError
 from memtrain.report.roofline import plot_roofline
+from memtrain.results import refuse_odd_destination
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -118,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
     check_analytic_size(cfg.model)  # before torch is imported: an absurd size costs nothing
     if args.plot and not args.plot.lower().endswith(".png"):
         raise ConfigError(f"--plot {args.plot!r} must name a .png file, e.g. --plot roofline.png")
+    if args.plot:
+        refuse_odd_destination(Path(args.plot), f"--plot {args.plot!r}")  # a link there is never written through
     if args.profile_steps <= 0:
         raise ConfigError(f"--profile-steps must be positive, got {args.profile_steps}")
     resolve_roof(args.gpu, cfg.technique.precision)  # a bad --gpu fails before any counting

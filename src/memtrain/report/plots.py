@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from memtrain.report.tables import CATEGORIES, GIB, MIB
+from memtrain.results import PLOT_FILES, write_atomic
 
 COLORS = {
     "parameters": "#4C72B0", "gradients": "#55A868", "optimizer": "#C44E52",
@@ -26,12 +27,28 @@ def _ok(records: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
     return [r for r in records if r.get(key) is not None]
 
 
+def save_figure(fig: Any, path: Path, dpi: Any = 120) -> None:
+    """Write ``fig`` as a PNG to ``path`` atomically (never through a link), then close it."""
+    import matplotlib.pyplot as plt
+
+    try:
+        write_atomic(Path(path), lambda tmp: fig.savefig(tmp, format="png", dpi=dpi))
+    finally:
+        plt.close(fig)
+
+
+def plain_label(text: Any) -> str:
+    """``text`` as matplotlib shows it literally: a ``$`` would start mathtext, and a name
+    from a results file with an unbalanced one would fail the whole plot."""
+    return str(text).replace("$", r"\$")
+
+
 def plot_peak_memory(records: list[dict[str, Any]], path: Path) -> None:
     """Stacked horizontal bars: the tracked peak split by category, per technique."""
     plt = _plt()
     recs = _ok(records, "peak_tracked_bytes")
     fig, ax = plt.subplots(figsize=(9, 0.55 * len(recs) + 2.2))
-    names = [r["technique"] for r in recs]
+    names = [plain_label(r["technique"]) for r in recs]
     left = [0.0] * len(recs)
     for c in CATEGORIES:
         vals = [(r.get(f"{c}_bytes") or 0) / MIB for r in recs]
@@ -46,15 +63,14 @@ def plot_peak_memory(records: list[dict[str, Any]], path: Path) -> None:
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.28 if len(recs) < 4 else -0.12), ncol=5, fontsize=8,
               frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _bar(records: list[dict[str, Any]], key: str, label: str, title: str, path: Path, fmt: str, scale: float = 1.0) -> None:
     plt = _plt()
     recs = _ok(records, key)
     fig, ax = plt.subplots(figsize=(9, 0.55 * len(recs) + 1.6))
-    names = [r["technique"] for r in recs]
+    names = [plain_label(r["technique"]) for r in recs]
     vals = [r[key] * scale for r in recs]
     ax.barh(names, vals, color="#4C72B0")
     for i, v in enumerate(vals):
@@ -64,8 +80,7 @@ def _bar(records: list[dict[str, Any]], key: str, label: str, title: str, path: 
     ax.set_title(title)
     ax.set_xlim(0, max(vals or [1]) * 1.2)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_memory_vs_time(records: list[dict[str, Any]], path: Path) -> None:
@@ -85,11 +100,10 @@ def plot_memory_vs_time(records: list[dict[str, Any]], path: Path) -> None:
         ax.set_xlim(0, max(xs) * 1.25)
         ax.set_ylim(0, max(ys) * 1.25)
     fig.tight_layout()
-    labels = [f"{r['technique']}\n" + (f"ppl {r['val_ppl']:.0f}" if r.get("val_ppl") is not None else "ppl n/a")
+    labels = [f"{plain_label(r['technique'])}\n" + (f"ppl {r['val_ppl']:.0f}" if r.get("val_ppl") is not None else "ppl n/a")
               for r in recs]
     place_labels(ax, list(zip(xs, ys)), labels)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # Where a label may go, relative to its point: rings of growing radius (points), and on each
@@ -150,17 +164,18 @@ def place_labels(ax: Any, points: list[tuple[float, float]], labels: list[str], 
 def write_plots(records: list[dict[str, Any]], out: Path) -> list[Path]:
     """Write every plot that has data; return the paths written."""
     written = []
+    peak, step, batch, scatter = (out / name for name in PLOT_FILES)
     if _ok(records, "peak_tracked_bytes"):
-        plot_peak_memory(records, out / "peak_memory.png")
-        written.append(out / "peak_memory.png")
+        plot_peak_memory(records, peak)
+        written.append(peak)
     if _ok(records, "step_time_s"):
-        _bar(records, "step_time_s", "median step time (s)", "Step time per technique", out / "step_time.png", "{:.3f} s")
-        written.append(out / "step_time.png")
+        _bar(records, "step_time_s", "median step time (s)", "Step time per technique", step, "{:.3f} s")
+        written.append(step)
     if _ok(records, "max_batch"):
         _bar(records, "max_batch", "largest batch whose training step fits the budget", "Max batch per technique",
-             out / "max_batch.png", "{:.0f}")
-        written.append(out / "max_batch.png")
+             batch, "{:.0f}")
+        written.append(batch)
     if _ok(records, "step_time_s") and _ok(records, "peak_tracked_bytes"):
-        plot_memory_vs_time(records, out / "memory_vs_time.png")
-        written.append(out / "memory_vs_time.png")
+        plot_memory_vs_time(records, scatter)
+        written.append(scatter)
     return written

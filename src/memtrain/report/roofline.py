@@ -16,6 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+from memtrain.report.plots import save_figure
+
 # One colour per class, matmuls in blues/greens, element-wise in warm colours, so the
 # compute-bound group reads apart from the memory-bound group at a glance.
 _COLORS = {
@@ -191,7 +193,5 @@ def plot_roofline(report: dict[str, Any], path: str | Path, title: Optional[str]
              f"{how}.\nFLOPs per step {_si(total, 'FLOP')} (FlopCounterMode + analytic element-wise/optimizer); "
              f"bytes = inputs + outputs of each eager kernel, {_si(report.get('total_bytes', 0), 'B')} per step.",
              fontsize=8, color="0.3", va="bottom")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    save_figure(fig, path, dpi="figure")
     return path

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import io
+import re
+import unicodedata
 from typing import Any, Callable, Optional
 
 from memtrain.report.noise import noise_markdown
@@ -12,6 +14,56 @@ from memtrain.report.recommend import max_batch_capped, recommendation, zero_cat
 GIB = 2**30
 MIB = 2**20
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+
+
+# --------------------------------------------------------------------------- text from results files
+# A results.jsonl line may come from anywhere (a shared folder, a hand edit): every string in it
+# is shown as text, never as Markdown, HTML or a spreadsheet formula.
+_MD_SPECIAL = re.compile(r"([\\`|\[\]])")  # code spans, table cells, links: backslash-escaped
+_HTML = {"&": "&amp;", "<": "&lt;", ">": "&gt;"}  # tags and entities: shown as characters, never parsed
+_LINE_BREAKS = {"\u2028", "\u2029"}
+
+
+def _one_line(text: str) -> str:
+    """``text`` without control characters (newlines, tabs, terminal escapes): each is a space."""
+    return "".join(" " if unicodedata.category(c) == "Cc" or c in _LINE_BREAKS else c for c in text)
+
+
+def md_text(value: Any) -> str:
+    """``value`` as literal Markdown text on one line: ``| ` [ ] \\`` are backslash-escaped and
+    ``& < >`` written as HTML entities."""
+    text = _MD_SPECIAL.sub(r"\\\1", _one_line(str(value)))
+    return "".join(_HTML.get(c, c) for c in text)
+
+
+def md_code(value: Any) -> str:
+    """``value`` as a Markdown code span on one line, fenced by more backticks than it holds in a row."""
+    text = _one_line(str(value))
+    fence = "`" * (max((len(run) for run in re.findall("`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def markdown_safe(value: Any) -> Any:
+    """``value`` with every string in it (through dicts and lists) made :func:`md_text`."""
+    if isinstance(value, str):
+        return md_text(value)
+    if isinstance(value, dict):
+        return {k: markdown_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [markdown_safe(v) for v in value]
+    return value
+
+
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(value: Any) -> Any:
+    """A text cell a spreadsheet would run as a formula (``=``, ``+``, ``-``, ``@`` first) gets a
+    leading ``'``; numbers stay numbers."""
+    if isinstance(value, str) and value.startswith(_FORMULA_START):
+        return "'" + value
+    return value
 
 
 def _get(row: dict[str, Any], *path: str) -> Any:
@@ -136,26 +188,29 @@ def csv_text(records: list[dict[str, Any]]) -> str:
     if records:
         writer = csv.DictWriter(buf, fieldnames=list(records[0].keys()), lineterminator="\n")
         writer.writeheader()
-        writer.writerows(records)
+        writer.writerows({k: csv_cell(v) for k, v in rec.items()} for rec in records)
     return buf.getvalue()
 
 
 def markdown_report(rows: list[dict[str, Any]], missing: list[str], header: Callable[[], str] | None = None) -> str:
-    """The whole report.md: settings, main table, memory breakdown, failures, provenance."""
+    """The whole report.md: settings, main table, memory breakdown, failures, provenance.
+    Every string from the rows is shown as literal text (:func:`markdown_safe`)."""
+    raw_first_ok = next((r for r in rows if r.get("status") == "ok"), None)
+    rows, missing = markdown_safe(rows), [md_text(m) for m in missing]
     records = table_rows(rows)
     parts = ["# memtrain bench report", ""]
     if missing:
         parts += [f"**Partial**: {len(missing)} of {len(missing) + len(rows)} techniques have no result yet "
                   f"({', '.join(missing)}).", ""]
     first_ok = next((r for r in rows if r.get("status") == "ok"), None)
-    if first_ok is not None:
+    if first_ok is not None and raw_first_ok is not None:
         t = first_ok["config"]["train"]
         m = first_ok["config"]["model"]
         env = first_ok.get("env", {})
         parts += [
             f"Model: d_model {m['d_model']}, {m['n_layers']} layers, {m['n_heads']} heads, d_ff {m['d_ff']}, "
             f"vocab {m['vocab_size']}; batch {t['batch_size']} x seq {t['seq_len']}, {t['steps']} steps, "
-            f"lr {t['lr']}, warm-up {t['warmup_steps']}. Data: `{first_ok['config']['data']['data']}`.",
+            f"lr {t['lr']}, warm-up {t['warmup_steps']}. Data: {md_code(raw_first_ok['config']['data']['data'])}.",
             f"Hardware: {env.get('device')}; torch {env.get('torch')}; memtrain commit {env.get('commit')}.",
         ]
         parts += device_lines(rows) + [""]

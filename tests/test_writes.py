@@ -1,0 +1,318 @@
+"""What memtrain writes: never through a link, never over what it must not replace, and nothing a
+run produced is lost to a second run, a full disk on one path, or a kill mid-save
+(docs/reliability.md, "Nothing produced is lost")."""
+
+from __future__ import annotations
+
+import csv
+import errno
+import io
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import cli_flags
+from memtrain.cli import main
+
+DATA = Path(__file__).parent / "data"
+ATTACK = "x\n`touch /tmp/pwned` #| <img src=x onerror=alert(1)> [link](http://e.x) \x1b[2J"
+
+
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error:") and "Traceback" not in err
+    return lines[0]
+
+
+def _bench_folder(root: Path, technique: str = "baseline", description: str | None = None) -> Path:
+    """A bench folder whose results.jsonl holds the synthetic rows, the first renamed."""
+    rows = [json.loads(line) for line in (DATA / "bench_results.jsonl").read_text().splitlines()]
+    rows[0]["technique"] = technique
+    if description is not None:
+        rows[0]["description"] = description
+    out = root / "bench"
+    out.mkdir()
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
+
+
+# --------------------------------------------------------------------------- 1. report: links and escaping
+@pytest.mark.parametrize("name", ["report.md", "report.csv", "report.json", "peak_memory.png"])
+def test_report_refuses_a_link_at_any_of_its_files_and_writes_through_none(tmp_path, capsys, name):
+    out = _bench_folder(tmp_path)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (out / name).symlink_to(victim)
+    assert main(["report", str(out)]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert name in line and "symbolic link" in line
+    assert victim.read_text() == "precious\n" and (out / name).is_symlink()
+    # Checked before the first write: no other file of the report was written either.
+    assert not [p.name for p in out.iterdir() if p.name.startswith("report.") and p.name != name]
+
+
+def test_bench_refuses_links_in_its_folder_before_any_row_runs(small_corpus, tmp_path, capsys):
+    out = tmp_path / "b"
+    out.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    for name in ("results.jsonl", ".memtrain.lock"):
+        (out / name).symlink_to(victim)
+        assert main(["bench", "--techniques", "baseline", "--out", str(out), "--no-maxbatch",
+                     "--data", str(small_corpus), "--steps", "2", "--no-progress"]) == 2
+        assert name in _one_error_line(capsys.readouterr().err)
+        assert victim.read_text() == "precious\n"
+        (out / name).unlink()
+    assert sorted(p.name for p in out.iterdir()) == []  # nothing ran, nothing was written
+
+
+def test_text_from_results_is_escaped_in_markdown_and_csv(tmp_path, capsys):
+    out = _bench_folder(tmp_path, technique="=HYPERLINK(\"http://e.x\")", description=ATTACK)
+    assert main(["report", str(out)]) == 0
+    capsys.readouterr()
+    md = (out / "report.md").read_text()
+    # The attacker's newline, backticks, pipes, tags and terminal escape stay inside one cell.
+    assert "\n`touch" not in md and "`touch" not in md.replace("\\`touch", "")
+    assert "<img" not in md and "\x1b" not in md and "[link]" not in md
+    row = next(line for line in md.splitlines() if "touch /tmp/pwned" in line)
+    assert row.startswith("| x \\`touch /tmp/pwned\\` #\\| &lt;img")
+    header = md.splitlines()[md.splitlines().index(row) - 2]
+    unescaped_pipes = lambda s: len(s.replace("\\|", "")) - len(s.replace("\\|", "").replace("|", ""))  # noqa: E731
+    assert unescaped_pipes(row) == unescaped_pipes(header)  # the table keeps its columns
+    # CSV: the csv module's quoting keeps the newline inside its cell; a formula is text.
+    records = list(csv.DictReader(io.StringIO((out / "report.csv").read_text())))
+    assert len(records) == 3
+    assert records[0]["technique"] == "'=HYPERLINK(\"http://e.x\")" and records[0]["method"] == ATTACK
+    assert records[1]["estimate_error"].startswith("0.03")  # numbers are left as numbers
+
+
+def test_a_dollar_in_a_technique_name_does_not_break_the_plots(tmp_path, capsys):
+    out = _bench_folder(tmp_path, technique="a $x_{$")  # not valid mathtext
+    assert main(["report", str(out)]) == 0
+    assert (out / "peak_memory.png").stat().st_size > 10_000
+
+
+# --------------------------------------------------------------------------- 2. what --save may replace
+def _device_node(path: Path) -> Path:
+    try:
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # a /dev/null of our own
+    except (PermissionError, OSError):
+        pytest.skip("creating a device node needs root")
+    return path
+
+
+@pytest.mark.parametrize("target", ["fifo", "device", "link", "folder", "foreign", "data", "result.json",
+                                    "metrics.jsonl", ".memtrain.lock", "report.md"])
+def test_save_refuses_what_it_must_not_replace_before_the_first_step(tiny_run, tmp_path, capsys, target):
+    out = Path(tiny_run["out"])
+    out.mkdir()
+    (tmp_path / "victim.txt").write_text("precious\n")
+    save = tmp_path / "ck.pt"
+    if target == "fifo":
+        os.mkfifo(save)
+    elif target == "device":
+        _device_node(save)
+    elif target == "link":
+        save.symlink_to(tmp_path / "victim.txt")
+    elif target == "folder":
+        save.mkdir()
+    elif target == "foreign":
+        save.write_text("my notes\n")
+    elif target == "data":
+        save = Path(tiny_run["data"])
+    else:
+        save = out / target
+        save.write_text("")  # even empty: the name belongs to memtrain's own files in --out
+    before = os.lstat(save)
+    assert main(["train", *cli_flags({**tiny_run, "steps": 2, "save": str(save)})]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "--save" in line
+    after = os.lstat(save)
+    assert (after.st_mode, after.st_ino, after.st_size) == (before.st_mode, before.st_ino, before.st_size)
+    assert (tmp_path / "victim.txt").read_text() == "precious\n"
+    assert not (out / "metrics.jsonl").exists() or target == "metrics.jsonl"  # refused before the first step
+
+
+def test_save_replaces_an_empty_file_and_its_own_checkpoint(tiny_run, tmp_path):
+    save = tmp_path / "ck.pt"
+    save.write_bytes(b"")  # e.g. made by mktemp: nothing to lose
+    assert main(["train", *cli_flags({**tiny_run, "steps": 2, "save": str(save)})]) == 0
+    first = save.stat().st_mtime_ns
+    run2 = {**tiny_run, "steps": 2, "save": str(save), "out": str(tmp_path / "run2")}
+    assert main(["train", *cli_flags(run2)]) == 0  # a memtrain checkpoint is replaced
+    assert save.stat().st_mtime_ns >= first and save.stat().st_size > 1000
+
+
+# --------------------------------------------------------------------------- 3. a second run on the same --out
+def test_a_fresh_run_on_a_folder_with_results_is_refused_and_resume_appends(tiny_run, tmp_path, capsys):
+    out = Path(tiny_run["out"])
+    ck = tmp_path / "ck.pt"
+    half = {**tiny_run, "steps": 4, "stop_after": 2, "save": str(ck)}
+    assert main(["train", *cli_flags(half)]) == 0
+    curve, result = (out / "metrics.jsonl").read_bytes(), (out / "result.json").read_bytes()
+    capsys.readouterr()
+    assert main(["train", *cli_flags({**tiny_run, "steps": 2})]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "already holds result.json and metrics.jsonl" in line and "--resume" in line
+    assert (out / "metrics.jsonl").read_bytes() == curve and (out / "result.json").read_bytes() == result
+    # Without result.json (a failed run) the curve is still kept.
+    (out / "result.json").unlink()
+    assert main(["train", *cli_flags({**tiny_run, "steps": 2})]) == 2
+    assert "metrics.jsonl" in _one_error_line(capsys.readouterr().err)
+    assert (out / "metrics.jsonl").read_bytes() == curve
+    # --resume onto the same folder continues the curve.
+    assert main(["train", *cli_flags({**half, "stop_after": 4, "resume": str(ck)})]) == 0
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps[:2] == [1, 2] and steps[-1] == 4 and 3 in steps
+
+
+# --------------------------------------------------------------------------- 4. links inside --out
+@pytest.mark.parametrize("name", [".memtrain.lock", "metrics.jsonl", "result.json"])
+def test_train_refuses_a_link_inside_its_out_folder(tiny_run, tmp_path, capsys, name):
+    out = Path(tiny_run["out"])
+    out.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (out / name).symlink_to(victim)
+    code = main(["train", *cli_flags({**tiny_run, "steps": 2})])
+    line = _one_error_line(capsys.readouterr().err)
+    assert code == 2 and name in line and "symbolic link" in line
+    assert victim.read_text() == "precious\n"
+
+
+def test_appends_and_the_lock_never_follow_a_link(tmp_path):
+    from memtrain.config import ConfigError
+    from memtrain.results import FolderLock, append_jsonl
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (tmp_path / "results.jsonl").symlink_to(victim)
+    with pytest.raises(ConfigError, match="symbolic link"):
+        append_jsonl(tmp_path / "results.jsonl", {"technique": "x"})
+    lock_dir = tmp_path / "out"
+    lock_dir.mkdir()
+    (lock_dir / ".memtrain.lock").symlink_to(victim)
+    with pytest.raises(ConfigError, match="symbolic link"):
+        with FolderLock(lock_dir):
+            pass
+    assert victim.read_text() == "precious\n"
+
+
+# --------------------------------------------------------------------------- 5. a full disk on one path
+def _fsync_fails_for(monkeypatch, *names: str) -> None:
+    """os.fsync raises ENOSPC for a file whose (temporary) name starts with one of ``names``."""
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        target = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        if target.startswith(names):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_a_full_out_disk_still_writes_the_checkpoint_and_names_the_path(tiny_run, tmp_path, capsys, monkeypatch):
+    elsewhere = tmp_path / "other-disk"
+    ck = elsewhere / "ck.pt"
+    _fsync_fails_for(monkeypatch, "result.json")
+    assert main(["train", *cli_flags({**tiny_run, "steps": 2, "save": str(ck)})]) == 1
+    line = _one_error_line(capsys.readouterr().err)
+    assert line.startswith("error: disk full writing ") and str(Path(tiny_run["out"]) / "result.json") in line
+    assert ck.stat().st_size > 1000  # the checkpoint on the other file system was written
+    assert not (Path(tiny_run["out"]) / "result.json").exists()
+    assert not [p for p in Path(tiny_run["out"]).iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_when_both_writes_fail_the_line_names_both(tiny_run, tmp_path, capsys, monkeypatch):
+    ck = tmp_path / "ck.pt"
+    _fsync_fails_for(monkeypatch, "result.json", "ck.pt")
+    assert main(["train", *cli_flags({**tiny_run, "steps": 2, "save": str(ck)})]) == 1
+    line = _one_error_line(capsys.readouterr().err)
+    assert str(Path(tiny_run["out"]) / "result.json") in line and str(ck) in line
+
+
+def test_a_failing_metrics_log_does_not_lose_the_run(tiny_run, tmp_path, capsys, monkeypatch):
+    ck = tmp_path / "ck.pt"
+    calls = []
+
+    def full(fd, data, path):
+        calls.append(path)
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr("memtrain.logging_sinks.write_all", full, raising=False)
+    assert main(["train", *cli_flags({**tiny_run, "steps": 3, "save": str(ck)})]) == 1
+    err = capsys.readouterr().err
+    assert len(calls) == 1  # said once, then no more attempts
+    assert "warning: cannot write" in err and err.strip().splitlines()[-1].startswith("error: disk full writing ")
+    assert str(Path(tiny_run["out"]) / "metrics.jsonl") in err.strip().splitlines()[-1]
+    assert json.loads((Path(tiny_run["out"]) / "result.json").read_text())["steps"] == 3 and ck.is_file()
+
+
+# --------------------------------------------------------------------------- 6. kills mid-save, torn lines
+_KILLED_AT_SAVE = textwrap.dedent("""
+    import os, signal, sys
+    import memtrain.checkpoint as c
+    def save(obj, f):
+        with open(f, "wb") as fh:
+            fh.write(b"half a checkpoint")
+        os.kill(os.getpid(), signal.SIGKILL)
+    c.torch.save = save
+    from memtrain.cli import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def test_temporary_files_of_a_killed_save_are_removed_by_the_next_run(tiny_run, tmp_path):
+    ck = tmp_path / "ck.pt"
+    run = {**tiny_run, "steps": 2, "save": str(ck)}
+    proc = subprocess.run([sys.executable, "-c", _KILLED_AT_SAVE, "train", *cli_flags(run)],
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert proc.returncode == -9, proc.stderr
+    stale = [p for p in tmp_path.iterdir() if p.name.startswith("ck.pt.") and p.name.endswith(".tmp")]
+    assert len(stale) == 1 and not ck.exists()
+    # Files that only look alike, and a temporary file of a live writer, are kept.
+    decoys = [tmp_path / "ck.pt.notes.tmp", tmp_path / f"ck.pt.memtrain-{os.getppid()}.abcdefgh.tmp"]
+    for d in decoys:
+        d.write_text("keep")
+    shutil.copy(stale[0], tmp_path / "ck.pt.backup")
+    assert main(["train", *cli_flags({**run, "out": str(tmp_path / "run2")})]) == 0
+    assert not stale[0].exists() and all(d.exists() for d in decoys) and (tmp_path / "ck.pt.backup").exists()
+    assert ck.stat().st_size > 1000
+
+
+def test_stale_temporary_files_in_out_are_removed_when_the_folder_is_taken(tiny_run, tmp_path):
+    out = Path(tiny_run["out"])
+    out.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    stale = out / f"result.json.memtrain-{dead}.k2j4h5g6.tmp"
+    stale.write_text("{half")
+    keep = out / "result.json.mine.tmp"
+    keep.write_text("user file")
+    assert main(["train", *cli_flags({**tiny_run, "steps": 2})]) == 0
+    assert not stale.exists() and keep.exists()
+
+
+def test_resume_after_a_torn_metrics_line_starts_a_new_line(tiny_run, tmp_path):
+    out = Path(tiny_run["out"])
+    ck = tmp_path / "ck.pt"
+    half = {**tiny_run, "steps": 4, "stop_after": 2, "save": str(ck)}
+    assert main(["train", *cli_flags(half)]) == 0
+    with open(out / "metrics.jsonl", "a") as fh:
+        fh.write('{"step": 3, "lo')  # killed mid-line
+    assert main(["train", *cli_flags({**half, "stop_after": 4, "resume": str(ck)})]) == 0
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert '{"step": 3, "lo' in lines  # the torn line stays alone
+    parsed = [json.loads(line) for line in lines if line != '{"step": 3, "lo']
+    assert {p["step"] for p in parsed} == {1, 2, 3, 4}
