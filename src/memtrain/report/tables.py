@@ -156,7 +156,7 @@ def markdown_report(rows: list[dict[str, Any]], missing: list[str], header: Call
             f"Model: d_model {m['d_model']}, {m['n_layers']} layers, {m['n_heads']} heads, d_ff {m['d_ff']}, "
             f"vocab {m['vocab_size']}; batch {t['batch_size']} x seq {t['seq_len']}, {t['steps']} steps, "
             f"lr {t['lr']}, warm-up {t['warmup_steps']}. Data: `{first_ok['config']['data']['data']}`.",
-            f"Hardware: {env.get('device')}; torch {env.get('torch')}; memtrain commit {env.get('commit')}.",
+            f"Hardware: {env.get('device')}; torch {env.get('torch')}; memtrain commit {env.get('commit') or 'unknown'}.",
         ]
         parts += device_lines(rows) + [""]
     parts += [markdown_table(records, COLUMNS), ""]
