@@ -28,12 +28,12 @@ from memtrain.device_advice import mfu_for_run, run_device_facts
 from memtrain.logging_sinks import MetricsLogger, live_memory
 from memtrain.metrics import MemoryMeter, StepTimer, device_peak_memory, percentile, reset_device_peak
 from memtrain.metrics.state import ShardedStateBytes
-from memtrain.models import build_model, data_tokenizer
+from memtrain.models import data_tokenizer
 from memtrain.preflight import check_destinations, check_resume, check_vocab
 from memtrain.rank_errors import agreement
 from memtrain.results import FolderLock
 from memtrain.runtime import environment, resolve_device, seed_everything
-from memtrain.step import Batch, TrainState, build_state, lr_lambda, run_step, train_step
+from memtrain.step import Batch, TrainState, build_base_model, build_state, lr_lambda, run_step, train_step
 from memtrain.techniques import Precision, make_precision
 from memtrain.techniques.distributed.session import DistContext, distributed_session
 
@@ -184,7 +184,7 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         precision = make_precision(cfg.technique.precision, device)
         # Probe the device (cached per machine) and warn up front when this precision is slow here.
         caps, device_caps = run_device_facts(cfg.technique.precision, device) if dist_ctx.is_main else (None, None)
-        base = build_model(cfg)  # memtrain's GPT, or a transformers model for --model SPEC
+        base = build_base_model(cfg, device, precision)  # on the device, in the weight dtype
     state = build_state(cfg, device, precision, dist_ctx=dist_ctx, base=base, schedule=True)
     # Looked up here, not in the harness: tests replace this module's train_step.
     state.step_fn = dist_ctx.train_step or train_step
