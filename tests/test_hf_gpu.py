@@ -10,9 +10,26 @@ import math
 import pytest
 import torch
 
-from test_hf_models import VOCAB, corpus, model_dirs, run_cfg, tokenizer_files  # noqa: F401 (fixtures)
+from test_hf_models import VOCAB, _corpus_texts, model_dirs, run_cfg, tokenizer_files  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """The tiny corpus as plain text: reading .txt needs no optional package (.jsonl needs
+    ``datasets``), so a GPU machine without ``datasets`` still runs these checks."""
+    path = tmp_path_factory.mktemp("gpucorpus") / "posts.txt"
+    path.write_text("\n\n".join(_corpus_texts()) + "\n")
+    return path
+
+
+def _skip_without_packages(tech: dict) -> None:
+    """Skip, naming the package, when a technique's optional package is absent."""
+    if tech.get("qlora"):
+        pytest.importorskip("bitsandbytes", reason="--qlora on CUDA needs bitsandbytes")
+    if tech.get("lora_rank"):
+        pytest.importorskip("peft", reason="--lora-rank on a transformers model needs peft")
 
 
 def _train(model_dir, corpus_path, tmp_path, **tech):
@@ -36,6 +53,7 @@ def _loss_falls(res) -> None:
     {"precision": "bf16-pure", "lora_rank": 8, "qlora": True, "checkpointing": "full"},
 ])
 def test_gpu_paths_train_a_transformers_model(model_dirs, corpus, tmp_path, tech):  # noqa: F811
+    _skip_without_packages(tech)
     res = _train(model_dirs["llama"], corpus, tmp_path, **tech)
     _loss_falls(res)
     assert res["memory"]["max_allocated_bytes"] > 0
@@ -43,6 +61,7 @@ def test_gpu_paths_train_a_transformers_model(model_dirs, corpus, tmp_path, tech
 
 def test_bnb_qlora_stores_the_base_in_nf4(model_dirs, corpus, tmp_path):  # noqa: F811
     bnb = pytest.importorskip("bitsandbytes")
+    pytest.importorskip("peft")
     from memtrain.step import build_state
     from memtrain.techniques import make_precision
 

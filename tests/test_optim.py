@@ -274,6 +274,7 @@ def test_bnb_on_cuda():
 @pytest.mark.parametrize("name", ["adamw-8bit", "adamw-4bit"])
 def test_low_bit_compiled_on_cuda(name):
     """The real (compiled) torchao path on a GPU."""
+    pytest.importorskip("torchao", reason=f"--optim {name} needs torchao")
     torch.manual_seed(0)
     model = GPT(SMALL).cuda()
     opt = build_optimizer(model, TechniqueConfig(optim=name), TrainConfig(lr=1e-2, weight_decay=0.0))

@@ -36,22 +36,44 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _checkout_root() -> Optional[Path]:
+    """The memtrain source checkout this module runs from, or None when it is installed.
+
+    ``src/memtrain/runtime.py`` sits two folders below a checkout's root, beside its
+    ``pyproject.toml``. Anything else (a wheel in site-packages, a copy of the tree inside some
+    other git repository) has no commit of memtrain's own to report.
+    """
+    root = Path(__file__).resolve().parents[2]
+    if (root / "pyproject.toml").is_file() and (root / "src" / "memtrain" / "__init__.py").is_file():
+        return root
+    return None
+
+
+def _git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                          timeout=5, check=True).stdout.strip()
+
+
 @lru_cache(maxsize=1)
 def git_commit() -> Optional[str]:
-    """The commit of the memtrain checkout, with ``-dirty`` when it has local changes."""
-    root = Path(__file__).resolve().parents[2]
+    """The commit of the memtrain checkout, with ``-dirty`` when it has local changes.
+
+    Only a git repository whose top level is memtrain's own checkout counts: git would otherwise
+    answer with the commit of whatever repository happens to contain the source tree. Where
+    there is none, ``MEMTRAIN_COMMIT`` (set by a packager) or None, which reports say as unknown.
+    """
+    fallback = os.environ.get("MEMTRAIN_COMMIT") or None
+    root = _checkout_root()
+    if root is None:
+        return fallback
     try:
-        sha = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
-            capture_output=True, text=True, timeout=5, check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, timeout=5,
-        ).stdout.strip()
+        if Path(_git(root, "rev-parse", "--show-toplevel")).resolve() != root:
+            return fallback
+        sha = _git(root, "rev-parse", "--short=12", "HEAD")
+        dirty = _git(root, "status", "--porcelain", "--untracked-files=no")
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("MEMTRAIN_COMMIT")
+        return fallback
 
 
 def device_name(device: torch.device) -> str:

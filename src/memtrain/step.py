@@ -17,6 +17,9 @@ prepare_context=None) -> TrainState``
     (:func:`memtrain.techniques.build_optimizer`), the distributed optimizer wrap (ZeRO-1,
     DeepSpeed) and, with ``schedule``, the LR schedule (:func:`lr_lambda`). Seeding is the
     caller's: ``train`` seeds before probing the device, the tracer never seeds.
+``build_base_model(cfg, device, precision) -> nn.Module``
+    The untouched model, created directly on ``device`` in the run's weight dtype
+    (:func:`building_on`): no full-precision copy on the host first.
 ``TrainState``
     One run's training state: config, device, model, optimizer, precision (autocast, loss
     scaler, skipped steps), scheduler, data loader, step counter, loss history, and the step
@@ -41,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -52,12 +55,37 @@ from memtrain.models import build_model
 from memtrain.techniques import Precision, build_optimizer, make_precision, prepare_model
 
 __all__ = [
-    "Batch", "TrainState", "build_state", "lr_lambda", "measure_steps", "random_micro_batches",
+    "Batch", "TrainState", "build_base_model", "build_state", "building_on", "lr_lambda", "measure_steps", "random_micro_batches",
     "run_step", "train_step",
 ]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 ContextFactory = Callable[[], ContextManager[Any]]
+
+
+@contextlib.contextmanager
+def building_on(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+    """Tensors created inside are made on ``device`` in ``dtype`` (a floating dtype).
+
+    Building a model on the host in FP32 and then moving it costs twice the weight bytes of
+    host memory and a full copy: an 8B model took minutes to build that way before its first
+    step on a GPU, where transformers' own ``from_config`` under a device context takes under a
+    second. torch's device context makes every factory call allocate on ``device``; the default
+    dtype makes parameters start in the weight dtype (BF16 for ``bf16-pure``, else FP32).
+    """
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_base_model(cfg: RunConfig, device: torch.device, precision: Precision) -> nn.Module:
+    """``cfg``'s model, before any technique, built on ``device`` in ``precision``'s weight dtype."""
+    with building_on(device, precision.param_dtype):
+        return build_model(cfg)  # memtrain's GPT, or a transformers model for --model SPEC
 
 
 def lr_lambda(cfg: RunConfig) -> Callable[[int], float]:
@@ -178,7 +206,7 @@ def build_state(cfg: RunConfig, device: torch.device, precision: Optional[Precis
     if precision is None:
         precision = make_precision(cfg.technique.precision, device)
     if base is None:
-        base = build_model(cfg)  # memtrain's GPT, or a transformers model for --model SPEC
+        base = build_base_model(cfg, device, precision)
     n_params = base.num_parameters()  # type: ignore[operator]  # GPT and HFCausalLM both define it
     with (prepare_context or contextlib.nullcontext)():
         model = prepare_model(base, cfg, device, precision)

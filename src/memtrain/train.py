@@ -15,7 +15,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -24,16 +24,17 @@ from memtrain.analysis.flops import counted_flops_per_step, rule_flops_per_token
 from memtrain.checkpoint import load_checkpoint, save_checkpoint
 from memtrain.config import RunConfig
 from memtrain.data import make_train_loader, make_val_batches, prepare_tokens
+from memtrain.data.device_feed import DeviceFeed
 from memtrain.device_advice import mfu_for_run, run_device_facts
 from memtrain.logging_sinks import MetricsLogger, live_memory
 from memtrain.metrics import MemoryMeter, StepTimer, device_peak_memory, percentile, reset_device_peak
 from memtrain.metrics.state import ShardedStateBytes
-from memtrain.models import build_model, data_tokenizer
+from memtrain.models import data_tokenizer
 from memtrain.preflight import check_destinations, check_resume, check_vocab
 from memtrain.rank_errors import agreement
 from memtrain.results import FolderLock, remove_stale_temps
 from memtrain.runtime import environment, resolve_device, seed_everything
-from memtrain.step import Batch, TrainState, build_state, lr_lambda, run_step, train_step
+from memtrain.step import Batch, TrainState, build_base_model, build_state, lr_lambda, run_step, train_step
 from memtrain.techniques import Precision, make_precision
 from memtrain.techniques.distributed.session import DistContext, distributed_session
 
@@ -88,10 +89,6 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-def _micro_batches(it: Iterator[Batch], n: int) -> list[Batch]:
-    return [next(it) for _ in range(n)]
 
 
 def _flops_per_rank_step(cfg: RunConfig, n_params: int) -> tuple[float, str]:
@@ -195,7 +192,7 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         precision = make_precision(cfg.technique.precision, device)
         # Probe the device (cached per machine) and warn up front when this precision is slow here.
         caps, device_caps = run_device_facts(cfg.technique.precision, device) if dist_ctx.is_main else (None, None)
-        base = build_model(cfg)  # memtrain's GPT, or a transformers model for --model SPEC
+        base = build_base_model(cfg, device, precision)  # on the device, in the weight dtype
     state = build_state(cfg, device, precision, dist_ctx=dist_ctx, base=base, schedule=True)
     # Looked up here, not in the harness: tests replace this module's train_step.
     state.step_fn = dist_ctx.train_step or train_step
@@ -205,11 +202,12 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     # Then data; nothing is written before both succeeded.
     with dist_ctx.main_first():  # rank 0 fills the token cache, the other ranks then read it
         splits = prepare_tokens(cfg.data, progress=show, tokenizer=data_tokenizer(cfg))
-    state.loader = make_train_loader(
+    # The next step's batches are fetched while this one runs, on a GPU (memtrain.data.device_feed).
+    state.loader = DeviceFeed(make_train_loader(
         splits.train, t.seq_len, t.batch_size, seed=t.seed,
         num_workers=cfg.data.num_workers, pin_memory=cfg.data.pin_memory,
         prefetch_factor=cfg.data.prefetch_factor, rank=dist_ctx.rank, world_size=dist_ctx.world_size,
-    )
+    ), device)
     val_batches = make_val_batches(splits.val, t.seq_len, cfg.data.val_blocks, t.batch_size)
     if t.resume:
         load_ckpt(t.resume, state)  # sets state.step and state.losses
@@ -236,6 +234,7 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         raise
     finally:
         bar.close()
+        state.loader.close()  # the feed's background fetch, if any
     total_time = time.perf_counter() - wall_start
 
     val_loss = evaluate(state.model, val_batches, precision, device)
@@ -305,10 +304,9 @@ class _Loop:
 
     def run(self, start_step: int, end_step: int, bar: _Progress) -> None:
         state, t = self.state, self.state.cfg.train
-        batches = iter(state.loader)
         for step in range(start_step, end_step):
             with self.timer.data_wait():
-                micro = _micro_batches(batches, t.grad_accum)
+                micro = state.loader.next_group(t.grad_accum)
             step_start = time.perf_counter()
             with self.timer.step():
                 loss = self._one_step(micro, step - start_step)

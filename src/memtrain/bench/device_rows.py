@@ -16,10 +16,14 @@ a slow reference kernel, 5x to 200x slower than FP32 on the CPUs measured; the d
   whole default bench; its eager path is no substitute (74 s per step and a 830 MB peak on the
   2-core EPYC, against 238 MiB compiled). Adafactor (torch's, no compile) keeps the row what
   it is for, the lowest memory: its factored state is smaller still.
+- on CUDA, rows of the default list that pair ``--attention flash`` with a window run a kernel
+  that takes one (:func:`adapt_window_kernels`): SDPA's flash kernel takes no mask, so the
+  banded window cannot reach it there (the CPU's flash kernel takes the band mask).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, Optional
 
 import torch
@@ -27,7 +31,8 @@ import torch
 from memtrain.config import RunConfig
 from memtrain.device import DeviceCaps, precision_is_native, probe, slow_precision_message
 
-__all__ = ["adapt_compiled_optims", "adapt_rows", "nearest_native", "runner_caps"]
+__all__ = ["adapt_compiled_optims", "adapt_rows", "adapt_window_kernels", "nearest_native", "runner_caps",
+           "window_kernel"]
 
 
 def runner_caps(device: torch.device) -> Optional[DeviceCaps]:
@@ -120,4 +125,39 @@ def adapt_compiled_optims(rows: list[tuple[str, RunConfig]], device_type: str, s
     if subs:
         notes.append(f"low-bit AdamW rows of the default list run {CPU_OPTIM_SUBSTITUTE} on this CPU ({reason}): "
                      f"{', '.join(subs)}. Name them in --techniques to run torchao's optimizer anyway.")
+    return out, subs, notes
+
+
+def window_kernel() -> str:
+    """The CUDA kernel a windowed flash row runs instead: flash-attn's own sliding window
+    (``window_size``, dropout included) where the package is installed, else SDPA's
+    memory-efficient kernel, which takes the band mask and dropout."""
+    return "flash-attn" if importlib.util.find_spec("flash_attn") is not None else "mem-efficient"
+
+
+def adapt_window_kernels(rows: list[tuple[str, RunConfig]], device_type: str, substitute: bool
+                         ) -> tuple[list[tuple[str, RunConfig]], dict[str, dict[str, Any]], list[str]]:
+    """On CUDA, the default list's (``substitute``) rows of ``--attention flash`` with a window
+    run :func:`window_kernel` instead.
+
+    Returns the rows, the substitutions by row name (``{"from", "to", "reason"}``, recorded as
+    the result's ``substituted_attention`` and named in the report) and the line to print up
+    front. Rows the user named run as asked (and are refused with the reason).
+    """
+    if not substitute or device_type != "cuda":
+        return rows, {}, []
+    out: list[tuple[str, RunConfig]] = []
+    subs: dict[str, dict[str, Any]] = {}
+    kernel = window_kernel()
+    reason = "SDPA's flash kernel takes no mask on CUDA, so it cannot run a sliding window"
+    for name, cfg in rows:
+        tech = cfg.technique
+        if tech.attention == "flash" and tech.window is not None:
+            subs[name] = {"from": "flash", "to": kernel, "reason": reason}
+            cfg = cfg.replace(attention=kernel)
+        out.append((name, cfg))
+    notes = []
+    if subs:
+        notes.append(f"windowed flash rows of the default list run the {kernel} kernel on CUDA ({reason}): "
+                     f"{', '.join(subs)}.")
     return out, subs, notes

@@ -183,6 +183,7 @@ def run_bench(opts: BenchOptions, on_row: Optional[Callable[[str, dict[str, Any]
     from memtrain.bench.device_rows import (  # torch-free --help/estimate/plan
         adapt_compiled_optims,
         adapt_rows,
+        adapt_window_kernels,
         runner_caps,
     )
     from memtrain.runtime import resolve_device  # torch-free --help/estimate/plan
@@ -191,20 +192,22 @@ def run_bench(opts: BenchOptions, on_row: Optional[Callable[[str, dict[str, Any]
     device = resolve_device(rows[0][1].train.device) if rows else None
     caps = runner_caps(device) if device is not None else None
     rows, substituted, notes = adapt_rows(rows, caps, opts.substitute_slow)
-    rows, optim_subs, optim_notes = adapt_compiled_optims(rows, device.type if device is not None else "",
-                                                          opts.substitute_slow)
-    for note in notes + optim_notes:  # once, up front, not once per row
+    device_type = device.type if device is not None else ""
+    rows, optim_subs, optim_notes = adapt_compiled_optims(rows, device_type, opts.substitute_slow)
+    rows, attention_subs, attention_notes = adapt_window_kernels(rows, device_type, opts.substitute_slow)
+    for note in notes + optim_notes + attention_notes:  # once, up front, not once per row
         print(f"warning: {note}", file=sys.stderr, flush=True)
     # One bench per folder: a second one would run every row twice under contention and
     # interleave its appends with ours. Held until the last row is appended.
     with FolderLock(opts.out, "memtrain bench"):
         remove_stale_temps(opts.out)  # a report write of an earlier bench that was SIGKILL'd
-        return _run_rows(opts, rows, substituted, on_row, optim_subs)
+        return _run_rows(opts, rows, substituted, on_row, optim_subs, attention_subs)
 
 
 def _run_rows(opts: BenchOptions, rows: list[tuple[str, RunConfig]], substituted: dict[str, Any],
               on_row: Optional[Callable[[str, dict[str, Any]], None]],
-              optim_subs: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
+              optim_subs: Optional[dict[str, Any]] = None,
+              attention_subs: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
     clean_stale_row_dirs()  # scratch of an earlier bench that was SIGKILL'd
     done = {} if opts.force else {
         (r.get("technique"), r.get("config_hash")): r for r in read_results(opts.out) if r.get("status") == "ok"
@@ -231,6 +234,8 @@ def _run_rows(opts: BenchOptions, rows: list[tuple[str, RunConfig]], substituted
             result["substituted"] = substituted[name]
         if optim_subs and name in optim_subs:
             result["substituted_optim"] = optim_subs[name]
+        if attention_subs and name in attention_subs:
+            result["substituted_attention"] = attention_subs[name]
         append_result(opts.out, result)
         if on_row:
             on_row(name, result)

@@ -47,6 +47,15 @@ DESCRIPTIONS: dict[str, str] = {
 # Rows of `memtrain bench` when --techniques is not given: the five published rows plus the
 # two that matter most for memory.
 DEFAULT_TECHNIQUES = ["baseline", "bf16", "flash-bf16", "window-flash", "ckpt-bf16", "chunked-loss", "lowest-memory"]
+# On a GPU the default list also times torch.compile, so the recommendation can name the
+# fastest row (speed is one of the table's columns). A CPU's list leaves it out: inductor's
+# first compile of the model costs longer than the rest of the quick bench on 2 cores.
+CUDA_DEFAULT_EXTRA = ["compile"]
+
+
+def default_techniques(device_type: str) -> list[str]:
+    """The rows of `memtrain bench` without --techniques on a device of ``device_type``."""
+    return DEFAULT_TECHNIQUES + (CUDA_DEFAULT_EXTRA if device_type == "cuda" else [])
 
 # A preset's name with this suffix is the same row with the next seed (other initial weights,
 # dropout and batch order): the PPL difference between the two is the run-to-run noise that

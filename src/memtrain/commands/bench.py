@@ -9,7 +9,7 @@ from pathlib import Path
 from memtrain.argtypes import positive_float, positive_int
 from memtrain.bench.runner import BenchOptions, run_bench
 from memtrain.bench.scales import SCALES
-from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, NOISE_ROW, TECHNIQUES
+from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, NOISE_ROW, TECHNIQUES, default_techniques
 from memtrain.cli import add_config_flags, fmt_bytes, register
 from memtrain.config import SECTIONS, ConfigError, load_config_file
 from memtrain.preflight import check_out_names, check_writable_dir
@@ -35,7 +35,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "key=value+key=value (e.g. precision=bf16+loss=chunked). A flag "
                    "(e.g. --vocab-multiple) overrides a preset's own setting; an explicit row may not "
                    "set a key that a flag also sets (refused, so neither silently wins). "
-                   f"Default: {','.join(DEFAULT_TECHNIQUES + [NOISE_ROW])}; on a device without native "
+                   f"Default: {','.join(DEFAULT_TECHNIQUES + [NOISE_ROW])} (plus compile on CUDA); on a device without native "
                    "BF16 the default list runs its BF16 rows in the nearest native precision (FP16 where "
                    "native, else FP32) and says so; rows named here run as asked (with a warning).")
     p.add_argument("--out", dest="bench_out", default="runs/bench", help="Results folder (default runs/bench).")
@@ -65,7 +65,13 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
 
     default_list = args.techniques is None
-    techniques = DEFAULT_TECHNIQUES + [NOISE_ROW] if default_list else args.techniques.split(",")
+    if default_list:
+        from memtrain.runtime import resolve_device  # torch: only once a bench really runs
+
+        device_type = resolve_device(str(overrides.get("device") or "auto")).type
+        techniques = default_techniques(device_type) + [NOISE_ROW]
+    else:
+        techniques = args.techniques.split(",")
     opts = BenchOptions(
         techniques=[t.strip() for t in techniques if t.strip()],
         substitute_slow=default_list,

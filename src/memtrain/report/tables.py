@@ -115,6 +115,7 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "precision": _get(r, "config", "technique", "precision"),
             "substituted_from": _get(r, "substituted", "from"),
             "optim_substituted_to": _get(r, "substituted_optim", "to"),
+            "attention_substituted_to": _get(r, "substituted_attention", "to"),
         }
         for c in CATEGORIES:
             rec[f"{c}_bytes"] = _get(r, "memory", "by_category", c) if ok else None
@@ -178,6 +179,8 @@ def markdown_table(records: list[dict[str, Any]], columns: list[tuple[str, str, 
                 cell += f" [ran in {str(rec.get('precision')).upper()}*]"
             if key == "method" and rec.get("optim_substituted_to"):
                 cell += f" [ran {OPTIM_NAMES.get(rec['optim_substituted_to'], rec['optim_substituted_to'])}\u2020]"
+            if key == "method" and rec.get("attention_substituted_to"):
+                cell += f" [ran {rec['attention_substituted_to']} attention\u2021]"
             cells.append(cell)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -211,11 +214,12 @@ def markdown_report(rows: list[dict[str, Any]], missing: list[str], header: Call
             f"Model: d_model {m['d_model']}, {m['n_layers']} layers, {m['n_heads']} heads, d_ff {m['d_ff']}, "
             f"vocab {m['vocab_size']}; batch {t['batch_size']} x seq {t['seq_len']}, {t['steps']} steps, "
             f"lr {t['lr']}, warm-up {t['warmup_steps']}. Data: {md_code(raw_first_ok['config']['data']['data'])}.",
-            f"Hardware: {env.get('device')}; torch {env.get('torch')}; memtrain commit {env.get('commit')}.",
+            f"Hardware: {env.get('device')}; torch {env.get('torch')}; memtrain commit {env.get('commit') or 'unknown'}.",
         ]
         parts += device_lines(rows) + [""]
     parts += [markdown_table(records, COLUMNS), ""]
-    parts += substitution_lines(rows) + optim_substitution_lines(rows) + mfu_lines(rows)
+    parts += substitution_lines(rows) + optim_substitution_lines(rows) + attention_substitution_lines(rows)
+    parts += mfu_lines(rows)
     parts += [
         "Peak memory (tracked) is the largest total of live tensor storage during a steady-state "
         "training step, counted by memtrain's meter on every device; Peak Allocated is "
@@ -302,6 +306,17 @@ def optim_substitution_lines(rows: list[dict[str, Any]]) -> list[str]:
     return [f"\u2020 On this CPU, in this default list, {what} ({subs[0].get('reason', '')}); the row still "
             "shows the lowest memory, Adafactor's factored state being smaller still. Name the row in "
             "`--techniques` to run torchao's optimizer.", ""]
+
+
+def attention_substitution_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The footnote of rows marked ``[ran mem-efficient attention\u2021]`` (bench/device_rows.py)."""
+    subs = [r["substituted_attention"] for r in rows if isinstance(r.get("substituted_attention"), dict)]
+    if not subs:
+        return []
+    kernels = ", ".join(sorted({str(s.get("to")) for s in subs}))
+    return [f"\u2021 On this GPU, in this default list, windowed flash rows ran the {kernels} kernel "
+            f"({subs[0].get('reason', '')}); the window and dropout are kept. Name the row in `--techniques` "
+            "to run it as written.", ""]
 
 
 def mfu_lines(rows: list[dict[str, Any]]) -> list[str]:

@@ -1,0 +1,71 @@
+"""Models are built where they train, in the weight dtype they train in (no FP32 host copy first)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import memtrain.step as step_module
+from conftest import TINY_MODEL
+from memtrain.config import build_config
+from memtrain.step import build_base_model, build_state, building_on
+from memtrain.techniques import make_precision
+
+CPU = torch.device("cpu")
+
+
+def _gpt_cfg(**kw):
+    return build_config({**TINY_MODEL, "seq_len": 32, "device": "cpu", **kw})
+
+
+@pytest.mark.parametrize("precision, dtype", [("fp32", torch.float32), ("bf16", torch.float32),
+                                              ("bf16-pure", torch.bfloat16)])
+def test_the_gpt_is_created_in_the_weight_dtype(monkeypatch, precision, dtype):
+    """The parameters are born in the weight dtype (seen by the family's build itself, before
+    any technique or ``.to`` could cast them), and the default dtype is restored afterwards."""
+    seen = {}
+    real_build = step_module.build_model
+
+    def spy(cfg, *args, **kwargs):
+        model = real_build(cfg, *args, **kwargs)
+        seen["dtypes"] = {p.dtype for p in model.parameters()}
+        return model
+
+    monkeypatch.setattr(step_module, "build_model", spy)
+    cfg = _gpt_cfg(precision=precision)
+    state = build_state(cfg, CPU, make_precision(precision, CPU))
+    assert seen["dtypes"] == {dtype}
+    assert {p.dtype for p in state.model.parameters()} == {dtype}
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_the_device_context_reaches_every_parameter():
+    """Built under the target device: the meta device stands in for a GPU here (nothing is
+    allocated), so a model built for it holds no host tensor at all."""
+    model = build_base_model(_gpt_cfg(precision="bf16-pure"), torch.device("meta"),
+                             make_precision("bf16-pure", CPU))
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert {b.device.type for b in model.buffers()} <= {"meta"}
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_building_on_restores_the_default_dtype_after_a_failure():
+    with pytest.raises(RuntimeError, match="boom"):
+        with building_on(CPU, torch.bfloat16):
+            assert torch.empty(1).dtype == torch.bfloat16
+            raise RuntimeError("boom")
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_a_transformers_model_is_built_on_the_device_in_the_weight_dtype(tmp_path):
+    pytest.importorskip("transformers")
+    from memtrain.models.hf import HFCausalLM
+    from test_hf_models import make_model_dir
+
+    model_dir = make_model_dir(tmp_path, "llama", None)
+    cfg = build_config({"model": str(model_dir), "seq_len": 32, "device": "cpu", "attention": "sdpa",
+                        "precision": "bf16-pure"})
+    model = build_base_model(cfg, torch.device("meta"), make_precision("bf16-pure", CPU))
+    assert isinstance(model, HFCausalLM)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
