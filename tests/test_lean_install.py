@@ -166,3 +166,24 @@ def test_report_to_wandb_without_wandb_names_the_extra(tmp_path, monkeypatch, ca
     assert main([*RUN, "--out", str(tmp_path / "r"), "--report-to", "wandb"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and err.count("\n") == 1 and "pip install 'memtrain[wandb]'" in err
+
+
+def test_default_bench_runs_adafactor_for_low_bit_rows_without_torchao(monkeypatch):
+    import importlib.util
+
+    from memtrain.bench.device_rows import adapt_compiled_optims
+    from memtrain.bench.presets import DEFAULT_TECHNIQUES
+    from memtrain.bench.runner import BenchOptions, resolve_rows
+    from memtrain.report.tables import optim_substitution_lines
+
+    rows = resolve_rows(BenchOptions(techniques=DEFAULT_TECHNIQUES))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
+    out, subs, notes = adapt_compiled_optims(rows, "cuda", substitute=True)
+    assert set(subs) == {"lowest-memory"} and dict(out)["lowest-memory"].technique.optim == "adafactor"
+    assert all(dict(out)[n] == c for n, c in rows if n != "lowest-memory")
+    assert len(notes) == 1 and "pip install 'memtrain[lowbit]'" in notes[0]
+    foot = optim_substitution_lines([{"substituted_optim": subs["lowest-memory"]}])[0]
+    assert foot.startswith("\u2020 Without torchao") and "memtrain[lowbit]" in foot and "On this CPU" not in foot
+    # Rows the user names run as asked (and fail with the error line naming the extra).
+    assert adapt_compiled_optims(rows, "cuda", substitute=False) == (rows, {}, [])
