@@ -1,7 +1,8 @@
 """Optional dependencies: a clear error naming the extra to install, and quiet imports.
 
 Only some users need LoRA (peft), structured or hub data (datasets, pyarrow), TensorBoard,
-wandb or transformers; they are extras of the package (pyproject.toml), imported when used.
+wandb, transformers or torchao (low-bit optimizers, NF4 on CPU); they are extras of the package
+(pyproject.toml), imported when used.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "datasets": ("hub", "Hugging Face datasets and .jsonl/.json/.parquet/.csv files"),
     "pyarrow": ("hub", "Parquet and other structured files"),
     "transformers": ("hf", "transformers models, export and generate"),
+    "torchao": ("lowbit", "low-bit training (--optim adamw-8bit/adamw-4bit, --precision bf16-pure with --optim "
+                          "adamw, --qlora's NF4 weights on CPU)"),
 }
 
 

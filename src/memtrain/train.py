@@ -37,6 +37,7 @@ from memtrain.runtime import environment, resolve_device, seed_everything
 from memtrain.step import Batch, TrainState, build_base_model, build_state, lr_lambda, run_step, train_step
 from memtrain.techniques import Precision, make_precision
 from memtrain.techniques.distributed.session import DistContext, distributed_session
+from memtrain.techniques.optim import check_optimizer_installed
 
 # lr_lambda and train_step live in the step harness (memtrain.step); kept importable from here.
 __all__ = ["Batch", "LossDiverged", "evaluate", "lr_lambda", "train", "train_step"]
@@ -139,6 +140,7 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
             check_destinations(cfg, fresh_out=log_metrics)
             check_vocab(cfg)
             check_resume(cfg)  # a checkpoint of another run is refused before tokenizing
+            check_optimizer_installed(cfg.technique)  # an absent optional package, before anything is built
             if lock_out and dist_ctx.is_main:
                 held.enter_context(FolderLock(Path(cfg.train.out), "memtrain train", cleanup_if_unused=True))
                 remove_stale_writes(cfg)

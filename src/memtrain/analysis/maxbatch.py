@@ -20,7 +20,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from memtrain.analysis.estimate import estimate
+from memtrain.analysis.estimate import GPT2_ARCH, estimate
+from memtrain.analysis.fit import largest_batch, largest_fitting
 from memtrain.analysis.trace import trace_peak_bytes
 from memtrain.config import ConfigError, RunConfig
 from memtrain.metrics import MemoryMeter, device_peak_memory
@@ -40,6 +41,10 @@ class MaxBatchResult:
     device: str
     method: str
     probes: list[dict[str, Any]] = field(default_factory=list)
+    # False where no step ran: the CUDA model's answer (estimated_max_batch); then peak_bytes is
+    # the modelled device total and device_memory the caching-allocator model's figures.
+    measured: bool = True
+    device_memory: Optional[dict[str, Any]] = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,26 +97,6 @@ def traced_step_peak(cfg: RunConfig, batch: int) -> Optional[int]:
     return int(trace_peak_bytes(cfg.replace(batch_size=batch)))
 
 
-def _largest_fitting(fits: Callable[[int], bool], cap: int) -> int:
-    """The largest k in [1, cap] with ``fits(k)``, given that 1 fits and fitting is monotone:
-    grow geometrically until a k fails or the cap is reached, then bisect between the last fit
-    and the first failure."""
-    lo, hi = 1, None  # lo fits; hi (when known) does not
-    while hi is None and lo < cap:
-        k = min(lo * 2, cap)
-        if fits(k):
-            lo = k
-        else:
-            hi = k
-    while hi is not None and hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
 def _analytic_guess(cfg: RunConfig, budget_bytes: Optional[int], multiple_of: int, cap: int,
                     device_type: str) -> Optional[int]:
     """The largest k <= ``cap`` whose analytic estimate of batch ``k * multiple_of`` fits the
@@ -122,13 +107,60 @@ def _analytic_guess(cfg: RunConfig, budget_bytes: Optional[int], multiple_of: in
     try:
         if is_hf(cfg):
             return None  # a transformers model is traced, not modelled analytically
-
-        def fits(k: int) -> bool:
-            return estimate(cfg.replace(batch_size=k * multiple_of), device_type=device_type).peak_bytes <= budget_bytes
-
-        return _largest_fitting(fits, cap) if fits(1) else None
+        return largest_batch(lambda c: estimate(c, device_type=device_type).peak_bytes, cfg, budget_bytes,
+                             multiple_of, cap)
     except Exception:  # noqa: BLE001 - no guess: the full search below decides
         return None
+
+
+def _nothing_fits(batch: int, peak: Optional[float], budget_bytes: Optional[int], how: str = "") -> ConfigError:
+    need = f"needs {peak / 2**30:.2f} GiB{how}" if peak is not None else "ran out of device memory"
+    budget = f"the budget of {budget_bytes / 2**30:.2f} GiB" if budget_bytes else "the device"
+    return ConfigError(
+        f"even batch {batch} does not fit {budget} ({need}); raise --memory-budget or save memory "
+        "with --loss chunked, --checkpointing full, --precision bf16 or a smaller --seq-len")
+
+
+def estimated_max_batch(cfg: RunConfig, budget_bytes: int, gpu: Optional[str], max_batch: Optional[int] = None,
+                        multiple_of: int = 1) -> MaxBatchResult:
+    """The largest batch by the CUDA model, where no CUDA device is here to measure it: the
+    analytic estimate with CUDA kernel facts, replayed through the caching-allocator model,
+    plus ``gpu``'s CUDA context ("default" when None), against ``budget_bytes``
+    (:func:`memtrain.analysis.fit.step_need`). Nothing runs; ``measured`` is False."""
+    from memtrain.analysis.fit import step_need
+
+    if multiple_of < 1:
+        raise ConfigError(f"--multiple-of must be >= 1, got {multiple_of}")
+    arch = analytic_arch(cfg)
+    probes: list[dict[str, Any]] = []
+
+    def need(c: RunConfig) -> float:
+        total = step_need(c, arch, "cuda", gpu)[0]
+        probes.append({"batch_size": c.train.batch_size, "peak_bytes": int(total), "fits": total <= budget_bytes})
+        return total
+
+    k = largest_batch(need, cfg, budget_bytes, multiple_of, (max_batch or 4096) // multiple_of)
+    if k is None:
+        raise _nothing_fits(multiple_of, probes[0]["peak_bytes"], budget_bytes,
+                            " on the device, estimated: the CUDA model, not measured")
+    total, est = step_need(cfg.replace(batch_size=k * multiple_of), arch, "cuda", gpu)
+    return MaxBatchResult(k * multiple_of, int(total), budget_bytes, "cuda", "estimate", probes, measured=False,
+                          device_memory=est.device_memory)
+
+
+def analytic_arch(cfg: RunConfig) -> Any:
+    """The analytic model's Arch of ``cfg``: memtrain's GPT, or a transformers family the analytic
+    model covers; any other transformers model is refused (it can only be traced or measured)."""
+    if not is_hf(cfg):
+        return GPT2_ARCH
+    from memtrain.analysis.estimate.hf import hf_arch, why_not_modelled
+
+    reason = why_not_modelled(cfg)
+    if reason is not None:
+        raise ConfigError(f"the CUDA model (no CUDA device here): {reason}; run maxbatch on a CUDA machine, "
+                          "or drop --device-type cuda to search with CPU kernels")
+    assert cfg.model.model is not None  # is_hf: a transformers spec
+    return hf_arch(cfg.model.model)
 
 
 def find_max_batch(  # noqa: C901 - grow then bisect, each with OOM and budget exits
@@ -189,12 +221,8 @@ def find_max_batch(  # noqa: C901 - grow then bisect, each with OOM and budget e
                     return MaxBatchResult(guess * multiple_of, peak, budget_bytes, device.type, method, probes)
         ok, peak = fits(multiple_of)
         if not ok:
-            need = f"needs {peak / 2**30:.2f} GiB" if peak is not None else "ran out of device memory"
-            budget = f"the budget of {budget_bytes / 2**30:.2f} GiB" if budget_bytes else "the device"
-            raise ConfigError(
-                f"even batch {multiple_of} does not fit {budget} ({need}); raise --memory-budget or save memory "
-                "with --loss chunked, --checkpointing full, --precision bf16 or a smaller --seq-len")
-        best = _largest_fitting(lambda k: fits(k * multiple_of)[0], cap) * multiple_of
+            raise _nothing_fits(multiple_of, peak, budget_bytes)
+        best = largest_fitting(lambda k: fits(k * multiple_of)[0], cap) * multiple_of
         best_peak = next(p["peak_bytes"] for p in reversed(probes) if p["batch_size"] == best and p["fits"])
     finally:
         if bar is not None:

@@ -206,19 +206,21 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
     top: int = 5,
     space: Optional[dict[str, list[str]]] = None,
     max_batch_limit: int = 4096,
+    gpu: Optional[str] = None,
 ) -> PlanResult:
     """Rank technique sets that fit ``budget_bytes`` (with ``margin`` of safety) by modelled
     step time. The target batch is ``cfg.train.batch_size x cfg.train.grad_accum`` sequences;
     with ``max_batch`` each set instead gets the largest batch that fits and sets are ranked
-    by modelled time per token."""
+    by modelled time per token. ``gpu`` (CUDA, analytic models): a candidate's peak is what the
+    card holds, the caching-allocator model's reserved memory plus that GPU kind's CUDA context
+    (:mod:`memtrain.analysis.allocator`), instead of the live tensor bytes."""
     if budget_bytes <= 0:
         raise ConfigError("--budget must be positive, e.g. 24GiB")
     traced = arch is None  # a transformers --model: each candidate's peak is traced, not modelled
+    notes: list[str] = []
     if arch is None:
-        from memtrain.models.spec import cost_arch  # torch-free --help/estimate/plan
-
-        assert cfg.model.model is not None, "arch=None plans a transformers --model"
-        arch = cost_arch(cfg.model.model)
+        arch, traced, why = _transformers_arch(cfg, device_type)
+        notes += [why] if why else []
     assert arch is not None
     if not 0 <= margin < 1:
         raise ConfigError(f"--margin must be in [0, 1), got {margin}")
@@ -242,7 +244,9 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
 
             r = trace_any_depth(c, device_type)  # 2 + 3 layers extended to the depth when exact
             return float(r["peak_bytes"]), str(r["peak_phase"])
-        e = estimate(c, arch, device_type)
+        e = estimate(c, arch, device_type, gpu=gpu if device_type == "cuda" else None)
+        if e.device_memory:
+            return float(e.device_memory["device_total"]), e.peak_phase
         return e.peak_bytes, e.peak_phase
 
     fits: list[Candidate] = []
@@ -322,11 +326,39 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
             f"nothing fits in {_gib(budget_bytes)} (with a {margin:.0%} margin): the smallest option needs "
             f"{_gib(p * (1 + margin))} ({_gib(p)} predicted; {what}); raise --budget or lower "
             f"--batch-size/--seq-len")
-    notes = [f"cost model: {device_type} profile; a model to order candidates, not a measurement"]
+    notes.insert(0, f"cost model: {device_type} profile; a model to order candidates, not a measurement")
+    if gpu is not None and device_type == "cuda" and not traced:
+        notes.append("peaks are device totals: the caching-allocator model's reserved memory plus the CUDA context "
+                     "(memtrain.analysis.allocator)")
     if traced:
         notes.append("peaks traced under fake tensors (transformers model; deep ones from 2 + 3 layer probes)")
     return PlanResult(budget_bytes, margin, device_type, None if max_batch else target, fits[:top],
                       evaluated, baseline, notes=notes)
+
+
+def _transformers_arch(cfg: RunConfig, device_type: str) -> tuple[Arch, bool, str]:
+    """(arch, traced, note) for a transformers --model: its candidates are traced under fake
+    tensors (the cost model takes ``cost_arch``'s shape). CUDA fake tensors need a CUDA build of
+    torch; on a CPU-only build a family the analytic model covers is estimated analytically with
+    CUDA kernel facts, as ``memtrain estimate`` does, and any other is refused with the flag that
+    plans it on CPU kernels instead."""
+    from memtrain.models.spec import cost_arch  # torch-free --help/estimate/plan
+
+    assert cfg.model.model is not None, "arch=None plans a transformers --model"
+    if device_type != "cuda":
+        return cost_arch(cfg.model.model), True, ""
+    from memtrain.analysis.trace import cuda_trace_supported  # imports torch: transformers models only
+
+    if cuda_trace_supported():
+        return cost_arch(cfg.model.model), True, ""
+    from memtrain.analysis.estimate.hf import hf_arch, why_not_modelled  # torch-free --help/estimate/plan
+
+    reason = why_not_modelled(cfg)
+    if reason is not None:
+        raise ConfigError(f"--device-type cuda: {reason}, and tracing it with CUDA kernels needs a CUDA build of "
+                          "torch (this one is CPU-only); use --device-type cpu to plan with CPU kernels' memory rules")
+    return hf_arch(cfg.model.model), False, ("peaks from the analytic model of transformers layers with CUDA kernel "
+                                            "facts (a CUDA trace needs a CUDA build of torch)")
 
 
 def _gib(n: float) -> str:

@@ -15,7 +15,8 @@ a slow reference kernel, 5x to 200x slower than FP32 on the CPUs measured; the d
   Xeon with a cold compile cache (benchmarks/results/cpu-quick-native-bf16), a third of the
   whole default bench; its eager path is no substitute (74 s per step and a 830 MB peak on the
   2-core EPYC, against 238 MiB compiled). Adafactor (torch's, no compile) keeps the row what
-  it is for, the lowest memory: its factored state is smaller still.
+  it is for, the lowest memory: its factored state is smaller still. Without torchao installed
+  (it is the ``lowbit`` extra) they run Adafactor on any device, saying how to install it.
 - on CUDA, rows of the default list that pair ``--attention flash`` with a window run a kernel
   that takes one (:func:`adapt_window_kernels`): SDPA's flash kernel takes no mask, so the
   banded window cannot reach it there (the CPU's flash kernel takes the band mask).
@@ -109,22 +110,32 @@ def adapt_compiled_optims(rows: list[tuple[str, RunConfig]], device_type: str, s
     the result's ``substituted_optim``) and the line to print up front. Rows the user named run
     as asked.
     """
-    if not substitute or device_type != "cpu":
+    if not substitute:
+        return rows, {}, []
+    # torchao is an optional extra (memtrain[lowbit]): without it the default list's low-bit rows
+    # run Adafactor on any device, where they would otherwise fail.
+    installed = importlib.util.find_spec("torchao") is not None
+    if installed and device_type != "cpu":
         return rows, {}, []
     out: list[tuple[str, RunConfig]] = []
     subs: dict[str, dict[str, Any]] = {}
-    reason = ("torchao compiles its low-bit AdamW update on first use, ~95 s on 2 CPU cores with a cold "
-              "compile cache")
+    if installed:
+        where, reason = "On this CPU", ("torchao compiles its low-bit AdamW update on first use, ~95 s on 2 CPU "
+                                        "cores with a cold compile cache")
+        todo = "Name them in --techniques to run torchao's optimizer anyway."
+    else:
+        where, reason = "Without torchao", "torchao, the lowbit extra, is not installed"
+        todo = "pip install 'memtrain[lowbit]' to run torchao's optimizer."
     for name, cfg in rows:
         optim = cfg.technique.optim
         if optim in COMPILED_OPTIMS:
-            subs[name] = {"from": optim, "to": CPU_OPTIM_SUBSTITUTE, "reason": reason}
+            subs[name] = {"from": optim, "to": CPU_OPTIM_SUBSTITUTE, "reason": reason, "where": where}
             cfg = cfg.replace(optim=CPU_OPTIM_SUBSTITUTE)
         out.append((name, cfg))
     notes = []
     if subs:
-        notes.append(f"low-bit AdamW rows of the default list run {CPU_OPTIM_SUBSTITUTE} on this CPU ({reason}): "
-                     f"{', '.join(subs)}. Name them in --techniques to run torchao's optimizer anyway.")
+        notes.append(f"low-bit AdamW rows of the default list run {CPU_OPTIM_SUBSTITUTE} "
+                     f"({where[0].lower() + where[1:]}: {reason}): {', '.join(subs)}. {todo}")
     return out, subs, notes
 
 

@@ -7,10 +7,10 @@ import json
 from typing import Any
 
 from memtrain.analysis.estimate import GPT2_ARCH, estimate, estimate_inference, parse_count, shape_for_params
-from memtrain.analysis.estimate.hf import analytic_estimate, why_not_modelled
+from memtrain.analysis.estimate.hf import analytic_estimate, hf_arch, why_not_modelled
 from memtrain.analysis.trace import trace_step
 from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, config_from_args, fmt_bytes, register
-from memtrain.config import ConfigError
+from memtrain.config import ConfigError, parse_size
 from memtrain.model_presets import PRESETS, preset
 
 
@@ -92,6 +92,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="With CUDA kernels: also model PyTorch's caching allocator and report allocated, reserved "
                         "and device total (nvidia-smi) for this GPU kind (h100, a100, rtx4090; other names: a "
                         "default CUDA context, stated as an assumption).")
+    p.add_argument("--budget", default=None, metavar="SIZE",
+                   help="Memory to fit in, e.g. 24GiB: a verdict line (fits, headroom, largest batch, and the cheapest "
+                        "changes that fit the asked batch); with CUDA kernels counted as the card holds it (caching "
+                        "allocator + CUDA context). --gpu alone takes the card's memory as the budget.")
     p.add_argument("--trace", action="store_true",
                    help="Also run one real step under fake tensors (nothing allocated) and compare.")
     p.add_argument("--trace-device", choices=("cpu", "cuda"), default=None,
@@ -114,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
     if arch is None:
         return _run_traced(args, cfg)
     if args.mode == "inference":
+        if args.budget is not None:
+            raise ConfigError("--budget judges a training step; drop --mode inference, or drop --budget")
         res = estimate_inference(cfg, args.weights_dtype, arch)
         if args.json:
             print(json.dumps(res, indent=2, default=float))
@@ -130,11 +136,12 @@ def run(args: argparse.Namespace) -> int:
         if args.explain:
             print("\n".join("  " + line for line in res["explanation"]))
         return 0
-    device_type = device_type_for(args, cfg)
+    device_type = _device_type(args, cfg)
     shard = _shard(args, cfg)
     _check_gpu_flag(args, device_type)
     est = estimate(cfg, arch, device_type, world_size=args.world_size, shard=shard, gpu=args.gpu)
     out = est.to_dict()
+    out.update(_fit(args, cfg, arch, device_type, shard))
     traced = None
     if args.trace:
         if arch.name != "gpt2":
@@ -170,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
         rows.append(("traced peak (fake tensors)", fmt_bytes(traced["peak_bytes"]),
                      f"{traced['peak_phase']}; estimate {out['trace']['error']:+.1%}"))
     print(_table(rows))
+    _print_fit(out)
     if args.explain:
         print("how:")
         print("\n".join("  " + line for line in est.explanation))
@@ -222,6 +230,42 @@ def traced_estimate(cfg: Any, device_type: str, full_trace: bool = False) -> dic
     }
 
 
+def _device_type(args: argparse.Namespace, cfg: Any) -> str:
+    """The kernel facts to assume: --gpu NAME alone (no --device-type, --trace-device or --device
+    cpu) asks about that card, so CUDA kernels; else :func:`device_type_for`."""
+    explicit = getattr(args, "device_type", None) or getattr(args, "trace_device", None)
+    if args.gpu is not None and not explicit and cfg.train.device == "auto":
+        return "cuda"
+    return device_type_for(args, cfg)
+
+
+def _fit(args: argparse.Namespace, cfg: Any, arch: Any, device_type: str, shard: Any) -> dict[str, Any]:
+    """The ``fit`` entry (and ``fit_note`` where there is no verdict) of --budget/--gpu; {} without either."""
+    if args.budget is None and args.gpu is None:
+        return {}
+    from memtrain.analysis.fit import budget_for, fit_verdict  # torch-free --help/estimate/plan
+
+    found = budget_for(parse_size(args.budget) if args.budget is not None else None, args.gpu)
+    if found is None:
+        return {"fit": None, "fit_note": f"no fit verdict: --gpu {args.gpu}'s memory is not in the GPU table "
+                                         "(memtrain.analysis.gpu_memory); add --budget SIZE"}
+    verdict = fit_verdict(cfg, arch, device_type, found, gpu=args.gpu, world_size=args.world_size, shard=shard)
+    return {"fit": verdict.to_dict(), "fit_line": verdict.line()}
+
+
+def _print_fit(out: dict[str, Any]) -> None:
+    """The verdict line of --budget/--gpu, its measure and assumptions (nothing without them)."""
+    if "fit_line" in out:
+        fit = out["fit"]
+        print(f"fit: {out['fit_line']}")
+        print(f"  compared: {fit['measure']}, {fit['needed_bytes'] / 2**30:.2f} GiB at batch {fit['batch_size']}; "
+              "estimated, not measured")
+        for line in fit["assumptions"]:
+            print(f"  model: {line}")
+    elif "fit_note" in out:
+        print(f"fit: {out['fit_note']}")
+
+
 def _check_gpu_flag(args: argparse.Namespace, device_type: str) -> None:
     """--gpu models the CUDA caching allocator: it needs CUDA kernel facts (every model path)."""
     if args.gpu is not None and device_type != "cuda":
@@ -239,7 +283,7 @@ def _shard(args: argparse.Namespace, cfg: Any) -> Any:
 def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
     if args.mode != "train":
         raise ConfigError("--mode inference is analytic for memtrain's GPT only; drop --mode for a transformers --model")
-    device_type = args.trace_device or device_type_for(args, cfg)
+    device_type = args.trace_device or _device_type(args, cfg)
     _check_gpu_flag(args, device_type)
 
     reason = why_not_modelled(cfg)
@@ -262,6 +306,9 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
         # The allocator model replays the analytic simulator's events; a trace records none yet.
         out["device_memory"] = None
         out["device_memory_note"] = "--gpu: the caching-allocator model needs the analytic model; this one was traced"
+    if args.budget is not None or args.gpu is not None:
+        out["fit"] = None
+        out["fit_note"] = f"no fit verdict: the caching-allocator model needs the analytic model ({out['not_analytic']})"
     if args.json:
         print(json.dumps(out, indent=2, default=float))
         return 0
@@ -278,6 +325,7 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
           f"not analytic: {out['not_analytic']}")
     if "device_memory_note" in out:
         print(f"  {out['device_memory_note']}")
+    _print_fit(out)
     a = out["analytic_approximation"]
     if a is not None and a["error_vs_trace"] is not None:
         print(f"  (our GPT's analytic model with llama substitutions would say {fmt_bytes(a['peak_bytes'])}, "
@@ -295,6 +343,7 @@ def _run_hf_analytic(args: argparse.Namespace, cfg: Any, device_type: str) -> in
     out = {"model": cfg.model.model, "method": "analytic",
            "note": "analytic model of transformers decoder layers (memtrain.analysis.estimate.hf); --trace to check it",
            **est.to_dict()}
+    out.update(_fit(args, cfg, hf_arch(cfg.model.model), device_type, _shard(args, cfg)))
     if args.trace:
         traced = trace_any_depth(cfg, device_type)
         out["trace"] = _trace_check(traced, est.peak_bytes, method=traced["method"],
@@ -318,6 +367,7 @@ def _run_hf_analytic(args: argparse.Namespace, cfg: Any, device_type: str) -> in
                      f"{tr['peak_phase']}, {tr['method']}; estimate {tr['error']:+.1%}"))
     print(_table(rows))
     print(f"  {out['note']}")
+    _print_fit(out)
     if args.explain:
         print("\n".join("  " + line for line in est.explanation))
     return 0

@@ -105,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
         ver = res.verified
         print(f"verified: measured tracked peak {fmt_bytes(ver['measured_bytes'])} vs predicted "
               f"{fmt_bytes(ver['predicted_bytes'])} ({ver['error']:+.1%}) over {ver['steps']} steps")
+    for note in res.notes[1:]:  # how the peaks were found, where the first (the cost model) says nothing new
+        print(f"note: {note}")
     return 0
 
 

@@ -21,12 +21,13 @@ Sources (dense figures, sparse ones halved where only those are printed):
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from memtrain.analysis.gpu_memory import gpu_table_key
 
 __all__ = ["GpuSpec", "PEAK_FLOPS", "lookup_gpu", "device_gpu", "peak_flops", "mfu"]
 
@@ -82,45 +83,14 @@ PEAK_FLOPS: dict[str, GpuSpec] = {
     "t4": _spec("T4", None, 65 * T, None, 8.1 * T, 320 * GBs),
 }
 
-# First match wins, so variants come before the bare model name. Patterns run on the
-# lowercased name with punctuation turned into spaces, e.g. "nvidia a100 sxm4 80gb".
-_PATTERNS: list[tuple[str, str]] = [
-    (r"\bh100\b.*\bnvl\b", "h100-nvl"),
-    (r"\bh100\b.*\bpcie\b", "h100-pcie"),
-    (r"\bh100\b", "h100-sxm"),
-    (r"\bh200\b.*\bnvl\b", "h200-nvl"),
-    (r"\bh200\b", "h200"),
-    (r"\ba100\b(?=.*\bpcie\b)(?=.*\b80\s*gb\b)", "a100-80gb-pcie"),
-    (r"\ba100\b.*\bpcie\b", "a100-40gb-pcie"),
-    (r"\ba100\b.*\b80\s*gb\b", "a100-80gb-sxm"),
-    (r"\ba100\b", "a100-40gb-sxm"),
-    (r"\ba10g\b", "a10g"),
-    (r"\ba10\b", "a10"),
-    (r"\bl40s\b", "l40s"),
-    (r"\bl4\b", "l4"),
-    (r"\b4090\b(?!\s*d\b)", "rtx-4090"),  # the China-market 4090 D is a different part
-    (r"\b3090\b(?!\s*ti\b)", "rtx-3090"),  # as is the 3090 Ti
-    (r"\bv100s\b", "v100s-pcie"),
-    (r"\bv100\b.*\bpcie\b", "v100-pcie"),
-    (r"\bv100\b", "v100-sxm2"),
-    (r"\bt4\b", "t4"),
-]
-
-
 def lookup_gpu(name: str | None) -> GpuSpec | None:
     """The spec for a device name as ``torch.cuda.get_device_name`` gives it ("NVIDIA H100
     80GB HBM3", "Tesla T4"), a short name ("h100", "4090", "a100-80gb-pcie"), or None when
     the device is unknown (including "cpu")."""
     if not name:
         return None
-    key = name.strip().lower()
-    if key in PEAK_FLOPS:
-        return PEAK_FLOPS[key]
-    norm = re.sub(r"[^a-z0-9]+", " ", key).strip()
-    for pattern, spec_key in _PATTERNS:
-        if re.search(pattern, norm):
-            return PEAK_FLOPS[spec_key]
-    return None
+    key = gpu_table_key(name)
+    return PEAK_FLOPS[key] if key is not None else None
 
 
 def device_gpu(device: str | torch.device) -> GpuSpec | None:

@@ -25,6 +25,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 
 from memtrain.config import ConfigError
+from memtrain.extras import require
 
 NF4_BLOCK = 64
 NF4_SCALER_BLOCK = 256
@@ -50,6 +51,7 @@ def quantize_base_weights(model: nn.Module, device: torch.device) -> int:
     # (4 bits a value, an 8-bit scale per 64 values, an fp32 scale per 256 of those).
     if device.type == "cuda" and not is_fake(linears[0][1].weight):
         return _quantize_bnb(linears, device)
+    require("torchao")  # an optional extra (memtrain[lowbit]): one error line naming the pip command
     from torchao.quantization import to_nf4
 
     skipped = []

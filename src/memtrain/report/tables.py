@@ -303,9 +303,11 @@ def optim_substitution_lines(rows: list[dict[str, Any]]) -> list[str]:
         return []
     pairs = sorted({(OPTIM_NAMES.get(s["from"], s["from"]), OPTIM_NAMES.get(s["to"], s["to"])) for s in subs})
     what = "; ".join(f"{a} rows ran {b}" for a, b in pairs)
-    return [f"\u2020 On this CPU, in this default list, {what} ({subs[0].get('reason', '')}); the row still "
-            "shows the lowest memory, Adafactor's factored state being smaller still. Name the row in "
-            "`--techniques` to run torchao's optimizer.", ""]
+    where = subs[0].get("where", "On this CPU")
+    todo = ("Name the row in `--techniques` to run torchao's optimizer." if where == "On this CPU" else
+            "Install `memtrain[lowbit]` to run torchao's optimizer.")
+    return [f"\u2020 {where}, in this default list, {what} ({subs[0].get('reason', '')}); the row still "
+            f"shows the lowest memory, Adafactor's factored state being smaller still. {todo}", ""]
 
 
 def attention_substitution_lines(rows: list[dict[str, Any]]) -> list[str]:

@@ -49,6 +49,7 @@ import torch
 import torch.nn as nn
 
 from memtrain.config import ConfigError, TechniqueConfig, TrainConfig
+from memtrain.extras import require
 
 __all__ = [
     "LOW_BIT_BLOCK",
@@ -163,8 +164,22 @@ def _warn_low_bit_skips(model: nn.Module, optim: str, block: int) -> None:
         )
 
 
+def uses_torchao(tech: TechniqueConfig) -> bool:
+    """True when :func:`build_optimizer` builds one of torchao's optimizers for ``tech``."""
+    return tech.optim in LOW_BIT_BLOCK or (tech.optim == "adamw" and tech.precision == "bf16-pure")
+
+
+def check_optimizer_installed(tech: TechniqueConfig) -> None:
+    """Refuse, before a run builds or tokenizes anything, an optimizer whose package (torchao,
+    the ``lowbit`` extra) is not installed: one ConfigError naming the pip command."""
+    if uses_torchao(tech):
+        require("torchao")
+
+
 def _torchao_optim(name: str) -> Any:
-    # Imported only when asked for: importing torchao is slow and prints loader noise.
+    # Imported only when asked for: importing torchao is slow and prints loader noise; and it is
+    # an optional extra (memtrain[lowbit]): require() names the pip command when it is absent.
+    require("torchao")
     import torchao.optim as ao
 
     # torch.compile advises every tensor subclass to implement a cache hash; torchao's state

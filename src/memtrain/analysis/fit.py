@@ -1,0 +1,189 @@
+"""Whether a training step fits a GPU or a memory budget, without running it.
+
+What a step needs of the budget:
+
+* with CUDA kernels, what the card holds: the estimator's two-step timeline replayed through
+  the caching-allocator model (its reserved segments, rounding and fragmentation included) plus
+  the CUDA context of the GPU kind (:mod:`memtrain.analysis.allocator`: measured on an H100,
+  an assumption elsewhere, said in ``assumptions``);
+* with CPU kernels, the live tensor bytes (the tracked peak): a CPU has no caching allocator
+  of its own in this model.
+
+From that number: the verdict (fits, and the headroom), the largest batch that fits (the same
+grow-then-bisect over the analytic estimate that starts ``memtrain maxbatch``'s search:
+:func:`largest_batch`), and when the asked batch does not fit, the cheapest changes that make it
+fit (``memtrain plan``'s search over technique sets and micro-batch splits,
+:func:`memtrain.analysis.plan.plan`). Everything here is arithmetic: no torch import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional
+
+from memtrain.analysis.estimate import Arch, Estimate, estimate
+from memtrain.analysis.gpu_memory import gpu_memory
+from memtrain.config import ConfigError, RunConfig
+
+__all__ = ["FitVerdict", "budget_for", "fit_verdict", "largest_batch", "largest_fitting", "step_need"]
+
+GiB = 1 << 30
+DEFAULT_SEARCH_CAP = 4096  # the largest batch searched, as maxbatch's and plan's --max-batch default
+
+
+def largest_fitting(fits: Callable[[int], bool], cap: int) -> int:
+    """The largest k in [1, cap] with ``fits(k)``, given that 1 fits and fitting is monotone:
+    grow geometrically until a k fails or the cap is reached, then bisect between the last fit
+    and the first failure."""
+    lo, hi = 1, None  # lo fits; hi (when known) does not
+    while hi is None and lo < cap:
+        k = min(lo * 2, cap)
+        if fits(k):
+            lo = k
+        else:
+            hi = k
+    while hi is not None and hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def largest_batch(need: Callable[[RunConfig], float], cfg: RunConfig, budget_bytes: float, multiple_of: int = 1,
+                  cap: int = DEFAULT_SEARCH_CAP) -> Optional[int]:
+    """The largest k <= ``cap`` whose batch ``k * multiple_of`` needs at most ``budget_bytes``
+    (``need`` of the config at that batch), or None when not even one fits."""
+
+    def fits(k: int) -> bool:
+        return need(cfg.replace(batch_size=k * multiple_of)) <= budget_bytes
+
+    return largest_fitting(fits, cap) if fits(1) else None
+
+
+def step_need(cfg: RunConfig, arch: Arch, device_type: str, gpu: Optional[str], world_size: int = 1,
+              shard: Optional[str] = None) -> tuple[float, Estimate]:
+    """(bytes the step needs of the budget, the estimate): on CUDA the modelled device total
+    (reserved + CUDA context of ``gpu``'s kind, "default" when None), else the tracked peak."""
+    if device_type == "cuda":
+        est = estimate(cfg, arch, "cuda", world_size, shard, gpu=gpu or "default")
+        assert est.device_memory is not None
+        return float(est.device_memory["device_total"]), est
+    est = estimate(cfg, arch, device_type, world_size, shard)
+    return est.peak_bytes, est
+
+
+def budget_for(budget_bytes: Optional[int], gpu: Optional[str]) -> Optional[tuple[int, str]]:
+    """(budget, where it comes from): ``--budget`` when given, else the named card's memory;
+    None when neither gives one (no budget, or a GPU name without a single memory figure)."""
+    if budget_bytes is not None:
+        if budget_bytes <= 0:
+            raise ConfigError(f"--budget must be positive, e.g. 24GiB; got {budget_bytes} bytes")
+        return budget_bytes, "--budget"
+    return gpu_memory(gpu) if gpu else None
+
+
+@dataclass
+class FitVerdict:
+    """The ``fit`` entry of ``memtrain estimate --json`` (``--budget`` or ``--gpu``)."""
+
+    budget_bytes: int
+    budget_source: str
+    batch_size: int
+    needed_bytes: int  # what is compared with the budget (see ``measure``)
+    measure: str
+    fits: bool
+    headroom_bytes: int  # budget - needed; negative when it does not fit
+    largest_batch: Optional[int]  # None: not even batch 1 fits
+    largest_batch_capped: bool  # the search's upper bound, not the memory, stopped it
+    suggestions: list[dict[str, Any]] = field(default_factory=list)
+    assumptions: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def line(self) -> str:
+        """One line: the verdict, the largest batch, and what to change when it does not fit."""
+        budget = _gib(self.budget_bytes)
+        if self.fits:
+            head = f"fits {budget} with {_gib(self.headroom_bytes)} headroom"
+        else:
+            head = f"does not fit {budget}: needs {_gib(self.needed_bytes)} ({_gib(-self.headroom_bytes)} over)"
+        if self.largest_batch is None:
+            head += "; not even batch 1 fits"
+        else:
+            head += f"; largest batch {self.largest_batch}" + ("+" if self.largest_batch_capped else "")
+        if self.suggestions:
+            head += f"; to fit batch {self.batch_size}: " + ", or ".join(
+                f"{s['flags']} (est. {_gib(s['needed_bytes'])})" for s in self.suggestions)
+        elif not self.fits:
+            head += f"; no technique set or micro-batch split fits batch {self.batch_size}: lower --seq-len"
+        return head
+
+
+def fit_verdict(cfg: RunConfig, arch: Arch, device_type: str, budget: tuple[int, str], gpu: Optional[str] = None,
+                world_size: int = 1, shard: Optional[str] = None, n_suggestions: int = 3) -> FitVerdict:
+    """Does the step of ``cfg`` fit ``budget`` (bytes, its source)? See the module docstring."""
+    budget_bytes, source = budget
+    need, est = step_need(cfg, arch, device_type, gpu, world_size, shard)
+
+    def need_of(c: RunConfig) -> float:
+        return step_need(c, arch, device_type, gpu, world_size, shard)[0]
+
+    cap = DEFAULT_SEARCH_CAP
+    best = largest_batch(need_of, cfg, budget_bytes, cap=cap)
+    fits = need <= budget_bytes
+    suggestions: list[dict[str, Any]] = []
+    if not fits and world_size == 1:
+        suggestions = cheapest_changes(cfg, arch, device_type, budget_bytes, gpu, n_suggestions)
+    if device_type == "cuda":
+        measure = "device total: the caching allocator's reserved memory + the CUDA context (nvidia-smi's view)"
+        assumptions = list(est.device_memory["assumptions"]) if est.device_memory else []
+    else:
+        measure = "tracked peak: live tensor bytes (CPU kernels; no caching-allocator overhead modelled)"
+        assumptions = []
+    if source != "--budget":
+        assumptions.append(f"budget: {source}")
+    return FitVerdict(budget_bytes=int(budget_bytes), budget_source=source, batch_size=cfg.train.batch_size,
+                      needed_bytes=int(round(need)), measure=measure, fits=fits,
+                      headroom_bytes=int(round(budget_bytes - need)), largest_batch=best,
+                      largest_batch_capped=best == cap, suggestions=suggestions, assumptions=assumptions)
+
+
+def cheapest_changes(cfg: RunConfig, arch: Arch, device_type: str, budget_bytes: int, gpu: Optional[str],
+                     limit: int = 3) -> list[dict[str, Any]]:
+    """Up to ``limit`` changes that make the asked batch (``batch_size x grad_accum``) fit, the
+    numerically standard ones first, then by ``plan``'s modelled step time. Each: the flags to
+    add (only those that differ from ``cfg``), the bytes it needs, its modelled time relative to
+    plan's baseline and what it changes in the numerics. [] when nothing fits."""
+    from memtrain.analysis.plan import default_space, plan
+    from memtrain.numerics import is_standard, numerics_note
+
+    tech = cfg.technique
+    space = default_space(cfg, device_type)
+    for key, values in space.items():
+        current = getattr(tech, key)
+        if current not in values:
+            space[key] = [current, *values]  # a change of one flag alone is a candidate too
+    try:
+        res = plan(cfg, budget_bytes, device_type, arch, margin=0.0, top=10**6, space=space,
+                   gpu=(gpu or "default") if device_type == "cuda" else None)
+    except ConfigError:  # nothing in the space fits
+        return []
+    current = {k: getattr(tech, k) for k in space}
+    ranked = sorted(res.candidates, key=lambda c: not is_standard({**current, **c.techniques}))  # stable: time order
+    out = []
+    for c in ranked[:limit]:
+        flags = [f"--{k.replace('_', '-')} {v}" for k, v in c.techniques.items() if v != current[k]]
+        if c.batch_size != cfg.train.batch_size:
+            flags.append(f"--batch-size {c.batch_size} --grad-accum {c.grad_accum}")
+        out.append({"flags": " ".join(flags), "techniques": dict(c.techniques), "batch_size": c.batch_size,
+                    "grad_accum": c.grad_accum, "needed_bytes": int(round(c.peak_bytes)),
+                    "relative_time": c.relative_time, "numerics": numerics_note({**current, **c.techniques})})
+    return out
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
