@@ -59,6 +59,10 @@ def test_export_merges_lora(tmp_path, capsys):
     _same_logits(ckpt, out)
     state = torch.load(ckpt, weights_only=True)["model"]
     assert any("lora_B" in k and v.abs().sum() > 0 for k, v in state.items())  # the adapters did learn
+    # An adapter of our GPT would not fit GPT2LMHeadModel's Conv1D layout: merged export only.
+    capsys.readouterr()
+    assert main(["export", str(ckpt), str(tmp_path / "adapter"), "--adapter-only"]) == 2
+    assert capsys.readouterr().err.startswith("error: --adapter-only") and not (tmp_path / "adapter").exists()
 
 
 def test_export_refuses_bad_input(tmp_path, capsys):

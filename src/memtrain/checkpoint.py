@@ -7,6 +7,7 @@ a checkpoint holds only tensors, numbers, strings, lists and dicts, never pickle
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +54,17 @@ def restore_rng_and_scaler(state: dict[str, Any], precision: Any) -> None:
     precision.skipped_steps = state["skipped_steps"]
 
 
+def load_plain(f: Any, **kwargs: Any) -> Any:
+    """``torch.load(f, weights_only=True)`` without torch's warnings on the terminal.
+
+    A file that is not a zip checkpoint (a raw pickle, torch's legacy format) makes torch's
+    restricted unpickler warn about its pickle protocol before it refuses the file; the caller
+    says why the file is refused in its one ``error:`` line, so the warning is noise."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.load(f, map_location="cpu", weights_only=True, **kwargs)
+
+
 def read_state(p: Path, missing_hint: str) -> Any:
     """A single-file checkpoint's contents, loaded with ``weights_only=True`` (tensors, numbers,
     strings, lists and dicts only: nothing in the file can execute). A missing or unreadable file
@@ -60,7 +72,7 @@ def read_state(p: Path, missing_hint: str) -> Any:
     if not p.is_file():
         raise ConfigError(f"checkpoint {str(p)!r} not found; {missing_hint}")
     try:
-        return torch.load(p, map_location="cpu", weights_only=True)
+        return load_plain(p)
     except Exception as exc:  # a truncated or foreign file
         raise ConfigError(f"cannot read checkpoint {str(p)!r} ({type(exc).__name__}); it is not a memtrain checkpoint") from None
 

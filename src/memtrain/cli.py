@@ -23,6 +23,7 @@ from memtrain import __version__
 from memtrain.aliases import ALIASES, switch_value
 from memtrain.argtypes import positive_int
 from memtrain.config import SECTIONS, ConfigError, RunConfig, build_config, flatten, load_config_file
+from memtrain.errors import one_line
 from memtrain.extras import quiet_third_party
 from memtrain.notices import install_warning_format
 from memtrain.preflight import check_before_launch
@@ -39,7 +40,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad flag as one ``error:`` line and exit code 2."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        sys.stderr.write(f"error: {message}; see '{self.prog} --help'\n")
+        sys.stderr.write(one_line(f"error: {message}; see '{self.prog} --help'") + "\n")
         raise SystemExit(2)
 
     def reject_unknown(self, extra: Sequence[str]) -> None:

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from memtrain.checkpoint import restore_rng_and_scaler, rng_and_scaler_state
+from memtrain.checkpoint import load_plain, restore_rng_and_scaler, rng_and_scaler_state
 from memtrain.config import ConfigError
 from memtrain.rank_errors import agreement
 
@@ -225,7 +225,7 @@ def _checked_parts(p: Path, optimizer: Any) -> tuple[dict[str, Any], dict[str, A
     if (meta["strategy"] == "zero1") != (local is not None):
         raise ConfigError(f"checkpoint {str(p)!r} was written with --distributed {meta['strategy']}; resume with the same strategy")
     try:
-        own = torch.load(_rank_file(p, rank), map_location="cpu", weights_only=True)
+        own = load_plain(_rank_file(p, rank))
     except Exception as exc:  # missing, truncated, or holding more than plain data
         raise ConfigError(f"cannot read {str(_rank_file(p, rank))!r} ({type(exc).__name__}); "
                           "it is not a memtrain checkpoint part") from None

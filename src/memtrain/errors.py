@@ -1,12 +1,26 @@
-"""The error every memtrain layer raises for bad user input (a leaf module: it imports nothing).
+"""The error every memtrain layer raises for bad user input, and the one-line form every
+``error:`` line takes (a leaf module: it imports nothing but the standard library).
 
-The CLI turns it into one ``error:`` line on stderr and exit code 2 (docs/architecture.md).
+The CLI turns a ConfigError into one ``error:`` line on stderr and exit code 2 (docs/architecture.md).
 """
 
 from __future__ import annotations
 
-__all__ = ["ConfigError"]
+import re
+
+__all__ = ["ConfigError", "one_line"]
 
 
 class ConfigError(ValueError):
     """Bad user input. The message is one line that names the problem and the fix."""
+
+
+# C0 and C1 control characters, DEL, and the Unicode line and paragraph separators: anything a
+# terminal would break the line at or interpret.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def one_line(text: str) -> str:
+    """``text`` with every control character written as its Python escape (``\\n``, ``\\x1b``),
+    so a message that echoes user text (a path, a --model spec) stays one line on the terminal."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)

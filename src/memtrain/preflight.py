@@ -199,10 +199,10 @@ def saved_run(path: str | Path) -> tuple[dict[str, Any], int]:
         except (OSError, UnicodeDecodeError, ValueError):
             raise ConfigError(f"cannot read {str(meta_path)!r}; it is not a memtrain checkpoint") from None
     elif p.is_file():
-        import torch
+        from memtrain.checkpoint import load_plain
 
         try:
-            state = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+            state = load_plain(p, mmap=True)
         except Exception as exc:  # truncated, foreign, or holding more than plain data
             raise ConfigError(f"cannot read checkpoint {str(p)!r} ({type(exc).__name__}); it is not a memtrain checkpoint") from None
     else:

@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any, Iterator, Optional
 
-from memtrain.errors import ConfigError
+from memtrain.errors import ConfigError, one_line
 
 # Set by memtrain.launch for the ranks it starts: the launcher prints the error line (once,
 # after torch's launcher has gone quiet) and holds the --out lock for the ranks.
@@ -128,6 +128,8 @@ def say_error(line: str, code: int, every_rank: bool = True) -> None:
     if _said:
         return
     _said = True
+    # One line whatever the message echoes (a path or --model spec with a newline in it).
+    line = one_line(line.rstrip("\n"))
     record_error_line(line, code)
     debug = bool(os.environ.get("MEMTRAIN_DEBUG"))
     if launched_by_memtrain() and not debug:

@@ -1,4 +1,4 @@
-"""`memtrain export`: a checkpoint as a transformers-loadable GPT2LMHeadModel directory."""
+"""`memtrain export`: a checkpoint as a transformers-loadable model directory (or a peft adapter)."""
 
 from __future__ import annotations
 
@@ -9,18 +9,31 @@ from memtrain.cli import register
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="Checkpoint file written by `memtrain train --save`.")
-    p.add_argument("out_dir", help="New directory: config.json, model.safetensors and GPT-2 tokenizer files.")
+    p.add_argument("out_dir", help="New directory: config.json, model.safetensors and the tokenizer files (memtrain's "
+                   "GPT: GPT2LMHeadModel with GPT-2's tokenizer; a transformers --model: its own architecture and "
+                   "tokenizer, GPT-2's tokenizer when its folder had none).")
+    p.add_argument("--adapter-only", action="store_true", default=False,
+                   help="For a transformers --model trained with --lora-rank: write the LoRA adapter as a peft adapter "
+                   "(adapter_config.json, adapter_model.safetensors) for PeftModel.from_pretrained(base, OUT_DIR), "
+                   "instead of merging it into the weights (the default). The base is the --model folder the run "
+                   "started from; its weights must be unchanged.")
 
 
 def run(args: argparse.Namespace) -> int:
     from memtrain.export import export_hf  # torch-free --help/estimate/plan
 
-    res = export_hf(args.checkpoint, args.out_dir)
+    res = export_hf(args.checkpoint, args.out_dir, adapter_only=args.adapter_only)
+    if args.adapter_only:
+        print(f"wrote {res['out']}: {res['kind']}, {res['parameters']:,} parameters; load with "
+              f"peft.PeftModel.from_pretrained(base_model, {res['out']!r})")
+        return 0
     merged = " (LoRA merged)" if res["lora_merged"] else ""
-    print(f"wrote {res['out']}: GPT2LMHeadModel, {res['parameters']:,} parameters{merged}; "
+    print(f"wrote {res['out']}: {res['kind']}, {res['parameters']:,} parameters{merged}; "
           f"load with transformers.AutoModelForCausalLM.from_pretrained({res['out']!r})")
     return 0
 
 
-register("export", "Export a checkpoint as a Hugging Face transformers model directory (GPT2LMHeadModel, safetensors).",
+register("export", "Export a checkpoint as a Hugging Face transformers model directory (safetensors + tokenizer): "
+         "memtrain's GPT as GPT2LMHeadModel, a transformers --model as its own architecture; LoRA merged, or a peft "
+         "adapter with --adapter-only. QLoRA's NF4 base weights (CPU) are dequantized before the merge.",
          add_args, run)

@@ -10,7 +10,9 @@ from memtrain.config import ConfigError
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="Checkpoint file (train --save) or a directory written by `memtrain export`.")
+    p.add_argument("model", help="Checkpoint file (train --save; memtrain's GPT or a transformers --model) or a "
+                   "directory written by `memtrain export`. A folder is read with safetensors weights only; one whose "
+                   "config names custom code (auto_map) is refused.")
     p.add_argument("--prompt", default="", help="Text to continue (default: start of a document).")
     p.add_argument("--max-new-tokens", type=int, default=64, help="Tokens to sample (default 64).")
     p.add_argument("--temperature", type=float, default=0.8, help="Softmax temperature; 0 = greedy (default 0.8).")

@@ -143,24 +143,79 @@ def build_hf_model(cfg: RunConfig, with_weights: bool = True) -> HFCausalLM:
             config.layer_types = ["sliding_attention"] * config.num_hidden_layers
     config.use_cache = False
     dtype = torch.get_default_dtype()
+    if with_weights and source.has_weights():
+        lm = load_pretrained_lm(source.load_id, config, attn, f"--model {spec!r}", repo=source.repo)
+        return HFCausalLM(lm, source)
     try:
-        if with_weights and source.has_weights():
-            lm = AutoModelForCausalLM.from_pretrained(
-                source.load_id, config=config, attn_implementation=attn, dtype=dtype,
-                use_safetensors=True, trust_remote_code=False, **from_pretrained_kwargs(source.repo))
-        else:
-            lm = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype,
-                                                  trust_remote_code=False)
+        lm = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype, trust_remote_code=False)
     except (ImportError, ValueError) as exc:
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ConfigError(f"--model {spec!r} with --attention {tech.attention} ({attn}): {msg}") from None
-    except Exception as exc:  # a truncated or foreign *.safetensors file (safetensors' own error type)
-        if not (with_weights and source.has_weights()):
-            raise
-        msg = str(exc).splitlines()[0] if str(exc) else ""
-        raise ConfigError(f"cannot read the weights of --model {spec!r} ({type(exc).__name__}: {msg}); "
-                          "its *.safetensors files must be complete and belong to its config.json") from None
+        raise ConfigError(f"--model {spec!r} with --attention {tech.attention} ({attn}): {_first_line(exc)}") from None
     return HFCausalLM(lm, source)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' progress bars ("Loading weights", "Writing model shards") and its load
+    report off the terminal while a model is read or written (unless MEMTRAIN_VERBOSE=1):
+    memtrain checks what the report says itself, and a failure's stderr stays one error: line."""
+    import os
+
+    from transformers.utils import logging as tlog
+
+    if os.environ.get("MEMTRAIN_VERBOSE") == "1":
+        yield
+        return
+    bars, level = tlog.is_progress_bar_enabled(), tlog.get_verbosity()
+    tlog.disable_progress_bar()
+    tlog.set_verbosity(tlog.CRITICAL)
+    try:
+        yield
+    finally:
+        tlog.set_verbosity(level)
+        if bars:
+            tlog.enable_progress_bar()
+
+
+def load_pretrained_lm(load_id: str, config: Any, attn: str, what: str, repo: Optional[str] = None) -> Any:
+    """``AutoModelForCausalLM.from_pretrained`` of a folder (or Hub repository) whose config
+    memtrain has checked, in the default dtype; ``what`` names it in errors.
+
+    Never runs code (``trust_remote_code=False``) nor reads pickles (``use_safetensors``).
+    Every failure to read the weights is a ConfigError: a truncated or foreign
+    ``*.safetensors`` file (safetensors raises its own error type), a tensor of the wrong
+    shape, and a weight the files lack, which transformers would otherwise initialize at
+    random and use as if trained."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with quiet_transformers():
+            loaded: Any = AutoModelForCausalLM.from_pretrained(
+                load_id, config=config, attn_implementation=attn, dtype=torch.get_default_dtype(),
+                use_safetensors=True, trust_remote_code=False, output_loading_info=True,
+                **from_pretrained_kwargs(repo))
+        lm, info = loaded  # output_loading_info: (model, what was missing, unexpected, mis-shaped)
+    except ImportError as exc:  # an attention implementation whose package is absent
+        raise ConfigError(f"{what} with attn_implementation {attn}: {_first_line(exc)}") from None
+    except MemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the files hold, reading them is the input's failure
+        reason = f"{type(exc).__name__}: {_first_line(exc)}"
+        if "ignore_mismatched_sizes" in reason:  # transformers points at the report memtrain keeps quiet
+            reason = "a tensor's shape differs from the one its config.json gives"
+        raise ConfigError(f"cannot read the weights of {what} ({reason}); "
+                          "its *.safetensors files must be complete and belong to its config.json") from None
+    missing = sorted(info.get("missing_keys") or ())
+    mismatched = sorted(str(k) for k in info.get("mismatched_keys") or ())
+    if missing or mismatched:
+        first = missing[0] if missing else mismatched[0]
+        raise ConfigError(f"the weights of {what} do not fit its config.json: {len(missing)} missing and "
+                          f"{len(mismatched)} mis-shaped tensor(s), e.g. {first}; give the complete *.safetensors files")
+    return lm
 
 
 @contextlib.contextmanager

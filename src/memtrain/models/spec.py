@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -89,7 +90,8 @@ def resolve(spec: str) -> ModelSource:
     """The transformers model ``spec`` names (ConfigError with the choices when none)."""
     if spec.startswith(HUB_PREFIX):
         repo = spec[len(HUB_PREFIX):].strip("/")
-        if repo.count("/") != 1 or not all(repo.split("/")):
+        # The Hub's own characters only: the name is echoed in messages and sent in URLs.
+        if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo, re.ASCII):
             raise ConfigError(f"--model {spec!r}: write a Hub model as hf:ORG/NAME, e.g. hf:Qwen/Qwen2.5-0.5B")
         return ModelSource(spec, None, repo)
     bundled = CONFIG_DIR / f"{spec}.json"
@@ -106,6 +108,56 @@ def resolve(spec: str) -> ModelSource:
         f"choose one of {', '.join(list(PRESETS) + bundled_names())}, a path, or hf:ORG/NAME")
 
 
+def read_config_json(path: Path) -> dict[str, Any]:
+    """A model's ``config.json`` as a dict, checked before transformers reads it: a JSON object
+    with a ``model_type`` transformers knows, and no ``auto_map``. A folder whose config names
+    custom code (``auto_map``, or a ``model_type`` transformers does not ship) is refused
+    outright: memtrain never runs, nor offers to run, Python shipped with a model."""
+    shown = str(path)
+    if not path.is_file():
+        raise ConfigError(f"{shown!r} is missing or not a file; a model folder needs its config.json")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"cannot read {shown!r} as JSON ({type(exc).__name__}); fix or replace the config.json") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{shown!r} holds a JSON {type(data).__name__}, not an object; it is not a transformers config.json")
+    if "auto_map" in data:
+        raise ConfigError(f"{shown!r} names custom model code (auto_map); memtrain never runs code shipped with a "
+                          "model: use a model type transformers ships")
+    model_type = data.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise ConfigError(f"{shown!r} has no 'model_type'; it is not a transformers config.json")
+    if model_type not in _shipped_model_types():
+        raise ConfigError(f"{shown!r} has model_type {model_type!r}, which this transformers does not ship (custom "
+                          "code is never run); use a model type transformers ships, or upgrade transformers")
+    return data
+
+
+def _shipped_model_types() -> Any:
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    except ImportError:
+        raise ConfigError("a transformers model needs transformers: pip install 'memtrain[hf]'") from None
+    return CONFIG_MAPPING_NAMES
+
+
+def refuse_custom_tokenizer(directory: Path) -> None:
+    """Refuse a folder whose ``tokenizer_config.json`` names custom tokenizer code (``auto_map``)."""
+    path = directory / "tokenizer_config.json"
+    if not path.is_file():
+        return  # no file, or not a file: the tokenizer's loader reports it
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"cannot read {str(path)!r} as JSON ({type(exc).__name__}); fix or replace it") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{str(path)!r} holds a JSON {type(data).__name__}, not an object; fix or replace it")
+    if "auto_map" in data:
+        raise ConfigError(f"{str(path)!r} names custom tokenizer code (auto_map); memtrain never runs code shipped "
+                          "with a model: use a tokenizer class transformers ships")
+
+
 @functools.lru_cache(maxsize=32)
 def load_config(spec: str) -> Any:
     """The ``transformers.PretrainedConfig`` of ``spec`` (read once per process)."""
@@ -114,17 +166,19 @@ def load_config(spec: str) -> Any:
     except ImportError:
         raise ConfigError("--model with a transformers config needs transformers: pip install 'memtrain[hf]'") from None
     src = resolve(spec)
+    if src.repo is None:
+        assert src.config_path is not None
+        try:
+            read_config_json(src.config_path)
+            if src.directory is not None:
+                refuse_custom_tokenizer(src.directory)
+        except ConfigError as exc:
+            raise ConfigError(f"cannot read the model config of --model {spec!r}: {exc}") from None
     try:
-        if src.repo is None:
-            assert src.config_path is not None
-            if "model_type" not in json.loads(src.config_path.read_text()):
-                raise ConfigError(f"{src.config_path} has no 'model_type'; it is not a transformers config.json")
         # One code path for a Hub repository, a directory and a config.json file; an offline Hub
         # is read from the local cache only (hub_access: seconds instead of half a minute of retries).
         cfg = AutoConfig.from_pretrained(src.repo or str(src.config_path), trust_remote_code=False,
                                          **from_pretrained_kwargs(src.repo))
-    except ConfigError:
-        raise
     except Exception as exc:  # noqa: BLE001 - OSError, bad JSON, or transformers' validation of a field
         first = str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"cannot read the model config of --model {spec!r}: {first}{offline_hint(src.repo)}") from None

@@ -64,14 +64,27 @@ def data_tokenizer(cfg: RunConfig) -> Optional[HFTokenizer]:
             raise ConfigError(f"--model {spec!r} has no tokenizer files and its vocab_size {vocab} is smaller than "
                               f"GPT-2's {N_VOCAB}; add a tokenizer (tokenizer.json) to the directory")
         return None
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(src.load_id, trust_remote_code=False, **from_pretrained_kwargs(src.repo))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot load the tokenizer of --model {spec!r}: {str(exc).splitlines()[0]}") from None
+    tok = load_tokenizer(src.load_id, f"--model {spec!r}", repo=src.repo)
     wrapped = HFTokenizer(tok, _identity(src.load_id, src.directory))
     if wrapped.n_vocab > vocab:
         raise ConfigError(f"the tokenizer of --model {spec!r} has {wrapped.n_vocab} tokens but the model embeds only "
                           f"vocab_size {vocab}; use the model's own tokenizer or raise vocab_size in config.json")
     return wrapped
+
+
+def load_tokenizer(load_id: str, what: str, repo: Optional[str] = None) -> Any:
+    """``AutoTokenizer.from_pretrained`` of a folder (or Hub repository), never running code;
+    any failure to read its files is a ConfigError naming ``what``."""
+    from transformers import AutoTokenizer
+
+    from memtrain.models.hf import quiet_transformers
+
+    try:
+        with quiet_transformers():
+            return AutoTokenizer.from_pretrained(load_id, trust_remote_code=False, **from_pretrained_kwargs(repo))
+    except MemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library raises a bare Exception for a garbled file
+        text = str(exc).strip()
+        first = text.splitlines()[0] if text else type(exc).__name__
+        raise ConfigError(f"cannot load the tokenizer of {what}: {first}") from None

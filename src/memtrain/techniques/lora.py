@@ -25,7 +25,7 @@ from memtrain.config import ConfigError, TechniqueConfig
 from memtrain.extras import require
 from memtrain.model import GPT
 
-__all__ = ["apply_lora", "lora_target_names", "merge_lora"]
+__all__ = ["apply_lora", "lora_target_names", "merge_adapters_in_place", "merge_lora"]
 
 
 def lora_target_names(model: nn.Module) -> list[str]:
@@ -87,17 +87,23 @@ def merge_lora(model: nn.Module) -> GPT:
     The result has no peft modules, every parameter trainable, and the same logits as the
     adapted model (in eval mode, where LoRA dropout is off).
     """
-    from peft.tuners.lora import LoraLayer
-
     merged = copy.deepcopy(getattr(model, "_orig_mod", model))
-    layers = [(name, m) for name, m in merged.named_modules() if isinstance(m, LoraLayer)]
-    for name, layer in layers:
-        layer.merge(safe_merge=True)  # safe_merge: fail on NaN/inf instead of writing them
-        parent_name, _, child = name.rpartition(".")
-        parent = merged.get_submodule(parent_name) if parent_name else merged
-        setattr(parent, child, layer.get_base_layer())
-    for p in merged.parameters():
-        p.requires_grad_(True)
+    merge_adapters_in_place(merged)
     if not isinstance(merged, GPT):
         raise TypeError(f"merge_lora expects a GPT, got {type(merged).__name__}")
     return merged
+
+
+def merge_adapters_in_place(model: nn.Module) -> None:
+    """Fold every peft LoRA layer of ``model`` (any model: our GPT, a transformers model) into
+    its base Linear and put the plain Linear back in its place; every parameter trainable."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
+    for name, layer in layers:
+        layer.merge(safe_merge=True)  # safe_merge: fail on NaN/inf instead of writing them
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, layer.get_base_layer())
+    for p in model.parameters():
+        p.requires_grad_(True)

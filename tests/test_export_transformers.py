@@ -1,0 +1,405 @@
+"""Export and generate for transformers models trained by memtrain, and for hostile inputs.
+
+A transformers --model checkpoint exports as its own architecture (LoRA merged, or a peft
+adapter with --adapter-only; QLoRA's NF4 base dequantized) with logits equal to memtrain's
+model; generate samples from the checkpoint and from the export alike. No corrupt or hostile
+folder or file given to generate/export gets past one `error:` line and exit 2, and none runs
+the code it ships.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import test_hf_models as hf_models  # noqa: E402
+from memtrain.cli import main  # noqa: E402
+
+VOCAB, make_model_dir = hf_models.VOCAB, hf_models.make_model_dir
+tokenizer_files, corpus = hf_models.tokenizer_files, hf_models.corpus  # the tiny models' fixtures
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TRAIN = ["--steps", "3", "--batch-size", "2", "--seq-len", "32", "--val-blocks", "1", "--warmup-steps", "0",
+         "--lr", "1e-2", "--attention", "sdpa", "--no-progress"]
+
+
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error:") and "Traceback" not in err
+    return lines[0]
+
+
+def _train(model_dir: Path, corpus_path: Path, tmp_path: Path, *extra: str) -> Path:
+    ckpt = tmp_path / "run" / "ck.pt"
+    assert main(["train", "--model", str(model_dir), "--data", str(corpus_path), *TRAIN,
+                 "--out", str(tmp_path / "run"), "--save", str(ckpt), *extra]) == 0
+    return ckpt
+
+
+def _tokens(vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+def _memtrain_logits(ckpt: Path, idx: torch.Tensor) -> torch.Tensor:
+    """The logits of the model as trained: adapters unmerged, through memtrain's own wrapper."""
+    from memtrain.export import load_trained
+
+    ours, _ = load_trained(ckpt, merge=False)
+    with torch.no_grad():
+        return ours(idx)
+
+
+@pytest.fixture(scope="module")
+def pretrained_llama(tmp_path_factory, tokenizer_files) -> Path:
+    """A tiny Llama folder with weights and tokenizer, as a user would bring it."""
+    return make_model_dir(tmp_path_factory.mktemp("pretrained"), "llama", tokenizer_files, weights=True)
+
+
+@pytest.fixture(scope="module")
+def scratch_llama(tmp_path_factory, tokenizer_files) -> Path:
+    """A tiny Llama config with a tokenizer and no weights (trained from random weights)."""
+    return make_model_dir(tmp_path_factory.mktemp("scratch"), "llama", tokenizer_files)
+
+
+# --------------------------------------------------------------------------- export: equal logits
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_transformers_checkpoint_exports_with_equal_logits_and_generates(scratch_llama, corpus, tmp_path, capsys, lora):
+    ckpt = _train(scratch_llama, corpus, tmp_path, *(["--lora-rank", "4"] if lora else []))
+    if lora:
+        state = torch.load(ckpt, weights_only=True)["model"]
+        assert any("lora_B" in k and v.abs().sum() > 0 for k, v in state.items())  # the adapters did learn
+    out = tmp_path / "hf"
+    capsys.readouterr()
+    assert main(["export", str(ckpt), str(out)]) == 0
+    said = capsys.readouterr()
+    assert "LlamaForCausalLM" in said.out and ("LoRA merged" in said.out) == lora and said.err == ""
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert type(hf).__name__ == "LlamaForCausalLM" and not any("lora" in n for n, _ in hf.named_parameters())
+    idx = _tokens()
+    with torch.no_grad():
+        theirs = hf(idx).logits
+    ours = _memtrain_logits(ckpt, idx)
+    assert ours.shape == theirs.shape == (2, 24, VOCAB)
+    assert (ours - theirs).abs().max().item() < 1e-5
+    # The model's own tokenizer went along: the same ids as the folder it was trained with.
+    text = "memory gradient tensor"
+    assert (transformers.AutoTokenizer.from_pretrained(str(out))(text)["input_ids"]
+            == transformers.AutoTokenizer.from_pretrained(str(scratch_llama))(text)["input_ids"])
+    args = ["--prompt", "memory", "--max-new-tokens", "6", "--seed", "5"]
+    assert main(["generate", str(ckpt), *args]) == 0
+    from_ckpt = capsys.readouterr().out
+    assert main(["generate", str(out), *args]) == 0
+    assert capsys.readouterr().out == from_ckpt and from_ckpt.startswith("memory") and len(from_ckpt) > len("memory\n")
+
+
+def test_model_without_tokenizer_exports_gpt2_tokenizer(tmp_path_factory, corpus, tmp_path, capsys):
+    d = make_model_dir(tmp_path_factory.mktemp("notok"), "llama", None, vocab_size=50304)
+    ckpt = _train(d, corpus, tmp_path, "--steps", "1")
+    out = tmp_path / "hf"
+    assert main(["export", str(ckpt), str(out)]) == 0
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert tok("Hello world")["input_ids"] == [15496, 995]  # GPT-2's BPE, as the data was read
+    idx = _tokens(50304)
+    with torch.no_grad():
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()(idx).logits
+    assert (_memtrain_logits(ckpt, idx) - theirs).abs().max().item() < 1e-5
+    capsys.readouterr()
+    assert main(["generate", str(out), "--prompt", "Hello", "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out.startswith("Hello")
+
+
+def test_adapter_only_loads_with_peft_onto_the_base(pretrained_llama, corpus, tmp_path, capsys):
+    peft = pytest.importorskip("peft")
+    ckpt = _train(pretrained_llama, corpus, tmp_path, "--lora-rank", "4")
+    out = tmp_path / "adapter"
+    assert main(["export", str(ckpt), str(out), "--adapter-only"]) == 0
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in out.iterdir()}
+    assert not (out / "model.safetensors").exists()  # the adapter only, not the base
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(pretrained_llama)).eval()
+    idx = _tokens()
+    with torch.no_grad():
+        before = base(idx).logits
+        adapted = peft.PeftModel.from_pretrained(base, str(out)).eval()(idx).logits
+    ours = _memtrain_logits(ckpt, idx)
+    assert (ours - adapted).abs().max().item() < 1e-5
+    assert (ours - before).abs().max().item() > 1e-3  # the adapter changes the model: the check has teeth
+
+
+def test_adapter_only_is_refused_where_it_cannot_be_used(pretrained_llama, scratch_llama, corpus, tmp_path, capsys):
+    peft_free = _train(pretrained_llama, corpus, tmp_path / "a", "--steps", "1")
+    scratch = _train(scratch_llama, corpus, tmp_path / "b", "--steps", "1", "--lora-rank", "4")
+    changed_dir = tmp_path / "changed"
+    shutil.copytree(pretrained_llama, changed_dir)
+    changed = _train(changed_dir, corpus, tmp_path / "c", "--steps", "1", "--lora-rank", "4")
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(changed_dir))
+    with torch.no_grad():
+        base.model.layers[0].mlp.up_proj.weight.add_(1.0)
+    base.save_pretrained(str(changed_dir))  # the base folder no longer holds the weights trained on
+    capsys.readouterr()
+    for ckpt, words in [(peft_free, "is not one"), (scratch, "random initial weights"), (changed, "differs")]:
+        assert main(["export", str(ckpt), str(tmp_path / "out"), "--adapter-only"]) == 2, words
+        assert words in _one_error_line(capsys.readouterr().err)
+        assert not (tmp_path / "out").exists()
+
+
+def test_qlora_checkpoint_exports_dequantized_and_merged(tmp_path_factory, tokenizer_files, corpus, tmp_path, capsys):
+    """NF4 base weights (torchao, CPU) are dequantized and the adapters merged: the export's
+    logits are those of the quantized model memtrain trained."""
+    pytest.importorskip("torchao")
+    from memtrain.export import read_checkpoint
+    from memtrain.models import build_model
+    from memtrain.models.qlora import quantize_base_weights
+    from memtrain.techniques.hf_mapping import apply_hf_lora
+
+    d = make_model_dir(tmp_path_factory.mktemp("q"), "llama", tokenizer_files, hidden_size=128,
+                       intermediate_size=256, num_key_value_heads=4)
+    ckpt = _train(d, corpus, tmp_path, "--lora-rank", "4", "--qlora")
+    out = tmp_path / "hf"
+    assert main(["export", str(ckpt), str(out)]) == 0
+    state, cfg = read_checkpoint(ckpt)
+    trained = build_model(cfg, with_weights=False)
+    apply_hf_lora(trained, cfg)
+    assert quantize_base_weights(trained, torch.device("cpu")) == 0
+    trained.load_state_dict(state["model"])  # as --resume does: NF4 base weights, FP32 adapters
+    idx = _tokens()
+    with torch.no_grad():
+        ours = trained.eval()(idx)
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()(idx).logits
+    assert (ours - theirs).abs().max().item() < 1e-5
+
+
+def test_export_refuses_a_busy_destination_and_leaves_nothing_behind(scratch_llama, corpus, tmp_path, capsys):
+    ckpt = _train(scratch_llama, corpus, tmp_path, "--steps", "1")
+    (tmp_path / "file").write_text("x")
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("mine")
+    capsys.readouterr()
+    for dest, words in [(tmp_path / "file", "is a file"), (busy, "not empty")]:
+        assert main(["export", str(ckpt), str(dest)]) == 2
+        assert words in _one_error_line(capsys.readouterr().err)
+    assert (busy / "keep.txt").read_text() == "mine" and (tmp_path / "file").read_text() == "x"
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+# --------------------------------------------------------------------------- remote code is never run
+EVIL_CODE = "import pathlib\npathlib.Path({marker!r}).write_text('ran')\nfrom transformers import PretrainedConfig\n" \
+            "class EvilConfig(PretrainedConfig):\n    model_type = 'evilgpt'\n"
+
+
+def _evil_folder(root: Path, marker: Path) -> Path:
+    d = root / "evil"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "evilgpt", "architectures": ["EvilModel"],
+        "auto_map": {"AutoConfig": "configuration_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.EvilModel"}}))
+    for name in ("configuration_evil.py", "modeling_evil.py"):
+        (d / name).write_text(EVIL_CODE.format(marker=str(marker)))
+    return d
+
+
+def _cli(args: list[str], tmp_path: Path, stdin: str = "") -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEMTRAIN_CACHE": str(tmp_path / "cache")}
+    return subprocess.run([sys.executable, "-m", "memtrain", *args], input=stdin, capture_output=True, text=True,
+                          timeout=300, env=env, cwd=tmp_path)
+
+
+def test_generate_never_prompts_for_nor_runs_a_folders_code(tmp_path):
+    """transformers asks "run the custom code? [y/N]" when trust_remote_code is left unset:
+    a "y" on stdin must change nothing."""
+    marker = tmp_path / "ran"
+    evil = _evil_folder(tmp_path, marker)
+    proc = _cli(["generate", str(evil), "--max-new-tokens", "2"], tmp_path, stdin="y\ny\ny\n")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "auto_map" in _one_error_line(proc.stderr)
+    assert "[y/N]" not in proc.stdout + proc.stderr
+    assert not marker.exists()
+
+
+def test_no_verb_reads_a_folders_code(tmp_path, corpus, capsys):
+    """The siblings: train and estimate with --model, and export of a checkpoint whose run named the folder."""
+    marker = tmp_path / "ran"
+    evil = _evil_folder(tmp_path, marker)
+    for argv in (["train", "--model", str(evil), "--data", str(corpus), "--out", str(tmp_path / "o")],
+                 ["estimate", "--model", str(evil)]):
+        assert main(argv) == 2
+        assert "auto_map" in _one_error_line(capsys.readouterr().err)
+    crafted = tmp_path / "crafted.pt"
+    torch.save({"model": {}, "config": {"model": {"model": str(evil)}}}, crafted)
+    for argv in (["export", str(crafted), str(tmp_path / "out")], ["generate", str(crafted)]):
+        assert main(argv) == 2
+        assert "auto_map" in _one_error_line(capsys.readouterr().err)
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- corrupt folders: exit 2, one line
+def _write_json(path: Path, value: object) -> None:
+    path.write_text(json.dumps(value))
+
+
+def _edit_config(d: Path, **changes: object) -> None:
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(changes)
+    _write_json(d / "config.json", cfg)
+
+
+def _edit_weights(d: Path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(d / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _replace_with_dir(path: Path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
+CORRUPT_FOLDERS = {
+    "empty-folder": lambda d: [p.unlink() for p in d.iterdir()],
+    "no-config": lambda d: (d / "config.json").unlink(),
+    "config-not-json": lambda d: (d / "config.json").write_text("{not json"),
+    "config-binary": lambda d: (d / "config.json").write_bytes(b"\xff\xfe\x00garbage"),
+    "config-is-a-list": lambda d: _write_json(d / "config.json", [1, 2, 3]),
+    "config-is-a-folder": lambda d: _replace_with_dir(d / "config.json"),
+    "config-no-model-type": lambda d: _write_json(d / "config.json", {"hidden_size": 64}),
+    "model-type-not-text": lambda d: _edit_config(d, model_type=7),
+    "model-type-unknown": lambda d: _edit_config(d, model_type="nosuchmodel"),
+    "auto-map": lambda d: _edit_config(d, auto_map={"AutoModelForCausalLM": "modeling.Evil"}),
+    "size-is-text": lambda d: _edit_config(d, hidden_size="big"),
+    "layers-is-a-list": lambda d: _edit_config(d, num_hidden_layers=[2]),
+    "vocab-negative": lambda d: _edit_config(d, vocab_size=-5),
+    "positions-is-text": lambda d: _edit_config(d, max_position_embeddings="many"),
+    "weights-truncated": lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:300]),
+    "weights-garbage": lambda d: (d / "model.safetensors").write_bytes(os.urandom(4096)),
+    "weights-empty": lambda d: (d / "model.safetensors").write_bytes(b""),
+    "weights-a-folder": lambda d: _replace_with_dir(d / "model.safetensors"),
+    "weights-shape-mismatch": lambda d: _edit_weights(d, lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(3, 3)})),
+    "weights-missing-tensor": lambda d: _edit_weights(d, lambda t: t.pop("model.layers.0.mlp.up_proj.weight")),
+    "weights-absent": lambda d: (d / "model.safetensors").unlink(),
+    "pickle-only": lambda d: ((d / "model.safetensors").unlink(), torch.save({}, d / "pytorch_model.bin")),
+    "shard-index-without-shards": lambda d: ((d / "model.safetensors").unlink(), _write_json(
+        d / "model.safetensors.index.json", {"metadata": {}, "weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors"}})),
+    "tokenizer-garbage": lambda d: (d / "tokenizer.json").write_text("{garbage"),
+    "tokenizer-wrong-shape": lambda d: _write_json(d / "tokenizer.json", {"model": 5}),
+    "tokenizer-config-garbage": lambda d: (d / "tokenizer_config.json").write_text("[[["),
+    "tokenizer-config-auto-map": lambda d: _write_json(d / "tokenizer_config.json", {"auto_map": {"AutoTokenizer": ["t.T", None]}}),
+    "tokenizer-larger-than-vocab": lambda d: _edit_config(d, vocab_size=8),
+}
+
+
+@pytest.fixture(scope="module")
+def good_folder(pretrained_llama) -> Path:
+    return pretrained_llama
+
+
+@pytest.mark.parametrize("name", list(CORRUPT_FOLDERS))
+def test_generate_refuses_each_corrupt_folder_with_one_line(good_folder, tmp_path, capsys, name):
+    d = tmp_path / "model"
+    shutil.copytree(good_folder, d)
+    CORRUPT_FOLDERS[name](d)
+    capsys.readouterr()
+    assert main(["generate", str(d), "--max-new-tokens", "2"]) == 2
+    _one_error_line(capsys.readouterr().err)
+
+
+def test_the_good_folder_generates(good_folder, capsys):
+    """The folder the corrupt ones are made from is fine: each refusal is its corruption's."""
+    assert main(["generate", str(good_folder), "--prompt", "memory", "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out.startswith("memory")
+
+
+def _checkpoint_of(tmp_path: Path, model: dict, config: dict) -> Path:
+    p = tmp_path / "crafted.pt"
+    torch.save({"model": model, "config": config}, p)
+    return p
+
+
+CORRUPT_CHECKPOINTS = {
+    "missing": lambda t: t / "none.pt",
+    "a-folder": lambda t: t,
+    "garbage": lambda t: (t / "g.pt").write_bytes(os.urandom(512)) and t / "g.pt",
+    "empty": lambda t: (t / "e.pt").write_bytes(b"") or t / "e.pt",
+    "raw-pickle": lambda t: (t / "p.pt").write_bytes(pickle.dumps({"model": {}, "config": {}})) and t / "p.pt",
+    "legacy-pickle": lambda t: torch.save({"model": {}, "config": {}}, t / "l.pt", _use_new_zipfile_serialization=False) or t / "l.pt",
+    "not-a-dict": lambda t: torch.save([1, 2], t / "n.pt") or t / "n.pt",
+    "config-wrong-types": lambda t: _checkpoint_of(t, {}, {"model": {"d_model": "wide"}}),
+    "config-not-a-dict": lambda t: _checkpoint_of(t, {}, "gpt"),
+    "weights-do-not-fit": lambda t: _checkpoint_of(t, {"wte.weight": torch.zeros(2, 2)}, {}),
+    "model-folder-gone": lambda t: _checkpoint_of(t, {}, {"model": {"model": str(t / "gone")}}),
+}
+
+
+@pytest.mark.parametrize("verb", ["export", "generate"])
+@pytest.mark.parametrize("name", list(CORRUPT_CHECKPOINTS))
+def test_each_corrupt_checkpoint_is_one_line(tmp_path, capsys, name, verb):
+    src = tmp_path / "in"
+    src.mkdir()
+    ckpt = CORRUPT_CHECKPOINTS[name](src)
+    argv = ["export", str(ckpt), str(tmp_path / "out")] if verb == "export" else ["generate", str(ckpt)]
+    assert main(argv) == 2
+    _one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind", ["raw-pickle", "legacy-pickle"])
+def test_a_pickle_is_refused_without_torchs_warning(tmp_path, kind):
+    """torch's restricted unpickler warns (two lines) about a raw pickle's protocol before it
+    refuses the file: only memtrain's error: line may reach stderr."""
+    p = tmp_path / "model.pt"
+    if kind == "raw-pickle":
+        p.write_bytes(pickle.dumps({"model": {}, "config": {}}, protocol=4))
+    else:
+        torch.save({"model": {}}, p, _use_new_zipfile_serialization=False)
+    for args in (["generate", str(p)], ["export", str(p), str(tmp_path / "out")]):
+        proc = _cli(args, tmp_path)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        _one_error_line(proc.stderr)
+
+
+# --------------------------------------------------------------------------- one line, whatever the user typed
+def test_an_error_echoing_a_newline_stays_one_line(tmp_path, capsys):
+    for argv in (["estimate", "--model", "hf:a/b\nc"], ["generate", str(tmp_path / "no\nsuch")],
+                 ["export", str(tmp_path / "x\r\n.pt"), str(tmp_path / "o")], ["estimate", "--model", "x\x1b[2Jy"]):
+        assert main(argv) == 2
+        line = _one_error_line(capsys.readouterr().err)
+        assert "\x1b" not in line and "\r" not in line
+
+
+def test_every_transformers_load_passes_trust_remote_code_false():
+    """Every from_pretrained / from_config call in the package says trust_remote_code=False, so
+    transformers never asks on stdin whether to run a folder's code."""
+    import ast
+
+    import memtrain
+
+    calls = []
+    for path in Path(memtrain.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in ("from_pretrained", "from_config"):
+                flags = {k.arg: k.value for k in node.keywords}
+                safe = isinstance(flags.get("trust_remote_code"), ast.Constant) and flags["trust_remote_code"].value is False
+                calls.append((f"{path.name}:{node.lineno}", safe))
+    assert len(calls) >= 5  # the config, tokenizer, model (two ways) and generate's config reads
+    assert [where for where, safe in calls if not safe] == []
+
+
+def test_error_lines_escape_control_characters():
+    from memtrain.errors import one_line
+
+    assert one_line("a\nb\r\x1b[0m\u2028é") == "a\\nb\\r\\x1b[0m\\u2028é"
