@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -25,7 +25,7 @@ import torch
 
 from conftest import TINY_MODEL, cli_flags
 from memtrain.cli import main
-from memtrain.config import ConfigError, build_config
+from memtrain.config import build_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -154,3 +154,122 @@ def test_the_result_names_gpt2_for_memtrains_own_model(small_corpus, tmp_path):
     res = train(build_config({**TINY_MODEL, **RUN, "data": str(small_corpus), "out": str(tmp_path / "o"),
                               "attention": "math"}))
     assert res["data"]["tokenizer"] == "gpt2"
+
+
+# ------------------------------------------------------------------------------ 2. model folders
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "special_tokens_map.json", "model.safetensors"])
+def test_a_fifo_in_a_model_folder_is_refused_without_being_opened(tokenizer_dir, corpus, tmp_path, capsys, name):
+    """config.json and the tokenizer files memtrain reads, a file only transformers reads, and
+    a weight file: each a FIFO, each refused (opening one blocks until a writer comes)."""
+    model = model_folder(tmp_path / "m", tokenizer_dir, weights=name.endswith(".safetensors"))
+    (model / name).unlink(missing_ok=True)
+    os.mkfifo(model / name)
+    capsys.readouterr()  # what saving the weights printed
+    with unblocks(model / name):
+        assert main(_flags(model, corpus, tmp_path / "o")) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"'{name}' is a FIFO" in line
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "config.json", "model.safetensors"])
+def test_a_link_out_of_a_model_folder_is_refused(tokenizer_dir, corpus, tmp_path, capsys, name):
+    """A symbolic link to a file outside the folder is refused (a readable file, so nothing
+    else would stop it); a link to a file inside the folder is fine."""
+    model = model_folder(tmp_path / "m", tokenizer_dir, weights=True)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    shutil.move(model / name, outside / name)
+    (model / name).symlink_to(outside / name)
+    capsys.readouterr()  # what saving the weights printed
+    assert main(_flags(model, corpus, tmp_path / "o")) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"'{name}' is a symbolic link to" in line and "outside" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_links_inside_the_folder_and_a_hub_cache_snapshot_are_read(tokenizer_dir, tmp_path):
+    """A Hugging Face cache snapshot links every file into ../../blobs: the snapshot folder is the
+    model folder (its weights and tokenizer beside config.json), and the links are followed."""
+    from memtrain.models import data_tokenizer, resolve
+    from memtrain.models.spec import load_config
+
+    plain = model_folder(tmp_path / "plain", tokenizer_dir)
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot = repo / "snapshots" / "abc123"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in sorted(plain.iterdir()):
+        shutil.copy(f, repo / "blobs" / f"blob-{f.name}")
+        (snapshot / f.name).symlink_to(Path("..") / ".." / "blobs" / f"blob-{f.name}")
+    src = resolve(str(snapshot))
+    assert src.directory == snapshot.resolve() and src.has_tokenizer()
+    assert load_config(str(snapshot)).n_embd == 32
+    tok = data_tokenizer(build_config({**RUN, "model": str(snapshot)}))
+    assert tok is not None and tok.n_vocab == data_tokenizer(build_config({**RUN, "model": str(plain)})).n_vocab
+
+
+def test_names_that_merely_start_like_tokenizer_files_are_not_the_tokenizer(tokenizer_dir, corpus, tmp_path, capsys):
+    """A folder ``tokenizer_x`` trains (it was read as a tokenizer file: IsADirectoryError), and
+    a file ``tokenizer_notes.json`` does not change the tokenizer's identity (the cache key)."""
+    from memtrain.models import data_tokenizer
+
+    model = model_folder(tmp_path / "m", tokenizer_dir)
+    cfg = build_config({**RUN, "model": str(model)})
+    before = data_tokenizer(cfg).name
+    (model / "tokenizer_x").mkdir()
+    (model / "tokenizer_x" / "notes.txt").write_text("a folder, not a tokenizer file")
+    (model / "tokenizer_notes.json").write_text('{"unrelated": true}')
+    assert data_tokenizer(cfg).name == before
+    assert main(_flags(model, corpus, tmp_path / "o")) == 0, capsys.readouterr().err
+    (model / "tokenizer.json").write_text((model / "tokenizer.json").read_text().replace('"<eos>"', '"<end>"'))
+    assert data_tokenizer(cfg).name != before  # the real tokenizer file does decide it
+
+
+def test_weights_of_another_shape_are_one_error_line_naming_the_tensor(tokenizer_dir, corpus, tmp_path):
+    """config.json says n_embd 48, the *.safetensors hold n_embd 32: one ``error:`` line naming a
+    tensor and both shapes, exit 2 (transformers logs a table of every tensor, then raises).
+    A subprocess: transformers' log handler holds the stderr of the process that imported it."""
+    model = model_folder(tmp_path / "m", tokenizer_dir, weights=True)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "n_embd": 48}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-m", "memtrain", *_flags(model, corpus, tmp_path / "o")],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2, proc.stderr
+    line = _one_error_line(proc.stderr)
+    found = re.search(r"do not fit its config\.json: (\S+) is \[([\d, ]+)\] in the \*\.safetensors but \[([\d, ]+)\] "
+                      r"in the model \(and (\d+) more\)", line)
+    assert found, line
+    key, saved, built = found[1], [int(n) for n in found[2].split(",")], [int(n) for n in found[3].split(",")]
+    from safetensors import safe_open
+
+    with safe_open(str(model / "model.safetensors"), "pt") as f:
+        assert f.get_slice(key).get_shape() == saved
+    with torch.device("meta"):
+        fresh = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model))
+    assert list(fresh.state_dict()[key].shape) == built != saved
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_dataset_folder_with_a_loading_script_is_refused_and_the_script_never_runs(corpus, tmp_path, capsys):
+    marker = tmp_path / "script-ran"
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    shutil.copy(corpus, ds / "data.jsonl")
+    (ds / "ds.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    run = {**TINY_MODEL, **RUN, "attention": "math", "data": f"hf:{ds}", "out": str(tmp_path / "o")}
+    assert main(["train", *cli_flags(run)]) == 2
+    assert "'ds.py' is a dataset loading script" in _one_error_line(capsys.readouterr().err)
+    assert not marker.exists() and not (tmp_path / "o").exists()
+
+
+def test_a_fifo_in_a_dataset_folder_is_refused_without_being_opened(corpus, tmp_path, capsys):
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    shutil.copy(corpus, ds / "a.jsonl")
+    os.mkfifo(ds / "b.jsonl")
+    run = {**TINY_MODEL, **RUN, "attention": "math", "data": f"hf:{ds}", "out": str(tmp_path / "o")}
+    with unblocks(ds / "b.jsonl"):
+        assert main(["train", *cli_flags(run)]) == 2
+    assert "'b.jsonl' is a FIFO" in _one_error_line(capsys.readouterr().err)

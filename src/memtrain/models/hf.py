@@ -19,6 +19,7 @@ model is built), LoRA is peft, QLoRA's NF4 base weights are torchao (CPU) or bit
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Iterator, Optional
 
 import torch
@@ -145,12 +146,12 @@ def build_hf_model(cfg: RunConfig, with_weights: bool = True) -> HFCausalLM:
     dtype = torch.get_default_dtype()
     try:
         if with_weights and source.has_weights():
-            lm = AutoModelForCausalLM.from_pretrained(
-                source.load_id, config=config, attn_implementation=attn, dtype=dtype,
-                use_safetensors=True, trust_remote_code=False, **from_pretrained_kwargs(source.repo))
+            lm = _from_pretrained(source, config, attn, dtype, cfg.train.progress)
         else:
             lm = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype,
                                                   trust_remote_code=False)
+    except ConfigError:
+        raise
     except (ImportError, ValueError) as exc:
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigError(f"--model {spec!r} with --attention {tech.attention} ({attn}): {msg}") from None
@@ -161,6 +162,52 @@ def build_hf_model(cfg: RunConfig, with_weights: bool = True) -> HFCausalLM:
         raise ConfigError(f"cannot read the weights of --model {spec!r} ({type(exc).__name__}: {msg}); "
                           "its *.safetensors files must be complete and belong to its config.json") from None
     return HFCausalLM(lm, source)
+
+
+@contextlib.contextmanager
+def _quiet_loading(progress: bool) -> Iterator[None]:
+    """transformers' load report (a table of every tensor that did not fit) off, and its
+    progress bar too unless ``progress``: memtrain says what went wrong in one line."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    if not progress:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bar:
+            hf_logging.enable_progress_bar()
+
+
+def _from_pretrained(source: ModelSource, config: Any, attn: str, dtype: torch.dtype, progress: bool) -> Any:
+    """The pretrained model of ``source``; a weight whose shape differs from what config.json
+    builds is a ConfigError naming the tensor and both shapes (transformers would log a table
+    of every such tensor and then raise)."""
+    from transformers import AutoModelForCausalLM
+
+    with _quiet_loading(progress):
+        # ignore_mismatched_sizes: transformers then returns the mismatches (to refuse here)
+        # instead of raising after its report; a mismatched model is never used.
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
+            source.load_id, config=config, attn_implementation=attn, dtype=dtype, use_safetensors=True,
+            trust_remote_code=False, ignore_mismatched_sizes=True, output_loading_info=True,
+            **from_pretrained_kwargs(source.repo))
+    lm, info = loaded
+    mismatched = sorted(info.get("mismatched_keys") or (), key=lambda m: str(m[0]))
+    if mismatched:
+        key, saved, built = mismatched[0]
+        more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+        raise ConfigError(f"the weights of --model {source.spec!r} do not fit its config.json: {key} is "
+                          f"{list(saved)} in the *.safetensors but {list(built)} in the model{more}; "
+                          "use the config.json the weights were saved with")
+    missing = sorted(map(str, info.get("missing_keys") or ()))
+    if missing:  # what transformers' silenced report said: these start from random values
+        print(f"warning: --model {source.spec!r}: {len(missing)} weights are not in its *.safetensors and start "
+              f"from random values ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})", file=sys.stderr)
+    return lm
 
 
 @contextlib.contextmanager
