@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import re
 import shutil
 import subprocess
@@ -25,7 +26,7 @@ import torch
 
 from conftest import TINY_MODEL, cli_flags
 from memtrain.cli import main
-from memtrain.config import build_config
+from memtrain.config import ConfigError, build_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -273,3 +274,254 @@ def test_a_fifo_in_a_dataset_folder_is_refused_without_being_opened(corpus, tmp_
     with unblocks(ds / "b.jsonl"):
         assert main(["train", *cli_flags(run)]) == 2
     assert "'b.jsonl' is a FIFO" in _one_error_line(capsys.readouterr().err)
+
+
+# ------------------------------------------------------------------------------ 3. sharded checkpoints: storage files
+def _run_state(cfg):
+    """The train state of a tiny GPT run (CPU) with a loader position but no data."""
+    from memtrain.model import GPT
+    from memtrain.step import TrainState
+    from memtrain.techniques import build_optimizer, make_precision
+
+    class Position:
+        def __init__(self) -> None:
+            self.state = {"epoch": 0, "batch_index": 1}
+
+        def state_dict(self):
+            return dict(self.state)
+
+        def load_state_dict(self, s):
+            self.state = dict(s)
+
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    opt = build_optimizer(model, cfg.technique, cfg.train)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    cpu = torch.device("cpu")
+    return TrainState(cfg, cpu, model, opt, make_precision("fp32", cpu), model.num_parameters(),
+                      scheduler=sched, loader=Position())
+
+
+SHARDED = {**TINY_MODEL, "seq_len": 16, "batch_size": 2, "steps": 4, "distributed": "ddp", "device": "cpu"}
+
+
+@pytest.fixture
+def sharded_checkpoint(one_rank_group, tmp_path) -> Path:
+    """A real 1-rank sharded checkpoint after one optimizer step."""
+    from memtrain.distributed_checkpoint import save_checkpoint
+
+    run = _run_state(build_config(SHARDED))
+    x = torch.randint(0, 100, (2, 16))
+    run.model(x, x).backward()
+    run.optimizer.step()
+    run.step, run.losses = 1, [3.0]
+    save_checkpoint(tmp_path / "ck", run)
+    return tmp_path / "ck"
+
+
+def _rewrite_storage(ckpt: Path, **change) -> None:
+    """Rewrite every storage entry of the checkpoint's .metadata with ``change``."""
+    import dataclasses
+
+    from memtrain.safe_dcp import read_metadata
+
+    metadata = read_metadata(ckpt)
+    metadata.storage_data = {k: dataclasses.replace(v, **change) for k, v in metadata.storage_data.items()}
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def _data_file(ckpt: Path) -> Path:
+    (data,) = ckpt.glob("*.distcp")
+    return data
+
+
+@pytest.mark.parametrize("where", ["absolute", "dotdot", "link-out", "fifo", "past-end"])
+def test_sharded_storage_paths_outside_the_checkpoint_are_refused(sharded_checkpoint, tmp_path, where):
+    """Storage a .metadata names is read only from regular files inside the checkpoint, and only
+    within their size; the outside file is a valid copy of the data, so a read would succeed."""
+    from memtrain.distributed_checkpoint import load_checkpoint
+
+    ckpt = sharded_checkpoint
+    data = _data_file(ckpt)
+    outside = tmp_path / "outside" / data.name
+    outside.parent.mkdir()
+    shutil.copy(data, outside)
+    fifo = ckpt / "pipe.distcp"
+    if where == "absolute":
+        _rewrite_storage(ckpt, relative_path=str(outside))
+    elif where == "dotdot":
+        _rewrite_storage(ckpt, relative_path=f"../outside/{data.name}")
+    elif where == "link-out":
+        data.unlink()
+        data.symlink_to(outside)
+    elif where == "fifo":
+        os.mkfifo(fifo)
+        _rewrite_storage(ckpt, relative_path=fifo.name)
+    else:
+        _rewrite_storage(ckpt, offset=data.stat().st_size)
+    with unblocks(fifo) if where == "fifo" else contextlib.nullcontext():
+        with pytest.raises(ConfigError, match="is refused") as info:
+            load_checkpoint(ckpt, _run_state(build_config(SHARDED)))
+    assert "\n" not in str(info.value)
+
+
+def test_a_fifo_as_the_sharded_metadata_or_rank_file_is_refused(sharded_checkpoint):
+    from memtrain.distributed_checkpoint import load_checkpoint
+
+    for name in (".metadata", "rank-0.pt"):
+        saved = (sharded_checkpoint / name).read_bytes()
+        (sharded_checkpoint / name).unlink()
+        os.mkfifo(sharded_checkpoint / name)
+        with unblocks(sharded_checkpoint / name):
+            with pytest.raises(ConfigError, match=rf"its {re.escape(name)} is a FIFO|'{re.escape(name)}' is a FIFO"):
+                load_checkpoint(sharded_checkpoint, _run_state(build_config(SHARDED)))
+        (sharded_checkpoint / name).unlink()
+        (sharded_checkpoint / name).write_bytes(saved)
+    state = load_checkpoint(sharded_checkpoint, _run_state(build_config(SHARDED)))  # intact again: it loads
+    assert state == {"step": 1, "losses": [3.0]}
+
+
+# ------------------------------------------------------------------------------ 4. what a checkpoint holds
+@pytest.fixture(scope="module")
+def saved(small_corpus_module, tmp_path_factory) -> tuple[dict, Path]:
+    """A real single-file checkpoint of a tiny GPT run after 2 of 4 steps, and the run's settings."""
+    from memtrain.train import train
+
+    root = tmp_path_factory.mktemp("saved")
+    run = {**TINY_MODEL, **RUN, "attention": "math", "steps": 4, "data": str(small_corpus_module),
+           "out": str(root / "o")}
+    train(build_config({**run, "stop_after": 2, "save": str(root / "ck.pt")}))
+    return run, root / "ck.pt"
+
+
+@pytest.fixture(scope="module")
+def small_corpus_module(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("gptcorpus") / "posts.jsonl"
+    p.write_text("".join(json.dumps({"text": t * 3}) + "\n" for t in TEXTS))
+    return p
+
+
+def _exp_avg_of_another_shape(s):
+    s["optimizer"]["state"][0]["exp_avg"] = torch.zeros(3)
+
+
+def _group_lr_as_text(s):
+    s["optimizer"]["param_groups"][0]["lr"] = "0.001"
+
+
+DAMAGE = {
+    "losses as text": (lambda s: s.update(losses="abc"), "losses"),
+    "a loss as text": (lambda s: s.update(losses=[1.0, "2.0"]), "losses"),
+    "fewer losses than steps": (lambda s: s.update(losses=[1.0]), "1 losses for 2 steps"),
+    "skipped_steps as text": (lambda s: s.update(skipped_steps="0"), "skipped_steps"),
+    "rng as text": (lambda s: s.update(rng_cpu="seed"), "rng_cpu"),
+    "data position as text": (lambda s: s.update(loader={"epoch": "0", "batch_index": 1}), "data position"),
+    "scheduler lr as text": (lambda s: s["scheduler"].update(base_lrs=["0.001"]), "base_lrs"),
+    "scheduler step as text": (lambda s: s["scheduler"].update(last_epoch="2"), "last_epoch"),
+    "optimizer lr as text": (_group_lr_as_text, "lr"),
+    "optimizer moment of another shape": (_exp_avg_of_another_shape, "shape [3]"),
+    "optimizer step as text": (lambda s: s["optimizer"]["state"][0].update(step="2"), "optimizer state"),
+    "model weight as text": (lambda s: s["model"].update({next(iter(s["model"])): "w"}), "model"),
+    "scaler as text": (lambda s: s.update(scaler="on"), "scaler"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_checkpoint_with_wrong_typed_fields_is_refused_before_the_first_step(saved, tmp_path, capsys,
+                                                                                 monkeypatch, damage):
+    """Each field memtrain uses from a checkpoint, of the wrong type or shape: one ``error:`` line
+    naming it and exit 2, before any step runs and before anything is written."""
+    import memtrain.train as train_module
+
+    run, ckpt = saved
+    state = torch.load(ckpt, weights_only=True)
+    change, words = DAMAGE[damage]
+    change(state)
+    bad = tmp_path / "bad.pt"
+    torch.save(state, bad)
+    steps = []
+    monkeypatch.setattr(train_module, "train_step", lambda *a, **k: steps.append(1) or 0.0)
+    out = tmp_path / "r"
+    assert main(["train", *cli_flags({**run, "resume": str(bad), "out": str(out)})]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "is damaged" in line and words in line, line
+    assert steps == [] and not (out / "result.json").exists() and not (out / "metrics.jsonl").exists()
+
+
+def test_the_undamaged_checkpoint_resumes(saved, tmp_path):
+    """The checkpoint the damage tests start from passes every check and continues the run."""
+    from memtrain.train import train
+
+    run, ckpt = saved
+    res = train(build_config({**run, "resume": str(ckpt), "out": str(tmp_path / "r")}))
+    assert res["steps_run"] == 2 and len(res["loss_history"]) == 4
+
+
+def test_sharded_checkpoint_fields_of_the_wrong_type_are_refused(sharded_checkpoint):
+    """meta.json's losses and a rank file's fields, wrong-typed, are refused before the load."""
+    from memtrain.distributed_checkpoint import load_checkpoint
+
+    meta_path, rank_path = sharded_checkpoint / "meta.json", sharded_checkpoint / "rank-0.pt"
+    meta, rank = json.loads(meta_path.read_text()), torch.load(rank_path, weights_only=True)
+    for file, damaged, words in [
+        (meta_path, {**meta, "losses": ["3.0"]}, "losses"),
+        (meta_path, {**meta, "losses": [3.0, 2.0]}, "2 losses for 1 steps"),
+        (meta_path, {**meta, "loader": {"epoch": 0, "batch_index": "1"}}, "data position"),
+        (rank_path, {**rank, "skipped_steps": "0"}, "skipped_steps"),
+        (rank_path, {**rank, "rng_cpu": [1, 2]}, "rng_cpu"),
+        (rank_path, {**rank, "scheduler": {**rank["scheduler"], "base_lrs": [*rank["scheduler"]["base_lrs"], 1e-3]}},
+         "learning rates for"),
+    ]:
+        if file == meta_path:
+            meta_path.write_text(json.dumps(damaged))
+        else:
+            torch.save(damaged, rank_path)
+        with pytest.raises(ConfigError, match="is damaged") as info:
+            load_checkpoint(sharded_checkpoint, _run_state(build_config(SHARDED)))
+        assert words in str(info.value) and file.name in str(info.value)
+        meta_path.write_text(json.dumps(meta))
+        torch.save(rank, rank_path)
+    assert load_checkpoint(sharded_checkpoint, _run_state(build_config(SHARDED)))["step"] == 1
+
+
+def test_a_link_out_as_the_sharded_meta_json_is_refused(sharded_checkpoint, tmp_path):
+    """meta.json linked to a (valid) copy outside the checkpoint: refused by the resume check and
+    by the load, which read it."""
+    from memtrain.distributed_checkpoint import load_checkpoint
+    from memtrain.preflight import saved_run
+
+    outside = tmp_path / "meta-copy.json"
+    shutil.move(sharded_checkpoint / "meta.json", outside)
+    (sharded_checkpoint / "meta.json").symlink_to(outside)
+    with pytest.raises(ConfigError, match="its meta.json is a symbolic link to .* outside"):
+        saved_run(sharded_checkpoint)
+    with pytest.raises(ConfigError, match="its meta.json is a symbolic link to .* outside"):
+        load_checkpoint(sharded_checkpoint, _run_state(build_config(SHARDED)))
+
+
+def test_a_zero1_rank_file_round_trips_and_a_moment_of_another_shape_is_refused(one_rank_group, tmp_path):
+    """ZeRO-1 keeps its optimizer shard in the rank file (the outer groups without parameters):
+    a real one loads; one whose Adam moment has another shape is refused before the load."""
+    from memtrain.distributed_checkpoint import load_checkpoint, save_checkpoint
+    from memtrain.techniques.distributed.wrapping import _zero_redundancy
+
+    cfg = build_config({**SHARDED, "distributed": "zero1"})
+
+    def zero1_run():
+        run = _run_state(cfg)
+        run.optimizer = _zero_redundancy(run.optimizer)
+        run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lambda s: 1.0)
+        return run
+
+    run = zero1_run()
+    x = torch.randint(0, 100, (2, 16))
+    run.model(x, x).backward()
+    run.optimizer.step()
+    run.step, run.losses = 1, [3.0]
+    save_checkpoint(tmp_path / "ck", run)
+    assert load_checkpoint(tmp_path / "ck", zero1_run()) == {"step": 1, "losses": [3.0]}
+    rank = torch.load(tmp_path / "ck" / "rank-0.pt", weights_only=True)
+    rank["optimizer"]["state"][0]["exp_avg"] = torch.zeros(5, 5)
+    torch.save(rank, tmp_path / "ck" / "rank-0.pt")
+    with pytest.raises(ConfigError, match=r"rank-0.pt' is damaged: its optimizer state exp_avg .* shape \[5, 5\]"):
+        load_checkpoint(tmp_path / "ck", zero1_run())
