@@ -49,7 +49,8 @@ def _sharded_checkpoint(root: Path, settings: dict, rank1: bytes | None) -> Path
     (ckpt / "meta.json").write_text(json.dumps({
         "format": "memtrain-dcp-1", "step": 1, "losses": [1.0], "loader": {"epoch": 0, "batch_index": 1},
         "world_size": 2, "strategy": "ddp", "config": build_config(settings).to_dict()}))
-    torch.save({"scheduler": {"last_epoch": 1}}, ckpt / "rank-0.pt")
+    torch.save({"scheduler": {"last_epoch": 1}, "rng_cpu": torch.get_rng_state(), "rng_cuda": [], "scaler": None,
+                "skipped_steps": 0, "optimizer": None, "param_groups": None}, ckpt / "rank-0.pt")
     if rank1 is not None:
         (ckpt / "rank-1.pt").write_bytes(rank1)
     return ckpt

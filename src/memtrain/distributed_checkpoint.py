@@ -35,13 +35,33 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from memtrain.checkpoint import load_plain, restore_rng_and_scaler, rng_and_scaler_state
+from memtrain.checkpoint import (
+    DamagedCheckpoint,
+    check_hyper_parameters,
+    check_loader_state,
+    check_optimizer_shapes,
+    check_optimizer_state,
+    check_process_state,
+    check_progress,
+    check_scheduler_fits,
+    damaged,
+    load_plain,
+    restore_rng_and_scaler,
+    rng_and_scaler_state,
+)
 from memtrain.config import ConfigError
 from memtrain.rank_errors import agreement
 
 if TYPE_CHECKING:  # the harness imports the techniques (torch models); a checkpoint only reads it
     from memtrain.step import TrainState
-from memtrain.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError, read_metadata
+from memtrain.safe_dcp import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    UnsafeCheckpointError,
+    UnsafeStorageError,
+    read_metadata,
+)
+from memtrain.safe_files import regular_file_problem
 from memtrain.techniques.zero1 import ShardedZeRO1
 
 FORMAT = "memtrain-dcp-1"
@@ -204,6 +224,7 @@ def _checked_parts(p: Path, optimizer: Any) -> tuple[dict[str, Any], dict[str, A
     if not (p / META).is_file():
         hint = "it is a single-process checkpoint; resume it without --distributed" if p.is_file() else "check --resume"
         raise ConfigError(f"{str(p)!r} is not a distributed checkpoint directory ({hint})")
+    _check_part_file(p, META)
     try:
         meta = json.loads((p / META).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
@@ -212,6 +233,8 @@ def _checked_parts(p: Path, optimizer: Any) -> tuple[dict[str, Any], dict[str, A
         raise ConfigError(f"checkpoint {str(p)!r} has an unknown format; it was not written by this memtrain version")
     try:  # every rank checks the pickled DCP metadata before the collective load starts
         read_metadata(p)
+    except UnsafeStorageError as exc:
+        raise ConfigError(f"checkpoint {str(p)!r} is refused: {exc}; resume only from checkpoints memtrain wrote") from None
     except (OSError, UnsafeCheckpointError) as exc:
         raise ConfigError(f"checkpoint {str(p)!r} is refused: its .metadata is not a plain DCP metadata file ({exc}); "
                           "resume only from checkpoints memtrain wrote") from None
@@ -224,6 +247,7 @@ def _checked_parts(p: Path, optimizer: Any) -> tuple[dict[str, Any], dict[str, A
     local = _zero1_local(optimizer)
     if (meta["strategy"] == "zero1") != (local is not None):
         raise ConfigError(f"checkpoint {str(p)!r} was written with --distributed {meta['strategy']}; resume with the same strategy")
+    _check_part_file(p, _rank_file(p, rank).name)
     try:
         own = load_plain(_rank_file(p, rank))
     except Exception as exc:  # missing, truncated, or holding more than plain data
@@ -231,4 +255,37 @@ def _checked_parts(p: Path, optimizer: Any) -> tuple[dict[str, Any], dict[str, A
                           "it is not a memtrain checkpoint part") from None
     if not isinstance(own, dict) or not isinstance(own.get("scheduler"), dict):
         raise ConfigError(f"{str(_rank_file(p, rank))!r} is not a memtrain checkpoint part (no scheduler state)")
+    try:
+        check_progress(meta["step"], meta["losses"])
+        check_loader_state(meta["loader"])
+    except DamagedCheckpoint as exc:
+        raise damaged(p / META, exc) from None
+    try:
+        _check_rank_state(own, optimizer)
+    except DamagedCheckpoint as exc:
+        raise damaged(_rank_file(p, rank), exc) from None
     return meta, own
+
+
+def _check_part_file(p: Path, name: str) -> None:
+    """``p / name`` is a regular file inside the checkpoint (never a FIFO, which would block
+    the rank in ``open``, nor a link out of the folder)."""
+    why = regular_file_problem(p / name, p)
+    if why is not None:
+        raise ConfigError(f"checkpoint {str(p)!r} is refused: its {name} is {why}; resume only from checkpoints memtrain wrote")
+
+
+def _check_rank_state(own: dict[str, Any], optimizer: Any) -> None:
+    """A rank file's fields have the types load_checkpoint relies on (DamagedCheckpoint if not)."""
+    check_process_state(own)
+    local = _zero1_local(optimizer)
+    if local is None:
+        check_scheduler_fits(own["scheduler"], optimizer)
+        return
+    check_optimizer_state(own.get("optimizer"), local)
+    check_optimizer_shapes(own["optimizer"], local)
+    check_scheduler_fits(own["scheduler"], optimizer)
+    groups = own.get("param_groups")  # the outer optimizer's groups without their parameters
+    if not (isinstance(groups, list) and len(groups) == len(optimizer.param_groups)):
+        raise DamagedCheckpoint("its ZeRO-1 param_groups do not match this run's parameter groups")
+    check_hyper_parameters(groups, optimizer)

@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 from memtrain.config import ConfigError, RunConfig
 from memtrain.results import METRICS_NAME, OUT_FILES, RESULT_NAME, refuse_odd_destination
+from memtrain.safe_files import regular_file_problem
 
 # Keys that may differ between the saved run and the resumed one: where output goes, how it
 # is shown, how fast it runs, and implementation choices that compute the same numbers.
@@ -194,6 +195,10 @@ def saved_run(path: str | Path) -> tuple[dict[str, Any], int]:
         meta_path = p / "meta.json"
         if not meta_path.is_file():
             raise ConfigError(f"--resume {str(p)!r} is a directory without meta.json; it is not a memtrain checkpoint")
+        why = regular_file_problem(meta_path, p)  # e.g. a link out of the checkpoint
+        if why is not None:
+            raise ConfigError(f"checkpoint {str(p)!r} is refused: its meta.json is {why}; resume only from "
+                              "checkpoints memtrain wrote")
         try:
             state = json.loads(meta_path.read_text())
         except (OSError, UnicodeDecodeError, ValueError):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import io
 import pickle
-from pathlib import Path
+from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
 import torch
@@ -29,6 +29,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
+
+from memtrain.safe_files import regular_file_problem
 
 METADATA_FILE = ".metadata"
 
@@ -82,19 +84,78 @@ def load_metadata(stream: io.BufferedIOBase | Any) -> Metadata:
     return metadata
 
 
+class UnsafeStorageError(UnsafeCheckpointError):
+    """A file of a checkpoint, or one its metadata names, is not a regular file inside it."""
+
+
+def _checked_file(checkpoint_dir: Path, relative: Any) -> Path:
+    """``checkpoint_dir / relative`` when it names a regular file inside the checkpoint folder
+    (a relative path without ``..``; a link only to a file inside); else UnsafeStorageError."""
+    if isinstance(relative, PurePath):
+        relative = str(relative)
+    if not isinstance(relative, str) or not relative:
+        raise UnsafeStorageError(f"its .metadata names a storage file by a {type(relative).__name__}, not a path")
+    rel = PurePosixPath(relative)
+    if rel.is_absolute() or ".." in rel.parts:
+        raise UnsafeStorageError(f"its .metadata names storage file {relative!r}, outside the checkpoint folder")
+    path = checkpoint_dir / rel
+    why = regular_file_problem(path, checkpoint_dir)
+    if why is not None:
+        label = "its .metadata" if relative == METADATA_FILE else f"its storage file {relative!r}"
+        raise UnsafeStorageError(f"{label} is {why}")
+    return path
+
+
+def check_storage(metadata: Metadata, checkpoint_dir: str | Path) -> None:
+    """Every file the metadata's ``storage_data`` points the reader at is a regular file inside
+    ``checkpoint_dir``, and every (offset, length) lies within it; else UnsafeStorageError.
+
+    torch's reader opens ``folder / relative_path`` for whatever path the metadata holds (an
+    absolute path or ``..`` reads outside the checkpoint; a FIFO blocks forever)."""
+    root = Path(checkpoint_dir)
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise UnsafeCheckpointError(f"its storage_data is a {type(storage).__name__}, not a mapping")
+    sizes: dict[str, int] = {}
+    for info in storage.values():
+        relative = getattr(info, "relative_path", None)
+        key = str(relative)
+        if key not in sizes:
+            sizes[key] = _checked_file(root, relative).stat().st_size
+        offset: Any = getattr(info, "offset", None)
+        length: Any = getattr(info, "length", None)
+        if not (_whole(offset) and _whole(length)):
+            raise UnsafeStorageError(f"its .metadata gives storage file {key!r} offset {offset!r} and length {length!r}")
+        if offset + length > sizes[key]:
+            raise UnsafeStorageError(f"its .metadata names bytes past the end of storage file {key!r} "
+                                     f"({sizes[key]} bytes)")
+
+
+def _whole(value: Any) -> bool:
+    """A non-negative int (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def read_metadata(checkpoint_dir: str | Path) -> Metadata:
-    """The checkpoint's ``.metadata``, read safely (raises :class:`UnsafeCheckpointError`)."""
-    with open(Path(checkpoint_dir) / METADATA_FILE, "rb") as fh:
-        return load_metadata(fh)
+    """The checkpoint's ``.metadata``, read safely, with every storage file it names checked
+    (raises :class:`UnsafeCheckpointError`)."""
+    root = Path(checkpoint_dir)
+    with open(_checked_file(root, METADATA_FILE), "rb") as fh:
+        metadata = load_metadata(fh)
+    check_storage(metadata, root)
+    return metadata
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """FileSystemReader whose metadata goes through the allow-listed unpickler."""
+    """FileSystemReader whose metadata goes through the allow-listed unpickler, and whose
+    storage files are checked (regular files inside the checkpoint) before any is opened."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
+        _checked_file(Path(self.path), Path(path).name)
         with self.fs.create_stream(path, "rb") as fh:
             metadata = load_metadata(fh)
+        check_storage(metadata, Path(self.path))
         # What torch's reader does after unpickling (kept in step with torch 2.13).
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()

@@ -389,6 +389,7 @@ def _result(state: TrainState, timer: StepTimer, memory: dict[str, Any], splits:
             "val_documents": splits.n_val_docs,
             "from_cache": splits.from_cache,
             "tokenize_tokens_per_s": splits.tokens_per_s,
+            "tokenizer": splits.tokenizer,  # gpt2, or the identity of a --model folder's own tokenizer
         },
         "env": environment(device),
     }

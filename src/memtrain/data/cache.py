@@ -51,6 +51,7 @@ class TokenSplits:
     from_cache: bool
     tokens_per_s: float | None  # BPE encoding speed of this run; None when read from the cache
     cache_path: str
+    tokenizer: str = TOKENIZER_NAME  # the name of the tokenizer that produced the ids (meta.json's)
 
 
 def prepare_tokens(cfg: DataConfig, progress: bool = True, tokenizer: Any = None) -> TokenSplits:
@@ -72,7 +73,7 @@ def prepare_tokens(cfg: DataConfig, progress: bool = True, tokenizer: Any = None
         _clean_stale_tmp(root)
         tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-", dir=root))
     except OSError as exc:
-        return _tokenize_uncached(cfg, root, exc, progress)
+        return _tokenize_uncached(cfg, root, exc, progress, tokenizer)
     try:
         meta = _write_tokens(cfg, tmp, progress, tokenizer)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))  # written last: marks a complete entry
@@ -84,16 +85,18 @@ def prepare_tokens(cfg: DataConfig, progress: bool = True, tokenizer: Any = None
     return splits
 
 
-def _tokenize_uncached(cfg: DataConfig, root: Path, exc: OSError, progress: bool) -> TokenSplits:
+def _tokenize_uncached(cfg: DataConfig, root: Path, exc: OSError, progress: bool, tokenizer: Any) -> TokenSplits:
     """Tokenize into a private temporary folder when the cache cannot be written (read-only
-    file system, a file in the way, no permission): the run goes on, only slower next time."""
+    file system, a file in the way, no permission): the run goes on, only slower next time.
+    ``tokenizer`` is the same one a cached entry would be built with (None: GPT-2 BPE), so the
+    ids never depend on whether the cache could be written."""
     import sys
 
     print(f"warning: token cache {str(root)!r} is not writable ({exc.strerror or type(exc).__name__}); "
           "tokenizing without a cache (set MEMTRAIN_CACHE to a writable folder)", file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix="memtrain-tokens-"))
     try:
-        meta = _write_tokens(cfg, tmp, progress)
+        meta = _write_tokens(cfg, tmp, progress, tokenizer)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         splits = _load_entry(tmp, from_cache=False)
     finally:
@@ -257,6 +260,7 @@ def _load_entry(entry: Path, from_cache: bool) -> TokenSplits | None:
     dtype = np.dtype(dtype_name)
     tok = meta.get("tokenizer")
     n_vocab = tok.get("n_vocab") if isinstance(tok, dict) else None
+    tok_name = tok.get("name") if isinstance(tok, dict) else None
     if not isinstance(n_vocab, int) or n_vocab <= 0:
         n_vocab = N_VOCAB
     for split in SPLITS:
@@ -278,4 +282,5 @@ def _load_entry(entry: Path, from_cache: bool) -> TokenSplits | None:
         from_cache=from_cache,
         tokens_per_s=None if from_cache else tokens_per_s,
         cache_path=str(entry),
+        tokenizer=tok_name if isinstance(tok_name, str) else TOKENIZER_NAME,
     )

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ast
 import functools
 import glob
+import inspect
 import itertools
 import platform
 import re
@@ -34,6 +35,7 @@ from typing import Any
 
 from memtrain.config import ConfigError, DataConfig
 from memtrain.extras import quiet_datasets, require
+from memtrain.safe_files import folder_entry_problems, visible_entries
 
 DEFAULT_SOURCE = "default"
 STACKOVERFLOW_HF = "mikex86/stackoverflow-posts"
@@ -320,10 +322,26 @@ def _parse_hf(data: str) -> tuple[str, str]:
     if sep and builder in HF_BUILDERS:
         return builder, rest
     if Path(spec).expanduser().is_dir():
+        check_dataset_folder(Path(spec).expanduser(), data)
         return "dir", str(Path(spec).expanduser())
     if spec.startswith((".", "/", "~")):  # a path, never a Hub name (OWNER/NAME)
         raise ConfigError(f"no directory {spec!r}; check --data hf:{spec} (a local dataset folder or a Hub name)")
     return "hub", spec
+
+
+def check_dataset_folder(folder: Path, data: str) -> None:
+    """Refuse a dataset folder that ``datasets`` must not read: one holding a Python file (a
+    dataset loading script, which some ``datasets`` versions run and others reject with an
+    exception) or anything but regular files inside it (a FIFO would block the run forever)."""
+    entries = list(visible_entries(folder, recursive=True))
+    # pathlib's glob matches hidden names too: a folder .ds is scripted by .ds/.ds.py
+    scripts = sorted({*(p for p in entries if p.suffix == ".py"), *folder.glob("*.py")})
+    if scripts:
+        raise ConfigError(f"--data {data}: {str(scripts[0].relative_to(folder))!r} is a dataset loading script; "
+                          "memtrain never runs dataset code, give a folder of data files (.jsonl, .parquet, .csv)")
+    for entry, why in folder_entry_problems(folder, entries):
+        raise ConfigError(f"--data {data}: {str(entry.relative_to(folder))!r} is {why}; a dataset folder may hold "
+                          "only regular files inside it, remove or replace that entry")
 
 
 def _hf_documents(cfg: DataConfig) -> Iterator[str]:
@@ -368,6 +386,8 @@ def _load_dataset(path: str, *, split: str, label: str, hub: bool = False, **kwa
     require("pyarrow")
     quiet_datasets()  # its own log of a failure would come beside our error: line
 
+    if "trust_remote_code" in inspect.signature(datasets.load_dataset).parameters:
+        kwargs["trust_remote_code"] = False  # datasets < 4 can run a Hub dataset's script; never
     try:
         return datasets.load_dataset(path, split=split, streaming=True, **kwargs)
     except ConnectionError as exc:
@@ -383,6 +403,11 @@ def _load_dataset(path: str, *, split: str, label: str, hub: bool = False, **kwa
     except (OSError, datasets.exceptions.DatasetsError) as exc:
         hint = "check the connection or pass a local file" if hub else "check --data"
         raise ConfigError(f"cannot load {label!r}: {_first_line(exc)}; {hint}") from None
+    except RuntimeError as exc:  # datasets >= 4 raises this for a Hub dataset that is a loading script
+        if "script" not in str(exc).lower():
+            raise
+        raise ConfigError(f"cannot load {label!r}: {_first_line(exc)}; memtrain never runs dataset code, "
+                          "use a dataset of data files") from None
 
 
 def _hub_unreachable(name: str, exc: BaseException) -> str:

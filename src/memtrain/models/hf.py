@@ -197,7 +197,9 @@ def load_pretrained_lm(load_id: str, config: Any, attn: str, what: str, repo: Op
             loaded: Any = AutoModelForCausalLM.from_pretrained(
                 load_id, config=config, attn_implementation=attn, dtype=torch.get_default_dtype(),
                 use_safetensors=True, trust_remote_code=False, output_loading_info=True,
-                **from_pretrained_kwargs(repo))
+                # transformers then returns the mis-shaped tensors (refused below, naming one)
+                # instead of raising after a report of every one; such a model is never used.
+                ignore_mismatched_sizes=True, **from_pretrained_kwargs(repo))
         lm, info = loaded  # output_loading_info: (model, what was missing, unexpected, mis-shaped)
     except ImportError as exc:  # an attention implementation whose package is absent
         raise ConfigError(f"{what} with attn_implementation {attn}: {_first_line(exc)}") from None
@@ -209,12 +211,17 @@ def load_pretrained_lm(load_id: str, config: Any, attn: str, what: str, repo: Op
             reason = "a tensor's shape differs from the one its config.json gives"
         raise ConfigError(f"cannot read the weights of {what} ({reason}); "
                           "its *.safetensors files must be complete and belong to its config.json") from None
-    missing = sorted(info.get("missing_keys") or ())
-    mismatched = sorted(str(k) for k in info.get("mismatched_keys") or ())
-    if missing or mismatched:
-        first = missing[0] if missing else mismatched[0]
-        raise ConfigError(f"the weights of {what} do not fit its config.json: {len(missing)} missing and "
-                          f"{len(mismatched)} mis-shaped tensor(s), e.g. {first}; give the complete *.safetensors files")
+    mismatched = sorted(info.get("mismatched_keys") or (), key=lambda m: str(m[0]))
+    if mismatched:
+        key, saved, built = mismatched[0]
+        more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+        raise ConfigError(f"the weights of {what} do not fit its config.json: {key} is {list(saved)} in the "
+                          f"*.safetensors but {list(built)} in the model{more}; use the config.json the weights "
+                          "were saved with")
+    missing = sorted(map(str, info.get("missing_keys") or ()))
+    if missing:
+        raise ConfigError(f"the weights of {what} do not fit its config.json: {len(missing)} tensor(s) missing, "
+                          f"e.g. {missing[0]}; give the complete *.safetensors files")
     return lm
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,10 +29,20 @@ from memtrain.archs import GPT2_ARCH, LLAMA_ARCH
 from memtrain.errors import ConfigError
 from memtrain.model_presets import PRESETS
 from memtrain.models.hub_access import from_pretrained_kwargs, offline_hint
+from memtrain.safe_files import folder_entry_problems, visible_entries
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 HUB_PREFIX = "hf:"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# Every file a transformers tokenizer class may read that decides the token ids: the identity
+# of a folder's tokenizer (the token cache's key) hashes exactly these names, never a file or
+# folder whose name merely starts like one.
+TOKENIZER_ID_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                      "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "spiece.model",
+                      "sentencepiece.bpe.model")
+# Subfolders of a model folder that transformers reads by name (AutoTokenizer loads the chat
+# templates in this one); the other subfolders of a model folder are never opened.
+READ_SUBFOLDERS = ("additional_chat_templates",)
 
 
 def bundled_names() -> list[str]:
@@ -63,8 +74,9 @@ class ModelSource:
         return str(self.directory) if self.directory is not None else str(self.config_path)
 
     def weight_files(self) -> list[Path]:
+        """The folder's ``*.safetensors`` files (a folder so named is no weight file)."""
         d = self.directory
-        return sorted(d.glob("*.safetensors")) if d is not None else []
+        return sorted(p for p in d.glob("*.safetensors") if p.is_file()) if d is not None else []
 
     def has_weights(self) -> bool:
         if self.repo is not None:
@@ -100,8 +112,12 @@ def resolve(spec: str) -> ModelSource:
     p = Path(spec).expanduser()
     if p.is_dir():
         p = p / "config.json"
+    if os.path.lexists(p):
+        check_model_folder(p.parent, spec)
     if p.is_file():
-        return ModelSource(spec, p.resolve(), None)
+        # The folder resolved, not the file: in a Hugging Face cache snapshot config.json is a
+        # link into ../../blobs, and the weights and tokenizer sit beside the link.
+        return ModelSource(spec, p.parent.resolve() / p.name, None)
 
     raise ConfigError(
         f"--model {spec!r} is not a preset, a bundled config, a config.json or a directory holding one; "
@@ -156,6 +172,29 @@ def refuse_custom_tokenizer(directory: Path) -> None:
     if "auto_map" in data:
         raise ConfigError(f"{str(path)!r} names custom tokenizer code (auto_map); memtrain never runs code shipped "
                           "with a model: use a tokenizer class transformers ships")
+def _snapshot_blobs(folder: Path) -> list[Path]:
+    """``blobs`` of the Hugging Face cache repository whose ``snapshots/REV`` is ``folder``
+    (its files are links into it), else nothing."""
+    folder = folder.resolve()
+    blobs = folder.parent.parent / "blobs"
+    return [blobs] if folder.parent.name == "snapshots" and blobs.is_dir() else []
+
+
+def check_model_folder(folder: Path, spec: str) -> None:
+    """Refuse a model folder holding anything transformers or memtrain must not open.
+
+    Every visible entry of ``folder`` (and of :data:`READ_SUBFOLDERS`) must be a folder or a
+    regular file inside it (a Hugging Face cache snapshot's links into its ``blobs`` pass):
+    a FIFO named tokenizer.json would block the run forever in ``open``, and a link out of the
+    folder would make transformers read a file the user never meant to give."""
+    entries = list(visible_entries(folder, recursive=False))
+    for sub in READ_SUBFOLDERS:
+        if (folder / sub).is_dir() and not (folder / sub).is_symlink():
+            entries += visible_entries(folder / sub, recursive=True)
+    for entry, why in folder_entry_problems(folder, entries, _snapshot_blobs(folder)):
+        name = str(entry.relative_to(folder))
+        raise ConfigError(f"--model {spec!r}: {name!r} is {why}; a model folder may hold only regular files "
+                          "inside it, remove or replace that entry")
 
 
 @functools.lru_cache(maxsize=32)

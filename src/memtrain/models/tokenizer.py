@@ -14,7 +14,7 @@ from typing import Any, Optional
 from memtrain.config import ConfigError, RunConfig
 from memtrain.data.tokenizer import N_VOCAB
 from memtrain.models.hub_access import from_pretrained_kwargs
-from memtrain.models.spec import TOKENIZER_FILES, is_gpt_preset, load_config, resolve
+from memtrain.models.spec import TOKENIZER_FILES, TOKENIZER_ID_FILES, is_gpt_preset, load_config, resolve
 
 
 class HFTokenizer:
@@ -37,10 +37,12 @@ class HFTokenizer:
 
 
 def _identity(load_id: str, directory: Any) -> str:
+    """``hf-`` and a hash of the load id and of the tokenizer files the folder holds (their exact
+    names, :data:`TOKENIZER_ID_FILES`; ``resolve`` has checked each is a regular file)."""
     h = hashlib.sha256(load_id.encode())
     if directory is not None:
-        for name in sorted(p.name for p in directory.iterdir()):
-            if name.startswith("tokenizer") or name in ("vocab.json", "merges.txt", "special_tokens_map.json"):
+        for name in TOKENIZER_ID_FILES:
+            if (directory / name).is_file():
                 h.update(name.encode())
                 h.update((directory / name).read_bytes())
     return "hf-" + h.hexdigest()[:16]

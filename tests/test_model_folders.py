@@ -1,0 +1,527 @@
+"""Folders and files that train and --resume read: model folders (--model DIR), their
+tokenizers, dataset folders (--data hf:DIR) and checkpoints (single-file and sharded).
+
+Only regular files inside the folder are ever opened (a FIFO would block the run forever, a
+link could lead anywhere), a folder's tokenizer decides the token ids on every data path, and
+a file of the right kind with the wrong contents is one ``error:`` line and exit 2 before the
+first step, never a run that fails at its end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY_MODEL, cli_flags
+from memtrain.cli import main
+from memtrain.config import ConfigError, build_config
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB = 320
+RUN = {"seq_len": 16, "batch_size": 2, "steps": 2, "warmup_steps": 0, "val_blocks": 2, "warmup_timing_steps": 1,
+       "progress": False, "attention": "sdpa", "device": "cpu"}
+TEXTS = [f"Question {i}: " + " ".join("memory gradient tensor batch layer attention optimizer checkpoint".split()[(i + j) % 8]
+                                      for j in range(30)) for i in range(120)]
+
+
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error:") and "Traceback" not in err
+    return lines[0]
+
+
+@contextlib.contextmanager
+def unblocks(fifo: Path, after_s: float = 60.0):
+    """Should anything block opening ``fifo`` for reading, open and close its write end after
+    ``after_s`` seconds: the reader then sees end-of-file, so a test of a hang fails instead of
+    hanging. The block also must end before that: a refusal never waits."""
+    stop = threading.Event()
+
+    def writer() -> None:
+        if stop.wait(after_s):
+            return
+        while not stop.is_set():
+            with contextlib.suppress(OSError):  # ENXIO: no reader (yet)
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            stop.wait(0.1)
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+    assert time.monotonic() - start < after_s, f"opening {fifo} blocked"
+
+
+# ------------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """A byte-level BPE of ~300 tokens (ids far below GPT-2's) saved as a transformers tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=VOCAB - 20, special_tokens=["<eos>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    d = tmp_path_factory.mktemp("tokenizer")
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(d)
+    return d
+
+
+def _gpt2_config(**kw):
+    return transformers.GPT2Config(**{"n_embd": 32, "n_layer": 1, "n_head": 2, "n_positions": 64, "vocab_size": VOCAB,
+                                      "bos_token_id": 0, "eos_token_id": 0, **kw})
+
+
+def model_folder(root: Path, tokenizer_dir: Path, weights: bool = False, **kw) -> Path:
+    """A folder as a user brings it: config.json, the tokenizer's files, optionally weights."""
+    root.mkdir(parents=True, exist_ok=True)
+    cfg = _gpt2_config(**kw)
+    cfg.save_pretrained(root)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, root / f.name)
+    if weights:
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("corpus") / "posts.jsonl"
+    p.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    return p
+
+
+def _flags(model: Path, corpus: Path, out: Path, **kw) -> list[str]:
+    return ["train", *cli_flags({**RUN, "data": str(corpus), "out": str(out), **kw}), "--model", str(model)]
+
+
+# ------------------------------------------------------------------------------ 1. the model's tokenizer on every data path
+def test_a_model_folders_tokenizer_makes_the_ids_whether_or_not_the_cache_can_be_written(
+        tokenizer_dir, corpus, tmp_path, monkeypatch):
+    """The tokens, and a run's result, are the folder tokenizer's with the token cache writable
+    and with MEMTRAIN_CACHE at a place no folder can be created (a path under a file)."""
+    from memtrain.data import prepare_tokens
+    from memtrain.models import data_tokenizer
+    from memtrain.train import train
+
+    model = model_folder(tmp_path / "m", tokenizer_dir)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    settings = {**RUN, "data": str(corpus), "model": str(model)}
+    tok = data_tokenizer(build_config(settings))
+    results, tokens = {}, {}
+    for where, cache in (("writable", tmp_path / "cache"), ("unwritable", blocker / "cache")):
+        monkeypatch.setenv("MEMTRAIN_CACHE", str(cache))
+        cfg = build_config({**settings, "out": str(tmp_path / where)})
+        splits = prepare_tokens(cfg.data, progress=False, tokenizer=tok)
+        assert splits.tokenizer == tok.name and int(splits.train.max()) < tok.n_vocab, where
+        tokens[where] = splits.train.tolist() + splits.val.tolist()
+        results[where] = train(cfg)
+    assert (tmp_path / "cache").is_dir()  # the writable run did cache its tokens
+    assert tokens["unwritable"] == tokens["writable"]
+    first = tok.tok(TEXTS[0], add_special_tokens=False)["input_ids"]
+    assert any(tokens["writable"][i:i + len(first)] == first for i in range(0, len(tokens["writable"]) - len(first)))
+    for where, res in results.items():
+        assert res["data"]["tokenizer"] == tok.name and res["data"]["tokenizer"].startswith("hf-"), where
+    assert results["unwritable"]["loss_history"] == results["writable"]["loss_history"]
+
+
+def test_the_result_names_gpt2_for_memtrains_own_model(small_corpus, tmp_path):
+    from memtrain.train import train
+
+    res = train(build_config({**TINY_MODEL, **RUN, "data": str(small_corpus), "out": str(tmp_path / "o"),
+                              "attention": "math"}))
+    assert res["data"]["tokenizer"] == "gpt2"
+
+
+# ------------------------------------------------------------------------------ 2. model folders
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "special_tokens_map.json", "model.safetensors"])
+def test_a_fifo_in_a_model_folder_is_refused_without_being_opened(tokenizer_dir, corpus, tmp_path, capsys, name):
+    """config.json and the tokenizer files memtrain reads, a file only transformers reads, and
+    a weight file: each a FIFO, each refused (opening one blocks until a writer comes)."""
+    model = model_folder(tmp_path / "m", tokenizer_dir, weights=name.endswith(".safetensors"))
+    (model / name).unlink(missing_ok=True)
+    os.mkfifo(model / name)
+    capsys.readouterr()  # what saving the weights printed
+    with unblocks(model / name):
+        assert main(_flags(model, corpus, tmp_path / "o")) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"'{name}' is a FIFO" in line
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "config.json", "model.safetensors"])
+def test_a_link_out_of_a_model_folder_is_refused(tokenizer_dir, corpus, tmp_path, capsys, name):
+    """A symbolic link to a file outside the folder is refused (a readable file, so nothing
+    else would stop it); a link to a file inside the folder is fine."""
+    model = model_folder(tmp_path / "m", tokenizer_dir, weights=True)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    shutil.move(model / name, outside / name)
+    (model / name).symlink_to(outside / name)
+    capsys.readouterr()  # what saving the weights printed
+    assert main(_flags(model, corpus, tmp_path / "o")) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"'{name}' is a symbolic link to" in line and "outside" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_links_inside_the_folder_and_a_hub_cache_snapshot_are_read(tokenizer_dir, tmp_path):
+    """A Hugging Face cache snapshot links every file into ../../blobs: the snapshot folder is the
+    model folder (its weights and tokenizer beside config.json), and the links are followed."""
+    from memtrain.models import data_tokenizer, resolve
+    from memtrain.models.spec import load_config
+
+    plain = model_folder(tmp_path / "plain", tokenizer_dir)
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot = repo / "snapshots" / "abc123"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in sorted(plain.iterdir()):
+        shutil.copy(f, repo / "blobs" / f"blob-{f.name}")
+        (snapshot / f.name).symlink_to(Path("..") / ".." / "blobs" / f"blob-{f.name}")
+    src = resolve(str(snapshot))
+    assert src.directory == snapshot.resolve() and src.has_tokenizer()
+    assert load_config(str(snapshot)).n_embd == 32
+    tok = data_tokenizer(build_config({**RUN, "model": str(snapshot)}))
+    assert tok is not None and tok.n_vocab == data_tokenizer(build_config({**RUN, "model": str(plain)})).n_vocab
+
+
+def test_names_that_merely_start_like_tokenizer_files_are_not_the_tokenizer(tokenizer_dir, corpus, tmp_path, capsys):
+    """A folder ``tokenizer_x`` trains (it was read as a tokenizer file: IsADirectoryError), and
+    a file ``tokenizer_notes.json`` does not change the tokenizer's identity (the cache key)."""
+    from memtrain.models import data_tokenizer
+
+    model = model_folder(tmp_path / "m", tokenizer_dir)
+    cfg = build_config({**RUN, "model": str(model)})
+    before = data_tokenizer(cfg).name
+    (model / "tokenizer_x").mkdir()
+    (model / "tokenizer_x" / "notes.txt").write_text("a folder, not a tokenizer file")
+    (model / "tokenizer_notes.json").write_text('{"unrelated": true}')
+    assert data_tokenizer(cfg).name == before
+    assert main(_flags(model, corpus, tmp_path / "o")) == 0, capsys.readouterr().err
+    (model / "tokenizer.json").write_text((model / "tokenizer.json").read_text().replace('"<eos>"', '"<end>"'))
+    assert data_tokenizer(cfg).name != before  # the real tokenizer file does decide it
+
+
+def test_weights_of_another_shape_are_one_error_line_naming_the_tensor(tokenizer_dir, corpus, tmp_path):
+    """config.json says n_embd 48, the *.safetensors hold n_embd 32: one ``error:`` line naming a
+    tensor and both shapes, exit 2 (transformers logs a table of every tensor, then raises).
+    A subprocess: transformers' log handler holds the stderr of the process that imported it."""
+    model = model_folder(tmp_path / "m", tokenizer_dir, weights=True)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "n_embd": 48}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-m", "memtrain", *_flags(model, corpus, tmp_path / "o")],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2, proc.stderr
+    line = _one_error_line(proc.stderr)
+    found = re.search(r"do not fit its config\.json: (\S+) is \[([\d, ]+)\] in the \*\.safetensors but \[([\d, ]+)\] "
+                      r"in the model \(and (\d+) more\)", line)
+    assert found, line
+    key, saved, built = found[1], [int(n) for n in found[2].split(",")], [int(n) for n in found[3].split(",")]
+    from safetensors import safe_open
+
+    with safe_open(str(model / "model.safetensors"), "pt") as f:
+        assert f.get_slice(key).get_shape() == saved
+    with torch.device("meta"):
+        fresh = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model))
+    assert list(fresh.state_dict()[key].shape) == built != saved
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_dataset_folder_with_a_loading_script_is_refused_and_the_script_never_runs(corpus, tmp_path, capsys):
+    marker = tmp_path / "script-ran"
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    shutil.copy(corpus, ds / "data.jsonl")
+    (ds / "ds.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    run = {**TINY_MODEL, **RUN, "attention": "math", "data": f"hf:{ds}", "out": str(tmp_path / "o")}
+    assert main(["train", *cli_flags(run)]) == 2
+    assert "'ds.py' is a dataset loading script" in _one_error_line(capsys.readouterr().err)
+    assert not marker.exists() and not (tmp_path / "o").exists()
+
+
+def test_a_fifo_in_a_dataset_folder_is_refused_without_being_opened(corpus, tmp_path, capsys):
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    shutil.copy(corpus, ds / "a.jsonl")
+    os.mkfifo(ds / "b.jsonl")
+    run = {**TINY_MODEL, **RUN, "attention": "math", "data": f"hf:{ds}", "out": str(tmp_path / "o")}
+    with unblocks(ds / "b.jsonl"):
+        assert main(["train", *cli_flags(run)]) == 2
+    assert "'b.jsonl' is a FIFO" in _one_error_line(capsys.readouterr().err)
+
+
+# ------------------------------------------------------------------------------ 3. sharded checkpoints: storage files
+def _run_state(cfg):
+    """The train state of a tiny GPT run (CPU) with a loader position but no data."""
+    from memtrain.model import GPT
+    from memtrain.step import TrainState
+    from memtrain.techniques import build_optimizer, make_precision
+
+    class Position:
+        def __init__(self) -> None:
+            self.state = {"epoch": 0, "batch_index": 1}
+
+        def state_dict(self):
+            return dict(self.state)
+
+        def load_state_dict(self, s):
+            self.state = dict(s)
+
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    opt = build_optimizer(model, cfg.technique, cfg.train)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    cpu = torch.device("cpu")
+    return TrainState(cfg, cpu, model, opt, make_precision("fp32", cpu), model.num_parameters(),
+                      scheduler=sched, loader=Position())
+
+
+SHARDED = {**TINY_MODEL, "seq_len": 16, "batch_size": 2, "steps": 4, "distributed": "ddp", "device": "cpu"}
+
+
+@pytest.fixture
+def sharded_checkpoint(one_rank_group, tmp_path) -> Path:
+    """A real 1-rank sharded checkpoint after one optimizer step."""
+    from memtrain.distributed_checkpoint import save_checkpoint
+
+    run = _run_state(build_config(SHARDED))
+    x = torch.randint(0, 100, (2, 16))
+    run.model(x, x).backward()
+    run.optimizer.step()
+    run.step, run.losses = 1, [3.0]
+    save_checkpoint(tmp_path / "ck", run)
+    return tmp_path / "ck"
+
+
+def _rewrite_storage(ckpt: Path, **change) -> None:
+    """Rewrite every storage entry of the checkpoint's .metadata with ``change``."""
+    import dataclasses
+
+    from memtrain.safe_dcp import read_metadata
+
+    metadata = read_metadata(ckpt)
+    metadata.storage_data = {k: dataclasses.replace(v, **change) for k, v in metadata.storage_data.items()}
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def _data_file(ckpt: Path) -> Path:
+    (data,) = ckpt.glob("*.distcp")
+    return data
+
+
+@pytest.mark.parametrize("where", ["absolute", "dotdot", "link-out", "fifo", "past-end"])
+def test_sharded_storage_paths_outside_the_checkpoint_are_refused(sharded_checkpoint, tmp_path, where):
+    """Storage a .metadata names is read only from regular files inside the checkpoint, and only
+    within their size; the outside file is a valid copy of the data, so a read would succeed."""
+    from memtrain.distributed_checkpoint import load_checkpoint
+
+    ckpt = sharded_checkpoint
+    data = _data_file(ckpt)
+    outside = tmp_path / "outside" / data.name
+    outside.parent.mkdir()
+    shutil.copy(data, outside)
+    fifo = ckpt / "pipe.distcp"
+    if where == "absolute":
+        _rewrite_storage(ckpt, relative_path=str(outside))
+    elif where == "dotdot":
+        _rewrite_storage(ckpt, relative_path=f"../outside/{data.name}")
+    elif where == "link-out":
+        data.unlink()
+        data.symlink_to(outside)
+    elif where == "fifo":
+        os.mkfifo(fifo)
+        _rewrite_storage(ckpt, relative_path=fifo.name)
+    else:
+        _rewrite_storage(ckpt, offset=data.stat().st_size)
+    with unblocks(fifo) if where == "fifo" else contextlib.nullcontext():
+        with pytest.raises(ConfigError, match="is refused") as info:
+            load_checkpoint(ckpt, _run_state(build_config(SHARDED)))
+    assert "\n" not in str(info.value)
+
+
+def test_a_fifo_as_the_sharded_metadata_or_rank_file_is_refused(sharded_checkpoint):
+    from memtrain.distributed_checkpoint import load_checkpoint
+
+    for name in (".metadata", "rank-0.pt"):
+        saved = (sharded_checkpoint / name).read_bytes()
+        (sharded_checkpoint / name).unlink()
+        os.mkfifo(sharded_checkpoint / name)
+        with unblocks(sharded_checkpoint / name):
+            with pytest.raises(ConfigError, match=rf"its {re.escape(name)} is a FIFO|'{re.escape(name)}' is a FIFO"):
+                load_checkpoint(sharded_checkpoint, _run_state(build_config(SHARDED)))
+        (sharded_checkpoint / name).unlink()
+        (sharded_checkpoint / name).write_bytes(saved)
+    state = load_checkpoint(sharded_checkpoint, _run_state(build_config(SHARDED)))  # intact again: it loads
+    assert state == {"step": 1, "losses": [3.0]}
+
+
+# ------------------------------------------------------------------------------ 4. what a checkpoint holds
+@pytest.fixture(scope="module")
+def saved(small_corpus_module, tmp_path_factory) -> tuple[dict, Path]:
+    """A real single-file checkpoint of a tiny GPT run after 2 of 4 steps, and the run's settings."""
+    from memtrain.train import train
+
+    root = tmp_path_factory.mktemp("saved")
+    run = {**TINY_MODEL, **RUN, "attention": "math", "steps": 4, "data": str(small_corpus_module),
+           "out": str(root / "o")}
+    train(build_config({**run, "stop_after": 2, "save": str(root / "ck.pt")}))
+    return run, root / "ck.pt"
+
+
+@pytest.fixture(scope="module")
+def small_corpus_module(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("gptcorpus") / "posts.jsonl"
+    p.write_text("".join(json.dumps({"text": t * 3}) + "\n" for t in TEXTS))
+    return p
+
+
+def _exp_avg_of_another_shape(s):
+    s["optimizer"]["state"][0]["exp_avg"] = torch.zeros(3)
+
+
+def _group_lr_as_text(s):
+    s["optimizer"]["param_groups"][0]["lr"] = "0.001"
+
+
+DAMAGE = {
+    "losses as text": (lambda s: s.update(losses="abc"), "losses"),
+    "a loss as text": (lambda s: s.update(losses=[1.0, "2.0"]), "losses"),
+    "fewer losses than steps": (lambda s: s.update(losses=[1.0]), "1 losses for 2 steps"),
+    "skipped_steps as text": (lambda s: s.update(skipped_steps="0"), "skipped_steps"),
+    "rng as text": (lambda s: s.update(rng_cpu="seed"), "rng_cpu"),
+    "data position as text": (lambda s: s.update(loader={"epoch": "0", "batch_index": 1}), "data position"),
+    "scheduler lr as text": (lambda s: s["scheduler"].update(base_lrs=["0.001"]), "base_lrs"),
+    "scheduler step as text": (lambda s: s["scheduler"].update(last_epoch="2"), "last_epoch"),
+    "optimizer lr as text": (_group_lr_as_text, "lr"),
+    "optimizer moment of another shape": (_exp_avg_of_another_shape, "shape [3]"),
+    "optimizer step as text": (lambda s: s["optimizer"]["state"][0].update(step="2"), "optimizer state"),
+    "model weight as text": (lambda s: s["model"].update({next(iter(s["model"])): "w"}), "model"),
+    "scaler as text": (lambda s: s.update(scaler="on"), "scaler"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_checkpoint_with_wrong_typed_fields_is_refused_before_the_first_step(saved, tmp_path, capsys,
+                                                                                 monkeypatch, damage):
+    """Each field memtrain uses from a checkpoint, of the wrong type or shape: one ``error:`` line
+    naming it and exit 2, before any step runs and before anything is written."""
+    import memtrain.train as train_module
+
+    run, ckpt = saved
+    state = torch.load(ckpt, weights_only=True)
+    change, words = DAMAGE[damage]
+    change(state)
+    bad = tmp_path / "bad.pt"
+    torch.save(state, bad)
+    steps = []
+    monkeypatch.setattr(train_module, "train_step", lambda *a, **k: steps.append(1) or 0.0)
+    out = tmp_path / "r"
+    assert main(["train", *cli_flags({**run, "resume": str(bad), "out": str(out)})]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "is damaged" in line and words in line, line
+    assert steps == [] and not (out / "result.json").exists() and not (out / "metrics.jsonl").exists()
+
+
+def test_the_undamaged_checkpoint_resumes(saved, tmp_path):
+    """The checkpoint the damage tests start from passes every check and continues the run."""
+    from memtrain.train import train
+
+    run, ckpt = saved
+    res = train(build_config({**run, "resume": str(ckpt), "out": str(tmp_path / "r")}))
+    assert res["steps_run"] == 2 and len(res["loss_history"]) == 4
+
+
+def test_sharded_checkpoint_fields_of_the_wrong_type_are_refused(sharded_checkpoint):
+    """meta.json's losses and a rank file's fields, wrong-typed, are refused before the load."""
+    from memtrain.distributed_checkpoint import load_checkpoint
+
+    meta_path, rank_path = sharded_checkpoint / "meta.json", sharded_checkpoint / "rank-0.pt"
+    meta, rank = json.loads(meta_path.read_text()), torch.load(rank_path, weights_only=True)
+    for file, damaged, words in [
+        (meta_path, {**meta, "losses": ["3.0"]}, "losses"),
+        (meta_path, {**meta, "losses": [3.0, 2.0]}, "2 losses for 1 steps"),
+        (meta_path, {**meta, "loader": {"epoch": 0, "batch_index": "1"}}, "data position"),
+        (rank_path, {**rank, "skipped_steps": "0"}, "skipped_steps"),
+        (rank_path, {**rank, "rng_cpu": [1, 2]}, "rng_cpu"),
+        (rank_path, {**rank, "scheduler": {**rank["scheduler"], "base_lrs": [*rank["scheduler"]["base_lrs"], 1e-3]}},
+         "learning rates for"),
+    ]:
+        if file == meta_path:
+            meta_path.write_text(json.dumps(damaged))
+        else:
+            torch.save(damaged, rank_path)
+        with pytest.raises(ConfigError, match="is damaged") as info:
+            load_checkpoint(sharded_checkpoint, _run_state(build_config(SHARDED)))
+        assert words in str(info.value) and file.name in str(info.value)
+        meta_path.write_text(json.dumps(meta))
+        torch.save(rank, rank_path)
+    assert load_checkpoint(sharded_checkpoint, _run_state(build_config(SHARDED)))["step"] == 1
+
+
+def test_a_link_out_as_the_sharded_meta_json_is_refused(sharded_checkpoint, tmp_path):
+    """meta.json linked to a (valid) copy outside the checkpoint: refused by the resume check and
+    by the load, which read it."""
+    from memtrain.distributed_checkpoint import load_checkpoint
+    from memtrain.preflight import saved_run
+
+    outside = tmp_path / "meta-copy.json"
+    shutil.move(sharded_checkpoint / "meta.json", outside)
+    (sharded_checkpoint / "meta.json").symlink_to(outside)
+    with pytest.raises(ConfigError, match="its meta.json is a symbolic link to .* outside"):
+        saved_run(sharded_checkpoint)
+    with pytest.raises(ConfigError, match="its meta.json is a symbolic link to .* outside"):
+        load_checkpoint(sharded_checkpoint, _run_state(build_config(SHARDED)))
+
+
+def test_a_zero1_rank_file_round_trips_and_a_moment_of_another_shape_is_refused(one_rank_group, tmp_path):
+    """ZeRO-1 keeps its optimizer shard in the rank file (the outer groups without parameters):
+    a real one loads; one whose Adam moment has another shape is refused before the load."""
+    from memtrain.distributed_checkpoint import load_checkpoint, save_checkpoint
+    from memtrain.techniques.distributed.wrapping import _zero_redundancy
+
+    cfg = build_config({**SHARDED, "distributed": "zero1"})
+
+    def zero1_run():
+        run = _run_state(cfg)
+        run.optimizer = _zero_redundancy(run.optimizer)
+        run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lambda s: 1.0)
+        return run
+
+    run = zero1_run()
+    x = torch.randint(0, 100, (2, 16))
+    run.model(x, x).backward()
+    run.optimizer.step()
+    run.step, run.losses = 1, [3.0]
+    save_checkpoint(tmp_path / "ck", run)
+    assert load_checkpoint(tmp_path / "ck", zero1_run()) == {"step": 1, "losses": [3.0]}
+    rank = torch.load(tmp_path / "ck" / "rank-0.pt", weights_only=True)
+    rank["optimizer"]["state"][0]["exp_avg"] = torch.zeros(5, 5)
+    torch.save(rank, tmp_path / "ck" / "rank-0.pt")
+    with pytest.raises(ConfigError, match=r"rank-0.pt' is damaged: its optimizer state exp_avg .* shape \[5, 5\]"):
+        load_checkpoint(tmp_path / "ck", zero1_run())
