@@ -6,10 +6,10 @@ import argparse
 import json
 from dataclasses import asdict
 
-from memtrain.analysis.plan import default_space, plan, verify
+from memtrain.analysis.plan import candidate_config, default_space, plan, verify
 from memtrain.argtypes import positive_int
 from memtrain.bench.runner import read_results
-from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, fmt_bytes, register
+from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, defaults_note, fmt_bytes, register
 from memtrain.commands.estimate import add_model_choice, device_type_for, resolve_model
 from memtrain.config import ConfigError, parse_size
 from memtrain.numerics import is_standard, numerics_key, numerics_note
@@ -98,6 +98,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"  (#{shown[rec] + 1}, the fastest numerically standard choice; #1 is faster but: {out['candidates'][0]['numerics']})")
     elif not best["numerics_standard"]:
         print(f"  (no numerically standard choice fits; this one: {best['numerics']})")
+    note = defaults_note(candidate_config(cfg, res.candidates[rec]))  # the recommended choice's defaults
+    if note:
+        print(note)
     print("rel. time: modelled step time vs fp32/math/no checkpointing/standard loss at the full batch "
           "(a cost model, not a measurement)" if args.max_batch is None else
           "rel. time: modelled time per token vs the best choice (a cost model, not a measurement)")

@@ -101,9 +101,24 @@ def resolve(spec: str) -> ModelSource:
     if p.is_file():
         return ModelSource(spec, p.resolve(), None)
 
+    twin = spelled_like(spec)
+    if twin is not None:
+        raise ConfigError(f"--model {spec!r} is not a model name; did you mean --model {twin}?")
     raise ConfigError(
         f"--model {spec!r} is not a preset, a bundled config, a config.json or a directory holding one; "
         f"choose one of {', '.join(list(PRESETS) + bundled_names())}, a path, or hf:ORG/NAME")
+
+
+def _name_key(name: str) -> str:
+    return "".join(ch for ch in name.lower() if ch.isalnum())
+
+
+def spelled_like(spec: str) -> Optional[str]:
+    """The known model name (preset or bundled config) that ``spec`` matches but for case and
+    punctuation (``llama3-8b`` -> ``llama-3-8b``), or None. Each model has one name, so a
+    near-spelling is refused rather than resolved to a second, different model."""
+    key = _name_key(spec)
+    return next((n for n in [*PRESETS, *bundled_names()] if n != spec and _name_key(n) == key), None)
 
 
 @functools.lru_cache(maxsize=32)
@@ -171,9 +186,8 @@ def preset_fields(spec: str) -> Optional[dict[str, Any]]:
         return None
     fields, arch, _ = PRESETS[spec]
     if arch.name != "gpt2":
-        alt = {"llama3-8b": "llama-3-8b"}.get(spec, "a transformers config.json")
         raise ConfigError(f"--model {spec} is an analytic approximation (memtrain estimate only); to build or trace "
-                          f"a LLaMA use --model {alt}")
+                          f"a LLaMA use a transformers config (--model llama-3-8b, a config.json or hf:ORG/NAME)")
     return dict(fields)
 
 
