@@ -55,7 +55,10 @@ class _Parser(argparse.ArgumentParser):
 
         unknown = [a for a in extra if a.startswith("-")] or list(extra)
         first = unknown[0].split("=", 1)[0]
-        close = difflib.get_close_matches(first, [o for o in self._option_string_actions if o.startswith("--")], n=1)
+        options = [o for o in self._option_string_actions if o.startswith("--")]
+        # A shortened option (--seq) names what it was short for; else the closest spelling.
+        close = sorted((o for o in options if o.startswith(first) and len(first) > 2), key=len)[:1] \
+            or difflib.get_close_matches(first, options, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
         self.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
 

@@ -22,8 +22,7 @@ from typing import Any, Optional
 import tomllib
 import yaml
 
-from memtrain.aliases import WARMUP_RATIO
-from memtrain.aliases import normalize as normalize_aliases
+from memtrain.aliases import WARMUP_RATIO, normalize as normalize_aliases
 
 # ConfigError lives in a leaf module so that the modules config itself consults (model presets,
 # model-spec resolution) can raise it without importing config back.
