@@ -208,15 +208,13 @@ def _is_transformers_model(spec: Any) -> bool:
     return isinstance(spec, str) and not is_gpt_preset(spec)
 
 
-def defaults_note(cfg: RunConfig, chosen: Sequence[str] = ()) -> Optional[str]:
+def defaults_note(cfg: RunConfig) -> Optional[str]:
     """One ``defaults used:`` line naming the defaults that shaped the answer and that a user of
-    transformers' Trainer and peft would likely have set differently, or None. ``chosen`` are
-    settings the command itself chose (plan's search). Only for configs read by
-    :func:`config_from_args`, which remembers what was given."""
+    transformers' Trainer and peft would likely have set differently, or None. Only for configs
+    read by :func:`config_from_args` (and their ``replace`` copies), which remember what was given."""
     given = getattr(cfg, "given_settings", None)
     if given is None:
         return None
-    given = set(given) | set(chosen)
     tech = cfg.technique
     hf = _is_transformers_model(cfg.model.model)
     parts = []
