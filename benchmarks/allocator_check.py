@@ -124,7 +124,7 @@ def _ratio(a: Any, b: Any) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--out", default="benchmarks/results/allocator-check")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=120.0, help="Seconds per config (default 120).")

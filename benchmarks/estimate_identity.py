@@ -157,15 +157,15 @@ def _sha(rev: str) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("dump", help="write OUT/NAME.json for every config, with the memtrain on PYTHONPATH")
+    d = sub.add_parser("dump", allow_abbrev=False, help="write OUT/NAME.json for every config, with the memtrain on PYTHONPATH")
     d.add_argument("out", type=Path)
     d.add_argument("--cases", type=Path, help="JSON {name: argv} (default: this tree's grid and presets)")
-    f = sub.add_parser("diff", help="compare two dump folders")
+    f = sub.add_parser("diff", allow_abbrev=False, help="compare two dump folders")
     f.add_argument("a", type=Path)
     f.add_argument("b", type=Path)
-    c = sub.add_parser("commits", help="dump two git revisions (via git worktree) and compare them")
+    c = sub.add_parser("commits", allow_abbrev=False, help="dump two git revisions (via git worktree) and compare them")
     c.add_argument("rev_a")
     c.add_argument("rev_b")
     c.add_argument("--keep", type=Path, help="keep both dump folders under this folder")

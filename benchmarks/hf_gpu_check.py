@@ -163,7 +163,7 @@ def train_row(model_dir: pathlib.Path, family: str, tech: dict[str, Any], work: 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--out", required=True)
     ap.add_argument("--gpu", default="h100")
     ap.add_argument("--part", choices=["memory", "train", "both"], default="both")

@@ -45,7 +45,7 @@ GIB = 2**30
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--sets", default=",".join(SETS))
     ap.add_argument("--out", required=True)

@@ -164,7 +164,7 @@ def circles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--src", type=Path, default=ROOT / "src" / PACKAGE)
     p.add_argument("--top", type=int, default=12, help="how many of the largest modules to list")
     args = p.parse_args()

@@ -46,7 +46,7 @@ CATS = ("parameters", "gradients", "optimizer", "activations", "temporaries")
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--out", type=Path, default=None, help="Markdown file to write (default: print only).")

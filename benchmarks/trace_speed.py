@@ -45,7 +45,7 @@ def _cpu_name() -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--sets", default=",".join(SETS))
     ap.add_argument("--rows", default="", help="model:set,... instead of every --models x --sets pair")

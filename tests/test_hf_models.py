@@ -115,6 +115,8 @@ def test_bad_specs_are_config_errors(tmp_path):
         with pytest.raises(ConfigError):
             build_config({"model": spec})
     with pytest.raises(ConfigError, match="analytic"):
+        build_config({"model": "llama-7b"})
+    with pytest.raises(ConfigError, match="did you mean --model llama-3-8b"):
         build_config({"model": "llama3-8b"})
 
 

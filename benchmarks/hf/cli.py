@@ -20,7 +20,7 @@ DESCRIPTION = "memtrain vs Hugging Face Trainer: the same model, tokens and sche
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=DESCRIPTION)
+    ap = argparse.ArgumentParser(description=DESCRIPTION, allow_abbrev=False)
     ap.add_argument("--scale", default="quick", choices=sorted(SCALES),
                     help="memtrain bench scale (model, batch, seq, steps); `memtrain bench --scale` names the same")
     ap.add_argument("--techniques", "--presets", dest="techniques", default=",".join(TECHNIQUES),

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import memtrain.commands as commands
 from memtrain import __version__
-from memtrain.aliases import ALIASES, switch_value
+from memtrain.aliases import ALIASES, EXPANDED, switch_value
 from memtrain.argtypes import positive_int
 from memtrain.config import SECTIONS, ConfigError, RunConfig, build_config, flatten, load_config_file
 from memtrain.errors import one_line
@@ -37,7 +37,15 @@ from memtrain.signals import sigterm_as_interrupt
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad flag as one ``error:`` line and exit code 2."""
+    """argparse that reports a bad flag as one ``error:`` line and exit code 2.
+
+    Abbreviations are off: with argparse's default, a misspelt prefix such as ``--learning_rat``
+    silently meant ``--learning_rate``; every option must be written in full.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         sys.stderr.write(one_line(f"error: {message}; see '{self.prog} --help'") + "\n")
@@ -49,7 +57,10 @@ class _Parser(argparse.ArgumentParser):
 
         unknown = [a for a in extra if a.startswith("-")] or list(extra)
         first = unknown[0].split("=", 1)[0]
-        close = difflib.get_close_matches(first, [o for o in self._option_string_actions if o.startswith("--")], n=1)
+        options = [o for o in self._option_string_actions if o.startswith("--")]
+        # A shortened option (--seq) names what it was short for; else the closest spelling.
+        close = sorted((o for o in options if o.startswith(first) and len(first) > 2), key=len)[:1] \
+            or difflib.get_close_matches(first, options, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
         self.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
 
@@ -99,7 +110,10 @@ def _add_aliases(parser: argparse.ArgumentParser, targets: set[str]) -> None:
         "adamw_bnb_8bit, adamw_torch_8bit, adamw_torch_4bit).")
     for a in chosen:
         flags = list(dict.fromkeys(["--" + a.name, "--" + a.name.replace("_", "-")]))
-        if a.is_switch:
+        if a.expand is not None:
+            # Kept under its own name: build_config expands it (several settings, or a refusal).
+            group.add_argument(*flags, dest=a.name, default=argparse.SUPPRESS, metavar="VALUE", help=a.help)
+        elif a.is_switch:
             group.add_argument(*flags, dest=a.field, action=_SwitchAlias, alias=a, default=argparse.SUPPRESS,
                                metavar="BOOL", help=a.help)
         else:
@@ -149,14 +163,16 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = 
     ``derive_max_seq_len`` (the verbs that size one step): when no layer sets --max-seq-len,
     it follows --seq-len, so ``estimate --seq-len 2048`` needs no second flag.
     """
-    known = {f.name for cls in SECTIONS.values() for f in fields(cls)}
+    known = {f.name for cls in SECTIONS.values() for f in fields(cls)} | EXPANDED
     flags = {k: v for k, v in vars(args).items() if k in known}
     file_layer = load_config_file(args.config) if getattr(args, "config", None) else {}
     layers = [base or {}, file_layer, flags]
+    merged = _given_settings(layers)
+    if _is_transformers_model(merged.get("model")) and "attention" not in merged:
+        # transformers builds a model with SDPA unless told otherwise (attn_implementation);
+        # memtrain's GPT keeps its math default (the seed's lab).
+        layers.append({"attention": MODEL_DEFAULT_ATTENTION})
     if derive_max_seq_len:
-        merged: dict[str, Any] = {}
-        for layer in layers:
-            merged.update(flatten(layer))
         if "max_seq_len" not in merged and "seq_len" in merged:
             try:
                 seq = int(merged["seq_len"])
@@ -164,7 +180,57 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = 
                 seq = 0  # build_config below reports the bad value
             if seq > build_config(base or {}).model.max_seq_len:
                 layers.append({"max_seq_len": seq})
-    return build_config(*layers)
+    cfg = build_config(*layers)
+    # Remembered (not a field) for defaults_note: which settings a layer named.
+    cfg.given_settings = frozenset(merged)  # type: ignore[attr-defined]  # read with getattr(..., None)
+    return cfg
+
+
+MODEL_DEFAULT_ATTENTION = "sdpa"
+
+
+def _given_settings(layers: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The settings the layers name, flat and in memtrain's names (later layers win)."""
+    from memtrain.aliases import normalize as normalize_aliases
+
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        flat = flatten(layer)
+        try:
+            flat = normalize_aliases(flat)
+        except ValueError:
+            pass  # build_config reports it
+        merged.update(flat)
+    return merged
+
+
+def _is_transformers_model(spec: Any) -> bool:
+    from memtrain.models.spec import is_gpt_preset  # torch-free
+
+    return isinstance(spec, str) and not is_gpt_preset(spec)
+
+
+def defaults_note(cfg: RunConfig) -> Optional[str]:
+    """One ``defaults used:`` line naming the defaults that shaped the answer and that a user of
+    transformers' Trainer and peft would likely have set differently, or None. Only for configs
+    read by :func:`config_from_args` (and their ``replace`` copies), which remember what was given."""
+    given = getattr(cfg, "given_settings", None)
+    if given is None:
+        return None
+    tech = cfg.technique
+    hf = _is_transformers_model(cfg.model.model)
+    parts = []
+    if "attention" not in given:
+        parts.append(f"attention={tech.attention} (the model's default, as in transformers; --attention to choose)"
+                     if hf else f"attention={tech.attention} (memtrain's GPT; --attention sdpa for the fused kernel)")
+    if "seq_len" not in given:
+        parts.append(f"seq-len {cfg.train.seq_len} (--seq-len)")
+    if tech.lora_rank and not tech.qlora and tech.precision in ("bf16", "fp16"):
+        parts.append(f"base weights fp32 under {tech.precision} autocast (use --precision bf16-pure to store them "
+                     "in bf16, as a model loaded in bfloat16 for peft)")
+    if tech.lora_rank and hf and "lora_targets" not in given:
+        parts.append("LoRA on every decoder Linear (peft's all-linear; --lora-targets q_proj,v_proj for fewer)")
+    return "defaults used: " + "; ".join(parts) if parts else None
 
 
 def fmt_bytes(n: Optional[float]) -> str:
@@ -213,6 +279,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _launch_ranks(args, cfg)
     out = Path(cfg.train.out)
     main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 writes and prints
+    note = defaults_note(cfg)
+    if note and main_rank:
+        print(note, flush=True)
 
     def write_result(result: dict) -> None:  # before the final checkpoint (see train())
         if main_rank:
@@ -225,7 +294,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     with guard:
         # The --out lock: a second train or bench on the folder is refused (exit 2). Under
         # memtrain's launcher the launcher holds it for its ranks.
-        result = train(cfg, on_result=write_result, log_metrics=True, lock_out=not launched_by_memtrain())
+        from memtrain.notices import random_base_warning
+
+        warn = _warn_after_first_step(random_base_warning(cfg) if main_rank else None)
+        result = train(cfg, on_result=write_result, log_metrics=True, lock_out=not launched_by_memtrain(),
+                       on_step=warn)
     if not main_rank:
         return 0  # result["ranks"] has every rank's numbers
     if getattr(cfg.train, "warmup_defaulted", False):
@@ -244,6 +317,23 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     print(f"wrote {out / 'result.json'}")
     return 0
+
+
+def _warn_after_first_step(warning: Optional[str]) -> Optional[Callable[[int, int, Optional[float]], None]]:
+    """train()'s ``on_step`` that writes ``warning`` to stderr once, after the first step: early
+    in the run, yet after everything that can refuse the input, whose stderr stays one error: line."""
+    if warning is None:
+        return None
+    said = False
+
+    def on_step(done: int, total: int, median_s: Optional[float]) -> None:
+        nonlocal said
+        if not said:
+            said = True
+            sys.stderr.write(warning + "\n")
+            sys.stderr.flush()
+
+    return on_step
 
 
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}

@@ -22,7 +22,7 @@ from typing import Any, Optional
 import tomllib
 import yaml
 
-from memtrain.aliases import normalize as normalize_aliases
+from memtrain.aliases import WARMUP_RATIO, normalize as normalize_aliases
 
 # ConfigError lives in a leaf module so that the modules config itself consults (model presets,
 # model-spec resolution) can raise it without importing config back.
@@ -348,8 +348,59 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     def replace(self, **overrides: Any) -> "RunConfig":
-        """A copy with flat overrides applied (``batch_size=4, precision='bf16'``)."""
-        return build_config(self.to_dict(), overrides)
+        """A copy with flat overrides applied (``batch_size=4, precision='bf16'``). The settings
+        a command line named (``given_settings``, see memtrain.cli.config_from_args) carry over,
+        with the overridden ones added."""
+        copy = build_config(self.to_dict(), overrides)
+        given = getattr(self, "given_settings", None)
+        if given is not None:
+            copy.given_settings = frozenset(given) | set(overrides)  # type: ignore[attr-defined]
+        return copy
+
+
+# Flags a printed `memtrain train` command always spells out, default or not: the choices a plan
+# makes, and the attention, whose default depends on the model (memtrain.cli.config_from_args).
+ALWAYS_SPELLED = ("precision", "attention", "checkpointing", "loss", "optim", "batch_size", "grad_accum", "seq_len")
+
+
+def train_flags(cfg: RunConfig) -> list[str]:
+    """The ``memtrain train`` arguments that rebuild ``cfg``: --model first, then every field
+    that differs from what train would use without it (for a transformers --model its shape
+    fields come from the model and are left out), plus :data:`ALWAYS_SPELLED`. Parsing them
+    with train's parser gives ``cfg`` back (tests/test_hf_user_flags.py checks it)."""
+    spec = cfg.model.model
+    defaults: dict[str, Any] = {
+        "model": ModelConfig(model=spec) if spec is not None else ModelConfig(),  # the model's own shape
+        "data": DataConfig(), "technique": TechniqueConfig(), "train": TrainConfig(),
+    }
+    args: list[str] = ["--model", spec] if spec is not None else []
+    for section, default in defaults.items():
+        current = getattr(cfg, section)
+        for f in fields(current):
+            value = getattr(current, f.name)
+            if f.name == "model" or (value == getattr(default, f.name) and f.name not in ALWAYS_SPELLED):
+                continue
+            args += _flag(f.name, value)
+    return args
+
+
+def _flag(name: str, value: Any) -> list[str]:
+    """One field as train's command line writes it (see memtrain.cli.add_config_flags)."""
+    dashed = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        if name.startswith("no_"):  # a one-way switch (--no-cache): its default is off
+            return [dashed] if value else []
+        return [dashed if value else "--no-" + name.replace("_", "-")]
+    if value is None:
+        return [dashed, "none"]  # Optional fields read "none" as None (_coerce)
+    return [dashed, repr(value) if isinstance(value, float) else str(value)]
+
+
+def train_command(cfg: RunConfig) -> str:
+    """``memtrain train ...`` for ``cfg``, quoted for a POSIX shell."""
+    import shlex
+
+    return shlex.join(["memtrain", "train", *train_flags(cfg)])
 
 
 def field_index() -> dict[str, str]:
@@ -455,11 +506,17 @@ def build_config(*layers: dict[str, Any]) -> RunConfig:
     """
     index = field_index()
     per_section: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    warmup_ratio: Optional[float] = None  # the Trainer's --warmup_ratio, resolved once --steps is known
     for layer in layers:
         try:  # the Trainer's option names and values (memtrain.aliases) become ours
             flat = normalize_aliases(flatten(layer))
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if "warmup_steps" in flat:  # steps given beside (or after) a ratio win, as in the Trainer
+            warmup_ratio = None
+        elif WARMUP_RATIO in flat:
+            warmup_ratio = flat[WARMUP_RATIO]
+        flat.pop(WARMUP_RATIO, None)
         for key, value in flat.items():
             if key not in index:
                 import difflib
@@ -469,6 +526,10 @@ def build_config(*layers: dict[str, Any]) -> RunConfig:
                 raise ConfigError(f"unknown option --{key.replace('_', '-')}{hint}")
             section = index[key]
             per_section[section][key] = _coerce(SECTIONS[section], key, value)
+    if warmup_ratio is not None:
+        steps = per_section["train"].get("steps", TrainConfig.steps)
+        if isinstance(steps, int) and steps > 0:  # TrainConfig reports a bad --steps
+            per_section["train"]["warmup_steps"] = math.ceil(warmup_ratio * steps)
     # The seed's spec (a 200-step epoch with 200 warm-up steps) stands when no layer sets --steps;
     # a run whose length was chosen but whose warm-up was not gets a warm-up that fits inside it.
     default_warmup = "warmup_steps" not in per_section["train"] and "steps" in per_section["train"]

@@ -6,14 +6,17 @@ Each preset is a dict of :class:`memtrain.config.ModelConfig` fields (so any fla
 The GPT-2 presets are exactly our model (GPT-2 small/medium/large/XL shapes, Radford et al.
 2019). The LLaMA presets are *not* our model: LLaMA uses RMSNorm, a SwiGLU MLP (three
 matrices), rotary positions, no biases, an untied head and (LLaMA 3) grouped-query attention.
-They carry ``Arch("llama")`` so the estimator counts their real parameters (6.74B and 8.03B)
+They carry ``Arch("llama")`` so the estimator counts their real parameters (6.74B)
 and substitutes those pieces in the activation inventory; that part is an approximation no run
 here can check (our trainer builds only the GPT-2 architecture), and ``--trace`` refuses them.
+
+One name, one model: a model that has a bundled transformers config (``llama-3-8b`` in
+``models/configs/``) has no preset here, and a spelling that differs from a known name only in
+case or punctuation (``llama3-8b``) is refused with the name to use (:mod:`memtrain.models.spec`).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 from memtrain.archs import GPT2_ARCH, LLAMA_ARCH, Arch
@@ -38,9 +41,6 @@ PRESETS: dict[str, tuple[dict[str, Any], Arch, str]] = {
     "llama-7b": ({**_LLAMA, "vocab_size": 32000, "d_model": 4096, "n_heads": 32, "n_layers": 32,
                   "d_ff": 11008, "max_seq_len": 2048}, LLAMA_ARCH,
                  "LLaMA 7B (6.74B; RMSNorm/SwiGLU/RoPE approximated, analytic only)"),
-    "llama3-8b": ({**_LLAMA, "vocab_size": 128256, "d_model": 4096, "n_heads": 32, "n_layers": 32,
-                   "d_ff": 14336, "max_seq_len": 8192}, replace(LLAMA_ARCH, n_kv_heads=8),
-                  "LLaMA 3 8B (8.03B, grouped-query attention; approximated, analytic only)"),
 }
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Optional
 
-__all__ = ["SlowPrecisionWarning", "install_warning_format"]
+__all__ = ["SlowPrecisionWarning", "install_warning_format", "random_base_warning"]
 
 
 class SlowPrecisionWarning(UserWarning):
@@ -27,3 +27,27 @@ def install_warning_format() -> None:
 
     fmt._memtrain = True  # type: ignore[attr-defined]
     warnings.formatwarning = fmt  # type: ignore[assignment]
+
+
+def random_base_warning(cfg: Any) -> Optional[str]:
+    """The warning for LoRA on randomly initialised base weights, or None.
+
+    LoRA freezes the base and trains adapters on top of it: on a base nobody trained, the
+    adapters learn around noise. A transformers --model without ``*.safetensors`` weights (a
+    bundled config, a bare config.json) is built at random, and so is memtrain's GPT unless
+    --resume loads trained weights. `memtrain train` says so once; the bench's LoRA row, which
+    compares techniques on a GPT trained from scratch on purpose, does not call this.
+    """
+    tech, spec = cfg.technique, cfg.model.model
+    if not tech.lora_rank or cfg.train.resume:
+        return None
+    from memtrain.models.spec import is_gpt_preset, resolve  # torch-free
+
+    if is_gpt_preset(spec):
+        what = "memtrain's GPT starts from random weights (no --resume)"
+    elif not resolve(spec).has_weights():
+        what = f"--model {spec} has no *.safetensors weights, so its base is random"
+    else:
+        return None
+    return (f"warning: --lora-rank {tech.lora_rank} on a random base: {what}; LoRA trains adapters on noise "
+            "(drop --lora-rank to train every weight, or give a model with weights)")

@@ -18,11 +18,12 @@ plus the optimizer step as memory traffic. Its job is to order candidates sensib
 from __future__ import annotations
 
 import math
+import shlex
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from memtrain.analysis.estimate import GPT2_ARCH, Arch, estimate, param_count
-from memtrain.config import ConfigError, RunConfig
+from memtrain.config import ConfigError, RunConfig, train_flags
 from memtrain.techniques.facts import checkpoint_policy
 
 __all__ = ["Candidate", "PlanResult", "DEVICE_PROFILES", "default_space", "plan", "step_cost", "verify"]
@@ -120,6 +121,9 @@ class Candidate:
     step_time_s: float
     relative_time: float = 1.0
     fits: bool = True
+    # The `memtrain train` arguments that run this candidate: the planned config in full (model,
+    # sequence length, LoRA, every flag given to plan), not only the technique choices.
+    train_flags: list[str] = field(default_factory=list)
 
     def label(self) -> str:
         t = self.techniques
@@ -144,14 +148,8 @@ class PlanResult:
         d = asdict(self)
         for c in d["candidates"]:
             c["peak_bytes"] = int(round(c["peak_bytes"]))
-            c["config_flags"] = _flags(c)
+            c["config_flags"] = shlex.join(c["train_flags"])
         return d
-
-
-def _flags(c: dict[str, Any]) -> str:
-    t = c["techniques"]
-    return (f"--precision {t['precision']} --attention {t['attention']} --checkpointing {t['checkpointing']} "
-            f"--loss {t['loss']} --optim {t['optim']} --batch-size {c['batch_size']} --grad-accum {c['grad_accum']}")
 
 
 def default_space(cfg: RunConfig, device_type: str) -> dict[str, list[str]]:
@@ -170,10 +168,16 @@ def default_space(cfg: RunConfig, device_type: str) -> dict[str, list[str]]:
     attentions = ["math"] if (cpu and cfg.model.dropout > 0) else ["math", "sdpa"]
     if not cpu:
         attentions = ["sdpa", "math"]
+    from memtrain.models.spec import is_gpt_preset  # torch-free
+
+    checkpointings = ["none", "selective", "every:2", "full"] if cfg.model.n_layers > 1 else ["none", "full"]
+    if not is_gpt_preset(cfg.model.model):
+        # Megatron's selective policy needs our GPT's attention seam (techniques/hf_mapping.py).
+        checkpointings = [c for c in checkpointings if c != "selective"]
     return {
         "precision": ["fp32", "bf16"] if cpu else ["bf16", "tf32", "bf16-pure"],
         "attention": attentions,
-        "checkpointing": ["none", "selective", "every:2", "full"] if cfg.model.n_layers > 1 else ["none", "full"],
+        "checkpointing": checkpointings,
         "loss": ["standard", "chunked"],
         "optim": optims,
     }
@@ -326,6 +330,8 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
             f"nothing fits in {_gib(budget_bytes)} (with a {margin:.0%} margin): the smallest option needs "
             f"{_gib(p * (1 + margin))} ({_gib(p)} predicted; {what}); raise --budget or lower "
             f"--batch-size/--seq-len")
+    for cand in fits[:top]:
+        cand.train_flags = train_flags(candidate_config(cfg, cand))
     notes.insert(0, f"cost model: {device_type} profile; a model to order candidates, not a measurement")
     if gpu is not None and device_type == "cuda" and not traced:
         notes.append("peaks are device totals: the caching-allocator model's reserved memory plus the CUDA context "

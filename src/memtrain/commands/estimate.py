@@ -9,7 +9,7 @@ from typing import Any
 from memtrain.analysis.estimate import GPT2_ARCH, estimate, estimate_inference, parse_count, shape_for_params
 from memtrain.analysis.estimate.hf import analytic_estimate, hf_arch, why_not_modelled
 from memtrain.analysis.trace import trace_step
-from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, config_from_args, fmt_bytes, register
+from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, config_from_args, defaults_note, fmt_bytes, register
 from memtrain.config import ConfigError, parse_size
 from memtrain.model_presets import PRESETS, preset
 
@@ -18,7 +18,8 @@ def add_model_choice(p: argparse.ArgumentParser) -> None:
     """--model PRESET | --params COUNT (shared with `memtrain plan`)."""
 
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--model", dest="preset", default=None, metavar="SPEC",
+    # --model_name_or_path: the Trainer scripts' name of the same choice (memtrain.aliases).
+    g.add_argument("--model", "--model_name_or_path", "--model-name-or-path", dest="preset", default=None, metavar="SPEC",
                    help="Model preset: " + ", ".join(PRESETS) + " (flags given next to it override it); or a "
                    "transformers model: a bundled config (llama-3-8b, qwen2.5-7b, mistral-7b, llama-3-70b, "
                    "qwen2.5-0.5b), a config.json or a directory holding one, or hf:ORG/NAME (traced).")
@@ -115,6 +116,14 @@ def _table(rows: list[tuple[str, str, str]]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     cfg, arch = resolve_model(args)
+    rc = _run(args, cfg, arch)
+    note = defaults_note(cfg)
+    if rc == 0 and note and not args.json:
+        print(note)
+    return rc
+
+
+def _run(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
     if arch is None:
         return _run_traced(args, cfg)
     if args.mode == "inference":

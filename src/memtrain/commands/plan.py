@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict
+from typing import Any
 
-from memtrain.analysis.plan import default_space, plan, verify
+from memtrain.analysis.plan import candidate_config, default_space, plan, verify
 from memtrain.argtypes import positive_int
 from memtrain.bench.runner import read_results
-from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, fmt_bytes, register
+from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, defaults_note, fmt_bytes, register
 from memtrain.commands.estimate import add_model_choice, device_type_for, resolve_model
 from memtrain.config import ConfigError, parse_size
 from memtrain.numerics import is_standard, numerics_key, numerics_note
@@ -40,9 +41,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_config_flags(p, ("model", "technique", "train"), exclude=(*LOOP_ONLY_FIELDS, "model"))  # --model is add_model_choice's
 
 
-def run(args: argparse.Namespace) -> int:
-    cfg, arch = resolve_model(args)
-    device_type = device_type_for(args, cfg)
+def _search_space(args: argparse.Namespace, cfg: Any, device_type: str) -> dict[str, list[str]]:
+    """The techniques plan tries: its defaults for the device, narrowed by --precisions etc."""
     space = default_space(cfg, device_type)
     for name, key in (("precisions", "precision"), ("attentions", "attention"), ("checkpointings", "checkpointing"),
                       ("losses", "loss"), ("optims", "optim")):
@@ -51,6 +51,13 @@ def run(args: argparse.Namespace) -> int:
             space[key] = [v.strip() for v in value.split(",") if v.strip()]
             for v in space[key]:
                 cfg.replace(**{key: v})  # validates each value (ConfigError names the bad one)
+    return space
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg, arch = resolve_model(args)
+    device_type = device_type_for(args, cfg)
+    space = _search_space(args, cfg, device_type)
     if args.top < 1:
         raise ConfigError(f"--top must be >= 1, got {args.top}")
     budget = parse_size(args.budget)
@@ -98,6 +105,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"  (#{shown[rec] + 1}, the fastest numerically standard choice; #1 is faster but: {out['candidates'][0]['numerics']})")
     elif not best["numerics_standard"]:
         print(f"  (no numerically standard choice fits; this one: {best['numerics']})")
+    note = defaults_note(candidate_config(cfg, res.candidates[rec]))  # the recommended choice's defaults
+    if note:
+        print(note)
     print("rel. time: modelled step time vs fp32/math/no checkpointing/standard loss at the full batch "
           "(a cost model, not a measurement)" if args.max_batch is None else
           "rel. time: modelled time per token vs the best choice (a cost model, not a measurement)")

@@ -119,6 +119,9 @@ def resolve(spec: str) -> ModelSource:
         # link into ../../blobs, and the weights and tokenizer sit beside the link.
         return ModelSource(spec, p.parent.resolve() / p.name, None)
 
+    twin = spelled_like(spec)
+    if twin is not None:
+        raise ConfigError(f"--model {spec!r} is not a model name; did you mean --model {twin}?")
     raise ConfigError(
         f"--model {spec!r} is not a preset, a bundled config, a config.json or a directory holding one; "
         f"choose one of {', '.join(list(PRESETS) + bundled_names())}, a path, or hf:ORG/NAME")
@@ -172,6 +175,8 @@ def refuse_custom_tokenizer(directory: Path) -> None:
     if "auto_map" in data:
         raise ConfigError(f"{str(path)!r} names custom tokenizer code (auto_map); memtrain never runs code shipped "
                           "with a model: use a tokenizer class transformers ships")
+
+
 def _snapshot_blobs(folder: Path) -> list[Path]:
     """``blobs`` of the Hugging Face cache repository whose ``snapshots/REV`` is ``folder``
     (its files are links into it), else nothing."""
@@ -195,6 +200,18 @@ def check_model_folder(folder: Path, spec: str) -> None:
         name = str(entry.relative_to(folder))
         raise ConfigError(f"--model {spec!r}: {name!r} is {why}; a model folder may hold only regular files "
                           "inside it, remove or replace that entry")
+
+
+def _name_key(name: str) -> str:
+    return "".join(ch for ch in name.lower() if ch.isalnum())
+
+
+def spelled_like(spec: str) -> Optional[str]:
+    """The known model name (preset or bundled config) that ``spec`` matches but for case and
+    punctuation (``llama3-8b`` -> ``llama-3-8b``), or None. Each model has one name, so a
+    near-spelling is refused rather than resolved to a second, different model."""
+    key = _name_key(spec)
+    return next((n for n in [*PRESETS, *bundled_names()] if n != spec and _name_key(n) == key), None)
 
 
 @functools.lru_cache(maxsize=32)
@@ -264,9 +281,8 @@ def preset_fields(spec: str) -> Optional[dict[str, Any]]:
         return None
     fields, arch, _ = PRESETS[spec]
     if arch.name != "gpt2":
-        alt = {"llama3-8b": "llama-3-8b"}.get(spec, "a transformers config.json")
         raise ConfigError(f"--model {spec} is an analytic approximation (memtrain estimate only); to build or trace "
-                          f"a LLaMA use --model {alt}")
+                          f"a LLaMA use a transformers config (--model llama-3-8b, a config.json or hf:ORG/NAME)")
     return dict(fields)
 
 

@@ -1,0 +1,257 @@
+"""A user of transformers' Trainer, peft and accelerate gets the right picture from their first flags:
+printed commands rebuild what was planned, a --model gets transformers' attention default and a
+line saying which defaults shaped the answer, one name means one model, LoRA on a random base is
+said once, the Trainer's option names map (or are refused in one line), and a misspelt option is
+never taken for a prefix of another."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from conftest import TINY_MODEL, cli_flags
+from memtrain.cli import build_parser, config_from_args, main
+from memtrain.config import ConfigError, build_config, train_flags
+
+
+def _parse(argv: list[str]):
+    args, extra = build_parser().parse_known_args(argv)
+    assert not extra, extra
+    return args
+
+
+def _cfg(argv: list[str]):
+    return config_from_args(_parse(argv))
+
+
+def _train_cfg_of(flags: str):
+    """The config `memtrain train FLAGS` resolves to, through train's own parser."""
+    return _cfg(["train", *shlex.split(flags)])
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    return err
+
+
+# ------------------------------------------------------------------------ 1. printed commands
+def _planned(argv: list[str], capsys):
+    """plan's JSON for ``argv`` and the config it planned from (parsed as plan parses it)."""
+    from memtrain.commands.estimate import resolve_model
+
+    assert main(["plan", *argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    cfg, _ = resolve_model(_parse(["plan", *argv]))
+    return out, cfg
+
+
+def _check_plan_commands_rebuild_the_plan(argv: list[str], capsys) -> None:
+    from memtrain.analysis.plan import Candidate, candidate_config
+
+    out, cfg = _planned(argv, capsys)
+    assert out["candidates"]
+    for c in out["candidates"]:
+        planned = candidate_config(cfg, Candidate(c["techniques"], c["batch_size"], c["grad_accum"], 0, "", 0))
+        assert _train_cfg_of(c["config_flags"]).to_dict() == planned.to_dict(), c["config_flags"]
+    # The text output's suggestion is the recommended candidate's command.
+    assert main(["plan", *argv]) == 0
+    best = [line for line in capsys.readouterr().out.splitlines() if line.startswith("best: memtrain train ")]
+    assert best == ["best: memtrain train " + out["candidates"][out["recommended"]]["config_flags"]]
+
+
+def test_plan_command_rebuilds_a_gpt_preset_with_lora_and_its_seq_len(capsys):
+    """--model gpt2-medium at seq 2048 with LoRA: the printed command trains that model, not the
+    default 16M GPT at seq 256."""
+    _check_plan_commands_rebuild_the_plan(
+        ["--model", "gpt2-medium", "--seq-len", "2048", "--max-seq-len", "2048", "--lora-rank", "16",
+         "--lora-targets", "qkv,fc", "--lora-alpha", "32", "--budget", "24GiB", "--device-type", "cuda",
+         "--batch-size", "4", "--grad-accum", "2", "--top", "3"], capsys)
+
+
+def test_plan_command_rebuilds_a_transformers_model(capsys, one_thread):
+    """A transformers --model (traced): the command names the model, its LoRA targets and the
+    sequence length; no shape flag competes with the model's own config."""
+    argv = ["--model", "tiny-llama", "--seq-len", "32", "--batch-size", "2", "--lora-rank", "4",
+            "--lora-targets", "q_proj,v_proj", "--budget", "1GiB", "--device-type", "cpu",
+            "--precisions", "fp32", "--attentions", "sdpa", "--checkpointings", "none", "--losses", "standard",
+            "--top", "1"]
+    _check_plan_commands_rebuild_the_plan(argv, capsys)
+    out, _ = _planned(argv, capsys)
+    flags = shlex.split(out["candidates"][0]["config_flags"])
+    assert flags[:2] == ["--model", "tiny-llama"] and "--d-model" not in flags
+
+
+def test_plan_leaves_selective_out_for_a_transformers_model():
+    """Megatron's selective policy is refused for a transformers model; plan does not offer it."""
+    from memtrain.analysis.plan import default_space
+
+    assert "selective" in default_space(build_config(), "cpu")["checkpointing"]
+    assert "selective" not in default_space(build_config({"model": "tiny-llama"}), "cpu")["checkpointing"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["--model", "tiny-llama", "--seq-len", "64", "--lora-rank", "8", "--qlora", "--lora-dropout", "0.05",
+     "--data", "hf:org/name", "--text-field", "body", "--strip-html", "--no-cache", "--no-progress",
+     "--window", "16", "--lr", "1e-4", "--steps", "30", "--save", "ck.pt", "--device", "cpu"],
+    ["--d-model", "96", "--n-heads", "3", "--untie-embeddings", "--no-bias", "--max-seq-len", "1024",
+     "--seq-len", "1024", "--precision", "bf16-pure", "--optim", "adamw-8bit", "--vocab-multiple", "64",
+     "--checkpointing", "every:2", "--min-lr-ratio", "0.0", "--warmup_ratio", "0.1"],
+])
+def test_train_flags_round_trip_through_trains_parser(argv):
+    cfg = _cfg(["train", *argv])
+    assert _cfg(["train", *train_flags(cfg)]).to_dict() == cfg.to_dict()
+
+
+# ------------------------------------------------------------------------ 2. defaults of a --model
+def test_a_transformers_model_gets_sdpa_unless_attention_is_given():
+    from memtrain.commands.estimate import resolve_model
+
+    assert resolve_model(_parse(["estimate", "--model", "tiny-llama"]))[0].technique.attention == "sdpa"
+    assert resolve_model(_parse(["plan", "--model", "tiny-llama", "--budget", "1GiB"]))[0].technique.attention == "sdpa"
+    assert _cfg(["train", "--model_name_or_path", "tiny-llama"]).technique.attention == "sdpa"
+    assert _cfg(["maxbatch", "--model", "tiny-llama"]).technique.attention == "sdpa"
+    math = resolve_model(_parse(["estimate", "--model", "tiny-llama", "--attention", "math"]))[0]
+    assert math.technique.attention == "math"
+    assert _cfg(["train"]).technique.attention == "math"  # memtrain's GPT keeps its default
+    assert resolve_model(_parse(["estimate", "--model", "gpt2"]))[0].technique.attention == "math"
+
+
+def test_estimate_of_llama_says_which_defaults_shaped_it(capsys):
+    flags = ["estimate", "--model", "llama-3-8b", "--bf16", "--lora_r", "16", "--device-type", "cuda"]
+    assert main(flags) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("defaults used: ")]
+    assert len(lines) == 1
+    for part in ("attention=sdpa", "seq-len 256", "base weights fp32 under bf16 autocast", "--precision bf16-pure",
+                 "all-linear"):
+        assert part in lines[0], part
+    # The default is transformers' SDPA: smaller than the materialized scores of --attention math.
+    assert main([*flags, "--json"]) == 0
+    default = json.loads(capsys.readouterr().out)["peak_bytes"]
+    assert main([*flags, "--attention", "math", "--json"]) == 0
+    assert default < json.loads(capsys.readouterr().out)["peak_bytes"]
+    # Named settings are not defaults.
+    assert main([*flags, "--attention", "sdpa", "--seq-len", "128"]) == 0
+    out = capsys.readouterr().out
+    assert "attention=" not in out and "seq-len 256" not in out and "all-linear" in out
+
+
+def test_plan_prints_the_defaults_of_its_choice(capsys):
+    assert main(["plan", "--budget", "1GiB", "--d-model", "64", "--n-heads", "4", "--n-layers", "2", "--d-ff", "128",
+                 "--device-type", "cpu", "--top", "1"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("defaults used: ")]
+    assert lines == ["defaults used: seq-len 256 (--seq-len)"]  # plan chose the attention itself
+
+
+# ------------------------------------------------------------------------ 3. one name per model
+@pytest.mark.parametrize("spec,twin", [("llama3-8b", "llama-3-8b"), ("Llama-3-8B", "llama-3-8b"),
+                                       ("qwen2.5_7b", "qwen2.5-7b"), ("gpt-2", "gpt2")])
+def test_a_near_spelling_of_a_model_name_is_refused_naming_it(spec, twin, capsys):
+    for verb in ("estimate", "train"):
+        assert main([verb, "--model", spec, "--out", "unused"] if verb == "train" else [verb, "--model", spec]) == 2
+        assert f"did you mean --model {twin}?" in _error_line(capsys)
+
+
+def test_llama_3_8b_is_the_transformers_config(capsys):
+    assert main(["estimate", "--model", "llama-3-8b", "--device-type", "cuda", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["parameters"] == 8_030_261_248
+    from memtrain.model_presets import PRESETS
+    from memtrain.models.spec import _name_key, bundled_names
+
+    keys = [_name_key(n) for n in [*PRESETS, *bundled_names()]]
+    assert len(keys) == len(set(keys))  # no two names for one model
+
+
+# ------------------------------------------------------------------------ 4. LoRA on a random base
+def test_random_base_warning_names_the_cases(tmp_path):
+    from memtrain.notices import random_base_warning
+
+    assert "random weights" in random_base_warning(build_config({"lora_rank": 4}))
+    assert random_base_warning(build_config({"lora_rank": 4, "resume": "ck.pt"})) is None
+    assert random_base_warning(build_config({})) is None
+    assert "no *.safetensors weights" in random_base_warning(build_config({"model": "tiny-llama", "lora_rank": 4}))
+    with_weights = tmp_path / "m"
+    with_weights.mkdir()
+    (with_weights / "config.json").write_text((__import__("memtrain.models.spec", fromlist=["CONFIG_DIR"])
+                                               .CONFIG_DIR / "tiny-llama.json").read_text())
+    (with_weights / "model.safetensors").write_bytes(b"")
+    assert random_base_warning(build_config({"model": str(with_weights), "lora_rank": 4})) is None
+
+
+def test_train_warns_once_and_the_library_does_not(small_corpus, tmp_path, capsys, one_thread):
+    run = {**TINY_MODEL, "data": str(small_corpus), "batch_size": 2, "seq_len": 16, "steps": 3, "warmup_steps": 1,
+           "val_blocks": 1, "progress": False, "lora_rank": 4}
+    assert main(["train", *cli_flags(run), "--out", str(tmp_path / "cli")]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.count("on a random base") == 1 and "warning: --lora-rank 4" in captured.err
+    assert "defaults used: attention=math" in captured.out
+    from memtrain.train import train
+
+    train(build_config({**run, "out": str(tmp_path / "lib")}))  # what a bench row runs
+    assert "random base" not in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------ 5. Trainer names, no prefixes
+def test_more_trainer_names_map_onto_our_fields():
+    cfg = _cfg(["train", "--save_steps", "5", "--logging_steps", "2", "--eval_steps", "4",
+                "--resume_from_checkpoint", "ck.pt", "--model_name_or_path", "tiny-llama", "--seq-len", "32",
+                "--save", "ck2.pt"])
+    t = cfg.train
+    assert (t.save_every, t.log_every, t.eval_every, t.resume, cfg.model.model) == (5, 2, 4, "ck.pt", "tiny-llama")
+
+
+def test_warmup_ratio_is_a_share_of_the_steps():
+    assert _cfg(["train", "--warmup_ratio", "0.1", "--max_steps", "55"]).train.warmup_steps == 6  # ceil, as the Trainer
+    assert _cfg(["train", "--warmup-ratio", "0.5"]).train.warmup_steps == 100  # of the default 200 steps
+    assert _cfg(["train", "--warmup_ratio", "0.1", "--warmup_steps", "3", "--steps", "50"]).train.warmup_steps == 3
+    assert build_config({"warmup_ratio": 0.25, "steps": 8}).train.warmup_steps == 2
+    assert build_config({"warmup_ratio": 0.25}, {"steps": 40}).train.warmup_steps == 10
+    assert build_config({"warmup_steps": 7}, {"warmup_ratio": 0.5, "steps": 8}).train.warmup_steps == 4
+    with pytest.raises(ConfigError, match=r"--warmup_ratio must be a number in \[0, 1\]"):
+        build_config({"warmup_ratio": 1.5})
+
+
+def test_lr_scheduler_type_maps_onto_the_schedule(capsys):
+    cosine = _cfg(["train", "--lr_scheduler_type", "cosine"]).train
+    assert (cosine.schedule, cosine.min_lr_ratio) == ("cosine", 0.0)  # the Trainer's cosine decays to 0
+    constant = _cfg(["train", "--lr_scheduler_type", "constant", "--steps", "50"]).train
+    assert (constant.schedule, constant.warmup_steps) == ("constant", 0)
+    warm = _cfg(["train", "--lr_scheduler_type", "constant_with_warmup", "--warmup_steps", "5"]).train
+    assert (warm.schedule, warm.warmup_steps) == ("constant", 5)
+    assert main(["train", "--lr_scheduler_type", "linear"]) == 2
+    assert "--lr_scheduler_type 'linear' is not available" in _error_line(capsys)
+
+
+def test_num_train_epochs_is_refused_naming_steps(capsys):
+    assert main(["train", "--num_train_epochs", "3"]) == 2
+    err = _error_line(capsys)
+    assert "--num_train_epochs 3 has no memtrain equivalent" in err and "--steps N" in err
+    with pytest.raises(ConfigError, match="--steps"):
+        build_config({"num_train_epochs": 1})
+
+
+def test_a_misspelt_option_is_not_a_prefix(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--learning_rat", "0.001"])
+    assert exc.value.code == 2
+    assert "did you mean --learning_rate?" in _error_line(capsys)
+    with pytest.raises(SystemExit) as exc:
+        main(["estimate", "--seq", "64"])  # once a prefix of --seq-len
+    assert exc.value.code == 2
+    assert "did you mean --seq-len?" in _error_line(capsys)
+
+
+def test_no_parser_takes_abbreviations():
+    import argparse
+
+    parser = build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert parser.allow_abbrev is False
+    for name, sub in subs.choices.items():
+        assert sub.allow_abbrev is False, name
+        if any(a.required for a in sub._actions):
+            continue  # a verb with a required argument refuses the bare option for that reason too
+        args, extra = sub.parse_known_args(["--verbos"], namespace=argparse.Namespace())
+        assert extra == ["--verbos"] and not getattr(args, "verbose", False), name
