@@ -27,7 +27,7 @@ import torch
 from memtrain.checkpoint import read_state
 from memtrain.config import ConfigError, RunConfig, build_config
 from memtrain.data.tokenizer import EOT_ID, vocab_dir
-from memtrain.extras import require
+from memtrain.extras import quiet_transformers_bars, require
 from memtrain.model import GPT
 from memtrain.techniques.lora import apply_lora, merge_lora
 
@@ -140,7 +140,8 @@ def export_hf(ckpt: str | Path, out: str | Path) -> dict[str, Any]:
     model, cfg = load_trained(ckpt)
     hf = to_hf_model(model, cfg)
     out.mkdir(parents=True, exist_ok=True)
-    hf.save_pretrained(str(out), safe_serialization=True)
+    with quiet_transformers_bars():  # its "Writing model shards" bar
+        hf.save_pretrained(str(out), safe_serialization=True)
     save_tokenizer(out)
     return {"out": str(out), "parameters": model.num_parameters(), "lora_merged": bool(cfg.technique.lora_rank),
             "files": sorted(p.name for p in out.iterdir())}

@@ -11,6 +11,7 @@ import importlib
 import logging
 import os
 import warnings
+from collections.abc import Iterator
 from types import ModuleType
 
 from memtrain.config import ConfigError
@@ -39,6 +40,7 @@ def require(module: str) -> ModuleType:
 # deprecated registration that torchao makes.
 NOISY_LOGGERS = ("torchao", "torch.utils._pytree")
 NOISY_MODULES = r"(torchao|peft|transformers|datasets|accelerate|torch\.utils\._pytree)(\..*)?"
+NOISY_PATHS = r".*[/\\](torchao|peft|transformers|datasets|accelerate)[/\\]"
 
 
 def quiet_third_party() -> None:
@@ -52,6 +54,28 @@ def quiet_third_party() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     for category in (DeprecationWarning, FutureWarning, UserWarning):
         warnings.filterwarnings("ignore", category=category, module=NOISY_MODULES)
+    # A SyntaxWarning is raised while a module's source is compiled (the first import after an
+    # install, e.g. torchao's "invalid escape sequence"); its "module" is then the file's path.
+    warnings.filterwarnings("ignore", category=SyntaxWarning, module=NOISY_PATHS)
+
+
+@contextlib.contextmanager
+def quiet_transformers_bars() -> Iterator[None]:
+    """transformers' own progress bars ("Loading weights", "Writing model shards") off while
+    memtrain loads or writes a model through it, unless MEMTRAIN_VERBOSE=1: a bench row or a
+    train run prints memtrain's progress, not the library's. The previous setting is restored."""
+    if os.environ.get("MEMTRAIN_VERBOSE") == "1":
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def quiet_datasets() -> None:

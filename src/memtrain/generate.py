@@ -10,6 +10,7 @@ import torch
 from memtrain.config import ConfigError
 from memtrain.data.tokenizer import EOT_ID, get_tokenizer
 from memtrain.export import _require_transformers, load_trained, to_hf_model
+from memtrain.extras import quiet_transformers_bars
 
 
 def generate(model_path: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int,
@@ -21,7 +22,8 @@ def generate(model_path: Path, prompt: str, max_new_tokens: int, temperature: fl
         if not (model_path / "config.json").is_file():
             raise ConfigError(f"{str(model_path)!r} has no config.json; give a directory written by `memtrain export`")
         # use_safetensors: never fall back to a pickled pytorch_model.bin
-        hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_path), use_safetensors=True).eval()
+        with quiet_transformers_bars():
+            hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_path), use_safetensors=True).eval()
     else:
         model, cfg = load_trained(model_path)
         hf = to_hf_model(model, cfg)

@@ -22,6 +22,8 @@ SCALES: dict[str, dict[str, Any]] = {
               "dropout": 0.0},
 }
 
+DEFAULT_SCALE = "quick"
+
 # Per-scale adjustments of technique presets (the window must fit the sequence).
 SCALE_WINDOW = {"seed": 128, "quick": 64}
 

@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from memtrain.config import ConfigError, RunConfig
+from memtrain.extras import quiet_transformers_bars
 from memtrain.model import LossFn, standard_lm_loss
 from memtrain.models.depth import apply_layer_count
 from memtrain.models.hf_attention import restricted_sdpa_implementation
@@ -145,9 +146,10 @@ def build_hf_model(cfg: RunConfig, with_weights: bool = True) -> HFCausalLM:
     dtype = torch.get_default_dtype()
     try:
         if with_weights and source.has_weights():
-            lm = AutoModelForCausalLM.from_pretrained(
-                source.load_id, config=config, attn_implementation=attn, dtype=dtype,
-                use_safetensors=True, trust_remote_code=False, **from_pretrained_kwargs(source.repo))
+            with quiet_transformers_bars():  # its "Loading weights" bar, in the middle of memtrain's output
+                lm = AutoModelForCausalLM.from_pretrained(
+                    source.load_id, config=config, attn_implementation=attn, dtype=dtype,
+                    use_safetensors=True, trust_remote_code=False, **from_pretrained_kwargs(source.repo))
         else:
             lm = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype,
                                                   trust_remote_code=False)
