@@ -9,7 +9,7 @@ from pathlib import Path
 
 from memtrain.argtypes import positive_float, positive_int
 from memtrain.bench.runner import BenchOptions, run_bench
-from memtrain.bench.scales import DEFAULT_SCALE, SCALES
+from memtrain.bench.scales import DEFAULT_SCALE, SCALE_BUDGET, SCALES
 from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, NOISE_ROW, TECHNIQUES
 from memtrain.cli import add_config_flags, fmt_bytes, register
 from memtrain.config import SECTIONS, ConfigError, load_config_file
@@ -44,7 +44,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="Rerun rows already in results.jsonl.")
     p.add_argument("--no-maxbatch", action="store_true", help="Skip the max-batch search of each row.")
     p.add_argument("--memory-budget", default=None, help="Budget for the max-batch search, e.g. 8GiB "
-                   "(default: the device's memory on CUDA; 1GiB on CPU, through the tracked meter).")
+                   "(default: the device's memory on CUDA; on CPU the scale's budget, "
+                   f"{', '.join(f'{k} {v}' for k, v in SCALE_BUDGET.items() if v)}, else 1GiB, through the tracked meter).")
     p.add_argument("--max-batch", type=positive_int, default=None, help="Upper bound of the max-batch search.")
     p.add_argument("--multiple-of", type=positive_int, default=1, help="Max batch searched in multiples of this (e.g. 8).")
     p.add_argument("--row-timeout", type=positive_float, default=None, help="Seconds before a row is stopped and recorded as timeout.")
