@@ -87,7 +87,7 @@ def test_compile_time_syntax_warnings_of_libraries_are_quiet_and_memtrains_own_w
         warnings.warn_explicit("invalid escape sequence '\\.'", SyntaxWarning,
                                "/tmp/site/torchao/quantization/quant_api.py", 1542)
         warnings.warn_explicit("invalid escape sequence '\\d'", SyntaxWarning, "/home/me/my_script.py", 3)
-        warnings.warn("--precision bf16: slow here", SlowPrecisionWarning)
+        warnings.warn("--precision bf16: slow here", SlowPrecisionWarning, stacklevel=1)
     assert [str(w.message) for w in seen] == ["invalid escape sequence '\\d'", "--precision bf16: slow here"]
 
 
