@@ -109,10 +109,11 @@ def fake_caps(**kw):
 
 @pytest.fixture
 def fresh_probe(monkeypatch):
-    """No forced BF16 answer and no cached probe before and after the test."""
+    """No forced BF16/FP16 answer and no cached probe before and after the test."""
     from memtrain import device as D
 
     monkeypatch.delenv(D.FORCE_BF16_ENV, raising=False)
+    monkeypatch.delenv(D.FORCE_FP16_ENV, raising=False)
     D._PROBES.clear()
     yield
     D._PROBES.clear()

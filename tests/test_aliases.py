@@ -128,4 +128,4 @@ def test_train_says_so_once(tmp_path, capsys):
     code = main(["train", "--steps", "2", "--batch-size", "1", "--seq-len", "16", "--val-blocks", "1",
                  "--no-progress", "--out", str(tmp_path / "r"), *flags])
     err = capsys.readouterr().err
-    assert code == 0 and err.count("note: warm-up was 1 steps (10% of --steps 2") == 1
+    assert code == 0 and err.count("note: warm-up was 1 step (10% of --steps 2") == 1

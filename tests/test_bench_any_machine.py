@@ -32,11 +32,38 @@ def test_default_list_substitutes_slow_bf16_rows():
     assert after["lowest-memory"].technique.optim == before["lowest-memory"].technique.optim == "adamw-4bit"
     assert after["window-flash"].technique.window == before["window-flash"].technique.window
     assert len(notes) == 1 and "run in fp32 here" in notes[0] and "--techniques" in notes[0]
-    # Where FP16 is native and BF16 is not, the nearest native precision is FP16.
-    out16, subs16, _ = adapt_rows(rows, fake_caps(native_fp16=True), substitute=True)
+    # Where FP16 is native, BF16 is not and FP16 measured faster than FP32, the rows run in FP16.
+    out16, subs16, _ = adapt_rows(rows, fake_caps(native_fp16=True, fp16_slowdown=0.5), substitute=True)
     assert subs16["bf16"]["to"] == "fp16" and dict(out16)["bf16"].technique.precision == "fp16"
     # Native BF16: nothing changes, nothing is said.
     assert adapt_rows(rows, fake_caps(native_bf16=True), substitute=True) == (rows, {}, [])
+
+
+@pytest.mark.parametrize("fp16_slowdown, expected", [(0.5, "fp16"), (0.99, "fp16"), (1.0, "fp32"), (1.3, "fp32"),
+                                                    (None, "fp16")])
+def test_substitute_for_bf16_is_the_faster_measured_native_precision(fp16_slowdown, expected):
+    """Native FP16 replaces a slow BF16 only where its measured GEMM is faster than FP32's (an AMX
+    Xeon measured FP16 1.3x slower than FP32); unmeasured (a GPU probed without kernels) it is
+    taken on its native answer."""
+    rows = resolve_rows(BenchOptions(techniques=["baseline", "bf16"]))
+    caps = fake_caps(native_fp16=True, fp16_slowdown=fp16_slowdown)
+    out, subs, notes = adapt_rows(rows, caps, substitute=True)
+    assert dict(out)["bf16"].technique.precision == subs["bf16"]["to"] == expected
+    assert dict(out)["baseline"].technique.precision == "tf32"
+    passed_over = "fp16 is native here but measured 1.3x slower than fp32"
+    assert (passed_over in notes[0]) == (fp16_slowdown == 1.3)
+    assert (subs["bf16"].get("fp16_passed_over") == passed_over) == (fp16_slowdown == 1.3)
+    # Without native FP16 the measured rate does not matter: FP32.
+    out, _, _ = adapt_rows(rows, fake_caps(native_fp16=False, fp16_slowdown=0.5), substitute=True)
+    assert dict(out)["bf16"].technique.precision == "fp32"
+
+
+def test_report_says_why_fp16_was_passed_over():
+    note = "fp16 is native here but measured 1.3x slower than fp32"
+    row = _row("bf16", 1000.0, substituted={"from": "bf16", "to": "fp32", "reason": "slow", "fp16_passed_over": note})
+    md = markdown_report([row], [])
+    assert "BF16 rows ran in FP32, the faster of the native precisions here (FP16 is native here but measured " \
+           "1.3x slower than FP32)" in md
 
 
 def test_named_rows_run_as_asked_with_one_warning():
@@ -112,6 +139,8 @@ def test_bench_default_list_on_cpu_without_native_bf16(small_corpus, tmp_path, m
     """Two real rows in subprocesses with the no-native-BF16 answer forced: the BF16 row runs in
     FP32 and says so; its noise twin runs with the next seed; the report has both."""
     monkeypatch.setenv(D.FORCE_BF16_ENV, "0")
+    # And no native FP16: with it, the row would run in whichever of FP16/FP32 this CPU measures faster.
+    monkeypatch.setenv(D.FORCE_FP16_ENV, "0")
     overrides = {**TINY_MODEL, "data": str(small_corpus), "steps": 3, "warmup_steps": 1, "batch_size": 2,
                  "seq_len": 32, "val_blocks": 2}
     opts = BenchOptions(techniques=["bf16", "bf16-seed2"], out=tmp_path / "b", overrides=overrides,
@@ -120,7 +149,7 @@ def test_bench_default_list_on_cpu_without_native_bf16(small_corpus, tmp_path, m
     assert [r["status"] for r in rows] == ["ok", "ok"]
     assert rows[0]["config"]["technique"]["precision"] == "fp32" and rows[0]["substituted"]["to"] == "fp32"
     assert rows[1]["config"]["train"]["seed"] == rows[0]["config"]["train"]["seed"] + 1
-    assert rows[0]["device_caps"]["forced"] == "MEMTRAIN_FORCE_NATIVE_BF16=0"
+    assert rows[0]["device_caps"]["forced"] == "MEMTRAIN_FORCE_NATIVE_BF16=0, MEMTRAIN_FORCE_NATIVE_FP16=0"
     assert rows[0]["mfu_reference"]["kind"] == "measured_gemm" and 0 < rows[0]["mfu"] <= 1
     err = capsys.readouterr().err
     assert err.count("warning: bf16 rows of the default list run in fp32 here") == 1

@@ -115,3 +115,26 @@ def test_noise_row_reuses_its_twins_max_batch_search(small_corpus, tmp_path):
     assert second["max_batch"]["reused_from"] == "baseline"
     assert second["max_batch"]["batch_size"] == first["max_batch"]["batch_size"]
     assert second["max_batch"]["probes"] == first["max_batch"]["probes"]
+
+
+def test_bench_help_shows_what_the_scales_run(capsys):
+    """A flag a scale sets shows the scale's value as its default (the default scale first), not the
+    config field's default that no bench row runs."""
+    import re
+
+    import pytest
+
+    from memtrain.bench.scales import DEFAULT_SCALE, SCALES
+    from memtrain.cli import main
+    from memtrain.config import TrainConfig
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    quick, seed = SCALES[DEFAULT_SCALE], SCALES["seed"]
+    for flag, key in (("--batch-size INT", "batch_size"), ("--seq-len INT", "seq_len"), ("--steps INT", "steps")):
+        # Its help entry: after the usage line, up to the next option's entry.
+        part = re.split(r" --[a-z][\w-]* [A-Z]+ ", text.rsplit(flag, 1)[1], maxsplit=1)[0]
+        assert f"(default: the scale's: {DEFAULT_SCALE} {quick[key]}, seed {seed[key]})" in part, part
+        assert f"(default: {getattr(TrainConfig(), key)})" not in part
+    assert "==SUPPRESS==" not in text

@@ -14,6 +14,7 @@ from memtrain.cli import main
 from memtrain.config import build_config
 from memtrain.device_advice import mfu_for_run, run_device_facts
 from memtrain.notices import SlowPrecisionWarning, install_warning_format
+from memtrain.report.tables import mfu_lines
 from memtrain.train import train
 
 pytestmark = pytest.mark.usefixtures("fresh_probe")
@@ -62,6 +63,20 @@ def test_force_env_sets_both_answers(monkeypatch):
     on = D.probe("cpu", measure=False)
     assert on.native_bf16 is True and "forced by MEMTRAIN_FORCE_NATIVE_BF16=1" in on.bf16_reason
     assert "no native BF16" in off.label and "native BF16" in on.label
+
+
+def test_force_fp16_env_sets_the_fp16_answer(monkeypatch):
+    monkeypatch.setenv(D.FORCE_FP16_ENV, "1")
+    on = D.probe("cpu", measure=False)
+    assert on.native_fp16 is True and on.forced == "MEMTRAIN_FORCE_NATIVE_FP16=1"
+    assert "forced by MEMTRAIN_FORCE_NATIVE_FP16=1" in on.fp16_reason
+    assert D.precision_is_native("fp16", on) and D.slow_precision_message("fp16", on) is None
+    monkeypatch.setenv(D.FORCE_FP16_ENV, "0")
+    monkeypatch.setenv(D.FORCE_BF16_ENV, "1")
+    off = D.probe("cpu", measure=False)  # a new answer, not the memoized one
+    assert off.native_fp16 is False and off.native_bf16 is True
+    assert off.forced == "MEMTRAIN_FORCE_NATIVE_BF16=1, MEMTRAIN_FORCE_NATIVE_FP16=0"
+    assert D.slow_precision_message("fp16", off).startswith("--precision fp16:")
 
 
 def test_warning_text_names_the_measured_slowdown():
@@ -119,6 +134,23 @@ def test_cpu_mfu_against_measured_gemm(tiny_run):
     ref = r["mfu_reference"]
     assert ref["kind"] == "measured_gemm" and "measured FP32 GEMM" in ref["name"]
     assert r["mfu"] == pytest.approx(r["flops_per_step"] / r["step_time_s"]["median"] / ref["flops_per_s"])
+
+
+def test_cpu_mfu_reference_is_measured_right_after_the_steps(tiny_run, monkeypatch):
+    """The reference GEMM rate is measured after the last training step (the same load as the
+    steps), not taken from the probe's cache; the rate is forced here, so the MFU is exact."""
+    import memtrain.device_advice as A
+
+    steps_done, measured_at = [], []
+    monkeypatch.setattr(A, "measure_fp32_rate", lambda: measured_at.append(len(steps_done)) or 123e9)
+    r = train(build_config({**tiny_run, "steps": 6}), on_step=lambda done, total, step_s: steps_done.append(done))
+    assert measured_at == [6]
+    ref = r["mfu_reference"]
+    assert ref["flops_per_s"] == 123e9 and ref["measured"].startswith("measured right after the run's training steps")
+    assert ref["name"].endswith("measured FP32 GEMM 1024x1024x1024")
+    assert r["mfu"] == pytest.approx(r["flops_per_step"] / r["step_time_s"]["median"] / 123e9)
+    md_line = "\n".join(mfu_lines([{**r, "status": "ok"}]))
+    assert "123.0 GFLOP/s, measured right after the run's training steps" in md_line
 
 
 def test_mfu_reference_by_precision():

@@ -69,3 +69,43 @@ def test_verbose_keeps_third_party_loggers(monkeypatch):
     monkeypatch.setenv("MEMTRAIN_VERBOSE", "0")
     quiet_third_party()
     assert logger.level == logging.ERROR
+
+
+def test_compile_time_syntax_warnings_of_libraries_are_quiet_and_memtrains_own_warnings_stay(monkeypatch):
+    """A SyntaxWarning raised while a library's source compiles names the file, not the module
+    (torchao's "invalid escape sequence" reached the bench's output); it is hidden, while a warning
+    of memtrain's own and a SyntaxWarning of another file still show."""
+    import warnings
+
+    from memtrain.extras import quiet_third_party
+    from memtrain.notices import SlowPrecisionWarning
+
+    monkeypatch.setenv("MEMTRAIN_VERBOSE", "0")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet_third_party()
+        warnings.warn_explicit("invalid escape sequence '\\.'", SyntaxWarning,
+                               "/tmp/site/torchao/quantization/quant_api.py", 1542)
+        warnings.warn_explicit("invalid escape sequence '\\d'", SyntaxWarning, "/home/me/my_script.py", 3)
+        warnings.warn("--precision bf16: slow here", SlowPrecisionWarning, stacklevel=1)
+    assert [str(w.message) for w in seen] == ["invalid escape sequence '\\d'", "--precision bf16: slow here"]
+
+
+def test_transformers_loading_bars_are_off_while_memtrain_loads_a_model(tmp_path, capsys, monkeypatch):
+    """transformers' "Loading weights" bar is not printed when memtrain builds a model from a
+    directory with weights, and the library's own setting is restored afterwards."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.utils import logging as hf_logging
+
+    from memtrain.config import build_config
+    from memtrain.models.hf import build_hf_model
+
+    monkeypatch.setenv("MEMTRAIN_VERBOSE", "0")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    capsys.readouterr()
+    hf_logging.enable_progress_bar()
+    build_hf_model(build_config({"model": str(tmp_path / "m"), "seq_len": 16}), with_weights=True)
+    assert "Loading weights" not in capsys.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()

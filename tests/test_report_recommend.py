@@ -10,7 +10,7 @@ CATS = ("parameters", "gradients", "optimizer", "activations", "temporaries")
 
 
 def _row(tech, step, peak, loss, precision="bf16", optim="adamw", window=None, probes=(True, False, True),
-         mb=10, temporaries=5.0, phase="backward"):
+         mb=10, temporaries=5.0, phase="backward", spread=(0.0, 0.0)):
     by = {"parameters": 1.0, "gradients": 0, "optimizer": 2.0, "activations": 3.0, "temporaries": temporaries}
     return {
         "technique": tech, "description": tech, "status": "ok",
@@ -19,7 +19,7 @@ def _row(tech, step, peak, loss, precision="bf16", optim="adamw", window=None, p
                    "technique": {"precision": precision, "optim": optim, "window": window, "lora_rank": 0},
                    "data": {"data": "default"}},
         "memory": {"peak_bytes": peak, "by_category": {c: by[c] * 2**20 for c in CATS}, "peak_phase": phase},
-        "step_time_s": {"median": step, "p10": step, "p90": step}, "total_time_s": 1.0, "tokens_per_s": 1.0,
+        "step_time_s": {"median": step, "p10": step - spread[0], "p90": step + spread[1]}, "total_time_s": 1.0, "tokens_per_s": 1.0,
         "val_loss": loss, "val_ppl": math.exp(loss),
         "max_batch": {"batch_size": mb, "budget_bytes": 2**30,
                       "probes": [{"batch_size": i + 1, "fits": f} for i, f in enumerate(probes)]},
@@ -78,3 +78,88 @@ def test_maxbatch_cli_marks_the_cap(capsys):
     assert main(["maxbatch", "--max-batch", "4", *tiny]) == 0
     out = capsys.readouterr().out
     assert out.startswith("max batch 4+ ") and "raise --max-batch" in out
+
+
+def _rec_section(rows):
+    return markdown_report(rows, []).split("## Recommendation")[1]
+
+
+def test_the_noise_twin_is_never_recommended():
+    """The twin of the baseline ran faster by chance: the recommendation names a technique."""
+    rows = [_row("baseline", 0.874, 0.5 * 2**30, 9.31, precision="tf32"),
+            _row("chunked", 1.066, 0.3 * 2**30, 9.31),
+            _row("baseline-seed2", 0.869, 0.5 * 2**30, 9.0, precision="tf32")]
+    rec = _rec_section(rows)
+    assert "baseline-seed2" not in rec.split("- Step-time noise")[0]
+    assert "**baseline**" in rec
+    # Even when the twin alone fits the budget, it is not named: no row is recommended then.
+    alone = [_row("baseline", 0.874, 2 * 2**30, 9.31), _row("baseline-seed2", 0.869, 0.5 * 2**30, 9.0)]
+    assert "**baseline-seed2**" not in _rec_section(alone)
+
+
+def test_rows_equally_fast_within_the_twins_timing_noise_are_picked_by_memory():
+    """The same computation timed twice differed by 20%; a row 15% faster than another is not called
+    faster: the two are equally fast within noise and the smaller peak is recommended."""
+    rows = [_row("baseline", 1.00, 0.5 * 2**30, 9.31, precision="tf32"),
+            _row("fast-big", 0.85, 0.6 * 2**30, 9.31),
+            _row("small", 0.98, 0.2 * 2**30, 9.31),
+            _row("slow", 3.00, 0.1 * 2**30, 9.31),
+            _row("baseline-seed2", 1.20, 0.5 * 2**30, 9.0, precision="tf32")]
+    rec = _rec_section(rows)
+    fastest = next(ln for ln in rec.splitlines() if ln.startswith("- Fastest"))
+    assert "equally fast within noise" in fastest and fastest.endswith("**small**, 0.980 s/step (p10-p90 0.980-0.980), "
+                                                                       "peak 0.200 GiB.")
+    assert "fast-big (0.850 s/step)" in fastest and "baseline (1.000 s/step)" in fastest
+    assert "slow" not in fastest  # 3x slower: beyond 2 x 20%
+    assert "took 1.000 and 1.200 s/step, a 20.00% difference" in rec
+    # The same rows with a twin that agreed to 1%: fast-big is faster beyond noise and is recommended.
+    rows[-1] = _row("baseline-seed2", 1.01, 0.5 * 2**30, 9.0, precision="tf32")
+    fastest = next(ln for ln in _rec_section(rows).splitlines() if ln.startswith("- Fastest"))
+    assert fastest.startswith("- Fastest row that fits 1.00 GiB (tracked peak): **fast-big**, 0.850 s/step")
+
+
+def test_overlapping_step_time_spreads_are_a_tie():
+    """Without a twin, a row's own spread decides: ranges that overlap cannot tell two rows apart."""
+    rows = [_row("a", 1.00, 0.5 * 2**30, 9.31, spread=(0.1, 0.3)),
+            _row("b", 1.20, 0.3 * 2**30, 9.31, spread=(0.15, 0.1)),
+            _row("c", 2.00, 0.2 * 2**30, 9.31, spread=(0.2, 0.2))]
+    rec = _rec_section(rows)
+    assert "a (1.000 s/step), b (1.200 s/step) are equally fast within noise" in rec and "**b**" in rec
+    assert "no row was timed twice" in rec
+    md = markdown_report(rows, [])
+    assert "| Step p10-p90 (s) |" in md and "| 0.900-1.300 |" in md and "| 1.050-1.300 |" in md
+    # Apart (a's p90 below b's p10): a is faster.
+    rows[0] = _row("a", 1.00, 0.5 * 2**30, 9.31, spread=(0.1, 0.01))
+    assert "Fastest row that fits 1.00 GiB (tracked peak): **a**" in _rec_section(rows)
+
+
+def test_one_noise_figure_for_the_seed_pair():
+    """The noise section and the recommendation give the seed-to-seed PPL noise as one figure."""
+    rows = [_row("baseline", 1.0, 0.5 * 2**30, math.log(1579.99), precision="tf32"),
+            _row("window", 1.0, 0.5 * 2**30, math.log(1711.50), window=4),
+            _row("baseline-seed2", 1.0, 0.5 * 2**30, math.log(1035.68), precision="tf32")]
+    md = markdown_report(rows, [])
+    assert "a 34.45% difference" in md and "more than 2x the seed-to-seed difference of 34.45%" in md
+    assert "52.5" not in md  # the same noise as a log-loss spread (exp(|dlog|) - 1) is not given beside it
+
+
+def test_plots_name_the_run_scale_and_budget_and_keep_the_cap_mark(tmp_path, monkeypatch):
+    """Every plot title names the scale, batch x sequence, steps and the max-batch budget; the
+    max-batch plot writes a capped search as "256+", as the table does."""
+    from matplotlib.figure import Figure
+
+    from memtrain.report.plots import write_plots
+
+    drawn = {}
+
+    def record(fig, path, **kw):
+        ax = fig.axes[0]
+        drawn[path.name] = (ax.get_title(), [t.get_text().strip() for t in ax.texts])
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    write_plots(table_rows([{**r, "scale": "quick"} for r in ROWS]), tmp_path)
+    assert set(drawn) == {"peak_memory.png", "step_time.png", "max_batch.png", "memory_vs_time.png"}
+    for title, _ in drawn.values():
+        assert title.endswith("\nscale quick; batch 4 x seq 8; 2 steps; max-batch budget 1.00 GiB"), title
+    labels = drawn["max_batch.png"][1]
+    assert "256+" in labels and "10" in labels and "10+" not in labels

@@ -303,7 +303,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0  # result["ranks"] has every rank's numbers
     if getattr(cfg.train, "warmup_defaulted", False):
         # After the run, so that a failure's stderr stays its one error: line.
-        sys.stderr.write(f"note: warm-up was {cfg.train.warmup_steps} steps (10% of --steps {cfg.train.steps}, "
+        n = cfg.train.warmup_steps
+        sys.stderr.write(f"note: warm-up was {n} step{'' if n == 1 else 's'} (10% of --steps {cfg.train.steps}, "
                          "at most 200); set --warmup-steps to choose\n")
     mem = result["memory"]
     print(

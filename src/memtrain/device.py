@@ -18,8 +18,9 @@ into an hour. :func:`probe` answers, per device:
 The measured rates take up to about a second, so they are cached per machine in the memtrain
 cache directory (``MEMTRAIN_CACHE``, else ``~/.cache/memtrain``) as JSON, keyed by the device
 model, the torch version and the thread count; a cache file that cannot be read is ignored and
-rewritten. ``MEMTRAIN_FORCE_NATIVE_BF16=0|1`` overrides the native-BF16 answer (tests use it to
-run both code paths on any CPU; a user may use it when the probe is wrong).
+rewritten. ``MEMTRAIN_FORCE_NATIVE_BF16=0|1`` overrides the native-BF16 answer and
+``MEMTRAIN_FORCE_NATIVE_FP16=0|1`` the native-FP16 one (tests use them to run every code path on
+any CPU; a user may use them when the probe is wrong). The measured rates are never forced.
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ import torch
 from memtrain.errors import ConfigError
 from memtrain.results import write_text_atomic
 
-__all__ = ["DeviceCaps", "probe", "cache_clear", "cpu_model", "cpu_flags", "measure_gemm", "FORCE_BF16_ENV", "cache_path",
-           "slow_precision_message", "precision_is_native"]
+__all__ = ["DeviceCaps", "probe", "cache_clear", "cpu_model", "cpu_flags", "measure_gemm", "measure_fp32_rate", "FORCE_BF16_ENV",
+           "FORCE_FP16_ENV", "cache_path", "slow_precision_message", "precision_is_native"]
 
 FORCE_BF16_ENV = "MEMTRAIN_FORCE_NATIVE_BF16"
+FORCE_FP16_ENV = "MEMTRAIN_FORCE_NATIVE_FP16"
 CACHE_VERSION = 1
 
 # GEMM shapes (M, K, N) timed for the rates. Small on purpose: the probe must stay under about a
@@ -85,7 +87,7 @@ class DeviceCaps:
     gemm_shapes: dict[str, list[int]] = field(default_factory=dict)
     isa_flags: list[str] = field(default_factory=list)
     compute_capability: Optional[list[int]] = None
-    forced: Optional[str] = None  # the override in effect, e.g. "MEMTRAIN_FORCE_NATIVE_BF16=0"
+    forced: Optional[str] = None  # the overrides in effect, e.g. "MEMTRAIN_FORCE_NATIVE_BF16=0"
     from_cache: bool = False
 
     def to_dict(self) -> dict[str, Any]:
@@ -312,8 +314,9 @@ def _write_cache(path: Path, key: str, rates: dict[str, Any]) -> None:
 
 
 # ----------------------------------------------------------------------------- probe
-def _forced_bf16() -> Optional[bool]:
-    value = os.environ.get(FORCE_BF16_ENV, "").strip().lower()
+def _forced(env: str) -> Optional[bool]:
+    """The answer forced by environment variable ``env`` (0/1, false/true, no/yes), else None."""
+    value = os.environ.get(env, "").strip().lower()
     if value in ("1", "true", "yes"):
         return True
     if value in ("0", "false", "no"):
@@ -352,7 +355,7 @@ def probe(device: torch.device | str = "cpu", measure: bool = True, kernels: boo
 
 def _probe(device: torch.device, measure: bool, kernels: bool,
            measure_fn: Optional[Callable[[torch.device, list[torch.dtype]], dict[str, Any]]]) -> DeviceCaps:
-    memo_key = (str(device), measure, kernels, os.environ.get(FORCE_BF16_ENV, ""))
+    memo_key = (str(device), measure, kernels, os.environ.get(FORCE_BF16_ENV, ""), os.environ.get(FORCE_FP16_ENV, ""))
     if measure_fn is None and memo_key in _PROBES:  # type: ignore[comparison-overlap]
         return _PROBES[memo_key]  # type: ignore[index]
     threads = torch.get_num_threads()
@@ -377,12 +380,18 @@ def _probe(device: torch.device, measure: bool, kernels: bool,
         tf32 = "amx_tf32" in flags
         capability = None
         sdpa_flash = _probe_sdpa(device, "FLASH_ATTENTION") if kernels else None
-    forced = _forced_bf16()
-    forced_text = None
+    overrides = []
+    forced = _forced(FORCE_BF16_ENV)
     if forced is not None:
         native_bf16 = forced
-        forced_text = f"{FORCE_BF16_ENV}={int(forced)}"
-        bf16_reason = f"forced by {forced_text} (probe said: {bf16_reason})"
+        overrides.append(f"{FORCE_BF16_ENV}={int(forced)}")
+        bf16_reason = f"forced by {overrides[-1]} (probe said: {bf16_reason})"
+    forced = _forced(FORCE_FP16_ENV)
+    if forced is not None:
+        native_fp16 = forced
+        overrides.append(f"{FORCE_FP16_ENV}={int(forced)}")
+        fp16_reason = f"forced by {overrides[-1]} (probe said: {fp16_reason})"
+    forced_text = ", ".join(overrides) or None
     caps = DeviceCaps(
         device_type=device.type, name=name, torch=torch.__version__, threads=threads,
         native_bf16=native_bf16, native_fp16=native_fp16, tf32=tf32,
@@ -415,6 +424,19 @@ def _probe(device: torch.device, measure: bool, kernels: bool,
     return caps
 
 
+def measure_fp32_rate(budget_s: float = 2 * TIME_BUDGET_S) -> Optional[float]:
+    """The CPU's FP32 GEMM rate now: the best of repeated ``FP32_SHAPE`` products over ``budget_s``
+    (best, not median: on a shared machine the least-disturbed product is the closest to what
+    the BLAS does). The random number generators are left as they were."""
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            return measure_gemm(torch.device("cpu"), torch.float32, FP32_SHAPE, budget_s=budget_s)
+    finally:
+        torch.set_float32_matmul_precision(prev)
+
+
 def refresh_fp32_rate(caps: DeviceCaps) -> DeviceCaps:
     """Measure the FP32 GEMM rate again and keep the best seen (here and in the cache).
 
@@ -423,14 +445,7 @@ def refresh_fp32_rate(caps: DeviceCaps) -> DeviceCaps:
     The best rate seen on a machine is the closest to what its BLAS can do."""
     if caps.device_type != "cpu":
         return caps
-    device = torch.device("cpu")
-    prev = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            rate = measure_gemm(device, torch.float32, FP32_SHAPE, budget_s=2 * TIME_BUDGET_S)
-    finally:
-        torch.set_float32_matmul_precision(prev)
+    rate = measure_fp32_rate()
     if rate and rate > (caps.gemm_fp32_flops or 0):
         old = caps.gemm_fp32_flops
         caps.gemm_fp32_flops = rate

@@ -5,23 +5,35 @@ calls :func:`run_device_facts` and :func:`mfu_for_run`).
 
 MFU on CUDA is against the GPU's datasheet peak (:mod:`memtrain.metrics.gpus`); a CPU has no
 datasheet figure torch can look up, so CPU MFU is against the GEMM rate measured on this machine
-by :func:`memtrain.device.probe` (named ``measured_gemm`` in the result). That reference is the
-rate a plain square matmul reaches here, not a theoretical peak, so a CPU MFU reads "how much of
-what this machine's BLAS does" and is comparable between rows of one bench.
+(named ``measured_gemm`` in the result). That reference is the rate a plain square matmul reaches
+here, not a theoretical peak, so a CPU MFU reads "how much of what this machine's BLAS does". A
+run measures it again right after its training steps (:func:`reference_rate_now`: the best of
+repeated products over 0.3 s), so the row and its reference see the same load on a shared machine;
+a rate cached by the probe minutes earlier, under other load, made the same row read 67.7% in one
+bench and 31.6% in another.
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
 
-from memtrain.device import DeviceCaps, precision_is_native, probe, refresh_fp32_rate, slow_precision_message
+from memtrain.device import (
+    FP32_SHAPE,
+    DeviceCaps,
+    measure_fp32_rate,
+    precision_is_native,
+    probe,
+    refresh_fp32_rate,
+    slow_precision_message,
+)
 from memtrain.metrics.gpus import device_gpu, mfu, peak_flops
 from memtrain.notices import SlowPrecisionWarning
 
-__all__ = ["SlowPrecisionWarning", "run_device_facts", "mfu_for_run", "warn_if_slow"]
+__all__ = ["SlowPrecisionWarning", "run_device_facts", "mfu_for_run", "reference_rate_now", "warn_if_slow"]
 
 
 def warn_if_slow(precision: str, caps: DeviceCaps) -> Optional[str]:
@@ -48,9 +60,25 @@ def _reference_rate(caps: DeviceCaps, precision: str) -> tuple[Optional[float], 
     return fp32, "fp32"
 
 
+def reference_rate_now(caps: Optional[DeviceCaps]) -> Optional[float]:
+    """On a CPU, the FP32 GEMM rate measured now (best of repeated products over 0.3 s), the
+    reference of this run's MFU; None on CUDA, without a probe, or when it cannot be measured."""
+    if caps is None or caps.device_type != "cpu":
+        return None
+    try:
+        return measure_fp32_rate()
+    except Exception:  # noqa: BLE001 - the run keeps the probe's cached rate
+        return None
+
+
+REFERENCE_NOW = "measured right after the run's training steps (best of repeated products over 0.3 s)"
+
+
 def mfu_for_run(flops_per_step: float, step_time_s: Optional[float], device: torch.device, precision: str,
-                caps: Optional[DeviceCaps]) -> tuple[Optional[float], Optional[dict[str, Any]]]:
-    """MFU and its reference: CUDA against the datasheet peak, CPU against the measured GEMM rate."""
+                caps: Optional[DeviceCaps], rate_now: Optional[float] = None
+                ) -> tuple[Optional[float], Optional[dict[str, Any]]]:
+    """MFU and its reference: CUDA against the datasheet peak, CPU against the measured GEMM rate
+    (``rate_now``, from :func:`reference_rate_now`, where given; else the probe's cached rate)."""
     if not step_time_s:
         return None, None
     if device.type == "cuda":
@@ -61,6 +89,10 @@ def mfu_for_run(flops_per_step: float, step_time_s: Optional[float], device: tor
         return mfu(flops_per_step, step_time_s, gpu, precision), ref
     if caps is None:
         return None, None
+    if rate_now:
+        rate, dtype = _reference_rate(replace(caps, gemm_fp32_flops=rate_now), precision)
+        assert rate is not None  # a positive FP32 rate gives a reference
+        return flops_per_step / step_time_s / rate, _cpu_reference(caps, rate, dtype, list(FP32_SHAPE), REFERENCE_NOW)
     rate, dtype = _reference_rate(caps, precision)
     if not rate:
         return None, None
@@ -70,10 +102,14 @@ def mfu_for_run(flops_per_step: float, step_time_s: Optional[float], device: tor
         rate, dtype = _reference_rate(caps, precision)
         if not rate:
             return None, None
-    ref = {"kind": "measured_gemm", "name": f"{caps.name}, measured {dtype.upper()} GEMM "
-           f"{'x'.join(map(str, caps.gemm_shapes.get('fp32', [])))}",
-           "flops_per_s": rate, "dtype": dtype}
-    return flops_per_step / step_time_s / rate, ref
+    when = "by the device probe (cached per machine; measured again when a run beat it)"
+    return flops_per_step / step_time_s / rate, _cpu_reference(caps, rate, dtype, caps.gemm_shapes.get("fp32", []), when)
+
+
+def _cpu_reference(caps: DeviceCaps, rate: float, dtype: str, shape: list[int], when: str) -> dict[str, Any]:
+    """The result's ``mfu_reference`` of a CPU run: what the rate is, and when it was measured."""
+    return {"kind": "measured_gemm", "name": f"{caps.name}, measured {dtype.upper()} GEMM {'x'.join(map(str, shape))}",
+            "flops_per_s": rate, "dtype": dtype, "measured": when}
 
 
 def run_device_facts(precision: str, device: torch.device) -> tuple[Optional[DeviceCaps], dict[str, Any]]:

@@ -42,6 +42,7 @@ def require(module: str) -> ModuleType:
 # deprecated registration that torchao makes.
 NOISY_LOGGERS = ("torchao", "torch.utils._pytree")
 NOISY_MODULES = r"(torchao|peft|transformers|datasets|accelerate|torch\.utils\._pytree)(\..*)?"
+NOISY_PATHS = r".*[/\\](torchao|peft|transformers|datasets|accelerate)[/\\]"
 
 
 def quiet_third_party() -> None:
@@ -55,6 +56,9 @@ def quiet_third_party() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     for category in (DeprecationWarning, FutureWarning, UserWarning):
         warnings.filterwarnings("ignore", category=category, module=NOISY_MODULES)
+    # A SyntaxWarning is raised while a module's source is compiled (the first import after an
+    # install, e.g. torchao's "invalid escape sequence"); its "module" is then the file's path.
+    warnings.filterwarnings("ignore", category=SyntaxWarning, module=NOISY_PATHS)
 
 
 def quiet_datasets() -> None:

@@ -25,7 +25,7 @@ from memtrain.checkpoint import load_checkpoint, save_checkpoint
 from memtrain.config import RunConfig
 from memtrain.data import make_train_loader, make_val_batches, prepare_tokens
 from memtrain.data.device_feed import DeviceFeed
-from memtrain.device_advice import mfu_for_run, run_device_facts
+from memtrain.device_advice import mfu_for_run, reference_rate_now, run_device_facts
 from memtrain.logging_sinks import MetricsLogger, live_memory
 from memtrain.metrics import MemoryMeter, StepTimer, device_peak_memory, percentile, reset_device_peak
 from memtrain.metrics.state import ShardedStateBytes
@@ -238,6 +238,8 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         bar.close()
         state.loader.close()  # the feed's background fetch, if any
     total_time = time.perf_counter() - wall_start
+    # CPU MFU's reference rate, measured now: under the same load as the steps just timed.
+    rate_now = reference_rate_now(caps)
 
     val_loss = evaluate(state.model, val_batches, precision, device)
     logger.log(end_step, {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, force=True)
@@ -248,7 +250,7 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         memory.update(meter.stats().to_dict())
     memory.update(device_peak_memory(device))
     result = _result(state, timer, memory, splits, val_loss, loop.val_history, start_step, end_step,
-                     tokens_per_step, total_time, caps, device_caps)
+                     tokens_per_step, total_time, caps, device_caps, rate_now)
     result.update(dist_ctx.result_fields(memory))  # distributed: "ranks" (memory per rank), "distributed"
     _write_outputs(result, state, on_result, save_ckpt, end_step, logger.failure)
     return result
@@ -349,14 +351,14 @@ class _Loop:
 
 def _result(state: TrainState, timer: StepTimer, memory: dict[str, Any], splits: Any, val_loss: float,
             val_history: list[dict[str, float]], start_step: int, end_step: int, tokens_per_step: int,
-            total_time: float, caps: Any, device_caps: Any) -> dict[str, Any]:
+            total_time: float, caps: Any, device_caps: Any, rate_now: Optional[float] = None) -> dict[str, Any]:
     """The result dict of a finished run (the result.json contract of docs/architecture.md)."""
     cfg, t, losses, device = state.cfg, state.cfg.train, state.losses, state.device
     stats = timer.summary().to_dict()
     tail = losses[-min(10, len(losses)):] if losses else [float("nan")]
     flops_per_rank_step, flops_source = _flops_per_rank_step(cfg, state.n_params)
     median = stats["median"]
-    run_mfu, mfu_reference = mfu_for_run(flops_per_rank_step, median, device, cfg.technique.precision, caps)
+    run_mfu, mfu_reference = mfu_for_run(flops_per_rank_step, median, device, cfg.technique.precision, caps, rate_now)
     return {
         "config": cfg.to_dict(),
         "train_loss": sum(tail) / len(tail),

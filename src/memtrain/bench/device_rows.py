@@ -4,9 +4,10 @@ On a device without native BF16 (an AVX2-only CPU, a pre-Ampere GPU) a BF16 row'
 a slow reference kernel, 5x to 200x slower than FP32 on the CPUs measured; the default
 `memtrain bench` spent over an hour there instead of minutes. So:
 
-- rows of the *default* list run their BF16 precision in the nearest native one instead (FP16
-  where that is native, else FP32), and the result records the substitution so the report can
-  say so beside the row;
+- rows of the *default* list run their BF16 precision in the faster of the native ones instead:
+  FP16 where that is native and not measured slower than FP32 (on a 2-core Xeon with AMX FP16, an
+  FP16 matmul measured 1.3x slower than FP32), else FP32; the result records the substitution so
+  the report can say so beside the row;
 - rows the user listed explicitly run as asked, with a warning up front naming the measured
   slowdown;
 - on a CPU, rows of the default list whose optimizer is one of torchao's low-bit AdamWs run
@@ -52,11 +53,20 @@ def runner_caps(device: torch.device) -> Optional[DeviceCaps]:
 
 
 def nearest_native(precision: str, caps: DeviceCaps) -> str:
-    """The precision a slow ``precision`` row runs in instead: FP16 (autocast) where that is
-    native and BF16 is not, else FP32."""
+    """The precision a slow ``precision`` row runs in instead: the faster measured of the native
+    ones. FP16 (autocast) where it is native and its measured GEMM slowdown against FP32 is below
+    1 (or unmeasured: a GPU's FP16 tensor cores, probed without running a kernel); else FP32."""
     if precision in ("bf16", "bf16-pure") and caps.native_fp16:
-        return "fp16"
+        if caps.fp16_slowdown is None or caps.fp16_slowdown < 1:
+            return "fp16"
     return "fp32"
+
+
+def _fp16_passed_over(caps: DeviceCaps) -> str:
+    """Why a native FP16 was not chosen (its measured slowdown), or "" when it was not native."""
+    if caps.native_fp16 and caps.fp16_slowdown is not None and caps.fp16_slowdown >= 1:
+        return f"fp16 is native here but measured {caps.fp16_slowdown:.1f}x slower than fp32"
+    return ""
 
 
 def adapt_rows(rows: list[tuple[str, RunConfig]], caps: Optional[DeviceCaps], substitute: bool
@@ -80,6 +90,8 @@ def adapt_rows(rows: list[tuple[str, RunConfig]], caps: Optional[DeviceCaps], su
         if substitute:
             alt = nearest_native(precision, caps)
             subs[name] = {"from": precision, "to": alt, "reason": msg}
+            if alt == "fp32" and _fp16_passed_over(caps):
+                subs[name]["fp16_passed_over"] = _fp16_passed_over(caps)
             cfg = cfg.replace(precision=alt)
         else:
             warned.setdefault(msg, []).append(name)
@@ -91,6 +103,8 @@ def adapt_rows(rows: list[tuple[str, RunConfig]], caps: Optional[DeviceCaps], su
             by.setdefault((s["from"], s["to"]), []).append(name)
         for (src, alt), names in by.items():
             reason = subs[names[0]]["reason"].split(": ", 1)[-1].split(". Expect")[0]
+            if subs[names[0]].get("fp16_passed_over"):
+                reason += "; " + subs[names[0]]["fp16_passed_over"]
             warnings.append(f"{src} rows of the default list run in {alt} here ({reason}): "
                             f"{', '.join(names)}. Name them in --techniques to run them in {src} anyway.")
     return out, subs, warnings

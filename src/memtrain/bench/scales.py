@@ -12,23 +12,30 @@ SCALES: dict[str, dict[str, Any]] = {
     # one 200-step epoch with 200 warm-up steps.
     "seed": {"batch_size": 64, "seq_len": 256, "steps": 200, "warmup_steps": 200, "val_blocks": 64},
     # Finishes on 2 CPU cores in minutes: the same default model (so the memory picture,
-    # dominated by the 50257-token logits, is the real one) at a smaller batch and sequence,
-    # fewer steps, a short warm-up and a higher learning rate so the quality column means
-    # something: 20 steps at lr 2e-3 reach val PPL ~1,580 on the FP32 baseline (20 at 3e-4
-    # stopped at ~11,084, every row alike; 30 at 1e-3 reached ~1,380 but a row then took ~50 s on
-    # a 2-core AVX2 CPU, too long for 8 rows in 5 minutes; docs/performance.md). Dropout is off
-    # because PyTorch's CPU flash kernel has no dropout (the flash rows could not run on CPU).
-    "quick": {"batch_size": 4, "seq_len": 128, "steps": 20, "warmup_steps": 5, "lr": 2e-3, "val_blocks": 16,
+    # dominated by the 50257-token logits, is the real one) at one sequence of 256 tokens per step
+    # for 40 steps, a short warm-up and a higher learning rate so the quality column means
+    # something. The tokens per row are those of the former 4 x 128 x 20 steps, but twice the
+    # updates: at 20 steps the baseline was still falling ~20% in PPL per 10 steps and its
+    # second seed differed by 34% (1,580 vs 1,036); at step 40 of a 1 x 256 run it fell ~10% per
+    # 10 steps (PPL 740; docs/performance.md). Memory: batch 1 keeps the step cheap, and the
+    # max-batch column shows the techniques (SCALE_BUDGET: 2 GiB; `memtrain maxbatch` predicts
+    # 10 for the baseline, 11 with flash, 12 with checkpointing, 104 with the chunked loss,
+    # 322 for the lowest-memory row), where 4 x 128 under 1 GiB gave 10-11 for every row but
+    # the chunked loss's. Dropout is off because PyTorch's CPU flash kernel has no dropout (the
+    # flash rows could not run on CPU).
+    "quick": {"batch_size": 1, "seq_len": 256, "steps": 40, "warmup_steps": 5, "lr": 2e-3, "val_blocks": 16,
               "dropout": 0.0},
 }
 
+DEFAULT_SCALE = "quick"
+
 # Per-scale adjustments of technique presets (the window must fit the sequence).
-SCALE_WINDOW = {"seed": 128, "quick": 64}
+SCALE_WINDOW = {"seed": 128, "quick": 128}
 
 # Memory budget for the max-batch column by scale when the device has no memory limit of
 # its own (CPU): the search then runs against the tracked meter.
-SCALE_BUDGET = {"seed": None, "quick": "1GiB"}
-SCALE_MAX_BATCH = {"seed": 1024, "quick": 256}
+SCALE_BUDGET = {"seed": None, "quick": "2GiB"}
+SCALE_MAX_BATCH = {"seed": 1024, "quick": 512}
 
 
 def scale_overrides(scale: str) -> dict[str, Any]:

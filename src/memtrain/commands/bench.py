@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 from memtrain.argtypes import positive_float, positive_int
 from memtrain.bench.runner import BenchOptions, run_bench
-from memtrain.bench.scales import SCALES
+from memtrain.bench.scales import DEFAULT_SCALE, SCALE_BUDGET, SCALES
 from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, NOISE_ROW, TECHNIQUES, default_techniques
 from memtrain.cli import add_config_flags, fmt_bytes, register
 from memtrain.config import SECTIONS, ConfigError, load_config_file
@@ -25,9 +26,9 @@ def warn_skipped_lines(out: Path, summary: dict) -> None:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scale", "--preset", dest="scale", default="quick",
+    p.add_argument("--scale", "--preset", dest="scale", default=DEFAULT_SCALE,
                    help=f"Scale of every row (model, batch, sequence, steps): {' | '.join(SCALES)} "
-                   "(seed: the published table's settings; quick: minutes on 2 CPU cores). Default quick. "
+                   f"(seed: the published table's settings; quick: minutes on 2 CPU cores). Default {DEFAULT_SCALE}. "
                    "--preset is the former name of this flag and works the same.")
     p.add_argument("--techniques", default=None,
                    help=f"Comma-separated rows: presets ({', '.join(TECHNIQUES)}), a preset's noise twin "
@@ -36,24 +37,40 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "(e.g. --vocab-multiple) overrides a preset's own setting; an explicit row may not "
                    "set a key that a flag also sets (refused, so neither silently wins). "
                    f"Default: {','.join(DEFAULT_TECHNIQUES + [NOISE_ROW])} (plus compile on CUDA); on a device without native "
-                   "BF16 the default list runs its BF16 rows in the nearest native precision (FP16 where "
-                   "native, else FP32) and says so; rows named here run as asked (with a warning).")
+                   "BF16 the default list runs its BF16 rows in the faster measured native precision (FP16 "
+                   "where native and not measured slower than FP32, else FP32) and says so; rows named here "
+                   "run as asked (with a warning).")
     p.add_argument("--out", dest="bench_out", default="runs/bench", help="Results folder (default runs/bench).")
     p.add_argument("--force", action="store_true", help="Rerun rows already in results.jsonl.")
     p.add_argument("--no-maxbatch", action="store_true", help="Skip the max-batch search of each row.")
     p.add_argument("--memory-budget", default=None, help="Budget for the max-batch search, e.g. 8GiB "
-                   "(default: the device's memory on CUDA; 1GiB on CPU, through the tracked meter).")
+                   "(default: the device's memory on CUDA; on CPU the scale's budget, "
+                   f"{', '.join(f'{k} {v}' for k, v in SCALE_BUDGET.items() if v)}, else 1GiB, through the tracked meter).")
     p.add_argument("--max-batch", type=positive_int, default=None, help="Upper bound of the max-batch search.")
     p.add_argument("--multiple-of", type=positive_int, default=1, help="Max batch searched in multiples of this (e.g. 8).")
     p.add_argument("--row-timeout", type=positive_float, default=None, help="Seconds before a row is stopped and recorded as timeout.")
     p.add_argument("--nproc", type=positive_int, default=1, help="Processes (devices) per row, launched with torchrun; rows "
                    "run data-parallel with --distributed ddp unless they set distributed=zero1|zero2|fsdp. Default 1.")
     add_config_flags(p, ("data", "model", "train"), exclude=("out", "save", "resume", "save_every"))
+    show_scale_defaults(p)
+
+
+def show_scale_defaults(p: argparse.ArgumentParser) -> None:
+    """Each flag a scale sets shows the scale's values as its default (the config field's own
+    default, e.g. batch 8, is not what a bench row runs)."""
+    from memtrain.config import SECTIONS
+
+    field_defaults = {f.name: f.default for cls in SECTIONS.values() for f in fields(cls)}
+    for action in p._actions:
+        if action.help in (None, argparse.SUPPRESS) or not any(action.dest in scale for scale in SCALES.values()):
+            continue
+        order = sorted(SCALES, key=lambda name: name != DEFAULT_SCALE)  # the default scale first
+        values = ", ".join(f"{name} {SCALES[name].get(action.dest, field_defaults.get(action.dest))}" for name in order)
+        base = action.help.rsplit(" (default: ", 1)[0]
+        action.help = f"{base} (default: the scale's: {values})"
 
 
 def run(args: argparse.Namespace) -> int:
-    from dataclasses import fields
-
     known = {f.name for s in ("data", "model", "train") for f in fields(SECTIONS[s])}
     overrides = {k: v for k, v in vars(args).items() if k in known}
 

@@ -13,10 +13,22 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-__all__ = ["FACTOR", "ppl_noise", "quality_vs_noise", "noise_markdown"]
+__all__ = ["FACTOR", "ppl_noise", "quality_vs_noise", "noise_markdown", "is_noise_twin", "fmt_noise",
+           "step_noise", "faster_beyond_noise"]
 
 FACTOR = 2.0
 SUFFIX = "-seed2"
+
+
+def is_noise_twin(name: Any) -> bool:
+    """Whether bench row ``name`` is another row's next-seed twin (there to measure noise, never a
+    technique to recommend)."""
+    return isinstance(name, str) and name.endswith(SUFFIX)
+
+
+def fmt_noise(rel: float) -> str:
+    """A relative noise figure as the report writes it everywhere (one rounding for one figure)."""
+    return f"{rel * 100:.2f}%"
 
 
 def _ppl(row: dict[str, Any]) -> Optional[float]:
@@ -64,7 +76,7 @@ def noise_markdown(rows: list[dict[str, Any]]) -> list[str]:
         "## Quality against run-to-run noise",
         "",
         f"Run-to-run noise: `{q['base']}` reached val PPL {q['ppl']:.2f}; the same row with the next seed "
-        f"(`{q['base']}{SUFFIX}`) {q['ppl_seed2']:.2f}, a {q['rel_noise'] * 100:.2f}% difference. "
+        f"(`{q['base']}{SUFFIX}`) {q['ppl_seed2']:.2f}, a {fmt_noise(q['rel_noise'])} difference. "
         f"A row's PPL difference from `{q['base']}` counts as beyond noise when it is more than "
         f"{q['factor']:.0f}x that.",
         "",
@@ -77,3 +89,49 @@ def noise_markdown(rows: list[dict[str, Any]]) -> list[str]:
                      f"{'yes' if r['beyond_noise'] else 'no'} |")
     lines.append("")
     return lines
+
+
+# ----------------------------------------------------------------------------- step time
+# The twin pair is also the same computation timed twice, at two moments of the bench: the
+# difference of its step times is the run-to-run timing noise of this machine while the bench
+# ran (other processes sharing the cores, clock changes). A row's own spread is its p10-p90 range
+# over the timed steps. One row is called faster than another only when its median step beats the
+# other's by more than FACTOR times the twin's difference AND the two rows' p10-p90 ranges do not
+# overlap; otherwise the two are equally fast within noise.
+
+def _step(rec: dict[str, Any]) -> Optional[float]:
+    v = rec.get("step_time_s")
+    return float(v) if rec.get("status") == "ok" and isinstance(v, (int, float)) and v > 0 else None
+
+
+def step_noise(records: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """The first ``X`` / ``X-seed2`` pair of table records with both step times:
+    {base, step, step_seed2, rel_noise}, ``rel_noise`` being the slower over the faster, minus 1
+    (symmetric: which of two timings of one computation is the reference is arbitrary)."""
+    by_name = {r.get("technique"): r for r in records}
+    for name, rec in by_name.items():
+        if not isinstance(name, str) or not is_noise_twin(name):
+            continue
+        base = by_name.get(name[: -len(SUFFIX)]) or {}
+        a, b = _step(base), _step(rec)
+        if a and b:
+            return {"base": name[: -len(SUFFIX)], "step": a, "step_seed2": b, "rel_noise": max(a, b) / min(a, b) - 1}
+    return None
+
+
+def _range(rec: dict[str, Any]) -> Optional[tuple[float, float]]:
+    lo, hi = rec.get("step_time_p10_s"), rec.get("step_time_p90_s")
+    return (float(lo), float(hi)) if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) else None
+
+
+def faster_beyond_noise(fast: dict[str, Any], slow: dict[str, Any], noise: Optional[dict[str, Any]]) -> bool:
+    """Whether table record ``fast`` is faster than ``slow`` by more than the measured noise: its
+    median beats ``slow``'s by more than FACTOR x the twin's difference (when a twin was timed) and
+    its p90 is below ``slow``'s p10 (when both ranges are known)."""
+    a, b = _step(fast), _step(slow)
+    if a is None or b is None or a >= b:
+        return False
+    if noise is not None and b / a - 1 <= FACTOR * noise["rel_noise"]:
+        return False
+    ra, rb = _range(fast), _range(slow)
+    return not (ra and rb and ra[1] >= rb[0])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from memtrain.report.tables import CATEGORIES, GIB, MIB
 from memtrain.results import PLOT_FILES, write_atomic
@@ -43,6 +43,30 @@ def plain_label(text: Any) -> str:
     return str(text).replace("$", r"\$")
 
 
+def run_context(records: list[dict[str, Any]]) -> str:
+    """The settings every plot title names: scale, batch x sequence, steps, max-batch budget."""
+    def shared(key: str) -> Any:
+        values = {r.get(key) for r in records if r.get(key) is not None}
+        return values.pop() if len(values) == 1 else None
+
+    parts = []
+    if shared("scale"):
+        parts.append(f"scale {shared('scale')}")
+    if shared("batch_size") and shared("seq_len"):
+        parts.append(f"batch {shared('batch_size')} x seq {shared('seq_len')}")
+    if shared("steps"):
+        parts.append(f"{shared('steps')} steps")
+    budget = shared("max_batch_budget_bytes")
+    if budget:
+        parts.append(f"max-batch budget {budget / GIB:.2f} GiB")
+    return "; ".join(parts)
+
+
+def _title(title: str, records: list[dict[str, Any]]) -> str:
+    context = run_context(records)
+    return f"{title}\n{context}" if context else title
+
+
 def plot_peak_memory(records: list[dict[str, Any]], path: Path) -> None:
     """Stacked horizontal bars: the tracked peak split by category, per technique."""
     plt = _plt()
@@ -58,7 +82,7 @@ def plot_peak_memory(records: list[dict[str, Any]], path: Path) -> None:
         ax.text(left[i], i, f" {r['peak_tracked_bytes'] / MIB:,.0f} MiB", va="center", fontsize=9)
     ax.invert_yaxis()
     ax.set_xlabel("tracked peak memory (MiB), split by category at the peak")
-    ax.set_title("Peak memory per technique")
+    ax.set_title(_title("Peak memory per technique", records), fontsize=11)
     ax.set_xlim(0, max(left or [1]) * 1.22)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.28 if len(recs) < 4 else -0.12), ncol=5, fontsize=8,
               frameon=False)
@@ -66,18 +90,20 @@ def plot_peak_memory(records: list[dict[str, Any]], path: Path) -> None:
     save_figure(fig, path)
 
 
-def _bar(records: list[dict[str, Any]], key: str, label: str, title: str, path: Path, fmt: str, scale: float = 1.0) -> None:
+def _bar(records: list[dict[str, Any]], key: str, label: str, title: str, path: Path,
+         text: Callable[[dict[str, Any]], str]) -> None:
+    """Horizontal bars of ``key`` per technique, each labelled ``text(record)``."""
     plt = _plt()
     recs = _ok(records, key)
-    fig, ax = plt.subplots(figsize=(9, 0.55 * len(recs) + 1.6))
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(recs) + 2.0))
     names = [plain_label(r["technique"]) for r in recs]
-    vals = [r[key] * scale for r in recs]
+    vals = [r[key] for r in recs]
     ax.barh(names, vals, color="#4C72B0")
-    for i, v in enumerate(vals):
-        ax.text(v, i, " " + fmt.format(v), va="center", fontsize=9)
+    for i, r in enumerate(recs):
+        ax.text(r[key], i, " " + text(r), va="center", fontsize=9)
     ax.invert_yaxis()
     ax.set_xlabel(label)
-    ax.set_title(title)
+    ax.set_title(_title(title, records), fontsize=11)
     ax.set_xlim(0, max(vals or [1]) * 1.2)
     fig.tight_layout()
     save_figure(fig, path)
@@ -94,7 +120,7 @@ def plot_memory_vs_time(records: list[dict[str, Any]], path: Path) -> None:
     ax.scatter(xs, ys, s=60, color="#C44E52", zorder=3)
     ax.set_xlabel("tracked peak memory (GiB)")
     ax.set_ylabel("median step time (s)")
-    ax.set_title("Memory vs step time (label: validation perplexity)")
+    ax.set_title(_title("Memory vs step time (label: validation perplexity)", records), fontsize=11)
     ax.grid(True, alpha=0.3)
     if xs:
         ax.set_xlim(0, max(xs) * 1.25)
@@ -169,11 +195,14 @@ def write_plots(records: list[dict[str, Any]], out: Path) -> list[Path]:
         plot_peak_memory(records, peak)
         written.append(peak)
     if _ok(records, "step_time_s"):
-        _bar(records, "step_time_s", "median step time (s)", "Step time per technique", step, "{:.3f} s")
+        _bar(records, "step_time_s", "median step time (s)", "Step time per technique", step,
+             lambda r: f"{r['step_time_s']:.3f} s")
         written.append(step)
     if _ok(records, "max_batch"):
-        _bar(records, "max_batch", "largest batch whose training step fits the budget", "Max batch per technique",
-             batch, "{:.0f}")
+        # "256+": the search reached its cap without running out of the budget (a lower bound).
+        _bar(records, "max_batch", "largest batch whose training step fits the budget (N+: the search's cap)",
+             "Max batch per technique", batch,
+             lambda r: f"{r['max_batch']:.0f}" + ("+" if r.get("max_batch_capped") else ""))
         written.append(batch)
     if _ok(records, "step_time_s") and _ok(records, "peak_tracked_bytes"):
         plot_memory_vs_time(records, scatter)

@@ -3,9 +3,11 @@
 * A max batch whose search never failed hit the search's cap: it is a lower bound ("256+").
 * A memory category that is zero at the peak in every row is hidden, with the reason; a zero in
   some rows is explained by the phase the peak fell in.
-* The recommendation: the fastest row that fits the budget, the smallest-memory row within
-  ``within`` of the fastest, and which rows' perplexity differs from the first row's by more
-  than the noise measured between rows that compute the same function.
+* The recommendation: the fastest row that fits the budget (or, when several are equally fast
+  within the measured step-time noise, the one of them with the smallest peak), the
+  smallest-memory row within ``within`` of the fastest, and which rows' perplexity differs by
+  more than the noise: the seed-to-seed difference where a twin row ran (the figure of the noise
+  section), else the spread between rows that compute the same function.
 """
 
 from __future__ import annotations
@@ -14,6 +16,15 @@ import math
 from typing import Any, Optional
 
 from memtrain.numerics import numerics_key
+from memtrain.report.noise import (
+    FACTOR,
+    SUFFIX,
+    faster_beyond_noise,
+    fmt_noise,
+    is_noise_twin,
+    quality_vs_noise,
+    step_noise,
+)
 
 GIB = 2**30
 
@@ -75,40 +86,95 @@ def ppl_noise(rows: list[dict[str, Any]]) -> Optional[float]:
 
 def recommendation(records: list[dict[str, Any]], rows: list[dict[str, Any]], budget: Optional[float],
                    within: float = 0.10) -> list[str]:
-    """The report's closing section (Markdown lines)."""
-    ok = [r for r in records if r.get("status") == "ok" and r.get("step_time_s")]
+    """The report's closing section (Markdown lines). Noise twins (``X-seed2``) are never
+    recommended: they are there to measure noise. A row is called faster than another only beyond
+    the measured step-time noise (report/noise.py); rows equally fast within noise are told apart
+    by their tracked peak memory, the smaller winning."""
+    ok = [r for r in records if r.get("status") == "ok" and r.get("step_time_s") and not is_noise_twin(r.get("technique"))]
     if not ok:
         return []
     lines = ["## Recommendation", ""]
+    noise = step_noise(records)
     fits = [r for r in ok if budget is None or (r.get("peak_tracked_bytes") or math.inf) <= budget]
     where = f"fits {budget / GIB:.2f} GiB (tracked peak)" if budget else "runs (no budget given)"
     if fits:
-        fastest = min(fits, key=lambda r: r["step_time_s"])
-        lines.append(f"- Fastest row that {where}: **{fastest['method']}**, {fastest['step_time_s']:.3f} s/step, "
-                     f"peak {fastest['peak_tracked_bytes'] / GIB:.3f} GiB.")
-        near = [r for r in fits if r["step_time_s"] <= fastest["step_time_s"] * (1 + within)]
-        smallest = min(near, key=lambda r: r.get("peak_tracked_bytes") or math.inf)
-        lines.append(f"- Smallest memory within {within:.0%} of that step time: **{smallest['method']}**, "
-                     f"peak {smallest['peak_tracked_bytes'] / GIB:.3f} GiB, {smallest['step_time_s']:.3f} s/step.")
+        lines += _fastest_lines(fits, noise, where, within)
     else:
         lines.append(f"- No row {where}; the smallest peak is "
                      f"{min(r['peak_tracked_bytes'] for r in ok if r.get('peak_tracked_bytes')) / GIB:.3f} GiB.")
+    lines += _step_noise_lines(noise)
+    lines += _ppl_lines(ok, rows)
+    lines.append("")
+    return lines
+
+
+def _peak(r: dict[str, Any]) -> float:
+    return r.get("peak_tracked_bytes") or math.inf
+
+
+def _spread(r: dict[str, Any]) -> str:
+    lo, hi = r.get("step_time_p10_s"), r.get("step_time_p90_s")
+    return f" (p10-p90 {lo:.3f}-{hi:.3f})" if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) else ""
+
+
+def _fastest_lines(fits: list[dict[str, Any]], noise: Optional[dict[str, Any]], where: str, within: float) -> list[str]:
+    """The fastest fitting row, or the rows equally fast within noise and the one of them with the
+    smallest peak; then the smallest memory within ``within`` of that step time."""
+    fastest = min(fits, key=lambda r: r["step_time_s"])
+    tied = sorted((r for r in fits if not faster_beyond_noise(fastest, r, noise)), key=lambda r: r["step_time_s"])
+    if len(tied) == 1:
+        pick = fastest
+        lines = [f"- Fastest row that {where}: **{pick['method']}**, {pick['step_time_s']:.3f} s/step{_spread(pick)}, "
+                 f"peak {pick['peak_tracked_bytes'] / GIB:.3f} GiB."]
+    else:
+        pick = min(tied, key=_peak)
+        names = ", ".join(f"{r['method']} ({r['step_time_s']:.3f} s/step)" for r in tied)
+        lines = [f"- Fastest rows that {where.replace('fits', 'fit', 1)}: {names} are equally fast within noise; "
+                 "of them the smallest tracked "
+                 f"peak: **{pick['method']}**, {pick['step_time_s']:.3f} s/step{_spread(pick)}, "
+                 f"peak {pick['peak_tracked_bytes'] / GIB:.3f} GiB."]
+    near = [r for r in fits if r["step_time_s"] <= fastest["step_time_s"] * (1 + within) or r in tied]
+    smallest = min(near, key=_peak)
+    or_noise = " or within noise of it" if len(tied) > 1 else ""
+    lines.append(f"- Smallest memory within {within:.0%} of that step time{or_noise}: **{smallest['method']}**, "
+                 f"peak {smallest['peak_tracked_bytes'] / GIB:.3f} GiB, {smallest['step_time_s']:.3f} s/step.")
+    return lines
+
+
+def _step_noise_lines(noise: Optional[dict[str, Any]]) -> list[str]:
+    ranges = "the two rows' p10-p90 step-time ranges (Step p10-p90 column) do not overlap"
+    if noise is None:
+        return [f"- Step-time noise: no row was timed twice (the default list adds `baseline{SUFFIX}`); a row counts "
+                f"as faster than another only when {ranges}."]
+    return [f"- Step-time noise: `{noise['base']}` and its next-seed twin, the same computation, took "
+            f"{noise['step']:.3f} and {noise['step_seed2']:.3f} s/step, a {fmt_noise(noise['rel_noise'])} difference; "
+            f"a row counts as faster than another only when its median step beats the other's by more than "
+            f"{FACTOR:.0f}x that and {ranges}."]
+
+
+def _ppl_lines(ok: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[str]:
+    """Which rows' perplexity differs beyond noise: against the seed-to-seed difference where a
+    twin was run (the same figure as the noise section), else against the rounding spread of rows
+    that compute the same function."""
+    q = quality_vs_noise(rows)
+    if q is not None:
+        base = next((r["method"] for r in ok if r.get("technique") == q["base"]), q["base"])
+        beyond = [f"{r['method']} ({r['rel_diff'] * 100:+.2f}%)" for r in q["rows"]
+                  if r["beyond_noise"] and not is_noise_twin(r["technique"])]
+        return [f"- Perplexity differences beyond noise (vs {base}; more than {q['factor']:.0f}x the seed-to-seed "
+                f"difference of {fmt_noise(q['rel_noise'])}, see the noise section): {', '.join(beyond) or 'none'}."]
     noise = ppl_noise(rows)
     by_tech = {r.get("technique"): r for r in rows}
     ref = ok[0]
     ref_loss = (by_tech.get(ref["technique"]) or {}).get("val_loss")
     if noise is None or ref_loss is None:
-        lines.append("- Perplexity: no noise estimate (no two rows compute the same function); "
-                     "differences below a few tenths of a percent may be rounding.")
-    else:
-        beyond = []
-        for r in ok[1:]:
-            loss = (by_tech.get(r["technique"]) or {}).get("val_loss")
-            if loss is not None and abs(loss - ref_loss) > noise:
-                beyond.append(f"{r['method']} ({math.exp(min(loss, 50)) / math.exp(min(ref_loss, 50)) - 1:+.2%})")
-        noise_pct = math.exp(noise) - 1
-        text = ", ".join(beyond) if beyond else "none"
-        lines.append(f"- Perplexity differences beyond noise (vs {ref['method']}; noise {noise_pct:.3%} in PPL, the "
-                     f"largest spread between rows that compute the same function): {text}.")
-    lines.append("")
-    return lines
+        return ["- Perplexity: no noise estimate (no two rows compute the same function); "
+                "differences below a few tenths of a percent may be rounding."]
+    beyond = []
+    for r in ok[1:]:
+        loss = (by_tech.get(r["technique"]) or {}).get("val_loss")
+        if loss is not None and abs(loss - ref_loss) > noise:
+            beyond.append(f"{r['method']} ({math.exp(min(loss, 50)) / math.exp(min(ref_loss, 50)) - 1:+.2%})")
+    text = ", ".join(beyond) if beyond else "none"
+    return [f"- Perplexity differences beyond noise (vs {ref['method']}; noise {math.exp(noise) - 1:.3%} in PPL, the "
+            f"largest spread between rows that compute the same function): {text}."]

@@ -103,7 +103,10 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "step_time_s": _get(r, "step_time_s", "median") if ok else None,
             "step_time_p10_s": _get(r, "step_time_s", "p10") if ok else None,
             "step_time_p90_s": _get(r, "step_time_s", "p90") if ok else None,
-            "total_time_s": r.get("total_time_s") if ok else None,
+            "total_time_s": r.get("total_time_s") if ok else None,  # of the `steps` training steps
+            "steps": _get(r, "config", "train", "steps") if ok else None,
+            "seq_len": _get(r, "config", "train", "seq_len"),
+            "scale": r.get("scale"),
             "tokens_per_s": r.get("tokens_per_s") if ok else None,
             "mfu": r.get("mfu") if ok else None,
             "mfu_reference": _get(r, "mfu_reference", "kind") if ok else None,
@@ -145,6 +148,10 @@ def _fmt(value: Any, kind: str) -> str:
     return str(value)
 
 
+# The wall time of a row's training steps (the seed table's "epoch" column: there one epoch was
+# the run's 200 steps; a bench at another scale runs another number of steps, named in the header).
+TIME_HEADER = "Time, all steps (s)"
+
 # (header, record key, format)
 COLUMNS: list[tuple[str, str, str]] = [
     ("Method", "method", "str"),
@@ -152,7 +159,8 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("Peak Memory (GiB, tracked)", "peak_tracked_bytes", "gib"),
     ("Peak Allocated (GiB, CUDA)", "peak_allocated_bytes", "gib"),
     ("Step Time (s)", "step_time_s", "s"),
-    ("Total Time (s)", "total_time_s", "s1"),
+    ("Step p10-p90 (s)", "step_time_p10_s", "s_range"),
+    (TIME_HEADER, "total_time_s", "s1"),
     ("Tokens/s", "tokens_per_s", "int"),
     ("MFU", "mfu", "pct"),
     ("Val PPL", "val_ppl", "ppl"),
@@ -164,12 +172,22 @@ BREAKDOWN: list[tuple[str, str, str]] = [("Method", "method", "str")] + [
 ] + [("Peak (MiB)", "peak_tracked_bytes", "mib")]
 
 
+def time_header(rows: list[dict[str, Any]]) -> str:
+    """The time column's header naming the rows' step count ("Time, 20 steps (s)") when they share one."""
+    steps = {_get(r, "config", "train", "steps") for r in rows if r.get("status") == "ok"}
+    return f"Time, {steps.pop()} steps (s)" if len(steps) == 1 and None not in steps else TIME_HEADER
+
+
 def markdown_table(records: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
     lines = ["| " + " | ".join(h for h, _, _ in columns) + " |",
              "|" + "|".join("---" if k == "str" else "---:" for _, _, k in columns) + "|"]
     for rec in records:
         cells = []
         for _, key, kind in columns:
+            if kind == "s_range":  # p10-p90 of the timed steps: the row's own spread
+                lo, hi = rec.get("step_time_p10_s"), rec.get("step_time_p90_s")
+                cells.append(f"{lo:.3f}-{hi:.3f}" if lo is not None and hi is not None else "n/a")
+                continue
             cell = _fmt(rec.get(key), kind)
             if key == "max_batch" and rec.get("max_batch_capped"):
                 cell += "+"  # a lower bound: every probe fitted up to the search's cap
@@ -217,14 +235,18 @@ def markdown_report(rows: list[dict[str, Any]], missing: list[str], header: Call
             f"Hardware: {env.get('device')}; torch {env.get('torch')}; memtrain commit {env.get('commit') or 'unknown'}.",
         ]
         parts += device_lines(rows) + [""]
-    parts += [markdown_table(records, COLUMNS), ""]
+    header_time = time_header(rows)
+    columns = [(header_time if h == TIME_HEADER else h, k, f) for h, k, f in COLUMNS]
+    parts += [markdown_table(records, columns), ""]
     parts += substitution_lines(rows) + optim_substitution_lines(rows) + attention_substitution_lines(rows)
     parts += mfu_lines(rows)
     parts += [
         "Peak memory (tracked) is the largest total of live tensor storage during a steady-state "
         "training step, counted by memtrain's meter on every device; Peak Allocated is "
         "`torch.cuda.max_memory_allocated` after warm-up (CUDA only). Step time is the median "
-        "over the timed steps (warm-up and metered steps excluded). Max Batch is searched "
+        "over the timed steps (warm-up and metered steps excluded) and Step p10-p90 their spread; "
+        f"`{header_time}` is the wall time of all of the row's training steps (timing warm-up included, "
+        "evaluation excluded). Max Batch is searched "
         "(grow, then bisect) against the budget named in the rows' `max_batch` records.",
         "",
     ]
@@ -288,7 +310,9 @@ def substitution_lines(rows: list[dict[str, Any]]) -> list[str]:
         return []
     pairs = sorted({(s["substituted"]["from"], s["substituted"]["to"]) for s in subs})
     what = "; ".join(f"{a.upper()} rows ran in {b.upper()}" for a, b in pairs)
-    return [f"\\* This device has no native BF16, so in this default list {what} (the technique's "
+    passed_over = next((s["substituted"]["fp16_passed_over"] for s in subs if s["substituted"].get("fp16_passed_over")), "")
+    why = f", the faster of the native precisions here ({passed_over.replace('fp', 'FP')})" if passed_over else ""
+    return [f"\\* This device has no native BF16, so in this default list {what}{why} (the technique's "
             "memory and speed effects other than precision are kept; a BF16 row's own numbers need a device "
             "with native BF16). Name a row in `--techniques` to run it in BF16 anyway.", ""]
 
@@ -322,18 +346,26 @@ def attention_substitution_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def mfu_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """What the MFU column is measured against."""
-    refs: dict[tuple[Any, Any, Any, Any], bool] = {}
+    """What the MFU column is measured against: the CPU rows' measured GEMM rates in one line
+    (each row measures its own right after its steps, so they differ with the machine's load),
+    one line per datasheet peak."""
+    measured: dict[tuple[Any, Any], list[float]] = {}
+    peaks: dict[tuple[Any, Any, Any], bool] = {}
     for r in rows:
         ref = r.get("mfu_reference") if r.get("status") == "ok" else None
-        if isinstance(ref, dict) and ref.get("flops_per_s"):
-            refs.setdefault((ref.get("kind"), ref.get("name"), ref.get("flops_per_s"), ref.get("dtype")), True)
-    out = []
-    for kind, name, rate, dtype in refs:
-        what = f"{str(dtype).upper()} rows" if dtype else "CUDA rows"
-        if kind == "measured_gemm":
-            out.append(f"MFU (CPU rows) is against the measured GEMM rate, not a datasheet peak: {name}, "
-                       f"{rate / 1e9:.1f} GFLOP/s (`memtrain info`).")
+        if not (isinstance(ref, dict) and ref.get("flops_per_s")):
+            continue
+        if ref.get("kind") == "measured_gemm":
+            measured.setdefault((ref.get("name"), ref.get("measured")), []).append(float(ref["flops_per_s"]))
         else:
-            out.append(f"MFU ({what}) is against the datasheet peak of {name}: {rate / 1e12:.1f} TFLOP/s.")
+            peaks.setdefault((ref.get("name"), ref.get("flops_per_s"), ref.get("dtype")), True)
+    out = []
+    for (name, when), rates in measured.items():
+        lo, hi = min(rates) / 1e9, max(rates) / 1e9
+        rate = f"{lo:.1f} GFLOP/s" if f"{lo:.1f}" == f"{hi:.1f}" else f"{lo:.1f}-{hi:.1f} GFLOP/s across rows"
+        out.append(f"MFU (CPU rows) is against the measured GEMM rate, not a datasheet peak: {name}, {rate}"
+                   + (f", {when}" if when else "") + " (`memtrain info`).")
+    for name, rate, dtype in peaks:
+        what = f"{str(dtype).upper()} rows" if dtype else "CUDA rows"
+        out.append(f"MFU ({what}) is against the datasheet peak of {name}: {rate / 1e12:.1f} TFLOP/s.")
     return out + ([""] if out else [])
