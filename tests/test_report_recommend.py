@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from memtrain.report.tables import markdown_report, table_rows
 
@@ -146,17 +147,19 @@ def test_one_noise_figure_for_the_seed_pair():
 def test_plots_name_the_run_scale_and_budget_and_keep_the_cap_mark(tmp_path, monkeypatch):
     """Every plot title names the scale, batch x sequence, steps and the max-batch budget; the
     max-batch plot writes a capped search as "256+", as the table does."""
-    from matplotlib.figure import Figure
+    import matplotlib.pyplot as plt
 
+    import memtrain.report.plots as plots
     from memtrain.report.plots import write_plots
 
     drawn = {}
 
-    def record(fig, path, **kw):
+    def record(fig, path, dpi=120):  # in place of the atomic PNG write: what each figure shows
         ax = fig.axes[0]
-        drawn[path.name] = (ax.get_title(), [t.get_text().strip() for t in ax.texts])
+        drawn[Path(path).name] = (ax.get_title(), [t.get_text().strip() for t in ax.texts])
+        plt.close(fig)
 
-    monkeypatch.setattr(Figure, "savefig", record)
+    monkeypatch.setattr(plots, "save_figure", record)
     write_plots(table_rows([{**r, "scale": "quick"} for r in ROWS]), tmp_path)
     assert set(drawn) == {"peak_memory.png", "step_time.png", "max_batch.png", "memory_vs_time.png"}
     for title, _ in drawn.values():
