@@ -35,7 +35,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                     "errors", "archs", "aliases", "extras", "notices", "numerics", "rank_errors", "device",
                     # what a name refers to (a model preset, a --model SPEC) and the techniques'
                     # typed facts: read while a config is validated, so below everything else
-                    "models.spec", "models.hub_access", "model_presets", "presets", "techniques.facts")),
+                    "models.spec", "models.hub_access", "model_presets", "presets", "techniques.facts",
+                    # leaf facts and checks (no memtrain import): the cards' memory, which
+                    # file may be opened
+                    "analysis.gpu_memory", "safe_files")),
     ("data+model", ("data", "model", "models", "attention")),
     ("techniques", ("techniques",)),
     ("metrics", ("metrics",)),
