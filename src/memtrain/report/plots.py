@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from memtrain.report.tables import CATEGORIES, GIB, MIB
+from memtrain.report.tables import CATEGORIES, GIB, MAX_PLOT_ROWS, MIB
 
 COLORS = {
     "parameters": "#4C72B0", "gradients": "#55A868", "optimizer": "#C44E52",
@@ -148,7 +148,8 @@ def place_labels(ax: Any, points: list[tuple[float, float]], labels: list[str], 
 
 
 def write_plots(records: list[dict[str, Any]], out: Path) -> list[Path]:
-    """Write every plot that has data; return the paths written."""
+    """Write every plot that has data (the first MAX_PLOT_ROWS rows); return the paths written."""
+    records = records[:MAX_PLOT_ROWS]
     written = []
     if _ok(records, "peak_tracked_bytes"):
         plot_peak_memory(records, out / "peak_memory.png")

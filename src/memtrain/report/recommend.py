@@ -91,8 +91,9 @@ def recommendation(records: list[dict[str, Any]], rows: list[dict[str, Any]], bu
         lines.append(f"- Smallest memory within {within:.0%} of that step time: **{smallest['method']}**, "
                      f"peak {smallest['peak_tracked_bytes'] / GIB:.3f} GiB, {smallest['step_time_s']:.3f} s/step.")
     else:
-        lines.append(f"- No row {where}; the smallest peak is "
-                     f"{min(r['peak_tracked_bytes'] for r in ok if r.get('peak_tracked_bytes')) / GIB:.3f} GiB.")
+        peaks = [r["peak_tracked_bytes"] for r in ok if r.get("peak_tracked_bytes")]
+        smallest_peak = f"the smallest peak is {min(peaks) / GIB:.3f} GiB" if peaks else "no row has a tracked peak"
+        lines.append(f"- No row {where}; {smallest_peak}.")
     noise = ppl_noise(rows)
     by_tech = {r.get("technique"): r for r in rows}
     ref = ok[0]
@@ -106,7 +107,7 @@ def recommendation(records: list[dict[str, Any]], rows: list[dict[str, Any]], bu
             loss = (by_tech.get(r["technique"]) or {}).get("val_loss")
             if loss is not None and abs(loss - ref_loss) > noise:
                 beyond.append(f"{r['method']} ({math.exp(min(loss, 50)) / math.exp(min(ref_loss, 50)) - 1:+.2%})")
-        noise_pct = math.exp(noise) - 1
+        noise_pct = math.exp(min(noise, 50)) - 1
         text = ", ".join(beyond) if beyond else "none"
         lines.append(f"- Perplexity differences beyond noise (vs {ref['method']}; noise {noise_pct:.3%} in PPL, the "
                      f"largest spread between rows that compute the same function): {text}.")
