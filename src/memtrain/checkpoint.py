@@ -97,6 +97,7 @@ def save_checkpoint(path: str | Path, run: TrainState) -> None:
         "loader": run.loader.state_dict(),
         **rng_and_scaler_state(run.precision),
         "config": run.cfg.to_dict(),
+        "data_fingerprint": run.data_fingerprint,  # --resume refuses other data at the same path
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

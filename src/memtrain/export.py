@@ -29,6 +29,7 @@ from memtrain.config import ConfigError, RunConfig, build_config
 from memtrain.data.tokenizer import EOT_ID, vocab_dir
 from memtrain.extras import require
 from memtrain.model import GPT
+from memtrain.preflight import check_model_size
 from memtrain.techniques.lora import apply_lora, merge_lora
 
 
@@ -46,6 +47,7 @@ def load_trained(ckpt: str | Path) -> tuple[GPT, RunConfig]:
     if not isinstance(state, dict) or "model" not in state or "config" not in state:
         raise ConfigError(f"checkpoint {str(p)!r} is not a memtrain checkpoint (no model or config)")
     cfg = build_config(state["config"])
+    check_model_size(cfg.model)  # a checkpoint's config is read, not trusted: its shape could be absurd
     model = GPT(cfg.model)
     if cfg.technique.lora_rank:
         apply_lora(model, cfg.technique)

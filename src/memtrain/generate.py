@@ -7,9 +7,10 @@ from pathlib import Path
 
 import torch
 
-from memtrain.config import ConfigError
+from memtrain.config import ConfigError, ModelConfig
 from memtrain.data.tokenizer import EOT_ID, get_tokenizer
 from memtrain.export import _require_transformers, load_trained, to_hf_model
+from memtrain.preflight import check_model_size
 
 
 def generate(model_path: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int,
@@ -20,6 +21,8 @@ def generate(model_path: Path, prompt: str, max_new_tokens: int, temperature: fl
     if model_path.is_dir():
         if not (model_path / "config.json").is_file():
             raise ConfigError(f"{str(model_path)!r} has no config.json; give a directory written by `memtrain export`")
+        # The shape its config.json declares, checked before transformers builds it.
+        check_model_size(ModelConfig(model=str(model_path)))
         # use_safetensors: never fall back to a pickled pytorch_model.bin
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_path), use_safetensors=True).eval()
     else:

@@ -23,13 +23,13 @@ import torch.nn as nn
 from memtrain.analysis.flops import counted_flops_per_step, rule_flops_per_token
 from memtrain.checkpoint import load_checkpoint, save_checkpoint
 from memtrain.config import RunConfig
-from memtrain.data import make_train_loader, make_val_batches, prepare_tokens
+from memtrain.data import data_fingerprint, make_train_loader, make_val_batches, prepare_tokens
 from memtrain.device_advice import mfu_for_run, run_device_facts
 from memtrain.logging_sinks import MetricsLogger, live_memory
 from memtrain.metrics import MemoryMeter, StepTimer, device_peak_memory, percentile, reset_device_peak
 from memtrain.metrics.state import ShardedStateBytes
 from memtrain.models import build_model, data_tokenizer
-from memtrain.preflight import check_destinations, check_resume, check_vocab
+from memtrain.preflight import check_destinations, check_model_size, check_resume, check_vocab
 from memtrain.rank_errors import agreement
 from memtrain.results import FolderLock
 from memtrain.runtime import environment, resolve_device, seed_everything
@@ -140,6 +140,7 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
         with agreement():
             check_destinations(cfg)  # never a run that cannot write its result
             check_vocab(cfg)
+            check_model_size(cfg.model, dist_ctx.device, cfg.technique.precision)  # a shape that cannot be built, refused before building
             check_resume(cfg)  # a checkpoint of another run is refused before tokenizing
             if lock_out and dist_ctx.is_main:
                 held.enter_context(FolderLock(Path(cfg.train.out), "memtrain train", cleanup_if_unused=True))
@@ -194,6 +195,7 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     # Then data; nothing is written before both succeeded.
     with dist_ctx.main_first():  # rank 0 fills the token cache, the other ranks then read it
         splits = prepare_tokens(cfg.data, progress=show, tokenizer=data_tokenizer(cfg))
+    state.data_fingerprint = data_fingerprint(cfg.data)  # saved in checkpoints, checked by --resume
     state.loader = make_train_loader(
         splits.train, t.seq_len, t.batch_size, seed=t.seed,
         num_workers=cfg.data.num_workers, pin_memory=cfg.data.pin_memory,
