@@ -254,6 +254,7 @@ def save_checkpoint(path: str | Path, run: TrainState) -> None:
         "loader": run.loader.state_dict(),
         **rng_and_scaler_state(run.precision),
         "config": run.cfg.to_dict(),
+        "data_fingerprint": run.data_fingerprint,  # --resume refuses other data at the same path
     }
     # A temporary file beside ``path``, then a rename: a failure or a kill mid-save leaves the
     # previous checkpoint at ``path`` untouched (memtrain.results.write_atomic).

@@ -13,7 +13,6 @@ config file key maps to exactly one field.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -27,6 +26,7 @@ from memtrain.aliases import WARMUP_RATIO, normalize as normalize_aliases
 # ConfigError lives in a leaf module so that the modules config itself consults (model presets,
 # model-spec resolution) can raise it without importing config back.
 from memtrain.errors import ConfigError
+from memtrain.results import MAX_INT_DIGITS, MAX_JSON_DEPTH, json_depth_error, loads_bounded
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -461,17 +461,12 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {str(p)!r} must end in .yaml, .yml, .toml or .json")
     try:
         text = p.read_text(encoding="utf-8")
-        if suffix == ".toml":
-            data = tomllib.loads(text)
-        elif suffix == ".json":
-            data = json.loads(text)
-        else:
-            data = yaml.safe_load(text)
+        data = _parse_config_text(text, suffix)
     except UnicodeDecodeError:
         raise ConfigError(f"config file {str(p)!r} is not UTF-8 text; save it as UTF-8") from None
     except OSError as exc:
         raise ConfigError(f"cannot read config file {str(p)!r} ({exc.strerror}); check the --config path") from None
-    except (tomllib.TOMLDecodeError, yaml.YAMLError, json.JSONDecodeError) as exc:
+    except (tomllib.TOMLDecodeError, yaml.YAMLError, ValueError) as exc:  # JSONDecodeError is a ValueError
         raise ConfigError(f"cannot parse config file {str(p)!r}: {str(exc).splitlines()[0]}") from None
     if data is None:
         return {}
@@ -484,6 +479,48 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
             if not isinstance(k, str):
                 raise ConfigError(f"config file {str(p)!r} has the key {k!r}; keys are setting names such as d_model")
     return data
+
+
+def _parse_config_text(text: str, suffix: str) -> Any:
+    """The settings of a config file's text; ValueError for text no config can hold.
+
+    Nesting is measured before any parser recurses into it (a 100,000-deep list would end
+    yaml, tomllib and json with a RecursionError), and integers are capped at MAX_INT_DIGITS
+    digits (Python refuses to parse more than 4,300; fewer still overflow every size check).
+    The bracket scan reads YAML and TOML flow collections too; YAML's block nesting by
+    indentation is caught by the RecursionError guard, since it costs a line per level.
+    """
+    if suffix == ".json":
+        return loads_bounded(text)
+    too_deep = json_depth_error([text.encode("utf-8", "surrogatepass")])
+    if too_deep is not None:
+        raise ValueError(f"settings nested deeper than {MAX_JSON_DEPTH} levels (line {too_deep})")
+    try:
+        data = tomllib.loads(text) if suffix == ".toml" else yaml.safe_load(text)
+    except RecursionError:
+        raise ValueError(f"settings nested deeper than Python can parse (keep them under {MAX_JSON_DEPTH} levels)") from None
+    except ValueError as exc:
+        if "integer string conversion" in str(exc):  # Python's own cap, phrased for a programmer
+            raise ValueError(f"an integer of more than {MAX_INT_DIGITS} digits; no setting takes one") from None
+        raise
+    _check_int_digits(data)
+    return data
+
+
+def _check_int_digits(data: Any) -> None:
+    """ValueError for an integer longer than MAX_INT_DIGITS anywhere in parsed settings.
+
+    Each container is visited once: YAML aliases can share one list many times over (or
+    make it contain itself), which a plain recursive walk would expand exponentially."""
+    seen: set[int] = set()
+    stack = [data]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**MAX_INT_DIGITS:
+            raise ValueError(f"an integer of more than {MAX_INT_DIGITS} digits; no setting takes one")
+        if isinstance(value, (dict, list)) and id(value) not in seen:
+            seen.add(id(value))
+            stack.extend(value.values() if isinstance(value, dict) else value)
 
 
 def flatten(nested: dict[str, Any]) -> dict[str, Any]:

@@ -164,6 +164,7 @@ def save_checkpoint(path: str | Path, run: TrainState) -> None:
             "world_size": dist.get_world_size(),
             "strategy": cfg.technique.distributed,
             "config": cfg.to_dict(),
+            "data_fingerprint": run.data_fingerprint,  # --resume refuses other data at the same path
         }
         (tmp / META).write_text(json.dumps(meta, indent=1))
     dist.barrier()  # every rank has written its part

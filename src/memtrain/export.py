@@ -50,6 +50,7 @@ from memtrain.extras import require
 from memtrain.model import GPT
 from memtrain.models import is_hf
 from memtrain.models.hf import HFCausalLM, quiet_transformers
+from memtrain.preflight import check_model_size
 
 # The attention kernels any machine can load a transformers model with; the others (flash-attn,
 # flex, mem-efficient: CUDA) are a training choice, not part of the weights.
@@ -75,6 +76,7 @@ def read_checkpoint(ckpt: str | Path) -> tuple[dict[str, Any], RunConfig]:
     except ConfigError as exc:
         raise ConfigError(f"checkpoint {str(p)!r}: the config of the run that wrote it cannot be used here ({exc}); "
                           "run where its --model is readable (a relative path is read from the current folder)") from None
+    check_model_size(cfg.model)  # a checkpoint's config is read, not trusted: its shape could be absurd
     return state, cfg
 
 

@@ -24,10 +24,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from memtrain.config import ConfigError
+from memtrain.config import ConfigError, ModelConfig
 from memtrain.data.tokenizer import EOT_ID, N_VOCAB, get_tokenizer
 from memtrain.export import _require_transformers, load_trained, to_hf_model
 from memtrain.model import GPT
+from memtrain.preflight import check_model_size
 
 PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 
@@ -77,6 +78,7 @@ def from_directory(path: Path) -> tuple[Any, Codec]:
     read_config_json(path / "config.json")  # custom code (auto_map, an unknown model_type) is refused here
     refuse_custom_tokenizer(path)
     _check_weight_files(path)
+    check_model_size(ModelConfig(model=str(path)))  # the shape config.json declares, before transformers builds it
     config = _read_config(path)
     lm = load_pretrained_lm(str(path), config, "sdpa", shown)
     vocab = getattr(lm.config, "vocab_size", None)

@@ -8,6 +8,10 @@
   a folder; no name memtrain writes in ``--out`` may be a link; and a fresh ``train`` refuses
   an ``--out`` that holds an earlier run's ``result.json`` or ``metrics.jsonl``.
 - :func:`check_vocab`: the model's vocabulary holds every token id of the tokenizer.
+- :func:`check_model_size`: the model's shape lies within the limits ``estimate`` uses, and its
+  parameters (in FP32, as models are built) fit the host's memory and the device's, before
+  anything is built: a typo such as ``--n-layers 1000000000`` is refused in a second instead
+  of building layers for minutes or ending in an allocator's failure.
 - :func:`check_resume`: a checkpoint given to ``--resume`` belongs to *this* run: the saved
   config agrees on everything that decides the numbers (model, data, batch, sequence,
   accumulation, schedule, seed, optimizer, precision), and the saved step lies inside the run.
@@ -16,15 +20,15 @@
 
 from __future__ import annotations
 
-import json
 import os
 import stat
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-from memtrain.config import ConfigError, RunConfig
-from memtrain.results import METRICS_NAME, OUT_FILES, RESULT_NAME, refuse_odd_destination
+from memtrain.config import ConfigError, ModelConfig, RunConfig
+from memtrain.results import METRICS_NAME, OUT_FILES, RESULT_NAME, loads_bounded, refuse_odd_destination
 from memtrain.safe_files import regular_file_problem
 
 # Keys that may differ between the saved run and the resumed one: where output goes, how it
@@ -184,9 +188,72 @@ def check_vocab(cfg: RunConfig) -> None:
                           f"{N_VOCAB} ids; use --vocab-size {N_VOCAB} (or more) to train on text")
 
 
+# --------------------------------------------------------------------------- model size
+BUILD_BYTES_PER_PARAM = 4  # models are built in FP32 on the host; bf16-pure casts afterwards
+
+
+def host_memory_bytes() -> Optional[int]:
+    """The memory this process may use: physical RAM, or less under a cgroup (container) limit."""
+    limits = []
+    try:
+        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        pass
+    for cgroup in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(cgroup).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limits.append(int(text))
+    return min(limits) if limits else None
+
+
+def _device_memory_bytes(device: Any) -> Optional[int]:
+    """Total memory of a CUDA device (None on the CPU, where host memory is the limit)."""
+    if getattr(device, "type", str(device)).startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(device).total_memory)
+    return None
+
+
+def model_parameters(m: ModelConfig) -> int:
+    """The parameter count of the model ``m`` describes, from its shape (nothing is built)."""
+    from memtrain.analysis.estimate.params import param_count  # torch-free arithmetic
+    from memtrain.archs import GPT2_ARCH
+    from memtrain.models.spec import cost_arch, is_gpt_preset
+
+    arch = GPT2_ARCH if is_gpt_preset(m.model) else cost_arch(m.model)  # type: ignore[arg-type]
+    return param_count(m, arch)[0]
+
+
+def check_model_size(m: ModelConfig, device: Any = "cpu", precision: str = "fp32") -> None:
+    """Refuse a model that cannot be built here, before building any of it (see the module
+    docstring). ``device``: where it will run (its memory is checked besides the host's)."""
+    from memtrain.analysis.limits import check_analytic_size
+
+    check_analytic_size(m)
+    params = model_parameters(m)
+    host = host_memory_bytes()
+    need = params * BUILD_BYTES_PER_PARAM
+    if host is not None and need > host:
+        raise ConfigError(f"the model has {params:,} parameters, {need / 2**30:,.1f} GiB in FP32, more than this "
+                          f"machine's {host / 2**30:,.1f} GiB of memory; choose a smaller --n-layers/--d-model/"
+                          "--d-ff/--vocab-size (memtrain estimate shows what a size needs)")
+    on_device = _device_memory_bytes(device)
+    weight_bytes = 2 if precision == "bf16-pure" else BUILD_BYTES_PER_PARAM
+    if on_device is not None and params * weight_bytes > on_device:
+        raise ConfigError(f"the model's {params:,} parameters take {params * weight_bytes / 2**30:,.1f} GiB, more than "
+                          f"{device}'s {on_device / 2**30:,.1f} GiB; choose a smaller model "
+                          "(memtrain plan finds what fits)")
+
+
 # --------------------------------------------------------------------------- resume
-def saved_run(path: str | Path) -> tuple[dict[str, Any], int]:
-    """The saved config and step of a checkpoint (single file or sharded directory).
+def saved_run(path: str | Path) -> tuple[dict[str, Any], int, Optional[str]]:
+    """The saved config, step and data fingerprint (None in checkpoints that predate it) of a
+    checkpoint (single file or sharded directory).
 
     Reads no tensor data: a sharded checkpoint's meta.json, or a single file memory-mapped
     with ``weights_only=True`` (only the small entries are touched)."""
@@ -200,7 +267,7 @@ def saved_run(path: str | Path) -> tuple[dict[str, Any], int]:
             raise ConfigError(f"checkpoint {str(p)!r} is refused: its meta.json is {why}; resume only from "
                               "checkpoints memtrain wrote")
         try:
-            state = json.loads(meta_path.read_text())
+            state = loads_bounded(meta_path.read_text())
         except (OSError, UnicodeDecodeError, ValueError):
             raise ConfigError(f"cannot read {str(meta_path)!r}; it is not a memtrain checkpoint") from None
     elif p.is_file():
@@ -214,7 +281,8 @@ def saved_run(path: str | Path) -> tuple[dict[str, Any], int]:
         raise ConfigError(f"checkpoint {str(p)!r} not found; check --resume")
     if not isinstance(state, dict) or not isinstance(state.get("config"), dict) or not isinstance(state.get("step"), int):
         raise ConfigError(f"checkpoint {str(p)!r} holds no run config or step; it was not written by this memtrain version")
-    return state["config"], state["step"]
+    fingerprint = state.get("data_fingerprint")
+    return state["config"], state["step"], fingerprint if isinstance(fingerprint, str) else None
 
 
 def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
@@ -235,7 +303,7 @@ def check_resume(cfg: RunConfig) -> None:
     """Refuse ``--resume`` of a checkpoint from a different run (see the module docstring)."""
     if not cfg.train.resume:
         return
-    saved, step = saved_run(cfg.train.resume)
+    saved, step, fingerprint = saved_run(cfg.train.resume)
     diffs = config_differences(saved, cfg.to_dict())
     if diffs:
         shown = "; ".join(diffs[:8]) + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else "")
@@ -246,6 +314,25 @@ def check_resume(cfg: RunConfig) -> None:
     if not 0 <= step < end:
         raise ConfigError(f"--resume {cfg.train.resume!r} is at step {step}, this run ends at step {end}; "
                           "raise --stop-after (or drop it) to continue")
+    check_resume_data(cfg, fingerprint)
+
+
+def check_resume_data(cfg: RunConfig, saved: Optional[str]) -> None:
+    """The data at ``--data`` holds what the checkpoint was trained on: the same path with other
+    content would resume the data position (and the train/validation split) on other tokens.
+    A checkpoint without a fingerprint (written before checkpoints carried one) resumes with a
+    warning, since nothing can be compared."""
+    from memtrain.data.sources import data_fingerprint  # reads the data's files only when resuming
+
+    if saved is None:
+        print(f"warning: checkpoint {cfg.train.resume!r} records no data fingerprint (an older memtrain wrote "
+              f"it); cannot check that --data {cfg.data.data!r} holds the data it was trained on",
+              file=sys.stderr)
+        return
+    if data_fingerprint(cfg.data) != saved:
+        raise ConfigError(f"--data {cfg.data.data!r} does not hold the data checkpoint {cfg.train.resume!r} was "
+                          "trained on (its content changed since); resume with that data, or start a new run "
+                          "without --resume")
 
 
 # --------------------------------------------------------------------------- launch
@@ -262,6 +349,7 @@ def check_before_launch(cfg: RunConfig, nproc: int) -> None:
                           "(or zero1, zero2, fsdp)")
     check_destinations(cfg, fresh_out=True)
     check_vocab(cfg)
+    check_model_size(cfg.model, resolve_device(cfg.train.device), cfg.technique.precision)
     check_resume(cfg)
     check_combination(cfg, resolve_device(cfg.train.device))
     if cfg.train.resume:
@@ -274,7 +362,7 @@ def check_sharded_resume(path: str | Path, nproc: int) -> None:
     if not p.is_dir():
         raise ConfigError(f"{str(p)!r} is not a distributed checkpoint directory; a single-process checkpoint "
                           "resumes without --distributed and without --nproc-per-node")
-    meta = json.loads((p / "meta.json").read_text())  # saved_run (check_resume) has read it
+    meta = loads_bounded((p / "meta.json").read_text())  # saved_run (check_resume) has read it
     world = meta.get("world_size")
     if world != nproc:
         raise ConfigError(f"checkpoint {str(p)!r} was written by {world} ranks; resume with --nproc-per-node {world}")

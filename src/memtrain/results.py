@@ -18,8 +18,12 @@ docs/reliability.md hold for every command alike:
 - :func:`append_jsonl`: one row per line; when the file does not end with a newline (a
   previous append was killed or hit a full disk mid-line) a newline comes first, so the torn
   line stays alone and the new row is intact.
-- :func:`read_jsonl`: every JSON object line; torn, non-UTF-8 and non-object lines are
-  skipped and counted, never fatal (a caller decides whether to warn).
+- :func:`read_jsonl`: every JSON object line; torn, non-UTF-8, non-object and hostile lines
+  (nested deeper than MAX_JSON_DEPTH, an integer longer than MAX_INT_DIGITS, a non-finite
+  number) are skipped and counted, never fatal (a caller decides whether to warn).
+- :func:`loads_bounded` / :func:`json_depth_error`: the bounded JSON parse every reader of
+  JSON uses (results, config files, checkpoint metadata, JSON data files): the nesting is
+  measured by a cheap scan before any parser recurses into it.
 - :func:`read_results_counted` / :func:`append_result` / :func:`select_rows`: the bench's
   ``results.jsonl`` store, read by the bench runner and by ``memtrain report`` alike.
 - :class:`FolderLock`: ``fcntl.flock`` on a lock file inside an output folder; a second
@@ -38,11 +42,13 @@ import re
 import shutil
 import stat
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import IO, Any, Callable, Optional
 
-from memtrain.config import ConfigError
+# A leaf import (not memtrain.config): config itself parses its files with loads_bounded.
+from memtrain.errors import ConfigError
 
 LOCK_NAME = ".memtrain.lock"
 # The bench store: one row per line, appended as each row finishes (see memtrain.bench).
@@ -53,6 +59,140 @@ REPORT_FILES = ("report.md", "report.csv", "report.json")  # memtrain.report
 PLOT_FILES = ("peak_memory.png", "step_time.png", "max_batch.png", "memory_vs_time.png")  # memtrain.report.plots
 # Every name memtrain writes in an output folder: none may be a link, and --save is none of them.
 OUT_FILES = (RESULT_NAME, METRICS_NAME, LOCK_NAME, BENCH_RESULTS, *REPORT_FILES, *PLOT_FILES)
+
+
+# --------------------------------------------------------------------------- bounded JSON
+# Deeper nesting than this is refused before any parser sees it: Python's json and yaml
+# recurse once per level (RecursionError near 1,000), pyarrow's JSON reader overflows the C
+# stack (SIGSEGV) at about 20,000. Real records, configs and results nest a few levels.
+MAX_JSON_DEPTH = 256
+# Integers longer than this are refused: no count, size or seed memtrain reads comes near 30
+# digits (2**64 has 20), while a 400-digit one overflows every float conversion downstream.
+MAX_INT_DIGITS = 30
+# Bytes handed to the depth scan at a time (a line longer than this is scanned in pieces).
+SCAN_PIECE_BYTES = 1 << 20
+
+# A complete JSON string (escapes included): removed before counting brackets.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+# Inside a string: everything up to (not including) its closing quote or a final lone backslash.
+_STRING_BODY = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*', re.S)
+# Outside a string: the next quote or bracket.
+_STRUCTURE = re.compile(rb'["\[\]{}]')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_OPEN = frozenset(b"[{")
+
+
+class JsonDepthScan:
+    """The running bracket depth of JSON text fed in pieces (bytes), strings skipped.
+
+    Cheap: a piece whose strings all close inside it is handled by C-speed ``re.sub`` and
+    ``bytes.count``; only brackets of a suspiciously deep piece, and the rare string that
+    spans two pieces, are walked in Python. ``feed`` returns False once the depth has
+    exceeded ``limit`` (the text is then refused, never parsed).
+    """
+
+    def __init__(self, limit: int = MAX_JSON_DEPTH) -> None:
+        self.limit = limit
+        self.depth = 0
+        self.in_string = False
+        self.escape = False  # the previous piece ended on a backslash inside a string
+
+    def feed(self, piece: bytes) -> bool:
+        if not self.in_string and not self.escape:
+            outside = _JSON_STRING.sub(b"", piece)
+            if b'"' not in outside:  # every string of the piece closed inside it
+                return self._brackets(outside)
+        return self._walk(piece)
+
+    def _brackets(self, outside: bytes) -> bool:
+        """Brackets outside strings: counted at once unless they could exceed the limit."""
+        opens = outside.count(b"[") + outside.count(b"{")
+        if self.depth + opens <= self.limit:
+            self.depth = max(0, self.depth + opens - outside.count(b"]") - outside.count(b"}"))
+            return True
+        for c in outside.translate(None, _NOT_BRACKETS):
+            self.depth = self.depth + 1 if c in _OPEN else max(0, self.depth - 1)
+            if self.depth > self.limit:
+                return False
+        return True
+
+    def _walk(self, piece: bytes) -> bool:
+        """A piece in which a string opens or closes across the piece boundary."""
+        pos, n = 0, len(piece)
+        while pos < n:
+            if self.escape:  # the escaped character itself
+                self.escape, pos = False, pos + 1
+            elif self.in_string:
+                pos = _STRING_BODY.match(piece, pos).end()  # type: ignore[union-attr]  # matches the empty string
+                if pos < n and piece[pos] == 0x5C:  # a lone backslash at the end of the piece
+                    self.escape, pos = True, pos + 1
+                elif pos < n:  # the closing quote
+                    self.in_string, pos = False, pos + 1
+            else:
+                m = _STRUCTURE.search(piece, pos)
+                if m is None:
+                    break
+                pos, c = m.end(), piece[m.start()]
+                if c == 0x22:
+                    self.in_string = True
+                elif c in _OPEN:
+                    self.depth += 1
+                    if self.depth > self.limit:
+                        return False
+                else:
+                    self.depth = max(0, self.depth - 1)
+        return True
+
+
+def json_depth_error(lines: Iterable[bytes], limit: int = MAX_JSON_DEPTH) -> Optional[int]:
+    """The 1-based line at which JSON text (pieces of lines, as :func:`bounded_lines` gives
+    them) nests deeper than ``limit``, or None when it never does."""
+    scan = JsonDepthScan(limit)
+    line = 1
+    for piece in lines:
+        if not scan.feed(piece):
+            return line
+        line += piece.endswith(b"\n")
+    return None
+
+
+def bounded_lines(fh: IO[bytes], piece: int = SCAN_PIECE_BYTES) -> Iterable[bytes]:
+    """The lines of a binary file, a line longer than ``piece`` bytes in several pieces (only
+    the last ends with a newline): memory stays bounded however long a line is."""
+    while chunk := fh.readline(piece):
+        yield chunk
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(text.lstrip('-')):,} digits (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:20]} is out of range")
+    return value
+
+
+def _no_constant(text: str) -> Any:
+    raise ValueError(f"{text} is not a number JSON allows")
+
+
+def loads_bounded(text: str | bytes, limit: int = MAX_JSON_DEPTH) -> Any:
+    """``json.loads`` for text memtrain did not necessarily write: ValueError (never a
+    RecursionError, an overflow or a crash) when the text nests deeper than ``limit``, holds
+    an integer longer than MAX_INT_DIGITS, or a number that is not finite (NaN, Infinity,
+    1e999). Python's own json would recurse once per level and parse a 4,000-digit integer."""
+    raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
+    too_deep = json_depth_error((raw[i:i + SCAN_PIECE_BYTES] for i in range(0, len(raw), SCAN_PIECE_BYTES)), limit)
+    if too_deep is not None:
+        raise ValueError(f"JSON nested deeper than {limit} levels (line {too_deep})")
+    try:
+        return json.loads(text, parse_int=_bounded_int, parse_float=_finite_float, parse_constant=_no_constant)
+    except RecursionError:  # the scan bounds the depth; kept for a parser's deeper internal recursion
+        raise ValueError(f"JSON nested too deeply to parse (at most {limit} levels)") from None
 
 
 def json_safe(value: Any) -> Any:
@@ -285,7 +425,7 @@ def read_jsonl(path: Path) -> JsonlRead:
             if not raw:
                 continue
             try:
-                value = json.loads(raw.decode("utf-8"))
+                value = loads_bounded(raw.decode("utf-8"))
             except (UnicodeDecodeError, ValueError):
                 read.skipped += 1
                 continue
@@ -366,46 +506,77 @@ def _number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _number_or_none(x: Any) -> bool:
-    return x is None or _number(x)
+def _measured(x: Any) -> bool:
+    """A measured value: absent, or a finite number >= 0 (bytes, seconds, rates, losses)."""
+    return x is None or (_number(x) and x >= 0)
 
 
+# A cross-entropy loss in nats is at most ln(vocabulary) at the start of training (about 11 for
+# GPT-2); a larger "loss" in a row is corrupt and would overflow exp() into the perplexity.
+MAX_LOSS = 1000.0
 _CONFIG_KEYS = {"model": ("d_model", "n_layers", "n_heads", "d_ff", "vocab_size"),
                 "train": ("batch_size", "seq_len", "steps", "lr", "warmup_steps"),
                 "data": ("data",)}
+# Optional parts of a row that readers index into (plan's numerics, the bench's resume key,
+# the report's header): when present, each must have this type.
+_OPTIONAL_TYPES: dict[str, type | tuple[type, ...]] = {
+    "config_hash": str, "description": (str, type(None)), "env": dict, "device_caps": (dict, type(None)),
+}
+
+
+def _config_problem(config: Any) -> Optional[str]:
+    """Why a row's config cannot be read by the report, plan and bench, or None."""
+    if not isinstance(config, dict) or any(
+            not isinstance(config.get(s), dict) or any(k not in config[s] for k in keys) for s, keys in _CONFIG_KEYS.items()):
+        return "config lacks the model, train or data settings"
+    if not all(_number(config[s][k]) for s in ("model", "train") for k in _CONFIG_KEYS[s]):
+        return "a model or train setting in config is not a number"
+    technique = config.get("technique", {})
+    if not isinstance(config["data"]["data"], str) or not isinstance(technique, dict):
+        return "config.data.data must be text and config.technique an object"
+    if not all(isinstance(v, (str, int, float, bool, type(None))) for v in technique.values()):
+        return "a technique setting in config is not a single value"
+    return None
 
 
 def bench_row_problem(row: dict[str, Any]) -> Optional[str]:
     """Why ``row`` cannot be a bench row the report can show, or None when it can.
 
     A hand-edited or foreign line that parses as JSON but has the wrong shape (a string where
-    a number belongs, a list for the memory) is skipped like a torn line rather than crashing
-    ``memtrain report`` halfway through its files."""
+    a number belongs, a list for the memory, a negative time) is skipped like a torn line
+    rather than crashing ``memtrain report``, ``plan --results`` or a resumed bench."""
     if not isinstance(row.get("technique"), str) or not isinstance(row.get("status", ""), str):
         return "technique and status must be strings"
+    for key, kind in _OPTIONAL_TYPES.items():
+        if key in row and not isinstance(row[key], kind):
+            return f"{key} has the wrong type"
     if row.get("status") != "ok":
         return None
-    config = row.get("config")
-    if not isinstance(config, dict) or any(
-            not isinstance(config.get(s), dict) or any(k not in config[s] for k in keys) for s, keys in _CONFIG_KEYS.items()):
-        return "config lacks the model, train or data settings"
+    problem = _config_problem(row.get("config"))
+    if problem is not None:
+        return problem
     memory, steps = row.get("memory"), row.get("step_time_s")
     if not isinstance(memory, dict) or not isinstance(steps, dict):
         return "memory and step_time_s must be objects"
     by_cat = memory.get("by_category")
-    if by_cat is not None and (not isinstance(by_cat, dict) or not all(_number_or_none(v) for v in by_cat.values())):
+    if by_cat is not None and (not isinstance(by_cat, dict) or not all(_measured(v) for v in by_cat.values())):
         return "memory.by_category must map categories to numbers"
     numbers = [memory.get(k) for k in ("peak_bytes", "max_allocated_bytes", "max_reserved_bytes")]
     numbers += [steps.get(k) for k in ("median", "p10", "p90")]
-    numbers += [row.get(k) for k in ("val_ppl", "tokens_per_s", "mfu", "total_time_s")]
+    numbers += [row.get(k) for k in ("val_ppl", "val_loss", "train_loss", "tokens_per_s", "mfu", "total_time_s")]
     for part in ("max_batch", "estimate"):
         value = row.get(part)
         if value is not None and not isinstance(value, dict):
             return f"{part} must be an object"
         if isinstance(value, dict):
             numbers += [value.get(k) for k in ("batch_size", "budget_bytes", "peak_bytes")]
-    if not all(_number_or_none(v) for v in numbers):
-        return "a measured value is not a number"
+            probes = value.get("probes")
+            if probes is not None and not (isinstance(probes, list) and all(isinstance(p, dict) for p in probes)):
+                return f"{part}.probes must be a list of objects"
+    if not all(_measured(v) for v in numbers):
+        return "a measured value is not a number >= 0"
+    if any((row.get(k) or 0) > MAX_LOSS for k in ("val_loss", "train_loss")):
+        return f"a loss above {MAX_LOSS:g} (no cross-entropy of a real vocabulary comes near it)"
     return None
 
 

@@ -52,6 +52,7 @@ import torch.nn as nn
 from memtrain.config import RunConfig
 from memtrain.metrics import MemoryMeter, reset_device_peak
 from memtrain.models import build_model
+from memtrain.preflight import check_model_size
 from memtrain.techniques import Precision, build_optimizer, make_precision, prepare_model
 
 __all__ = [
@@ -179,6 +180,9 @@ class TrainState:
     scheduler: Any = None  # LambdaLR over lr_lambda(cfg), when the run schedules its LR
     loader: Any = None  # the resumable data loader (its position is checkpointed)
     step: int = 0  # optimizer steps completed
+    # SHA-256 of the training data's content (memtrain.data.sources.data_fingerprint), saved in
+    # checkpoints so that --resume refuses other data at the same path; None when unknown.
+    data_fingerprint: Optional[str] = None
     losses: list[float] = field(default_factory=list)  # one training loss per completed step
     # The step function and the data-parallel no-sync context the distributed wrap chose
     # (DeepSpeed drives its engine with its own step; DDP/FSDP skip all-reduces on accumulation).
@@ -206,6 +210,7 @@ def build_state(cfg: RunConfig, device: torch.device, precision: Optional[Precis
     if precision is None:
         precision = make_precision(cfg.technique.precision, device)
     if base is None:
+        check_model_size(cfg.model, device, cfg.technique.precision)  # a shape that cannot be built, refused before building
         base = build_base_model(cfg, device, precision)
     n_params = base.num_parameters()  # type: ignore[operator]  # GPT and HFCausalLM both define it
     with (prepare_context or contextlib.nullcontext)():

@@ -23,14 +23,14 @@ import torch.nn as nn
 from memtrain.analysis.flops import counted_flops_per_step, rule_flops_per_token
 from memtrain.checkpoint import load_checkpoint, save_checkpoint
 from memtrain.config import RunConfig
-from memtrain.data import make_train_loader, make_val_batches, prepare_tokens
+from memtrain.data import data_fingerprint, make_train_loader, make_val_batches, prepare_tokens
 from memtrain.data.device_feed import DeviceFeed
 from memtrain.device_advice import mfu_for_run, reference_rate_now, run_device_facts
 from memtrain.logging_sinks import MetricsLogger, live_memory
 from memtrain.metrics import MemoryMeter, StepTimer, device_peak_memory, percentile, reset_device_peak
 from memtrain.metrics.state import ShardedStateBytes
 from memtrain.models import data_tokenizer
-from memtrain.preflight import check_destinations, check_resume, check_vocab
+from memtrain.preflight import check_destinations, check_model_size, check_resume, check_vocab
 from memtrain.rank_errors import agreement
 from memtrain.results import FolderLock, remove_stale_temps
 from memtrain.runtime import environment, resolve_device, seed_everything
@@ -139,6 +139,7 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
             # Never a run that cannot write its result, nor one that would overwrite another's.
             check_destinations(cfg, fresh_out=log_metrics)
             check_vocab(cfg)
+            check_model_size(cfg.model, dist_ctx.device, cfg.technique.precision)  # a shape that cannot be built, refused before building
             check_resume(cfg)  # a checkpoint of another run is refused before tokenizing
             check_optimizer_installed(cfg.technique)  # an absent optional package, before anything is built
             if lock_out and dist_ctx.is_main:
@@ -204,6 +205,7 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     # Then data; nothing is written before both succeeded.
     with dist_ctx.main_first():  # rank 0 fills the token cache, the other ranks then read it
         splits = prepare_tokens(cfg.data, progress=show, tokenizer=data_tokenizer(cfg))
+    state.data_fingerprint = data_fingerprint(cfg.data)  # saved in checkpoints, checked by --resume
     # The next step's batches are fetched while this one runs, on a GPU (memtrain.data.device_feed).
     state.loader = DeviceFeed(make_train_loader(
         splits.train, t.seq_len, t.batch_size, seed=t.seed,

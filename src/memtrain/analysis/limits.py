@@ -1,7 +1,8 @@
-"""Size limits of the analytic commands, checked before any arithmetic depends on a size.
+"""Size limits of a model, checked before any arithmetic or any build depends on a size.
 
-A module of its own, below everything that counts (estimate, flops, plan), so that each of
-them can refuse an absurd size without importing the others.
+A module of its own, below everything that counts (estimate, flops, plan) or builds (train,
+export, generate: memtrain.preflight.check_model_size), so that each of them can refuse an
+absurd size without importing the others.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ MAX_PARAMS = 10**15
 def check_analytic_size(m: ModelConfig) -> None:
     """Refuse absurd model sizes (ConfigError: exit 2) before any arithmetic depends on them."""
     if m.n_layers > MAX_LAYERS:
-        raise ConfigError(f"--n-layers {m.n_layers:,} is beyond what memtrain estimates (at most {MAX_LAYERS:,}); "
-                          f"give a real depth")
+        raise ConfigError(f"--n-layers {m.n_layers:,} is beyond what memtrain builds or estimates "
+                          f"(at most {MAX_LAYERS:,}); give a real depth")
     for name in ("d_model", "d_ff", "vocab_size", "max_seq_len"):
         v = getattr(m, name)
         if v > MAX_WIDTH:
-            raise ConfigError(f"--{name.replace('_', '-')} {v:,} is beyond what memtrain estimates "
+            raise ConfigError(f"--{name.replace('_', '-')} {v:,} is beyond what memtrain builds or estimates "
                               f"(at most {MAX_WIDTH:,}); give a real size")

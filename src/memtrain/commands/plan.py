@@ -130,7 +130,7 @@ def _measured_effects(results_dir: str, techs: list[dict]) -> list:
     if not (path / "results.jsonl").is_file():
         raise ConfigError(f"{str(path / 'results.jsonl')!r} not found; --results takes a bench output folder")
     rows = [r for r in read_results(path) if r.get("status") == "ok" and r.get("val_loss") is not None]
-    standard = [r for r in rows if is_standard(r["config"]["technique"])]
+    standard = [r for r in rows if is_standard(r["config"].get("technique", {}))]
     if not standard:
         return [None] * len(techs)
     ref = min(r["val_loss"] for r in standard)

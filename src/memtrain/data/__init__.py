@@ -14,7 +14,7 @@ from memtrain.data.loader import (
     make_train_loader,
     make_val_batches,
 )
-from memtrain.data.sources import default_documents, html_to_text, iter_documents, source_identity
+from memtrain.data.sources import data_fingerprint, default_documents, html_to_text, iter_documents, source_identity
 from memtrain.data.tokenizer import EOT_ID, N_VOCAB, TOKENIZER_NAME, encode_batch, get_tokenizer
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "TrainLoader",
     "cache_key",
     "cache_root",
+    "data_fingerprint",
     "default_documents",
     "encode_batch",
     "get_tokenizer",

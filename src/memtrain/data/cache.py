@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import json
 import os
 import shutil
@@ -21,19 +20,30 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Optional
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from memtrain.config import DataConfig
 from memtrain.data.sources import iter_documents, source_identity
-from memtrain.data.tokenizer import EOT_ID, N_VOCAB, TOKENIZER_NAME, default_threads, get_tokenizer
+from memtrain.data.tokenizer import (
+    ENCODE_PIECE_CHARS,
+    EOT_ID,
+    N_VOCAB,
+    TOKENIZER_NAME,
+    default_threads,
+    encoding_pieces,
+    get_tokenizer,
+)
 
 # Bump when the on-disk layout or the way documents are rendered changes.
 FORMAT_VERSION = 1
 TOKEN_DTYPE = np.uint16  # GPT-2's 50257 ids fit; half the disk and page cache of int32
 BATCH_DOCS = 512  # documents per encode_ordinary_batch call: enough to keep the threads busy
+# Characters per encode call (documents, or pieces of a long one): bounds tiktoken's working
+# memory and the Python lists of ids it returns (~36 bytes per id until they become an array).
+BATCH_CHARS = 1 << 22
 SPLITS = ("train", "val")
 TMP_PREFIX = ".tmp-"  # entries being written: .tmp-<pid>-<random>
 
@@ -178,10 +188,10 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: bool, tokenizer: Any = N
         bar = stack.enter_context(
             tqdm(total=cfg.max_documents, unit="doc", desc="tokenizing", disable=not progress, dynamic_ncols=True)
         )
-        for batch in _batched(iter_documents(cfg), BATCH_DOCS):
+        for batch in _batched(iter_documents(cfg), BATCH_DOCS, BATCH_CHARS):
             is_val = assign_validation(rng, len(batch), cfg.val_fraction)
             t0 = time.perf_counter()
-            encoded = encode(batch)
+            encoded = _encode_documents(encode, batch, dtype)
             encode_s += time.perf_counter() - t0
             for split, chosen in (("train", ~is_val), ("val", is_val)):
                 ids = _concat_with_eot([e for e, c in zip(encoded, chosen) if c], tok_meta["eot_id"], dtype)
@@ -207,18 +217,45 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: bool, tokenizer: Any = N
     }
 
 
-def _concat_with_eot(encoded: list[list[int]], eot_id: int = EOT_ID, dtype: Any = TOKEN_DTYPE) -> np.ndarray:
+Encoder = Any  # list[str] -> list[list[int]]
+
+
+def _encode_documents(encode: Encoder, docs: list[str], dtype: Any) -> list[np.ndarray]:
+    """The ids of each document as an array; a document longer than ENCODE_PIECE_CHARS is
+    encoded piece by piece (:func:`memtrain.data.tokenizer.encoding_pieces`), so memory stays
+    bounded however long one document is, with the same ids as encoding it whole."""
+    short = [d for d in docs if len(d) <= ENCODE_PIECE_CHARS]
+    ids = iter(encode(short) if short else [])
+    return [np.array(next(ids), dtype=dtype) if len(d) <= ENCODE_PIECE_CHARS else _encode_long(encode, d, dtype)
+            for d in docs]
+
+
+def _encode_long(encode: Encoder, doc: str, dtype: Any) -> np.ndarray:
+    """One long document's ids, its pieces encoded BATCH_CHARS characters at a time."""
+    parts = [np.array(ids, dtype=dtype) for group in _batched(encoding_pieces(doc, ENCODE_PIECE_CHARS), BATCH_DOCS, BATCH_CHARS)
+             for ids in encode(group)]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
+
+def _concat_with_eot(encoded: list[Any], eot_id: int = EOT_ID, dtype: Any = TOKEN_DTYPE) -> np.ndarray:
     """One array: each document's ids followed by the end-of-text id."""
-    flat: list[int] = []
-    for ids in encoded:
-        flat.extend(ids)
-        flat.append(eot_id)
-    return np.array(flat, dtype=dtype)
+    eot = np.array([eot_id], dtype=dtype)
+    parts = [p for ids in encoded for p in (np.asarray(ids, dtype=dtype), eot)]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
-def _batched(items: Iterable[str], n: int) -> Iterator[list[str]]:
-    it = iter(items)
-    while batch := list(itertools.islice(it, n)):
+def _batched(items: Iterable[str], n: int, max_chars: Optional[int] = None) -> Iterator[list[str]]:
+    """Lists of at most ``n`` items and (``max_chars``) at most that many characters, unless
+    one item alone is longer."""
+    batch: list[str] = []
+    chars = 0
+    for item in items:
+        if batch and (len(batch) == n or (max_chars is not None and chars + len(item) > max_chars)):
+            yield batch
+            batch, chars = [], 0
+        batch.append(item)
+        chars += len(item)
+    if batch:
         yield batch
 
 

@@ -21,8 +21,10 @@ from __future__ import annotations
 import ast
 import functools
 import glob
+import hashlib
 import inspect
 import itertools
+import json
 import platform
 import re
 import sys
@@ -34,7 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from memtrain.config import ConfigError, DataConfig
+from memtrain.data.tokenizer import cut_before_word
 from memtrain.extras import quiet_datasets, require
+from memtrain.results import MAX_JSON_DEPTH, bounded_lines, json_depth_error
 from memtrain.safe_files import folder_entry_problems, visible_entries
 
 DEFAULT_SOURCE = "default"
@@ -45,6 +49,7 @@ DEFAULT_CORPUS_VERSION = 1
 # File suffix -> ``datasets`` packaged builder.
 STRUCTURED_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 HF_BUILDERS = ("json", "parquet", "csv")
+JSON_SUFFIXES = (".jsonl", ".json")  # read by the json builder: nesting is bounded first
 TEXT_SUFFIXES = (".txt",)
 XML_SUFFIXES = (".xml",)
 SUPPORTED_SUFFIXES = TEXT_SUFFIXES + tuple(STRUCTURED_BUILDERS) + XML_SUFFIXES
@@ -56,6 +61,10 @@ SUPPORTED_SUFFIXES = TEXT_SUFFIXES + tuple(STRUCTURED_BUILDERS) + XML_SUFFIXES
 # only land wholly in one split. Each piece gets its own end-of-text token; at this size
 # (about 2,000 tokens) those artificial boundaries are rare inside training blocks.
 TXT_DOC_CHARS = 8192
+# A line longer than this is read in pieces and cut, at a word break where there is one
+# (memtrain.data.tokenizer.encoding_pieces), into documents of at most this many characters:
+# reading a 200 MB line whole, then tokenizing it, needed gigabytes.
+TXT_MAX_LINE_CHARS = 1 << 20
 
 # Directories of the standard library that hold tests, the IDLE application or installed
 # third-party packages rather than documented library code.
@@ -114,6 +123,50 @@ def source_identity(cfg: DataConfig) -> dict[str, Any]:
             }
         return {"kind": f"hf-{kind}", "files": [_file_stat(p) for p in _match_files(target, cfg.data)]}
     return {"kind": "files", "files": [_file_stat(p) for p in resolve_local_files(cfg.data)]}
+
+
+# The content fingerprint of local data (data_fingerprint): files up to this size are hashed
+# whole; a larger one by its head, its tail and evenly spaced blocks between (a few MiB read
+# per file, whatever its size).
+FINGERPRINT_WHOLE_BYTES = 16 << 20
+FINGERPRINT_BLOCK_BYTES = 64 << 10
+FINGERPRINT_BLOCKS = 32
+
+
+def data_fingerprint(cfg: DataConfig) -> str:
+    """A SHA-256 of what the source holds, for ``--resume`` to refuse other data at the same path.
+
+    Local files contribute their sizes and contents (sampled beyond FINGERPRINT_WHOLE_BYTES:
+    an edit that keeps a large file's size and misses every sampled block goes unseen), not
+    their paths or modification times, so a copied or touched file still resumes. The default
+    corpus and Hub datasets contribute their identity (Python version; name and split).
+    """
+    identity = source_identity(cfg)
+    h = hashlib.sha256(identity["kind"].encode())
+    files = identity.get("files")
+    if files is None:
+        h.update(json.dumps(identity, sort_keys=True).encode())
+        return h.hexdigest()
+    for f in files:
+        h.update(f"\n{f['size']}\n".encode())
+        try:
+            _hash_content(Path(f["path"]), int(f["size"]), h)
+        except OSError as exc:
+            raise ConfigError(f"cannot read {f['path']!r} ({exc.strerror or type(exc).__name__}); check --data") from None
+    return h.hexdigest()
+
+
+def _hash_content(path: Path, size: int, h: Any) -> None:
+    """Feed ``path``'s content to ``h``: all of it when small, else sampled blocks."""
+    with path.open("rb") as fh:
+        if size <= FINGERPRINT_WHOLE_BYTES:
+            while block := fh.read(1 << 20):
+                h.update(block)
+            return
+        last = size - FINGERPRINT_BLOCK_BYTES
+        for i in range(FINGERPRINT_BLOCKS):
+            fh.seek(last * i // (FINGERPRINT_BLOCKS - 1))  # first block at 0, last one ends at the end
+            h.update(fh.read(FINGERPRINT_BLOCK_BYTES))
 
 
 def default_text_field(cfg: DataConfig, kind: str) -> str:
@@ -250,7 +303,7 @@ def _txt_documents(path: Path) -> Iterator[str]:
     size = 0
     try:
         with path.open("r", encoding="utf-8") as f:
-            for line in f:
+            for line in _bounded_text_lines(f, TXT_MAX_LINE_CHARS):
                 buf.append(line)
                 size += len(line)
                 if (size >= TXT_DOC_CHARS and not line.strip()) or size >= 4 * TXT_DOC_CHARS:
@@ -262,6 +315,23 @@ def _txt_documents(path: Path) -> Iterator[str]:
         ) from None
     if buf:
         yield "".join(buf)
+
+
+def _bounded_text_lines(f: Any, limit: int) -> Iterator[str]:
+    """The lines of a text file; a line longer than ``limit`` characters comes in pieces of at
+    most ``limit``, each ending before a word where there is a break in its second half, so
+    memory holds at most ``limit`` characters of a line however long it is."""
+    carry = ""
+    while chunk := f.readline(limit - len(carry)):
+        line, carry = carry + chunk, ""
+        if line.endswith("\n") or len(line) < limit:  # a whole line (a short one is the file's last)
+            yield line
+            continue
+        cut = cut_before_word(line, limit // 2, len(line) - 1) or len(line)
+        line, carry = line[:cut], line[cut:]  # the rest (under limit / 2) starts the next piece
+        yield line
+    if carry:
+        yield carry
 
 
 def _xml_documents(path: Path, field: str) -> Iterator[str]:
@@ -350,6 +420,9 @@ def _hf_documents(cfg: DataConfig) -> Iterator[str]:
     if kind == "hub":
         yield from _hub_documents(target, cfg)
     elif kind == "dir":
+        root = Path(target)
+        _check_json_nesting(sorted(p for p in root.rglob("*") if p.is_file() and not _hidden(p, root)
+                                   and p.suffix.lower() in JSON_SUFFIXES))
         ds = _load_dataset(target, split=cfg.hf_split, label=target)
         yield from _dataset_texts(ds, default_text_field(cfg, "text"), target)
     else:
@@ -374,8 +447,29 @@ def _structured_documents(builder: str, files: list[Path], field: str, label: st
     files = [p for p in files if p.stat().st_size > 0]
     if not files:
         raise ConfigError(f"{label!r} is empty (0 bytes); check --data")
+    if builder == "json":
+        _check_json_nesting(files)
     ds = _load_dataset(builder, data_files=[str(p) for p in files], split="train", label=label)
     yield from _dataset_texts(ds, field, label)
+
+
+def _check_json_nesting(files: list[Path]) -> None:
+    """Refuse JSON data nested deeper than MAX_JSON_DEPTH, naming the file and line.
+
+    pyarrow's JSON reader (behind ``datasets``) recurses once per level in C: a line nested
+    20,000 deep ends the process with SIGSEGV, no message and no cleanup; ``datasets`` itself
+    raises RecursionError near 1,000 levels. One streaming pass (bounded pieces, strings
+    skipped at C speed) measures the depth before either sees the file.
+    """
+    for path in files:
+        try:
+            with path.open("rb") as fh:
+                line = json_depth_error(bounded_lines(fh))
+        except OSError as exc:
+            raise ConfigError(f"cannot read {str(path)!r} ({exc.strerror or type(exc).__name__}); check --data") from None
+        if line is not None:
+            raise ConfigError(f"{str(path)!r} line {line}: JSON nested deeper than {MAX_JSON_DEPTH} levels; "
+                              "flatten that record or remove it from the data")
 
 
 def _load_dataset(path: str, *, split: str, label: str, hub: bool = False, **kwargs: Any) -> Any:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
@@ -54,6 +55,41 @@ def get_tokenizer() -> tiktoken.Encoding:
         special_tokens={EOT_TEXT: EOT_ID},
         explicit_n_vocab=N_VOCAB,  # tiktoken checks the ranks and special tokens add up to it
     )
+
+
+# Longest text handed to one encode call. tiktoken's working memory is ~40x the text it
+# encodes at once (a 200 MB document peaked near 8 GB); longer documents are encoded in pieces.
+ENCODE_PIECE_CHARS = 1 << 18
+
+
+def encoding_pieces(text: str, limit: int = ENCODE_PIECE_CHARS) -> Iterator[str]:
+    """``text`` in consecutive pieces of at most ``limit`` characters whose encodings, joined,
+    equal the encoding of the whole text.
+
+    A piece ends before a single space that follows a non-space and precedes one (``a| b``).
+    GPT-2's pre-tokenizer (GPT2_PAT_STR) lets a space only begin a pre-token, never follow a
+    non-space inside one, and byte-pair merges never cross pre-tokens: the whole text is split
+    at that exact spot too, so the tokens are the same. Text with no such space in the last
+    half of a window (a run of 128K characters without a word break) is cut at the limit; only
+    the tokens at that cut can differ. Other tokenizers with a GPT-2-style pre-tokenizer
+    (Llama 3, Qwen) split the same way; a SentencePiece one may differ by a token per cut.
+    """
+    start, n = 0, len(text)
+    while n - start > limit:
+        end = cut_before_word(text, start + limit // 2, start + limit) or start + limit
+        yield text[start:end]
+        start = end
+    yield text[start:]
+
+
+def cut_before_word(text: str, lo: int, hi: int) -> int | None:
+    """The last index in (lo, hi] holding a space between two non-spaces, or None."""
+    i = text.rfind(" ", lo, hi + 1)
+    while i > lo:
+        if not text[i - 1].isspace() and i + 1 < len(text) and not text[i + 1].isspace():
+            return i
+        i = text.rfind(" ", lo, i)
+    return None
 
 
 def encode_batch(texts: list[str], num_threads: int | None = None) -> list[list[int]]:

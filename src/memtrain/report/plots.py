@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from memtrain.report.tables import CATEGORIES, GIB, MIB
+from memtrain.report.tables import CATEGORIES, GIB, MAX_PLOT_ROWS, MIB
 from memtrain.results import PLOT_FILES, write_atomic
 
 COLORS = {
@@ -188,7 +188,8 @@ def place_labels(ax: Any, points: list[tuple[float, float]], labels: list[str], 
 
 
 def write_plots(records: list[dict[str, Any]], out: Path) -> list[Path]:
-    """Write every plot that has data; return the paths written."""
+    """Write every plot that has data (the first MAX_PLOT_ROWS rows); return the paths written."""
+    records = records[:MAX_PLOT_ROWS]
     written = []
     peak, step, batch, scatter = (out / name for name in PLOT_FILES)
     if _ok(records, "peak_tracked_bytes"):

@@ -100,8 +100,9 @@ def recommendation(records: list[dict[str, Any]], rows: list[dict[str, Any]], bu
     if fits:
         lines += _fastest_lines(fits, noise, where, within)
     else:
-        lines.append(f"- No row {where}; the smallest peak is "
-                     f"{min(r['peak_tracked_bytes'] for r in ok if r.get('peak_tracked_bytes')) / GIB:.3f} GiB.")
+        peaks = [r["peak_tracked_bytes"] for r in ok if r.get("peak_tracked_bytes")]
+        smallest_peak = f"the smallest peak is {min(peaks) / GIB:.3f} GiB" if peaks else "no row has a tracked peak"
+        lines.append(f"- No row {where}; {smallest_peak}.")
     lines += _step_noise_lines(noise)
     lines += _ppl_lines(ok, rows)
     lines.append("")

@@ -14,6 +14,10 @@ from memtrain.report.recommend import max_batch_capped, recommendation, zero_cat
 GIB = 2**30
 MIB = 2**20
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+# Rows drawn per plot. A bar per row needs ~66 pixels of height (Agg refuses images past 2**16
+# pixels, about 1,000 bars), and placing labels without overlap costs quadratic time in the
+# points: beyond a few dozen rows a plot is unreadable anyway, while the tables list every row.
+MAX_PLOT_ROWS = 40
 
 
 # --------------------------------------------------------------------------- text from results files
@@ -250,6 +254,8 @@ def markdown_report(rows: list[dict[str, Any]], missing: list[str], header: Call
         "(grow, then bisect) against the budget named in the rows' `max_batch` records.",
         "",
     ]
+    if len(records) > MAX_PLOT_ROWS:
+        parts += [f"The plots show the first {MAX_PLOT_ROWS} of the {len(records)} rows.", ""]
     if any(r.get("max_batch_capped") for r in records):
         parts += ["A Max Batch written N+ reached the search's upper bound without running out of the budget: "
                   "the true maximum is at least N (raise --max-batch to search further).", ""]
