@@ -5,15 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 
-from memtrain.argtypes import positive_int
+from memtrain.argtypes import batch_count
 from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, config_from_args, fmt_bytes, register
 from memtrain.config import parse_size
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--memory-budget", default=None, help="Budget, e.g. 8GiB (required on CPU; on CUDA default: the device).")
-    p.add_argument("--multiple-of", type=positive_int, default=1, help="Search batches in multiples of this (e.g. 8 for tensor cores).")
-    p.add_argument("--max-batch", "--max", dest="max_search", type=positive_int, default=4096,
+    p.add_argument("--memory-budget", "--budget", dest="memory_budget", default=None,
+                   help="Budget, e.g. 8GiB (required on CPU; on CUDA default: the device). --budget: plan's name.")
+    p.add_argument("--multiple-of", type=batch_count, default=1, help="Search batches in multiples of this (e.g. 8 for tensor cores).")
+    p.add_argument("--max-batch", "--max", dest="max_search", type=batch_count, default=4096,
                    help="Upper bound of the search: largest batch to try (default 4096). Same flag in bench and plan.")
     p.add_argument("--method", choices=("auto", "measure", "trace"), default="auto",
                    help="measure: run real steps; trace: fake tensors, nothing allocated (default on CPU).")
