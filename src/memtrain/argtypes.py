@@ -11,7 +11,7 @@ import argparse
 import math
 from typing import Callable
 
-from memtrain.analysis.limits import MAX_BATCH, MAX_INT, MAX_RANKS, MAX_WIDTH, short_number
+from memtrain.analysis.limits import MAX_BATCH, MAX_INT, MAX_RANKS, MAX_WIDTH, MAX_WORLD_SIZE, short_number
 
 
 def _int(text: str, what: str) -> int:
@@ -48,6 +48,8 @@ def positive_int(text: str) -> int:
 batch_count = int_in(1, MAX_BATCH, "a batch size")
 # Ranks or processes one command starts on this machine.
 rank_count = int_in(1, MAX_RANKS, "a process count")
+# Ranks of a whole (possibly multi-machine) job, for per-rank estimates.
+world_size = int_in(1, MAX_WORLD_SIZE, "a rank count")
 # Tokens: a generation's length, a top-k cut (a vocabulary is at most MAX_WIDTH).
 token_count = int_in(1, MAX_WIDTH, "a token count")
 # A sampling seed: torch's generators take 64 bits.

@@ -16,7 +16,7 @@ from memtrain.errors import ConfigError
 if TYPE_CHECKING:  # annotations only: config imports this module
     from memtrain.config import ModelConfig
 
-__all__ = ["MAX_BATCH", "MAX_BYTES", "MAX_INT", "MAX_LAYERS", "MAX_PARAMS", "MAX_RANKS", "MAX_WIDTH",
+__all__ = ["MAX_BATCH", "MAX_BYTES", "MAX_INT", "MAX_LAYERS", "MAX_PARAMS", "MAX_RANKS", "MAX_WIDTH", "MAX_WORLD_SIZE",
            "check_analytic_size", "check_at_most", "short_number"]
 
 # Nothing near these has been trained (GPT-3: 96 layers, d_model 12288; PaLM: 118 layers, 18432;
@@ -30,8 +30,9 @@ MAX_PARAMS = 10**15
 MAX_BATCH = 1 << 24
 # A memory budget: 1 EiB, a million times today's largest accelerator.
 MAX_BYTES = 1 << 60
-# Ranks one launcher starts on one machine.
+# Ranks one launcher starts on one machine; ranks of a whole job (today's largest runs: ~10^5).
 MAX_RANKS = 1024
+MAX_WORLD_SIZE = 1 << 20
 # Any integer memtrain hands to torch (sizes, seeds, counts) must fit its int64.
 MAX_INT = 2**63 - 1
 
