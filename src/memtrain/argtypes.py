@@ -1,24 +1,59 @@
 """argparse ``type=`` functions for command-only flags (config fields validate themselves).
 
 A bad value becomes argparse's one-line ``error: argument --flag: ...`` and exit 2, so a
-nonsense count or duration is refused before anything runs.
+nonsense count or duration is refused before anything runs. Upper bounds come from
+:mod:`memtrain.analysis.limits`, the same as the config fields' and the analytic commands'.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+from typing import Callable
+
+from memtrain.analysis.limits import MAX_BATCH, MAX_INT, MAX_RANKS, MAX_WIDTH, MAX_WORLD_SIZE, short_number
+
+
+def _int(text: str, what: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects {what}, got {text!r}") from None
+
+
+def int_in(low: int, high: int, what: str = "an integer") -> Callable[[str], int]:
+    """A type for integers in [low, high]; its name shows in argparse's messages."""
+
+    def parse(text: str) -> int:
+        value = _int(text, what)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low:,}, {high:,}], got {short_number(value) if value > 0 else text}")
+        return value
+
+    parse.__name__ = what
+    return parse
 
 
 def positive_int(text: str) -> int:
-    """An integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expects a positive integer, got {text!r}") from None
+    """An integer >= 1 (that fits in 64 bits)."""
+    value = _int(text, "a positive integer")
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    if value > MAX_INT:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_INT:,} (64 bits), got {short_number(value)}")
     return value
+
+
+# A batch size, a batch search's bound or its step (maxbatch, bench, plan).
+batch_count = int_in(1, MAX_BATCH, "a batch size")
+# Ranks or processes one command starts on this machine.
+rank_count = int_in(1, MAX_RANKS, "a process count")
+# Ranks of a whole (possibly multi-machine) job, for per-rank estimates.
+world_size = int_in(1, MAX_WORLD_SIZE, "a rank count")
+# Tokens: a generation's length, a top-k cut (a vocabulary is at most MAX_WIDTH).
+token_count = int_in(1, MAX_WIDTH, "a token count")
+# A sampling seed: torch's generators take 64 bits.
+seed_value = int_in(0, 2**64 - 1, "a seed")
 
 
 def positive_float(text: str) -> float:
@@ -29,4 +64,15 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expects a positive number, got {text!r}") from None
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0 (e.g. a sampling temperature, where 0 means greedy)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects a number >= 0, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value

@@ -21,19 +21,19 @@ from typing import Any, Callable, Optional, Sequence
 import memtrain.commands as commands
 from memtrain import __version__
 from memtrain.aliases import ALIASES, EXPANDED, switch_value
-from memtrain.argtypes import positive_int
+from memtrain.argtypes import rank_count
 from memtrain.config import SECTIONS, ConfigError, RunConfig, build_config, flatten, load_config_file
 from memtrain.errors import one_line
 from memtrain.extras import quiet_third_party
 from memtrain.notices import install_warning_format
 from memtrain.preflight import check_before_launch
-from memtrain.rank_errors import begin_command, error_line, launched_by_memtrain, say_error
+from memtrain.rank_errors import begin_command, error_line, launch_env, launched_by_memtrain, say_error
 from memtrain.results import (
     RESULT_NAME,
     FolderLock,
     write_json_atomic,  # re-exported too: older code imports it from here
 )
-from memtrain.signals import sigterm_as_interrupt
+from memtrain.signals import bind_rank_to_launcher, sigterm_as_interrupt
 
 
 class _Parser(argparse.ArgumentParser):
@@ -249,10 +249,10 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     it says how the run is launched, not what it computes)."""
 
     add_config_flags(parser)
-    parser.add_argument("--nproc-per-node", dest="nproc_per_node", type=positive_int, default=None, metavar="N",
+    parser.add_argument("--nproc-per-node", dest="nproc_per_node", type=rank_count, default=None, metavar="N",
                         help="Start N data-parallel ranks on this machine (torchrun's launcher, run by memtrain: "
                         "bad input is one error: line and exit 2). Needs --distributed ddp|zero1|zero2|fsdp.")
-    parser.add_argument("--nproc_per_node", dest="nproc_per_node", type=positive_int, default=None,
+    parser.add_argument("--nproc_per_node", dest="nproc_per_node", type=rank_count, default=None,
                         help=argparse.SUPPRESS)  # torchrun's spelling
 
 
@@ -278,7 +278,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if getattr(args, "nproc_per_node", None) and not launched_by_memtrain():
         return _launch_ranks(args, cfg)
     out = Path(cfg.train.out)
-    main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 writes and prints
+    env = launch_env()  # bad launch variables: exit 2 before anything starts
+    main_rank = env is None or env.rank == 0  # under torchrun only rank 0 writes and prints
     note = defaults_note(cfg)
     if note and main_rank:
         print(note, flush=True)
@@ -293,12 +294,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     guard = sigterm_as_interrupt() if "WORLD_SIZE" not in os.environ else contextlib.nullcontext()
     with guard:
         # The --out lock: a second train or bench on the folder is refused (exit 2). Under
-        # memtrain's launcher the launcher holds it for its ranks.
+        # memtrain's launcher the launcher holds it and the ranks add themselves as its writers.
         from memtrain.notices import random_base_warning
 
         warn = _warn_after_first_step(random_base_warning(cfg) if main_rank else None)
-        result = train(cfg, on_result=write_result, log_metrics=True, lock_out=not launched_by_memtrain(),
-                       on_step=warn)
+        result = train(cfg, on_result=write_result, log_metrics=True, lock_out=True, on_step=warn)
     if not main_rank:
         return 0  # result["ranks"] has every rank's numbers
     if getattr(cfg.train, "warmup_defaulted", False):
@@ -374,6 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    # First thing a torchrun rank runs of memtrain: a rank never outlives its launcher.
+    bind_rank_to_launcher()
     begin_command()
     try:
         return _main(argv)

@@ -22,6 +22,7 @@ import tomllib
 import yaml
 
 from memtrain.aliases import WARMUP_RATIO, normalize as normalize_aliases
+from memtrain.analysis.limits import MAX_BATCH, MAX_BYTES, MAX_INT, MAX_RANKS, check_analytic_size, check_at_most
 
 # ConfigError lives in a leaf module so that the modules config itself consults (model presets,
 # model-spec resolution) can raise it without importing config back.
@@ -81,6 +82,9 @@ class ModelConfig:
                 setattr(self, name, value)
         for name in ("vocab_size", "vocab_multiple", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len"):
             _require(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        # Before any arithmetic on the shape (the hint below loops over n_heads): every verb
+        # refuses an absurd shape here, before building or counting it.
+        check_analytic_size(self)
         _require(
             self.d_model % self.n_heads == 0,
             f"--n-heads ({self.n_heads}) must divide --d-model ({self.d_model}); try --n-heads "
@@ -137,6 +141,9 @@ class DataConfig:
         _require(0.0 < self.val_fraction < 1.0, f"--val-fraction must be in (0, 1), got {self.val_fraction}")
         _require(self.val_blocks > 0, f"--val-blocks must be positive, got {self.val_blocks}")
         _require(self.num_workers >= 0, f"--num-workers must be >= 0, got {self.num_workers}")
+        check_at_most("--num-workers", self.num_workers, MAX_RANKS)
+        _require(self.prefetch_factor is None or self.prefetch_factor >= 1,
+                 f"--prefetch-factor must be at least 1 (batches each worker loads ahead), got {self.prefetch_factor}")
         _require(
             self.prefetch_factor is None or self.num_workers > 0,
             "--prefetch-factor needs --num-workers > 0; set --num-workers 2 or drop --prefetch-factor",
@@ -288,6 +295,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len", "steps", "grad_accum"):
             _require(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        for name in ("batch_size", "grad_accum"):  # a batch of 10**30 overflows torch or hangs a search
+            check_at_most(f"--{name.replace('_', '-')}", getattr(self, name), MAX_BATCH)
         _require(math.isfinite(self.lr) and 0 < self.lr <= MAX_LR,
                  f"--lr must be positive and at most {MAX_LR:g} (larger diverges at once), got {self.lr}")
         _require(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
@@ -449,7 +458,23 @@ def _coerce(cls: type, name: str, value: Any) -> Any:
             return number
         return str(value)
     except (TypeError, ValueError, OverflowError):
-        raise ConfigError(f"--{name.replace('_', '-')} expects {base}, got {value!r}") from None
+        raise ConfigError(f"--{name.replace('_', '-')} expects {base}, got {_shown(value)}") from None
+
+
+def _shown(value: Any, width: int = 40) -> str:
+    """``repr(value)``, cut to ``width`` characters (a 300-digit typo stays a one-line message)."""
+    text = repr(value)
+    return text if len(text) <= width else text[:width] + f"... ({len(text)} characters)"
+
+
+def _check_integers_fit(parts: dict[str, Any]) -> None:
+    """Every integer setting fits torch's int64. Sizes have tighter bounds of their own (checked
+    first, in each section); this catches the rest (--steps, --warmup-steps, --save-every ...)."""
+    for section in parts.values():
+        for f in fields(section):
+            value = getattr(section, f.name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                check_at_most(f"--{f.name.replace('_', '-')}", abs(value), MAX_INT)
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -575,6 +600,7 @@ def build_config(*layers: dict[str, Any]) -> RunConfig:
         if isinstance(steps, int) and steps > 0:
             per_section["train"]["warmup_steps"] = capped_warmup(steps)
     parts = {s: SECTIONS[s](**kv) for s, kv in per_section.items()}
+    _check_integers_fit(parts)
     cfg = RunConfig(**parts)
     # Remembered (not a field, so not in result.json's config) for the CLI's one-line note.
     cfg.train.warmup_defaulted = default_warmup  # type: ignore[attr-defined]  # read with getattr(..., False)
@@ -590,10 +616,9 @@ def capped_warmup(steps: int) -> int:
 
 
 def parse_size(text: str | int | float) -> int:
-    """Parse a memory size such as ``8GiB``, ``1.5GB``, ``512MiB`` or a byte count."""
-    if isinstance(text, (int, float)):
-        return int(text)
-    s = text.strip().replace(" ", "")
+    """Parse a memory size such as ``8GiB``, ``1.5GB``, ``512MiB`` or a byte count (at least one
+    byte, at most ``limits.MAX_BYTES``)."""
+    s = str(text).strip().replace(" ", "")
     units = {
         "": 1, "b": 1,
         "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -608,4 +633,10 @@ def parse_size(text: str | int | float) -> int:
         value = math.nan
     if unit not in units or not math.isfinite(value) or value <= 0:
         raise ConfigError(f"cannot read memory size {text!r}; write it like 8GiB, 1.5GB or 512MiB")
-    return int(value * units[unit])
+    size = value * units[unit]  # a float: 1e300GB is inf here, refused below
+    if not size < MAX_BYTES:
+        raise ConfigError(f"memory size {text!r} is beyond what memtrain handles (at most 1 EiB); "
+                          "write it like 8GiB, 1.5GB or 512MiB")
+    if size < 1:
+        raise ConfigError(f"memory size {text!r} is less than one byte; write it like 8GiB, 1.5GB or 512MiB")
+    return int(size)

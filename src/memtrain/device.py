@@ -25,8 +25,10 @@ any CPU; a user may use them when the probe is wrong). The measured rates are ne
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import math
 import os
 import platform
 import re
@@ -292,25 +294,77 @@ def cache_path(key: str) -> Path:
     return root / "device" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
+# What a cache entry's ``rates`` may hold: the measured rates and slowdowns (positive, finite
+# numbers; those of a precision not measured may be absent or null), the shapes they were
+# measured on, and the rate a refresh replaced. Nothing else of DeviceCaps comes from the file.
+_RATE_KEYS = ("gemm_fp32_flops", "gemm_bf16_flops", "gemm_fp16_flops", "bf16_slowdown", "fp16_slowdown",
+              "refreshed_from")
+_SHAPE_KEYS = ("fp32", "low_precision")
+
+
+def _positive_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _valid_rates(rates: Any) -> bool:
+    """Whether a cache entry's ``rates`` is exactly what :func:`_rates` writes, every value sound."""
+    if not isinstance(rates, dict) or not _positive_number(rates.get("gemm_fp32_flops")):
+        return False
+    if set(rates) - {*_RATE_KEYS, "gemm_shapes"}:
+        return False
+    if any(rates.get(k) is not None and not _positive_number(rates[k]) for k in _RATE_KEYS):
+        return False
+    shapes = rates.get("gemm_shapes", {})
+    return (isinstance(shapes, dict) and set(shapes) <= set(_SHAPE_KEYS)
+            and all(isinstance(s, list) and len(s) == 3 and all(type(n) is int and n > 0 for n in s)
+                    for s in shapes.values()))
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} in a device cache entry")  # JSON has no NaN/Infinity; Python's reader takes them
+
+
 def _read_cache(path: Path, key: str) -> Optional[dict[str, Any]]:
-    """The cached rates, or None when absent or unusable (then they are measured again)."""
+    """The cached rates, or None when absent or damaged in any way (a file that is not strict
+    JSON, a field of the wrong type, a rate that is NaN, infinite, zero or negative, a folder
+    in the file's place). A damaged entry is measured again and rewritten: a wrong value read
+    here would end up in every MFU, in ``info --json`` (as invalid JSON) and in every train."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = json.loads(path.read_text(), parse_constant=_no_constant)
+    except (OSError, ValueError):  # UnicodeDecodeError is a ValueError
         return None
     if not isinstance(data, dict) or data.get("key") != key or data.get("version") != CACHE_VERSION:
         return None
     rates = data.get("rates")
-    if not isinstance(rates, dict) or not isinstance(rates.get("gemm_fp32_flops"), (int, float)):
-        return None
-    return rates
+    return rates if _valid_rates(rates) else None
 
 
 def _write_cache(path: Path, key: str, rates: dict[str, Any]) -> None:
+    """Write the entry atomically (a temporary file, then a rename); a cache that cannot be
+    written is skipped (it only costs the next run another measurement)."""
+    if not _valid_rates(rates):
+        return  # never store what the reader would refuse
     try:
-        write_text_atomic(path, json.dumps({"version": CACHE_VERSION, "key": key, "rates": rates}, indent=2) + "\n")
-    except (OSError, ConfigError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_empty_dir(path)  # a folder in the entry's place (one with files stays: the write is refused)
+        write_text_atomic(path, json.dumps({"version": CACHE_VERSION, "key": key, "rates": rates}, indent=2,
+                                           allow_nan=False) + "\n")
+    except (OSError, ValueError, ConfigError):
         pass  # a read-only cache (or a link in its place) only costs the next run another second
+
+
+def _remove_empty_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.rmdir()
+
+
+def _discard(path: Path) -> None:
+    """Remove a cache entry (or an empty folder in its place); what cannot be removed stays."""
+    with contextlib.suppress(OSError):
+        if path.is_dir() and not path.is_symlink():
+            path.rmdir()
+        else:
+            path.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------- probe
@@ -337,7 +391,7 @@ def cache_clear(device: torch.device | str = "cpu") -> None:
     device = torch.device(device)
     _PROBES.clear()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
-    cache_path(_cache_key(device.type, name, torch.get_num_threads())).unlink(missing_ok=True)
+    _discard(cache_path(_cache_key(device.type, name, torch.get_num_threads())))
 
 
 def probe(device: torch.device | str = "cpu", measure: bool = True, kernels: bool = True,

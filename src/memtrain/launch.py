@@ -25,6 +25,7 @@ import tempfile
 from typing import Any, Optional, Sequence
 
 from memtrain.rank_errors import ERROR_DIR_ENV, LAUNCHED_ENV, error_line_of, read_error_lines
+from memtrain.signals import LAUNCHER_PID_ENV
 
 
 def _quiet_launcher_logs() -> None:
@@ -43,6 +44,8 @@ def launch(nproc: int, argv: Sequence[str]) -> int:
 
     _quiet_launcher_logs()
     os.environ[LAUNCHED_ENV] = "1"  # inherited by the ranks
+    # The ranks die with this process even when it is SIGKILLed (memtrain.signals.bind_rank_to_launcher).
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
     args = parse_args(["--standalone", f"--nproc_per_node={nproc}", "-m", "memtrain", *argv])
     with tempfile.TemporaryDirectory(prefix="memtrain-launch-") as errors:

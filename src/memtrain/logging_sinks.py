@@ -92,7 +92,14 @@ class WandbSink:
             import wandb
         except ImportError:
             raise ConfigError("--report-to wandb needs the wandb package: pip install 'memtrain[wandb]'") from None
-        self.run = wandb.init(project="memtrain", dir=str(out), config=config, reinit=True)
+        try:
+            self.run = wandb.init(project="memtrain", dir=str(out), config=config, reinit=True)
+        except (wandb.errors.UsageError, wandb.errors.AuthenticationError, ValueError) as exc:
+            # No login (no API key, no network to log in), or a WANDB_* variable wandb cannot read
+            # (its settings' ValidationError is a ValueError): the user's setup, said in one line.
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"--report-to wandb cannot start a run ({reason}); run `wandb login`, set "
+                              "WANDB_API_KEY, or set WANDB_MODE=offline to log without an account") from None
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         self.run.log({f"train/{k}": v for k, v in scalars.items() if v is not None}, step=step)
@@ -123,13 +130,15 @@ class MetricsLogger:
             return
         out = Path(out)
         self.path = out / METRICS_NAME
-        self.jsonl = JsonlSink(self.path, append)
-        self.sinks.append(self.jsonl)
         try:
-            if "tensorboard" in names:
-                self.sinks.append(TensorBoardSink(out / "tensorboard"))
+            # The sinks that can refuse (no login, a missing package) start first, so that a
+            # refusal leaves no metrics.jsonl behind.
             if "wandb" in names:
                 self.sinks.append(WandbSink(out, config or {}))
+            if "tensorboard" in names:
+                self.sinks.append(TensorBoardSink(out / "tensorboard"))
+            self.jsonl = JsonlSink(self.path, append)
+            self.sinks.insert(0, self.jsonl)
         except BaseException:
             self.close()
             raise

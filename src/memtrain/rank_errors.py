@@ -27,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 from memtrain.errors import ConfigError, one_line
@@ -40,6 +41,69 @@ ERROR_DIR_ENV = "MEMTRAIN_ERROR_DIR"  # where the launcher's ranks leave their e
 def launched_by_memtrain() -> bool:
     """Whether this process is a rank started by ``memtrain train --nproc-per-node``."""
     return os.environ.get(LAUNCHED_ENV) == "1" and "WORLD_SIZE" in os.environ
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in a torchrun launch (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def _env_int(name: str, default: Optional[str] = None) -> int:
+    raw = os.environ.get(name, default)
+    if raw is None:
+        raise ConfigError(f"{name} is not set but WORLD_SIZE is; launch with torchrun (it sets both) "
+                          "or unset WORLD_SIZE")
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={raw[:40]!r} is not an integer; launch with torchrun "
+                          f"(it sets {name}) or unset it") from None
+
+
+def launch_world_size() -> Optional[int]:
+    """``WORLD_SIZE``, checked (an integer >= 1); None when it is not set."""
+    if "WORLD_SIZE" not in os.environ:
+        return None
+    world = _env_int("WORLD_SIZE")
+    if world < 1:
+        raise ConfigError(f"environment variable WORLD_SIZE={world} must be at least 1; launch with torchrun "
+                          "or unset it")
+    return world
+
+
+def launch_env() -> Optional[LaunchEnv]:
+    """The launch variables, checked; None outside a launcher (no ``WORLD_SIZE``).
+
+    torch reads them as they are: ``RANK=5 WORLD_SIZE=2`` or ``RANK=-1`` waits at the
+    rendezvous for ranks that never come (until the timeout, minutes), ``RANK=abc`` fails with
+    a traceback. Checked before anything joins a group, as bad input (exit 2)."""
+    world = launch_world_size()
+    if world is None:
+        return None
+    rank = _env_int("RANK")
+    if not 0 <= rank < world:
+        raise ConfigError(f"environment variable RANK={rank} must be in [0, WORLD_SIZE={world}); launch with "
+                          "torchrun or fix RANK")
+    local = _env_int("LOCAL_RANK", "0")
+    local_world = _env_int("LOCAL_WORLD_SIZE", str(world))
+    if not 0 <= local < max(1, local_world):
+        raise ConfigError(f"environment variable LOCAL_RANK={local} must be in [0, {local_world}); launch with "
+                          "torchrun or fix LOCAL_RANK")
+    return LaunchEnv(rank, world, local)
+
+
+def env_rank() -> int:
+    """This process's rank for deciding who prints: its launch rank when the launch variables
+    are sound, else 0 (a process whose variables are wrong says so on its own stderr)."""
+    try:
+        env = launch_env()
+    except ConfigError:
+        return 0
+    return env.rank if env is not None else 0
 
 
 def _group_size() -> int:
@@ -134,7 +198,7 @@ def say_error(line: str, code: int, every_rank: bool = True) -> None:
     debug = bool(os.environ.get("MEMTRAIN_DEBUG"))
     if launched_by_memtrain() and not debug:
         return
-    if every_rank or int(os.environ.get("RANK", "0")) == 0 or debug:
+    if every_rank or env_rank() == 0 or debug:
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
 
@@ -185,7 +249,7 @@ def record_error_line(line: str, code: int = 1) -> None:
     folder = os.environ.get(ERROR_DIR_ENV)
     if folder and "RANK" in os.environ:
         with contextlib.suppress(OSError):
-            with open(os.path.join(folder, f"rank-{int(os.environ['RANK'])}.json"), "w") as fh:
+            with open(os.path.join(folder, f"rank-{env_rank()}.json"), "w") as fh:
                 json.dump({"line": line, "code": code}, fh)
 
 

@@ -29,6 +29,9 @@ docs/reliability.md hold for every command alike:
 - :class:`FolderLock`: ``fcntl.flock`` on a lock file inside an output folder; a second
   holder is refused at once with a :class:`~memtrain.config.ConfigError` (exit 2). The kernel
   drops the lock when its process dies, so a killed run never leaves the folder locked.
+  Processes that write into the folder under the holder's lock (the ranks of a launched run)
+  add themselves to the lock file (:func:`register_writer`); the folder stays refused while
+  any of them lives, also after the holder died.
 """
 
 from __future__ import annotations
@@ -436,6 +439,78 @@ def read_jsonl(path: Path) -> JsonlRead:
     return read
 
 
+# A writer's line in the lock file: "writer: WHAT (pid N, started T)". T tells the process from a
+# later one that got the same pid (None off Linux, where only the pid is compared).
+WRITER_PREFIX = "writer: "
+_WRITER_LINE = re.compile(r"^writer: (?P<what>.*) \(pid (?P<pid>\d+), started (?P<started>\w+)\)$")
+
+
+def process_start(pid: int) -> Optional[str]:
+    """When process ``pid`` started (Linux: ``/proc/PID/stat`` field 22, clock ticks after boot);
+    None when it is gone or a zombie (it can write nothing more). Off Linux: "unknown" while
+    ``kill(pid, 0)`` finds it."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None
+    except OSError:  # no /proc here: the pid alone
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return "unknown"
+    after_name = text[text.rfind(")") + 2:].split()  # the name may hold spaces and parentheses
+    state, start = after_name[0], after_name[19]
+    return None if state in ("Z", "X") else start
+
+
+def _live_writers(text: str) -> list[str]:
+    """The writers listed in a lock file's ``text`` that still run (as "WHAT (pid N)")."""
+    live = []
+    for line in text.splitlines():
+        m = _WRITER_LINE.match(line.strip())
+        if not m or int(m["pid"]) == os.getpid():
+            continue
+        now = process_start(int(m["pid"]))
+        if now is not None and (now == m["started"] or "unknown" in (now, m["started"])):
+            live.append(f"{m['what']} (pid {m['pid']})")
+    return live
+
+
+def register_writer(folder: Path, what: str) -> None:
+    """Add this process to the writers of ``folder``, whose lock another process holds (the
+    launcher of this rank, or rank 0). A later :class:`FolderLock` on the folder is refused
+    while this process lives, even when the holder is gone: a holder killed with SIGKILL frees
+    its lock at once, and its ranks must not share the folder with a second run meanwhile."""
+    line = f"{WRITER_PREFIX}{what} (pid {os.getpid()}, started {process_start(os.getpid()) or 'unknown'})\n"
+    # O_APPEND: one write() per line, so the ranks' lines never overwrite each other.
+    fd = os.open(Path(folder) / LOCK_NAME, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def _open_lock_file(path: Path, flag: str, folder: Path) -> Any:
+    """The lock file opened for reading and writing (created when absent). Anything but a
+    regular file there (a folder, a FIFO, a socket, a symbolic link) is refused: reading a FIFO
+    would block, and a link would lock a file elsewhere."""
+    refuse = ConfigError(f"{flag} {str(folder)!r}: {LOCK_NAME} there is not a regular file (a folder, pipe or "
+                         "link); remove it, or choose another " + flag)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno in (errno.EISDIR, errno.ELOOP, errno.ENXIO, errno.EOPNOTSUPP):
+            raise refuse from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise refuse
+    return os.fdopen(fd, "r+", errors="replace")
+
+
 class FolderLock:
     """Exclusive use of an output folder while the ``with`` block runs.
 
@@ -459,17 +534,14 @@ class FolderLock:
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / LOCK_NAME
         while True:
-            # O_NOFOLLOW: a link planted at the lock's name is refused, never written through.
-            fd = _open_regular(path, os.O_RDWR | os.O_CREAT)
-            fh = os.fdopen(fd, "r+", encoding="utf-8", errors="replace")
+            fh = _open_lock_file(path, self.flag, self.folder)
             try:
                 fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 fh.seek(0)
                 holder = (fh.read(200).strip().splitlines() or ["another process"])[0]
                 fh.close()
-                raise ConfigError(f"{self.flag} {str(self.folder)!r} is in use by {holder}; wait for it to finish "
-                                  f"or choose another {self.flag}") from None
+                raise self._in_use(holder) from None
             # A holder that cleaned up may have unlinked the file we opened: lock the file
             # that is there now, or two processes would each hold "the" lock.
             try:
@@ -480,11 +552,20 @@ class FolderLock:
                 break
             fh.close()
         fh.seek(0)
+        live = _live_writers(fh.read())
+        if live:  # the holder is gone, its writers are not (e.g. the ranks of a killed launcher)
+            fh.close()
+            raise self._in_use(live[0])
+        fh.seek(0)
         fh.truncate()
         fh.write(f"{self.what} (pid {os.getpid()})\n")
         fh.flush()
         self._fh = fh
         return self
+
+    def _in_use(self, holder: str) -> ConfigError:
+        return ConfigError(f"{self.flag} {str(self.folder)!r} is in use by {holder}; wait for it to finish "
+                           f"or choose another {self.flag}")
 
     def __exit__(self, *exc: Any) -> None:
         if self._fh is None:

@@ -31,8 +31,8 @@ from memtrain.metrics import MemoryMeter, StepTimer, device_peak_memory, percent
 from memtrain.metrics.state import ShardedStateBytes
 from memtrain.models import data_tokenizer
 from memtrain.preflight import check_destinations, check_model_size, check_resume, check_vocab
-from memtrain.rank_errors import agreement
-from memtrain.results import FolderLock, remove_stale_temps
+from memtrain.rank_errors import agreement, launched_by_memtrain
+from memtrain.results import FolderLock, register_writer, remove_stale_temps
 from memtrain.runtime import environment, resolve_device, seed_everything
 from memtrain.step import Batch, TrainState, build_base_model, build_state, lr_lambda, run_step, train_step
 from memtrain.techniques import Precision, make_precision
@@ -130,11 +130,15 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
     ``train`` command) writes ``OUT/metrics.jsonl`` and the ``--report-to`` sinks as steps
     complete; library callers (bench rows, plan's check) leave it off. ``lock_out`` (the
     ``train`` command) holds ``OUT``'s folder lock for the run, so a second train or bench
-    on the folder is refused (exit 2) instead of mixing their files.
+    on the folder is refused (exit 2) instead of mixing their files: rank 0 takes it (under
+    memtrain's launcher the launcher has it already), and every other rank adds itself to
+    the lock file as a writer (:func:`memtrain.results.register_writer`), so the folder stays
+    refused until the last rank is gone, whoever ends first.
     """
     with distributed_session(cfg, resolve_device(cfg.train.device)) as dist_ctx, contextlib.ExitStack() as held:
         # Before any step and before the first collective: every rank checks, and a refusal
         # on any one rank (its own file, its own disk) refuses the run on all of them.
+        launched = launched_by_memtrain()  # the launcher holds OUT's lock for its ranks
         with agreement():
             # Never a run that cannot write its result, nor one that would overwrite another's.
             check_destinations(cfg, fresh_out=log_metrics)
@@ -142,9 +146,12 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
             check_model_size(cfg.model, dist_ctx.device, cfg.technique.precision)  # a shape that cannot be built, refused before building
             check_resume(cfg)  # a checkpoint of another run is refused before tokenizing
             check_optimizer_installed(cfg.technique)  # an absent optional package, before anything is built
-            if lock_out and dist_ctx.is_main:
+            if lock_out and dist_ctx.is_main and not launched:
                 held.enter_context(FolderLock(Path(cfg.train.out), "memtrain train", cleanup_if_unused=True))
                 remove_stale_writes(cfg)
+        # After the agreement: the holder (rank 0 or the launcher) has the lock file by now.
+        if lock_out and dist_ctx.enabled and (launched or not dist_ctx.is_main):
+            register_writer(Path(cfg.train.out), f"memtrain train rank {dist_ctx.rank}")
         return _train(cfg, dist_ctx, progress, track_memory, on_result, log_metrics, on_step)
 
 

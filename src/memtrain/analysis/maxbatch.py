@@ -177,8 +177,12 @@ def find_max_batch(  # noqa: C901 - grow then bisect, each with OOM and budget e
     device = resolve_device(cfg.train.device)
     if device.type != "cuda" and budget_bytes is None:
         raise ConfigError("on CPU the max batch needs a budget; pass --memory-budget, e.g. 4GiB")
+    limit = max_batch or 4096
     if multiple_of < 1:
         raise ConfigError(f"--multiple-of must be >= 1, got {multiple_of}")
+    if multiple_of > limit:  # no batch to search: refused before any probe
+        raise ConfigError(f"--multiple-of {multiple_of:,} is larger than the search's bound --max-batch {limit:,}; "
+                          "lower --multiple-of or raise --max-batch")
     if method == "auto":
         method = "measure" if device.type == "cuda" else "trace"
         if method == "trace":
@@ -188,7 +192,6 @@ def find_max_batch(  # noqa: C901 - grow then bisect, each with OOM and budget e
                 method = "measure"
     if probe is None:
         probe = traced_step_peak if method == "trace" else measured_step_peak
-    limit = max_batch or 4096
     probes: list[dict[str, Any]] = []
     bar = None
     if progress:

@@ -21,8 +21,9 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
+from memtrain.signals import PR_SET_PDEATHSIG
+
 ROW_PREFIX = "memtrain-row-"
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 # Run by a small Python in front of the row command: ask the kernel for SIGTERM when the

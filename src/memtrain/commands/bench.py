@@ -7,7 +7,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from memtrain.argtypes import positive_float, positive_int
+from memtrain.argtypes import batch_count, positive_float, rank_count
 from memtrain.bench.runner import BenchOptions, run_bench
 from memtrain.bench.scales import DEFAULT_SCALE, SCALE_BUDGET, SCALES
 from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, NOISE_ROW, TECHNIQUES, default_techniques
@@ -46,10 +46,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-budget", default=None, help="Budget for the max-batch search, e.g. 8GiB "
                    "(default: the device's memory on CUDA; on CPU the scale's budget, "
                    f"{', '.join(f'{k} {v}' for k, v in SCALE_BUDGET.items() if v)}, else 1GiB, through the tracked meter).")
-    p.add_argument("--max-batch", type=positive_int, default=None, help="Upper bound of the max-batch search.")
-    p.add_argument("--multiple-of", type=positive_int, default=1, help="Max batch searched in multiples of this (e.g. 8).")
+    p.add_argument("--max-batch", type=batch_count, default=None, help="Upper bound of the max-batch search.")
+    p.add_argument("--multiple-of", type=batch_count, default=1, help="Max batch searched in multiples of this (e.g. 8).")
     p.add_argument("--row-timeout", type=positive_float, default=None, help="Seconds before a row is stopped and recorded as timeout.")
-    p.add_argument("--nproc", type=positive_int, default=1, help="Processes (devices) per row, launched with torchrun; rows "
+    p.add_argument("--nproc", type=rank_count, default=1, help="Processes (devices) per row, launched with torchrun; rows "
                    "run data-parallel with --distributed ddp unless they set distributed=zero1|zero2|fsdp. Default 1.")
     add_config_flags(p, ("data", "model", "train"), exclude=("out", "save", "resume", "save_every"))
     show_scale_defaults(p)

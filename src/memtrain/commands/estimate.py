@@ -9,6 +9,7 @@ from typing import Any
 from memtrain.analysis.estimate import GPT2_ARCH, estimate, estimate_inference, parse_count, shape_for_params
 from memtrain.analysis.estimate.hf import analytic_estimate, hf_arch, why_not_modelled
 from memtrain.analysis.trace import trace_step
+from memtrain.argtypes import world_size
 from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, config_from_args, defaults_note, fmt_bytes, register
 from memtrain.config import ConfigError, parse_size
 from memtrain.model_presets import PRESETS, preset
@@ -86,7 +87,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Inference mode: the dtype the weights are stored in (default bf16).")
     p.add_argument("--device-type", choices=("cpu", "cuda"), default=None,
                    help="Kernel facts to assume (dropout masks, SDPA kernels); default: from --device.")
-    p.add_argument("--world-size", type=int, default=1, help="Data-parallel ranks (memory is per rank).")
+    p.add_argument("--world-size", type=world_size, default=1, help="Data-parallel ranks (memory is per rank).")
     p.add_argument("--shard", choices=("none", "zero1", "zero2", "fsdp"), default=None,
                    help="Sharding over --world-size ranks (default: --distributed).")
     p.add_argument("--gpu", default=None, metavar="NAME",

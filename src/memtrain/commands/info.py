@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from memtrain.cli import register
+from memtrain.results import dumps
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     if args.remeasure:
         cache_clear(device)
     caps = probe(device).to_dict()
-    print(json.dumps(caps, indent=2) if args.json else render(caps))
+    print(dumps(caps, indent=2) if args.json else render(caps))  # strict JSON: never NaN
     return 0
 
 

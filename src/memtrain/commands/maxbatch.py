@@ -6,14 +6,15 @@ import argparse
 import json
 from typing import Any, Optional
 
-from memtrain.argtypes import positive_int
+from memtrain.argtypes import batch_count
 from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, config_from_args, fmt_bytes, register
 from memtrain.config import ConfigError, parse_size
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-budget", "--budget", dest="memory_budget", default=None,
-                   help="Budget, e.g. 8GiB (required on CPU; on CUDA default: the device, or the --gpu card).")
+                   help="Budget, e.g. 8GiB (required on CPU; on CUDA default: the device, or the --gpu card). "
+                        "--budget: plan's name.")
     p.add_argument("--device-type", choices=("cpu", "cuda"), default=None,
                    help="cuda: measure on the CUDA device; without one, answer with the CUDA model (CUDA kernels' "
                         "memory rules, the caching allocator and the CUDA context, estimated: nothing runs). "
@@ -22,8 +23,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="The card the CUDA model assumes where no CUDA device is here (h100, a100-80gb, rtx4090, ...): "
                         "its memory is the budget unless --budget is given, its CUDA context is counted. "
                         "Implies --device-type cuda.")
-    p.add_argument("--multiple-of", type=positive_int, default=1, help="Search batches in multiples of this (e.g. 8 for tensor cores).")
-    p.add_argument("--max-batch", "--max", dest="max_search", type=positive_int, default=4096,
+    p.add_argument("--multiple-of", type=batch_count, default=1, help="Search batches in multiples of this (e.g. 8 for tensor cores).")
+    p.add_argument("--max-batch", "--max", dest="max_search", type=batch_count, default=4096,
                    help="Upper bound of the search: largest batch to try (default 4096). Same flag in bench and plan.")
     p.add_argument("--method", choices=("auto", "measure", "trace"), default="auto",
                    help="measure: run real steps; trace: fake tensors, nothing allocated (default on CPU).")

@@ -8,7 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 from memtrain.analysis.plan import candidate_config, default_space, plan, verify
-from memtrain.argtypes import positive_int
+from memtrain.argtypes import batch_count, positive_int
 from memtrain.bench.runner import read_results
 from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, defaults_note, fmt_bytes, register
 from memtrain.commands.estimate import add_model_choice, device_type_for, resolve_model
@@ -20,7 +20,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_model_choice(p)
     p.add_argument("--memory-budget", "--budget", dest="budget", required=True,
                    help="Memory budget, e.g. 24GiB or 1.5GB (--budget is the older name).")
-    p.add_argument("--max-batch", nargs="?", type=int, const=4096, default=None, metavar="N",
+    p.add_argument("--max-batch", nargs="?", type=batch_count, const=4096, default=None, metavar="N",
                    help="Find each set's largest batch, up to N (default 4096), instead of keeping "
                         "--batch-size x --grad-accum. N is the search's upper bound, as in maxbatch and bench.")
     p.add_argument("--margin", type=float, default=0.10, help="Safety margin on predictions (default 0.10).")
@@ -61,8 +61,6 @@ def run(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise ConfigError(f"--top must be >= 1, got {args.top}")
     budget = parse_size(args.budget)
-    if args.max_batch is not None and args.max_batch < 1:
-        raise ConfigError(f"--max-batch must be >= 1, got {args.max_batch}")
     # Every fitting set is ranked (not only --top), so that the fastest numerically standard one
     # can be recommended even when faster non-standard sets fill the top of the list.
     res = plan(cfg, budget, device_type, arch, max_batch=args.max_batch is not None, margin=args.margin,

@@ -117,8 +117,8 @@ def parse_count(text: str | int | float) -> int:
         value = float(s[:-1]) * mult[unit] if unit in mult else float(s)
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"cannot read parameter count {text!r}; write it like 3B, 124M or 7e9")
+    if not math.isfinite(value) or value < 1:  # 0.5 would become 0 parameters
+        raise ConfigError(f"cannot read parameter count {text!r}; write a count of at least 1 like 3B, 124M or 7e9")
     if value > MAX_PARAMS:
         raise ConfigError(f"parameter count {text!r} is beyond what memtrain estimates (at most {MAX_PARAMS:.0e}); "
                           f"give a real size such as 175B")

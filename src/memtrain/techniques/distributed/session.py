@@ -145,26 +145,42 @@ class DistContext:
         return engine, optimizer
 
 
+def _check_rendezvous_env() -> None:
+    """``init_process_group``'s env:// rendezvous needs MASTER_ADDR and MASTER_PORT (torchrun
+    sets both); without them torch fails with a traceback, with a bad port it waits."""
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:
+        raise ConfigError(f"environment variable {' and '.join(missing)} not set: the ranks cannot meet; "
+                          "launch with torchrun (it sets them) or memtrain train --nproc-per-node N")
+    port = os.environ["MASTER_PORT"]
+    if not (port.isdigit() and 0 < int(port) < 65536):
+        raise ConfigError(f"environment variable MASTER_PORT={port[:40]!r} is not a port number (1-65535)")
+
+
 def init_distributed(cfg: RunConfig, device: torch.device) -> DistContext:
     """Validate the launch and join the process group (see :func:`distributed_session`)."""
+    from memtrain.rank_errors import launch_env, launch_world_size
+
     s = cfg.technique.distributed
-    env_world = os.environ.get("WORLD_SIZE")
     if s == "none":
-        if env_world is not None and int(env_world) > 1:
+        world = launch_world_size()
+        if world is not None and world > 1:
             raise ConfigError(
-                f"launched with {env_world} processes but --distributed is none; add --distributed ddp "
+                f"launched with {world} processes but --distributed is none; add --distributed ddp "
                 f"(or zero1, zero2, fsdp), or run without torchrun"
             )
         return DistContext(device=device)
-    if env_world is None and not dist.is_initialized():
+    env = launch_env()  # bad launch variables are refused here, before any rendezvous waits on them
+    if env is None and not dist.is_initialized():
         raise ConfigError(f"--distributed {s} runs one process per device; {LAUNCH_HINT.format(s=s)}")
     _validate(cfg, device)
     if dist.is_initialized():  # the caller set up the group (e.g. its own launcher): use it as is
         rank, world, owns = dist.get_rank(), dist.get_world_size(), False
-        local = int(os.environ.get("LOCAL_RANK", rank))
+        local = env.local_rank if env is not None and "LOCAL_RANK" in os.environ else rank
     else:
-        rank, world, owns = int(os.environ["RANK"]), int(env_world), True  # type: ignore[arg-type]  # env_world is not None on this branch
-        local = int(os.environ.get("LOCAL_RANK", "0"))
+        assert env is not None  # ruled out above
+        _check_rendezvous_env()
+        rank, world, owns, local = env.rank, env.world_size, True, env.local_rank
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         if local >= torch.cuda.device_count():

@@ -1,0 +1,282 @@
+"""The exit-code contract on input that used to escape it (docs/reliability.md): each of these
+exits 2 with exactly one ``error:`` line and no traceback, fast, where it used to exit 1 with a
+library's exception, print ``NaN`` as JSON, be accepted, or wait for minutes.
+
+- sizes beyond :mod:`memtrain.analysis.limits` on every verb (a batch of 10**30 hung ``plan``
+  and overflowed ``estimate``/``flops``), memory budgets beyond 1 EiB, counts and seeds beyond
+  64 bits, sampling settings that are NaN, infinite or negative;
+- torchrun's launch variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/
+  ``MASTER_PORT``), checked before any rendezvous (``RANK=5 WORLD_SIZE=2`` waited for ranks
+  that never come);
+- destinations that cannot be written (``export`` to a file or to a read-only place), an
+  ``--out`` whose ``.memtrain.lock`` is a folder or a FIFO, ``--report-to wandb`` without a login;
+- the device cache (the probe's measured GEMM rates): a damaged entry is measured again and
+  rewritten instead of reaching ``info --json`` as ``NaN`` or breaking every train.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import memtrain.device as device_module
+from conftest import TINY_MODEL, cli_flags
+from memtrain.cli import main
+from memtrain.config import ConfigError
+from memtrain.results import LOCK_NAME, FolderLock
+
+BIG = str(10**30)
+HUGE = str(10**300)
+RUN = {**TINY_MODEL, "seq_len": 32, "batch_size": 2, "steps": 2, "warmup_steps": 1, "val_blocks": 1,
+       "warmup_timing_steps": 1, "progress": False}
+# The shape flags of the verbs that size one step (estimate, flops, maxbatch, plan).
+SHAPE = cli_flags({k: RUN[k] for k in ("d_model", "n_heads", "n_layers", "d_ff", "max_seq_len", "seq_len")})
+
+
+def _code_and_err(argv: list[str], capsys) -> tuple[int, str]:
+    """Run the CLI in this process: its exit code (argparse's SystemExit too) and stderr."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    return code, capsys.readouterr().err
+
+
+def _assert_one_error_line(code: int, err: str, words: str) -> None:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, err[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in err, err[-2000:]
+    assert words in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, small_corpus) -> Path:
+    """A tiny trained checkpoint for generate and export."""
+    root = tmp_path_factory.mktemp("ckpt")
+    ckpt = root / "ck.pt"
+    run = {**RUN, "data": str(small_corpus), "out": str(root / "run"), "save": str(ckpt)}
+    assert main(["train", *cli_flags(run)]) == 0
+    return ckpt
+
+
+# --------------------------------------------------------------------------- sizes and numbers
+@pytest.mark.parametrize("argv, words", [
+    (["estimate", "--params", "0.5"], "parameter count '0.5'"),  # a ZeroDivisionError
+    (["estimate", *SHAPE, "--batch-size", HUGE], "--batch-size 1.00e+300"),
+    (["flops", *SHAPE, "--batch-size", HUGE], "--batch-size 1.00e+300"),
+    (["plan", "--budget", "24GiB", "--batch-size", BIG], "--batch-size 1.00e+30"),  # searched for > 100 s
+    (["estimate", "--d-model", BIG], "--d-model 1.00e+30"),
+    (["estimate", "--d-model", "256", "--n-heads", str(10**12)], "--n-heads"),  # its hint looped over the heads
+    (["flops", *SHAPE, "--vocab-multiple", BIG], "--vocab-multiple"),
+    (["estimate", *SHAPE, "--grad-accum", BIG], "--grad-accum"),
+    (["estimate", *SHAPE, "--world-size", BIG], "argument --world-size"),  # was answered, per rank of 10**30
+    (["plan", "--budget", "1e300GB"], "memory size '1e300GB'"),
+    (["plan", "--budget", "1e-300GB"], "less than one byte"),
+    (["plan", "--budget", "24GiB", "--params", "0.5"], "parameter count '0.5'"),
+    (["plan", "--budget", "24GiB", "--max-batch", BIG], "argument --max-batch"),
+    (["maxbatch", *SHAPE, "--budget", "1e300GB"], "memory size '1e300GB'"),
+    (["maxbatch", *SHAPE, "--memory-budget", "1e300GB"], "memory size '1e300GB'"),
+    (["maxbatch", *SHAPE, "--memory-budget", "1GB", "--multiple-of", str(10**18)], "argument --multiple-of"),
+    (["maxbatch", *SHAPE, "--memory-budget", "1GB", "--multiple-of", "64", "--max-batch", "8"], "--multiple-of 64"),
+    (["bench", "--max-batch", BIG], "argument --max-batch"),
+    (["bench", "--nproc", BIG], "argument --nproc"),
+    (["train", "--nproc-per-node", str(10**6)], "argument --nproc-per-node"),
+])
+def test_absurd_sizes_are_refused_up_front(argv, words, capsys):
+    start = time.monotonic()
+    code, err = _code_and_err(argv, capsys)
+    _assert_one_error_line(code, err, words)
+    assert time.monotonic() - start < 60  # refused up front, not after a search
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--d-model", BIG], "--d-model 1.00e+30"),  # an overflow inside torch's empty()
+    (["--batch-size", BIG], "--batch-size"),
+    (["--steps", BIG], "--steps"),
+    (["--prefetch-factor", "-1", "--num-workers", "1"], "--prefetch-factor"),  # DataLoader's ValueError
+    (["--num-workers", BIG], "--num-workers"),
+])
+def test_train_refuses_absurd_numbers_before_it_starts(extra, words, small_corpus, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, err = _code_and_err(["train", *cli_flags({**RUN, "data": str(small_corpus), "out": str(out)}), *extra],
+                              capsys)
+    _assert_one_error_line(code, err, words)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--seed", BIG], "argument --seed"),  # torch: "Overflow when unpacking long long"
+    (["--seed", "-1"], "argument --seed"),
+    (["--temperature", "nan"], "argument --temperature"),  # was accepted
+    (["--temperature", "inf"], "argument --temperature"),  # was accepted
+    (["--temperature", "-0.5"], "argument --temperature"),
+    (["--top-k", "-1"], "argument --top-k"),
+    (["--top-k", BIG], "argument --top-k"),
+    (["--num-samples", BIG], "argument --num-samples"),  # an OverflowError in torch
+    (["--max-new-tokens", "0"], "argument --max-new-tokens"),
+])
+def test_generate_refuses_bad_sampling_settings(extra, words, checkpoint, capsys):
+    code, err = _code_and_err(["generate", str(checkpoint), "--max-new-tokens", "2", *extra], capsys)
+    _assert_one_error_line(code, err, words)
+
+
+def test_generate_still_takes_the_edges_of_each_range(checkpoint, capsys):
+    """Greedy (temperature 0), no top-k cut (0) and the largest seed are settings, not errors."""
+    argv = ["generate", str(checkpoint), "--max-new-tokens", "2", "--temperature", "0", "--top-k", "0",
+            "--seed", str(2**64 - 1)]
+    assert _code_and_err(argv, capsys)[0] == 0
+
+
+# --------------------------------------------------------------------------- destinations
+def test_export_refuses_a_file_or_an_unwritable_place(checkpoint, tmp_path, capsys):
+    a_file = tmp_path / "model"
+    a_file.write_text("in the way")
+    code, err = _code_and_err(["export", str(checkpoint), str(a_file)], capsys)
+    _assert_one_error_line(code, err, "is a file")  # was NotADirectoryError, exit 1
+    assert a_file.read_text() == "in the way"
+    if sys.platform.startswith("linux"):  # /proc takes no new files, not even from root
+        code, err = _code_and_err(["export", str(checkpoint), "/proc/memtrain-export"], capsys)
+        _assert_one_error_line(code, err, "is not writable")  # was FileNotFoundError, exit 1
+
+
+@pytest.mark.parametrize("kind", ["folder", "fifo", "symlink"])
+def test_a_lock_file_that_is_not_a_file_is_bad_input(kind, small_corpus, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    lock = out / LOCK_NAME
+    if kind == "folder":
+        lock.mkdir()  # was IsADirectoryError, exit 1
+    elif kind == "fifo":
+        os.mkfifo(lock)  # was "not seekable", exit 1 (reading it could block)
+    else:
+        (tmp_path / "elsewhere").write_text("")
+        lock.symlink_to(tmp_path / "elsewhere")
+    code, err = _code_and_err(["train", *cli_flags({**RUN, "data": str(small_corpus), "out": str(out)})], capsys)
+    _assert_one_error_line(code, err, f"{LOCK_NAME} there is not a regular file")
+    assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME]  # nothing written
+    with pytest.raises(ConfigError, match="not a regular file"):  # the bench's lock is the same class
+        with FolderLock(out, "memtrain bench"):
+            pass
+
+
+def test_report_to_wandb_without_a_login_is_one_line(small_corpus, tmp_path):
+    """No API key and no network (a fresh HOME): one line that says how to log in or go offline,
+    exit 2, and the folder is left as it was. A WANDB_* value wandb cannot read likewise."""
+    pytest.importorskip("wandb")
+    run = {**RUN, "data": str(small_corpus), "report_to": "wandb"}
+    base = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    home = tmp_path / "home"
+    home.mkdir()
+    for extra_env, words in (({}, "wandb login"), ({"WANDB_MODE": "sideways"}, "WANDB_MODE=offline")):
+        out = tmp_path / f"out{len(extra_env)}"
+        env = {**base, "HOME": str(home), "OMP_NUM_THREADS": "1", **extra_env}
+        proc = subprocess.run([sys.executable, "-m", "memtrain", "train", *cli_flags({**run, "out": str(out)})],
+                              capture_output=True, text=True, env=env, timeout=300)
+        _assert_one_error_line(proc.returncode, proc.stderr, words)
+        assert "--report-to wandb" in proc.stderr and not out.exists()
+
+
+# --------------------------------------------------------------------------- launch variables
+LAUNCH = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29581", "LOCAL_RANK": "0"}
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"RANK": "5", "WORLD_SIZE": "2"}, "RANK=5 must be in [0, WORLD_SIZE=2)"),  # waited > 120 s
+    ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK=-1"),  # waited > 120 s
+    ({"RANK": "abc", "WORLD_SIZE": "2"}, "RANK='abc' is not an integer"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE=0"),
+    ({"RANK": "0", "WORLD_SIZE": "two"}, "WORLD_SIZE='two'"),
+    ({"WORLD_SIZE": "2", "RANK": None}, "RANK is not set"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "abc"}, "LOCAL_RANK='abc'"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": None}, "MASTER_ADDR"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "http"}, "MASTER_PORT='http'"),
+])
+def test_bad_launch_variables_are_refused_before_any_rendezvous(env, words, small_corpus, tmp_path, capsys,
+                                                                monkeypatch):
+    for name, value in {**LAUNCH, **env}.items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MEMTRAIN_DIST_TIMEOUT", "20")  # a regression fails in 20 s, not 300
+    out = tmp_path / "out"
+    start = time.monotonic()
+    code, err = _code_and_err(["train", *cli_flags({**RUN, "data": str(small_corpus), "out": str(out),
+                                                    "distributed": "ddp"})], capsys)
+    _assert_one_error_line(code, err, words)
+    assert time.monotonic() - start < 15 and not out.exists()
+
+
+# --------------------------------------------------------------------------- the device cache
+def _strict(text: str) -> dict:
+    def refuse(name: str) -> None:
+        raise AssertionError(f"{name} in JSON output")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+DAMAGE = {
+    "nan rate": lambda e: e["rates"].update(gemm_fp32_flops=float("nan")),
+    "infinite slowdown": lambda e: e["rates"].update(bf16_slowdown=float("inf")),
+    "text slowdown": lambda e: e["rates"].update(bf16_slowdown="abc"),
+    "list rate": lambda e: e["rates"].update(gemm_bf16_flops=[1.0]),
+    "negative rate": lambda e: e["rates"].update(gemm_fp32_flops=-5.0),
+    "bad shapes": lambda e: e["rates"].update(gemm_shapes={"fp32": "1024"}),
+    "a caps field": lambda e: e["rates"].update(native_bf16="abc"),
+    "not an object": lambda e: e.update(rates=[1, 2]),
+}
+
+
+@pytest.fixture
+def device_cache(tmp_path, monkeypatch) -> Path:
+    """A fresh, valid device cache entry of this machine; the probe's per-process memo is
+    emptied, so that every command reads the file."""
+    monkeypatch.setenv("MEMTRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MEMTRAIN_FORCE_NATIVE_BF16", "0")  # bf16 is slow here: train reads the slowdown
+    monkeypatch.setattr(device_module, "_PROBES", {})
+    device_module.probe("cpu")
+    (entry,) = (tmp_path / "cache" / "device").glob("*.json")
+    monkeypatch.setattr(device_module, "_PROBES", {})
+    return entry
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_device_cache_entry_is_measured_again(damage, device_cache, small_corpus, tmp_path, capsys,
+                                                        monkeypatch):
+    entry = json.loads(device_cache.read_text())
+    DAMAGE[damage](entry)
+    device_cache.write_text(json.dumps(entry))  # json.dumps writes NaN/Infinity as Python reads them
+    assert main(["info", "--device", "cpu", "--json"]) == 0
+    caps = _strict(capsys.readouterr().out)
+    assert caps["from_cache"] is False and caps["gemm_fp32_flops"] > 0 and caps["native_bf16"] is False
+    healed = _strict(device_cache.read_text())  # rewritten whole
+    assert healed["rates"]["gemm_fp32_flops"] == caps["gemm_fp32_flops"]
+    monkeypatch.setattr(device_module, "_PROBES", {})
+    device_cache.write_text(json.dumps(entry))
+    run = {**RUN, "data": str(small_corpus), "out": str(tmp_path / "run"), "precision": "bf16"}
+    assert main(["train", *cli_flags(run)]) == 0, capsys.readouterr().err
+    assert _strict(device_cache.read_text())["rates"]["gemm_fp32_flops"] > 0
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not utf-8", "a folder"])
+def test_an_unreadable_device_cache_entry_is_replaced(damage, device_cache, capsys, monkeypatch):
+    if damage == "truncated":
+        device_cache.write_text(device_cache.read_text()[:40])
+    elif damage == "not utf-8":
+        device_cache.write_bytes(b"\xff\xfe{")
+    else:
+        device_cache.unlink()
+        device_cache.mkdir()
+    assert main(["info", "--device", "cpu", "--json"]) == 0
+    assert _strict(capsys.readouterr().out)["from_cache"] is False
+    assert _strict(device_cache.read_text())["version"] == device_module.CACHE_VERSION
+    assert not list(device_cache.parent.glob("*.tmp"))  # no scratch left behind
+    monkeypatch.setattr(device_module, "_PROBES", {})
+    assert main(["info", "--device", "cpu", "--json"]) == 0
+    assert _strict(capsys.readouterr().out)["from_cache"] is True  # healed: read back next time
