@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import stat
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Optional
@@ -320,19 +319,20 @@ def check_resume(cfg: RunConfig) -> None:
 def check_resume_data(cfg: RunConfig, saved: Optional[str]) -> None:
     """The data at ``--data`` holds what the checkpoint was trained on: the same path with other
     content would resume the data position (and the train/validation split) on other tokens.
-    A checkpoint without a fingerprint (written before checkpoints carried one) resumes with a
-    warning, since nothing can be compared."""
+    A checkpoint without a fingerprint (written before checkpoints carried one) cannot be
+    compared: the run warns once it has resumed (:func:`unchecked_data_warning`)."""
     from memtrain.data.sources import data_fingerprint  # reads the data's files only when resuming
 
-    if saved is None:
-        print(f"warning: checkpoint {cfg.train.resume!r} records no data fingerprint (an older memtrain wrote "
-              f"it); cannot check that --data {cfg.data.data!r} holds the data it was trained on",
-              file=sys.stderr)
-        return
-    if data_fingerprint(cfg.data) != saved:
+    if saved is not None and data_fingerprint(cfg.data) != saved:
         raise ConfigError(f"--data {cfg.data.data!r} does not hold the data checkpoint {cfg.train.resume!r} was "
                           "trained on (its content changed since); resume with that data, or start a new run "
                           "without --resume")
+
+
+def unchecked_data_warning(cfg: RunConfig) -> str:
+    """What a run resumed from a checkpoint without a data fingerprint says (once, on stderr)."""
+    return (f"warning: checkpoint {cfg.train.resume!r} records no data fingerprint (an older memtrain wrote it); "
+            f"cannot check that --data {cfg.data.data!r} holds the data it was trained on")
 
 
 # --------------------------------------------------------------------------- launch

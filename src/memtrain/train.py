@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,14 @@ from memtrain.logging_sinks import MetricsLogger, live_memory
 from memtrain.metrics import MemoryMeter, StepTimer, device_peak_memory, percentile, reset_device_peak
 from memtrain.metrics.state import ShardedStateBytes
 from memtrain.models import data_tokenizer
-from memtrain.preflight import check_destinations, check_model_size, check_resume, check_vocab
+from memtrain.preflight import (
+    check_destinations,
+    check_model_size,
+    check_resume,
+    check_vocab,
+    saved_run,
+    unchecked_data_warning,
+)
 from memtrain.rank_errors import agreement, launched_by_memtrain
 from memtrain.results import FolderLock, register_writer, remove_stale_temps
 from memtrain.runtime import environment, resolve_device, seed_everything
@@ -222,6 +230,8 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     val_batches = make_val_batches(splits.val, t.seq_len, cfg.data.val_blocks, t.batch_size)
     if t.resume:
         load_ckpt(t.resume, state)  # sets state.step and state.losses
+        if dist_ctx.is_main and saved_run(t.resume)[2] is None:  # an older checkpoint: nothing was compared
+            print(unchecked_data_warning(cfg), file=sys.stderr)
     start_step = state.step
 
     tokens_per_step = t.batch_size * t.grad_accum * t.seq_len * dist_ctx.world_size  # global batch
