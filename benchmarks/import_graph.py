@@ -46,7 +46,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # fact of model + techniques, the MFU numerator the train loop reports, so below the step.
     # Its roofline and report (flops.roofline) and its profiling (flops.profile, which trains)
     # are analysis.
-    ("counting", ("analysis.flops", "flops")),
+    # The parameter count of a shape (analysis.estimate.params, pure arithmetic) belongs here
+    # too: the builders' size check (preflight) asks it before a model is built.
+    ("counting", ("analysis.flops", "flops", "analysis.estimate.params")),
     ("step", ("step", "train", "device_advice", "logging_sinks", "launch", "export", "generate", "checkpoint", "distributed_checkpoint", "safe_dcp", "preflight")),
     ("analysis", ("analysis", "analysis.flops.roofline", "analysis.flops.profile",
                   "estimate", "flops_profile", "trace", "plan", "maxbatch", "allocator")),

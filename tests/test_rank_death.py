@@ -103,9 +103,18 @@ def test_sigkilled_launcher_takes_its_ranks_and_the_folder_is_free_only_after_th
             except ProcessLookupError:
                 pass
 
-    # Once every writer is gone the folder is free: a second run is accepted and nothing else
-    # writes into its files.
+    # Once every writer is gone the folder is free: a second run is refused only for the killed
+    # run's curve it would overwrite (never for the lock), and nothing writes into that curve.
+    killed = metrics.read_bytes()
+    time.sleep(1.0)
+    assert metrics.read_bytes() == killed and b"\0" not in killed
     second = {**run, "steps": 3, "distributed": "none"}
+    capsys.readouterr()
+    assert main(["train", *cli_flags(second)]) == 2
+    err = capsys.readouterr().err
+    assert "already holds metrics.jsonl" in err and "in use" not in err, err
+    # With the killed run's curve moved aside, the second run is accepted and writes alone.
+    metrics.rename(metrics.with_name("metrics.killed.jsonl"))
     assert main(["train", *cli_flags(second)]) == 0, capsys.readouterr().err
     before = metrics.read_bytes()
     time.sleep(1.0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -18,8 +18,10 @@ import torch.nn as nn
 from memtrain.config import ConfigError
 from memtrain.results import write_atomic
 
-if TYPE_CHECKING:  # the harness imports the techniques (torch models); a checkpoint only reads it
-    from memtrain.step import TrainState
+# A checkpoint reads and writes a memtrain.step.TrainState; it is typed Any here because the
+# step harness (through preflight's model-size check) sits above this module, and an import of
+# it, even for annotations only, would close a circle.
+TrainState = Any
 
 FORMAT_VERSION = 1
 REQUIRED_KEYS = ("step", "losses", "model", "optimizer", "scheduler", "loader", "rng_cpu", "rng_cuda",

@@ -27,7 +27,15 @@ from pathlib import Path
 from typing import Any, Optional
 
 from memtrain.config import ConfigError, ModelConfig, RunConfig
-from memtrain.results import METRICS_NAME, OUT_FILES, RESULT_NAME, loads_bounded, refuse_odd_destination
+from memtrain.results import (
+    LOCK_NAME,
+    METRICS_NAME,
+    OUT_FILES,
+    RESULT_NAME,
+    check_lock_file,
+    loads_bounded,
+    refuse_odd_destination,
+)
 from memtrain.safe_files import regular_file_problem
 
 # Keys that may differ between the saved run and the resumed one: where output goes, how it
@@ -105,7 +113,10 @@ def check_out_names(out: Path, flag: str = "--out") -> None:
     """No name memtrain writes in ``out`` is a link, a folder, a device or a FIFO (every write
     there would be refused at its end: refuse it before the first step)."""
     for name in OUT_FILES:
-        refuse_odd_destination(out / name, f"{flag} {str(out)!r}: {name}")
+        if name == LOCK_NAME:
+            check_lock_file(out, flag)  # the lock's own words, whichever check meets it first
+        else:
+            refuse_odd_destination(out / name, f"{flag} {str(out)!r}: {name}")
 
 
 def check_fresh_out(out: Path) -> None:

@@ -493,21 +493,38 @@ def register_writer(folder: Path, what: str) -> None:
         os.close(fd)
 
 
+def _lock_refusal(folder: Path, flag: str, mode: int) -> ConfigError:
+    """The one line for a lock file that is not a regular file (of kind ``mode``)."""
+    kind = ("a symbolic link" if stat.S_ISLNK(mode) else "a folder" if stat.S_ISDIR(mode)
+            else "a FIFO, device or socket")
+    return ConfigError(f"{flag} {str(folder)!r}: {LOCK_NAME} there is not a regular file ({kind}); remove it, "
+                       f"or choose another {flag}")
+
+
+def check_lock_file(folder: Path, flag: str = "--out") -> None:
+    """Refuse, before anything runs, a lock file that is not a regular file (see :func:`_open_lock_file`)."""
+    try:
+        mode = os.lstat(Path(folder) / LOCK_NAME).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise _lock_refusal(Path(folder), flag, mode)
+
+
 def _open_lock_file(path: Path, flag: str, folder: Path) -> Any:
     """The lock file opened for reading and writing (created when absent). Anything but a
     regular file there (a folder, a FIFO, a socket, a symbolic link) is refused: reading a FIFO
     would block, and a link would lock a file elsewhere."""
-    refuse = ConfigError(f"{flag} {str(folder)!r}: {LOCK_NAME} there is not a regular file (a folder, pipe or "
-                         "link); remove it, or choose another " + flag)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as exc:
         if exc.errno in (errno.EISDIR, errno.ELOOP, errno.ENXIO, errno.EOPNOTSUPP):
-            raise refuse from None
+            raise _lock_refusal(folder, flag, os.lstat(path).st_mode) from None
         raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
         os.close(fd)
-        raise refuse
+        raise _lock_refusal(folder, flag, mode)
     return os.fdopen(fd, "r+", errors="replace")
 
 

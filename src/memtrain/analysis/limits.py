@@ -10,12 +10,9 @@ typo such as ``--batch-size 10**30`` reaches torch (an overflow: exit 1), float 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from memtrain.errors import ConfigError
-
-if TYPE_CHECKING:  # annotations only: config imports this module
-    from memtrain.config import ModelConfig
 
 __all__ = ["MAX_BATCH", "MAX_BYTES", "MAX_INT", "MAX_LAYERS", "MAX_PARAMS", "MAX_RANKS", "MAX_WIDTH", "MAX_WORLD_SIZE",
            "check_analytic_size", "check_at_most", "short_number"]
@@ -53,7 +50,7 @@ def check_at_most(flag: str, value: int | float, limit: int, unit: str = "") -> 
                           f"(at most {limit:,}{unit}); give a real size")
 
 
-def check_analytic_size(m: "ModelConfig") -> None:
+def check_analytic_size(m: Any) -> None:  # a memtrain.config.ModelConfig (config imports this module)
     """Refuse absurd model sizes (ConfigError: exit 2) before any arithmetic depends on them."""
     check_at_most("--n-layers", m.n_layers, MAX_LAYERS)
     for name in ("d_model", "n_heads", "d_ff", "vocab_size", "vocab_multiple", "max_seq_len"):
