@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
+from memtrain.results import process_alive
 from memtrain.signals import PR_SET_PDEATHSIG
 
 ROW_PREFIX = "memtrain-row-"
@@ -72,23 +73,13 @@ def row_tmpdir() -> tempfile.TemporaryDirectory:
     return tempfile.TemporaryDirectory(prefix=f"{ROW_PREFIX}{os.getpid()}-")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def clean_stale_row_dirs(root: Optional[Path] = None) -> int:
     """Remove ``memtrain-row-<pid>-*`` folders whose bench process no longer exists."""
     root = Path(root or tempfile.gettempdir())
     removed = 0
     for d in root.glob(ROW_PREFIX + "*"):
         pid_text = d.name[len(ROW_PREFIX):].split("-", 1)[0]
-        if not pid_text.isdigit() or int(pid_text) == os.getpid() or _alive(int(pid_text)):
+        if not pid_text.isdigit() or int(pid_text) == os.getpid() or process_alive(int(pid_text)):
             continue
         shutil.rmtree(d, ignore_errors=True)
         removed += 1

@@ -18,7 +18,6 @@ only from ``*.safetensors`` (never pickled ``*.bin`` files).
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from memtrain.archs import GPT2_ARCH, LLAMA_ARCH
 from memtrain.errors import ConfigError
 from memtrain.model_presets import PRESETS
 from memtrain.models.hub_access import from_pretrained_kwargs, offline_hint
+from memtrain.results import loads_bounded
 from memtrain.safe_files import folder_entry_problems, visible_entries
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -127,6 +127,18 @@ def resolve(spec: str) -> ModelSource:
         f"choose one of {', '.join(list(PRESETS) + bundled_names())}, a path, or hf:ORG/NAME")
 
 
+def _json_object(path: Path, what: str) -> dict[str, Any]:
+    """The JSON object in ``path`` (a model folder's config or tokenizer config), parsed with
+    bounded depth and numbers (a crafted file is one error line, never a crash)."""
+    try:
+        data = loads_bounded(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"cannot read {str(path)!r} as JSON ({type(exc).__name__}); fix or replace {what}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{str(path)!r} holds a JSON {type(data).__name__}, not an object; fix or replace {what}")
+    return data
+
+
 def read_config_json(path: Path) -> dict[str, Any]:
     """A model's ``config.json`` as a dict, checked before transformers reads it: a JSON object
     with a ``model_type`` transformers knows, and no ``auto_map``. A folder whose config names
@@ -135,12 +147,7 @@ def read_config_json(path: Path) -> dict[str, Any]:
     shown = str(path)
     if not path.is_file():
         raise ConfigError(f"{shown!r} is missing or not a file; a model folder needs its config.json")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ConfigError(f"cannot read {shown!r} as JSON ({type(exc).__name__}); fix or replace the config.json") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{shown!r} holds a JSON {type(data).__name__}, not an object; it is not a transformers config.json")
+    data = _json_object(path, "the config.json (it is not a transformers config.json)")
     if "auto_map" in data:
         raise ConfigError(f"{shown!r} names custom model code (auto_map); memtrain never runs code shipped with a "
                           "model: use a model type transformers ships")
@@ -166,13 +173,7 @@ def refuse_custom_tokenizer(directory: Path) -> None:
     path = directory / "tokenizer_config.json"
     if not path.is_file():
         return  # no file, or not a file: the tokenizer's loader reports it
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ConfigError(f"cannot read {str(path)!r} as JSON ({type(exc).__name__}); fix or replace it") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{str(path)!r} holds a JSON {type(data).__name__}, not an object; fix or replace it")
-    if "auto_map" in data:
+    if "auto_map" in _json_object(path, "it"):
         raise ConfigError(f"{str(path)!r} names custom tokenizer code (auto_map); memtrain never runs code shipped "
                           "with a model: use a tokenizer class transformers ships")
 
