@@ -18,6 +18,7 @@ only from ``*.safetensors`` (never pickled ``*.bin`` files).
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -28,7 +29,6 @@ from memtrain.archs import GPT2_ARCH, LLAMA_ARCH
 from memtrain.errors import ConfigError
 from memtrain.model_presets import PRESETS
 from memtrain.models.hub_access import from_pretrained_kwargs, offline_hint
-from memtrain.results import loads_bounded
 from memtrain.safe_files import folder_entry_problems, visible_entries
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -128,11 +128,12 @@ def resolve(spec: str) -> ModelSource:
 
 
 def _json_object(path: Path, what: str) -> dict[str, Any]:
-    """The JSON object in ``path`` (a model folder's config or tokenizer config), parsed with
-    bounded depth and numbers (a crafted file is one error line, never a crash)."""
+    """The JSON object in ``path`` (a model folder's config or tokenizer config); a crafted file
+    is one error line, never a crash. Python's json, not memtrain's bounded reader: tokenizer
+    configs hold 31-digit integers (transformers' "no limit" model_max_length)."""
     try:
-        data = loads_bounded(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise ConfigError(f"cannot read {str(path)!r} as JSON ({type(exc).__name__}); fix or replace {what}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{str(path)!r} holds a JSON {type(data).__name__}, not an object; fix or replace {what}")
