@@ -153,3 +153,31 @@ def one_rank_group(tmp_path):
         yield
     finally:
         dist.destroy_process_group()
+
+
+def tiny_run_state(cfg, batch_index: int = 3):
+    """The train state of a tiny GPT run (CPU) for checkpoint tests: model, optimizer, scheduler,
+    precision, and a loader position (at ``batch_index``) without data."""
+    import torch
+
+    from memtrain.model import GPT
+    from memtrain.step import TrainState
+    from memtrain.techniques import build_optimizer, make_precision
+
+    class Position:  # the loader's state_dict protocol, without data
+        def __init__(self) -> None:
+            self.state = {"epoch": 0, "batch_index": batch_index}
+
+        def state_dict(self):
+            return dict(self.state)
+
+        def load_state_dict(self, s):
+            self.state = dict(s)
+
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    opt = build_optimizer(model, cfg.technique, cfg.train)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    cpu = torch.device("cpu")
+    return TrainState(cfg, cpu, model, opt, make_precision("fp32", cpu), model.num_parameters(),
+                      scheduler=sched, loader=Position())

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_MODEL, cli_flags
+from conftest import TINY_MODEL, cli_flags, tiny_run_state
 from memtrain.cli import main
 from memtrain.config import ConfigError, build_config
 
@@ -278,28 +278,7 @@ def test_a_fifo_in_a_dataset_folder_is_refused_without_being_opened(corpus, tmp_
 
 # ------------------------------------------------------------------------------ 3. sharded checkpoints: storage files
 def _run_state(cfg):
-    """The train state of a tiny GPT run (CPU) with a loader position but no data."""
-    from memtrain.model import GPT
-    from memtrain.step import TrainState
-    from memtrain.techniques import build_optimizer, make_precision
-
-    class Position:
-        def __init__(self) -> None:
-            self.state = {"epoch": 0, "batch_index": 1}
-
-        def state_dict(self):
-            return dict(self.state)
-
-        def load_state_dict(self, s):
-            self.state = dict(s)
-
-    torch.manual_seed(0)
-    model = GPT(cfg.model)
-    opt = build_optimizer(model, cfg.technique, cfg.train)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    cpu = torch.device("cpu")
-    return TrainState(cfg, cpu, model, opt, make_precision("fp32", cpu), model.num_parameters(),
-                      scheduler=sched, loader=Position())
+    return tiny_run_state(cfg, batch_index=1)
 
 
 SHARDED = {**TINY_MODEL, "seq_len": 16, "batch_size": 2, "steps": 4, "distributed": "ddp", "device": "cpu"}

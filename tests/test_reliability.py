@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_MODEL, cli_flags
+from conftest import TINY_MODEL, cli_flags, tiny_run_state
 from memtrain.cli import main
 from memtrain.config import ConfigError, build_config
 
@@ -46,28 +46,7 @@ class _TouchFile:
 
 
 def _run_state(cfg):
-    """The train state of a tiny run (CPU): model, optimizer, scheduler, loader position, precision."""
-    from memtrain.model import GPT
-    from memtrain.step import TrainState
-    from memtrain.techniques import build_optimizer, make_precision
-
-    class Position:  # the loader's state_dict protocol, without data
-        def __init__(self) -> None:
-            self.state = {"epoch": 0, "batch_index": 3}
-
-        def state_dict(self):
-            return dict(self.state)
-
-        def load_state_dict(self, s):
-            self.state = dict(s)
-
-    torch.manual_seed(0)
-    model = GPT(cfg.model)
-    opt = build_optimizer(model, cfg.technique, cfg.train)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    cpu = torch.device("cpu")
-    return TrainState(cfg, cpu, model, opt, make_precision("fp32", cpu), model.num_parameters(),
-                      scheduler=sched, loader=Position())
+    return tiny_run_state(cfg, batch_index=3)
 
 
 def _crafted_dcp(root: Path, marker: Path, settings: dict | None = None) -> Path:
