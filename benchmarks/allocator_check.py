@@ -59,7 +59,7 @@ def _one(overrides: dict[str, Any]) -> dict[str, Any]:
 
     from memtrain.analysis.estimate import estimate
     from memtrain.analysis.maxbatch import measure_step_memory
-    from memtrain.config import build_config
+    from memtrain.config.run import build_config
 
     dev = torch.device("cuda")
     torch.cuda.init()
@@ -70,7 +70,7 @@ def _one(overrides: dict[str, Any]) -> dict[str, Any]:
     cfg = build_config({**overrides, "device": "cuda"})
     # Reserved after each of the two steps (the model replays both: step 1 creates the
     # optimizer state in the blocks its backward freed, step 2 runs in that cache).
-    import memtrain.train as train_mod
+    import memtrain.training.train as train_mod
 
     reserved_after: list[int] = []
     real_step = train_mod.train_step

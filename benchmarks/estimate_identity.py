@@ -11,7 +11,7 @@ on the 19-config accuracy grid of tests/test_estimate.py (GRID) and on every mod
 `commits` checks each revision out with `git worktree add --detach` into a temporary folder and
 runs `dump` there as a subprocess with PYTHONPATH=<worktree>/src, so both sides run their own
 code. The list of configs always comes from the *current* tree (its tests/test_estimate.py and
-memtrain.model_presets), passed to each side as argv lists: an old revision without a preset reports
+memtrain.config.presets), passed to each side as argv lists: an old revision without a preset reports
 it as an error instead of silently skipping it.
 
 Exit status: 0 when every config is identical, 1 otherwise.
@@ -49,7 +49,7 @@ def cases() -> dict[str, list[str]]:
     """name -> argv of `memtrain estimate`, from the current tree's grid and presets."""
     sys.path.insert(0, str(ROOT / "tests"))
     sys.path.insert(0, str(ROOT / "src"))
-    from memtrain.model_presets import PRESETS
+    from memtrain.config.presets import PRESETS
     from test_estimate import GRID  # the accuracy grid lives in its test, not copied here
 
     out = {f"grid-{name}": ["estimate", "--json", *_flags(overrides)] for name, overrides in GRID}

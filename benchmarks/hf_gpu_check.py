@@ -107,7 +107,7 @@ def append(path: pathlib.Path, row: dict[str, Any]) -> None:
 
 def memory_row(model_dir: pathlib.Path, family: str, tech: dict[str, Any], gpu: str) -> dict[str, Any]:
     from memtrain.analysis.maxbatch import measure_step_memory
-    from memtrain.config import build_config
+    from memtrain.config.run import build_config
 
     row: dict[str, Any] = {"row": label(family, tech)}
     common = ["--model", str(model_dir), "--batch-size", str(BATCH), "--seq-len", str(SEQ), "--device", "cuda",

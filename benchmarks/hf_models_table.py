@@ -54,7 +54,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from memtrain.analysis.depth_trace import trace_any_depth
-    from memtrain.config import build_config
+    from memtrain.config.run import build_config
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

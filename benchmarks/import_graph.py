@@ -31,27 +31,25 @@ PACKAGE = "memtrain"
 # modules before they moved into memtrain.analysis (estimate, flops, trace, ...) stay listed so
 # that the graph of an older checkout (--src) is layered the same way, for before/after views.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("config", "argtypes", "runtime", "signals", "results", "analysis.limits", "limits",
-                    "errors", "archs", "aliases", "extras", "notices", "numerics", "rank_errors", "device",
-                    # what a name refers to (a model preset, a --model SPEC) and the techniques'
-                    # typed facts: read while a config is validated, so below everything else
-                    "models.spec", "models.hub_access", "model_presets", "presets", "techniques.facts",
-                    # leaf facts and checks (no memtrain import): the cards' memory, which
-                    # file may be opened
-                    "analysis.gpu_memory", "safe_files")),
-    ("data+model", ("data", "model", "models", "attention")),
-    ("techniques", ("techniques",)),
-    ("metrics", ("metrics",)),
+    # What a run is and the facts every layer reads, torch-free where they can be: the typed
+    # configuration and its flags (config), what a name refers to (models.spec, hub access),
+    # the techniques' typed facts, files read and written, the process around a run, the
+    # device's facts. Read while a config is validated, so below everything else.
+    ("foundation", ("config", "errors", "files", "runtime", "devices", "analysis.limits",
+                    "distributed.rank_errors", "models.spec", "models.hub_access", "techniques.facts")),
+    ("data+model", ("data", "models", "attention")),
+    ("techniques", ("techniques", "attention.apply", "distributed")),
+    # GPU kinds and their FLOP rates are device facts measured against, so beside the meters.
+    ("metrics", ("metrics", "devices.gpus")),
     # FLOP counting of one step (memtrain.analysis.flops: rules, classes, recorder, count): a
     # fact of model + techniques, the MFU numerator the train loop reports, so below the step.
     # Its roofline and report (flops.roofline) and its profiling (flops.profile, which trains)
     # are analysis.
     # The parameter count of a shape (analysis.estimate.params, pure arithmetic) belongs here
     # too: the builders' size check (preflight) asks it before a model is built.
-    ("counting", ("analysis.flops", "flops", "analysis.estimate.params")),
-    ("step", ("step", "train", "device_advice", "logging_sinks", "launch", "export", "generate", "checkpoint", "distributed_checkpoint", "safe_dcp", "preflight")),
-    ("analysis", ("analysis", "analysis.flops.roofline", "analysis.flops.profile",
-                  "estimate", "flops_profile", "trace", "plan", "maxbatch", "allocator")),
+    ("counting", ("analysis.flops", "analysis.estimate.params")),
+    ("step", ("training", "checkpoints", "inference", "devices.advice", "distributed.launch")),
+    ("analysis", ("analysis", "analysis.flops.roofline", "analysis.flops.profile")),
     ("report", ("report",)),
     ("bench", ("bench",)),
     ("cli", ("cli", "commands", "__main__")),

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from memtrain.analysis.maxbatch import measure_step_memory
 from memtrain.bench.technique_sets import TECHNIQUES
-from memtrain.config import build_config
-from memtrain.runtime import environment, git_commit, resolve_device
+from memtrain.config.run import build_config
+from memtrain.runtime.env import environment, git_commit, resolve_device
 
 # (row name, overrides, what it shows)
 ROWS: list[tuple[str, dict, str]] = [

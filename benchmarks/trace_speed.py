@@ -58,7 +58,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from memtrain.analysis.depth_trace import trace_any_depth
-    from memtrain.config import build_config
+    from memtrain.config.run import build_config
 
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                            text=True).stdout.strip()

@@ -28,7 +28,7 @@ def pytest_collection_modifyitems(config, items):
     heavy = [item for item in items if item.get_closest_marker("bf16_heavy")]
     if not heavy:
         return
-    from memtrain.device import probe
+    from memtrain.devices.probe import probe
 
     # Before pytest's own -m filter (conftest hooks run first), so "not slow" sees the marker.
     if not probe("cpu", measure=False, kernels=False).native_bf16:
@@ -96,7 +96,7 @@ def cli_flags(settings: dict) -> list[str]:
 
 def fake_caps(**kw):
     """Device capabilities of a CPU without native BF16 (5.3x slower BF16 matmul); ``kw`` overrides."""
-    from memtrain import device as D
+    from memtrain.devices import probe as D
 
     base = dict(device_type="cpu", name="Test CPU", torch="x", threads=2, native_bf16=False, native_fp16=False,
                 tf32=False, bf16_reason="no avx512_bf16/amx_bf16 flag", fp16_reason="no avx512_fp16 flag",
@@ -110,7 +110,7 @@ def fake_caps(**kw):
 @pytest.fixture
 def fresh_probe(monkeypatch):
     """No forced BF16/FP16 answer and no cached probe before and after the test."""
-    from memtrain import device as D
+    from memtrain.devices import probe as D
 
     monkeypatch.delenv(D.FORCE_BF16_ENV, raising=False)
     monkeypatch.delenv(D.FORCE_FP16_ENV, raising=False)
@@ -160,9 +160,9 @@ def tiny_run_state(cfg, batch_index: int = 3):
     precision, and a loader position (at ``batch_index``) without data."""
     import torch
 
-    from memtrain.model import GPT
-    from memtrain.step import TrainState
+    from memtrain.models.gpt import GPT
     from memtrain.techniques import build_optimizer, make_precision
+    from memtrain.training.step import TrainState
 
     class Position:  # the loader's state_dict protocol, without data
         def __init__(self) -> None:

@@ -30,7 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 import memtrain.cli
-import memtrain.train  # noqa: F401 - imported before the fork, so no rank imports it again
+import memtrain.training.train  # noqa: F401 - imported before the fork, so no rank imports it again
 
 
 def _rank(argv: list[str], log_prefix: str) -> int:

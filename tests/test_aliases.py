@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from memtrain.cli import build_parser, config_from_args, main
-from memtrain.config import ConfigError, build_config
+from memtrain.config.run import ConfigError, build_config
 
 
 def _cfg(argv: list[str]):

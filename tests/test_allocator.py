@@ -8,7 +8,7 @@ import pytest
 
 from memtrain.analysis.allocator import CachingAllocator, MiB, replay, round_size
 from memtrain.analysis.estimate import estimate
-from memtrain.config import ConfigError, RunConfig
+from memtrain.config.run import ConfigError, RunConfig
 
 
 def test_rounding_to_512_bytes():
@@ -155,7 +155,7 @@ def test_estimate_reproduces_the_recorded_h100_reserved_memory():
     import json
     from pathlib import Path
 
-    from memtrain.config import build_config
+    from memtrain.config.run import build_config
 
     path = Path(__file__).parents[1] / "benchmarks/results/gpu-h100/allocator-check/allocator_check.json"
     rows = [r for r in json.loads(path.read_text())["rows"] if "naive" in r["name"] and "measured" in r]

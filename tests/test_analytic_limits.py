@@ -21,7 +21,7 @@ import pytest
 import memtrain.analysis.estimate as E
 import memtrain.analysis.estimate.simulator as S
 import memtrain.analysis.estimate.training as T
-from memtrain.config import ConfigError, RunConfig
+from memtrain.config.run import ConfigError, RunConfig
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TINY = dict(vocab_size=512, d_model=64, n_heads=4, d_ff=128, max_seq_len=128, batch_size=2, seq_len=32)

@@ -8,11 +8,11 @@ import importlib.util
 import pytest
 import torch
 
-from memtrain.attention import _banded, banded_attention, causal_mask, math_attention, sdpa_attention
-from memtrain.config import ConfigError, ModelConfig, TechniqueConfig, build_config
+from memtrain.attention.apply import apply_attention, build_attention
+from memtrain.attention.kernels import _banded, banded_attention, causal_mask, math_attention, sdpa_attention
+from memtrain.config.run import ConfigError, ModelConfig, TechniqueConfig, build_config
 from memtrain.metrics import MemoryMeter
-from memtrain.model import GPT
-from memtrain.techniques.attention import apply_attention, build_attention
+from memtrain.models.gpt import GPT
 from memtrain.techniques.precision import make_precision
 
 CPU = torch.device("cpu")

@@ -13,7 +13,7 @@ from memtrain.analysis.maxbatch import find_max_batch
 from memtrain.bench.presets import DEFAULT_TECHNIQUES, TECHNIQUES, technique_overrides
 from memtrain.bench.runner import BenchOptions, read_results, resolve_rows, run_bench
 from memtrain.cli import main
-from memtrain.config import ConfigError, build_config
+from memtrain.config.run import ConfigError, build_config
 from memtrain.report import write_report
 
 DATA = Path(__file__).parent / "data"

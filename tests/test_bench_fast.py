@@ -25,7 +25,7 @@ def _imported_after(code: str) -> dict[str, bool]:
 
 
 def test_worker_and_train_import_no_optional_heavy_packages():
-    seen = _imported_after("import memtrain.bench.worker, memtrain.train")
+    seen = _imported_after("import memtrain.bench.worker, memtrain.training.train")
     assert not any(seen.values()), seen
 
 
@@ -34,7 +34,7 @@ def test_a_traced_step_of_memtrains_model_does_not_import_transformers():
     # importing torch, per row.
     cfg = json.dumps({**TINY_MODEL, "vocab_size": 128, "seq_len": 16, "batch_size": 2, "device": "cpu"})
     seen = _imported_after(
-        "from memtrain.config import build_config\nfrom memtrain.analysis.trace import trace_step\n"
+        "from memtrain.config.run import build_config\nfrom memtrain.analysis.trace import trace_step\n"
         f"assert trace_step(build_config({cfg}))['peak_bytes'] > 0")
     assert not seen["transformers"] and not seen["torchao"], seen
 
@@ -89,8 +89,8 @@ def test_bench_records_the_optimizer_substitution(small_corpus, tmp_path):
 
 
 def test_write_report_without_plots_writes_the_tables_only(tmp_path):
+    from memtrain.files.results import append_result
     from memtrain.report import write_report
-    from memtrain.results import append_result
 
     append_result(tmp_path, {"technique": "baseline", "status": "error", "error": "x"})
     summary = write_report(tmp_path, techniques=["baseline"], plots=False)
@@ -126,7 +126,7 @@ def test_bench_help_shows_what_the_scales_run(capsys):
 
     from memtrain.bench.scales import DEFAULT_SCALE, SCALES
     from memtrain.cli import main
-    from memtrain.config import TrainConfig
+    from memtrain.config.run import TrainConfig
 
     with pytest.raises(SystemExit):
         main(["bench", "--help"])

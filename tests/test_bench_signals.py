@@ -20,7 +20,7 @@ import pytest
 from conftest import TINY_MODEL
 from memtrain.bench.process import ROW_PREFIX, clean_stale_row_dirs
 from memtrain.cli import main
-from memtrain.results import read_jsonl
+from memtrain.files.results import read_jsonl
 
 
 def _flags(small_corpus: Path) -> list[str]:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import memtrain.step as step_module
+import memtrain.training.step as step_module
 from conftest import TINY_MODEL
-from memtrain.config import build_config
-from memtrain.step import build_base_model, build_state, building_on
+from memtrain.config.run import build_config
 from memtrain.techniques import make_precision
+from memtrain.training.step import build_base_model, build_state, building_on
 
 CPU = torch.device("cpu")
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from memtrain.config import ConfigError, ModelConfig, TechniqueConfig, build_config
+from memtrain.config.run import ConfigError, ModelConfig, TechniqueConfig, build_config
 from memtrain.metrics import MemoryMeter
-from memtrain.model import GPT
+from memtrain.models.gpt import GPT
 from memtrain.techniques.checkpointing import apply_checkpointing, checkpointed_blocks, is_checkpointed
 
 # Dropout on: checkpointing must replay the same dropout masks during the recompute.

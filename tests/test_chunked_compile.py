@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 
 import memtrain.techniques.loss as loss_module
-from memtrain.config import build_config
-from memtrain.step import build_state, random_micro_batches
+from memtrain.config.run import build_config
 from memtrain.techniques import make_precision
 from memtrain.techniques.loss import IGNORE_INDEX, _logit_gradient, chunked_lm_loss
+from memtrain.training.step import build_state, random_micro_batches
 
 CPU = torch.device("cpu")
 

@@ -20,9 +20,9 @@ transformers = pytest.importorskip("transformers")
 import compare_hf as C  # noqa: E402
 import hf_presets as H  # noqa: E402
 from memtrain.bench.presets import TECHNIQUES, scale_overrides, technique_overrides  # noqa: E402
-from memtrain.config import ModelConfig, build_config  # noqa: E402
-from memtrain.model import GPT  # noqa: E402
-from memtrain.runtime import seed_everything  # noqa: E402
+from memtrain.config.run import ModelConfig, build_config  # noqa: E402
+from memtrain.models.gpt import GPT  # noqa: E402
+from memtrain.runtime.env import seed_everything  # noqa: E402
 
 TINY = {"vocab_size": 512, "d_model": 64, "n_heads": 4, "n_layers": 2, "d_ff": 128, "max_seq_len": 32,
         "dropout": 0.0, "seq_len": 16, "batch_size": 2, "progress": False}
@@ -135,7 +135,7 @@ def test_dataset_reproduces_memtrains_batches():
 def test_schedule_is_memtrains_up_to_hfs_one_step_warmup_offset():
     from transformers import get_scheduler
 
-    from memtrain.train import lr_lambda
+    from memtrain.training.train import lr_lambda
 
     cfg = build_config(TINY, {"steps": 20, "warmup_steps": 5})
     plan = H.hf_plan(cfg, "cpu")
@@ -177,7 +177,7 @@ def test_traced_hf_probe_equals_the_real_step():
 
 
 def test_trainer_run_is_metered_like_memtrain(small_corpus):
-    from memtrain.train import train
+    from memtrain.training.train import train
 
     cfg = build_config({**TINY, "vocab_size": 50257, "max_seq_len": 32, "d_model": 32, "d_ff": 64},
                        {"data": str(small_corpus), "steps": 4, "warmup_steps": 2, "val_blocks": 4,

@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 from hf import cli, mapping, probe, rows  # noqa: E402
 from hf.memtrain_side import warm_device_facts  # noqa: E402
 from hf.trainer_side import run_theirs  # noqa: E402
-from memtrain.config import build_config  # noqa: E402
+from memtrain.config.run import build_config  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -60,7 +60,7 @@ def test_plan_for_a_transformers_model(llama_dir):
 def test_trainer_trains_the_same_transformers_model(llama_dir, small_corpus, lora_rank):
     """Same parameters, same first loss (same weights and first batch), same tracked peak
     category for the optimizer state; LoRA: the same adapters trainable on both sides."""
-    from memtrain.train import train
+    from memtrain.training.train import train
 
     cfg = _cfg(llama_dir, small_corpus, lora_rank=lora_rank)
     warm_device_facts(cfg)

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from memtrain.config import ConfigError, ModelConfig, TechniqueConfig
-from memtrain.model import GPT
+from memtrain.config.run import ConfigError, ModelConfig, TechniqueConfig
+from memtrain.models.gpt import GPT
 from memtrain.techniques.checkpointing import apply_checkpointing
 from memtrain.techniques.compile import apply_compile, has_cpp_compiler
 from memtrain.techniques.loss import apply_loss

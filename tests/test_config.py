@@ -2,7 +2,7 @@
 
 import pytest
 
-from memtrain.config import ConfigError, build_config, load_config_file, parse_size
+from memtrain.config.run import ConfigError, build_config, load_config_file, parse_size
 
 
 def test_defaults_follow_spec():

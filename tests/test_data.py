@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from memtrain.config import ConfigError, DataConfig
+from memtrain.config.run import ConfigError, DataConfig
 from memtrain.data import (
     EOT_ID,
     BlockDataset,

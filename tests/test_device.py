@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from conftest import fake_caps
-from memtrain import device as D
 from memtrain.cli import main
-from memtrain.config import build_config
-from memtrain.device_advice import mfu_for_run, run_device_facts
-from memtrain.notices import SlowPrecisionWarning, install_warning_format
+from memtrain.config.run import build_config
+from memtrain.devices import probe as D
+from memtrain.devices.advice import mfu_for_run, run_device_facts
 from memtrain.report.tables import mfu_lines
-from memtrain.train import train
+from memtrain.runtime.notices import SlowPrecisionWarning, install_warning_format
+from memtrain.training.train import train
 
 pytestmark = pytest.mark.usefixtures("fresh_probe")
 
@@ -101,7 +101,7 @@ def _stop_at_data(*args, **kwargs):
 def test_train_warns_up_front_before_any_step(tiny_run, monkeypatch):
     """The warning comes before tokenization and the first step (stopped there: a BF16 step on a
     CPU without native BF16 is the slow path this test must not take)."""
-    import memtrain.train as T
+    import memtrain.training.train as T
 
     monkeypatch.setattr(T, "prepare_tokens", _stop_at_data)
     monkeypatch.setenv(D.FORCE_BF16_ENV, "0")
@@ -139,7 +139,7 @@ def test_cpu_mfu_against_measured_gemm(tiny_run):
 def test_cpu_mfu_reference_is_measured_right_after_the_steps(tiny_run, monkeypatch):
     """The reference GEMM rate is measured after the last training step (the same load as the
     steps), not taken from the probe's cache; the rate is forced here, so the MFU is exact."""
-    import memtrain.device_advice as A
+    import memtrain.devices.advice as A
 
     steps_done, measured_at = [], []
     monkeypatch.setattr(A, "measure_fp32_rate", lambda: measured_at.append(len(steps_done)) or 123e9)

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-import memtrain.train as train_module
-from memtrain.config import build_config
+import memtrain.training.train as train_module
+from memtrain.config.run import build_config
 from memtrain.data import make_train_loader
 from memtrain.data.device_feed import DeviceFeed
-from memtrain.train import train
+from memtrain.training.train import train
 
 CPU = torch.device("cpu")
 TOKENS = np.arange(5000, dtype=np.uint16) % 997

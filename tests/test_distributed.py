@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from conftest import TINY_MODEL, cli_flags
-from memtrain.config import ConfigError, build_config
-from memtrain.train import train
+from memtrain.config.run import ConfigError, build_config
+from memtrain.training.train import train
 
 TIMEOUT_S = 240  # per torchrun call; far above its normal duration, so only a hang reaches it
 # Loss of 2 ranks vs 1 process on the same global batch: the same arithmetic summed in another
@@ -175,7 +175,7 @@ def test_per_rank_estimate_matches_the_measured_peaks(runs):
 
 
 def test_zero1_chunks_cover_every_row_once():
-    from memtrain.techniques.zero1 import dim0_range
+    from memtrain.distributed.zero1 import dim0_range
 
     for rows in (1, 2, 3, 7, 50257):
         for world in (1, 2, 3, 4, 8):
@@ -244,7 +244,7 @@ def test_bad_combinations_are_config_errors(tiny_run, monkeypatch):
 
 
 def test_deepspeed_config_maps_options():
-    from memtrain.techniques.distributed.deepspeed_engine import deepspeed_config
+    from memtrain.distributed.deepspeed_engine import deepspeed_config
 
     cfg = build_config({"distributed": "deepspeed-zero3", "batch_size": 4, "grad_accum": 2, "grad_clip": 0.5,
                         "precision": "bf16", "cpu_offload": True})
@@ -261,10 +261,10 @@ def test_deepspeed_config_maps_options():
 def test_fully_shard_keeps_weight_tying_and_no_sync_skips_reduction(one_rank_group):
     from torch.distributed.tensor import DTensor
 
-    from memtrain.config import ModelConfig
-    from memtrain.model import GPT
-    from memtrain.techniques.distributed.session import DistContext
-    from memtrain.techniques.distributed.wrapping import apply_distributed
+    from memtrain.config.run import ModelConfig
+    from memtrain.distributed.session import DistContext
+    from memtrain.distributed.wrapping import apply_distributed
+    from memtrain.models.gpt import GPT
     from memtrain.techniques.precision import make_precision
 
     torch.manual_seed(0)

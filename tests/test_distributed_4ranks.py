@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY_MODEL, cli_flags
-from memtrain.config import build_config
+from memtrain.config.run import build_config
 
 pytestmark = pytest.mark.slow
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from conftest import cli_flags
-from memtrain.config import build_config
-from memtrain.train import train
+from memtrain.config.run import build_config
+from memtrain.training.train import train
 
 transformers = pytest.importorskip("transformers")
 
@@ -200,7 +200,7 @@ def test_qlora_under_fsdp2_is_refused_when_a_weight_cannot_be_split(monkeypatch)
     """The refusal names the weight and what to change, before fully_shard would assert; on
     CUDA (bitsandbytes' Params4bit, whose quant_state a DTensor shard loses) it is refused outright."""
     pytest.importorskip("torchao")
-    from memtrain.config import ConfigError
+    from memtrain.config.run import ConfigError
     from memtrain.models.qlora import quantize_base_weights
     from memtrain.techniques import hf_mapping
 

@@ -19,8 +19,8 @@ from memtrain.analysis.estimate import (
 )
 from memtrain.analysis.maxbatch import measure_step_memory
 from memtrain.cli import main
-from memtrain.config import ConfigError, ModelConfig, build_config
-from memtrain.presets import preset
+from memtrain.config.presets import preset
+from memtrain.config.run import ConfigError, ModelConfig, build_config
 
 TINY = dict(vocab_size=512, d_model=64, n_heads=4, n_layers=4, d_ff=128, max_seq_len=128, dropout=0.0,
             batch_size=4, seq_len=64, device="cpu")
@@ -240,7 +240,7 @@ def test_inference_rule_of_thumb_holds_and_breaks():
 
 def test_inference_estimate_matches_a_measured_forward():
     from memtrain.metrics import MemoryMeter
-    from memtrain.model import GPT
+    from memtrain.models.gpt import GPT
 
     cfg = build_config(dict(TINY, batch_size=8))
     model = GPT(cfg.model).eval()

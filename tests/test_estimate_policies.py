@@ -7,7 +7,7 @@ import pytest
 import memtrain.analysis.estimate as E
 import memtrain.analysis.estimate.simulator as S
 import memtrain.analysis.estimate.training as T
-from memtrain.config import RunConfig
+from memtrain.config.run import RunConfig
 
 TINY = dict(vocab_size=512, d_model=64, n_heads=4, n_layers=12, d_ff=128, max_seq_len=128, batch_size=2,
             seq_len=32)
@@ -62,7 +62,7 @@ SEL = dict(vocab_size=512, d_model=64, n_heads=4, n_layers=3, d_ff=128, max_seq_
 def test_selective_estimate_matches_measured_tracked_memory(ov):
     """Megatron's selective policy on a real CPU step (MemoryMeter) against the estimate."""
     from memtrain.analysis.maxbatch import measure_step_memory
-    from memtrain.config import build_config
+    from memtrain.config.run import build_config
 
     cfg = build_config(dict(SEL, checkpointing="selective", **ov))
     measured = measure_step_memory(cfg, cfg.train.batch_size)
@@ -89,10 +89,10 @@ def test_selective_keeps_no_s_squared_term_and_sits_between_none_and_full():
 def test_selective_numerics_equal_no_checkpointing(ov):
     import torch
 
-    from memtrain.config import build_config
-    from memtrain.model import GPT
+    from memtrain.attention.apply import apply_attention
+    from memtrain.config.run import build_config
+    from memtrain.models.gpt import GPT
     from memtrain.techniques import make_precision
-    from memtrain.techniques.attention import apply_attention
     from memtrain.techniques.checkpointing import apply_checkpointing, is_checkpointed
 
     cfg = build_config(dict(SEL, seq_len=32, **ov))
@@ -141,7 +141,7 @@ def test_naive_loss_keeps_the_callers_logits_and_the_estimate_follows(precision)
     does): measured tracked peak on CPU against the estimate, and one more logits-sized buffer
     than the standard loss."""
     from memtrain.analysis.maxbatch import measure_step_memory
-    from memtrain.config import build_config
+    from memtrain.config.run import build_config
 
     base = dict(vocab_size=2048, d_model=64, n_heads=4, n_layers=2, d_ff=128, max_seq_len=128, batch_size=4,
                 seq_len=64, device="cpu", precision=precision)
@@ -166,9 +166,9 @@ def test_zero1_partition_is_the_sharded_optimizers(world, untie):
     the same tensor shapes, so the same optimizer state."""
     import torch
 
-    from memtrain.model import GPT
+    from memtrain.distributed.zero1 import ShardedZeRO1
+    from memtrain.models.gpt import GPT
     from memtrain.techniques.optim import param_groups
-    from memtrain.techniques.zero1 import ShardedZeRO1
 
     cfg = RunConfig().replace(vocab_size=511, d_model=64, n_heads=4, n_layers=3, d_ff=256, untie_embeddings=untie)
     model = GPT(cfg.model)

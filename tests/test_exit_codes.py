@@ -25,11 +25,11 @@ from pathlib import Path
 
 import pytest
 
-import memtrain.device as device_module
+import memtrain.devices.probe as device_module
 from conftest import TINY_MODEL, cli_flags
 from memtrain.cli import main
-from memtrain.config import ConfigError
-from memtrain.results import LOCK_NAME, FolderLock
+from memtrain.config.run import ConfigError
+from memtrain.files.results import LOCK_NAME, FolderLock
 
 BIG = str(10**30)
 HUGE = str(10**300)

@@ -25,7 +25,7 @@ def _train(tmp_path: Path, *extra: str) -> Path:
 
 
 def _same_logits(ckpt: Path, out: Path) -> None:
-    from memtrain.export import load_trained
+    from memtrain.inference.export import load_trained
 
     ours, _ = load_trained(ckpt)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()

@@ -54,7 +54,7 @@ def _tokens(vocab: int = VOCAB) -> torch.Tensor:
 
 def _memtrain_logits(ckpt: Path, idx: torch.Tensor) -> torch.Tensor:
     """The logits of the model as trained: adapters unmerged, through memtrain's own wrapper."""
-    from memtrain.export import load_trained
+    from memtrain.inference.export import load_trained
 
     ours, _ = load_trained(ckpt, merge=False)
     with torch.no_grad():
@@ -159,7 +159,7 @@ def test_qlora_checkpoint_exports_dequantized_and_merged(tmp_path_factory, token
     """NF4 base weights (torchao, CPU) are dequantized and the adapters merged: the export's
     logits are those of the quantized model memtrain trained."""
     pytest.importorskip("torchao")
-    from memtrain.export import read_checkpoint
+    from memtrain.inference.export import read_checkpoint
     from memtrain.models import build_model
     from memtrain.models.qlora import quantize_base_weights
     from memtrain.techniques.hf_mapping import apply_hf_lora

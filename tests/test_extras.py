@@ -10,7 +10,7 @@ import pytest
 
 from conftest import TINY_MODEL
 from memtrain.cli import main
-from memtrain.config import ConfigError
+from memtrain.config.run import ConfigError
 
 FLAGS = [x for k, v in TINY_MODEL.items() for x in ("--" + k.replace("_", "-"), str(v))]
 
@@ -18,7 +18,7 @@ FLAGS = [x for k, v in TINY_MODEL.items() for x in ("--" + k.replace("_", "-"), 
 @pytest.mark.parametrize("module,extra", [("peft", "lora"), ("datasets", "hub"), ("pyarrow", "hub"),
                                           ("transformers", "hf")])
 def test_require_names_the_extra(monkeypatch, module, extra):
-    from memtrain.extras import require
+    from memtrain.runtime.extras import require
 
     monkeypatch.setitem(sys.modules, module, None)  # `import module` now raises ImportError
     with pytest.raises(ConfigError, match=rf"pip install 'memtrain\[{extra}\]'"):
@@ -49,7 +49,7 @@ def test_jsonl_without_datasets_names_the_extra(tmp_path, monkeypatch, capsys):
 def test_torchao_import_noise_is_quiet():
     pytest.importorskip("torchao")
     env = {**os.environ, "MEMTRAIN_VERBOSE": "0"}
-    code = "from memtrain.extras import quiet_third_party; quiet_third_party(); import torchao.optim"
+    code = "from memtrain.runtime.extras import quiet_third_party; quiet_third_party(); import torchao.optim"
     quiet = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert quiet.returncode == 0
     for noise in ("Failed to load", "Detected no triton", "deprecated"):
@@ -59,7 +59,7 @@ def test_torchao_import_noise_is_quiet():
 def test_verbose_keeps_third_party_loggers(monkeypatch):
     import logging
 
-    from memtrain.extras import quiet_third_party
+    from memtrain.runtime.extras import quiet_third_party
 
     monkeypatch.setenv("MEMTRAIN_VERBOSE", "1")
     logger = logging.getLogger("torchao")
@@ -77,8 +77,8 @@ def test_compile_time_syntax_warnings_of_libraries_are_quiet_and_memtrains_own_w
     of memtrain's own and a SyntaxWarning of another file still show."""
     import warnings
 
-    from memtrain.extras import quiet_third_party
-    from memtrain.notices import SlowPrecisionWarning
+    from memtrain.runtime.extras import quiet_third_party
+    from memtrain.runtime.notices import SlowPrecisionWarning
 
     monkeypatch.setenv("MEMTRAIN_VERBOSE", "0")
     with warnings.catch_warnings(record=True) as seen:
@@ -97,7 +97,7 @@ def test_transformers_loading_bars_are_off_while_memtrain_loads_a_model(tmp_path
     transformers = pytest.importorskip("transformers")
     from transformers.utils import logging as hf_logging
 
-    from memtrain.config import build_config
+    from memtrain.config.run import build_config
     from memtrain.models.hf import build_hf_model
 
     monkeypatch.setenv("MEMTRAIN_VERBOSE", "0")

@@ -33,7 +33,7 @@ def _error_line(capsys, argv: list[str]) -> str:
 
 
 def test_gpu_alone_judges_the_card_with_allocator_and_context(capsys):
-    from memtrain.analysis.gpu_memory import GPU_MEMORY_BYTES
+    from memtrain.devices.gpu_memory import GPU_MEMORY_BYTES
 
     out = _estimate(capsys, "--gpu", "h100", "--batch-size", "8")
     fit = out["fit"]
@@ -107,8 +107,8 @@ def test_bad_budget_use_is_one_error_line(capsys, argv, expect):
 
 
 def test_gpu_table_names_the_same_kinds_as_the_flops_table():
-    from memtrain.analysis.gpu_memory import GPU_MEMORY_BYTES
-    from memtrain.metrics.gpus import PEAK_FLOPS, lookup_gpu
+    from memtrain.devices.gpu_memory import GPU_MEMORY_BYTES
+    from memtrain.devices.gpus import PEAK_FLOPS, lookup_gpu
 
     assert set(GPU_MEMORY_BYTES) == set(PEAK_FLOPS)
     # estimate's --gpu help spells it rtx4090: MFU and the memory table know that name too.
@@ -125,7 +125,7 @@ def no_cuda(monkeypatch):
 
 
 def test_maxbatch_without_a_gpu_answers_with_the_cuda_model(capsys, no_cuda):
-    from memtrain.analysis.gpu_memory import GPU_MEMORY_BYTES
+    from memtrain.devices.gpu_memory import GPU_MEMORY_BYTES
 
     args = ["maxbatch", *MODEL, "--device-type", "cuda", "--gpu", "a10", "--max-batch", "64"]
     assert main([*args, "--json"]) == 0

@@ -16,7 +16,7 @@ from memtrain.analysis.flops.count import _counting_config, _trace
 from memtrain.analysis.flops.profile import profile_op_classes
 from memtrain.analysis.flops.roofline import flops_report, resolve_roof
 from memtrain.cli import main
-from memtrain.config import ConfigError, build_config
+from memtrain.config.run import ConfigError, build_config
 
 # A tiny model, with dropout on so the dropout class is exercised.
 TINY = {"vocab_size": 512, "d_model": 64, "n_heads": 4, "n_layers": 4, "d_ff": 128, "max_seq_len": 128,
@@ -53,7 +53,7 @@ def test_fake_count_equals_a_real_step():
     and what a bare FlopCounterMode counts on a real forward+backward."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from memtrain.model import GPT
+    from memtrain.models.gpt import GPT
 
     cfg = _counting_config(_tiny())
     fake, fake_total, _, _ = _trace(cfg, fake=True)

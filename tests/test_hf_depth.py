@@ -10,7 +10,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from memtrain.config import build_config  # noqa: E402
+from memtrain.config.run import build_config  # noqa: E402
 
 VOCAB = 384
 TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, max_position_embeddings=128,

@@ -33,7 +33,7 @@ def _skip_without_packages(tech: dict) -> None:
 
 
 def _train(model_dir, corpus_path, tmp_path, **tech):
-    from memtrain.train import train
+    from memtrain.training.train import train
 
     return train(run_cfg(model_dir, corpus_path, tmp_path, device="cuda", steps=12, **tech))
 
@@ -62,8 +62,8 @@ def test_gpu_paths_train_a_transformers_model(model_dirs, corpus, tmp_path, tech
 def test_bnb_qlora_stores_the_base_in_nf4(model_dirs, corpus, tmp_path):  # noqa: F811
     bnb = pytest.importorskip("bitsandbytes")
     pytest.importorskip("peft")
-    from memtrain.step import build_state
     from memtrain.techniques import make_precision
+    from memtrain.training.step import build_state
 
     cfg = run_cfg(model_dirs["llama"], corpus, tmp_path, device="cuda", precision="bf16-pure",
                   lora_rank=8, qlora=True)
@@ -76,8 +76,8 @@ def test_bnb_qlora_stores_the_base_in_nf4(model_dirs, corpus, tmp_path):  # noqa
 
 def test_flex_matches_sdpa_on_cuda(model_dirs, corpus, tmp_path):  # noqa: F811
     """Same weights, same batch: the loss and the gradients agree across attention backends."""
-    from memtrain.step import build_state
     from memtrain.techniques import make_precision
+    from memtrain.training.step import build_state
 
     dev = torch.device("cuda")
     ids = torch.randint(0, VOCAB, (2, 33), device=dev)

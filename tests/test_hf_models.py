@@ -16,7 +16,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from memtrain.config import ConfigError, build_config  # noqa: E402
+from memtrain.config.run import ConfigError, build_config  # noqa: E402
 
 SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "stackoverflow_posts_sample.xml"
 VOCAB = 384
@@ -176,7 +176,7 @@ def test_chunked_loss_equals_standard_loss_and_gradients(model_dirs, corpus, tmp
 # ------------------------------------------------------------------------------ training
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_each_family_trains_and_loss_falls(model_dirs, corpus, tmp_path, family):
-    from memtrain.train import train
+    from memtrain.training.train import train
 
     res = train(run_cfg(model_dirs[family], corpus, tmp_path, steps=10))
     hist = res["loss_history"]
@@ -188,7 +188,7 @@ def test_each_family_trains_and_loss_falls(model_dirs, corpus, tmp_path, family)
 
 @pytest.mark.skipif(not SAMPLE.is_file(), reason="StackOverflow sample not present")
 def test_loss_falls_on_the_stackoverflow_sample(model_dirs, tmp_path):
-    from memtrain.train import train
+    from memtrain.training.train import train
 
     cfg = run_cfg(model_dirs["llama"], SAMPLE, tmp_path, strip_html=True, max_documents=300, steps=12)
     res = train(cfg)
@@ -211,7 +211,7 @@ def test_loss_falls_on_the_stackoverflow_sample(model_dirs, tmp_path):
     {"grad_accum": 2},
 ])
 def test_techniques_train_on_a_transformers_model(model_dirs, corpus, tmp_path, tech):
-    from memtrain.train import train
+    from memtrain.training.train import train
 
     res = train(run_cfg(model_dirs["llama"], corpus, tmp_path, steps=4, **tech))
     hist = res["loss_history"]
@@ -229,8 +229,8 @@ def test_flash_holds_sdpa_to_its_kernel_in_every_call_recompute_included(model_d
     the step on CUDA)."""
     import torch.nn.functional as F
 
-    from memtrain.step import build_state
     from memtrain.techniques import make_precision
+    from memtrain.training.step import build_state
 
     sdpa, seen = F.scaled_dot_product_attention, []
 
@@ -265,7 +265,7 @@ def test_checkpointing_and_chunked_loss_cut_the_tracked_peak(model_dirs, corpus,
 def test_lora_trains_only_the_adapters(model_dirs, corpus, tmp_path):
     from memtrain.models import build_model
     from memtrain.techniques import build_optimizer, make_precision, prepare_model
-    from memtrain.train import train_step
+    from memtrain.training.train import train_step
 
     cpu = torch.device("cpu")
     cfg = run_cfg(model_dirs["gemma"], corpus, tmp_path, lora_rank=4, lora_targets="q_proj,v_proj")
@@ -294,7 +294,7 @@ def test_lora_freezes_the_base_and_shrinks_optimizer_state(model_dirs, corpus, t
 def test_qlora_nf4_on_cpu_stores_4bit_base_weights_and_trains(tmp_path_factory, tokenizer_files, corpus, tmp_path):
     """torchao NF4 needs weights of a multiple of 64 x 256 values: a 128-wide model."""
     from memtrain.analysis.maxbatch import measure_step_memory
-    from memtrain.train import train
+    from memtrain.training.train import train
 
     d = make_model_dir(tmp_path_factory.mktemp("q"), "llama", tokenizer_files, hidden_size=128,
                        intermediate_size=256, num_key_value_heads=4)
@@ -308,14 +308,14 @@ def test_qlora_nf4_on_cpu_stores_4bit_base_weights_and_trains(tmp_path_factory, 
 
 
 def test_qlora_without_lora_is_an_error(model_dirs, corpus, tmp_path):
-    from memtrain.train import train
+    from memtrain.training.train import train
 
     with pytest.raises(ConfigError, match="lora-rank"):
         train(run_cfg(model_dirs["llama"], corpus, tmp_path, qlora=True))
 
 
 def test_gpu_only_backends_are_clear_errors_on_cpu(model_dirs, corpus, tmp_path):
-    from memtrain.train import train
+    from memtrain.training.train import train
 
     for attention in ("flash-attn", "flex", "mem-efficient"):
         with pytest.raises(ConfigError):
@@ -323,7 +323,7 @@ def test_gpu_only_backends_are_clear_errors_on_cpu(model_dirs, corpus, tmp_path)
 
 
 def test_resume_is_exact(model_dirs, corpus, tmp_path):
-    from memtrain.train import train
+    from memtrain.training.train import train
 
     ckpt = tmp_path / "ck.pt"
     full = train(run_cfg(model_dirs["qwen2"], corpus, tmp_path, steps=6, lora_rank=4))
@@ -343,7 +343,7 @@ def test_pretrained_weights_are_loaded(tmp_path_factory, tokenizer_files, corpus
 
 
 def test_vocabulary_mismatch_is_a_clear_error(tmp_path_factory, tokenizer_files, corpus, tmp_path):
-    from memtrain.train import train
+    from memtrain.training.train import train
 
     d = make_model_dir(tmp_path_factory.mktemp("v"), "llama", tokenizer_files, vocab_size=100)
     with pytest.raises(ConfigError, match="tokenizer .* tokens .* vocab_size 100"):
@@ -489,7 +489,7 @@ def test_qlora_trace_matches_a_measured_step(tmp_path_factory, corpus, tmp_path)
 
 def test_qlora_resume_is_exact(tmp_path_factory, tokenizer_files, corpus, tmp_path):
     """NF4 base weights go through the checkpoint (weights_only load) and back."""
-    from memtrain.train import train
+    from memtrain.training.train import train
 
     d = make_model_dir(tmp_path_factory.mktemp("qr"), "llama", tokenizer_files, hidden_size=128,
                        intermediate_size=256, num_key_value_heads=4)
@@ -503,7 +503,7 @@ def test_qlora_resume_is_exact(tmp_path_factory, tokenizer_files, corpus, tmp_pa
 def test_attention_core_checkpointing_is_refused_for_transformers_models(model_dirs, corpus, tmp_path):
     """Megatron's selective policy needs memtrain's attention seam; a transformers layer has none,
     so the run is refused before anything is built rather than run with another policy."""
-    from memtrain.train import train
+    from memtrain.training.train import train
 
     with pytest.raises(ConfigError, match="selective-matmul"):
         train(run_cfg(model_dirs["llama"], corpus, tmp_path, steps=2, checkpointing="selective"))

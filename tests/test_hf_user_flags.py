@@ -13,7 +13,7 @@ import pytest
 
 from conftest import TINY_MODEL, cli_flags
 from memtrain.cli import build_parser, config_from_args, main
-from memtrain.config import ConfigError, build_config, train_flags
+from memtrain.config.run import ConfigError, build_config, train_flags
 
 
 def _parse(argv: list[str]):
@@ -157,7 +157,7 @@ def test_a_near_spelling_of_a_model_name_is_refused_naming_it(spec, twin, capsys
 def test_llama_3_8b_is_the_transformers_config(capsys):
     assert main(["estimate", "--model", "llama-3-8b", "--device-type", "cuda", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["parameters"] == 8_030_261_248
-    from memtrain.model_presets import PRESETS
+    from memtrain.config.presets import PRESETS
     from memtrain.models.spec import _name_key, bundled_names
 
     keys = [_name_key(n) for n in [*PRESETS, *bundled_names()]]
@@ -166,7 +166,7 @@ def test_llama_3_8b_is_the_transformers_config(capsys):
 
 # ------------------------------------------------------------------------ 4. LoRA on a random base
 def test_random_base_warning_names_the_cases(tmp_path):
-    from memtrain.notices import random_base_warning
+    from memtrain.runtime.notices import random_base_warning
 
     assert "random weights" in random_base_warning(build_config({"lora_rank": 4}))
     assert random_base_warning(build_config({"lora_rank": 4, "resume": "ck.pt"})) is None
@@ -187,7 +187,7 @@ def test_train_warns_once_and_the_library_does_not(small_corpus, tmp_path, capsy
     captured = capsys.readouterr()
     assert captured.err.count("on a random base") == 1 and "warning: --lora-rank 4" in captured.err
     assert "defaults used: attention=math" in captured.out
-    from memtrain.train import train
+    from memtrain.training.train import train
 
     train(build_config({**run, "out": str(tmp_path / "lib")}))  # what a bench row runs
     assert "random base" not in capsys.readouterr().err

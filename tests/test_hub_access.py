@@ -56,7 +56,7 @@ def test_reachable_endpoint_and_proxies_leave_the_library_alone(no_offline_env):
 
 def test_hub_model_on_an_unreachable_hub_is_one_config_error(no_offline_env):
     pytest.importorskip("transformers")
-    from memtrain.config import ConfigError, build_config
+    from memtrain.config.run import ConfigError, build_config
     from memtrain.models.spec import load_config
 
     no_offline_env.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_closed_port()}")

@@ -43,7 +43,7 @@ def _cli(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
 
 # --------------------------------------------------------------------------- the bounded parse
 def test_depth_scan_agrees_with_json_on_strings_escapes_and_piece_boundaries():
-    from memtrain.results import JsonDepthScan
+    from memtrain.files.results import JsonDepthScan
 
     text = json.dumps({"a": ["[[[", {"b": "x\\\"]]{{"}], "c": [[["\\"]]], "d": "}}}"}).encode()
     true_depth = 4  # {"c": [[[ ... ]]]}
@@ -54,7 +54,7 @@ def test_depth_scan_agrees_with_json_on_strings_escapes_and_piece_boundaries():
 
 
 def test_loads_bounded_refuses_deep_long_and_non_finite_numbers():
-    from memtrain.results import loads_bounded
+    from memtrain.files.results import loads_bounded
 
     for hostile in (_deep(100_000), "9" * 400, "9" * 5000, "1e999", "NaN", '{"x": -Infinity}'):
         with pytest.raises(ValueError):
@@ -92,7 +92,7 @@ def test_deeply_nested_json_data_is_refused_naming_file_and_line(tmp_path, layou
 # --------------------------------------------------------------------------- 2. one huge line
 _RSS = textwrap.dedent("""
     import resource, sys
-    from memtrain.config import DataConfig
+    from memtrain.config.run import DataConfig
     from memtrain.data import get_tokenizer, prepare_tokens
     get_tokenizer()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -191,8 +191,8 @@ def test_generate_refuses_an_exported_folder_of_absurd_depth(tmp_path, capsys):
 
 
 def test_model_bytes_beyond_host_memory_are_refused(monkeypatch):
-    from memtrain import preflight
-    from memtrain.config import ConfigError, ModelConfig
+    from memtrain.config.run import ConfigError, ModelConfig
+    from memtrain.training import preflight
 
     monkeypatch.setattr(preflight, "host_memory_bytes", lambda: 2**20)  # 1 MiB of RAM
     with pytest.raises(ConfigError, match="more than this machine's"):
@@ -236,7 +236,7 @@ def test_resume_of_a_checkpoint_without_fingerprint_warns(small_corpus, tmp_path
 
 
 def test_data_fingerprint_samples_large_files_and_ignores_mtime(tmp_path, monkeypatch):
-    from memtrain.config import DataConfig
+    from memtrain.config.run import DataConfig
     from memtrain.data import sources
 
     monkeypatch.setattr(sources, "FINGERPRINT_WHOLE_BYTES", 1000)
@@ -341,7 +341,7 @@ def test_hostile_config_files_are_one_error_line(tmp_path, capsys, suffix, text)
 
 
 def test_yaml_aliases_sharing_a_list_are_checked_once(tmp_path):
-    from memtrain.config import load_config_file
+    from memtrain.config.run import load_config_file
 
     laughs = "a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + "".join(
         f"{chr(98 + i)}: &{chr(98 + i)} [" + ", ".join(["*" + chr(97 + i)] * 9) + "]\n" for i in range(9))

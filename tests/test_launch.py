@@ -18,10 +18,10 @@ import torch.distributed as dist
 
 from conftest import TINY_MODEL, cli_flags
 from memtrain.cli import main
-from memtrain.config import ConfigError, build_config
-from memtrain.launch import report_failures
-from memtrain.rank_errors import agreement, error_line_of, record_error_line
-from memtrain.results import FolderLock
+from memtrain.config.run import ConfigError, build_config
+from memtrain.distributed.launch import report_failures
+from memtrain.distributed.rank_errors import agreement, error_line_of, record_error_line
+from memtrain.files.results import FolderLock
 
 RUN = {"seq_len": 32, "steps": 4, "warmup_steps": 1, "val_blocks": 2, "warmup_timing_steps": 1, "batch_size": 2,
        "progress": False}
@@ -59,7 +59,7 @@ def _sharded_checkpoint(root: Path, settings: dict, rank1: bytes | None) -> Path
 # --------------------------------------------------------------------------- the launcher
 def test_launcher_checks_input_before_starting_any_rank(small_corpus, tmp_path, capsys, monkeypatch):
     started = []
-    monkeypatch.setattr("memtrain.launch.launch", lambda *a: started.append(a) or 0)
+    monkeypatch.setattr("memtrain.distributed.launch.launch", lambda *a: started.append(a) or 0)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     run = {**TINY_MODEL, **RUN, "data": str(small_corpus), "out": str(tmp_path / "out"), "distributed": "ddp"}
     flags = cli_flags(run)
@@ -143,7 +143,7 @@ def test_train_holds_its_out_folder_like_a_bench(tiny_run, capsys, monkeypatch):
         assert "is in use by memtrain bench (pid" in _one_error_line(capsys.readouterr().err)
     assert not (out / "result.json").exists()
 
-    import memtrain.train as train_module
+    import memtrain.training.train as train_module
 
     refused: list[str] = []
     real = train_module.prepare_tokens

@@ -62,7 +62,7 @@ def test_core_install_has_no_optional_packages_and_test_extra_no_wandb():
 
 
 def test_every_extra_an_error_names_exists_and_installs_the_module():
-    from memtrain.extras import EXTRAS
+    from memtrain.runtime.extras import EXTRAS
 
     project = _project()
     for module, (extra, _) in EXTRAS.items():

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from memtrain.config import ConfigError, ModelConfig, TechniqueConfig, TrainConfig, build_config
+from memtrain.config.run import ConfigError, ModelConfig, TechniqueConfig, TrainConfig, build_config
 from memtrain.metrics import optimizer_state_bytes
-from memtrain.model import GPT
+from memtrain.models.gpt import GPT
 from memtrain.techniques import make_precision, prepare_model
 from memtrain.techniques.lora import apply_lora, lora_target_names, merge_lora
 from memtrain.techniques.optim import build_optimizer

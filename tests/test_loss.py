@@ -8,9 +8,9 @@ import functools
 import pytest
 import torch
 
-from memtrain.config import ModelConfig, TechniqueConfig
+from memtrain.config.run import ModelConfig, TechniqueConfig
 from memtrain.metrics import MemoryMeter
-from memtrain.model import GPT, standard_lm_loss
+from memtrain.models.gpt import GPT, standard_lm_loss
 from memtrain.techniques.loss import apply_loss, chunked_lm_loss
 
 

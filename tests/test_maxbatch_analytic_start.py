@@ -7,7 +7,7 @@ import pytest
 
 from conftest import TINY_MODEL
 from memtrain.analysis.maxbatch import find_max_batch, traced_step_peak
-from memtrain.config import build_config
+from memtrain.config.run import build_config
 
 
 # The shortcut is taken where the estimate is byte-exact (the plain step here); where it is not

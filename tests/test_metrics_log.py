@@ -34,7 +34,7 @@ def test_metrics_jsonl_has_one_line_per_step_and_matches_result(tmp_path, capsys
 
 
 def test_a_run_that_dies_keeps_its_curve(tmp_path, monkeypatch, capsys):
-    import memtrain.train as T
+    import memtrain.training.train as T
 
     def boom(*a, **k):
         raise RuntimeError("killed")

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from memtrain.config import ModelConfig
-from memtrain.model import GPT, standard_lm_loss
+from memtrain.config.run import ModelConfig
+from memtrain.models.gpt import GPT, standard_lm_loss
 
 TINY = dict(vocab_size=97, d_model=32, n_heads=4, n_layers=2, d_ff=64, max_seq_len=16, dropout=0.0)
 

@@ -26,7 +26,7 @@ import torch
 
 from conftest import TINY_MODEL, cli_flags, tiny_run_state
 from memtrain.cli import main
-from memtrain.config import ConfigError, build_config
+from memtrain.config.run import ConfigError, build_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -125,7 +125,7 @@ def test_a_model_folders_tokenizer_makes_the_ids_whether_or_not_the_cache_can_be
     and with MEMTRAIN_CACHE at a place no folder can be created (a path under a file)."""
     from memtrain.data import prepare_tokens
     from memtrain.models import data_tokenizer
-    from memtrain.train import train
+    from memtrain.training.train import train
 
     model = model_folder(tmp_path / "m", tokenizer_dir)
     blocker = tmp_path / "a-file"
@@ -150,7 +150,7 @@ def test_a_model_folders_tokenizer_makes_the_ids_whether_or_not_the_cache_can_be
 
 
 def test_the_result_names_gpt2_for_memtrains_own_model(small_corpus, tmp_path):
-    from memtrain.train import train
+    from memtrain.training.train import train
 
     res = train(build_config({**TINY_MODEL, **RUN, "data": str(small_corpus), "out": str(tmp_path / "o"),
                               "attention": "math"}))
@@ -287,7 +287,7 @@ SHARDED = {**TINY_MODEL, "seq_len": 16, "batch_size": 2, "steps": 4, "distribute
 @pytest.fixture
 def sharded_checkpoint(one_rank_group, tmp_path) -> Path:
     """A real 1-rank sharded checkpoint after one optimizer step."""
-    from memtrain.distributed_checkpoint import save_checkpoint
+    from memtrain.checkpoints.distributed import save_checkpoint
 
     run = _run_state(build_config(SHARDED))
     x = torch.randint(0, 100, (2, 16))
@@ -302,7 +302,7 @@ def _rewrite_storage(ckpt: Path, **change) -> None:
     """Rewrite every storage entry of the checkpoint's .metadata with ``change``."""
     import dataclasses
 
-    from memtrain.safe_dcp import read_metadata
+    from memtrain.checkpoints.safe_dcp import read_metadata
 
     metadata = read_metadata(ckpt)
     metadata.storage_data = {k: dataclasses.replace(v, **change) for k, v in metadata.storage_data.items()}
@@ -318,7 +318,7 @@ def _data_file(ckpt: Path) -> Path:
 def test_sharded_storage_paths_outside_the_checkpoint_are_refused(sharded_checkpoint, tmp_path, where):
     """Storage a .metadata names is read only from regular files inside the checkpoint, and only
     within their size; the outside file is a valid copy of the data, so a read would succeed."""
-    from memtrain.distributed_checkpoint import load_checkpoint
+    from memtrain.checkpoints.distributed import load_checkpoint
 
     ckpt = sharded_checkpoint
     data = _data_file(ckpt)
@@ -345,7 +345,7 @@ def test_sharded_storage_paths_outside_the_checkpoint_are_refused(sharded_checkp
 
 
 def test_a_fifo_as_the_sharded_metadata_or_rank_file_is_refused(sharded_checkpoint):
-    from memtrain.distributed_checkpoint import load_checkpoint
+    from memtrain.checkpoints.distributed import load_checkpoint
 
     for name in (".metadata", "rank-0.pt"):
         saved = (sharded_checkpoint / name).read_bytes()
@@ -364,7 +364,7 @@ def test_a_fifo_as_the_sharded_metadata_or_rank_file_is_refused(sharded_checkpoi
 @pytest.fixture(scope="module")
 def saved(small_corpus_module, tmp_path_factory) -> tuple[dict, Path]:
     """A real single-file checkpoint of a tiny GPT run after 2 of 4 steps, and the run's settings."""
-    from memtrain.train import train
+    from memtrain.training.train import train
 
     root = tmp_path_factory.mktemp("saved")
     run = {**TINY_MODEL, **RUN, "attention": "math", "steps": 4, "data": str(small_corpus_module),
@@ -410,7 +410,7 @@ def test_a_checkpoint_with_wrong_typed_fields_is_refused_before_the_first_step(s
                                                                                  monkeypatch, damage):
     """Each field memtrain uses from a checkpoint, of the wrong type or shape: one ``error:`` line
     naming it and exit 2, before any step runs and before anything is written."""
-    import memtrain.train as train_module
+    import memtrain.training.train as train_module
 
     run, ckpt = saved
     state = torch.load(ckpt, weights_only=True)
@@ -429,7 +429,7 @@ def test_a_checkpoint_with_wrong_typed_fields_is_refused_before_the_first_step(s
 
 def test_the_undamaged_checkpoint_resumes(saved, tmp_path):
     """The checkpoint the damage tests start from passes every check and continues the run."""
-    from memtrain.train import train
+    from memtrain.training.train import train
 
     run, ckpt = saved
     res = train(build_config({**run, "resume": str(ckpt), "out": str(tmp_path / "r")}))
@@ -438,7 +438,7 @@ def test_the_undamaged_checkpoint_resumes(saved, tmp_path):
 
 def test_sharded_checkpoint_fields_of_the_wrong_type_are_refused(sharded_checkpoint):
     """meta.json's losses and a rank file's fields, wrong-typed, are refused before the load."""
-    from memtrain.distributed_checkpoint import load_checkpoint
+    from memtrain.checkpoints.distributed import load_checkpoint
 
     meta_path, rank_path = sharded_checkpoint / "meta.json", sharded_checkpoint / "rank-0.pt"
     meta, rank = json.loads(meta_path.read_text()), torch.load(rank_path, weights_only=True)
@@ -466,8 +466,8 @@ def test_sharded_checkpoint_fields_of_the_wrong_type_are_refused(sharded_checkpo
 def test_a_link_out_as_the_sharded_meta_json_is_refused(sharded_checkpoint, tmp_path):
     """meta.json linked to a (valid) copy outside the checkpoint: refused by the resume check and
     by the load, which read it."""
-    from memtrain.distributed_checkpoint import load_checkpoint
-    from memtrain.preflight import saved_run
+    from memtrain.checkpoints.distributed import load_checkpoint
+    from memtrain.training.preflight import saved_run
 
     outside = tmp_path / "meta-copy.json"
     shutil.move(sharded_checkpoint / "meta.json", outside)
@@ -481,8 +481,8 @@ def test_a_link_out_as_the_sharded_meta_json_is_refused(sharded_checkpoint, tmp_
 def test_a_zero1_rank_file_round_trips_and_a_moment_of_another_shape_is_refused(one_rank_group, tmp_path):
     """ZeRO-1 keeps its optimizer shard in the rank file (the outer groups without parameters):
     a real one loads; one whose Adam moment has another shape is refused before the load."""
-    from memtrain.distributed_checkpoint import load_checkpoint, save_checkpoint
-    from memtrain.techniques.distributed.wrapping import _zero_redundancy
+    from memtrain.checkpoints.distributed import load_checkpoint, save_checkpoint
+    from memtrain.distributed.wrapping import _zero_redundancy
 
     cfg = build_config({**SHARDED, "distributed": "zero1"})
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from memtrain.config import ConfigError, ModelConfig, TechniqueConfig, TrainConfig
+from memtrain.config.run import ConfigError, ModelConfig, TechniqueConfig, TrainConfig
 from memtrain.metrics import MemoryMeter, optimizer_state_bytes, state_bytes_per_param
-from memtrain.model import GPT
+from memtrain.models.gpt import GPT
 from memtrain.techniques.optim import LowBitSkipWarning, build_optimizer, low_bit_skipped
 
 SMALL = ModelConfig(vocab_size=256, d_model=64, n_heads=4, n_layers=1, d_ff=128, max_seq_len=64, dropout=0.0)

@@ -11,7 +11,7 @@ import torch
 from memtrain.analysis.estimate import estimate
 from memtrain.analysis.plan import candidate_config, plan, step_cost
 from memtrain.cli import main
-from memtrain.config import ConfigError, build_config
+from memtrain.config.run import ConfigError, build_config
 
 GiB = 2**30
 SMALL = dict(d_model=64, n_heads=4, n_layers=2, d_ff=128, batch_size=4, seq_len=32, device="cpu")
@@ -26,9 +26,9 @@ def _measure_steady_peak(cfg) -> int:
     agrees, see the assertion in the caller), and the optimizer step follows as usual.
     """
     from memtrain.metrics import MemoryMeter
-    from memtrain.model import GPT
+    from memtrain.models.gpt import GPT
     from memtrain.techniques import build_optimizer, make_precision, prepare_model
-    from memtrain.train import train_step
+    from memtrain.training.train import train_step
 
     device = torch.device("cpu")
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from memtrain.cli import main
-from memtrain.numerics import is_standard, numerics_note
+from memtrain.devices.numerics import is_standard, numerics_note
 
 ARGS = ["plan", "--device", "cpu", "--optims", "adamw,adamw-4bit", "--precisions", "bf16,bf16-pure", "--top", "2",
         "--json"]

@@ -6,8 +6,8 @@ import pytest
 
 from conftest import TINY_MODEL
 from memtrain.bench.presets import TECHNIQUES, technique_overrides
-from memtrain.config import build_config
-from memtrain.train import train
+from memtrain.config.run import build_config
+from memtrain.training.train import train
 
 
 @pytest.mark.parametrize("name", [n for n in TECHNIQUES if n != "compile"])

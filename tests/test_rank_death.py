@@ -23,8 +23,8 @@ import pytest
 
 from conftest import TINY_MODEL, cli_flags
 from memtrain.cli import main
-from memtrain.config import ConfigError
-from memtrain.results import LOCK_NAME, FolderLock, process_start, register_writer
+from memtrain.config.run import ConfigError
+from memtrain.files.results import LOCK_NAME, FolderLock, process_start, register_writer
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signals are Linux's")
 
@@ -126,7 +126,7 @@ def test_sigkilled_launcher_takes_its_ranks_and_the_folder_is_free_only_after_th
 
 def _writer(folder: Path, what: str) -> subprocess.Popen:
     """A process that registers as a writer of ``folder`` and then waits."""
-    code = ("import sys, time; from memtrain.results import register_writer\n"
+    code = ("import sys, time; from memtrain.files.results import register_writer\n"
             "register_writer(sys.argv[1], sys.argv[2]); print('registered', flush=True); time.sleep(120)\n")
     proc = subprocess.Popen([sys.executable, "-c", code, str(folder), what], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "registered"
@@ -177,7 +177,7 @@ def test_register_writer_appends_one_line_per_rank(tmp_path):
 
 _GRANDCHILD = """
 import os, sys, time
-from memtrain.signals import die_with_parent
+from memtrain.runtime.signals import die_with_parent
 die_with_parent(int(sys.argv[1]) if len(sys.argv) > 1 else None)
 print(os.getpid(), flush=True)
 time.sleep(120)

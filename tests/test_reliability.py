@@ -19,7 +19,7 @@ import torch
 
 from conftest import TINY_MODEL, cli_flags, tiny_run_state
 from memtrain.cli import main
-from memtrain.config import ConfigError, build_config
+from memtrain.config.run import ConfigError, build_config
 
 RUN = {"seq_len": 32, "warmup_steps": 1, "val_blocks": 2, "warmup_timing_steps": 1, "batch_size": 2}
 
@@ -63,7 +63,7 @@ def _crafted_dcp(root: Path, marker: Path, settings: dict | None = None) -> Path
 
 
 def test_crafted_dcp_metadata_is_refused_and_nothing_runs(one_rank_group, tmp_path):
-    from memtrain.distributed_checkpoint import load_checkpoint
+    from memtrain.checkpoints.distributed import load_checkpoint
 
     marker = tmp_path / "touched"
     ckpt = _crafted_dcp(tmp_path, marker)
@@ -83,7 +83,7 @@ def test_safe_planner_refuses_a_pickled_byte_item(tmp_path):
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-    from memtrain.safe_dcp import SafeLoadPlanner
+    from memtrain.checkpoints.safe_dcp import SafeLoadPlanner
 
     marker = tmp_path / "touched"
     buf = io.BytesIO()
@@ -99,7 +99,7 @@ def test_safe_planner_refuses_a_pickled_byte_item(tmp_path):
 
 
 def test_sharded_checkpoint_round_trips_through_the_safe_reader(one_rank_group, tmp_path):
-    from memtrain.distributed_checkpoint import load_checkpoint, save_checkpoint
+    from memtrain.checkpoints.distributed import load_checkpoint, save_checkpoint
 
     cfg = build_config({**TINY_MODEL, **RUN, "steps": 4, "distributed": "ddp"})
     run = _run_state(cfg)
@@ -160,7 +160,7 @@ def test_disk_full_at_the_final_save_keeps_result_and_previous_checkpoint(tiny_r
         Path(f).write_bytes(b"half a checkpoint")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("memtrain.checkpoint.torch.save", full_disk)
+    monkeypatch.setattr("memtrain.checkpoints.exact.torch.save", full_disk)
     assert main(["train", *cli_flags(run)]) == 1
     line = _one_error_line(capsys.readouterr().err)
     assert line.startswith("error: disk full") and str(ck) in line
@@ -170,7 +170,7 @@ def test_disk_full_at_the_final_save_keeps_result_and_previous_checkpoint(tiny_r
 
 
 def test_non_finite_loss_stops_the_run_and_writes_no_nan(tiny_run, capsys, monkeypatch):
-    monkeypatch.setattr("memtrain.train.train_step", lambda *a, **kw: float("nan"))
+    monkeypatch.setattr("memtrain.training.train.train_step", lambda *a, **kw: float("nan"))
     assert main(["train", *cli_flags(tiny_run)]) == 1
     assert "the training loss became nan at step 1" in _one_error_line(capsys.readouterr().err)
     assert not (Path(tiny_run["out"]) / "result.json").exists()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import memtrain
-from memtrain.runtime import git_commit
+from memtrain.runtime.env import git_commit
 
 SRC = Path(memtrain.__file__).resolve().parents[1]  # the folder that holds the memtrain package
 
@@ -27,7 +27,7 @@ def _commit_seen_from(src: Path, env_commit: str | None = None) -> str:
     if env_commit is not None:
         env["MEMTRAIN_COMMIT"] = env_commit
     env["PYTHONPATH"] = str(src)
-    out = subprocess.run([sys.executable, "-c", "from memtrain.runtime import git_commit; print(git_commit())"],
+    out = subprocess.run([sys.executable, "-c", "from memtrain.runtime.env import git_commit; print(git_commit())"],
                          capture_output=True, text=True, env=env, check=True, cwd=src)
     return out.stdout.strip()
 

@@ -1,4 +1,4 @@
-"""The step harness (memtrain.step) and the technique facts it and the estimator share
+"""The step harness (memtrain.training.step) and the technique facts it and the estimator share
 (memtrain.techniques.facts)."""
 
 from __future__ import annotations
@@ -10,9 +10,8 @@ import torch
 
 from conftest import TINY_MODEL
 from memtrain.analysis.estimate import param_table, predicted_optimizer_state
-from memtrain.config import ConfigError, build_config
+from memtrain.config.run import ConfigError, build_config
 from memtrain.metrics import MemoryMeter, optimizer_state_bytes as measured_state_bytes
-from memtrain.step import TrainState, build_state, measure_steps, random_micro_batches, run_step
 from memtrain.techniques.checkpointing import checkpointed_blocks
 from memtrain.techniques.facts import (
     PRECISION_FACTS,
@@ -20,6 +19,7 @@ from memtrain.techniques.facts import (
     optimizer_state_rule,
     precision_facts,
 )
+from memtrain.training.step import TrainState, build_state, measure_steps, random_micro_batches, run_step
 
 CPU = torch.device("cpu")
 RUN = {**TINY_MODEL, "vocab_size": 512, "batch_size": 2, "seq_len": 16, "device": "cpu", "progress": False}
@@ -125,7 +125,7 @@ def test_measure_steps_reports_the_steady_state_peak_of_the_second_step():
 
 
 def test_checkpoint_saves_and_restores_the_train_state(tmp_path):
-    from memtrain.checkpoint import load_checkpoint, save_checkpoint
+    from memtrain.checkpoints.exact import load_checkpoint, save_checkpoint
 
     class Position:  # the loader's state_dict protocol, without data
         def __init__(self, batch_index: int) -> None:
@@ -161,7 +161,7 @@ def test_a_model_family_plugs_in_at_one_seam(monkeypatch):
     """A new family is one entry in memtrain.models.FAMILIES: build_state (and so train,
     maxbatch, trace, profiling) builds and prepares its model through it."""
     import memtrain.models as models
-    from memtrain.model import GPT
+    from memtrain.models.gpt import GPT
 
     seen = []
 

@@ -12,7 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("torchao")
 
-from memtrain.config import build_config  # noqa: E402
+from memtrain.config.run import build_config  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

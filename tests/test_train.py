@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from memtrain.config import ConfigError, build_config
-from memtrain.train import lr_lambda, train
+from memtrain.config.run import ConfigError, build_config
+from memtrain.training.train import lr_lambda, train
 
 CONTRACT_KEYS = {"config", "train_loss", "val_loss", "val_ppl", "steps", "tokens", "step_time_s",
                  "total_time_s", "tokens_per_s", "mfu", "memory", "env"}
@@ -74,7 +74,7 @@ def test_metrics_line_holds_plain_numbers_when_a_tensor_comes_back():
     from types import SimpleNamespace
 
     ao = pytest.importorskip("torchao.optim")
-    from memtrain.train import _step_scalars
+    from memtrain.training.train import _step_scalars
 
     p = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))
     sched = torch.optim.lr_scheduler.LambdaLR(ao._AdamW([p], lr=3e-4, bf16_stochastic_round=True), lambda s: 1.0)

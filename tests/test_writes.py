@@ -189,8 +189,8 @@ def test_train_refuses_a_link_inside_its_out_folder(tiny_run, tmp_path, capsys, 
 
 
 def test_appends_and_the_lock_never_follow_a_link(tmp_path):
-    from memtrain.config import ConfigError
-    from memtrain.results import FolderLock, append_jsonl
+    from memtrain.config.run import ConfigError
+    from memtrain.files.results import FolderLock, append_jsonl
 
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
@@ -250,7 +250,7 @@ def test_a_failing_metrics_log_does_not_lose_the_run(tiny_run, tmp_path, capsys,
         calls.append(path)
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr("memtrain.logging_sinks.write_all", full, raising=False)
+    monkeypatch.setattr("memtrain.training.sinks.write_all", full, raising=False)
     assert main(["train", *cli_flags({**tiny_run, "steps": 3, "save": str(ck)})]) == 1
     err = capsys.readouterr().err
     assert len(calls) == 1  # said once, then no more attempts
@@ -262,7 +262,7 @@ def test_a_failing_metrics_log_does_not_lose_the_run(tiny_run, tmp_path, capsys,
 # --------------------------------------------------------------------------- 6. kills mid-save, torn lines
 _KILLED_AT_SAVE = textwrap.dedent("""
     import os, signal, sys
-    import memtrain.checkpoint as c
+    import memtrain.checkpoints.exact as c
     def save(obj, f):
         with open(f, "wb") as fh:
             fh.write(b"half a checkpoint")

@@ -7,7 +7,7 @@ Run it as ``python benchmarks/compare_hf.py`` (see benchmarks/README.md). One jo
     rows.py           a row's resolved config + HF plan; the runs.jsonl line (the library's store
                       and config hash)
     mapping.py        memtrain techniques -> TrainingArguments / attn_implementation / peft
-    memtrain_side.py  memtrain.train.train(cfg) with the lockstep hook (where a step harness plugs in)
+    memtrain_side.py  memtrain.training.train.train(cfg) with the lockstep hook (where a step harness plugs in)
     trainer_side.py   transformers.Trainer with memtrain's meters in callbacks
     hf_model.py       the Trainer's model: GPT2LMHeadModel with our GPT's weights, or --model SPEC's
                       model built through memtrain's model seam

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from memtrain.bench.presets import SCALE_BUDGET, SCALE_MAX_BATCH, SCALES, TECHNIQUES
-from memtrain.config import ConfigError, parse_size
+from memtrain.config.run import ConfigError, parse_size
 
 from .lockstep import run_pair, run_subprocess
 from .report import _mib, _num, write_profiles, write_report
@@ -62,7 +62,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def resolve(opts: argparse.Namespace) -> tuple[list[dict[str, Any]], Optional[dict[str, Any]], Optional[str]]:
     """The rows, the max-batch settings and the budget the flags name (ConfigError when bad)."""
-    from memtrain.runtime import resolve_device
+    from memtrain.runtime.env import resolve_device
 
     device = resolve_device(opts.device)
     overrides: dict[str, Any] = {"progress": False, "device": opts.device}

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from memtrain.config import ConfigError, RunConfig
+from memtrain.config.run import ConfigError, RunConfig
 
 
 class OrderedBlocks(torch.utils.data.Dataset):

@@ -6,15 +6,15 @@ import warnings
 
 import torch
 
-from memtrain.config import RunConfig
+from memtrain.config.run import RunConfig
 from memtrain.models import is_hf
-from memtrain.runtime import seed_everything
+from memtrain.runtime.env import seed_everything
 
 from .mapping import HFPlan, gpt2_config_kwargs
 
 
 def copy_gpt_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
-    """Load a ``memtrain.model.GPT``'s weights into a ``GPT2LMHeadModel`` of the same shape.
+    """Load a ``memtrain.models.gpt.GPT``'s weights into a ``GPT2LMHeadModel`` of the same shape.
 
     GPT-2's Conv1D keeps (in, out) weights where nn.Linear keeps (out, in): those are
     transposed. The q, k, v order of the fused projection is the same on both sides.
@@ -46,7 +46,7 @@ def build_hf_model(cfg: RunConfig, plan: HFPlan, init_from_memtrain: bool = True
     """The transformers model the Trainer trains for ``cfg``, starting where memtrain starts.
 
     Our GPT (no ``--model``): a ``GPT2LMHeadModel`` of ``cfg.model``'s architecture, loaded with
-    the weights of ``memtrain.model.GPT`` built under the same seed. A transformers model
+    the weights of ``memtrain.models.gpt.GPT`` built under the same seed. A transformers model
     (``--model SPEC``): the very ``AutoModelForCausalLM`` memtrain builds through its model seam
     (:func:`memtrain.models.build_model`), under the same seed, without memtrain's wrapper. The
     weights are random unless told to match memtrain's (``init_from_memtrain``; under fake tensors
@@ -56,13 +56,13 @@ def build_hf_model(cfg: RunConfig, plan: HFPlan, init_from_memtrain: bool = True
         return transformers_model(cfg, init_from_memtrain)
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from memtrain.model import GPT
+    from memtrain.models.gpt import GPT
 
     config = GPT2Config(**gpt2_config_kwargs(cfg.model))
     config._attn_implementation = plan.attn_implementation
     model = GPT2LMHeadModel(config)
     if init_from_memtrain:
-        seed_everything(cfg.train.seed)  # what memtrain.train does right before building its GPT
+        seed_everything(cfg.train.seed)  # what memtrain.training.train does right before building its GPT
         ours = GPT(cfg.model)
         if ours.num_parameters() != model.num_parameters():
             raise RuntimeError(f"parameter counts differ: memtrain {ours.num_parameters():,}, "
@@ -76,7 +76,7 @@ def transformers_model(cfg: RunConfig, init_from_memtrain: bool = True) -> torch
     """``--model SPEC``'s transformers model as memtrain builds it (same config edits: the
     attention implementation, sliding window, no KV cache), unwrapped for the Trainer.
 
-    With ``init_from_memtrain`` the global seed is set first, as ``memtrain.train`` does right
+    With ``init_from_memtrain`` the global seed is set first, as ``memtrain.training.train`` does right
     before building, and a directory's ``*.safetensors`` weights are loaded as memtrain loads
     them; the same initial weights on both sides (a test checks the first losses agree)."""
     from memtrain.models import build_model

@@ -1,7 +1,7 @@
 """How a memtrain run maps onto Hugging Face ``transformers.Trainer`` (+ ``peft``): for memtrain's
 GPT the Trainer trains ``GPT2LMHeadModel``; for ``--model SPEC`` the same transformers model.
 
-``hf_plan(cfg, device_type)`` reads a resolved :class:`memtrain.config.RunConfig` (not a preset
+``hf_plan(cfg, device_type)`` reads a resolved :class:`memtrain.config.run.RunConfig` (not a preset
 name, so ``key=value`` rows work too) and returns an :class:`HFPlan`: the ``TrainingArguments``
 overrides, the attention implementation, an optional LoRA config, and, for every part of the
 run, whether Hugging Face has the same thing, only something close, or nothing.
@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from memtrain.config import ConfigError, ModelConfig, RunConfig, parse_checkpointing
+from memtrain.config.run import ConfigError, ModelConfig, RunConfig, parse_checkpointing
 from memtrain.models import is_hf
 
 __all__ = ["HFPlan", "gpt2_config_kwargs", "hf_plan", "lora_targets", "trainer_alignment", "MODEL_TO_GPT2",
@@ -115,7 +115,7 @@ class HFPlan:
 
 
 def gpt2_config_kwargs(m: ModelConfig) -> dict[str, Any]:
-    """``GPT2Config`` keyword arguments for the same architecture as ``memtrain.model.GPT(m)``.
+    """``GPT2Config`` keyword arguments for the same architecture as ``memtrain.models.gpt.GPT(m)``.
 
     gelu_new is GELU's tanh approximation (memtrain's ``F.gelu(approximate="tanh")``);
     layer_norm_epsilon 1e-5 is ``nn.LayerNorm``'s default; the vocabulary is the padded one, so

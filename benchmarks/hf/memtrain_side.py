@@ -1,4 +1,4 @@
-"""memtrain's side: ``memtrain.train.train(cfg)``, the code path of ``memtrain train``.
+"""memtrain's side: ``memtrain.training.train.train(cfg)``, the code path of ``memtrain train``.
 
 The one hook into memtrain's loop is its step timer (:class:`HandoffStepTimer`), which hands
 the lockstep turn over after each step. This is the seam where memtrain's step harness plugs
@@ -11,7 +11,7 @@ import contextlib
 import time
 from typing import Any, Iterator
 
-from memtrain.config import RunConfig
+from memtrain.config.run import RunConfig
 
 from .lockstep import BATON, STEP_WINDOWS
 
@@ -19,19 +19,19 @@ from .lockstep import BATON, STEP_WINDOWS
 def warm_device_facts(cfg: RunConfig) -> None:
     """Probe the device before either side seeds and builds its model.
 
-    ``memtrain.train`` probes the device (cached per machine) between seeding and building the
+    ``memtrain.training.train`` probes the device (cached per machine) between seeding and building the
     model; an uncached probe draws random matrices from the global generator and would give
     memtrain other initial weights than the Trainer side. Probing first, in both workers,
     makes the in-run probe a cache read on both sides."""
-    from memtrain.device_advice import run_device_facts
-    from memtrain.runtime import resolve_device
+    from memtrain.devices.advice import run_device_facts
+    from memtrain.runtime.env import resolve_device
 
     run_device_facts(cfg.technique.precision, resolve_device(cfg.train.device))
 
 
 def run_ours(cfg: RunConfig) -> dict[str, Any]:
     """Train ``cfg`` with memtrain, handing the lockstep turn over after every step."""
-    import memtrain.train
+    import memtrain.training.train
     from memtrain.metrics import StepTimer
 
     class HandoffStepTimer(StepTimer):
@@ -46,5 +46,5 @@ def run_ours(cfg: RunConfig) -> dict[str, Any]:
             BATON.handoff()
 
     # train() builds its timer from this module-level name.
-    memtrain.train.StepTimer = HandoffStepTimer  # type: ignore[misc]
-    return memtrain.train.train(cfg, progress=False)
+    memtrain.training.train.StepTimer = HandoffStepTimer  # type: ignore[misc]
+    return memtrain.training.train.train(cfg, progress=False)

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from memtrain.config import RunConfig
+from memtrain.config.run import RunConfig
 from memtrain.models import is_hf
 from memtrain.models.hf import same_paths_as_eager
 
@@ -136,7 +136,7 @@ def hf_step_peak(cfg: RunConfig, batch: int, fake: Optional[bool] = None) -> Opt
     import transformers
 
     from memtrain.metrics import MemoryMeter, reset_device_peak
-    from memtrain.runtime import resolve_device
+    from memtrain.runtime.env import resolve_device
 
     transformers.logging.set_verbosity_error()
     device = resolve_device(cfg.train.device)
@@ -193,9 +193,9 @@ def profile_phases(cfg: RunConfig, steps: int, top_ops: int = 12) -> dict[str, A
 
     from memtrain.metrics import synchronize
     from memtrain.models import build_model
-    from memtrain.runtime import resolve_device, seed_everything
+    from memtrain.runtime.env import resolve_device, seed_everything
     from memtrain.techniques import build_optimizer, make_precision, prepare_model
-    from memtrain.train import train_step
+    from memtrain.training.train import train_step
 
     transformers.logging.set_verbosity_error()
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)  # two sides' graphs

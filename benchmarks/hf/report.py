@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from memtrain.results import write_json_atomic
+from memtrain.files.results import write_json_atomic
 
 from .lockstep import window_overlap_s
 from .rows import COMMANDS_FILE, REPORT_JSON, REPORT_MD, SIDES, _probe_at, config_hash, read_runs
@@ -240,7 +240,7 @@ def render_markdown(report: dict[str, Any]) -> str:  # noqa: C901 - one flat sec
 def write_report(out: Path, rows: list[dict[str, Any]], settings: dict[str, Any], command: Optional[str],
                  start: float) -> dict[str, Any]:
     """Aggregate every recorded run of these rows; write JSON and Markdown; return the report."""
-    from memtrain.runtime import environment, resolve_device
+    from memtrain.runtime.env import environment, resolve_device
 
     hashes = {config_hash(r["config"]) for r in rows}
     runs = [r for r in read_runs(out) if r["config_hash"] in hashes]
@@ -285,7 +285,7 @@ def write_report(out: Path, rows: list[dict[str, Any]], settings: dict[str, Any]
 
 def write_profiles(out: Path, rows: list[dict[str, Any]], steps: int, command: str) -> int:
     """``--profile``: per-phase medians of both sides for every row with a Trainer counterpart."""
-    from memtrain.runtime import environment, git_commit, resolve_device
+    from memtrain.runtime.env import environment, git_commit, resolve_device
 
     from .probe import profile_phases  # the step machinery (torch, transformers) only when profiling
 

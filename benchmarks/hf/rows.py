@@ -9,8 +9,8 @@ from typing import Any, Optional
 
 from memtrain.bench.presets import scale_overrides, technique_overrides
 from memtrain.bench.runner import config_hash as bench_config_hash
-from memtrain.config import ConfigError, RunConfig, build_config
-from memtrain.results import append_jsonl, read_jsonl
+from memtrain.config.run import ConfigError, RunConfig, build_config
+from memtrain.files.results import append_jsonl, read_jsonl
 
 from .mapping import hf_plan, trainer_alignment
 

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from memtrain.config import ConfigError, RunConfig
+from memtrain.config.run import ConfigError, RunConfig
 
 from .data import hf_train_dataset
 from .hf_model import apply_hf_lora, build_hf_model
@@ -82,7 +82,7 @@ class StepMeter:
 
     def __init__(self, device: torch.device, steps: int, warmup_timing_steps: int, track_memory: bool = True) -> None:
         from memtrain.metrics import StepTimer
-        from memtrain.train import METERED_STEPS
+        from memtrain.training.train import METERED_STEPS
 
         self.device = device
         self.metered_steps = METERED_STEPS if track_memory else ()
@@ -202,7 +202,7 @@ def _autocast_dtype(args: Any) -> Optional[torch.dtype]:
 
 @torch.no_grad()
 def hf_evaluate(model: torch.nn.Module, batches: list, device: torch.device, autocast_dtype: Optional[torch.dtype]) -> float:
-    """Mean token loss over memtrain's validation batches (same weighting as memtrain.train.evaluate)."""
+    """Mean token loss over memtrain's validation batches (same weighting as memtrain.training.train.evaluate)."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
@@ -229,7 +229,7 @@ def run_theirs(cfg: RunConfig, track_memory: bool = True, exact_schedule: bool =
     from memtrain.data import make_val_batches, prepare_tokens
     from memtrain.metrics import device_peak_memory
     from memtrain.models import data_tokenizer
-    from memtrain.runtime import environment, resolve_device
+    from memtrain.runtime.env import environment, resolve_device
 
     transformers.logging.set_verbosity_error()
     t = cfg.train
@@ -257,7 +257,7 @@ def run_theirs(cfg: RunConfig, track_memory: bool = True, exact_schedule: bool =
                                  data_collator=default_data_collator, callbacks=[MeterCallback(meter)])
         trainer.step_meter = meter
         if exact_schedule:
-            from memtrain.train import lr_lambda
+            from memtrain.training.train import lr_lambda
 
             trainer.exact_schedule = lr_lambda(cfg)
         wall = time.perf_counter()

@@ -10,8 +10,8 @@ from typing import Any, Optional
 
 import torch
 
-from memtrain.config import ConfigError, RunConfig, build_config
-from memtrain.results import write_json_atomic
+from memtrain.config.run import ConfigError, RunConfig, build_config
+from memtrain.files.results import write_json_atomic
 
 from .lockstep import BATON, STEP_WINDOWS
 from .memtrain_side import run_ours, warm_device_facts
@@ -23,7 +23,7 @@ from .trainer_side import run_theirs
 def run_side(side: str, cfg: RunConfig, maxbatch: Optional[dict[str, Any]], exact_schedule: bool = False) -> dict[str, Any]:
     """One side's run (training, then the max-batch search); the worker process calls this."""
     from memtrain.analysis.maxbatch import find_max_batch
-    from memtrain.runtime import resolve_device
+    from memtrain.runtime.env import resolve_device
 
     warm_device_facts(cfg)
     if side == "ours":

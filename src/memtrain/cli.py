@@ -20,20 +20,20 @@ from typing import Any, Callable, Optional, Sequence
 
 import memtrain.commands as commands
 from memtrain import __version__
-from memtrain.aliases import ALIASES, EXPANDED, switch_value
-from memtrain.argtypes import rank_count
-from memtrain.config import SECTIONS, ConfigError, RunConfig, build_config, flatten, load_config_file
+from memtrain.config.aliases import ALIASES, EXPANDED, switch_value
+from memtrain.config.argtypes import rank_count
+from memtrain.config.run import SECTIONS, ConfigError, RunConfig, build_config, flatten, load_config_file
+from memtrain.distributed.rank_errors import begin_command, error_line, launch_env, launched_by_memtrain, say_error
 from memtrain.errors import one_line
-from memtrain.extras import quiet_third_party
-from memtrain.notices import install_warning_format
-from memtrain.preflight import check_before_launch
-from memtrain.rank_errors import begin_command, error_line, launch_env, launched_by_memtrain, say_error
-from memtrain.results import (
+from memtrain.files.results import (
     RESULT_NAME,
     FolderLock,
     write_json_atomic,  # re-exported too: older code imports it from here
 )
-from memtrain.signals import bind_rank_to_launcher, sigterm_as_interrupt
+from memtrain.runtime.extras import quiet_third_party
+from memtrain.runtime.notices import install_warning_format
+from memtrain.runtime.signals import bind_rank_to_launcher, sigterm_as_interrupt
+from memtrain.training.preflight import check_before_launch
 
 
 class _Parser(argparse.ArgumentParser):
@@ -97,7 +97,7 @@ class _SwitchAlias(argparse.Action):
 
 
 def _add_aliases(parser: argparse.ArgumentParser, targets: set[str]) -> None:
-    """The Trainer's option names (memtrain.aliases) whose field this verb uses."""
+    """The Trainer's option names (memtrain.config.aliases) whose field this verb uses."""
 
     chosen = [a for a in ALIASES if a.field in targets]
     if not chosen:
@@ -191,7 +191,7 @@ MODEL_DEFAULT_ATTENTION = "sdpa"
 
 def _given_settings(layers: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The settings the layers name, flat and in memtrain's names (later layers win)."""
-    from memtrain.aliases import normalize as normalize_aliases
+    from memtrain.config.aliases import normalize as normalize_aliases
 
     merged: dict[str, Any] = {}
     for layer in layers:
@@ -258,12 +258,12 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
 
 def _launch_ranks(args: argparse.Namespace, cfg: RunConfig) -> int:
     """``--nproc-per-node N``: check everything a rank could refuse, hold the --out lock,
-    then start the ranks (memtrain.launch)."""
-    from memtrain.launch import launch  # looked up at call time: tests stand in for it
+    then start the ranks (memtrain.distributed.launch)."""
+    from memtrain.distributed.launch import launch  # looked up at call time: tests stand in for it
 
     if "WORLD_SIZE" in os.environ:
         raise ConfigError("--nproc-per-node starts the ranks itself; under torchrun drop it (or run without torchrun)")
-    from memtrain.train import remove_stale_writes
+    from memtrain.training.train import remove_stale_writes
 
     check_before_launch(cfg, args.nproc_per_node)
     with FolderLock(Path(cfg.train.out), "memtrain train", cleanup_if_unused=True):
@@ -272,7 +272,7 @@ def _launch_ranks(args: argparse.Namespace, cfg: RunConfig) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from memtrain.train import train  # torch-free --help/estimate/plan
+    from memtrain.training.train import train  # torch-free --help/estimate/plan
 
     cfg = config_from_args(args)
     if getattr(args, "nproc_per_node", None) and not launched_by_memtrain():
@@ -295,7 +295,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     with guard:
         # The --out lock: a second train or bench on the folder is refused (exit 2). Under
         # memtrain's launcher the launcher holds it and the ranks add themselves as its writers.
-        from memtrain.notices import random_base_warning
+        from memtrain.runtime.notices import random_base_warning
 
         warn = _warn_after_first_step(random_base_warning(cfg) if main_rank else None)
         result = train(cfg, on_result=write_result, log_metrics=True, lock_out=True, on_step=warn)
@@ -390,7 +390,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:
         args._parser.reject_unknown(extra)
-    args._argv = argv  # memtrain.launch hands the same command line to every rank
+    args._argv = argv  # memtrain.distributed.launch hands the same command line to every rank
     if getattr(args, "verbose", False):
         os.environ["MEMTRAIN_VERBOSE"] = "1"
 
@@ -399,7 +399,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     try:
         return int(args._run(args) or 0)
     except ConfigError as exc:
-        # Under torchrun every rank exits 2 (memtrain.rank_errors makes a rank-specific
+        # Under torchrun every rank exits 2 (memtrain.distributed.rank_errors makes a rank-specific
         # refusal everyone's); only rank 0 says why, so the user reads the line once.
         _say(f"error: {exc}", 2, every_rank=False)  # = rank_errors.error_line(exc)
         return 2

@@ -31,7 +31,7 @@ import math
 from typing import Any, Optional
 
 from memtrain.analysis.trace import trace_step
-from memtrain.config import RunConfig
+from memtrain.config.run import RunConfig
 from memtrain.models import is_hf
 from memtrain.models.depth import layer_count
 from memtrain.models.spec import load_config

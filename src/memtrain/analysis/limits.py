@@ -3,7 +3,7 @@
 A leaf module (it imports only the error type), below everything that counts or runs: the
 config sections, the command-line types and the analytic commands (estimate, flops, plan) all
 refuse an absurd size here, at once, with the same bound and the same words; so do the builders
-(train, export, generate: memtrain.preflight.check_model_size) before a model is built. Without a bound a
+(train, export, generate: memtrain.training.preflight.check_model_size) before a model is built. Without a bound a
 typo such as ``--batch-size 10**30`` reaches torch (an overflow: exit 1), float arithmetic
 (``inf``: exit 1) or a search that runs for minutes.
 """
@@ -50,7 +50,7 @@ def check_at_most(flag: str, value: int | float, limit: int, unit: str = "") -> 
                           f"(at most {limit:,}{unit}); give a real size")
 
 
-def check_analytic_size(m: Any) -> None:  # a memtrain.config.ModelConfig (config imports this module)
+def check_analytic_size(m: Any) -> None:  # a memtrain.config.run.ModelConfig (config imports this module)
     """Refuse absurd model sizes (ConfigError: exit 2) before any arithmetic depends on them."""
     check_at_most("--n-layers", m.n_layers, MAX_LAYERS)
     for name in ("d_model", "n_heads", "d_ff", "vocab_size", "vocab_multiple", "max_seq_len"):

@@ -23,12 +23,12 @@ import torch
 from memtrain.analysis.estimate import GPT2_ARCH, estimate
 from memtrain.analysis.fit import largest_batch, largest_fitting
 from memtrain.analysis.trace import trace_peak_bytes
-from memtrain.config import ConfigError, RunConfig
+from memtrain.config.run import ConfigError, RunConfig
 from memtrain.metrics import MemoryMeter, device_peak_memory
 from memtrain.models import is_hf
-from memtrain.runtime import resolve_device
-from memtrain.step import build_state, measure_steps, random_micro_batches
+from memtrain.runtime.env import resolve_device
 from memtrain.techniques import make_precision
+from memtrain.training.step import build_state, measure_steps, random_micro_batches
 
 Probe = Callable[[RunConfig, int], Optional[int]]  # -> peak bytes, or None when it did not fit
 
@@ -55,7 +55,7 @@ def measure_step_memory(cfg: RunConfig, batch: int) -> Optional[dict[str, Any]]:
     state exists) step's tracked stats (``MemoryStats.to_dict()``) plus the device peaks.
     None on a CUDA out-of-memory error. On CUDA the meter is off (it would slow the step and
     the allocator's own peak is the number that decides whether a batch fits). Built and
-    stepped by the step harness (:mod:`memtrain.step`), as a training run is."""
+    stepped by the step harness (:mod:`memtrain.training.step`), as a training run is."""
 
     device = resolve_device(cfg.train.device)
     state = meter = None

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from memtrain.analysis.estimate import GPT2_ARCH, Arch, estimate, param_count
-from memtrain.config import ConfigError, RunConfig, train_flags
+from memtrain.config.run import ConfigError, RunConfig, train_flags
 from memtrain.techniques.facts import checkpoint_policy
 
 __all__ = ["Candidate", "PlanResult", "DEVICE_PROFILES", "default_space", "plan", "step_cost", "verify"]
@@ -378,7 +378,7 @@ def candidate_config(cfg: RunConfig, c: Candidate) -> RunConfig:
 def verify(cfg: RunConfig, c: Candidate, steps: int = 2, arch: Arch = GPT2_ARCH) -> dict[str, Any]:
     """Train candidate ``c`` for ``steps`` steps (embedded default data unless ``cfg`` says
     otherwise) and compare the tracked peak of the steady-state step with the prediction."""
-    from memtrain.train import train  # torch-free --help/estimate/plan
+    from memtrain.training.train import train  # torch-free --help/estimate/plan
 
     run_cfg = candidate_config(cfg, c).replace(steps=max(2, steps), warmup_steps=0, eval_every=0,
                                               warmup_timing_steps=0, progress=False, val_blocks=1)

@@ -1,7 +1,7 @@
 """Trace a real training step under fake tensors: the exact tracked peak, nothing allocated.
 
 The real model, techniques, optimizer and training step (the step harness,
-:mod:`memtrain.step`: ``build_state`` and ``measure_steps``) run under
+:mod:`memtrain.training.step`: ``build_state`` and ``measure_steps``) run under
 ``torch._subclasses.fake_tensor.FakeTensorMode``: every op computes shapes, dtypes and
 strides but no data, so a 7B-parameter step "runs" on a laptop in seconds. The
 :class:`memtrain.metrics.MemoryMeter` counts the fake storages exactly as it counts real ones,
@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, Optional
 
-from memtrain.config import ConfigError, RunConfig
+from memtrain.config.run import ConfigError, RunConfig
 
 __all__ = ["trace_step", "trace_peak_bytes", "cuda_trace_supported"]
 
@@ -190,8 +190,12 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
 
     from memtrain.metrics import MemoryMeter  # torch-free --help/estimate/plan
     from memtrain.models import build_model  # torch-free --help/estimate/plan
-    from memtrain.step import build_state, measure_steps, random_micro_batches  # torch-free --help/estimate/plan
     from memtrain.techniques import make_precision  # torch-free --help/estimate/plan
+    from memtrain.training.step import (  # torch-free --help/estimate/plan
+        build_state,
+        measure_steps,
+        random_micro_batches,
+    )
 
     if device_type not in ("cpu", "cuda"):
         raise ConfigError(f"--trace-device {device_type!r}: use cpu or cuda")

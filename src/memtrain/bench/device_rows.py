@@ -30,8 +30,8 @@ from typing import Any, Optional
 
 import torch
 
-from memtrain.config import RunConfig
-from memtrain.device import DeviceCaps, precision_is_native, probe, slow_precision_message
+from memtrain.config.run import RunConfig
+from memtrain.devices.probe import DeviceCaps, precision_is_native, probe, slow_precision_message
 
 __all__ = ["adapt_compiled_optims", "adapt_rows", "adapt_window_kernels", "nearest_native", "runner_caps",
            "window_kernel"]

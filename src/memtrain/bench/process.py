@@ -21,8 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
-from memtrain.results import process_alive
-from memtrain.signals import PR_SET_PDEATHSIG
+from memtrain.files.results import process_alive
+from memtrain.runtime.signals import PR_SET_PDEATHSIG
 
 ROW_PREFIX = "memtrain-row-"
 

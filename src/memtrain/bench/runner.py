@@ -23,9 +23,9 @@ from memtrain.bench.eta import BenchEta
 from memtrain.bench.process import clean_stale_row_dirs, row_tmpdir, start_row, stop_row
 from memtrain.bench.scales import SCALE_BUDGET, SCALE_MAX_BATCH, scale_overrides
 from memtrain.bench.technique_sets import describe, is_noise_row, technique_overrides
-from memtrain.config import ConfigError, RunConfig, build_config, flatten, parse_size
+from memtrain.config.run import ConfigError, RunConfig, build_config, flatten, parse_size
+from memtrain.files.results import FolderLock, append_result, read_results, remove_stale_temps, select_rows
 from memtrain.report import write_report
-from memtrain.results import FolderLock, append_result, read_results, remove_stale_temps, select_rows
 
 
 @dataclass
@@ -92,7 +92,7 @@ def resolve_rows(opts: BenchOptions) -> list[tuple[str, RunConfig]]:
 def _maxbatch_spec(opts: BenchOptions, cfg: RunConfig) -> Optional[dict[str, Any]]:
     if not opts.maxbatch:
         return None
-    from memtrain.runtime import resolve_device  # torch-free --help/estimate/plan
+    from memtrain.runtime.env import resolve_device  # torch-free --help/estimate/plan
 
     device = resolve_device(cfg.train.device)
     budget = opts.memory_budget or (SCALE_BUDGET.get(opts.scale) if device.type == "cpu" else None)
@@ -186,7 +186,7 @@ def run_bench(opts: BenchOptions, on_row: Optional[Callable[[str, dict[str, Any]
         adapt_window_kernels,
         runner_caps,
     )
-    from memtrain.runtime import resolve_device  # torch-free --help/estimate/plan
+    from memtrain.runtime.env import resolve_device  # torch-free --help/estimate/plan
 
     rows = resolve_rows(opts)
     device = resolve_device(rows[0][1].train.device) if rows else None

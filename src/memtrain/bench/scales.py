@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from memtrain.config import ConfigError
+from memtrain.config.run import ConfigError
 
 SCALES: dict[str, dict[str, Any]] = {
     # The published comparison's settings (RTX 4090): default model, batch 64, seq 256,

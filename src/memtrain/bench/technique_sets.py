@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from memtrain.bench.scales import SCALE_WINDOW
-from memtrain.config import ConfigError
+from memtrain.config.run import ConfigError
 
 # The chunked loss is on in most rows beyond the published five: with GPT-2's 50257-token
 # vocabulary the logits dominate the default model's memory, and any other saving would drown

@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from memtrain.analysis.estimate import estimate
-from memtrain.config import ConfigError, build_config
-from memtrain.extras import quiet_third_party
-from memtrain.notices import SlowPrecisionWarning
-from memtrain.results import write_json_atomic
+from memtrain.config.run import ConfigError, build_config
+from memtrain.files.results import write_json_atomic
+from memtrain.runtime.extras import quiet_third_party
+from memtrain.runtime.notices import SlowPrecisionWarning
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -37,7 +37,7 @@ def _is_oom(exc: BaseException) -> bool:
 
 def run_row(spec: dict[str, Any]) -> dict[str, Any]:
     """Train, then search the max batch, then estimate; each part's failure is recorded."""
-    from memtrain.train import train  # torch loads only when this runs
+    from memtrain.training.train import train  # torch loads only when this runs
 
     cfg = build_config(spec["config"])
     heartbeat = spec.get("heartbeat")
@@ -67,7 +67,7 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
         except (ConfigError, RuntimeError) as exc:
             result["max_batch"] = {"batch_size": None, "error": str(exc).splitlines()[0]}
     try:
-        from memtrain.runtime import resolve_device  # torch loads only when this runs
+        from memtrain.runtime.env import resolve_device  # torch loads only when this runs
 
         # The analytic prediction of the same run, shown beside the measurement in the report.
         result["estimate"] = estimate(cfg, device_type=resolve_device(cfg.train.device).type).to_dict()

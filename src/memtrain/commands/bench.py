@@ -7,15 +7,15 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from memtrain.argtypes import batch_count, positive_float, rank_count
 from memtrain.bench.runner import BenchOptions, run_bench
 from memtrain.bench.scales import DEFAULT_SCALE, SCALE_BUDGET, SCALES
 from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, NOISE_ROW, TECHNIQUES, default_techniques
 from memtrain.cli import add_config_flags, fmt_bytes, register
-from memtrain.config import SECTIONS, ConfigError, load_config_file
-from memtrain.preflight import check_out_names, check_writable_dir
+from memtrain.config.argtypes import batch_count, positive_float, rank_count
+from memtrain.config.run import SECTIONS, ConfigError, load_config_file
 from memtrain.report import write_report
-from memtrain.signals import sigterm_as_interrupt
+from memtrain.runtime.signals import sigterm_as_interrupt
+from memtrain.training.preflight import check_out_names, check_writable_dir
 
 
 def warn_skipped_lines(out: Path, summary: dict) -> None:
@@ -58,7 +58,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def show_scale_defaults(p: argparse.ArgumentParser) -> None:
     """Each flag a scale sets shows the scale's values as its default (the config field's own
     default, e.g. batch 8, is not what a bench row runs)."""
-    from memtrain.config import SECTIONS
+    from memtrain.config.run import SECTIONS
 
     field_defaults = {f.name: f.default for cls in SECTIONS.values() for f in fields(cls)}
     for action in p._actions:
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
     default_list = args.techniques is None
     if default_list:
-        from memtrain.runtime import resolve_device  # torch: only once a bench really runs
+        from memtrain.runtime.env import resolve_device  # torch: only once a bench really runs
 
         device_type = resolve_device(str(overrides.get("device") or "auto")).type
         techniques = default_techniques(device_type) + [NOISE_ROW]

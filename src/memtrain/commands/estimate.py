@@ -9,17 +9,17 @@ from typing import Any
 from memtrain.analysis.estimate import GPT2_ARCH, estimate, estimate_inference, parse_count, shape_for_params
 from memtrain.analysis.estimate.hf import analytic_estimate, hf_arch, why_not_modelled
 from memtrain.analysis.trace import trace_step
-from memtrain.argtypes import world_size
 from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, config_from_args, defaults_note, fmt_bytes, register
-from memtrain.config import ConfigError, parse_size
-from memtrain.model_presets import PRESETS, preset
+from memtrain.config.argtypes import world_size
+from memtrain.config.presets import PRESETS, preset
+from memtrain.config.run import ConfigError, parse_size
 
 
 def add_model_choice(p: argparse.ArgumentParser) -> None:
     """--model PRESET | --params COUNT (shared with `memtrain plan`)."""
 
     g = p.add_mutually_exclusive_group()
-    # --model_name_or_path: the Trainer scripts' name of the same choice (memtrain.aliases).
+    # --model_name_or_path: the Trainer scripts' name of the same choice (memtrain.config.aliases).
     g.add_argument("--model", "--model_name_or_path", "--model-name-or-path", dest="preset", default=None, metavar="SPEC",
                    help="Model preset: " + ", ".join(PRESETS) + " (flags given next to it override it); or a "
                    "transformers model: a bundled config (llama-3-8b, qwen2.5-7b, mistral-7b, llama-3-70b, "
@@ -258,7 +258,7 @@ def _fit(args: argparse.Namespace, cfg: Any, arch: Any, device_type: str, shard:
     found = budget_for(parse_size(args.budget) if args.budget is not None else None, args.gpu)
     if found is None:
         return {"fit": None, "fit_note": f"no fit verdict: --gpu {args.gpu}'s memory is not in the GPU table "
-                                         "(memtrain.analysis.gpu_memory); add --budget SIZE"}
+                                         "(memtrain.devices.gpu_memory); add --budget SIZE"}
     verdict = fit_verdict(cfg, arch, device_type, found, gpu=args.gpu, world_size=args.world_size, shard=shard)
     return {"fit": verdict.to_dict(), "fit_line": verdict.line()}
 

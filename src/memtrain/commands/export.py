@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from memtrain.cli import register
-from memtrain.preflight import check_writable_dir
+from memtrain.training.preflight import check_writable_dir
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -21,7 +21,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memtrain.export import export_hf  # torch-free --help/estimate/plan
+    from memtrain.inference.export import export_hf  # torch-free --help/estimate/plan
 
     # A file in the way or a read-only place: one line (exit 2) before the checkpoint is read.
     check_writable_dir(args.out_dir, "OUT_DIR")

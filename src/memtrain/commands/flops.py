@@ -12,9 +12,9 @@ from memtrain.analysis.estimate import check_analytic_size
 from memtrain.analysis.flops.profile import profile_op_classes
 from memtrain.analysis.flops.roofline import flops_report, resolve_roof
 from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, config_from_args, register
-from memtrain.config import ConfigError
+from memtrain.config.run import ConfigError
+from memtrain.files.results import refuse_odd_destination
 from memtrain.report.roofline import plot_roofline
-from memtrain.results import refuse_odd_destination
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
                               "for counted FLOPs and bytes (they do not need a GPU)")
         if cfg.train.device == "cpu":
             raise ConfigError("--profile needs --device cuda (or auto); the roofline is a GPU's")
-        from memtrain.runtime import device_name, resolve_device  # torch-free --help/estimate/plan
+        from memtrain.runtime.env import device_name, resolve_device  # torch-free --help/estimate/plan
 
         measured = profile_op_classes(cfg, steps=args.profile_steps)
         device = device_name(resolve_device(cfg.train.device))

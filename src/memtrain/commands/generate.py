@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 
 from memtrain.analysis.limits import MAX_WIDTH
-from memtrain.argtypes import batch_count, int_in, non_negative_float, seed_value, token_count
 from memtrain.cli import register
+from memtrain.config.argtypes import batch_count, int_in, non_negative_float, seed_value, token_count
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -28,7 +28,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memtrain.generate import generate  # torch-free --help/estimate/plan
+    from memtrain.inference.generate import generate  # torch-free --help/estimate/plan
 
     texts = generate(Path(args.model), args.prompt, args.max_new_tokens, args.temperature, args.top_k,
                      args.num_samples, args.seed)

@@ -1,4 +1,4 @@
-"""`memtrain info`: what this device does natively and how fast (memtrain.device.probe)."""
+"""`memtrain info`: what this device does natively and how fast (memtrain.devices.probe.probe)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from memtrain.cli import register
-from memtrain.results import dumps
+from memtrain.files.results import dumps
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -62,8 +62,8 @@ def render(caps: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memtrain.device import cache_clear, probe  # torch-free --help/estimate/plan
-    from memtrain.runtime import resolve_device  # torch-free --help/estimate/plan
+    from memtrain.devices.probe import cache_clear, probe  # torch-free --help/estimate/plan
+    from memtrain.runtime.env import resolve_device  # torch-free --help/estimate/plan
 
     device = resolve_device(args.device)
     if args.remeasure:

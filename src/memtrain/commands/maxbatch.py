@@ -6,9 +6,9 @@ import argparse
 import json
 from typing import Any, Optional
 
-from memtrain.argtypes import batch_count
 from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, config_from_args, fmt_bytes, register
-from memtrain.config import ConfigError, parse_size
+from memtrain.config.argtypes import batch_count
+from memtrain.config.run import ConfigError, parse_size
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -8,12 +8,12 @@ from dataclasses import asdict
 from typing import Any
 
 from memtrain.analysis.plan import candidate_config, default_space, plan, verify
-from memtrain.argtypes import batch_count, positive_int
 from memtrain.bench.runner import read_results
 from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, defaults_note, fmt_bytes, register
 from memtrain.commands.estimate import add_model_choice, device_type_for, resolve_model
-from memtrain.config import ConfigError, parse_size
-from memtrain.numerics import is_standard, numerics_key, numerics_note
+from memtrain.config.argtypes import batch_count, positive_int
+from memtrain.config.run import ConfigError, parse_size
+from memtrain.devices.numerics import is_standard, numerics_key, numerics_note
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from memtrain.cli import register
 from memtrain.commands.bench import warn_skipped_lines
-from memtrain.config import ConfigError
+from memtrain.config.run import ConfigError
 from memtrain.report import write_report
 
 

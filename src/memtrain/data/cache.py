@@ -25,7 +25,7 @@ from typing import Any, BinaryIO, Optional
 import numpy as np
 from tqdm.auto import tqdm
 
-from memtrain.config import DataConfig
+from memtrain.config.run import DataConfig
 from memtrain.data.sources import iter_documents, source_identity
 from memtrain.data.tokenizer import (
     ENCODE_PIECE_CHARS,

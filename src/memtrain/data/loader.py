@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from memtrain.config import ConfigError
+from memtrain.config.run import ConfigError
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

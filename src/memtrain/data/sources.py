@@ -35,11 +35,11 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
-from memtrain.config import ConfigError, DataConfig
+from memtrain.config.run import ConfigError, DataConfig
 from memtrain.data.tokenizer import cut_before_word
-from memtrain.extras import quiet_datasets, require
-from memtrain.results import MAX_JSON_DEPTH, bounded_lines, json_depth_error
-from memtrain.safe_files import folder_entry_problems, visible_entries
+from memtrain.files.guard import folder_entry_problems, visible_entries
+from memtrain.files.results import MAX_JSON_DEPTH, bounded_lines, json_depth_error
+from memtrain.runtime.extras import quiet_datasets, require
 
 DEFAULT_SOURCE = "default"
 STACKOVERFLOW_HF = "mikex86/stackoverflow-posts"

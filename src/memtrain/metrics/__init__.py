@@ -9,8 +9,8 @@
 - ``PEAK_FLOPS`` / ``lookup_gpu`` / ``mfu`` turn a FLOP count and a step time into MFU.
 """
 
+from memtrain.devices.gpus import PEAK_FLOPS, GpuSpec, device_gpu, lookup_gpu, mfu, peak_flops
 from memtrain.metrics.device_peak import device_peak_memory, reset_device_peak
-from memtrain.metrics.gpus import PEAK_FLOPS, GpuSpec, device_gpu, lookup_gpu, mfu, peak_flops
 from memtrain.metrics.memory import CATEGORIES, MemoryMeter, MemoryStats
 from memtrain.metrics.state import ShardedStateBytes, optimizer_state_bytes, state_bytes_per_param
 from memtrain.metrics.storage import storage_bytes

@@ -3,7 +3,7 @@
 One seam for every command that runs a step: a :class:`ModelFamily` in :data:`FAMILIES`
 says which configs it claims, how to build its model and how the techniques map onto it.
 :func:`build_model` builds through it, ``memtrain.techniques.prepare_model`` (called by the
-step harness, :mod:`memtrain.step`) applies the techniques (a built-in family's mapping lives in memtrain.techniques, a plug-in family may bring its own ``prepare``), and
+step harness, :mod:`memtrain.training.step`) applies the techniques (a built-in family's mapping lives in memtrain.techniques, a plug-in family may bring its own ``prepare``), and
 :func:`data_tokenizer` names the tokenizer the data must be read with. A new model family is
 one more entry in :data:`FAMILIES` (claimed before the GPT, which takes every config left).
 
@@ -21,8 +21,8 @@ from typing import Callable, Optional
 
 import torch.nn as nn
 
-from memtrain.config import RunConfig
-from memtrain.model import GPT
+from memtrain.config.run import RunConfig
+from memtrain.models.gpt import GPT
 from memtrain.models.hf import build_hf_model
 from memtrain.models.spec import bundled_names, is_gpt_preset, load_config, resolve
 from memtrain.models.tokenizer import data_tokenizer as _dt

@@ -25,10 +25,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from memtrain.config import ConfigError, RunConfig
-from memtrain.model import LossFn, standard_lm_loss
+from memtrain.attention.hf import restricted_sdpa_implementation
+from memtrain.config.run import ConfigError, RunConfig
 from memtrain.models.depth import apply_layer_count
-from memtrain.models.hf_attention import restricted_sdpa_implementation
+from memtrain.models.gpt import LossFn, standard_lm_loss
 from memtrain.models.hub_access import from_pretrained_kwargs
 from memtrain.models.spec import ModelSource, load_config, resolve
 
@@ -88,7 +88,7 @@ class HFCausalLM(nn.Module):
     # -- forward ------------------------------------------------------------------------------
     def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
         # --attention flash / mem-efficient hold SDPA to one kernel inside each attention call
-        # (memtrain.models.hf_attention), so a checkpointed layer's recomputation uses it too.
+        # (memtrain.attention.hf), so a checkpointed layer's recomputation uses it too.
         return self.backbone(input_ids=idx, use_cache=False)[0]
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:

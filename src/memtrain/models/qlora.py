@@ -24,8 +24,8 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 
-from memtrain.config import ConfigError
-from memtrain.extras import require
+from memtrain.config.run import ConfigError
+from memtrain.runtime.extras import require
 
 NF4_BLOCK = 64
 NF4_SCALER_BLOCK = 256

@@ -2,7 +2,7 @@
 
 SPEC is one of (tried in this order):
 
-* a preset of memtrain's own GPT (``memtrain.model_presets``: ``gpt2``, ``gpt2-medium`` ...);
+* a preset of memtrain's own GPT (``memtrain.config.presets``: ``gpt2``, ``gpt2-medium`` ...);
 * a bundled transformers config (``llama-3-8b``, ``qwen2.5-7b`` ... in ``models/configs/``:
   the public architecture hyper-parameters of each model's ``config.json``, no weights), so
   full-size models can be estimated offline;
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from memtrain.archs import GPT2_ARCH, LLAMA_ARCH
+from memtrain.config.archs import GPT2_ARCH, LLAMA_ARCH
+from memtrain.config.presets import PRESETS
 from memtrain.errors import ConfigError
-from memtrain.model_presets import PRESETS
+from memtrain.files.guard import folder_entry_problems, visible_entries
 from memtrain.models.hub_access import from_pretrained_kwargs, offline_hint
-from memtrain.safe_files import folder_entry_problems, visible_entries
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 HUB_PREFIX = "hf:"

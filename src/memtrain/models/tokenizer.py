@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Optional
 
-from memtrain.config import ConfigError, RunConfig
+from memtrain.config.run import ConfigError, RunConfig
 from memtrain.data.tokenizer import N_VOCAB
 from memtrain.models.hub_access import from_pretrained_kwargs
 from memtrain.models.spec import TOKENIZER_FILES, TOKENIZER_ID_FILES, is_gpt_preset, load_config, resolve

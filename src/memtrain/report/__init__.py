@@ -9,9 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from memtrain.report.plots import write_plots
-from memtrain.report.tables import csv_text, markdown_report, table_rows
-from memtrain.results import (
+from memtrain.files.results import (
     PLOT_FILES,
     REPORT_FILES,
     dumps,
@@ -20,6 +18,8 @@ from memtrain.results import (
     select_rows,
     write_text_atomic,
 )
+from memtrain.report.plots import write_plots
+from memtrain.report.tables import csv_text, markdown_report, table_rows
 
 
 def write_report(out: Path, techniques: Optional[list[str]] = None, plots: bool = True) -> dict[str, Any]:

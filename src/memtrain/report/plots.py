@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
+from memtrain.files.results import PLOT_FILES, write_atomic
 from memtrain.report.tables import CATEGORIES, GIB, MAX_PLOT_ROWS, MIB
-from memtrain.results import PLOT_FILES, write_atomic
 
 COLORS = {
     "parameters": "#4C72B0", "gradients": "#55A868", "optimizer": "#C44E52",

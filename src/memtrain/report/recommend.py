@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from memtrain.numerics import numerics_key
+from memtrain.devices.numerics import numerics_key
 from memtrain.report.noise import (
     FACTOR,
     SUFFIX,

@@ -52,7 +52,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from memtrain.config import TechniqueConfig
+from memtrain.config.run import TechniqueConfig
 from memtrain.techniques.facts import checkpoint_policy
 
 __all__ = [

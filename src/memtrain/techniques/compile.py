@@ -27,7 +27,7 @@ import shutil
 
 import torch.nn as nn
 
-from memtrain.config import ConfigError, TechniqueConfig
+from memtrain.config.run import ConfigError, TechniqueConfig
 
 __all__ = ["apply_compile", "has_cpp_compiler"]
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
 
-from memtrain.config import parse_checkpointing
+from memtrain.config.run import parse_checkpointing
 from memtrain.errors import ConfigError
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 Each through the library that owns it: the attention backend is transformers'
 ``attn_implementation`` (chosen when :func:`memtrain.models.hf.build_hf_model` builds the model;
-flash / mem-efficient are :mod:`memtrain.models.hf_attention`), LoRA is peft, QLoRA's NF4 base weights are torchao (CPU)
+flash / mem-efficient are :mod:`memtrain.attention.hf`), LoRA is peft, QLoRA's NF4 base weights are torchao (CPU)
 or bitsandbytes (CUDA), checkpointing/loss/compile and the distributed wrap (DDP, ZeRO-1,
 FSDP2 per decoder layer) are memtrain's own technique functions.
 The model family itself (building, the GPT-like seams) is :mod:`memtrain.models.hf`; this
@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from memtrain.config import ConfigError, RunConfig
+from memtrain.config.run import ConfigError, RunConfig
+from memtrain.distributed.wrapping import apply_distributed
 from memtrain.models.hf import GPT_LORA_TARGETS, HFCausalLM
 from memtrain.models.qlora import nf4_unshardable, quantize_base_weights
 from memtrain.techniques.checkpointing import apply_checkpointing
 from memtrain.techniques.compile import apply_compile
-from memtrain.techniques.distributed.wrapping import apply_distributed
 from memtrain.techniques.facts import checkpoint_policy
 from memtrain.techniques.loss import apply_loss
 
@@ -96,7 +96,7 @@ def prepare_hf_model(model: HFCausalLM, cfg: RunConfig, device: torch.device, pr
     """Apply ``cfg.technique`` to a transformers model in the documented order
     (lora -> [qlora] -> checkpointing -> loss -> compile -> distributed wrap); the attention
     backend was chosen when the model was built (``attn_implementation``). The distributed
-    wrap is the GPT's own :func:`~memtrain.techniques.distributed.wrapping.apply_distributed`:
+    wrap is the GPT's own :func:`~memtrain.distributed.wrapping.apply_distributed`:
     DDP around the model, or FSDP2 ``fully_shard`` on each of ``model.blocks`` (the decoder
     layers, LoRA adapters and checkpoint wrappers included) and then the root (embeddings,
     final norm, LM head)."""

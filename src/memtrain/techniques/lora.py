@@ -7,7 +7,7 @@ embeddings and LayerNorms included, is frozen, so gradients and optimizer state 
 the adapters: ``r * (in + out)`` parameters per targeted Linear instead of ``in * out``.
 
 peft's ``inject_adapter_in_model`` is used rather than ``get_peft_model`` because it mutates
-the module in place: the model stays a :class:`memtrain.model.GPT` with its ``loss_fn`` and
+the module in place: the model stays a :class:`memtrain.models.gpt.GPT` with its ``loss_fn`` and
 ``attn_fn`` seams, so the train loop and the other techniques need not know LoRA is on.
 Under ``--precision bf16-pure`` the adapters are kept in FP32 (as peft's ``get_peft_model``
 does by default): they are tiny, and their updates then need no stochastic rounding.
@@ -21,9 +21,9 @@ import copy
 
 import torch.nn as nn
 
-from memtrain.config import ConfigError, TechniqueConfig
-from memtrain.extras import require
-from memtrain.model import GPT
+from memtrain.config.run import ConfigError, TechniqueConfig
+from memtrain.models.gpt import GPT
+from memtrain.runtime.extras import require
 
 __all__ = ["apply_lora", "lora_target_names", "merge_adapters_in_place", "merge_lora"]
 

@@ -43,8 +43,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
-from memtrain.config import ConfigError, TechniqueConfig
-from memtrain.model import LossFn, standard_lm_loss
+from memtrain.config.run import ConfigError, TechniqueConfig
+from memtrain.models.gpt import LossFn, standard_lm_loss
 
 IGNORE_INDEX = -100
 
@@ -229,7 +229,7 @@ def chunked_lm_loss(
 ) -> torch.Tensor:
     """Mean cross-entropy of ``hidden @ weight.T`` against ``targets`` (``-100`` ignored),
     never materializing more than ``chunk`` rows of logits. Same contract as
-    :func:`memtrain.model.standard_lm_loss`.
+    :func:`memtrain.models.gpt.standard_lm_loss`.
     """
     if chunk <= 0:
         raise ValueError(f"chunk must be positive, got {chunk}")

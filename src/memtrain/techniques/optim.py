@@ -48,8 +48,8 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from memtrain.config import ConfigError, TechniqueConfig, TrainConfig
-from memtrain.extras import require
+from memtrain.config.run import ConfigError, TechniqueConfig, TrainConfig
+from memtrain.runtime.extras import require
 
 __all__ = [
     "LOW_BIT_BLOCK",
@@ -219,7 +219,7 @@ def default_adamw_kernel(device: torch.device) -> dict[str, bool]:
       step, and the kernels' speed on CPU is a small share of a step (docs/performance.md).
     """
     if device.type == "cuda":
-        from memtrain.device import probe  # looked up at call time: tests stand in for it
+        from memtrain.devices.probe import probe  # looked up at call time: tests stand in for it
 
         caps = probe(device, measure=False)
         if caps.fused_adamw:

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import torch
 
-from memtrain.config import ConfigError, RunConfig
-from memtrain.model import GPT
+from memtrain.attention.apply import apply_attention
+from memtrain.config.run import ConfigError, RunConfig
+from memtrain.distributed.wrapping import apply_distributed
 from memtrain.models import family_of
-from memtrain.techniques.attention import apply_attention
+from memtrain.models.gpt import GPT
 from memtrain.techniques.checkpointing import apply_checkpointing
 from memtrain.techniques.compile import apply_compile
-from memtrain.techniques.distributed.wrapping import apply_distributed
 from memtrain.techniques.lora import apply_lora
 from memtrain.techniques.loss import apply_loss
 from memtrain.techniques.precision import Precision

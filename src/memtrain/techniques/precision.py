@@ -32,7 +32,7 @@ from typing import ContextManager, Optional
 
 import torch
 
-from memtrain.config import ConfigError
+from memtrain.config.run import ConfigError
 from memtrain.techniques.facts import PrecisionFacts, precision_facts
 
 

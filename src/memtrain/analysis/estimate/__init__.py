@@ -35,7 +35,7 @@ from memtrain.analysis.estimate.params import ParamInfo, param_count, param_tabl
 from memtrain.analysis.estimate.rules import OPTIMIZER_RULES, model_state_rule
 from memtrain.analysis.estimate.training import Estimate, estimate
 from memtrain.analysis.limits import check_analytic_size
-from memtrain.archs import GPT2_ARCH, LLAMA_ARCH, Arch
+from memtrain.config.archs import GPT2_ARCH, LLAMA_ARCH, Arch
 
 __all__ = [
     "Arch",

@@ -8,8 +8,8 @@ from typing import Optional
 from memtrain.analysis.estimate.inventory import _block_nodes, _Dims, _precision_bytes, _resolve_backend
 from memtrain.analysis.estimate.params import ParamInfo
 from memtrain.analysis.estimate.simulator import _Sim
-from memtrain.archs import Arch
-from memtrain.config import RunConfig, TechniqueConfig
+from memtrain.config.archs import Arch
+from memtrain.config.run import RunConfig, TechniqueConfig
 from memtrain.techniques.facts import checkpoint_policy
 
 

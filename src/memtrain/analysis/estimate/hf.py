@@ -29,7 +29,7 @@ from dataclasses import replace
 from typing import Any, Optional
 
 from memtrain.analysis.estimate.training import estimate
-from memtrain.archs import LLAMA_ARCH, Arch
+from memtrain.config.archs import LLAMA_ARCH, Arch
 
 __all__ = ["MODELLED", "hf_arch", "why_not_modelled", "analytic_estimate"]
 

@@ -6,8 +6,8 @@ from typing import Any, Optional
 
 from memtrain.analysis.estimate.inventory import _Dims, _resolve_backend
 from memtrain.analysis.estimate.params import param_count
-from memtrain.archs import GPT2_ARCH, Arch
-from memtrain.config import ConfigError, RunConfig
+from memtrain.config.archs import GPT2_ARCH, Arch
+from memtrain.config.run import ConfigError, RunConfig
 
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "int8": 1, "int4": 0.5}
 

@@ -8,8 +8,8 @@ from typing import Optional
 from memtrain.analysis.estimate.hf_nodes import hf_norm_node, hf_rope_node
 from memtrain.analysis.estimate.params import _lora_targets
 from memtrain.analysis.estimate.simulator import _Compression, _Node, _Segment
-from memtrain.archs import Arch
-from memtrain.config import ModelConfig, RunConfig, TechniqueConfig
+from memtrain.config.archs import Arch
+from memtrain.config.run import ModelConfig, RunConfig, TechniqueConfig
 from memtrain.techniques.facts import checkpoint_policy, precision_facts
 
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Optional
 
 from memtrain.analysis.limits import MAX_LAYERS, MAX_PARAMS, check_analytic_size
-from memtrain.archs import GPT2_ARCH, Arch
-from memtrain.config import ConfigError, ModelConfig, TechniqueConfig
+from memtrain.config.archs import GPT2_ARCH, Arch
+from memtrain.config.run import ConfigError, ModelConfig, TechniqueConfig
 
 
 # --------------------------------------------------------------------------- parameters

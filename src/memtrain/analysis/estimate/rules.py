@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from memtrain.config import ConfigError
+from memtrain.config.run import ConfigError
 
 # --------------------------------------------------------------------------- optimizer rules
 # Literature bytes per parameter of optimizer state (not weights, not gradients). Each entry:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from memtrain.config import RunConfig
+from memtrain.config.run import RunConfig
 from memtrain.techniques.facts import checkpoint_policy
 
 # The JSON contract's component names (training._CATEGORY_OF maps each to a meter category).

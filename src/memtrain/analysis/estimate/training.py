@@ -13,8 +13,8 @@ from memtrain.analysis.estimate.params import ParamInfo, _param_table
 from memtrain.analysis.estimate.rules import model_state_rule
 from memtrain.analysis.estimate.simulator import _compression, _Graph, _Segment, _Sim
 from memtrain.analysis.limits import check_analytic_size
-from memtrain.archs import GPT2_ARCH, Arch
-from memtrain.config import ConfigError, RunConfig
+from memtrain.config.archs import GPT2_ARCH, Arch
+from memtrain.config.run import ConfigError, RunConfig
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
 # Which meter category each of the JSON contract's components (simulator.COMPONENTS) is part of.
@@ -300,9 +300,9 @@ _ZERO1_MAX_TENSORS = 1_000_000
 
 def _zero1_partition(params: list[ParamInfo], world: int) -> list[list[ParamInfo]]:
     """The tensors whose state each rank keeps under ``--distributed zero1``
-    (:class:`memtrain.techniques.zero1.ShardedZeRO1`): rank r's dim-0 chunk of every tensor,
+    (:class:`memtrain.distributed.zero1.ShardedZeRO1`): rank r's dim-0 chunk of every tensor,
     ``torch.chunk``'s split (ceil(rows / N) rows each, the last ranks fewer or none)."""
-    from memtrain.techniques.zero1 import dim0_range  # torch-free --help/estimate/plan
+    from memtrain.distributed.zero1 import dim0_range  # torch-free --help/estimate/plan
 
     out: list[list[ParamInfo]] = [[] for _ in range(world)]
     for p in params:

@@ -36,7 +36,7 @@ LABELS = dict(OP_CLASSES)
 MATMUL_CLASSES = frozenset({"qkv", "attn_scores", "attn_values", "attn_fused", "attn_proj", "mlp_fc", "mlp_fc_out", "lm_head"})
 
 # A Linear module (or an adapter nested inside it) is identified by its attribute name in the
-# model (memtrain.model); everything dispatched inside it (matmul, bias gradient sum, LoRA
+# model (memtrain.models.gpt); everything dispatched inside it (matmul, bias gradient sum, LoRA
 # adapter ops) belongs to that layer.
 _MODULE_ROLES = {
     "qkv": "qkv", "proj": "attn_proj", "fc": "mlp_fc", "fc_out": "mlp_fc_out",

@@ -11,7 +11,7 @@ from memtrain.analysis.flops.classes import ClassCount, StepCount
 from memtrain.analysis.flops.recorder import _in_core, _make_recorder
 from memtrain.analysis.flops.rules import CLIP_FLOPS_PER_PARAM, OPTIMIZER_FLOPS_PER_PARAM, optimizer_bytes_per_param
 from memtrain.analysis.limits import check_analytic_size
-from memtrain.config import ConfigError, ModelConfig, RunConfig
+from memtrain.config.run import ConfigError, ModelConfig, RunConfig
 from memtrain.techniques.facts import checkpoint_policy, precision_facts
 
 if TYPE_CHECKING:  # torch stays out of import time for ``memtrain --help``
@@ -136,7 +136,7 @@ def _empty_model(cfg: ModelConfig, build: Any = None) -> Any:
     A count needs shapes, not values. ``to_empty`` unties shared weights, so ties are restored."""
     import torch
 
-    from memtrain.model import GPT  # torch-free --help/estimate/plan
+    from memtrain.models.gpt import GPT  # torch-free --help/estimate/plan
 
     with torch.device("meta"):
         model = build() if build is not None else GPT(cfg)  # build: a transformers --model
@@ -298,7 +298,7 @@ def _cache_key(cfg: RunConfig) -> str:
 
 @lru_cache(maxsize=32)
 def _count_step_cached(key: str) -> StepCount:
-    from memtrain.config import build_config  # torch-free --help/estimate/plan
+    from memtrain.config.run import build_config  # torch-free --help/estimate/plan
 
     cfg = _counting_config(build_config(json.loads(key)))
     t = cfg.train

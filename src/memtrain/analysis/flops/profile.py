@@ -1,7 +1,7 @@
 """Measured seconds per operation class: ``memtrain flops --profile``.
 
 Beside :mod:`memtrain.analysis.flops` (which counts) because this one trains: it builds and
-steps the configured run with the step harness (:mod:`memtrain.step`), so it sits above the
+steps the configured run with the step harness (:mod:`memtrain.training.step`), so it sits above the
 step while the counting that the train loop needs for MFU sits below it (no import circle
 between the two).
 """
@@ -15,7 +15,7 @@ from typing import Iterator
 # The op-class recorder is shared with the counter so that profiled time and counted FLOPs
 # use the same classes; it stays private to the flops modules.
 from memtrain.analysis.flops.recorder import _make_recorder
-from memtrain.config import ConfigError, RunConfig
+from memtrain.config.run import ConfigError, RunConfig
 
 __all__ = ["profile_op_classes"]
 
@@ -40,8 +40,8 @@ def profile_op_classes(cfg: RunConfig, steps: int = 5, warmup: int = 3) -> dict[
     from torch.utils.module_tracker import ModuleTracker
 
     from memtrain.metrics import synchronize  # torch loads only when this runs
-    from memtrain.runtime import resolve_device, seed_everything  # torch loads only when this runs
-    from memtrain.step import build_state, random_micro_batches, run_step  # torch loads only when this runs
+    from memtrain.runtime.env import resolve_device, seed_everything  # torch loads only when this runs
+    from memtrain.training.step import build_state, random_micro_batches, run_step  # torch loads only when this runs
 
     if steps <= 0 or warmup < 0:
         raise ConfigError(f"--profile-steps must be positive, got {steps}")

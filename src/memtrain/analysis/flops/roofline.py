@@ -9,7 +9,7 @@ from typing import Any, Optional
 from memtrain.analysis.estimate.params import param_table
 from memtrain.analysis.flops.classes import MATMUL_CLASSES, OP_CLASSES, PHASES, ClassCount, StepCount
 from memtrain.analysis.flops.count import count_step
-from memtrain.config import ConfigError, RunConfig
+from memtrain.config.run import ConfigError, RunConfig
 from memtrain.techniques.facts import precision_facts
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from memtrain.config import ModelConfig
+from memtrain.config.run import ModelConfig
 from memtrain.techniques.facts import OPTIMIZER_STATE_RULES
 
 

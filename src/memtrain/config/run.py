@@ -1,0 +1,642 @@
+"""Typed configuration for every memtrain command.
+
+One dataclass per stage (model, data, techniques, training), each validated once in
+``__post_init__`` with a :class:`ConfigError` whose message says what to change.
+Every field carries its documentation in ``metadata["help"]``; the command line is
+generated from these fields (see :mod:`memtrain.cli`), so a field added here becomes a
+``--flag`` automatically (underscores turn into dashes).
+
+Field names are unique across the sections so that a flat ``--key value`` or a flat
+config file key maps to exactly one field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+import tomllib
+import yaml
+
+from memtrain.analysis.limits import MAX_BATCH, MAX_BYTES, MAX_INT, MAX_RANKS, check_analytic_size, check_at_most
+from memtrain.config.aliases import WARMUP_RATIO, normalize as normalize_aliases
+
+# ConfigError lives in a leaf module so that the modules config itself consults (model presets,
+# model-spec resolution) can raise it without importing config back.
+from memtrain.errors import ConfigError
+from memtrain.files.results import MAX_INT_DIGITS, MAX_JSON_DEPTH, json_depth_error, loads_bounded
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    """A dataclass field with its documentation attached (shown by ``--help``)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+# --------------------------------------------------------------------------- model
+@dataclass
+class ModelConfig:
+    """Shape of the decoder-only Transformer (GPT-2 style, pre-LayerNorm)."""
+
+    vocab_size: int = _f(50257, "Vocabulary size (GPT-2 BPE has 50257 tokens).")
+    vocab_multiple: int = _f(
+        1,
+        "Pad the embedding table to a multiple of this (64 gives 50304, which speeds up "
+        "matmuls and lets low-bit optimizers quantize the embedding). 1 = no padding.",
+    )
+    d_model: int = _f(256, "Hidden size of the residual stream.")
+    n_heads: int = _f(8, "Attention heads per layer; must divide d_model.")
+    n_layers: int = _f(4, "Number of Transformer blocks.")
+    d_ff: int = _f(1024, "Hidden size of the GELU MLP in each block.")
+    max_seq_len: int = _f(512, "Longest sequence the learned position embedding covers.")
+    dropout: float = _f(0.1, "Dropout probability on embeddings, attention output and MLP output.")
+    untie_embeddings: bool = _f(
+        False, "Give the LM head its own weight instead of sharing the token embedding."
+    )
+    bias: bool = _f(True, "Use biases in Linear layers and LayerNorms (GPT-2 does).")
+    model: Optional[str] = _f(
+        None,
+        "Bring your own model: a transformers config.json, a directory holding one (optionally with "
+        "*.safetensors weights and tokenizer files), a bundled config (llama-3-8b, qwen2.5-7b, mistral-7b, "
+        "llama-3-70b, qwen2.5-0.5b; tiny-llama and tiny-gpt2 train in seconds on a CPU) or hf:ORG/NAME; "
+        "a GPT preset name (gpt2...) sets our GPT's shape. "
+        "The shape fields above then mirror the model's config. None: memtrain's GPT.",
+    )
+
+    def __post_init__(self) -> None:
+        if self.model is not None:
+            # The shape fields mirror the chosen model, so every reader of cfg.model (random
+            # batches, FLOP rules, --seq-len/--lora-rank checks) sees its real shape.
+            from memtrain.models.spec import mirrored_fields, preset_fields  # torch-free --help/estimate/plan
+
+            for name, value in (preset_fields(self.model) or mirrored_fields(self.model)).items():
+                setattr(self, name, value)
+        for name in ("vocab_size", "vocab_multiple", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len"):
+            _require(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        # Before any arithmetic on the shape (the hint below loops over n_heads): every verb
+        # refuses an absurd shape here, before building or counting it.
+        check_analytic_size(self)
+        _require(
+            self.d_model % self.n_heads == 0,
+            f"--n-heads ({self.n_heads}) must divide --d-model ({self.d_model}); try --n-heads "
+            f"{max(h for h in range(1, self.n_heads + 1) if self.d_model % h == 0)}",
+        )
+        _require(0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding table: vocab_size rounded up to vocab_multiple."""
+        m = self.vocab_multiple
+        return ((self.vocab_size + m - 1) // m) * m
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+# --------------------------------------------------------------------------- data
+@dataclass
+class DataConfig:
+    """Where the text comes from and how it becomes token blocks."""
+
+    data: str = _f(
+        "default",
+        "Text source: 'default' (embedded Python documentation), 'hf:OWNER/NAME' "
+        "(Hugging Face dataset, streamed), a local file or glob (.txt .jsonl .json "
+        ".parquet .csv), or a Stack Exchange Posts.xml dump.",
+    )
+    text_field: Optional[str] = _f(
+        None,
+        "Field holding the text in structured sources (default: 'Body' for Posts.xml and "
+        "mikex86/stackoverflow-posts, else 'text').",
+    )
+    strip_html: bool = _f(False, "Remove HTML tags and unescape entities (Stack Overflow bodies are HTML).")
+    max_documents: Optional[int] = _f(
+        None, "Read at most this many documents (needed to bound a streamed hub dataset)."
+    )
+    hf_split: str = _f("train", "Split of a Hugging Face dataset.")
+    val_fraction: float = _f(0.05, "Share of documents held out for validation (split by document, seeded).")
+    val_blocks: int = _f(32, "Validation blocks evaluated (a fixed subset of the held-out set).")
+    split_seed: int = _f(1234, "Seed of the train/validation document split (independent of --seed).")
+    cache_dir: str = _f(
+        "~/.cache/memtrain",
+        "Directory of the token cache (memmaps keyed by source, tokenizer and options). "
+        "Overridden by the MEMTRAIN_CACHE environment variable.",
+    )
+    no_cache: bool = _f(False, "Tokenize again even if a cache entry exists (the entry is rewritten).")
+    num_workers: int = _f(0, "DataLoader worker processes (dataloader_num_workers).")
+    pin_memory: bool = _f(False, "Pin host batches so host-to-device copies are asynchronous (dataloader_pin_memory).")
+    prefetch_factor: Optional[int] = _f(None, "Batches prefetched per worker (needs --num-workers > 0).")
+
+    def __post_init__(self) -> None:
+        _require(0.0 < self.val_fraction < 1.0, f"--val-fraction must be in (0, 1), got {self.val_fraction}")
+        _require(self.val_blocks > 0, f"--val-blocks must be positive, got {self.val_blocks}")
+        _require(self.num_workers >= 0, f"--num-workers must be >= 0, got {self.num_workers}")
+        check_at_most("--num-workers", self.num_workers, MAX_RANKS)
+        _require(self.prefetch_factor is None or self.prefetch_factor >= 1,
+                 f"--prefetch-factor must be at least 1 (batches each worker loads ahead), got {self.prefetch_factor}")
+        _require(
+            self.prefetch_factor is None or self.num_workers > 0,
+            "--prefetch-factor needs --num-workers > 0; set --num-workers 2 or drop --prefetch-factor",
+        )
+        _require(
+            self.max_documents is None or self.max_documents > 0,
+            f"--max-documents must be positive, got {self.max_documents}",
+        )
+
+
+# --------------------------------------------------------------------------- techniques
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "bf16-pure")
+ATTENTIONS = ("math", "sdpa", "flash", "mem-efficient", "flex", "flash-attn")
+LOSSES = ("standard", "chunked", "naive")
+OPTIMS = (
+    "adamw", "adamw-fused", "adamw-foreach", "adafactor", "adamw-8bit", "adamw-4bit",
+    "adamw-bnb-8bit", "sgd",
+)
+DISTRIBUTED = ("none", "ddp", "zero1", "zero2", "fsdp", "deepspeed-zero2", "deepspeed-zero3")
+
+
+@dataclass
+class TechniqueConfig:
+    """Memory and speed techniques. All combine; they are applied in one documented order
+    (lora -> attention backend -> activation checkpointing -> compile -> distributed wrap)."""
+
+    precision: str = _f("fp32", "Numeric precision: " + "|".join(PRECISIONS) + ".")
+    attention: str = _f("math", "Attention implementation: " + "|".join(ATTENTIONS) + ".")
+    window: Optional[int] = _f(None, "Sliding-window attention: each token attends to the previous W tokens.")
+    checkpointing: str = _f(
+        "none", "Activation checkpointing: none|full|every:K|sqrt|selective|selective-matmul "
+        "(gradient_checkpointing). selective: Megatron's (Korthikanti et al. 2022): keep everything "
+        "but the attention core (scores, softmax, dropout), recompute that; selective-matmul: keep "
+        "matmul/attention-kernel outputs, recompute the rest of each block."
+    )
+    loss: str = _f("standard", "LM-head loss: standard (full logits), chunked (logits never all alive) or naive "
+                               "(standard, with the logits kept by the caller until the next step replaces them, "
+                               "as the common `logits = model(x); loss = F.cross_entropy(...)` loop does).")
+    loss_chunk: int = _f(
+        256,
+        "Tokens per chunk for --loss chunked (256 x 50257 fp32 logits = 51 MB alive at a time; "
+        "ignored by Liger-Kernel on CUDA, which picks its own).",
+    )
+    optim: str = _f("adamw", "Optimizer: " + "|".join(OPTIMS) + ".")
+    optim_block: int = _f(
+        0,
+        "Quantization block of --optim adamw-8bit / adamw-4bit (elements per FP32 scale); 0 = "
+        "torchao's default (256 for 8-bit, 128 for 4-bit; transformers' Trainer uses 256 for both). "
+        "Larger blocks: fewer scales and a faster step, coarser quantization. Ignored by other optimizers.",
+    )
+    adafactor_relative_step: bool = _f(
+        False,
+        "--optim adafactor: scale every update by the parameter's RMS (the paper's relative step, "
+        "torch.optim.Adafactor's default), so --lr is a fraction of each weight's size. Off: --lr is "
+        "the step size, as in the Trainer's optim='adafactor' (transformers' Adafactor, "
+        "scale_parameter=False, relative_step=False) and as for AdamW.",
+    )
+    lora_rank: int = _f(0, "LoRA rank; 0 disables LoRA (base weights trained).")
+    lora_alpha: float = _f(16.0, "LoRA scaling numerator (scale = alpha / rank).")
+    lora_dropout: float = _f(0.0, "Dropout on the LoRA input.")
+    lora_targets: str = _f("qkv,proj,fc,fc_out", "Comma-separated Linear module names that get adapters "
+                           "(for a transformers --model the default means every decoder Linear, peft's all-linear).")
+    qlora: bool = _f(False, "QLoRA: store the frozen base weights in 4-bit NF4 (needs --lora-rank; transformers "
+                     "--model only): torchao NF4 on CPU, bitsandbytes on CUDA.")
+    compile: bool = _f(False, "Compile the model with torch.compile (torch_compile).")
+    compile_mode: str = _f("default", "torch.compile mode: default|reduce-overhead|max-autotune.")
+    compile_scope: str = _f("model", "Compile the whole model or each block: model|block.")
+    distributed: str = _f("none", "Data-parallel strategy under torchrun: " + "|".join(DISTRIBUTED) + ".")
+    cpu_offload: bool = _f(False, "Offload sharded parameters/optimizer to CPU (FSDP2 CPUOffloadPolicy).")
+
+    def __post_init__(self) -> None:
+        _require(self.precision in PRECISIONS, f"unknown --precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        _require(self.attention in ATTENTIONS, f"unknown --attention {self.attention!r}; choose one of {', '.join(ATTENTIONS)}")
+        _require(self.loss in LOSSES, f"unknown --loss {self.loss!r}; choose one of {', '.join(LOSSES)}")
+        _require(self.optim in OPTIMS, f"unknown --optim {self.optim!r}; choose one of {', '.join(OPTIMS)}")
+        _require(self.distributed in DISTRIBUTED, f"unknown --distributed {self.distributed!r}; choose one of {', '.join(DISTRIBUTED)}")
+        _require(self.window is None or self.window > 0, f"--window must be positive, got {self.window}")
+        _require(self.loss_chunk > 0, f"--loss-chunk must be positive, got {self.loss_chunk}")
+        _require(self.optim_block >= 0 and self.optim_block % 2 == 0,
+                 f"--optim-block must be 0 (torchao's default) or a positive even number, e.g. 256; got {self.optim_block}")
+        _require(self.lora_rank >= 0, f"--lora-rank must be >= 0, got {self.lora_rank}")
+        _require(math.isfinite(self.lora_alpha) and self.lora_alpha > 0, f"--lora-alpha must be positive, got {self.lora_alpha}")
+        _require(0.0 <= self.lora_dropout < 1.0, f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        _require(self.compile_mode in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+                 f"unknown --compile-mode {self.compile_mode!r}; choose default, reduce-overhead or max-autotune")
+        _require(self.compile_scope in ("model", "block"), f"unknown --compile-scope {self.compile_scope!r}; choose model or block")
+        parse_checkpointing(self.checkpointing)
+
+
+def parse_checkpointing(policy: str) -> tuple[str, int]:
+    """Split a checkpointing policy into (kind, every). ``every:K`` -> ("every", K)."""
+    if policy in ("none", "full", "sqrt", "selective", "selective-matmul"):
+        return policy, 1
+    if policy.startswith("every:"):
+        try:
+            k = int(policy.split(":", 1)[1])
+        except ValueError:
+            k = 0
+        _require(k > 0, f"--checkpointing {policy!r}: K in every:K must be a positive integer, e.g. every:2")
+        return "every", k
+    raise ConfigError(f"unknown --checkpointing {policy!r}; choose none, full, every:K, sqrt, selective or selective-matmul")
+
+
+# --------------------------------------------------------------------------- training
+MAX_LR = 10.0  # far above any working learning rate; 1e30 or inf is a typo, not a setting
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation loop, evaluation, checkpoints and output."""
+
+    batch_size: int = _f(8, "Micro-batch size (sequences per forward/backward).")
+    seq_len: int = _f(256, "Tokens per training sequence (<= --max-seq-len).")
+    steps: int = _f(200, "Optimizer steps (one epoch is 200 steps by default).")
+    grad_accum: int = _f(1, "Micro-batches per optimizer step (gradient_accumulation_steps).")
+    lr: float = _f(3e-4, "Peak learning rate.")
+    warmup_steps: int = _f(
+        200,
+        "Linear warm-up steps from 0 to --lr. When no setting names it, it is capped at "
+        "10%% of --steps (the 200 is the seed's one-epoch warm-up; a 30-step run would never reach --lr).",
+    )
+    schedule: str = _f("cosine", "Learning-rate shape after warm-up: cosine|constant.")
+    min_lr_ratio: float = _f(0.1, "Cosine floor as a fraction of --lr.")
+    weight_decay: float = _f(0.1, "Decoupled weight decay on matrices (not on biases, norms).")
+    beta1: float = _f(0.9, "Adam beta1.")
+    beta2: float = _f(0.95, "Adam beta2.")
+    grad_clip: float = _f(1.0, "Clip the global gradient norm to this (0 disables).")
+    seed: int = _f(1337, "Seed for weights, dropout and batch order.")
+    device: str = _f("auto", "Device: auto|cpu|cuda|cuda:N.")
+    eval_every: int = _f(0, "Also evaluate every N steps (0: only at the end).")
+    warmup_timing_steps: int = _f(3, "First steps left out of step-time statistics.")
+    out: str = _f("runs/train", "Output directory (result.json is written there).")
+    save: Optional[str] = _f(None, "Write a checkpoint to this file at the end (atomically).")
+    save_every: int = _f(0, "Also checkpoint every N steps to --save (0: only at the end).")
+    resume: Optional[str] = _f(None, "Resume model, optimizer, scheduler, RNG and data position from this checkpoint.")
+    stop_after: Optional[int] = _f(
+        None,
+        "Stop after this many optimizer steps, as if interrupted, with --save writing a checkpoint "
+        "there; the schedule still spans --steps, so --resume continues the same run.",
+    )
+    progress: bool = _f(True, "Show a progress bar.")
+    report_to: str = _f(
+        "none",
+        "Where live metrics go besides OUT/metrics.jsonl (always written by train): "
+        "none|tensorboard|wandb, comma-separated (extras memtrain[tensorboard], memtrain[wandb]).",
+    )
+    log_every: int = _f(1, "Write a metrics.jsonl line (and TensorBoard/wandb point) every N steps.")
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "seq_len", "steps", "grad_accum"):
+            _require(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        for name in ("batch_size", "grad_accum"):  # a batch of 10**30 overflows torch or hangs a search
+            check_at_most(f"--{name.replace('_', '-')}", getattr(self, name), MAX_BATCH)
+        _require(math.isfinite(self.lr) and 0 < self.lr <= MAX_LR,
+                 f"--lr must be positive and at most {MAX_LR:g} (larger diverges at once), got {self.lr}")
+        _require(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+                 f"--weight-decay must be >= 0 and finite, got {self.weight_decay}")
+        for name in ("beta1", "beta2"):
+            _require(0.0 <= getattr(self, name) < 1.0, f"--{name} must be in [0, 1), got {getattr(self, name)}")
+        _require(0 <= self.seed < 2**32, f"--seed must be in [0, 2**32), got {self.seed}")
+        for name in ("eval_every", "save_every", "warmup_timing_steps"):
+            _require(getattr(self, name) >= 0, f"--{name.replace('_', '-')} must be >= 0 (0 turns it off), got {getattr(self, name)}")
+        _require(self.out.strip() != "", "--out is empty; give a directory, e.g. --out runs/train")
+        _require(self.save is None or self.save.strip() != "", "--save is empty; give a file path or drop --save")
+        _require(self.resume is None or self.resume.strip() != "", "--resume is empty; give a checkpoint path or drop --resume")
+        _require(self.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        _require(self.schedule in ("cosine", "constant"), f"unknown --schedule {self.schedule!r}; choose cosine or constant")
+        _require(math.isfinite(self.grad_clip) and self.grad_clip >= 0, f"--grad-clip must be >= 0 and finite, got {self.grad_clip}")
+        _require(0.0 <= self.min_lr_ratio <= 1.0, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        _require(self.log_every > 0, f"--log-every must be positive, got {self.log_every}")
+        bad = [s for s in self.report_to.split(",") if s.strip() not in ("none", "tensorboard", "wandb")]
+        _require(not bad, f"unknown --report-to {bad[0] if bad else ''!r}; choose none, tensorboard or wandb (comma-separated)")
+        _require(self.stop_after is None or 0 < self.stop_after <= self.steps,
+                 f"--stop-after must be between 1 and --steps ({self.steps}), got {self.stop_after}")
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "technique": TechniqueConfig,
+    "train": TrainConfig,
+}
+
+
+@dataclass
+class RunConfig:
+    """Everything one training run needs, resolved and validated."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    technique: TechniqueConfig = field(default_factory=TechniqueConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        _require(
+            self.train.seq_len <= self.model.max_seq_len,
+            f"--seq-len {self.train.seq_len} exceeds --max-seq-len {self.model.max_seq_len}; "
+            f"lower --seq-len or raise --max-seq-len",
+        )
+        if self.technique.window is not None:
+            _require(
+                self.technique.window <= self.train.seq_len,
+                f"--window {self.technique.window} is larger than --seq-len {self.train.seq_len}; "
+                f"use a window <= seq-len (or drop --window for full causal attention)",
+            )
+        if self.technique.lora_rank:
+            _require(self.technique.lora_rank <= self.model.d_model,
+                     f"--lora-rank {self.technique.lora_rank} exceeds --d-model {self.model.d_model}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **overrides: Any) -> "RunConfig":
+        """A copy with flat overrides applied (``batch_size=4, precision='bf16'``). The settings
+        a command line named (``given_settings``, see memtrain.cli.config_from_args) carry over,
+        with the overridden ones added."""
+        copy = build_config(self.to_dict(), overrides)
+        given = getattr(self, "given_settings", None)
+        if given is not None:
+            copy.given_settings = frozenset(given) | set(overrides)  # type: ignore[attr-defined]
+        return copy
+
+
+# Flags a printed `memtrain train` command always spells out, default or not: the choices a plan
+# makes, and the attention, whose default depends on the model (memtrain.cli.config_from_args).
+ALWAYS_SPELLED = ("precision", "attention", "checkpointing", "loss", "optim", "batch_size", "grad_accum", "seq_len")
+
+
+def train_flags(cfg: RunConfig) -> list[str]:
+    """The ``memtrain train`` arguments that rebuild ``cfg``: --model first, then every field
+    that differs from what train would use without it (for a transformers --model its shape
+    fields come from the model and are left out), plus :data:`ALWAYS_SPELLED`. Parsing them
+    with train's parser gives ``cfg`` back (tests/test_hf_user_flags.py checks it)."""
+    spec = cfg.model.model
+    defaults: dict[str, Any] = {
+        "model": ModelConfig(model=spec) if spec is not None else ModelConfig(),  # the model's own shape
+        "data": DataConfig(), "technique": TechniqueConfig(), "train": TrainConfig(),
+    }
+    args: list[str] = ["--model", spec] if spec is not None else []
+    for section, default in defaults.items():
+        current = getattr(cfg, section)
+        for f in fields(current):
+            value = getattr(current, f.name)
+            if f.name == "model" or (value == getattr(default, f.name) and f.name not in ALWAYS_SPELLED):
+                continue
+            args += _flag(f.name, value)
+    return args
+
+
+def _flag(name: str, value: Any) -> list[str]:
+    """One field as train's command line writes it (see memtrain.cli.add_config_flags)."""
+    dashed = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        if name.startswith("no_"):  # a one-way switch (--no-cache): its default is off
+            return [dashed] if value else []
+        return [dashed if value else "--no-" + name.replace("_", "-")]
+    if value is None:
+        return [dashed, "none"]  # Optional fields read "none" as None (_coerce)
+    return [dashed, repr(value) if isinstance(value, float) else str(value)]
+
+
+def train_command(cfg: RunConfig) -> str:
+    """``memtrain train ...`` for ``cfg``, quoted for a POSIX shell."""
+    import shlex
+
+    return shlex.join(["memtrain", "train", *train_flags(cfg)])
+
+
+def field_index() -> dict[str, str]:
+    """Map every field name to its section name (names are unique across sections)."""
+    index: dict[str, str] = {}
+    for section, cls in SECTIONS.items():
+        for f in fields(cls):
+            assert f.name not in index, f"duplicate config field {f.name}"
+            index[f.name] = section
+    return index
+
+
+def _coerce(cls: type, name: str, value: Any) -> Any:
+    """Coerce a value from a file or string into the field's declared type."""
+    f = {f.name: f for f in fields(cls)}[name]
+    t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    optional = t.startswith("Optional[")
+    base = t[len("Optional["):-1] if optional else t
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"--{name.replace('_', '-')} expects {base}, got null; give a value or leave the key out")
+    if isinstance(value, bool) and base in ("int", "float"):
+        raise ConfigError(f"--{name.replace('_', '-')} expects {base}, got {value!r}")
+    if isinstance(value, (dict, list)):
+        raise ConfigError(f"--{name.replace('_', '-')} expects {base}, got a {type(value).__name__}")
+    if isinstance(value, str) and optional and value.lower() in ("none", "null", ""):
+        return None
+    try:
+        if base == "bool":
+            if isinstance(value, str):
+                if value.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if value.lower() in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(value)
+            return bool(value)
+        if base == "int":
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            return int(value)
+        if base == "float":
+            number = float(value)
+            if math.isnan(number):  # NaN passes every comparison of the checks below as False
+                raise ValueError(value)
+            return number
+        return str(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"--{name.replace('_', '-')} expects {base}, got {_shown(value)}") from None
+
+
+def _shown(value: Any, width: int = 40) -> str:
+    """``repr(value)``, cut to ``width`` characters (a 300-digit typo stays a one-line message)."""
+    text = repr(value)
+    return text if len(text) <= width else text[:width] + f"... ({len(text)} characters)"
+
+
+def _check_integers_fit(parts: dict[str, Any]) -> None:
+    """Every integer setting fits torch's int64. Sizes have tighter bounds of their own (checked
+    first, in each section); this catches the rest (--steps, --warmup-steps, --save-every ...)."""
+    for section in parts.values():
+        for f in fields(section):
+            value = getattr(section, f.name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                check_at_most(f"--{f.name.replace('_', '-')}", abs(value), MAX_INT)
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML or TOML config file into a dict (sections or flat keys)."""
+    p = Path(path)
+    _require(p.is_file(), f"config file {str(p)!r} not found; check the --config path")
+    suffix = p.suffix.lower()
+    if suffix not in (".toml", ".yaml", ".yml", ".json"):
+        raise ConfigError(f"config file {str(p)!r} must end in .yaml, .yml, .toml or .json")
+    try:
+        text = p.read_text(encoding="utf-8")
+        data = _parse_config_text(text, suffix)
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {str(p)!r} is not UTF-8 text; save it as UTF-8") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(p)!r} ({exc.strerror}); check the --config path") from None
+    except (tomllib.TOMLDecodeError, yaml.YAMLError, ValueError) as exc:  # JSONDecodeError is a ValueError
+        raise ConfigError(f"cannot parse config file {str(p)!r}: {str(exc).splitlines()[0]}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} holds a {type(data).__name__}; it must be a mapping of settings "
+                          "(key: value, optionally under model/data/technique/train)")
+    for key, value in data.items():
+        inner = value.keys() if isinstance(value, dict) else ()
+        for k in (key, *inner):
+            if not isinstance(k, str):
+                raise ConfigError(f"config file {str(p)!r} has the key {k!r}; keys are setting names such as d_model")
+    return data
+
+
+def _parse_config_text(text: str, suffix: str) -> Any:
+    """The settings of a config file's text; ValueError for text no config can hold.
+
+    Nesting is measured before any parser recurses into it (a 100,000-deep list would end
+    yaml, tomllib and json with a RecursionError), and integers are capped at MAX_INT_DIGITS
+    digits (Python refuses to parse more than 4,300; fewer still overflow every size check).
+    The bracket scan reads YAML and TOML flow collections too; YAML's block nesting by
+    indentation is caught by the RecursionError guard, since it costs a line per level.
+    """
+    if suffix == ".json":
+        return loads_bounded(text)
+    too_deep = json_depth_error([text.encode("utf-8", "surrogatepass")])
+    if too_deep is not None:
+        raise ValueError(f"settings nested deeper than {MAX_JSON_DEPTH} levels (line {too_deep})")
+    try:
+        data = tomllib.loads(text) if suffix == ".toml" else yaml.safe_load(text)
+    except RecursionError:
+        raise ValueError(f"settings nested deeper than Python can parse (keep them under {MAX_JSON_DEPTH} levels)") from None
+    except ValueError as exc:
+        if "integer string conversion" in str(exc):  # Python's own cap, phrased for a programmer
+            raise ValueError(f"an integer of more than {MAX_INT_DIGITS} digits; no setting takes one") from None
+        raise
+    _check_int_digits(data)
+    return data
+
+
+def _check_int_digits(data: Any) -> None:
+    """ValueError for an integer longer than MAX_INT_DIGITS anywhere in parsed settings.
+
+    Each container is visited once: YAML aliases can share one list many times over (or
+    make it contain itself), which a plain recursive walk would expand exponentially."""
+    seen: set[int] = set()
+    stack = [data]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**MAX_INT_DIGITS:
+            raise ValueError(f"an integer of more than {MAX_INT_DIGITS} digits; no setting takes one")
+        if isinstance(value, (dict, list)) and id(value) not in seen:
+            seen.add(id(value))
+            stack.extend(value.values() if isinstance(value, dict) else value)
+
+
+def flatten(nested: dict[str, Any]) -> dict[str, Any]:
+    """Accept both ``{"model": {"d_model": 64}}`` and ``{"d_model": 64}``; return flat keys."""
+    flat: dict[str, Any] = {}
+    for key, value in (nested or {}).items():
+        key = key.replace("-", "_")
+        if key in SECTIONS and isinstance(value, dict):
+            for k, v in value.items():
+                flat[k.replace("-", "_")] = v
+        else:
+            flat[key] = value
+    return flat
+
+
+def build_config(*layers: dict[str, Any]) -> RunConfig:
+    """Merge layers of settings (later wins) into a validated RunConfig.
+
+    Each layer is nested by section or flat. Unknown keys are rejected with a hint.
+    """
+    index = field_index()
+    per_section: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    warmup_ratio: Optional[float] = None  # the Trainer's --warmup_ratio, resolved once --steps is known
+    for layer in layers:
+        try:  # the Trainer's option names and values (memtrain.config.aliases) become ours
+            flat = normalize_aliases(flatten(layer))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if "warmup_steps" in flat:  # steps given beside (or after) a ratio win, as in the Trainer
+            warmup_ratio = None
+        elif WARMUP_RATIO in flat:
+            warmup_ratio = flat[WARMUP_RATIO]
+        flat.pop(WARMUP_RATIO, None)
+        for key, value in flat.items():
+            if key not in index:
+                import difflib
+
+                close = difflib.get_close_matches(key, index.keys(), n=1)
+                hint = f"; did you mean --{close[0].replace('_', '-')}?" if close else "; see --help for the options"
+                raise ConfigError(f"unknown option --{key.replace('_', '-')}{hint}")
+            section = index[key]
+            per_section[section][key] = _coerce(SECTIONS[section], key, value)
+    if warmup_ratio is not None:
+        steps = per_section["train"].get("steps", TrainConfig.steps)
+        if isinstance(steps, int) and steps > 0:  # TrainConfig reports a bad --steps
+            per_section["train"]["warmup_steps"] = math.ceil(warmup_ratio * steps)
+    # The seed's spec (a 200-step epoch with 200 warm-up steps) stands when no layer sets --steps;
+    # a run whose length was chosen but whose warm-up was not gets a warm-up that fits inside it.
+    default_warmup = "warmup_steps" not in per_section["train"] and "steps" in per_section["train"]
+    if default_warmup:
+        steps = per_section["train"]["steps"]
+        if isinstance(steps, int) and steps > 0:
+            per_section["train"]["warmup_steps"] = capped_warmup(steps)
+    parts = {s: SECTIONS[s](**kv) for s, kv in per_section.items()}
+    _check_integers_fit(parts)
+    cfg = RunConfig(**parts)
+    # Remembered (not a field, so not in result.json's config) for the CLI's one-line note.
+    cfg.train.warmup_defaulted = default_warmup  # type: ignore[attr-defined]  # read with getattr(..., False)
+    return cfg
+
+
+WARMUP_FRACTION = 0.1
+
+
+def capped_warmup(steps: int) -> int:
+    """Warm-up when none is set: the default 200, capped at 10% of ``steps`` (at least 1)."""
+    return min(TrainConfig.warmup_steps, max(1, math.ceil(WARMUP_FRACTION * steps)))
+
+
+def parse_size(text: str | int | float) -> int:
+    """Parse a memory size such as ``8GiB``, ``1.5GB``, ``512MiB`` or a byte count (at least one
+    byte, at most ``limits.MAX_BYTES``)."""
+    s = str(text).strip().replace(" ", "")
+    units = {
+        "": 1, "b": 1,
+        "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+        "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+        "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    }
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    unit = s[len(num):].lower()
+    try:
+        value = float(num)
+    except ValueError:
+        value = math.nan
+    if unit not in units or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"cannot read memory size {text!r}; write it like 8GiB, 1.5GB or 512MiB")
+    size = value * units[unit]  # a float: 1e300GB is inf here, refused below
+    if not size < MAX_BYTES:
+        raise ConfigError(f"memory size {text!r} is beyond what memtrain handles (at most 1 EiB); "
+                          "write it like 8GiB, 1.5GB or 512MiB")
+    if size < 1:
+        raise ConfigError(f"memory size {text!r} is less than one byte; write it like 8GiB, 1.5GB or 512MiB")
+    return int(size)

@@ -1,0 +1,708 @@
+"""Results on disk: atomic JSON files, the append-only JSONL store, and the folder lock.
+
+The one place that writes and reads what a run produced, so the promises of
+docs/reliability.md hold for every command alike:
+
+- :func:`write_atomic` (and :func:`write_text_atomic`, :func:`write_json_atomic`): every file
+  memtrain replaces (result.json, checkpoints, reports, plots) is written to a temporary file
+  beside it, fsynced, then renamed onto its name with ``os.replace``: a reader sees the old
+  file or the new one, never half of one, and a symbolic link (or a device, FIFO or folder)
+  at the name is refused, never written through. JSON never holds ``NaN`` (non-finite floats
+  become ``null``; ``json.dumps`` would otherwise write the invalid token). A failed write
+  raises an OSError that names the file.
+- temporary names are ``NAME.memtrain-<pid>.<random>.tmp``; :func:`remove_stale_temps` removes
+  those whose writer is gone (a SIGKILL mid-save skips the writer's own cleanup) and nothing else.
+- :func:`open_append` / :func:`open_new`: the files memtrain appends to or creates in an output
+  folder (results.jsonl, metrics.jsonl, the lock) are opened with ``O_NOFOLLOW``; a symbolic
+  link or a non-regular file there is refused.
+- :func:`append_jsonl`: one row per line; when the file does not end with a newline (a
+  previous append was killed or hit a full disk mid-line) a newline comes first, so the torn
+  line stays alone and the new row is intact.
+- :func:`read_jsonl`: every JSON object line; torn, non-UTF-8, non-object and hostile lines
+  (nested deeper than MAX_JSON_DEPTH, an integer longer than MAX_INT_DIGITS, a non-finite
+  number) are skipped and counted, never fatal (a caller decides whether to warn).
+- :func:`loads_bounded` / :func:`json_depth_error`: the bounded JSON parse every reader of
+  JSON uses (results, config files, checkpoint metadata, JSON data files): the nesting is
+  measured by a cheap scan before any parser recurses into it.
+- :func:`read_results_counted` / :func:`append_result` / :func:`select_rows`: the bench's
+  ``results.jsonl`` store, read by the bench runner and by ``memtrain report`` alike.
+- :class:`FolderLock`: ``fcntl.flock`` on a lock file inside an output folder; a second
+  holder is refused at once with a :class:`~memtrain.config.run.ConfigError` (exit 2). The kernel
+  drops the lock when its process dies, so a killed run never leaves the folder locked.
+  Processes that write into the folder under the holder's lock (the ranks of a launched run)
+  add themselves to the lock file (:func:`register_writer`); the folder stays refused while
+  any of them lives, also after the holder died.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import math
+import os
+import re
+import shutil
+import stat
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Callable, Optional
+
+# A leaf import (not memtrain.config.run): config itself parses its files with loads_bounded.
+from memtrain.errors import ConfigError
+
+LOCK_NAME = ".memtrain.lock"
+# The bench store: one row per line, appended as each row finishes (see memtrain.bench).
+BENCH_RESULTS = "results.jsonl"
+RESULT_NAME = "result.json"  # memtrain train's result
+METRICS_NAME = "metrics.jsonl"  # memtrain train's loss curve (memtrain.training.sinks)
+REPORT_FILES = ("report.md", "report.csv", "report.json")  # memtrain.report
+PLOT_FILES = ("peak_memory.png", "step_time.png", "max_batch.png", "memory_vs_time.png")  # memtrain.report.plots
+# Every name memtrain writes in an output folder: none may be a link, and --save is none of them.
+OUT_FILES = (RESULT_NAME, METRICS_NAME, LOCK_NAME, BENCH_RESULTS, *REPORT_FILES, *PLOT_FILES)
+
+
+# --------------------------------------------------------------------------- bounded JSON
+# Deeper nesting than this is refused before any parser sees it: Python's json and yaml
+# recurse once per level (RecursionError near 1,000), pyarrow's JSON reader overflows the C
+# stack (SIGSEGV) at about 20,000. Real records, configs and results nest a few levels.
+MAX_JSON_DEPTH = 256
+# Integers longer than this are refused: no count, size or seed memtrain reads comes near 30
+# digits (2**64 has 20), while a 400-digit one overflows every float conversion downstream.
+MAX_INT_DIGITS = 30
+# Bytes handed to the depth scan at a time (a line longer than this is scanned in pieces).
+SCAN_PIECE_BYTES = 1 << 20
+
+# A complete JSON string (escapes included): removed before counting brackets.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+# Inside a string: everything up to (not including) its closing quote or a final lone backslash.
+_STRING_BODY = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*', re.S)
+# Outside a string: the next quote or bracket.
+_STRUCTURE = re.compile(rb'["\[\]{}]')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_OPEN = frozenset(b"[{")
+
+
+class JsonDepthScan:
+    """The running bracket depth of JSON text fed in pieces (bytes), strings skipped.
+
+    Cheap: a piece whose strings all close inside it is handled by C-speed ``re.sub`` and
+    ``bytes.count``; only brackets of a suspiciously deep piece, and the rare string that
+    spans two pieces, are walked in Python. ``feed`` returns False once the depth has
+    exceeded ``limit`` (the text is then refused, never parsed).
+    """
+
+    def __init__(self, limit: int = MAX_JSON_DEPTH) -> None:
+        self.limit = limit
+        self.depth = 0
+        self.in_string = False
+        self.escape = False  # the previous piece ended on a backslash inside a string
+
+    def feed(self, piece: bytes) -> bool:
+        if not self.in_string and not self.escape:
+            outside = _JSON_STRING.sub(b"", piece)
+            if b'"' not in outside:  # every string of the piece closed inside it
+                return self._brackets(outside)
+        return self._walk(piece)
+
+    def _brackets(self, outside: bytes) -> bool:
+        """Brackets outside strings: counted at once unless they could exceed the limit."""
+        opens = outside.count(b"[") + outside.count(b"{")
+        if self.depth + opens <= self.limit:
+            self.depth = max(0, self.depth + opens - outside.count(b"]") - outside.count(b"}"))
+            return True
+        for c in outside.translate(None, _NOT_BRACKETS):
+            self.depth = self.depth + 1 if c in _OPEN else max(0, self.depth - 1)
+            if self.depth > self.limit:
+                return False
+        return True
+
+    def _walk(self, piece: bytes) -> bool:
+        """A piece in which a string opens or closes across the piece boundary."""
+        pos, n = 0, len(piece)
+        while pos < n:
+            if self.escape:  # the escaped character itself
+                self.escape, pos = False, pos + 1
+            elif self.in_string:
+                pos = _STRING_BODY.match(piece, pos).end()  # type: ignore[union-attr]  # matches the empty string
+                if pos < n and piece[pos] == 0x5C:  # a lone backslash at the end of the piece
+                    self.escape, pos = True, pos + 1
+                elif pos < n:  # the closing quote
+                    self.in_string, pos = False, pos + 1
+            else:
+                m = _STRUCTURE.search(piece, pos)
+                if m is None:
+                    break
+                pos, c = m.end(), piece[m.start()]
+                if c == 0x22:
+                    self.in_string = True
+                elif c in _OPEN:
+                    self.depth += 1
+                    if self.depth > self.limit:
+                        return False
+                else:
+                    self.depth = max(0, self.depth - 1)
+        return True
+
+
+def json_depth_error(lines: Iterable[bytes], limit: int = MAX_JSON_DEPTH) -> Optional[int]:
+    """The 1-based line at which JSON text (pieces of lines, as :func:`bounded_lines` gives
+    them) nests deeper than ``limit``, or None when it never does."""
+    scan = JsonDepthScan(limit)
+    line = 1
+    for piece in lines:
+        if not scan.feed(piece):
+            return line
+        line += piece.endswith(b"\n")
+    return None
+
+
+def bounded_lines(fh: IO[bytes], piece: int = SCAN_PIECE_BYTES) -> Iterable[bytes]:
+    """The lines of a binary file, a line longer than ``piece`` bytes in several pieces (only
+    the last ends with a newline): memory stays bounded however long a line is."""
+    while chunk := fh.readline(piece):
+        yield chunk
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(text.lstrip('-')):,} digits (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:20]} is out of range")
+    return value
+
+
+def _no_constant(text: str) -> Any:
+    raise ValueError(f"{text} is not a number JSON allows")
+
+
+def loads_bounded(text: str | bytes, limit: int = MAX_JSON_DEPTH) -> Any:
+    """``json.loads`` for text memtrain did not necessarily write: ValueError (never a
+    RecursionError, an overflow or a crash) when the text nests deeper than ``limit``, holds
+    an integer longer than MAX_INT_DIGITS, or a number that is not finite (NaN, Infinity,
+    1e999). Python's own json would recurse once per level and parse a 4,000-digit integer."""
+    raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
+    too_deep = json_depth_error((raw[i:i + SCAN_PIECE_BYTES] for i in range(0, len(raw), SCAN_PIECE_BYTES)), limit)
+    if too_deep is not None:
+        raise ValueError(f"JSON nested deeper than {limit} levels (line {too_deep})")
+    try:
+        return json.loads(text, parse_int=_bounded_int, parse_float=_finite_float, parse_constant=_no_constant)
+    except RecursionError:  # the scan bounds the depth; kept for a parser's deeper internal recursion
+        raise ValueError(f"JSON nested too deeply to parse (at most {limit} levels)") from None
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every NaN/inf float replaced by None (recursively through dicts/lists)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def dumps(payload: Any, **kw: Any) -> str:
+    """Strict JSON text of ``payload`` (non-finite floats as null; unknown objects as str)."""
+    return json.dumps(json_safe(payload), allow_nan=False, default=str, **kw)
+
+
+# --------------------------------------------------------------------------- safe writes
+# NAME.memtrain-<pid>.<random>.tmp: the writer's pid tells a later run whether it is gone.
+_TEMP_RE = re.compile(r"^(?P<name>.+)\.memtrain-(?P<pid>\d+)\.[A-Za-z0-9_]+\.tmp$")
+
+
+def _temp_prefix(name: str) -> str:
+    return f"{name}.memtrain-{os.getpid()}."
+
+
+def refuse_odd_destination(path: Path, what: str = "") -> None:
+    """ConfigError when ``path``'s own name is a symbolic link or exists as anything but a
+    regular file (a folder, device, FIFO, socket): memtrain writes only plain files of its own
+    and never through a link, whoever planted it. A missing name is fine."""
+    path = Path(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:  # e.g. a parent that is a file
+        raise ConfigError(f"cannot write {what or str(path)!r}: {exc.strerror or exc}; choose another path") from None
+    label = what or repr(str(path))
+    if stat.S_ISLNK(st.st_mode):
+        raise ConfigError(f"{label} is a symbolic link; memtrain does not write through links: remove it "
+                          "or choose another path")
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file (a device, FIFO or socket)"
+        raise ConfigError(f"{label} is {kind}; memtrain writes only regular files: choose another path")
+
+
+def named_write_error(exc: BaseException, path: Path) -> BaseException:
+    """``exc`` as an error that names ``path``: an OSError gets it as its filename (the CLI's
+    ``disk full writing PATH`` line); torch.save's RuntimeError ("file write failed", no errno)
+    becomes OSError(ENOSPC) when the file system is nearly full, the likely cause."""
+    if isinstance(exc, OSError) and not isinstance(exc, FileExistsError):
+        return OSError(exc.errno, exc.strerror or str(exc), str(path))
+    if isinstance(exc, RuntimeError) and "write failed" in str(exc):
+        try:
+            free = shutil.disk_usage(Path(path).parent).free
+        except OSError:
+            free = 0
+        if free < 256 * 2**20:
+            return OSError(errno.ENOSPC, "No space left on device", str(path))
+    return exc
+
+
+def write_atomic(path: Path, write: Callable[[str], object]) -> None:
+    """Fill ``path`` through ``write(temp_path)`` and a rename: never a half-written file.
+
+    The temporary file is created (exclusively) beside ``path``, so the rename stays on one
+    file system; it is fsynced before the rename and removed on any failure, leaving what was
+    at ``path`` untouched. ``os.replace`` replaces the name itself, so nothing a link at
+    ``path`` points to is ever written; such a link is refused up front all the same."""
+    path = Path(path)
+    refuse_odd_destination(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path.name), suffix=".tmp", dir=path.parent)
+        os.close(fd)
+    except OSError as exc:
+        raise named_write_error(exc, path) from None
+    try:
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        refuse_odd_destination(path)  # planted while the file was being written
+        os.replace(tmp, path)
+    except BaseException as exc:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, Exception):
+            raise named_write_error(exc, path) from None
+        raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically (see :func:`write_atomic`)."""
+    data = text.encode("utf-8")
+    write_atomic(path, lambda tmp: Path(tmp).write_bytes(data))
+
+
+def write_json_atomic(path: Path, payload: Any) -> None:
+    """Write JSON through a temporary file and a rename: never a half-written file."""
+    text = dumps(payload, indent=2) + "\n"  # serialize first: a bad payload leaves nothing behind
+    write_text_atomic(path, text)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process with this id exists (one we may not signal counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temps(folder: Path, name: Optional[str] = None) -> list[Path]:
+    """Remove memtrain's temporary files in ``folder`` (only ``NAME.memtrain-<pid>.*.tmp``,
+    for ``name`` when given) whose writing process no longer exists; return what was removed.
+    A live writer's file, this process's own and every other file are left alone."""
+    removed: list[Path] = []
+    try:
+        entries = list(Path(folder).iterdir())
+    except OSError:
+        return removed
+    for p in entries:
+        m = _TEMP_RE.match(p.name)
+        if m is None or (name is not None and m["name"] != name):
+            continue
+        pid = int(m["pid"])
+        if pid == os.getpid() or process_alive(pid):
+            continue
+        try:
+            p.unlink()  # a link is removed itself, never its target
+            removed.append(p)
+        except OSError:
+            pass
+    return removed
+
+
+def _open_regular(path: Path, flags: int) -> int:
+    """``os.open`` with O_NOFOLLOW that accepts only a regular file; ConfigError otherwise."""
+    refuse_odd_destination(path)
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a link planted since the check
+            refuse_odd_destination(path)
+        if isinstance(exc, FileExistsError):
+            raise
+        raise named_write_error(exc, path) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        refuse_odd_destination(path)
+    os.set_blocking(fd, True)
+    return fd
+
+
+def open_append(path: Path) -> int:
+    """A descriptor appending to ``path`` (created if missing; never through a link), after a
+    newline when the file ends mid-line (a killed or failed append left a torn line: it stays
+    alone and the next line is intact)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = _open_regular(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
+    try:
+        end = os.lseek(fd, 0, os.SEEK_END)
+        if end > 0 and os.pread(fd, 1, end - 1) != b"\n":
+            os.write(fd, b"\n")
+    except OSError as exc:
+        os.close(fd)
+        raise named_write_error(exc, path) from None
+    return fd
+
+
+def open_new(path: Path, flag: str = "--out") -> int:
+    """A descriptor of a new, empty ``path`` (O_EXCL: an existing file is never overwritten)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        return _open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    except FileExistsError:
+        raise ConfigError(f"{str(path)!r} already exists and is not overwritten; choose a new {flag} "
+                          "(or continue that run with --resume)") from None
+
+
+def write_all(fd: int, data: bytes, path: Path) -> None:
+    """Write every byte of ``data`` to ``fd`` (os.write may write less); errors name ``path``."""
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError as exc:
+        raise named_write_error(exc, path) from None
+
+
+def append_jsonl(path: Path, row: dict[str, Any]) -> None:
+    """Append ``row`` as one line, after a newline if the file ends mid-line; fsync it."""
+    path = Path(path)
+    line = (dumps(row) + "\n").encode()
+    fd = open_append(path)
+    try:
+        write_all(fd, line, path)
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            raise named_write_error(exc, path) from None
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class JsonlRead:
+    """The object rows of a JSONL file and how many non-blank lines were not rows."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    skipped: int = 0
+
+
+def read_jsonl(path: Path) -> JsonlRead:
+    """Every JSON object line of ``path`` (missing file: none); other lines are counted."""
+    path = Path(path)
+    read = JsonlRead()
+    if not path.is_file():
+        return read
+    with open(path, "rb") as fh:
+        for raw in fh:
+            raw = raw.strip()
+            if not raw:
+                continue
+            try:
+                value = loads_bounded(raw.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError):
+                read.skipped += 1
+                continue
+            if isinstance(value, dict):
+                read.rows.append(value)
+            else:
+                read.skipped += 1
+    return read
+
+
+# A writer's line in the lock file: "writer: WHAT (pid N, started T)". T tells the process from a
+# later one that got the same pid (None off Linux, where only the pid is compared).
+WRITER_PREFIX = "writer: "
+_WRITER_LINE = re.compile(r"^writer: (?P<what>.*) \(pid (?P<pid>\d+), started (?P<started>\w+)\)$")
+
+
+def process_start(pid: int) -> Optional[str]:
+    """When process ``pid`` started (Linux: ``/proc/PID/stat`` field 22, clock ticks after boot);
+    None when it is gone or a zombie (it can write nothing more). Off Linux: "unknown" while
+    ``kill(pid, 0)`` finds it."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None
+    except OSError:  # no /proc here: the pid alone
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return "unknown"
+    after_name = text[text.rfind(")") + 2:].split()  # the name may hold spaces and parentheses
+    state, start = after_name[0], after_name[19]
+    return None if state in ("Z", "X") else start
+
+
+def _live_writers(text: str) -> list[str]:
+    """The writers listed in a lock file's ``text`` that still run (as "WHAT (pid N)")."""
+    live = []
+    for line in text.splitlines():
+        m = _WRITER_LINE.match(line.strip())
+        if not m or int(m["pid"]) == os.getpid():
+            continue
+        now = process_start(int(m["pid"]))
+        if now is not None and (now == m["started"] or "unknown" in (now, m["started"])):
+            live.append(f"{m['what']} (pid {m['pid']})")
+    return live
+
+
+def register_writer(folder: Path, what: str) -> None:
+    """Add this process to the writers of ``folder``, whose lock another process holds (the
+    launcher of this rank, or rank 0). A later :class:`FolderLock` on the folder is refused
+    while this process lives, even when the holder is gone: a holder killed with SIGKILL frees
+    its lock at once, and its ranks must not share the folder with a second run meanwhile."""
+    line = f"{WRITER_PREFIX}{what} (pid {os.getpid()}, started {process_start(os.getpid()) or 'unknown'})\n"
+    # O_APPEND: one write() per line, so the ranks' lines never overwrite each other.
+    fd = os.open(Path(folder) / LOCK_NAME, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def _lock_refusal(folder: Path, flag: str, mode: int) -> ConfigError:
+    """The one line for a lock file that is not a regular file (of kind ``mode``)."""
+    kind = ("a symbolic link" if stat.S_ISLNK(mode) else "a folder" if stat.S_ISDIR(mode)
+            else "a FIFO, device or socket")
+    return ConfigError(f"{flag} {str(folder)!r}: {LOCK_NAME} there is not a regular file ({kind}); remove it, "
+                       f"or choose another {flag}")
+
+
+def check_lock_file(folder: Path, flag: str = "--out") -> None:
+    """Refuse, before anything runs, a lock file that is not a regular file (see :func:`_open_lock_file`)."""
+    try:
+        mode = os.lstat(Path(folder) / LOCK_NAME).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise _lock_refusal(Path(folder), flag, mode)
+
+
+def _open_lock_file(path: Path, flag: str, folder: Path) -> Any:
+    """The lock file opened for reading and writing (created when absent). Anything but a
+    regular file there (a folder, a FIFO, a socket, a symbolic link) is refused: reading a FIFO
+    would block, and a link would lock a file elsewhere."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno in (errno.EISDIR, errno.ELOOP, errno.ENXIO, errno.EOPNOTSUPP):
+            raise _lock_refusal(folder, flag, os.lstat(path).st_mode) from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise _lock_refusal(folder, flag, mode)
+    return os.fdopen(fd, "r+", errors="replace")
+
+
+class FolderLock:
+    """Exclusive use of an output folder while the ``with`` block runs.
+
+    ``with FolderLock(out, "memtrain bench"):`` -- a second process asking for the same folder
+    gets a ConfigError naming the holder's pid instead of interleaving its rows with ours.
+    """
+
+    def __init__(self, folder: Path, what: str = "memtrain", flag: str = "--out",
+                 cleanup_if_unused: bool = False) -> None:
+        self.folder = Path(folder)
+        self.what = what
+        self.flag = flag
+        # A folder this lock created and nothing else wrote into is removed again on exit, so a
+        # run refused after taking the lock leaves nothing behind (``train --out``).
+        self.cleanup_if_unused = cleanup_if_unused
+        self._created = False
+        self._fh: Optional[Any] = None
+
+    def __enter__(self) -> "FolderLock":
+        self._created = not self.folder.exists()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / LOCK_NAME
+        while True:
+            fh = _open_lock_file(path, self.flag, self.folder)
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                fh.seek(0)
+                holder = (fh.read(200).strip().splitlines() or ["another process"])[0]
+                fh.close()
+                raise self._in_use(holder) from None
+            # A holder that cleaned up may have unlinked the file we opened: lock the file
+            # that is there now, or two processes would each hold "the" lock.
+            try:
+                same = os.fstat(fh.fileno()).st_ino == os.lstat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            fh.close()
+        fh.seek(0)
+        live = _live_writers(fh.read())
+        if live:  # the holder is gone, its writers are not (e.g. the ranks of a killed launcher)
+            fh.close()
+            raise self._in_use(live[0])
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"{self.what} (pid {os.getpid()})\n")
+        fh.flush()
+        self._fh = fh
+        return self
+
+    def _in_use(self, holder: str) -> ConfigError:
+        return ConfigError(f"{self.flag} {str(self.folder)!r} is in use by {holder}; wait for it to finish "
+                           f"or choose another {self.flag}")
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._fh is None:
+            return
+        if self.cleanup_if_unused and self._created:
+            try:
+                if [p.name for p in self.folder.iterdir()] == [LOCK_NAME]:
+                    (self.folder / LOCK_NAME).unlink()  # while still locked: see __enter__
+                    self.folder.rmdir()
+            except OSError:
+                pass  # someone else's file appeared: keep the folder
+        fcntl.flock(self._fh.fileno(), fcntl.LOCK_UN)
+        self._fh.close()
+        self._fh = None
+
+
+# --------------------------------------------------------------------------- bench rows
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _measured(x: Any) -> bool:
+    """A measured value: absent, or a finite number >= 0 (bytes, seconds, rates, losses)."""
+    return x is None or (_number(x) and x >= 0)
+
+
+# A cross-entropy loss in nats is at most ln(vocabulary) at the start of training (about 11 for
+# GPT-2); a larger "loss" in a row is corrupt and would overflow exp() into the perplexity.
+MAX_LOSS = 1000.0
+_CONFIG_KEYS = {"model": ("d_model", "n_layers", "n_heads", "d_ff", "vocab_size"),
+                "train": ("batch_size", "seq_len", "steps", "lr", "warmup_steps"),
+                "data": ("data",)}
+# Optional parts of a row that readers index into (plan's numerics, the bench's resume key,
+# the report's header): when present, each must have this type.
+_OPTIONAL_TYPES: dict[str, type | tuple[type, ...]] = {
+    "config_hash": str, "description": (str, type(None)), "env": dict, "device_caps": (dict, type(None)),
+}
+
+
+def _config_problem(config: Any) -> Optional[str]:
+    """Why a row's config cannot be read by the report, plan and bench, or None."""
+    if not isinstance(config, dict) or any(
+            not isinstance(config.get(s), dict) or any(k not in config[s] for k in keys) for s, keys in _CONFIG_KEYS.items()):
+        return "config lacks the model, train or data settings"
+    if not all(_number(config[s][k]) for s in ("model", "train") for k in _CONFIG_KEYS[s]):
+        return "a model or train setting in config is not a number"
+    technique = config.get("technique", {})
+    if not isinstance(config["data"]["data"], str) or not isinstance(technique, dict):
+        return "config.data.data must be text and config.technique an object"
+    if not all(isinstance(v, (str, int, float, bool, type(None))) for v in technique.values()):
+        return "a technique setting in config is not a single value"
+    return None
+
+
+def bench_row_problem(row: dict[str, Any]) -> Optional[str]:
+    """Why ``row`` cannot be a bench row the report can show, or None when it can.
+
+    A hand-edited or foreign line that parses as JSON but has the wrong shape (a string where
+    a number belongs, a list for the memory, a negative time) is skipped like a torn line
+    rather than crashing ``memtrain report``, ``plan --results`` or a resumed bench."""
+    if not isinstance(row.get("technique"), str) or not isinstance(row.get("status", ""), str):
+        return "technique and status must be strings"
+    for key, kind in _OPTIONAL_TYPES.items():
+        if key in row and not isinstance(row[key], kind):
+            return f"{key} has the wrong type"
+    if row.get("status") != "ok":
+        return None
+    problem = _config_problem(row.get("config"))
+    if problem is not None:
+        return problem
+    memory, steps = row.get("memory"), row.get("step_time_s")
+    if not isinstance(memory, dict) or not isinstance(steps, dict):
+        return "memory and step_time_s must be objects"
+    by_cat = memory.get("by_category")
+    if by_cat is not None and (not isinstance(by_cat, dict) or not all(_measured(v) for v in by_cat.values())):
+        return "memory.by_category must map categories to numbers"
+    numbers = [memory.get(k) for k in ("peak_bytes", "max_allocated_bytes", "max_reserved_bytes")]
+    numbers += [steps.get(k) for k in ("median", "p10", "p90")]
+    numbers += [row.get(k) for k in ("val_ppl", "val_loss", "train_loss", "tokens_per_s", "mfu", "total_time_s")]
+    for part in ("max_batch", "estimate"):
+        value = row.get(part)
+        if value is not None and not isinstance(value, dict):
+            return f"{part} must be an object"
+        if isinstance(value, dict):
+            numbers += [value.get(k) for k in ("batch_size", "budget_bytes", "peak_bytes")]
+            probes = value.get("probes")
+            if probes is not None and not (isinstance(probes, list) and all(isinstance(p, dict) for p in probes)):
+                return f"{part}.probes must be a list of objects"
+    if not all(_measured(v) for v in numbers):
+        return "a measured value is not a number >= 0"
+    if any((row.get(k) or 0) > MAX_LOSS for k in ("val_loss", "train_loss")):
+        return f"a loss above {MAX_LOSS:g} (no cross-entropy of a real vocabulary comes near it)"
+    return None
+
+
+# --------------------------------------------------------------------------- the bench store
+def read_results_counted(out: Path) -> JsonlRead:
+    """The bench rows of ``results.jsonl`` and the count of lines that were not rows (torn by
+    a kill or a full disk, not a JSON object, or not shaped like a bench row)."""
+    read = read_jsonl(Path(out) / BENCH_RESULTS)
+    rows = [r for r in read.rows if bench_row_problem(r) is None]
+    return JsonlRead(rows=rows, skipped=read.skipped + len(read.rows) - len(rows))
+
+
+def read_results(out: Path) -> list[dict[str, Any]]:
+    """All rows of ``results.jsonl``; torn and non-object lines are ignored."""
+    return read_results_counted(out).rows
+
+
+def append_result(out: Path, row: dict[str, Any]) -> None:
+    """Append one row as one line (on a line of its own) and flush it to disk before going on."""
+    append_jsonl(Path(out) / BENCH_RESULTS, row)
+
+
+def select_rows(all_rows: list[dict[str, Any]], techniques: Optional[list[str]] = None) -> list[dict[str, Any]]:
+    """The latest row per technique, in the order asked (or first-seen order)."""
+    latest: dict[str, dict[str, Any]] = {}
+    for r in all_rows:
+        technique = r.get("technique", "?")
+        if isinstance(technique, str):  # a hand-edited row with a non-string name is not a row of ours
+            latest[technique] = r
+    order = techniques or list(latest)
+    return [latest[t] for t in order if t in latest]

@@ -1,0 +1,375 @@
+"""Export a memtrain checkpoint as a Hugging Face transformers model directory.
+
+A checkpoint holds the run's config (``state["config"]``), which says which model was trained:
+
+* **memtrain's own GPT** becomes a ``GPT2LMHeadModel``. Our GPT is GPT-2's architecture with
+  other parameter names, so the weights map one to one; transformers writes the directory
+  (``save_pretrained``: ``config.json`` + ``model.safetensors``) and its GPT-2 tokenizer class
+  writes the tokenizer files from the vocabulary memtrain ships. Differences handled here:
+
+  - GPT-2 stores its projections in ``Conv1D`` modules, weight shape (in, out): our
+    ``nn.Linear`` weights (out, in) are transposed.
+  - ``--vocab-multiple`` padding rows are dropped (the padded rows are never used).
+  - The LM head is tied to the token embedding unless ``--untie-embeddings``.
+  - Our MLP uses ``F.gelu(approximate="tanh")``: transformers' ``gelu_pytorch_tanh`` is the
+    same function (``gelu`` would be the exact erf form and change the logits).
+  - ``--no-bias`` models get zero biases (GPT-2 always has them; a zero bias adds nothing).
+
+* **a transformers model** (``train --model SPEC``) is rebuilt from its spec (the same
+  architecture, ``--window`` included), given the checkpoint's weights, and written by
+  transformers' own ``save_pretrained`` in the dtype it was trained in, with the model's own
+  tokenizer (GPT-2's when its folder had none, as for training). QLoRA's NF4 base weights
+  (torchao, CPU) are dequantized first; bitsandbytes' packed 4-bit weights (CUDA) keep their
+  scales outside the checkpoint, so such a run exports its adapter only.
+
+LoRA adapters are merged into the base weights (``W + alpha/r * B A``) by default. With
+``adapter_only`` a transformers model's adapters are written as a peft adapter instead
+(``adapter_config.json`` + ``adapter_model.safetensors``), for
+``PeftModel.from_pretrained(base, out)`` on the base the run started from.
+
+Checkpoints are read with ``torch.load(weights_only=True)``: no pickled code runs; a model
+folder is read by transformers with ``trust_remote_code=False`` and safetensors only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+
+from memtrain.checkpoints.exact import read_state
+from memtrain.config.run import ConfigError, RunConfig, build_config
+from memtrain.data.tokenizer import EOT_ID, vocab_dir
+from memtrain.models import is_hf
+from memtrain.models.gpt import GPT
+from memtrain.models.hf import HFCausalLM, quiet_transformers
+from memtrain.runtime.extras import require
+from memtrain.training.preflight import check_model_size
+
+# The attention kernels any machine can load a transformers model with; the others (flash-attn,
+# flex, mem-efficient: CUDA) are a training choice, not part of the weights.
+PORTABLE_ATTENTION = ("math", "sdpa")
+
+
+def _require_transformers() -> Any:
+    return require("transformers")
+
+
+# --------------------------------------------------------------------------- reading a checkpoint
+def read_checkpoint(ckpt: str | Path) -> tuple[dict[str, Any], RunConfig]:
+    """A single-file checkpoint's state and the config of the run that wrote it."""
+    p = Path(ckpt)
+    if p.is_dir():
+        raise ConfigError(f"{str(p)!r} is a directory; give the single-file checkpoint written by --save "
+                          "(a sharded distributed checkpoint cannot be exported yet)")
+    state = read_state(p, "give the file written by train --save")
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict) or not isinstance(state.get("config"), dict):
+        raise ConfigError(f"checkpoint {str(p)!r} is not a memtrain checkpoint (no model or config)")
+    try:
+        cfg = build_config(state["config"])
+    except ConfigError as exc:
+        raise ConfigError(f"checkpoint {str(p)!r}: the config of the run that wrote it cannot be used here ({exc}); "
+                          "run where its --model is readable (a relative path is read from the current folder)") from None
+    check_model_size(cfg.model)  # a checkpoint's config is read, not trusted: its shape could be absurd
+    return state, cfg
+
+
+def load_trained(ckpt: str | Path, merge: bool = True) -> tuple[nn.Module, RunConfig]:
+    """The trained model of a checkpoint, in eval mode: our GPT (FP32) or a transformers model
+    (:class:`memtrain.models.hf.HFCausalLM`, in the dtype it was trained in), LoRA adapters
+    merged unless ``merge`` is False."""
+    state, cfg = read_checkpoint(ckpt)
+    if is_hf(cfg):
+        return _load_transformers(state["model"], cfg, Path(ckpt), merge), cfg
+    return _load_gpt(state["model"], cfg, Path(ckpt)), cfg
+
+
+def _fit(model: nn.Module, weights: dict[str, Any], ckpt: Path, cfg: RunConfig) -> None:
+    """``model.load_state_dict(weights)``, a mismatch being the input's fault (exit 2)."""
+    try:
+        model.load_state_dict(weights)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        spec = f"--model {cfg.model.model!r} as it reads now" if cfg.model.model else "the model its config describes"
+        raise ConfigError(f"checkpoint {str(ckpt)!r} does not fit {spec} ({first}); export with the files the run "
+                          "was trained on") from None
+
+
+def _load_gpt(weights: dict[str, Any], cfg: RunConfig, ckpt: Path) -> GPT:
+    """Our GPT with a checkpoint's weights (LoRA merged), in FP32 and eval mode."""
+    from memtrain.techniques.lora import apply_lora, merge_lora
+
+    model = GPT(cfg.model)
+    if cfg.technique.lora_rank:
+        apply_lora(model, cfg.technique)
+        _fit(model, weights, ckpt, cfg)
+        model = merge_lora(model)
+    else:
+        _fit(model, weights, ckpt, cfg)
+    return model.float().eval()
+
+
+def trained_dtype(weights: dict[str, Any]) -> torch.dtype:
+    """The dtype of a checkpoint's base weights (the first floating tensor that is no adapter)."""
+    for name, value in weights.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and "lora_" not in name \
+                and not hasattr(value, "get_original_weight"):
+            return value.dtype
+    return torch.float32
+
+
+def _plain_weights(weights: dict[str, Any], model: nn.Module, ckpt: Path) -> dict[str, Any]:
+    """``weights`` with QLoRA's NF4 base weights dequantized (torchao ``NF4Tensor``), so they
+    load into the plain model; packed 4-bit weights without their scales are refused."""
+    expected = model.state_dict()
+    out: dict[str, Any] = {}
+    for name, value in weights.items():
+        if hasattr(value, "get_original_weight"):  # torchao NF4: the weights training multiplied with
+            value = value.get_original_weight()
+        elif isinstance(value, torch.Tensor) and not value.is_floating_point() and name in expected \
+                and expected[name].is_floating_point():
+            raise ConfigError(f"checkpoint {str(ckpt)!r} holds packed 4-bit weights ({name}, bitsandbytes' QLoRA on "
+                              "CUDA) whose scales it does not keep; export the adapter with --adapter-only and apply "
+                              "it to the base model")
+        out[name] = value
+    return out
+
+
+def _load_transformers(weights: dict[str, Any], cfg: RunConfig, ckpt: Path, merge: bool) -> HFCausalLM:
+    """The transformers model of ``cfg`` (built from its spec, no weights read) holding the
+    checkpoint's weights: LoRA adapters merged unless ``merge`` is False, QLoRA's NF4 base
+    weights dequantized, in the dtype the base weights were trained in, eval mode."""
+    from memtrain.models.hf import build_hf_model
+    from memtrain.techniques.hf_mapping import apply_hf_lora
+    from memtrain.techniques.lora import merge_adapters_in_place
+
+    tech = cfg.technique
+    attention = tech.attention if tech.attention in PORTABLE_ATTENTION else "sdpa"
+    build_cfg = cfg.replace(attention=attention, qlora=False, compile=False, checkpointing="none",
+                            distributed="none")
+    model = build_hf_model(build_cfg, with_weights=False).float()  # every weight comes from the checkpoint
+    if tech.lora_rank:
+        require("peft")
+        apply_hf_lora(model, build_cfg)
+    _fit(model, _plain_weights(weights, model, ckpt), ckpt, cfg)
+    if tech.lora_rank and merge:
+        merge_adapters_in_place(model)
+    model.lm.config.use_cache = True  # training turned the KV cache off; generation wants it
+    for p in model.parameters():
+        p.requires_grad_(False)
+    dtype = trained_dtype(weights)
+    if merge or not tech.lora_rank:
+        model = model.to(dtype)
+    return model.eval()
+
+
+# --------------------------------------------------------------------------- our GPT -> GPT2LMHeadModel
+def hf_config(cfg: RunConfig) -> Any:
+    """The ``GPT2Config`` of our model's shape."""
+    transformers = _require_transformers()
+    m = cfg.model
+
+    return transformers.GPT2Config(
+        vocab_size=m.vocab_size, n_positions=m.max_seq_len, n_embd=m.d_model, n_layer=m.n_layers,
+        n_head=m.n_heads, n_inner=m.d_ff, activation_function="gelu_pytorch_tanh",
+        resid_pdrop=m.dropout, embd_pdrop=m.dropout, attn_pdrop=m.dropout, layer_norm_epsilon=1e-5,
+        tie_word_embeddings=not m.untie_embeddings, bos_token_id=EOT_ID, eos_token_id=EOT_ID,
+        architectures=["GPT2LMHeadModel"],
+    )
+
+
+def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    """Our parameters under GPT2LMHeadModel's names and layouts."""
+    m = model.cfg
+    V = m.vocab_size
+    sd = {k: v.detach().float() for k, v in model.state_dict().items()}
+
+    def bias(name: str, size: int) -> torch.Tensor:
+        return sd.get(name, torch.zeros(size))
+
+    out: dict[str, torch.Tensor] = {
+        "transformer.wte.weight": sd["wte.weight"][:V],
+        "transformer.wpe.weight": sd["wpe.weight"],
+        "transformer.ln_f.weight": sd["ln_f.weight"],
+        "transformer.ln_f.bias": bias("ln_f.bias", m.d_model),
+    }
+    for i in range(m.n_layers):
+        a, h = f"blocks.{i}.", f"transformer.h.{i}."
+        for ln in ("ln_1", "ln_2"):
+            out[h + ln + ".weight"] = sd[a + ln + ".weight"]
+            out[h + ln + ".bias"] = bias(a + ln + ".bias", m.d_model)
+        for ours, theirs, width in (("attn.qkv", "attn.c_attn", 3 * m.d_model), ("attn.proj", "attn.c_proj", m.d_model),
+                                    ("mlp.fc", "mlp.c_fc", m.d_ff), ("mlp.fc_out", "mlp.c_proj", m.d_model)):
+            out[h + theirs + ".weight"] = sd[a + ours + ".weight"].t().contiguous()  # Linear (out,in) -> Conv1D (in,out)
+            out[h + theirs + ".bias"] = bias(a + ours + ".bias", width)
+    out["lm_head.weight"] = sd["lm_head.weight"][:V] if m.untie_embeddings else out["transformer.wte.weight"]
+    return out
+
+
+def to_hf_model(model: GPT, cfg: RunConfig) -> Any:
+    """A ``GPT2LMHeadModel`` holding ``model``'s weights (eval mode)."""
+    transformers = _require_transformers()
+    hf = transformers.GPT2LMHeadModel(hf_config(cfg))
+    missing, unexpected = hf.load_state_dict(hf_state_dict(model), strict=False)
+    # Only non-persistent buffers may be absent from our mapping (older transformers keep the
+    # causal mask as a buffer); a missing parameter would be a mapping bug.
+    params = {n for n, _ in hf.named_parameters()}
+    bad = [k for k in missing if k in params and k != "lm_head.weight"] + list(unexpected)
+    if bad:
+        raise RuntimeError(f"weight mapping incomplete: {bad[:5]}")
+    if cfg.model.untie_embeddings:
+        hf.lm_head.weight.data.copy_(hf_state_dict(model)["lm_head.weight"])
+    return hf.eval()
+
+
+def save_tokenizer(out: Path) -> None:
+    """GPT-2's tokenizer files (vocab.json, merges.txt, tokenizer.json, ...) into ``out``.
+
+    vocab.json and merges.txt are OpenAI's encoder.json and vocab.bpe under the names
+    transformers reads; its GPT-2 tokenizer class then loads them and writes the rest
+    (tokenizer.json, tokenizer_config.json), whatever its major version calls its arguments.
+    """
+    transformers = _require_transformers()
+
+    d = vocab_dir()
+    shutil.copyfile(d / "encoder.json", out / "vocab.json")
+    shutil.copyfile(d / "vocab.bpe", out / "merges.txt")
+    tok = transformers.GPT2TokenizerFast.from_pretrained(str(out), trust_remote_code=False)
+    tok.save_pretrained(str(out))
+
+
+# --------------------------------------------------------------------------- a transformers model
+def save_model_tokenizer(cfg: RunConfig, out: Path) -> None:
+    """The tokenizer a transformers model was trained with (memtrain.models.data_tokenizer):
+    its own, or GPT-2's when its folder had none."""
+    from memtrain.models import data_tokenizer
+
+    tok = data_tokenizer(cfg)
+    if tok is None:
+        save_tokenizer(out)
+    else:
+        tok.tok.save_pretrained(str(out))
+
+
+def check_base_unchanged(model: HFCausalLM, weights: dict[str, Any], ckpt: Path) -> None:
+    """An adapter is only as good as its base: the checkpoint's frozen base weights must equal
+    the ``*.safetensors`` of the folder the run started from (compared tensor by tensor, in
+    the checkpoint's dtype; NF4 base weights are lossy and skipped)."""
+    from safetensors import safe_open
+
+    from memtrain.models.spec import resolve
+
+    source = resolve(model.source_spec)
+    files = source.weight_files()
+    if source.repo is not None:
+        return  # a Hub repository: its files are not ours to compare here
+    if not files:
+        raise ConfigError(f"--adapter-only: --model {model.source_spec!r} has no *.safetensors weights, so the run "
+                          "trained adapters on random initial weights kept only in this checkpoint; export without "
+                          "--adapter-only")
+    for f in files:
+        try:
+            with safe_open(str(f), "pt") as fh:
+                for key in fh.keys():
+                    ours = weights.get(_checkpoint_name(key), weights.get(_checkpoint_name(key, base_layer=True)))
+                    if not isinstance(ours, torch.Tensor) or hasattr(ours, "get_original_weight"):
+                        continue
+                    theirs = fh.get_tensor(key)
+                    if theirs.shape != ours.shape or not torch.equal(theirs.to(ours.dtype), ours):
+                        raise ConfigError(f"--adapter-only: {key} in {str(f)!r} differs from the base weights in "
+                                          f"checkpoint {str(ckpt)!r}; the adapter would not fit that folder: export "
+                                          "without --adapter-only, or use the folder the run was trained from")
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a truncated or foreign file in the user's folder
+            raise ConfigError(f"--adapter-only: cannot read {str(f)!r} ({type(exc).__name__}); the base model folder "
+                              "must hold complete *.safetensors files") from None
+
+
+def _checkpoint_name(key: str, base_layer: bool = False) -> str:
+    """The name a weight of the model folder has in a memtrain checkpoint (``lm.`` prefix; under
+    LoRA a wrapped Linear's own weight is ``<module>.base_layer.weight``)."""
+    if base_layer:
+        module, _, leaf = key.rpartition(".")
+        key = f"{module}.base_layer.{leaf}"
+    return "lm." + key
+
+
+def write_adapter(model: HFCausalLM, out: Path) -> int:
+    """The LoRA adapters of ``model`` (not merged) as a peft adapter folder; return their size."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    from memtrain.models.spec import resolve
+
+    lm = model.lm
+    lcfg = lm.peft_config["default"]
+    lcfg.base_model_name_or_path = resolve(model.source_spec).load_id
+    lcfg.task_type = "CAUSAL_LM"
+    adapters = get_peft_model_state_dict(lm)
+    # PeftModel keeps the wrapped model under base_model.model: the names its loader expects.
+    save_file({f"base_model.model.{k}": v.detach().contiguous() for k, v in adapters.items()},
+              str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    lcfg.save_pretrained(str(out))
+    return sum(v.numel() for v in adapters.values())
+
+
+# --------------------------------------------------------------------------- the export
+def check_new_directory(out: Path) -> None:
+    """``out`` may become the export: absent, or an empty directory."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{str(out)!r} is a file; give a new directory")
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"{str(out)!r} exists and is not empty; give a new directory")
+
+
+@contextlib.contextmanager
+def _new_directory(out: Path) -> Iterator[Path]:
+    """A scratch folder beside ``out`` that becomes ``out`` when the block succeeds, so a
+    failed or interrupted export leaves no half-written model where a loader would find it."""
+    check_new_directory(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        yield tmp
+        os.replace(tmp, out)  # onto an empty directory too (POSIX rename)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def export_hf(ckpt: str | Path, out: str | Path, adapter_only: bool = False) -> dict[str, Any]:
+    """Write ``out`` as a transformers-loadable directory (or, ``adapter_only``, a peft
+    adapter); return a summary: ``out``, ``kind``, ``parameters``, ``lora_merged``, ``files``."""
+    out = Path(out)
+    check_new_directory(out)  # before the checkpoint is read: a refusal costs nothing
+    state, cfg = read_checkpoint(ckpt)
+    lora = bool(cfg.technique.lora_rank)
+    if adapter_only and not (lora and is_hf(cfg)):
+        raise ConfigError("--adapter-only writes the LoRA adapters of a transformers --model trained with --lora-rank; "
+                          "this checkpoint is not one: export without --adapter-only")
+    if is_hf(cfg):
+        model = _load_transformers(state["model"], cfg, Path(ckpt), merge=not adapter_only)
+        if adapter_only:
+            check_base_unchanged(model, state["model"], Path(ckpt))
+        with _new_directory(out) as tmp, quiet_transformers():
+            if adapter_only:
+                n, kind = write_adapter(model, tmp), "peft LoRA adapter"
+            else:
+                model.lm.save_pretrained(str(tmp), safe_serialization=True)
+                n, kind = model.num_parameters(), type(model.lm).__name__
+            save_model_tokenizer(cfg, tmp)
+    else:
+        gpt = _load_gpt(state["model"], cfg, Path(ckpt))
+        hf = to_hf_model(gpt, cfg)
+        with _new_directory(out) as tmp, quiet_transformers():
+            hf.save_pretrained(str(tmp), safe_serialization=True)
+            save_tokenizer(tmp)
+        n, kind = gpt.num_parameters(), "GPT2LMHeadModel"
+    return {"out": str(out), "kind": kind, "parameters": n, "lora_merged": lora and not adapter_only,
+            "files": sorted(p.name for p in out.iterdir())}

@@ -1,0 +1,161 @@
+"""Sampling through transformers' ``generate``, so the sampling rules are the library's, not ours.
+
+What ``memtrain generate MODEL`` samples from:
+
+* a checkpoint of memtrain's GPT: mapped onto ``GPT2LMHeadModel`` (:mod:`memtrain.inference.export`),
+  with GPT-2's tokenizer;
+* a checkpoint of a transformers model (``train --model SPEC``): that model with its LoRA
+  adapters merged (:mod:`memtrain.inference.export`), with the tokenizer it was trained with;
+* a directory (written by ``memtrain export``, or any transformers model folder): its
+  ``config.json`` is checked first (custom code is refused, never offered), then transformers
+  reads it with ``trust_remote_code=False`` and safetensors weights only; its own tokenizer
+  files, or GPT-2's BPE when it has none.
+
+Every sampling setting comes from the command line (a fresh ``GenerationConfig``): a folder's
+``generation_config.json`` is not consulted, so the same seed gives the same text from a
+checkpoint and from its export.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from memtrain.config.run import ConfigError, ModelConfig
+from memtrain.data.tokenizer import EOT_ID, N_VOCAB, get_tokenizer
+from memtrain.inference.export import _require_transformers, load_trained, to_hf_model
+from memtrain.models.gpt import GPT
+from memtrain.training.preflight import check_model_size
+
+PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+
+
+@dataclass(frozen=True)
+class Codec:
+    """Text <-> token ids for one model."""
+
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    start_id: Optional[int]  # the document boundary an empty prompt starts after (None: none known)
+    n_vocab: int
+
+
+def gpt2_codec() -> Codec:
+    """memtrain's GPT-2 BPE (tiktoken, built offline)."""
+    tok = get_tokenizer()
+    return Codec(tok.encode_ordinary, tok.decode, EOT_ID, N_VOCAB)
+
+
+def transformers_codec(tok: Any) -> Codec:
+    """A transformers tokenizer; no special tokens are added to the prompt (as in training)."""
+    start = tok.eos_token_id if tok.eos_token_id is not None else tok.bos_token_id
+    return Codec(lambda text: list(tok(text, add_special_tokens=False)["input_ids"]),
+                 lambda ids: tok.decode(ids, clean_up_tokenization_spaces=False), start, len(tok))
+
+
+# --------------------------------------------------------------------------- what to sample from
+def from_checkpoint(path: Path) -> tuple[Any, Codec]:
+    """A checkpoint's model as a transformers model, and its tokenizer."""
+    model, cfg = load_trained(path)
+    if isinstance(model, GPT):
+        return to_hf_model(model, cfg), gpt2_codec()
+    from memtrain.models import data_tokenizer
+
+    tok = data_tokenizer(cfg)
+    return model.lm, gpt2_codec() if tok is None else transformers_codec(tok.tok)
+
+
+def from_directory(path: Path) -> tuple[Any, Codec]:
+    """A transformers model folder and its tokenizer, read without running any of its code."""
+    from memtrain.models.hf import load_pretrained_lm
+    from memtrain.models.spec import TOKENIZER_FILES, read_config_json, refuse_custom_tokenizer
+    from memtrain.models.tokenizer import load_tokenizer
+
+    shown = repr(str(path))
+    read_config_json(path / "config.json")  # custom code (auto_map, an unknown model_type) is refused here
+    refuse_custom_tokenizer(path)
+    check_model_size(ModelConfig(model=str(path)))  # the shape config.json declares, before transformers builds it
+    _check_weight_files(path)
+    config = _read_config(path)
+    lm = load_pretrained_lm(str(path), config, "sdpa", shown)
+    vocab = getattr(lm.config, "vocab_size", None)
+    if any((path / f).is_file() for f in TOKENIZER_FILES):
+        codec = transformers_codec(load_tokenizer(str(path), shown))
+    elif isinstance(vocab, int) and vocab >= N_VOCAB:
+        codec = gpt2_codec()
+    else:
+        raise ConfigError(f"{shown} has no tokenizer files ({', '.join(TOKENIZER_FILES)}) and its vocabulary is not "
+                          "GPT-2's; add the tokenizer the model was trained with")
+    if isinstance(vocab, int) and codec.n_vocab > vocab:
+        raise ConfigError(f"the tokenizer of {shown} has {codec.n_vocab} tokens but the model embeds only vocab_size "
+                          f"{vocab}; use the model's own tokenizer")
+    return lm.eval(), codec
+
+
+def _check_weight_files(path: Path) -> None:
+    """A folder to sample from needs safetensors weights; pickled ones are never read."""
+    if any(f.is_file() for f in path.glob("*.safetensors")):
+        return
+    pickled = sorted(p.name for pattern in PICKLED_WEIGHTS for p in path.glob(pattern))
+    if pickled:
+        raise ConfigError(f"{str(path)!r} holds only pickled weights ({pickled[0]}), which memtrain never loads (a "
+                          "pickle can run code); convert them to *.safetensors")
+    raise ConfigError(f"{str(path)!r} has no *.safetensors weights; give a directory written by `memtrain export`")
+
+
+def _read_config(path: Path) -> Any:
+    """transformers' config of a folder whose config.json memtrain has checked."""
+    transformers = _require_transformers()
+    try:
+        return transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+    except Exception as exc:  # noqa: BLE001 - a field transformers rejects: the file's fault
+        text = str(exc).strip()
+        first = text.splitlines()[0] if text else type(exc).__name__
+        raise ConfigError(f"cannot read the config.json of {str(path)!r}: {first}") from None
+
+
+def load_for_sampling(model_path: Path) -> tuple[Any, Codec]:
+    """The transformers model and tokenizer ``memtrain generate`` samples from."""
+    if model_path.is_dir():
+        return from_directory(model_path)
+    return from_checkpoint(model_path)
+
+
+def positions(config: Any) -> Optional[int]:
+    """How many positions a transformers model covers (None: no limit in its config)."""
+    for name in ("n_positions", "max_position_embeddings"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+# --------------------------------------------------------------------------- sampling
+def generate(model_path: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int,
+             num_samples: int, seed: int) -> list[str]:
+    """``num_samples`` continuations of ``prompt`` (the new text only)."""
+    transformers = _require_transformers()
+    hf, codec = load_for_sampling(model_path)
+    if prompt:
+        ids = codec.encode(prompt)
+    elif codec.start_id is not None:
+        ids = [codec.start_id]
+    else:
+        raise ConfigError("this model's tokenizer has no eos or bos token to start a document from; give --prompt")
+    limit = positions(hf.config)
+    if limit is not None and len(ids) + max_new_tokens > limit:
+        raise ConfigError(f"prompt ({len(ids)} tokens) + --max-new-tokens {max_new_tokens} exceeds the model's "
+                          f"{limit} positions; shorten one")
+    sampling = dict(do_sample=True, temperature=temperature, top_k=top_k or None) if temperature > 0 else dict(do_sample=False)
+    # No eos: every sample is max_new_tokens long, so no padding is ever written.
+    pad = codec.start_id if codec.start_id is not None else ids[0]
+    settings = transformers.GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=None,
+                                             **sampling)
+    torch.manual_seed(seed)
+    x = torch.tensor([ids] * num_samples)
+    with torch.no_grad():
+        y = hf.generate(x, attention_mask=torch.ones_like(x), generation_config=settings)
+    return [codec.decode(row[len(ids):].tolist()) for row in y]

@@ -1,0 +1,100 @@
+"""Run environment: device choice, seeding, and the facts recorded with every result."""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+import subprocess
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+import memtrain
+from memtrain.config.run import ConfigError
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` picks CUDA when present, else CPU; an unavailable device is a user error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"unknown --device {name!r}; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for but no CUDA GPU is visible; use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {name!r} is not supported; use auto, cpu, cuda or cuda:N")
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _checkout_root() -> Optional[Path]:
+    """The memtrain source checkout this module runs from, or None when it is installed.
+
+    ``src/memtrain/runtime/env.py`` sits two folders below a checkout's root, beside its
+    ``pyproject.toml``. Anything else (a wheel in site-packages, a copy of the tree inside some
+    other git repository) has no commit of memtrain's own to report.
+    """
+    root = Path(__file__).resolve().parents[2]
+    if (root / "pyproject.toml").is_file() and (root / "src" / "memtrain" / "__init__.py").is_file():
+        return root
+    return None
+
+
+def _git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                          timeout=5, check=True).stdout.strip()
+
+
+@lru_cache(maxsize=1)
+def git_commit() -> Optional[str]:
+    """The commit of the memtrain checkout, with ``-dirty`` when it has local changes.
+
+    Only a git repository whose top level is memtrain's own checkout counts: git would otherwise
+    answer with the commit of whatever repository happens to contain the source tree. Where
+    there is none, ``MEMTRAIN_COMMIT`` (set by a packager) or None, which reports say as unknown.
+    """
+    fallback = os.environ.get("MEMTRAIN_COMMIT") or None
+    root = _checkout_root()
+    if root is None:
+        return fallback
+    try:
+        if Path(_git(root, "rev-parse", "--show-toplevel")).resolve() != root:
+            return fallback
+        sha = _git(root, "rev-parse", "--short=12", "HEAD")
+        dirty = _git(root, "status", "--porcelain", "--untracked-files=no")
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return fallback
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """What produced a result: device, software versions, commit."""
+
+    env: dict[str, Any] = {
+        "device": device_name(device),
+        "device_type": device.type,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "memtrain": memtrain.__version__,
+        "commit": git_commit(),
+        "host_threads": torch.get_num_threads(),
+    }
+    if device.type == "cuda":
+        env["cuda"] = torch.version.cuda
+        env["gpu_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
+    return env

@@ -1,0 +1,77 @@
+"""Optional dependencies: a clear error naming the extra to install, and quiet imports.
+
+Only some users need LoRA (peft), structured or hub data (datasets, pyarrow), TensorBoard,
+wandb, transformers or torchao (low-bit optimizers, NF4 on CPU); they are extras of the package
+(pyproject.toml), imported when used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import warnings
+from types import ModuleType
+
+from memtrain.config.run import ConfigError
+
+# module -> (extra, what needs it)
+EXTRAS: dict[str, tuple[str, str]] = {
+    "peft": ("lora", "LoRA (--lora-rank)"),
+    "datasets": ("hub", "Hugging Face datasets and .jsonl/.json/.parquet/.csv files"),
+    "pyarrow": ("hub", "Parquet and other structured files"),
+    "transformers": ("hf", "transformers models, export and generate"),
+    "torchao": ("lowbit", "low-bit training (--optim adamw-8bit/adamw-4bit, --precision bf16-pure with --optim "
+                          "adamw, --qlora's NF4 weights on CPU)"),
+}
+
+
+def require(module: str) -> ModuleType:
+    """Import ``module`` or raise a ConfigError that names the extra providing it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        extra, what = EXTRAS[module]
+        raise ConfigError(f"{what} needs the {module} package, an optional extra: "
+                          f"pip install 'memtrain[{extra}]'") from None
+
+
+# Loggers whose import-time chatter is known and harmless: torchao reports the optional CUDA
+# kernels it cannot load on a CPU machine and the missing triton; torch's pytree warns about a
+# deprecated registration that torchao makes.
+NOISY_LOGGERS = ("torchao", "torch.utils._pytree")
+NOISY_MODULES = r"(torchao|peft|transformers|datasets|accelerate|torch\.utils\._pytree)(\..*)?"
+NOISY_PATHS = r".*[/\\](torchao|peft|transformers|datasets|accelerate)[/\\]"
+
+
+def quiet_third_party() -> None:
+    """Keep known third-party import warnings off the terminal (unless MEMTRAIN_VERBOSE=1).
+
+    The environment variable carries the choice into bench's row processes.
+    """
+    if os.environ.get("MEMTRAIN_VERBOSE") == "1":
+        return
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    for category in (DeprecationWarning, FutureWarning, UserWarning):
+        warnings.filterwarnings("ignore", category=category, module=NOISY_MODULES)
+    # A SyntaxWarning is raised while a module's source is compiled (the first import after an
+    # install, e.g. torchao's "invalid escape sequence"); its "module" is then the file's path.
+    warnings.filterwarnings("ignore", category=SyntaxWarning, module=NOISY_PATHS)
+
+
+def quiet_datasets() -> None:
+    """datasets and huggingface_hub log what memtrain then says in its one ``error:`` line
+    (a JSON parse error as ERROR, every Hub retry as WARNING); keep their logs to CRITICAL
+    through their own verbosity switches (unless MEMTRAIN_VERBOSE=1). Call after importing
+    datasets: it sets its loggers' level when first configured."""
+    if os.environ.get("MEMTRAIN_VERBOSE") == "1":
+        return
+    import datasets
+
+    datasets.utils.logging.set_verbosity(logging.CRITICAL)
+    with contextlib.suppress(ImportError):
+        import huggingface_hub
+
+        huggingface_hub.utils.logging.set_verbosity(logging.CRITICAL)

@@ -1,0 +1,82 @@
+"""SIGTERM handled like Ctrl-C, so every exit path keeps what a run produced.
+
+Python turns SIGINT into KeyboardInterrupt, and memtrain's commands already stop cleanly on
+it (rows finished so far kept, a partial report written, exit 130). SIGTERM, which ``kill``,
+job schedulers and container runtimes send, would otherwise end the process at once, skipping
+every ``finally``: the row process and its scratch folder would be left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from typing import Any, Iterator
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Inside the block, SIGTERM raises KeyboardInterrupt (main thread only; else a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# ----------------------------------------------------------------------------- parent death
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+LAUNCHER_PID_ENV = "MEMTRAIN_LAUNCHER_PID"  # set by memtrain.distributed.launch for the ranks it starts
+
+
+def die_with_parent(expected_parent: int | None = None, sig: int = signal.SIGKILL) -> bool:
+    """Ask Linux to send ``sig`` to this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``).
+
+    A torchrun rank runs in a session of its own (torch's launcher starts it so), so a launcher
+    killed with SIGKILL, which cannot stop its ranks, would leave them training on as orphans,
+    writing into a folder whose lock died with the launcher. With this, the kernel ends them
+    with it. SIGKILL: a rank whose launcher is gone has no one to report to, and nothing may
+    delay its end (a SIGTERM can be held back around a collective, memtrain.distributed.rank_errors).
+
+    ``expected_parent``: the pid the parent had; a parent that died before the call (the
+    signal then never comes) is caught by comparing it with ``os.getppid()`` right after, and
+    the process ends at once. Returns whether the signal was set (False off Linux, where the
+    launcher's process group is the only bond)."""
+    import ctypes
+    import os
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    parent = expected_parent if expected_parent is not None else os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):  # no prctl in this libc
+        return False
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os.kill(os.getpid(), sig)
+    return True
+
+
+def bind_rank_to_launcher() -> bool:
+    """In a process that torch's elastic launcher started (memtrain's ``--nproc-per-node`` or
+    plain torchrun), :func:`die_with_parent`; elsewhere nothing. The launcher's pid comes from
+    ``MEMTRAIN_LAUNCHER_PID`` under memtrain's launcher (so even a launcher that died before
+    this call is noticed), else it is the parent now."""
+    import os
+
+    from memtrain.distributed.rank_errors import launched_by_memtrain
+
+    if "TORCHELASTIC_RUN_ID" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return False
+    raw = os.environ.get(LAUNCHER_PID_ENV, "") if launched_by_memtrain() else ""
+    return die_with_parent(int(raw) if raw.isdigit() else None)

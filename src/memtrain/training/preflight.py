@@ -1,0 +1,382 @@
+"""Checks made before the first training step, so a run never fails at its end.
+
+- :func:`check_destinations`: ``--out`` and ``--save`` can be written (a directory, not a
+  file; a probe file can be created and removed). Today's alternative is a run that trains
+  for an hour and then cannot write its result. Nothing is created by the check. What is
+  there already is never lost: ``--save`` replaces only a memtrain checkpoint (or an empty
+  file), never the data file, a file memtrain writes in ``--out``, a link, a device, a FIFO or
+  a folder; no name memtrain writes in ``--out`` may be a link; and a fresh ``train`` refuses
+  an ``--out`` that holds an earlier run's ``result.json`` or ``metrics.jsonl``.
+- :func:`check_vocab`: the model's vocabulary holds every token id of the tokenizer.
+- :func:`check_model_size`: the model's shape lies within the limits ``estimate`` uses, and its
+  parameters (in FP32, as models are built) fit the host's memory and the device's, before
+  anything is built: a typo such as ``--n-layers 1000000000`` is refused in a second instead
+  of building layers for minutes or ending in an allocator's failure.
+- :func:`check_resume`: a checkpoint given to ``--resume`` belongs to *this* run: the saved
+  config agrees on everything that decides the numbers (model, data, batch, sequence,
+  accumulation, schedule, seed, optimizer, precision), and the saved step lies inside the run.
+  A mismatch is a ConfigError naming every differing key, raised before data is tokenized.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+from memtrain.config.run import ConfigError, ModelConfig, RunConfig
+from memtrain.files.guard import regular_file_problem
+from memtrain.files.results import (
+    LOCK_NAME,
+    METRICS_NAME,
+    OUT_FILES,
+    RESULT_NAME,
+    check_lock_file,
+    loads_bounded,
+    refuse_odd_destination,
+)
+
+# Keys that may differ between the saved run and the resumed one: where output goes, how it
+# is shown, how fast it runs, and implementation choices that compute the same numbers.
+MAY_DIFFER: frozenset[str] = frozenset({
+    "out", "save", "save_every", "resume", "stop_after", "progress", "device", "eval_every",
+    "warmup_timing_steps", "cache_dir", "no_cache", "num_workers", "pin_memory", "prefetch_factor",
+    "attention", "checkpointing", "compile", "compile_mode", "compile_scope", "loss", "loss_chunk",
+    "distributed", "cpu_offload",
+})
+
+
+# --------------------------------------------------------------------------- destinations
+def _nearest_existing(path: Path) -> Path:
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _probe_dir(folder: Path) -> Optional[str]:
+    """None when a file can be created in ``folder``; else why not."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".memtrain-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
+
+
+def check_writable_dir(path: str | Path, flag: str) -> None:
+    """``path`` is (or can become) a directory memtrain can write into."""
+    p = Path(path).expanduser()
+    if str(path).strip() == "":
+        raise ConfigError(f"{flag} is empty; give a directory, e.g. {flag} runs/train")
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{flag} {str(p)!r} is a file; give a directory (a new or an existing one)")
+    base = _nearest_existing(p.absolute())
+    if not base.is_dir():
+        raise ConfigError(f"{flag} {str(p)!r} cannot be created: {str(base)!r} is a file")
+    why = _probe_dir(base)
+    if why is not None:
+        raise ConfigError(f"{flag} {str(p)!r} is not writable ({why} in {str(base)!r}); choose another {flag}")
+
+
+def check_writable_file(path: str | Path, flag: str) -> None:
+    """``path`` is (or can become) a file memtrain can replace atomically."""
+    p = Path(path).expanduser()
+    if str(path).strip() == "":
+        raise ConfigError(f"{flag} is empty; give a file path, e.g. {flag} runs/ckpt.pt")
+    if p.is_dir():
+        raise ConfigError(f"{flag} {str(p)!r} is a directory; give a file path inside it, e.g. {str(p / 'ckpt.pt')!r}")
+    check_writable_dir(p.parent if str(p.parent) else Path("."), f"{flag} (its folder)")
+
+
+def check_destinations(cfg: RunConfig, fresh_out: bool = False) -> None:
+    """Every place this run will write, checked before anything runs. ``fresh_out`` (the
+    ``train`` command, which writes result.json and metrics.jsonl): a folder holding an earlier
+    run's results is refused unless this run resumes."""
+    t = cfg.train
+    check_writable_dir(t.out, "--out")
+    if t.save is not None:
+        if cfg.technique.distributed != "none":
+            check_writable_dir(t.save, "--save")  # a sharded checkpoint is a directory
+        else:
+            check_writable_file(t.save, "--save")
+        check_save_target(cfg)
+    check_out_names(Path(t.out).expanduser(), "--out")
+    if fresh_out and not t.resume:
+        check_fresh_out(Path(t.out).expanduser())
+
+
+def check_out_names(out: Path, flag: str = "--out") -> None:
+    """No name memtrain writes in ``out`` is a link, a folder, a device or a FIFO (every write
+    there would be refused at its end: refuse it before the first step)."""
+    for name in OUT_FILES:
+        if name == LOCK_NAME:
+            check_lock_file(out, flag)  # the lock's own words, whichever check meets it first
+        else:
+            refuse_odd_destination(out / name, f"{flag} {str(out)!r}: {name}")
+
+
+def check_fresh_out(out: Path) -> None:
+    """A new run never writes over an earlier run's result.json or metrics.jsonl (its loss
+    curve would be lost and the two files would describe different runs)."""
+    held = [n for n in (RESULT_NAME, METRICS_NAME) if os.path.lexists(out / n)]
+    if held:
+        raise ConfigError(f"--out {str(out)!r} already holds {' and '.join(held)} of an earlier run; choose a new "
+                          "--out, or continue that run with --resume CHECKPOINT")
+
+
+def check_save_target(cfg: RunConfig) -> None:
+    """``--save`` replaces only what memtrain wrote: a checkpoint (or an empty file, for a
+    single-file checkpoint; an empty folder, for a sharded one) or a new name; never a link,
+    a device, a FIFO, the data file or a file memtrain writes in ``--out``."""
+    save = Path(cfg.train.save or "").expanduser()
+    sharded = cfg.technique.distributed != "none"
+    try:
+        st: Optional[os.stat_result] = os.lstat(save)
+    except FileNotFoundError:
+        st = None
+    if st is not None and stat.S_ISLNK(st.st_mode):
+        raise ConfigError(f"--save {str(save)!r} is a symbolic link; memtrain does not write through links: "
+                          "give the real path or a new name")
+    if st is not None and not sharded and not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"--save {str(save)!r} is not a regular file (a device, FIFO or socket); give a new file path")
+    if Path(os.path.realpath(save.parent)) == Path(os.path.realpath(Path(cfg.train.out).expanduser())) \
+            and save.name in OUT_FILES:
+        raise ConfigError(f"--save {str(save)!r} is a file memtrain writes in --out; give another name, e.g. "
+                          f"{str(save.with_name('ckpt.pt'))!r}")
+    if st is not None and _is_data_file(save, cfg.data.data):
+        raise ConfigError(f"--save {str(save)!r} is the training data (--data); give another path")
+    if st is None:
+        return
+    if sharded:
+        if stat.S_ISDIR(st.st_mode) and any(save.iterdir()) and not (save / "meta.json").is_file():
+            raise ConfigError(f"--save {str(save)!r} is a folder holding files that are not a memtrain checkpoint; "
+                              "give a new or empty folder")
+    elif st.st_size > 0 and not _holds_checkpoint(save):
+        raise ConfigError(f"--save {str(save)!r} exists and is not a memtrain checkpoint; memtrain replaces only "
+                          "its own checkpoints: give a new name")
+
+
+def _holds_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a single-file memtrain checkpoint (read as :func:`saved_run` does)."""
+    try:
+        saved_run(path)
+    except ConfigError:
+        return False
+    return True
+
+
+def _is_data_file(path: Path, data: str) -> bool:
+    """Whether the existing ``path`` is one of the files ``--data`` names."""
+    if data == "default" or data.startswith("hf:"):
+        return False
+    from memtrain.data.sources import resolve_local_files
+
+    try:
+        files = resolve_local_files(data)
+    except (ConfigError, OSError):
+        return False  # the data check itself reports a bad --data
+    try:
+        return any(os.path.samefile(path, f) for f in files)
+    except OSError:
+        return False
+
+
+def check_vocab(cfg: RunConfig) -> None:
+    """The embedding table holds every id the tokenizer can emit (else an index error after
+    a long tokenization)."""
+    from memtrain.data.tokenizer import N_VOCAB, TOKENIZER_NAME  # torch loads only when this runs
+    from memtrain.models import is_hf  # torch loads only when this runs
+
+    if is_hf(cfg):
+        return  # a transformers model brings its own tokenizer; memtrain.models checks that pair
+    if cfg.model.vocab_size < N_VOCAB:
+        raise ConfigError(f"--vocab-size {cfg.model.vocab_size} is smaller than the {TOKENIZER_NAME} tokenizer's "
+                          f"{N_VOCAB} ids; use --vocab-size {N_VOCAB} (or more) to train on text")
+
+
+# --------------------------------------------------------------------------- model size
+BUILD_BYTES_PER_PARAM = 4  # models are built in FP32 on the host; bf16-pure casts afterwards
+
+
+def host_memory_bytes() -> Optional[int]:
+    """The memory this process may use: physical RAM, or less under a cgroup (container) limit."""
+    limits = []
+    try:
+        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        pass
+    for cgroup in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(cgroup).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limits.append(int(text))
+    return min(limits) if limits else None
+
+
+def _device_memory_bytes(device: Any) -> Optional[int]:
+    """Total memory of a CUDA device (None on the CPU, where host memory is the limit)."""
+    if getattr(device, "type", str(device)).startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(device).total_memory)
+    return None
+
+
+def model_parameters(m: ModelConfig) -> int:
+    """The parameter count of the model ``m`` describes, from its shape (nothing is built)."""
+    from memtrain.analysis.estimate.params import param_count  # torch-free arithmetic
+    from memtrain.config.archs import GPT2_ARCH
+    from memtrain.models.spec import cost_arch, is_gpt_preset
+
+    arch = GPT2_ARCH if is_gpt_preset(m.model) else cost_arch(m.model)  # type: ignore[arg-type]
+    return param_count(m, arch)[0]
+
+
+def check_model_size(m: ModelConfig, device: Any = "cpu", precision: str = "fp32") -> None:
+    """Refuse a model that cannot be built here, before building any of it (see the module
+    docstring). ``device``: where it will run (its memory is checked besides the host's)."""
+    from memtrain.analysis.limits import check_analytic_size
+
+    check_analytic_size(m)
+    params = model_parameters(m)
+    host = host_memory_bytes()
+    need = params * BUILD_BYTES_PER_PARAM
+    if host is not None and need > host:
+        raise ConfigError(f"the model has {params:,} parameters, {need / 2**30:,.1f} GiB in FP32, more than this "
+                          f"machine's {host / 2**30:,.1f} GiB of memory; choose a smaller --n-layers/--d-model/"
+                          "--d-ff/--vocab-size (memtrain estimate shows what a size needs)")
+    on_device = _device_memory_bytes(device)
+    weight_bytes = 2 if precision == "bf16-pure" else BUILD_BYTES_PER_PARAM
+    if on_device is not None and params * weight_bytes > on_device:
+        raise ConfigError(f"the model's {params:,} parameters take {params * weight_bytes / 2**30:,.1f} GiB, more than "
+                          f"{device}'s {on_device / 2**30:,.1f} GiB; choose a smaller model "
+                          "(memtrain plan finds what fits)")
+
+
+# --------------------------------------------------------------------------- resume
+def saved_run(path: str | Path) -> tuple[dict[str, Any], int, Optional[str]]:
+    """The saved config, step and data fingerprint (None in checkpoints that predate it) of a
+    checkpoint (single file or sharded directory).
+
+    Reads no tensor data: a sharded checkpoint's meta.json, or a single file memory-mapped
+    with ``weights_only=True`` (only the small entries are touched)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        meta_path = p / "meta.json"
+        if not meta_path.is_file():
+            raise ConfigError(f"--resume {str(p)!r} is a directory without meta.json; it is not a memtrain checkpoint")
+        why = regular_file_problem(meta_path, p)  # e.g. a link out of the checkpoint
+        if why is not None:
+            raise ConfigError(f"checkpoint {str(p)!r} is refused: its meta.json is {why}; resume only from "
+                              "checkpoints memtrain wrote")
+        try:
+            state = loads_bounded(meta_path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError):
+            raise ConfigError(f"cannot read {str(meta_path)!r}; it is not a memtrain checkpoint") from None
+    elif p.is_file():
+        from memtrain.checkpoints.exact import load_plain
+
+        try:
+            state = load_plain(p, mmap=True)
+        except Exception as exc:  # truncated, foreign, or holding more than plain data
+            raise ConfigError(f"cannot read checkpoint {str(p)!r} ({type(exc).__name__}); it is not a memtrain checkpoint") from None
+    else:
+        raise ConfigError(f"checkpoint {str(p)!r} not found; check --resume")
+    if not isinstance(state, dict) or not isinstance(state.get("config"), dict) or not isinstance(state.get("step"), int):
+        raise ConfigError(f"checkpoint {str(p)!r} holds no run config or step; it was not written by this memtrain version")
+    fingerprint = state.get("data_fingerprint")
+    return state["config"], state["step"], fingerprint if isinstance(fingerprint, str) else None
+
+
+def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """``["key: saved -> now", ...]`` for every key that decides the run's numbers."""
+    diffs = []
+    for section, values in now.items():
+        old_section = saved.get(section) if isinstance(saved.get(section), dict) else {}
+        for key, value in values.items():
+            if key in MAY_DIFFER:
+                continue
+            old = old_section.get(key, "<missing>")  # type: ignore[union-attr]  # old_section is a dict: non-dicts were replaced by {}
+            if old != value:
+                diffs.append(f"{key}: {old!r} -> {value!r}")
+    return diffs
+
+
+def check_resume(cfg: RunConfig) -> None:
+    """Refuse ``--resume`` of a checkpoint from a different run (see the module docstring)."""
+    if not cfg.train.resume:
+        return
+    saved, step, fingerprint = saved_run(cfg.train.resume)
+    diffs = config_differences(saved, cfg.to_dict())
+    if diffs:
+        shown = "; ".join(diffs[:8]) + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else "")
+        what = "model" if any(d.split(":")[0] in saved.get("model", {}) for d in diffs) else "run"
+        raise ConfigError(f"checkpoint {cfg.train.resume!r} does not fit this {what}: it was saved by a different run "
+                          f"({shown}); resume with the saved run's settings or start a new run without --resume")
+    end = cfg.train.stop_after or cfg.train.steps
+    if not 0 <= step < end:
+        raise ConfigError(f"--resume {cfg.train.resume!r} is at step {step}, this run ends at step {end}; "
+                          "raise --stop-after (or drop it) to continue")
+    check_resume_data(cfg, fingerprint)
+
+
+def check_resume_data(cfg: RunConfig, saved: Optional[str]) -> None:
+    """The data at ``--data`` holds what the checkpoint was trained on: the same path with other
+    content would resume the data position (and the train/validation split) on other tokens.
+    A checkpoint without a fingerprint (written before checkpoints carried one) cannot be
+    compared: the run warns once it has resumed (:func:`unchecked_data_warning`)."""
+    from memtrain.data.sources import data_fingerprint  # reads the data's files only when resuming
+
+    if saved is not None and data_fingerprint(cfg.data) != saved:
+        raise ConfigError(f"--data {cfg.data.data!r} does not hold the data checkpoint {cfg.train.resume!r} was "
+                          "trained on (its content changed since); resume with that data, or start a new run "
+                          "without --resume")
+
+
+def unchecked_data_warning(cfg: RunConfig) -> str:
+    """What a run resumed from a checkpoint without a data fingerprint says (once, on stderr)."""
+    return (f"warning: checkpoint {cfg.train.resume!r} records no data fingerprint (an older memtrain wrote it); "
+            f"cannot check that --data {cfg.data.data!r} holds the data it was trained on")
+
+
+# --------------------------------------------------------------------------- launch
+def check_before_launch(cfg: RunConfig, nproc: int) -> None:
+    """What ``memtrain train --nproc-per-node N`` checks before it starts any rank: the same
+    checks each rank makes (destinations, vocabulary, resume), the strategy and its
+    combinations, and a sharded checkpoint's rank count and per-rank files, so that bad
+    input costs no process start and no rendezvous."""
+    from memtrain.distributed.validation import check_combination  # torch loads only when this runs
+    from memtrain.runtime.env import resolve_device  # torch loads only when this runs
+
+    if cfg.technique.distributed == "none":
+        raise ConfigError(f"--nproc-per-node {nproc} starts data-parallel ranks; add --distributed ddp "
+                          "(or zero1, zero2, fsdp)")
+    check_destinations(cfg, fresh_out=True)
+    check_vocab(cfg)
+    check_model_size(cfg.model, resolve_device(cfg.train.device), cfg.technique.precision)
+    check_resume(cfg)
+    check_combination(cfg, resolve_device(cfg.train.device))
+    if cfg.train.resume:
+        check_sharded_resume(cfg.train.resume, nproc)
+
+
+def check_sharded_resume(path: str | Path, nproc: int) -> None:
+    """A sharded checkpoint was written by ``nproc`` ranks and holds every rank's file."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ConfigError(f"{str(p)!r} is not a distributed checkpoint directory; a single-process checkpoint "
+                          "resumes without --distributed and without --nproc-per-node")
+    meta = loads_bounded((p / "meta.json").read_text())  # saved_run (check_resume) has read it
+    world = meta.get("world_size")
+    if world != nproc:
+        raise ConfigError(f"checkpoint {str(p)!r} was written by {world} ranks; resume with --nproc-per-node {world}")
+    missing = [f"rank-{r}.pt" for r in range(nproc) if not (p / f"rank-{r}.pt").is_file()]
+    if missing:
+        raise ConfigError(f"checkpoint {str(p)!r} lacks {', '.join(missing)}; it is incomplete, resume from another one")

@@ -1,0 +1,179 @@
+"""Live training logs: ``OUT/metrics.jsonl`` always, TensorBoard and Weights & Biases on request.
+
+``result.json`` is written at the end of a run; a killed run would leave no loss curve. The
+train loop hands each step's numbers to a :class:`MetricsLogger`, which appends one JSON line
+per logged step to ``metrics.jsonl`` (flushed, so a crash keeps every line written) and
+forwards the same scalars to the libraries the user already looks at: torch's
+``SummaryWriter`` (``--report-to tensorboard``, extra ``memtrain[tensorboard]``) and ``wandb``
+(``--report-to wandb``, extra ``memtrain[wandb]``; ``WANDB_MODE=offline`` works without an
+account). Under torchrun only rank 0 logs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional, Protocol
+
+from memtrain.config.run import ConfigError
+from memtrain.files.results import METRICS_NAME, open_append, open_new, write_all
+
+REPORT_TO = ("none", "tensorboard", "wandb")
+
+
+class Sink(Protocol):
+    def log(self, step: int, scalars: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    """One JSON object per logged step, appended line by line (unbuffered: a crash keeps every
+    line written).
+
+    A fresh run creates the file (``O_EXCL``: an earlier run's curve is never overwritten; the
+    CLI refuses such a folder before the first step). A resumed run appends to the curve it
+    continues, after a newline when a kill left the last line torn. Never through a link.
+    A failed write (a full disk) does not stop the run: the sink says so once, stops writing,
+    and keeps the error in :attr:`failure` for the run to report after its other writes."""
+
+    def __init__(self, path: Path, append: bool) -> None:
+        self.path = Path(path)
+        self.fd: Optional[int] = open_append(self.path) if append else open_new(self.path)
+        self.failure: Optional[BaseException] = None
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        if self.fd is None:
+            return
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in scalars.items()}
+        try:
+            write_all(self.fd, (json.dumps({"step": step, **clean}) + "\n").encode(), self.path)
+        except OSError as exc:
+            self.failure = exc
+            sys.stderr.write(f"warning: cannot write {self.path} ({exc.strerror or exc}); training goes on, "
+                             f"its curve from step {step} on is not logged\n")
+            self.close()
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class TensorBoardSink:
+    """torch.utils.tensorboard's SummaryWriter; tags ``train/<name>``."""
+
+    def __init__(self, log_dir: Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ConfigError("--report-to tensorboard needs the tensorboard package: "
+                              "pip install 'memtrain[tensorboard]'") from None
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        for k, v in scalars.items():
+            if v is not None:
+                self.writer.add_scalar(f"train/{k}", v, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """A wandb run in ``OUT`` (set WANDB_MODE=offline to log without an account)."""
+
+    def __init__(self, out: Path, config: dict[str, Any]) -> None:
+        try:
+            import wandb
+        except ImportError:
+            raise ConfigError("--report-to wandb needs the wandb package: pip install 'memtrain[wandb]'") from None
+        try:
+            self.run = wandb.init(project="memtrain", dir=str(out), config=config, reinit=True)
+        except (wandb.errors.UsageError, wandb.errors.AuthenticationError, ValueError) as exc:
+            # No login (no API key, no network to log in), or a WANDB_* variable wandb cannot read
+            # (its settings' ValidationError is a ValueError): the user's setup, said in one line.
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"--report-to wandb cannot start a run ({reason}); run `wandb login`, set "
+                              "WANDB_API_KEY, or set WANDB_MODE=offline to log without an account") from None
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self.run.log({f"train/{k}": v for k, v in scalars.items() if v is not None}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def parse_report_to(spec: str) -> list[str]:
+    """``tensorboard,wandb`` -> the sink names; ``none`` -> []."""
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    for n in names:
+        if n not in REPORT_TO:
+            raise ConfigError(f"unknown --report-to {n!r}; choose from {', '.join(REPORT_TO)} (comma-separated)")
+    return [n for n in names if n != "none"]
+
+
+class MetricsLogger:
+    """Fans one step's scalars out to every sink; a no-op when ``enabled`` is False (rank > 0)."""
+
+    def __init__(self, out: str | Path, report_to: str = "none", every: int = 1, enabled: bool = True,
+                 append: bool = False, config: Optional[dict[str, Any]] = None) -> None:
+        self.every = max(1, every)
+        self.sinks: list[Sink] = []
+        self.jsonl: Optional[JsonlSink] = None
+        names = parse_report_to(report_to)  # validated on every rank: a typo fails everywhere alike
+        if not enabled:
+            return
+        out = Path(out)
+        self.path = out / METRICS_NAME
+        try:
+            # The sinks that can refuse (no login, a missing package) start first, so that a
+            # refusal leaves no metrics.jsonl behind.
+            if "wandb" in names:
+                self.sinks.append(WandbSink(out, config or {}))
+            if "tensorboard" in names:
+                self.sinks.append(TensorBoardSink(out / "tensorboard"))
+            self.jsonl = JsonlSink(self.path, append)
+            self.sinks.insert(0, self.jsonl)
+        except BaseException:
+            self.close()
+            raise
+
+    def log(self, step: int, scalars: dict[str, Any], force: bool = False) -> None:
+        """Log ``scalars`` for ``step`` (1-based, the number of completed optimizer steps)."""
+        if self.sinks and (force or step % self.every == 0):
+            for sink in self.sinks:
+                sink.log(step, scalars)
+
+    @property
+    def failure(self) -> Optional[BaseException]:
+        """The error that stopped ``metrics.jsonl`` (a full disk), or None."""
+        return self.jsonl.failure if self.jsonl is not None else None
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+
+
+def live_memory(device: Any) -> dict[str, Optional[int]]:
+    """Memory figures cheap enough to read every step: the CUDA allocator's current and peak
+    bytes, or on CPU the process's peak resident set (the tracked meter runs on two steps only)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        return {"memory_allocated_bytes": int(torch.cuda.memory_allocated(dev)),
+                "max_allocated_bytes": int(torch.cuda.max_memory_allocated(dev))}
+    try:
+        import resource
+        import sys
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        return {"rss_peak_bytes": int(rss if sys.platform == "darwin" else rss * 1024)}
+    except (ImportError, OSError):
+        return {"rss_peak_bytes": None}

@@ -1,0 +1,271 @@
+"""The step harness: build a run into one train-state value, then run training steps on it.
+
+Every caller that trains goes through here, so a model family, a technique or a precision
+behaves the same in all of them: ``memtrain train`` (:mod:`memtrain.training.train`), the max-batch
+probe (:func:`memtrain.analysis.maxbatch.measure_step_memory`), the fake-tensor tracer
+(:func:`memtrain.analysis.trace.trace_step`), the op-class profiler
+(:func:`memtrain.analysis.flops.profile.profile_op_classes`), plan verification (through ``train``) and
+both checkpoint backends (which save and restore a :class:`TrainState`).
+
+Public API (stable; scripts such as ``benchmarks/compare_hf.py`` may build on it):
+
+``build_state(cfg, device, precision=None, *, dist_ctx=None, base=None, schedule=False,
+prepare_context=None) -> TrainState``
+    The model (through the one model seam, :func:`memtrain.models.build_model`: memtrain's
+    GPT or a transformers model), the techniques applied in their one order
+    (:func:`memtrain.techniques.prepare_model`), training mode, the optimizer
+    (:func:`memtrain.techniques.build_optimizer`), the distributed optimizer wrap (ZeRO-1,
+    DeepSpeed) and, with ``schedule``, the LR schedule (:func:`lr_lambda`). Seeding is the
+    caller's: ``train`` seeds before probing the device, the tracer never seeds.
+``build_base_model(cfg, device, precision) -> nn.Module``
+    The untouched model, created directly on ``device`` in the run's weight dtype
+    (:func:`building_on`): no full-precision copy on the host first.
+``TrainState``
+    One run's training state: config, device, model, optimizer, precision (autocast, loss
+    scaler, skipped steps), scheduler, data loader, step counter, loss history, and the step
+    function and no-sync context the distributed wrap chose.
+``train_step(model, micro_batches, optimizer, precision, grad_clip, device, meter=None,
+no_sync=None, micro_context=None, optimizer_context=None) -> float``
+    One optimizer step: micro-batch loop (autocast, loss / N, scaled backward) -> unscale ->
+    clip -> step (skipped-step count under a GradScaler) -> zero_grad, with the meter's
+    phases. ``micro_context`` / ``optimizer_context`` wrap each micro-batch's forward+backward
+    and the optimizer phase (the profiler's op-class ranges).
+``run_step(state, micro_batches, meter=None, **contexts) -> float``
+    ``train_step`` (or the distributed wrap's replacement) on ``state``.
+``measure_steps(state, make_micro, steps=2, meter=None) -> None``
+    ``steps`` steps with the meter's and the device's peak reset before the last one (the
+    steady state: the first step creates the optimizer state).
+``random_micro_batches(cfg, batch, device, generator=None)``
+    ``grad_accum`` micro-batches of random token ids (memory and FLOPs do not depend on them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Iterator, Optional
+
+import torch
+import torch.nn as nn
+
+from memtrain.config.run import RunConfig
+from memtrain.metrics import MemoryMeter, reset_device_peak
+from memtrain.models import build_model
+from memtrain.techniques import Precision, build_optimizer, make_precision, prepare_model
+from memtrain.training.preflight import check_model_size
+
+__all__ = [
+    "Batch", "TrainState", "build_base_model", "build_state", "building_on", "lr_lambda", "measure_steps", "random_micro_batches",
+    "run_step", "train_step",
+]
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+ContextFactory = Callable[[], ContextManager[Any]]
+
+
+@contextlib.contextmanager
+def building_on(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+    """Tensors created inside are made on ``device`` in ``dtype`` (a floating dtype).
+
+    Building a model on the host in FP32 and then moving it costs twice the weight bytes of
+    host memory and a full copy: an 8B model took minutes to build that way before its first
+    step on a GPU, where transformers' own ``from_config`` under a device context takes under a
+    second. torch's device context makes every factory call allocate on ``device``; the default
+    dtype makes parameters start in the weight dtype (BF16 for ``bf16-pure``, else FP32).
+    """
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_base_model(cfg: RunConfig, device: torch.device, precision: Precision) -> nn.Module:
+    """``cfg``'s model, before any technique, built on ``device`` in ``precision``'s weight dtype."""
+    with building_on(device, precision.param_dtype):
+        return build_model(cfg)  # memtrain's GPT, or a transformers model for --model SPEC
+
+
+def lr_lambda(cfg: RunConfig) -> Callable[[int], float]:
+    """Linear warm-up to 1, then cosine down to ``min_lr_ratio`` (or constant)."""
+    t = cfg.train
+
+    def factor(step: int) -> float:
+        if t.warmup_steps and step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        if t.schedule == "constant":
+            return 1.0
+        decay_steps = max(1, t.steps - t.warmup_steps)
+        progress = min(1.0, (step - t.warmup_steps) / decay_steps)
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def _optimizer_phase(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision,
+                     grad_clip: float) -> None:
+    """Unscale -> clip -> step -> zero_grad; a GradScaler's skipped step is counted."""
+    scaler = precision.scaler
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    if grad_clip > 0:
+        params = [p for p in model.parameters() if p.grad is not None]
+        precision.last_grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    if scaler is not None:
+        scale_before = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        if scaler.get_scale() < scale_before:
+            # GradScaler skips the step when it finds inf/nan and lowers the scale.
+            precision.skipped_steps += 1
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def train_step(
+    model: nn.Module,
+    micro_batches: list[Batch],
+    optimizer: torch.optim.Optimizer,
+    precision: Precision,
+    grad_clip: float,
+    device: torch.device,
+    meter: Optional[MemoryMeter] = None,
+    no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+    micro_context: Optional[ContextFactory] = None,
+    optimizer_context: Optional[ContextFactory] = None,
+) -> float:
+    """One optimizer step over ``len(micro_batches)`` micro-batches; returns the mean loss.
+
+    Each micro-batch loss is scaled by 1/N so the summed gradients equal the gradient of the
+    mean loss over the large batch (gradient accumulation). ``no_sync`` (data parallel)
+    suppresses the gradient all-reduce on all but the last micro-batch.
+    """
+    phase = meter.phase if meter is not None else (lambda name: contextlib.nullcontext())
+    around_micro = micro_context or contextlib.nullcontext
+    n = len(micro_batches)
+    total = torch.zeros((), device=device)
+    scaler = precision.scaler
+    for i, (x, y) in enumerate(micro_batches):
+        x = x.to(device, non_blocking=True)
+        y = y.to(device, non_blocking=True)
+        sync_ctx = no_sync() if (no_sync is not None and i < n - 1) else contextlib.nullcontext()
+        with sync_ctx, around_micro():
+            with phase("forward"), precision.autocast():
+                loss = model(x, y) / n
+            with phase("backward"):
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+        total += loss.detach()
+    with phase("optimizer"), (optimizer_context or contextlib.nullcontext)():
+        _optimizer_phase(model, optimizer, precision, grad_clip)
+    return float(total)
+
+
+StepFn = Callable[..., float]
+
+
+@dataclass
+class TrainState:
+    """Everything one run trains with; what a checkpoint saves and a resume restores."""
+
+    cfg: RunConfig
+    device: torch.device
+    model: nn.Module  # the module to train: the prepared model or its distributed wrapper
+    optimizer: torch.optim.Optimizer
+    precision: Precision  # autocast, loss scaler, skipped-step count, last gradient norm
+    n_params: int  # parameters of the model as built (before LoRA adds adapters)
+    scheduler: Any = None  # LambdaLR over lr_lambda(cfg), when the run schedules its LR
+    loader: Any = None  # the resumable data loader (its position is checkpointed)
+    step: int = 0  # optimizer steps completed
+    # SHA-256 of the training data's content (memtrain.data.sources.data_fingerprint), saved in
+    # checkpoints so that --resume refuses other data at the same path; None when unknown.
+    data_fingerprint: Optional[str] = None
+    losses: list[float] = field(default_factory=list)  # one training loss per completed step
+    # The step function and the data-parallel no-sync context the distributed wrap chose
+    # (DeepSpeed drives its engine with its own step; DDP/FSDP skip all-reduces on accumulation).
+    step_fn: StepFn = train_step
+    no_sync: Optional[Callable[[], contextlib.AbstractContextManager]] = None
+
+    @property
+    def trainable_parameters(self) -> int:
+        """Trainable parameters of the prepared model (tied weights counted once)."""
+        unique = {id(p): p for p in self.model.parameters() if p.requires_grad}
+        return sum(p.numel() for p in unique.values())
+
+
+def build_state(cfg: RunConfig, device: torch.device, precision: Optional[Precision] = None, *,
+                dist_ctx: Any = None, base: Optional[nn.Module] = None, schedule: bool = False,
+                prepare_context: Optional[ContextFactory] = None) -> TrainState:
+    """Build ``cfg``'s run on ``device`` into a :class:`TrainState` (see the module docstring).
+
+    ``base``: an already built model (the tracer builds it on fake tensors); otherwise it is
+    built here through :func:`memtrain.models.build_model`, the one seam a model family plugs
+    into. ``prepare_context`` wraps the technique pass (the tracer's fake-safe ``Module.to``).
+    ``dist_ctx`` (:class:`memtrain.distributed.session.DistContext`) wraps the optimizer and
+    supplies the step function and no-sync context.
+    """
+    if precision is None:
+        precision = make_precision(cfg.technique.precision, device)
+    if base is None:
+        check_model_size(cfg.model, device, cfg.technique.precision)  # a shape that cannot be built, refused before building
+        base = build_base_model(cfg, device, precision)
+    n_params = base.num_parameters()  # type: ignore[operator]  # GPT and HFCausalLM both define it
+    with (prepare_context or contextlib.nullcontext)():
+        model = prepare_model(base, cfg, device, precision)
+    model.train()
+    optimizer = build_optimizer(model, cfg.technique, cfg.train)
+    state = TrainState(cfg, device, model, optimizer, precision, n_params)
+    if dist_ctx is not None:
+        state.model, state.optimizer = dist_ctx.wrap_optimizer(model, optimizer)  # ZeRO-1 / DeepSpeed
+        state.step_fn = dist_ctx.train_step or train_step
+        state.no_sync = dist_ctx.no_sync(state.model)
+    if schedule:
+        state.scheduler = torch.optim.lr_scheduler.LambdaLR(state.optimizer, lr_lambda(cfg))
+    return state
+
+
+def run_step(state: TrainState, micro_batches: list[Batch], meter: Optional[MemoryMeter] = None,
+             **contexts: Optional[ContextFactory]) -> float:
+    """One optimizer step of ``state`` (see :func:`train_step`); returns the mean loss.
+    ``contexts`` (``micro_context``, ``optimizer_context``) reach :func:`train_step` only."""
+    extra = {k: v for k, v in contexts.items() if v is not None}
+    return state.step_fn(state.model, micro_batches, state.optimizer, state.precision,
+                         state.cfg.train.grad_clip, state.device, meter, no_sync=state.no_sync, **extra)
+
+
+def measure_steps(state: TrainState, make_micro: Callable[[], list[Batch]], steps: int = 2,
+                  meter: Optional[MemoryMeter] = None) -> None:
+    """Run ``steps`` steps under ``meter``, its peak and the device's reset before the last
+    (the steady state: the first step creates the optimizer state). ``make_micro`` gives each
+    step's micro-batches, made outside the meter as a data loader would."""
+    for i in range(steps):
+        micro = make_micro()
+        with meter if meter is not None else contextlib.nullcontext():
+            if i == steps - 1:
+                if meter is not None:
+                    meter.reset_peak()
+                reset_device_peak(state.device)
+            run_step(state, micro, meter)
+
+
+def random_micro_batches(cfg: RunConfig, batch: int, device: torch.device,
+                         generator: Optional[torch.Generator] = None) -> list[Batch]:
+    """``grad_accum`` micro-batches of ``batch`` random sequences (inputs, targets), on ``device``.
+
+    Memory and FLOPs do not depend on token values, so random ids stand in for data. With a
+    ``generator`` the ids are drawn on the CPU and moved (reproducible, and the global RNG is
+    left alone); without one they are drawn on ``device`` (fake tensors draw nothing)."""
+    shape = (batch, cfg.train.seq_len)
+    v = cfg.model.vocab_size
+    if generator is None:
+        return [(torch.randint(0, v, shape, device=device), torch.randint(0, v, shape, device=device))
+                for _ in range(cfg.train.grad_accum)]
+    out = []
+    for _ in range(cfg.train.grad_accum):
+        x = torch.randint(0, v, shape, generator=generator)
+        y = torch.randint(0, v, shape, generator=generator)
+        out.append((x.to(device), y.to(device)))
+    return out

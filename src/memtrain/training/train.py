@@ -1,0 +1,416 @@
+"""The training run: data, the step loop, evaluation, checkpoints and the result.
+
+``train(cfg)`` runs one configured run and returns its result dict (the ``result.json``
+contract of docs/architecture.md). The run is built and stepped by the step harness
+(:mod:`memtrain.training.step`: one :class:`~memtrain.training.step.TrainState`, micro-steps -> clip -> optimizer
+step); this module adds what only a real run has: data, timing, the metered steps, logging,
+evaluation and checkpoints. It prints nothing itself except an optional progress bar; the CLI
+decides what to show.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from memtrain.analysis.flops import counted_flops_per_step, rule_flops_per_token
+from memtrain.checkpoints.exact import load_checkpoint, save_checkpoint
+from memtrain.config.run import RunConfig
+from memtrain.data import data_fingerprint, make_train_loader, make_val_batches, prepare_tokens
+from memtrain.data.device_feed import DeviceFeed
+from memtrain.devices.advice import mfu_for_run, reference_rate_now, run_device_facts
+from memtrain.distributed.rank_errors import agreement, launched_by_memtrain
+from memtrain.distributed.session import DistContext, distributed_session
+from memtrain.files.results import FolderLock, register_writer, remove_stale_temps
+from memtrain.metrics import MemoryMeter, StepTimer, device_peak_memory, percentile, reset_device_peak
+from memtrain.metrics.state import ShardedStateBytes
+from memtrain.models import data_tokenizer
+from memtrain.runtime.env import environment, resolve_device, seed_everything
+from memtrain.techniques import Precision, make_precision
+from memtrain.techniques.optim import check_optimizer_installed
+from memtrain.training.preflight import (
+    check_destinations,
+    check_model_size,
+    check_resume,
+    check_vocab,
+    saved_run,
+    unchecked_data_warning,
+)
+from memtrain.training.sinks import MetricsLogger, live_memory
+from memtrain.training.step import Batch, TrainState, build_base_model, build_state, lr_lambda, run_step, train_step
+
+# lr_lambda and train_step live in the step harness (memtrain.training.step); kept importable from here.
+__all__ = ["Batch", "LossDiverged", "evaluate", "lr_lambda", "train", "train_step"]
+
+# Steps whose memory is tracked (the meter slows a step down, so only these are metered and
+# they are also left out of the timing). Step 0 creates the optimizer state; step 1 is the
+# steady state whose peak is reported.
+METERED_STEPS = (0, 1)
+
+
+class LossDiverged(RuntimeError):
+    """The loss became NaN or infinite: further steps would only train on garbage."""
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[Batch], precision: Precision, device: torch.device) -> float:
+    """Mean token loss over the fixed validation batches."""
+    was_training = model.training
+    model.eval()
+    losses, weights = [], []
+    for x, y in batches:
+        with precision.autocast():
+            loss = model(x.to(device), y.to(device))
+        losses.append(float(loss))
+        weights.append(y.numel())
+    model.train(was_training)
+    return sum(loss * w for loss, w in zip(losses, weights)) / sum(weights)
+
+
+@dataclass
+class _Progress:
+    """A tqdm bar that is silent when disabled."""
+
+    total: int
+    initial: int
+    enabled: bool
+    bar: Any = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=self.total, initial=self.initial, desc="train", unit="step", dynamic_ncols=True)
+
+    def update(self, loss: float, tokens_per_s: float) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _flops_per_rank_step(cfg: RunConfig, n_params: int) -> tuple[float, str]:
+    """Model FLOPs of one optimizer step on one rank, the MFU numerator: the counted
+    forward + backward (as ``memtrain flops`` reports them, so both agree), or the 6ND +
+    attention rule when the model cannot be traced for counting."""
+    try:
+        return float(counted_flops_per_step(cfg)["model_flops"]), "counted"
+    except Exception:  # noqa: BLE001 - a counting gap must not fail a finished run
+        t = cfg.train
+        tokens = t.batch_size * t.grad_accum * t.seq_len
+        return rule_flops_per_token(cfg.model, t.seq_len, n_params) * tokens, "rule"
+
+
+# Called after every optimizer step with (steps done, steps in this run, timed-step median so
+# far or None while still in the timing warm-up); the bench uses it for its ETA.
+StepCallback = Callable[[int, int, Optional[float]], None]
+
+
+def _optimizer_kernel(optimizer: Any) -> Optional[str]:
+    """Which AdamW kernel ran (``--optim adamw`` picks one per device): fused | foreach | for-loop."""
+    d = getattr(optimizer, "defaults", {}) or {}
+    if "fused" not in d and "foreach" not in d:
+        return None
+    return "fused" if d.get("fused") else "foreach" if d.get("foreach") else "for-loop"
+
+
+def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = True,
+          on_result: Optional[Callable[[dict[str, Any]], None]] = None,
+          log_metrics: bool = False, on_step: Optional[StepCallback] = None,
+          lock_out: bool = False) -> dict[str, Any]:
+    """Run one training run as configured; return the result dict.
+
+    Under ``--distributed`` every rank (torchrun process) runs this and gets the result;
+    only rank 0 shows progress (see :mod:`memtrain.distributed`). ``on_result``
+    receives the result before the final checkpoint is written (the CLI writes result.json
+    there), so a failing final save cannot lose the run's numbers. ``log_metrics`` (the
+    ``train`` command) writes ``OUT/metrics.jsonl`` and the ``--report-to`` sinks as steps
+    complete; library callers (bench rows, plan's check) leave it off. ``lock_out`` (the
+    ``train`` command) holds ``OUT``'s folder lock for the run, so a second train or bench
+    on the folder is refused (exit 2) instead of mixing their files: rank 0 takes it (under
+    memtrain's launcher the launcher has it already), and every other rank adds itself to
+    the lock file as a writer (:func:`memtrain.files.results.register_writer`), so the folder stays
+    refused until the last rank is gone, whoever ends first.
+    """
+    with distributed_session(cfg, resolve_device(cfg.train.device)) as dist_ctx, contextlib.ExitStack() as held:
+        # Before any step and before the first collective: every rank checks, and a refusal
+        # on any one rank (its own file, its own disk) refuses the run on all of them.
+        launched = launched_by_memtrain()  # the launcher holds OUT's lock for its ranks
+        with agreement():
+            # Never a run that cannot write its result, nor one that would overwrite another's.
+            check_destinations(cfg, fresh_out=log_metrics)
+            check_vocab(cfg)
+            check_model_size(cfg.model, dist_ctx.device, cfg.technique.precision)  # a shape that cannot be built, refused before building
+            check_resume(cfg)  # a checkpoint of another run is refused before tokenizing
+            check_optimizer_installed(cfg.technique)  # an absent optional package, before anything is built
+            if lock_out and dist_ctx.is_main and not launched:
+                held.enter_context(FolderLock(Path(cfg.train.out), "memtrain train", cleanup_if_unused=True))
+                remove_stale_writes(cfg)
+        # After the agreement: the holder (rank 0 or the launcher) has the lock file by now.
+        if lock_out and dist_ctx.enabled and (launched or not dist_ctx.is_main):
+            register_writer(Path(cfg.train.out), f"memtrain train rank {dist_ctx.rank}")
+        return _train(cfg, dist_ctx, progress, track_memory, on_result, log_metrics, on_step)
+
+
+def remove_stale_writes(cfg: RunConfig) -> None:
+    """Temporary files of an earlier writer of ``--out`` or of ``--save`` that was killed
+    mid-write (a SIGKILL skips its cleanup): memtrain's own names, whose process is gone."""
+    remove_stale_temps(Path(cfg.train.out))
+    if cfg.train.save and cfg.technique.distributed == "none":
+        save = Path(cfg.train.save).expanduser()
+        remove_stale_temps(save.parent, save.name)
+
+
+def _step_scalars(loss: float, scheduler: Any, precision: Precision, tokens_per_s: float,
+                  device: torch.device) -> dict[str, Any]:
+    """What one metrics.jsonl line holds besides the step number."""
+    norm = precision.last_grad_norm
+    scalars = {"loss": loss, "lr": scheduler.get_last_lr()[0],
+               "grad_norm": float(norm) if norm is not None else None,
+               "tokens_per_s": tokens_per_s, **live_memory(device)}
+    # torchao's optimizers (bf16-pure's stochastic-rounding AdamW, the low-bit AdamWs) keep the
+    # learning rate as a 0-d tensor; json cannot write one and the run stopped at its first
+    # metrics line, so every value is made a plain number here.
+    return {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in scalars.items()}
+
+
+def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], track_memory: bool,
+           on_result: Optional[Callable[[dict[str, Any]], None]] = None,
+           log_metrics: bool = False, on_step: Optional[StepCallback] = None) -> dict[str, Any]:
+    t = cfg.train
+    show = (t.progress if progress is None else progress) and dist_ctx.is_main
+    device = dist_ctx.device
+    seed_everything(t.seed)
+    # Distributed runs save a sharded checkpoint directory (torch.distributed.checkpoint).
+    save_ckpt, load_ckpt = save_checkpoint, load_checkpoint
+    if dist_ctx.enabled:
+        # Imported only here: torch.distributed.checkpoint pulls in DTensor and most of a
+        # bench row's import time (measured with python -X importtime), for runs that never use it.
+        from memtrain.checkpoints.distributed import (  # torch.distributed.checkpoint loads only when used
+            load_checkpoint as dcp_load,
+            save_checkpoint as dcp_save,
+        )
+
+        save_ckpt, load_ckpt = dcp_save, dcp_load
+
+    # Techniques first: an impossible combination (a backend the device lacks, an optimizer
+    # that cannot pair with the precision) fails in seconds, before a long tokenization.
+    with agreement():  # no collective yet: a rank that cannot build the model fails them all
+        precision = make_precision(cfg.technique.precision, device)
+        # Probe the device (cached per machine) and warn up front when this precision is slow here.
+        caps, device_caps = run_device_facts(cfg.technique.precision, device) if dist_ctx.is_main else (None, None)
+        base = build_base_model(cfg, device, precision)  # on the device, in the weight dtype
+    state = build_state(cfg, device, precision, dist_ctx=dist_ctx, base=base, schedule=True)
+    # Looked up here, not in the harness: tests replace this module's train_step.
+    state.step_fn = dist_ctx.train_step or train_step
+    if dist_ctx.enabled:  # what this rank holds of the state, the result's ranks[].sharded_state
+        dist_ctx.state = ShardedStateBytes(state.model, state.optimizer, dist_ctx.local_optimizer or state.optimizer)
+
+    # Then data; nothing is written before both succeeded.
+    with dist_ctx.main_first():  # rank 0 fills the token cache, the other ranks then read it
+        splits = prepare_tokens(cfg.data, progress=show, tokenizer=data_tokenizer(cfg))
+    state.data_fingerprint = data_fingerprint(cfg.data)  # saved in checkpoints, checked by --resume
+    # The next step's batches are fetched while this one runs, on a GPU (memtrain.data.device_feed).
+    state.loader = DeviceFeed(make_train_loader(
+        splits.train, t.seq_len, t.batch_size, seed=t.seed,
+        num_workers=cfg.data.num_workers, pin_memory=cfg.data.pin_memory,
+        prefetch_factor=cfg.data.prefetch_factor, rank=dist_ctx.rank, world_size=dist_ctx.world_size,
+    ), device)
+    val_batches = make_val_batches(splits.val, t.seq_len, cfg.data.val_blocks, t.batch_size)
+    if t.resume:
+        load_ckpt(t.resume, state)  # sets state.step and state.losses
+        if dist_ctx.is_main and saved_run(t.resume)[2] is None:  # an older checkpoint: nothing was compared
+            print(unchecked_data_warning(cfg), file=sys.stderr)
+    start_step = state.step
+
+    tokens_per_step = t.batch_size * t.grad_accum * t.seq_len * dist_ctx.world_size  # global batch
+    # Metered steps run slower (the meter sees every op): keep them inside the timing warm-up.
+    warmup = max(t.warmup_timing_steps, len(METERED_STEPS) if track_memory else 0)
+    timer = StepTimer(device, warmup=min(warmup, max(0, (t.stop_after or t.steps) - start_step - 1)))
+    meter = MemoryMeter(state.model, state.optimizer) if track_memory else None
+    dist_ctx.attach_meter(meter)
+    reset_device_peak(device)
+    end_step = t.stop_after or t.steps
+    logger = MetricsLogger(t.out, t.report_to, t.log_every, enabled=log_metrics and dist_ctx.is_main,
+                           append=bool(t.resume), config=cfg.to_dict())
+    loop = _Loop(state, timer, meter, logger, save_ckpt, val_batches, tokens_per_step, on_step,
+                 dist_ctx.mean)
+    wall_start = time.perf_counter()
+    bar = _Progress(total=end_step, initial=start_step, enabled=show)
+    try:
+        loop.run(start_step, end_step, bar)
+    except BaseException:
+        logger.close()
+        raise
+    finally:
+        bar.close()
+        state.loader.close()  # the feed's background fetch, if any
+    total_time = time.perf_counter() - wall_start
+    # CPU MFU's reference rate, measured now: under the same load as the steps just timed.
+    rate_now = reference_rate_now(caps)
+
+    val_loss = evaluate(state.model, val_batches, precision, device)
+    logger.log(end_step, {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, force=True)
+    logger.close()
+
+    memory: dict[str, Any] = {"peak_bytes": None, "by_category": None}
+    if meter is not None and len(state.losses) > 0:
+        memory.update(meter.stats().to_dict())
+    memory.update(device_peak_memory(device))
+    result = _result(state, timer, memory, splits, val_loss, loop.val_history, start_step, end_step,
+                     tokens_per_step, total_time, caps, device_caps, rate_now)
+    result.update(dist_ctx.result_fields(memory))  # distributed: "ranks" (memory per rank), "distributed"
+    _write_outputs(result, state, on_result, save_ckpt, end_step, logger.failure)
+    return result
+
+
+def _write_outputs(result: dict[str, Any], state: TrainState, on_result: Optional[Callable[[dict[str, Any]], None]],
+                   save_ckpt: Callable[[Any, TrainState], None], end_step: int,
+                   earlier: Optional[BaseException]) -> None:
+    """The result (``on_result``: result.json) first, then the final checkpoint, each written
+    whatever became of the other: a full ``--out`` disk still leaves the checkpoint on
+    ``--save``'s file system, and the reverse. Then the first failure is raised (``earlier``:
+    metrics.jsonl's), naming every file that could not be written."""
+    failures = [earlier] if earlier is not None else []
+    if on_result is not None:
+        try:
+            on_result(result)
+        except Exception as exc:  # noqa: BLE001 - raised below, after the checkpoint
+            failures.append(exc)
+    if state.cfg.train.save:  # after the result is out: a full disk here loses no numbers
+        state.step = end_step
+        try:
+            save_ckpt(state.cfg.train.save, state)
+        except Exception as exc:  # noqa: BLE001 - raised below
+            failures.append(exc)
+    if failures:
+        raise _first_failure(failures)
+
+
+def _first_failure(failures: list[BaseException]) -> BaseException:
+    """The first failure; when every one is an OSError of the same kind (a full disk), one
+    OSError naming all their files (the CLI's line says ``disk full writing A and B``)."""
+    first = failures[0]
+    errors = [f for f in failures if isinstance(f, OSError)]
+    if len(failures) > 1 and len(errors) == len(failures) and len({e.errno for e in errors}) == 1:
+        names = [str(e.filename) for e in errors if e.filename]
+        return OSError(errors[0].errno, errors[0].strerror, " and ".join(dict.fromkeys(names)))
+    return first
+
+
+@dataclass
+class _Loop:
+    """The step loop of one run: data wait, metered steps, NaN stop, logging, evaluation and
+    periodic checkpoints around :func:`memtrain.training.step.run_step`."""
+
+    state: TrainState
+    timer: StepTimer
+    meter: Optional[MemoryMeter]
+    logger: MetricsLogger
+    save_ckpt: Callable[[Any, TrainState], None]
+    val_batches: list[Batch]
+    tokens_per_step: int
+    on_step: Optional[StepCallback]
+    mean: Callable[[float], float]  # the mean over ranks (DistContext.mean)
+    val_history: list[dict[str, float]] = field(default_factory=list)
+
+    def run(self, start_step: int, end_step: int, bar: _Progress) -> None:
+        state, t = self.state, self.state.cfg.train
+        for step in range(start_step, end_step):
+            with self.timer.data_wait():
+                micro = state.loader.next_group(t.grad_accum)
+            step_start = time.perf_counter()
+            with self.timer.step():
+                loss = self._one_step(micro, step - start_step)
+                if not math.isfinite(loss):  # the same value on every rank: all stop together
+                    raise LossDiverged(f"the training loss became {loss} at step {step + 1}; lower --lr "
+                                       f"(now {t.lr:g}) or keep --grad-clip on; checkpoints written before are intact")
+                state.scheduler.step()
+            state.losses.append(loss)
+            state.step = done = step + 1
+            tokens_per_s = self.tokens_per_step / max(time.perf_counter() - step_start, 1e-9)
+            bar.update(loss, tokens_per_s)
+            self._after_step(done, start_step, end_step, loss, tokens_per_s)
+
+    def _one_step(self, micro: list[Batch], index: int) -> float:
+        """One step, metered when it is one of METERED_STEPS; the global batch's mean loss."""
+        meter = self.meter if self.meter is not None and index in METERED_STEPS else None
+        with meter if meter is not None else contextlib.nullcontext():
+            if meter is not None and index == METERED_STEPS[-1]:
+                meter.reset_peak()
+            loss = run_step(self.state, micro, meter)
+        return self.mean(loss)  # the global batch's loss, the same on every rank
+
+    def _after_step(self, done: int, start_step: int, end_step: int, loss: float, tokens_per_s: float) -> None:
+        state, t, logger = self.state, self.state.cfg.train, self.logger
+        if logger.sinks and (done % logger.every == 0 or done == end_step):
+            logger.log(done, _step_scalars(loss, state.scheduler, state.precision, tokens_per_s, state.device),
+                       force=True)
+        if self.on_step is not None:
+            self.on_step(done - start_step, end_step - start_step,
+                         percentile(self.timer.step_times, 50) if self.timer.step_times else None)
+        if t.eval_every and done % t.eval_every == 0 and done < end_step:
+            v = evaluate(state.model, self.val_batches, state.precision, state.device)
+            self.val_history.append({"step": done, "val_loss": v, "val_ppl": math.exp(min(v, 50))})
+            logger.log(done, self.val_history[-1], force=True)
+        if t.save and t.save_every and done % t.save_every == 0:
+            self.save_ckpt(t.save, state)
+
+
+def _result(state: TrainState, timer: StepTimer, memory: dict[str, Any], splits: Any, val_loss: float,
+            val_history: list[dict[str, float]], start_step: int, end_step: int, tokens_per_step: int,
+            total_time: float, caps: Any, device_caps: Any, rate_now: Optional[float] = None) -> dict[str, Any]:
+    """The result dict of a finished run (the result.json contract of docs/architecture.md)."""
+    cfg, t, losses, device = state.cfg, state.cfg.train, state.losses, state.device
+    stats = timer.summary().to_dict()
+    tail = losses[-min(10, len(losses)):] if losses else [float("nan")]
+    flops_per_rank_step, flops_source = _flops_per_rank_step(cfg, state.n_params)
+    median = stats["median"]
+    run_mfu, mfu_reference = mfu_for_run(flops_per_rank_step, median, device, cfg.technique.precision, caps, rate_now)
+    return {
+        "config": cfg.to_dict(),
+        "train_loss": sum(tail) / len(tail),
+        "val_loss": val_loss,
+        "val_ppl": math.exp(min(val_loss, 50)),
+        "steps": end_step,
+        "steps_run": end_step - start_step,
+        "stopped_early": end_step < t.steps,
+        "tokens": tokens_per_step * end_step,
+        "step_time_s": {k: stats[k] for k in ("median", "p10", "p90", "mean")},
+        "data_wait_share": stats.get("data_wait_share"),
+        "total_time_s": total_time,
+        "tokens_per_s": tokens_per_step / median if median else None,
+        "mfu": run_mfu,
+        "mfu_reference": mfu_reference,
+        "optimizer_kernel": _optimizer_kernel(state.optimizer),  # CUDA: datasheet peak; CPU: the GEMM rate measured here
+        "device_caps": device_caps,
+        "flops_per_step": flops_per_rank_step,
+        "flops_source": flops_source,
+        "memory": memory,
+        "parameters": state.n_params,
+        "trainable_parameters": state.trainable_parameters,
+        "loss_history": losses,
+        "val_history": val_history,
+        "skipped_steps": state.precision.skipped_steps,
+        "data": {
+            "train_tokens": int(len(splits.train)),
+            "val_tokens": int(len(splits.val)),
+            "train_documents": splits.n_train_docs,
+            "val_documents": splits.n_val_docs,
+            "from_cache": splits.from_cache,
+            "tokenize_tokens_per_s": splits.tokens_per_s,
+            "tokenizer": splits.tokenizer,  # gpt2, or the identity of a --model folder's own tokenizer
+        },
+        "env": environment(device),
+    }
