@@ -12,14 +12,14 @@ steady-state step is measured), then
 next to the estimate (tracked peak, modelled allocated / reserved / device total). Rows include
 the seed table's batch 64 x 256 configs with ``--loss naive`` (the seed measured the common loop
 that keeps the logits; its published RTX 4090 figures are printed beside them, mapped to the
-rows in the order the issue lists them: baseline, bf16, flash-bf16, window-flash, ckpt-bf16).
+rows in this order: baseline, bf16, flash-bf16, window-flash, ckpt-bf16).
 
     python benchmarks/allocator_check.py --out benchmarks/results/allocator-h100
 
 The columns "outside torch after the run" and "reserved after step 1" (measured beside the
-two-step replay's figure) were added after the recorded H100 run
-(benchmarks/results/gpu-h100/allocator-check, commit eedd2af): they are to be filled by the next
-run on a GPU.
+two-step replay's figure) are absent from the recorded H100 run
+(benchmarks/results/gpu-h100/allocator-check; its commit and card: benchmarks/results/gpu-h100/README.md):
+the next run on a GPU fills them.
 
 Needs torch with CUDA and memtrain's own dependencies only; about 1-2 minutes on an H100.
 Writes OUT/allocator_check.json and OUT/allocator_check.md (command, commit, GPU, table).

@@ -2,7 +2,7 @@
 under the tracked memory meter, per technique, with the breakdown by category.
 
     python benchmarks/technique_memory.py --batch-size 4 --seq-len 128 \
-        --out benchmarks/results/cpu/technique_memory.md
+        --out benchmarks/results/cpu-technique-memory/technique_memory.md
 
 Each row is a real step (forward, backward, optimizer; the second of two, so optimizer state
 exists) on random tokens (memory does not depend on token values). Dropout is 0 in every row

@@ -11,7 +11,7 @@ change, run with PYTHONPATH pointing at its source tree, and ``--commit`` naming
 ``OUT/trace_speed.md``.
 
     python benchmarks/trace_speed.py --label after --out benchmarks/results/cpu-hf-models
-    PYTHONPATH=/tmp/old/src python benchmarks/trace_speed.py --label before --commit 7eb71c2 \\
+    PYTHONPATH=/tmp/old/src python benchmarks/trace_speed.py --label before --commit OLD_COMMIT \\
         --rows llama-3-8b:full,llama-3-70b:qlora --out benchmarks/results/cpu-hf-models
 """
 

@@ -11,9 +11,9 @@ import pytest
 os.environ.setdefault("MPLBACKEND", "Agg")
 # One intra-op thread for this process and every process a test starts (bench rows, torchrun
 # ranks, CLI runs): set before torch is imported, which reads it once. The tests' models are
-# tiny, where a second thread costs more than it gives; on a shared 2-core machine a file of
-# them ran ~1.6x faster (tests/test_checkpointing.py: 26-38 s -> 16-23 s). A value the caller
-# set is kept.
+# tiny, where a second thread costs more than it gives, most of all on a machine whose cores
+# other jobs share (docs/performance.md, "Figures behind choices in the code"). A value the
+# caller set is kept.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 SHARED_SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "stackoverflow_posts_sample.xml"
@@ -121,7 +121,7 @@ def fresh_probe(monkeypatch):
 
 @pytest.fixture
 def one_thread():
-    """Tiny models on a shared 2-core machine run ~10x faster on one thread than on two busy ones."""
+    """Tiny models run faster on one thread than on several busy ones (docs/performance.md)."""
     import torch
 
     n = torch.get_num_threads()

@@ -49,10 +49,9 @@ ROUND_LARGE = 2 * MiB
 # What a process holds on the device outside torch's cache, as nvidia-smi shows it: the
 # driver's context plus the kernels of torch's CUDA libraries, loaded lazily (CUDA 12) by the
 # first kernels that use them, so it is read after a training step.
-# H100: MEASURED, 787,283,968 B (751 MiB; 649 MB right after CUDA init, before any kernel ran) by
-# benchmarks/allocator_check.py at commit eedd2af (torch CUDA build in /opt/torch, NVIDIA H100
-# 80GB HBM3; benchmarks/results/gpu-h100/allocator-check). The others are ASSUMPTIONS (typical
-# published figures, not measured here); they differ by driver and CUDA version.
+# H100: MEASURED after a training step by benchmarks/allocator_check.py (its run, commit and card:
+# docs/estimation.md, the ``device_total`` row). The others are ASSUMPTIONS (typical published
+# figures, not measured here); they differ by driver and CUDA version.
 MEASURED_CONTEXT = {"h100"}
 CUDA_CONTEXT_BYTES = {
     "h100": 787_283_968,

@@ -8,7 +8,7 @@ it from each attention layer exactly where it would call SDPA. Two things differ
 * the kernel restriction is entered inside every attention call, so the recomputation of a
   checkpointed layer (which runs in backward, outside any context around the forward) uses the
   same kernel; otherwise the recomputed tensors differ from the saved ones and
-  ``torch.utils.checkpoint`` stops the step (seen on an H100 with flash + full checkpointing);
+  ``torch.utils.checkpoint`` stops the step (flash with full checkpointing on CUDA does);
 * on CUDA, grouped-query attention repeats the key/value heads first. transformers asks SDPA
   for ``enable_gqa`` when there is no mask, and CUDA's flash and memory-efficient kernels take
   only equal head counts (torch 2.11: "No available kernel" under the restriction). CPU's flash

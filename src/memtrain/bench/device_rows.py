@@ -1,21 +1,22 @@
 """Fit a bench's rows to the device before any of them runs.
 
 On a device without native BF16 (an AVX2-only CPU, a pre-Ampere GPU) a BF16 row's matmuls run
-a slow reference kernel, 5x to 200x slower than FP32 on the CPUs measured; the default
-`memtrain bench` spent over an hour there instead of minutes. So:
+a slow reference kernel, several to hundreds of times slower than FP32; the default
+`memtrain bench` spent over an hour there instead of minutes (the measured figures behind this
+docstring, with their machines: docs/performance.md, "Devices" and "Keeping the default bench
+within minutes on 2 CPU cores"). So:
 
 - rows of the *default* list run their BF16 precision in the faster of the native ones instead:
-  FP16 where that is native and not measured slower than FP32 (on a 2-core Xeon with AMX FP16, an
-  FP16 matmul measured 1.3x slower than FP32), else FP32; the result records the substitution so
+  FP16 where that is native and not measured slower than FP32 (a CPU with native FP16 can still
+  run it slower than FP32), else FP32; the result records the substitution so
   the report can say so beside the row;
 - rows the user listed explicitly run as asked, with a warning up front naming the measured
   slowdown;
 - on a CPU, rows of the default list whose optimizer is one of torchao's low-bit AdamWs run
   Adafactor instead (:func:`adapt_compiled_optims`): torchao compiles their update with
-  inductor, whose C++ build of it took about 95 s of the 110 s lowest-memory row on a 2-core
-  Xeon with a cold compile cache (benchmarks/results/cpu-quick-native-bf16), a third of the
-  whole default bench; its eager path is no substitute (74 s per step and a 830 MB peak on the
-  2-core EPYC, against 238 MiB compiled). Adafactor (torch's, no compile) keeps the row what
+  inductor, whose C++ build of it takes most of the row with a cold compile cache, a large
+  share of the whole default bench; its eager path is no substitute (far slower per step, and
+  its peak several times the compiled step's). Adafactor (torch's, no compile) keeps the row what
   it is for, the lowest memory: its factored state is smaller still. Without torchao installed
   (it is the ``lowbit`` extra) they run Adafactor on any device, saying how to install it.
 - on CUDA, rows of the default list that pair ``--attention flash`` with a window run a kernel

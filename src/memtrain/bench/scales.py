@@ -14,10 +14,10 @@ SCALES: dict[str, dict[str, Any]] = {
     # Finishes on 2 CPU cores in minutes: the same default model (so the memory picture,
     # dominated by the 50257-token logits, is the real one) at one sequence of 256 tokens per step
     # for 40 steps, a short warm-up and a higher learning rate so the quality column means
-    # something. The tokens per row are those of the former 4 x 128 x 20 steps, but twice the
-    # updates: at 20 steps the baseline was still falling ~20% in PPL per 10 steps and its
-    # second seed differed by 34% (1,580 vs 1,036); at step 40 of a 1 x 256 run it fell ~10% per
-    # 10 steps (PPL 740; docs/performance.md). Memory: batch 1 keeps the step cheap, and the
+    # something. The tokens per row are those of 4 x 128 x 20 steps, but twice the updates: at
+    # 20 steps the baseline's PPL is still falling fast and two seeds differ widely; by step 40
+    # it falls about half as fast (the measured PPL, with its machine: docs/performance.md,
+    # the `quick` scale). Memory: batch 1 keeps the step cheap, and the
     # max-batch column shows the techniques (SCALE_BUDGET: 2 GiB; `memtrain maxbatch` predicts
     # 10 for the baseline, 11 with flash, 12 with checkpointing, 104 with the chunked loss,
     # 322 for the lowest-memory row), where 4 x 128 under 1 GiB gave 10-11 for every row but

@@ -42,8 +42,8 @@ _PATTERNS: list[tuple[str, str]] = [
 ]
 
 # Memory of each card, bytes. "h100-sxm" is MEASURED: torch.cuda.get_device_properties(0).total_memory
-# of an "NVIDIA H100 80GB HBM3" (env.gpu_memory_bytes in benchmarks/results/gpu-h100/seed-bench/
-# results.jsonl), 79.18 GiB of the 80 on its datasheet. The others are the DATASHEET capacity
+# of an "NVIDIA H100 80GB HBM3", less than the 80 GiB on its datasheet (the record it comes from:
+# docs/estimation.md, ``budget_bytes``). The others are the DATASHEET capacity
 # (the sources listed in memtrain.devices.gpus) read as GiB, an assumption: the driver keeps part
 # of it, as the H100 shows. None: the datasheet lists two sizes under one name (V100 16/32 GB);
 # such a card needs --budget.

@@ -2,9 +2,10 @@
 
 CPUs differ more than their names suggest. On a CPU without BF16 instructions (AVX2-only x86,
 e.g. many AMD EPYC and older Xeon cloud machines) oneDNN has no fast BF16 kernel and a BF16
-matmul falls back to a slow reference path: measured 5x (LM-head shape) to 200x (square 2048)
-slower than FP32 on such a machine. Training in BF16 there silently turns a minutes-long job
-into an hour. :func:`probe` answers, per device:
+matmul falls back to a slow reference path, several times (LM-head shape) to hundreds of times
+(square matmuls) slower than FP32 (the measured figures and their machine: docs/performance.md,
+"Devices"). Training in BF16 there silently turns a minutes-long job into an hour.
+:func:`probe` answers, per device:
 
 - native BF16 / FP16 matmul: CPU from the ISA flags torch's cpuinfo reads (``avx512_bf16``,
   ``amx_bf16``, ``avx512_fp16``, ``amx_fp16``; ``bf16``/``fphp`` on Arm) and oneDNN's own checks
@@ -228,8 +229,8 @@ def measure_gemm(device: torch.device, dtype: torch.dtype, shape: tuple[int, int
         a = torch.randn(m, k, device=device).to(dtype)
         b = torch.randn(k, n, device=device).to(dtype)
         # Untimed warm-up first: a cold GPU's first products pay for cuBLAS's handle, kernel
-        # selection and clocks ramping up from idle (seen on an H100: one cold product read
-        # 100x below the warm rate). On CUDA a product is cheap, so a few timed repeats are
+        # selection and clocks ramping up from idle (one cold product can read tens of times
+        # below the warm rate). On CUDA a product is cheap, so a few timed repeats are
         # always taken; on a CPU without native BF16 one slow product must stay one.
         cuda = device.type == "cuda"
         for _ in range(3 if cuda else 1):

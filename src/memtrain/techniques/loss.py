@@ -21,7 +21,8 @@ dtype (as ``F.linear`` would), the softmax statistics in float32.
 
 Speed on a GPU: the element-wise work on each chunk's logits (float cast, log-sum-exp, softmax,
 minus one-hot, cast back) is several passes over a (chunk x vocab) buffer when run op by op,
-which made the chunked step ~1.6x the standard one on an H100. On CUDA that work is one
+which made the chunked step markedly slower than the standard one on a GPU
+(docs/performance.md, "Figures behind choices in the code"). On CUDA that work is one
 function compiled by inductor (:func:`_logit_gradient`), fused into a read of the logits and
 one write of their gradient; the matmuls stay cuBLAS's. Elsewhere (CPU, where inductor's C++
 build costs more than it saves on short runs, and fake tensors of the estimator) the in-place

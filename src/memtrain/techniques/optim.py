@@ -200,8 +200,8 @@ def _adafactor_eps(relative_step: bool) -> tuple[None, float]:
 
     Its default ``eps2 = 1e-3`` makes the step relative: GPT weights start with RMS ~0.02, so
     ``--lr 3e-4`` would move them by ~6e-6 per step, 50x less than AdamW or the Trainer's
-    Adafactor at the same ``--lr`` (measured: val PPL 41,225 vs 10,622 after 20 quick-scale
-    steps). ``eps2 = 1`` floors the scale at 1, so every weight with RMS <= 1 (all of them at
+    Adafactor at the same ``--lr`` (a far worse val PPL after the same steps: benchmarks/README.md,
+    "Perplexity"). ``eps2 = 1`` floors the scale at 1, so every weight with RMS <= 1 (all of them at
     initialization, LayerNorm gains included) moves by ``--lr`` times the RMS-clipped update:
     transformers' Adafactor with scale_parameter=False and relative_step=False. torch offers no
     switch for this; the floor is the documented knob that has this effect.

@@ -12,7 +12,7 @@ from memtrain.techniques.facts import optimizer_state_rule
 # --------------------------------------------------------------------------- optimizer (ours)
 def _quantizable(numel: int, block: int) -> bool:
     # torchao's low-bit optimizers quantize only tensors with >= 4096 elements whose size is a
-    # multiple of the block; others keep fp32 state (design.md, "pitfalls").
+    # multiple of the block; others keep fp32 state (docs/architecture.md, "Pitfalls already found").
     return numel >= 4096 and numel % block == 0
 
 
@@ -84,9 +84,8 @@ def _optimizer_temporaries(params: list[ParamInfo], optim: str, param_bytes: flo
         # Single-tensor AdamW works one parameter at a time: denom = sqrt(v) / c builds two
         # buffers of the parameter's size, and the local ``denom`` keeps the previous
         # parameter's alive until it is replaced. So the peak of a param group (memtrain's two:
-        # matrices, then vectors, each in model order) is max(previous + 2 x current). Measured
-        # with MemoryMeter on torch 2.13: 2 x 51,463,168 B for a lone 50257 x 256 embedding,
-        # 3 x 262,144 B for two consecutive 128 x 512 FFN matrices.
+        # matrices, then vectors, each in model order) is max(previous + 2 x current), as
+        # MemoryMeter measures it (docs/estimation.md, "Optimizer step scratch").
         worst = 0.0
         for group in ([p for p in ps if len(p.shape) >= 2], [p for p in ps if len(p.shape) < 2]):
             previous = 0.0
@@ -108,7 +107,7 @@ def _optimizer_temporaries(params: list[ParamInfo], optim: str, param_bytes: flo
         # buffers (the squared gradient, then the normalized update). Measured (torch 2.13).
         return 2 * largest
     # torchao's low-bit step is one compiled (fused) kernel per parameter that dequantizes,
-    # updates and requantizes in registers: measured no scratch above the backward peak
-    # (34.51 MB peak in backward for a 3.3M-parameter model, torch 2.13, CPU). Fused AdamW and
-    # bitsandbytes update in place too.
+    # updates and requantizes in registers: no scratch above the backward peak, as MemoryMeter
+    # measures it (docs/estimation.md, "Optimizer step scratch"). Fused AdamW and bitsandbytes
+    # update in place too.
     return 0.0  # fused kernels (adamw-fused, bitsandbytes) update in place
