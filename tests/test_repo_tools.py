@@ -27,10 +27,13 @@ def test_import_graph_finds_a_hidden_circle_and_an_upward_arrow(tmp_path):
     pkg = tmp_path / "memtrain"
     _write(pkg, {
         "__init__.py": "",
-        "config.py": "",
+        "config/__init__.py": "",
+        "config/run.py": "",
         # train -> flops at module level, flops -> train inside a function: a circle all the same.
-        "train.py": "from memtrain.flops import count\n",
-        "flops.py": "def count():\n    from memtrain.training.train import step\n",
+        "training/__init__.py": "",
+        "training/train.py": "from memtrain.analysis.flops import count\n",
+        "analysis/__init__.py": "",
+        "analysis/flops.py": "def count():\n    from memtrain.training.train import step\n",
         "techniques/__init__.py": "",
         "techniques/optim.py": "from memtrain.metrics.memory import storage_bytes\n",
         "metrics/__init__.py": "",
@@ -38,9 +41,9 @@ def test_import_graph_finds_a_hidden_circle_and_an_upward_arrow(tmp_path):
     })
     out = _run("import_graph.py", "--src", str(pkg)).stdout
     assert "circles (module level): 0" in out
-    assert "circles (all imports, function-local included): 1\n  flops <-> train" in out
+    assert "circles (all imports, function-local included): 1\n  analysis.flops <-> training.train" in out
     assert "techniques.optim:1 -> metrics.memory  [techniques -> metrics, module level]" in out
-    assert "flops:2 -> train  [counting -> step, local]" in out
+    assert "analysis.flops:2 -> training.train  [counting -> step, local]" in out
 
 
 def test_memtrain_has_no_import_circle():
