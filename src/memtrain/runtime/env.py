@@ -39,11 +39,12 @@ def seed_everything(seed: int) -> None:
 def _checkout_root() -> Optional[Path]:
     """The memtrain source checkout this module runs from, or None when it is installed.
 
-    ``src/memtrain/runtime/env.py`` sits two folders below a checkout's root, beside its
+    The package folder (``src/memtrain``) sits two folders below a checkout's root, beside its
     ``pyproject.toml``. Anything else (a wheel in site-packages, a copy of the tree inside some
     other git repository) has no commit of memtrain's own to report.
     """
-    root = Path(__file__).resolve().parents[2]
+    package = Path(__file__).resolve().parents[1]  # src/memtrain, wherever this module sits in it
+    root = package.parents[1]
     if (root / "pyproject.toml").is_file() and (root / "src" / "memtrain" / "__init__.py").is_file():
         return root
     return None
