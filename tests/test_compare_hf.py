@@ -22,7 +22,8 @@ from memtrain.bench.hf.probe import hf_step_peak, profile_phases  # noqa: E402
 from memtrain.bench.hf.report import aggregate, render_markdown  # noqa: E402
 from memtrain.bench.hf.rows import REPORT_JSON, REPORT_MD, RUNS_FILE, config_hash, resolve_rows  # noqa: E402
 from memtrain.bench.hf.trainer_side import make_hf_optimizer, run_theirs, training_arguments  # noqa: E402
-from memtrain.bench.presets import TECHNIQUES, scale_overrides, technique_overrides  # noqa: E402
+from memtrain.bench.scales import scale_overrides  # noqa: E402
+from memtrain.bench.technique_sets import TECHNIQUES, technique_overrides  # noqa: E402
 from memtrain.config import build_config  # noqa: E402
 from memtrain.model import GPT  # noqa: E402
 from memtrain.runtime import seed_everything  # noqa: E402

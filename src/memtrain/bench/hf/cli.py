@@ -21,7 +21,8 @@ from memtrain.bench.hf.rows import (
     read_runs,
     resolve_rows,
 )
-from memtrain.bench.presets import SCALE_BUDGET, SCALE_MAX_BATCH, SCALES, TECHNIQUES
+from memtrain.bench.scales import SCALE_BUDGET, SCALE_MAX_BATCH, SCALES
+from memtrain.bench.technique_sets import TECHNIQUES
 from memtrain.config import ConfigError, parse_size
 
 DESCRIPTION = "memtrain vs Hugging Face Trainer: the same model, tokens and schedule, the same meters."

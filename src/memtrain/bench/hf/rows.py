@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from memtrain.bench.hf.mapping import hf_plan, trainer_alignment
-from memtrain.bench.presets import scale_overrides, technique_overrides
 from memtrain.bench.runner import config_hash as bench_config_hash
+from memtrain.bench.scales import scale_overrides
+from memtrain.bench.technique_sets import technique_overrides
 from memtrain.config import ConfigError, RunConfig, build_config
 from memtrain.results import append_jsonl, read_jsonl
 
