@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 from memtrain.bench.hf.mapping import HFPlan
 from memtrain.config import ConfigError, RunConfig
+from memtrain.export import hf_config, load_gpt_weights
+from memtrain.model import GPT
 from memtrain.models import is_hf
 from memtrain.runtime import seed_everything
 
@@ -32,9 +34,6 @@ def build_hf_model(cfg: RunConfig, plan: HFPlan, init_from_memtrain: bool = True
         # The conversion would give GPT-2 zero biases, which the Trainer would then train.
         raise ConfigError("GPT-2 always has biases; the Hugging Face comparison needs --bias (the default)")
     from transformers import GPT2LMHeadModel
-
-    from memtrain.export import hf_config, load_gpt_weights
-    from memtrain.model import GPT
 
     config = hf_config(cfg, padded_vocab=True)
     config.use_cache = False  # training: no KV cache
