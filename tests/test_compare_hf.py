@@ -1,26 +1,30 @@
-"""Building blocks of benchmarks/compare_hf.py: the HF side must train the same model on the same
-tokens with the same schedule and be measured by the same meters, or the comparison means nothing."""
+"""Building blocks of the HF comparison (memtrain.bench.hf, run as benchmarks/compare_hf.py): the
+HF side must train the same model on the same tokens with the same schedule and be measured by the
+same meters, or the comparison means nothing."""
 
 from __future__ import annotations
 
 import math
-import sys
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-
 transformers = pytest.importorskip("transformers")
 
-import compare_hf as C  # noqa: E402
-import hf_presets as H  # noqa: E402
-from memtrain.bench.presets import TECHNIQUES, scale_overrides, technique_overrides  # noqa: E402
-from memtrain.config.run import ModelConfig, build_config  # noqa: E402
+from memtrain.bench.hf.cli import main  # noqa: E402
+from memtrain.bench.hf.data import hf_train_dataset  # noqa: E402
+from memtrain.bench.hf.hf_model import build_hf_model  # noqa: E402
+from memtrain.bench.hf.lockstep import Baton, run_pair, window_overlap_s  # noqa: E402
+from memtrain.bench.hf.mapping import TRAINER_LOW_BIT_BLOCK, hf_plan  # noqa: E402
+from memtrain.bench.hf.probe import hf_step_peak, profile_phases  # noqa: E402
+from memtrain.bench.hf.report import aggregate, render_markdown  # noqa: E402
+from memtrain.bench.hf.rows import REPORT_JSON, REPORT_MD, RUNS_FILE, config_hash, resolve_rows  # noqa: E402
+from memtrain.bench.hf.trainer_side import make_hf_optimizer, run_theirs, training_arguments  # noqa: E402
+from memtrain.bench.scales import scale_overrides  # noqa: E402
+from memtrain.bench.technique_sets import TECHNIQUES, technique_overrides  # noqa: E402
+from memtrain.config.run import build_config  # noqa: E402
 from memtrain.models.gpt import GPT  # noqa: E402
 from memtrain.runtime.env import seed_everything  # noqa: E402
 
@@ -42,7 +46,7 @@ def quick(name: str, **extra):
 
 # ----------------------------------------------------------------------------- mapping
 def test_every_preset_has_a_plan_with_the_expected_status():
-    plans = {name: H.hf_plan(quick(name), "cpu") for name in TECHNIQUES}
+    plans = {name: hf_plan(quick(name), "cpu") for name in TECHNIQUES}
     assert plans["baseline"].status == "matched"
     assert plans["baseline"].attn_implementation == "eager"
     assert plans["baseline"].training_args["optim"] == "adamw_torch"
@@ -60,37 +64,48 @@ def test_every_preset_has_a_plan_with_the_expected_status():
     assert plans["compile"].training_args["torch_compile"] is True
 
 
+def test_trainer_optimizer_is_the_one_memtrain_reads_back():
+    """The Trainer's optim name comes from memtrain.config.aliases' one table of optimizer names: read
+    back on memtrain's command line it names the same optimizer (adamw-foreach: adamw's name,
+    TrainingArguments having no foreach switch)."""
+    from memtrain.config.aliases import normalize_value
+    from memtrain.config.run import OPTIMS
+
+    for optim in OPTIMS:
+        name = hf_plan(quick("baseline", optim=optim), "cpu").training_args["optim"]
+        assert normalize_value("optim", name) == ("adamw" if optim == "adamw-foreach" else optim)
+
+
 def test_plan_edge_cases():
-    every = H.hf_plan(quick("bf16", checkpointing="every:2"), "cpu")
+    every = hf_plan(quick("bf16", checkpointing="every:2"), "cpu")
     assert every.training_args["activation_checkpointing_kwargs"]["every_n_layers"] == 2
-    assert H.hf_plan(quick("bf16", checkpointing="selective"), "cpu").status == "closest"
-    assert H.hf_plan(quick("bf16", precision="bf16-pure"), "cpu").status == "none"
-    assert H.hf_plan(quick("bf16", distributed="ddp"), "cpu").status == "none"
-    assert H.hf_plan(quick("baseline"), "cuda").training_args["tf32"] is True
+    assert hf_plan(quick("bf16", checkpointing="selective"), "cpu").status == "closest"
+    assert hf_plan(quick("bf16", precision="bf16-pure"), "cpu").status == "none"
+    assert hf_plan(quick("bf16", distributed="ddp"), "cpu").status == "none"
+    assert hf_plan(quick("baseline"), "cuda").training_args["tf32"] is True
 
 
 def test_rows_run_the_trainers_low_bit_block_and_adafactor_step():
     """The Trainer's torchao block is fixed at 256: a low-bit row runs memtrain with it too
     (unless --set optim_block says otherwise, which the plan then reports); Adafactor takes
     --lr as its step on both sides, and the relative step has no Trainer equivalent."""
-    rows = {r["preset"]: r for r in C.resolve_rows("quick", ["lowest-memory", "adamw-8bit", "baseline"],
+    rows = {r["preset"]: r for r in resolve_rows("quick", ["lowest-memory", "adamw-8bit", "baseline"],
                                                             {"progress": False}, "cpu")}
-    assert rows["lowest-memory"]["config"].technique.optim_block == H.TRAINER_LOW_BIT_BLOCK
-    assert rows["adamw-8bit"]["config"].technique.optim_block == H.TRAINER_LOW_BIT_BLOCK
+    assert rows["lowest-memory"]["config"].technique.optim_block == TRAINER_LOW_BIT_BLOCK
+    assert rows["adamw-8bit"]["config"].technique.optim_block == TRAINER_LOW_BIT_BLOCK
     assert rows["baseline"]["config"].technique.optim_block == 0
     assert any("on both sides" in m for m in rows["lowest-memory"]["plan"].mapping)
-    own = C.resolve_rows("quick", ["lowest-memory"], {"progress": False, "optim_block": 128}, "cpu")[0]
+    own = resolve_rows("quick", ["lowest-memory"], {"progress": False, "optim_block": 128}, "cpu")[0]
     assert own["config"].technique.optim_block == 128
     assert any("--optim-block 128" in m for m in own["plan"].missing)
-    assert H.hf_plan(quick("adafactor", adafactor_relative_step=True), "cpu").status == "none"
+    assert hf_plan(quick("adafactor", adafactor_relative_step=True), "cpu").status == "none"
 
 
 def test_default_model_has_the_same_parameter_count():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
+    cfg = build_config({})
     with torch.device("meta"):
-        hf = GPT2LMHeadModel(GPT2Config(**H.gpt2_config_kwargs(ModelConfig())))
-        ours = GPT(ModelConfig())
+        hf = build_hf_model(cfg, hf_plan(cfg, "cpu"), init_from_memtrain=False)
+        ours = GPT(cfg.model)
     assert hf.num_parameters() == ours.num_parameters() == 16_156_416
     assert hf.lm_head.weight is hf.transformer.wte.weight
 
@@ -99,8 +114,8 @@ def test_default_model_has_the_same_parameter_count():
 @pytest.mark.parametrize("overrides", [{"attention": "math"}, {"attention": "sdpa"}, {"untie_embeddings": True}])
 def test_hf_model_starts_from_memtrains_weights(overrides):
     cfg = build_config(TINY, overrides)
-    plan = H.hf_plan(cfg, "cpu")
-    hf = C.build_hf_model(cfg, plan)
+    plan = hf_plan(cfg, "cpu")
+    hf = build_hf_model(cfg, plan)
     seed_everything(cfg.train.seed)
     ours = GPT(cfg.model)
     g = torch.Generator().manual_seed(1)
@@ -121,7 +136,7 @@ def test_dataset_reproduces_memtrains_batches():
 
     tokens = np.arange(5000, dtype=np.uint16) % 997
     cfg = build_config(TINY, {"steps": 5})
-    ds = C.hf_train_dataset(tokens, cfg)
+    ds = hf_train_dataset(tokens, cfg)
     assert len(ds) == 5 * cfg.train.batch_size
     loader = make_train_loader(tokens, cfg.train.seq_len, cfg.train.batch_size, seed=cfg.train.seed)
     for step in range(5):
@@ -138,9 +153,9 @@ def test_schedule_is_memtrains_up_to_hfs_one_step_warmup_offset():
     from memtrain.training.train import lr_lambda
 
     cfg = build_config(TINY, {"steps": 20, "warmup_steps": 5})
-    plan = H.hf_plan(cfg, "cpu")
+    plan = hf_plan(cfg, "cpu")
     model = torch.nn.Linear(2, 2)
-    args = C.training_arguments(cfg, plan, "/tmp/unused", torch.device("cpu"))
+    args = training_arguments(cfg, plan, "/tmp/unused", torch.device("cpu"))
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     sched = get_scheduler(args.lr_scheduler_type, optimizer=opt, num_warmup_steps=args.warmup_steps,
                           num_training_steps=args.max_steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs)
@@ -156,10 +171,10 @@ def test_trainer_optimizer_decays_the_same_tensors():
     from memtrain.techniques.optim import param_groups
 
     cfg = build_config(TINY)
-    plan = H.hf_plan(cfg, "cpu")
-    hf = C.build_hf_model(cfg, plan)
-    args = C.training_arguments(cfg, plan, "/tmp/unused", torch.device("cpu"))
-    opt = C.make_hf_optimizer(hf, args)
+    plan = hf_plan(cfg, "cpu")
+    hf = build_hf_model(cfg, plan)
+    args = training_arguments(cfg, plan, "/tmp/unused", torch.device("cpu"))
+    opt = make_hf_optimizer(hf, args)
     assert type(opt) is torch.optim.AdamW and opt.defaults["betas"] == (0.9, 0.95)
     ours = param_groups(GPT(cfg.model), cfg.train.weight_decay)
     numel = lambda group: sum(p.numel() for p in group["params"])  # noqa: E731
@@ -170,10 +185,10 @@ def test_trainer_optimizer_decays_the_same_tensors():
 # ----------------------------------------------------------------------------- meters
 def test_traced_hf_probe_equals_the_real_step():
     cfg = build_config(TINY)
-    traced = C.hf_step_peak(cfg, 2, fake=True)
-    real = C.hf_step_peak(cfg, 2, fake=False)
+    traced = hf_step_peak(cfg, 2, fake=True)
+    real = hf_step_peak(cfg, 2, fake=False)
     assert traced == real
-    assert C.hf_step_peak(cfg, 4, fake=True) > traced  # grows with the batch
+    assert hf_step_peak(cfg, 4, fake=True) > traced  # grows with the batch
 
 
 def test_trainer_run_is_metered_like_memtrain(small_corpus):
@@ -182,7 +197,7 @@ def test_trainer_run_is_metered_like_memtrain(small_corpus):
     cfg = build_config({**TINY, "vocab_size": 50257, "max_seq_len": 32, "d_model": 32, "d_ff": 64},
                        {"data": str(small_corpus), "steps": 4, "warmup_steps": 2, "val_blocks": 4,
                         "warmup_timing_steps": 1})
-    theirs = C.run_theirs(cfg)
+    theirs = run_theirs(cfg)
     ours = train(cfg, progress=False)
     mem = theirs["memory"]
     assert mem["peak_bytes"] == sum(mem["by_category"].values()) > 0
@@ -205,17 +220,17 @@ def _fake_run(preset, side, rep, h, step, peak, ppl=100.0, mb=8):
 
 
 def test_aggregate_ratios_and_markdown():
-    rows = C.resolve_rows("quick", ["baseline", "window-flash"], {"progress": False}, "cpu")
-    h = C.config_hash(rows[0]["config"])
+    rows = resolve_rows("quick", ["baseline", "window-flash"], {"progress": False}, "cpu")
+    h = config_hash(rows[0]["config"])
     runs = [_fake_run("baseline", "ours", 0, h, 1.0, 100), _fake_run("baseline", "theirs", 0, h, 2.0, 200, mb=4),
             _fake_run("baseline", "ours", 1, h, 3.0, 100), _fake_run("baseline", "theirs", 1, h, 2.0, 200, mb=4)]
-    table = C.aggregate(rows, runs)
+    table = aggregate(rows, runs)
     r = table[0]["ratios"]
     assert r["peak_bytes"] == 0.5 and r["max_batch"] == 2.0
     assert r["step_time_s"] == pytest.approx(2.0 / 2.0)
     assert table[0]["paired_step_ratios"] == [0.5, 1.5]
     assert table[1]["hf_status"] == "none"
-    md = C.render_markdown({"env": {"commit": "abc"}, "settings": {
+    md = render_markdown({"env": {"commit": "abc"}, "settings": {
         "scale": "quick", "batch_size": 4, "seq_len": 128, "steps": 8, "warmup_steps": 3, "grad_accum": 1,
         "dropout": 0.0, "repeats": 2, "budget": "1GiB", "max_batch": 256, "maxbatch_method": "trace"},
         "command": "python benchmarks/compare_hf.py", "finished": "now", "wall_s": 60, "rows": table, "runs": runs})
@@ -225,21 +240,21 @@ def test_aggregate_ratios_and_markdown():
 
 
 def test_cli_rejects_an_unknown_preset(capsys):
-    assert C.main(["--presets", "nope", "--out", "/tmp/compare-hf-unused"]) == 2
+    assert main(["--presets", "nope", "--out", "/tmp/compare-hf-unused"]) == 2
     assert capsys.readouterr().err.startswith("error: preset 'nope'")
 
 
 def test_report_only_rebuilds_the_tables(tmp_path):
     import json
 
-    rows = C.resolve_rows("quick", ["baseline"], {"progress": False, "device": "auto"}, "cpu")
-    h = C.config_hash(rows[0]["config"])
+    rows = resolve_rows("quick", ["baseline"], {"progress": False, "device": "auto"}, "cpu")
+    h = config_hash(rows[0]["config"])
     runs = [_fake_run("baseline", "ours", 0, h, 1.0, 100), _fake_run("baseline", "theirs", 0, h, 2.0, 200)]
-    (tmp_path / C.RUNS_FILE).write_text("".join(json.dumps(r) + "\n" for r in runs))
-    assert C.main(["--presets", "baseline", "--out", str(tmp_path), "--report-only"]) == 0
-    report = json.loads((tmp_path / C.REPORT_JSON).read_text())
+    (tmp_path / RUNS_FILE).write_text("".join(json.dumps(r) + "\n" for r in runs))
+    assert main(["--presets", "baseline", "--out", str(tmp_path), "--report-only"]) == 0
+    report = json.loads((tmp_path / REPORT_JSON).read_text())
     assert report["rows"][0]["ratios"]["peak_bytes"] == 0.5
-    assert "| baseline | matched | 0.0 | 0.0 |" in (tmp_path / C.REPORT_MD).read_text()  # 100 and 200 bytes in MiB
+    assert "| baseline | matched | 0.0 | 0.0 |" in (tmp_path / REPORT_MD).read_text()  # 100 and 200 bytes in MiB
 
 
 # ----------------------------------------------------------------------------- lockstep
@@ -249,7 +264,7 @@ def test_baton_alternates_two_sides():
 
     a_in, b_out = os.pipe()
     b_in, a_out = os.pipe()
-    a, b = C.Baton(f"{a_in},{a_out}"), C.Baton(f"{b_in},{b_out}")
+    a, b = Baton(f"{a_in},{a_out}"), Baton(f"{b_in},{b_out}")
     order: list[str] = []
 
     def side(name, baton, steps):
@@ -266,7 +281,7 @@ def test_baton_alternates_two_sides():
     for th in threads:
         th.join(timeout=30)
     assert "".join(order) == "ababab" + "bb"  # strict turns, then b runs freely once a is done
-    assert C.Baton(None).free
+    assert Baton(None).free
 
 
 @pytest.mark.slow  # two processes stepping in lockstep, ~20 s: runs with `-m slow`
@@ -274,11 +289,11 @@ def test_lockstep_pair_never_overlaps_steps(small_corpus):
     cfg = build_config({**TINY, "vocab_size": 50257, "d_model": 32, "d_ff": 64},
                        {"data": str(small_corpus), "steps": 4, "warmup_steps": 1, "val_blocks": 2,
                         "warmup_timing_steps": 1})
-    results = C.run_pair(("theirs", "ours"), cfg, None, None, 300)
+    results = run_pair(("theirs", "ours"), cfg, None, None, 300)
     assert {r["status"] for r in results.values()} == {"ok"}, results
     ours, theirs = results["ours"]["step_windows"], results["theirs"]["step_windows"]
     assert len(ours) == len(theirs) == 4
-    assert C.window_overlap_s(ours, theirs) == 0.0
+    assert window_overlap_s(ours, theirs) == 0.0
     timeline = sorted([(s, "o") for s, _ in ours] + [(s, "t") for s, _ in theirs])
     assert "".join(side for _, side in timeline) == "totototo"
 
@@ -286,7 +301,7 @@ def test_lockstep_pair_never_overlaps_steps(small_corpus):
 @pytest.mark.slow  # times every phase of a profiled step: runs with `-m slow`
 def test_profile_phases_times_every_phase():
     cfg = build_config(TINY, {"steps": 4})
-    result = C.profile_phases(cfg, steps=2, top_ops=3)
+    result = profile_phases(cfg, steps=2, top_ops=3)
     for side in ("ours", "theirs"):
         assert all(result[side][k] > 0 for k in ("forward", "backward", "optimizer"))
         assert result[side]["step"] >= result[side]["forward"]

@@ -4,21 +4,17 @@ same tokens), with peft's LoRA where memtrain injects the same LoraConfig."""
 
 from __future__ import annotations
 
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-
 transformers = pytest.importorskip("transformers")
 
-from hf import cli, mapping, probe, rows  # noqa: E402
-from hf.memtrain_side import warm_device_facts  # noqa: E402
-from hf.trainer_side import run_theirs  # noqa: E402
+from memtrain.bench.hf import cli, mapping, probe, rows  # noqa: E402
+from memtrain.bench.hf.memtrain_side import warm_device_facts  # noqa: E402
+from memtrain.bench.hf.trainer_side import run_theirs  # noqa: E402
 from memtrain.config.run import build_config  # noqa: E402
 
 

@@ -50,6 +50,44 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, capsys, extra)
     assert tok("Hello world")["input_ids"] == [15496, 995]
 
 
+@pytest.mark.parametrize("padded_vocab", [False, True], ids=["real-vocab", "padded-vocab"])
+@pytest.mark.parametrize("shape", [{}, {"vocab_multiple": 64, "untie_embeddings": True},
+                                   {"vocab_multiple": 64, "bias": False}], ids=["tied", "padded-untied", "padded-nobias"])
+def test_gpt2_conversion_gives_memtrains_logits(shape, padded_vocab):
+    """The one conversion of our GPT into GPT2LMHeadModel (export, generate and the HF comparison
+    build on it) computes our logits: its GELU is ours bit for bit (transformers' gelu_pytorch_tanh
+    is F.gelu(approximate="tanh"); gelu_new, the tanh formula written out, is not), and with
+    ``padded_vocab`` (the comparison's) the padded embedding table is kept: the real tokens'
+    logits are ours, the padded tokens' are 0."""
+    import torch.nn.functional as F
+
+    from memtrain.config.run import build_config
+    from memtrain.inference.export import to_hf_model
+    from memtrain.models.gpt import GPT
+
+    cfg = build_config({**TINY_MODEL, "vocab_size": 1000, "seq_len": 32, **shape})
+    torch.manual_seed(0)
+    ours = GPT(cfg.model).eval()
+    with torch.no_grad():  # non-zero biases, so that a dropped or misplaced one changes the logits
+        for name, p in ours.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(std=0.1)
+    hf = to_hf_model(ours, cfg, padded_vocab=padded_vocab)
+    V = cfg.model.vocab_size
+    rows = cfg.model.padded_vocab_size if padded_vocab else V
+    assert hf.config.vocab_size == rows and hf.config.eos_token_id is None  # 50256 is no token of 1000
+    if padded_vocab and cfg.model.bias:
+        assert hf.num_parameters() == ours.num_parameters()
+    x = torch.linspace(-8, 8, 20001)
+    assert torch.equal(hf.transformer.h[0].mlp.act(x), F.gelu(x, approximate="tanh"))
+    idx = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ours(idx), hf(idx).logits
+    assert b.shape == (2, 24, rows)
+    torch.testing.assert_close(b[..., :V], a, atol=1e-5, rtol=1e-5)
+    assert torch.equal(b[..., V:], torch.zeros_like(b[..., V:]))
+
+
 def test_export_merges_lora(tmp_path, capsys):
     pytest.importorskip("peft")
     ckpt = _train(tmp_path, "--lora-rank", "4")

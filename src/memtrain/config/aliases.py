@@ -101,17 +101,44 @@ ALIASES: tuple[Alias, ...] = (
 )
 BY_NAME: dict[str, Alias] = {a.name: a for a in ALIASES}
 
-# Trainer's --optim values (transformers.training_args.OptimizerNames) -> ours.
-OPTIM_VALUES: dict[str, str] = {
-    "adamw_torch": "adamw",
-    "adamw_torch_fused": "adamw-fused",
-    "adafactor": "adafactor",
-    "adamw_bnb_8bit": "adamw-bnb-8bit",
-    "adamw_8bit": "adamw-bnb-8bit",  # the Trainer's older name of the bitsandbytes optimizer
-    "adamw_torch_8bit": "adamw-8bit",
-    "adamw_torch_4bit": "adamw-4bit",
-    "sgd": "sgd",
+# Our --optim values and the Trainer's names of the same optimizer (TrainingArguments.optim,
+# transformers.training_args.OptimizerNames), its current name first. The one table of optimizer
+# names, read both ways: a Trainer name typed here means the first of ours listed with it
+# (OPTIM_VALUES), and the Hugging Face comparison gives the Trainer the first name of ours
+# (trainer_optim).
+OPTIM_NAMES: dict[str, tuple[str, ...]] = {
+    "adamw": ("adamw_torch",),
+    # foreach=True: the Trainer's adamw_torch leaves foreach to torch (on for CUDA tensors), so
+    # it is the Trainer's nearest name; typed here, adamw_torch means adamw (listed first).
+    "adamw-foreach": ("adamw_torch",),
+    "adamw-fused": ("adamw_torch_fused",),
+    "adafactor": ("adafactor",),
+    "adamw-bnb-8bit": ("adamw_bnb_8bit", "adamw_8bit"),  # adamw_8bit: the Trainer's older name
+    "adamw-8bit": ("adamw_torch_8bit",),
+    "adamw-4bit": ("adamw_torch_4bit",),
+    "sgd": ("sgd",),
 }
+
+
+def _optim_values() -> dict[str, str]:
+    """The Trainer's --optim values -> ours: :data:`OPTIM_NAMES` read backwards, the first of
+    ours listed with a Trainer name taking it."""
+    values: dict[str, str] = {}
+    for ours, names in OPTIM_NAMES.items():
+        for name in names:
+            values.setdefault(name, ours)
+    return values
+
+
+OPTIM_VALUES: dict[str, str] = _optim_values()
+
+
+def trainer_optim(optim: str) -> Optional[str]:
+    """The Trainer's ``TrainingArguments.optim`` name of our ``--optim`` value (None: it has none)."""
+    names = OPTIM_NAMES.get(optim)
+    return names[0] if names else None
+
+
 # Aliases whose value is expanded (several settings, or a refusal): the CLI keeps them under
 # their own name until build_config expands them.
 EXPANDED: frozenset[str] = frozenset(a.name for a in ALIASES if a.expand is not None)

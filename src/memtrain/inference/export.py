@@ -170,24 +170,36 @@ def _load_transformers(weights: dict[str, Any], cfg: RunConfig, ckpt: Path, merg
 
 
 # --------------------------------------------------------------------------- our GPT -> GPT2LMHeadModel
-def hf_config(cfg: RunConfig) -> Any:
-    """The ``GPT2Config`` of our model's shape."""
+# The one conversion of our GPT into transformers' GPT-2: export and generate use it, and so does
+# the Hugging Face comparison (memtrain.bench.hf), which trains the converted model with Trainer.
+def hf_config(cfg: RunConfig, padded_vocab: bool = False) -> Any:
+    """The ``GPT2Config`` of our model's shape.
+
+    The vocabulary is the real one (``--vocab-multiple`` padding rows dropped: the logits are
+    ours) unless ``padded_vocab``, which keeps the padded embedding table, as transformers'
+    ``resize_token_embeddings(pad_to_multiple_of=...)`` would: the Hugging Face comparison trains
+    the same table on both sides (GPT-2's softmax then also spans the padded tokens, which our
+    head leaves out).
+    """
     transformers = _require_transformers()
     m = cfg.model
+    vocab = m.padded_vocab_size if padded_vocab else m.vocab_size
+    eot = EOT_ID if EOT_ID < vocab else None  # GPT-2's <|endoftext|>, unless a small vocabulary cannot hold it
 
     return transformers.GPT2Config(
-        vocab_size=m.vocab_size, n_positions=m.max_seq_len, n_embd=m.d_model, n_layer=m.n_layers,
+        vocab_size=vocab, n_positions=m.max_seq_len, n_embd=m.d_model, n_layer=m.n_layers,
         n_head=m.n_heads, n_inner=m.d_ff, activation_function="gelu_pytorch_tanh",
         resid_pdrop=m.dropout, embd_pdrop=m.dropout, attn_pdrop=m.dropout, layer_norm_epsilon=1e-5,
-        tie_word_embeddings=not m.untie_embeddings, bos_token_id=EOT_ID, eos_token_id=EOT_ID,
+        tie_word_embeddings=not m.untie_embeddings, bos_token_id=eot, eos_token_id=eot,
         architectures=["GPT2LMHeadModel"],
     )
 
 
-def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
-    """Our parameters under GPT2LMHeadModel's names and layouts."""
+def hf_state_dict(model: GPT, padded_vocab: bool = False) -> dict[str, torch.Tensor]:
+    """Our parameters under GPT2LMHeadModel's names and layouts (the vocabulary as in
+    :func:`hf_config`)."""
     m = model.cfg
-    V = m.vocab_size
+    V = m.padded_vocab_size if padded_vocab else m.vocab_size
     sd = {k: v.detach().float() for k, v in model.state_dict().items()}
 
     def bias(name: str, size: int) -> torch.Tensor:
@@ -212,19 +224,25 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     return out
 
 
-def to_hf_model(model: GPT, cfg: RunConfig) -> Any:
-    """A ``GPT2LMHeadModel`` holding ``model``'s weights (eval mode)."""
-    transformers = _require_transformers()
-    hf = transformers.GPT2LMHeadModel(hf_config(cfg))
-    missing, unexpected = hf.load_state_dict(hf_state_dict(model), strict=False)
+def load_gpt_weights(hf: nn.Module, model: GPT, padded_vocab: bool = False) -> None:
+    """Copy ``model``'s weights into ``hf``, a ``GPT2LMHeadModel`` of :func:`hf_config`'s shape."""
+    weights = hf_state_dict(model, padded_vocab)
+    missing, unexpected = hf.load_state_dict(weights, strict=False)
     # Only non-persistent buffers may be absent from our mapping (older transformers keep the
     # causal mask as a buffer); a missing parameter would be a mapping bug.
     params = {n for n, _ in hf.named_parameters()}
     bad = [k for k in missing if k in params and k != "lm_head.weight"] + list(unexpected)
     if bad:
         raise RuntimeError(f"weight mapping incomplete: {bad[:5]}")
-    if cfg.model.untie_embeddings:
-        hf.lm_head.weight.data.copy_(hf_state_dict(model)["lm_head.weight"])
+    if model.cfg.untie_embeddings:
+        hf.lm_head.weight.data.copy_(weights["lm_head.weight"])  # type: ignore[union-attr,operator]  # torch types nn.Module attributes as Tensor | Module
+
+
+def to_hf_model(model: GPT, cfg: RunConfig, padded_vocab: bool = False) -> Any:
+    """A ``GPT2LMHeadModel`` holding ``model``'s weights (eval mode)."""
+    transformers = _require_transformers()
+    hf = transformers.GPT2LMHeadModel(hf_config(cfg, padded_vocab))
+    load_gpt_weights(hf, model, padded_vocab)
     return hf.eval()
 
 

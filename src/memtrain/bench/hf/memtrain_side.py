@@ -11,9 +11,8 @@ import contextlib
 import time
 from typing import Any, Iterator
 
+from memtrain.bench.hf.lockstep import BATON, STEP_WINDOWS
 from memtrain.config.run import RunConfig
-
-from .lockstep import BATON, STEP_WINDOWS
 
 
 def warm_device_facts(cfg: RunConfig) -> None:

@@ -10,14 +10,13 @@ from typing import Any, Optional
 
 import torch
 
+from memtrain.bench.hf.lockstep import BATON, STEP_WINDOWS
+from memtrain.bench.hf.memtrain_side import run_ours, warm_device_facts
+from memtrain.bench.hf.probe import hf_step_peak
+from memtrain.bench.hf.rows import _probe_at
+from memtrain.bench.hf.trainer_side import run_theirs
 from memtrain.config.run import ConfigError, RunConfig, build_config
 from memtrain.files.results import write_json_atomic
-
-from .lockstep import BATON, STEP_WINDOWS
-from .memtrain_side import run_ours, warm_device_facts
-from .probe import hf_step_peak
-from .rows import _probe_at
-from .trainer_side import run_theirs
 
 
 def run_side(side: str, cfg: RunConfig, maxbatch: Optional[dict[str, Any]], exact_schedule: bool = False) -> dict[str, Any]:
@@ -59,7 +58,7 @@ def traced_peak(side: str, cfg: RunConfig) -> Optional[int]:
 
 # ============================================================================ worker
 def worker_main(side: str, spec_path: str, out_path: str) -> int:
-    """``compare_hf.py --worker SIDE SPEC OUT``: run one side in this fresh process."""
+    """``python -m memtrain.bench.hf --worker SIDE SPEC OUT``: run one side in this fresh process."""
     spec = json.loads(Path(spec_path).read_text())
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))

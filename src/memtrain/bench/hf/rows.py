@@ -7,12 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from memtrain.bench.presets import scale_overrides, technique_overrides
+from memtrain.bench.hf.mapping import hf_plan, trainer_alignment
 from memtrain.bench.runner import config_hash as bench_config_hash
+from memtrain.bench.scales import scale_overrides
+from memtrain.bench.technique_sets import technique_overrides
 from memtrain.config.run import ConfigError, RunConfig, build_config
 from memtrain.files.results import append_jsonl, read_jsonl
-
-from .mapping import hf_plan, trainer_alignment
 
 RUNS_FILE = "runs.jsonl"
 COMMANDS_FILE = "commands.log"  # every invocation that wrote into the folder (--resume adds to runs.jsonl)

@@ -1,5 +1,5 @@
-"""``python benchmarks/compare_hf.py`` (or ``python -m hf`` from ``benchmarks/``): flags, the
-rows they name, and the loop over rows x repetitions (each side in its own process)."""
+"""``python benchmarks/compare_hf.py`` (or ``python -m memtrain.bench.hf``): flags, the rows they
+name, and the loop over rows x repetitions (each side in its own process)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,21 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from memtrain.bench.presets import SCALE_BUDGET, SCALE_MAX_BATCH, SCALES, TECHNIQUES
+from memtrain.bench.hf.lockstep import run_pair, run_subprocess
+from memtrain.bench.hf.report import _mib, _num, write_profiles, write_report
+from memtrain.bench.hf.rows import (
+    COMMANDS_FILE,
+    REPORT_MD,
+    RUNS_FILE,
+    SIDES,
+    append_run,
+    config_hash,
+    read_runs,
+    resolve_rows,
+)
+from memtrain.bench.scales import SCALE_BUDGET, SCALE_MAX_BATCH, SCALES
+from memtrain.bench.technique_sets import TECHNIQUES
 from memtrain.config.run import ConfigError, parse_size
-
-from .lockstep import run_pair, run_subprocess
-from .report import _mib, _num, write_profiles, write_report
-from .rows import COMMANDS_FILE, REPORT_MD, RUNS_FILE, SIDES, append_run, config_hash, read_runs, resolve_rows
 
 DESCRIPTION = "memtrain vs Hugging Face Trainer: the same model, tokens and schedule, the same meters."
 
@@ -144,14 +153,19 @@ def run_rows(opts: argparse.Namespace, out: Path, rows: list[dict[str, Any]], ma
             write_report(out, rows, settings, command, start)
 
 
-def main(argv: list[str]) -> int:
+# The command the reports name (commands.log, compare_hf.md) when the caller does not say.
+DEFAULT_PROG = "python benchmarks/compare_hf.py"
+
+
+def main(argv: list[str], prog: str = DEFAULT_PROG) -> int:
+    """Run the comparison the flags ``argv`` name; ``prog`` is how the reports write the command."""
     if argv[:1] == ["--worker"]:
-        from .worker import worker_main
+        from memtrain.bench.hf.worker import worker_main
 
         return worker_main(*argv[1:4])
     opts = parse_args(argv)
     start = time.perf_counter()
-    command = "python benchmarks/compare_hf.py " + " ".join(argv)
+    command = f"{prog} " + " ".join(argv)
     try:
         rows, maxbatch, budget = resolve(opts)
     except ConfigError as exc:

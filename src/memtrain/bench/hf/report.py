@@ -9,10 +9,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from memtrain.bench.hf.lockstep import window_overlap_s
+from memtrain.bench.hf.rows import COMMANDS_FILE, REPORT_JSON, REPORT_MD, SIDES, _probe_at, config_hash, read_runs
 from memtrain.files.results import write_json_atomic
-
-from .lockstep import window_overlap_s
-from .rows import COMMANDS_FILE, REPORT_JSON, REPORT_MD, SIDES, _probe_at, config_hash, read_runs
 
 
 def _median(xs: list[float]) -> Optional[float]:
@@ -285,9 +284,8 @@ def write_report(out: Path, rows: list[dict[str, Any]], settings: dict[str, Any]
 
 def write_profiles(out: Path, rows: list[dict[str, Any]], steps: int, command: str) -> int:
     """``--profile``: per-phase medians of both sides for every row with a Trainer counterpart."""
+    from memtrain.bench.hf.probe import profile_phases  # the step machinery (torch, transformers) only when profiling
     from memtrain.runtime.env import environment, git_commit, resolve_device
-
-    from .probe import profile_phases  # the step machinery (torch, transformers) only when profiling
 
     env = environment(resolve_device(rows[0]["config"].train.device))
     lines = ["# Per-phase step times, memtrain vs the Trainer-equivalent step", "",

@@ -11,13 +11,12 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from memtrain.bench.hf.hf_model import apply_hf_lora, build_hf_model
+from memtrain.bench.hf.mapping import hf_plan
+from memtrain.bench.hf.trainer_side import _autocast_dtype, make_hf_optimizer, training_arguments
 from memtrain.config.run import RunConfig
 from memtrain.models import is_hf
 from memtrain.models.hf import same_paths_as_eager
-
-from .hf_model import apply_hf_lora, build_hf_model
-from .mapping import hf_plan
-from .trainer_side import _autocast_dtype, make_hf_optimizer, training_arguments
 
 
 class _ItemStub:

@@ -11,12 +11,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from memtrain.bench.hf.data import hf_train_dataset
+from memtrain.bench.hf.hf_model import apply_hf_lora, build_hf_model
+from memtrain.bench.hf.lockstep import BATON, STEP_WINDOWS
+from memtrain.bench.hf.mapping import HFPlan, hf_plan
 from memtrain.config.run import ConfigError, RunConfig
-
-from .data import hf_train_dataset
-from .hf_model import apply_hf_lora, build_hf_model
-from .lockstep import BATON, STEP_WINDOWS
-from .mapping import HFPlan, hf_plan
 
 
 def training_arguments(cfg: RunConfig, plan: HFPlan, output_dir: str, device: torch.device) -> Any:
@@ -65,7 +64,7 @@ def make_hf_optimizer(model: torch.nn.Module, args: Any) -> torch.optim.Optimize
         {"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
         {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
     ]
-    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)  # type: ignore[arg-type]  # peft's PeftModel too, as the Trainer passes it
     return cls(groups, **kwargs)
 
 
@@ -85,7 +84,7 @@ class StepMeter:
         from memtrain.training.train import METERED_STEPS
 
         self.device = device
-        self.metered_steps = METERED_STEPS if track_memory else ()
+        self.metered_steps: tuple[int, ...] = METERED_STEPS if track_memory else ()
         warmup = max(warmup_timing_steps, len(self.metered_steps))
         self.timer = StepTimer(device, warmup=min(warmup, max(0, steps - 1)))
         self.meter: Any = None

@@ -17,8 +17,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-# The script each worker process runs: `compare_hf.py --worker SIDE SPEC OUT`.
-ENTRY = Path(__file__).resolve().parents[1] / "compare_hf.py"
+# What each worker process runs (then `--worker SIDE SPEC OUT`): the package's __main__, which
+# waits for its turn before importing torch.
+WORKER_COMMAND = (sys.executable, "-m", "memtrain.bench.hf")
 
 BATON_ENV = "COMPARE_HF_BATON"
 
@@ -85,7 +86,7 @@ def run_subprocess(side: str, cfg: Any, maxbatch: Optional[dict[str, Any]], thre
         spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec.write_text(json.dumps({"config": cfg.to_dict(), "maxbatch": maxbatch, "threads": threads,
                                     "exact_schedule": exact_schedule}))
-        cmd = [sys.executable, str(ENTRY), "--worker", side, str(spec), str(out)]
+        cmd = [*WORKER_COMMAND, "--worker", side, str(spec), str(out)]
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
@@ -120,7 +121,7 @@ def run_pair(order: tuple[str, str], cfg: Any, maxbatch: Optional[dict[str, Any]
                                         "exact_schedule": exact_schedule}))
             fds = (inbox[side][0], inbox[other][1])
             env = {**os.environ, BATON_ENV: f"{fds[0]},{fds[1]}"}
-            cmd = [sys.executable, str(ENTRY), "--worker", side, str(spec), str(out)]
+            cmd = [*WORKER_COMMAND, "--worker", side, str(spec), str(out)]
             with open(err, "w") as fh:
                 procs[side] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=fh, env=env, pass_fds=fds)
         for side in order:

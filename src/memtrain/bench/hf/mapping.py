@@ -27,11 +27,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from memtrain.config.run import ConfigError, ModelConfig, RunConfig, parse_checkpointing
+from memtrain.config.aliases import trainer_optim
+from memtrain.config.run import ConfigError, RunConfig, parse_checkpointing
 from memtrain.models import is_hf
 
-__all__ = ["HFPlan", "gpt2_config_kwargs", "hf_plan", "lora_targets", "trainer_alignment", "MODEL_TO_GPT2",
-           "TRAINER_LOW_BIT_BLOCK"]
+__all__ = ["HFPlan", "hf_plan", "lora_targets", "trainer_alignment", "TRAINER_LOW_BIT_BLOCK"]
 
 # transformers passes block_size=256 to torchao's AdamW8bit and AdamW4bit, and cannot be told
 # otherwise: optim_args="block_size=128" reaches torchao as the string "128" in transformers
@@ -50,33 +50,10 @@ def trainer_alignment(cfg: RunConfig) -> dict[str, Any]:
         return {"optim_block": TRAINER_LOW_BIT_BLOCK}
     return {}
 
-_EOT = 50256
-
-# memtrain ModelConfig field -> GPT2Config field (the architecture is the same GPT-2 block).
-MODEL_TO_GPT2 = {
-    "padded_vocab_size": "vocab_size",
-    "max_seq_len": "n_positions",
-    "d_model": "n_embd",
-    "n_layers": "n_layer",
-    "n_heads": "n_head",
-    "d_ff": "n_inner",
-}
 
 # memtrain's LoRA targets -> GPT-2's Conv1D module names (GPT-2 calls both projections back
 # into the residual stream c_proj, so each is named with its parent).
 _LORA_TARGETS = {"qkv": "c_attn", "proj": "attn.c_proj", "fc": "c_fc", "fc_out": "mlp.c_proj"}
-
-# memtrain --optim -> TrainingArguments.optim
-_OPTIM = {
-    "adamw": "adamw_torch",
-    "adamw-foreach": "adamw_torch",
-    "adamw-fused": "adamw_torch_fused",
-    "adafactor": "adafactor",
-    "adamw-8bit": "adamw_torch_8bit",
-    "adamw-4bit": "adamw_torch_4bit",
-    "adamw-bnb-8bit": "adamw_bnb_8bit",
-    "sgd": "sgd",
-}
 
 
 @dataclass
@@ -112,36 +89,6 @@ class HFPlan:
             "mapping": list(self.mapping),
             "missing": list(self.missing),
         }
-
-
-def gpt2_config_kwargs(m: ModelConfig) -> dict[str, Any]:
-    """``GPT2Config`` keyword arguments for the same architecture as ``memtrain.models.gpt.GPT(m)``.
-
-    gelu_new is GELU's tanh approximation (memtrain's ``F.gelu(approximate="tanh")``);
-    layer_norm_epsilon 1e-5 is ``nn.LayerNorm``'s default; the vocabulary is the padded one, so
-    ``--vocab-multiple`` rows have the same embedding table on both sides.
-    """
-    if not m.bias:
-        raise ConfigError("GPT-2 always has biases; the Hugging Face comparison needs --bias (the default)")
-    return {
-        "vocab_size": m.padded_vocab_size,
-        "n_positions": m.max_seq_len,
-        "n_embd": m.d_model,
-        "n_layer": m.n_layers,
-        "n_head": m.n_heads,
-        "n_inner": m.d_ff,
-        "activation_function": "gelu_new",
-        "resid_pdrop": m.dropout,
-        "embd_pdrop": m.dropout,
-        "attn_pdrop": m.dropout,
-        "layer_norm_epsilon": 1e-5,
-        "tie_word_embeddings": not m.untie_embeddings,
-        "scale_attn_weights": True,
-        "use_cache": False,
-        # GPT-2's <|endoftext|>, or nothing when a small test vocabulary cannot hold it.
-        "bos_token_id": _EOT if _EOT < m.padded_vocab_size else None,
-        "eos_token_id": _EOT if _EOT < m.padded_vocab_size else None,
-    }
 
 
 def lora_targets(spec: str) -> list[str]:
@@ -279,7 +226,7 @@ def hf_plan(cfg: RunConfig, device_type: str) -> HFPlan:  # noqa: C901 - one bra
                            "the HF side materializes the full logits")
 
     # -- optimizer
-    optim = _OPTIM.get(t.optim)
+    optim = trainer_optim(t.optim)
     if optim is None:
         none.append(f"--optim {t.optim}: no TrainingArguments.optim equivalent")
     else:

@@ -1,0 +1,78 @@
+"""The Trainer side's model: the same architecture and initial weights as memtrain's side."""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from memtrain.bench.hf.mapping import HFPlan
+from memtrain.config.run import ConfigError, RunConfig
+from memtrain.inference.export import hf_config, load_gpt_weights
+from memtrain.models import is_hf
+from memtrain.models.gpt import GPT
+from memtrain.runtime.env import seed_everything
+
+if TYPE_CHECKING:  # transformers is imported when a model is built, not with this module
+    from transformers import PreTrainedModel
+
+
+def build_hf_model(cfg: RunConfig, plan: HFPlan, init_from_memtrain: bool = True) -> PreTrainedModel:
+    """The transformers model the Trainer trains for ``cfg``, starting where memtrain starts.
+
+    Our GPT (no ``--model``): a ``GPT2LMHeadModel`` of ``cfg.model``'s architecture through
+    memtrain's one conversion (:mod:`memtrain.inference.export`, with the padded vocabulary so that both
+    sides train the same embedding table), loaded with the weights of ``memtrain.models.gpt.GPT``
+    built under the same seed. A transformers model (``--model SPEC``): the very
+    ``AutoModelForCausalLM`` memtrain builds through its model seam
+    (:func:`memtrain.models.build_model`), under the same seed, without memtrain's wrapper. The
+    weights are random unless told to match memtrain's (``init_from_memtrain``; under fake tensors
+    nothing can be matched nor read).
+    """
+    if is_hf(cfg):
+        return transformers_model(cfg, init_from_memtrain)
+    if not cfg.model.bias:
+        # The conversion would give GPT-2 zero biases, which the Trainer would then train.
+        raise ConfigError("GPT-2 always has biases; the Hugging Face comparison needs --bias (the default)")
+    from transformers import GPT2LMHeadModel
+
+    config = hf_config(cfg, padded_vocab=True)
+    config.use_cache = False  # training: no KV cache
+    config._attn_implementation = plan.attn_implementation
+    model = GPT2LMHeadModel(config)
+    if init_from_memtrain:
+        seed_everything(cfg.train.seed)  # what memtrain.training.train does right before building its GPT
+        ours = GPT(cfg.model)
+        if ours.num_parameters() != model.num_parameters():
+            raise RuntimeError(f"parameter counts differ: memtrain {ours.num_parameters():,}, "
+                               f"GPT2LMHeadModel {model.num_parameters():,}")
+        load_gpt_weights(model, ours, padded_vocab=True)
+        del ours
+    return model
+
+
+def transformers_model(cfg: RunConfig, init_from_memtrain: bool = True) -> PreTrainedModel:
+    """``--model SPEC``'s transformers model as memtrain builds it (same config edits: the
+    attention implementation, sliding window, no KV cache), unwrapped for the Trainer.
+
+    With ``init_from_memtrain`` the global seed is set first, as ``memtrain.training.train`` does right
+    before building, and a directory's ``*.safetensors`` weights are loaded as memtrain loads
+    them; the same initial weights on both sides (a test checks the first losses agree)."""
+    from memtrain.models import build_model
+
+    if init_from_memtrain:
+        seed_everything(cfg.train.seed)
+    wrapped = build_model(cfg, with_weights=init_from_memtrain)
+    return wrapped.lm  # type: ignore[union-attr,return-value]  # HFCausalLM holds the transformers model
+
+
+def apply_hf_lora(model: PreTrainedModel, plan: HFPlan) -> Any:
+    """Wrap with peft's LoRA as a Trainer user would (``get_peft_model``): ``model`` itself
+    without LoRA, else peft's ``PeftModel`` around it."""
+    if plan.lora is None:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # peft notes that fan_in_fan_out is set for GPT-2's Conv1D
+        return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **plan.lora))
+
