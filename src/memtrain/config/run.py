@@ -47,7 +47,10 @@ def _require(cond: bool, message: str) -> None:
 # --------------------------------------------------------------------------- model
 @dataclass
 class ModelConfig:
-    """Shape of the decoder-only Transformer (GPT-2 style, pre-LayerNorm)."""
+    """Shape of the decoder-only Transformer (GPT-2 style, pre-LayerNorm).
+
+    ``ModelConfig(...)`` takes every field as given; for a ``--model SPEC`` build it with
+    :meth:`from_spec`, which sets the shape fields to the model's."""
 
     vocab_size: int = _f(50257, "Vocabulary size (GPT-2 BPE has 50257 tokens).")
     vocab_multiple: int = _f(
