@@ -60,3 +60,89 @@ def test_parse_size():
     assert parse_size("512MiB") == 512 * 2**20
     with pytest.raises(ConfigError, match="8GiB"):
         parse_size("lots")
+
+
+# --------------------------------------------------------------------------- --model resolution
+# What ModelConfig.__post_init__ may not do while a dataclass is built: read a file or a folder,
+# import a module (models.spec, transformers), or reach the network.
+_NO_IO_SCRIPT = r"""
+import sys
+from memtrain.config.run import ModelConfig, RunConfig
+
+events = []
+watched = ("open", "import", "os.listdir", "os.scandir", "socket.connect", "socket.getaddrinfo", "subprocess.Popen")
+sys.addaudithook(lambda event, args: events.append((event, str(args)[:200])) if event in watched else None)
+default = ModelConfig()
+first = ModelConfig(model="llama-3-8b")
+assert not events, events[:5]
+for spec in ("llama-3-8b", "gpt2", "tiny-llama", "hf:Org/Name", "/no/such/folder", "no-such-model"):
+    m = ModelConfig(model=spec)
+    assert m.model == spec and (m.d_model, m.n_layers, m.vocab_size) == (default.d_model, default.n_layers,
+                                                                          default.vocab_size), m
+RunConfig(model=first)
+assert not events, events[:5]
+assert "memtrain.models.spec" not in sys.modules and "transformers" not in sys.modules
+print("ok")
+"""
+
+
+def test_model_config_reads_no_file_and_imports_no_spec():
+    """Building a ModelConfig only checks the values given: ``model`` is recorded, never
+    resolved (no config.json opened, no models.spec or transformers imported, no network);
+    an audit hook in a fresh interpreter sees every open and import."""
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _NO_IO_SCRIPT], capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+def _bundled_json(name: str) -> dict:
+    import json
+
+    from memtrain.models.spec import CONFIG_DIR
+
+    return json.loads((CONFIG_DIR / f"{name}.json").read_text(encoding="utf-8"))
+
+
+def test_from_spec_resolves_a_gpt_preset():
+    from memtrain.config.presets import PRESETS
+    from memtrain.config.run import ModelConfig
+
+    m = ModelConfig.from_spec("gpt2", d_model=64, vocab_multiple=64)
+    assert m.model == "gpt2"
+    assert {k: getattr(m, k) for k in PRESETS["gpt2"][0]} == PRESETS["gpt2"][0]  # the preset wins over d_model=64
+    assert m.vocab_multiple == 64  # a field the preset leaves alone keeps the given value
+    assert build_config({"model": "gpt2"}).model == ModelConfig.from_spec("gpt2")
+
+
+def test_from_spec_resolves_a_bundled_config():
+    pytest.importorskip("transformers")
+    from memtrain.config.run import ModelConfig
+
+    c = _bundled_json("llama-3-8b")
+    m = ModelConfig.from_spec("llama-3-8b")
+    assert (m.model, m.vocab_size, m.d_model, m.n_heads, m.n_layers, m.d_ff, m.max_seq_len) == (
+        "llama-3-8b", c["vocab_size"], c["hidden_size"], c["num_attention_heads"], c["num_hidden_layers"],
+        c["intermediate_size"], c["max_position_embeddings"])
+    assert m.untie_embeddings == (not c.get("tie_word_embeddings", True))
+    assert m != ModelConfig(model="llama-3-8b")  # the dataclass alone keeps memtrain's default shape
+    assert build_config({"model": "llama-3-8b", "seq_len": 2048}).model == m
+
+
+def test_from_spec_resolves_a_local_folder(llama_dir):
+    from memtrain.config.run import ModelConfig
+
+    m = ModelConfig.from_spec(str(llama_dir), n_layers=7)
+    assert (m.vocab_size, m.d_model, m.n_heads, m.n_layers, m.d_ff, m.max_seq_len) == (50257, 16, 2, 1, 32, 64)
+    assert build_config({"model": str(llama_dir), "seq_len": 32}).model == ModelConfig.from_spec(str(llama_dir))
+    with pytest.raises(ConfigError, match="is not a preset, a bundled config"):
+        ModelConfig.from_spec(str(llama_dir / "missing"))
+
+
+def test_replace_resolves_the_model_again():
+    """RunConfig.replace goes through build_config: the model's shape stays the model's."""
+    cfg = build_config({"model": "gpt2"}).replace(d_model=64, batch_size=2)
+    assert (cfg.model.d_model, cfg.train.batch_size) == (768, 2)

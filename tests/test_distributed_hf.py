@@ -211,12 +211,12 @@ def test_qlora_under_fsdp2_is_refused_when_a_weight_cannot_be_split(monkeypatch)
     monkeypatch.setattr(hf_mapping.dist, "get_world_size", lambda: 2)
     cfg = build_config({"qlora": True, "lora_rank": 4, "distributed": "fsdp"})
     with pytest.raises(ConfigError, match=r"NF4 weight\(s\) \(e.g. 0\) do not split into 2 equal shards.*ddp or zero1"):
-        hf_mapping._check_qlora_shards(model, cfg, torch.device("cpu"))  # type: ignore[arg-type]
-    hf_mapping._check_qlora_shards(model, cfg.replace(distributed="zero1"), torch.device("cpu"))  # type: ignore[arg-type]
+        hf_mapping._check_qlora_shards(model, cfg.technique, torch.device("cpu"))  # type: ignore[arg-type]
+    hf_mapping._check_qlora_shards(model, cfg.replace(distributed="zero1").technique, torch.device("cpu"))  # type: ignore[arg-type]
     monkeypatch.setattr(hf_mapping.dist, "get_world_size", lambda: 1)
-    hf_mapping._check_qlora_shards(model, cfg, torch.device("cpu"))  # type: ignore[arg-type]
+    hf_mapping._check_qlora_shards(model, cfg.technique, torch.device("cpu"))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="bitsandbytes"):
-        hf_mapping._check_qlora_shards(model, cfg, torch.device("cuda"))  # type: ignore[arg-type]
+        hf_mapping._check_qlora_shards(model, cfg.technique, torch.device("cuda"))  # type: ignore[arg-type]
 
 
 

@@ -166,7 +166,7 @@ def test_preset_parameter_counts():
     # LLaMA 3 8B (grouped-query attention) is the bundled transformers config, one name for one model.
     from memtrain.models.spec import cost_arch
 
-    counts["llama-3-8b"] = sum(p.numel for p in param_table(ModelConfig(model="llama-3-8b"), cost_arch("llama-3-8b")))
+    counts["llama-3-8b"] = sum(p.numel for p in param_table(ModelConfig.from_spec("llama-3-8b"), cost_arch("llama-3-8b")))
     assert counts["gpt2"] == 124_439_808
     assert counts["gpt2-xl"] == 1_557_611_200
     assert counts["llama-7b"] == 6_738_415_616
@@ -291,3 +291,12 @@ def test_cli_bad_input_is_one_line(argv, text, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and text in err and "\n" not in err
+
+
+def test_cli_params_next_to_a_config_file_model_is_one_line(tmp_path, capsys):
+    """--params derives a GPT shape; a model named in --config fixes the shape, so the two are refused together."""
+    config = tmp_path / "run.yaml"
+    config.write_text("model: gpt2\n", encoding="utf-8")
+    assert main(["estimate", "--config", str(config), "--params", "1B", "--json"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "--params" in err and "'gpt2'" in err and "\n" not in err

@@ -171,7 +171,7 @@ def test_qlora_checkpoint_exports_dequantized_and_merged(tmp_path_factory, token
     assert main(["export", str(ckpt), str(out)]) == 0
     state, cfg = read_checkpoint(ckpt)
     trained = build_model(cfg, with_weights=False)
-    apply_hf_lora(trained, cfg)
+    apply_hf_lora(trained, cfg.technique)
     assert quantize_base_weights(trained, torch.device("cpu")) == 0
     trained.load_state_dict(state["model"])  # as --resume does: NF4 base weights, FP32 adapters
     idx = _tokens()

@@ -41,6 +41,10 @@ def resolve_model(args: argparse.Namespace) -> tuple[Any, Any]:
     if getattr(args, "preset", None):
         base, arch = preset(args.preset)
     cfg = config_from_args(args, base=base, derive_max_seq_len=True)
+    if getattr(args, "params", None) and cfg.model.model is not None:
+        # A model named in --config fixes the shape (ModelConfig.from_spec): no size to derive.
+        raise ConfigError(f"--params sizes memtrain's GPT; drop it, or the model setting ({cfg.model.model!r}) "
+                          "of the --config file")
     if getattr(args, "params", None):
         m = shape_for_params(parse_count(args.params), cfg.model)
         cfg = cfg.replace(d_model=m.d_model, n_heads=m.n_heads, n_layers=m.n_layers, d_ff=m.d_ff)

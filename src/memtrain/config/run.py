@@ -1,7 +1,9 @@
 """Typed configuration for every memtrain command.
 
 One dataclass per stage (model, data, techniques, training), each validated once in
-``__post_init__`` with a :class:`ConfigError` whose message says what to change.
+``__post_init__`` with a :class:`ConfigError` whose message says what to change. Validation
+reads no file and no network: ``--model SPEC`` is resolved by the named constructor
+:meth:`ModelConfig.from_spec` (which :func:`build_config` calls).
 Every field carries its documentation in ``metadata["help"]``; the command line is
 generated from these fields (see :mod:`memtrain.cli`), so a field added here becomes a
 ``--flag`` automatically (underscores turn into dashes).
@@ -45,7 +47,10 @@ def _require(cond: bool, message: str) -> None:
 # --------------------------------------------------------------------------- model
 @dataclass
 class ModelConfig:
-    """Shape of the decoder-only Transformer (GPT-2 style, pre-LayerNorm)."""
+    """Shape of the decoder-only Transformer (GPT-2 style, pre-LayerNorm).
+
+    ``ModelConfig(...)`` takes every field as given; for a ``--model SPEC`` build it with
+    :meth:`from_spec`, which sets the shape fields to the model's."""
 
     vocab_size: int = _f(50257, "Vocabulary size (GPT-2 BPE has 50257 tokens).")
     vocab_multiple: int = _f(
@@ -72,14 +77,28 @@ class ModelConfig:
         "The shape fields above then mirror the model's config. None: memtrain's GPT.",
     )
 
-    def __post_init__(self) -> None:
-        if self.model is not None:
-            # The shape fields mirror the chosen model, so every reader of cfg.model (random
-            # batches, FLOP rules, --seq-len/--lora-rank checks) sees its real shape.
-            from memtrain.models.spec import mirrored_fields, preset_fields  # torch-free --help/estimate/plan
+    @classmethod
+    def from_spec(cls, spec: Optional[str] = None, **given: Any) -> "ModelConfig":
+        """The ModelConfig of ``--model SPEC``: where a model name, folder or Hub repository is
+        resolved (the constructor every command and library entry point reaches, through
+        :func:`build_config`).
 
-            for name, value in (preset_fields(self.model) or mirrored_fields(self.model)).items():
-                setattr(self, name, value)
+        The shape fields mirror the model ``spec`` names, winning over the same fields in
+        ``given``: a GPT preset's fields, or those of the transformers config.json of a bundled
+        name, a folder or ``hf:ORG/NAME`` (read from disk or the Hub), so every reader of
+        ``cfg.model`` (random batches, FLOP rules, --seq-len/--lora-rank checks) sees the real
+        shape. The other fields come from ``given``. No spec: ``ModelConfig(**given)``.
+        ConfigError when ``spec`` names no model, or its config cannot be read or built.
+        """
+        if spec is not None:
+            from memtrain.models.spec import model_fields  # torch-free --help/estimate/plan
+
+            given = {**given, **model_fields(spec)}
+        return cls(model=spec, **given)
+
+    def __post_init__(self) -> None:
+        # Checks the values as given, and nothing else: no file or network is read while a
+        # ModelConfig is built (``model`` is only recorded here; from_spec resolves it).
         for name in ("vocab_size", "vocab_multiple", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len"):
             _require(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         # Before any arithmetic on the shape (the hint below loops over n_heads): every verb
@@ -379,7 +398,7 @@ def train_flags(cfg: RunConfig) -> list[str]:
     with train's parser gives ``cfg`` back (tests/test_hf_user_flags.py checks it)."""
     spec = cfg.model.model
     defaults: dict[str, Any] = {
-        "model": ModelConfig(model=spec) if spec is not None else ModelConfig(),  # the model's own shape
+        "model": ModelConfig.from_spec(spec),  # the model's own shape
         "data": DataConfig(), "technique": TechniqueConfig(), "train": TrainConfig(),
     }
     args: list[str] = ["--model", spec] if spec is not None else []
@@ -564,7 +583,9 @@ def flatten(nested: dict[str, Any]) -> dict[str, Any]:
 def build_config(*layers: dict[str, Any]) -> RunConfig:
     """Merge layers of settings (later wins) into a validated RunConfig.
 
-    Each layer is nested by section or flat. Unknown keys are rejected with a hint.
+    Each layer is nested by section or flat. Unknown keys are rejected with a hint. A ``model``
+    setting (``--model SPEC``) is resolved through :meth:`ModelConfig.from_spec`, so its shape
+    fields mirror the model.
     """
     index = field_index()
     per_section: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
@@ -599,7 +620,11 @@ def build_config(*layers: dict[str, Any]) -> RunConfig:
         steps = per_section["train"]["steps"]
         if isinstance(steps, int) and steps > 0:
             per_section["train"]["warmup_steps"] = capped_warmup(steps)
-    parts = {s: SECTIONS[s](**kv) for s, kv in per_section.items()}
+    # --model is resolved here, by its named constructor (ModelConfig itself reads nothing), and
+    # first, as before: an unknown model is reported ahead of the other sections' values.
+    model = per_section["model"]
+    parts: dict[str, Any] = {"model": ModelConfig.from_spec(model.pop("model", None), **model)}
+    parts.update({s: SECTIONS[s](**kv) for s, kv in per_section.items() if s != "model"})
     _check_integers_fit(parts)
     cfg = RunConfig(**parts)
     # Remembered (not a field, so not in result.json's config) for the CLI's one-line note.

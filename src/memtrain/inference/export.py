@@ -156,7 +156,7 @@ def _load_transformers(weights: dict[str, Any], cfg: RunConfig, ckpt: Path, merg
     model = build_hf_model(build_cfg, with_weights=False).float()  # every weight comes from the checkpoint
     if tech.lora_rank:
         require("peft")
-        apply_hf_lora(model, build_cfg)
+        apply_hf_lora(model, build_cfg.technique)
     _fit(model, _plain_weights(weights, model, ckpt), ckpt, cfg)
     if tech.lora_rank and merge:
         merge_adapters_in_place(model)

@@ -77,7 +77,7 @@ def from_directory(path: Path) -> tuple[Any, Codec]:
     shown = repr(str(path))
     read_config_json(path / "config.json")  # custom code (auto_map, an unknown model_type) is refused here
     refuse_custom_tokenizer(path)
-    check_model_size(ModelConfig(model=str(path)))  # the shape config.json declares, before transformers builds it
+    check_model_size(ModelConfig.from_spec(str(path)))  # the shape config.json declares, before transformers builds it
     _check_weight_files(path)
     config = _read_config(path)
     lm = load_pretrained_lm(str(path), config, "sdpa", shown)

@@ -288,6 +288,12 @@ def preset_fields(spec: str) -> Optional[dict[str, Any]]:
     return dict(fields)
 
 
+def model_fields(spec: str) -> dict[str, Any]:
+    """The ModelConfig fields ``spec`` sets: a GPT preset's, else those mirrored from its
+    transformers config (:func:`memtrain.config.run.ModelConfig.from_spec` applies them)."""
+    return preset_fields(spec) or mirrored_fields(spec)
+
+
 def cost_arch(spec: str) -> Any:
     """The closest :class:`memtrain.analysis.estimate.Arch` of a transformers model, for the plan's
     step-time model and parameter table (orders candidates; memory comes from the trace).

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from memtrain.config.run import ConfigError, RunConfig
+from memtrain.config.run import ConfigError, RunConfig, TechniqueConfig
 from memtrain.distributed.wrapping import apply_distributed
 from memtrain.models.hf import GPT_LORA_TARGETS, HFCausalLM
 from memtrain.models.qlora import nf4_unshardable, quantize_base_weights
@@ -28,8 +28,8 @@ from memtrain.techniques.loss import apply_loss
 
 __all__ = ["apply_hf_lora", "lora_target_modules", "prepare_hf_model"]
 
-def _check_supported(model: HFCausalLM, cfg: RunConfig, device: torch.device) -> None:
-    tech = cfg.technique
+def _check_supported(tech: TechniqueConfig, device: torch.device) -> None:
+    """Refuse, before anything is applied, a technique a transformers model cannot take on ``device``."""
     if tech.attention == "flash-attn" and device.type != "cuda":
         raise ConfigError("--attention flash-attn (flash_attention_2) needs a CUDA GPU; use sdpa or flash on CPU")
     if tech.attention == "mem-efficient" and device.type != "cuda":
@@ -53,9 +53,8 @@ def lora_target_modules(targets: str) -> Any:
     return [t.strip() for t in targets.split(",") if t.strip()]
 
 
-def apply_hf_lora(model: HFCausalLM, cfg: RunConfig) -> None:
+def apply_hf_lora(model: HFCausalLM, tech: TechniqueConfig) -> None:
     """Add LoRA adapters in place with peft; only the adapters stay trainable."""
-    tech = cfg.technique
     if not tech.lora_rank:
         return
     from peft import LoraConfig, inject_adapter_in_model
@@ -70,7 +69,7 @@ def apply_hf_lora(model: HFCausalLM, cfg: RunConfig) -> None:
         p.requires_grad_("lora_" in name)
 
 
-def _check_qlora_shards(model: HFCausalLM, cfg: RunConfig, device: torch.device) -> None:
+def _check_qlora_shards(model: HFCausalLM, tech: TechniqueConfig, device: torch.device) -> None:
     """QLoRA's 4-bit base weights under FSDP2 (zero2/fsdp), which splits every weight by rows.
 
     torchao's NF4Tensor implements FSDP2's all-gather hooks (torchtune's QLoRA recipe shards
@@ -78,8 +77,8 @@ def _check_qlora_shards(model: HFCausalLM, cfg: RunConfig, device: torch.device)
     bitsandbytes' Params4bit (CUDA) carries its quantization state as an attribute of the
     parameter (``quant_state``), which the DTensor shard FSDP2 puts in its place does not
     carry, so that pairing is refused (not run here: no GPU). ddp and zero1 keep whole weights on every rank."""
-    s = cfg.technique.distributed
-    if not cfg.technique.qlora or s not in ("zero2", "fsdp") or not dist.is_initialized():
+    s = tech.distributed
+    if not tech.qlora or s not in ("zero2", "fsdp") or not dist.is_initialized():
         return
     if device.type == "cuda":
         raise ConfigError(f"--qlora with --distributed {s} on CUDA: bitsandbytes' 4-bit weights cannot be sharded "
@@ -100,13 +99,13 @@ def prepare_hf_model(model: HFCausalLM, cfg: RunConfig, device: torch.device, pr
     DDP around the model, or FSDP2 ``fully_shard`` on each of ``model.blocks`` (the decoder
     layers, LoRA adapters and checkpoint wrappers included) and then the root (embeddings,
     final norm, LM head)."""
-    _check_supported(model, cfg, device)
     tech = cfg.technique
+    _check_supported(tech, device)
     model = model.to(device=device, dtype=precision.param_dtype)
-    apply_hf_lora(model, cfg)
+    apply_hf_lora(model, tech)
     if tech.qlora:
         quantize_base_weights(model, device)
-        _check_qlora_shards(model, cfg, device)
+        _check_qlora_shards(model, tech, device)
     apply_checkpointing(model, tech)
     apply_loss(model, tech, device)
     compiled = apply_compile(model, tech)

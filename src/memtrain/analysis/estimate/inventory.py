@@ -417,7 +417,10 @@ def _segments(cfg: RunConfig, arch: Arch, dm: _Dims, trainable_base: bool, grads
             continue
         segs.append(_Segment(f"block {i}", nodes,
                              checkpoint=mode if policy.whole_block(i, L) else "none", input_key=f"blocks.{j}.in"))
-    segs.append(_Segment("head", _head_nodes(dm, replace(m, n_layers=comp.blocks), tech, arch, trainable_base,
-                                             grads_exist)))
+    # The head reads the output of the last traced block (blocks.{comp.blocks}.in) for memtrain's
+    # GPT; a config naming a --model keeps its full depth here (blocks.{L}.in), as its estimates
+    # are computed.
+    head_m = m if m.model is not None else replace(m, n_layers=comp.blocks)
+    segs.append(_Segment("head", _head_nodes(dm, head_m, tech, arch, trainable_base, grads_exist)))
     assert L == comp.blocks + comp.lumps * comp.period
     return segs
