@@ -48,6 +48,14 @@ def test_default_model_counted_matches_rule_within_2_percent():
     assert c["backward"] == 2 * c["forward"]
 
 
+def test_a_named_preset_reconciles_to_zero_too():
+    """`flops --model gpt2`: the reconciliation counts one block's biases and norms times the
+    depth, as for an unnamed shape (the preset's name must not bring back its full depth)."""
+    cfg = build_config({"model": "gpt2", "batch_size": 1, "seq_len": 128})
+    rec = flops_report(cfg, "h100")["reconciliation"]
+    assert rec["unexplained"] == 0
+
+
 def test_fake_count_equals_a_real_step():
     """Counting under FakeTensorMode gives exactly what the same step does with real tensors,
     and what a bare FlopCounterMode counts on a real forward+backward."""

@@ -123,9 +123,9 @@ def reconcile(cfg: RunConfig, count: StepCount) -> dict[str, float]:
     as the rule does, masked half included.
     """
     # One block's vectors times the depth (param_table lists model.named_parameters(); the
-    # model itself is not built: O(1) in n_layers).
-    # (A config naming a --model keeps the model's full depth in this table.)
-    one = param_table(cfg.model if cfg.model.model is not None else replace(cfg.model, n_layers=1))
+    # model itself is not built: O(1) in n_layers). The shape is already resolved, so the one-block
+    # copy drops the model's name (a named preset would otherwise keep its full depth).
+    one = param_table(replace(cfg.model, model=None, n_layers=1))
     non_matmul = sum(p.numel * (cfg.model.n_layers if p.block is not None else 1) for p in one if len(p.shape) < 2)
     tokens = count.tokens
     untied = cfg.model.padded_vocab_size * cfg.model.d_model if cfg.model.untie_embeddings else 0
