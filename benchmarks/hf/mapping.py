@@ -23,12 +23,12 @@ Written against transformers 5.23, where ``gradient_checkpointing`` is the depre
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from memtrain.config.run import ConfigError, ModelConfig, RunConfig, parse_checkpointing
+from memtrain.config.run import ConfigError, ModelConfig, RunConfig
 from memtrain.models import is_hf
+from memtrain.techniques.facts import checkpoint_policy
 
 __all__ = ["HFPlan", "gpt2_config_kwargs", "hf_plan", "lora_targets", "trainer_alignment", "MODEL_TO_GPT2",
            "TRAINER_LOW_BIT_BLOCK"]
@@ -249,10 +249,9 @@ def hf_plan(cfg: RunConfig, device_type: str) -> HFPlan:  # noqa: C901 - one bra
         mapping.append("attention flash-attn -> attn_implementation='flash_attention_2'")
 
     # -- activation checkpointing
-    kind, every = parse_checkpointing(t.checkpointing)
+    policy = checkpoint_policy(t.checkpointing)
+    kind, every = policy.kind, policy.period(cfg.model.n_layers)
     if kind != "none":
-        if kind == "sqrt":
-            every = max(1, round(math.sqrt(cfg.model.n_layers)))
         ck: dict[str, Any] = {"use_reentrant": False}
         if kind in ("every", "sqrt") and every > 1:
             # Same rule as memtrain: layers with index % every_n_layers == 0.

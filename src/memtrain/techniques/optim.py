@@ -50,6 +50,7 @@ import torch.nn as nn
 
 from memtrain.config.run import ConfigError, TechniqueConfig, TrainConfig
 from memtrain.runtime.extras import require
+from memtrain.techniques.facts import BF16_PURE_OPTIMS, LOW_BIT_BLOCK, LOW_BIT_MIN_NUMEL
 
 __all__ = [
     "LOW_BIT_BLOCK",
@@ -61,19 +62,15 @@ __all__ = [
     "param_groups",
 ]
 
-# torchao's quantization block per optimizer (its defaults) and the size below which it keeps
-# FP32 state (the rule it copies from bitsandbytes). Used to predict what will be skipped.
-LOW_BIT_BLOCK = {"adamw-8bit": 256, "adamw-4bit": 128}
-LOW_BIT_MIN_NUMEL = 4096
+# torchao's quantization block per optimizer (its defaults), the size below which it keeps FP32
+# state, and the optimizers bf16-pure can use come from the technique registry
+# (memtrain.techniques.facts), which the estimate reads too.
 
 
 def low_bit_block(tech: TechniqueConfig) -> int:
     """The quantization block ``tech`` gives its low-bit optimizer (``--optim-block``, else
     torchao's default for that optimizer)."""
     return tech.optim_block or LOW_BIT_BLOCK[tech.optim]
-
-# Optimizers that can update BF16 weights without an FP32 master copy (stochastic rounding).
-BF16_PURE_OPTIMS = ("adamw", "adamw-8bit", "adamw-4bit")
 
 BNB_MESSAGE = (
     "--optim adamw-bnb-8bit needs CUDA and `pip install bitsandbytes`; "
