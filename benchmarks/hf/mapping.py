@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 from memtrain.config.run import ConfigError, ModelConfig, RunConfig
 from memtrain.models import is_hf
-from memtrain.techniques.facts import checkpoint_policy
+from memtrain.techniques.facts import LOW_BIT_BLOCK, checkpoint_policy
 
 __all__ = ["HFPlan", "gpt2_config_kwargs", "hf_plan", "lora_targets", "trainer_alignment", "MODEL_TO_GPT2",
            "TRAINER_LOW_BIT_BLOCK"]
@@ -46,7 +46,7 @@ def trainer_alignment(cfg: RunConfig) -> dict[str, Any]:
     Today: the low-bit optimizers' quantization block (memtrain's 4-bit default is torchao's 128;
     the Trainer's is 256). Comparing 128 against 256 would time the block size, not the loop.
     """
-    if cfg.technique.optim in ("adamw-8bit", "adamw-4bit"):
+    if cfg.technique.optim in LOW_BIT_BLOCK:
         return {"optim_block": TRAINER_LOW_BIT_BLOCK}
     return {}
 
@@ -292,7 +292,7 @@ def hf_plan(cfg: RunConfig, device_type: str) -> HFPlan:  # noqa: C901 - one bra
             if t.adafactor_relative_step:
                 none.append("--adafactor-relative-step: the Trainer's optim='adafactor' always takes --lr as the "
                             "step size (scale_parameter=False)")
-        elif t.optim in ("adamw-8bit", "adamw-4bit"):
+        elif t.optim in LOW_BIT_BLOCK:
             from memtrain.techniques.optim import low_bit_block
 
             block = low_bit_block(t)

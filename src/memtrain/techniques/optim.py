@@ -50,7 +50,7 @@ import torch.nn as nn
 
 from memtrain.config.run import ConfigError, TechniqueConfig, TrainConfig
 from memtrain.runtime.extras import require
-from memtrain.techniques.facts import BF16_PURE_OPTIMS, LOW_BIT_BLOCK, LOW_BIT_MIN_NUMEL
+from memtrain.techniques.facts import ADAMW_KERNELS, BF16_PURE_OPTIMS, LOW_BIT_BLOCK, LOW_BIT_MIN_NUMEL
 
 __all__ = [
     "LOW_BIT_BLOCK",
@@ -249,7 +249,7 @@ def build_optimizer(model: nn.Module, tech: TechniqueConfig, train: TrainConfig)
         # torchao's _AdamW: AdamW whose update is computed in FP32 and stochastically rounded
         # into the BF16 weight; its moments are kept in the parameter dtype (BF16).
         return _torchao_optim("_AdamW")(groups, lr=train.lr, betas=betas, bf16_stochastic_round=True)
-    if name in ("adamw", "adamw-foreach", "adamw-fused"):
+    if name in ADAMW_KERNELS:
         kw = default_adamw_kernel(_first_device(model)) if name == "adamw" else (
             {"foreach": True} if name == "adamw-foreach" else {"fused": True})
         return torch.optim.AdamW(groups, lr=train.lr, betas=betas, **kw)
@@ -265,7 +265,7 @@ def build_optimizer(model: nn.Module, tech: TechniqueConfig, train: TrainConfig)
             raise ConfigError(BNB_MESSAGE)
         import bitsandbytes as bnb
 
-        # bitsandbytes pads blocks itself; it keeps 32-bit state only for tensors < 4096 values.
+        # bitsandbytes pads blocks itself; it keeps 32-bit state only for tensors < LOW_BIT_MIN_NUMEL values.
         return bnb.optim.AdamW8bit(groups, lr=train.lr, betas=betas)
     if name == "sgd":
         return torch.optim.SGD(groups, lr=train.lr, momentum=0.9)
