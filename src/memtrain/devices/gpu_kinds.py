@@ -26,8 +26,8 @@ Sources (dense figures, sparse ones halved where only those are printed):
   A10's tensor rate, a higher FP32 rate).
 
 Memory: "h100-sxm" is MEASURED: torch.cuda.get_device_properties(0).total_memory of an "NVIDIA
-H100 80GB HBM3" (env.gpu_memory_bytes in benchmarks/results/gpu-h100/seed-bench/results.jsonl),
-79.18 GiB of the 80 on its datasheet. The others are the DATASHEET capacity read as GiB, an
+H100 80GB HBM3", less than the 80 GiB on its datasheet (the record it comes from:
+docs/estimation.md, ``budget_bytes``). The others are the DATASHEET capacity read as GiB, an
 assumption: the driver keeps part of it, as the H100 shows. None: the datasheet lists two sizes
 under one name (V100 16/32 GB); such a card needs --budget.
 """
@@ -73,10 +73,11 @@ class AllocatorFacts:
 # torch's default CUBLAS_WORKSPACE_CONFIG: 4096 KiB x 8 on Hopper, 4096 KiB x 2 + 16 KiB x 8 before it.
 _HOPPER_WORKSPACE = 4096 * 1024 * 8
 _WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8
-# H100: MEASURED, 787,283,968 B (751 MiB; 649 MB right after CUDA init, before any kernel ran) by
-# benchmarks/allocator_check.py at commit eedd2af (torch CUDA build in /opt/torch, NVIDIA H100
-# 80GB HBM3; benchmarks/results/gpu-h100/allocator-check). The others are ASSUMPTIONS (typical
-# published figures, not measured here); they differ by driver and CUDA version.
+# The CUDA context, as nvidia-smi shows it: the driver's context plus the kernels of torch's CUDA
+# libraries, loaded lazily (CUDA 12) by the first kernels that use them, so it is read after a
+# training step. H100: MEASURED after a training step by benchmarks/allocator_check.py (its run,
+# commit and card: docs/estimation.md, the ``device_total`` row). The others are ASSUMPTIONS
+# (typical published figures, not measured here); they differ by driver and CUDA version.
 _H100_ALLOC = AllocatorFacts("h100", 787_283_968, _HOPPER_WORKSPACE, context_measured=True, loose_names=("h100",))
 _A100_ALLOC = AllocatorFacts("a100", 440 * MiB, _WORKSPACE, loose_names=("a100",))
 _RTX4090_ALLOC = AllocatorFacts("rtx4090", 380 * MiB, _WORKSPACE, loose_names=("rtx4090", "4090"))

@@ -244,7 +244,7 @@ LOW_BIT_BLOCK: dict[str, int] = {name: rule.block for name, rule in OPTIMIZER_ST
                                  if rule.quantized and not rule.fixed_block}
 # torchao's low-bit optimizers keep FP32 state for a tensor below this many elements (the rule it
 # copies from bitsandbytes, which keeps 32-bit state below it too), and for one whose size is not
-# a multiple of the block (design.md, "pitfalls").
+# a multiple of the block (docs/architecture.md, "Pitfalls already found").
 LOW_BIT_MIN_NUMEL = 4096
 # Optimizers that can update BF16 weights without an FP32 master copy (``--precision bf16-pure``):
 # torchao's, whose update is rounded stochastically.
