@@ -19,6 +19,7 @@ from memtrain.analysis.maxbatch import measure_step_memory
 from memtrain.bench.technique_sets import TECHNIQUES
 from memtrain.config.run import build_config
 from memtrain.runtime.env import environment, git_commit, resolve_device
+from memtrain.techniques.facts import MEMORY_CATEGORIES
 
 # (row name, overrides, what it shows)
 ROWS: list[tuple[str, dict, str]] = [
@@ -42,7 +43,7 @@ ROWS: list[tuple[str, dict, str]] = [
     # The bench's technique set itself, so this row measures what `memtrain bench` runs.
     ("lowest-memory preset", dict(TECHNIQUES["lowest-memory"]), "combined"),
 ]
-CATS = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+CATS = MEMORY_CATEGORIES
 
 
 def main(argv: list[str]) -> int:

@@ -19,8 +19,8 @@ no CPU-side simulator of it:
 
 Device total = reserved + the cuBLAS workspace + the CUDA context. The workspace comes from the
 caching allocator in torch 2.x (so it is in ``allocated`` and ``reserved`` too); the context is
-outside torch and differs by GPU, driver and CUDA version: :data:`CUDA_CONTEXT_BYTES` holds the
-assumption per GPU kind, stated wherever it is used.
+outside torch and differs by GPU, driver and CUDA version: the table of GPU kinds
+(:mod:`memtrain.devices.gpu_kinds`) holds the assumption per kind, stated wherever it is used.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
+from memtrain.devices.gpu_kinds import allocator_facts
+
 __all__ = [
-    "CUDA_CONTEXT_BYTES",
-    "CUBLAS_WORKSPACE_BYTES",
     "CachingAllocator",
     "DeviceMemory",
     "replay",
@@ -46,26 +46,9 @@ LARGE_BUFFER = 20 * MiB
 MIN_LARGE_ALLOC = 10 * MiB
 ROUND_LARGE = 2 * MiB
 
-# What a process holds on the device outside torch's cache, as nvidia-smi shows it: the
-# driver's context plus the kernels of torch's CUDA libraries, loaded lazily (CUDA 12) by the
-# first kernels that use them, so it is read after a training step.
-# H100: MEASURED after a training step by benchmarks/allocator_check.py (its run, commit and card:
-# docs/estimation.md, the ``device_total`` row). The others are ASSUMPTIONS (typical published
-# figures, not measured here); they differ by driver and CUDA version.
-MEASURED_CONTEXT = {"h100"}
-CUDA_CONTEXT_BYTES = {
-    "h100": 787_283_968,
-    "a100": 440 * MiB,
-    "rtx4090": 380 * MiB,
-    "default": 500 * MiB,
-}
-# cuBLAS workspace per handle and stream, allocated through the caching allocator at the first
-# matmul (torch's default CUBLAS_WORKSPACE_CONFIG: 4096 KiB x 8 on Hopper, 4096 KiB x 2 +
-# 16 KiB x 8 before it).
-CUBLAS_WORKSPACE_BYTES = {
-    "h100": 4096 * 1024 * 8,
-    "default": 4096 * 1024 * 2 + 16 * 1024 * 8,
-}
+# What a process holds on the device outside torch's cache (the CUDA context, as nvidia-smi
+# shows it after a training step) and the cuBLAS workspace, per GPU kind: in the one table of
+# GPU kinds (memtrain.devices.gpu_kinds.AllocatorFacts), which says which figures were measured.
 
 
 def round_size(nbytes: float) -> int:
@@ -210,14 +193,6 @@ class DeviceMemory:
                                               "reserved_first_step")}
 
 
-def _gpu_key(gpu: Optional[str]) -> str:
-    g = (gpu or "").lower().replace(" ", "").replace("-", "")
-    for key in ("h100", "a100", "rtx4090"):
-        if key in g or (key == "rtx4090" and "4090" in g):
-            return key
-    return "default"
-
-
 def replay(events: Iterable[tuple[str, int, float]], gpu: Optional[str] = None, tracked_peak: float = 0.0,
            persistent_first: Iterable[float] = ()) -> DeviceMemory:
     """Replay a timeline through the allocator model.
@@ -226,9 +201,10 @@ def replay(events: Iterable[tuple[str, int, float]], gpu: Optional[str] = None, 
     tensors allocated before the timeline starts and never freed (e.g. each parameter). The
     cuBLAS workspace is allocated first (the first matmul of the first step creates it).
     """
-    key = _gpu_key(gpu)
+    facts = allocator_facts(gpu)
+    key = facts.label
     alloc = CachingAllocator()
-    ws = CUBLAS_WORKSPACE_BYTES.get(key, CUBLAS_WORKSPACE_BYTES["default"])
+    ws = facts.cublas_workspace_bytes
     for nbytes in persistent_first:
         if nbytes > 0:
             alloc.malloc(nbytes)
@@ -244,14 +220,14 @@ def replay(events: Iterable[tuple[str, int, float]], gpu: Optional[str] = None, 
                 handles[sid] = alloc.malloc(nbytes)
         elif sid in handles:
             alloc.free(handles.pop(sid))
-    ctx = CUDA_CONTEXT_BYTES[key]
+    ctx = facts.cuda_context_bytes
     return DeviceMemory(
         tracked_peak=tracked_peak, allocated=alloc.peak_allocated, reserved=alloc.peak_reserved,
         device_total=alloc.peak_reserved + ctx, cuda_context=ctx, cublas_workspace=ws, gpu=key,
         segments=alloc.segments_created, reserved_first_step=first_step,
         assumptions=[f"CUDA context {ctx / MiB:.0f} MiB for GPU kind '{key}' (assumed: "
                      + ("measured on an H100 at commit eedd2af, driver and CUDA version change it"
-                        if key in MEASURED_CONTEXT else "not measured; benchmarks/allocator_check.py measures it")
+                        if facts.context_measured else "not measured; benchmarks/allocator_check.py measures it")
                      + ")",
                      f"cuBLAS workspace {ws / MiB:.2f} MiB through the caching allocator",
                      "caching allocator defaults: one stream, no expandable_segments, no empty_cache"],

@@ -27,7 +27,6 @@ through two points says nothing).
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 from memtrain.analysis.trace import trace_step
@@ -49,13 +48,8 @@ def _period(cfg: RunConfig) -> tuple[int, str]:
 
     policy = cfg.technique.checkpointing
     parsed = checkpoint_policy(policy)
-    kind, every = parsed.kind, parsed.every
-    if kind == "sqrt":
-        k = max(1, round(math.sqrt(cfg.model.n_layers)))
-        return k, f"every:{k}"
-    if kind == "every":
-        return max(1, int(every)), policy
-    return 1, policy
+    k = parsed.period(cfg.model.n_layers)  # the one rule of the checkpointed blocks (facts)
+    return k, (f"every:{k}" if parsed.kind == "sqrt" else policy)
 
 
 def probe_depths(cfg: RunConfig) -> Optional[tuple[int, int, str]]:

@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from memtrain.analysis.estimate import GPT2_ARCH, Arch, estimate, param_count
 from memtrain.config.run import ConfigError, RunConfig, train_flags
-from memtrain.techniques.facts import checkpoint_policy
+from memtrain.techniques.facts import ADAMW_KERNELS, BF16_PURE_OPTIMS, checkpoint_policy
 
 __all__ = ["Candidate", "PlanResult", "DEVICE_PROFILES", "default_space", "plan", "step_cost", "verify"]
 
@@ -161,7 +161,7 @@ def default_space(cfg: RunConfig, device_type: str) -> dict[str, list[str]]:
     """
     cpu = device_type == "cpu"
     optim = cfg.technique.optim
-    if optim in ("adamw", "adamw-foreach", "adamw-fused"):
+    if optim in ADAMW_KERNELS:
         optims = [optim] if cpu else ["adamw-fused", "adamw-8bit"]
     else:
         optims = [optim]
@@ -190,7 +190,7 @@ def _sets(space: dict[str, list[str]]) -> list[dict[str, str]]:
     out = []
     for values in product(*(space[k] for k in keys)):
         t = dict(zip(keys, values))
-        if t["precision"] == "bf16-pure" and t["optim"] not in ("adamw", "adamw-8bit", "adamw-4bit"):
+        if t["precision"] == "bf16-pure" and t["optim"] not in BF16_PURE_OPTIMS:
             continue  # bf16-pure needs a stochastic-rounding optimizer (techniques/optim.py)
         out.append(t)
     return out

@@ -33,6 +33,7 @@ import torch
 
 from memtrain.config.run import RunConfig
 from memtrain.devices.probe import DeviceCaps, precision_is_native, probe, slow_precision_message
+from memtrain.techniques.facts import LOW_BIT_BLOCK, half_matmul_type
 
 __all__ = ["adapt_compiled_optims", "adapt_rows", "adapt_window_kernels", "nearest_native", "runner_caps",
            "window_kernel"]
@@ -57,7 +58,7 @@ def nearest_native(precision: str, caps: DeviceCaps) -> str:
     """The precision a slow ``precision`` row runs in instead: the faster measured of the native
     ones. FP16 (autocast) where it is native and its measured GEMM slowdown against FP32 is below
     1 (or unmeasured: a GPU's FP16 tensor cores, probed without running a kernel); else FP32."""
-    if precision in ("bf16", "bf16-pure") and caps.native_fp16:
+    if half_matmul_type(precision) == "bf16" and caps.native_fp16:
         if caps.fp16_slowdown is None or caps.fp16_slowdown < 1:
             return "fp16"
     return "fp32"
@@ -113,7 +114,7 @@ def adapt_rows(rows: list[tuple[str, RunConfig]], caps: Optional[DeviceCaps], su
 
 # Optimizers whose update torchao compiles on first use, and what a CPU default-list row runs
 # instead (see the module docstring).
-COMPILED_OPTIMS = ("adamw-4bit", "adamw-8bit")
+COMPILED_OPTIMS = tuple(LOW_BIT_BLOCK)  # torchao's low-bit AdamWs (memtrain.techniques.facts)
 CPU_OPTIM_SUBSTITUTE = "adafactor"
 
 

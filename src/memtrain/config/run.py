@@ -30,6 +30,7 @@ from memtrain.config.aliases import WARMUP_RATIO, normalize as normalize_aliases
 # model-spec resolution) can raise it without importing config back.
 from memtrain.errors import ConfigError
 from memtrain.files.results import MAX_INT_DIGITS, MAX_JSON_DEPTH, json_depth_error, loads_bounded
+from memtrain.techniques.facts import OPTIMIZER_STATE_RULES, PRECISION_FACTS, parse_checkpointing
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -174,13 +175,11 @@ class DataConfig:
 
 
 # --------------------------------------------------------------------------- techniques
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "bf16-pure")
+# The choices of --precision and --optim are the keys of the technique registry.
+PRECISIONS = tuple(PRECISION_FACTS)
 ATTENTIONS = ("math", "sdpa", "flash", "mem-efficient", "flex", "flash-attn")
 LOSSES = ("standard", "chunked", "naive")
-OPTIMS = (
-    "adamw", "adamw-fused", "adamw-foreach", "adafactor", "adamw-8bit", "adamw-4bit",
-    "adamw-bnb-8bit", "sgd",
-)
+OPTIMS = tuple(OPTIMIZER_STATE_RULES)
 DISTRIBUTED = ("none", "ddp", "zero1", "zero2", "fsdp", "deepspeed-zero2", "deepspeed-zero3")
 
 
@@ -250,20 +249,6 @@ class TechniqueConfig:
                  f"unknown --compile-mode {self.compile_mode!r}; choose default, reduce-overhead or max-autotune")
         _require(self.compile_scope in ("model", "block"), f"unknown --compile-scope {self.compile_scope!r}; choose model or block")
         parse_checkpointing(self.checkpointing)
-
-
-def parse_checkpointing(policy: str) -> tuple[str, int]:
-    """Split a checkpointing policy into (kind, every). ``every:K`` -> ("every", K)."""
-    if policy in ("none", "full", "sqrt", "selective", "selective-matmul"):
-        return policy, 1
-    if policy.startswith("every:"):
-        try:
-            k = int(policy.split(":", 1)[1])
-        except ValueError:
-            k = 0
-        _require(k > 0, f"--checkpointing {policy!r}: K in every:K must be a positive integer, e.g. every:2")
-        return "every", k
-    raise ConfigError(f"unknown --checkpointing {policy!r}; choose none, full, every:K, sqrt, selective or selective-matmul")
 
 
 # --------------------------------------------------------------------------- training

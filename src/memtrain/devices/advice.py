@@ -32,6 +32,7 @@ from memtrain.devices.probe import (
     slow_precision_message,
 )
 from memtrain.runtime.notices import SlowPrecisionWarning
+from memtrain.techniques.facts import half_matmul_type
 
 __all__ = ["SlowPrecisionWarning", "run_device_facts", "mfu_for_run", "reference_rate_now", "warn_if_slow"]
 
@@ -49,7 +50,7 @@ def _reference_rate(caps: DeviceCaps, precision: str) -> tuple[Optional[float], 
     fp32 = caps.gemm_fp32_flops
     if not fp32:
         return None, "fp32"
-    key = {"bf16": "bf16", "bf16-pure": "bf16", "fp16": "fp16"}.get(precision)
+    key = half_matmul_type(precision)
     slowdown = getattr(caps, f"{key}_slowdown") if key else None
     # Low-precision rates are measured on a small transformer-like shape; scaled to the square
     # FP32 shape by their ratio on the same shape. A row in BF16 is judged against whichever

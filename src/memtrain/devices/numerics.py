@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-STANDARD_PRECISIONS = ("fp32", "tf32", "bf16", "fp16")  # FP32 master weights (autocast)
+from memtrain.techniques.facts import PRECISION_FACTS
+
+# FP32 master weights (autocast or none): the numerically standard precisions.
+STANDARD_PRECISIONS = tuple(name for name, facts in PRECISION_FACTS.items() if facts.param_dtype == "float32")
 
 OPTIM_NOTES = {
     "adamw-8bit": "8-bit optimizer state: changes the optimizer's arithmetic",

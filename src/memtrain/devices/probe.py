@@ -44,6 +44,7 @@ import torch
 
 from memtrain.errors import ConfigError
 from memtrain.files.results import write_text_atomic
+from memtrain.techniques.facts import half_matmul_type
 
 __all__ = ["DeviceCaps", "probe", "cache_clear", "cpu_model", "cpu_flags", "measure_gemm", "measure_fp32_rate", "FORCE_BF16_ENV",
            "FORCE_FP16_ENV", "cache_path", "slow_precision_message", "precision_is_native"]
@@ -520,9 +521,10 @@ def refresh_fp32_rate(caps: DeviceCaps) -> DeviceCaps:
 # ----------------------------------------------------------------------------- precision advice
 def precision_is_native(precision: str, caps: DeviceCaps) -> bool:
     """Whether ``precision`` (a config value) has fast matmul kernels on the probed device."""
-    if precision in ("bf16", "bf16-pure"):
+    half = half_matmul_type(precision)
+    if half == "bf16":
         return caps.native_bf16
-    if precision == "fp16":
+    if half == "fp16":
         return caps.native_fp16
     return True
 
@@ -532,7 +534,7 @@ def slow_precision_message(precision: str, caps: DeviceCaps) -> Optional[str]:
     slowdown; None when the precision is native."""
     if precision_is_native(precision, caps):
         return None
-    key = "fp16" if precision == "fp16" else "bf16"
+    key = half_matmul_type(precision) or "bf16"  # not native: a half-precision matmul
     slowdown = getattr(caps, f"{key}_slowdown")
     what = "BF16" if key == "bf16" else "FP16"
     reason = caps.bf16_reason if key == "bf16" else caps.fp16_reason

@@ -44,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from memtrain.metrics.storage import _is_wrapper_type, _leaf_storages, _tensors_in
+from memtrain.techniques.facts import MEMORY_CATEGORIES
 
 __all__ = [
     "CATEGORIES",
@@ -51,7 +52,7 @@ __all__ = [
     "MemoryStats",
 ]
 
-CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+CATEGORIES: tuple[str, ...] = MEMORY_CATEGORIES  # one home: memtrain.techniques.facts
 
 # Category indices. The first three are *roles* found by walking the model and optimizer; a lower
 # index is the stronger role (a storage that is both a parameter and in optimizer state, as some

@@ -50,6 +50,12 @@ def bundled_names() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
 
 
+def model_names() -> list[str]:
+    """Every model name ``--model`` knows, one per model: the GPT presets
+    (:data:`memtrain.config.presets.PRESETS`), then the bundled transformers configs."""
+    return [*PRESETS, *bundled_names()]
+
+
 @dataclass(frozen=True)
 class ModelSource:
     """A resolved ``--model SPEC`` for a transformers model."""
@@ -124,7 +130,7 @@ def resolve(spec: str) -> ModelSource:
         raise ConfigError(f"--model {spec!r} is not a model name; did you mean --model {twin}?")
     raise ConfigError(
         f"--model {spec!r} is not a preset, a bundled config, a config.json or a directory holding one; "
-        f"choose one of {', '.join(list(PRESETS) + bundled_names())}, a path, or hf:ORG/NAME")
+        f"choose one of {', '.join(model_names())}, a path, or hf:ORG/NAME")
 
 
 def _json_object(path: Path, what: str) -> dict[str, Any]:
@@ -213,7 +219,7 @@ def spelled_like(spec: str) -> Optional[str]:
     punctuation (``llama3-8b`` -> ``llama-3-8b``), or None. Each model has one name, so a
     near-spelling is refused rather than resolved to a second, different model."""
     key = _name_key(spec)
-    return next((n for n in [*PRESETS, *bundled_names()] if n != spec and _name_key(n) == key), None)
+    return next((n for n in model_names() if n != spec and _name_key(n) == key), None)
 
 
 @functools.lru_cache(maxsize=32)

@@ -10,10 +10,11 @@ from typing import Any, Callable, Optional
 
 from memtrain.report.noise import noise_markdown
 from memtrain.report.recommend import max_batch_capped, recommendation, zero_categories, zero_notes
+from memtrain.techniques.facts import MEMORY_CATEGORIES
 
 GIB = 2**30
 MIB = 2**20
-CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+CATEGORIES = MEMORY_CATEGORIES  # a result's memory.by_category keys, in table order
 # Rows drawn per plot. A bar per row needs ~66 pixels of height (Agg refuses images past 2**16
 # pixels, about 1,000 bars), and placing labels without overlap costs quadratic time in the
 # points: beyond a few dozen rows a plot is unreadable anyway, while the tables list every row.

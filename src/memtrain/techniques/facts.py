@@ -10,7 +10,13 @@ these values instead of re-deriving them from the option strings:
 * :class:`PrecisionFacts`: per ``--precision``, the weight dtype, the autocast (compute)
   dtype, the loss scaler, TF32, and their byte sizes;
 * :class:`OptimizerStateRule`: per ``--optim``, the state tensors each parameter gets and
-  their element size (the dtype of the weights, or quantized bits with a block of scales).
+  their element size (the dtype of the weights, or quantized bits with a block of scales);
+  the low-bit optimizers' blocks and size floor, and which optimizers can train BF16 weights;
+* the memory categories every meter, estimate and table reports (:data:`MEMORY_CATEGORIES`).
+
+The choices the configuration accepts (``--precision``, ``--optim``, ``--checkpointing``) are
+the keys of these tables (:mod:`memtrain.config.run` reads them). The GPU kinds have their own
+torch-free table, :mod:`memtrain.devices.gpu_kinds`.
 
 No torch here: the analytic commands answer without loading it (dtypes are named by their
 ``torch`` attribute names; :mod:`memtrain.techniques.precision` turns them into dtypes).
@@ -23,16 +29,42 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
 
-from memtrain.config.run import parse_checkpointing
 from memtrain.errors import ConfigError
 
 __all__ = [
-    "CheckpointPolicy", "OptimizerStateRule", "PrecisionFacts", "checkpoint_policy", "optimizer_state_rule",
-    "precision_facts",
+    "ADAMW_KERNELS", "BF16_PURE_OPTIMS", "CHECKPOINT_KINDS", "DTYPE_MATMUL_TYPE", "LOW_BIT_BLOCK", "LOW_BIT_MIN_NUMEL",
+    "MATMUL_TYPES", "MEMORY_CATEGORIES", "OPTIMIZER_STATE_RULES", "PRECISION_FACTS", "CheckpointPolicy",
+    "OptimizerStateRule", "PrecisionFacts", "checkpoint_policy", "half_matmul_type", "low_bit_quantizes",
+    "matmul_type", "optimizer_state_rule", "parse_checkpointing", "precision_facts",
 ]
 
 
+# --------------------------------------------------------------------------- memory categories
+# What a tracked meter counts live tensor bytes by (result.json's memory.by_category), in the
+# order tables and plots show them.
+MEMORY_CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+
+
 # --------------------------------------------------------------------------- checkpointing
+# The policies without a parameter; ``every:K`` is the one with one.
+CHECKPOINT_KINDS = ("none", "full", "sqrt", "selective", "selective-matmul")
+
+
+def parse_checkpointing(policy: str) -> tuple[str, int]:
+    """Split a checkpointing policy into (kind, every). ``every:K`` -> ("every", K)."""
+    if policy in CHECKPOINT_KINDS:
+        return policy, 1
+    if policy.startswith("every:"):
+        try:
+            k = int(policy.split(":", 1)[1])
+        except ValueError:
+            k = 0
+        if not k > 0:
+            raise ConfigError(f"--checkpointing {policy!r}: K in every:K must be a positive integer, e.g. every:2")
+        return "every", k
+    raise ConfigError(f"unknown --checkpointing {policy!r}; choose none, full, every:K, sqrt, selective or selective-matmul")
+
+
 @dataclass(frozen=True)
 class CheckpointPolicy:
     """``--checkpointing`` as a value (policies: :mod:`memtrain.techniques.checkpointing`).
@@ -86,6 +118,12 @@ def checkpoint_policy(text: str) -> CheckpointPolicy:
 
 # --------------------------------------------------------------------------- precision
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# The matmul types a GPU's peak FLOP/s are listed for (memtrain.devices.gpu_kinds), and the one
+# a matmul in each dtype runs on (TF32 is a switch on FP32 matmuls, not a dtype of its own).
+MATMUL_TYPES: tuple[str, ...] = ("bf16", "fp16", "tf32", "fp32")
+DTYPE_MATMUL_TYPE = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+# Other libraries' precision names (Lightning's) that callers of the FLOP/s tables may pass.
+_FOREIGN_PRECISION_TYPE = {"bf16-mixed": "bf16", "fp16-mixed": "fp16"}
 
 
 @dataclass(frozen=True)
@@ -131,6 +169,24 @@ def precision_facts(name: str) -> PrecisionFacts:
         raise ConfigError(f"unknown --precision {name!r}; choose fp32, tf32, bf16, fp16 or bf16-pure") from None
 
 
+def matmul_type(name: str) -> Optional[str]:
+    """The matmul type (one of :data:`MATMUL_TYPES`) of a ``--precision``, a matmul type, or a
+    dtype's ``torch`` attribute name ("bfloat16"), case-insensitive; None when it names none."""
+    key = name.lower()
+    if key in PRECISION_FACTS:
+        return PRECISION_FACTS[key].matmul_type
+    if key in MATMUL_TYPES:
+        return key
+    return DTYPE_MATMUL_TYPE.get(key) or _FOREIGN_PRECISION_TYPE.get(key)
+
+
+def half_matmul_type(precision: str) -> Optional[str]:
+    """"bf16" or "fp16" for a ``--precision`` whose matmuls run in half precision (the ones a
+    device may have no fast kernel for), None for the others and for an unknown name."""
+    facts = PRECISION_FACTS.get(precision)
+    return facts.matmul_type if facts is not None and facts.matmul_type in ("bf16", "fp16") else None
+
+
 # --------------------------------------------------------------------------- optimizer state
 @dataclass(frozen=True)
 class OptimizerStateRule:
@@ -168,17 +224,37 @@ class OptimizerStateRule:
 
 
 _ADAMW = OptimizerStateRule("adamw", states=2, step_tensor=True)
+# In the order ``--optim``'s help and errors list the choices.
 OPTIMIZER_STATE_RULES: dict[str, OptimizerStateRule] = {
     "adamw": _ADAMW,
-    "adamw-foreach": _ADAMW,
     "adamw-fused": _ADAMW,
-    "sgd": OptimizerStateRule("sgd", states=1),
+    "adamw-foreach": _ADAMW,
     "adafactor": OptimizerStateRule("adafactor", states=0, step_tensor=True, factored=True),
     "adamw-8bit": OptimizerStateRule("adamw-8bit", states=2, state_bits=8, block=256, qmap=True, step_tensor=True),
     "adamw-4bit": OptimizerStateRule("adamw-4bit", states=2, state_bits=4, block=128, qmap=True, step_tensor=True),
     "adamw-bnb-8bit": OptimizerStateRule("adamw-bnb-8bit", states=2, state_bits=8, block=256, fixed_block=True,
                                          step_tensor=True),
+    "sgd": OptimizerStateRule("sgd", states=1),
 }
+# The optimizers that are torch's AdamW (one algorithm, three kernels).
+ADAMW_KERNELS: tuple[str, ...] = tuple(name for name, rule in OPTIMIZER_STATE_RULES.items() if rule is _ADAMW)
+# torchao's low-bit optimizers and their default quantization block (``--optim-block`` changes
+# it; bitsandbytes' block is fixed, so it is not listed).
+LOW_BIT_BLOCK: dict[str, int] = {name: rule.block for name, rule in OPTIMIZER_STATE_RULES.items()
+                                 if rule.quantized and not rule.fixed_block}
+# torchao's low-bit optimizers keep FP32 state for a tensor below this many elements (the rule it
+# copies from bitsandbytes, which keeps 32-bit state below it too), and for one whose size is not
+# a multiple of the block (docs/architecture.md, "Pitfalls already found").
+LOW_BIT_MIN_NUMEL = 4096
+# Optimizers that can update BF16 weights without an FP32 master copy (``--precision bf16-pure``):
+# torchao's, whose update is rounded stochastically.
+BF16_PURE_OPTIMS: tuple[str, ...] = ("adamw", "adamw-8bit", "adamw-4bit")
+
+
+def low_bit_quantizes(numel: int, block: int) -> bool:
+    """Whether torchao's low-bit optimizer with ``block`` quantizes the state of a tensor of
+    ``numel`` elements (else it keeps FP32 state for it)."""
+    return numel >= LOW_BIT_MIN_NUMEL and numel % block == 0
 
 
 def optimizer_state_rule(optim: str) -> OptimizerStateRule:

@@ -50,6 +50,7 @@ import torch.nn as nn
 
 from memtrain.config.run import ConfigError, TechniqueConfig, TrainConfig
 from memtrain.runtime.extras import require
+from memtrain.techniques.facts import ADAMW_KERNELS, BF16_PURE_OPTIMS, LOW_BIT_BLOCK, LOW_BIT_MIN_NUMEL
 
 __all__ = [
     "LOW_BIT_BLOCK",
@@ -61,19 +62,15 @@ __all__ = [
     "param_groups",
 ]
 
-# torchao's quantization block per optimizer (its defaults) and the size below which it keeps
-# FP32 state (the rule it copies from bitsandbytes). Used to predict what will be skipped.
-LOW_BIT_BLOCK = {"adamw-8bit": 256, "adamw-4bit": 128}
-LOW_BIT_MIN_NUMEL = 4096
+# torchao's quantization block per optimizer (its defaults), the size below which it keeps FP32
+# state, and the optimizers bf16-pure can use come from the technique registry
+# (memtrain.techniques.facts), which the estimate reads too.
 
 
 def low_bit_block(tech: TechniqueConfig) -> int:
     """The quantization block ``tech`` gives its low-bit optimizer (``--optim-block``, else
     torchao's default for that optimizer)."""
     return tech.optim_block or LOW_BIT_BLOCK[tech.optim]
-
-# Optimizers that can update BF16 weights without an FP32 master copy (stochastic rounding).
-BF16_PURE_OPTIMS = ("adamw", "adamw-8bit", "adamw-4bit")
 
 BNB_MESSAGE = (
     "--optim adamw-bnb-8bit needs CUDA and `pip install bitsandbytes`; "
@@ -252,7 +249,7 @@ def build_optimizer(model: nn.Module, tech: TechniqueConfig, train: TrainConfig)
         # torchao's _AdamW: AdamW whose update is computed in FP32 and stochastically rounded
         # into the BF16 weight; its moments are kept in the parameter dtype (BF16).
         return _torchao_optim("_AdamW")(groups, lr=train.lr, betas=betas, bf16_stochastic_round=True)
-    if name in ("adamw", "adamw-foreach", "adamw-fused"):
+    if name in ADAMW_KERNELS:
         kw = default_adamw_kernel(_first_device(model)) if name == "adamw" else (
             {"foreach": True} if name == "adamw-foreach" else {"fused": True})
         return torch.optim.AdamW(groups, lr=train.lr, betas=betas, **kw)
@@ -268,7 +265,7 @@ def build_optimizer(model: nn.Module, tech: TechniqueConfig, train: TrainConfig)
             raise ConfigError(BNB_MESSAGE)
         import bitsandbytes as bnb
 
-        # bitsandbytes pads blocks itself; it keeps 32-bit state only for tensors < 4096 values.
+        # bitsandbytes pads blocks itself; it keeps 32-bit state only for tensors < LOW_BIT_MIN_NUMEL values.
         return bnb.optim.AdamW8bit(groups, lr=train.lr, betas=betas)
     if name == "sgd":
         return torch.optim.SGD(groups, lr=train.lr, momentum=0.9)

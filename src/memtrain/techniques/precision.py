@@ -95,7 +95,7 @@ def _check_device(precision: str, device: torch.device) -> None:
     dt = device.type
     if precision == "tf32" and dt == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
         raise ConfigError("--precision tf32 needs an Ampere or newer GPU; use --precision fp32 or fp16")
-    if precision in ("bf16", "bf16-pure") and dt == "cuda" and not torch.cuda.is_bf16_supported():
+    if precision_facts(precision).matmul_type == "bf16" and dt == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError(f"--precision {precision} needs a GPU with bfloat16 (Ampere or newer); use --precision fp16")
     if precision == "fp16":
         if dt == "cpu" and not _cpu_fp16_autocast_works():

@@ -6,14 +6,9 @@ import math
 from typing import Any, Iterable
 
 from memtrain.analysis.estimate.params import ParamInfo
-from memtrain.techniques.facts import optimizer_state_rule
-
+from memtrain.techniques.facts import LOW_BIT_MIN_NUMEL, low_bit_quantizes, optimizer_state_rule
 
 # --------------------------------------------------------------------------- optimizer (ours)
-def _quantizable(numel: int, block: int) -> bool:
-    # torchao's low-bit optimizers quantize only tensors with >= 4096 elements whose size is a
-    # multiple of the block; others keep fp32 state (docs/architecture.md, "Pitfalls already found").
-    return numel >= 4096 and numel % block == 0
 
 
 def predicted_optimizer_state(params: Iterable[ParamInfo], optim: str, param_bytes: float,
@@ -58,7 +53,7 @@ def _quantized_state_bytes(ps: list[ParamInfo], rule: Any, n: int, block: int) -
     total = 0.0
     q = 0
     for p in ps:
-        if _quantizable(p.numel, block):
+        if low_bit_quantizes(p.numel, block):
             q += p.numel * p.repeat
             # codes + one fp32 scale per block, for each of the 2 states; torchao also keeps
             # a 256-entry (8-bit) or 16-entry (4-bit) fp32 lookup table per state.
@@ -69,7 +64,7 @@ def _quantized_state_bytes(ps: list[ParamInfo], rule: Any, n: int, block: int) -
         else:
             total += (2 * 4 * p.numel + 4) * p.repeat
     lines = [f"{bits}-bit AdamW: 2 states x {bits} bits + fp32 scale per {block} elements on "
-             f"{q:,} of {n:,} params; the rest (tensors < 4096 elements or not a multiple of "
+             f"{q:,} of {n:,} params; the rest (tensors < {LOW_BIT_MIN_NUMEL} elements or not a multiple of "
              f"{block}) keep fp32 states"]
     return total, lines
 

@@ -15,8 +15,8 @@ from memtrain.analysis.estimate.simulator import _compression, _Graph, _Segment,
 from memtrain.analysis.limits import check_analytic_size
 from memtrain.config.archs import GPT2_ARCH, Arch
 from memtrain.config.run import ConfigError, RunConfig
+from memtrain.techniques.facts import MEMORY_CATEGORIES, OPTIMIZER_STATE_RULES
 
-CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
 # Which meter category each of the JSON contract's components (simulator.COMPONENTS) is part of.
 _CATEGORY_OF = {"weights": "parameters", "gradients": "gradients", "optimizer": "optimizer",
                 "activations": "activations", "logits": "activations", "temporaries": "temporaries"}
@@ -245,7 +245,7 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
         ).to_dict()
 
     peak_tags = sim.peak_tags
-    by_category = {c: 0.0 for c in CATEGORIES}
+    by_category = {c: 0.0 for c in MEMORY_CATEGORIES}
     for tag, v in peak_tags.items():
         by_category[_CATEGORY_OF[tag]] += v
     rng = _CPU_RNG_STATE_BYTES if device_type == "cpu" else 0
@@ -288,7 +288,9 @@ def _lazy_optimizer_state(trainable: list[ParamInfo], pbytes: dict[str, float], 
     """The optimizer state tensors in the order the first ``optimizer.step()`` creates them:
     per parameter, AdamW's exp_avg then exp_avg_sq (SGD: one momentum buffer); other
     optimizers as one tensor of their whole state."""
-    n_states = {"adamw": 2, "adamw-foreach": 2, "adamw-fused": 2, "sgd": 1}.get(optim)
+    rule = OPTIMIZER_STATE_RULES.get(optim)
+    # Full-size, unquantized state tensors only: quantized and factored states are one lump.
+    n_states = rule.states if rule is not None and not (rule.quantized or rule.factored) else 0
     if not n_states:
         return [total]
     return [pbytes[p.name] / div for p in trainable for _ in range(n_states)]

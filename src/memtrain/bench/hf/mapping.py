@@ -23,13 +23,13 @@ Written against transformers 5.23, where ``gradient_checkpointing`` is the depre
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from memtrain.config.aliases import trainer_optim
-from memtrain.config.run import ConfigError, RunConfig, parse_checkpointing
+from memtrain.config.run import ConfigError, RunConfig
 from memtrain.models import is_hf
+from memtrain.techniques.facts import LOW_BIT_BLOCK, checkpoint_policy
 
 __all__ = ["HFPlan", "hf_plan", "lora_targets", "trainer_alignment", "TRAINER_LOW_BIT_BLOCK"]
 
@@ -46,7 +46,7 @@ def trainer_alignment(cfg: RunConfig) -> dict[str, Any]:
     Today: the low-bit optimizers' quantization block (memtrain's 4-bit default is torchao's 128;
     the Trainer's is 256). Comparing 128 against 256 would time the block size, not the loop.
     """
-    if cfg.technique.optim in ("adamw-8bit", "adamw-4bit"):
+    if cfg.technique.optim in LOW_BIT_BLOCK:
         return {"optim_block": TRAINER_LOW_BIT_BLOCK}
     return {}
 
@@ -196,10 +196,9 @@ def hf_plan(cfg: RunConfig, device_type: str) -> HFPlan:  # noqa: C901 - one bra
         mapping.append("attention flash-attn -> attn_implementation='flash_attention_2'")
 
     # -- activation checkpointing
-    kind, every = parse_checkpointing(t.checkpointing)
+    policy = checkpoint_policy(t.checkpointing)
+    kind, every = policy.kind, policy.period(cfg.model.n_layers)
     if kind != "none":
-        if kind == "sqrt":
-            every = max(1, round(math.sqrt(cfg.model.n_layers)))
         ck: dict[str, Any] = {"use_reentrant": False}
         if kind in ("every", "sqrt") and every > 1:
             # Same rule as memtrain: layers with index % every_n_layers == 0.
@@ -240,7 +239,7 @@ def hf_plan(cfg: RunConfig, device_type: str) -> HFPlan:  # noqa: C901 - one bra
             if t.adafactor_relative_step:
                 none.append("--adafactor-relative-step: the Trainer's optim='adafactor' always takes --lr as the "
                             "step size (scale_parameter=False)")
-        elif t.optim in ("adamw-8bit", "adamw-4bit"):
+        elif t.optim in LOW_BIT_BLOCK:
             from memtrain.techniques.optim import low_bit_block
 
             block = low_bit_block(t)

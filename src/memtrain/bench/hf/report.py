@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 from memtrain.bench.hf.lockstep import window_overlap_s
 from memtrain.bench.hf.rows import COMMANDS_FILE, REPORT_JSON, REPORT_MD, SIDES, _probe_at, config_hash, read_runs
 from memtrain.files.results import write_json_atomic
+from memtrain.techniques.facts import MEMORY_CATEGORIES
 
 
 def _median(xs: list[float]) -> Optional[float]:
@@ -198,17 +199,16 @@ def render_markdown(report: dict[str, Any]) -> str:  # noqa: C901 - one flat sec
             lines.append(f"| {e['preset']} | {_mib(o.get('max_allocated_bytes'))} | {_mib(t.get('max_allocated_bytes'))} "
                          f"| {_mib(o.get('max_reserved_bytes'))} | {_mib(t.get('max_reserved_bytes'))} |")
     lines += ["", "## Memory at the peak, by category (MiB)", "",
-              "| preset | side | parameters | gradients | optimizer | activations | temporaries | peak phase "
+              "| preset | side | " + " | ".join(MEMORY_CATEGORIES) + " | peak phase "
               "| traced peak at run batch | params (trainable) |",
-              "|---|---|---:|---:|---:|---:|---:|---|---:|---|"]
+              "|---|---|" + "---:|" * len(MEMORY_CATEGORIES) + "---|---:|---|"]
     for e in report["rows"]:
         for side in SIDES:
             d = e["sides"].get(side, {})
             if d.get("status") != "ok" or not d.get("by_category"):
                 continue
             c = d["by_category"]
-            lines.append(f"| {e['preset']} | {side} | " + " | ".join(_mib(c.get(k)) for k in
-                         ("parameters", "gradients", "optimizer", "activations", "temporaries"))
+            lines.append(f"| {e['preset']} | {side} | " + " | ".join(_mib(c.get(k)) for k in MEMORY_CATEGORIES)
                          + f" | {d.get('peak_phase')} | {_mib(d.get('traced_peak_at_run_batch'))} "
                          f"| {_num(d.get('parameters'), '{:,}')} ({_num(d.get('trainable_parameters'), '{:,}')}) |")
     lines += ["", "## How each preset maps onto the Trainer", ""]

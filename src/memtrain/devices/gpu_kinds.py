@@ -1,0 +1,201 @@
+"""The GPU kinds memtrain knows: one table, torch-free, that every GPU fact derives from.
+
+Each kind (keyed "h100-sxm", "rtx-4090", ...) carries its display name, its dense peak FLOP/s
+per matmul type, its memory bandwidth, its memory and the facts the CUDA caching-allocator
+model assumes for it. The names a user or ``torch.cuda.get_device_name`` gives ("NVIDIA H100
+80GB HBM3", "rtx4090", "4090") resolve to a kind through :func:`gpu_table_key`'s patterns.
+Read by :mod:`memtrain.devices.gpus` (peak FLOP/s, MFU), :mod:`memtrain.devices.gpu_memory`
+(--gpu's memory) and :mod:`memtrain.analysis.allocator` (CUDA context, cuBLAS workspace).
+
+FLOP/s are *dense* (NVIDIA datasheets headline 2:4 structured-sparsity numbers, twice the dense
+ones; a training step gets none of that) tensor-core peaks at boost clock. Half precision is the
+rate with FP32 accumulation, which is what PyTorch's matmuls use; on GeForce cards it is half
+the FP16-accumulate rate the marketing quotes. ``fp32`` is the plain (non-tensor-core) FP32
+rate; ``tf32`` the TF32 tensor-core rate. ``None`` means the hardware has no tensor-core path
+for that type (BF16 and TF32 before Ampere).
+
+Sources (dense figures, sparse ones halved where only those are printed):
+- Hopper: "NVIDIA H100 Tensor Core GPU Architecture" whitepaper (H100 SXM5 / PCIe tables) and
+  the H100 and H200 datasheets (NVL variants, H200 memory bandwidth).
+- A100: "NVIDIA A100 Tensor Core GPU" datasheet (40GB/80GB, SXM/PCIe bandwidths).
+- L4, L40S, A10, T4, V100: their NVIDIA datasheets.
+- RTX 4090: "NVIDIA Ada GPU Architecture" whitepaper, appendix table for GeForce RTX 4090.
+- RTX 3090: "NVIDIA Ampere GA102 GPU Architecture" whitepaper, GeForce RTX 3090 table.
+- A10G: AWS-only part without an NVIDIA datasheet; figures as compared against the A10 in
+  Baseten's "NVIDIA A10 vs A10G for ML model inference" (same 600 GB/s memory, half the
+  A10's tensor rate, a higher FP32 rate).
+
+Memory: "h100-sxm" is MEASURED: torch.cuda.get_device_properties(0).total_memory of an "NVIDIA
+H100 80GB HBM3", less than the 80 GiB on its datasheet (the record it comes from:
+docs/estimation.md, ``budget_bytes``). The others are the DATASHEET capacity read as GiB, an
+assumption: the driver keeps part of it, as the H100 shows. None: the datasheet lists two sizes
+under one name (V100 16/32 GB); such a card needs --budget.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Optional
+
+from memtrain.techniques.facts import MATMUL_TYPES
+
+__all__ = ["AllocatorFacts", "DEFAULT_ALLOCATOR", "GPU_KINDS", "GpuKind", "allocator_facts", "gpu_kind",
+           "gpu_table_key"]
+
+T = 1e12  # TFLOP/s
+GBs = 1e9  # GB/s (decimal, as datasheets state bandwidth)
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class AllocatorFacts:
+    """What a process holds on the device outside the tensors the caching allocator hands out.
+
+    ``label`` names the facts in the allocator model's output ("h100"); ``cuda_context_bytes``:
+    the driver's context plus the kernels of torch's CUDA libraries, as nvidia-smi shows it after
+    a training step; ``cublas_workspace_bytes``: cuBLAS's workspace per handle and stream,
+    allocated through the caching allocator at the first matmul; ``context_measured``: whether
+    the context figure was measured (else an assumption); ``loose_names``: substrings of a
+    squashed device name (lowercase, no spaces or dashes) that select these facts where the
+    name matches no pattern of :func:`gpu_table_key` ("h100sxm", "rtx 4090 d").
+    """
+
+    label: str
+    cuda_context_bytes: int
+    cublas_workspace_bytes: int
+    context_measured: bool = False
+    loose_names: tuple[str, ...] = ()
+
+
+# torch's default CUBLAS_WORKSPACE_CONFIG: 4096 KiB x 8 on Hopper, 4096 KiB x 2 + 16 KiB x 8 before it.
+_HOPPER_WORKSPACE = 4096 * 1024 * 8
+_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8
+# The CUDA context, as nvidia-smi shows it: the driver's context plus the kernels of torch's CUDA
+# libraries, loaded lazily (CUDA 12) by the first kernels that use them, so it is read after a
+# training step. H100: MEASURED after a training step by benchmarks/allocator_check.py (its run,
+# commit and card: docs/estimation.md, the ``device_total`` row). The others are ASSUMPTIONS
+# (typical published figures, not measured here); they differ by driver and CUDA version.
+_H100_ALLOC = AllocatorFacts("h100", 787_283_968, _HOPPER_WORKSPACE, context_measured=True, loose_names=("h100",))
+_A100_ALLOC = AllocatorFacts("a100", 440 * MiB, _WORKSPACE, loose_names=("a100",))
+_RTX4090_ALLOC = AllocatorFacts("rtx4090", 380 * MiB, _WORKSPACE, loose_names=("rtx4090", "4090"))
+# Any other GPU: an assumption.
+DEFAULT_ALLOCATOR = AllocatorFacts("default", 500 * MiB, _WORKSPACE)
+# In the order a loose name is tried.
+_LOOSE_ALLOCATORS = (_H100_ALLOC, _A100_ALLOC, _RTX4090_ALLOC)
+
+
+@dataclass(frozen=True)
+class GpuKind:
+    """One GPU model: its dense peak FLOP/s by matmul type, memory bandwidth (bytes/s), memory
+    (bytes; None where one name covers two sizes) and its caching-allocator facts (None: the
+    default assumption, :data:`DEFAULT_ALLOCATOR`)."""
+
+    name: str
+    flops: Mapping[str, Optional[float]] = field(repr=False, hash=False)  # a dict: not hashable
+    mem_bandwidth: float
+    memory_bytes: Optional[int]
+    memory_measured: bool = False
+    allocator: Optional[AllocatorFacts] = None
+
+
+def _kind(name: str, bf16: Optional[float], fp16: Optional[float], tf32: Optional[float], fp32: float,
+          bandwidth: float, memory: Optional[int], allocator: Optional[AllocatorFacts] = None,
+          memory_measured: bool = False) -> GpuKind:
+    rates = {"bf16": bf16, "fp16": fp16, "tf32": tf32, "fp32": fp32}
+    assert tuple(rates) == MATMUL_TYPES  # a rate for each matmul type the precisions name
+    return GpuKind(name, rates, bandwidth, memory, memory_measured, allocator)
+
+
+# In the order error messages list the kinds.
+GPU_KINDS: dict[str, GpuKind] = {
+    # Hopper. SXM5: 132 SMs at 1.83 GHz; PCIe: 114 SMs at 1.755 GHz (whitepaper).
+    "h100-sxm": _kind("H100 SXM", 989.4 * T, 989.4 * T, 494.7 * T, 66.9 * T, 3350 * GBs, 85_017_493_504,
+                      _H100_ALLOC, memory_measured=True),
+    "h100-pcie": _kind("H100 PCIe", 756.0 * T, 756.0 * T, 378.0 * T, 51.2 * T, 2000 * GBs, 80 * GiB, _H100_ALLOC),
+    "h100-nvl": _kind("H100 NVL", 835.5 * T, 835.5 * T, 417.5 * T, 60.0 * T, 3900 * GBs, 94 * GiB, _H100_ALLOC),
+    # H200 is the H100 SXM die with 141 GB of HBM3e.
+    "h200": _kind("H200 SXM", 989.4 * T, 989.4 * T, 494.7 * T, 66.9 * T, 4800 * GBs, 141 * GiB),
+    "h200-nvl": _kind("H200 NVL", 835.5 * T, 835.5 * T, 417.5 * T, 60.0 * T, 4800 * GBs, 141 * GiB),
+    # Ampere data centre.
+    "a100-40gb-sxm": _kind("A100 40GB SXM", 312 * T, 312 * T, 156 * T, 19.5 * T, 1555 * GBs, 40 * GiB, _A100_ALLOC),
+    "a100-80gb-sxm": _kind("A100 80GB SXM", 312 * T, 312 * T, 156 * T, 19.5 * T, 2039 * GBs, 80 * GiB, _A100_ALLOC),
+    "a100-40gb-pcie": _kind("A100 40GB PCIe", 312 * T, 312 * T, 156 * T, 19.5 * T, 1555 * GBs, 40 * GiB,
+                            _A100_ALLOC),
+    "a100-80gb-pcie": _kind("A100 80GB PCIe", 312 * T, 312 * T, 156 * T, 19.5 * T, 1935 * GBs, 80 * GiB,
+                            _A100_ALLOC),
+    "a10": _kind("A10", 125 * T, 125 * T, 62.5 * T, 31.2 * T, 600 * GBs, 24 * GiB),
+    "a10g": _kind("A10G", 70 * T, 70 * T, 35 * T, 35 * T, 600 * GBs, 24 * GiB),
+    # Ada data centre.
+    "l4": _kind("L4", 121 * T, 121 * T, 60 * T, 30.3 * T, 300 * GBs, 24 * GiB),
+    "l40s": _kind("L40S", 362.05 * T, 362.05 * T, 183 * T, 91.6 * T, 864 * GBs, 48 * GiB),
+    # GeForce (FP32-accumulate tensor rates).
+    "rtx-4090": _kind("RTX 4090", 165.2 * T, 165.2 * T, 82.6 * T, 82.6 * T, 1008 * GBs, 24 * GiB, _RTX4090_ALLOC),
+    "rtx-3090": _kind("RTX 3090", 71 * T, 71 * T, 35.6 * T, 35.6 * T, 936 * GBs, 24 * GiB),
+    # Volta and Turing: FP16 tensor cores only.
+    "v100-sxm2": _kind("V100 SXM2", None, 125 * T, None, 15.7 * T, 900 * GBs, None),
+    "v100-pcie": _kind("V100 PCIe", None, 112 * T, None, 14 * T, 900 * GBs, None),
+    "v100s-pcie": _kind("V100S PCIe", None, 130 * T, None, 16.4 * T, 1134 * GBs, 32 * GiB),
+    "t4": _kind("T4", None, 65 * T, None, 8.1 * T, 320 * GBs, 16 * GiB),
+}
+
+# The names each kind answers to. First match wins, so variants come before the bare model name.
+# Patterns run on the lowercased name with punctuation turned into spaces, e.g. "nvidia a100 sxm4 80gb".
+_PATTERNS: list[tuple[str, str]] = [
+    (r"\bh100\b.*\bnvl\b", "h100-nvl"),
+    (r"\bh100\b.*\bpcie\b", "h100-pcie"),
+    (r"\bh100\b", "h100-sxm"),
+    (r"\bh200\b.*\bnvl\b", "h200-nvl"),
+    (r"\bh200\b", "h200"),
+    (r"\ba100\b(?=.*\bpcie\b)(?=.*\b80\s*gb\b)", "a100-80gb-pcie"),
+    (r"\ba100\b.*\bpcie\b", "a100-40gb-pcie"),
+    (r"\ba100\b.*\b80\s*gb\b", "a100-80gb-sxm"),
+    (r"\ba100\b", "a100-40gb-sxm"),
+    (r"\ba10g\b", "a10g"),
+    (r"\ba10\b", "a10"),
+    (r"\bl40s\b", "l40s"),
+    (r"\bl4\b", "l4"),
+    # "rtx4090" (estimate --gpu's spelling) as well as "RTX 4090"; the China-market 4090 D is a
+    # different part, as is the 3090 Ti.
+    (r"(?:\b|(?<=rtx))4090\b(?!\s*d\b)", "rtx-4090"),
+    (r"(?:\b|(?<=rtx))3090\b(?!\s*ti\b)", "rtx-3090"),
+    (r"\bv100s\b", "v100s-pcie"),
+    (r"\bv100\b.*\bpcie\b", "v100-pcie"),
+    (r"\bv100\b", "v100-sxm2"),
+    (r"\bt4\b", "t4"),
+]
+
+
+def gpu_table_key(name: Optional[str]) -> Optional[str]:
+    """The table key of a device name as ``torch.cuda.get_device_name`` gives it ("NVIDIA H100
+    80GB HBM3", "Tesla T4") or a short name ("h100", "4090", "a100-80gb-pcie"); None when the
+    name is not a known GPU (including "cpu")."""
+    if not name:
+        return None
+    key = name.strip().lower()
+    if key in GPU_KINDS:
+        return key
+    norm = re.sub(r"[^a-z0-9]+", " ", key).strip()
+    for pattern, table_key in _PATTERNS:
+        if re.search(pattern, norm):
+            return table_key
+    return None
+
+
+def gpu_kind(name: Optional[str]) -> Optional[GpuKind]:
+    """The kind a device name resolves to (see :func:`gpu_table_key`), or None."""
+    key = gpu_table_key(name)
+    return GPU_KINDS[key] if key is not None else None
+
+
+def allocator_facts(name: Optional[str]) -> AllocatorFacts:
+    """The caching-allocator facts to assume for a device name: its kind's, else those whose
+    loose name the squashed name contains (a spelling the patterns miss), else the default."""
+    kind = gpu_kind(name)
+    if kind is not None and kind.allocator is not None:
+        return kind.allocator
+    squashed = (name or "").lower().replace(" ", "").replace("-", "")
+    return next((facts for facts in _LOOSE_ALLOCATORS if any(n in squashed for n in facts.loose_names)),
+                DEFAULT_ALLOCATOR)
