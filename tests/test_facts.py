@@ -76,7 +76,7 @@ def test_a_fact_is_spelled_out_in_its_home_only(what, pattern, home):
 
 # ------------------------------------------------------------------------ the tables that derive
 def test_the_configuration_choices_are_the_registry_keys():
-    from memtrain.config.run import run
+    from memtrain.config import run
 
     assert run.PRECISIONS == tuple(F.PRECISION_FACTS)
     assert run.OPTIMS == tuple(F.OPTIMIZER_STATE_RULES)
