@@ -19,7 +19,8 @@ transformers = pytest.importorskip("transformers")
 
 import compare_hf as C  # noqa: E402
 import hf_presets as H  # noqa: E402
-from memtrain.bench.presets import TECHNIQUES, scale_overrides, technique_overrides  # noqa: E402
+from memtrain.bench.scales import scale_overrides  # noqa: E402
+from memtrain.bench.technique_sets import TECHNIQUES, technique_overrides  # noqa: E402
 from memtrain.config.run import ModelConfig, build_config  # noqa: E402
 from memtrain.models.gpt import GPT  # noqa: E402
 from memtrain.runtime.env import seed_everything  # noqa: E402

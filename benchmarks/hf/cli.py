@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from memtrain.bench.presets import SCALE_BUDGET, SCALE_MAX_BATCH, SCALES, TECHNIQUES
+from memtrain.bench.scales import SCALE_BUDGET, SCALE_MAX_BATCH, SCALES
+from memtrain.bench.technique_sets import TECHNIQUES
 from memtrain.config.run import ConfigError, parse_size
 
 from .lockstep import run_pair, run_subprocess

@@ -7,8 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from memtrain.bench.presets import scale_overrides, technique_overrides
 from memtrain.bench.runner import config_hash as bench_config_hash
+from memtrain.bench.scales import scale_overrides
+from memtrain.bench.technique_sets import technique_overrides
 from memtrain.config.run import ConfigError, RunConfig, build_config
 from memtrain.files.results import append_jsonl, read_jsonl
 

@@ -28,7 +28,7 @@ from memtrain.errors import one_line
 from memtrain.files.results import (
     RESULT_NAME,
     FolderLock,
-    write_json_atomic,  # re-exported too: older code imports it from here
+    write_json_atomic,
 )
 from memtrain.runtime.extras import quiet_third_party
 from memtrain.runtime.notices import install_warning_format
