@@ -26,10 +26,9 @@ def warn_skipped_lines(out: Path, summary: dict) -> None:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scale", "--preset", dest="scale", default=DEFAULT_SCALE,
+    p.add_argument("--scale", dest="scale", default=DEFAULT_SCALE,
                    help=f"Scale of every row (model, batch, sequence, steps): {' | '.join(SCALES)} "
-                   f"(seed: the published table's settings; quick: minutes on 2 CPU cores). Default {DEFAULT_SCALE}. "
-                   "--preset is the former name of this flag and works the same.")
+                   f"(seed: the published table's settings; quick: minutes on 2 CPU cores). Default {DEFAULT_SCALE}.")
     p.add_argument("--techniques", default=None,
                    help=f"Comma-separated rows: presets ({', '.join(TECHNIQUES)}), a preset's noise twin "
                    "PRESET-seed2 (the same row with the next seed), or explicit combinations "
