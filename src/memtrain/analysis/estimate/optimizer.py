@@ -12,7 +12,7 @@ from memtrain.techniques.facts import optimizer_state_rule
 # --------------------------------------------------------------------------- optimizer (ours)
 def _quantizable(numel: int, block: int) -> bool:
     # torchao's low-bit optimizers quantize only tensors with >= 4096 elements whose size is a
-    # multiple of the block; others keep fp32 state (design.md, "pitfalls").
+    # multiple of the block; others keep fp32 state (docs/architecture.md, "Pitfalls already found").
     return numel >= 4096 and numel % block == 0
 
 
