@@ -410,7 +410,7 @@ def test_a_checkpoint_with_wrong_typed_fields_is_refused_before_the_first_step(s
                                                                                  monkeypatch, damage):
     """Each field memtrain uses from a checkpoint, of the wrong type or shape: one ``error:`` line
     naming it and exit 2, before any step runs and before anything is written."""
-    import memtrain.training.train as train_module
+    import memtrain.training.step as step_module
 
     run, ckpt = saved
     state = torch.load(ckpt, weights_only=True)
@@ -419,7 +419,7 @@ def test_a_checkpoint_with_wrong_typed_fields_is_refused_before_the_first_step(s
     bad = tmp_path / "bad.pt"
     torch.save(state, bad)
     steps = []
-    monkeypatch.setattr(train_module, "train_step", lambda *a, **k: steps.append(1) or 0.0)
+    monkeypatch.setattr(step_module, "train_step", lambda *a, **k: steps.append(1) or 0.0)
     out = tmp_path / "r"
     assert main(["train", *cli_flags({**run, "resume": str(bad), "out": str(out)})]) == 2
     line = _one_error_line(capsys.readouterr().err)

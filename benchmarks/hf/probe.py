@@ -195,7 +195,7 @@ def profile_phases(cfg: RunConfig, steps: int, top_ops: int = 12) -> dict[str, A
     from memtrain.models import build_model
     from memtrain.runtime.env import resolve_device, seed_everything
     from memtrain.techniques import build_optimizer, make_precision, prepare_model
-    from memtrain.training.train import train_step
+    from memtrain.training.step import train_step
 
     transformers.logging.set_verbosity_error()
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)  # two sides' graphs

@@ -257,7 +257,7 @@ def run_theirs(cfg: RunConfig, track_memory: bool = True, exact_schedule: bool =
                                  data_collator=default_data_collator, callbacks=[MeterCallback(meter)])
         trainer.step_meter = meter
         if exact_schedule:
-            from memtrain.training.train import lr_lambda
+            from memtrain.training.step import lr_lambda
 
             trainer.exact_schedule = lr_lambda(cfg)
         wall = time.perf_counter()
