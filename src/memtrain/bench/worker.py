@@ -85,10 +85,6 @@ def main(argv: list[str]) -> int:
     # The runner already said, once and up front, which rows run a precision that is slow here.
     warnings.filterwarnings("ignore", category=SlowPrecisionWarning)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    if os.environ.get("MEMTRAIN_TEST_ROW_SLEEP"):  # tests: a row that is still running when signalled
-        import time
-
-        time.sleep(float(os.environ["MEMTRAIN_TEST_ROW_SLEEP"]))
     try:
         result = run_row(spec)
     except ConfigError as exc:

@@ -53,7 +53,7 @@ from memtrain.distributed.wrapping import apply_distributed
 # The package's modules, one seam each: validation (impossible combinations, before any process
 # group), session (the process group's lifetime and the DistContext hooks the train loop uses),
 # wrapping (DDP / FSDP2 / ZeRO-1 around the finished model), deepspeed_engine (DeepSpeed's
-# config and train step), fault_injection (a rank that fails on purpose, for tests).
+# config and train step).
 __all__ = [
     "DistContext",
     "apply_distributed",

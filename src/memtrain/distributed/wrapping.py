@@ -12,7 +12,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from memtrain.config.run import ConfigError, TechniqueConfig
-from memtrain.distributed.fault_injection import _install_fault_injection
 from memtrain.distributed.validation import LAUNCH_HINT
 
 
@@ -26,7 +25,6 @@ def apply_distributed(model: nn.Module, tech: TechniqueConfig, device: torch.dev
         return model
     if not dist.is_initialized():
         raise ConfigError(f"--distributed {s} needs a process group; {LAUNCH_HINT.format(s=s)}")
-    _install_fault_injection(model)
     if s in ("ddp", "zero1"):
         # gradient_as_bucket_view: gradients live in DDP's communication buckets instead of
         # beside them, so DDP costs one gradient copy, not two.
