@@ -482,13 +482,13 @@ def test_a_zero1_rank_file_round_trips_and_a_moment_of_another_shape_is_refused(
     """ZeRO-1 keeps its optimizer shard in the rank file (the outer groups without parameters):
     a real one loads; one whose Adam moment has another shape is refused before the load."""
     from memtrain.checkpoints.distributed import load_checkpoint, save_checkpoint
-    from memtrain.distributed.wrapping import _zero_redundancy
+    from memtrain.distributed.wrapping import zero_redundancy
 
     cfg = build_config({**SHARDED, "distributed": "zero1"})
 
     def zero1_run():
         run = _run_state(cfg)
-        run.optimizer = _zero_redundancy(run.optimizer)
+        run.optimizer = zero_redundancy(run.optimizer)
         run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lambda s: 1.0)
         return run
 

@@ -16,8 +16,8 @@ import torch.nn as nn
 
 from memtrain.config.run import ConfigError, RunConfig
 from memtrain.distributed.deepspeed_engine import deepspeed_config, deepspeed_train_step
-from memtrain.distributed.validation import DEEPSPEED_STRATEGIES, LAUNCH_HINT, _validate
-from memtrain.distributed.wrapping import _fsdp_no_sync, _zero_redundancy
+from memtrain.distributed.validation import DEEPSPEED_STRATEGIES, LAUNCH_HINT, check_distributed_run
+from memtrain.distributed.wrapping import fsdp_no_sync, zero_redundancy
 
 TIMEOUT_ENV = "MEMTRAIN_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
@@ -85,7 +85,7 @@ class DistContext:
         """The optimizer (and model) the loop should use: ZeRO-1 shards the optimizer here;
         DeepSpeed builds its engine here (it needs the optimizer)."""
         if self.strategy == "zero1":
-            optimizer = _zero_redundancy(optimizer)
+            optimizer = zero_redundancy(optimizer)
             self.local_optimizer = optimizer.optim  # type: ignore[attr-defined]  # ShardedZeRO1 keeps its rank-local optimizer as .optim
         elif self.strategy in DEEPSPEED_STRATEGIES:
             model, optimizer = self._deepspeed(model, optimizer)
@@ -99,7 +99,7 @@ class DistContext:
         from torch.distributed.fsdp import FSDPModule
 
         if isinstance(model, FSDPModule):
-            return lambda: _fsdp_no_sync(model)
+            return lambda: fsdp_no_sync(model)
         return None
 
     def mean(self, value: float) -> float:
@@ -173,7 +173,7 @@ def init_distributed(cfg: RunConfig, device: torch.device) -> DistContext:
     env = launch_env()  # bad launch variables are refused here, before any rendezvous waits on them
     if env is None and not dist.is_initialized():
         raise ConfigError(f"--distributed {s} runs one process per device; {LAUNCH_HINT.format(s=s)}")
-    _validate(cfg, device)
+    check_distributed_run(cfg, device)
     if dist.is_initialized():  # the caller set up the group (e.g. its own launcher): use it as is
         rank, world, owns = dist.get_rank(), dist.get_world_size(), False
         local = env.local_rank if env is not None and "LOCAL_RANK" in os.environ else rank

@@ -58,7 +58,7 @@ def _fully_shard(model: nn.Module, tech: TechniqueConfig, device: torch.device, 
 
 
 @contextlib.contextmanager
-def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
+def fsdp_no_sync(model: nn.Module) -> Iterator[None]:
     """FSDP2's equivalent of DDP's ``no_sync``: accumulate unreduced gradients locally."""
     model.set_requires_gradient_sync(False)  # type: ignore[operator]  # torch types nn.Module attributes as Tensor | Module
     try:
@@ -75,7 +75,7 @@ def _constructor_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {k: v for k, v in optimizer.defaults.items() if k in params}
 
 
-def _zero_redundancy(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def zero_redundancy(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """ZeRO-1: the same optimizer class and parameter groups, each rank keeping the state of
     its dim-0 chunk of every parameter and broadcasting its updated rows after each step
     (:class:`memtrain.distributed.zero1.ShardedZeRO1`; torch's ZeroRedundancyOptimizer gives

@@ -57,7 +57,7 @@ from memtrain.training.preflight import check_model_size
 PORTABLE_ATTENTION = ("math", "sdpa")
 
 
-def _require_transformers() -> Any:
+def require_transformers() -> Any:
     return require("transformers")
 
 
@@ -172,7 +172,7 @@ def _load_transformers(weights: dict[str, Any], cfg: RunConfig, ckpt: Path, merg
 # --------------------------------------------------------------------------- our GPT -> GPT2LMHeadModel
 def hf_config(cfg: RunConfig) -> Any:
     """The ``GPT2Config`` of our model's shape."""
-    transformers = _require_transformers()
+    transformers = require_transformers()
     m = cfg.model
 
     return transformers.GPT2Config(
@@ -214,7 +214,7 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
 
 def to_hf_model(model: GPT, cfg: RunConfig) -> Any:
     """A ``GPT2LMHeadModel`` holding ``model``'s weights (eval mode)."""
-    transformers = _require_transformers()
+    transformers = require_transformers()
     hf = transformers.GPT2LMHeadModel(hf_config(cfg))
     missing, unexpected = hf.load_state_dict(hf_state_dict(model), strict=False)
     # Only non-persistent buffers may be absent from our mapping (older transformers keep the
@@ -235,7 +235,7 @@ def save_tokenizer(out: Path) -> None:
     transformers reads; its GPT-2 tokenizer class then loads them and writes the rest
     (tokenizer.json, tokenizer_config.json), whatever its major version calls its arguments.
     """
-    transformers = _require_transformers()
+    transformers = require_transformers()
 
     d = vocab_dir()
     shutil.copyfile(d / "encoder.json", out / "vocab.json")

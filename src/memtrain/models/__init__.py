@@ -26,7 +26,7 @@ from memtrain.config.run import RunConfig
 from memtrain.models.gpt import GPT
 from memtrain.models.hf import build_hf_model
 from memtrain.models.spec import bundled_names, is_gpt_preset, load_config, resolve
-from memtrain.models.tokenizer import data_tokenizer as _dt
+from memtrain.models.tokenizer import data_tokenizer
 
 __all__ = ["FAMILIES", "ModelFamily", "build_model", "family_of", "is_hf", "data_tokenizer", "bundled_names",
            "load_config", "resolve"]
@@ -72,8 +72,3 @@ def build_model(cfg: RunConfig, with_weights: bool = True) -> nn.Module:
     transformers causal LM (pretrained weights when the source has them and ``with_weights``)."""
     return family_of(cfg).build(cfg, with_weights)
 
-
-def data_tokenizer(cfg: RunConfig):  # type: ignore[no-untyped-def]
-    """The tokenizer for ``cfg``'s data (None: memtrain's GPT-2 BPE)."""
-
-    return _dt(cfg)

@@ -8,7 +8,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from memtrain.analysis.flops.classes import ClassCount, StepCount
-from memtrain.analysis.flops.recorder import _in_core, _make_recorder
+from memtrain.analysis.flops.recorder import in_core, make_recorder
 from memtrain.analysis.flops.rules import CLIP_FLOPS_PER_PARAM, OPTIMIZER_FLOPS_PER_PARAM, optimizer_bytes_per_param
 from memtrain.analysis.limits import check_analytic_size
 from memtrain.config.run import ConfigError, ModelConfig, RunConfig
@@ -92,7 +92,7 @@ def _use_fused_dropout(model: Any) -> None:
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
 
-    from memtrain.techniques.checkpointing import _checkpointed_call  # torch-free --help/estimate/plan
+    from memtrain.techniques.checkpointing import checkpointed_call  # torch-free --help/estimate/plan
 
     def fused(x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
         return torch.native_dropout(x, p, True)[0] if train and p > 0.0 else x
@@ -119,12 +119,12 @@ def _use_fused_dropout(model: Any) -> None:
         if isinstance(module, nn.Dropout):
             module.forward = (lambda m: lambda x: fused(x, m.p, m.training))(module)  # type: ignore[method-assign]  # patches this instance's forward on purpose
         fn = getattr(module, "attn_fn", None)
-        if isinstance(fn, functools.partial) and fn.func is _checkpointed_call:
+        if isinstance(fn, functools.partial) and fn.func is checkpointed_call:
             # Selective checkpointing checkpoints the attention core: the mode must be active
             # inside it, where its recompute runs too, not around it. The core is no module,
             # so it names its attention module on _CORE_STACK for the recorder.
             inner = wrap_attention(fn.args[0])
-            core = (lambda f, name: lambda *a, **k: _in_core(name, f, *a, **k))(inner, names[module])
+            core = (lambda f, name: lambda *a, **k: in_core(name, f, *a, **k))(inner, names[module])
             module.attn_fn = functools.partial(fn.func, core, *fn.args[1:], **fn.keywords)
         elif callable(fn):
             module.attn_fn = wrap_attention(fn)
@@ -188,7 +188,7 @@ def _trace(cfg: RunConfig, fake: bool = True) -> tuple[dict[str, dict[str, Class
         targets = torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len))
         counter = FlopCounterMode(display=False, custom_mapping=_extra_flop_formulas())
         with counter:
-            recorder = _make_recorder(model, counter.mod_tracker, counter.flop_registry, cfg.model.padded_vocab_size)
+            recorder = make_recorder(model, counter.mod_tracker, counter.flop_registry, cfg.model.padded_vocab_size)
             with recorder:
                 with precision.autocast():
                     loss = model(idx, targets)

@@ -14,7 +14,7 @@ from typing import Iterator
 
 # The op-class recorder is shared with the counter so that profiled time and counted FLOPs
 # use the same classes; it stays private to the flops modules.
-from memtrain.analysis.flops.recorder import _make_recorder
+from memtrain.analysis.flops.recorder import make_recorder
 from memtrain.config.run import ConfigError, RunConfig
 
 __all__ = ["profile_op_classes"]
@@ -57,7 +57,7 @@ def profile_op_classes(cfg: RunConfig, steps: int = 5, warmup: int = 3) -> dict[
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     tracker = ModuleTracker()
-    recorder = _make_recorder(state.model, tracker, {}, cfg.model.padded_vocab_size, profile=True)
+    recorder = make_recorder(state.model, tracker, {}, cfg.model.padded_vocab_size, profile=True)
 
     @contextlib.contextmanager
     def classes() -> Iterator[None]:  # each micro-batch's forward + backward, op by op
