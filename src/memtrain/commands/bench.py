@@ -57,7 +57,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def show_scale_defaults(p: argparse.ArgumentParser) -> None:
     """Each flag a scale sets shows the scale's values as its default (the config field's own
     default, e.g. batch 8, is not what a bench row runs)."""
-    from memtrain.config.run import SECTIONS
 
     field_defaults = {f.name: f.default for cls in SECTIONS.values() for f in fields(cls)}
     for action in p._actions:

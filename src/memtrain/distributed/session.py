@@ -13,9 +13,11 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 
 from memtrain.config.run import ConfigError, RunConfig
 from memtrain.distributed.deepspeed_engine import deepspeed_config, deepspeed_train_step
+from memtrain.distributed.rank_errors import agreement, launch_env, launch_world_size, raise_if_any_rank_failed
 from memtrain.distributed.validation import DEEPSPEED_STRATEGIES, LAUNCH_HINT, check_distributed_run
 from memtrain.distributed.wrapping import fsdp_no_sync, zero_redundancy
 
@@ -69,7 +71,6 @@ class DistContext:
         Each half ends in an exchange of outcomes (memtrain.distributed.rank_errors), not a bare
         barrier: a rank that fails in the block (a data file only it cannot read) fails
         every rank with its reason instead of leaving them waiting."""
-        from memtrain.distributed.rank_errors import agreement, raise_if_any_rank_failed
 
         if not self.enabled:
             yield
@@ -96,7 +97,6 @@ class DistContext:
         such thing, e.g. one process)."""
         if isinstance(model, nn.parallel.DistributedDataParallel):
             return model.no_sync
-        from torch.distributed.fsdp import FSDPModule
 
         if isinstance(model, FSDPModule):
             return lambda: fsdp_no_sync(model)
@@ -159,7 +159,6 @@ def _check_rendezvous_env() -> None:
 
 def init_distributed(cfg: RunConfig, device: torch.device) -> DistContext:
     """Validate the launch and join the process group (see :func:`distributed_session`)."""
-    from memtrain.distributed.rank_errors import launch_env, launch_world_size
 
     s = cfg.technique.distributed
     if s == "none":

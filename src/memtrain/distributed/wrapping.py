@@ -10,9 +10,12 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from memtrain.config.run import ConfigError, TechniqueConfig
 from memtrain.distributed.validation import LAUNCH_HINT
+from memtrain.distributed.zero1 import ShardedZeRO1
 
 
 def apply_distributed(model: nn.Module, tech: TechniqueConfig, device: torch.device, precision: Any) -> nn.Module:
@@ -40,8 +43,6 @@ def _fully_shard(model: nn.Module, tech: TechniqueConfig, device: torch.device, 
                  reshard_after_forward: bool) -> nn.Module:
     """FSDP2: one parameter group per Transformer block, then the root (embeddings, final
     LayerNorm, tied LM head). Sharded bottom-up, as ``fully_shard`` requires."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy()
@@ -80,7 +81,6 @@ def zero_redundancy(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     its dim-0 chunk of every parameter and broadcasting its updated rows after each step
     (:class:`memtrain.distributed.zero1.ShardedZeRO1`; torch's ZeroRedundancyOptimizer gives
     whole tensors to ranks, which leaves a large tied embedding's state on one rank)."""
-    from memtrain.distributed.zero1 import ShardedZeRO1
 
     groups = [dict(g) for g in optimizer.param_groups]
     return ShardedZeRO1(groups, optimizer_class=type(optimizer), **_constructor_kwargs(optimizer))

@@ -46,10 +46,13 @@ import torch.nn as nn
 from memtrain.checkpoints.exact import read_state
 from memtrain.config.run import ConfigError, RunConfig, build_config
 from memtrain.data.tokenizer import EOT_ID, vocab_dir
-from memtrain.models import is_hf
+from memtrain.models import data_tokenizer, is_hf
 from memtrain.models.gpt import GPT
-from memtrain.models.hf import HFCausalLM, quiet_transformers
+from memtrain.models.hf import HFCausalLM, build_hf_model, quiet_transformers
+from memtrain.models.spec import resolve
 from memtrain.runtime.extras import require
+from memtrain.techniques.hf_mapping import apply_hf_lora
+from memtrain.techniques.lora import apply_lora, merge_adapters_in_place, merge_lora
 from memtrain.training.preflight import check_model_size
 
 # The attention kernels any machine can load a transformers model with; the others (flash-attn,
@@ -103,7 +106,6 @@ def _fit(model: nn.Module, weights: dict[str, Any], ckpt: Path, cfg: RunConfig) 
 
 def _load_gpt(weights: dict[str, Any], cfg: RunConfig, ckpt: Path) -> GPT:
     """Our GPT with a checkpoint's weights (LoRA merged), in FP32 and eval mode."""
-    from memtrain.techniques.lora import apply_lora, merge_lora
 
     model = GPT(cfg.model)
     if cfg.technique.lora_rank:
@@ -145,9 +147,6 @@ def _load_transformers(weights: dict[str, Any], cfg: RunConfig, ckpt: Path, merg
     """The transformers model of ``cfg`` (built from its spec, no weights read) holding the
     checkpoint's weights: LoRA adapters merged unless ``merge`` is False, QLoRA's NF4 base
     weights dequantized, in the dtype the base weights were trained in, eval mode."""
-    from memtrain.models.hf import build_hf_model
-    from memtrain.techniques.hf_mapping import apply_hf_lora
-    from memtrain.techniques.lora import merge_adapters_in_place
 
     tech = cfg.technique
     attention = tech.attention if tech.attention in PORTABLE_ATTENTION else "sdpa"
@@ -248,7 +247,6 @@ def save_tokenizer(out: Path) -> None:
 def save_model_tokenizer(cfg: RunConfig, out: Path) -> None:
     """The tokenizer a transformers model was trained with (memtrain.models.data_tokenizer):
     its own, or GPT-2's when its folder had none."""
-    from memtrain.models import data_tokenizer
 
     tok = data_tokenizer(cfg)
     if tok is None:
@@ -262,8 +260,6 @@ def check_base_unchanged(model: HFCausalLM, weights: dict[str, Any], ckpt: Path)
     the ``*.safetensors`` of the folder the run started from (compared tensor by tensor, in
     the checkpoint's dtype; NF4 base weights are lossy and skipped)."""
     from safetensors import safe_open
-
-    from memtrain.models.spec import resolve
 
     source = resolve(model.source_spec)
     files = source.weight_files()
@@ -305,8 +301,6 @@ def write_adapter(model: HFCausalLM, out: Path) -> int:
     """The LoRA adapters of ``model`` (not merged) as a peft adapter folder; return their size."""
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
-
-    from memtrain.models.spec import resolve
 
     lm = model.lm
     lcfg = lm.peft_config["default"]

@@ -27,7 +27,11 @@ import torch
 from memtrain.config.run import ConfigError, ModelConfig
 from memtrain.data.tokenizer import EOT_ID, N_VOCAB, get_tokenizer
 from memtrain.inference.export import load_trained, require_transformers, to_hf_model
+from memtrain.models import data_tokenizer
 from memtrain.models.gpt import GPT
+from memtrain.models.hf import load_pretrained_lm
+from memtrain.models.spec import TOKENIZER_FILES, read_config_json, refuse_custom_tokenizer
+from memtrain.models.tokenizer import load_tokenizer
 from memtrain.training.preflight import check_model_size
 
 PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
@@ -62,7 +66,6 @@ def from_checkpoint(path: Path) -> tuple[Any, Codec]:
     model, cfg = load_trained(path)
     if isinstance(model, GPT):
         return to_hf_model(model, cfg), gpt2_codec()
-    from memtrain.models import data_tokenizer
 
     tok = data_tokenizer(cfg)
     return model.lm, gpt2_codec() if tok is None else transformers_codec(tok.tok)
@@ -70,9 +73,6 @@ def from_checkpoint(path: Path) -> tuple[Any, Codec]:
 
 def from_directory(path: Path) -> tuple[Any, Codec]:
     """A transformers model folder and its tokenizer, read without running any of its code."""
-    from memtrain.models.hf import load_pretrained_lm
-    from memtrain.models.spec import TOKENIZER_FILES, read_config_json, refuse_custom_tokenizer
-    from memtrain.models.tokenizer import load_tokenizer
 
     shown = repr(str(path))
     read_config_json(path / "config.json")  # custom code (auto_map, an unknown model_type) is refused here

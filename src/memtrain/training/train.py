@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
+from tqdm.auto import tqdm
 
 from memtrain.analysis.flops import counted_flops_per_step, rule_flops_per_token
 from memtrain.checkpoints.exact import load_checkpoint, save_checkpoint
@@ -85,8 +86,6 @@ class _Progress:
 
     def __post_init__(self) -> None:
         if self.enabled:
-            from tqdm.auto import tqdm
-
             self.bar = tqdm(total=self.total, initial=self.initial, desc="train", unit="step", dynamic_ncols=True)
 
     def update(self, loss: float, tokens_per_s: float) -> None:

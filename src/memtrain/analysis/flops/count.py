@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import math
 from functools import lru_cache
@@ -53,6 +55,7 @@ def _extra_flop_formulas() -> dict:
       gradient with ``addmm_``; without this a third of the LM head would go uncounted);
     * the CPU flash-attention kernels SDPA picks on CPU (torch registers the CUDA ones only).
     """
+    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
     import torch
     from torch.utils import flop_counter as fc
 
@@ -85,8 +88,8 @@ def _use_fused_dropout(model: Any) -> None:
     functions (which call ``F.dropout`` inside, e.g. the math backend) run under a
     TorchFunctionMode that rewrites the call. Both act again in checkpointing's recompute,
     which must see the same ops as the forward did."""
-    import functools
 
+    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -134,6 +137,7 @@ def _empty_model(cfg: ModelConfig, build: Any = None) -> Any:
     """A GPT whose weights are allocated but never initialized: built on the meta device (no
     init arithmetic), then given uninitialized CPU storage (pages are not touched until read).
     A count needs shapes, not values. ``to_empty`` unties shared weights, so ties are restored."""
+    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
     import torch
 
     from memtrain.models.gpt import GPT  # torch-free --help/estimate/plan
@@ -160,8 +164,8 @@ def _trace(cfg: RunConfig, fake: bool = True) -> tuple[dict[str, dict[str, Class
     """One micro-batch forward + backward of the configured model under FakeTensorMode with
     FlopCounterMode and the recorder; returns (table, counter total, params, trainable).
     ``fake=False`` runs the same step with real tensors (tests check both agree)."""
-    import contextlib
 
+    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode

@@ -35,6 +35,7 @@ def profile_op_classes(cfg: RunConfig, steps: int = 5, warmup: int = 3) -> dict[
     split evenly, as their FLOPs and bytes are (see ``_split_attention``); identical shapes
     make equal kernel times likely, not certain.
     """
+    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
     from torch.utils.module_tracker import ModuleTracker

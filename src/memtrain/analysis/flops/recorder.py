@@ -28,6 +28,7 @@ def _unique_elements(t: "torch.Tensor") -> int:
 
 
 def _tensors(value: Any) -> Iterable["torch.Tensor"]:
+    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
     import torch
 
     if isinstance(value, torch.Tensor):
@@ -93,6 +94,7 @@ _GATHER_BYTES = {"embedding": _rows_read, "nll_loss_forward": _nll_forward,
 
 def _elementwise_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> float:
     """Analytic FLOPs of an op the counter has no formula for (see ELEMENTWISE_FLOPS)."""
+    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
     import torch
 
     name = func._overloadpacket.__name__
@@ -133,6 +135,7 @@ def make_recorder(model: Any, tracker: Any, registry: dict, vocab: int, profile:
     backward pass proper, the innermost module of ``tracker`` (torch's ModuleTracker, the one
     FlopCounterMode uses, which follows gradients through module boundaries).
     """
+    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
     import torch
     from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
     from torch.utils._python_dispatch import TorchDispatchMode
