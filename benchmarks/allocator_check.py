@@ -70,10 +70,10 @@ def _one(overrides: dict[str, Any]) -> dict[str, Any]:
     cfg = build_config({**overrides, "device": "cuda"})
     # Reserved after each of the two steps (the model replays both: step 1 creates the
     # optimizer state in the blocks its backward freed, step 2 runs in that cache).
-    import memtrain.training.train as train_mod
+    import memtrain.training.step as step_mod
 
     reserved_after: list[int] = []
-    real_step = train_mod.train_step
+    real_step = step_mod.run_step
 
     def step_and_record(*a: Any, **k: Any) -> Any:
         out = real_step(*a, **k)
@@ -81,12 +81,12 @@ def _one(overrides: dict[str, Any]) -> dict[str, Any]:
         reserved_after.append(torch.cuda.memory_reserved())
         return out
 
-    train_mod.train_step = step_and_record  # measure_step_memory imports it at call time
+    step_mod.run_step = step_and_record  # measure_steps looks it up in its module at each step
     t0 = time.time()
     try:
         stats = measure_step_memory(cfg, cfg.train.batch_size)
     finally:
-        train_mod.train_step = real_step
+        step_mod.run_step = real_step
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
     outside = total - free - torch.cuda.memory_reserved()  # context + libraries, after the run

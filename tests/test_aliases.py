@@ -107,7 +107,7 @@ def test_memory_budget_and_max_batch_are_one_vocabulary(capsys):
 
 
 def test_warmup_capped_only_when_no_layer_sets_it():
-    from memtrain.bench.presets import scale_overrides
+    from memtrain.bench.scales import scale_overrides
 
     assert build_config({"steps": 30}).train.warmup_steps == 3
     assert build_config({"steps": 30}, {"warmup_steps": 200}).train.warmup_steps == 200

@@ -1,7 +1,7 @@
 """The analytic commands answer in O(1) of the model size, or refuse it.
 
 estimate/plan/flops count per layer *kind*: the estimator's timeline runs a few blocks and
-stands one allocation per category in for the rest (estimate._Compression), flops traces a
+stands one allocation per category in for the rest (estimate.simulator.Compression), flops traces a
 1- and a 2-block model and scales. These tests prove both are exact (against the per-layer
 computation they replace) and that absurd sizes are refused with exit 2, bounded in time and
 memory.
@@ -119,10 +119,10 @@ def test_compressed_timeline_equals_the_per_layer_one(L, ov, monkeypatch):
     cfg = RunConfig().replace(**TINY, n_layers=L, **ov)
     for device, world, shard in (("cpu", 1, None), ("cuda", 1, None), ("cuda", 4, "zero2"), ("cuda", 2, "fsdp")):
         fast = E.estimate(cfg, device_type=device, world_size=world, shard=shard)
-        assert S._compression(cfg).lumps > 0 or L < 20  # at 20 layers every policy lumps
+        assert S.compression_of(cfg).lumps > 0 or L < 20  # at 20 layers every policy lumps
         with monkeypatch.context() as mp:
-            whole = S._Compression(S._compression(cfg).period, 0, L)
-            mp.setattr(T, "_compression", lambda c: whole)  # noqa: B023 - used inside this iteration
+            whole = S.Compression(S.compression_of(cfg).period, 0, L)
+            mp.setattr(T, "compression_of", lambda c: whole)  # noqa: B023 - used inside this iteration
             slow = E.estimate(cfg, device_type=device, world_size=world, shard=shard)
         assert fast.to_dict() == slow.to_dict()
 

@@ -10,8 +10,8 @@ import pytest
 
 from conftest import TINY_MODEL
 from memtrain.analysis.maxbatch import find_max_batch
-from memtrain.bench.presets import DEFAULT_TECHNIQUES, TECHNIQUES, technique_overrides
 from memtrain.bench.runner import BenchOptions, read_results, resolve_rows, run_bench
+from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, TECHNIQUES, technique_overrides
 from memtrain.cli import main
 from memtrain.config.run import ConfigError, build_config
 from memtrain.report import write_report

@@ -10,8 +10,8 @@ import pytest
 from conftest import TINY_MODEL, fake_caps
 from memtrain.bench.device_rows import adapt_rows
 from memtrain.bench.eta import BenchEta, fmt_duration
-from memtrain.bench.presets import DEFAULT_TECHNIQUES, NOISE_ROW, describe, technique_overrides
 from memtrain.bench.runner import BenchOptions, resolve_rows, run_bench
+from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, NOISE_ROW, describe, technique_overrides
 from memtrain.devices import probe as D
 from memtrain.report.noise import quality_vs_noise
 from memtrain.report.tables import markdown_report

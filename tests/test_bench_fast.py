@@ -10,8 +10,8 @@ import sys
 
 from conftest import TINY_MODEL
 from memtrain.bench.device_rows import adapt_compiled_optims
-from memtrain.bench.presets import DEFAULT_TECHNIQUES, NOISE_ROW, describe
 from memtrain.bench.runner import BenchOptions, resolve_rows
+from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, NOISE_ROW, describe
 from memtrain.report.tables import markdown_report
 
 

@@ -1,5 +1,5 @@
 """`memtrain bench --model SPEC`: a bench row trains a transformers model; `--scale` names the
-run scale (`--preset` is its former name and still works)."""
+run scale."""
 
 from __future__ import annotations
 
@@ -12,17 +12,25 @@ transformers = pytest.importorskip("transformers")
 from memtrain.cli import build_parser, main  # noqa: E402
 
 
-def test_scale_flag_and_its_former_name():
+def test_scale_flag():
     parser = build_parser()
     assert parser.parse_args(["bench", "--scale", "seed"]).scale == "seed"
-    assert parser.parse_args(["bench", "--preset", "seed"]).scale == "seed"
     assert parser.parse_args(["bench"]).scale == "quick"
+
+
+def test_scale_has_one_name(tmp_path, capsys):
+    """--scale is the flag's only name: another is refused, not quietly taken for it."""
+    with pytest.raises(SystemExit) as exc:  # argparse's exit, with the one error: line
+        main(["bench", "--preset", "seed", "--out", str(tmp_path / "b")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unrecognized arguments: --preset seed") and not (tmp_path / "b").exists()
 
 
 def test_unknown_scale_is_a_clear_error(tmp_path, capsys):
     assert main(["bench", "--scale", "huge", "--out", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error:") and "unknown scale 'huge' (--scale, alias --preset)" in err
+    assert err.startswith("error:") and "unknown scale 'huge' (--scale)" in err
 
 
 def test_bench_row_trains_a_transformers_model(llama_dir, small_corpus, tmp_path, capsys):

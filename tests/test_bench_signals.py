@@ -1,8 +1,9 @@
 """`memtrain bench` (and train) under signals and concurrency: SIGTERM acts like Ctrl-C, a row process
 never outlives its bench, scratch folders are cleaned, a second bench on one --out is refused.
 
-A row is held running by MEMTRAIN_TEST_ROW_SLEEP (the worker sleeps before training), so the
-signal always arrives mid-row; every process started here is killed in a ``finally``.
+A row is held running by MEMTRAIN_TEST_ROW_SLEEP (tests/row_hold/sitecustomize.py: the row process
+sleeps before it starts), so the signal always arrives mid-row; every process started here is
+killed in a ``finally``.
 """
 
 from __future__ import annotations
@@ -61,11 +62,15 @@ def _wait_for(cond, timeout: float = 60.0) -> bool:
     return False
 
 
+ROW_HOLD = Path(__file__).with_name("row_hold")  # its sitecustomize holds a row that many seconds
+
+
 def _start_bench(small_corpus: Path, out: Path, techniques: str, env: dict) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "memtrain", "bench", "--techniques", techniques, "--out", str(out),
            *_flags(small_corpus)]
+    pythonpath = os.pathsep.join(p for p in (str(ROW_HOLD), os.environ.get("PYTHONPATH")) if p)
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath, **env})
 
 
 def _kill_all(bench: subprocess.Popen, workers: list[int]) -> None:

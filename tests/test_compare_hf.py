@@ -150,7 +150,7 @@ def test_dataset_reproduces_memtrains_batches():
 def test_schedule_is_memtrains_up_to_hfs_one_step_warmup_offset():
     from transformers import get_scheduler
 
-    from memtrain.training.train import lr_lambda
+    from memtrain.training.step import lr_lambda
 
     cfg = build_config(TINY, {"steps": 20, "warmup_steps": 5})
     plan = hf_plan(cfg, "cpu")

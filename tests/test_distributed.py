@@ -35,9 +35,11 @@ RUN = {"seq_len": 32, "steps": 4, "warmup_steps": 1, "val_blocks": 4, "warmup_ti
 
 
 
-def _torchrun(settings: dict, cache: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+def _torchrun(settings: dict, cache: Path, env: dict | None = None,
+              entry: tuple[str, ...] = ("-m", "memtrain")) -> subprocess.CompletedProcess:
+    """``entry`` is what each rank runs: ``python -m memtrain`` by default."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "memtrain", "train", *cli_flags({**settings, "progress": False})]
+           *entry, "train", *cli_flags({**settings, "progress": False})]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MEMTRAIN_CACHE": str(cache), **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=full_env)
 
@@ -211,7 +213,9 @@ def test_resume_continues_identically_and_fsdp_keeps_the_tie(runs, small_corpus,
 def test_failing_rank_fails_the_run_without_hanging(small_corpus, tmp_path):
     settings = {**UNTIED, **RUN, "data": str(small_corpus), "batch_size": 2, "distributed": "ddp",
                 "out": str(tmp_path / "run")}
-    proc = _torchrun(settings, tmp_path / "cache", env={"MEMTRAIN_TEST_FAIL_RANK": "1", "MEMTRAIN_DIST_TIMEOUT": "60"})
+    # Rank 1 raises in its second forward (tests/failing_rank.py), after the first step's collectives.
+    proc = _torchrun(settings, tmp_path / "cache", env={"MEMTRAIN_DIST_TIMEOUT": "60"},
+                     entry=(str(Path(__file__).with_name("failing_rank.py")), "1"))
     assert proc.returncode != 0
     assert "injected failure on rank 1" in proc.stderr + proc.stdout
     assert not (tmp_path / "run" / "result.json").exists()

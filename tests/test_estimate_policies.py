@@ -16,18 +16,18 @@ TINY = dict(vocab_size=512, d_model=64, n_heads=4, n_layers=12, d_ff=128, max_se
 def _timeline_kept_per_block(cfg: RunConfig, device: str) -> float:
     """Activation bytes the step timeline keeps per block (measured on the lumped period)."""
     kept = {}
-    original = S._Graph._lump_forward
+    original = S.Graph._lump_forward
 
     def spy(self, before, held, n):
         original(self, before, held, n)
         kept.update(self._kept_by_tag)
 
-    S._Graph._lump_forward = spy
+    S.Graph._lump_forward = spy
     try:
         E.estimate(cfg, device_type=device)
     finally:
-        S._Graph._lump_forward = original
-    return kept["activations"] / S._compression(cfg).period
+        S.Graph._lump_forward = original
+    return kept["activations"] / S.compression_of(cfg).period
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

@@ -11,7 +11,7 @@ from memtrain.config.run import ModelConfig, build_config
 from memtrain.metrics import MemoryMeter
 from memtrain.models.gpt import GPT
 from memtrain.techniques import build_optimizer, make_precision
-from memtrain.training.train import train_step
+from memtrain.training.step import train_step
 
 CFG = dict(vocab_size=128, d_model=32, n_heads=4, n_layers=2, d_ff=64, max_seq_len=32, dropout=0.0)
 

@@ -265,7 +265,7 @@ def test_checkpointing_and_chunked_loss_cut_the_tracked_peak(model_dirs, corpus,
 def test_lora_trains_only_the_adapters(model_dirs, corpus, tmp_path):
     from memtrain.models import build_model
     from memtrain.techniques import build_optimizer, make_precision, prepare_model
-    from memtrain.training.train import train_step
+    from memtrain.training.step import train_step
 
     cpu = torch.device("cpu")
     cfg = run_cfg(model_dirs["gemma"], corpus, tmp_path, lora_rank=4, lora_targets="q_proj,v_proj")

@@ -172,8 +172,8 @@ def test_default_bench_runs_adafactor_for_low_bit_rows_without_torchao(monkeypat
     import importlib.util
 
     from memtrain.bench.device_rows import adapt_compiled_optims
-    from memtrain.bench.presets import DEFAULT_TECHNIQUES
     from memtrain.bench.runner import BenchOptions, resolve_rows
+    from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES
     from memtrain.report.tables import optim_substitution_lines
 
     rows = resolve_rows(BenchOptions(techniques=DEFAULT_TECHNIQUES))

@@ -410,7 +410,7 @@ def test_a_checkpoint_with_wrong_typed_fields_is_refused_before_the_first_step(s
                                                                                  monkeypatch, damage):
     """Each field memtrain uses from a checkpoint, of the wrong type or shape: one ``error:`` line
     naming it and exit 2, before any step runs and before anything is written."""
-    import memtrain.training.train as train_module
+    import memtrain.training.step as step_module
 
     run, ckpt = saved
     state = torch.load(ckpt, weights_only=True)
@@ -419,7 +419,7 @@ def test_a_checkpoint_with_wrong_typed_fields_is_refused_before_the_first_step(s
     bad = tmp_path / "bad.pt"
     torch.save(state, bad)
     steps = []
-    monkeypatch.setattr(train_module, "train_step", lambda *a, **k: steps.append(1) or 0.0)
+    monkeypatch.setattr(step_module, "train_step", lambda *a, **k: steps.append(1) or 0.0)
     out = tmp_path / "r"
     assert main(["train", *cli_flags({**run, "resume": str(bad), "out": str(out)})]) == 2
     line = _one_error_line(capsys.readouterr().err)
@@ -482,13 +482,13 @@ def test_a_zero1_rank_file_round_trips_and_a_moment_of_another_shape_is_refused(
     """ZeRO-1 keeps its optimizer shard in the rank file (the outer groups without parameters):
     a real one loads; one whose Adam moment has another shape is refused before the load."""
     from memtrain.checkpoints.distributed import load_checkpoint, save_checkpoint
-    from memtrain.distributed.wrapping import _zero_redundancy
+    from memtrain.distributed.wrapping import zero_redundancy
 
     cfg = build_config({**SHARDED, "distributed": "zero1"})
 
     def zero1_run():
         run = _run_state(cfg)
-        run.optimizer = _zero_redundancy(run.optimizer)
+        run.optimizer = zero_redundancy(run.optimizer)
         run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lambda s: 1.0)
         return run
 

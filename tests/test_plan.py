@@ -28,7 +28,7 @@ def _measure_steady_peak(cfg) -> int:
     from memtrain.metrics import MemoryMeter
     from memtrain.models.gpt import GPT
     from memtrain.techniques import build_optimizer, make_precision, prepare_model
-    from memtrain.training.train import train_step
+    from memtrain.training.step import train_step
 
     device = torch.device("cpu")
     torch.manual_seed(0)

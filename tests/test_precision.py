@@ -13,7 +13,7 @@ from memtrain.metrics import MemoryMeter
 from memtrain.models.gpt import GPT
 from memtrain.techniques.optim import build_optimizer
 from memtrain.techniques.precision import make_precision
-from memtrain.training.train import train_step
+from memtrain.training.step import train_step
 
 CPU = torch.device("cpu")
 SMALL = ModelConfig(vocab_size=256, d_model=64, n_heads=4, n_layers=2, d_ff=128, max_seq_len=64, dropout=0.0)

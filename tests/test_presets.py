@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import TINY_MODEL
-from memtrain.bench.presets import TECHNIQUES, technique_overrides
+from memtrain.bench.technique_sets import TECHNIQUES, technique_overrides
 from memtrain.config.run import build_config
 from memtrain.training.train import train
 

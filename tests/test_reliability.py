@@ -170,7 +170,7 @@ def test_disk_full_at_the_final_save_keeps_result_and_previous_checkpoint(tiny_r
 
 
 def test_non_finite_loss_stops_the_run_and_writes_no_nan(tiny_run, capsys, monkeypatch):
-    monkeypatch.setattr("memtrain.training.train.train_step", lambda *a, **kw: float("nan"))
+    monkeypatch.setattr("memtrain.training.step.train_step", lambda *a, **kw: float("nan"))
     assert main(["train", *cli_flags(tiny_run)]) == 1
     assert "the training loss became nan at step 1" in _one_error_line(capsys.readouterr().err)
     assert not (Path(tiny_run["out"]) / "result.json").exists()

@@ -3,9 +3,12 @@ must see what they claim to see, and the package itself keeps an import graph wi
 
 from __future__ import annotations
 
+import ast
+import io
 import json
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -76,3 +79,77 @@ def test_the_package_root_holds_only_its_face():
     """Every module lives in the package of its concept; the root keeps the entry points only."""
     loose = sorted(p.name for p in SRC.glob("*.py"))
     assert loose == ["__init__.py", "__main__.py", "cli.py", "errors.py"], loose
+
+
+# Optional packages: importing one inside the function that needs it is the rule, so it needs no
+# comment. Every other function-local import says why it is not at module level.
+OPTIONAL_PACKAGES = {"accelerate", "bitsandbytes", "datasets", "deepspeed", "flash_attn", "huggingface_hub",
+                     "liger_kernel", "peft", "pyarrow", "safetensors", "torchao", "transformers", "wandb"}
+
+
+def _private_imports(path: Path) -> list[str]:
+    """``from memtrain.x import _name`` in ``path`` (a leading underscore: the name is x's own)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "memtrain":
+            found += [f"{path.relative_to(SRC.parent)}:{node.lineno}: {node.module}.{a.name}" for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def _uncommented_local_imports(path: Path) -> list[str]:
+    """Function-local imports of ``path`` that are neither of an optional package nor commented:
+    a comment on a line of the run of consecutive imports holding it, or on the line above the run."""
+    text = path.read_text()
+    lines = text.splitlines()
+    comments = {t.start[0] for t in tokenize.generate_tokens(io.StringIO(text).readline) if t.type == tokenize.COMMENT}
+    tree = ast.parse(text)
+    imports: dict[int, int] = {}  # first line -> last line, of every import statement
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            imports[node.lineno] = node.end_lineno or node.lineno
+    found = []
+    functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    local = {id(n): n for f in functions for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    for node in local.values():
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        if {n.split(".")[0] for n in names} <= OPTIONAL_PACKAGES:
+            continue
+        first, last = node.lineno, node.end_lineno or node.lineno
+        while True:  # widen to the run of imports around it (blank lines end a run)
+            before = next((s for s, e in imports.items() if e == first - 1), None)
+            if before is None:
+                break
+            first = before
+        while last + 1 in imports:
+            last = imports[last + 1]
+        if not any(line in comments for line in range(first - 1, last + 1)):
+            found.append(f"{path.relative_to(SRC.parent)}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    return found
+
+
+def test_no_module_imports_another_modules_private_names():
+    """A name used by another module is public in its home; a leading underscore means "this
+    module's own", which an import from elsewhere would make a lie."""
+    found = [hit for path in sorted(SRC.rglob("*.py")) for hit in _private_imports(path)]
+    assert found == [], "\n".join(found)
+
+
+def test_every_function_local_import_says_why():
+    """An import inside a function is there for a reason (an optional package, torch kept out of
+    the CLI's start-up, a circle avoided); the comment beside it names the reason."""
+    found = [hit for path in sorted(SRC.rglob("*.py")) for hit in _uncommented_local_imports(path)]
+    assert found == [], "\n".join(found)
+
+
+def test_the_checks_see_a_private_import_and_an_uncommented_local_import(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path / "memtrain")
+    _write(tmp_path / "memtrain", {"a.py": (
+        "from memtrain.b import _hidden, shown\n"
+        "def f():\n    import json\n    from memtrain.c import d\n"
+        "def g():\n    # torch kept out of start-up\n    import torch\n    import torch.nn\n"
+        "def h():\n    import transformers\n"
+    )})
+    path = tmp_path / "memtrain" / "a.py"
+    assert _private_imports(path) == ["memtrain/a.py:1: memtrain.b._hidden"]
+    assert _uncommented_local_imports(path) == ["memtrain/a.py:3: import json", "memtrain/a.py:4: from memtrain.c import d"]

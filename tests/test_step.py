@@ -158,9 +158,11 @@ def test_checkpoint_saves_and_restores_the_train_state(tmp_path):
 
 
 def test_a_model_family_plugs_in_at_one_seam(monkeypatch):
-    """A new family is one entry in memtrain.models.FAMILIES: build_state (and so train,
-    maxbatch, trace, profiling) builds and prepares its model through it."""
+    """A new family is one entry in memtrain.models.FAMILIES and its technique mapping one in
+    memtrain.techniques.order.PREPARERS: build_state (and so train, maxbatch, trace, profiling)
+    builds and prepares its model through them."""
     import memtrain.models as models
+    import memtrain.techniques.order as order
     from memtrain.models.gpt import GPT
 
     seen = []
@@ -173,8 +175,9 @@ def test_a_model_family_plugs_in_at_one_seam(monkeypatch):
         seen.append("prepare")
         return model.to(device)
 
-    family = models.ModelFamily("toy", lambda cfg: cfg.model.d_model == 48, build, prepare)
+    family = models.ModelFamily("toy", lambda cfg: cfg.model.d_model == 48, build)
     monkeypatch.setattr(models, "FAMILIES", [family, *models.FAMILIES])
+    monkeypatch.setitem(order.PREPARERS, "toy", prepare)
     cfg = _cfg(d_model=48)
     state = build_state(cfg, CPU)
     assert seen == ["build", "prepare"] and models.family_of(cfg) is family

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from memtrain.config.run import ConfigError, build_config
-from memtrain.training.train import lr_lambda, train
+from memtrain.training.step import lr_lambda
+from memtrain.training.train import train
 
 CONTRACT_KEYS = {"config", "train_loss", "val_loss", "val_ppl", "steps", "tokens", "step_time_s",
                  "total_time_s", "tokens_per_s", "mfu", "memory", "env"}

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import errno
+import importlib
 import os
+import pkgutil
 import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
@@ -20,7 +23,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import memtrain.commands as commands
 from memtrain import __version__
-from memtrain.config.aliases import ALIASES, EXPANDED, switch_value
+from memtrain.config.aliases import ALIASES, EXPANDED, normalize as normalize_aliases, switch_value
 from memtrain.config.argtypes import rank_count
 from memtrain.config.run import SECTIONS, ConfigError, RunConfig, build_config, flatten, load_config_file
 from memtrain.distributed.rank_errors import begin_command, error_line, launch_env, launched_by_memtrain, say_error
@@ -28,7 +31,7 @@ from memtrain.errors import one_line
 from memtrain.files.results import (
     RESULT_NAME,
     FolderLock,
-    write_json_atomic,  # re-exported too: older code imports it from here
+    write_json_atomic,
 )
 from memtrain.runtime.extras import quiet_third_party
 from memtrain.runtime.notices import install_warning_format
@@ -53,7 +56,6 @@ class _Parser(argparse.ArgumentParser):
 
     def reject_unknown(self, extra: Sequence[str]) -> None:
         """Refuse options this command does not know, naming the closest known one."""
-        import difflib
 
         unknown = [a for a in extra if a.startswith("-")] or list(extra)
         first = unknown[0].split("=", 1)[0]
@@ -191,7 +193,6 @@ MODEL_DEFAULT_ATTENTION = "sdpa"
 
 def _given_settings(layers: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The settings the layers name, flat and in memtrain's names (later layers win)."""
-    from memtrain.config.aliases import normalize as normalize_aliases
 
     merged: dict[str, Any] = {}
     for layer in layers:
@@ -259,10 +260,11 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
 def _launch_ranks(args: argparse.Namespace, cfg: RunConfig) -> int:
     """``--nproc-per-node N``: check everything a rank could refuse, hold the --out lock,
     then start the ranks (memtrain.distributed.launch)."""
-    from memtrain.distributed.launch import launch  # looked up at call time: tests stand in for it
+    from memtrain.distributed.launch import launch  # torch loads only for --nproc-per-node
 
     if "WORLD_SIZE" in os.environ:
         raise ConfigError("--nproc-per-node starts the ranks itself; under torchrun drop it (or run without torchrun)")
+    # torch loads only when train runs: --help and the analytic commands stay torch-free
     from memtrain.training.train import remove_stale_writes
 
     check_before_launch(cfg, args.nproc_per_node)
@@ -351,8 +353,6 @@ def _load_commands() -> None:
              add_train_flags, cmd_train)
     # Each module of memtrain/commands/ registers its own subcommand on import, so a new
     # command is a new file there and this module stays unchanged.
-    import importlib
-    import pkgutil
 
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
         importlib.import_module(f"memtrain.commands.{info.name}")

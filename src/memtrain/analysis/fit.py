@@ -22,8 +22,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
 from memtrain.analysis.estimate import Arch, Estimate, estimate
+from memtrain.analysis.plan import default_space, plan
 from memtrain.config.run import ConfigError, RunConfig
 from memtrain.devices.gpu_memory import gpu_memory
+from memtrain.devices.numerics import is_standard, numerics_note
 
 __all__ = ["FitVerdict", "budget_for", "fit_verdict", "largest_batch", "largest_fitting", "step_need"]
 
@@ -157,8 +159,6 @@ def cheapest_changes(cfg: RunConfig, arch: Arch, device_type: str, budget_bytes:
     numerically standard ones first, then by ``plan``'s modelled step time. Each: the flags to
     add (only those that differ from ``cfg``), the bytes it needs, its modelled time relative to
     plan's baseline and what it changes in the numerics. [] when nothing fits."""
-    from memtrain.analysis.plan import default_space, plan
-    from memtrain.devices.numerics import is_standard, numerics_note
 
     tech = cfg.technique
     space = default_space(cfg, device_type)

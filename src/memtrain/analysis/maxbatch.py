@@ -19,9 +19,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
+from tqdm.auto import tqdm
 
 from memtrain.analysis.estimate import GPT2_ARCH, estimate
-from memtrain.analysis.fit import largest_batch, largest_fitting
+from memtrain.analysis.estimate.hf import hf_arch, why_not_modelled
+from memtrain.analysis.fit import largest_batch, largest_fitting, step_need
 from memtrain.analysis.trace import trace_peak_bytes
 from memtrain.config.run import ConfigError, RunConfig
 from memtrain.metrics import MemoryMeter, device_peak_memory
@@ -127,7 +129,6 @@ def estimated_max_batch(cfg: RunConfig, budget_bytes: int, gpu: Optional[str], m
     analytic estimate with CUDA kernel facts, replayed through the caching-allocator model,
     plus ``gpu``'s CUDA context ("default" when None), against ``budget_bytes``
     (:func:`memtrain.analysis.fit.step_need`). Nothing runs; ``measured`` is False."""
-    from memtrain.analysis.fit import step_need
 
     if multiple_of < 1:
         raise ConfigError(f"--multiple-of must be >= 1, got {multiple_of}")
@@ -153,7 +154,6 @@ def analytic_arch(cfg: RunConfig) -> Any:
     model covers; any other transformers model is refused (it can only be traced or measured)."""
     if not is_hf(cfg):
         return GPT2_ARCH
-    from memtrain.analysis.estimate.hf import hf_arch, why_not_modelled
 
     reason = why_not_modelled(cfg)
     if reason is not None:
@@ -195,8 +195,6 @@ def find_max_batch(  # noqa: C901 - grow then bisect, each with OOM and budget e
     probes: list[dict[str, Any]] = []
     bar = None
     if progress:
-        from tqdm.auto import tqdm
-
         bar = tqdm(desc="maxbatch", unit="probe", leave=False, dynamic_ncols=True)
 
     def fits(batch: int) -> tuple[bool, Optional[int]]:

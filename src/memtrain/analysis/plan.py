@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import shlex
 from dataclasses import asdict, dataclass, field
+from itertools import product
 from typing import Any, Optional
 
 from memtrain.analysis.estimate import GPT2_ARCH, Arch, estimate, param_count
@@ -184,8 +185,6 @@ def default_space(cfg: RunConfig, device_type: str) -> dict[str, list[str]]:
 
 
 def _sets(space: dict[str, list[str]]) -> list[dict[str, str]]:
-    from itertools import product
-
     keys = list(space)
     out = []
     for values in product(*(space[k] for k in keys)):

@@ -39,6 +39,7 @@ __all__ = ["trace_step", "trace_peak_bytes", "cuda_trace_supported"]
 
 def cuda_trace_supported() -> bool:
     """Whether fake CUDA tensors can run autograd in this torch build."""
+    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
     import torch
 
     return torch.version.cuda is not None or torch.cuda.is_available()
@@ -47,6 +48,7 @@ def cuda_trace_supported() -> bool:
 def _item_stub(t: Any) -> Any:
     """What ``.item()`` answers on a fake tensor: 1 (True for bool). AdamW's step counter and
     the loss are read this way; no value ever changes the memory of a step."""
+    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
     import torch
 
     if t.dtype == torch.bool:
@@ -57,6 +59,7 @@ def _item_stub(t: Any) -> Any:
 def _stub_mode(device_type: str) -> Any:
     """On fake CUDA, a dispatch mode above the fake mode that replaces random kernels by
     allocations of the same size (the memory they would take); on CPU none is needed."""
+    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -102,6 +105,7 @@ def _fake_mode() -> Any:
     and an output's storage is the same with or without the constant, so a trace without them
     gives the same bytes, faster.
     """
+    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -122,6 +126,7 @@ def _fake_mode() -> Any:
 @contextlib.contextmanager
 def _cuda_stubs(device_type: str) -> Iterator[None]:
     """On a CUDA build without a visible GPU, answer the few torch.cuda queries a step makes."""
+    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
     import torch
 
     if device_type != "cuda" or torch.cuda.is_available():
@@ -143,6 +148,7 @@ def _fake_safe_module_to() -> Iterator[None]:
     """``Module.to`` that replaces parameters instead of swapping them (swapping refuses fake
     tensors); a parameter already on the target device and dtype is left alone, so tied
     weights stay tied. Needed because peft moves its adapters with ``.to``."""
+    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
     import torch
 
     original = torch.nn.Module.to
@@ -173,6 +179,7 @@ def _fake_safe_module_to() -> Iterator[None]:
 def _fake_prepare(device: Any) -> Iterator[None]:
     """Where the technique pass runs under fake tensors: ``Module.to`` replaces parameters and
     new tensors land on the traced device."""
+    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
     import torch
 
     with _fake_safe_module_to(), torch.device(device):
@@ -186,6 +193,7 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
     """Run ``steps`` training steps of ``cfg`` on fake tensors; return the last step's
     :class:`memtrain.metrics.MemoryStats` as a dict (``peak_bytes``, ``by_category``,
     ``peak_phase``, ``phase_peaks``...), plus ``device_type``."""
+    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
     import torch
 
     from memtrain.metrics import MemoryMeter  # torch-free --help/estimate/plan
@@ -250,6 +258,7 @@ def trace_peak_bytes(cfg: RunConfig, device_type: Optional[str] = None) -> int:
     if device_type is None:
         device_type = "cuda" if cfg.train.device.startswith("cuda") else "cpu"
         if cfg.train.device == "auto":
+            # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
             import torch
 
             device_type = "cuda" if torch.cuda.is_available() else "cpu"

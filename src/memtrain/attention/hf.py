@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = ["RESTRICTED_SDPA", "restricted_sdpa_implementation"]
 
@@ -44,7 +45,6 @@ class _OneKVGroup:
 def _restricted(backend_name: str) -> Any:
     def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: Optional[torch.Tensor], **kwargs: Any) -> Any:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
         from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
         groups = getattr(module, "num_key_value_groups", 1)

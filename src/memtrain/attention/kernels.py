@@ -223,6 +223,7 @@ def _flex() -> Callable[..., torch.Tensor]:
     that materializes the scores, which would defeat the point."""
     global _compiled_flex
     if _compiled_flex is None:
+        # flex_attention is torch >= 2.5 (2.4 is supported): loaded only for --attention flex
         from torch.nn.attention.flex_attention import flex_attention
 
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
@@ -233,6 +234,7 @@ def _flex() -> Callable[..., torch.Tensor]:
 def flex_block_mask(seq_len: int, window: Optional[int], device: str):
     """FlexAttention ``BlockMask`` for causal (and sliding-window) attention, built once per
     (seq, window, device): blocks outside the band are skipped entirely by the kernel."""
+    # flex_attention is torch >= 2.5 (2.4 is supported): loaded only for --attention flex
     from torch.nn.attention.flex_attention import create_block_mask
 
     def mask_mod(b, h, q_idx, kv_idx):  # noqa: ANN001 - traced by FlexAttention

@@ -1,5 +1,5 @@
 """Run scales of a bench: the settings shared by every row (model, batch, sequence, steps), so
-rows differ only in technique (``memtrain bench --scale``; ``--preset`` is its former name)."""
+rows differ only in technique (``memtrain bench --scale``)."""
 
 from __future__ import annotations
 
@@ -41,5 +41,5 @@ SCALE_MAX_BATCH = {"seed": 1024, "quick": 512}
 def scale_overrides(scale: str) -> dict[str, Any]:
     """Config overrides of run scale ``scale`` (ConfigError naming the scales when unknown)."""
     if scale not in SCALES:
-        raise ConfigError(f"unknown scale {scale!r} (--scale, alias --preset); choose {' or '.join(SCALES)}")
+        raise ConfigError(f"unknown scale {scale!r} (--scale); choose {' or '.join(SCALES)}")
     return dict(SCALES[scale])

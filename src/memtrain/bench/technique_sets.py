@@ -3,6 +3,7 @@ dict of config overrides applied on top of a scale (:mod:`memtrain.bench.scales`
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 from memtrain.bench.scales import SCALE_WINDOW
@@ -83,8 +84,6 @@ def technique_overrides(name: str, scale: str) -> dict[str, Any]:
             out[key.strip().replace("-", "_")] = value.strip()
         return out
     if name not in TECHNIQUES:
-        import difflib
-
         close = difflib.get_close_matches(name, TECHNIQUES, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ConfigError(f"unknown technique {name!r}; {hint}choose from {', '.join(TECHNIQUES)} or key=value+key=value")

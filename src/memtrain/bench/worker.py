@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from memtrain.runtime.notices import SlowPrecisionWarning
 
 
 def _is_oom(exc: BaseException) -> bool:
+    # torch loads only when a row has failed: the worker imports it after quiet_third_party()
     import torch
 
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
@@ -80,15 +82,10 @@ def main(argv: list[str]) -> int:
     quiet_third_party()
     spec_path, out_path = Path(argv[0]), Path(argv[1])
     spec = json.loads(spec_path.read_text())
-    import warnings
 
     # The runner already said, once and up front, which rows run a precision that is slow here.
     warnings.filterwarnings("ignore", category=SlowPrecisionWarning)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    if os.environ.get("MEMTRAIN_TEST_ROW_SLEEP"):  # tests: a row that is still running when signalled
-        import time
-
-        time.sleep(float(os.environ["MEMTRAIN_TEST_ROW_SLEEP"]))
     try:
         result = run_row(spec)
     except ConfigError as exc:

@@ -54,6 +54,15 @@ from memtrain.distributed.rank_errors import agreement
 
 if TYPE_CHECKING:  # the harness imports the techniques (torch models); a checkpoint only reads it
     from memtrain.training.step import TrainState
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
 from memtrain.checkpoints.safe_dcp import (
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -105,7 +114,6 @@ def _app_state(model: nn.Module, optimizer: Any) -> tuple[dict[str, Any], dict[s
     """What DCP saves/loads: canonical parameter names (no ``module.`` prefix) whatever the
     wrapper, DTensor shards under FSDP2, tied weights once; and the aliases left out. ZeRO-1's
     optimizer is not DCP-aware; its shard travels in the rank file instead."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if _zero1_local(optimizer) is not None:
         model_sd, aliases = _split_aliases(get_model_state_dict(model))
@@ -128,7 +136,6 @@ def _rank_file(root: Path, rank: int) -> Path:
 
 def save_checkpoint(path: str | Path, run: TrainState) -> None:
     """Write everything needed to continue after ``run.step`` (a collective: every rank calls it)."""
-    import torch.distributed.checkpoint as dcp
 
     model, optimizer, scheduler, cfg = run.model, run.optimizer, run.scheduler, run.cfg
 
@@ -181,10 +188,6 @@ def save_checkpoint(path: str | Path, run: TrainState) -> None:
 def load_checkpoint(path: str | Path, run: TrainState) -> dict[str, Any]:
     """Restore all of ``run`` in place (every rank calls it; ``run.step`` and ``run.losses``
     too); return ``{"step", "losses"}``."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
     p = Path(path)
     model = run.model
     optimizer: Any = run.optimizer  # ZeRO-1's ShardedZeRO1 adds sync_param_groups

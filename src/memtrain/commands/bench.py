@@ -26,10 +26,9 @@ def warn_skipped_lines(out: Path, summary: dict) -> None:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scale", "--preset", dest="scale", default=DEFAULT_SCALE,
+    p.add_argument("--scale", dest="scale", default=DEFAULT_SCALE,
                    help=f"Scale of every row (model, batch, sequence, steps): {' | '.join(SCALES)} "
-                   f"(seed: the published table's settings; quick: minutes on 2 CPU cores). Default {DEFAULT_SCALE}. "
-                   "--preset is the former name of this flag and works the same.")
+                   f"(seed: the published table's settings; quick: minutes on 2 CPU cores). Default {DEFAULT_SCALE}.")
     p.add_argument("--techniques", default=None,
                    help=f"Comma-separated rows: presets ({', '.join(TECHNIQUES)}), a preset's noise twin "
                    "PRESET-seed2 (the same row with the next seed), or explicit combinations "
@@ -58,7 +57,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def show_scale_defaults(p: argparse.ArgumentParser) -> None:
     """Each flag a scale sets shows the scale's values as its default (the config field's own
     default, e.g. batch 8, is not what a bench row runs)."""
-    from memtrain.config.run import SECTIONS
 
     field_defaults = {f.name: f.default for cls in SECTIONS.values() for f in fields(cls)}
     for action in p._actions:

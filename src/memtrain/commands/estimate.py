@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import re
+import time
+from pathlib import Path
 from typing import Any
 
 from memtrain.analysis.estimate import GPT2_ARCH, estimate, estimate_inference, parse_count, shape_for_params
@@ -61,6 +65,7 @@ def device_type_for(args: argparse.Namespace, cfg: Any) -> str:
         return "cpu"
     if _cpu_only_torch():
         return "cpu"
+    # torch loads only where a CUDA build may find a GPU (see _cpu_only_torch)
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -69,9 +74,6 @@ def device_type_for(args: argparse.Namespace, cfg: Any) -> str:
 def _cpu_only_torch() -> bool:
     """True when the installed torch is a CPU-only build, read from its version.py as text:
     importing torch costs seconds and ~200 MB, more than the whole analytic estimate."""
-    import importlib.util
-    import re
-    from pathlib import Path
 
     try:
         spec = importlib.util.find_spec("torch")
@@ -204,7 +206,6 @@ def traced_estimate(cfg: Any, device_type: str, full_trace: bool = False) -> dic
     ``method`` says how: "extrapolated" (two shallow copies of the model traced, every
     category extended affinely to the real depth: memtrain.analysis.depth_trace) or "trace" (every
     layer; with ``full_trace``, for shallow models, or where the depth is not affine)."""
-    import time
 
     from memtrain.analysis.depth_trace import trace_any_depth  # torch-free --help/estimate/plan
 

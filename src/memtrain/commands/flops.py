@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 from memtrain.analysis.estimate import check_analytic_size
@@ -112,8 +113,6 @@ def render(report: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     cfg = config_from_args(args, derive_max_seq_len=True)
 
     check_analytic_size(cfg.model)  # before torch is imported: an absurd size costs nothing
@@ -126,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
     resolve_roof(args.gpu, cfg.technique.precision)  # a bad --gpu fails before any counting
     measured = device = None
     if args.profile:
+        # torch loads only for --profile, which trains
         import torch
 
         if not torch.cuda.is_available():

@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any, Optional
 
+from memtrain.analysis.fit import budget_for
 from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, config_from_args, fmt_bytes, register
 from memtrain.config.argtypes import batch_count
 from memtrain.config.run import ConfigError, parse_size
@@ -69,6 +70,7 @@ def _wants_cuda_model(args: argparse.Namespace, cfg: Any) -> bool:
     if args.method != "auto":
         raise ConfigError(f"--method {args.method} runs steps on a device; drop it next to --device-type cuda/--gpu "
                           "(measured on a CUDA device, estimated without one)")
+    # torch loads only for a search that runs steps
     import torch
 
     return not torch.cuda.is_available()
@@ -76,7 +78,7 @@ def _wants_cuda_model(args: argparse.Namespace, cfg: Any) -> bool:
 
 def _run_cuda_model(args: argparse.Namespace, cfg: Any, budget: Optional[int]) -> int:
     """No CUDA device here: the largest batch by the CUDA model, said to be estimated."""
-    from memtrain.analysis.fit import budget_for
+    # analysis.maxbatch imports torch: loaded only when this runs
     from memtrain.analysis.maxbatch import estimated_max_batch
 
     found = budget_for(budget, args.gpu)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from memtrain.analysis.plan import candidate_config, default_space, plan, verify
@@ -121,8 +123,6 @@ def run(args: argparse.Namespace) -> int:
 def _measured_effects(results_dir: str, techs: list[dict]) -> list:
     """Per candidate: the measured PPL change of a bench row with the same numerics against a
     numerically standard row of the same results, or None where no such pair exists."""
-    import math
-    from pathlib import Path
 
     path = Path(results_dir)
     if not (path / "results.jsonl").is_file():

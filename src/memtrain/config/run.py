@@ -15,7 +15,9 @@ config file key maps to exactly one field.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
+import shlex
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
@@ -411,7 +413,6 @@ def _flag(name: str, value: Any) -> list[str]:
 
 def train_command(cfg: RunConfig) -> str:
     """``memtrain train ...`` for ``cfg``, quoted for a POSIX shell."""
-    import shlex
 
     return shlex.join(["memtrain", "train", *train_flags(cfg)])
 
@@ -587,8 +588,6 @@ def build_config(*layers: dict[str, Any]) -> RunConfig:
         flat.pop(WARMUP_RATIO, None)
         for key, value in flat.items():
             if key not in index:
-                import difflib
-
                 close = difflib.get_close_matches(key, index.keys(), n=1)
                 hint = f"; did you mean --{close[0].replace('_', '-')}?" if close else "; see --help for the options"
                 raise ConfigError(f"unknown option --{key.replace('_', '-')}{hint}")

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -100,7 +101,6 @@ def _tokenize_uncached(cfg: DataConfig, root: Path, exc: OSError, progress: bool
     file system, a file in the way, no permission): the run goes on, only slower next time.
     ``tokenizer`` is the same one a cached entry would be built with (None: GPT-2 BPE), so the
     ids never depend on whether the cache could be written."""
-    import sys
 
     print(f"warning: token cache {str(root)!r} is not writable ({exc.strerror or type(exc).__name__}); "
           "tokenizing without a cache (set MEMTRAIN_CACHE to a writable folder)", file=sys.stderr)

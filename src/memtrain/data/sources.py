@@ -203,6 +203,7 @@ def collect_default_documents() -> Iterator[str]:
     Sources are parsed with :mod:`ast` and never imported (importing runs code).
     """
     try:
+        # pydoc_data is left out of some Python builds (the try says what then)
         from pydoc_data.topics import topics
     except ImportError:  # some distributions split pydoc_data into a separate package
         topics = {}  # type: ignore[misc]  # fallback for the optional import above

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from memtrain.errors import ConfigError
 from memtrain.files.results import write_text_atomic
@@ -200,8 +201,6 @@ def _probe_adamw(device: torch.device, **kind: Any) -> bool:
 def _probe_sdpa(device: torch.device, backend_name: str) -> bool:
     """Whether scaled_dot_product_attention runs with only ``backend_name`` allowed."""
     try:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
         backend = getattr(SDPBackend, backend_name)
         # Flash needs half precision on CUDA; FP32 is what the CPU flash kernel takes.
         dtype = torch.float16 if device.type == "cuda" else torch.float32

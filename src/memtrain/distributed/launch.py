@@ -24,6 +24,10 @@ import sys
 import tempfile
 from typing import Any, Optional, Sequence
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_args, run
+
 from memtrain.distributed.rank_errors import ERROR_DIR_ENV, LAUNCHED_ENV, error_line_of, read_error_lines
 from memtrain.runtime.signals import LAUNCHER_PID_ENV
 
@@ -38,9 +42,6 @@ def _quiet_launcher_logs() -> None:
 
 def launch(nproc: int, argv: Sequence[str]) -> int:
     """Run ``python -m memtrain ARGV`` on ``nproc`` local ranks; return the exit code."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
 
     _quiet_launcher_logs()
     os.environ[LAUNCHED_ENV] = "1"  # inherited by the ranks

@@ -107,6 +107,7 @@ def env_rank() -> int:
 
 
 def _group_size() -> int:
+    # torch loads only under a launch: the CLI imports this module before any command
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -127,6 +128,7 @@ def _outcome(exc: Optional[BaseException]) -> Optional[tuple[str, str]]:
 def raise_if_any_rank_failed(local: Optional[BaseException]) -> None:
     """Exchange outcomes with every rank; raise if any failed (see the module docstring)."""
     if _group_size() > 1:
+        # torch loads only under a launch: the CLI imports this module before any command
         import torch.distributed as dist
 
         outcomes: list[Optional[tuple[str, str]]] = [None] * dist.get_world_size()

@@ -13,11 +13,13 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 
 from memtrain.config.run import ConfigError, RunConfig
 from memtrain.distributed.deepspeed_engine import deepspeed_config, deepspeed_train_step
-from memtrain.distributed.validation import DEEPSPEED_STRATEGIES, LAUNCH_HINT, _validate
-from memtrain.distributed.wrapping import _fsdp_no_sync, _zero_redundancy
+from memtrain.distributed.rank_errors import agreement, launch_env, launch_world_size, raise_if_any_rank_failed
+from memtrain.distributed.validation import DEEPSPEED_STRATEGIES, LAUNCH_HINT, check_distributed_run
+from memtrain.distributed.wrapping import fsdp_no_sync, zero_redundancy
 
 TIMEOUT_ENV = "MEMTRAIN_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
@@ -69,7 +71,6 @@ class DistContext:
         Each half ends in an exchange of outcomes (memtrain.distributed.rank_errors), not a bare
         barrier: a rank that fails in the block (a data file only it cannot read) fails
         every rank with its reason instead of leaving them waiting."""
-        from memtrain.distributed.rank_errors import agreement, raise_if_any_rank_failed
 
         if not self.enabled:
             yield
@@ -85,7 +86,7 @@ class DistContext:
         """The optimizer (and model) the loop should use: ZeRO-1 shards the optimizer here;
         DeepSpeed builds its engine here (it needs the optimizer)."""
         if self.strategy == "zero1":
-            optimizer = _zero_redundancy(optimizer)
+            optimizer = zero_redundancy(optimizer)
             self.local_optimizer = optimizer.optim  # type: ignore[attr-defined]  # ShardedZeRO1 keeps its rank-local optimizer as .optim
         elif self.strategy in DEEPSPEED_STRATEGIES:
             model, optimizer = self._deepspeed(model, optimizer)
@@ -96,10 +97,9 @@ class DistContext:
         such thing, e.g. one process)."""
         if isinstance(model, nn.parallel.DistributedDataParallel):
             return model.no_sync
-        from torch.distributed.fsdp import FSDPModule
 
         if isinstance(model, FSDPModule):
-            return lambda: _fsdp_no_sync(model)
+            return lambda: fsdp_no_sync(model)
         return None
 
     def mean(self, value: float) -> float:
@@ -159,7 +159,6 @@ def _check_rendezvous_env() -> None:
 
 def init_distributed(cfg: RunConfig, device: torch.device) -> DistContext:
     """Validate the launch and join the process group (see :func:`distributed_session`)."""
-    from memtrain.distributed.rank_errors import launch_env, launch_world_size
 
     s = cfg.technique.distributed
     if s == "none":
@@ -173,7 +172,7 @@ def init_distributed(cfg: RunConfig, device: torch.device) -> DistContext:
     env = launch_env()  # bad launch variables are refused here, before any rendezvous waits on them
     if env is None and not dist.is_initialized():
         raise ConfigError(f"--distributed {s} runs one process per device; {LAUNCH_HINT.format(s=s)}")
-    _validate(cfg, device)
+    check_distributed_run(cfg, device)
     if dist.is_initialized():  # the caller set up the group (e.g. its own launcher): use it as is
         rank, world, owns = dist.get_rank(), dist.get_world_size(), False
         local = env.local_rank if env is not None and "LOCAL_RANK" in os.environ else rank

@@ -13,7 +13,7 @@ DEEPSPEED_STRATEGIES = ("deepspeed-zero2", "deepspeed-zero3")
 LAUNCH_HINT = "launch it with `torchrun --nproc_per_node N -m memtrain train --distributed {s} ...`"
 
 
-def _validate(cfg: RunConfig, device: torch.device) -> None:
+def check_distributed_run(cfg: RunConfig, device: torch.device) -> None:
     """Combinations that cannot work, reported before any process group exists."""
     tech, s = cfg.technique, cfg.technique.distributed
     if s in DEEPSPEED_STRATEGIES:
@@ -38,5 +38,5 @@ def _validate(cfg: RunConfig, device: torch.device) -> None:
 def check_combination(cfg: RunConfig, device: torch.device) -> None:
     """The strategy's impossible combinations as ConfigErrors (``memtrain train
     --nproc-per-node`` checks them before starting any rank)."""
-    _validate(cfg, device)
+    check_distributed_run(cfg, device)
 

@@ -10,10 +10,12 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from memtrain.config.run import ConfigError, TechniqueConfig
-from memtrain.distributed.fault_injection import _install_fault_injection
 from memtrain.distributed.validation import LAUNCH_HINT
+from memtrain.distributed.zero1 import ShardedZeRO1
 
 
 def apply_distributed(model: nn.Module, tech: TechniqueConfig, device: torch.device, precision: Any) -> nn.Module:
@@ -26,7 +28,6 @@ def apply_distributed(model: nn.Module, tech: TechniqueConfig, device: torch.dev
         return model
     if not dist.is_initialized():
         raise ConfigError(f"--distributed {s} needs a process group; {LAUNCH_HINT.format(s=s)}")
-    _install_fault_injection(model)
     if s in ("ddp", "zero1"):
         # gradient_as_bucket_view: gradients live in DDP's communication buckets instead of
         # beside them, so DDP costs one gradient copy, not two.
@@ -42,8 +43,6 @@ def _fully_shard(model: nn.Module, tech: TechniqueConfig, device: torch.device, 
                  reshard_after_forward: bool) -> nn.Module:
     """FSDP2: one parameter group per Transformer block, then the root (embeddings, final
     LayerNorm, tied LM head). Sharded bottom-up, as ``fully_shard`` requires."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy()
@@ -60,7 +59,7 @@ def _fully_shard(model: nn.Module, tech: TechniqueConfig, device: torch.device, 
 
 
 @contextlib.contextmanager
-def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
+def fsdp_no_sync(model: nn.Module) -> Iterator[None]:
     """FSDP2's equivalent of DDP's ``no_sync``: accumulate unreduced gradients locally."""
     model.set_requires_gradient_sync(False)  # type: ignore[operator]  # torch types nn.Module attributes as Tensor | Module
     try:
@@ -77,12 +76,11 @@ def _constructor_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {k: v for k, v in optimizer.defaults.items() if k in params}
 
 
-def _zero_redundancy(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def zero_redundancy(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """ZeRO-1: the same optimizer class and parameter groups, each rank keeping the state of
     its dim-0 chunk of every parameter and broadcasting its updated rows after each step
     (:class:`memtrain.distributed.zero1.ShardedZeRO1`; torch's ZeroRedundancyOptimizer gives
     whole tensors to ranks, which leaves a large tied embedding's state on one rank)."""
-    from memtrain.distributed.zero1 import ShardedZeRO1
 
     groups = [dict(g) for g in optimizer.param_groups]
     return ShardedZeRO1(groups, optimizer_class=type(optimizer), **_constructor_kwargs(optimizer))

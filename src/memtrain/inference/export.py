@@ -46,10 +46,13 @@ import torch.nn as nn
 from memtrain.checkpoints.exact import read_state
 from memtrain.config.run import ConfigError, RunConfig, build_config
 from memtrain.data.tokenizer import EOT_ID, vocab_dir
-from memtrain.models import is_hf
+from memtrain.models import data_tokenizer, is_hf
 from memtrain.models.gpt import GPT
-from memtrain.models.hf import HFCausalLM, quiet_transformers
+from memtrain.models.hf import HFCausalLM, build_hf_model, quiet_transformers
+from memtrain.models.spec import resolve
 from memtrain.runtime.extras import require
+from memtrain.techniques.hf_mapping import apply_hf_lora
+from memtrain.techniques.lora import apply_lora, merge_adapters_in_place, merge_lora
 from memtrain.training.preflight import check_model_size
 
 # The attention kernels any machine can load a transformers model with; the others (flash-attn,
@@ -57,7 +60,7 @@ from memtrain.training.preflight import check_model_size
 PORTABLE_ATTENTION = ("math", "sdpa")
 
 
-def _require_transformers() -> Any:
+def require_transformers() -> Any:
     return require("transformers")
 
 
@@ -103,7 +106,6 @@ def _fit(model: nn.Module, weights: dict[str, Any], ckpt: Path, cfg: RunConfig) 
 
 def _load_gpt(weights: dict[str, Any], cfg: RunConfig, ckpt: Path) -> GPT:
     """Our GPT with a checkpoint's weights (LoRA merged), in FP32 and eval mode."""
-    from memtrain.techniques.lora import apply_lora, merge_lora
 
     model = GPT(cfg.model)
     if cfg.technique.lora_rank:
@@ -145,9 +147,6 @@ def _load_transformers(weights: dict[str, Any], cfg: RunConfig, ckpt: Path, merg
     """The transformers model of ``cfg`` (built from its spec, no weights read) holding the
     checkpoint's weights: LoRA adapters merged unless ``merge`` is False, QLoRA's NF4 base
     weights dequantized, in the dtype the base weights were trained in, eval mode."""
-    from memtrain.models.hf import build_hf_model
-    from memtrain.techniques.hf_mapping import apply_hf_lora
-    from memtrain.techniques.lora import merge_adapters_in_place
 
     tech = cfg.technique
     attention = tech.attention if tech.attention in PORTABLE_ATTENTION else "sdpa"
@@ -181,7 +180,7 @@ def hf_config(cfg: RunConfig, padded_vocab: bool = False) -> Any:
     the same table on both sides (GPT-2's softmax then also spans the padded tokens, which our
     head leaves out).
     """
-    transformers = _require_transformers()
+    transformers = require_transformers()
     m = cfg.model
     vocab = m.padded_vocab_size if padded_vocab else m.vocab_size
     eot = EOT_ID if EOT_ID < vocab else None  # GPT-2's <|endoftext|>, unless a small vocabulary cannot hold it
@@ -240,7 +239,7 @@ def load_gpt_weights(hf: nn.Module, model: GPT, padded_vocab: bool = False) -> N
 
 def to_hf_model(model: GPT, cfg: RunConfig, padded_vocab: bool = False) -> Any:
     """A ``GPT2LMHeadModel`` holding ``model``'s weights (eval mode)."""
-    transformers = _require_transformers()
+    transformers = require_transformers()
     hf = transformers.GPT2LMHeadModel(hf_config(cfg, padded_vocab))
     load_gpt_weights(hf, model, padded_vocab)
     return hf.eval()
@@ -253,7 +252,7 @@ def save_tokenizer(out: Path) -> None:
     transformers reads; its GPT-2 tokenizer class then loads them and writes the rest
     (tokenizer.json, tokenizer_config.json), whatever its major version calls its arguments.
     """
-    transformers = _require_transformers()
+    transformers = require_transformers()
 
     d = vocab_dir()
     shutil.copyfile(d / "encoder.json", out / "vocab.json")
@@ -266,7 +265,6 @@ def save_tokenizer(out: Path) -> None:
 def save_model_tokenizer(cfg: RunConfig, out: Path) -> None:
     """The tokenizer a transformers model was trained with (memtrain.models.data_tokenizer):
     its own, or GPT-2's when its folder had none."""
-    from memtrain.models import data_tokenizer
 
     tok = data_tokenizer(cfg)
     if tok is None:
@@ -280,8 +278,6 @@ def check_base_unchanged(model: HFCausalLM, weights: dict[str, Any], ckpt: Path)
     the ``*.safetensors`` of the folder the run started from (compared tensor by tensor, in
     the checkpoint's dtype; NF4 base weights are lossy and skipped)."""
     from safetensors import safe_open
-
-    from memtrain.models.spec import resolve
 
     source = resolve(model.source_spec)
     files = source.weight_files()
@@ -323,8 +319,6 @@ def write_adapter(model: HFCausalLM, out: Path) -> int:
     """The LoRA adapters of ``model`` (not merged) as a peft adapter folder; return their size."""
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
-
-    from memtrain.models.spec import resolve
 
     lm = model.lm
     lcfg = lm.peft_config["default"]

@@ -26,8 +26,12 @@ import torch
 
 from memtrain.config.run import ConfigError, ModelConfig
 from memtrain.data.tokenizer import EOT_ID, N_VOCAB, get_tokenizer
-from memtrain.inference.export import _require_transformers, load_trained, to_hf_model
+from memtrain.inference.export import load_trained, require_transformers, to_hf_model
+from memtrain.models import data_tokenizer
 from memtrain.models.gpt import GPT
+from memtrain.models.hf import load_pretrained_lm
+from memtrain.models.spec import TOKENIZER_FILES, read_config_json, refuse_custom_tokenizer
+from memtrain.models.tokenizer import load_tokenizer
 from memtrain.training.preflight import check_model_size
 
 PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
@@ -62,7 +66,6 @@ def from_checkpoint(path: Path) -> tuple[Any, Codec]:
     model, cfg = load_trained(path)
     if isinstance(model, GPT):
         return to_hf_model(model, cfg), gpt2_codec()
-    from memtrain.models import data_tokenizer
 
     tok = data_tokenizer(cfg)
     return model.lm, gpt2_codec() if tok is None else transformers_codec(tok.tok)
@@ -70,9 +73,6 @@ def from_checkpoint(path: Path) -> tuple[Any, Codec]:
 
 def from_directory(path: Path) -> tuple[Any, Codec]:
     """A transformers model folder and its tokenizer, read without running any of its code."""
-    from memtrain.models.hf import load_pretrained_lm
-    from memtrain.models.spec import TOKENIZER_FILES, read_config_json, refuse_custom_tokenizer
-    from memtrain.models.tokenizer import load_tokenizer
 
     shown = repr(str(path))
     read_config_json(path / "config.json")  # custom code (auto_map, an unknown model_type) is refused here
@@ -108,7 +108,7 @@ def _check_weight_files(path: Path) -> None:
 
 def _read_config(path: Path) -> Any:
     """transformers' config of a folder whose config.json memtrain has checked."""
-    transformers = _require_transformers()
+    transformers = require_transformers()
     try:
         return transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=False)
     except Exception as exc:  # noqa: BLE001 - a field transformers rejects: the file's fault
@@ -137,7 +137,7 @@ def positions(config: Any) -> Optional[int]:
 def generate(model_path: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int,
              num_samples: int, seed: int) -> list[str]:
     """``num_samples`` continuations of ``prompt`` (the new text only)."""
-    transformers = _require_transformers()
+    transformers = require_transformers()
     hf, codec = load_for_sampling(model_path)
     if prompt:
         ids = codec.encode(prompt)

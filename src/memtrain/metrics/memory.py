@@ -43,7 +43,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from memtrain.metrics.storage import _is_wrapper_type, _leaf_storages, _tensors_in
+from memtrain.metrics.storage import is_wrapper_type, leaf_storages, tensors_in
 from memtrain.techniques.facts import MEMORY_CATEGORIES
 
 __all__ = [
@@ -134,7 +134,7 @@ class _AllocationWatcher(TorchDispatchMode):
         return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if any(_is_wrapper_type(t) for t in types):
+        if any(is_wrapper_type(t) for t in types):
             # Let a wrapper subclass (DTensor, torchao state, float8) run its own dispatch
             # first: the ops it issues on its inner tensors come back through this mode, so the
             # scratch it makes (e.g. the FP32 copy while quantizing) is seen too.
@@ -242,7 +242,7 @@ class MemoryMeter:
             if isinstance(obj, nn.Module):
                 tensors = [*obj.parameters(), *obj.buffers()]
             else:
-                tensors = list(_tensors_in(obj))
+                tensors = list(tensors_in(obj))
             for t in tensors:
                 self._assign(t, cat)
         self._check_peak()
@@ -381,7 +381,7 @@ class MemoryMeter:
         for t in leaves:
             if not isinstance(t, torch.Tensor):
                 continue
-            for st, dev in _leaf_storages(t):
+            for st, dev in leaf_storages(t):
                 rec = self._records.get(id(st))
                 if rec is not None:
                     n = st.nbytes()
@@ -406,7 +406,7 @@ class MemoryMeter:
 
     def _assign(self, t: torch.Tensor, cat: int) -> None:
         """Give ``t``'s storages the role ``cat`` (tracking them if new)."""
-        for st, dev in _leaf_storages(t):
+        for st, dev in leaf_storages(t):
             rec = self._records.get(id(st))
             if rec is None:
                 if self._wanted(dev):
@@ -446,12 +446,12 @@ class MemoryMeter:
         self._check_peak()
 
     def _scan_optimizer(self, opt: torch.optim.Optimizer) -> None:
-        for t in _tensors_in(list(opt.state.values())):
+        for t in tensors_in(list(opt.state.values())):
             self._assign(t, _OPT)
         for group in opt.param_groups:  # tensor hyper-parameters (capturable lr) are state too
             for k, v in group.items():
                 if k != "params":
-                    for t in _tensors_in(v):
+                    for t in tensors_in(v):
                         self._assign(t, _OPT)
 
     def _on_grad(self, p: torch.Tensor) -> None:

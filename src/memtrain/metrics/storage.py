@@ -18,7 +18,7 @@ __all__ = ["storage_bytes"]
 
 
 @functools.lru_cache(maxsize=None)
-def _is_wrapper_type(cls: type) -> bool:
+def is_wrapper_type(cls: type) -> bool:
     """Whether ``cls`` is a traceable wrapper subclass: a tensor whose bytes live in inner
     tensors listed by ``__tensor_flatten__`` (DTensor, torchao low-bit state, float8, NF4)."""
     return (
@@ -29,7 +29,7 @@ def _is_wrapper_type(cls: type) -> bool:
     )
 
 
-def _leaf_storages(t: torch.Tensor) -> Iterator[tuple[torch.UntypedStorage, torch.device]]:
+def leaf_storages(t: torch.Tensor) -> Iterator[tuple[torch.UntypedStorage, torch.device]]:
     """The real storages behind ``t`` with the device each belongs to.
 
     Wrapper subclasses hold no memory of their own, so their inner tensors are walked instead.
@@ -39,7 +39,7 @@ def _leaf_storages(t: torch.Tensor) -> Iterator[tuple[torch.UntypedStorage, torc
     stack = [t]
     while stack:
         x = stack.pop()
-        if _is_wrapper_type(type(x)):
+        if is_wrapper_type(type(x)):
             attrs, _ = x.__tensor_flatten__()  # type: ignore[attr-defined]  # wrapper subclasses define it (checked just above)
             stack.extend(v for v in (getattr(x, a) for a in attrs) if isinstance(v, torch.Tensor))
             continue
@@ -50,7 +50,7 @@ def _leaf_storages(t: torch.Tensor) -> Iterator[tuple[torch.UntypedStorage, torc
         yield st, x.device
 
 
-def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
     """All tensors in an arbitrarily nested dict/list/tuple (optimizer state has any shape)."""
     stack = [obj]
     while stack:
@@ -70,8 +70,8 @@ def storage_bytes(obj: Any) -> int:
     torchao's low-bit state its codes, scales and quantization map."""
     seen: set[tuple[str, int]] = set()
     total = 0
-    for t in _tensors_in(obj):
-        for st, device in _leaf_storages(t):
+    for t in tensors_in(obj):
+        for st, device in leaf_storages(t):
             key = (str(device), st.data_ptr())
             if st.nbytes() and key not in seen:
                 seen.add(key)

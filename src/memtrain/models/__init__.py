@@ -3,7 +3,8 @@
 One seam for every command that runs a step: a :class:`ModelFamily` in :data:`FAMILIES`
 says which configs it claims, how to build its model and how the techniques map onto it.
 :func:`build_model` builds through it, ``memtrain.techniques.prepare_model`` (called by the
-step harness, :mod:`memtrain.training.step`) applies the techniques (a built-in family's mapping lives in memtrain.techniques, a plug-in family may bring its own ``prepare``), and
+step harness, :mod:`memtrain.training.step`) applies the techniques through the family's mapping
+(``memtrain.techniques.order.PREPARERS``, by the family's name: models never import techniques), and
 :func:`data_tokenizer` names the tokenizer the data must be read with. A new model family is
 one more entry in :data:`FAMILIES` (claimed before the GPT, which takes every config left).
 
@@ -17,7 +18,7 @@ one more entry in :data:`FAMILIES` (claimed before the GPT, which takes every co
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 import torch.nn as nn
 
@@ -25,7 +26,7 @@ from memtrain.config.run import RunConfig
 from memtrain.models.gpt import GPT
 from memtrain.models.hf import build_hf_model
 from memtrain.models.spec import bundled_names, is_gpt_preset, load_config, resolve
-from memtrain.models.tokenizer import data_tokenizer as _dt
+from memtrain.models.tokenizer import data_tokenizer
 
 __all__ = ["FAMILIES", "ModelFamily", "build_model", "family_of", "is_hf", "data_tokenizer", "bundled_names",
            "load_config", "resolve"]
@@ -44,10 +45,6 @@ class ModelFamily:
     claims: Callable[[RunConfig], bool]  # whether a config names a model of this family
     # (cfg, with_weights) -> the model on the current default device and dtype
     build: Callable[[RunConfig, bool], nn.Module]
-    # (model, cfg, device, precision) -> the module to train, techniques applied in their order;
-    # None: the mapping memtrain.techniques.order keeps for its built-in families (the GPT's own
-    # order, the transformers mapping), which live with the techniques (models never import them)
-    prepare: Optional[Callable[..., nn.Module]] = None
 
 
 def _build_gpt(cfg: RunConfig, with_weights: bool) -> nn.Module:
@@ -58,8 +55,7 @@ def _build_hf(cfg: RunConfig, with_weights: bool) -> nn.Module:
     return build_hf_model(cfg, with_weights=with_weights)
 
 
-# Claimed in order; the GPT takes every config no other family claims. (Function-local
-# imports above: transformers and torch models load only when a model is built.)
+# Claimed in order; the GPT takes every config no other family claims.
 FAMILIES: list[ModelFamily] = [
     ModelFamily("transformers", is_hf, _build_hf),  # mapping: memtrain.techniques.hf_mapping
     ModelFamily("gpt", lambda cfg: True, _build_gpt),
@@ -76,8 +72,3 @@ def build_model(cfg: RunConfig, with_weights: bool = True) -> nn.Module:
     transformers causal LM (pretrained weights when the source has them and ``with_weights``)."""
     return family_of(cfg).build(cfg, with_weights)
 
-
-def data_tokenizer(cfg: RunConfig):  # type: ignore[no-untyped-def]
-    """The tokenizer for ``cfg``'s data (None: memtrain's GPT-2 BPE)."""
-
-    return _dt(cfg)

@@ -19,6 +19,7 @@ model is built), LoRA is peft, QLoRA's NF4 base weights are torchao (CPU) or bit
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Iterator, Optional
 
 import torch
@@ -163,7 +164,6 @@ def quiet_transformers() -> Iterator[None]:
     """transformers' progress bars ("Loading weights", "Writing model shards") and its load
     report off the terminal while a model is read or written (unless MEMTRAIN_VERBOSE=1):
     memtrain checks what the report says itself, and a failure's stderr stays one error: line."""
-    import os
 
     from transformers.utils import logging as tlog
 

@@ -17,6 +17,7 @@ is returned so a run can say so.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from typing import Iterator
 
@@ -105,7 +106,6 @@ def _quantize_bnb(linears: list[tuple[str, nn.Linear]], device: torch.device) ->
         import bitsandbytes as bnb
     except ImportError:
         raise ConfigError("--qlora on CUDA uses bitsandbytes: pip install bitsandbytes") from None
-    import functools
 
     for _, m in linears:
         w = m.weight.detach()

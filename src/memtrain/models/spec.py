@@ -21,7 +21,7 @@ import functools
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -305,7 +305,6 @@ def cost_arch(spec: str) -> Any:
     step-time model and parameter table (orders candidates; memory comes from the trace).
     A gated MLP (Llama, Qwen2, Mistral, Gemma, Phi-3: ``intermediate_size`` + a SiLU/GELU
     gate) is ``llama``-like with its key/value heads; GPT-2 is ours."""
-    from dataclasses import replace
 
     c = load_config(spec)
     if c.model_type == "gpt2":

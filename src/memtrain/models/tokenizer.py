@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from memtrain.config.run import ConfigError, RunConfig
 from memtrain.data.tokenizer import N_VOCAB
+from memtrain.models.hf import quiet_transformers
 from memtrain.models.hub_access import from_pretrained_kwargs
 from memtrain.models.spec import TOKENIZER_FILES, TOKENIZER_ID_FILES, is_gpt_preset, load_config, resolve
 
@@ -78,8 +79,6 @@ def load_tokenizer(load_id: str, what: str, repo: Optional[str] = None) -> Any:
     """``AutoTokenizer.from_pretrained`` of a folder (or Hub repository), never running code;
     any failure to read its files is a ConfigError naming ``what``."""
     from transformers import AutoTokenizer
-
-    from memtrain.models.hf import quiet_transformers
 
     try:
         with quiet_transformers():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -15,9 +16,11 @@ COLORS = {
 
 
 def _plt():
+    # matplotlib loads only when a plot is drawn: the CLI's start-up imports this module
     import matplotlib
 
     matplotlib.use("Agg")
+    # after matplotlib.use: pyplot picks its backend when first imported
     import matplotlib.pyplot as plt
 
     return plt
@@ -29,6 +32,7 @@ def _ok(records: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
 
 def save_figure(fig: Any, path: Path, dpi: Any = 120) -> None:
     """Write ``fig`` as a PNG to ``path`` atomically (never through a link), then close it."""
+    # matplotlib loads only when a plot is drawn: the CLI's start-up imports this module
     import matplotlib.pyplot as plt
 
     try:
@@ -145,8 +149,8 @@ def place_labels(ax: Any, points: list[tuple[float, float]], labels: list[str], 
 
     Hand-written: matplotlib has no collision avoidance for annotations (adjustText does, with
     scipy as a dependency, for a task this small)."""
-    import math
 
+    # matplotlib loads only when a plot is drawn: the CLI's start-up imports this module
     from matplotlib.text import Text
     from matplotlib.transforms import Bbox
 

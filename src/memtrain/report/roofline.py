@@ -29,9 +29,11 @@ _COLORS = {
 
 
 def _plt() -> Any:
+    # matplotlib loads only when a plot is drawn: the CLI's start-up imports this module
     import matplotlib
 
     matplotlib.use("Agg")
+    # after matplotlib.use: pyplot picks its backend when first imported
     import matplotlib.pyplot as plt
 
     return plt
@@ -49,6 +51,7 @@ def _place_labels(ax: Any, points: list[tuple[float, float, str, float, bool]], 
     label, no marker and nothing in ``avoid`` (legend). Points on the memory slope try spots
     perpendicular to it first (upper left, lower right), points on a flat roof above and below,
     so labels do not sit on the roof line. Greedy; enough for the ~15 classes of a step."""
+    # matplotlib loads only when a plot is drawn: the CLI's start-up imports this module
     from matplotlib.text import Text
 
     fig = ax.figure
@@ -98,6 +101,7 @@ def _place_labels(ax: Any, points: list[tuple[float, float, str, float, bool]], 
 
 
 def _legend(ax: Any, measured: bool) -> Any:
+    # matplotlib loads only when a plot is drawn: the CLI's start-up imports this module
     from matplotlib.lines import Line2D
 
     handles, _ = ax.get_legend_handles_labels()
@@ -113,6 +117,7 @@ def _legend(ax: Any, measured: bool) -> Any:
 def plot_roofline(report: dict[str, Any], path: str | Path, title: Optional[str] = None) -> Path:
     """Write the roofline PNG of ``report`` (from ``flops_report``) to ``path``; return it."""
     plt = _plt()
+    # numpy loads only when a plot is drawn: the CLI's start-up imports this module
     import numpy as np
 
     path = Path(path)

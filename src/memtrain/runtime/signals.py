@@ -9,9 +9,14 @@ every ``finally``: the row process and its scratch folder would be left behind.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
 import signal
+import sys
 import threading
 from typing import Any, Iterator
+
+from memtrain.distributed.rank_errors import launched_by_memtrain
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
@@ -49,9 +54,6 @@ def die_with_parent(expected_parent: int | None = None, sig: int = signal.SIGKIL
     signal then never comes) is caught by comparing it with ``os.getppid()`` right after, and
     the process ends at once. Returns whether the signal was set (False off Linux, where the
     launcher's process group is the only bond)."""
-    import ctypes
-    import os
-    import sys
 
     if not sys.platform.startswith("linux"):
         return False
@@ -72,9 +74,6 @@ def bind_rank_to_launcher() -> bool:
     plain torchrun), :func:`die_with_parent`; elsewhere nothing. The launcher's pid comes from
     ``MEMTRAIN_LAUNCHER_PID`` under memtrain's launcher (so even a launcher that died before
     this call is noticed), else it is the parent now."""
-    import os
-
-    from memtrain.distributed.rank_errors import launched_by_memtrain
 
     if "TORCHELASTIC_RUN_ID" not in os.environ or "WORLD_SIZE" not in os.environ:
         return False

@@ -18,6 +18,7 @@ this package resolves its torch-side names (``prepare_model`` ...) on first use.
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -34,7 +35,5 @@ _LAZY = {"prepare_model": "order", "build_optimizer": "optim", "make_precision":
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(f"memtrain.techniques.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'memtrain.techniques' has no attribute {name!r}")

@@ -103,7 +103,7 @@ def _selective_contexts() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(selective_policy)
 
 
-def _checkpointed_call(
+def checkpointed_call(
     forward: Callable[..., Any],
     context_fn: Optional[Callable[[], tuple[Any, Any]]],
     *args: Any,
@@ -119,9 +119,9 @@ def _wrap_attention_core(block: nn.Module) -> None:
     recomputation. The attention backend is installed before checkpointing, so this wraps
     whichever kernel runs (math, SDPA, banded, flex)."""
     attn = block.attn
-    if isinstance(attn.attn_fn, functools.partial) and attn.attn_fn.func is _checkpointed_call:  # type: ignore[union-attr]  # torch types nn.Module attributes as Tensor | Module
+    if isinstance(attn.attn_fn, functools.partial) and attn.attn_fn.func is checkpointed_call:  # type: ignore[union-attr]  # torch types nn.Module attributes as Tensor | Module
         raise ValueError("attention core is already checkpointed")
-    attn.attn_fn = functools.partial(_checkpointed_call, attn.attn_fn, None)  # type: ignore[arg-type,union-attr]  # torch types nn.Module attributes as Tensor | Module
+    attn.attn_fn = functools.partial(checkpointed_call, attn.attn_fn, None)  # type: ignore[arg-type,union-attr]  # torch types nn.Module attributes as Tensor | Module
 
 
 def _wrap(block: nn.Module, selective: bool) -> None:
@@ -134,17 +134,17 @@ def _wrap(block: nn.Module, selective: bool) -> None:
         raise ValueError("block is already checkpointed")
     original = type(block).forward.__get__(block)
     block.forward = functools.partial(
-        _checkpointed_call, original, _selective_contexts if selective else None
+        checkpointed_call, original, _selective_contexts if selective else None
     )
 
 
 def is_checkpointed(module: nn.Module) -> bool:
     """Whether ``apply_checkpointing`` wrapped this module (whole, or its attention core)."""
     fwd = module.__dict__.get("forward")
-    if isinstance(fwd, functools.partial) and fwd.func is _checkpointed_call:
+    if isinstance(fwd, functools.partial) and fwd.func is checkpointed_call:
         return True
     core = getattr(getattr(module, "attn", None), "attn_fn", None)
-    return isinstance(core, functools.partial) and core.func is _checkpointed_call
+    return isinstance(core, functools.partial) and core.func is checkpointed_call
 
 
 def checkpointed_blocks(policy: str, n_layers: int) -> list[int]:

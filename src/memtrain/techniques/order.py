@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from memtrain.attention.apply import apply_attention
@@ -14,26 +16,26 @@ from memtrain.models import family_of
 from memtrain.models.gpt import GPT
 from memtrain.techniques.checkpointing import apply_checkpointing
 from memtrain.techniques.compile import apply_compile
+from memtrain.techniques.hf_mapping import prepare_hf_model
 from memtrain.techniques.lora import apply_lora
 from memtrain.techniques.loss import apply_loss
 from memtrain.techniques.precision import Precision
 
-__all__ = ["prepare_model"]
+__all__ = ["PREPARERS", "prepare_model"]
 
 
 def prepare_model(model: torch.nn.Module, cfg: RunConfig, device: torch.device, precision: Precision) -> torch.nn.Module:
-    """Move ``model`` to ``device`` and apply every technique of ``cfg.technique`` in order.
+    """Move ``model`` to ``device`` and apply every technique of ``cfg.technique`` in order,
+    through the mapping of the model's family (:data:`PREPARERS`).
 
-    Returns the module to train: the GPT itself (compile works in place), or its
-    DistributedDataParallel wrapper (FSDP2 shards the GPT in place).
+    Returns the module to train: the model itself (compile works in place), or its
+    DistributedDataParallel wrapper (FSDP2 shards the model in place).
     """
-    family = family_of(cfg)
-    if family.prepare is not None:  # a plug-in family's own mapping (memtrain.models.FAMILIES)
-        return family.prepare(model, cfg, device, precision)
-    if family.name == "transformers":
-        from memtrain.techniques.hf_mapping import prepare_hf_model  # transformers/peft load only for such a model
+    return PREPARERS[family_of(cfg).name](model, cfg, device, precision)
 
-        return prepare_hf_model(model, cfg, device, precision)  # type: ignore[arg-type]  # the family built an HFCausalLM
+
+def prepare_gpt(model: torch.nn.Module, cfg: RunConfig, device: torch.device, precision: Precision) -> torch.nn.Module:
+    """memtrain's GPT: each technique's own function, in the documented order."""
     if cfg.technique.qlora:
         raise ConfigError("--qlora quantizes a transformers --model's base weights; memtrain's GPT has none to quantize")
     if not isinstance(model, GPT):
@@ -46,3 +48,11 @@ def prepare_model(model: torch.nn.Module, cfg: RunConfig, device: torch.device, 
     apply_loss(model, tech, device)
     model = apply_compile(model, tech)  # type: ignore[assignment]  # compile returns a wrapper module around the GPT
     return apply_distributed(model, tech, device, precision)
+
+
+# Each model family's technique mapping, by its name in memtrain.models.FAMILIES. The mappings
+# live with the techniques (models never import techniques); a new family adds its entry here.
+PREPARERS: dict[str, Callable[..., torch.nn.Module]] = {
+    "transformers": prepare_hf_model,  # the family builds an HFCausalLM
+    "gpt": prepare_gpt,
+}

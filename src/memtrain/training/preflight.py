@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
+from memtrain.analysis.limits import check_analytic_size
 from memtrain.config.run import ConfigError, ModelConfig, RunConfig
 from memtrain.files.guard import regular_file_problem
 from memtrain.files.results import (
@@ -173,6 +174,7 @@ def _is_data_file(path: Path, data: str) -> bool:
     """Whether the existing ``path`` is one of the files ``--data`` names."""
     if data == "default" or data.startswith("hf:"):
         return False
+    # memtrain.data imports torch: loaded only for a local data path
     from memtrain.data.sources import resolve_local_files
 
     try:
@@ -222,6 +224,7 @@ def host_memory_bytes() -> Optional[int]:
 def _device_memory_bytes(device: Any) -> Optional[int]:
     """Total memory of a CUDA device (None on the CPU, where host memory is the limit)."""
     if getattr(device, "type", str(device)).startswith("cuda"):
+        # torch loads only for a CUDA device: the CLI runs these checks before any command
         import torch
 
         if torch.cuda.is_available():
@@ -233,6 +236,8 @@ def model_parameters(m: ModelConfig) -> int:
     """The parameter count of the model ``m`` describes, from its shape (nothing is built)."""
     from memtrain.analysis.estimate.params import param_count  # torch-free arithmetic
     from memtrain.config.archs import GPT2_ARCH
+
+    # memtrain.models imports torch: loaded only when a model is checked
     from memtrain.models.spec import cost_arch, is_gpt_preset
 
     arch = GPT2_ARCH if is_gpt_preset(m.model) else cost_arch(m.model)  # type: ignore[arg-type]
@@ -242,7 +247,6 @@ def model_parameters(m: ModelConfig) -> int:
 def check_model_size(m: ModelConfig, device: Any = "cpu", precision: str = "fp32") -> None:
     """Refuse a model that cannot be built here, before building any of it (see the module
     docstring). ``device``: where it will run (its memory is checked besides the host's)."""
-    from memtrain.analysis.limits import check_analytic_size
 
     check_analytic_size(m)
     params = model_parameters(m)
@@ -281,6 +285,7 @@ def saved_run(path: str | Path) -> tuple[dict[str, Any], int, Optional[str]]:
         except (OSError, UnicodeDecodeError, ValueError):
             raise ConfigError(f"cannot read {str(meta_path)!r}; it is not a memtrain checkpoint") from None
     elif p.is_file():
+        # memtrain.checkpoints imports torch: loaded only for --resume
         from memtrain.checkpoints.exact import load_plain
 
         try:

@@ -68,6 +68,7 @@ class TensorBoardSink:
 
     def __init__(self, log_dir: Path) -> None:
         try:
+            # tensorboard is an optional package (the try says what then)
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise ConfigError("--report-to tensorboard needs the tensorboard package: "
@@ -163,6 +164,7 @@ class MetricsLogger:
 def live_memory(device: Any) -> dict[str, Optional[int]]:
     """Memory figures cheap enough to read every step: the CUDA allocator's current and peak
     bytes, or on CPU the process's peak resident set (the tracked meter runs on two steps only)."""
+    # torch loads only when a run logs: the CLI's checks import this module
     import torch
 
     dev = torch.device(device)
@@ -170,8 +172,8 @@ def live_memory(device: Any) -> dict[str, Optional[int]]:
         return {"memory_allocated_bytes": int(torch.cuda.memory_allocated(dev)),
                 "max_allocated_bytes": int(torch.cuda.max_memory_allocated(dev))}
     try:
+        # resource is Unix only (the try says what then)
         import resource
-        import sys
 
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
         return {"rss_peak_bytes": int(rss if sys.platform == "darwin" else rss * 1024)}

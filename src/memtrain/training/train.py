@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
+from tqdm.auto import tqdm
 
 from memtrain.analysis.flops import counted_flops_per_step, rule_flops_per_token
 from memtrain.checkpoints.exact import load_checkpoint, save_checkpoint
@@ -45,10 +46,9 @@ from memtrain.training.preflight import (
     unchecked_data_warning,
 )
 from memtrain.training.sinks import MetricsLogger, live_memory
-from memtrain.training.step import Batch, TrainState, build_base_model, build_state, lr_lambda, run_step, train_step
+from memtrain.training.step import Batch, TrainState, build_base_model, build_state, run_step
 
-# lr_lambda and train_step live in the step harness (memtrain.training.step); kept importable from here.
-__all__ = ["Batch", "LossDiverged", "evaluate", "lr_lambda", "train", "train_step"]
+__all__ = ["LossDiverged", "evaluate", "train"]
 
 # Steps whose memory is tracked (the meter slows a step down, so only these are metered and
 # they are also left out of the timing). Step 0 creates the optimizer state; step 1 is the
@@ -86,8 +86,6 @@ class _Progress:
 
     def __post_init__(self) -> None:
         if self.enabled:
-            from tqdm.auto import tqdm
-
             self.bar = tqdm(total=self.total, initial=self.initial, desc="train", unit="step", dynamic_ncols=True)
 
     def update(self, loss: float, tokens_per_s: float) -> None:
@@ -212,8 +210,6 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         caps, device_caps = run_device_facts(cfg.technique.precision, device) if dist_ctx.is_main else (None, None)
         base = build_base_model(cfg, device, precision)  # on the device, in the weight dtype
     state = build_state(cfg, device, precision, dist_ctx=dist_ctx, base=base, schedule=True)
-    # Looked up here, not in the harness: tests replace this module's train_step.
-    state.step_fn = dist_ctx.train_step or train_step
     if dist_ctx.enabled:  # what this rank holds of the state, the result's ranks[].sharded_state
         dist_ctx.state = ShardedStateBytes(state.model, state.optimizer, dist_ctx.local_optimizer or state.optimizer)
 

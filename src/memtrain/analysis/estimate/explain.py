@@ -5,15 +5,15 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
-from memtrain.analysis.estimate.inventory import _block_nodes, _Dims, _precision_bytes, _resolve_backend
+from memtrain.analysis.estimate.inventory import Dims, block_nodes, precision_bytes, resolve_backend
 from memtrain.analysis.estimate.params import ParamInfo
-from memtrain.analysis.estimate.simulator import _Sim
+from memtrain.analysis.estimate.simulator import Simulator
 from memtrain.config.archs import Arch
 from memtrain.config.run import RunConfig, TechniqueConfig
 from memtrain.techniques.facts import checkpoint_policy
 
 
-def _activations_per_layer(cfg: RunConfig, arch: Arch, dm: _Dims, trainable_base: bool,
+def layer_activation_bytes(cfg: RunConfig, arch: Arch, dm: Dims, trainable_base: bool,
                            rng_state_bytes: float = 0.0, policy: Optional[str] = None) -> float:
     """Bytes one block keeps for backward between its forward and its backward, block input
     included, under the checkpointing ``policy`` (default: the configured one).
@@ -22,7 +22,7 @@ def _activations_per_layer(cfg: RunConfig, arch: Arch, dm: _Dims, trainable_base
     stores on CPU); selective: that plus the outputs the policy keeps; every:K and sqrt: the
     mean over the blocks (1 in K checkpointed). The same bytes the timeline keeps per block.
     """
-    nodes = _block_nodes(dm, 0, arch, replace(cfg.technique, checkpointing="none"), trainable_base)
+    nodes = block_nodes(dm, 0, arch, replace(cfg.technique, checkpointing="none"), trainable_base)
     sizes = {k: v for n in nodes for k, v, *_ in n.out}
     block_input = dm.n * dm.d * dm.r
     saved = {k for n in nodes for k in n.saves if k in sizes}
@@ -47,11 +47,11 @@ def _activations_per_layer(cfg: RunConfig, arch: Arch, dm: _Dims, trainable_base
     return (n_ck * full + (L - n_ck) * none) / L
 
 
-def _explain(cfg: RunConfig, arch: Arch, dm: _Dims, params: list[ParamInfo], n_params: int, n_train: int,
-             weights: float, opt_bytes: float, opt_lines: list[str], act_layer: float, sim: _Sim,
+def explanation_lines(cfg: RunConfig, arch: Arch, dm: Dims, params: list[ParamInfo], n_params: int, n_train: int,
+             weights: float, opt_bytes: float, opt_lines: list[str], act_layer: float, sim: Simulator,
              shard: str, world: int, device_type: str) -> list[str]:
     m, tech, t = cfg.model, cfg.technique, cfg.train
-    pb, ab, autocast = _precision_bytes(tech.precision)
+    pb, ab, autocast = precision_bytes(tech.precision)
     N = dm.n
     lines = [
         f"parameters = {n_params:,} (V*d{' x2 untied' if m.untie_embeddings else ' tied'} + "
@@ -93,8 +93,8 @@ def _explain(cfg: RunConfig, arch: Arch, dm: _Dims, params: list[ParamInfo], n_p
     return lines
 
 
-def _act_formula(dm: _Dims, tech: TechniqueConfig, arch: Arch, device_type: str) -> str:
-    backend = _resolve_backend(tech.attention, tech.window, dm)
+def _act_formula(dm: Dims, tech: TechniqueConfig, arch: Arch, device_type: str) -> str:
+    backend = resolve_backend(tech.attention, tech.window, dm)
     a, r = dm.a, dm.r
     parts = [f"N*d*({r:g} input + {r:g} after attn + {a:g}x(ln1+q,k,v copies+attn out+ln2) ...)",
              f"2*N*d_ff*{a:g} (fc out, gelu out)"]

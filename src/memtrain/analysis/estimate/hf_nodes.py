@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from memtrain.analysis.estimate.simulator import _Node
+from memtrain.analysis.estimate.simulator import Node
 
 __all__ = ["hf_norm_node", "hf_rope_node"]
 
@@ -24,7 +24,7 @@ def hf_norm_node(dm: Any, name: str, src: str, out: str, trainable: bool) -> Any
     # The weight multiply keeps the normalized tensor only for the weight's gradient: not when
     # the norm is frozen (LoRA).
     saves = [x32, f"{name}.stats"] + ([f"{name}.nrm"] if trainable else [])
-    return _Node(name, out=outs, inputs=[src], saves=saves, grad_out=(out,),
+    return Node(name, out=outs, inputs=[src], saves=saves, grad_out=(out,),
                  grads=[(src, N * d * r)] + ([(f"param:{name}.weight", 0.0)] if trainable else []),
                  # pow's output, and the float32 normalized tensor before its cast back
                  fwd_scratch=N * d * 4 * (2 if r != 4 else 1),
@@ -37,6 +37,6 @@ def hf_rope_node(dm: Any, qkv: str, out: str) -> Any:
     memory the q/k/v triple stays one storage (what SDPA saves); the forward's scratch is the
     products and the ``cat`` of rotate_half."""
     N, d, kv, a = dm.n, dm.d, dm.kv, dm.a
-    return _Node(f"{out}.rope", out=[(out, N * (d + 2 * kv) * a)], inputs=[qkv],
+    return Node(f"{out}.rope", out=[(out, N * (d + 2 * kv) * a)], inputs=[qkv],
                  grads=[(qkv, N * (d + 2 * kv) * a)], fwd_scratch=3 * N * (d + kv) * a,
                  scratch=2 * N * (d + kv) * a)

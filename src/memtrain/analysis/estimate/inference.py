@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from memtrain.analysis.estimate.inventory import _Dims, _resolve_backend
+from memtrain.analysis.estimate.inventory import Dims, resolve_backend
 from memtrain.analysis.estimate.params import param_count
 from memtrain.config.archs import GPT2_ARCH, Arch
 from memtrain.config.run import ConfigError, RunConfig
@@ -33,8 +33,8 @@ def estimate_inference(cfg: RunConfig, weights_dtype: str = "fp32", arch: Arch =
     V = m.padded_vocab_size
     N = b * s
     kv = (arch.n_kv_heads or h) * m.head_dim
-    dm = _Dims(b, s, d, f, h, kv, V, a, a, wb, autocast=False, dropout=False, cuda=False)
-    backend = _resolve_backend(cfg.technique.attention, cfg.technique.window, dm)
+    dm = Dims(b, s, d, f, h, kv, V, a, a, wb, autocast=False, dropout=False, cuda=False)
+    backend = resolve_backend(cfg.technique.attention, cfg.technique.window, dm)
     x = N * d * a
     qkv = N * (d + 2 * kv) * a
     if backend == "math":

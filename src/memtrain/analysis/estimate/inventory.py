@@ -6,8 +6,8 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from memtrain.analysis.estimate.hf_nodes import hf_norm_node, hf_rope_node
-from memtrain.analysis.estimate.params import _lora_targets
-from memtrain.analysis.estimate.simulator import _Compression, _Node, _Segment
+from memtrain.analysis.estimate.params import lora_target_names
+from memtrain.analysis.estimate.simulator import Compression, Node, Segment
 from memtrain.config.archs import Arch
 from memtrain.config.run import ModelConfig, RunConfig, TechniqueConfig
 from memtrain.techniques.facts import checkpoint_policy, precision_facts
@@ -15,7 +15,7 @@ from memtrain.techniques.facts import checkpoint_policy, precision_facts
 
 # --------------------------------------------------------------------------- node builders
 @dataclass
-class _Dims:
+class Dims:
     """Sizes the builders share."""
 
     b: int
@@ -42,7 +42,7 @@ class _Dims:
         return self.b * self.s
 
 
-def _rename_key(nodes: list[_Node], old: str, new: str) -> None:
+def _rename_key(nodes: list[Node], old: str, new: str) -> None:
     """Let ``new`` name the storage ``old`` named (an op that allocates nothing)."""
     for n in nodes:
         n.out = [(new,) + tuple(o[1:]) if o[0] == old else o for o in n.out]
@@ -53,7 +53,7 @@ def _rename_key(nodes: list[_Node], old: str, new: str) -> None:
             n.grad_out = tuple(new if k == old else k for k in n.grad_out)
 
 
-def _linear(nodes: list[_Node], dm: _Dims, name: str, x: str, out: str, n_in: int, n_out: int,
+def _linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int, n_out: int,
             trainable_base: bool, lora: int, x_bytes: float) -> None:
     """A Linear layer: autocast casts of input/weight/bias, the matmul, LoRA adapters."""
     N, a, bias = dm.n, dm.a, dm.bias
@@ -62,14 +62,14 @@ def _linear(nodes: list[_Node], dm: _Dims, name: str, x: str, out: str, n_in: in
     if dm.autocast:
         # autocast casts the fp32 weight once per forward and caches the copy until the
         # autocast region ends; the copy is what the matmul saves for backward.
-        nodes.append(_Node(f"{name}.cast_w", out=[(f"{name}.wc", 0.0 if dm.weights_in_compute_dtype else n_in * n_out * a)], hold=True,
+        nodes.append(Node(f"{name}.cast_w", out=[(f"{name}.wc", 0.0 if dm.weights_in_compute_dtype else n_in * n_out * a)], hold=True,
                            grads=[(w, 0.0)] if trainable_base else []))
         w_in = f"{name}.wc"
         if bias:
-            nodes.append(_Node(f"{name}.cast_b", out=[(f"{name}.bc", 0.0 if dm.weights_in_compute_dtype else n_out * a)], hold=True,
+            nodes.append(Node(f"{name}.cast_b", out=[(f"{name}.bc", 0.0 if dm.weights_in_compute_dtype else n_out * a)], hold=True,
                                grads=[(bname, 0.0)] if trainable_base else []))
         if x_bytes != a:
-            nodes.append(_Node(f"{name}.cast_x", out=[(f"{x}@{name}", N * n_in * a)], inputs=[x],
+            nodes.append(Node(f"{name}.cast_x", out=[(f"{x}@{name}", N * n_in * a)], inputs=[x],
                                grads=[(x, N * n_in * x_bytes)]))
             x = f"{x}@{name}"
     base_out = f"{out}.base" if lora else out
@@ -79,7 +79,7 @@ def _linear(nodes: list[_Node], dm: _Dims, name: str, x: str, out: str, n_in: in
         if bias:
             grads.append((f"{name}.bc" if dm.autocast else bname, n_out * a if dm.autocast else 0.0))
     extra = [w_in] if dm.autocast else []
-    nodes.append(_Node(name, out=[(base_out, N * n_out * a)], inputs=[x] + extra, saves=[x] + extra,
+    nodes.append(Node(name, out=[(base_out, N * n_out * a)], inputs=[x] + extra, saves=[x] + extra,
                        grads=grads, matmul=True))
     if lora:
         # peft: out = base(x) + lora_B(lora_A(x)) * scale. The adapters are float32; under
@@ -89,25 +89,25 @@ def _linear(nodes: list[_Node], dm: _Dims, name: str, x: str, out: str, n_in: in
         la, lb = f"{name}.lora_a", f"{name}.lora_b"
         xa = x
         if ad != a:
-            nodes.append(_Node(f"{name}.lora_cast", out=[(f"{x}@lora", N * n_in * ad)], inputs=[x],
+            nodes.append(Node(f"{name}.lora_cast", out=[(f"{x}@lora", N * n_in * ad)], inputs=[x],
                                grads=[(x, N * n_in * a)]))
             xa = f"{x}@lora"
-        nodes.append(_Node(la, out=[(la, N * lora * ad)], inputs=[xa], saves=[xa], matmul=True,
+        nodes.append(Node(la, out=[(la, N * lora * ad)], inputs=[xa], saves=[xa], matmul=True,
                            grads=[(xa, N * n_in * ad), (f"param:{name}.lora_A", 0.0)]))
-        nodes.append(_Node(lb, out=[(lb, N * n_out * ad)], inputs=[la], saves=[la], matmul=True,
+        nodes.append(Node(lb, out=[(lb, N * n_out * ad)], inputs=[la], saves=[la], matmul=True,
                            grads=[(la, N * lora * ad), (f"param:{name}.lora_B", 0.0)]))
-        nodes.append(_Node(f"{name}.lora_scale", out=[(f"{lb}.s", N * n_out * ad)], inputs=[lb],
+        nodes.append(Node(f"{name}.lora_scale", out=[(f"{lb}.s", N * n_out * ad)], inputs=[lb],
                            grads=[(lb, N * n_out * ad)]))
         src = f"{lb}.s"
         if ad != a:
-            nodes.append(_Node(f"{name}.lora_back", out=[(f"{lb}.c", N * n_out * a)], inputs=[src],
+            nodes.append(Node(f"{name}.lora_back", out=[(f"{lb}.c", N * n_out * a)], inputs=[src],
                                grads=[(src, N * n_out * ad)]))
             src = f"{lb}.c"
-        nodes.append(_Node(f"{name}.lora_add", out=[(out, N * n_out * a)], inputs=[base_out, src],
+        nodes.append(Node(f"{name}.lora_add", out=[(out, N * n_out * a)], inputs=[base_out, src],
                            grads=[(base_out, 0.0), (src, 0.0)]))
 
 
-def _dropout(nodes: list[_Node], dm: _Dims, name: str, x: str, out: str, numel: float, elt: float) -> None:
+def _dropout(nodes: list[Node], dm: Dims, name: str, x: str, out: str, numel: float, elt: float) -> None:
     """Dropout in training: the CPU kernel keeps a float noise tensor (input dtype) for
     backward, CUDA's fused kernel a bool mask; either way the output is a new tensor. Without
     dropout the op returns its input: ``out`` is another name for ``x``."""
@@ -115,11 +115,11 @@ def _dropout(nodes: list[_Node], dm: _Dims, name: str, x: str, out: str, numel: 
         _rename_key(nodes, x, out)
         return
     mask = f"{name}.mask"
-    nodes.append(_Node(name, out=[(out, numel * elt), (mask, numel * (1 if dm.cuda else elt))],
+    nodes.append(Node(name, out=[(out, numel * elt), (mask, numel * (1 if dm.cuda else elt))],
                        inputs=[x], saves=[mask], grads=[(x, numel * elt)]))
 
 
-def _resolve_backend(kind: str, window: Optional[int], dm: _Dims) -> str:
+def resolve_backend(kind: str, window: Optional[int], dm: Dims) -> str:
     """The memory shape of an attention choice here: math (s x s), flash (fused), banded."""
     if window is not None and window < dm.s:
         if kind in ("flex", "flash-attn"):
@@ -137,44 +137,44 @@ def _resolve_backend(kind: str, window: Optional[int], dm: _Dims) -> str:
     return "flash"
 
 
-def _scores_softmax(nodes: list[_Node], dm: _Dims, p: str, score_elems: float, mask_elems: float) -> str:
+def _scores_softmax(nodes: list[Node], dm: Dims, p: str, score_elems: float, mask_elems: float) -> str:
     """s0 (the q @ k^T product, already added by the caller) -> scale -> masked_fill -> float32
     softmax -> cast back -> dropout. Returns the key of the probabilities the second matmul reads."""
     a, sc = dm.a, score_elems
-    nodes.append(_Node(f"{p}.scale", out=[(f"{p}.s1", sc * a)], inputs=[f"{p}.s0"], grads=[(f"{p}.s0", sc * a)]))
+    nodes.append(Node(f"{p}.scale", out=[(f"{p}.s1", sc * a)], inputs=[f"{p}.s0"], grads=[(f"{p}.s0", sc * a)]))
     # causal_mask: the bool mask and its negation (saved by masked_fill), plus aranges.
-    nodes.append(_Node(f"{p}.mask", out=[(f"{p}.m", mask_elems)], fwd_scratch=mask_elems))
-    nodes.append(_Node(f"{p}.masked", out=[(f"{p}.s2", sc * a)], inputs=[f"{p}.s1", f"{p}.m"],
+    nodes.append(Node(f"{p}.mask", out=[(f"{p}.m", mask_elems)], fwd_scratch=mask_elems))
+    nodes.append(Node(f"{p}.masked", out=[(f"{p}.s2", sc * a)], inputs=[f"{p}.s1", f"{p}.m"],
                        saves=[f"{p}.m"], grads=[(f"{p}.s1", sc * a)]))
     src = f"{p}.s2"
     if a != 4:
-        nodes.append(_Node(f"{p}.float", out=[(f"{p}.sf", sc * 4)], inputs=[src], grads=[(src, sc * a)]))
+        nodes.append(Node(f"{p}.float", out=[(f"{p}.sf", sc * 4)], inputs=[src], grads=[(src, sc * a)]))
         src = f"{p}.sf"
-    nodes.append(_Node(f"{p}.softmax", out=[(f"{p}.pf", sc * 4)], inputs=[src], saves=[f"{p}.pf"],
+    nodes.append(Node(f"{p}.softmax", out=[(f"{p}.pf", sc * 4)], inputs=[src], saves=[f"{p}.pf"],
                        grads=[(src, sc * 4)]))
     src = f"{p}.pf"
     if a != 4:
-        nodes.append(_Node(f"{p}.tocast", out=[(f"{p}.pa", sc * a)], inputs=[src], grads=[(src, sc * 4)]))
+        nodes.append(Node(f"{p}.tocast", out=[(f"{p}.pa", sc * a)], inputs=[src], grads=[(src, sc * 4)]))
         src = f"{p}.pa"
     _dropout(nodes, dm, f"{p}.attn_drop", src, f"{p}.pd", sc, a)
     return f"{p}.pd"
 
 
-def _attention_nodes(nodes: list[_Node], dm: _Dims, p: str, kind: str, window: Optional[int]) -> None:
+def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Optional[int]) -> None:
     """q, k, v (views of the fused qkv output) -> y (batch, seq, d), the proj input."""
     b, s, d, h, a = dm.b, dm.s, dm.d, dm.h, dm.a
     N, kvw, hd = dm.n, dm.kv, dm.d // dm.h
     qkv, q, k, v, y = f"{p}.qkv", f"{p}.q", f"{p}.k", f"{p}.v", f"{p}.y"
     # split + view + transpose are views; backward reshapes each gradient (a copy, the
     # gradients being transposed) and concatenates the three.
-    nodes.append(_Node(f"{p}.split", inputs=[qkv], grad_out=(q, k, v), scratch=N * d * a,
+    nodes.append(Node(f"{p}.split", inputs=[qkv], grad_out=(q, k, v), scratch=N * d * a,
                        grads=[(qkv, N * (d + 2 * kvw) * a)]))
-    backend = _resolve_backend(kind, window, dm)
+    backend = resolve_backend(kind, window, dm)
     if backend == "flash":
         # Fused kernel (SDPA flash/mem-efficient/cuDNN, flex, flash-attn): saves q, k, v (views
         # of qkv), its output and a float32 log-sum-exp (b, h, s); nothing s x s. The CPU
         # kernel writes the output as (b, s, h, hd), so .contiguous() afterwards is free.
-        nodes.append(_Node(f"{p}.sdpa", out=[(y, N * d * a), (f"{p}.lse", b * h * s * 4)], inputs=[qkv],
+        nodes.append(Node(f"{p}.sdpa", out=[(y, N * d * a), (f"{p}.lse", b * h * s * 4)], inputs=[qkv],
                            saves=[qkv, y, f"{p}.lse"], matmul=True, grad_out=(y,),
                            grads=[(q, N * d * a), (k, N * kvw * a), (v, N * kvw * a)]))
         return
@@ -188,58 +188,58 @@ def _attention_nodes(nodes: list[_Node], dm: _Dims, p: str, kind: str, window: O
         kv_band = b * h * nb * band * hd * a
         sc = b * h * nb * blk * band
         # F.pad copies q, k, v; the matmuls copy the overlapping band views of k and v.
-        nodes.append(_Node(f"{p}.pad", out=[(f"{p}.qp", q_pad), (f"{p}.kp", kv_pad), (f"{p}.vp", kv_pad)],
+        nodes.append(Node(f"{p}.pad", out=[(f"{p}.qp", q_pad), (f"{p}.kp", kv_pad), (f"{p}.vp", kv_pad)],
                            inputs=[qkv], grad_out=(f"{p}.qp", f"{p}.kp", f"{p}.vp"),
                            grads=[(q, N * d * a), (k, N * kvw * a), (v, N * kvw * a)]))
         # The band views of k and v: copied by the math kernel's matmuls, read in place by SDPA
         # (which saves the padded tensors); unfold's backward scatters into a padded buffer.
         copy = kv_band if backend == "banded" else 0
-        nodes.append(_Node(f"{p}.kband", out=[(f"{p}.kb", copy)], inputs=[f"{p}.kp"], grads=[(f"{p}.kp", kv_pad)]))
-        nodes.append(_Node(f"{p}.vband", out=[(f"{p}.vb", copy)], inputs=[f"{p}.vp"], grads=[(f"{p}.vp", kv_pad)]))
+        nodes.append(Node(f"{p}.kband", out=[(f"{p}.kb", copy)], inputs=[f"{p}.kp"], grads=[(f"{p}.kp", kv_pad)]))
+        nodes.append(Node(f"{p}.vband", out=[(f"{p}.vb", copy)], inputs=[f"{p}.vp"], grads=[(f"{p}.vp", kv_pad)]))
         mask_elems = nb * blk * band
         if backend == "banded-sdpa":
             # The bool band mask becomes an additive float mask, saved with q, k, v, out, lse.
-            nodes.append(_Node(f"{p}.mask", out=[(f"{p}.m", mask_elems * 4)], fwd_scratch=2 * mask_elems))
-            nodes.append(_Node(f"{p}.sdpa", out=[(f"{p}.o", q_pad), (f"{p}.lse", b * h * nb * blk * 4)],
+            nodes.append(Node(f"{p}.mask", out=[(f"{p}.m", mask_elems * 4)], fwd_scratch=2 * mask_elems))
+            nodes.append(Node(f"{p}.sdpa", out=[(f"{p}.o", q_pad), (f"{p}.lse", b * h * nb * blk * 4)],
                                inputs=[f"{p}.qp", f"{p}.kp", f"{p}.vp", f"{p}.kb", f"{p}.vb", f"{p}.m"], matmul=True,
                                keep=(f"{p}.o", f"{p}.lse"),
                                saves=[f"{p}.qp", f"{p}.kp", f"{p}.vp", f"{p}.o", f"{p}.lse", f"{p}.m"],
                                grads=[(f"{p}.qp", q_pad), (f"{p}.kb", kv_band), (f"{p}.vb", kv_band)]))
         else:
-            nodes.append(_Node(f"{p}.qk", out=[(f"{p}.s0", sc * a)], inputs=[f"{p}.qp", f"{p}.kb"],
+            nodes.append(Node(f"{p}.qk", out=[(f"{p}.s0", sc * a)], inputs=[f"{p}.qp", f"{p}.kb"],
                                saves=[f"{p}.qp", f"{p}.kb"], matmul=True, keep=(f"{p}.s0",),
                                grads=[(f"{p}.qp", q_pad), (f"{p}.kb", kv_band)]))
             probs = _scores_softmax(nodes, dm, p, sc, mask_elems)
-            nodes.append(_Node(f"{p}.pv", out=[(f"{p}.o", q_pad)], inputs=[probs, f"{p}.vb"],
+            nodes.append(Node(f"{p}.pv", out=[(f"{p}.o", q_pad)], inputs=[probs, f"{p}.vb"],
                                saves=[probs, f"{p}.vb"], matmul=True,
                                grads=[(probs, sc * a), (f"{p}.vb", kv_band)]))
         # out[:, :, :s] then transpose(1, 2).contiguous(): one copy.
-        nodes.append(_Node(f"{p}.merge", out=[(y, N * d * a)], inputs=[f"{p}.o"], grads=[(f"{p}.o", q_pad)]))
+        nodes.append(Node(f"{p}.merge", out=[(y, N * d * a)], inputs=[f"{p}.o"], grads=[(f"{p}.o", q_pad)]))
         return
     # Materialized attention (math, or SDPA's math fallback): (b, h, s, s) scores. matmul on
     # the transposed views copies q and k^T into contiguous buffers, which bmm saves.
     sc = b * h * s * s
-    nodes.append(_Node(f"{p}.qk", out=[(f"{p}.qc", N * d * a), (f"{p}.kc", N * d * a), (f"{p}.s0", sc * a)],
+    nodes.append(Node(f"{p}.qk", out=[(f"{p}.qc", N * d * a), (f"{p}.kc", N * d * a), (f"{p}.s0", sc * a)],
                        inputs=[qkv], saves=[f"{p}.qc", f"{p}.kc"], matmul=True, grad_out=(f"{p}.s0",),
                        keep=(f"{p}.s0",),
                        grads=[(q, N * d * a), (k, N * kvw * a)]))
     probs = _scores_softmax(nodes, dm, p, sc, s * s)
-    nodes.append(_Node(f"{p}.vcopy", out=[(f"{p}.vc", N * kvw * a)], inputs=[qkv]))
-    nodes.append(_Node(f"{p}.pv", out=[(f"{p}.o", N * d * a)], inputs=[probs, f"{p}.vc"],
+    nodes.append(Node(f"{p}.vcopy", out=[(f"{p}.vc", N * kvw * a)], inputs=[qkv]))
+    nodes.append(Node(f"{p}.pv", out=[(f"{p}.o", N * d * a)], inputs=[probs, f"{p}.vc"],
                        saves=[probs, f"{p}.vc"], matmul=True,
                        grads=[(probs, sc * a), (v, N * kvw * a)]))
     # y.transpose(1, 2).contiguous(): a copy; its backward passes the gradient through.
-    nodes.append(_Node(f"{p}.merge", out=[(y, N * d * a)], inputs=[f"{p}.o"], grads=[(f"{p}.o", 0.0)]))
+    nodes.append(Node(f"{p}.merge", out=[(y, N * d * a)], inputs=[f"{p}.o"], grads=[(f"{p}.o", 0.0)]))
 
 
-def _block_nodes(dm: _Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_base: bool) -> list[_Node]:
+def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_base: bool) -> list[Node]:
     """The op inventory of one Transformer block (model.py: x + attn(ln_1(x)); + mlp(ln_2(.)))."""
     p = f"blocks.{i}"
     N, d, f, a, r = dm.n, dm.d, dm.f, dm.a, dm.r
     lora = tech.lora_rank
-    targets = _lora_targets(tech) if lora else set()
+    targets = lora_target_names(tech) if lora else set()
     x = f"{p}.in"
-    nodes: list[_Node] = []
+    nodes: list[Node] = []
     layer = arch.norm == "layernorm"
 
     def norm(name: str, src: str, out: str) -> None:
@@ -251,7 +251,7 @@ def _block_nodes(dm: _Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable
         pg = [(f"param:{name}.weight", 0.0)] if trainable_base else []
         if trainable_base and layer and dm.bias:
             pg.append((f"param:{name}.bias", 0.0))
-        nodes.append(_Node(name, out=[(out, N * d * r), (f"{name}.stats", (2 if layer else 1) * N * 4)],
+        nodes.append(Node(name, out=[(out, N * d * r), (f"{name}.stats", (2 if layer else 1) * N * 4)],
                            inputs=[src], saves=[src, f"{name}.stats"], grad_out=(out,),
                            grads=[(src, N * d * r)] + pg))
 
@@ -274,39 +274,39 @@ def _block_nodes(dm: _Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable
     _dropout(nodes, dm, f"{p}.resid_drop", f"{p}.pr", f"{p}.prd", N * d, a)
     # Residual add: type promotion makes it float32 under autocast; the low-precision branch's
     # gradient is then a cast copy.
-    nodes.append(_Node(f"{p}.add1", out=[(f"{p}.x1", N * d * r)], inputs=[x, f"{p}.prd"],
+    nodes.append(Node(f"{p}.add1", out=[(f"{p}.x1", N * d * r)], inputs=[x, f"{p}.prd"],
                        grads=[(x, 0.0), (f"{p}.prd", 0.0 if a == r else N * d * a)]))
     norm(f"{p}.ln_2", f"{p}.x1", f"{p}.ln2")
     if arch.mlp == "swiglu":
         lin("fc", f"{p}.mlp.fc", f"{p}.ln2", f"{p}.h1", d, 2 * f, r)
         # silu(gate) * up: silu saves gate; the product saves silu(gate) and up (views of h1).
-        nodes.append(_Node(f"{p}.silu", out=[(f"{p}.g", N * f * a)], inputs=[f"{p}.h1"], saves=[f"{p}.h1"],
+        nodes.append(Node(f"{p}.silu", out=[(f"{p}.g", N * f * a)], inputs=[f"{p}.h1"], saves=[f"{p}.h1"],
                            grads=[(f"{p}.h1", 2 * N * f * a)]))
-        nodes.append(_Node(f"{p}.gmul", out=[(f"{p}.act", N * f * a)], inputs=[f"{p}.g", f"{p}.h1"],
+        nodes.append(Node(f"{p}.gmul", out=[(f"{p}.act", N * f * a)], inputs=[f"{p}.g", f"{p}.h1"],
                            saves=[f"{p}.g"], grads=[(f"{p}.g", N * f * a), (f"{p}.h1", N * f * a)]))
     else:
         lin("fc", f"{p}.mlp.fc", f"{p}.ln2", f"{p}.h1", d, f, r)
-        nodes.append(_Node(f"{p}.gelu", out=[(f"{p}.act", N * f * a)], inputs=[f"{p}.h1"], saves=[f"{p}.h1"],
+        nodes.append(Node(f"{p}.gelu", out=[(f"{p}.act", N * f * a)], inputs=[f"{p}.h1"], saves=[f"{p}.h1"],
                            grads=[(f"{p}.h1", N * f * a)]))
     lin("fc_out", f"{p}.mlp.fc_out", f"{p}.act", f"{p}.h2", f, d, a)
     _dropout(nodes, dm, f"{p}.mlp_drop", f"{p}.h2", f"{p}.h2d", N * d, a)
-    nodes.append(_Node(f"{p}.add2", out=[(f"blocks.{i + 1}.in", N * d * r)], inputs=[f"{p}.x1", f"{p}.h2d"],
+    nodes.append(Node(f"{p}.add2", out=[(f"blocks.{i + 1}.in", N * d * r)], inputs=[f"{p}.x1", f"{p}.h2d"],
                        grads=[(f"{p}.x1", 0.0), (f"{p}.h2d", 0.0 if a == r else N * d * a)]))
     return nodes
 
 
-def _embedding_nodes(dm: _Dims, arch: Arch, trainable: bool) -> list[_Node]:
+def _embedding_nodes(dm: Dims, arch: Arch, trainable: bool) -> list[Node]:
     """Token lookup (+ learned positions) and embedding dropout. Lookups are not autocast: the
     output has the table's dtype."""
     N, d, s, pe = dm.n, dm.d, dm.s, dm.p
-    nodes = [_Node("wte", out=[("tok", N * d * pe)], grads=[("param:wte.weight", 0.0)] if trainable else [])]
+    nodes = [Node("wte", out=[("tok", N * d * pe)], grads=[("param:wte.weight", 0.0)] if trainable else [])]
     src = "tok"
     if arch.positional == "learned":
-        nodes.append(_Node("pos", out=[("pos_idx", s * 8)]))
-        nodes.append(_Node("wpe", out=[("posemb", s * d * pe)], inputs=["pos_idx"], saves=["pos_idx"],
+        nodes.append(Node("pos", out=[("pos_idx", s * 8)]))
+        nodes.append(Node("wpe", out=[("posemb", s * d * pe)], inputs=["pos_idx"], saves=["pos_idx"],
                            grads=[("param:wpe.weight", 0.0)] if trainable else []))
         # Broadcast add: the token side's gradient passes through, the position side is summed.
-        nodes.append(_Node("embed_add", out=[("emb", N * d * pe)], inputs=["tok", "posemb"],
+        nodes.append(Node("embed_add", out=[("emb", N * d * pe)], inputs=["tok", "posemb"],
                            grads=[("tok", 0.0), ("posemb", s * d * pe)]))
         src = "emb"
     _dropout(nodes, dm, "drop", src, "blocks.0.in", N * d, pe)
@@ -315,8 +315,8 @@ def _embedding_nodes(dm: _Dims, arch: Arch, trainable: bool) -> list[_Node]:
     return nodes
 
 
-def _head_nodes(dm: _Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, trainable: bool,
-                grads_exist: bool) -> list[_Node]:
+def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, trainable: bool,
+                grads_exist: bool) -> list[Node]:
     """Final norm, LM head and loss (standard: full logits; chunked: fused, chunk x vocab)."""
     N, d, V, a, r = dm.n, dm.d, dm.V, dm.a, dm.r
     x = f"blocks.{m.n_layers}.in"
@@ -325,7 +325,7 @@ def _head_nodes(dm: _Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tr
     pg = [("param:ln_f.weight", 0.0)] if trainable else []
     if trainable and layer and dm.bias:
         pg.append(("param:ln_f.bias", 0.0))
-    nodes = [_Node("ln_f", out=[("hf", N * d * r), ("ln_f.stats", (2 if layer else 1) * N * 4)], inputs=[x],
+    nodes = [Node("ln_f", out=[("hf", N * d * r), ("ln_f.stats", (2 if layer else 1) * N * 4)], inputs=[x],
                    saves=[x, "ln_f.stats"], grad_out=("hf",), grads=[(x, N * d * r)] + pg)]
     if dm.hf:
 
@@ -349,7 +349,7 @@ def _head_nodes(dm: _Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tr
         # ctx, cannot be stolen by AccumulateGrad, which clones it into .grad (or adds it in).
         # (A frozen head, as under LoRA, gets no grad_w: counted for transformers models only.)
         gw = V * d * 4 if (trainable or not dm.hf) else 0.0
-        nodes.append(_Node("loss", out=[("loss.grad_h", N * d * r), ("loss.grad_w", gw)],
+        nodes.append(Node("loss", out=[("loss.grad_h", N * d * r), ("loss.grad_w", gw)],
                            inputs=["hf"], saves=["loss.grad_h", "loss.grad_w"], fwd_scratch=casts + per_chunk,
                            tag="logits", grad_from={"hf": "loss.grad_h", f"param:{head}": "loss.grad_w"},
                            grads=[("hf", N * d * r)] + ([(f"param:{head}", 0.0)] if trainable else [])))
@@ -359,68 +359,68 @@ def _head_nodes(dm: _Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tr
     xin = "hf"
     extra: list[str] = []
     if dm.autocast:
-        nodes.append(_Node("head.cast_w", out=[("head.wc", 0.0 if dm.weights_in_compute_dtype else V * d * a)], hold=True,
+        nodes.append(Node("head.cast_w", out=[("head.wc", 0.0 if dm.weights_in_compute_dtype else V * d * a)], hold=True,
                            grads=[(f"param:{head}", 0.0)] if trainable else []))
-        nodes.append(_Node("head.cast_x", out=[("hfc", N * d * a)], inputs=["hf"], grads=[("hf", N * d * r)]))
+        nodes.append(Node("head.cast_x", out=[("hfc", N * d * a)], inputs=["hf"], grads=[("hf", N * d * r)]))
         xin, extra = "hfc", ["head.wc"]
     w_grad = [("head.wc", V * d * a)] if dm.autocast else [(f"param:{head}", 0.0)]
-    nodes.append(_Node("lm_head", out=[("logits", N * V * a)], inputs=[xin] + extra, saves=[xin] + extra,
+    nodes.append(Node("lm_head", out=[("logits", N * V * a)], inputs=[xin] + extra, saves=[xin] + extra,
                        tag="logits", grads=[(xin, N * d * a)] + (w_grad if trainable else [])))
     src = "logits"
     if a != 4:
-        nodes.append(_Node("logits.float", out=[("logits32", N * V * 4)], inputs=[src], tag="logits",
+        nodes.append(Node("logits.float", out=[("logits32", N * V * 4)], inputs=[src], tag="logits",
                            grads=[(src, N * V * a)]))
         src = "logits32"
-    nodes.append(_Node("log_softmax", out=[("logp", N * V * 4)], inputs=[src], saves=["logp"], tag="logits",
+    nodes.append(Node("log_softmax", out=[("logp", N * V * 4)], inputs=[src], saves=["logp"], tag="logits",
                        grads=[(src, N * V * 4)]))
-    nodes.append(_Node("loss", out=[("loss", 8)], inputs=["logp"], saves=["logp"], tag="logits",
+    nodes.append(Node("loss", out=[("loss", 8)], inputs=["logp"], saves=["logp"], tag="logits",
                        grads=[("logp", N * V * 4)]))
     return nodes
 
 
-def _precision_bytes(precision: str) -> tuple[int, int, bool]:
+def precision_bytes(precision: str) -> tuple[int, int, bool]:
     """(param bytes, compute bytes, autocast) of ``--precision`` (memtrain.techniques.facts)."""
     f = precision_facts(precision)
     return f.param_bytes, f.compute_bytes, f.autocast
 
 
-def _dims(cfg: RunConfig, arch: Arch, device_type: str, batch: Optional[int] = None) -> _Dims:
+def run_dims(cfg: RunConfig, arch: Arch, device_type: str, batch: Optional[int] = None) -> Dims:
     m, t = cfg.model, cfg.train
-    pb, ab, autocast = _precision_bytes(cfg.technique.precision)
-    dm = _Dims(b=batch or t.batch_size, s=t.seq_len, d=m.d_model, f=m.d_ff, h=m.n_heads,
+    pb, ab, autocast = precision_bytes(cfg.technique.precision)
+    dm = Dims(b=batch or t.batch_size, s=t.seq_len, d=m.d_model, f=m.d_ff, h=m.n_heads,
                kv=(arch.n_kv_heads or m.n_heads) * m.head_dim, V=m.padded_vocab_size, a=ab,
                r=pb, p=pb, autocast=autocast, dropout=m.dropout > 0, cuda=device_type == "cuda",
                bias=m.bias and arch.name == "gpt2", hf=arch.hf)
     return dm
 
 
-def _segments(cfg: RunConfig, arch: Arch, dm: _Dims, trainable_base: bool, grads_exist: bool,
-              comp: _Compression) -> list[_Segment]:
+def block_segments(cfg: RunConfig, arch: Arch, dm: Dims, trainable_base: bool, grads_exist: bool,
+              comp: Compression) -> list[Segment]:
     m, tech = cfg.model, cfg.technique
     policy = checkpoint_policy(tech.checkpointing)
     kind = policy.kind
     L = m.n_layers
     mode = "selective" if kind == "selective-matmul" else "full"
-    segs = [_Segment("embedding", _embedding_nodes(dm, arch, trainable_base))]
+    segs = [Segment("embedding", _embedding_nodes(dm, arch, trainable_base))]
     for j in range(comp.blocks):
         i = comp.real(j)
-        nodes = _block_nodes(dm, j, arch, tech, trainable_base)
+        nodes = block_nodes(dm, j, arch, tech, trainable_base)
         if kind == "selective":
             # Megatron's selective recomputation: the block runs as usual around a checkpointed
             # attention core, which keeps only its input (q, k, v: views of the qkv output).
             a = next(x for x, n in enumerate(nodes) if n.core)
             b = a + sum(1 for n in nodes if n.core)
-            segs += [_Segment(f"block {i}", nodes[:a]),
-                     _Segment(f"block {i} attention core", nodes[a:b], checkpoint="full",
+            segs += [Segment(f"block {i}", nodes[:a]),
+                     Segment(f"block {i} attention core", nodes[a:b], checkpoint="full",
                               input_key=f"blocks.{j}.qkv"),
-                     _Segment(f"block {i}", nodes[b:])]
+                     Segment(f"block {i}", nodes[b:])]
             continue
-        segs.append(_Segment(f"block {i}", nodes,
+        segs.append(Segment(f"block {i}", nodes,
                              checkpoint=mode if policy.whole_block(i, L) else "none", input_key=f"blocks.{j}.in"))
     # The head reads the output of the last traced block (blocks.{comp.blocks}.in) for memtrain's
     # GPT; a config naming a --model keeps its full depth here (blocks.{L}.in), as its estimates
     # are computed.
     head_m = m if m.model is not None else replace(m, n_layers=comp.blocks)
-    segs.append(_Segment("head", _head_nodes(dm, head_m, tech, arch, trainable_base, grads_exist)))
+    segs.append(Segment("head", _head_nodes(dm, head_m, tech, arch, trainable_base, grads_exist)))
     assert L == comp.blocks + comp.lumps * comp.period
     return segs

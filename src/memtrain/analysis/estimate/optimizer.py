@@ -69,7 +69,7 @@ def _quantized_state_bytes(ps: list[ParamInfo], rule: Any, n: int, block: int) -
     return total, lines
 
 
-def _optimizer_temporaries(params: list[ParamInfo], optim: str, param_bytes: float, weight_decay: float) -> float:
+def optimizer_temporaries(params: list[ParamInfo], optim: str, param_bytes: float, weight_decay: float) -> float:
     """Scratch the optimizer step allocates at its worst moment (steady state)."""
     ps = [p for p in params if p.trainable]
     if not ps:

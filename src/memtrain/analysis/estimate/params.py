@@ -31,7 +31,7 @@ class ParamInfo:
         return math.prod(self.shape)
 
 
-def _lora_targets(tech: TechniqueConfig) -> set[str]:
+def lora_target_names(tech: TechniqueConfig) -> set[str]:
     return {t.strip() for t in tech.lora_targets.split(",") if t.strip()}
 
 
@@ -43,7 +43,7 @@ def param_table(m: ModelConfig, arch: Arch = GPT2_ARCH, tech: Optional[Technique
     One entry per tensor, so O(n_layers): :func:`param_count` answers counts in O(1).
     """
     check_analytic_size(m)
-    return _param_table(m, arch, tech, range(m.n_layers))
+    return block_param_table(m, arch, tech, range(m.n_layers))
 
 
 def param_count(m: ModelConfig, arch: Arch = GPT2_ARCH, tech: Optional[TechniqueConfig] = None) -> tuple[int, int]:
@@ -51,14 +51,14 @@ def param_count(m: ModelConfig, arch: Arch = GPT2_ARCH, tech: Optional[Technique
     ``n_layers`` plus the rest, so the cost does not grow with the depth."""
     check_analytic_size(m)
     total = trainable = 0
-    for p in _param_table(m, arch, tech, range(min(1, m.n_layers))):
+    for p in block_param_table(m, arch, tech, range(min(1, m.n_layers))):
         k = p.numel * (m.n_layers if p.block is not None else 1)
         total += k
         trainable += k if p.trainable else 0
     return total, trainable
 
 
-def _param_table(m: ModelConfig, arch: Arch, tech: Optional[TechniqueConfig], blocks: Iterable[int],
+def block_param_table(m: ModelConfig, arch: Arch, tech: Optional[TechniqueConfig], blocks: Iterable[int],
                  repeat: Optional[dict[int, int]] = None) -> list[ParamInfo]:
     """The table with only the blocks ``blocks`` (indices used in the names); ``repeat``
     gives a block's entries a multiplicity (the compressed simulation's lumped periods)."""
@@ -66,7 +66,7 @@ def _param_table(m: ModelConfig, arch: Arch, tech: Optional[TechniqueConfig], bl
     kv = (arch.n_kv_heads or m.n_heads) * m.head_dim
     bias = m.bias and arch.name == "gpt2"
     lora = tech.lora_rank if tech is not None else 0
-    targets = _lora_targets(tech) if lora else set()  # type: ignore[arg-type]  # lora > 0 implies tech is not None
+    targets = lora_target_names(tech) if lora else set()  # type: ignore[arg-type]  # lora > 0 implies tech is not None
     frozen = bool(lora)
     out: list[ParamInfo] = [ParamInfo("wte.weight", (V, d), not frozen)]
     if arch.positional == "learned":

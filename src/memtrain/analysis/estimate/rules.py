@@ -43,6 +43,3 @@ def model_state_rule(params: int, optim: str = "adamw", trainable: Optional[int]
     return {"optimizer": name, "bytes_per_param": per, "optimizer_bytes": per * n,
             "parameters": params, "trainable_parameters": n, "source": source}
 
-
-def _rule_key(optim: str, precision: str) -> tuple[str, bool]:
-    return optim, precision in ("bf16", "fp16")

@@ -2,7 +2,7 @@
 
 Generic over the op inventory (:mod:`memtrain.analysis.estimate.inventory` builds the nodes);
 it knows only a step's structure (embedding, blocks, head; forward, loss, backward, optimizer
-step) and, for deep models, which blocks stand in for the rest (:class:`_Compression`).
+step) and, for deep models, which blocks stand in for the rest (:class:`Compression`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "tem
 
 
 # --------------------------------------------------------------------------- the simulator
-class _Sim:
+class Simulator:
     """Live-storage accounting: allocations, frees and the peak with its breakdown.
 
     Each storage has a category (final role, as MemoryMeter reports it at the peak) and a
@@ -84,7 +84,7 @@ class _Sim:
 
 
 @dataclass
-class _Node:
+class Node:
     """One op of the forward pass, as far as memory is concerned.
 
     ``out``: new storages it allocates, (key, bytes) or (key, bytes, tag); ``inputs``: keys it
@@ -126,19 +126,19 @@ class _Node:
 
 
 @dataclass
-class _Segment:
+class Segment:
     """A run of nodes: a Transformer block (maybe checkpointed), the embedding or the head."""
 
     name: str
-    nodes: list[_Node]
+    nodes: list[Node]
     checkpoint: str = "none"  # none | full | selective
     input_key: Optional[str] = None
 
 
-class _Graph:
-    """Runs forward and backward of a list of segments through a :class:`_Sim`."""
+class Graph:
+    """Runs forward and backward of a list of segments through a :class:`Simulator`."""
 
-    def __init__(self, sim: _Sim, segments: list[_Segment], param_grad: dict[str, float],
+    def __init__(self, sim: Simulator, segments: list[Segment], param_grad: dict[str, float],
                  grads_exist: bool, rng_state_bytes: float) -> None:
         self.sim = sim
         self.segments = segments
@@ -153,8 +153,8 @@ class _Graph:
         self._shared: dict[int, str] = {}  # gradient storage id -> forward key it belongs to
         self.tied: set[str] = set()  # parameters used twice (the tied embedding / LM head)
         self.deferred: dict[str, Any] = {}  # tied parameter -> its buffered first gradient (key or sid)
-        # Deep models: lumped periods of blocks (see _Compression); their storages by tag.
-        self.comp: Optional[_Compression] = None
+        # Deep models: lumped periods of blocks (see Compression); their storages by tag.
+        self.comp: Optional[Compression] = None
         # --loss naive: forward keys a caller keeps past the step, and actions after a node's forward.
         self.pinned: set[str] = set()
         self.after_forward: dict[str, Any] = {}
@@ -209,7 +209,7 @@ class _Graph:
             return
         self.sim.free(self.store.pop(key, None))
 
-    def _run_forward(self, nodes: list[_Node], keep_saves: bool, tag_override: Optional[str],
+    def _run_forward(self, nodes: list[Node], keep_saves: bool, tag_override: Optional[str],
                      keep_keys: set[str], later: Any) -> list[str]:
         """Allocate outputs, keep saved tensors, free the rest at last use; returns the keys held
         by autocast's cache (freed when the autocast region ends)."""
@@ -247,7 +247,7 @@ class _Graph:
                 self.sim.free(self.store.pop(k, None))
 
     # ---- backward
-    def _grad_alloc(self, n: _Node, key: str, nbytes: float, through: Optional[int]) -> None:
+    def _grad_alloc(self, n: Node, key: str, nbytes: float, through: Optional[int]) -> None:
         sim = self.sim
         if key.startswith("param:"):
             name = key[6:]
@@ -313,7 +313,7 @@ class _Graph:
             else:
                 self.sim.free(sid)
 
-    def _backward_nodes(self, nodes: list[_Node]) -> None:
+    def _backward_nodes(self, nodes: list[Node]) -> None:
         for n in reversed(nodes):
             keys = n.out_keys()
             has_grad = any(k in self.grad_sid for k in keys)
@@ -349,7 +349,7 @@ class _Graph:
         for sid in self.lump_flush:
             sim.free(sid)
 
-    def _forward_segment(self, idx: int, seg: _Segment, later: "_Later", held: list[str]) -> None:
+    def _forward_segment(self, idx: int, seg: Segment, later: "_Later", held: list[str]) -> None:
         sim = self.sim
         sim.at("forward", seg.name)
         if seg.checkpoint == "none":
@@ -374,7 +374,7 @@ class _Graph:
             if lump and idx == self.comp.bwd_segments.start:  # type: ignore[union-attr]  # self.comp is set when lump is true
                 self._lump_backward(before)
 
-    def _backward_segment(self, seg: _Segment) -> None:
+    def _backward_segment(self, seg: Segment) -> None:
         sim = self.sim
         label = "loss backward" if seg.name == "head" else f"backward {seg.name}"
         if seg.checkpoint != "none":
@@ -403,7 +403,7 @@ class _Later:
 
 
 @dataclass
-class _Compression:
+class Compression:
     """Which blocks the simulation runs when the model is deep (layer kinds, not layers).
 
     Block kinds repeat with a period ``P`` (1 without checkpointing or with full/selective;
@@ -438,11 +438,11 @@ class _Compression:
         return range(1 + 2 * w, 1 + 3 * w)
 
 
-def _compression(cfg: RunConfig) -> _Compression:
+def compression_of(cfg: RunConfig) -> Compression:
     policy = checkpoint_policy(cfg.technique.checkpointing)
     L = cfg.model.n_layers
     # The period of the block kinds: blocks i % K == 0 are checkpointed under every:K and sqrt.
     P = policy.period(L)
     # Two periods, the lumps, then the last period and the remainder.
     lumps = max(0, (L - 2 * P) // P - 1)
-    return _Compression(P, lumps, L - lumps * P, 3 if policy.kind == "selective" else 1)
+    return Compression(P, lumps, L - lumps * P, 3 if policy.kind == "selective" else 1)

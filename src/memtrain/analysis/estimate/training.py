@@ -6,12 +6,12 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
 from memtrain.analysis.device_replay import StepTimeline, replay_two_steps
-from memtrain.analysis.estimate.explain import _activations_per_layer, _explain
-from memtrain.analysis.estimate.inventory import _dims, _precision_bytes, _segments
-from memtrain.analysis.estimate.optimizer import _optimizer_temporaries, predicted_optimizer_state
-from memtrain.analysis.estimate.params import ParamInfo, _param_table
+from memtrain.analysis.estimate.explain import explanation_lines, layer_activation_bytes
+from memtrain.analysis.estimate.inventory import block_segments, precision_bytes, run_dims
+from memtrain.analysis.estimate.optimizer import optimizer_temporaries, predicted_optimizer_state
+from memtrain.analysis.estimate.params import ParamInfo, block_param_table
 from memtrain.analysis.estimate.rules import model_state_rule
-from memtrain.analysis.estimate.simulator import _compression, _Graph, _Segment, _Sim
+from memtrain.analysis.estimate.simulator import Graph, Segment, Simulator, compression_of
 from memtrain.analysis.limits import check_analytic_size
 from memtrain.config.archs import GPT2_ARCH, Arch
 from memtrain.config.run import ConfigError, RunConfig
@@ -108,16 +108,16 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     check_analytic_size(m)
     # Deep models run a few blocks and lump the rest (per layer kind: O(1) in n_layers); the
     # table has one entry per simulated tensor, the lumped blocks' counted by ``repeat``.
-    comp = _compression(cfg)
+    comp = compression_of(cfg)
     if not _compress:
         comp = replace(comp, lumps=0, blocks=m.n_layers)
     rep = {j: 1 + comp.lumps for j in range(comp.period, 2 * comp.period)} if comp.lumps else None
-    params = _param_table(m, arch, tech, range(comp.blocks), rep)
+    params = block_param_table(m, arch, tech, range(comp.blocks), rep)
     n_params = sum(p.numel * p.repeat for p in params)
     trainable = [p for p in params if p.trainable]
     n_train = sum(p.numel * p.repeat for p in trainable)
-    pb, ab, autocast = _precision_bytes(tech.precision)
-    dm = _dims(cfg, arch, device_type)
+    pb, ab, autocast = precision_bytes(tech.precision)
+    dm = run_dims(cfg, arch, device_type)
     if autocast and world_size > 1 and shard in ("zero2", "fsdp"):
         dm = replace(dm, weights_in_compute_dtype=True)
     # DDP (and zero1, which runs on DDP) keeps the gradients in its communication buckets
@@ -134,7 +134,7 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     grad_bytes = {p.name: pbytes[p.name] for p in trainable}
     grad_total = sum(v * repeat[k] for k, v in grad_bytes.items())
     opt_bytes, opt_lines = predicted_optimizer_state(trainable, tech.optim, adapter_bytes, tech.optim_block)
-    opt_tmp = _optimizer_temporaries(trainable, tech.optim, adapter_bytes, t.weight_decay)
+    opt_tmp = optimizer_temporaries(trainable, tech.optim, adapter_bytes, t.weight_decay)
     zero1: Optional[dict[str, Any]] = None
     if shard == "zero1" and world_size > 1 and sum(p.repeat for p in trainable) <= _ZERO1_MAX_TENSORS:
         # memtrain's ZeRO-1 gives each rank the dim-0 chunk of every tensor (ceil(rows/N) rows,
@@ -143,7 +143,7 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
         per_rank = [predicted_optimizer_state(ps, tech.optim, adapter_bytes, tech.optim_block)[0] for ps in ranks]
         worst = per_rank.index(max(per_rank))
         zero1 = {"rank": worst, "optimizer_per_rank": per_rank,
-                 "scratch": _optimizer_temporaries(ranks[worst], tech.optim, adapter_bytes, t.weight_decay)}
+                 "scratch": optimizer_temporaries(ranks[worst], tech.optim, adapter_bytes, t.weight_decay)}
 
     # ---- sharding (one rank's share)
     n = world_size
@@ -161,7 +161,7 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
         est = estimate(cfg, arch, device_type, world_size, shard, gpu, _compress=False)
         est.device_memory = est.extra.pop("_device_memory")
         return est
-    sim = _Sim()
+    sim = Simulator()
     if gpu is not None and device_type == "cuda":
         sim.events = []
     sim.at("start", "weights and optimizer state")
@@ -193,9 +193,9 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     if grads_exist:
         grads_lump = sim.alloc(grad_total / (1 if fsdp_accum else shard_div["gradients"]), "gradients")
 
-    segs = _segments(cfg, arch, dm, not lora, grads_exist, comp)
+    segs = block_segments(cfg, arch, dm, not lora, grads_exist, comp)
     _fill_param_grads(segs, pbytes)
-    graph = _Graph(sim, segs, grad_bytes, grads_exist, _CPU_RNG_STATE_BYTES if device_type == "cpu" else 0)
+    graph = Graph(sim, segs, grad_bytes, grads_exist, _CPU_RNG_STATE_BYTES if device_type == "cpu" else 0)
     graph.comp = comp
     previous: Optional[int] = None
     if tech.loss == "naive":
@@ -249,9 +249,9 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     for tag, v in peak_tags.items():
         by_category[_CATEGORY_OF[tag]] += v
     rng = _CPU_RNG_STATE_BYTES if device_type == "cpu" else 0
-    act_layer = _activations_per_layer(cfg, arch, dm, not lora, rng)
-    act_layer_none = _activations_per_layer(cfg, arch, dm, not lora, rng, "none")
-    expl = _explain(cfg, arch, dm, params, n_params, n_train, weights, opt_bytes, opt_lines, act_layer_none,
+    act_layer = layer_activation_bytes(cfg, arch, dm, not lora, rng)
+    act_layer_none = layer_activation_bytes(cfg, arch, dm, not lora, rng, "none")
+    expl = explanation_lines(cfg, arch, dm, params, n_params, n_train, weights, opt_bytes, opt_lines, act_layer_none,
                     sim, shard, n, device_type)
     rule = model_state_rule(n_params, tech.optim, trainable=n_train if lora else None,
                             mixed_precision=autocast)
@@ -316,7 +316,7 @@ def _zero1_partition(params: list[ParamInfo], world: int) -> list[list[ParamInfo
     return out
 
 
-def _fill_param_grads(segs: list[_Segment], pbytes: dict[str, float]) -> None:
+def _fill_param_grads(segs: list[Segment], pbytes: dict[str, float]) -> None:
     """Replace the 0.0 placeholders of parameter gradients by the parameter's size."""
     for seg in segs:
         for n in seg.nodes:

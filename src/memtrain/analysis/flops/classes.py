@@ -91,20 +91,20 @@ ELEMENTWISE_FLOPS: dict[str, tuple[float, str]] = {
     "lerp": (3, "max"), "lerp_": (3, "max"),
 }
 # Ops that move data but compute nothing.
-_NO_FLOP_OPS = frozenset({
+NO_FLOP_OPS = frozenset({
     "copy_", "_to_copy", "clone", "masked_fill", "masked_fill_", "where", "fill_", "zero_",
     "zeros_like", "ones_like", "full", "full_like", "zeros", "ones", "arange", "cat", "stack",
     "index_select", "gather", "scatter", "index", "embedding", "bernoulli_", "normal_",
     "uniform_", "constant_pad_nd", "_local_scalar_dense",
 })
 # Ops that neither read nor write tensor data (allocation, metadata, views).
-_NO_BYTE_OPS = frozenset({
+NO_BYTE_OPS = frozenset({
     "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view",
     "_reshape_alias", "lift_fresh", "_local_scalar_dense", "detach", "alias", "set_",
     "resize_", "_has_compatible_shallow_copy_type", "_to_copy_noop",
 })
 # In-place ops whose mutated argument is overwritten without being read.
-_WRITE_ONLY = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "random_", "exponential_"})
+WRITE_ONLY = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "random_", "exponential_"})
 
 
 # --------------------------------------------------------------------------- count tables

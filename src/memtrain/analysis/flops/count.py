@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import math
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from memtrain.analysis.flops.classes import ClassCount, StepCount
-from memtrain.analysis.flops.recorder import _in_core, _make_recorder
+from memtrain.analysis.flops.recorder import in_core, make_recorder
 from memtrain.analysis.flops.rules import CLIP_FLOPS_PER_PARAM, OPTIMIZER_FLOPS_PER_PARAM, optimizer_bytes_per_param
 from memtrain.analysis.limits import check_analytic_size
 from memtrain.config.run import ConfigError, ModelConfig, RunConfig
@@ -53,6 +55,7 @@ def _extra_flop_formulas() -> dict:
       gradient with ``addmm_``; without this a third of the LM head would go uncounted);
     * the CPU flash-attention kernels SDPA picks on CPU (torch registers the CUDA ones only).
     """
+    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
     import torch
     from torch.utils import flop_counter as fc
 
@@ -85,14 +88,14 @@ def _use_fused_dropout(model: Any) -> None:
     functions (which call ``F.dropout`` inside, e.g. the math backend) run under a
     TorchFunctionMode that rewrites the call. Both act again in checkpointing's recompute,
     which must see the same ops as the forward did."""
-    import functools
 
+    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
 
-    from memtrain.techniques.checkpointing import _checkpointed_call  # torch-free --help/estimate/plan
+    from memtrain.techniques.checkpointing import checkpointed_call  # torch-free --help/estimate/plan
 
     def fused(x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
         return torch.native_dropout(x, p, True)[0] if train and p > 0.0 else x
@@ -119,12 +122,12 @@ def _use_fused_dropout(model: Any) -> None:
         if isinstance(module, nn.Dropout):
             module.forward = (lambda m: lambda x: fused(x, m.p, m.training))(module)  # type: ignore[method-assign]  # patches this instance's forward on purpose
         fn = getattr(module, "attn_fn", None)
-        if isinstance(fn, functools.partial) and fn.func is _checkpointed_call:
+        if isinstance(fn, functools.partial) and fn.func is checkpointed_call:
             # Selective checkpointing checkpoints the attention core: the mode must be active
             # inside it, where its recompute runs too, not around it. The core is no module,
             # so it names its attention module on _CORE_STACK for the recorder.
             inner = wrap_attention(fn.args[0])
-            core = (lambda f, name: lambda *a, **k: _in_core(name, f, *a, **k))(inner, names[module])
+            core = (lambda f, name: lambda *a, **k: in_core(name, f, *a, **k))(inner, names[module])
             module.attn_fn = functools.partial(fn.func, core, *fn.args[1:], **fn.keywords)
         elif callable(fn):
             module.attn_fn = wrap_attention(fn)
@@ -134,6 +137,7 @@ def _empty_model(cfg: ModelConfig, build: Any = None) -> Any:
     """A GPT whose weights are allocated but never initialized: built on the meta device (no
     init arithmetic), then given uninitialized CPU storage (pages are not touched until read).
     A count needs shapes, not values. ``to_empty`` unties shared weights, so ties are restored."""
+    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
     import torch
 
     from memtrain.models.gpt import GPT  # torch-free --help/estimate/plan
@@ -160,8 +164,8 @@ def _trace(cfg: RunConfig, fake: bool = True) -> tuple[dict[str, dict[str, Class
     """One micro-batch forward + backward of the configured model under FakeTensorMode with
     FlopCounterMode and the recorder; returns (table, counter total, params, trainable).
     ``fake=False`` runs the same step with real tensors (tests check both agree)."""
-    import contextlib
 
+    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
@@ -188,7 +192,7 @@ def _trace(cfg: RunConfig, fake: bool = True) -> tuple[dict[str, dict[str, Class
         targets = torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len))
         counter = FlopCounterMode(display=False, custom_mapping=_extra_flop_formulas())
         with counter:
-            recorder = _make_recorder(model, counter.mod_tracker, counter.flop_registry, cfg.model.padded_vocab_size)
+            recorder = make_recorder(model, counter.mod_tracker, counter.flop_registry, cfg.model.padded_vocab_size)
             with recorder:
                 with precision.autocast():
                     loss = model(idx, targets)

@@ -14,7 +14,7 @@ from typing import Iterator
 
 # The op-class recorder is shared with the counter so that profiled time and counted FLOPs
 # use the same classes; it stays private to the flops modules.
-from memtrain.analysis.flops.recorder import _make_recorder
+from memtrain.analysis.flops.recorder import make_recorder
 from memtrain.config.run import ConfigError, RunConfig
 
 __all__ = ["profile_op_classes"]
@@ -35,6 +35,7 @@ def profile_op_classes(cfg: RunConfig, steps: int = 5, warmup: int = 3) -> dict[
     split evenly, as their FLOPs and bytes are (see ``_split_attention``); identical shapes
     make equal kernel times likely, not certain.
     """
+    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
     from torch.utils.module_tracker import ModuleTracker
@@ -57,7 +58,7 @@ def profile_op_classes(cfg: RunConfig, steps: int = 5, warmup: int = 3) -> dict[
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     tracker = ModuleTracker()
-    recorder = _make_recorder(state.model, tracker, {}, cfg.model.padded_vocab_size, profile=True)
+    recorder = make_recorder(state.model, tracker, {}, cfg.model.padded_vocab_size, profile=True)
 
     @contextlib.contextmanager
     def classes() -> Iterator[None]:  # each micro-batch's forward + backward, op by op

@@ -6,10 +6,10 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Iterable
 
 from memtrain.analysis.flops.classes import (
-    _NO_BYTE_OPS,
-    _NO_FLOP_OPS,
-    _WRITE_ONLY,
     ELEMENTWISE_FLOPS,
+    NO_BYTE_OPS,
+    NO_FLOP_OPS,
+    WRITE_ONLY,
     ClassCount,
     classify,
 )
@@ -28,6 +28,7 @@ def _unique_elements(t: "torch.Tensor") -> int:
 
 
 def _tensors(value: Any) -> Iterable["torch.Tensor"]:
+    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
     import torch
 
     if isinstance(value, torch.Tensor):
@@ -41,7 +42,7 @@ def op_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     """Bytes one eager kernel reads and writes: each tensor input once, each output (or mutated
     argument) once. Views and allocations move nothing."""
     name = func._overloadpacket.__name__
-    if getattr(func, "is_view", False) or name in _NO_BYTE_OPS:
+    if getattr(func, "is_view", False) or name in NO_BYTE_OPS:
         return 0
     if name in _GATHER_BYTES:
         return _GATHER_BYTES[name](args, out)
@@ -57,7 +58,7 @@ def op_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
             n = _unique_elements(t) * t.element_size()
             if written:
                 out_ids.add(id(t))
-                total += n if name in _WRITE_ONLY else 2 * n
+                total += n if name in WRITE_ONLY else 2 * n
             else:
                 total += n
     for t in _tensors(out):
@@ -93,10 +94,11 @@ _GATHER_BYTES = {"embedding": _rows_read, "nll_loss_forward": _nll_forward,
 
 def _elementwise_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> float:
     """Analytic FLOPs of an op the counter has no formula for (see ELEMENTWISE_FLOPS)."""
+    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
     import torch
 
     name = func._overloadpacket.__name__
-    if name in _NO_FLOP_OPS or getattr(func, "is_view", False) or name in _NO_BYTE_OPS:
+    if name in NO_FLOP_OPS or getattr(func, "is_view", False) or name in NO_BYTE_OPS:
         return 0.0
     if name in ELEMENTWISE_FLOPS:
         per, basis = ELEMENTWISE_FLOPS[name]
@@ -121,7 +123,7 @@ def _leaf_module(parents: Iterable[str]) -> str:
     return max(names, key=lambda n: n.count(".")) if names else "Global"
 
 
-def _make_recorder(model: Any, tracker: Any, registry: dict, vocab: int, profile: bool = False) -> Any:
+def make_recorder(model: Any, tracker: Any, registry: dict, vocab: int, profile: bool = False) -> Any:
     """A TorchDispatchMode that attributes every aten op to (phase, class): FLOPs by the flop
     counter's formulas, analytic element-wise FLOPs, bytes. With ``profile`` it instead wraps
     each op in a profiler range ``mt::<class>`` so kernel time can be summed per class.
@@ -133,6 +135,7 @@ def _make_recorder(model: Any, tracker: Any, registry: dict, vocab: int, profile
     backward pass proper, the innermost module of ``tracker`` (torch's ModuleTracker, the one
     FlopCounterMode uses, which follows gradients through module boundaries).
     """
+    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
     import torch
     from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -199,7 +202,7 @@ def _make_recorder(model: Any, tracker: Any, registry: dict, vocab: int, profile
 _CORE_STACK: list[str] = []
 
 
-def _in_core(name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+def in_core(name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
     _CORE_STACK.append(name)
     try:
         return fn(*args, **kwargs)

@@ -55,6 +55,7 @@ def resolve_roof(gpu: Optional[str], precision: str) -> Roof:
     from memtrain.metrics import PEAK_FLOPS, device_gpu, lookup_gpu  # torch loads only when this runs
 
     if gpu is None:
+        # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
         import torch
 
         spec = device_gpu("cuda") if torch.cuda.is_available() else lookup_gpu("h100")

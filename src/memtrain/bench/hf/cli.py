@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from memtrain.bench.hf.lockstep import run_pair, run_subprocess
-from memtrain.bench.hf.report import _mib, _num, write_profiles, write_report
+from memtrain.bench.hf.report import mib, num, write_profiles, write_report
 from memtrain.bench.hf.rows import (
     COMMANDS_FILE,
     REPORT_MD,
@@ -146,8 +146,8 @@ def run_rows(opts: argparse.Namespace, out: Path, rows: list[dict[str, Any]], ma
                 append_run(out, name, side, rep, order.index(side) + 1, lockstep, h, result)
                 st = (result.get("step_time_s") or {}).get("median")
                 peak = (result.get("memory") or {}).get("peak_bytes")
-                print(f"[rep {rep} {name} {side}] {result.get('status')}: step {_num(st)} s, peak {_mib(peak)} MiB, "
-                      f"val ppl {_num(result.get('val_ppl'), '{:,.1f}')}, max batch "
+                print(f"[rep {rep} {name} {side}] {result.get('status')}: step {num(st)} s, peak {mib(peak)} MiB, "
+                      f"val ppl {num(result.get('val_ppl'), '{:,.1f}')}, max batch "
                       f"{(result.get('max_batch') or {}).get('batch_size')}, {result.get('process_wall_s', 0):.0f} s"
                       + (f" ({result.get('error')})" if result.get("status") != "ok" else ""), flush=True)
             write_report(out, rows, settings, command, start)

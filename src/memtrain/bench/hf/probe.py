@@ -13,7 +13,7 @@ import torch
 
 from memtrain.bench.hf.hf_model import apply_hf_lora, build_hf_model
 from memtrain.bench.hf.mapping import hf_plan
-from memtrain.bench.hf.trainer_side import _autocast_dtype, make_hf_optimizer, training_arguments
+from memtrain.bench.hf.trainer_side import autocast_dtype, make_hf_optimizer, training_arguments
 from memtrain.config.run import RunConfig
 from memtrain.models import is_hf
 from memtrain.models.hf import same_paths_as_eager
@@ -86,7 +86,7 @@ class HFStep:
         self.model = model
         self.optimizer = make_hf_optimizer(model, args)
         forward = model.forward
-        dtype = _autocast_dtype(args)
+        dtype = autocast_dtype(args)
         if dtype is not None:
             forward = convert_outputs_to_fp32(torch.autocast(device.type, dtype=dtype)(forward))
         if args.torch_compile and not fake:
@@ -194,7 +194,7 @@ def profile_phases(cfg: RunConfig, steps: int, top_ops: int = 12) -> dict[str, A
     from memtrain.models import build_model
     from memtrain.runtime.env import resolve_device, seed_everything
     from memtrain.techniques import build_optimizer, make_precision, prepare_model
-    from memtrain.training.train import train_step
+    from memtrain.training.step import train_step
 
     transformers.logging.set_verbosity_error()
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)  # two sides' graphs

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from memtrain.bench.hf.lockstep import window_overlap_s
-from memtrain.bench.hf.rows import COMMANDS_FILE, REPORT_JSON, REPORT_MD, SIDES, _probe_at, config_hash, read_runs
+from memtrain.bench.hf.rows import COMMANDS_FILE, REPORT_JSON, REPORT_MD, SIDES, probe_at, config_hash, read_runs
 from memtrain.files.results import write_json_atomic
 from memtrain.techniques.facts import MEMORY_CATEGORIES
 
@@ -64,7 +64,7 @@ def aggregate(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[di
                 "max_batch": (mb or {}).get("batch_size"),
                 "max_batch_peak_bytes": (mb or {}).get("peak_bytes"),
                 "max_batch_error": (mb or {}).get("error"),
-                "traced_peak_at_run_batch": _probe_at(mb, cfg.train.batch_size),
+                "traced_peak_at_run_batch": probe_at(mb, cfg.train.batch_size),
             }
         # Paired ratios: the two sides of one repetition ran together (lockstep) or back to back.
         pairs, overlaps, per_step = [], [], []
@@ -101,11 +101,11 @@ def aggregate(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[di
 
 
 
-def _mib(b: Optional[float]) -> str:
+def mib(b: Optional[float]) -> str:
     return "n/a" if b is None else f"{b / 2**20:,.1f}"
 
 
-def _num(x: Optional[float], fmt: str = "{:.2f}") -> str:
+def num(x: Optional[float], fmt: str = "{:.2f}") -> str:
     return "n/a" if x is None else fmt.format(x)
 
 
@@ -166,16 +166,16 @@ def render_markdown(report: dict[str, Any]) -> str:  # noqa: C901 - one flat sec
 
         def batch(x: Optional[int]) -> str:
             # A batch equal to the search's cap may not be the largest that fits.
-            return _num(x, "{}") if x is None or x != s.get("max_batch") else f">= {x} (cap)"
+            return num(x, "{}") if x is None or x != s.get("max_batch") else f">= {x} (cap)"
 
         def cell(side: dict[str, Any], key: str, f: Callable[[Any], str]) -> str:
             return f(side.get(key)) if side.get("status") == "ok" else side.get("status", "n/a")
 
         lines.append(
-            f"| {e['preset']} | {e['hf_status']} | {cell(o, 'peak_bytes', _mib)} | {cell(t, 'peak_bytes', _mib)} "
-            f"| {cell(o, 'step_time_s', _num)} | {cell(t, 'step_time_s', _num)} "
-            f"| {cell(o, 'tokens_per_s', lambda x: _num(x, '{:,.0f}'))} | {cell(t, 'tokens_per_s', lambda x: _num(x, '{:,.0f}'))} "
-            f"| {cell(o, 'val_ppl', lambda x: _num(x, '{:,.1f}'))} | {cell(t, 'val_ppl', lambda x: _num(x, '{:,.1f}'))} "
+            f"| {e['preset']} | {e['hf_status']} | {cell(o, 'peak_bytes', mib)} | {cell(t, 'peak_bytes', mib)} "
+            f"| {cell(o, 'step_time_s', num)} | {cell(t, 'step_time_s', num)} "
+            f"| {cell(o, 'tokens_per_s', lambda x: num(x, '{:,.0f}'))} | {cell(t, 'tokens_per_s', lambda x: num(x, '{:,.0f}'))} "
+            f"| {cell(o, 'val_ppl', lambda x: num(x, '{:,.1f}'))} | {cell(t, 'val_ppl', lambda x: num(x, '{:,.1f}'))} "
             f"| {cell(o, 'max_batch', batch)} | {cell(t, 'max_batch', batch)} |")
     lines += ["", "## Ratios (ours / theirs)", "",
               "| preset | peak | step time | step time, per run pair | step time, per step pair: median [IQR] (n) "
@@ -188,16 +188,16 @@ def render_markdown(report: dict[str, Any]) -> str:  # noqa: C901 - one flat sec
         pairs = ", ".join(f"{p:.2f}" for p in e.get("paired_step_ratios", []))
         ps = r.get("per_step")
         per_step = f"**{ps['median']:.2f}** [{ps['q1']:.2f}, {ps['q3']:.2f}] ({ps['n']})" if ps else "n/a"
-        lines.append(f"| {e['preset']} | {_num(r['peak_bytes'])} | {_num(r['step_time_s'])} | {pairs} | {per_step} "
-                     f"| {_num(r['tokens_per_s'])} | {_num(r['val_ppl'], '{:.3f}')} | {_num(r['max_batch'])} "
-                     f"| {_num(sum(e.get('step_overlap_s') or [0.0]), '{:.1f}')} |")
+        lines.append(f"| {e['preset']} | {num(r['peak_bytes'])} | {num(r['step_time_s'])} | {pairs} | {per_step} "
+                     f"| {num(r['tokens_per_s'])} | {num(r['val_ppl'], '{:.3f}')} | {num(r['max_batch'])} "
+                     f"| {num(sum(e.get('step_overlap_s') or [0.0]), '{:.1f}')} |")
     if any((e["sides"].get("ours", {}).get("max_allocated_bytes") is not None) for e in report["rows"]):
         lines += ["", "## CUDA allocator peaks (whole run)", "",
                   "| preset | max allocated MiB ours | HF | max reserved MiB ours | HF |", "|---|---:|---:|---:|---:|"]
         for e in report["rows"]:
             o, t = e["sides"].get("ours", {}), e["sides"].get("theirs", {})
-            lines.append(f"| {e['preset']} | {_mib(o.get('max_allocated_bytes'))} | {_mib(t.get('max_allocated_bytes'))} "
-                         f"| {_mib(o.get('max_reserved_bytes'))} | {_mib(t.get('max_reserved_bytes'))} |")
+            lines.append(f"| {e['preset']} | {mib(o.get('max_allocated_bytes'))} | {mib(t.get('max_allocated_bytes'))} "
+                         f"| {mib(o.get('max_reserved_bytes'))} | {mib(t.get('max_reserved_bytes'))} |")
     lines += ["", "## Memory at the peak, by category (MiB)", "",
               "| preset | side | " + " | ".join(MEMORY_CATEGORIES) + " | peak phase "
               "| traced peak at run batch | params (trainable) |",
@@ -208,9 +208,9 @@ def render_markdown(report: dict[str, Any]) -> str:  # noqa: C901 - one flat sec
             if d.get("status") != "ok" or not d.get("by_category"):
                 continue
             c = d["by_category"]
-            lines.append(f"| {e['preset']} | {side} | " + " | ".join(_mib(c.get(k)) for k in MEMORY_CATEGORIES)
-                         + f" | {d.get('peak_phase')} | {_mib(d.get('traced_peak_at_run_batch'))} "
-                         f"| {_num(d.get('parameters'), '{:,}')} ({_num(d.get('trainable_parameters'), '{:,}')}) |")
+            lines.append(f"| {e['preset']} | {side} | " + " | ".join(mib(c.get(k)) for k in MEMORY_CATEGORIES)
+                         + f" | {d.get('peak_phase')} | {mib(d.get('traced_peak_at_run_batch'))} "
+                         f"| {num(d.get('parameters'), '{:,}')} ({num(d.get('trainable_parameters'), '{:,}')}) |")
     lines += ["", "## How each preset maps onto the Trainer", ""]
     for e in report["rows"]:
         lines.append(f"- **{e['preset']}** ({e['hf_status']}; attn_implementation `{e['hf_attn_implementation']}`, "
@@ -230,9 +230,9 @@ def render_markdown(report: dict[str, Any]) -> str:  # noqa: C901 - one flat sec
     for r in report["runs"]:
         res = r["result"]
         st = res.get("step_time_s") or {}
-        lines.append(f"| {r['rep']} | {r['preset']} | {r['side']} | {r['position']} | {_num(st.get('median'))} "
-                     f"| {_num(st.get('p10'))} | {_num(st.get('p90'))} | {_mib((res.get('memory') or {}).get('peak_bytes'))} "
-                     f"| {_num(res.get('val_ppl'), '{:,.1f}')} | {_num(res.get('process_wall_s'), '{:.0f}')} |")
+        lines.append(f"| {r['rep']} | {r['preset']} | {r['side']} | {r['position']} | {num(st.get('median'))} "
+                     f"| {num(st.get('p10'))} | {num(st.get('p90'))} | {mib((res.get('memory') or {}).get('peak_bytes'))} "
+                     f"| {num(res.get('val_ppl'), '{:,.1f}')} | {num(res.get('process_wall_s'), '{:.0f}')} |")
     return "\n".join(lines) + "\n"
 
 

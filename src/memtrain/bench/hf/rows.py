@@ -67,7 +67,7 @@ def _slim(result: dict[str, Any]) -> dict[str, Any]:
 
 
 
-def _probe_at(max_batch: Optional[dict[str, Any]], batch: int) -> Optional[int]:
+def probe_at(max_batch: Optional[dict[str, Any]], batch: int) -> Optional[int]:
     for p in (max_batch or {}).get("probes", []):
         if p.get("batch_size") == batch:
             return p.get("peak_bytes")

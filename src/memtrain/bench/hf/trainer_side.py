@@ -195,7 +195,7 @@ def _trainer_classes() -> tuple[type, type]:
     return MeteredTrainer, MeterCallback
 
 
-def _autocast_dtype(args: Any) -> Optional[torch.dtype]:
+def autocast_dtype(args: Any) -> Optional[torch.dtype]:
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
 
 
@@ -256,13 +256,13 @@ def run_theirs(cfg: RunConfig, track_memory: bool = True, exact_schedule: bool =
                                  data_collator=default_data_collator, callbacks=[MeterCallback(meter)])
         trainer.step_meter = meter
         if exact_schedule:
-            from memtrain.training.train import lr_lambda
+            from memtrain.training.step import lr_lambda
 
             trainer.exact_schedule = lr_lambda(cfg)
         wall = time.perf_counter()
         trainer.train()
         total_time = time.perf_counter() - wall
-        val_loss = hf_evaluate(trainer.model, val_batches, device, _autocast_dtype(args))
+        val_loss = hf_evaluate(trainer.model, val_batches, device, autocast_dtype(args))
 
     stats = meter.timer.summary().to_dict()
     losses = [float(x) for x in meter.step_losses]

@@ -13,7 +13,7 @@ import torch
 from memtrain.bench.hf.lockstep import BATON, STEP_WINDOWS
 from memtrain.bench.hf.memtrain_side import run_ours, warm_device_facts
 from memtrain.bench.hf.probe import hf_step_peak
-from memtrain.bench.hf.rows import _probe_at
+from memtrain.bench.hf.rows import probe_at
 from memtrain.bench.hf.trainer_side import run_theirs
 from memtrain.config.run import ConfigError, RunConfig, build_config
 from memtrain.files.results import write_json_atomic
@@ -37,7 +37,7 @@ def run_side(side: str, cfg: RunConfig, maxbatch: Optional[dict[str, Any]], exac
         try:
             found = find_max_batch(cfg, budget_bytes=maxbatch.get("budget_bytes"), max_batch=maxbatch.get("max_batch"),
                                    progress=False, method=method, probe=probe).to_dict()
-            if _probe_at(found, cfg.train.batch_size) is None and method == "trace":
+            if probe_at(found, cfg.train.batch_size) is None and method == "trace":
                 # The search did not visit the run's batch: probe it for the traced-vs-measured check.
                 peak = traced_peak(side, cfg)
                 found["probes"].append({"batch_size": cfg.train.batch_size, "peak_bytes": peak, "fits": None})
