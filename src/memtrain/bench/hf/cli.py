@@ -71,6 +71,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def resolve(opts: argparse.Namespace) -> tuple[list[dict[str, Any]], Optional[dict[str, Any]], Optional[str]]:
     """The rows, the max-batch settings and the budget the flags name (ConfigError when bad)."""
+    # on this side's turn: the package imports no torch before the lockstep baton
     from memtrain.runtime.env import resolve_device
 
     device = resolve_device(opts.device)
@@ -160,6 +161,7 @@ DEFAULT_PROG = "python benchmarks/compare_hf.py"
 def main(argv: list[str], prog: str = DEFAULT_PROG) -> int:
     """Run the comparison the flags ``argv`` name; ``prog`` is how the reports write the command."""
     if argv[:1] == ["--worker"]:
+        # on this side's turn: the package imports no torch before the lockstep baton
         from memtrain.bench.hf.worker import worker_main
 
         return worker_main(*argv[1:4])

@@ -30,6 +30,7 @@ class OrderedBlocks(torch.utils.data.Dataset):
 
 def training_order(n_blocks: int, batch_size: int, seed: int, n_batches: int) -> list[int]:
     """Block indices of memtrain's first ``n_batches`` training batches, flattened."""
+    # on this side's turn: the package imports no torch before the lockstep baton
     from memtrain.data import ResumableBatchSampler
 
     order: list[int] = []
@@ -41,6 +42,7 @@ def training_order(n_blocks: int, batch_size: int, seed: int, n_batches: int) ->
 
 def hf_train_dataset(tokens: Any, cfg: RunConfig) -> OrderedBlocks:
     """The Trainer's dataset: exactly the micro-batches memtrain's loader gives for ``cfg``."""
+    # on this side's turn: the package imports no torch before the lockstep baton
     from memtrain.data import BlockDataset
 
     t = cfg.train

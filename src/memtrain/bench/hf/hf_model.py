@@ -57,6 +57,7 @@ def transformers_model(cfg: RunConfig, init_from_memtrain: bool = True) -> PreTr
     With ``init_from_memtrain`` the global seed is set first, as ``memtrain.training.train`` does right
     before building, and a directory's ``*.safetensors`` weights are loaded as memtrain loads
     them; the same initial weights on both sides (a test checks the first losses agree)."""
+    # on this side's turn: the package imports no torch before the lockstep baton
     from memtrain.models import build_model
 
     if init_from_memtrain:

@@ -115,6 +115,7 @@ def _model_type(cfg: RunConfig) -> str:
     """transformers' model_type of the row's model (gpt2 for memtrain's GPT)."""
     if not is_hf(cfg):
         return "gpt2"
+    # on this side's turn: the package imports no torch before the lockstep baton
     from memtrain.models import load_config
 
     return str(load_config(cfg.model.model).model_type)
@@ -123,7 +124,10 @@ def _model_type(cfg: RunConfig) -> str:
 def _transformers_model_attention(cfg: RunConfig, plan: HFPlan, mapping: list[str], none: list[str]) -> None:
     """Attention of a ``--model SPEC`` row: memtrain's own attn_implementation choice (both sides
     run one model, so they share it), and its sliding window where the architecture has one."""
+    # on this side's turn: the package imports no torch before the lockstep baton
     from memtrain.models import load_config
+
+    # on this side's turn: the package imports no torch before the lockstep baton
     from memtrain.models.hf import ATTN_IMPLEMENTATION
 
     t = cfg.technique
@@ -240,6 +244,7 @@ def hf_plan(cfg: RunConfig, device_type: str) -> HFPlan:  # noqa: C901 - one bra
                 none.append("--adafactor-relative-step: the Trainer's optim='adafactor' always takes --lr as the "
                             "step size (scale_parameter=False)")
         elif t.optim in LOW_BIT_BLOCK:
+            # on this side's turn: the package imports no torch before the lockstep baton
             from memtrain.techniques.optim import low_bit_block
 
             block = low_bit_block(t)
@@ -260,6 +265,7 @@ def hf_plan(cfg: RunConfig, device_type: str) -> HFPlan:  # noqa: C901 - one bra
 
     # -- LoRA
     if t.lora_rank and hf_model:
+        # on this side's turn: the package imports no torch before the lockstep baton
         from memtrain.techniques.hf_mapping import lora_target_modules
 
         # The same peft LoraConfig memtrain injects (targets, rank, alpha, dropout); peft itself

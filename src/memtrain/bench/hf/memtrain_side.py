@@ -22,7 +22,10 @@ def warm_device_facts(cfg: RunConfig) -> None:
     model; an uncached probe draws random matrices from the global generator and would give
     memtrain other initial weights than the Trainer side. Probing first, in both workers,
     makes the in-run probe a cache read on both sides."""
+    # on this side's turn: the package imports no torch before the lockstep baton
     from memtrain.devices.advice import run_device_facts
+
+    # on this side's turn: the package imports no torch before the lockstep baton
     from memtrain.runtime.env import resolve_device
 
     run_device_facts(cfg.technique.precision, resolve_device(cfg.train.device))
@@ -30,7 +33,10 @@ def warm_device_facts(cfg: RunConfig) -> None:
 
 def run_ours(cfg: RunConfig) -> dict[str, Any]:
     """Train ``cfg`` with memtrain, handing the lockstep turn over after every step."""
+    # on this side's turn: the package imports no torch before the lockstep baton
     import memtrain.training.train
+
+    # on this side's turn: the package imports no torch before the lockstep baton
     from memtrain.metrics import StepTimer
 
     class HandoffStepTimer(StepTimer):

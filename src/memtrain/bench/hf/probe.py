@@ -24,6 +24,7 @@ class _ItemStub:
     Values never change how much memory a step takes."""
 
     def __enter__(self) -> "_ItemStub":
+        # on this side's turn: the package imports no torch before the lockstep baton
         from torch.utils._python_dispatch import TorchDispatchMode
 
         class _Mode(TorchDispatchMode):
@@ -134,7 +135,10 @@ def hf_step_peak(cfg: RunConfig, batch: int, fake: Optional[bool] = None) -> Opt
     """
     import transformers
 
+    # on this side's turn: the package imports no torch before the lockstep baton
     from memtrain.metrics import MemoryMeter, reset_device_peak
+
+    # on this side's turn: the package imports no torch before the lockstep baton
     from memtrain.runtime.env import resolve_device
 
     transformers.logging.set_verbosity_error()
@@ -145,6 +149,7 @@ def hf_step_peak(cfg: RunConfig, batch: int, fake: Optional[bool] = None) -> Opt
     try:
         with contextlib.ExitStack() as stack:
             if fake:
+                # on this side's turn: the package imports no torch before the lockstep baton
                 from torch._subclasses.fake_tensor import FakeTensorMode
 
                 stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
@@ -172,6 +177,7 @@ def hf_step_peak(cfg: RunConfig, batch: int, fake: Optional[bool] = None) -> Opt
         return None
     finally:
         del hf, meter
+        # on this side's turn: the package imports no torch before the lockstep baton
         import gc
 
         gc.collect()
@@ -188,12 +194,23 @@ def profile_phases(cfg: RunConfig, steps: int, top_ops: int = 12) -> dict[str, A
     both sides share one allocator and, with torchao, one compile cache).
     """
     import transformers
+
+    # on this side's turn: the package imports no torch before the lockstep baton
     from torch.profiler import ProfilerActivity, profile
 
+    # on this side's turn: the package imports no torch before the lockstep baton
     from memtrain.metrics import synchronize
+
+    # on this side's turn: the package imports no torch before the lockstep baton
     from memtrain.models import build_model
+
+    # on this side's turn: the package imports no torch before the lockstep baton
     from memtrain.runtime.env import resolve_device, seed_everything
+
+    # on this side's turn: the package imports no torch before the lockstep baton
     from memtrain.techniques import build_optimizer, make_precision, prepare_model
+
+    # on this side's turn: the package imports no torch before the lockstep baton
     from memtrain.training.step import train_step
 
     transformers.logging.set_verbosity_error()

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from memtrain.bench.hf.lockstep import window_overlap_s
-from memtrain.bench.hf.rows import COMMANDS_FILE, REPORT_JSON, REPORT_MD, SIDES, probe_at, config_hash, read_runs
+from memtrain.bench.hf.rows import COMMANDS_FILE, REPORT_JSON, REPORT_MD, SIDES, config_hash, probe_at, read_runs
 from memtrain.files.results import write_json_atomic
 from memtrain.techniques.facts import MEMORY_CATEGORIES
 
@@ -239,6 +239,7 @@ def render_markdown(report: dict[str, Any]) -> str:  # noqa: C901 - one flat sec
 def write_report(out: Path, rows: list[dict[str, Any]], settings: dict[str, Any], command: Optional[str],
                  start: float) -> dict[str, Any]:
     """Aggregate every recorded run of these rows; write JSON and Markdown; return the report."""
+    # on this side's turn: the package imports no torch before the lockstep baton
     from memtrain.runtime.env import environment, resolve_device
 
     hashes = {config_hash(r["config"]) for r in rows}
@@ -256,6 +257,7 @@ def write_report(out: Path, rows: list[dict[str, Any]], settings: dict[str, Any]
     tf_version = next((r["result"].get("transformers") for r in runs if r["result"].get("transformers")), None)
     if tf_version is None:
         try:
+            # on this side's turn: the package imports no torch before the lockstep baton
             import importlib.metadata as md
 
             tf_version = md.version("transformers")

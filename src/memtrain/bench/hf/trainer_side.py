@@ -80,7 +80,10 @@ class StepMeter:
     """
 
     def __init__(self, device: torch.device, steps: int, warmup_timing_steps: int, track_memory: bool = True) -> None:
+        # on this side's turn: the package imports no torch before the lockstep baton
         from memtrain.metrics import StepTimer
+
+        # on this side's turn: the package imports no torch before the lockstep baton
         from memtrain.training.train import METERED_STEPS
 
         self.device = device
@@ -99,6 +102,7 @@ class StepMeter:
         return self.meter is not None and self.step in self.metered_steps
 
     def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        # on this side's turn: the package imports no torch before the lockstep baton
         from memtrain.metrics import MemoryMeter
 
         if self.metered_steps:
@@ -225,9 +229,16 @@ def run_theirs(cfg: RunConfig, track_memory: bool = True, exact_schedule: bool =
     """
     import transformers
 
+    # on this side's turn: the package imports no torch before the lockstep baton
     from memtrain.data import make_val_batches, prepare_tokens
+
+    # on this side's turn: the package imports no torch before the lockstep baton
     from memtrain.metrics import device_peak_memory
+
+    # on this side's turn: the package imports no torch before the lockstep baton
     from memtrain.models import data_tokenizer
+
+    # on this side's turn: the package imports no torch before the lockstep baton
     from memtrain.runtime.env import environment, resolve_device
 
     transformers.logging.set_verbosity_error()
@@ -256,6 +267,7 @@ def run_theirs(cfg: RunConfig, track_memory: bool = True, exact_schedule: bool =
                                  data_collator=default_data_collator, callbacks=[MeterCallback(meter)])
         trainer.step_meter = meter
         if exact_schedule:
+            # on this side's turn: the package imports no torch before the lockstep baton
             from memtrain.training.step import lr_lambda
 
             trainer.exact_schedule = lr_lambda(cfg)

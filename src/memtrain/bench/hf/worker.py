@@ -21,7 +21,10 @@ from memtrain.files.results import write_json_atomic
 
 def run_side(side: str, cfg: RunConfig, maxbatch: Optional[dict[str, Any]], exact_schedule: bool = False) -> dict[str, Any]:
     """One side's run (training, then the max-batch search); the worker process calls this."""
+    # on this side's turn: the package imports no torch before the lockstep baton
     from memtrain.analysis.maxbatch import find_max_batch
+
+    # on this side's turn: the package imports no torch before the lockstep baton
     from memtrain.runtime.env import resolve_device
 
     warm_device_facts(cfg)
@@ -50,6 +53,7 @@ def run_side(side: str, cfg: RunConfig, maxbatch: Optional[dict[str, Any]], exac
 def traced_peak(side: str, cfg: RunConfig) -> Optional[int]:
     """The traced steady-state peak at the run's own batch (CPU)."""
     if side == "ours":
+        # on this side's turn: the package imports no torch before the lockstep baton
         from memtrain.analysis.maxbatch import traced_step_peak
 
         return traced_step_peak(cfg, cfg.train.batch_size)
