@@ -4,8 +4,10 @@ must see what they claim to see, and the package itself keeps an import graph wi
 from __future__ import annotations
 
 import ast
+import importlib.util
 import io
 import json
+import re
 import subprocess
 import sys
 import tokenize
@@ -153,3 +155,25 @@ def test_the_checks_see_a_private_import_and_an_uncommented_local_import(tmp_pat
     path = tmp_path / "memtrain" / "a.py"
     assert _private_imports(path) == ["memtrain/a.py:1: memtrain.b._hidden"]
     assert _uncommented_local_imports(path) == ["memtrain/a.py:3: import json", "memtrain/a.py:4: from memtrain.c import d"]
+
+
+def test_the_architecture_doc_lists_every_package_and_only_real_ones():
+    """docs/architecture.md's package table is drawn from the tree: each package has a row, each
+    row names a package (or module) that exists, and the layers it states are import_graph's."""
+    doc = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    table = doc[doc.index("## Packages"):doc.index("## The step harness")]
+    named = set(re.findall(r"^\| `([a-z_/]+(?:\.py)?)`", table, flags=re.M))
+    packages = {p.parent.relative_to(SRC).as_posix() + "/" for p in SRC.glob("*/__init__.py")}
+    missing = sorted(packages - named)
+    assert not missing, f"packages without a row in docs/architecture.md: {missing}"
+    for name in named:
+        assert (SRC / name).exists(), f"docs/architecture.md names {name}, which does not exist"
+    rules = doc[doc.index("## Import rules"):doc.index("## Interface contract")]
+    spec = importlib.util.spec_from_file_location("import_graph", SRC.parents[1] / "benchmarks" / "import_graph.py")
+    assert spec and spec.loader
+    graph = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(graph)
+    for _, prefixes in graph.LAYERS:
+        for prefix in prefixes:
+            if prefix not in ("__main__", "cli", "commands"):
+                assert f"`{prefix}`" in rules or prefix in rules, f"layer prefix {prefix} not in the doc's import rules"
