@@ -22,7 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from memtrain.analysis.estimate import estimate
+from memtrain.analysis.estimate.method import estimate_step, model_arch
 from memtrain.config.run import ConfigError, build_config
 from memtrain.files.results import write_json_atomic
 from memtrain.runtime.extras import quiet_third_party
@@ -69,8 +69,10 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         from memtrain.runtime.env import resolve_device  # torch loads only when this runs
 
-        # The analytic prediction of the same run, shown beside the measurement in the report.
-        result["estimate"] = estimate(cfg, device_type=resolve_device(cfg.train.device).type).to_dict()
+        # The prediction of the same run, shown beside the measurement in the report: the one
+        # `memtrain estimate` makes (analytic, or traced for a transformers model it does not model).
+        device_type = resolve_device(cfg.train.device).type
+        result["estimate"] = estimate_step(cfg, device_type, model_arch(cfg)).json
     except Exception as exc:  # noqa: BLE001 - an estimator gap must not lose the measured row
         result["estimate"] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
     return result

@@ -45,20 +45,9 @@ on CPU; with a timeout, so a collective whose peer died fails instead of blockin
 loop a :class:`DistContext` with the few hooks the loop needs.
 """
 
-from memtrain.distributed.deepspeed_engine import deepspeed_config
-from memtrain.distributed.session import DistContext, distributed_session, init_distributed
-from memtrain.distributed.validation import check_combination
-from memtrain.distributed.wrapping import apply_distributed
-
-# The package's modules, one seam each: validation (impossible combinations, before any process
-# group), session (the process group's lifetime and the DistContext hooks the train loop uses),
-# wrapping (DDP / FSDP2 / ZeRO-1 around the finished model), deepspeed_engine (DeepSpeed's
-# config and train step), fault_injection (a rank that fails on purpose, for tests).
-__all__ = [
-    "DistContext",
-    "apply_distributed",
-    "check_combination",
-    "deepspeed_config",
-    "distributed_session",
-    "init_distributed",
-]
+# The package's modules, one seam each (imported from the module itself, not re-exported here: a
+# torch-free verb that reads memtrain.distributed.rank_errors must not start torch by importing the
+# package): validation (impossible combinations, before any process group), session (the process
+# group's lifetime and the DistContext hooks the train loop uses), wrapping (DDP / FSDP2 / ZeRO-1
+# around the finished model), deepspeed_engine (DeepSpeed's config and train step), fault_injection
+# (a rank that fails on purpose, for tests), rank_errors (every rank fails together), launch.

@@ -248,7 +248,7 @@ def save_tokenizer(out: Path) -> None:
 def save_model_tokenizer(cfg: RunConfig, out: Path) -> None:
     """The tokenizer a transformers model was trained with (memtrain.models.data_tokenizer):
     its own, or GPT-2's when its folder had none."""
-    from memtrain.models import data_tokenizer
+    from memtrain.models.families import data_tokenizer
 
     tok = data_tokenizer(cfg)
     if tok is None:

@@ -62,7 +62,7 @@ def from_checkpoint(path: Path) -> tuple[Any, Codec]:
     model, cfg = load_trained(path)
     if isinstance(model, GPT):
         return to_hf_model(model, cfg), gpt2_codec()
-    from memtrain.models import data_tokenizer
+    from memtrain.models.families import data_tokenizer
 
     tok = data_tokenizer(cfg)
     return model.lm, gpt2_codec() if tok is None else transformers_codec(tok.tok)
