@@ -158,9 +158,9 @@ def test_checkpoint_saves_and_restores_the_train_state(tmp_path):
 
 
 def test_a_model_family_plugs_in_at_one_seam(monkeypatch):
-    """A new family is one entry in memtrain.models.FAMILIES: build_state (and so train,
+    """A new family is one entry in memtrain.models.families.FAMILIES: build_state (and so train,
     maxbatch, trace, profiling) builds and prepares its model through it."""
-    import memtrain.models as models
+    import memtrain.models.families as models
     from memtrain.models.gpt import GPT
 
     seen = []
