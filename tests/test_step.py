@@ -158,10 +158,10 @@ def test_checkpoint_saves_and_restores_the_train_state(tmp_path):
 
 
 def test_a_model_family_plugs_in_at_one_seam(monkeypatch):
-    """A new family is one entry in memtrain.models.FAMILIES and its technique mapping one in
+    """A new family is one entry in memtrain.models.families.FAMILIES and its technique mapping one in
     memtrain.techniques.order.PREPARERS: build_state (and so train, maxbatch, trace, profiling)
     builds and prepares its model through them."""
-    import memtrain.models as models
+    import memtrain.models.families as models
     import memtrain.techniques.order as order
     from memtrain.models.gpt import GPT
 

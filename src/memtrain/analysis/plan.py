@@ -6,7 +6,9 @@
    (:func:`memtrain.analysis.estimate.estimate`).
 2. Rank the sets that fit by a relative step-time model (:func:`step_cost`).
 3. Optionally verify the best one by training it for a few steps and comparing the tracked
-   peak with the prediction (:func:`verify`).
+   peak with the prediction: :func:`verify_config` is the run, :func:`verification` the
+   comparison; ``memtrain plan --verify`` trains it through memtrain.training, so this search
+   imports no training code (and no torch for memtrain's GPT).
 
 The cost model is a model, not a measurement (docs/estimation.md gives its table): FLOPs of the
 step (6 x parameters x tokens + attention, plus what checkpointing recomputes), divided by a
@@ -24,10 +26,13 @@ from itertools import product
 from typing import Any, Optional
 
 from memtrain.analysis.estimate import GPT2_ARCH, Arch, estimate, param_count
+from memtrain.analysis.estimate.hf import hf_arch, why_not_modelled
 from memtrain.config.run import ConfigError, RunConfig, train_flags
+from memtrain.models.spec import cost_arch, is_gpt_preset
 from memtrain.techniques.facts import ADAMW_KERNELS, BF16_PURE_OPTIMS, checkpoint_policy
 
-__all__ = ["Candidate", "PlanResult", "DEVICE_PROFILES", "default_space", "plan", "step_cost", "verify"]
+__all__ = ["Candidate", "PlanResult", "DEVICE_PROFILES", "default_space", "plan", "step_cost", "verification",
+           "verify_config"]
 
 
 # --------------------------------------------------------------------------- the cost model
@@ -169,7 +174,6 @@ def default_space(cfg: RunConfig, device_type: str) -> dict[str, list[str]]:
     attentions = ["math"] if (cpu and cfg.model.dropout > 0) else ["math", "sdpa"]
     if not cpu:
         attentions = ["sdpa", "math"]
-    from memtrain.models.spec import is_gpt_preset  # torch-free
 
     checkpointings = ["none", "selective", "every:2", "full"] if cfg.model.n_layers > 1 else ["none", "full"]
     if not is_gpt_preset(cfg.model.model):
@@ -243,7 +247,8 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
         nonlocal evaluated
         evaluated += 1
         if traced:
-            from memtrain.analysis.depth_trace import trace_any_depth  # torch-free --help/estimate/plan
+            # The torch line, crossed for a transformers model only: its candidates are traced.
+            from memtrain.analysis.depth_trace import trace_any_depth
 
             r = trace_any_depth(c, device_type)  # 2 + 3 layers extended to the depth when exact
             return float(r["peak_bytes"]), str(r["peak_phase"])
@@ -347,8 +352,6 @@ def _transformers_arch(cfg: RunConfig, device_type: str) -> tuple[Arch, bool, st
     torch; on a CPU-only build a family the analytic model covers is estimated analytically with
     CUDA kernel facts, as ``memtrain estimate`` does, and any other is refused with the flag that
     plans it on CPU kernels instead."""
-    from memtrain.models.spec import cost_arch  # torch-free --help/estimate/plan
-
     assert cfg.model.model is not None, "arch=None plans a transformers --model"
     if device_type != "cuda":
         return cost_arch(cfg.model.model), True, ""
@@ -356,8 +359,6 @@ def _transformers_arch(cfg: RunConfig, device_type: str) -> tuple[Arch, bool, st
 
     if cuda_trace_supported():
         return cost_arch(cfg.model.model), True, ""
-    from memtrain.analysis.estimate.hf import hf_arch, why_not_modelled  # torch-free --help/estimate/plan
-
     reason = why_not_modelled(cfg)
     if reason is not None:
         raise ConfigError(f"--device-type cuda: {reason}, and tracing it with CUDA kernels needs a CUDA build of "
@@ -374,14 +375,17 @@ def candidate_config(cfg: RunConfig, c: Candidate) -> RunConfig:
     return cfg.replace(**c.techniques, batch_size=c.batch_size, grad_accum=c.grad_accum)
 
 
-def verify(cfg: RunConfig, c: Candidate, steps: int = 2, arch: Arch = GPT2_ARCH) -> dict[str, Any]:
-    """Train candidate ``c`` for ``steps`` steps (embedded default data unless ``cfg`` says
-    otherwise) and compare the tracked peak of the steady-state step with the prediction."""
-    from memtrain.training.train import train  # torch-free --help/estimate/plan
+def verify_config(cfg: RunConfig, c: Candidate, steps: int = 2) -> RunConfig:
+    """The short run that checks candidate ``c``: ``steps`` steps (at least 2, so that one is a
+    steady-state step) with no warm-up, evaluation or progress, on the embedded default data
+    unless ``cfg`` says otherwise. The command trains it (memtrain.training.train.train)."""
+    return candidate_config(cfg, c).replace(steps=max(2, steps), warmup_steps=0, eval_every=0,
+                                            warmup_timing_steps=0, progress=False, val_blocks=1)
 
-    run_cfg = candidate_config(cfg, c).replace(steps=max(2, steps), warmup_steps=0, eval_every=0,
-                                              warmup_timing_steps=0, progress=False, val_blocks=1)
-    result = train(run_cfg, progress=False)
+
+def verification(c: Candidate, run_cfg: RunConfig, result: dict[str, Any]) -> dict[str, Any]:
+    """The tracked peak of the steady-state step of ``verify_config``'s run (its ``result``)
+    against the prediction of candidate ``c``."""
     measured = result["memory"]["peak_bytes"]
     return {"predicted_bytes": int(round(c.peak_bytes)), "measured_bytes": measured,
             "error": (c.peak_bytes / measured - 1) if measured else None,

@@ -32,25 +32,29 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, Optional
 
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from memtrain.config.run import ConfigError, RunConfig
+from memtrain.metrics import MemoryMeter
+from memtrain.models.families import build_model
+from memtrain.models.hf import same_paths_as_eager
+from memtrain.models.spec import is_hf
+from memtrain.techniques.precision import make_precision
+from memtrain.training.step import build_state, measure_steps, random_micro_batches
 
 __all__ = ["trace_step", "trace_peak_bytes", "cuda_trace_supported"]
 
 
 def cuda_trace_supported() -> bool:
     """Whether fake CUDA tensors can run autograd in this torch build."""
-    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
-    import torch
-
     return torch.version.cuda is not None or torch.cuda.is_available()
 
 
 def _item_stub(t: Any) -> Any:
     """What ``.item()`` answers on a fake tensor: 1 (True for bool). AdamW's step counter and
     the loss are read this way; no value ever changes the memory of a step."""
-    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
-    import torch
-
     if t.dtype == torch.bool:
         return True
     return 1.0 if t.dtype.is_floating_point else 1
@@ -59,10 +63,6 @@ def _item_stub(t: Any) -> Any:
 def _stub_mode(device_type: str) -> Any:
     """On fake CUDA, a dispatch mode above the fake mode that replaces random kernels by
     allocations of the same size (the memory they would take); on CPU none is needed."""
-    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     if device_type != "cuda":
         # Every op of a trace passes through each Python dispatch mode on the stack: a mode
         # that would only forward costs time for nothing.
@@ -105,10 +105,6 @@ def _fake_mode() -> Any:
     and an output's storage is the same with or without the constant, so a trace without them
     gives the same bytes, faster.
     """
-    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     item = torch.ops.aten._local_scalar_dense.default
 
     class _TraceFakeMode(FakeTensorMode):
@@ -126,9 +122,6 @@ def _fake_mode() -> Any:
 @contextlib.contextmanager
 def _cuda_stubs(device_type: str) -> Iterator[None]:
     """On a CUDA build without a visible GPU, answer the few torch.cuda queries a step makes."""
-    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
-    import torch
-
     if device_type != "cuda" or torch.cuda.is_available():
         yield
         return
@@ -148,9 +141,6 @@ def _fake_safe_module_to() -> Iterator[None]:
     """``Module.to`` that replaces parameters instead of swapping them (swapping refuses fake
     tensors); a parameter already on the target device and dtype is left alone, so tied
     weights stay tied. Needed because peft moves its adapters with ``.to``."""
-    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
-    import torch
-
     original = torch.nn.Module.to
 
     def to(module, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -179,9 +169,6 @@ def _fake_safe_module_to() -> Iterator[None]:
 def _fake_prepare(device: Any) -> Iterator[None]:
     """Where the technique pass runs under fake tensors: ``Module.to`` replaces parameters and
     new tensors land on the traced device."""
-    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
-    import torch
-
     with _fake_safe_module_to(), torch.device(device):
         yield
 
@@ -193,18 +180,6 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
     """Run ``steps`` training steps of ``cfg`` on fake tensors; return the last step's
     :class:`memtrain.metrics.MemoryStats` as a dict (``peak_bytes``, ``by_category``,
     ``peak_phase``, ``phase_peaks``...), plus ``device_type``."""
-    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
-    import torch
-
-    from memtrain.metrics import MemoryMeter  # torch-free --help/estimate/plan
-    from memtrain.models import build_model  # torch-free --help/estimate/plan
-    from memtrain.techniques import make_precision  # torch-free --help/estimate/plan
-    from memtrain.training.step import (  # torch-free --help/estimate/plan
-        build_state,
-        measure_steps,
-        random_micro_batches,
-    )
-
     if device_type not in ("cpu", "cuda"):
         raise ConfigError(f"--trace-device {device_type!r}: use cpu or cuda")
     if cfg.model.n_layers > MAX_TRACE_LAYERS:
@@ -227,9 +202,6 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
         default_dtype = torch.get_default_dtype()
         # Compiled functions (torchao's low-bit optimizer steps) cannot be compiled over fake
         # tensors: run them eagerly. Their eager scratch is larger than the fused kernel's.
-        from memtrain.models import is_hf  # torch-free --help/estimate/plan
-        from memtrain.models.hf import same_paths_as_eager  # torch-free --help/estimate/plan
-
         # Only a transformers model needs transformers patched; importing it for memtrain's own
         # model cost each max-batch probe about as long as importing torch.
         hf_paths = same_paths_as_eager() if is_hf(cfg) else contextlib.nullcontext()
@@ -258,8 +230,5 @@ def trace_peak_bytes(cfg: RunConfig, device_type: Optional[str] = None) -> int:
     if device_type is None:
         device_type = "cuda" if cfg.train.device.startswith("cuda") else "cpu"
         if cfg.train.device == "auto":
-            # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
-            import torch
-
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
     return int(trace_step(cfg, device_type)["peak_bytes"])

@@ -23,7 +23,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from memtrain.analysis.estimate import estimate
+from memtrain.analysis.estimate.method import estimate_step, model_arch
 from memtrain.config.run import ConfigError, build_config
 from memtrain.files.results import write_json_atomic
 from memtrain.runtime.extras import quiet_third_party
@@ -68,14 +68,21 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
             result["max_batch"] = found.to_dict()
         except (ConfigError, RuntimeError) as exc:
             result["max_batch"] = {"batch_size": None, "error": str(exc).splitlines()[0]}
-    try:
-        from memtrain.runtime.env import resolve_device  # torch loads only when this runs
-
-        # The analytic prediction of the same run, shown beside the measurement in the report.
-        result["estimate"] = estimate(cfg, device_type=resolve_device(cfg.train.device).type).to_dict()
-    except Exception as exc:  # noqa: BLE001 - an estimator gap must not lose the measured row
-        result["estimate"] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+    result["estimate"] = row_estimate(cfg)
     return result
+
+
+def row_estimate(cfg: Any) -> dict[str, Any]:
+    """The prediction of a row's run, shown beside its measurement in the report: the estimate
+    `memtrain estimate` makes of the same config (analytic, or traced for a transformers model
+    the analytic model does not cover), or ``{"error": ...}``."""
+    from memtrain.runtime.env import resolve_device  # torch loads only when this runs
+
+    try:
+        device_type = resolve_device(cfg.train.device).type
+        return estimate_step(cfg, device_type, model_arch(cfg)).json
+    except Exception as exc:  # noqa: BLE001 - an estimator gap must not lose the measured row
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
 
 
 def main(argv: list[str]) -> int:

@@ -6,13 +6,11 @@ import argparse
 import importlib.util
 import json
 import re
-import time
 from pathlib import Path
 from typing import Any
 
-from memtrain.analysis.estimate import GPT2_ARCH, estimate, estimate_inference, parse_count, shape_for_params
-from memtrain.analysis.estimate.hf import analytic_estimate, hf_arch, why_not_modelled
-from memtrain.analysis.trace import trace_step
+from memtrain.analysis.estimate import GPT2_ARCH, estimate_inference, parse_count, shape_for_params
+from memtrain.analysis.estimate.method import StepEstimate, estimate_step
 from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, config_from_args, defaults_note, fmt_bytes, register
 from memtrain.config.argtypes import world_size
 from memtrain.config.presets import PRESETS, preset
@@ -155,8 +153,10 @@ def _run(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
     device_type = _device_type(args, cfg)
     shard = _shard(args, cfg)
     _check_gpu_flag(args, device_type)
-    est = estimate(cfg, arch, device_type, world_size=args.world_size, shard=shard, gpu=args.gpu)
-    out = est.to_dict()
+    step = estimate_step(cfg, device_type, arch, world_size=args.world_size, shard=shard, gpu=args.gpu)
+    est = step.analytic
+    assert est is not None  # memtrain's GPT and the analytic presets are always analytic
+    out = step.json
     out.update(_fit(args, cfg, arch, device_type, shard))
     traced = None
     if args.trace:
@@ -165,7 +165,7 @@ def _run(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
         if args.world_size > 1:
             raise ConfigError("--trace traces one process; drop --world-size to trace, or use the analytic estimate")
 
-        traced = trace_step(cfg, args.trace_device or device_type)
+        traced = _trace_any_depth(cfg, args.trace_device or device_type)
         out["trace"] = _trace_check(traced, est.peak_bytes)
     if args.json:
         print(json.dumps(out, indent=2, default=float))
@@ -198,51 +198,6 @@ def _run(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
         print("how:")
         print("\n".join("  " + line for line in est.explanation))
     return 0
-
-
-def traced_estimate(cfg: Any, device_type: str, full_trace: bool = False) -> dict[str, Any]:
-    """The estimate JSON of a transformers model: its traced step (fake tensors, nothing
-    allocated), in the contract's keys; the logits are part of the traced ``activations``.
-    ``method`` says how: "extrapolated" (two shallow copies of the model traced, every
-    category extended affinely to the real depth: memtrain.analysis.depth_trace) or "trace" (every
-    layer; with ``full_trace``, for shallow models, or where the depth is not affine)."""
-
-    from memtrain.analysis.depth_trace import trace_any_depth  # torch-free --help/estimate/plan
-
-    start = time.perf_counter()
-    traced = trace_any_depth(cfg, device_type, full=full_trace)
-    cats = traced["by_category"]
-    # What is traced is what memtrain.analysis.estimate.hf does not model (other families, QLoRA,
-    # ...). Our GPT's analytic model with the llama substitutions is shown beside the trace with
-    # its error, so nobody mistakes it for the answer.
-    analytic = None
-    try:
-        from memtrain.models.spec import cost_arch  # torch-free --help/estimate/plan
-
-        e = estimate(cfg, cost_arch(cfg.model.model), device_type)
-        analytic = {"peak_bytes": e.peak_bytes, "bytes": e.bytes,
-                    "error_vs_trace": e.peak_bytes / traced["peak_bytes"] - 1 if traced["peak_bytes"] else None}
-    except Exception:  # noqa: BLE001 - the approximation is optional; the trace is the answer
-        pass
-    return {
-        "model": cfg.model.model,
-        "method": traced["method"],
-        "probe_layers": traced["probe_layers"],
-        "note": ("traced under fake tensors with " + " and ".join(map(str, traced["probe_layers"]))
-                 + " decoder layers, every category extended to " + str(cfg.model.n_layers) + " layers"
-                 if traced["method"] == "extrapolated" else
-                 "traced under fake tensors, every layer (" + traced["full_trace_reason"] + ")"),
-        "parameters": traced.get("parameters"),
-        "bytes": {"weights": cats["parameters"], "gradients": cats["gradients"], "optimizer": cats["optimizer"],
-                  "activations": cats["activations"], "logits": None, "temporaries": cats["temporaries"]},
-        "peak_bytes": traced["peak_bytes"],
-        "peak_phase": traced["peak_phase"],
-        "device_type": traced["device_type"],
-        "trace_seconds": time.perf_counter() - start,
-        "analytic_approximation": analytic,
-        "trace": {"peak_bytes": traced["peak_bytes"], "by_category": cats, "peak_phase": traced["peak_phase"],
-                  "device_type": traced["device_type"], "error": 0.0},
-    }
 
 
 def _device_type(args: argparse.Namespace, cfg: Any) -> str:
@@ -300,23 +255,13 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
         raise ConfigError("--mode inference is analytic for memtrain's GPT only; drop --mode for a transformers --model")
     device_type = args.trace_device or _device_type(args, cfg)
     _check_gpu_flag(args, device_type)
-
-    reason = why_not_modelled(cfg)
-    if args.world_size > 1:
-        # One rank's share is the analytic model's (the same sharding rules as for our GPT);
-        # the trace runs one process, which holds no shards.
-        if reason is not None:
-            raise ConfigError(f"--world-size for a transformers --model needs its analytic model, and {reason}; "
-                              "drop --world-size to trace one process")
-        if args.trace or args.full_trace:
-            raise ConfigError("--trace traces one process; drop --world-size to trace, or use the analytic estimate")
-        return _run_hf_analytic(args, cfg, device_type)
-    # One process trains the unsharded model: the trace needs no process group.
-    cfg = cfg.replace(distributed="none", cpu_offload=False) if cfg.technique.distributed != "none" else cfg
-    if reason is None and not args.full_trace:
-        return _run_hf_analytic(args, cfg, device_type)
-    out = traced_estimate(cfg, device_type, full_trace=args.full_trace)
-    out["not_analytic"] = reason or "--full-trace"
+    step = estimate_step(cfg, device_type, None, world_size=args.world_size, shard=_shard(args, cfg), gpu=args.gpu,
+                         full_trace=args.full_trace and args.world_size == 1)
+    if args.world_size > 1 and (args.trace or args.full_trace):
+        raise ConfigError("--trace traces one process; drop --world-size to trace, or use the analytic estimate")
+    if step.method == "analytic":
+        return _run_hf_analytic(args, step, device_type)
+    cfg, out = step.cfg, step.json
     if args.gpu is not None:
         # The allocator model replays the analytic simulator's events; a trace records none yet.
         out["device_memory"] = None
@@ -348,19 +293,14 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
     return 0
 
 
-def _run_hf_analytic(args: argparse.Namespace, cfg: Any, device_type: str) -> int:
+def _run_hf_analytic(args: argparse.Namespace, step: StepEstimate, device_type: str) -> int:
     """A transformers family the analytic model covers (memtrain.analysis.estimate.hf): the
     analytic estimate, with --trace the (extrapolated) trace beside it and the error."""
-    from memtrain.analysis.depth_trace import trace_any_depth  # torch-free --help/estimate/plan
-
-    est = analytic_estimate(cfg, device_type, gpu=args.gpu, world_size=args.world_size, shard=_shard(args, cfg))
+    cfg, est, out = step.cfg, step.analytic, step.json
     assert est is not None
-    out = {"model": cfg.model.model, "method": "analytic",
-           "note": "analytic model of transformers decoder layers (memtrain.analysis.estimate.hf); --trace to check it",
-           **est.to_dict()}
-    out.update(_fit(args, cfg, hf_arch(cfg.model.model), device_type, _shard(args, cfg)))
+    out.update(_fit(args, cfg, step.arch, device_type, _shard(args, cfg)))
     if args.trace:
-        traced = trace_any_depth(cfg, device_type)
+        traced = _trace_any_depth(cfg, device_type)
         out["trace"] = _trace_check(traced, est.peak_bytes, method=traced["method"],
                                     probe_layers=traced["probe_layers"])
     if args.json:
@@ -390,6 +330,15 @@ def _run_hf_analytic(args: argparse.Namespace, cfg: Any, device_type: str) -> in
 
 register("estimate", "Predict training (or inference) memory by component without running it; --trace to check with fake tensors.",
          add_args, run)
+
+
+def _trace_any_depth(cfg: Any, device_type: str) -> dict[str, Any]:
+    """--trace: the step traced under fake tensors (memtrain.analysis.depth_trace). The command's
+    one crossing of the torch line: every other path of `memtrain estimate` is arithmetic, so
+    the tracing code (and torch) is imported only when --trace asks for it."""
+    from memtrain.analysis.depth_trace import trace_any_depth
+
+    return trace_any_depth(cfg, device_type)
 
 
 def _device_memory_rows(dmem: Any) -> list[tuple[str, str, str]]:

@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from memtrain.analysis.plan import candidate_config, default_space, plan, verify
+from memtrain.analysis.plan import Candidate, candidate_config, default_space, plan, verification, verify_config
 from memtrain.bench.runner import read_results
 from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, defaults_note, fmt_bytes, register
 from memtrain.commands.estimate import add_model_choice, device_type_for, resolve_model
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     if args.verify:
         if arch is not None and arch.name != "gpt2":
             raise ConfigError(f"--verify trains our GPT-2-style model; --model {args.preset} can only be planned")
-        res.verified = verify(cfg, res.candidates[rec], steps=args.verify_steps, arch=arch)
+        res.verified = _verify(cfg, res.candidates[rec], args.verify_steps)
     out = res.to_dict()
     for c, t, m in zip(out["candidates"], techs, measured):
         c["numerics"], c["numerics_standard"], c["measured_ppl_effect"] = numerics_note(t), is_standard(t), m
@@ -118,6 +118,16 @@ def run(args: argparse.Namespace) -> int:
     for note in res.notes[1:]:  # how the peaks were found, where the first (the cost model) says nothing new
         print(f"note: {note}")
     return 0
+
+
+def _verify(cfg: Any, cand: Candidate, steps: int) -> dict[str, Any]:
+    """--verify: train the recommended candidate for ``steps`` steps and compare its measured
+    tracked peak with the prediction. The one place plan crosses the torch line: the search
+    above is arithmetic, so training (and torch) is imported only when --verify asks for it."""
+    from memtrain.training.train import train
+
+    run_cfg = verify_config(cfg, cand, steps)
+    return verification(cand, run_cfg, train(run_cfg, progress=False))
 
 
 def _measured_effects(results_dir: str, techs: list[dict]) -> list:

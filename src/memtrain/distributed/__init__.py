@@ -45,37 +45,8 @@ on CPU; with a timeout, so a collective whose peer died fails instead of blockin
 loop a :class:`DistContext` with the few hooks the loop needs.
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from memtrain.distributed.deepspeed_engine import deepspeed_config
-    from memtrain.distributed.session import DistContext, distributed_session, init_distributed
-    from memtrain.distributed.validation import check_combination
-    from memtrain.distributed.wrapping import apply_distributed
-
-# The package's modules, one seam each: validation (impossible combinations, before any process
-# group), session (the process group's lifetime and the DistContext hooks the train loop uses),
-# wrapping (DDP / FSDP2 / ZeRO-1 around the finished model), deepspeed_engine (DeepSpeed's
-# config and train step); rank_errors and launch (torch-free until a rank runs) are what the CLI
-# reads before any command, so the package itself imports none of the torch modules.
-__all__ = [
-    "DistContext",
-    "apply_distributed",
-    "check_combination",
-    "deepspeed_config",
-    "distributed_session",
-    "init_distributed",
-]
-
-# Resolved on first use (PEP 562), so `import memtrain.distributed.rank_errors` loads no torch.
-_LAZY = {"DistContext": "session", "apply_distributed": "wrapping", "check_combination": "validation",
-         "deepspeed_config": "deepspeed_engine", "distributed_session": "session", "init_distributed": "session"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"memtrain.distributed.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'memtrain.distributed' has no attribute {name!r}")
+# The package's modules, one seam each (imported from the module itself, not re-exported here: a
+# torch-free verb that reads memtrain.distributed.rank_errors must not start torch by importing the
+# package): validation (impossible combinations, before any process group), session (the process
+# group's lifetime and the DistContext hooks the train loop uses), wrapping (DDP / FSDP2 / ZeRO-1
+# around the finished model), deepspeed_engine (DeepSpeed's config and train step), rank_errors (every rank fails together), launch.

@@ -1,74 +1,44 @@
 """Models: memtrain's own GPT (the default) and any transformers causal LM (``--model SPEC``).
 
-One seam for every command that runs a step: a :class:`ModelFamily` in :data:`FAMILIES`
+One seam for every command that runs a step: a ``ModelFamily`` in ``FAMILIES`` (:mod:`.families`)
 says which configs it claims, how to build its model and how the techniques map onto it.
-:func:`build_model` builds through it, ``memtrain.techniques.prepare_model`` (called by the
+``build_model`` builds through it, ``memtrain.techniques.prepare_model`` (called by the
 step harness, :mod:`memtrain.training.step`) applies the techniques through the family's mapping
 (``memtrain.techniques.order.PREPARERS``, by the family's name: models never import techniques), and
-:func:`data_tokenizer` names the tokenizer the data must be read with. A new model family is
-one more entry in :data:`FAMILIES` (claimed before the GPT, which takes every config left).
+``data_tokenizer`` names the tokenizer the data must be read with. A new model family is
+one more entry in ``FAMILIES`` (claimed before the GPT, which takes every config left).
 
-    spec.py       what --model SPEC names (preset, bundled config, path, hf:ORG/NAME)
+    spec.py       what --model SPEC names (preset, bundled config, path, hf:ORG/NAME); no torch
+    families.py   the family seam: FAMILIES, build_model, family_of, data_tokenizer (torch)
+    gpt.py        memtrain's GPT
     hf.py         HFCausalLM (GPT's forward/loss/blocks seams); its technique mapping: techniques/hf_mapping.py
     qlora.py      NF4 base weights (torchao on CPU, bitsandbytes on CUDA)
     tokenizer.py  the model's own tokenizer for the data pipeline
     configs/      public architecture hyper-parameters of full-size models (no weights)
+
+Importing this package loads no torch: the analytic commands read :mod:`.spec` through it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Any
 
-import torch.nn as nn
+from memtrain.models.spec import bundled_names, is_hf, load_config, resolve
 
-from memtrain.config.run import RunConfig
-from memtrain.models.gpt import GPT
-from memtrain.models.hf import build_hf_model
-from memtrain.models.spec import bundled_names, is_gpt_preset, load_config, resolve
-from memtrain.models.tokenizer import data_tokenizer
+if TYPE_CHECKING:
+    from memtrain.models.families import FAMILIES, ModelFamily, build_model, data_tokenizer, family_of
 
 __all__ = ["FAMILIES", "ModelFamily", "build_model", "family_of", "is_hf", "data_tokenizer", "bundled_names",
            "load_config", "resolve"]
 
-
-def is_hf(cfg: RunConfig) -> bool:
-    """Whether ``cfg`` trains a transformers model rather than memtrain's GPT."""
-    return not is_gpt_preset(cfg.model.model)
-
-
-@dataclass(frozen=True)
-class ModelFamily:
-    """One kind of model memtrain trains: the one seam a model family plugs into."""
-
-    name: str
-    claims: Callable[[RunConfig], bool]  # whether a config names a model of this family
-    # (cfg, with_weights) -> the model on the current default device and dtype
-    build: Callable[[RunConfig, bool], nn.Module]
+# The torch side (memtrain.models.families), resolved on first use (PEP 562), so that
+# `import memtrain.models.spec` loads no torch. Code in the package imports families directly.
+_LAZY = frozenset({"FAMILIES", "ModelFamily", "build_model", "family_of", "data_tokenizer"})
 
 
-def _build_gpt(cfg: RunConfig, with_weights: bool) -> nn.Module:
-    return GPT(cfg.model)  # randomly initialized: memtrain's GPT has no pretrained weights
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from memtrain.models import families  # the torch line: crossed when a model is built
 
-
-def _build_hf(cfg: RunConfig, with_weights: bool) -> nn.Module:
-    return build_hf_model(cfg, with_weights=with_weights)
-
-
-# Claimed in order; the GPT takes every config no other family claims.
-FAMILIES: list[ModelFamily] = [
-    ModelFamily("transformers", is_hf, _build_hf),  # mapping: memtrain.techniques.hf_mapping
-    ModelFamily("gpt", lambda cfg: True, _build_gpt),
-]
-
-
-def family_of(cfg: RunConfig) -> ModelFamily:
-    """The family that claims ``cfg``'s model."""
-    return next(f for f in FAMILIES if f.claims(cfg))
-
-
-def build_model(cfg: RunConfig, with_weights: bool = True) -> nn.Module:
-    """The model ``cfg`` describes, on the current default device and dtype: our GPT, or a
-    transformers causal LM (pretrained weights when the source has them and ``with_weights``)."""
-    return family_of(cfg).build(cfg, with_weights)
-
+        return getattr(families, name)
+    raise AttributeError(f"module 'memtrain.models' has no attribute {name!r}")

@@ -44,9 +44,6 @@ ATTN_IMPLEMENTATION = {
     "flash-attn": "flash_attention_2",
     "flex": "flex_attention",
 }
-# memtrain's default LoRA targets name our GPT's modules; for HF models the default is every
-# Linear of the decoder (peft's "all-linear", the QLoRA paper's choice; the LM head excluded).
-GPT_LORA_TARGETS = "qkv,proj,fc,fc_out"
 
 
 class HFCausalLM(nn.Module):

@@ -33,6 +33,9 @@ from memtrain.models.hub_access import from_pretrained_kwargs, offline_hint
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 HUB_PREFIX = "hf:"
+# memtrain's default LoRA targets name our GPT's modules; for HF models the default is every
+# Linear of the decoder (peft's "all-linear", the QLoRA paper's choice; the LM head excluded).
+GPT_LORA_TARGETS = "qkv,proj,fc,fc_out"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # Every file a transformers tokenizer class may read that decides the token ids: the identity
 # of a folder's tokenizer (the token cache's key) hashes exactly these names, never a file or
@@ -102,6 +105,12 @@ def is_gpt_preset(spec: Optional[str]) -> bool:
         return True
 
     return spec in PRESETS
+
+
+def is_hf(cfg: Any) -> bool:
+    """Whether ``cfg`` (a RunConfig: config.run reads this module, so it is not imported here)
+    trains a transformers model rather than memtrain's GPT."""
+    return not is_gpt_preset(cfg.model.model)
 
 
 def resolve(spec: str) -> ModelSource:

@@ -19,8 +19,9 @@ import torch.nn as nn
 
 from memtrain.config.run import ConfigError, RunConfig, TechniqueConfig
 from memtrain.distributed.wrapping import apply_distributed
-from memtrain.models.hf import GPT_LORA_TARGETS, HFCausalLM
+from memtrain.models.hf import HFCausalLM
 from memtrain.models.qlora import nf4_unshardable, quantize_base_weights
+from memtrain.models.spec import GPT_LORA_TARGETS
 from memtrain.techniques.checkpointing import apply_checkpointing
 from memtrain.techniques.compile import apply_compile
 from memtrain.techniques.facts import checkpoint_policy

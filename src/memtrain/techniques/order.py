@@ -12,7 +12,7 @@ import torch
 from memtrain.attention.apply import apply_attention
 from memtrain.config.run import ConfigError, RunConfig
 from memtrain.distributed.wrapping import apply_distributed
-from memtrain.models import family_of
+from memtrain.models.families import family_of
 from memtrain.models.gpt import GPT
 from memtrain.techniques.checkpointing import apply_checkpointing
 from memtrain.techniques.compile import apply_compile

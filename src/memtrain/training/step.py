@@ -51,7 +51,7 @@ import torch.nn as nn
 
 from memtrain.config.run import RunConfig
 from memtrain.metrics import MemoryMeter, reset_device_peak
-from memtrain.models import build_model
+from memtrain.models.families import build_model
 from memtrain.techniques import Precision, build_optimizer, make_precision, prepare_model
 from memtrain.training.preflight import check_model_size
 

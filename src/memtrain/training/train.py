@@ -33,7 +33,7 @@ from memtrain.distributed.session import DistContext, distributed_session
 from memtrain.files.results import FolderLock, register_writer, remove_stale_temps
 from memtrain.metrics import MemoryMeter, StepTimer, device_peak_memory, percentile, reset_device_peak
 from memtrain.metrics.state import ShardedStateBytes
-from memtrain.models import data_tokenizer
+from memtrain.models.families import data_tokenizer
 from memtrain.runtime.env import environment, resolve_device, seed_everything
 from memtrain.techniques import Precision, make_precision
 from memtrain.techniques.optim import check_optimizer_installed

@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 from memtrain.analysis.estimate.training import estimate
 from memtrain.config.archs import LLAMA_ARCH, Arch
+from memtrain.models.spec import GPT_LORA_TARGETS, load_config  # load_config reads through transformers
 
 __all__ = ["MODELLED", "hf_arch", "why_not_modelled", "analytic_estimate"]
 
@@ -40,9 +41,6 @@ MODELLED = ("llama", "qwen2", "mistral")
 def why_not_modelled(cfg: Any) -> Optional[str]:
     """None when the analytic model covers ``cfg`` (a RunConfig of a transformers model), else
     the reason it does not (the estimate then traces)."""
-    from memtrain.models.hf import GPT_LORA_TARGETS  # imports torch: only when asked
-    from memtrain.models.spec import load_config  # torch loads only when this runs
-
     c = load_config(cfg.model.model)
     tech = cfg.technique
     if c.model_type not in MODELLED:
@@ -65,8 +63,6 @@ def why_not_modelled(cfg: Any) -> Optional[str]:
 
 def hf_arch(spec: str) -> Arch:
     """The :class:`Arch` of a modelled transformers config (Llama-style layers, its k/v heads)."""
-    from memtrain.models.spec import load_config  # torch loads only when this runs
-
     c = load_config(spec)
     return replace(LLAMA_ARCH, name=c.model_type, n_kv_heads=getattr(c, "num_key_value_heads", None), hf=True)
 

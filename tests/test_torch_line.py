@@ -1,0 +1,109 @@
+"""The torch line: what answers by arithmetic imports no torch, and every caller that estimates a
+step (`memtrain estimate`, a bench row) makes the same choice of method.
+
+Torch-free: the config and its sections, what a --model names (memtrain.models.spec), the
+technique facts, the analytic estimator and its choice of method, plan's search, the rendering.
+Torch side: building models, applying techniques, the step harness, train, trace, maxbatch,
+profile. A transformers --model is read through transformers' AutoConfig, and transformers
+imports torch whenever it is installed (its configuration module loads its rope utilities,
+which import torch), so only the naming of a bundled config is torch-free there.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from memtrain.cli import main
+
+HEAVY = ("torch", "transformers", "numpy")
+
+
+def _loaded_after(code: str) -> dict[str, bool]:
+    """Which heavy packages a fresh interpreter holds after running ``code`` (its last line of
+    stdout is the answer; what ``code`` prints before it is kept in ``printed``)."""
+    probe = textwrap.dedent(code) + "\nimport json, sys\nprint(json.dumps({m: m in sys.modules for m in %r}))\n" % (HEAVY,)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _cli_loaded(*argvs: list[str]) -> dict[str, bool]:
+    """Run ``memtrain.cli.main(argv)`` for each argv in one fresh interpreter (each must exit 0)."""
+    calls = "\n".join(f"assert main({argv!r}) == 0, {argv!r}" for argv in argvs)
+    return _loaded_after("import contextlib, io\nfrom memtrain.cli import main\n"
+                         f"with contextlib.redirect_stdout(io.StringIO()):\n{textwrap.indent(calls, '    ')}")
+
+
+def test_the_analytic_estimate_imports_no_torch():
+    seen = _cli_loaded(["estimate", "--batch-size", "4"],
+                       ["estimate", "--json", "--gpu", "h100", "--budget", "40GiB", "--world-size", "4", "--shard", "fsdp"],
+                       ["estimate", "--params", "1B", "--mode", "inference"],
+                       ["estimate", "--model", "llama-7b", "--explain"])  # an analytic preset
+    assert not any(seen.values()), seen
+
+
+def test_plans_search_imports_no_torch():
+    seen = _cli_loaded(["plan", "--budget", "8GiB"], ["plan", "--budget", "4GiB", "--max-batch", "64", "--json"],
+                       ["plan", "--budget", "80GiB", "--device-type", "cuda", "--params", "1B"])
+    assert not any(seen.values()), seen
+
+
+def test_the_flop_rule_and_the_model_names_import_no_torch():
+    """`memtrain flops` counts a real step under FakeTensorMode (torch); its rule of thumb is
+    arithmetic. Naming a bundled transformers config (what it resolves to, whether a run trains
+    it) needs neither transformers nor torch; reading it does, even to check its model_type is one
+    transformers ships (see the module docstring)."""
+    seen = _loaded_after("""
+        from memtrain.analysis.flops.rules import rule_flops_per_token
+        from memtrain.config.run import ModelConfig
+        assert rule_flops_per_token(ModelConfig(), 256, 124_000_000) > 6 * 124_000_000
+        import memtrain.models, memtrain.techniques, memtrain.distributed.rank_errors
+        from memtrain.models.spec import bundled_names, is_gpt_preset, resolve
+        src = resolve("llama-3-8b")
+        assert "llama-3-8b" in bundled_names() and not is_gpt_preset("llama-3-8b")
+        assert src.repo is None and src.config_path.name == "llama-3-8b.json"
+    """)
+    assert not any(seen.values()), seen
+
+
+def _cli_json(capsys, argv: list[str]) -> dict:
+    capsys.readouterr()
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+ROW = {"batch_size": 2, "seq_len": 32, "attention": "sdpa", "precision": "fp32", "device": "cpu"}
+
+
+def _flags(settings: dict) -> list[str]:
+    return [x for k, v in settings.items() for x in ("--" + k.replace("_", "-"), str(v))]
+
+
+@pytest.mark.parametrize("model, method", [("tiny-llama", "analytic"), ("tiny-gpt2", "extrapolated")])
+def test_a_bench_rows_estimate_is_the_models_own(capsys, model, method):
+    """A bench row of a transformers model shows the estimate `memtrain estimate --model` gives
+    for the same settings (the analytic model of its layers, or its trace), not a GPT's."""
+    from memtrain.bench.worker import row_estimate
+    from memtrain.config.run import build_config
+
+    row = row_estimate(build_config({"model": model, **ROW}))
+    cli = _cli_json(capsys, ["estimate", "--model", model, "--json", *_flags(ROW)])
+    assert row["method"] == cli["method"] == method
+    for timing in ("trace_seconds",):  # how long the trace took: the one field that may differ
+        row.pop(timing, None), cli.pop(timing, None)
+    assert row == cli
+
+
+def test_a_bench_rows_estimate_of_memtrains_gpt_is_the_commands(capsys):
+    from memtrain.bench.worker import row_estimate
+    from memtrain.config.run import build_config
+
+    settings = {"d_model": 64, "n_heads": 4, "n_layers": 2, "d_ff": 128, "max_seq_len": 64, **ROW,
+                "attention": "math"}
+    row = row_estimate(build_config(settings))
+    assert row == _cli_json(capsys, ["estimate", "--json", *_flags(settings)])
