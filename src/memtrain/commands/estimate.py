@@ -336,7 +336,7 @@ def _trace_any_depth(cfg: Any, device_type: str) -> dict[str, Any]:
     """--trace: the step traced under fake tensors (memtrain.analysis.depth_trace). The command's
     one crossing of the torch line: every other path of `memtrain estimate` is arithmetic, so
     the tracing code (and torch) is imported only when --trace asks for it."""
-    from memtrain.analysis.depth_trace import trace_any_depth
+    from memtrain.analysis.depth_trace import trace_any_depth  # the torch line, crossed on --trace only
 
     return trace_any_depth(cfg, device_type)
 

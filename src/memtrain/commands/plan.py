@@ -124,7 +124,7 @@ def _verify(cfg: Any, cand: Candidate, steps: int) -> dict[str, Any]:
     """--verify: train the recommended candidate for ``steps`` steps and compare its measured
     tracked peak with the prediction. The one place plan crosses the torch line: the search
     above is arithmetic, so training (and torch) is imported only when --verify asks for it."""
-    from memtrain.training.train import train
+    from memtrain.training.train import train  # the torch line, crossed on --verify only
 
     run_cfg = verify_config(cfg, cand, steps)
     return verification(cand, run_cfg, train(run_cfg, progress=False))

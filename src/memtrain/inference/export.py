@@ -47,6 +47,7 @@ from memtrain.checkpoints.exact import read_state
 from memtrain.config.run import ConfigError, RunConfig, build_config
 from memtrain.data.tokenizer import EOT_ID, vocab_dir
 from memtrain.models import is_hf
+from memtrain.models.families import data_tokenizer
 from memtrain.models.gpt import GPT
 from memtrain.models.hf import HFCausalLM, build_hf_model, quiet_transformers
 from memtrain.models.spec import resolve
@@ -265,8 +266,6 @@ def save_tokenizer(out: Path) -> None:
 def save_model_tokenizer(cfg: RunConfig, out: Path) -> None:
     """The tokenizer a transformers model was trained with (memtrain.models.data_tokenizer):
     its own, or GPT-2's when its folder had none."""
-    from memtrain.models.families import data_tokenizer
-
     tok = data_tokenizer(cfg)
     if tok is None:
         save_tokenizer(out)

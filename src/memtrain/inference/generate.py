@@ -27,6 +27,7 @@ import torch
 from memtrain.config.run import ConfigError, ModelConfig
 from memtrain.data.tokenizer import EOT_ID, N_VOCAB, get_tokenizer
 from memtrain.inference.export import load_trained, require_transformers, to_hf_model
+from memtrain.models.families import data_tokenizer
 from memtrain.models.gpt import GPT
 from memtrain.models.hf import load_pretrained_lm
 from memtrain.models.spec import TOKENIZER_FILES, read_config_json, refuse_custom_tokenizer
@@ -65,8 +66,6 @@ def from_checkpoint(path: Path) -> tuple[Any, Codec]:
     model, cfg = load_trained(path)
     if isinstance(model, GPT):
         return to_hf_model(model, cfg), gpt2_codec()
-    from memtrain.models.families import data_tokenizer
-
     tok = data_tokenizer(cfg)
     return model.lm, gpt2_codec() if tok is None else transformers_codec(tok.tok)
 
