@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from memtrain.analysis.estimate.hf_nodes import hf_norm_node, hf_rope_node
-from memtrain.analysis.estimate.params import _lora_targets
+from memtrain.analysis.estimate.params import _lora_targets, lora_split
 from memtrain.analysis.estimate.simulator import _Compression, _Node, _Segment
 from memtrain.config.archs import Arch
 from memtrain.config.run import ModelConfig, RunConfig, TechniqueConfig
@@ -54,9 +54,13 @@ def _rename_key(nodes: list[_Node], old: str, new: str) -> None:
 
 
 def _linear(nodes: list[_Node], dm: _Dims, name: str, x: str, out: str, n_in: int, n_out: int,
-            trainable_base: bool, lora: int, x_bytes: float) -> None:
-    """A Linear layer: autocast casts of input/weight/bias, the matmul, LoRA adapters."""
-    N, a, bias = dm.n, dm.a, dm.bias
+            trainable_base: bool, lora: int, x_bytes: float, *, bias: Optional[bool] = None,
+            lora_parts: tuple[str, ...] = ("",)) -> None:
+    """A Linear layer: autocast casts of input/weight/bias, the matmul, LoRA adapters.
+    ``bias``: this Linear's (default: the model's rule, ``dm.bias``); ``lora_parts``: the name
+    suffixes of the adapter pairs (one per Linear the entry stands for, :func:`lora_split`)."""
+    N, a = dm.n, dm.a
+    bias = dm.bias if bias is None else bias
     w, bname = f"param:{name}.weight", f"param:{name}.bias"
     w_in = w
     if dm.autocast:
@@ -92,10 +96,13 @@ def _linear(nodes: list[_Node], dm: _Dims, name: str, x: str, out: str, n_in: in
             nodes.append(_Node(f"{name}.lora_cast", out=[(f"{x}@lora", N * n_in * ad)], inputs=[x],
                                grads=[(x, N * n_in * a)]))
             xa = f"{x}@lora"
-        nodes.append(_Node(la, out=[(la, N * lora * ad)], inputs=[xa], saves=[xa], matmul=True,
-                           grads=[(xa, N * n_in * ad), (f"param:{name}.lora_A", 0.0)]))
+        # One A product per Linear the entry stands for (q, k, v each read x); the B products
+        # together are as wide as the fused output.
+        n_a = len(lora_parts)
+        nodes.append(_Node(la, out=[(la, N * lora * ad * n_a)], inputs=[xa], saves=[xa], matmul=True,
+                           grads=[(xa, N * n_in * ad)] + [(f"param:{name}.lora_A{s}", 0.0) for s in lora_parts]))
         nodes.append(_Node(lb, out=[(lb, N * n_out * ad)], inputs=[la], saves=[la], matmul=True,
-                           grads=[(la, N * lora * ad), (f"param:{name}.lora_B", 0.0)]))
+                           grads=[(la, N * lora * ad * n_a)] + [(f"param:{name}.lora_B{s}", 0.0) for s in lora_parts]))
         nodes.append(_Node(f"{name}.lora_scale", out=[(f"{lb}.s", N * n_out * ad)], inputs=[lb],
                            grads=[(lb, N * n_out * ad)]))
         src = f"{lb}.s"
@@ -256,8 +263,10 @@ def _block_nodes(dm: _Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable
                            grads=[(src, N * d * r)] + pg))
 
     def lin(short: str, name: str, src: str, out: str, n_in: int, n_out: int, src_bytes: float) -> None:
+        parts = tuple(suffix for suffix, _ in lora_split(arch, short, n_out, d, dm.kv))
         _linear(nodes, dm, name, src, out, n_in, n_out, trainable_base,
-                lora if short in targets else 0, src_bytes)
+                lora if short in targets else 0, src_bytes, bias=dm.bias or (arch.qkv_bias and short == "qkv"),
+                lora_parts=parts)
 
     norm(f"{p}.ln_1", x, f"{p}.ln1")
     lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0" if dm.hf else f"{p}.qkv", d, d + 2 * dm.kv, r)
