@@ -38,6 +38,9 @@ def _check_supported(model: HFCausalLM, cfg: RunConfig, device: torch.device) ->
         raise ConfigError("--attention flex has no CPU backward in this torch; use sdpa on CPU")
     if tech.qlora and not tech.lora_rank:
         raise ConfigError("--qlora quantizes the frozen base weights under LoRA; add --lora-rank 16")
+    if model.logit_softcap is not None and tech.loss != "standard":
+        raise ConfigError(f"--loss {tech.loss}: --model {model.source_spec!r} caps its logits "
+                          "(final_logit_softcapping), which only --loss standard applies; use --loss standard")
     if checkpoint_policy(tech.checkpointing).kind == "selective":
         # Megatron's policy recomputes only the attention core, which memtrain reaches through
         # its own GPT's attention seam (block.attn.attn_fn); transformers' layers call their
