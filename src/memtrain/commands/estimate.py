@@ -152,6 +152,7 @@ def _run(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
     est = estimate(cfg, arch, device_type, world_size=args.world_size, shard=shard, gpu=args.gpu)
     out = est.to_dict()
     out.update(_fit(args, cfg, arch, device_type, shard))
+    out.update(_loss_kernel(cfg, device_type))
     traced = None
     if args.trace:
         if arch.name != "gpt2":
@@ -187,6 +188,7 @@ def _run(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
         rows.append(("traced peak (fake tensors)", fmt_bytes(traced["peak_bytes"]),
                      f"{traced['peak_phase']}; estimate {out['trace']['error']:+.1%}"))
     print(_table(rows))
+    _print_loss_kernel(out)
     _print_fit(out)
     if args.explain:
         print("how:")
@@ -263,6 +265,19 @@ def _fit(args: argparse.Namespace, cfg: Any, arch: Any, device_type: str, shard:
     return {"fit": verdict.to_dict(), "fit_line": verdict.line()}
 
 
+def _loss_kernel(cfg: Any, device_type: str) -> dict[str, Any]:
+    """``loss_kernel``, where the run would use another loss kernel than the one estimated
+    (Liger's, :func:`memtrain.techniques.facts.liger_loss_runs`); {} otherwise."""
+    from memtrain.techniques.facts import LIGER_LOSS_NOTE, liger_loss_runs
+
+    return {"loss_kernel": LIGER_LOSS_NOTE} if liger_loss_runs(cfg.technique.loss, device_type) else {}
+
+
+def _print_loss_kernel(out: dict[str, Any]) -> None:
+    if "loss_kernel" in out:
+        print(f"  note: {out['loss_kernel']}")
+
+
 def _print_fit(out: dict[str, Any]) -> None:
     """The verdict line of --budget/--gpu, its measure and assumptions (nothing without them)."""
     if "fit_line" in out:
@@ -312,6 +327,7 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
         return _run_hf_analytic(args, cfg, device_type)
     out = traced_estimate(cfg, device_type, full_trace=args.full_trace)
     out["not_analytic"] = reason or "--full-trace"
+    out.update(_loss_kernel(cfg, device_type))
     if args.gpu is not None:
         # The allocator model replays the analytic simulator's events; a trace records none yet.
         out["device_memory"] = None
@@ -335,6 +351,7 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
           f"not analytic: {out['not_analytic']}")
     if "device_memory_note" in out:
         print(f"  {out['device_memory_note']}")
+    _print_loss_kernel(out)
     _print_fit(out)
     a = out["analytic_approximation"]
     if a is not None and a["error_vs_trace"] is not None:
@@ -354,6 +371,7 @@ def _run_hf_analytic(args: argparse.Namespace, cfg: Any, device_type: str) -> in
            "note": "analytic model of transformers decoder layers (memtrain.analysis.estimate.hf); --trace to check it",
            **est.to_dict()}
     out.update(_fit(args, cfg, hf_arch(cfg.model.model), device_type, _shard(args, cfg)))
+    out.update(_loss_kernel(cfg, device_type))
     if args.trace:
         traced = trace_any_depth(cfg, device_type)
         out["trace"] = _trace_check(traced, est.peak_bytes, method=traced["method"],
@@ -377,6 +395,7 @@ def _run_hf_analytic(args: argparse.Namespace, cfg: Any, device_type: str) -> in
                      f"{tr['peak_phase']}, {tr['method']}; estimate {tr['error']:+.1%}"))
     print(_table(rows))
     print(f"  {out['note']}")
+    _print_loss_kernel(out)
     _print_fit(out)
     if args.explain:
         print("\n".join("  " + line for line in est.explanation))
