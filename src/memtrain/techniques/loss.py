@@ -44,8 +44,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 from memtrain.config.run import ConfigError, TechniqueConfig
-from memtrain.techniques.facts import liger_loss_runs
 from memtrain.models.gpt import LossFn, standard_lm_loss
+from memtrain.techniques.facts import liger_loss_runs
 
 IGNORE_INDEX = -100
 
