@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 from memtrain.analysis.estimate.hf_nodes import hf_norm_node, hf_rope_node
@@ -325,10 +325,11 @@ def _embedding_nodes(dm: _Dims, arch: Arch, trainable: bool) -> list[_Node]:
 
 
 def _head_nodes(dm: _Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, trainable: bool,
-                grads_exist: bool) -> list[_Node]:
-    """Final norm, LM head and loss (standard: full logits; chunked: fused, chunk x vocab)."""
+                grads_exist: bool, n_blocks: int) -> list[_Node]:
+    """Final norm, LM head and loss (standard: full logits; chunked: fused, chunk x vocab).
+    ``n_blocks``: the simulated blocks, the last of which makes the head's input."""
     N, d, V, a, r = dm.n, dm.d, dm.V, dm.a, dm.r
-    x = f"blocks.{m.n_layers}.in"
+    x = f"blocks.{n_blocks}.in"
     layer = arch.norm == "layernorm"
     head = "lm_head.weight" if m.untie_embeddings else "wte.weight"
     pg = [("param:ln_f.weight", 0.0)] if trainable else []
@@ -426,7 +427,8 @@ def _segments(cfg: RunConfig, arch: Arch, dm: _Dims, trainable_base: bool, grads
             continue
         segs.append(_Segment(f"block {i}", nodes,
                              checkpoint=mode if policy.whole_block(i, L) else "none", input_key=f"blocks.{j}.in"))
-    segs.append(_Segment("head", _head_nodes(dm, replace(m, n_layers=comp.blocks), tech, arch, trainable_base,
-                                             grads_exist)))
+    # (The simulated depth is passed, not set on a copy of cfg.model: a transformers model's
+    # ModelConfig mirrors its config.json again on every copy, n_layers included.)
+    segs.append(_Segment("head", _head_nodes(dm, m, tech, arch, trainable_base, grads_exist, comp.blocks)))
     assert L == comp.blocks + comp.lumps * comp.period
     return segs
