@@ -58,9 +58,14 @@ def _linear(nodes: list[_Node], dm: _Dims, name: str, x: str, out: str, n_in: in
             lora_parts: tuple[str, ...] = ("",)) -> None:
     """A Linear layer: autocast casts of input/weight/bias, the matmul, LoRA adapters.
     ``bias``: this Linear's (default: the model's rule, ``dm.bias``); ``lora_parts``: the name
-    suffixes of the adapter pairs (one per Linear the entry stands for, :func:`lora_split`)."""
+    suffixes of the Linears the entry stands for (:func:`lora_split`), one adapter pair each."""
     N, a = dm.n, dm.a
     bias = dm.bias if bias is None else bias
+    n_linears = len(lora_parts)  # the separate Linears this entry stands for
+    # autograd saves a matmul's input only for the weight's gradient: a frozen transformers
+    # base weight keeps none (our GPT's frozen Linears are modelled as keeping it).
+    keeps_input = trainable_base or not dm.hf
+    lora_x: Optional[str] = None
     w, bname = f"param:{name}.weight", f"param:{name}.bias"
     w_in = w
     if dm.autocast:
@@ -73,9 +78,19 @@ def _linear(nodes: list[_Node], dm: _Dims, name: str, x: str, out: str, n_in: in
             nodes.append(_Node(f"{name}.cast_b", out=[(f"{name}.bc", 0.0 if dm.weights_in_compute_dtype else n_out * a)], hold=True,
                                grads=[(bname, 0.0)] if trainable_base else []))
         if x_bytes != a:
-            nodes.append(_Node(f"{name}.cast_x", out=[(f"{x}@{name}", N * n_in * a)], inputs=[x],
+            # autocast caches the casts of leaf weights only: each Linear casts its input
+            # itself, and its matmul saves that copy (q, k and v: three copies of one input).
+            # (A frozen transformers Linear keeps no input: its casts live one at a time.)
+            copies = n_linears if keeps_input else 1
+            nodes.append(_Node(f"{name}.cast_x", out=[(f"{x}@{name}", N * n_in * a * copies)], inputs=[x],
                                grads=[(x, N * n_in * x_bytes)]))
-            x = f"{x}@{name}"
+            x_in, x = x, f"{x}@{name}"
+            if lora and dm.hf:
+                # peft hands the adapters the Linear's own (uncast) input: under autocast
+                # lora_A casts it once more, per adapted Linear, and saves that copy.
+                lora_x = f"{x_in}@{name}.lora"
+                nodes.append(_Node(f"{name}.lora_cast_x", out=[(lora_x, N * n_in * a * n_linears)], inputs=[x_in],
+                                   grads=[(x_in, N * n_in * x_bytes)]))
     base_out = f"{out}.base" if lora else out
     grads = [(x, N * n_in * a)]
     if trainable_base:
@@ -83,15 +98,15 @@ def _linear(nodes: list[_Node], dm: _Dims, name: str, x: str, out: str, n_in: in
         if bias:
             grads.append((f"{name}.bc" if dm.autocast else bname, n_out * a if dm.autocast else 0.0))
     extra = [w_in] if dm.autocast else []
-    nodes.append(_Node(name, out=[(base_out, N * n_out * a)], inputs=[x] + extra, saves=[x] + extra,
-                       grads=grads, matmul=True))
+    nodes.append(_Node(name, out=[(base_out, N * n_out * a)], inputs=[x] + extra,
+                       saves=([x] if keeps_input else []) + extra, grads=grads, matmul=True))
     if lora:
         # peft: out = base(x) + lora_B(lora_A(x)) * scale. The adapters are float32; under
         # autocast they compute in the autocast dtype, on a bf16-pure base peft casts x up to
         # float32 for them and the result back down.
         ad = 4 if (not dm.autocast and a != 4 and not dm.hf) else a  # peft (hf): the base's dtype
         la, lb = f"{name}.lora_a", f"{name}.lora_b"
-        xa = x
+        xa = lora_x or x
         if ad != a:
             nodes.append(_Node(f"{name}.lora_cast", out=[(f"{x}@lora", N * n_in * ad)], inputs=[x],
                                grads=[(x, N * n_in * a)]))
@@ -231,7 +246,12 @@ def _attention_nodes(nodes: list[_Node], dm: _Dims, p: str, kind: str, window: O
                        keep=(f"{p}.s0",),
                        grads=[(q, N * d * a), (k, N * kvw * a)]))
     probs = _scores_softmax(nodes, dm, p, sc, s * s)
-    nodes.append(_Node(f"{p}.vcopy", out=[(f"{p}.vc", N * kvw * a)], inputs=[qkv]))
+    # The matmul copies v into a contiguous buffer. transformers' eager attention repeats the
+    # k/v heads first (repeat_kv: a copy as wide as q under grouped-query attention), so its v
+    # copy is N x d; the copies of q and k^T it does not make (rope's q and k are contiguous),
+    # but it makes the repeated k: for memory the same as our GPT's q and k copies.
+    v_width = d if dm.hf else kvw
+    nodes.append(_Node(f"{p}.vcopy", out=[(f"{p}.vc", N * v_width * a)], inputs=[qkv]))
     nodes.append(_Node(f"{p}.pv", out=[(f"{p}.o", N * d * a)], inputs=[probs, f"{p}.vc"],
                        saves=[probs, f"{p}.vc"], matmul=True,
                        grads=[(probs, sc * a), (v, N * kvw * a)]))
