@@ -18,7 +18,9 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 FAMILIES = {
     "llama": lambda: transformers.LlamaConfig(**TINY, num_key_value_heads=2),
     "qwen2": lambda: transformers.Qwen2Config(**TINY, num_key_value_heads=2),
-    "mistral": lambda: transformers.MistralConfig(**TINY, num_key_value_heads=2, sliding_window=64),
+    # A window longer than the tests' sequences: present in config.json, inactive (see
+    # test_an_active_config_window_is_traced for one that is not).
+    "mistral": lambda: transformers.MistralConfig(**TINY, num_key_value_heads=2, sliding_window=128),
     "gemma": lambda: transformers.GemmaConfig(**TINY, num_key_value_heads=1, head_dim=16),
 }
 
@@ -112,3 +114,82 @@ def test_estimate_cli_answers_analytically_and_checks_with_trace(dirs, capsys):
     assert main([*flags, "--trace"]) == 0
     checked = json.loads(capsys.readouterr().out)
     assert checked["peak_bytes"] == out["peak_bytes"] and abs(checked["trace"]["error"]) < 0.10
+
+
+@pytest.mark.parametrize("window", [32, 64])
+def test_an_active_config_window_is_traced(tmp_path, window, capsys):
+    """config.json's sliding_window with window <= seq_len makes transformers build the windowed
+    mask (a different step from the unwindowed one): the estimate traces it and says why. A
+    window longer than the sequence leaves the step as it was, and stays analytic."""
+    from memtrain.analysis.estimate.hf import why_not_modelled
+    from memtrain.analysis.trace import trace_step
+    from memtrain.cli import main
+
+    def folder(name: str, w):
+        transformers.MistralConfig(**TINY, num_key_value_heads=2, sliding_window=w).save_pretrained(tmp_path / name)
+        return tmp_path / name
+
+    windowed, long, none = folder("w", window), folder("long", 65), folder("none", None)
+    peak = {d: trace_step(_cfg(d), "cpu")["peak_bytes"] for d in (windowed, long, none)}
+    assert peak[windowed] != peak[none] and peak[long] == peak[none]
+    assert "sliding-window" in why_not_modelled(_cfg(windowed))
+    assert why_not_modelled(_cfg(long)) is None and why_not_modelled(_cfg(none)) is None
+    flags = ["--seq-len", "64", "--batch-size", "4", "--attention", "sdpa", "--json"]
+    assert main(["estimate", "--model", str(windowed), *flags]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["method"] == "trace" and "sliding-window" in out["not_analytic"]
+    assert out["peak_bytes"] == peak[windowed]
+
+
+def test_qwen2_sliding_window_counts_only_when_a_layer_slides(tmp_path):
+    """Qwen2 slides only layers from max_window_layers on, and only with use_sliding_window."""
+    from memtrain.analysis.estimate.hf import why_not_modelled
+
+    for name, kw, traced in (("off", dict(sliding_window=32), False),
+                             ("deep", dict(use_sliding_window=True, sliding_window=32, max_window_layers=2), False),
+                             ("on", dict(use_sliding_window=True, sliding_window=32, max_window_layers=1), True)):
+        transformers.Qwen2Config(**TINY, num_key_value_heads=2, **kw).save_pretrained(tmp_path / name)
+        assert (why_not_modelled(_cfg(tmp_path / name)) is not None) == traced, name
+
+
+def _real_counts(cfg) -> tuple[int, int]:
+    """(parameters, trainable parameters) of the model a run builds, peft's adapters included."""
+    import torch
+
+    from memtrain.models import build_model
+    from memtrain.techniques.hf_mapping import apply_hf_lora
+
+    with torch.device("meta"):
+        model = build_model(cfg, with_weights=False)
+    apply_hf_lora(model, cfg)
+    return model.num_parameters(), model.num_parameters(trainable_only=True)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("tech", [{}, {"lora_rank": 4}, {"lora_rank": 8, "precision": "bf16-pure"}])
+def test_parameter_counts_are_the_real_models(dirs, family, tech):
+    """The analytic parameter table counts what the run builds: one LoRA A and B per adapted
+    Linear (q, k, v, o, gate, up, down: peft's layout) and Qwen2's q/k/v biases."""
+    from memtrain.analysis.estimate.hf import analytic_estimate
+
+    cfg = _cfg(dirs[family], **tech)
+    est = analytic_estimate(cfg, "cpu")
+    assert (est.parameters, est.trainable_parameters) == _real_counts(cfg)
+
+
+@pytest.mark.parametrize("tech", [{}, {"checkpointing": "full"}, {"checkpointing": "every:2"}])
+def test_a_deep_model_lumped_as_simulated_block_by_block(tmp_path, tech):
+    """A transformers model deep enough for the simulation to lump repeated blocks (8 layers)
+    gets the same estimate as the block-by-block replay, every block's gradient included, and
+    the trace's peak within 1%."""
+    from memtrain.analysis.estimate.hf import hf_arch
+    from memtrain.analysis.estimate.training import estimate
+    from memtrain.analysis.trace import trace_step
+
+    transformers.LlamaConfig(**{**TINY, "num_hidden_layers": 8}, num_key_value_heads=2).save_pretrained(tmp_path)
+    cfg = _cfg(tmp_path, **tech)
+    arch = hf_arch(str(tmp_path))
+    lumped, replayed = estimate(cfg, arch, "cpu"), estimate(cfg, arch, "cpu", _compress=False)
+    assert lumped.peak_bytes == replayed.peak_bytes and lumped.phase_peaks == replayed.phase_peaks
+    traced = trace_step(cfg, "cpu")["peak_bytes"]
+    assert abs(lumped.peak_bytes / traced - 1) < 0.01, (lumped.peak_bytes, traced)

@@ -507,3 +507,75 @@ def test_attention_core_checkpointing_is_refused_for_transformers_models(model_d
 
     with pytest.raises(ConfigError, match="selective-matmul"):
         train(run_cfg(model_dirs["llama"], corpus, tmp_path, steps=2, checkpointing="selective"))
+
+
+def _step_results(cfg, ids):
+    """(loss, parameters after one AdamW step) of one training step from seed 0."""
+    from memtrain.models import build_model
+    from memtrain.techniques import build_optimizer, make_precision, prepare_model
+    from memtrain.training.train import train_step
+
+    cpu = torch.device("cpu")
+    precision = make_precision("fp32", cpu)
+    torch.manual_seed(0)
+    model = prepare_model(build_model(cfg), cfg, cpu, precision)
+    opt = build_optimizer(model, cfg.technique, cfg.train)
+    loss = train_step(model, [(ids[:, :-1], ids[:, 1:])], opt, precision, 1.0, cpu)
+    return loss, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("policy", ["full", "every:2"])
+def test_opt_trains_with_checkpointing_as_without(tmp_path, corpus, policy):
+    """OPT keeps its layers under model.decoder: checkpointing finds them there, and the
+    checkpointed step computes what the plain step does."""
+    from memtrain.models import build_model
+
+    d = tmp_path / "opt"
+    transformers.OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                           max_position_embeddings=128, vocab_size=VOCAB, word_embed_proj_dim=64).save_pretrained(d)
+    ids = torch.randint(0, VOCAB, (2, 33))
+    plain = _step_results(run_cfg(d, corpus, tmp_path), ids)
+    cfg = run_cfg(d, corpus, tmp_path, checkpointing=policy)
+    assert len(build_model(cfg).blocks) == 2
+    ckpt = _step_results(cfg, ids)
+    torch.testing.assert_close(ckpt[0], plain[0], rtol=0, atol=0)
+    assert ckpt[1].keys() == plain[1].keys()
+    for name, p in plain[1].items():
+        torch.testing.assert_close(ckpt[1][name], p, rtol=1e-6, atol=1e-7)
+
+
+def _gemma2_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "gemma2"
+    transformers.Gemma2Config(**{**TINY, "num_key_value_heads": 2, "head_dim": 16, "final_logit_softcapping": 3.0,
+                                 "attn_logit_softcapping": 50.0}).save_pretrained(d)
+    return d
+
+
+def test_gemma2_soft_capped_logits_train_with_the_standard_loss(tmp_path, corpus, capsys):
+    """Gemma-2's final_logit_softcapping is applied by the standard loss (the loss equals
+    transformers' own); the fused losses, which never hold the logits, are refused in one line;
+    the estimate traces it."""
+    from memtrain.cli import main
+    from memtrain.models import build_model
+    from memtrain.techniques import make_precision, prepare_model
+
+    d = _gemma2_dir(tmp_path)
+    cpu = torch.device("cpu")
+    cfg = run_cfg(d, corpus, tmp_path, attention="math")
+    torch.manual_seed(0)
+    model = prepare_model(build_model(cfg), cfg, cpu, make_precision("fp32", cpu))
+    model.eval()
+    ids = torch.randint(0, VOCAB, (2, 17))
+    theirs = model.lm(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(model(ids[:, :-1], ids[:, 1:]), theirs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model(ids), model.lm(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    for loss in ("chunked", "naive"):
+        with pytest.raises(ConfigError, match="final_logit_softcapping.*--loss standard"):
+            fused = run_cfg(d, corpus, tmp_path, attention="math", loss=loss)
+            prepare_model(build_model(fused), fused, cpu, make_precision("fp32", cpu))
+    flags = ["estimate", "--model", str(d), "--seq-len", "32", "--batch-size", "2", "--attention", "math", "--json"]
+    assert main(flags) == 0
+    assert json.loads(capsys.readouterr().out)["method"] == "trace"
+    assert main([*flags, "--loss", "chunked"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "--loss standard" in err[0]

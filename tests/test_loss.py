@@ -205,3 +205,60 @@ def test_cuda_chunked_matches_standard():
     torch.testing.assert_close(out[0], ref[0], rtol=1e-2, atol=0)
     for o, r in zip(out[1:], ref[1:]):
         torch.testing.assert_close(o.float(), r.float(), rtol=0, atol=2e-2 * float(r.abs().max()))
+
+
+@pytest.fixture
+def liger_installed(monkeypatch):
+    """importlib finds liger_kernel and triton (neither is installed here); nothing imports them."""
+    import importlib.machinery
+    import importlib.util
+
+    real = importlib.util.find_spec
+
+    def find_spec(name, *args, **kwargs):
+        if name in ("liger_kernel", "triton"):
+            return importlib.machinery.ModuleSpec(name, None)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
+def test_one_function_decides_whether_liger_runs(liger_installed, monkeypatch):
+    """make_loss_fn uses Liger's kernel exactly where liger_loss_runs says (chunked, CUDA,
+    installed): the estimate asks the same function."""
+    import memtrain.techniques.loss as loss_mod
+    from memtrain.techniques.facts import liger_loss_runs
+
+    def fake_liger(own):
+        def liger(hidden, weight, targets):
+            return torch.zeros(())
+        return liger
+
+    monkeypatch.setattr(loss_mod, "_liger_loss", fake_liger)
+    chunked, standard = TechniqueConfig(loss="chunked"), TechniqueConfig(loss="standard")
+    assert liger_loss_runs("chunked", "cuda") and not liger_loss_runs("chunked", "cpu")
+    assert not liger_loss_runs("standard", "cuda")
+    h, w, t = make_inputs(n=8, v=16)
+    assert loss_mod.make_loss_fn(chunked, torch.device("cuda"))(h, w, t).item() == 0.0  # Liger's
+    assert loss_mod.make_loss_fn(chunked, torch.device("cpu"))(h, w, t).item() > 0.0
+    assert loss_mod.make_loss_fn(standard, torch.device("cuda")) is standard_lm_loss
+    monkeypatch.undo()
+    assert not liger_loss_runs("chunked", "cuda")  # not installed here
+
+
+def test_the_estimate_says_when_liger_would_run(liger_installed, capsys):
+    """Where Liger's kernel would run, the estimate (which models memtrain's chunked loss)
+    says so, in JSON and in text; nowhere else."""
+    import json
+
+    from memtrain.cli import main
+
+    base = ["estimate", "--d-model", "64", "--n-layers", "2", "--n-heads", "4", "--vocab-size", "512",
+            "--seq-len", "64", "--batch-size", "2"]
+    assert main([*base, "--loss", "chunked", "--device-type", "cuda", "--json"]) == 0
+    assert "Liger" in json.loads(capsys.readouterr().out)["loss_kernel"]
+    assert main([*base, "--loss", "chunked", "--device-type", "cuda"]) == 0
+    assert "note: --loss chunked on CUDA runs Liger-Kernel" in capsys.readouterr().out
+    for other in (["--loss", "chunked", "--device-type", "cpu"], ["--loss", "standard", "--device-type", "cuda"]):
+        assert main([*base, *other, "--json"]) == 0
+        assert "loss_kernel" not in json.loads(capsys.readouterr().out)

@@ -158,6 +158,7 @@ def _run(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
     assert est is not None  # memtrain's GPT and the analytic presets are always analytic
     out = step.json
     out.update(_fit(args, cfg, arch, device_type, shard))
+    out.update(_loss_kernel(cfg, device_type))
     traced = None
     if args.trace:
         if arch.name != "gpt2":
@@ -193,6 +194,7 @@ def _run(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
         rows.append(("traced peak (fake tensors)", fmt_bytes(traced["peak_bytes"]),
                      f"{traced['peak_phase']}; estimate {out['trace']['error']:+.1%}"))
     print(_table(rows))
+    _print_loss_kernel(out)
     _print_fit(out)
     if args.explain:
         print("how:")
@@ -221,6 +223,19 @@ def _fit(args: argparse.Namespace, cfg: Any, arch: Any, device_type: str, shard:
                                          "(memtrain.devices.gpu_memory); add --budget SIZE"}
     verdict = fit_verdict(cfg, arch, device_type, found, gpu=args.gpu, world_size=args.world_size, shard=shard)
     return {"fit": verdict.to_dict(), "fit_line": verdict.line()}
+
+
+def _loss_kernel(cfg: Any, device_type: str) -> dict[str, Any]:
+    """``loss_kernel``, where the run would use another loss kernel than the one estimated
+    (Liger's, :func:`memtrain.techniques.facts.liger_loss_runs`); {} otherwise."""
+    from memtrain.techniques.facts import LIGER_LOSS_NOTE, liger_loss_runs
+
+    return {"loss_kernel": LIGER_LOSS_NOTE} if liger_loss_runs(cfg.technique.loss, device_type) else {}
+
+
+def _print_loss_kernel(out: dict[str, Any]) -> None:
+    if "loss_kernel" in out:
+        print(f"  note: {out['loss_kernel']}")
 
 
 def _print_fit(out: dict[str, Any]) -> None:
@@ -262,6 +277,7 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
     if step.method == "analytic":
         return _run_hf_analytic(args, step, device_type)
     cfg, out = step.cfg, step.json
+    out.update(_loss_kernel(cfg, device_type))
     if args.gpu is not None:
         # The allocator model replays the analytic simulator's events; a trace records none yet.
         out["device_memory"] = None
@@ -285,6 +301,7 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
           f"not analytic: {out['not_analytic']}")
     if "device_memory_note" in out:
         print(f"  {out['device_memory_note']}")
+    _print_loss_kernel(out)
     _print_fit(out)
     a = out["analytic_approximation"]
     if a is not None and a["error_vs_trace"] is not None:
@@ -299,6 +316,7 @@ def _run_hf_analytic(args: argparse.Namespace, step: StepEstimate, device_type: 
     cfg, est, out = step.cfg, step.analytic, step.json
     assert est is not None
     out.update(_fit(args, cfg, step.arch, device_type, _shard(args, cfg)))
+    out.update(_loss_kernel(cfg, device_type))
     if args.trace:
         traced = _trace_any_depth(cfg, device_type)
         out["trace"] = _trace_check(traced, est.peak_bytes, method=traced["method"],
@@ -322,6 +340,7 @@ def _run_hf_analytic(args: argparse.Namespace, step: StepEstimate, device_type: 
                      f"{tr['peak_phase']}, {tr['method']}; estimate {tr['error']:+.1%}"))
     print(_table(rows))
     print(f"  {out['note']}")
+    _print_loss_kernel(out)
     _print_fit(out)
     if args.explain:
         print("\n".join("  " + line for line in est.explanation))

@@ -32,6 +32,8 @@ class Arch:
     # upcasts to float32 and keeps the upcast and the normalized copy for backward, rotary
     # embeddings that copy q and k, peft adapters in the parameter dtype.
     hf: bool = False
+    # q/k/v projections with a bias, the output projection and MLP without (Qwen2's layers).
+    qkv_bias: bool = False
 
 
 GPT2_ARCH = Arch()

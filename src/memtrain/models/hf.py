@@ -57,12 +57,11 @@ class HFCausalLM(nn.Module):
         self.source_spec = source.spec
         self.loss_fn: LossFn = standard_lm_loss
         self.vocab_size = int(lm.config.vocab_size)
+        # Gemma 2 squashes the logits with cap * tanh(logits / cap) before the softmax: the
+        # standard loss applies it (see forward); the fused losses, which never hold the
+        # logits, cannot (memtrain.techniques.hf_mapping refuses them).
         softcap = getattr(lm.config, "final_logit_softcapping", None)
-        if softcap:
-            # Gemma 2 squashes the logits with tanh before the softmax; a loss on raw hidden @ W
-            # would be a different loss.
-            raise ConfigError(f"--model {source.spec!r} caps its logits (final_logit_softcapping); "
-                              "memtrain's loss on hidden states does not model that yet")
+        self.logit_softcap: Optional[float] = float(softcap) if softcap else None
 
     # -- the seams the techniques use ---------------------------------------------------------
     @property
@@ -76,11 +75,16 @@ class HFCausalLM(nn.Module):
 
     @property
     def blocks(self) -> nn.ModuleList:
-        """The decoder layers: the one ModuleList of the backbone with num_hidden_layers entries."""
+        """The decoder layers: the shallowest ModuleList of the backbone with num_hidden_layers
+        entries (``model.layers`` for Llama, ``transformer.h`` for GPT-2, ``model.decoder.layers``
+        for OPT)."""
         n = self.lm.config.num_hidden_layers
-        for module in self.backbone.children():
-            if isinstance(module, nn.ModuleList) and len(module) == n:
-                return module
+        level = [self.backbone]
+        while level:  # breadth first: the layer list, not a list nested inside one layer
+            for module in level:
+                if isinstance(module, nn.ModuleList) and len(module) == n:
+                    return module
+            level = [child for module in level for child in module.children()]
         raise ConfigError(f"cannot find the decoder layers of --model {self.source_spec!r}")
 
     # -- forward ------------------------------------------------------------------------------
@@ -93,13 +97,20 @@ class HFCausalLM(nn.Module):
         h = self.hidden_states(idx)
         head = self.head
         if targets is None:
-            return head(h)
+            return self._capped(head(h))
         h2, y = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+        if self.logit_softcap is not None:
+            return F.cross_entropy(self._capped(head(h2).float()), y, ignore_index=-100)
         if getattr(head, "bias", None) is not None:
             if self.loss_fn is not standard_lm_loss:
                 raise ConfigError(f"--loss chunked needs an LM head without bias; --model {self.source_spec!r} has one")
             return F.cross_entropy(head(h2).float(), y, ignore_index=-100)
         return self.loss_fn(h2, head.weight, y)
+
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits as the model's own head returns them: soft-capped where the config says so."""
+        cap = self.logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         """Distinct parameters (a tied head counted once); NF4 weights count their elements."""

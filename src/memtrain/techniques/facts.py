@@ -263,3 +263,22 @@ def optimizer_state_rule(optim: str) -> OptimizerStateRule:
         return OPTIMIZER_STATE_RULES[optim]
     except KeyError:
         raise ConfigError(f"unknown --optim {optim!r}") from None
+
+
+# --------------------------------------------------------------------------- the loss kernel
+def liger_loss_runs(loss: str, device_type: str) -> bool:
+    """Whether ``--loss chunked`` runs Liger-Kernel's fused linear cross-entropy instead of
+    memtrain's own chunked loss: on CUDA, with ``liger_kernel`` (and the Triton it needs)
+    installed. :func:`memtrain.techniques.loss.make_loss_fn` picks the kernel by this answer and
+    the estimate says which one it models; found without importing either (the analytic
+    commands load no torch)."""
+    import importlib.util
+
+    if loss != "chunked" or device_type != "cuda":
+        return False
+    return all(importlib.util.find_spec(name) is not None for name in ("liger_kernel", "triton"))
+
+
+LIGER_LOSS_NOTE = ("--loss chunked on CUDA runs Liger-Kernel's fused linear cross-entropy (liger_kernel is "
+                   "installed); this estimate models memtrain's own chunked loss, whose buffers Liger's kernel "
+                   "does not share (it picks its own chunk size)")

@@ -29,6 +29,13 @@ from memtrain.techniques.loss import apply_loss
 
 __all__ = ["apply_hf_lora", "lora_target_modules", "prepare_hf_model"]
 
+def _check_logit_softcap(model: HFCausalLM, tech: TechniqueConfig) -> None:
+    """Refuse a fused loss for a model that caps its logits: only the standard loss applies the cap."""
+    if model.logit_softcap is not None and tech.loss != "standard":
+        raise ConfigError(f"--loss {tech.loss}: --model {model.source_spec!r} caps its logits "
+                          "(final_logit_softcapping), which only --loss standard applies; use --loss standard")
+
+
 def _check_supported(tech: TechniqueConfig, device: torch.device) -> None:
     """Refuse, before anything is applied, a technique a transformers model cannot take on ``device``."""
     if tech.attention == "flash-attn" and device.type != "cuda":
@@ -102,6 +109,7 @@ def prepare_hf_model(model: HFCausalLM, cfg: RunConfig, device: torch.device, pr
     final norm, LM head)."""
     tech = cfg.technique
     _check_supported(tech, device)
+    _check_logit_softcap(model, tech)
     model = model.to(device=device, dtype=precision.param_dtype)
     apply_hf_lora(model, tech)
     if tech.qlora:

@@ -46,6 +46,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from memtrain.config.run import ConfigError, TechniqueConfig
 from memtrain.models.gpt import LossFn, standard_lm_loss
+from memtrain.techniques.facts import liger_loss_runs
 
 IGNORE_INDEX = -100
 
@@ -278,7 +279,7 @@ def make_loss_fn(tech: TechniqueConfig, device: torch.device) -> LossFn:
         return standard_lm_loss
     if tech.loss == "chunked":
         own = functools.partial(chunked_lm_loss, chunk=tech.loss_chunk)
-        if device.type == "cuda":
+        if liger_loss_runs(tech.loss, device.type):  # the estimate asks the same question
             liger = _liger_loss(own)
             if liger is not None:
                 # Outside the compiled graph: Liger's kernel calls .item() (a graph break).

@@ -32,10 +32,31 @@ from memtrain.analysis.estimate.training import estimate
 from memtrain.config.archs import LLAMA_ARCH, Arch
 from memtrain.models.spec import GPT_LORA_TARGETS, load_config  # load_config reads through transformers
 
-__all__ = ["MODELLED", "hf_arch", "why_not_modelled", "analytic_estimate"]
+__all__ = ["MODELLED", "QKV_BIAS", "active_window", "hf_arch", "why_not_modelled", "analytic_estimate"]
 
 # model_type -> the layer code is Llama's (modeling_qwen2/modeling_mistral copy it)
 MODELLED = ("llama", "qwen2", "mistral")
+# Families whose q/k/v projections carry a bias by their layer code, whatever config.json says
+# (Qwen2Attention builds q/k/v with bias=True and o_proj without; its configs have no
+# attention_bias field).
+QKV_BIAS = ("qwen2",)
+
+
+def active_window(c: Any, window: Optional[int], seq_len: int) -> Optional[int]:
+    """The sliding window that changes a step of ``seq_len`` tokens (``window``: ``--window``,
+    else the config's ``sliding_window`` on the layers that use it), or None.
+
+    transformers skips the attention mask only while the sequence is shorter than the window
+    (masking_utils: ``kv_length < local_attention_size``); from ``seq_len >= window`` on it
+    builds the windowed mask, a step the analytic model does not describe."""
+    if window is None:
+        window = getattr(c, "sliding_window", None)
+        if window is None or getattr(c, "use_sliding_window", True) is False:
+            return None
+        types = getattr(c, "layer_types", None)
+        if types is not None and "sliding_attention" not in types:
+            return None  # Qwen2: only layers past max_window_layers slide
+    return int(window) if int(window) <= seq_len else None
 
 
 def why_not_modelled(cfg: Any) -> Optional[str]:
@@ -49,8 +70,10 @@ def why_not_modelled(cfg: Any) -> Optional[str]:
         return "QLoRA's NF4 weights and their dequantization scratch are not modelled analytically"
     if tech.lora_rank and tech.lora_targets not in (GPT_LORA_TARGETS, "all-linear"):
         return "named --lora-targets are not modelled analytically (only every decoder Linear)"
-    if tech.window is not None or getattr(c, "use_sliding_window", False):
-        return "sliding-window attention is not modelled analytically for transformers models"
+    window = active_window(c, tech.window, cfg.train.seq_len)
+    if window is not None:
+        return (f"sliding-window attention (window {window} <= --seq-len {cfg.train.seq_len}: transformers builds "
+                "the windowed mask) is not modelled analytically for transformers models")
     head_dim = getattr(c, "head_dim", None)
     if head_dim is not None and head_dim * c.num_attention_heads != c.hidden_size:
         return "a head_dim other than hidden_size / heads is not modelled analytically"
@@ -64,7 +87,8 @@ def why_not_modelled(cfg: Any) -> Optional[str]:
 def hf_arch(spec: str) -> Arch:
     """The :class:`Arch` of a modelled transformers config (Llama-style layers, its k/v heads)."""
     c = load_config(spec)
-    return replace(LLAMA_ARCH, name=c.model_type, n_kv_heads=getattr(c, "num_key_value_heads", None), hf=True)
+    return replace(LLAMA_ARCH, name=c.model_type, n_kv_heads=getattr(c, "num_key_value_heads", None), hf=True,
+                   qkv_bias=c.model_type in QKV_BIAS)
 
 
 def analytic_estimate(cfg: Any, device_type: str, gpu: Optional[str] = None, world_size: int = 1,

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 from memtrain.analysis.estimate.hf_nodes import hf_norm_node, hf_rope_node
-from memtrain.analysis.estimate.params import lora_target_names
+from memtrain.analysis.estimate.params import lora_split, lora_target_names
 from memtrain.analysis.estimate.simulator import Compression, Node, Segment
 from memtrain.config.archs import Arch
 from memtrain.config.run import ModelConfig, RunConfig, TechniqueConfig
@@ -54,9 +54,18 @@ def _rename_key(nodes: list[Node], old: str, new: str) -> None:
 
 
 def _linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int, n_out: int,
-            trainable_base: bool, lora: int, x_bytes: float) -> None:
-    """A Linear layer: autocast casts of input/weight/bias, the matmul, LoRA adapters."""
-    N, a, bias = dm.n, dm.a, dm.bias
+            trainable_base: bool, lora: int, x_bytes: float, *, bias: Optional[bool] = None,
+            lora_parts: tuple[str, ...] = ("",)) -> None:
+    """A Linear layer: autocast casts of input/weight/bias, the matmul, LoRA adapters.
+    ``bias``: this Linear's (default: the model's rule, ``dm.bias``); ``lora_parts``: the name
+    suffixes of the Linears the entry stands for (:func:`lora_split`), one adapter pair each."""
+    N, a = dm.n, dm.a
+    bias = dm.bias if bias is None else bias
+    n_linears = len(lora_parts)  # the separate Linears this entry stands for
+    # autograd saves a matmul's input only for the weight's gradient: a frozen transformers
+    # base weight keeps none (our GPT's frozen Linears are modelled as keeping it).
+    keeps_input = trainable_base or not dm.hf
+    lora_x: Optional[str] = None
     w, bname = f"param:{name}.weight", f"param:{name}.bias"
     w_in = w
     if dm.autocast:
@@ -69,9 +78,19 @@ def _linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int,
             nodes.append(Node(f"{name}.cast_b", out=[(f"{name}.bc", 0.0 if dm.weights_in_compute_dtype else n_out * a)], hold=True,
                                grads=[(bname, 0.0)] if trainable_base else []))
         if x_bytes != a:
-            nodes.append(Node(f"{name}.cast_x", out=[(f"{x}@{name}", N * n_in * a)], inputs=[x],
+            # autocast caches the casts of leaf weights only: each Linear casts its input
+            # itself, and its matmul saves that copy (q, k and v: three copies of one input).
+            # (A frozen transformers Linear keeps no input: its casts live one at a time.)
+            copies = n_linears if keeps_input else 1
+            nodes.append(Node(f"{name}.cast_x", out=[(f"{x}@{name}", N * n_in * a * copies)], inputs=[x],
                                grads=[(x, N * n_in * x_bytes)]))
-            x = f"{x}@{name}"
+            x_in, x = x, f"{x}@{name}"
+            if lora and dm.hf:
+                # peft hands the adapters the Linear's own (uncast) input: under autocast
+                # lora_A casts it once more, per adapted Linear, and saves that copy.
+                lora_x = f"{x_in}@{name}.lora"
+                nodes.append(Node(f"{name}.lora_cast_x", out=[(lora_x, N * n_in * a * n_linears)], inputs=[x_in],
+                                   grads=[(x_in, N * n_in * x_bytes)]))
     base_out = f"{out}.base" if lora else out
     grads = [(x, N * n_in * a)]
     if trainable_base:
@@ -79,23 +98,26 @@ def _linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int,
         if bias:
             grads.append((f"{name}.bc" if dm.autocast else bname, n_out * a if dm.autocast else 0.0))
     extra = [w_in] if dm.autocast else []
-    nodes.append(Node(name, out=[(base_out, N * n_out * a)], inputs=[x] + extra, saves=[x] + extra,
-                       grads=grads, matmul=True))
+    nodes.append(Node(name, out=[(base_out, N * n_out * a)], inputs=[x] + extra,
+                       saves=([x] if keeps_input else []) + extra, grads=grads, matmul=True))
     if lora:
         # peft: out = base(x) + lora_B(lora_A(x)) * scale. The adapters are float32; under
         # autocast they compute in the autocast dtype, on a bf16-pure base peft casts x up to
         # float32 for them and the result back down.
         ad = 4 if (not dm.autocast and a != 4 and not dm.hf) else a  # peft (hf): the base's dtype
         la, lb = f"{name}.lora_a", f"{name}.lora_b"
-        xa = x
+        xa = lora_x or x
         if ad != a:
             nodes.append(Node(f"{name}.lora_cast", out=[(f"{x}@lora", N * n_in * ad)], inputs=[x],
                                grads=[(x, N * n_in * a)]))
             xa = f"{x}@lora"
-        nodes.append(Node(la, out=[(la, N * lora * ad)], inputs=[xa], saves=[xa], matmul=True,
-                           grads=[(xa, N * n_in * ad), (f"param:{name}.lora_A", 0.0)]))
+        # One A product per Linear the entry stands for (q, k, v each read x); the B products
+        # together are as wide as the fused output.
+        n_a = len(lora_parts)
+        nodes.append(Node(la, out=[(la, N * lora * ad * n_a)], inputs=[xa], saves=[xa], matmul=True,
+                           grads=[(xa, N * n_in * ad)] + [(f"param:{name}.lora_A{s}", 0.0) for s in lora_parts]))
         nodes.append(Node(lb, out=[(lb, N * n_out * ad)], inputs=[la], saves=[la], matmul=True,
-                           grads=[(la, N * lora * ad), (f"param:{name}.lora_B", 0.0)]))
+                           grads=[(la, N * lora * ad * n_a)] + [(f"param:{name}.lora_B{s}", 0.0) for s in lora_parts]))
         nodes.append(Node(f"{name}.lora_scale", out=[(f"{lb}.s", N * n_out * ad)], inputs=[lb],
                            grads=[(lb, N * n_out * ad)]))
         src = f"{lb}.s"
@@ -224,7 +246,12 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
                        keep=(f"{p}.s0",),
                        grads=[(q, N * d * a), (k, N * kvw * a)]))
     probs = _scores_softmax(nodes, dm, p, sc, s * s)
-    nodes.append(Node(f"{p}.vcopy", out=[(f"{p}.vc", N * kvw * a)], inputs=[qkv]))
+    # The matmul copies v into a contiguous buffer. transformers' eager attention repeats the
+    # k/v heads first (repeat_kv: a copy as wide as q under grouped-query attention), so its v
+    # copy is N x d; the copies of q and k^T it does not make (rope's q and k are contiguous),
+    # but it makes the repeated k: for memory the same as our GPT's q and k copies.
+    v_width = d if dm.hf else kvw
+    nodes.append(Node(f"{p}.vcopy", out=[(f"{p}.vc", N * v_width * a)], inputs=[qkv]))
     nodes.append(Node(f"{p}.pv", out=[(f"{p}.o", N * d * a)], inputs=[probs, f"{p}.vc"],
                        saves=[probs, f"{p}.vc"], matmul=True,
                        grads=[(probs, sc * a), (v, N * kvw * a)]))
@@ -256,8 +283,10 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
                            grads=[(src, N * d * r)] + pg))
 
     def lin(short: str, name: str, src: str, out: str, n_in: int, n_out: int, src_bytes: float) -> None:
+        parts = tuple(suffix for suffix, _ in lora_split(arch, short, n_out, d, dm.kv))
         _linear(nodes, dm, name, src, out, n_in, n_out, trainable_base,
-                lora if short in targets else 0, src_bytes)
+                lora if short in targets else 0, src_bytes, bias=dm.bias or (arch.qkv_bias and short == "qkv"),
+                lora_parts=parts)
 
     norm(f"{p}.ln_1", x, f"{p}.ln1")
     lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0" if dm.hf else f"{p}.qkv", d, d + 2 * dm.kv, r)
@@ -316,10 +345,11 @@ def _embedding_nodes(dm: Dims, arch: Arch, trainable: bool) -> list[Node]:
 
 
 def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, trainable: bool,
-                grads_exist: bool) -> list[Node]:
-    """Final norm, LM head and loss (standard: full logits; chunked: fused, chunk x vocab)."""
+                grads_exist: bool, n_blocks: int) -> list[Node]:
+    """Final norm, LM head and loss (standard: full logits; chunked: fused, chunk x vocab).
+    ``n_blocks``: the simulated blocks, the last of which makes the head's input."""
     N, d, V, a, r = dm.n, dm.d, dm.V, dm.a, dm.r
-    x = f"blocks.{m.n_layers}.in"
+    x = f"blocks.{n_blocks}.in"
     layer = arch.norm == "layernorm"
     head = "lm_head.weight" if m.untie_embeddings else "wte.weight"
     pg = [("param:ln_f.weight", 0.0)] if trainable else []
@@ -417,10 +447,8 @@ def block_segments(cfg: RunConfig, arch: Arch, dm: Dims, trainable_base: bool, g
             continue
         segs.append(Segment(f"block {i}", nodes,
                              checkpoint=mode if policy.whole_block(i, L) else "none", input_key=f"blocks.{j}.in"))
-    # The head reads the output of the last traced block (blocks.{comp.blocks}.in) for memtrain's
-    # GPT; a config naming a --model keeps its full depth here (blocks.{L}.in), as its estimates
-    # are computed.
-    head_m = m if m.model is not None else replace(m, n_layers=comp.blocks)
-    segs.append(Segment("head", _head_nodes(dm, head_m, tech, arch, trainable_base, grads_exist)))
+    # (The simulated depth is passed, not set on a copy of cfg.model: a transformers model's
+    # ModelConfig mirrors its config.json again on every copy, n_layers included.)
+    segs.append(Segment("head", _head_nodes(dm, m, tech, arch, trainable_base, grads_exist, comp.blocks)))
     assert L == comp.blocks + comp.lumps * comp.period
     return segs

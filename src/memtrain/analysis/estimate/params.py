@@ -35,6 +35,18 @@ def lora_target_names(tech: TechniqueConfig) -> set[str]:
     return {t.strip() for t in tech.lora_targets.split(",") if t.strip()}
 
 
+def lora_split(arch: Arch, short: str, n_out: int, d: int, kv: int) -> list[tuple[str, int]]:
+    """The Linears a fused table entry stands for, each with its own LoRA pair: (name suffix,
+    output width). Our GPT's q/k/v and its MLP input are one Linear each; a transformers layer
+    has q_proj, k_proj and v_proj, and gate_proj and up_proj, and peft gives every one of them
+    an ``A (r x in)`` and a ``B (out x r)``."""
+    if arch.hf and short == "qkv":
+        return [(".q", d), (".k", kv), (".v", kv)]
+    if arch.hf and short == "fc" and arch.mlp == "swiglu":
+        return [(".gate", n_out // 2), (".up", n_out // 2)]
+    return [("", n_out)]
+
+
 def param_table(m: ModelConfig, arch: Arch = GPT2_ARCH, tech: Optional[TechniqueConfig] = None) -> list[ParamInfo]:
     """Every parameter tensor of the model, in ``model.parameters()`` order (tied head once).
 
@@ -83,11 +95,12 @@ def block_param_table(m: ModelConfig, arch: Arch, tech: Optional[TechniqueConfig
     def linear(name: str, short: str, n_in: int, n_out: int, i: int) -> None:
         k = rep.get(i, 1)
         out.append(ParamInfo(f"{name}.weight", (n_out, n_in), not frozen, i, k))
-        if bias:
+        if bias or (arch.qkv_bias and short == "qkv"):
             out.append(ParamInfo(f"{name}.bias", (n_out,), not frozen, i, k))
         if lora and short in targets:
-            out.append(ParamInfo(f"{name}.lora_A", (lora, n_in), True, i, k))
-            out.append(ParamInfo(f"{name}.lora_B", (n_out, lora), True, i, k))
+            for suffix, width in lora_split(arch, short, n_out, d, kv):
+                out.append(ParamInfo(f"{name}.lora_A{suffix}", (lora, n_in), True, i, k))
+                out.append(ParamInfo(f"{name}.lora_B{suffix}", (width, lora), True, i, k))
 
     for i in blocks:
         p = f"blocks.{i}"

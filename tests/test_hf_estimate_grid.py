@@ -1,0 +1,133 @@
+"""The analytic model of transformers decoder layers against the fake-tensor trace on odd
+shapes: widths 72-200, odd and even depths, grouped-query ratios from 1 (MQA) to equal heads,
+for Llama, Qwen2 and Mistral under fp32, bf16 autocast and bf16-pure, eager and SDPA attention,
+with and without LoRA and full checkpointing.
+
+The measure is the larger of the forward and the backward peak: the optimizer step's scratch
+is left out, because the trace runs torchao's compiled bf16 AdamW eagerly (its scratch there
+is an upper bound, docs/estimation.md), and the optimizer step has tests of its own
+(tests/test_estimate.py). A handful of cases run by default; the whole product with -m slow.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from memtrain.config.run import build_config  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# (hidden, heads, key/value heads, layers): head dims 12-34, GQA ratios 1-6, 1 to 5 layers.
+SIZES = [(72, 6, 2, 3), (96, 4, 4, 5), (120, 6, 3, 3), (200, 10, 2, 1), (136, 4, 1, 3), (168, 6, 6, 5)]
+CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig"}
+PRECISIONS = ("fp32", "bf16", "bf16-pure")
+ATTENTION = ("sdpa", "math")
+
+
+def _cases() -> list[tuple[str, tuple[int, int, int, int], str, str, int, str]]:
+    """Every combination, each on the next shape of SIZES (so every shape meets every technique)."""
+    combos = itertools.product(CONFIGS, PRECISIONS, ATTENTION, (0, 4), ("none", "full"))
+    return [(fam, SIZES[i % len(SIZES)], prec, attn, lora, ck)
+            for i, (fam, prec, attn, lora, ck) in enumerate(combos)]
+
+
+def _case_id(case) -> str:
+    fam, (h, nh, kv, L), prec, attn, lora, ck = case
+    return f"{fam}-h{h}-{nh}q{kv}kv-L{L}-{prec}-{attn}" + (f"-lora{lora}" if lora else "") + f"-ckpt_{ck}"
+
+
+# Cases run by default: every family, precision, attention kind, LoRA and checkpointing at
+# least once, on shapes with grouped-query attention and odd depths.
+DEFAULT = {"llama-h72-6q2kv-L3-fp32-sdpa-ckpt_none", "llama-h96-4q4kv-L5-fp32-sdpa-ckpt_full",
+           "llama-h200-10q2kv-L1-fp32-sdpa-lora4-ckpt_full", "qwen2-h136-4q1kv-L3-fp32-math-ckpt_none",
+           "qwen2-h96-4q4kv-L5-fp32-math-lora4-ckpt_full", "qwen2-h120-6q3kv-L3-bf16-sdpa-ckpt_none",
+           "mistral-h72-6q2kv-L3-bf16-math-ckpt_none", "mistral-h168-6q6kv-L5-bf16-pure-math-lora4-ckpt_full",
+           "mistral-h120-6q3kv-L3-bf16-pure-math-ckpt_none"}
+
+# Measured gaps the analytic model still has (estimate / trace - 1 of the measure above, on
+# torch 2.13 and transformers 5.24); not yet located. LoRA is 1.6-2.6% high in most of them.
+# Strict: a case that comes within 1% fails here until it leaves this table.
+KNOWN: dict[str, float] = {
+    "llama-h120-6q3kv-L3-fp32-sdpa-lora4-ckpt_none": +0.0194,
+    "llama-h72-6q2kv-L3-fp32-math-lora4-ckpt_none": +0.0194,
+    "llama-h168-6q6kv-L5-bf16-sdpa-lora4-ckpt_full": +0.1758,
+    "llama-h120-6q3kv-L3-bf16-math-lora4-ckpt_none": +0.0159,
+    "llama-h200-10q2kv-L1-bf16-math-lora4-ckpt_full": -0.0637,
+    "llama-h72-6q2kv-L3-bf16-pure-sdpa-lora4-ckpt_none": +0.0256,
+    "llama-h96-4q4kv-L5-bf16-pure-sdpa-lora4-ckpt_full": +0.0212,
+    "llama-h200-10q2kv-L1-bf16-pure-math-ckpt_full": -0.0246,
+    "llama-h136-4q1kv-L3-bf16-pure-math-lora4-ckpt_none": +0.0233,
+    "qwen2-h120-6q3kv-L3-fp32-sdpa-lora4-ckpt_none": +0.0194,
+    "qwen2-h72-6q2kv-L3-fp32-math-lora4-ckpt_none": +0.0194,
+    "qwen2-h168-6q6kv-L5-bf16-sdpa-lora4-ckpt_full": +0.1761,
+    "qwen2-h120-6q3kv-L3-bf16-math-lora4-ckpt_none": +0.0159,
+    "qwen2-h200-10q2kv-L1-bf16-math-lora4-ckpt_full": -0.0637,
+    "qwen2-h72-6q2kv-L3-bf16-pure-sdpa-lora4-ckpt_none": +0.0256,
+    "qwen2-h96-4q4kv-L5-bf16-pure-sdpa-lora4-ckpt_full": +0.0212,
+    "qwen2-h200-10q2kv-L1-bf16-pure-math-ckpt_full": -0.0246,
+    "qwen2-h136-4q1kv-L3-bf16-pure-math-lora4-ckpt_none": +0.0233,
+    "mistral-h120-6q3kv-L3-fp32-sdpa-lora4-ckpt_none": +0.0194,
+    "mistral-h72-6q2kv-L3-fp32-math-lora4-ckpt_none": +0.0194,
+    "mistral-h168-6q6kv-L5-bf16-sdpa-lora4-ckpt_full": +0.1758,
+    "mistral-h120-6q3kv-L3-bf16-math-lora4-ckpt_none": +0.0159,
+    "mistral-h200-10q2kv-L1-bf16-math-lora4-ckpt_full": -0.0637,
+    "mistral-h72-6q2kv-L3-bf16-pure-sdpa-lora4-ckpt_none": +0.0256,
+    "mistral-h96-4q4kv-L5-bf16-pure-sdpa-lora4-ckpt_full": +0.0212,
+    "mistral-h200-10q2kv-L1-bf16-pure-math-ckpt_full": -0.0246,
+    "mistral-h136-4q1kv-L3-bf16-pure-math-lora4-ckpt_none": +0.0233,
+}
+
+
+def _known_reason(cid: str) -> str:
+    return f"the analytic model is {KNOWN[cid]:+.1%} off the trace here (a known gap, not yet located)"
+
+
+def _params():
+    out = []
+    for case in _cases():
+        cid = _case_id(case)
+        marks = [] if cid in DEFAULT else [pytest.mark.slow]
+        if cid in KNOWN:
+            marks.append(pytest.mark.xfail(reason=_known_reason(cid), strict=True))
+        out.append(pytest.param(case, id=cid, marks=marks))
+    return out
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[tuple, Path]:
+    return {}
+
+
+def _folder(folders: dict, root: Path, fam: str, size: tuple[int, int, int, int]) -> Path:
+    if (fam, size) not in folders:
+        h, nh, kv, L = size
+        kw = dict(hidden_size=h, intermediate_size=2 * h + 8, num_hidden_layers=L, num_attention_heads=nh,
+                  num_key_value_heads=kv, max_position_embeddings=128, vocab_size=300 + h)
+        d = root / f"{fam}-{h}-{nh}-{kv}-{L}"
+        getattr(transformers, CONFIGS[fam])(**kw).save_pretrained(d)
+        folders[(fam, size)] = d
+    return folders[(fam, size)]
+
+
+@pytest.mark.parametrize("case", _params())
+def test_analytic_within_one_percent_of_the_trace(case, folders, tmp_path_factory):
+    from memtrain.analysis.estimate.hf import analytic_estimate
+    from memtrain.analysis.trace import trace_step
+
+    fam, size, prec, attn, lora, ck = case
+    d = _folder(folders, tmp_path_factory.getbasetemp(), fam, size)
+    tech = {"precision": prec, "attention": attn, "checkpointing": ck, **({"lora_rank": lora} if lora else {})}
+    cfg = build_config({"model": str(d), "batch_size": 3, "seq_len": 40, "device": "cpu", **tech})
+    est = analytic_estimate(cfg, "cpu")
+    assert est is not None
+    traced = trace_step(cfg, "cpu")
+    ours = max(est.phase_peaks["forward"], est.phase_peaks["backward"])
+    theirs = max(traced["phase_peaks"]["forward"], traced["phase_peaks"]["backward"])
+    assert abs(ours / theirs - 1) < 0.01, (ours, theirs, ours / theirs - 1)
+    if not lora:  # the trace's count is the base model's
+        assert est.parameters == traced["parameters"]
