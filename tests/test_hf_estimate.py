@@ -161,7 +161,7 @@ def _real_counts(cfg) -> tuple[int, int]:
 
     with torch.device("meta"):
         model = build_model(cfg, with_weights=False)
-    apply_hf_lora(model, cfg)
+    apply_hf_lora(model, cfg.technique)
     return model.num_parameters(), model.num_parameters(trainable_only=True)
 
 

@@ -513,7 +513,7 @@ def _step_results(cfg, ids):
     """(loss, parameters after one AdamW step) of one training step from seed 0."""
     from memtrain.models import build_model
     from memtrain.techniques import build_optimizer, make_precision, prepare_model
-    from memtrain.training.train import train_step
+    from memtrain.training.step import train_step
 
     cpu = torch.device("cpu")
     precision = make_precision("fp32", cpu)

@@ -15,6 +15,7 @@ from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, config_from_args, d
 from memtrain.config.argtypes import world_size
 from memtrain.config.presets import PRESETS, preset
 from memtrain.config.run import ConfigError, parse_size
+from memtrain.techniques.facts import LIGER_LOSS_NOTE, liger_loss_runs
 
 
 def add_model_choice(p: argparse.ArgumentParser) -> None:
@@ -228,8 +229,6 @@ def _fit(args: argparse.Namespace, cfg: Any, arch: Any, device_type: str, shard:
 def _loss_kernel(cfg: Any, device_type: str) -> dict[str, Any]:
     """``loss_kernel``, where the run would use another loss kernel than the one estimated
     (Liger's, :func:`memtrain.techniques.facts.liger_loss_runs`); {} otherwise."""
-    from memtrain.techniques.facts import LIGER_LOSS_NOTE, liger_loss_runs
-
     return {"loss_kernel": LIGER_LOSS_NOTE} if liger_loss_runs(cfg.technique.loss, device_type) else {}
 
 

@@ -24,6 +24,7 @@ No torch here: the analytic commands answer without loading it (dtypes are named
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -272,8 +273,6 @@ def liger_loss_runs(loss: str, device_type: str) -> bool:
     installed. :func:`memtrain.techniques.loss.make_loss_fn` picks the kernel by this answer and
     the estimate says which one it models; found without importing either (the analytic
     commands load no torch)."""
-    import importlib.util
-
     if loss != "chunked" or device_type != "cuda":
         return False
     return all(importlib.util.find_spec(name) is not None for name in ("liger_kernel", "triton"))
