@@ -44,6 +44,17 @@ def test_result_records_the_cache_folder_the_run_used(tiny_run, tmp_path, monkey
     assert cfg.recorded()["train"] == cfg.to_dict()["train"]  # nothing else is rewritten
 
 
+def test_train_prints_the_time_of_its_steps_by_their_count(tiny_run, capsys):
+    """`total_time_s` is the wall time of the steps run (no evaluation): the summary line says
+    so by their count, as the bench report's "Time, N steps (s)" column does."""
+    from conftest import cli_flags
+    from memtrain.cli import main
+
+    assert main(["train", *cli_flags({**tiny_run, "steps": 3, "warmup_steps": 1})]) == 0
+    out = capsys.readouterr().out
+    assert " 3 steps in " in out and " total " not in out, out
+
+
 def test_schedule_warmup_then_cosine():
     cfg = build_config({"steps": 100, "warmup_steps": 10, "min_lr_ratio": 0.1})
     f = lr_lambda(cfg)
