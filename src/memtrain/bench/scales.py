@@ -18,8 +18,8 @@ SCALES: dict[str, dict[str, Any]] = {
     # Quality: the validation PPL is read on 64 blocks (16,384 tokens), not 16. The held-out
     # set's first blocks are a few documents on which two seeds' models differ far more than on
     # the rest, so on 16 blocks the seed-to-seed difference was larger than every row's; 64
-    # blocks cut it to about a quarter for 48 more forward passes per row (a few seconds at batch
-    # 1). More steps or longer sequences would cost training time per row, which the default list
+    # blocks halve the spread of the PPL over seeds for 48 more forward passes per row (a few
+    # seconds at batch 1), and more blocks shrink it little further. More steps or longer sequences would cost training time per row, which the default list
     # on 2 cores cannot spend; sequence 512 (the model's longest) would not change the memory
     # picture either, the logits still dominating. Measured figures: docs/performance.md.
     "quick": {"batch_size": 1, "seq_len": 256, "steps": 40, "warmup_steps": 5, "lr": 2e-3, "val_blocks": 64,
