@@ -35,13 +35,14 @@ SCALE_WINDOW = {"seed": 128, "quick": 128}
 # its own (CPU): the search then runs against the tracked meter (traced: nothing is allocated,
 # so the budget need not fit the machine). A technique's saving is a share of the step's memory,
 # nearly the same at any budget (flash attention ~9%, full checkpointing ~15% at sequence 256:
-# the logits' share is the rest), so the budget sets how many batches that share is: under 2 GiB
-# the baseline fits 10 and those savings read as 1-2 batches; under 16 GiB (a 16 GB card) the
-# estimator predicts 94 for the baseline, 103 with flash, 108 with checkpointing, 1,616 with the
-# chunked loss and 4,186 for the lowest-memory row (Adafactor, the default list's CPU row). The
-# search's cap is above the largest of them.
-SCALE_BUDGET = {"seed": None, "quick": "16GiB"}
-SCALE_MAX_BATCH = {"seed": 1024, "quick": 8192}
+# the logits are most of the rest), so the budget sets how many batches that share is: under
+# 2 GiB the baseline fits 10 and those savings read as 1-2 batches; under 6 GiB the estimator
+# predicts 34 for the baseline, 37 with flash, 39 with checkpointing, 585 with the chunked loss and
+# 1,551 for the lowest-memory row (Adafactor, the default list's CPU row). Not more: a traced
+# probe of the chunked loss steps through every 256-token chunk, so those rows' search costs time
+# in proportion to their batch. The search's cap is above the largest of them.
+SCALE_BUDGET = {"seed": None, "quick": "6GiB"}
+SCALE_MAX_BATCH = {"seed": 1024, "quick": 2048}
 
 
 def scale_overrides(scale: str) -> dict[str, Any]:
