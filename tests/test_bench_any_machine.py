@@ -114,6 +114,7 @@ def test_noise_section_and_device_header():
     assert "measured GEMM rate, not a datasheet peak" in md and "50.0 GFLOP/s" in md
     assert "## Quality against run-to-run noise" in md and "a 1.00% difference" in md
     assert "| Windowed Attn + FlashAttn | 1100.00 | +10.00% | 10.0 | yes |" in md
+    assert "evaluated on the same" not in md  # the rows do not say what they were evaluated on
     assert quality_vs_noise(rows[:4]) is None  # no second seed: no noise section
     assert "run-to-run noise" not in markdown_report(rows[:4], [])
 
@@ -155,3 +156,19 @@ def test_bench_default_list_on_cpu_without_native_bf16(small_corpus, tmp_path, m
     assert err.count("warning: bf16 rows of the default list run in fp32 here") == 1
     md = (tmp_path / "b" / "report.md").read_text()
     assert "[ran in FP32*]" in md and "**no native BF16**" in md and "## Quality against run-to-run noise" in md
+
+
+def test_noise_section_says_what_the_twin_changes_and_on_how_many_tokens():
+    """The twin's seed is all that differs from the baseline, and the PPL is read on --val-blocks
+    blocks of --seq-len tokens, fewer where the held-out split is shorter."""
+    def row(name: str, ppl: float, held_out: int) -> dict:
+        r = _row(name, ppl, data={"val_tokens": held_out})
+        r["config"]["data"]["val_blocks"] = 64
+        return r
+
+    md = markdown_report([row("baseline", 1000.0, 54_288), row("bf16", 1005.0, 54_288),
+                          row(NOISE_ROW, 1010.0, 54_288)], [])
+    assert ("differs from `baseline` in its seed only (other initial weights and batch order); both, and every "
+            "row, are evaluated on the same 64 validation blocks (2,048 tokens).") in md
+    short = markdown_report([row("baseline", 1000.0, 33 * 10), row(NOISE_ROW, 1010.0, 33 * 10)], [])
+    assert "the same 10 validation blocks (320 tokens)" in short

@@ -138,3 +138,27 @@ def test_bench_help_shows_what_the_scales_run(capsys):
         assert f"(default: the scale's: {DEFAULT_SCALE} {quick[key]}, seed {seed[key]})" in part, part
         assert f"(default: {getattr(TrainConfig(), key)})" not in part
     assert "==SUPPRESS==" not in text
+
+
+def test_the_quick_scale_shows_each_memory_technique_in_the_max_batch_column():
+    """At the default scale and its CPU budget, the analytic estimator (which the traced search
+    starts from and confirms) gives each memory-saving row of the default list a max batch
+    several batches above the baseline's: flash attention and checkpointing, a share of the step's
+    memory each, are more than the 1-2 batches a too-small budget would round them to."""
+    from memtrain.analysis.estimate import estimate
+    from memtrain.analysis.fit import largest_batch
+    from memtrain.bench.scales import DEFAULT_SCALE, SCALE_BUDGET, SCALE_MAX_BATCH
+    from memtrain.config.run import parse_size
+
+    rows, _, _ = adapt_compiled_optims(resolve_rows(BenchOptions(techniques=list(DEFAULT_TECHNIQUES),
+                                                                 scale=DEFAULT_SCALE)), "cpu", substitute=True)
+    budget, cap = parse_size(SCALE_BUDGET[DEFAULT_SCALE]), SCALE_MAX_BATCH[DEFAULT_SCALE]
+    best = {name: largest_batch(lambda c: estimate(c, device_type="cpu").peak_bytes, cfg, budget, 1, cap)
+            for name, cfg in rows}
+    base = best["baseline"]
+    assert base is not None and base >= 20, best  # enough batches for a ~10% saving to show
+    for name in ("flash-bf16", "ckpt-bf16"):
+        assert best[name] >= base + 3 and best[name] >= 1.05 * base, (name, best)
+    assert best["ckpt-bf16"] > best["flash-bf16"], best
+    assert best["chunked-loss"] >= 10 * base, best
+    assert best["chunked-loss"] < best["lowest-memory"] < cap, best  # a measured answer, not the search's cap

@@ -31,6 +31,31 @@ def test_result_follows_contract_and_loss_falls(tiny_run):
     assert math.isclose(r["val_ppl"], math.exp(r["val_loss"]))
 
 
+def test_result_records_the_cache_folder_the_run_used(tiny_run, tmp_path, monkeypatch):
+    """MEMTRAIN_CACHE overrides --cache-dir: result.json names the folder whose tokens were read,
+    not the setting the variable overrode; without the variable it names --cache-dir."""
+    env_cache, flag_cache = tmp_path / "env-cache", tmp_path / "flag-cache"
+    monkeypatch.setenv("MEMTRAIN_CACHE", str(env_cache))
+    cfg = build_config({**tiny_run, "steps": 3, "warmup_steps": 1, "cache_dir": str(flag_cache)})
+    r = train(cfg)
+    assert r["config"]["data"]["cache_dir"] == str(env_cache)
+    assert any(env_cache.iterdir()) and not flag_cache.exists()  # the tokens were cached there
+    monkeypatch.delenv("MEMTRAIN_CACHE")
+    assert cfg.recorded()["data"]["cache_dir"] == str(flag_cache)
+    assert cfg.recorded()["train"] == cfg.to_dict()["train"]  # nothing else is rewritten
+
+
+def test_train_prints_the_time_of_its_steps_by_their_count(tiny_run, capsys):
+    """`total_time_s` is the wall time of the steps run (no evaluation): the summary line says
+    so by their count, as the bench report's "Time, N steps (s)" column does."""
+    from conftest import cli_flags
+    from memtrain.cli import main
+
+    assert main(["train", *cli_flags({**tiny_run, "steps": 3, "warmup_steps": 1})]) == 0
+    out = capsys.readouterr().out
+    assert " 3 steps in " in out and " total " not in out, out
+
+
 def test_schedule_warmup_then_cosine():
     cfg = build_config({"steps": 100, "warmup_steps": 10, "min_lr_ratio": 0.1})
     f = lr_lambda(cfg)

@@ -315,7 +315,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     print(
         f"step time {result['step_time_s']['median'] * 1000:.1f} ms (median)  "
-        f"{result['tokens_per_s']:,.0f} tokens/s  total {result['total_time_s']:.1f} s  "
+        f"{result['tokens_per_s']:,.0f} tokens/s  {result['steps_run']} steps in {result['total_time_s']:.1f} s  "
         f"tracked peak {fmt_bytes(mem.get('peak_bytes'))}"
     )
     print(f"wrote {out / 'result.json'}")

@@ -139,7 +139,7 @@ def run_row_subprocess(name: str, cfg: RunConfig, opts: BenchOptions, eta: Optio
             code = _wait(proc, opts.timeout_s, start, lambda: _say_eta(eta, name, heartbeat, start))
         except subprocess.TimeoutExpired:
             stop_row(proc, grace_s=0, sig=signal.SIGKILL)
-            return {"status": "timeout", "error": f"row exceeded {opts.timeout_s:.0f} s", "config": cfg.to_dict()}
+            return {"status": "timeout", "error": f"row exceeded {opts.timeout_s:.0f} s", "config": cfg.recorded()}
         except BaseException:  # Ctrl-C, SIGTERM (raised as KeyboardInterrupt), anything: no orphan
             stop_row(proc)
             raise
@@ -154,7 +154,7 @@ def run_row_subprocess(name: str, cfg: RunConfig, opts: BenchOptions, eta: Optio
             if result.get("status") != "ok":  # a failed rank other than 0 names the root cause
                 result = json.loads(rank_file.read_text())
                 break
-    result.setdefault("config", cfg.to_dict())
+    result.setdefault("config", cfg.recorded())
     result["row_wall_s"] = wall
     return result
 

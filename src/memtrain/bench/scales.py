@@ -14,16 +14,15 @@ SCALES: dict[str, dict[str, Any]] = {
     # Finishes on 2 CPU cores in minutes: the same default model (so the memory picture,
     # dominated by the 50257-token logits, is the real one) at one sequence of 256 tokens per step
     # for 40 steps, a short warm-up and a higher learning rate so the quality column means
-    # something. The tokens per row are those of 4 x 128 x 20 steps, but twice the updates: at
-    # 20 steps the baseline's PPL is still falling fast and two seeds differ widely; by step 40
-    # it falls about half as fast (the measured PPL, with its machine: docs/performance.md,
-    # the `quick` scale). Memory: batch 1 keeps the step cheap, and the
-    # max-batch column shows the techniques (SCALE_BUDGET: 2 GiB; `memtrain maxbatch` predicts
-    # 10 for the baseline, 11 with flash, 12 with checkpointing, 104 with the chunked loss,
-    # 322 for the lowest-memory row), where 4 x 128 under 1 GiB gave 10-11 for every row but
-    # the chunked loss's. Dropout is off because PyTorch's CPU flash kernel has no dropout (the
-    # flash rows could not run on CPU).
-    "quick": {"batch_size": 1, "seq_len": 256, "steps": 40, "warmup_steps": 5, "lr": 2e-3, "val_blocks": 16,
+    # something. Dropout is off because PyTorch's CPU flash kernel has no dropout.
+    # Quality: the validation PPL is read on 64 blocks (16,384 tokens), not 16. The held-out
+    # set's first blocks are a few documents on which two seeds' models differ far more than on
+    # the rest, so on 16 blocks the seed-to-seed difference was larger than every row's; 64
+    # blocks halve the spread of the PPL over seeds for 48 more forward passes per row (a few
+    # seconds at batch 1), and more blocks shrink it little further. More steps or longer
+    # sequences would cost training time per row, which the default list on 2 cores cannot spend; sequence 512 (the model's longest) would not change the memory
+    # picture either, the logits still dominating. Measured figures: docs/performance.md.
+    "quick": {"batch_size": 1, "seq_len": 256, "steps": 40, "warmup_steps": 5, "lr": 2e-3, "val_blocks": 64,
               "dropout": 0.0},
 }
 
@@ -33,9 +32,17 @@ DEFAULT_SCALE = "quick"
 SCALE_WINDOW = {"seed": 128, "quick": 128}
 
 # Memory budget for the max-batch column by scale when the device has no memory limit of
-# its own (CPU): the search then runs against the tracked meter.
-SCALE_BUDGET = {"seed": None, "quick": "2GiB"}
-SCALE_MAX_BATCH = {"seed": 1024, "quick": 512}
+# its own (CPU): the search then runs against the tracked meter (traced: nothing is allocated,
+# so the budget need not fit the machine). A technique's saving is a share of the step's memory,
+# nearly the same at any budget (flash attention ~9%, full checkpointing ~15% at sequence 256:
+# the logits are most of the rest), so the budget sets how many batches that share is: under
+# 2 GiB the baseline fits 10 and those savings read as 1-2 batches; under 6 GiB the estimator
+# predicts 34 for the baseline, 37 with flash, 39 with checkpointing, 585 with the chunked loss and
+# 1,551 for the lowest-memory row (Adafactor, the default list's CPU row). Not more: a traced
+# probe of the chunked loss steps through every 256-token chunk, so those rows' search costs time
+# in proportion to their batch. The search's cap is above the largest of them.
+SCALE_BUDGET = {"seed": None, "quick": "6GiB"}
+SCALE_MAX_BATCH = {"seed": 1024, "quick": 2048}
 
 
 def scale_overrides(scale: str) -> dict[str, Any]:

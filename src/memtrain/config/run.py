@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import shlex
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -326,6 +327,15 @@ class TrainConfig:
                  f"--stop-after must be between 1 and --steps ({self.steps}), got {self.stop_after}")
 
 
+CACHE_ENV = "MEMTRAIN_CACHE"
+
+
+def effective_cache_dir(data: DataConfig) -> str:
+    """The token cache folder a run uses, as written (``~`` unexpanded): ``$MEMTRAIN_CACHE`` when
+    set, else ``--cache-dir``."""
+    return os.environ.get(CACHE_ENV) or data.cache_dir
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,
@@ -361,6 +371,14 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def recorded(self) -> dict[str, Any]:
+        """This config as a result records it: every setting as resolved, and the token cache
+        folder the run used (``$MEMTRAIN_CACHE`` overrides ``--cache-dir``, so the setting alone
+        could name a folder the run never read)."""
+        config = self.to_dict()
+        config["data"]["cache_dir"] = effective_cache_dir(self.data)
+        return config
 
     def replace(self, **overrides: Any) -> "RunConfig":
         """A copy with flat overrides applied (``batch_size=4, precision='bf16'``). The settings

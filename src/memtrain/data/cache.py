@@ -26,7 +26,7 @@ from typing import Any, BinaryIO, Optional
 import numpy as np
 from tqdm.auto import tqdm
 
-from memtrain.config.run import DataConfig
+from memtrain.config.run import DataConfig, effective_cache_dir
 from memtrain.data.sources import iter_documents, source_identity
 from memtrain.data.tokenizer import (
     ENCODE_PIECE_CHARS,
@@ -132,7 +132,7 @@ def _clean_stale_tmp(root: Path) -> None:
 
 def cache_root(cfg: DataConfig) -> Path:
     """The cache directory: ``$MEMTRAIN_CACHE`` if set, else ``cfg.cache_dir``."""
-    return Path(os.environ.get("MEMTRAIN_CACHE") or cfg.cache_dir).expanduser()
+    return Path(effective_cache_dir(cfg)).expanduser()
 
 
 def cache_key(cfg: DataConfig, tokenizer: Any = None) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-__all__ = ["FACTOR", "ppl_noise", "quality_vs_noise", "noise_markdown", "is_noise_twin", "fmt_noise",
+__all__ = ["FACTOR", "validation_sample", "ppl_noise", "quality_vs_noise", "noise_markdown", "is_noise_twin", "fmt_noise",
            "step_noise", "faster_beyond_noise"]
 
 FACTOR = 2.0
@@ -67,6 +67,29 @@ def quality_vs_noise(rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
     return {**noise, "factor": FACTOR, "rows": out}
 
 
+def validation_sample(row: dict[str, Any]) -> Optional[tuple[int, int]]:
+    """(blocks, tokens) the row's validation PPL was measured on: ``--val-blocks`` blocks of
+    ``--seq-len`` tokens, fewer where the held-out split has fewer (each block takes seq-len + 1
+    tokens, the targets being shifted by one); None where the row does not say."""
+    blocks = ((row.get("config") or {}).get("data") or {}).get("val_blocks")
+    seq = ((row.get("config") or {}).get("train") or {}).get("seq_len")
+    held_out = (row.get("data") or {}).get("val_tokens")
+    if not (isinstance(blocks, int) and isinstance(seq, int) and isinstance(held_out, int)
+            and min(blocks, seq, held_out) > 0):
+        return None
+    n = min(blocks, held_out // (seq + 1))
+    return n, n * seq
+
+
+def _sample_sentence(rows: list[dict[str, Any]], base: str) -> str:
+    row = next((r for r in rows if r.get("technique") == base), {})
+    sample = validation_sample(row)
+    if sample is None:
+        return ""
+    return (f" The twin differs from `{base}` in its seed only (other initial weights and batch order); both, "
+            f"and every row, are evaluated on the same {sample[0]} validation blocks ({sample[1]:,} tokens).")
+
+
 def noise_markdown(rows: list[dict[str, Any]]) -> list[str]:
     """The report's "Quality against run-to-run noise" section (empty without a noise pair)."""
     q = quality_vs_noise(rows)
@@ -76,7 +99,8 @@ def noise_markdown(rows: list[dict[str, Any]]) -> list[str]:
         "## Quality against run-to-run noise",
         "",
         f"Run-to-run noise: `{q['base']}` reached val PPL {q['ppl']:.2f}; the same row with the next seed "
-        f"(`{q['base']}{SUFFIX}`) {q['ppl_seed2']:.2f}, a {fmt_noise(q['rel_noise'])} difference. "
+        f"(`{q['base']}{SUFFIX}`) {q['ppl_seed2']:.2f}, a {fmt_noise(q['rel_noise'])} difference."
+        f"{_sample_sentence(rows, q['base'])} "
         f"A row's PPL difference from `{q['base']}` counts as beyond noise when it is more than "
         f"{q['factor']:.0f}x that.",
         "",

@@ -375,7 +375,7 @@ def _result(state: TrainState, timer: StepTimer, memory: dict[str, Any], splits:
     median = stats["median"]
     run_mfu, mfu_reference = mfu_for_run(flops_per_rank_step, median, device, cfg.technique.precision, caps, rate_now)
     return {
-        "config": cfg.to_dict(),
+        "config": cfg.recorded(),
         "train_loss": sum(tail) / len(tail),
         "val_loss": val_loss,
         "val_ppl": math.exp(min(val_loss, 50)),
