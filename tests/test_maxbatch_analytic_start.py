@@ -35,3 +35,37 @@ def test_a_wrong_guess_falls_back_to_the_full_search(monkeypatch):
     monkeypatch.setattr(mb, "_analytic_guess", lambda *a, **k: 9)  # too large: batch 9 does not fit
     fast = find_max_batch(cfg, budget_bytes=budget, max_batch=64, progress=False)
     assert fast.batch_size == 6 and len(fast.probes) > 3
+
+
+@pytest.mark.parametrize("guess", [4, 5, 7, 8, 20])
+def test_a_guess_a_few_batches_off_is_corrected_from_where_it_stands(monkeypatch, guess):
+    """The search steps outward from a wrong guess (up when it fits, down when it does not) and
+    bisects: the traced answer, in fewer probes than the search from batch 1 takes."""
+    import memtrain.analysis.maxbatch as mb
+
+    cfg = build_config({**TINY_MODEL, "vocab_size": 50257, "seq_len": 32, "device": "cpu"})
+    budget = traced_step_peak(cfg, 6)
+    full = find_max_batch(cfg, budget_bytes=budget, max_batch=64, progress=False,
+                          probe=lambda c, b: traced_step_peak(c, b))
+    monkeypatch.setattr(mb, "_analytic_guess", lambda *a, **k: guess)
+    near = find_max_batch(cfg, budget_bytes=budget, max_batch=64, progress=False)
+    assert (near.batch_size, near.peak_bytes) == (full.batch_size, full.peak_bytes) == (6, budget)
+    if abs(guess - 6) <= 2:
+        assert len(near.probes) < len(full.probes), (near.probes, full.probes)
+
+
+def test_outward_search_is_exact_for_every_guess():
+    from memtrain.analysis.fit import largest_fitting, largest_fitting_from
+
+    for answer in (0, 1, 2, 7, 64, 100):
+        for guess in (1, 2, 5, 7, 8, 63, 99, 100):
+            asked: list[int] = []
+
+            def fits(k: int, answer: int = answer, asked: list[int] = asked) -> bool:
+                asked.append(k)
+                return k <= answer
+
+            got = largest_fitting_from(fits, 100, guess, fits(guess))
+            assert got == (answer or None), (answer, guess, got)
+            assert all(1 <= k <= 100 for k in asked)
+    assert largest_fitting(lambda k: k <= 37, 100) == 37

@@ -53,6 +53,40 @@ def largest_fitting(fits: Callable[[int], bool], cap: int) -> int:
     return lo
 
 
+def largest_fitting_from(fits: Callable[[int], bool], cap: int, start: int, start_fits: bool) -> Optional[int]:
+    """The largest k in [1, cap] with ``fits(k)`` (fitting monotone), searched outward from a
+    guess ``start`` whose answer ``start_fits`` is known: step away from it in doubling steps until
+    the answer flips, then bisect. A guess off by a few costs a few probes, not a search from 1.
+    None when not even 1 fits."""
+    lo: Optional[int] = start if start_fits else None  # fits
+    hi: Optional[int] = None if start_fits else start  # does not fit
+    step = 1
+    if lo is not None:
+        while hi is None and lo < cap:
+            k = min(lo + step, cap)
+            if fits(k):
+                lo, step = k, step * 2
+            else:
+                hi = k
+    else:
+        assert hi is not None
+        while lo is None:
+            k = max(hi - step, 1)
+            if fits(k):
+                lo = k
+            elif k == 1:
+                return None
+            else:
+                hi, step = k, step * 2
+    while hi is not None and hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def largest_batch(need: Callable[[RunConfig], float], cfg: RunConfig, budget_bytes: float, multiple_of: int = 1,
                   cap: int = DEFAULT_SEARCH_CAP) -> Optional[int]:
     """The largest k <= ``cap`` whose batch ``k * multiple_of`` needs at most ``budget_bytes``

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from memtrain.analysis.estimate import GPT2_ARCH, estimate
 from memtrain.analysis.estimate.hf import hf_arch, why_not_modelled
-from memtrain.analysis.fit import largest_batch, largest_fitting, step_need
+from memtrain.analysis.fit import largest_batch, largest_fitting, largest_fitting_from, step_need
 from memtrain.analysis.trace import trace_peak_bytes
 from memtrain.config.run import ConfigError, RunConfig
 from memtrain.metrics import MemoryMeter, device_peak_memory
@@ -212,18 +212,29 @@ def find_max_batch(  # noqa: C901 - grow then bisect, each with OOM and budget e
         # bench row's overhead on CPU). The analytic estimate matches the trace on memtrain's
         # model, so start from its answer and confirm it with two probes: it fits and the next
         # batch does not (the first of them also shows that batch 1 fits: peaks grow with the
-        # batch). Any disagreement falls through to the full search, so the answer is the
-        # traced one either way.
+        # batch). Where they disagree the search steps outward from the guess (a chunked loss's
+        # estimate can be a batch off; a traced probe of it costs seconds at hundreds of
+        # sequences), so the answer is the traced one either way.
+        found: Optional[int] = None
         if probe is traced_step_peak:
             guess = _analytic_guess(cfg, budget_bytes, multiple_of, cap, device.type)
             if guess is not None and guess > 1:
                 ok, peak = fits(guess * multiple_of)
-                if ok and (guess >= cap or not fits((guess + 1) * multiple_of)[0]):
+                if ok and guess >= cap:
                     return MaxBatchResult(guess * multiple_of, peak, budget_bytes, device.type, method, probes)
-        ok, peak = fits(multiple_of)
-        if not ok:
-            raise _nothing_fits(multiple_of, peak, budget_bytes)
-        best = largest_fitting(lambda k: fits(k * multiple_of)[0], cap) * multiple_of
+                if ok and not fits((guess + 1) * multiple_of)[0]:
+                    return MaxBatchResult(guess * multiple_of, peak, budget_bytes, device.type, method, probes)
+                start, start_fits = (guess + 1, True) if ok else (guess, False)
+                found = largest_fitting_from(lambda k: fits(k * multiple_of)[0], cap, start, start_fits)
+                if found is None:
+                    peak_at_one = next(p["peak_bytes"] for p in probes if p["batch_size"] == multiple_of)
+                    raise _nothing_fits(multiple_of, peak_at_one, budget_bytes)
+        if found is None:
+            ok, peak = fits(multiple_of)
+            if not ok:
+                raise _nothing_fits(multiple_of, peak, budget_bytes)
+            found = largest_fitting(lambda k: fits(k * multiple_of)[0], cap)
+        best = found * multiple_of
         best_peak = next(p["peak_bytes"] for p in reversed(probes) if p["batch_size"] == best and p["fits"])
     finally:
         if bar is not None:

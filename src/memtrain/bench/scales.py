@@ -36,12 +36,13 @@ SCALE_WINDOW = {"seed": 128, "quick": 128}
 # so the budget need not fit the machine). A technique's saving is a share of the step's memory,
 # nearly the same at any budget (flash attention ~9%, full checkpointing ~15% at sequence 256:
 # the logits are most of the rest), so the budget sets how many batches that share is: under
-# 2 GiB the baseline fits 10 and those savings read as 1-2 batches; under 6 GiB the estimator
-# predicts 34 for the baseline, 37 with flash, 39 with checkpointing, 585 with the chunked loss and
-# 1,551 for the lowest-memory row (Adafactor, the default list's CPU row). Not more: a traced
-# probe of the chunked loss steps through every 256-token chunk, so those rows' search costs time
-# in proportion to their batch. The search's cap is above the largest of them.
-SCALE_BUDGET = {"seed": None, "quick": "6GiB"}
+# 2 GiB the baseline fits 10 and those savings read as 1-2 batches; under 5 GiB the estimator
+# predicts 28 for the baseline, 31 with flash, 33 with checkpointing, 481 with the chunked loss and
+# 1,288 for the lowest-memory row (Adafactor, the default list's CPU row), the smallest budget at
+# which flash attention reads as 3 batches. Not more: a traced probe of the chunked loss steps
+# through every 256-token chunk, so those rows' probes cost time in proportion to their batch.
+# The search's cap is above the largest of them.
+SCALE_BUDGET = {"seed": None, "quick": "5GiB"}
 SCALE_MAX_BATCH = {"seed": 1024, "quick": 2048}
 
 
