@@ -27,10 +27,23 @@ from memtrain.config.run import ConfigError, RunConfig
 from memtrain.devices.gpu_memory import gpu_memory
 from memtrain.devices.numerics import is_standard, numerics_note
 
-__all__ = ["FitVerdict", "budget_for", "fit_verdict", "largest_batch", "largest_fitting", "step_need"]
+__all__ = ["FitVerdict", "bisect_fitting", "budget_for", "fit_verdict", "largest_batch", "largest_fitting",
+           "largest_fitting_from", "step_need"]
 
 GiB = 1 << 30
 DEFAULT_SEARCH_CAP = 4096  # the largest batch searched, as maxbatch's and plan's --max-batch default
+
+
+def bisect_fitting(fits: Callable[[int], bool], lo: int, hi: int) -> int:
+    """The largest k in [lo, hi) with ``fits(k)``, given that ``lo`` fits, ``hi`` does not and
+    fitting is monotone."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def largest_fitting(fits: Callable[[int], bool], cap: int) -> int:
@@ -44,13 +57,7 @@ def largest_fitting(fits: Callable[[int], bool], cap: int) -> int:
             lo = k
         else:
             hi = k
-    while hi is not None and hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return lo if hi is None else bisect_fitting(fits, lo, hi)
 
 
 def largest_fitting_from(fits: Callable[[int], bool], cap: int, start: int, start_fits: bool) -> Optional[int]:
@@ -78,13 +85,7 @@ def largest_fitting_from(fits: Callable[[int], bool], cap: int, start: int, star
                 return None
             else:
                 hi, step = k, step * 2
-    while hi is not None and hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return lo if hi is None else bisect_fitting(fits, lo, hi)
 
 
 def largest_batch(need: Callable[[RunConfig], float], cfg: RunConfig, budget_bytes: float, multiple_of: int = 1,
