@@ -220,9 +220,7 @@ def find_max_batch(  # noqa: C901 - grow then bisect, each with OOM and budget e
             guess = _analytic_guess(cfg, budget_bytes, multiple_of, cap, device.type)
             if guess is not None and guess > 1:
                 ok, peak = fits(guess * multiple_of)
-                if ok and guess >= cap:
-                    return MaxBatchResult(guess * multiple_of, peak, budget_bytes, device.type, method, probes)
-                if ok and not fits((guess + 1) * multiple_of)[0]:
+                if ok and (guess >= cap or not fits((guess + 1) * multiple_of)[0]):
                     return MaxBatchResult(guess * multiple_of, peak, budget_bytes, device.type, method, probes)
                 start, start_fits = (guess + 1, True) if ok else (guess, False)
                 found = largest_fitting_from(lambda k: fits(k * multiple_of)[0], cap, start, start_fits)
