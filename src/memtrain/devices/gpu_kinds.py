@@ -11,12 +11,18 @@ FLOP/s are *dense* (NVIDIA datasheets headline 2:4 structured-sparsity numbers, 
 ones; a training step gets none of that) tensor-core peaks at boost clock. Half precision is the
 rate with FP32 accumulation, which is what PyTorch's matmuls use; on GeForce cards it is half
 the FP16-accumulate rate the marketing quotes. ``fp32`` is the plain (non-tensor-core) FP32
-rate; ``tf32`` the TF32 tensor-core rate. ``None`` means the hardware has no tensor-core path
-for that type (BF16 and TF32 before Ampere).
+rate; ``tf32`` the TF32 tensor-core rate; ``fp8`` the FP8 (E4M3/E5M2) tensor-core rate with FP32
+accumulation, what ``torch._scaled_mm`` runs. ``None`` means the hardware has no tensor-core path
+for that type (BF16 and TF32 before Ampere, FP8 before compute capability 8.9).
 
 Sources (dense figures, sparse ones halved where only those are printed):
 - Hopper: "NVIDIA H100 Tensor Core GPU Architecture" whitepaper (H100 SXM5 / PCIe tables) and
-  the H100 and H200 datasheets (NVL variants, H200 memory bandwidth).
+  the H100 and H200 datasheets (NVL variants, H200 memory bandwidth). FP8: "Peak FP8 Tensor
+  TFLOPS with FP32 Accumulate" 1978.9 (SXM5) and 1513 (PCIe) dense in the whitepaper; the
+  datasheets print 3,958 (H100 SXM, H200 SXM), 3,026 (H100 PCIe) and 3,341 (H100 NVL, H200 NVL)
+  TFLOPS with sparsity, halved here.
+- Ada FP8 (sparse figures halved): L4 datasheet 485, L40S datasheet 1,466; RTX 4090: Ada
+  whitepaper "Peak FP8 Tensor TFLOPS with FP32 Accumulate" 330.3 dense.
 - A100: "NVIDIA A100 Tensor Core GPU" datasheet (40GB/80GB, SXM/PCIe bandwidths).
 - L4, L40S, A10, T4, V100: their NVIDIA datasheets.
 - RTX 4090: "NVIDIA Ada GPU Architecture" whitepaper, appendix table for GeForce RTX 4090.
@@ -42,7 +48,7 @@ from typing import Optional
 from memtrain.techniques.facts import MATMUL_TYPES
 
 __all__ = ["AllocatorFacts", "DEFAULT_ALLOCATOR", "GPU_KINDS", "GpuKind", "allocator_facts", "gpu_kind",
-           "gpu_table_key"]
+           "gpu_table_key", "has_fp8"]
 
 T = 1e12  # TFLOP/s
 GBs = 1e9  # GB/s (decimal, as datasheets state bandwidth)
@@ -103,8 +109,8 @@ class GpuKind:
 
 def _kind(name: str, bf16: Optional[float], fp16: Optional[float], tf32: Optional[float], fp32: float,
           bandwidth: float, memory: Optional[int], allocator: Optional[AllocatorFacts] = None,
-          memory_measured: bool = False) -> GpuKind:
-    rates = {"bf16": bf16, "fp16": fp16, "tf32": tf32, "fp32": fp32}
+          memory_measured: bool = False, fp8: Optional[float] = None) -> GpuKind:
+    rates = {"bf16": bf16, "fp16": fp16, "tf32": tf32, "fp32": fp32, "fp8": fp8}
     assert tuple(rates) == MATMUL_TYPES  # a rate for each matmul type the precisions name
     return GpuKind(name, rates, bandwidth, memory, memory_measured, allocator)
 
@@ -113,12 +119,14 @@ def _kind(name: str, bf16: Optional[float], fp16: Optional[float], tf32: Optiona
 GPU_KINDS: dict[str, GpuKind] = {
     # Hopper. SXM5: 132 SMs at 1.83 GHz; PCIe: 114 SMs at 1.755 GHz (whitepaper).
     "h100-sxm": _kind("H100 SXM", 989.4 * T, 989.4 * T, 494.7 * T, 66.9 * T, 3350 * GBs, 85_017_493_504,
-                      _H100_ALLOC, memory_measured=True),
-    "h100-pcie": _kind("H100 PCIe", 756.0 * T, 756.0 * T, 378.0 * T, 51.2 * T, 2000 * GBs, 80 * GiB, _H100_ALLOC),
-    "h100-nvl": _kind("H100 NVL", 835.5 * T, 835.5 * T, 417.5 * T, 60.0 * T, 3900 * GBs, 94 * GiB, _H100_ALLOC),
+                      _H100_ALLOC, memory_measured=True, fp8=1978.9 * T),
+    "h100-pcie": _kind("H100 PCIe", 756.0 * T, 756.0 * T, 378.0 * T, 51.2 * T, 2000 * GBs, 80 * GiB, _H100_ALLOC,
+                       fp8=1513.0 * T),
+    "h100-nvl": _kind("H100 NVL", 835.5 * T, 835.5 * T, 417.5 * T, 60.0 * T, 3900 * GBs, 94 * GiB, _H100_ALLOC,
+                      fp8=1670.5 * T),
     # H200 is the H100 SXM die with 141 GB of HBM3e.
-    "h200": _kind("H200 SXM", 989.4 * T, 989.4 * T, 494.7 * T, 66.9 * T, 4800 * GBs, 141 * GiB),
-    "h200-nvl": _kind("H200 NVL", 835.5 * T, 835.5 * T, 417.5 * T, 60.0 * T, 4800 * GBs, 141 * GiB),
+    "h200": _kind("H200 SXM", 989.4 * T, 989.4 * T, 494.7 * T, 66.9 * T, 4800 * GBs, 141 * GiB, fp8=1978.9 * T),
+    "h200-nvl": _kind("H200 NVL", 835.5 * T, 835.5 * T, 417.5 * T, 60.0 * T, 4800 * GBs, 141 * GiB, fp8=1670.5 * T),
     # Ampere data centre.
     "a100-40gb-sxm": _kind("A100 40GB SXM", 312 * T, 312 * T, 156 * T, 19.5 * T, 1555 * GBs, 40 * GiB, _A100_ALLOC),
     "a100-80gb-sxm": _kind("A100 80GB SXM", 312 * T, 312 * T, 156 * T, 19.5 * T, 2039 * GBs, 80 * GiB, _A100_ALLOC),
@@ -129,10 +137,11 @@ GPU_KINDS: dict[str, GpuKind] = {
     "a10": _kind("A10", 125 * T, 125 * T, 62.5 * T, 31.2 * T, 600 * GBs, 24 * GiB),
     "a10g": _kind("A10G", 70 * T, 70 * T, 35 * T, 35 * T, 600 * GBs, 24 * GiB),
     # Ada data centre.
-    "l4": _kind("L4", 121 * T, 121 * T, 60 * T, 30.3 * T, 300 * GBs, 24 * GiB),
-    "l40s": _kind("L40S", 362.05 * T, 362.05 * T, 183 * T, 91.6 * T, 864 * GBs, 48 * GiB),
+    "l4": _kind("L4", 121 * T, 121 * T, 60 * T, 30.3 * T, 300 * GBs, 24 * GiB, fp8=242.5 * T),
+    "l40s": _kind("L40S", 362.05 * T, 362.05 * T, 183 * T, 91.6 * T, 864 * GBs, 48 * GiB, fp8=733 * T),
     # GeForce (FP32-accumulate tensor rates).
-    "rtx-4090": _kind("RTX 4090", 165.2 * T, 165.2 * T, 82.6 * T, 82.6 * T, 1008 * GBs, 24 * GiB, _RTX4090_ALLOC),
+    "rtx-4090": _kind("RTX 4090", 165.2 * T, 165.2 * T, 82.6 * T, 82.6 * T, 1008 * GBs, 24 * GiB, _RTX4090_ALLOC,
+                      fp8=330.3 * T),
     "rtx-3090": _kind("RTX 3090", 71 * T, 71 * T, 35.6 * T, 35.6 * T, 936 * GBs, 24 * GiB),
     # Volta and Turing: FP16 tensor cores only.
     "v100-sxm2": _kind("V100 SXM2", None, 125 * T, None, 15.7 * T, 900 * GBs, None),
@@ -182,6 +191,13 @@ def gpu_table_key(name: Optional[str]) -> Optional[str]:
         if re.search(pattern, norm):
             return table_key
     return None
+
+
+def has_fp8(name: Optional[str]) -> bool:
+    """Whether the GPU a name resolves to has FP8 tensor cores (an ``fp8`` rate in its row);
+    False for an unknown name and for "cpu"."""
+    kind = gpu_kind(name)
+    return kind is not None and kind.flops.get("fp8") is not None
 
 
 def gpu_kind(name: Optional[str]) -> Optional[GpuKind]:

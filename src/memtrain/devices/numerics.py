@@ -31,6 +31,9 @@ def numerics_changes(tech: Mapping[str, Any]) -> list[str]:
     precision = tech.get("precision", "fp32")
     if precision == "bf16-pure":
         notes.append("pure BF16 weights: changes the weights' arithmetic (no FP32 master copy)")
+    facts = PRECISION_FACTS.get(precision)
+    if facts is not None and facts.fp8:
+        notes.append("FP8 matmuls (torchao float8, per-tensor scales): changes the Linears' arithmetic")
     optim = tech.get("optim", "adamw")
     if optim in OPTIM_NOTES:
         notes.append(OPTIM_NOTES[optim])

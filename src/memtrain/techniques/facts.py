@@ -8,7 +8,9 @@ these values instead of re-deriving them from the option strings:
 * :class:`CheckpointPolicy`: ``--checkpointing`` parsed (kind, K), and which blocks it
   checkpoints for a given depth;
 * :class:`PrecisionFacts`: per ``--precision``, the weight dtype, the autocast (compute)
-  dtype, the loss scaler, TF32, and their byte sizes;
+  dtype, the loss scaler, TF32, and their byte sizes; for ``fp8`` (torchao float8 training) the
+  dtype each Linear's matmul operands are cast to, which Linears qualify
+  (:func:`fp8_converts`) and the GPUs that run it (:data:`FP8_MIN_CAPABILITY`);
 * :class:`OptimizerStateRule`: per ``--optim``, the state tensors each parameter gets and
   their element size (the dtype of the weights, or quantized bits with a block of scales);
   the low-bit optimizers' blocks and size floor, and which optimizers can train BF16 weights;
@@ -33,7 +35,8 @@ from typing import Optional
 from memtrain.errors import ConfigError
 
 __all__ = [
-    "ADAMW_KERNELS", "BF16_PURE_OPTIMS", "CHECKPOINT_KINDS", "DTYPE_MATMUL_TYPE", "LOW_BIT_BLOCK", "LOW_BIT_MIN_NUMEL",
+    "ADAMW_KERNELS", "BF16_PURE_OPTIMS", "CHECKPOINT_KINDS", "DTYPE_MATMUL_TYPE", "FP8_DIM_MULTIPLE",
+    "FP8_MIN_CAPABILITY", "LOW_BIT_BLOCK", "LOW_BIT_MIN_NUMEL", "fp8_converts",
     "MATMUL_TYPES", "MEMORY_CATEGORIES", "OPTIMIZER_STATE_RULES", "PRECISION_FACTS", "CheckpointPolicy",
     "OptimizerStateRule", "PrecisionFacts", "checkpoint_policy", "half_matmul_type", "low_bit_quantizes",
     "matmul_type", "optimizer_state_rule", "parse_checkpointing", "precision_facts",
@@ -118,11 +121,24 @@ def checkpoint_policy(text: str) -> CheckpointPolicy:
 
 
 # --------------------------------------------------------------------------- precision
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 # The matmul types a GPU's peak FLOP/s are listed for (memtrain.devices.gpu_kinds), and the one
 # a matmul in each dtype runs on (TF32 is a switch on FP32 matmuls, not a dtype of its own).
-MATMUL_TYPES: tuple[str, ...] = ("bf16", "fp16", "tf32", "fp32")
-DTYPE_MATMUL_TYPE = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+MATMUL_TYPES: tuple[str, ...] = ("bf16", "fp16", "tf32", "fp32", "fp8")
+DTYPE_MATMUL_TYPE = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
+                     "float8_e4m3fn": "fp8", "float8_e5m2": "fp8"}
+# FP8 tensor cores arrive with compute capability 8.9 (Ada: L4, L40S, RTX 4090; then Hopper:
+# H100, H200); torch's float8 matmul (torch._scaled_mm) refuses older GPUs.
+FP8_MIN_CAPABILITY: tuple[int, int] = (8, 9)
+# torch._scaled_mm needs both dimensions of a weight to be multiples of 16; torchao's own
+# filters (float8_linear_utils._auto_filter_for_*) leave any other Linear in high precision.
+FP8_DIM_MULTIPLE = 16
+
+
+def fp8_converts(n_in: int, n_out: int) -> bool:
+    """Whether ``--precision fp8`` runs a Linear of these dimensions in FP8 (else it keeps it in
+    the autocast dtype): both must divide by :data:`FP8_DIM_MULTIPLE`."""
+    return n_in % FP8_DIM_MULTIPLE == 0 and n_out % FP8_DIM_MULTIPLE == 0
 # Other libraries' precision names (Lightning's) that callers of the FLOP/s tables may pass.
 _FOREIGN_PRECISION_TYPE = {"bf16-mixed": "bf16", "fp16-mixed": "fp16"}
 
@@ -138,6 +154,14 @@ class PrecisionFacts:
     scaler: bool = False  # a GradScaler (FP16's narrow exponent)
     tf32: bool = False  # TF32 matmuls (a process-wide switch)
     matmul_type: str = "fp32"  # the tensor-core type of the matmuls (a GPU's roof)
+    # fp8 (torchao float8 training): the dtype each converted Linear casts its input and weight
+    # to, per matmul (dynamic per-tensor scales; the gradient takes e5m2). The weights stay in
+    # param_dtype and no autocast copy of them is kept: torchao's Float8Linear saves the
+    # autocast-dtype input and the weight itself for backward (``ctx.save_for_backward(input_hp,
+    # weight_hp_t)``) and casts both again in backward; the FP8 copies are temporaries. Under
+    # torch.compile the partitioner may save the 1-byte casts instead.
+    linear_cast_dtype: Optional[str] = None
+    min_capability: Optional[tuple[int, int]] = None  # the CUDA compute capability it needs
 
     @property
     def autocast(self) -> bool:
@@ -146,6 +170,11 @@ class PrecisionFacts:
     @property
     def param_bytes(self) -> int:
         return _DTYPE_BYTES[self.param_dtype]
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the Linears' matmuls run in FP8 (torchao float8 training)."""
+        return self.linear_cast_dtype is not None
 
     @property
     def compute_bytes(self) -> int:
@@ -159,6 +188,10 @@ PRECISION_FACTS: dict[str, PrecisionFacts] = {
     "bf16": PrecisionFacts("bf16", "float32", autocast_dtype="bfloat16", matmul_type="bf16"),
     "fp16": PrecisionFacts("fp16", "float32", autocast_dtype="float16", scaler=True, matmul_type="fp16"),
     "bf16-pure": PrecisionFacts("bf16-pure", "bfloat16", matmul_type="bf16"),
+    # torchao float8 training under BF16 autocast: FP32 master weights, gradients and optimizer
+    # state as bf16; the Linears' matmuls in FP8 (the LM head, embeddings and attention core stay BF16).
+    "fp8": PrecisionFacts("fp8", "float32", autocast_dtype="bfloat16", matmul_type="fp8",
+                          linear_cast_dtype="float8_e4m3fn", min_capability=FP8_MIN_CAPABILITY),
 }
 
 
@@ -167,7 +200,7 @@ def precision_facts(name: str) -> PrecisionFacts:
     try:
         return PRECISION_FACTS[name]
     except KeyError:
-        raise ConfigError(f"unknown --precision {name!r}; choose fp32, tf32, bf16, fp16 or bf16-pure") from None
+        raise ConfigError(f"unknown --precision {name!r}; choose one of {', '.join(PRECISION_FACTS)}") from None
 
 
 def matmul_type(name: str) -> Optional[str]:
