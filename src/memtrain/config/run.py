@@ -252,6 +252,11 @@ class TechniqueConfig:
                  f"unknown --compile-mode {self.compile_mode!r}; choose default, reduce-overhead or max-autotune")
         _require(self.compile_scope in ("model", "block"), f"unknown --compile-scope {self.compile_scope!r}; choose model or block")
         parse_checkpointing(self.checkpointing)
+        # torchao's float8 training casts trainable high-precision Linear weights per matmul: a LoRA
+        # base is frozen (peft wraps it) and QLoRA's is NF4, neither a weight it converts.
+        _require(not (self.precision == "fp8" and (self.lora_rank or self.qlora)),
+                 "--precision fp8 trains every weight (torchao float8 training); with --lora-rank/--qlora use "
+                 "--precision bf16")
 
 
 # --------------------------------------------------------------------------- training

@@ -17,6 +17,9 @@ def check_distributed_run(cfg: RunConfig, device: torch.device) -> None:
     """Combinations that cannot work, reported before any process group exists."""
     tech, s = cfg.technique, cfg.technique.distributed
     if s in DEEPSPEED_STRATEGIES:
+        if tech.precision == "fp8":
+            raise ConfigError(f"--distributed {s} runs its own mixed precision, without torchao's FP8 Linears; "
+                              "use --distributed fsdp or ddp with --precision fp8, or --precision bf16")
         if importlib.util.find_spec("deepspeed") is None:
             raise ConfigError(
                 f"--distributed {s} needs DeepSpeed: `pip install deepspeed` (CUDA); or use "

@@ -25,6 +25,7 @@ from memtrain.models.spec import GPT_LORA_TARGETS
 from memtrain.techniques.checkpointing import apply_checkpointing
 from memtrain.techniques.compile import apply_compile
 from memtrain.techniques.facts import checkpoint_policy
+from memtrain.techniques.fp8 import apply_fp8
 from memtrain.techniques.loss import apply_loss
 
 __all__ = ["apply_hf_lora", "lora_target_modules", "prepare_hf_model"]
@@ -101,7 +102,7 @@ def _check_qlora_shards(model: HFCausalLM, tech: TechniqueConfig, device: torch.
 
 def prepare_hf_model(model: HFCausalLM, cfg: RunConfig, device: torch.device, precision: Any) -> nn.Module:
     """Apply ``cfg.technique`` to a transformers model in the documented order
-    (lora -> [qlora] -> checkpointing -> loss -> compile -> distributed wrap); the attention
+    (lora -> [qlora] -> [fp8] -> checkpointing -> loss -> compile -> distributed wrap); the attention
     backend was chosen when the model was built (``attn_implementation``). The distributed
     wrap is the GPT's own :func:`~memtrain.distributed.wrapping.apply_distributed`:
     DDP around the model, or FSDP2 ``fully_shard`` on each of ``model.blocks`` (the decoder
@@ -115,6 +116,7 @@ def prepare_hf_model(model: HFCausalLM, cfg: RunConfig, device: torch.device, pr
     if tech.qlora:
         quantize_base_weights(model, device)
         _check_qlora_shards(model, tech, device)
+    apply_fp8(model, tech)  # the decoder's Linears; the LM head stays in BF16
     apply_checkpointing(model, tech)
     apply_loss(model, tech, device)
     compiled = apply_compile(model, tech)

@@ -1,6 +1,9 @@
 """The one order in which techniques are applied to a finished model (see the package docstring):
 
     lora -> attention backend -> activation checkpointing -> loss -> compile -> distributed wrap
+
+with ``--precision fp8``'s Linear swap (:mod:`memtrain.techniques.fp8`) right after lora: it
+replaces Linear modules, so it runs before checkpointing wraps blocks and compile traces them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from memtrain.models.families import family_of
 from memtrain.models.gpt import GPT
 from memtrain.techniques.checkpointing import apply_checkpointing
 from memtrain.techniques.compile import apply_compile
+from memtrain.techniques.fp8 import apply_fp8
 from memtrain.techniques.hf_mapping import prepare_hf_model
 from memtrain.techniques.lora import apply_lora
 from memtrain.techniques.loss import apply_loss
@@ -43,6 +47,7 @@ def prepare_gpt(model: torch.nn.Module, cfg: RunConfig, device: torch.device, pr
     tech = cfg.technique
     model = model.to(device=device, dtype=precision.param_dtype)
     apply_lora(model, tech)
+    apply_fp8(model, tech)
     apply_attention(model, tech, device, precision)
     apply_checkpointing(model, tech)
     apply_loss(model, tech, device)

@@ -20,6 +20,9 @@ bf16-pure  BF16         BF16          no FP32 master copy: weights and gradients
                                       bytes; the optimizer rounds its FP32 update into the BF16
                                       weight stochastically (torchao ``bf16_stochastic_round``,
                                       see :mod:`memtrain.techniques.optim`)
+fp8        FP32         FP8 Linears   torchao float8 training under BF16 autocast: each block
+                                      Linear casts input and weight to FP8 per matmul (CUDA,
+                                      compute capability 8.9+; see :mod:`memtrain.techniques.fp8`)
 ========== ============ ============= ==========================================================
 """
 
@@ -34,6 +37,7 @@ import torch
 
 from memtrain.config.run import ConfigError
 from memtrain.techniques.facts import PrecisionFacts, precision_facts
+from memtrain.techniques.fp8 import check_fp8_device
 
 
 @dataclass
@@ -93,6 +97,8 @@ def precision_for_count(name: str, device_type: str = "cpu") -> Precision:
 def _check_device(precision: str, device: torch.device) -> None:
     """A precision the device cannot run is a user error naming the alternative."""
     dt = device.type
+    if precision_facts(precision).fp8:
+        check_fp8_device(device)
     if precision == "tf32" and dt == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
         raise ConfigError("--precision tf32 needs an Ampere or newer GPU; use --precision fp32 or fp16")
     if precision_facts(precision).matmul_type == "bf16" and dt == "cuda" and not torch.cuda.is_bf16_supported():
