@@ -41,6 +41,7 @@ from memtrain.metrics import MemoryMeter
 from memtrain.models.families import build_model
 from memtrain.models.hf import same_paths_as_eager
 from memtrain.models.spec import is_hf
+from memtrain.techniques.facts import precision_facts
 from memtrain.techniques.precision import make_precision
 from memtrain.training.step import build_state, measure_steps, random_micro_batches
 
@@ -191,6 +192,9 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
             "--trace-device cuda needs a CUDA build of torch (fake CUDA tensors cannot run autograd "
             f"in this CPU-only build, torch {torch.__version__}); use --trace-device cpu, or the "
             "analytic estimate (its cuda kernel facts: 1-byte dropout masks, fused SDPA with dropout)")
+    if precision_facts(cfg.technique.precision).fp8 and device_type != "cuda":
+        raise ConfigError("--precision fp8 runs on FP8 tensor cores only, so its step is traced with CUDA kernels: "
+                          "use --trace-device cuda (a CUDA build of torch) or the analytic estimate (drop --trace)")
     if cfg.technique.compile:
         cfg = cfg.replace(compile=False)  # traced eagerly (see the module docstring)
     device = torch.device(device_type)

@@ -10,7 +10,7 @@ from memtrain.analysis.estimate.params import lora_split, lora_target_names
 from memtrain.analysis.estimate.simulator import Compression, Node, Segment
 from memtrain.config.archs import Arch
 from memtrain.config.run import ModelConfig, RunConfig, TechniqueConfig
-from memtrain.techniques.facts import checkpoint_policy, precision_facts
+from memtrain.techniques.facts import checkpoint_policy, fp8_converts, precision_facts
 
 
 # --------------------------------------------------------------------------- node builders
@@ -36,6 +36,7 @@ class Dims:
     # (no cached copies) and the gathered weights are counted by the sharding rule instead.
     weights_in_compute_dtype: bool = False
     hf: bool = False  # a transformers decoder layer (Arch.hf; memtrain.analysis.estimate.hf)
+    fp8: bool = False  # --precision fp8: block Linears are torchao Float8Linears (_fp8_linear)
 
     @property
     def n(self) -> int:
@@ -53,6 +54,42 @@ def _rename_key(nodes: list[Node], old: str, new: str) -> None:
             n.grad_out = tuple(new if k == old else k for k in n.grad_out)
 
 
+def fp8_cast_bytes(numel: float, hp_bytes: float) -> float:
+    """The most a torchao dynamic FP8 cast of a ``numel``-element tensor in ``hp_bytes``-byte
+    elements holds at once, eager (torchao.float8.float8_training_tensor._ToFloat8ConstrFunc):
+    its FP32 copy (none for an FP32 tensor), the scaled copy, the clamped copy
+    (float8_utils.to_fp8_saturated) and the 1-byte result."""
+    return numel * ((4 if hp_bytes != 4 else 0) + 4 + 4 + 1)
+
+
+def _fp8_linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int, n_out: int,
+                trainable_base: bool, x_bytes: float, bias: bool, copies: int) -> None:
+    """A torchao Float8Linear (``--precision fp8``), eager. Its forward casts the input to the
+    autocast dtype (as autocast would) and saves that copy and the FP32 weight itself
+    (``ctx.save_for_backward(input_hp, weight_hp_t)``): no autocast weight copy is kept. The FP8
+    casts of input and weight live only through the matmul; backward casts the output gradient
+    twice (one per gradient matmul), the weight and the input again, and keeps them, with the
+    BF16 weight gradient, until it returns (they are its locals)."""
+    N, a, p = dm.n, dm.a, dm.p
+    w, bname = f"param:{name}.weight", f"param:{name}.bias"
+    if x_bytes != a:
+        nodes.append(Node(f"{name}.cast_x", out=[(f"{x}@{name}", N * n_in * a * copies)], inputs=[x],
+                           grads=[(x, N * n_in * x_bytes)]))
+        x = f"{x}@{name}"
+    x8, w8, go8 = N * n_in, n_in * n_out, N * n_out  # bytes of the FP8 copies
+    fwd = max(fp8_cast_bytes(N * n_in, a), x8 + fp8_cast_bytes(n_in * n_out, p))
+    bwd = max(fp8_cast_bytes(N * n_out, a), go8 + fp8_cast_bytes(n_in * n_out, p),
+              go8 + w8 + fp8_cast_bytes(N * n_out, a), 2 * go8 + w8 + fp8_cast_bytes(N * n_in, a),
+              2 * go8 + w8 + x8 + n_in * n_out * a)
+    grads = [(x, N * n_in * a)]
+    if trainable_base:
+        grads.append((w, 0.0))
+        if bias:
+            grads.append((bname, 0.0))
+    nodes.append(Node(name, out=[(out, N * n_out * a)], inputs=[x], saves=[x], grads=grads, matmul=True,
+                       fwd_scratch=fwd, scratch=bwd))
+
+
 def _linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int, n_out: int,
             trainable_base: bool, lora: int, x_bytes: float, *, bias: Optional[bool] = None,
             lora_parts: tuple[str, ...] = ("",)) -> None:
@@ -61,6 +98,10 @@ def _linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int,
     suffixes of the Linears the entry stands for (:func:`lora_split`), one adapter pair each."""
     N, a = dm.n, dm.a
     bias = dm.bias if bias is None else bias
+    if dm.fp8 and not lora and fp8_converts(n_in, n_out):
+        # (--precision fp8 refuses LoRA; a fused entry's parts are taken to divide by 16 as it does.)
+        _fp8_linear(nodes, dm, name, x, out, n_in, n_out, trainable_base, x_bytes, bias, len(lora_parts))
+        return
     n_linears = len(lora_parts)  # the separate Linears this entry stands for
     # autograd saves a matmul's input only for the weight's gradient: a frozen transformers
     # base weight keeps none (our GPT's frozen Linears are modelled as keeping it).
@@ -420,7 +461,7 @@ def run_dims(cfg: RunConfig, arch: Arch, device_type: str, batch: Optional[int] 
     dm = Dims(b=batch or t.batch_size, s=t.seq_len, d=m.d_model, f=m.d_ff, h=m.n_heads,
                kv=(arch.n_kv_heads or m.n_heads) * m.head_dim, V=m.padded_vocab_size, a=ab,
                r=pb, p=pb, autocast=autocast, dropout=m.dropout > 0, cuda=device_type == "cuda",
-               bias=m.bias and arch.name == "gpt2", hf=arch.hf)
+               bias=m.bias and arch.name == "gpt2", hf=arch.hf, fp8=precision_facts(cfg.technique.precision).fp8)
     return dm
 
 
