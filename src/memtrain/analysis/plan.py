@@ -28,8 +28,9 @@ from typing import Any, Optional
 from memtrain.analysis.estimate import GPT2_ARCH, Arch, estimate, param_count
 from memtrain.analysis.estimate.hf import hf_arch, why_not_modelled
 from memtrain.config.run import ConfigError, RunConfig, train_flags
+from memtrain.devices.gpu_kinds import GPU_KINDS, has_fp8
 from memtrain.models.spec import cost_arch, is_gpt_preset
-from memtrain.techniques.facts import ADAMW_KERNELS, BF16_PURE_OPTIMS, checkpoint_policy
+from memtrain.techniques.facts import ADAMW_KERNELS, BF16_PURE_OPTIMS, checkpoint_policy, precision_facts
 
 __all__ = ["Candidate", "PlanResult", "DEVICE_PROFILES", "default_space", "plan", "step_cost", "verification",
            "verify_config"]
@@ -46,6 +47,15 @@ DEVICE_PROFILES: dict[str, dict[str, Any]] = {
     "cpu": {"flops": {"fp32": 1.0e11, "tf32": 1.0e11, "bf16": 0.8e11, "fp16": 0.5e11, "bf16-pure": 0.8e11},
             "bandwidth": 2.0e10, "half_tokens": 64},
 }
+# --precision fp8 runs the block Linears' matmuls on FP8 tensor cores and the rest (attention
+# core, LM head) in BF16 (memtrain.techniques.fp8): its rate is the BF16 rate times the FP8/BF16
+# ratio of the H100 SXM's datasheet peaks (memtrain.devices.gpu_kinds: 2.0; 2.0 to 2.02 on the
+# other kinds with FP8), charged to the block matmuls only (step_cost). A CPU never runs it (the device check refuses
+# it); its entry is the BF16 rate so the table has every precision.
+_H100_PEAKS = GPU_KINDS["h100-sxm"].flops
+FP8_PEAK_RATIO: float = _H100_PEAKS["fp8"] / _H100_PEAKS["bf16"]  # type: ignore[operator]  # both listed for H100
+DEVICE_PROFILES["cuda"]["flops"]["fp8"] = DEVICE_PROFILES["cuda"]["flops"]["bf16"] * FP8_PEAK_RATIO
+DEVICE_PROFILES["cpu"]["flops"]["fp8"] = DEVICE_PROFILES["cpu"]["flops"]["bf16"]
 # Bytes of memory traffic per trainable parameter in one optimizer step (read/write of
 # weights, gradients and states; kernel-launch overhead folded in for the per-tensor loop).
 OPTIMIZER_TRAFFIC = {"adamw": 40, "adamw-foreach": 28, "adamw-fused": 24, "sgd": 16, "adafactor": 24,
@@ -101,6 +111,11 @@ def step_cost(cfg: RunConfig, device_type: str, arch: Arch = GPT2_ARCH) -> tuple
     efficiency = micro_tokens / (micro_tokens + prof["half_tokens"])
     rate = prof["flops"][tech.precision] * efficiency
     compute = (train + recompute) * tokens / rate
+    if precision_facts(tech.precision).fp8:
+        # Only the block Linears (and their recompute) run in FP8; attention and head at BF16's rate.
+        fp8_share = f["blocks"] / fwd_blocks
+        fp8_flops = (3 * f["blocks"] + recompute * fp8_share) * tokens
+        compute = fp8_flops / rate + ((train + recompute) * tokens - fp8_flops) / (prof["flops"]["bf16"] * efficiency)
     trainable = param_count(cfg.model, arch, tech)[1]
     optimizer = OPTIMIZER_TRAFFIC.get(tech.optim, 32) * trainable / prof["bandwidth"]
     return compute + optimizer, {"compute_s": compute, "recompute_flops_per_token": recompute,
@@ -158,12 +173,13 @@ class PlanResult:
         return d
 
 
-def default_space(cfg: RunConfig, device_type: str) -> dict[str, list[str]]:
+def default_space(cfg: RunConfig, device_type: str, gpu: Optional[str] = None) -> dict[str, list[str]]:
     """The technique values ``plan`` tries by default on ``device_type``.
 
     Only choices that keep the training algorithm: the configured optimizer's family (on CPU
     the low-bit optimizers are left out: their torch.compile'd step takes minutes to build
-    there), no sliding window (it changes the model), no fp16 (it needs loss scaling).
+    there), no sliding window (it changes the model), no fp16 (it needs loss scaling). fp8 only
+    on CUDA for a ``gpu`` kind with FP8 tensor cores, and not under LoRA/QLoRA (it refuses them).
     """
     cpu = device_type == "cpu"
     optim = cfg.technique.optim
@@ -180,12 +196,18 @@ def default_space(cfg: RunConfig, device_type: str) -> dict[str, list[str]]:
         # Megatron's selective policy needs our GPT's attention seam (techniques/hf_mapping.py).
         checkpointings = [c for c in checkpointings if c != "selective"]
     return {
-        "precision": ["fp32", "bf16"] if cpu else ["bf16", "tf32", "bf16-pure"],
+        "precision": ["fp32", "bf16"] if cpu else ["bf16", "tf32", "bf16-pure"] + _fp8_choice(cfg, gpu),
         "attention": attentions,
         "checkpointing": checkpointings,
         "loss": ["standard", "chunked"],
         "optim": optims,
     }
+
+
+def _fp8_choice(cfg: RunConfig, gpu: Optional[str]) -> list[str]:
+    """["fp8"] where a CUDA plan's GPU kind has FP8 tensor cores and the run could take it."""
+    tech = cfg.technique
+    return ["fp8"] if has_fp8(gpu) and not (tech.lora_rank or tech.qlora) else []
 
 
 def _sets(space: dict[str, list[str]]) -> list[dict[str, str]]:
@@ -231,7 +253,7 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
     assert arch is not None
     if not 0 <= margin < 1:
         raise ConfigError(f"--margin must be in [0, 1), got {margin}")
-    space = space or default_space(cfg, device_type)
+    space = space or default_space(cfg, device_type, gpu)
     sets = _sets(space)
     target = cfg.train.batch_size * cfg.train.grad_accum
     limit = budget_bytes / (1 + margin)
@@ -372,7 +394,10 @@ def _gib(n: float) -> str:
 
 
 def candidate_config(cfg: RunConfig, c: Candidate) -> RunConfig:
-    return cfg.replace(**c.techniques, batch_size=c.batch_size, grad_accum=c.grad_accum)
+    """The run of candidate ``c``. An fp8 candidate runs compiled: torchao's FP8 casts are fast only
+    fused by torch.compile, and the cost model charges FP8's rate (memtrain.techniques.fp8)."""
+    compiled = {"compile": True} if precision_facts(c.techniques["precision"]).fp8 else {}
+    return cfg.replace(**c.techniques, **compiled, batch_size=c.batch_size, grad_accum=c.grad_accum)
 
 
 def verify_config(cfg: RunConfig, c: Candidate, steps: int = 2) -> RunConfig:

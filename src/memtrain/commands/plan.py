@@ -29,6 +29,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=int, default=5, help="How many choices to show (default 5).")
     p.add_argument("--device-type", choices=("cpu", "cuda"), default=None,
                    help="Device the plan is for (kernel facts and cost model); default: from --device.")
+    p.add_argument("--gpu", default=None, metavar="NAME",
+                   help="With CUDA kernels: the GPU kind the plan is for (h100, a100, rtx4090, ...): peaks are "
+                        "device totals (caching allocator + CUDA context), and --precision fp8 joins the "
+                        "search where the kind has FP8 tensor cores.")
     for name, what in (("precisions", "precision"), ("attentions", "attention"), ("checkpointings", "checkpointing"),
                        ("losses", "loss"), ("optims", "optim")):
         p.add_argument(f"--{name}", default=None, metavar="A,B",
@@ -45,7 +49,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def _search_space(args: argparse.Namespace, cfg: Any, device_type: str) -> dict[str, list[str]]:
     """The techniques plan tries: its defaults for the device, narrowed by --precisions etc."""
-    space = default_space(cfg, device_type)
+    space = default_space(cfg, device_type, args.gpu)
     for name, key in (("precisions", "precision"), ("attentions", "attention"), ("checkpointings", "checkpointing"),
                       ("losses", "loss"), ("optims", "optim")):
         value = getattr(args, name)
@@ -59,6 +63,8 @@ def _search_space(args: argparse.Namespace, cfg: Any, device_type: str) -> dict[
 def run(args: argparse.Namespace) -> int:
     cfg, arch = resolve_model(args)
     device_type = device_type_for(args, cfg)
+    if args.gpu is not None and device_type != "cuda":
+        raise ConfigError("--gpu plans for a CUDA GPU kind: add --device-type cuda")
     space = _search_space(args, cfg, device_type)
     if args.top < 1:
         raise ConfigError(f"--top must be >= 1, got {args.top}")
@@ -66,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     # Every fitting set is ranked (not only --top), so that the fastest numerically standard one
     # can be recommended even when faster non-standard sets fill the top of the list.
     res = plan(cfg, budget, device_type, arch, max_batch=args.max_batch is not None, margin=args.margin,
-               top=10**6, space=space, max_batch_limit=args.max_batch or 4096)
+               top=10**6, space=space, max_batch_limit=args.max_batch or 4096, gpu=args.gpu)
 
     techs = [{**asdict(cfg.technique), **c.techniques} for c in res.candidates]
     # Prefer the numerically standard choice when one fits: the fastest candidate may change the
