@@ -22,6 +22,9 @@ within minutes on 2 CPU cores"). So:
 - on CUDA, rows of the default list that pair ``--attention flash`` with a window run a kernel
   that takes one (:func:`adapt_window_kernels`): SDPA's flash kernel takes no mask, so the
   banded window cannot reach it there (the CPU's flash kernel takes the band mask).
+- rows of the default list in ``--precision fp8`` are left out on a device without FP8 tensor
+  cores (:func:`adapt_fp8_rows`); named in --techniques they run as asked and are refused there
+  with the reason.
 """
 
 from __future__ import annotations
@@ -33,10 +36,10 @@ import torch
 
 from memtrain.config.run import RunConfig
 from memtrain.devices.probe import DeviceCaps, precision_is_native, probe, slow_precision_message
-from memtrain.techniques.facts import LOW_BIT_BLOCK, half_matmul_type
+from memtrain.techniques.facts import LOW_BIT_BLOCK, half_matmul_type, precision_facts
 
-__all__ = ["adapt_compiled_optims", "adapt_rows", "adapt_window_kernels", "nearest_native", "runner_caps",
-           "window_kernel"]
+__all__ = ["adapt_compiled_optims", "adapt_fp8_rows", "adapt_rows", "adapt_window_kernels", "has_fp8_cores",
+           "nearest_native", "runner_caps", "window_kernel"]
 
 
 def runner_caps(device: torch.device) -> Optional[DeviceCaps]:
@@ -188,3 +191,27 @@ def adapt_window_kernels(rows: list[tuple[str, RunConfig]], device_type: str, su
         notes.append(f"windowed flash rows of the default list run the {kernel} kernel on CUDA ({reason}): "
                      f"{', '.join(subs)}.")
     return out, subs, notes
+
+
+def has_fp8_cores(caps: Optional[DeviceCaps]) -> bool:
+    """Whether the probed device has FP8 tensor cores (CUDA, compute capability 8.9+)."""
+    need = precision_facts("fp8").min_capability
+    assert need is not None
+    cap = caps.compute_capability if caps is not None else None
+    return caps is not None and caps.device_type == "cuda" and cap is not None and tuple(cap) >= need
+
+
+def adapt_fp8_rows(rows: list[tuple[str, RunConfig]], caps: Optional[DeviceCaps], substitute: bool
+                   ) -> tuple[list[tuple[str, RunConfig]], list[str]]:
+    """The default list's (``substitute``) ``--precision fp8`` rows left out where the device has
+    no FP8 tensor cores (unknown, a CPU, a GPU before compute capability 8.9), with the line to
+    print up front. Rows the user named run as asked."""
+    if not substitute or has_fp8_cores(caps):
+        return rows, []
+    dropped = [name for name, cfg in rows if precision_facts(cfg.technique.precision).fp8]
+    if not dropped:
+        return rows, []
+    where = caps.name if caps is not None else "this device"
+    note = (f"fp8 rows of the default list are left out: {where} has no FP8 tensor cores (compute capability "
+            f"8.9+, e.g. H100): {', '.join(dropped)}.")
+    return [(name, cfg) for name, cfg in rows if name not in dropped], [note]

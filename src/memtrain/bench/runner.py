@@ -182,6 +182,7 @@ def run_bench(opts: BenchOptions, on_row: Optional[Callable[[str, dict[str, Any]
     """Run every technique of ``opts`` not already done; return all rows of this bench."""
     from memtrain.bench.device_rows import (  # torch-free --help/estimate/plan
         adapt_compiled_optims,
+        adapt_fp8_rows,
         adapt_rows,
         adapt_window_kernels,
         runner_caps,
@@ -195,7 +196,8 @@ def run_bench(opts: BenchOptions, on_row: Optional[Callable[[str, dict[str, Any]
     device_type = device.type if device is not None else ""
     rows, optim_subs, optim_notes = adapt_compiled_optims(rows, device_type, opts.substitute_slow)
     rows, attention_subs, attention_notes = adapt_window_kernels(rows, device_type, opts.substitute_slow)
-    for note in notes + optim_notes + attention_notes:  # once, up front, not once per row
+    rows, fp8_notes = adapt_fp8_rows(rows, caps, opts.substitute_slow)
+    for note in notes + optim_notes + attention_notes + fp8_notes:  # once, up front, not once per row
         print(f"warning: {note}", file=sys.stderr, flush=True)
     # One bench per folder: a second one would run every row twice under contention and
     # interleave its appends with ours. Held until the last row is appended.

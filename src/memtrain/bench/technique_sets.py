@@ -23,6 +23,8 @@ TECHNIQUES: dict[str, dict[str, Any]] = {
     "adafactor": {"precision": "bf16", "attention": "flash", "loss": "chunked", "optim": "adafactor"},
     "lora": {"precision": "bf16", "attention": "flash", "loss": "chunked", "lora_rank": 8},
     "compile": {"precision": "bf16", "attention": "flash", "compile": True},
+    # The compile row with the block Linears' matmuls in FP8 (torchao float8; CUDA 8.9+ only).
+    "fp8": {"precision": "fp8", "attention": "flash", "compile": True},
     # Everything that lowers memory without changing what is trained: LoRA is left out (it
     # freezes the base, a different experiment) and so is the window (it changes the model).
     "lowest-memory": {
@@ -42,6 +44,7 @@ DESCRIPTIONS: dict[str, str] = {
     "adafactor": "Adafactor + chunked loss",
     "lora": "LoRA r=8 + chunked loss",
     "compile": "torch.compile + Flash + BF16",
+    "fp8": "FP8 Linears (torchao) + torch.compile + Flash",
     "lowest-memory": "Lowest memory (ckpt + chunked + 4-bit AdamW)",
 }
 
@@ -51,7 +54,9 @@ DEFAULT_TECHNIQUES = ["baseline", "bf16", "flash-bf16", "window-flash", "ckpt-bf
 # On a GPU the default list also times torch.compile, so the recommendation can name the
 # fastest row (speed is one of the table's columns). A CPU's list leaves it out: inductor's
 # first compile of the model costs longer than the rest of the quick bench on 2 cores.
-CUDA_DEFAULT_EXTRA = ["compile"]
+# fp8 joins it where the GPU has FP8 tensor cores (memtrain.bench.device_rows.adapt_fp8_rows
+# drops it elsewhere).
+CUDA_DEFAULT_EXTRA = ["compile", "fp8"]
 
 
 def default_techniques(device_type: str) -> list[str]:

@@ -175,6 +175,10 @@ def hf_plan(cfg: RunConfig, device_type: str) -> HFPlan:  # noqa: C901 - one bra
     elif t.precision == "bf16-pure":
         none.append("--precision bf16-pure: the Trainer has no BF16-weights-without-FP32-copy mode with "
                     "stochastic rounding for AdamW")
+    elif t.precision == "fp8":
+        none.append("--precision fp8: the Trainer has no FP8 training of its own (TrainingArguments has no fp8 "
+                    "flag; FP8 goes through accelerate's mixed_precision='fp8' with torchao or Transformer "
+                    "Engine, outside the Trainer's arguments)")
 
     # -- attention
     hf_model = is_hf(cfg)
