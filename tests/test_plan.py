@@ -139,7 +139,8 @@ def test_cli_plan_json_and_verify(capsys, tmp_path, monkeypatch):
     (["plan", "--budget", "lots"], "cannot read memory size"),
     (["plan", "--budget", "1MiB", "--device", "cpu"], "nothing fits"),
     (["plan", "--budget", "1GiB", "--model", "gpt9"], "choose one of default"),
-    (["plan", "--budget", "1GiB", "--precisions", "fp8", "--device", "cpu"], "unknown --precision"),
+    (["plan", "--budget", "1GiB", "--precisions", "fp4", "--device", "cpu"], "unknown --precision"),
+    (["plan", "--budget", "1GiB", "--precisions", "fp8", "--device", "cpu"], "--precisions fp8 runs on a CUDA GPU"),
 ])
 def test_cli_plan_bad_input(argv, text, capsys):
     assert main(argv) == 2

@@ -57,6 +57,10 @@ def _search_space(args: argparse.Namespace, cfg: Any, device_type: str) -> dict[
             space[key] = [v.strip() for v in value.split(",") if v.strip()]
             for v in space[key]:
                 cfg.replace(**{key: v})  # validates each value (ConfigError names the bad one)
+    if "fp8" in space["precision"] and device_type != "cuda":
+        # FP8 matmuls need FP8 tensor cores: a plan for a CPU could only recommend a refused run.
+        raise ConfigError("--precisions fp8 runs on a CUDA GPU with FP8 tensor cores only; plan for one with "
+                          "--device-type cuda --gpu h100, or drop fp8")
     return space
 
 
