@@ -234,6 +234,13 @@ class TechniqueConfig:
     compile_scope: str = _f("model", "Compile the whole model or each block: model|block.")
     distributed: str = _f("none", "Data-parallel strategy under torchrun: " + "|".join(DISTRIBUTED) + ".")
     cpu_offload: bool = _f(False, "Offload sharded parameters/optimizer to CPU (FSDP2 CPUOffloadPolicy).")
+    offload_activations: bool = _f(
+        False,
+        "Activation offloading (torchtune's enable_activation_offloading): tensors the forward saves for "
+        "backward are copied to host memory (pinned, on a side stream on CUDA) and brought back ahead of "
+        "use in the backward. With --checkpointing only the checkpointed blocks' inputs are saved, so only "
+        "those move. Costs host-link time (PCIe) each step; parameters and tensors under 1 KiB stay.",
+    )
 
     def __post_init__(self) -> None:
         _require(self.precision in PRECISIONS, f"unknown --precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
@@ -252,6 +259,9 @@ class TechniqueConfig:
                  f"unknown --compile-mode {self.compile_mode!r}; choose default, reduce-overhead or max-autotune")
         _require(self.compile_scope in ("model", "block"), f"unknown --compile-scope {self.compile_scope!r}; choose model or block")
         parse_checkpointing(self.checkpointing)
+        _require(not (self.offload_activations and self.distributed.startswith("deepspeed")),
+                 f"--offload-activations wraps memtrain's own train step, but --distributed {self.distributed} runs "
+                 "DeepSpeed's engine step: use --distributed zero2 or fsdp, or drop --offload-activations")
 
 
 # --------------------------------------------------------------------------- training
