@@ -104,3 +104,22 @@ def test_cuda_offload_pins_host_copies_and_prefetches_on_a_side_stream():
     # The first unpack (the last saved tensor) brought the two before it back ahead of use.
     assert brought_back_early[:3] == sorted(brought_back_early[:3], reverse=True) and len(brought_back_early) > 2
     assert off.counts.d2h_bytes == off.counts.h2d_bytes > 0
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_estimate_gives_device_host_and_transfer_bytes_the_meter_measures(checkpointing):
+    from memtrain.analysis.estimate import estimate
+
+    cfg = build_config(dict(TINY, checkpointing=checkpointing, offload_activations=True))
+    est = estimate(cfg, device_type="cpu")
+    plain = estimate(cfg.replace(offload_activations=False), device_type="cpu")
+    measured, counts = _measure(checkpointing=checkpointing, offload_activations=True)
+    assert est.peak_bytes == pytest.approx(measured.peak_bytes, rel=0.03)
+    off = est.offload
+    assert off["host_peak_bytes"] == pytest.approx(measured.offloaded_peak_bytes, rel=0.02)
+    assert off["d2h_bytes_per_step"] == pytest.approx(counts.d2h_bytes, rel=0.02)
+    assert off["h2d_bytes_per_step"] == pytest.approx(counts.h2d_bytes, rel=0.02)
+    assert off["transfer_bytes_per_step"] == off["d2h_bytes_per_step"] + off["h2d_bytes_per_step"]
+    # The device's activations drop by what went to the host; runs without it have no offload key.
+    assert est.by_category["activations"] < plain.by_category["activations"] / 4
+    assert "offload" not in plain.to_dict() and est.to_dict()["offload"]["host_peak_bytes"] > 0
