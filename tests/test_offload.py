@@ -123,3 +123,28 @@ def test_estimate_gives_device_host_and_transfer_bytes_the_meter_measures(checkp
     # The device's activations drop by what went to the host; runs without it have no offload key.
     assert est.by_category["activations"] < plain.by_category["activations"] / 4
     assert "offload" not in plain.to_dict() and est.to_dict()["offload"]["host_peak_bytes"] > 0
+
+
+def test_plan_offers_offload_under_a_tight_budget_and_charges_its_copies():
+    from memtrain.analysis.estimate import estimate
+    from memtrain.analysis.plan import offload_exposed_s, plan, step_cost
+
+    cfg = build_config(dict(TINY, batch_size=1, seq_len=256, max_seq_len=256, device="cuda"))
+    space = {"precision": ["bf16"], "attention": ["sdpa"], "checkpointing": ["none", "full"], "loss": ["standard"],
+             "optim": ["adamw"], "offload_activations": [False, True]}
+    off_cfg = cfg.replace(precision="bf16", attention="sdpa", offload_activations=True)
+    needs = estimate(off_cfg, device_type="cuda").peak_bytes
+    for checkpointing in ("none", "full"):  # neither fits without offloading
+        assert estimate(off_cfg.replace(offload_activations=False, checkpointing=checkpointing),
+                        device_type="cuda").peak_bytes > needs * 1.02
+    res = plan(cfg, int(needs * 1.1 * 1.01), "cuda", space=space, host_bandwidth=1e9)
+    best = res.candidates[0]
+    assert best.techniques["offload_activations"] is True and "--offload-activations" in best.train_flags
+    # Its time is the step's plus the copies compute does not hide, at the stated host bandwidth.
+    moved = estimate(off_cfg.replace(checkpointing=best.techniques["checkpointing"]), device_type="cuda").offload
+    cost, detail = step_cost(off_cfg.replace(checkpointing=best.techniques["checkpointing"]), "cuda")
+    exposed = offload_exposed_s(moved["d2h_bytes_per_step"], moved["h2d_bytes_per_step"], detail["compute_s"], 1e9)
+    assert exposed > 0 and best.step_time_s == pytest.approx(cost + exposed)
+    # With room to spare, the offload twin of a fitting set is not offered (it only adds copies).
+    roomy = plan(cfg, 10 * 2**30, "cuda", space=space)
+    assert not any(c.techniques["offload_activations"] for c in roomy.candidates)
