@@ -148,3 +148,26 @@ def test_plan_offers_offload_under_a_tight_budget_and_charges_its_copies():
     # With room to spare, the offload twin of a fitting set is not offered (it only adds copies).
     roomy = plan(cfg, 10 * 2**30, "cuda", space=space)
     assert not any(c.techniques["offload_activations"] for c in roomy.candidates)
+
+
+def test_train_with_and_without_offload_same_losses_and_the_report_shows_the_host_bytes(tiny_run):
+    from memtrain.bench.technique_sets import describe, technique_overrides
+    from memtrain.report.tables import markdown_report
+    from memtrain.training.train import train
+
+    run = {**tiny_run, "steps": 2, "warmup_steps": 1, "warmup_timing_steps": 0, "val_blocks": 1,
+           "precision": "fp32", "device": "cpu"}
+    plain = train(build_config({**run, "out": run["out"] + "-plain"}))
+    off = train(build_config({**run, "offload_activations": True}))
+    assert off["loss_history"] == plain["loss_history"] and off["val_loss"] == plain["val_loss"]
+    assert "offload" not in plain and plain["memory"]["offloaded_peak_bytes"] == 0
+    assert off["offload"]["d2h_bytes"] == off["offload"]["h2d_bytes"] > 0
+    assert off["memory"]["offloaded_peak_bytes"] > 0
+    assert off["memory"]["by_category"]["activations"] < plain["memory"]["by_category"]["activations"]
+    # The bench row names the flag, and the report gains the host column only when a row offloaded.
+    assert technique_overrides("offload-bf16", "quick")["offload_activations"] is True
+    rows = [{**r, "technique": name, "description": describe(name), "status": "ok"}
+            for name, r in (("chunked-loss", plain), ("offload-bf16", off))]
+    report = markdown_report(rows, [])
+    assert "Activation offloading + chunked loss" in report and "Offloaded to host (MiB, peak)" in report
+    assert "Offloaded to host" not in markdown_report(rows[:1], [])
