@@ -112,6 +112,10 @@ def extrapolated_trace(cfg: RunConfig, device_type: str = "cpu") -> dict[str, An
         parameters=_line(a["parameters"], b["parameters"], l1, l2, n),
         method="extrapolated", probe_layers=[l1, l2],
     )
+    for key in ("offloaded_peak_bytes", "offloaded_at_peak_bytes"):  # --offload-activations' host bytes
+        out[key] = _line(a.get(key, 0), b.get(key, 0), l1, l2, n)
+    if "offload" in b:  # what the offloader moved: one set of copies per layer, affine in depth too
+        out["offload"] = {k: _line(a["offload"][k], v, l1, l2, n) for k, v in b["offload"].items()}
     return out
 
 

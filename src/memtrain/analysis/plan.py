@@ -32,8 +32,8 @@ from memtrain.devices.gpu_kinds import GPU_KINDS, has_fp8
 from memtrain.models.spec import cost_arch, is_gpt_preset
 from memtrain.techniques.facts import ADAMW_KERNELS, BF16_PURE_OPTIMS, checkpoint_policy, precision_facts
 
-__all__ = ["Candidate", "PlanResult", "DEVICE_PROFILES", "default_space", "plan", "step_cost", "verification",
-           "verify_config"]
+__all__ = ["Candidate", "PlanResult", "DEVICE_PROFILES", "HOST_BANDWIDTH", "default_space", "offload_exposed_s", "plan",
+           "step_cost", "verification", "verify_config"]
 
 
 # --------------------------------------------------------------------------- the cost model
@@ -56,6 +56,12 @@ _H100_PEAKS = GPU_KINDS["h100-sxm"].flops
 FP8_PEAK_RATIO: float = _H100_PEAKS["fp8"] / _H100_PEAKS["bf16"]  # type: ignore[operator]  # both listed for H100
 DEVICE_PROFILES["cuda"]["flops"]["fp8"] = DEVICE_PROFILES["cuda"]["flops"]["bf16"] * FP8_PEAK_RATIO
 DEVICE_PROFILES["cpu"]["flops"]["fp8"] = DEVICE_PROFILES["cpu"]["flops"]["bf16"]
+# Host link bandwidth (bytes/s, each way) that --offload-activations' copies run at, when plan is
+# given no --host-bandwidth. CUDA: PCIe 4.0 x16 carries 32 GB/s each way on paper and pinned
+# copies reach about 25 GB/s of it (CUDA's bandwidthTest figure for such a link; PCIe 5.0 x16
+# doubles it, NVLink-C2C on a Grace Hopper reaches ~450 GB/s each way): an assumption, so a
+# measured or stated figure is better. CPU: the copy stays in RAM, at the profile's bandwidth.
+HOST_BANDWIDTH: dict[str, float] = {"cuda": 25e9, "cpu": DEVICE_PROFILES["cpu"]["bandwidth"]}
 # Bytes of memory traffic per trainable parameter in one optimizer step (read/write of
 # weights, gradients and states; kernel-launch overhead folded in for the per-tensor loop).
 OPTIMIZER_TRAFFIC = {"adamw": 40, "adamw-foreach": 28, "adamw-fused": 24, "sgd": 16, "adafactor": 24,
@@ -122,6 +128,15 @@ def step_cost(cfg: RunConfig, device_type: str, arch: Arch = GPT2_ARCH) -> tuple
                                  "optimizer_s": optimizer, "micro_batch_efficiency": efficiency}
 
 
+def offload_exposed_s(d2h_bytes: float, h2d_bytes: float, compute_s: float, host_bandwidth: float) -> float:
+    """Seconds of --offload-activations' copies that compute does not hide: the device-to-host
+    copies overlap the forward (a third of the step's compute), the host-to-device ones the
+    backward (the rest); what a copy takes beyond its phase's compute is added to the step."""
+    forward = compute_s / 3
+    return (max(0.0, d2h_bytes / host_bandwidth - forward)
+            + max(0.0, h2d_bytes / host_bandwidth - (compute_s - forward)))
+
+
 def _materialized(cfg: RunConfig, device_type: str) -> bool:
     tech = cfg.technique
     if tech.attention == "math":
@@ -149,7 +164,7 @@ class Candidate:
     def label(self) -> str:
         t = self.techniques
         parts = [t["precision"], f"attention {t['attention']}", f"checkpointing {t['checkpointing']}",
-                 f"loss {t['loss']}", t["optim"]]
+                 f"loss {t['loss']}", t["optim"]] + (["offload activations"] if t.get("offload_activations") else [])
         return ", ".join(parts) + f", micro-batch {self.batch_size} x {self.grad_accum}"
 
 
@@ -195,13 +210,17 @@ def default_space(cfg: RunConfig, device_type: str, gpu: Optional[str] = None) -
     if not is_gpt_preset(cfg.model.model):
         # Megatron's selective policy needs our GPT's attention seam (techniques/hf_mapping.py).
         checkpointings = [c for c in checkpointings if c != "selective"]
-    return {
+    space: dict[str, list[Any]] = {
         "precision": ["fp32", "bf16"] if cpu else ["bf16", "tf32", "bf16-pure"] + _fp8_choice(cfg, gpu),
         "attention": attentions,
         "checkpointing": checkpointings,
         "loss": ["standard", "chunked"],
         "optim": optims,
     }
+    if not cpu:
+        # Activation offloading, with each checkpointing choice: on a CPU the host is the device.
+        space["offload_activations"] = [False, True]
+    return space
 
 
 def _fp8_choice(cfg: RunConfig, gpu: Optional[str]) -> list[str]:
@@ -236,13 +255,16 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
     space: Optional[dict[str, list[str]]] = None,
     max_batch_limit: int = 4096,
     gpu: Optional[str] = None,
+    host_bandwidth: Optional[float] = None,
 ) -> PlanResult:
     """Rank technique sets that fit ``budget_bytes`` (with ``margin`` of safety) by modelled
     step time. The target batch is ``cfg.train.batch_size x cfg.train.grad_accum`` sequences;
     with ``max_batch`` each set instead gets the largest batch that fits and sets are ranked
     by modelled time per token. ``gpu`` (CUDA, analytic models): a candidate's peak is what the
     card holds, the caching-allocator model's reserved memory plus that GPU kind's CUDA context
-    (:mod:`memtrain.analysis.allocator`), instead of the live tensor bytes."""
+    (:mod:`memtrain.analysis.allocator`), instead of the live tensor bytes. ``host_bandwidth``
+    (bytes/s each way, default :data:`HOST_BANDWIDTH`) costs --offload-activations' copies
+    (:func:`offload_exposed_s`)."""
     if budget_bytes <= 0:
         raise ConfigError("--budget must be positive, e.g. 24GiB")
     traced = arch is None  # a transformers --model: each candidate's peak is traced, not modelled
@@ -264,6 +286,26 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
 
     def at(t: dict[str, str], micro: int, accum: int) -> RunConfig:
         return cfg.replace(**t, batch_size=micro, grad_accum=accum)
+
+    link = host_bandwidth or HOST_BANDWIDTH[device_type]
+
+    def cost_of(c: RunConfig) -> float:
+        """The modelled step time, with the copies of --offload-activations compute does not hide."""
+        cost, detail = step_cost(c, device_type, arch)
+        if c.technique.offload_activations:
+            d2h, h2d = transfer(c)
+            cost += offload_exposed_s(d2h, h2d, detail["compute_s"], link)
+        return cost
+
+    def transfer(c: RunConfig) -> tuple[float, float]:
+        """Bytes --offload-activations copies each way in one step (estimated or traced)."""
+        if traced:
+            from memtrain.analysis.depth_trace import trace_any_depth  # the torch line, as in peak()
+
+            moved = trace_any_depth(c, device_type).get("offload") or {}
+            return float(moved.get("d2h_bytes", 0)), float(moved.get("h2d_bytes", 0))
+        off = estimate(c, arch, device_type).offload or {}
+        return off.get("d2h_bytes_per_step", 0.0), off.get("h2d_bytes_per_step", 0.0)
 
     def peak(c: RunConfig) -> tuple[float, str]:
         nonlocal evaluated
@@ -309,7 +351,7 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
                 continue
             micro, p, ph = best
             c = at(t, micro, target // micro)
-            cost, _ = step_cost(c, device_type, arch)
+            cost = cost_of(c)
             fits.append(Candidate(dict(t), micro, target // micro, p, ph, cost, cost / baseline))
         fits.sort(key=lambda c: c.step_time_s)
     else:
@@ -340,7 +382,7 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
                     hi = mid
             b, p, ph = best
             c = at(t, b, 1)
-            cost, _ = step_cost(c, device_type, arch)
+            cost = cost_of(c)
             per_token = cost / (b * cfg.train.seq_len)
             fits.append(Candidate(dict(t), b, 1, p, ph, per_token, 1.0))
         fits.sort(key=lambda c: (c.step_time_s, -c.batch_size))
@@ -348,6 +390,7 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
             best_rate = fits[0].step_time_s
             for cand in fits:
                 cand.relative_time = cand.step_time_s / best_rate
+    fits = _without_idle_offload(fits)
     if not fits:
         assert smallest is not None
         p, t, micro, accum = smallest
@@ -366,6 +409,16 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
         notes.append("peaks traced under fake tensors (transformers model; deep ones from 2 + 3 layer probes)")
     return PlanResult(budget_bytes, margin, device_type, None if max_batch else target, fits[:top],
                       evaluated, baseline, notes=notes)
+
+
+def _without_idle_offload(fits: list[Candidate]) -> list[Candidate]:
+    """Drop each --offload-activations candidate whose twin without it fits the same batch: the
+    offload buys nothing there and only costs copies."""
+    def twin(c: Candidate) -> tuple:
+        return tuple(sorted((k, v) for k, v in c.techniques.items() if k != "offload_activations"))
+
+    plain = {(twin(c), c.batch_size) for c in fits if not c.techniques.get("offload_activations")}
+    return [c for c in fits if not (c.techniques.get("offload_activations") and (twin(c), c.batch_size) in plain)]
 
 
 def _transformers_arch(cfg: RunConfig, device_type: str) -> tuple[Arch, bool, str]:

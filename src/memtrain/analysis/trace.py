@@ -226,6 +226,8 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
             stats = meter.stats().to_dict()
     stats["device_type"] = device_type
     stats["parameters"] = state.n_params
+    if state.offload is not None:  # --offload-activations: what the traced step moved each way
+        stats["offload"] = state.offload.counts.to_dict()
     return stats
 
 

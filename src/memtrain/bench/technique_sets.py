@@ -31,6 +31,12 @@ TECHNIQUES: dict[str, dict[str, Any]] = {
         "precision": "bf16", "attention": "flash", "checkpointing": "full", "loss": "chunked",
         "optim": "adamw-4bit", "vocab_multiple": 128,
     },
+    # Activation offloading: the saved activations wait in host memory between forward and
+    # backward. Not a default row (its cost is the host link's, which a CPU run cannot show):
+    # `memtrain bench --techniques ckpt-bf16,offload-bf16,ckpt-offload-bf16`.
+    "offload-bf16": {"precision": "bf16", "attention": "flash", "loss": "chunked", "offload_activations": True},
+    "ckpt-offload-bf16": {"precision": "bf16", "attention": "flash", "loss": "chunked", "checkpointing": "full",
+                          "offload_activations": True},
 }
 
 DESCRIPTIONS: dict[str, str] = {
@@ -46,6 +52,8 @@ DESCRIPTIONS: dict[str, str] = {
     "compile": "torch.compile + Flash + BF16",
     "fp8": "FP8 Linears (torchao) + torch.compile + Flash",
     "lowest-memory": "Lowest memory (ckpt + chunked + 4-bit AdamW)",
+    "offload-bf16": "Activation offloading + chunked loss",
+    "ckpt-offload-bf16": "Grad Checkpointing + activation offloading",
 }
 
 # Rows of `memtrain bench` when --techniques is not given: the five published rows plus the

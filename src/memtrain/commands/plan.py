@@ -43,8 +43,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--results", default=None, metavar="DIR",
                    help="A bench results folder (results.jsonl): show the measured perplexity effect of each "
                         "choice that changes the numerics, where a row with the same numerics exists.")
+    p.add_argument("--host-bandwidth", default=None, metavar="RATE",
+                   help="Host link bandwidth each way that --offload-activations' copies run at, e.g. 64GB/s "
+                        "(measured or from the link: PCIe 5.0 x16 ~50GB/s, NVLink-C2C ~450GB/s); default 25GB/s "
+                        "on cuda (PCIe 4.0 x16, pinned copies).")
     p.add_argument("--json", action="store_true", help="Print JSON only.")
     add_config_flags(p, ("model", "technique", "train"), exclude=(*LOOP_ONLY_FIELDS, "model"))  # --model is add_model_choice's
+
+
+def parse_rate(text: str) -> float:
+    """A transfer rate such as ``64GB/s`` or ``25GiB/s`` (a size per second), in bytes/s."""
+    size = text.strip()
+    if not size.lower().endswith("/s"):
+        raise ConfigError(f"--host-bandwidth {text!r}: write a rate such as 64GB/s")
+    return float(parse_size(size[:-2]))
 
 
 def _search_space(args: argparse.Namespace, cfg: Any, device_type: str) -> dict[str, list[str]]:
@@ -76,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
     # Every fitting set is ranked (not only --top), so that the fastest numerically standard one
     # can be recommended even when faster non-standard sets fill the top of the list.
     res = plan(cfg, budget, device_type, arch, max_batch=args.max_batch is not None, margin=args.margin,
-               top=10**6, space=space, max_batch_limit=args.max_batch or 4096, gpu=args.gpu)
+               top=10**6, space=space, max_batch_limit=args.max_batch or 4096, gpu=args.gpu,
+               host_bandwidth=parse_rate(args.host_bandwidth) if args.host_bandwidth else None)
 
     techs = [{**asdict(cfg.technique), **c.techniques} for c in res.candidates]
     # Prefer the numerically standard choice when one fits: the fastest candidate may change the

@@ -234,6 +234,13 @@ class TechniqueConfig:
     compile_scope: str = _f("model", "Compile the whole model or each block: model|block.")
     distributed: str = _f("none", "Data-parallel strategy under torchrun: " + "|".join(DISTRIBUTED) + ".")
     cpu_offload: bool = _f(False, "Offload sharded parameters/optimizer to CPU (FSDP2 CPUOffloadPolicy).")
+    offload_activations: bool = _f(
+        False,
+        "Activation offloading (torchtune's enable_activation_offloading): tensors the forward saves for "
+        "backward are copied to host memory (pinned, on a side stream on CUDA) and brought back ahead of "
+        "use in the backward. With --checkpointing only the checkpointed blocks' inputs are saved, so only "
+        "those move. Costs host-link time (PCIe) each step; parameters and tensors under 1 KiB stay.",
+    )
 
     def __post_init__(self) -> None:
         _require(self.precision in PRECISIONS, f"unknown --precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
@@ -257,6 +264,9 @@ class TechniqueConfig:
         _require(not (self.precision == "fp8" and (self.lora_rank or self.qlora)),
                  "--precision fp8 trains every weight (torchao float8 training); with --lora-rank/--qlora use "
                  "--precision bf16")
+        _require(not (self.offload_activations and self.distributed.startswith("deepspeed")),
+                 f"--offload-activations wraps memtrain's own train step, but --distributed {self.distributed} runs "
+                 "DeepSpeed's engine step: use --distributed zero2 or fsdp, or drop --offload-activations")
 
 
 # --------------------------------------------------------------------------- training

@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_leaves
 
 from memtrain.metrics.storage import is_wrapper_type, leaf_storages, tensors_in
 from memtrain.techniques.facts import MEMORY_CATEGORIES
+from memtrain.techniques.offload import copying_to_host
 
 __all__ = [
     "CATEGORIES",
@@ -58,6 +59,9 @@ CATEGORIES: tuple[str, ...] = MEMORY_CATEGORIES  # one home: memtrain.techniques
 # index is the stronger role (a storage that is both a parameter and in optimizer state, as some
 # optimizers keep, stays a parameter). The last two are decided by when a storage was allocated.
 _PARAM, _GRAD, _OPT, _ACT, _TEMP = range(5)
+# Host copies made by activation offloading (memtrain.techniques.offload): a ledger of their own,
+# beside the device categories, never part of peak_bytes or by_category.
+_HOST = len(CATEGORIES)
 _ROLES = {"parameters": _PARAM, "gradients": _GRAD, "optimizer": _OPT,
           "activations": _ACT, "temporaries": _TEMP}
 
@@ -96,6 +100,9 @@ class MemoryStats:
         phase_peaks: the largest total seen while each phase label was current.
         current_bytes: live tracked bytes now.
         current_by_category: the five categories now.
+        offloaded_peak_bytes: the most host bytes activation offloading held at once in the
+            window (0 without ``--offload-activations``).
+        offloaded_at_peak_bytes: host bytes it held at the moment of ``peak_bytes``.
     """
 
     peak_bytes: int
@@ -105,6 +112,8 @@ class MemoryStats:
     phase_peaks: dict[str, int] = field(default_factory=dict)
     current_bytes: int = 0
     current_by_category: dict[str, int] = field(default_factory=dict)
+    offloaded_peak_bytes: int = 0
+    offloaded_at_peak_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready copy."""
@@ -204,6 +213,9 @@ class MemoryMeter:
         self._peak_seq = 0
         self._peak_phase: str | None = None
         self._cat_peaks = [0] * len(CATEGORIES)
+        self._host = 0  # live offloaded host bytes
+        self._host_peak = 0
+        self._host_at_peak = 0
         self._phase_peaks: dict[str, int] = {}
         self._phases: list[tuple[str, bool]] = []
         self._in_opt = 0
@@ -278,6 +290,8 @@ class MemoryMeter:
             phase_peaks=dict(self._phase_peaks),
             current_bytes=self._total,
             current_by_category=dict(zip(CATEGORIES, self._cur)),
+            offloaded_peak_bytes=self._host_peak,
+            offloaded_at_peak_bytes=self._host_at_peak,
         )
 
     def current(self) -> dict[str, int]:
@@ -296,6 +310,7 @@ class MemoryMeter:
         self._peak_seq = self._seq
         self._peak_phase = self._current_phase()
         self._cat_peaks = list(self._cur)
+        self._host_peak = self._host_at_peak = self._host
         self._phase_peaks = {}
         if self._peak_phase is not None:
             self._phase_peaks[self._peak_phase] = self._total
@@ -330,6 +345,8 @@ class MemoryMeter:
 
     def _alloc_category(self) -> int:
         """Category of a storage allocated now (see the class docstring)."""
+        if copying_to_host():
+            return _HOST
         if self._in_opt or _in_autograd_backward():
             return _TEMP
         if self._phases and not self._phases[-1][1]:
@@ -352,6 +369,10 @@ class MemoryMeter:
         # storage alive as long as the storage is), so views and re-fetched storages are fine.
         rec.ref = weakref.ref(st, functools.partial(self._on_free, key, rec.seq))
         self._records[key] = rec
+        if cat == _HOST:
+            self._host += nbytes
+            self._host_peak = max(self._host_peak, self._host)
+            return rec
         self._cur[cat] += nbytes
         self._total += nbytes
         if self._cur[cat] > self._cat_peaks[cat]:
@@ -363,12 +384,19 @@ class MemoryMeter:
         if rec is None or rec.seq != seq:
             return
         del self._records[key]
+        if rec.cat == _HOST:
+            self._host -= rec.nbytes
+            return
         self._cur[rec.cat] -= rec.nbytes
         self._total -= rec.nbytes
 
     def _resized(self, rec: _Record, nbytes: int) -> None:
         delta = nbytes - rec.nbytes
         rec.nbytes = nbytes
+        if rec.cat == _HOST:
+            self._host += delta
+            self._host_peak = max(self._host_peak, self._host)
+            return
         self._cur[rec.cat] += delta
         self._total += delta
         if self._cur[rec.cat] > self._cat_peaks[rec.cat]:
@@ -387,10 +415,11 @@ class MemoryMeter:
                     n = st.nbytes()
                     if n != rec.nbytes:  # resize_ / set_ grew or shrank it in place
                         self._resized(rec, n)
-                elif self._wanted(dev):
+                else:
                     if cat < 0:
                         cat = self._alloc_category()
-                    self._add(st, cat)
+                    if cat == _HOST or self._wanted(dev):  # a host copy is booked whatever the device
+                        self._add(st, cat)
         self._check_peak()
 
     def _check_peak(self) -> None:
@@ -403,6 +432,7 @@ class MemoryMeter:
             self._peak_cats = list(self._cur)
             self._peak_seq = self._seq
             self._peak_phase = phase
+            self._host_at_peak = self._host
 
     def _assign(self, t: torch.Tensor, cat: int) -> None:
         """Give ``t``'s storages the role ``cat`` (tracking them if new)."""
@@ -415,7 +445,7 @@ class MemoryMeter:
             n = st.nbytes()
             if n != rec.nbytes:
                 self._resized(rec, n)
-            if cat >= rec.cat:
+            if cat >= rec.cat or rec.cat == _HOST:  # (a host copy never takes a device role)
                 continue  # already this role, or a stronger one
             old = rec.cat
             rec.cat = cat

@@ -127,6 +127,8 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         }
         for c in CATEGORIES:
             rec[f"{c}_bytes"] = _get(r, "memory", "by_category", c) if ok else None
+        # --offload-activations: the most host bytes the row's offloaded activations took.
+        rec["offloaded_peak_bytes"] = _get(r, "memory", "offloaded_peak_bytes") if ok else None
         out.append(rec)
     return out
 
@@ -262,6 +264,8 @@ def markdown_report(rows: list[dict[str, Any]], missing: list[str], header: Call
                   "the true maximum is at least N (raise --max-batch to search further).", ""]
     hidden = zero_categories(records, CATEGORIES)
     breakdown = [c for c in BREAKDOWN if not any(c[1] == f"{h}_bytes" for h in hidden)]
+    if any(r.get("offloaded_peak_bytes") for r in records):  # only where a row offloaded activations
+        breakdown.append(("Offloaded to host (MiB, peak)", "offloaded_peak_bytes", "mib"))
     breakdown.append(("Peak phase", "peak_phase", "str"))
     parts += [
         "## Memory at the peak, by category",

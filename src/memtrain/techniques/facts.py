@@ -37,7 +37,8 @@ from memtrain.errors import ConfigError
 __all__ = [
     "ADAMW_KERNELS", "BF16_PURE_OPTIMS", "CHECKPOINT_KINDS", "DTYPE_MATMUL_TYPE", "FP8_DIM_MULTIPLE",
     "FP8_MIN_CAPABILITY", "LOW_BIT_BLOCK", "LOW_BIT_MIN_NUMEL", "fp8_converts",
-    "MATMUL_TYPES", "MEMORY_CATEGORIES", "OPTIMIZER_STATE_RULES", "PRECISION_FACTS", "CheckpointPolicy",
+    "MATMUL_TYPES", "MEMORY_CATEGORIES", "OFFLOAD_MIN_BYTES", "OFFLOAD_PREFETCH", "OPTIMIZER_STATE_RULES",
+    "PRECISION_FACTS", "CheckpointPolicy",
     "OptimizerStateRule", "PrecisionFacts", "checkpoint_policy", "half_matmul_type", "low_bit_quantizes",
     "matmul_type", "optimizer_state_rule", "parse_checkpointing", "precision_facts",
 ]
@@ -314,3 +315,13 @@ def liger_loss_runs(loss: str, device_type: str) -> bool:
 LIGER_LOSS_NOTE = ("--loss chunked on CUDA runs Liger-Kernel's fused linear cross-entropy (liger_kernel is "
                    "installed); this estimate models memtrain's own chunked loss, whose buffers Liger's kernel "
                    "does not share (it picks its own chunk size)")
+
+
+# --------------------------------------------------------------------------- activation offloading
+# ``--offload-activations`` (memtrain.techniques.offload) and its estimate (the simulator) share
+# these. A saved tensor smaller than OFFLOAD_MIN_BYTES stays on the device: its copy's fixed cost
+# (a kernel launch, a pinned allocation, an event) outweighs the bytes it would free; 1024 bytes is
+# torchtune's default (OffloadActivations' min_offload_size). OFFLOAD_PREFETCH: how many saved
+# tensors the backward brings back ahead of the one in use (the side stream's look-ahead).
+OFFLOAD_MIN_BYTES = 1024
+OFFLOAD_PREFETCH = 2

@@ -45,7 +45,7 @@ MAY_DIFFER: frozenset[str] = frozenset({
     "out", "save", "save_every", "resume", "stop_after", "progress", "device", "eval_every",
     "warmup_timing_steps", "cache_dir", "no_cache", "num_workers", "pin_memory", "prefetch_factor",
     "attention", "checkpointing", "compile", "compile_mode", "compile_scope", "loss", "loss_chunk",
-    "distributed", "cpu_offload",
+    "distributed", "cpu_offload", "offload_activations",
 })
 
 

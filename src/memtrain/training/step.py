@@ -25,11 +25,12 @@ prepare_context=None) -> TrainState``
     scaler, skipped steps), scheduler, data loader, step counter, loss history, and the step
     function and no-sync context the distributed wrap chose.
 ``train_step(model, micro_batches, optimizer, precision, grad_clip, device, meter=None,
-no_sync=None, micro_context=None, optimizer_context=None) -> float``
+no_sync=None, micro_context=None, optimizer_context=None, forward_context=None) -> float``
     One optimizer step: micro-batch loop (autocast, loss / N, scaled backward) -> unscale ->
     clip -> step (skipped-step count under a GradScaler) -> zero_grad, with the meter's
     phases. ``micro_context`` / ``optimizer_context`` wrap each micro-batch's forward+backward
-    and the optimizer phase (the profiler's op-class ranges).
+    and the optimizer phase (the profiler's op-class ranges); ``forward_context`` each forward
+    (``--offload-activations``' saved-tensor hooks, from ``TrainState.offload``).
 ``run_step(state, micro_batches, meter=None, **contexts) -> float``
     ``train_step`` (or the distributed wrap's replacement) on ``state``.
 ``measure_steps(state, make_micro, steps=2, meter=None) -> None``
@@ -53,6 +54,7 @@ from memtrain.config.run import RunConfig
 from memtrain.metrics import MemoryMeter, reset_device_peak
 from memtrain.models.families import build_model
 from memtrain.techniques import Precision, build_optimizer, make_precision, prepare_model
+from memtrain.techniques.offload import offloader_for
 from memtrain.training.preflight import check_model_size
 
 __all__ = [
@@ -137,15 +139,18 @@ def train_step(
     no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
     micro_context: Optional[ContextFactory] = None,
     optimizer_context: Optional[ContextFactory] = None,
+    forward_context: Optional[ContextFactory] = None,
 ) -> float:
     """One optimizer step over ``len(micro_batches)`` micro-batches; returns the mean loss.
 
     Each micro-batch loss is scaled by 1/N so the summed gradients equal the gradient of the
     mean loss over the large batch (gradient accumulation). ``no_sync`` (data parallel)
-    suppresses the gradient all-reduce on all but the last micro-batch.
+    suppresses the gradient all-reduce on all but the last micro-batch. ``forward_context``
+    wraps each forward alone (activation offloading's saved-tensor hooks).
     """
     phase = meter.phase if meter is not None else (lambda name: contextlib.nullcontext())
     around_micro = micro_context or contextlib.nullcontext
+    around_forward = forward_context or contextlib.nullcontext
     n = len(micro_batches)
     total = torch.zeros((), device=device)
     scaler = precision.scaler
@@ -154,7 +159,7 @@ def train_step(
         y = y.to(device, non_blocking=True)
         sync_ctx = no_sync() if (no_sync is not None and i < n - 1) else contextlib.nullcontext()
         with sync_ctx, around_micro():
-            with phase("forward"), precision.autocast():
+            with phase("forward"), precision.autocast(), around_forward():
                 loss = model(x, y) / n
             with phase("backward"):
                 (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -188,6 +193,9 @@ class TrainState:
     # (DeepSpeed drives its engine with its own step; DDP/FSDP skip all-reduces on accumulation).
     step_fn: StepFn = train_step
     no_sync: Optional[Callable[[], contextlib.AbstractContextManager]] = None
+    # --offload-activations: the saved-tensor hooks each forward runs under, and what they moved
+    # (memtrain.techniques.offload.ActivationOffloader); None when off.
+    offload: Any = None
 
     @property
     def trainable_parameters(self) -> int:
@@ -222,6 +230,7 @@ def build_state(cfg: RunConfig, device: torch.device, precision: Optional[Precis
         state.model, state.optimizer = dist_ctx.wrap_optimizer(model, optimizer)  # ZeRO-1 / DeepSpeed
         state.step_fn = dist_ctx.train_step or train_step
         state.no_sync = dist_ctx.no_sync(state.model)
+    state.offload = offloader_for(cfg, state.model, device)
     if schedule:
         state.scheduler = torch.optim.lr_scheduler.LambdaLR(state.optimizer, lr_lambda(cfg))
     return state
@@ -232,6 +241,9 @@ def run_step(state: TrainState, micro_batches: list[Batch], meter: Optional[Memo
     """One optimizer step of ``state`` (see :func:`train_step`); returns the mean loss.
     ``contexts`` (``micro_context``, ``optimizer_context``) reach :func:`train_step` only."""
     extra = {k: v for k, v in contexts.items() if v is not None}
+    if state.offload is not None:
+        state.offload.reset_counts()  # the counts describe the last step
+        extra["forward_context"] = state.offload.forward
     return state.step_fn(state.model, micro_batches, state.optimizer, state.precision,
                          state.cfg.train.grad_clip, state.device, meter, no_sync=state.no_sync, **extra)
 

@@ -409,4 +409,6 @@ def _result(state: TrainState, timer: StepTimer, memory: dict[str, Any], splits:
             "tokenizer": splits.tokenizer,  # gpt2, or the identity of a --model folder's own tokenizer
         },
         "env": environment(device),
+        # --offload-activations: what the last step moved over the host link (absent when off).
+        **({"offload": state.offload.counts.to_dict()} if state.offload is not None else {}),
     }

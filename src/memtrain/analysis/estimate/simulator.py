@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from memtrain.config.run import RunConfig
-from memtrain.techniques.facts import checkpoint_policy
+from memtrain.techniques.facts import OFFLOAD_PREFETCH, checkpoint_policy
 
 # The JSON contract's component names (training._CATEGORY_OF maps each to a meter category).
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "temporaries")
@@ -39,6 +39,18 @@ class Simulator:
         self._next = 0
         # (op, storage id, bytes) in order, for the CUDA caching-allocator replay; None = off.
         self.events: Optional[list[tuple[str, int, float]]] = None
+        # --offload-activations: host bytes held (never part of the device total), their most,
+        # and what they were at the device peak.
+        self.host = 0.0
+        self.host_peak = 0.0
+        self.host_at_peak = 0.0
+
+    def host_alloc(self, nbytes: float) -> None:
+        self.host += nbytes
+        self.host_peak = max(self.host_peak, self.host)
+
+    def host_free(self, nbytes: float) -> None:
+        self.host -= nbytes
 
     def alloc(self, nbytes: float, tag: str) -> int:
         self._next += 1
@@ -81,6 +93,7 @@ class Simulator:
             self.peak_tags = dict(self.by_tag)
             self.peak_phase = self.phase
             self.peak_detail = self.detail
+            self.host_at_peak = self.host
 
 
 @dataclass
@@ -162,6 +175,16 @@ class Graph:
         self.lump_flush: list[int] = []  # autocast weight copies no op saved: freed when forward ends
         self.lump_grads: list[int] = []  # what the lumped periods leave after backward (gradients)
         self._kept_by_tag: dict[str, float] = {}
+        # --offload-activations (memtrain.techniques.offload): saves of at least offload_min bytes
+        # are copied to the host as the forward saves them (one copy per storage) and brought
+        # back, with OFFLOAD_PREFETCH more ahead, when the backward reaches their op.
+        self.offload_min: Optional[float] = None
+        self._offloading = False  # in the forward pass (the recompute saves into checkpoint's hooks)
+        self.off: dict[str, _Offloaded] = {}
+        self.off_list: list[Optional[_Offloaded]] = []
+        self.d2h = 0.0
+        self.h2d = 0.0
+        self.lump_host = 0.0
 
     def _snapshot(self) -> dict[str, float]:
         return dict(self.sim.by_tag)
@@ -209,6 +232,59 @@ class Graph:
             return
         self.sim.free(self.store.pop(key, None))
 
+    # ---- activation offloading
+    def _offload(self, key: str) -> bool:
+        """Copy ``key`` to the host if offloading takes it; whether it did (or had)."""
+        if not self._offloading or self.offload_min is None or key not in self.store:
+            return False
+        entry = self.off.get(key)
+        if entry is not None:
+            entry.waiting += 1
+            return True
+        nbytes = self.sim.live[self.store[key]][0]
+        if nbytes < self.offload_min:
+            return False
+        entry = _Offloaded(key, nbytes, len(self.off_list))
+        self.off[key] = entry
+        self.off_list.append(entry)
+        self.sim.host_alloc(nbytes)
+        self.d2h += nbytes
+        return True
+
+    def _bring_back(self, entry: "_Offloaded") -> None:
+        if entry.back is None:
+            entry.back = self.sim.alloc(entry.nbytes, "temporaries")
+            self.h2d += entry.nbytes
+
+    def _unpack(self, key: str) -> Optional[int]:
+        """The backward takes ``key``'s device copy (brought back now unless prefetched), and
+        the ``OFFLOAD_PREFETCH`` copies saved before it start their way back."""
+        entry = self.off.get(key)
+        if entry is None:
+            return None
+        self._bring_back(entry)
+        ahead, j = 0, entry.index - 1
+        while j >= 0 and ahead < OFFLOAD_PREFETCH:
+            other = self.off_list[j]
+            if other is not None:
+                self._bring_back(other)
+                ahead += 1
+            j -= 1
+        return entry.back
+
+    def _done_with(self, key: str) -> None:
+        """One saved variable of ``key`` has run its backward: the last frees both copies."""
+        entry = self.off.get(key)
+        if entry is None:
+            return
+        entry.waiting -= 1
+        if entry.waiting > 0:
+            return
+        self.sim.free(entry.back)
+        self.sim.host_free(entry.nbytes)
+        del self.off[key]
+        self.off_list[entry.index] = None
+
     def _run_forward(self, nodes: list[Node], keep_saves: bool, tag_override: Optional[str],
                      keep_keys: set[str], later: Any) -> list[str]:
         """Allocate outputs, keep saved tensors, free the rest at last use; returns the keys held
@@ -228,7 +304,7 @@ class Graph:
             self.sim.transient(n.fwd_scratch, tag_override or n.tag)
             if keep_saves:
                 for k in n.saves:
-                    if k in self.store:
+                    if k in self.store and not self._offload(k):
                         self.saved_refs[k] = self.saved_refs.get(k, 0) + 1
             if n.hold:
                 held.extend(o[0] for o in n.out)
@@ -317,6 +393,9 @@ class Graph:
         for n in reversed(nodes):
             keys = n.out_keys()
             has_grad = any(k in self.grad_sid for k in keys)
+            offloaded = [k for k in n.saves if k in self.off]
+            for k in offloaded:
+                self._unpack(k)
             if has_grad or n.name == "loss":
                 through = next((self.grad_sid[k] for k in keys if k in self.grad_sid), None)
                 for key, nbytes in n.grads:
@@ -327,6 +406,8 @@ class Graph:
             for k in n.saves:
                 if k in self.saved_refs:
                     self._release(k)
+            for k in offloaded:
+                self._done_with(k)
 
     # ---- the step
     def forward(self) -> None:
@@ -338,12 +419,18 @@ class Graph:
                     last_seg[k] = idx
         held: list[str] = []
         lump = self.comp is not None and self.comp.lumps > 0
+        self._offloading = True
         for idx, seg in enumerate(self.segments):
             if lump and idx == self.comp.fwd_segments.start:  # type: ignore[union-attr]  # self.comp is set when lump is true
-                before, n_held = self._snapshot(), len(held)
+                before, n_held, host_before = self._snapshot(), len(held), sim.host
             self._forward_segment(idx, seg, _Later(last_seg, idx), held)
             if lump and idx == self.comp.fwd_segments.stop - 1:  # type: ignore[union-attr]  # self.comp is set when lump is true
                 self._lump_forward(before, held, n_held)
+                # The lumped periods offload what the measured one did (freed in their backward).
+                self.lump_host = self.comp.lumps * (sim.host - host_before)  # type: ignore[union-attr]  # as above
+                sim.host_alloc(self.lump_host)
+                self.d2h += self.lump_host
+        self._offloading = False
         # Leaving autocast drops its weight cache: casts no op saved are freed now.
         self._flush(held)
         for sid in self.lump_flush:
@@ -357,7 +444,7 @@ class Graph:
             return
         # Checkpointed: nothing saved but the block input (held by the checkpoint) and, for
         # selective checkpointing, the matmul outputs; plus the RNG state it stores.
-        if seg.input_key and seg.input_key in self.store:
+        if seg.input_key and seg.input_key in self.store and not self._offload(seg.input_key):
             self.saved_refs[seg.input_key] = self.saved_refs.get(seg.input_key, 0) + 1
         keep = {k for n in seg.nodes for k in n.sac_kept()} if seg.checkpoint == "selective" else set()
         held += self._run_forward(seg.nodes, False, None, keep, later)
@@ -373,12 +460,25 @@ class Graph:
             self._backward_segment(seg)
             if lump and idx == self.comp.bwd_segments.start:  # type: ignore[union-attr]  # self.comp is set when lump is true
                 self._lump_backward(before)
+                self.sim.host_free(self.lump_host)
+                self.h2d += self.lump_host
+                self.lump_host = 0.0
 
     def _backward_segment(self, seg: Segment) -> None:
         sim = self.sim
         label = "loss backward" if seg.name == "head" else f"backward {seg.name}"
+        back, ckpt_host = None, 0.0
         if seg.checkpoint != "none":
             sim.at("backward", f"recompute {seg.name}")
+            back = self._unpack(seg.input_key) if seg.input_key else None
+            if back is not None:
+                # The recompute reads the input brought back; its own saves keep it from here on,
+                # and the host copy goes when the checkpoint's saved inputs do (after its backward).
+                key: str = seg.input_key  # type: ignore[assignment]  # set when back is
+                entry = self.off.pop(key)
+                self.off_list[entry.index] = None
+                self.store[key] = back
+                ckpt_host = entry.nbytes
             # Recompute up to the last op whose tensors backward needs (non-reentrant
             # checkpoint stops there); the recomputed saves live until their op's backward.
             last_saver = max((i for i, n in enumerate(seg.nodes) if n.saves), default=-1)
@@ -388,6 +488,20 @@ class Graph:
         self._backward_nodes(seg.nodes)
         if seg.checkpoint != "none" and seg.input_key and seg.input_key in self.saved_refs:
             self._release(seg.input_key)
+        if seg.checkpoint != "none" and back is not None:
+            sim.host_free(ckpt_host)
+
+
+@dataclass
+class _Offloaded:
+    """A saved storage copied to the host: its bytes, its place in the forward's order, the
+    saved variables still to read it, and its device copy once brought back."""
+
+    key: str
+    nbytes: float
+    index: int
+    waiting: int = 1
+    back: Optional[int] = None
 
 
 class _Later:

@@ -15,7 +15,7 @@ from memtrain.analysis.estimate.simulator import Graph, Segment, Simulator, comp
 from memtrain.analysis.limits import check_analytic_size
 from memtrain.config.archs import GPT2_ARCH, Arch
 from memtrain.config.run import ConfigError, RunConfig
-from memtrain.techniques.facts import MEMORY_CATEGORIES, OPTIMIZER_STATE_RULES
+from memtrain.techniques.facts import MEMORY_CATEGORIES, OFFLOAD_MIN_BYTES, OPTIMIZER_STATE_RULES
 
 # Which meter category each of the JSON contract's components (simulator.COMPONENTS) is part of.
 _CATEGORY_OF = {"weights": "parameters", "gradients": "gradients", "optimizer": "optimizer",
@@ -50,9 +50,16 @@ class Estimate:
     activations_per_layer_no_checkpointing: float = 0.0
     # With estimate(gpu=...): the CUDA caching allocator's view (memtrain.analysis.allocator.DeviceMemory).
     device_memory: Optional[dict[str, Any]] = None
+    # --offload-activations: host bytes and the bytes moved each way per step (offload_figures);
+    # None (and left out of the JSON) when off.
+    offload: Optional[dict[str, float]] = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        if d["offload"] is None:
+            del d["offload"]
+        else:
+            d["offload"] = {k: int(round(v)) for k, v in self.offload.items()}  # type: ignore[union-attr]  # not None here
         d["bytes"] = {k: int(round(v)) for k, v in self.bytes.items()}
         d["by_category"] = {k: int(round(v)) for k, v in self.by_category.items()}
         d["phase_peaks"] = {k: int(round(v)) for k, v in self.phase_peaks.items()}
@@ -197,6 +204,8 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     _fill_param_grads(segs, pbytes)
     graph = Graph(sim, segs, grad_bytes, grads_exist, _CPU_RNG_STATE_BYTES if device_type == "cpu" else 0)
     graph.comp = comp
+    if tech.offload_activations:
+        graph.offload_min = OFFLOAD_MIN_BYTES
     previous: Optional[int] = None
     if tech.loss == "naive":
         graph.pinned.add("logits")
@@ -273,6 +282,7 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
                "batch_size": t.batch_size, "seq_len": t.seq_len, "grad_accum": t.grad_accum},
         world_size=n,
         shard=shard if n > 1 else "none",
+        offload=offload_figures(sim, graph, t.grad_accum) if tech.offload_activations else None,
         extra={"model_state": {"weights": weights / shard_div["weights"],
                                "gradients": grad_total / shard_div["gradients"],
                                "optimizer": opt_share,
@@ -281,6 +291,15 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
                   if zero1 else {}),
                "device_type": device_type, **({"_device_memory": device_memory} if device_memory else {})},
     )
+
+
+def offload_figures(sim: Simulator, graph: Graph, grad_accum: int) -> dict[str, float]:
+    """What --offload-activations holds on the host and moves over the host link: the most host
+    bytes at once (``host_peak_bytes``), those at the device peak, and the bytes copied each way
+    in one optimizer step (every micro-batch offloads and brings back its own activations)."""
+    return {"host_peak_bytes": sim.host_peak, "host_at_peak_bytes": sim.host_at_peak,
+            "d2h_bytes_per_step": graph.d2h * grad_accum, "h2d_bytes_per_step": graph.h2d * grad_accum,
+            "transfer_bytes_per_step": (graph.d2h + graph.h2d) * grad_accum}
 
 
 def _lazy_optimizer_state(trainable: list[ParamInfo], pbytes: dict[str, float], optim: str, div: int,

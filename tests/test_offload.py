@@ -1,0 +1,173 @@
+"""Activation offloading (--offload-activations): the tracked meter shows the saved activations
+leave the device for the host ledger, losses and weights stay bitwise equal, impossible
+combinations are refused, and the estimate and plan account for it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memtrain.cli import main
+from memtrain.config.run import ConfigError, build_config
+from memtrain.metrics import MemoryMeter
+from memtrain.techniques.facts import OFFLOAD_MIN_BYTES
+from memtrain.training.step import build_state, measure_steps, random_micro_batches, run_step
+
+TINY = dict(vocab_size=512, d_model=32, n_heads=2, n_layers=2, d_ff=64, max_seq_len=64, dropout=0.1,
+            batch_size=2, seq_len=32, device="cpu")
+CPU = torch.device("cpu")
+
+
+def _measure(**overrides):
+    """The steady-state step's tracked stats and the offloader's counts (None when off)."""
+    cfg = build_config(dict(TINY, **overrides))
+    torch.manual_seed(0)
+    state = build_state(cfg, CPU)
+    meter = MemoryMeter(state.model, state.optimizer)
+    gen = torch.Generator().manual_seed(1)
+    measure_steps(state, lambda: random_micro_batches(cfg, cfg.train.batch_size, CPU, gen), meter=meter)
+    counts = state.offload.counts if state.offload is not None else None
+    return meter.stats(), counts
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_offload_moves_saved_activations_to_the_host_ledger(checkpointing):
+    plain, none = _measure(checkpointing=checkpointing)
+    off, counts = _measure(checkpointing=checkpointing, offload_activations=True)
+    assert none is None and plain.offloaded_peak_bytes == 0  # runs without it: no host ledger
+    assert counts.tensors > 0 and counts.d2h_bytes == counts.h2d_bytes > 0
+    assert off.offloaded_peak_bytes > 0
+    # What stays on the device are the tensors under the size floor (one each, at most).
+    assert off.by_category["activations"] < plain.by_category["activations"] / 4
+    assert off.by_category["activations"] <= counts.kept_small * OFFLOAD_MIN_BYTES
+    assert off.peak_bytes < plain.peak_bytes
+    # The host holds about what the device no longer holds (one copy per saved storage).
+    saved = plain.by_category["activations"] - off.by_category["activations"]
+    assert off.offloaded_peak_bytes == pytest.approx(saved, rel=0.05)
+
+
+def _train_losses(steps: int = 3, **overrides) -> tuple[list[float], dict[str, torch.Tensor]]:
+    cfg = build_config(dict(TINY, **overrides))
+    torch.manual_seed(0)
+    state = build_state(cfg, CPU)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        torch.manual_seed(len(losses))  # the same dropout masks in both runs
+        losses.append(run_step(state, random_micro_batches(cfg, cfg.train.batch_size, CPU, gen)))
+    return losses, {k: v.detach().clone() for k, v in state.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(checkpointing="full", grad_accum=2)])
+def test_offload_leaves_losses_and_weights_bitwise_equal(overrides):
+    ref_losses, ref_weights = _train_losses(**overrides)
+    losses, weights = _train_losses(offload_activations=True, **overrides)
+    assert losses == ref_losses
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
+
+
+def test_deepspeed_with_offload_is_one_line_exit_2(capsys):
+    with pytest.raises(ConfigError, match="offload-activations"):
+        build_config(dict(TINY, offload_activations=True, distributed="deepspeed-zero2"))
+    code = main(["train", "--offload-activations", "--distributed", "deepspeed-zero3", "--steps", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: --offload-activations")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_offload_pins_host_copies_and_prefetches_on_a_side_stream():
+    from memtrain.techniques.offload import ActivationOffloader
+
+    device = torch.device("cuda")
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)]).to(device)
+    x = torch.randn(64, 256, device=device, requires_grad=True)
+    ref = model(x).square().sum()
+    ref_grads = torch.autograd.grad(ref, [x, *model.parameters()])
+    off = ActivationOffloader(model, device, prefetch=2)
+    assert off.streams and off._side is not None
+    with off.forward():
+        y = model(x).square().sum()
+    views = off._packed
+    assert views and all(h().host.is_pinned() for h in views if h() is not None)
+    brought_back_early = []
+    original = off._bring_back
+
+    def spy(h):
+        brought_back_early.append(h.index)
+        original(h)
+
+    off._bring_back = spy
+    grads = torch.autograd.grad(y, [x, *model.parameters()])
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    # The first unpack (the last saved tensor) brought the two before it back ahead of use.
+    assert brought_back_early[:3] == sorted(brought_back_early[:3], reverse=True) and len(brought_back_early) > 2
+    assert off.counts.d2h_bytes == off.counts.h2d_bytes > 0
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_estimate_gives_device_host_and_transfer_bytes_the_meter_measures(checkpointing):
+    from memtrain.analysis.estimate import estimate
+
+    cfg = build_config(dict(TINY, checkpointing=checkpointing, offload_activations=True))
+    est = estimate(cfg, device_type="cpu")
+    plain = estimate(cfg.replace(offload_activations=False), device_type="cpu")
+    measured, counts = _measure(checkpointing=checkpointing, offload_activations=True)
+    assert est.peak_bytes == pytest.approx(measured.peak_bytes, rel=0.03)
+    off = est.offload
+    assert off["host_peak_bytes"] == pytest.approx(measured.offloaded_peak_bytes, rel=0.02)
+    assert off["d2h_bytes_per_step"] == pytest.approx(counts.d2h_bytes, rel=0.02)
+    assert off["h2d_bytes_per_step"] == pytest.approx(counts.h2d_bytes, rel=0.02)
+    assert off["transfer_bytes_per_step"] == off["d2h_bytes_per_step"] + off["h2d_bytes_per_step"]
+    # The device's activations drop by what went to the host; runs without it have no offload key.
+    assert est.by_category["activations"] < plain.by_category["activations"] / 4
+    assert "offload" not in plain.to_dict() and est.to_dict()["offload"]["host_peak_bytes"] > 0
+
+
+def test_plan_offers_offload_under_a_tight_budget_and_charges_its_copies():
+    from memtrain.analysis.estimate import estimate
+    from memtrain.analysis.plan import offload_exposed_s, plan, step_cost
+
+    cfg = build_config(dict(TINY, batch_size=1, seq_len=256, max_seq_len=256, device="cuda"))
+    space = {"precision": ["bf16"], "attention": ["sdpa"], "checkpointing": ["none", "full"], "loss": ["standard"],
+             "optim": ["adamw"], "offload_activations": [False, True]}
+    off_cfg = cfg.replace(precision="bf16", attention="sdpa", offload_activations=True)
+    needs = estimate(off_cfg, device_type="cuda").peak_bytes
+    for checkpointing in ("none", "full"):  # neither fits without offloading
+        assert estimate(off_cfg.replace(offload_activations=False, checkpointing=checkpointing),
+                        device_type="cuda").peak_bytes > needs * 1.02
+    res = plan(cfg, int(needs * 1.1 * 1.01), "cuda", space=space, host_bandwidth=1e9)
+    best = res.candidates[0]
+    assert best.techniques["offload_activations"] is True and "--offload-activations" in best.train_flags
+    # Its time is the step's plus the copies compute does not hide, at the stated host bandwidth.
+    moved = estimate(off_cfg.replace(checkpointing=best.techniques["checkpointing"]), device_type="cuda").offload
+    cost, detail = step_cost(off_cfg.replace(checkpointing=best.techniques["checkpointing"]), "cuda")
+    exposed = offload_exposed_s(moved["d2h_bytes_per_step"], moved["h2d_bytes_per_step"], detail["compute_s"], 1e9)
+    assert exposed > 0 and best.step_time_s == pytest.approx(cost + exposed)
+    # With room to spare, the offload twin of a fitting set is not offered (it only adds copies).
+    roomy = plan(cfg, 10 * 2**30, "cuda", space=space)
+    assert not any(c.techniques["offload_activations"] for c in roomy.candidates)
+
+
+def test_train_with_and_without_offload_same_losses_and_the_report_shows_the_host_bytes(tiny_run):
+    from memtrain.bench.technique_sets import describe, technique_overrides
+    from memtrain.report.tables import markdown_report
+    from memtrain.training.train import train
+
+    run = {**tiny_run, "steps": 2, "warmup_steps": 1, "warmup_timing_steps": 0, "val_blocks": 1,
+           "precision": "fp32", "device": "cpu"}
+    plain = train(build_config({**run, "out": run["out"] + "-plain"}))
+    off = train(build_config({**run, "offload_activations": True}))
+    assert off["loss_history"] == plain["loss_history"] and off["val_loss"] == plain["val_loss"]
+    assert "offload" not in plain and plain["memory"]["offloaded_peak_bytes"] == 0
+    assert off["offload"]["d2h_bytes"] == off["offload"]["h2d_bytes"] > 0
+    assert off["memory"]["offloaded_peak_bytes"] > 0
+    assert off["memory"]["by_category"]["activations"] < plain["memory"]["by_category"]["activations"]
+    # The bench row names the flag, and the report gains the host column only when a row offloaded.
+    assert technique_overrides("offload-bf16", "quick")["offload_activations"] is True
+    rows = [{**r, "technique": name, "description": describe(name), "status": "ok"}
+            for name, r in (("chunked-loss", plain), ("offload-bf16", off))]
+    report = markdown_report(rows, [])
+    assert "Activation offloading + chunked loss" in report and "Offloaded to host (MiB, peak)" in report
+    assert "Offloaded to host" not in markdown_report(rows[:1], [])
