@@ -234,6 +234,12 @@ class TechniqueConfig:
     compile_scope: str = _f("model", "Compile the whole model or each block: model|block.")
     distributed: str = _f("none", "Data-parallel strategy under torchrun: " + "|".join(DISTRIBUTED) + ".")
     cpu_offload: bool = _f(False, "Offload sharded parameters/optimizer to CPU (FSDP2 CPUOffloadPolicy).")
+    compile_memory_budget: Optional[float] = _f(
+        None,
+        "With --compile: torch.compile's activation memory budget F in (0, 1] (torch._functorch.config."
+        "activation_memory_budget): the min-cut partitioner saves at most F of what it saves by default "
+        "(the graph's inputs aside) and recomputes the cheapest rest in backward. None: torch's default (1.0).",
+    )
 
     def __post_init__(self) -> None:
         _require(self.precision in PRECISIONS, f"unknown --precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
@@ -252,6 +258,15 @@ class TechniqueConfig:
                  f"unknown --compile-mode {self.compile_mode!r}; choose default, reduce-overhead or max-autotune")
         _require(self.compile_scope in ("model", "block"), f"unknown --compile-scope {self.compile_scope!r}; choose model or block")
         parse_checkpointing(self.checkpointing)
+        self._check_compile_memory_budget()
+
+    def _check_compile_memory_budget(self) -> None:
+        budget = self.compile_memory_budget
+        if budget is None:
+            return
+        _require(math.isfinite(budget) and 0.0 < budget <= 1.0,
+                 f"--compile-memory-budget must be in (0, 1] (1 = torch's default partition), got {budget}")
+        _require(self.compile, "--compile-memory-budget sets torch.compile's partitioner: add --compile")
 
 
 # --------------------------------------------------------------------------- training
