@@ -66,7 +66,10 @@ def under_memory_budget(compiled: Callable[..., Any], budget: float) -> Callable
     So it is set around every call of the compiled function, and only there: other compiled code
     of the process (torchao's optimizer step, another model) keeps torch's default. The patch is
     a few attribute writes per call; it also enters the AOTAutograd cache key, so a graph cached
-    under another budget is not reused.
+    on disk under another budget is not reused. dynamo's in-process cache does not guard on it:
+    a process that compiles a module under one budget and then another module of the same class
+    under another reuses the first graph unless ``torch.compiler.reset()`` runs between them
+    (the tracer does; a run compiles one model).
     """
 
     @functools.wraps(compiled)
