@@ -48,7 +48,7 @@ def main() -> int:
     for budget in (1.0, 0.75, 0.5, 0.25, 0.1):
         rows.append(_row(f"compile ({args.scope} scope), budget {budget:g}",
                          {"compile": True, "compile_scope": args.scope, "compile_memory_budget": budget}, base))
-    head = ["step", "peak MiB", "activations MiB (end of forward)", "saved by the partition MiB", "trace s"]
+    head = ["step", "peak MiB", "activations MiB (category peak)", "saved by the partition MiB", "trace s"]
     lines = [f"Default model, batch {args.batch_size} x seq {args.seq_len}, fp32, chunked loss, dropout 0; "
              f"traced on CPU kernels at commit {git_commit()}.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" + "---:|" * (len(head) - 1)]
