@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch._functorch.config as functorch_config
 
+from memtrain.analysis.depth_trace import NotAffine, extrapolated_trace
 from memtrain.analysis.plan import COMPILE_BUDGETS, default_space, plan, step_cost
 from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, TECHNIQUES, default_techniques
 from memtrain.cli import main
@@ -118,6 +119,13 @@ def test_a_lower_budget_saves_fewer_bytes_at_the_same_losses_and_the_trace_count
             == saved_one["saved_activation_bytes"] - saved_low["saved_activation_bytes"])
     # Without --trace the estimate answers with a labelled interpolation, never a traced figure.
     assert traced_low["compile_memory_budget"]["method"] == "interpolated"
+
+
+def test_a_budgeted_trace_is_never_extrapolated_from_shallow_probes():
+    """The partition under a budget is chosen for the whole graph: every layer is traced."""
+    cfg = build_config({**TINY_CFG, "compile": True, "compile_memory_budget": 0.5})
+    with pytest.raises(NotAffine, match="whole graph"):
+        extrapolated_trace(cfg)
 
 
 def test_the_analytic_estimate_interpolates_between_no_and_full_checkpointing(capsys):
