@@ -17,7 +17,8 @@ import torch._functorch.config as functorch_config
 
 from memtrain.analysis.depth_trace import NotAffine, extrapolated_trace
 from memtrain.analysis.plan import COMPILE_BUDGETS, default_space, plan, step_cost
-from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, TECHNIQUES, default_techniques
+from memtrain.bench.runner import BenchOptions, resolve_rows
+from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, TECHNIQUES, default_techniques, describe
 from memtrain.cli import main
 from memtrain.config.run import ConfigError, TechniqueConfig, build_config
 from memtrain.metrics import MemoryMeter
@@ -164,6 +165,9 @@ def test_plan_tries_budgets_only_with_compile_between_none_and_full():
 def test_the_budget_row_is_optional():
     assert TECHNIQUES["compile-budget"] == {**TECHNIQUES["compile"], "compile_memory_budget": 0.5}
     assert "compile-budget" not in DEFAULT_TECHNIQUES + default_techniques("cuda")
+    (name, row), = resolve_rows(BenchOptions(techniques=["compile-budget"]))
+    assert (row.technique.compile, row.technique.compile_memory_budget) == (True, 0.5)
+    assert "budget 0.5" in describe(name)  # the report's row label
 
 
 @pytest.mark.slow
