@@ -19,7 +19,8 @@ Checked against full traces: equal to the byte in every category on tiny configs
 Qwen2, Mistral, Gemma and GPT-2 under six technique sets (tests/test_hf_depth.py), and on the
 full-size Llama-3-8B QLoRA step (docs/models.md). Refused, so that the caller traces every
 layer instead, when the layers are not all of one kind (a ``layer_types`` list mixing sliding
-and full attention), and when the two probes peak in different phases or the extrapolated
+and full attention), under ``--compile-memory-budget`` (the partition is one choice over the
+whole graph), and when the two probes peak in different phases or the extrapolated
 phase peaks put the peak in
 another phase than the probes' (then the step's shape changes with depth and a straight line
 through two points says nothing).
@@ -81,6 +82,10 @@ def extrapolated_trace(cfg: RunConfig, device_type: str = "cpu") -> dict[str, An
     """``memtrain.analysis.trace.trace_step``'s result for ``cfg`` from two shallow traces, plus
     ``method: "extrapolated"`` and ``probe_layers``. Raises :class:`NotAffine` when the
     depths cannot be extrapolated (see the module docstring)."""
+    if cfg.technique.compile_memory_budget is not None:
+        # In model scope the budget is one knapsack over every layer's ops: no straight line.
+        raise NotAffine("torch.compile's partition under a memory budget is chosen for the whole graph: "
+                        "trace every layer")
     probes = probe_depths(cfg)
     if probes is None:
         raise NotAffine("the model is shallow or its layers differ: trace every layer")

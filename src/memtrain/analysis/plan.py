@@ -26,6 +26,7 @@ from itertools import product
 from typing import Any, Optional
 
 from memtrain.analysis.estimate import GPT2_ARCH, Arch, estimate, param_count
+from memtrain.analysis.estimate.compile_budget import interpolated_budget, recompute_share
 from memtrain.analysis.estimate.hf import hf_arch, why_not_modelled
 from memtrain.config.run import ConfigError, RunConfig, train_flags
 from memtrain.devices.gpu_kinds import GPU_KINDS, has_fp8
@@ -109,6 +110,9 @@ def step_cost(cfg: RunConfig, device_type: str, arch: Arch = GPT2_ARCH) -> tuple
         recompute = SELECTIVE_RECOMPUTE_SHARE * fwd_blocks
     elif policy.mixed:
         recompute = fwd_blocks * policy.n_checkpointed(L) / L
+    elif tech.compile and tech.compile_memory_budget is not None:
+        # Between none and full: a share of full checkpointing's recompute (compile_budget's model).
+        recompute = fwd_blocks * recompute_share(tech.compile_memory_budget)
     else:
         recompute = 0.0
     if tech.loss == "chunked":
@@ -165,6 +169,8 @@ class Candidate:
         t = self.techniques
         parts = [t["precision"], f"attention {t['attention']}", f"checkpointing {t['checkpointing']}",
                  f"loss {t['loss']}", t["optim"]] + (["offload activations"] if t.get("offload_activations") else [])
+        if t.get("compile_memory_budget") is not None:
+            parts.append(f"compile budget {t['compile_memory_budget']:g} (interpolated)")
         return ", ".join(parts) + f", micro-batch {self.batch_size} x {self.grad_accum}"
 
 
@@ -220,6 +226,10 @@ def default_space(cfg: RunConfig, device_type: str, gpu: Optional[str] = None) -
     if not cpu:
         # Activation offloading, with each checkpointing choice: on a CPU the host is the device.
         space["offload_activations"] = [False, True]
+    if cfg.technique.compile and is_gpt_preset(cfg.model.model):
+        # With --compile, torch's activation memory budget is a knob between no checkpointing
+        # and full: None is torch's default partition.
+        space["compile_memory_budget"] = [None, *COMPILE_BUDGETS]
     return space
 
 
@@ -229,13 +239,19 @@ def _fp8_choice(cfg: RunConfig, gpu: Optional[str]) -> list[str]:
     return ["fp8"] if has_fp8(gpu) and not (tech.lora_rank or tech.qlora) else []
 
 
-def _sets(space: dict[str, list[str]]) -> list[dict[str, str]]:
+# The budgets plan tries with --compile (torch.compile's activation_memory_budget).
+COMPILE_BUDGETS = (0.75, 0.5, 0.25)
+
+
+def _sets(space: dict[str, list[Any]]) -> list[dict[str, Any]]:
     keys = list(space)
     out = []
     for values in product(*(space[k] for k in keys)):
         t = dict(zip(keys, values))
         if t["precision"] == "bf16-pure" and t["optim"] not in BF16_PURE_OPTIMS:
             continue  # bf16-pure needs a stochastic-rounding optimizer (techniques/optim.py)
+        if t.get("compile_memory_budget") is not None and t["checkpointing"] != "none":
+            continue  # the budget is the knob between none and full; its model has no other end
         out.append(t)
     return out
 
@@ -316,6 +332,10 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
 
             r = trace_any_depth(c, device_type)  # 2 + 3 layers extended to the depth when exact
             return float(r["peak_bytes"]), str(r["peak_phase"])
+        if c.technique.compile_memory_budget is not None:
+            entry = interpolated_budget(c, arch, device_type, gpu=gpu if device_type == "cuda" else None)
+            assert entry is not None and entry["peak_bytes"] is not None  # checkpointing none (_sets)
+            return float(entry.get("device_total", entry["peak_bytes"])), "interpolated"
         e = estimate(c, arch, device_type, gpu=gpu if device_type == "cuda" else None)
         if e.device_memory:
             return float(e.device_memory["device_total"]), e.peak_phase
@@ -407,6 +427,10 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
                      "(memtrain.analysis.allocator)")
     if traced:
         notes.append("peaks traced under fake tensors (transformers model; deep ones from 2 + 3 layer probes)")
+    if "compile_memory_budget" in space:
+        notes.append("compile budget candidates: peak and recompute interpolated between checkpointing none and "
+                     "full (docs/estimation.md), not traced; `memtrain estimate --compile --compile-memory-budget F "
+                     "--trace` runs torch's partitioner")
     return PlanResult(budget_bytes, margin, device_type, None if max_batch else target, fits[:top],
                       evaluated, baseline, notes=notes)
 

@@ -24,7 +24,12 @@ What fake tensors cannot do, and what is done instead:
   exception). ``device_type="cuda"`` is therefore refused on such a build with a ConfigError;
   on a CUDA build the random kernels (dropout, init) are replaced by their memory footprint,
   since fake mode cannot reach the CUDA generator without a GPU.
-* ``--compile`` is traced eagerly (the compiled graph's own memory planning is not traced).
+* ``--compile`` is traced eagerly (the compiled graph's own memory planning is not traced),
+  except with ``--compile-memory-budget``: what the partitioner saves under a budget has no
+  analytic rule, so the model is compiled over the fake tensors with inductor's decompositions
+  and partitioner, its graphs run op by op (:mod:`memtrain.analysis.compile_trace`), and the
+  result gains ``compile`` {``memory_budget``, ``scope``, ``saved_activation_bytes`` (per
+  forward pass), ``graphs``, ``forward_calls``}. Such a trace starts with ``torch.compiler.reset()``.
 """
 
 from __future__ import annotations
@@ -36,11 +41,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memtrain.config.run import ConfigError, RunConfig
+from memtrain.analysis.compile_trace import SavedActivations, partition_recording_backend
+from memtrain.config.run import ConfigError, RunConfig, TechniqueConfig
 from memtrain.metrics import MemoryMeter
 from memtrain.models.families import build_model
 from memtrain.models.hf import same_paths_as_eager
 from memtrain.models.spec import is_hf
+from memtrain.techniques.compile import apply_compile
 from memtrain.techniques.facts import precision_facts
 from memtrain.techniques.precision import make_precision
 from memtrain.training.step import build_state, measure_steps, random_micro_batches
@@ -195,8 +202,10 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
     if precision_facts(cfg.technique.precision).fp8 and device_type != "cuda":
         raise ConfigError("--precision fp8 runs on FP8 tensor cores only, so its step is traced with CUDA kernels: "
                           "use --trace-device cuda (a CUDA build of torch) or the analytic estimate (drop --trace)")
+    compiled = cfg.technique if cfg.technique.compile_memory_budget is not None else None
     if cfg.technique.compile:
-        cfg = cfg.replace(compile=False)  # traced eagerly (see the module docstring)
+        # Built eagerly; with a budget, compiled below over the fake tensors (see the module docstring).
+        cfg = cfg.replace(compile=False, compile_memory_budget=None)
     device = torch.device(device_type)
     with _cuda_stubs(device_type):
         precision = make_precision(cfg.technique.precision, device)
@@ -220,15 +229,40 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
             # cannot swap fake parameters (see the module docstring), so it replaces them.
             state = build_state(cfg, device, precision, base=base,
                                 prepare_context=lambda: _fake_prepare(device))
+            saved = SavedActivations() if compiled is not None else None
+            micro_context = None
+            if compiled is not None and saved is not None:
+                # Each trace compiles a new model with a new backend: dynamo never reuses the
+                # graphs of earlier traces (it guards on the backend), but they stay in its cache
+                # of Module._call_impl's code and count towards its recompile limit, past which
+                # the model would run eagerly. So the cache starts empty.
+                torch.compiler.reset()
+                apply_compile(state.model, compiled, backend=partition_recording_backend(saved))
+                # The model runs compiled; everything else (torchao's steps) stays eager.
+                micro_context = lambda: torch.compiler.set_stance("default")  # noqa: E731
             meter = MemoryMeter(state.model, state.optimizer)
             batch = cfg.train.batch_size
-            measure_steps(state, lambda: random_micro_batches(cfg, batch, device), steps=steps, meter=meter)
+            measure_steps(state, lambda: random_micro_batches(cfg, batch, device), steps=steps, meter=meter,
+                          micro_context=micro_context)
             stats = meter.stats().to_dict()
+    if compiled is not None and saved is not None:
+        stats["compile"] = _saved_entry(saved, compiled, forward_passes=steps * cfg.train.grad_accum)
     stats["device_type"] = device_type
     stats["parameters"] = state.n_params
     if state.offload is not None:  # --offload-activations: what the traced step moved each way
         stats["offload"] = state.offload.counts.to_dict()
     return stats
+
+
+def _saved_entry(saved: SavedActivations, tech: TechniqueConfig, forward_passes: int) -> dict[str, Any]:
+    """The ``compile`` entry of a trace compiled under a memory budget."""
+    if saved.calls == 0:
+        # dynamo fell back to eager (a graph break everywhere, a recompile limit): the figure
+        # would be eager's, reported as the partition's.
+        raise RuntimeError("the traced model never ran compiled; its partition cannot be measured")
+    return {"memory_budget": tech.compile_memory_budget, "scope": tech.compile_scope,
+            "saved_activation_bytes": saved.saved_bytes // forward_passes,
+            "graphs": saved.graphs, "forward_calls": saved.calls // forward_passes}
 
 
 def trace_peak_bytes(cfg: RunConfig, device_type: Optional[str] = None) -> int:

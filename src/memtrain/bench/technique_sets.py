@@ -25,6 +25,9 @@ TECHNIQUES: dict[str, dict[str, Any]] = {
     "compile": {"precision": "bf16", "attention": "flash", "compile": True},
     # The compile row with the block Linears' matmuls in FP8 (torchao float8; CUDA 8.9+ only).
     "fp8": {"precision": "fp8", "attention": "flash", "compile": True},
+    # The "compile" row with torch.compile's activation memory budget: the partitioner
+    # recomputes what it must to save at most half of what it saves by default.
+    "compile-budget": {"precision": "bf16", "attention": "flash", "compile": True, "compile_memory_budget": 0.5},
     # Everything that lowers memory without changing what is trained: LoRA is left out (it
     # freezes the base, a different experiment) and so is the window (it changes the model).
     "lowest-memory": {
@@ -51,6 +54,7 @@ DESCRIPTIONS: dict[str, str] = {
     "lora": "LoRA r=8 + chunked loss",
     "compile": "torch.compile + Flash + BF16",
     "fp8": "FP8 Linears (torchao) + torch.compile + Flash",
+    "compile-budget": "torch.compile, activation budget 0.5 + Flash + BF16",
     "lowest-memory": "Lowest memory (ckpt + chunked + 4-bit AdamW)",
     "offload-bf16": "Activation offloading + chunked loss",
     "ckpt-offload-bf16": "Grad Checkpointing + activation offloading",

@@ -194,6 +194,7 @@ def _run(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
     if traced is not None:
         rows.append(("traced peak (fake tensors)", fmt_bytes(traced["peak_bytes"]),
                      f"{traced['peak_phase']}; estimate {out['trace']['error']:+.1%}"))
+    rows += _compile_budget_rows(out)
     print(_table(rows))
     _print_loss_kernel(out)
     _print_fit(out)
@@ -371,7 +372,29 @@ def _device_memory_rows(dmem: Any) -> list[tuple[str, str, str]]:
 
 def _trace_check(traced: dict[str, Any], estimated_peak: float, **how: Any) -> dict[str, Any]:
     """The ``trace`` entry of ``estimate --trace``: the traced step, how it was traced (``how``),
-    and the estimate's error against it."""
+    and the estimate's error against it; with ``--compile-memory-budget``, ``compile`` (what the
+    partitioner saved, memtrain.analysis.trace)."""
+    extra = {"compile": traced["compile"]} if "compile" in traced else {}
     return {"peak_bytes": traced["peak_bytes"], "by_category": traced["by_category"],
-            "peak_phase": traced["peak_phase"], "device_type": traced["device_type"], **how,
+            "peak_phase": traced["peak_phase"], "device_type": traced["device_type"], **how, **extra,
             "error": estimated_peak / traced["peak_bytes"] - 1 if traced["peak_bytes"] else None}
+
+
+def _compile_budget_rows(out: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Rows of --compile-memory-budget: the interpolated peak, and with --trace what the
+    partitioner saved (none without a budget)."""
+    entry = out.get("compile_memory_budget")
+    if entry is None:
+        return []
+    rows = []
+    if entry.get("peak_bytes") is not None:
+        rows.append((f"peak at compile budget {entry['memory_budget']:g}", fmt_bytes(entry["peak_bytes"]),
+                     f"interpolated, not traced (docs/estimation.md); recompute {entry['recompute_share']:.0%} "
+                     "of full checkpointing's"))
+    else:
+        rows.append((f"compile budget {entry['memory_budget']:g}", "-", entry["note"]))
+    saved = out.get("trace", {}).get("compile")
+    if saved:
+        rows.append(("saved for backward (traced partition)", fmt_bytes(saved["saved_activation_bytes"]),
+                     f"per forward pass, {saved['scope']} scope, {saved['forward_calls']} compiled call(s)"))
+    return rows

@@ -241,6 +241,12 @@ class TechniqueConfig:
         "use in the backward. With --checkpointing only the checkpointed blocks' inputs are saved, so only "
         "those move. Costs host-link time (PCIe) each step; parameters and tensors under 1 KiB stay.",
     )
+    compile_memory_budget: Optional[float] = _f(
+        None,
+        "With --compile: torch.compile's activation memory budget F in (0, 1] (torch._functorch.config."
+        "activation_memory_budget): the min-cut partitioner saves at most F of what it saves by default "
+        "(the graph's inputs aside) and recomputes the cheapest rest in backward. None: torch's default (1.0).",
+    )
 
     def __post_init__(self) -> None:
         _require(self.precision in PRECISIONS, f"unknown --precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
@@ -267,6 +273,15 @@ class TechniqueConfig:
         _require(not (self.offload_activations and self.distributed.startswith("deepspeed")),
                  f"--offload-activations wraps memtrain's own train step, but --distributed {self.distributed} runs "
                  "DeepSpeed's engine step: use --distributed zero2 or fsdp, or drop --offload-activations")
+        self._check_compile_memory_budget()
+
+    def _check_compile_memory_budget(self) -> None:
+        budget = self.compile_memory_budget
+        if budget is None:
+            return
+        _require(math.isfinite(budget) and 0.0 < budget <= 1.0,
+                 f"--compile-memory-budget must be in (0, 1] (1 = torch's default partition), got {budget}")
+        _require(self.compile, "--compile-memory-budget sets torch.compile's partitioner: add --compile")
 
 
 # --------------------------------------------------------------------------- training

@@ -18,18 +18,27 @@ called directly runs eagerly under ``model`` scope (only ``model(...)`` is compi
 
 Compile runs after activation checkpointing: dynamo traces ``torch.utils.checkpoint`` as
 a higher-order op, so the recompute is kept in the compiled graph.
+
+``--compile-memory-budget F`` sets ``torch._functorch.config.activation_memory_budget`` for
+the compiled graphs: AOTAutograd's min-cut partitioner (inductor's, and the
+``aot_eager_decomp_partition`` backend's) then saves at most F of the activations it saves by
+default, above the graph's inputs, choosing what to recompute in backward by a knapsack over
+the ops' FLOPs. Backends with another partitioner (``aot_eager``'s default one) ignore it.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
+from typing import Any, Callable, Optional, Union
 
+import torch._functorch.config as functorch_config
 import torch.nn as nn
 
 from memtrain.config.run import ConfigError, TechniqueConfig
 
-__all__ = ["apply_compile", "has_cpp_compiler"]
+__all__ = ["apply_compile", "has_cpp_compiler", "under_memory_budget"]
 
 
 def has_cpp_compiler() -> bool:
@@ -40,7 +49,7 @@ def has_cpp_compiler() -> bool:
     return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
 
 
-def _compile_kwargs(tech: TechniqueConfig, backend: str) -> dict:
+def _compile_kwargs(tech: TechniqueConfig, backend: Union[str, Callable[..., Any]]) -> dict:
     if backend != "inductor":
         # Modes are inductor settings; other backends (used by fast tests) take none.
         return {"backend": backend}
@@ -48,11 +57,46 @@ def _compile_kwargs(tech: TechniqueConfig, backend: str) -> dict:
     return {"backend": backend, "mode": None if tech.compile_mode == "default" else tech.compile_mode}
 
 
-def apply_compile(model: nn.Module, tech: TechniqueConfig, backend: str = "inductor") -> nn.Module:
+def under_memory_budget(compiled: Callable[..., Any], budget: float) -> Callable[..., Any]:
+    """``compiled`` called with the partitioner's activation memory budget set to ``budget``.
+
+    The budget is a global of ``torch._functorch.config`` that torch.compile does not capture:
+    the partitioner reads it when dynamo compiles a frame, which is at the first call and again
+    at every recompile (a new shape, a guard that fails), not when ``torch.compile`` is called.
+    So it is set around every call of the compiled function, and only there: other compiled code
+    of the process (torchao's optimizer step, another model) keeps torch's default. The patch is
+    a few attribute writes per call; it also enters the AOTAutograd cache key, so a graph cached
+    on disk under another budget is not reused. dynamo's in-process cache does not guard on it:
+    a process that compiles a module under one budget and then another module of the same class
+    under another reuses the first graph unless ``torch.compiler.reset()`` runs between them
+    (the tracer does; a run compiles one model).
+    """
+
+    @functools.wraps(compiled)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with functorch_config.patch(activation_memory_budget=budget):
+            return compiled(*args, **kwargs)
+
+    return call
+
+
+def _compile_in_place(module: nn.Module, kwargs: dict, budget: Optional[float]) -> None:
+    """``module.compile(**kwargs)``, its compiled call under ``budget`` when one is given."""
+    module.compile(**kwargs)
+    if budget is not None:
+        # nn.Module.compile stores the compiled call here and Module.__call__ runs it.
+        module._compiled_call_impl = under_memory_budget(module._compiled_call_impl, budget)  # type: ignore[arg-type]
+
+
+def apply_compile(model: nn.Module, tech: TechniqueConfig, backend: Union[str, Callable[..., Any]] = "inductor"
+                  ) -> nn.Module:
     """Compile ``model`` (or each of ``model.blocks``) in place; return ``model``.
 
     ``backend`` is torch.compile's; "aot_eager" traces the same graphs (dynamo and
-    AOTAutograd) without generating kernels, which tests use to stay fast.
+    AOTAutograd) without generating kernels, which tests use to stay fast;
+    "aot_eager_decomp_partition" also partitions them as inductor does (decompositions and
+    min-cut partitioner, so ``--compile-memory-budget`` applies), still without kernels. A
+    callable backend (the tracer's) is passed as is.
     """
     if not tech.compile:
         return model
@@ -62,11 +106,12 @@ def apply_compile(model: nn.Module, tech: TechniqueConfig, backend: str = "induc
             "--compile on CPU needs a C++ compiler (g++ or clang++, or set $CXX); install one or drop --compile"
         )
     kwargs = _compile_kwargs(tech, backend)
+    budget = tech.compile_memory_budget
     if tech.compile_scope == "model":
-        model.compile(**kwargs)
+        _compile_in_place(model, kwargs, budget)
     elif tech.compile_scope == "block":
         for block in model.blocks:  # type: ignore[union-attr]  # torch types nn.Module attributes as Tensor | Module
-            block.compile(**kwargs)
+            _compile_in_place(block, kwargs, budget)
     else:
         raise ConfigError(f"unknown --compile-scope {tech.compile_scope!r}; choose model or block")
     return model

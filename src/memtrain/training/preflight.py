@@ -46,6 +46,7 @@ MAY_DIFFER: frozenset[str] = frozenset({
     "warmup_timing_steps", "cache_dir", "no_cache", "num_workers", "pin_memory", "prefetch_factor",
     "attention", "checkpointing", "compile", "compile_mode", "compile_scope", "loss", "loss_chunk",
     "distributed", "cpu_offload", "offload_activations",
+    "compile_memory_budget",  # what the compiled graph recomputes, not what it computes
 })
 
 

@@ -249,10 +249,11 @@ def run_step(state: TrainState, micro_batches: list[Batch], meter: Optional[Memo
 
 
 def measure_steps(state: TrainState, make_micro: Callable[[], list[Batch]], steps: int = 2,
-                  meter: Optional[MemoryMeter] = None) -> None:
+                  meter: Optional[MemoryMeter] = None, **contexts: Optional[ContextFactory]) -> None:
     """Run ``steps`` steps under ``meter``, its peak and the device's reset before the last
     (the steady state: the first step creates the optimizer state). ``make_micro`` gives each
-    step's micro-batches, made outside the meter as a data loader would."""
+    step's micro-batches, made outside the meter as a data loader would. ``contexts`` reach
+    :func:`run_step`."""
     for i in range(steps):
         micro = make_micro()
         with meter if meter is not None else contextlib.nullcontext():
@@ -260,7 +261,7 @@ def measure_steps(state: TrainState, make_micro: Callable[[], list[Batch]], step
                 if meter is not None:
                     meter.reset_peak()
                 reset_device_peak(state.device)
-            run_step(state, micro, meter)
+            run_step(state, micro, meter, **contexts)
 
 
 def random_micro_batches(cfg: RunConfig, batch: int, device: torch.device,

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from memtrain.analysis.estimate.compile_budget import interpolated_budget
 from memtrain.analysis.estimate.hf import analytic_estimate, hf_arch, why_not_modelled
 from memtrain.analysis.estimate.training import Estimate, estimate
 from memtrain.config.archs import GPT2_ARCH, Arch
@@ -58,7 +59,12 @@ def estimate_step(cfg: RunConfig, device_type: str, arch: Optional[Arch] = GPT2_
     ``full_trace``: trace every layer of a transformers model instead of using its analytic model."""
     if arch is not None:
         est = estimate(cfg, arch, device_type, world_size=world_size, shard=shard, gpu=gpu)
-        return StepEstimate("analytic", est.to_dict(), cfg, est, arch)
+        out = est.to_dict()
+        if cfg.technique.compile_memory_budget is not None:
+            # The partition under a budget has no analytic rule: a labelled interpolation.
+            out["compile_memory_budget"] = interpolated_budget(cfg, arch, device_type, world_size=world_size,
+                                                               shard=shard)
+        return StepEstimate("analytic", out, cfg, est, arch)
     reason = why_not_modelled(cfg)
     if world_size > 1:
         # One rank's share is the analytic model's (the same sharding rules as for our GPT);

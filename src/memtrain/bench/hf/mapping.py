@@ -300,6 +300,9 @@ def hf_plan(cfg: RunConfig, device_type: str) -> HFPlan:  # noqa: C901 - one bra
                                                           if t.compile_mode != "default" else ""))
         if t.compile_scope == "block":
             closest.append("--compile-scope block: the Trainer compiles the whole model; the HF side does that")
+        if t.compile_memory_budget is not None:
+            closest.append(f"--compile-memory-budget {t.compile_memory_budget:g}: the Trainer has no such argument; "
+                           "the HF side compiles with torch's default partition (budget 1)")
         if cuda and t.precision in ("fp32",):
             mapping.append("note: with torch_compile=True and tf32 unset, the Trainer turns TF32 on (CUDA)")
 
