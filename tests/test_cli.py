@@ -38,7 +38,7 @@ def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
         (["--bogus", "1"], "unrecognized arguments"),
         (["--seq-len", "1024"], "exceeds --max-seq-len"),
         (["--data", "/nonexistent/x.jsonl"], "x.jsonl"),
-        (["--precision", "fp8"], "unknown --precision"),
+        (["--precision", "fp4"], "unknown --precision"),
         (["--n-heads", "5"], "must divide --d-model"),
     ],
 )

@@ -30,7 +30,7 @@ def test_layers_later_wins_and_nested_or_flat(tmp_path):
         ({"n_heads": 7}, "must divide --d-model"),
         ({"seq_len": 1024}, "exceeds --max-seq-len"),
         ({"batch_size": -1}, "--batch-size must be positive"),
-        ({"precision": "fp8"}, "unknown --precision"),
+        ({"precision": "fp4"}, "unknown --precision"),
         ({"checkpointing": "every:x"}, "every:K"),
         ({"window": 300, "seq_len": 256}, "larger than --seq-len"),
         ({"steps": "ten"}, "expects int"),
