@@ -106,7 +106,8 @@ def markdown(rows: list[dict], commit: str, hw: str) -> str:
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['row']} | {GPUS[r['gpu']][1]} | error: {r['error']} | | | {r['how']} | | |")
+            why = r["error"].removeprefix("error: ").split(";")[0]  # the reason, not the advice
+            lines.append(f"| {r['row']} | {GPUS[r['gpu']][1]} | none: {why} | | | {r['how']} | | |")
             continue
         nxt = f"{r['next_peak_bytes'] / gib:.2f} GiB" if r.get("next_peak_bytes") else "-"
         size = f"{r['seq_len']:,}" + ("+" if r["capped"] else "")
