@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+from memtrain.devices.gpu_memory import gpu_memory
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "llama-3-8b"
 MAX_LEN = 131072
@@ -49,8 +51,8 @@ ROWS: dict[str, tuple[list[str], str]] = {
     "qlora-bf16-sdpa": ([*LORA, "--qlora", "--precision", "bf16", "--attention", "sdpa", "--checkpointing", "full",
                          "--loss", "chunked", "--optim", "adamw"], "cpu-trace"),
 }
-# --gpu name -> (the card's memory as the QLoRA rows' budget, label)
-GPUS = {"rtx4090": ("24GiB", "RTX 4090 24 GB"), "a100-80gb": ("80GiB", "A100 80 GB"), "h100": (None, "H100 80 GB")}
+# --gpu names (memtrain.devices.gpu_kinds resolves them) and their labels here
+GPUS = dict([("rtx4090", "RTX 4090 24 GB"), ("a100-80gb", "A100 80 GB"), ("h100", "H100 80 GB")])
 
 
 def command(row: str, gpu: str) -> list[str]:
@@ -59,8 +61,9 @@ def command(row: str, gpu: str) -> list[str]:
            "--max-len", str(MAX_LEN), "--json"]
     if how == "cuda-model":
         return [*cmd, "--gpu", gpu]
-    budget = GPUS[gpu][0] or "79.18GiB"  # the H100's measured total_memory (memtrain.devices.gpu_kinds)
-    return [*cmd, "--device-type", "cpu", "--memory-budget", budget]
+    found = gpu_memory(gpu)  # the card's memory, as --gpu takes it: the budget of a CPU-kernel trace
+    assert found is not None, f"--gpu {gpu}: no memory figure in memtrain.devices.gpu_kinds"
+    return [*cmd, "--device-type", "cpu", "--memory-budget", str(found[0])]
 
 
 def hardware() -> str:
@@ -107,13 +110,13 @@ def markdown(rows: list[dict], commit: str, hw: str) -> str:
     for r in rows:
         if "error" in r:
             why = r["error"].removeprefix("error: ").split(";")[0]  # the reason, not the advice
-            lines.append(f"| {r['row']} | {GPUS[r['gpu']][1]} | none: {why} | | | {r['how']} | | |")
+            lines.append(f"| {r['row']} | {GPUS[r['gpu']]} | none: {why} | | | {r['how']} | | |")
             continue
         nxt = f"{r['next_peak_bytes'] / gib:.2f} GiB" if r.get("next_peak_bytes") else "-"
         size = f"{r['seq_len']:,}" + ("+" if r["capped"] else "")
         how = ("CUDA model (analytic + allocator + context)" if r["how"] == "cuda-model"
                else f"CPU-kernel trace, {r['guess_method'] or 'no'} guess")
-        lines.append(f"| {r['row']} | {GPUS[r['gpu']][1]} | {size} | {r['peak_bytes'] / gib:.2f} GiB | {nxt} | "
+        lines.append(f"| {r['row']} | {GPUS[r['gpu']]} | {size} | {r['peak_bytes'] / gib:.2f} GiB | {nxt} | "
                      f"{how} | {r['probes']} | {r['seconds']:.0f} |")
     lines += [
         "",
