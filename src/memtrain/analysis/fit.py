@@ -18,17 +18,21 @@ fit (``memtrain plan``'s search over technique sets and micro-batch splits,
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
 from memtrain.analysis.estimate import Arch, Estimate, estimate
+from memtrain.analysis.limits import MAX_WIDTH
 from memtrain.analysis.plan import default_space, plan
 from memtrain.config.run import ConfigError, RunConfig
 from memtrain.devices.gpu_memory import gpu_memory
 from memtrain.devices.numerics import is_standard, numerics_note
+from memtrain.models.spec import is_hf, rotary_positions
 
-__all__ = ["FitVerdict", "bisect_fitting", "budget_for", "fit_verdict", "largest_batch", "largest_fitting",
-           "largest_fitting_from", "step_need"]
+__all__ = ["ContextBound", "DEFAULT_LENGTH_MULTIPLE", "FitVerdict", "at_seq_len", "bisect_fitting", "budget_for",
+           "context_bound", "context_line", "fit_verdict", "largest_batch", "largest_fitting", "largest_fitting_from",
+           "length_multiple", "longest_context", "step_need"]
 
 GiB = 1 << 30
 DEFAULT_SEARCH_CAP = 4096  # the largest batch searched, as maxbatch's and plan's --max-batch default
@@ -99,6 +103,143 @@ def largest_batch(need: Callable[[RunConfig], float], cfg: RunConfig, budget_byt
     return largest_fitting(fits, cap) if fits(1) else None
 
 
+# ---------------------------------------------------------------------------- the longest context
+# The length search's default step: a multiple of the attention kernels' tiles (64 or 128 rows)
+# and of tensor cores' 8/16, small enough that the answer is within 64 tokens of the memory's.
+DEFAULT_LENGTH_MULTIPLE = 64
+
+
+def length_multiple(cfg: RunConfig, multiple_of: Optional[int] = None) -> int:
+    """The step of a length search: ``multiple_of`` when given, else the ``--window`` (a length
+    below the window is no valid run, and a multiple of it keeps every band whole), else
+    :data:`DEFAULT_LENGTH_MULTIPLE`."""
+    if multiple_of is not None:
+        if multiple_of < 1:
+            raise ConfigError(f"--multiple-of must be >= 1, got {multiple_of}")
+        return multiple_of
+    return cfg.technique.window or DEFAULT_LENGTH_MULTIPLE
+
+
+@dataclass(frozen=True)
+class ContextBound:
+    """How far a length search goes, and what its position table does on the way."""
+
+    max_len: int  # the longest length searched
+    grow_positions: bool  # each probe's max_seq_len is raised to its length (memtrain's check, our GPT's table)
+    model_positions: Optional[int]  # the positions the model defines; None: our GPT's table follows the length
+    note: str  # one sentence for the output: what bounds the search
+
+    def capped_note(self, length: int) -> str:
+        """Why a search that found ``length`` == its bound stopped there (not the memory)."""
+        if self.model_positions is not None and length >= self.model_positions and length == self.max_len:
+            return (f"{length:,} is the model's position count, not the memory's limit: longer fits; "
+                    "memtrain maxbatch --search seq-len --max-len N searches beyond it" + (" (memory only: see the note)" if self.grow_positions else ""))
+        return f"{length:,} is the search's upper bound, not the memory's: raise --max-len to search further"
+
+
+def context_bound(cfg: RunConfig, max_len: Optional[int] = None) -> ContextBound:
+    """The bound of a length search over ``cfg`` (``max_len``: ``--max-len``, None for the default).
+
+    * memtrain's GPT with no ``--max-seq-len`` given: the learned position table is sized to each
+      probed length (``max_seq_len`` = the length, as ``train --seq-len N`` sizes it), so the
+      table's bytes are counted at every length; the search goes up to ``max_len``, by default
+      :data:`memtrain.analysis.limits.MAX_WIDTH` tokens.
+    * ``--max-seq-len P`` given, a GPT preset or a transformers model: the model has P positions
+      (a transformers config's ``max_position_embeddings``) and the search stops there by default.
+      A transformers model with rotary positions may be searched beyond P (``max_len`` > P): the
+      step builds and runs there, and the answer says that the model was not trained there.
+      A learned table has no row beyond P: refused.
+    """
+    if max_len is not None and max_len < 1:
+        raise ConfigError(f"--max-len must be >= 1, got {max_len}")
+    if max_len is not None and max_len > MAX_WIDTH:
+        raise ConfigError(f"--max-len {max_len:,} is beyond what memtrain builds or estimates (at most {MAX_WIDTH:,})")
+    given = getattr(cfg, "given_settings", None) or frozenset()
+    positions = cfg.model.max_seq_len
+    if cfg.model.model is None and "max_seq_len" not in given:
+        return ContextBound(max_len or MAX_WIDTH, True, None,
+                            "the learned position table is sized to each probed length (--max-seq-len = the "
+                            "length, as train sizes it); --max-seq-len N fixes the table and bounds the search")
+    hf = is_hf(cfg)
+    name = "max_position_embeddings" if hf else "--max-seq-len"
+    if max_len is None or max_len <= positions:
+        return ContextBound(max_len or positions, False, positions, f"bounded by the model's {name} ({positions:,})")
+    if not (hf and cfg.model.model is not None and rotary_positions(cfg.model.model)):
+        raise ConfigError(f"--max-len {max_len:,} is beyond the model's {name} ({positions:,}) and its positions are a "
+                          f"learned table with no row past it; lower --max-len to {positions:,}"
+                          + ("" if hf else " or raise --max-seq-len"))
+    return ContextBound(max_len, True, positions,
+                        f"lengths beyond the model's max_position_embeddings ({positions:,}) are memory only: its rotary "
+                        "positions run there but were not trained there (a config with RoPE scaling and a longer "
+                        "max_position_embeddings, as Llama-3.1's 131,072, trains there at the same memory)")
+
+
+def at_seq_len(cfg: RunConfig, length: int, bound: ContextBound, batch: Optional[int] = None) -> RunConfig:
+    """``cfg`` at sequence length ``length`` (and micro-batch ``batch``), its position count as
+    ``bound`` says. Built with ``dataclasses.replace``: ``RunConfig.replace`` re-reads a
+    ``--model``'s shape fields from the model, which would undo a count raised past it. The
+    settings a command line named carry over (``defaults_note`` reads them)."""
+    model = cfg.model
+    if bound.grow_positions:
+        positions = length if bound.model_positions is None else max(length, bound.model_positions)
+        model = dataclasses.replace(model, max_seq_len=positions)
+    train = dataclasses.replace(cfg.train, seq_len=length,
+                                batch_size=cfg.train.batch_size if batch is None else batch)
+    out = dataclasses.replace(cfg, model=model, train=train)
+    given = getattr(cfg, "given_settings", None)
+    if given is not None:
+        out.given_settings = given  # type: ignore[attr-defined]  # read with getattr(..., None)
+    return out
+
+
+def longest_context(need: Callable[[RunConfig], float], cfg: RunConfig, budget_bytes: float, batch: int,
+                    multiple_of: Optional[int] = None, max_len: Optional[int] = None) -> dict[str, Any]:
+    """The longest sequence length (a multiple of :func:`length_multiple`, at most the bound of
+    :func:`context_bound`) whose step at micro-batch ``batch`` needs at most ``budget_bytes``
+    (``need`` of the config at that length), by the grow-then-bisect of :func:`largest_fitting`.
+
+    The ``longest_context`` entry of ``estimate --json``'s ``fit`` and of ``plan --json``:
+    ``seq_len`` (None: not even the shortest length fits), its ``peak_bytes``, the next length
+    ``next_seq_len`` and its ``next_peak_bytes`` (None when the bound stopped the search,
+    ``capped``), the ``batch_size``, ``multiple_of``, ``max_len`` and the bound's ``note``."""
+    step = length_multiple(cfg, multiple_of)
+    bound = context_bound(cfg, max_len)
+    if step > bound.max_len:
+        raise ConfigError(f"--multiple-of {step:,} is longer than the longest length searched ({bound.max_len:,}); "
+                          "lower --multiple-of")
+    cap = bound.max_len // step
+    needs: dict[int, float] = {}
+
+    def need_at(k: int) -> float:
+        if k not in needs:
+            needs[k] = need(at_seq_len(cfg, k * step, bound, batch))
+        return needs[k]
+
+    def fits(k: int) -> bool:
+        return need_at(k) <= budget_bytes
+
+    found = largest_fitting(fits, cap) if fits(1) else None
+    nxt = None if found is None else (found + 1 if found < cap else None)
+    return {"batch_size": batch, "seq_len": None if found is None else found * step,
+            "peak_bytes": None if found is None else int(round(need_at(found))),
+            "next_seq_len": None if nxt is None else nxt * step,
+            "next_peak_bytes": None if nxt is None else int(round(need_at(nxt))),
+            "shortest_peak_bytes": int(round(need_at(1))), "capped": found == cap,
+            "multiple_of": step, "max_len": bound.max_len, "note": bound.note,
+            "capped_note": bound.capped_note(found * step) if found == cap else None}
+
+
+def context_line(ctx: dict[str, Any]) -> str:
+    """``longest context at batch B: N tokens`` with its peak and the next length's need."""
+    head = f"longest context at batch {ctx['batch_size']}: "
+    if ctx["seq_len"] is None:
+        return head + (f"none: even {ctx['multiple_of']:,} tokens need {_gib(ctx['shortest_peak_bytes'])}")
+    head += f"{ctx['seq_len']:,}{'+' if ctx['capped'] else ''} tokens (needs {_gib(ctx['peak_bytes'])}"
+    if ctx["next_seq_len"] is not None:
+        head += f"; {ctx['next_seq_len']:,} needs {_gib(ctx['next_peak_bytes'])}"
+    return head + f"; lengths in multiples of {ctx['multiple_of']})"
+
+
 def step_need(cfg: RunConfig, arch: Arch, device_type: str, gpu: Optional[str], world_size: int = 1,
               shard: Optional[str] = None) -> tuple[float, Estimate]:
     """(bytes the step needs of the budget, the estimate): on CUDA the modelled device total
@@ -136,6 +277,9 @@ class FitVerdict:
     largest_batch_capped: bool  # the search's upper bound, not the memory, stopped it
     suggestions: list[dict[str, Any]] = field(default_factory=list)
     assumptions: list[str] = field(default_factory=list)
+    # The longest sequence length whose step at the asked micro-batch fits (longest_context's
+    # entry); None where it was not searched.
+    longest_context: Optional[dict[str, Any]] = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -182,10 +326,12 @@ def fit_verdict(cfg: RunConfig, arch: Arch, device_type: str, budget: tuple[int,
         assumptions = []
     if source != "--budget":
         assumptions.append(f"budget: {source}")
+    context = longest_context(need_of, cfg, budget_bytes, cfg.train.batch_size)
     return FitVerdict(budget_bytes=int(budget_bytes), budget_source=source, batch_size=cfg.train.batch_size,
                       needed_bytes=int(round(need)), measure=measure, fits=fits,
                       headroom_bytes=int(round(budget_bytes - need)), largest_batch=best,
-                      largest_batch_capped=best == cap, suggestions=suggestions, assumptions=assumptions)
+                      largest_batch_capped=best == cap, suggestions=suggestions, assumptions=assumptions,
+                      longest_context=context)
 
 
 def cheapest_changes(cfg: RunConfig, arch: Arch, device_type: str, budget_bytes: int, gpu: Optional[str],

@@ -163,6 +163,20 @@ def analytic_arch(cfg: RunConfig) -> Any:
     return hf_arch(cfg.model.model)
 
 
+def resolve_method(method: str, device_type: str) -> str:
+    """``auto``: measure on CUDA (real steps decide), trace elsewhere (fake tensors: nothing
+    allocated), or measure where the tracer cannot be imported."""
+    if method != "auto":
+        return method
+    if device_type == "cuda":
+        return "measure"
+    try:
+        import memtrain.analysis.trace  # noqa: F401  # optional: the tracer's torch internals may be missing
+    except ImportError:
+        return "measure"
+    return "trace"
+
+
 def find_max_batch(  # noqa: C901 - grow then bisect, each with OOM and budget exits
     cfg: RunConfig,
     budget_bytes: Optional[int] = None,
@@ -183,13 +197,7 @@ def find_max_batch(  # noqa: C901 - grow then bisect, each with OOM and budget e
     if multiple_of > limit:  # no batch to search: refused before any probe
         raise ConfigError(f"--multiple-of {multiple_of:,} is larger than the search's bound --max-batch {limit:,}; "
                           "lower --multiple-of or raise --max-batch")
-    if method == "auto":
-        method = "measure" if device.type == "cuda" else "trace"
-        if method == "trace":
-            try:
-                import memtrain.analysis.trace  # noqa: F401
-            except ImportError:
-                method = "measure"
+    method = resolve_method(method, device.type)
     if probe is None:
         probe = traced_step_peak if method == "trace" else measured_step_peak
     probes: list[dict[str, Any]] = []

@@ -247,6 +247,12 @@ def _print_fit(out: dict[str, Any]) -> None:
               "estimated, not measured")
         for line in fit["assumptions"]:
             print(f"  model: {line}")
+        ctx = fit.get("longest_context")
+        if ctx is not None:
+            from memtrain.analysis.fit import context_line  # torch-free --help/estimate/plan
+
+            print(f"fit: {context_line(ctx)}")
+            print(f"  {ctx['capped_note'] or ctx['note']}")
     elif "fit_note" in out:
         print(f"fit: {out['fit_note']}")
 

@@ -6,9 +6,9 @@ import argparse
 import json
 from typing import Any, Optional
 
-from memtrain.analysis.fit import budget_for
+from memtrain.analysis.fit import DEFAULT_LENGTH_MULTIPLE, budget_for
 from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, config_from_args, fmt_bytes, register
-from memtrain.config.argtypes import batch_count
+from memtrain.config.argtypes import batch_count, token_count
 from memtrain.config.run import ConfigError, parse_size
 
 
@@ -24,9 +24,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="The card the CUDA model assumes where no CUDA device is here (h100, a100-80gb, rtx4090, ...): "
                         "its memory is the budget unless --budget is given, its CUDA context is counted. "
                         "Implies --device-type cuda.")
-    p.add_argument("--multiple-of", type=batch_count, default=1, help="Search batches in multiples of this (e.g. 8 for tensor cores).")
-    p.add_argument("--max-batch", "--max", dest="max_search", type=batch_count, default=4096,
+    p.add_argument("--search", choices=("batch", "seq-len"), default="batch",
+                   help="batch: the largest batch at --seq-len (default); seq-len: the longest sequence length at "
+                        "--batch-size (default 1), the longest context that fits.")
+    p.add_argument("--multiple-of", type=batch_count, default=None,
+                   help="Search in multiples of this: batches (default 1; e.g. 8 for tensor cores), or with "
+                        f"--search seq-len lengths (default {DEFAULT_LENGTH_MULTIPLE}, or the --window).")
+    p.add_argument("--max-batch", "--max", dest="max_search", type=batch_count, default=None,
                    help="Upper bound of the search: largest batch to try (default 4096). Same flag in bench and plan.")
+    p.add_argument("--max-len", type=token_count, default=None, metavar="N",
+                   help="--search seq-len: the longest length to try (default: the model's positions, a transformers "
+                        "config's max_position_embeddings or --max-seq-len; memtrain's GPT without --max-seq-len "
+                        "sizes its position table to each length, up to 1,048,576). A transformers model with rotary "
+                        "positions may be searched beyond max_position_embeddings (memory only: said in the output).")
     p.add_argument("--method", choices=("auto", "measure", "trace"), default="auto",
                    help="measure: run real steps; trace: fake tensors, nothing allocated (default on CPU).")
     p.add_argument("--json", action="store_true", help="Print JSON only.")
@@ -36,8 +46,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from memtrain.analysis.maxbatch import find_max_batch  # torch-free --help/estimate/plan
 
-    cfg = config_from_args(args, derive_max_seq_len=True)
+    _check_search_flags(args)
+    # The length search sets each probe's --seq-len; the config's own starts at the shortest valid
+    # one, so that a short --max-seq-len or a --window is not measured against the default length.
+    base = {"seq_len": getattr(args, "window", None) or 1} if args.search == "seq-len" else None
+    cfg = config_from_args(args, base=base, derive_max_seq_len=True)
     budget = parse_size(args.memory_budget) if args.memory_budget else None
+    if args.search == "seq-len":
+        return _run_seq_len(args, cfg, budget)
+    args.max_search = args.max_search or 4096
+    args.multiple_of = args.multiple_of or 1
     if _wants_cuda_model(args, cfg):
         return _run_cuda_model(args, cfg, budget)
     if args.device_type == "cuda":
@@ -45,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     res = find_max_batch(cfg, budget_bytes=budget, max_batch=args.max_search, multiple_of=args.multiple_of,
                          progress=not args.json, method=args.method)
     out = res.to_dict()
+    out["search"] = "batch"
     # Every probe fitted: the search's upper bound stopped it, so the batch is a lower bound.
     out["capped"] = all(p["fits"] for p in out["probes"])
     if args.json:
@@ -56,6 +75,75 @@ def run(args: argparse.Namespace) -> int:
               f"peak {fmt_bytes(res.peak_bytes)} ({res.method}, {len(res.probes)} probes on {res.device})")
         if out["capped"]:
             print(f"  {res.batch_size} is the search's upper bound, not the memory's: raise --max-batch to search further")
+    return 0
+
+
+def _check_search_flags(args: argparse.Namespace) -> None:
+    """Each search's bound is its own flag: --max-batch bounds batches, --max-len lengths."""
+    if args.search == "seq-len" and args.max_search is not None:
+        raise ConfigError("--max-batch bounds the batch search; with --search seq-len bound the length with --max-len N "
+                          "and fix the batch with --batch-size B")
+    if args.search == "seq-len" and getattr(args, "seq_len", None) is not None:
+        raise ConfigError("--search seq-len finds the sequence length: drop --seq-len (bound the search with --max-len N)")
+    if args.search == "batch" and args.max_len is not None:
+        raise ConfigError("--max-len bounds the length search: add --search seq-len, or drop --max-len and bound the "
+                          "batch search with --max-batch N")
+
+
+def _search_batch(cfg: Any) -> int:
+    """The micro-batch a length search holds: --batch-size (or a --config file's) when given,
+    else 1 (the question "how long a context fits" is asked of one sequence)."""
+    given = getattr(cfg, "given_settings", None) or frozenset()
+    return int(cfg.train.batch_size) if "batch_size" in given else 1
+
+
+def _run_seq_len(args: argparse.Namespace, cfg: Any, budget: Optional[int]) -> int:
+    """--search seq-len: the longest sequence length whose step fits (memtrain.analysis.context)."""
+    # analysis.context imports torch: loaded only when this search runs
+    from memtrain.analysis.context import estimated_longest_context, find_longest_context
+
+    batch = _search_batch(cfg)
+    if _wants_cuda_model(args, cfg):
+        found = budget_for(budget, args.gpu)
+        if found is None:
+            raise ConfigError("no CUDA device here to measure on: name the card with --gpu NAME (h100, a100-80gb, "
+                              "rtx4090, ...) or give --memory-budget SIZE, and the CUDA model estimates the longest "
+                              "context" if args.gpu is None else
+                              f"--gpu {args.gpu}: its memory is not in the GPU table; add --memory-budget SIZE")
+        budget, source = found
+        res = estimated_longest_context(cfg, budget, args.gpu, batch, max_len=args.max_len,
+                                        multiple_of=args.multiple_of)
+        out = res.to_dict()
+        out["budget_source"] = source
+        out["note_estimated"] = ("estimated, not measured: no CUDA device here; CUDA kernels' memory rules, the "
+                                 "caching-allocator model and the CUDA context (memtrain.analysis.allocator)")
+    else:
+        if args.device_type == "cuda":
+            cfg = cfg.replace(device="cuda")  # a CUDA device is here: measure on it, as --device cuda
+        res = find_longest_context(cfg, budget_bytes=budget, batch=batch, max_len=args.max_len,
+                                   multiple_of=args.multiple_of, progress=not args.json, method=args.method)
+        out = res.to_dict()
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    budget_text = fmt_bytes(res.budget_bytes) if res.budget_bytes else "the device memory"
+    size = f"{res.seq_len:,}+" if res.capped else f"{res.seq_len:,}"
+    how = ("ESTIMATED with the CUDA model, not measured" if not res.measured else
+           f"{res.method}, {len(res.probes)} probes on {res.device}"
+           + (f", from the {res.guess_method} guess {res.guess:,}" if res.guess is not None else ""))
+    print(f"longest context {size} tokens at batch {res.batch_size} fits {budget_text}: "
+          f"peak {fmt_bytes(res.peak_bytes)} ({how})")
+    if res.next_seq_len is not None:
+        nxt = ("out of device memory" if res.next_peak_bytes is None else fmt_bytes(res.next_peak_bytes) + (
+            f", {fmt_bytes(res.next_peak_bytes - res.budget_bytes)} over" if res.budget_bytes else ""))
+        print(f"  next length {res.next_seq_len:,} does not fit: {nxt}; lengths in multiples of {res.multiple_of}")
+    print(f"  {res.note}")
+    if res.capped_note:
+        print(f"  {res.capped_note}")
+    if not res.measured:
+        dm = res.device_memory or {}
+        print(f"  reserved {fmt_bytes(dm.get('reserved'))} + CUDA context {fmt_bytes(dm.get('cuda_context'))} "
+              f"(allocated {fmt_bytes(dm.get('allocated'))}); run on a CUDA machine to measure")
     return 0
 
 
@@ -90,6 +178,7 @@ def _run_cuda_model(args: argparse.Namespace, cfg: Any, budget: Optional[int]) -
     budget_bytes, source = found
     res = estimated_max_batch(cfg, budget_bytes, args.gpu, max_batch=args.max_search, multiple_of=args.multiple_of)
     out = res.to_dict()
+    out["search"] = "batch"
     out["capped"] = all(p["fits"] for p in out["probes"])
     out["budget_source"] = source
     out["note"] = ("estimated, not measured: no CUDA device here; CUDA kernels' memory rules, the caching-allocator "

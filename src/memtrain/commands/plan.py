@@ -7,8 +7,11 @@ import json
 import math
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
+from memtrain.analysis.estimate import estimate
+from memtrain.analysis.estimate.hf import hf_arch, why_not_modelled
+from memtrain.analysis.fit import context_line, longest_context
 from memtrain.analysis.plan import Candidate, candidate_config, default_space, plan, verification, verify_config
 from memtrain.bench.runner import read_results
 from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, defaults_note, fmt_bytes, register
@@ -108,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     for c, t, m in zip(out["candidates"], techs, measured):
         c["numerics"], c["numerics_standard"], c["measured_ppl_effect"] = numerics_note(t), is_standard(t), m
     out["recommended"] = rec
+    out["longest_context"] = _longest_context(cfg, arch, res.candidates[rec], device_type, budget, res.margin)
     if args.json:
         print(json.dumps(out, indent=2, default=float))
         return 0
@@ -134,6 +138,10 @@ def run(args: argparse.Namespace) -> int:
     print("rel. time: modelled step time vs fp32/math/no checkpointing/standard loss at the full batch "
           "(a cost model, not a measurement)" if args.max_batch is None else
           "rel. time: modelled time per token vs the best choice (a cost model, not a measurement)")
+    ctx = out["longest_context"]
+    if ctx is not None:
+        print(f"{context_line(ctx)} with #{shown[rec] + 1}'s techniques, {res.margin:.0%} margin kept")
+        print(f"  {ctx['capped_note'] or ctx['note']}")
     if res.verified:
         ver = res.verified
         print(f"verified: measured tracked peak {fmt_bytes(ver['measured_bytes'])} vs predicted "
@@ -141,6 +149,24 @@ def run(args: argparse.Namespace) -> int:
     for note in res.notes[1:]:  # how the peaks were found, where the first (the cost model) says nothing new
         print(f"note: {note}")
     return 0
+
+
+def _longest_context(cfg: Any, arch: Any, cand: Candidate, device_type: str, budget: int,
+                     margin: float) -> Optional[dict[str, Any]]:
+    """The longest sequence length the recommended technique set fits at its micro-batch, with
+    the plan's margin kept (memtrain.analysis.fit.longest_context over the analytic estimate);
+    None where the estimator does not model the model (a traced transformers model:
+    ``memtrain maxbatch --search seq-len`` traces it)."""
+    if arch is None:
+        if why_not_modelled(cfg) is not None:
+            return None
+        arch = hf_arch(cfg.model.model)
+    at = candidate_config(cfg, cand)
+
+    def need(c: Any) -> float:
+        return float(estimate(c, arch, device_type).peak_bytes)
+
+    return longest_context(need, at, budget / (1 + margin), cand.batch_size)
 
 
 def _verify(cfg: Any, cand: Candidate, steps: int) -> dict[str, Any]:

@@ -309,6 +309,19 @@ def model_fields(spec: str) -> dict[str, Any]:
     return preset_fields(spec) or mirrored_fields(spec)
 
 
+def rotary_positions(spec: str) -> bool:
+    """Whether the transformers model ``spec`` encodes positions by rotation (RoPE) rather than in a
+    learned table: its step then builds and runs at lengths beyond ``max_position_embeddings``
+    (the positions it was trained on end there; RoPE scaling, as in Llama-3.1's configs, moves
+    that end), so a memory search may go past it. A learned table (GPT-2's ``n_positions``) has no
+    row for a later position."""
+    c = load_config(spec)
+    if getattr(c, "n_positions", None) is not None:
+        return False
+    return any(getattr(c, name, None) for name in ("rope_parameters", "rope_theta", "rope_scaling", "rotary_dim",
+                                                   "rotary_pct", "partial_rotary_factor"))
+
+
 def cost_arch(spec: str) -> Any:
     """The closest :class:`memtrain.analysis.estimate.Arch` of a transformers model, for the plan's
     step-time model and parameter table (orders candidates; memory comes from the trace).

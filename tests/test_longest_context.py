@@ -1,0 +1,127 @@
+"""The longest context that fits: `maxbatch --search seq-len`, `estimate --budget`'s line and
+`plan`'s entry. The found length's step fits and the next length's does not, checked with the
+tracked meter on real CPU steps."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import TINY_MODEL
+from memtrain.analysis.context import find_longest_context, measured_length_peak
+from memtrain.analysis.fit import at_seq_len, context_bound
+from memtrain.cli import main
+from memtrain.config.run import ConfigError, build_config
+
+TINY_FLAGS = ["--d-model", "32", "--n-heads", "2", "--n-layers", "2", "--d-ff", "64", "--device", "cpu"]
+
+
+def _tiny():
+    model = {k: v for k, v in TINY_MODEL.items() if k != "max_seq_len"}  # the table grows with the probed length
+    return build_config({**model, "device": "cpu"})
+
+
+def _cli(argv, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's refusals
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_found_length_fits_and_the_next_does_not_by_the_tracked_meter():
+    cfg = _tiny()
+    bound = context_bound(cfg)
+    assert bound.grow_positions  # our GPT's position table is sized to each probed length
+    budget = measured_length_peak(at_seq_len(cfg, 96, bound, 2))  # real steps, tracked meter
+    res = find_longest_context(cfg, budget_bytes=budget, batch=2, multiple_of=32, progress=False)
+    assert (res.seq_len, res.next_seq_len, res.batch_size) == (96, 128, 2)
+    assert res.guess_method == "analytic" and len(res.probes) == 2  # the guess and the next length
+    # Checked independently of the traced search: real steps of each length, counted by the meter.
+    assert res.peak_bytes == budget
+    nxt = measured_length_peak(at_seq_len(cfg, 128, bound, 2))
+    assert nxt == res.next_peak_bytes and nxt > budget
+    # The table is part of what grew: the found step holds a 96-row position table.
+    assert at_seq_len(cfg, 96, bound, 2).model.max_seq_len == 96
+
+
+def test_without_an_analytic_guess_a_fitted_guess_finds_the_same_length(monkeypatch):
+    import memtrain.analysis.context as ctx
+    from memtrain.analysis.estimate import estimate
+
+    def probe(c):  # the estimate's peaks stand in for traced ones: a dozen probes in milliseconds
+        return int(estimate(c, device_type="cpu").peak_bytes)
+
+    cfg = _tiny()
+    budget = probe(at_seq_len(cfg, 160, context_bound(cfg), 1))
+    monkeypatch.setattr(ctx, "_analytic_guess", lambda *a, **k: None)  # as for QLoRA or an unmodelled family
+    res = find_longest_context(cfg, budget_bytes=budget, batch=1, multiple_of=32, max_len=512, progress=False,
+                               method="trace", probe=probe)
+    assert (res.seq_len, res.next_seq_len, res.guess_method) == (160, 192, "fitted")
+    assert res.peak_bytes == budget < res.next_peak_bytes
+    full = find_longest_context(cfg, budget_bytes=budget, batch=1, multiple_of=32, max_len=512, progress=False,
+                                method="measure", probe=probe)
+    assert full.seq_len == 160 and len(res.probes) < len(full.probes)  # the fit saved probes
+
+
+def test_a_fixed_position_table_bounds_the_search():
+    cfg = build_config({**TINY_MODEL, "seq_len": 64, "device": "cpu"})
+    cfg.given_settings = frozenset({"max_seq_len"})  # --max-seq-len 64 given on a command line
+    res = find_longest_context(cfg, budget_bytes=1 << 30, batch=1, multiple_of=16, progress=False)
+    assert (res.seq_len, res.next_seq_len, res.capped) == (64, None, True)
+    assert "raise --max-len" in res.capped_note or "position" in res.capped_note
+    with pytest.raises(ConfigError, match="learned table"):
+        context_bound(cfg, max_len=128)  # no row beyond the table
+
+
+def test_a_rotary_transformers_model_may_be_searched_past_its_positions_with_a_note():
+    cfg = build_config({"model": "tiny-llama", "device": "cpu"})
+    positions = cfg.model.max_seq_len
+    bound = context_bound(cfg, max_len=positions * 4)
+    assert bound.grow_positions and bound.max_len == positions * 4 and "memory only" in bound.note
+    assert at_seq_len(cfg, positions * 2, bound, 1).train.seq_len == positions * 2
+    assert context_bound(cfg).max_len == positions  # by default: max_position_embeddings
+
+
+def test_maxbatch_search_seq_len_json(capsys):
+    code, out, _ = _cli(["maxbatch", "--search", "seq-len", *TINY_FLAGS, "--memory-budget", "48MiB",
+                         "--multiple-of", "32", "--json"], capsys)
+    assert code == 0
+    d = json.loads(out)
+    assert d["search"] == "seq-len" and d["batch_size"] == 1 and d["multiple_of"] == 32
+    assert d["peak_bytes"] <= d["budget_bytes"] < d["next_peak_bytes"]
+    assert d["next_seq_len"] == d["seq_len"] + 32
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--search", "foo"], "invalid choice"),
+    (["--search", "seq-len", "--max-batch", "8"], "--max-len"),
+    (["--max-len", "128"], "--search seq-len"),
+    (["--search", "seq-len", "--max-seq-len", "128", "--max-len", "256"], "learned table"),
+    (["--search", "seq-len", "--multiple-of", "256", "--max-len", "128"], "--multiple-of"),
+    (["--search", "seq-len", "--max-len", "0"], "--max-len"),
+    (["--search", "seq-len", "--seq-len", "128"], "drop --seq-len"),
+])
+def test_bad_length_search_input_is_one_error_line(capsys, argv, message):
+    code, _, err = _cli(["maxbatch", *TINY_FLAGS, "--memory-budget", "1GiB", *argv], capsys)
+    lines = [line for line in err.strip().splitlines() if line]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], err
+
+
+def test_estimate_budget_states_the_longest_context(capsys):
+    code, out, _ = _cli(["estimate", *TINY_FLAGS, "--batch-size", "2", "--budget", "128MiB"], capsys)
+    assert code == 0 and "longest context at batch 2: " in out
+    code, out, _ = _cli(["estimate", *TINY_FLAGS, "--batch-size", "2", "--budget", "128MiB", "--json"], capsys)
+    ctx = json.loads(out)["fit"]["longest_context"]
+    assert ctx["batch_size"] == 2 and ctx["peak_bytes"] <= 128 << 20 < ctx["next_peak_bytes"]
+
+
+def test_plan_states_the_longest_context_of_its_recommendation(capsys):
+    code, out, _ = _cli(["plan", *TINY_FLAGS, "--batch-size", "2", "--budget", "256MiB", "--json"], capsys)
+    d = json.loads(out)
+    ctx = d["longest_context"]
+    budget = (256 << 20) / (1 + d["margin"])
+    assert code == 0 and ctx["batch_size"] == d["candidates"][d["recommended"]]["batch_size"]
+    assert ctx["peak_bytes"] <= budget < ctx["next_peak_bytes"]
