@@ -216,7 +216,8 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
             # cannot swap fake parameters (see the module docstring), so it replaces them.
             state = build_state(cfg, device, precision, base=base,
                                 prepare_context=lambda: _fake_prepare(device))
-            meter = MemoryMeter(state.model, state.optimizer)
+            meter = MemoryMeter(state.model, state.optimizer, by_module=cfg.train.memory_by_module,
+                                module_depth=cfg.train.module_depth)
             batch = cfg.train.batch_size
             measure_steps(state, lambda: random_micro_batches(cfg, batch, device), steps=steps, meter=meter)
             stats = meter.stats().to_dict()

@@ -11,7 +11,7 @@ from typing import Any
 
 from memtrain.analysis.plan import Candidate, candidate_config, default_space, plan, verification, verify_config
 from memtrain.bench.runner import read_results
-from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, defaults_note, fmt_bytes, register
+from memtrain.cli import LOOP_ONLY_FIELDS, MODULE_TABLE_FIELDS, add_config_flags, defaults_note, fmt_bytes, register
 from memtrain.commands.estimate import add_model_choice, device_type_for, resolve_model
 from memtrain.config.argtypes import batch_count, positive_int
 from memtrain.config.run import ConfigError, parse_size
@@ -40,7 +40,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="A bench results folder (results.jsonl): show the measured perplexity effect of each "
                         "choice that changes the numerics, where a row with the same numerics exists.")
     p.add_argument("--json", action="store_true", help="Print JSON only.")
-    add_config_flags(p, ("model", "technique", "train"), exclude=(*LOOP_ONLY_FIELDS, "model"))  # --model is add_model_choice's
+    add_config_flags(p, ("model", "technique", "train"), exclude=(*LOOP_ONLY_FIELDS, *MODULE_TABLE_FIELDS, "model"))  # --model is add_model_choice's
 
 
 def _search_space(args: argparse.Namespace, cfg: Any, device_type: str) -> dict[str, list[str]]:
