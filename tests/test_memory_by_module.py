@@ -81,6 +81,19 @@ def test_the_standard_losss_logits_lead_the_activations(tables):
     assert not any(r["module"] == "lm_head" for r in table["modules"])  # tied: no second copy
 
 
+def test_backward_temporaries_belong_to_the_module_running_backward(tables):
+    """With checkpointing the peak comes in the embedding's backward: the tied weight's two
+    gradients (one from the loss, one from the embedding) are the temporaries, nothing of the
+    blocks, whose backward ended. A dropout module returns its input unchanged (p=0): its
+    "backward began" hook runs after its "backward ended" one, and taking the deepest module
+    name still listed as running gave the embedding's gradient to blocks.1."""
+    stats = tables["checkpointing"]
+    cfg = build_config(TINY)
+    weight_grad = cfg.model.padded_vocab_size * cfg.model.d_model * 4
+    holders = {r["module"]: r["temporaries"] for r in stats.by_module["modules"] if r["temporaries"] > 4}
+    assert stats.peak_phase == "backward" and holders == {"wte": weight_grad, LOSS: weight_grad}
+
+
 def test_module_depth_one_merges_the_blocks(tables):
     deep = tables["plain"]
     shallow = _measure(TINY, by_module=True, module_depth=1).by_module
@@ -113,6 +126,28 @@ def test_a_transformers_model_sums_to_its_peak_by_decoder_layer(tmp_path):
     assert table["depth"] == 3 and _sums(table) == stats.by_category
     names = {r["module"] for r in table["modules"]}
     assert {"model.layers.0", "model.layers.1", "model.embed_tokens"} <= names  # the wrapper's "lm." left out
+
+
+def test_a_transformers_head_with_a_bias_keeps_its_standard_loss(tmp_path):
+    """Phi's LM head has a bias: the model accepts only the standard loss, and asks which loss
+    it holds; the table's scoped loss answers with the one it wraps."""
+    transformers = pytest.importorskip("transformers")
+    transformers.PhiConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           max_position_embeddings=32, vocab_size=128).save_pretrained(tmp_path)
+    stats = _measure({"model": str(tmp_path), "batch_size": 2, "seq_len": 16}, by_module=True)
+    assert _sums(stats.by_module) == stats.by_category and stats.by_module["modules"][0]["module"] == "model.layers.0"
+
+
+def test_paths_leave_out_wrappers_but_not_a_one_block_list():
+    from memtrain.metrics.by_module import default_module_depth, module_paths
+    from memtrain.models.gpt import GPT
+
+    gpt = GPT(build_config({**TINY, "n_layers": 1}).model)
+    wrapped = torch.nn.Module()
+    wrapped.inner = gpt  # one child, nothing of its own: a wrapper, as memtrain's transformers model
+    paths = module_paths(wrapped)
+    assert paths["inner.blocks.0.attn"] == "blocks.0.attn" and paths["inner"] == ""
+    assert default_module_depth(gpt) == 2 and default_module_depth(torch.nn.Linear(2, 2)) == 2
 
 
 def test_off_installs_no_hook_and_on_removes_its_own():

@@ -27,9 +27,9 @@ Who owns a storage:
 * ``(model)``: the model's own forward outside its children (the embedding sum of our GPT);
 * ``(outside modules)``: the rest (``loss / grad_accum``, the step's loss total).
 
-Paths are ``named_modules`` names with wrapper levels left out (a module holding nothing but
-one child: memtrain's transformers wrapper ``lm``, DDP's ``module``, ``torch.compile``'s
-``_orig_mod``, peft's per-adapter dicts), cut to ``depth`` parts. The default depth makes
+Paths are ``named_modules`` names with wrapper levels left out (a module, other than a
+container, holding nothing but one child: memtrain's transformers wrapper ``lm``, DDP's
+``module``, ``torch.compile``'s ``_orig_mod``), cut to ``depth`` parts. The default depth makes
 each Transformer block one entry: ``blocks.0`` for our GPT, ``model.layers.0`` for a
 transformers Llama.
 
@@ -84,7 +84,11 @@ class LossScope(nn.Module):
 
 
 def _is_wrapper(module: nn.Module) -> bool:
-    """A module that holds nothing but one child (its name is left out of paths)."""
+    """A module that holds nothing but one child (its name is left out of paths). A container
+    (ModuleList, ModuleDict, Sequential) is not one: its one child of a one-layer model is
+    ``blocks.0``."""
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+        return False
     children = iter(module.children())
     if next(children, None) is None or next(children, None) is not None:
         return False
