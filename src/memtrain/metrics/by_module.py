@@ -44,6 +44,7 @@ torch's ``ModuleTracker``.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Optional
 
 import torch
@@ -120,6 +121,11 @@ def default_module_depth(root: nn.Module) -> int:
             if module is blocks and paths[name]:
                 return len(paths[name].split(".")) + 1
     return 2
+
+
+def _natural(name: str) -> list[Any]:
+    """A sort key that orders the numbers inside a name by value."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name)]
 
 
 class ModuleLedger:
@@ -240,7 +246,7 @@ class ModuleLedger:
 
     def table(self) -> list[dict[str, Any]]:
         """Every owner holding bytes at the peak: ``{"module", "bytes", <category>: bytes...}``,
-        largest first (ties by name)."""
+        largest first (ties by name, numbers in order: blocks.2 before blocks.10)."""
         rows: dict[str, dict[str, Any]] = {}
         for (owner, cat), nbytes in self._peak.items():
             if nbytes == 0:
@@ -248,7 +254,7 @@ class ModuleLedger:
             row = rows.setdefault(owner, {"module": owner, "bytes": 0, **{c: 0 for c in MEMORY_CATEGORIES}})
             row[MEMORY_CATEGORIES[cat]] += nbytes
             row["bytes"] += nbytes
-        return sorted(rows.values(), key=lambda r: (-r["bytes"], r["module"]))
+        return sorted(rows.values(), key=lambda r: (-r["bytes"], _natural(r["module"])))
 
     # ----------------------------------------------------------------------------- hooks
 
