@@ -35,9 +35,11 @@ def _columns(rows: list[dict[str, Any]]) -> list[str]:
     return [c for c in MEMORY_CATEGORIES if any(r.get(c) for r in rows)]
 
 
-def _title(table: dict[str, Any], top: int) -> str:
+def _title(table: dict[str, Any], top: int, fmt: Callable[[float], str]) -> str:
     n = len(table.get("modules") or [])
-    return (f"memory by module at the peak ({table.get('peak_phase') or 'no'} phase), depth {table.get('depth')}, "
+    peak = table.get("peak_bytes")
+    at = f"the tracked peak of {fmt(peak)}" if isinstance(peak, (int, float)) else "the tracked peak"
+    return (f"memory by module at {at} ({table.get('peak_phase') or 'no'} phase), depth {table.get('depth')}, "
             f"top {min(top, n)} of {n}")
 
 
@@ -48,7 +50,7 @@ def module_table_lines(table: dict[str, Any], top: int, fmt: Callable[[float], s
     cells = [["module", "total", *cols]]
     cells += [[r["module"], fmt(r["bytes"]), *(fmt(r[c]) if r[c] else "-" for c in cols)] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
-    lines = [_title(table, top) + ":"]
+    lines = [_title(table, top, fmt) + ":"]
     for row in cells:
         lines.append("  " + "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
                                       for i, (cell, w) in enumerate(zip(row, widths))))
@@ -71,7 +73,7 @@ def module_markdown(label: str, table: dict[str, Any], top: int) -> list[str]:
     rows = top_entries(table, top)
     cols = _columns(rows)
     mib = 2**20
-    lines = [f"**{label}**: {_title(table, top)}", "",
+    lines = [f"**{label}**: {_title(table, top, lambda n: f'{n / mib:.2f} MiB')}", "",
              "| Module | Total (MiB) | " + " | ".join(f"{c.capitalize()} (MiB)" for c in cols) + " |",
              "|---|---:|" + "---:|" * len(cols)]
     for r in rows:
