@@ -33,6 +33,7 @@ from memtrain.files.results import (
     FolderLock,
     write_json_atomic,
 )
+from memtrain.report.by_module import module_table_lines
 from memtrain.runtime.extras import quiet_third_party
 from memtrain.runtime.notices import install_warning_format
 from memtrain.runtime.signals import bind_rank_to_launcher, sigterm_as_interrupt
@@ -79,6 +80,9 @@ LOOP_ONLY_FIELDS: tuple[str, ...] = (
     "grad_clip", "eval_every", "warmup_timing_steps", "out", "save", "save_every", "resume",
     "stop_after", "progress", "adafactor_relative_step",
 )
+# The --memory-by-module table's fields: train measures it and estimate traces it; the verbs that
+# only size or count a step (maxbatch, flops, plan) leave them out of their flags.
+MODULE_TABLE_FIELDS: tuple[str, ...] = ("memory_by_module", "module_depth", "module_top")
 
 
 class _SwitchAlias(argparse.Action):
@@ -318,6 +322,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"{result['tokens_per_s']:,.0f} tokens/s  {result['steps_run']} steps in {result['total_time_s']:.1f} s  "
         f"tracked peak {fmt_bytes(mem.get('peak_bytes'))}"
     )
+    if mem.get("by_module"):
+        print("\n".join(module_table_lines(mem["by_module"], cfg.train.module_top, fmt_bytes)))
     print(f"wrote {out / 'result.json'}")
     return 0
 

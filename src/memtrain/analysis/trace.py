@@ -240,7 +240,8 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
                 apply_compile(state.model, compiled, backend=partition_recording_backend(saved))
                 # The model runs compiled; everything else (torchao's steps) stays eager.
                 micro_context = lambda: torch.compiler.set_stance("default")  # noqa: E731
-            meter = MemoryMeter(state.model, state.optimizer)
+            meter = MemoryMeter(state.model, state.optimizer, by_module=cfg.train.memory_by_module,
+                                module_depth=cfg.train.module_depth)
             batch = cfg.train.batch_size
             measure_steps(state, lambda: random_micro_batches(cfg, batch, device), steps=steps, meter=meter,
                           micro_context=micro_context)

@@ -15,6 +15,7 @@ from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, config_from_args, d
 from memtrain.config.argtypes import world_size
 from memtrain.config.presets import PRESETS, preset
 from memtrain.config.run import ConfigError, parse_size
+from memtrain.report.by_module import module_table_lines
 from memtrain.techniques.facts import LIGER_LOSS_NOTE, liger_loss_runs
 
 
@@ -130,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
+    _check_module_table(args, cfg)
     if arch is None:
         return _run_traced(args, cfg)
     if args.mode == "inference":
@@ -161,14 +163,16 @@ def _run(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
     out.update(_fit(args, cfg, arch, device_type, shard))
     out.update(_loss_kernel(cfg, device_type))
     traced = None
-    if args.trace:
+    if args.trace or cfg.train.memory_by_module:
         if arch.name != "gpt2":
             raise ConfigError(f"--trace runs our GPT-2-style model; --model {args.preset} is estimated analytically only")
         if args.world_size > 1:
             raise ConfigError("--trace traces one process; drop --world-size to trace, or use the analytic estimate")
 
+        # Under --memory-by-module the trace (memtrain's GPT: every layer) brings its module table.
         traced = _trace_any_depth(cfg, args.trace_device or device_type)
         out["trace"] = _trace_check(traced, est.peak_bytes)
+        out.update(_module_table(traced))
     if args.json:
         print(json.dumps(out, indent=2, default=float))
         return 0
@@ -198,6 +202,7 @@ def _run(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
     print(_table(rows))
     _print_loss_kernel(out)
     _print_fit(out)
+    _print_module_table(out, cfg)
     if args.explain:
         print("how:")
         print("\n".join("  " + line for line in est.explanation))
@@ -284,6 +289,7 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
         return _run_hf_analytic(args, step, device_type)
     cfg, out = step.cfg, step.json
     out.update(_loss_kernel(cfg, device_type))
+    out.update(_module_table_traced(cfg, device_type))
     if args.gpu is not None:
         # The allocator model replays the analytic simulator's events; a trace records none yet.
         out["device_memory"] = None
@@ -313,6 +319,7 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
     if a is not None and a["error_vs_trace"] is not None:
         print(f"  (our GPT's analytic model with llama substitutions would say {fmt_bytes(a['peak_bytes'])}, "
               f"{a['error_vs_trace']:+.1%} off the trace)")
+    _print_module_table(out, cfg)
     return 0
 
 
@@ -327,6 +334,7 @@ def _run_hf_analytic(args: argparse.Namespace, step: StepEstimate, device_type: 
         traced = _trace_any_depth(cfg, device_type)
         out["trace"] = _trace_check(traced, est.peak_bytes, method=traced["method"],
                                     probe_layers=traced["probe_layers"])
+    out.update(_module_table_traced(cfg, device_type))
     if args.json:
         print(json.dumps(out, indent=2, default=float))
         return 0
@@ -348,6 +356,7 @@ def _run_hf_analytic(args: argparse.Namespace, step: StepEstimate, device_type: 
     print(f"  {out['note']}")
     _print_loss_kernel(out)
     _print_fit(out)
+    _print_module_table(out, cfg)
     if args.explain:
         print("\n".join("  " + line for line in est.explanation))
     return 0
@@ -364,6 +373,36 @@ def _trace_any_depth(cfg: Any, device_type: str) -> dict[str, Any]:
     from memtrain.analysis.depth_trace import trace_any_depth  # the torch line, crossed on --trace only
 
     return trace_any_depth(cfg, device_type)
+
+
+def _check_module_table(args: argparse.Namespace, cfg: Any) -> None:
+    """--memory-by-module traces one training step of one process."""
+    if not cfg.train.memory_by_module:
+        return
+    if args.mode != "train":
+        raise ConfigError("--memory-by-module traces a training step; drop --mode inference (or --memory-by-module)")
+    if args.world_size > 1:
+        raise ConfigError("--memory-by-module traces one process; drop --world-size (or --memory-by-module)")
+
+
+def _module_table(traced: dict[str, Any]) -> dict[str, Any]:
+    """``by_module`` of a trace made under --memory-by-module; {} otherwise."""
+    return {"by_module": traced["by_module"]} if "by_module" in traced else {}
+
+
+def _module_table_traced(cfg: Any, device_type: str) -> dict[str, Any]:
+    """--memory-by-module on a transformers model: every layer traced (an extrapolated trace
+    has no module of the real depth to name); {} without the flag."""
+    if not cfg.train.memory_by_module:
+        return {}
+    from memtrain.analysis.trace import trace_step  # the torch line, crossed on --memory-by-module only
+
+    return _module_table(trace_step(cfg, device_type))
+
+
+def _print_module_table(out: dict[str, Any], cfg: Any) -> None:
+    if "by_module" in out:
+        print("\n".join(module_table_lines(out["by_module"], cfg.train.module_top, fmt_bytes)))
 
 
 def _device_memory_rows(dmem: Any) -> list[tuple[str, str, str]]:

@@ -7,7 +7,7 @@ import json
 from typing import Any, Optional
 
 from memtrain.analysis.fit import DEFAULT_LENGTH_MULTIPLE, budget_for
-from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, config_from_args, fmt_bytes, register
+from memtrain.cli import LOOP_ONLY_FIELDS, MODULE_TABLE_FIELDS, add_config_flags, config_from_args, fmt_bytes, register
 from memtrain.config.argtypes import batch_count, token_count
 from memtrain.config.run import ConfigError, parse_size
 
@@ -40,7 +40,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", choices=("auto", "measure", "trace"), default="auto",
                    help="measure: run real steps; trace: fake tensors, nothing allocated (default on CPU).")
     p.add_argument("--json", action="store_true", help="Print JSON only.")
-    add_config_flags(p, ("model", "technique", "train"), exclude=LOOP_ONLY_FIELDS)
+    add_config_flags(p, ("model", "technique", "train"), exclude=(*LOOP_ONLY_FIELDS, *MODULE_TABLE_FIELDS))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ from memtrain.analysis.estimate.hf import hf_arch, why_not_modelled
 from memtrain.analysis.fit import context_line, longest_context
 from memtrain.analysis.plan import Candidate, candidate_config, default_space, plan, verification, verify_config
 from memtrain.bench.runner import read_results
-from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, defaults_note, fmt_bytes, register
+from memtrain.cli import LOOP_ONLY_FIELDS, MODULE_TABLE_FIELDS, add_config_flags, defaults_note, fmt_bytes, register
 from memtrain.commands.estimate import add_model_choice, device_type_for, resolve_model
 from memtrain.config.argtypes import batch_count, positive_int
 from memtrain.config.run import ConfigError, parse_size
@@ -51,7 +51,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "(measured or from the link: PCIe 5.0 x16 ~50GB/s, NVLink-C2C ~450GB/s); default 25GB/s "
                         "on cuda (PCIe 4.0 x16, pinned copies).")
     p.add_argument("--json", action="store_true", help="Print JSON only.")
-    add_config_flags(p, ("model", "technique", "train"), exclude=(*LOOP_ONLY_FIELDS, "model"))  # --model is add_model_choice's
+    add_config_flags(p, ("model", "technique", "train"), exclude=(*LOOP_ONLY_FIELDS, *MODULE_TABLE_FIELDS, "model"))  # --model is add_model_choice's
 
 
 def parse_rate(text: str) -> float:

@@ -286,6 +286,7 @@ class TechniqueConfig:
 
 # --------------------------------------------------------------------------- training
 MAX_LR = 10.0  # far above any working learning rate; 1e30 or inf is a typo, not a setting
+DEFAULT_MODULE_TOP = 10  # entries of the --memory-by-module table printed before "other"
 
 
 @dataclass
@@ -328,6 +329,17 @@ class TrainConfig:
         "none|tensorboard|wandb, comma-separated (extras memtrain[tensorboard], memtrain[wandb]).",
     )
     log_every: int = _f(1, "Write a metrics.jsonl line (and TensorBoard/wandb point) every N steps.")
+    memory_by_module: bool = _f(
+        False,
+        "Also report which modules hold the tracked peak, by category (train: measured, memory.by_module "
+        "in result.json; estimate: traced under fake tensors). Off, no module hook is installed.",
+    )
+    module_depth: Optional[int] = _f(
+        None,
+        "Module path depth of --memory-by-module (1: blocks, 2: blocks.0). Default: each Transformer "
+        "block one entry (blocks.0 for memtrain's GPT, model.layers.0 for a transformers model).",
+    )
+    module_top: int = _f(DEFAULT_MODULE_TOP, "Entries --memory-by-module prints, largest first; the rest are summed as other.")
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len", "steps", "grad_accum"):
@@ -355,6 +367,16 @@ class TrainConfig:
         _require(not bad, f"unknown --report-to {bad[0] if bad else ''!r}; choose none, tensorboard or wandb (comma-separated)")
         _require(self.stop_after is None or 0 < self.stop_after <= self.steps,
                  f"--stop-after must be between 1 and --steps ({self.steps}), got {self.stop_after}")
+        self._check_module_table()
+
+    def _check_module_table(self) -> None:
+        """--module-depth and --module-top shape --memory-by-module's table: valid, and only with it."""
+        _require(self.module_depth is None or self.module_depth >= 1,
+                 f"--module-depth must be >= 1 (1: top-level modules such as blocks, 2: blocks.0), got {self.module_depth}")
+        _require(self.module_top >= 1, f"--module-top must be >= 1, got {self.module_top}")
+        if not self.memory_by_module:
+            named = "--module-depth" if self.module_depth is not None else "--module-top" if self.module_top != DEFAULT_MODULE_TOP else None
+            _require(named is None, f"{named} shapes the table of --memory-by-module: add --memory-by-module (or drop {named})")
 
 
 CACHE_ENV = "MEMTRAIN_CACHE"

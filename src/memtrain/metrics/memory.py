@@ -36,13 +36,14 @@ import functools
 import weakref
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from memtrain.metrics.by_module import OPTIMIZER, OUTSIDE, ModuleLedger
 from memtrain.metrics.storage import is_wrapper_type, leaf_storages, tensors_in
 from memtrain.techniques.facts import MEMORY_CATEGORIES
 from memtrain.techniques.offload import copying_to_host
@@ -79,13 +80,14 @@ def _in_autograd_backward() -> bool:
 class _Record:
     """What the meter knows of one live storage."""
 
-    __slots__ = ("nbytes", "cat", "seq", "ref")
+    __slots__ = ("nbytes", "cat", "seq", "ref", "owner")
 
-    def __init__(self, nbytes: int, cat: int, seq: int) -> None:
+    def __init__(self, nbytes: int, cat: int, seq: int, owner: str = OUTSIDE) -> None:
         self.nbytes = nbytes
         self.cat = cat
         self.seq = seq  # allocation order: tells whether the storage was alive at the peak
         self.ref: weakref.ref | None = None
+        self.owner = owner  # the module holding it (read only with by_module)
 
 
 @dataclass
@@ -103,6 +105,8 @@ class MemoryStats:
         offloaded_peak_bytes: the most host bytes activation offloading held at once in the
             window (0 without ``--offload-activations``).
         offloaded_at_peak_bytes: host bytes it held at the moment of ``peak_bytes``.
+        by_module: with ``by_module`` on, who holds the bytes at the peak
+            (:meth:`MemoryMeter.module_table`); None otherwise, and then left out of ``to_dict``.
     """
 
     peak_bytes: int
@@ -114,10 +118,14 @@ class MemoryStats:
     current_by_category: dict[str, int] = field(default_factory=dict)
     offloaded_peak_bytes: int = 0
     offloaded_at_peak_bytes: int = 0
+    by_module: Optional[dict[str, Any]] = None
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready copy."""
-        return asdict(self)
+        """A JSON-ready copy (without ``by_module`` when it is off, so results keep their keys)."""
+        out = asdict(self)
+        if out["by_module"] is None:
+            del out["by_module"]
+        return out
 
 
 class _AllocationWatcher(TorchDispatchMode):
@@ -193,6 +201,11 @@ class MemoryMeter:
         optimizer: its optimizer; may also be attached later with ``attach_optimizer``.
         device: count only storages of tensors on this device (type, or type and index), e.g.
             ``"cuda"`` to leave out the CPU scalars AdamW keeps for ``step``. None counts all.
+        by_module: also attribute every storage to the module holding it and report the
+            table at the peak (``MemoryStats.by_module``, :mod:`memtrain.metrics.by_module`);
+            needs ``model``. Off, no module hook is installed.
+        module_depth: with ``by_module``, the depth of module paths (None: each Transformer
+            block one entry, :func:`memtrain.metrics.by_module.default_module_depth`).
     """
 
     def __init__(
@@ -200,8 +213,15 @@ class MemoryMeter:
         model: nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         device: str | torch.device | None = None,
+        by_module: bool = False,
+        module_depth: Optional[int] = None,
     ) -> None:
         self._models: list[nn.Module] = [model] if model is not None else []
+        if by_module and model is None:
+            raise ValueError("by_module attributes memory to the modules of a model: pass the model")
+        # The owner bookkeeping exists only when asked for: off, every hook below is one
+        # `is None` test and nothing else runs.
+        self._ledger = ModuleLedger(model, module_depth) if by_module and model is not None else None
         self._optimizers: list[torch.optim.Optimizer] = []
         self._device = torch.device(device) if device is not None else None
         self._records: dict[int, _Record] = {}
@@ -256,7 +276,8 @@ class MemoryMeter:
             else:
                 tensors = list(tensors_in(obj))
             for t in tensors:
-                self._assign(t, cat)
+                owner = self._ledger.owner_of(t, OUTSIDE) if self._ledger is not None else OUTSIDE
+                self._assign(t, cat, owner)
         self._check_peak()
 
     @contextlib.contextmanager
@@ -282,6 +303,10 @@ class MemoryMeter:
     def stats(self) -> MemoryStats:
         """The current peak window's report (roles refreshed first, see the class docstring)."""
         self._scan()
+        by_module = None
+        if self._ledger is not None:
+            by_module = {"depth": self._ledger.depth, "peak_bytes": self._peak, "peak_phase": self._peak_phase,
+                         "modules": self._ledger.table()}
         return MemoryStats(
             peak_bytes=self._peak,
             by_category=dict(zip(CATEGORIES, self._peak_cats)),
@@ -292,6 +317,7 @@ class MemoryMeter:
             current_by_category=dict(zip(CATEGORIES, self._cur)),
             offloaded_peak_bytes=self._host_peak,
             offloaded_at_peak_bytes=self._host_at_peak,
+            by_module=by_module,
         )
 
     def current(self) -> dict[str, int]:
@@ -314,12 +340,16 @@ class MemoryMeter:
         self._phase_peaks = {}
         if self._peak_phase is not None:
             self._phase_peaks[self._peak_phase] = self._total
+        if self._ledger is not None:
+            self._ledger.snapshot()
 
     def __enter__(self) -> MemoryMeter:
         if self._depth == 0:
             for opt in self._optimizers:
                 self._install_optimizer_hooks(opt)
             self._scan()
+            if self._ledger is not None:
+                self._ledger.__enter__()
             self._mode = _AllocationWatcher(self)
             self._mode.__enter__()
         self._depth += 1
@@ -331,6 +361,8 @@ class MemoryMeter:
             assert self._mode is not None
             self._mode.__exit__(*exc)
             self._mode = None
+            if self._ledger is not None:
+                self._ledger.__exit__(*exc)
             self._scan()
             for h in self._hooks:
                 h.remove()
@@ -359,20 +391,22 @@ class MemoryMeter:
             return True
         return device.type == d.type and (d.index is None or device.index == d.index)
 
-    def _add(self, st: torch.UntypedStorage, cat: int) -> _Record:
-        """Start tracking a storage not seen before."""
+    def _add(self, st: torch.UntypedStorage, cat: int, owner: str = OUTSIDE) -> _Record:
+        """Start tracking a storage not seen before (``owner``: see ``by_module``)."""
         nbytes = st.nbytes()  # from the storage size: no data pointer needed (meta/fake work)
         self._seq += 1
-        rec = _Record(nbytes, cat, self._seq)
+        rec = _Record(nbytes, cat, self._seq, owner)
         key = id(st)
         # The finalizer runs when the storage itself dies (torch keeps one Python object per
         # storage alive as long as the storage is), so views and re-fetched storages are fine.
         rec.ref = weakref.ref(st, functools.partial(self._on_free, key, rec.seq))
         self._records[key] = rec
-        if cat == _HOST:
+        if cat == _HOST:  # a host copy: booked apart, never in the device categories nor the module table
             self._host += nbytes
             self._host_peak = max(self._host_peak, self._host)
             return rec
+        if self._ledger is not None:
+            self._ledger.add(owner, cat, nbytes)
         self._cur[cat] += nbytes
         self._total += nbytes
         if self._cur[cat] > self._cat_peaks[cat]:
@@ -389,6 +423,8 @@ class MemoryMeter:
             return
         self._cur[rec.cat] -= rec.nbytes
         self._total -= rec.nbytes
+        if self._ledger is not None:
+            self._ledger.add(rec.owner, rec.cat, -rec.nbytes)
 
     def _resized(self, rec: _Record, nbytes: int) -> None:
         delta = nbytes - rec.nbytes
@@ -399,6 +435,8 @@ class MemoryMeter:
             return
         self._cur[rec.cat] += delta
         self._total += delta
+        if self._ledger is not None:
+            self._ledger.add(rec.owner, rec.cat, delta)
         if self._cur[rec.cat] > self._cat_peaks[rec.cat]:
             self._cat_peaks[rec.cat] = self._cur[rec.cat]
 
@@ -406,6 +444,7 @@ class MemoryMeter:
         """Called after every op inside the meter: count new storages, then check the peak."""
         leaves = (out,) if isinstance(out, torch.Tensor) else tree_leaves(out)
         cat = -1
+        owner = OUTSIDE
         for t in leaves:
             if not isinstance(t, torch.Tensor):
                 continue
@@ -418,8 +457,10 @@ class MemoryMeter:
                 else:
                     if cat < 0:
                         cat = self._alloc_category()
+                        if self._ledger is not None:
+                            owner = self._ledger.owner_now(self._in_opt > 0, self._current_phase())
                     if cat == _HOST or self._wanted(dev):  # a host copy is booked whatever the device
-                        self._add(st, cat)
+                        self._add(st, cat, owner)
         self._check_peak()
 
     def _check_peak(self) -> None:
@@ -433,14 +474,17 @@ class MemoryMeter:
             self._peak_seq = self._seq
             self._peak_phase = phase
             self._host_at_peak = self._host
+            if self._ledger is not None:
+                self._ledger.snapshot()
 
-    def _assign(self, t: torch.Tensor, cat: int) -> None:
-        """Give ``t``'s storages the role ``cat`` (tracking them if new)."""
+    def _assign(self, t: torch.Tensor, cat: int, owner: str = OUTSIDE) -> None:
+        """Give ``t``'s storages the role ``cat`` and (``by_module``) the owner ``owner``,
+        tracking them if new."""
         for st, dev in leaf_storages(t):
             rec = self._records.get(id(st))
             if rec is None:
                 if self._wanted(dev):
-                    self._add(st, cat)
+                    self._add(st, cat, owner)
                 continue
             n = st.nbytes()
             if n != rec.nbytes:
@@ -453,6 +497,9 @@ class MemoryMeter:
             self._cur[cat] += rec.nbytes
             if self._cur[cat] > self._cat_peaks[cat]:
                 self._cat_peaks[cat] = self._cur[cat]
+            if self._ledger is not None:
+                self._ledger.move(rec.nbytes, (rec.owner, old), (owner, cat), rec.seq <= self._peak_seq)
+                rec.owner = owner
             if rec.seq <= self._peak_seq:
                 # Allocated before the peak and alive now, hence alive at the peak: report it
                 # there in its real role.
@@ -461,32 +508,38 @@ class MemoryMeter:
 
     def _scan(self) -> None:
         """Walk model and optimizers: assign roles, count pre-existing tensors, hook grads."""
+        ledger = self._ledger
         for model in self._models:
-            for p in model.parameters():
-                self._assign(p, _PARAM)
+            for name, p in model.named_parameters():
+                owner = ledger.param_owner(name, p) if ledger is not None else OUTSIDE
+                self._assign(p, _PARAM, owner)
                 if p.grad is not None:
-                    self._assign(p.grad, _GRAD)
+                    self._assign(p.grad, _GRAD, owner)
                 if self._depth and p.requires_grad and id(p) not in self._hooked:
                     self._hooked[id(p)] = p
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
-            for b in model.buffers():
-                self._assign(b, _PARAM)
+            for name, b in model.named_buffers():
+                self._assign(b, _PARAM, ledger.param_owner(name, b) if ledger is not None else OUTSIDE)
         for opt in self._optimizers:
             self._scan_optimizer(opt)
         self._check_peak()
 
     def _scan_optimizer(self, opt: torch.optim.Optimizer) -> None:
-        for t in tensors_in(list(opt.state.values())):
-            self._assign(t, _OPT)
+        ledger = self._ledger
+        for param, state in opt.state.items():  # the state of a parameter belongs to its module
+            owner = ledger.owner_of(param, OPTIMIZER) if ledger is not None else OUTSIDE
+            for t in tensors_in(state):
+                self._assign(t, _OPT, owner)
+        owner = OPTIMIZER if ledger is not None else OUTSIDE
         for group in opt.param_groups:  # tensor hyper-parameters (capturable lr) are state too
             for k, v in group.items():
                 if k != "params":
                     for t in tensors_in(v):
-                        self._assign(t, _OPT)
+                        self._assign(t, _OPT, owner)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if p.grad is not None:
-            self._assign(p.grad, _GRAD)
+            self._assign(p.grad, _GRAD, self._ledger.owner_of(p, OUTSIDE) if self._ledger is not None else OUTSIDE)
 
     def _install_optimizer_hooks(self, opt: torch.optim.Optimizer) -> None:
         def pre(*_: Any) -> None:

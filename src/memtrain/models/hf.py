@@ -102,7 +102,8 @@ class HFCausalLM(nn.Module):
         if self.logit_softcap is not None:
             return F.cross_entropy(self._capped(head(h2).float()), y, ignore_index=-100)
         if getattr(head, "bias", None) is not None:
-            if self.loss_fn is not standard_lm_loss:
+            # getattr: under --memory-by-module the loss runs wrapped (memtrain.metrics.by_module).
+            if getattr(self.loss_fn, "__wrapped__", self.loss_fn) is not standard_lm_loss:
                 raise ConfigError(f"--loss chunked needs an LM head without bias; --model {self.source_spec!r} has one")
             return F.cross_entropy(head(h2).float(), y, ignore_index=-100)
         return self.loss_fn(h2, head.weight, y)

@@ -8,6 +8,8 @@ import re
 import unicodedata
 from typing import Any, Callable, Optional
 
+from memtrain.config.run import DEFAULT_MODULE_TOP
+from memtrain.report.by_module import is_module_table, module_markdown
 from memtrain.report.noise import noise_markdown
 from memtrain.report.recommend import max_batch_capped, recommendation, zero_categories, zero_notes
 from memtrain.techniques.facts import MEMORY_CATEGORIES
@@ -276,6 +278,7 @@ def markdown_report(rows: list[dict[str, Any]], missing: list[str], header: Call
     notes = zero_notes(records, CATEGORIES, hidden)
     if notes:
         parts += notes + [""]
+    parts += module_lines(rows)
     parts += noise_markdown(rows)
     failed = [r for r in records if r["status"] != "ok"]
     if failed:
@@ -287,6 +290,21 @@ def markdown_report(rows: list[dict[str, Any]], missing: list[str], header: Call
         parts += [f"Max-batch budget: {', '.join(f'{b / GIB:.2f} GiB' for b in sorted(budgets))} (tracked meter).", ""]
     parts += recommendation(records, rows, min(budgets) if budgets else None)
     return "\n".join(parts)
+
+
+def module_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """"Memory at the peak, by module": the top entries of each finished row that measured them
+    (``--memory-by-module``, ``memory.by_module``); nothing when no row did. ``rows`` are
+    already literal Markdown text (:func:`markdown_safe`)."""
+    found = [r for r in rows if r.get("status") == "ok" and is_module_table(_get(r, "memory", "by_module"))]
+    if not found:
+        return []
+    parts = ["## Memory at the peak, by module", ""]
+    for r in found:
+        top = _get(r, "config", "train", "module_top")
+        top = top if isinstance(top, int) and not isinstance(top, bool) and top >= 1 else DEFAULT_MODULE_TOP
+        parts += module_markdown(str(r.get("description") or r.get("technique")), r["memory"]["by_module"], top)
+    return parts
 
 
 def _caps(rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:

@@ -47,6 +47,7 @@ MAY_DIFFER: frozenset[str] = frozenset({
     "attention", "checkpointing", "compile", "compile_mode", "compile_scope", "loss", "loss_chunk",
     "distributed", "cpu_offload", "offload_activations",
     "compile_memory_budget",  # what the compiled graph recomputes, not what it computes
+    "memory_by_module", "module_depth", "module_top",  # what the result reports, not what the run computes
 })
 
 

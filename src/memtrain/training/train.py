@@ -234,7 +234,8 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     # Metered steps run slower (the meter sees every op): keep them inside the timing warm-up.
     warmup = max(t.warmup_timing_steps, len(METERED_STEPS) if track_memory else 0)
     timer = StepTimer(device, warmup=min(warmup, max(0, (t.stop_after or t.steps) - start_step - 1)))
-    meter = MemoryMeter(state.model, state.optimizer) if track_memory else None
+    meter = MemoryMeter(state.model, state.optimizer, by_module=t.memory_by_module,
+                        module_depth=t.module_depth) if track_memory else None
     dist_ctx.attach_meter(meter)
     reset_device_peak(device)
     end_step = t.stop_after or t.steps
