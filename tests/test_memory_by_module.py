@@ -23,7 +23,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # A small vocabulary keeps the steps fast; the logits (tokens x vocab) stay the largest activation.
 TINY = dict(d_model=32, n_heads=2, n_layers=2, d_ff=64, seq_len=16, max_seq_len=16, batch_size=2, dropout=0.0,
             vocab_size=1024)
-CASES = {"plain": {}, "checkpointing": {"checkpointing": "full"}, "lora": {"lora_rank": 4}}
+# "offload": the host copies of --offload-activations are booked apart from the device
+# categories, so the table still sums to the device peak.
+CASES = {"plain": {}, "checkpointing": {"checkpointing": "full"}, "lora": {"lora_rank": 4},
+         "offload": {"offload_activations": True}}
 
 
 def _measure(settings: dict, by_module: bool, module_depth=None):
@@ -55,6 +58,7 @@ def test_every_entry_sums_to_the_peak_category_by_category(tables, case):
     assert _sums(table) == stats.by_category
     assert sum(r["bytes"] for r in table["modules"]) == stats.peak_bytes
     assert all(r["bytes"] == sum(r[c] for c in CATEGORIES) > 0 for r in table["modules"])
+    assert (stats.offloaded_peak_bytes > 0) == (case == "offload")  # the offload case did move bytes
     # One entry per Transformer block at the default depth, each holding its own parameters.
     blocks = {r["module"]: r for r in table["modules"] if r["module"].startswith("blocks.")}
     assert set(blocks) == {"blocks.0", "blocks.1"} and all(r["parameters"] > 0 for r in blocks.values())
