@@ -27,26 +27,33 @@ def test_analytic_start_gives_the_traced_answer_in_fewer_probes(tech, shortcut):
         assert len(fast.probes) <= 2 < len(full.probes)  # the guess and the next batch only
 
 
-def test_a_wrong_guess_falls_back_to_the_full_search(monkeypatch):
-    import memtrain.analysis.maxbatch as mb
-
+@pytest.fixture(scope="module")
+def plain_search():
+    """The plain tiny step, a budget whose answer is batch 6, and the full traced search from
+    batch 1 (computed once: every guess below is compared with it)."""
     cfg = build_config({**TINY_MODEL, "vocab_size": 50257, "seq_len": 32, "device": "cpu"})
     budget = traced_step_peak(cfg, 6)
+    full = find_max_batch(cfg, budget_bytes=budget, max_batch=64, progress=False,
+                          probe=lambda c, b: traced_step_peak(c, b))
+    return cfg, budget, full
+
+
+def test_a_wrong_guess_falls_back_to_the_full_search(monkeypatch, plain_search):
+    import memtrain.analysis.maxbatch as mb
+
+    cfg, budget, _ = plain_search
     monkeypatch.setattr(mb, "_analytic_guess", lambda *a, **k: 9)  # too large: batch 9 does not fit
     fast = find_max_batch(cfg, budget_bytes=budget, max_batch=64, progress=False)
     assert fast.batch_size == 6 and len(fast.probes) > 3
 
 
 @pytest.mark.parametrize("guess", [4, 5, 7, 8, 20])
-def test_a_guess_a_few_batches_off_is_corrected_from_where_it_stands(monkeypatch, guess):
+def test_a_guess_a_few_batches_off_is_corrected_from_where_it_stands(monkeypatch, plain_search, guess):
     """The search steps outward from a wrong guess (up when it fits, down when it does not) and
     bisects: the traced answer, in fewer probes than the search from batch 1 takes."""
     import memtrain.analysis.maxbatch as mb
 
-    cfg = build_config({**TINY_MODEL, "vocab_size": 50257, "seq_len": 32, "device": "cpu"})
-    budget = traced_step_peak(cfg, 6)
-    full = find_max_batch(cfg, budget_bytes=budget, max_batch=64, progress=False,
-                          probe=lambda c, b: traced_step_peak(c, b))
+    cfg, budget, full = plain_search
     monkeypatch.setattr(mb, "_analytic_guess", lambda *a, **k: guess)
     near = find_max_batch(cfg, budget_bytes=budget, max_batch=64, progress=False)
     assert (near.batch_size, near.peak_bytes) == (full.batch_size, full.peak_bytes) == (6, budget)
