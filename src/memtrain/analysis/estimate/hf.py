@@ -13,7 +13,11 @@ transformers decoder layer differs from it in three ways that matter for memory,
   SDPA saves those (not the projections), and the forward passes through a few q-sized copies.
 * peft creates the LoRA adapters in the base weights' dtype (bf16 under ``--precision
   bf16-pure``), where memtrain's own LoRA keeps them in float32; and a frozen LM head gets no
-  gradient from the chunked loss.
+  gradient from the chunked loss. Under LoRA autograd records what the frozen parts need and no
+  more (the first layer's norm and q/k/v, the LM head), peft's casts and autocast's adapter copies
+  are counted, and q/k/v and gate/up run one Linear at a time (``inventory._peft_lora``).
+* Checkpointed layers recompute lazily, as torch's non-reentrant checkpoint does
+  (``Segment.lazy_recompute``).
 
 Everything else (separate q/k/v projections = one fused one for memory, SwiGLU's gate/up/down
 saves = memtrain's fused SwiGLU, SDPA/eager attention, checkpointing, the loss) is the

@@ -11,32 +11,48 @@ from memtrain.analysis.estimate.simulator import Node
 __all__ = ["hf_norm_node", "hf_rope_node"]
 
 
-def hf_norm_node(dm: Any, name: str, src: str, out: str, trainable: bool) -> Any:
+def hf_norm_node(dm: Any, name: str, src: str, out: str, trainable: bool, input_grad: bool = True) -> Any:
     """LlamaRMSNorm: ``w * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(dtype)``. Saved:
     the float32 input (``src`` itself when the stream is float32), rstd, and (for a trainable
     weight) the normalized tensor in the stream's dtype; the output is read by the projections
-    (saved by them)."""
+    (saved by them). ``input_grad``: whether ``src`` requires a gradient."""
     N, d, r = dm.n, dm.d, dm.r
     x32 = src if r == 4 else f"{name}.x32"
     outs: list[tuple] = [(out, N * d * r), (f"{name}.stats", N * 4), (f"{name}.nrm", N * d * r)]
     if r != 4:
         outs.append((x32, N * d * 4))
     # The weight multiply keeps the normalized tensor only for the weight's gradient: not when
-    # the norm is frozen (LoRA).
-    saves = [x32, f"{name}.stats"] + ([f"{name}.nrm"] if trainable else [])
+    # the norm is frozen (LoRA). The float32 input and rstd are kept only for the input's
+    # gradient: not when neither the input nor the weight needs one (the first layer's norm
+    # under LoRA reads the frozen embedding's output: autograd records nothing there).
+    saves = ([x32, f"{name}.stats"] if (input_grad or trainable) else []) + ([f"{name}.nrm"] if trainable else [])
     return Node(name, out=outs, inputs=[src], saves=saves, grad_out=(out,),
-                 grads=[(src, N * d * r)] + ([(f"param:{name}.weight", 0.0)] if trainable else []),
+                 grads=([(src, N * d * r)] if input_grad else []) + ([(f"param:{name}.weight", 0.0)] if trainable else []),
                  # pow's output, and the float32 normalized tensor before its cast back
                  fwd_scratch=N * d * 4 * (2 if r != 4 else 1),
-                 # backward: the float32 gradient through the cast, mul and pow
-                 scratch=2 * N * d * 4)
+                 scratch=_norm_backward_scratch(N, d, r))
 
 
-def hf_rope_node(dm: Any, qkv: str, out: str) -> Any:
+def _norm_backward_scratch(N: int, d: int, r: float) -> float:
+    """What the RMSNorm's backward holds at its high point, beyond the gradients the simulator
+    counts there (the incoming one and the input's, ``N * d * r`` each).
+
+    The high point is pow's backward (``grad * (2 * x32.pow(1))``): the float32 gradient of
+    x32 from the rstd multiply is alive, next to mean's expanded gradient (``expand / d``,
+    materialized), ``x32.pow(1)``, ``2 * that`` and the product: five float32 (N, d) tensors.
+    By then the incoming gradient is freed (consumed by the weight multiply, the first node)
+    and the input's gradient not yet made (the cast back is the last node), so the scratch is
+    those five less the two the simulator holds."""
+    return 5 * N * d * 4 - 2 * N * d * r
+
+
+def hf_rope_node(dm: Any, qkv: list[str], out: str) -> Any:
     """apply_rotary_pos_emb: new q and k (``q * cos + rotate_half(q) * sin``); v passes on. For
     memory the q/k/v triple stays one storage (what SDPA saves); the forward's scratch is the
-    products and the ``cat`` of rotate_half."""
+    products and the ``cat`` of rotate_half. ``qkv``: the projections' output, one key (the
+    fused entry) or three (q, k, v: the Linears simulated one by one)."""
     N, d, kv, a = dm.n, dm.d, dm.kv, dm.a
-    return Node(f"{out}.rope", out=[(out, N * (d + 2 * kv) * a)], inputs=[qkv],
-                 grads=[(qkv, N * (d + 2 * kv) * a)], fwd_scratch=3 * N * (d + kv) * a,
+    widths = [d + 2 * kv] if len(qkv) == 1 else [d, kv, kv]
+    return Node(f"{out}.rope", out=[(out, N * (d + 2 * kv) * a)], inputs=list(qkv),
+                 grads=[(k, N * w * a) for k, w in zip(qkv, widths)], fwd_scratch=3 * N * (d + kv) * a,
                  scratch=2 * N * (d + kv) * a)

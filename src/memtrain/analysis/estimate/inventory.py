@@ -92,10 +92,14 @@ def _fp8_linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: 
 
 def _linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int, n_out: int,
             trainable_base: bool, lora: int, x_bytes: float, *, bias: Optional[bool] = None,
-            lora_parts: tuple[str, ...] = ("",)) -> None:
+            lora_parts: tuple[str, ...] = ("",), input_grad: bool = True, param_name: Optional[str] = None) -> None:
     """A Linear layer: autocast casts of input/weight/bias, the matmul, LoRA adapters.
     ``bias``: this Linear's (default: the model's rule, ``dm.bias``); ``lora_parts``: the name
-    suffixes of the Linears the entry stands for (:func:`lora_split`), one adapter pair each."""
+    suffixes of the Linears the entry stands for (:func:`lora_split`), one adapter pair each;
+    ``input_grad``: whether ``x`` requires a gradient (False only for a transformers model's
+    first q/k/v under LoRA, whose input comes from the frozen embedding through a frozen norm);
+    ``param_name``: the table entry its parameters belong to (default ``name``; one Linear of
+    a fused entry names its nodes apart)."""
     N, a = dm.n, dm.a
     bias = dm.bias if bias is None else bias
     if dm.fp8 and not lora and fp8_converts(n_in, n_out):
@@ -106,48 +110,52 @@ def _linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int,
     # autograd saves a matmul's input only for the weight's gradient: a frozen transformers
     # base weight keeps none (our GPT's frozen Linears are modelled as keeping it).
     keeps_input = trainable_base or not dm.hf
-    lora_x: Optional[str] = None
-    w, bname = f"param:{name}.weight", f"param:{name}.bias"
+    # autocast caches its casts of leaf tensors that require grad only: a frozen transformers
+    # base weight is cast at each call, and the copy lives only as long as the matmul keeps it,
+    # which it does for the input's gradient alone (our GPT's frozen casts are modelled as
+    # cached and kept).
+    frozen_hf = dm.hf and not trainable_base
+    keeps_weight = not frozen_hf or input_grad
+    x_own, x_own_bytes = x, x_bytes  # the Linear's own input (peft hands it to the adapters)
+    param_name = param_name or name
+    w, bname = f"param:{param_name}.weight", f"param:{param_name}.bias"
     w_in = w
     if dm.autocast:
         # autocast casts the fp32 weight once per forward and caches the copy until the
         # autocast region ends; the copy is what the matmul saves for backward.
-        nodes.append(Node(f"{name}.cast_w", out=[(f"{name}.wc", 0.0 if dm.weights_in_compute_dtype else n_in * n_out * a)], hold=True,
-                           grads=[(w, 0.0)] if trainable_base else []))
+        nodes.append(Node(f"{name}.cast_w", out=[(f"{name}.wc", 0.0 if dm.weights_in_compute_dtype else n_in * n_out * a)],
+                           hold=not frozen_hf, grads=[(w, 0.0)] if trainable_base else []))
         w_in = f"{name}.wc"
         if bias:
-            nodes.append(Node(f"{name}.cast_b", out=[(f"{name}.bc", 0.0 if dm.weights_in_compute_dtype else n_out * a)], hold=True,
-                               grads=[(bname, 0.0)] if trainable_base else []))
+            nodes.append(Node(f"{name}.cast_b", out=[(f"{name}.bc", 0.0 if dm.weights_in_compute_dtype else n_out * a)],
+                               hold=not frozen_hf, grads=[(bname, 0.0)] if trainable_base else []))
         if x_bytes != a:
             # autocast caches the casts of leaf weights only: each Linear casts its input
             # itself, and its matmul saves that copy (q, k and v: three copies of one input).
             # (A frozen transformers Linear keeps no input: its casts live one at a time.)
             copies = n_linears if keeps_input else 1
             nodes.append(Node(f"{name}.cast_x", out=[(f"{x}@{name}", N * n_in * a * copies)], inputs=[x],
-                               grads=[(x, N * n_in * x_bytes)]))
-            x_in, x = x, f"{x}@{name}"
-            if lora and dm.hf:
-                # peft hands the adapters the Linear's own (uncast) input: under autocast
-                # lora_A casts it once more, per adapted Linear, and saves that copy.
-                lora_x = f"{x_in}@{name}.lora"
-                nodes.append(Node(f"{name}.lora_cast_x", out=[(lora_x, N * n_in * a * n_linears)], inputs=[x_in],
-                                   grads=[(x_in, N * n_in * x_bytes)]))
+                               grads=[(x, N * n_in * x_bytes)] if input_grad else []))
+            x = f"{x}@{name}"
     base_out = f"{out}.base" if lora else out
-    grads = [(x, N * n_in * a)]
+    grads = [(x, N * n_in * a)] if input_grad else []
     if trainable_base:
         grads.append((w_in, n_in * n_out * a if dm.autocast else 0.0))
         if bias:
             grads.append((f"{name}.bc" if dm.autocast else bname, n_out * a if dm.autocast else 0.0))
     extra = [w_in] if dm.autocast else []
     nodes.append(Node(name, out=[(base_out, N * n_out * a)], inputs=[x] + extra,
-                       saves=([x] if keeps_input else []) + extra, grads=grads, matmul=True))
-    if lora:
-        # peft: out = base(x) + lora_B(lora_A(x)) * scale. The adapters are float32; under
-        # autocast they compute in the autocast dtype, on a bf16-pure base peft casts x up to
+                       saves=([x] if keeps_input else []) + (extra if keeps_weight else []), grads=grads, matmul=True))
+    if lora and dm.hf:
+        _peft_lora(nodes, dm, name, x_own, x_own_bytes, base_out, out, n_in, n_out, lora, lora_parts, input_grad,
+                   param_name)
+    elif lora:
+        # memtrain's LoRA: out = base(x) + lora_B(lora_A(x)) * scale. The adapters are float32;
+        # under autocast they compute in the autocast dtype, on a bf16-pure base x is cast up to
         # float32 for them and the result back down.
-        ad = 4 if (not dm.autocast and a != 4 and not dm.hf) else a  # peft (hf): the base's dtype
+        ad = 4 if (not dm.autocast and a != 4) else a
         la, lb = f"{name}.lora_a", f"{name}.lora_b"
-        xa = lora_x or x
+        xa = x
         if ad != a:
             nodes.append(Node(f"{name}.lora_cast", out=[(f"{x}@lora", N * n_in * ad)], inputs=[x],
                                grads=[(x, N * n_in * a)]))
@@ -168,6 +176,52 @@ def _linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int,
             src = f"{lb}.c"
         nodes.append(Node(f"{name}.lora_add", out=[(out, N * n_out * a)], inputs=[base_out, src],
                            grads=[(base_out, 0.0), (src, 0.0)]))
+
+
+def _peft_lora(nodes: list[Node], dm: Dims, name: str, x: str, x_bytes: float, base_out: str, out: str,
+               n_in: int, n_out: int, r: int, parts: tuple[str, ...], input_grad: bool, param_name: str) -> None:
+    """peft's LoRA Linear on a transformers base (``x``: the Linear's own input, before any
+    autocast cast): ``base(x) + lora_B(lora_A(x.to(A.dtype))) * scale``. The adapters have the
+    parameters' dtype (float32 under autocast, bf16 under bf16-pure)."""
+    N, a = dm.n, dm.a
+    n_a = len(parts)  # one adapter pair per Linear the entry stands for (q, k, v)
+    la, lb = f"{name}.lora_a", f"{name}.lora_b"
+    # The Linear's input lives until the Linear returns (the caller holds it), peft's float32
+    # copy of it too: both outlive the adapters' products.
+    xa, until_return = x, [x]
+    w_a: list[str] = []
+    w_b: list[str] = []
+    if dm.autocast:
+        src = x
+        if x_bytes != 4:
+            # peft casts x to the adapters' float32 first: a new tensor when x is bf16 (the
+            # attention output into o_proj, the SwiGLU product into down_proj), which its
+            # forward keeps in a local until the Linear returns.
+            src = f"{x}@{name}.lora32"
+            nodes.append(Node(f"{name}.lora_up", out=[(src, N * n_in * 4)], inputs=[x],
+                               grads=[(x, N * n_in * x_bytes)] if input_grad else []))
+            until_return.append(src)
+        # lora_A's autocast casts that float32 input to bf16, once per adapted Linear (q, k and
+        # v each), and saves the copy for A's gradient; the bf16 input x itself, if nothing
+        # else saves it, is freed (its copy is what stays).
+        xa = f"{x}@{name}.lora"
+        nodes.append(Node(f"{name}.lora_cast_x", out=[(xa, N * n_in * a * n_a)], inputs=[src],
+                           grads=[(src, N * n_in * 4)] if input_grad else []))
+        # The adapters are leaves that require grad: autocast caches their bf16 copies until
+        # the forward ends. lora_B's matmul saves its copy (for the gradient of A's output),
+        # lora_A's only when its input needs a gradient.
+        w_a, w_b = [f"{name}.lora_wa"], [f"{name}.lora_wb"]
+        nodes.append(Node(f"{name}.lora_cast_w", out=[(w_a[0], n_a * r * n_in * a), (w_b[0], r * n_out * a)],
+                           hold=True))
+    nodes.append(Node(la, out=[(la, N * r * a * n_a)], inputs=[xa] + w_a, saves=[xa] + (w_a if input_grad else []),
+                       matmul=True, grads=([(xa, N * n_in * a)] if input_grad else [])
+                       + [(f"param:{param_name}.lora_A{s}", 0.0) for s in parts]))
+    nodes.append(Node(lb, out=[(lb, N * n_out * a)], inputs=[la] + w_b, saves=[la] + w_b, matmul=True,
+                       grads=[(la, N * r * a * n_a)] + [(f"param:{param_name}.lora_B{s}", 0.0) for s in parts]))
+    nodes.append(Node(f"{name}.lora_scale", out=[(f"{lb}.s", N * n_out * a)], inputs=[lb],
+                       grads=[(lb, N * n_out * a)]))
+    nodes.append(Node(f"{name}.lora_add", out=[(out, N * n_out * a)], inputs=[base_out, f"{lb}.s"] + until_return,
+                       grads=[(base_out, 0.0), (f"{lb}.s", 0.0)]))
 
 
 def _dropout(nodes: list[Node], dm: Dims, name: str, x: str, out: str, numel: float, elt: float) -> None:
@@ -310,10 +364,14 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     nodes: list[Node] = []
     layer = arch.norm == "layernorm"
 
+    # Under LoRA the frozen embedding's output needs no gradient: in a transformers model the
+    # first layer's input norm and residual add then keep nothing for it (autograd records no
+    # op whose inputs all lack requires_grad). (Our GPT's first block is modelled as keeping it.)
+    input_grad = trainable_base or i > 0 or not dm.hf
+
     def norm(name: str, src: str, out: str) -> None:
         if dm.hf:
-
-            nodes.append(hf_norm_node(dm, name, src, out, trainable_base))
+            nodes.append(hf_norm_node(dm, name, src, out, trainable_base, input_grad or src != x))
             return
         # LayerNorm saves its input and float32 mean + rstd per token (RMSNorm: rstd only).
         pg = [(f"param:{name}.weight", 0.0)] if trainable_base else []
@@ -323,17 +381,34 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
                            inputs=[src], saves=[src, f"{name}.stats"], grad_out=(out,),
                            grads=[(src, N * d * r)] + pg))
 
-    def lin(short: str, name: str, src: str, out: str, n_in: int, n_out: int, src_bytes: float) -> None:
-        parts = tuple(suffix for suffix, _ in lora_split(arch, short, n_out, d, dm.kv))
-        _linear(nodes, dm, name, src, out, n_in, n_out, trainable_base,
-                lora if short in targets else 0, src_bytes, bias=dm.bias or (arch.qkv_bias and short == "qkv"),
-                lora_parts=parts)
+    def lin(short: str, name: str, src: str, out: str, n_in: int, n_out: int, src_bytes: float,
+            part: Optional[str] = None) -> None:
+        """The Linear(s) of a table entry; ``part``: only that one of a fused entry's Linears
+        (its name suffix), writing ``out + part``."""
+        split = lora_split(arch, short, n_out, d, dm.kv)
+        bias, grad_in = dm.bias or (arch.qkv_bias and short == "qkv"), input_grad or short != "qkv"
+        rank = lora if short in targets else 0
+        if part is None:
+            _linear(nodes, dm, name, src, out, n_in, n_out, trainable_base, rank, src_bytes, bias=bias,
+                    lora_parts=tuple(suffix for suffix, _ in split), input_grad=grad_in)
+            return
+        _linear(nodes, dm, name + part, src, out + part, n_in, dict(split)[part], trainable_base, rank, src_bytes,
+                bias=bias, lora_parts=(part,), input_grad=grad_in, param_name=name)
 
+    # With peft's adapters a transformers layer's separate Linears (q, k, v; gate, up) are
+    # simulated one after the other: each one's LoRA tail (base output, B product, its scaled
+    # copy, their sum) lives while the earlier ones' outputs do, not all of them at once. (The
+    # frozen base's outputs alone sum to the fused one's, which stands for them otherwise.)
+    per_linear = dm.hf and bool(lora)
     norm(f"{p}.ln_1", x, f"{p}.ln1")
-    lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0" if dm.hf else f"{p}.qkv", d, d + 2 * dm.kv, r)
-    if dm.hf:
-
-        nodes.append(hf_rope_node(dm, f"{p}.qkv0", f"{p}.qkv"))
+    if per_linear:
+        for part in (".q", ".k", ".v"):
+            lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0", d, d + 2 * dm.kv, r, part)
+        nodes.append(hf_rope_node(dm, [f"{p}.qkv0.q", f"{p}.qkv0.k", f"{p}.qkv0.v"], f"{p}.qkv"))
+    else:
+        lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0" if dm.hf else f"{p}.qkv", d, d + 2 * dm.kv, r)
+        if dm.hf:
+            nodes.append(hf_rope_node(dm, [f"{p}.qkv0"], f"{p}.qkv"))
     start = len(nodes)
     _attention_nodes(nodes, dm, p, tech.attention, tech.window)
     # The attention core is what model.attn_fn computes: everything after the q/k/v split up
@@ -341,13 +416,26 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     for n in nodes[start + 1:]:
         n.core = not n.name.endswith(".merge")
     lin("proj", f"{p}.attn.proj", f"{p}.y", f"{p}.pr", d, d, a)
+    if dm.hf:
+        # The decoder layer's local holds the norm's output until self_attn returns (and the
+        # second norm's until the MLP returns), whether or not an op saved it.
+        nodes[-1].inputs.append(f"{p}.ln1")
     _dropout(nodes, dm, f"{p}.resid_drop", f"{p}.pr", f"{p}.prd", N * d, a)
     # Residual add: type promotion makes it float32 under autocast; the low-precision branch's
     # gradient is then a cast copy.
     nodes.append(Node(f"{p}.add1", out=[(f"{p}.x1", N * d * r)], inputs=[x, f"{p}.prd"],
-                       grads=[(x, 0.0), (f"{p}.prd", 0.0 if a == r else N * d * a)]))
+                       grads=([(x, 0.0)] if input_grad else []) + [(f"{p}.prd", 0.0 if a == r else N * d * a)]))
     norm(f"{p}.ln_2", f"{p}.x1", f"{p}.ln2")
-    if arch.mlp == "swiglu":
+    if arch.mlp == "swiglu" and per_linear:
+        # LlamaMLP: down(silu(gate(x)) * up(x)): silu runs before up_proj.
+        lin("fc", f"{p}.mlp.fc", f"{p}.ln2", f"{p}.h1", d, 2 * f, r, ".gate")
+        gate, up = f"{p}.h1.gate", f"{p}.h1.up"
+        nodes.append(Node(f"{p}.silu", out=[(f"{p}.g", N * f * a)], inputs=[gate], saves=[gate],
+                           grads=[(gate, N * f * a)]))
+        lin("fc", f"{p}.mlp.fc", f"{p}.ln2", f"{p}.h1", d, 2 * f, r, ".up")
+        nodes.append(Node(f"{p}.gmul", out=[(f"{p}.act", N * f * a)], inputs=[f"{p}.g", up],
+                           saves=[f"{p}.g", up], grads=[(f"{p}.g", N * f * a), (up, N * f * a)]))
+    elif arch.mlp == "swiglu":
         lin("fc", f"{p}.mlp.fc", f"{p}.ln2", f"{p}.h1", d, 2 * f, r)
         # silu(gate) * up: silu saves gate; the product saves silu(gate) and up (views of h1).
         nodes.append(Node(f"{p}.silu", out=[(f"{p}.g", N * f * a)], inputs=[f"{p}.h1"], saves=[f"{p}.h1"],
@@ -359,6 +447,8 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
         nodes.append(Node(f"{p}.gelu", out=[(f"{p}.act", N * f * a)], inputs=[f"{p}.h1"], saves=[f"{p}.h1"],
                            grads=[(f"{p}.h1", N * f * a)]))
     lin("fc_out", f"{p}.mlp.fc_out", f"{p}.act", f"{p}.h2", f, d, a)
+    if dm.hf:
+        nodes[-1].inputs.append(f"{p}.ln2")
     _dropout(nodes, dm, f"{p}.mlp_drop", f"{p}.h2", f"{p}.h2d", N * d, a)
     nodes.append(Node(f"{p}.add2", out=[(f"blocks.{i + 1}.in", N * d * r)], inputs=[f"{p}.x1", f"{p}.h2d"],
                        grads=[(f"{p}.x1", 0.0), (f"{p}.h2d", 0.0 if a == r else N * d * a)]))
@@ -435,7 +525,11 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
         nodes.append(Node("head.cast_x", out=[("hfc", N * d * a)], inputs=["hf"], grads=[("hf", N * d * r)]))
         xin, extra = "hfc", ["head.wc"]
     w_grad = [("head.wc", V * d * a)] if dm.autocast else [(f"param:{head}", 0.0)]
-    nodes.append(Node("lm_head", out=[("logits", N * V * a)], inputs=[xin] + extra, saves=[xin] + extra,
+    # A frozen transformers LM head (LoRA) keeps no input: the matmul saves it only for the
+    # weight's gradient (the input's gradient needs the weight alone). (Our GPT's frozen head is
+    # modelled as keeping it.)
+    x_saved = [xin] if (trainable or not dm.hf) else []
+    nodes.append(Node("lm_head", out=[("logits", N * V * a)], inputs=[xin] + extra, saves=x_saved + extra,
                        tag="logits", grads=[(xin, N * d * a)] + (w_grad if trainable else [])))
     src = "logits"
     if a != 4:
@@ -444,7 +538,10 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
         src = "logits32"
     nodes.append(Node("log_softmax", out=[("logp", N * V * 4)], inputs=[src], saves=["logp"], tag="logits",
                        grads=[(src, N * V * 4)]))
-    nodes.append(Node("loss", out=[("loss", 8)], inputs=["logp"], saves=["logp"], tag="logits",
+    # standard_lm_loss's local holds the low-precision logits until cross_entropy returns
+    # (counted for transformers models; our GPT's are modelled as freed by the float32 copy).
+    held_logits = ["logits"] if dm.hf else []
+    nodes.append(Node("loss", out=[("loss", 8)], inputs=["logp"] + held_logits, saves=["logp"], tag="logits",
                        grads=[("logp", N * V * 4)]))
     return nodes
 
@@ -487,7 +584,8 @@ def block_segments(cfg: RunConfig, arch: Arch, dm: Dims, trainable_base: bool, g
                      Segment(f"block {i}", nodes[b:])]
             continue
         segs.append(Segment(f"block {i}", nodes,
-                             checkpoint=mode if policy.whole_block(i, L) else "none", input_key=f"blocks.{j}.in"))
+                             checkpoint=mode if policy.whole_block(i, L) else "none", input_key=f"blocks.{j}.in",
+                             lazy_recompute=dm.hf))
     # (The simulated depth is passed, not set on a copy of cfg.model: a transformers model's
     # ModelConfig mirrors its config.json again on every copy, n_layers included.)
     segs.append(Segment("head", _head_nodes(dm, m, tech, arch, trainable_base, grads_exist, comp.blocks)))

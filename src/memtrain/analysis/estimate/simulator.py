@@ -7,7 +7,7 @@ step) and, for deep models, which blocks stand in for the rest (:class:`Compress
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from memtrain.config.run import RunConfig
@@ -146,6 +146,12 @@ class Segment:
     nodes: list[Node]
     checkpoint: str = "none"  # none | full | selective
     input_key: Optional[str] = None
+    # Recompute when backward reaches the first op that saved something (torch's non-reentrant
+    # checkpoint unpacks lazily: the ops after it, which save nothing, run their backward
+    # first) and stops as the last op that saved something saves its inputs, before its
+    # outputs exist; False recomputes as the segment's backward begins, through that op's
+    # outputs (our GPT's model).
+    lazy_recompute: bool = False
 
 
 class Graph:
@@ -467,8 +473,16 @@ class Graph:
     def _backward_segment(self, seg: Segment) -> None:
         sim = self.sim
         label = "loss backward" if seg.name == "head" else f"backward {seg.name}"
+        nodes = seg.nodes
         back, ckpt_host = None, 0.0
         if seg.checkpoint != "none":
+            # Recompute up to the last op whose tensors backward needs (non-reentrant
+            # checkpoint stops there); the recomputed saves live until their op's backward.
+            last_saver = max((i for i, n in enumerate(seg.nodes) if n.saves), default=-1)
+            if seg.lazy_recompute:
+                sim.at("backward", label)
+                self._backward_nodes(seg.nodes[last_saver + 1:])
+                nodes = seg.nodes[: last_saver + 1]
             sim.at("backward", f"recompute {seg.name}")
             back = self._unpack(seg.input_key) if seg.input_key else None
             if back is not None:
@@ -479,13 +493,20 @@ class Graph:
                 self.off_list[entry.index] = None
                 self.store[key] = back
                 ckpt_host = entry.nbytes
-            # Recompute up to the last op whose tensors backward needs (non-reentrant
-            # checkpoint stops there); the recomputed saves live until their op's backward.
-            last_saver = max((i for i, n in enumerate(seg.nodes) if n.saves), default=-1)
-            held = self._run_forward(seg.nodes[: last_saver + 1], True, "temporaries", set(), set())
-            self._flush(held)
+            # A tensor that an op past the stop would read (the base output and the input of a
+            # LoRA Linear whose adapter is the last saver) lives until the recompute stops.
+            recompute = list(seg.nodes[: last_saver + 1])
+            stop = recompute[-1] if recompute else None
+            if seg.lazy_recompute and stop is not None and not set(stop.saves) & {o[0] for o in stop.out}:
+                # autograd saves an op's inputs before its kernel runs: the recompute stops
+                # there, before the last saver's outputs exist.
+                recompute[-1] = replace(stop, out=[], fwd_scratch=0.0, hold=False)
+            made = {o[0] for n in recompute for o in n.out}
+            past_stop = {k for n in seg.nodes[last_saver + 1:] for k in n.inputs} & made
+            held = self._run_forward(recompute, True, "temporaries", past_stop, set())
+            self._flush(held + sorted(past_stop))
         sim.at("backward", label)
-        self._backward_nodes(seg.nodes)
+        self._backward_nodes(nodes)
         if seg.checkpoint != "none" and seg.input_key and seg.input_key in self.saved_refs:
             self._release(seg.input_key)
         if seg.checkpoint != "none" and back is not None:
