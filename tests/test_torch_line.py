@@ -53,8 +53,19 @@ def test_plans_search_imports_no_torch():
     assert not any(seen.values()), seen
 
 
+def test_the_flop_report_of_our_gpt_imports_no_torch():
+    """`memtrain flops` for memtrain's GPT answers from the analytic inventory (a named --gpu: the
+    default looks for a visible CUDA GPU, which a CUDA build of torch answers)."""
+    seen = _cli_loaded(["flops", "--gpu", "h100"],
+                       ["flops", "--json", "--gpu", "a100", "--precision", "bf16", "--checkpointing", "full",
+                        "--loss", "chunked", "--grad-accum", "2"],
+                       ["flops", "--gpu", "l4", "--model", "gpt2", "--batch-size", "1", "--seq-len", "64"],
+                       ["flops", "--gpu", "l4", "--attention", "sdpa", "--dropout", "0", "--precision", "bf16-pure"])
+    assert not any(seen.values()), seen
+
+
 def test_the_flop_rule_and_the_model_names_import_no_torch():
-    """`memtrain flops` counts a real step under FakeTensorMode (torch); its rule of thumb is
+    """`memtrain flops --count` counts a real step under FakeTensorMode (torch); its rule of thumb is
     arithmetic. Naming a bundled transformers config (what it resolves to, whether a run trains
     it) needs neither transformers nor torch; reading it does, even to check its model_type is one
     transformers ships (see the module docstring)."""
