@@ -344,11 +344,9 @@ def _plain_values(values: dict[str, Any]) -> bool:
             return False
         if not isinstance(value, kinds):
             return False
-        if kinds == (int,) and value <= 0:
-            return False
-        if name == "layer_types" and not all(isinstance(t, str) for t in value):
-            return False
-    return True
+    sizes_positive = all(v is None or _FIELD_TYPES.get(n, (int,)) != (int,) or v > 0 for n, v in values.items())
+    names_are_text = all(isinstance(t, str) for t in values.get("layer_types") or ())
+    return sizes_positive and names_are_text
 
 
 def _post_init(c: SimpleNamespace) -> None:
