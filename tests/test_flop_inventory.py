@@ -33,6 +33,7 @@ COMBOS = [
      "grad_accum": 3},
     {"precision": "bf16", "n_layers": 3, "checkpointing": "every:2", "vocab_multiple": 16},
     {"dropout": 0.0, "loss": "chunked", "loss_chunk": 21},  # the chunks divide the tokens
+    {"batch_size": 1, "precision": "fp16", "checkpointing": "full"},  # (B, heads) folds without copies
 ]
 
 SLOW_COMBOS = [
@@ -40,7 +41,8 @@ SLOW_COMBOS = [
     for p in ("fp32", "bf16", "fp16", "bf16-pure")
     for a, dr in (("math", 0.1), ("math", 0.0), ("sdpa", 0.0))
     for ck, loss, untie in (("none", "chunked", False), ("full", "standard", True), ("every:2", "naive", False))
-] + [
+] + [{"batch_size": 1, "precision": p, "attention": a, "dropout": dr, "checkpointing": "every:2"}
+     for p in ("fp32", "bf16") for a, dr in (("math", 0.1), ("math", 0.0), ("sdpa", 0.0))] + [
     # deeper than the count traces whole (it then counts one block per kind and extrapolates)
     {"n_layers": 9, "checkpointing": "every:4", "precision": "bf16", "loss": "chunked", "loss_chunk": 8},
     {"n_layers": 10, "checkpointing": "sqrt", "dropout": 0.0, "vocab_multiple": 64},
@@ -93,7 +95,9 @@ def test_a_count_without_dropout_is_the_same_in_every_process():
     ({"checkpointing": "selective-matmul"}, "--checkpointing selective-matmul"),
     ({"attention": "flash"}, "--attention flash"),
     ({"attention": "sdpa", "dropout": 0.1}, "--attention sdpa with dropout"),
-    ({"d_model": 37, "n_heads": 1}, "a vocabulary as large as another dimension"),
+    ({"vocab_size": 12}, "a vocabulary as large as another dimension"),  # = d_model
+    ({"d_model": 13, "n_heads": 1}, "one attention head"),
+    ({"d_model": 4, "n_heads": 4}, "a head of width 1"),
     ({"model": "tiny-llama"}, "transformers model"),
 ])
 def test_what_the_inventory_does_not_cover_is_counted(settings, why):

@@ -10,7 +10,7 @@ counted table itself, not an approximation of it: ``tests/test_flop_inventory.py
 equal, class by class and phase by phase, on a grid of odd sizes and technique combinations.
 
 What it covers (:func:`not_covered` names the rest, which ``memtrain flops`` counts): our GPT,
-every precision, ``--attention math`` and ``sdpa`` without ``--window``, checkpointing none, full,
+every precision, ``--attention math`` and ``sdpa`` (without dropout) without ``--window``, checkpointing none, full,
 every:K and sqrt, the standard, naive and chunked losses, dropout on or off, biases, tied or untied
 embeddings, a padded vocabulary, gradient accumulation, clipping and every optimizer. Not
 covered, because their op lists depend on kernels chosen at run time or on another library's
@@ -53,6 +53,9 @@ def not_covered(cfg: RunConfig) -> Optional[str]:
         return f"--attention {t.attention} (a CUDA kernel, counted with SDPA on CPU)"
     if t.attention == "sdpa" and cfg.model.dropout > 0.0:
         return "--attention sdpa with dropout (SDPA's math path, decomposed by torch)"
+    if 1 in (cfg.model.n_heads, cfg.model.head_dim, cfg.train.seq_len):
+        # a size-1 dimension makes some of the math backend's layout copies views
+        return "one attention head, a head of width 1 or a one-token sequence (layout copies become views)"
     if checkpoint_policy(t.checkpointing).kind in ("selective", "selective-matmul"):
         return f"--checkpointing {t.checkpointing} (torch's selective recompute)"
     m, tr = cfg.model, cfg.train
@@ -351,8 +354,10 @@ class _Step:
         B, T, h, hd, c = self.B, self.T, self.h, self.hd, self.c
         op = self.tape.op
         qkv, s = B * h * T * hd, B * h * T * T  # one of q, k, v; the scores
-        op("other", nbytes=2 * qkv * c)  # q and k^T made contiguous for bmm
-        op("other", nbytes=2 * qkv * c)
+        folds = B == 1  # (B, h) folds into bmm's batch as a view: no copies of q, k^T, v
+        if not folds:
+            op("other", nbytes=2 * qkv * c)  # q and k^T made contiguous for bmm
+            op("other", nbytes=2 * qkv * c)
         op("attn_core", counted=2 * s * hd, nbytes=(2 * qkv + s) * c)  # q k^T
         op("other", elementwise=s, nbytes=2 * s * c)  # * 1/sqrt(hd)
         self.causal_mask()
@@ -361,7 +366,8 @@ class _Step:
         op("softmax", elementwise=5 * s, nbytes=2 * s * F32)
         self.cast("other", s, F32, c)
         self.dropout_forward(s, c)
-        op("other", nbytes=2 * qkv * c)  # v made contiguous
+        if not folds:
+            op("other", nbytes=2 * qkv * c)  # v made contiguous
         op("attn_core", counted=2 * s * hd, nbytes=(2 * qkv + s) * c)  # probs @ v
         op("other", nbytes=2 * qkv * c)  # heads back to (B, T, d)
 
@@ -378,7 +384,8 @@ class _Step:
         op = self.tape.op
         qkv, s = B * h * T * hd, B * h * T * T
         bmm = (2 * qkv + s) * c
-        op("other", nbytes=2 * qkv * c)  # the output's gradient back to (B, h, T, hd)
+        if B > 1:
+            op("other", nbytes=2 * qkv * c)  # the output's gradient back to (B, h, T, hd)
         op("attn_core", counted=2 * s * hd, nbytes=bmm)
         op("attn_core", counted=2 * s * hd, nbytes=bmm)
         self.dropout_backward(s, c)
