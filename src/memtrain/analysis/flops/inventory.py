@@ -10,13 +10,16 @@ counted table itself, not an approximation of it: ``tests/test_flop_inventory.py
 equal, class by class and phase by phase, on a grid of odd sizes and technique combinations.
 
 What it covers (:func:`not_covered` names the rest, which ``memtrain flops`` counts): our GPT,
-every precision, ``--attention math`` and ``sdpa`` (without dropout) without ``--window``, checkpointing none, full,
+every precision, ``--attention math`` and ``sdpa`` (without dropout), checkpointing none, full,
 every:K and sqrt, the standard, naive and chunked losses, dropout on or off, biases, tied or untied
 embeddings, a padded vocabulary, gradient accumulation, clipping and every optimizer. Not
-covered, because their op lists depend on kernels chosen at run time or on another library's
-internals: LoRA (peft's adapter modules), ``--window`` (banded or dense masked kernels by size),
+covered, because their op lists depend on kernels chosen at run time, on another library's
+internals or on layout accidents: LoRA (peft's adapter modules), ``--window`` (banded or dense masked kernels by size),
 the CUDA-only attention kernels (counted with SDPA on CPU, with a note), selective and
-selective-matmul checkpointing (torch's early-stopping recompute) and transformers models.
+selective-matmul checkpointing (torch's early-stopping recompute), SDPA with dropout (torch's
+decomposed math path), shapes with a size-1 head count, head width or sequence (layout copies turn
+into views), a vocabulary equal to another dimension (the recorder's logits test) and
+transformers models.
 
 The op lists mirror torch 2.13's CPU decompositions (FakeTensorMode on CPU): a torch whose
 autograd formulas change would change the counted table and the grid test would say so.
