@@ -4,9 +4,11 @@ step (`memtrain estimate`, a bench row) makes the same choice of method.
 Torch-free: the config and its sections, what a --model names (memtrain.models.spec), the
 technique facts, the analytic estimator and its choice of method, plan's search, the rendering.
 Torch side: building models, applying techniques, the step harness, train, trace, maxbatch,
-profile. A transformers --model is read through transformers' AutoConfig, and transformers
-imports torch whenever it is installed (its configuration module loads its rope utilities,
-which import torch), so only the naming of a bundled config is torch-free there.
+profile. transformers imports torch whenever it is installed (its configuration module loads its
+rope utilities, which import torch), so a transformers --model of a family the analytic estimator
+models (a bundled config, a local config.json) is read as JSON with transformers' defaults
+(memtrain.models.spec.analytic_config); traced paths, Hub models and other families read it
+through AutoConfig.
 """
 
 from __future__ import annotations
@@ -53,8 +55,32 @@ def test_plans_search_imports_no_torch():
     assert not any(seen.values()), seen
 
 
+def test_the_flop_report_of_our_gpt_imports_no_torch():
+    """`memtrain flops` for memtrain's GPT answers from the analytic inventory (a named --gpu: the
+    default looks for a visible CUDA GPU, which a CUDA build of torch answers)."""
+    seen = _cli_loaded(["flops", "--gpu", "h100"],
+                       ["flops", "--json", "--gpu", "a100", "--precision", "bf16", "--checkpointing", "full",
+                        "--loss", "chunked", "--grad-accum", "2"],
+                       ["flops", "--gpu", "l4", "--model", "gpt2", "--batch-size", "1", "--seq-len", "64"],
+                       ["flops", "--gpu", "l4", "--attention", "sdpa", "--dropout", "0", "--precision", "bf16-pure"])
+    assert not any(seen.values()), seen
+
+
+def test_the_analytic_estimate_and_plan_of_a_bundled_transformers_config_import_no_torch():
+    """Plan's search for a transformers model is analytic with CUDA kernel facts on a CPU-only
+    torch (it traces otherwise)."""
+    argvs = [["estimate", "--model", "llama-3-8b"], ["estimate", "--model", "qwen2.5-0.5b", "--json"],
+             ["estimate", "--model", "mistral-7b", "--batch-size", "1", "--explain"]]
+    from memtrain.runtime.extras import cpu_only_torch
+
+    if cpu_only_torch():
+        argvs.append(["plan", "--model", "llama-3-8b", "--device-type", "cuda", "--budget", "80GiB", "--max-batch", "8"])
+    seen = _cli_loaded(*argvs)
+    assert not any(seen.values()), seen
+
+
 def test_the_flop_rule_and_the_model_names_import_no_torch():
-    """`memtrain flops` counts a real step under FakeTensorMode (torch); its rule of thumb is
+    """`memtrain flops --count` counts a real step under FakeTensorMode (torch); its rule of thumb is
     arithmetic. Naming a bundled transformers config (what it resolves to, whether a run trains
     it) needs neither transformers nor torch; reading it does, even to check its model_type is one
     transformers ships (see the module docstring)."""

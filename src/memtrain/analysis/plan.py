@@ -31,6 +31,7 @@ from memtrain.analysis.estimate.hf import hf_arch, why_not_modelled
 from memtrain.config.run import ConfigError, RunConfig, train_flags
 from memtrain.devices.gpu_kinds import GPU_KINDS, has_fp8
 from memtrain.models.spec import cost_arch, is_gpt_preset
+from memtrain.runtime.extras import cpu_only_torch
 from memtrain.techniques.facts import ADAMW_KERNELS, BF16_PURE_OPTIMS, checkpoint_policy, precision_facts
 
 __all__ = ["Candidate", "PlanResult", "DEVICE_PROFILES", "HOST_BANDWIDTH", "default_space", "offload_exposed_s", "plan",
@@ -454,10 +455,11 @@ def _transformers_arch(cfg: RunConfig, device_type: str) -> tuple[Arch, bool, st
     assert cfg.model.model is not None, "arch=None plans a transformers --model"
     if device_type != "cuda":
         return cost_arch(cfg.model.model), True, ""
-    from memtrain.analysis.trace import cuda_trace_supported  # imports torch: transformers models only
+    if not cpu_only_torch():  # a CPU-only build has no fake CUDA tensors: torch need not load to say so
+        from memtrain.analysis.trace import cuda_trace_supported  # imports torch: transformers models only
 
-    if cuda_trace_supported():
-        return cost_arch(cfg.model.model), True, ""
+        if cuda_trace_supported():
+            return cost_arch(cfg.model.model), True, ""
     reason = why_not_modelled(cfg)
     if reason is not None:
         raise ConfigError(f"--device-type cuda: {reason}, and tracing it with CUDA kernels needs a CUDA build of "

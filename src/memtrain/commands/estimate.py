@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import re
-from pathlib import Path
 from typing import Any
 
 from memtrain.analysis.estimate import GPT2_ARCH, estimate_inference, parse_count, shape_for_params
@@ -16,6 +13,7 @@ from memtrain.config.argtypes import world_size
 from memtrain.config.presets import PRESETS, preset
 from memtrain.config.run import ConfigError, parse_size
 from memtrain.report.by_module import module_table_lines
+from memtrain.runtime.extras import cpu_only_torch
 from memtrain.techniques.facts import LIGER_LOSS_NOTE, liger_loss_runs
 
 
@@ -63,26 +61,12 @@ def device_type_for(args: argparse.Namespace, cfg: Any) -> str:
         return "cuda"
     if cfg.train.device == "cpu":
         return "cpu"
-    if _cpu_only_torch():
+    if cpu_only_torch():
         return "cpu"
-    # torch loads only where a CUDA build may find a GPU (see _cpu_only_torch)
+    # torch loads only where a CUDA build may find a GPU (see cpu_only_torch)
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _cpu_only_torch() -> bool:
-    """True when the installed torch is a CPU-only build, read from its version.py as text:
-    importing torch costs seconds and ~200 MB, more than the whole analytic estimate."""
-
-    try:
-        spec = importlib.util.find_spec("torch")
-        locations = list(spec.submodule_search_locations or []) if spec else []
-        text = (Path(locations[0]) / "version.py").read_text(encoding="utf-8") if locations else ""
-    except (OSError, ValueError, ImportError, UnicodeDecodeError):
-        return False
-    builds = re.findall(r"^(cuda|hip)\b[^=\n]*=\s*(.+)$", text, flags=re.M)
-    return len(builds) == 2 and all(v.strip() == "None" for _, v in builds)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -1,6 +1,11 @@
 """`memtrain flops`: counted FLOPs and bytes per operation class of one training step, the rule of
 thumb beside them, and where each class sits on a GPU's roofline (optionally a PNG, optionally
-with measured kernel times)."""
+with measured kernel times).
+
+For memtrain's GPT the figures come from the analytic inventory
+(:mod:`memtrain.analysis.flops.inventory`, no torch): the table a fake-tensor count gives, by
+arithmetic. Other runs (a transformers --model, LoRA, --window, ...), and any run with --count,
+are counted under FakeTensorMode."""
 
 from __future__ import annotations
 
@@ -29,6 +34,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Also time each operation class with torch.profiler on the CUDA GPU and place "
                         "measured points (needs a GPU).")
     p.add_argument("--profile-steps", type=int, default=5, metavar="N", help="Profiled steps (after 3 warm-up steps).")
+    p.add_argument("--count", action="store_true",
+                   help="Count the step under fake tensors (torch) even where the analytic inventory answers "
+                        "(memtrain's GPT without LoRA, --window, selective checkpointing or a CUDA-only attention "
+                        "kernel); the two give the same figures.")
 
 
 def _g(x: float) -> str:
@@ -137,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
 
         measured = profile_op_classes(cfg, steps=args.profile_steps)
         device = device_name(resolve_device(cfg.train.device))
-    report = flops_report(cfg, args.gpu, measured, device)
+    report = flops_report(cfg, args.gpu, measured, device, count=args.count)
     if args.plot:
         plot_roofline(report, Path(args.plot))
     if args.json:

@@ -48,7 +48,7 @@ from typing import Optional
 from memtrain.techniques.facts import MATMUL_TYPES
 
 __all__ = ["AllocatorFacts", "DEFAULT_ALLOCATOR", "GPU_KINDS", "GpuKind", "allocator_facts", "gpu_kind",
-           "gpu_table_key", "has_fp8"]
+           "gpu_table_key", "has_fp8", "peak_of"]
 
 T = 1e12  # TFLOP/s
 GBs = 1e9  # GB/s (decimal, as datasheets state bandwidth)
@@ -175,6 +175,17 @@ _PATTERNS: list[tuple[str, str]] = [
     (r"\bv100\b", "v100-sxm2"),
     (r"\bt4\b", "t4"),
 ]
+
+
+def peak_of(flops: Mapping[str, Optional[float]], matmul_type: str) -> Optional[float]:
+    """Dense peak FLOP/s for ``matmul_type`` from a kind's rates, None where it has none.
+
+    "tf32" on a GPU without TF32 tensor cores falls back to the FP32 rate, because that is
+    what such a GPU runs when TF32 is requested."""
+    value = flops.get(matmul_type)
+    if value is None and matmul_type == "tf32":
+        value = flops.get("fp32")
+    return value
 
 
 def gpu_table_key(name: Optional[str]) -> Optional[str]:

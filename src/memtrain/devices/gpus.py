@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from memtrain.devices.gpu_kinds import GPU_KINDS, gpu_table_key
+from memtrain.devices.gpu_kinds import GPU_KINDS, gpu_table_key, peak_of
 from memtrain.techniques.facts import MATMUL_TYPES, matmul_type
 
 __all__ = ["GpuSpec", "PEAK_FLOPS", "lookup_gpu", "device_gpu", "peak_flops", "mfu"]
@@ -75,10 +75,7 @@ def peak_flops(gpu: GpuSpec | None, dtype: str | torch.dtype) -> float | None:
     kind = _matmul_type(dtype)
     if kind is None:
         raise ValueError(f"unknown dtype {dtype!r} for peak FLOP/s; use one of {', '.join(DTYPES)}")
-    value = gpu.flops.get(kind)
-    if value is None and kind == "tf32":
-        value = gpu.flops.get("fp32")
-    return value
+    return peak_of(gpu.flops, kind)
 
 
 def mfu(

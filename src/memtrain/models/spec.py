@@ -23,6 +23,7 @@ import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Optional
 
 from memtrain.config.archs import GPT2_ARCH, LLAMA_ARCH
@@ -260,11 +261,112 @@ def load_config(spec: str) -> Any:
     return cfg
 
 
+# --------------------------------------------------------------------------- config.json without torch
+# transformers imports torch whenever it is installed (its configuration module loads the rope
+# utilities), so AutoConfig costs seconds and the analytic estimate's torch-free promise. For the
+# families the analytic estimator models, the fields it and plan read are plain JSON with
+# transformers' defaults (transformers/models/<type>/configuration_<type>.py, the class fields
+# and __post_init__); ``tests/test_model_config_reader.py`` holds them equal to AutoConfig's for
+# every bundled config and for configs with those fields left out.
+_COMMON_DEFAULTS: dict[str, Any] = {
+    "hidden_act": "silu", "tie_word_embeddings": False, "attention_dropout": 0.0, "num_key_value_heads": None,
+}
+ANALYTIC_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {**_COMMON_DEFAULTS, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "max_position_embeddings": 2048,
+              "attention_bias": False, "mlp_bias": False, "head_dim": None},
+    "qwen2": {**_COMMON_DEFAULTS, "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+              "max_position_embeddings": 32768, "use_sliding_window": False, "sliding_window": 4096,
+              "max_window_layers": 28, "layer_types": None},
+    "mistral": {**_COMMON_DEFAULTS, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "max_position_embeddings": 4096 * 32, "sliding_window": 4096, "head_dim": None},
+}
+# The fields each family's typed config lets be null (an explicit null elsewhere: AutoConfig refuses it).
+_NULLABLE: dict[str, frozenset[str]] = {
+    "llama": frozenset({"num_key_value_heads", "head_dim", "attention_dropout"}),
+    "qwen2": frozenset({"num_key_value_heads", "sliding_window", "layer_types"}),
+    "mistral": frozenset({"head_dim", "sliding_window"}),
+}
+# The JSON types each field may hold (anything else: AutoConfig's own validation decides).
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "hidden_act": (str,), "tie_word_embeddings": (bool,), "attention_dropout": (int, float),
+    "attention_bias": (bool,), "mlp_bias": (bool,), "use_sliding_window": (bool,), "layer_types": (list,),
+}
+
+
+def analytic_config(spec: str) -> Any:
+    """The config of ``spec`` as the analytic estimate and plan read it: a bundled config or a
+    local config.json of a family the estimator models, read as JSON with transformers' defaults
+    (no torch); anything else (a Hub repository, another model_type, a field of an unexpected
+    type, a config transformers would refuse) through :func:`load_config` (AutoConfig, which
+    loads torch), rather than guessing what transformers would make of it."""
+    light = _read_light_config(spec)
+    return light if light is not None else load_config(spec)
+
+
+@functools.lru_cache(maxsize=32)
+def _read_light_config(spec: str) -> Optional[SimpleNamespace]:
+    """:func:`analytic_config`'s torch-free reading, or None where it defers to AutoConfig (which
+    then also gives any error its own words)."""
+    try:
+        src = resolve(spec)
+        if src.repo is not None or src.config_path is None:
+            return None
+        data = _json_object(src.config_path, "the config.json")
+        if src.directory is not None:
+            refuse_custom_tokenizer(src.directory)
+    except ConfigError:
+        return None
+    model_type = data.get("model_type")
+    if not isinstance(model_type, str) or model_type not in ANALYTIC_CONFIG_DEFAULTS or "auto_map" in data:
+        return None
+    defaults = ANALYTIC_CONFIG_DEFAULTS[model_type]
+    values = {name: data.get(name, default) for name, default in defaults.items()}
+    if any(values[name] is None and name not in _NULLABLE[model_type] for name in values) or not _plain_values(values):
+        return None
+    c = SimpleNamespace(model_type=model_type, is_encoder_decoder=False, **values)
+    _post_init(c)
+    if c.hidden_size % c.num_attention_heads:
+        return None  # transformers refuses it (validate_architecture): its message, not ours
+    return c
+
+
+def _plain_values(values: dict[str, Any]) -> bool:
+    """Whether every field holds what transformers' typed config accepts without conversion:
+    whole numbers (not bools) for sizes, the listed JSON types for the rest."""
+    for name, value in values.items():
+        if value is None:
+            continue
+        kinds = _FIELD_TYPES.get(name, (int,))
+        if isinstance(value, bool) and bool not in kinds:
+            return False
+        if not isinstance(value, kinds):
+            return False
+    sizes_positive = all(v is None or _FIELD_TYPES.get(n, (int,)) != (int,) or v > 0 for n, v in values.items())
+    names_are_text = all(isinstance(t, str) for t in values.get("layer_types") or ())
+    return sizes_positive and names_are_text
+
+
+def _post_init(c: SimpleNamespace) -> None:
+    """The defaults transformers derives from other fields (the families' __post_init__)."""
+    if "head_dim" in vars(c) and c.head_dim is None:
+        c.head_dim = c.hidden_size // c.num_attention_heads
+    if c.num_key_value_heads is None:
+        c.num_key_value_heads = c.num_attention_heads
+    if c.model_type == "qwen2":
+        c.sliding_window = c.sliding_window if c.use_sliding_window else None
+        if c.layer_types is None:
+            c.layer_types = ["sliding_attention" if c.sliding_window is not None and i >= c.max_window_layers
+                             else "full_attention" for i in range(c.num_hidden_layers)]
+
+
 def mirrored_fields(spec: str) -> dict[str, Any]:
     """The memtrain ModelConfig fields that describe ``spec``'s shape, so that every part of
     memtrain that reads ``cfg.model`` (random batches, FLOP rules, validation of --seq-len and
     --lora-rank) sees the transformers model's real vocabulary, width and length."""
-    c = load_config(spec)  # a ConfigError of its own when unreadable
+    c = analytic_config(spec)  # a ConfigError of its own when unreadable
     try:
         return _mirrored_fields(c)
     except (TypeError, ValueError, OverflowError) as exc:  # a size that is missing, text, or not finite

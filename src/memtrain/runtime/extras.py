@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import logging
 import os
+import re
 import warnings
+from pathlib import Path
 from types import ModuleType
 
 from memtrain.config.run import ConfigError
@@ -75,3 +78,17 @@ def quiet_datasets() -> None:
         import huggingface_hub
 
         huggingface_hub.utils.logging.set_verbosity(logging.CRITICAL)
+
+
+def cpu_only_torch() -> bool:
+    """True when the installed torch is a CPU-only build, read from its version.py as text:
+    importing torch costs seconds and ~200 MB, more than a whole analytic estimate, so a
+    question that torch would answer with "no CUDA" is answered without it."""
+    try:
+        spec = importlib.util.find_spec("torch")
+        locations = list(spec.submodule_search_locations or []) if spec else []
+        text = (Path(locations[0]) / "version.py").read_text(encoding="utf-8") if locations else ""
+    except (OSError, ValueError, ImportError, UnicodeDecodeError):
+        return False
+    builds = re.findall(r"^(cuda|hip)\b[^=\n]*=\s*(.+)$", text, flags=re.M)
+    return len(builds) == 2 and all(v.strip() == "None" for _, v in builds)

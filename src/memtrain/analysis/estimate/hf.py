@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 from memtrain.analysis.estimate.training import estimate
 from memtrain.config.archs import LLAMA_ARCH, Arch
-from memtrain.models.spec import GPT_LORA_TARGETS, load_config  # load_config reads through transformers
+from memtrain.models.spec import GPT_LORA_TARGETS, analytic_config  # torch-free for the modelled families
 
 __all__ = ["MODELLED", "QKV_BIAS", "active_window", "hf_arch", "why_not_modelled", "analytic_estimate"]
 
@@ -66,7 +66,7 @@ def active_window(c: Any, window: Optional[int], seq_len: int) -> Optional[int]:
 def why_not_modelled(cfg: Any) -> Optional[str]:
     """None when the analytic model covers ``cfg`` (a RunConfig of a transformers model), else
     the reason it does not (the estimate then traces)."""
-    c = load_config(cfg.model.model)
+    c = analytic_config(cfg.model.model)
     tech = cfg.technique
     if c.model_type not in MODELLED:
         return f"no analytic model of {c.model_type} layers (only {', '.join(MODELLED)})"
@@ -90,7 +90,7 @@ def why_not_modelled(cfg: Any) -> Optional[str]:
 
 def hf_arch(spec: str) -> Arch:
     """The :class:`Arch` of a modelled transformers config (Llama-style layers, its k/v heads)."""
-    c = load_config(spec)
+    c = analytic_config(spec)
     return replace(LLAMA_ARCH, name=c.model_type, n_kv_heads=getattr(c, "num_key_value_heads", None), hf=True,
                    qkv_bias=c.model_type in QKV_BIAS)
 

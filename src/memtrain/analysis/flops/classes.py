@@ -4,15 +4,21 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable, Protocol, Sequence
 
-if TYPE_CHECKING:  # torch stays out of import time for ``memtrain --help``
-    import torch
+
+class Shaped(Protocol):
+    """What :func:`classify` reads of a tensor: a torch.Tensor, or the inventory's shapes."""
+
+    @property
+    def shape(self) -> Sequence[int]: ...
+
+    def dim(self) -> int: ...
 
 
 # --------------------------------------------------------------------------- operation classes
 # (name, label) in display order. QK^T and AV are reported apart although the math backend
-# runs both as ``aten.bmm`` inside the same module: see ``_split_attention``.
+# runs both as ``aten.bmm`` inside the same module: see ``split_attention``.
 OP_CLASSES: tuple[tuple[str, str], ...] = (
     ("embedding", "embedding"),
     ("layernorm", "LayerNorm"),
@@ -162,7 +168,27 @@ class StepCount:
         return sum(self.phase_total(p) for p in PHASES)
 
 
-def classify(module_path: str, op: str, tensors: Iterable["torch.Tensor"], vocab: int) -> str:
+def split_attention(table: dict[str, ClassCount], only_scores: bool = False) -> None:
+    """Split the math backend's ``attn_core`` bmm into QK^T and AV, half each.
+
+    Exact, not an estimate: QK^T multiplies (T x hd)(hd x T) and AV (T x T)(T x hd), so in
+    the forward both are 2*T*T*hd FLOPs reading one (T,T) and two (T,hd)-sized operands
+    (inputs and output together); in the backward each produces two gradients with the same
+    shapes. The two matmuls run as the same aten op (bmm) inside the same module, so the
+    dispatcher alone cannot tell them apart, but they are equal in FLOPs and bytes."""
+    core = table.pop("attn_core", None)
+    if core is None:
+        return
+    if only_scores:
+        # Selective checkpointing's recompute of the attention core stops (non-reentrant
+        # checkpoint's early stop) once q k^T's softmax and v are back: probs @ v never reruns.
+        table.setdefault("attn_scores", ClassCount()).add(core)
+        return
+    for name in ("attn_scores", "attn_values"):
+        table.setdefault(name, ClassCount()).add(core, 0.5)
+
+
+def classify(module_path: str, op: str, tensors: Iterable[Shaped], vocab: int) -> str:
     """Operation class of one aten op, from the module running it and the op's name.
 
     ``attn_core`` (the math backend's two bmm) is split into QK^T and AV afterwards.

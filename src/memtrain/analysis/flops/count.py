@@ -9,35 +9,15 @@ import math
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from memtrain.analysis.flops.classes import ClassCount, StepCount
+from memtrain.analysis.flops.classes import ClassCount, StepCount, split_attention
 from memtrain.analysis.flops.recorder import in_core, make_recorder
-from memtrain.analysis.flops.rules import CLIP_FLOPS_PER_PARAM, OPTIMIZER_FLOPS_PER_PARAM, optimizer_bytes_per_param
+from memtrain.analysis.flops.rules import assemble_step
 from memtrain.analysis.limits import check_analytic_size
 from memtrain.config.run import ConfigError, ModelConfig, RunConfig
-from memtrain.techniques.facts import checkpoint_policy, precision_facts
+from memtrain.techniques.facts import checkpoint_policy
 
 if TYPE_CHECKING:  # torch stays out of import time for ``memtrain --help``
     import torch
-
-
-def _split_attention(table: dict[str, ClassCount], only_scores: bool = False) -> None:
-    """Split the math backend's ``attn_core`` bmm into QK^T and AV, half each.
-
-    Exact, not an estimate: QK^T multiplies (T x hd)(hd x T) and AV (T x T)(T x hd), so in
-    the forward both are 2*T*T*hd FLOPs reading one (T,T) and two (T,hd)-sized operands
-    (inputs and output together); in the backward each produces two gradients with the same
-    shapes. The two matmuls run as the same aten op (bmm) inside the same module, so the
-    dispatcher alone cannot tell them apart, but they are equal in FLOPs and bytes."""
-    core = table.pop("attn_core", None)
-    if core is None:
-        return
-    if only_scores:
-        # Selective checkpointing's recompute of the attention core stops (non-reentrant
-        # checkpoint's early stop) once q k^T's softmax and v are back: probs @ v never reruns.
-        table.setdefault("attn_scores", ClassCount()).add(core)
-        return
-    for name in ("attn_scores", "attn_values"):
-        table.setdefault(name, ClassCount()).add(core, 0.5)
 
 
 def _precision_for_count(name: str) -> Any:
@@ -77,7 +57,8 @@ def _extra_flop_formulas() -> dict:
 def _counting_config(cfg: RunConfig, **overrides: Any) -> RunConfig:
     """The config a count runs: the same model and techniques on CPU, eager (compile fuses
     kernels but does not change the FLOPs), single process."""
-    return cfg.replace(compile=False, distributed="none", cpu_offload=False, device="cpu", **overrides)
+    return cfg.replace(compile=False, compile_memory_budget=None, distributed="none", cpu_offload=False,
+                       device="cpu", **overrides)
 
 
 def _use_fused_dropout(model: Any) -> None:
@@ -117,10 +98,20 @@ def _use_fused_dropout(model: Any) -> None:
                 return fn(*args, **kwargs)
         return attn_fn
 
+    def module_dropout(x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+        # A module must return a new tensor even when it drops nothing (p = 0): were its output
+        # its input, torch's ModuleTracker (the counter's backward attribution) would see the
+        # one tensor enter and leave the module, fire its exit before its entry and keep the
+        # module "running" for the rest of the backward, so every later op's class would depend
+        # on the iteration order of a set of strings (the process's hash seed). A view moves no
+        # bytes and computes nothing.
+        out = fused(x, p, train)
+        return x.view_as(x) if out is x else out
+
     names = {m: ("GPT." + n if n else "GPT") for n, m in model.named_modules()}
     for module in model.modules():
         if isinstance(module, nn.Dropout):
-            module.forward = (lambda m: lambda x: fused(x, m.p, m.training))(module)  # type: ignore[method-assign]  # patches this instance's forward on purpose
+            module.forward = (lambda m: lambda x: module_dropout(x, m.p, m.training))(module)  # type: ignore[method-assign]  # patches this instance's forward on purpose
         fn = getattr(module, "attn_fn", None)
         if isinstance(fn, functools.partial) and fn.func is checkpointed_call:
             # Selective checkpointing checkpoints the attention core: the mode must be active
@@ -204,7 +195,7 @@ def _trace(cfg: RunConfig, fake: bool = True) -> tuple[dict[str, dict[str, Class
     if not math.isclose(attributed, total, rel_tol=1e-9, abs_tol=1.0):
         raise RuntimeError(f"FLOP attribution lost FLOPs: classes sum to {attributed:.6g}, counter {total:.6g}")
     for phase, v in table.items():
-        _split_attention(v, only_scores=phase == "recompute" and checkpoint_policy(cfg.technique.checkpointing).kind == "selective")
+        split_attention(v, only_scores=phase == "recompute" and checkpoint_policy(cfg.technique.checkpointing).kind == "selective")
     return table, total, n_params, trainable
 
 
@@ -271,17 +262,6 @@ def _accumulate(into: dict[str, dict[str, ClassCount]], table: dict[str, dict[st
             d.ops += round(scale * c.ops)
 
 
-def _rule_terms(cfg: RunConfig, n_params: int, tokens: int) -> dict[str, float]:
-    """The rule's two terms and the parameters it names, for the side-by-side."""
-    m = cfg.model
-    matmul_params = n_params - m.max_seq_len * m.d_model
-    return {
-        "six_n_d": 6.0 * matmul_params * tokens,
-        "attention": 12.0 * m.n_layers * m.d_model * cfg.train.seq_len * tokens,
-        "rule_params": float(matmul_params),
-    }
-
-
 def count_step(cfg: RunConfig) -> StepCount:
     """Counted FLOPs and bytes of one optimizer step of ``cfg``, by phase and operation class.
 
@@ -305,7 +285,6 @@ def _count_step_cached(key: str) -> StepCount:
     from memtrain.config.run import build_config  # torch-free --help/estimate/plan
 
     cfg = _counting_config(build_config(json.loads(key)))
-    t = cfg.train
     notes: list[str] = []
     try:
         table, counter_total, n_params, trainable = _trace_by_kind(cfg)
@@ -319,29 +298,7 @@ def _count_step_cached(key: str) -> StepCount:
         table, counter_total, n_params, trainable = _trace_by_kind(cfg.replace(attention="sdpa"))
         notes.append(f"--attention {cfg.technique.attention} cannot run on CPU ({exc}); counted with "
                      f"--attention sdpa: same FLOPs, attention bytes of the CPU SDPA path")
-    forward = table.get("forward", {})
-    backward = table.get("backward", {})
-    recompute = table.get("recompute", {})
-    accum = t.grad_accum
-    scaled: dict[str, dict[str, ClassCount]] = {}
-    for phase, classes in (("forward", forward), ("backward", backward), ("recompute", recompute)):
-        scaled[phase] = {}
-        for name, c in classes.items():
-            s = ClassCount()
-            s.add(c, accum)
-            scaled[phase][name] = s
-    param_bytes = precision_facts(cfg.technique.precision).param_bytes
-    per_param = OPTIMIZER_FLOPS_PER_PARAM.get(cfg.technique.optim, 14) + (CLIP_FLOPS_PER_PARAM if t.grad_clip > 0 else 0)
-    scaled["optimizer"] = {"optimizer": ClassCount(
-        0.0, float(per_param * trainable),
-        float(optimizer_bytes_per_param(cfg.technique.optim, param_bytes, t.grad_clip > 0) * trainable), 1)}
-    tokens = t.batch_size * t.seq_len * accum
-    terms = _rule_terms(cfg, n_params, tokens)
-    return StepCount(
-        table=scaled, counter_flops=counter_total * accum, tokens=tokens, n_params=n_params,
-        trainable_params=trainable, rule_flops=terms["six_n_d"] + terms["attention"],
-        rule_terms=terms, notes=notes,
-    )
+    return assemble_step(cfg, table, counter_total, n_params, trainable, notes)
 
 
 def counted_flops_per_step(cfg: RunConfig) -> dict[str, float]:

@@ -32,7 +32,7 @@ def profile_op_classes(cfg: RunConfig, steps: int = 5, warmup: int = 3) -> dict[
     has no roof here, so ``memtrain flops --profile`` asks for a GPU.
 
     The math backend's two attention matmuls run as one op inside one module, so their time is
-    split evenly, as their FLOPs and bytes are (see ``_split_attention``); identical shapes
+    split evenly, as their FLOPs and bytes are (see ``memtrain.analysis.flops.classes.split_attention``); identical shapes
     make equal kernel times likely, not certain.
     """
     # torch loads only when this runs: the CLI's start-up and the analytic commands import this module

@@ -9,7 +9,10 @@ from typing import Any, Optional
 from memtrain.analysis.estimate.params import param_table
 from memtrain.analysis.flops.classes import MATMUL_CLASSES, OP_CLASSES, PHASES, ClassCount, StepCount
 from memtrain.analysis.flops.count import count_step
+from memtrain.analysis.flops.inventory import inventory_step, not_covered
 from memtrain.config.run import ConfigError, RunConfig
+from memtrain.devices.gpu_kinds import GPU_KINDS, gpu_table_key, peak_of
+from memtrain.runtime.extras import cpu_only_torch
 from memtrain.techniques.facts import precision_facts
 
 
@@ -51,28 +54,35 @@ class Roof:
 
 def resolve_roof(gpu: Optional[str], precision: str) -> Roof:
     """The roof for ``gpu`` (a short name such as ``h100`` or a device name; None: the visible
-    CUDA GPU, else H100 SXM) at the matmul type of ``precision``."""
-    from memtrain.metrics import PEAK_FLOPS, device_gpu, lookup_gpu  # torch loads only when this runs
-
-    if gpu is None:
-        # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
-        import torch
-
-        spec = device_gpu("cuda") if torch.cuda.is_available() else lookup_gpu("h100")
-        if spec is None:
-            raise ConfigError(f"the visible GPU {torch.cuda.get_device_name()!r} has no peak figures here; "
-                              f"name a similar one with --gpu ({', '.join(PEAK_FLOPS)})")
-    else:
-        spec = lookup_gpu(gpu)
-        if spec is None:
-            raise ConfigError(f"unknown --gpu {gpu!r}; choose one of {', '.join(PEAK_FLOPS)}")
-    key = next(k for k, v in PEAK_FLOPS.items() if v is spec)
+    CUDA GPU, else H100 SXM) at the matmul type of ``precision``. Torch loads only to look for a
+    visible GPU, and not where the installed torch is a CPU-only build."""
+    key = _visible_gpu_key() if gpu is None else gpu_table_key(gpu)
+    if key is None:
+        raise ConfigError(f"unknown --gpu {gpu!r}; choose one of {', '.join(GPU_KINDS)}")
+    kind = GPU_KINDS[key]
     dtype = precision_facts(precision).matmul_type
-    peak = spec.peak(dtype)
-    vector = spec.peak("fp32")
+    peak = peak_of(kind.flops, dtype)
+    vector = peak_of(kind.flops, "fp32")
     if not peak or not vector:
         raise ConfigError(f"--gpu {key} has no {dtype} tensor cores; choose --precision fp16 or fp32")
-    return Roof(spec.name, key, dtype, float(peak), float(vector), float(spec.mem_bandwidth))
+    return Roof(kind.name, key, dtype, float(peak), float(vector), float(kind.mem_bandwidth))
+
+
+def _visible_gpu_key() -> str:
+    """The kind of the visible CUDA GPU, else H100 SXM's."""
+    if cpu_only_torch():  # no CUDA to look for: torch need not load
+        return "h100-sxm"
+    # torch loads only where a CUDA build may find a GPU
+    import torch
+
+    if not torch.cuda.is_available():
+        return "h100-sxm"
+    name = torch.cuda.get_device_name()
+    key = gpu_table_key(name)
+    if key is None:
+        raise ConfigError(f"the visible GPU {name!r} has no peak figures here; "
+                          f"name a similar one with --gpu ({', '.join(GPU_KINDS)})")
+    return key
 
 
 def roofline_ops(count: StepCount, roof: Roof, measured_s: Optional[dict[str, float]] = None) -> list[dict[str, Any]]:
@@ -141,25 +151,42 @@ def reconcile(cfg: RunConfig, count: StepCount) -> dict[str, float]:
     return terms
 
 
+def step_count(cfg: RunConfig, count: bool = False) -> StepCount:
+    """The FLOPs and bytes of one step of ``cfg`` by phase and class: from the analytic
+    inventory where it describes ``cfg`` (our GPT; :func:`~memtrain.analysis.flops.inventory.not_covered`
+    names the rest), else, or with ``count``, counted on a fake-tensor step (torch). The two are
+    the same table where both answer (``tests/test_flop_inventory.py``)."""
+    step = inventory_step(cfg) if not count and not_covered(cfg) is None else count_step(cfg)
+    budget = cfg.technique.compile_memory_budget
+    if budget is not None:
+        # Both describe the step eagerly; what the compiled partition recomputes is chosen by
+        # inductor's min-cut at compile time, so it is named here rather than guessed.
+        step = replace(step, notes=[*step.notes, f"--compile-memory-budget {budget:g}: the compiled partition's "
+                                    "recompute in backward is not in these figures (the step is described eagerly); "
+                                    "memtrain estimate --trace shows what the partition saves"])
+    return step
+
+
 def flops_report(cfg: RunConfig, gpu: Optional[str] = None, measured_s: Optional[dict[str, float]] = None,
-                 measured_device: Optional[str] = None) -> dict[str, Any]:
-    """Everything ``memtrain flops`` prints or writes as JSON (the contract's keys first)."""
+                 measured_device: Optional[str] = None, count: bool = False) -> dict[str, Any]:
+    """Everything ``memtrain flops`` prints or writes as JSON (the contract's keys first).
+    ``count``: count the step under fake tensors even where the inventory answers."""
     roof = resolve_roof(gpu, cfg.technique.precision)
-    count = count_step(cfg)
-    ops = roofline_ops(count, roof, measured_s)
-    phases = {p: {"flops": count.phase_total(p), "counted_flops": count.phase_total(p, "counted"),
-                  "bytes": count.phase_total(p, "bytes")} for p in PHASES}
+    step = step_count(cfg, count)
+    ops = roofline_ops(step, roof, measured_s)
+    phases = {p: {"flops": step.phase_total(p), "counted_flops": step.phase_total(p, "counted"),
+                  "bytes": step.phase_total(p, "bytes")} for p in PHASES}
     report: dict[str, Any] = {
-        "total_flops": count.total_flops,
-        "rule_flops": count.rule_flops,
+        "total_flops": step.total_flops,
+        "rule_flops": step.rule_flops,
         "ops": ops,
-        "counter_flops": count.counter_flops,
+        "counter_flops": step.counter_flops,
         "phases": phases,
-        "rule": count.rule_terms,
-        "reconciliation": reconcile(cfg, count),
-        "tokens": count.tokens,
-        "parameters": count.n_params,
-        "trainable_parameters": count.trainable_params,
+        "rule": step.rule_terms,
+        "reconciliation": reconcile(cfg, step),
+        "tokens": step.tokens,
+        "parameters": step.n_params,
+        "trainable_parameters": step.trainable_params,
         "gpu": roof.to_dict(),
         "ridge": roof.ridge,
         "total_bytes": sum(r["bytes"] for r in ops),
@@ -167,7 +194,7 @@ def flops_report(cfg: RunConfig, gpu: Optional[str] = None, measured_s: Optional
         "config": {"model": cfg.to_dict()["model"], "technique": cfg.to_dict()["technique"],
                    "batch_size": cfg.train.batch_size, "seq_len": cfg.train.seq_len,
                    "grad_accum": cfg.train.grad_accum},
-        "notes": count.notes,
+        "notes": step.notes,
         "method": ("FLOPs: torch.utils.flop_counter.FlopCounterMode on one training step under "
                    "FakeTensorMode (CPU); element-wise and optimizer FLOPs analytic; bytes: sum of "
                    "input and output sizes of each eager aten op"),

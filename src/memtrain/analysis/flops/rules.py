@@ -1,9 +1,10 @@
-"""FLOP and byte rules: the 6N + attention rule of thumb, the optimizer update and clipping."""
+"""FLOP and byte rules: the 6N + attention rule of thumb, the optimizer update and clipping, and\nthe step they complete (:func:`assemble_step`)."""
 
 from __future__ import annotations
 
-from memtrain.config.run import ModelConfig
-from memtrain.techniques.facts import OPTIMIZER_STATE_RULES
+from memtrain.analysis.flops.classes import ClassCount, StepCount
+from memtrain.config.run import ModelConfig, RunConfig
+from memtrain.techniques.facts import OPTIMIZER_STATE_RULES, precision_facts
 
 
 def rule_flops_per_token(cfg: ModelConfig, seq_len: int, n_params: int) -> float:
@@ -41,3 +42,44 @@ def optimizer_bytes_per_param(optim: str, param_bytes: int, grad_clip: bool) -> 
     n_states, state_bytes = rule.states, rule.state_bytes(param_bytes)
     update = 2 * param_bytes + param_bytes + 2 * n_states * state_bytes
     return update + (3 * param_bytes if grad_clip else 0)
+
+
+def rule_terms(cfg: RunConfig, n_params: int, tokens: int) -> dict[str, float]:
+    """The rule's two terms and the parameters it names, for the side-by-side."""
+    m = cfg.model
+    matmul_params = n_params - m.max_seq_len * m.d_model
+    return {
+        "six_n_d": 6.0 * matmul_params * tokens,
+        "attention": 12.0 * m.n_layers * m.d_model * cfg.train.seq_len * tokens,
+        "rule_params": float(matmul_params),
+    }
+
+
+def assemble_step(cfg: RunConfig, table: dict[str, dict[str, ClassCount]], counter_total: float, n_params: int,
+                  trainable: int, notes: list[str]) -> StepCount:
+    """One optimizer step from one micro-batch's table (forward, backward, recompute by class):
+    the micro-batches of gradient accumulation (same shapes, so ``grad_accum`` times the table),
+    the optimizer update and clipping (analytic), the tokens and the rule's terms. The counted
+    step (:func:`memtrain.analysis.flops.count.count_step`) and the inventory
+    (:func:`memtrain.analysis.flops.inventory.inventory_step`) both end here."""
+    t = cfg.train
+    accum = t.grad_accum
+    scaled: dict[str, dict[str, ClassCount]] = {}
+    for phase in ("forward", "backward", "recompute"):
+        scaled[phase] = {}
+        for name, c in table.get(phase, {}).items():
+            s = ClassCount()
+            s.add(c, accum)
+            scaled[phase][name] = s
+    param_bytes = precision_facts(cfg.technique.precision).param_bytes
+    per_param = OPTIMIZER_FLOPS_PER_PARAM.get(cfg.technique.optim, 14) + (CLIP_FLOPS_PER_PARAM if t.grad_clip > 0 else 0)
+    scaled["optimizer"] = {"optimizer": ClassCount(
+        0.0, float(per_param * trainable),
+        float(optimizer_bytes_per_param(cfg.technique.optim, param_bytes, t.grad_clip > 0) * trainable), 1)}
+    tokens = t.batch_size * t.seq_len * accum
+    terms = rule_terms(cfg, n_params, tokens)
+    return StepCount(
+        table=scaled, counter_flops=counter_total * accum, tokens=tokens, n_params=n_params,
+        trainable_params=trainable, rule_flops=terms["six_n_d"] + terms["attention"],
+        rule_terms=terms, notes=notes,
+    )

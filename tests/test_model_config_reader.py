@@ -1,0 +1,89 @@
+"""The torch-free reader of a transformers config.json gives the analytic estimate and plan what
+transformers' AutoConfig gives them: every field they read, transformers' defaults included, for
+the families the estimator models; anything else is read by AutoConfig."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memtrain.models import spec as model_spec
+from memtrain.models.spec import ANALYTIC_CONFIG_DEFAULTS, CONFIG_DIR, analytic_config, bundled_names
+
+pytest.importorskip("transformers")
+
+# What transformers derives from other fields (and what the estimator reads besides the defaults).
+DERIVED = ("model_type", "is_encoder_decoder", "head_dim", "num_key_value_heads", "sliding_window", "layer_types")
+
+
+def _autoconfig(path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+
+
+def _assert_same_as_autoconfig(path, spec: str) -> None:
+    light = model_spec._read_light_config(spec)
+    assert light is not None, spec
+    full = _autoconfig(path)
+    fields = set(ANALYTIC_CONFIG_DEFAULTS[full.model_type]) | set(DERIVED)
+    for name in sorted(fields):
+        if hasattr(full, name) or hasattr(light, name):
+            assert getattr(light, name) == getattr(full, name), (spec, name)
+    assert model_spec._mirrored_fields(light) == model_spec._mirrored_fields(full)
+
+
+@pytest.mark.parametrize("name", [n for n in bundled_names()
+                                  if json.loads((CONFIG_DIR / f"{n}.json").read_text())["model_type"]
+                                  in ANALYTIC_CONFIG_DEFAULTS])
+def test_every_bundled_config_reads_as_autoconfig_reads_it(name):
+    _assert_same_as_autoconfig(CONFIG_DIR / f"{name}.json", name)
+
+
+def _write(tmp_path, data: dict) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    model_spec._read_light_config.cache_clear()
+    return str(path)
+
+
+@pytest.mark.parametrize("model_type", sorted(ANALYTIC_CONFIG_DEFAULTS))
+def test_a_config_that_leaves_every_field_out_gets_transformers_defaults(tmp_path, model_type):
+    spec = _write(tmp_path, {"model_type": model_type})
+    _assert_same_as_autoconfig(spec, spec)
+
+
+@pytest.mark.parametrize("model_type, fields", [
+    ("llama", {"hidden_size": 96, "num_attention_heads": 6}),  # head_dim and k/v heads from these
+    ("llama", {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": None,
+               "tie_word_embeddings": True, "attention_dropout": 0.1}),
+    ("qwen2", {"num_hidden_layers": 6, "use_sliding_window": True, "max_window_layers": 4}),  # layer_types derived
+    ("qwen2", {"num_hidden_layers": 3, "sliding_window": 64}),  # sliding_window dropped: use_sliding_window off
+    ("mistral", {"hidden_size": 64, "num_attention_heads": 4, "sliding_window": None, "head_dim": None}),
+])
+def test_a_config_with_some_fields_left_out_gets_transformers_defaults(tmp_path, model_type, fields):
+    spec = _write(tmp_path, {"model_type": model_type, **fields})
+    _assert_same_as_autoconfig(spec, spec)
+
+
+@pytest.mark.parametrize("data", [
+    {"model_type": "gpt2"},  # not a family the analytic estimator models
+    {"model_type": "llama", "auto_map": {"AutoConfig": "x.Config"}},  # refused by load_config's own words
+    {"model_type": "llama", "hidden_size": 100, "num_attention_heads": 3},  # transformers refuses the shape
+    {"model_type": "llama", "hidden_size": "4096"},  # a size transformers' strict config must judge
+    {"model_type": "llama", "num_hidden_layers": True},
+    {"model_type": "llama", "tie_word_embeddings": "yes"},
+    {"model_type": ["llama"]},
+    {"model_type": "mistral", "num_key_value_heads": None},  # not nullable there: transformers refuses it
+])
+def test_what_the_reader_does_not_know_goes_to_autoconfig(tmp_path, monkeypatch, data):
+    spec = _write(tmp_path, data)
+    assert model_spec._read_light_config(spec) is None
+    monkeypatch.setattr(model_spec, "load_config", lambda s: ("autoconfig", s))
+    assert analytic_config(spec) == ("autoconfig", spec)
+
+
+def test_a_hub_model_goes_to_autoconfig(monkeypatch):
+    monkeypatch.setattr(model_spec, "load_config", lambda s: ("autoconfig", s))
+    assert analytic_config("hf:Qwen/Qwen2.5-0.5B") == ("autoconfig", "hf:Qwen/Qwen2.5-0.5B")
