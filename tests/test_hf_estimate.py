@@ -193,3 +193,22 @@ def test_a_deep_model_lumped_as_simulated_block_by_block(tmp_path, tech):
     assert lumped.peak_bytes == replayed.peak_bytes and lumped.phase_peaks == replayed.phase_peaks
     traced = trace_step(cfg, "cpu")["peak_bytes"]
     assert abs(lumped.peak_bytes / traced - 1) < 0.01, (lumped.peak_bytes, traced)
+
+
+def test_phi3_dropout_and_partial_rotary_are_traced(tmp_path):
+    """Phi-3's residual/embedding dropout and a partial rotary embedding change the step the
+    analytic model describes (dropout makes a noise tensor per branch): such configs trace."""
+    from memtrain.analysis.estimate.hf import why_not_modelled
+    from memtrain.analysis.trace import trace_step
+
+    def folder(name: str, **kw) -> Path:
+        transformers.Phi3Config(**TINY, num_key_value_heads=2, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+                                **kw).save_pretrained(tmp_path / name)
+        return tmp_path / name
+
+    plain, resid, embd = folder("plain"), folder("resid", resid_pdrop=0.1), folder("embd", embd_pdrop=0.1)
+    partial = folder("partial", partial_rotary_factor=0.5)
+    assert why_not_modelled(_cfg(plain)) is None
+    assert "resid_pdrop" in why_not_modelled(_cfg(resid)) and "embd_pdrop" in why_not_modelled(_cfg(embd))
+    assert "partial rotary" in why_not_modelled(_cfg(partial))
+    assert trace_step(_cfg(resid), "cpu")["peak_bytes"] > trace_step(_cfg(plain), "cpu")["peak_bytes"]

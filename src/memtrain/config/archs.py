@@ -34,6 +34,9 @@ class Arch:
     hf: bool = False
     # q/k/v projections with a bias, the output projection and MLP without (Qwen2's layers).
     qkv_bias: bool = False
+    # q/k/v as one Linear and gate/up as one Linear, split by slicing (Phi-3's qkv_proj and
+    # gate_up_proj): one LoRA pair each, and the splits are views of the fused output.
+    fused_proj: bool = False
 
 
 GPT2_ARCH = Arch()

@@ -1,4 +1,4 @@
-"""The analytic memory model of transformers decoders memtrain models (Llama, Qwen2, Mistral).
+"""The analytic memory model of transformers decoders memtrain models (Llama, Qwen2, Mistral, Phi-3).
 
 The analytic estimator (memtrain.analysis.estimate) simulates one step op by op from an inventory of
 what each op allocates and saves for backward. Its block inventory is our GPT's; a Llama-style
@@ -18,12 +18,15 @@ transformers decoder layer differs from it in three ways that matter for memory,
   are counted, and q/k/v and gate/up run one Linear at a time (``inventory._peft_lora``).
 * Checkpointed layers recompute lazily, as torch's non-reentrant checkpoint does
   (``Segment.lazy_recompute``).
+* Phi-3 (``Arch.fused_proj``) runs q/k/v and gate/up as one Linear each (one LoRA pair each)
+  and slices them: v stays a view of the fused output, which SDPA's save keeps whole; rope ends
+  in a ``cat`` that makes q contiguous as (b, h, s, hd), so SDPA's output is too, and the
+  transpose's ``.contiguous()`` copies it.
 
 Everything else (separate q/k/v projections = one fused one for memory, SwiGLU's gate/up/down
 saves = memtrain's fused SwiGLU, SDPA/eager attention, checkpointing, the loss) is the
 estimator's own inventory. Families not listed in :data:`MODELLED` (Gemma: float32 norm output
-and scaled embeddings; Phi-3: fused projections with chunk; GPT-2: Conv1D, gelu_new, attention
-dropout) and QLoRA (torchao's NF4 dequantization scratch) are not modelled: ``estimate`` traces
+and scaled embeddings; GPT-2: Conv1D, gelu_new, attention dropout) and QLoRA (torchao's NF4 dequantization scratch) are not modelled: ``estimate`` traces
 them and says so.
 """
 
@@ -39,11 +42,13 @@ from memtrain.models.spec import GPT_LORA_TARGETS, load_config  # load_config re
 __all__ = ["MODELLED", "QKV_BIAS", "active_window", "hf_arch", "why_not_modelled", "analytic_estimate"]
 
 # model_type -> the layer code is Llama's (modeling_qwen2/modeling_mistral copy it)
-MODELLED = ("llama", "qwen2", "mistral")
+MODELLED = ("llama", "qwen2", "mistral", "phi3")
 # Families whose q/k/v projections carry a bias by their layer code, whatever config.json says
 # (Qwen2Attention builds q/k/v with bias=True and o_proj without; its configs have no
 # attention_bias field).
 QKV_BIAS = ("qwen2",)
+# Families whose q/k/v and gate/up are one Linear each, split by slicing (Phi-3).
+FUSED_PROJ = ("phi3",)
 
 
 def active_window(c: Any, window: Optional[int], seq_len: int) -> Optional[int]:
@@ -85,6 +90,11 @@ def why_not_modelled(cfg: Any) -> Optional[str]:
         return "biased projections are not modelled analytically"
     if getattr(c, "hidden_act", "silu") != "silu":
         return f"hidden_act {c.hidden_act} is not modelled analytically (SiLU only)"
+    if any(getattr(c, name, 0) for name in ("resid_pdrop", "embd_pdrop")):
+        return "dropout on the residual branches or the embedding (resid_pdrop, embd_pdrop) is not modelled analytically"
+    rope = getattr(c, "rope_parameters", None) or {}
+    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        return "a partial rotary embedding (partial_rotary_factor < 1) is not modelled analytically"
     return None
 
 
@@ -92,7 +102,7 @@ def hf_arch(spec: str) -> Arch:
     """The :class:`Arch` of a modelled transformers config (Llama-style layers, its k/v heads)."""
     c = load_config(spec)
     return replace(LLAMA_ARCH, name=c.model_type, n_kv_heads=getattr(c, "num_key_value_heads", None), hf=True,
-                   qkv_bias=c.model_type in QKV_BIAS)
+                   qkv_bias=c.model_type in QKV_BIAS, fused_proj=c.model_type in FUSED_PROJ)
 
 
 def analytic_estimate(cfg: Any, device_type: str, gpu: Optional[str] = None, world_size: int = 1,

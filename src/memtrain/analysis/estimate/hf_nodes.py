@@ -46,13 +46,15 @@ def _norm_backward_scratch(N: int, d: int, r: float) -> float:
     return 5 * N * d * 4 - 2 * N * d * r
 
 
-def hf_rope_node(dm: Any, qkv: list[str], out: str) -> Any:
+def hf_rope_node(dm: Any, qkv: list[str], out: str, v_view: bool = False) -> Any:
     """apply_rotary_pos_emb: new q and k (``q * cos + rotate_half(q) * sin``); v passes on. For
     memory the q/k/v triple stays one storage (what SDPA saves); the forward's scratch is the
     products and the ``cat`` of rotate_half. ``qkv``: the projections' output, one key (the
-    fused entry) or three (q, k, v: the Linears simulated one by one)."""
+    fused entry) or three (q, k, v: the Linears simulated one by one). ``v_view``: v is a slice
+    of the one fused output (Phi-3's qkv_proj), which the attention keeps itself: ``out`` is
+    then the new q and k alone."""
     N, d, kv, a = dm.n, dm.d, dm.kv, dm.a
     widths = [d + 2 * kv] if len(qkv) == 1 else [d, kv, kv]
-    return Node(f"{out}.rope", out=[(out, N * (d + 2 * kv) * a)], inputs=list(qkv),
+    return Node(f"{out}.rope", out=[(out, N * (d + (kv if v_view else 2 * kv)) * a)], inputs=list(qkv),
                  grads=[(k, N * w * a) for k, w in zip(qkv, widths)], fwd_scratch=3 * N * (d + kv) * a,
                  scratch=2 * N * (d + kv) * a)
