@@ -11,14 +11,17 @@ from memtrain.analysis.estimate.simulator import Node
 __all__ = ["hf_norm_node", "hf_rope_node"]
 
 
-def hf_norm_node(dm: Any, name: str, src: str, out: str, trainable: bool, input_grad: bool = True) -> Any:
+def hf_norm_node(dm: Any, name: str, src: str, out: str, trainable: bool, input_grad: bool = True,
+                 offset: bool = False) -> Any:
     """LlamaRMSNorm: ``w * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(dtype)``. Saved:
     the float32 input (``src`` itself when the stream is float32), rstd, and (for a trainable
     weight) the normalized tensor in the stream's dtype; the output is read by the projections
-    (saved by them). ``input_grad``: whether ``src`` requires a gradient."""
+    (saved by them). ``input_grad``: whether ``src`` requires a gradient. ``offset``: Gemma's
+    ``(normalized * (1 + w.float())).type_as(x)``: the normalized tensor the weight's gradient
+    keeps is float32, and the float32 product is cast back at the end."""
     N, d, r = dm.n, dm.d, dm.r
     x32 = src if r == 4 else f"{name}.x32"
-    outs: list[tuple] = [(out, N * d * r), (f"{name}.stats", N * 4), (f"{name}.nrm", N * d * r)]
+    outs: list[tuple] = [(out, N * d * r), (f"{name}.stats", N * 4), (f"{name}.nrm", N * d * (4 if offset else r))]
     if r != 4:
         outs.append((x32, N * d * 4))
     # The weight multiply keeps the normalized tensor only for the weight's gradient: not when

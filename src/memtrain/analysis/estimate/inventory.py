@@ -383,7 +383,7 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
 
     def norm(name: str, src: str, out: str) -> None:
         if dm.hf:
-            nodes.append(hf_norm_node(dm, name, src, out, trainable_base, input_grad or src != x))
+            nodes.append(hf_norm_node(dm, name, src, out, trainable_base, input_grad or src != x, arch.norm_offset))
             return
         # LayerNorm saves its input and float32 mean + rstd per token (RMSNorm: rstd only).
         pg = [(f"param:{name}.weight", 0.0)] if trainable_base else []
@@ -481,6 +481,11 @@ def _embedding_nodes(dm: Dims, arch: Arch, trainable: bool) -> list[Node]:
         nodes.append(Node("embed_add", out=[("emb", N * d * pe)], inputs=["tok", "posemb"],
                            grads=[("tok", 0.0), ("posemb", s * d * pe)]))
         src = "emb"
+    if arch.embed_scale:
+        # Gemma's embedding: the lookup times sqrt(hidden), a new tensor (the scale is a buffer:
+        # nothing saved).
+        nodes.append(Node("embed_scale", out=[("emb", N * d * pe)], inputs=[src], grads=[(src, N * d * pe)]))
+        src = "emb"
     _dropout(nodes, dm, "drop", src, "blocks.0.in", N * d, pe)
     if not dm.dropout:
         pass
@@ -502,7 +507,7 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
                    saves=[x, "ln_f.stats"], grad_out=("hf",), grads=[(x, N * d * r)] + pg)]
     if dm.hf:
 
-        nodes = [hf_norm_node(dm, "ln_f", x, "hf", trainable)]
+        nodes = [hf_norm_node(dm, "ln_f", x, "hf", trainable, offset=arch.norm_offset)]
     if tech.loss == "chunked":
         c = min(tech.loss_chunk, N)
         # _ChunkedLinearCrossEntropy.forward: casts of hidden and weight (when the compute dtype
