@@ -19,7 +19,8 @@ FAMILIES = {
     "llama": lambda n: transformers.LlamaConfig(**TINY, num_hidden_layers=n, num_key_value_heads=2),
     "qwen2": lambda n: transformers.Qwen2Config(**TINY, num_hidden_layers=n, num_key_value_heads=2),
     "mistral": lambda n: transformers.MistralConfig(**TINY, num_hidden_layers=n, num_key_value_heads=2, sliding_window=16),
-    "gemma": lambda n: transformers.GemmaConfig(**TINY, num_hidden_layers=n, num_key_value_heads=1, head_dim=8),
+    # head_dim 16, not hidden_size / heads (8): a Gemma the analytic model does not cover
+    "gemma": lambda n: transformers.GemmaConfig(**TINY, num_hidden_layers=n, num_key_value_heads=1, head_dim=16),
     "gpt2": lambda n: transformers.GPT2Config(n_embd=32, n_layer=n, n_head=4, n_positions=128, vocab_size=VOCAB),
 }
 
@@ -90,7 +91,7 @@ def test_probe_depths_follow_the_checkpointing_period(tmp_path):
 def test_estimate_cli_says_how_it_traced(tmp_path, capsys):
     from memtrain.cli import main
 
-    d = _model_dir(tmp_path, "gemma", 4)  # a family the analytic model does not cover: traced
+    d = _model_dir(tmp_path, "gemma", 4)  # a head_dim the analytic model does not cover: traced
     flags = ["estimate", "--model", str(d), "--seq-len", "32", "--batch-size", "2", "--attention", "sdpa",
              "--lora-rank", "4", "--json"]
     assert main(flags) == 0

@@ -22,6 +22,9 @@ FAMILIES = {
     # test_an_active_config_window_is_traced for one that is not).
     "mistral": lambda: transformers.MistralConfig(**TINY, num_key_value_heads=2, sliding_window=128),
     "gemma": lambda: transformers.GemmaConfig(**TINY, num_key_value_heads=1, head_dim=16),
+    # head_dim 32 is not hidden_size / heads (16): not modelled
+    "gemma-wide-heads": lambda: transformers.GemmaConfig(**TINY, num_key_value_heads=1, head_dim=32),
+    "gpt2": lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=384),
 }
 
 
@@ -92,14 +95,15 @@ def test_unmodelled_families_and_techniques_say_they_traced(dirs, capsys):
     from memtrain.analysis.estimate.hf import why_not_modelled
     from memtrain.cli import main
 
-    assert why_not_modelled(_cfg(dirs["llama"])) is None
-    assert "gemma" in why_not_modelled(_cfg(dirs["gemma"]))
+    assert why_not_modelled(_cfg(dirs["llama"])) is None and why_not_modelled(_cfg(dirs["gemma"])) is None
+    assert "gpt2" in why_not_modelled(_cfg(dirs["gpt2"]))
+    assert "head_dim" in why_not_modelled(_cfg(dirs["gemma-wide-heads"]))
     assert "QLoRA" in why_not_modelled(_cfg(dirs["llama"], lora_rank=4, qlora=True))
     assert "--lora-targets" in why_not_modelled(_cfg(dirs["llama"], lora_rank=4, lora_targets="q_proj"))
     flags = ["--seq-len", "32", "--batch-size", "2", "--attention", "sdpa", "--json"]
-    assert main(["estimate", "--model", str(dirs["gemma"]), *flags]) == 0
+    assert main(["estimate", "--model", str(dirs["gpt2"]), *flags]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["method"] == "trace" and "gemma" in out["not_analytic"]
+    assert out["method"] == "trace" and "gpt2" in out["not_analytic"]
 
 
 def test_estimate_cli_answers_analytically_and_checks_with_trace(dirs, capsys):
@@ -193,3 +197,22 @@ def test_a_deep_model_lumped_as_simulated_block_by_block(tmp_path, tech):
     assert lumped.peak_bytes == replayed.peak_bytes and lumped.phase_peaks == replayed.phase_peaks
     traced = trace_step(cfg, "cpu")["peak_bytes"]
     assert abs(lumped.peak_bytes / traced - 1) < 0.01, (lumped.peak_bytes, traced)
+
+
+def test_phi3_dropout_and_partial_rotary_are_traced(tmp_path):
+    """Phi-3's residual/embedding dropout and a partial rotary embedding change the step the
+    analytic model describes (dropout makes a noise tensor per branch): such configs trace."""
+    from memtrain.analysis.estimate.hf import why_not_modelled
+    from memtrain.analysis.trace import trace_step
+
+    def folder(name: str, **kw) -> Path:
+        transformers.Phi3Config(**TINY, num_key_value_heads=2, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+                                **kw).save_pretrained(tmp_path / name)
+        return tmp_path / name
+
+    plain, resid, embd = folder("plain"), folder("resid", resid_pdrop=0.1), folder("embd", embd_pdrop=0.1)
+    partial = folder("partial", partial_rotary_factor=0.5)
+    assert why_not_modelled(_cfg(plain)) is None
+    assert "resid_pdrop" in why_not_modelled(_cfg(resid)) and "embd_pdrop" in why_not_modelled(_cfg(embd))
+    assert "partial rotary" in why_not_modelled(_cfg(partial))
+    assert trace_step(_cfg(resid), "cpu")["peak_bytes"] > trace_step(_cfg(plain), "cpu")["peak_bytes"]

@@ -1,6 +1,6 @@
 """The analytic model of transformers decoder layers against the fake-tensor trace on odd
 shapes: widths 72-200, odd and even depths, grouped-query ratios from 1 (MQA) to equal heads,
-for Llama, Qwen2 and Mistral under fp32, bf16 autocast and bf16-pure, eager and SDPA attention,
+for Llama, Qwen2, Mistral, Phi-3 and Gemma under fp32, bf16 autocast and bf16-pure, eager and SDPA attention,
 with and without LoRA and full checkpointing.
 
 The measure is the larger of the forward and the backward peak: the optimizer step's scratch
@@ -24,7 +24,19 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # (hidden, heads, key/value heads, layers): head dims 12-34, GQA ratios 1-6, 1 to 5 layers.
 SIZES = [(72, 6, 2, 3), (96, 4, 4, 5), (120, 6, 3, 3), (200, 10, 2, 1), (136, 4, 1, 3), (168, 6, 6, 5)]
-CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig"}
+CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig", "phi3": "Phi3Config",
+           "gemma": "GemmaConfig"}
+
+
+def _extra(fam: str, hidden: int, heads: int) -> dict:
+    """Config fields beyond the sizes: Phi-3's default token ids (32000) lie outside the grid's
+    small vocabularies; Gemma's head_dim defaults to 256 (its tanh-GELU and tied head stay)."""
+    if fam == "phi3":
+        return dict(pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    if fam == "gemma":
+        return dict(head_dim=hidden // heads)
+    return {}
+
 PRECISIONS = ("fp32", "bf16", "bf16-pure")
 ATTENTION = ("sdpa", "math")
 
@@ -52,7 +64,16 @@ DEFAULT = {"llama-h72-6q2kv-L3-fp32-sdpa-ckpt_none", "llama-h96-4q4kv-L5-fp32-sd
            # checkpointing from the first op that saved something; the frozen first layer's input;
            # the float32 RMSNorm's backward.
            "llama-h200-10q2kv-L1-bf16-math-lora4-ckpt_full", "qwen2-h72-6q2kv-L3-fp32-math-lora4-ckpt_none",
-           "mistral-h200-10q2kv-L1-bf16-pure-math-ckpt_full"}
+           "mistral-h200-10q2kv-L1-bf16-pure-math-ckpt_full",
+           # Phi-3: the fused q/k/v output kept whole by SDPA (v is a slice of it) and SDPA's
+           # output copied by .contiguous(); one LoRA pair on each fused Linear, under autocast
+           # and under bf16-pure with lazy recompute.
+           "phi3-h72-6q2kv-L3-fp32-sdpa-ckpt_none", "phi3-h136-4q1kv-L3-bf16-sdpa-lora4-ckpt_none",
+           "phi3-h96-4q4kv-L5-bf16-pure-sdpa-lora4-ckpt_full",
+           # Gemma: the float32 x * (1 + w) norm, the scaled embedding and the tied head, with
+           # LoRA under autocast and under bf16-pure with lazy recompute.
+           "gemma-h72-6q2kv-L3-fp32-sdpa-ckpt_none", "gemma-h120-6q3kv-L3-bf16-math-lora4-ckpt_none",
+           "gemma-h96-4q4kv-L5-bf16-pure-sdpa-lora4-ckpt_full"}
 
 # Measured gaps the analytic model still has (estimate / trace - 1 of the measure above, on
 # torch 2.13 and transformers 5.24), each with its located cause. None at present: every case
@@ -84,7 +105,7 @@ def _folder(folders: dict, root: Path, fam: str, size: tuple[int, int, int, int]
     if (fam, size) not in folders:
         h, nh, kv, L = size
         kw = dict(hidden_size=h, intermediate_size=2 * h + 8, num_hidden_layers=L, num_attention_heads=nh,
-                  num_key_value_heads=kv, max_position_embeddings=128, vocab_size=300 + h)
+                  num_key_value_heads=kv, max_position_embeddings=128, vocab_size=300 + h, **_extra(fam, h, nh))
         d = root / f"{fam}-{h}-{nh}-{kv}-{L}"
         getattr(transformers, CONFIGS[fam])(**kw).save_pretrained(d)
         folders[(fam, size)] = d

@@ -28,12 +28,20 @@ class Arch:
     norm: str = "layernorm"  # layernorm (weight + bias) | rmsnorm (weight only)
     positional: str = "learned"  # learned (wpe table) | rope (no parameters)
     n_kv_heads: Optional[int] = None  # grouped-query attention; None = n_heads
-    # A transformers decoder (Llama, Qwen2, Mistral: memtrain.analysis.estimate.hf): RMSNorm that
+    # A transformers decoder (Llama, Qwen2, Mistral, Phi-3, Gemma: memtrain.analysis.estimate.hf): RMSNorm that
     # upcasts to float32 and keeps the upcast and the normalized copy for backward, rotary
     # embeddings that copy q and k, peft adapters in the parameter dtype.
     hf: bool = False
     # q/k/v projections with a bias, the output projection and MLP without (Qwen2's layers).
     qkv_bias: bool = False
+    # q/k/v as one Linear and gate/up as one Linear, split by slicing (Phi-3's qkv_proj and
+    # gate_up_proj): one LoRA pair each, and the splits are views of the fused output.
+    fused_proj: bool = False
+    # Gemma's RMSNorm: ``(x.float() * rstd) * (1 + w.float())`` in float32, cast back at the end
+    # (the normalized tensor kept for the weight's gradient is float32).
+    norm_offset: bool = False
+    # Gemma's embedding output multiplied by sqrt(hidden): a new tensor in the table's dtype.
+    embed_scale: bool = False
 
 
 GPT2_ARCH = Arch()

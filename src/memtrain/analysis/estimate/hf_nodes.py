@@ -11,14 +11,17 @@ from memtrain.analysis.estimate.simulator import Node
 __all__ = ["hf_norm_node", "hf_rope_node"]
 
 
-def hf_norm_node(dm: Any, name: str, src: str, out: str, trainable: bool, input_grad: bool = True) -> Any:
+def hf_norm_node(dm: Any, name: str, src: str, out: str, trainable: bool, input_grad: bool = True,
+                 offset: bool = False) -> Any:
     """LlamaRMSNorm: ``w * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(dtype)``. Saved:
     the float32 input (``src`` itself when the stream is float32), rstd, and (for a trainable
     weight) the normalized tensor in the stream's dtype; the output is read by the projections
-    (saved by them). ``input_grad``: whether ``src`` requires a gradient."""
+    (saved by them). ``input_grad``: whether ``src`` requires a gradient. ``offset``: Gemma's
+    ``(normalized * (1 + w.float())).type_as(x)``: the normalized tensor the weight's gradient
+    keeps is float32, and the float32 product is cast back at the end."""
     N, d, r = dm.n, dm.d, dm.r
     x32 = src if r == 4 else f"{name}.x32"
-    outs: list[tuple] = [(out, N * d * r), (f"{name}.stats", N * 4), (f"{name}.nrm", N * d * r)]
+    outs: list[tuple] = [(out, N * d * r), (f"{name}.stats", N * 4), (f"{name}.nrm", N * d * (4 if offset else r))]
     if r != 4:
         outs.append((x32, N * d * 4))
     # The weight multiply keeps the normalized tensor only for the weight's gradient: not when
@@ -46,13 +49,15 @@ def _norm_backward_scratch(N: int, d: int, r: float) -> float:
     return 5 * N * d * 4 - 2 * N * d * r
 
 
-def hf_rope_node(dm: Any, qkv: list[str], out: str) -> Any:
+def hf_rope_node(dm: Any, qkv: list[str], out: str, v_view: bool = False) -> Any:
     """apply_rotary_pos_emb: new q and k (``q * cos + rotate_half(q) * sin``); v passes on. For
     memory the q/k/v triple stays one storage (what SDPA saves); the forward's scratch is the
     products and the ``cat`` of rotate_half. ``qkv``: the projections' output, one key (the
-    fused entry) or three (q, k, v: the Linears simulated one by one)."""
+    fused entry) or three (q, k, v: the Linears simulated one by one). ``v_view``: v is a slice
+    of the one fused output (Phi-3's qkv_proj), which the attention keeps itself: ``out`` is
+    then the new q and k alone."""
     N, d, kv, a = dm.n, dm.d, dm.kv, dm.a
     widths = [d + 2 * kv] if len(qkv) == 1 else [d, kv, kv]
-    return Node(f"{out}.rope", out=[(out, N * (d + 2 * kv) * a)], inputs=list(qkv),
+    return Node(f"{out}.rope", out=[(out, N * (d + (kv if v_view else 2 * kv)) * a)], inputs=list(qkv),
                  grads=[(k, N * w * a) for k, w in zip(qkv, widths)], fwd_scratch=3 * N * (d + kv) * a,
                  scratch=2 * N * (d + kv) * a)

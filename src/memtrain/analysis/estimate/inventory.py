@@ -37,6 +37,9 @@ class Dims:
     weights_in_compute_dtype: bool = False
     hf: bool = False  # a transformers decoder layer (Arch.hf; memtrain.analysis.estimate.hf)
     fp8: bool = False  # --precision fp8: block Linears are torchao Float8Linears (_fp8_linear)
+    # Phi-3's layers (Arch.fused_proj): v is a slice of the fused q/k/v output, and rope's cat
+    # makes q contiguous as (b, h, s, hd), so SDPA's output is laid out that way too.
+    fused_proj: bool = False
 
     @property
     def n(self) -> int:
@@ -277,11 +280,15 @@ def _scores_softmax(nodes: list[Node], dm: Dims, p: str, score_elems: float, mas
     return f"{p}.pd"
 
 
-def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Optional[int]) -> None:
-    """q, k, v (views of the fused qkv output) -> y (batch, seq, d), the proj input."""
+def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Optional[int],
+                     v_src: Optional[str] = None) -> None:
+    """q, k, v (views of the fused qkv output) -> y (batch, seq, d), the proj input. ``v_src``:
+    the storage v is a view of, when it is not ``qkv`` (Phi-3: the projection's fused output)."""
     b, s, d, h, a = dm.b, dm.s, dm.d, dm.h, dm.a
     N, kvw, hd = dm.n, dm.kv, dm.d // dm.h
     qkv, q, k, v, y = f"{p}.qkv", f"{p}.q", f"{p}.k", f"{p}.v", f"{p}.y"
+    # What the kernels read and save for q, k and v: v's storage too when it is another one.
+    qkv_keys = [qkv] if v_src is None else [qkv, v_src]
     # split + view + transpose are views; backward reshapes each gradient (a copy, the
     # gradients being transposed) and concatenates the three.
     nodes.append(Node(f"{p}.split", inputs=[qkv], grad_out=(q, k, v), scratch=N * d * a,
@@ -291,9 +298,14 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
         # Fused kernel (SDPA flash/mem-efficient/cuDNN, flex, flash-attn): saves q, k, v (views
         # of qkv), its output and a float32 log-sum-exp (b, h, s); nothing s x s. The CPU
         # kernel writes the output as (b, s, h, hd), so .contiguous() afterwards is free.
-        nodes.append(Node(f"{p}.sdpa", out=[(y, N * d * a), (f"{p}.lse", b * h * s * 4)], inputs=[qkv],
-                           saves=[qkv, y, f"{p}.lse"], matmul=True, grad_out=(y,),
+        # (Phi-3's contiguous q makes the output (b, h, s, hd): the transpose's .contiguous()
+        # copies it, and the copy is the proj input.)
+        o = f"{p}.o" if dm.fused_proj else y
+        nodes.append(Node(f"{p}.sdpa", out=[(o, N * d * a), (f"{p}.lse", b * h * s * 4)], inputs=qkv_keys,
+                           saves=qkv_keys + [o, f"{p}.lse"], matmul=True, grad_out=(o,),
                            grads=[(q, N * d * a), (k, N * kvw * a), (v, N * kvw * a)]))
+        if dm.fused_proj:
+            nodes.append(Node(f"{p}.merge", out=[(y, N * d * a)], inputs=[o], grads=[(o, 0.0)]))
         return
     if backend in ("banded", "banded-sdpa"):
         W = window or s
@@ -346,7 +358,7 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
     # copy is N x d; the copies of q and k^T it does not make (rope's q and k are contiguous),
     # but it makes the repeated k: for memory the same as our GPT's q and k copies.
     v_width = d if dm.hf else kvw
-    nodes.append(Node(f"{p}.vcopy", out=[(f"{p}.vc", N * v_width * a)], inputs=[qkv]))
+    nodes.append(Node(f"{p}.vcopy", out=[(f"{p}.vc", N * v_width * a)], inputs=qkv_keys))
     nodes.append(Node(f"{p}.pv", out=[(f"{p}.o", N * d * a)], inputs=[probs, f"{p}.vc"],
                        saves=[probs, f"{p}.vc"], matmul=True,
                        grads=[(probs, sc * a), (v, N * kvw * a)]))
@@ -371,7 +383,7 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
 
     def norm(name: str, src: str, out: str) -> None:
         if dm.hf:
-            nodes.append(hf_norm_node(dm, name, src, out, trainable_base, input_grad or src != x))
+            nodes.append(hf_norm_node(dm, name, src, out, trainable_base, input_grad or src != x, arch.norm_offset))
             return
         # LayerNorm saves its input and float32 mean + rstd per token (RMSNorm: rstd only).
         pg = [(f"param:{name}.weight", 0.0)] if trainable_base else []
@@ -399,7 +411,7 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     # simulated one after the other: each one's LoRA tail (base output, B product, its scaled
     # copy, their sum) lives while the earlier ones' outputs do, not all of them at once. (The
     # frozen base's outputs alone sum to the fused one's, which stands for them otherwise.)
-    per_linear = dm.hf and bool(lora)
+    per_linear = dm.hf and bool(lora) and not arch.fused_proj
     norm(f"{p}.ln_1", x, f"{p}.ln1")
     if per_linear:
         for part in (".q", ".k", ".v"):
@@ -408,9 +420,9 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     else:
         lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0" if dm.hf else f"{p}.qkv", d, d + 2 * dm.kv, r)
         if dm.hf:
-            nodes.append(hf_rope_node(dm, [f"{p}.qkv0"], f"{p}.qkv"))
+            nodes.append(hf_rope_node(dm, [f"{p}.qkv0"], f"{p}.qkv", v_view=arch.fused_proj))
     start = len(nodes)
-    _attention_nodes(nodes, dm, p, tech.attention, tech.window)
+    _attention_nodes(nodes, dm, p, tech.attention, tech.window, v_src=f"{p}.qkv0" if arch.fused_proj else None)
     # The attention core is what model.attn_fn computes: everything after the q/k/v split up
     # to the (b, h, s, hd) output; the merge (transpose + contiguous) is outside it.
     for n in nodes[start + 1:]:
@@ -469,6 +481,11 @@ def _embedding_nodes(dm: Dims, arch: Arch, trainable: bool) -> list[Node]:
         nodes.append(Node("embed_add", out=[("emb", N * d * pe)], inputs=["tok", "posemb"],
                            grads=[("tok", 0.0), ("posemb", s * d * pe)]))
         src = "emb"
+    if arch.embed_scale:
+        # Gemma's embedding: the lookup times sqrt(hidden), a new tensor (the scale is a buffer:
+        # nothing saved).
+        nodes.append(Node("embed_scale", out=[("emb", N * d * pe)], inputs=[src], grads=[(src, N * d * pe)]))
+        src = "emb"
     _dropout(nodes, dm, "drop", src, "blocks.0.in", N * d, pe)
     if not dm.dropout:
         pass
@@ -490,7 +507,7 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
                    saves=[x, "ln_f.stats"], grad_out=("hf",), grads=[(x, N * d * r)] + pg)]
     if dm.hf:
 
-        nodes = [hf_norm_node(dm, "ln_f", x, "hf", trainable)]
+        nodes = [hf_norm_node(dm, "ln_f", x, "hf", trainable, offset=arch.norm_offset)]
     if tech.loss == "chunked":
         c = min(tech.loss_chunk, N)
         # _ChunkedLinearCrossEntropy.forward: casts of hidden and weight (when the compute dtype
@@ -558,7 +575,8 @@ def run_dims(cfg: RunConfig, arch: Arch, device_type: str, batch: Optional[int] 
     dm = Dims(b=batch or t.batch_size, s=t.seq_len, d=m.d_model, f=m.d_ff, h=m.n_heads,
                kv=(arch.n_kv_heads or m.n_heads) * m.head_dim, V=m.padded_vocab_size, a=ab,
                r=pb, p=pb, autocast=autocast, dropout=m.dropout > 0, cuda=device_type == "cuda",
-               bias=m.bias and arch.name == "gpt2", hf=arch.hf, fp8=precision_facts(cfg.technique.precision).fp8)
+               bias=m.bias and arch.name == "gpt2", hf=arch.hf, fp8=precision_facts(cfg.technique.precision).fp8,
+               fused_proj=arch.fused_proj)
     return dm
 
 
