@@ -100,6 +100,7 @@ def test_unmodelled_families_and_techniques_say_they_traced(dirs, capsys):
     assert "head_dim" in why_not_modelled(_cfg(dirs["gemma-wide-heads"]))
     assert "QLoRA" in why_not_modelled(_cfg(dirs["llama"], lora_rank=4, qlora=True))
     assert "--lora-targets" in why_not_modelled(_cfg(dirs["llama"], lora_rank=4, lora_targets="q_proj"))
+    assert "--lora-dropout" in why_not_modelled(_cfg(dirs["llama"], lora_rank=4, lora_dropout=0.1))
     flags = ["--seq-len", "32", "--batch-size", "2", "--attention", "sdpa", "--json"]
     assert main(["estimate", "--model", str(dirs["gpt2"]), *flags]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -216,3 +217,15 @@ def test_phi3_dropout_and_partial_rotary_are_traced(tmp_path):
     assert "resid_pdrop" in why_not_modelled(_cfg(resid)) and "embd_pdrop" in why_not_modelled(_cfg(embd))
     assert "partial rotary" in why_not_modelled(_cfg(partial))
     assert trace_step(_cfg(resid), "cpu")["peak_bytes"] > trace_step(_cfg(plain), "cpu")["peak_bytes"]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])  # analytic and traced families alike
+def test_selective_checkpointing_is_refused_by_the_estimate_as_by_train(dirs, family, capsys):
+    """train refuses Megatron's selective policy for a transformers model (no attention seam);
+    the estimate of that run says the same line instead of answering for a run that cannot start."""
+    from memtrain.cli import main
+
+    flags = ["--model", str(dirs[family]), "--seq-len", "32", "--batch-size", "2", "--checkpointing", "selective"]
+    assert main(["estimate", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --checkpointing selective") and "selective-matmul" in err[0]

@@ -40,7 +40,7 @@ __all__ = [
     "MATMUL_TYPES", "MEMORY_CATEGORIES", "OFFLOAD_MIN_BYTES", "OFFLOAD_PREFETCH", "OPTIMIZER_STATE_RULES",
     "PRECISION_FACTS", "CheckpointPolicy",
     "OptimizerStateRule", "PrecisionFacts", "checkpoint_policy", "half_matmul_type", "low_bit_quantizes",
-    "matmul_type", "optimizer_state_rule", "parse_checkpointing", "precision_facts",
+    "matmul_type", "optimizer_state_rule", "parse_checkpointing", "precision_facts", "transformers_checkpointing_error",
 ]
 
 
@@ -119,6 +119,18 @@ def checkpoint_policy(text: str) -> CheckpointPolicy:
     """Parse ``--checkpointing`` once (a ConfigError naming the choices when it is unknown)."""
     kind, every = parse_checkpointing(text)
     return CheckpointPolicy(text, kind, every)
+
+
+def transformers_checkpointing_error(text: str) -> Optional[str]:
+    """Why a transformers ``--model`` cannot take ``--checkpointing text`` on any device (None:
+    it can). Megatron's selective policy recomputes only the attention core, which memtrain
+    reaches through its own GPT's attention seam (block.attn.attn_fn); transformers' layers call
+    their attention function from inside forward, so there is no such seam to wrap yet. Train
+    and the estimate both refuse it with this line."""
+    if checkpoint_policy(text).kind != "selective":
+        return None
+    return ("--checkpointing selective (recompute the attention core) is not available for a "
+            "transformers --model yet; use selective-matmul, full, every:K or sqrt")
 
 
 # --------------------------------------------------------------------------- precision

@@ -24,7 +24,7 @@ from memtrain.models.qlora import nf4_unshardable, quantize_base_weights
 from memtrain.models.spec import GPT_LORA_TARGETS
 from memtrain.techniques.checkpointing import apply_checkpointing
 from memtrain.techniques.compile import apply_compile
-from memtrain.techniques.facts import checkpoint_policy
+from memtrain.techniques.facts import transformers_checkpointing_error
 from memtrain.techniques.fp8 import apply_fp8
 from memtrain.techniques.loss import apply_loss
 
@@ -47,12 +47,9 @@ def _check_supported(tech: TechniqueConfig, device: torch.device) -> None:
         raise ConfigError("--attention flex has no CPU backward in this torch; use sdpa on CPU")
     if tech.qlora and not tech.lora_rank:
         raise ConfigError("--qlora quantizes the frozen base weights under LoRA; add --lora-rank 16")
-    if checkpoint_policy(tech.checkpointing).kind == "selective":
-        # Megatron's policy recomputes only the attention core, which memtrain reaches through
-        # its own GPT's attention seam (block.attn.attn_fn); transformers' layers call their
-        # attention function from inside forward, so there is no such seam to wrap yet.
-        raise ConfigError("--checkpointing selective (recompute the attention core) is not available for a "
-                          "transformers --model yet; use selective-matmul, full, every:K or sqrt")
+    refusal = transformers_checkpointing_error(tech.checkpointing)
+    if refusal is not None:
+        raise ConfigError(refusal)
 
 
 def lora_target_modules(targets: str) -> Any:

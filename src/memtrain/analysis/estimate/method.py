@@ -25,6 +25,7 @@ from memtrain.analysis.estimate.training import Estimate, estimate
 from memtrain.config.archs import GPT2_ARCH, Arch
 from memtrain.config.run import ConfigError, RunConfig
 from memtrain.models.spec import is_hf
+from memtrain.techniques.facts import transformers_checkpointing_error
 
 __all__ = ["StepEstimate", "estimate_step", "model_arch"]
 
@@ -65,6 +66,9 @@ def estimate_step(cfg: RunConfig, device_type: str, arch: Optional[Arch] = GPT2_
             out["compile_memory_budget"] = interpolated_budget(cfg, arch, device_type, world_size=world_size,
                                                                shard=shard)
         return StepEstimate("analytic", out, cfg, est, arch)
+    refusal = transformers_checkpointing_error(cfg.technique.checkpointing)
+    if refusal is not None:  # the run would refuse it: so does its estimate, analytic or traced
+        raise ConfigError(refusal)
     reason = why_not_modelled(cfg)
     if world_size > 1:
         # One rank's share is the analytic model's (the same sharding rules as for our GPT);
