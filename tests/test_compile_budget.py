@@ -80,6 +80,11 @@ def _metered_compiled_step(budget):
     state = build_state(cfg, CPU, make_precision("fp32", CPU))
     tech = TechniqueConfig(compile=True, compile_scope="block", compile_memory_budget=budget)
     apply_compile(state.model, tech, backend="aot_eager_decomp_partition")
+    return _two_metered_steps(state, cfg)
+
+
+def _two_metered_steps(state, cfg):
+    """Two real CPU steps, the second metered: (losses, the meter's stats)."""
     meter = MemoryMeter(state.model, state.optimizer)
     g = torch.Generator().manual_seed(1)
     losses = []
@@ -180,16 +185,8 @@ def test_inductor_under_a_budget_matches_the_plain_compiled_losses():
         cfg = build_config({**TINY_CFG, "compile": True, "compile_memory_budget": budget})
         torch.manual_seed(0)
         state = build_state(cfg, CPU, make_precision("fp32", CPU))  # prepare_model compiles with inductor
-        meter = MemoryMeter(state.model, state.optimizer)
-        g = torch.Generator().manual_seed(1)
-        losses = []
-        for i in range(2):
-            micro = random_micro_batches(cfg, 2, CPU, generator=g)
-            with meter:
-                if i == 1:
-                    meter.reset_peak()
-                losses.append(run_step(state, micro, meter))
-        return losses, meter.stats().category_peaks["activations"]
+        losses, stats = _two_metered_steps(state, cfg)
+        return losses, stats.category_peaks["activations"]
 
     plain_losses, plain = run(None)
     low_losses, low = run(0.1)
