@@ -192,29 +192,31 @@ def _linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int,
 
 
 def _lora_dropout(nodes: list[Node], dm: Dims, name: str, x: str, x_bytes: float, n_in: int, n_a: int,
-                  keep_mask: bool) -> str:
-    """peft's ``lora_A(dropout(x.to(A.dtype)))`` on our GPT's float32 adapters; returns the key
-    lora_A reads and saves. ``x``: the adapters' input as it reaches peft (``x_bytes`` per
-    element). peft casts it to float32 first (a new tensor only when it is not float32, which
-    lives only through the dropout); the dropout's float32 output is a new tensor, and its
+                  keep_mask: bool, adapter_bytes: float = 4) -> str:
+    """peft's ``lora_A(dropout(x.to(A.dtype)))``; returns the key lora_A reads and saves.
+    ``x``: the adapters' input as it reaches peft (``x_bytes`` per element); ``adapter_bytes``:
+    the adapters' dtype (our GPT's are float32). peft casts x to it first (a new tensor only
+    when the dtypes differ, which lives only through the dropout); the dropout's output is a
+    new tensor in the adapters' dtype, and its
     backward keeps the mask (:func:`_dropout`: CUDA's bool mask, the CPU kernel's float noise)
     only when ``x`` requires a gradient (``keep_mask``).
     Under autocast lora_A casts the dropped copy to the compute dtype and saves that copy (the
-    float32 one is then freed); otherwise it saves the float32 dropped copy itself. One of each
+    adapters'-dtype one is then freed); otherwise it saves the dropped copy itself. One of each
     per adapted Linear the entry stands for."""
-    N, numel = dm.n, dm.n * n_in * n_a
+    N, numel, ad = dm.n, dm.n * n_in * n_a, adapter_bytes
     src = x
-    if x_bytes != 4:
-        src = f"{x}@{name}.lora32"
-        nodes.append(Node(f"{name}.lora_up", out=[(src, numel * 4)], inputs=[x], grads=[(x, N * n_in * x_bytes)]))
+    if x_bytes != ad:
+        src = f"{x}@{name}.lora_in"
+        nodes.append(Node(f"{name}.lora_up", out=[(src, numel * ad)], inputs=[x],
+                           grads=[(x, N * n_in * x_bytes)] if keep_mask else []))
     dropped, mask = f"{name}.lora_drop", f"{name}.lora_drop.mask"
-    nodes.append(Node(f"{name}.lora_dropout", out=[(dropped, numel * 4), (mask, numel * (1 if dm.cuda else 4))],
-                       inputs=[src], saves=[mask] if keep_mask else [], grads=[(src, numel * 4)]))
+    nodes.append(Node(f"{name}.lora_dropout", out=[(dropped, numel * ad), (mask, numel * (1 if dm.cuda else ad))],
+                       inputs=[src], saves=[mask] if keep_mask else [], grads=[(src, numel * ad)] if keep_mask else []))
     if not dm.autocast:
         return dropped
     cast = f"{dropped}@{name}"
     nodes.append(Node(f"{name}.lora_cast_drop", out=[(cast, numel * dm.a)], inputs=[dropped],
-                       grads=[(dropped, numel * 4)]))
+                       grads=[(dropped, numel * ad)] if keep_mask else []))
     return cast
 
 
@@ -244,15 +246,21 @@ def _peft_lora(nodes: list[Node], dm: Dims, name: str, x: str, x_bytes: float, b
         # lora_A's autocast casts that float32 input to bf16, once per adapted Linear (q, k and
         # v each), and saves the copy for A's gradient; the bf16 input x itself, if nothing
         # else saves it, is freed (its copy is what stays).
-        xa = f"{x}@{name}.lora"
-        nodes.append(Node(f"{name}.lora_cast_x", out=[(xa, N * n_in * a * n_a)], inputs=[src],
-                           grads=[(src, N * n_in * 4)] if input_grad else []))
+        if dm.lora_dropout:
+            # peft drops that float32 input; lora_A casts and saves the dropped copy instead.
+            xa = _lora_dropout(nodes, dm, name, src, 4, n_in, n_a, input_grad)
+        else:
+            xa = f"{x}@{name}.lora"
+            nodes.append(Node(f"{name}.lora_cast_x", out=[(xa, N * n_in * a * n_a)], inputs=[src],
+                               grads=[(src, N * n_in * 4)] if input_grad else []))
         # The adapters are leaves that require grad: autocast caches their bf16 copies until
         # the forward ends. lora_B's matmul saves its copy (for the gradient of A's output),
         # lora_A's only when its input needs a gradient.
         w_a, w_b = [f"{name}.lora_wa"], [f"{name}.lora_wb"]
         nodes.append(Node(f"{name}.lora_cast_w", out=[(w_a[0], n_a * r * n_in * a), (w_b[0], r * n_out * a)],
                            hold=True))
+    elif dm.lora_dropout:
+        xa = _lora_dropout(nodes, dm, name, x, x_bytes, n_in, n_a, input_grad, adapter_bytes=dm.p)
     nodes.append(Node(la, out=[(la, N * r * a * n_a)], inputs=[xa] + w_a, saves=[xa] + (w_a if input_grad else []),
                        matmul=True, grads=([(xa, N * n_in * a)] if input_grad else [])
                        + [(f"param:{param_name}.lora_A{s}", 0.0) for s in parts]))
