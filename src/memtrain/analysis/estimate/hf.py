@@ -88,8 +88,6 @@ def why_not_modelled(cfg: Any) -> Optional[str]:
         return f"no analytic model of {c.model_type} layers (only {', '.join(MODELLED)})"
     if tech.qlora:
         return "QLoRA's NF4 weights and their dequantization scratch are not modelled analytically"
-    if tech.lora_rank and tech.lora_dropout > 0:
-        return "--lora-dropout > 0 (peft's dropped copy of each adapter's input and its mask) is not modelled analytically"
     if tech.lora_rank and tech.lora_targets not in (GPT_LORA_TARGETS, "all-linear"):
         return "named --lora-targets are not modelled analytically (only every decoder Linear)"
     window = active_window(c, tech.window, cfg.train.seq_len)

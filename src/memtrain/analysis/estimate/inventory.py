@@ -40,6 +40,8 @@ class Dims:
     # Phi-3's layers (Arch.fused_proj): v is a slice of the fused q/k/v output, and rope's cat
     # makes q contiguous as (b, h, s, hd), so SDPA's output is laid out that way too.
     fused_proj: bool = False
+    # --lora-dropout > 0: peft drops each adapter's input before lora_A (_lora_dropout).
+    lora_dropout: bool = False
 
     @property
     def n(self) -> int:
@@ -95,14 +97,16 @@ def _fp8_linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: 
 
 def _linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int, n_out: int,
             trainable_base: bool, lora: int, x_bytes: float, *, bias: Optional[bool] = None,
-            lora_parts: tuple[str, ...] = ("",), input_grad: bool = True, param_name: Optional[str] = None) -> None:
+            lora_parts: tuple[str, ...] = ("",), input_grad: bool = True, param_name: Optional[str] = None,
+            x_requires_grad: Optional[bool] = None) -> None:
     """A Linear layer: autocast casts of input/weight/bias, the matmul, LoRA adapters.
     ``bias``: this Linear's (default: the model's rule, ``dm.bias``); ``lora_parts``: the name
     suffixes of the Linears the entry stands for (:func:`lora_split`), one adapter pair each;
     ``input_grad``: whether ``x`` requires a gradient (False only for a transformers model's
     first q/k/v under LoRA, whose input comes from the frozen embedding through a frozen norm);
     ``param_name``: the table entry its parameters belong to (default ``name``; one Linear of
-    a fused entry names its nodes apart)."""
+    a fused entry names its nodes apart); ``x_requires_grad``: whether autograd really records a
+    gradient for ``x`` (default ``input_grad``; our GPT models its first q/k/v as taking one)."""
     N, a = dm.n, dm.a
     bias = dm.bias if bias is None else bias
     if dm.fp8 and not lora and fp8_converts(n_in, n_out):
@@ -112,7 +116,9 @@ def _linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int,
     n_linears = len(lora_parts)  # the separate Linears this entry stands for
     # autograd saves a matmul's input only for the weight's gradient: a frozen transformers
     # base weight keeps none (our GPT's frozen Linears are modelled as keeping it).
-    keeps_input = trainable_base or not dm.hf
+    # Under --lora-dropout the adapters read a dropped copy instead of x, so nothing keeps x
+    # then either.
+    keeps_input = trainable_base or not (dm.hf or (lora and dm.lora_dropout))
     # autocast caches its casts of leaf tensors that require grad only: a frozen transformers
     # base weight is cast at each call, and the copy lives only as long as the matmul keeps it,
     # which it does for the input's gradient alone (our GPT's frozen casts are modelled as
@@ -166,6 +172,10 @@ def _linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int,
         # One A product per Linear the entry stands for (q, k, v each read x); the B products
         # together are as wide as the fused output.
         n_a = len(lora_parts)
+        if dm.lora_dropout:
+            keep_mask = input_grad if x_requires_grad is None else x_requires_grad
+            xa = _lora_dropout(nodes, dm, name, xa if ad != a else x_own, 4 if ad != a else x_own_bytes, n_in, n_a,
+                               keep_mask)
         nodes.append(Node(la, out=[(la, N * lora * ad * n_a)], inputs=[xa], saves=[xa], matmul=True,
                            grads=[(xa, N * n_in * ad)] + [(f"param:{name}.lora_A{s}", 0.0) for s in lora_parts]))
         nodes.append(Node(lb, out=[(lb, N * n_out * ad)], inputs=[la], saves=[la], matmul=True,
@@ -179,6 +189,35 @@ def _linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int,
             src = f"{lb}.c"
         nodes.append(Node(f"{name}.lora_add", out=[(out, N * n_out * a)], inputs=[base_out, src],
                            grads=[(base_out, 0.0), (src, 0.0)]))
+
+
+def _lora_dropout(nodes: list[Node], dm: Dims, name: str, x: str, x_bytes: float, n_in: int, n_a: int,
+                  keep_mask: bool, adapter_bytes: float = 4) -> str:
+    """peft's ``lora_A(dropout(x.to(A.dtype)))``; returns the key lora_A reads and saves.
+    ``x``: the adapters' input as it reaches peft (``x_bytes`` per element); ``adapter_bytes``:
+    the adapters' dtype (our GPT's are float32). peft casts x to it first (a new tensor only
+    when the dtypes differ, which lives only through the dropout); the dropout's output is a
+    new tensor in the adapters' dtype, and its
+    backward keeps the mask (:func:`_dropout`: CUDA's bool mask, the CPU kernel's float noise)
+    only when ``x`` requires a gradient (``keep_mask``).
+    Under autocast lora_A casts the dropped copy to the compute dtype and saves that copy (the
+    adapters'-dtype one is then freed); otherwise it saves the dropped copy itself. One of each
+    per adapted Linear the entry stands for."""
+    N, numel, ad = dm.n, dm.n * n_in * n_a, adapter_bytes
+    src = x
+    if x_bytes != ad:
+        src = f"{x}@{name}.lora_in"
+        nodes.append(Node(f"{name}.lora_up", out=[(src, numel * ad)], inputs=[x],
+                           grads=[(x, N * n_in * x_bytes)] if keep_mask else []))
+    dropped, mask = f"{name}.lora_drop", f"{name}.lora_drop.mask"
+    nodes.append(Node(f"{name}.lora_dropout", out=[(dropped, numel * ad), (mask, numel * (1 if dm.cuda else ad))],
+                       inputs=[src], saves=[mask] if keep_mask else [], grads=[(src, numel * ad)] if keep_mask else []))
+    if not dm.autocast:
+        return dropped
+    cast = f"{dropped}@{name}"
+    nodes.append(Node(f"{name}.lora_cast_drop", out=[(cast, numel * dm.a)], inputs=[dropped],
+                       grads=[(dropped, numel * ad)] if keep_mask else []))
+    return cast
 
 
 def _peft_lora(nodes: list[Node], dm: Dims, name: str, x: str, x_bytes: float, base_out: str, out: str,
@@ -207,15 +246,21 @@ def _peft_lora(nodes: list[Node], dm: Dims, name: str, x: str, x_bytes: float, b
         # lora_A's autocast casts that float32 input to bf16, once per adapted Linear (q, k and
         # v each), and saves the copy for A's gradient; the bf16 input x itself, if nothing
         # else saves it, is freed (its copy is what stays).
-        xa = f"{x}@{name}.lora"
-        nodes.append(Node(f"{name}.lora_cast_x", out=[(xa, N * n_in * a * n_a)], inputs=[src],
-                           grads=[(src, N * n_in * 4)] if input_grad else []))
+        if dm.lora_dropout:
+            # peft drops that float32 input; lora_A casts and saves the dropped copy instead.
+            xa = _lora_dropout(nodes, dm, name, src, 4, n_in, n_a, input_grad)
+        else:
+            xa = f"{x}@{name}.lora"
+            nodes.append(Node(f"{name}.lora_cast_x", out=[(xa, N * n_in * a * n_a)], inputs=[src],
+                               grads=[(src, N * n_in * 4)] if input_grad else []))
         # The adapters are leaves that require grad: autocast caches their bf16 copies until
         # the forward ends. lora_B's matmul saves its copy (for the gradient of A's output),
         # lora_A's only when its input needs a gradient.
         w_a, w_b = [f"{name}.lora_wa"], [f"{name}.lora_wb"]
         nodes.append(Node(f"{name}.lora_cast_w", out=[(w_a[0], n_a * r * n_in * a), (w_b[0], r * n_out * a)],
                            hold=True))
+    elif dm.lora_dropout:
+        xa = _lora_dropout(nodes, dm, name, x, x_bytes, n_in, n_a, input_grad, adapter_bytes=dm.p)
     nodes.append(Node(la, out=[(la, N * r * a * n_a)], inputs=[xa] + w_a, saves=[xa] + (w_a if input_grad else []),
                        matmul=True, grads=([(xa, N * n_in * a)] if input_grad else [])
                        + [(f"param:{param_name}.lora_A{s}", 0.0) for s in parts]))
@@ -400,12 +445,14 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
         split = lora_split(arch, short, n_out, d, dm.kv)
         bias, grad_in = dm.bias or (arch.qkv_bias and short == "qkv"), input_grad or short != "qkv"
         rank = lora if short in targets else 0
+        # Under LoRA the first q/k/v reads the frozen embedding through a frozen norm: no gradient.
+        x_grad = trainable_base or i > 0 or short != "qkv"
         if part is None:
             _linear(nodes, dm, name, src, out, n_in, n_out, trainable_base, rank, src_bytes, bias=bias,
-                    lora_parts=tuple(suffix for suffix, _ in split), input_grad=grad_in)
+                    lora_parts=tuple(suffix for suffix, _ in split), input_grad=grad_in, x_requires_grad=x_grad)
             return
         _linear(nodes, dm, name + part, src, out + part, n_in, dict(split)[part], trainable_base, rank, src_bytes,
-                bias=bias, lora_parts=(part,), input_grad=grad_in, param_name=name)
+                bias=bias, lora_parts=(part,), input_grad=grad_in, param_name=name, x_requires_grad=x_grad)
 
     # With peft's adapters a transformers layer's separate Linears (q, k, v; gate, up) are
     # simulated one after the other: each one's LoRA tail (base output, B product, its scaled
@@ -576,7 +623,7 @@ def run_dims(cfg: RunConfig, arch: Arch, device_type: str, batch: Optional[int] 
                kv=(arch.n_kv_heads or m.n_heads) * m.head_dim, V=m.padded_vocab_size, a=ab,
                r=pb, p=pb, autocast=autocast, dropout=m.dropout > 0, cuda=device_type == "cuda",
                bias=m.bias and arch.name == "gpt2", hf=arch.hf, fp8=precision_facts(cfg.technique.precision).fp8,
-               fused_proj=arch.fused_proj)
+               fused_proj=arch.fused_proj, lora_dropout=cfg.technique.lora_rank > 0 and cfg.technique.lora_dropout > 0)
     return dm
 
 
