@@ -209,3 +209,10 @@ def test_offload_works_under_compile_with_the_same_losses():
         run_step(eager, random_micro_batches(cfg, cfg.train.batch_size, CPU, gen))
     assert eager.offload is not None
     assert moved == pytest.approx(eager.offload.counts.d2h_bytes, rel=0.05)
+
+
+@pytest.mark.parametrize("rate", ["abc", "64GB", "0GB/s", "1e400GB/s", "-5GB/s"])
+def test_a_bad_host_bandwidth_is_one_line_naming_a_rate(rate, capsys):
+    assert main(["plan", "--budget", "8GiB", "--device-type", "cuda", f"--host-bandwidth={rate}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --host-bandwidth '{rate}'") and "64GB/s" in err[0]

@@ -59,7 +59,11 @@ def parse_rate(text: str) -> float:
     size = text.strip()
     if not size.lower().endswith("/s"):
         raise ConfigError(f"--host-bandwidth {text!r}: write a rate such as 64GB/s")
-    return float(parse_size(size[:-2]))
+    try:
+        return float(parse_size(size[:-2]))
+    except ConfigError:
+        # parse_size names a memory size; the user wrote a rate, so the line says how to write one
+        raise ConfigError(f"--host-bandwidth {text!r}: write a positive rate such as 64GB/s") from None
 
 
 def _search_space(args: argparse.Namespace, cfg: Any, device_type: str) -> dict[str, list[str]]:
