@@ -80,6 +80,22 @@ def test_replay_adds_workspace_and_context():
     assert any("assumed" in s for s in m.assumptions)
 
 
+def test_the_measured_context_names_the_results_that_record_it():
+    """The H100's CUDA context line points at the committed run that measured it (its README
+    names the command, commit and card), and that run recorded the figure the replay assumes."""
+    import json
+    from pathlib import Path
+
+    m = replay([], "NVIDIA H100 80GB HBM3")
+    line = next(s for s in m.assumptions if s.startswith("CUDA context"))
+    folder = "benchmarks/results/gpu-h100/allocator-check"
+    assert f"measured, {folder};" in line
+    root = Path(__file__).parents[1]
+    rows = json.loads((root / folder / "allocator_check.json").read_text())["rows"]
+    assert {row["outside_torch_after"] for row in rows if "outside_torch_after" in row} == {m.cuda_context}
+    assert "| `allocator-check/` |" in (root / folder).parent.joinpath("README.md").read_text()
+
+
 def test_estimate_reports_allocated_reserved_and_device_total():
     cfg = RunConfig().replace(vocab_size=512, d_model=64, n_heads=4, n_layers=6, d_ff=256, batch_size=4, seq_len=64)
     plain = estimate(cfg, device_type="cuda")
@@ -150,7 +166,7 @@ def test_two_step_replay_carries_the_callers_logits_into_step_2():
 
 def test_estimate_reproduces_the_recorded_h100_reserved_memory():
     """The two-step replay against the H100 run recorded in benchmarks/results/gpu-h100/
-    allocator-check (commit eedd2af): reserved within 2% on the seed table's rows with the
+    allocator-check (commit a44c87e, see that folder's README): reserved within 2% on the seed table's rows with the
     naive loss, allocated within 0.5%, device total within 2% with the measured context."""
     import json
     from pathlib import Path

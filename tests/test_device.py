@@ -214,3 +214,40 @@ def test_probe_leaves_the_random_generator_alone(tmp_path, monkeypatch):
         torch.manual_seed(0)
         D.probe("cpu")
         assert torch.equal(torch.rand(3), expected)
+
+
+def _device_entries(folder) -> list:
+    return sorted(folder.rglob("device/*.json"))
+
+
+def test_probe_caches_its_rates_in_the_given_cache_dir_only(tmp_path, monkeypatch):
+    """A probe told its run's cache folder reads and writes its rates there, not in the folder
+    of $MEMTRAIN_CACHE nor the default one; forgetting and refreshing use the same file."""
+    run_dir, env_dir, home = tmp_path / "run-cache", tmp_path / "env-cache", tmp_path / "home"
+    monkeypatch.setenv("MEMTRAIN_CACHE", str(env_dir))
+    monkeypatch.setenv("HOME", str(home))
+    caps = D.probe("cpu", cache_dir=run_dir)
+    assert not caps.from_cache
+    assert len(_device_entries(run_dir)) == 1
+    assert _device_entries(env_dir) == [] and not (home / ".cache" / "memtrain").exists()
+    D._PROBES.clear()
+    assert D.probe("cpu", cache_dir=run_dir).from_cache  # read back from the same folder
+    entry = _device_entries(run_dir)[0]
+    stored = json.loads(entry.read_text())
+    stored["rates"]["gemm_fp32_flops"] = 1e6  # as if measured on busy cores
+    entry.write_text(json.dumps(stored))
+    low = fake_caps(name=caps.name, threads=caps.threads, gemm_fp32_flops=1e6)
+    D.refresh_fp32_rate(low, cache_dir=run_dir)  # a run that beat the cached rate updates this entry
+    assert json.loads(entry.read_text())["rates"]["refreshed_from"] == 1e6
+    D.cache_clear("cpu", cache_dir=run_dir)
+    assert _device_entries(run_dir) == [] and _device_entries(env_dir) == []
+
+
+def test_train_caches_the_device_rates_in_its_cache_dir(tiny_run, tmp_path, monkeypatch):
+    """``--cache-dir`` holds a run's device rates as it holds its tokens (no $MEMTRAIN_CACHE)."""
+    monkeypatch.delenv("MEMTRAIN_CACHE")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    run_dir = tmp_path / "run-cache"
+    train(build_config({**tiny_run, "steps": 2, "cache_dir": str(run_dir)}))
+    assert len(_device_entries(run_dir)) == 1
+    assert not (tmp_path / "home" / ".cache" / "memtrain").exists()

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import TINY_MODEL, cli_flags
+from memtrain.cli import main
 from memtrain.config.run import ConfigError, build_config
 from memtrain.training.train import train
 
@@ -81,6 +82,8 @@ def runs(small_corpus, tmp_path_factory) -> dict:
              ("zero1_tied", {**tied_plain, "distributed": "zero1"}),
              ("fsdp_tied", {**tied_plain, "distributed": "fsdp"}),
              ("zero2_bf16", {**tied_plain, "distributed": "zero2", "precision": "bf16"})]  # tiny: bf16 is slow here
+    # Activation offloading inside FSDP2's sharded step (its all-gathered weights stay where they are).
+    plan += [("fsdp_offload", {**tied_plain, "distributed": "fsdp", "offload_activations": True})]
     logs = root / "logs"
     logs.mkdir()
     runs_json = [(name, ["train", *cli_flags({**settings, "progress": False, "out": str(root / name)})])
@@ -174,6 +177,31 @@ def test_per_rank_estimate_matches_the_measured_peaks(runs):
         est = estimate(cfg, device_type="cpu", world_size=2, shard=shard).peak_bytes
         for rank in runs[name]["ranks"]:
             assert est == pytest.approx(rank["peak_bytes"], rel=0.03), (name, rank["rank"])
+
+
+def test_fsdp_with_offloaded_activations_trains_the_same_steps(runs):
+    """--offload-activations with --distributed fsdp on 2 ranks: the same losses, bit for bit, as
+    fsdp alone; each rank moves its saved activations to the host ledger and holds fewer at its
+    peak."""
+    plain, off = runs["fsdp_tied"], runs["fsdp_offload"]
+    assert off["loss_history"] == plain["loss_history"] and off["val_loss"] == plain["val_loss"]
+    assert off["distributed"] == {"strategy": "fsdp", "world_size": 2, "backend": "gloo"}
+    assert off["offload"]["d2h_bytes"] == off["offload"]["h2d_bytes"] > 0
+    assert off["offload"]["kept_parameters"] > 0  # FSDP's unsharded weights stay on the device
+    for rank_off, rank_plain in zip(off["ranks"], plain["ranks"], strict=True):
+        assert rank_off["offloaded_peak_bytes"] > 0 and rank_plain["offloaded_peak_bytes"] == 0
+        assert rank_off["by_category"]["activations"] < rank_plain["by_category"]["activations"]
+
+
+def test_fsdp_cpu_offload_with_offloaded_activations_on_cpu_is_one_error_line(tiny_run, monkeypatch, capsys):
+    """On a CPU run --cpu-offload has nothing to move, with or without --offload-activations."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    argv = ["train", *cli_flags({**tiny_run, "distributed": "fsdp", "cpu_offload": True, "offload_activations": True,
+                             "device": "cpu"})]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --cpu-offload") and err.count("\n") == 1, err
 
 
 def test_zero1_chunks_cover_every_row_once():

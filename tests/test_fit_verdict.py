@@ -161,9 +161,37 @@ def test_maxbatch_cuda_model_counts_the_overhead_a_tracked_search_misses(capsys,
     (["--gpu", "b200"], "add --memory-budget"),
     (["--gpu", "h100", "--device", "cpu"], "drop --device-type cpu/--device cpu"),
     (["--gpu", "h100", "--method", "trace"], "drop it"),
+    # no --gpu given: the line names the two flags that disagree, not --gpu
+    (["--device-type", "cuda", "--device", "cpu"], "--device-type cuda asks for CUDA kernels and --device cpu"),
 ])
 def test_maxbatch_cuda_model_errors_are_one_line(capsys, no_cuda, argv, expect):
     assert expect in _error_line(capsys, ["maxbatch", *MODEL, *argv])
+
+
+@pytest.mark.parametrize("verb,argv,expect", [
+    ("estimate", ["--device-type", "cpu"], "--gpu models the CUDA caching allocator: add --device-type cuda"),
+    ("maxbatch", ["--device-type", "cpu"], "--gpu names the card the CUDA model assumes: drop --device-type cpu"),
+    ("plan", ["--device-type", "cpu", "--budget", "8GiB"], "--gpu plans for a CUDA GPU kind: add --device-type cuda"),
+])
+def test_gpu_next_to_cpu_kernels_is_refused_by_every_verb(capsys, no_cuda, verb, argv, expect):
+    """--gpu names a CUDA GPU kind in estimate, maxbatch and plan alike: next to CPU kernel facts
+    each refuses it in one line saying what the card is for there."""
+    assert expect in _error_line(capsys, [verb, *MODEL, "--gpu", "h100", *argv])
+
+
+def test_device_type_and_gpu_are_one_flag_in_every_verb():
+    """estimate, maxbatch and plan take --device-type and --gpu with the same choices, default
+    and metavar (only their help says what each verb does with them)."""
+    from memtrain.cli import build_parser
+
+    verbs = build_parser()._subparsers._group_actions[0].choices
+    for flag in ("--device-type", "--gpu"):
+        shapes = set()
+        for verb in ("estimate", "maxbatch", "plan"):
+            action = next(a for a in verbs[verb]._actions if flag in a.option_strings)
+            shapes.add((tuple(action.option_strings), action.dest, action.choices and tuple(action.choices),
+                        action.default, action.metavar, action.type))
+        assert len(shapes) == 1, (flag, shapes)
 
 
 def test_maxbatch_on_a_cuda_machine_still_measures(capsys, monkeypatch):

@@ -146,3 +146,27 @@ def test_cli_plan_bad_input(argv, text, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and text in err and "\n" not in err
+
+
+def test_each_plan_candidate_is_estimated_once_offload_included(monkeypatch, capsys):
+    """An --offload-activations candidate's bytes moved come from the estimate its peak search
+    made: no config is estimated twice, and the offload candidates' copies are still costed."""
+    import memtrain.analysis.plan as plan_module
+
+    seen: list[str] = []
+    real = plan_module.estimate
+
+    def counting(cfg, *args, **kw):
+        seen.append(repr(cfg.to_dict()))
+        return real(cfg, *args, **kw)
+
+    monkeypatch.setattr(plan_module, "estimate", counting)
+    argv = ["plan", "--device-type", "cuda", "--budget", "8GiB", "--d-model", "32", "--n-heads", "2",
+            "--n-layers", "2", "--d-ff", "64", "--seq-len", "32", "--batch-size", "4", "--precisions", "bf16",
+            "--attentions", "sdpa", "--losses", "standard", "--optims", "adamw-fused",
+            "--checkpointings", "none,full", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    offloaded = [key for key in seen if "'offload_activations': True" in key]
+    assert offloaded and len(seen) == len(set(seen)), [k for k in set(seen) if seen.count(k) > 1][:1]
+    assert out["candidates"] and out["evaluated"] >= len(seen)

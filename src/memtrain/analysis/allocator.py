@@ -226,7 +226,7 @@ def replay(events: Iterable[tuple[str, int, float]], gpu: Optional[str] = None, 
         device_total=alloc.peak_reserved + ctx, cuda_context=ctx, cublas_workspace=ws, gpu=key,
         segments=alloc.segments_created, reserved_first_step=first_step,
         assumptions=[f"CUDA context {ctx / MiB:.0f} MiB for GPU kind '{key}' (assumed: "
-                     + ("measured on an H100 at commit eedd2af, driver and CUDA version change it"
+                     + (f"measured, {facts.context_source}; driver and CUDA version change it"
                         if facts.context_measured else "not measured; benchmarks/allocator_check.py measures it")
                      + ")",
                      f"cuBLAS workspace {ws / MiB:.2f} MiB through the caching allocator",

@@ -314,30 +314,42 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
             cost += offload_exposed_s(d2h, h2d, detail["compute_s"], link)
         return cost
 
+    # One estimate (or trace) per candidate config: the peak search and an offload candidate's
+    # bytes moved read the same step, which costs the most of a plan (a trace: seconds).
+    steps: dict[str, Any] = {}
+
+    def step_of(c: RunConfig) -> Any:
+        """The Estimate of ``c`` (analytic models), or its trace_any_depth dict (``traced``)."""
+        key = _config_key(c)
+        if key not in steps:
+            if traced:
+                # The torch line, crossed for a transformers model only: its candidates are traced.
+                from memtrain.analysis.depth_trace import trace_any_depth
+
+                steps[key] = trace_any_depth(c, device_type)  # 2 + 3 layers extended to the depth when exact
+            else:
+                steps[key] = estimate(c, arch, device_type, gpu=gpu if device_type == "cuda" else None)
+        return steps[key]
+
     def transfer(c: RunConfig) -> tuple[float, float]:
         """Bytes --offload-activations copies each way in one step (estimated or traced)."""
         if traced:
-            from memtrain.analysis.depth_trace import trace_any_depth  # the torch line, as in peak()
-
-            moved = trace_any_depth(c, device_type).get("offload") or {}
+            moved = step_of(c).get("offload") or {}
             return float(moved.get("d2h_bytes", 0)), float(moved.get("h2d_bytes", 0))
-        off = estimate(c, arch, device_type).offload or {}
+        off = step_of(c).offload or {}
         return off.get("d2h_bytes_per_step", 0.0), off.get("h2d_bytes_per_step", 0.0)
 
     def peak(c: RunConfig) -> tuple[float, str]:
         nonlocal evaluated
         evaluated += 1
         if traced:
-            # The torch line, crossed for a transformers model only: its candidates are traced.
-            from memtrain.analysis.depth_trace import trace_any_depth
-
-            r = trace_any_depth(c, device_type)  # 2 + 3 layers extended to the depth when exact
+            r = step_of(c)
             return float(r["peak_bytes"]), str(r["peak_phase"])
         if c.technique.compile_memory_budget is not None:
             entry = interpolated_budget(c, arch, device_type, gpu=gpu if device_type == "cuda" else None)
             assert entry is not None and entry["peak_bytes"] is not None  # checkpointing none (_sets)
             return float(entry.get("device_total", entry["peak_bytes"])), "interpolated"
-        e = estimate(c, arch, device_type, gpu=gpu if device_type == "cuda" else None)
+        e = step_of(c)
         if e.device_memory:
             return float(e.device_memory["device_total"]), e.peak_phase
         return e.peak_bytes, e.peak_phase
@@ -434,6 +446,11 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
                      "--trace` runs torch's partitioner")
     return PlanResult(budget_bytes, margin, device_type, None if max_batch else target, fits[:top],
                       evaluated, baseline, notes=notes)
+
+
+def _config_key(cfg: RunConfig) -> str:
+    """Every setting of ``cfg``, as one string: equal exactly when two configs are the same run."""
+    return repr(cfg.to_dict())
 
 
 def _without_idle_offload(fits: list[Candidate]) -> list[Candidate]:

@@ -191,7 +191,7 @@ def run_bench(opts: BenchOptions, on_row: Optional[Callable[[str, dict[str, Any]
 
     rows = resolve_rows(opts)
     device = resolve_device(rows[0][1].train.device) if rows else None
-    caps = runner_caps(device) if device is not None else None
+    caps = runner_caps(device, rows[0][1]) if device is not None else None
     rows, substituted, notes = adapt_rows(rows, caps, opts.substitute_slow)
     device_type = device.type if device is not None else ""
     rows, optim_subs, optim_notes = adapt_compiled_optims(rows, device_type, opts.substitute_slow)

@@ -30,6 +30,28 @@ def add_model_choice(p: argparse.ArgumentParser) -> None:
                    help="Parameter count such as 3B or 124M: a GPT-2-style shape of that size is derived.")
 
 
+# --device-type and --gpu, shared by estimate, maxbatch and plan: one spelling, one set of choices
+# and one refusal, so the verbs cannot drift; each verb's help says what they mean for it.
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def add_device_type_flag(p: argparse.ArgumentParser, help: str) -> None:
+    """--device-type cpu|cuda: the kernel facts to assume (default: from --device)."""
+    p.add_argument("--device-type", choices=DEVICE_TYPES, default=None, help=help)
+
+
+def add_gpu_flag(p: argparse.ArgumentParser, help: str) -> None:
+    """--gpu NAME: a CUDA GPU kind (h100, a100-80gb, rtx4090, ...; memtrain.devices.gpu_kinds)."""
+    p.add_argument("--gpu", default=None, metavar="NAME", help=help)
+
+
+def refuse_gpu_off_cuda(args: argparse.Namespace, device_type: str, what: str) -> None:
+    """--gpu names a CUDA GPU kind: refused next to CPU kernel facts (``device_type``), in one line
+    ``--gpu <what>`` where ``what`` says what the card is for in this verb and what to change."""
+    if getattr(args, "gpu", None) is not None and device_type != "cuda":
+        raise ConfigError(f"--gpu {what}")
+
+
 def resolve_model(args: argparse.Namespace) -> tuple[Any, Any]:
     """(RunConfig, Arch) from --model/--params and the config flags. A transformers model
     (any --model that is not a preset) has no Arch: None (memtrain.models, traced)."""
@@ -75,15 +97,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="train: one steady-state training step; inference: one forward without autograd.")
     p.add_argument("--weights-dtype", choices=("fp32", "bf16", "fp16", "int8"), default="bf16",
                    help="Inference mode: the dtype the weights are stored in (default bf16).")
-    p.add_argument("--device-type", choices=("cpu", "cuda"), default=None,
-                   help="Kernel facts to assume (dropout masks, SDPA kernels); default: from --device.")
+    add_device_type_flag(p, "Kernel facts to assume (dropout masks, SDPA kernels); default: from --device.")
     p.add_argument("--world-size", type=world_size, default=1, help="Data-parallel ranks (memory is per rank).")
     p.add_argument("--shard", choices=("none", "zero1", "zero2", "fsdp"), default=None,
                    help="Sharding over --world-size ranks (default: --distributed).")
-    p.add_argument("--gpu", default=None, metavar="NAME",
-                   help="With CUDA kernels: also model PyTorch's caching allocator and report allocated, reserved "
-                        "and device total (nvidia-smi) for this GPU kind (h100, a100, rtx4090; other names: a "
-                        "default CUDA context, stated as an assumption).")
+    add_gpu_flag(p, "With CUDA kernels: also model PyTorch's caching allocator and report allocated, reserved "
+                    "and device total (nvidia-smi) for this GPU kind (h100, a100, rtx4090; other names: a "
+                    "default CUDA context, stated as an assumption).")
     p.add_argument("--budget", default=None, metavar="SIZE",
                    help="Memory to fit in, e.g. 24GiB: a verdict line (fits, headroom, largest batch, and the cheapest "
                         "changes that fit the asked batch); with CUDA kernels counted as the card holds it (caching "
@@ -248,8 +268,7 @@ def _print_fit(out: dict[str, Any]) -> None:
 
 def _check_gpu_flag(args: argparse.Namespace, device_type: str) -> None:
     """--gpu models the CUDA caching allocator: it needs CUDA kernel facts (every model path)."""
-    if args.gpu is not None and device_type != "cuda":
-        raise ConfigError("--gpu models the CUDA caching allocator: add --device-type cuda (or --device cuda)")
+    refuse_gpu_off_cuda(args, device_type, "models the CUDA caching allocator: add --device-type cuda (or --device cuda)")
 
 
 def _shard(args: argparse.Namespace, cfg: Any) -> Any:

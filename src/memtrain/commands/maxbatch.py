@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from memtrain.analysis.fit import DEFAULT_LENGTH_MULTIPLE, budget_for
 from memtrain.cli import LOOP_ONLY_FIELDS, MODULE_TABLE_FIELDS, add_config_flags, config_from_args, fmt_bytes, register
+from memtrain.commands.estimate import add_device_type_flag, add_gpu_flag, refuse_gpu_off_cuda
 from memtrain.config.argtypes import batch_count, token_count
 from memtrain.config.run import ConfigError, parse_size
 
@@ -16,14 +17,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-budget", "--budget", dest="memory_budget", default=None,
                    help="Budget, e.g. 8GiB (required on CPU; on CUDA default: the device, or the --gpu card). "
                         "--budget: plan's name.")
-    p.add_argument("--device-type", choices=("cpu", "cuda"), default=None,
-                   help="cuda: measure on the CUDA device; without one, answer with the CUDA model (CUDA kernels' "
-                        "memory rules, the caching allocator and the CUDA context, estimated: nothing runs). "
-                        "Default: from --device.")
-    p.add_argument("--gpu", default=None, metavar="NAME",
-                   help="The card the CUDA model assumes where no CUDA device is here (h100, a100-80gb, rtx4090, ...): "
-                        "its memory is the budget unless --budget is given, its CUDA context is counted. "
-                        "Implies --device-type cuda.")
+    add_device_type_flag(p, "cuda: measure on the CUDA device; without one, answer with the CUDA model (CUDA kernels' "
+                            "memory rules, the caching allocator and the CUDA context, estimated: nothing runs). "
+                            "Default: from --device.")
+    add_gpu_flag(p, "The card the CUDA model assumes where no CUDA device is here (h100, a100-80gb, rtx4090, ...): "
+                    "its memory is the budget unless --budget is given, its CUDA context is counted. "
+                    "Implies --device-type cuda.")
     p.add_argument("--search", choices=("batch", "seq-len"), default="batch",
                    help="batch: the largest batch at --seq-len (default); seq-len: the longest sequence length at "
                         "--batch-size (default 1), the longest context that fits.")
@@ -152,9 +151,11 @@ def _wants_cuda_model(args: argparse.Namespace, cfg: Any) -> bool:
     measure on: the answer is then the CUDA model's estimate."""
     if args.gpu is None and args.device_type != "cuda":
         return False
-    if args.device_type == "cpu" or cfg.train.device == "cpu":
-        raise ConfigError("--gpu names the card the CUDA model assumes: drop --device-type cpu/--device cpu, "
-                          "or drop --gpu to search with CPU kernels")
+    cpu_asked = args.device_type == "cpu" or cfg.train.device == "cpu"
+    refuse_gpu_off_cuda(args, "cpu" if cpu_asked else "cuda", "names the card the CUDA model assumes: drop "
+                        "--device-type cpu/--device cpu, or drop --gpu to search with CPU kernels")
+    if cpu_asked:  # --device-type cuda next to --device cpu, no --gpu
+        raise ConfigError("--device-type cuda asks for CUDA kernels and --device cpu for the CPU: drop one of them")
     if args.method != "auto":
         raise ConfigError(f"--method {args.method} runs steps on a device; drop it next to --device-type cuda/--gpu "
                           "(measured on a CUDA device, estimated without one)")

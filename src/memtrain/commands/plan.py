@@ -15,7 +15,14 @@ from memtrain.analysis.fit import context_line, longest_context
 from memtrain.analysis.plan import Candidate, candidate_config, default_space, plan, verification, verify_config
 from memtrain.bench.runner import read_results
 from memtrain.cli import LOOP_ONLY_FIELDS, MODULE_TABLE_FIELDS, add_config_flags, defaults_note, fmt_bytes, register
-from memtrain.commands.estimate import add_model_choice, device_type_for, resolve_model
+from memtrain.commands.estimate import (
+    add_device_type_flag,
+    add_gpu_flag,
+    add_model_choice,
+    device_type_for,
+    refuse_gpu_off_cuda,
+    resolve_model,
+)
 from memtrain.config.argtypes import batch_count, positive_int
 from memtrain.config.run import ConfigError, parse_size
 from memtrain.devices.numerics import is_standard, numerics_key, numerics_note
@@ -30,12 +37,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "--batch-size x --grad-accum. N is the search's upper bound, as in maxbatch and bench.")
     p.add_argument("--margin", type=float, default=0.10, help="Safety margin on predictions (default 0.10).")
     p.add_argument("--top", type=int, default=5, help="How many choices to show (default 5).")
-    p.add_argument("--device-type", choices=("cpu", "cuda"), default=None,
-                   help="Device the plan is for (kernel facts and cost model); default: from --device.")
-    p.add_argument("--gpu", default=None, metavar="NAME",
-                   help="With CUDA kernels: the GPU kind the plan is for (h100, a100, rtx4090, ...): peaks are "
-                        "device totals (caching allocator + CUDA context), and --precision fp8 joins the "
-                        "search where the kind has FP8 tensor cores.")
+    add_device_type_flag(p, "Device the plan is for (kernel facts and cost model); default: from --device.")
+    add_gpu_flag(p, "With CUDA kernels: the GPU kind the plan is for (h100, a100, rtx4090, ...): peaks are "
+                    "device totals (caching allocator + CUDA context), and --precision fp8 joins the "
+                    "search where the kind has FP8 tensor cores.")
     for name, what in (("precisions", "precision"), ("attentions", "attention"), ("checkpointings", "checkpointing"),
                        ("losses", "loss"), ("optims", "optim")):
         p.add_argument(f"--{name}", default=None, metavar="A,B",
@@ -86,8 +91,7 @@ def _search_space(args: argparse.Namespace, cfg: Any, device_type: str) -> dict[
 def run(args: argparse.Namespace) -> int:
     cfg, arch = resolve_model(args)
     device_type = device_type_for(args, cfg)
-    if args.gpu is not None and device_type != "cuda":
-        raise ConfigError("--gpu plans for a CUDA GPU kind: add --device-type cuda")
+    refuse_gpu_off_cuda(args, device_type, "plans for a CUDA GPU kind: add --device-type cuda")
     space = _search_space(args, cfg, device_type)
     if args.top < 1:
         raise ConfigError(f"--top must be >= 1, got {args.top}")

@@ -35,6 +35,10 @@ from memtrain.errors import ConfigError
 from memtrain.files.results import MAX_INT_DIGITS, MAX_JSON_DEPTH, json_depth_error, loads_bounded
 from memtrain.techniques.facts import OPTIMIZER_STATE_RULES, PRECISION_FACTS, parse_checkpointing
 
+# The memtrain cache folder (token cache, device probe rates) when neither MEMTRAIN_CACHE nor
+# --cache-dir names one.
+DEFAULT_CACHE_DIR = "~/.cache/memtrain"
+
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
     """A dataclass field with its documentation attached (shown by ``--help``)."""
@@ -151,9 +155,9 @@ class DataConfig:
     val_blocks: int = _f(32, "Validation blocks evaluated (a fixed subset of the held-out set).")
     split_seed: int = _f(1234, "Seed of the train/validation document split (independent of --seed).")
     cache_dir: str = _f(
-        "~/.cache/memtrain",
-        "Directory of the token cache (memmaps keyed by source, tokenizer and options). "
-        "Overridden by the MEMTRAIN_CACHE environment variable.",
+        DEFAULT_CACHE_DIR,
+        "Directory of the token cache (memmaps keyed by source, tokenizer and options) and of the "
+        "device probe's measured GEMM rates. Overridden by the MEMTRAIN_CACHE environment variable.",
     )
     no_cache: bool = _f(False, "Tokenize again even if a cache entry exists (the entry is rewritten).")
     num_workers: int = _f(0, "DataLoader worker processes (dataloader_num_workers).")

@@ -24,6 +24,7 @@ import torch
 from memtrain.devices.gpus import device_gpu, mfu, peak_flops
 from memtrain.devices.probe import (
     FP32_SHAPE,
+    CacheDir,
     DeviceCaps,
     measure_fp32_rate,
     precision_is_native,
@@ -76,10 +77,11 @@ REFERENCE_NOW = "measured right after the run's training steps (best of repeated
 
 
 def mfu_for_run(flops_per_step: float, step_time_s: Optional[float], device: torch.device, precision: str,
-                caps: Optional[DeviceCaps], rate_now: Optional[float] = None
+                caps: Optional[DeviceCaps], rate_now: Optional[float] = None, cache_dir: CacheDir = None
                 ) -> tuple[Optional[float], Optional[dict[str, Any]]]:
     """MFU and its reference: CUDA against the datasheet peak, CPU against the measured GEMM rate
-    (``rate_now``, from :func:`reference_rate_now`, where given; else the probe's cached rate)."""
+    (``rate_now``, from :func:`reference_rate_now`, where given; else the probe's cached rate,
+    refreshed in the cache under ``cache_dir`` when the run beat it)."""
     if not step_time_s:
         return None, None
     if device.type == "cuda":
@@ -99,7 +101,7 @@ def mfu_for_run(flops_per_step: float, step_time_s: Optional[float], device: tor
         return None, None
     if flops_per_step / step_time_s > rate:
         # The run beat the reference: it was measured while the cores were busier than now.
-        refresh_fp32_rate(caps)
+        refresh_fp32_rate(caps, cache_dir)
         rate, dtype = _reference_rate(caps, precision)
         if not rate:
             return None, None
@@ -113,11 +115,13 @@ def _cpu_reference(caps: DeviceCaps, rate: float, dtype: str, shape: list[int], 
             "flops_per_s": rate, "dtype": dtype, "measured": when}
 
 
-def run_device_facts(precision: str, device: torch.device) -> tuple[Optional[DeviceCaps], dict[str, Any]]:
-    """Probe the device (cached), warn when ``precision`` is slow here, and return what the
-    result records under ``device_caps``. A probe that fails costs the run nothing but these facts."""
+def run_device_facts(precision: str, device: torch.device,
+                     cache_dir: CacheDir = None) -> tuple[Optional[DeviceCaps], dict[str, Any]]:
+    """Probe the device (its rates cached under ``cache_dir``: the run's cache folder), warn when
+    ``precision`` is slow here, and return what the result records under ``device_caps``. A probe
+    that fails costs the run nothing but these facts."""
     try:
-        caps = probe(device)
+        caps = probe(device, cache_dir=cache_dir)
     except Exception as exc:  # noqa: BLE001 - the run must not fail for a missing fact
         return None, {"error": f"{type(exc).__name__}: {exc}"}
     msg = warn_if_slow(precision, caps)

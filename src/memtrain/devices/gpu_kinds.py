@@ -64,7 +64,9 @@ class AllocatorFacts:
     the driver's context plus the kernels of torch's CUDA libraries, as nvidia-smi shows it after
     a training step; ``cublas_workspace_bytes``: cuBLAS's workspace per handle and stream,
     allocated through the caching allocator at the first matmul; ``context_measured``: whether
-    the context figure was measured (else an assumption); ``loose_names``: substrings of a
+    the context figure was measured (else an assumption); ``context_source``: the results folder
+    (in this repository) that records the measurement, its command, commit and card, for a
+    measured one; ``loose_names``: substrings of a
     squashed device name (lowercase, no spaces or dashes) that select these facts where the
     name matches no pattern of :func:`gpu_table_key` ("h100sxm", "rtx 4090 d").
     """
@@ -74,6 +76,7 @@ class AllocatorFacts:
     cublas_workspace_bytes: int
     context_measured: bool = False
     loose_names: tuple[str, ...] = ()
+    context_source: str = ""
 
 
 # torch's default CUBLAS_WORKSPACE_CONFIG: 4096 KiB x 8 on Hopper, 4096 KiB x 2 + 16 KiB x 8 before it.
@@ -84,7 +87,8 @@ _WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8
 # training step. H100: MEASURED after a training step by benchmarks/allocator_check.py (its run,
 # commit and card: docs/estimation.md, the ``device_total`` row). The others are ASSUMPTIONS
 # (typical published figures, not measured here); they differ by driver and CUDA version.
-_H100_ALLOC = AllocatorFacts("h100", 787_283_968, _HOPPER_WORKSPACE, context_measured=True, loose_names=("h100",))
+_H100_ALLOC = AllocatorFacts("h100", 787_283_968, _HOPPER_WORKSPACE, context_measured=True, loose_names=("h100",),
+                             context_source="benchmarks/results/gpu-h100/allocator-check")
 _A100_ALLOC = AllocatorFacts("a100", 440 * MiB, _WORKSPACE, loose_names=("a100",))
 _RTX4090_ALLOC = AllocatorFacts("rtx4090", 380 * MiB, _WORKSPACE, loose_names=("rtx4090", "4090"))
 # Any other GPU: an assumption.

@@ -17,7 +17,9 @@ matmul falls back to a slow reference path, several times (LM-head shape) to hun
 - a measured GEMM rate, FP32 and (where usable) BF16 and FP16, on small fixed shapes.
 
 The measured rates take up to about a second, so they are cached per machine in the memtrain
-cache directory (``MEMTRAIN_CACHE``, else ``~/.cache/memtrain``) as JSON, keyed by the device
+cache directory as JSON (the run's: ``MEMTRAIN_CACHE``, else ``--cache-dir``, as for the token
+cache; a caller without a run config passes none and gets ``MEMTRAIN_CACHE``, else
+``~/.cache/memtrain``), keyed by the device
 model, the torch version and the thread count; a cache file that cannot be read is ignored and
 rewritten. ``MEMTRAIN_FORCE_NATIVE_BF16=0|1`` overrides the native-BF16 answer and
 ``MEMTRAIN_FORCE_NATIVE_FP16=0|1`` the native-FP16 one (tests use them to run every code path on
@@ -43,6 +45,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from memtrain.config.run import CACHE_ENV, DEFAULT_CACHE_DIR
 from memtrain.errors import ConfigError
 from memtrain.files.results import write_text_atomic
 from memtrain.techniques.facts import half_matmul_type
@@ -290,8 +293,13 @@ def _rates(device: torch.device, low: list[torch.dtype]) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- cache
-def cache_path(key: str) -> Path:
-    root = Path(os.environ.get("MEMTRAIN_CACHE") or "~/.cache/memtrain").expanduser()
+CacheDir = Optional[str | os.PathLike[str]]
+
+
+def cache_path(key: str, cache_dir: CacheDir = None) -> Path:
+    """The cache file of ``key`` under ``cache_dir`` (a run passes its effective cache folder,
+    :func:`memtrain.config.run.effective_cache_dir`); None: ``$MEMTRAIN_CACHE``, else the default."""
+    root = Path(cache_dir or os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR).expanduser()
     return root / "device" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
@@ -387,29 +395,33 @@ def _cache_key(device_type: str, name: str, threads: int) -> str:
     return f"{device_type}|{name}|torch {torch.__version__}|threads {threads}|shapes {FP32_SHAPE} {CPU_LOW_SHAPE} {CUDA_SHAPE}"
 
 
-def cache_clear(device: torch.device | str = "cpu") -> None:
-    """Forget the probe of ``device`` in this process and its cached rates on disk."""
+def cache_clear(device: torch.device | str = "cpu", cache_dir: CacheDir = None) -> None:
+    """Forget the probe of ``device`` in this process and its cached rates on disk (under
+    ``cache_dir``, as :func:`cache_path` resolves it)."""
     device = torch.device(device)
     _PROBES.clear()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
-    _discard(cache_path(_cache_key(device.type, name, torch.get_num_threads())))
+    _discard(cache_path(_cache_key(device.type, name, torch.get_num_threads()), cache_dir))
 
 
 def probe(device: torch.device | str = "cpu", measure: bool = True, kernels: bool = True,
-          measure_fn: Optional[Callable[[torch.device, list[torch.dtype]], dict[str, Any]]] = None) -> DeviceCaps:
+          measure_fn: Optional[Callable[[torch.device, list[torch.dtype]], dict[str, Any]]] = None,
+          cache_dir: CacheDir = None) -> DeviceCaps:
     """Capabilities of ``device`` (see the module docstring); with ``measure`` the GEMM rates too
-    (from the per-machine cache when present); with ``kernels`` the optimizer and SDPA kernel
-    probes (tiny runs on the device). Memoized per process. The random number generators are
-    left exactly as they were (a run seeds, then probes, then builds its weights)."""
+    (from the per-machine cache under ``cache_dir`` when present, see :func:`cache_path`); with
+    ``kernels`` the optimizer and SDPA kernel probes (tiny runs on the device). Memoized per
+    process (the rates are the machine's, whichever folder caches them). The random number
+    generators are left exactly as they were (a run seeds, then probes, then builds its weights)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     with torch.random.fork_rng(devices=[device.index] if device.type == "cuda" else []):
-        return _probe(device, measure, kernels, measure_fn)
+        return _probe(device, measure, kernels, measure_fn, cache_dir)
 
 
 def _probe(device: torch.device, measure: bool, kernels: bool,
-           measure_fn: Optional[Callable[[torch.device, list[torch.dtype]], dict[str, Any]]]) -> DeviceCaps:
+           measure_fn: Optional[Callable[[torch.device, list[torch.dtype]], dict[str, Any]]],
+           cache_dir: CacheDir) -> DeviceCaps:
     memo_key = (str(device), measure, kernels, os.environ.get(FORCE_BF16_ENV, ""), os.environ.get(FORCE_FP16_ENV, ""))
     if measure_fn is None and memo_key in _PROBES:  # type: ignore[comparison-overlap]
         return _PROBES[memo_key]  # type: ignore[index]
@@ -459,7 +471,7 @@ def _probe(device: torch.device, measure: bool, kernels: bool,
     if measure:
         low = [torch.bfloat16, torch.float16]
         key = _cache_key(device.type, name, threads)
-        path = cache_path(key)
+        path = cache_path(key, cache_dir)
         rates = None if measure_fn is not None else _read_cache(path, key)
         if rates is None:
             rates = (measure_fn or _rates)(device, low)
@@ -492,8 +504,9 @@ def measure_fp32_rate(budget_s: float = 2 * TIME_BUDGET_S) -> Optional[float]:
         torch.set_float32_matmul_precision(prev)
 
 
-def refresh_fp32_rate(caps: DeviceCaps) -> DeviceCaps:
-    """Measure the FP32 GEMM rate again and keep the best seen (here and in the cache).
+def refresh_fp32_rate(caps: DeviceCaps, cache_dir: CacheDir = None) -> DeviceCaps:
+    """Measure the FP32 GEMM rate again and keep the best seen (here and in the cache under
+    ``cache_dir``, see :func:`cache_path`).
 
     A rate measured while other processes shared the cores is too low and would make every
     later MFU too high; the train loop calls this when a run achieved more than the reference.
@@ -509,11 +522,12 @@ def refresh_fp32_rate(caps: DeviceCaps) -> DeviceCaps:
             if slow:
                 setattr(caps, f"gemm_{key}_flops", rate / slow)
         key = _cache_key("cpu", caps.name, caps.threads)
-        rates = _read_cache(cache_path(key), key)
+        path = cache_path(key, cache_dir)
+        rates = _read_cache(path, key)
         if rates is not None and (rates.get("gemm_fp32_flops") or 0) <= rate:
             rates.update({k: getattr(caps, k) for k in ("gemm_fp32_flops", "gemm_bf16_flops", "gemm_fp16_flops")})
             rates["refreshed_from"] = old
-            _write_cache(cache_path(key), key, rates)
+            _write_cache(path, key, rates)
     return caps
 
 

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from memtrain.analysis.flops import counted_flops_per_step, rule_flops_per_token
 from memtrain.checkpoints.exact import load_checkpoint, save_checkpoint
-from memtrain.config.run import RunConfig
+from memtrain.config.run import RunConfig, effective_cache_dir
 from memtrain.data import data_fingerprint, make_train_loader, make_val_batches, prepare_tokens
 from memtrain.data.device_feed import DeviceFeed
 from memtrain.devices.advice import mfu_for_run, reference_rate_now, run_device_facts
@@ -206,8 +206,10 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     # that cannot pair with the precision) fails in seconds, before a long tokenization.
     with agreement():  # no collective yet: a rank that cannot build the model fails them all
         precision = make_precision(cfg.technique.precision, device)
-        # Probe the device (cached per machine) and warn up front when this precision is slow here.
-        caps, device_caps = run_device_facts(cfg.technique.precision, device) if dist_ctx.is_main else (None, None)
+        # Probe the device (rates cached in the run's cache folder) and warn up front when this
+        # precision is slow here.
+        caps, device_caps = (run_device_facts(cfg.technique.precision, device, effective_cache_dir(cfg.data))
+                             if dist_ctx.is_main else (None, None))
         base = build_base_model(cfg, device, precision)  # on the device, in the weight dtype
     state = build_state(cfg, device, precision, dist_ctx=dist_ctx, base=base, schedule=True)
     if dist_ctx.enabled:  # what this rank holds of the state, the result's ranks[].sharded_state
@@ -374,7 +376,8 @@ def _result(state: TrainState, timer: StepTimer, memory: dict[str, Any], splits:
     tail = losses[-min(10, len(losses)):] if losses else [float("nan")]
     flops_per_rank_step, flops_source = _flops_per_rank_step(cfg, state.n_params)
     median = stats["median"]
-    run_mfu, mfu_reference = mfu_for_run(flops_per_rank_step, median, device, cfg.technique.precision, caps, rate_now)
+    run_mfu, mfu_reference = mfu_for_run(flops_per_rank_step, median, device, cfg.technique.precision, caps, rate_now,
+                                         effective_cache_dir(cfg.data))
     return {
         "config": cfg.recorded(),
         "train_loss": sum(tail) / len(tail),

@@ -12,7 +12,7 @@ import time
 from typing import Any, Iterator
 
 from memtrain.bench.hf.lockstep import BATON, STEP_WINDOWS
-from memtrain.config.run import RunConfig
+from memtrain.config.run import RunConfig, effective_cache_dir
 
 
 def warm_device_facts(cfg: RunConfig) -> None:
@@ -28,7 +28,7 @@ def warm_device_facts(cfg: RunConfig) -> None:
     # on this side's turn: the package imports no torch before the lockstep baton
     from memtrain.runtime.env import resolve_device
 
-    run_device_facts(cfg.technique.precision, resolve_device(cfg.train.device))
+    run_device_facts(cfg.technique.precision, resolve_device(cfg.train.device), effective_cache_dir(cfg.data))
 
 
 def run_ours(cfg: RunConfig) -> dict[str, Any]:
