@@ -44,13 +44,13 @@ from dataclasses import replace
 from typing import Any, Optional
 
 from memtrain.analysis.estimate.training import estimate
-from memtrain.config.archs import LLAMA_ARCH, Arch
+from memtrain.config.archs import GPT2_ARCH, LLAMA_ARCH, Arch
 from memtrain.models.spec import GPT_LORA_TARGETS, analytic_config  # torch-free for the modelled families
 
 __all__ = ["MODELLED", "QKV_BIAS", "active_window", "hf_arch", "why_not_modelled", "analytic_estimate"]
 
 # model_type -> the layer code is Llama's (modeling_qwen2/modeling_mistral copy it)
-MODELLED = ("llama", "qwen2", "mistral", "phi3", "gemma")
+MODELLED = ("llama", "qwen2", "mistral", "phi3", "gemma", "gpt2")
 # Families whose q/k/v projections carry a bias by their layer code, whatever config.json says
 # (Qwen2Attention builds q/k/v with bias=True and o_proj without; its configs have no
 # attention_bias field).
@@ -60,6 +60,12 @@ FUSED_PROJ = ("phi3",)
 # Families with Gemma's float32 ``x * (1 + w)`` RMSNorm, sqrt(hidden)-scaled embeddings and a
 # tanh-GELU gate (memory-wise SiLU's: one kernel each way, saving its input).
 GEMMA_LIKE = ("gemma",)
+# Families with GPT-2's layers (transformers' GPT2LMHeadModel): our GPT's inventory (LayerNorm,
+# learned positions, biases, one fused q/k/v projection) with transformers' activation and peft.
+GPT2_LIKE = ("gpt2",)
+# GPT-2 activations modelled: gelu_new (transformers' NewGELUActivation formula) and gelu (one kernel).
+GPT2_ACTIVATIONS = ("gelu_new", "gelu")
+GPT2_DROPOUTS = ("attn_pdrop", "resid_pdrop", "embd_pdrop")
 
 
 def active_window(c: Any, window: Optional[int], seq_len: int) -> Optional[int]:
@@ -94,6 +100,8 @@ def why_not_modelled(cfg: Any) -> Optional[str]:
     if window is not None:
         return (f"sliding-window attention (window {window} <= --seq-len {cfg.train.seq_len}: transformers builds "
                 "the windowed mask) is not modelled analytically for transformers models")
+    if c.model_type in GPT2_LIKE:
+        return why_gpt2_not_modelled(c, tech.attention)
     head_dim = getattr(c, "head_dim", None)
     if head_dim is not None and head_dim * c.num_attention_heads != c.hidden_size:
         return "a head_dim other than hidden_size / heads is not modelled analytically"
@@ -110,9 +118,28 @@ def why_not_modelled(cfg: Any) -> Optional[str]:
     return None
 
 
+def why_gpt2_not_modelled(c: Any, attention: str) -> Optional[str]:
+    """:func:`why_not_modelled` for a GPT-2 config ``c`` (``attention``: ``--attention``)."""
+    if c.activation_function not in GPT2_ACTIVATIONS:
+        return (f"activation_function {c.activation_function} is not modelled analytically for gpt2 "
+                f"(only {', '.join(GPT2_ACTIVATIONS)})")
+    if c.add_cross_attention:
+        return "GPT-2's cross-attention layers (add_cross_attention) are not modelled analytically"
+    if c.reorder_and_upcast_attn and attention == "math":
+        return "GPT-2's reorder_and_upcast_attn (float32 eager attention scores) is not modelled analytically"
+    # One dropout switch covers every site (memtrain's --dropout mirrors attn_pdrop).
+    if len({float(getattr(c, name)) > 0 for name in GPT2_DROPOUTS}) > 1:
+        return ("GPT-2 dropouts of which some are zero and some not (attn_pdrop, resid_pdrop, embd_pdrop) are not "
+                "modelled analytically")
+    return None
+
+
 def hf_arch(spec: str) -> Arch:
-    """The :class:`Arch` of a modelled transformers config (Llama-style layers, its k/v heads)."""
+    """The :class:`Arch` of a modelled transformers config (Llama-style layers, its k/v heads;
+    GPT-2's: our GPT's with a fused Conv1D q/k/v and its activation)."""
     c = analytic_config(spec)
+    if c.model_type in GPT2_LIKE:
+        return replace(GPT2_ARCH, hf=True, fused_qkv=True, mlp="gelu_new" if c.activation_function == "gelu_new" else "gelu")
     return replace(LLAMA_ARCH, name=c.model_type, n_kv_heads=getattr(c, "num_key_value_heads", None), hf=True,
                    qkv_bias=c.model_type in QKV_BIAS, fused_proj=c.model_type in FUSED_PROJ,
                    norm_offset=c.model_type in GEMMA_LIKE, embed_scale=c.model_type in GEMMA_LIKE)

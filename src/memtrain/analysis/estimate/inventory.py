@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
-from memtrain.analysis.estimate.hf_nodes import hf_norm_node, hf_rope_node
+from memtrain.analysis.estimate.hf_nodes import gelu_new_nodes, hf_norm_node, hf_rope_node
 from memtrain.analysis.estimate.params import lora_split, lora_target_names
 from memtrain.analysis.estimate.simulator import Compression, Node, Segment
 from memtrain.config.archs import Arch
@@ -42,6 +42,9 @@ class Dims:
     fused_proj: bool = False
     # --lora-dropout > 0: peft drops each adapter's input before lora_A (_lora_dropout).
     lora_dropout: bool = False
+    # The eager attention's softmax runs in float32 outside autocast too (Llama's
+    # ``softmax(dtype=float32)``); GPT-2's runs in the scores' dtype (float32 under autocast only).
+    softmax_fp32: bool = True
 
     @property
     def n(self) -> int:
@@ -272,16 +275,18 @@ def _peft_lora(nodes: list[Node], dm: Dims, name: str, x: str, x_bytes: float, b
                        grads=[(base_out, 0.0), (f"{lb}.s", 0.0)]))
 
 
-def _dropout(nodes: list[Node], dm: Dims, name: str, x: str, out: str, numel: float, elt: float) -> None:
+def _dropout(nodes: list[Node], dm: Dims, name: str, x: str, out: str, numel: float, elt: float,
+             input_grad: bool = True) -> None:
     """Dropout in training: the CPU kernel keeps a float noise tensor (input dtype) for
     backward, CUDA's fused kernel a bool mask; either way the output is a new tensor. Without
-    dropout the op returns its input: ``out`` is another name for ``x``."""
+    dropout the op returns its input: ``out`` is another name for ``x``. ``input_grad``: whether
+    ``x`` requires a gradient (autograd keeps the mask only then)."""
     if not dm.dropout:
         _rename_key(nodes, x, out)
         return
     mask = f"{name}.mask"
     nodes.append(Node(name, out=[(out, numel * elt), (mask, numel * (1 if dm.cuda else elt))],
-                       inputs=[x], saves=[mask], grads=[(x, numel * elt)]))
+                       inputs=[x], saves=[mask] if input_grad else [], grads=[(x, numel * elt)] if input_grad else []))
 
 
 def resolve_backend(kind: str, window: Optional[int], dm: Dims) -> str:
@@ -312,13 +317,15 @@ def _scores_softmax(nodes: list[Node], dm: Dims, p: str, score_elems: float, mas
     nodes.append(Node(f"{p}.masked", out=[(f"{p}.s2", sc * a)], inputs=[f"{p}.s1", f"{p}.m"],
                        saves=[f"{p}.m"], grads=[(f"{p}.s1", sc * a)]))
     src = f"{p}.s2"
-    if a != 4:
+    up = a != 4 and (dm.softmax_fp32 or dm.autocast)  # float32 softmax on low-precision scores
+    sm = 4 if up else a
+    if up:
         nodes.append(Node(f"{p}.float", out=[(f"{p}.sf", sc * 4)], inputs=[src], grads=[(src, sc * a)]))
         src = f"{p}.sf"
-    nodes.append(Node(f"{p}.softmax", out=[(f"{p}.pf", sc * 4)], inputs=[src], saves=[f"{p}.pf"],
-                       grads=[(src, sc * 4)]))
+    nodes.append(Node(f"{p}.softmax", out=[(f"{p}.pf", sc * sm)], inputs=[src], saves=[f"{p}.pf"],
+                       grads=[(src, sc * sm)]))
     src = f"{p}.pf"
-    if a != 4:
+    if up:
         nodes.append(Node(f"{p}.tocast", out=[(f"{p}.pa", sc * a)], inputs=[src], grads=[(src, sc * 4)]))
         src = f"{p}.pa"
     _dropout(nodes, dm, f"{p}.attn_drop", src, f"{p}.pd", sc, a)
@@ -390,6 +397,9 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
         # out[:, :, :s] then transpose(1, 2).contiguous(): one copy.
         nodes.append(Node(f"{p}.merge", out=[(y, N * d * a)], inputs=[f"{p}.o"], grads=[(f"{p}.o", q_pad)]))
         return
+    if kind != "math" and a != 4 and not dm.softmax_fp32:
+        _upcast_math_fallback(nodes, dm, p, kind, window)
+        return
     # Materialized attention (math, or SDPA's math fallback): (b, h, s, s) scores. matmul on
     # the transposed views copies q and k^T into contiguous buffers, which bmm saves.
     sc = b * h * s * s
@@ -411,12 +421,36 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
     nodes.append(Node(f"{p}.merge", out=[(y, N * d * a)], inputs=[f"{p}.o"], grads=[(f"{p}.o", 0.0)]))
 
 
+def _upcast_math_fallback(nodes: list[Node], dm: Dims, p: str, kind: str, window: Optional[int]) -> None:
+    """SDPA's math fallback on low-precision q, k, v (a CPU step with attention dropout): torch's
+    ``_scaled_dot_product_attention_math`` casts q, k and v to float32 (locals until it returns;
+    the float32 v, contiguous, is what the second matmul saves), runs the math path in float32
+    and casts the output back. (GPT-2's layers only: ``Dims.softmax_fp32`` False.)"""
+    N, d, kvw, a = dm.n, dm.d, dm.kv, dm.a
+    q32, k32, v32, o32 = f"{p}.q32", f"{p}.k32", f"{p}.v32", f"{p}.o32"
+    nodes.append(Node(f"{p}.up", out=[(q32, N * d * 4), (k32, N * kvw * 4), (v32, N * kvw * 4)], inputs=[f"{p}.qkv"],
+                       grad_out=(q32, k32, v32), grads=[(f"{p}.q", N * d * a), (f"{p}.k", N * kvw * a), (f"{p}.v", N * kvw * a)]))
+    inner: list[Node] = []
+    _attention_nodes(inner, replace(dm, a=4, softmax_fp32=True), p, kind, window)
+    inner = [n for n in inner[1:] if not n.name.endswith((".vcopy", ".merge"))]  # no split; v32 is contiguous
+    for old, new in ((f"{p}.qkv", q32), (f"{p}.q", q32), (f"{p}.k", k32), (f"{p}.v", v32), (f"{p}.vc", v32),
+                     (f"{p}.o", o32)):
+        _rename_key(inner, old, new)
+    nodes += inner
+    sc = dm.b * dm.h * dm.s * dm.s
+    # The cast back of the output (and of the probabilities, returned and dropped); the float32
+    # q and k live until here.
+    nodes.append(Node(f"{p}.down", out=[(f"{p}.o", N * d * a)], inputs=[o32, q32, k32], grads=[(o32, N * d * 4)],
+                       fwd_scratch=sc * a))
+    nodes.append(Node(f"{p}.merge", out=[(f"{p}.y", N * d * a)], inputs=[f"{p}.o"], grads=[(f"{p}.o", 0.0)]))
+
+
 def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_base: bool) -> list[Node]:
     """The op inventory of one Transformer block (model.py: x + attn(ln_1(x)); + mlp(ln_2(.)))."""
     p = f"blocks.{i}"
     N, d, f, a, r = dm.n, dm.d, dm.f, dm.a, dm.r
     lora = tech.lora_rank
-    targets = lora_target_names(tech) if lora else set()
+    targets = lora_target_names(tech, arch) if lora else set()
     x = f"{p}.in"
     nodes: list[Node] = []
     layer = arch.norm == "layernorm"
@@ -427,16 +461,18 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     input_grad = trainable_base or i > 0 or not dm.hf
 
     def norm(name: str, src: str, out: str) -> None:
-        if dm.hf:
+        if dm.hf and not layer:
             nodes.append(hf_norm_node(dm, name, src, out, trainable_base, input_grad or src != x, arch.norm_offset))
             return
         # LayerNorm saves its input and float32 mean + rstd per token (RMSNorm: rstd only).
         pg = [(f"param:{name}.weight", 0.0)] if trainable_base else []
         if trainable_base and layer and dm.bias:
             pg.append((f"param:{name}.bias", 0.0))
+        # (GPT-2's first norm under LoRA reads the frozen embedding: autograd records nothing.)
+        records = input_grad or src != x
         nodes.append(Node(name, out=[(out, N * d * r), (f"{name}.stats", (2 if layer else 1) * N * 4)],
-                           inputs=[src], saves=[src, f"{name}.stats"], grad_out=(out,),
-                           grads=[(src, N * d * r)] + pg))
+                           inputs=[src], saves=[src, f"{name}.stats"] if records else [], grad_out=(out,),
+                           grads=([(src, N * d * r)] if records else []) + pg))
 
     def lin(short: str, name: str, src: str, out: str, n_in: int, n_out: int, src_bytes: float,
             part: Optional[str] = None) -> None:
@@ -458,15 +494,16 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     # simulated one after the other: each one's LoRA tail (base output, B product, its scaled
     # copy, their sum) lives while the earlier ones' outputs do, not all of them at once. (The
     # frozen base's outputs alone sum to the fused one's, which stands for them otherwise.)
-    per_linear = dm.hf and bool(lora) and not arch.fused_proj
+    per_linear = dm.hf and bool(lora) and not (arch.fused_proj or arch.fused_qkv)
     norm(f"{p}.ln_1", x, f"{p}.ln1")
     if per_linear:
         for part in (".q", ".k", ".v"):
             lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0", d, d + 2 * dm.kv, r, part)
         nodes.append(hf_rope_node(dm, [f"{p}.qkv0.q", f"{p}.qkv0.k", f"{p}.qkv0.v"], f"{p}.qkv"))
     else:
-        lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0" if dm.hf else f"{p}.qkv", d, d + 2 * dm.kv, r)
-        if dm.hf:
+        rope = dm.hf and arch.positional == "rope"
+        lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0" if rope else f"{p}.qkv", d, d + 2 * dm.kv, r)
+        if rope:
             nodes.append(hf_rope_node(dm, [f"{p}.qkv0"], f"{p}.qkv", v_view=arch.fused_proj))
     start = len(nodes)
     _attention_nodes(nodes, dm, p, tech.attention, tech.window, v_src=f"{p}.qkv0" if arch.fused_proj else None)
@@ -503,22 +540,41 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
                            saves=[f"{p}.g"], grads=[(f"{p}.g", N * f * a), (f"{p}.h1", N * f * a)]))
     else:
         lin("fc", f"{p}.mlp.fc", f"{p}.ln2", f"{p}.h1", d, f, r)
-        nodes.append(Node(f"{p}.gelu", out=[(f"{p}.act", N * f * a)], inputs=[f"{p}.h1"], saves=[f"{p}.h1"],
-                           grads=[(f"{p}.h1", N * f * a)]))
+        nodes += _gelu_nodes(dm, arch, p)
     lin("fc_out", f"{p}.mlp.fc_out", f"{p}.act", f"{p}.h2", f, d, a)
     if dm.hf:
         nodes[-1].inputs.append(f"{p}.ln2")
     _dropout(nodes, dm, f"{p}.mlp_drop", f"{p}.h2", f"{p}.h2d", N * d, a)
     nodes.append(Node(f"{p}.add2", out=[(f"blocks.{i + 1}.in", N * d * r)], inputs=[f"{p}.x1", f"{p}.h2d"],
                        grads=[(f"{p}.x1", 0.0), (f"{p}.h2d", 0.0 if a == r else N * d * a)]))
+    if arch.fused_qkv:
+        nodes[-1].inputs += _gpt2_block_locals(p, tech.attention)
     return nodes
 
 
-def _embedding_nodes(dm: Dims, arch: Arch, trainable: bool) -> list[Node]:
+def _gelu_nodes(dm: Dims, arch: Arch, p: str) -> list[Node]:
+    """fc's output ``h1`` -> the activation ``act``: one GELU kernel (saving its input), or
+    transformers' gelu_new formula (:func:`gelu_new_nodes`)."""
+    if arch.mlp == "gelu_new":
+        return gelu_new_nodes(dm, f"{p}.gelu", f"{p}.h1", f"{p}.act")
+    E = dm.n * dm.f * dm.a
+    return [Node(f"{p}.gelu", out=[(f"{p}.act", E)], inputs=[f"{p}.h1"], saves=[f"{p}.h1"], grads=[(f"{p}.h1", E)])]
+
+
+def _gpt2_block_locals(p: str, attention: str) -> list[str]:
+    """What GPT2Block's locals hold until the block returns (``attn_output, _ = self.attn(...)``):
+    the attention's output after resid_dropout and, eager, the attention weights it returns."""
+    return [f"{p}.prd"] + ([f"{p}.pd"] if attention == "math" else [])
+
+
+def _embedding_nodes(dm: Dims, arch: Arch, trainable: bool, attention: str) -> list[Node]:
     """Token lookup (+ learned positions) and embedding dropout. Lookups are not autocast: the
-    output has the table's dtype."""
+    output has the table's dtype. (GPT-2's eager attention: the float causal mask
+    GPT2Model.forward builds, in the embeddings' dtype, for every layer.)"""
     N, d, s, pe = dm.n, dm.d, dm.s, dm.p
     nodes = [Node("wte", out=[("tok", N * d * pe)], grads=[("param:wte.weight", 0.0)] if trainable else [])]
+    if arch.fused_qkv and attention == "math":
+        nodes.append(Node("causal_mask", out=[("causal_mask", dm.b * s * s * pe)]))
     src = "tok"
     if arch.positional == "learned":
         nodes.append(Node("pos", out=[("pos_idx", s * 8)]))
@@ -533,9 +589,8 @@ def _embedding_nodes(dm: Dims, arch: Arch, trainable: bool) -> list[Node]:
         # nothing saved).
         nodes.append(Node("embed_scale", out=[("emb", N * d * pe)], inputs=[src], grads=[(src, N * d * pe)]))
         src = "emb"
-    _dropout(nodes, dm, "drop", src, "blocks.0.in", N * d, pe)
-    if not dm.dropout:
-        pass
+    # (A transformers model's frozen embedding under LoRA needs no gradient: no mask kept.)
+    _dropout(nodes, dm, "drop", src, "blocks.0.in", N * d, pe, input_grad=trainable or not dm.hf)
     return nodes
 
 
@@ -552,9 +607,12 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
         pg.append(("param:ln_f.bias", 0.0))
     nodes = [Node("ln_f", out=[("hf", N * d * r), ("ln_f.stats", (2 if layer else 1) * N * 4)], inputs=[x],
                    saves=[x, "ln_f.stats"], grad_out=("hf",), grads=[(x, N * d * r)] + pg)]
-    if dm.hf:
-
+    if dm.hf and not layer:
         nodes = [hf_norm_node(dm, "ln_f", x, "hf", trainable, offset=arch.norm_offset)]
+    if arch.fused_qkv:
+        # GPT2Model.forward's locals (the token and position embeddings, the causal mask) live
+        # until it returns, after ln_f.
+        nodes[0].inputs += ["tok", "posemb"] + (["causal_mask"] if tech.attention == "math" else [])
     if tech.loss == "chunked":
         c = min(tech.loss_chunk, N)
         # _ChunkedLinearCrossEntropy.forward: casts of hidden and weight (when the compute dtype
@@ -605,6 +663,8 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
     # standard_lm_loss's local holds the low-precision logits until cross_entropy returns
     # (counted for transformers models; our GPT's are modelled as freed by the float32 copy).
     held_logits = ["logits"] if dm.hf else []
+    if arch.fused_qkv:
+        held_logits.append("hf")  # so is the hidden state it was handed (GPT-2's LayerNorm output)
     nodes.append(Node("loss", out=[("loss", 8)], inputs=["logp"] + held_logits, saves=["logp"], tag="logits",
                        grads=[("logp", N * V * 4)]))
     return nodes
@@ -623,7 +683,8 @@ def run_dims(cfg: RunConfig, arch: Arch, device_type: str, batch: Optional[int] 
                kv=(arch.n_kv_heads or m.n_heads) * m.head_dim, V=m.padded_vocab_size, a=ab,
                r=pb, p=pb, autocast=autocast, dropout=m.dropout > 0, cuda=device_type == "cuda",
                bias=m.bias and arch.name == "gpt2", hf=arch.hf, fp8=precision_facts(cfg.technique.precision).fp8,
-               fused_proj=arch.fused_proj, lora_dropout=cfg.technique.lora_rank > 0 and cfg.technique.lora_dropout > 0)
+               fused_proj=arch.fused_proj, lora_dropout=cfg.technique.lora_rank > 0 and cfg.technique.lora_dropout > 0,
+               softmax_fp32=not arch.fused_qkv)
     return dm
 
 
@@ -634,7 +695,7 @@ def block_segments(cfg: RunConfig, arch: Arch, dm: Dims, trainable_base: bool, g
     kind = policy.kind
     L = m.n_layers
     mode = "selective" if kind == "selective-matmul" else "full"
-    segs = [Segment("embedding", _embedding_nodes(dm, arch, trainable_base))]
+    segs = [Segment("embedding", _embedding_nodes(dm, arch, trainable_base, tech.attention))]
     for j in range(comp.blocks):
         i = comp.real(j)
         nodes = block_nodes(dm, j, arch, tech, trainable_base)
