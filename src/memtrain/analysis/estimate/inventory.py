@@ -117,16 +117,14 @@ def _linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int,
         _fp8_linear(nodes, dm, name, x, out, n_in, n_out, trainable_base, x_bytes, bias, len(lora_parts))
         return
     n_linears = len(lora_parts)  # the separate Linears this entry stands for
-    # autograd saves a matmul's input only for the weight's gradient: a frozen transformers
-    # base weight keeps none (our GPT's frozen Linears are modelled as keeping it).
-    # Under --lora-dropout the adapters read a dropped copy instead of x, so nothing keeps x
-    # then either.
-    keeps_input = trainable_base or not (dm.hf or (lora and dm.lora_dropout))
-    # autocast caches its casts of leaf tensors that require grad only: a frozen transformers
-    # base weight is cast at each call, and the copy lives only as long as the matmul keeps it,
-    # which it does for the input's gradient alone (our GPT's frozen casts are modelled as
-    # cached and kept).
-    frozen_hf = dm.hf and not trainable_base
+    # autograd saves a matmul's input only for the weight's gradient: a frozen base weight
+    # (our GPT's or a transformers layer's, under LoRA) keeps none; the adapters' lora_A saves
+    # the input it reads itself.
+    keeps_input = trainable_base
+    # autocast caches its casts of leaf tensors that require grad only: a frozen base weight is
+    # cast at each call, and the copy lives only as long as the matmul keeps it, which it does
+    # for the input's gradient alone.
+    frozen_hf = not trainable_base
     keeps_weight = not frozen_hf or input_grad
     x_own, x_own_bytes = x, x_bytes  # the Linear's own input (peft hands it to the adapters)
     param_name = param_name or name
@@ -276,17 +274,19 @@ def _peft_lora(nodes: list[Node], dm: Dims, name: str, x: str, x_bytes: float, b
 
 
 def _dropout(nodes: list[Node], dm: Dims, name: str, x: str, out: str, numel: float, elt: float,
-             input_grad: bool = True) -> None:
+             requires_grad: bool = True) -> None:
     """Dropout in training: the CPU kernel keeps a float noise tensor (input dtype) for
     backward, CUDA's fused kernel a bool mask; either way the output is a new tensor. Without
-    dropout the op returns its input: ``out`` is another name for ``x``. ``input_grad``: whether
-    ``x`` requires a gradient (autograd keeps the mask only then)."""
+    dropout the op returns its input: ``out`` is another name for ``x``. ``requires_grad``:
+    whether ``x`` needs a gradient; when it does not (a frozen embedding's output under LoRA)
+    autograd records nothing and the mask is freed with the op."""
     if not dm.dropout:
         _rename_key(nodes, x, out)
         return
     mask = f"{name}.mask"
     nodes.append(Node(name, out=[(out, numel * elt), (mask, numel * (1 if dm.cuda else elt))],
-                       inputs=[x], saves=[mask] if input_grad else [], grads=[(x, numel * elt)] if input_grad else []))
+                       inputs=[x], saves=[mask] if requires_grad else [],
+                       grads=[(x, numel * elt)] if requires_grad else []))
 
 
 def resolve_backend(kind: str, window: Optional[int], dm: Dims) -> str:
@@ -397,11 +397,15 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
         # out[:, :, :s] then transpose(1, 2).contiguous(): one copy.
         nodes.append(Node(f"{p}.merge", out=[(y, N * d * a)], inputs=[f"{p}.o"], grads=[(f"{p}.o", q_pad)]))
         return
-    if kind != "math" and a != 4 and not dm.softmax_fp32:
-        _upcast_math_fallback(nodes, dm, p, kind, window)
-        return
     # Materialized attention (math, or SDPA's math fallback): (b, h, s, s) scores. matmul on
     # the transposed views copies q and k^T into contiguous buffers, which bmm saves.
+    # SDPA's math fallback on CPU computes in float32 whatever the inputs' dtype (it casts q, k
+    # and v up, and its output back down): its buffers are those of math attention in float32.
+    upcast = kind == "sdpa" and not dm.cuda and dm.a != 4
+    low_a = a
+    if upcast:
+        dm = replace(dm, a=4)
+        a = 4
     sc = b * h * s * s
     nodes.append(Node(f"{p}.qk", out=[(f"{p}.qc", N * d * a), (f"{p}.kc", N * d * a), (f"{p}.s0", sc * a)],
                        inputs=[qkv], saves=[f"{p}.qc", f"{p}.kc"], matmul=True, grad_out=(f"{p}.s0",),
@@ -417,32 +421,12 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
     nodes.append(Node(f"{p}.pv", out=[(f"{p}.o", N * d * a)], inputs=[probs, f"{p}.vc"],
                        saves=[probs, f"{p}.vc"], matmul=True,
                        grads=[(probs, sc * a), (v, N * kvw * a)]))
+    o = f"{p}.o"
+    if upcast:
+        nodes.append(Node(f"{p}.o_down", out=[(f"{p}.ol", N * d * low_a)], inputs=[o], grads=[(o, N * d * 4)]))
+        o = f"{p}.ol"
     # y.transpose(1, 2).contiguous(): a copy; its backward passes the gradient through.
-    nodes.append(Node(f"{p}.merge", out=[(y, N * d * a)], inputs=[f"{p}.o"], grads=[(f"{p}.o", 0.0)]))
-
-
-def _upcast_math_fallback(nodes: list[Node], dm: Dims, p: str, kind: str, window: Optional[int]) -> None:
-    """SDPA's math fallback on low-precision q, k, v (a CPU step with attention dropout): torch's
-    ``_scaled_dot_product_attention_math`` casts q, k and v to float32 (locals until it returns;
-    the float32 v, contiguous, is what the second matmul saves), runs the math path in float32
-    and casts the output back. (GPT-2's layers only: ``Dims.softmax_fp32`` False.)"""
-    N, d, kvw, a = dm.n, dm.d, dm.kv, dm.a
-    q32, k32, v32, o32 = f"{p}.q32", f"{p}.k32", f"{p}.v32", f"{p}.o32"
-    nodes.append(Node(f"{p}.up", out=[(q32, N * d * 4), (k32, N * kvw * 4), (v32, N * kvw * 4)], inputs=[f"{p}.qkv"],
-                       grad_out=(q32, k32, v32), grads=[(f"{p}.q", N * d * a), (f"{p}.k", N * kvw * a), (f"{p}.v", N * kvw * a)]))
-    inner: list[Node] = []
-    _attention_nodes(inner, replace(dm, a=4, softmax_fp32=True), p, kind, window)
-    inner = [n for n in inner[1:] if not n.name.endswith((".vcopy", ".merge"))]  # no split; v32 is contiguous
-    for old, new in ((f"{p}.qkv", q32), (f"{p}.q", q32), (f"{p}.k", k32), (f"{p}.v", v32), (f"{p}.vc", v32),
-                     (f"{p}.o", o32)):
-        _rename_key(inner, old, new)
-    nodes += inner
-    sc = dm.b * dm.h * dm.s * dm.s
-    # The cast back of the output (and of the probabilities, returned and dropped); the float32
-    # q and k live until here.
-    nodes.append(Node(f"{p}.down", out=[(f"{p}.o", N * d * a)], inputs=[o32, q32, k32], grads=[(o32, N * d * 4)],
-                       fwd_scratch=sc * a))
-    nodes.append(Node(f"{p}.merge", out=[(f"{p}.y", N * d * a)], inputs=[f"{p}.o"], grads=[(f"{p}.o", 0.0)]))
+    nodes.append(Node(f"{p}.merge", out=[(y, N * d * low_a)], inputs=[o], grads=[(o, 0.0)]))
 
 
 def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_base: bool) -> list[Node]:
@@ -455,24 +439,25 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     nodes: list[Node] = []
     layer = arch.norm == "layernorm"
 
-    # Under LoRA the frozen embedding's output needs no gradient: in a transformers model the
-    # first layer's input norm and residual add then keep nothing for it (autograd records no
-    # op whose inputs all lack requires_grad). (Our GPT's first block is modelled as keeping it.)
-    input_grad = trainable_base or i > 0 or not dm.hf
+    # Under LoRA the frozen embedding's output needs no gradient: the first layer's input norm
+    # and residual add then keep nothing for it (autograd records no op whose inputs all lack
+    # requires_grad).
+    input_grad = trainable_base or i > 0
 
     def norm(name: str, src: str, out: str) -> None:
         if dm.hf and not layer:
             nodes.append(hf_norm_node(dm, name, src, out, trainable_base, input_grad or src != x, arch.norm_offset))
             return
-        # LayerNorm saves its input and float32 mean + rstd per token (RMSNorm: rstd only).
+        # LayerNorm saves its input and float32 mean + rstd per token (RMSNorm: rstd only);
+        # nothing when neither its input nor its weights need a gradient (the first block's
+        # input norm under LoRA: autograd records no node).
         pg = [(f"param:{name}.weight", 0.0)] if trainable_base else []
         if trainable_base and layer and dm.bias:
             pg.append((f"param:{name}.bias", 0.0))
-        # (GPT-2's first norm under LoRA reads the frozen embedding: autograd records nothing.)
-        records = input_grad or src != x
+        recorded = input_grad or src != x
         nodes.append(Node(name, out=[(out, N * d * r), (f"{name}.stats", (2 if layer else 1) * N * 4)],
-                           inputs=[src], saves=[src, f"{name}.stats"] if records else [], grad_out=(out,),
-                           grads=([(src, N * d * r)] if records else []) + pg))
+                           inputs=[src], saves=[src, f"{name}.stats"] if recorded else [], grad_out=(out,),
+                           grads=[(src, N * d * r)] + pg if recorded else []))
 
     def lin(short: str, name: str, src: str, out: str, n_in: int, n_out: int, src_bytes: float,
             part: Optional[str] = None) -> None:
@@ -589,8 +574,9 @@ def _embedding_nodes(dm: Dims, arch: Arch, trainable: bool, attention: str) -> l
         # nothing saved).
         nodes.append(Node("embed_scale", out=[("emb", N * d * pe)], inputs=[src], grads=[(src, N * d * pe)]))
         src = "emb"
-    # (A transformers model's frozen embedding under LoRA needs no gradient: no mask kept.)
-    _dropout(nodes, dm, "drop", src, "blocks.0.in", N * d, pe, input_grad=trainable or not dm.hf)
+    _dropout(nodes, dm, "drop", src, "blocks.0.in", N * d, pe, requires_grad=trainable)
+    if not dm.dropout:
+        pass
     return nodes
 
 
@@ -630,8 +616,8 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
             per_chunk = max(c * V * 4 + c * V * a, c * V * a + max(c * d * a, V * d * a))
         # backward hands grad_h on as the hidden states' gradient; grad_w, still referenced by
         # ctx, cannot be stolen by AccumulateGrad, which clones it into .grad (or adds it in).
-        # (A frozen head, as under LoRA, gets no grad_w: counted for transformers models only.)
-        gw = V * d * 4 if (trainable or not dm.hf) else 0.0
+        # (A frozen head, as under LoRA, gets no grad_w: need_grad_weight is False.)
+        gw = V * d * 4 if trainable else 0.0
         nodes.append(Node("loss", out=[("loss.grad_h", N * d * r), ("loss.grad_w", gw)],
                            inputs=["hf"], saves=["loss.grad_h", "loss.grad_w"], fwd_scratch=casts + per_chunk,
                            tag="logits", grad_from={"hf": "loss.grad_h", f"param:{head}": "loss.grad_w"},
@@ -647,10 +633,9 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
         nodes.append(Node("head.cast_x", out=[("hfc", N * d * a)], inputs=["hf"], grads=[("hf", N * d * r)]))
         xin, extra = "hfc", ["head.wc"]
     w_grad = [("head.wc", V * d * a)] if dm.autocast else [(f"param:{head}", 0.0)]
-    # A frozen transformers LM head (LoRA) keeps no input: the matmul saves it only for the
-    # weight's gradient (the input's gradient needs the weight alone). (Our GPT's frozen head is
-    # modelled as keeping it.)
-    x_saved = [xin] if (trainable or not dm.hf) else []
+    # A frozen LM head (LoRA) keeps no input: the matmul saves it only for the weight's
+    # gradient (the input's gradient needs the weight alone).
+    x_saved = [xin] if trainable else []
     nodes.append(Node("lm_head", out=[("logits", N * V * a)], inputs=[xin] + extra, saves=x_saved + extra,
                        tag="logits", grads=[(xin, N * d * a)] + (w_grad if trainable else [])))
     src = "logits"
