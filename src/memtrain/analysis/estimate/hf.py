@@ -1,5 +1,5 @@
 """The analytic memory model of transformers decoders memtrain models (Llama, Qwen2, Mistral, Phi-3,
-Gemma).
+Gemma, GPT-2).
 
 The analytic estimator (memtrain.analysis.estimate) simulates one step op by op from an inventory of
 what each op allocates and saves for backward. Its block inventory is our GPT's; a Llama-style
@@ -30,12 +30,29 @@ transformers decoder layer differs from it in three ways that matter for memory,
   tied (the estimator's tied weight). A head_dim other than hidden / heads is not modelled.
 * The CPU RNG state non-reentrant checkpoint stores per layer is not counted: it is made
   outside the dispatcher, so the memory meter never sees it.
+* GPT-2 (``GPT2LMHeadModel``) is our GPT's inventory (LayerNorm, learned positions, biases, one
+  fused q/k/v projection whose q, k, v are views: no RMSNorm upcast, no rotary copies) with
+  transformers' differences. Its Conv1D (``addmm`` with an (in, out) weight, a bias always) is a
+  Linear for memory; ``c_attn`` is one Conv1D, so peft gives it one LoRA pair (``Arch.fused_qkv``;
+  peft's ``all-linear`` wraps c_attn, c_proj, c_fc and the MLP's c_proj). ``gelu_new`` is
+  NewGELUActivation's Python formula (``Arch.mlp == "gelu_new"``): pow saves its input, tanh its
+  output, the last product ``0.5 * x`` and ``1 + tanh``, three (N, d_ff) tensors per layer beyond
+  a fused GELU's (:func:`~memtrain.analysis.estimate.hf_nodes.gelu_new_nodes`). Eager attention
+  adds a float causal mask and runs its softmax in the scores' dtype (float32 under autocast
+  only: ``Dims.softmax_fp32``); attention dropout (``attn_pdrop``) sends SDPA on the CPU to its
+  float32 math path; ``resid_pdrop`` and ``embd_pdrop`` keep their masks. The modules' locals
+  count under checkpointing: GPT2Block holds the attention's output (and, eager, its weights)
+  until it returns, GPT2Model the token and position embeddings (and the causal mask) until
+  ln_f, the loss the hidden state it was handed. The tied head is the estimator's tied weight.
+  Not modelled (traced, with the reason): an activation other than gelu_new and gelu, cross
+  attention, eager ``reorder_and_upcast_attn`` and dropouts some zero and some not
+  (:func:`why_gpt2_not_modelled`).
 
 Everything else (separate q/k/v projections = one fused one for memory, SwiGLU's gate/up/down
 saves = memtrain's fused SwiGLU, SDPA/eager attention, checkpointing, the loss) is the
-estimator's own inventory. Families not listed in :data:`MODELLED` (GPT-2: Conv1D, gelu_new,
-attention dropout; Gemma-2 and later: soft-capping, sandwich norms) and QLoRA (torchao's NF4
-dequantization scratch) are not modelled: ``estimate`` traces them and says so.
+estimator's own inventory. Families not listed in :data:`MODELLED` (Gemma-2 and later:
+soft-capping, sandwich norms) and QLoRA (torchao's NF4 dequantization scratch) are not
+modelled: ``estimate`` traces them and says so.
 """
 
 from __future__ import annotations
@@ -47,7 +64,8 @@ from memtrain.analysis.estimate.training import estimate
 from memtrain.config.archs import GPT2_ARCH, LLAMA_ARCH, Arch
 from memtrain.models.spec import GPT_LORA_TARGETS, analytic_config  # torch-free for the modelled families
 
-__all__ = ["MODELLED", "QKV_BIAS", "active_window", "hf_arch", "why_not_modelled", "analytic_estimate"]
+__all__ = ["MODELLED", "QKV_BIAS", "active_window", "hf_arch", "why_not_modelled", "why_gpt2_not_modelled",
+           "analytic_estimate"]
 
 # model_type -> the layer code is Llama's (modeling_qwen2/modeling_mistral copy it)
 MODELLED = ("llama", "qwen2", "mistral", "phi3", "gemma", "gpt2")
