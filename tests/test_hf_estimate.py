@@ -282,3 +282,19 @@ def test_selective_checkpointing_is_refused_by_the_estimate_as_by_train(dirs, fa
     assert main(["estimate", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --checkpointing selective") and "selective-matmul" in err[0]
+
+
+@pytest.mark.parametrize("attention, seq_len", [("sdpa", 96), ("math", 384)])
+def test_gpt2_at_batch_one_within_one_percent_of_the_trace(tmp_path, attention, seq_len):
+    """At batch 1 the attention's matmuls read q, k and v in place (no copies): SDPA's float32 math
+    fallback (attention dropout on the CPU) then keeps the whole q/k/v output for v, and eager
+    attention's float causal mask is the model's, not a saved bool per layer."""
+    from memtrain.analysis.estimate.hf import analytic_estimate
+    from memtrain.analysis.trace import trace_step
+
+    # (Eager attention on a long sequence, where the per-layer (s, s) terms show.)
+    transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, vocab_size=384).save_pretrained(tmp_path)
+    cfg = build_config({"model": str(tmp_path), "batch_size": 1, "seq_len": seq_len, "attention": attention,
+                        "device": "cpu"})
+    est, traced = analytic_estimate(cfg, "cpu"), trace_step(cfg, "cpu")
+    assert abs(est.peak_bytes / traced["peak_bytes"] - 1) < 0.01, (est.peak_bytes, traced["peak_bytes"])

@@ -45,6 +45,9 @@ class Dims:
     # The eager attention's softmax runs in float32 outside autocast too (Llama's
     # ``softmax(dtype=float32)``); GPT-2's runs in the scores' dtype (float32 under autocast only).
     softmax_fp32: bool = True
+    # The attention mask is added as a float tensor, nothing saved (GPT-2's layers), rather than
+    # applied by a masked_fill that saves its bool mask.
+    additive_mask: bool = False
 
     @property
     def n(self) -> int:
@@ -307,15 +310,25 @@ def resolve_backend(kind: str, window: Optional[int], dm: Dims) -> str:
     return "flash"
 
 
-def _scores_softmax(nodes: list[Node], dm: Dims, p: str, score_elems: float, mask_elems: float) -> str:
+def _scores_softmax(nodes: list[Node], dm: Dims, p: str, score_elems: float, mask_elems: float,
+                    kind: str = "math") -> str:
     """s0 (the q @ k^T product, already added by the caller) -> scale -> masked_fill -> float32
     softmax -> cast back -> dropout. Returns the key of the probabilities the second matmul reads."""
     a, sc = dm.a, score_elems
     nodes.append(Node(f"{p}.scale", out=[(f"{p}.s1", sc * a)], inputs=[f"{p}.s0"], grads=[(f"{p}.s0", sc * a)]))
-    # causal_mask: the bool mask and its negation (saved by masked_fill), plus aranges.
-    nodes.append(Node(f"{p}.mask", out=[(f"{p}.m", mask_elems)], fwd_scratch=mask_elems))
-    nodes.append(Node(f"{p}.masked", out=[(f"{p}.s2", sc * a)], inputs=[f"{p}.s1", f"{p}.m"],
-                       saves=[f"{p}.m"], grads=[(f"{p}.s1", sc * a)]))
+    if dm.additive_mask:
+        # GPT-2's layers add a float mask (nothing saved): eager attention the one GPT2Model
+        # built for every layer (its embedding nodes), SDPA's math fallback one of its own,
+        # from a bool ones(s, s).tril().
+        own = [(f"{p}.m", mask_elems * 4)] if kind != "math" else []
+        nodes.append(Node(f"{p}.mask", out=own, fwd_scratch=2 * mask_elems if own else 0.0))
+        nodes.append(Node(f"{p}.masked", out=[(f"{p}.s2", sc * a)], inputs=[f"{p}.s1"] + [o[0] for o in own],
+                           grads=[(f"{p}.s1", 0.0)]))
+    else:
+        # causal_mask: the bool mask and its negation (saved by masked_fill), plus aranges.
+        nodes.append(Node(f"{p}.mask", out=[(f"{p}.m", mask_elems)], fwd_scratch=mask_elems))
+        nodes.append(Node(f"{p}.masked", out=[(f"{p}.s2", sc * a)], inputs=[f"{p}.s1", f"{p}.m"],
+                           saves=[f"{p}.m"], grads=[(f"{p}.s1", sc * a)]))
     src = f"{p}.s2"
     up = a != 4 and (dm.softmax_fp32 or dm.autocast)  # float32 softmax on low-precision scores
     sm = 4 if up else a
@@ -411,15 +424,19 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
                        inputs=[qkv], saves=[f"{p}.qc", f"{p}.kc"], matmul=True, grad_out=(f"{p}.s0",),
                        keep=(f"{p}.s0",),
                        grads=[(q, N * d * a), (k, N * kvw * a)]))
-    probs = _scores_softmax(nodes, dm, p, sc, s * s)
+    probs = _scores_softmax(nodes, dm, p, sc, s * s, kind)
     # The matmul copies v into a contiguous buffer. transformers' eager attention repeats the
     # k/v heads first (repeat_kv: a copy as wide as q under grouped-query attention), so its v
     # copy is N x d; the copies of q and k^T it does not make (rope's q and k are contiguous),
     # but it makes the repeated k: for memory the same as our GPT's q and k copies.
     v_width = d if dm.hf else kvw
-    nodes.append(Node(f"{p}.vcopy", out=[(f"{p}.vc", N * v_width * a)], inputs=qkv_keys))
-    nodes.append(Node(f"{p}.pv", out=[(f"{p}.o", N * d * a)], inputs=[probs, f"{p}.vc"],
-                       saves=[probs, f"{p}.vc"], matmul=True,
+    # (GPT-2's SDPA math fallback on float32 v at batch 1: bmm reads the (h, s, hd) view of v
+    # in place, and its save keeps the whole q/k/v output.)
+    v_view = dm.additive_mask and kind != "math" and not upcast and b == 1
+    v_saved = qkv_keys if v_view else [f"{p}.vc"]
+    nodes.append(Node(f"{p}.vcopy", out=[] if v_view else [(f"{p}.vc", N * v_width * a)], inputs=qkv_keys))
+    nodes.append(Node(f"{p}.pv", out=[(f"{p}.o", N * d * a)], inputs=[probs] + v_saved,
+                       saves=[probs] + v_saved, matmul=True,
                        grads=[(probs, sc * a), (v, N * kvw * a)]))
     o = f"{p}.o"
     if upcast:
@@ -669,7 +686,7 @@ def run_dims(cfg: RunConfig, arch: Arch, device_type: str, batch: Optional[int] 
                r=pb, p=pb, autocast=autocast, dropout=m.dropout > 0, cuda=device_type == "cuda",
                bias=m.bias and arch.name == "gpt2", hf=arch.hf, fp8=precision_facts(cfg.technique.precision).fp8,
                fused_proj=arch.fused_proj, lora_dropout=cfg.technique.lora_rank > 0 and cfg.technique.lora_dropout > 0,
-               softmax_fp32=not arch.fused_qkv)
+               softmax_fp32=not arch.fused_qkv, additive_mask=arch.fused_qkv)
     return dm
 
 
