@@ -38,9 +38,11 @@ transformers decoder layer differs from it in three ways that matter for memory,
   NewGELUActivation's Python formula (``Arch.mlp == "gelu_new"``): pow saves its input, tanh its
   output, the last product ``0.5 * x`` and ``1 + tanh``, three (N, d_ff) tensors per layer beyond
   a fused GELU's (:func:`~memtrain.analysis.estimate.hf_nodes.gelu_new_nodes`). Eager attention
-  adds a float causal mask and runs its softmax in the scores' dtype (float32 under autocast
-  only: ``Dims.softmax_fp32``); attention dropout (``attn_pdrop``) sends SDPA on the CPU to its
-  float32 math path; ``resid_pdrop`` and ``embd_pdrop`` keep their masks. The modules' locals
+  adds the float causal mask GPT2Model builds once (``Dims.additive_mask``: nothing saved per
+  layer) and runs its softmax in the scores' dtype (float32 under autocast only:
+  ``Dims.softmax_fp32``); attention dropout (``attn_pdrop``) sends SDPA on the CPU to its float32
+  math path, which adds a float mask of its own and, at batch 1, reads v in place (its save keeps
+  the whole q/k/v output); ``resid_pdrop`` and ``embd_pdrop`` keep their masks. The modules' locals
   count under checkpointing: GPT2Block holds the attention's output (and, eager, its weights)
   until it returns, GPT2Model the token and position embeddings (and the causal mask) until
   ln_f, the loss the hidden state it was handed. The tied head is the estimator's tied weight.
