@@ -25,6 +25,9 @@ FAMILIES = {
     # head_dim 32 is not hidden_size / heads (16): not modelled
     "gemma-wide-heads": lambda: transformers.GemmaConfig(**TINY, num_key_value_heads=1, head_dim=32),
     "gpt2": lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=384),
+    # an activation the analytic model does not cover: traced
+    "gpt2-relu": lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=384,
+                                                 activation_function="relu"),
 }
 
 
@@ -60,6 +63,7 @@ GRID = [
     ("qwen2", {"optim": "sgd"}),
     ("mistral", {"checkpointing": "every:2", "lora_rank": 4}),
     ("mistral", {"lora_rank": 4, "checkpointing": "full", "loss": "chunked", "loss_chunk": 32}),
+    ("gpt2", {"precision": "bf16", "lora_rank": 4, "loss": "chunked", "loss_chunk": 32}),
 ]
 
 
@@ -96,16 +100,64 @@ def test_unmodelled_families_and_techniques_say_they_traced(dirs, capsys):
     from memtrain.cli import main
 
     assert why_not_modelled(_cfg(dirs["llama"])) is None and why_not_modelled(_cfg(dirs["gemma"])) is None
-    assert "gpt2" in why_not_modelled(_cfg(dirs["gpt2"]))
+    assert why_not_modelled(_cfg(dirs["gpt2"])) is None
+    assert "activation_function relu" in why_not_modelled(_cfg(dirs["gpt2-relu"]))
     assert "head_dim" in why_not_modelled(_cfg(dirs["gemma-wide-heads"]))
     assert "QLoRA" in why_not_modelled(_cfg(dirs["llama"], lora_rank=4, qlora=True))
     assert "--lora-targets" in why_not_modelled(_cfg(dirs["llama"], lora_rank=4, lora_targets="q_proj"))
     # (peft's dropped adapter inputs are modelled: tests/test_estimate_lora_dropout.py.)
     assert why_not_modelled(_cfg(dirs["llama"], lora_rank=4, lora_dropout=0.1)) is None
     flags = ["--seq-len", "32", "--batch-size", "2", "--attention", "sdpa", "--json"]
+    assert main(["estimate", "--model", str(dirs["gpt2-relu"]), *flags]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["method"] == "trace" and "activation_function relu" in out["not_analytic"]
     assert main(["estimate", "--model", str(dirs["gpt2"]), *flags]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["method"] == "trace" and "gpt2" in out["not_analytic"]
+    assert out["method"] == "analytic" and "not_analytic" not in out
+
+
+@pytest.mark.parametrize("fields, attention, reason", [
+    ({"add_cross_attention": True}, "sdpa", "add_cross_attention"),
+    ({"reorder_and_upcast_attn": True}, "math", "reorder_and_upcast_attn"),
+    ({"resid_pdrop": 0.0}, "sdpa", "dropouts of which some are zero"),
+    ({"attn_pdrop": 0.0, "resid_pdrop": 0.0}, "sdpa", "dropouts of which some are zero"),
+    ({"activation_function": "gelu_fast"}, "sdpa", "activation_function gelu_fast"),
+])
+def test_gpt2_options_the_analytic_model_lacks_are_traced(tmp_path, fields, attention, reason):
+    """GPT-2 options that change its step beyond the analytic inventory: one line saying which,
+    and the estimate traces."""
+    from memtrain.analysis.estimate.hf import analytic_estimate, why_not_modelled
+
+    transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=384,
+                            **fields).save_pretrained(tmp_path)
+    cfg = _cfg(tmp_path, attention=attention)
+    why = why_not_modelled(cfg)
+    assert why is not None and reason in why and "\n" not in why
+    assert analytic_estimate(cfg, "cpu") is None
+
+
+def test_gpt2_options_that_leave_the_step_alone_stay_analytic(tmp_path):
+    """reorder_and_upcast_attn acts on eager attention only; scaling by the layer index changes a
+    number, not a tensor; all dropouts off (tiny-gpt2) or all on (GPT2Config's 0.1) and the
+    one-kernel gelu are modelled."""
+    from memtrain.analysis.estimate.hf import why_not_modelled
+
+    transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=384, activation_function="gelu",
+                            reorder_and_upcast_attn=True, scale_attn_by_inverse_layer_idx=True).save_pretrained(tmp_path)
+    assert why_not_modelled(_cfg(tmp_path, attention="sdpa")) is None
+    assert why_not_modelled(build_config({"model": "tiny-gpt2", "seq_len": 32})) is None
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_lora_on_all_linear_is_the_default_targets_estimate(dirs, family):
+    """--lora-targets all-linear is what a transformers model's default hands peft: the analytic
+    estimate counts the same adapters for both."""
+    from memtrain.analysis.estimate.hf import analytic_estimate
+
+    default = analytic_estimate(_cfg(dirs[family], lora_rank=4), "cpu")
+    named = analytic_estimate(_cfg(dirs[family], lora_rank=4, lora_targets="all-linear"), "cpu")
+    assert named.parameters == default.parameters and named.trainable_parameters == default.trainable_parameters
+    assert named.peak_bytes == default.peak_bytes
 
 
 def test_estimate_cli_answers_analytically_and_checks_with_trace(dirs, capsys):
@@ -230,3 +282,19 @@ def test_selective_checkpointing_is_refused_by_the_estimate_as_by_train(dirs, fa
     assert main(["estimate", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --checkpointing selective") and "selective-matmul" in err[0]
+
+
+@pytest.mark.parametrize("attention, seq_len", [("sdpa", 96), ("math", 384)])
+def test_gpt2_at_batch_one_within_one_percent_of_the_trace(tmp_path, attention, seq_len):
+    """At batch 1 the attention's matmuls read q, k and v in place (no copies): SDPA's float32 math
+    fallback (attention dropout on the CPU) then keeps the whole q/k/v output for v, and eager
+    attention's float causal mask is the model's, not a saved bool per layer."""
+    from memtrain.analysis.estimate.hf import analytic_estimate
+    from memtrain.analysis.trace import trace_step
+
+    # (Eager attention on a long sequence, where the per-layer (s, s) terms show.)
+    transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, vocab_size=384).save_pretrained(tmp_path)
+    cfg = build_config({"model": str(tmp_path), "batch_size": 1, "seq_len": seq_len, "attention": attention,
+                        "device": "cpu"})
+    est, traced = analytic_estimate(cfg, "cpu"), trace_step(cfg, "cpu")
+    assert abs(est.peak_bytes / traced["peak_bytes"] - 1) < 0.01, (est.peak_bytes, traced["peak_bytes"])

@@ -1,6 +1,6 @@
 """The analytic model of transformers decoder layers against the fake-tensor trace on odd
 shapes: widths 72-200, odd and even depths, grouped-query ratios from 1 (MQA) to equal heads,
-for Llama, Qwen2, Mistral, Phi-3 and Gemma under fp32, bf16 autocast and bf16-pure, eager and SDPA attention,
+for Llama, Qwen2, Mistral, Phi-3, Gemma and GPT-2 under fp32, bf16 autocast and bf16-pure, eager and SDPA attention,
 with and without LoRA and full checkpointing.
 
 The measure is the larger of the forward and the backward peak: the optimizer step's scratch
@@ -25,7 +25,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # (hidden, heads, key/value heads, layers): head dims 12-34, GQA ratios 1-6, 1 to 5 layers.
 SIZES = [(72, 6, 2, 3), (96, 4, 4, 5), (120, 6, 3, 3), (200, 10, 2, 1), (136, 4, 1, 3), (168, 6, 6, 5)]
 CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig", "phi3": "Phi3Config",
-           "gemma": "GemmaConfig"}
+           "gemma": "GemmaConfig", "gpt2": "GPT2Config"}
+# GPT-2 (no grouped-query attention: the k/v heads of SIZES are left out): the MLP width is its
+# n_inner; its dropouts (attn_pdrop, resid_pdrop, embd_pdrop) keep transformers' 0.1, so SDPA on
+# the CPU falls back to its math path (in float32 on bf16 q, k, v).
+GPT2_FIELDS = {"hidden_size": "n_embd", "intermediate_size": "n_inner", "num_hidden_layers": "n_layer",
+               "num_attention_heads": "n_head", "max_position_embeddings": "n_positions"}
 
 
 def _extra(fam: str, hidden: int, heads: int) -> dict:
@@ -35,6 +40,8 @@ def _extra(fam: str, hidden: int, heads: int) -> dict:
         return dict(pad_token_id=0, bos_token_id=0, eos_token_id=0)
     if fam == "gemma":
         return dict(head_dim=hidden // heads)
+    if fam == "gpt2":
+        return dict(bos_token_id=0, eos_token_id=0)
     return {}
 
 PRECISIONS = ("fp32", "bf16", "bf16-pure")
@@ -73,7 +80,12 @@ DEFAULT = {"llama-h72-6q2kv-L3-fp32-sdpa-ckpt_none", "llama-h96-4q4kv-L5-fp32-sd
            # Gemma: the float32 x * (1 + w) norm, the scaled embedding and the tied head, with
            # LoRA under autocast and under bf16-pure with lazy recompute.
            "gemma-h72-6q2kv-L3-fp32-sdpa-ckpt_none", "gemma-h120-6q3kv-L3-bf16-math-lora4-ckpt_none",
-           "gemma-h96-4q4kv-L5-bf16-pure-sdpa-lora4-ckpt_full"}
+           "gemma-h96-4q4kv-L5-bf16-pure-sdpa-lora4-ckpt_full",
+           # GPT-2: gelu_new's saved intermediates, the fused Conv1D q/k/v with one LoRA pair, its
+           # dropouts (SDPA's float32 math fallback under bf16), the softmax in bf16 under
+           # bf16-pure eager attention, LoRA with lazy recompute.
+           "gpt2-h72-6q2kv-L3-fp32-sdpa-ckpt_none", "gpt2-h136-4q1kv-L3-bf16-sdpa-lora4-ckpt_none",
+           "gpt2-h120-6q3kv-L3-bf16-pure-math-ckpt_none", "gpt2-h96-4q4kv-L5-bf16-pure-sdpa-lora4-ckpt_full"}
 
 # Measured gaps the analytic model still has (estimate / trace - 1 of the measure above, on
 # torch 2.13 and transformers 5.24), each with its located cause. None at present: every case
@@ -106,6 +118,8 @@ def _folder(folders: dict, root: Path, fam: str, size: tuple[int, int, int, int]
         h, nh, kv, L = size
         kw = dict(hidden_size=h, intermediate_size=2 * h + 8, num_hidden_layers=L, num_attention_heads=nh,
                   num_key_value_heads=kv, max_position_embeddings=128, vocab_size=300 + h, **_extra(fam, h, nh))
+        if fam == "gpt2":
+            kw = {GPT2_FIELDS.get(k, k): v for k, v in kw.items() if k != "num_key_value_heads"}
         d = root / f"{fam}-{h}-{nh}-{kv}-{L}"
         getattr(transformers, CONFIGS[fam])(**kw).save_pretrained(d)
         folders[(fam, size)] = d

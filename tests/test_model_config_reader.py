@@ -61,6 +61,10 @@ def test_a_config_that_leaves_every_field_out_gets_transformers_defaults(tmp_pat
     ("qwen2", {"num_hidden_layers": 6, "use_sliding_window": True, "max_window_layers": 4}),  # layer_types derived
     ("qwen2", {"num_hidden_layers": 3, "sliding_window": 64}),  # sliding_window dropped: use_sliding_window off
     ("mistral", {"hidden_size": 64, "num_attention_heads": 4, "sliding_window": None, "head_dim": None}),
+    ("gpt2", {"n_embd": 96, "n_head": 6, "n_layer": 3, "n_inner": None}),  # d_ff 4 x n_embd
+    ("gpt2", {"n_embd": 64, "n_head": 4, "n_inner": 200, "n_positions": 96, "activation_function": "gelu",
+              "attn_pdrop": 0, "resid_pdrop": 0.0, "embd_pdrop": 0.2, "tie_word_embeddings": False,
+              "reorder_and_upcast_attn": True, "add_cross_attention": True}),
 ])
 def test_a_config_with_some_fields_left_out_gets_transformers_defaults(tmp_path, model_type, fields):
     spec = _write(tmp_path, {"model_type": model_type, **fields})
@@ -68,7 +72,7 @@ def test_a_config_with_some_fields_left_out_gets_transformers_defaults(tmp_path,
 
 
 @pytest.mark.parametrize("data", [
-    {"model_type": "gpt2"},  # not a family the analytic estimator models
+    {"model_type": "gpt_neox"},  # not a family the analytic estimator models
     {"model_type": "llama", "auto_map": {"AutoConfig": "x.Config"}},  # refused by load_config's own words
     {"model_type": "llama", "hidden_size": 100, "num_attention_heads": 3},  # transformers refuses the shape
     {"model_type": "llama", "hidden_size": "4096"},  # a size transformers' strict config must judge

@@ -24,13 +24,15 @@ class Arch:
     """
 
     name: str = "gpt2"
-    mlp: str = "gelu"  # gelu: fc -> gelu -> fc_out; swiglu: (silu(gate) * up) -> down
+    # gelu: fc -> gelu -> fc_out; swiglu: (silu(gate) * up) -> down; gelu_new: fc -> GELU's tanh
+    # formula in Python ops (transformers' NewGELUActivation: GPT-2) -> fc_out
+    mlp: str = "gelu"
     norm: str = "layernorm"  # layernorm (weight + bias) | rmsnorm (weight only)
     positional: str = "learned"  # learned (wpe table) | rope (no parameters)
     n_kv_heads: Optional[int] = None  # grouped-query attention; None = n_heads
-    # A transformers decoder (Llama, Qwen2, Mistral, Phi-3, Gemma: memtrain.analysis.estimate.hf): RMSNorm that
+    # A transformers decoder (Llama, Qwen2, Mistral, Phi-3, Gemma, GPT-2: memtrain.analysis.estimate.hf): RMSNorm that
     # upcasts to float32 and keeps the upcast and the normalized copy for backward, rotary
-    # embeddings that copy q and k, peft adapters in the parameter dtype.
+    # embeddings that copy q and k (GPT-2: neither), peft adapters in the parameter dtype.
     hf: bool = False
     # q/k/v projections with a bias, the output projection and MLP without (Qwen2's layers).
     qkv_bias: bool = False
@@ -42,6 +44,9 @@ class Arch:
     norm_offset: bool = False
     # Gemma's embedding output multiplied by sqrt(hidden): a new tensor in the table's dtype.
     embed_scale: bool = False
+    # GPT-2's c_attn (transformers): q/k/v as one Conv1D (one LoRA pair), split into views of its
+    # output as our GPT's fused qkv is (no rotary copies).
+    fused_qkv: bool = False
 
 
 GPT2_ARCH = Arch()

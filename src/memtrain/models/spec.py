@@ -282,17 +282,29 @@ ANALYTIC_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": {**_COMMON_DEFAULTS, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
                 "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
                 "max_position_embeddings": 4096 * 32, "sliding_window": 4096, "head_dim": None},
+    # GPT-2's own field names (GPT2Config's attribute_map gives hidden_size and the rest: _post_init)
+    "gpt2": {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
+             "activation_function": "gelu_new", "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1,
+             "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+             "add_cross_attention": False, "tie_word_embeddings": True},
 }
+# GPT2Config's attribute_map: the common names of its fields.
+_GPT2_ALIASES = {"hidden_size": "n_embd", "max_position_embeddings": "n_positions", "num_attention_heads": "n_head",
+                 "num_hidden_layers": "n_layer"}
 # The fields each family's typed config lets be null (an explicit null elsewhere: AutoConfig refuses it).
 _NULLABLE: dict[str, frozenset[str]] = {
     "llama": frozenset({"num_key_value_heads", "head_dim", "attention_dropout"}),
     "qwen2": frozenset({"num_key_value_heads", "sliding_window", "layer_types"}),
     "mistral": frozenset({"head_dim", "sliding_window"}),
+    "gpt2": frozenset({"n_inner"}),
 }
 # The JSON types each field may hold (anything else: AutoConfig's own validation decides).
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "hidden_act": (str,), "tie_word_embeddings": (bool,), "attention_dropout": (int, float),
     "attention_bias": (bool,), "mlp_bias": (bool,), "use_sliding_window": (bool,), "layer_types": (list,),
+    "activation_function": (str,), "resid_pdrop": (int, float), "embd_pdrop": (int, float), "attn_pdrop": (int, float),
+    "scale_attn_weights": (bool,), "scale_attn_by_inverse_layer_idx": (bool,), "reorder_and_upcast_attn": (bool,),
+    "add_cross_attention": (bool,),
 }
 
 
@@ -351,6 +363,10 @@ def _plain_values(values: dict[str, Any]) -> bool:
 
 def _post_init(c: SimpleNamespace) -> None:
     """The defaults transformers derives from other fields (the families' __post_init__)."""
+    if c.model_type == "gpt2":
+        for alias, name in _GPT2_ALIASES.items():
+            setattr(c, alias, getattr(c, name))
+        return
     if "head_dim" in vars(c) and c.head_dim is None:
         c.head_dim = c.hidden_size // c.num_attention_heads
     if c.num_key_value_heads is None:

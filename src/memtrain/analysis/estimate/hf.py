@@ -1,5 +1,5 @@
 """The analytic memory model of transformers decoders memtrain models (Llama, Qwen2, Mistral, Phi-3,
-Gemma).
+Gemma, GPT-2).
 
 The analytic estimator (memtrain.analysis.estimate) simulates one step op by op from an inventory of
 what each op allocates and saves for backward. Its block inventory is our GPT's; a Llama-style
@@ -30,12 +30,31 @@ transformers decoder layer differs from it in three ways that matter for memory,
   tied (the estimator's tied weight). A head_dim other than hidden / heads is not modelled.
 * The CPU RNG state non-reentrant checkpoint stores per layer is not counted: it is made
   outside the dispatcher, so the memory meter never sees it.
+* GPT-2 (``GPT2LMHeadModel``) is our GPT's inventory (LayerNorm, learned positions, biases, one
+  fused q/k/v projection whose q, k, v are views: no RMSNorm upcast, no rotary copies) with
+  transformers' differences. Its Conv1D (``addmm`` with an (in, out) weight, a bias always) is a
+  Linear for memory; ``c_attn`` is one Conv1D, so peft gives it one LoRA pair (``Arch.fused_qkv``;
+  peft's ``all-linear`` wraps c_attn, c_proj, c_fc and the MLP's c_proj). ``gelu_new`` is
+  NewGELUActivation's Python formula (``Arch.mlp == "gelu_new"``): pow saves its input, tanh its
+  output, the last product ``0.5 * x`` and ``1 + tanh``, three (N, d_ff) tensors per layer beyond
+  a fused GELU's (:func:`~memtrain.analysis.estimate.hf_nodes.gelu_new_nodes`). Eager attention
+  adds the float causal mask GPT2Model builds once (``Dims.additive_mask``: nothing saved per
+  layer) and runs its softmax in the scores' dtype (float32 under autocast only:
+  ``Dims.softmax_fp32``); attention dropout (``attn_pdrop``) sends SDPA on the CPU to its float32
+  math path, which adds a float mask of its own and, at batch 1, reads v in place (its save keeps
+  the whole q/k/v output); ``resid_pdrop`` and ``embd_pdrop`` keep their masks. The modules' locals
+  count under checkpointing: GPT2Block holds the attention's output (and, eager, its weights)
+  until it returns, GPT2Model the token and position embeddings (and the causal mask) until
+  ln_f, the loss the hidden state it was handed. The tied head is the estimator's tied weight.
+  Not modelled (traced, with the reason): an activation other than gelu_new and gelu, cross
+  attention, eager ``reorder_and_upcast_attn`` and dropouts some zero and some not
+  (:func:`why_gpt2_not_modelled`).
 
 Everything else (separate q/k/v projections = one fused one for memory, SwiGLU's gate/up/down
 saves = memtrain's fused SwiGLU, SDPA/eager attention, checkpointing, the loss) is the
-estimator's own inventory. Families not listed in :data:`MODELLED` (GPT-2: Conv1D, gelu_new,
-attention dropout; Gemma-2 and later: soft-capping, sandwich norms) and QLoRA (torchao's NF4
-dequantization scratch) are not modelled: ``estimate`` traces them and says so.
+estimator's own inventory. Families not listed in :data:`MODELLED` (Gemma-2 and later:
+soft-capping, sandwich norms) and QLoRA (torchao's NF4 dequantization scratch) are not
+modelled: ``estimate`` traces them and says so.
 """
 
 from __future__ import annotations
@@ -44,13 +63,14 @@ from dataclasses import replace
 from typing import Any, Optional
 
 from memtrain.analysis.estimate.training import estimate
-from memtrain.config.archs import LLAMA_ARCH, Arch
+from memtrain.config.archs import GPT2_ARCH, LLAMA_ARCH, Arch
 from memtrain.models.spec import GPT_LORA_TARGETS, analytic_config  # torch-free for the modelled families
 
-__all__ = ["MODELLED", "QKV_BIAS", "active_window", "hf_arch", "why_not_modelled", "analytic_estimate"]
+__all__ = ["MODELLED", "QKV_BIAS", "active_window", "hf_arch", "why_not_modelled", "why_gpt2_not_modelled",
+           "analytic_estimate"]
 
 # model_type -> the layer code is Llama's (modeling_qwen2/modeling_mistral copy it)
-MODELLED = ("llama", "qwen2", "mistral", "phi3", "gemma")
+MODELLED = ("llama", "qwen2", "mistral", "phi3", "gemma", "gpt2")
 # Families whose q/k/v projections carry a bias by their layer code, whatever config.json says
 # (Qwen2Attention builds q/k/v with bias=True and o_proj without; its configs have no
 # attention_bias field).
@@ -60,6 +80,12 @@ FUSED_PROJ = ("phi3",)
 # Families with Gemma's float32 ``x * (1 + w)`` RMSNorm, sqrt(hidden)-scaled embeddings and a
 # tanh-GELU gate (memory-wise SiLU's: one kernel each way, saving its input).
 GEMMA_LIKE = ("gemma",)
+# Families with GPT-2's layers (transformers' GPT2LMHeadModel): our GPT's inventory (LayerNorm,
+# learned positions, biases, one fused q/k/v projection) with transformers' activation and peft.
+GPT2_LIKE = ("gpt2",)
+# GPT-2 activations modelled: gelu_new (transformers' NewGELUActivation formula) and gelu (one kernel).
+GPT2_ACTIVATIONS = ("gelu_new", "gelu")
+GPT2_DROPOUTS = ("attn_pdrop", "resid_pdrop", "embd_pdrop")
 
 
 def active_window(c: Any, window: Optional[int], seq_len: int) -> Optional[int]:
@@ -94,6 +120,8 @@ def why_not_modelled(cfg: Any) -> Optional[str]:
     if window is not None:
         return (f"sliding-window attention (window {window} <= --seq-len {cfg.train.seq_len}: transformers builds "
                 "the windowed mask) is not modelled analytically for transformers models")
+    if c.model_type in GPT2_LIKE:
+        return why_gpt2_not_modelled(c, tech.attention)
     head_dim = getattr(c, "head_dim", None)
     if head_dim is not None and head_dim * c.num_attention_heads != c.hidden_size:
         return "a head_dim other than hidden_size / heads is not modelled analytically"
@@ -110,9 +138,28 @@ def why_not_modelled(cfg: Any) -> Optional[str]:
     return None
 
 
+def why_gpt2_not_modelled(c: Any, attention: str) -> Optional[str]:
+    """:func:`why_not_modelled` for a GPT-2 config ``c`` (``attention``: ``--attention``)."""
+    if c.activation_function not in GPT2_ACTIVATIONS:
+        return (f"activation_function {c.activation_function} is not modelled analytically for gpt2 "
+                f"(only {', '.join(GPT2_ACTIVATIONS)})")
+    if c.add_cross_attention:
+        return "GPT-2's cross-attention layers (add_cross_attention) are not modelled analytically"
+    if c.reorder_and_upcast_attn and attention == "math":
+        return "GPT-2's reorder_and_upcast_attn (float32 eager attention scores) is not modelled analytically"
+    # One dropout switch covers every site (memtrain's --dropout mirrors attn_pdrop).
+    if len({float(getattr(c, name)) > 0 for name in GPT2_DROPOUTS}) > 1:
+        return ("GPT-2 dropouts of which some are zero and some not (attn_pdrop, resid_pdrop, embd_pdrop) are not "
+                "modelled analytically")
+    return None
+
+
 def hf_arch(spec: str) -> Arch:
-    """The :class:`Arch` of a modelled transformers config (Llama-style layers, its k/v heads)."""
+    """The :class:`Arch` of a modelled transformers config (Llama-style layers, its k/v heads;
+    GPT-2's: our GPT's with a fused Conv1D q/k/v and its activation)."""
     c = analytic_config(spec)
+    if c.model_type in GPT2_LIKE:
+        return replace(GPT2_ARCH, hf=True, fused_qkv=True, mlp="gelu_new" if c.activation_function == "gelu_new" else "gelu")
     return replace(LLAMA_ARCH, name=c.model_type, n_kv_heads=getattr(c, "num_key_value_heads", None), hf=True,
                    qkv_bias=c.model_type in QKV_BIAS, fused_proj=c.model_type in FUSED_PROJ,
                    norm_offset=c.model_type in GEMMA_LIKE, embed_scale=c.model_type in GEMMA_LIKE)

@@ -8,7 +8,7 @@ from typing import Any
 
 from memtrain.analysis.estimate.simulator import Node
 
-__all__ = ["hf_norm_node", "hf_rope_node"]
+__all__ = ["gelu_new_nodes", "hf_norm_node", "hf_rope_node"]
 
 
 def hf_norm_node(dm: Any, name: str, src: str, out: str, trainable: bool, input_grad: bool = True,
@@ -61,3 +61,26 @@ def hf_rope_node(dm: Any, qkv: list[str], out: str, v_view: bool = False) -> Any
     return Node(f"{out}.rope", out=[(out, N * (d + (kv if v_view else 2 * kv)) * a)], inputs=list(qkv),
                  grads=[(k, N * w * a) for k, w in zip(qkv, widths)], fwd_scratch=3 * N * (d + kv) * a,
                  scratch=2 * N * (d + kv) * a)
+
+
+def gelu_new_nodes(dm: Any, name: str, src: str, out: str) -> list[Any]:
+    """transformers' NewGELUActivation (GPT-2's ``gelu_new``), a formula in Python ops:
+    ``0.5 * x * (1 + tanh(c * (x + 0.044715 * x ** 3)))``. Each op makes a new (N, d_ff) tensor
+    in the input's dtype; pow saves ``x``, tanh its output, the last product both of its
+    factors (``0.5 * x`` and ``1 + tanh``): three (N, d_ff) tensors per layer kept beyond a fused
+    GELU's input."""
+    E = dm.n * dm.f * dm.a
+    half, cube, scaled, inner, arg, th, one = (f"{name}.{k}" for k in ("half", "cube", "scaled", "inner", "arg",
+                                                                       "tanh", "one_plus"))
+    return [
+        Node(f"{name}.half", out=[(half, E)], inputs=[src], grads=[(src, E)]),
+        # pow's backward: grad * 3 * x.pow(2): x.pow(2) and 3 * it beside the result.
+        Node(f"{name}.pow", out=[(cube, E)], inputs=[src], saves=[src], grads=[(src, E)], scratch=2 * E),
+        Node(f"{name}.scale_cube", out=[(scaled, E)], inputs=[cube], grads=[(cube, E)]),
+        Node(f"{name}.add", out=[(inner, E)], inputs=[src, scaled], grads=[(src, 0.0), (scaled, 0.0)]),
+        Node(f"{name}.scale", out=[(arg, E)], inputs=[inner], grads=[(inner, E)]),
+        Node(f"{name}.tanh", out=[(th, E)], inputs=[arg], saves=[th], grads=[(arg, E)]),
+        Node(f"{name}.add_one", out=[(one, E)], inputs=[th], grads=[(th, 0.0)]),
+        # (The caller's local holds x until the activation returns, saved or not.)
+        Node(f"{name}.mul", out=[(out, E)], inputs=[half, one, src], saves=[half, one], grads=[(half, E), (one, E)]),
+    ]

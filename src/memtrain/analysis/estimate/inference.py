@@ -47,7 +47,7 @@ def estimate_inference(cfg: RunConfig, weights_dtype: str = "fp32", arch: Arch =
         attn = qkv + 4 * N * d * a + 2 * sc * 4
     else:
         attn = qkv + N * d * a + b * h * s * 4
-    mlp = N * f * a * (2 if arch.mlp == "gelu" else 3) + N * d * a
+    mlp = N * f * a * (3 if arch.mlp == "swiglu" else 2) + N * d * a
     block_peak = x + max(attn, mlp)
     logits = N * V * a + N * d * a
     activations = max(block_peak, logits)

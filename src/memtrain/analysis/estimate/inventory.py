@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from memtrain.analysis.estimate.hf_nodes import hf_norm_node, hf_rope_node
+from memtrain.analysis.estimate.hf_nodes import gelu_new_nodes, hf_norm_node, hf_rope_node
 from memtrain.analysis.estimate.params import lora_split, lora_target_names
 from memtrain.analysis.estimate.simulator import Compression, Node, Segment
 from memtrain.config.archs import Arch
@@ -42,6 +42,12 @@ class Dims:
     fused_proj: bool = False
     # --lora-dropout > 0: peft drops each adapter's input before lora_A (_lora_dropout).
     lora_dropout: bool = False
+    # The eager attention's softmax runs in float32 outside autocast too (Llama's
+    # ``softmax(dtype=float32)``); GPT-2's runs in the scores' dtype (float32 under autocast only).
+    softmax_fp32: bool = True
+    # The attention mask is added as a float tensor, nothing saved (GPT-2's layers), rather than
+    # applied by a masked_fill that saves its bool mask.
+    additive_mask: bool = False
 
     @property
     def n(self) -> int:
@@ -304,23 +310,35 @@ def resolve_backend(kind: str, window: Optional[int], dm: Dims) -> str:
     return "flash"
 
 
-def _scores_softmax(nodes: list[Node], dm: Dims, p: str, score_elems: float, mask_elems: float) -> str:
+def _scores_softmax(nodes: list[Node], dm: Dims, p: str, score_elems: float, mask_elems: float,
+                    kind: str = "math") -> str:
     """s0 (the q @ k^T product, already added by the caller) -> scale -> masked_fill -> float32
     softmax -> cast back -> dropout. Returns the key of the probabilities the second matmul reads."""
     a, sc = dm.a, score_elems
     nodes.append(Node(f"{p}.scale", out=[(f"{p}.s1", sc * a)], inputs=[f"{p}.s0"], grads=[(f"{p}.s0", sc * a)]))
-    # causal_mask: the bool mask and its negation (saved by masked_fill), plus aranges.
-    nodes.append(Node(f"{p}.mask", out=[(f"{p}.m", mask_elems)], fwd_scratch=mask_elems))
-    nodes.append(Node(f"{p}.masked", out=[(f"{p}.s2", sc * a)], inputs=[f"{p}.s1", f"{p}.m"],
-                       saves=[f"{p}.m"], grads=[(f"{p}.s1", sc * a)]))
+    if dm.additive_mask:
+        # GPT-2's layers add a float mask (nothing saved): eager attention the one GPT2Model
+        # built for every layer (its embedding nodes), SDPA's math fallback one of its own,
+        # from a bool ones(s, s).tril().
+        own = [(f"{p}.m", mask_elems * 4)] if kind != "math" else []
+        nodes.append(Node(f"{p}.mask", out=own, fwd_scratch=2 * mask_elems if own else 0.0))
+        nodes.append(Node(f"{p}.masked", out=[(f"{p}.s2", sc * a)], inputs=[f"{p}.s1"] + [o[0] for o in own],
+                           grads=[(f"{p}.s1", 0.0)]))
+    else:
+        # causal_mask: the bool mask and its negation (saved by masked_fill), plus aranges.
+        nodes.append(Node(f"{p}.mask", out=[(f"{p}.m", mask_elems)], fwd_scratch=mask_elems))
+        nodes.append(Node(f"{p}.masked", out=[(f"{p}.s2", sc * a)], inputs=[f"{p}.s1", f"{p}.m"],
+                           saves=[f"{p}.m"], grads=[(f"{p}.s1", sc * a)]))
     src = f"{p}.s2"
-    if a != 4:
+    up = a != 4 and (dm.softmax_fp32 or dm.autocast)  # float32 softmax on low-precision scores
+    sm = 4 if up else a
+    if up:
         nodes.append(Node(f"{p}.float", out=[(f"{p}.sf", sc * 4)], inputs=[src], grads=[(src, sc * a)]))
         src = f"{p}.sf"
-    nodes.append(Node(f"{p}.softmax", out=[(f"{p}.pf", sc * 4)], inputs=[src], saves=[f"{p}.pf"],
-                       grads=[(src, sc * 4)]))
+    nodes.append(Node(f"{p}.softmax", out=[(f"{p}.pf", sc * sm)], inputs=[src], saves=[f"{p}.pf"],
+                       grads=[(src, sc * sm)]))
     src = f"{p}.pf"
-    if a != 4:
+    if up:
         nodes.append(Node(f"{p}.tocast", out=[(f"{p}.pa", sc * a)], inputs=[src], grads=[(src, sc * 4)]))
         src = f"{p}.pa"
     _dropout(nodes, dm, f"{p}.attn_drop", src, f"{p}.pd", sc, a)
@@ -406,15 +424,19 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
                        inputs=[qkv], saves=[f"{p}.qc", f"{p}.kc"], matmul=True, grad_out=(f"{p}.s0",),
                        keep=(f"{p}.s0",),
                        grads=[(q, N * d * a), (k, N * kvw * a)]))
-    probs = _scores_softmax(nodes, dm, p, sc, s * s)
+    probs = _scores_softmax(nodes, dm, p, sc, s * s, kind)
     # The matmul copies v into a contiguous buffer. transformers' eager attention repeats the
     # k/v heads first (repeat_kv: a copy as wide as q under grouped-query attention), so its v
     # copy is N x d; the copies of q and k^T it does not make (rope's q and k are contiguous),
     # but it makes the repeated k: for memory the same as our GPT's q and k copies.
     v_width = d if dm.hf else kvw
-    nodes.append(Node(f"{p}.vcopy", out=[(f"{p}.vc", N * v_width * a)], inputs=qkv_keys))
-    nodes.append(Node(f"{p}.pv", out=[(f"{p}.o", N * d * a)], inputs=[probs, f"{p}.vc"],
-                       saves=[probs, f"{p}.vc"], matmul=True,
+    # (GPT-2's SDPA math fallback on float32 v at batch 1: bmm reads the (h, s, hd) view of v
+    # in place, and its save keeps the whole q/k/v output.)
+    v_view = dm.additive_mask and kind != "math" and not upcast and b == 1
+    v_saved = qkv_keys if v_view else [f"{p}.vc"]
+    nodes.append(Node(f"{p}.vcopy", out=[] if v_view else [(f"{p}.vc", N * v_width * a)], inputs=qkv_keys))
+    nodes.append(Node(f"{p}.pv", out=[(f"{p}.o", N * d * a)], inputs=[probs] + v_saved,
+                       saves=[probs] + v_saved, matmul=True,
                        grads=[(probs, sc * a), (v, N * kvw * a)]))
     o = f"{p}.o"
     if upcast:
@@ -429,7 +451,7 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     p = f"blocks.{i}"
     N, d, f, a, r = dm.n, dm.d, dm.f, dm.a, dm.r
     lora = tech.lora_rank
-    targets = lora_target_names(tech) if lora else set()
+    targets = lora_target_names(tech, arch) if lora else set()
     x = f"{p}.in"
     nodes: list[Node] = []
     layer = arch.norm == "layernorm"
@@ -440,7 +462,7 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     input_grad = trainable_base or i > 0
 
     def norm(name: str, src: str, out: str) -> None:
-        if dm.hf:
+        if dm.hf and not layer:
             nodes.append(hf_norm_node(dm, name, src, out, trainable_base, input_grad or src != x, arch.norm_offset))
             return
         # LayerNorm saves its input and float32 mean + rstd per token (RMSNorm: rstd only);
@@ -474,15 +496,16 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     # simulated one after the other: each one's LoRA tail (base output, B product, its scaled
     # copy, their sum) lives while the earlier ones' outputs do, not all of them at once. (The
     # frozen base's outputs alone sum to the fused one's, which stands for them otherwise.)
-    per_linear = dm.hf and bool(lora) and not arch.fused_proj
+    per_linear = dm.hf and bool(lora) and not (arch.fused_proj or arch.fused_qkv)
     norm(f"{p}.ln_1", x, f"{p}.ln1")
     if per_linear:
         for part in (".q", ".k", ".v"):
             lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0", d, d + 2 * dm.kv, r, part)
         nodes.append(hf_rope_node(dm, [f"{p}.qkv0.q", f"{p}.qkv0.k", f"{p}.qkv0.v"], f"{p}.qkv"))
     else:
-        lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0" if dm.hf else f"{p}.qkv", d, d + 2 * dm.kv, r)
-        if dm.hf:
+        rope = dm.hf and arch.positional == "rope"
+        lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0" if rope else f"{p}.qkv", d, d + 2 * dm.kv, r)
+        if rope:
             nodes.append(hf_rope_node(dm, [f"{p}.qkv0"], f"{p}.qkv", v_view=arch.fused_proj))
     start = len(nodes)
     _attention_nodes(nodes, dm, p, tech.attention, tech.window, v_src=f"{p}.qkv0" if arch.fused_proj else None)
@@ -519,22 +542,41 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
                            saves=[f"{p}.g"], grads=[(f"{p}.g", N * f * a), (f"{p}.h1", N * f * a)]))
     else:
         lin("fc", f"{p}.mlp.fc", f"{p}.ln2", f"{p}.h1", d, f, r)
-        nodes.append(Node(f"{p}.gelu", out=[(f"{p}.act", N * f * a)], inputs=[f"{p}.h1"], saves=[f"{p}.h1"],
-                           grads=[(f"{p}.h1", N * f * a)]))
+        nodes += _gelu_nodes(dm, arch, p)
     lin("fc_out", f"{p}.mlp.fc_out", f"{p}.act", f"{p}.h2", f, d, a)
     if dm.hf:
         nodes[-1].inputs.append(f"{p}.ln2")
     _dropout(nodes, dm, f"{p}.mlp_drop", f"{p}.h2", f"{p}.h2d", N * d, a)
     nodes.append(Node(f"{p}.add2", out=[(f"blocks.{i + 1}.in", N * d * r)], inputs=[f"{p}.x1", f"{p}.h2d"],
                        grads=[(f"{p}.x1", 0.0), (f"{p}.h2d", 0.0 if a == r else N * d * a)]))
+    if arch.fused_qkv:
+        nodes[-1].inputs += _gpt2_block_locals(p, tech.attention)
     return nodes
 
 
-def _embedding_nodes(dm: Dims, arch: Arch, trainable: bool) -> list[Node]:
+def _gelu_nodes(dm: Dims, arch: Arch, p: str) -> list[Node]:
+    """fc's output ``h1`` -> the activation ``act``: one GELU kernel (saving its input), or
+    transformers' gelu_new formula (:func:`gelu_new_nodes`)."""
+    if arch.mlp == "gelu_new":
+        return gelu_new_nodes(dm, f"{p}.gelu", f"{p}.h1", f"{p}.act")
+    E = dm.n * dm.f * dm.a
+    return [Node(f"{p}.gelu", out=[(f"{p}.act", E)], inputs=[f"{p}.h1"], saves=[f"{p}.h1"], grads=[(f"{p}.h1", E)])]
+
+
+def _gpt2_block_locals(p: str, attention: str) -> list[str]:
+    """What GPT2Block's locals hold until the block returns (``attn_output, _ = self.attn(...)``):
+    the attention's output after resid_dropout and, eager, the attention weights it returns."""
+    return [f"{p}.prd"] + ([f"{p}.pd"] if attention == "math" else [])
+
+
+def _embedding_nodes(dm: Dims, arch: Arch, trainable: bool, attention: str) -> list[Node]:
     """Token lookup (+ learned positions) and embedding dropout. Lookups are not autocast: the
-    output has the table's dtype."""
+    output has the table's dtype. (GPT-2's eager attention: the float causal mask
+    GPT2Model.forward builds, in the embeddings' dtype, for every layer.)"""
     N, d, s, pe = dm.n, dm.d, dm.s, dm.p
     nodes = [Node("wte", out=[("tok", N * d * pe)], grads=[("param:wte.weight", 0.0)] if trainable else [])]
+    if arch.fused_qkv and attention == "math":
+        nodes.append(Node("causal_mask", out=[("causal_mask", dm.b * s * s * pe)]))
     src = "tok"
     if arch.positional == "learned":
         nodes.append(Node("pos", out=[("pos_idx", s * 8)]))
@@ -568,9 +610,12 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
         pg.append(("param:ln_f.bias", 0.0))
     nodes = [Node("ln_f", out=[("hf", N * d * r), ("ln_f.stats", (2 if layer else 1) * N * 4)], inputs=[x],
                    saves=[x, "ln_f.stats"], grad_out=("hf",), grads=[(x, N * d * r)] + pg)]
-    if dm.hf:
-
+    if dm.hf and not layer:
         nodes = [hf_norm_node(dm, "ln_f", x, "hf", trainable, offset=arch.norm_offset)]
+    if arch.fused_qkv:
+        # GPT2Model.forward's locals (the token and position embeddings, the causal mask) live
+        # until it returns, after ln_f.
+        nodes[0].inputs += ["tok", "posemb"] + (["causal_mask"] if tech.attention == "math" else [])
     if tech.loss == "chunked":
         c = min(tech.loss_chunk, N)
         # _ChunkedLinearCrossEntropy.forward: casts of hidden and weight (when the compute dtype
@@ -620,6 +665,8 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
     # standard_lm_loss's local holds the low-precision logits until cross_entropy returns
     # (counted for transformers models; our GPT's are modelled as freed by the float32 copy).
     held_logits = ["logits"] if dm.hf else []
+    if arch.fused_qkv:
+        held_logits.append("hf")  # so is the hidden state it was handed (GPT-2's LayerNorm output)
     nodes.append(Node("loss", out=[("loss", 8)], inputs=["logp"] + held_logits, saves=["logp"], tag="logits",
                        grads=[("logp", N * V * 4)]))
     return nodes
@@ -638,7 +685,8 @@ def run_dims(cfg: RunConfig, arch: Arch, device_type: str, batch: Optional[int] 
                kv=(arch.n_kv_heads or m.n_heads) * m.head_dim, V=m.padded_vocab_size, a=ab,
                r=pb, p=pb, autocast=autocast, dropout=m.dropout > 0, cuda=device_type == "cuda",
                bias=m.bias and arch.name == "gpt2", hf=arch.hf, fp8=precision_facts(cfg.technique.precision).fp8,
-               fused_proj=arch.fused_proj, lora_dropout=cfg.technique.lora_rank > 0 and cfg.technique.lora_dropout > 0)
+               fused_proj=arch.fused_proj, lora_dropout=cfg.technique.lora_rank > 0 and cfg.technique.lora_dropout > 0,
+               softmax_fp32=not arch.fused_qkv, additive_mask=arch.fused_qkv)
     return dm
 
 
@@ -649,7 +697,7 @@ def block_segments(cfg: RunConfig, arch: Arch, dm: Dims, trainable_base: bool, g
     kind = policy.kind
     L = m.n_layers
     mode = "selective" if kind == "selective-matmul" else "full"
-    segs = [Segment("embedding", _embedding_nodes(dm, arch, trainable_base))]
+    segs = [Segment("embedding", _embedding_nodes(dm, arch, trainable_base, tech.attention))]
     for j in range(comp.blocks):
         i = comp.real(j)
         nodes = block_nodes(dm, j, arch, tech, trainable_base)

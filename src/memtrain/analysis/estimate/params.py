@@ -11,6 +11,7 @@ from typing import Iterable, Optional
 from memtrain.analysis.limits import MAX_LAYERS, MAX_PARAMS, check_analytic_size
 from memtrain.config.archs import GPT2_ARCH, Arch
 from memtrain.config.run import ConfigError, ModelConfig, TechniqueConfig
+from memtrain.models.spec import GPT_LORA_TARGETS
 
 
 # --------------------------------------------------------------------------- parameters
@@ -31,7 +32,12 @@ class ParamInfo:
         return math.prod(self.shape)
 
 
-def lora_target_names(tech: TechniqueConfig) -> set[str]:
+def lora_target_names(tech: TechniqueConfig, arch: Arch = GPT2_ARCH) -> set[str]:
+    """The table entries ``--lora-targets`` adapts. On a transformers model (``arch.hf``) peft's
+    ``all-linear`` is every decoder Linear, the entries memtrain's default names (as
+    ``techniques.hf_mapping.lora_target_modules`` hands peft either)."""
+    if arch.hf and tech.lora_targets == "all-linear":
+        return set(GPT_LORA_TARGETS.split(","))
     return {t.strip() for t in tech.lora_targets.split(",") if t.strip()}
 
 
@@ -40,7 +46,7 @@ def lora_split(arch: Arch, short: str, n_out: int, d: int, kv: int) -> list[tupl
     output width). Our GPT's q/k/v and its MLP input are one Linear each; a transformers layer
     has q_proj, k_proj and v_proj, and gate_proj and up_proj, and peft gives every one of them
     an ``A (r x in)`` and a ``B (out x r)``."""
-    if arch.fused_proj:
+    if arch.fused_proj or arch.fused_qkv:
         return [("", n_out)]
     if arch.hf and short == "qkv":
         return [(".q", d), (".k", kv), (".v", kv)]
@@ -80,7 +86,7 @@ def block_param_table(m: ModelConfig, arch: Arch, tech: Optional[TechniqueConfig
     kv = (arch.n_kv_heads or m.n_heads) * m.head_dim
     bias = m.bias and arch.name == "gpt2"
     lora = tech.lora_rank if tech is not None else 0
-    targets = lora_target_names(tech) if lora else set()  # type: ignore[arg-type]  # lora > 0 implies tech is not None
+    targets = lora_target_names(tech, arch) if lora else set()  # type: ignore[arg-type]  # lora > 0 implies tech is not None
     frozen = bool(lora)
     out: list[ParamInfo] = [ParamInfo("wte.weight", (V, d), not frozen)]
     if arch.positional == "learned":
