@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,10 +19,37 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 # caller set is kept.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# Under pytest-xdist each worker process gets a temporary folder of its own (TMPDIR, inherited
+# by every process a test starts): bench row scratch folders and the stale-folder sweep a bench
+# does first (memtrain.bench.process) are per temporary folder, so a test on one worker never
+# sweeps a folder a test on the other is asserting about.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _WORKER_TMP = tempfile.mkdtemp(prefix=f"memtrain-tests-{os.environ['PYTEST_XDIST_WORKER']}-")
+    os.environ["TMPDIR"] = tempfile.tempdir = _WORKER_TMP
+    atexit.register(shutil.rmtree, _WORKER_TMP, ignore_errors=True)
+
 SHARED_SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "stackoverflow_posts_sample.xml"
 
 # A model small enough that a training step takes milliseconds on CPU.
 TINY_MODEL = {"d_model": 32, "n_heads": 4, "n_layers": 2, "d_ff": 64, "max_seq_len": 64, "dropout": 0.0}
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """How many worker processes ``-n auto`` (pyproject's addopts) starts: two where the machine
+    has two cores or more, none (the tests run in this process) on one core or when GPU tests are
+    selected (they share one device, and its memory is what they measure).
+
+    Two, not one per core: every test process runs one intra-op thread (OMP_NUM_THREADS above),
+    and a good part of the suite waits on subprocesses (CLI runs, bench rows, torchrun ranks)
+    whose start is single-threaded imports, so two workers keep two cores busy; the figures
+    are in docs/performance.md ("Timings of the README's commands"). ``MEMTRAIN_TEST_WORKERS=N``
+    sets another count (0: one process); ``-n N`` on the command line overrides it all."""
+    if os.environ.get("MEMTRAIN_TEST_WORKERS"):
+        return int(os.environ["MEMTRAIN_TEST_WORKERS"])
+    if "gpu" in (config.getoption("markexpr") or ""):
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return 2 if cores >= 2 else 0
 
 
 def pytest_collection_modifyitems(config, items):

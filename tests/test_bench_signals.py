@@ -156,3 +156,15 @@ def test_sigterm_stops_a_training_run_like_ctrl_c(small_corpus, tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_each_test_worker_sweeps_only_its_own_temporary_folder():
+    """Under pytest-xdist (tests/conftest.py) a worker's bench scratch and stale-folder sweep
+    live in its own temporary folder, which the processes it starts inherit."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
+        pytest.skip("runs in one process (-n 0)")
+    assert Path(tempfile.gettempdir()).name.startswith(f"memtrain-tests-{worker}-")
+    out = subprocess.run([sys.executable, "-c", "import tempfile; print(tempfile.gettempdir())"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == tempfile.gettempdir()
