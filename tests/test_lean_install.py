@@ -56,7 +56,8 @@ def test_core_install_has_no_optional_packages_and_test_extra_no_wandb():
     assert {Requirement(t).name for t in project["optional-dependencies"]["lowbit"]} == {"torchao"}
     test = _extra_closure(project, "test")
     assert "wandb" not in test and "pandas" not in test  # pandas comes with datasets, not asked for
-    assert {"torchao", "datasets", "pyarrow", "peft", "transformers", "tensorboard", "pytest"} <= test
+    # pytest-xdist: pyproject's addopts start workers with -n auto, which plain pytest refuses
+    assert {"torchao", "datasets", "pyarrow", "peft", "transformers", "tensorboard", "pytest", "pytest-xdist"} <= test
     assert _extra_closure(project, "dev") >= test  # CI installs dev
     assert "wandb" in _extra_closure(project, "wandb")  # users keep their extra
 
