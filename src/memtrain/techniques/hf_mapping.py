@@ -64,9 +64,13 @@ def apply_hf_lora(model: HFCausalLM, tech: TechniqueConfig) -> None:
     if not tech.lora_rank:
         return
     from peft import LoraConfig, inject_adapter_in_model
+    from transformers.pytorch_utils import Conv1D
 
+    # GPT-2's projections are transformers' Conv1D, whose weight is stored (in, out): peft needs
+    # fan_in_fan_out for them and otherwise switches it on itself with a UserWarning per layer.
+    conv1d = any(isinstance(m, Conv1D) for m in model.lm.modules())
     lcfg = LoraConfig(r=tech.lora_rank, lora_alpha=tech.lora_alpha, lora_dropout=tech.lora_dropout,  # type: ignore[arg-type]
-                      target_modules=lora_target_modules(tech.lora_targets), bias="none")
+                      target_modules=lora_target_modules(tech.lora_targets), bias="none", fan_in_fan_out=conv1d)
     try:
         inject_adapter_in_model(lcfg, model.lm)
     except ValueError as exc:
