@@ -158,8 +158,12 @@ def _linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int,
             grads.append((f"{name}.bc" if dm.autocast else bname, n_out * a if dm.autocast else 0.0))
     extra = [w_in] if dm.autocast else []
     nodes.append(Node(name, out=[(base_out, N * n_out * a)], inputs=[x] + extra,
-                       saves=([x] if keeps_input else []) + (extra if keeps_weight else []), grads=grads, matmul=True))
-    if lora and dm.hf:
+                       saves=([x] if keeps_input else []) + (extra if keeps_weight else []), grads=grads, matmul=True,
+                       sums_out_of_place=_adapter_grad_is_a_view(dm, lora)))
+    # Under autocast peft's adapters on our GPT (float32, as on a transformers base) make the
+    # casts _peft_lora counts: a bf16 input's float32 copy, lora_A's own bf16 copy of its input
+    # (the base's cast is another) and the adapters' cached weight copies.
+    if lora and (dm.hf or dm.autocast):
         _peft_lora(nodes, dm, name, x_own, x_own_bytes, base_out, out, n_in, n_out, lora, lora_parts, input_grad,
                    param_name)
     elif lora:
@@ -193,6 +197,15 @@ def _linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int,
             src = f"{lb}.c"
         nodes.append(Node(f"{name}.lora_add", out=[(out, N * n_out * a)], inputs=[base_out, src],
                            grads=[(base_out, 0.0), (src, 0.0)]))
+
+
+def _adapter_grad_is_a_view(dm: Dims, lora: int) -> bool:
+    """Whether our GPT's LoRA Linear gets its input's two gradients summed out of place: in
+    float32 without LoRA dropout lora_A reads x itself, and its gradient for x (a view of its
+    matmul's output, as any 3-d matmul's input gradient is) arrives first. autograd adds in
+    place only into a tensor it holds the last reference to, so the base's gradient and their
+    sum are new tensors next to it (a cast or a dropout in between hands over a fresh one)."""
+    return bool(lora) and not dm.hf and not dm.autocast and dm.a == 4 and not dm.lora_dropout
 
 
 def _lora_dropout(nodes: list[Node], dm: Dims, name: str, x: str, x_bytes: float, n_in: int, n_a: int,
@@ -446,6 +459,15 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
     nodes.append(Node(f"{p}.merge", out=[(y, N * d * low_a)], inputs=[o], grads=[(o, 0.0)]))
 
 
+def _held_by_the_frame(nodes: list[Node], dm: Dims, lora: int, norm_out: str) -> None:
+    """Our GPT's CausalSelfAttention.forward and MLP.forward hold their argument, the norm's
+    output ``norm_out``, until they return (their last op: ``nodes[-1]``). Under LoRA no op may
+    save it (frozen norm and base; under autocast lora_A saves its own copy), yet it lives
+    through the attention or the MLP, in the forward and in a checkpoint's recompute."""
+    if lora and not dm.hf:
+        nodes[-1].inputs.append(norm_out)
+
+
 def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_base: bool) -> list[Node]:
     """The op inventory of one Transformer block (model.py: x + attn(ln_1(x)); + mlp(ln_2(.)))."""
     p = f"blocks.{i}"
@@ -519,6 +541,7 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
         # second norm's until the MLP returns), whether or not an op saved it.
         nodes[-1].inputs.append(f"{p}.ln1")
     _dropout(nodes, dm, f"{p}.resid_drop", f"{p}.pr", f"{p}.prd", N * d, a)
+    _held_by_the_frame(nodes, dm, lora, f"{p}.ln1")
     # Residual add: type promotion makes it float32 under autocast; the low-precision branch's
     # gradient is then a cast copy.
     nodes.append(Node(f"{p}.add1", out=[(f"{p}.x1", N * d * r)], inputs=[x, f"{p}.prd"],
@@ -547,6 +570,7 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     if dm.hf:
         nodes[-1].inputs.append(f"{p}.ln2")
     _dropout(nodes, dm, f"{p}.mlp_drop", f"{p}.h2", f"{p}.h2d", N * d, a)
+    _held_by_the_frame(nodes, dm, lora, f"{p}.ln2")
     nodes.append(Node(f"{p}.add2", out=[(f"blocks.{i + 1}.in", N * d * r)], inputs=[f"{p}.x1", f"{p}.h2d"],
                        grads=[(f"{p}.x1", 0.0), (f"{p}.h2d", 0.0 if a == r else N * d * a)]))
     if arch.fused_qkv:
@@ -711,9 +735,12 @@ def block_segments(cfg: RunConfig, arch: Arch, dm: Dims, trainable_base: bool, g
                               input_key=f"blocks.{j}.qkv"),
                      Segment(f"block {i}", nodes[b:])]
             continue
+        # torch's checkpoint recomputes lazily for our GPT as well; under LoRA that moves the peak
+        # (the residual branch's gradient cast under autocast comes before the recompute, the last
+        # adapter's B product is not recomputed), elsewhere it changes nothing that counts.
         segs.append(Segment(f"block {i}", nodes,
                              checkpoint=mode if policy.whole_block(i, L) else "none", input_key=f"blocks.{j}.in",
-                             lazy_recompute=dm.hf))
+                             lazy_recompute=dm.hf or bool(tech.lora_rank)))
     # (The simulated depth is passed, not set on a copy of cfg.model: a transformers model's
     # ModelConfig mirrors its config.json again on every copy, n_layers included.)
     segs.append(Segment("head", _head_nodes(dm, m, tech, arch, trainable_base, grads_exist, comp.blocks)))

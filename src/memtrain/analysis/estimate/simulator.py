@@ -125,6 +125,10 @@ class Node:
     fwd_scratch: float = 0.0
     tag: str = "activations"
     core: bool = False  # part of the attention core (q, k, v -> output) that selective recomputes
+    # An input gradient this op's backward adds to one that arrived first, which autograd
+    # cannot add in place (a view, as a 3-d matmul's input gradient is): the sum is a new
+    # tensor, made once this op has returned and dropped its output's gradient and its saves.
+    sums_out_of_place: bool = False
 
     def sac_kept(self) -> tuple[str, ...]:
         """Outputs selective checkpointing keeps (those of the matmul/attention kernel itself)."""
@@ -191,6 +195,7 @@ class Graph:
         self.d2h = 0.0
         self.h2d = 0.0
         self.lump_host = 0.0
+        self._late_sums: list[int] = []  # second gradients summed out of place (Node.sums_out_of_place)
 
     def _snapshot(self) -> dict[str, float]:
         return dict(self.sim.by_tag)
@@ -373,6 +378,9 @@ class Graph:
             self._shared[sid] = src
             return
         if key in self.grad_sid:
+            if n.sums_out_of_place:
+                self._late_sums.append(sim.alloc(nbytes, "temporaries"))
+                return
             sim.transient(nbytes)  # a second gradient for the same tensor is added in
             return
         if nbytes == 0 and through is not None:
@@ -414,6 +422,15 @@ class Graph:
                     self._release(k)
             for k in offloaded:
                 self._done_with(k)
+            self._sum_late()
+
+    def _sum_late(self) -> None:
+        """Out-of-place sums (:attr:`Node.sums_out_of_place`): the first gradient, the second
+        and their sum live together; the sum then stands for the first."""
+        for sid in self._late_sums:
+            self.sim.transient(self.sim.live[sid][0])
+            self.sim.free(sid)
+        self._late_sums = []
 
     # ---- the step
     def forward(self) -> None:
