@@ -579,3 +579,27 @@ def test_gemma2_soft_capped_logits_train_with_the_standard_loss(tmp_path, corpus
     assert main([*flags, "--loss", "chunked"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and "--loss standard" in err[0]
+
+
+def test_lora_on_gpt2s_conv1d_layers_asks_peft_for_their_layout(model_dirs, corpus, tmp_path):
+    """GPT-2's projections are Conv1D (weight stored in x out): the adapters are made for that
+    layout without peft's per-layer warning, and the model with fresh adapters computes what the
+    base does (lora_B starts at zero)."""
+    import warnings
+
+    from memtrain.models import build_model
+    from memtrain.techniques import make_precision, prepare_model
+
+    cpu = torch.device("cpu")
+    cfg = run_cfg(model_dirs["gpt2"], corpus, tmp_path, lora_rank=4)
+    base = build_model(cfg)
+    ids = torch.randint(0, VOCAB, (2, 16))
+    with torch.no_grad():
+        want = base.eval().lm(ids).logits  # eval: no dropout
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = prepare_model(base, cfg, cpu, make_precision("fp32", cpu))
+    assert not [w for w in caught if "fan_in_fan_out" in str(w.message)]
+    assert all(m.fan_in_fan_out for n, m in model.named_modules() if n.endswith("c_attn"))
+    with torch.no_grad():
+        assert torch.equal(model.eval().lm(ids).logits, want)
