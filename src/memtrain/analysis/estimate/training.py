@@ -248,6 +248,7 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
 
     # Optimizer step: weights + grads + states + scratch, then zero_grad frees the grads.
     sim.at("optimizer", f"{tech.optim} step")
+    sim.count_live()  # the step holds the weights, gradients and state even where it adds no scratch
     optimizer_at = len(sim.events) if sim.events is not None else 0
     sim.transient(tmp_share, "temporaries")
 
