@@ -179,5 +179,6 @@ def traced_estimate(cfg: Any, device_type: str, full_trace: bool = False) -> dic
         "trace_seconds": time.perf_counter() - start,
         "analytic_approximation": analytic,
         "trace": {"peak_bytes": traced["peak_bytes"], "by_category": cats, "peak_phase": traced["peak_phase"],
-                  "device_type": traced["device_type"], "error": 0.0},
+                  "device_type": traced["device_type"], "error": 0.0,
+                  **{k: traced[k] for k in ("optimizer_step",) if k in traced}},
     }

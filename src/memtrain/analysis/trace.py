@@ -30,6 +30,11 @@ What fake tensors cannot do, and what is done instead:
   and partitioner, its graphs run op by op (:mod:`memtrain.analysis.compile_trace`), and the
   result gains ``compile`` {``memory_budget``, ``scope``, ``saved_activation_bytes`` (per
   forward pass), ``graphs``, ``forward_calls``}. Such a trace starts with ``torch.compiler.reset()``.
+* torchao's optimizer steps (the low-bit AdamWs, and ``--precision bf16-pure``'s
+  stochastic-rounding AdamW) are compiled functions, which cannot be compiled over fake tensors:
+  they run eagerly, op by op, and their FP32 temporaries make the optimizer phase an upper
+  bound (up to 2.3x the backward peak on small models), where the compiled step holds no
+  scratch above the optimizer state. The result then says so in ``optimizer_step``.
 """
 
 from __future__ import annotations
@@ -48,11 +53,15 @@ from memtrain.models.families import build_model
 from memtrain.models.hf import same_paths_as_eager
 from memtrain.models.spec import is_hf
 from memtrain.techniques.compile import apply_compile
-from memtrain.techniques.facts import precision_facts
+from memtrain.techniques.facts import precision_facts, torchao_compiled_step
 from memtrain.techniques.precision import make_precision
 from memtrain.training.step import build_state, measure_steps, random_micro_batches
 
 __all__ = ["trace_step", "trace_peak_bytes", "cuda_trace_supported"]
+
+# What a trace of torchao's compiled optimizer step says about its optimizer phase.
+EAGER_OPTIMIZER_STEP = ("torchao's compiled optimizer step was traced eagerly: the optimizer phase is an "
+                        "upper bound (the compiled step holds no scratch above the optimizer state)")
 
 
 def cuda_trace_supported() -> bool:
@@ -250,6 +259,8 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
         stats["compile"] = _saved_entry(saved, compiled, forward_passes=steps * cfg.train.grad_accum)
     stats["device_type"] = device_type
     stats["parameters"] = state.n_params
+    if torchao_compiled_step(cfg.technique.optim, cfg.technique.precision):
+        stats["optimizer_step"] = EAGER_OPTIMIZER_STEP
     if state.offload is not None:  # --offload-activations: what the traced step moved each way
         stats["offload"] = state.offload.counts.to_dict()
     return stats

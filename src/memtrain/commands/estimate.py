@@ -201,7 +201,8 @@ def _run(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
                  f"{rule['bytes_per_param']:g} B/param ({rule['optimizer']})"))
     if traced is not None:
         rows.append(("traced peak (fake tensors)", fmt_bytes(traced["peak_bytes"]),
-                     f"{traced['peak_phase']}; estimate {out['trace']['error']:+.1%}"))
+                     f"{traced['peak_phase']}; estimate {out['trace']['error']:+.1%}"
+                     + _eager_step_note(traced)))
     rows += _compile_budget_rows(out)
     print(_table(rows))
     _print_loss_kernel(out)
@@ -354,7 +355,8 @@ def _run_hf_analytic(args: argparse.Namespace, step: StepEstimate, device_type: 
     if "trace" in out:
         tr = out["trace"]
         rows.append(("traced peak (fake tensors)", fmt_bytes(tr["peak_bytes"]),
-                     f"{tr['peak_phase']}, {tr['method']}; estimate {tr['error']:+.1%}"))
+                     f"{tr['peak_phase']}, {tr['method']}; estimate {tr['error']:+.1%}"
+                     + _eager_step_note(tr)))
     print(_table(rows))
     print(f"  {out['note']}")
     _print_loss_kernel(out)
@@ -421,11 +423,17 @@ def _device_memory_rows(dmem: Any) -> list[tuple[str, str, str]]:
 def _trace_check(traced: dict[str, Any], estimated_peak: float, **how: Any) -> dict[str, Any]:
     """The ``trace`` entry of ``estimate --trace``: the traced step, how it was traced (``how``),
     and the estimate's error against it; with ``--compile-memory-budget``, ``compile`` (what the
-    partitioner saved, memtrain.analysis.trace)."""
-    extra = {"compile": traced["compile"]} if "compile" in traced else {}
+    partitioner saved, memtrain.analysis.trace); with torchao's optimizer, ``optimizer_step``
+    (its step was traced eagerly: an upper bound)."""
+    extra: dict[str, Any] = {k: traced[k] for k in ("compile", "optimizer_step") if k in traced}
     return {"peak_bytes": traced["peak_bytes"], "by_category": traced["by_category"],
             "peak_phase": traced["peak_phase"], "device_type": traced["device_type"], **how, **extra,
             "error": estimated_peak / traced["peak_bytes"] - 1 if traced["peak_bytes"] else None}
+
+
+def _eager_step_note(traced: dict[str, Any]) -> str:
+    """The traced-peak row's note when torchao's compiled optimizer step was traced eagerly."""
+    return " (optimizer step traced eagerly: an upper bound)" if "optimizer_step" in traced else ""
 
 
 def _compile_budget_rows(out: dict[str, Any]) -> list[tuple[str, str, str]]:

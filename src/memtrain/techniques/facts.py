@@ -41,6 +41,7 @@ __all__ = [
     "PRECISION_FACTS", "CheckpointPolicy",
     "OptimizerStateRule", "PrecisionFacts", "checkpoint_policy", "half_matmul_type", "low_bit_quantizes",
     "matmul_type", "optimizer_state_rule", "parse_checkpointing", "precision_facts", "transformers_checkpointing_error",
+    "torchao_compiled_step",
 ]
 
 
@@ -296,6 +297,14 @@ LOW_BIT_MIN_NUMEL = 4096
 # Optimizers that can update BF16 weights without an FP32 master copy (``--precision bf16-pure``):
 # torchao's, whose update is rounded stochastically.
 BF16_PURE_OPTIMS: tuple[str, ...] = ("adamw", "adamw-8bit", "adamw-4bit")
+
+
+def torchao_compiled_step(optim: str, precision: str) -> bool:
+    """Whether ``--optim`` under ``--precision`` steps with one of torchao's optimizers, whose
+    step ``torch.compile`` turns into one fused kernel per parameter: the low-bit AdamWs always,
+    and every bf16-pure optimizer (``--optim adamw`` there is torchao's stochastic-rounding
+    ``_AdamW``, memtrain.techniques.optim)."""
+    return optim in LOW_BIT_BLOCK or (precision == "bf16-pure" and optim in BF16_PURE_OPTIMS)
 
 
 def low_bit_quantizes(numel: int, block: int) -> bool:

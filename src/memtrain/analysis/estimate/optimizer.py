@@ -6,7 +6,12 @@ import math
 from typing import Any, Iterable
 
 from memtrain.analysis.estimate.params import ParamInfo
-from memtrain.techniques.facts import LOW_BIT_MIN_NUMEL, low_bit_quantizes, optimizer_state_rule
+from memtrain.techniques.facts import (
+    LOW_BIT_MIN_NUMEL,
+    low_bit_quantizes,
+    optimizer_state_rule,
+    torchao_compiled_step,
+)
 
 # --------------------------------------------------------------------------- optimizer (ours)
 
@@ -69,10 +74,18 @@ def _quantized_state_bytes(ps: list[ParamInfo], rule: Any, n: int, block: int) -
     return total, lines
 
 
-def optimizer_temporaries(params: list[ParamInfo], optim: str, param_bytes: float, weight_decay: float) -> float:
-    """Scratch the optimizer step allocates at its worst moment (steady state)."""
+def optimizer_temporaries(params: list[ParamInfo], optim: str, param_bytes: float, weight_decay: float,
+                          precision: str) -> float:
+    """Scratch the optimizer step allocates at its worst moment (steady state).
+
+    ``precision`` (``--precision``) picks the optimizer ``optim`` names: under bf16-pure,
+    ``adamw`` is torchao's stochastic-rounding AdamW, not torch's."""
     ps = [p for p in params if p.trainable]
-    if not ps:
+    if not ps or torchao_compiled_step(optim, precision):
+        # torchao's step (the low-bit AdamWs; bf16-pure's stochastic-rounding AdamW) is one
+        # compiled (fused) kernel per parameter that computes the FP32 update, (de)quantizes and
+        # rounds in registers: no scratch above the state, as MemoryMeter measures the steady
+        # step (docs/estimation.md, "Optimizer step scratch").
         return 0.0
     largest = max(p.numel for p in ps) * param_bytes
     if optim == "adamw":
@@ -101,8 +114,4 @@ def optimizer_temporaries(params: list[ParamInfo], optim: str, param_bytes: floa
         # torch.optim.Adafactor works on one parameter at a time with two parameter-sized
         # buffers (the squared gradient, then the normalized update). Measured (torch 2.13).
         return 2 * largest
-    # torchao's low-bit step is one compiled (fused) kernel per parameter that dequantizes,
-    # updates and requantizes in registers: no scratch above the backward peak, as MemoryMeter
-    # measures it (docs/estimation.md, "Optimizer step scratch"). Fused AdamW and bitsandbytes
-    # update in place too.
     return 0.0  # fused kernels (adamw-fused, bitsandbytes) update in place

@@ -85,6 +85,11 @@ class Simulator:
     def at(self, phase: str, detail: str) -> None:
         self.phase, self.detail = phase, detail
 
+    def count_live(self) -> None:
+        """Count what is live toward the current phase's peak: a phase that allocates nothing
+        (a fused optimizer step, which updates in place) still holds it."""
+        self._check()
+
     def _check(self) -> None:
         if self.total > self.phase_peaks.get(self.phase, -1.0):
             self.phase_peaks[self.phase] = self.total
