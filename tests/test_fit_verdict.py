@@ -185,7 +185,7 @@ def test_device_type_and_gpu_are_one_flag_in_every_verb():
     from memtrain.cli import build_parser
 
     verbs = build_parser()._subparsers._group_actions[0].choices
-    for flag in ("--device-type", "--gpu"):
+    for flag in ("--device-type", "--gpu", "--max-len"):
         shapes = set()
         for verb in ("estimate", "maxbatch", "plan"):
             action = next(a for a in verbs[verb]._actions if flag in a.option_strings)

@@ -125,3 +125,76 @@ def test_plan_states_the_longest_context_of_its_recommendation(capsys):
     budget = (256 << 20) / (1 + d["margin"])
     assert code == 0 and ctx["batch_size"] == d["candidates"][d["recommended"]]["batch_size"]
     assert ctx["peak_bytes"] <= budget < ctx["next_peak_bytes"]
+
+
+def _context(verb, argv, capsys):
+    """The longest-context entry of ``estimate --json`` (its fit verdict's) or ``plan --json``."""
+    code, out, err = _cli([verb, *TINY_FLAGS, "--batch-size", "2", "--budget", "256MiB", *argv, "--json"], capsys)
+    assert code == 0, err
+    d = json.loads(out)
+    return d["fit"]["longest_context"] if verb == "estimate" else d["longest_context"]
+
+
+@pytest.mark.parametrize("verb", ["estimate", "plan"])
+def test_max_len_below_the_memory_answer_is_the_answer_and_said_to_be_the_bound(capsys, verb):
+    free = _context(verb, [], capsys)
+    bound = free["seq_len"] - free["multiple_of"]  # a bound below what the memory allows
+    assert bound >= free["multiple_of"] and not free["capped"]
+    capped = _context(verb, ["--max-len", str(bound)], capsys)
+    assert (capped["seq_len"], capped["max_len"], capped["capped"], capped["next_seq_len"]) == (bound, bound, True, None)
+    assert capped["peak_bytes"] < free["peak_bytes"]
+    assert "search's upper bound, not the memory's: raise --max-len" in capped["capped_note"]
+    code, out, _ = _cli([verb, *TINY_FLAGS, "--batch-size", "2", "--budget", "256MiB", "--max-len", str(bound)], capsys)
+    assert code == 0 and f"longest context at batch 2: {bound:,}+ tokens" in out
+    assert f"{bound:,} is the search's upper bound, not the memory's" in out
+
+
+def test_max_len_at_the_default_bound_changes_nothing(capsys):
+    free = _context("estimate", [], capsys)
+    assert _context("estimate", ["--max-len", str(free["max_len"])], capsys) == free
+
+
+def test_estimate_searches_a_rotary_model_past_its_positions_with_max_len(capsys):
+    code, out, err = _cli(["estimate", "--model", "tiny-llama", "--device", "cpu", "--batch-size", "1",
+                           "--budget", "64GiB", "--json"], capsys)
+    assert code == 0, err
+    positions = json.loads(out)["fit"]["longest_context"]["max_len"]
+    code, out, err = _cli(["estimate", "--model", "tiny-llama", "--device", "cpu", "--batch-size", "1",
+                           "--budget", "64GiB", "--max-len", str(2 * positions), "--json"], capsys)
+    ctx = json.loads(out)["fit"]["longest_context"]
+    assert code == 0 and ctx["seq_len"] == ctx["max_len"] == 2 * positions and "memory only" in ctx["note"]
+
+
+def _error_line(argv, capsys):
+    code, _, err = _cli(argv, capsys)
+    lines = [line for line in err.strip().splitlines() if line]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error:"), err
+    return lines[0]
+
+
+def test_max_len_past_a_learned_table_is_refused_alike_by_every_verb(capsys):
+    table = [*TINY_FLAGS, "--max-seq-len", "64", "--max-len", "128", "--budget", "1GiB"]
+    lines = {verb: _error_line([verb, *table, *extra], capsys)
+             for verb, extra in (("maxbatch", ["--search", "seq-len"]), ("estimate", ["--seq-len", "16"]),
+                                 ("plan", ["--seq-len", "16"]))}
+    assert "learned table" in lines["maxbatch"] and len(set(lines.values())) == 1, lines
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["estimate", "--max-len", "128"], "add --budget SIZE"),
+    (["estimate", "--max-len", "128", "--budget", "1GiB", "--mode", "inference"], "drop --mode inference"),
+    (["estimate", "--max-len", "128", "--gpu", "no-such-card", "--device-type", "cuda"], "add --budget SIZE"),
+    (["estimate", "--max-len", "32", "--budget", "1GiB"], "raise --max-len to at least 64"),
+    (["plan", "--max-len", "32", "--budget", "1GiB"], "raise --max-len to at least 64"),
+    (["estimate", "--max-len", "0", "--budget", "1GiB"], "--max-len"),
+    (["plan", "--max-len", "many", "--budget", "1GiB"], "--max-len"),
+])
+def test_max_len_with_no_longest_context_to_bound_is_one_error_line(capsys, argv, message):
+    assert message in _error_line([*argv, *TINY_FLAGS], capsys)
+
+
+@pytest.mark.parametrize("argv", [["estimate", "--full-trace"], ["plan", "--qlora", "--lora-rank", "4"]])
+def test_max_len_on_a_traced_model_points_to_maxbatch(capsys, argv):
+    line = _error_line([*argv, "--model", "tiny-llama", "--device", "cpu", "--budget", "1GiB", "--max-len", "256"],
+                       capsys)
+    assert "maxbatch --search seq-len --max-len" in line

@@ -32,7 +32,7 @@ from memtrain.models.spec import is_hf, rotary_positions
 
 __all__ = ["ContextBound", "DEFAULT_LENGTH_MULTIPLE", "FitVerdict", "at_seq_len", "bisect_fitting", "budget_for",
            "context_bound", "context_line", "fit_verdict", "largest_batch", "largest_fitting", "largest_fitting_from",
-           "length_multiple", "longest_context", "step_need"]
+           "length_multiple", "length_search_bound", "longest_context", "step_need"]
 
 GiB = 1 << 30
 DEFAULT_SEARCH_CAP = 4096  # the largest batch searched, as maxbatch's and plan's --max-batch default
@@ -192,6 +192,22 @@ def at_seq_len(cfg: RunConfig, length: int, bound: ContextBound, batch: Optional
     return out
 
 
+def length_search_bound(cfg: RunConfig, max_len: Optional[int] = None,
+                        multiple_of: Optional[int] = None) -> tuple[int, ContextBound]:
+    """(the step, the bound) of :func:`longest_context`'s search, refused where the step is
+    longer than the bound: no length to search."""
+    step = length_multiple(cfg, multiple_of)
+    bound = context_bound(cfg, max_len)
+    if step > bound.max_len and max_len is not None and multiple_of is None:
+        # estimate and plan have no --multiple-of: the bound is the flag to change
+        raise ConfigError(f"--max-len {max_len:,} is shorter than the longest context's step ({step:,} tokens): "
+                          f"raise --max-len to at least {step:,}")
+    if step > bound.max_len:
+        raise ConfigError(f"--multiple-of {step:,} is longer than the longest length searched ({bound.max_len:,}); "
+                          "lower --multiple-of")
+    return step, bound
+
+
 def longest_context(need: Callable[[RunConfig], float], cfg: RunConfig, budget_bytes: float, batch: int,
                     multiple_of: Optional[int] = None, max_len: Optional[int] = None) -> dict[str, Any]:
     """The longest sequence length (a multiple of :func:`length_multiple`, at most the bound of
@@ -202,11 +218,7 @@ def longest_context(need: Callable[[RunConfig], float], cfg: RunConfig, budget_b
     ``seq_len`` (None: not even the shortest length fits), its ``peak_bytes``, the next length
     ``next_seq_len`` and its ``next_peak_bytes`` (None when the bound stopped the search,
     ``capped``), the ``batch_size``, ``multiple_of``, ``max_len`` and the bound's ``note``."""
-    step = length_multiple(cfg, multiple_of)
-    bound = context_bound(cfg, max_len)
-    if step > bound.max_len:
-        raise ConfigError(f"--multiple-of {step:,} is longer than the longest length searched ({bound.max_len:,}); "
-                          "lower --multiple-of")
+    step, bound = length_search_bound(cfg, max_len, multiple_of)
     cap = bound.max_len // step
     needs: dict[int, float] = {}
 
@@ -304,8 +316,10 @@ class FitVerdict:
 
 
 def fit_verdict(cfg: RunConfig, arch: Arch, device_type: str, budget: tuple[int, str], gpu: Optional[str] = None,
-                world_size: int = 1, shard: Optional[str] = None, n_suggestions: int = 3) -> FitVerdict:
-    """Does the step of ``cfg`` fit ``budget`` (bytes, its source)? See the module docstring."""
+                world_size: int = 1, shard: Optional[str] = None, n_suggestions: int = 3,
+                max_len: Optional[int] = None) -> FitVerdict:
+    """Does the step of ``cfg`` fit ``budget`` (bytes, its source)? See the module docstring.
+    ``max_len`` (``--max-len``) bounds the longest context's search (:func:`context_bound`)."""
     budget_bytes, source = budget
     need, est = step_need(cfg, arch, device_type, gpu, world_size, shard)
 
@@ -326,7 +340,7 @@ def fit_verdict(cfg: RunConfig, arch: Arch, device_type: str, budget: tuple[int,
         assumptions = []
     if source != "--budget":
         assumptions.append(f"budget: {source}")
-    context = longest_context(need_of, cfg, budget_bytes, cfg.train.batch_size)
+    context = longest_context(need_of, cfg, budget_bytes, cfg.train.batch_size, max_len=max_len)
     return FitVerdict(budget_bytes=int(budget_bytes), budget_source=source, batch_size=cfg.train.batch_size,
                       needed_bytes=int(round(need)), measure=measure, fits=fits,
                       headroom_bytes=int(round(budget_bytes - need)), largest_batch=best,

@@ -7,9 +7,10 @@ import json
 from typing import Any
 
 from memtrain.analysis.estimate import GPT2_ARCH, estimate_inference, parse_count, shape_for_params
+from memtrain.analysis.estimate.hf import why_not_modelled
 from memtrain.analysis.estimate.method import StepEstimate, estimate_step
 from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, config_from_args, defaults_note, fmt_bytes, register
-from memtrain.config.argtypes import world_size
+from memtrain.config.argtypes import token_count, world_size
 from memtrain.config.presets import PRESETS, preset
 from memtrain.config.run import ConfigError, parse_size
 from memtrain.report.by_module import module_table_lines
@@ -43,6 +44,16 @@ def add_device_type_flag(p: argparse.ArgumentParser, help: str) -> None:
 def add_gpu_flag(p: argparse.ArgumentParser, help: str) -> None:
     """--gpu NAME: a CUDA GPU kind (h100, a100-80gb, rtx4090, ...; memtrain.devices.gpu_kinds)."""
     p.add_argument("--gpu", default=None, metavar="NAME", help=help)
+
+
+def add_max_len_flag(p: argparse.ArgumentParser, when: str) -> None:
+    """--max-len N: the longest length a longest-context search tries (shared by estimate,
+    maxbatch and plan; ``when`` says which of the verb's answers it bounds)."""
+    p.add_argument("--max-len", type=token_count, default=None, metavar="N",
+                   help=f"{when}: the longest length to try (default: the model's positions, a transformers "
+                        "config's max_position_embeddings or --max-seq-len; memtrain's GPT without --max-seq-len "
+                        "sizes its position table to each length, up to 1,048,576). A transformers model with rotary "
+                        "positions may be searched beyond max_position_embeddings (memory only: said in the output).")
 
 
 def refuse_gpu_off_cuda(args: argparse.Namespace, device_type: str, what: str) -> None:
@@ -108,6 +119,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Memory to fit in, e.g. 24GiB: a verdict line (fits, headroom, largest batch, and the cheapest "
                         "changes that fit the asked batch); with CUDA kernels counted as the card holds it (caching "
                         "allocator + CUDA context). --gpu alone takes the card's memory as the budget.")
+    add_max_len_flag(p, "With --budget or --gpu, the fit verdict's longest context")
     p.add_argument("--trace", action="store_true",
                    help="Also run one real step under fake tensors (nothing allocated) and compare.")
     p.add_argument("--trace-device", choices=("cpu", "cuda"), default=None,
@@ -136,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
     _check_module_table(args, cfg)
+    _check_max_len(args)
     if arch is None:
         return _run_traced(args, cfg)
     if args.mode == "inference":
@@ -230,10 +243,14 @@ def _fit(args: argparse.Namespace, cfg: Any, arch: Any, device_type: str, shard:
     from memtrain.analysis.fit import budget_for, fit_verdict  # torch-free --help/estimate/plan
 
     found = budget_for(parse_size(args.budget) if args.budget is not None else None, args.gpu)
+    if found is None and args.max_len is not None:
+        raise ConfigError(f"--gpu {args.gpu}: its memory is not in the GPU table, so there is no longest context for "
+                          "--max-len to bound; add --budget SIZE")
     if found is None:
         return {"fit": None, "fit_note": f"no fit verdict: --gpu {args.gpu}'s memory is not in the GPU table "
                                          "(memtrain.devices.gpu_memory); add --budget SIZE"}
-    verdict = fit_verdict(cfg, arch, device_type, found, gpu=args.gpu, world_size=args.world_size, shard=shard)
+    verdict = fit_verdict(cfg, arch, device_type, found, gpu=args.gpu, world_size=args.world_size, shard=shard,
+                          max_len=args.max_len)
     return {"fit": verdict.to_dict(), "fit_line": verdict.line()}
 
 
@@ -267,6 +284,26 @@ def _print_fit(out: dict[str, Any]) -> None:
         print(f"fit: {out['fit_note']}")
 
 
+def _check_max_len(args: argparse.Namespace) -> None:
+    """--max-len bounds the longest context of the fit verdict, which --budget or --gpu asks for."""
+    if args.max_len is not None and args.mode == "inference":
+        raise ConfigError("--max-len bounds the longest context of a training step; drop --mode inference, "
+                          "or drop --max-len")
+    if args.max_len is not None and args.budget is None and args.gpu is None:
+        raise ConfigError("--max-len bounds the fit verdict's longest context: add --budget SIZE (or --gpu NAME), "
+                          "or drop --max-len")
+
+
+def _check_max_len_traced(args: argparse.Namespace, cfg: Any) -> None:
+    """A traced transformers model gets no fit verdict, so no longest context for --max-len to bound."""
+    if args.max_len is None:
+        return
+    reason = why_not_modelled(cfg) or ("--full-trace" if args.full_trace else None)
+    if reason is not None:
+        raise ConfigError(f"--max-len bounds the analytic longest context, and this model is traced ({reason}): "
+                          "search its longest context with memtrain maxbatch --search seq-len --max-len N")
+
+
 def _check_gpu_flag(args: argparse.Namespace, device_type: str) -> None:
     """--gpu models the CUDA caching allocator: it needs CUDA kernel facts (every model path)."""
     refuse_gpu_off_cuda(args, device_type, "models the CUDA caching allocator: add --device-type cuda (or --device cuda)")
@@ -285,6 +322,7 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
         raise ConfigError("--mode inference is analytic for memtrain's GPT only; drop --mode for a transformers --model")
     device_type = args.trace_device or _device_type(args, cfg)
     _check_gpu_flag(args, device_type)
+    _check_max_len_traced(args, cfg)
     step = estimate_step(cfg, device_type, None, world_size=args.world_size, shard=_shard(args, cfg), gpu=args.gpu,
                          full_trace=args.full_trace and args.world_size == 1)
     if args.world_size > 1 and (args.trace or args.full_trace):

@@ -8,8 +8,8 @@ from typing import Any, Optional
 
 from memtrain.analysis.fit import DEFAULT_LENGTH_MULTIPLE, budget_for
 from memtrain.cli import LOOP_ONLY_FIELDS, MODULE_TABLE_FIELDS, add_config_flags, config_from_args, fmt_bytes, register
-from memtrain.commands.estimate import add_device_type_flag, add_gpu_flag, refuse_gpu_off_cuda
-from memtrain.config.argtypes import batch_count, token_count
+from memtrain.commands.estimate import add_device_type_flag, add_gpu_flag, add_max_len_flag, refuse_gpu_off_cuda
+from memtrain.config.argtypes import batch_count
 from memtrain.config.run import ConfigError, parse_size
 
 
@@ -31,11 +31,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         f"--search seq-len lengths (default {DEFAULT_LENGTH_MULTIPLE}, or the --window).")
     p.add_argument("--max-batch", "--max", dest="max_search", type=batch_count, default=None,
                    help="Upper bound of the search: largest batch to try (default 4096). Same flag in bench and plan.")
-    p.add_argument("--max-len", type=token_count, default=None, metavar="N",
-                   help="--search seq-len: the longest length to try (default: the model's positions, a transformers "
-                        "config's max_position_embeddings or --max-seq-len; memtrain's GPT without --max-seq-len "
-                        "sizes its position table to each length, up to 1,048,576). A transformers model with rotary "
-                        "positions may be searched beyond max_position_embeddings (memory only: said in the output).")
+    add_max_len_flag(p, "--search seq-len")
     p.add_argument("--method", choices=("auto", "measure", "trace"), default="auto",
                    help="measure: run real steps; trace: fake tensors, nothing allocated (default on CPU).")
     p.add_argument("--json", action="store_true", help="Print JSON only.")

@@ -11,13 +11,14 @@ from typing import Any, Optional
 
 from memtrain.analysis.estimate import estimate
 from memtrain.analysis.estimate.hf import hf_arch, why_not_modelled
-from memtrain.analysis.fit import context_line, longest_context
+from memtrain.analysis.fit import context_line, length_search_bound, longest_context
 from memtrain.analysis.plan import Candidate, candidate_config, default_space, plan, verification, verify_config
 from memtrain.bench.runner import read_results
 from memtrain.cli import LOOP_ONLY_FIELDS, MODULE_TABLE_FIELDS, add_config_flags, defaults_note, fmt_bytes, register
 from memtrain.commands.estimate import (
     add_device_type_flag,
     add_gpu_flag,
+    add_max_len_flag,
     add_model_choice,
     device_type_for,
     refuse_gpu_off_cuda,
@@ -35,6 +36,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", nargs="?", type=batch_count, const=4096, default=None, metavar="N",
                    help="Find each set's largest batch, up to N (default 4096), instead of keeping "
                         "--batch-size x --grad-accum. N is the search's upper bound, as in maxbatch and bench.")
+    add_max_len_flag(p, "The recommended set's longest context")
     p.add_argument("--margin", type=float, default=0.10, help="Safety margin on predictions (default 0.10).")
     p.add_argument("--top", type=int, default=5, help="How many choices to show (default 5).")
     add_device_type_flag(p, "Device the plan is for (kernel facts and cost model); default: from --device.")
@@ -96,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise ConfigError(f"--top must be >= 1, got {args.top}")
     budget = parse_size(args.budget)
+    _check_max_len(args, cfg, arch)
     # Every fitting set is ranked (not only --top), so that the fastest numerically standard one
     # can be recommended even when faster non-standard sets fill the top of the list.
     res = plan(cfg, budget, device_type, arch, max_batch=args.max_batch is not None, margin=args.margin,
@@ -119,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
     for c, t, m in zip(out["candidates"], techs, measured):
         c["numerics"], c["numerics_standard"], c["measured_ppl_effect"] = numerics_note(t), is_standard(t), m
     out["recommended"] = rec
-    out["longest_context"] = _longest_context(cfg, arch, res.candidates[rec], device_type, budget, res.margin)
+    out["longest_context"] = _longest_context(cfg, arch, res.candidates[rec], device_type, budget, res.margin,
+                                              args.max_len)
     if args.json:
         print(json.dumps(out, indent=2, default=float))
         return 0
@@ -159,10 +163,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_max_len(args: argparse.Namespace, cfg: Any, arch: Any) -> None:
+    """--max-len, checked before the search: a bound the model refuses (a learned position table
+    has no row past it) and a traced model (no longest context to bound) are refused at once."""
+    if args.max_len is None:
+        return
+    if arch is None and why_not_modelled(cfg) is not None:
+        raise ConfigError(f"--max-len bounds the analytic longest context, and this model is traced "
+                          f"({why_not_modelled(cfg)}): search its longest context with memtrain maxbatch "
+                          "--search seq-len --max-len N")
+    length_search_bound(cfg, args.max_len)  # the technique sets keep positions and window: one bound for all
+
+
 def _longest_context(cfg: Any, arch: Any, cand: Candidate, device_type: str, budget: int,
-                     margin: float) -> Optional[dict[str, Any]]:
-    """The longest sequence length the recommended technique set fits at its micro-batch, with
-    the plan's margin kept (memtrain.analysis.fit.longest_context over the analytic estimate);
+                     margin: float, max_len: Optional[int] = None) -> Optional[dict[str, Any]]:
+    """The longest sequence length (at most ``max_len``, --max-len) the recommended technique set
+    fits at its micro-batch, with the plan's margin kept (memtrain.analysis.fit.longest_context over
+    the analytic estimate);
     None where the estimator does not model the model (a traced transformers model:
     ``memtrain maxbatch --search seq-len`` traces it)."""
     if arch is None:
@@ -174,7 +191,7 @@ def _longest_context(cfg: Any, arch: Any, cand: Candidate, device_type: str, bud
     def need(c: Any) -> float:
         return float(estimate(c, arch, device_type).peak_bytes)
 
-    return longest_context(need, at, budget / (1 + margin), cand.batch_size)
+    return longest_context(need, at, budget / (1 + margin), cand.batch_size, max_len=max_len)
 
 
 def _verify(cfg: Any, cand: Candidate, steps: int) -> dict[str, Any]:
