@@ -198,3 +198,13 @@ def test_max_len_on_a_traced_model_points_to_maxbatch(capsys, argv):
     line = _error_line([*argv, "--model", "tiny-llama", "--device", "cpu", "--budget", "1GiB", "--max-len", "256"],
                        capsys)
     assert "maxbatch --search seq-len --max-len" in line
+
+
+def test_a_model_with_fewer_positions_than_the_search_step_gets_an_answer(capsys):
+    """A toy model (--max-seq-len 32, below the default 64-token step): estimate --budget searches
+    its own lengths (eighths of them) instead of refusing --multiple-of, which estimate lacks."""
+    argv = ["estimate", *TINY_FLAGS, "--max-seq-len", "32", "--seq-len", "16", "--batch-size", "2", "--budget", "1GiB"]
+    code, out, err = _cli([*argv, "--json"], capsys)
+    assert code == 0, err
+    ctx = json.loads(out)["fit"]["longest_context"]
+    assert (ctx["seq_len"], ctx["multiple_of"], ctx["capped"]) == (32, 4, True)

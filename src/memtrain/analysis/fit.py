@@ -198,6 +198,10 @@ def length_search_bound(cfg: RunConfig, max_len: Optional[int] = None,
     longer than the bound: no length to search."""
     step = length_multiple(cfg, multiple_of)
     bound = context_bound(cfg, max_len)
+    if step > bound.max_len and max_len is None and multiple_of is None and not cfg.technique.window:
+        # A model whose positions are fewer than the default step (a toy model): search its own
+        # lengths in eighths of them rather than refuse a flag nobody gave.
+        return max(1, bound.max_len // 8), bound
     if step > bound.max_len and max_len is not None and multiple_of is None:
         # estimate and plan have no --multiple-of: the bound is the flag to change
         raise ConfigError(f"--max-len {max_len:,} is shorter than the longest context's step ({step:,} tokens): "
