@@ -208,3 +208,12 @@ def test_a_model_with_fewer_positions_than_the_search_step_gets_an_answer(capsys
     assert code == 0, err
     ctx = json.loads(out)["fit"]["longest_context"]
     assert (ctx["seq_len"], ctx["multiple_of"], ctx["capped"]) == (32, 4, True)
+
+
+def test_a_max_len_below_the_models_positions_is_named_as_the_bound(capsys):
+    argv = ["estimate", *TINY_FLAGS, "--max-seq-len", "512", "--seq-len", "16", "--batch-size", "2", "--budget", "1GiB",
+            "--max-len", "256", "--json"]
+    code, out, err = _cli(argv, capsys)
+    assert code == 0, err
+    ctx = json.loads(out)["fit"]["longest_context"]
+    assert ctx["max_len"] == 256 and ctx["note"] == "bounded by --max-len 256 (the model's --max-seq-len is 512)"

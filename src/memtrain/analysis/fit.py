@@ -162,8 +162,11 @@ def context_bound(cfg: RunConfig, max_len: Optional[int] = None) -> ContextBound
                             "length, as train sizes it); --max-seq-len N fixes the table and bounds the search")
     hf = is_hf(cfg)
     name = "max_position_embeddings" if hf else "--max-seq-len"
-    if max_len is None or max_len <= positions:
-        return ContextBound(max_len or positions, False, positions, f"bounded by the model's {name} ({positions:,})")
+    if max_len is not None and max_len < positions:
+        return ContextBound(max_len, False, positions, f"bounded by --max-len {max_len:,} (the model's {name} is "
+                                                       f"{positions:,})")
+    if max_len is None or max_len == positions:
+        return ContextBound(positions, False, positions, f"bounded by the model's {name} ({positions:,})")
     if not (hf and cfg.model.model is not None and rotary_positions(cfg.model.model)):
         raise ConfigError(f"--max-len {max_len:,} is beyond the model's {name} ({positions:,}) and its positions are a "
                           f"learned table with no row past it; lower --max-len to {positions:,}"
