@@ -33,12 +33,10 @@ from memtrain.analysis.depth_trace import trace_any_depth
 from memtrain.analysis.estimate import GPT2_ARCH
 from memtrain.analysis.estimate.hf import hf_arch, why_not_modelled
 from memtrain.analysis.fit import (
-    ContextBound,
     at_seq_len,
-    context_bound,
     largest_fitting,
     largest_fitting_from,
-    length_multiple,
+    length_search_bound,
     longest_context,
     step_need,
 )
@@ -89,15 +87,6 @@ def traced_length_peak(cfg: RunConfig) -> int:
 def measured_length_peak(cfg: RunConfig) -> Optional[int]:
     """Peak bytes of two real steps of ``cfg`` (None: out of device memory)."""
     return measured_step_peak(cfg, cfg.train.batch_size)
-
-
-def _checked_bound(cfg: RunConfig, max_len: Optional[int], multiple_of: Optional[int]) -> tuple[int, ContextBound]:
-    step = length_multiple(cfg, multiple_of)
-    bound = context_bound(cfg, max_len)
-    if step > bound.max_len:
-        raise ConfigError(f"--multiple-of {step:,} is longer than the longest length searched ({bound.max_len:,}); "
-                          "lower --multiple-of or raise --max-len")
-    return step, bound
 
 
 def _analytic_guess(cfg: RunConfig, budget_bytes: int, batch: int, step: int, max_len: Optional[int],
@@ -164,7 +153,7 @@ def find_longest_context(  # noqa: C901 - guess, confirm, search outward: one se
     device = resolve_device(cfg.train.device)
     if device.type != "cuda" and budget_bytes is None:
         raise ConfigError("on CPU the longest context needs a budget; pass --memory-budget, e.g. 4GiB")
-    step, bound = _checked_bound(cfg, max_len, multiple_of)
+    step, bound = length_search_bound(cfg, max_len, multiple_of)
     cap = bound.max_len // step
     method = resolve_method(method, device.type)
     if probe is None:
@@ -222,7 +211,7 @@ def estimated_longest_context(cfg: RunConfig, budget_bytes: int, gpu: Optional[s
     analytic estimate with CUDA kernel facts, replayed through the caching-allocator model, plus
     ``gpu``'s CUDA context ("default" when None). Nothing runs; ``measured`` is False."""
     arch = analytic_arch(cfg)
-    step, bound = _checked_bound(cfg, max_len, multiple_of)
+    step, bound = length_search_bound(cfg, max_len, multiple_of)
     probes: list[dict[str, Any]] = []
 
     def need(c: RunConfig) -> float:

@@ -197,8 +197,9 @@ def at_seq_len(cfg: RunConfig, length: int, bound: ContextBound, batch: Optional
 
 def length_search_bound(cfg: RunConfig, max_len: Optional[int] = None,
                         multiple_of: Optional[int] = None) -> tuple[int, ContextBound]:
-    """(the step, the bound) of :func:`longest_context`'s search, refused where the step is
-    longer than the bound: no length to search."""
+    """(the step, the bound) of a length search (:func:`longest_context`, and ``maxbatch --search
+    seq-len``: :mod:`memtrain.analysis.context`), refused where the step is longer than the
+    bound: no length to search."""
     step = length_multiple(cfg, multiple_of)
     bound = context_bound(cfg, max_len)
     if step > bound.max_len and max_len is None and multiple_of is None and not cfg.technique.window:
@@ -206,12 +207,12 @@ def length_search_bound(cfg: RunConfig, max_len: Optional[int] = None,
         # lengths in eighths of them rather than refuse a flag nobody gave.
         return max(1, bound.max_len // 8), bound
     if step > bound.max_len and max_len is not None and multiple_of is None:
-        # estimate and plan have no --multiple-of: the bound is the flag to change
+        # the --max-len given is the flag to change (estimate and plan have no --multiple-of)
         raise ConfigError(f"--max-len {max_len:,} is shorter than the longest context's step ({step:,} tokens): "
                           f"raise --max-len to at least {step:,}")
     if step > bound.max_len:
         raise ConfigError(f"--multiple-of {step:,} is longer than the longest length searched ({bound.max_len:,}); "
-                          "lower --multiple-of")
+                          "lower --multiple-of or raise --max-len")
     return step, bound
 
 
