@@ -208,6 +208,8 @@ def test_a_model_with_fewer_positions_than_the_search_step_gets_an_answer(capsys
     assert code == 0, err
     ctx = json.loads(out)["fit"]["longest_context"]
     assert (ctx["seq_len"], ctx["multiple_of"], ctx["capped"]) == (32, 4, True)
+    # a learned table: more positions come from --max-seq-len (--max-len past it is refused)
+    assert "--max-seq-len" in ctx["capped_note"] and "--max-len" not in ctx["capped_note"]
 
 
 def test_a_max_len_below_the_models_positions_is_named_as_the_bound(capsys):

@@ -128,12 +128,15 @@ class ContextBound:
     grow_positions: bool  # each probe's max_seq_len is raised to its length (memtrain's check, our GPT's table)
     model_positions: Optional[int]  # the positions the model defines; None: our GPT's table follows the length
     note: str  # one sentence for the output: what bounds the search
+    # How to search past the model's positions: a transformers model's rotary positions run there
+    # (--max-len), our GPT's learned table takes more rows (--max-seq-len).
+    beyond: str = "memtrain maxbatch --search seq-len --max-len N searches beyond it"
 
     def capped_note(self, length: int) -> str:
         """Why a search that found ``length`` == its bound stopped there (not the memory)."""
         if self.model_positions is not None and length >= self.model_positions and length == self.max_len:
             return (f"{length:,} is the model's position count, not the memory's limit: longer fits; "
-                    "memtrain maxbatch --search seq-len --max-len N searches beyond it" + (" (memory only: see the note)" if self.grow_positions else ""))
+                    + self.beyond + (" (memory only: see the note)" if self.grow_positions else ""))
         return f"{length:,} is the search's upper bound, not the memory's: raise --max-len to search further"
 
 
@@ -166,7 +169,9 @@ def context_bound(cfg: RunConfig, max_len: Optional[int] = None) -> ContextBound
         return ContextBound(max_len, False, positions, f"bounded by --max-len {max_len:,} (the model's {name} is "
                                                        f"{positions:,})")
     if max_len is None or max_len == positions:
-        return ContextBound(positions, False, positions, f"bounded by the model's {name} ({positions:,})")
+        beyond = ("memtrain maxbatch --search seq-len --max-len N searches beyond it where its positions are rotary"
+                  if hf else "a larger --max-seq-len gives its learned position table more rows")
+        return ContextBound(positions, False, positions, f"bounded by the model's {name} ({positions:,})", beyond)
     if not (hf and cfg.model.model is not None and rotary_positions(cfg.model.model)):
         raise ConfigError(f"--max-len {max_len:,} is beyond the model's {name} ({positions:,}) and its positions are a "
                           f"learned table with no row past it; lower --max-len to {positions:,}"
