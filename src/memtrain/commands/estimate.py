@@ -9,6 +9,7 @@ from typing import Any
 from memtrain.analysis.estimate import GPT2_ARCH, estimate_inference, parse_count, shape_for_params
 from memtrain.analysis.estimate.hf import why_not_modelled
 from memtrain.analysis.estimate.method import StepEstimate, estimate_step
+from memtrain.analysis.limits import MAX_WIDTH
 from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, config_from_args, defaults_note, fmt_bytes, register
 from memtrain.config.argtypes import token_count, world_size
 from memtrain.config.presets import PRESETS, preset
@@ -52,7 +53,7 @@ def add_max_len_flag(p: argparse.ArgumentParser, when: str) -> None:
     p.add_argument("--max-len", type=token_count, default=None, metavar="N",
                    help=f"{when}: the longest length to try (default: the model's positions, a transformers "
                         "config's max_position_embeddings or --max-seq-len; memtrain's GPT without --max-seq-len "
-                        "sizes its position table to each length, up to 1,048,576). A transformers model with rotary "
+                        f"sizes its position table to each length, up to {MAX_WIDTH:,}). A transformers model with rotary "
                         "positions may be searched beyond max_position_embeddings (memory only: said in the output).")
 
 
