@@ -44,9 +44,11 @@ class Arch:
     norm_offset: bool = False
     # Gemma's embedding output multiplied by sqrt(hidden): a new tensor in the table's dtype.
     embed_scale: bool = False
-    # GPT-2's c_attn (transformers): q/k/v as one Conv1D (one LoRA pair), split into views of its
-    # output as our GPT's fused qkv is (no rotary copies).
-    fused_qkv: bool = False
+    # transformers' GPT-2 layers (GPT2LMHeadModel): c_attn is q/k/v as one Conv1D (one LoRA pair),
+    # split into views of its output as our GPT's fused qkv is (no rotary copies); the causal mask
+    # is a float tensor added to the scores, the eager softmax runs in the scores' dtype, and the
+    # modules' locals hold tensors until they return (memtrain.analysis.estimate.hf).
+    gpt2_layers: bool = False
 
 
 GPT2_ARCH = Arch()

@@ -33,7 +33,7 @@ transformers decoder layer differs from it in three ways that matter for memory,
 * GPT-2 (``GPT2LMHeadModel``) is our GPT's inventory (LayerNorm, learned positions, biases, one
   fused q/k/v projection whose q, k, v are views: no RMSNorm upcast, no rotary copies) with
   transformers' differences. Its Conv1D (``addmm`` with an (in, out) weight, a bias always) is a
-  Linear for memory; ``c_attn`` is one Conv1D, so peft gives it one LoRA pair (``Arch.fused_qkv``;
+  Linear for memory; ``c_attn`` is one Conv1D, so peft gives it one LoRA pair (``Arch.gpt2_layers``;
   peft's ``all-linear`` wraps c_attn, c_proj, c_fc and the MLP's c_proj). ``gelu_new`` is
   NewGELUActivation's Python formula (``Arch.mlp == "gelu_new"``): pow saves its input, tanh its
   output, the last product ``0.5 * x`` and ``1 + tanh``, three (N, d_ff) tensors per layer beyond
@@ -159,7 +159,7 @@ def hf_arch(spec: str) -> Arch:
     GPT-2's: our GPT's with a fused Conv1D q/k/v and its activation)."""
     c = analytic_config(spec)
     if c.model_type in GPT2_LIKE:
-        return replace(GPT2_ARCH, hf=True, fused_qkv=True, mlp="gelu_new" if c.activation_function == "gelu_new" else "gelu")
+        return replace(GPT2_ARCH, hf=True, gpt2_layers=True, mlp="gelu_new" if c.activation_function == "gelu_new" else "gelu")
     return replace(LLAMA_ARCH, name=c.model_type, n_kv_heads=getattr(c, "num_key_value_heads", None), hf=True,
                    qkv_bias=c.model_type in QKV_BIAS, fused_proj=c.model_type in FUSED_PROJ,
                    norm_offset=c.model_type in GEMMA_LIKE, embed_scale=c.model_type in GEMMA_LIKE)

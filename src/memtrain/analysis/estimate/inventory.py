@@ -126,9 +126,8 @@ def _linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int,
     keeps_input = trainable_base
     # autocast caches its casts of leaf tensors that require grad only: a frozen base weight is
     # cast at each call, and the copy lives only as long as the matmul keeps it, which it does
-    # for the input's gradient alone.
-    frozen_hf = not trainable_base
-    keeps_weight = not frozen_hf or input_grad
+    # for the input's gradient alone (the cast's ``hold`` below: cached only for a trainable one).
+    keeps_weight = trainable_base or input_grad
     x_own, x_own_bytes = x, x_bytes  # the Linear's own input (peft hands it to the adapters)
     param_name = param_name or name
     w, bname = f"param:{param_name}.weight", f"param:{param_name}.bias"
@@ -137,11 +136,11 @@ def _linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int,
         # autocast casts the fp32 weight once per forward and caches the copy until the
         # autocast region ends; the copy is what the matmul saves for backward.
         nodes.append(Node(f"{name}.cast_w", out=[(f"{name}.wc", 0.0 if dm.weights_in_compute_dtype else n_in * n_out * a)],
-                           hold=not frozen_hf, grads=[(w, 0.0)] if trainable_base else []))
+                           hold=trainable_base, grads=[(w, 0.0)] if trainable_base else []))
         w_in = f"{name}.wc"
         if bias:
             nodes.append(Node(f"{name}.cast_b", out=[(f"{name}.bc", 0.0 if dm.weights_in_compute_dtype else n_out * a)],
-                               hold=not frozen_hf, grads=[(bname, 0.0)] if trainable_base else []))
+                               hold=trainable_base, grads=[(bname, 0.0)] if trainable_base else []))
         if x_bytes != a:
             # autocast caches the casts of leaf weights only: each Linear casts its input
             # itself, and its matmul saves that copy (q, k and v: three copies of one input).
@@ -518,7 +517,7 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     # simulated one after the other: each one's LoRA tail (base output, B product, its scaled
     # copy, their sum) lives while the earlier ones' outputs do, not all of them at once. (The
     # frozen base's outputs alone sum to the fused one's, which stands for them otherwise.)
-    per_linear = dm.hf and bool(lora) and not (arch.fused_proj or arch.fused_qkv)
+    per_linear = dm.hf and bool(lora) and not (arch.fused_proj or arch.gpt2_layers)
     norm(f"{p}.ln_1", x, f"{p}.ln1")
     if per_linear:
         for part in (".q", ".k", ".v"):
@@ -573,7 +572,7 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     _held_by_the_frame(nodes, dm, lora, f"{p}.ln2")
     nodes.append(Node(f"{p}.add2", out=[(f"blocks.{i + 1}.in", N * d * r)], inputs=[f"{p}.x1", f"{p}.h2d"],
                        grads=[(f"{p}.x1", 0.0), (f"{p}.h2d", 0.0 if a == r else N * d * a)]))
-    if arch.fused_qkv:
+    if arch.gpt2_layers:
         nodes[-1].inputs += _gpt2_block_locals(p, tech.attention)
     return nodes
 
@@ -599,7 +598,7 @@ def _embedding_nodes(dm: Dims, arch: Arch, trainable: bool, attention: str) -> l
     GPT2Model.forward builds, in the embeddings' dtype, for every layer.)"""
     N, d, s, pe = dm.n, dm.d, dm.s, dm.p
     nodes = [Node("wte", out=[("tok", N * d * pe)], grads=[("param:wte.weight", 0.0)] if trainable else [])]
-    if arch.fused_qkv and attention == "math":
+    if arch.gpt2_layers and attention == "math":
         nodes.append(Node("causal_mask", out=[("causal_mask", dm.b * s * s * pe)]))
     src = "tok"
     if arch.positional == "learned":
@@ -636,7 +635,7 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
                    saves=[x, "ln_f.stats"], grad_out=("hf",), grads=[(x, N * d * r)] + pg)]
     if dm.hf and not layer:
         nodes = [hf_norm_node(dm, "ln_f", x, "hf", trainable, offset=arch.norm_offset)]
-    if arch.fused_qkv:
+    if arch.gpt2_layers:
         # GPT2Model.forward's locals (the token and position embeddings, the causal mask) live
         # until it returns, after ln_f.
         nodes[0].inputs += ["tok", "posemb"] + (["causal_mask"] if tech.attention == "math" else [])
@@ -689,7 +688,7 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
     # standard_lm_loss's local holds the low-precision logits until cross_entropy returns
     # (counted for transformers models; our GPT's are modelled as freed by the float32 copy).
     held_logits = ["logits"] if dm.hf else []
-    if arch.fused_qkv:
+    if arch.gpt2_layers:
         held_logits.append("hf")  # so is the hidden state it was handed (GPT-2's LayerNorm output)
     nodes.append(Node("loss", out=[("loss", 8)], inputs=["logp"] + held_logits, saves=["logp"], tag="logits",
                        grads=[("logp", N * V * 4)]))
@@ -710,7 +709,7 @@ def run_dims(cfg: RunConfig, arch: Arch, device_type: str, batch: Optional[int] 
                r=pb, p=pb, autocast=autocast, dropout=m.dropout > 0, cuda=device_type == "cuda",
                bias=m.bias and arch.name == "gpt2", hf=arch.hf, fp8=precision_facts(cfg.technique.precision).fp8,
                fused_proj=arch.fused_proj, lora_dropout=cfg.technique.lora_rank > 0 and cfg.technique.lora_dropout > 0,
-               softmax_fp32=not arch.fused_qkv, additive_mask=arch.fused_qkv)
+               softmax_fp32=not arch.gpt2_layers, additive_mask=arch.gpt2_layers)
     return dm
 
 

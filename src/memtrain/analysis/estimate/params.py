@@ -46,7 +46,7 @@ def lora_split(arch: Arch, short: str, n_out: int, d: int, kv: int) -> list[tupl
     output width). Our GPT's q/k/v and its MLP input are one Linear each; a transformers layer
     has q_proj, k_proj and v_proj, and gate_proj and up_proj, and peft gives every one of them
     an ``A (r x in)`` and a ``B (out x r)``."""
-    if arch.fused_proj or arch.fused_qkv:
+    if arch.fused_proj or arch.gpt2_layers:
         return [("", n_out)]
     if arch.hf and short == "qkv":
         return [(".q", d), (".k", kv), (".v", kv)]
