@@ -44,8 +44,11 @@ def pytest_xdist_auto_num_workers(config) -> int:
     whose start is single-threaded imports, so two workers keep two cores busy; the figures
     are in docs/performance.md ("Timings of the README's commands"). ``MEMTRAIN_TEST_WORKERS=N``
     sets another count (0: one process); ``-n N`` on the command line overrides it all."""
-    if os.environ.get("MEMTRAIN_TEST_WORKERS"):
-        return int(os.environ["MEMTRAIN_TEST_WORKERS"])
+    asked = os.environ.get("MEMTRAIN_TEST_WORKERS")
+    if asked:
+        if not asked.isdigit():
+            raise pytest.UsageError(f"MEMTRAIN_TEST_WORKERS={asked!r}: give a worker count (0: one process)")
+        return int(asked)
     if "gpu" in (config.getoption("markexpr") or ""):
         return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
