@@ -11,7 +11,8 @@ from conftest import TINY_MODEL, fake_caps
 from memtrain.bench.device_rows import adapt_rows
 from memtrain.bench.eta import BenchEta, fmt_duration
 from memtrain.bench.runner import BenchOptions, resolve_rows, run_bench
-from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, NOISE_ROW, describe, technique_overrides
+from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, NOISE_ROWS, describe, technique_overrides
+from memtrain.config.run import ConfigError
 from memtrain.devices import probe as D
 from memtrain.report.noise import quality_vs_noise
 from memtrain.report.tables import markdown_report
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("fresh_probe")
 
 
 def test_default_list_substitutes_slow_bf16_rows():
-    rows = resolve_rows(BenchOptions(techniques=DEFAULT_TECHNIQUES + [NOISE_ROW]))
+    rows = resolve_rows(BenchOptions(techniques=DEFAULT_TECHNIQUES + NOISE_ROWS))
     out, subs, notes = adapt_rows(rows, fake_caps(), substitute=True)
     precisions = {n: c.technique.precision for n, c in out}
     assert all(p in ("fp32", "tf32") for p in precisions.values())
@@ -75,12 +76,28 @@ def test_named_rows_run_as_asked_with_one_warning():
     assert notes[0].endswith("Rows: bf16, ckpt-bf16.")
 
 
-def test_noise_row_is_the_preset_with_the_next_seed():
-    rows = dict(resolve_rows(BenchOptions(techniques=["baseline", NOISE_ROW], overrides={"seed": 7})))
-    assert rows["baseline"].train.seed == 7 and rows[NOISE_ROW].train.seed == 8
-    assert rows[NOISE_ROW].technique == rows["baseline"].technique
-    assert technique_overrides(NOISE_ROW, "quick") == technique_overrides("baseline", "quick")
-    assert describe(NOISE_ROW).endswith("seed + 1 (noise)")
+SEED_TWIN = "baseline-seed2"
+
+
+def test_seed_twin_is_the_preset_with_the_next_seed():
+    rows = dict(resolve_rows(BenchOptions(techniques=["baseline", SEED_TWIN], overrides={"seed": 7})))
+    assert rows["baseline"].train.seed == 7 and rows[SEED_TWIN].train.seed == 8
+    assert rows[SEED_TWIN].technique == rows["baseline"].technique and rows[SEED_TWIN].train.nudge_seed == 0
+    assert technique_overrides(SEED_TWIN, "quick") == technique_overrides("baseline", "quick")
+    assert describe(SEED_TWIN).endswith("seed + 1 (noise)")
+
+
+def test_nudged_twins_are_the_preset_with_its_seed_and_a_nudge():
+    """The default list's twins keep the row's seed (weights, batch order) and differ only in the
+    nudge; a nudge seed outside 1-99 is no twin but an unknown technique."""
+    rows = dict(resolve_rows(BenchOptions(techniques=["baseline", *NOISE_ROWS], overrides={"seed": 7})))
+    assert NOISE_ROWS == ["baseline-nudge1", "baseline-nudge2"]
+    for n, name in enumerate(NOISE_ROWS, 1):
+        assert rows[name].replace(nudge_seed=0) == rows["baseline"] and rows[name].train.nudge_seed == n
+        assert describe(name) == f"Baseline (TF32/FP32), weights nudged {n} (noise)"
+    for bad in ("baseline-nudge0", "baseline-nudge100", "nosuch-nudge1"):
+        with pytest.raises(ConfigError, match="unknown technique"):
+            resolve_rows(BenchOptions(techniques=[bad]))
 
 
 def _row(name: str, ppl: float, **extra) -> dict:
@@ -101,7 +118,7 @@ def test_noise_section_and_device_header():
         _row("bf16", 1005.0, device_caps=caps, substituted={"from": "bf16", "to": "fp32", "reason": "slow"}),
         _row("window-flash", 1100.0, device_caps=caps),
         _row("ckpt-bf16", 1001.0, precision="bf16", device_caps={**caps, "precision_native": False}),
-        _row(NOISE_ROW, 1010.0, device_caps=caps),
+        _row(SEED_TWIN, 1010.0, device_caps=caps),
     ]
     q = quality_vs_noise(rows)
     assert q["rel_noise"] == pytest.approx(0.01)
@@ -167,8 +184,8 @@ def test_noise_section_says_what_the_twin_changes_and_on_how_many_tokens():
         return r
 
     md = markdown_report([row("baseline", 1000.0, 54_288), row("bf16", 1005.0, 54_288),
-                          row(NOISE_ROW, 1010.0, 54_288)], [])
+                          row(SEED_TWIN, 1010.0, 54_288)], [])
     assert ("differs from `baseline` in its seed only (other initial weights and batch order); both, and every "
             "row, are evaluated on the same 64 validation blocks (2,048 tokens).") in md
-    short = markdown_report([row("baseline", 1000.0, 33 * 10), row(NOISE_ROW, 1010.0, 33 * 10)], [])
+    short = markdown_report([row("baseline", 1000.0, 33 * 10), row(SEED_TWIN, 1010.0, 33 * 10)], [])
     assert "the same 10 validation blocks (320 tokens)" in short

@@ -8,12 +8,12 @@ import importlib.util
 
 from memtrain.bench.device_rows import adapt_window_kernels, window_kernel
 from memtrain.bench.runner import BenchOptions, resolve_rows
-from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, NOISE_ROW, default_techniques
+from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, NOISE_ROWS, default_techniques
 from memtrain.report.tables import markdown_report
 
 
 def _default_rows():
-    return resolve_rows(BenchOptions(techniques=default_techniques("cuda") + [NOISE_ROW]))
+    return resolve_rows(BenchOptions(techniques=default_techniques("cuda") + NOISE_ROWS))
 
 
 def test_the_cuda_default_list_times_a_compiled_row_and_the_cpu_list_does_not():

@@ -11,7 +11,7 @@ import sys
 from conftest import TINY_MODEL
 from memtrain.bench.device_rows import adapt_compiled_optims
 from memtrain.bench.runner import BenchOptions, resolve_rows
-from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, NOISE_ROW, describe
+from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, NOISE_ROWS, describe
 from memtrain.report.tables import markdown_report
 
 
@@ -40,7 +40,7 @@ def test_a_traced_step_of_memtrains_model_does_not_import_transformers():
 
 
 def test_default_list_on_cpu_runs_adafactor_for_low_bit_adamw():
-    rows = resolve_rows(BenchOptions(techniques=DEFAULT_TECHNIQUES + [NOISE_ROW]))
+    rows = resolve_rows(BenchOptions(techniques=DEFAULT_TECHNIQUES + NOISE_ROWS))
     out, subs, notes = adapt_compiled_optims(rows, "cpu", substitute=True)
     assert set(subs) == {"lowest-memory"}
     assert subs["lowest-memory"]["from"] == "adamw-4bit" and subs["lowest-memory"]["to"] == "adafactor"
@@ -99,15 +99,15 @@ def test_write_report_without_plots_writes_the_tables_only(tmp_path):
 
 
 def test_noise_row_reuses_its_twins_max_batch_search(small_corpus, tmp_path):
-    """The traced search holds no values: the -seed2 row takes the baseline's answer, not a new trace."""
+    """The traced search holds no values: a noise twin takes the baseline's answer, not a new trace."""
     from memtrain.bench.runner import run_bench, trace_key
 
     overrides = {**TINY_MODEL, "data": str(small_corpus), "steps": 2, "warmup_steps": 1, "batch_size": 2,
                  "seq_len": 32, "val_blocks": 2, "device": "cpu"}
-    opts = BenchOptions(techniques=["baseline", NOISE_ROW], out=tmp_path / "b", overrides=overrides,
+    opts = BenchOptions(techniques=["baseline", NOISE_ROWS[0]], out=tmp_path / "b", overrides=overrides,
                         memory_budget="64MiB", max_batch=8, progress=False, eta=False)
     rows = dict(resolve_rows(opts))
-    assert trace_key(rows["baseline"]) == trace_key(rows[NOISE_ROW])
+    assert trace_key(rows["baseline"]) == trace_key(rows[NOISE_ROWS[0]]) == trace_key(rows["baseline"].replace(seed=9))
     assert trace_key(rows["baseline"]) != trace_key(rows["baseline"].replace(batch_size=3))
     first, second = run_bench(opts)
     assert first["status"] == second["status"] == "ok"

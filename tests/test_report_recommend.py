@@ -112,7 +112,7 @@ def test_rows_equally_fast_within_the_twins_timing_noise_are_picked_by_memory():
                                                                        "peak 0.200 GiB.")
     assert "fast-big (0.850 s/step)" in fastest and "baseline (1.000 s/step)" in fastest
     assert "slow" not in fastest  # 3x slower: beyond 2 x 20%
-    assert "took 1.000 and 1.200 s/step, a 20.00% difference" in rec
+    assert "`baseline` and its twins, the same computation, took 1.000 (`baseline-seed2` 1.200) s/step, at most 20.00% apart" in rec
     # The same rows with a twin that agreed to 1%: fast-big is faster beyond noise and is recommended.
     rows[-1] = _row("baseline-seed2", 1.01, 0.5 * 2**30, 9.0, precision="tf32")
     fastest = next(ln for ln in _rec_section(rows).splitlines() if ln.startswith("- Fastest"))
@@ -135,13 +135,40 @@ def test_overlapping_step_time_spreads_are_a_tie():
 
 
 def test_one_noise_figure_for_the_seed_pair():
-    """The noise section and the recommendation give the seed-to-seed PPL noise as one figure."""
+    """The noise section and the recommendation give the seed-to-seed PPL noise as one figure: the
+    larger PPL over the smaller (symmetric, whichever of the two ran first)."""
     rows = [_row("baseline", 1.0, 0.5 * 2**30, math.log(1579.99), precision="tf32"),
             _row("window", 1.0, 0.5 * 2**30, math.log(1711.50), window=4),
             _row("baseline-seed2", 1.0, 0.5 * 2**30, math.log(1035.68), precision="tf32")]
     md = markdown_report(rows, [])
-    assert "a 34.45% difference" in md and "more than 2x the seed-to-seed difference of 34.45%" in md
-    assert "52.5" not in md  # the same noise as a log-loss spread (exp(|dlog|) - 1) is not given beside it
+    assert "a 52.56% difference" in md and "more than 2x the seed-to-seed difference of 52.56%" in md
+    assert "34.4" not in md  # the same pair relative to the baseline's PPL is not given beside it
+
+
+def test_nudged_twins_are_the_yardstick_and_the_seed_twin_a_reference():
+    """With nudged twins the noise is the largest difference among the row and its twins; a row
+    beyond 2x that is called a difference. A seed twin beside them is reported, not used."""
+    def r(name, ppl, **kw):
+        return _row(name, 1.0, 0.5 * 2**30, math.log(ppl), **kw)
+
+    rows = [r("baseline", 832.47, precision="tf32"), r("bf16", 823.66), r("window", 867.54, window=4),
+            r("lowest", 776.95), r("baseline-nudge1", 848.36, precision="tf32"),
+            r("baseline-nudge2", 834.02, precision="tf32")]
+    md = markdown_report(rows, [])
+    assert ("nudged by one rounding (`baseline-nudge1` 848.36, `baseline-nudge2` 834.02): the largest difference "
+            "among these 3 runs is 1.91%") in md
+    assert "| bf16 | 823.66 | -1.06% | 0.6 | no |" in md and "| window | 867.54 | +4.21% | 2.2 | yes |" in md
+    noise_table = md.split("## Quality against run-to-run noise")[1].split("##")[0]
+    assert "| lowest | 776.95 | -6.67% | 3.5 | yes |" in noise_table and "| baseline-nudge" not in noise_table
+    assert ("more than 2x the nudged twins' spread of 1.91%, see the noise section): window (+4.21%), "
+            "lowest (-6.67%).") in md
+    assert "add `baseline-seed2` to --techniques" in md
+    with_seed = markdown_report(rows + [r("baseline-seed2", 889.20, precision="tf32")], [])
+    assert "Seed-to-seed, for reference: `baseline-seed2` 889.20" in with_seed and "6.81% from `baseline`" in with_seed
+    assert "spread of 1.91%" in with_seed  # still the yardstick
+    # Timing: the base and both twins are one computation timed three times.
+    rec = _rec_section(rows)
+    assert "took 1.000 (`baseline-nudge1` 1.000, `baseline-nudge2` 1.000) s/step, at most 0.00% apart" in rec
 
 
 def test_plots_name_the_run_scale_and_budget_and_keep_the_cap_mark(tmp_path, monkeypatch):

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 from memtrain.bench.eta import BenchEta
 from memtrain.bench.process import clean_stale_row_dirs, row_tmpdir, start_row, stop_row
 from memtrain.bench.scales import SCALE_BUDGET, SCALE_MAX_BATCH, scale_overrides
-from memtrain.bench.technique_sets import describe, is_noise_row, technique_overrides
+from memtrain.bench.technique_sets import describe, noise_twin, technique_overrides
 from memtrain.config.run import ConfigError, RunConfig, build_config, flatten, parse_size
 from memtrain.files.results import FolderLock, append_result, read_results, remove_stale_temps, select_rows
 from memtrain.report import write_report
@@ -81,8 +81,11 @@ def resolve_rows(opts: BenchOptions) -> list[tuple[str, RunConfig]]:
             cfg = build_config(scale_overrides(opts.scale), row_layer, opts.file_layer, opts.overrides)
         except ConfigError as exc:
             raise ConfigError(f"technique {name!r}: {exc}") from None
-        if is_noise_row(name):  # the same row with the next seed: run-to-run noise
+        twin = noise_twin(name)  # the same row again: run-to-run noise
+        if twin is not None and twin.kind == "seed":
             cfg = cfg.replace(seed=cfg.train.seed + 1)
+        elif twin is not None:
+            cfg = cfg.replace(nudge_seed=twin.nudge_seed)
         if opts.nproc > 1 and cfg.technique.distributed == "none":
             cfg = cfg.replace(distributed="ddp")
         rows.append((name, cfg))
@@ -106,9 +109,9 @@ def _maxbatch_spec(opts: BenchOptions, cfg: RunConfig) -> Optional[dict[str, Any
 
 
 def trace_key(cfg: RunConfig) -> str:
-    """What a row's traced max-batch search depends on: its config less the seed (fake tensors
-    hold no values), so a ``-seed2`` noise row reuses its twin's answer instead of tracing again."""
-    return config_hash(cfg.replace(seed=0).to_dict())
+    """What a row's traced max-batch search depends on: its config less the seeds (fake tensors
+    hold no values), so a noise twin reuses its row's answer instead of tracing again."""
+    return config_hash(cfg.replace(seed=0, nudge_seed=0).to_dict())
 
 
 def run_row_subprocess(name: str, cfg: RunConfig, opts: BenchOptions, eta: Optional[Any] = None,

@@ -4,10 +4,11 @@ dict of config overrides applied on top of a scale (:mod:`memtrain.bench.scales`
 from __future__ import annotations
 
 import difflib
-from typing import Any
+from typing import Any, Optional
 
 from memtrain.bench.scales import SCALE_WINDOW
 from memtrain.config.run import ConfigError
+from memtrain.report.noise import NUDGE_SUFFIX, Twin, twin_of
 
 # The chunked loss is on in most rows beyond the published five: with GPT-2's 50257-token
 # vocabulary the logits dominate the default model's memory, and any other saving would drown
@@ -75,23 +76,26 @@ def default_techniques(device_type: str) -> list[str]:
     """The rows of `memtrain bench` without --techniques on a device of ``device_type``."""
     return DEFAULT_TECHNIQUES + (CUDA_DEFAULT_EXTRA if device_type == "cuda" else [])
 
-# A preset's name with this suffix is the same row with the next seed (other initial weights,
-# dropout and batch order): the PPL difference between the two is the run-to-run noise that
-# the report compares the other rows against. `memtrain bench` without --techniques adds
-# "baseline-seed2".
-NOISE_SUFFIX = "-seed2"
-NOISE_ROW = "baseline" + NOISE_SUFFIX
+# A preset's name with a twin suffix (memtrain.report.noise.twin_of) is the same row again, there
+# to measure noise: ``X-nudgeN`` with its initial weights nudged by one rounding (--nudge-seed N),
+# ``X-seed2`` with the next seed. The report judges the other rows' PPL and step time against the
+# spread of a row and its twins. `memtrain bench` without --techniques adds two nudged baselines:
+# with one, the noise figure is a single draw and a small one would call rounding a difference.
+NOISE_ROWS = ["baseline" + NUDGE_SUFFIX + "1", "baseline" + NUDGE_SUFFIX + "2"]
 
 
-def is_noise_row(name: str) -> bool:
-    return name.endswith(NOISE_SUFFIX) and name[: -len(NOISE_SUFFIX)] in TECHNIQUES
+def noise_twin(name: str) -> Optional[Twin]:
+    """The twin a bench row ``name`` spells, when it repeats a preset; None for any other row."""
+    twin = twin_of(name)
+    return twin if twin is not None and twin.base in TECHNIQUES else None
 
 
 def technique_overrides(name: str, scale: str) -> dict[str, Any]:
-    """Config overrides of technique ``name`` (a preset, a preset's ``-seed2`` noise twin, or an
+    """Config overrides of technique ``name`` (a preset, a preset's noise twin, or an
     explicit ``key=value+key=value`` combination) at ``scale``."""
-    if is_noise_row(name):
-        name = name[: -len(NOISE_SUFFIX)]
+    twin = noise_twin(name)
+    if twin is not None:
+        name = twin.base
     if "=" in name:
         out: dict[str, Any] = {}
         for part in name.split("+"):
@@ -111,6 +115,9 @@ def technique_overrides(name: str, scale: str) -> dict[str, Any]:
 
 
 def describe(name: str) -> str:
-    if is_noise_row(name):
-        return f"{describe(name[: -len(NOISE_SUFFIX)])}, seed + 1 (noise)"
+    twin = noise_twin(name)
+    if twin is not None and twin.kind == "nudge":
+        return f"{describe(twin.base)}, weights nudged {twin.nudge_seed} (noise)"
+    if twin is not None:
+        return f"{describe(twin.base)}, seed + 1 (noise)"
     return DESCRIPTIONS.get(name, name)

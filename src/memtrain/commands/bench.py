@@ -9,7 +9,7 @@ from pathlib import Path
 
 from memtrain.bench.runner import BenchOptions, run_bench
 from memtrain.bench.scales import DEFAULT_SCALE, SCALE_BUDGET, SCALES
-from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, NOISE_ROW, TECHNIQUES, default_techniques
+from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, NOISE_ROWS, TECHNIQUES, default_techniques
 from memtrain.cli import add_config_flags, fmt_bytes, register
 from memtrain.config.argtypes import batch_count, positive_float, rank_count
 from memtrain.config.run import SECTIONS, ConfigError, load_config_file
@@ -30,12 +30,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help=f"Scale of every row (model, batch, sequence, steps): {' | '.join(SCALES)} "
                    f"(seed: the published table's settings; quick: minutes on 2 CPU cores). Default {DEFAULT_SCALE}.")
     p.add_argument("--techniques", default=None,
-                   help=f"Comma-separated rows: presets ({', '.join(TECHNIQUES)}), a preset's noise twin "
-                   "PRESET-seed2 (the same row with the next seed), or explicit combinations "
+                   help=f"Comma-separated rows: presets ({', '.join(TECHNIQUES)}), a preset's noise twins "
+                   "PRESET-nudgeN (the same row, its initial weights nudged by one rounding with --nudge-seed N, "
+                   "N = 1-99) and PRESET-seed2 (the same row with the next seed), or explicit combinations "
                    "key=value+key=value (e.g. precision=bf16+loss=chunked). A flag "
                    "(e.g. --vocab-multiple) overrides a preset's own setting; an explicit row may not "
                    "set a key that a flag also sets (refused, so neither silently wins). "
-                   f"Default: {','.join(DEFAULT_TECHNIQUES + [NOISE_ROW])} (plus compile on CUDA); on a device without native "
+                   f"Default: {','.join(DEFAULT_TECHNIQUES + NOISE_ROWS)} (plus compile on CUDA); on a device without native "
                    "BF16 the default list runs its BF16 rows in the faster measured native precision (FP16 "
                    "where native and not measured slower than FP32, else FP32) and says so; rows named here "
                    "run as asked (with a warning).")
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         from memtrain.runtime.env import resolve_device  # torch: only once a bench really runs
 
         device_type = resolve_device(str(overrides.get("device") or "auto")).type
-        techniques = default_techniques(device_type) + [NOISE_ROW]
+        techniques = default_techniques(device_type) + NOISE_ROWS
     else:
         techniques = args.techniques.split(",")
     opts = BenchOptions(

@@ -344,6 +344,12 @@ class TrainConfig:
         "block one entry (blocks.0 for memtrain's GPT, model.layers.0 for a transformers model).",
     )
     module_top: int = _f(DEFAULT_MODULE_TOP, "Entries --memory-by-module prints, largest first; the rest are summed as other.")
+    nudge_seed: int = _f(
+        0,
+        "Move every initial weight by about one rounding of its dtype, drawn with this seed (0: no nudge). "
+        "A bench noise twin (row X-nudgeN) is row X with --nudge-seed N: how far a rounding-size "
+        "difference carries the run is what its PPL difference shows.",
+    )
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len", "steps", "grad_accum"):
@@ -357,6 +363,7 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             _require(0.0 <= getattr(self, name) < 1.0, f"--{name} must be in [0, 1), got {getattr(self, name)}")
         _require(0 <= self.seed < 2**32, f"--seed must be in [0, 2**32), got {self.seed}")
+        _require(0 <= self.nudge_seed < 2**32, f"--nudge-seed must be in [0, 2**32) (0: no nudge), got {self.nudge_seed}")
         for name in ("eval_every", "save_every", "warmup_timing_steps"):
             _require(getattr(self, name) >= 0, f"--{name.replace('_', '-')} must be >= 0 (0 turns it off), got {getattr(self, name)}")
         _require(self.out.strip() != "", "--out is empty; give a directory, e.g. --out runs/train")

@@ -1,29 +1,62 @@
 """Run-to-run noise of validation perplexity, and which rows' PPL differences exceed it.
 
-A bench row ``X-seed2`` is row ``X`` again with the next seed (other initial weights, dropout
-masks and batch order). Their relative PPL difference is the seed-to-seed noise of this setup;
-every other row's PPL is compared with ``X``'s in the same relative terms. One extra seed gives
-the scale of the noise, not a confidence interval, so a difference is called beyond noise only
-when it is more than ``FACTOR`` times the seed-to-seed difference. The rows share ``X``'s seed,
-initial weights and batch order, so a technique's own effect is measured against less noise than
-this; the seed difference is the conservative yardstick.
+Two kinds of noise twin, named after the row they repeat:
+
+* ``X-nudgeN`` (N = 1-99): row ``X`` with every initial weight moved by about one rounding
+  (``--nudge-seed N``, :mod:`memtrain.training.nudge`). Every bench row shares ``X``'s seed:
+  its initial weights, batch order and validation blocks. What still separates two rows that
+  compute the same thing in another order (checkpointing, a fused kernel) is a rounding-size
+  difference grown over the steps, which is what the nudged twins measure. The noise is the
+  largest relative PPL difference among ``X`` and its nudged twins; a row whose difference from
+  ``X`` is more than ``FACTOR`` times that changed the run beyond rounding: its technique's own
+  effect on this run (not a claim about other seeds).
+* ``X-seed2``: row ``X`` with the next seed (other initial weights, dropout masks and batch
+  order): how much one run's PPL says about the setup. It is the yardstick only where no nudged
+  twin ran; it is larger, the rows being compared sharing the seed, so it is the conservative one.
+
+One or two extra runs give the scale of the noise, not a confidence interval, hence the factor.
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["FACTOR", "validation_sample", "ppl_noise", "quality_vs_noise", "noise_markdown", "is_noise_twin", "fmt_noise",
-           "step_noise", "faster_beyond_noise"]
+__all__ = ["FACTOR", "SEED_SUFFIX", "NUDGE_SUFFIX", "Twin", "twin_of", "validation_sample", "ppl_noise",
+           "quality_vs_noise", "noise_markdown", "is_noise_twin", "fmt_noise", "step_noise", "faster_beyond_noise"]
 
 FACTOR = 2.0
-SUFFIX = "-seed2"
+SEED_SUFFIX = "-seed2"
+NUDGE_SUFFIX = "-nudge"  # followed by the nudge seed, 1-99
+_NUDGE = re.compile(r"^(?P<base>.+)-nudge(?P<n>[1-9][0-9]?)$")
+
+
+@dataclass(frozen=True)
+class Twin:
+    """What a noise twin's row name says: the row it repeats and how it differs from it."""
+
+    base: str
+    kind: str  # "nudge" (initial weights one rounding apart) or "seed" (the next seed)
+    nudge_seed: int = 0  # the nudge twin's --nudge-seed; 0 for a seed twin
+
+
+def twin_of(name: Any) -> Optional[Twin]:
+    """The twin ``name`` spells (``X-nudgeN`` or ``X-seed2``), or None for any other row."""
+    if not isinstance(name, str):
+        return None
+    m = _NUDGE.match(name)
+    if m:
+        return Twin(m["base"], "nudge", int(m["n"]))
+    if name.endswith(SEED_SUFFIX) and len(name) > len(SEED_SUFFIX):
+        return Twin(name[: -len(SEED_SUFFIX)], "seed")
+    return None
 
 
 def is_noise_twin(name: Any) -> bool:
-    """Whether bench row ``name`` is another row's next-seed twin (there to measure noise, never a
+    """Whether bench row ``name`` is another row's noise twin (there to measure noise, never a
     technique to recommend)."""
-    return isinstance(name, str) and name.endswith(SUFFIX)
+    return twin_of(name) is not None
 
 
 def fmt_noise(rel: float) -> str:
@@ -36,28 +69,56 @@ def _ppl(row: dict[str, Any]) -> Optional[float]:
     return float(v) if row.get("status") == "ok" and isinstance(v, (int, float)) and v > 0 else None
 
 
-def ppl_noise(rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """The first ``X`` / ``X-seed2`` pair with both PPLs: {base, ppl, ppl_seed2, rel_noise}."""
+def _spread(values: list[float]) -> float:
+    """The largest relative difference among ``values``: largest over smallest, minus 1
+    (symmetric: which of two runs of one computation is the reference is arbitrary)."""
+    return max(values) / min(values) - 1
+
+
+def _twin_groups(rows: list[dict[str, Any]], value: Any, kind: str) -> list[dict[str, Any]]:
+    """Per base row with twins of ``kind`` (in row order): {base, value, twins: [(name, value)]},
+    only twins and bases whose ``value(row)`` is known."""
     by_name = {r.get("technique"): r for r in rows}
+    groups: dict[str, dict[str, Any]] = {}
     for name, row in by_name.items():
-        if not isinstance(name, str) or not name.endswith(SUFFIX):
+        twin = twin_of(name)
+        if twin is None or twin.kind != kind or twin.base not in by_name:
             continue
-        base = by_name.get(name[: -len(SUFFIX)])
-        a, b = (_ppl(base) if base else None), _ppl(row)
+        a, b = value(by_name[twin.base]), value(row)
         if a and b:
-            return {"base": name[: -len(SUFFIX)], "ppl": a, "ppl_seed2": b, "rel_noise": abs(b / a - 1)}
+            groups.setdefault(twin.base, {"base": twin.base, "value": a, "twins": []})["twins"].append((name, b))
+    return list(groups.values())
+
+
+def ppl_noise(rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """The PPL noise the report judges rows by: the first row with nudged twins (else with a
+    seed twin) and both PPLs: {base, kind, ppl, twins: [(name, ppl)], rel_noise}, ``rel_noise``
+    being the largest relative difference among the base and its twins; with ``seed`` (the
+    seed-to-seed figure of the same base, when a seed twin ran beside nudged ones) for reference."""
+    for kind in ("nudge", "seed"):
+        groups = _twin_groups(rows, _ppl, kind)
+        if groups:
+            g = groups[0]
+            out = {"base": g["base"], "kind": kind, "ppl": g["value"], "twins": g["twins"],
+                   "rel_noise": _spread([g["value"]] + [v for _, v in g["twins"]])}
+            if kind == "nudge":
+                seed = [s for s in _twin_groups(rows, _ppl, "seed") if s["base"] == g["base"]]
+                if seed:
+                    out["seed"] = {"twins": seed[0]["twins"],
+                                   "rel_noise": _spread([g["value"]] + [v for _, v in seed[0]["twins"]])}
+            return out
     return None
 
 
 def quality_vs_noise(rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """Each row's PPL relative to the noise pair's base row, and its size in units of the noise."""
+    """Each row's PPL relative to the noise's base row, and its size in units of the noise."""
     noise = ppl_noise(rows)
     if noise is None:
         return None
     out = []
     for r in rows:
         name, ppl = r.get("technique"), _ppl(r)
-        if ppl is None or name in (noise["base"], noise["base"] + SUFFIX):
+        if ppl is None or name == noise["base"] or is_noise_twin(name):
             continue
         rel = ppl / noise["ppl"] - 1
         times = abs(rel) / noise["rel_noise"] if noise["rel_noise"] > 0 else None
@@ -86,23 +147,50 @@ def _sample_sentence(rows: list[dict[str, Any]], base: str) -> str:
     sample = validation_sample(row)
     if sample is None:
         return ""
-    return (f" The twin differs from `{base}` in its seed only (other initial weights and batch order); both, "
-            f"and every row, are evaluated on the same {sample[0]} validation blocks ({sample[1]:,} tokens).")
+    return f" on the same {sample[0]} validation blocks ({sample[1]:,} tokens)"
+
+
+def _twin_list(twins: list[tuple[str, float]]) -> str:
+    return ", ".join(f"`{name}` {ppl:.2f}" for name, ppl in twins)
+
+
+def _noise_paragraph(q: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    base, sample = q["base"], _sample_sentence(rows, q["base"])
+    rule = (f"A row's PPL difference from `{base}` counts as beyond noise when it is more than "
+            f"{q['factor']:.0f}x that")
+    if q["kind"] == "seed":
+        return (f"Run-to-run noise: `{base}` reached val PPL {q['ppl']:.2f}; the same row with the next seed "
+                f"({_twin_list(q['twins'])}), a {fmt_noise(q['rel_noise'])} difference. The twin differs from "
+                f"`{base}` in its seed only (other initial weights and batch order); both, and every row, are "
+                f"evaluated{sample or ' alike'}. {rule}.")
+    text = (f"Run-to-run noise: `{base}` reached val PPL {q['ppl']:.2f}; the same row with its initial weights "
+            f"nudged by one rounding ({_twin_list(q['twins'])}): the largest difference among these "
+            f"{len(q['twins']) + 1} runs is "
+            f"{fmt_noise(q['rel_noise'])}. Every row shares `{base}`'s seed (initial weights, batch order) and is "
+            f"evaluated{sample or ' alike'}, so what separates `{base}` from a row that computes the same thing in "
+            f"another order (checkpointing, another attention kernel) is a rounding-size difference grown over the "
+            f"steps, which is what the nudged twins measure. {rule}: the technique changed this run beyond rounding "
+            f"(a statement about this seed, not about every seed).")
+    seed = q.get("seed")
+    if seed:
+        text += (f" Seed-to-seed, for reference: {_twin_list(seed['twins'])} (other initial weights and batch "
+                 f"order), {fmt_noise(seed['rel_noise'])} from `{base}`: how far one run's PPL lies from another "
+                 "seed's, not the yardstick here since the rows share the seed.")
+    else:
+        text += (f" The spread over seeds (other initial weights and batch order) is not measured here: add "
+                 f"`{base}{SEED_SUFFIX}` to --techniques for it.")
+    return text
 
 
 def noise_markdown(rows: list[dict[str, Any]]) -> list[str]:
-    """The report's "Quality against run-to-run noise" section (empty without a noise pair)."""
+    """The report's "Quality against run-to-run noise" section (empty without a noise twin)."""
     q = quality_vs_noise(rows)
     if q is None:
         return []
     lines = [
         "## Quality against run-to-run noise",
         "",
-        f"Run-to-run noise: `{q['base']}` reached val PPL {q['ppl']:.2f}; the same row with the next seed "
-        f"(`{q['base']}{SUFFIX}`) {q['ppl_seed2']:.2f}, a {fmt_noise(q['rel_noise'])} difference."
-        f"{_sample_sentence(rows, q['base'])} "
-        f"A row's PPL difference from `{q['base']}` counts as beyond noise when it is more than "
-        f"{q['factor']:.0f}x that.",
+        _noise_paragraph(q, rows),
         "",
         "| Method | Val PPL | vs " + q["base"] + " | x noise | beyond noise? |",
         "|---|---:|---:|---:|---|",
@@ -116,12 +204,13 @@ def noise_markdown(rows: list[dict[str, Any]]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- step time
-# The twin pair is also the same computation timed twice, at two moments of the bench: the
-# difference of its step times is the run-to-run timing noise of this machine while the bench
-# ran (other processes sharing the cores, clock changes). A row's own spread is its p10-p90 range
-# over the timed steps. One row is called faster than another only when its median step beats the
-# other's by more than FACTOR times the twin's difference AND the two rows' p10-p90 ranges do not
-# overlap; otherwise the two are equally fast within noise.
+# A row and its noise twins (nudged or next-seed alike: the same computation) are also one
+# computation timed several times, at several moments of the bench: the spread of their step
+# times is the run-to-run timing noise of this machine while the bench ran (other processes
+# sharing the cores, clock changes). A row's own spread is its p10-p90 range over the timed steps.
+# One row is called faster than another only when its median step beats the other's by more than
+# FACTOR times that noise AND the two rows' p10-p90 ranges do not overlap; otherwise the two are
+# equally fast within noise.
 
 def _step(rec: dict[str, Any]) -> Optional[float]:
     v = rec.get("step_time_s")
@@ -129,18 +218,22 @@ def _step(rec: dict[str, Any]) -> Optional[float]:
 
 
 def step_noise(records: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """The first ``X`` / ``X-seed2`` pair of table records with both step times:
-    {base, step, step_seed2, rel_noise}, ``rel_noise`` being the slower over the faster, minus 1
-    (symmetric: which of two timings of one computation is the reference is arbitrary)."""
+    """The first row of table records timed again by its twins (every kind: the same computation):
+    {base, step, twins: [(name, step)], rel_noise}, ``rel_noise`` the largest relative difference
+    among those step times."""
     by_name = {r.get("technique"): r for r in records}
+    groups: dict[str, dict[str, Any]] = {}
     for name, rec in by_name.items():
-        if not isinstance(name, str) or not is_noise_twin(name):
+        twin = twin_of(name)
+        if twin is None or twin.base not in by_name:
             continue
-        base = by_name.get(name[: -len(SUFFIX)]) or {}
-        a, b = _step(base), _step(rec)
+        a, b = _step(by_name[twin.base]), _step(rec)
         if a and b:
-            return {"base": name[: -len(SUFFIX)], "step": a, "step_seed2": b, "rel_noise": max(a, b) / min(a, b) - 1}
-    return None
+            groups.setdefault(twin.base, {"base": twin.base, "step": a, "twins": []})["twins"].append((name, b))
+    if not groups:
+        return None
+    g = next(iter(groups.values()))
+    return {**g, "rel_noise": _spread([g["step"]] + [v for _, v in g["twins"]])}
 
 
 def _range(rec: dict[str, Any]) -> Optional[tuple[float, float]]:

@@ -6,8 +6,8 @@
 * The recommendation: the fastest row that fits the budget (or, when several are equally fast
   within the measured step-time noise, the one of them with the smallest peak), the
   smallest-memory row within ``within`` of the fastest, and which rows' perplexity differs by
-  more than the noise: the seed-to-seed difference where a twin row ran (the figure of the noise
-  section), else the spread between rows that compute the same function.
+  more than the noise: the spread of a row and its noise twins where twins ran (the figure of the
+  noise section), else the spread between rows that compute the same function.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Optional
 from memtrain.devices.numerics import numerics_key
 from memtrain.report.noise import (
     FACTOR,
-    SUFFIX,
+    NUDGE_SUFFIX,
     faster_beyond_noise,
     fmt_noise,
     is_noise_twin,
@@ -86,7 +86,7 @@ def ppl_noise(rows: list[dict[str, Any]]) -> Optional[float]:
 
 def recommendation(records: list[dict[str, Any]], rows: list[dict[str, Any]], budget: Optional[float],
                    within: float = 0.10) -> list[str]:
-    """The report's closing section (Markdown lines). Noise twins (``X-seed2``) are never
+    """The report's closing section (Markdown lines). Noise twins (``X-nudgeN``, ``X-seed2``) are never
     recommended: they are there to measure noise. A row is called faster than another only beyond
     the measured step-time noise (report/noise.py); rows equally fast within noise are told apart
     by their tracked peak memory, the smaller winning."""
@@ -145,25 +145,26 @@ def _fastest_lines(fits: list[dict[str, Any]], noise: Optional[dict[str, Any]], 
 def _step_noise_lines(noise: Optional[dict[str, Any]]) -> list[str]:
     ranges = "the two rows' p10-p90 step-time ranges (Step p10-p90 column) do not overlap"
     if noise is None:
-        return [f"- Step-time noise: no row was timed twice (the default list adds `baseline{SUFFIX}`); a row counts "
-                f"as faster than another only when {ranges}."]
-    return [f"- Step-time noise: `{noise['base']}` and its next-seed twin, the same computation, took "
-            f"{noise['step']:.3f} and {noise['step_seed2']:.3f} s/step, a {fmt_noise(noise['rel_noise'])} difference; "
-            f"a row counts as faster than another only when its median step beats the other's by more than "
-            f"{FACTOR:.0f}x that and {ranges}."]
+        return [f"- Step-time noise: no row was timed twice (a noise twin such as `baseline{NUDGE_SUFFIX}1`, which the "
+                f"default list adds, times its row again); a row counts as faster than another only when {ranges}."]
+    twins = ", ".join(f"`{name}` {step:.3f}" for name, step in noise["twins"])
+    return [f"- Step-time noise: `{noise['base']}` and its twins, the same computation, took {noise['step']:.3f} "
+            f"({twins}) s/step, at most {fmt_noise(noise['rel_noise'])} apart; a row counts as faster than another "
+            f"only when its median step beats the other's by more than {FACTOR:.0f}x that and {ranges}."]
 
 
 def _ppl_lines(ok: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[str]:
-    """Which rows' perplexity differs beyond noise: against the seed-to-seed difference where a
-    twin was run (the same figure as the noise section), else against the rounding spread of rows
+    """Which rows' perplexity differs beyond noise: against the spread of a row and its twins where
+    twins ran (the same figure as the noise section), else against the rounding spread of rows
     that compute the same function."""
     q = quality_vs_noise(rows)
     if q is not None:
         base = next((r["method"] for r in ok if r.get("technique") == q["base"]), q["base"])
         beyond = [f"{r['method']} ({r['rel_diff'] * 100:+.2f}%)" for r in q["rows"]
                   if r["beyond_noise"] and not is_noise_twin(r["technique"])]
-        return [f"- Perplexity differences beyond noise (vs {base}; more than {q['factor']:.0f}x the seed-to-seed "
-                f"difference of {fmt_noise(q['rel_noise'])}, see the noise section): {', '.join(beyond) or 'none'}."]
+        what = "nudged twins' spread" if q["kind"] == "nudge" else "seed-to-seed difference"
+        return [f"- Perplexity differences beyond noise (vs {base}; more than {q['factor']:.0f}x the {what} "
+                f"of {fmt_noise(q['rel_noise'])}, see the noise section): {', '.join(beyond) or 'none'}."]
     noise = ppl_noise(rows)
     by_tech = {r.get("technique"): r for r in rows}
     ref = ok[0]

@@ -37,6 +37,7 @@ from memtrain.models.families import data_tokenizer
 from memtrain.runtime.env import environment, resolve_device, seed_everything
 from memtrain.techniques import Precision, make_precision
 from memtrain.techniques.optim import check_optimizer_installed
+from memtrain.training.nudge import nudge_weights
 from memtrain.training.preflight import (
     check_destinations,
     check_model_size,
@@ -211,6 +212,8 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         caps, device_caps = (run_device_facts(cfg.technique.precision, device, effective_cache_dir(cfg.data))
                              if dist_ctx.is_main else (None, None))
         base = build_base_model(cfg, device, precision)  # on the device, in the weight dtype
+        if t.nudge_seed:  # a bench noise twin: the same run, its weights one rounding apart
+            nudge_weights(base, t.nudge_seed)
     state = build_state(cfg, device, precision, dist_ctx=dist_ctx, base=base, schedule=True)
     if dist_ctx.enabled:  # what this rank holds of the state, the result's ranks[].sharded_state
         dist_ctx.state = ShardedStateBytes(state.model, state.optimizer, dist_ctx.local_optimizer or state.optimizer)
