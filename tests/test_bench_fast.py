@@ -63,11 +63,16 @@ def test_report_marks_the_optimizer_substitution():
                         "data": {"data": "default"}, "technique": {"precision": "fp32"}},
              "memory": {"peak_bytes": 1, "by_category": {}}, "step_time_s": {"median": 0.1},
              "env": {"device": "cpu"}, **extra}
-            for name, extra in (("baseline", {}), ("lowest-memory", {"substituted_optim": sub}))]
+            for name, extra in (("baseline", {}), ("lowest-memory", {"substituted_optim": sub}),
+                                ("baseline-nudge1", {}))]
+    rows[1]["val_ppl"] = 900.0
     md = markdown_report(rows, [])
     assert "Lowest memory (ckpt + chunked + 4-bit AdamW) [ran Adafactor\u2020]" in md
     assert "\u2020 On this CPU, in this default list, 4-bit AdamW rows ran Adafactor (torchao compiles it)" in md
     assert "[ran Adafactor" not in md.split("Lowest memory")[0]  # the baseline row is unmarked
+    # The quality table and the recommendation name the row the same way: Adafactor made that PPL.
+    assert "| Lowest memory (ckpt + chunked + 4-bit AdamW) [ran Adafactor\u2020] | 900.00 | -10.00% |" in md
+    assert "see the noise section): Lowest memory (ckpt + chunked + 4-bit AdamW) [ran Adafactor\u2020] (-10.00%)." in md
 
 
 def test_bench_records_the_optimizer_substitution(small_corpus, tmp_path):

@@ -182,8 +182,9 @@ def _noise_paragraph(q: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     return text
 
 
-def noise_markdown(rows: list[dict[str, Any]]) -> list[str]:
-    """The report's "Quality against run-to-run noise" section (empty without a noise twin)."""
+def noise_markdown(rows: list[dict[str, Any]], labels: Optional[dict[str, str]] = None) -> list[str]:
+    """The report's "Quality against run-to-run noise" section (empty without a noise twin).
+    ``labels``: a row's name as the report's other tables write it (with what ran in its place)."""
     q = quality_vs_noise(rows)
     if q is None:
         return []
@@ -197,7 +198,7 @@ def noise_markdown(rows: list[dict[str, Any]]) -> list[str]:
     ]
     for r in q["rows"]:
         times = "n/a" if r["times_noise"] is None else f"{r['times_noise']:.1f}"
-        lines.append(f"| {r['method']} | {r['val_ppl']:.2f} | {r['rel_diff'] * 100:+.2f}% | {times} | "
+        lines.append(f"| {(labels or {}).get(r['technique'], r['method'])} | {r['val_ppl']:.2f} | {r['rel_diff'] * 100:+.2f}% | {times} | "
                      f"{'yes' if r['beyond_noise'] else 'no'} |")
     lines.append("")
     return lines

@@ -16,6 +16,7 @@ import math
 from typing import Any, Optional
 
 from memtrain.devices.numerics import numerics_key
+from memtrain.report.labels import method_cell
 from memtrain.report.noise import (
     FACTOR,
     NUDGE_SUFFIX,
@@ -125,19 +126,19 @@ def _fastest_lines(fits: list[dict[str, Any]], noise: Optional[dict[str, Any]], 
     tied = sorted((r for r in fits if not faster_beyond_noise(fastest, r, noise)), key=lambda r: r["step_time_s"])
     if len(tied) == 1:
         pick = fastest
-        lines = [f"- Fastest row that {where}: **{pick['method']}**, {pick['step_time_s']:.3f} s/step{_spread(pick)}, "
+        lines = [f"- Fastest row that {where}: **{method_cell(pick)}**, {pick['step_time_s']:.3f} s/step{_spread(pick)}, "
                  f"peak {pick['peak_tracked_bytes'] / GIB:.3f} GiB."]
     else:
         pick = min(tied, key=_peak)
-        names = ", ".join(f"{r['method']} ({r['step_time_s']:.3f} s/step)" for r in tied)
+        names = ", ".join(f"{method_cell(r)} ({r['step_time_s']:.3f} s/step)" for r in tied)
         lines = [f"- Fastest rows that {where.replace('fits', 'fit', 1)}: {names} are equally fast within noise; "
                  "of them the smallest tracked "
-                 f"peak: **{pick['method']}**, {pick['step_time_s']:.3f} s/step{_spread(pick)}, "
+                 f"peak: **{method_cell(pick)}**, {pick['step_time_s']:.3f} s/step{_spread(pick)}, "
                  f"peak {pick['peak_tracked_bytes'] / GIB:.3f} GiB."]
     near = [r for r in fits if r["step_time_s"] <= fastest["step_time_s"] * (1 + within) or r in tied]
     smallest = min(near, key=_peak)
     or_noise = " or within noise of it" if len(tied) > 1 else ""
-    lines.append(f"- Smallest memory within {within:.0%} of that step time{or_noise}: **{smallest['method']}**, "
+    lines.append(f"- Smallest memory within {within:.0%} of that step time{or_noise}: **{method_cell(smallest)}**, "
                  f"peak {smallest['peak_tracked_bytes'] / GIB:.3f} GiB, {smallest['step_time_s']:.3f} s/step.")
     return lines
 
@@ -159,8 +160,9 @@ def _ppl_lines(ok: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[str
     that compute the same function."""
     q = quality_vs_noise(rows)
     if q is not None:
-        base = next((r["method"] for r in ok if r.get("technique") == q["base"]), q["base"])
-        beyond = [f"{r['method']} ({r['rel_diff'] * 100:+.2f}%)" for r in q["rows"]
+        labels = {r.get("technique"): method_cell(r) for r in ok}
+        base = labels.get(q["base"], q["base"])
+        beyond = [f"{labels.get(r['technique'], r['method'])} ({r['rel_diff'] * 100:+.2f}%)" for r in q["rows"]
                   if r["beyond_noise"] and not is_noise_twin(r["technique"])]
         what = "nudged twins' spread" if q["kind"] == "nudge" else "seed-to-seed difference"
         return [f"- Perplexity differences beyond noise (vs {base}; more than {q['factor']:.0f}x the {what} "
@@ -176,7 +178,7 @@ def _ppl_lines(ok: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[str
     for r in ok[1:]:
         loss = (by_tech.get(r["technique"]) or {}).get("val_loss")
         if loss is not None and abs(loss - ref_loss) > noise:
-            beyond.append(f"{r['method']} ({math.exp(min(loss, 50)) / math.exp(min(ref_loss, 50)) - 1:+.2%})")
+            beyond.append(f"{method_cell(r)} ({math.exp(min(loss, 50)) / math.exp(min(ref_loss, 50)) - 1:+.2%})")
     text = ", ".join(beyond) if beyond else "none"
-    return [f"- Perplexity differences beyond noise (vs {ref['method']}; noise {math.exp(noise) - 1:.3%} in PPL, the "
+    return [f"- Perplexity differences beyond noise (vs {method_cell(ref)}; noise {math.exp(noise) - 1:.3%} in PPL, the "
             f"largest spread between rows that compute the same function): {text}."]

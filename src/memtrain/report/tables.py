@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional
 
 from memtrain.config.run import DEFAULT_MODULE_TOP
 from memtrain.report.by_module import is_module_table, module_markdown
+from memtrain.report.labels import OPTIM_NAMES, method_cell
 from memtrain.report.noise import noise_markdown
 from memtrain.report.recommend import max_batch_capped, recommendation, zero_categories, zero_notes
 from memtrain.techniques.facts import MEMORY_CATEGORIES
@@ -197,17 +198,12 @@ def markdown_table(records: list[dict[str, Any]], columns: list[tuple[str, str, 
                 lo, hi = rec.get("step_time_p10_s"), rec.get("step_time_p90_s")
                 cells.append(f"{lo:.3f}-{hi:.3f}" if lo is not None and hi is not None else "n/a")
                 continue
+            if key == "method":
+                cells.append(method_cell(rec))
+                continue
             cell = _fmt(rec.get(key), kind)
             if key == "max_batch" and rec.get("max_batch_capped"):
                 cell += "+"  # a lower bound: every probe fitted up to the search's cap
-            if key == "method" and rec.get("status") != "ok":
-                cell += f" ({rec.get('status')})"
-            if key == "method" and rec.get("substituted_from"):
-                cell += f" [ran in {str(rec.get('precision')).upper()}*]"
-            if key == "method" and rec.get("optim_substituted_to"):
-                cell += f" [ran {OPTIM_NAMES.get(rec['optim_substituted_to'], rec['optim_substituted_to'])}\u2020]"
-            if key == "method" and rec.get("attention_substituted_to"):
-                cell += f" [ran {rec['attention_substituted_to']} attention\u2021]"
             cells.append(cell)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -279,7 +275,7 @@ def markdown_report(rows: list[dict[str, Any]], missing: list[str], header: Call
     if notes:
         parts += notes + [""]
     parts += module_lines(rows)
-    parts += noise_markdown(rows)
+    parts += noise_markdown(rows, {r["technique"]: method_cell(r) for r in records})
     failed = [r for r in records if r["status"] != "ok"]
     if failed:
         parts += ["## Rows that did not finish", ""]
@@ -346,7 +342,6 @@ def substitution_lines(rows: list[dict[str, Any]]) -> list[str]:
             "with native BF16). Name a row in `--techniques` to run it in BF16 anyway.", ""]
 
 
-OPTIM_NAMES = {"adafactor": "Adafactor", "adamw-4bit": "4-bit AdamW", "adamw-8bit": "8-bit AdamW"}
 
 
 def optim_substitution_lines(rows: list[dict[str, Any]]) -> list[str]:

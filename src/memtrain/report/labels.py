@@ -1,0 +1,24 @@
+"""How the report names a row: one label for every table and sentence that mentions it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["OPTIM_NAMES", "method_cell"]
+
+OPTIM_NAMES = {"adafactor": "Adafactor", "adamw-4bit": "4-bit AdamW", "adamw-8bit": "8-bit AdamW"}
+
+
+def method_cell(rec: dict[str, Any]) -> str:
+    """A table record's method as every table of the report names it: with its status when it did
+    not finish and the marks of what ran in place of what was asked (footnoted below the table)."""
+    cell = str(rec.get("method"))
+    if rec.get("status") != "ok":
+        cell += f" ({rec.get('status')})"
+    if rec.get("substituted_from"):
+        cell += f" [ran in {str(rec.get('precision')).upper()}*]"
+    if rec.get("optim_substituted_to"):
+        cell += f" [ran {OPTIM_NAMES.get(rec['optim_substituted_to'], rec['optim_substituted_to'])}\u2020]"
+    if rec.get("attention_substituted_to"):
+        cell += f" [ran {rec['attention_substituted_to']} attention\u2021]"
+    return cell
