@@ -20,8 +20,11 @@ SCALES: dict[str, dict[str, Any]] = {
     # the rest, so on 16 blocks the seed-to-seed difference was larger than every row's; 64
     # blocks halve the spread of the PPL over seeds for 48 more forward passes per row (a few
     # seconds at batch 1), and more blocks shrink it little further. More steps or longer
-    # sequences would cost training time per row, which the default list on 2 cores cannot spend; sequence 512 (the model's longest) would not change the memory
-    # picture either, the logits still dominating. Measured figures: docs/performance.md.
+    # sequences would cost training time per row, which the default list on 2 cores cannot spend;
+    # sequence 512 (the model's longest) would not change the memory picture either, the logits
+    # still dominating. The rows are judged against nudged twins (same seed, weights one rounding
+    # apart: 1.9% here) rather than another seed (6.8%), the rows themselves sharing the seed
+    # (memtrain.report.noise). Measured figures: docs/performance.md.
     "quick": {"batch_size": 1, "seq_len": 256, "steps": 40, "warmup_steps": 5, "lr": 2e-3, "val_blocks": 64,
               "dropout": 0.0},
 }
