@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 __all__ = ["FACTOR", "SEED_SUFFIX", "NUDGE_SUFFIX", "Twin", "twin_of", "validation_sample", "ppl_noise",
            "quality_vs_noise", "noise_markdown", "is_noise_twin", "fmt_noise", "step_noise", "faster_beyond_noise"]
@@ -75,14 +75,15 @@ def _spread(values: list[float]) -> float:
     return max(values) / min(values) - 1
 
 
-def _twin_groups(rows: list[dict[str, Any]], value: Any, kind: str) -> list[dict[str, Any]]:
-    """Per base row with twins of ``kind`` (in row order): {base, value, twins: [(name, value)]},
-    only twins and bases whose ``value(row)`` is known."""
+def _twin_groups(rows: list[dict[str, Any]], value: Callable[[dict[str, Any]], Optional[float]],
+                 kind: Optional[str]) -> list[dict[str, Any]]:
+    """Per base row with twins of ``kind`` (any kind: None), in row order: {base, value, twins:
+    [(name, value)]}, only twins and bases whose ``value(row)`` is known."""
     by_name = {r.get("technique"): r for r in rows}
     groups: dict[str, dict[str, Any]] = {}
     for name, row in by_name.items():
         twin = twin_of(name)
-        if twin is None or twin.kind != kind or twin.base not in by_name:
+        if twin is None or kind not in (None, twin.kind) or twin.base not in by_name:
             continue
         a, b = value(by_name[twin.base]), value(row)
         if a and b:
@@ -222,19 +223,12 @@ def step_noise(records: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
     """The first row of table records timed again by its twins (every kind: the same computation):
     {base, step, twins: [(name, step)], rel_noise}, ``rel_noise`` the largest relative difference
     among those step times."""
-    by_name = {r.get("technique"): r for r in records}
-    groups: dict[str, dict[str, Any]] = {}
-    for name, rec in by_name.items():
-        twin = twin_of(name)
-        if twin is None or twin.base not in by_name:
-            continue
-        a, b = _step(by_name[twin.base]), _step(rec)
-        if a and b:
-            groups.setdefault(twin.base, {"base": twin.base, "step": a, "twins": []})["twins"].append((name, b))
+    groups = _twin_groups(records, _step, None)
     if not groups:
         return None
-    g = next(iter(groups.values()))
-    return {**g, "rel_noise": _spread([g["step"]] + [v for _, v in g["twins"]])}
+    g = groups[0]
+    return {"base": g["base"], "step": g["value"], "twins": g["twins"],
+            "rel_noise": _spread([g["value"]] + [v for _, v in g["twins"]])}
 
 
 def _range(rec: dict[str, Any]) -> Optional[tuple[float, float]]:
