@@ -141,6 +141,7 @@ def test_cli_plan_json_and_verify(capsys, tmp_path, monkeypatch):
     (["plan", "--budget", "1GiB", "--model", "gpt9"], "choose one of default"),
     (["plan", "--budget", "1GiB", "--precisions", "fp4", "--device", "cpu"], "unknown --precision"),
     (["plan", "--budget", "1GiB", "--precisions", "fp8", "--device", "cpu"], "--precisions fp8 runs on a CUDA GPU"),
+    (["plan", "--device", "cpu"], "plan needs a budget: give --memory-budget SIZE (e.g. 24GiB) or --gpu NAME"),
 ])
 def test_cli_plan_bad_input(argv, text, capsys):
     assert main(argv) == 2
@@ -170,3 +171,19 @@ def test_each_plan_candidate_is_estimated_once_offload_included(monkeypatch, cap
     offloaded = [key for key in seen if "'offload_activations': True" in key]
     assert offloaded and len(seen) == len(set(seen)), [k for k in set(seen) if seen.count(k) > 1][:1]
     assert out["candidates"] and out["evaluated"] >= len(seen)
+
+
+def test_plan_for_a_gpu_kind_alone_takes_its_memory_and_cuda_kernels(capsys):
+    """`plan --gpu rtx4090` (no --budget, no --device-type) plans for that card as estimate and
+    maxbatch do: CUDA kernel facts, its memory from the GPU table as the budget, said where from."""
+    argv = ["plan", "--gpu", "rtx4090", "--precisions", "bf16", "--optims", "adamw", "--checkpointings", "none"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["device_type"] == "cuda" and out["budget_bytes"] == 24 * 2**30
+    assert out["budget_source"].startswith("rtx-4090: datasheet capacity")
+    assert main(argv) == 0
+    assert capsys.readouterr().out.startswith("plan for 24.00 GiB (rtx-4090: datasheet capacity")
+    # --memory-budget still wins over the card's memory, and says nothing of a card.
+    assert main([*argv, "--memory-budget", "8GiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["budget_bytes"] == 8 * 2**30 and out["budget_source"] == "--budget"

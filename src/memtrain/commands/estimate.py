@@ -88,9 +88,13 @@ def resolve_model(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def device_type_for(args: argparse.Namespace, cfg: Any) -> str:
+    """The kernel facts to assume: --device-type (or --trace-device) when given; --gpu NAME alone
+    (no --device cpu) asks about that card, so CUDA kernels; else the --device, or this machine."""
     explicit = getattr(args, "device_type", None) or getattr(args, "trace_device", None)
     if explicit:
         return explicit
+    if getattr(args, "gpu", None) is not None and cfg.train.device == "auto":
+        return "cuda"
     if cfg.train.device.startswith("cuda"):
         return "cuda"
     if cfg.train.device == "cpu":
@@ -171,7 +175,7 @@ def _run(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
         if args.explain:
             print("\n".join("  " + line for line in res["explanation"]))
         return 0
-    device_type = _device_type(args, cfg)
+    device_type = device_type_for(args, cfg)
     shard = _shard(args, cfg)
     _check_gpu_flag(args, device_type)
     step = estimate_step(cfg, device_type, arch, world_size=args.world_size, shard=shard, gpu=args.gpu)
@@ -226,15 +230,6 @@ def _run(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
         print("how:")
         print("\n".join("  " + line for line in est.explanation))
     return 0
-
-
-def _device_type(args: argparse.Namespace, cfg: Any) -> str:
-    """The kernel facts to assume: --gpu NAME alone (no --device-type, --trace-device or --device
-    cpu) asks about that card, so CUDA kernels; else :func:`device_type_for`."""
-    explicit = getattr(args, "device_type", None) or getattr(args, "trace_device", None)
-    if args.gpu is not None and not explicit and cfg.train.device == "auto":
-        return "cuda"
-    return device_type_for(args, cfg)
 
 
 def _fit(args: argparse.Namespace, cfg: Any, arch: Any, device_type: str, shard: Any) -> dict[str, Any]:
@@ -321,7 +316,7 @@ def _shard(args: argparse.Namespace, cfg: Any) -> Any:
 def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
     if args.mode != "train":
         raise ConfigError("--mode inference is analytic for memtrain's GPT only; drop --mode for a transformers --model")
-    device_type = args.trace_device or _device_type(args, cfg)
+    device_type = args.trace_device or device_type_for(args, cfg)
     _check_gpu_flag(args, device_type)
     _check_max_len_traced(args, cfg)
     step = estimate_step(cfg, device_type, None, world_size=args.world_size, shard=_shard(args, cfg), gpu=args.gpu,

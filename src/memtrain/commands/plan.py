@@ -31,8 +31,9 @@ from memtrain.devices.numerics import is_standard, numerics_key, numerics_note
 
 def add_args(p: argparse.ArgumentParser) -> None:
     add_model_choice(p)
-    p.add_argument("--memory-budget", "--budget", dest="budget", required=True,
-                   help="Memory budget, e.g. 24GiB or 1.5GB (--budget is the older name).")
+    p.add_argument("--memory-budget", "--budget", dest="budget", default=None,
+                   help="Memory budget, e.g. 24GiB or 1.5GB (--budget is the older name). Default with --gpu: "
+                        "the card's memory from the GPU table.")
     p.add_argument("--max-batch", nargs="?", type=batch_count, const=4096, default=None, metavar="N",
                    help="Find each set's largest batch, up to N (default 4096), instead of keeping "
                         "--batch-size x --grad-accum. N is the search's upper bound, as in maxbatch and bench.")
@@ -90,6 +91,19 @@ def _search_space(args: argparse.Namespace, cfg: Any, device_type: str) -> dict[
     return space
 
 
+def _budget(args: argparse.Namespace) -> tuple[int, str]:
+    """(bytes, where from): --memory-budget, else the --gpu card's memory; a one-line error naming
+    both when neither gives one."""
+    from memtrain.analysis.fit import budget_for  # torch-free --help
+
+    found = budget_for(parse_size(args.budget) if args.budget is not None else None, args.gpu)
+    if found is None:
+        raise ConfigError("plan needs a budget: give --memory-budget SIZE (e.g. 24GiB) or --gpu NAME (h100, rtx4090, ...)"
+                          if args.gpu is None else
+                          f"--gpu {args.gpu}: its memory is not in the GPU table; add --memory-budget SIZE")
+    return found
+
+
 def run(args: argparse.Namespace) -> int:
     cfg, arch = resolve_model(args)
     device_type = device_type_for(args, cfg)
@@ -97,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     space = _search_space(args, cfg, device_type)
     if args.top < 1:
         raise ConfigError(f"--top must be >= 1, got {args.top}")
-    budget = parse_size(args.budget)
+    budget, budget_source = _budget(args)
     _check_max_len(args, cfg, arch)
     # Every fitting set is ranked (not only --top), so that the fastest numerically standard one
     # can be recommended even when faster non-standard sets fill the top of the list.
@@ -122,13 +136,15 @@ def run(args: argparse.Namespace) -> int:
     for c, t, m in zip(out["candidates"], techs, measured):
         c["numerics"], c["numerics_standard"], c["measured_ppl_effect"] = numerics_note(t), is_standard(t), m
     out["recommended"] = rec
+    out["budget_source"] = budget_source
     out["longest_context"] = _longest_context(cfg, arch, res.candidates[rec], device_type, budget, res.margin,
                                               args.max_len)
     if args.json:
         print(json.dumps(out, indent=2, default=float))
         return 0
     target = f"batch {res.target_batch} x seq {cfg.train.seq_len}" if res.target_batch else f"largest batch, seq {cfg.train.seq_len}"
-    print(f"plan for {fmt_bytes(budget)} ({res.margin:.0%} margin) on {device_type}, {target}; "
+    source = "" if budget_source == "--budget" else f"{budget_source}; "
+    print(f"plan for {fmt_bytes(budget)} ({source}{res.margin:.0%} margin) on {device_type}, {target}; "
           f"{res.evaluated} estimates")
     head = ("#", "predicted peak", "rel. time", "technique set", "numerics")
     rows = [head] + [(str(shown[i] + 1), fmt_bytes(c.peak_bytes), f"{c.relative_time:.2f}", c.label(),
