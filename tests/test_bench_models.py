@@ -40,9 +40,12 @@ def test_bench_row_trains_a_transformers_model(llama_dir, small_corpus, tmp_path
                  "precision=fp32+attention=sdpa+lora_rank=4", "--data", str(small_corpus), "--batch-size", "2",
                  "--seq-len", "16", "--steps", "2", "--warmup-steps", "1", "--val-blocks", "2", "--no-maxbatch",
                  "--out", str(out)])
-    assert code == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert code == 0, err
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert [r["status"] for r in rows] == ["ok"]
+    # The row's line names no max batch where none was searched (not "max batch None").
+    assert "] ok: val ppl" in err and "max batch" not in err
     row = rows[0]
     assert row["config"]["model"]["model"] == str(llama_dir)
     assert row["config"]["model"]["d_model"] == 16  # the shape mirrors the transformers config

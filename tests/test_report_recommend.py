@@ -163,6 +163,9 @@ def test_nudged_twins_are_the_yardstick_and_the_seed_twin_a_reference():
     assert ("more than 2x the nudged twins' spread of 1.91%, see the noise section): window (+4.21%), "
             "lowest (-6.67%).") in md
     assert "add `baseline-seed2` to --techniques" in md
+    assert "did not grow" not in md
+    flat = [r("baseline", 900.0, precision="tf32"), r("bf16", 900.5), r("baseline-nudge1", 900.0, precision="tf32")]
+    assert "in a run this short a rounding did not grow, so any difference counts" in markdown_report(flat, [])
     with_seed = markdown_report(rows + [r("baseline-seed2", 889.20, precision="tf32")], [])
     assert "Seed-to-seed, for reference: `baseline-seed2` 889.20" in with_seed and "6.81% from `baseline`" in with_seed
     assert "spread of 1.91%" in with_seed  # still the yardstick

@@ -110,8 +110,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"[{name}] already done (use --force to rerun)", file=sys.stderr)
         elif row.get("status") == "ok":
             mb = (row.get("max_batch") or {}).get("batch_size")
+            searched = f", max batch {mb}" if mb is not None else ""  # --no-maxbatch, or a distributed row
             print(f"[{name}] ok: val ppl {row['val_ppl']:.1f}, step {row['step_time_s']['median']:.3f} s, "
-                  f"tracked peak {fmt_bytes(row['memory']['peak_bytes'])}, max batch {mb}", file=sys.stderr)
+                  f"tracked peak {fmt_bytes(row['memory']['peak_bytes'])}{searched}", file=sys.stderr)
         else:
             print(f"[{name}] {row.get('status')}: {row.get('error')}", file=sys.stderr)
 

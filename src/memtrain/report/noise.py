@@ -172,6 +172,9 @@ def _noise_paragraph(q: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             f"another order (checkpointing, another attention kernel) is a rounding-size difference grown over the "
             f"steps, which is what the nudged twins measure. {rule}: the technique changed this run beyond rounding "
             f"(a statement about this seed, not about every seed).")
+    if q["rel_noise"] == 0:
+        text += (" The twins' PPL equals the baseline's to the digit: in a run this short a rounding did not grow, "
+                 "so any difference counts as beyond it.")
     seed = q.get("seed")
     if seed:
         text += (f" Seed-to-seed, for reference: {_twin_list(seed['twins'])} (other initial weights and batch "
