@@ -29,7 +29,7 @@ __all__ = ["FACTOR", "SEED_SUFFIX", "NUDGE_SUFFIX", "Twin", "twin_of", "validati
 FACTOR = 2.0
 SEED_SUFFIX = "-seed2"
 NUDGE_SUFFIX = "-nudge"  # followed by the nudge seed, 1-99
-_NUDGE = re.compile(r"^(?P<base>.+)-nudge(?P<n>[1-9][0-9]?)$")
+_NUDGE = re.compile(rf"^(?P<base>.+){re.escape(NUDGE_SUFFIX)}(?P<n>[1-9][0-9]?)$")
 
 
 @dataclass(frozen=True)
