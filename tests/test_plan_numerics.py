@@ -49,3 +49,22 @@ def test_plan_shows_the_measured_ppl_effect(tmp_path, capsys):
     assert four_bit and all(c["measured_ppl_effect"] > 0.01 for c in four_bit)
     assert all(c["measured_ppl_effect"] is None for c in out["candidates"] if c["numerics_standard"])
     assert main([*ARGS, "--memory-budget", "450MiB", "--results", str(tmp_path / "none")]) == 2
+
+
+def test_plan_judges_a_measured_ppl_effect_against_the_bench_noise(capsys):
+    """With a bench's nudged twins in --results, a measured effect is said to be beyond or within
+    2x their spread, against the row the twins repeat (the twins are no candidate's row)."""
+    nudged = RESULTS.parent / "cpu-quick-nudged"
+    if not (nudged / "results.jsonl").is_file():
+        pytest.skip("recorded bench results not in this checkout")
+    argv = ["plan", "--device", "cpu", "--precisions", "bf16", "--optims", "adamw,adafactor",
+            "--memory-budget", "450MiB", "--results", str(nudged)]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["measured_ppl_noise"] == pytest.approx(848.36 / 832.47 - 1, abs=1e-4)
+    ada = [c for c in out["candidates"] if c["techniques"]["optim"] == "adafactor"]
+    assert ada and all(c["measured_ppl_effect"] == pytest.approx(-0.0667, abs=1e-3) for c in ada)
+    assert all(c["measured_ppl_beyond_noise"] is True for c in ada)
+    assert all(c["measured_ppl_beyond_noise"] is None for c in out["candidates"] if c["numerics_standard"])
+    assert main(argv) == 0
+    assert "(measured: PPL -6.67%, beyond 2x the bench's noise of 1.91%)" in capsys.readouterr().out

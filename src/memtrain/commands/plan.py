@@ -27,6 +27,7 @@ from memtrain.commands.estimate import (
 from memtrain.config.argtypes import batch_count, positive_int
 from memtrain.config.run import ConfigError, parse_size
 from memtrain.devices.numerics import is_standard, numerics_key, numerics_note
+from memtrain.report.noise import FACTOR, fmt_noise, is_noise_twin, ppl_noise
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -127,14 +128,17 @@ def run(args: argparse.Namespace) -> int:
     res.candidates = [res.candidates[i] for i in shown]
     techs = [techs[i] for i in shown]
     rec = shown.index(rec)
-    measured = _measured_effects(args.results, techs) if args.results else [None] * len(techs)
+    measured, beyond, rel_noise = (_measured_effects(args.results, techs) if args.results
+                                   else ([None] * len(techs), [None] * len(techs), None))
     if args.verify:
         if arch is not None and arch.name != "gpt2":
             raise ConfigError(f"--verify trains our GPT-2-style model; --model {args.preset} can only be planned")
         res.verified = _verify(cfg, res.candidates[rec], args.verify_steps)
     out = res.to_dict()
-    for c, t, m in zip(out["candidates"], techs, measured):
+    for c, t, m, b in zip(out["candidates"], techs, measured, beyond):
         c["numerics"], c["numerics_standard"], c["measured_ppl_effect"] = numerics_note(t), is_standard(t), m
+        c["measured_ppl_beyond_noise"] = b
+    out["measured_ppl_noise"] = rel_noise
     out["recommended"] = rec
     out["budget_source"] = budget_source
     out["longest_context"] = _longest_context(cfg, arch, res.candidates[rec], device_type, budget, res.margin,
@@ -148,8 +152,8 @@ def run(args: argparse.Namespace) -> int:
           f"{res.evaluated} estimates")
     head = ("#", "predicted peak", "rel. time", "technique set", "numerics")
     rows = [head] + [(str(shown[i] + 1), fmt_bytes(c.peak_bytes), f"{c.relative_time:.2f}", c.label(),
-                      d["numerics"] + (f" (measured: PPL {d['measured_ppl_effect']:+.2%})"
-                                       if d["measured_ppl_effect"] is not None else ""))
+                      d["numerics"] + _measured_text(d["measured_ppl_effect"], d["measured_ppl_beyond_noise"],
+                                                     rel_noise))
                      for i, (c, d) in enumerate(zip(res.candidates, out["candidates"]))]
     w = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
@@ -220,23 +224,44 @@ def _verify(cfg: Any, cand: Candidate, steps: int) -> dict[str, Any]:
     return verification(cand, run_cfg, train(run_cfg, progress=False))
 
 
-def _measured_effects(results_dir: str, techs: list[dict]) -> list:
+def _measured_effects(results_dir: str, techs: list[dict]) -> tuple[list[Optional[float]], list[Optional[bool]],
+                                                                    Optional[float]]:
     """Per candidate: the measured PPL change of a bench row with the same numerics against a
-    numerically standard row of the same results, or None where no such pair exists."""
-
+    numerically standard row of the same results (None where no such pair exists), and whether
+    that change is beyond the bench's noise (None where the results measured none); with the noise
+    itself. The reference is the row the bench's noise twins repeat when it is standard (the
+    noise is measured around it), else the standard row with the lowest loss; twins are never
+    a candidate's row."""
     path = Path(results_dir)
     if not (path / "results.jsonl").is_file():
         raise ConfigError(f"{str(path / 'results.jsonl')!r} not found; --results takes a bench output folder")
-    rows = [r for r in read_results(path) if r.get("status") == "ok" and r.get("val_loss") is not None]
+    results = read_results(path)
+    rows = [r for r in results if r.get("status") == "ok" and r.get("val_loss") is not None
+            and not is_noise_twin(r.get("technique"))]
     standard = [r for r in rows if is_standard(r["config"].get("technique", {}))]
     if not standard:
-        return [None] * len(techs)
-    ref = min(r["val_loss"] for r in standard)
-    effects = []
+        return [None] * len(techs), [None] * len(techs), None
+    noise = ppl_noise(results)
+    base = next((r for r in standard if noise and r.get("technique") == noise["base"]), None)
+    ref = base["val_loss"] if base else min(r["val_loss"] for r in standard)
+    rel_noise = noise["rel_noise"] if base and noise else None
+    effects: list[Optional[float]] = []
+    beyond: list[Optional[bool]] = []
     for t in techs:
         same = [r for r in rows if numerics_key(r["config"]) == numerics_key({"technique": t})]
-        effects.append(None if is_standard(t) or not same else math.exp(same[0]["val_loss"] - ref) - 1)
-    return effects
+        effect = None if is_standard(t) or not same else math.exp(same[0]["val_loss"] - ref) - 1
+        effects.append(effect)
+        beyond.append(None if effect is None or rel_noise is None else abs(effect) > FACTOR * rel_noise)
+    return effects, beyond, rel_noise
+
+
+def _measured_text(effect: Optional[float], beyond: Optional[bool], rel_noise: Optional[float]) -> str:
+    if effect is None:
+        return ""
+    if beyond is None:
+        return f" (measured: PPL {effect:+.2%})"
+    verdict = "beyond" if beyond else "within"
+    return f" (measured: PPL {effect:+.2%}, {verdict} {FACTOR:.0f}x the bench's noise of {fmt_noise(rel_noise or 0.0)})"
 
 
 register("plan", "Find the fastest technique set whose training step fits a memory budget.", add_args, run)
