@@ -428,6 +428,7 @@ def test_step_timer_excludes_warmup_and_computes_percentiles() -> None:
     assert s.mean == pytest.approx(3.0)
     assert (s.min, s.max) == (1.0, 5.0)
     assert s.to_dict()["median"] == 3.0
+    assert s.first_s == 9.0  # the first step's own time is kept though it is a warm-up step
 
 
 def test_step_timer_context_managers_and_data_wait_share() -> None:
@@ -447,7 +448,7 @@ def test_step_timer_context_managers_and_data_wait_share() -> None:
 
 def test_step_timer_empty_summary() -> None:
     s = StepTimer(warmup=3).summary()
-    assert s.steps == 0 and s.median is None and s.data_wait_share is None
+    assert s.steps == 0 and s.median is None and s.data_wait_share is None and s.first_s is None
 
 
 def test_percentile_matches_numpy() -> None:

@@ -322,6 +322,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"{result['tokens_per_s']:,.0f} tokens/s  {result['steps_run']} steps in {result['total_time_s']:.1f} s  "
         f"tracked peak {fmt_bytes(mem.get('peak_bytes'))}"
     )
+    setup = result.get("setup_time_s") or {}
+    if setup:
+        first = setup.get("first_step")
+        print(f"before the first step: model {setup.get('model', 0):.1f} s, techniques and optimizer "
+              f"{setup.get('state', 0):.1f} s, data {setup.get('data', 0):.1f} s"
+              + (f"; the first step took {first:.1f} s" if first is not None else "")
+              + (" (torch.compile compiles in it)" if first is not None and cfg.technique.compile else ""))
     if mem.get("by_module"):
         print("\n".join(module_table_lines(mem["by_module"], cfg.train.module_top, fmt_bytes)))
     print(f"wrote {out / 'result.json'}")

@@ -70,6 +70,9 @@ class TimingStats:
     total_s: float
     data_wait_s: float
     data_wait_share: float | None
+    # The first step's own time, warm-up or not: where a compile, autotuning and the allocator's
+    # first growth land (what "time to the first step" asks after the model is built).
+    first_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready copy."""
@@ -114,6 +117,7 @@ class StepTimer:
         self._pending_wait = 0.0
         self.step_times: list[float] = []
         self.data_waits: list[float] = []
+        self.first_step_s: float | None = None
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -136,6 +140,8 @@ class StepTimer:
         wait = self._pending_wait if data_wait_s is None else data_wait_s
         self._pending_wait = 0.0
         self._seen += 1
+        if self._seen == 1:
+            self.first_step_s = float(step_s)
         if self._seen <= self.warmup:
             return
         self.step_times.append(float(step_s))
@@ -159,4 +165,5 @@ class StepTimer:
             total_s=total,
             data_wait_s=wait,
             data_wait_share=wait / (wait + total) if (wait + total) > 0 else None,
+            first_s=self.first_step_s,
         )

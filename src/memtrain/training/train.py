@@ -31,7 +31,7 @@ from memtrain.devices.advice import mfu_for_run, reference_rate_now, run_device_
 from memtrain.distributed.rank_errors import agreement, launched_by_memtrain
 from memtrain.distributed.session import DistContext, distributed_session
 from memtrain.files.results import FolderLock, register_writer, remove_stale_temps
-from memtrain.metrics import MemoryMeter, StepTimer, device_peak_memory, percentile, reset_device_peak
+from memtrain.metrics import MemoryMeter, StepTimer, device_peak_memory, percentile, reset_device_peak, synchronize
 from memtrain.metrics.state import ShardedStateBytes
 from memtrain.models.families import data_tokenizer
 from memtrain.runtime.env import environment, resolve_device, seed_everything
@@ -211,10 +211,13 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         # precision is slow here.
         caps, device_caps = (run_device_facts(cfg.technique.precision, device, effective_cache_dir(cfg.data))
                              if dist_ctx.is_main else (None, None))
+        clock = _SetupClock(device)
         base = build_base_model(cfg, device, precision)  # on the device, in the weight dtype
         if t.nudge_seed:  # a bench noise twin: the same run, its weights one rounding apart
             nudge_weights(base, t.nudge_seed)
+        clock.lap("model")
     state = build_state(cfg, device, precision, dist_ctx=dist_ctx, base=base, schedule=True)
+    clock.lap("state")
     if dist_ctx.enabled:  # what this rank holds of the state, the result's ranks[].sharded_state
         dist_ctx.state = ShardedStateBytes(state.model, state.optimizer, dist_ctx.local_optimizer or state.optimizer)
 
@@ -229,10 +232,12 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         prefetch_factor=cfg.data.prefetch_factor, rank=dist_ctx.rank, world_size=dist_ctx.world_size,
     ), device)
     val_batches = make_val_batches(splits.val, t.seq_len, cfg.data.val_blocks, t.batch_size)
+    clock.lap("data")
     if t.resume:
         load_ckpt(t.resume, state)  # sets state.step and state.losses
         if dist_ctx.is_main and saved_run(t.resume)[2] is None:  # an older checkpoint: nothing was compared
             print(unchecked_data_warning(cfg), file=sys.stderr)
+        clock.lap("resume")
     start_step = state.step
 
     tokens_per_step = t.batch_size * t.grad_accum * t.seq_len * dist_ctx.world_size  # global batch
@@ -272,6 +277,7 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     memory.update(device_peak_memory(device))
     result = _result(state, timer, memory, splits, val_loss, loop.val_history, start_step, end_step,
                      tokens_per_step, total_time, caps, device_caps, rate_now)
+    result["setup_time_s"] = {**clock.laps, "first_step": timer.first_step_s}
     result.update(dist_ctx.result_fields(memory))  # distributed: "ranks" (memory per rank), "distributed"
     _write_outputs(result, state, on_result, save_ckpt, end_step, logger.failure)
     return result
@@ -309,6 +315,24 @@ def _first_failure(failures: list[BaseException]) -> BaseException:
         names = [str(e.filename) for e in errors if e.filename]
         return OSError(errors[0].errno, errors[0].strerror, " and ".join(dict.fromkeys(names)))
     return first
+
+
+class _SetupClock:
+    """Wall time of each phase before the first step (result.json's ``setup_time_s``): building
+    the model on the device, wrapping it with the techniques and the optimizer, preparing the
+    data, loading a checkpoint. The device is synchronized at each lap so that queued
+    initialisation kernels are billed to the phase that queued them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.laps: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        synchronize(self.device)
+        now = time.perf_counter()
+        self.laps[name] = now - self._last
+        self._last = now
 
 
 @dataclass
