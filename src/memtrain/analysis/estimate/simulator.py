@@ -364,12 +364,16 @@ class Graph:
             if name in self.tied:
                 # A tied weight has two gradient edges: autograd buffers the first (the LM
                 # head's; for the chunked loss, its grad_w itself) until the embedding's arrives.
+                # A grad_w in another dtype than the weight (float32 next to bf16-pure weights)
+                # is cast to the weight's dtype first (autograd's validate_outputs): the buffer
+                # then holds that copy, and grad_w goes with the loss's saved tensors.
                 src = n.grad_from.get(key)
-                if src is not None and src in self.store:
+                if src is not None and src in self.store and dict(n.out).get(src) == self.param_grad[name]:
                     self.deferred[name] = src
                     self.saved_refs[src] = self.saved_refs.get(src, 0) + 1
                 else:
-                    self.deferred[name] = sim.alloc(nbytes, "temporaries")
+                    self.deferred[name] = sim.alloc(self.param_grad[name] if src is not None else nbytes,
+                                                    "temporaries")
                 return
             self.param_grad_sid[name] = sim.alloc(self.param_grad[name], "gradients")
             return
