@@ -218,8 +218,11 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
     device = torch.device(device_type)
     with _cuda_stubs(device_type):
         precision = make_precision(cfg.technique.precision, device)
-        if device_type == "cuda" and precision.scaler is not None and not torch.cuda.is_available():
-            precision.scaler = None  # GradScaler disables itself without a GPU; its memory is scalars
+        # fp16's GradScaler is left out of every trace: its memory is scalars, and over fake
+        # tensors its inf check cannot read a value, so it skipped each step (no optimizer
+        # state: the traced CPU peak was 29% under the measured one). Without a GPU it would also
+        # disable itself.
+        precision.scaler = None
         fake = _fake_mode()
         default_dtype = torch.get_default_dtype()
         # Compiled functions (torchao's low-bit optimizer steps) cannot be compiled over fake
