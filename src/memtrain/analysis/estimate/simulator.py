@@ -347,9 +347,14 @@ class Graph:
                 return  # frozen parameter
             if name in self.deferred:
                 # The tied weight's second gradient (the embedding's): autograd sums it with the
-                # buffered first one out of place into the .grad; then both are freed.
+                # buffered first one out of place; the sum becomes the .grad, or, where a .grad
+                # exists (a later micro-step of gradient accumulation), is added into it and
+                # freed. Then both edges' gradients are freed.
                 tmp = sim.alloc(nbytes, "temporaries")
-                self.param_grad_sid[name] = sim.alloc(self.param_grad[name], "gradients")
+                if name in self.param_grad_sid:
+                    sim.transient(self.param_grad[name])
+                else:
+                    self.param_grad_sid[name] = sim.alloc(self.param_grad[name], "gradients")
                 sim.free(tmp)
                 buffered = self.deferred.pop(name)
                 if isinstance(buffered, str):
@@ -357,7 +362,7 @@ class Graph:
                 else:
                     sim.free(buffered)
                 return
-            if name in self.param_grad_sid:
+            if name in self.param_grad_sid and name not in self.tied:
                 if key not in n.grad_from:
                     sim.transient(nbytes)  # the op's gradient, added in place into .grad
                 return
