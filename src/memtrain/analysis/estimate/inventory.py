@@ -310,7 +310,9 @@ def resolve_backend(kind: str, window: Optional[int], dm: Dims) -> str:
         if kind in ("flex", "flash-attn"):
             return "flash"
         if min(window, dm.s) + window - 1 < dm.s:
-            return "banded" if kind == "math" else "banded-sdpa"
+            # SDPA on the CPU has no dropout: with it, each band runs SDPA's math path, whose
+            # buffers are the math kernel's.
+            return "banded" if kind == "math" or (not dm.cuda and dm.dropout) else "banded-sdpa"
         # A window this wide runs the dense masked form.
         if kind == "math" or (not dm.cuda and dm.dropout) or kind == "sdpa":
             return "math"
