@@ -387,6 +387,12 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
             nodes.append(Node(f"{p}.merge", out=[(y, N * d * a)], inputs=[o], grads=[(o, 0.0)]))
         return
     if backend in ("banded", "banded-sdpa"):
+        # SDPA's math path on the CPU (dropout) upcasts each band to float32 and casts its
+        # output back: the band's buffers are the math kernel's in float32.
+        low_a = a
+        if backend == "banded" and kind != "math" and not dm.cuda and a != 4:
+            dm = replace(dm, a=4)
+            a = 4
         W = window or s
         blk = min(W, s)
         nb = -(-s // blk)
@@ -398,7 +404,7 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
         # F.pad copies q, k, v; the matmuls copy the overlapping band views of k and v.
         nodes.append(Node(f"{p}.pad", out=[(f"{p}.qp", q_pad), (f"{p}.kp", kv_pad), (f"{p}.vp", kv_pad)],
                            inputs=[qkv], grad_out=(f"{p}.qp", f"{p}.kp", f"{p}.vp"),
-                           grads=[(q, N * d * a), (k, N * kvw * a), (v, N * kvw * a)]))
+                           grads=[(q, N * d * low_a), (k, N * kvw * low_a), (v, N * kvw * low_a)]))
         # The band views of k and v: copied by the math kernel's matmuls, read in place by SDPA
         # (which saves the padded tensors); unfold's backward scatters into a padded buffer.
         copy = kv_band if backend == "banded" else 0
@@ -421,8 +427,12 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
             nodes.append(Node(f"{p}.pv", out=[(f"{p}.o", q_pad)], inputs=[probs, f"{p}.vb"],
                                saves=[probs, f"{p}.vb"], matmul=True,
                                grads=[(probs, sc * a), (f"{p}.vb", kv_band)]))
+        o = f"{p}.o"
+        if low_a != a:  # the float32 output cast back
+            nodes.append(Node(f"{p}.o_down", out=[(f"{p}.ol", q_pad * low_a / a)], inputs=[o], grads=[(o, q_pad)]))
+            o = f"{p}.ol"
         # out[:, :, :s] then transpose(1, 2).contiguous(): one copy.
-        nodes.append(Node(f"{p}.merge", out=[(y, N * d * a)], inputs=[f"{p}.o"], grads=[(f"{p}.o", q_pad)]))
+        nodes.append(Node(f"{p}.merge", out=[(y, N * d * low_a)], inputs=[o], grads=[(o, q_pad * low_a / a)]))
         return
     # Materialized attention (math, or SDPA's math fallback): (b, h, s, s) scores. matmul on
     # the transposed views copies q and k^T into contiguous buffers, which bmm saves.
