@@ -118,6 +118,21 @@ def test_invalid_targets_rejected(targets):
         apply_lora(GPT(CFG), TechniqueConfig(lora_rank=4, lora_targets=targets))
 
 
+def test_all_linear_is_every_linear_of_the_blocks_as_on_a_transformers_model():
+    """peft's all-linear adapts what the default list names, in training and in the estimate."""
+    from memtrain.analysis.estimate import estimate
+    from memtrain.config.run import build_config
+
+    named, all_linear = GPT(CFG), GPT(CFG)
+    apply_lora(named, TechniqueConfig(lora_rank=4))
+    apply_lora(all_linear, TechniqueConfig(lora_rank=4, lora_targets="all-linear"))
+    assert [n for n, _ in named.named_parameters()] == [n for n, _ in all_linear.named_parameters()]
+    cfgs = [build_config({"d_model": 32, "n_heads": 4, "n_layers": 2, "d_ff": 64, "vocab_size": 97, "seq_len": 16,
+                          "max_seq_len": 16, "lora_rank": 4, **extra}) for extra in ({}, {"lora_targets": "all-linear"})]
+    a, b = (estimate(c, device_type="cpu") for c in cfgs)
+    assert (a.trainable_parameters, a.peak_bytes) == (b.trainable_parameters, b.peak_bytes) and a.trainable_parameters > 0
+
+
 def test_bad_dropout_rejected():
     with pytest.raises(ConfigError, match="--lora-dropout"):
         apply_lora(GPT(CFG), TechniqueConfig(lora_rank=4, lora_dropout=1.5))

@@ -229,8 +229,9 @@ class TechniqueConfig:
     lora_rank: int = _f(0, "LoRA rank; 0 disables LoRA (base weights trained).")
     lora_alpha: float = _f(16.0, "LoRA scaling numerator (scale = alpha / rank).")
     lora_dropout: float = _f(0.0, "Dropout on the LoRA input.")
-    lora_targets: str = _f("qkv,proj,fc,fc_out", "Comma-separated Linear module names that get adapters "
-                           "(for a transformers --model the default means every decoder Linear, peft's all-linear).")
+    lora_targets: str = _f("qkv,proj,fc,fc_out", "Comma-separated Linear module names that get adapters, or "
+                           "all-linear (peft's name: every decoder Linear, which the default also means for a "
+                           "transformers --model).")
     qlora: bool = _f(False, "QLoRA: store the frozen base weights in 4-bit NF4 (needs --lora-rank; transformers "
                      "--model only): torchao NF4 on CPU, bitsandbytes on CUDA.")
     compile: bool = _f(False, "Compile the model with torch.compile (torch_compile).")

@@ -41,11 +41,13 @@ def lora_target_names(model: nn.Module) -> list[str]:
 
 def _parse_targets(model: nn.Module, spec: str) -> list[str]:
     valid = lora_target_names(model)
+    if spec.strip() == "all-linear":  # peft's name for every Linear of the blocks, as on a transformers --model
+        return valid
     targets = [t.strip() for t in spec.split(",") if t.strip()]
     unknown = [t for t in targets if t not in valid]
     if not targets or unknown:
         what = f"unknown --lora-targets {', '.join(unknown)}" if unknown else "--lora-targets is empty"
-        raise ConfigError(f"{what}; choose from {', '.join(valid)} (comma-separated)")
+        raise ConfigError(f"{what}; choose from {', '.join(valid)} (comma-separated), or all-linear")
     return list(dict.fromkeys(targets))
 
 

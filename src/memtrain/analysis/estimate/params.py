@@ -33,10 +33,11 @@ class ParamInfo:
 
 
 def lora_target_names(tech: TechniqueConfig, arch: Arch = GPT2_ARCH) -> set[str]:
-    """The table entries ``--lora-targets`` adapts. On a transformers model (``arch.hf``) peft's
-    ``all-linear`` is every decoder Linear, the entries memtrain's default names (as
-    ``techniques.hf_mapping.lora_target_modules`` hands peft either)."""
-    if arch.hf and tech.lora_targets == "all-linear":
+    """The table entries ``--lora-targets`` adapts. peft's ``all-linear`` is every decoder Linear,
+    the entries memtrain's default names: on a transformers model (``arch.hf``) as
+    ``techniques.hf_mapping.lora_target_modules`` hands peft either, on our GPT as
+    ``techniques.lora`` reads it."""
+    if tech.lora_targets.strip() == "all-linear":
         return set(GPT_LORA_TARGETS.split(","))
     return {t.strip() for t in tech.lora_targets.split(",") if t.strip()}
 
