@@ -95,8 +95,8 @@ def test_nudged_twins_are_the_preset_with_its_seed_and_a_nudge():
     for n, name in enumerate(NOISE_ROWS, 1):
         assert rows[name].replace(nudge_seed=0) == rows["baseline"] and rows[name].train.nudge_seed == n
         assert describe(name) == f"Baseline (TF32/FP32), weights nudged {n} (noise)"
-    for bad in ("baseline-nudge0", "baseline-nudge100", "nosuch-nudge1"):
-        with pytest.raises(ConfigError, match="unknown technique"):
+    for bad in ("baseline-nudge0", "baseline-nudge100", "nosuch-nudge1", "baseline-seed3"):
+        with pytest.raises(ConfigError, match=r"unknown technique .*a noise twin is PRESET-nudgeN, N = 1-99, or PRESET-seed2"):
             resolve_rows(BenchOptions(techniques=[bad]))
 
 

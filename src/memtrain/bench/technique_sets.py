@@ -107,7 +107,10 @@ def technique_overrides(name: str, scale: str) -> dict[str, Any]:
     if name not in TECHNIQUES:
         close = difflib.get_close_matches(name, TECHNIQUES, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ConfigError(f"unknown technique {name!r}; {hint}choose from {', '.join(TECHNIQUES)} or key=value+key=value")
+        twins = (" (a noise twin is PRESET-nudgeN, N = 1-99, or PRESET-seed2)"
+                 if NUDGE_SUFFIX in name or "-seed" in name else "")
+        raise ConfigError(f"unknown technique {name!r}; {hint}choose from {', '.join(TECHNIQUES)} or "
+                          f"key=value+key=value{twins}")
     overrides = dict(TECHNIQUES[name])
     if "window" in overrides:
         overrides["window"] = SCALE_WINDOW[scale]
