@@ -37,6 +37,15 @@ HUB_PREFIX = "hf:"
 # memtrain's default LoRA targets name our GPT's modules; for HF models the default is every
 # Linear of the decoder (peft's "all-linear", the QLoRA paper's choice; the LM head excluded).
 GPT_LORA_TARGETS = "qkv,proj,fc,fc_out"
+ALL_LINEAR = "all-linear"  # peft's name for every Linear of the decoder
+
+
+def every_decoder_linear(targets: str) -> bool:
+    """Whether ``--lora-targets`` asks for every Linear of the decoder: peft's ``all-linear``, or
+    memtrain's default list, which names all of our GPT's (and means all of a transformers model's)."""
+    return targets in (GPT_LORA_TARGETS, ALL_LINEAR)
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # Every file a transformers tokenizer class may read that decides the token ids: the identity
 # of a folder's tokenizer (the token cache's key) hashes exactly these names, never a file or

@@ -21,7 +21,7 @@ from memtrain.config.run import ConfigError, RunConfig, TechniqueConfig
 from memtrain.distributed.wrapping import apply_distributed
 from memtrain.models.hf import HFCausalLM
 from memtrain.models.qlora import nf4_unshardable, quantize_base_weights
-from memtrain.models.spec import GPT_LORA_TARGETS
+from memtrain.models.spec import ALL_LINEAR, every_decoder_linear
 from memtrain.techniques.checkpointing import apply_checkpointing
 from memtrain.techniques.compile import apply_compile
 from memtrain.techniques.facts import transformers_checkpointing_error
@@ -54,8 +54,8 @@ def _check_supported(tech: TechniqueConfig, device: torch.device) -> None:
 
 def lora_target_modules(targets: str) -> Any:
     """peft's target_modules: every decoder Linear for the GPT default, else the named ones."""
-    if targets == GPT_LORA_TARGETS or targets == "all-linear":
-        return "all-linear"
+    if every_decoder_linear(targets):
+        return ALL_LINEAR
     return [t.strip() for t in targets.split(",") if t.strip()]
 
 

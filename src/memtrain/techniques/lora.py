@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from memtrain.config.run import ConfigError, TechniqueConfig
 from memtrain.models.gpt import GPT
+from memtrain.models.spec import ALL_LINEAR
 from memtrain.runtime.extras import require
 
 __all__ = ["apply_lora", "lora_target_names", "merge_adapters_in_place", "merge_lora"]
@@ -41,7 +42,7 @@ def lora_target_names(model: nn.Module) -> list[str]:
 
 def _parse_targets(model: nn.Module, spec: str) -> list[str]:
     valid = lora_target_names(model)
-    if spec.strip() == "all-linear":  # peft's name for every Linear of the blocks, as on a transformers --model
+    if spec == ALL_LINEAR:  # peft's name for every Linear of the blocks, as on a transformers --model
         return valid
     targets = [t.strip() for t in spec.split(",") if t.strip()]
     unknown = [t for t in targets if t not in valid]

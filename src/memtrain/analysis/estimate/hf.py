@@ -64,7 +64,7 @@ from typing import Any, Optional
 
 from memtrain.analysis.estimate.training import estimate
 from memtrain.config.archs import GPT2_ARCH, LLAMA_ARCH, Arch
-from memtrain.models.spec import GPT_LORA_TARGETS, analytic_config  # torch-free for the modelled families
+from memtrain.models.spec import analytic_config, every_decoder_linear  # torch-free for the modelled families
 
 __all__ = ["MODELLED", "QKV_BIAS", "active_window", "hf_arch", "why_not_modelled", "why_gpt2_not_modelled",
            "analytic_estimate"]
@@ -114,7 +114,7 @@ def why_not_modelled(cfg: Any) -> Optional[str]:
         return f"no analytic model of {c.model_type} layers (only {', '.join(MODELLED)})"
     if tech.qlora:
         return "QLoRA's NF4 weights and their dequantization scratch are not modelled analytically"
-    if tech.lora_rank and tech.lora_targets not in (GPT_LORA_TARGETS, "all-linear"):
+    if tech.lora_rank and not every_decoder_linear(tech.lora_targets):
         return "named --lora-targets are not modelled analytically (only every decoder Linear)"
     window = active_window(c, tech.window, cfg.train.seq_len)
     if window is not None:

@@ -484,7 +484,7 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     p = f"blocks.{i}"
     N, d, f, a, r = dm.n, dm.d, dm.f, dm.a, dm.r
     lora = tech.lora_rank
-    targets = lora_target_names(tech, arch) if lora else set()
+    targets = lora_target_names(tech) if lora else set()
     x = f"{p}.in"
     nodes: list[Node] = []
     layer = arch.norm == "layernorm"

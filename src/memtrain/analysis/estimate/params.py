@@ -11,7 +11,7 @@ from typing import Iterable, Optional
 from memtrain.analysis.limits import MAX_LAYERS, MAX_PARAMS, check_analytic_size
 from memtrain.config.archs import GPT2_ARCH, Arch
 from memtrain.config.run import ConfigError, ModelConfig, TechniqueConfig
-from memtrain.models.spec import GPT_LORA_TARGETS
+from memtrain.models.spec import GPT_LORA_TARGETS, every_decoder_linear
 
 
 # --------------------------------------------------------------------------- parameters
@@ -32,12 +32,12 @@ class ParamInfo:
         return math.prod(self.shape)
 
 
-def lora_target_names(tech: TechniqueConfig, arch: Arch = GPT2_ARCH) -> set[str]:
+def lora_target_names(tech: TechniqueConfig) -> set[str]:
     """The table entries ``--lora-targets`` adapts. peft's ``all-linear`` is every decoder Linear,
-    the entries memtrain's default names: on a transformers model (``arch.hf``) as
+    the entries memtrain's default names: on a transformers model as
     ``techniques.hf_mapping.lora_target_modules`` hands peft either, on our GPT as
     ``techniques.lora`` reads it."""
-    if tech.lora_targets.strip() == "all-linear":
+    if every_decoder_linear(tech.lora_targets):
         return set(GPT_LORA_TARGETS.split(","))
     return {t.strip() for t in tech.lora_targets.split(",") if t.strip()}
 
@@ -87,7 +87,7 @@ def block_param_table(m: ModelConfig, arch: Arch, tech: Optional[TechniqueConfig
     kv = (arch.n_kv_heads or m.n_heads) * m.head_dim
     bias = m.bias and arch.name == "gpt2"
     lora = tech.lora_rank if tech is not None else 0
-    targets = lora_target_names(tech, arch) if lora else set()  # type: ignore[arg-type]  # lora > 0 implies tech is not None
+    targets = lora_target_names(tech) if lora else set()  # type: ignore[arg-type]  # lora > 0 implies tech is not None
     frozen = bool(lora)
     out: list[ParamInfo] = [ParamInfo("wte.weight", (V, d), not frozen)]
     if arch.positional == "learned":
