@@ -387,12 +387,10 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
             nodes.append(Node(f"{p}.merge", out=[(y, N * d * a)], inputs=[o], grads=[(o, 0.0)]))
         return
     if backend in ("banded", "banded-sdpa"):
-        # SDPA's math path on the CPU (dropout) upcasts each band to float32 and casts its
-        # output back: the band's buffers are the math kernel's in float32.
         low_a = a
-        if backend == "banded" and kind != "math" and not dm.cuda and a != 4:
-            dm = replace(dm, a=4)
-            a = 4
+        if backend == "banded" and kind != "math":  # SDPA's math path, band by band
+            dm = _math_fallback_dims(dm)
+            a = dm.a
         W = window or s
         blk = min(W, s)
         nb = -(-s // blk)
@@ -427,22 +425,18 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
             nodes.append(Node(f"{p}.pv", out=[(f"{p}.o", q_pad)], inputs=[probs, f"{p}.vb"],
                                saves=[probs, f"{p}.vb"], matmul=True,
                                grads=[(probs, sc * a), (f"{p}.vb", kv_band)]))
-        o = f"{p}.o"
-        if low_a != a:  # the float32 output cast back
-            nodes.append(Node(f"{p}.o_down", out=[(f"{p}.ol", q_pad * low_a / a)], inputs=[o], grads=[(o, q_pad)]))
-            o = f"{p}.ol"
+        o = _cast_back(nodes, p, f"{p}.o", q_pad / a, a, low_a)
         # out[:, :, :s] then transpose(1, 2).contiguous(): one copy.
         nodes.append(Node(f"{p}.merge", out=[(y, N * d * low_a)], inputs=[o], grads=[(o, q_pad * low_a / a)]))
         return
     # Materialized attention (math, or SDPA's math fallback): (b, h, s, s) scores. matmul on
     # the transposed views copies q and k^T into contiguous buffers, which bmm saves.
-    # SDPA's math fallback on CPU computes in float32 whatever the inputs' dtype (it casts q, k
-    # and v up, and its output back down): its buffers are those of math attention in float32.
-    upcast = kind == "sdpa" and not dm.cuda and dm.a != 4
+    # SDPA's math fallback: the buffers of math attention, in float32 on the CPU.
     low_a = a
-    if upcast:
-        dm = replace(dm, a=4)
-        a = 4
+    if kind == "sdpa":
+        dm = _math_fallback_dims(dm)
+        a = dm.a
+    upcast = a != low_a
     sc = b * h * s * s
     nodes.append(Node(f"{p}.qk", out=[(f"{p}.qc", N * d * a), (f"{p}.kc", N * d * a), (f"{p}.s0", sc * a)],
                        inputs=[qkv], saves=[f"{p}.qc", f"{p}.kc"], matmul=True, grad_out=(f"{p}.s0",),
@@ -462,12 +456,24 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
     nodes.append(Node(f"{p}.pv", out=[(f"{p}.o", N * d * a)], inputs=[probs] + v_saved,
                        saves=[probs] + v_saved, matmul=True,
                        grads=[(probs, sc * a), (v, N * kvw * a)]))
-    o = f"{p}.o"
-    if upcast:
-        nodes.append(Node(f"{p}.o_down", out=[(f"{p}.ol", N * d * low_a)], inputs=[o], grads=[(o, N * d * 4)]))
-        o = f"{p}.ol"
+    o = _cast_back(nodes, p, f"{p}.o", N * d, a, low_a)
     # y.transpose(1, 2).contiguous(): a copy; its backward passes the gradient through.
     nodes.append(Node(f"{p}.merge", out=[(y, N * d * low_a)], inputs=[o], grads=[(o, 0.0)]))
+
+
+def _math_fallback_dims(dm: Dims) -> Dims:
+    """The Dims of SDPA's math path: on the CPU it computes in float32 whatever the inputs' dtype
+    (it casts q, k and v up, and its output back down: :func:`_cast_back`); on CUDA in theirs."""
+    return replace(dm, a=4) if not dm.cuda and dm.a != 4 else dm
+
+
+def _cast_back(nodes: list[Node], p: str, o: str, numel: float, a: float, low_a: float) -> str:
+    """SDPA's math path's output ``o`` (``numel`` elements in ``a`` bytes each) cast back to the
+    inputs' ``low_a``: a new tensor; returns its key (``o`` itself when nothing was cast)."""
+    if low_a == a:
+        return o
+    nodes.append(Node(f"{p}.o_down", out=[(f"{p}.ol", numel * low_a)], inputs=[o], grads=[(o, numel * a)]))
+    return f"{p}.ol"
 
 
 def _held_by_the_frame(nodes: list[Node], dm: Dims, lora: int, norm_out: str) -> None:
@@ -627,8 +633,6 @@ def _embedding_nodes(dm: Dims, arch: Arch, trainable: bool, attention: str) -> l
         nodes.append(Node("embed_scale", out=[("emb", N * d * pe)], inputs=[src], grads=[(src, N * d * pe)]))
         src = "emb"
     _dropout(nodes, dm, "drop", src, "blocks.0.in", N * d, pe, requires_grad=trainable)
-    if not dm.dropout:
-        pass
     return nodes
 
 

@@ -373,7 +373,7 @@ class Graph:
                 # is cast to the weight's dtype first (autograd's validate_outputs): the buffer
                 # then holds that copy, and grad_w goes with the loss's saved tensors.
                 src = n.grad_from.get(key)
-                if src is not None and src in self.store and dict(n.out).get(src) == self.param_grad[name]:
+                if src is not None and src in self.store and {o[0]: o[1] for o in n.out}.get(src) == self.param_grad[name]:
                     self.deferred[name] = src
                     self.saved_refs[src] = self.saved_refs.get(src, 0) + 1
                 else:
