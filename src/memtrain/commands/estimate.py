@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import Any, Optional
 
 from memtrain.analysis.estimate import GPT2_ARCH, estimate_inference, parse_count, shape_for_params
 from memtrain.analysis.estimate.hf import why_not_modelled
@@ -290,11 +290,13 @@ def _check_max_len(args: argparse.Namespace) -> None:
                           "or drop --max-len")
 
 
-def _check_max_len_traced(args: argparse.Namespace, cfg: Any) -> None:
-    """A traced transformers model gets no fit verdict, so no longest context for --max-len to bound."""
-    if args.max_len is None:
+def refuse_max_len_when_traced(max_len: Optional[int], cfg: Any, also: Optional[str] = None) -> None:
+    """A traced transformers model (``why_not_modelled``, or ``also``: a flag that asks for the
+    trace) has no analytic longest context for --max-len to bound: one error line naming the
+    search that bounds it (estimate and plan)."""
+    if max_len is None:
         return
-    reason = why_not_modelled(cfg) or ("--full-trace" if args.full_trace else None)
+    reason = why_not_modelled(cfg) or also
     if reason is not None:
         raise ConfigError(f"--max-len bounds the analytic longest context, and this model is traced ({reason}): "
                           "search its longest context with memtrain maxbatch --search seq-len --max-len N")
@@ -318,7 +320,7 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
         raise ConfigError("--mode inference is analytic for memtrain's GPT only; drop --mode for a transformers --model")
     device_type = args.trace_device or device_type_for(args, cfg)
     _check_gpu_flag(args, device_type)
-    _check_max_len_traced(args, cfg)
+    refuse_max_len_when_traced(args.max_len, cfg, "--full-trace" if args.full_trace else None)
     step = estimate_step(cfg, device_type, None, world_size=args.world_size, shard=_shard(args, cfg), gpu=args.gpu,
                          full_trace=args.full_trace and args.world_size == 1)
     if args.world_size > 1 and (args.trace or args.full_trace):

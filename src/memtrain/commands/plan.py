@@ -22,6 +22,7 @@ from memtrain.commands.estimate import (
     add_model_choice,
     device_type_for,
     refuse_gpu_off_cuda,
+    refuse_max_len_when_traced,
     resolve_model,
 )
 from memtrain.config.argtypes import batch_count, positive_int
@@ -188,10 +189,8 @@ def _check_max_len(args: argparse.Namespace, cfg: Any, arch: Any) -> None:
     has no row past it) and a traced model (no longest context to bound) are refused at once."""
     if args.max_len is None:
         return
-    if arch is None and why_not_modelled(cfg) is not None:
-        raise ConfigError(f"--max-len bounds the analytic longest context, and this model is traced "
-                          f"({why_not_modelled(cfg)}): search its longest context with memtrain maxbatch "
-                          "--search seq-len --max-len N")
+    if arch is None:
+        refuse_max_len_when_traced(args.max_len, cfg)
     length_search_bound(cfg, args.max_len)  # the technique sets keep positions and window: one bound for all
 
 
