@@ -110,6 +110,35 @@ def test_default_model_has_the_same_parameter_count():
     assert hf.lm_head.weight is hf.transformer.wte.weight
 
 
+def test_hf_model_is_built_on_the_device_it_is_given():
+    """The Trainer side is built where it trains (meta stands in for a GPU), as memtrain's side
+    is: same generator, same initial weights, no FP32 copy on the host first."""
+    cfg = build_config(TINY)
+    hf = build_hf_model(cfg, hf_plan(cfg, "cpu"), init_from_memtrain=False, device=torch.device("meta"))
+    assert {p.device.type for p in hf.parameters()} == {"meta"}
+    assert torch.get_default_dtype() == torch.float32  # the build's default dtype is put back
+
+
+def test_bf16_pure_lora_row_runs_the_trainer_on_a_bf16_model():
+    """A LoRA row under bf16-pure compares against the Trainer + peft recipe (the model in BF16,
+    bf16=True), starting from our GPT's BF16 weights; full fine-tuning in bf16-pure has none."""
+    from memtrain.training.step import building_on
+
+    cfg = build_config(TINY, {"precision": "bf16-pure", "lora_rank": 4})
+    plan = hf_plan(cfg, "cpu")
+    assert plan.status == "closest" and plan.weight_dtype == "bfloat16" and plan.training_args["bf16"] is True
+    assert any("FP32 as well" in m for m in plan.missing)  # our GPT's adapters are FP32 too
+    assert hf_plan(build_config(TINY, {"precision": "bf16-pure"}), "cpu").status == "none"
+    hf = build_hf_model(cfg, plan)
+    assert {p.dtype for p in hf.parameters()} == {torch.bfloat16}
+    seed_everything(cfg.train.seed)
+    with building_on(torch.device("cpu"), torch.bfloat16):
+        ours = GPT(cfg.model)  # what memtrain's side builds under bf16-pure
+    x = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=x).logits, ours(x), atol=0, rtol=0)
+
+
 # ----------------------------------------------------------------------------- same model
 @pytest.mark.parametrize("overrides", [{"attention": "math"}, {"attention": "sdpa"}, {"untie_embeddings": True}])
 def test_hf_model_starts_from_memtrains_weights(overrides):

@@ -50,6 +50,9 @@ def test_plan_for_a_transformers_model(llama_dir):
     assert mapping.hf_plan(build_config({"model": "mistral-7b", "window": 64, "seq_len": 128}), "cpu").status == "matched"
     qlora = mapping.hf_plan(build_config({"model": str(llama_dir), "lora_rank": 4, "qlora": True, "seq_len": 16}), "cpu")
     assert qlora.status == "none"
+    pure = {"model": str(llama_dir), "precision": "bf16-pure", "seq_len": 16}
+    assert mapping.hf_plan(build_config(pure), "cpu").status == "none"  # full fine-tuning: no FP32-less Trainer mode
+    assert mapping.hf_plan(build_config({**pure, "lora_rank": 4}), "cpu").status == "closest"
 
 
 @pytest.mark.parametrize("lora_rank", [0, 4])
@@ -68,6 +71,28 @@ def test_trainer_trains_the_same_transformers_model(llama_dir, small_corpus, lor
     assert theirs["loss_history"][0] == pytest.approx(ours["loss_history"][0], abs=1e-5)
     assert theirs["memory"]["by_category"]["optimizer"] == ours["memory"]["by_category"]["optimizer"] > 0
     assert theirs["timed_steps"] == 1  # steps 0 and 1 metered, left out of the timing as in memtrain
+
+
+def test_bf16_pure_lora_row_trains_the_same_bf16_model(llama_dir, small_corpus):
+    """bf16-pure + LoRA on a transformers model: the Trainer side trains the same BF16 base (same
+    first loss up to autocast's FP32 islands) with peft's FP32 adapters, memtrain's are BF16."""
+    from memtrain.training.train import train
+
+    cfg = _cfg(llama_dir, small_corpus, lora_rank=4, precision="bf16-pure")
+    plan = mapping.hf_plan(cfg, "cpu")
+    assert plan.status == "closest" and any("stochastically rounded" in m for m in plan.missing)
+    warm_device_facts(cfg)
+    theirs = run_theirs(cfg)
+    ours = train(cfg, progress=False)
+    assert theirs["hf_plan"]["weight_dtype"] == "bfloat16"
+    assert theirs["trainable_parameters"] == ours["trainable_parameters"] < ours["parameters"]
+    assert theirs["loss_history"][0] == pytest.approx(ours["loss_history"][0], rel=2e-2)
+    # The one difference is the adapters: FP32 with FP32 AdamW moments on the Trainer side (two
+    # more bytes per adapter weight, 8 bytes of state), BF16 with BF16 moments on ours.
+    n = ours["trainable_parameters"]
+    mine, hers = ours["memory"]["by_category"], theirs["memory"]["by_category"]
+    assert 2 * n <= hers["parameters"] - mine["parameters"] <= 2 * n + 64
+    assert hers["optimizer"] >= 8 * n > mine["optimizer"] >= 4 * n
 
 
 def test_traced_trainer_probe_equals_the_real_step_on_a_transformers_model(llama_dir):

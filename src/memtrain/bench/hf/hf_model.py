@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
 
 from memtrain.bench.hf.mapping import HFPlan
 from memtrain.config.run import ConfigError, RunConfig
@@ -16,8 +18,15 @@ if TYPE_CHECKING:  # transformers is imported when a model is built, not with th
     from transformers import PreTrainedModel
 
 
-def build_hf_model(cfg: RunConfig, plan: HFPlan, init_from_memtrain: bool = True) -> PreTrainedModel:
+def build_hf_model(cfg: RunConfig, plan: HFPlan, init_from_memtrain: bool = True,
+                   device: Optional[torch.device] = None) -> PreTrainedModel:
     """The transformers model the Trainer trains for ``cfg``, starting where memtrain starts.
+
+    Built on ``device`` (default: torch's default device, which an open ``torch.device`` context
+    sets) in the plan's weight dtype, as memtrain builds its
+    side (:func:`memtrain.training.step.building_on`): the same random draws on the same device's
+    generator give both sides the same initial weights on a GPU too, and an 8B model is not first
+    built in FP32 on the host (minutes) before the Trainer moves it.
 
     Our GPT (no ``--model``): a ``GPT2LMHeadModel`` of ``cfg.model``'s architecture through
     memtrain's one conversion (:mod:`memtrain.inference.export`, with the padded vocabulary so that both
@@ -28,8 +37,17 @@ def build_hf_model(cfg: RunConfig, plan: HFPlan, init_from_memtrain: bool = True
     weights are random unless told to match memtrain's (``init_from_memtrain``; under fake tensors
     nothing can be matched nor read).
     """
-    if is_hf(cfg):
-        return transformers_model(cfg, init_from_memtrain)
+    # on this side's turn: the package imports no torch before the lockstep baton
+    from memtrain.training.step import building_on
+
+    with building_on(device or torch.get_default_device(), getattr(torch, plan.weight_dtype)):
+        if is_hf(cfg):
+            return transformers_model(cfg, init_from_memtrain)
+        return _gpt2_model(cfg, plan, init_from_memtrain)
+
+
+def _gpt2_model(cfg: RunConfig, plan: HFPlan, init_from_memtrain: bool) -> PreTrainedModel:
+    """``GPT2LMHeadModel`` of our GPT's architecture, with our GPT's initial weights."""
     if not cfg.model.bias:
         # The conversion would give GPT-2 zero biases, which the Trainer would then train.
         raise ConfigError("GPT-2 always has biases; the Hugging Face comparison needs --bias (the default)")

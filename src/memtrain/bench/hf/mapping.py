@@ -12,9 +12,10 @@ Three outcomes per row (``HFPlan.status``):
 ``closest``  some memory technique has no Trainer equivalent but leaves the trained model and
              its math unchanged (chunked loss, selective checkpointing, per-block compile), so
              the Hugging Face side runs without it: the row then shows what that technique buys
-             over what a Trainer user can get;
-``none``     a part changes what is computed (sliding-window attention, BF16 weights without an
-             FP32 copy, no biases) or cannot run in one process (distributed): there is nothing
+             over what a Trainer user can get; also a LoRA row under ``bf16-pure``, where only the
+             small adapters' dtype differs (the Trainer side: the model in BF16, peft's FP32 adapters);
+``none``     a part changes what is computed (sliding-window attention, full fine-tuning in BF16
+             weights without an FP32 copy, no biases) or cannot run in one process (distributed): there is nothing
              to compare against, the row is listed with the reason and not run.
 
 Written against transformers 5.23, where ``gradient_checkpointing`` is the deprecated alias of
@@ -65,6 +66,8 @@ class HFPlan:
         training_args: ``TrainingArguments`` keyword overrides for the techniques.
         attn_implementation: ``eager``, ``sdpa``, ``flex_attention`` or ``flash_attention_2``.
         lora: keyword arguments of ``peft.LoraConfig`` (None: full fine-tuning).
+        weight_dtype: the dtype the model is built in (``torch`` attribute name): ``float32``,
+            or ``bfloat16`` for a LoRA row under ``--precision bf16-pure`` (the frozen base in BF16).
         matmul_precision: ``torch.set_float32_matmul_precision`` value to set before training
             (used for TF32 on CPU, where ``TrainingArguments.tf32`` refuses to run).
         mapping: one line per technique: memtrain setting -> Trainer setting.
@@ -75,6 +78,7 @@ class HFPlan:
     training_args: dict[str, Any] = field(default_factory=dict)
     attn_implementation: str = "eager"
     lora: Optional[dict[str, Any]] = None
+    weight_dtype: str = "float32"
     matmul_precision: Optional[str] = None
     mapping: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
@@ -85,6 +89,7 @@ class HFPlan:
             "training_args": dict(self.training_args),
             "attn_implementation": self.attn_implementation,
             "lora": self.lora,
+            "weight_dtype": self.weight_dtype,
             "matmul_precision": self.matmul_precision,
             "mapping": list(self.mapping),
             "missing": list(self.missing),
@@ -172,6 +177,17 @@ def hf_plan(cfg: RunConfig, device_type: str) -> HFPlan:  # noqa: C901 - one bra
     elif t.precision == "fp16":
         args["fp16"] = True
         mapping.append("precision fp16 -> fp16=True (autocast + GradScaler)")
+    elif t.precision == "bf16-pure" and t.lora_rank and not t.qlora:
+        # The frozen base in BF16 is what a Trainer + peft user runs (the model loaded in BF16,
+        # bf16=True); only the small adapters differ: get_peft_model keeps them in FP32
+        # (autocast_adapter_dtype) under autocast.
+        plan.weight_dtype = "bfloat16"
+        args["bf16"] = True
+        mapping.append("precision bf16-pure + LoRA -> the model built in BF16, bf16=True (autocast)")
+        ours = ("BF16 (peft's dtype of the base) with torchao's stochastically rounded AdamW" if is_hf(cfg)
+                else "FP32 as well")
+        closest.append("--precision bf16-pure: the Trainer side's LoRA adapters are FP32 (get_peft_model's "
+                       f"autocast_adapter_dtype) under BF16 autocast; memtrain's are {ours}, without autocast")
     elif t.precision == "bf16-pure":
         none.append("--precision bf16-pure: the Trainer has no BF16-weights-without-FP32-copy mode with "
                     "stochastic rounding for AdamW")

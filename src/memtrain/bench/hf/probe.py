@@ -75,8 +75,7 @@ class HFStep:
         plan = hf_plan(cfg, device.type)
         with tempfile.TemporaryDirectory(prefix="hf-step-") as tmp:
             self.args = args = training_arguments(cfg, plan, tmp, device)
-        with torch.device(device):
-            model = build_hf_model(cfg, plan, init_from_memtrain=init_from_memtrain)
+        model = build_hf_model(cfg, plan, init_from_memtrain=init_from_memtrain, device=device)
         if args.activation_checkpointing:
             kw = dict(args.activation_checkpointing_kwargs or {})
             every = kw.pop("every_n_layers", 1)

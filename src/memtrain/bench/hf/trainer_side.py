@@ -254,7 +254,7 @@ def run_theirs(cfg: RunConfig, track_memory: bool = True, exact_schedule: bool =
     train_ds = hf_train_dataset(splits.train, cfg)
     val_batches = make_val_batches(splits.val, t.seq_len, cfg.data.val_blocks, t.batch_size)
 
-    model = build_hf_model(cfg, plan)
+    model = build_hf_model(cfg, plan, device=device)  # on the device, as memtrain's side builds
     n_params = model.num_parameters()  # the base model, as memtrain counts it (adapters not included)
     model = apply_hf_lora(model, plan)
     MeteredTrainer, MeterCallback = _trainer_classes()
