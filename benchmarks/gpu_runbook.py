@@ -1,0 +1,394 @@
+"""The GPU measurements memtrain still owes, as a few long commands for a lent GPU machine.
+
+A session that is lent a GPU has about 30 minutes of device time, at most 10 minutes per
+command, and gets back at most 8 files per command. This script turns the open GPU checks into
+four *parts*, each one device command of under 10 minutes, run in priority order:
+
+    hf      memtrain vs HF Trainer (+ peft) on Llama-3-8B LoRA (with and without checkpointing),
+            Qwen2.5-0.5B full fine-tune (standard loss, chunked loss, checkpointing) and the seed GPT
+            (flash + BF16, compiled, chunked), via benchmarks/compare_hf.py
+    build   building Llama-3-8B before its first step (setup_time_s.model), the QLoRA step, the
+            compiled seed step's data wait and first step, with and without the chunked loss
+    seed    `memtrain bench --scale seed`: every default row on CUDA (the compiled rows too)
+    checks  `pytest -m gpu` and the allocator model on the seed and transformers rows
+            (benchmarks/allocator_check.py --rows all)
+
+Each step writes into a work folder outside ``--out`` (one log and one result folder per step);
+after every step the whole work folder is packed into ``OUT/PART.tar.gz`` and ``OUT/PART.md``
+(each step's command, exit code, wall time and headline figures) is rewritten, so a part cut
+off by its time limit still returns everything it finished, in two files. A step is skipped,
+and says so, when its time estimate no longer fits before ``--deadline``.
+
+On the GPU machine (wheels of the packages its image lacks: benchmarks/gpu_wheels.sh, carried
+as ``.whl``):
+
+    python3 benchmarks/gpu_runbook.py --part hf --wheels .whl --commit $(git rev-parse --short HEAD) --out $OUT
+
+``--commit`` names the commit the working tree was sent at; the machine's copy of the git
+metadata can be stale, so the steps run with git hidden and that commit in ``MEMTRAIN_COMMIT``.
+
+On a CPU, ``--smoke`` runs every step at toy size (tiny-llama for the transformers models, the
+quick scale, a few steps; CUDA-only scripts show their --help), to prove that the commands
+still match the command lines before device time is spent on them:
+
+    python benchmarks/gpu_runbook.py --part hf --smoke --out /tmp/runbook
+    python benchmarks/gpu_runbook.py --list
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+# One device command may run 600 s; the start-up, the wheels and the packing take the rest.
+DEFAULT_DEADLINE_S = 540.0
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What differs between the real run on a GPU and the CPU smoke run of the same steps."""
+
+    big_model: str
+    mid_model: str
+    long_seq: int
+    mid_seq: int
+    mid_batch: int
+    hf_steps: int
+    gpt_scale: str
+    gpt_steps: int
+    seed_batch: int
+    seed_seq: int
+    seed_steps: int
+    compile: bool
+    attention: str  # the seed rows' kernel: flash on a GPU; the CPU's flash kernel takes no dropout
+    device: str
+
+
+FULL = Sizes(big_model="llama-3-8b", mid_model="qwen2.5-0.5b", long_seq=2048, mid_seq=1024, mid_batch=4,
+             hf_steps=14, gpt_scale="seed", gpt_steps=60, seed_batch=64, seed_seq=256, seed_steps=200,
+             compile=True, attention="flash", device="cuda")
+SMOKE = Sizes(big_model="tiny-llama", mid_model="tiny-llama", long_seq=128, mid_seq=128, mid_batch=2,
+              hf_steps=4, gpt_scale="quick", gpt_steps=4, seed_batch=2, seed_seq=64, seed_steps=3,
+              compile=False, attention="sdpa", device="cpu")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One measurement: a command line (built for the sizes and the step's result folder)."""
+
+    name: str
+    part: str
+    checks: str  # what the figure is held against (the open target it answers)
+    est_s: float  # expected wall time on an H100, start-up included
+    argv: Callable[[Sizes, Path], list[str]]
+    kind: str  # how its headline is read: compare | train | bench | pytest | script
+
+
+def _compare(s: Sizes, out: Path, *args: str) -> list[str]:
+    return [PY, str(ROOT / "benchmarks" / "compare_hf.py"), "--device", s.device, "--no-maxbatch",
+            "--repeats", "1", "--timeout", "400", "--out", str(out), *args]
+
+
+def _train(s: Sizes, out: Path, *args: str) -> list[str]:
+    return [PY, "-m", "memtrain", "train", "--device", s.device, "--no-progress", "--out", str(out), *args]
+
+
+# The 8B LoRA row as it was measured against the Trainer: BF16 base, rank 16 on every Linear.
+LLAMA_LORA = "precision=bf16-pure+attention=sdpa+lora_rank=16"
+
+
+def _seed_train(s: Sizes, *extra: str) -> list[str]:
+    """The seed GPT at batch 64 x 256, BF16 + flash, compiled (on a GPU)."""
+    flags = ["--batch-size", str(s.seed_batch), "--seq-len", str(s.seed_seq), "--steps", str(s.seed_steps),
+             "--precision", "bf16", "--attention", s.attention, "--val-blocks", "4", *extra]
+    return flags + (["--compile"] if s.compile else [])
+
+
+STEPS: list[Step] = [
+    # ---- hf: memtrain vs HF Trainer (+ peft), ratios from one run
+    Step("hf-llama8b-lora", "hf",
+         "LoRA step time <= HF Trainer + peft's (target 1.1x faster), with and without checkpointing; "
+         "checkpointing's cost no higher than HF's", 260,
+         lambda s, out: _compare(s, out, "--model", s.big_model, "--no-lockstep",  # two 8B models at once may not fit
+                                 "--techniques", f"{LLAMA_LORA}+checkpointing=full,{LLAMA_LORA}",
+                                 "--set", "batch_size=1", "--set", f"seq_len={s.long_seq}", "--set", "val_blocks=4",
+                                 "--steps", str(s.hf_steps), "--warmup-steps", "2"),
+         "compare"),
+    Step("hf-qwen05-full", "hf",
+         "full fine-tune step time <= HF Trainer's; chunked loss <= 1.05x the standard step (Liger when installed)",
+         150,
+         lambda s, out: _compare(s, out, "--model", s.mid_model, "--techniques",
+                                 "precision=bf16+attention=sdpa,precision=bf16+attention=sdpa+loss=chunked,"
+                                 "precision=bf16+attention=sdpa+checkpointing=full",
+                                 "--set", f"batch_size={s.mid_batch}", "--set", f"seq_len={s.mid_seq}",
+                                 "--set", "val_blocks=4", "--steps", str(s.hf_steps + 6), "--warmup-steps", "2"),
+         "compare"),
+    Step("hf-gpt-seed", "hf",
+         "seed GPT batch 64 x 256: <= 6 ms and <= 1.5 GiB per step (stretch 4 ms, 40% MFU); chunked <= 1.05x",
+         130,
+         lambda s, out: _compare(s, out, "--scale", s.gpt_scale,
+                                 "--techniques", "flash-bf16,chunked-loss" + (",compile" if s.compile else ""),
+                                 "--steps", str(s.gpt_steps)),
+         "compare"),
+    # ---- build: setup times, QLoRA, the compiled seed step
+    Step("build-llama8b", "build", "building Llama-3-8B before the first step <= 15 s (setup_time_s.model)", 90,
+         lambda s, out: _train(s, out, "--model", s.big_model, "--lora-rank", "16", "--precision", "bf16-pure",
+                               "--checkpointing", "full", "--attention", "sdpa", "--batch-size", "1",
+                               "--seq-len", str(s.long_seq), "--steps", "6", "--val-blocks", "2"),
+         "train"),
+    Step("seed-compiled", "build", "data wait <= 2% of a compiled seed step (data_wait_share)", 70,
+         lambda s, out: _train(s, out, *_seed_train(s)), "train"),
+    Step("seed-compiled-chunked", "build",
+         "--compile --loss chunked: first compiled step <= 60 s (setup_time_s.first_step), the fastest small row", 90,
+         lambda s, out: _train(s, out, *_seed_train(s, "--loss", "chunked")), "train"),
+    Step("qlora-llama8b", "build", "QLoRA trains on CUDA (bitsandbytes); step time beside the LoRA row", 120,
+         lambda s, out: _train(s, out, "--model", s.big_model, "--lora-rank", "16", "--qlora", "--precision", "bf16-pure",
+                               "--checkpointing", "full", "--attention", "sdpa", "--batch-size", "1",
+                               "--seq-len", str(s.long_seq), "--steps", "6", "--val-blocks", "2"),
+         "train"),
+    Step("bench-compiled-chunked", "build", "the compiled chunked row beside the compiled row, in the bench's table",
+         150,
+         lambda s, out: [PY, "-m", "memtrain", "bench", "--device", s.device, "--scale", s.gpt_scale, "--no-progress",
+                         "--no-maxbatch", "--out", str(out), "--techniques",
+                         "compile,precision=bf16+attention=flash+compile=true+loss=chunked" if s.compile
+                         else "chunked-loss", *([] if s.compile else ["--steps", str(s.gpt_steps)])],
+         "bench"),
+    # ---- seed: the default bench on CUDA
+    Step("seed-bench", "seed", "every default row valid on CUDA (the windowed row's kernel named), compiled rows in",
+         520,
+         lambda s, out: [PY, "-m", "memtrain", "bench", "--device", s.device, "--scale", s.gpt_scale, "--no-progress",
+                         "--out", str(out), "--row-timeout", "240",
+                         *([] if s.compile else ["--steps", str(s.gpt_steps), "--no-maxbatch",
+                                                 "--techniques", "baseline,window-flash"])],
+         "bench"),
+    # ---- checks: GPU tests and the allocator model (reserved memory within 3%)
+    Step("gpu-tests", "checks", "every GPU test passes or skips naming its package", 240,
+         lambda s, out: [PY, "-m", "pytest", "-m", "gpu", "-o", "addopts=", "-q", "-p", "no:cacheprovider",
+                         "--junitxml", str(out / "junit.xml"), *([] if s.device == "cuda" else ["--co"]),
+                         str(ROOT / "tests")],
+         "pytest"),
+    Step("allocator", "checks", "max_memory_reserved estimated within 3% (seed rows, Llama-3-8B LoRA, Qwen2.5-0.5B)",
+         260,
+         lambda s, out: [PY, str(ROOT / "benchmarks" / "allocator_check.py"), "--rows", "all", "--timeout", "150",
+                         "--out", str(out)] + ([] if s.device == "cuda" else ["--help"]),
+         "script"),
+]
+PARTS = ["hf", "build", "seed", "checks"]
+
+
+# ============================================================================ headlines
+def _json(path: Path) -> Optional[dict[str, Any]]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _section(text: str, title: str) -> list[str]:
+    """The lines of the markdown section ``title`` (up to the next heading of the same depth)."""
+    lines = text.splitlines()
+    out: list[str] = []
+    inside = False
+    for line in lines:
+        if line.startswith("## "):
+            inside = line[3:].strip().startswith(title)
+            continue
+        if inside and line.strip():
+            out.append(line)
+    return out
+
+
+def headline(step: Step, out: Path, log: Path) -> list[str]:
+    """The figures of a finished step that its target is read from (markdown lines)."""
+    if step.kind == "train":
+        r = _json(out / "result.json")
+        if r is None:
+            return ["no result.json"]
+        st, mem, setup = r.get("step_time_s") or {}, r.get("memory") or {}, r.get("setup_time_s") or {}
+        gib = lambda b: f"{b / 2**30:.2f} GiB" if isinstance(b, (int, float)) else "-"  # noqa: E731
+        pct = lambda x: f"{x:.2%}" if isinstance(x, (int, float)) else "-"  # noqa: E731
+        return [f"step median {st.get('median', float('nan')) * 1e3:.1f} ms; tokens/s {r.get('tokens_per_s') or 0:,.0f}; "
+                f"MFU {pct(r.get('mfu'))}; data wait share {pct(r.get('data_wait_share'))}",
+                "setup_time_s: " + ", ".join(f"{k} {v:.1f}" for k, v in setup.items() if isinstance(v, (int, float))),
+                f"tracked peak {gib(mem.get('peak_bytes'))}; max allocated {gib(mem.get('max_allocated_bytes'))}; "
+                f"max reserved {gib(mem.get('max_reserved_bytes'))}; val PPL {r.get('val_ppl')}"]
+    if (out / "compare_hf.md").is_file():
+        text = (out / "compare_hf.md").read_text()
+        return [*_section(text, "Results"), "", *_section(text, "Ratios")]
+    for name in ("report.md", "allocator_check.md"):
+        if (out / name).is_file():
+            return [ln for ln in (out / name).read_text().splitlines() if ln.startswith("|")][:40]
+    tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.is_file() else []
+    return tail or ["no output"]
+
+
+# ============================================================================ running
+def _env(commit: Optional[str], site: Optional[Path]) -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    paths = [str(site)] if site else []
+    paths.append(str(ROOT / "src"))
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    if commit:
+        # The device's copy of .git may be older than the tree it was sent; the commit given wins.
+        env["MEMTRAIN_COMMIT"] = commit
+        env["GIT_DIR"] = "/nonexistent-memtrain-git"
+    return env
+
+
+def install_wheels(folder: Path, target: Path) -> Path:
+    """pip-install every wheel of ``folder`` into ``target`` (no index, no dependencies)."""
+    wheels = sorted(str(p) for p in folder.glob("*.whl"))
+    if not wheels:
+        raise SystemExit(f"--wheels {folder}: no .whl files there (benchmarks/gpu_wheels.sh fetches them)")
+    subprocess.run([PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
+                    "--upgrade", "--target", str(target), *wheels], check=True)
+    return target
+
+
+def _machine(env: dict[str, str]) -> list[str]:
+    """What ran the part: GPU, driver, packages (one markdown line each)."""
+    lines = []
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        q = subprocess.run([smi, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True)
+        lines.append(f"GPU: {q.stdout.strip() or q.stderr.strip()}")
+    code = ("import importlib.metadata as m, platform, os\n"
+            "v = {}\n"
+            "for n in ('torch', 'transformers', 'peft', 'accelerate', 'torchao', 'liger-kernel', 'bitsandbytes', "
+            "'datasets', 'triton'):\n"
+            "    try: v[n] = m.version(n)\n"
+            "    except m.PackageNotFoundError: v[n] = None\n"
+            "print(platform.python_version(), platform.processor() or platform.machine(), os.cpu_count(), v)")
+    p = subprocess.run([PY, "-c", code], capture_output=True, text=True, env=env)
+    lines.append(f"host and packages: {p.stdout.strip() or p.stderr.strip()[-300:]}")
+    return lines
+
+
+class Part:
+    """One part's work folder, its record and its packed copy under ``out``."""
+
+    def __init__(self, name: str, work: Path, out: Path, header: list[str]) -> None:
+        self.name, self.work, self.out = name, work, out
+        self.header = header
+        self.records: list[dict[str, Any]] = []
+        work.mkdir(parents=True, exist_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
+
+    def add(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        with (self.work / "runbook.jsonl").open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        self.publish()
+
+    def publish(self) -> None:
+        """Rewrite OUT/PART.md and OUT/PART.tar.gz from what is finished (each atomically)."""
+        lines = [f"# GPU runbook, part {self.name}", "", *[f"- {h}" for h in self.header], ""]
+        for r in self.records:
+            lines += [f"## {r['step']}: {r['status']}", "", f"- checks: {r['checks']}",
+                      f"- command: `{r['command']}`", f"- exit {r['rc']}, wall {r['wall_s']:.0f} s "
+                      f"(estimate {r['est_s']:.0f} s)", "", *r.get("headline", []), ""]
+        md = self.out / f"{self.name}.md"
+        tmp = md.with_suffix(".md.tmp")
+        tmp.write_text("\n".join(lines) + "\n")
+        tmp.replace(md)
+        (self.work / f"{self.name}.md").write_text("\n".join(lines) + "\n")
+        tar = self.out / f"{self.name}.tar.gz"
+        part = tar.with_suffix(".tmp")
+        with tarfile.open(part, "w:gz") as tf:
+            tf.add(self.work, arcname=self.name)
+        part.replace(tar)
+
+
+def run_part(name: str, sizes: Sizes, out: Path, work: Path, deadline_s: float, env: dict[str, str],
+             only: Optional[set[str]], header: list[str]) -> int:
+    """Run the part's steps in order within ``deadline_s``; the number of failed steps."""
+    start = time.monotonic()
+    part = Part(name, work / name, out, header + _machine(env))
+    failed = 0
+    for step in (s for s in STEPS if s.part == name and (only is None or s.name in only)):
+        folder = part.work / step.name
+        folder.mkdir(parents=True, exist_ok=True)
+        argv = step.argv(sizes, folder)
+        left = deadline_s - (time.monotonic() - start)
+        record: dict[str, Any] = {"step": step.name, "checks": step.checks, "command": shlex.join(argv),
+                                  "est_s": step.est_s, "rc": None, "wall_s": 0.0}
+        if sizes is FULL and left < step.est_s:
+            part.add({**record, "status": f"skipped: {left:.0f} s left of the part's deadline, estimate {step.est_s:.0f} s"})
+            continue
+        log = folder / "log.txt"
+        print(f"[{name}] {step.name}: {record['command']}", flush=True)
+        t0 = time.monotonic()
+        with log.open("w") as fh:
+            try:
+                # The smoke run has no deadline: it proves the commands, not their time.
+                rc = subprocess.run(argv, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                    timeout=max(10.0, left - 5.0) if sizes is FULL else None).returncode
+                status = "ok" if rc == 0 else "failed"
+            except subprocess.TimeoutExpired:
+                rc, status = 124, f"stopped at the part's deadline ({left:.0f} s left when it started)"
+        failed += status != "ok"
+        wall = time.monotonic() - t0
+        lines = headline(step, folder, log)
+        print(f"[{name}] {step.name}: {status} in {wall:.0f} s", flush=True)
+        part.add({**record, "rc": rc, "wall_s": wall, "status": status, "headline": lines})
+    return failed
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    ap.add_argument("--part", choices=PARTS, help="which part to run (one device command each)")
+    ap.add_argument("--out", type=Path, help="folder that gets PART.md and PART.tar.gz (on the device: $OUT)")
+    ap.add_argument("--work", type=Path, default=None, help="work folder (default: a folder in /tmp)")
+    ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: check that every command still runs")
+    ap.add_argument("--only", help="comma-separated step names of the part")
+    ap.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE_S,
+                    help=f"seconds the part may take (default {DEFAULT_DEADLINE_S:g}: under a 600 s device command)")
+    ap.add_argument("--wheels", type=Path, help="install these wheels first (into a folder put on PYTHONPATH)")
+    ap.add_argument("--commit", help="the commit the working tree was sent at (recorded in every result)")
+    ap.add_argument("--list", action="store_true", help="print the parts and steps with their estimates")
+    args = ap.parse_args(argv)
+    if args.list:
+        for p in PARTS:
+            steps = [s for s in STEPS if s.part == p]
+            print(f"{p} ({sum(s.est_s for s in steps):.0f} s estimated on an H100):")
+            for s in steps:
+                print(f"  {s.name} ({s.est_s:.0f} s): {s.checks}")
+        return 0
+    if args.part is None or args.out is None:
+        ap.error("--part and --out are needed (or --list)")
+    only = set(args.only.split(",")) if args.only else None
+    if only:
+        known = {s.name for s in STEPS if s.part == args.part}
+        if only - known:
+            ap.error(f"--only {','.join(sorted(only - known))}: not a step of part {args.part} "
+                     f"({', '.join(sorted(known))})")
+    work = args.work or Path("/tmp") / f"memtrain-runbook-{os.getpid()}"
+    site = install_wheels(args.wheels, work / "site") if args.wheels else None
+    env = _env(args.commit, site)
+    header = [f"command: `{shlex.join([Path(PY).name, *sys.argv])}`",
+              f"commit: {args.commit or 'not given (--commit)'}",
+              f"sizes: {'smoke (toy sizes on ' + SMOKE.device + ')' if args.smoke else 'full'}",
+              f"started: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}"]
+    failed = run_part(args.part, SMOKE if args.smoke else FULL, args.out, work, args.deadline, env, only, header)
+    print(f"wrote {args.out / (args.part + '.md')} and {args.out / (args.part + '.tar.gz')}; {failed} step(s) failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

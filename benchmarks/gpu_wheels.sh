@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Wheels of the packages the lent GPU machine's image lacks, for benchmarks/gpu_runbook.py --wheels.
+#
+# The machine (Python 3.12, x86-64, torch 2.11 + CUDA, transformers, peft, accelerate, tiktoken,
+# triton, pyarrow already there) cannot reach a package index, so they travel with the working
+# tree as .whl/ (.gitignore keeps it out of commits; about 47 MB of the 64 MiB a command may
+# carry, named in the run's `carry`). Prints the folder's size.
+set -euo pipefail
+cd "$(git rev-parse --show-toplevel)"
+mkdir -p .whl
+# Pinned to the versions the recorded GPU runs used (benchmarks/results/gpu-h100/); datasets
+# needs dill and multiprocess besides what the image has.
+python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
+  -d .whl torchao==0.18.0 liger-kernel==0.8.5 bitsandbytes==0.50.2 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+du -sh .whl

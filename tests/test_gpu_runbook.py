@@ -1,0 +1,139 @@
+"""benchmarks/gpu_runbook.py: the GPU measurements as a few device commands. Device time is
+scarce, so every command is checked here, on a CPU, against the command lines it calls."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from memtrain.bench.scales import scale_overrides
+from memtrain.bench.technique_sets import technique_overrides
+from memtrain.cli import build_parser, config_from_args
+from memtrain.config.run import build_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+runbook = _load("gpu_runbook")
+
+
+def test_every_part_fits_one_device_command():
+    for part in runbook.PARTS:
+        steps = [s for s in runbook.STEPS if s.part == part]
+        assert steps, part
+        assert sum(s.est_s for s in steps) <= runbook.DEFAULT_DEADLINE_S < 600, part
+    assert len({s.name for s in runbook.STEPS}) == len(runbook.STEPS)
+
+
+def _techniques(argv: list[str]) -> list[str]:
+    return argv[argv.index("--techniques") + 1].split(",") if "--techniques" in argv else []
+
+
+@pytest.mark.parametrize("step", runbook.STEPS, ids=lambda s: s.name)
+def test_full_size_commands_parse_with_todays_flags(step, tmp_path):
+    """The GPU-size command lines (not only the smoke ones) name flags, rows and settings that
+    exist: a renamed flag fails here, not after minutes of device time."""
+    argv = step.argv(runbook.FULL, tmp_path)
+    if argv[1:3] == ["-m", "memtrain"]:
+        args = build_parser().parse_args(argv[3:])
+        cfg = config_from_args(args)  # every value through the config's own checks
+        if args.command == "bench":
+            scale = argv[argv.index("--scale") + 1]
+            for name in _techniques(argv):
+                build_config(scale_overrides(scale), technique_overrides(name, scale))
+        else:
+            assert cfg.train.device == "cuda"
+    elif argv[1].endswith("compare_hf.py"):
+        from memtrain.bench.hf import cli, mapping
+
+        args = argv[2:]
+        args[args.index("--device") + 1] = "cpu"  # resolving checks the device is there
+        rows, _, _ = cli.resolve(cli.parse_args(args))
+        assert [r["preset"] for r in rows] == _techniques(argv)
+        for r in rows:  # every row has a Trainer side to time on the GPU
+            assert mapping.hf_plan(r["config"], "cuda").status != "none", r["preset"]
+    elif argv[1:3] == ["-m", "pytest"]:
+        assert "gpu" in argv and "--co" not in argv
+    else:
+        assert Path(argv[1]).is_file()
+        assert subprocess.run([*argv, "--help"], capture_output=True).returncode == 0
+
+
+def test_allocator_model_rows_are_estimated_for_a_gpu():
+    alloc = _load("allocator_check")
+    from memtrain.analysis.estimate import estimate
+
+    assert {"seed", "models", "all"} <= set(alloc.ROW_SETS)
+    for name, overrides, _ in alloc.MODEL_ROWS:
+        est = estimate(build_config({**overrides, "device": "cuda"}), device_type="cuda", gpu="h100")
+        assert est.device_memory and est.device_memory["reserved"] >= est.peak_bytes > 0, name
+
+
+def _fake_steps(monkeypatch, *steps):
+    monkeypatch.setattr(runbook, "STEPS", list(steps))
+
+
+def _py(code: str):
+    return lambda s, out: [sys.executable, "-c", code, str(out)]
+
+
+def test_part_records_each_step_and_packs_what_finished(monkeypatch, tmp_path):
+    """A failing step is recorded and the next still runs; a step whose estimate no longer fits
+    is skipped and says so; OUT holds the summary and one archive with every step's folder."""
+    write = "import sys, json, pathlib; pathlib.Path(sys.argv[1], 'result.json').write_text(json.dumps(" \
+            "{'step_time_s': {'median': 0.004}, 'setup_time_s': {'model': 1.5}, 'data_wait_share': 0.01}))"
+    _fake_steps(monkeypatch,
+                runbook.Step("a", "hf", "writes a result", 1, _py(write), "train"),
+                runbook.Step("b", "hf", "fails", 1, _py("import sys; print('boom'); sys.exit(3)"), "script"),
+                runbook.Step("c", "hf", "too long", 10_000, _py("pass"), "script"))
+    failed = runbook.run_part("hf", runbook.FULL, tmp_path / "out", tmp_path / "work", 100, runbook._env(None, None),
+                              None, ["header line"])
+    assert failed == 1
+    md = (tmp_path / "out" / "hf.md").read_text()
+    assert "## a: ok" in md and "step median 4.0 ms" in md and "data wait share 1.00%" in md and "model 1.5" in md
+    assert "## b: failed" in md and "exit 3" in md and "boom" in md
+    assert "## c: skipped" in md
+    records = [json.loads(x) for x in (tmp_path / "work" / "hf" / "runbook.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == ["a", "b", "c"]
+    with tarfile.open(tmp_path / "out" / "hf.tar.gz") as tf:
+        names = tf.getnames()
+    assert "hf/a/result.json" in names and "hf/b/log.txt" in names and "hf/runbook.jsonl" in names
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["hf.md", "hf.tar.gz"]  # 2 files come back
+
+
+def test_a_step_past_the_deadline_is_stopped_and_the_part_still_published(monkeypatch, tmp_path):
+    _fake_steps(monkeypatch, runbook.Step("slow", "hf", "hangs", 1, _py("import time; time.sleep(60)"), "script"))
+    failed = runbook.run_part("hf", runbook.FULL, tmp_path / "out", tmp_path / "work", 12, runbook._env(None, None),
+                              None, [])
+    assert failed == 1
+    assert "stopped at the part's deadline" in (tmp_path / "out" / "hf.md").read_text()
+
+
+def test_given_commit_wins_over_a_stale_git_checkout():
+    env = runbook._env("abc123", None)
+    code = "from memtrain.runtime.env import git_commit; print(git_commit())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert out.stdout.strip() == "abc123"
+    assert env["PYTHONPATH"].split(":")[0] == str(ROOT / "src")
+
+
+def test_cli_refuses_unknown_steps_and_missing_wheels(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        runbook.main(["--part", "hf", "--out", str(tmp_path), "--only", "nope"])
+    assert e.value.code == 2 and "not a step of part hf" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="no .whl files"):
+        runbook.main(["--part", "hf", "--out", str(tmp_path), "--wheels", str(tmp_path), "--work", str(tmp_path / "w")])
