@@ -23,8 +23,8 @@ def build_hf_model(cfg: RunConfig, plan: HFPlan, init_from_memtrain: bool = True
     """The transformers model the Trainer trains for ``cfg``, starting where memtrain starts.
 
     Built on ``device`` (default: torch's default device, which an open ``torch.device`` context
-    sets) in the plan's weight dtype, as memtrain builds its
-    side (:func:`memtrain.training.step.building_on`): the same random draws on the same device's
+    sets) in the plan's weight dtype, as memtrain builds its side
+    (:func:`memtrain.training.step.building_on`): the same random draws on the same device's
     generator give both sides the same initial weights on a GPU too, and an 8B model is not first
     built in FP32 on the host (minutes) before the Trainer moves it.
 

@@ -15,8 +15,8 @@ Three outcomes per row (``HFPlan.status``):
              over what a Trainer user can get; also a LoRA row under ``bf16-pure``, where only the
              small adapters' dtype differs (the Trainer side: the model in BF16, peft's FP32 adapters);
 ``none``     a part changes what is computed (sliding-window attention, full fine-tuning in BF16
-             weights without an FP32 copy, no biases) or cannot run in one process (distributed): there is nothing
-             to compare against, the row is listed with the reason and not run.
+             weights without an FP32 copy, no biases) or cannot run in one process (distributed):
+             there is nothing to compare against, the row is listed with the reason and not run.
 
 Written against transformers 5.23, where ``gradient_checkpointing`` is the deprecated alias of
 ``activation_checkpointing`` (with ``every_n_layers``).
