@@ -7,8 +7,10 @@ four *parts*, each one device command of under 10 minutes, run in priority order
     hf      memtrain vs HF Trainer (+ peft) on Llama-3-8B LoRA (with and without checkpointing),
             Qwen2.5-0.5B full fine-tune (standard loss, chunked loss, checkpointing) and the seed GPT
             (flash + BF16, compiled, chunked), via benchmarks/compare_hf.py
-    build   building Llama-3-8B before its first step (setup_time_s.model), the QLoRA step, the
-            compiled seed step's data wait and first step, with and without the chunked loss
+    build   a profile of both LoRA steps (8-layer Llama-3-8B shape), the LoRA optimizer step
+            (benchmarks/lora_optimizer_step.py), building Llama-3-8B before its
+            first step (setup_time_s.model), the compiled seed step's data wait and first step, with
+            and without the chunked loss, the QLoRA step
     seed    `memtrain bench --scale seed`: every default row on CUDA (the compiled rows too)
     checks  `pytest -m gpu` and the allocator model on the seed and transformers rows
             (benchmarks/allocator_check.py --rows all)
@@ -93,12 +95,23 @@ class Step:
     checks: str  # what the figure is held against (the open target it answers)
     est_s: float  # expected wall time on an H100, start-up included
     argv: Callable[[Sizes, Path], list[str]]
-    kind: str  # how its headline is read: compare | train | bench | pytest | script
+    kind: str  # how its headline is read: compare | profile | train | bench | pytest | script
 
 
 def _compare(s: Sizes, out: Path, *args: str) -> list[str]:
     return [PY, str(ROOT / "benchmarks" / "compare_hf.py"), "--device", s.device, "--no-maxbatch",
             "--repeats", "1", "--timeout", "400", "--out", str(out), *args]
+
+
+def _cut_model(name: str, layers: int, folder: Path) -> str:
+    """A config.json of bundled model ``name`` with ``layers`` decoder layers (written into
+    ``folder``): the 8-layer Llama-3-8B shape the LoRA gap was first measured on."""
+    config = json.loads((ROOT / "src" / "memtrain" / "models" / "configs" / f"{name}.json").read_text())
+    config["num_hidden_layers"] = layers
+    path = folder / f"{name}-{layers}-layers.json"
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config, indent=1))
+    return str(path)
 
 
 def _train(s: Sizes, out: Path, *args: str) -> list[str]:
@@ -142,7 +155,21 @@ STEPS: list[Step] = [
                                  "--techniques", "flash-bf16,chunked-loss" + (",compile" if s.compile else ""),
                                  "--steps", str(s.gpt_steps)),
          "compare"),
-    # ---- build: setup times, QLoRA, the compiled seed step
+    # ---- build: where the LoRA step's time goes, setup times, the compiled seed step, QLoRA
+    Step("hf-llama8b-profile", "build",
+         "where memtrain's LoRA step loses to the Trainer's: per-phase times and top operators of both steps, "
+         "8-layer Llama-3-8B shape, with and without checkpointing", 100,
+         lambda s, out: _compare(s, out, "--model", _cut_model(s.big_model, 8 if s.device == "cuda" else 2, out),
+                                 "--techniques", f"{LLAMA_LORA}+checkpointing=full,{LLAMA_LORA}",
+                                 "--set", "batch_size=1", "--set", f"seq_len={s.long_seq}", "--profile", "12"),
+         "profile"),
+    Step("lora-optimizer", "build",
+         "the bf16-pure LoRA optimizer step: torchao's per-tensor compiled AdamW vs one compiled call vs torch's "
+         "fused FP32 AdamW, 112 adapter tensors (the 8-layer shape's)", 60,
+         lambda s, out: [PY, str(ROOT / "benchmarks" / "lora_optimizer_step.py"), "--device", s.device,
+                         "--tensors", "112" if s.device == "cuda" else "8", "--d", "4096" if s.device == "cuda" else "64",
+                         "--rank", "16", "--steps", "20" if s.device == "cuda" else "3", "--out", str(out)],
+         "script"),
     Step("build-llama8b", "build", "building Llama-3-8B before the first step <= 15 s (setup_time_s.model)", 90,
          lambda s, out: _train(s, out, "--model", s.big_model, "--lora-rank", "16", "--precision", "bf16-pure",
                                "--checkpointing", "full", "--attention", "sdpa", "--batch-size", "1",
@@ -151,20 +178,14 @@ STEPS: list[Step] = [
     Step("seed-compiled", "build", "data wait <= 2% of a compiled seed step (data_wait_share)", 70,
          lambda s, out: _train(s, out, *_seed_train(s)), "train"),
     Step("seed-compiled-chunked", "build",
-         "--compile --loss chunked: first compiled step <= 60 s (setup_time_s.first_step), the fastest small row", 90,
+         "--compile --loss chunked: first compiled step <= 60 s (setup_time_s.first_step); its step time beside "
+         "seed-compiled's (the same flags but the loss): the fastest small row", 90,
          lambda s, out: _train(s, out, *_seed_train(s, "--loss", "chunked")), "train"),
     Step("qlora-llama8b", "build", "QLoRA trains on CUDA (bitsandbytes); step time beside the LoRA row", 120,
          lambda s, out: _train(s, out, "--model", s.big_model, "--lora-rank", "16", "--qlora", "--precision", "bf16-pure",
                                "--checkpointing", "full", "--attention", "sdpa", "--batch-size", "1",
                                "--seq-len", str(s.long_seq), "--steps", "6", "--val-blocks", "2"),
          "train"),
-    Step("bench-compiled-chunked", "build", "the compiled chunked row beside the compiled row, in the bench's table",
-         150,
-         lambda s, out: [PY, "-m", "memtrain", "bench", "--device", s.device, "--scale", s.gpt_scale, "--no-progress",
-                         "--no-maxbatch", "--out", str(out), "--techniques",
-                         "compile,precision=bf16+attention=flash+compile=true+loss=chunked" if s.compile
-                         else "chunked-loss", *([] if s.compile else ["--steps", str(s.gpt_steps)])],
-         "bench"),
     # ---- seed: the default bench on CUDA
     Step("seed-bench", "seed", "every default row valid on CUDA (the windowed row's kernel named), compiled rows in",
          520,
@@ -225,12 +246,16 @@ def headline(step: Step, out: Path, log: Path) -> list[str]:
                 "setup_time_s: " + ", ".join(f"{k} {v:.1f}" for k, v in setup.items() if isinstance(v, (int, float))),
                 f"tracked peak {gib(mem.get('peak_bytes'))}; max allocated {gib(mem.get('max_allocated_bytes'))}; "
                 f"max reserved {gib(mem.get('max_reserved_bytes'))}; val PPL {r.get('val_ppl')}"]
+    if (out / "profile.md").is_file():  # the per-phase table (the top operators stay in the archive)
+        return [ln for ln in (out / "profile.md").read_text().splitlines() if ln.startswith("|")]
     if (out / "compare_hf.md").is_file():
         text = (out / "compare_hf.md").read_text()
         return [*_section(text, "Results"), "", *_section(text, "Ratios")]
     for name in ("report.md", "allocator_check.md"):
         if (out / name).is_file():
             return [ln for ln in (out / name).read_text().splitlines() if ln.startswith("|")][:40]
+    if log.is_file() and step.name == "lora-optimizer":  # its table is its output
+        return [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("|")]
     tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.is_file() else []
     return tail or ["no output"]
 

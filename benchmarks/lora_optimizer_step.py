@@ -1,0 +1,150 @@
+"""Time the optimizer step of many small LoRA adapters under ``--precision bf16-pure``.
+
+memtrain trains BF16 adapters with torchao's stochastically rounded AdamW (``torchao.optim._AdamW``,
+``bf16_stochastic_round=True``), whose step calls a compiled single-parameter update once per
+tensor: Llama-3-8B with LoRA on every Linear has 448 adapter tensors. A Trainer + peft user
+trains FP32 adapters with torch's AdamW (fused on CUDA). This script times, on the same tensors:
+
+* ``torchao``: torchao's ``_AdamW`` as memtrain runs it (one compiled call per tensor);
+* ``torchao-grouped``: torchao's own update (``torchao.optim.adam.single_param_adam``) for every
+  tensor inside one compiled call (a candidate fix; the same math, one call per step);
+* ``torch-fp32``: ``torch.optim.AdamW`` on FP32 copies (fused on CUDA, foreach on CPU).
+
+For each: the first step's time (the compile lands there) and the median of the next steps.
+
+    python benchmarks/lora_optimizer_step.py --tensors 56 --out /tmp/lora-opt
+    python benchmarks/lora_optimizer_step.py --device cuda --tensors 448 --d 4096 --rank 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+
+def adapter_shapes(n: int, d: int, rank: int) -> list[tuple[int, int]]:
+    """LoRA's A (rank x d) and B (d x rank) matrices, alternating."""
+    return [(rank, d) if i % 2 == 0 else (d, rank) for i in range(n)]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(step: Callable[[], None], fill: Callable[[], None], device: torch.device, steps: int) -> dict[str, float]:
+    fill()
+    _sync(device)
+    t0 = time.perf_counter()
+    step()
+    _sync(device)
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(steps):
+        fill()
+        _sync(device)
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return {"first_s": first, "median_ms": statistics.median(times) * 1e3}
+
+
+def _grouped_adamw(base: type) -> type:
+    """torchao's _AdamW whose step updates every tensor of a group in one compiled call."""
+    from torchao.optim.adam import single_param_adam
+
+    def update_all(ps: list, gs: list, steps: list, m1: list, m2: list, lr: torch.Tensor, beta1: float,
+                   beta2: float, wd: float, eps: float, adamw: bool, sr: bool) -> None:
+        for p, g, s, a, b in zip(ps, gs, steps, m1, m2):
+            s.add_(1)
+            single_param_adam(p, g, s, a, b, None, lr, beta1, beta2, wd, eps, adamw, sr)
+
+    compiled = torch.compile(update_all, fullgraph=True, dynamic=False)
+
+    class GroupedAdamW(base):  # type: ignore[misc,valid-type]
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> None:
+            for group in self.param_groups:
+                ps = [p for p in group["params"] if p.grad is not None]
+                for p in ps:
+                    state = self.state[p]
+                    if not state:  # as torchao initializes it
+                        state["step"] = torch.tensor(0.0)
+                        state["exp_avg"] = self._new_buffer(p, True)
+                        state["exp_avg_sq"] = self._new_buffer(p, False)
+                states = [self.state[p] for p in ps]
+                compiled([p.detach() for p in ps], [p.grad for p in ps], [s["step"] for s in states],
+                         [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], group["lr"],
+                         group["betas"][0], group["betas"][1], group["weight_decay"], group["eps"],
+                         self.is_adamw, self.bf16_stochastic_round)
+
+    return GroupedAdamW
+
+
+def run(n: int, d: int, rank: int, device: torch.device, steps: int) -> dict[str, Any]:
+    from torchao.optim import _AdamW
+
+    shapes = adapter_shapes(n, d, rank)
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def tensors(dtype: torch.dtype) -> list[torch.nn.Parameter]:
+        return [torch.nn.Parameter(torch.randn(*s, generator=g, device=device, dtype=dtype) * 0.02) for s in shapes]
+
+    def filler(params: list[torch.nn.Parameter]) -> Callable[[], None]:
+        def fill() -> None:
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g, device=device, dtype=p.dtype) * 1e-3
+        return fill
+
+    out: dict[str, Any] = {}
+    lr = torch.tensor(1e-4, device=device)  # torchao keeps the learning rate as a tensor
+    bf16 = tensors(torch.bfloat16)
+    opt = _AdamW(bf16, lr=lr.clone(), weight_decay=0.1, bf16_stochastic_round=True)
+    out["torchao"] = _time(opt.step, filler(bf16), device, steps)
+    bf16 = tensors(torch.bfloat16)
+    opt = _grouped_adamw(_AdamW)(bf16, lr=lr.clone(), weight_decay=0.1, bf16_stochastic_round=True)
+    out["torchao-grouped"] = _time(opt.step, filler(bf16), device, steps)
+    fp32 = tensors(torch.float32)
+    kind = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    torch_opt = torch.optim.AdamW(fp32, lr=1e-4, weight_decay=0.1, **kind)
+    out["torch-fp32"] = {**_time(torch_opt.step, filler(fp32), device, steps), "kernel": next(iter(kind))}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    ap.add_argument("--tensors", type=int, default=56, help="adapter tensors (Llama-3-8B all-linear: 448)")
+    ap.add_argument("--d", type=int, default=128, help="the adapted Linears' width")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=20, help="timed steps after the first")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", type=Path, help="folder for lora_optimizer_step.json")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = run(args.tensors, args.d, args.rank, device, args.steps)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    print(f"{args.tensors} adapter tensors ({args.rank} x {args.d} and {args.d} x {args.rank}) on {name}, torch {torch.__version__}")
+    print("| optimizer | first step (s) | median step (ms) |\n|---|---:|---:|")
+    for k, v in result.items():
+        print(f"| {k} | {v['first_s']:.2f} | {v['median_ms']:.2f} |")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        payload = {"command": " ".join(["python", *sys.argv]), "device": name, "torch": torch.__version__,
+                   "tensors": args.tensors, "d": args.d, "rank": args.rank, "results": result}
+        (args.out / "lora_optimizer_step.json").write_text(json.dumps(payload, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
