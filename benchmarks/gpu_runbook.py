@@ -10,7 +10,7 @@ four *parts*, each one device command of under 10 minutes, run in priority order
     build   a profile of both LoRA steps (8-layer Llama-3-8B shape), the LoRA optimizer step
             (benchmarks/lora_optimizer_step.py), building Llama-3-8B before its
             first step (setup_time_s.model), the compiled seed step's data wait and first step, with
-            and without the chunked loss, the QLoRA step
+            and without the chunked loss, QLoRA against the Trainer (bitsandbytes on both sides)
     seed    `memtrain bench --scale seed`: every default row on CUDA (the compiled rows too)
     checks  `pytest -m gpu` and the allocator model on the seed and transformers rows
             (benchmarks/allocator_check.py --rows all)
@@ -181,11 +181,14 @@ STEPS: list[Step] = [
          "--compile --loss chunked: first compiled step <= 60 s (setup_time_s.first_step); its step time beside "
          "seed-compiled's (the same flags but the loss): the fastest small row", 90,
          lambda s, out: _train(s, out, *_seed_train(s, "--loss", "chunked")), "train"),
-    Step("qlora-llama8b", "build", "QLoRA trains on CUDA (bitsandbytes); step time beside the LoRA row", 120,
-         lambda s, out: _train(s, out, "--model", s.big_model, "--lora-rank", "16", "--qlora", "--precision", "bf16-pure",
-                               "--checkpointing", "full", "--attention", "sdpa", "--batch-size", "1",
-                               "--seq-len", str(s.long_seq), "--steps", "6", "--val-blocks", "2"),
-         "train"),
+    Step("hf-llama8b-qlora", "build",
+         "QLoRA step time <= HF Trainer + peft's (bitsandbytes NF4 on both sides), 8-layer Llama-3-8B shape, "
+         "checkpointing", 120,
+         lambda s, out: _compare(s, out, "--model", _cut_model(s.big_model, 8 if s.device == "cuda" else 2, out),
+                                 "--techniques", f"{LLAMA_LORA}+qlora=true+checkpointing=full",
+                                 "--set", "batch_size=1", "--set", f"seq_len={s.long_seq}", "--set", "val_blocks=4",
+                                 "--steps", str(s.hf_steps), "--warmup-steps", "2"),
+         "compare"),
     # ---- seed: the default bench on CUDA
     Step("seed-bench", "seed", "every default row valid on CUDA (the windowed row's kernel named), compiled rows in",
          520,

@@ -109,7 +109,7 @@ def _quantize_bnb(linears: list[tuple[str, nn.Linear]], device: torch.device) ->
 
     for _, m in linears:
         w = m.weight.detach()
-        q = bnb.nn.Params4bit(w.to("cpu"), requires_grad=False, quant_type="nf4",
+        q = bnb.nn.Params4bit(w.to("cpu"), requires_grad=False, quant_type="nf4",  # type: ignore[misc]  # bitsandbytes' .to overload confuses mypy where it is installed
                               compress_statistics=True).to(device)
         m.weight = q
         m.forward = functools.partial(_bnb_forward, m)  # type: ignore[method-assign]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import tempfile
 import warnings
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from memtrain.bench.hf.mapping import HFPlan
 from memtrain.config.run import ConfigError, RunConfig
@@ -40,10 +42,37 @@ def build_hf_model(cfg: RunConfig, plan: HFPlan, init_from_memtrain: bool = True
     # on this side's turn: the package imports no torch before the lockstep baton
     from memtrain.training.step import building_on
 
-    with building_on(device or torch.get_default_device(), getattr(torch, plan.weight_dtype)):
-        if is_hf(cfg):
-            return transformers_model(cfg, init_from_memtrain)
-        return _gpt2_model(cfg, plan, init_from_memtrain)
+    device = device or torch.get_default_device()
+    with building_on(device, getattr(torch, plan.weight_dtype)):
+        model = transformers_model(cfg, init_from_memtrain) if is_hf(cfg) else _gpt2_model(cfg, plan, init_from_memtrain)
+    if plan.quantization is not None:
+        model = _load_quantized(model, plan, device)
+    return model
+
+
+def _load_quantized(model: PreTrainedModel, plan: HFPlan, device: torch.device) -> PreTrainedModel:
+    """``model``'s weights loaded back through bitsandbytes' 4-bit loader, as a QLoRA user loads
+    a checkpoint (``from_pretrained(..., quantization_config=BitsAndBytesConfig(...))``).
+
+    The quantizer runs only inside ``from_pretrained``, so the initial weights go through a
+    temporary checkpoint (an 8B model: 16 GB of BF16 written and read once, before any timing).
+    """
+    if is_fake(next(model.parameters())):
+        raise ConfigError("the Trainer side's QLoRA base is quantized by bitsandbytes as it loads, which fake tensors "
+                          "cannot run; use --no-maxbatch or --maxbatch-method measure")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    q = dict(plan.quantization or {})
+    q["bnb_4bit_compute_dtype"] = getattr(torch, q["bnb_4bit_compute_dtype"])
+    config = model.config  # memtrain's edits (attention, sliding window, no KV cache) go through config.json
+    with tempfile.TemporaryDirectory(prefix="memtrain-hf-qlora-") as tmp:
+        model.save_pretrained(tmp)
+        del model
+        loaded = AutoModelForCausalLM.from_pretrained(
+            tmp, quantization_config=BitsAndBytesConfig(**q), dtype=getattr(torch, plan.weight_dtype),
+            device_map={"": device}, attn_implementation=config._attn_implementation)
+    loaded.config.use_cache = config.use_cache
+    return loaded
 
 
 def _gpt2_model(cfg: RunConfig, plan: HFPlan, init_from_memtrain: bool) -> PreTrainedModel:

@@ -68,6 +68,8 @@ class HFPlan:
         lora: keyword arguments of ``peft.LoraConfig`` (None: full fine-tuning).
         weight_dtype: the dtype the model is built in (``torch`` attribute name): ``float32``,
             or ``bfloat16`` for a LoRA row under ``--precision bf16-pure`` (the frozen base in BF16).
+        quantization: ``transformers.BitsAndBytesConfig`` keyword arguments for a QLoRA row (the
+            model is loaded through them), else None.
         matmul_precision: ``torch.set_float32_matmul_precision`` value to set before training
             (used for TF32 on CPU, where ``TrainingArguments.tf32`` refuses to run).
         mapping: one line per technique: memtrain setting -> Trainer setting.
@@ -79,6 +81,7 @@ class HFPlan:
     attn_implementation: str = "eager"
     lora: Optional[dict[str, Any]] = None
     weight_dtype: str = "float32"
+    quantization: Optional[dict[str, Any]] = None
     matmul_precision: Optional[str] = None
     mapping: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
@@ -90,6 +93,7 @@ class HFPlan:
             "attn_implementation": self.attn_implementation,
             "lora": self.lora,
             "weight_dtype": self.weight_dtype,
+            "quantization": self.quantization,
             "matmul_precision": self.matmul_precision,
             "mapping": list(self.mapping),
             "missing": list(self.missing),
@@ -147,6 +151,35 @@ def _transformers_model_attention(cfg: RunConfig, plan: HFPlan, mapping: list[st
             none.append(f"--window {t.window}: {config.model_type} has no sliding-window attention")
 
 
+def _qlora(cfg: RunConfig, plan: HFPlan, cuda: bool, mapping: list[str], closest: list[str], none: list[str]) -> None:
+    """QLoRA as a Trainer + peft user runs it: the checkpoint loaded through bitsandbytes' 4-bit
+    NF4 (``BitsAndBytesConfig``), then ``get_peft_model``."""
+    if not is_hf(cfg):
+        none.append("--qlora on memtrain's GPT: the comparison quantizes a transformers --model only")
+        return
+    try:
+        import bitsandbytes  # noqa: F401  # the Trainer side's quantizer
+    except ImportError:
+        none.append("--qlora: the Trainer side loads its 4-bit base through bitsandbytes, which is not installed "
+                    "(pip install bitsandbytes)")
+        return
+    # memtrain's own CUDA QLoRA: bitsandbytes Params4bit, NF4, compress_statistics (double quant).
+    compute = "bfloat16" if _computes_in_bf16(cfg) else "float32"
+    plan.quantization = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+                         "bnb_4bit_compute_dtype": compute}
+    mapping.append(f"qlora -> the same initial weights loaded with BitsAndBytesConfig(load_in_4bit, nf4, double quant, "
+                   f"compute {compute}); prepare_model_for_kbit_training is not called (it would upcast the norms, "
+                   "embeddings and head to FP32)")
+    if not cuda:
+        closest.append("--qlora on CPU: memtrain stores torchao's NF4, the Trainer side bitsandbytes' (the same "
+                       "4-bit NF4 format with double-quantized scales; on CUDA both are bitsandbytes)")
+
+
+def _computes_in_bf16(cfg: RunConfig) -> bool:
+    """Whether the row computes in BF16 (autocast or BF16 weights): the 4-bit matmuls' dtype."""
+    return cfg.technique.precision in ("bf16", "bf16-pure")
+
+
 def hf_plan(cfg: RunConfig, device_type: str) -> HFPlan:  # noqa: C901 - one branch per technique; splits when techniques carry their own HF mapping
     """Map ``cfg``'s techniques onto Trainer settings for a run on ``device_type``."""
     t = cfg.technique
@@ -177,7 +210,7 @@ def hf_plan(cfg: RunConfig, device_type: str) -> HFPlan:  # noqa: C901 - one bra
     elif t.precision == "fp16":
         args["fp16"] = True
         mapping.append("precision fp16 -> fp16=True (autocast + GradScaler)")
-    elif t.precision == "bf16-pure" and t.lora_rank and not t.qlora:
+    elif t.precision == "bf16-pure" and t.lora_rank:
         # The frozen base in BF16 is what a Trainer + peft user runs (the model loaded in BF16,
         # bf16=True); only the small adapters differ: get_peft_model keeps them in FP32
         # (autocast_adapter_dtype) under autocast.
@@ -324,7 +357,7 @@ def hf_plan(cfg: RunConfig, device_type: str) -> HFPlan:  # noqa: C901 - one bra
 
     # -- model and loop
     if t.qlora:
-        none.append("--qlora: the Trainer's 4-bit base weights are bitsandbytes (CUDA); memtrain's CPU NF4 is torchao")
+        _qlora(cfg, plan, cuda, mapping, closest, none)
     if hf_model:
         mapping.append(f"model {cfg.model.model} -> the same AutoModelForCausalLM on both sides, built by "
                        "memtrain.models.build_model under the run's seed (same initial weights)")
