@@ -74,7 +74,7 @@ def zero_notes(records: list[dict[str, Any]], categories: tuple[str, ...], hidde
     return lines
 
 
-def ppl_noise(rows: list[dict[str, Any]]) -> Optional[float]:
+def same_function_loss_spread(rows: list[dict[str, Any]]) -> Optional[float]:
     """The largest val-loss spread among rows that compute the same function (same precision,
     optimizer, window and LoRA): rounding noise. None without two such rows."""
     groups: dict[Any, list[float]] = {}
@@ -167,7 +167,7 @@ def _ppl_lines(ok: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[str
         what = "nudged twins' spread" if q["kind"] == "nudge" else "seed-to-seed difference"
         return [f"- Perplexity differences beyond noise (vs {base}; more than {q['factor']:.0f}x the {what} "
                 f"of {fmt_noise(q['rel_noise'])}, see the noise section): {', '.join(beyond) or 'none'}."]
-    noise = ppl_noise(rows)
+    noise = same_function_loss_spread(rows)
     by_tech = {r.get("technique"): r for r in rows}
     ref = ok[0]
     ref_loss = (by_tech.get(ref["technique"]) or {}).get("val_loss")
