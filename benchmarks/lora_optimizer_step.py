@@ -8,6 +8,9 @@ trains FP32 adapters with torch's AdamW (fused on CUDA). This script times, on t
 * ``torchao``: torchao's ``_AdamW`` as memtrain runs it (one compiled call per tensor);
 * ``torchao-grouped``: torchao's own update (``torchao.optim.adam.single_param_adam``) for every
   tensor inside one compiled call (a candidate fix; the same math, one call per step);
+* ``torchao-flat``: the same update once over one flat buffer that every tensor is a view of
+  (weights and moments; the gradients gathered by one ``torch.cat`` per step): one compiled
+  kernel whatever the tensor count, for a copy of the gradients (2 bytes per adapter weight);
 * ``torch-fp32``: ``torch.optim.AdamW`` on FP32 copies (fused on CUDA, foreach on CPU).
 
 For each: the first step's time (the compile lands there) and the median of the next steps.
@@ -90,6 +93,34 @@ def _grouped_adamw(base: type) -> type:
     return GroupedAdamW
 
 
+class FlatAdamW:
+    """torchao's update over flat buffers: every tensor's weight and moments are views of one
+    buffer each, the gradients are concatenated once per step, one compiled call updates all."""
+
+    def __init__(self, params: list[torch.nn.Parameter], lr: torch.Tensor, weight_decay: float,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
+        from torchao.optim.adam import single_param_adam
+
+        self.params = params
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        offset = 0
+        for p in params:  # each weight becomes a view of the flat buffer (apex's flat master weights)
+            p.data = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.flat = flat
+        self.m1, self.m2 = torch.zeros_like(flat), torch.zeros_like(flat)
+        self.step_t = torch.tensor(0.0)
+        self.lr, self.wd, self.betas, self.eps = lr, weight_decay, betas, eps
+        self.update = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        grads = torch.cat([p.grad.reshape(-1) for p in self.params])  # type: ignore[union-attr]
+        self.step_t += 1
+        self.update(self.flat, grads, self.step_t, self.m1, self.m2, None, self.lr, self.betas[0], self.betas[1],
+                    self.wd, self.eps, True, True)
+
+
 def run(n: int, d: int, rank: int, device: torch.device, steps: int) -> dict[str, Any]:
     from torchao.optim import _AdamW
 
@@ -113,6 +144,9 @@ def run(n: int, d: int, rank: int, device: torch.device, steps: int) -> dict[str
     bf16 = tensors(torch.bfloat16)
     opt = _grouped_adamw(_AdamW)(bf16, lr=lr.clone(), weight_decay=0.1, bf16_stochastic_round=True)
     out["torchao-grouped"] = _time(opt.step, filler(bf16), device, steps)
+    bf16 = tensors(torch.bfloat16)
+    flat = FlatAdamW(bf16, lr=lr.clone(), weight_decay=0.1)
+    out["torchao-flat"] = _time(flat.step, filler(bf16), device, steps)
     fp32 = tensors(torch.float32)
     kind = {"fused": True} if device.type == "cuda" else {"foreach": True}
     torch_opt = torch.optim.AdamW(fp32, lr=1e-4, weight_decay=0.1, **kind)
