@@ -70,7 +70,8 @@ def _load_quantized(model: PreTrainedModel, plan: HFPlan, device: torch.device) 
         del model
         loaded = AutoModelForCausalLM.from_pretrained(
             tmp, quantization_config=BitsAndBytesConfig(**q), dtype=getattr(torch, plan.weight_dtype),
-            device_map={"": device}, attn_implementation=config._attn_implementation)
+            device_map={"": device}, attn_implementation=config._attn_implementation,
+            trust_remote_code=False)  # a checkpoint memtrain just wrote; never run code it names
     loaded.config.use_cache = config.use_cache
     return loaded
 

@@ -30,7 +30,7 @@ from typing import Any, Optional
 from memtrain.config.aliases import trainer_optim
 from memtrain.config.run import ConfigError, RunConfig
 from memtrain.models import is_hf
-from memtrain.techniques.facts import LOW_BIT_BLOCK, checkpoint_policy
+from memtrain.techniques.facts import LOW_BIT_BLOCK, checkpoint_policy, precision_facts
 
 __all__ = ["HFPlan", "hf_plan", "lora_targets", "trainer_alignment", "TRAINER_LOW_BIT_BLOCK"]
 
@@ -176,8 +176,8 @@ def _qlora(cfg: RunConfig, plan: HFPlan, cuda: bool, mapping: list[str], closest
 
 
 def _computes_in_bf16(cfg: RunConfig) -> bool:
-    """Whether the row computes in BF16 (autocast or BF16 weights): the 4-bit matmuls' dtype."""
-    return cfg.technique.precision in ("bf16", "bf16-pure")
+    """Whether the row's matmuls run in BF16 (autocast or BF16 weights): the 4-bit matmuls' dtype."""
+    return precision_facts(cfg.technique.precision).matmul_type == "bf16"
 
 
 def hf_plan(cfg: RunConfig, device_type: str) -> HFPlan:  # noqa: C901 - one branch per technique; splits when techniques carry their own HF mapping
