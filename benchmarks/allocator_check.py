@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    meta = {"command": " ".join([sys.executable, *sys.argv]), "commit": _commit()}
     rows: list[dict[str, Any]] = []
     for name, overrides, seed in ROW_SETS[args.rows]:
         try:
@@ -164,17 +165,17 @@ def main(argv: list[str] | None = None) -> int:
                 r = json.loads(proc.stdout.strip().splitlines()[-1])
                 rows.append({"name": name, "overrides": overrides, "seed_table_gb": seed, **r})
                 print(f"{name}: measured {r['measured']}, estimate {r['estimate']}")
-        _write(out, rows)  # after every row: a later row's failure or a kill loses none before it
+        _write(out, meta, rows)  # after every row: a later row's failure or a kill loses none before it
     print(f"wrote {out / 'allocator_check.md'}")
     return 0
 
 
-def _write(out: Path, rows: list[dict[str, Any]]) -> None:
-    """allocator_check.json and .md of the rows so far (each replaced atomically)."""
+def _write(out: Path, run: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """allocator_check.json and .md of the rows so far (each replaced atomically); ``run``: the
+    command and commit."""
     from memtrain.files.results import write_text_atomic
 
-    meta = {"command": " ".join([sys.executable, *sys.argv]), "commit": _commit(),
-            "gpu": next((r.get("gpu") for r in rows if r.get("gpu")), None)}
+    meta = {**run, "gpu": next((r.get("gpu") for r in rows if r.get("gpu")), None)}
     write_text_atomic(out / "allocator_check.json", json.dumps({**meta, "rows": rows}, indent=2))
     lines = [f"# CUDA allocator model vs measured ({meta['gpu']})", "",
              f"Command: `{meta['command']}`, commit {meta['commit']}. GB = 1e9 bytes.", "",

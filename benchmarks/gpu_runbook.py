@@ -95,7 +95,9 @@ class Step:
     checks: str  # what the figure is held against (the open target it answers)
     est_s: float  # expected wall time on an H100, start-up included
     argv: Callable[[Sizes, Path], list[str]]
-    kind: str  # how its headline is read: compare | profile | train | bench | pytest | script
+    # how its headline is read (:func:`headline`): train (result.json), compare (compare_hf.md),
+    # markdown (the table of the .md it wrote), table (the table it printed), log (its last lines)
+    kind: str
 
 
 def _compare(s: Sizes, out: Path, *args: str) -> list[str]:
@@ -162,14 +164,14 @@ STEPS: list[Step] = [
          lambda s, out: _compare(s, out, "--model", _cut_model(s.big_model, 8 if s.device == "cuda" else 2, out),
                                  "--techniques", f"{LLAMA_LORA}+checkpointing=full,{LLAMA_LORA}",
                                  "--set", "batch_size=1", "--set", f"seq_len={s.long_seq}", "--profile", "12"),
-         "profile"),
+         "markdown"),
     Step("lora-optimizer", "build",
          "the bf16-pure LoRA optimizer step: torchao's per-tensor compiled AdamW vs one compiled call vs torch's "
          "fused FP32 AdamW, 112 adapter tensors (the 8-layer shape's)", 60,
          lambda s, out: [PY, str(ROOT / "benchmarks" / "lora_optimizer_step.py"), "--device", s.device,
                          "--tensors", "112" if s.device == "cuda" else "8", "--d", "4096" if s.device == "cuda" else "64",
                          "--rank", "16", "--steps", "20" if s.device == "cuda" else "3", "--out", str(out)],
-         "script"),
+         "table"),
     Step("build-llama8b", "build", "building Llama-3-8B before the first step <= 15 s (setup_time_s.model)", 90,
          lambda s, out: _train(s, out, "--model", s.big_model, "--lora-rank", "16", "--precision", "bf16-pure",
                                "--checkpointing", "full", "--attention", "sdpa", "--batch-size", "1",
@@ -196,18 +198,18 @@ STEPS: list[Step] = [
                          "--out", str(out), "--row-timeout", "240",
                          *([] if s.compile else ["--steps", str(s.gpt_steps), "--no-maxbatch",
                                                  "--techniques", "baseline,window-flash"])],
-         "bench"),
+         "markdown"),
     # ---- checks: GPU tests and the allocator model (reserved memory within 3%)
     Step("gpu-tests", "checks", "every GPU test passes or skips naming its package", 240,
          lambda s, out: [PY, "-m", "pytest", "-m", "gpu", "-o", "addopts=", "-q", "-p", "no:cacheprovider",
                          "--junitxml", str(out / "junit.xml"), *([] if s.device == "cuda" else ["--co"]),
                          str(ROOT / "tests")],
-         "pytest"),
+         "log"),
     Step("allocator", "checks", "max_memory_reserved estimated within 3% (seed rows, Llama-3-8B LoRA, Qwen2.5-0.5B)",
          260,
          lambda s, out: [PY, str(ROOT / "benchmarks" / "allocator_check.py"), "--rows", "all", "--timeout", "150",
                          "--out", str(out)] + ([] if s.device == "cuda" else ["--help"]),
-         "script"),
+         "markdown"),
 ]
 PARTS = ["hf", "build", "seed", "checks"]
 
@@ -249,18 +251,20 @@ def headline(step: Step, out: Path, log: Path) -> list[str]:
                 "setup_time_s: " + ", ".join(f"{k} {v:.1f}" for k, v in setup.items() if isinstance(v, (int, float))),
                 f"tracked peak {gib(mem.get('peak_bytes'))}; max allocated {gib(mem.get('max_allocated_bytes'))}; "
                 f"max reserved {gib(mem.get('max_reserved_bytes'))}; val PPL {r.get('val_ppl')}"]
-    if (out / "profile.md").is_file():  # the per-phase table (the top operators stay in the archive)
-        return [ln for ln in (out / "profile.md").read_text().splitlines() if ln.startswith("|")]
-    if (out / "compare_hf.md").is_file():
+    if step.kind == "compare" and (out / "compare_hf.md").is_file():
         text = (out / "compare_hf.md").read_text()
         return [*_section(text, "Results"), "", *_section(text, "Ratios")]
-    for name in ("report.md", "allocator_check.md"):
-        if (out / name).is_file():
-            return [ln for ln in (out / name).read_text().splitlines() if ln.startswith("|")][:40]
-    if log.is_file() and step.name == "lora-optimizer":  # its table is its output
-        return [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("|")]
-    tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.is_file() else []
-    return tail or ["no output"]
+    # the table rows of the markdown the step wrote (a profile's per-phase table, the bench's
+    # report, allocator_check's): the rest stays in the archive
+    written = sorted(out.glob("*.md")) if step.kind == "markdown" else []
+    if written:
+        return [ln for ln in written[0].read_text().splitlines() if ln.startswith("|")][:40]
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    if step.kind == "table":  # a script that prints its table
+        rows = [ln for ln in text.splitlines() if ln.startswith("|")]
+        if rows:
+            return rows
+    return text.strip().splitlines()[-3:] or ["no output"]
 
 
 # ============================================================================ running

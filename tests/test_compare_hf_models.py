@@ -4,6 +4,7 @@ same tokens), with peft's LoRA where memtrain injects the same LoraConfig."""
 
 from __future__ import annotations
 
+import importlib.machinery
 import sys
 import types
 import warnings
@@ -80,7 +81,9 @@ def test_qlora_plan_loads_through_bitsandbytes_or_says_it_is_missing(llama_dir, 
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import fails as when it is not installed
     missing = mapping.hf_plan(build_config(row), "cuda")
     assert missing.status == "none" and "pip install bitsandbytes" in missing.missing[0]
-    monkeypatch.setitem(sys.modules, "bitsandbytes", types.ModuleType("bitsandbytes"))
+    stand_in = types.ModuleType("bitsandbytes")
+    stand_in.__spec__ = importlib.machinery.ModuleSpec("bitsandbytes", None)  # installed, as find_spec sees it
+    monkeypatch.setitem(sys.modules, "bitsandbytes", stand_in)
     plan = mapping.hf_plan(build_config(row), "cuda")
     assert plan.status == "closest" and plan.weight_dtype == "bfloat16"  # only the adapters' dtype differs on CUDA
     assert plan.quantization == {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,

@@ -3,6 +3,7 @@ scarce, so every command is checked here, on a CPU, against the command lines it
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import json
 import subprocess
@@ -49,7 +50,10 @@ def test_full_size_commands_parse_with_todays_flags(step, tmp_path, monkeypatch)
     """The GPU-size command lines (not only the smoke ones) name flags, rows and settings that
     exist: a renamed flag fails here, not after minutes of device time."""
     # The GPU machine gets bitsandbytes as a wheel; here its absence must not hide a QLoRA row's plan.
-    monkeypatch.setitem(sys.modules, "bitsandbytes", sys.modules.get("bitsandbytes") or types.ModuleType("bitsandbytes"))
+    if importlib.util.find_spec("bitsandbytes") is None:
+        stand_in = types.ModuleType("bitsandbytes")
+        stand_in.__spec__ = importlib.machinery.ModuleSpec("bitsandbytes", None)
+        monkeypatch.setitem(sys.modules, "bitsandbytes", stand_in)
     argv = step.argv(runbook.FULL, tmp_path)
     if argv[1:3] == ["-m", "memtrain"]:
         args = build_parser().parse_args(argv[3:])
@@ -101,8 +105,8 @@ def test_part_records_each_step_and_packs_what_finished(monkeypatch, tmp_path):
             "{'step_time_s': {'median': 0.004}, 'setup_time_s': {'model': 1.5}, 'data_wait_share': 0.01}))"
     _fake_steps(monkeypatch,
                 runbook.Step("a", "hf", "writes a result", 1, _py(write), "train"),
-                runbook.Step("b", "hf", "fails", 1, _py("import sys; print('boom'); sys.exit(3)"), "script"),
-                runbook.Step("c", "hf", "too long", 10_000, _py("pass"), "script"))
+                runbook.Step("b", "hf", "fails", 1, _py("import sys; print('boom'); sys.exit(3)"), "log"),
+                runbook.Step("c", "hf", "too long", 10_000, _py("pass"), "log"))
     failed = runbook.run_part("hf", runbook.FULL, tmp_path / "out", tmp_path / "work", 100, runbook._env(None, None),
                               None, ["header line"])
     assert failed == 1
@@ -119,7 +123,7 @@ def test_part_records_each_step_and_packs_what_finished(monkeypatch, tmp_path):
 
 
 def test_a_step_past_the_deadline_is_stopped_and_the_part_still_published(monkeypatch, tmp_path):
-    _fake_steps(monkeypatch, runbook.Step("slow", "hf", "hangs", 1, _py("import time; time.sleep(60)"), "script"))
+    _fake_steps(monkeypatch, runbook.Step("slow", "hf", "hangs", 1, _py("import time; time.sleep(60)"), "log"))
     failed = runbook.run_part("hf", runbook.FULL, tmp_path / "out", tmp_path / "work", 12, runbook._env(None, None),
                               None, [])
     assert failed == 1

@@ -45,33 +45,32 @@ def build_hf_model(cfg: RunConfig, plan: HFPlan, init_from_memtrain: bool = True
     device = device or torch.get_default_device()
     with building_on(device, getattr(torch, plan.weight_dtype)):
         model = transformers_model(cfg, init_from_memtrain) if is_hf(cfg) else _gpt2_model(cfg, plan, init_from_memtrain)
-    if plan.quantization is not None:
-        model = _load_quantized(model, plan, device)
-    return model
-
-
-def _load_quantized(model: PreTrainedModel, plan: HFPlan, device: torch.device) -> PreTrainedModel:
-    """``model``'s weights loaded back through bitsandbytes' 4-bit loader, as a QLoRA user loads
-    a checkpoint (``from_pretrained(..., quantization_config=BitsAndBytesConfig(...))``).
-
-    The quantizer runs only inside ``from_pretrained``, so the initial weights go through a
-    temporary checkpoint (an 8B model: 16 GB of BF16 written and read once, before any timing).
-    """
+    if plan.quantization is None:
+        return model
+    # bitsandbytes quantizes only inside from_pretrained: the initial weights go through a
+    # temporary checkpoint (an 8B model: 16 GB of BF16 written and read once, before any timing),
+    # and the unquantized model is dropped before the quantized one is loaded.
     if is_fake(next(model.parameters())):
         raise ConfigError("the Trainer side's QLoRA base is quantized by bitsandbytes as it loads, which fake tensors "
                           "cannot run; use --no-maxbatch or --maxbatch-method measure")
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    q = dict(plan.quantization or {})
-    q["bnb_4bit_compute_dtype"] = getattr(torch, q["bnb_4bit_compute_dtype"])
     config = model.config  # memtrain's edits (attention, sliding window, no KV cache) go through config.json
     with tempfile.TemporaryDirectory(prefix="memtrain-hf-qlora-") as tmp:
         model.save_pretrained(tmp)
         del model
-        loaded = AutoModelForCausalLM.from_pretrained(
-            tmp, quantization_config=BitsAndBytesConfig(**q), dtype=getattr(torch, plan.weight_dtype),
-            device_map={"": device}, attn_implementation=config._attn_implementation,
-            trust_remote_code=False)  # a checkpoint memtrain just wrote; never run code it names
+        return _load_quantized(tmp, config, plan, device)
+
+
+def _load_quantized(folder: str, config: Any, plan: HFPlan, device: torch.device) -> PreTrainedModel:
+    """The checkpoint in ``folder`` loaded through bitsandbytes' 4-bit loader, as a QLoRA user
+    loads one (``from_pretrained(..., quantization_config=BitsAndBytesConfig(...))``)."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    q = dict(plan.quantization or {})
+    q["bnb_4bit_compute_dtype"] = getattr(torch, q["bnb_4bit_compute_dtype"])
+    loaded = AutoModelForCausalLM.from_pretrained(
+        folder, quantization_config=BitsAndBytesConfig(**q), dtype=getattr(torch, plan.weight_dtype),
+        device_map={"": device}, attn_implementation=config._attn_implementation,
+        trust_remote_code=False)  # a checkpoint memtrain just wrote; never run code it names
     loaded.config.use_cache = config.use_cache
     return loaded
 

@@ -25,7 +25,6 @@ Written against transformers 5.23, where ``gradient_checkpointing`` is the depre
 from __future__ import annotations
 
 import importlib.util
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -159,7 +158,8 @@ def _qlora(cfg: RunConfig, plan: HFPlan, cuda: bool, mapping: list[str], closest
     if not is_hf(cfg):
         none.append("--qlora on memtrain's GPT: the comparison quantizes a transformers --model only")
         return
-    if not _installed("bitsandbytes"):
+    # find_spec, not an import: bitsandbytes imports torch, and a plan is made before the lockstep baton
+    if importlib.util.find_spec("bitsandbytes") is None:
         none.append("--qlora: the Trainer side loads its 4-bit base through bitsandbytes, which is not installed "
                     "(pip install bitsandbytes)")
         return
@@ -173,15 +173,6 @@ def _qlora(cfg: RunConfig, plan: HFPlan, cuda: bool, mapping: list[str], closest
     if not cuda:
         closest.append("--qlora on CPU: memtrain stores torchao's NF4, the Trainer side bitsandbytes' (the same "
                        "4-bit NF4 format with double-quantized scales; on CUDA both are bitsandbytes)")
-
-
-def _installed(module: str) -> bool:
-    """Whether ``module`` can be imported, without importing it (bitsandbytes imports torch, and a
-    plan is made before the lockstep baton)."""
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ValueError:  # in sys.modules without a spec
-        return sys.modules.get(module) is not None
 
 
 def _computes_in_bf16(cfg: RunConfig) -> bool:
