@@ -411,6 +411,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             ap.error(f"--only {','.join(sorted(only - known))}: not a step of part {args.part} "
                      f"({', '.join(sorted(known))})")
     work = args.work or Path("/tmp") / f"memtrain-runbook-{os.getpid()}"
+    if args.out.exists() and not args.out.is_dir():
+        ap.error(f"--out {args.out} is a file; give a folder")
+    if (work / args.part).exists() and any((work / args.part).iterdir()):
+        # the steps' own folders (compare_hf's runs.jsonl, a bench's results) would mix two runs
+        ap.error(f"{work / args.part} already holds a run of part {args.part}; give another --work or remove it")
     site = install_wheels(args.wheels, work / "site") if args.wheels else None
     env = _env(args.commit, site)
     header = [f"command: `{shlex.join([Path(PY).name, *sys.argv])}`",

@@ -144,3 +144,20 @@ def test_cli_refuses_unknown_steps_and_missing_wheels(tmp_path, capsys):
     assert e.value.code == 2 and "not a step of part hf" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="no .whl files"):
         runbook.main(["--part", "hf", "--out", str(tmp_path), "--wheels", str(tmp_path), "--work", str(tmp_path / "w")])
+
+
+def test_cli_refuses_an_out_file_and_a_used_work_folder(tmp_path, capsys):
+    """A file as --out, or a work folder already holding the part (its steps' folders would mix
+    two runs): one error line, exit 2, nothing of the earlier run touched."""
+    (tmp_path / "file").write_text("keep")
+    with pytest.raises(SystemExit) as e:
+        runbook.main(["--part", "hf", "--out", str(tmp_path / "file"), "--work", str(tmp_path / "w")])
+    assert e.value.code == 2 and "is a file" in capsys.readouterr().err
+    used = tmp_path / "w" / "hf"
+    used.mkdir(parents=True)
+    (used / "runbook.jsonl").write_text('{"step": "earlier"}\n')
+    with pytest.raises(SystemExit) as e:
+        runbook.main(["--part", "hf", "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w")])
+    assert e.value.code == 2 and "already holds a run of part hf" in capsys.readouterr().err
+    assert (used / "runbook.jsonl").read_text() == '{"step": "earlier"}\n'
+    assert (tmp_path / "file").read_text() == "keep"
