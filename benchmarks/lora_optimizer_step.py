@@ -1,11 +1,14 @@
 """Time the optimizer step of many small LoRA adapters under ``--precision bf16-pure``.
 
 memtrain trains BF16 adapters with torchao's stochastically rounded AdamW (``torchao.optim._AdamW``,
-``bf16_stochastic_round=True``), whose step calls a compiled single-parameter update once per
+``bf16_stochastic_round=True``), whose own step calls a compiled single-parameter update once per
 tensor: Llama-3-8B with LoRA on every Linear has 448 adapter tensors. A Trainer + peft user
 trains FP32 adapters with torch's AdamW (fused on CUDA). This script times, on the same tensors:
 
-* ``torchao``: torchao's ``_AdamW`` as memtrain runs it (one compiled call per tensor);
+* ``torchao``: torchao's ``_AdamW`` as it steps (one compiled call per tensor);
+* ``memtrain``: memtrain's ``BucketedSRAdamW`` (memtrain.techniques.sr_adamw), what ``--optim
+  adamw`` runs under bf16-pure: torchao's update once per bucket of concatenated tensors, copied
+  back; the state stays per tensor;
 * ``torchao-grouped``: torchao's own update (``torchao.optim.adam.single_param_adam``) for every
   tensor inside one compiled call (a candidate fix; the same math, one call per step);
 * ``torchao-flat``: the same update once over one flat buffer that every tensor is a view of
@@ -121,8 +124,14 @@ class FlatAdamW:
                     self.wd, self.eps, True, True)
 
 
-def run(n: int, d: int, rank: int, device: torch.device, steps: int) -> dict[str, Any]:
+VARIANTS = ("torchao", "memtrain", "torchao-grouped", "torchao-flat", "torch-fp32")
+
+
+def run(n: int, d: int, rank: int, device: torch.device, steps: int,
+        variants: tuple[str, ...] = VARIANTS) -> dict[str, Any]:
     from torchao.optim import _AdamW
+
+    from memtrain.techniques.sr_adamw import BucketedSRAdamW
 
     shapes = adapter_shapes(n, d, rank)
     g = torch.Generator(device=device).manual_seed(0)
@@ -136,21 +145,24 @@ def run(n: int, d: int, rank: int, device: torch.device, steps: int) -> dict[str
                 p.grad = torch.randn(p.shape, generator=g, device=device, dtype=p.dtype) * 1e-3
         return fill
 
+    def bf16_step(name: str) -> tuple[Callable[[], None], list[torch.nn.Parameter]]:
+        params = tensors(torch.bfloat16)
+        lr = torch.tensor(1e-4, device=device)  # torchao keeps the learning rate as a tensor
+        if name == "torchao-flat":
+            return FlatAdamW(params, lr=lr, weight_decay=0.1).step, params
+        cls = {"torchao": _AdamW, "memtrain": BucketedSRAdamW, "torchao-grouped": _grouped_adamw(_AdamW)}[name]
+        return cls(params, lr=lr, weight_decay=0.1, bf16_stochastic_round=True).step, params
+
     out: dict[str, Any] = {}
-    lr = torch.tensor(1e-4, device=device)  # torchao keeps the learning rate as a tensor
-    bf16 = tensors(torch.bfloat16)
-    opt = _AdamW(bf16, lr=lr.clone(), weight_decay=0.1, bf16_stochastic_round=True)
-    out["torchao"] = _time(opt.step, filler(bf16), device, steps)
-    bf16 = tensors(torch.bfloat16)
-    opt = _grouped_adamw(_AdamW)(bf16, lr=lr.clone(), weight_decay=0.1, bf16_stochastic_round=True)
-    out["torchao-grouped"] = _time(opt.step, filler(bf16), device, steps)
-    bf16 = tensors(torch.bfloat16)
-    flat = FlatAdamW(bf16, lr=lr.clone(), weight_decay=0.1)
-    out["torchao-flat"] = _time(flat.step, filler(bf16), device, steps)
-    fp32 = tensors(torch.float32)
-    kind = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    torch_opt = torch.optim.AdamW(fp32, lr=1e-4, weight_decay=0.1, **kind)
-    out["torch-fp32"] = {**_time(torch_opt.step, filler(fp32), device, steps), "kernel": next(iter(kind))}
+    for name in variants:
+        if name == "torch-fp32":
+            fp32 = tensors(torch.float32)
+            kind = {"fused": True} if device.type == "cuda" else {"foreach": True}
+            torch_opt = torch.optim.AdamW(fp32, lr=1e-4, weight_decay=0.1, **kind)
+            out[name] = {**_time(torch_opt.step, filler(fp32), device, steps), "kernel": next(iter(kind))}
+        else:
+            step, params = bf16_step(name)
+            out[name] = _time(step, filler(params), device, steps)
     return out
 
 
@@ -161,12 +173,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--steps", type=int, default=20, help="timed steps after the first")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma-separated, in order (default: all of {', '.join(VARIANTS)})")
     ap.add_argument("--out", type=Path, help="folder for lora_optimizer_step.json")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
+    variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or not variants:
+        ap.error(f"--variants: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(VARIANTS)}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = run(args.tensors, args.d, args.rank, device, args.steps)
+        result = run(args.tensors, args.d, args.rank, device, args.steps, variants)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     print(f"{args.tensors} adapter tensors ({args.rank} x {args.d} and {args.d} x {args.rank}) on {name}, torch {torch.__version__}")
     print("| optimizer | first step (s) | median step (ms) |\n|---|---:|---:|")

@@ -34,7 +34,10 @@ What fake tensors cannot do, and what is done instead:
   stochastic-rounding AdamW) are compiled functions, which cannot be compiled over fake tensors:
   they run eagerly, op by op, and their FP32 temporaries make the optimizer phase an upper
   bound (up to 2.3x the backward peak on small models), where the compiled step holds no
-  scratch above the optimizer state. The result then says so in ``optimizer_step``.
+  scratch above the optimizer state. The result then says so in ``optimizer_step``. bf16-pure's
+  AdamW updates its small tensors in buckets (memtrain.techniques.sr_adamw): a trace holds their
+  copies, as the real step does, and skips the update's values; only where it leaves tensors to
+  torchao's per-tensor step is its optimizer phase an upper bound and said so.
 """
 
 from __future__ import annotations
@@ -262,7 +265,10 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
         stats["compile"] = _saved_entry(saved, compiled, forward_passes=steps * cfg.train.grad_accum)
     stats["device_type"] = device_type
     stats["parameters"] = state.n_params
-    if torchao_compiled_step(cfg.technique.optim, cfg.technique.precision):
+    # bf16-pure's AdamW traces its buckets as they run (their copies) and leaves only its large
+    # tensors to torchao's step (memtrain.techniques.sr_adamw): eager, thus an upper bound, only then.
+    if torchao_compiled_step(cfg.technique.optim, cfg.technique.precision) and \
+            getattr(state.optimizer, "updated_alone", 1) > 0:
         stats["optimizer_step"] = EAGER_OPTIMIZER_STEP
     if state.offload is not None:  # --offload-activations: what the traced step moved each way
         stats["offload"] = state.offload.counts.to_dict()

@@ -39,9 +39,10 @@ __all__ = [
     "FP8_MIN_CAPABILITY", "LOW_BIT_BLOCK", "LOW_BIT_MIN_NUMEL", "fp8_converts",
     "MATMUL_TYPES", "MEMORY_CATEGORIES", "OFFLOAD_MIN_BYTES", "OFFLOAD_PREFETCH", "OPTIMIZER_STATE_RULES",
     "PRECISION_FACTS", "CheckpointPolicy",
-    "OptimizerStateRule", "PrecisionFacts", "checkpoint_policy", "half_matmul_type", "low_bit_quantizes",
+    "OptimizerStateRule", "PrecisionFacts", "SR_ADAMW_ALONE_NUMEL", "SR_ADAMW_BUCKET_NUMEL",
+    "checkpoint_policy", "half_matmul_type", "low_bit_quantizes",
     "matmul_type", "optimizer_state_rule", "parse_checkpointing", "precision_facts", "transformers_checkpointing_error",
-    "torchao_compiled_step",
+    "sr_adamw_buckets", "sr_adamw_scratch_numel", "torchao_compiled_step",
 ]
 
 
@@ -305,6 +306,42 @@ def torchao_compiled_step(optim: str, precision: str) -> bool:
     and every bf16-pure optimizer (``--optim adamw`` there is torchao's stochastic-rounding
     ``_AdamW``, memtrain.techniques.optim)."""
     return optim in LOW_BIT_BLOCK or (precision == "bf16-pure" and optim in BF16_PURE_OPTIMS)
+
+
+# bf16-pure's ``--optim adamw`` (memtrain.techniques.sr_adamw) updates tensors of at most
+# SR_ADAMW_ALONE_NUMEL values in flat buckets of at most SR_ADAMW_BUCKET_NUMEL values: one compiled
+# call per bucket instead of one per tensor. The bucket bounds the step's scratch (four copies:
+# weights, gradients, both moments); a larger tensor's own kernel outweighs a call, so it is
+# updated alone as torchao does.
+SR_ADAMW_ALONE_NUMEL = 1 << 20
+SR_ADAMW_BUCKET_NUMEL = 1 << 22
+
+
+def sr_adamw_buckets(numels: list[int]) -> list[list[int]]:
+    """The buckets bf16-pure's AdamW updates together, as indices into ``numels`` (one param
+    group's tensors of one dtype, in order): filled greedily up to SR_ADAMW_BUCKET_NUMEL values,
+    tensors above SR_ADAMW_ALONE_NUMEL left out; a bucket of one tensor is left out too (a copy
+    for nothing: torchao updates it alone)."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    total = 0
+    for i, n in enumerate(numels):
+        if n > SR_ADAMW_ALONE_NUMEL:
+            continue
+        if current and total + n > SR_ADAMW_BUCKET_NUMEL:
+            buckets.append(current)
+            current, total = [], 0
+        current.append(i)
+        total += n
+    if current:
+        buckets.append(current)
+    return [b for b in buckets if len(b) > 1]
+
+
+def sr_adamw_scratch_numel(numels: list[int]) -> int:
+    """Values in the largest bucket of :func:`sr_adamw_buckets`: the step holds four copies of it
+    (weights, gradients and both moments, in the weights' dtype) while it updates that bucket."""
+    return max((sum(numels[i] for i in b) for b in sr_adamw_buckets(numels)), default=0)
 
 
 def low_bit_quantizes(numel: int, block: int) -> bool:

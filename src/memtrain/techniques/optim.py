@@ -25,7 +25,8 @@ smaller than half a BF16 step (1/256 of the weight) would be rounded away every 
 optimizers that can run there use torchao's BF16 *stochastic rounding*
 (``bf16_stochastic_round=True``): the FP32 result of the update is rounded up or down with
 probability proportional to its distance, so small updates survive in expectation.
-``adamw`` maps to ``torchao.optim._AdamW`` (plain AdamW whose state has the parameter dtype),
+``adamw`` maps to ``torchao.optim._AdamW`` (plain AdamW whose state has the parameter dtype;
+memtrain updates its small tensors a bucket per compiled call: :mod:`memtrain.techniques.sr_adamw`),
 ``adamw-8bit``/``adamw-4bit`` to the low-bit ones with the same flag; the others raise a
 ConfigError.
 
@@ -247,8 +248,13 @@ def build_optimizer(model: nn.Module, tech: TechniqueConfig, train: TrainConfig)
 
     if name == "adamw" and pure_bf16:
         # torchao's _AdamW: AdamW whose update is computed in FP32 and stochastically rounded
-        # into the BF16 weight; its moments are kept in the parameter dtype (BF16).
-        return _torchao_optim("_AdamW")(groups, lr=train.lr, betas=betas, bf16_stochastic_round=True)
+        # into the BF16 weight; its moments are kept in the parameter dtype (BF16). Its small
+        # tensors are updated a bucket per compiled call (memtrain.techniques.sr_adamw).
+        _torchao_optim("_AdamW")
+        # imported only here: it imports torchao, an optional extra (checked just above)
+        from memtrain.techniques.sr_adamw import BucketedSRAdamW
+
+        return BucketedSRAdamW(groups, lr=train.lr, betas=betas, bf16_stochastic_round=True)
     if name in ADAMW_KERNELS:
         kw = default_adamw_kernel(_first_device(model)) if name == "adamw" else (
             {"foreach": True} if name == "adamw-foreach" else {"fused": True})

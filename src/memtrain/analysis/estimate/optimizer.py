@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from memtrain.analysis.estimate.params import ParamInfo
+from memtrain.config.archs import Arch
 from memtrain.techniques.facts import (
     LOW_BIT_MIN_NUMEL,
     low_bit_quantizes,
     optimizer_state_rule,
+    sr_adamw_scratch_numel,
     torchao_compiled_step,
 )
 
@@ -75,17 +77,25 @@ def _quantized_state_bytes(ps: list[ParamInfo], rule: Any, n: int, block: int) -
 
 
 def optimizer_temporaries(params: list[ParamInfo], optim: str, param_bytes: float, weight_decay: float,
-                          precision: str) -> float:
+                          precision: str, arch: Optional[Arch] = None) -> float:
     """Scratch the optimizer step allocates at its worst moment (steady state).
 
     ``precision`` (``--precision``) picks the optimizer ``optim`` names: under bf16-pure,
-    ``adamw`` is torchao's stochastic-rounding AdamW, not torch's."""
+    ``adamw`` is torchao's stochastic-rounding AdamW, not torch's. ``arch`` says which of the
+    table's fused entries are separate tensors in the model (a transformers Llama's q/k/v)."""
     ps = [p for p in params if p.trainable]
+    if ps and precision == "bf16-pure" and optim == "adamw":
+        # memtrain's bucketed stochastic-rounding AdamW (memtrain.techniques.sr_adamw): while it
+        # updates a bucket it holds four copies of it (weights, gradients, both moments, in the
+        # weights' dtype); buckets are planned per param group in model order.
+        bucket = max(sr_adamw_scratch_numel(_model_order([p for p in ps if len(p.shape) >= 2], arch)),
+                     sr_adamw_scratch_numel(_model_order([p for p in ps if len(p.shape) < 2], arch)))
+        return 4 * bucket * param_bytes
     if not ps or torchao_compiled_step(optim, precision):
-        # torchao's step (the low-bit AdamWs; bf16-pure's stochastic-rounding AdamW) is one
-        # compiled (fused) kernel per parameter that computes the FP32 update, (de)quantizes and
-        # rounds in registers: no scratch above the state, as MemoryMeter measures the steady
-        # step (docs/estimation.md, "Optimizer step scratch").
+        # torchao's step (the low-bit AdamWs) is one compiled (fused) kernel per parameter that
+        # computes the FP32 update, (de)quantizes and rounds in registers: no scratch above the
+        # state, as MemoryMeter measures the steady step (docs/estimation.md, "Optimizer step
+        # scratch"); the tensors bf16-pure's AdamW updates alone are the same.
         return 0.0
     largest = max(p.numel for p in ps) * param_bytes
     if optim == "adamw":
@@ -115,3 +125,48 @@ def optimizer_temporaries(params: list[ParamInfo], optim: str, param_bytes: floa
         # buffers (the squared gradient, then the normalized update). Measured (torch 2.13).
         return 2 * largest
     return 0.0  # fused kernels (adamw-fused, bitsandbytes) update in place
+
+
+# A bound on the tensors :func:`_model_order` lists: the buckets' plan is settled long before
+# (a bucket holds at most SR_ADAMW_BUCKET_NUMEL values), and an answer stays O(1) in the depth.
+_MODEL_ORDER_MAX = 1 << 16
+
+
+def _model_order(params: list[ParamInfo], arch: Optional[Arch]) -> list[int]:
+    """The element counts of the model's tensors behind ``params``, in the model's order: a
+    table entry that stands for ``repeat`` blocks (the compressed table) is one run of its
+    block's entries, repeated; a fused entry the model holds as separate tensors is split."""
+    out: list[int] = []
+    run: list[ParamInfo] = []
+
+    def flush() -> None:
+        for _ in range(run[0].repeat if run else 0):
+            for p in run:
+                out.extend(_tensor_numels(p, arch))
+
+    for p in params:
+        if run and (p.block != run[0].block or p.repeat != run[0].repeat):
+            flush()
+            run = []
+            if len(out) > _MODEL_ORDER_MAX:
+                return out
+        run.append(p)
+    flush()
+    return out
+
+
+def _tensor_numels(p: ParamInfo, arch: Optional[Arch]) -> list[int]:
+    """The model's tensors behind one table entry. The table fuses q/k/v into ``attn.qkv`` and a
+    SwiGLU's gate and up into ``mlp.fc`` (as our GPT and Phi-3 hold them, and transformers' GPT-2
+    its c_attn); a transformers Llama, Qwen2, Mistral or Gemma holds separate Linears, listed q,
+    k, v and gate, up. Biases are left whole: every vector of a model fits one bucket."""
+    separate = arch is not None and arch.hf and not arch.fused_proj and not arch.gpt2_layers
+    if not separate or len(p.shape) != 2:
+        return [p.numel]
+    n_out, n_in = p.shape
+    if p.name.endswith("attn.qkv.weight"):
+        kv = (n_out - n_in) // 2  # the table's rows are d (q) + 2 x kv
+        return [n_in * n_in, kv * n_in, kv * n_in]
+    if p.name.endswith("mlp.fc.weight") and arch is not None and arch.mlp == "swiglu":
+        return [p.numel // 2, p.numel // 2]
+    return [p.numel]

@@ -150,7 +150,7 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     grad_bytes = {p.name: pbytes[p.name] for p in trainable}
     grad_total = sum(v * repeat[k] for k, v in grad_bytes.items())
     opt_bytes, opt_lines = predicted_optimizer_state(trainable, tech.optim, adapter_bytes, tech.optim_block)
-    opt_tmp = optimizer_temporaries(trainable, tech.optim, adapter_bytes, t.weight_decay, tech.precision)
+    opt_tmp = optimizer_temporaries(trainable, tech.optim, adapter_bytes, t.weight_decay, tech.precision, arch)
     zero1: Optional[dict[str, Any]] = None
     if shard == "zero1" and world_size > 1 and sum(p.repeat for p in trainable) <= _ZERO1_MAX_TENSORS:
         # memtrain's ZeRO-1 gives each rank the dim-0 chunk of every tensor (ceil(rows/N) rows,
@@ -160,7 +160,7 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
         worst = per_rank.index(max(per_rank))
         zero1 = {"rank": worst, "optimizer_per_rank": per_rank,
                  "scratch": optimizer_temporaries(ranks[worst], tech.optim, adapter_bytes, t.weight_decay,
-                                                  tech.precision)}
+                                                  tech.precision, arch)}
 
     # ---- sharding (one rank's share)
     n = world_size
