@@ -160,3 +160,25 @@ def test_the_compiled_bucket_update_equals_the_eager_one():
         out.append(params)
     for p, q in zip(*out):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_a_strided_moment_is_left_to_torchaos_step_not_lost(eager):
+    """The buckets copy the moments back through views; a state loaded with other strides
+    (``load_state_dict`` keeps them) would take the copy-back into a reshaped copy. Such a tensor
+    is updated by torchao's own step: the result equals torchao's."""
+    ours, theirs = _params(torch.float32), _params(torch.float32)
+    a = BucketedSRAdamW(ours, lr=1e-2, bf16_stochastic_round=True)
+    b = _AdamW(theirs, lr=1e-2, bf16_stochastic_round=True)
+    for step in range(2):
+        for p, q, grad in zip(ours, theirs, _grads(step, torch.float32)):
+            p.grad, q.grad = grad.clone(), grad.clone()
+        a.step()
+        b.step()
+        if step == 0:
+            moment = a.state[ours[0]]["exp_avg"]
+            a.state[ours[0]]["exp_avg"] = moment.t().contiguous().t()  # same values, column-major
+            assert not a.state[ours[0]]["exp_avg"].is_contiguous()
+    assert a.updated_alone == 2  # the strided tensor and the large one
+    for p, q in zip(ours, theirs):
+        assert torch.equal(p, q)
+        assert torch.equal(a.state[p]["exp_avg"], b.state[q]["exp_avg"])

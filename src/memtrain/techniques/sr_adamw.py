@@ -58,24 +58,30 @@ class BucketedSRAdamW(_AdamW):
             with torch.enable_grad():
                 loss = closure()
         held: dict[torch.Tensor, Optional[torch.Tensor]] = {}
-        try:
-            for group in self.param_groups:
-                if group["amsgrad"]:
-                    continue
-                live = [p for p in group["params"] if _bucketable(p)]
-                for p in live:
-                    self._init_state(p)
-                for bucket in _buckets(live, self.state):
-                    self._update_bucket(bucket, group)
-                    for p in bucket:  # torchao's step below skips a tensor without a gradient
-                        held[p] = p.grad
-                        p.grad = None
-            # The rest (large tensors, DTensors, AMSGrad groups): torchao's per-tensor step.
-            self.updated_alone = sum(p.grad is not None for g in self.param_groups for p in g["params"])
-            super().step()
-        finally:
-            for p, grad in held.items():
-                p.grad = grad
+        # torchao's per-tensor compiles (one per shape) and the buckets' share the update's code
+        # object, hence its dynamo cache limit: lifted as torchao lifts it in its own step.
+        with torch._dynamo.utils.disable_cache_limit():
+            try:
+                for group in self.param_groups:
+                    if group["amsgrad"]:
+                        continue
+                    live = [p for p in group["params"] if _bucketable(p)]
+                    for p in live:
+                        self._init_state(p)
+                    # The moments are copied back through views: a loaded state could be strided.
+                    live = [p for p in live if self.state[p]["exp_avg"].is_contiguous()
+                            and self.state[p]["exp_avg_sq"].is_contiguous()]
+                    for bucket in _buckets(live, self.state):
+                        self._update_bucket(bucket, group)
+                        for p in bucket:  # torchao's step below skips a tensor without a gradient
+                            held[p] = p.grad
+                            p.grad = None
+                # The rest (large tensors, DTensors, AMSGrad groups): torchao's per-tensor step.
+                self.updated_alone = sum(p.grad is not None for g in self.param_groups for p in g["params"])
+                super().step()
+            finally:
+                for p, grad in held.items():
+                    p.grad = grad
         return loss
 
     def _init_state(self, p: torch.Tensor) -> None:
