@@ -25,15 +25,17 @@ For each: the first step's time (the compile lands there) and the median of the 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
+
+from memtrain.config.argtypes import positive_int
+from memtrain.files.results import write_json_atomic
 
 
 def adapter_shapes(n: int, d: int, rank: int) -> list[tuple[int, int]]:
@@ -128,7 +130,8 @@ VARIANTS = ("torchao", "memtrain", "torchao-grouped", "torchao-flat", "torch-fp3
 
 
 def run(n: int, d: int, rank: int, device: torch.device, steps: int,
-        variants: tuple[str, ...] = VARIANTS) -> dict[str, Any]:
+        variants: tuple[str, ...] = VARIANTS) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Each variant's (name, timings), as it finishes."""
     from torchao.optim import _AdamW
 
     from memtrain.techniques.sr_adamw import BucketedSRAdamW
@@ -153,25 +156,23 @@ def run(n: int, d: int, rank: int, device: torch.device, steps: int,
         cls = {"torchao": _AdamW, "memtrain": BucketedSRAdamW, "torchao-grouped": _grouped_adamw(_AdamW)}[name]
         return cls(params, lr=lr, weight_decay=0.1, bf16_stochastic_round=True).step, params
 
-    out: dict[str, Any] = {}
     for name in variants:
         if name == "torch-fp32":
             fp32 = tensors(torch.float32)
             kind = {"fused": True} if device.type == "cuda" else {"foreach": True}
             torch_opt = torch.optim.AdamW(fp32, lr=1e-4, weight_decay=0.1, **kind)
-            out[name] = {**_time(torch_opt.step, filler(fp32), device, steps), "kernel": next(iter(kind))}
+            yield name, {**_time(torch_opt.step, filler(fp32), device, steps), "kernel": next(iter(kind))}
         else:
             step, params = bf16_step(name)
-            out[name] = _time(step, filler(params), device, steps)
-    return out
+            yield name, _time(step, filler(params), device, steps)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    ap.add_argument("--tensors", type=int, default=56, help="adapter tensors (Llama-3-8B all-linear: 448)")
-    ap.add_argument("--d", type=int, default=128, help="the adapted Linears' width")
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=20, help="timed steps after the first")
+    ap.add_argument("--tensors", type=positive_int, default=56, help="adapter tensors (Llama-3-8B all-linear: 448)")
+    ap.add_argument("--d", type=positive_int, default=128, help="the adapted Linears' width")
+    ap.add_argument("--rank", type=positive_int, default=16)
+    ap.add_argument("--steps", type=positive_int, default=20, help="timed steps after the first")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma-separated, in order (default: all of {', '.join(VARIANTS)})")
@@ -182,19 +183,20 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown or not variants:
         ap.error(f"--variants: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(VARIANTS)}")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        result = run(args.tensors, args.d, args.rank, device, args.steps, variants)
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        ap.error(f"--out {args.out} is not a folder; give a folder for lora_optimizer_step.json")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     print(f"{args.tensors} adapter tensors ({args.rank} x {args.d} and {args.d} x {args.rank}) on {name}, torch {torch.__version__}")
-    print("| optimizer | first step (s) | median step (ms) |\n|---|---:|---:|")
-    for k, v in result.items():
-        print(f"| {k} | {v['first_s']:.2f} | {v['median_ms']:.2f} |")
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        payload = {"command": " ".join(["python", *sys.argv]), "device": name, "torch": torch.__version__,
-                   "tensors": args.tensors, "d": args.d, "rank": args.rank, "results": result}
-        (args.out / "lora_optimizer_step.json").write_text(json.dumps(payload, indent=2))
+    print("| optimizer | first step (s) | median step (ms) |\n|---|---:|---:|", flush=True)
+    payload = {"command": " ".join(["python", *sys.argv]), "device": name, "torch": torch.__version__,
+               "tensors": args.tensors, "d": args.d, "rank": args.rank, "results": {}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for variant, timing in run(args.tensors, args.d, args.rank, device, args.steps, variants):
+            print(f"| {variant} | {timing['first_s']:.2f} | {timing['median_ms']:.2f} |", flush=True)
+            payload["results"][variant] = timing
+            if args.out is not None:  # after each variant: a later one that fails loses nothing
+                write_json_atomic(args.out / "lora_optimizer_step.json", payload)
     return 0
 
 
