@@ -335,3 +335,8 @@ def test_profile_phases_times_every_phase():
         assert all(result[side][k] > 0 for k in ("forward", "backward", "optimizer"))
         assert result[side]["step"] >= result[side]["forward"]
         assert "aten::" in result[side]["top_ops"]
+    # memtrain's GPT has no host sync in forward or backward; the Trainer's (GPT-2 in transformers)
+    # has one: transformers' causal-mask builder reads the position ids
+    assert result["ours"]["host_syncs"] == {"count": 0, "sites": "none"}
+    assert result["theirs"]["host_syncs"]["count"] == 1
+    assert "transformers/masking_utils.py" in result["theirs"]["host_syncs"]["sites"]

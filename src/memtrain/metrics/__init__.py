@@ -7,10 +7,12 @@
 - ``optimizer_state_bytes`` / ``ShardedStateBytes`` measure the training state one rank holds.
 - ``StepTimer`` synchronizes, drops warm-up steps and reports median and spread.
 - ``PEAK_FLOPS`` / ``lookup_gpu`` / ``mfu`` turn a FLOP count and a step time into MFU.
+- ``HostSyncCounter`` counts the calls in a step that would make the host wait for a GPU.
 """
 
 from memtrain.devices.gpus import PEAK_FLOPS, GpuSpec, device_gpu, lookup_gpu, mfu, peak_flops
 from memtrain.metrics.device_peak import device_peak_memory, reset_device_peak
+from memtrain.metrics.host_syncs import HostSyncCounter
 from memtrain.metrics.memory import CATEGORIES, MemoryMeter, MemoryStats
 from memtrain.metrics.state import ShardedStateBytes, optimizer_state_bytes, state_bytes_per_param
 from memtrain.metrics.storage import storage_bytes
@@ -19,6 +21,7 @@ from memtrain.metrics.timing import StepTimer, TimingStats, percentile, synchron
 __all__ = [
     "CATEGORIES",
     "GpuSpec",
+    "HostSyncCounter",
     "MemoryMeter",
     "MemoryStats",
     "PEAK_FLOPS",

@@ -187,7 +187,8 @@ def hf_step_peak(cfg: RunConfig, batch: int, fake: Optional[bool] = None) -> Opt
 def profile_phases(cfg: RunConfig, steps: int, top_ops: int = 12) -> dict[str, Any]:
     """Forward / backward / optimizer time of ours and of the Trainer-equivalent step, in one
     process, alternating step by step (which side goes first alternates too), after 3 warm-up
-    steps each; plus each side's top operators (torch.profiler, self CPU/CUDA time, 3 steps).
+    steps each; plus each side's top operators (torch.profiler, self CPU/CUDA time, 3 steps) and
+    the host syncs in one step's forward and backward (:func:`_count_host_syncs`).
 
     For finding *where* one side is slower; the lockstep runs are the comparison itself (here
     both sides share one allocator and, with torchao, one compile cache).
@@ -270,5 +271,37 @@ def profile_phases(cfg: RunConfig, steps: int, top_ops: int = 12) -> dict[str, A
                 run(side, None)
         sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
         result[side]["top_ops"] = prof.key_averages().table(sort_by=sort, row_limit=top_ops)
+
+    def ours_step(phase: Callable[[str], Any]) -> None:
+        train_step(ours, micro, ours_opt, precision, t.grad_clip, device, _PhaseSeam(phase))  # type: ignore[arg-type]  # only .phase is read
+
+    # last: a step that fails under the counter cannot disturb the timed ones
+    result["ours"]["host_syncs"] = _count_host_syncs(cfg, ours_step)
+    result["theirs"]["host_syncs"] = _count_host_syncs(cfg, lambda phase: hf.step(micro, phase))
     return result
+
+
+class _PhaseSeam:
+    """``train_step``'s ``meter`` argument for a plain ``phase(name)`` function."""
+
+    def __init__(self, phase: Callable[[str], Any]) -> None:
+        self.phase = phase
+
+
+def _count_host_syncs(cfg: RunConfig, step: Callable[[Callable[[str], Any]], None]) -> dict[str, Any]:
+    """Host syncs (memtrain.metrics.host_syncs) in the forward and backward passes of one
+    ``step(phase)``: the count and its call sites, or why they were not counted. The optimizer
+    phase is left out (bf16-pure's update is compiled, and nothing compiled runs under the
+    counting mode), and so is a ``--compile`` row."""
+    # on this side's turn: the package imports no torch before the lockstep baton
+    from memtrain.metrics import HostSyncCounter
+
+    if cfg.technique.compile:
+        return {"count": None, "sites": "not counted: a compiled step cannot run under the counting mode"}
+    counter = HostSyncCounter()
+    try:
+        step(lambda name: counter if name != "optimizer" else contextlib.nullcontext())
+    except Exception as exc:  # a diagnostic: the profile's timings stand without it
+        return {"count": None, "sites": f"not counted: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"}
+    return {"count": counter.total, "sites": counter.describe(top=8)}
 

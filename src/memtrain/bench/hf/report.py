@@ -296,7 +296,10 @@ def write_profiles(out: Path, rows: list[dict[str, Any]], steps: int, command: s
              "Both steps in one process, alternating step by step; median milliseconds per phase "
              "(ours' phases are train_step's: forward includes the loss, optimizer includes clipping; "
              "the Trainer's: clipping is counted in its optimizer phase here too).", "",
-             "| preset | side | forward | backward | optimizer | step |", "|---|---|---:|---:|---:|---:|"]
+             "Host syncs: reads of a device value by the host in one step's forward and backward "
+             "(memtrain.metrics.host_syncs; on a GPU each drains the kernel queue).", "",
+             "| preset | side | forward | backward | optimizer | step | host syncs |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     details = []
     for row in rows:
         if row["plan"].status == "none":
@@ -304,9 +307,11 @@ def write_profiles(out: Path, rows: list[dict[str, Any]], steps: int, command: s
         res = profile_phases(row["config"], steps)
         for side in SIDES:
             r = res[side]
+            syncs = r["host_syncs"]["count"]
             lines.append(f"| {row['preset']} | {side} | " + " | ".join(f"{r[k] * 1000:.1f}" for k in
-                         ("forward", "backward", "optimizer", "step")) + " |")
-            details += ["", f"### {row['preset']}: {side}", "", "```", r["top_ops"].rstrip(), "```"]
+                         ("forward", "backward", "optimizer", "step")) + f" | {'-' if syncs is None else syncs} |")
+            details += ["", f"### {row['preset']}: {side}", "", f"Host syncs: {r['host_syncs']['sites']}", "",
+                        "```", r["top_ops"].rstrip(), "```"]
         print("\n".join(lines[-2:]), flush=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile.md").write_text("\n".join(lines + ["", "## Top operators (3 steps)"] + details) + "\n")
