@@ -1,8 +1,11 @@
-"""Host syncs in a training step (memtrain.metrics.host_syncs): on a GPU every read of a device
-value by the host drains the kernel queue, so a sync inside a layer, a hook, the loss or a
-checkpointed recompute makes each step slower than it need be. These tests pin the count, on the
-CPU, for memtrain's GPT under every technique that changes the forward or backward, and for a
-transformers model beside the Trainer-equivalent step."""
+"""What would slow a GPU step without changing a number: host syncs (memtrain.metrics.host_syncs)
+and measurement machinery left on during the timed steps.
+
+On a GPU every read of a device value by the host drains the kernel queue, so a sync inside a
+layer, a hook, the loss or a checkpointed recompute makes each step slower than it need be. These
+tests pin the count, on the CPU, for memtrain's GPT under every technique that changes the forward
+or backward, and for a transformers model beside the Trainer-equivalent step; and they check that
+the memory meters, which see every op, are gone when the loop's timed steps run."""
 
 from __future__ import annotations
 
@@ -13,11 +16,14 @@ import pytest
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from conftest import TINY_MODEL
 from memtrain.config.run import build_config
 from memtrain.metrics.host_syncs import HostSyncCounter
 from memtrain.techniques.checkpointing import checkpointed_call
+from memtrain.training import train as train_module
 from memtrain.training.step import build_state, random_micro_batches
 
 CPU = torch.device("cpu")
@@ -156,3 +162,51 @@ def test_transformers_step_syncs_once_per_forward_in_transformers_own_mask_as_th
         hf.step(micro, lambda name: contextlib.nullcontext())
         hf.step(micro, lambda name: theirs if name != "optimizer" else contextlib.nullcontext())
     assert ours.total <= theirs.total, (ours.describe(), theirs.describe())
+
+
+# ----------------------------------------------------------------------------- the loop's timed steps
+def _module_hooks(model: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+               + len(m._backward_pre_hooks) for m in model.modules())
+
+
+def _global_hooks() -> int:
+    mm = torch.nn.modules.module
+    return sum(len(d) for d in (mm._global_forward_hooks, mm._global_forward_pre_hooks,
+                                mm._global_backward_hooks, mm._global_backward_pre_hooks))
+
+
+@pytest.mark.parametrize("extra", [{"memory_by_module": True, "checkpointing": "full"},
+                                   {"memory_by_module": True, "lora_rank": 4, "loss": "chunked"}],
+                         ids=["by-module+checkpointing", "by-module+lora+chunked"])
+def test_the_timed_steps_run_without_the_meters(tiny_run, monkeypatch, extra):
+    """The metered steps (the first ones, inside the timing warm-up) run under dispatch modes and
+    module hooks; every later step must run with none of them, and with the model's own hooks
+    only, or the reported step time is the meter's."""
+    seen: list[dict] = []
+    baseline: dict = {}
+    real_build, real_step = train_module.build_state, train_module.run_step
+
+    def build_state_spy(*args, **kwargs):
+        state = real_build(*args, **kwargs)
+        baseline["module_hooks"] = _module_hooks(state.model)
+        return state
+
+    def run_step_spy(state, micro, meter=None, **contexts):
+        seen.append({"dispatch_modes": len(_get_current_dispatch_mode_stack()),
+                     "function_modes": len(_get_current_function_mode_stack()),
+                     "saved_tensor_hooks": torch._C._autograd._top_saved_tensors_default_hooks(False) is not None,
+                     "global_hooks": _global_hooks(), "module_hooks": _module_hooks(state.model),
+                     "metered": meter is not None})
+        return real_step(state, micro, meter, **contexts)
+
+    monkeypatch.setattr(train_module, "build_state", build_state_spy)
+    monkeypatch.setattr(train_module, "run_step", run_step_spy)
+    result = train_module.train(build_config({**tiny_run, "steps": 6, "warmup_steps": 1, **extra}))
+    metered = len(train_module.METERED_STEPS)
+    assert result["memory"]["by_module"]  # the meters did run, in the first steps
+    assert [s["metered"] for s in seen] == [True] * metered + [False] * (6 - metered)
+    assert seen[0]["dispatch_modes"] >= 1 and seen[0]["global_hooks"] > 0  # the meter and the module tracker
+    bare = {"dispatch_modes": 0, "function_modes": 0, "saved_tensor_hooks": False, "global_hooks": 0,
+            "module_hooks": baseline["module_hooks"], "metered": False}
+    assert seen[metered:] == [bare] * (6 - metered)
