@@ -140,7 +140,7 @@ def test_gpt_forward_and_backward_never_make_the_host_wait(techniques):
 
 
 # ----------------------------------------------------------------------------- transformers
-def test_transformers_step_syncs_once_per_forward_in_transformers_own_mask_as_the_trainers_does():
+def test_transformers_step_syncs_at_most_once_per_forward_and_only_where_the_trainers_does():
     pytest.importorskip("transformers")
     from memtrain.bench.hf.probe import HFStep, _random_micro_batches
 
@@ -150,18 +150,18 @@ def test_transformers_step_syncs_once_per_forward_in_transformers_own_mask_as_th
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ours = _count_second_step(cfg)
-        # transformers' causal-mask builder checks the position ids for packed sequences (one
-        # read of a device value per forward, before the first layer); none in the layers, the
-        # checkpointed recomputes or memtrain's loss
-        assert ours.total == 2, ours.describe()
-        assert all(site.startswith("transformers/masking_utils.py") for _, site in ours.sites), ours.describe()
+        # At most one read of a device value per forward (2 micro-batches), none per layer or
+        # checkpointed recompute, none in memtrain's loss. (transformers 5.24's causal-mask builder
+        # makes that one: it checks the position ids for packed sequences, in masking_utils.py.)
+        assert ours.total <= 2, ours.describe()
 
         theirs = HostSyncCounter()
         hf = HFStep(cfg, CPU)
         micro = _random_micro_batches(cfg, 1, CPU)
         hf.step(micro, lambda name: contextlib.nullcontext())
         hf.step(micro, lambda name: theirs if name != "optimizer" else contextlib.nullcontext())
-    assert ours.total <= theirs.total, (ours.describe(), theirs.describe())
+    # every sync of ours is one the Trainer's step makes too, at the same place
+    assert all(n <= theirs.sites[key] for key, n in ours.sites.items()), (ours.describe(), theirs.describe())
 
 
 # ----------------------------------------------------------------------------- the loop's timed steps
