@@ -11,7 +11,9 @@ Hand-written because torch's own switch, ``torch.cuda.set_sync_debug_mode``, exi
 CUDA and warns rather than counts. A ``TorchDispatchMode`` sees the ATen calls that reach the
 dispatcher, which is where every such read ends up, and nothing compiled: torch.compile refuses
 to trace under a non-infrastructure dispatch mode, so a compiled function (the bf16-pure
-optimizer's update, a ``--compile`` model) is counted by running it eagerly or not at all.
+optimizer's update, a ``--compile`` model) is counted by running it eagerly or not at all. A
+``.tolist()`` of a CPU tensor reads its memory without a dispatcher call, so it is not seen (on a GPU
+tensor it is: the copy to the host is).
 
 Usage::
 
