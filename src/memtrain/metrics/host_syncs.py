@@ -113,9 +113,6 @@ class HostSyncCounter(TorchDispatchMode):
         """Host syncs counted so far."""
         return sum(self.sites.values())
 
-    def reset(self) -> None:
-        self.sites.clear()
-
     def describe(self, top: int = 5) -> str:
         """One line: the count and the most frequent call sites ("none" when there were none)."""
         if not self.sites:
