@@ -184,6 +184,13 @@ def hf_step_peak(cfg: RunConfig, batch: int, fake: Optional[bool] = None) -> Opt
             torch.cuda.empty_cache()
 
 
+class _PhaseSeam:
+    """``train_step``'s ``meter`` argument for a plain ``phase(name)`` function."""
+
+    def __init__(self, phase: Callable[[str], Any]) -> None:
+        self.phase = phase
+
+
 def profile_phases(cfg: RunConfig, steps: int, top_ops: int = 12) -> dict[str, Any]:
     """Forward / backward / optimizer time of ours and of the Trainer-equivalent step, in one
     process, alternating step by step (which side goes first alternates too), after 3 warm-up
@@ -239,16 +246,13 @@ def profile_phases(cfg: RunConfig, steps: int, top_ops: int = 12) -> dict[str, A
             marks[name] = marks.get(name, 0.0) + time.perf_counter() - start - sum(marks.values())
 
         if side == "ours":
-            # train_step's own phases, timed by a meter-shaped clock.
-            class _Phases:
-                def phase(self, name: str) -> Any:
-                    @contextlib.contextmanager
-                    def cm() -> Iterator[None]:
-                        yield
-                        clock(name)
-                    return cm()
+            # train_step's own phases, each timed when it ends.
+            @contextlib.contextmanager
+            def timed(name: str) -> Iterator[None]:
+                yield
+                clock(name)
 
-            train_step(ours, micro, ours_opt, precision, t.grad_clip, device, _Phases())  # type: ignore[arg-type]
+            train_step(ours, micro, ours_opt, precision, t.grad_clip, device, _PhaseSeam(timed))  # type: ignore[arg-type]  # only .phase is read
         else:
             hf.step(micro, null_phase, clock)
         if record is not None:
@@ -279,13 +283,6 @@ def profile_phases(cfg: RunConfig, steps: int, top_ops: int = 12) -> dict[str, A
     result["ours"]["host_syncs"] = _count_host_syncs(cfg, ours_step)
     result["theirs"]["host_syncs"] = _count_host_syncs(cfg, lambda phase: hf.step(micro, phase))
     return result
-
-
-class _PhaseSeam:
-    """``train_step``'s ``meter`` argument for a plain ``phase(name)`` function."""
-
-    def __init__(self, phase: Callable[[str], Any]) -> None:
-        self.phase = phase
 
 
 def _count_host_syncs(cfg: RunConfig, step: Callable[[Callable[[str], Any]], None]) -> dict[str, Any]:
