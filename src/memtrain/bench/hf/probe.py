@@ -13,7 +13,13 @@ import torch
 
 from memtrain.bench.hf.hf_model import apply_hf_lora, build_hf_model
 from memtrain.bench.hf.mapping import hf_plan
-from memtrain.bench.hf.trainer_side import autocast_dtype, make_hf_optimizer, training_arguments
+from memtrain.bench.hf.trainer_side import (
+    autocast_dtype,
+    checkpointing_of,
+    enable_checkpointing,
+    make_hf_optimizer,
+    training_arguments,
+)
 from memtrain.config.run import RunConfig
 from memtrain.models import is_hf
 from memtrain.models.hf import same_paths_as_eager
@@ -76,10 +82,9 @@ class HFStep:
         with tempfile.TemporaryDirectory(prefix="hf-step-") as tmp:
             self.args = args = training_arguments(cfg, plan, tmp, device)
         model = build_hf_model(cfg, plan, init_from_memtrain=init_from_memtrain, device=device)
-        if args.activation_checkpointing:
-            kw = dict(args.activation_checkpointing_kwargs or {})
-            every = kw.pop("every_n_layers", 1)
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw or None, every_n_layers=every)
+        checkpointing, ck_kwargs = checkpointing_of(args)
+        if checkpointing:
+            enable_checkpointing(model, ck_kwargs)
         with _modules_stay_put() if fake else contextlib.nullcontext():
             model = apply_hf_lora(model, plan)
         model.train()

@@ -4,6 +4,7 @@ model, tokens and schedule, metered by memtrain's own meters through Trainer cal
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import tempfile
 import time
@@ -50,7 +51,43 @@ def training_arguments(cfg: RunConfig, plan: HFPlan, output_dir: str, device: to
         use_cpu=device.type == "cpu",
     )
     kwargs.update(plan.training_args)
-    return TrainingArguments(**kwargs)
+    return TrainingArguments(**_checkpointing_for_installed(kwargs, TrainingArguments))
+
+
+def _checkpointing_for_installed(kwargs: dict[str, Any], arguments_class: type) -> dict[str, Any]:
+    """The plan's ``activation_checkpointing*`` keys under the names the installed transformers
+    takes: releases before the rename (5.17 on the GPU image, say) know only
+    ``gradient_checkpointing*``, and have no ``every_n_layers``."""
+    if "activation_checkpointing" not in kwargs or any(
+            f.name == "activation_checkpointing" for f in dataclasses.fields(arguments_class)):
+        return kwargs
+    out = dict(kwargs)
+    out["gradient_checkpointing"] = out.pop("activation_checkpointing")
+    ck = dict(out.pop("activation_checkpointing_kwargs", None) or {})
+    if ck.pop("every_n_layers", 1) != 1:
+        raise ConfigError("checkpointing every k layers: this transformers' Trainer checkpoints every layer or none "
+                          "(activation_checkpointing's every_n_layers came later); upgrade transformers or "
+                          "use --checkpointing full")
+    out["gradient_checkpointing_kwargs"] = ck
+    return out
+
+
+def checkpointing_of(args: Any) -> tuple[bool, dict[str, Any]]:
+    """Whether ``TrainingArguments`` ask for activation checkpointing, and its kwargs, under either
+    transformers' names (``activation_checkpointing`` or the older ``gradient_checkpointing``)."""
+    if hasattr(args, "activation_checkpointing"):
+        return bool(args.activation_checkpointing), dict(args.activation_checkpointing_kwargs or {})
+    return bool(args.gradient_checkpointing), dict(args.gradient_checkpointing_kwargs or {})
+
+
+def enable_checkpointing(model: Any, kwargs: dict[str, Any]) -> None:
+    """``model``'s layers checkpointed as ``Trainer.train`` does it for these kwargs."""
+    kw = dict(kwargs)
+    every = kw.pop("every_n_layers", 1)
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw or None, every_n_layers=every)
+    else:  # transformers before the rename: every layer only (training_arguments refused every k)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw or None)
 
 
 def make_hf_optimizer(model: torch.nn.Module, args: Any) -> torch.optim.Optimizer:
