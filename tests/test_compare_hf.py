@@ -4,8 +4,10 @@ same meters, or the comparison means nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -21,10 +23,17 @@ from memtrain.bench.hf.mapping import TRAINER_LOW_BIT_BLOCK, hf_plan  # noqa: E4
 from memtrain.bench.hf.probe import hf_step_peak, profile_phases  # noqa: E402
 from memtrain.bench.hf.report import aggregate, render_markdown  # noqa: E402
 from memtrain.bench.hf.rows import REPORT_JSON, REPORT_MD, RUNS_FILE, config_hash, resolve_rows  # noqa: E402
-from memtrain.bench.hf.trainer_side import make_hf_optimizer, run_theirs, training_arguments  # noqa: E402
+from memtrain.bench.hf.trainer_side import (  # noqa: E402
+    _checkpointing_for_installed,
+    checkpointing_of,
+    enable_checkpointing,
+    make_hf_optimizer,
+    run_theirs,
+    training_arguments,
+)
 from memtrain.bench.scales import scale_overrides  # noqa: E402
 from memtrain.bench.technique_sets import TECHNIQUES, technique_overrides  # noqa: E402
-from memtrain.config.run import build_config  # noqa: E402
+from memtrain.config.run import ConfigError, build_config  # noqa: E402
 from memtrain.models.gpt import GPT  # noqa: E402
 from memtrain.runtime.env import seed_everything  # noqa: E402
 
@@ -83,6 +92,34 @@ def test_plan_edge_cases():
     assert hf_plan(quick("bf16", precision="bf16-pure"), "cpu").status == "none"
     assert hf_plan(quick("bf16", distributed="ddp"), "cpu").status == "none"
     assert hf_plan(quick("baseline"), "cuda").training_args["tf32"] is True
+
+
+def test_checkpointing_reaches_a_trainer_from_before_the_rename():
+    """transformers releases before activation_checkpointing (5.17 on the GPU image) take the same
+    request as gradient_checkpointing*; every k layers, which they cannot do, is one error line."""
+    @dataclasses.dataclass
+    class OldArguments:  # the fields of an older TrainingArguments
+        gradient_checkpointing: bool = False
+        gradient_checkpointing_kwargs: Optional[dict] = None
+
+    full = hf_plan(quick("bf16", checkpointing="full"), "cpu").training_args
+    old = _checkpointing_for_installed(dict(full), OldArguments)
+    assert "activation_checkpointing" not in old and "activation_checkpointing_kwargs" not in old
+    assert old["gradient_checkpointing"] is True and old["gradient_checkpointing_kwargs"] == {"use_reentrant": False}
+    assert checkpointing_of(OldArguments(**{k: old[k] for k in ("gradient_checkpointing", "gradient_checkpointing_kwargs")})) \
+        == (True, {"use_reentrant": False})
+    every = hf_plan(quick("bf16", checkpointing="every:2"), "cpu").training_args
+    with pytest.raises(ConfigError, match="checkpoints every layer or none.*--checkpointing full"):
+        _checkpointing_for_installed(dict(every), OldArguments)
+    assert _checkpointing_for_installed(dict(every), transformers.TrainingArguments) == every  # the installed one has both
+
+    class OldModel:  # an older PreTrainedModel: gradient_checkpointing_enable only
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+            self.kwargs = gradient_checkpointing_kwargs
+
+    model = OldModel()
+    enable_checkpointing(model, {"use_reentrant": False})
+    assert model.kwargs == {"use_reentrant": False}
 
 
 def test_rows_run_the_trainers_low_bit_block_and_adafactor_step():

@@ -366,6 +366,27 @@ def test_train_loader_resumes_exactly(num_workers: int) -> None:
         assert torch.equal(x, want[0]) and torch.equal(y, want[1])
 
 
+def test_without_workers_the_loader_gathers_the_dataloaders_batches() -> None:
+    """The worker-less path (one vectorized gather, BlockDataset.batch) hands out exactly the
+    batches DataLoader's per-sample loop and default collate make: values, dtype, shape, contiguity,
+    across epoch boundaries, for every rank; an index out of range is refused."""
+    from torch.utils.data import DataLoader
+
+    tokens = np.random.default_rng(0).integers(0, 50257, size=61 * 33 + 7).astype(np.uint16)
+    for rank in (0, 1):
+        gathered = make_train_loader(tokens, seq_len=32, batch_size=5, seed=3, rank=rank, world_size=2)
+        reference = make_train_loader(tokens, seq_len=32, batch_size=5, seed=3, rank=rank, world_size=2)
+        collated = iter(DataLoader(reference.dataset, batch_sampler=reference._sampler()))
+        for _ in range(3 * gathered.batches_per_epoch + 1):
+            (x, y), (rx, ry) = gathered.next_batch(), next(collated)
+            assert x.dtype == rx.dtype == torch.int64 and x.shape == rx.shape == (5, 32)
+            assert x.is_contiguous() and y.is_contiguous()
+            assert torch.equal(x, rx) and torch.equal(y, ry)
+    ds = BlockDataset(tokens, seq_len=32)
+    with pytest.raises(IndexError, match="out of range"):
+        ds.batch([0, len(ds)])
+
+
 def test_ranks_take_disjoint_blocks() -> None:
     tokens = np.arange(50 * 9, dtype=np.uint16)
     loaders = [make_train_loader(tokens, seq_len=8, batch_size=4, seed=3, rank=r, world_size=3) for r in range(3)]

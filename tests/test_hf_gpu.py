@@ -30,6 +30,8 @@ def _skip_without_packages(tech: dict) -> None:
         pytest.importorskip("bitsandbytes", reason="--qlora on CUDA needs bitsandbytes")
     if tech.get("lora_rank"):
         pytest.importorskip("peft", reason="--lora-rank on a transformers model needs peft")
+    if tech.get("loss_kernel") == "liger":
+        pytest.importorskip("liger_kernel", reason="--loss-kernel liger needs liger-kernel")
 
 
 def _train(model_dir, corpus_path, tmp_path, **tech):
@@ -49,7 +51,8 @@ def _loss_falls(res) -> None:
     {"precision": "bf16", "attention": "flex"},
     {"precision": "bf16", "attention": "mem-efficient"},
     {"precision": "bf16", "attention": "flash", "checkpointing": "full"},
-    {"precision": "bf16", "loss": "chunked"},  # Liger's fused kernel when installed
+    {"precision": "bf16", "loss": "chunked"},  # memtrain's chunked loss (inductor's fused logit gradient)
+    {"precision": "bf16", "loss": "chunked", "loss_kernel": "liger"},  # Liger's fused kernel
     {"precision": "bf16-pure", "lora_rank": 8, "qlora": True, "checkpointing": "full"},
 ])
 def test_gpu_paths_train_a_transformers_model(model_dirs, corpus, tmp_path, tech):  # noqa: F811

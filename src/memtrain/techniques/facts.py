@@ -359,20 +359,31 @@ def optimizer_state_rule(optim: str) -> OptimizerStateRule:
 
 
 # --------------------------------------------------------------------------- the loss kernel
-def liger_loss_runs(loss: str, device_type: str) -> bool:
-    """Whether ``--loss chunked`` runs Liger-Kernel's fused linear cross-entropy instead of
-    memtrain's own chunked loss: on CUDA, with ``liger_kernel`` (and the Triton it needs)
-    installed. :func:`memtrain.techniques.loss.make_loss_fn` picks the kernel by this answer and
-    the estimate says which one it models; found without importing either (the analytic
-    commands load no torch)."""
-    if loss != "chunked" or device_type != "cuda":
-        return False
-    return all(importlib.util.find_spec(name) is not None for name in ("liger_kernel", "triton"))
+def liger_loss_requested(loss: str, loss_kernel: str, device_type: str) -> bool:
+    """Whether the run asks for Liger-Kernel's fused linear cross-entropy (``--loss chunked
+    --loss-kernel liger``) on CUDA, the one device it runs on; the estimate then says that it
+    models memtrain's own chunked loss instead. Torch-free: the analytic commands load no torch."""
+    return loss == "chunked" and loss_kernel == "liger" and device_type == "cuda"
 
 
-LIGER_LOSS_NOTE = ("--loss chunked on CUDA runs Liger-Kernel's fused linear cross-entropy (liger_kernel is "
-                   "installed); this estimate models memtrain's own chunked loss, whose buffers Liger's kernel "
-                   "does not share (it picks its own chunk size)")
+def liger_loss_refusal(loss: str, loss_kernel: str, device_type: str) -> Optional[str]:
+    """Why ``--loss-kernel liger`` cannot run here (one line that says what to change), or None
+    where it can or was not asked for. :func:`memtrain.techniques.loss.make_loss_fn` raises it."""
+    if loss != "chunked" or loss_kernel != "liger":
+        return None
+    if device_type != "cuda":
+        return (f"--loss-kernel liger runs on CUDA only (Liger-Kernel is Triton code), not on {device_type}; "
+                "drop --loss-kernel for memtrain's chunked loss")
+    missing = [name for name in ("liger_kernel", "triton") if importlib.util.find_spec(name) is None]
+    if missing:
+        return (f"--loss-kernel liger needs {' and '.join(missing)}: pip install liger-kernel, or drop "
+                "--loss-kernel for memtrain's chunked loss")
+    return None
+
+
+LIGER_LOSS_NOTE = ("--loss-kernel liger runs Liger-Kernel's fused linear cross-entropy; this estimate models "
+                   "memtrain's own chunked loss, whose buffers Liger's kernel does not share (it picks its own "
+                   "chunk size)")
 
 
 # --------------------------------------------------------------------------- activation offloading

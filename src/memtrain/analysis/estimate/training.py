@@ -15,6 +15,7 @@ from memtrain.analysis.estimate.simulator import Graph, Segment, Simulator, comp
 from memtrain.analysis.limits import check_analytic_size
 from memtrain.config.archs import GPT2_ARCH, Arch
 from memtrain.config.run import ConfigError, RunConfig
+from memtrain.models.spec import is_hf
 from memtrain.techniques.facts import MEMORY_CATEGORIES, OFFLOAD_MIN_BYTES, OPTIMIZER_STATE_RULES
 
 # Which meter category each of the JSON contract's components (simulator.COMPONENTS) is part of.
@@ -80,6 +81,12 @@ class Estimate:
 
 def _validate(cfg: RunConfig, arch: Arch, device_type: str) -> None:
     tech = cfg.technique
+    if arch is GPT2_ARCH and is_hf(cfg):
+        # A transformers model read with memtrain's GPT layout would be a quiet wrong answer
+        # (tied head, GPT's LoRA targets: Llama-3-8B came out 1.83 GiB low).
+        raise ConfigError(f"{cfg.model.model!r} is a transformers model: estimate it with "
+                          "memtrain.analysis.estimate.estimate_step (its own layer model or a trace), "
+                          "not with memtrain's GPT architecture")
     if tech.compile:
         pass  # compile changes kernels, not (to first order) what is saved; estimated as eager
     if arch.n_kv_heads and cfg.model.n_heads % arch.n_kv_heads:
