@@ -90,6 +90,24 @@ def test_allocator_model_rows_are_estimated_for_a_gpu():
         assert est["reserved"] >= est["allocated"] >= est["tracked_peak"] > 0, name
 
 
+def test_allocator_check_estimates_a_transformers_row_as_memtrain_estimate_prints_it():
+    """The Llama-3-8B row's estimate is the one `memtrain estimate --gpu` prints (the model's own
+    layer model), not memtrain's GPT layout's, which was 1.83 GiB low."""
+    alloc = _load("allocator_check")
+    row = {"model": "llama-3-8b", "batch_size": 1, "seq_len": 2048, "precision": "bf16-pure", "attention": "sdpa",
+           "lora_rank": 16, "checkpointing": "full"}
+    assert any(overrides == row for _, overrides, _ in alloc.MODEL_ROWS)
+    ours = alloc.estimate_row(build_config({**row, "device": "cuda"}), "NVIDIA H100 80GB HBM3")
+    cli = subprocess.run([sys.executable, "-m", "memtrain", "estimate", "--model", "llama-3-8b", "--batch-size", "1",
+                          "--seq-len", "2048", "--precision", "bf16-pure", "--attention", "sdpa", "--lora-rank", "16",
+                          "--checkpointing", "full", "--device-type", "cuda", "--gpu", "h100", "--json"],
+                         capture_output=True, text=True, check=True)
+    printed = json.loads(cli.stdout)
+    assert ours["tracked_peak"] == printed["peak_bytes"]
+    assert ours["allocated"] == printed["device_memory"]["allocated"]
+    assert ours["reserved"] == printed["device_memory"]["reserved"]
+
+
 def _fake_steps(monkeypatch, *steps):
     monkeypatch.setattr(runbook, "STEPS", list(steps))
 

@@ -59,10 +59,10 @@ class BlockDataset(Dataset):
     def batch(self, indices: list[int]) -> Batch:
         """Blocks ``indices`` as one ``(x, y)`` batch, each (len(indices), seq_len) int64: what
         the DataLoader's default collate makes of ``[self[i] for i in indices]``, in one
-        vectorized gather instead of a Python loop over the blocks: 0.36 ms against 1.72 ms per
-        batch of 64 x 256 on 2 cores of an AMD EPYC. On an H100 the compiled seed step (9 ms)
-        waited 8.7% of its time for data: the loop needs the host, whose time such a step spends
-        launching kernels."""
+        vectorized gather instead of a Python loop over the blocks: about 5x less host time
+        (docs/performance.md, "The loader keeps up"). On an H100 the compiled seed step (9 ms)
+        waited 8.7% of its time for data, more than the loop itself takes; the loop also needs
+        the interpreter, which such a step's kernel launches keep busy."""
         starts = np.asarray(indices, dtype=np.int64) * self.block_len
         if starts.size and (starts.min() < 0 or starts.max() >= self.n_blocks * self.block_len):
             raise IndexError(f"blocks {list(indices)} out of range for {self.n_blocks} blocks")
