@@ -17,8 +17,11 @@ no CPU-side simulator of it:
 * a freed block is merged with free neighbours of its segment and stays cached: reserved memory
   never shrinks during a step (no ``empty_cache``, no OOM-retry, which would free the cache).
 
-Device total = reserved + the cuBLAS workspace + the CUDA context. The workspace comes from the
-caching allocator in torch 2.x (so it is in ``allocated`` and ``reserved`` too); the context is
+Device total = reserved + the CUDA context. cuBLAS's workspaces come from the caching allocator
+in torch 2.x (so they are in ``allocated`` and ``reserved``): one per cuBLAS handle and stream,
+and handles are per thread, so a training run has two, the main thread's (made by the first
+forward matmul) and the autograd engine's backward thread's (made by the first backward
+matmul; the ``"workspace"`` event of a timeline). The context is
 outside torch and differs by GPU, driver and CUDA version: the table of GPU kinds
 (:mod:`memtrain.devices.gpu_kinds`) holds the assumption per kind, stated wherever it is used.
 """
@@ -179,7 +182,7 @@ class DeviceMemory:
     reserved: int  # peak of cached segments
     device_total: int  # reserved + CUDA context
     cuda_context: int
-    cublas_workspace: int
+    cublas_workspace: int  # bytes of one workspace (a run has one per thread that runs matmuls)
     gpu: str
     segments: int
     assumptions: list[str]
@@ -197,9 +200,11 @@ def replay(events: Iterable[tuple[str, int, float]], gpu: Optional[str] = None, 
            persistent_first: Iterable[float] = ()) -> DeviceMemory:
     """Replay a timeline through the allocator model.
 
-    ``events``: ("alloc", id, nbytes) / ("free", id, 0) / ("reset_peak", 0, 0) in order; ``persistent_first``: sizes of
-    tensors allocated before the timeline starts and never freed (e.g. each parameter). The
-    cuBLAS workspace is allocated first (the first matmul of the first step creates it).
+    ``events``: ("alloc", id, nbytes) / ("free", id, 0) / ("reset_peak", 0, 0) / ("workspace", 0, 0) in
+    order; ``persistent_first``: sizes of tensors allocated before the timeline starts and never
+    freed (e.g. each parameter). The main thread's cuBLAS workspace is allocated first (the first
+    matmul of the first step creates it); a ``"workspace"`` event allocates another, kept to the
+    end (the backward thread's).
     """
     facts = allocator_facts(gpu)
     key = facts.label
@@ -211,8 +216,12 @@ def replay(events: Iterable[tuple[str, int, float]], gpu: Optional[str] = None, 
     alloc.malloc(ws)
     handles: dict[int, int] = {}
     first_step: Optional[int] = None
+    workspaces = 1
     for op, sid, nbytes in events:
-        if op == "reset_peak":  # torch.cuda.reset_peak_memory_stats: allocated only (reserved keeps its segments)
+        if op == "workspace":
+            alloc.malloc(ws)
+            workspaces += 1
+        elif op == "reset_peak":  # torch.cuda.reset_peak_memory_stats: allocated only (reserved keeps its segments)
             alloc.peak_allocated = alloc.allocated
             first_step = alloc.reserved
         elif op == "alloc":
@@ -229,6 +238,7 @@ def replay(events: Iterable[tuple[str, int, float]], gpu: Optional[str] = None, 
                      + (f"measured, {facts.context_source}; driver and CUDA version change it"
                         if facts.context_measured else "not measured; benchmarks/allocator_check.py measures it")
                      + ")",
-                     f"cuBLAS workspace {ws / MiB:.2f} MiB through the caching allocator",
+                     f"{workspaces} cuBLAS workspace(s) of {ws / MiB:.2f} MiB through the caching allocator, one per "
+                     "thread that runs matmuls (the forward's" + (", the backward's" if workspaces > 1 else "") + ")",
                      "caching allocator defaults: one stream, no expandable_segments, no empty_cache"],
     )

@@ -657,25 +657,25 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
         nodes[0].inputs += ["tok", "posemb"] + (["causal_mask"] if tech.attention == "math" else [])
     if tech.loss == "chunked":
         c = min(tech.loss_chunk, N)
-        # _ChunkedLinearCrossEntropy.forward: casts of hidden and weight (when the compute dtype
-        # differs), grad_h (N x d) and a float32 grad_w (V x d) kept for backward, and per chunk
-        # the logits, their float32 copy, the gradient cast back and the chunk's matmuls.
+        # _ChunkedLinearCrossEntropy.forward, tensor by tensor (the caching allocator places each
+        # on its own): casts of hidden and weight (when the compute dtype differs), then its
+        # outputs grad_h (N x d) and a float32 grad_w (V x d), kept for backward, then the chunks.
         # (No weight cast under FSDP2's bf16 gather: the gathered weight is in the compute dtype.)
-        casts = (N * d * a if a != r else 0) + (V * d * a if a != dm.p and not dm.weights_in_compute_dtype else 0)
-        if a == 4:
-            # float32 logits, turned into their gradient in place; g @ w for grad_h.
-            per_chunk: float = c * V * 4 + c * d * 4
-        else:
-            # low-precision logits -> float32 copy (both alive for a moment); then the gradient
-            # cast back, after which the float32 buffer is freed before g @ w (c x d) or
-            # g.t() @ h (V x d) arrive next to the cast gradient.
-            per_chunk = max(c * V * 4 + c * V * a, c * V * a + max(c * d * a, V * d * a))
+        steps: list[tuple[str, str, float]] = [("alloc", "h", N * d * a if a != r else 0.0),
+                                               ("alloc", "w", V * d * a if a != dm.p and not dm.weights_in_compute_dtype
+                                                else 0.0),
+                                               ("outputs", "", 0.0)]
+        # Every full chunk repeats the first one's allocations, which find the blocks the one before
+        # freed: the first and the shorter last one set both the peak and the allocator's cache.
+        sizes = [c] + ([N % c] if N % c else [])
+        for cc in sizes:
+            steps += _chunk_steps(cc, V, d, a, dm.cuda, trainable)
         # backward hands grad_h on as the hidden states' gradient; grad_w, still referenced by
         # ctx, cannot be stolen by AccumulateGrad, which clones it into .grad (or adds it in).
         # (A frozen head, as under LoRA, gets no grad_w: need_grad_weight is False.)
         gw = V * d * 4 if trainable else 0.0
         nodes.append(Node("loss", out=[("loss.grad_h", N * d * r), ("loss.grad_w", gw)],
-                           inputs=["hf"], saves=["loss.grad_h", "loss.grad_w"], fwd_scratch=casts + per_chunk,
+                           inputs=["hf"], saves=["loss.grad_h", "loss.grad_w"], fwd_steps=tuple(steps),
                            tag="logits", grad_from={"hf": "loss.grad_h", f"param:{head}": "loss.grad_w"},
                            grads=[("hf", N * d * r)] + ([(f"param:{head}", 0.0)] if trainable else [])))
         return nodes
@@ -709,6 +709,30 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
     nodes.append(Node("loss", out=[("loss", 8)], inputs=["logp"] + held_logits, saves=["logp"], tag="logits",
                        grads=[("logp", N * V * 4)]))
     return nodes
+
+
+def _chunk_steps(c: int, V: int, d: int, a: float, cuda: bool, grad_w: bool) -> list[tuple[str, str, float]]:
+    """One chunk of memtrain's chunked loss (memtrain.techniques.loss._chunked_forward), tensor
+    by tensor: the logits, the logit gradient, ``g @ w`` (c x d, copied into grad_h) and, for a
+    trainable head, ``g.t() @ h`` (V x d, added into the float32 grad_w; in place, no temporary,
+    when computing in float32).
+
+    On CUDA the logit gradient is one inductor-compiled function (its input logits and its output
+    gradient, in the compute dtype). Elsewhere the eager body: float32 logits (a float copy of the
+    low-precision matmul output, which then goes), turned into the gradient in place and cast
+    back, the float32 buffer freed before the matmuls."""
+    steps: list[tuple[str, str, float]] = []
+    if cuda:
+        steps += [("alloc", "logits", c * V * a), ("alloc", "g", c * V * a), ("free", "logits", 0.0)]
+    elif a == 4:
+        steps += [("alloc", "g", c * V * 4)]
+    else:
+        steps += [("alloc", "logits", c * V * a), ("alloc", "logits32", c * V * 4), ("free", "logits", 0.0),
+                  ("alloc", "g", c * V * a), ("free", "logits32", 0.0)]
+    steps += [("alloc", "gh", c * d * a), ("free", "gh", 0.0)]
+    if grad_w and a != 4:
+        steps += [("alloc", "gw", V * d * a), ("free", "gw", 0.0)]
+    return steps + [("free", "g", 0.0)]
 
 
 def precision_bytes(precision: str) -> tuple[int, int, bool]:

@@ -113,7 +113,10 @@ class Node:
     ``grad_from``: gradients that are forward storages handed over (the chunked loss computes
     them in forward); ``hold``: outputs live until the forward ends (autocast's weight cache);
     ``matmul``: selective checkpointing keeps its outputs; ``scratch``/``fwd_scratch``: transient
-    bytes of its backward/forward.
+    bytes of its backward/forward; ``fwd_steps``: the forward's temporaries one by one where their
+    sizes and order matter to the caching allocator, ``("alloc", label, bytes)`` / ``("free",
+    label, 0)`` with ``("outputs", "", 0)`` where the outputs are made (first when absent); what
+    is still allocated at the end is freed then.
     """
 
     name: str
@@ -128,6 +131,7 @@ class Node:
     keep: Optional[tuple[str, ...]] = None
     scratch: float = 0.0
     fwd_scratch: float = 0.0
+    fwd_steps: tuple[tuple[str, str, float], ...] = ()
     tag: str = "activations"
     core: bool = False  # part of the attention core (q, k, v -> output) that selective recomputes
     # An input gradient this op's backward adds to one that arrived first, which autograd
@@ -140,6 +144,12 @@ class Node:
         if not self.matmul:
             return ()
         return self.keep if self.keep is not None else tuple(o[0] for o in self.out)
+
+    @property
+    def gemm(self) -> bool:
+        """Whether the op's kernels include a cuBLAS matmul (a Linear, the LM head, an attention
+        matmul): the first one the backward runs makes the autograd thread's cuBLAS workspace."""
+        return self.matmul or self.name == "lm_head"
 
     def out_keys(self) -> tuple[str, ...]:
         if self.grad_out is not None:
@@ -201,6 +211,21 @@ class Graph:
         self.h2d = 0.0
         self.lump_host = 0.0
         self._late_sums: list[int] = []  # second gradients summed out of place (Node.sums_out_of_place)
+        # Index in sim.events where the backward's first matmul runs (None: not yet, or no event
+        # log): autograd runs the backward on its own device thread, whose cuBLAS handle gets a
+        # workspace of its own there (memtrain.analysis.device_replay).
+        self.backward_gemm_at: Optional[int] = None
+        self._in_backward = False
+
+    def _note_gemm(self, n: Node, start: int) -> None:
+        """Record where the backward's first matmul (``n``, whose allocations began at event
+        ``start``) takes its workspace: after the kernel's first output, which at::mm allocates
+        before it calls cuBLAS."""
+        events = self.sim.events
+        if not (self._in_backward and n.gemm and self.backward_gemm_at is None and events is not None):
+            return
+        first_alloc = next((i for i in range(start, len(events)) if events[i][0] == "alloc"), None)
+        self.backward_gemm_at = start if first_alloc is None else first_alloc + 1
 
     def _snapshot(self) -> dict[str, float]:
         return dict(self.sim.by_tag)
@@ -311,13 +336,22 @@ class Graph:
                 last[k] = i
         held: list[str] = []
         for i, n in enumerate(nodes):
+            start = len(self.sim.events) if self.sim.events is not None else 0
+            steps = list(n.fwd_steps)
+            split = next((j for j, step in enumerate(steps) if step[0] == "outputs"), 0)
+            scratch: dict[str, int] = {}
+            self._scratch_steps(steps[:split], scratch, tag_override or n.tag)
             for o in n.out:
                 key, nbytes = o[0], o[1]
                 if key in self.store:
                     continue  # selective checkpointing: output cached from the forward pass
                 tag = tag_override or (o[2] if len(o) > 2 else n.tag)
                 self.store[key] = self.sim.alloc(nbytes, tag)
+            self._note_gemm(n, start)  # a recompute in backward runs on autograd's thread
             self.sim.transient(n.fwd_scratch, tag_override or n.tag)
+            self._scratch_steps(steps[split:], scratch, tag_override or n.tag)
+            for sid in scratch.values():
+                self.sim.free(sid)
             if keep_saves:
                 for k in n.saves:
                     if k in self.store and not self._offload(k):
@@ -332,6 +366,14 @@ class Graph:
                     continue
                 self.sim.free(self.store.pop(k, None))
         return held
+
+    def _scratch_steps(self, steps: list[tuple[str, str, float]], scratch: dict[str, int], tag: str) -> None:
+        """Run a node's ``fwd_steps`` (see :class:`Node`); ``scratch``: label -> live storage id."""
+        for op, label, nbytes in steps:
+            if op == "alloc" and nbytes > 0:
+                scratch[label] = self.sim.alloc(nbytes, tag)
+            elif op == "free":
+                self.sim.free(scratch.pop(label, None))
 
     def _flush(self, held: list[str]) -> None:
         for k in held:
@@ -426,8 +468,11 @@ class Graph:
                 self._unpack(k)
             if has_grad or n.name == "loss":
                 through = next((self.grad_sid[k] for k in keys if k in self.grad_sid), None)
+                start = len(self.sim.events) if self.sim.events is not None else 0
                 for key, nbytes in n.grads:
                     self._grad_alloc(n, key, nbytes, through)
+                if n.grads:
+                    self._note_gemm(n, start)
                 self.sim.transient(n.scratch)
                 for k in keys:
                     self._drop_grad(k)
@@ -489,6 +534,7 @@ class Graph:
             sim.alloc(self.rng_state_bytes, "activations")
 
     def backward(self) -> None:
+        self._in_backward = True
         lump = self.comp is not None and self.comp.lumps > 0
         for idx in range(len(self.segments) - 1, -1, -1):
             seg = self.segments[idx]
@@ -531,7 +577,7 @@ class Graph:
             if seg.lazy_recompute and stop is not None and not set(stop.saves) & {o[0] for o in stop.out}:
                 # autograd saves an op's inputs before its kernel runs: the recompute stops
                 # there, before the last saver's outputs exist.
-                recompute[-1] = replace(stop, out=[], fwd_scratch=0.0, hold=False)
+                recompute[-1] = replace(stop, out=[], fwd_scratch=0.0, fwd_steps=(), hold=False)
             made = {o[0] for n in recompute for o in n.out}
             past_stop = {k for n in seg.nodes[last_saver + 1:] for k in n.inputs} & made
             held = self._run_forward(recompute, True, "temporaries", past_stop, set())

@@ -157,7 +157,11 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     grad_bytes = {p.name: pbytes[p.name] for p in trainable}
     grad_total = sum(v * repeat[k] for k, v in grad_bytes.items())
     opt_bytes, opt_lines = predicted_optimizer_state(trainable, tech.optim, adapter_bytes, tech.optim_block)
-    opt_tmp = optimizer_temporaries(trainable, tech.optim, adapter_bytes, t.weight_decay, tech.precision, arch)
+    # `--optim adamw` runs the device's kernel (memtrain.techniques.optim.default_adamw_kernel): on
+    # CUDA the fused one, which updates in place, not the CPU's per-tensor loop with its scratch.
+    step_kernel = "adamw-fused" if tech.optim == "adamw" and device_type == "cuda" and tech.precision != "bf16-pure" \
+        else tech.optim
+    opt_tmp = optimizer_temporaries(trainable, step_kernel, adapter_bytes, t.weight_decay, tech.precision, arch)
     zero1: Optional[dict[str, Any]] = None
     if shard == "zero1" and world_size > 1 and sum(p.repeat for p in trainable) <= _ZERO1_MAX_TENSORS:
         # memtrain's ZeRO-1 gives each rank the dim-0 chunk of every tensor (ceil(rows/N) rows,
@@ -262,7 +266,7 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     device_memory = None
     if sim.events is not None:
         step = StepTimeline(events=sim.events, optimizer_at=optimizer_at, state_sids=state_sids, carried_in=previous,
-                            live_at_end=dict(sim.live), peak=sim.peak)
+                            live_at_end=dict(sim.live), peak=sim.peak, backward_gemm_at=graph.backward_gemm_at)
         if _first_step:
             return step  # type: ignore[return-value]  # internal: the replay's first step
         first: Any = estimate(cfg, arch, device_type, world_size, shard, gpu, _compress=False, _first_step=True)
