@@ -2,7 +2,7 @@
 
 A session that is lent a GPU has about 30 minutes of device time, at most 10 minutes per
 command, and gets back at most 8 files per command. This script turns the open GPU checks into
-four *parts*, each one device command of under 10 minutes, run in priority order:
+five *parts*, each one device command of under 10 minutes, run in priority order:
 
     hf      memtrain vs HF Trainer (+ peft) on Llama-3-8B LoRA (with and without checkpointing),
             Qwen2.5-0.5B full fine-tune (standard loss, chunked loss, checkpointing) and the seed GPT
@@ -14,6 +14,8 @@ four *parts*, each one device command of under 10 minutes, run in priority order
     seed    `memtrain bench --scale seed`: every default row on CUDA (the compiled rows too)
     checks  `pytest -m gpu` and the allocator model on the seed and transformers rows
             (benchmarks/allocator_check.py --rows all)
+    profile where the compiled seed step's time goes with the standard and the chunked loss
+            (benchmarks/loss_profile.py: step times, host vs device time, top operators)
 
 Each step writes into a work folder outside ``--out`` (one log and one result folder per step);
 after every step the whole work folder is packed into ``OUT/PART.tar.gz`` and ``OUT/PART.md``
@@ -212,8 +214,16 @@ STEPS: list[Step] = [
          lambda s, out: [PY, str(ROOT / "benchmarks" / "allocator_check.py"), "--rows", "all", "--timeout", "150",
                          "--out", str(out)] + ([] if s.device == "cuda" else ["--help"]),
          "markdown"),
+    # ---- profile: the chunked loss under --compile (3.1x the standard compiled step on an H100)
+    Step("loss-profile", "profile",
+         "--loss chunked <= 1.05x the standard step under --compile: where its time goes (host vs device "
+         "time per step, kernels per step, top operators), chunk 256 and 1024 beside the standard loss", 150,
+         lambda s, out: [PY, str(ROOT / "benchmarks" / "loss_profile.py"), "--device", s.device,
+                         "--batch-size", str(s.seed_batch), "--seq-len", str(s.seed_seq), "--out", str(out),
+                         *(["--compile"] if s.compile else ["--steps", "2", "--warmup", "1", "--d-model", "64"])],
+         "markdown"),
 ]
-PARTS = ["hf", "build", "seed", "checks"]
+PARTS = ["hf", "build", "seed", "checks", "profile"]
 
 
 # ============================================================================ headlines

@@ -224,3 +224,26 @@ def test_cli_refuses_an_out_file_and_a_used_work_folder(tmp_path, capsys):
     assert e.value.code == 2 and "already holds a run of part hf" in capsys.readouterr().err
     assert (used / "runbook.jsonl").read_text() == '{"step": "earlier"}\n'
     assert (tmp_path / "file").read_text() == "keep"
+
+
+def test_loss_profile_writes_each_variant_with_its_operators(tmp_path):
+    """benchmarks/loss_profile.py on a CPU at toy size: one row per variant in the JSON and the
+    Markdown, step times, and operator counts that show the chunk loop (the chunked loss runs
+    its matmuls once per chunk: more mm calls per step than the standard loss's)."""
+    profile = _load("loss_profile")
+    assert profile.main(["--device", "cpu", "--batch-size", "2", "--seq-len", "32", "--d-model", "32", "--chunks", "16",
+                         "--steps", "1", "--warmup", "1", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "loss_profile.json").read_text())
+    rows = {r["name"]: r for r in data["rows"]}
+    assert list(rows) == ["standard", "chunked-16"]
+    assert all(r["step_s_median"] > 0 and r["device_us_per_step"] is None for r in rows.values())
+
+    def mm_calls(row: dict) -> float:
+        return sum(t["calls_per_step"] for t in row["top"] if t["op"] in ("aten::mm", "aten::addmm_", "aten::addmm"))
+
+    assert mm_calls(rows["chunked-16"]) > mm_calls(rows["standard"]) > 0
+    assert rows["chunked-16"]["config"]["loss_chunk"] == 16
+    md = (tmp_path / "loss_profile.md").read_text()
+    assert "| standard |" in md and "## chunked-16: top operators by self host time" in md
+    with pytest.raises(SystemExit):
+        profile.main(["--chunks", "0", "--out", str(tmp_path)])

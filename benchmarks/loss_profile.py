@@ -1,0 +1,167 @@
+"""Where a training step's time goes with the standard loss and with the chunked loss, side by side.
+
+On an H100 the compiled seed GPT (batch 64 x 256, BF16 + flash) took 9.06 ms a step with the
+standard loss and 27.9 ms with ``--loss chunked`` (20.2 ms at ``--loss-chunk 1024``;
+benchmarks/results/gpu-h100/runbook-2026-11-26, run 3). Two chunk sizes put about 0.16 ms on each
+chunk and the rest on the loss as a whole, more than its arithmetic needs. This script answers
+where: for each variant it builds the run as ``memtrain train`` does (the step harness,
+:mod:`memtrain.training.step`), runs warm-up steps, then profiles a few steps with
+``torch.profiler`` and writes, per variant:
+
+* the median step time (synchronized) and the first step's (compilation lands there);
+* host time and device time per step, and device kernels launched per step: a step whose host
+  time is near its wall time while the device idles is bound by launches, not arithmetic;
+* the top operators by self device time (self host time on a CPU), with calls per step.
+
+    python benchmarks/loss_profile.py --device cuda --compile --out /tmp/loss-profile
+    python benchmarks/loss_profile.py --device cpu --batch-size 2 --seq-len 64 --d-model 64 --steps 2
+
+Writes OUT/loss_profile.json and OUT/loss_profile.md after each variant (a later failure loses
+none before it). Timing figures are for comparing the variants of one run, on one machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from memtrain.config.argtypes import positive_int
+from memtrain.config.run import build_config
+from memtrain.files.results import write_json_atomic, write_text_atomic
+from memtrain.techniques.precision import make_precision
+from memtrain.training.step import build_state, random_micro_batches, run_step
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _variants(chunks: list[int]) -> list[tuple[str, dict[str, Any]]]:
+    return [("standard", {"loss": "standard"})] + [(f"chunked-{c}", {"loss": "chunked", "loss_chunk": c})
+                                                   for c in chunks]
+
+
+def profile_variant(overrides: dict[str, Any], steps: int, warmup: int, top: int) -> dict[str, Any]:
+    """Build one run, time ``warmup`` steps, profile ``steps`` more; the figures described above."""
+    cfg = build_config(overrides)
+    device = torch.device(overrides["device"])
+    torch.manual_seed(0)
+    state = build_state(cfg, device, make_precision(cfg.technique.precision, device))
+    micro = random_micro_batches(cfg, cfg.train.batch_size, device, torch.Generator().manual_seed(0))
+    times = []
+    for _ in range(warmup):
+        _sync(device)
+        t0 = time.perf_counter()
+        run_step(state, micro)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    profiled = []
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            _sync(device)
+            t0 = time.perf_counter()
+            run_step(state, micro)
+            _sync(device)
+            profiled.append(time.perf_counter() - t0)
+    events = prof.key_averages()
+    on_device = device.type == "cuda"
+
+    def self_time(e: Any) -> float:  # microseconds
+        return float(e.self_device_time_total if on_device else e.self_cpu_time_total)
+
+    ranked = sorted(events, key=self_time, reverse=True)[:top]
+    device_us = sum(float(e.self_device_time_total) for e in events) if on_device else None
+    kernels = sum(e.count for e in events if on_device and float(e.self_device_time_total) > 0
+                  and not e.key.startswith(("aten::", "memtrain::", "cudaLaunch", "cuLaunch")))
+    return {
+        "config": overrides,
+        "first_step_s": times[0] if times else None,
+        "step_s_median": statistics.median(profiled),
+        "profiled_steps": steps,
+        "host_us_per_step": sum(float(e.self_cpu_time_total) for e in events) / steps,
+        "device_us_per_step": device_us / steps if device_us is not None else None,
+        "kernels_per_step": kernels / steps if on_device else None,
+        "top": [{"op": e.key, "calls_per_step": e.count / steps, "self_us_per_step": self_time(e) / steps}
+                for e in ranked],
+    }
+
+
+def _markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    lines = ["# Where the step's time goes: standard vs chunked loss", "",
+             f"- command: `{meta['command']}`", f"- commit: {meta['commit']}", f"- device: {meta['device_name']}",
+             f"- torch {meta['torch']}", "",
+             "| variant | step ms (median) | first step s | host us/step | device us/step | kernels/step |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        dev = "-" if r["device_us_per_step"] is None else f"{r['device_us_per_step']:,.0f}"
+        ker = "-" if r["kernels_per_step"] is None else f"{r['kernels_per_step']:,.0f}"
+        first = "-" if r["first_step_s"] is None else f"{r['first_step_s']:.2f}"
+        lines.append(f"| {r['name']} | {r['step_s_median'] * 1e3:.2f} | {first} | {r['host_us_per_step']:,.0f} "
+                     f"| {dev} | {ker} |")
+    for r in rows:
+        lines += ["", f"## {r['name']}: top operators by self {'device' if r['device_us_per_step'] is not None else 'host'} "
+                  "time", "", "| op | calls/step | self us/step |", "|---|---:|---:|"]
+        lines += [f"| `{t['op']}` | {t['calls_per_step']:g} | {t['self_us_per_step']:,.1f} |" for t in r["top"]]
+    return "\n".join(lines) + "\n"
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batch-size", type=positive_int, default=64)
+    ap.add_argument("--seq-len", type=positive_int, default=256)
+    ap.add_argument("--d-model", type=positive_int, default=None, help="a smaller model for a quick look")
+    ap.add_argument("--chunks", default="256,1024", help="chunk sizes of the chunked variants (comma-separated)")
+    ap.add_argument("--compile", action="store_true", help="--compile for every variant")
+    ap.add_argument("--steps", type=positive_int, default=6, help="profiled steps per variant (default 6)")
+    ap.add_argument("--warmup", type=positive_int, default=3, help="timed steps before profiling (default 3)")
+    ap.add_argument("--top", type=positive_int, default=25, help="operators listed per variant (default 25)")
+    ap.add_argument("--out", default="benchmarks/results/loss-profile")
+    args = ap.parse_args(argv)
+    try:
+        chunks = [positive_int(c) for c in args.chunks.split(",") if c]
+    except argparse.ArgumentTypeError as e:
+        ap.error(f"--chunks: {e}")
+    base: dict[str, Any] = {"device": args.device, "batch_size": args.batch_size, "seq_len": args.seq_len,
+                            "precision": "bf16" if args.device.startswith("cuda") else "fp32",
+                            "attention": "flash" if args.device.startswith("cuda") else "sdpa",
+                            "compile": args.compile}
+    if args.d_model:
+        base.update(d_model=args.d_model, d_ff=4 * args.d_model)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
+    meta = {"command": " ".join([sys.executable, *sys.argv]), "commit": _commit(), "torch": torch.__version__,
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    rows: list[dict[str, Any]] = []
+    for name, extra in _variants(chunks):
+        row = {"name": name, **profile_variant({**base, **extra}, args.steps, args.warmup, args.top)}
+        rows.append(row)
+        print(f"{name}: {row['step_s_median'] * 1e3:.2f} ms/step", flush=True)
+        write_json_atomic(out / "loss_profile.json", {**meta, "rows": rows})
+        write_text_atomic(out / "loss_profile.md", _markdown(meta, rows))
+    print(f"wrote {out / 'loss_profile.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
