@@ -189,3 +189,22 @@ def test_noise_section_says_what_the_twin_changes_and_on_how_many_tokens():
             "row, are evaluated on the same 64 validation blocks (2,048 tokens).") in md
     short = markdown_report([row("baseline", 1000.0, 33 * 10), row(SEED_TWIN, 1010.0, 33 * 10)], [])
     assert "the same 10 validation blocks (320 tokens)" in short
+
+
+def test_twins_equal_to_the_digit_leave_every_row_unjudged():
+    """At 60 steps on an H100 the nudged twins matched the baseline's PPL exactly: no noise was
+    measured, so no row may be called beyond (or within) it; the report says the noise was not
+    measurable and lists the differences unjudged."""
+    from memtrain.report.recommend import _ppl_lines
+
+    rows = [_row("baseline", 1000.0), _row("baseline-nudge1", 1000.0), _row("baseline-nudge2", 1000.0),
+            _row("window-flash", 1000.5), _row("ckpt-bf16", 1000.0, precision="bf16")]
+    q = quality_vs_noise(rows)
+    assert q["rel_noise"] == 0
+    assert {r["technique"]: r["beyond_noise"] for r in q["rows"]} == {"window-flash": None, "ckpt-bf16": None}
+    md = markdown_report(rows, [])
+    assert "the noise could not be measured and no row is judged against it" in md
+    assert "| Windowed Attn + FlashAttn | 1000.50 | +0.05% | n/a | unknown |" in md
+    line = _ppl_lines(rows, rows)[0]
+    assert line.startswith("- Perplexity: the noise could not be measured") and "+0.05%" in line
+    assert "beyond noise" not in line

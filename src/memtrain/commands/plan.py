@@ -250,7 +250,8 @@ def _measured_effects(results_dir: str, techs: list[dict]) -> tuple[list[Optiona
         same = [r for r in rows if numerics_key(r["config"]) == numerics_key({"technique": t})]
         effect = None if is_standard(t) or not same else math.exp(same[0]["val_loss"] - ref) - 1
         effects.append(effect)
-        beyond.append(None if effect is None or rel_noise is None else abs(effect) > FACTOR * rel_noise)
+        # No yardstick where the noise was not measured, or measured as zero (twins equal to the digit).
+        beyond.append(None if effect is None or not rel_noise else abs(effect) > FACTOR * rel_noise)
     return effects, beyond, rel_noise
 
 

@@ -122,8 +122,10 @@ def quality_vs_noise(rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
         if ppl is None or name == noise["base"] or is_noise_twin(name):
             continue
         rel = ppl / noise["ppl"] - 1
+        # Twins equal to the digit measured no noise (a run too short for a rounding to grow):
+        # there is no yardstick, so no row is called beyond or within it (None).
         times = abs(rel) / noise["rel_noise"] if noise["rel_noise"] > 0 else None
-        beyond = (times is not None and times > FACTOR) or (times is None and rel != 0)
+        beyond = None if times is None else times > FACTOR
         out.append({"technique": name, "method": r.get("description") or name, "val_ppl": ppl,
                     "rel_diff": rel, "times_noise": times, "beyond_noise": beyond})
     return {**noise, "factor": FACTOR, "rows": out}
@@ -174,7 +176,8 @@ def _noise_paragraph(q: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             f"(a statement about this seed, not about every seed).")
     if q["rel_noise"] == 0:
         text += (" The twins' PPL equals the baseline's to the digit: in a run this short a rounding did not grow, "
-                 "so any difference counts as beyond it.")
+                 "so the noise could not be measured and no row is judged against it (\"beyond noise?\" reads "
+                 "\"unknown\"); more steps (the default 200 per epoch) give the yardstick.")
     seed = q.get("seed")
     if seed:
         text += (f" Seed-to-seed, for reference: {_twin_list(seed['twins'])} (other initial weights and batch "
@@ -202,8 +205,9 @@ def noise_markdown(rows: list[dict[str, Any]], labels: Optional[dict[str, str]] 
     ]
     for r in q["rows"]:
         times = "n/a" if r["times_noise"] is None else f"{r['times_noise']:.1f}"
+        verdict = "unknown" if r["beyond_noise"] is None else ("yes" if r["beyond_noise"] else "no")
         lines.append(f"| {(labels or {}).get(r['technique'], r['method'])} | {r['val_ppl']:.2f} | {r['rel_diff'] * 100:+.2f}% | {times} | "
-                     f"{'yes' if r['beyond_noise'] else 'no'} |")
+                     f"{verdict} |")
     lines.append("")
     return lines
 

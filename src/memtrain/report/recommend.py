@@ -162,6 +162,11 @@ def _ppl_lines(ok: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[str
     if q is not None:
         labels = {r.get("technique"): method_cell(r) for r in ok}
         base = labels.get(q["base"], q["base"])
+        if q["rel_noise"] == 0:
+            moved = [f"{labels.get(r['technique'], r['method'])} ({r['rel_diff'] * 100:+.2f}%)" for r in q["rows"]
+                     if r["rel_diff"] != 0 and not is_noise_twin(r["technique"])]
+            return [f"- Perplexity: the noise could not be measured (the twins of {base} matched it to the digit: "
+                    f"a run this short); differences from it, unjudged: {', '.join(moved) or 'none'}."]
         beyond = [f"{labels.get(r['technique'], r['method'])} ({r['rel_diff'] * 100:+.2f}%)" for r in q["rows"]
                   if r["beyond_noise"] and not is_noise_twin(r["technique"])]
         what = "nudged twins' spread" if q["kind"] == "nudge" else "seed-to-seed difference"
