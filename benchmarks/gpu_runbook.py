@@ -217,9 +217,12 @@ STEPS: list[Step] = [
     # ---- profile: the chunked loss under --compile (3.1x the standard compiled step on an H100)
     Step("loss-profile", "profile",
          "--loss chunked <= 1.05x the standard step under --compile: where its time goes (host vs device "
-         "time per step, kernels per step, top operators), chunk 256 and 1024 beside the standard loss", 150,
+         "time per step, kernels per step, top operators): chunk 256 and 1024 as the operator runs them, "
+         "chunk 256 with the loss outside the compiled graph, chunk 2048 traced into it; beside the standard loss",
+         240,
          lambda s, out: [PY, str(ROOT / "benchmarks" / "loss_profile.py"), "--device", s.device,
                          "--batch-size", str(s.seed_batch), "--seq-len", str(s.seed_seq), "--out", str(out),
+                         "--variants", "standard,chunked-256,chunked-1024,chunked-256-outside,chunked-2048-traced",
                          *(["--compile"] if s.compile else ["--steps", "2", "--warmup", "1", "--d-model", "64"])],
          "markdown"),
 ]

@@ -13,6 +13,12 @@ where: for each variant it builds the run as ``memtrain train`` does (the step h
   time is near its wall time while the device idles is bound by launches, not arithmetic;
 * the top operators by self device time (self host time on a CPU), with calls per step.
 
+Variants (``--variants``): ``standard``; ``chunked-N`` (the chunked loss at chunk N, as
+``--loss chunked`` runs it: under ``--compile`` one opaque operator in the graph);
+``chunked-N-outside`` (the same loss left out of the compiled graph: the model compiled, the loss
+eager); ``chunked-N-traced`` (the chunk loop traced into the compiled graph, one copy per chunk,
+for a few large chunks: what inductor makes of the whole loss when it sees it).
+
     python benchmarks/loss_profile.py --device cuda --compile --out /tmp/loss-profile
     python benchmarks/loss_profile.py --device cpu --batch-size 2 --seq-len 64 --d-model 64 --steps 2
 
@@ -23,12 +29,13 @@ none before it). Timing figures are for comparing the variants of one run, on on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -36,6 +43,7 @@ from torch.profiler import ProfilerActivity, profile
 from memtrain.config.argtypes import positive_int
 from memtrain.config.run import build_config
 from memtrain.files.results import write_json_atomic, write_text_atomic
+from memtrain.techniques import loss as loss_module
 from memtrain.techniques.precision import make_precision
 from memtrain.training.step import build_state, random_micro_batches, run_step
 
@@ -45,17 +53,49 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _variants(chunks: list[int]) -> list[tuple[str, dict[str, Any]]]:
-    return [("standard", {"loss": "standard"})] + [(f"chunked-{c}", {"loss": "chunked", "loss_chunk": c})
-                                                   for c in chunks]
+VARIANT_HOW = ("", "outside", "traced")
 
 
-def profile_variant(overrides: dict[str, Any], steps: int, warmup: int, top: int) -> dict[str, Any]:
+def parse_variant(name: str) -> tuple[dict[str, Any], str]:
+    """A variant's config overrides and how its loss meets the compiled graph ("", "outside",
+    "traced"); ValueError naming the accepted forms."""
+    if name == "standard":
+        return {"loss": "standard"}, ""
+    parts = name.split("-")
+    if parts[0] == "chunked" and 2 <= len(parts) <= 3 and parts[1].isdigit() and int(parts[1]) > 0 \
+            and (len(parts) == 2 or parts[2] in VARIANT_HOW[1:]):
+        return {"loss": "chunked", "loss_chunk": int(parts[1])}, parts[2] if len(parts) == 3 else ""
+    raise ValueError(f"unknown variant {name!r}: use standard, chunked-N, chunked-N-outside or chunked-N-traced")
+
+
+@contextlib.contextmanager
+def _loss_placement(state: Any, how: str) -> Iterator[None]:
+    """Leave the loss out of the compiled graph ("outside") or trace its chunk loop into it ("traced")."""
+    if how == "outside":
+        state.model.loss_fn = torch.compiler.disable(state.model.loss_fn)
+    previous = loss_module.TRACE_CHUNK_LOOP_UNDER_COMPILE
+    loss_module.TRACE_CHUNK_LOOP_UNDER_COMPILE = how == "traced"
+    try:
+        yield
+    finally:
+        loss_module.TRACE_CHUNK_LOOP_UNDER_COMPILE = previous
+
+
+def profile_variant(overrides: dict[str, Any], steps: int, warmup: int, top: int, how: str = "") -> dict[str, Any]:
     """Build one run, time ``warmup`` steps, profile ``steps`` more; the figures described above."""
     cfg = build_config(overrides)
     device = torch.device(overrides["device"])
+    # Each variant compiles a new model: dynamo's caches of the last one's graphs would count
+    # towards its recompile limit, past which the model would silently run eagerly.
+    torch.compiler.reset()
     torch.manual_seed(0)
     state = build_state(cfg, device, make_precision(cfg.technique.precision, device))
+    with _loss_placement(state, how):
+        return _profile_steps(state, cfg, device, steps, warmup, top, overrides)
+
+
+def _profile_steps(state: Any, cfg: Any, device: torch.device, steps: int, warmup: int, top: int,
+                   overrides: dict[str, Any]) -> dict[str, Any]:
     micro = random_micro_batches(cfg, cfg.train.batch_size, device, torch.Generator().manual_seed(0))
     times = []
     for _ in range(warmup):
@@ -130,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=positive_int, default=64)
     ap.add_argument("--seq-len", type=positive_int, default=256)
     ap.add_argument("--d-model", type=positive_int, default=None, help="a smaller model for a quick look")
-    ap.add_argument("--chunks", default="256,1024", help="chunk sizes of the chunked variants (comma-separated)")
+    ap.add_argument("--variants", default="standard,chunked-256,chunked-1024",
+                    help="comma-separated: standard, chunked-N, chunked-N-outside, chunked-N-traced (see above)")
     ap.add_argument("--compile", action="store_true", help="--compile for every variant")
     ap.add_argument("--steps", type=positive_int, default=6, help="profiled steps per variant (default 6)")
     ap.add_argument("--warmup", type=positive_int, default=3, help="timed steps before profiling (default 3)")
@@ -138,9 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="benchmarks/results/loss-profile")
     args = ap.parse_args(argv)
     try:
-        chunks = [positive_int(c) for c in args.chunks.split(",") if c]
-    except argparse.ArgumentTypeError as e:
-        ap.error(f"--chunks: {e}")
+        variants = [(v, *parse_variant(v)) for v in args.variants.split(",") if v]
+    except ValueError as e:
+        ap.error(f"--variants: {e}")
     base: dict[str, Any] = {"device": args.device, "batch_size": args.batch_size, "seq_len": args.seq_len,
                             "precision": "bf16" if args.device.startswith("cuda") else "fp32",
                             "attention": "flash" if args.device.startswith("cuda") else "sdpa",
@@ -153,8 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": " ".join([sys.executable, *sys.argv]), "commit": _commit(), "torch": torch.__version__,
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     rows: list[dict[str, Any]] = []
-    for name, extra in _variants(chunks):
-        row = {"name": name, **profile_variant({**base, **extra}, args.steps, args.warmup, args.top)}
+    for name, extra, how in variants:
+        row = {"name": name, **profile_variant({**base, **extra}, args.steps, args.warmup, args.top, how)}
         rows.append(row)
         print(f"{name}: {row['step_s_median'] * 1e3:.2f} ms/step", flush=True)
         write_json_atomic(out / "loss_profile.json", {**meta, "rows": rows})

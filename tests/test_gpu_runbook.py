@@ -231,11 +231,12 @@ def test_loss_profile_writes_each_variant_with_its_operators(tmp_path):
     Markdown, step times, and operator counts that show the chunk loop (the chunked loss runs
     its matmuls once per chunk: more mm calls per step than the standard loss's)."""
     profile = _load("loss_profile")
-    assert profile.main(["--device", "cpu", "--batch-size", "2", "--seq-len", "32", "--d-model", "32", "--chunks", "16",
-                         "--steps", "1", "--warmup", "1", "--out", str(tmp_path)]) == 0
+    assert profile.main(["--device", "cpu", "--batch-size", "2", "--seq-len", "32", "--d-model", "32",
+                         "--variants", "standard,chunked-16,chunked-16-outside", "--steps", "1", "--warmup", "1",
+                         "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "loss_profile.json").read_text())
     rows = {r["name"]: r for r in data["rows"]}
-    assert list(rows) == ["standard", "chunked-16"]
+    assert list(rows) == ["standard", "chunked-16", "chunked-16-outside"]
     assert all(r["step_s_median"] > 0 and r["device_us_per_step"] is None for r in rows.values())
 
     def mm_calls(row: dict) -> float:
@@ -245,5 +246,41 @@ def test_loss_profile_writes_each_variant_with_its_operators(tmp_path):
     assert rows["chunked-16"]["config"]["loss_chunk"] == 16
     md = (tmp_path / "loss_profile.md").read_text()
     assert "| standard |" in md and "## chunked-16: top operators by self host time" in md
-    with pytest.raises(SystemExit):
-        profile.main(["--chunks", "0", "--out", str(tmp_path)])
+    for bad in ("chunked-0", "chunked-16-inside", "chunky-16"):
+        with pytest.raises(SystemExit):
+            profile.main(["--variants", bad, "--out", str(tmp_path)])
+    from memtrain.techniques import loss
+
+    assert loss.TRACE_CHUNK_LOOP_UNDER_COMPILE is False  # a variant's placement is undone after it
+
+
+def test_a_traced_chunk_loop_compiles_to_the_operators_gradients(monkeypatch):
+    """loss_profile's "traced" variant: the chunk loop traced into the compiled graph (not the
+    opaque operator) gives the same loss and gradients as the operator."""
+    import torch
+
+    from memtrain.techniques import loss
+
+    torch.manual_seed(0)
+    hidden = torch.randn(24, 8, requires_grad=True)
+    weight = torch.randn(40, 8, requires_grad=True)
+    targets = torch.randint(0, 40, (24,))
+    op = torch.ops.memtrain.chunked_linear_cross_entropy.default
+    results, graphs_hold_op = [], []
+    for traced in (False, True):
+        monkeypatch.setattr(loss, "TRACE_CHUNK_LOOP_UNDER_COMPILE", traced)
+        torch.compiler.reset()
+        seen: list = []
+
+        def backend(gm, example_inputs, seen=seen):
+            seen += [n.target for m in gm.modules() if hasattr(m, "graph") for n in m.graph.nodes]
+            return gm
+
+        fn = torch.compile(lambda h, w, t: loss.chunked_lm_loss(h, w, t, chunk=8), backend=backend, fullgraph=True)
+        value = fn(hidden, weight, targets)
+        grads = torch.autograd.grad(value, (hidden, weight))
+        results.append((value.detach(), *grads))
+        graphs_hold_op.append(op in seen)
+    assert graphs_hold_op == [True, False]  # the operator, or its loop unrolled into the graph
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)
