@@ -97,22 +97,21 @@ def profile_variant(overrides: dict[str, Any], steps: int, warmup: int, top: int
 def _profile_steps(state: Any, cfg: Any, device: torch.device, steps: int, warmup: int, top: int,
                    overrides: dict[str, Any]) -> dict[str, Any]:
     micro = random_micro_batches(cfg, cfg.train.batch_size, device, torch.Generator().manual_seed(0))
-    times = []
-    for _ in range(warmup):
-        _sync(device)
-        t0 = time.perf_counter()
-        run_step(state, micro)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    profiled = []
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
+
+    def timed_steps(n: int) -> list[float]:
+        out = []
+        for _ in range(n):
             _sync(device)
             t0 = time.perf_counter()
             run_step(state, micro)
             _sync(device)
-            profiled.append(time.perf_counter() - t0)
+            out.append(time.perf_counter() - t0)
+        return out
+
+    times = timed_steps(warmup)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        profiled = timed_steps(steps)
     events = prof.key_averages()
     on_device = device.type == "cuda"
 
