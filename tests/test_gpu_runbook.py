@@ -138,6 +138,29 @@ def test_the_allocator_model_reproduces_the_committed_h100_check():
     assert checked == 8  # 5 seed rows, the state-bound one, Llama-3-8B LoRA, Qwen2.5-0.5B
 
 
+def test_the_seed_bench_rows_on_the_h100_are_estimated_within_a_percent_and_a_half():
+    """Run 5's seed bench (60 steps per row on the H100, peaks of the whole run): every eager
+    standard-loss row re-estimated with today's allocator model, allocated within 0.5% and reserved
+    within 1.5% (the BF16 rows were 20% low on reserved before the backward thread's workspace was
+    modelled). The chunked rows wait for a two-step measurement (docs/estimation.md)."""
+    from memtrain.analysis.estimate import estimate
+
+    checked = 0
+    for line in (RUN / "5-seed-bench/results.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        tech, memory = r["config"]["technique"], r.get("memory") or {}
+        if tech["compile"] or tech["loss"] != "standard" or not memory.get("max_reserved_bytes"):
+            continue
+        overrides = {k: tech[k] for k in ("precision", "attention", "window", "checkpointing", "loss", "optim")}
+        cfg = build_config({**overrides, "batch_size": r["config"]["train"]["batch_size"],
+                            "seq_len": r["config"]["train"]["seq_len"], "device": "cuda"})
+        dm = estimate(cfg, device_type="cuda", gpu="h100").device_memory
+        assert dm["allocated"] == pytest.approx(memory["max_allocated_bytes"], rel=0.005), overrides
+        assert dm["reserved"] == pytest.approx(memory["max_reserved_bytes"], rel=0.015), overrides
+        checked += 1
+    assert checked >= 5  # baseline (and its twins), bf16, flash-bf16, window, checkpointing
+
+
 @pytest.mark.parametrize("chunk", [256, 1024, 4096])
 def test_the_chunked_loss_estimate_follows_the_kernel_cuda_runs(chunk):
     """Qwen2.5-0.5B with memtrain's chunked loss on the H100 (run 3's `memtrain train` rows): on
