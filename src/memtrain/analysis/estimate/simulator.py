@@ -147,8 +147,10 @@ class Node:
 
     @property
     def gemm(self) -> bool:
-        """Whether the op's kernels include a cuBLAS matmul (a Linear, the LM head, an attention
-        matmul): the first one the backward runs makes the autograd thread's cuBLAS workspace."""
+        """Whether the op's backward runs a cuBLAS matmul (a Linear, the LM head): the first one
+        the backward meets makes the autograd thread's cuBLAS workspace. Attention kernels carry
+        ``matmul`` too (for selective checkpointing) though a fused one calls no cuBLAS; the
+        backward meets a block's output Linear before its attention, so that never decides."""
         return self.matmul or self.name == "lm_head"
 
     def out_keys(self) -> tuple[str, ...]:
