@@ -407,8 +407,9 @@ def test_estimate_gpu_models_the_allocator_for_a_transformers_model(model_dirs, 
     out = json.loads(capsys.readouterr().out)
     dmem = out["device_memory"]
     assert out["method"] == "analytic" and dmem["gpu"] == "h100"
-    # allocated counts every tensor in 512-byte blocks plus the cuBLAS workspace
-    assert dmem["allocated"] >= out["peak_bytes"] + dmem["cublas_workspace"]
+    # allocated counts every tensor in 512-byte blocks plus the two cuBLAS workspaces (the
+    # forward's and the backward thread's)
+    assert dmem["allocated"] >= out["peak_bytes"] + 2 * dmem["cublas_workspace"]
     assert dmem["reserved"] >= dmem["allocated"]
     for family in ("llama", "gpt2"):  # the analytic and the traced path refuse CPU kernels alike
         assert main(["estimate", "--model", str(model_dirs[family]), "--seq-len", "32", "--gpu", "h100",

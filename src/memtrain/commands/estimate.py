@@ -451,7 +451,8 @@ def _device_memory_rows(dmem: Any) -> list[tuple[str, str, str]]:
     """The caching-allocator model's rows (``--gpu NAME``), none without it."""
     if not dmem:
         return []
-    return [("CUDA allocated (max_memory_allocated)", fmt_bytes(dmem["allocated"]), "512 B blocks, cuBLAS workspace"),
+    return [("CUDA allocated (max_memory_allocated)", fmt_bytes(dmem["allocated"]),
+             "512 B blocks, cuBLAS workspaces (forward and backward threads)"),
             ("CUDA reserved (max_memory_reserved)", fmt_bytes(dmem["reserved"]), f"{dmem['segments']} cached segments"),
             ("device total (nvidia-smi)", fmt_bytes(dmem["device_total"]),
              f"reserved + CUDA context {fmt_bytes(dmem['cuda_context'])} (assumed for {dmem['gpu']})")]
