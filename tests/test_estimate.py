@@ -300,3 +300,15 @@ def test_cli_params_next_to_a_config_file_model_is_one_line(tmp_path, capsys):
     assert main(["estimate", "--config", str(config), "--params", "1B", "--json"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "--params" in err and "'gpt2'" in err and "\n" not in err
+
+
+def test_adafactor_step_scratch_follows_its_loop():
+    """torch's Adafactor runs its single-tensor loop (on CUDA too, unless foreach is passed): a
+    matrix's var_estimate lives until the next one's, so a large embedding first in model order
+    costs itself plus its neighbour at the step, not twice itself (the rule before: 2 x largest)."""
+    cfg = build_config(dict(TINY, vocab_size=4096, optim="adafactor", batch_size=1, seq_len=16))
+    measured = measure_step_memory(cfg, 1)
+    est = estimate(cfg, device_type="cpu")
+    assert est.phase_peaks["optimizer"] == pytest.approx(measured["phase_peaks"]["optimizer"], rel=0.01)
+    for device_type in ("cpu", "cuda"):  # the same loop, the same scratch
+        assert estimate(cfg, device_type=device_type).phase_peaks["optimizer"] == est.phase_peaks["optimizer"]

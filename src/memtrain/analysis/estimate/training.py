@@ -170,7 +170,7 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
         per_rank = [predicted_optimizer_state(ps, tech.optim, adapter_bytes, tech.optim_block)[0] for ps in ranks]
         worst = per_rank.index(max(per_rank))
         zero1 = {"rank": worst, "optimizer_per_rank": per_rank,
-                 "scratch": optimizer_temporaries(ranks[worst], tech.optim, adapter_bytes, t.weight_decay,
+                 "scratch": optimizer_temporaries(ranks[worst], step_kernel, adapter_bytes, t.weight_decay,
                                                   tech.precision, arch)}
 
     # ---- sharding (one rank's share)
