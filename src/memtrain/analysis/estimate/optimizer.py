@@ -132,8 +132,8 @@ def _adafactor_scratch(ps: list[ParamInfo], param_bytes: float) -> float:
     vectors, each in model order): a matrix's ``var_estimate`` (its size) lives until the next
     matrix's replaces it, so max(previous + current); a vector's squared gradient and its
     ``var_estimate`` clone come next to the previous vector's: max(previous + 2 x current).
-    Measured with MemoryMeter (torch 2.13; tests/test_estimate.py): the seed GPT's step holds the
-    embedding's and the position table's (52.0 MB), not twice the embedding's (102.9 MB)."""
+    Measured with MemoryMeter (torch 2.13; tests/test_estimate.py::test_adafactor_step_scratch_follows_its_loop):
+    with a large embedding first the step holds it and its neighbour, not twice the embedding."""
     worst = 0.0
     for group in ([p for p in ps if len(p.shape) >= 2], [p for p in ps if len(p.shape) < 2]):
         previous = 0.0
