@@ -187,3 +187,17 @@ def test_plan_for_a_gpu_kind_alone_takes_its_memory_and_cuda_kernels(capsys):
     assert main([*argv, "--memory-budget", "8GiB", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["budget_bytes"] == 8 * 2**30 and out["budget_source"] == "--budget"
+
+
+def test_plain_adamw_is_the_fused_kernel_on_cuda():
+    """`--optim adamw` runs torch's fused AdamW on CUDA: plan models its step as the fused one's
+    and does not suggest `--optim adamw-fused` for it; a pinned foreach AdamW still gets it."""
+    from memtrain.analysis.plan import default_space
+
+    cfg = build_config({"batch_size": 2, "seq_len": 64})
+    assert default_space(cfg, "cuda")["optim"] == ["adamw", "adamw-8bit"]
+    assert default_space(cfg.replace(optim="adamw-foreach"), "cuda")["optim"] == ["adamw-fused", "adamw-8bit"]
+    assert default_space(cfg, "cpu")["optim"] == ["adamw"]
+    fused = cfg.replace(optim="adamw-fused")
+    assert step_cost(cfg, "cuda")[0] == step_cost(fused, "cuda")[0]
+    assert step_cost(cfg, "cpu")[0] > step_cost(fused, "cpu")[0]  # the per-tensor loop there

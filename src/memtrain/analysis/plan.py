@@ -32,7 +32,13 @@ from memtrain.config.run import ConfigError, RunConfig, train_flags
 from memtrain.devices.gpu_kinds import GPU_KINDS, has_fp8
 from memtrain.models.spec import cost_arch, is_gpt_preset
 from memtrain.runtime.extras import cpu_only_torch
-from memtrain.techniques.facts import ADAMW_KERNELS, BF16_PURE_OPTIMS, checkpoint_policy, precision_facts
+from memtrain.techniques.facts import (
+    ADAMW_KERNELS,
+    BF16_PURE_OPTIMS,
+    checkpoint_policy,
+    optimizer_kernel,
+    precision_facts,
+)
 
 __all__ = ["Candidate", "PlanResult", "DEVICE_PROFILES", "HOST_BANDWIDTH", "default_space", "offload_exposed_s", "plan",
            "step_cost", "verification", "verify_config"]
@@ -128,7 +134,8 @@ def step_cost(cfg: RunConfig, device_type: str, arch: Arch = GPT2_ARCH) -> tuple
         fp8_flops = (3 * f["blocks"] + recompute * fp8_share) * tokens
         compute = fp8_flops / rate + ((train + recompute) * tokens - fp8_flops) / (prof["flops"]["bf16"] * efficiency)
     trainable = param_count(cfg.model, arch, tech)[1]
-    optimizer = OPTIMIZER_TRAFFIC.get(tech.optim, 32) * trainable / prof["bandwidth"]
+    kernel = optimizer_kernel(tech.optim, tech.precision, device_type)  # plain adamw is the fused kernel on CUDA
+    optimizer = OPTIMIZER_TRAFFIC.get(kernel, 32) * trainable / prof["bandwidth"]
     return compute + optimizer, {"compute_s": compute, "recompute_flops_per_token": recompute,
                                  "optimizer_s": optimizer, "micro_batch_efficiency": efficiency}
 
@@ -206,7 +213,8 @@ def default_space(cfg: RunConfig, device_type: str, gpu: Optional[str] = None) -
     cpu = device_type == "cpu"
     optim = cfg.technique.optim
     if optim in ADAMW_KERNELS:
-        optims = [optim] if cpu else ["adamw-fused", "adamw-8bit"]
+        # On CUDA the fused kernel, which plain adamw already is there (no flag to suggest for it).
+        optims = [optim] if cpu else ["adamw" if optim == "adamw" else "adamw-fused", "adamw-8bit"]
     else:
         optims = [optim]
     attentions = ["math"] if (cpu and cfg.model.dropout > 0) else ["math", "sdpa"]

@@ -300,6 +300,16 @@ LOW_BIT_MIN_NUMEL = 4096
 BF16_PURE_OPTIMS: tuple[str, ...] = ("adamw", "adamw-8bit", "adamw-4bit")
 
 
+def optimizer_kernel(optim: str, precision: str, device_type: str) -> str:
+    """The kernel ``--optim`` runs on ``device_type``, named as the ``--optim`` that pins it:
+    plain ``adamw`` is torch's fused AdamW on CUDA (memtrain.techniques.optim.default_adamw_kernel,
+    where a GPU has it) and the per-tensor loop elsewhere; under bf16-pure it is torchao's own
+    step, unchanged."""
+    if optim == "adamw" and device_type == "cuda" and precision != "bf16-pure":
+        return "adamw-fused"
+    return optim
+
+
 def torchao_compiled_step(optim: str, precision: str) -> bool:
     """Whether ``--optim`` under ``--precision`` steps with one of torchao's optimizers, whose
     step ``torch.compile`` turns into one fused kernel per parameter: the low-bit AdamWs always,

@@ -16,7 +16,7 @@ from memtrain.analysis.limits import check_analytic_size
 from memtrain.config.archs import GPT2_ARCH, Arch
 from memtrain.config.run import ConfigError, RunConfig
 from memtrain.models.spec import is_hf
-from memtrain.techniques.facts import MEMORY_CATEGORIES, OFFLOAD_MIN_BYTES, OPTIMIZER_STATE_RULES
+from memtrain.techniques.facts import MEMORY_CATEGORIES, OFFLOAD_MIN_BYTES, OPTIMIZER_STATE_RULES, optimizer_kernel
 
 # Which meter category each of the JSON contract's components (simulator.COMPONENTS) is part of.
 _CATEGORY_OF = {"weights": "parameters", "gradients": "gradients", "optimizer": "optimizer",
@@ -157,10 +157,9 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     grad_bytes = {p.name: pbytes[p.name] for p in trainable}
     grad_total = sum(v * repeat[k] for k, v in grad_bytes.items())
     opt_bytes, opt_lines = predicted_optimizer_state(trainable, tech.optim, adapter_bytes, tech.optim_block)
-    # `--optim adamw` runs the device's kernel (memtrain.techniques.optim.default_adamw_kernel): on
-    # CUDA the fused one, which updates in place, not the CPU's per-tensor loop with its scratch.
-    step_kernel = "adamw-fused" if tech.optim == "adamw" and device_type == "cuda" and tech.precision != "bf16-pure" \
-        else tech.optim
+    # `--optim adamw` runs the device's kernel: on CUDA the fused one, which updates in place, not
+    # the CPU's per-tensor loop with its scratch.
+    step_kernel = optimizer_kernel(tech.optim, tech.precision, device_type)
     opt_tmp = optimizer_temporaries(trainable, step_kernel, adapter_bytes, t.weight_decay, tech.precision, arch)
     zero1: Optional[dict[str, Any]] = None
     if shard == "zero1" and world_size > 1 and sum(p.repeat for p in trainable) <= _ZERO1_MAX_TENSORS:
