@@ -307,3 +307,36 @@ def test_a_traced_chunk_loop_compiles_to_the_operators_gradients(monkeypatch):
     assert graphs_hold_op == [True, False]  # the operator, or its loop unrolled into the graph
     for a, b in zip(*results):
         torch.testing.assert_close(a, b)
+
+
+def test_the_one_call_chunk_loop_gives_the_loops_loss_and_gradients(monkeypatch):
+    """loss_profile's "onecall" candidate (each chunk's body in one compiled call, with the chunk's
+    rows of grad_h and the float32 grad_w updated in place) computes what memtrain's loop does, in
+    float32 and under BF16 autocast, through dynamo and AOTAutograd (aot_eager: no kernels built)."""
+    import torch
+
+    from memtrain.techniques import loss
+
+    profile = _load("loss_profile")
+    torch.manual_seed(0)
+    hidden = torch.randn(40, 8)
+    weight = torch.randn(33, 8)
+    targets = torch.randint(0, 33, (40,))
+    targets[::5] = loss.IGNORE_INDEX
+    for dtype in (torch.float32, torch.bfloat16):
+        ref = loss._chunked_forward(hidden, weight, targets, 16, dtype, True, True)
+        torch.compiler.reset()
+        got = profile.one_call_chunked_forward("aot_eager")(hidden, weight, targets, 16, dtype, True, True)
+        tol = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, **tol)
+    # In a training step the variant's loop is the one that runs, and the loss module's own is put back.
+    overrides = {"d_model": 16, "n_heads": 2, "n_layers": 1, "d_ff": 32, "vocab_size": 97, "seq_len": 16,
+                 "batch_size": 2, "dropout": 0.0, "loss": "chunked", "loss_chunk": 8, "device": "cpu"}
+    original, calls = loss._chunked_forward, []
+    candidate = profile.one_call_chunked_forward("aot_eager")
+    monkeypatch.setattr(profile, "one_call_chunked_forward",
+                        lambda backend="inductor": lambda *a: (calls.append(1), candidate(*a))[1])
+    row = profile.profile_variant(overrides, steps=1, warmup=1, top=3, how="onecall")
+    assert row["step_s_median"] > 0 and len(calls) == 2  # the warm-up step and the profiled one
+    assert loss._chunked_forward is original
