@@ -303,6 +303,15 @@ def test_aggregate_ratios_and_markdown():
     assert "| window-flash | no HF equivalent |" in md
     assert "| baseline | 0.50 | 1.00 | 0.50, 1.50 |" in md
     assert table[0]["step_overlap_s"] == [0.0, 0.0]
+    # The PPL column compares the two learning-rate schedules unless the Trainer is given memtrain's.
+    schedules = "the PPL ratio mostly compares the schedules; --exact-schedule gives the Trainer memtrain's"
+    assert schedules in md
+    exact = {"env": {"commit": "abc"}, "settings": {
+        "scale": "quick", "batch_size": 4, "seq_len": 128, "steps": 8, "warmup_steps": 3, "grad_accum": 1,
+        "dropout": 0.0, "repeats": 2, "exact_schedule": True},
+        "command": "c", "finished": "now", "wall_s": 60, "rows": table, "runs": runs}
+    md_exact = render_markdown(exact)
+    assert schedules not in md_exact and "HF given memtrain's LR schedule (--exact-schedule)" in md_exact
 
 
 def test_cli_rejects_an_unknown_preset(capsys):

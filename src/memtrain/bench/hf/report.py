@@ -150,7 +150,11 @@ def render_markdown(report: dict[str, Any]) -> str:  # noqa: C901 - one flat sec
         "people's load, so compare sides with the ratios. Ratios are ours / theirs: below 1 is better for "
         "peak, step time and PPL, above 1 is better for tokens/s and max batch. The per-step-pair ratio "
         "divides ours' step k by theirs' step k (run back to back in lockstep) over every timed step of "
-        "every repetition: the figure to trust for speed.",
+        "every repetition: the figure to trust for speed."
+        + ("" if s.get("exact_schedule") else
+           " Val PPL: both sides start from the same weights, but each follows its own learning-rate "
+           "schedule (memtrain's; the Trainer's cosine_with_min_lr), so after a short run the PPL ratio "
+           "mostly compares the schedules; --exact-schedule gives the Trainer memtrain's."),
         "",
         "## Results",
         "",
