@@ -223,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         variants = [(v, *parse_variant(v)) for v in args.variants.split(",") if v]
     except ValueError as e:
         ap.error(f"--variants: {e}")
+    if not variants:
+        ap.error("--variants: name at least one (standard, chunked-N, ...)")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: no CUDA device here (torch {torch.__version__}); use --device cpu")
     base: dict[str, Any] = {"device": args.device, "batch_size": args.batch_size, "seq_len": args.seq_len,
                             "precision": "bf16" if args.device.startswith("cuda") else "fp32",
                             "attention": "flash" if args.device.startswith("cuda") else "sdpa",

@@ -269,7 +269,7 @@ def test_loss_profile_writes_each_variant_with_its_operators(tmp_path):
     assert rows["chunked-16"]["config"]["loss_chunk"] == 16
     md = (tmp_path / "loss_profile.md").read_text()
     assert "| standard |" in md and "## chunked-16: top operators by self host time" in md
-    for bad in ("chunked-0", "chunked-16-inside", "chunky-16"):
+    for bad in ("chunked-0", "chunked-16-inside", "chunky-16", ""):
         with pytest.raises(SystemExit):
             profile.main(["--variants", bad, "--out", str(tmp_path)])
     from memtrain.techniques import loss
