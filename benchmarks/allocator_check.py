@@ -127,14 +127,6 @@ def estimate_row(cfg: Any, gpu: str) -> dict[str, Any]:
             "assumed_context": dm.get("cuda_context"), "peak_phase": est.peak_phase}
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def _gb(x: Any) -> str:
     return "-" if x is None else f"{x / 1e9:.2f}"
 
@@ -157,7 +149,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"command": " ".join([sys.executable, *sys.argv]), "commit": _commit()}
+    # memtrain.runtime.env reads memtrain's own checkout, or MEMTRAIN_COMMIT where git is hidden
+    # (the GPU runbook); imported here as the other memtrain imports of this script are
+    from memtrain.runtime.env import git_commit
+
+    meta = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit() or "unknown"}
     rows: list[dict[str, Any]] = []
     for name, overrides, seed in ROW_SETS[args.rows]:
         try:

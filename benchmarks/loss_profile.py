@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,15 +45,11 @@ from torch.profiler import ProfilerActivity, profile
 from memtrain.config.argtypes import positive_int
 from memtrain.config.run import build_config
 from memtrain.files.results import write_json_atomic, write_text_atomic
+from memtrain.metrics.timing import synchronize
+from memtrain.runtime.env import device_name, git_commit
 from memtrain.techniques import loss as loss_module
 from memtrain.techniques.precision import make_precision
 from memtrain.training.step import build_state, random_micro_batches, run_step
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 VARIANT_HOW = ("", "outside", "traced", "onecall")
 
@@ -143,10 +138,10 @@ def _profile_steps(state: Any, cfg: Any, device: torch.device, steps: int, warmu
     def timed_steps(n: int) -> list[float]:
         out = []
         for _ in range(n):
-            _sync(device)
+            synchronize(device)
             t0 = time.perf_counter()
             run_step(state, micro)
-            _sync(device)
+            synchronize(device)
             out.append(time.perf_counter() - t0)
         return out
 
@@ -196,15 +191,6 @@ def _markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent)
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -236,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
-    meta = {"command": " ".join([sys.executable, *sys.argv]), "commit": _commit(), "torch": torch.__version__,
-            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    meta = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit() or "unknown",
+            "torch": torch.__version__, "device_name": device_name(device)}
     rows: list[dict[str, Any]] = []
     for name, extra, how in variants:
         row = {"name": name, **profile_variant({**base, **extra}, args.steps, args.warmup, args.top, how)}
