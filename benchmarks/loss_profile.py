@@ -18,7 +18,7 @@ Variants (``--variants``): ``standard``; ``chunked-N`` (the chunked loss at chun
 ``chunked-N-outside`` (the same loss left out of the compiled graph: the model compiled, the loss
 eager); ``chunked-N-traced`` (the chunk loop traced into the compiled graph, one copy per chunk,
 for a few large chunks: what inductor makes of the whole loss when it sees it);
-``chunked-N-onecall`` (a candidate loop, :func:`one_call_chunked_forward`, defined here until a
+``chunked-N-onecall`` (a candidate chunk step, :func:`one_call_chunk_step`, defined here until a
 GPU has timed it: each chunk's whole body, matmuls included, in one compiled call instead of
 about eight launches and one compiled call from Python).
 
@@ -55,8 +55,8 @@ VARIANT_HOW = ("", "outside", "traced", "onecall")
 
 
 def parse_variant(name: str) -> tuple[dict[str, Any], str]:
-    """A variant's config overrides and how its loss meets the compiled graph ("", "outside",
-    "traced"); ValueError naming the accepted forms."""
+    """A variant's config overrides and how its loss runs (one of VARIANT_HOW); ValueError naming
+    the accepted forms."""
     if name == "standard":
         return {"loss": "standard"}, ""
     parts = name.split("-")
@@ -67,14 +67,14 @@ def parse_variant(name: str) -> tuple[dict[str, Any], str]:
                      "or chunked-N-onecall")
 
 
-def one_call_chunked_forward(backend: str = "inductor") -> Callable[..., Any]:
-    """A stand-in for :func:`memtrain.techniques.loss._chunked_forward` (same arguments, same
-    results) whose chunk body is one compiled function: the logits matmul, the logit gradient
+def one_call_chunk_step(backend: str = "inductor") -> Callable[..., None]:
+    """A stand-in for :func:`memtrain.techniques.loss._chunk_step` (same arguments, same effect)
+    that is one compiled function: the logits matmul, the logit gradient
     (:func:`memtrain.techniques.loss._logit_gradient`), ``g @ w`` written into the chunk's rows of
     ``grad_h``, ``g.t() @ h`` added into the float32 ``grad_w`` and the loss sum, all inside one
-    call. The eager loop makes about eight launches and one compiled call per chunk from Python;
+    call. The loop's step makes about eight launches and one compiled call per chunk from Python;
     on an H100 the compiled seed GPT's chunked step cost about 0.16 ms more per chunk. Kept here
-    until a GPU has timed it against the loop that runs."""
+    until a GPU has timed it against the step that runs."""
 
     @torch.compile(backend=backend)
     def body(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, grad_h_rows: Optional[torch.Tensor],
@@ -86,36 +86,27 @@ def one_call_chunked_forward(backend: str = "inductor") -> Callable[..., Any]:
         if grad_w is not None:
             grad_w.add_(g.t() @ h)  # float32 accumulation, as the loop's
 
-    def forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                compute_dtype: torch.dtype, need_grad_hidden: bool, need_grad_weight: bool) -> tuple[Any, ...]:
-        with torch.autocast(hidden.device.type, enabled=False):
-            h_all, w = hidden.to(compute_dtype), weight.to(compute_dtype)
-            inv_n = 1.0 / (targets != loss_module.IGNORE_INDEX).sum().float()
-            loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            grad_h = torch.empty_like(hidden) if need_grad_hidden else None
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad_weight else None
-            for start in range(0, h_all.shape[0], chunk):
-                rows = slice(start, start + chunk)
-                body(h_all[rows], w, targets[rows], None if grad_h is None else grad_h[rows], grad_w, loss_sum)
-        return loss_sum, grad_h, grad_w, inv_n
+    def step(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, grad_h_rows: Optional[torch.Tensor],
+             grad_w: Optional[torch.Tensor], loss_sum: torch.Tensor, fused: Any) -> None:
+        body(h, w, t, grad_h_rows, grad_w, loss_sum)  # the whole body is compiled: no separate kernel to pick
 
-    return forward
+    return step
 
 
 @contextlib.contextmanager
 def _loss_placement(state: Any, how: str) -> Iterator[None]:
     """Leave the loss out of the compiled graph ("outside"), trace its chunk loop into it
-    ("traced") or run the candidate loop ("onecall"); everything is put back afterwards."""
+    ("traced") or run the candidate chunk step ("onecall"); everything is put back afterwards."""
     if how == "outside":
         state.model.loss_fn = torch.compiler.disable(state.model.loss_fn)
-    previous = loss_module.TRACE_CHUNK_LOOP_UNDER_COMPILE, loss_module._chunked_forward
+    previous = loss_module.TRACE_CHUNK_LOOP_UNDER_COMPILE, loss_module._chunk_step
     loss_module.TRACE_CHUNK_LOOP_UNDER_COMPILE = how == "traced"
-    if how == "onecall":  # the operator and the eager path both look the loop up at each call
-        loss_module._chunked_forward = one_call_chunked_forward()
+    if how == "onecall":  # the loop looks its step up at each chunk, on the operator's path and the eager one
+        loss_module._chunk_step = one_call_chunk_step()
     try:
         yield
     finally:
-        loss_module.TRACE_CHUNK_LOOP_UNDER_COMPILE, loss_module._chunked_forward = previous
+        loss_module.TRACE_CHUNK_LOOP_UNDER_COMPILE, loss_module._chunk_step = previous
 
 
 def profile_variant(overrides: dict[str, Any], steps: int, warmup: int, top: int, how: str = "") -> dict[str, Any]:

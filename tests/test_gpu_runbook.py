@@ -309,7 +309,7 @@ def test_a_traced_chunk_loop_compiles_to_the_operators_gradients(monkeypatch):
         torch.testing.assert_close(a, b)
 
 
-def test_the_one_call_chunk_loop_gives_the_loops_loss_and_gradients(monkeypatch):
+def test_the_one_call_chunk_step_gives_the_loops_loss_and_gradients(monkeypatch):
     """loss_profile's "onecall" candidate (each chunk's body in one compiled call, with the chunk's
     rows of grad_h and the float32 grad_w updated in place) computes what memtrain's loop does, in
     float32 and under BF16 autocast, through dynamo and AOTAutograd (aot_eager: no kernels built)."""
@@ -326,17 +326,19 @@ def test_the_one_call_chunk_loop_gives_the_loops_loss_and_gradients(monkeypatch)
     for dtype in (torch.float32, torch.bfloat16):
         ref = loss._chunked_forward(hidden, weight, targets, 16, dtype, True, True)
         torch.compiler.reset()
-        got = profile.one_call_chunked_forward("aot_eager")(hidden, weight, targets, 16, dtype, True, True)
+        with monkeypatch.context() as m:
+            m.setattr(loss, "_chunk_step", profile.one_call_chunk_step("aot_eager"))
+            got = loss._chunked_forward(hidden, weight, targets, 16, dtype, True, True)
         tol = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
         for a, b in zip(got, ref):
             torch.testing.assert_close(a, b, **tol)
-    # In a training step the variant's loop is the one that runs, and the loss module's own is put back.
+    # In a training step the variant's step is the one that runs, and the loss module's own is put back.
     overrides = {"d_model": 16, "n_heads": 2, "n_layers": 1, "d_ff": 32, "vocab_size": 97, "seq_len": 16,
                  "batch_size": 2, "dropout": 0.0, "loss": "chunked", "loss_chunk": 8, "device": "cpu"}
-    original, calls = loss._chunked_forward, []
-    candidate = profile.one_call_chunked_forward("aot_eager")
-    monkeypatch.setattr(profile, "one_call_chunked_forward",
+    original, calls = loss._chunk_step, []
+    candidate = profile.one_call_chunk_step("aot_eager")
+    monkeypatch.setattr(profile, "one_call_chunk_step",
                         lambda backend="inductor": lambda *a: (calls.append(1), candidate(*a))[1])
     row = profile.profile_variant(overrides, steps=1, warmup=1, top=3, how="onecall")
-    assert row["step_s_median"] > 0 and len(calls) == 2  # the warm-up step and the profiled one
-    assert loss._chunked_forward is original
+    assert row["step_s_median"] > 0 and len(calls) == 2 * 4  # two steps, 32 tokens in chunks of 8
+    assert loss._chunk_step is original

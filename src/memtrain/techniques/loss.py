@@ -129,29 +129,38 @@ def _chunked_forward(
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad_weight else None
         fused = _fused_logit_gradient(hidden)
         for start in range(0, n, chunk):
-            h = h_all[start : start + chunk]
-            t = targets[start : start + chunk]
-            if fused is not None:
-                per_token, g_lp = fused(h @ w.t(), t)
-                loss_sum += per_token.sum()
-                _accumulate(grad_h, grad_w, g_lp, h, w, start, chunk)
-                continue
-            logits, lse, per_token = _chunk_stats(h, w, t)
-            loss_sum += per_token.sum()
-            # d loss / d logits = (softmax - onehot) / n_valid on valid rows, 0 elsewhere.
-            # Built in place on the chunk's logits (at most ~2 chunk-sized buffers alive).
-            # The 1/n_valid factor and the upstream gradient are applied in backward, in
-            # float32: scaling before the cast to a 16-bit compute dtype would flush small
-            # gradients to zero before an fp16 GradScaler could lift them.
-            g = logits.sub_(lse.unsqueeze(1)).exp_()
-            valid = t != IGNORE_INDEX
-            g.scatter_add_(1, torch.where(valid, t, 0).unsqueeze(1), -valid.unsqueeze(1).to(g.dtype))
-            g.mul_(valid.unsqueeze(1))
-            g_lp = g.to(compute_dtype)  # the same tensor when computing in float32
-            del logits, g  # the float32 buffer goes before the matmuls' outputs arrive
-            _accumulate(grad_h, grad_w, g_lp, h, w, start, chunk)
-            del g_lp
+            rows = slice(start, start + chunk)
+            _chunk_step(h_all[rows], w, targets[rows], None if grad_h is None else grad_h[rows], grad_w, loss_sum,
+                        fused)
     return loss_sum, grad_h, grad_w, inv_n
+
+
+def _chunk_step(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, grad_h_rows: Optional[torch.Tensor],
+                grad_w: Optional[torch.Tensor], loss_sum: torch.Tensor,
+                fused: Optional[Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]]) -> None:
+    """One chunk (``h``: its hidden states in the compute dtype): its loss added into
+    ``loss_sum``, its logit gradient's contributions written into ``grad_h_rows`` (the chunk's
+    rows of grad_h) and added into ``grad_w``. ``fused``: CUDA's compiled logit gradient, else
+    the in-place eager body."""
+    if fused is not None:
+        per_token, g_lp = fused(h @ w.t(), t)
+        loss_sum += per_token.sum()
+        _accumulate(grad_h_rows, grad_w, g_lp, h, w)
+        return
+    logits, lse, per_token = _chunk_stats(h, w, t)
+    loss_sum += per_token.sum()
+    # d loss / d logits = (softmax - onehot) / n_valid on valid rows, 0 elsewhere.
+    # Built in place on the chunk's logits (at most ~2 chunk-sized buffers alive).
+    # The 1/n_valid factor and the upstream gradient are applied in backward, in
+    # float32: scaling before the cast to a 16-bit compute dtype would flush small
+    # gradients to zero before an fp16 GradScaler could lift them.
+    g = logits.sub_(lse.unsqueeze(1)).exp_()
+    valid = t != IGNORE_INDEX
+    g.scatter_add_(1, torch.where(valid, t, 0).unsqueeze(1), -valid.unsqueeze(1).to(g.dtype))
+    g.mul_(valid.unsqueeze(1))
+    g_lp = g.to(h.dtype)  # the same tensor when computing in float32
+    del logits, g  # the float32 buffer goes before the matmuls' outputs arrive
+    _accumulate(grad_h_rows, grad_w, g_lp, h, w)
 
 
 @torch.library.custom_op("memtrain::chunked_linear_cross_entropy", mutates_args=())
@@ -223,11 +232,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None
 
 
-def _accumulate(grad_h: Optional[torch.Tensor], grad_w: Optional[torch.Tensor], g_lp: torch.Tensor,
-                h: torch.Tensor, w: torch.Tensor, start: int, chunk: int) -> None:
+def _accumulate(grad_h_rows: Optional[torch.Tensor], grad_w: Optional[torch.Tensor], g_lp: torch.Tensor,
+                h: torch.Tensor, w: torch.Tensor) -> None:
     """Add one chunk's contribution to the hidden-state and LM-head weight gradients."""
-    if grad_h is not None:
-        grad_h[start : start + chunk] = g_lp @ w
+    if grad_h_rows is not None:
+        grad_h_rows.copy_(g_lp @ w)
     if grad_w is not None:
         if g_lp.dtype == torch.float32:
             grad_w.addmm_(g_lp.t(), h)
