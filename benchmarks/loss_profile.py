@@ -99,14 +99,15 @@ def _loss_placement(state: Any, how: str) -> Iterator[None]:
     ("traced") or run the candidate chunk step ("onecall"); everything is put back afterwards."""
     if how == "outside":
         state.model.loss_fn = torch.compiler.disable(state.model.loss_fn)
-    previous = loss_module.TRACE_CHUNK_LOOP_UNDER_COMPILE, loss_module._chunk_step
-    loss_module.TRACE_CHUNK_LOOP_UNDER_COMPILE = how == "traced"
+    previous = loss_module._chunked_forward_op, loss_module._chunk_step
+    if how == "traced":  # the loop itself where the compiled forward calls the operator: dynamo unrolls it
+        loss_module._chunked_forward_op = loss_module._chunked_forward
     if how == "onecall":  # the loop looks its step up at each chunk, on the operator's path and the eager one
         loss_module._chunk_step = one_call_chunk_step()
     try:
         yield
     finally:
-        loss_module.TRACE_CHUNK_LOOP_UNDER_COMPILE, loss_module._chunk_step = previous
+        loss_module._chunked_forward_op, loss_module._chunk_step = previous
 
 
 def profile_variant(overrides: dict[str, Any], steps: int, warmup: int, top: int, how: str = "") -> dict[str, Any]:

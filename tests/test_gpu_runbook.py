@@ -272,12 +272,9 @@ def test_loss_profile_writes_each_variant_with_its_operators(tmp_path):
     for bad in ("chunked-0", "chunked-16-inside", "chunky-16", ""):
         with pytest.raises(SystemExit):
             profile.main(["--variants", bad, "--out", str(tmp_path)])
-    from memtrain.techniques import loss
-
-    assert loss.TRACE_CHUNK_LOOP_UNDER_COMPILE is False  # a variant's placement is undone after it
 
 
-def test_a_traced_chunk_loop_compiles_to_the_operators_gradients(monkeypatch):
+def test_a_traced_chunk_loop_compiles_to_the_operators_gradients():
     """loss_profile's "traced" variant: the chunk loop traced into the compiled graph (not the
     opaque operator) gives the same loss and gradients as the operator."""
     import torch
@@ -288,10 +285,11 @@ def test_a_traced_chunk_loop_compiles_to_the_operators_gradients(monkeypatch):
     hidden = torch.randn(24, 8, requires_grad=True)
     weight = torch.randn(40, 8, requires_grad=True)
     targets = torch.randint(0, 40, (24,))
+    profile = _load("loss_profile")
     op = torch.ops.memtrain.chunked_linear_cross_entropy.default
+    op_fn = loss._chunked_forward_op
     results, graphs_hold_op = [], []
     for traced in (False, True):
-        monkeypatch.setattr(loss, "TRACE_CHUNK_LOOP_UNDER_COMPILE", traced)
         torch.compiler.reset()
         seen: list = []
 
@@ -300,11 +298,13 @@ def test_a_traced_chunk_loop_compiles_to_the_operators_gradients(monkeypatch):
             return gm
 
         fn = torch.compile(lambda h, w, t: loss.chunked_lm_loss(h, w, t, chunk=8), backend=backend, fullgraph=True)
-        value = fn(hidden, weight, targets)
+        with profile._loss_placement(None, "traced" if traced else ""):  # the variant's own placement
+            value = fn(hidden, weight, targets)
         grads = torch.autograd.grad(value, (hidden, weight))
         results.append((value.detach(), *grads))
         graphs_hold_op.append(op in seen)
     assert graphs_hold_op == [True, False]  # the operator, or its loop unrolled into the graph
+    assert loss._chunked_forward_op is op_fn  # the placement is undone after it
     for a, b in zip(*results):
         torch.testing.assert_close(a, b)
 

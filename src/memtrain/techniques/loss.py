@@ -56,11 +56,6 @@ IGNORE_INDEX = -100
 
 __all__ = ["apply_loss", "chunked_lm_loss", "make_loss_fn", "NaiveLoss", "IGNORE_INDEX"]
 
-# For benchmarks/loss_profile.py only, never set by a run: True lets dynamo trace the chunk loop
-# into the compiled graph (unrolled, one copy per chunk) instead of the opaque operator, so that
-# a GPU run can time that alternative at a few large chunks beside the operator.
-TRACE_CHUNK_LOOP_UNDER_COMPILE = False
-
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The dtype ``F.linear(hidden, weight)`` would compute the logits in."""
@@ -207,7 +202,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         args = (hidden, weight, targets, chunk, compute_dtype, need_grad_hidden, need_grad_weight)
         grad_h: Optional[torch.Tensor]
         grad_w: Optional[torch.Tensor]
-        if torch.compiler.is_compiling() and not TRACE_CHUNK_LOOP_UNDER_COMPILE:  # one opaque node, not the unrolled loop
+        if torch.compiler.is_compiling():  # torch.compile: one opaque node, not the unrolled loop
             loss_sum, grad_h, grad_w, inv_n = _chunked_forward_op(*args)
             grad_h = grad_h if need_grad_hidden else None
             grad_w = grad_w if need_grad_weight else None
