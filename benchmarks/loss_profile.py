@@ -212,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.d_model:
         base.update(d_model=args.d_model, d_ff=4 * args.d_model)
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        ap.error(f"--out {out}: a file, not a folder; name a folder")
+    if (out / "loss_profile.json").exists():  # a second run would replace the first one's figures
+        ap.error(f"--out {out} already holds a loss profile; name another folder or move that one away")
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
     meta = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit() or "unknown",

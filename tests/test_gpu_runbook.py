@@ -271,7 +271,14 @@ def test_loss_profile_writes_each_variant_with_its_operators(tmp_path):
     assert "| standard |" in md and "## chunked-16: top operators by self host time" in md
     for bad in ("chunked-0", "chunked-16-inside", "chunky-16", ""):
         with pytest.raises(SystemExit):
-            profile.main(["--variants", bad, "--out", str(tmp_path)])
+            profile.main(["--variants", bad, "--out", str(tmp_path / "other")])
+    # A second run on the same folder, or a file as --out, is refused and leaves the first run's files.
+    before = (tmp_path / "loss_profile.json").read_text()
+    (tmp_path / "a-file").write_text("x")
+    for out in (tmp_path, tmp_path / "a-file"):
+        with pytest.raises(SystemExit):
+            profile.main(["--device", "cpu", "--variants", "standard", "--out", str(out)])
+    assert (tmp_path / "loss_profile.json").read_text() == before and (tmp_path / "a-file").read_text() == "x"
 
 
 def test_a_traced_chunk_loop_compiles_to_the_operators_gradients():
