@@ -147,11 +147,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         print(json.dumps(_one(json.loads(args.one))))
         return 0
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     # memtrain.runtime.env reads memtrain's own checkout, or MEMTRAIN_COMMIT where git is hidden
     # (the GPU runbook); imported here as the other memtrain imports of this script are
+    from memtrain.files.results import benchmark_out_problem
     from memtrain.runtime.env import git_commit
+
+    out = Path(args.out)
+    problem = benchmark_out_problem(out, "allocator_check.json")
+    if problem:
+        ap.error(problem)
+    out.mkdir(parents=True, exist_ok=True)
 
     meta = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit() or "unknown"}
     rows: list[dict[str, Any]] = []

@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from memtrain.config.argtypes import positive_int
-from memtrain.files.results import write_json_atomic
+from memtrain.files.results import benchmark_out_problem, write_json_atomic
 
 
 def adapter_shapes(n: int, d: int, rank: int) -> list[tuple[int, int]]:
@@ -183,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown or not variants:
         ap.error(f"--variants: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(VARIANTS)}")
-    if args.out is not None and args.out.exists() and not args.out.is_dir():
-        ap.error(f"--out {args.out} is not a folder; give a folder for lora_optimizer_step.json")
+    problem = None if args.out is None else benchmark_out_problem(args.out, "lora_optimizer_step.json")
+    if problem:
+        ap.error(problem)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     print(f"{args.tensors} adapter tensors ({args.rank} x {args.d} and {args.d} x {args.rank}) on {name}, torch {torch.__version__}")
     print("| optimizer | first step (s) | median step (ms) |\n|---|---:|---:|", flush=True)

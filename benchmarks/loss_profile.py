@@ -44,7 +44,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from memtrain.config.argtypes import positive_int
 from memtrain.config.run import build_config
-from memtrain.files.results import write_json_atomic, write_text_atomic
+from memtrain.files.results import benchmark_out_problem, write_json_atomic, write_text_atomic
 from memtrain.metrics.timing import synchronize
 from memtrain.runtime.env import device_name, git_commit
 from memtrain.techniques import loss as loss_module
@@ -212,10 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.d_model:
         base.update(d_model=args.d_model, d_ff=4 * args.d_model)
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        ap.error(f"--out {out}: a file, not a folder; name a folder")
-    if (out / "loss_profile.json").exists():  # a second run would replace the first one's figures
-        ap.error(f"--out {out} already holds a loss profile; name another folder or move that one away")
+    problem = benchmark_out_problem(out, "loss_profile.json")
+    if problem:
+        ap.error(problem)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
     meta = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit() or "unknown",

@@ -249,6 +249,31 @@ def test_cli_refuses_an_out_file_and_a_used_work_folder(tmp_path, capsys):
     assert (tmp_path / "file").read_text() == "keep"
 
 
+@pytest.mark.parametrize("script,produced,argv", [
+    ("allocator_check", "allocator_check.json", []),
+    ("loss_profile", "loss_profile.json", ["--device", "cpu"]),
+])
+def test_the_gpu_scripts_refuse_a_used_folder_a_file_and_a_link_as_out(script, produced, argv, tmp_path, capsys):
+    """A second run into the same --out would replace the first one's figures (a results
+    folder's README cites them): refused in one line, exit 2, before any row runs, and the
+    earlier file is untouched; so are a file and a symbolic link standing where the folder goes."""
+    main = _load(script).main
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / produced).write_text('{"rows": ["earlier"]}')
+    (tmp_path / "file").write_text("keep")
+    (tmp_path / "link").symlink_to(used, target_is_directory=True)
+    for out, message in ((used, f"already holds {produced} from an earlier run"), (tmp_path / "file", "is a file"),
+                         (tmp_path / "link", "is a symbolic link")):
+        with pytest.raises(SystemExit) as e:
+            main([*argv, "--out", str(out)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err.strip().splitlines()[-1], err  # argparse's usage, then one line
+    assert (used / produced).read_text() == '{"rows": ["earlier"]}'
+    assert sorted(p.name for p in used.iterdir()) == [produced]
+    assert (tmp_path / "file").read_text() == "keep"
+
+
 def test_loss_profile_writes_each_variant_with_its_operators(tmp_path):
     """benchmarks/loss_profile.py on a CPU at toy size: one row per variant in the JSON and the
     Markdown, step times, and operator counts that show the chunk loop (the chunked loss runs
@@ -256,7 +281,7 @@ def test_loss_profile_writes_each_variant_with_its_operators(tmp_path):
     profile = _load("loss_profile")
     assert profile.main(["--device", "cpu", "--batch-size", "2", "--seq-len", "32", "--d-model", "32",
                          "--variants", "standard,chunked-16,chunked-16-outside", "--steps", "1", "--warmup", "1",
-                         "--out", str(tmp_path)]) == 0
+                         "--top", "1000", "--out", str(tmp_path)]) == 0  # every operator: the top 25 by time vary
     data = json.loads((tmp_path / "loss_profile.json").read_text())
     rows = {r["name"]: r for r in data["rows"]}
     assert list(rows) == ["standard", "chunked-16", "chunked-16-outside"]

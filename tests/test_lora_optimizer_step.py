@@ -42,13 +42,17 @@ def test_each_variant_is_written_as_it_finishes(tmp_path, monkeypatch):
 @pytest.mark.parametrize("argv,message", [
     (["--tensors", "0"], "must be a positive integer"),
     (["--variants", "fastest"], "unknown fastest"),
-    (["--out", "FILE"], "is not a folder"),
+    (["--out", "FILE"], "is a file, not a folder"),
+    (["--out", "USED"], "already holds lora_optimizer_step.json from an earlier run"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(argv, message, tmp_path, capsys):
     (tmp_path / "FILE").write_text("kept")
-    argv = [str(tmp_path / a) if a == "FILE" else a for a in argv]
+    (tmp_path / "USED").mkdir()
+    (tmp_path / "USED" / "lora_optimizer_step.json").write_text("{}")
+    argv = [str(tmp_path / a) if a in ("FILE", "USED") else a for a in argv]
     with pytest.raises(SystemExit) as exc:
         _script().main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
     assert (tmp_path / "FILE").read_text() == "kept"
+    assert (tmp_path / "USED" / "lora_optimizer_step.json").read_text() == "{}"

@@ -243,6 +243,21 @@ def refuse_odd_destination(path: Path, what: str = "") -> None:
         raise ConfigError(f"{label} is {kind}; memtrain writes only regular files: choose another path")
 
 
+def benchmark_out_problem(out: Path, produced: str) -> Optional[str]:
+    """Why a benchmark script cannot write ``produced`` (a file name) into the folder ``out``, or
+    None. A file or a link where the folder goes is refused, and so is a folder that already
+    holds ``produced``: the second run would replace the first one's figures, which a results
+    folder's README may cite."""
+    out = Path(out)
+    if out.is_symlink():
+        return f"--out {out} is a symbolic link; name a real folder"
+    if out.exists() and not out.is_dir():
+        return f"--out {out} is a file, not a folder; name a folder"
+    if os.path.lexists(out / produced):
+        return f"--out {out} already holds {produced} from an earlier run; name another folder or move that one away"
+    return None
+
+
 def named_write_error(exc: BaseException, path: Path) -> BaseException:
     """``exc`` as an error that names ``path``: an OSError gets it as its filename (the CLI's
     ``disk full writing PATH`` line); torch.save's RuntimeError ("file write failed", no errno)
