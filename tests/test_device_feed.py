@@ -1,9 +1,11 @@
-"""The step loop's feed: the next group of batches fetched ahead (on a GPU) changes nothing
-about which batches a run sees or where a checkpoint resumes."""
+"""The step loop's feed: the next group of batches fetched while a step runs (on a GPU) changes
+nothing about which batches a run sees or where a checkpoint resumes, and the fetch happens
+where the host would wait for the device: after the step's work is queued."""
 
 from __future__ import annotations
 
 import functools
+import inspect
 
 import numpy as np
 import pytest
@@ -37,11 +39,12 @@ def test_fetching_ahead_yields_the_plain_loaders_batches(group):
     """Across an epoch boundary (18 batches an epoch), with grad-accumulation groups."""
     expected = _plain_groups(15, group)
     feed = DeviceFeed(_loader(), CPU, ahead=True)
-    try:
-        got = [feed.next_group(group) for _ in range(15)]
-    finally:
-        feed.close()
-    assert all(_same(g, e) for g, e in zip(got, expected))
+    got = []
+    for _ in range(15):
+        got.append(feed.next_group(group))
+        feed.prefetch(group)  # as the step loop does while the step runs
+    feed.close()
+    assert len(got) == 15 and all(_same(g, e) for g, e in zip(got, expected))
 
 
 def test_the_position_is_after_the_groups_handed_out_not_the_one_fetched_ahead():
@@ -49,9 +52,10 @@ def test_the_position_is_after_the_groups_handed_out_not_the_one_fetched_ahead()
     feed = DeviceFeed(_loader(), CPU, ahead=True)
     for i in range(1, 12):
         feed.next_group(2)
+        feed.prefetch(2)
         for _ in range(2):
             plain.next_batch()
-        assert feed.state_dict() == plain.state_dict(), i  # a group is in flight meanwhile
+        assert feed._ready is not None and feed.state_dict() == plain.state_dict(), i  # one group is ahead
     saved = feed.state_dict()
     following = feed.next_group(2)
     resumed = DeviceFeed(_loader(), CPU, ahead=True)
@@ -64,21 +68,33 @@ def test_the_position_is_after_the_groups_handed_out_not_the_one_fetched_ahead()
 def test_a_changed_group_size_refetches_from_the_right_place():
     expected = [b for g in _plain_groups(4, 1) for b in g]
     feed = DeviceFeed(_loader(), CPU, ahead=True)
-    got = feed.next_group(1) + feed.next_group(3)  # the group fetched ahead had size 1
+    first = feed.next_group(1)
+    feed.prefetch(1)
+    got = first + feed.next_group(3)  # the group fetched ahead had size 1
     feed.close()
-    assert _same(got, expected)
+    assert len(got) == 4 and _same(got, expected)
+
+
+def test_closing_puts_the_loader_back_where_the_caller_stands():
+    """A group fetched ahead and never handed out (the run's last step) is not a position."""
+    feed = DeviceFeed(_loader(), CPU, ahead=True)
+    feed.next_group(2)
+    feed.prefetch(2)
+    feed.close()
+    assert feed.state_dict() == feed.loader.state_dict() == {"epoch": 0, "batch_index": 2}
 
 
 def test_on_cpu_the_feed_fetches_on_demand():
     feed = DeviceFeed(_loader(), CPU)
     assert not feed.ahead
     feed.next_group(2)
-    assert feed._pending is None and feed.state_dict() == {"epoch": 0, "batch_index": 2}
+    feed.prefetch(2)
+    assert feed._ready is None and feed.state_dict() == feed.loader.state_dict() == {"epoch": 0, "batch_index": 2}
 
 
 def test_a_run_fetching_ahead_resumes_exactly(tiny_run, tmp_path, monkeypatch):
-    """The whole loop with the background fetch on (as on a GPU): stop, save, resume, and get
-    the losses of one uninterrupted run (a checkpoint written while a group is in flight)."""
+    """The whole loop fetching ahead (as on a GPU): stop, save, resume, and get the losses of
+    one uninterrupted run (a checkpoint written while a group is fetched ahead)."""
     monkeypatch.setattr(train_module, "DeviceFeed", functools.partial(DeviceFeed, ahead=True))
     base = {**tiny_run, "steps": 8, "dropout": 0.1, "grad_accum": 2}
     full = train(build_config(base))
@@ -86,3 +102,34 @@ def test_a_run_fetching_ahead_resumes_exactly(tiny_run, tmp_path, monkeypatch):
     assert half["loss_history"] == full["loss_history"][:4]
     resumed = train(build_config({**base, "resume": str(tmp_path / "half.pt")}))
     assert resumed["loss_history"] == full["loss_history"]
+
+
+def test_the_loop_fetches_while_each_unmetered_step_runs(tiny_run, monkeypatch):
+    """The next group is fetched once per unmetered step, after that step's optimizer step is
+    queued and before its loss is read (``train_step``'s ``before_wait``); a metered step
+    fetches nothing, so the meter sees only the step's own tensors."""
+    calls: list[tuple[int, bool]] = []  # (optimizer steps taken so far, called from inside train_step)
+    feeds: list[DeviceFeed] = []
+    real_prefetch = DeviceFeed.prefetch
+    real_step = torch.optim.AdamW.step
+
+    def counting_step(self, *a, **k):
+        counting_step.n += 1
+        return real_step(self, *a, **k)
+
+    counting_step.n = 0
+
+    def spy(self, group):
+        calls.append((counting_step.n, any(f.function == "train_step" for f in inspect.stack())))
+        feeds.append(self)
+        return real_prefetch(self, group)
+
+    monkeypatch.setattr(DeviceFeed, "prefetch", spy)
+    monkeypatch.setattr(torch.optim.AdamW, "step", counting_step)
+    monkeypatch.setattr(train_module, "DeviceFeed", functools.partial(DeviceFeed, ahead=True))
+    result = train(build_config({**tiny_run, "steps": 6, "grad_accum": 2}))
+    metered = len(train_module.METERED_STEPS)
+    assert result["steps_run"] == 6
+    # Step i (0-based) fetches after its own optimizer step: i + 1 steps taken.
+    assert calls == [(i + 1, True) for i in range(metered, 6)]
+    assert feeds[0]._ready is None  # the last group fetched ahead was dropped when the run ended

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from conftest import TINY_MODEL, cli_flags
 from memtrain.cli import main
 from memtrain.config.run import ConfigError, build_config
+from memtrain.distributed.deepspeed_engine import deepspeed_train_step
 from memtrain.training.train import train
 
 TIMEOUT_S = 240  # per torchrun call; far above its normal duration, so only a hang reaches it
@@ -358,3 +359,25 @@ def test_optimizer_state_bytes_counts_sharded_state(one_rank_group):
     n_params = sum(p.numel() for p in model.parameters())
     # Two FP32 moments per value and one FP32 step counter per tensor (one rank: the whole).
     assert optimizer_state_bytes(opt) == 8 * n_params + 4 * 4
+
+
+def test_the_deepspeed_step_returns_the_mean_loss_and_calls_before_wait_after_its_last_step():
+    """deepspeed_train_step drives the engine itself: the feed's fetch (``before_wait``) comes
+    after every micro-batch's step is queued, and the loss is the micro-batches' mean."""
+    events: list[str] = []
+
+    class Engine:
+        def __call__(self, x, y):
+            return (x.float().mean() + y.float().mean()) / 2
+
+        def backward(self, loss):
+            events.append("backward")
+
+        def step(self):
+            events.append("step")
+
+    micro = [(torch.full((2, 3), float(v)), torch.full((2, 3), float(v))) for v in (1, 3)]
+    loss = deepspeed_train_step(Engine(), micro, None, None, 1.0, torch.device("cpu"),
+                                before_wait=lambda: events.append("fetch"))
+    assert loss == 2.0
+    assert events == ["backward", "step", "backward", "step", "fetch"]

@@ -3,7 +3,7 @@ config, and the train step that drives DeepSpeed's engine."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -33,13 +33,17 @@ def deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
 
 
 def deepspeed_train_step(engine: Any, micro_batches: list, optimizer: Any, precision: Any, grad_clip: float,
-                         device: torch.device, meter: Any = None, no_sync: Any = None) -> float:
+                         device: torch.device, meter: Any = None, no_sync: Any = None,
+                         before_wait: Optional[Callable[[], None]] = None) -> float:
     """``train_step`` for a DeepSpeed engine: it scales by the accumulation steps, reduces,
-    clips and steps the optimizer itself (on the last micro-batch)."""
-    total = 0.0
+    clips and steps the optimizer itself (on the last micro-batch). ``before_wait`` runs after
+    the last micro-batch's step is queued, as in ``train_step``."""
+    losses = []
     for x, y in micro_batches:
         loss = engine(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
         engine.backward(loss)
         engine.step()
-        total += float(loss.detach())
-    return total / len(micro_batches)
+        losses.append(loss.detach())
+    if before_wait is not None:
+        before_wait()
+    return sum(float(v) for v in losses) / len(micro_batches)

@@ -25,13 +25,16 @@ prepare_context=None) -> TrainState``
     scaler, skipped steps), scheduler, data loader, step counter, loss history, and the step
     function and no-sync context the distributed wrap chose.
 ``train_step(model, micro_batches, optimizer, precision, grad_clip, device, meter=None,
-no_sync=None, micro_context=None, optimizer_context=None, forward_context=None) -> float``
+no_sync=None, micro_context=None, optimizer_context=None, forward_context=None,
+before_wait=None) -> float``
     One optimizer step: micro-batch loop (autocast, loss / N, scaled backward) -> unscale ->
     clip -> step (skipped-step count under a GradScaler) -> zero_grad, with the meter's
     phases. ``micro_context`` / ``optimizer_context`` wrap each micro-batch's forward+backward
     and the optimizer phase (the profiler's op-class ranges); ``forward_context`` each forward
-    (``--offload-activations``' saved-tensor hooks, from ``TrainState.offload``).
-``run_step(state, micro_batches, meter=None, **contexts) -> float``
+    (``--offload-activations``' saved-tensor hooks, from ``TrainState.offload``);
+    ``before_wait`` runs once the step's work is queued, before the host waits for its loss
+    (the loop fetches the next batch there: :meth:`memtrain.data.device_feed.DeviceFeed.prefetch`).
+``run_step(state, micro_batches, meter=None, *, before_wait=None, **contexts) -> float``
     ``train_step`` (or the distributed wrap's replacement) on ``state``.
 ``measure_steps(state, make_micro, steps=2, meter=None) -> None``
     ``steps`` steps with the meter's and the device's peak reset before the last one (the
@@ -140,13 +143,16 @@ def train_step(
     micro_context: Optional[ContextFactory] = None,
     optimizer_context: Optional[ContextFactory] = None,
     forward_context: Optional[ContextFactory] = None,
+    before_wait: Optional[Callable[[], None]] = None,
 ) -> float:
     """One optimizer step over ``len(micro_batches)`` micro-batches; returns the mean loss.
 
     Each micro-batch loss is scaled by 1/N so the summed gradients equal the gradient of the
     mean loss over the large batch (gradient accumulation). ``no_sync`` (data parallel)
     suppresses the gradient all-reduce on all but the last micro-batch. ``forward_context``
-    wraps each forward alone (activation offloading's saved-tensor hooks).
+    wraps each forward alone (activation offloading's saved-tensor hooks). ``before_wait``
+    is called after the optimizer step is queued and before the loss is read: on a GPU the
+    host would otherwise sit idle there until the device finishes the step.
     """
     phase = meter.phase if meter is not None else (lambda name: contextlib.nullcontext())
     around_micro = micro_context or contextlib.nullcontext
@@ -166,7 +172,9 @@ def train_step(
         total += loss.detach()
     with phase("optimizer"), (optimizer_context or contextlib.nullcontext)():
         _optimizer_phase(model, optimizer, precision, grad_clip)
-    return float(total)
+    if before_wait is not None:
+        before_wait()
+    return float(total)  # the host waits for the device here
 
 
 StepFn = Callable[..., float]
@@ -237,10 +245,12 @@ def build_state(cfg: RunConfig, device: torch.device, precision: Optional[Precis
 
 
 def run_step(state: TrainState, micro_batches: list[Batch], meter: Optional[MemoryMeter] = None,
-             **contexts: Optional[ContextFactory]) -> float:
+             *, before_wait: Optional[Callable[[], None]] = None, **contexts: Optional[ContextFactory]) -> float:
     """One optimizer step of ``state`` (see :func:`train_step`); returns the mean loss.
     ``contexts`` (``micro_context``, ``optimizer_context``) reach :func:`train_step` only."""
-    extra = {k: v for k, v in contexts.items() if v is not None}
+    extra: dict[str, Any] = {k: v for k, v in contexts.items() if v is not None}
+    if before_wait is not None:
+        extra["before_wait"] = before_wait
     if state.offload is not None:
         state.offload.reset_counts()  # the counts describe the last step
         extra["forward_context"] = state.offload.forward
@@ -261,7 +271,7 @@ def measure_steps(state: TrainState, make_micro: Callable[[], list[Batch]], step
                 if meter is not None:
                     meter.reset_peak()
                 reset_device_peak(state.device)
-            run_step(state, micro, meter, **contexts)
+            run_step(state, micro, meter, before_wait=None, **contexts)
 
 
 def random_micro_batches(cfg: RunConfig, batch: int, device: torch.device,

@@ -262,7 +262,7 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         raise
     finally:
         bar.close()
-        state.loader.close()  # the feed's background fetch, if any
+        state.loader.close()  # drops a group fetched ahead; stops the loader's workers, if any
     total_time = time.perf_counter() - wall_start
     # CPU MFU's reference rate, measured now: under the same load as the steps just timed.
     rate_now = reference_rate_now(caps)
@@ -370,12 +370,17 @@ class _Loop:
             self._after_step(done, start_step, end_step, loss, tokens_per_s)
 
     def _one_step(self, micro: list[Batch], index: int) -> float:
-        """One step, metered when it is one of METERED_STEPS; the global batch's mean loss."""
+        """One step, metered when it is one of METERED_STEPS; the global batch's mean loss.
+        While the device runs an unmetered step, the host fetches the next step's batches
+        (the feed's ``prefetch``: a no-op on a CPU); a metered step fetches none, so the
+        meter sees the step's tensors only."""
         meter = self.meter if self.meter is not None and index in METERED_STEPS else None
+        group = self.state.cfg.train.grad_accum
         with meter if meter is not None else contextlib.nullcontext():
             if meter is not None and index == METERED_STEPS[-1]:
                 meter.reset_peak()
-            loss = run_step(self.state, micro, meter)
+            loss = run_step(self.state, micro, meter,
+                            before_wait=None if meter is not None else lambda: self.state.loader.prefetch(group))
         return self.mean(loss)  # the global batch's loss, the same on every rank
 
     def _after_step(self, done: int, start_step: int, end_step: int, loss: float, tokens_per_s: float) -> None:
