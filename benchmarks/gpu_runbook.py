@@ -218,13 +218,14 @@ STEPS: list[Step] = [
     Step("loss-profile", "profile",
          "--loss chunked <= 1.05x the standard step under --compile: where its time goes (host vs device "
          "time per step, kernels per step, top operators): chunk 256 and 1024 as the operator runs them, "
-         "chunk 256 with the loss outside the compiled graph, chunk 2048 traced into it, chunk 256 with each "
-         "chunk's body in one compiled call; beside the standard loss",
-         280,
+         "chunk 256 with the loss outside the compiled graph, chunk 2048 traced into it, chunks 256 and 1024 "
+         "with each chunk's body in one compiled call; beside the standard loss, and the standard loss under "
+         "CUDA graphs (how much of the 9.1 ms seed step is launch cost against the 6 ms target)",
+         360,
          lambda s, out: [PY, str(ROOT / "benchmarks" / "loss_profile.py"), "--device", s.device,
                          "--batch-size", str(s.seed_batch), "--seq-len", str(s.seed_seq), "--out", str(out),
-                         "--variants", "standard,chunked-256,chunked-1024,chunked-256-outside,chunked-2048-traced,"
-                         "chunked-256-onecall",
+                         "--variants", "standard,standard-cudagraphs,chunked-256,chunked-1024,chunked-256-outside,"
+                         "chunked-2048-traced,chunked-256-onecall,chunked-1024-onecall",
                          *(["--compile"] if s.compile else ["--steps", "2", "--warmup", "1", "--d-model", "64"])],
          "markdown"),
 ]

@@ -20,7 +20,10 @@ eager); ``chunked-N-traced`` (the chunk loop traced into the compiled graph, one
 for a few large chunks: what inductor makes of the whole loss when it sees it);
 ``chunked-N-onecall`` (a candidate chunk step, :func:`one_call_chunk_step`, defined here until a
 GPU has timed it: each chunk's whole body, matmuls included, in one compiled call instead of
-about eight launches and one compiled call from Python).
+about eight launches and one compiled call from Python). Any variant ending in ``-cudagraphs``
+runs with ``--compile-mode reduce-overhead``: with ``--compile`` on a GPU, CUDA graphs replay the
+compiled forward and backward in one launch each, which says how much of a step is launch cost.
+A variant that fails is recorded with its error, and the next one runs.
 
     python benchmarks/loss_profile.py --device cuda --compile --out /tmp/loss-profile
     python benchmarks/loss_profile.py --device cpu --batch-size 2 --seq-len 64 --d-model 64 --steps 2
@@ -54,17 +57,23 @@ from memtrain.training.step import build_state, random_micro_batches, run_step
 VARIANT_HOW = ("", "outside", "traced", "onecall")
 
 
+CUDA_GRAPHS = "-cudagraphs"
+
+
 def parse_variant(name: str) -> tuple[dict[str, Any], str]:
     """A variant's config overrides and how its loss runs (one of VARIANT_HOW); ValueError naming
-    the accepted forms."""
-    if name == "standard":
-        return {"loss": "standard"}, ""
-    parts = name.split("-")
+    the accepted forms. A ``-cudagraphs`` suffix on any variant compiles it with
+    ``--compile-mode reduce-overhead`` (CUDA graphs: one launch replays the compiled graph)."""
+    base, graphs = (name[:-len(CUDA_GRAPHS)], True) if name.endswith(CUDA_GRAPHS) else (name, False)
+    mode = {"compile_mode": "reduce-overhead"} if graphs else {}
+    if base == "standard":
+        return {"loss": "standard", **mode}, ""
+    parts = base.split("-")
     if parts[0] == "chunked" and 2 <= len(parts) <= 3 and parts[1].isdigit() and int(parts[1]) > 0 \
             and (len(parts) == 2 or parts[2] in VARIANT_HOW[1:]):
-        return {"loss": "chunked", "loss_chunk": int(parts[1])}, parts[2] if len(parts) == 3 else ""
+        return {"loss": "chunked", "loss_chunk": int(parts[1]), **mode}, parts[2] if len(parts) == 3 else ""
     raise ValueError(f"unknown variant {name!r}: use standard, chunked-N, chunked-N-outside, chunked-N-traced "
-                     "or chunked-N-onecall")
+                     f"or chunked-N-onecall, each optionally ending in {CUDA_GRAPHS}")
 
 
 def one_call_chunk_step(backend: str = "inductor") -> Callable[..., None]:
@@ -171,12 +180,15 @@ def _markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
              "| variant | step ms (median) | first step s | host us/step | device us/step | kernels/step |",
              "|---|---:|---:|---:|---:|---:|"]
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['name']} | failed: {r['error'].replace('|', '/')} | | | | |")
+            continue
         dev = "-" if r["device_us_per_step"] is None else f"{r['device_us_per_step']:,.0f}"
         ker = "-" if r["kernels_per_step"] is None else f"{r['kernels_per_step']:,.0f}"
         first = "-" if r["first_step_s"] is None else f"{r['first_step_s']:.2f}"
         lines.append(f"| {r['name']} | {r['step_s_median'] * 1e3:.2f} | {first} | {r['host_us_per_step']:,.0f} "
                      f"| {dev} | {ker} |")
-    for r in rows:
+    for r in (r for r in rows if "error" not in r):
         lines += ["", f"## {r['name']}: top operators by self {'device' if r['device_us_per_step'] is not None else 'host'} "
                   "time", "", "| op | calls/step | self us/step |", "|---|---:|---:|"]
         lines += [f"| `{t['op']}` | {t['calls_per_step']:g} | {t['self_us_per_step']:,.1f} |" for t in r["top"]]
@@ -190,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=positive_int, default=256)
     ap.add_argument("--d-model", type=positive_int, default=None, help="a smaller model for a quick look")
     ap.add_argument("--variants", default="standard,chunked-256,chunked-1024",
-                    help="comma-separated: standard, chunked-N, chunked-N-outside, chunked-N-traced (see above)")
+                    help="comma-separated: standard, chunked-N, chunked-N-outside, chunked-N-traced, "
+                         "chunked-N-onecall, each optionally ending in -cudagraphs (see above)")
     ap.add_argument("--compile", action="store_true", help="--compile for every variant")
     ap.add_argument("--steps", type=positive_int, default=6, help="profiled steps per variant (default 6)")
     ap.add_argument("--warmup", type=positive_int, default=3, help="timed steps before profiling (default 3)")
@@ -221,9 +234,14 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__, "device_name": device_name(device)}
     rows: list[dict[str, Any]] = []
     for name, extra, how in variants:
-        row = {"name": name, **profile_variant({**base, **extra}, args.steps, args.warmup, args.top, how)}
+        try:
+            row = {"name": name, **profile_variant({**base, **extra}, args.steps, args.warmup, args.top, how)}
+        except Exception as exc:  # noqa: BLE001 - one variant's failure must not cost the others' device time
+            row = {"name": name, "config": {**base, **extra}, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+            print(f"{name}: failed: {row['error']}", file=sys.stderr, flush=True)
+        else:
+            print(f"{name}: {row['step_s_median'] * 1e3:.2f} ms/step", flush=True)
         rows.append(row)
-        print(f"{name}: {row['step_s_median'] * 1e3:.2f} ms/step", flush=True)
         write_json_atomic(out / "loss_profile.json", {**meta, "rows": rows})
         write_text_atomic(out / "loss_profile.md", _markdown(meta, rows))
     print(f"wrote {out / 'loss_profile.md'}")

@@ -306,6 +306,36 @@ def test_loss_profile_writes_each_variant_with_its_operators(tmp_path):
     assert (tmp_path / "loss_profile.json").read_text() == before and (tmp_path / "a-file").read_text() == "x"
 
 
+def test_loss_profile_variants_parse_and_a_failing_one_is_recorded_while_the_rest_run(tmp_path, monkeypatch):
+    """``-cudagraphs`` asks any variant for --compile-mode reduce-overhead; a variant that fails
+    on the GPU (device time is scarce) is written with its error, and the next one still runs."""
+    profile = _load("loss_profile")
+    assert profile.parse_variant("standard-cudagraphs") == ({"loss": "standard", "compile_mode": "reduce-overhead"}, "")
+    assert profile.parse_variant("chunked-64-onecall-cudagraphs") == (
+        {"loss": "chunked", "loss_chunk": 64, "compile_mode": "reduce-overhead"}, "onecall")
+    for bad in ("cudagraphs", "standard-cudagraphs-cudagraphs", "chunked-cudagraphs"):
+        with pytest.raises(ValueError, match="optionally ending in -cudagraphs"):
+            profile.parse_variant(bad)
+    real = profile.profile_variant
+
+    def flaky(overrides, *a, **k):
+        if overrides.get("compile_mode") == "reduce-overhead":
+            raise RuntimeError("CUDA graphs cannot capture this\nsecond line")
+        return real(overrides, *a, **k)
+
+    monkeypatch.setattr(profile, "profile_variant", flaky)
+    assert profile.main(["--device", "cpu", "--batch-size", "1", "--seq-len", "16", "--d-model", "32",
+                         "--variants", "standard-cudagraphs,standard", "--steps", "1", "--warmup", "1",
+                         "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "loss_profile.json").read_text())["rows"]
+    assert rows[0] == {"name": "standard-cudagraphs", "config": rows[0]["config"],
+                       "error": "RuntimeError: CUDA graphs cannot capture this"}
+    assert rows[1]["name"] == "standard" and rows[1]["step_s_median"] > 0
+    md = (tmp_path / "loss_profile.md").read_text()
+    assert "| standard-cudagraphs | failed: RuntimeError: CUDA graphs cannot capture this |" in md
+    assert "## standard: top operators" in md and "## standard-cudagraphs" not in md
+
+
 def test_a_traced_chunk_loop_compiles_to_the_operators_gradients():
     """loss_profile's "traced" variant: the chunk loop traced into the compiled graph (not the
     opaque operator) gives the same loss and gradients as the operator."""
