@@ -133,3 +133,31 @@ def test_the_loop_fetches_while_each_unmetered_step_runs(tiny_run, monkeypatch):
     # Step i (0-based) fetches after its own optimizer step: i + 1 steps taken.
     assert calls == [(i + 1, True) for i in range(metered, 6)]
     assert feeds[0]._ready is None  # the last group fetched ahead was dropped when the run ended
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_feed_fetches_ahead_into_pinned_memory_and_copies_to_the_device():
+    cuda = torch.device("cuda")
+    feed = DeviceFeed(_loader(), cuda)
+    assert feed.ahead
+    first = feed.next_group(2)
+    feed.prefetch(2)
+    assert all(x.is_pinned() and y.is_pinned() for x, y in feed._ready)
+    second = feed.next_group(2)
+    feed.close()
+    torch.cuda.synchronize()
+    expected = _plain_groups(2, 2)
+    assert all(x.device.type == "cuda" for x, _ in first + second)
+    assert _same([(x.cpu(), y.cpu()) for x, y in first + second], expected[0] + expected[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_run_fetching_ahead_resumes_exactly(tiny_run, tmp_path):
+    base = {**tiny_run, "steps": 8, "grad_accum": 2, "device": "cuda"}
+    full = train(build_config(base))
+    half = train(build_config({**base, "stop_after": 4, "save": str(tmp_path / "half.pt")}))
+    resumed = train(build_config({**base, "resume": str(tmp_path / "half.pt")}))
+    torch.testing.assert_close(resumed["loss_history"], full["loss_history"], rtol=1e-5, atol=1e-5)
+    assert half["loss_history"] == resumed["loss_history"][:4]
