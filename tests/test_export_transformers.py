@@ -187,11 +187,17 @@ def test_export_refuses_a_busy_destination_and_leaves_nothing_behind(scratch_lla
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "keep.txt").write_text("mine")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (tmp_path / "link").symlink_to(empty, target_is_directory=True)  # the final rename would replace the link
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     capsys.readouterr()
-    for dest, words in [(tmp_path / "file", "is a file"), (busy, "not empty")]:
+    for dest, words in [(tmp_path / "file", "is a file"), (busy, "not empty"), (tmp_path / "link", "symbolic link"),
+                        (tmp_path / "dangling", "symbolic link")]:
         assert main(["export", str(ckpt), str(dest)]) == 2
         assert words in _one_error_line(capsys.readouterr().err)
     assert (busy / "keep.txt").read_text() == "mine" and (tmp_path / "file").read_text() == "x"
+    assert (tmp_path / "link").is_symlink() and list(empty.iterdir()) == []
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 

@@ -220,7 +220,14 @@ def test_bad_transformers_model_folders_are_bad_input(tmp_path, capsys):
                                                     "vocab_size": 128, "n_positions": 64,
                                                     "bos_token_id": 0, "eos_token_id": 0}))
     (broken / "model.safetensors").write_bytes(b"\xff" * 64)
+    # transformers states the reason on the line after its headline: kept in the one line.
+    heads = tmp_path / "heads"
+    heads.mkdir()
+    (heads / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 3,
+                                                   "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 100}))
     for argv, words in [(["estimate", "--model", str(text_size)], "cannot read the model config"),
+                        (["estimate", "--model", str(heads)], "hidden size (64) is not a multiple of the number of "
+                                                               "attention heads (3)"),
                         (["estimate", "--model", str(remote)], "cannot read the model config"),
                         (["train", *cli_flags({**RUN, "steps": 1, "out": str(tmp_path / "o")}), "--model", str(broken)],
                          "cannot read the weights")]:

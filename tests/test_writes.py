@@ -174,6 +174,29 @@ def test_a_fresh_run_on_a_folder_with_results_is_refused_and_resume_appends(tiny
     assert steps[:2] == [1, 2] and steps[-1] == 4 and 3 in steps
 
 
+def test_a_resumed_run_continues_its_own_folder_but_not_another_runs(tiny_run, tmp_path, capsys):
+    """--resume replaces result.json and appends to metrics.jsonl: in the resumed run's own folder
+    (its result.json records the same settings) that continues the run; in a folder another run
+    wrote, it would replace that run's result and extend its curve, so it is refused in one line
+    and both files stay as they were."""
+    ck = tmp_path / "ck.pt"
+    half = {**tiny_run, "steps": 4, "stop_after": 2, "save": str(ck)}
+    assert main(["train", *cli_flags(half)]) == 0
+    other = {**tiny_run, "steps": 3, "out": str(tmp_path / "other")}
+    assert main(["train", *cli_flags(other)]) == 0
+    other_out = Path(other["out"])
+    curve, result = (other_out / "metrics.jsonl").read_bytes(), (other_out / "result.json").read_bytes()
+    capsys.readouterr()
+    assert main(["train", *cli_flags({**half, "stop_after": 4, "resume": str(ck), "out": other["out"]})]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "holds the result.json of a different run" in line and "steps: 3 -> 4" in line, line
+    assert (other_out / "metrics.jsonl").read_bytes() == curve and (other_out / "result.json").read_bytes() == result
+    # Its own folder, result.json and all: continued.
+    assert main(["train", *cli_flags({**half, "stop_after": 4, "resume": str(ck)})]) == 0
+    resumed = json.loads((Path(tiny_run["out"]) / "result.json").read_text())
+    assert resumed["steps_run"] == 2 and len(resumed["loss_history"]) == 4
+
+
 # --------------------------------------------------------------------------- 4. links inside --out
 @pytest.mark.parametrize("name", [".memtrain.lock", "metrics.jsonl", "result.json"])
 def test_train_refuses_a_link_inside_its_out_folder(tiny_run, tmp_path, capsys, name):

@@ -334,7 +334,11 @@ def write_adapter(model: HFCausalLM, out: Path) -> int:
 
 # --------------------------------------------------------------------------- the export
 def check_new_directory(out: Path) -> None:
-    """``out`` may become the export: absent, or an empty directory."""
+    """``out`` may become the export: absent, or an empty directory; not a link (even to an
+    empty directory: the export's final rename would replace the link, not fill its target)."""
+    if out.is_symlink():
+        raise ConfigError(f"{str(out)!r} is a symbolic link; memtrain does not write through links: remove it "
+                          "or give a new directory")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{str(out)!r} is a file; give a new directory")
     if out.exists() and any(out.iterdir()):

@@ -263,8 +263,12 @@ def load_config(spec: str) -> Any:
         cfg = AutoConfig.from_pretrained(src.repo or str(src.config_path), trust_remote_code=False,
                                          **from_pretrained_kwargs(src.repo))
     except Exception as exc:  # noqa: BLE001 - OSError, bad JSON, or transformers' validation of a field
-        first = str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"cannot read the model config of --model {spec!r}: {first}{offline_hint(src.repo)}") from None
+        # transformers' validation puts the reason on the lines after its headline ("Class
+        # validation error for validator ...:" then "ValueError: The hidden size (64) is not a
+        # multiple ..."): every line is kept, joined into one.
+        why = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+        why = why if len(why) <= 400 else why[:397] + "..."
+        raise ConfigError(f"cannot read the model config of --model {spec!r}: {why}{offline_hint(src.repo)}") from None
     if getattr(cfg, "is_encoder_decoder", False):
         raise ConfigError(f"--model {spec!r} is an encoder-decoder ({cfg.model_type}); memtrain trains causal LMs")
     return cfg

@@ -5,8 +5,9 @@
   for an hour and then cannot write its result. Nothing is created by the check. What is
   there already is never lost: ``--save`` replaces only a memtrain checkpoint (or an empty
   file), never the data file, a file memtrain writes in ``--out``, a link, a device, a FIFO or
-  a folder; no name memtrain writes in ``--out`` may be a link; and a fresh ``train`` refuses
-  an ``--out`` that holds an earlier run's ``result.json`` or ``metrics.jsonl``.
+  a folder; no name memtrain writes in ``--out`` may be a link; a fresh ``train`` refuses
+  an ``--out`` that holds an earlier run's ``result.json`` or ``metrics.jsonl``, and a resumed
+  one an ``--out`` whose ``result.json`` another run wrote.
 - :func:`check_vocab`: the model's vocabulary holds every token id of the tokenizer.
 - :func:`check_model_size`: the model's shape lies within the limits ``estimate`` uses, and its
   parameters (in FP32, as models are built) fit the host's memory and the device's, before
@@ -110,6 +111,8 @@ def check_destinations(cfg: RunConfig, fresh_out: bool = False) -> None:
     check_out_names(Path(t.out).expanduser(), "--out")
     if fresh_out and not t.resume:
         check_fresh_out(Path(t.out).expanduser())
+    elif fresh_out:
+        check_resumed_out(Path(t.out).expanduser(), cfg)
 
 
 def check_out_names(out: Path, flag: str = "--out") -> None:
@@ -129,6 +132,30 @@ def check_fresh_out(out: Path) -> None:
     if held:
         raise ConfigError(f"--out {str(out)!r} already holds {' and '.join(held)} of an earlier run; choose a new "
                           "--out, or continue that run with --resume CHECKPOINT")
+
+
+def check_resumed_out(out: Path, cfg: RunConfig) -> None:
+    """A resumed run replaces ``result.json`` and appends to ``metrics.jsonl``: allowed in its own
+    folder (or a new one), refused where the result.json was written by a different run (other
+    settings that decide the numbers, as :func:`check_resume` compares them), whose result and
+    loss curve it would overwrite and extend. A folder with only ``metrics.jsonl`` (a run killed
+    before its result) cannot be told apart and is continued."""
+    path = out / RESULT_NAME
+    if not os.path.lexists(path):
+        return
+    try:
+        recorded = loads_bounded(path.read_bytes())
+    except (OSError, ValueError):
+        recorded = None
+    config = recorded.get("config") if isinstance(recorded, dict) else None
+    if not isinstance(config, dict):
+        raise ConfigError(f"--out {str(out)!r} holds a result.json that records no run config; a resumed run would "
+                          "replace it: choose a new --out")
+    diffs = config_differences(config, cfg.to_dict())
+    if diffs:
+        shown = "; ".join(diffs[:4]) + (f"; and {len(diffs) - 4} more" if len(diffs) > 4 else "")
+        raise ConfigError(f"--out {str(out)!r} holds the result.json of a different run ({shown}); resuming there "
+                          "would replace it: choose a new --out, or the resumed run's own")
 
 
 def check_save_target(cfg: RunConfig) -> None:
