@@ -332,6 +332,80 @@ def test_report_only_rebuilds_the_tables(tmp_path):
     assert "| baseline | matched | 0.0 | 0.0 |" in (tmp_path / REPORT_MD).read_text()  # 100 and 200 bytes in MiB
 
 
+def test_a_used_folder_a_link_or_a_file_as_out_is_refused_and_nothing_is_deleted(tmp_path, capsys):
+    """A second comparison into a folder with runs.jsonl would have deleted it (the default --out
+    was a committed results folder): refused in one line unless --resume or --report-only."""
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / RUNS_FILE).write_text('{"preset": "earlier"}\n')
+    (used / "commands.log").write_text("earlier command\n")
+    (tmp_path / "file").write_text("keep")
+    (tmp_path / "link").symlink_to(used, target_is_directory=True)
+    for out, words in ((used, f"already holds {RUNS_FILE} of an earlier comparison"), (tmp_path / "file", "is a file"),
+                       (tmp_path / "link", "symbolic link")):
+        assert main(["--presets", "baseline", "--no-maxbatch", "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0], err
+    assert (used / RUNS_FILE).read_text() == '{"preset": "earlier"}\n'
+    assert (used / "commands.log").read_text() == "earlier command\n"
+    assert sorted(p.name for p in used.iterdir()) == ["commands.log", RUNS_FILE]
+
+
+def test_a_planted_link_under_a_name_the_report_writes_is_refused_before_anything_is_written(tmp_path, capsys):
+    import json
+
+    rows = resolve_rows("quick", ["baseline"], {"progress": False, "device": "auto"}, "cpu")
+    h = config_hash(rows[0]["config"])
+    runs = [_fake_run("baseline", "ours", 0, h, 1.0, 100), _fake_run("baseline", "theirs", 0, h, 2.0, 200)]
+    (tmp_path / RUNS_FILE).write_text("".join(json.dumps(r) + "\n" for r in runs))
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (tmp_path / REPORT_MD).symlink_to(victim)
+    assert main(["--presets", "baseline", "--out", str(tmp_path), "--report-only"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{REPORT_MD} is a symbolic link" in err[0], err
+    assert victim.read_text() == "precious\n" and not (tmp_path / REPORT_JSON).exists()
+
+
+def test_ctrl_c_keeps_the_finished_runs_writes_the_report_and_exits_130(tmp_path, monkeypatch, capsys):
+    import memtrain.bench.hf.cli as cli
+
+    def interrupted(opts, out, rows, *a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "run_rows", interrupted)
+    assert main(["--presets", "baseline", "--no-maxbatch", "--out", str(tmp_path)]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("interrupted: the runs that finished are in") and "--resume" in err[-1]
+    assert (tmp_path / REPORT_MD).is_file() and (tmp_path / "commands.log").read_text().count("started") == 1
+
+
+def test_ctrl_c_while_a_pair_runs_kills_both_workers(monkeypatch):
+    import os
+    import subprocess
+    import sys
+
+    import memtrain.bench.hf.lockstep as lockstep
+
+    procs = {side: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for side in ("ours", "theirs")}
+    inbox = {side: os.pipe() for side in procs}
+
+    def interrupt(seconds):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lockstep.time, "sleep", interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            lockstep._wait_for_pair(procs, inbox, 0.0, None)
+        assert all(p.poll() is not None for p in procs.values())  # none runs on alone
+    finally:
+        for p in procs.values():
+            p.kill()
+        for r, w in inbox.values():
+            os.close(r)
+            os.close(w)
+
+
 # ----------------------------------------------------------------------------- lockstep
 def test_baton_alternates_two_sides():
     import os

@@ -4,6 +4,7 @@ name, and the loop over rows x repetitions (each side in its own process)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ from memtrain.bench.hf.lockstep import run_pair, run_subprocess
 from memtrain.bench.hf.report import mib, num, write_profiles, write_report
 from memtrain.bench.hf.rows import (
     COMMANDS_FILE,
+    REPORT_JSON,
     REPORT_MD,
     RUNS_FILE,
     SIDES,
@@ -24,6 +26,7 @@ from memtrain.bench.hf.rows import (
 from memtrain.bench.scales import SCALE_BUDGET, SCALE_MAX_BATCH, SCALES
 from memtrain.bench.technique_sets import TECHNIQUES
 from memtrain.config.run import ConfigError, parse_size
+from memtrain.files.results import open_append, refuse_odd_destination, write_all
 
 DESCRIPTION = "memtrain vs Hugging Face Trainer: the same model, tokens and schedule, the same meters."
 
@@ -39,7 +42,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="a transformers model for both sides (memtrain's --model SPEC: a bundled config such as "
                          "tiny-llama or tiny-gpt2, a config.json, or a directory); default: memtrain's GPT against "
                          "GPT2LMHeadModel")
-    ap.add_argument("--out", default="benchmarks/results/cpu", help="folder for runs.jsonl, compare_hf.json, compare_hf.md")
+    ap.add_argument("--out", default="runs/compare-hf",
+                    help="folder for runs.jsonl, compare_hf.json, compare_hf.md (default runs/compare-hf); one that "
+                         "holds an earlier comparison is refused unless --resume or --report-only")
     ap.add_argument("--budget", default=None, help="memory budget of the max-batch search (default: the scale's on CPU)")
     ap.add_argument("--max-batch", type=int, default=None, help="largest batch the search tries")
     ap.add_argument("--no-maxbatch", action="store_true", help="skip the max-batch search")
@@ -154,6 +159,27 @@ def run_rows(opts: argparse.Namespace, out: Path, rows: list[dict[str, Any]], ma
             write_report(out, rows, settings, command, start)
 
 
+def out_problem(out: Path, opts: argparse.Namespace) -> Optional[str]:
+    """Why ``--out`` cannot take this command, or None: a link or a file where the folder goes;
+    an earlier comparison's runs.jsonl without ``--resume`` (or ``--report-only``), which a new one
+    would mix with or replace; an earlier profile.md under ``--profile``."""
+    if out.is_symlink():
+        return f"--out {out} is a symbolic link; name a real folder"
+    if out.exists() and not out.is_dir():
+        return f"--out {out} is a file, not a folder; name a folder"
+    for name in (RUNS_FILE, COMMANDS_FILE, REPORT_JSON, REPORT_MD, "profile.md"):
+        try:
+            refuse_odd_destination(out / name, f"--out {out}: {name}")  # a link, a folder, a FIFO there
+        except ConfigError as exc:
+            return str(exc)
+    if opts.profile is not None and os.path.lexists(out / "profile.md"):
+        return f"--out {out} already holds profile.md from an earlier run; name another folder or move it away"
+    if opts.profile is None and not (opts.resume or opts.report_only) and os.path.lexists(out / RUNS_FILE):
+        return (f"--out {out} already holds {RUNS_FILE} of an earlier comparison; name a new folder, continue it "
+                "with --resume, or re-write its report with --report-only")
+    return None
+
+
 # The command the reports name (commands.log, compare_hf.md) when the caller does not say.
 DEFAULT_PROG = "python benchmarks/compare_hf.py"
 
@@ -175,6 +201,10 @@ def main(argv: list[str], prog: str = DEFAULT_PROG) -> int:
         return 2
     settings = settings_of(opts, rows, maxbatch, budget)
     out = Path(opts.out)
+    problem = out_problem(out, opts)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
     if opts.profile is not None:
         return write_profiles(out, rows, opts.profile, command)
@@ -185,13 +215,17 @@ def main(argv: list[str], prog: str = DEFAULT_PROG) -> int:
         write_report(out, rows, settings, None, start)  # None: keep the commands that produced the runs
         print((out / REPORT_MD).read_text().split("## Memory at the peak")[0])
         return 0
-    if not opts.resume:
-        for name in (RUNS_FILE, COMMANDS_FILE):
-            if (out / name).exists():
-                (out / name).unlink()
-    with open(out / COMMANDS_FILE, "a") as fh:
-        fh.write(f"{command}  # started {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n")
-    run_rows(opts, out, rows, maxbatch, settings, command, start)
+    fd = open_append(out / COMMANDS_FILE)
+    try:
+        write_all(fd, f"{command}  # started {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n".encode(), out / COMMANDS_FILE)
+    finally:
+        os.close(fd)
+    try:
+        run_rows(opts, out, rows, maxbatch, settings, command, start)
+    except KeyboardInterrupt:  # every finished run is already a line of runs.jsonl
+        write_report(out, rows, settings, command, start)
+        print(f"interrupted: the runs that finished are in {out / RUNS_FILE}; continue with --resume", file=sys.stderr)
+        return 130
     report = write_report(out, rows, settings, command, start)
     print((out / REPORT_MD).read_text().split("## Memory at the peak")[0])
     return 0 if all(e["sides"].get(s, {}).get("status") in ("ok", None)

@@ -95,6 +95,10 @@ def run_subprocess(side: str, cfg: Any, maxbatch: Optional[dict[str, Any]], thre
             proc.kill()
             proc.communicate()
             return {"status": "timeout", "error": f"run exceeded {timeout:.0f} s"}
+        except BaseException:  # Ctrl-C or a kill of this process: the worker must not run on alone
+            proc.kill()
+            proc.wait()
+            raise
         wall = time.perf_counter() - start
         if out.is_file():
             result = json.loads(out.read_text())
@@ -128,24 +132,8 @@ def run_pair(order: tuple[str, str], cfg: Any, maxbatch: Optional[dict[str, Any]
             os.close(inbox[side][0])
         start = time.perf_counter()
         os.write(inbox[order[0]][1], b"g")
-        walls: dict[str, float] = {}
         try:
-            while len(walls) < len(procs):
-                for side, proc in procs.items():
-                    if side not in walls and proc.poll() is not None:
-                        walls[side] = time.perf_counter() - start
-                        for other in procs:  # a side that died mid-run must not leave the other waiting
-                            if other != side:
-                                with contextlib.suppress(OSError):
-                                    os.write(inbox[other][1], b"d")
-                if timeout is not None and time.perf_counter() - start > timeout:
-                    for side, proc in procs.items():
-                        if side not in walls:
-                            proc.kill()
-                            proc.wait()
-                            walls[side] = -1.0
-                    break
-                time.sleep(0.2)
+            walls = _wait_for_pair(procs, inbox, start, timeout)
         finally:
             for side in order:
                 with contextlib.suppress(OSError):
@@ -164,6 +152,37 @@ def run_pair(order: tuple[str, str], cfg: Any, maxbatch: Optional[dict[str, Any]
             results[side]["process_wall_s"] = walls[side]
     return results
 
+
+def _wait_for_pair(procs: dict[str, subprocess.Popen], inbox: dict[str, tuple[int, int]], start: float,
+                   timeout: Optional[float]) -> dict[str, float]:
+    """Each side's wall time once both have ended (-1.0: killed at ``timeout``). A side that ends
+    wakes the other (it must not wait for a turn that never comes); on Ctrl-C or a kill of this
+    process both workers are killed before the interrupt goes on."""
+    walls: dict[str, float] = {}
+    try:
+        while len(walls) < len(procs):
+            for side, proc in procs.items():
+                if side not in walls and proc.poll() is not None:
+                    walls[side] = time.perf_counter() - start
+                    for other in procs:  # a side that died mid-run must not leave the other waiting
+                        if other != side:
+                            with contextlib.suppress(OSError):
+                                os.write(inbox[other][1], b"d")
+            if timeout is not None and time.perf_counter() - start > timeout:
+                for side, proc in procs.items():
+                    if side not in walls:
+                        proc.kill()
+                        proc.wait()
+                        walls[side] = -1.0
+                break
+            time.sleep(0.2)
+    except BaseException:  # no worker runs on alone
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        raise
+    return walls
 
 
 def window_overlap_s(a: list, b: list) -> float:

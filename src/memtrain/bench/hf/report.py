@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 
 from memtrain.bench.hf.lockstep import window_overlap_s
 from memtrain.bench.hf.rows import COMMANDS_FILE, REPORT_JSON, REPORT_MD, SIDES, config_hash, probe_at, read_runs
-from memtrain.files.results import write_json_atomic
+from memtrain.files.results import write_json_atomic, write_text_atomic
 from memtrain.techniques.facts import MEMORY_CATEGORIES
 
 
@@ -284,7 +284,7 @@ def write_report(out: Path, rows: list[dict[str, Any]], settings: dict[str, Any]
     }
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / REPORT_JSON, report)
-    (out / REPORT_MD).write_text(render_markdown(report))
+    write_text_atomic(out / REPORT_MD, render_markdown(report))  # replaced whole, never written through a link
     return report
 
 
@@ -318,6 +318,6 @@ def write_profiles(out: Path, rows: list[dict[str, Any]], steps: int, command: s
                         "```", r["top_ops"].rstrip(), "```"]
         print("\n".join(lines[-2:]), flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "profile.md").write_text("\n".join(lines + ["", "## Top operators (3 steps)"] + details) + "\n")
+    write_text_atomic(out / "profile.md", "\n".join(lines + ["", "## Top operators (3 steps)"] + details) + "\n")
     return 0
 
