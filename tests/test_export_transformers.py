@@ -201,6 +201,28 @@ def test_export_refuses_a_busy_destination_and_leaves_nothing_behind(scratch_lla
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
+def test_a_fresh_process_reads_an_nf4_checkpoint_and_still_refuses_other_classes(tmp_path):
+    """torch's restricted unpickler knows torchao's NF4Tensor only once torchao registered it:
+    a fresh `memtrain export`/`generate`/`--resume` process refused every CPU QLoRA checkpoint
+    ("not a memtrain checkpoint"). The loader imports that one module and retries; a class from
+    any other module stays refused, and its module is not imported."""
+    pytest.importorskip("torchao")
+    from torchao.quantization import to_nf4
+
+    nf4 = tmp_path / "nf4.pt"
+    torch.save({"w": to_nf4(torch.randn(256, 256), 64, 256)}, nf4)
+    other = tmp_path / "other.pt"
+    torch.save({"w": pickle.PicklingError("x")}, other)  # a class the unpickler does not allow
+    code = ("import sys; from memtrain.checkpoints.exact import load_plain\n"
+            "assert 'torchao' not in sys.modules\n"
+            "print(type(load_plain(sys.argv[1])['w']).__name__)\n"
+            "try:\n    load_plain(sys.argv[2])\nexcept Exception as e:\n    print(type(e).__name__)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(nf4), str(other)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["NF4Tensor", "UnpicklingError"]
+
+
 # --------------------------------------------------------------------------- remote code is never run
 EVIL_CODE = "import pathlib\npathlib.Path({marker!r}).write_text('ran')\nfrom transformers import PretrainedConfig\n" \
             "class EvilConfig(PretrainedConfig):\n    model_type = 'evilgpt'\n"

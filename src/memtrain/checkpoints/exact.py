@@ -7,7 +7,10 @@ a checkpoint holds only tensors, numbers, strings, lists and dicts, never pickle
 
 from __future__ import annotations
 
+import importlib
 import math
+import pickle
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -221,15 +224,39 @@ def damaged(path: Path | str, exc: DamagedCheckpoint) -> ConfigError:
     return ConfigError(f"checkpoint {str(path)!r} is damaged: {exc}; resume from a checkpoint memtrain wrote")
 
 
+# Modules whose tensor subclasses memtrain's own checkpoints hold: QLoRA's NF4 base weights on
+# CPU (torchao's NF4Tensor; the second name is torchao's older path). torch's restricted unpickler
+# accepts such a class once its module has registered it (torch.serialization.add_safe_globals,
+# run when the module is imported), which a fresh `memtrain export`/`generate`/`--resume` process
+# has not done. Only these modules are imported, whatever else a file names.
+SAFE_SUBCLASS_MODULES = frozenset({"torchao.quantization.quantize_.workflows.nf4.nf4_tensor",
+                                   "torchao.dtypes.nf4tensor"})
+_UNSUPPORTED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)\.\w+ was not an allowed global")
+
+
 def load_plain(f: Any, **kwargs: Any) -> Any:
     """``torch.load(f, weights_only=True)`` without torch's warnings on the terminal.
 
     A file that is not a zip checkpoint (a raw pickle, torch's legacy format) makes torch's
     restricted unpickler warn about its pickle protocol before it refuses the file; the caller
-    says why the file is refused in its one ``error:`` line, so the warning is noise."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return torch.load(f, map_location="cpu", weights_only=True, **kwargs)
+    says why the file is refused in its one ``error:`` line, so the warning is noise. A class
+    of :data:`SAFE_SUBCLASS_MODULES` that the unpickler does not know yet has its module
+    imported (which registers it), and the load is tried again."""
+    imported: set[str] = set()
+    while True:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return torch.load(f, map_location="cpu", weights_only=True, **kwargs)
+        except pickle.UnpicklingError as exc:
+            found = _UNSUPPORTED_GLOBAL.search(str(exc))
+            module = found.group(1) if found else None
+            if module not in SAFE_SUBCLASS_MODULES or module in imported:
+                raise
+            importlib.import_module(module)
+            imported.add(module)
+            if hasattr(f, "seek"):
+                f.seek(0)
 
 
 def read_state(p: Path, missing_hint: str) -> Any:
