@@ -29,6 +29,10 @@ def test_layers_later_wins_and_nested_or_flat(tmp_path):
         ({"d_modle": 64}, "did you mean --d-model"),
         ({"n_heads": 7}, "must divide --d-model"),
         ({"seq_len": 1024}, "exceeds --max-seq-len"),
+        # A transformers model's limits come from its config.json: --max-seq-len / --d-model change nothing.
+        ({"model": "tiny-llama", "seq_len": 1024, "max_seq_len": 4096},
+         "exceeds the max_position_embeddings 512 of --model 'tiny-llama'; lower --seq-len"),
+        ({"model": "tiny-llama", "lora_rank": 4096}, "exceeds the hidden size 128 of --model 'tiny-llama'; lower --lora-rank"),
         ({"batch_size": -1}, "--batch-size must be positive"),
         ({"precision": "fp4"}, "unknown --precision"),
         ({"checkpointing": "every:x"}, "every:K"),
@@ -37,6 +41,7 @@ def test_layers_later_wins_and_nested_or_flat(tmp_path):
         ({"prefetch_factor": 2}, "--num-workers"),
         ({"optim_block": 3}, "--optim-block must be 0"),
         ({"optim_block": -256}, "--optim-block must be 0"),
+        ({"save_every": 5, "out": "runs/x"}, "no --save is given; add --save \\(e.g. --save runs/x/ckpt.pt\\)"),
     ],
 )
 def test_bad_values_are_one_line_errors(layer, message):

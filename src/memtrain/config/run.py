@@ -383,6 +383,11 @@ class TrainConfig:
         _require(self.out.strip() != "", "--out is empty; give a directory, e.g. --out runs/train")
         _require(self.save is None or self.save.strip() != "", "--save is empty; give a file path or drop --save")
         _require(self.resume is None or self.resume.strip() != "", "--resume is empty; give a checkpoint path or drop --resume")
+        # Without --save the periodic checkpoints would go nowhere, silently (the Trainer's
+        # save_steps writes into output_dir: a user of the alias expects files).
+        _require(not self.save_every or self.save is not None,
+                 f"--save-every {self.save_every} checkpoints to --save PATH, and no --save is given; add --save "
+                 f"(e.g. --save {self.out.rstrip('/') or 'runs/train'}/ckpt.pt) or drop --save-every")
         _require(self.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         _require(self.schedule in ("cosine", "constant"), f"unknown --schedule {self.schedule!r}; choose cosine or constant")
         _require(math.isfinite(self.grad_clip) and self.grad_clip >= 0, f"--grad-clip must be >= 0 and finite, got {self.grad_clip}")
@@ -431,8 +436,13 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
+        # A transformers model (--model) takes its limits from its config.json, not from
+        # memtrain's model flags: the message names what the user can change.
+        hf = self.model.model
         _require(
             self.train.seq_len <= self.model.max_seq_len,
+            f"--seq-len {self.train.seq_len} exceeds the max_position_embeddings {self.model.max_seq_len} of "
+            f"--model {hf!r}; lower --seq-len (or use a config.json with a larger max_position_embeddings)" if hf else
             f"--seq-len {self.train.seq_len} exceeds --max-seq-len {self.model.max_seq_len}; "
             f"lower --seq-len or raise --max-seq-len",
         )
@@ -444,6 +454,8 @@ class RunConfig:
             )
         if self.technique.lora_rank:
             _require(self.technique.lora_rank <= self.model.d_model,
+                     f"--lora-rank {self.technique.lora_rank} exceeds the hidden size {self.model.d_model} of "
+                     f"--model {hf!r}; lower --lora-rank" if hf else
                      f"--lora-rank {self.technique.lora_rank} exceeds --d-model {self.model.d_model}")
 
     def to_dict(self) -> dict[str, Any]:
