@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from memtrain.devices.gpu_memory import gpu_memory
+from memtrain.files.results import benchmark_out_problem, write_text_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "llama-3-8b"
@@ -131,26 +132,39 @@ def markdown(rows: list[dict], commit: str, hw: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(allow_abbrev=False)
-    ap.add_argument("--rows", default=",".join(ROWS))
-    ap.add_argument("--gpus", default=",".join(GPUS))
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of: {', '.join(ROWS)}")
+    ap.add_argument("--gpus", default=",".join(GPUS), help=f"comma-separated, of: {', '.join(GPUS)}")
+    ap.add_argument("--out", required=True, help="a new folder for context_table.json and .md (rewritten after "
+                                                 "every row)")
+    args = ap.parse_args(argv)
+    rows_asked = [r for r in args.rows.split(",") if r]
+    gpus_asked = [g for g in args.gpus.split(",") if g]
+    for flag, asked, known in (("--rows", rows_asked, ROWS), ("--gpus", gpus_asked, GPUS)):
+        unknown = [a for a in asked if a not in known]
+        if unknown or not asked:
+            ap.error(f"{flag}: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(known)}")
     out = Path(args.out)
+    problem = benchmark_out_problem(out, "context_table.json")
+    if problem:
+        ap.error(problem)
     out.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip() or "unknown"
     hw = hardware()
     rows = []
-    for row in args.rows.split(","):
-        for gpu in args.gpus.split(","):
+    for row in rows_asked:
+        for gpu in gpus_asked:
             rec = run_row(row, gpu)
             print(json.dumps(rec), flush=True)
             rows.append(rec)
-    (out / "context_table.json").write_text(json.dumps({"commit": commit, "hardware": hw, "rows": rows}, indent=2))
-    (out / "context_table.md").write_text(markdown(rows, commit, hw))
+            # after every row: a later row's failure or a kill loses none before it
+            write_text_atomic(out / "context_table.json",
+                              json.dumps({"commit": commit, "hardware": hw, "rows": rows}, indent=2))
+            write_text_atomic(out / "context_table.md", markdown(rows, commit, hw))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

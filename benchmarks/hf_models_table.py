@@ -15,13 +15,17 @@ real step on the same kernels would meter it): by default two shallow copies of 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+from memtrain.config.argtypes import positive_int
+from memtrain.config.run import ConfigError
+from memtrain.files.results import append_jsonl, read_jsonl, refuse_odd_destination, write_text_atomic
 
 # One step of batch 1 x seq 2048 in bf16 weights (bf16-pure: what single-GPU fine-tuning does),
 # AdamW, SDPA attention; LoRA r16 on every decoder Linear (peft all-linear), QLoRA = the same
@@ -44,26 +48,34 @@ MODELS = ["llama-3-8b", "qwen2.5-7b", "mistral-7b", "llama-3-70b"]
 GIB = 2**30
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(allow_abbrev=False)
-    ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--sets", default=",".join(SETS))
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--threads", type=int, default=1)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated bundled configs or model specs")
+    ap.add_argument("--sets", default=",".join(SETS), help=f"comma-separated, of: {', '.join(SETS)}")
+    ap.add_argument("--out", required=True, help="folder of the table; rows already in it are kept and skipped")
+    ap.add_argument("--threads", type=positive_int, default=1)
     ap.add_argument("--full-trace", action="store_true", help="trace every layer (minutes per row)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    sets = [n for n in args.sets.split(",") if n]
+    unknown = [n for n in sets if n not in SETS]
+    if unknown or not sets or not models:
+        ap.error(f"--sets: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(SETS)}"
+                 if unknown or not sets else "--models: name at least one")
+    out = Path(args.out)
+    problem = _out_problem(out)
+    if problem:
+        ap.error(problem)
     torch.set_num_threads(args.threads)
-    from memtrain.analysis.depth_trace import trace_any_depth
+    from memtrain.analysis.depth_trace import trace_any_depth  # torch-heavy: after the arguments are checked
     from memtrain.config.run import build_config
 
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lines = out / ("full_traces.jsonl" if args.full_trace else "hf_models_table.jsonl")
-    done = set()
-    if lines.exists():
-        done = {(r["model"], r["set"]) for r in map(json.loads, lines.read_text().splitlines())}
-    for model in args.models.split(","):
-        for name in args.sets.split(","):
+    # A line torn by a kill mid-append is skipped (and re-traced), not a reason to stop.
+    done = {(r.get("model"), r.get("set")) for r in read_jsonl(lines).rows}
+    for model in models:
+        for name in sets:
             if (model, name) in done:
                 continue
             cfg = build_config({**BASE, **SETS[name], "model": model})
@@ -75,19 +87,31 @@ def main() -> None:
                    "trace_seconds": round(time.perf_counter() - start, 1),
                    # CPU seconds of this process: what the row costs, whatever the machine's load
                    "trace_cpu_seconds": round(time.process_time() - cpu, 1)}
-            with open(lines, "a") as fh:
-                fh.write(json.dumps(row) + "\n")
+            append_jsonl(lines, row)
             print(model, name, f"{r['peak_bytes'] / GIB:.2f} GiB", f"{row['trace_seconds']} s", flush=True)
     if not args.full_trace:
         write_markdown(out, lines)
+    return 0
+
+
+def _out_problem(out: Path) -> str | None:
+    """A link or a file where the folder goes, or a link (anything but a plain file) under a
+    name this script writes: refused before any row is traced."""
+    if out.is_symlink():
+        return f"--out {out} is a symbolic link; name a real folder"
+    if out.exists() and not out.is_dir():
+        return f"--out {out} is a file, not a folder; name a folder"
+    for name in ("hf_models_table.jsonl", "full_traces.jsonl", "hf_models_table.md"):
+        try:
+            refuse_odd_destination(out / name, f"--out {out}: {name}")
+        except ConfigError as exc:
+            return str(exc)
+    return None
 
 
 def write_markdown(out: Path, lines: Path) -> None:
-    rows = [json.loads(ln) for ln in lines.read_text().splitlines()]
-    full_file = out / "full_traces.jsonl"
-    full = {}
-    if full_file.exists():
-        full = {(r["model"], r["set"]): r for r in map(json.loads, full_file.read_text().splitlines())}
+    rows = read_jsonl(lines).rows
+    full = {(r.get("model"), r.get("set")): r for r in read_jsonl(out / "full_traces.jsonl").rows}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     md = [f"Traced with `python benchmarks/hf_models_table.py --out {out}` at commit {commit} on "
           f"{platform.processor() or platform.machine()} (CPU kernels, torch {torch.__version__}); "
@@ -103,7 +127,7 @@ def write_markdown(out: Path, lines: Path) -> None:
                   f"{c['gradients'] / GIB:.2f} | {c['optimizer'] / GIB:.2f} | {c['activations'] / GIB:.2f} | "
                   f"{c['temporaries'] / GIB:.2f} | {r['peak_phase']} | {r.get('method', 'trace')} | "
                   f"{r['trace_seconds']} | {_full(full.get((r['model'], r['set'])), r)} |")
-    (out / "hf_models_table.md").write_text("\n".join(md) + "\n")
+    write_text_atomic(out / "hf_models_table.md", "\n".join(md) + "\n")
 
 
 def _full(f: dict | None, r: dict) -> str:
@@ -115,4 +139,4 @@ def _full(f: dict | None, r: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

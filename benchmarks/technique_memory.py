@@ -17,7 +17,9 @@ from pathlib import Path
 
 from memtrain.analysis.maxbatch import measure_step_memory
 from memtrain.bench.technique_sets import TECHNIQUES
-from memtrain.config.run import build_config
+from memtrain.config.argtypes import positive_int
+from memtrain.config.run import ConfigError, build_config
+from memtrain.files.results import benchmark_file_problem, write_text_atomic
 from memtrain.runtime.env import environment, git_commit, resolve_device
 from memtrain.techniques.facts import MEMORY_CATEGORIES
 
@@ -48,10 +50,27 @@ CATS = MEMORY_CATEGORIES
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--out", type=Path, default=None, help="Markdown file to write (default: print only).")
+    ap.add_argument("--batch-size", type=positive_int, default=4)
+    ap.add_argument("--seq-len", type=positive_int, default=128)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="Markdown file to write (default: print only); a new file, rewritten after every row")
     args = ap.parse_args(argv)
+    problem = benchmark_file_problem(args.out) if args.out is not None else None
+    if problem:
+        ap.error(problem)
+    # Every row's config first: one that cannot run at these sizes (a half batch of 1, a window
+    # longer than the sequence) is refused before any row is measured.
+    configs = []
+    for name, overrides, _ in ROWS:
+        o = {k: v for k, v in overrides.items() if not k.startswith("_")}
+        batch = args.batch_size // 2 if overrides.get("_half_batch") else args.batch_size
+        try:
+            configs.append((name, batch, build_config({"device": "cpu", "dropout": 0.0, "seq_len": args.seq_len,
+                                                       "batch_size": max(batch, 1)}, o)))
+        except ConfigError as exc:
+            ap.error(f"row {name!r} cannot run at --batch-size {args.batch_size} --seq-len {args.seq_len}: {exc}")
+        if batch < 1:
+            ap.error(f"row {name!r} halves the batch: give --batch-size 2 or more")
     mib = 2**20
     lines = [
         f"Command: `python benchmarks/technique_memory.py --batch-size {args.batch_size} --seq-len {args.seq_len}`  ",
@@ -64,10 +83,7 @@ def main(argv: list[str]) -> int:
         "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     base_peak = None
-    for name, overrides, _ in ROWS:
-        o = {k: v for k, v in overrides.items() if not k.startswith("_")}
-        batch = args.batch_size // 2 if overrides.get("_half_batch") else args.batch_size
-        cfg = build_config({"device": "cpu", "dropout": 0.0, "seq_len": args.seq_len, "batch_size": batch}, o)
+    for name, batch, cfg in configs:
         stats = measure_step_memory(cfg, batch)
         peak = stats["peak_bytes"]
         base_peak = base_peak or peak
@@ -76,10 +92,10 @@ def main(argv: list[str]) -> int:
                 f"{stats['peak_phase']} |")
         lines.append(line)
         print(line, flush=True)
-    text = "\n".join(lines) + "\n"
+        if args.out:  # after every row: a later row's failure or a kill loses none before it
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(args.out, "\n".join(lines) + "\n")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
         print(f"wrote {args.out}")
     return 0
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import platform
 import subprocess
 import sys
@@ -30,6 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_models_table import BASE, MODELS, SETS  # noqa: E402
+from memtrain.config.argtypes import positive_int  # noqa: E402
+from memtrain.config.run import ConfigError  # noqa: E402
+from memtrain.files.results import append_jsonl, read_jsonl, refuse_odd_destination, write_text_atomic  # noqa: E402
 
 GIB = 2**30
 
@@ -44,8 +46,8 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(allow_abbrev=False)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--sets", default=",".join(SETS))
     ap.add_argument("--rows", default="", help="model:set,... instead of every --models x --sets pair")
@@ -53,21 +55,30 @@ def main() -> None:
     ap.add_argument("--label", required=True, help="before / after: which code traced")
     ap.add_argument("--commit", default="", help="commit of the traced code (default: this checkout's HEAD)")
     ap.add_argument("--recorded", default="benchmarks/results/cpu-hf-models/hf_models_table.jsonl")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--reps", type=int, default=1, help="trace each row this many times; the fastest counts")
-    args = ap.parse_args()
+    ap.add_argument("--threads", type=positive_int, default=1)
+    ap.add_argument("--reps", type=positive_int, default=1, help="trace each row this many times; the fastest counts")
+    args = ap.parse_args(argv)
+    rows = [(m, s) for m in args.models.split(",") if m for s in args.sets.split(",") if s]
+    if args.rows:
+        pairs = [r.split(":") for r in args.rows.split(",") if r]
+        if any(len(pr) != 2 for pr in pairs):
+            ap.error("--rows: give model:set pairs, comma-separated")
+        rows = [(pr[0], pr[1]) for pr in pairs]
+    unknown = sorted({name for _, name in rows if name not in SETS})
+    if unknown or not rows:
+        ap.error(f"unknown technique sets {', '.join(unknown) or '(none given)'}; choose from {', '.join(SETS)}")
+    out = Path(args.out)
+    problem = _out_problem(out)
+    if problem:
+        ap.error(problem)
     torch.set_num_threads(args.threads)
-    from memtrain.analysis.depth_trace import trace_any_depth
+    from memtrain.analysis.depth_trace import trace_any_depth  # torch-heavy: after the arguments are checked
     from memtrain.config.run import build_config
 
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                            text=True).stdout.strip()
-    recorded = {(r["model"], r["set"]): r for r in map(json.loads, Path(args.recorded).read_text().splitlines())}
-    out = Path(args.out)
+    recorded = {(r.get("model"), r.get("set")): r for r in read_jsonl(Path(args.recorded)).rows}
     out.mkdir(parents=True, exist_ok=True)
-    rows = [(m, s) for m in args.models.split(",") for s in args.sets.split(",")]
-    if args.rows:
-        rows = [(r.split(":")[0], r.split(":")[1]) for r in args.rows.split(",")]
     meta = {"label": args.label, "commit": commit, "cpu": _cpu_name(), "torch": torch.__version__,
             "threads": args.threads, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     start = time.perf_counter()
@@ -88,18 +99,33 @@ def main() -> None:
         row = {**meta, "model": model, "set": name, "method": r["method"], "peak_bytes": r["peak_bytes"],
                "by_category": r["by_category"], "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "reps": args.reps,
                "same_bytes_as_recorded": same}
-        with open(out / "trace_speed.jsonl", "a") as fh:
-            fh.write(json.dumps(row) + "\n")
+        append_jsonl(out / "trace_speed.jsonl", row)  # runs accumulate: each label's fastest counts
         print(args.label, model, name, f"{r['peak_bytes'] / GIB:.2f} GiB", f"{row['wall_s']} s wall",
               f"{row['cpu_s']} s cpu", "same bytes" if same else f"BYTES DIFFER ({same})", flush=True)
     write_markdown(out, recorded)
+    return 0
+
+
+def _out_problem(out: Path) -> str | None:
+    """A link or a file where the folder goes, or a link (anything but a plain file) under a
+    name this script writes."""
+    if out.is_symlink():
+        return f"--out {out} is a symbolic link; name a real folder"
+    if out.exists() and not out.is_dir():
+        return f"--out {out} is a file, not a folder; name a folder"
+    for name in ("trace_speed.jsonl", "trace_speed.md"):
+        try:
+            refuse_odd_destination(out / name, f"--out {out}: {name}")
+        except ConfigError as exc:
+            return str(exc)
+    return None
 
 
 def write_markdown(out: Path, recorded: dict) -> None:
     """One row per (model, techniques): the recorded table's seconds, then the fastest of all
     runs of each label (wall and CPU seconds, each its own minimum: runs alternate between the
     labels, so both meet the same loads) and whether the bytes equal the recorded ones."""
-    runs = [json.loads(ln) for ln in (out / "trace_speed.jsonl").read_text().splitlines()]
+    runs = read_jsonl(out / "trace_speed.jsonl").rows  # a line torn by a kill is skipped
     latest: dict[tuple[str, str, str], dict] = {}
     for r in runs:
         k = (r["label"], r["model"], r["set"])
@@ -134,7 +160,7 @@ def write_markdown(out: Path, recorded: dict) -> None:
         sames = [x["same_bytes_as_recorded"] for x in (b, a) if x is not None]
         same = "same" if sames and all(sames) else "DIFFER" if sames else ""
         md.append(f"| {model} | {name} | {rec} | {_cells(b)} | {_cells(a)} | {same} |")
-    (out / "trace_speed.md").write_text("\n".join(md) + "\n")
+    write_text_atomic(out / "trace_speed.md", "\n".join(md) + "\n")
 
 
 def _cells(r: dict | None) -> str:
@@ -144,4 +170,4 @@ def _cells(r: dict | None) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

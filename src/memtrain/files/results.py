@@ -258,6 +258,20 @@ def benchmark_out_problem(out: Path, produced: str) -> Optional[str]:
     return None
 
 
+def benchmark_file_problem(path: Path, flag: str = "--out") -> Optional[str]:
+    """Why a benchmark script cannot write its table to the new file ``path``, or None: a link,
+    a folder or another non-file there, or an existing file (an earlier run's table, which a
+    results README may cite)."""
+    path = Path(path)
+    if path.is_symlink():
+        return f"{flag} {path} is a symbolic link; name a new file"
+    if path.is_dir():
+        return f"{flag} {path} is a folder; name a new file"
+    if os.path.lexists(path):
+        return f"{flag} {path} already exists (an earlier run's table); name a new file or move that one away"
+    return None
+
+
 def named_write_error(exc: BaseException, path: Path) -> BaseException:
     """``exc`` as an error that names ``path``: an OSError gets it as its filename (the CLI's
     ``disk full writing PATH`` line); torch.save's RuntimeError ("file write failed", no errno)
