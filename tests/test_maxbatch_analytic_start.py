@@ -76,3 +76,19 @@ def test_outward_search_is_exact_for_every_guess():
             assert got == (answer or None), (answer, guess, got)
             assert all(1 <= k <= 100 for k in asked)
     assert largest_fitting(lambda k: k <= 37, 100) == 37
+
+
+def test_a_transformers_model_the_analytic_model_claims_starts_from_its_estimate_too(tmp_path):
+    """Llama (and the other modelled families) get the analytic start as memtrain's GPT does:
+    a full-size model's search took eight traced probes of seconds each from batch 1."""
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=64).save_pretrained(tmp_path)
+    cfg = build_config({"model": str(tmp_path), "seq_len": 32, "device": "cpu", "attention": "sdpa"})
+    budget = traced_step_peak(cfg, 6)
+    fast = find_max_batch(cfg, budget_bytes=budget, max_batch=64, progress=False)
+    full = find_max_batch(cfg, budget_bytes=budget, max_batch=64, progress=False,
+                          probe=lambda c, b: traced_step_peak(c, b))
+    assert (fast.batch_size, fast.peak_bytes) == (full.batch_size, full.peak_bytes) == (6, budget)
+    assert len(fast.probes) <= 2 < len(full.probes)  # the guess and the next batch only

@@ -108,7 +108,15 @@ def _analytic_guess(cfg: RunConfig, budget_bytes: Optional[int], multiple_of: in
         return None
     try:
         if is_hf(cfg):
-            return None  # a transformers model is traced, not modelled analytically
+            # The families and techniques the analytic model claims (Llama, Qwen2, Mistral, ...):
+            # the same arithmetic as for memtrain's GPT, with the transformers inventory. Others
+            # (QLoRA's NF4, an unmodelled family) are traced probe by probe.
+            if why_not_modelled(cfg) is not None:
+                return None
+            assert cfg.model.model is not None  # is_hf
+            arch = hf_arch(cfg.model.model)
+            return largest_batch(lambda c: estimate(c, arch, device_type).peak_bytes, cfg, budget_bytes,
+                                 multiple_of, cap)
         return largest_batch(lambda c: estimate(c, device_type=device_type).peak_bytes, cfg, budget_bytes,
                              multiple_of, cap)
     except Exception:  # noqa: BLE001 - no guess: the full search below decides
