@@ -132,7 +132,7 @@ def test_hub_spec_offline_is_a_clear_error(monkeypatch):
 
 
 def test_seq_len_checked_against_the_models_positions(model_dirs):
-    with pytest.raises(ConfigError, match="max-seq-len 128"):
+    with pytest.raises(ConfigError, match="exceeds the max_position_embeddings 128 of --model"):
         build_config({"model": str(model_dirs["llama"]), "seq_len": 256})
 
 
