@@ -84,7 +84,9 @@ def explanation_lines(cfg: RunConfig, arch: Arch, dm: Dims, params: list[ParamIn
         lines.append(f"sharding {shard} over {world} ranks: "
                      + ("optimizer by dim-0 chunks of every tensor (ceil(rows/N) rows; largest rank)"
                         if shard == "zero1" else "DDP, everything replicated" if shard in ("none", "ddp") else "optimizer/N")
-                     + (", gradients/N" if shard in ("zero2", "fsdp") else "")
+                     + (", gradients/N (each block's reduce-scattered as its backward ends, the root"
+                        " group's after the embedding's; with --grad-accum all unsharded until the last"
+                        " micro-batch)" if shard in ("zero2", "fsdp") else "")
                      + ("; gradients in DDP's buckets, alive across steps" if shard in ("none", "ddp", "zero1") else "")
                      + ("; weight shard + all weights gathered (compute dtype) from forward to end of backward"
                         if shard == "zero2" else "")

@@ -218,6 +218,13 @@ class Graph:
         # workspace of its own there (memtrain.analysis.device_replay).
         self.backward_gemm_at: Optional[int] = None
         self._in_backward = False
+        # Actions run as the backward of segment i ends (before a lumped period's backward is
+        # measured): FSDP2's post-backward of a block's parameter group (training._FSDPReduce).
+        self.after_backward: dict[int, Any] = {}
+        # Bytes (cumulative, by tag) that the measured period's backward allocates once and the
+        # lumped periods do not repeat: FSDP2's first reduce-scatter input buffer, which each
+        # later group's post-backward replaces by one of its own.
+        self.lump_exclude: Optional[Any] = None
 
     def _note_gemm(self, n: Node, start: int) -> None:
         """Record where the backward's first matmul (``n``, whose allocations began at event
@@ -250,12 +257,15 @@ class Graph:
             if flush.get(tag):
                 self.lump_flush.append(sim.alloc(comp.lumps * flush[tag], tag))
 
-    def _lump_backward(self, before: dict[str, float]) -> None:
+    def _lump_backward(self, before: dict[str, float], excluded: dict[str, float]) -> None:
         """After the backward of the period above the lump: the lumped periods' backward, each
-        changing the live bytes by what that period's backward changed them by."""
+        changing the live bytes by what that period's backward changed them by (less what
+        :attr:`lump_exclude` says it made once; ``excluded``: that before the period)."""
         comp, sim = self.comp, self.sim
         assert comp is not None
-        delta = {tag: sim.by_tag[tag] - before[tag] for tag in COMPONENTS}
+        once = self.lump_exclude() if self.lump_exclude is not None else {}
+        delta = {tag: sim.by_tag[tag] - before[tag] - (once.get(tag, 0.0) - excluded.get(tag, 0.0))
+                 for tag in COMPONENTS}
         for sid in self.lump_kept:
             sim.free(sid)
         self.lump_kept = []
@@ -542,9 +552,12 @@ class Graph:
             seg = self.segments[idx]
             if lump and idx == self.comp.bwd_segments.stop - 1:  # type: ignore[union-attr]  # self.comp is set when lump is true
                 before = self._snapshot()
+                excluded = self.lump_exclude() if self.lump_exclude is not None else {}
             self._backward_segment(seg)
+            if idx in self.after_backward:
+                self.after_backward[idx]()
             if lump and idx == self.comp.bwd_segments.start:  # type: ignore[union-attr]  # self.comp is set when lump is true
-                self._lump_backward(before)
+                self._lump_backward(before, excluded)
                 self.sim.host_free(self.lump_host)
                 self.h2d += self.lump_host
                 self.lump_host = 0.0

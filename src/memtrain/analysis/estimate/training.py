@@ -220,9 +220,25 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     if grads_exist:
         grads_lump = sim.alloc(grad_total / (1 if fsdp_accum else shard_div["gradients"]), "gradients")
 
+    # FSDP2 (zero2, fsdp) reduce-scatters each parameter group's gradients as the group's
+    # backward ends (a block's after that block, the root's after the embedding): the block's
+    # unsharded gradients are freed then, only its 1/N shard stays (_FSDPReduce). Under
+    # gradient accumulation the last micro-batch starts with every unsharded gradient (above).
+    per_group = shard_div["gradients"] > 1 and not fsdp_accum
+    unsharded = pbytes
+    if per_group and dm.weights_in_compute_dtype:
+        # Gathered in bf16 (MixedPrecisionPolicy), the parameters' gradients are bf16 too.
+        unsharded = {p.name: p.numel * ab for p in params}
     segs = block_segments(cfg, arch, dm, not lora, grads_exist, comp)
-    _fill_param_grads(segs, pbytes)
-    graph = Graph(sim, segs, grad_bytes, grads_exist, _rng_state_bytes(arch, device_type))
+    _fill_param_grads(segs, unsharded)
+    graph = Graph(sim, segs, {k: unsharded[k] for k in grad_bytes}, grads_exist, _rng_state_bytes(arch, device_type))
+    reduce = _FSDPReduce(sim, graph, n, device_type, pbytes) if per_group else None
+    if reduce is not None:
+        graph.lump_exclude = lambda: {"temporaries": reduce.opened}
+        for j in range(comp.blocks):
+            # Block j's segments start at 1 + j * per_block; its backward ends with the first.
+            graph.after_backward[1 + j * comp.per_block] = (
+                lambda group=[p for p in trainable if p.block == j], j=j: reduce(group, f"block {comp.real(j)}"))
     graph.comp = comp
     if tech.offload_activations:
         graph.offload_min = OFFLOAD_MIN_BYTES
@@ -247,7 +263,11 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     graph.forward()
     graph.backward()
     sim.free(gathered)
-    if shard_div["gradients"] > 1:
+    if reduce is not None:
+        # The root group's post-backward (FSDP2's final callback): embeddings, final norm, head.
+        reduce([p for p in trainable if p.block is None], "the root group")
+        reduce.finish()
+    elif shard_div["gradients"] > 1:
         # ZeRO-2 / FSDP: after the reduce-scatter a rank keeps 1/N of the gradients.
         lumped = [sid for sid in graph.lump_grads if sim.live.get(sid, (0, ""))[1] == "gradients"]
         for sid in [v for v in graph.param_grad_sid.values() if v > 0] + lumped:
@@ -354,6 +374,52 @@ def _zero1_partition(params: list[ParamInfo], world: int) -> list[list[ParamInfo
             if end > start:
                 out[r].append(replace(p, shape=(end - start, *p.shape[1:])))
     return out
+
+
+class _FSDPReduce:
+    """FSDP2's post-backward of one parameter group (``foreach_reduce``), as a rank's memory
+    sees it: the reduce-scatter input (the group's gradients, each padded to a multiple of N
+    rows, in the reduce dtype: the parameters') is allocated and filled, the unsharded gradients
+    are freed, the output (the rank's 1/N shard, which stays as its ``.grad``) is allocated and
+    the collective runs (gloo, on CPU, reduces a copy of the whole input). The input is kept
+    until the next group's post-backward (``reduce_scatter_states``, at most one in flight),
+    the last one until the backward's final callback (:meth:`finish`)."""
+
+    def __init__(self, sim: Simulator, graph: Graph, world: int, device_type: str, pbytes: dict[str, float]) -> None:
+        self.sim, self.graph, self.world, self.pbytes = sim, graph, world, pbytes
+        self.gloo = device_type == "cpu"
+        self.pending: Optional[int] = None
+        self.opened = 0.0  # input bytes allocated with no earlier buffer freed (Graph.lump_exclude)
+
+    def __call__(self, group: list[ParamInfo], label: str) -> None:
+        sim, graph = self.sim, self.graph
+        with_grad = [p for p in group if graph.param_grad_sid.get(p.name, 0) > 0]
+        previous = sim.live.get(self.pending, (0.0, ""))[0] if self.pending is not None else 0.0
+        sim.free(self.pending)  # the previous group's input buffer
+        self.pending = None
+        if not with_grad:
+            self.opened -= previous
+            return
+        sim.at("backward", f"FSDP2 reduce-scatter of {label}")
+        nbytes = sum(self.pbytes[p.name] * _padded_rows(p, self.world) / max(1, p.shape[0] if p.shape else 1)
+                     for p in with_grad)
+        self.opened += nbytes - previous
+        self.pending = sim.alloc(nbytes, "temporaries")
+        for p in with_grad:
+            sim.free(graph.param_grad_sid.pop(p.name))
+        sim.alloc(nbytes / self.world, "gradients")
+        if self.gloo:
+            sim.transient(nbytes)
+
+    def finish(self) -> None:
+        self.sim.free(self.pending)
+        self.pending = None
+
+
+def _padded_rows(p: ParamInfo, world: int) -> int:
+    """A parameter's dim-0 rows padded to a multiple of the rank count (FSDP2's even shards)."""
+    rows = p.shape[0] if p.shape else 1
+    return -(-rows // world) * world
 
 
 def _fill_param_grads(segs: list[Segment], pbytes: dict[str, float]) -> None:
