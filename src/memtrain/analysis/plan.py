@@ -29,7 +29,7 @@ from memtrain.analysis.estimate import GPT2_ARCH, Arch, estimate, param_count
 from memtrain.analysis.estimate.compile_budget import interpolated_budget, recompute_share
 from memtrain.analysis.estimate.hf import hf_arch, why_not_modelled
 from memtrain.config.run import ConfigError, RunConfig, train_flags
-from memtrain.devices.gpu_kinds import GPU_KINDS, has_fp8
+from memtrain.devices.gpu_kinds import GPU_KINDS, allocator_facts, has_fp8
 from memtrain.models.spec import cost_arch, is_gpt_preset
 from memtrain.runtime.extras import cpu_only_torch
 from memtrain.techniques.facts import (
@@ -269,6 +269,12 @@ def _divisors(n: int) -> list[int]:
     return sorted({d for i in range(1, int(math.isqrt(n)) + 1) if n % i == 0 for d in (i, n // i)}, reverse=True)
 
 
+# A candidate is skipped without the allocator replay when its live tensor bytes exceed the
+# limit by this factor (1%: far above any difference between the compressed and the full
+# simulation, which tests hold equal).
+PRUNE_SLACK = 1.01
+
+
 def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one search
     cfg: RunConfig,
     budget_bytes: int,
@@ -281,6 +287,7 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
     max_batch_limit: int = 4096,
     gpu: Optional[str] = None,
     host_bandwidth: Optional[float] = None,
+    _prune: bool = True,
 ) -> PlanResult:
     """Rank technique sets that fit ``budget_bytes`` (with ``margin`` of safety) by modelled
     step time. The target batch is ``cfg.train.batch_size x cfg.train.grad_accum`` sequences;
@@ -289,9 +296,17 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
     card holds, the caching-allocator model's reserved memory plus that GPU kind's CUDA context
     (:mod:`memtrain.analysis.allocator`), instead of the live tensor bytes. ``host_bandwidth``
     (bytes/s each way, default :data:`HOST_BANDWIDTH`) costs --offload-activations' copies
-    (:func:`offload_exposed_s`)."""
+    (:func:`offload_exposed_s`).
+
+    With ``gpu``, a candidate whose live tensor bytes (the compressed analytic estimate,
+    milliseconds) plus the CUDA context and a cuBLAS workspace exceed the limit is not replayed
+    through the allocator model (a tenth of a second at 32 layers): what the card holds is at
+    least that. Only when nothing fits is
+    the search repeated without this shortcut (``_prune``), so that the smallest option it
+    reports is the replayed one."""
     if budget_bytes <= 0:
         raise ConfigError("--budget must be positive, e.g. 24GiB")
+    arch_given = arch  # for the repeated search below
     traced = arch is None  # a transformers --model: each candidate's peak is traced, not modelled
     notes: list[str] = []
     if arch is None:
@@ -347,9 +362,23 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
         off = step_of(c).offload or {}
         return off.get("d2h_bytes_per_step", 0.0), off.get("h2d_bytes_per_step", 0.0)
 
+    replay = gpu is not None and device_type == "cuda" and not traced
+    # What the card holds besides the live tensors, for certain: its CUDA context and the first
+    # cuBLAS workspace (the allocator model allocates both; its reserved memory rounds up).
+    facts = allocator_facts(gpu) if replay else None
+    beside_tensors = facts.cuda_context_bytes + facts.cublas_workspace_bytes if facts is not None else 0
+    pruned = False
+
     def peak(c: RunConfig) -> tuple[float, str]:
-        nonlocal evaluated
+        nonlocal evaluated, pruned
         evaluated += 1
+        if replay and _prune and c.technique.compile_memory_budget is None:
+            # A lower bound first: the card's reserved memory holds at least the live tensors.
+            # (The slack covers rounding between the compressed and the full simulation.)
+            quick = estimate(c, arch, device_type)
+            if quick.peak_bytes + beside_tensors > limit * PRUNE_SLACK:
+                pruned = True
+                return quick.peak_bytes + beside_tensors, quick.peak_phase
         if traced:
             r = step_of(c)
             return float(r["peak_bytes"]), str(r["peak_phase"])
@@ -432,6 +461,9 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
             for cand in fits:
                 cand.relative_time = cand.step_time_s / best_rate
     fits = _without_idle_offload(fits)
+    if not fits and pruned:  # the smallest option must be a replayed peak, not a lower bound
+        return plan(cfg, budget_bytes, device_type, arch_given, max_batch, margin, top, space, max_batch_limit, gpu,
+                    host_bandwidth, _prune=False)
     if not fits:
         assert smallest is not None
         p, t, micro, accum = smallest
