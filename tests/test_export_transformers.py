@@ -221,6 +221,12 @@ def test_a_fresh_process_reads_an_nf4_checkpoint_and_still_refuses_other_classes
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["NF4Tensor", "UnpicklingError"]
+    # Where torchao is not installed, the one line says what to install.
+    absent = ("import sys; sys.modules['torchao'] = None\n"  # an import of torchao then fails, as if absent
+              "from memtrain.checkpoints.exact import read_state\n"
+              "try:\n    read_state(__import__('pathlib').Path(sys.argv[1]), 'x')\nexcept Exception as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", absent, str(nf4)], capture_output=True, text=True, timeout=300)
+    assert "torchao is not installed: pip install torchao" in out.stdout, out.stdout + out.stderr[-2000:]
 
 
 # --------------------------------------------------------------------------- remote code is never run

@@ -301,9 +301,8 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
     With ``gpu``, a candidate whose live tensor bytes (the compressed analytic estimate,
     milliseconds) plus the CUDA context and a cuBLAS workspace exceed the limit is not replayed
     through the allocator model (a tenth of a second at 32 layers): what the card holds is at
-    least that. Only when nothing fits is
-    the search repeated without this shortcut (``_prune``), so that the smallest option it
-    reports is the replayed one."""
+    least that. Only when nothing fits is the search repeated without this shortcut
+    (``_prune``), so that the smallest option it reports is the replayed one."""
     if budget_bytes <= 0:
         raise ConfigError("--budget must be positive, e.g. 24GiB")
     arch_given = arch  # for the repeated search below

@@ -253,7 +253,11 @@ def load_plain(f: Any, **kwargs: Any) -> Any:
             module = found.group(1) if found else None
             if module not in SAFE_SUBCLASS_MODULES or module in imported:
                 raise
-            importlib.import_module(module)
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                raise ConfigError("this checkpoint holds QLoRA's NF4 base weights (torchao) and torchao is not "
+                                  "installed: pip install torchao") from None
             imported.add(module)
             if hasattr(f, "seek"):
                 f.seek(0)
@@ -267,6 +271,8 @@ def read_state(p: Path, missing_hint: str) -> Any:
         raise ConfigError(f"checkpoint {str(p)!r} not found; {missing_hint}")
     try:
         return load_plain(p)
+    except ConfigError:  # it says what to install
+        raise
     except Exception as exc:  # a truncated or foreign file
         raise ConfigError(f"cannot read checkpoint {str(p)!r} ({type(exc).__name__}); it is not a memtrain checkpoint") from None
 

@@ -319,6 +319,8 @@ def saved_run(path: str | Path) -> tuple[dict[str, Any], int, Optional[str]]:
 
         try:
             state = load_plain(p, mmap=True)
+        except ConfigError:  # it says what to install
+            raise
         except Exception as exc:  # truncated, foreign, or holding more than plain data
             raise ConfigError(f"cannot read checkpoint {str(p)!r} ({type(exc).__name__}); it is not a memtrain checkpoint") from None
     else:
