@@ -239,3 +239,43 @@ def test_with_a_gpu_candidates_over_the_limit_skip_the_allocator_replay_and_the_
         assert full and quick_replays < full_replays  # some candidates did not need the replay
     else:
         assert full.startswith("nothing fits") and quick_replays >= full_replays  # the search ran again, replayed
+
+
+@pytest.mark.parametrize("budget_mib", [12])
+def test_a_traced_plan_skips_candidates_the_analytic_model_puts_far_over_and_is_the_same(budget_mib, tmp_path,
+                                                                                        monkeypatch):
+    """On CPU kernels a transformers model's candidates are traced (seconds each at full size). A
+    family the analytic model claims is not traced where that model puts it more than 5% over the
+    limit: the same plan, or the same nothing-fits answer (searched again, every candidate traced)."""
+    transformers = pytest.importorskip("transformers")
+    import memtrain.analysis.depth_trace as depth_trace
+
+    transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=256).save_pretrained(tmp_path)
+    traces: list[int] = []
+    real = depth_trace.trace_any_depth
+
+    def counting(*a, **k):
+        traces.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(depth_trace, "trace_any_depth", counting)
+    cfg = build_config({"model": str(tmp_path), "seq_len": 128, "batch_size": 8})
+    space = {"precision": ["fp32"], "attention": ["sdpa"], "checkpointing": ["none", "full"],
+             "loss": ["standard", "chunked"], "optim": ["adamw"]}
+
+    def run(prune: bool):
+        traces.clear()
+        try:
+            r = plan(cfg, budget_mib * 2**20, "cpu", arch=None, space=space, _prune=prune)
+            return [(c.label(), c.peak_bytes, c.peak_phase, c.step_time_s) for c in r.candidates], len(traces)
+        except ConfigError as exc:
+            return str(exc), len(traces)
+
+    (full, full_traces), (quick, quick_traces) = run(False), run(True)
+    assert quick == full
+    if isinstance(full, list):
+        assert full and quick_traces < full_traces
+    else:
+        assert full.startswith("nothing fits") and quick_traces >= full_traces

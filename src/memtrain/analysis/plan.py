@@ -273,6 +273,10 @@ def _divisors(n: int) -> list[int]:
 # limit by this factor (1%: far above any difference between the compressed and the full
 # simulation, which tests hold equal).
 PRUNE_SLACK = 1.01
+# A traced candidate is skipped when the analytic estimate puts it this far over the limit: 5%,
+# five times the analytic model's largest difference from the trace on the families it claims
+# (tests/test_hf_estimate_grid.py).
+TRACE_PRUNE_SLACK = 1.05
 
 
 def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one search
@@ -301,8 +305,10 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
     With ``gpu``, a candidate whose live tensor bytes (the compressed analytic estimate,
     milliseconds) plus the CUDA context and a cuBLAS workspace exceed the limit is not replayed
     through the allocator model (a tenth of a second at 32 layers): what the card holds is at
-    least that. Only when nothing fits is the search repeated without this shortcut
-    (``_prune``), so that the smallest option it reports is the replayed one."""
+    least that. A traced transformers candidate (CPU kernels) of a family the analytic model
+    claims is not traced when that model puts it far over the limit. Only when nothing fits is
+    the search repeated without these shortcuts (``_prune``), so that the smallest option it
+    reports is a replayed or traced peak."""
     if budget_bytes <= 0:
         raise ConfigError("--budget must be positive, e.g. 24GiB")
     arch_given = arch  # for the repeated search below
@@ -379,6 +385,15 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
                 pruned = True
                 return quick.peak_bytes + beside_tensors, quick.peak_phase
         if traced:
+            if _prune and c.technique.compile_memory_budget is None and why_not_modelled(c) is None:
+                # A family the analytic model claims (within 1% of the trace on the forward and
+                # backward peaks; below it in a compiled optimizer step): a candidate it puts far
+                # over the limit is not traced (seconds each at full size).
+                assert c.model.model is not None  # traced: a transformers model
+                quick = estimate(c, hf_arch(c.model.model), device_type)
+                if quick.peak_bytes > limit * TRACE_PRUNE_SLACK:
+                    pruned = True
+                    return quick.peak_bytes, quick.peak_phase
             r = step_of(c)
             return float(r["peak_bytes"]), str(r["peak_phase"])
         if c.technique.compile_memory_budget is not None:
@@ -460,7 +475,7 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
             for cand in fits:
                 cand.relative_time = cand.step_time_s / best_rate
     fits = _without_idle_offload(fits)
-    if not fits and pruned:  # the smallest option must be a replayed peak, not a lower bound
+    if not fits and pruned:  # the smallest option must be a replayed or traced peak, not an estimate
         return plan(cfg, budget_bytes, device_type, arch_given, max_batch, margin, top, space, max_batch_limit, gpu,
                     host_bandwidth, _prune=False)
     if not fits:
