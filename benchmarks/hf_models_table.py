@@ -24,8 +24,7 @@ from pathlib import Path
 import torch
 
 from memtrain.config.argtypes import positive_int
-from memtrain.config.run import ConfigError
-from memtrain.files.results import append_jsonl, read_jsonl, refuse_odd_destination, write_text_atomic
+from memtrain.files.results import append_jsonl, out_folder_problem, read_jsonl, write_text_atomic
 
 # One step of batch 1 x seq 2048 in bf16 weights (bf16-pure: what single-GPU fine-tuning does),
 # AdamW, SDPA attention; LoRA r16 on every decoder Linear (peft all-linear), QLoRA = the same
@@ -63,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--sets: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(SETS)}"
                  if unknown or not sets else "--models: name at least one")
     out = Path(args.out)
-    problem = _out_problem(out)
+    # a link or a file as --out, or a link under a name written there: refused before any row
+    problem = out_folder_problem(out, ("hf_models_table.jsonl", "full_traces.jsonl", "hf_models_table.md"))
     if problem:
         ap.error(problem)
     torch.set_num_threads(args.threads)
@@ -92,21 +92,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.full_trace:
         write_markdown(out, lines)
     return 0
-
-
-def _out_problem(out: Path) -> str | None:
-    """A link or a file where the folder goes, or a link (anything but a plain file) under a
-    name this script writes: refused before any row is traced."""
-    if out.is_symlink():
-        return f"--out {out} is a symbolic link; name a real folder"
-    if out.exists() and not out.is_dir():
-        return f"--out {out} is a file, not a folder; name a folder"
-    for name in ("hf_models_table.jsonl", "full_traces.jsonl", "hf_models_table.md"):
-        try:
-            refuse_odd_destination(out / name, f"--out {out}: {name}")
-        except ConfigError as exc:
-            return str(exc)
-    return None
 
 
 def write_markdown(out: Path, lines: Path) -> None:

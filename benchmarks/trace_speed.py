@@ -30,8 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_models_table import BASE, MODELS, SETS  # noqa: E402
 from memtrain.config.argtypes import positive_int  # noqa: E402
-from memtrain.config.run import ConfigError  # noqa: E402
-from memtrain.files.results import append_jsonl, read_jsonl, refuse_odd_destination, write_text_atomic  # noqa: E402
+from memtrain.files.results import append_jsonl, out_folder_problem, read_jsonl, write_text_atomic  # noqa: E402
 
 GIB = 2**30
 
@@ -68,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not rows:
         ap.error(f"unknown technique sets {', '.join(unknown) or '(none given)'}; choose from {', '.join(SETS)}")
     out = Path(args.out)
-    problem = _out_problem(out)
+    # a link or a file as --out, or a link under a name written there: refused before any row
+    problem = out_folder_problem(out, ("trace_speed.jsonl", "trace_speed.md"))
     if problem:
         ap.error(problem)
     torch.set_num_threads(args.threads)
@@ -104,21 +104,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['cpu_s']} s cpu", "same bytes" if same else f"BYTES DIFFER ({same})", flush=True)
     write_markdown(out, recorded)
     return 0
-
-
-def _out_problem(out: Path) -> str | None:
-    """A link or a file where the folder goes, or a link (anything but a plain file) under a
-    name this script writes."""
-    if out.is_symlink():
-        return f"--out {out} is a symbolic link; name a real folder"
-    if out.exists() and not out.is_dir():
-        return f"--out {out} is a file, not a folder; name a folder"
-    for name in ("trace_speed.jsonl", "trace_speed.md"):
-        try:
-            refuse_odd_destination(out / name, f"--out {out}: {name}")
-        except ConfigError as exc:
-            return str(exc)
-    return None
 
 
 def write_markdown(out: Path, recorded: dict) -> None:

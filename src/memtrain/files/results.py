@@ -243,16 +243,30 @@ def refuse_odd_destination(path: Path, what: str = "") -> None:
         raise ConfigError(f"{label} is {kind}; memtrain writes only regular files: choose another path")
 
 
-def benchmark_out_problem(out: Path, produced: str) -> Optional[str]:
-    """Why a benchmark script cannot write ``produced`` (a file name) into the folder ``out``, or
-    None. A file or a link where the folder goes is refused, and so is a folder that already
-    holds ``produced``: the second run would replace the first one's figures, which a results
-    folder's README may cite."""
+def out_folder_problem(out: Path, writes: Iterable[str] = ()) -> Optional[str]:
+    """Why a script cannot write into the folder ``out``, or None: a link or a file where the
+    folder goes, or a link (anything but a plain file) under one of the names it ``writes``."""
     out = Path(out)
     if out.is_symlink():
         return f"--out {out} is a symbolic link; name a real folder"
     if out.exists() and not out.is_dir():
         return f"--out {out} is a file, not a folder; name a folder"
+    for name in writes:
+        try:
+            refuse_odd_destination(out / name, f"--out {out}: {name}")
+        except ConfigError as exc:
+            return str(exc)
+    return None
+
+
+def benchmark_out_problem(out: Path, produced: str) -> Optional[str]:
+    """Why a benchmark script cannot write ``produced`` (a file name) into the folder ``out``, or
+    None: :func:`out_folder_problem`, and a folder that already holds ``produced`` (the second
+    run would replace the first one's figures, which a results folder's README may cite)."""
+    out = Path(out)
+    problem = out_folder_problem(out)
+    if problem:
+        return problem
     if os.path.lexists(out / produced):
         return f"--out {out} already holds {produced} from an earlier run; name another folder or move that one away"
     return None

@@ -153,8 +153,7 @@ def check_resumed_out(out: Path, cfg: RunConfig) -> None:
                           "replace it: choose a new --out")
     diffs = config_differences(config, cfg.to_dict())
     if diffs:
-        shown = "; ".join(diffs[:4]) + (f"; and {len(diffs) - 4} more" if len(diffs) > 4 else "")
-        raise ConfigError(f"--out {str(out)!r} holds the result.json of a different run ({shown}); resuming there "
+        raise ConfigError(f"--out {str(out)!r} holds the result.json of a different run ({_shown(diffs, 4)}); resuming there "
                           "would replace it: choose a new --out, or the resumed run's own")
 
 
@@ -345,6 +344,11 @@ def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     return diffs
 
 
+def _shown(diffs: list[str], most: int) -> str:
+    """The first ``most`` of :func:`config_differences`' lines, and how many more there are."""
+    return "; ".join(diffs[:most]) + (f"; and {len(diffs) - most} more" if len(diffs) > most else "")
+
+
 def check_resume(cfg: RunConfig) -> None:
     """Refuse ``--resume`` of a checkpoint from a different run (see the module docstring)."""
     if not cfg.train.resume:
@@ -352,10 +356,9 @@ def check_resume(cfg: RunConfig) -> None:
     saved, step, fingerprint = saved_run(cfg.train.resume)
     diffs = config_differences(saved, cfg.to_dict())
     if diffs:
-        shown = "; ".join(diffs[:8]) + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else "")
         what = "model" if any(d.split(":")[0] in saved.get("model", {}) for d in diffs) else "run"
         raise ConfigError(f"checkpoint {cfg.train.resume!r} does not fit this {what}: it was saved by a different run "
-                          f"({shown}); resume with the saved run's settings or start a new run without --resume")
+                          f"({_shown(diffs, 8)}); resume with the saved run's settings or start a new run without --resume")
     end = cfg.train.stop_after or cfg.train.steps
     if not 0 <= step < end:
         raise ConfigError(f"--resume {cfg.train.resume!r} is at step {step}, this run ends at step {end}; "

@@ -26,7 +26,7 @@ from memtrain.bench.hf.rows import (
 from memtrain.bench.scales import SCALE_BUDGET, SCALE_MAX_BATCH, SCALES
 from memtrain.bench.technique_sets import TECHNIQUES
 from memtrain.config.run import ConfigError, parse_size
-from memtrain.files.results import open_append, refuse_odd_destination, write_all
+from memtrain.files.results import open_append, out_folder_problem, write_all
 
 DESCRIPTION = "memtrain vs Hugging Face Trainer: the same model, tokens and schedule, the same meters."
 
@@ -163,15 +163,9 @@ def out_problem(out: Path, opts: argparse.Namespace) -> Optional[str]:
     """Why ``--out`` cannot take this command, or None: a link or a file where the folder goes;
     an earlier comparison's runs.jsonl without ``--resume`` (or ``--report-only``), which a new one
     would mix with or replace; an earlier profile.md under ``--profile``."""
-    if out.is_symlink():
-        return f"--out {out} is a symbolic link; name a real folder"
-    if out.exists() and not out.is_dir():
-        return f"--out {out} is a file, not a folder; name a folder"
-    for name in (RUNS_FILE, COMMANDS_FILE, REPORT_JSON, REPORT_MD, "profile.md"):
-        try:
-            refuse_odd_destination(out / name, f"--out {out}: {name}")  # a link, a folder, a FIFO there
-        except ConfigError as exc:
-            return str(exc)
+    problem = out_folder_problem(out, (RUNS_FILE, COMMANDS_FILE, REPORT_JSON, REPORT_MD, "profile.md"))
+    if problem:
+        return problem
     if opts.profile is not None and os.path.lexists(out / "profile.md"):
         return f"--out {out} already holds profile.md from an earlier run; name another folder or move it away"
     if opts.profile is None and not (opts.resume or opts.report_only) and os.path.lexists(out / RUNS_FILE):
