@@ -203,6 +203,27 @@ def test_plain_adamw_is_the_fused_kernel_on_cuda():
     assert step_cost(cfg, "cpu")[0] > step_cost(fused, "cpu")[0]  # the per-tensor loop there
 
 
+def _assert_the_shortcut_changes_no_answer(run_plan, slow_calls: list) -> None:
+    """``run_plan(prune)`` with and without plan's shortcut: the same candidates (label, peak,
+    phase, time) or the same nothing-fits line. With candidates, the shortcut made fewer of the
+    slow calls ``slow_calls`` counts; when nothing fits, the search ran again with all of them."""
+
+    def outcome(prune: bool):
+        slow_calls.clear()
+        try:
+            r = run_plan(prune)
+            return [(c.label(), c.peak_bytes, c.peak_phase, c.step_time_s) for c in r.candidates], len(slow_calls)
+        except ConfigError as exc:
+            return str(exc), len(slow_calls)
+
+    (full, full_calls), (quick, quick_calls) = outcome(False), outcome(True)
+    assert quick == full
+    if isinstance(full, list):
+        assert full and quick_calls < full_calls  # some candidates did without the slow call
+    else:
+        assert full.startswith("nothing fits") and quick_calls >= full_calls  # searched again, every call made
+
+
 @pytest.mark.parametrize("budget", [2**30, 2**30 // 4])
 def test_with_a_gpu_candidates_over_the_limit_skip_the_allocator_replay_and_the_plan_is_the_same(budget,
                                                                                                  monkeypatch):
@@ -225,25 +246,11 @@ def test_with_a_gpu_candidates_over_the_limit_skip_the_allocator_replay_and_the_
     space = {"precision": ["fp32", "bf16"], "attention": ["sdpa"], "checkpointing": ["none", "full"],
              "loss": ["standard", "chunked"], "optim": ["adamw"]}
 
-    def run(prune: bool):
-        replays.clear()
-        try:
-            r = plan(cfg, budget, "cuda", space=space, gpu="rtx4090", _prune=prune)
-            return [(c.label(), c.peak_bytes, c.peak_phase, c.step_time_s) for c in r.candidates], len(replays)
-        except ConfigError as exc:
-            return str(exc), len(replays)
-
-    (full, full_replays), (quick, quick_replays) = run(False), run(True)
-    assert quick == full
-    if isinstance(full, list):
-        assert full and quick_replays < full_replays  # some candidates did not need the replay
-    else:
-        assert full.startswith("nothing fits") and quick_replays >= full_replays  # the search ran again, replayed
+    _assert_the_shortcut_changes_no_answer(
+        lambda prune: plan(cfg, budget, "cuda", space=space, gpu="rtx4090", _prune=prune), replays)
 
 
-@pytest.mark.parametrize("budget_mib", [12])
-def test_a_traced_plan_skips_candidates_the_analytic_model_puts_far_over_and_is_the_same(budget_mib, tmp_path,
-                                                                                        monkeypatch):
+def test_a_traced_plan_skips_candidates_the_analytic_model_puts_far_over_and_is_the_same(tmp_path, monkeypatch):
     """On CPU kernels a transformers model's candidates are traced (seconds each at full size). A
     family the analytic model claims is not traced where that model puts it more than 5% over the
     limit: the same plan, or the same nothing-fits answer (searched again, every candidate traced)."""
@@ -265,17 +272,5 @@ def test_a_traced_plan_skips_candidates_the_analytic_model_puts_far_over_and_is_
     space = {"precision": ["fp32"], "attention": ["sdpa"], "checkpointing": ["none", "full"],
              "loss": ["standard", "chunked"], "optim": ["adamw"]}
 
-    def run(prune: bool):
-        traces.clear()
-        try:
-            r = plan(cfg, budget_mib * 2**20, "cpu", arch=None, space=space, _prune=prune)
-            return [(c.label(), c.peak_bytes, c.peak_phase, c.step_time_s) for c in r.candidates], len(traces)
-        except ConfigError as exc:
-            return str(exc), len(traces)
-
-    (full, full_traces), (quick, quick_traces) = run(False), run(True)
-    assert quick == full
-    if isinstance(full, list):
-        assert full and quick_traces < full_traces
-    else:
-        assert full.startswith("nothing fits") and quick_traces >= full_traces
+    _assert_the_shortcut_changes_no_answer(
+        lambda prune: plan(cfg, 12 * 2**20, "cpu", arch=None, space=space, _prune=prune), traces)
