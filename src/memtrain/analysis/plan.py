@@ -292,6 +292,7 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
     gpu: Optional[str] = None,
     host_bandwidth: Optional[float] = None,
     _prune: bool = True,
+    _steps: Optional[dict[str, Any]] = None,
 ) -> PlanResult:
     """Rank technique sets that fit ``budget_bytes`` (with ``margin`` of safety) by modelled
     step time. The target batch is ``cfg.train.batch_size x cfg.train.grad_accum`` sequences;
@@ -308,7 +309,8 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
     least that. A traced transformers candidate (CPU kernels) of a family the analytic model
     claims is not traced when that model puts it far over the limit. Only when nothing fits is
     the search repeated without these shortcuts (``_prune``), so that the smallest option it
-    reports is a replayed or traced peak."""
+    reports is a replayed or traced peak; the estimates and traces made so far are kept for it
+    (``_steps``)."""
     if budget_bytes <= 0:
         raise ConfigError("--budget must be positive, e.g. 24GiB")
     arch_given = arch  # for the repeated search below
@@ -344,7 +346,7 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
 
     # One estimate (or trace) per candidate config: the peak search and an offload candidate's
     # bytes moved read the same step, which costs the most of a plan (a trace: seconds).
-    steps: dict[str, Any] = {}
+    steps: dict[str, Any] = {} if _steps is None else _steps
 
     def step_of(c: RunConfig) -> Any:
         """The Estimate of ``c`` (analytic models), or its trace_any_depth dict (``traced``)."""
@@ -477,7 +479,7 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
     fits = _without_idle_offload(fits)
     if not fits and pruned:  # the smallest option must be a replayed or traced peak, not an estimate
         return plan(cfg, budget_bytes, device_type, arch_given, max_batch, margin, top, space, max_batch_limit, gpu,
-                    host_bandwidth, _prune=False)
+                    host_bandwidth, _prune=False, _steps=steps)
     if not fits:
         assert smallest is not None
         p, t, micro, accum = smallest
