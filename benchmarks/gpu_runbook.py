@@ -15,7 +15,8 @@ five *parts*, each one device command of under 10 minutes, run in priority order
     checks  `pytest -m gpu` and the allocator model on the seed and transformers rows
             (benchmarks/allocator_check.py --rows all)
     profile where the compiled seed step's time goes with the standard and the chunked loss
-            (benchmarks/loss_profile.py: step times, host vs device time, top operators)
+            (benchmarks/loss_profile.py: step times, host vs device time, top operators), and
+            the compiled seed step with --sync-steps, beside build's overlapped one
 
 Each step writes into a work folder outside ``--out`` (one log and one result folder per step);
 after every step the whole work folder is packed into ``OUT/PART.tar.gz`` and ``OUT/PART.md``
@@ -228,6 +229,10 @@ STEPS: list[Step] = [
                          "chunked-2048-traced,chunked-256-onecall,chunked-1024-onecall",
                          *(["--compile"] if s.compile else ["--steps", "2", "--warmup", "1", "--d-model", "64"])],
          "markdown"),
+    Step("seed-compiled-synced", "profile",
+         "what overlapping steps buys: build's seed-compiled with --sync-steps (every step waited for, the loss "
+         "read at once, host-clock timing); its step time and data wait beside seed-compiled's", 70,
+         lambda s, out: _train(s, out, *_seed_train(s, "--sync-steps")), "train"),
 ]
 PARTS = ["hf", "build", "seed", "checks", "profile"]
 

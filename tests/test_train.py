@@ -93,19 +93,22 @@ def test_grad_accum_counts_tokens(tiny_run):
     assert r["tokens"] == 3 * 2 * 4 * 32
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # no optimizer step here
 def test_metrics_line_holds_plain_numbers_when_a_tensor_comes_back():
     """torchao's optimizers keep the learning rate as a 0-d tensor: the metrics.jsonl line
-    must still be written (it stopped a bf16-pure run on an H100 at its first line)."""
+    must still be written (it stopped a bf16-pure run on an H100 at its first line), and the
+    value logged is the one at the step, though the scheduler overwrites the tensor in place."""
     import json
-    from types import SimpleNamespace
 
     ao = pytest.importorskip("torchao.optim")
-    from memtrain.training.train import _step_scalars
+    from memtrain.training.train import _host_scalars, _step_scalars
 
     p = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))
-    sched = torch.optim.lr_scheduler.LambdaLR(ao._AdamW([p], lr=3e-4, bf16_stochastic_round=True), lambda s: 1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(ao._AdamW([p], lr=3e-4, bf16_stochastic_round=True), lambda s: 0.5 ** s)
     assert isinstance(sched.get_last_lr()[0], torch.Tensor)  # what made the line unwritable
-    prec = SimpleNamespace(last_grad_norm=torch.tensor(1.5))
-    out = _step_scalars(torch.tensor(2.25), sched, prec, 100.0, torch.device("cpu"))
+    logged = _host_scalars(sched, torch.device("cpu"))
+    sched.step()  # the next step, queued before this one's line is written
+    out = _step_scalars(2.25, logged, 1.5, 100.0)
     line = json.loads(json.dumps(out))
     assert line["loss"] == 2.25 and abs(line["lr"] - 3e-4) < 1e-9 and line["grad_norm"] == 1.5
+    assert abs(float(sched.get_last_lr()[0]) - 1.5e-4) < 1e-9

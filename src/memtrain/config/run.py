@@ -331,6 +331,12 @@ class TrainConfig:
     device: str = _f("auto", "Device: auto|cpu|cuda|cuda:N.")
     eval_every: int = _f(0, "Also evaluate every N steps (0: only at the end).")
     warmup_timing_steps: int = _f(3, "First steps left out of step-time statistics.")
+    sync_steps: bool = _f(
+        False,
+        "Wait for the device after every step: the loss is read at once and each step is timed by the "
+        "host clock. Off, a single-process GPU run queues step N+1 before reading step N's loss (the "
+        "device never idles while the host logs or fetches) and times steps with CUDA events. No effect on a CPU.",
+    )
     out: str = _f("runs/train", "Output directory (result.json is written there).")
     save: Optional[str] = _f(None, "Write a checkpoint to this file at the end (atomically).")
     save_every: int = _f(0, "Also checkpoint every N steps to --save (0: only at the end).")

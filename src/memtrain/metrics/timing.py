@@ -1,4 +1,4 @@
-"""Step timing: synchronize, exclude warm-up, report the median and spread."""
+"""Step timing: synchronize (or read device events), exclude warm-up, report the median and spread."""
 
 from __future__ import annotations
 
@@ -56,7 +56,9 @@ class TimingStats:
     """Summary of the timed (post-warm-up) steps; times in seconds.
 
     ``data_wait_share`` is the time spent waiting for batches over that time plus the step
-    time: the fraction of wall-clock the device would idle for lack of input.
+    time: the fraction of wall-clock the device would idle for lack of input. When the loop
+    overlaps steps (``StepTimer(overlap=True)``) the host may wait for a batch while the device
+    still runs the previous step, so the share is then an upper bound on the device's idling.
     """
 
     steps: int
@@ -81,7 +83,8 @@ class TimingStats:
 
 class StepTimer:
     """Times training steps, leaving out the first ``warmup`` (allocator growth, autotuning,
-    compilation) and synchronizing the device around each step.
+    compilation), synchronizing the device around each step or, with ``overlap``, reading
+    the device's own clock.
 
     Usage::
 
@@ -96,10 +99,20 @@ class StepTimer:
     Data wait recorded before a step belongs to that step; a warm-up step's wait is dropped
     with it. Times may also be fed directly with ``record`` (e.g. from another clock).
 
+    ``overlap=True`` is for a loop that queues the next step before the current one has run
+    (``memtrain.training.train`` on a GPU): nothing is synchronized. On CUDA each step is
+    bracketed by two events on the current stream, and its time is the device's time between
+    them: from when the device has both finished the previous step and been given this one's
+    first kernel, to when it finishes this one's last. Gaps where the device waits for the host
+    (data, logging) stay out of the step, as with synchronizing. Times are read when the events
+    are done (``step_times`` reads those ready, ``summary`` waits for all). Elsewhere the
+    marks are clock readings, which is what synchronizing gives on a CPU.
+
     Args:
         device: the device to synchronize before reading the clock (None: no sync).
         warmup: number of leading steps to leave out of the summary.
         clock: the time source, in seconds; ``time.perf_counter`` unless a test injects one.
+        overlap: time with device events instead of synchronizing (see above).
     """
 
     def __init__(
@@ -107,26 +120,65 @@ class StepTimer:
         device: str | torch.device | None = None,
         warmup: int = 1,
         clock: Callable[[], float] = time.perf_counter,
+        overlap: bool = False,
     ) -> None:
         if warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {warmup}")
         self.device = device
         self.warmup = warmup
+        self.overlap = overlap
         self._clock = clock
+        self._events = overlap and device is not None and torch.device(device).type == "cuda"
         self._seen = 0
         self._pending_wait = 0.0
-        self.step_times: list[float] = []
+        self._step_times: list[float] = []
         self.data_waits: list[float] = []
         self.first_step_s: float | None = None
+        self._unread: list[tuple[Any, Any, float]] = []  # overlap: (start mark, end mark, data wait) per step
+
+    @property
+    def step_times(self) -> list[float]:
+        """The timed steps' times so far, in seconds (with ``overlap``: those the device has finished)."""
+        self._read_marks(wait=False)
+        return self._step_times
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
         """Time the enclosed step, device work included."""
+        if self.overlap:
+            start = self._mark()
+            yield
+            end = self._mark()
+            wait, self._pending_wait = self._pending_wait, 0.0
+            self._unread.append((start, end, wait))
+            return
         synchronize(self.device)  # earlier queued work must not be billed to this step
         t0 = self._clock()
         yield
         synchronize(self.device)
         self.record(self._clock() - t0)
+
+    def _mark(self) -> Any:
+        """A point in the step stream: a recorded CUDA event, or a clock reading."""
+        if not self._events:
+            return self._clock()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))  # the run's device, whichever is current
+        return event
+
+    def _read_marks(self, wait: bool) -> None:
+        """Record the steps whose end mark is reached, in order (all of them when ``wait``)."""
+        while self._unread:
+            start, end, data_wait = self._unread[0]
+            if self._events:
+                if not wait and not end.query():
+                    return
+                end.synchronize()
+                seconds = start.elapsed_time(end) / 1000.0  # milliseconds between the events
+            else:
+                seconds = end - start
+            self._unread.pop(0)
+            self.record(seconds, data_wait)
 
     @contextlib.contextmanager
     def data_wait(self) -> Iterator[None]:
@@ -138,18 +190,20 @@ class StepTimer:
     def record(self, step_s: float, data_wait_s: float | None = None) -> None:
         """Add one step's time (and its data wait; default: what ``data_wait`` accumulated)."""
         wait = self._pending_wait if data_wait_s is None else data_wait_s
-        self._pending_wait = 0.0
+        if data_wait_s is None:
+            self._pending_wait = 0.0
         self._seen += 1
         if self._seen == 1:
             self.first_step_s = float(step_s)
         if self._seen <= self.warmup:
             return
-        self.step_times.append(float(step_s))
+        self._step_times.append(float(step_s))
         self.data_waits.append(float(wait))
 
     def summary(self) -> TimingStats:
         """Median, 10th/90th percentile, mean, extremes and the data-wait share."""
-        xs = self.step_times
+        self._read_marks(wait=True)
+        xs = self._step_times
         total = float(sum(xs))
         wait = float(sum(self.data_waits))
         n = len(xs)

@@ -44,7 +44,7 @@ from memtrain.files.results import (
 # is shown, how fast it runs, and implementation choices that compute the same numbers.
 MAY_DIFFER: frozenset[str] = frozenset({
     "out", "save", "save_every", "resume", "stop_after", "progress", "device", "eval_every",
-    "warmup_timing_steps", "cache_dir", "no_cache", "num_workers", "pin_memory", "prefetch_factor",
+    "warmup_timing_steps", "sync_steps", "cache_dir", "no_cache", "num_workers", "pin_memory", "prefetch_factor",
     "attention", "checkpointing", "compile", "compile_mode", "compile_scope", "loss", "loss_chunk",
     "distributed", "cpu_offload", "offload_activations",
     "compile_memory_budget",  # what the compiled graph recomputes, not what it computes

@@ -34,8 +34,13 @@ before_wait=None) -> float``
     (``--offload-activations``' saved-tensor hooks, from ``TrainState.offload``);
     ``before_wait`` runs once the step's work is queued, before the host waits for its loss
     (the loop fetches the next batch there: :meth:`memtrain.data.device_feed.DeviceFeed.prefetch`).
+``queue_step(...) -> Tensor``
+    ``train_step`` without the read: the step queued, its mean loss a 0-d tensor on the device
+    (the loop reads it after queueing the next step: :mod:`memtrain.training.readings`).
 ``run_step(state, micro_batches, meter=None, *, before_wait=None, **contexts) -> float``
     ``train_step`` (or the distributed wrap's replacement) on ``state``.
+``queue_run_step(state, micro_batches, **contexts) -> Tensor``
+    ``queue_step`` on ``state`` (single-process runs only).
 ``measure_steps(state, make_micro, steps=2, meter=None) -> None``
     ``steps`` steps with the meter's and the device's peak reset before the last one (the
     steady state: the first step creates the optimizer state).
@@ -61,8 +66,8 @@ from memtrain.techniques.offload import offloader_for
 from memtrain.training.preflight import check_model_size
 
 __all__ = [
-    "Batch", "TrainState", "build_base_model", "build_state", "building_on", "lr_lambda", "measure_steps", "random_micro_batches",
-    "run_step", "train_step",
+    "Batch", "TrainState", "build_base_model", "build_state", "building_on", "lr_lambda", "measure_steps", "queue_run_step",
+    "queue_step", "random_micro_batches", "run_step", "train_step",
 ]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -131,7 +136,7 @@ def _optimizer_phase(model: nn.Module, optimizer: torch.optim.Optimizer, precisi
     optimizer.zero_grad(set_to_none=True)
 
 
-def train_step(
+def queue_step(
     model: nn.Module,
     micro_batches: list[Batch],
     optimizer: torch.optim.Optimizer,
@@ -143,16 +148,14 @@ def train_step(
     micro_context: Optional[ContextFactory] = None,
     optimizer_context: Optional[ContextFactory] = None,
     forward_context: Optional[ContextFactory] = None,
-    before_wait: Optional[Callable[[], None]] = None,
-) -> float:
-    """One optimizer step over ``len(micro_batches)`` micro-batches; returns the mean loss.
+) -> torch.Tensor:
+    """One optimizer step over ``len(micro_batches)`` micro-batches, queued on ``device``;
+    returns the mean loss as a 0-d tensor there, not read (see :func:`train_step`).
 
     Each micro-batch loss is scaled by 1/N so the summed gradients equal the gradient of the
     mean loss over the large batch (gradient accumulation). ``no_sync`` (data parallel)
     suppresses the gradient all-reduce on all but the last micro-batch. ``forward_context``
-    wraps each forward alone (activation offloading's saved-tensor hooks). ``before_wait``
-    is called after the optimizer step is queued and before the loss is read: on a GPU the
-    host would otherwise sit idle there until the device finishes the step.
+    wraps each forward alone (activation offloading's saved-tensor hooks).
     """
     phase = meter.phase if meter is not None else (lambda name: contextlib.nullcontext())
     around_micro = micro_context or contextlib.nullcontext
@@ -172,6 +175,30 @@ def train_step(
         total += loss.detach()
     with phase("optimizer"), (optimizer_context or contextlib.nullcontext)():
         _optimizer_phase(model, optimizer, precision, grad_clip)
+    return total
+
+
+def train_step(
+    model: nn.Module,
+    micro_batches: list[Batch],
+    optimizer: torch.optim.Optimizer,
+    precision: Precision,
+    grad_clip: float,
+    device: torch.device,
+    meter: Optional[MemoryMeter] = None,
+    no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+    micro_context: Optional[ContextFactory] = None,
+    optimizer_context: Optional[ContextFactory] = None,
+    forward_context: Optional[ContextFactory] = None,
+    before_wait: Optional[Callable[[], None]] = None,
+) -> float:
+    """One optimizer step (:func:`queue_step`); returns the mean loss, read by the host.
+
+    ``before_wait`` is called after the optimizer step is queued and before the loss is read:
+    on a GPU the host would otherwise sit idle there until the device finishes the step.
+    """
+    total = queue_step(model, micro_batches, optimizer, precision, grad_clip, device, meter, no_sync,
+                       micro_context, optimizer_context, forward_context)
     if before_wait is not None:
         before_wait()
     return float(total)  # the host waits for the device here
@@ -244,18 +271,34 @@ def build_state(cfg: RunConfig, device: torch.device, precision: Optional[Precis
     return state
 
 
+def _step_options(state: TrainState, contexts: dict[str, Optional[ContextFactory]]) -> dict[str, Any]:
+    """The keyword arguments of ``state``'s step function besides the batches and the meter."""
+    extra: dict[str, Any] = {k: v for k, v in contexts.items() if v is not None}
+    if state.offload is not None:
+        state.offload.reset_counts()  # the counts describe the last step
+        extra["forward_context"] = state.offload.forward
+    return extra
+
+
 def run_step(state: TrainState, micro_batches: list[Batch], meter: Optional[MemoryMeter] = None,
              *, before_wait: Optional[Callable[[], None]] = None, **contexts: Optional[ContextFactory]) -> float:
     """One optimizer step of ``state`` (see :func:`train_step`); returns the mean loss.
     ``contexts`` (``micro_context``, ``optimizer_context``) reach :func:`train_step` only."""
-    extra: dict[str, Any] = {k: v for k, v in contexts.items() if v is not None}
+    extra = _step_options(state, contexts)
     if before_wait is not None:
         extra["before_wait"] = before_wait
-    if state.offload is not None:
-        state.offload.reset_counts()  # the counts describe the last step
-        extra["forward_context"] = state.offload.forward
     return state.step_fn(state.model, micro_batches, state.optimizer, state.precision,
                          state.cfg.train.grad_clip, state.device, meter, no_sync=state.no_sync, **extra)
+
+
+def queue_run_step(state: TrainState, micro_batches: list[Batch], **contexts: Optional[ContextFactory]) -> torch.Tensor:
+    """One optimizer step of ``state`` queued, its mean loss left on the device
+    (:func:`queue_step`). Only for the single-process step: a distributed wrap's own step
+    function reads its loss itself."""
+    if state.step_fn is not train_step:
+        raise ValueError("queue_run_step needs the single-process step; this run's step function reads its loss itself")
+    return queue_step(state.model, micro_batches, state.optimizer, state.precision, state.cfg.train.grad_clip,
+                      state.device, None, state.no_sync, **_step_options(state, contexts))
 
 
 def measure_steps(state: TrainState, make_micro: Callable[[], list[Batch]], steps: int = 2,

@@ -14,6 +14,7 @@ import contextlib
 import math
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -46,8 +47,17 @@ from memtrain.training.preflight import (
     saved_run,
     unchecked_data_warning,
 )
+from memtrain.training.readings import StepReadings
 from memtrain.training.sinks import MetricsLogger, live_memory
-from memtrain.training.step import Batch, TrainState, build_base_model, build_state, run_step
+from memtrain.training.step import (
+    Batch,
+    TrainState,
+    build_base_model,
+    build_state,
+    queue_run_step,
+    run_step,
+    train_step,
+)
 
 __all__ = ["LossDiverged", "evaluate", "train"]
 
@@ -171,17 +181,22 @@ def remove_stale_writes(cfg: RunConfig) -> None:
         remove_stale_temps(save.parent, save.name)
 
 
-def _step_scalars(loss: float, scheduler: Any, precision: Precision, tokens_per_s: float,
-                  device: torch.device) -> dict[str, Any]:
-    """What one metrics.jsonl line holds besides the step number."""
-    norm = precision.last_grad_norm
-    scalars = {"loss": loss, "lr": scheduler.get_last_lr()[0],
-               "grad_norm": float(norm) if norm is not None else None,
-               "tokens_per_s": tokens_per_s, **live_memory(device)}
-    # torchao's optimizers (bf16-pure's stochastic-rounding AdamW, the low-bit AdamWs) keep the
-    # learning rate as a 0-d tensor; json cannot write one and the run stopped at its first
-    # metrics line, so every value is made a plain number here.
-    return {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in scalars.items()}
+def _host_scalars(scheduler: Any, device: torch.device) -> dict[str, Any]:
+    """A metrics line's values known on the host as a step is queued: the learning rate and
+    live memory, as plain numbers. torchao's optimizers (bf16-pure's stochastic-rounding AdamW,
+    the low-bit AdamWs) keep the learning rate as a 0-d CPU tensor, which json cannot write
+    (a run once stopped at its first metrics line) and which the scheduler overwrites in place
+    at the next step, so its value is taken now."""
+    lr = scheduler.get_last_lr()[0]
+    return {"lr": lr.item() if isinstance(lr, torch.Tensor) else lr, **live_memory(device)}
+
+
+def _step_scalars(loss: float, logged: dict[str, Any], grad_norm: Optional[float],
+                  tokens_per_s: float) -> dict[str, Any]:
+    """What one metrics.jsonl line holds besides the step number: the loss and gradient norm
+    read from the device, and ``logged``, the learning rate and live memory taken on the host
+    as the step was queued (:func:`_host_scalars`)."""
+    return {"loss": loss, "lr": logged["lr"], "grad_norm": grad_norm, "tokens_per_s": tokens_per_s, **logged}
 
 
 def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], track_memory: bool,
@@ -243,7 +258,8 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     tokens_per_step = t.batch_size * t.grad_accum * t.seq_len * dist_ctx.world_size  # global batch
     # Metered steps run slower (the meter sees every op): keep them inside the timing warm-up.
     warmup = max(t.warmup_timing_steps, len(METERED_STEPS) if track_memory else 0)
-    timer = StepTimer(device, warmup=min(warmup, max(0, (t.stop_after or t.steps) - start_step - 1)))
+    overlap = overlaps_steps(state, t.sync_steps, dist_ctx.world_size)
+    timer = StepTimer(device, warmup=min(warmup, max(0, (t.stop_after or t.steps) - start_step - 1)), overlap=overlap)
     meter = MemoryMeter(state.model, state.optimizer, by_module=t.memory_by_module,
                         module_depth=t.module_depth) if track_memory else None
     dist_ctx.attach_meter(meter)
@@ -252,7 +268,7 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     logger = MetricsLogger(t.out, t.report_to, t.log_every, enabled=log_metrics and dist_ctx.is_main,
                            append=bool(t.resume), config=cfg.to_dict())
     loop = _Loop(state, timer, meter, logger, save_ckpt, val_batches, tokens_per_step, on_step,
-                 dist_ctx.mean)
+                 dist_ctx.mean, overlap)
     wall_start = time.perf_counter()
     bar = _Progress(total=end_step, initial=start_step, enabled=show)
     try:
@@ -336,9 +352,27 @@ class _SetupClock:
 
 
 @dataclass
+class _Queued:
+    """A step whose work is queued: what the loop reports of it once its values are read."""
+
+    done: int  # optimizer steps completed once it has run
+    readings: StepReadings  # its loss and, on a step that logs, its gradient norm
+    started: float  # host clock when it began (tokens/s on the progress bar)
+    logged: Optional[dict[str, Any]]  # its metrics line's host-side values (lr, live memory), or None
+
+
+@dataclass
 class _Loop:
     """The step loop of one run: data wait, metered steps, NaN stop, logging, evaluation and
-    periodic checkpoints around :func:`memtrain.training.step.run_step`."""
+    periodic checkpoints around :func:`memtrain.training.step.run_step`.
+
+    With ``overlap`` (a single-process GPU run, see :func:`overlaps_steps`) the loop queues
+    step N+1 before it reads step N's loss, so the device always has a step to run while the
+    host reads, logs and fetches. A step is read at once where something must see the model
+    as that step left it: an evaluation, a checkpoint, the last step, and the metered steps.
+    A diverged loss then stops the run one step later than without overlap, and always before
+    a checkpoint could keep it.
+    """
 
     state: TrainState
     timer: StepTimer
@@ -349,45 +383,79 @@ class _Loop:
     tokens_per_step: int
     on_step: Optional[StepCallback]
     mean: Callable[[float], float]  # the mean over ranks (DistContext.mean)
+    overlap: bool = False
     val_history: list[dict[str, float]] = field(default_factory=list)
+    _queued: deque[_Queued] = field(default_factory=deque)
+    _last_read: float = 0.0  # host clock when the last step's values were read
 
     def run(self, start_step: int, end_step: int, bar: _Progress) -> None:
         state, t = self.state, self.state.cfg.train
         for step in range(start_step, end_step):
             with self.timer.data_wait():
                 micro = state.loader.next_group(t.grad_accum)
-            step_start = time.perf_counter()
+            started = time.perf_counter()
+            metered = self.meter is not None and step - start_step in METERED_STEPS
             with self.timer.step():
-                loss = self._one_step(micro, step - start_step)
-                if not math.isfinite(loss):  # the same value on every rank: all stop together
-                    raise LossDiverged(f"the training loss became {loss} at step {step + 1}; lower --lr "
-                                       f"(now {t.lr:g}) or keep --grad-clip on; checkpoints written before are intact")
+                readings = self._one_step(micro, step - start_step, metered, self._logs(step + 1, end_step))
                 state.scheduler.step()
-            state.losses.append(loss)
-            state.step = done = step + 1
-            tokens_per_s = self.tokens_per_step / max(time.perf_counter() - step_start, 1e-9)
-            bar.update(loss, tokens_per_s)
-            self._after_step(done, start_step, end_step, loss, tokens_per_s)
+            logged = _host_scalars(state.scheduler, state.device) if self._logs(step + 1, end_step) else None
+            self._queued.append(_Queued(step + 1, readings, started, logged))
+            lag = self.overlap and not metered and not self._acts(step + 1, end_step)
+            self._read_queued(keep=1 if lag else 0, start_step=start_step, end_step=end_step, bar=bar)
 
-    def _one_step(self, micro: list[Batch], index: int) -> float:
-        """One step, metered when it is one of METERED_STEPS; the global batch's mean loss.
-        While the device runs an unmetered step, the host fetches the next step's batches
-        (the feed's ``prefetch``: a no-op on a CPU); a metered step fetches none, so the
-        meter sees the step's tensors only."""
-        meter = self.meter if self.meter is not None and index in METERED_STEPS else None
-        group = self.state.cfg.train.grad_accum
+    def _logs(self, done: int, end_step: int) -> bool:
+        """Whether step ``done`` writes a metrics line."""
+        return bool(self.logger.sinks) and (done % self.logger.every == 0 or done == end_step)
+
+    def _acts(self, done: int, end_step: int) -> bool:
+        """Whether something reads the model as step ``done`` leaves it (so the next step
+        must wait): an evaluation, a checkpoint, or the end of the loop."""
+        t = self.state.cfg.train
+        return (done == end_step or bool(t.eval_every and done % t.eval_every == 0)
+                or bool(t.save and t.save_every and done % t.save_every == 0))
+
+    def _one_step(self, micro: list[Batch], index: int, metered: bool, logs: bool) -> StepReadings:
+        """One step, metered when it is one of METERED_STEPS; its loss (and, when it logs,
+        its gradient norm), read now or later. While the device runs an unmetered step the
+        host fetches the next step's batches (the feed's ``prefetch``: a no-op on a CPU); a
+        metered step fetches none, so the meter sees the step's tensors only."""
+        state, meter = self.state, self.meter if metered else None
+        group = state.cfg.train.grad_accum
+        if self.overlap and meter is None:
+            total = queue_run_step(state, micro)
+            readings = StepReadings(total, state.precision.last_grad_norm if logs else None, defer=True)
+            state.loader.prefetch(group)
+            return readings
         with meter if meter is not None else contextlib.nullcontext():
             if meter is not None and index == METERED_STEPS[-1]:
                 meter.reset_peak()
-            loss = run_step(self.state, micro, meter,
-                            before_wait=None if meter is not None else lambda: self.state.loader.prefetch(group))
-        return self.mean(loss)  # the global batch's loss, the same on every rank
+            loss = run_step(state, micro, meter,
+                            before_wait=None if meter is not None else lambda: state.loader.prefetch(group))
+        return StepReadings(loss, state.precision.last_grad_norm if logs else None)
 
-    def _after_step(self, done: int, start_step: int, end_step: int, loss: float, tokens_per_s: float) -> None:
-        state, t, logger = self.state, self.state.cfg.train, self.logger
-        if logger.sinks and (done % logger.every == 0 or done == end_step):
-            logger.log(done, _step_scalars(loss, state.scheduler, state.precision, tokens_per_s, state.device),
-                       force=True)
+    def _read_queued(self, keep: int, start_step: int, end_step: int, bar: _Progress) -> None:
+        """Read the queued steps' values, oldest first, until ``keep`` remain; report each
+        (NaN stop, loss history, progress bar, metrics line, evaluation, checkpoint)."""
+        state = self.state
+        while len(self._queued) > keep:
+            q = self._queued.popleft()
+            loss = self.mean(q.readings.loss())  # the global batch's loss, the same on every rank
+            if not math.isfinite(loss):  # the same value on every rank: all stop together
+                raise LossDiverged(f"the training loss became {loss} at step {q.done}; lower --lr "
+                                   f"(now {state.cfg.train.lr:g}) or keep --grad-clip on; checkpoints written "
+                                   f"before are intact")
+            state.losses.append(loss)
+            state.step = q.done
+            now = time.perf_counter()
+            tokens_per_s = self.tokens_per_step / max(now - max(q.started, self._last_read), 1e-9)
+            self._last_read = now
+            bar.update(loss, tokens_per_s)
+            self._after_step(q, start_step, end_step, loss, tokens_per_s)
+
+    def _after_step(self, q: _Queued, start_step: int, end_step: int, loss: float, tokens_per_s: float) -> None:
+        state, t, logger, done = self.state, self.state.cfg.train, self.logger, q.done
+        if q.logged is not None:
+            logger.log(done, _step_scalars(loss, q.logged, q.readings.grad_norm(), tokens_per_s), force=True)
         if self.on_step is not None:
             self.on_step(done - start_step, end_step - start_step,
                          percentile(self.timer.step_times, 50) if self.timer.step_times else None)
@@ -397,6 +465,15 @@ class _Loop:
             logger.log(done, self.val_history[-1], force=True)
         if t.save and t.save_every and done % t.save_every == 0:
             self.save_ckpt(t.save, state)
+
+
+def overlaps_steps(state: TrainState, sync_steps: bool, world_size: int) -> bool:
+    """Whether the loop may queue a step before reading the last one's loss: on CUDA, one
+    process (a data-parallel mean reads every rank's loss at once), the plain step function
+    (DeepSpeed's reads its own), no activation offload (its host buffers live for one step),
+    and not ``--sync-steps``."""
+    return (not sync_steps and world_size == 1 and state.device.type == "cuda"
+            and state.step_fn is train_step and state.offload is None)
 
 
 def _result(state: TrainState, timer: StepTimer, memory: dict[str, Any], splits: Any, val_loss: float,

@@ -52,4 +52,8 @@ def run_ours(cfg: RunConfig) -> dict[str, Any]:
 
     # train() builds its timer from this module-level name.
     memtrain.training.train.StepTimer = HandoffStepTimer  # type: ignore[misc]
+    # Each step finished before the turn is handed over (the other side's step must not share
+    # the device with it), and timed as the Trainer side's are: by the host clock around a
+    # synchronized step.
+    cfg.train.sync_steps = True
     return memtrain.training.train.train(cfg, progress=False)
