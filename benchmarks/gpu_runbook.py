@@ -182,7 +182,8 @@ STEPS: list[Step] = [
                                "--checkpointing", "full", "--attention", "sdpa", "--batch-size", "1",
                                "--seq-len", str(s.long_seq), "--steps", "6", "--val-blocks", "2"),
          "train"),
-    Step("seed-compiled", "build", "data wait <= 2% of a compiled seed step (data_wait_share)", 70,
+    Step("seed-compiled", "build", "data wait <= 2% of a compiled seed step (data_wait_share; the device's own idle "
+         "time between steps: device_idle_share)", 70,
          lambda s, out: _train(s, out, *_seed_train(s)), "train"),
     Step("seed-compiled-chunked", "build",
          "--compile --loss chunked: first compiled step <= 60 s (setup_time_s.first_step); its step time beside "
@@ -270,7 +271,9 @@ def headline(step: Step, out: Path, log: Path) -> list[str]:
         gib = lambda b: f"{b / 2**30:.2f} GiB" if isinstance(b, (int, float)) else "-"  # noqa: E731
         pct = lambda x: f"{x:.2%}" if isinstance(x, (int, float)) else "-"  # noqa: E731
         return [f"step median {st.get('median', float('nan')) * 1e3:.1f} ms; tokens/s {r.get('tokens_per_s') or 0:,.0f}; "
-                f"MFU {pct(r.get('mfu'))}; data wait share {pct(r.get('data_wait_share'))}",
+                f"MFU {pct(r.get('mfu'))}; data wait share {pct(r.get('data_wait_share'))}; "
+                f"device idle between steps {pct(r.get('device_idle_share'))}; "
+                f"sync_steps {((r.get('config') or {}).get('train') or {}).get('sync_steps')}",
                 "setup_time_s: " + ", ".join(f"{k} {v:.1f}" for k, v in setup.items() if isinstance(v, (int, float))),
                 f"tracked peak {gib(mem.get('peak_bytes'))}; max allocated {gib(mem.get('max_allocated_bytes'))}; "
                 f"max reserved {gib(mem.get('max_reserved_bytes'))}; val PPL {r.get('val_ppl')}"]

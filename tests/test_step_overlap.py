@@ -183,6 +183,25 @@ def test_the_overlapped_timer_reports_what_the_synchronizing_one_does_on_a_cpu()
     plain, lagged = (t.summary() for t in timers)
     assert plain == lagged and plain.steps == 4 and plain.data_wait_s == 2 + 3 + 4 + 5
     assert timers[1].step_times == [4.0, 5.0, 6.0, 7.0] and timers[1].first_step_s == 3.0
+    # Between two steps the host only waited for data: the device idled exactly that long.
+    assert plain.device_idle_s == 2 + 3 + 4 + 5
+    assert plain.device_idle_share == pytest.approx(14 / (14 + 22))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_time_between_steps_spent_on_work_is_not_idling(overlap):
+    """An evaluation or a checkpoint between two steps (``skip_gap``) is work: no gap counted."""
+    clock = FakeClock()
+    timer = StepTimer(device="cpu", warmup=0, clock=clock, overlap=overlap)
+    for i in range(3):
+        with timer.step():
+            clock.now += 1.0
+        clock.now += 0.5  # the loop's own host work
+        if i == 0:
+            clock.now += 10.0  # an evaluation
+            timer.skip_gap()
+    stats = timer.summary()
+    assert timer.idle_gaps == [0.0, 0.0, 0.5] and stats.device_idle_s == 0.5
 
 
 def test_sync_steps_may_change_on_resume(tiny_run, tmp_path):
@@ -219,9 +238,43 @@ def test_event_timing_covers_the_devices_work():
 
 @pytest.mark.gpu
 @needs_cuda
+def test_event_timing_sees_the_device_idle_only_when_the_host_falls_behind():
+    import time
+
+    behind = StepTimer("cuda", warmup=0, overlap=True)
+    ahead = StepTimer("cuda", warmup=0, overlap=True)
+    for _ in range(3):
+        with behind.step():
+            torch.cuda._sleep(1_000_000)
+        torch.cuda.synchronize()
+        time.sleep(0.02)  # the device has nothing queued while the host sleeps
+    for _ in range(3):
+        with ahead.step():
+            torch.cuda._sleep(50_000_000)  # the next step is queued long before this one ends
+    idle_behind, idle_ahead = behind.summary().device_idle_s, ahead.summary().device_idle_s
+    assert idle_behind > 2 * 0.015 and idle_ahead < 0.002
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_an_overlapped_cuda_run_trains_as_a_synchronized_one(tiny_run, tmp_path):
     base = {**tiny_run, "steps": 8, "device": "cuda", "eval_every": 4}
     lagged = train(build_config({**base, "out": str(tmp_path / "a")}))
     synced = train(build_config({**base, "out": str(tmp_path / "b"), "sync_steps": True}))
     torch.testing.assert_close(lagged["loss_history"], synced["loss_history"], rtol=1e-5, atol=1e-5)
     assert lagged["config"]["train"]["sync_steps"] is False and lagged["step_time_s"]["median"] > 0
+
+
+def test_the_loop_counts_no_idling_after_an_evaluation_or_a_checkpoint(tiny_run, tmp_path, monkeypatch):
+    skipped: list[int] = []
+    real = StepTimer.skip_gap
+
+    def spy(self):
+        skipped.append(self._seen + len(self._unread))  # steps timed so far
+        return real(self)
+
+    monkeypatch.setattr(StepTimer, "skip_gap", spy)
+    result = train(build_config({**tiny_run, "steps": 6, "eval_every": 2, "save": str(tmp_path / "ck.pt"),
+                                 "save_every": 3}))
+    assert skipped == [2, 3, 4, 6]  # evaluations after steps 2 and 4 (the last one's is the final one), saves after 3 and 6
+    assert result["device_idle_share"] is not None and 0 <= result["device_idle_share"] < 1

@@ -59,6 +59,13 @@ class TimingStats:
     time: the fraction of wall-clock the device would idle for lack of input. When the loop
     overlaps steps (``StepTimer(overlap=True)``) the host may wait for a batch while the device
     still runs the previous step, so the share is then an upper bound on the device's idling.
+
+    ``device_idle_share`` measures that idling itself: the time between the end of one step and
+    the start of the next on the device (data, logging, reading the loss, the next step's first
+    launch) over that time plus the step time. Synchronized, the device idles for the whole
+    host interval between two steps; overlapped, it is the device's own gap between the two
+    steps' events, zero while the host keeps ahead. A step after an evaluation or a checkpoint
+    (``StepTimer.skip_gap``) counts no gap: that time is work, not idling.
     """
 
     steps: int
@@ -75,6 +82,8 @@ class TimingStats:
     # The first step's own time, warm-up or not: where a compile, autotuning and the allocator's
     # first growth land (what "time to the first step" asks after the model is built).
     first_s: float | None = None
+    device_idle_s: float = 0.0
+    device_idle_share: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready copy."""
@@ -134,7 +143,10 @@ class StepTimer:
         self._step_times: list[float] = []
         self.data_waits: list[float] = []
         self.first_step_s: float | None = None
-        self._unread: list[tuple[Any, Any, float]] = []  # overlap: (start mark, end mark, data wait) per step
+        # overlap: (start mark, end mark, data wait, the previous step's end mark or None) per step
+        self._unread: list[tuple[Any, Any, float, Any]] = []
+        self._last_end: Any = None  # the last step's end mark (a clock reading when synchronizing)
+        self.idle_gaps: list[float] = []  # per timed step: the device's idle time before it
 
     @property
     def step_times(self) -> list[float]:
@@ -150,13 +162,20 @@ class StepTimer:
             yield
             end = self._mark()
             wait, self._pending_wait = self._pending_wait, 0.0
-            self._unread.append((start, end, wait))
+            self._unread.append((start, end, wait, self._last_end))
+            self._last_end = end
             return
         synchronize(self.device)  # earlier queued work must not be billed to this step
         t0 = self._clock()
+        gap = None if self._last_end is None else t0 - self._last_end
         yield
         synchronize(self.device)
-        self.record(self._clock() - t0)
+        self._last_end = self._clock()
+        self.record(self._last_end - t0, idle_s=gap)
+
+    def skip_gap(self) -> None:
+        """The time until the next step is work (an evaluation, a checkpoint), not idling."""
+        self._last_end = None
 
     def _mark(self) -> Any:
         """A point in the step stream: a recorded CUDA event, or a clock reading."""
@@ -169,16 +188,18 @@ class StepTimer:
     def _read_marks(self, wait: bool) -> None:
         """Record the steps whose end mark is reached, in order (all of them when ``wait``)."""
         while self._unread:
-            start, end, data_wait = self._unread[0]
+            start, end, data_wait, previous = self._unread[0]
             if self._events:
                 if not wait and not end.query():
                     return
                 end.synchronize()
                 seconds = start.elapsed_time(end) / 1000.0  # milliseconds between the events
+                gap = None if previous is None else previous.elapsed_time(start) / 1000.0
             else:
                 seconds = end - start
+                gap = None if previous is None else start - previous
             self._unread.pop(0)
-            self.record(seconds, data_wait)
+            self.record(seconds, data_wait, idle_s=gap)
 
     @contextlib.contextmanager
     def data_wait(self) -> Iterator[None]:
@@ -187,8 +208,9 @@ class StepTimer:
         yield
         self._pending_wait += self._clock() - t0
 
-    def record(self, step_s: float, data_wait_s: float | None = None) -> None:
-        """Add one step's time (and its data wait; default: what ``data_wait`` accumulated)."""
+    def record(self, step_s: float, data_wait_s: float | None = None, idle_s: float | None = None) -> None:
+        """Add one step's time (and its data wait; default: what ``data_wait`` accumulated;
+        and the device's idle time before it, None when not measured)."""
         wait = self._pending_wait if data_wait_s is None else data_wait_s
         if data_wait_s is None:
             self._pending_wait = 0.0
@@ -199,6 +221,7 @@ class StepTimer:
             return
         self._step_times.append(float(step_s))
         self.data_waits.append(float(wait))
+        self.idle_gaps.append(max(0.0, float(idle_s)) if idle_s is not None else 0.0)
 
     def summary(self) -> TimingStats:
         """Median, 10th/90th percentile, mean, extremes and the data-wait share."""
@@ -206,6 +229,7 @@ class StepTimer:
         xs = self._step_times
         total = float(sum(xs))
         wait = float(sum(self.data_waits))
+        idle = float(sum(self.idle_gaps))
         n = len(xs)
         return TimingStats(
             steps=n,
@@ -220,4 +244,6 @@ class StepTimer:
             data_wait_s=wait,
             data_wait_share=wait / (wait + total) if (wait + total) > 0 else None,
             first_s=self.first_step_s,
+            device_idle_s=idle,
+            device_idle_share=idle / (idle + total) if (idle + total) > 0 else None,
         )

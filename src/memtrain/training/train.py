@@ -463,8 +463,10 @@ class _Loop:
             v = evaluate(state.model, self.val_batches, state.precision, state.device)
             self.val_history.append({"step": done, "val_loss": v, "val_ppl": math.exp(min(v, 50))})
             logger.log(done, self.val_history[-1], force=True)
+            self.timer.skip_gap()  # the evaluation was work, not the device idling
         if t.save and t.save_every and done % t.save_every == 0:
             self.save_ckpt(t.save, state)
+            self.timer.skip_gap()
 
 
 def overlaps_steps(state: TrainState, sync_steps: bool, world_size: int) -> bool:
@@ -498,6 +500,7 @@ def _result(state: TrainState, timer: StepTimer, memory: dict[str, Any], splits:
         "tokens": tokens_per_step * end_step,
         "step_time_s": {k: stats[k] for k in ("median", "p10", "p90", "mean")},
         "data_wait_share": stats.get("data_wait_share"),
+        "device_idle_share": stats.get("device_idle_share"),
         "total_time_s": total_time,
         "tokens_per_s": tokens_per_step / median if median else None,
         "mfu": run_mfu,

@@ -49,6 +49,7 @@ def run_ours(cfg: RunConfig) -> dict[str, Any]:
                 yield
             STEP_WINDOWS.append((start, time.time()))
             BATON.handoff()
+            self.skip_gap()  # the other side's step runs until the turn comes back: not idling
 
     # train() builds its timer from this module-level name.
     memtrain.training.train.StepTimer = HandoffStepTimer  # type: ignore[misc]
