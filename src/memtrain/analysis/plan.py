@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import math
 import shlex
+import sys
 from dataclasses import asdict, dataclass, field
 from itertools import product
-from typing import Any, Optional
+from typing import Any, Callable, Optional
+
+from tqdm.auto import tqdm
 
 from memtrain.analysis.estimate import GPT2_ARCH, Arch, estimate, param_count
 from memtrain.analysis.estimate.compile_budget import interpolated_budget, recompute_share
@@ -279,6 +282,43 @@ PRUNE_SLACK = 1.01
 TRACE_PRUNE_SLACK = 1.05
 
 
+def _short_label(c: RunConfig) -> str:
+    """A candidate in a few words, for the progress bar."""
+    t = c.technique
+    return (f"{t.precision} {t.attention} ckpt {t.checkpointing} {t.loss} {t.optim} "
+            f"{c.train.batch_size}x{c.train.grad_accum}")
+
+
+def _smallest_option(
+    options: list[tuple[dict[str, str], RunConfig]],
+    quick_peak: Callable[[RunConfig], Optional[tuple[float, str, float]]],
+    exact_peak: Callable[[RunConfig], float],
+    accum: int,
+) -> tuple[float, dict[str, str], int, int]:
+    """The option with the smallest exact peak (replayed or traced), the first of ``options``
+    on a tie (the search's own order), found without computing every option's: in the order of
+    their quick figures, each exact peak is computed until the next quick figure, divided by its
+    slack, exceeds the smallest found (an exact peak is at least that). An option without a
+    quick figure is always computed. A Llama-3-8B full fine-tune on CPU kernels at 24 GiB, where
+    nothing fits, took over ten minutes when every option was traced."""
+    quick = [quick_peak(c) for _, c in options]
+
+    def rank(i: int) -> tuple[bool, float, int]:
+        q = quick[i]
+        return q is not None, q[0] if q is not None else 0.0, i
+
+    order = sorted(range(len(options)), key=rank)
+    best: Optional[tuple[float, int]] = None  # (exact peak, position in options)
+    for i in order:
+        q = quick[i]
+        if best is not None and q is not None and q[0] / q[2] > best[0]:
+            break  # sorted: every later option's quick figure is larger still
+        candidate = (exact_peak(options[i][1]), i)
+        best = candidate if best is None or candidate < best else best
+    assert best is not None
+    return best[0], options[best[1]][0], 1, accum
+
+
 def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one search
     cfg: RunConfig,
     budget_bytes: int,
@@ -291,8 +331,8 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
     max_batch_limit: int = 4096,
     gpu: Optional[str] = None,
     host_bandwidth: Optional[float] = None,
+    progress: bool = False,
     _prune: bool = True,
-    _steps: Optional[dict[str, Any]] = None,
 ) -> PlanResult:
     """Rank technique sets that fit ``budget_bytes`` (with ``margin`` of safety) by modelled
     step time. The target batch is ``cfg.train.batch_size x cfg.train.grad_accum`` sequences;
@@ -301,19 +341,20 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
     card holds, the caching-allocator model's reserved memory plus that GPU kind's CUDA context
     (:mod:`memtrain.analysis.allocator`), instead of the live tensor bytes. ``host_bandwidth``
     (bytes/s each way, default :data:`HOST_BANDWIDTH`) costs --offload-activations' copies
-    (:func:`offload_exposed_s`).
+    (:func:`offload_exposed_s`). ``progress``: a bar on stderr counting the slow calls (a trace
+    takes seconds at full size, an allocator replay a tenth of one).
 
     With ``gpu``, a candidate whose live tensor bytes (the compressed analytic estimate,
     milliseconds) plus the CUDA context and a cuBLAS workspace exceed the limit is not replayed
     through the allocator model (a tenth of a second at 32 layers): what the card holds is at
     least that. A traced transformers candidate (CPU kernels) of a family the analytic model
-    claims is not traced when that model puts it far over the limit. Only when nothing fits is
-    the search repeated without these shortcuts (``_prune``), so that the smallest option it
-    reports is a replayed or traced peak; the estimates and traces made so far are kept for it
-    (``_steps``)."""
+    claims is not traced when that model puts it far over the limit (``_prune=False``: every
+    candidate replayed or traced). When nothing fits, the smallest option it reports is a
+    replayed or traced peak all the same: the candidates at micro-batch 1 are replayed or traced
+    in the order of those quick figures until the next one's quick figure exceeds the smallest
+    peak found (:func:`_smallest_option`)."""
     if budget_bytes <= 0:
         raise ConfigError("--budget must be positive, e.g. 24GiB")
-    arch_given = arch  # for the repeated search below
     traced = arch is None  # a transformers --model: each candidate's peak is traced, not modelled
     notes: list[str] = []
     if arch is None:
@@ -346,162 +387,180 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
 
     # One estimate (or trace) per candidate config: the peak search and an offload candidate's
     # bytes moved read the same step, which costs the most of a plan (a trace: seconds).
-    steps: dict[str, Any] = {} if _steps is None else _steps
+    steps: dict[str, Any] = {}
 
-    def step_of(c: RunConfig) -> Any:
-        """The Estimate of ``c`` (analytic models), or its trace_any_depth dict (``traced``)."""
-        key = _config_key(c)
-        if key not in steps:
+    slow = traced or (gpu is not None and device_type == "cuda")
+    bar = tqdm(desc="plan", unit="trace" if traced else "replay", leave=False, dynamic_ncols=True,
+               disable=not (progress and slow and sys.stderr.isatty()))  # a bar is for a person watching
+    with bar:  # closed however the search ends (an answer, nothing fits, Ctrl-C)
+
+        def step_of(c: RunConfig) -> Any:
+            """The Estimate of ``c`` (analytic models), or its trace_any_depth dict (``traced``)."""
+            key = _config_key(c)
+            if key not in steps:
+                bar.set_postfix_str(_short_label(c), refresh=False)
+                bar.update(1)
+                if traced:
+                    # The torch line, crossed for a transformers model only: its candidates are traced.
+                    from memtrain.analysis.depth_trace import trace_any_depth
+
+                    steps[key] = trace_any_depth(c, device_type)  # 2 + 3 layers extended to the depth when exact
+                else:
+                    steps[key] = estimate(c, arch, device_type, gpu=gpu if device_type == "cuda" else None)
+            return steps[key]
+
+        def transfer(c: RunConfig) -> tuple[float, float]:
+            """Bytes --offload-activations copies each way in one step (estimated or traced)."""
             if traced:
-                # The torch line, crossed for a transformers model only: its candidates are traced.
-                from memtrain.analysis.depth_trace import trace_any_depth
+                moved = step_of(c).get("offload") or {}
+                return float(moved.get("d2h_bytes", 0)), float(moved.get("h2d_bytes", 0))
+            off = step_of(c).offload or {}
+            return off.get("d2h_bytes_per_step", 0.0), off.get("h2d_bytes_per_step", 0.0)
 
-                steps[key] = trace_any_depth(c, device_type)  # 2 + 3 layers extended to the depth when exact
-            else:
-                steps[key] = estimate(c, arch, device_type, gpu=gpu if device_type == "cuda" else None)
-        return steps[key]
+        replay = gpu is not None and device_type == "cuda" and not traced
+        # What the card holds besides the live tensors, for certain: its CUDA context and the first
+        # cuBLAS workspace (the allocator model allocates both; its reserved memory rounds up).
+        facts = allocator_facts(gpu) if replay else None
+        beside_tensors = facts.cuda_context_bytes + facts.cublas_workspace_bytes if facts is not None else 0
+        pruned = False
 
-    def transfer(c: RunConfig) -> tuple[float, float]:
-        """Bytes --offload-activations copies each way in one step (estimated or traced)."""
-        if traced:
-            moved = step_of(c).get("offload") or {}
-            return float(moved.get("d2h_bytes", 0)), float(moved.get("h2d_bytes", 0))
-        off = step_of(c).offload or {}
-        return off.get("d2h_bytes_per_step", 0.0), off.get("h2d_bytes_per_step", 0.0)
-
-    replay = gpu is not None and device_type == "cuda" and not traced
-    # What the card holds besides the live tensors, for certain: its CUDA context and the first
-    # cuBLAS workspace (the allocator model allocates both; its reserved memory rounds up).
-    facts = allocator_facts(gpu) if replay else None
-    beside_tensors = facts.cuda_context_bytes + facts.cublas_workspace_bytes if facts is not None else 0
-    pruned = False
-
-    def peak(c: RunConfig) -> tuple[float, str]:
-        nonlocal evaluated, pruned
-        evaluated += 1
-        if replay and _prune and c.technique.compile_memory_budget is None:
-            # A lower bound first: the card's reserved memory holds at least the live tensors.
-            # (The slack covers rounding between the compressed and the full simulation.)
-            quick = estimate(c, arch, device_type)
-            if quick.peak_bytes + beside_tensors > limit * PRUNE_SLACK:
-                pruned = True
-                return quick.peak_bytes + beside_tensors, quick.peak_phase
-        if traced:
-            if _prune and c.technique.compile_memory_budget is None and why_not_modelled(c) is None:
-                # A family the analytic model claims (within 1% of the trace on the forward and
-                # backward peaks; below it in a compiled optimizer step): a candidate it puts far
-                # over the limit is not traced (seconds each at full size).
+        def quick_peak(c: RunConfig) -> Optional[tuple[float, str, float]]:
+            """A figure that takes milliseconds where the exact peak takes long, with its slack
+            (the exact peak is at least the figure / slack), or None where there is none.
+            With --gpu: the live tensors plus the CUDA context and a cuBLAS workspace, a lower bound
+            of what the card holds (the slack covers rounding between the compressed and the full
+            simulation). Traced, for a family the analytic model claims: that model's peak (within
+            1% of the trace on the forward and backward peaks; below it in a compiled optimizer step)."""
+            if c.technique.compile_memory_budget is not None:
+                return None
+            if replay:
+                e = estimate(c, arch, device_type)
+                return e.peak_bytes + beside_tensors, e.peak_phase, PRUNE_SLACK
+            if traced and why_not_modelled(c) is None:
                 assert c.model.model is not None  # traced: a transformers model
-                quick = estimate(c, hf_arch(c.model.model), device_type)
-                if quick.peak_bytes > limit * TRACE_PRUNE_SLACK:
-                    pruned = True
-                    return quick.peak_bytes, quick.peak_phase
-            r = step_of(c)
-            return float(r["peak_bytes"]), str(r["peak_phase"])
-        if c.technique.compile_memory_budget is not None:
-            entry = interpolated_budget(c, arch, device_type, gpu=gpu if device_type == "cuda" else None)
-            assert entry is not None and entry["peak_bytes"] is not None  # checkpointing none (_sets)
-            return float(entry.get("device_total", entry["peak_bytes"])), "interpolated"
-        e = step_of(c)
-        if e.device_memory:
-            return float(e.device_memory["device_total"]), e.peak_phase
-        return e.peak_bytes, e.peak_phase
+                e = estimate(c, hf_arch(c.model.model), device_type)
+                return e.peak_bytes, e.peak_phase, TRACE_PRUNE_SLACK
+            return None
 
-    fits: list[Candidate] = []
-    smallest: Optional[tuple[float, dict[str, str], int, int]] = None
-    if not max_batch:
-        micros = _divisors(target)
-        # Branch and bound: a set's cost at the full micro-batch is a lower bound of its cost.
-        bounds = sorted(((step_cost(at(t, target, 1), device_type, arch)[0], i) for i, t in enumerate(sets)))
-        for bound, i in bounds:
-            if len(fits) >= top and bound > sorted(c.step_time_s for c in fits)[top - 1]:
-                break
-            t = sets[i]
-            # The largest micro-batch that fits (peak grows with the micro-batch): bisect.
-            lo, hi, best = 0, len(micros) - 1, None
-            while lo <= hi:
-                mid = (lo + hi) // 2
-                c = at(t, micros[mid], target // micros[mid])
-                p, ph = peak(c)
-                if p <= limit:
-                    best, hi = (micros[mid], p, ph), mid - 1
-                else:
-                    lo = mid + 1
-                    if micros[mid] == 1 and (smallest is None or p < smallest[0]):
-                        smallest = (p, t, 1, target)
-            if best is None:
-                if smallest is None or micros[-1] != 1:
-                    p, _ = peak(at(t, micros[-1], target // micros[-1]))
-                    if smallest is None or p < smallest[0]:
-                        smallest = (p, t, micros[-1], target // micros[-1])
-                continue
-            micro, p, ph = best
-            c = at(t, micro, target // micro)
-            cost = cost_of(c)
-            fits.append(Candidate(dict(t), micro, target // micro, p, ph, cost, cost / baseline))
-        fits.sort(key=lambda c: c.step_time_s)
-    else:
-        for t in sets:
-            lo, hi = 0, 1
-            p, ph = peak(at(t, 1, 1))
-            if p > limit:
-                if smallest is None or p < smallest[0]:
-                    smallest = (p, t, 1, 1)
-                continue
-            best = (1, p, ph)
-            while hi < max_batch_limit:  # grow by doubling, never past the limit
-                b = min(hi * 2 if hi > 1 else 2, max_batch_limit)
-                p2, ph2 = peak(at(t, b, 1))
-                if p2 > limit:
-                    lo, hi = best[0], b
+        def peak(c: RunConfig, exact: bool = False) -> tuple[float, str]:
+            """``c``'s peak: replayed, traced or estimated; with the shortcut (``_prune`` and not
+            ``exact``), the quick figure where it puts ``c`` far over the limit."""
+            nonlocal evaluated, pruned
+            evaluated += 1
+            if _prune and not exact:
+                quick = quick_peak(c)
+                if quick is not None and quick[0] > limit * quick[2]:
+                    pruned = True
+                    return quick[0], quick[1]
+            if traced:
+                r = step_of(c)
+                return float(r["peak_bytes"]), str(r["peak_phase"])
+            if c.technique.compile_memory_budget is not None:
+                entry = interpolated_budget(c, arch, device_type, gpu=gpu if device_type == "cuda" else None)
+                assert entry is not None and entry["peak_bytes"] is not None  # checkpointing none (_sets)
+                return float(entry.get("device_total", entry["peak_bytes"])), "interpolated"
+            e = step_of(c)
+            if e.device_memory:
+                return float(e.device_memory["device_total"]), e.peak_phase
+            return e.peak_bytes, e.peak_phase
+
+        fits: list[Candidate] = []
+        smallest: Optional[tuple[float, dict[str, str], int, int]] = None
+        if not max_batch:
+            micros = _divisors(target)
+            # Branch and bound: a set's cost at the full micro-batch is a lower bound of its cost.
+            bounds = sorted(((step_cost(at(t, target, 1), device_type, arch)[0], i) for i, t in enumerate(sets)))
+            for bound, i in bounds:
+                if len(fits) >= top and bound > sorted(c.step_time_s for c in fits)[top - 1]:
                     break
-                best, hi = (b, p2, ph2), b
-            else:
-                hi = best[0]
-            lo = best[0]
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                p3, ph3 = peak(at(t, mid, 1))
-                if p3 <= limit:
-                    best, lo = (mid, p3, ph3), mid
+                t = sets[i]
+                # The largest micro-batch that fits (peak grows with the micro-batch): bisect.
+                lo, hi, best = 0, len(micros) - 1, None
+                while lo <= hi:
+                    mid = (lo + hi) // 2
+                    c = at(t, micros[mid], target // micros[mid])
+                    p, ph = peak(c)
+                    if p <= limit:
+                        best, hi = (micros[mid], p, ph), mid - 1
+                    else:
+                        lo = mid + 1
+                        if micros[mid] == 1 and (smallest is None or p < smallest[0]):
+                            smallest = (p, t, 1, target)
+                if best is None:
+                    if smallest is None or micros[-1] != 1:
+                        p, _ = peak(at(t, micros[-1], target // micros[-1]))
+                        if smallest is None or p < smallest[0]:
+                            smallest = (p, t, micros[-1], target // micros[-1])
+                    continue
+                micro, p, ph = best
+                c = at(t, micro, target // micro)
+                cost = cost_of(c)
+                fits.append(Candidate(dict(t), micro, target // micro, p, ph, cost, cost / baseline))
+            fits.sort(key=lambda c: c.step_time_s)
+        else:
+            for t in sets:
+                lo, hi = 0, 1
+                p, ph = peak(at(t, 1, 1))
+                if p > limit:
+                    if smallest is None or p < smallest[0]:
+                        smallest = (p, t, 1, 1)
+                    continue
+                best = (1, p, ph)
+                while hi < max_batch_limit:  # grow by doubling, never past the limit
+                    b = min(hi * 2 if hi > 1 else 2, max_batch_limit)
+                    p2, ph2 = peak(at(t, b, 1))
+                    if p2 > limit:
+                        lo, hi = best[0], b
+                        break
+                    best, hi = (b, p2, ph2), b
                 else:
-                    hi = mid
-            b, p, ph = best
-            c = at(t, b, 1)
-            cost = cost_of(c)
-            per_token = cost / (b * cfg.train.seq_len)
-            fits.append(Candidate(dict(t), b, 1, p, ph, per_token, 1.0))
-        fits.sort(key=lambda c: (c.step_time_s, -c.batch_size))
-        if fits:
-            best_rate = fits[0].step_time_s
-            for cand in fits:
-                cand.relative_time = cand.step_time_s / best_rate
-    fits = _without_idle_offload(fits)
-    if not fits and pruned:  # the smallest option must be a replayed or traced peak, not an estimate
-        return plan(cfg, budget_bytes, device_type, arch_given, max_batch, margin, top, space, max_batch_limit, gpu,
-                    host_bandwidth, _prune=False, _steps=steps)
-    if not fits:
-        assert smallest is not None
-        p, t, micro, accum = smallest
-        what = Candidate(dict(t), micro, accum, p, "", 0.0).label()
-        raise ConfigError(
-            f"nothing fits in {_gib(budget_bytes)} (with a {margin:.0%} margin): the smallest option needs "
-            f"{_gib(p * (1 + margin))} ({_gib(p)} predicted; {what}); raise --budget or lower "
-            f"--batch-size/--seq-len")
-    for cand in fits[:top]:
-        cand.train_flags = train_flags(candidate_config(cfg, cand))
-    notes.insert(0, f"cost model: {device_type} profile; a model to order candidates, not a measurement")
-    if gpu is not None and device_type == "cuda" and not traced:
-        notes.append("peaks are device totals: the caching-allocator model's reserved memory plus the CUDA context "
-                     "(memtrain.analysis.allocator)")
-    if traced:
-        notes.append("peaks traced under fake tensors (transformers model; deep ones from 2 + 3 layer probes)")
-    if "compile_memory_budget" in space:
-        notes.append("compile budget candidates: peak and recompute interpolated between checkpointing none and "
-                     "full (docs/estimation.md), not traced; `memtrain estimate --compile --compile-memory-budget F "
-                     "--trace` runs torch's partitioner")
-    return PlanResult(budget_bytes, margin, device_type, None if max_batch else target, fits[:top],
-                      evaluated, baseline, notes=notes)
+                    hi = best[0]
+                lo = best[0]
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    p3, ph3 = peak(at(t, mid, 1))
+                    if p3 <= limit:
+                        best, lo = (mid, p3, ph3), mid
+                    else:
+                        hi = mid
+                b, p, ph = best
+                c = at(t, b, 1)
+                cost = cost_of(c)
+                per_token = cost / (b * cfg.train.seq_len)
+                fits.append(Candidate(dict(t), b, 1, p, ph, per_token, 1.0))
+            fits.sort(key=lambda c: (c.step_time_s, -c.batch_size))
+            if fits:
+                best_rate = fits[0].step_time_s
+                for cand in fits:
+                    cand.relative_time = cand.step_time_s / best_rate
+        fits = _without_idle_offload(fits)
+        if not fits and pruned:  # the smallest option must be a replayed or traced peak, not a quick figure
+            accum = 1 if max_batch else target
+            in_order = sets if max_batch else [sets[i] for _, i in bounds]  # the order the search visits them
+            smallest = _smallest_option([(t, at(t, 1, accum)) for t in in_order], quick_peak,
+                                        lambda c: peak(c, exact=True)[0], accum)
+        if not fits:
+            assert smallest is not None
+            p, t, micro, accum = smallest
+            what = Candidate(dict(t), micro, accum, p, "", 0.0).label()
+            raise ConfigError(
+                f"nothing fits in {_gib(budget_bytes)} (with a {margin:.0%} margin): the smallest option needs "
+                f"{_gib(p * (1 + margin))} ({_gib(p)} predicted; {what}); raise --budget or lower "
+                f"--batch-size/--seq-len")
+        for cand in fits[:top]:
+            cand.train_flags = train_flags(candidate_config(cfg, cand))
+        notes.insert(0, f"cost model: {device_type} profile; a model to order candidates, not a measurement")
+        if gpu is not None and device_type == "cuda" and not traced:
+            notes.append("peaks are device totals: the caching-allocator model's reserved memory plus the CUDA context "
+                         "(memtrain.analysis.allocator)")
+        if traced:
+            notes.append("peaks traced under fake tensors (transformers model; deep ones from 2 + 3 layer probes)")
+        if "compile_memory_budget" in space:
+            notes.append("compile budget candidates: peak and recompute interpolated between checkpointing none and "
+                         "full (docs/estimation.md), not traced; `memtrain estimate --compile --compile-memory-budget F "
+                         "--trace` runs torch's partitioner")
+        return PlanResult(budget_bytes, margin, device_type, None if max_batch else target, fits[:top],
+                          evaluated, baseline, notes=notes)
 
 
 def _config_key(cfg: RunConfig) -> str:

@@ -43,7 +43,7 @@ What fake tensors cannot do, and what is done instead:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -196,10 +196,58 @@ def _fake_prepare(device: Any) -> Iterator[None]:
 MAX_TRACE_LAYERS = 1024
 
 
+# Micro-batches a traced step runs at most. From the second micro-batch of a step on, every
+# gradient exists and each micro-batch repeats the same shapes, so later ones add nothing to any
+# peak but their own input tensors, which the step's list of micro-batches holds
+# (:class:`_SkippedMicroBatches` counts those); each is another full forward and backward to
+# dispatch, though (a Llama-3-8B plan at micro-batch 1 x 8 spent 23-40 s per trace on eight of
+# them). tests/test_trace_accum.py checks the capped trace against the full one.
+TRACED_MICRO_BATCHES = 2
+
+
+class _SkippedMicroBatches:
+    """A traced step's micro-batches beyond the first ``run``, left out but still counted.
+
+    The step harness holds every micro-batch of a step in one list (as the loader hands them
+    out) and the meter counts an input tensor from the moment an op first shows it (the loss's
+    ``targets.reshape``): from then until the step ends it is part of every later peak. So when
+    the second micro-batch starts, each skipped micro-batch's inputs are counted the way the
+    first one's are by then, as the last micro-batch of the full step would find them.
+    ``around_micro_batch`` wraps each micro-batch (inside ``inner``, the compile trace's
+    context, when given)."""
+
+    def __init__(self, meter: MemoryMeter, run: int,
+                 inner: Optional[Callable[[], ContextManager[Any]]] = None) -> None:
+        self.meter = meter
+        self.run = run
+        self.inner = inner
+        self._batches: list[Any] = []  # the step's every micro-batch
+        self._started = 0  # micro-batches of this step begun
+
+    def step(self, micro_batches: list[Any]) -> list[Any]:
+        """The micro-batches to run of a step's ``micro_batches`` (all of them are held)."""
+        self._batches, self._started = micro_batches, 0
+        return micro_batches[:self.run]
+
+    @contextlib.contextmanager
+    def around_micro_batch(self) -> Iterator[None]:
+        self._started += 1
+        if self._started == 2:  # the first micro-batch is done: its inputs show what stays counted
+            first = self._batches[0]
+            for later in self._batches[self.run:]:
+                for tensor, seen in zip(later, first):
+                    category = self.meter.category_of(seen)
+                    if category is not None:
+                        self.meter.track(tensor, category=category)
+        with (self.inner or contextlib.nullcontext)():
+            yield
+
+
 def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict[str, Any]:
     """Run ``steps`` training steps of ``cfg`` on fake tensors; return the last step's
     :class:`memtrain.metrics.MemoryStats` as a dict (``peak_bytes``, ``by_category``,
-    ``peak_phase``, ``phase_peaks``...), plus ``device_type``."""
+    ``peak_phase``, ``phase_peaks``...), plus ``device_type``. At most
+    :data:`TRACED_MICRO_BATCHES` micro-batches of a step are run: the rest repeat them."""
     if device_type not in ("cpu", "cuda"):
         raise ConfigError(f"--trace-device {device_type!r}: use cpu or cuda")
     if cfg.model.n_layers > MAX_TRACE_LAYERS:
@@ -245,7 +293,7 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
             state = build_state(cfg, device, precision, base=base,
                                 prepare_context=lambda: _fake_prepare(device))
             saved = SavedActivations() if compiled is not None else None
-            micro_context = None
+            micro_context: Optional[Callable[[], ContextManager[Any]]] = None
             if compiled is not None and saved is not None:
                 # Each trace compiles a new model with a new backend: dynamo never reuses the
                 # graphs of earlier traces (it guards on the backend), but they stay in its cache
@@ -258,11 +306,15 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
             meter = MemoryMeter(state.model, state.optimizer, by_module=cfg.train.memory_by_module,
                                 module_depth=cfg.train.module_depth)
             batch = cfg.train.batch_size
-            measure_steps(state, lambda: random_micro_batches(cfg, batch, device), steps=steps, meter=meter,
-                          micro_context=micro_context)
+            # The module table would place the skipped micro-batches' inputs elsewhere: traced in full.
+            run = cfg.train.grad_accum if cfg.train.memory_by_module else min(cfg.train.grad_accum, TRACED_MICRO_BATCHES)
+            skipped = _SkippedMicroBatches(meter, run, micro_context)
+            measure_steps(state, lambda: skipped.step(random_micro_batches(cfg, batch, device)), steps=steps,
+                          meter=meter, micro_context=skipped.around_micro_batch)
+            skipped.step([])  # the last step's batches are gone once it returns, as in a run
             stats = meter.stats().to_dict()
     if compiled is not None and saved is not None:
-        stats["compile"] = _saved_entry(saved, compiled, forward_passes=steps * cfg.train.grad_accum)
+        stats["compile"] = _saved_entry(saved, compiled, forward_passes=steps * run)
     stats["device_type"] = device_type
     stats["parameters"] = state.n_params
     # bf16-pure's AdamW traces its buckets as they run (their copies) and leaves only its large
@@ -271,7 +323,8 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
             getattr(state.optimizer, "updated_alone", 1) > 0:
         stats["optimizer_step"] = EAGER_OPTIMIZER_STEP
     if state.offload is not None:  # --offload-activations: what the traced step moved each way
-        stats["offload"] = state.offload.counts.to_dict()
+        # Every micro-batch moves the same tensors: the step's counts are per micro-batch x accum.
+        stats["offload"] = {k: v // run * cfg.train.grad_accum for k, v in state.offload.counts.to_dict().items()}
     return stats
 
 

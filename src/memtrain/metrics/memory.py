@@ -280,6 +280,14 @@ class MemoryMeter:
                 self._assign(t, cat, owner)
         self._check_peak()
 
+    def category_of(self, t: torch.Tensor) -> str | None:
+        """The category ``t``'s (first) storage is counted in, or None when it is not counted."""
+        for st, _ in leaf_storages(t):
+            rec = self._records.get(id(st))
+            if rec is not None and rec.cat != _HOST:
+                return CATEGORIES[rec.cat]
+        return None
+
     @contextlib.contextmanager
     def phase(self, name: str, activations: bool | None = None) -> Iterator[None]:
         """Label the step's phase; the label current at the peak becomes ``peak_phase``.
