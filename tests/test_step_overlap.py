@@ -111,24 +111,31 @@ def test_without_overlap_every_step_is_read_at_once(tiny_run, monkeypatch):
     assert events == ["sync"] * 5
 
 
+def _overlapped_with_nan_at(step: int, monkeypatch) -> list[int]:
+    """Force overlap and make step ``step``'s loss NaN (its update still happens); the list
+    gets the number of each step queued."""
+    _force_overlap(monkeypatch)
+    real_queue = train_module.queue_run_step
+    queued: list[int] = []
+
+    def nan_at(state, micro, **k):
+        total = real_queue(state, micro, **k)
+        queued.append(len(train_module.METERED_STEPS) + len(queued) + 1)  # metered steps run through run_step
+        return total * float("nan") if queued[-1] == step else total
+
+    monkeypatch.setattr(train_module, "queue_run_step", nan_at)
+    return queued
+
+
 def test_a_diverged_loss_stops_an_overlapped_run_before_a_checkpoint_keeps_it(tiny_run, tmp_path, monkeypatch):
     """The loss of step 5 becomes NaN. Step 6 is queued before it is read, but the run stops
     there, naming step 5, and the checkpoint on disk is step 3's, with finite weights."""
-    _force_overlap(monkeypatch)
-    real_queue = train_module.queue_run_step
-    count = {"n": 2}  # the two metered steps run through run_step
-
-    def nan_at_step_5(state, micro, **k):
-        total = real_queue(state, micro, **k)
-        count["n"] += 1
-        return total * float("nan") if count["n"] == 5 else total
-
-    monkeypatch.setattr(train_module, "queue_run_step", nan_at_step_5)
+    queued = _overlapped_with_nan_at(5, monkeypatch)
     ck = tmp_path / "ck.pt"
     cfg = build_config({**tiny_run, "steps": 9, "save": str(ck), "save_every": 3})
     with pytest.raises(LossDiverged, match="became nan at step 5"):
         train(cfg)
-    assert count["n"] == 6  # step 6 was queued: the read is one step late
+    assert queued[-1] == 6  # step 6 was queued: the read is one step late
     state = build_state(cfg, torch.device("cpu"), schedule=True)
     state.loader = _Position()
     load_checkpoint(str(ck), state)
@@ -138,20 +145,11 @@ def test_a_diverged_loss_stops_an_overlapped_run_before_a_checkpoint_keeps_it(ti
 
 
 def test_a_diverged_loss_at_a_checkpoint_step_is_never_saved(tiny_run, tmp_path, monkeypatch):
-    _force_overlap(monkeypatch)
-    real_queue = train_module.queue_run_step
-    count = {"n": 2}
-
-    def nan_at_step_3(state, micro, **k):
-        total = real_queue(state, micro, **k)
-        count["n"] += 1
-        return total * float("nan") if count["n"] == 3 else total
-
-    monkeypatch.setattr(train_module, "queue_run_step", nan_at_step_3)
+    queued = _overlapped_with_nan_at(3, monkeypatch)
     ck = tmp_path / "ck.pt"
     with pytest.raises(LossDiverged, match="at step 3"):
         train(build_config({**tiny_run, "steps": 9, "save": str(ck), "save_every": 3}))
-    assert count["n"] == 3 and not ck.exists()
+    assert queued[-1] == 3 and not ck.exists()
 
 
 def test_overlap_is_chosen_only_for_a_single_process_cuda_run_of_the_plain_step(tiny_run):
