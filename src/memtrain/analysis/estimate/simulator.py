@@ -221,6 +221,9 @@ class Graph:
         # Actions run as the backward of segment i ends (before a lumped period's backward is
         # measured): FSDP2's post-backward of a block's parameter group (training._FSDPReduce).
         self.after_backward: dict[int, Any] = {}
+        # Actions run as the forward of segment i begins (inside a measured period, so the
+        # lumped periods repeat what they allocate): FSDP2's all-gather of a block's group.
+        self.before_forward: dict[int, Any] = {}
         # Bytes (cumulative, by tag) that the measured period's backward allocates once and the
         # lumped periods do not repeat: FSDP2's first reduce-scatter input buffer, which each
         # later group's post-backward replaces by one of its own.
@@ -517,6 +520,8 @@ class Graph:
         for idx, seg in enumerate(self.segments):
             if lump and idx == self.comp.fwd_segments.start:  # type: ignore[union-attr]  # self.comp is set when lump is true
                 before, n_held, host_before = self._snapshot(), len(held), sim.host
+            if idx in self.before_forward:
+                self.before_forward[idx]()
             self._forward_segment(idx, seg, _Later(last_seg, idx), held)
             if lump and idx == self.comp.fwd_segments.stop - 1:  # type: ignore[union-attr]  # self.comp is set when lump is true
                 self._lump_forward(before, held, n_held)

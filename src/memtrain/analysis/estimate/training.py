@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from memtrain.analysis.device_replay import StepTimeline, replay_two_steps
 from memtrain.analysis.estimate.explain import explanation_lines, layer_activation_bytes
@@ -194,12 +194,18 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     sim.at("start", "weights and optimizer state")
     w_rank = weights / shard_div["weights"]
     gathered_bytes = 0.0
+    gathered_blocks: dict[int, float] = {}  # zero2: a simulated block's gathered weights
     if shard == "zero2" and n > 1:
-        # FSDP2 with reshard_after_forward=False: each rank holds its 1/N shard, and the
-        # all-gathered full weights (in the compute dtype: FSDP2's MixedPrecisionPolicy gathers
-        # bf16 under autocast) from the forward until the end of backward.
+        # FSDP2 with reshard_after_forward=False: each rank holds its 1/N shard, and each
+        # group's all-gathered full weights (in the compute dtype: FSDP2's MixedPrecisionPolicy
+        # gathers bf16 under autocast) from its forward until its post-backward reshards them
+        # (reshard_after_backward, on by default): a block's as its backward ends, the root
+        # group's (embeddings, final norm, head) at the end of backward.
         w_rank = weights / n
-        gathered_bytes = sum(p.numel * p.repeat * (ab if autocast else pb) for p in params)
+        gathered_bytes = sum(p.numel * p.repeat * (ab if autocast else pb) for p in params if p.block is None)
+        # Without ``repeat``: a lumped period repeats what the measured one allocates and frees.
+        gathered_blocks = {j: sum(p.numel * (ab if autocast else pb) for p in params if p.block == j)
+                           for j in range(comp.blocks)}
     opt_share = zero1["optimizer_per_rank"][zero1["rank"]] if zero1 else opt_bytes / shard_div["optimizer"]
     tmp_share = zero1["scratch"] if zero1 else opt_tmp / shard_div["optimizer"]
     # _first_step (the allocator replay's first step): no optimizer state yet (created lazily
@@ -239,6 +245,8 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
             # Block j's segments start at 1 + j * per_block; its backward ends with the first.
             graph.after_backward[1 + j * comp.per_block] = (
                 lambda group=[p for p in trainable if p.block == j], j=j: reduce(group, f"block {comp.real(j)}"))
+    if gathered_blocks:
+        _reshard_blocks_after_backward(sim, graph, comp, gathered_blocks)
     graph.comp = comp
     if tech.offload_activations:
         graph.offload_min = OFFLOAD_MIN_BYTES
@@ -414,6 +422,30 @@ class _FSDPReduce:
     def finish(self) -> None:
         self.sim.free(self.pending)
         self.pending = None
+
+
+def _reshard_blocks_after_backward(sim: Simulator, graph: Graph, comp: Any, gathered: dict[int, float]) -> None:
+    """FSDP2 zero2 (reshard_after_forward=False): simulated block ``j``'s full weights
+    (``gathered[j]`` bytes) are all-gathered as its forward begins and kept through the rest of
+    the forward; its post-backward reshards them before reducing its gradients (the hook added
+    here runs before the reduce-scatter already set for that block)."""
+    live: dict[int, int] = {}
+
+    def hooks(j: int, nbytes: float, then: Optional[Callable[[], None]]) -> tuple[Callable[[], None], Callable[[], None]]:
+        def gather() -> None:
+            sim.at("forward", f"FSDP2 all-gather of block {comp.real(j)}")
+            live[j] = sim.alloc(nbytes, "weights")
+
+        def reshard() -> None:
+            sim.free(live.pop(j, None))
+            if then is not None:
+                then()
+
+        return gather, reshard
+
+    for j, nbytes in gathered.items():
+        seg = 1 + j * comp.per_block  # the block's first segment: its forward starts, its backward ends there
+        graph.before_forward[seg], graph.after_backward[seg] = hooks(j, nbytes, graph.after_backward.get(seg))
 
 
 def _padded_rows(p: ParamInfo, world: int) -> int:
