@@ -642,7 +642,7 @@ class Compression:
     K for ``every:K``; round(sqrt(L)) for ``sqrt``). The simulation runs the first two periods,
     then stands ``lumps`` periods in as one allocation per category (what a period keeps after
     its forward; what it changes in backward, measured on the period right after the lump),
-    then the last period plus the remainder. Exact, not an approximation: every lumped period
+    then the last two periods plus the remainder. Exact, not an approximation: every lumped period
     is the same sequence of allocations as its simulated neighbours, its live total differs
     from theirs by a constant per period (forward: it only grows; backward: an affine function
     of the position), so the largest total over the lumped periods is reached at a simulated
@@ -675,6 +675,9 @@ def compression_of(cfg: RunConfig) -> Compression:
     L = cfg.model.n_layers
     # The period of the block kinds: blocks i % K == 0 are checkpointed under every:K and sqrt.
     P = policy.period(L)
-    # Two periods, the lumps, then the last period and the remainder.
-    lumps = max(0, (L - 2 * P) // P - 1)
+    # Two periods, the lumps, then the last two periods and the remainder. Two after the lump:
+    # the backward's first period differs from every later one (FSDP2's first reduce-scatter
+    # leaves its input buffer behind, the next ones only replace it), so the period whose
+    # backward the lump repeats, and the one the lump's backward starts from, must be later ones.
+    lumps = max(0, (L - 2 * P) // P - 2)
     return Compression(P, lumps, L - lumps * P, 3 if policy.kind == "selective" else 1)
