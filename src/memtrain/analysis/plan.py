@@ -389,7 +389,8 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
     # bytes moved read the same step, which costs the most of a plan (a trace: seconds).
     steps: dict[str, Any] = {}
 
-    slow = traced or (gpu is not None and device_type == "cuda")
+    replay = gpu is not None and device_type == "cuda" and not traced
+    slow = traced or replay
     bar = tqdm(desc="plan", unit="trace" if traced else "replay", leave=False, dynamic_ncols=True,
                disable=not (progress and slow and sys.stderr.isatty()))  # a bar is for a person watching
     with bar:  # closed however the search ends (an answer, nothing fits, Ctrl-C)
@@ -417,7 +418,6 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
             off = step_of(c).offload or {}
             return off.get("d2h_bytes_per_step", 0.0), off.get("h2d_bytes_per_step", 0.0)
 
-        replay = gpu is not None and device_type == "cuda" and not traced
         # What the card holds besides the live tensors, for certain: its CUDA context and the first
         # cuBLAS workspace (the allocator model allocates both; its reserved memory rounds up).
         facts = allocator_facts(gpu) if replay else None

@@ -19,7 +19,7 @@ through ``float`` unchanged.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Optional, TypeGuard, Union
 
 import torch
 
@@ -41,7 +41,7 @@ class StepReadings:
         self._loss: Union[torch.Tensor, float] = loss
         self._grad_norm: Scalar = grad_norm
         self._copied: Optional[Any] = None  # the event behind the host copies, when any were made
-        on_cuda = [v for v in (loss, grad_norm) if isinstance(v, torch.Tensor) and v.device.type == "cuda"]
+        on_cuda = [v for v in (loss, grad_norm) if _on_cuda(v)]
         if defer and on_cuda:
             self._loss = _to_host(loss)
             self._grad_norm = _to_host(grad_norm)
@@ -64,7 +64,7 @@ class StepReadings:
             self._copied.synchronize()
 
 
-def _on_cuda(value: Scalar) -> bool:
+def _on_cuda(value: Scalar) -> TypeGuard[torch.Tensor]:
     return isinstance(value, torch.Tensor) and value.device.type == "cuda"
 
 

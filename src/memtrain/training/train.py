@@ -395,10 +395,11 @@ class _Loop:
                 micro = state.loader.next_group(t.grad_accum)
             started = time.perf_counter()
             metered = self.meter is not None and step - start_step in METERED_STEPS
+            logs = self._logs(step + 1, end_step)
             with self.timer.step():
-                readings = self._one_step(micro, step - start_step, metered, self._logs(step + 1, end_step))
+                readings = self._one_step(micro, step - start_step, metered, logs)
                 state.scheduler.step()
-            logged = _host_scalars(state.scheduler, state.device) if self._logs(step + 1, end_step) else None
+            logged = _host_scalars(state.scheduler, state.device) if logs else None
             self._queued.append(_Queued(step + 1, readings, started, logged))
             lag = self.overlap and not metered and not self._acts(step + 1, end_step)
             self._read_queued(keep=1 if lag else 0, start_step=start_step, end_step=end_step, bar=bar)

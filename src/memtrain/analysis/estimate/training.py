@@ -193,18 +193,19 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
         sim.events = []
     sim.at("start", "weights and optimizer state")
     w_rank = weights / shard_div["weights"]
-    gathered_bytes = 0.0
+    gathered_dtype = ab if autocast else pb  # FSDP2's MixedPrecisionPolicy gathers bf16 under autocast
+    # FSDP2 (zero2, fsdp): the root group (embeddings, final norm, tied head) is gathered at the
+    # first forward and kept until its post-backward at the end of backward: the whole step.
+    gathered_bytes = (sum(p.numel * p.repeat * gathered_dtype for p in params if p.block is None)
+                      if n > 1 and shard in ("zero2", "fsdp") else 0.0)
     gathered_blocks: dict[int, float] = {}  # zero2: a simulated block's gathered weights
     if shard == "zero2" and n > 1:
-        # FSDP2 with reshard_after_forward=False: each rank holds its 1/N shard, and each
-        # group's all-gathered full weights (in the compute dtype: FSDP2's MixedPrecisionPolicy
-        # gathers bf16 under autocast) from its forward until its post-backward reshards them
-        # (reshard_after_backward, on by default): a block's as its backward ends, the root
-        # group's (embeddings, final norm, head) at the end of backward.
+        # FSDP2 with reshard_after_forward=False: each rank holds its 1/N shard, and each block's
+        # all-gathered full weights from its forward until its post-backward reshards them
+        # (reshard_after_backward, on by default), as the block's backward ends.
         w_rank = weights / n
-        gathered_bytes = sum(p.numel * p.repeat * (ab if autocast else pb) for p in params if p.block is None)
         # Without ``repeat``: a lumped period repeats what the measured one allocates and frees.
-        gathered_blocks = {j: sum(p.numel * (ab if autocast else pb) for p in params if p.block == j)
+        gathered_blocks = {j: sum(p.numel * gathered_dtype for p in params if p.block == j)
                            for j in range(comp.blocks)}
     opt_share = zero1["optimizer_per_rank"][zero1["rank"]] if zero1 else opt_bytes / shard_div["optimizer"]
     tmp_share = zero1["scratch"] if zero1 else opt_tmp / shard_div["optimizer"]
@@ -215,9 +216,6 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
         # FSDP all-gathers one block's parameters at a time (forward and backward).
         per_block = max((sum(pbytes[p.name] for p in params if p.block == i) for i in range(comp.blocks)), default=0)
         sim.alloc(per_block, "temporaries")
-        # The root group (embeddings, final norm, tied head) is gathered at the first forward
-        # and kept until its backward ends: the whole step (in the compute dtype, as for zero2).
-        gathered_bytes = sum(p.numel * p.repeat * (ab if autocast else pb) for p in params if p.block is None)
     # FSDP2 (zero2, fsdp) under gradient accumulation skips the reduce-scatter on all micro-batches
     # but the last (set_requires_gradient_sync(False)): each group keeps its *unsharded* gradients
     # (full size) as its accumulated gradient, so the last micro-batch starts with all of them.
@@ -267,7 +265,7 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
         # before the first layer. The peak when nothing later outgrows it (a frozen LM head
         # under LoRA and the chunked loss: no vocabulary-sized gradient in backward).
         sim.at("forward", "FSDP2 all-gather of the root group")
-        sim.transient(sum(p.numel * p.repeat * (ab if autocast else pb) for p in params if p.block is None))
+        sim.transient(gathered_bytes)
     graph.forward()
     graph.backward()
     sim.free(gathered)
