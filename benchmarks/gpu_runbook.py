@@ -218,16 +218,16 @@ STEPS: list[Step] = [
          "markdown"),
     # ---- profile: the chunked loss under --compile (3.1x the standard compiled step on an H100)
     Step("loss-profile", "profile",
-         "--loss chunked <= 1.05x the standard step under --compile: where its time goes (host vs device "
-         "time per step, kernels per step, top operators): chunk 256 and 1024 as the operator runs them, "
-         "chunk 256 with the loss outside the compiled graph, chunk 2048 traced into it, chunks 256 and 1024 "
-         "with each chunk's body in one compiled call; beside the standard loss, and the standard loss under "
-         "CUDA graphs (how much of the 9.1 ms seed step is launch cost against the 6 ms target)",
-         360,
+         "--loss chunked <= 1.05x the standard step under --compile, seed GPT <= 6 ms and <= 1.5 GiB: where the "
+         "time goes (host vs device time per step, kernels per step, top operators, max allocated): the standard "
+         "loss; chunk 1024 with the logits exactly 50257 wide (as before the aligned layout) and aligned; chunks "
+         "2048 and 4096 aligned; chunk 1024 with each chunk's body in one compiled call; the standard loss under "
+         "CUDA graphs (how much of the step is launch cost); chunk 2048 traced into the compiled graph",
+         300,
          lambda s, out: [PY, str(ROOT / "benchmarks" / "loss_profile.py"), "--device", s.device,
                          "--batch-size", str(s.seed_batch), "--seq-len", str(s.seed_seq), "--out", str(out),
-                         "--variants", "standard,standard-cudagraphs,chunked-256,chunked-1024,chunked-256-outside,"
-                         "chunked-2048-traced,chunked-256-onecall,chunked-1024-onecall",
+                         "--variants", "standard,chunked-1024-unaligned,chunked-1024,chunked-2048,chunked-4096,"
+                         "chunked-1024-onecall,standard-cudagraphs,chunked-2048-traced",
                          *(["--compile"] if s.compile else ["--steps", "2", "--warmup", "1", "--d-model", "64"])],
          "markdown"),
     Step("seed-compiled-synced", "profile",

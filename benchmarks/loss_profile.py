@@ -54,7 +54,7 @@ from memtrain.techniques import loss as loss_module
 from memtrain.techniques.precision import make_precision
 from memtrain.training.step import build_state, random_micro_batches, run_step
 
-VARIANT_HOW = ("", "outside", "traced", "onecall")
+VARIANT_HOW = ("", "outside", "traced", "onecall", "unaligned")
 
 
 CUDA_GRAPHS = "-cudagraphs"
@@ -72,8 +72,8 @@ def parse_variant(name: str) -> tuple[dict[str, Any], str]:
     if parts[0] == "chunked" and 2 <= len(parts) <= 3 and parts[1].isdigit() and int(parts[1]) > 0 \
             and (len(parts) == 2 or parts[2] in VARIANT_HOW[1:]):
         return {"loss": "chunked", "loss_chunk": int(parts[1]), **mode}, parts[2] if len(parts) == 3 else ""
-    raise ValueError(f"unknown variant {name!r}: use standard, chunked-N, chunked-N-outside, chunked-N-traced "
-                     f"or chunked-N-onecall, each optionally ending in {CUDA_GRAPHS}")
+    raise ValueError(f"unknown variant {name!r}: use standard, chunked-N, chunked-N-outside, chunked-N-traced, "
+                     f"chunked-N-onecall or chunked-N-unaligned, each optionally ending in {CUDA_GRAPHS}")
 
 
 def one_call_chunk_step(backend: str = "inductor") -> Callable[..., None]:
@@ -87,17 +87,17 @@ def one_call_chunk_step(backend: str = "inductor") -> Callable[..., None]:
 
     @torch.compile(backend=backend)
     def body(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, grad_h_rows: Optional[torch.Tensor],
-             grad_w: Optional[torch.Tensor], loss_sum: torch.Tensor) -> None:
-        per_token, g = loss_module._logit_gradient(h @ w.t(), t)
-        loss_sum.add_(per_token.sum())
+             grad_w: Optional[torch.Tensor], loss_sum: torch.Tensor, vocab: int) -> None:
+        chunk_loss, g = loss_module._logit_gradient(h @ w.t(), t, vocab)
+        loss_sum.add_(chunk_loss)
         if grad_h_rows is not None:
             grad_h_rows.copy_(g @ w)
         if grad_w is not None:
             grad_w.add_(g.t() @ h)  # float32 accumulation, as the loop's
 
     def step(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, grad_h_rows: Optional[torch.Tensor],
-             grad_w: Optional[torch.Tensor], loss_sum: torch.Tensor, fused: Any) -> None:
-        body(h, w, t, grad_h_rows, grad_w, loss_sum)  # the whole body is compiled: no separate kernel to pick
+             grad_w: Optional[torch.Tensor], loss_sum: torch.Tensor, fused: Any, vocab: int) -> None:
+        body(h, w, t, grad_h_rows, grad_w, loss_sum, vocab)  # the whole body is compiled: no separate kernel to pick
 
     return step
 
@@ -113,10 +113,14 @@ def _loss_placement(state: Any, how: str) -> Iterator[None]:
         loss_module._chunked_forward_op = loss_module._chunked_forward
     if how == "onecall":  # the loop looks its step up at each chunk, on the operator's path and the eager one
         loss_module._chunk_step = one_call_chunk_step()
+    align = loss_module.ALIGN_VOCAB
+    if how == "unaligned":  # the logits exactly vocab columns wide, as before the aligned layout
+        loss_module.ALIGN_VOCAB = 1
     try:
         yield
     finally:
         loss_module._chunked_forward_op, loss_module._chunk_step = previous
+        loss_module.ALIGN_VOCAB = align
 
 
 def profile_variant(overrides: dict[str, Any], steps: int, warmup: int, top: int, how: str = "") -> dict[str, Any]:
@@ -147,6 +151,8 @@ def _profile_steps(state: Any, cfg: Any, device: torch.device, steps: int, warmu
         return out
 
     times = timed_steps(warmup)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         profiled = timed_steps(steps)
@@ -168,6 +174,9 @@ def _profile_steps(state: Any, cfg: Any, device: torch.device, steps: int, warmu
         "host_us_per_step": sum(float(e.self_cpu_time_total) for e in events) / steps,
         "device_us_per_step": device_us / steps if device_us is not None else None,
         "kernels_per_step": kernels / steps if on_device else None,
+        # the profiled steps' peaks (the steady state: the optimizer's state exists)
+        "max_allocated_bytes": torch.cuda.max_memory_allocated(device) if on_device else None,
+        "max_reserved_bytes": torch.cuda.max_memory_reserved(device) if on_device else None,
         "top": [{"op": e.key, "calls_per_step": e.count / steps, "self_us_per_step": self_time(e) / steps}
                 for e in ranked],
     }
@@ -177,17 +186,19 @@ def _markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = ["# Where the step's time goes: standard vs chunked loss", "",
              f"- command: `{meta['command']}`", f"- commit: {meta['commit']}", f"- device: {meta['device_name']}",
              f"- torch {meta['torch']}", "",
-             "| variant | step ms (median) | first step s | host us/step | device us/step | kernels/step |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "| variant | step ms (median) | first step s | host us/step | device us/step | kernels/step "
+             "| max allocated GiB | max reserved GiB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['name']} | failed: {r['error'].replace('|', '/')} | | | | |")
+            lines.append(f"| {r['name']} | failed: {r['error'].replace('|', '/')} | | | | | | |")
             continue
         dev = "-" if r["device_us_per_step"] is None else f"{r['device_us_per_step']:,.0f}"
         ker = "-" if r["kernels_per_step"] is None else f"{r['kernels_per_step']:,.0f}"
         first = "-" if r["first_step_s"] is None else f"{r['first_step_s']:.2f}"
+        gib = [("-" if r.get(k) is None else f"{r[k] / 2**30:.2f}") for k in ("max_allocated_bytes", "max_reserved_bytes")]
         lines.append(f"| {r['name']} | {r['step_s_median'] * 1e3:.2f} | {first} | {r['host_us_per_step']:,.0f} "
-                     f"| {dev} | {ker} |")
+                     f"| {dev} | {ker} | {gib[0]} | {gib[1]} |")
     for r in (r for r in rows if "error" not in r):
         lines += ["", f"## {r['name']}: top operators by self {'device' if r['device_us_per_step'] is not None else 'host'} "
                   "time", "", "| op | calls/step | self us/step |", "|---|---:|---:|"]

@@ -47,6 +47,34 @@ def test_the_fused_chunk_kernel_matches_the_standard_loss(monkeypatch, kernel):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_the_fused_path_lays_the_logits_out_aligned_and_masks_the_padding(monkeypatch):
+    """The fused (CUDA) path computes the logits ALIGN_VOCAB columns wide: a 301-token head runs
+    as 320 columns; the 19 padding columns change neither the loss nor a gradient, and the
+    weight's gradient comes back with the head's own 301 rows."""
+    widths: list[int] = []
+
+    def recording(logits, targets, vocab):
+        widths.append(logits.shape[1])
+        return _logit_gradient(logits, targets, vocab)
+
+    monkeypatch.setattr(loss_module, "_fused_logit_gradient", lambda hidden: recording)
+    hidden, weight, targets = _inputs(v=301)
+    ref = _loss_and_grads(lambda h, w, t: F.cross_entropy(h @ w.t(), t, ignore_index=IGNORE_INDEX),
+                          hidden, weight, targets)
+    got = _loss_and_grads(functools.partial(chunked_lm_loss, chunk=40), hidden, weight, targets)
+    assert set(widths) == {loss_module.aligned_vocab(301)} == {320}
+    assert got[2].shape == weight.shape
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # Under BF16 autocast: the same as the unaligned eager loop, to rounding.
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = _loss_and_grads(functools.partial(chunked_lm_loss, chunk=40), hidden, weight, targets)
+        monkeypatch.setattr(loss_module, "_fused_logit_gradient", lambda hidden: None)
+        ref = _loss_and_grads(functools.partial(chunked_lm_loss, chunk=40), hidden, weight, targets)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2 * float(b.abs().max()))
+
+
 def test_the_fused_kernel_is_used_only_on_real_cuda_tensors():
     hidden, _, _ = _inputs()
     assert loss_module._fused_logit_gradient(hidden) is None  # CPU: the in-place eager loop

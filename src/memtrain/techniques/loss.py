@@ -77,27 +77,44 @@ def _chunk_stats(
     return logits, lse, torch.where(valid, lse - target_logit, 0.0)
 
 
-def _logit_gradient(logits_lp: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk's per-token loss and logit gradient ``softmax - onehot`` (0 on ignored rows),
-    the gradient in the logits' dtype. Pure functions of the inputs (no in-place updates), so
+def _logit_gradient(logits_lp: torch.Tensor, targets: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's summed loss and its logit gradient ``softmax - onehot`` (0 on ignored rows),
+    the gradient in the logits' dtype. ``logits_lp`` may be wider than ``vocab``: its columns from
+    ``vocab`` on are padding (the row-aligned layout of :func:`aligned_vocab`), left out of the
+    log-sum-exp and given a zero gradient. Pure functions of the inputs (no in-place updates), so
     that inductor fuses them; numerically the same steps as the eager loop body below."""
-    logits = logits_lp.float()
+    columns = torch.arange(logits_lp.shape[1], device=logits_lp.device).unsqueeze(0)
+    logits = torch.where(columns < vocab, logits_lp.float(), float("-inf"))
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
     valid = (targets != IGNORE_INDEX).unsqueeze(1)
     safe = torch.where(valid, targets.unsqueeze(1), 0)
-    per_token = torch.where(valid, lse - logits.gather(1, safe), 0.0).squeeze(1)
-    columns = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
+    per_token = torch.where(valid, lse - logits.gather(1, safe), 0.0)
+    # exp(-inf - lse) = 0: padded columns get no gradient.
     grad = torch.where(valid, torch.exp(logits - lse) - (columns == safe).float(), 0.0)
-    return per_token, grad.to(logits_lp.dtype)
+    return per_token.sum(), grad.to(logits_lp.dtype)
+
+
+LogitGradient = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+# cuBLAS's fast tensor-core GEMMs want every row of a 16-bit operand to start on a 16-byte
+# boundary; a (chunk x 50257) logits buffer (GPT-2's odd vocabulary) has none after its first, so
+# each of the chunk's three matmuls falls back to a slower kernel. On CUDA the fused path lays the
+# logits out ALIGN_VOCAB columns wide instead (inductor pads such buffers itself:
+# torch._inductor.config.comprehensive_padding), at most 63 more columns, masked in the loss.
+ALIGN_VOCAB = 64
+
+
+def aligned_vocab(vocab: int) -> int:
+    """``vocab`` rounded up to a multiple of :data:`ALIGN_VOCAB` (the fused path's logits width)."""
+    return -(-vocab // ALIGN_VOCAB) * ALIGN_VOCAB
 
 
 @functools.lru_cache(maxsize=1)
-def _compiled_logit_gradient() -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+def _compiled_logit_gradient() -> LogitGradient:
     return torch.compile(_logit_gradient)  # type: ignore[return-value]  # compile keeps the signature
 
 
-def _fused_logit_gradient(hidden: torch.Tensor) -> Optional[Callable[[torch.Tensor, torch.Tensor],
-                                                                      tuple[torch.Tensor, torch.Tensor]]]:
+def _fused_logit_gradient(hidden: torch.Tensor) -> Optional[LogitGradient]:
     """The compiled :func:`_logit_gradient` where it pays (a real CUDA tensor with Triton), else None."""
     if hidden.device.type != "cuda" or is_fake(hidden):
         return None
@@ -111,35 +128,45 @@ def _chunked_forward(
     need_grad_hidden: bool, need_grad_weight: bool,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor]:
     """The loss sum, the unscaled gradients (float32 for the weight) and ``1 / n_valid``."""
+    fused = _fused_logit_gradient(hidden)
     # Casts are explicit below; autocast must not recast inside the loop.
     with torch.autocast(hidden.device.type, enabled=False):
         h_all = hidden.to(compute_dtype)
-        w = weight.to(compute_dtype)  # one (V x d) cast, as autocast's weight cache does
+        vocab, d = weight.shape
+        # The fused path's weight is ``aligned_vocab`` rows, the extra ones zero: the logits' rows
+        # and grad_w's stay 16-byte aligned (see ALIGN_VOCAB). One (V x d) copy either way when
+        # the compute dtype differs, as autocast's weight cache makes.
+        width = aligned_vocab(vocab) if fused is not None else vocab
+        if width == vocab:
+            w = weight.to(compute_dtype)
+        else:
+            w = weight.new_zeros((width, d), dtype=compute_dtype)
+            w[:vocab].copy_(weight)
         n = h_all.shape[0]
         # float32 division as F.cross_entropy does (no host sync on the count).
         inv_n = 1.0 / (targets != IGNORE_INDEX).sum().float()
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_grad_hidden else None
         # float32 accumulation across chunks, whatever the compute dtype.
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad_weight else None
-        fused = _fused_logit_gradient(hidden)
+        grad_w = torch.zeros((width, d), dtype=torch.float32, device=weight.device) if need_grad_weight else None
         for start in range(0, n, chunk):
             rows = slice(start, start + chunk)
             _chunk_step(h_all[rows], w, targets[rows], None if grad_h is None else grad_h[rows], grad_w, loss_sum,
-                        fused)
-    return loss_sum, grad_h, grad_w, inv_n
+                        fused, vocab)
+    # The real rows of an aligned grad_w (a view: no copy).
+    return loss_sum, grad_h, None if grad_w is None else grad_w[:vocab], inv_n
 
 
 def _chunk_step(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, grad_h_rows: Optional[torch.Tensor],
-                grad_w: Optional[torch.Tensor], loss_sum: torch.Tensor,
-                fused: Optional[Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]]) -> None:
+                grad_w: Optional[torch.Tensor], loss_sum: torch.Tensor, fused: Optional[LogitGradient],
+                vocab: int) -> None:
     """One chunk (``h``: its hidden states in the compute dtype): its loss added into
     ``loss_sum``, its logit gradient's contributions written into ``grad_h_rows`` (the chunk's
-    rows of grad_h) and added into ``grad_w``. ``fused``: CUDA's compiled logit gradient, else
-    the in-place eager body."""
+    rows of grad_h) and added into ``grad_w``. ``fused``: CUDA's compiled logit gradient (``w``
+    may then have padding rows past ``vocab``), else the in-place eager body."""
     if fused is not None:
-        per_token, g_lp = fused(h @ w.t(), t)
-        loss_sum += per_token.sum()
+        chunk_loss, g_lp = fused(h @ w.t(), t, vocab)
+        loss_sum += chunk_loss
         _accumulate(grad_h_rows, grad_w, g_lp, h, w)
         return
     logits, lse, per_token = _chunk_stats(h, w, t)
