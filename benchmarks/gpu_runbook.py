@@ -219,15 +219,17 @@ STEPS: list[Step] = [
     # ---- profile: the chunked loss under --compile (3.1x the standard compiled step on an H100)
     Step("loss-profile", "profile",
          "--loss chunked <= 1.05x the standard step under --compile, seed GPT <= 6 ms and <= 1.5 GiB: where the "
-         "time goes (host vs device time per step, kernels per step, top operators, max allocated): the standard "
-         "loss; chunk 1024 with the logits exactly 50257 wide (as before the aligned layout) and aligned; chunks "
-         "2048 and 4096 aligned; chunk 1024 with each chunk's body in one compiled call; the standard loss under "
-         "CUDA graphs (how much of the step is launch cost); chunk 2048 traced into the compiled graph",
-         300,
+         "time goes (steps timed without the profiler; host vs device time per step, kernels per step, top "
+         "operators, peaks of profiled steps): the standard loss; chunks 256, 1024, 2048 and 4096 (aligned logits, "
+         "one compiled call per chunk); chunk 1024 with each chunk's ops launched from Python; the standard loss "
+         "and chunks 256, 1024 and 4096 under CUDA graphs (--compile-mode reduce-overhead: no launch cost); chunk "
+         "1024 with the logits exactly 50257 wide (as before the aligned layout)",
+         150,
          lambda s, out: [PY, str(ROOT / "benchmarks" / "loss_profile.py"), "--device", s.device,
                          "--batch-size", str(s.seed_batch), "--seq-len", str(s.seed_seq), "--out", str(out),
-                         "--variants", "standard,chunked-1024-unaligned,chunked-1024,chunked-2048,chunked-4096,"
-                         "chunked-1024-onecall,standard-cudagraphs,chunked-2048-traced",
+                         "--variants", "standard,chunked-256,chunked-1024,chunked-2048,chunked-4096,chunked-1024-loop,"
+                         "standard-cudagraphs,chunked-256-cudagraphs,chunked-1024-cudagraphs,chunked-4096-cudagraphs,"
+                         "chunked-1024-unaligned",
                          *(["--compile"] if s.compile else ["--steps", "2", "--warmup", "1", "--d-model", "64"])],
          "markdown"),
     Step("seed-compiled-synced", "profile",

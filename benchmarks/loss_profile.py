@@ -14,15 +14,18 @@ where: for each variant it builds the run as ``memtrain train`` does (the step h
 * the top operators by self device time (self host time on a CPU), with calls per step.
 
 Variants (``--variants``): ``standard``; ``chunked-N`` (the chunked loss at chunk N, as
-``--loss chunked`` runs it: under ``--compile`` one opaque operator in the graph);
-``chunked-N-outside`` (the same loss left out of the compiled graph: the model compiled, the loss
-eager); ``chunked-N-traced`` (the chunk loop traced into the compiled graph, one copy per chunk,
-for a few large chunks: what inductor makes of the whole loss when it sees it);
-``chunked-N-onecall`` (a candidate chunk step, :func:`one_call_chunk_step`, defined here until a
-GPU has timed it: each chunk's whole body, matmuls included, in one compiled call instead of
-about eight launches and one compiled call from Python). Any variant ending in ``-cudagraphs``
-runs with ``--compile-mode reduce-overhead``: with ``--compile`` on a GPU, CUDA graphs replay the
-compiled forward and backward in one launch each, which says how much of a step is launch cost.
+``--loss chunked`` runs it: under ``--compile`` one opaque operator in the graph, each chunk one
+compiled call on CUDA, the logits laid out 64 columns wide); ``chunked-N-outside`` (the same loss
+left out of the compiled graph: the model compiled, the loss eager); ``chunked-N-traced`` (the chunk
+loop traced into the compiled graph, one copy per chunk, for a few large chunks: what inductor
+makes of the whole loss when it sees it); ``chunked-N-loop`` (each chunk's ops launched from Python
+around one compiled logit gradient, :func:`per_op_chunk_step`, as before the one-call body);
+``chunked-N-unaligned`` (the logits exactly vocab columns wide, as before the aligned layout). Any
+variant ending in ``-cudagraphs`` runs with ``--compile-mode reduce-overhead``: with ``--compile``
+on a GPU, CUDA graphs replay the compiled forward and backward in one launch each, which says how
+much of a step is launch cost (their max allocated leaves out the graphs' own pool: read reserved).
+Each variant's step time is the median of steps timed without the profiler (``--timed``), which
+adds host time to every operator it records.
 A variant that fails is recorded with its error, and the next one runs.
 
     python benchmarks/loss_profile.py --device cuda --compile --out /tmp/loss-profile
@@ -54,7 +57,7 @@ from memtrain.techniques import loss as loss_module
 from memtrain.techniques.precision import make_precision
 from memtrain.training.step import build_state, random_micro_batches, run_step
 
-VARIANT_HOW = ("", "outside", "traced", "onecall", "unaligned")
+VARIANT_HOW = ("", "outside", "traced", "loop", "unaligned")
 
 
 CUDA_GRAPHS = "-cudagraphs"
@@ -73,31 +76,26 @@ def parse_variant(name: str) -> tuple[dict[str, Any], str]:
             and (len(parts) == 2 or parts[2] in VARIANT_HOW[1:]):
         return {"loss": "chunked", "loss_chunk": int(parts[1]), **mode}, parts[2] if len(parts) == 3 else ""
     raise ValueError(f"unknown variant {name!r}: use standard, chunked-N, chunked-N-outside, chunked-N-traced, "
-                     f"chunked-N-onecall or chunked-N-unaligned, each optionally ending in {CUDA_GRAPHS}")
+                     f"chunked-N-loop or chunked-N-unaligned, each optionally ending in {CUDA_GRAPHS}")
 
 
-def one_call_chunk_step(backend: str = "inductor") -> Callable[..., None]:
-    """A stand-in for :func:`memtrain.techniques.loss._chunk_step` (same arguments, same effect)
-    that is one compiled function: the logits matmul, the logit gradient
-    (:func:`memtrain.techniques.loss._logit_gradient`), ``g @ w`` written into the chunk's rows of
-    ``grad_h``, ``g.t() @ h`` added into the float32 ``grad_w`` and the loss sum, all inside one
-    call. The loop's step makes about eight launches and one compiled call per chunk from Python;
-    on an H100 the compiled seed GPT's chunked step cost about 0.16 ms more per chunk. Kept here
-    until a GPU has timed it against the step that runs."""
-
-    @torch.compile(backend=backend)
-    def body(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, grad_h_rows: Optional[torch.Tensor],
-             grad_w: Optional[torch.Tensor], loss_sum: torch.Tensor, vocab: int) -> None:
-        chunk_loss, g = loss_module._logit_gradient(h @ w.t(), t, vocab)
-        loss_sum.add_(chunk_loss)
-        if grad_h_rows is not None:
-            grad_h_rows.copy_(g @ w)
-        if grad_w is not None:
-            grad_w.add_(g.t() @ h)  # float32 accumulation, as the loop's
+def per_op_chunk_step() -> Callable[..., None]:
+    """The chunk step as it ran before :func:`memtrain.techniques.loss._chunk_body` (same arguments,
+    same effect): the logits matmul, the compiled logit gradient, then ``g @ w`` copied into the
+    chunk's rows of grad_h, ``g.t() @ h`` added into grad_w and the loss added, each op launched
+    from Python (about eight launches and one compiled call per chunk). Kept to time the two side
+    by side. Where the loss module would run its eager body (a CPU), that body runs."""
+    compiled = torch.compile(loss_module._logit_gradient)
+    eager_step = loss_module._chunk_step
 
     def step(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, grad_h_rows: Optional[torch.Tensor],
              grad_w: Optional[torch.Tensor], loss_sum: torch.Tensor, fused: Any, vocab: int) -> None:
-        body(h, w, t, grad_h_rows, grad_w, loss_sum, vocab)  # the whole body is compiled: no separate kernel to pick
+        if fused is None:
+            eager_step(h, w, t, grad_h_rows, grad_w, loss_sum, None, vocab)
+            return
+        chunk_loss, g = compiled(h @ w.t(), t, vocab)
+        loss_sum += chunk_loss
+        loss_module._accumulate(grad_h_rows, grad_w, g, h, w)
 
     return step
 
@@ -105,14 +103,15 @@ def one_call_chunk_step(backend: str = "inductor") -> Callable[..., None]:
 @contextlib.contextmanager
 def _loss_placement(state: Any, how: str) -> Iterator[None]:
     """Leave the loss out of the compiled graph ("outside"), trace its chunk loop into it
-    ("traced") or run the candidate chunk step ("onecall"); everything is put back afterwards."""
+    ("traced"), run the per-op chunk step ("loop") or lay the logits out exactly vocab columns wide
+    ("unaligned"); everything is put back afterwards."""
     if how == "outside":
         state.model.loss_fn = torch.compiler.disable(state.model.loss_fn)
     previous = loss_module._chunked_forward_op, loss_module._chunk_step
     if how == "traced":  # the loop itself where the compiled forward calls the operator: dynamo unrolls it
         loss_module._chunked_forward_op = loss_module._chunked_forward
-    if how == "onecall":  # the loop looks its step up at each chunk, on the operator's path and the eager one
-        loss_module._chunk_step = one_call_chunk_step()
+    if how == "loop":  # the loop looks its step up at each chunk, on the operator's path and the eager one
+        loss_module._chunk_step = per_op_chunk_step()
     align = loss_module.ALIGN_VOCAB
     if how == "unaligned":  # the logits exactly vocab columns wide, as before the aligned layout
         loss_module.ALIGN_VOCAB = 1
@@ -123,8 +122,10 @@ def _loss_placement(state: Any, how: str) -> Iterator[None]:
         loss_module.ALIGN_VOCAB = align
 
 
-def profile_variant(overrides: dict[str, Any], steps: int, warmup: int, top: int, how: str = "") -> dict[str, Any]:
-    """Build one run, time ``warmup`` steps, profile ``steps`` more; the figures described above."""
+def profile_variant(overrides: dict[str, Any], steps: int, warmup: int, top: int, how: str = "",
+                    timed: int = 0) -> dict[str, Any]:
+    """Build one run, run ``warmup`` steps, time ``timed`` more without the profiler, profile ``steps``
+    more; the figures described above."""
     cfg = build_config(overrides)
     device = torch.device(overrides["device"])
     # Each variant compiles a new model: dynamo's caches of the last one's graphs would count
@@ -133,11 +134,11 @@ def profile_variant(overrides: dict[str, Any], steps: int, warmup: int, top: int
     torch.manual_seed(0)
     state = build_state(cfg, device, make_precision(cfg.technique.precision, device))
     with _loss_placement(state, how):
-        return _profile_steps(state, cfg, device, steps, warmup, top, overrides)
+        return _profile_steps(state, cfg, device, steps, warmup, top, overrides, timed)
 
 
 def _profile_steps(state: Any, cfg: Any, device: torch.device, steps: int, warmup: int, top: int,
-                   overrides: dict[str, Any]) -> dict[str, Any]:
+                   overrides: dict[str, Any], timed: int = 0) -> dict[str, Any]:
     micro = random_micro_batches(cfg, cfg.train.batch_size, device, torch.Generator().manual_seed(0))
 
     def timed_steps(n: int) -> list[float]:
@@ -151,6 +152,9 @@ def _profile_steps(state: Any, cfg: Any, device: torch.device, steps: int, warmu
         return out
 
     times = timed_steps(warmup)
+    # The profiler adds host time to every operator it records, so the step times it sees overstate
+    # a host-bound step: the comparison uses steps timed without it.
+    unprofiled = timed_steps(timed)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -169,7 +173,9 @@ def _profile_steps(state: Any, cfg: Any, device: torch.device, steps: int, warmu
     return {
         "config": overrides,
         "first_step_s": times[0] if times else None,
-        "step_s_median": statistics.median(profiled),
+        "step_s_median": statistics.median(unprofiled or profiled),
+        "unprofiled_steps": len(unprofiled),
+        "profiled_step_s_median": statistics.median(profiled),
         "profiled_steps": steps,
         "host_us_per_step": sum(float(e.self_cpu_time_total) for e in events) / steps,
         "device_us_per_step": device_us / steps if device_us is not None else None,
@@ -186,18 +192,21 @@ def _markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = ["# Where the step's time goes: standard vs chunked loss", "",
              f"- command: `{meta['command']}`", f"- commit: {meta['commit']}", f"- device: {meta['device_name']}",
              f"- torch {meta['torch']}", "",
-             "| variant | step ms (median) | first step s | host us/step | device us/step | kernels/step "
+             "Step ms: the median of the steps timed without the profiler (of the profiled ones where none "
+             "were); profiled ms, host and device time, kernels and peaks: the profiled steps.", "",
+             "| variant | step ms (median) | profiled ms | first step s | host us/step | device us/step | kernels/step "
              "| max allocated GiB | max reserved GiB |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['name']} | failed: {r['error'].replace('|', '/')} | | | | | | |")
+            lines.append(f"| {r['name']} | failed: {r['error'].replace('|', '/')} | | | | | | | |")
             continue
         dev = "-" if r["device_us_per_step"] is None else f"{r['device_us_per_step']:,.0f}"
         ker = "-" if r["kernels_per_step"] is None else f"{r['kernels_per_step']:,.0f}"
         first = "-" if r["first_step_s"] is None else f"{r['first_step_s']:.2f}"
         gib = [("-" if r.get(k) is None else f"{r[k] / 2**30:.2f}") for k in ("max_allocated_bytes", "max_reserved_bytes")]
-        lines.append(f"| {r['name']} | {r['step_s_median'] * 1e3:.2f} | {first} | {r['host_us_per_step']:,.0f} "
+        prof = r.get("profiled_step_s_median", r["step_s_median"]) * 1e3
+        lines.append(f"| {r['name']} | {r['step_s_median'] * 1e3:.2f} | {prof:.2f} | {first} | {r['host_us_per_step']:,.0f} "
                      f"| {dev} | {ker} | {gib[0]} | {gib[1]} |")
     for r in (r for r in rows if "error" not in r):
         lines += ["", f"## {r['name']}: top operators by self {'device' if r['device_us_per_step'] is not None else 'host'} "
@@ -214,10 +223,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--d-model", type=positive_int, default=None, help="a smaller model for a quick look")
     ap.add_argument("--variants", default="standard,chunked-256,chunked-1024",
                     help="comma-separated: standard, chunked-N, chunked-N-outside, chunked-N-traced, "
-                         "chunked-N-onecall, each optionally ending in -cudagraphs (see above)")
+                         "chunked-N-loop, chunked-N-unaligned, each optionally ending in -cudagraphs (see above)")
     ap.add_argument("--compile", action="store_true", help="--compile for every variant")
     ap.add_argument("--steps", type=positive_int, default=6, help="profiled steps per variant (default 6)")
-    ap.add_argument("--warmup", type=positive_int, default=3, help="timed steps before profiling (default 3)")
+    ap.add_argument("--warmup", type=positive_int, default=3, help="steps before timing (default 3; the first "
+                    "one's time is reported: compilation lands there)")
+    ap.add_argument("--timed", type=int, default=20, help="steps timed without the profiler after the warm-up "
+                    "(default 20; 0: the profiled steps' times)")
     ap.add_argument("--top", type=positive_int, default=25, help="operators listed per variant (default 25)")
     ap.add_argument("--out", default="benchmarks/results/loss-profile")
     args = ap.parse_args(argv)
@@ -246,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for name, extra, how in variants:
         try:
-            row = {"name": name, **profile_variant({**base, **extra}, args.steps, args.warmup, args.top, how)}
+            row = {"name": name, **profile_variant({**base, **extra}, args.steps, args.warmup, args.top, how,
+                                                   max(0, args.timed))}
         except Exception as exc:  # noqa: BLE001 - one variant's failure must not cost the others' device time
             row = {"name": name, "config": {**base, **extra}, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
             print(f"{name}: failed: {row['error']}", file=sys.stderr, flush=True)

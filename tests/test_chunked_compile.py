@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import memtrain.techniques.loss as loss_module
 from memtrain.config.run import build_config
 from memtrain.techniques import make_precision
-from memtrain.techniques.loss import IGNORE_INDEX, _logit_gradient, chunked_lm_loss
+from memtrain.techniques.loss import IGNORE_INDEX, _chunk_body, chunked_lm_loss
 from memtrain.training.step import build_state, random_micro_batches
 
 CPU = torch.device("cpu")
@@ -35,10 +35,10 @@ def _loss_and_grads(fn, hidden, weight, targets):
 
 @pytest.mark.parametrize("kernel", ["eager", "aot_eager"])
 def test_the_fused_chunk_kernel_matches_the_standard_loss(monkeypatch, kernel):
-    """The functional per-chunk kernel that CUDA compiles, run here eagerly and through
-    dynamo + AOTAutograd, gives the standard loss's value and gradients."""
-    fn = _logit_gradient if kernel == "eager" else torch.compile(_logit_gradient, backend="aot_eager")
-    monkeypatch.setattr(loss_module, "_fused_logit_gradient", lambda hidden: fn)
+    """The one-call chunk body that CUDA compiles, run here eagerly and through dynamo +
+    AOTAutograd, gives the standard loss's value and gradients."""
+    fn = _chunk_body if kernel == "eager" else torch.compile(_chunk_body, backend="aot_eager")
+    monkeypatch.setattr(loss_module, "_fused_chunk_body", lambda hidden: fn)
     hidden, weight, targets = _inputs()
     ref = _loss_and_grads(lambda h, w, t: F.cross_entropy(h @ w.t(), t, ignore_index=IGNORE_INDEX),
                           hidden, weight, targets)
@@ -53,11 +53,11 @@ def test_the_fused_path_lays_the_logits_out_aligned_and_masks_the_padding(monkey
     weight's gradient comes back with the head's own 301 rows."""
     widths: list[int] = []
 
-    def recording(logits, targets, vocab):
-        widths.append(logits.shape[1])
-        return _logit_gradient(logits, targets, vocab)
+    def recording(h, w, *rest):
+        widths.append(w.shape[0])
+        return _chunk_body(h, w, *rest)
 
-    monkeypatch.setattr(loss_module, "_fused_logit_gradient", lambda hidden: recording)
+    monkeypatch.setattr(loss_module, "_fused_chunk_body", lambda hidden: recording)
     hidden, weight, targets = _inputs(v=301)
     ref = _loss_and_grads(lambda h, w, t: F.cross_entropy(h @ w.t(), t, ignore_index=IGNORE_INDEX),
                           hidden, weight, targets)
@@ -69,7 +69,7 @@ def test_the_fused_path_lays_the_logits_out_aligned_and_masks_the_padding(monkey
     # Under BF16 autocast: the same as the unaligned eager loop, to rounding.
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = _loss_and_grads(functools.partial(chunked_lm_loss, chunk=40), hidden, weight, targets)
-        monkeypatch.setattr(loss_module, "_fused_logit_gradient", lambda hidden: None)
+        monkeypatch.setattr(loss_module, "_fused_chunk_body", lambda hidden: None)
         ref = _loss_and_grads(functools.partial(chunked_lm_loss, chunk=40), hidden, weight, targets)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2 * float(b.abs().max()))
@@ -77,7 +77,7 @@ def test_the_fused_path_lays_the_logits_out_aligned_and_masks_the_padding(monkey
 
 def test_the_fused_kernel_is_used_only_on_real_cuda_tensors():
     hidden, _, _ = _inputs()
-    assert loss_module._fused_logit_gradient(hidden) is None  # CPU: the in-place eager loop
+    assert loss_module._fused_chunk_body(hidden) is None  # CPU: the in-place eager loop
 
 
 def _compiled_step_graphs(chunk: int) -> tuple[list[torch.fx.GraphModule], float, float]:

@@ -311,8 +311,8 @@ def test_loss_profile_variants_parse_and_a_failing_one_is_recorded_while_the_res
     on the GPU (device time is scarce) is written with its error, and the next one still runs."""
     profile = _load("loss_profile")
     assert profile.parse_variant("standard-cudagraphs") == ({"loss": "standard", "compile_mode": "reduce-overhead"}, "")
-    assert profile.parse_variant("chunked-64-onecall-cudagraphs") == (
-        {"loss": "chunked", "loss_chunk": 64, "compile_mode": "reduce-overhead"}, "onecall")
+    assert profile.parse_variant("chunked-64-loop-cudagraphs") == (
+        {"loss": "chunked", "loss_chunk": 64, "compile_mode": "reduce-overhead"}, "loop")
     for bad in ("cudagraphs", "standard-cudagraphs-cudagraphs", "chunked-cudagraphs"):
         with pytest.raises(ValueError, match="optionally ending in -cudagraphs"):
             profile.parse_variant(bad)
@@ -371,10 +371,10 @@ def test_a_traced_chunk_loop_compiles_to_the_operators_gradients():
         torch.testing.assert_close(a, b)
 
 
-def test_the_one_call_chunk_step_gives_the_loops_loss_and_gradients(monkeypatch):
-    """loss_profile's "onecall" candidate (each chunk's body in one compiled call, with the chunk's
-    rows of grad_h and the float32 grad_w updated in place) computes what memtrain's loop does, in
-    float32 and under BF16 autocast, through dynamo and AOTAutograd (aot_eager: no kernels built)."""
+def test_the_per_op_chunk_step_gives_the_one_call_bodys_loss_and_gradients(monkeypatch):
+    """loss_profile's "loop" variant (each chunk's ops launched from Python around a compiled logit
+    gradient, as before the one-call body) computes what the loss module's fused path does, in
+    float32 and under BF16, with the logits laid out aligned (aot_eager: no kernels built)."""
     import torch
 
     from memtrain.techniques import loss
@@ -385,22 +385,26 @@ def test_the_one_call_chunk_step_gives_the_loops_loss_and_gradients(monkeypatch)
     weight = torch.randn(33, 8)
     targets = torch.randint(0, 33, (40,))
     targets[::5] = loss.IGNORE_INDEX
-    for dtype in (torch.float32, torch.bfloat16):
-        ref = loss._chunked_forward(hidden, weight, targets, 16, dtype, True, True)
-        torch.compiler.reset()
-        with monkeypatch.context() as m:
-            m.setattr(loss, "_chunk_step", profile.one_call_chunk_step("aot_eager"))
-            got = loss._chunked_forward(hidden, weight, targets, 16, dtype, True, True)
-        tol = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
-        for a, b in zip(got, ref):
-            torch.testing.assert_close(a, b, **tol)
+    body = torch.compile(loss._chunk_body, backend="aot_eager")
+    with monkeypatch.context() as m:
+        m.setattr(loss, "_fused_chunk_body", lambda hidden: body)
+        per_op = profile.per_op_chunk_step()
+        for dtype in (torch.float32, torch.bfloat16):
+            torch.compiler.reset()
+            ref = loss._chunked_forward(hidden, weight, targets, 16, dtype, True, True)
+            with monkeypatch.context() as m2:
+                m2.setattr(loss, "_chunk_step", per_op)
+                got = loss._chunked_forward(hidden, weight, targets, 16, dtype, True, True)
+            tol = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+            for a, b in zip(got, ref):
+                torch.testing.assert_close(a, b, **tol)
+            assert ref[2].shape == weight.shape
     # In a training step the variant's step is the one that runs, and the loss module's own is put back.
     overrides = {"d_model": 16, "n_heads": 2, "n_layers": 1, "d_ff": 32, "vocab_size": 97, "seq_len": 16,
                  "batch_size": 2, "dropout": 0.0, "loss": "chunked", "loss_chunk": 8, "device": "cpu"}
     original, calls = loss._chunk_step, []
-    candidate = profile.one_call_chunk_step("aot_eager")
-    monkeypatch.setattr(profile, "one_call_chunk_step",
-                        lambda backend="inductor": lambda *a: (calls.append(1), candidate(*a))[1])
-    row = profile.profile_variant(overrides, steps=1, warmup=1, top=3, how="onecall")
-    assert row["step_s_median"] > 0 and len(calls) == 2 * 4  # two steps, 32 tokens in chunks of 8
+    candidate = profile.per_op_chunk_step()
+    monkeypatch.setattr(profile, "per_op_chunk_step", lambda: lambda *a: (calls.append(1), candidate(*a))[1])
+    row = profile.profile_variant(overrides, steps=1, warmup=1, top=3, how="loop", timed=1)
+    assert row["step_s_median"] > 0 and len(calls) == 3 * 4  # three steps, 32 tokens in chunks of 8
     assert loss._chunk_step is original

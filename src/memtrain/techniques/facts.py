@@ -404,3 +404,20 @@ LIGER_LOSS_NOTE = ("--loss-kernel liger runs Liger-Kernel's fused linear cross-e
 # tensors the backward brings back ahead of the one in use (the side stream's look-ahead).
 OFFLOAD_MIN_BYTES = 1024
 OFFLOAD_PREFETCH = 2
+
+
+# ---------------------------------------------------------------------------- the chunked loss
+# cuBLAS's fast tensor-core GEMMs want every row of a 16-bit operand to start on a 16-byte
+# boundary; a (chunk x 50257) logits buffer (GPT-2's odd vocabulary) has none after its first, so
+# each of a chunk's three matmuls falls back to a slower kernel (on an H200 the compiled seed GPT's
+# head matmuls took 11.5 ms a step that way and 1.9 ms aligned: benchmarks/results/gpu-h200). On
+# CUDA the chunked loss's fused path therefore lays the logits out LOSS_ALIGN_VOCAB columns wide
+# (inductor pads such buffers itself: torch._inductor.config.comprehensive_padding), at most 63
+# more columns, masked in the loss; the estimate sizes its CUDA buffers the same way.
+LOSS_ALIGN_VOCAB = 64
+
+
+def aligned_vocab(vocab: int, multiple: int = LOSS_ALIGN_VOCAB) -> int:
+    """``vocab`` rounded up to a multiple of ``multiple`` (the fused chunked loss's logits width)."""
+    return -(-vocab // multiple) * multiple
+

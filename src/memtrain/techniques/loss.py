@@ -50,7 +50,8 @@ from torch._subclasses.fake_tensor import is_fake
 
 from memtrain.config.run import ConfigError, TechniqueConfig
 from memtrain.models.gpt import LossFn, standard_lm_loss
-from memtrain.techniques.facts import liger_loss_refusal
+from memtrain.techniques.facts import LOSS_ALIGN_VOCAB, liger_loss_refusal
+from memtrain.techniques.facts import aligned_vocab as _round_up
 
 IGNORE_INDEX = -100
 
@@ -94,33 +95,50 @@ def _logit_gradient(logits_lp: torch.Tensor, targets: torch.Tensor, vocab: int) 
     return per_token.sum(), grad.to(logits_lp.dtype)
 
 
-LogitGradient = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
-
-# cuBLAS's fast tensor-core GEMMs want every row of a 16-bit operand to start on a 16-byte
-# boundary; a (chunk x 50257) logits buffer (GPT-2's odd vocabulary) has none after its first, so
-# each of the chunk's three matmuls falls back to a slower kernel. On CUDA the fused path lays the
-# logits out ALIGN_VOCAB columns wide instead (inductor pads such buffers itself:
-# torch._inductor.config.comprehensive_padding), at most 63 more columns, masked in the loss.
-ALIGN_VOCAB = 64
+# The fused (CUDA) path's logits are ALIGN_VOCAB columns wide: see
+# memtrain.techniques.facts.LOSS_ALIGN_VOCAB for why. A module attribute, so that a benchmark can
+# time the unaligned layout beside it (benchmarks/loss_profile.py, "unaligned").
+ALIGN_VOCAB = LOSS_ALIGN_VOCAB
 
 
 def aligned_vocab(vocab: int) -> int:
     """``vocab`` rounded up to a multiple of :data:`ALIGN_VOCAB` (the fused path's logits width)."""
-    return -(-vocab // ALIGN_VOCAB) * ALIGN_VOCAB
+    return _round_up(vocab, ALIGN_VOCAB)
+
+
+def _chunk_body(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, grad_h_rows: Optional[torch.Tensor],
+                grad_w: Optional[torch.Tensor], loss_sum: torch.Tensor, vocab: int) -> None:
+    """One chunk's whole work as one function, for inductor: the logits matmul, the logit
+    gradient (:func:`_logit_gradient`), ``g @ w`` written into the chunk's rows of grad_h,
+    ``g.t() @ h`` added into the float32 grad_w and the chunk's loss added into ``loss_sum``.
+
+    On CUDA this runs compiled, one call per chunk: run op by op from Python, the chunk's eight
+    or so launches cost more host time than the device spends on them (on an H200 the compiled
+    seed GPT's step was bound by that loop: benchmarks/results/gpu-h200)."""
+    chunk_loss, g = _logit_gradient(h @ w.t(), t, vocab)
+    loss_sum.add_(chunk_loss)
+    if grad_h_rows is not None:
+        grad_h_rows.copy_(g @ w)
+    if grad_w is not None:
+        grad_w.add_(g.t() @ h)  # float32 accumulation, whatever the compute dtype
+
+
+ChunkBody = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor],
+                      torch.Tensor, int], None]
 
 
 @functools.lru_cache(maxsize=1)
-def _compiled_logit_gradient() -> LogitGradient:
-    return torch.compile(_logit_gradient)  # type: ignore[return-value]  # compile keeps the signature
+def _compiled_chunk_body() -> ChunkBody:
+    return torch.compile(_chunk_body)  # type: ignore[return-value]  # compile keeps the signature
 
 
-def _fused_logit_gradient(hidden: torch.Tensor) -> Optional[LogitGradient]:
-    """The compiled :func:`_logit_gradient` where it pays (a real CUDA tensor with Triton), else None."""
+def _fused_chunk_body(hidden: torch.Tensor) -> Optional[ChunkBody]:
+    """The compiled :func:`_chunk_body` where it pays (a real CUDA tensor with Triton), else None."""
     if hidden.device.type != "cuda" or is_fake(hidden):
         return None
     from torch.utils._triton import has_triton  # torch's own check that inductor can emit GPU kernels
 
-    return _compiled_logit_gradient() if has_triton() else None
+    return _compiled_chunk_body() if has_triton() else None
 
 
 def _chunked_forward(
@@ -128,7 +146,7 @@ def _chunked_forward(
     need_grad_hidden: bool, need_grad_weight: bool,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor]:
     """The loss sum, the unscaled gradients (float32 for the weight) and ``1 / n_valid``."""
-    fused = _fused_logit_gradient(hidden)
+    fused = _fused_chunk_body(hidden)
     # Casts are explicit below; autocast must not recast inside the loop.
     with torch.autocast(hidden.device.type, enabled=False):
         h_all = hidden.to(compute_dtype)
@@ -158,16 +176,15 @@ def _chunked_forward(
 
 
 def _chunk_step(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, grad_h_rows: Optional[torch.Tensor],
-                grad_w: Optional[torch.Tensor], loss_sum: torch.Tensor, fused: Optional[LogitGradient],
+                grad_w: Optional[torch.Tensor], loss_sum: torch.Tensor, fused: Optional[ChunkBody],
                 vocab: int) -> None:
     """One chunk (``h``: its hidden states in the compute dtype): its loss added into
     ``loss_sum``, its logit gradient's contributions written into ``grad_h_rows`` (the chunk's
-    rows of grad_h) and added into ``grad_w``. ``fused``: CUDA's compiled logit gradient (``w``
-    may then have padding rows past ``vocab``), else the in-place eager body."""
+    rows of grad_h) and added into ``grad_w``. ``fused``: CUDA's compiled :func:`_chunk_body`
+    (``w`` may then have padding rows past ``vocab``), else the in-place eager body below, whose
+    buffers the estimator's trace sees."""
     if fused is not None:
-        chunk_loss, g_lp = fused(h @ w.t(), t, vocab)
-        loss_sum += chunk_loss
-        _accumulate(grad_h_rows, grad_w, g_lp, h, w)
+        fused(h, w, t, grad_h_rows, grad_w, loss_sum, vocab)
         return
     logits, lse, per_token = _chunk_stats(h, w, t)
     loss_sum += per_token.sum()

@@ -10,7 +10,7 @@ from memtrain.analysis.estimate.params import lora_split, lora_target_names
 from memtrain.analysis.estimate.simulator import Compression, Node, Segment
 from memtrain.config.archs import Arch
 from memtrain.config.run import ModelConfig, RunConfig, TechniqueConfig
-from memtrain.techniques.facts import checkpoint_policy, fp8_converts, precision_facts
+from memtrain.techniques.facts import aligned_vocab, checkpoint_policy, fp8_converts, precision_facts
 
 
 # --------------------------------------------------------------------------- node builders
@@ -661,19 +661,22 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
         # on its own): casts of hidden and weight (when the compute dtype differs), then its
         # outputs grad_h (N x d) and a float32 grad_w (V x d), kept for backward, then the chunks.
         # (No weight cast under FSDP2's bf16 gather: the gathered weight is in the compute dtype.)
+        # On CUDA the weight, the logits and grad_w are laid out aligned_vocab rows wide (a zero-padded
+        # copy of the weight, even in the compute dtype); elsewhere exactly V.
+        Vw = aligned_vocab(V) if dm.cuda else V
+        cast_w = (a != dm.p and not dm.weights_in_compute_dtype) or Vw != V
         steps: list[tuple[str, str, float]] = [("alloc", "h", N * d * a if a != r else 0.0),
-                                               ("alloc", "w", V * d * a if a != dm.p and not dm.weights_in_compute_dtype
-                                                else 0.0),
+                                               ("alloc", "w", Vw * d * a if cast_w else 0.0),
                                                ("outputs", "", 0.0)]
         # Every full chunk repeats the first one's allocations, which find the blocks the one before
         # freed: the first and the shorter last one set both the peak and the allocator's cache.
         sizes = [c] + ([N % c] if N % c else [])
         for cc in sizes:
-            steps += _chunk_steps(cc, V, d, a, dm.cuda, trainable)
+            steps += _chunk_steps(cc, Vw, d, a, dm.cuda, trainable)
         # backward hands grad_h on as the hidden states' gradient; grad_w, still referenced by
         # ctx, cannot be stolen by AccumulateGrad, which clones it into .grad (or adds it in).
         # (A frozen head, as under LoRA, gets no grad_w: need_grad_weight is False.)
-        gw = V * d * 4 if trainable else 0.0
+        gw = Vw * d * 4 if trainable else 0.0
         nodes.append(Node("loss", out=[("loss.grad_h", N * d * r), ("loss.grad_w", gw)],
                            inputs=["hf"], saves=["loss.grad_h", "loss.grad_w"], fwd_steps=tuple(steps),
                            tag="logits", grad_from={"hf": "loss.grad_h", f"param:{head}": "loss.grad_w"},
