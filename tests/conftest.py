@@ -93,17 +93,41 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory) -> Path:
     """A JSONL corpus of real-looking technical text (a few thousand tokens)."""
-    import json
-
     d = tmp_path_factory.mktemp("corpus")
     path = d / "posts.jsonl"
+    path.write_text("".join(line + "\n" for line in _small_corpus_lines()))
+    return path
+
+
+@pytest.fixture(scope="session")
+def small_text_corpus(tmp_path_factory) -> Path:
+    """The documents of :func:`small_corpus` as a folder of .txt files, one document each: reading
+    .txt needs no optional package (.jsonl needs ``datasets``), so the GPU tests that train run on
+    a GPU machine without it. (One .txt file of them all would be read as a few 8 KB documents,
+    too few for the document-level validation split.)"""
+    import json
+
+    d = tmp_path_factory.mktemp("text-corpus")
+    for i, line in enumerate(_small_corpus_lines()):
+        (d / f"post-{i:03d}.txt").write_text(json.loads(line)["text"] + "\n")
+    return d
+
+
+def _small_corpus_lines() -> list[str]:
+    """The JSONL lines of :func:`small_corpus`."""
+    import json
+
     words = ("memory gradient tensor batch layer attention optimizer checkpoint python function "
              "value error list string return class module import loop index").split()
-    with open(path, "w") as fh:
-        for i in range(300):
-            body = " ".join(words[(i * 7 + j * 3) % len(words)] for j in range(40 + i % 30))
-            fh.write(json.dumps({"text": f"Question {i}: {body}."}) + "\n")
-    return path
+    return [json.dumps({"text": f"Question {i}: " + " ".join(words[(i * 7 + j * 3) % len(words)]
+                                                            for j in range(40 + i % 30)) + "."})
+            for i in range(300)]
+
+
+@pytest.fixture
+def tiny_text_run(tiny_run, small_text_corpus) -> dict:
+    """:func:`tiny_run` on :func:`small_text_corpus` (no optional package needed to read it)."""
+    return {**tiny_run, "data": str(small_text_corpus)}
 
 
 @pytest.fixture

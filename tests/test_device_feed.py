@@ -154,8 +154,8 @@ def test_on_cuda_the_feed_fetches_ahead_into_pinned_memory_and_copies_to_the_dev
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_cuda_run_fetching_ahead_resumes_exactly(tiny_run, tmp_path):
-    base = {**tiny_run, "steps": 8, "grad_accum": 2, "device": "cuda"}
+def test_a_cuda_run_fetching_ahead_resumes_exactly(tiny_text_run, tmp_path):
+    base = {**tiny_text_run, "steps": 8, "grad_accum": 2, "device": "cuda"}
     full = train(build_config(base))
     half = train(build_config({**base, "stop_after": 4, "save": str(tmp_path / "half.pt")}))
     resumed = train(build_config({**base, "resume": str(tmp_path / "half.pt")}))

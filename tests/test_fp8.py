@@ -270,6 +270,7 @@ def test_hf_trainer_has_no_fp8_counterpart():
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < F.FP8_MIN_CAPABILITY,
                     reason="needs a CUDA GPU with FP8 tensor cores")
 def test_fp8_trains_compiled_on_an_fp8_gpu_close_to_bf16():
+    pytest.importorskip("torchao", reason="--precision fp8 needs torchao's float8 training")
     from memtrain.config.run import TechniqueConfig, TrainConfig
     from memtrain.models.gpt import GPT
     from memtrain.techniques.optim import build_optimizer

@@ -17,11 +17,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    """The tiny corpus as plain text: reading .txt needs no optional package (.jsonl needs
-    ``datasets``), so a GPU machine without ``datasets`` still runs these checks."""
-    path = tmp_path_factory.mktemp("gpucorpus") / "posts.txt"
-    path.write_text("\n\n".join(_corpus_texts()) + "\n")
-    return path
+    """The tiny corpus as plain text, a .txt file per document: reading .txt needs no optional
+    package (.jsonl needs ``datasets``), so a GPU machine without ``datasets`` still runs these
+    checks. (In one file the 200 texts would be read as seven 8 KB documents, and the
+    document-level validation split would get none.)"""
+    folder = tmp_path_factory.mktemp("gpucorpus")
+    for i, text in enumerate(_corpus_texts()):
+        (folder / f"post-{i:03d}.txt").write_text(text + "\n")
+    return folder
 
 
 def _skip_without_packages(tech: dict) -> None:

@@ -255,8 +255,8 @@ def test_event_timing_sees_the_device_idle_only_when_the_host_falls_behind():
 
 @pytest.mark.gpu
 @needs_cuda
-def test_an_overlapped_cuda_run_trains_as_a_synchronized_one(tiny_run, tmp_path):
-    base = {**tiny_run, "steps": 8, "device": "cuda", "eval_every": 4}
+def test_an_overlapped_cuda_run_trains_as_a_synchronized_one(tiny_text_run, tmp_path):
+    base = {**tiny_text_run, "steps": 8, "device": "cuda", "eval_every": 4}
     lagged = train(build_config({**base, "out": str(tmp_path / "a")}))
     synced = train(build_config({**base, "out": str(tmp_path / "b"), "sync_steps": True}))
     torch.testing.assert_close(lagged["loss_history"], synced["loss_history"], rtol=1e-5, atol=1e-5)
