@@ -50,8 +50,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from memtrain.config.run import ConfigError, TechniqueConfig
 from memtrain.models.gpt import LossFn, standard_lm_loss
-from memtrain.techniques.facts import LOSS_ALIGN_VOCAB, liger_loss_refusal
-from memtrain.techniques.facts import aligned_vocab as _round_up
+from memtrain.techniques.facts import LOSS_ALIGN_VOCAB, aligned_vocab as _round_up, liger_loss_refusal
 
 IGNORE_INDEX = -100
 
