@@ -1,6 +1,6 @@
 """The GPU measurements memtrain still owes, as a few long commands for a lent GPU machine.
 
-A session that is lent a GPU has about 30 minutes of device time, at most 10 minutes per
+A session that is lent a GPU has about 15 minutes of device time, at most 10 minutes per
 command, and gets back at most 8 files per command. This script turns the open GPU checks into
 five *parts*, each one device command of under 10 minutes, run in priority order:
 

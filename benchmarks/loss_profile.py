@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import statistics
 import sys
 import time
@@ -131,6 +132,9 @@ def profile_variant(overrides: dict[str, Any], steps: int, warmup: int, top: int
     # Each variant compiles a new model: dynamo's caches of the last one's graphs would count
     # towards its recompile limit, past which the model would silently run eagerly.
     torch.compiler.reset()
+    if device.type == "cuda":  # the last variant's cached blocks would count in this one's reserved peak
+        gc.collect()
+        torch.cuda.empty_cache()
     torch.manual_seed(0)
     state = build_state(cfg, device, make_precision(cfg.technique.precision, device))
     with _loss_placement(state, how):

@@ -22,6 +22,16 @@ def test_the_cuda_default_list_times_a_compiled_row_and_the_cpu_list_does_not():
     assert "compile" not in default_techniques("cpu")
 
 
+def test_the_cuda_default_list_times_the_chunked_loss_compiled_under_cuda_graphs():
+    """The row the H200 measured fastest and small (benchmarks/results/gpu-h200): compiled with the
+    chunked loss in reduce-overhead mode, at the device's default chunk."""
+    rows = dict(_default_rows())
+    assert "compile-chunked" in rows and "compile-chunked" not in default_techniques("cpu")
+    tech = rows["compile-chunked"].technique
+    assert (tech.compile, tech.compile_mode, tech.loss, tech.loss_chunk) == (True, "reduce-overhead", "chunked", 0)
+    assert (tech.precision, tech.attention) == ("bf16", "flash")
+
+
 def test_windowed_flash_rows_take_a_kernel_that_accepts_a_window_on_cuda():
     rows = _default_rows()
     windowed = [n for n, c in rows if c.technique.window is not None]

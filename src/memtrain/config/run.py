@@ -209,9 +209,12 @@ class TechniqueConfig:
                                "(standard, with the logits kept by the caller until the next step replaces them, "
                                "as the common `logits = model(x); loss = F.cross_entropy(...)` loop does).")
     loss_chunk: int = _f(
-        256,
-        "Tokens per chunk for --loss chunked (256 x 50257 fp32 logits = 51 MB alive at a time; "
-        "ignored by --loss-kernel liger, which picks its own).",
+        0,
+        "Tokens per chunk for --loss chunked; 0 (default) picks by device: 256 on a CPU (256 x 50257 "
+        "fp32 logits = 51 MB alive at a time); on CUDA, where each chunk is one compiled call and small "
+        "chunks cost host time, the largest power of two from 256 to 1024 whose logits hold at most 2^26 "
+        "values (1024 for GPT-2's vocabulary, 512 for Llama-3's, 256 for Qwen2.5's; docs/techniques.md). "
+        "Ignored by --loss-kernel liger, which picks its own.",
     )
     loss_kernel: str = _f(
         "memtrain",
@@ -268,7 +271,7 @@ class TechniqueConfig:
         _require(self.optim in OPTIMS, f"unknown --optim {self.optim!r}; choose one of {', '.join(OPTIMS)}")
         _require(self.distributed in DISTRIBUTED, f"unknown --distributed {self.distributed!r}; choose one of {', '.join(DISTRIBUTED)}")
         _require(self.window is None or self.window > 0, f"--window must be positive, got {self.window}")
-        _require(self.loss_chunk > 0, f"--loss-chunk must be positive, got {self.loss_chunk}")
+        _require(self.loss_chunk >= 0, f"--loss-chunk must be positive (or 0: by device), got {self.loss_chunk}")
         _require(self.loss_kernel in LOSS_KERNELS,
                  f"unknown --loss-kernel {self.loss_kernel!r}; choose one of {', '.join(LOSS_KERNELS)}")
         _require(self.loss_kernel == "memtrain" or self.loss == "chunked",

@@ -421,3 +421,30 @@ def aligned_vocab(vocab: int, multiple: int = LOSS_ALIGN_VOCAB) -> int:
     """``vocab`` rounded up to a multiple of ``multiple`` (the fused chunked loss's logits width)."""
     return -(-vocab // multiple) * multiple
 
+
+# --loss-chunk 0 (the default): tokens per chunk by device. On a CPU the chunk's buffers set the
+# step's peak and its launches cost little, so small chunks keep it low: 256 tokens. On CUDA each
+# chunk is one compiled call whose host time a small chunk cannot hide: on an H200
+# (benchmarks/results/gpu-h200) the seed GPT's eager step took 25.5 ms at 256 tokens a chunk, 13.6 ms
+# at 1024 and 16.2 ms at 4096 (the standard loss: 29.6 ms), with 1.03, 1.17 and 1.75 GiB allocated.
+# So on CUDA the chunk is the largest power of two from 256 to 1024 tokens whose logits hold at most
+# LOSS_CHUNK_CUDA_VALUES values (128 MiB in BF16): 1024 for GPT-2's vocabulary, 512 for Llama-3's,
+# 256 for Qwen2.5's. A larger vocabulary gives each chunk more arithmetic to hide its call behind,
+# and keeps the chunk's buffers, which a memory-bound run pays for, near the CPU default's.
+LOSS_CHUNK_CPU = 256
+LOSS_CHUNK_CUDA_MAX = 1024
+LOSS_CHUNK_CUDA_VALUES = 2**26
+
+
+def effective_loss_chunk(loss_chunk: int, device_type: str, vocab: int) -> int:
+    """The tokens per chunk ``--loss-chunk loss_chunk`` runs with on ``device_type`` ("cpu",
+    "cuda", "cuda:N"; any other as a CPU) for an LM head of ``vocab`` rows: the value given, or
+    for 0 the device's default (see above)."""
+    if loss_chunk:
+        return loss_chunk
+    if not device_type.startswith("cuda"):
+        return LOSS_CHUNK_CPU
+    chunk = LOSS_CHUNK_CUDA_MAX
+    while chunk > LOSS_CHUNK_CPU and chunk * aligned_vocab(vocab) > LOSS_CHUNK_CUDA_VALUES:
+        chunk //= 2
+    return chunk

@@ -23,14 +23,20 @@ compiled seed GPT's 27.9 ms against Liger's 31.8 ms. Liger sizes its chunks from
 Precision matches the standard loss: under autocast the logits are computed in the autocast
 dtype (as ``F.linear`` would), the softmax statistics in float32.
 
-Speed on a GPU: the element-wise work on each chunk's logits (float cast, log-sum-exp, softmax,
-minus one-hot, cast back) is several passes over a (chunk x vocab) buffer when run op by op,
-which made the chunked step markedly slower than the standard one on a GPU
-(docs/performance.md, "Figures behind choices in the code"). On CUDA that work is one
-function compiled by inductor (:func:`_logit_gradient`), fused into a read of the logits and
-one write of their gradient; the matmuls stay cuBLAS's. Elsewhere (CPU, where inductor's C++
-build costs more than it saves on short runs, and fake tensors of the estimator) the in-place
-eager version runs, whose buffers the estimator models.
+Speed on a GPU: on CUDA each chunk's whole body (the logits matmul, the element-wise logit gradient
+``softmax - onehot``, ``g @ w`` and ``g.t() @ h``) is one function compiled by inductor
+(:func:`_chunk_body`): one call per chunk instead of about eight launches, the element-wise work
+fused into a read of the logits and one write of their gradient, the matmuls cuBLAS's. The logits
+are laid out 64 columns wide there (:func:`aligned_vocab`; GPT-2's 50257 would leave cuBLAS its
+slow unaligned kernels), the padding masked. Each call still costs host time, so small chunks
+cost more than their arithmetic: ``--loss-chunk 0`` (the default) runs up to 1024 tokens a chunk
+on CUDA (1024 for GPT-2's vocabulary, fewer for larger ones) and 256 on a CPU
+(:func:`memtrain.techniques.facts.effective_loss_chunk`). On an H200 the
+seed GPT's eager step took 13.6 ms with it against the standard loss's 29.6 ms; compiled, 11.1 ms
+against 8.7 ms, and 8.8 ms under ``--compile-mode reduce-overhead``, whose CUDA graphs replay the
+calls without their host time (benchmarks/results/gpu-h200). Elsewhere (CPU, where inductor's C++
+build costs more than it saves on short runs, and fake tensors of the estimator) the in-place eager
+body runs, whose buffers the estimator models.
 
 Under ``--compile`` the chunk loop is one opaque operator in the model's graph
 (:func:`_chunked_forward_op`, a ``torch.library`` custom op): dynamo would otherwise unroll the
@@ -50,7 +56,12 @@ from torch._subclasses.fake_tensor import is_fake
 
 from memtrain.config.run import ConfigError, TechniqueConfig
 from memtrain.models.gpt import LossFn, standard_lm_loss
-from memtrain.techniques.facts import LOSS_ALIGN_VOCAB, aligned_vocab as _round_up, liger_loss_refusal
+from memtrain.techniques.facts import (
+    LOSS_ALIGN_VOCAB,
+    aligned_vocab as _round_up,
+    effective_loss_chunk,
+    liger_loss_refusal,
+)
 
 IGNORE_INDEX = -100
 
@@ -283,14 +294,16 @@ def _accumulate(grad_h_rows: Optional[torch.Tensor], grad_w: Optional[torch.Tens
 
 
 def chunked_lm_loss(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 1024
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 0
 ) -> torch.Tensor:
     """Mean cross-entropy of ``hidden @ weight.T`` against ``targets`` (``-100`` ignored),
-    never materializing more than ``chunk`` rows of logits. Same contract as
+    never materializing more than ``chunk`` rows of logits (0: the device's default for this
+    vocabulary, :func:`memtrain.techniques.facts.effective_loss_chunk`). Same contract as
     :func:`memtrain.models.gpt.standard_lm_loss`.
     """
-    if chunk <= 0:
-        raise ValueError(f"chunk must be positive, got {chunk}")
+    if chunk < 0:
+        raise ValueError(f"chunk must be positive (or 0: by device), got {chunk}")
+    chunk = effective_loss_chunk(chunk, hidden.device.type, weight.shape[0])
     compute_dtype = _compute_dtype(hidden, weight)
     grad_on = torch.is_grad_enabled()
     need_h = grad_on and hidden.requires_grad
@@ -334,6 +347,7 @@ def make_loss_fn(tech: TechniqueConfig, device: torch.device) -> LossFn:
     if tech.loss == "standard":
         return standard_lm_loss
     if tech.loss == "chunked":
+        # --loss-chunk 0 is resolved at each call, from the hidden states' device and the head's rows.
         own = functools.partial(chunked_lm_loss, chunk=tech.loss_chunk)
         refusal = liger_loss_refusal(tech.loss, tech.loss_kernel, device.type)
         if refusal is not None:

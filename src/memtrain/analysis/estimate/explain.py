@@ -10,7 +10,7 @@ from memtrain.analysis.estimate.params import ParamInfo
 from memtrain.analysis.estimate.simulator import Simulator
 from memtrain.config.archs import Arch
 from memtrain.config.run import RunConfig, TechniqueConfig
-from memtrain.techniques.facts import checkpoint_policy
+from memtrain.techniques.facts import checkpoint_policy, effective_loss_chunk
 
 
 def layer_activation_bytes(cfg: RunConfig, arch: Arch, dm: Dims, trainable_base: bool,
@@ -70,7 +70,7 @@ def explanation_lines(cfg: RunConfig, arch: Arch, dm: Dims, params: list[ParamIn
            f"(log-probs + their grad + grad of logits)"
            + (f"; naive: + the N x V x {dm.a:g} B logits the caller keeps (the previous step's until "
               f"model(x) returns)" if tech.loss == "naive" else "") if tech.loss in ("standard", "naive")
-           else f"chunk {min(tech.loss_chunk, N)} x V in flight + grad_h (N x d) + fp32 grad_w (V x d)"),
+           else f"chunk {min(effective_loss_chunk(tech.loss_chunk, device_type, cfg.model.vocab_size), N)} x V in flight + grad_h (N x d) + fp32 grad_w (V x d)"),
         f"checkpointing {tech.checkpointing}: "
         + {"none": "all blocks keep their activations",
            "full": "each block keeps only its input; one block is recomputed at a time in backward",

@@ -10,7 +10,13 @@ from memtrain.analysis.estimate.params import lora_split, lora_target_names
 from memtrain.analysis.estimate.simulator import Compression, Node, Segment
 from memtrain.config.archs import Arch
 from memtrain.config.run import ModelConfig, RunConfig, TechniqueConfig
-from memtrain.techniques.facts import aligned_vocab, checkpoint_policy, fp8_converts, precision_facts
+from memtrain.techniques.facts import (
+    aligned_vocab,
+    checkpoint_policy,
+    effective_loss_chunk,
+    fp8_converts,
+    precision_facts,
+)
 
 
 # --------------------------------------------------------------------------- node builders
@@ -656,7 +662,7 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
         # until it returns, after ln_f.
         nodes[0].inputs += ["tok", "posemb"] + (["causal_mask"] if tech.attention == "math" else [])
     if tech.loss == "chunked":
-        c = min(tech.loss_chunk, N)
+        c = min(effective_loss_chunk(tech.loss_chunk, "cuda" if dm.cuda else "cpu", m.vocab_size), N)
         # _ChunkedLinearCrossEntropy.forward, tensor by tensor (the caching allocator places each
         # on its own): casts of hidden and weight (when the compute dtype differs), then its
         # outputs grad_h (N x d) and a float32 grad_w (V x d), kept for backward, then the chunks.

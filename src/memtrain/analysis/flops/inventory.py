@@ -34,7 +34,7 @@ from memtrain.analysis.estimate.params import param_count
 from memtrain.analysis.flops.classes import ClassCount, StepCount, classify, split_attention
 from memtrain.analysis.flops.rules import assemble_step
 from memtrain.config.run import RunConfig
-from memtrain.techniques.facts import checkpoint_policy, precision_facts
+from memtrain.techniques.facts import checkpoint_policy, effective_loss_chunk, precision_facts
 
 __all__ = ["inventory_step", "not_covered"]
 
@@ -68,7 +68,8 @@ def not_covered(cfg: RunConfig) -> Optional[str]:
     # The recorder tells an op outside the blocks that handles logits by a last dimension equal
     # to the (padded) vocabulary; a tensor of another kind with that last dimension would be
     # classed "loss" too, by an attribution this list does not follow.
-    if m.padded_vocab_size in (m.d_model, tokens, tr.seq_len, t.loss_chunk, tokens % t.loss_chunk, 1):
+    chunk = effective_loss_chunk(t.loss_chunk, tr.device, m.vocab_size)
+    if m.padded_vocab_size in (m.d_model, tokens, tr.seq_len, chunk, tokens % chunk, 1):
         return "a vocabulary as large as another dimension of the step"
     return None
 
@@ -159,7 +160,7 @@ class _Step:
             tape=_Tape(), B=tr.batch_size, T=tr.seq_len, d=m.d_model, h=m.n_heads, f=m.d_ff, L=m.n_layers,
             V=m.vocab_size, Vp=m.padded_vocab_size, P=m.max_seq_len, w=facts.param_bytes, c=facts.compute_bytes,
             autocast=facts.autocast, bias=m.bias, tied=not m.untie_embeddings, dropout=m.dropout > 0.0,
-            attention=t.attention, loss=t.loss, chunk=t.loss_chunk,
+            attention=t.attention, loss=t.loss, chunk=effective_loss_chunk(t.loss_chunk, tr.device, m.vocab_size),
             checkpointed=tuple(policy.whole_block(i, m.n_layers) for i in range(m.n_layers)),
         )
 
