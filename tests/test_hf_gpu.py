@@ -54,7 +54,7 @@ def _loss_falls(res) -> None:
     {"precision": "bf16", "attention": "flex"},
     {"precision": "bf16", "attention": "mem-efficient"},
     {"precision": "bf16", "attention": "flash", "checkpointing": "full"},
-    {"precision": "bf16", "loss": "chunked"},  # memtrain's chunked loss (inductor's fused logit gradient)
+    {"precision": "bf16", "loss": "chunked"},  # memtrain's chunked loss (one compiled call per chunk on CUDA)
     {"precision": "bf16", "loss": "chunked", "loss_kernel": "liger"},  # Liger's fused kernel
     {"precision": "bf16-pure", "lora_rank": 8, "qlora": True, "checkpointing": "full"},
 ])
