@@ -93,9 +93,11 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory) -> Path:
     """A JSONL corpus of real-looking technical text (a few thousand tokens)."""
+    import json
+
     d = tmp_path_factory.mktemp("corpus")
     path = d / "posts.jsonl"
-    path.write_text("".join(line + "\n" for line in _small_corpus_lines()))
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in _small_corpus_texts()))
     return path
 
 
@@ -105,22 +107,17 @@ def small_text_corpus(tmp_path_factory) -> Path:
     .txt needs no optional package (.jsonl needs ``datasets``), so the GPU tests that train run on
     a GPU machine without it. (One .txt file of them all would be read as a few 8 KB documents,
     too few for the document-level validation split.)"""
-    import json
-
     d = tmp_path_factory.mktemp("text-corpus")
-    for i, line in enumerate(_small_corpus_lines()):
-        (d / f"post-{i:03d}.txt").write_text(json.loads(line)["text"] + "\n")
+    for i, text in enumerate(_small_corpus_texts()):
+        (d / f"post-{i:03d}.txt").write_text(text + "\n")
     return d
 
 
-def _small_corpus_lines() -> list[str]:
-    """The JSONL lines of :func:`small_corpus`."""
-    import json
-
+def _small_corpus_texts() -> list[str]:
+    """The documents of :func:`small_corpus` and :func:`small_text_corpus`."""
     words = ("memory gradient tensor batch layer attention optimizer checkpoint python function "
              "value error list string return class module import loop index").split()
-    return [json.dumps({"text": f"Question {i}: " + " ".join(words[(i * 7 + j * 3) % len(words)]
-                                                            for j in range(40 + i % 30)) + "."})
+    return [f"Question {i}: " + " ".join(words[(i * 7 + j * 3) % len(words)] for j in range(40 + i % 30)) + "."
             for i in range(300)]
 
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import memtrain.techniques.loss as loss_module
 from memtrain.config.run import build_config
 from memtrain.techniques import make_precision
+from memtrain.techniques.facts import aligned_vocab
 from memtrain.techniques.loss import IGNORE_INDEX, _chunk_body, chunked_lm_loss
 from memtrain.training.step import build_state, random_micro_batches
 
@@ -62,7 +63,7 @@ def test_the_fused_path_lays_the_logits_out_aligned_and_masks_the_padding(monkey
     ref = _loss_and_grads(lambda h, w, t: F.cross_entropy(h @ w.t(), t, ignore_index=IGNORE_INDEX),
                           hidden, weight, targets)
     got = _loss_and_grads(functools.partial(chunked_lm_loss, chunk=40), hidden, weight, targets)
-    assert set(widths) == {loss_module.aligned_vocab(301)} == {320}
+    assert set(widths) == {aligned_vocab(301)} == {320}
     assert got[2].shape == weight.shape
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

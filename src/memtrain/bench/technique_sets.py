@@ -72,8 +72,9 @@ DESCRIPTIONS: dict[str, str] = {
 # two that matter most for memory.
 DEFAULT_TECHNIQUES = ["baseline", "bf16", "flash-bf16", "window-flash", "ckpt-bf16", "chunked-loss", "lowest-memory"]
 # On a GPU the default list also times torch.compile, alone and with the chunked loss under CUDA
-# graphs, so the recommendation can name the fastest row (speed is one of the table's columns). A CPU's list leaves it out: inductor's
-# first compile of the model costs longer than the rest of the quick bench on 2 cores.
+# graphs, so the recommendation can name the fastest row (speed is one of the table's columns).
+# A CPU's list leaves it out: inductor's first compile of the model costs longer than the rest of
+# the quick bench on 2 cores.
 # fp8 joins it where the GPU has FP8 tensor cores (memtrain.bench.device_rows.adapt_fp8_rows
 # drops it elsewhere).
 CUDA_DEFAULT_EXTRA = ["compile", "compile-chunked", "fp8"]

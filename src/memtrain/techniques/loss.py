@@ -27,7 +27,7 @@ Speed on a GPU: on CUDA each chunk's whole body (the logits matmul, the element-
 ``softmax - onehot``, ``g @ w`` and ``g.t() @ h``) is one function compiled by inductor
 (:func:`_chunk_body`): one call per chunk instead of about eight launches, the element-wise work
 fused into a read of the logits and one write of their gradient, the matmuls cuBLAS's. The logits
-are laid out 64 columns wide there (:func:`aligned_vocab`; GPT-2's 50257 would leave cuBLAS its
+are laid out 64 columns wide there (:data:`ALIGN_VOCAB`; GPT-2's 50257 would leave cuBLAS its
 slow unaligned kernels), the padding masked. Each call still costs host time, so small chunks
 cost more than their arithmetic: ``--loss-chunk 0`` (the default) runs up to 1024 tokens a chunk
 on CUDA (1024 for GPT-2's vocabulary, fewer for larger ones) and 256 on a CPU
@@ -56,12 +56,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from memtrain.config.run import ConfigError, TechniqueConfig
 from memtrain.models.gpt import LossFn, standard_lm_loss
-from memtrain.techniques.facts import (
-    LOSS_ALIGN_VOCAB,
-    aligned_vocab as _round_up,
-    effective_loss_chunk,
-    liger_loss_refusal,
-)
+from memtrain.techniques.facts import LOSS_ALIGN_VOCAB, aligned_vocab, effective_loss_chunk, liger_loss_refusal
 
 IGNORE_INDEX = -100
 
@@ -91,7 +86,7 @@ def _chunk_stats(
 def _logit_gradient(logits_lp: torch.Tensor, targets: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk's summed loss and its logit gradient ``softmax - onehot`` (0 on ignored rows),
     the gradient in the logits' dtype. ``logits_lp`` may be wider than ``vocab``: its columns from
-    ``vocab`` on are padding (the row-aligned layout of :func:`aligned_vocab`), left out of the
+    ``vocab`` on are padding (the row-aligned layout of :data:`ALIGN_VOCAB`), left out of the
     log-sum-exp and given a zero gradient. Pure functions of the inputs (no in-place updates), so
     that inductor fuses them; numerically the same steps as the eager loop body below."""
     columns = torch.arange(logits_lp.shape[1], device=logits_lp.device).unsqueeze(0)
@@ -109,11 +104,6 @@ def _logit_gradient(logits_lp: torch.Tensor, targets: torch.Tensor, vocab: int) 
 # memtrain.techniques.facts.LOSS_ALIGN_VOCAB for why. A module attribute, so that a benchmark can
 # time the unaligned layout beside it (benchmarks/loss_profile.py, "unaligned").
 ALIGN_VOCAB = LOSS_ALIGN_VOCAB
-
-
-def aligned_vocab(vocab: int) -> int:
-    """``vocab`` rounded up to a multiple of :data:`ALIGN_VOCAB` (the fused path's logits width)."""
-    return _round_up(vocab, ALIGN_VOCAB)
 
 
 def _chunk_body(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, grad_h_rows: Optional[torch.Tensor],
@@ -161,10 +151,10 @@ def _chunked_forward(
     with torch.autocast(hidden.device.type, enabled=False):
         h_all = hidden.to(compute_dtype)
         vocab, d = weight.shape
-        # The fused path's weight is ``aligned_vocab`` rows, the extra ones zero: the logits' rows
+        # The fused path's weight is ``aligned_vocab(vocab)`` rows, the extra ones zero: the logits' rows
         # and grad_w's stay 16-byte aligned (see ALIGN_VOCAB). One (V x d) copy either way when
         # the compute dtype differs, as autocast's weight cache makes.
-        width = aligned_vocab(vocab) if fused is not None else vocab
+        width = aligned_vocab(vocab, ALIGN_VOCAB) if fused is not None else vocab
         if width == vocab:
             w = weight.to(compute_dtype)
         else:

@@ -727,7 +727,8 @@ def _chunk_steps(c: int, V: int, d: int, a: float, cuda: bool, grad_w: bool) -> 
     when computing in float32).
 
     On CUDA each chunk's body is one inductor-compiled function (its logits and their gradient, in
-    the compute dtype; ``V`` is then the aligned width, memtrain.techniques.facts.aligned_vocab). Elsewhere the eager body: float32 logits (a float copy of the
+    the compute dtype; ``V`` is then the aligned width, memtrain.techniques.facts.aligned_vocab).
+    Elsewhere the eager body: float32 logits (a float copy of the
     low-precision matmul output, which then goes), turned into the gradient in place and cast
     back, the float32 buffer freed before the matmuls."""
     steps: list[tuple[str, str, float]] = []
