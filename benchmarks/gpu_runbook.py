@@ -232,6 +232,25 @@ STEPS: list[Step] = [
                          "chunked-1024-unaligned",
                          *(["--compile"] if s.compile else ["--steps", "2", "--warmup", "1", "--d-model", "64"])],
          "markdown"),
+    Step("loss-kernels", "profile",
+         "--loss chunked <= 1.05x the standard step, seed GPT <= 6 ms: the library kernels beside memtrain's, seed GPT "
+         "compiled (steps timed without the profiler, top operators): Cut Cross-Entropy with and without its "
+         "gradient filter, Liger's, memtrain's chunk 1024, the standard loss; CCE, memtrain's and the standard "
+         "loss under CUDA graphs. Their numerics: pytest's CCE-vs-standard GPU test",
+         150,
+         lambda s, out: [PY, str(ROOT / "benchmarks" / "loss_profile.py"), "--device", s.device,
+                         "--batch-size", str(s.seed_batch), "--seq-len", str(s.seed_seq), "--out", str(out),
+                         "--variants", "standard,chunked-1024,cce,cce-exact,liger,standard-cudagraphs,"
+                         "chunked-1024-cudagraphs,cce-cudagraphs",
+                         *(["--compile"] if s.compile else ["--steps", "2", "--warmup", "1", "--d-model", "64"])],
+         "markdown"),
+    Step("qwen-loss-kernels", "profile",
+         "--loss chunked <= 1.05x the standard step on Qwen2.5-0.5B (batch 4 x 1024, bf16, sdpa): memtrain's "
+         "chunked loss and Cut Cross-Entropy's against the standard loss, one memtrain train each", 120,
+         lambda s, out: ["bash", str(ROOT / "benchmarks" / "loss_kernel_ab.sh"),
+                         *([str(out), "qwen-standard", "qwen-chunked", "qwen-cce"] if s.device == "cuda"
+                           else ["--help"])],
+         "table"),
     Step("seed-compiled-synced", "profile",
          "what overlapping steps buys: build's seed-compiled with --sync-steps (every step waited for, the loss "
          "read at once, host-clock timing); its step time and data wait beside seed-compiled's", 70,
@@ -331,7 +350,7 @@ def _machine(env: dict[str, str]) -> list[str]:
     code = ("import importlib.metadata as m, platform, os\n"
             "v = {}\n"
             "for n in ('torch', 'transformers', 'peft', 'accelerate', 'torchao', 'liger-kernel', 'bitsandbytes', "
-            "'datasets', 'triton'):\n"
+            "'cut-cross-entropy', 'datasets', 'triton'):\n"
             "    try: v[n] = m.version(n)\n"
             "    except m.PackageNotFoundError: v[n] = None\n"
             "print(platform.python_version(), platform.processor() or platform.machine(), os.cpu_count(), v)")

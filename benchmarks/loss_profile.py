@@ -20,7 +20,9 @@ left out of the compiled graph: the model compiled, the loss eager); ``chunked-N
 loop traced into the compiled graph, one copy per chunk, for a few large chunks: what inductor
 makes of the whole loss when it sees it); ``chunked-N-loop`` (each chunk's ops launched from Python
 around one compiled logit gradient, :func:`per_op_chunk_step`, as before the one-call body);
-``chunked-N-unaligned`` (the logits exactly vocab columns wide, as before the aligned layout). Any
+``chunked-N-unaligned`` (the logits exactly vocab columns wide, as before the aligned layout);
+``liger`` and ``cce`` (``--loss-kernel liger|cce``: the library's kernel, outside the compiled graph;
+``cce`` with Cut Cross-Entropy's gradient filter, ``cce-exact`` without it). Any
 variant ending in ``-cudagraphs`` runs with ``--compile-mode reduce-overhead``: with ``--compile``
 on a GPU, CUDA graphs replay the compiled forward and backward in one launch each, which says how
 much of a step is launch cost (their max allocated leaves out the graphs' own pool: read reserved).
@@ -59,6 +61,8 @@ from memtrain.techniques.precision import make_precision
 from memtrain.training.step import build_state, random_micro_batches, run_step
 
 VARIANT_HOW = ("", "outside", "traced", "loop", "unaligned")
+# The library kernels' variants: name -> (--loss-kernel, how its loss runs).
+LIBRARY_VARIANTS = {"liger": ("liger", ""), "cce": ("cce", ""), "cce-exact": ("cce", "exact")}
 
 
 CUDA_GRAPHS = "-cudagraphs"
@@ -72,12 +76,16 @@ def parse_variant(name: str) -> tuple[dict[str, Any], str]:
     mode = {"compile_mode": "reduce-overhead"} if graphs else {}
     if base == "standard":
         return {"loss": "standard", **mode}, ""
+    if base in LIBRARY_VARIANTS:
+        kernel, how = LIBRARY_VARIANTS[base]
+        return {"loss": "chunked", "loss_kernel": kernel, **mode}, how
     parts = base.split("-")
     if parts[0] == "chunked" and 2 <= len(parts) <= 3 and parts[1].isdigit() and int(parts[1]) > 0 \
             and (len(parts) == 2 or parts[2] in VARIANT_HOW[1:]):
         return {"loss": "chunked", "loss_chunk": int(parts[1]), **mode}, parts[2] if len(parts) == 3 else ""
     raise ValueError(f"unknown variant {name!r}: use standard, chunked-N, chunked-N-outside, chunked-N-traced, "
-                     f"chunked-N-loop or chunked-N-unaligned, each optionally ending in {CUDA_GRAPHS}")
+                     f"chunked-N-loop, chunked-N-unaligned, liger, cce or cce-exact, each optionally ending in "
+                     f"{CUDA_GRAPHS}")
 
 
 def per_op_chunk_step() -> Callable[..., None]:
@@ -104,8 +112,9 @@ def per_op_chunk_step() -> Callable[..., None]:
 @contextlib.contextmanager
 def _loss_placement(state: Any, how: str) -> Iterator[None]:
     """Leave the loss out of the compiled graph ("outside"), trace its chunk loop into it
-    ("traced"), run the per-op chunk step ("loop") or lay the logits out exactly vocab columns wide
-    ("unaligned"); everything is put back afterwards."""
+    ("traced"), run the per-op chunk step ("loop"), lay the logits out exactly vocab columns wide
+    ("unaligned") or turn Cut Cross-Entropy's gradient filter off ("exact"); everything is put back
+    afterwards."""
     if how == "outside":
         state.model.loss_fn = torch.compiler.disable(state.model.loss_fn)
     previous = loss_module._chunked_forward_op, loss_module._chunk_step
@@ -113,14 +122,16 @@ def _loss_placement(state: Any, how: str) -> Iterator[None]:
         loss_module._chunked_forward_op = loss_module._chunked_forward
     if how == "loop":  # the loop looks its step up at each chunk, on the operator's path and the eager one
         loss_module._chunk_step = per_op_chunk_step()
-    align = loss_module.ALIGN_VOCAB
+    align, cce_filter = loss_module.ALIGN_VOCAB, loss_module.CCE_FILTER_EPS
     if how == "unaligned":  # the logits exactly vocab columns wide, as before the aligned layout
         loss_module.ALIGN_VOCAB = 1
+    if how == "exact":  # Cut Cross-Entropy computing every block of its backward
+        loss_module.CCE_FILTER_EPS = None
     try:
         yield
     finally:
         loss_module._chunked_forward_op, loss_module._chunk_step = previous
-        loss_module.ALIGN_VOCAB = align
+        loss_module.ALIGN_VOCAB, loss_module.CCE_FILTER_EPS = align, cce_filter
 
 
 def profile_variant(overrides: dict[str, Any], steps: int, warmup: int, top: int, how: str = "",
@@ -227,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--d-model", type=positive_int, default=None, help="a smaller model for a quick look")
     ap.add_argument("--variants", default="standard,chunked-256,chunked-1024",
                     help="comma-separated: standard, chunked-N, chunked-N-outside, chunked-N-traced, "
-                         "chunked-N-loop, chunked-N-unaligned, each optionally ending in -cudagraphs (see above)")
+                         "chunked-N-loop, chunked-N-unaligned, liger, cce, cce-exact, each optionally ending in "
+                         "-cudagraphs (see above)")
     ap.add_argument("--compile", action="store_true", help="--compile for every variant")
     ap.add_argument("--steps", type=positive_int, default=6, help="profiled steps per variant (default 6)")
     ap.add_argument("--warmup", type=positive_int, default=3, help="steps before timing (default 3; the first "

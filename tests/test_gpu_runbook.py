@@ -75,6 +75,10 @@ def test_full_size_commands_parse_with_todays_flags(step, tmp_path, monkeypatch)
             assert mapping.hf_plan(r["config"], "cuda").status != "none", r["preset"]
     elif argv[1:3] == ["-m", "pytest"]:
         assert "gpu" in argv and "--co" not in argv
+    elif argv[0] == "bash" and argv[1].endswith("loss_kernel_ab.sh"):
+        for row in argv[3:]:  # each row's memtrain arguments through the config's own checks
+            row_args = subprocess.run([*argv[:2], "--args", row], capture_output=True, text=True, check=True)
+            assert config_from_args(build_parser().parse_args(row_args.stdout.split())).train.device == "cuda"
     else:
         assert Path(argv[1]).is_file()
         assert subprocess.run([*argv, "--help"], capture_output=True).returncode == 0
@@ -313,9 +317,12 @@ def test_loss_profile_variants_parse_and_a_failing_one_is_recorded_while_the_res
     assert profile.parse_variant("standard-cudagraphs") == ({"loss": "standard", "compile_mode": "reduce-overhead"}, "")
     assert profile.parse_variant("chunked-64-loop-cudagraphs") == (
         {"loss": "chunked", "loss_chunk": 64, "compile_mode": "reduce-overhead"}, "loop")
-    for bad in ("cudagraphs", "standard-cudagraphs-cudagraphs", "chunked-cudagraphs"):
+    for bad in ("cudagraphs", "standard-cudagraphs-cudagraphs", "chunked-cudagraphs", "cce-loop"):
         with pytest.raises(ValueError, match="optionally ending in -cudagraphs"):
             profile.parse_variant(bad)
+    assert profile.parse_variant("liger") == ({"loss": "chunked", "loss_kernel": "liger"}, "")
+    assert profile.parse_variant("cce-exact-cudagraphs") == (
+        {"loss": "chunked", "loss_kernel": "cce", "compile_mode": "reduce-overhead"}, "exact")
     real = profile.profile_variant
 
     def flaky(overrides, *a, **k):
@@ -334,6 +341,23 @@ def test_loss_profile_variants_parse_and_a_failing_one_is_recorded_while_the_res
     md = (tmp_path / "loss_profile.md").read_text()
     assert "| standard-cudagraphs | failed: RuntimeError: CUDA graphs cannot capture this |" in md
     assert "## standard: top operators" in md and "## standard-cudagraphs" not in md
+
+
+def test_loss_profile_turns_cce_s_filter_off_for_the_exact_variant_only():
+    """"cce-exact" runs with memtrain.techniques.loss.CCE_FILTER_EPS None and puts it back."""
+    import types
+
+    from memtrain.techniques import loss
+
+    profile = _load("loss_profile")
+    state = types.SimpleNamespace(model=types.SimpleNamespace(loss_fn=None))
+    before = loss.CCE_FILTER_EPS
+    assert before == "high"
+    with profile._loss_placement(state, "exact"):
+        assert loss.CCE_FILTER_EPS is None
+    assert loss.CCE_FILTER_EPS == before
+    with profile._loss_placement(state, ""):
+        assert loss.CCE_FILTER_EPS == before
 
 
 def test_a_traced_chunk_loop_compiles_to_the_operators_gradients():

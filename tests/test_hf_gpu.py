@@ -35,6 +35,8 @@ def _skip_without_packages(tech: dict) -> None:
         pytest.importorskip("peft", reason="--lora-rank on a transformers model needs peft")
     if tech.get("loss_kernel") == "liger":
         pytest.importorskip("liger_kernel", reason="--loss-kernel liger needs liger-kernel")
+    if tech.get("loss_kernel") == "cce":
+        pytest.importorskip("cut_cross_entropy", reason="--loss-kernel cce needs cut-cross-entropy")
 
 
 def _train(model_dir, corpus_path, tmp_path, **tech):
@@ -56,6 +58,7 @@ def _loss_falls(res) -> None:
     {"precision": "bf16", "attention": "flash", "checkpointing": "full"},
     {"precision": "bf16", "loss": "chunked"},  # memtrain's chunked loss (one compiled call per chunk on CUDA)
     {"precision": "bf16", "loss": "chunked", "loss_kernel": "liger"},  # Liger's fused kernel
+    {"precision": "bf16", "loss": "chunked", "loss_kernel": "cce"},  # Cut Cross-Entropy's
     {"precision": "bf16-pure", "lora_rank": 8, "qlora": True, "checkpointing": "full"},
 ])
 def test_gpu_paths_train_a_transformers_model(model_dirs, corpus, tmp_path, tech):  # noqa: F811

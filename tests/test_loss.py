@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib.util
 
 import pytest
 import torch
 
-from memtrain.config.run import ConfigError, ModelConfig, TechniqueConfig
+from memtrain.config.run import ModelConfig, TechniqueConfig
 from memtrain.metrics import MemoryMeter
 from memtrain.models.gpt import GPT, standard_lm_loss
 from memtrain.techniques.loss import apply_loss, chunked_lm_loss
@@ -207,81 +206,3 @@ def test_cuda_chunked_matches_standard():
     for o, r in zip(out[1:], ref[1:]):
         torch.testing.assert_close(o.float(), r.float(), rtol=0, atol=2e-2 * float(r.abs().max()))
 
-
-@pytest.fixture
-def liger_installed(monkeypatch):
-    """importlib finds liger_kernel and triton (neither is installed here); nothing imports them."""
-    import importlib.machinery
-    import importlib.util
-
-    real = importlib.util.find_spec
-
-    def find_spec(name, *args, **kwargs):
-        if name in ("liger_kernel", "triton"):
-            return importlib.machinery.ModuleSpec(name, None)
-        return real(name, *args, **kwargs)
-
-    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
-
-
-def test_liger_runs_only_when_asked_for(liger_installed, monkeypatch):
-    """memtrain's own chunked loss is the default on every device, Liger installed or not (it
-    was the faster one on an H100); --loss-kernel liger runs Liger's kernel on CUDA."""
-    import memtrain.techniques.loss as loss_mod
-
-    def fake_liger(own):
-        def liger(hidden, weight, targets):
-            return torch.zeros(())
-        return liger
-
-    monkeypatch.setattr(loss_mod, "_liger_loss", fake_liger)
-    h, w, t = make_inputs(n=8, v=16)
-    default = TechniqueConfig(loss="chunked")
-    liger = TechniqueConfig(loss="chunked", loss_kernel="liger")
-    assert loss_mod.make_loss_fn(default, torch.device("cuda"))(h, w, t).item() > 0.0  # memtrain's
-    assert loss_mod.make_loss_fn(liger, torch.device("cuda"))(h, w, t).item() == 0.0  # Liger's
-    with pytest.raises(ConfigError, match="--loss-kernel liger runs on CUDA only"):
-        loss_mod.make_loss_fn(liger, torch.device("cpu"))
-    monkeypatch.undo()
-    if importlib.util.find_spec("liger_kernel") is None:
-        with pytest.raises(ConfigError, match="needs liger_kernel.*pip install liger-kernel"):
-            loss_mod.make_loss_fn(liger, torch.device("cuda"))
-
-
-def test_loss_kernel_is_checked_with_the_config():
-    """An unknown kernel, or a kernel for a loss that has none, is one line that says what to change."""
-    with pytest.raises(ConfigError, match="unknown --loss-kernel 'cce'; choose one of memtrain, liger"):
-        TechniqueConfig(loss="chunked", loss_kernel="cce")
-    with pytest.raises(ConfigError, match="picks the kernel of --loss chunked; add --loss chunked"):
-        TechniqueConfig(loss="standard", loss_kernel="liger")
-
-
-def test_train_refuses_liger_off_cuda(tmp_path, capsys):
-    """The CLI turns the refusal into one error line and a non-zero exit, writing no result."""
-    from memtrain.cli import main
-
-    rc = main(["train", "--device", "cpu", "--steps", "1", "--batch-size", "1", "--seq-len", "16", "--d-model", "32",
-               "--n-layers", "1", "--n-heads", "2", "--d-ff", "64", "--loss", "chunked", "--loss-kernel", "liger",
-               "--no-progress", "--out", str(tmp_path / "run")])
-    err = capsys.readouterr().err
-    assert rc != 0 and "--loss-kernel liger runs on CUDA only" in err
-    assert not (tmp_path / "run" / "result.json").exists()
-
-
-def test_the_estimate_says_when_liger_would_run(liger_installed, capsys):
-    """Where Liger's kernel would run (--loss-kernel liger on CUDA), the estimate (which models
-    memtrain's chunked loss) says so, in JSON and in text; nowhere else, Liger installed or not."""
-    import json
-
-    from memtrain.cli import main
-
-    base = ["estimate", "--d-model", "64", "--n-layers", "2", "--n-heads", "4", "--vocab-size", "512",
-            "--seq-len", "64", "--batch-size", "2"]
-    liger = ["--loss", "chunked", "--loss-kernel", "liger", "--device-type", "cuda"]
-    assert main([*base, *liger, "--json"]) == 0
-    assert "Liger" in json.loads(capsys.readouterr().out)["loss_kernel"]
-    assert main([*base, *liger]) == 0
-    assert "note: --loss-kernel liger runs Liger-Kernel" in capsys.readouterr().out
-    for other in (["--loss", "chunked", "--device-type", "cuda"], ["--loss", "standard", "--device-type", "cuda"]):
-        assert main([*base, *other, "--json"]) == 0
-        assert "loss_kernel" not in json.loads(capsys.readouterr().out)

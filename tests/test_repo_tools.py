@@ -86,7 +86,7 @@ def test_the_package_root_holds_only_its_face():
 # Optional packages: importing one inside the function that needs it is the rule, so it needs no
 # comment. Every other function-local import says why it is not at module level.
 OPTIONAL_PACKAGES = {"accelerate", "bitsandbytes", "datasets", "deepspeed", "flash_attn", "huggingface_hub",
-                     "liger_kernel", "peft", "pyarrow", "safetensors", "torchao", "transformers", "wandb"}
+                     "cut_cross_entropy", "liger_kernel", "peft", "pyarrow", "safetensors", "torchao", "transformers", "wandb"}
 
 
 def _private_imports(path: Path) -> list[str]:

@@ -16,7 +16,7 @@ from memtrain.config.presets import PRESETS, preset
 from memtrain.config.run import ConfigError, parse_size
 from memtrain.report.by_module import module_table_lines
 from memtrain.runtime.extras import cpu_only_torch
-from memtrain.techniques.facts import LIGER_LOSS_NOTE, liger_loss_requested
+from memtrain.techniques.facts import foreign_loss_kernel
 
 
 def add_model_choice(p: argparse.ArgumentParser) -> None:
@@ -252,9 +252,10 @@ def _fit(args: argparse.Namespace, cfg: Any, arch: Any, device_type: str, shard:
 
 def _loss_kernel(cfg: Any, device_type: str) -> dict[str, Any]:
     """``loss_kernel``, where the run would use another loss kernel than the one estimated
-    (``--loss-kernel liger``: :func:`memtrain.techniques.facts.liger_loss_requested`); {} otherwise."""
+    (``--loss-kernel liger|cce``: :func:`memtrain.techniques.facts.foreign_loss_kernel`); {} otherwise."""
     tech = cfg.technique
-    return {"loss_kernel": LIGER_LOSS_NOTE} if liger_loss_requested(tech.loss, tech.loss_kernel, device_type) else {}
+    kernel = foreign_loss_kernel(tech.loss, tech.loss_kernel, device_type)
+    return {"loss_kernel": kernel.note} if kernel is not None else {}
 
 
 def _print_loss_kernel(out: dict[str, Any]) -> None:

@@ -33,7 +33,13 @@ from memtrain.config.aliases import WARMUP_RATIO, normalize as normalize_aliases
 # model-spec resolution) can raise it without importing config back.
 from memtrain.errors import ConfigError
 from memtrain.files.results import MAX_INT_DIGITS, MAX_JSON_DEPTH, json_depth_error, loads_bounded
-from memtrain.techniques.facts import OPTIMIZER_STATE_RULES, PRECISION_FACTS, parse_checkpointing
+from memtrain.techniques.facts import (
+    FOREIGN_LOSS_KERNELS,
+    OPTIMIZER_STATE_RULES,
+    PRECISION_FACTS,
+    loss_kernel_precision_error,
+    parse_checkpointing,
+)
 
 # The memtrain cache folder (token cache, device probe rates) when neither MEMTRAIN_CACHE nor
 # --cache-dir names one.
@@ -186,7 +192,7 @@ class DataConfig:
 PRECISIONS = tuple(PRECISION_FACTS)
 ATTENTIONS = ("math", "sdpa", "flash", "mem-efficient", "flex", "flash-attn")
 LOSSES = ("standard", "chunked", "naive")
-LOSS_KERNELS = ("memtrain", "liger")
+LOSS_KERNELS = ("memtrain", *FOREIGN_LOSS_KERNELS)  # memtrain, liger, cce
 OPTIMS = tuple(OPTIMIZER_STATE_RULES)
 DISTRIBUTED = ("none", "ddp", "zero1", "zero2", "fsdp", "deepspeed-zero2", "deepspeed-zero3")
 
@@ -214,14 +220,15 @@ class TechniqueConfig:
         "fp32 logits = 51 MB alive at a time); on CUDA, where each chunk is one compiled call and small "
         "chunks cost host time, the largest power of two from 256 to 1024 whose logits hold at most 2^26 "
         "values (1024 for GPT-2's vocabulary, 512 for Llama-3's, 256 for Qwen2.5's; docs/techniques.md). "
-        "Ignored by --loss-kernel liger, which picks its own.",
+        "Ignored by --loss-kernel liger and cce, which pick their own blocks.",
     )
     loss_kernel: str = _f(
         "memtrain",
-        "Kernel of --loss chunked: memtrain (its own chunked loss, on every device) or liger "
-        "(Liger-Kernel's fused linear cross-entropy: CUDA with liger_kernel installed). memtrain's is "
-        "the default: on an H100 its Qwen2.5-0.5B step took 86 ms where Liger's took 141 ms "
-        "(docs/performance.md).",
+        "Kernel of --loss chunked: memtrain (its own chunked loss, on every device), liger "
+        "(Liger-Kernel's fused linear cross-entropy) or cce (Apple's Cut Cross-Entropy: the logits never "
+        "leave on-chip memory; bf16/fp16 compute). liger and cce run on CUDA with their package installed "
+        "(liger-kernel, cut-cross-entropy). memtrain's is the default: on an H100 its Qwen2.5-0.5B step "
+        "took 86 ms where Liger's took 141 ms (docs/performance.md).",
     )
     optim: str = _f("adamw", "Optimizer: " + "|".join(OPTIMS) + ".")
     optim_block: int = _f(
@@ -277,6 +284,8 @@ class TechniqueConfig:
         _require(self.loss_kernel == "memtrain" or self.loss == "chunked",
                  f"--loss-kernel {self.loss_kernel} picks the kernel of --loss chunked; add --loss chunked "
                  "or drop --loss-kernel")
+        precision_error = loss_kernel_precision_error(self.loss_kernel, self.precision)
+        _require(precision_error is None, precision_error or "")
         _require(self.optim_block >= 0 and self.optim_block % 2 == 0,
                  f"--optim-block must be 0 (torchao's default) or a positive even number, e.g. 256; got {self.optim_block}")
         _require(self.lora_rank >= 0, f"--lora-rank must be >= 0, got {self.lora_rank}")

@@ -36,7 +36,8 @@ from memtrain.errors import ConfigError
 
 __all__ = [
     "ADAMW_KERNELS", "BF16_PURE_OPTIMS", "CHECKPOINT_KINDS", "DTYPE_MATMUL_TYPE", "FP8_DIM_MULTIPLE",
-    "FP8_MIN_CAPABILITY", "LOW_BIT_BLOCK", "LOW_BIT_MIN_NUMEL", "fp8_converts",
+    "FOREIGN_LOSS_KERNELS", "FP8_MIN_CAPABILITY", "ForeignLossKernel", "LOW_BIT_BLOCK", "LOW_BIT_MIN_NUMEL",
+    "fp8_converts", "foreign_loss_kernel", "loss_kernel_precision_error", "loss_kernel_refusal",
     "MATMUL_TYPES", "MEMORY_CATEGORIES", "OFFLOAD_MIN_BYTES", "OFFLOAD_PREFETCH", "OPTIMIZER_STATE_RULES",
     "PRECISION_FACTS", "CheckpointPolicy",
     "OptimizerStateRule", "PrecisionFacts", "SR_ADAMW_ALONE_NUMEL", "SR_ADAMW_BUCKET_NUMEL",
@@ -369,31 +370,77 @@ def optimizer_state_rule(optim: str) -> OptimizerStateRule:
 
 
 # --------------------------------------------------------------------------- the loss kernel
-def liger_loss_requested(loss: str, loss_kernel: str, device_type: str) -> bool:
-    """Whether the run asks for Liger-Kernel's fused linear cross-entropy (``--loss chunked
-    --loss-kernel liger``) on CUDA, the one device it runs on; the estimate then says that it
-    models memtrain's own chunked loss instead. Torch-free: the analytic commands load no torch."""
-    return loss == "chunked" and loss_kernel == "liger" and device_type == "cuda"
+@dataclass(frozen=True)
+class ForeignLossKernel:
+    """A ``--loss-kernel`` other than memtrain's own chunked loss: a library's Triton kernel,
+    which runs on CUDA only. The estimate keeps modelling memtrain's chunked loss for it and
+    says so (:attr:`note`)."""
+
+    name: str  # the --loss-kernel value
+    title: str  # what it is, for messages
+    modules: tuple[str, ...]  # what must import
+    pip: str  # what installs it
+    sixteen_bit: bool = False  # its backward takes 16-bit operands only (a 16-bit compute dtype)
+    memory: str = ""  # how its buffers differ from memtrain's chunked loss (the estimate's note)
+
+    @property
+    def note(self) -> str:
+        return (f"--loss-kernel {self.name} runs {self.title}; this estimate models memtrain's own chunked loss, "
+                f"whose buffers {self.memory}")
 
 
-def liger_loss_refusal(loss: str, loss_kernel: str, device_type: str) -> Optional[str]:
-    """Why ``--loss-kernel liger`` cannot run here (one line that says what to change), or None
-    where it can or was not asked for. :func:`memtrain.techniques.loss.make_loss_fn` raises it."""
-    if loss != "chunked" or loss_kernel != "liger":
+FOREIGN_LOSS_KERNELS: dict[str, ForeignLossKernel] = {
+    "liger": ForeignLossKernel(
+        "liger", "Liger-Kernel's fused linear cross-entropy", ("liger_kernel", "triton"), "liger-kernel",
+        memory="Liger's kernel does not share (it picks its own chunk size)"),
+    # Apple's Cut Cross-Entropy (Wijmans et al. 2024, the `cut-cross-entropy` package): the logits
+    # are computed block by block in on-chip memory and never written out; the forward keeps one
+    # float32 log-sum-exp per token and the backward computes them again, with the gradients of
+    # the hidden states and the head (accumulated in the 16-bit compute dtype). Its backward
+    # asserts 16-bit embeddings, hence sixteen_bit.
+    "cce": ForeignLossKernel(
+        "cce", "Apple's Cut Cross-Entropy", ("cut_cross_entropy", "triton"), "cut-cross-entropy",
+        sixteen_bit=True,
+        memory="Cut Cross-Entropy does not share (it keeps only a float32 log-sum-exp per token from forward "
+               "to backward and makes both gradients in backward)"),
+}
+
+
+def foreign_loss_kernel(loss: str, loss_kernel: str, device_type: str) -> Optional[ForeignLossKernel]:
+    """The library kernel the run would use for its loss (``--loss chunked --loss-kernel liger|cce``
+    on CUDA, the one device they run on), or None where memtrain's own loss runs; the estimate then
+    says that it models memtrain's chunked loss instead. Torch-free: the analytic commands load no
+    torch."""
+    if loss != "chunked" or device_type != "cuda":
+        return None
+    return FOREIGN_LOSS_KERNELS.get(loss_kernel)
+
+
+def loss_kernel_precision_error(loss_kernel: str, precision: str) -> Optional[str]:
+    """Why ``--loss-kernel`` cannot compute under ``--precision`` (one line), or None. The
+    configuration checks it, on any device."""
+    kernel = FOREIGN_LOSS_KERNELS.get(loss_kernel)
+    if kernel is None or not kernel.sixteen_bit or precision_facts(precision).compute_bytes == 2:
+        return None
+    return (f"--loss-kernel {kernel.name} computes in 16 bits ({kernel.title}'s backward takes bf16 or fp16 "
+            f"operands), not under --precision {precision}: add --precision bf16, or drop --loss-kernel")
+
+
+def loss_kernel_refusal(loss: str, loss_kernel: str, device_type: str) -> Optional[str]:
+    """Why ``--loss-kernel`` cannot run on ``device_type`` (one line that says what to change), or
+    None where it can or memtrain's own kernel was asked for.
+    :func:`memtrain.techniques.loss.make_loss_fn` raises it."""
+    kernel = FOREIGN_LOSS_KERNELS.get(loss_kernel)
+    if loss != "chunked" or kernel is None:
         return None
     if device_type != "cuda":
-        return (f"--loss-kernel liger runs on CUDA only (Liger-Kernel is Triton code), not on {device_type}; "
-                "drop --loss-kernel for memtrain's chunked loss")
-    missing = [name for name in ("liger_kernel", "triton") if importlib.util.find_spec(name) is None]
+        return (f"--loss-kernel {kernel.name} runs on CUDA only ({kernel.title} is Triton code), not on "
+                f"{device_type}; drop --loss-kernel for memtrain's chunked loss")
+    missing = [name for name in kernel.modules if importlib.util.find_spec(name) is None]
     if missing:
-        return (f"--loss-kernel liger needs {' and '.join(missing)}: pip install liger-kernel, or drop "
+        return (f"--loss-kernel {kernel.name} needs {' and '.join(missing)}: pip install {kernel.pip}, or drop "
                 "--loss-kernel for memtrain's chunked loss")
     return None
-
-
-LIGER_LOSS_NOTE = ("--loss-kernel liger runs Liger-Kernel's fused linear cross-entropy; this estimate models "
-                   "memtrain's own chunked loss, whose buffers Liger's kernel does not share (it picks its own "
-                   "chunk size)")
 
 
 # --------------------------------------------------------------------------- activation offloading

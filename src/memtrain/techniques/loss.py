@@ -14,7 +14,10 @@ backward scales them, in place, by ``grad_output / n_valid``. This is the method
 ``LigerFusedLinearCrossEntropyLoss``. Liger (and Apple's Cut Cross-Entropy) are Triton
 kernels that need CUDA, so the torch version here is written by hand. ``--loss-kernel liger``
 runs Liger's kernel instead (CUDA, ``liger_kernel`` installed; it picks its own chunk size and
-ignores ``--loss-chunk``). memtrain's is the default on CUDA too: on an H100 (torch 2.11,
+ignores ``--loss-chunk``), ``--loss-kernel cce`` Cut Cross-Entropy's (CUDA, ``cut_cross_entropy``
+installed, 16-bit compute), which never writes the logits to device memory: it keeps one
+float32 log-sum-exp per token from forward to backward and computes the logits again there, block
+by block, with both gradients (:func:`_cce_loss`). memtrain's is the default on CUDA too: on an H100 (torch 2.11,
 Liger 0.8.5; benchmarks/results/gpu-h100/runbook-2026-11-26) a Qwen2.5-0.5B step at batch
 4 x 1024 took 85.6 ms with it, 141.2 ms with Liger's and 82.0 ms with the standard loss, and the
 compiled seed GPT's 27.9 ms against Liger's 31.8 ms. Liger sizes its chunks from vocab / hidden
@@ -56,7 +59,12 @@ from torch._subclasses.fake_tensor import is_fake
 
 from memtrain.config.run import ConfigError, TechniqueConfig
 from memtrain.models.gpt import LossFn, standard_lm_loss
-from memtrain.techniques.facts import LOSS_ALIGN_VOCAB, aligned_vocab, effective_loss_chunk, liger_loss_refusal
+from memtrain.techniques.facts import (
+    LOSS_ALIGN_VOCAB,
+    aligned_vocab,
+    effective_loss_chunk,
+    loss_kernel_refusal,
+)
 
 IGNORE_INDEX = -100
 
@@ -332,6 +340,45 @@ def _liger_loss(fallback: LossFn) -> Optional[LossFn]:
     return liger_lm_loss
 
 
+# Cut Cross-Entropy's gradient filter. "high" (its own default) skips, in backward, each block of
+# logits whose every |softmax - onehot| is below the compute dtype's eps / 32 (2.4e-4 in bf16): the
+# block would add nothing a 16-bit gradient can hold. None computes every block. A module
+# attribute, so that a benchmark can time both (benchmarks/loss_profile.py, "cce-exact").
+CCE_FILTER_EPS: Optional[str] = "high"
+
+
+def _cce_loss(fallback: LossFn) -> Optional[LossFn]:
+    """Apple's Cut Cross-Entropy (``cut_cross_entropy.linear_cross_entropy``), when installed
+    (CUDA + Triton only): the logits are made block by block in on-chip memory, never in the
+    device's memory. ``fallback`` (memtrain's own chunked loss) runs under the tracer's fake
+    tensors, where a Triton kernel cannot: the trace then describes memtrain's kernel."""
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+    except ImportError:
+        return None
+
+    def cce_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if is_fake(hidden):
+            return fallback(hidden, weight, targets)
+        # Both operands in the compute dtype (16-bit: the configuration refuses others), autocast
+        # off, as for Liger; autograd casts the gradients back to the parameters' dtype.
+        dt = _compute_dtype(hidden, weight)
+        with torch.autocast(hidden.device.type, enabled=False):
+            loss = linear_cross_entropy(hidden.to(dt), weight.to(dt), targets, ignore_index=IGNORE_INDEX,
+                                        reduction="mean", filter_eps=CCE_FILTER_EPS)
+        return loss.float()
+
+    return cce_lm_loss
+
+
+# --loss-kernel -> (the module its loss imports, the loss made around memtrain's own as the fake-tensor
+# fallback). Looked up at call time (the lambdas), so that a test can stand in for either kernel.
+_FOREIGN_LOSSES: dict[str, tuple[str, Callable[[LossFn], Optional[LossFn]]]] = {
+    "liger": ("liger_kernel.transformers", lambda own: _liger_loss(own)),
+    "cce": ("cut_cross_entropy", lambda own: _cce_loss(own)),
+}
+
+
 def make_loss_fn(tech: TechniqueConfig, device: torch.device) -> LossFn:
     """The ``model.loss_fn`` that ``tech.loss`` names for ``device``."""
     if tech.loss == "standard":
@@ -339,16 +386,19 @@ def make_loss_fn(tech: TechniqueConfig, device: torch.device) -> LossFn:
     if tech.loss == "chunked":
         # --loss-chunk 0 is resolved at each call, from the hidden states' device and the head's rows.
         own = functools.partial(chunked_lm_loss, chunk=tech.loss_chunk)
-        refusal = liger_loss_refusal(tech.loss, tech.loss_kernel, device.type)
+        refusal = loss_kernel_refusal(tech.loss, tech.loss_kernel, device.type)
         if refusal is not None:
             raise ConfigError(refusal)
-        if tech.loss_kernel == "liger":
-            liger = _liger_loss(own)
-            if liger is None:  # found by find_spec but failed to import
-                raise ConfigError("--loss-kernel liger: liger_kernel is installed but does not import "
-                                  "(python -c 'import liger_kernel.transformers' shows why); drop --loss-kernel")
-            # Outside the compiled graph: Liger's kernel calls .item() (a graph break).
-            return torch.compiler.disable(liger)
+        if tech.loss_kernel in _FOREIGN_LOSSES:
+            module, make = _FOREIGN_LOSSES[tech.loss_kernel]
+            foreign = make(own)
+            if foreign is None:  # found by find_spec but failed to import
+                raise ConfigError(f"--loss-kernel {tech.loss_kernel}: {module} is installed but does not import "
+                                  f"(python -c 'import {module}' shows why); drop --loss-kernel")
+            # Outside the compiled graph: Liger's kernel calls .item(), Cut Cross-Entropy's finds
+            # the ignored targets with .nonzero() (graph breaks), and both launch Triton kernels
+            # that tune themselves on first use.
+            return torch.compiler.disable(foreign)
         return own
     if tech.loss == "naive":
         return NaiveLoss()

@@ -1,0 +1,208 @@
+"""``--loss-kernel liger|cce``: a library's fused linear cross-entropy instead of memtrain's own
+chunked loss. Neither library runs off CUDA, so these tests check what memtrain does around them:
+which kernel runs when, the one-line refusals, the estimate's note, and how the Cut Cross-Entropy
+adapter calls the library (a stand-in records the call); the GPU test compares the real kernel
+with the standard loss."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import json
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import memtrain.techniques.loss as loss_mod
+from memtrain.config.run import ConfigError, TechniqueConfig
+from memtrain.models.gpt import standard_lm_loss
+
+KERNELS = {"liger": "_liger_loss", "cce": "_cce_loss"}  # --loss-kernel -> the loss module's maker
+SIXTEEN_BIT = {"liger": "fp32", "cce": "bf16"}  # a precision each kernel accepts
+
+
+def make_inputs(n: int = 40, d: int = 16, v: int = 64, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, d, generator=g).requires_grad_()
+    weight = (0.1 * torch.randn(v, d, generator=g)).requires_grad_()
+    targets = torch.randint(0, v, (n,), generator=g)
+    targets[::7] = -100
+    return hidden, weight, targets
+
+
+@pytest.fixture
+def kernels_installed(monkeypatch):
+    """importlib finds liger_kernel, cut_cross_entropy and triton (none is installed here); nothing
+    imports them."""
+    real = importlib.util.find_spec
+
+    def find_spec(name, *args, **kwargs):
+        if name in ("liger_kernel", "cut_cross_entropy", "triton"):
+            return importlib.machinery.ModuleSpec(name, None)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_a_library_kernel_runs_only_when_asked_for(kernel, kernels_installed, monkeypatch):
+    """memtrain's own chunked loss is the default on every device, the libraries installed or not
+    (it was the faster one on an H100 against Liger's); --loss-kernel K runs K's kernel on CUDA,
+    outside the compiled graph, and is refused elsewhere in one line."""
+    def stand_in(own):
+        def loss(hidden, weight, targets):
+            return torch.zeros(())
+        return loss
+
+    monkeypatch.setattr(loss_mod, KERNELS[kernel], stand_in)
+    h, w, t = make_inputs()
+    precision = SIXTEEN_BIT[kernel]
+    default = TechniqueConfig(loss="chunked", precision=precision)
+    chosen = TechniqueConfig(loss="chunked", loss_kernel=kernel, precision=precision)
+    assert loss_mod.make_loss_fn(default, torch.device("cuda"))(h, w, t).item() > 0.0  # memtrain's
+    fn = loss_mod.make_loss_fn(chosen, torch.device("cuda"))
+    assert fn(h, w, t).item() == 0.0  # the library's
+    assert getattr(fn, "_torchdynamo_disable", False)  # torch.compiler.disable's mark: not traced
+    with pytest.raises(ConfigError, match=f"--loss-kernel {kernel} runs on CUDA only"):
+        loss_mod.make_loss_fn(chosen, torch.device("cpu"))
+    monkeypatch.undo()
+    package = {"liger": ("liger_kernel", "liger-kernel"), "cce": ("cut_cross_entropy", "cut-cross-entropy")}[kernel]
+    if importlib.util.find_spec(package[0]) is None:
+        with pytest.raises(ConfigError, match=f"needs {package[0]}.*pip install {package[1]}"):
+            loss_mod.make_loss_fn(chosen, torch.device("cuda"))
+
+
+def test_a_kernel_that_does_not_import_is_one_line(kernels_installed, monkeypatch):
+    """Found by importlib but failing to import: the error names the import that shows why."""
+    monkeypatch.setattr(loss_mod, "_cce_loss", lambda own: None)
+    with pytest.raises(ConfigError, match="cut_cross_entropy is installed but does not import.*import cut_cross_entropy"):
+        loss_mod.make_loss_fn(TechniqueConfig(loss="chunked", loss_kernel="cce", precision="bf16"), torch.device("cuda"))
+
+
+def test_loss_kernel_is_checked_with_the_config():
+    """An unknown kernel, a kernel for a loss that has none, or Cut Cross-Entropy (16-bit only)
+    under a 32-bit precision is one line that says what to change, on any device."""
+    with pytest.raises(ConfigError, match="unknown --loss-kernel 'cut'; choose one of memtrain, liger, cce"):
+        TechniqueConfig(loss="chunked", loss_kernel="cut")
+    with pytest.raises(ConfigError, match="picks the kernel of --loss chunked; add --loss chunked"):
+        TechniqueConfig(loss="standard", loss_kernel="liger")
+    for precision in ("fp32", "tf32"):
+        with pytest.raises(ConfigError, match=f"--loss-kernel cce computes in 16 bits .* not under --precision "
+                                              f"{precision}: add --precision bf16"):
+            TechniqueConfig(loss="chunked", loss_kernel="cce", precision=precision)
+    for precision in ("bf16", "fp16", "bf16-pure", "fp8"):  # fp8 computes the LM head in bf16
+        TechniqueConfig(loss="chunked", loss_kernel="cce", precision=precision)
+    TechniqueConfig(loss="chunked", loss_kernel="liger", precision="fp32")
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_train_refuses_a_library_kernel_off_cuda(kernel, tmp_path, capsys):
+    """The CLI turns the refusal into one error line and a non-zero exit, writing no result."""
+    from memtrain.cli import main
+
+    rc = main(["train", "--device", "cpu", "--steps", "1", "--batch-size", "1", "--seq-len", "16", "--d-model", "32",
+               "--n-layers", "1", "--n-heads", "2", "--d-ff", "64", "--loss", "chunked", "--loss-kernel", kernel,
+               "--precision", SIXTEEN_BIT[kernel], "--no-progress", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert rc != 0 and f"--loss-kernel {kernel} runs on CUDA only" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "run" / "result.json").exists()
+
+
+@pytest.mark.parametrize("kernel,title", [("liger", "Liger-Kernel"), ("cce", "Cut Cross-Entropy")])
+def test_the_estimate_says_when_a_library_kernel_would_run(kernel, title, kernels_installed, capsys):
+    """Where a library's kernel would run (--loss-kernel K on CUDA), the estimate (which models
+    memtrain's chunked loss) says so, in JSON and in text; nowhere else, installed or not."""
+    from memtrain.cli import main
+
+    base = ["estimate", "--d-model", "64", "--n-layers", "2", "--n-heads", "4", "--vocab-size", "512",
+            "--seq-len", "64", "--batch-size", "2", "--precision", "bf16"]
+    chosen = ["--loss", "chunked", "--loss-kernel", kernel, "--device-type", "cuda"]
+    assert main([*base, *chosen, "--json"]) == 0
+    assert title in json.loads(capsys.readouterr().out)["loss_kernel"]
+    assert main([*base, *chosen]) == 0
+    assert f"note: --loss-kernel {kernel} runs" in capsys.readouterr().out
+    for other in (["--loss", "chunked", "--device-type", "cuda"], ["--loss", "standard", "--device-type", "cuda"],
+                  ["--loss", "chunked", "--loss-kernel", kernel, "--device-type", "cpu"]):
+        assert main([*base, *other, "--json"]) == 0
+        assert "loss_kernel" not in json.loads(capsys.readouterr().out)
+
+
+@pytest.fixture
+def recorded_cce(monkeypatch):
+    """A stand-in ``cut_cross_entropy`` module: its ``linear_cross_entropy`` records each call
+    (the operands' dtypes, whether autocast was on, the keywords) and computes the loss the real one
+    documents, ``F.cross_entropy((e @ c.T).float(), targets)``."""
+    calls: list[dict] = []
+
+    def linear_cross_entropy(e, c, targets, **kwargs):
+        calls.append({"e": e.dtype, "c": c.dtype, "autocast": torch.is_autocast_enabled("cpu"), **kwargs})
+        return F.cross_entropy((e @ c.T).float(), targets, ignore_index=kwargs["ignore_index"],
+                               reduction=kwargs["reduction"])
+
+    module = types.ModuleType("cut_cross_entropy")
+    module.linear_cross_entropy = linear_cross_entropy  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cut_cross_entropy", module)
+    return calls
+
+
+def test_cce_gets_both_operands_in_the_compute_dtype(recorded_cce):
+    """Under bf16 autocast the adapter hands Cut Cross-Entropy the hidden states and the head in
+    bf16 with autocast off (its kernels take one dtype), ignore index -100, a mean, and the filter
+    of CCE_FILTER_EPS; the loss comes back float32 and the gradients reach the float32 parameters
+    in float32, close to the standard loss's."""
+    fallback_calls: list[int] = []
+    cce = loss_mod._cce_loss(lambda *a: fallback_calls.append(1))
+    h, w, t = make_inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = cce(h, w, t)
+        ref = standard_lm_loss(h, w, t)
+    assert recorded_cce == [{"e": torch.bfloat16, "c": torch.bfloat16, "autocast": False, "ignore_index": -100,
+                             "reduction": "mean", "filter_eps": loss_mod.CCE_FILTER_EPS}]
+    assert loss.dtype == torch.float32 and not fallback_calls
+    gh, gw = torch.autograd.grad(loss, (h, w))
+    rh, rw = torch.autograd.grad(ref, (h, w))
+    assert gh.dtype == gw.dtype == torch.float32
+    torch.testing.assert_close(loss, ref.float(), rtol=1e-2, atol=0)
+    torch.testing.assert_close(gw, rw, rtol=0, atol=2e-2 * float(rw.abs().max()))
+    torch.testing.assert_close(gh, rh, rtol=0, atol=2e-2 * float(rh.abs().max()))
+
+
+def test_cce_under_fake_tensors_runs_memtrains_loss(recorded_cce):
+    """The tracer's fake tensors cannot enter a Triton kernel: memtrain's own chunked loss stands in
+    (the estimate models it, and says so)."""
+    seen: list[tuple] = []
+    cce = loss_mod._cce_loss(lambda hidden, weight, targets: seen.append(tuple(hidden.shape)) or hidden.sum())
+    with FakeTensorMode() as mode:
+        h, w, t = (mode.from_tensor(x) for x in make_inputs())
+        cce(h, w, t)
+    assert seen == [(40, 16)] and recorded_cce == []
+
+
+def test_cce_is_absent_without_the_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cut_cross_entropy", None)  # an import of it raises ImportError
+    assert loss_mod._cce_loss(standard_lm_loss) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("filter_eps", ["high", None])
+def test_cuda_cce_matches_the_standard_loss(filter_eps, monkeypatch):
+    """Cut Cross-Entropy's kernel against the standard loss under bf16 autocast, with its gradient
+    filter and without (exact)."""
+    pytest.importorskip("cut_cross_entropy", reason="--loss-kernel cce needs cut-cross-entropy")
+    monkeypatch.setattr(loss_mod, "CCE_FILTER_EPS", filter_eps)
+    dev = torch.device("cuda")
+    fn = loss_mod.make_loss_fn(TechniqueConfig(loss="chunked", loss_kernel="cce", precision="bf16"), dev)
+    hidden, weight, targets = (x.to(dev) for x in make_inputs(n=1000, d=64, v=5000))
+    hidden, weight = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ref = standard_lm_loss(hidden, weight, targets)
+        out = fn(hidden, weight, targets)
+    torch.testing.assert_close(out, ref.float(), rtol=1e-2, atol=0)
+    for o, r in zip(torch.autograd.grad(out, (hidden, weight)), torch.autograd.grad(ref, (hidden, weight))):
+        torch.testing.assert_close(o.float(), r.float(), rtol=0, atol=2e-2 * float(r.abs().max()))
