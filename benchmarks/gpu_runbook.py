@@ -240,7 +240,7 @@ STEPS: list[Step] = [
          150,
          lambda s, out: [PY, str(ROOT / "benchmarks" / "loss_profile.py"), "--device", s.device,
                          "--batch-size", str(s.seed_batch), "--seq-len", str(s.seed_seq), "--out", str(out),
-                         "--variants", "standard,chunked-1024,cce,cce-exact,liger,standard-cudagraphs,"
+                         "--variants", "standard,chunked-1024,cce,cce-filter,liger,standard-cudagraphs,"
                          "chunked-1024-cudagraphs,cce-cudagraphs",
                          *(["--compile"] if s.compile else ["--steps", "2", "--warmup", "1", "--d-model", "64"])],
          "markdown"),

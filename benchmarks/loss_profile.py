@@ -22,7 +22,7 @@ makes of the whole loss when it sees it); ``chunked-N-loop`` (each chunk's ops l
 around one compiled logit gradient, :func:`per_op_chunk_step`, as before the one-call body);
 ``chunked-N-unaligned`` (the logits exactly vocab columns wide, as before the aligned layout);
 ``liger`` and ``cce`` (``--loss-kernel liger|cce``: the library's kernel, outside the compiled graph;
-``cce`` with Cut Cross-Entropy's gradient filter, ``cce-exact`` without it). Any
+``cce`` exact, as memtrain calls it, ``cce-filter`` with Cut Cross-Entropy's own gradient filter). Any
 variant ending in ``-cudagraphs`` runs with ``--compile-mode reduce-overhead``: with ``--compile``
 on a GPU, CUDA graphs replay the compiled forward and backward in one launch each, which says how
 much of a step is launch cost (their max allocated leaves out the graphs' own pool: read reserved).
@@ -62,7 +62,7 @@ from memtrain.training.step import build_state, random_micro_batches, run_step
 
 VARIANT_HOW = ("", "outside", "traced", "loop", "unaligned")
 # The library kernels' variants: name -> (--loss-kernel, how its loss runs).
-LIBRARY_VARIANTS = {"liger": ("liger", ""), "cce": ("cce", ""), "cce-exact": ("cce", "exact")}
+LIBRARY_VARIANTS = {"liger": ("liger", ""), "cce": ("cce", ""), "cce-filter": ("cce", "filter")}
 
 
 CUDA_GRAPHS = "-cudagraphs"
@@ -84,7 +84,7 @@ def parse_variant(name: str) -> tuple[dict[str, Any], str]:
             and (len(parts) == 2 or parts[2] in VARIANT_HOW[1:]):
         return {"loss": "chunked", "loss_chunk": int(parts[1]), **mode}, parts[2] if len(parts) == 3 else ""
     raise ValueError(f"unknown variant {name!r}: use standard, chunked-N, chunked-N-outside, chunked-N-traced, "
-                     f"chunked-N-loop, chunked-N-unaligned, liger, cce or cce-exact, each optionally ending in "
+                     f"chunked-N-loop, chunked-N-unaligned, liger, cce or cce-filter, each optionally ending in "
                      f"{CUDA_GRAPHS}")
 
 
@@ -113,7 +113,7 @@ def per_op_chunk_step() -> Callable[..., None]:
 def _loss_placement(state: Any, how: str) -> Iterator[None]:
     """Leave the loss out of the compiled graph ("outside"), trace its chunk loop into it
     ("traced"), run the per-op chunk step ("loop"), lay the logits out exactly vocab columns wide
-    ("unaligned") or turn Cut Cross-Entropy's gradient filter off ("exact"); everything is put back
+    ("unaligned") or turn Cut Cross-Entropy's own gradient filter on ("filter"); everything is put back
     afterwards."""
     if how == "outside":
         state.model.loss_fn = torch.compiler.disable(state.model.loss_fn)
@@ -125,8 +125,8 @@ def _loss_placement(state: Any, how: str) -> Iterator[None]:
     align, cce_filter = loss_module.ALIGN_VOCAB, loss_module.CCE_FILTER_EPS
     if how == "unaligned":  # the logits exactly vocab columns wide, as before the aligned layout
         loss_module.ALIGN_VOCAB = 1
-    if how == "exact":  # Cut Cross-Entropy computing every block of its backward
-        loss_module.CCE_FILTER_EPS = None
+    if how == "filter":  # Cut Cross-Entropy skipping its backward's blocks below bf16's eps / 32
+        loss_module.CCE_FILTER_EPS = "high"
     try:
         yield
     finally:
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--d-model", type=positive_int, default=None, help="a smaller model for a quick look")
     ap.add_argument("--variants", default="standard,chunked-256,chunked-1024",
                     help="comma-separated: standard, chunked-N, chunked-N-outside, chunked-N-traced, "
-                         "chunked-N-loop, chunked-N-unaligned, liger, cce, cce-exact, each optionally ending in "
+                         "chunked-N-loop, chunked-N-unaligned, liger, cce, cce-filter, each optionally ending in "
                          "-cudagraphs (see above)")
     ap.add_argument("--compile", action="store_true", help="--compile for every variant")
     ap.add_argument("--steps", type=positive_int, default=6, help="profiled steps per variant (default 6)")

@@ -321,8 +321,8 @@ def test_loss_profile_variants_parse_and_a_failing_one_is_recorded_while_the_res
         with pytest.raises(ValueError, match="optionally ending in -cudagraphs"):
             profile.parse_variant(bad)
     assert profile.parse_variant("liger") == ({"loss": "chunked", "loss_kernel": "liger"}, "")
-    assert profile.parse_variant("cce-exact-cudagraphs") == (
-        {"loss": "chunked", "loss_kernel": "cce", "compile_mode": "reduce-overhead"}, "exact")
+    assert profile.parse_variant("cce-filter-cudagraphs") == (
+        {"loss": "chunked", "loss_kernel": "cce", "compile_mode": "reduce-overhead"}, "filter")
     real = profile.profile_variant
 
     def flaky(overrides, *a, **k):
@@ -343,8 +343,8 @@ def test_loss_profile_variants_parse_and_a_failing_one_is_recorded_while_the_res
     assert "## standard: top operators" in md and "## standard-cudagraphs" not in md
 
 
-def test_loss_profile_turns_cce_s_filter_off_for_the_exact_variant_only():
-    """"cce-exact" runs with memtrain.techniques.loss.CCE_FILTER_EPS None and puts it back."""
+def test_loss_profile_turns_cce_s_filter_on_for_the_filter_variant_only():
+    """"cce-filter" runs with Cut Cross-Entropy's own filter ("high") and puts memtrain's (None) back."""
     import types
 
     from memtrain.techniques import loss
@@ -352,9 +352,9 @@ def test_loss_profile_turns_cce_s_filter_off_for_the_exact_variant_only():
     profile = _load("loss_profile")
     state = types.SimpleNamespace(model=types.SimpleNamespace(loss_fn=None))
     before = loss.CCE_FILTER_EPS
-    assert before == "high"
-    with profile._loss_placement(state, "exact"):
-        assert loss.CCE_FILTER_EPS is None
+    assert before is None
+    with profile._loss_placement(state, "filter"):
+        assert loss.CCE_FILTER_EPS == "high"
     assert loss.CCE_FILTER_EPS == before
     with profile._loss_placement(state, ""):
         assert loss.CCE_FILTER_EPS == before

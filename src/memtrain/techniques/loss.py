@@ -340,11 +340,13 @@ def _liger_loss(fallback: LossFn) -> Optional[LossFn]:
     return liger_lm_loss
 
 
-# Cut Cross-Entropy's gradient filter. "high" (its own default) skips, in backward, each block of
-# logits whose every |softmax - onehot| is below the compute dtype's eps / 32 (2.4e-4 in bf16): the
-# block would add nothing a 16-bit gradient can hold. None computes every block. A module
-# attribute, so that a benchmark can time both (benchmarks/loss_profile.py, "cce-exact").
-CCE_FILTER_EPS: Optional[str] = "high"
+# Cut Cross-Entropy's gradient filter: None (memtrain's choice) computes every block of its backward,
+# the gradients of the standard loss. Its own default, "high", skips each block of logits whose every
+# |softmax - onehot| is below the compute dtype's eps / 32 (2.4e-4 in bf16). That suits a trained
+# model's peaked softmax; a model trained from scratch starts near uniform (1/50257 = 2e-5 a token
+# for GPT-2's vocabulary), where the filter would drop most of the softmax's pull on the head's rows.
+# A module attribute, so that a benchmark can time both (benchmarks/loss_profile.py, "cce-filter").
+CCE_FILTER_EPS: Optional[str] = None
 
 
 def _cce_loss(fallback: LossFn) -> Optional[LossFn]:
