@@ -15,8 +15,12 @@ five *parts*, each one device command of under 10 minutes, run in priority order
     checks  `pytest -m gpu` and the allocator model on the seed and transformers rows
             (benchmarks/allocator_check.py --rows all)
     profile where the compiled seed step's time goes with the standard and the chunked loss
-            (benchmarks/loss_profile.py: step times, host vs device time, top operators), and
-            the compiled seed step with --sync-steps, beside build's overlapped one
+            (benchmarks/loss_profile.py: step times, host vs device time, top operators), the
+            library loss kernels (Cut Cross-Entropy, Liger) beside memtrain's on the seed GPT and
+            Qwen2.5-0.5B, and the compiled seed step with --sync-steps, beside build's overlapped one
+
+``--part picked --only A,B,...`` runs the named steps of any parts, in that order: a session with
+a few minutes of device time puts the checks it owes most first in one command.
 
 Each step writes into a work folder outside ``--out`` (one log and one result folder per step);
 after every step the whole work folder is packed into ``OUT/PART.tar.gz`` and ``OUT/PART.md``
@@ -145,7 +149,7 @@ STEPS: list[Step] = [
                                  "--steps", str(s.hf_steps), "--warmup-steps", "2"),
          "compare"),
     Step("hf-qwen05-full", "hf",
-         "full fine-tune step time <= HF Trainer's; chunked loss <= 1.05x the standard step (Liger when installed)",
+         "full fine-tune step time <= HF Trainer's; chunked loss (memtrain's kernel) <= 1.05x the standard step",
          150,
          lambda s, out: _compare(s, out, "--model", s.mid_model, "--techniques",
                                  "precision=bf16+attention=sdpa,precision=bf16+attention=sdpa+loss=chunked,"
@@ -257,6 +261,9 @@ STEPS: list[Step] = [
          lambda s, out: _train(s, out, *_seed_train(s, "--sync-steps")), "train"),
 ]
 PARTS = ["hf", "build", "seed", "checks", "profile"]
+# --part picked: the steps --only names, from any part, in the order named (a session's own list
+# of the checks it owes, in one device command).
+PICKED = "picked"
 
 
 # ============================================================================ headlines
@@ -394,13 +401,22 @@ class Part:
         part.replace(tar)
 
 
+def _part_steps(name: str, only: Optional[list[str]]) -> list[Step]:
+    """The steps part ``name`` runs: its own (those ``only`` names, when given) in the table's
+    order, or for :data:`PICKED` the steps ``only`` names, from any part, in its order."""
+    if name == PICKED:
+        by_name = {s.name: s for s in STEPS}
+        return [by_name[n] for n in only or []]
+    return [s for s in STEPS if s.part == name and (only is None or s.name in only)]
+
+
 def run_part(name: str, sizes: Sizes, out: Path, work: Path, deadline_s: float, env: dict[str, str],
-             only: Optional[set[str]], header: list[str]) -> int:
+             only: Optional[list[str]], header: list[str]) -> int:
     """Run the part's steps in order within ``deadline_s``; the number of failed steps."""
     start = time.monotonic()
     part = Part(name, work / name, out, header + _machine(env))
     failed = 0
-    for step in (s for s in STEPS if s.part == name and (only is None or s.name in only)):
+    for step in _part_steps(name, only):
         folder = part.work / step.name
         folder.mkdir(parents=True, exist_ok=True)
         argv = step.argv(sizes, folder)
@@ -431,11 +447,13 @@ def run_part(name: str, sizes: Sizes, out: Path, work: Path, deadline_s: float, 
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    ap.add_argument("--part", choices=PARTS, help="which part to run (one device command each)")
+    ap.add_argument("--part", choices=[*PARTS, PICKED],
+                    help=f"which part to run (one device command each); {PICKED}: the steps --only names, from "
+                         "any part, in that order")
     ap.add_argument("--out", type=Path, help="folder that gets PART.md and PART.tar.gz (on the device: $OUT)")
     ap.add_argument("--work", type=Path, default=None, help="work folder (default: a folder in /tmp)")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: check that every command still runs")
-    ap.add_argument("--only", help="comma-separated step names of the part")
+    ap.add_argument("--only", help=f"comma-separated step names of the part (of any part for --part {PICKED})")
     ap.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE_S,
                     help=f"seconds the part may take (default {DEFAULT_DEADLINE_S:g}: under a 600 s device command)")
     ap.add_argument("--wheels", type=Path, help="install these wheels first (into a folder put on PYTHONPATH)")
@@ -451,12 +469,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     if args.part is None or args.out is None:
         ap.error("--part and --out are needed (or --list)")
-    only = set(args.only.split(",")) if args.only else None
+    only = [n for n in args.only.split(",") if n] if args.only else None
+    if args.part == PICKED and not only:
+        ap.error(f"--part {PICKED} runs the steps --only names; name at least one (--list shows them)")
     if only:
-        known = {s.name for s in STEPS if s.part == args.part}
-        if only - known:
-            ap.error(f"--only {','.join(sorted(only - known))}: not a step of part {args.part} "
-                     f"({', '.join(sorted(known))})")
+        known = {s.name for s in STEPS if args.part == PICKED or s.part == args.part}
+        unknown = [n for n in only if n not in known]
+        if unknown:
+            where = "any part" if args.part == PICKED else f"part {args.part}"
+            ap.error(f"--only {','.join(unknown)}: not a step of {where} ({', '.join(sorted(known))})")
+        if len(set(only)) != len(only):
+            ap.error(f"--only {args.only}: a step is named twice")
     work = args.work or Path("/tmp") / f"memtrain-runbook-{os.getpid()}"
     if args.out.exists() and not args.out.is_dir():
         ap.error(f"--out {args.out} is a file; give a folder")

@@ -212,6 +212,29 @@ def test_part_records_each_step_and_packs_what_finished(monkeypatch, tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["hf.md", "hf.tar.gz"]  # 2 files come back
 
 
+def test_a_picked_part_runs_the_named_steps_of_any_part_in_their_order(monkeypatch, tmp_path, capsys):
+    """--part picked --only c,a: c (a profile step) then a (an hf step), nothing else, in one
+    picked.md and picked.tar.gz; without --only, or naming a step twice or an unknown one, it is
+    refused in one line before anything runs."""
+    _fake_steps(monkeypatch,
+                runbook.Step("a", "hf", "first in the table", 1, _py("print('a ran')"), "log"),
+                runbook.Step("b", "hf", "not picked", 1, _py("print('b ran')"), "log"),
+                runbook.Step("c", "profile", "picked first", 1, _py("print('c ran')"), "log"))
+    assert runbook.main(["--part", "picked", "--only", "c,a", "--out", str(tmp_path / "out"),
+                         "--work", str(tmp_path / "work")]) == 0
+    records = [json.loads(x) for x in (tmp_path / "work" / "picked" / "runbook.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == ["c", "a"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["picked.md", "picked.tar.gz"]
+    for argv, message in ((["--part", "picked"], "name at least one"),
+                          (["--part", "picked", "--only", "a,a"], "a step is named twice"),
+                          (["--part", "picked", "--only", "a,zz"], "--only zz: not a step of any part"),
+                          (["--part", "hf", "--only", "c"], "--only c: not a step of part hf")):
+        with pytest.raises(SystemExit) as e:
+            runbook.main([*argv, "--out", str(tmp_path / "o2"), "--work", str(tmp_path / "w2")])
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "o2").exists() and not (tmp_path / "w2").exists()
+
+
 def test_a_step_past_the_deadline_is_stopped_and_the_part_still_published(monkeypatch, tmp_path):
     _fake_steps(monkeypatch, runbook.Step("slow", "hf", "hangs", 1, _py("import time; time.sleep(60)"), "log"))
     failed = runbook.run_part("hf", runbook.FULL, tmp_path / "out", tmp_path / "work", 12, runbook._env(None, None),
