@@ -30,6 +30,12 @@ TECHNIQUES: dict[str, dict[str, Any]] = {
     # and 3.3 GiB (benchmarks/results/gpu-h200).
     "compile-chunked": {"precision": "bf16", "attention": "flash", "compile": True, "compile_mode": "reduce-overhead",
                         "loss": "chunked"},
+    # The library loss kernels (CUDA only; not default rows until measured beside memtrain's):
+    # Cut Cross-Entropy never writes the logits to memory (docs/techniques.md), eager and compiled.
+    "cce-loss": {"precision": "bf16", "attention": "flash", "loss": "chunked", "loss_kernel": "cce"},
+    "compile-cce": {"precision": "bf16", "attention": "flash", "compile": True, "compile_mode": "reduce-overhead",
+                    "loss": "chunked", "loss_kernel": "cce"},
+    "liger-loss": {"precision": "bf16", "attention": "flash", "loss": "chunked", "loss_kernel": "liger"},
     # The compile row with the block Linears' matmuls in FP8 (torchao float8; CUDA 8.9+ only).
     "fp8": {"precision": "fp8", "attention": "flash", "compile": True},
     # The "compile" row with torch.compile's activation memory budget: the partitioner
@@ -61,6 +67,9 @@ DESCRIPTIONS: dict[str, str] = {
     "lora": "LoRA r=8 + chunked loss",
     "compile": "torch.compile + Flash + BF16",
     "compile-chunked": "torch.compile (CUDA graphs) + chunked loss + Flash + BF16",
+    "cce-loss": "Cut Cross-Entropy loss + Flash + BF16",
+    "compile-cce": "torch.compile (CUDA graphs) + Cut Cross-Entropy + Flash + BF16",
+    "liger-loss": "Liger fused loss + Flash + BF16",
     "fp8": "FP8 Linears (torchao) + torch.compile + Flash",
     "compile-budget": "torch.compile, activation budget 0.5 + Flash + BF16",
     "lowest-memory": "Lowest memory (ckpt + chunked + 4-bit AdamW)",
