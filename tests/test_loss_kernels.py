@@ -53,7 +53,7 @@ def test_a_library_kernel_runs_only_when_asked_for(kernel, kernels_installed, mo
     """memtrain's own chunked loss is the default on every device, the libraries installed or not
     (it was the faster one on an H100 against Liger's); --loss-kernel K runs K's kernel on CUDA,
     outside the compiled graph, and is refused elsewhere in one line."""
-    def stand_in(own):
+    def stand_in(*own):  # Liger's maker takes memtrain's loss (its fake-tensor path), CCE's nothing
         def loss(hidden, weight, targets):
             return torch.zeros(())
         return loss
@@ -78,7 +78,7 @@ def test_a_library_kernel_runs_only_when_asked_for(kernel, kernels_installed, mo
 
 def test_a_kernel_that_does_not_import_is_one_line(kernels_installed, monkeypatch):
     """Found by importlib but failing to import: the error names the import that shows why."""
-    monkeypatch.setattr(loss_mod, "_cce_loss", lambda own: None)
+    monkeypatch.setattr(loss_mod, "_cce_loss", lambda: None)
     with pytest.raises(ConfigError, match="cut_cross_entropy is installed but does not import.*import cut_cross_entropy"):
         loss_mod.make_loss_fn(TechniqueConfig(loss="chunked", loss_kernel="cce", precision="bf16"), torch.device("cuda"))
 
@@ -115,8 +115,9 @@ def test_train_refuses_a_library_kernel_off_cuda(kernel, tmp_path, capsys):
 
 @pytest.mark.parametrize("kernel,title", [("liger", "Liger-Kernel"), ("cce", "Cut Cross-Entropy")])
 def test_the_estimate_says_when_a_library_kernel_would_run(kernel, title, kernels_installed, capsys):
-    """Where a library's kernel would run (--loss-kernel K on CUDA), the estimate (which models
-    memtrain's chunked loss) says so, in JSON and in text; nowhere else, installed or not."""
+    """Where a library's kernel would run (--loss-kernel K on CUDA), the estimate says what it
+    models for it (memtrain's chunked loss for Liger, CCE's own buffers), in JSON and in text;
+    nowhere else, installed or not."""
     from memtrain.cli import main
 
     base = ["estimate", "--d-model", "64", "--n-layers", "2", "--n-heads", "4", "--vocab-size", "512",
@@ -155,15 +156,14 @@ def test_cce_gets_both_operands_in_the_compute_dtype(recorded_cce):
     bf16 with autocast off (its kernels take one dtype), ignore index -100, a mean, and no gradient
     filter (exact); the loss comes back float32 and the gradients reach the float32 parameters
     in float32, close to the standard loss's."""
-    fallback_calls: list[int] = []
-    cce = loss_mod._cce_loss(lambda *a: fallback_calls.append(1))
+    cce = loss_mod._cce_loss()
     h, w, t = make_inputs()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = cce(h, w, t)
         ref = standard_lm_loss(h, w, t)
     assert recorded_cce == [{"e": torch.bfloat16, "c": torch.bfloat16, "autocast": False, "ignore_index": -100,
                              "reduction": "mean", "filter_eps": None}]
-    assert loss.dtype == torch.float32 and not fallback_calls
+    assert loss.dtype == torch.float32
     gh, gw = torch.autograd.grad(loss, (h, w))
     rh, rw = torch.autograd.grad(ref, (h, w))
     assert gh.dtype == gw.dtype == torch.float32
@@ -172,20 +172,28 @@ def test_cce_gets_both_operands_in_the_compute_dtype(recorded_cce):
     torch.testing.assert_close(gh, rh, rtol=0, atol=2e-2 * float(rh.abs().max()))
 
 
-def test_cce_under_fake_tensors_runs_memtrains_loss(recorded_cce):
-    """The tracer's fake tensors cannot enter a Triton kernel: memtrain's own chunked loss stands in
-    (the estimate models it, and says so)."""
-    seen: list[tuple] = []
-    cce = loss_mod._cce_loss(lambda hidden, weight, targets: seen.append(tuple(hidden.shape)) or hidden.sum())
+def test_cce_under_fake_tensors_makes_its_buffers_and_gradients_of_the_right_shape(recorded_cce):
+    """The tracer's fake tensors cannot enter a Triton kernel: _CutCrossEntropyBuffers stands in,
+    without calling the library, and gives both gradients the parameters' shapes and dtypes (a
+    frozen head gets none)."""
+    cce = loss_mod._cce_loss()
     with FakeTensorMode() as mode:
         h, w, t = (mode.from_tensor(x) for x in make_inputs())
-        cce(h, w, t)
-    assert seen == [(40, 16)] and recorded_cce == []
+        h, w = h.requires_grad_(), w.requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = cce(h, w, t)
+        assert loss.dtype == torch.float32 and loss.shape == ()
+        gh, gw = torch.autograd.grad(loss, (h, w))
+        assert (gh.shape, gh.dtype, gw.shape, gw.dtype) == (h.shape, torch.float32, w.shape, torch.float32)
+        frozen = w.detach()
+        (gh,) = torch.autograd.grad(cce(h.to(torch.bfloat16), frozen.to(torch.bfloat16), t), (h,))
+        assert gh.dtype == torch.float32
+    assert recorded_cce == []
 
 
 def test_cce_is_absent_without_the_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "cut_cross_entropy", None)  # an import of it raises ImportError
-    assert loss_mod._cce_loss(standard_lm_loss) is None
+    assert loss_mod._cce_loss() is None
 
 
 @pytest.mark.gpu

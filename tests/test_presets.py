@@ -7,13 +7,15 @@ import pytest
 from conftest import TINY_MODEL
 from memtrain.bench.technique_sets import TECHNIQUES, technique_overrides
 from memtrain.config.run import build_config
-from memtrain.techniques.facts import precision_facts
+from memtrain.techniques.facts import FOREIGN_LOSS_KERNELS, precision_facts
 from memtrain.training.train import train
 
 
-# compile: slow on CPU (below); fp8 needs FP8 tensor cores (CUDA 8.9+), its CPU refusal: test_fp8.py.
+# compile: slow on CPU (below); fp8 needs FP8 tensor cores (CUDA 8.9+), its CPU refusal: test_fp8.py;
+# the library loss kernels (liger, cce) are Triton code, their CPU refusal: test_loss_kernels.py.
 @pytest.mark.parametrize("name", [n for n in TECHNIQUES
-                                  if n != "compile" and not precision_facts(TECHNIQUES[n].get("precision", "fp32")).fp8])
+                                  if n != "compile" and not precision_facts(TECHNIQUES[n].get("precision", "fp32")).fp8
+                                  and TECHNIQUES[n].get("loss_kernel", "memtrain") not in FOREIGN_LOSS_KERNELS])
 def test_preset_trains_on_cpu(name, small_corpus, tmp_path):
     overrides = technique_overrides(name, "quick")
     if overrides.get("window"):

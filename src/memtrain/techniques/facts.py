@@ -373,18 +373,20 @@ def optimizer_state_rule(optim: str) -> OptimizerStateRule:
 @dataclass(frozen=True)
 class ForeignLossKernel:
     """A ``--loss-kernel`` other than memtrain's own chunked loss: a library's Triton kernel,
-    which runs on CUDA only. The estimate keeps modelling memtrain's chunked loss for it and
-    says so (:attr:`note`)."""
+    which runs on CUDA only. The estimate says what it models for it (:attr:`note`)."""
 
     name: str  # the --loss-kernel value
     title: str  # what it is, for messages
     modules: tuple[str, ...]  # what must import
     pip: str  # what installs it
     sixteen_bit: bool = False  # its backward takes 16-bit operands only (a 16-bit compute dtype)
-    memory: str = ""  # how its buffers differ from memtrain's chunked loss (the estimate's note)
+    modelled: str = ""  # how the estimate models its buffers ("": as memtrain's chunked loss)
+    memory: str = ""  # how its buffers differ from memtrain's chunked loss (when not modelled)
 
     @property
     def note(self) -> str:
+        if self.modelled:
+            return f"--loss-kernel {self.name} runs {self.title}; this estimate models {self.modelled}"
         return (f"--loss-kernel {self.name} runs {self.title}; this estimate models memtrain's own chunked loss, "
                 f"whose buffers {self.memory}")
 
@@ -397,12 +399,15 @@ FOREIGN_LOSS_KERNELS: dict[str, ForeignLossKernel] = {
     # are computed block by block in on-chip memory and never written out; the forward keeps one
     # float32 log-sum-exp per token and the backward computes them again, with the gradients of
     # the hidden states and the head (accumulated in the 16-bit compute dtype). Its backward
-    # asserts 16-bit embeddings, hence sixteen_bit.
+    # asserts 16-bit embeddings, hence sixteen_bit. The estimate models its buffers
+    # (memtrain.analysis.estimate.inventory._cce_nodes; the trace sees
+    # memtrain.techniques.loss._CutCrossEntropyBuffers), read from its source.
     "cce": ForeignLossKernel(
         "cce", "Apple's Cut Cross-Entropy", ("cut_cross_entropy", "triton"), "cut-cross-entropy",
         sixteen_bit=True,
-        memory="Cut Cross-Entropy does not share (it keeps only a float32 log-sum-exp per token from forward "
-               "to backward and makes both gradients in backward)"),
+        modelled="its buffers as cut-cross-entropy 25.1.1 allocates them (a float32 log-sum-exp per token kept "
+                 "from forward to backward, both gradients made in backward; no logits), read from its source "
+                 "and not yet checked against a GPU's allocator"),
 }
 
 

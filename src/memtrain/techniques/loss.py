@@ -17,11 +17,12 @@ runs Liger's kernel instead (CUDA, ``liger_kernel`` installed; it picks its own 
 ignores ``--loss-chunk``), ``--loss-kernel cce`` Cut Cross-Entropy's (CUDA, ``cut_cross_entropy``
 installed, 16-bit compute), which never writes the logits to device memory: it keeps one
 float32 log-sum-exp per token from forward to backward and computes the logits again there, block
-by block, with both gradients (:func:`_cce_loss`). memtrain's is the default on CUDA too: on an H100 (torch 2.11,
-Liger 0.8.5; benchmarks/results/gpu-h100/runbook-2026-11-26) a Qwen2.5-0.5B step at batch
-4 x 1024 took 85.6 ms with it, 141.2 ms with Liger's and 82.0 ms with the standard loss, and the
-compiled seed GPT's 27.9 ms against Liger's 31.8 ms. Liger sizes its chunks from vocab / hidden
-(32 tokens for Qwen's 151,936 x 896 head), which makes many small matmuls.
+by block, with both gradients (:func:`_cce_loss`; not yet timed on a GPU). memtrain's is the
+default on CUDA too: on an H100 (torch 2.11, Liger 0.8.5;
+benchmarks/results/gpu-h100/runbook-2026-11-26) a Qwen2.5-0.5B step at batch 4 x 1024 took
+85.6 ms with it, 141.2 ms with Liger's and 82.0 ms with the standard loss, and the compiled seed
+GPT's 27.9 ms against Liger's 31.8 ms. Liger sizes its chunks from vocab / hidden (32 tokens for
+Qwen's 151,936 x 896 head), which makes many small matmuls.
 
 Precision matches the standard loss: under autocast the logits are computed in the autocast
 dtype (as ``F.linear`` would), the softmax statistics in float32.
@@ -349,35 +350,84 @@ def _liger_loss(fallback: LossFn) -> Optional[LossFn]:
 CCE_FILTER_EPS: Optional[str] = None
 
 
-def _cce_loss(fallback: LossFn) -> Optional[LossFn]:
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _CutCrossEntropyBuffers(torch.autograd.Function):
+    """What Cut Cross-Entropy allocates, in its order, without its arithmetic: the tracer's fake
+    tensors cannot enter its Triton kernels, so the trace (and the estimate checked against it)
+    sees these instead. Read from cut-cross-entropy 25.1.1 (``cce.py``, ``cce_lse_forward.py``,
+    ``indexed_dot.py``, ``cce_backward.py``, ``utils.py``), as memtrain calls it: exact (no
+    gradient filter, so no per-vocabulary average and no sort), every target valid (the valid
+    positions' index list is then dropped; ignored targets would keep one int32 per valid token).
+
+    Forward: the valid-target mask and its ``nonzero()`` (int64, then an int32 copy: freed), one
+    float32 log-sum-exp per token (kept for backward with both operands), 128-token locks and the
+    float32 target-logit dot (freed). Backward: the gradients of both operands in the compute
+    dtype, zero-filled, and two int32 lock tables."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, e: torch.Tensor, c: torch.Tensor,  # type: ignore[override]
+                targets: torch.Tensor) -> torch.Tensor:
+        n = e.shape[0]
+        mask = targets != IGNORE_INDEX
+        index = mask.new_empty((n, 1), dtype=torch.int64)  # nonzero()'s shape when every target counts
+        del mask
+        index32 = index.to(torch.int32)
+        del index, index32  # all valid: _build_flat_valids returns None
+        lse = e.new_empty((n,), dtype=torch.float32)
+        locks = e.new_zeros((_cdiv(n, 128),), dtype=torch.int32)
+        neg_dot = e.new_zeros((n,), dtype=torch.float32)
+        loss = neg_dot.add_(lse).mean()
+        del locks, neg_dot
+        ctx.save_for_backward(e, c, lse)
+        return loss
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor):  # type: ignore[override]
+        e, c, lse = ctx.saved_tensors  # type: ignore[attr-defined]  # autograd ctx carries what forward saved
+        de = torch.zeros_like(e)
+        need_dc = ctx.needs_input_grad[1]  # type: ignore[attr-defined]  # autograd ctx carries it
+        dc = torch.zeros_like(c, dtype=e.dtype) if need_dc else None
+        locks_d = _cdiv(e.shape[1], 64)
+        de_locks = e.new_zeros((_cdiv(e.shape[0], locks_d), locks_d), dtype=torch.int32)
+        dc_locks = c.new_zeros((_cdiv(c.shape[0], locks_d), locks_d), dtype=torch.int32)
+        del de_locks, dc_locks
+        return de, None if dc is None else dc.to(c.dtype), None
+
+
+def _cce_loss() -> Optional[LossFn]:
     """Apple's Cut Cross-Entropy (``cut_cross_entropy.linear_cross_entropy``), when installed
     (CUDA + Triton only): the logits are made block by block in on-chip memory, never in the
-    device's memory. ``fallback`` (memtrain's own chunked loss) runs under the tracer's fake
-    tensors, where a Triton kernel cannot: the trace then describes memtrain's kernel."""
+    device's memory. Under the tracer's fake tensors, where a Triton kernel cannot run,
+    :class:`_CutCrossEntropyBuffers` makes its buffers instead."""
     try:
         from cut_cross_entropy import linear_cross_entropy
     except ImportError:
         return None
 
     def cce_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if is_fake(hidden):
-            return fallback(hidden, weight, targets)
         # Both operands in the compute dtype (16-bit: the configuration refuses others), autocast
         # off, as for Liger; autograd casts the gradients back to the parameters' dtype.
         dt = _compute_dtype(hidden, weight)
         with torch.autocast(hidden.device.type, enabled=False):
-            loss = linear_cross_entropy(hidden.to(dt), weight.to(dt), targets, ignore_index=IGNORE_INDEX,
-                                        reduction="mean", filter_eps=CCE_FILTER_EPS)
+            e, c = hidden.to(dt), weight.to(dt)
+            if is_fake(hidden):
+                loss = _CutCrossEntropyBuffers.apply(e, c, targets)
+            else:
+                loss = linear_cross_entropy(e, c, targets, ignore_index=IGNORE_INDEX, reduction="mean",
+                                            filter_eps=CCE_FILTER_EPS)
         return loss.float()
 
     return cce_lm_loss
 
 
-# --loss-kernel -> (the module its loss imports, the loss made around memtrain's own as the fake-tensor
-# fallback). Looked up at call time (the lambdas), so that a test can stand in for either kernel.
+# --loss-kernel -> (the module its loss imports, the maker of its loss, given memtrain's own: Liger's
+# runs it under fake tensors). Looked up at call time (the lambdas), so that a test can stand in for either kernel.
 _FOREIGN_LOSSES: dict[str, tuple[str, Callable[[LossFn], Optional[LossFn]]]] = {
     "liger": ("liger_kernel.transformers", lambda own: _liger_loss(own)),
-    "cce": ("cut_cross_entropy", lambda own: _cce_loss(own)),
+    "cce": ("cut_cross_entropy", lambda own: _cce_loss()),
 }
 
 

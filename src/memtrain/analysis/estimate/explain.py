@@ -70,6 +70,8 @@ def explanation_lines(cfg: RunConfig, arch: Arch, dm: Dims, params: list[ParamIn
            f"(log-probs + their grad + grad of logits)"
            + (f"; naive: + the N x V x {dm.a:g} B logits the caller keeps (the previous step's until "
               f"model(x) returns)" if tech.loss == "naive" else "") if tech.loss in ("standard", "naive")
+           else "Cut Cross-Entropy: no logits stored; N x 4 B log-sum-exp kept, backward makes grad_h (N x d) and "
+                f"grad_w (V x d) at {dm.a:g} B" if tech.loss_kernel == "cce"
            else f"chunk {min(effective_loss_chunk(tech.loss_chunk, device_type, cfg.model.vocab_size), N)} x V in flight + grad_h (N x d) + fp32 grad_w (V x d)"),
         f"checkpointing {tech.checkpointing}: "
         + {"none": "all blocks keep their activations",

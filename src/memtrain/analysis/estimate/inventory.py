@@ -661,6 +661,8 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
         # GPT2Model.forward's locals (the token and position embeddings, the causal mask) live
         # until it returns, after ln_f.
         nodes[0].inputs += ["tok", "posemb"] + (["causal_mask"] if tech.attention == "math" else [])
+    if tech.loss == "chunked" and tech.loss_kernel == "cce":
+        return nodes + _cce_nodes(dm, head, trainable)
     if tech.loss == "chunked":
         c = min(effective_loss_chunk(tech.loss_chunk, "cuda" if dm.cuda else "cpu", m.vocab_size), N)
         # _ChunkedLinearCrossEntropy.forward, tensor by tensor (the caching allocator places each
@@ -717,6 +719,47 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
         held_logits.append("hf")  # so is the hidden state it was handed (GPT-2's LayerNorm output)
     nodes.append(Node("loss", out=[("loss", 8)], inputs=["logp"] + held_logits, saves=["logp"], tag="logits",
                        grads=[("logp", N * V * 4)]))
+    return nodes
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _cce_nodes(dm: Dims, head: str, trainable: bool) -> list[Node]:
+    """``--loss-kernel cce``: Cut Cross-Entropy as memtrain calls it (memtrain.techniques.loss's
+    ``cce_lm_loss`` and ``_CutCrossEntropyBuffers``, which lists what the library allocates).
+    The hidden states and the head are cast to the compute dtype where they are not in it, and
+    both casts are kept for backward with one float32 log-sum-exp per token; no logits are ever
+    stored. Backward makes both gradients in the compute dtype (zero-filled, with int32 lock
+    tables), which the casts' backward turns into the float32 ones. A frozen head (LoRA) gets no
+    gradient but is still cast and kept."""
+    N, d, V, a, r = dm.n, dm.d, dm.V, dm.a, dm.r
+    nodes: list[Node] = []
+    xin, w_saved = "hf", []
+    if a != r:
+        nodes.append(Node("cce.cast_x", out=[("cce.hc", N * d * a)], inputs=["hf"], grads=[("hf", N * d * r)]))
+        xin = "cce.hc"
+    if a != dm.p and not dm.weights_in_compute_dtype:
+        nodes.append(Node("cce.cast_w", out=[("cce.wc", V * d * a)],
+                          grads=[(f"param:{head}", 0.0)] if trainable else []))
+        w_saved = ["cce.wc"]
+        w_grad = [("cce.wc", V * d * a)] if trainable else []
+    else:
+        w_grad = [(f"param:{head}", 0.0)] if trainable else []
+    # Forward, in the library's order: the valid-target mask and its nonzero() (int64, an int32
+    # copy), dropped when every target counts; the log-sum-exp (an output: kept); 128-token locks
+    # and the float32 target-logit dot, freed on return.
+    steps: tuple[tuple[str, str, float], ...] = (
+        ("alloc", "mask", N), ("alloc", "index", N * 8), ("free", "mask", 0.0), ("alloc", "index32", N * 4),
+        ("free", "index", 0.0), ("free", "index32", 0.0), ("outputs", "", 0.0),
+        ("alloc", "locks", _cdiv(N, 128) * 4), ("alloc", "neg_dot", N * 4))
+    locks_d = _cdiv(d, 64)
+    lock_tables = (_cdiv(N, locks_d) + _cdiv(V, locks_d)) * locks_d * 4
+    # The caller's hidden states ("hf") stay alive through the call, cast or not.
+    nodes.append(Node("loss", out=[("cce.lse", N * 4), ("loss", 4)], inputs=sorted({"hf", xin}) + w_saved,
+                      saves=[xin] + w_saved + ["cce.lse"], fwd_steps=steps, tag="logits", grad_out=("loss",),
+                      grads=[(xin, N * d * a)] + w_grad, scratch=lock_tables))
     return nodes
 
 

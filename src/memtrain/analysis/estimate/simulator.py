@@ -213,6 +213,7 @@ class Graph:
         self.h2d = 0.0
         self.lump_host = 0.0
         self._late_sums: list[int] = []  # second gradients summed out of place (Node.sums_out_of_place)
+        self._late_tied: list[tuple[str, int]] = []  # tied weights' second gradients, summed after their op
         # Index in sim.events where the backward's first matmul runs (None: not yet, or no event
         # log): autograd runs the backward on its own device thread, whose cuBLAS handle gets a
         # workspace of its own there (memtrain.analysis.device_replay).
@@ -403,21 +404,10 @@ class Graph:
             if name not in self.param_grad:
                 return  # frozen parameter
             if name in self.deferred:
-                # The tied weight's second gradient (the embedding's): autograd sums it with the
-                # buffered first one out of place; the sum becomes the .grad, or, where a .grad
-                # exists (a later micro-step of gradient accumulation), is added into it and
-                # freed. Then both edges' gradients are freed.
-                tmp = sim.alloc(nbytes, "temporaries")
-                if name in self.param_grad_sid:
-                    sim.transient(self.param_grad[name])
-                else:
-                    self.param_grad_sid[name] = sim.alloc(self.param_grad[name], "gradients")
-                sim.free(tmp)
-                buffered = self.deferred.pop(name)
-                if isinstance(buffered, str):
-                    self._release(buffered)
-                else:
-                    sim.free(buffered)
+                # The tied weight's second gradient (the embedding's), made by the op; autograd
+                # sums it with the buffered first one once the op has returned and dropped its
+                # output's gradient (_sum_tied).
+                self._late_tied.append((name, sim.alloc(nbytes, "temporaries")))
                 return
             if name in self.param_grad_sid and name not in self.tied:
                 if key not in n.grad_from:
@@ -497,6 +487,25 @@ class Graph:
             for k in offloaded:
                 self._done_with(k)
             self._sum_late()
+            self._sum_tied()
+
+    def _sum_tied(self) -> None:
+        """The tied weights' sums (see :meth:`_grad_alloc`): out of place; the sum becomes the
+        .grad, or, where a .grad exists (a later micro-step of gradient accumulation), is added
+        into it and freed. Then both edges' gradients are freed."""
+        sim = self.sim
+        for name, second in self._late_tied:
+            if name in self.param_grad_sid:
+                sim.transient(self.param_grad[name])
+            else:
+                self.param_grad_sid[name] = sim.alloc(self.param_grad[name], "gradients")
+            sim.free(second)
+            buffered = self.deferred.pop(name)
+            if isinstance(buffered, str):
+                self._release(buffered)
+            else:
+                sim.free(buffered)
+        self._late_tied = []
 
     def _sum_late(self) -> None:
         """Out-of-place sums (:attr:`Node.sums_out_of_place`): the first gradient, the second
