@@ -63,7 +63,14 @@ MODEL_ROWS: list[tuple[str, dict[str, Any], Any]] = [
     ("Qwen2.5-0.5B full, bf16, 4 x 1024", QWEN, None),
     ("Qwen2.5-0.5B full, bf16, 4 x 1024, chunked loss", {**QWEN, "loss": "chunked"}, None),
 ]
-ROW_SETS = {"seed": ROWS, "models": MODEL_ROWS, "all": ROWS + MODEL_ROWS}
+# Cut Cross-Entropy (--loss-kernel cce, cut_cross_entropy installed): the estimate models its buffers
+# from its source; these rows check that model against the allocator.
+KERNEL_ROWS: list[tuple[str, dict[str, Any], Any]] = [
+    ("seed flash-bf16, Cut Cross-Entropy", {**SEED, "precision": "bf16", "attention": "flash", "loss": "chunked",
+                                            "loss_kernel": "cce"}, None),
+    ("Qwen2.5-0.5B full, bf16, 4 x 1024, Cut Cross-Entropy", {**QWEN, "loss": "chunked", "loss_kernel": "cce"}, None),
+]
+ROW_SETS = {"seed": ROWS, "models": MODEL_ROWS, "kernels": KERNEL_ROWS, "all": ROWS + MODEL_ROWS + KERNEL_ROWS}
 
 
 def _one(overrides: dict[str, Any]) -> dict[str, Any]:
@@ -142,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=120.0, help="Seconds per config (default 120).")
     ap.add_argument("--rows", choices=sorted(ROW_SETS), default="seed",
                     help="seed: memtrain's GPT at the seed table's sizes (default); models: the transformers "
-                         "rows (Llama-3-8B LoRA, Qwen2.5-0.5B); all: both")
+                         "rows (Llama-3-8B LoRA, Qwen2.5-0.5B); kernels: Cut Cross-Entropy on the seed GPT and "
+                         "Qwen2.5-0.5B (needs cut_cross_entropy); all: every row")
     args = ap.parse_args(argv)
     if args.one:
         print(json.dumps(_one(json.loads(args.one))))
