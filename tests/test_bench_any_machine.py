@@ -91,8 +91,9 @@ def test_nudged_twins_are_the_preset_with_its_seed_and_a_nudge():
     """The default list's twins keep the row's seed (weights, batch order) and differ only in the
     nudge; a nudge seed outside 1-99 is no twin but an unknown technique."""
     rows = dict(resolve_rows(BenchOptions(techniques=["baseline", *NOISE_ROWS], overrides={"seed": 7})))
-    assert NOISE_ROWS == ["baseline-nudge1", "baseline-nudge2"]
-    for n, name in enumerate(NOISE_ROWS, 1):
+    assert NOISE_ROWS == ["baseline-nudge1", "baseline-nudge2", "flash-bf16-nudge1"]
+    assert describe("flash-bf16-nudge1") == "FlashAttention + BF16, weights nudged 1 (noise)"
+    for n, name in enumerate(NOISE_ROWS[:2], 1):
         assert rows[name].replace(nudge_seed=0) == rows["baseline"] and rows[name].train.nudge_seed == n
         assert describe(name) == f"Baseline (TF32/FP32), weights nudged {n} (noise)"
     for bad in ("baseline-nudge0", "baseline-nudge100", "nosuch-nudge1", "baseline-seed3"):
@@ -130,7 +131,7 @@ def test_noise_section_and_device_header():
     assert "Rows that ran a precision without a native kernel here (slow): Grad Checkpointing + BF16." in md
     assert "measured GEMM rate, not a datasheet peak" in md and "50.0 GFLOP/s" in md
     assert "## Quality against run-to-run noise" in md and "a 1.00% difference" in md
-    assert "| Windowed Attn + FlashAttn | 1100.00 | +10.00% | 10.0 | yes |" in md
+    assert "| Windowed Attn + FlashAttn | 1100.00 | +10.00% | 1.00% | 10.0 | yes |" in md
     assert "evaluated on the same" not in md  # the rows do not say what they were evaluated on
     assert quality_vs_noise(rows[:4]) is None  # no second seed: no noise section
     assert "run-to-run noise" not in markdown_report(rows[:4], [])
@@ -204,7 +205,7 @@ def test_twins_equal_to_the_digit_leave_every_row_unjudged():
     assert {r["technique"]: r["beyond_noise"] for r in q["rows"]} == {"window-flash": None, "ckpt-bf16": None}
     md = markdown_report(rows, [])
     assert "the noise could not be measured and no row is judged against it" in md
-    assert "| Windowed Attn + FlashAttn | 1000.50 | +0.05% | n/a | unknown |" in md
+    assert "| Windowed Attn + FlashAttn | 1000.50 | +0.05% | 0.00% | n/a | unknown |" in md
     line = _ppl_lines(rows, rows)[0]
     assert line.startswith("- Perplexity: the noise could not be measured") and "+0.05%" in line
     assert "beyond noise" not in line

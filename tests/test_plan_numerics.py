@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -68,3 +69,27 @@ def test_plan_judges_a_measured_ppl_effect_against_the_bench_noise(capsys):
     assert all(c["measured_ppl_beyond_noise"] is None for c in out["candidates"] if c["numerics_standard"])
     assert main(argv) == 0
     assert "(measured: PPL -6.67%, beyond 2x the bench's noise of 1.91%)" in capsys.readouterr().out
+
+
+def test_plan_judges_a_bf16_effect_against_the_bf16_twins(tmp_path, capsys):
+    """The same results with a nudged twin of the BF16 flash row 10% from it: the BF16 candidates'
+    measured effects are judged against that spread (within it), the first yardstick stays in
+    measured_ppl_noise."""
+    nudged = RESULTS.parent / "cpu-quick-nudged"
+    if not (nudged / "results.jsonl").is_file():
+        pytest.skip("recorded bench results not in this checkout")
+    rows = [json.loads(line) for line in (nudged / "results.jsonl").read_text().splitlines() if line.strip()]
+    twin = json.loads(json.dumps(next(r for r in rows if r["technique"] == "flash-bf16")))
+    twin["technique"], twin["val_ppl"] = "flash-bf16-nudge1", twin["val_ppl"] * 1.10
+    twin["val_loss"] += math.log(1.10)
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*rows, twin]))
+    argv = ["plan", "--device", "cpu", "--precisions", "bf16", "--optims", "adamw,adafactor",
+            "--memory-budget", "450MiB", "--results", str(tmp_path)]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["measured_ppl_noise"] == pytest.approx(848.36 / 832.47 - 1, abs=1e-4)
+    ada = [c for c in out["candidates"] if c["techniques"]["optim"] == "adafactor"]
+    assert ada and all(c["measured_ppl_beyond_noise"] is False for c in ada)
+    assert all(c["measured_ppl_row_noise"] == pytest.approx(0.10, abs=1e-4) for c in ada)
+    assert main(argv) == 0
+    assert "(measured: PPL -6.67%, within 2x the bench's noise of 10.00%)" in capsys.readouterr().out

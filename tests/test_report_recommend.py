@@ -145,6 +145,29 @@ def test_one_noise_figure_for_the_seed_pair():
     assert "34.4" not in md  # the same pair relative to the baseline's PPL is not given beside it
 
 
+def test_rows_are_judged_against_the_twins_of_their_own_precision():
+    """A nudged twin of a BF16 row: BF16 rows are judged against its spread where that is the
+    larger (rounding grows otherwise in BF16), FP32 rows against the FP32 twins; a BF16 twin that
+    spread less than the FP32 twins changes nothing (never less than the first yardstick). The
+    recommendation names both figures."""
+    def r(name, ppl, **kw):
+        return _row(name, 1.0, 0.5 * 2**30, math.log(ppl), **kw)
+
+    fp32 = [r("baseline", 833.22, precision="tf32"), r("baseline-nudge1", 828.61, precision="tf32"),
+            r("baseline-nudge2", 835.16, precision="tf32"), r("ckpt-fp32", 845.0, precision="tf32"),
+            r("flash", 826.73), r("chunked", 849.08), r("window", 863.43)]
+    md = markdown_report([*fp32, r("flash-nudge1", 951.52)], [])
+    assert ("rows computing in bf16 are judged against `flash` (826.73) and its nudged twin (`flash-nudge1` 951.52), "
+            "15.09% apart") in md
+    assert "| chunked | 849.08 | +1.90% | 15.09% | 0.1 | no |" in md
+    assert "| window | 863.43 | +3.63% | 15.09% | 0.2 | no |" in md
+    assert "| ckpt-fp32 | 845.00 | +1.41% | 0.79% | 1.8 | no |" in md  # FP32: the FP32 twins' 0.79%
+    assert "of 0.79%; bf16 rows: 15.09%, `flash`'s twins, see the noise section): none." in md
+    calm = markdown_report([*fp32, r("flash-nudge1", 827.0)], [])  # 0.03% apart: the FP32 0.79% stands
+    assert "| chunked | 849.08 | +1.90% | 0.79% | 2.4 | yes |" in calm
+    assert "bf16 rows:" not in calm
+
+
 def test_nudged_twins_are_the_yardstick_and_the_seed_twin_a_reference():
     """With nudged twins the noise is the largest difference among the row and its twins; a row
     beyond 2x that is called a difference. A seed twin beside them is reported, not used."""
@@ -157,9 +180,9 @@ def test_nudged_twins_are_the_yardstick_and_the_seed_twin_a_reference():
     md = markdown_report(rows, [])
     assert ("nudged by one rounding (`baseline-nudge1` 848.36, `baseline-nudge2` 834.02): the largest difference "
             "among these 3 runs is 1.91%") in md
-    assert "| bf16 | 823.66 | -1.06% | 0.6 | no |" in md and "| window | 867.54 | +4.21% | 2.2 | yes |" in md
+    assert "| bf16 | 823.66 | -1.06% | 1.91% | 0.6 | no |" in md and "| window | 867.54 | +4.21% | 1.91% | 2.2 | yes |" in md
     noise_table = md.split("## Quality against run-to-run noise")[1].split("##")[0]
-    assert "| lowest | 776.95 | -6.67% | 3.5 | yes |" in noise_table and "| baseline-nudge" not in noise_table
+    assert "| lowest | 776.95 | -6.67% | 1.91% | 3.5 | yes |" in noise_table and "| baseline-nudge" not in noise_table
     assert ("more than 2x the nudged twins' spread of 1.91%, see the noise section): window (+4.21%), "
             "lowest (-6.67%).") in md
     assert "add `baseline-seed2` to --techniques" in md
@@ -167,7 +190,7 @@ def test_nudged_twins_are_the_yardstick_and_the_seed_twin_a_reference():
     flat = [r("baseline", 900.0, precision="tf32"), r("bf16", 900.5), r("baseline-nudge1", 900.0, precision="tf32")]
     flat_md = markdown_report(flat, [])
     assert "in a run this short a rounding did not grow, so the noise could not be measured" in flat_md
-    assert "| bf16 | 900.50 | +0.06% | n/a | unknown |" in flat_md
+    assert "| bf16 | 900.50 | +0.06% | 0.00% | n/a | unknown |" in flat_md
     with_seed = markdown_report(rows + [r("baseline-seed2", 889.20, precision="tf32")], [])
     assert "Seed-to-seed, for reference: `baseline-seed2` 889.20" in with_seed and "6.81% from `baseline`" in with_seed
     assert "spread of 1.91%" in with_seed  # still the yardstick

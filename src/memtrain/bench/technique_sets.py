@@ -98,7 +98,10 @@ def default_techniques(device_type: str) -> list[str]:
 # ``X-seed2`` with the next seed. The report judges the other rows' PPL and step time against the
 # spread of a row and its twins. `memtrain bench` without --techniques adds two nudged baselines:
 # with one, the noise figure is a single draw and a small one would call rounding a difference.
-NOISE_ROWS = ["baseline" + NUDGE_SUFFIX + "1", "baseline" + NUDGE_SUFFIX + "2"]
+# It adds a nudged twin of its BF16 flash row too: rounding grows otherwise in BF16 (at the quick
+# scale on one CPU its twin ended 15% apart where the FP32 twins ended 0.8% apart), and the BF16
+# rows are judged against it (memtrain.report.noise.row_noise: never against less than the FP32 twins).
+NOISE_ROWS = ["baseline" + NUDGE_SUFFIX + "1", "baseline" + NUDGE_SUFFIX + "2", "flash-bf16" + NUDGE_SUFFIX + "1"]
 
 
 def noise_twin(name: str) -> Optional[Twin]:

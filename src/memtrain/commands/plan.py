@@ -28,7 +28,7 @@ from memtrain.commands.estimate import (
 from memtrain.config.argtypes import batch_count, positive_int
 from memtrain.config.run import ConfigError, parse_size
 from memtrain.devices.numerics import is_standard, numerics_key, numerics_note
-from memtrain.report.noise import FACTOR, fmt_noise, is_noise_twin, ppl_noise
+from memtrain.report.noise import FACTOR, fmt_noise, is_noise_twin, ppl_noise, row_noise
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -130,16 +130,16 @@ def run(args: argparse.Namespace) -> int:
     res.candidates = [res.candidates[i] for i in shown]
     techs = [techs[i] for i in shown]
     rec = shown.index(rec)
-    measured, beyond, rel_noise = (_measured_effects(args.results, techs) if args.results
-                                   else ([None] * len(techs), [None] * len(techs), None))
+    measured, beyond, rel_noise, row_noises = (_measured_effects(args.results, techs) if args.results
+                                               else ([None] * len(techs), [None] * len(techs), None, [None] * len(techs)))
     if args.verify:
         if arch is not None and arch.name != "gpt2":
             raise ConfigError(f"--verify trains our GPT-2-style model; --model {args.preset} can only be planned")
         res.verified = _verify(cfg, res.candidates[rec], args.verify_steps)
     out = res.to_dict()
-    for c, t, m, b in zip(out["candidates"], techs, measured, beyond):
+    for c, t, m, b, n in zip(out["candidates"], techs, measured, beyond, row_noises):
         c["numerics"], c["numerics_standard"], c["measured_ppl_effect"] = numerics_note(t), is_standard(t), m
-        c["measured_ppl_beyond_noise"] = b
+        c["measured_ppl_beyond_noise"], c["measured_ppl_row_noise"] = b, n
     out["measured_ppl_noise"] = rel_noise
     out["recommended"] = rec
     out["budget_source"] = budget_source
@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     head = ("#", "predicted peak", "rel. time", "technique set", "numerics")
     rows = [head] + [(str(shown[i] + 1), fmt_bytes(c.peak_bytes), f"{c.relative_time:.2f}", c.label(),
                       d["numerics"] + _measured_text(d["measured_ppl_effect"], d["measured_ppl_beyond_noise"],
-                                                     rel_noise))
+                                                     d["measured_ppl_row_noise"]))
                      for i, (c, d) in enumerate(zip(res.candidates, out["candidates"]))]
     w = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
@@ -225,11 +225,12 @@ def _verify(cfg: Any, cand: Candidate, steps: int) -> dict[str, Any]:
 
 
 def _measured_effects(results_dir: str, techs: list[dict]) -> tuple[list[Optional[float]], list[Optional[bool]],
-                                                                    Optional[float]]:
+                                                                    Optional[float], list[Optional[float]]]:
     """Per candidate: the measured PPL change of a bench row with the same numerics against a
     numerically standard row of the same results (None where no such pair exists), and whether
     that change is beyond the bench's noise (None where the results measured none); with the noise
-    itself. The reference is the row the bench's noise twins repeat when it is standard (the
+    itself (the first yardstick) and each candidate's own (its precision's twins where they ran,
+    memtrain.report.noise.row_noise). The reference is the row the bench's noise twins repeat when it is standard (the
     noise is measured around it), else the standard row with the lowest loss; twins are never
     a candidate's row."""
     path = Path(results_dir)
@@ -240,20 +241,25 @@ def _measured_effects(results_dir: str, techs: list[dict]) -> tuple[list[Optiona
             and not is_noise_twin(r.get("technique"))]
     standard = [r for r in rows if is_standard(r["config"].get("technique", {}))]
     if not standard:
-        return [None] * len(techs), [None] * len(techs), None
+        return [None] * len(techs), [None] * len(techs), None, [None] * len(techs)
     noise = ppl_noise(results)
     base = next((r for r in standard if noise and r.get("technique") == noise["base"]), None)
     ref = base["val_loss"] if base else min(r["val_loss"] for r in standard)
     rel_noise = noise["rel_noise"] if base and noise else None
     effects: list[Optional[float]] = []
     beyond: list[Optional[bool]] = []
+    noises: list[Optional[float]] = []
     for t in techs:
         same = [r for r in rows if numerics_key(r["config"]) == numerics_key({"technique": t})]
         effect = None if is_standard(t) or not same else math.exp(same[0]["val_loss"] - ref) - 1
         effects.append(effect)
-        # No yardstick where the noise was not measured, or measured as zero (twins equal to the digit).
-        beyond.append(None if effect is None or not rel_noise else abs(effect) > FACTOR * rel_noise)
-    return effects, beyond, rel_noise
+        # Judged against the twins of the row's own precision where they ran (row_noise); no
+        # yardstick where the noise was not measured, or measured as zero (twins equal to the digit).
+        own = row_noise(results, same[0]["config"].get("technique", {}).get("precision")) if same else None
+        row_rel = own[1] if own and rel_noise is not None else rel_noise
+        noises.append(row_rel)
+        beyond.append(None if effect is None or not row_rel else abs(effect) > FACTOR * row_rel)
+    return effects, beyond, rel_noise, noises
 
 
 def _measured_text(effect: Optional[float], beyond: Optional[bool], rel_noise: Optional[float]) -> str:

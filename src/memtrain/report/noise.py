@@ -15,6 +15,12 @@ Two kinds of noise twin, named after the row they repeat:
   twin ran; it is larger, the rows being compared sharing the seed, so it is the conservative one.
 
 One or two extra runs give the scale of the noise, not a confidence interval, hence the factor.
+
+Rounding noise depends on the precision a row computes in: two BF16 runs one rounding apart can
+end much farther apart than two FP32 runs (at the quick scale on one CPU, 15% against 0.8%). Where
+twins of rows in several precisions ran, each row is judged against the twins that compute in its
+own precision, never against less than the first yardstick (:func:`row_noise`); the default bench
+runs nudged twins of its FP32 baseline and of its BF16 ``flash-bf16`` row.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 __all__ = ["FACTOR", "SEED_SUFFIX", "NUDGE_SUFFIX", "Twin", "twin_of", "validation_sample", "ppl_noise",
-           "quality_vs_noise", "noise_markdown", "is_noise_twin", "fmt_noise", "step_noise", "faster_beyond_noise"]
+           "row_noise", "quality_vs_noise", "noise_markdown", "is_noise_twin", "fmt_noise", "step_noise", "faster_beyond_noise"]
 
 FACTOR = 2.0
 SEED_SUFFIX = "-seed2"
@@ -111,8 +117,48 @@ def ppl_noise(rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
     return None
 
 
+def _precision(row: dict[str, Any]) -> Optional[str]:
+    """The ``--precision`` a result row ran in (after any substitution), where it says."""
+    return ((row.get("config") or {}).get("technique") or {}).get("precision")
+
+
+def precision_yardsticks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The nudged twin groups (else the seed twin groups) past the first, one per precision not
+    yet covered: {base, precision, twins: [(name, ppl)], rel_noise} for rows computing in
+    ``precision``, ``rel_noise`` being the largest relative difference among the base and its
+    twins (see :func:`row_noise`)."""
+    noise = ppl_noise(rows)
+    if noise is None:
+        return []
+    by_name = {r.get("technique"): r for r in rows}
+    seen = {_precision(by_name.get(noise["base"], {}))}
+    out = []
+    for g in _twin_groups(rows, _ppl, noise["kind"]):
+        precision = _precision(by_name.get(g["base"], {}))
+        if precision is None or precision in seen:
+            continue
+        seen.add(precision)
+        out.append({"base": g["base"], "precision": precision, "ppl": g["value"], "twins": g["twins"],
+                    "rel_noise": _spread([g["value"]] + [v for _, v in g["twins"]])})
+    return out
+
+
+def row_noise(rows: list[dict[str, Any]], precision: Optional[str]) -> Optional[tuple[str, float]]:
+    """(the yardstick's base row, its relative noise) for a row computing in ``precision``: the
+    twins of that precision where they ran, never less than the first yardstick
+    (:func:`ppl_noise`, which judges every other row); None without twins."""
+    noise = ppl_noise(rows)
+    if noise is None:
+        return None
+    own = next((y for y in precision_yardsticks(rows) if y["precision"] == precision), None)
+    if own is None or own["rel_noise"] <= noise["rel_noise"]:
+        return noise["base"], noise["rel_noise"]
+    return own["base"], own["rel_noise"]
+
+
 def quality_vs_noise(rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """Each row's PPL relative to the noise's base row, and its size in units of the noise."""
+    """Each row's PPL relative to the noise's base row, and its size in units of its yardstick's
+    noise (:func:`row_noise`: the twins of its own precision where they ran)."""
     noise = ppl_noise(rows)
     if noise is None:
         return None
@@ -122,13 +168,15 @@ def quality_vs_noise(rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
         if ppl is None or name == noise["base"] or is_noise_twin(name):
             continue
         rel = ppl / noise["ppl"] - 1
+        yardstick, rel_noise = row_noise(rows, _precision(r)) or (noise["base"], noise["rel_noise"])
         # Twins equal to the digit measured no noise (a run too short for a rounding to grow):
         # there is no yardstick, so no row is called beyond or within it (None).
-        times = abs(rel) / noise["rel_noise"] if noise["rel_noise"] > 0 else None
+        times = abs(rel) / rel_noise if rel_noise > 0 else None
         beyond = None if times is None else times > FACTOR
         out.append({"technique": name, "method": r.get("description") or name, "val_ppl": ppl,
-                    "rel_diff": rel, "times_noise": times, "beyond_noise": beyond})
-    return {**noise, "factor": FACTOR, "rows": out}
+                    "rel_diff": rel, "noise_base": yardstick, "rel_noise": rel_noise, "times_noise": times,
+                    "beyond_noise": beyond})
+    return {**noise, "factor": FACTOR, "rows": out, "yardsticks": precision_yardsticks(rows)}
 
 
 def validation_sample(row: dict[str, Any]) -> Optional[tuple[int, int]]:
@@ -178,6 +226,11 @@ def _noise_paragraph(q: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         text += (" The twins' PPL equals the baseline's to the digit: in a run this short a rounding did not grow, "
                  "so the noise could not be measured and no row is judged against it (\"beyond noise?\" reads "
                  "\"unknown\"); more steps (the default 200 per epoch) give the yardstick.")
+    for y in q.get("yardsticks") or []:
+        kind = "nudged twin" + ("s" if len(y["twins"]) > 1 else "") if q["kind"] == "nudge" else "seed twin"
+        text += (f" Rounding grows otherwise in another precision: rows computing in {y['precision']} are judged "
+                 f"against `{y['base']}` ({y['ppl']:.2f}) and its {kind} ({_twin_list(y['twins'])}), "
+                 f"{fmt_noise(y['rel_noise'])} apart (no less than the figure above; the table's noise column).")
     seed = q.get("seed")
     if seed:
         text += (f" Seed-to-seed, for reference: {_twin_list(seed['twins'])} (other initial weights and batch "
@@ -200,14 +253,14 @@ def noise_markdown(rows: list[dict[str, Any]], labels: Optional[dict[str, str]] 
         "",
         _noise_paragraph(q, rows),
         "",
-        "| Method | Val PPL | vs " + q["base"] + " | x noise | beyond noise? |",
-        "|---|---:|---:|---:|---|",
+        "| Method | Val PPL | vs " + q["base"] + " | noise | x noise | beyond noise? |",
+        "|---|---:|---:|---:|---:|---|",
     ]
     for r in q["rows"]:
         times = "n/a" if r["times_noise"] is None else f"{r['times_noise']:.1f}"
         verdict = "unknown" if r["beyond_noise"] is None else ("yes" if r["beyond_noise"] else "no")
-        lines.append(f"| {(labels or {}).get(r['technique'], r['method'])} | {r['val_ppl']:.2f} | {r['rel_diff'] * 100:+.2f}% | {times} | "
-                     f"{verdict} |")
+        lines.append(f"| {(labels or {}).get(r['technique'], r['method'])} | {r['val_ppl']:.2f} | {r['rel_diff'] * 100:+.2f}% | "
+                     f"{fmt_noise(r['rel_noise'])} | {times} | {verdict} |")
     lines.append("")
     return lines
 

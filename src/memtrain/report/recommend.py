@@ -170,8 +170,10 @@ def _ppl_lines(ok: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[str
         beyond = [f"{labels.get(r['technique'], r['method'])} ({r['rel_diff'] * 100:+.2f}%)" for r in q["rows"]
                   if r["beyond_noise"] and not is_noise_twin(r["technique"])]
         what = "nudged twins' spread" if q["kind"] == "nudge" else "seed-to-seed difference"
+        others = "".join(f"; {y['precision']} rows: {fmt_noise(y['rel_noise'])}, `{y['base']}`'s twins"
+                         for y in q.get("yardsticks") or [] if y["rel_noise"] > q["rel_noise"])
         return [f"- Perplexity differences beyond noise (vs {base}; more than {q['factor']:.0f}x the {what} "
-                f"of {fmt_noise(q['rel_noise'])}, see the noise section): {', '.join(beyond) or 'none'}."]
+                f"of {fmt_noise(q['rel_noise'])}{others}, see the noise section): {', '.join(beyond) or 'none'}."]
     noise = same_function_loss_spread(rows)
     by_tech = {r.get("technique"): r for r in rows}
     ref = ok[0]
