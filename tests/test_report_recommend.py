@@ -166,6 +166,12 @@ def test_rows_are_judged_against_the_twins_of_their_own_precision():
     calm = markdown_report([*fp32, r("flash-nudge1", 827.0)], [])  # 0.03% apart: the FP32 0.79% stands
     assert "| chunked | 849.08 | +1.90% | 0.79% | 2.4 | yes |" in calm
     assert "bf16 rows:" not in calm
+    # FP32 twins equal to the digit (no FP32 yardstick): the BF16 rows are still judged, by theirs.
+    flat32 = [r("baseline", 833.22, precision="tf32"), r("baseline-nudge1", 833.22, precision="tf32"),
+              r("flash", 826.73), r("flash-nudge1", 836.0), r("window", 1000.0)]
+    flat_md = markdown_report(flat32, [])
+    assert "| window | 1000.00 | +20.02% | 1.12% | 17.9 | yes |" in flat_md
+    assert "could not be measured (the twins" not in flat_md and "): window (+20.02%)." in flat_md
 
 
 def test_nudged_twins_are_the_yardstick_and_the_seed_twin_a_reference():

@@ -162,7 +162,7 @@ def _ppl_lines(ok: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[str
     if q is not None:
         labels = {r.get("technique"): method_cell(r) for r in ok}
         base = labels.get(q["base"], q["base"])
-        if q["rel_noise"] == 0:
+        if q["rel_noise"] == 0 and not any(y["rel_noise"] > 0 for y in q.get("yardsticks") or []):
             moved = [f"{labels.get(r['technique'], r['method'])} ({r['rel_diff'] * 100:+.2f}%)" for r in q["rows"]
                      if r["rel_diff"] != 0 and not is_noise_twin(r["technique"])]
             return [f"- Perplexity: the noise could not be measured (the twins of {base} matched it to the digit: "
