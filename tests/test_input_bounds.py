@@ -299,7 +299,7 @@ def test_plan_results_and_a_resumed_bench_read_hostile_rows(tmp_path):
     rows = read_results(tmp_path)
     assert {r["technique"] for r in rows} <= {json.loads(line)["technique"] for line in good}
     assert {(r.get("technique"), r.get("config_hash")): r for r in rows}  # the bench's resume key: hashable
-    assert _measured_effects(str(tmp_path), [{"precision": "bf16"}]) == ([None], [None], None)
+    assert _measured_effects(str(tmp_path), [{"precision": "bf16"}]) == ([None], [None], None, [None])
 
 
 def test_report_of_1000_rows_takes_seconds(tmp_path):

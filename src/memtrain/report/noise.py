@@ -118,8 +118,12 @@ def ppl_noise(rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
 
 
 def _precision(row: dict[str, Any]) -> Optional[str]:
-    """The ``--precision`` a result row ran in (after any substitution), where it says."""
-    return ((row.get("config") or {}).get("technique") or {}).get("precision")
+    """The ``--precision`` a result row ran in (after any substitution), where it says (a
+    results file is read, not trusted: anything else there is no precision)."""
+    config = row.get("config")
+    technique = config.get("technique") if isinstance(config, dict) else None
+    precision = technique.get("precision") if isinstance(technique, dict) else None
+    return precision if isinstance(precision, str) else None
 
 
 def precision_yardsticks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
