@@ -131,6 +131,13 @@ def _train(s: Sizes, out: Path, *args: str) -> list[str]:
 LLAMA_LORA = "precision=bf16-pure+attention=sdpa+lora_rank=16"
 
 
+def _loss_profile(s: Sizes, out: Path, variants: str) -> list[str]:
+    """benchmarks/loss_profile.py on the seed GPT's batch, compiled on a GPU (a toy model on a CPU)."""
+    return [PY, str(ROOT / "benchmarks" / "loss_profile.py"), "--device", s.device, "--batch-size", str(s.seed_batch),
+            "--seq-len", str(s.seed_seq), "--out", str(out), "--variants", variants,
+            *(["--compile"] if s.compile else ["--steps", "2", "--warmup", "1", "--d-model", "64"])]
+
+
 def _seed_train(s: Sizes, *extra: str) -> list[str]:
     """The seed GPT at batch 64 x 256, BF16 + flash, compiled (on a GPU)."""
     flags = ["--batch-size", str(s.seed_batch), "--seq-len", str(s.seed_seq), "--steps", str(s.seed_steps),
@@ -230,12 +237,9 @@ STEPS: list[Step] = [
          "and chunks 256, 1024 and 4096 under CUDA graphs (--compile-mode reduce-overhead: no launch cost); chunk "
          "1024 with the logits exactly 50257 wide (as before the aligned layout)",
          150,
-         lambda s, out: [PY, str(ROOT / "benchmarks" / "loss_profile.py"), "--device", s.device,
-                         "--batch-size", str(s.seed_batch), "--seq-len", str(s.seed_seq), "--out", str(out),
-                         "--variants", "standard,chunked-256,chunked-1024,chunked-2048,chunked-4096,chunked-1024-loop,"
-                         "standard-cudagraphs,chunked-256-cudagraphs,chunked-1024-cudagraphs,chunked-4096-cudagraphs,"
-                         "chunked-1024-unaligned",
-                         *(["--compile"] if s.compile else ["--steps", "2", "--warmup", "1", "--d-model", "64"])],
+         lambda s, out: _loss_profile(s, out, "standard,chunked-256,chunked-1024,chunked-2048,chunked-4096,"
+                                      "chunked-1024-loop,standard-cudagraphs,chunked-256-cudagraphs,"
+                                      "chunked-1024-cudagraphs,chunked-4096-cudagraphs,chunked-1024-unaligned"),
          "markdown"),
     Step("loss-kernels", "profile",
          "--loss chunked <= 1.05x the standard step, seed GPT <= 6 ms: the library kernels beside memtrain's, seed GPT "
@@ -243,11 +247,8 @@ STEPS: list[Step] = [
          "gradient filter, Liger's, memtrain's chunk 1024, the standard loss; CCE, memtrain's and the standard "
          "loss under CUDA graphs. Their numerics: pytest's CCE-vs-standard GPU test",
          150,
-         lambda s, out: [PY, str(ROOT / "benchmarks" / "loss_profile.py"), "--device", s.device,
-                         "--batch-size", str(s.seed_batch), "--seq-len", str(s.seed_seq), "--out", str(out),
-                         "--variants", "standard,chunked-1024,cce,cce-filter,liger,standard-cudagraphs,"
-                         "chunked-1024-cudagraphs,cce-cudagraphs",
-                         *(["--compile"] if s.compile else ["--steps", "2", "--warmup", "1", "--d-model", "64"])],
+         lambda s, out: _loss_profile(s, out, "standard,chunked-1024,cce,cce-filter,liger,standard-cudagraphs,"
+                                      "chunked-1024-cudagraphs,cce-cudagraphs"),
          "markdown"),
     Step("qwen-loss-kernels", "profile",
          "--loss chunked <= 1.05x the standard step on Qwen2.5-0.5B (batch 4 x 1024, bf16, sdpa): memtrain's "

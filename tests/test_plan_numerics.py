@@ -52,14 +52,19 @@ def test_plan_shows_the_measured_ppl_effect(tmp_path, capsys):
     assert main([*ARGS, "--memory-budget", "450MiB", "--results", str(tmp_path / "none")]) == 2
 
 
+def _judged_argv(results: Path) -> list[str]:
+    """plan of BF16 AdamW against Adafactor, reading the bench results in ``results``."""
+    return ["plan", "--device", "cpu", "--precisions", "bf16", "--optims", "adamw,adafactor",
+            "--memory-budget", "450MiB", "--results", str(results)]
+
+
 def test_plan_judges_a_measured_ppl_effect_against_the_bench_noise(capsys):
     """With a bench's nudged twins in --results, a measured effect is said to be beyond or within
     2x their spread, against the row the twins repeat (the twins are no candidate's row)."""
     nudged = RESULTS.parent / "cpu-quick-nudged"
     if not (nudged / "results.jsonl").is_file():
         pytest.skip("recorded bench results not in this checkout")
-    argv = ["plan", "--device", "cpu", "--precisions", "bf16", "--optims", "adamw,adafactor",
-            "--memory-budget", "450MiB", "--results", str(nudged)]
+    argv = _judged_argv(nudged)
     assert main([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["measured_ppl_noise"] == pytest.approx(848.36 / 832.47 - 1, abs=1e-4)
@@ -83,8 +88,7 @@ def test_plan_judges_a_bf16_effect_against_the_bf16_twins(tmp_path, capsys):
     twin["technique"], twin["val_ppl"] = "flash-bf16-nudge1", twin["val_ppl"] * 1.10
     twin["val_loss"] += math.log(1.10)
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*rows, twin]))
-    argv = ["plan", "--device", "cpu", "--precisions", "bf16", "--optims", "adamw,adafactor",
-            "--memory-budget", "450MiB", "--results", str(tmp_path)]
+    argv = _judged_argv(tmp_path)
     assert main([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["measured_ppl_noise"] == pytest.approx(848.36 / 832.47 - 1, abs=1e-4)
