@@ -147,17 +147,21 @@ def precision_yardsticks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _yardstick(noise: dict[str, Any], yardsticks: list[dict[str, Any]], precision: Optional[str]) -> tuple[str, float]:
+    """(base row, relative noise) for a row in ``precision``, from :func:`ppl_noise`'s ``noise``
+    and :func:`precision_yardsticks`' ``yardsticks`` (see :func:`row_noise`)."""
+    own = next((y for y in yardsticks if y["precision"] == precision), None)
+    if own is None or own["rel_noise"] <= noise["rel_noise"]:
+        return noise["base"], noise["rel_noise"]
+    return own["base"], own["rel_noise"]
+
+
 def row_noise(rows: list[dict[str, Any]], precision: Optional[str]) -> Optional[tuple[str, float]]:
     """(the yardstick's base row, its relative noise) for a row computing in ``precision``: the
     twins of that precision where they ran, never less than the first yardstick
     (:func:`ppl_noise`, which judges every other row); None without twins."""
     noise = ppl_noise(rows)
-    if noise is None:
-        return None
-    own = next((y for y in precision_yardsticks(rows) if y["precision"] == precision), None)
-    if own is None or own["rel_noise"] <= noise["rel_noise"]:
-        return noise["base"], noise["rel_noise"]
-    return own["base"], own["rel_noise"]
+    return None if noise is None else _yardstick(noise, precision_yardsticks(rows), precision)
 
 
 def quality_vs_noise(rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
@@ -166,13 +170,14 @@ def quality_vs_noise(rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
     noise = ppl_noise(rows)
     if noise is None:
         return None
+    yardsticks = precision_yardsticks(rows)
     out = []
     for r in rows:
         name, ppl = r.get("technique"), _ppl(r)
         if ppl is None or name == noise["base"] or is_noise_twin(name):
             continue
         rel = ppl / noise["ppl"] - 1
-        yardstick, rel_noise = row_noise(rows, _precision(r)) or (noise["base"], noise["rel_noise"])
+        yardstick, rel_noise = _yardstick(noise, yardsticks, _precision(r))
         # Twins equal to the digit measured no noise (a run too short for a rounding to grow):
         # there is no yardstick, so no row is called beyond or within it (None).
         times = abs(rel) / rel_noise if rel_noise > 0 else None
@@ -180,7 +185,7 @@ def quality_vs_noise(rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
         out.append({"technique": name, "method": r.get("description") or name, "val_ppl": ppl,
                     "rel_diff": rel, "noise_base": yardstick, "rel_noise": rel_noise, "times_noise": times,
                     "beyond_noise": beyond})
-    return {**noise, "factor": FACTOR, "rows": out, "yardsticks": precision_yardsticks(rows)}
+    return {**noise, "factor": FACTOR, "rows": out, "yardsticks": yardsticks}
 
 
 def validation_sample(row: dict[str, Any]) -> Optional[tuple[int, int]]:

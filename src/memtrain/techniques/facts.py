@@ -37,7 +37,7 @@ from memtrain.errors import ConfigError
 __all__ = [
     "ADAMW_KERNELS", "BF16_PURE_OPTIMS", "CHECKPOINT_KINDS", "DTYPE_MATMUL_TYPE", "FP8_DIM_MULTIPLE",
     "FOREIGN_LOSS_KERNELS", "FP8_MIN_CAPABILITY", "ForeignLossKernel", "LOW_BIT_BLOCK", "LOW_BIT_MIN_NUMEL",
-    "fp8_converts", "foreign_loss_kernel", "loss_kernel_precision_error", "loss_kernel_refusal",
+    "CCE_FORWARD_LOCK_TOKENS", "cce_lock_table_shape", "fp8_converts", "foreign_loss_kernel", "loss_kernel_precision_error", "loss_kernel_refusal",
     "MATMUL_TYPES", "MEMORY_CATEGORIES", "OFFLOAD_MIN_BYTES", "OFFLOAD_PREFETCH", "OPTIMIZER_STATE_RULES",
     "PRECISION_FACTS", "CheckpointPolicy",
     "OptimizerStateRule", "PrecisionFacts", "SR_ADAMW_ALONE_NUMEL", "SR_ADAMW_BUCKET_NUMEL",
@@ -409,6 +409,20 @@ FOREIGN_LOSS_KERNELS: dict[str, ForeignLossKernel] = {
                  "from forward to backward, both gradients made in backward; no logits), read from its source "
                  "and not yet checked against a GPU's allocator"),
 }
+
+
+# Cut Cross-Entropy's lock tables (cut-cross-entropy 25.1.1), which memtrain.techniques.loss's
+# _CutCrossEntropyBuffers allocates for the trace and the analytic estimate counts: its forward
+# locks one 4-byte word per CCE_FORWARD_LOCK_TOKENS tokens; its backward one int32 table per
+# gradient (rows of the hidden states, of the head), cce_lock_table_shape's.
+CCE_FORWARD_LOCK_TOKENS = 128
+
+
+def cce_lock_table_shape(rows: int, d: int) -> tuple[int, int]:
+    """The (rows, columns) of Cut Cross-Entropy's backward lock table for a ``rows x d`` gradient:
+    one column per 64 of ``d``, as many rows as cover ``rows`` with them (its ``cdiv``s)."""
+    columns = -(-d // 64)
+    return -(-rows // columns), columns
 
 
 def foreign_loss_kernel(loss: str, loss_kernel: str, device_type: str) -> Optional[ForeignLossKernel]:

@@ -61,8 +61,10 @@ from torch._subclasses.fake_tensor import is_fake
 from memtrain.config.run import ConfigError, TechniqueConfig
 from memtrain.models.gpt import LossFn, standard_lm_loss
 from memtrain.techniques.facts import (
+    CCE_FORWARD_LOCK_TOKENS,
     LOSS_ALIGN_VOCAB,
     aligned_vocab,
+    cce_lock_table_shape,
     effective_loss_chunk,
     loss_kernel_refusal,
 )
@@ -350,10 +352,6 @@ def _liger_loss(fallback: LossFn) -> Optional[LossFn]:
 CCE_FILTER_EPS: Optional[str] = None
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class _CutCrossEntropyBuffers(torch.autograd.Function):
     """What Cut Cross-Entropy allocates, in its order, without its arithmetic: the tracer's fake
     tensors cannot enter its Triton kernels, so the trace (and the estimate checked against it)
@@ -377,7 +375,7 @@ class _CutCrossEntropyBuffers(torch.autograd.Function):
         index32 = index.to(torch.int32)
         del index, index32  # all valid: _build_flat_valids returns None
         lse = e.new_empty((n,), dtype=torch.float32)
-        locks = e.new_zeros((_cdiv(n, 128),), dtype=torch.int32)
+        locks = e.new_zeros((-(-n // CCE_FORWARD_LOCK_TOKENS),), dtype=torch.int32)
         neg_dot = e.new_zeros((n,), dtype=torch.float32)
         loss = neg_dot.add_(lse).mean()
         del locks, neg_dot
@@ -390,9 +388,8 @@ class _CutCrossEntropyBuffers(torch.autograd.Function):
         de = torch.zeros_like(e)
         need_dc = ctx.needs_input_grad[1]  # type: ignore[attr-defined]  # autograd ctx carries it
         dc = torch.zeros_like(c, dtype=e.dtype) if need_dc else None
-        locks_d = _cdiv(e.shape[1], 64)
-        de_locks = e.new_zeros((_cdiv(e.shape[0], locks_d), locks_d), dtype=torch.int32)
-        dc_locks = c.new_zeros((_cdiv(c.shape[0], locks_d), locks_d), dtype=torch.int32)
+        de_locks = e.new_zeros(cce_lock_table_shape(e.shape[0], e.shape[1]), dtype=torch.int32)
+        dc_locks = c.new_zeros(cce_lock_table_shape(c.shape[0], c.shape[1]), dtype=torch.int32)
         del de_locks, dc_locks
         return de, None if dc is None else dc.to(c.dtype), None
 

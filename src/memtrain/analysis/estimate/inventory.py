@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -11,7 +12,9 @@ from memtrain.analysis.estimate.simulator import Compression, Node, Segment
 from memtrain.config.archs import Arch
 from memtrain.config.run import ModelConfig, RunConfig, TechniqueConfig
 from memtrain.techniques.facts import (
+    CCE_FORWARD_LOCK_TOKENS,
     aligned_vocab,
+    cce_lock_table_shape,
     checkpoint_policy,
     effective_loss_chunk,
     fp8_converts,
@@ -722,10 +725,6 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
     return nodes
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _cce_nodes(dm: Dims, head: str, trainable: bool) -> list[Node]:
     """``--loss-kernel cce``: Cut Cross-Entropy as memtrain calls it (memtrain.techniques.loss's
     ``cce_lm_loss`` and ``_CutCrossEntropyBuffers``, which lists what the library allocates).
@@ -753,9 +752,8 @@ def _cce_nodes(dm: Dims, head: str, trainable: bool) -> list[Node]:
     steps: tuple[tuple[str, str, float], ...] = (
         ("alloc", "mask", N), ("alloc", "index", N * 8), ("free", "mask", 0.0), ("alloc", "index32", N * 4),
         ("free", "index", 0.0), ("free", "index32", 0.0), ("outputs", "", 0.0),
-        ("alloc", "locks", _cdiv(N, 128) * 4), ("alloc", "neg_dot", N * 4))
-    locks_d = _cdiv(d, 64)
-    lock_tables = (_cdiv(N, locks_d) + _cdiv(V, locks_d)) * locks_d * 4
+        ("alloc", "locks", -(-N // CCE_FORWARD_LOCK_TOKENS) * 4), ("alloc", "neg_dot", N * 4))
+    lock_tables = sum(math.prod(cce_lock_table_shape(rows, d)) * 4 for rows in (N, V))
     # The caller's hidden states ("hf") stay alive through the call, cast or not.
     nodes.append(Node("loss", out=[("cce.lse", N * 4), ("loss", 4)], inputs=sorted({"hf", xin}) + w_saved,
                       saves=[xin] + w_saved + ["cce.lse"], fwd_steps=steps, tag="logits", grad_out=("loss",),
