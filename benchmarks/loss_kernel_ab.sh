@@ -47,6 +47,10 @@ chosen=("$@")
 [ ${#chosen[@]} -eq 0 ] && chosen=("${ROWS[@]}")
 for name in "${chosen[@]}"; do  # every name checked before any device time is spent
   args_of "$name" >/dev/null || { echo "loss_kernel_ab.sh: unknown row '$name'; rows: ${ROWS[*]}" >&2; exit 2; }
+  # A second run into the same folder would overwrite the first one's log: refused, nothing touched.
+  if [ -e "$out/$name" ] || [ -e "$out/$name.log" ]; then
+    echo "loss_kernel_ab.sh: $out already holds row $name; give another OUT_FOLDER" >&2; exit 2
+  fi
 done
 mkdir -p "$out"
 row() {  # row NAME
