@@ -212,3 +212,50 @@ def test_cuda_cce_matches_the_standard_loss():
     torch.testing.assert_close(out, ref.float(), rtol=1e-2, atol=0)
     for o, r in zip(torch.autograd.grad(out, (hidden, weight)), torch.autograd.grad(ref, (hidden, weight))):
         torch.testing.assert_close(o.float(), r.float(), rtol=0, atol=2e-2 * float(r.abs().max()))
+
+
+def _kernel_config(kernel: str, **train):
+    from memtrain.config.run import build_config
+
+    return build_config({"model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "d_ff": 128, "vocab_size": 1000,
+                                   "dropout": 0.0},
+                         "train": {"device": "cuda", "batch_size": 2, "seq_len": 32, **train},
+                         "technique": {"loss": "chunked", "loss_kernel": kernel, "precision": "bf16",
+                                       "attention": "sdpa"}})
+
+
+@pytest.mark.parametrize("path", ["count", "inventory"])
+def test_flops_of_a_library_kernel(path):
+    """The FLOP count of a run with a library kernel (Triton: it cannot run where the count does)
+    is memtrain's chunked loss's, whose head matmuls are the same, plus Cut Cross-Entropy's second
+    logits matmul in its backward as recompute: the MFU numerator (forward + backward) is the same,
+    the hardware FLOPs are 2 N d V more. Both the fake-tensor count and the inventory say so."""
+    from memtrain.analysis.flops.count import count_step
+    from memtrain.analysis.flops.inventory import inventory_step
+
+    step_of = count_step if path == "count" else inventory_step
+    own, liger, cce = (step_of(_kernel_config(k, grad_accum=3)) for k in ("memtrain", "liger", "cce"))
+    assert not own.notes
+    assert liger.table == own.table and liger.counter_flops == own.counter_flops
+    assert "--loss-kernel liger: counted as memtrain's chunked loss" in " ".join(liger.notes)
+    extra = 2.0 * (2 * 32) * 64 * 1000 * 3  # 2 N d V, three micro-batches
+    for phase in ("forward", "backward", "optimizer"):
+        assert cce.phase_total(phase) == own.phase_total(phase)
+    assert cce.phase_total("recompute") == own.phase_total("recompute") + extra
+    assert cce.table["recompute"]["lm_head"].counted == extra
+    assert cce.counter_flops == own.counter_flops + extra
+    assert "computes the logits again in its backward" in " ".join(cce.notes)
+
+
+def test_a_library_kernel_run_gets_counted_flops_for_its_mfu():
+    """The train loop's MFU numerator for a library-kernel run comes from the count (it fell back to
+    the 6ND rule when the count, on CPU, refused the CUDA-only kernel)."""
+    from memtrain.analysis.flops.count import counted_flops_per_step
+    from memtrain.training.train import _flops_per_rank_step
+
+    cfg = _kernel_config("cce")
+    flops, source = _flops_per_rank_step(cfg, 0)
+    assert source == "counted"
+    c = counted_flops_per_step(cfg)
+    assert flops == c["model_flops"] == counted_flops_per_step(_kernel_config("memtrain"))["model_flops"]
+    assert c["hardware_flops"] == c["model_flops"] + 2.0 * 64 * 64 * 1000

@@ -83,7 +83,7 @@ def render(report: dict[str, Any]) -> str:
         f"({_g(ph['forward']['counted_flops'])} counted by FlopCounterMode)",
         f"{'backward':<34} {_g(ph['backward']['flops']):>9} {ph['backward']['bytes'] / 1e6:>10,.1f}   "
         f"({_g(ph['backward']['counted_flops'])} counted)",
-        f"{'recompute (checkpointing)':<34} {_g(ph['recompute']['flops']):>9} {ph['recompute']['bytes'] / 1e6:>10,.1f}   "
+        f"{'recompute (in backward)':<34} {_g(ph['recompute']['flops']):>9} {ph['recompute']['bytes'] / 1e6:>10,.1f}   "
         f"({_g(ph['recompute']['counted_flops'])} counted)",
         f"{'optimizer update + clipping':<34} {_g(ph['optimizer']['flops']):>9} {ph['optimizer']['bytes'] / 1e6:>10,.1f}   (analytic)",
         f"{'total per step':<34} {_g(report['total_flops']):>9} {report['total_bytes'] / 1e6:>10,.1f}   "

@@ -380,6 +380,9 @@ class ForeignLossKernel:
     modules: tuple[str, ...]  # what must import
     pip: str  # what installs it
     sixteen_bit: bool = False  # its backward takes 16-bit operands only (a 16-bit compute dtype)
+    # Its backward computes the logits again (one more (tokens x d) @ (d x vocab) matmul a step),
+    # where memtrain's chunked loss makes both gradients in the forward from the logits it has.
+    recomputes_logits: bool = False
     modelled: str = ""  # how the estimate models its buffers ("": as memtrain's chunked loss)
     memory: str = ""  # how its buffers differ from memtrain's chunked loss (when not modelled)
 
@@ -404,7 +407,7 @@ FOREIGN_LOSS_KERNELS: dict[str, ForeignLossKernel] = {
     # memtrain.techniques.loss._CutCrossEntropyBuffers), read from its source.
     "cce": ForeignLossKernel(
         "cce", "Apple's Cut Cross-Entropy", ("cut_cross_entropy", "triton"), "cut-cross-entropy",
-        sixteen_bit=True,
+        sixteen_bit=True, recomputes_logits=True,
         modelled="its buffers as cut-cross-entropy 25.1.1 allocates them (a float32 log-sum-exp per token kept "
                  "from forward to backward, both gradients made in backward; no logits), read from its source "
                  "and not yet checked against a GPU's allocator"),

@@ -285,9 +285,13 @@ def _count_step_cached(key: str) -> StepCount:
     from memtrain.config.run import build_config  # torch-free --help/estimate/plan
 
     cfg = _counting_config(build_config(json.loads(key)))
+    # A library loss kernel (--loss-kernel liger|cce) is Triton code, which runs on CUDA only:
+    # memtrain's chunked loss runs the same head matmuls in the trace, and assemble_step adds
+    # what the kernel computes beyond them (rules.with_loss_kernel).
+    traced = cfg.replace(loss_kernel="memtrain")
     notes: list[str] = []
     try:
-        table, counter_total, n_params, trainable = _trace_by_kind(cfg)
+        table, counter_total, n_params, trainable = _trace_by_kind(traced)
     except ConfigError as exc:
         # Some kernels exist on CUDA only (mem-efficient, flex backward, flash-attn). The count
         # runs on CPU, so it runs the same model with SDPA: torch counts every fused attention
@@ -295,7 +299,7 @@ def _count_step_cached(key: str) -> StepCount:
         # attention bytes are those of the CPU SDPA path.
         if cfg.technique.attention in ("math", "sdpa"):
             raise
-        table, counter_total, n_params, trainable = _trace_by_kind(cfg.replace(attention="sdpa"))
+        table, counter_total, n_params, trainable = _trace_by_kind(traced.replace(attention="sdpa"))
         notes.append(f"--attention {cfg.technique.attention} cannot run on CPU ({exc}); counted with "
                      f"--attention sdpa: same FLOPs, attention bytes of the CPU SDPA path")
     return assemble_step(cfg, table, counter_total, n_params, trainable, notes)

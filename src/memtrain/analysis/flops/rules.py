@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from memtrain.analysis.flops.classes import ClassCount, StepCount
 from memtrain.config.run import ModelConfig, RunConfig
-from memtrain.techniques.facts import OPTIMIZER_STATE_RULES, precision_facts
+from memtrain.techniques.facts import FOREIGN_LOSS_KERNELS, OPTIMIZER_STATE_RULES, precision_facts
 
 
 def rule_flops_per_token(cfg: ModelConfig, seq_len: int, n_params: int) -> float:
@@ -44,6 +44,36 @@ def optimizer_bytes_per_param(optim: str, param_bytes: int, grad_clip: bool) -> 
     return update + (3 * param_bytes if grad_clip else 0)
 
 
+def with_loss_kernel(cfg: RunConfig, table: dict[str, dict[str, ClassCount]],
+                     counter_total: float) -> tuple[dict[str, dict[str, ClassCount]], float, list[str]]:
+    """One micro-batch's table with memtrain's chunked loss in it, made the table of the library
+    kernel ``--loss-kernel`` names (the kernels are Triton code: neither the CPU count nor the
+    inventory can run them, so both describe memtrain's chunked loss, which runs the same three
+    head matmuls: the logits and both gradients). What a kernel computes beyond them is added here,
+    Cut Cross-Entropy's second pass over the logits in its backward as recompute (outside the MFU
+    numerator, as checkpointing's is), and the note says what the figures leave as they are."""
+    tech = cfg.technique
+    kernel = FOREIGN_LOSS_KERNELS.get(tech.loss_kernel) if tech.loss == "chunked" else None
+    if kernel is None:
+        return table, counter_total, []
+    note = (f"--loss-kernel {kernel.name}: counted as memtrain's chunked loss (the same logits and gradient "
+            f"matmuls); its bytes are those of memtrain's kernel, which writes each chunk's logits out")
+    if not kernel.recomputes_logits:
+        return table, counter_total, [note]
+    m = cfg.model
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    flops = 2.0 * tokens * m.d_model * m.vocab_size
+    c = precision_facts(tech.precision).compute_bytes
+    out = {phase: {name: ClassCount(x.counted, x.elementwise, x.bytes, x.ops) for name, x in classes.items()}
+           for phase, classes in table.items()}
+    # Reads the hidden states and the head again; the logits stay on-chip and are never written.
+    out.setdefault("recompute", {}).setdefault("lm_head", ClassCount()).add(
+        ClassCount(flops, 0.0, float((tokens + m.vocab_size) * m.d_model * c), 1))
+    return out, counter_total + flops, [
+        f"{note}; {kernel.title} computes the logits again in its backward: "
+        f"{flops * cfg.train.grad_accum / 1e9:.2f} GFLOP a step, counted as recompute"]
+
+
 def rule_terms(cfg: RunConfig, n_params: int, tokens: int) -> dict[str, float]:
     """The rule's two terms and the parameters it names, for the side-by-side."""
     m = cfg.model
@@ -64,6 +94,8 @@ def assemble_step(cfg: RunConfig, table: dict[str, dict[str, ClassCount]], count
     (:func:`memtrain.analysis.flops.inventory.inventory_step`) both end here."""
     t = cfg.train
     accum = t.grad_accum
+    table, counter_total, kernel_notes = with_loss_kernel(cfg, table, counter_total)
+    notes = [*notes, *kernel_notes]
     scaled: dict[str, dict[str, ClassCount]] = {}
     for phase in ("forward", "backward", "recompute"):
         scaled[phase] = {}
