@@ -88,13 +88,14 @@ def parse_variant(name: str) -> tuple[dict[str, Any], str]:
                      f"{CUDA_GRAPHS}")
 
 
-def per_op_chunk_step() -> Callable[..., None]:
+def per_op_chunk_step(backend: str = "inductor") -> Callable[..., None]:
     """The chunk step as it ran before :func:`memtrain.techniques.loss._chunk_body` (same arguments,
     same effect): the logits matmul, the compiled logit gradient, then ``g @ w`` copied into the
     chunk's rows of grad_h, ``g.t() @ h`` added into grad_w and the loss added, each op launched
     from Python (about eight launches and one compiled call per chunk). Kept to time the two side
-    by side. Where the loss module would run its eager body (a CPU), that body runs."""
-    compiled = torch.compile(loss_module._logit_gradient)
+    by side. Where the loss module would run its eager body (a CPU), that body runs. ``backend``:
+    torch.compile's, for the logit gradient (a test passes aot_eager, which builds no kernels)."""
+    compiled = torch.compile(loss_module._logit_gradient, backend=backend)
     eager_step = loss_module._chunk_step
 
     def step(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, grad_h_rows: Optional[torch.Tensor],

@@ -449,7 +449,7 @@ def test_the_per_op_chunk_step_gives_the_one_call_bodys_loss_and_gradients(monke
     body = torch.compile(loss._chunk_body, backend="aot_eager")
     with monkeypatch.context() as m:
         m.setattr(loss, "_fused_chunk_body", lambda hidden: body)
-        per_op = profile.per_op_chunk_step()
+        per_op = profile.per_op_chunk_step(backend="aot_eager")
         for dtype in (torch.float32, torch.bfloat16):
             torch.compiler.reset()
             ref = loss._chunked_forward(hidden, weight, targets, 16, dtype, True, True)
