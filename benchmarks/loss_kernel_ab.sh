@@ -41,7 +41,10 @@ fi
 if [ "${1:-}" = "--args" ]; then  # --args ROW: the row's memtrain arguments (tests parse them)
   args_of "${2:-}" || { echo "loss_kernel_ab.sh: unknown row '${2:-}'" >&2; exit 2; }; exit 0
 fi
-out=${1:?usage: loss_kernel_ab.sh OUT_FOLDER [ROW ...] (--help lists the rows)}
+if [ -z "${1:-}" ] || [ "${1#-}" != "$1" ]; then  # no folder, or an option where the folder goes
+  echo "loss_kernel_ab.sh: usage: loss_kernel_ab.sh OUT_FOLDER [ROW ...] (--help lists the rows)" >&2; exit 2
+fi
+out=$1
 shift
 chosen=("$@")
 [ ${#chosen[@]} -eq 0 ] && chosen=("${ROWS[@]}")

@@ -303,14 +303,18 @@ def test_the_gpu_scripts_refuse_a_used_folder_a_file_and_a_link_as_out(script, p
 
 def test_loss_kernel_ab_refuses_an_unknown_row_and_a_used_folder_before_running(tmp_path):
     """benchmarks/loss_kernel_ab.sh checks every row first: an unknown row, or a row whose folder or
-    log a first run left in OUT, is one line and exit 2, with nothing run and nothing overwritten."""
+    log a first run left in OUT, is one line and exit 2, with nothing run and nothing overwritten;
+    so is a missing folder or an option where the folder goes (no folder named "--rows" is made)."""
     script = str(ROOT / "benchmarks" / "loss_kernel_ab.sh")
     out = tmp_path / "ab"
     out.mkdir()
     (out / "qwen-cce.log").write_text("the first run's log")
-    for rows, message in ((["nosuch"], "unknown row 'nosuch'"), (["qwen-standard", "qwen-cce"], "already holds row qwen-cce")):
-        proc = subprocess.run(["bash", script, str(out), *rows], capture_output=True, text=True)
+    for argv, message in (([str(out), "nosuch"], "unknown row 'nosuch'"),
+                          ([str(out), "qwen-standard", "qwen-cce"], "already holds row qwen-cce"),
+                          ([], "usage: loss_kernel_ab.sh OUT_FOLDER"), (["--rows"], "usage: loss_kernel_ab.sh OUT_FOLDER")):
+        proc = subprocess.run(["bash", script, *argv], capture_output=True, text=True, cwd=tmp_path)
         assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.splitlines()) == 1
+    assert not (tmp_path / "--rows").exists()
     assert sorted(p.name for p in out.iterdir()) == ["qwen-cce.log"]
     assert (out / "qwen-cce.log").read_text() == "the first run's log"
 
