@@ -191,6 +191,29 @@ def test_cce_under_fake_tensors_makes_its_buffers_and_gradients_of_the_right_sha
     assert recorded_cce == []
 
 
+def test_the_cce_adapter_with_the_librarys_own_torch_implementation_matches_the_standard_loss(monkeypatch):
+    """The adapter's call, made on the real package: Cut Cross-Entropy's pure-torch implementation
+    (``impl="torch_compile"``, which runs on a CPU where its Triton kernels cannot) takes memtrain's
+    arguments and gives the standard loss and its gradients under bf16 autocast, ignored targets
+    included. Skipped without the package (and triton, which it imports); the Triton kernels
+    themselves are the GPU test's (test_cuda_cce_matches_the_standard_loss)."""
+    lib = pytest.importorskip("cut_cross_entropy", reason="needs cut-cross-entropy (and triton)")
+    import functools
+
+    monkeypatch.setitem(sys.modules, "cut_cross_entropy", types.SimpleNamespace(
+        linear_cross_entropy=functools.partial(lib.linear_cross_entropy, impl="torch_compile")))
+    cce = loss_mod._cce_loss()
+    h, w, t = make_inputs(n=96, d=32, v=300)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = cce(h, w, t)
+        ref = standard_lm_loss(h, w, t)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, ref.float(), rtol=1e-2, atol=0)
+    for got, want in zip(torch.autograd.grad(loss, (h, w)), torch.autograd.grad(ref, (h, w))):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * float(want.abs().max()))
+
+
 def test_cce_is_absent_without_the_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "cut_cross_entropy", None)  # an import of it raises ImportError
     assert loss_mod._cce_loss() is None
