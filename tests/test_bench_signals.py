@@ -8,6 +8,7 @@ killed in a ``finally``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -168,3 +169,27 @@ def test_each_test_worker_sweeps_only_its_own_temporary_folder():
     out = subprocess.run([sys.executable, "-c", "import tempfile; print(tempfile.gettempdir())"],
                          capture_output=True, text=True, check=True).stdout.strip()
     assert out == tempfile.gettempdir()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and waitpid are POSIX")
+def test_a_row_is_stopped_even_when_an_interrupt_left_popens_wait_lock_held():
+    """A Ctrl-C or SIGTERM raised inside ``proc.wait(timeout=...)`` can land between CPython taking
+    Popen's wait lock and the ``try`` that releases it; a later ``proc.wait()`` then blocks for ever,
+    and so did the bench that stopped its row that way. stop_row (and reap) poll waitpid instead."""
+    import threading
+
+    from memtrain.bench.process import reap, start_row, stop_row
+
+    for stop in (lambda p: stop_row(p, grace_s=0.5), lambda p: (p.kill(), reap(p))):
+        proc = start_row([sys.executable, "-c", "import time; time.sleep(60)"])
+        assert proc._waitpid_lock.acquire(False)  # as the interrupted wait left it
+        try:
+            done = threading.Thread(target=stop, args=(proc,), daemon=True)
+            done.start()
+            done.join(timeout=20)
+            assert not done.is_alive(), "stopping the row blocked on Popen's wait lock"
+            assert proc.returncode is not None and not _alive(proc.pid)
+        finally:
+            proc._waitpid_lock.release()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)

@@ -4,7 +4,8 @@
   only the bench, which then stops the row cleanly, and torchrun's workers are stopped with
   it) and asks Linux to send it SIGTERM if the bench dies (``prctl(PR_SET_PDEATHSIG)``), so
   even a SIGKILL'd bench leaves no orphan training on.
-- :func:`stop_row` stops the whole group: SIGTERM, a grace period, then SIGKILL.
+- :func:`stop_row` stops the whole group: SIGTERM, a grace period, then SIGKILL; :func:`reap`
+  waits for a process after an interrupt, where ``Popen.wait`` can block for ever.
 - :func:`row_tmpdir` names scratch folders ``memtrain-row-<bench pid>-*``;
   :func:`clean_stale_row_dirs` removes those whose bench is gone (a SIGKILL skips every
   ``finally``), on the next run.
@@ -18,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -57,7 +59,7 @@ def stop_row(proc: subprocess.Popen, grace_s: float = 10.0, sig: int = signal.SI
         except (ProcessLookupError, PermissionError):
             pass
         try:
-            proc.wait(timeout=grace_s if s != signal.SIGKILL else None)
+            reap(proc, timeout=grace_s if s != signal.SIGKILL else None)
             break
         except subprocess.TimeoutExpired:
             continue
@@ -66,6 +68,28 @@ def stop_row(proc: subprocess.Popen, grace_s: float = 10.0, sig: int = signal.SI
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def reap(proc: subprocess.Popen, timeout: Optional[float] = None) -> None:
+    """``proc.wait(timeout)`` without ``Popen``'s wait lock, for waits after an interrupt. ``stop_row``
+    runs after a Ctrl-C or a SIGTERM raised KeyboardInterrupt inside the bench's own
+    ``proc.wait(timeout=...)`` (or ``poll()``, ``communicate(timeout=...)``); CPython
+    (3.11, 3.12) takes that lock just before the ``try`` that releases it, so an interrupt landing
+    between the two leaves it held, and every later ``proc.wait()`` then blocks for ever (a bench
+    stopped that way hung instead of exiting). Polling ``waitpid`` directly needs no lock."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while proc.returncode is None:
+        try:  # without a timeout, one blocking waitpid
+            pid, status = os.waitpid(proc.pid, os.WNOHANG if timeout is not None else 0)
+        except ChildProcessError:  # nothing left to reap: recorded as Popen records it then
+            proc.returncode = 0 if proc.returncode is None else proc.returncode
+            return
+        if pid == proc.pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return
+        if deadline is not None and time.monotonic() >= deadline:
+            raise subprocess.TimeoutExpired(proc.args, timeout or 0.0)
+        time.sleep(0.02)
 
 
 def row_tmpdir() -> tempfile.TemporaryDirectory:

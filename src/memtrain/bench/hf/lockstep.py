@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from memtrain.bench.process import reap
+
 # What each worker process runs (then `--worker SIDE SPEC OUT`): the package's __main__, which
 # waits for its turn before importing torch.
 WORKER_COMMAND = (sys.executable, "-m", "memtrain.bench.hf")
@@ -97,7 +99,7 @@ def run_subprocess(side: str, cfg: Any, maxbatch: Optional[dict[str, Any]], thre
             return {"status": "timeout", "error": f"run exceeded {timeout:.0f} s"}
         except BaseException:  # Ctrl-C or a kill of this process: the worker must not run on alone
             proc.kill()
-            proc.wait()
+            reap(proc)  # not proc.wait(): the interrupt may have left Popen's wait lock held
             raise
         wall = time.perf_counter() - start
         if out.is_file():
@@ -178,9 +180,10 @@ def _wait_for_pair(procs: dict[str, subprocess.Popen], inbox: dict[str, tuple[in
             time.sleep(0.2)
     except BaseException:  # no worker runs on alone
         for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            if proc.returncode is None:  # not poll(): the interrupt may have left Popen's wait lock held
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                reap(proc)
         raise
     return walls
 
