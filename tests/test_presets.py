@@ -56,7 +56,7 @@ def test_compile_preset_trains_on_cpu_with_inductor(name, small_corpus, tmp_path
     assert r["steps"] == 3 and all(x == x for x in r["loss_history"])
 
 
-@pytest.mark.bf16_heavy  # default model, four BF16 rows: minutes on a CPU without native BF16
+@pytest.mark.bf16_heavy  # four BF16 rows with the 50257-row head: slow on a CPU without native BF16
 def test_lowest_memory_preset_is_lowest(small_corpus, tmp_path):
     """On the default vocabulary, the lowest-memory preset's tracked peak is below every other
     preset's that trains the same model (LoRA and the window change what is trained)."""
