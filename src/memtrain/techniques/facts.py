@@ -37,7 +37,7 @@ from memtrain.errors import ConfigError
 __all__ = [
     "ADAMW_KERNELS", "BF16_PURE_OPTIMS", "CHECKPOINT_KINDS", "DTYPE_MATMUL_TYPE", "FP8_DIM_MULTIPLE",
     "FOREIGN_LOSS_KERNELS", "FP8_MIN_CAPABILITY", "ForeignLossKernel", "LOW_BIT_BLOCK", "LOW_BIT_MIN_NUMEL",
-    "CCE_FORWARD_LOCK_TOKENS", "cce_lock_table_shape", "fp8_converts", "foreign_loss_kernel", "loss_kernel_precision_error", "loss_kernel_refusal",
+    "CCE_FORWARD_LOCK_TOKENS", "cce_forward_locks", "cce_lock_table_shape", "fp8_converts", "foreign_loss_kernel", "loss_kernel_precision_error", "loss_kernel_refusal",
     "MATMUL_TYPES", "MEMORY_CATEGORIES", "OFFLOAD_MIN_BYTES", "OFFLOAD_PREFETCH", "OPTIMIZER_STATE_RULES",
     "PRECISION_FACTS", "CheckpointPolicy",
     "OptimizerStateRule", "PrecisionFacts", "SR_ADAMW_ALONE_NUMEL", "SR_ADAMW_BUCKET_NUMEL",
@@ -419,6 +419,11 @@ FOREIGN_LOSS_KERNELS: dict[str, ForeignLossKernel] = {
 # locks one 4-byte word per CCE_FORWARD_LOCK_TOKENS tokens; its backward one int32 table per
 # gradient (rows of the hidden states, of the head), cce_lock_table_shape's.
 CCE_FORWARD_LOCK_TOKENS = 128
+
+
+def cce_forward_locks(tokens: int) -> int:
+    """How many int32 locks Cut Cross-Entropy's forward takes for ``tokens`` tokens (its ``cdiv``)."""
+    return -(-tokens // CCE_FORWARD_LOCK_TOKENS)
 
 
 def cce_lock_table_shape(rows: int, d: int) -> tuple[int, int]:

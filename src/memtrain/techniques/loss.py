@@ -61,9 +61,9 @@ from torch._subclasses.fake_tensor import is_fake
 from memtrain.config.run import ConfigError, TechniqueConfig
 from memtrain.models.gpt import LossFn, standard_lm_loss
 from memtrain.techniques.facts import (
-    CCE_FORWARD_LOCK_TOKENS,
     LOSS_ALIGN_VOCAB,
     aligned_vocab,
+    cce_forward_locks,
     cce_lock_table_shape,
     effective_loss_chunk,
     loss_kernel_refusal,
@@ -375,7 +375,7 @@ class _CutCrossEntropyBuffers(torch.autograd.Function):
         index32 = index.to(torch.int32)
         del index, index32  # all valid: _build_flat_valids returns None
         lse = e.new_empty((n,), dtype=torch.float32)
-        locks = e.new_zeros((-(-n // CCE_FORWARD_LOCK_TOKENS),), dtype=torch.int32)
+        locks = e.new_zeros((cce_forward_locks(n),), dtype=torch.int32)
         neg_dot = e.new_zeros((n,), dtype=torch.float32)
         loss = neg_dot.add_(lse).mean()
         del locks, neg_dot

@@ -12,8 +12,8 @@ from memtrain.analysis.estimate.simulator import Compression, Node, Segment
 from memtrain.config.archs import Arch
 from memtrain.config.run import ModelConfig, RunConfig, TechniqueConfig
 from memtrain.techniques.facts import (
-    CCE_FORWARD_LOCK_TOKENS,
     aligned_vocab,
+    cce_forward_locks,
     cce_lock_table_shape,
     checkpoint_policy,
     effective_loss_chunk,
@@ -752,7 +752,7 @@ def _cce_nodes(dm: Dims, head: str, trainable: bool) -> list[Node]:
     steps: tuple[tuple[str, str, float], ...] = (
         ("alloc", "mask", N), ("alloc", "index", N * 8), ("free", "mask", 0.0), ("alloc", "index32", N * 4),
         ("free", "index", 0.0), ("free", "index32", 0.0), ("outputs", "", 0.0),
-        ("alloc", "locks", -(-N // CCE_FORWARD_LOCK_TOKENS) * 4), ("alloc", "neg_dot", N * 4))
+        ("alloc", "locks", cce_forward_locks(N) * 4), ("alloc", "neg_dot", N * 4))
     lock_tables = sum(math.prod(cce_lock_table_shape(rows, d)) * 4 for rows in (N, V))
     # The caller's hidden states ("hf") stay alive through the call, cast or not.
     nodes.append(Node("loss", out=[("cce.lse", N * 4), ("loss", 4)], inputs=sorted({"hf", xin}) + w_saved,
