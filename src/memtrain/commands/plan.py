@@ -28,7 +28,15 @@ from memtrain.commands.estimate import (
 from memtrain.config.argtypes import batch_count, positive_int
 from memtrain.config.run import ConfigError, parse_size
 from memtrain.devices.numerics import is_standard, numerics_key, numerics_note
-from memtrain.report.noise import FACTOR, fmt_noise, is_noise_twin, ppl_noise, row_noise
+from memtrain.report.noise import (
+    FACTOR,
+    fmt_noise,
+    is_noise_twin,
+    ppl_noise,
+    precision_yardsticks,
+    row_precision,
+    yardstick,
+)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -246,6 +254,7 @@ def _measured_effects(results_dir: str, techs: list[dict]) -> tuple[list[Optiona
     base = next((r for r in standard if noise and r.get("technique") == noise["base"]), None)
     ref = base["val_loss"] if base else min(r["val_loss"] for r in standard)
     rel_noise = noise["rel_noise"] if base and noise else None
+    yardsticks = precision_yardsticks(results, noise)  # the twins are searched once, not per candidate
     effects: list[Optional[float]] = []
     beyond: list[Optional[bool]] = []
     noises: list[Optional[float]] = []
@@ -255,7 +264,7 @@ def _measured_effects(results_dir: str, techs: list[dict]) -> tuple[list[Optiona
         effects.append(effect)
         # Judged against the twins of the row's own precision where they ran (row_noise); no
         # yardstick where the noise was not measured, or measured as zero (twins equal to the digit).
-        own = row_noise(results, same[0]["config"].get("technique", {}).get("precision")) if same else None
+        own = yardstick(noise, yardsticks, row_precision(same[0])) if same and noise else None
         row_rel = own[1] if own and rel_noise is not None else rel_noise
         noises.append(row_rel)
         beyond.append(None if effect is None or not row_rel else abs(effect) > FACTOR * row_rel)

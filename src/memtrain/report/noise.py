@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 __all__ = ["FACTOR", "SEED_SUFFIX", "NUDGE_SUFFIX", "Twin", "twin_of", "validation_sample", "ppl_noise",
-           "row_noise", "quality_vs_noise", "noise_markdown", "is_noise_twin", "fmt_noise", "step_noise", "faster_beyond_noise"]
+           "row_precision", "precision_yardsticks", "yardstick", "row_noise", "quality_vs_noise", "noise_markdown",
+           "is_noise_twin", "fmt_noise", "step_noise", "faster_beyond_noise"]
 
 FACTOR = 2.0
 SEED_SUFFIX = "-seed2"
@@ -117,7 +118,7 @@ def ppl_noise(rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
     return None
 
 
-def _precision(row: dict[str, Any]) -> Optional[str]:
+def row_precision(row: dict[str, Any]) -> Optional[str]:
     """The ``--precision`` a result row ran in (after any substitution), where it says (a
     results file is read, not trusted: anything else there is no precision)."""
     config = row.get("config")
@@ -126,19 +127,18 @@ def _precision(row: dict[str, Any]) -> Optional[str]:
     return precision if isinstance(precision, str) else None
 
 
-def precision_yardsticks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def precision_yardsticks(rows: list[dict[str, Any]], noise: Optional[dict[str, Any]]) -> list[dict[str, Any]]:
     """The nudged twin groups (else the seed twin groups) past the first, one per precision not
     yet covered: {base, precision, twins: [(name, ppl)], rel_noise} for rows computing in
     ``precision``, ``rel_noise`` being the largest relative difference among the base and its
-    twins (see :func:`row_noise`)."""
-    noise = ppl_noise(rows)
+    twins (see :func:`row_noise`). ``noise``: :func:`ppl_noise` of ``rows``, which the caller has."""
     if noise is None:
         return []
     by_name = {r.get("technique"): r for r in rows}
-    seen = {_precision(by_name.get(noise["base"], {}))}
+    seen = {row_precision(by_name.get(noise["base"], {}))}
     out = []
     for g in _twin_groups(rows, _ppl, noise["kind"]):
-        precision = _precision(by_name.get(g["base"], {}))
+        precision = row_precision(by_name.get(g["base"], {}))
         if precision is None or precision in seen:
             continue
         seen.add(precision)
@@ -147,9 +147,10 @@ def precision_yardsticks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _yardstick(noise: dict[str, Any], yardsticks: list[dict[str, Any]], precision: Optional[str]) -> tuple[str, float]:
+def yardstick(noise: dict[str, Any], yardsticks: list[dict[str, Any]], precision: Optional[str]) -> tuple[str, float]:
     """(base row, relative noise) for a row in ``precision``, from :func:`ppl_noise`'s ``noise``
-    and :func:`precision_yardsticks`' ``yardsticks`` (see :func:`row_noise`)."""
+    and :func:`precision_yardsticks`' ``yardsticks`` (see :func:`row_noise`); for judging many rows
+    of one results file without searching its twins again for each."""
     own = next((y for y in yardsticks if y["precision"] == precision), None)
     if own is None or own["rel_noise"] <= noise["rel_noise"]:
         return noise["base"], noise["rel_noise"]
@@ -161,7 +162,7 @@ def row_noise(rows: list[dict[str, Any]], precision: Optional[str]) -> Optional[
     twins of that precision where they ran, never less than the first yardstick
     (:func:`ppl_noise`, which judges every other row); None without twins."""
     noise = ppl_noise(rows)
-    return None if noise is None else _yardstick(noise, precision_yardsticks(rows), precision)
+    return None if noise is None else yardstick(noise, precision_yardsticks(rows, noise), precision)
 
 
 def quality_vs_noise(rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
@@ -170,20 +171,20 @@ def quality_vs_noise(rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
     noise = ppl_noise(rows)
     if noise is None:
         return None
-    yardsticks = precision_yardsticks(rows)
+    yardsticks = precision_yardsticks(rows, noise)
     out = []
     for r in rows:
         name, ppl = r.get("technique"), _ppl(r)
         if ppl is None or name == noise["base"] or is_noise_twin(name):
             continue
         rel = ppl / noise["ppl"] - 1
-        yardstick, rel_noise = _yardstick(noise, yardsticks, _precision(r))
+        noise_base, rel_noise = yardstick(noise, yardsticks, row_precision(r))
         # Twins equal to the digit measured no noise (a run too short for a rounding to grow):
         # there is no yardstick, so no row is called beyond or within it (None).
         times = abs(rel) / rel_noise if rel_noise > 0 else None
         beyond = None if times is None else times > FACTOR
         out.append({"technique": name, "method": r.get("description") or name, "val_ppl": ppl,
-                    "rel_diff": rel, "noise_base": yardstick, "rel_noise": rel_noise, "times_noise": times,
+                    "rel_diff": rel, "noise_base": noise_base, "rel_noise": rel_noise, "times_noise": times,
                     "beyond_noise": beyond})
     return {**noise, "factor": FACTOR, "rows": out, "yardsticks": yardsticks}
 
