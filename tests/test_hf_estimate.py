@@ -122,15 +122,18 @@ def test_unmodelled_families_and_techniques_say_they_traced(dirs, capsys):
     ({"resid_pdrop": 0.0}, "sdpa", "dropouts of which some are zero"),
     ({"attn_pdrop": 0.0, "resid_pdrop": 0.0}, "sdpa", "dropouts of which some are zero"),
     ({"activation_function": "gelu_fast"}, "sdpa", "activation_function gelu_fast"),
+    ({"activation_function": "gelu", "lora_rank": 4}, "sdpa", "activation_function gelu under LoRA"),
 ])
 def test_gpt2_options_the_analytic_model_lacks_are_traced(tmp_path, fields, attention, reason):
     """GPT-2 options that change its step beyond the analytic inventory: one line saying which,
     and the estimate traces."""
     from memtrain.analysis.estimate.hf import analytic_estimate, why_not_modelled
 
+    fields = dict(fields)
+    lora = {"lora_rank": fields.pop("lora_rank")} if "lora_rank" in fields else {}
     transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=384,
                             **fields).save_pretrained(tmp_path)
-    cfg = _cfg(tmp_path, attention=attention)
+    cfg = _cfg(tmp_path, attention=attention, **lora)
     why = why_not_modelled(cfg)
     assert why is not None and reason in why and "\n" not in why
     assert analytic_estimate(cfg, "cpu") is None

@@ -8,7 +8,12 @@ from typing import Any
 
 from memtrain.analysis.estimate.simulator import Node
 
-__all__ = ["gelu_new_nodes", "hf_norm_node", "hf_rope_node"]
+__all__ = ["ROPE_TABLES", "gelu_new_nodes", "hf_model_input_nodes", "hf_model_inputs", "hf_norm_node", "hf_rope_node"]
+
+# Keys of what a transformers Llama-style model makes once for all its layers (hf_model_input_nodes).
+ROPE_TABLES = "rope.cos_sin"
+POSITIONS = "cache_position"
+CAUSAL_MASK = "causal_mask"
 
 
 def hf_norm_node(dm: Any, name: str, src: str, out: str, trainable: bool, input_grad: bool = True,
@@ -49,6 +54,31 @@ def _norm_backward_scratch(N: int, d: int, r: float) -> float:
     return 5 * N * d * 4 - 2 * N * d * r
 
 
+def hf_model_input_nodes(dm: Any, attention: str) -> list[Any]:
+    """What a Llama-style ``*Model.forward`` makes once, before its first layer, and passes to
+    every layer (so a checkpointed layer keeps it until its backward: ``Segment.held_inputs``):
+    ``cache_position`` (int64, (s,); ``position_ids`` is a view of it), the rotary tables cos and
+    sin ((1, s, head_dim) each in the embeddings' dtype, computed in float32 and cast), and, for
+    eager attention, the additive float causal mask (b, 1, s, s) in the embeddings' dtype,
+    ``torch.where`` over a bool (s, s) comparison. The rope products save cos and sin in every
+    layer; the mask is added to the scores (nothing saved) and lives until the model returns."""
+    s, hd, p = dm.s, dm.d // dm.h, dm.p
+    table = s * hd
+    nodes = [Node("positions", out=[(POSITIONS, s * 8)])]
+    if attention == "math":
+        nodes.append(Node("causal_mask", out=[(CAUSAL_MASK, dm.b * s * s * p)], fwd_scratch=s * s))
+    # freqs (s x hd/2) and their cat (s x hd) in float32 stay until both tables exist; a table
+    # in another dtype than float32 is cast from a float32 one.
+    nodes.append(Node("rotary", out=[(ROPE_TABLES, 2 * table * p)],
+                      fwd_scratch=table * 4 * 1.5 + (table * 4 if p != 4 else 0.0)))
+    return nodes
+
+
+def hf_model_inputs(attention: str) -> tuple[str, ...]:
+    """The keys of :func:`hf_model_input_nodes`."""
+    return (POSITIONS, ROPE_TABLES) + ((CAUSAL_MASK,) if attention == "math" else ())
+
+
 def hf_rope_node(dm: Any, qkv: list[str], out: str, v_view: bool = False) -> Any:
     """apply_rotary_pos_emb: new q and k (``q * cos + rotate_half(q) * sin``); v passes on. For
     memory the q/k/v triple stays one storage (what SDPA saves); the forward's scratch is the
@@ -58,7 +88,9 @@ def hf_rope_node(dm: Any, qkv: list[str], out: str, v_view: bool = False) -> Any
     then the new q and k alone."""
     N, d, kv, a = dm.n, dm.d, dm.kv, dm.a
     widths = [d + 2 * kv] if len(qkv) == 1 else [d, kv, kv]
-    return Node(f"{out}.rope", out=[(out, N * (d + (kv if v_view else 2 * kv)) * a)], inputs=list(qkv),
+    # The products save cos and sin (ROPE_TABLES), views of the model's tables.
+    return Node(f"{out}.rope", out=[(out, N * (d + (kv if v_view else 2 * kv)) * a)],
+                 inputs=list(qkv) + [ROPE_TABLES], saves=[ROPE_TABLES],
                  grads=[(k, N * w * a) for k, w in zip(qkv, widths)], fwd_scratch=3 * N * (d + kv) * a,
                  scratch=2 * N * (d + kv) * a)
 

@@ -6,7 +6,13 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from memtrain.analysis.estimate.hf_nodes import gelu_new_nodes, hf_norm_node, hf_rope_node
+from memtrain.analysis.estimate.hf_nodes import (
+    gelu_new_nodes,
+    hf_model_input_nodes,
+    hf_model_inputs,
+    hf_norm_node,
+    hf_rope_node,
+)
 from memtrain.analysis.estimate.params import lora_split, lora_target_names
 from memtrain.analysis.estimate.simulator import Compression, Node, Segment
 from memtrain.config.archs import Arch
@@ -54,9 +60,12 @@ class Dims:
     # The eager attention's softmax runs in float32 outside autocast too (Llama's
     # ``softmax(dtype=float32)``); GPT-2's runs in the scores' dtype (float32 under autocast only).
     softmax_fp32: bool = True
-    # The attention mask is added as a float tensor, nothing saved (GPT-2's layers), rather than
-    # applied by a masked_fill that saves its bool mask.
+    # The attention mask is added as a float tensor, nothing saved (transformers' layers), rather
+    # than applied by a masked_fill that saves its bool mask (our GPT).
     additive_mask: bool = False
+    # transformers' Llama-style eager attention repeats the k/v heads (repeat_kv) before the
+    # scores and holds the copies until it returns.
+    repeat_kv: bool = False
 
     @property
     def n(self) -> int:
@@ -447,27 +456,46 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
         a = dm.a
     upcast = a != low_a
     sc = b * h * s * s
-    nodes.append(Node(f"{p}.qk", out=[(f"{p}.qc", N * d * a), (f"{p}.kc", N * d * a), (f"{p}.s0", sc * a)],
-                       inputs=[qkv], saves=[f"{p}.qc", f"{p}.kc"], matmul=True, grad_out=(f"{p}.s0",),
-                       keep=(f"{p}.s0",),
-                       grads=[(q, N * d * a), (k, N * kvw * a)]))
-    probs = _scores_softmax(nodes, dm, p, sc, s * s, kind)
     # The matmul copies v into a contiguous buffer. transformers' eager attention repeats the
     # k/v heads first (repeat_kv: a copy as wide as q under grouped-query attention), so its v
     # copy is N x d; the copies of q and k^T it does not make (rope's q and k are contiguous),
-    # but it makes the repeated k: for memory the same as our GPT's q and k copies.
+    # but it makes the repeated k and the contiguous k^T the matmul reads: for memory the same
+    # as our GPT's q and k copies.
     v_width = d if dm.hf else kvw
     # (GPT-2's SDPA math fallback on float32 v at batch 1: bmm reads the (h, s, hd) view of v
     # in place, and its save keeps the whole q/k/v output.)
     v_view = dm.additive_mask and kind != "math" and not upcast and b == 1
     v_saved = qkv_keys if v_view else [f"{p}.vc"]
-    nodes.append(Node(f"{p}.vcopy", out=[] if v_view else [(f"{p}.vc", N * v_width * a)], inputs=qkv_keys))
-    nodes.append(Node(f"{p}.pv", out=[(f"{p}.o", N * d * a)], inputs=[probs] + v_saved,
-                       saves=[probs] + v_saved, matmul=True,
-                       grads=[(probs, sc * a), (v, N * kvw * a)]))
+    qk_saves = [f"{p}.qc", f"{p}.kc"]
+    if dm.repeat_kv and kind == "math":
+        # repeat_kv runs first, k's then v's, and its copies stay (the function's locals) until
+        # it returns, saved or not (checkpointed). The matmuls' gradients are as wide as the
+        # copies; each copy's backward sums its gradient down to the k/v heads, after the
+        # scores' backward (autograd runs the later ops first).
+        nodes.append(Node(f"{p}.repeat_k", out=[(f"{p}.kc", N * d * a)], inputs=[qkv], grads=[(k, N * kvw * a)]))
+        nodes.append(Node(f"{p}.repeat_v", out=[(f"{p}.vc", N * d * a)], inputs=[qkv], grads=[(v, N * kvw * a)]))
+        nodes.append(Node(f"{p}.qk", out=[(f"{p}.qc", N * d * a), (f"{p}.s0", sc * a)], inputs=[qkv, f"{p}.kc"],
+                           saves=qk_saves, matmul=True, grad_out=(f"{p}.s0",), keep=(f"{p}.s0",),
+                           grads=[(q, N * d * a), (f"{p}.kc", N * d * a)]))
+        probs = _scores_softmax(nodes, dm, p, sc, s * s, kind)
+        nodes.append(Node(f"{p}.pv", out=[(f"{p}.o", N * d * a)], inputs=[probs] + v_saved,
+                           saves=[probs] + v_saved, matmul=True, grads=[(probs, sc * a), (f"{p}.vc", N * d * a)]))
+        held = [f"{p}.kc", f"{p}.vc"]
+    else:
+        nodes.append(Node(f"{p}.qk", out=[(f"{p}.qc", N * d * a), (f"{p}.kc", N * d * a), (f"{p}.s0", sc * a)],
+                           inputs=[qkv], saves=qk_saves, matmul=True, grad_out=(f"{p}.s0",),
+                           keep=(f"{p}.s0",),
+                           grads=[(q, N * d * a), (k, N * kvw * a)]))
+        probs = _scores_softmax(nodes, dm, p, sc, s * s, kind)
+        nodes.append(Node(f"{p}.vcopy", out=[] if v_view else [(f"{p}.vc", N * v_width * a)], inputs=qkv_keys))
+        nodes.append(Node(f"{p}.pv", out=[(f"{p}.o", N * d * a)], inputs=[probs] + v_saved,
+                           saves=[probs] + v_saved, matmul=True,
+                           grads=[(probs, sc * a), (v, N * kvw * a)]))
+        held = []
     o = _cast_back(nodes, p, f"{p}.o", N * d, a, low_a)
     # y.transpose(1, 2).contiguous(): a copy; its backward passes the gradient through.
-    nodes.append(Node(f"{p}.merge", out=[(y, N * d * low_a)], inputs=[o], grads=[(o, 0.0)]))
+    nodes.append(Node(f"{p}.merge", out=[(y, N * d * low_a)], inputs=[o] + held,
+                       grads=[(o, 0.0)]))
 
 
 def _math_fallback_dims(dm: Dims) -> Dims:
@@ -564,8 +592,9 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     lin("proj", f"{p}.attn.proj", f"{p}.y", f"{p}.pr", d, d, a)
     if dm.hf:
         # The decoder layer's local holds the norm's output until self_attn returns (and the
-        # second norm's until the MLP returns), whether or not an op saved it.
-        nodes[-1].inputs.append(f"{p}.ln1")
+        # second norm's until the MLP returns), whether or not an op saved it; the attention's
+        # locals, rope's q and k (and v), live until o_proj has run.
+        nodes[-1].inputs += [f"{p}.ln1"] + ([f"{p}.qkv"] if arch.positional == "rope" else [])
     _dropout(nodes, dm, f"{p}.resid_drop", f"{p}.pr", f"{p}.prd", N * d, a)
     _held_by_the_frame(nodes, dm, lora, f"{p}.ln1")
     # Residual add: type promotion makes it float32 under autocast; the low-precision branch's
@@ -599,9 +628,22 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     _held_by_the_frame(nodes, dm, lora, f"{p}.ln2")
     nodes.append(Node(f"{p}.add2", out=[(f"blocks.{i + 1}.in", N * d * r)], inputs=[f"{p}.x1", f"{p}.h2d"],
                        grads=[(f"{p}.x1", 0.0), (f"{p}.h2d", 0.0 if a == r else N * d * a)]))
-    if arch.gpt2_layers:
-        nodes[-1].inputs += _gpt2_block_locals(p, tech.attention)
+    if dm.hf:
+        nodes[-1].inputs += _hf_layer_locals(p, arch, tech.attention)
     return nodes
+
+
+def _hf_layer_locals(p: str, arch: Arch, attention: str) -> list[str]:
+    """What a transformers decoder layer's frame (and its caller's) holds until the layer
+    returns, whether or not an op saved it (checkpointed, nothing is saved): GPT2Block's locals;
+    a Llama-style layer's eager attention weights (``hidden_states, _ = self.self_attn(...)``);
+    and the layer's input, which the model's loop (``hidden_states = layer(hidden_states, ...)``)
+    rebinds only after the layer returns (the first layer under LoRA saves it nowhere)."""
+    if arch.gpt2_layers:
+        held = _gpt2_block_locals(p, attention)
+    else:
+        held = [f"{p}.pd"] if attention == "math" else []
+    return held + [f"{p}.in"]
 
 
 def _gelu_nodes(dm: Dims, arch: Arch, p: str) -> list[Node]:
@@ -627,6 +669,8 @@ def _embedding_nodes(dm: Dims, arch: Arch, trainable: bool, attention: str) -> l
     nodes = [Node("wte", out=[("tok", N * d * pe)], grads=[("param:wte.weight", 0.0)] if trainable else [])]
     if arch.gpt2_layers and attention == "math":
         nodes.append(Node("causal_mask", out=[("causal_mask", dm.b * s * s * pe)]))
+    elif dm.hf and not arch.gpt2_layers:
+        nodes += hf_model_input_nodes(dm, attention)
     src = "tok"
     if arch.positional == "learned":
         nodes.append(Node("pos", out=[("pos_idx", s * 8)]))
@@ -664,6 +708,10 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
         # GPT2Model.forward's locals (the token and position embeddings, the causal mask) live
         # until it returns, after ln_f.
         nodes[0].inputs += ["tok", "posemb"] + (["causal_mask"] if tech.attention == "math" else [])
+    elif dm.hf:
+        # The Llama-style model's locals live until it returns, after the norm: what it made for
+        # every layer (hf_model_input_nodes) and ``inputs_embeds``, the first layer's input.
+        nodes[0].inputs += list(hf_model_inputs(tech.attention)) + ["blocks.0.in"]
     if tech.loss == "chunked" and tech.loss_kernel == "cce":
         return nodes + _cce_nodes(dm, head, trainable)
     if tech.loss == "chunked":
@@ -717,9 +765,9 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
                        grads=[(src, N * V * 4)]))
     # standard_lm_loss's local holds the low-precision logits until cross_entropy returns
     # (counted for transformers models; our GPT's are modelled as freed by the float32 copy).
-    held_logits = ["logits"] if dm.hf else []
-    if arch.gpt2_layers:
-        held_logits.append("hf")  # so is the hidden state it was handed (GPT-2's LayerNorm output)
+    # So is the hidden state it was handed (the final norm's output; under autocast not the cast
+    # the matmul saved).
+    held_logits = ["logits", "hf"] if dm.hf else []
     nodes.append(Node("loss", out=[("loss", 8)], inputs=["logp"] + held_logits, saves=["logp"], tag="logits",
                        grads=[("logp", N * V * 4)]))
     return nodes
@@ -800,7 +848,8 @@ def run_dims(cfg: RunConfig, arch: Arch, device_type: str, batch: Optional[int] 
                r=pb, p=pb, autocast=autocast, dropout=m.dropout > 0, cuda=device_type == "cuda",
                bias=m.bias and arch.name == "gpt2", hf=arch.hf, fp8=precision_facts(cfg.technique.precision).fp8,
                fused_proj=arch.fused_proj, lora_dropout=cfg.technique.lora_rank > 0 and cfg.technique.lora_dropout > 0,
-               softmax_fp32=not arch.gpt2_layers, additive_mask=arch.gpt2_layers)
+               softmax_fp32=not arch.gpt2_layers, additive_mask=arch.hf,
+               repeat_kv=arch.hf and not arch.gpt2_layers)
     return dm
 
 
@@ -812,6 +861,12 @@ def block_segments(cfg: RunConfig, arch: Arch, dm: Dims, trainable_base: bool, g
     L = m.n_layers
     mode = "selective" if kind == "selective-matmul" else "full"
     segs = [Segment("embedding", _embedding_nodes(dm, arch, trainable_base, tech.attention))]
+    # What a transformers model hands every layer besides its input (a checkpoint keeps it).
+    layer_args: tuple[str, ...] = ()
+    if arch.gpt2_layers:
+        layer_args = ("causal_mask",) if tech.attention == "math" else ()
+    elif dm.hf:
+        layer_args = hf_model_inputs(tech.attention)
     for j in range(comp.blocks):
         i = comp.real(j)
         nodes = block_nodes(dm, j, arch, tech, trainable_base)
@@ -830,7 +885,7 @@ def block_segments(cfg: RunConfig, arch: Arch, dm: Dims, trainable_base: bool, g
         # adapter's B product is not recomputed), elsewhere it changes nothing that counts.
         segs.append(Segment(f"block {i}", nodes,
                              checkpoint=mode if policy.whole_block(i, L) else "none", input_key=f"blocks.{j}.in",
-                             lazy_recompute=dm.hf or bool(tech.lora_rank)))
+                             lazy_recompute=dm.hf or bool(tech.lora_rank), held_inputs=layer_args))
     # (The simulated depth is passed, not set on a copy of cfg.model: a transformers model's
     # ModelConfig mirrors its config.json again on every copy, n_layers included.)
     segs.append(Segment("head", _head_nodes(dm, m, tech, arch, trainable_base, grads_exist, comp.blocks)))

@@ -173,6 +173,9 @@ class Segment:
     # outputs exist; False recomputes as the segment's backward begins, through that op's
     # outputs (our GPT's model).
     lazy_recompute: bool = False
+    # The checkpointed function's other tensor arguments (transformers' layers get the model's
+    # causal mask and rotary tables): the checkpoint keeps them until the segment's backward ends.
+    held_inputs: tuple[str, ...] = ()
 
 
 class Graph:
@@ -554,6 +557,9 @@ class Graph:
         # selective checkpointing, the matmul outputs; plus the RNG state it stores.
         if seg.input_key and seg.input_key in self.store and not self._offload(seg.input_key):
             self.saved_refs[seg.input_key] = self.saved_refs.get(seg.input_key, 0) + 1
+        for k in seg.held_inputs:
+            if k in self.store:
+                self.saved_refs[k] = self.saved_refs.get(k, 0) + 1
         keep = {k for n in seg.nodes for k in n.sac_kept()} if seg.checkpoint == "selective" else set()
         held += self._run_forward(seg.nodes, False, None, keep, later)
         if self.rng_state_bytes:
@@ -615,6 +621,10 @@ class Graph:
         self._backward_nodes(nodes)
         if seg.checkpoint != "none" and seg.input_key and seg.input_key in self.saved_refs:
             self._release(seg.input_key)
+        if seg.checkpoint != "none":
+            for k in seg.held_inputs:
+                if k in self.saved_refs:
+                    self._release(k)
         if seg.checkpoint != "none" and back is not None:
             sim.host_free(ckpt_host)
 
