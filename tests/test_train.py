@@ -66,9 +66,11 @@ def test_schedule_warmup_then_cosine():
     assert const(50) == 1.0
 
 
-def test_resume_continues_exactly(tiny_run, tmp_path):
-    """Stop after 4 of 8 steps, resume, and get the same losses as one uninterrupted run."""
-    base = {**tiny_run, "steps": 8, "dropout": 0.1}
+@pytest.mark.parametrize("lora", [0, 4])
+def test_resume_continues_exactly(tiny_run, tmp_path, lora):
+    """Stop after 4 of 8 steps, resume, and get the same losses as one uninterrupted run, with
+    and without LoRA (tests/test_hf_models.py::test_resume_is_exact: peft's adapters too)."""
+    base = {**tiny_run, "steps": 8, "dropout": 0.1, "lora_rank": lora}
     full = train(build_config(base))
     half = train(build_config({**base, "stop_after": 4, "save": str(tmp_path / "half.pt")}))
     assert half["stopped_early"] and half["loss_history"] == full["loss_history"][:4]

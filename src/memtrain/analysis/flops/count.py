@@ -155,8 +155,18 @@ def _trace(cfg: RunConfig, fake: bool = True) -> tuple[dict[str, dict[str, Class
     """One micro-batch forward + backward of the configured model under FakeTensorMode with
     FlopCounterMode and the recorder; returns (table, counter total, params, trainable).
     ``fake=False`` runs the same step with real tensors (tests check both agree)."""
-
     # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
+    import torch
+
+    # Building the model draws random numbers (peft's adapter init): a count made at the end of
+    # training (the MFU numerator) must leave the RNG that the final checkpoint saves where the
+    # last step left it, or a run resumed from that checkpoint draws other dropout masks.
+    with torch.random.fork_rng(devices=[]):
+        return _traced_step(cfg, fake)
+
+
+def _traced_step(cfg: RunConfig, fake: bool) -> tuple[dict[str, dict[str, ClassCount]], float, int, int]:
+    """:func:`_trace`'s step, drawing from the global RNG."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
