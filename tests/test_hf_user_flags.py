@@ -255,3 +255,22 @@ def test_no_parser_takes_abbreviations():
             continue  # a verb with a required argument refuses the bare option for that reason too
         args, extra = sub.parse_known_args(["--verbos"], namespace=argparse.Namespace())
         assert extra == ["--verbos"] and not getattr(args, "verbose", False), name
+
+
+@pytest.mark.parametrize("flag, shown", [
+    ("--dropout 0.3", "--dropout 0.3"), ("--d-model 256", "--d-model 256"), ("--n-layers 7", "--n-layers 7"),
+])
+def test_a_model_flag_the_model_overrides_is_refused_not_ignored(flag, shown, capsys):
+    """A transformers --model sets its shape and attention dropout from its config.json: a flag
+    that would be dropped (tiny-gpt2: dropout 0, width 128, 4 layers) is refused in one line."""
+    assert main(["estimate", "--model", "tiny-gpt2", "--seq-len", "32", *flag.split()]) == 2
+    err = _error_line(capsys)
+    assert shown in err and "tiny-gpt2" in err
+
+
+def test_a_model_flag_equal_to_the_models_own_value_passes():
+    """A config file written for the model (its own values) is no conflict."""
+    own = _cfg(["estimate", "--model", "tiny-gpt2", "--seq-len", "32"]).model
+    cfg = _cfg(["estimate", "--model", "tiny-gpt2", "--seq-len", "32", "--d-model", str(own.d_model),
+                "--dropout", str(own.dropout)])
+    assert cfg.model.d_model == own.d_model

@@ -25,7 +25,7 @@ import memtrain.commands as commands
 from memtrain import __version__
 from memtrain.config.aliases import ALIASES, EXPANDED, normalize as normalize_aliases, switch_value
 from memtrain.config.argtypes import rank_count
-from memtrain.config.run import SECTIONS, ConfigError, RunConfig, build_config, flatten, load_config_file
+from memtrain.config.run import SECTIONS, ConfigError, ModelConfig, RunConfig, build_config, flatten, load_config_file
 from memtrain.distributed.rank_errors import begin_command, error_line, launch_env, launched_by_memtrain, say_error
 from memtrain.errors import one_line
 from memtrain.files.results import (
@@ -187,9 +187,30 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = 
             if seq > build_config(base or {}).model.max_seq_len:
                 layers.append({"max_seq_len": seq})
     cfg = build_config(*layers)
+    _refuse_ignored_model_flags(cfg, _given_settings([file_layer, flags]))
     # Remembered (not a field) for defaults_note: which settings a layer named.
     cfg.given_settings = frozenset(merged)  # type: ignore[attr-defined]  # read with getattr(..., None)
     return cfg
+
+
+def _refuse_ignored_model_flags(cfg: RunConfig, given: dict[str, Any]) -> None:
+    """A ``--model`` (a transformers config or a GPT preset) sets the model fields it describes
+    (shape, tied head, attention dropout) from its own config, over any flag: a flag or config-file
+    value that would be dropped is refused in one line instead of ignored. Values equal to the
+    model's pass (a config file written for the same model)."""
+    spec = cfg.model.model
+    if spec is None:
+        return
+    model_fields = {f.name for f in fields(ModelConfig)} - {"model"}
+    for name in sorted(model_fields & set(given)):
+        current = getattr(cfg.model, name)
+        try:
+            same = type(current)(given[name]) == current
+        except (TypeError, ValueError):
+            same = False
+        if not same:
+            raise ConfigError(f"--{name.replace('_', '-')} {given[name]}: --model {spec} sets {name} from its own "
+                              f"config ({current}); drop the flag, or change it in a copy of the model's config")
 
 
 MODEL_DEFAULT_ATTENTION = "sdpa"
