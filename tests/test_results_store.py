@@ -61,6 +61,20 @@ def test_report_of_a_file_with_no_rows_is_bad_input(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("error:") and "holds no rows" in err[0]
 
 
+@pytest.mark.parametrize("content", [b"", b"\x00garbage\n[1]\n"], ids=["empty", "unreadable"])
+def test_report_refused_for_no_rows_keeps_the_report_already_written(tmp_path, capsys, content):
+    (tmp_path / "results.jsonl").write_text((DATA / "bench_results.jsonl").read_text())
+    assert main(["report", str(tmp_path)]) == 0
+    names = ("report.md", "report.csv", "report.json")
+    before = {n: (tmp_path / n).read_bytes() for n in names}
+    (tmp_path / "results.jsonl").write_bytes(content)
+    capsys.readouterr()
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "holds no rows" in err[0]
+    assert {n: (tmp_path / n).read_bytes() for n in names} == before
+
+
 def test_report_skips_rows_of_the_wrong_shape(tmp_path, capsys):
     lines = (DATA / "bench_results.jsonl").read_text().splitlines()
     bad = [{"technique": "a", "status": "ok", "val_ppl": "x", "memory": {"peak_bytes": "y"}, "step_time_s": 5, "config": 3},
