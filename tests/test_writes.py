@@ -151,6 +151,22 @@ def test_save_replaces_an_empty_file_and_its_own_checkpoint(tiny_run, tmp_path):
     assert save.stat().st_mtime_ns >= first and save.stat().st_size > 1000
 
 
+def test_save_refuses_the_checkpoint_of_a_different_run(tiny_run, tmp_path, capsys):
+    ck = tmp_path / "ck.pt"
+    first = {**tiny_run, "steps": 2, "save": str(ck)}
+    assert main(["train", *cli_flags(first)]) == 0
+    saved = ck.read_bytes()
+    other = {**first, "steps": 3, "out": str(tmp_path / "other")}
+    capsys.readouterr()
+    assert main(["train", *cli_flags(other)]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "--save" in line and "checkpoint of a different run" in line and "steps: 2 -> 3" in line, line
+    assert ck.read_bytes() == saved
+    assert not (tmp_path / "other" / "metrics.jsonl").exists()  # refused before the first step
+    # The same run (only where it writes differs) replaces its own checkpoint.
+    assert main(["train", *cli_flags({**first, "out": str(tmp_path / "again")})]) == 0
+
+
 # --------------------------------------------------------------------------- 3. a second run on the same --out
 def test_a_fresh_run_on_a_folder_with_results_is_refused_and_resume_appends(tiny_run, tmp_path, capsys):
     out = Path(tiny_run["out"])

@@ -3,9 +3,10 @@
 - :func:`check_destinations`: ``--out`` and ``--save`` can be written (a directory, not a
   file; a probe file can be created and removed). Today's alternative is a run that trains
   for an hour and then cannot write its result. Nothing is created by the check. What is
-  there already is never lost: ``--save`` replaces only a memtrain checkpoint (or an empty
-  file), never the data file, a file memtrain writes in ``--out``, a link, a device, a FIFO or
-  a folder; no name memtrain writes in ``--out`` may be a link; a fresh ``train`` refuses
+  there already is never lost: ``--save`` replaces only a memtrain checkpoint of this run (or
+  an empty file), never another run's checkpoint, the data file, a file memtrain writes in
+  ``--out``, a link, a device, a FIFO or a folder; no name memtrain writes in ``--out`` may be
+  a link; a fresh ``train`` refuses
   an ``--out`` that holds an earlier run's ``result.json`` or ``metrics.jsonl``, and a resumed
   one an ``--out`` whose ``result.json`` another run wrote.
 - :func:`check_vocab`: the model's vocabulary holds every token id of the tokenizer.
@@ -180,22 +181,39 @@ def check_save_target(cfg: RunConfig) -> None:
         raise ConfigError(f"--save {str(save)!r} is the training data (--data); give another path")
     if st is None:
         return
+    saved: Optional[dict[str, Any]] = None
     if sharded:
         if stat.S_ISDIR(st.st_mode) and any(save.iterdir()) and not (save / "meta.json").is_file():
             raise ConfigError(f"--save {str(save)!r} is a folder holding files that are not a memtrain checkpoint; "
                               "give a new or empty folder")
-    elif st.st_size > 0 and not _holds_checkpoint(save):
-        raise ConfigError(f"--save {str(save)!r} exists and is not a memtrain checkpoint; memtrain replaces only "
-                          "its own checkpoints: give a new name")
+        if (save / "meta.json").is_file():
+            saved = _saved_config(save)
+    elif st.st_size > 0:
+        saved = _saved_config(save)
+        if saved is None:
+            raise ConfigError(f"--save {str(save)!r} exists and is not a memtrain checkpoint; memtrain replaces only "
+                              "its own checkpoints: give a new name")
+    if saved is not None:
+        check_saved_by_this_run(save, saved, cfg)
 
 
-def _holds_checkpoint(path: Path) -> bool:
-    """Whether ``path`` is a single-file memtrain checkpoint (read as :func:`saved_run` does)."""
+def _saved_config(path: Path) -> Optional[dict[str, Any]]:
+    """The run config of the memtrain checkpoint at ``path`` (read as :func:`saved_run` does,
+    without running code); None where ``path`` is not one."""
     try:
-        saved_run(path)
+        return saved_run(path)[0]
     except ConfigError:
-        return False
-    return True
+        return None
+
+
+def check_saved_by_this_run(save: Path, saved: dict[str, Any], cfg: RunConfig) -> None:
+    """``--save`` replaces a checkpoint of this run (a re-run, or a resumed run saving where it
+    resumed from) but not another run's, which would be lost at the first save: the same
+    comparison as :func:`check_resume`."""
+    diffs = config_differences(saved, cfg.to_dict())
+    if diffs:
+        raise ConfigError(f"--save {str(save)!r} holds the checkpoint of a different run ({_shown(diffs, 4)}); "
+                          "saving there would replace it: choose a new --save, or resume that run with --resume")
 
 
 def _is_data_file(path: Path, data: str) -> bool:
