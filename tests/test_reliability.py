@@ -19,7 +19,8 @@ import torch
 
 from conftest import TINY_MODEL, cli_flags, tiny_run_state
 from memtrain.cli import main
-from memtrain.config.run import ConfigError, build_config
+from memtrain.config.run import ConfigError, RunConfig, build_config
+from memtrain.training.preflight import config_differences
 
 RUN = {"seq_len": 32, "warmup_steps": 1, "val_blocks": 2, "warmup_timing_steps": 1, "batch_size": 2}
 
@@ -223,6 +224,18 @@ def test_resume_with_a_changed_key_is_refused_naming_it(saved_run, change, key, 
     line = _one_error_line(capsys.readouterr().err)
     assert "different run" in line and f"{key}:" in line
     assert not (root / "r").exists()
+
+
+def test_resume_with_other_logging_options_continues_the_run(saved_run, tmp_path):
+    run, root = saved_run
+    resumed = {**run, "stop_after": None, "save": None, "resume": str(root / "half.pt"), "out": str(tmp_path / "r"),
+               "log_every": 2}
+    assert main(["train", *cli_flags({k: v for k, v in resumed.items() if v is not None})]) == 0
+    # Where metrics go is no more part of the run than how often they are written.
+    saved = RunConfig().to_dict()
+    now = RunConfig().to_dict()
+    now["train"].update(report_to="tensorboard", log_every=5, progress=False)
+    assert config_differences(saved, now) == []
 
 
 def test_resume_outside_the_run_and_incomplete_checkpoints_are_refused(saved_run, tmp_path, capsys):

@@ -50,6 +50,7 @@ MAY_DIFFER: frozenset[str] = frozenset({
     "distributed", "cpu_offload", "offload_activations",
     "compile_memory_budget",  # what the compiled graph recomputes, not what it computes
     "memory_by_module", "module_depth", "module_top",  # what the result reports, not what the run computes
+    "log_every", "report_to",  # how often and where metrics are logged, not what they are
 })
 
 
