@@ -52,6 +52,19 @@ def test_plan_shows_the_measured_ppl_effect(tmp_path, capsys):
     assert main([*ARGS, "--memory-budget", "450MiB", "--results", str(tmp_path / "none")]) == 2
 
 
+@pytest.mark.parametrize("content, said", [("", "holds no rows;"),
+                                            ("[1]\n{\"technique\": \"x\", \"sta\n", "(2 unreadable line(s) skipped)")],
+                         ids=["empty", "unreadable"])
+def test_plan_warns_when_results_hold_no_rows(tmp_path, capsys, content, said):
+    (tmp_path / "results.jsonl").write_text(content)
+    assert main([*ARGS, "--memory-budget", "450MiB", "--results", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning:"), captured.err
+    assert f"{tmp_path}/results.jsonl holds no rows" in err[0] and said in err[0]
+    assert json.loads(captured.out)["candidates"]  # the plan itself stands
+
+
 def _judged_argv(results: Path) -> list[str]:
     """plan of BF16 AdamW against Adafactor, reading the bench results in ``results``."""
     return ["plan", "--device", "cpu", "--precisions", "bf16", "--optims", "adamw,adafactor",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
@@ -13,8 +14,8 @@ from memtrain.analysis.estimate import estimate
 from memtrain.analysis.estimate.hf import hf_arch, why_not_modelled
 from memtrain.analysis.fit import context_line, length_search_bound, longest_context
 from memtrain.analysis.plan import Candidate, candidate_config, default_space, plan, verification, verify_config
-from memtrain.bench.runner import read_results
 from memtrain.cli import LOOP_ONLY_FIELDS, MODULE_TABLE_FIELDS, add_config_flags, defaults_note, fmt_bytes, register
+from memtrain.commands.bench import warn_skipped_lines
 from memtrain.commands.estimate import (
     add_device_type_flag,
     add_gpu_flag,
@@ -28,6 +29,7 @@ from memtrain.commands.estimate import (
 from memtrain.config.argtypes import batch_count, positive_int
 from memtrain.config.run import ConfigError, parse_size
 from memtrain.devices.numerics import is_standard, numerics_key, numerics_note
+from memtrain.files.results import read_results_counted
 from memtrain.report.noise import (
     FACTOR,
     fmt_noise,
@@ -244,7 +246,7 @@ def _measured_effects(results_dir: str, techs: list[dict]) -> tuple[list[Optiona
     path = Path(results_dir)
     if not (path / "results.jsonl").is_file():
         raise ConfigError(f"{str(path / 'results.jsonl')!r} not found; --results takes a bench output folder")
-    results = read_results(path)
+    results = _bench_rows(path)
     rows = [r for r in results if r.get("status") == "ok" and r.get("val_loss") is not None
             and not is_noise_twin(r.get("technique"))]
     standard = [r for r in rows if is_standard(r["config"].get("technique", {}))]
@@ -269,6 +271,20 @@ def _measured_effects(results_dir: str, techs: list[dict]) -> tuple[list[Optiona
         noises.append(row_rel)
         beyond.append(None if effect is None or not row_rel else abs(effect) > FACTOR * row_rel)
     return effects, beyond, rel_noise, noises
+
+
+def _bench_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of ``path``/results.jsonl. A file without rows (empty, or only unreadable lines)
+    or with unreadable lines is said in one warning: the plan stands without measured effects,
+    but a silent empty column would read as "nothing measured differs"."""
+    read = read_results_counted(path)
+    if not read.rows:
+        skipped = f" ({read.skipped} unreadable line(s) skipped)" if read.skipped else ""
+        print(f"warning: {path}/results.jsonl holds no rows{skipped}; the plan shows no measured PPL effect",
+              file=sys.stderr)
+    else:
+        warn_skipped_lines(path, {"skipped_lines": read.skipped})
+    return read.rows
 
 
 def _measured_text(effect: Optional[float], beyond: Optional[bool], rel_noise: Optional[float]) -> str:
