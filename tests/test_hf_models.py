@@ -479,6 +479,23 @@ def test_train_cli_with_a_model_directory(model_dirs, corpus, tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+def test_train_refuses_a_folder_whose_weights_are_only_pickled(tmp_path_factory, tokenizer_files, corpus, tmp_path,
+                                                                capsys):
+    from memtrain.cli import main
+
+    d = make_model_dir(tmp_path_factory.mktemp("pickled"), "llama", tokenizer_files, weights=True)
+    (d / "model.safetensors").unlink()
+    torch.save({}, d / "pytorch_model.bin")  # never read: training it from random weights would be silent
+    capsys.readouterr()  # save_pretrained's progress bar is not the run's
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(d), "--data", str(corpus), "--steps", "2", "--batch-size", "2",
+                 "--seq-len", "32", "--attention", "sdpa", "--no-progress", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --model"), err
+    assert "pytorch_model.bin" in err[0] and "*.safetensors" in err[0]
+    assert not (out / "result.json").exists()
+
+
 def test_qlora_trace_matches_a_measured_step(tmp_path_factory, corpus, tmp_path):
     """NF4 base weights under fake tensors: the trace equals the real step's tracked peak."""
     from memtrain.analysis.maxbatch import measure_step_memory

@@ -30,11 +30,15 @@ from memtrain.inference.export import load_trained, require_transformers, to_hf_
 from memtrain.models.families import data_tokenizer
 from memtrain.models.gpt import GPT
 from memtrain.models.hf import load_pretrained_lm
-from memtrain.models.spec import TOKENIZER_FILES, read_config_json, refuse_custom_tokenizer
+from memtrain.models.spec import (
+    TOKENIZER_FILES,
+    read_config_json,
+    refuse_custom_tokenizer,
+    refuse_pickled_weights,
+    safetensors_files,
+)
 from memtrain.models.tokenizer import load_tokenizer
 from memtrain.training.preflight import check_model_size
-
-PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 
 
 @dataclass(frozen=True)
@@ -96,13 +100,9 @@ def from_directory(path: Path) -> tuple[Any, Codec]:
 
 def _check_weight_files(path: Path) -> None:
     """A folder to sample from needs safetensors weights; pickled ones are never read."""
-    if any(f.is_file() for f in path.glob("*.safetensors")):
-        return
-    pickled = sorted(p.name for pattern in PICKLED_WEIGHTS for p in path.glob(pattern))
-    if pickled:
-        raise ConfigError(f"{str(path)!r} holds only pickled weights ({pickled[0]}), which memtrain never loads (a "
-                          "pickle can run code); convert them to *.safetensors")
-    raise ConfigError(f"{str(path)!r} has no *.safetensors weights; give a directory written by `memtrain export`")
+    refuse_pickled_weights(path, repr(str(path)))
+    if not safetensors_files(path):
+        raise ConfigError(f"{str(path)!r} has no *.safetensors weights; give a directory written by `memtrain export`")
 
 
 def _read_config(path: Path) -> Any:

@@ -31,7 +31,7 @@ from memtrain.config.run import ConfigError, RunConfig
 from memtrain.models.depth import apply_layer_count
 from memtrain.models.gpt import LossFn, standard_lm_loss
 from memtrain.models.hub_access import from_pretrained_kwargs
-from memtrain.models.spec import ModelSource, load_config, resolve
+from memtrain.models.spec import ModelSource, load_config, refuse_pickled_weights, resolve
 
 # --attention -> transformers' attn_implementation
 ATTN_IMPLEMENTATION = {
@@ -126,14 +126,17 @@ def build_hf_model(cfg: RunConfig, with_weights: bool = True) -> HFCausalLM:
     """Build ``cfg.model.model`` on the current default device and dtype.
 
     ``from_config`` (random initial weights) unless the source holds ``*.safetensors`` weights
-    and ``with_weights`` (training): then ``from_pretrained`` (fine-tuning). The trace builds
-    with ``with_weights=False`` under fake tensors: nothing is read or allocated.
+    and ``with_weights`` (training): then ``from_pretrained`` (fine-tuning). A folder whose
+    weights are only pickled files is refused then, rather than built at random. The trace
+    builds with ``with_weights=False`` under fake tensors: nothing is read or allocated.
     """
     from transformers import AutoModelForCausalLM
 
     spec = cfg.model.model
     assert spec is not None
     source = resolve(spec)
+    if with_weights and source.directory is not None:
+        refuse_pickled_weights(source.directory, f"--model {spec!r}")  # not random weights in their place
     config = load_config(spec).__class__.from_dict(load_config(spec).to_dict())  # a private copy
     apply_layer_count(config)  # a shallow copy of the model while memtrain.analysis.depth_trace probes it
     tech = cfg.technique

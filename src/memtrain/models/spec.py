@@ -38,6 +38,8 @@ HUB_PREFIX = "hf:"
 # Linear of the decoder (peft's "all-linear", the QLoRA paper's choice; the LM head excluded).
 GPT_LORA_TARGETS = "qkv,proj,fc,fc_out"
 ALL_LINEAR = "all-linear"  # peft's name for every Linear of the decoder
+# Weight files read by unpickling, which memtrain never does (a pickle can run code).
+PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 
 
 def every_decoder_linear(targets: str) -> bool:
@@ -95,7 +97,7 @@ class ModelSource:
     def weight_files(self) -> list[Path]:
         """The folder's ``*.safetensors`` files (a folder so named is no weight file)."""
         d = self.directory
-        return sorted(p for p in d.glob("*.safetensors") if p.is_file()) if d is not None else []
+        return safetensors_files(d) if d is not None else []
 
     def has_weights(self) -> bool:
         if self.repo is not None:
@@ -202,6 +204,25 @@ def refuse_custom_tokenizer(directory: Path) -> None:
     if "auto_map" in _json_object(path, "it"):
         raise ConfigError(f"{str(path)!r} names custom tokenizer code (auto_map); memtrain never runs code shipped "
                           "with a model: use a tokenizer class transformers ships")
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The ``*.safetensors`` files of ``folder`` (a folder so named is no weight file)."""
+    return sorted(p for p in folder.glob("*.safetensors") if p.is_file())
+
+
+def refuse_pickled_weights(folder: Path, what: str) -> None:
+    """Refuse a model folder whose weights are only pickled files (``pytorch_model.bin`` ...).
+
+    They are never read, and without them the model would be built from its config alone:
+    random weights, trained or sampled as if they were the folder's. A folder with no weight
+    file at all is a config to train from scratch, on purpose, and passes."""
+    if safetensors_files(folder):
+        return
+    pickled = sorted(p.name for pattern in PICKLED_WEIGHTS for p in folder.glob(pattern) if p.is_file())
+    if pickled:
+        raise ConfigError(f"{what} holds only pickled weights ({pickled[0]}), which memtrain never loads (a "
+                          "pickle can run code); convert them to *.safetensors")
 
 
 def _snapshot_blobs(folder: Path) -> list[Path]:
