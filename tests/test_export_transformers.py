@@ -136,6 +136,11 @@ def test_adapter_only_loads_with_peft_onto_the_base(pretrained_llama, corpus, tm
     ours = _memtrain_logits(ckpt, idx)
     assert (ours - adapted).abs().max().item() < 1e-5
     assert (ours - before).abs().max().item() > 1e-3  # the adapter changes the model: the check has teeth
+    capsys.readouterr()
+    # An adapter is no model to sample from: generate says what to give it instead.
+    assert main(["generate", str(out), "--prompt", "Hello", "--seed", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "LoRA adapter" in err and "without --adapter-only" in err
 
 
 def test_adapter_only_is_refused_where_it_cannot_be_used(pretrained_llama, scratch_llama, corpus, tmp_path, capsys):

@@ -78,6 +78,10 @@ def from_directory(path: Path) -> tuple[Any, Codec]:
     """A transformers model folder and its tokenizer, read without running any of its code."""
 
     shown = repr(str(path))
+    if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+        # `memtrain export --adapter-only` writes a LoRA adapter, which samples only on its base.
+        raise ConfigError(f"{shown} holds a LoRA adapter (export --adapter-only), not a model; sample from the "
+                          "checkpoint itself, or from `memtrain export CKPT DIR` without --adapter-only (merged)")
     read_config_json(path / "config.json")  # custom code (auto_map, an unknown model_type) is refused here
     refuse_custom_tokenizer(path)
     check_model_size(ModelConfig.from_spec(str(path)))  # the shape config.json declares, before transformers builds it
