@@ -38,20 +38,16 @@ def hf_norm_node(dm: Any, name: str, src: str, out: str, trainable: bool, input_
                  grads=([(src, N * d * r)] if input_grad else []) + ([(f"param:{name}.weight", 0.0)] if trainable else []),
                  # pow's output, and the float32 normalized tensor before its cast back
                  fwd_scratch=N * d * 4 * (2 if r != 4 else 1),
-                 scratch=_norm_backward_scratch(N, d, r))
+                 scratch=NORM_BACKWARD_HIGH_POINT * N * d * 4, releases_first=(f"{name}.nrm",))
 
 
-def _norm_backward_scratch(N: int, d: int, r: float) -> float:
-    """What the RMSNorm's backward holds at its high point, beyond the gradients the simulator
-    counts there (the incoming one and the input's, ``N * d * r`` each).
-
-    The high point is pow's backward (``grad * (2 * x32.pow(1))``): the float32 gradient of
-    x32 from the rstd multiply is alive, next to mean's expanded gradient (``expand / d``,
-    materialized), ``x32.pow(1)``, ``2 * that`` and the product: five float32 (N, d) tensors.
-    By then the incoming gradient is freed (consumed by the weight multiply, the first node)
-    and the input's gradient not yet made (the cast back is the last node), so the scratch is
-    those five less the two the simulator holds."""
-    return 5 * N * d * 4 - 2 * N * d * r
+# The RMSNorm backward's high point, in float32 (N, d) tensors: pow's backward
+# (``grad * (2 * x32.pow(1))``), where the float32 gradient of x32 from the rstd multiply is alive
+# next to mean's expanded gradient (``expand / d``, materialized), ``x32.pow(1)``, ``2 * that``
+# and the product. By then the weight multiply (the first node) has consumed the incoming
+# gradient and released the normalized tensor it saved, and the input's gradient is not yet made
+# (the cast back is the last node; a gradient that arrived first is added to after).
+NORM_BACKWARD_HIGH_POINT = 5
 
 
 def hf_model_input_nodes(dm: Any, attention: str) -> list[Any]:

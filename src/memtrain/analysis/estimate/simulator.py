@@ -138,6 +138,11 @@ class Node:
     # cannot add in place (a view, as a 3-d matmul's input gradient is): the sum is a new
     # tensor, made once this op has returned and dropped its output's gradient and its saves.
     sums_out_of_place: bool = False
+    # A composite op (transformers' RMSNorm: several autograd nodes) whose backward high point
+    # ``scratch`` comes after its first node has consumed the incoming gradient and released
+    # the saves named here, and before its last node makes the input's gradient: the simulator
+    # frees those first, then counts the scratch, then makes ``grads``.
+    releases_first: Optional[tuple[str, ...]] = None
 
     def sac_kept(self) -> tuple[str, ...]:
         """Outputs selective checkpointing keeps (those of the matmul/attention kernel itself)."""
@@ -430,6 +435,16 @@ class Graph:
                     self.deferred[name] = sim.alloc(self.param_grad[name] if src is not None else nbytes,
                                                     "temporaries")
                 return
+            src = n.grad_from.get(key)
+            if src is not None and src in self.store and sim.live[self.store[src]][0] == self.param_grad[name]:
+                # A gradient of the parameter's size and dtype that only the op's saves hold (the
+                # chunked loss's grad_w): autograd releases the saves before AccumulateGrad runs,
+                # which then steals the tensor as .grad. The storage changes roles; nothing is copied.
+                sid = self.store.pop(src)
+                self.saved_refs.pop(src, None)
+                sim.retag(sid, "gradients")
+                self.param_grad_sid[name] = sid
+                return
             self.param_grad_sid[name] = sim.alloc(self.param_grad[name], "gradients")
             return
         src = n.grad_from.get(key)
@@ -474,7 +489,10 @@ class Graph:
             offloaded = [k for k in n.saves if k in self.off]
             for k in offloaded:
                 self._unpack(k)
-            if has_grad or n.name == "loss":
+            composite = has_grad and n.releases_first is not None
+            if composite:
+                self._composite_backward(n, keys)
+            elif has_grad or n.name == "loss":
                 through = next((self.grad_sid[k] for k in keys if k in self.grad_sid), None)
                 start = len(self.sim.events) if self.sim.events is not None else 0
                 for key, nbytes in n.grads:
@@ -485,12 +503,24 @@ class Graph:
                 for k in keys:
                     self._drop_grad(k)
             for k in n.saves:
-                if k in self.saved_refs:
+                if k in self.saved_refs and not (composite and k in (n.releases_first or ())):
                     self._release(k)
             for k in offloaded:
                 self._done_with(k)
             self._sum_late()
             self._sum_tied()
+
+    def _composite_backward(self, n: Node, keys: tuple[str, ...]) -> None:
+        """:attr:`Node.releases_first`'s order: the incoming gradient and the named saves go,
+        the scratch peaks, then the gradients are made."""
+        for k in keys:
+            self._drop_grad(k)
+        for k in n.releases_first or ():
+            if k in self.saved_refs:
+                self._release(k)
+        self.sim.transient(n.scratch)
+        for key, nbytes in n.grads:
+            self._grad_alloc(n, key, nbytes, None)
 
     def _sum_tied(self) -> None:
         """The tied weights' sums (see :meth:`_grad_alloc`): out of place; the sum becomes the
