@@ -280,3 +280,34 @@ def test_an_unreadable_device_cache_entry_is_replaced(damage, device_cache, caps
     monkeypatch.setattr(device_module, "_PROBES", {})
     assert main(["info", "--device", "cpu", "--json"]) == 0
     assert _strict(capsys.readouterr().out)["from_cache"] is True  # healed: read back next time
+
+
+@pytest.mark.parametrize("verb", ["train", "maxbatch"])
+def test_no_progress_bar_on_a_captured_stderr(verb, tmp_path, capsys):
+    """A bar's carriage returns on a stderr that is not a terminal (a log, a script's pipe) came
+    before the ``error:`` line or on it; unless --progress asks, bars draw only on a terminal."""
+    if verb == "train":  # tokenized (the bar ran), then refused: fewer tokens than one batch
+        small = tmp_path / "s.txt"
+        small.write_text("just a few words")
+        argv = ["train", "--data", str(small), "--out", str(tmp_path / "o"), *SHAPE]
+    else:  # probed once (the bar ran), then refused: not even batch 1 fits
+        argv = ["maxbatch", *SHAPE, "--memory-budget", "1B"]
+    code, err = _code_and_err(argv, capsys)
+    assert code == 2 and err.startswith("error:") and err.count("\n") == 1 and "\r" not in err, repr(err[-2000:])
+
+
+def test_progress_flags_decide_and_a_terminal_decides_otherwise(monkeypatch):
+    from memtrain.runtime.notices import shows_progress
+
+    class Stream:
+        def __init__(self, tty: bool) -> None:
+            self.tty = tty
+
+        def isatty(self) -> bool:
+            return self.tty
+
+    for tty in (True, False):
+        monkeypatch.setattr(sys, "stderr", Stream(tty))
+        assert shows_progress(None) is tty and shows_progress(True) and not shows_progress(False)
+    monkeypatch.setattr(sys, "stderr", None)  # pythonw: no stderr at all
+    assert not shows_progress(None)

@@ -44,6 +44,7 @@ from memtrain.analysis.maxbatch import analytic_arch, measured_step_peak, resolv
 from memtrain.config.run import ConfigError, RunConfig
 from memtrain.models import is_hf
 from memtrain.runtime.env import resolve_device
+from memtrain.runtime.notices import shows_progress
 
 __all__ = ["LongestContextResult", "estimated_longest_context", "find_longest_context", "traced_length_peak"]
 
@@ -142,7 +143,7 @@ def find_longest_context(  # noqa: C901 - guess, confirm, search outward: one se
     batch: int = 1,
     max_len: Optional[int] = None,
     multiple_of: Optional[int] = None,
-    progress: bool = True,
+    progress: Optional[bool] = None,
     method: str = "auto",
     probe: Optional[LengthProbe] = None,
 ) -> LongestContextResult:
@@ -160,7 +161,7 @@ def find_longest_context(  # noqa: C901 - guess, confirm, search outward: one se
         probe = traced_length_peak if method == "trace" else measured_length_peak
     peaks: dict[int, Optional[int]] = {}  # units -> peak (None: out of memory); each length probed once
     probes: list[dict[str, Any]] = []
-    bar = tqdm(desc="longest context", unit="probe", leave=False, dynamic_ncols=True) if progress else None
+    bar = tqdm(desc="longest context", unit="probe", leave=False, dynamic_ncols=True) if shows_progress(progress) else None
 
     def peak_at(k: int) -> Optional[int]:
         if k not in peaks:

@@ -29,6 +29,7 @@ from memtrain.config.run import ConfigError, RunConfig
 from memtrain.metrics import MemoryMeter, device_peak_memory
 from memtrain.models import is_hf
 from memtrain.runtime.env import resolve_device
+from memtrain.runtime.notices import shows_progress
 from memtrain.techniques import make_precision
 from memtrain.training.step import build_state, measure_steps, random_micro_batches
 
@@ -190,7 +191,7 @@ def find_max_batch(  # noqa: C901 - grow then bisect, each with OOM and budget e
     budget_bytes: Optional[int] = None,
     max_batch: Optional[int] = None,
     multiple_of: int = 1,
-    progress: bool = True,
+    progress: Optional[bool] = None,
     method: str = "auto",
     probe: Optional[Probe] = None,
 ) -> MaxBatchResult:
@@ -210,7 +211,7 @@ def find_max_batch(  # noqa: C901 - grow then bisect, each with OOM and budget e
         probe = traced_step_peak if method == "trace" else measured_step_peak
     probes: list[dict[str, Any]] = []
     bar = None
-    if progress:
+    if shows_progress(progress):
         bar = tqdm(desc="maxbatch", unit="probe", leave=False, dynamic_ncols=True)
 
     def fits(batch: int) -> tuple[bool, Optional[int]]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import shlex
-import sys
 from dataclasses import asdict, dataclass, field
 from itertools import product
 from typing import Any, Callable, Optional
@@ -35,6 +34,7 @@ from memtrain.config.run import ConfigError, RunConfig, train_flags
 from memtrain.devices.gpu_kinds import GPU_KINDS, allocator_facts, has_fp8
 from memtrain.models.spec import cost_arch, is_gpt_preset
 from memtrain.runtime.extras import cpu_only_torch
+from memtrain.runtime.notices import shows_progress
 from memtrain.techniques.facts import (
     ADAMW_KERNELS,
     BF16_PURE_OPTIMS,
@@ -331,7 +331,7 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
     max_batch_limit: int = 4096,
     gpu: Optional[str] = None,
     host_bandwidth: Optional[float] = None,
-    progress: bool = False,
+    progress: Optional[bool] = False,
     _prune: bool = True,
 ) -> PlanResult:
     """Rank technique sets that fit ``budget_bytes`` (with ``margin`` of safety) by modelled
@@ -342,7 +342,8 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
     (:mod:`memtrain.analysis.allocator`), instead of the live tensor bytes. ``host_bandwidth``
     (bytes/s each way, default :data:`HOST_BANDWIDTH`) costs --offload-activations' copies
     (:func:`offload_exposed_s`). ``progress``: a bar on stderr counting the slow calls (a trace
-    takes seconds at full size, an allocator replay a tenth of one).
+    takes seconds at full size, an allocator replay a tenth of one); None: only on a terminal
+    (:func:`memtrain.runtime.notices.shows_progress`).
 
     With ``gpu``, a candidate whose live tensor bytes (the compressed analytic estimate,
     milliseconds) plus the CUDA context and a cuBLAS workspace exceed the limit is not replayed
@@ -392,7 +393,7 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
     replay = gpu is not None and device_type == "cuda" and not traced
     slow = traced or replay
     bar = tqdm(desc="plan", unit="trace" if traced else "replay", leave=False, dynamic_ncols=True,
-               disable=not (progress and slow and sys.stderr.isatty()))  # a bar is for a person watching
+               disable=not (slow and shows_progress(progress)))
     with bar:  # closed however the search ends (an answer, nothing fits, Ctrl-C)
 
         def step_of(c: RunConfig) -> Any:

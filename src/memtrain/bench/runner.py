@@ -42,7 +42,7 @@ class BenchOptions:
     memory_budget: Optional[str] = None
     max_batch: Optional[int] = None
     multiple_of: int = 1
-    progress: bool = True
+    progress: Optional[bool] = None  # None: a row draws its bars when stderr is a terminal
     timeout_s: Optional[float] = None
     nproc: int = 1  # processes per row (torchrun); > 1 runs rows data-parallel, ddp unless a row sets distributed=
     # The rows are the default list (the user named none): rows whose precision has no native

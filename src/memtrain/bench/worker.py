@@ -3,7 +3,7 @@
 A fresh process per row means a fresh allocator and compile cache, so one technique's memory
 state cannot leak into the next row's numbers, and a row that crashes takes only itself down.
 
-SPEC is a JSON file {"config": {...}, "maxbatch": {...} | null, "progress": bool}; a
+SPEC is a JSON file {"config": {...}, "maxbatch": {...} | null, "progress": bool | null}; a
 "maxbatch" holding "known" (another row's answer, same config but the seed) is reused, not
 searched. The worker writes OUT (JSON) with ``status`` ok | oom | invalid | error and, when
 ok, the train result plus ``max_batch`` and ``estimate``. The exit code is 0 whenever OUT was written.
@@ -52,7 +52,7 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
             except OSError:
                 pass
 
-    result: dict[str, Any] = train(cfg, progress=spec.get("progress", True), on_step=on_step)
+    result: dict[str, Any] = train(cfg, progress=spec.get("progress"), on_step=on_step)
     result["status"] = "ok"
     mb = spec.get("maxbatch")
     if mb and mb.get("known"):
@@ -64,7 +64,7 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
 
         try:
             found = find_max_batch(cfg, budget_bytes=mb.get("budget_bytes"), max_batch=mb.get("max_batch"),
-                                   multiple_of=mb.get("multiple_of", 1), progress=spec.get("progress", True))
+                                   multiple_of=mb.get("multiple_of", 1), progress=spec.get("progress"))
             result["max_batch"] = found.to_dict()
         except (ConfigError, RuntimeError) as exc:
             result["max_batch"] = {"batch_size": None, "error": str(exc).splitlines()[0]}

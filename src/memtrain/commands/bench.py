@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         multiple_of=args.multiple_of,
         timeout_s=args.row_timeout,
         nproc=args.nproc,
-        progress=overrides.get("progress", True) not in (False, "false"),
+        progress=overrides.get("progress"),
     )
 
     def on_row(name: str, row: dict) -> None:

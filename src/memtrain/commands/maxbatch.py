@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     if args.device_type == "cuda":
         cfg = cfg.replace(device="cuda")  # a CUDA device is here: measure on it, as --device cuda
     res = find_max_batch(cfg, budget_bytes=budget, max_batch=args.max_search, multiple_of=args.multiple_of,
-                         progress=not args.json, method=args.method)
+                         progress=False if args.json else None, method=args.method)
     out = res.to_dict()
     out["search"] = "batch"
     # Every probe fitted: the search's upper bound stopped it, so the batch is a lower bound.
@@ -116,7 +116,7 @@ def _run_seq_len(args: argparse.Namespace, cfg: Any, budget: Optional[int]) -> i
         if args.device_type == "cuda":
             cfg = cfg.replace(device="cuda")  # a CUDA device is here: measure on it, as --device cuda
         res = find_longest_context(cfg, budget_bytes=budget, batch=batch, max_len=args.max_len,
-                                   multiple_of=args.multiple_of, progress=not args.json, method=args.method)
+                                   multiple_of=args.multiple_of, progress=False if args.json else None, method=args.method)
         out = res.to_dict()
     if args.json:
         print(json.dumps(out, indent=2))

@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     res = plan(cfg, budget, device_type, arch, max_batch=args.max_batch is not None, margin=args.margin,
                top=10**6, space=space, max_batch_limit=args.max_batch or 4096, gpu=args.gpu,
                host_bandwidth=parse_rate(args.host_bandwidth) if args.host_bandwidth else None,
-               progress=not args.json)
+               progress=False if args.json else None)
 
     techs = [{**asdict(cfg.technique), **c.techniques} for c in res.candidates]
     # Prefer the numerically standard choice when one fits: the fastest candidate may change the

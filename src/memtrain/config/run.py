@@ -358,7 +358,9 @@ class TrainConfig:
         "Stop after this many optimizer steps, as if interrupted, with --save writing a checkpoint "
         "there; the schedule still spans --steps, so --resume continues the same run.",
     )
-    progress: bool = _f(True, "Show a progress bar.")
+    progress: Optional[bool] = _f(
+        None, "Show a progress bar on stderr: --progress always, --no-progress never; unset, only when stderr "
+        "is a terminal (a captured stderr keeps an error: as its one line).")
     report_to: str = _f(
         "none",
         "Where live metrics go besides OUT/metrics.jsonl (always written by train): "

@@ -37,6 +37,7 @@ from memtrain.data.tokenizer import (
     encoding_pieces,
     get_tokenizer,
 )
+from memtrain.runtime.notices import shows_progress
 
 # Bump when the on-disk layout or the way documents are rendered changes.
 FORMAT_VERSION = 1
@@ -65,11 +66,11 @@ class TokenSplits:
     tokenizer: str = TOKENIZER_NAME  # the name of the tokenizer that produced the ids (meta.json's)
 
 
-def prepare_tokens(cfg: DataConfig, progress: bool = True, tokenizer: Any = None) -> TokenSplits:
+def prepare_tokens(cfg: DataConfig, progress: Optional[bool] = None, tokenizer: Any = None) -> TokenSplits:
     """Tokens of ``cfg.data``, split by document; read from the cache when an entry exists.
 
     ``cfg.no_cache`` tokenizes again and replaces the entry. ``progress`` shows a tqdm bar
-    (documents, tokens/s) on stderr while tokenizing. ``tokenizer`` (None: GPT-2 BPE) is a
+    (documents, tokens/s) on stderr while tokenizing (None: only on a terminal). ``tokenizer`` (None: GPT-2 BPE) is a
     model's own tokenizer (memtrain.models.tokenizer.HFTokenizer: ``name``, ``n_vocab``,
     ``eot_id``, ``encode_batch``); ids that do not fit uint16 are stored as uint32.
     """
@@ -96,7 +97,7 @@ def prepare_tokens(cfg: DataConfig, progress: bool = True, tokenizer: Any = None
     return splits
 
 
-def _tokenize_uncached(cfg: DataConfig, root: Path, exc: OSError, progress: bool, tokenizer: Any) -> TokenSplits:
+def _tokenize_uncached(cfg: DataConfig, root: Path, exc: OSError, progress: Optional[bool], tokenizer: Any) -> TokenSplits:
     """Tokenize into a private temporary folder when the cache cannot be written (read-only
     file system, a file in the way, no permission): the run goes on, only slower next time.
     ``tokenizer`` is the same one a cached entry would be built with (None: GPT-2 BPE), so the
@@ -167,7 +168,7 @@ def _token_dtype(n_vocab: int) -> np.dtype:
     return np.dtype(TOKEN_DTYPE) if n_vocab <= np.iinfo(TOKEN_DTYPE).max + 1 else np.dtype(np.uint32)
 
 
-def _write_tokens(cfg: DataConfig, out: Path, progress: bool, tokenizer: Any = None) -> dict[str, Any]:
+def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenizer: Any = None) -> dict[str, Any]:
     """Tokenize the source into ``out/train.bin`` and ``out/val.bin``; return the metadata."""
     rng = np.random.default_rng(cfg.split_seed)
     threads = default_threads()
@@ -186,7 +187,7 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: bool, tokenizer: Any = N
     with contextlib.ExitStack() as stack:
         files: dict[str, BinaryIO] = {s: stack.enter_context(open(out / f"{s}.bin", "wb")) for s in SPLITS}
         bar = stack.enter_context(
-            tqdm(total=cfg.max_documents, unit="doc", desc="tokenizing", disable=not progress, dynamic_ncols=True)
+            tqdm(total=cfg.max_documents, unit="doc", desc="tokenizing", disable=not shows_progress(progress), dynamic_ncols=True)
         )
         for batch in _batched(iter_documents(cfg), BATCH_DOCS, BATCH_CHARS):
             is_val = assign_validation(rng, len(batch), cfg.val_fraction)

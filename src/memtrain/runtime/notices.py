@@ -1,12 +1,27 @@
-"""Warnings memtrain itself raises, and how the CLI shows them (no torch import here, so the
-CLI can install the format before a command loads anything heavy)."""
+"""Warnings memtrain itself raises, how the CLI shows them, and when a progress bar may share
+stderr with them (no torch import here, so the CLI can install the format before a command
+loads anything heavy, and the torch-free plan can ask about its bar)."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any, Optional
 
-__all__ = ["SlowPrecisionWarning", "install_warning_format", "random_base_warning"]
+__all__ = ["SlowPrecisionWarning", "install_warning_format", "random_base_warning", "shows_progress"]
+
+
+def shows_progress(requested: Optional[bool] = None) -> bool:
+    """Whether a progress bar is drawn on stderr: ``requested`` (--progress / --no-progress)
+    decides when given; unset (None), only when stderr is a terminal. A bar redraws its line
+    with carriage returns: in a log or a captured stderr they stay, before an ``error:`` line
+    or on it, so the refusal is no longer the one line a script reads."""
+    if requested is not None:
+        return requested
+    try:
+        return bool(sys.stderr.isatty())
+    except (AttributeError, ValueError):  # no stderr (None under pythonw), or a closed one
+        return False
 
 
 class SlowPrecisionWarning(UserWarning):

@@ -36,6 +36,7 @@ from memtrain.metrics import MemoryMeter, StepTimer, device_peak_memory, percent
 from memtrain.metrics.state import ShardedStateBytes
 from memtrain.models.families import data_tokenizer
 from memtrain.runtime.env import environment, resolve_device, seed_everything
+from memtrain.runtime.notices import shows_progress
 from memtrain.techniques import Precision, make_precision
 from memtrain.techniques.optim import check_optimizer_installed
 from memtrain.training.nudge import nudge_weights
@@ -203,7 +204,7 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
            on_result: Optional[Callable[[dict[str, Any]], None]] = None,
            log_metrics: bool = False, on_step: Optional[StepCallback] = None) -> dict[str, Any]:
     t = cfg.train
-    show = (t.progress if progress is None else progress) and dist_ctx.is_main
+    show = shows_progress(t.progress if progress is None else progress) and dist_ctx.is_main
     device = dist_ctx.device
     seed_everything(t.seed)
     # Distributed runs save a sharded checkpoint directory (torch.distributed.checkpoint).
