@@ -129,3 +129,36 @@ def test_train_says_so_once(tmp_path, capsys):
                  "--no-progress", "--out", str(tmp_path / "r"), *flags])
     err = capsys.readouterr().err
     assert code == 0 and err.count("note: warm-up was 1 step (10% of --steps 2") == 1
+
+
+@pytest.mark.parametrize("flags", [["--fp16", "--bf16"], ["--precision", "fp16", "--bf16"],
+                                   ["--bf16", "--precision", "fp16"], ["--bf16", "--precision", "bf16-pure"],
+                                   ["--gradient_checkpointing", "--checkpointing", "selective"]])
+def test_a_switch_beside_a_name_of_its_field_with_another_value_is_refused(flags, tmp_path, capsys):
+    """The last one silently won (--fp16 --bf16 ran BF16); the Trainer refuses fp16 with bf16."""
+    for verb in (["estimate"], ["train", "--out", str(tmp_path / "o")]):
+        assert main([*verb, *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and "ask for different" in err, err
+        assert all(f in err for f in flags if f.startswith("--")), err
+    assert not (tmp_path / "o").exists()
+
+
+def test_switches_that_agree_are_still_taken():
+    for flags, precision in ((["--bf16", "--precision", "bf16"], "bf16"), (["--fp16", "--bf16", "false"], "fp16"),
+                             (["--bf16", "--bf16"], "bf16")):
+        assert _cfg(["train", *flags]).technique.precision == precision
+    assert _cfg(["train", "--compile", "--torch_compile"]).technique.compile is True
+
+
+@pytest.mark.parametrize("text", ["fp16: true\nbf16: true\n", "technique:\n  precision: fp16\nbf16: true\n",
+                                  "torch_compile: true\ncompile: false\n"])
+def test_a_config_file_with_disagreeing_switches_is_refused(text, tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    assert main(["estimate", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "ask for different" in err, err
+    agree = tmp_path / "agree.yaml"
+    agree.write_text("precision: bf16\nbf16: true\nfp16: false\n")
+    assert main(["estimate", "--config", str(agree), "--json"]) == 0

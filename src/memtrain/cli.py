@@ -23,7 +23,14 @@ from typing import Any, Callable, Optional, Sequence
 
 import memtrain.commands as commands
 from memtrain import __version__
-from memtrain.config.aliases import ALIASES, EXPANDED, normalize as normalize_aliases, switch_value
+from memtrain.config.aliases import (
+    ALIASES,
+    EXPANDED,
+    flag_text,
+    normalize as normalize_aliases,
+    refuse_disagreement,
+    switch_value,
+)
 from memtrain.config.argtypes import rank_count
 from memtrain.config.run import SECTIONS, ConfigError, ModelConfig, RunConfig, build_config, flatten, load_config_file
 from memtrain.distributed.rank_errors import begin_command, error_line, launch_env, launched_by_memtrain, say_error
@@ -85,8 +92,14 @@ LOOP_ONLY_FIELDS: tuple[str, ...] = (
 MODULE_TABLE_FIELDS: tuple[str, ...] = ("memory_by_module", "module_depth", "module_top")
 
 
+# The namespace attribute where switch aliases note, per field, each (flag, value) that set it:
+# checked against the field's final value once parsing ends (check_switches).
+SWITCHES_SET = "_switches_set"
+
+
 class _SwitchAlias(argparse.Action):
-    """A Trainer switch such as ``--bf16``: alone it sets its field; ``--bf16 false`` does not."""
+    """A Trainer switch such as ``--bf16``: alone it sets its field; ``--bf16 false`` does not.
+    Beside another name of the field asking for another value it is refused (check_switches)."""
 
     def __init__(self, option_strings: Sequence[str], dest: str, alias: Any = None, **kw: Any) -> None:
         self.alias = alias
@@ -98,8 +111,28 @@ class _SwitchAlias(argparse.Action):
             value = switch_value(self.alias, values)
         except ValueError as exc:
             parser.error(str(exc))
-        if value is not None:
-            setattr(namespace, self.dest, value)
+        if value is None:
+            return
+        noted: dict[str, list[tuple[str, Any]]] = getattr(namespace, SWITCHES_SET, None) or {}
+        given = noted.setdefault(self.dest, [])
+        if hasattr(namespace, self.dest) and not (given and given[-1][1] == getattr(namespace, self.dest)):
+            earlier = getattr(namespace, self.dest)  # set by the field's own flag (--precision) before
+            given.append((flag_text(self.dest, earlier), earlier))
+        given.append((option_string or "--" + self.alias.name, value))
+        setattr(namespace, SWITCHES_SET, noted)
+        setattr(namespace, self.dest, value)
+
+
+def check_switches(args: argparse.Namespace) -> None:
+    """Refuse a switch alias whose field another flag set to something else, before or after it
+    (``--fp16 --bf16``, ``--precision fp16 --bf16``, ``--bf16 --precision fp16``)."""
+    for field, given in (getattr(args, SWITCHES_SET, None) or {}).items():
+        final = getattr(args, field)
+        later = [(flag_text(field, final), final)] if final != given[-1][1] else []
+        try:
+            refuse_disagreement(field, given + later)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def _add_aliases(parser: argparse.ArgumentParser, targets: set[str]) -> None:
@@ -169,6 +202,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = 
     ``derive_max_seq_len`` (the verbs that size one step): when no layer sets --max-seq-len,
     it follows --seq-len, so ``estimate --seq-len 2048`` needs no second flag.
     """
+    check_switches(args)
     known = {f.name for cls in SECTIONS.values() for f in fields(cls)} | EXPANDED
     flags = {k: v for k, v in vars(args).items() if k in known}
     file_layer = load_config_file(args.config) if getattr(args, "config", None) else {}

@@ -163,6 +163,32 @@ def switch_value(alias: Alias, given: Optional[str]) -> Any:
     raise ValueError(f"--{alias.name} takes true or false, got {given!r}")
 
 
+def flag_text(field: str, value: Any) -> str:
+    """How ``field = value`` reads on the command line (``--precision fp16``, ``--no-compile``)."""
+    dashed = field.replace("_", "-")
+    if isinstance(value, bool):
+        return f"--{dashed}" if value else f"--no-{dashed}"
+    return f"--{dashed} {value}"
+
+
+def refuse_disagreement(field: str, given: list[tuple[str, Any]]) -> None:
+    """Refuse a switch alias beside another name of its field asking for another value (``--fp16``
+    with ``--bf16``, ``--precision fp16`` with ``--bf16``): whichever came last would silently win,
+    and transformers' Trainer refuses fp16 with bf16 too. ``given``: (how it was written, value)."""
+    values = list(dict.fromkeys(_comparable(v) for _, v in given))
+    if len(values) > 1:
+        names = " and ".join(dict.fromkeys(name for name, _ in given))
+        raise ValueError(f"{names} ask for different --{field.replace('_', '-')} "
+                         f"({', '.join(map(str, values))}); keep one of them")
+
+
+def _comparable(value: Any) -> Any:
+    """A boolean written as a word in a config file (``compile: "true"``) compares as the boolean."""
+    if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
+        return value.lower() in _TRUE
+    return value
+
+
 def normalize_value(field: str, value: Any) -> Any:
     """Translate a Trainer spelling of a value (``adamw_torch_fused``) into ours."""
     table = VALUE_ALIASES.get(field)
@@ -176,14 +202,17 @@ def normalize_value(field: str, value: Any) -> Any:
 def normalize(flat: dict[str, Any]) -> dict[str, Any]:
     """A flat settings dict with Trainer names and values replaced by ours (config files).
 
-    A switch alias in a file (``bf16: true``) behaves as on the command line; an alias and
-    its target both present keep the target's value (it is the more specific one). An expanding
+    A switch alias in a file (``bf16: true``) behaves as on the command line, and is refused
+    beside another switch or its target set to another value (``fp16: true`` with ``bf16: true``,
+    ``precision: fp16`` with ``bf16: true``); any other alias and its target both present keep
+    the target's value (it is the more specific one). An expanding
     alias (``lr_scheduler_type``) adds each setting it stands for; ``warmup_ratio`` stays a key
     of its own (:data:`WARMUP_RATIO`) for build_config to resolve against --steps. Raises
     ValueError for a value memtrain cannot express.
     """
     out: dict[str, Any] = {}
     from_alias: dict[str, Any] = {}
+    switched: dict[str, list[tuple[str, Any]]] = {}  # field -> the switches that set it
     for key, value in flat.items():
         alias = BY_NAME.get(key)
         if alias is None:
@@ -194,8 +223,12 @@ def normalize(flat: dict[str, Any]) -> dict[str, Any]:
             value = switch_value(alias, given)
             if value is None:
                 continue
+            switched.setdefault(alias.field, []).append((f"--{alias.name}", value))
         if alias.expand is not None:
             from_alias.update(alias.expand(value))
             continue
         from_alias[alias.field] = normalize_value(alias.field, value)
+    for field, switches in switched.items():
+        target = [(flag_text(field, out[field]), out[field])] if field in out else []
+        refuse_disagreement(field, target + switches)
     return {**from_alias, **out}
