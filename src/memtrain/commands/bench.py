@@ -6,10 +6,11 @@ import argparse
 import sys
 from dataclasses import fields
 from pathlib import Path
+from typing import Any, Optional
 
 from memtrain.bench.runner import BenchOptions, run_bench
-from memtrain.bench.scales import DEFAULT_SCALE, SCALE_BUDGET, SCALES
-from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, NOISE_ROWS, TECHNIQUES, default_techniques
+from memtrain.bench.scales import DEFAULT_SCALE, SCALE_BUDGET, SCALES, scale_overrides
+from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, NOISE_ROWS, TECHNIQUES, default_techniques, noise_twin
 from memtrain.cli import add_config_flags, fmt_bytes, register
 from memtrain.config.argtypes import batch_count, positive_float, rank_count
 from memtrain.config.run import SECTIONS, ConfigError, load_config_file
@@ -25,10 +26,49 @@ def warn_skipped_lines(out: Path, summary: dict) -> None:
               "(torn by a kill or a full disk, or not a JSON object)", file=sys.stderr)
 
 
+# Where the scale flags note each (flag, value) given: --preset beside a different --scale is refused.
+SCALE_NAMED = "_scale_named"
+
+
+class _ScaleName(argparse.Action):
+    """--scale, or --preset (its name in the interface contract): sets the run scale and notes
+    which flag said what, for :func:`resolve_scale`."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: Optional[str] = None) -> None:
+        named = list(getattr(namespace, SCALE_NAMED, None) or [])
+        named.append((option_string or "--scale", values))
+        setattr(namespace, SCALE_NAMED, named)
+        setattr(namespace, self.dest, values)
+
+
+def resolve_scale(args: argparse.Namespace) -> str:
+    """The run scale --scale or --preset named, checked before anything runs: --preset with a
+    different --scale is refused, and so is a --preset value that is a technique preset (the
+    rows' presets go to --techniques) or no scale at all."""
+    named = getattr(args, SCALE_NAMED, None) or []
+    presets = [value for flag, value in named if flag == "--preset"]
+    if presets and len({value for _, value in named}) > 1:
+        raise ConfigError(" and ".join(f"{flag} {value}" for flag, value in dict.fromkeys(named)) +
+                          " name different scales (--preset is --scale's other name); give one of them")
+    for value in presets:
+        if value not in SCALES and (value in TECHNIQUES or noise_twin(value) is not None):
+            raise ConfigError(f"--preset {value}: {value!r} is a technique preset, and --preset names the run scale "
+                              f"({' or '.join(SCALES)}); use --techniques {value} for the rows and "
+                              f"--scale {'|'.join(SCALES)} for the scale")
+        if value not in SCALES:
+            raise ConfigError(f"unknown scale {value!r} (--preset, --scale's other name); choose {' or '.join(SCALES)}")
+    scale_overrides(args.scale)  # an unknown --scale: refused here, before the folder is made
+    return str(args.scale)
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scale", dest="scale", default=DEFAULT_SCALE,
+    p.add_argument("--scale", dest="scale", default=DEFAULT_SCALE, action=_ScaleName, metavar="SCALE",
                    help=f"Scale of every row (model, batch, sequence, steps): {' | '.join(SCALES)} "
                    f"(seed: the published table's settings; quick: minutes on 2 CPU cores). Default {DEFAULT_SCALE}.")
+    p.add_argument("--preset", dest="scale", action=_ScaleName, metavar="SCALE", default=argparse.SUPPRESS,
+                   help=f"The same as --scale ({' | '.join(SCALES)}): its name in memtrain's interface contract. "
+                   "Technique presets go to --techniques.")
     p.add_argument("--techniques", default=None,
                    help=f"Comma-separated rows: presets ({', '.join(TECHNIQUES)}), a preset's noise twins "
                    "PRESET-nudgeN (the same row, its initial weights nudged by one rounding with --nudge-seed N, "
@@ -72,6 +112,7 @@ def show_scale_defaults(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     known = {f.name for s in ("data", "model", "train") for f in fields(SECTIONS[s])}
     overrides = {k: v for k, v in vars(args).items() if k in known}
+    scale = resolve_scale(args)
 
     check_writable_dir(args.bench_out, "--out")  # empty, a file, or not writable: refused up front
     check_out_names(Path(args.bench_out).expanduser())  # a link at results.jsonl, report.md, ...: refused up front
@@ -91,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     opts = BenchOptions(
         techniques=[t.strip() for t in techniques if t.strip()],
         substitute_slow=default_list,
-        scale=args.scale,
+        scale=scale,
         out=Path(args.bench_out),
         overrides=overrides,
         file_layer=load_config_file(args.config) if args.config else {},
