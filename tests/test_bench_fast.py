@@ -168,3 +168,15 @@ def test_the_quick_scale_shows_each_memory_technique_in_the_max_batch_column():
     assert best["ckpt-bf16"] > best["flash-bf16"], best
     assert best["chunked-loss"] >= 10 * base, best
     assert best["chunked-loss"] < best["lowest-memory"] < cap, best  # a measured answer, not the search's cap
+
+
+def test_a_bad_memory_budget_is_refused_before_any_warning_or_folder(tmp_path, capsys):
+    """The budget was read only when the first row's max-batch search was set up: a warning about
+    the default list came first, and the folder, its lock and rows/ were left behind."""
+    from memtrain.cli import main
+
+    out = tmp_path / "b"
+    assert main(["bench", "--memory-budget", "lots", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and err.count("\n") == 1 and "'lots'" in err, err
+    assert not out.exists()

@@ -200,11 +200,12 @@ def run_bench(opts: BenchOptions, on_row: Optional[Callable[[str, dict[str, Any]
     rows, optim_subs, optim_notes = adapt_compiled_optims(rows, device_type, opts.substitute_slow)
     rows, attention_subs, attention_notes = adapt_window_kernels(rows, device_type, opts.substitute_slow)
     rows, fp8_notes = adapt_fp8_rows(rows, caps, opts.substitute_slow)
-    for note in notes + optim_notes + attention_notes + fp8_notes:  # once, up front, not once per row
-        print(f"warning: {note}", file=sys.stderr, flush=True)
     # One bench per folder: a second one would run every row twice under contention and
     # interleave its appends with ours. Held until the last row is appended.
     with FolderLock(opts.out, "memtrain bench"):
+        # Once, up front, not once per row; after the lock, whose refusal stays the one error: line.
+        for note in notes + optim_notes + attention_notes + fp8_notes:
+            print(f"warning: {note}", file=sys.stderr, flush=True)
         remove_stale_temps(opts.out)  # a report write of an earlier bench that was SIGKILL'd
         return _run_rows(opts, rows, substituted, on_row, optim_subs, attention_subs)
 

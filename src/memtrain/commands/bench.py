@@ -13,7 +13,7 @@ from memtrain.bench.scales import DEFAULT_SCALE, SCALE_BUDGET, SCALES, scale_ove
 from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, NOISE_ROWS, TECHNIQUES, default_techniques, noise_twin
 from memtrain.cli import add_config_flags, fmt_bytes, register
 from memtrain.config.argtypes import batch_count, positive_float, rank_count
-from memtrain.config.run import SECTIONS, ConfigError, load_config_file
+from memtrain.config.run import SECTIONS, ConfigError, load_config_file, parse_size
 from memtrain.report import write_report
 from memtrain.runtime.signals import sigterm_as_interrupt
 from memtrain.training.preflight import check_out_names, check_writable_dir
@@ -109,17 +109,25 @@ def show_scale_defaults(p: argparse.ArgumentParser) -> None:
         action.help = f"{base} (default: the scale's: {values})"
 
 
-def run(args: argparse.Namespace) -> int:
-    known = {f.name for s in ("data", "model", "train") for f in fields(SECTIONS[s])}
-    overrides = {k: v for k, v in vars(args).items() if k in known}
-    scale = resolve_scale(args)
-
+def check_options(args: argparse.Namespace) -> None:
+    """Refuse bad bench options before any warning is printed or the results folder is made:
+    the runner reads some of them only when a row starts (the budget, in each row's max-batch
+    search), after the folder and its lock exist."""
     check_writable_dir(args.bench_out, "--out")  # empty, a file, or not writable: refused up front
     check_out_names(Path(args.bench_out).expanduser())  # a link at results.jsonl, report.md, ...: refused up front
+    if args.memory_budget is not None:
+        parse_size(args.memory_budget)  # e.g. "lots": the one error: line, nothing written
     if args.multiple_of < 1:
         raise ConfigError(f"--multiple-of must be >= 1, got {args.multiple_of}")
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+
+
+def run(args: argparse.Namespace) -> int:
+    known = {f.name for s in ("data", "model", "train") for f in fields(SECTIONS[s])}
+    overrides = {k: v for k, v in vars(args).items() if k in known}
+    scale = resolve_scale(args)
+    check_options(args)
 
     default_list = args.techniques is None
     if default_list:
