@@ -219,3 +219,23 @@ def test_a_max_len_below_the_models_positions_is_named_as_the_bound(capsys):
     assert code == 0, err
     ctx = json.loads(out)["fit"]["longest_context"]
     assert ctx["max_len"] == 256 and ctx["note"] == "bounded by --max-len 256 (the model's --max-seq-len is 512)"
+
+
+@pytest.mark.parametrize("budget, says", [("8MiB", "128 is the model's position count and the memory's limit too: "
+                                                     "192 does not fit"),
+                                          ("16MiB", "128 is the model's position count, not the memory's limit: "
+                                                    "192 fits too")])
+def test_a_search_stopped_by_the_models_positions_probes_past_them(budget, says, tmp_path, capsys):
+    """The note said "not the memory's limit: longer fits" without probing a longer length;
+    with --max-len 512 the same search found 192 did not fit 8 MiB. It probes one step past
+    the positions now and says what that probe found."""
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=1000, max_position_embeddings=128,
+                             bos_token_id=0, eos_token_id=0).save_pretrained(tmp_path)
+    code, out, err = _cli(["maxbatch", "--model", str(tmp_path), "--search", "seq-len", "--batch-size", "2",
+                           "--memory-budget", budget, "--device", "cpu"], capsys)
+    assert code == 0, err
+    assert says in out and "longer fits" not in out, out
+    fits = budget == "16MiB"
+    assert ("longest context 128+ tokens" in out) is fits and ("longest context 128 tokens" in out) is not fits, out

@@ -38,6 +38,7 @@ from memtrain.analysis.fit import (
     largest_fitting_from,
     length_search_bound,
     longest_context,
+    past_the_bound,
     step_need,
 )
 from memtrain.analysis.maxbatch import analytic_arch, measured_step_peak, resolve_method
@@ -68,6 +69,7 @@ class LongestContextResult:
     capped: bool  # seq_len == max_len: the bound, not the memory, stopped the search
     note: str  # what bounds the search (the position table)
     capped_note: Optional[str]
+    past_fits: Optional[bool] = None  # capped: whether the length past the bound fits (None: not probed)
     guess: Optional[int] = None  # where the probes started (None: from the shortest length)
     guess_method: Optional[str] = None  # "analytic" | "fitted" (a quadratic through traced probes)
     probes: list[dict[str, Any]] = field(default_factory=list)
@@ -193,6 +195,10 @@ def find_longest_context(  # noqa: C901 - guess, confirm, search outward: one se
             raise _nothing_fits(step, batch, peaks.get(1), budget_bytes)
         nxt = found + 1 if found < cap else None
         next_peak = peak_at(nxt) if nxt is not None else None
+        past = None if nxt is not None else past_the_bound(
+            cfg, bound, step, batch, probe, lambda p: p is not None and (budget_bytes is None or p <= budget_bytes))
+        if past is not None:
+            probes.append({"seq_len": past[0], "peak_bytes": past[1], "fits": past[2]})
     finally:
         if bar is not None:
             bar.close()
@@ -201,7 +207,8 @@ def find_longest_context(  # noqa: C901 - guess, confirm, search outward: one se
         seq_len=length, peak_bytes=peaks[found], next_seq_len=None if nxt is None else nxt * step,
         next_peak_bytes=next_peak, batch_size=batch, budget_bytes=budget_bytes, device=device.type, method=method,
         multiple_of=step, max_len=bound.max_len, capped=nxt is None, note=bound.note,
-        capped_note=bound.capped_note(length) if nxt is None else None, guess=None if guess is None else guess * step,
+        capped_note=bound.capped_note(length, past) if nxt is None else None,
+        past_fits=None if past is None else past[2], guess=None if guess is None else guess * step,
         guess_method=how, probes=probes)
 
 
@@ -229,7 +236,7 @@ def estimated_longest_context(cfg: RunConfig, budget_bytes: int, gpu: Optional[s
         seq_len=ctx["seq_len"], peak_bytes=ctx["peak_bytes"], next_seq_len=ctx["next_seq_len"],
         next_peak_bytes=ctx["next_peak_bytes"], batch_size=batch, budget_bytes=budget_bytes, device="cuda",
         method="estimate", multiple_of=step, max_len=bound.max_len, capped=ctx["capped"], note=bound.note,
-        capped_note=ctx["capped_note"], guess=None, guess_method=None, probes=probes, measured=False,
+        capped_note=ctx["capped_note"], past_fits=ctx["past_fits"], guess=None, guess_method=None, probes=probes, measured=False,
         device_memory=est.device_memory)
 
 

@@ -32,7 +32,8 @@ from memtrain.models.spec import is_hf, rotary_positions
 
 __all__ = ["ContextBound", "DEFAULT_LENGTH_MULTIPLE", "FitVerdict", "at_seq_len", "bisect_fitting", "budget_for",
            "context_bound", "context_line", "fit_verdict", "largest_batch", "largest_fitting", "largest_fitting_from",
-           "length_multiple", "length_search_bound", "longest_context", "step_need"]
+           "length_multiple", "length_search_bound", "longer_fits_mark", "longest_context", "past_the_bound",
+           "step_need"]
 
 GiB = 1 << 30
 DEFAULT_SEARCH_CAP = 4096  # the largest batch searched, as maxbatch's and plan's --max-batch default
@@ -130,14 +131,49 @@ class ContextBound:
     note: str  # one sentence for the output: what bounds the search
     # How to search past the model's positions: a transformers model's rotary positions run there
     # (--max-len), our GPT's learned table takes more rows (--max-seq-len).
-    beyond: str = "memtrain maxbatch --search seq-len --max-len N searches beyond it"
+    beyond: str = "memtrain maxbatch --search seq-len --max-len N searches past them"
 
-    def capped_note(self, length: int) -> str:
-        """Why a search that found ``length`` == its bound stopped there (not the memory)."""
-        if self.model_positions is not None and length >= self.model_positions and length == self.max_len:
-            return (f"{length:,} is the model's position count, not the memory's limit: longer fits; "
-                    + self.beyond + (" (memory only: see the note)" if self.grow_positions else ""))
-        return f"{length:,} is the search's upper bound, not the memory's: raise --max-len to search further"
+    def capped_note(self, length: int, past: Optional[PastBound] = None) -> str:
+        """Why a search that found ``length`` == its bound stopped there. ``past``: the probe of
+        the next length past the bound (:func:`past_the_bound`), which says whether the memory
+        would have stopped it too; None where it could not be probed (then only the bound is said)."""
+        positions = self.model_positions is not None and length == self.model_positions == self.max_len
+        if past is None:
+            return (f"the search stopped at the model's {length:,} positions; {self.beyond}" if positions else
+                    f"the search stopped at its upper bound, {length:,}: raise --max-len to search further")
+        nxt, need, fits = past
+        if fits:
+            assert need is not None  # fitting takes a peak
+            if positions:
+                return (f"{length:,} is the model's position count, not the memory's limit: {nxt:,} fits too "
+                        f"({_size(need)}); {self.beyond}")
+            return (f"{length:,} is the search's upper bound, not the memory's: raise --max-len to search further "
+                    f"({nxt:,} fits too: {_size(need)})")
+        over = "runs out of device memory" if need is None else f"does not fit ({_size(need)})"
+        what = "the model's position count" if positions else "the search's upper bound"
+        return f"{length:,} is {what} and the memory's limit too: {nxt:,} {over}"
+
+
+# The probe of the length just past a search's bound: (that length, its step's need or peak in
+# bytes, None where it ran out of device memory; whether it fits).
+PastBound = tuple[int, Optional[float], bool]
+
+
+def past_the_bound(cfg: RunConfig, bound: ContextBound, step: int, batch: int,
+                   need: Callable[[RunConfig], Optional[float]], fits: Callable[[Optional[float]], bool]
+                   ) -> Optional[PastBound]:
+    """One probe of ``cfg`` one ``step`` past ``bound``, its position count raised with it (the
+    memory a longer table or rotary positions there would take), so that a capped search says
+    whether the memory would have stopped it too, as an uncapped one says of its next length.
+    None where nothing can be built there (past :data:`MAX_WIDTH`) or the probe fails."""
+    length = bound.max_len + step
+    if length > MAX_WIDTH:
+        return None
+    try:
+        peak = need(at_seq_len(cfg, length, dataclasses.replace(bound, grow_positions=True), batch))
+    except Exception:  # noqa: BLE001 - a step that cannot be built there: the note says only what is known
+        return None
+    return length, peak, fits(peak)
 
 
 def context_bound(cfg: RunConfig, max_len: Optional[int] = None) -> ContextBound:
@@ -169,7 +205,7 @@ def context_bound(cfg: RunConfig, max_len: Optional[int] = None) -> ContextBound
         return ContextBound(max_len, False, positions, f"bounded by --max-len {max_len:,} (the model's {name} is "
                                                        f"{positions:,})")
     if max_len is None or max_len == positions:
-        beyond = ("memtrain maxbatch --search seq-len --max-len N searches beyond it where its positions are rotary"
+        beyond = ("memtrain maxbatch --search seq-len --max-len N searches past them where its positions are rotary"
                   if hf else "a larger --max-seq-len gives its learned position table more rows")
         return ContextBound(positions, False, positions, f"bounded by the model's {name} ({positions:,})", beyond)
     if not (hf and cfg.model.model is not None and rotary_positions(cfg.model.model)):
@@ -230,7 +266,9 @@ def longest_context(need: Callable[[RunConfig], float], cfg: RunConfig, budget_b
     The ``longest_context`` entry of ``estimate --json``'s ``fit`` and of ``plan --json``:
     ``seq_len`` (None: not even the shortest length fits), its ``peak_bytes``, the next length
     ``next_seq_len`` and its ``next_peak_bytes`` (None when the bound stopped the search,
-    ``capped``), the ``batch_size``, ``multiple_of``, ``max_len`` and the bound's ``note``."""
+    ``capped``), the ``batch_size``, ``multiple_of``, ``max_len`` and the bound's ``note``; when
+    capped, ``capped_note`` and ``past_fits`` (whether the length past the bound fits: None where
+    it could not be probed)."""
     step, bound = length_search_bound(cfg, max_len, multiple_of)
     cap = bound.max_len // step
     needs: dict[int, float] = {}
@@ -245,13 +283,21 @@ def longest_context(need: Callable[[RunConfig], float], cfg: RunConfig, budget_b
 
     found = largest_fitting(fits, cap) if fits(1) else None
     nxt = None if found is None else (found + 1 if found < cap else None)
+    past = past_the_bound(cfg, bound, step, batch, need, lambda p: p is not None and p <= budget_bytes) \
+        if found == cap else None
     return {"batch_size": batch, "seq_len": None if found is None else found * step,
             "peak_bytes": None if found is None else int(round(need_at(found))),
             "next_seq_len": None if nxt is None else nxt * step,
             "next_peak_bytes": None if nxt is None else int(round(need_at(nxt))),
             "shortest_peak_bytes": int(round(need_at(1))), "capped": found == cap,
             "multiple_of": step, "max_len": bound.max_len, "note": bound.note,
-            "capped_note": bound.capped_note(found * step) if found == cap else None}
+            "capped_note": bound.capped_note(found * step, past) if found == cap else None,
+            "past_fits": None if past is None else past[2]}
+
+
+def longer_fits_mark(capped: bool, past_fits: Optional[bool]) -> str:
+    """"+" after a length the bound stopped, unless the probe past the bound did not fit either."""
+    return "+" if capped and past_fits is not False else ""
 
 
 def context_line(ctx: dict[str, Any]) -> str:
@@ -259,7 +305,7 @@ def context_line(ctx: dict[str, Any]) -> str:
     head = f"longest context at batch {ctx['batch_size']}: "
     if ctx["seq_len"] is None:
         return head + (f"none: even {ctx['multiple_of']:,} tokens need {_gib(ctx['shortest_peak_bytes'])}")
-    head += f"{ctx['seq_len']:,}{'+' if ctx['capped'] else ''} tokens (needs {_gib(ctx['peak_bytes'])}"
+    head += f"{ctx['seq_len']:,}{longer_fits_mark(ctx['capped'], ctx.get('past_fits'))} tokens (needs {_gib(ctx['peak_bytes'])}"
     if ctx["next_seq_len"] is not None:
         head += f"; {ctx['next_seq_len']:,} needs {_gib(ctx['next_peak_bytes'])}"
     return head + f"; lengths in multiples of {ctx['multiple_of']})"
@@ -394,4 +440,9 @@ def cheapest_changes(cfg: RunConfig, arch: Arch, device_type: str, budget_bytes:
 
 def _gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
+
+
+def _size(n: float) -> str:
+    """Bytes in MiB under a GiB (a small model's step), else in GiB."""
+    return f"{n / 2**20:.2f} MiB" if n < GiB else _gib(n)
 

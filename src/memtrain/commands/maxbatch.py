@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any, Optional
 
-from memtrain.analysis.fit import DEFAULT_LENGTH_MULTIPLE, budget_for
+from memtrain.analysis.fit import DEFAULT_LENGTH_MULTIPLE, budget_for, longer_fits_mark
 from memtrain.cli import LOOP_ONLY_FIELDS, MODULE_TABLE_FIELDS, add_config_flags, config_from_args, fmt_bytes, register
 from memtrain.commands.estimate import add_device_type_flag, add_gpu_flag, add_max_len_flag, refuse_gpu_off_cuda
 from memtrain.config.argtypes import batch_count
@@ -122,7 +122,7 @@ def _run_seq_len(args: argparse.Namespace, cfg: Any, budget: Optional[int]) -> i
         print(json.dumps(out, indent=2))
         return 0
     budget_text = fmt_bytes(res.budget_bytes) if res.budget_bytes else "the device memory"
-    size = f"{res.seq_len:,}+" if res.capped else f"{res.seq_len:,}"
+    size = f"{res.seq_len:,}{longer_fits_mark(res.capped, res.past_fits)}"
     how = ("ESTIMATED with the CUDA model, not measured" if not res.measured else
            f"{res.method}, {len(res.probes)} probes on {res.device}"
            + (f", from the {res.guess_method} guess {res.guess:,}" if res.guess is not None else ""))
