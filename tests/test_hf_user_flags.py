@@ -274,3 +274,29 @@ def test_a_model_flag_equal_to_the_models_own_value_passes():
     cfg = _cfg(["estimate", "--model", "tiny-gpt2", "--seq-len", "32", "--d-model", str(own.d_model),
                 "--dropout", str(own.dropout)])
     assert cfg.model.d_model == own.d_model
+
+
+def test_the_fewer_lora_targets_hint_names_modules_the_model_has(tmp_path, capsys):
+    """The hint said --lora-targets q_proj,v_proj for every model; GPT-2 has none (its q/k/v are
+    one Conv1D, c_attn), so following it failed. It names the family's own modules now."""
+    transformers = pytest.importorskip("transformers")
+    transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=1000, n_positions=64,
+                            bos_token_id=0, eos_token_id=0).save_pretrained(tmp_path)
+    flags = ["estimate", "--model", str(tmp_path), "--lora-rank", "4", "--seq-len", "32", "--device", "cpu"]
+    assert main(flags) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("defaults used: "))
+    assert "--lora-targets c_attn for fewer" in line and "q_proj" not in line, line
+    assert main([*flags, "--lora-targets", "c_attn"]) == 0  # the hint, followed, runs
+    assert main(["estimate", "--model", "tiny-llama", "--lora-rank", "4", "--device", "cpu"]) == 0
+    assert "--lora-targets q_proj,v_proj for fewer" in capsys.readouterr().out
+
+
+def test_the_fewer_lora_targets_are_pefts_defaults_for_the_family():
+    pytest.importorskip("peft")
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT
+
+    from memtrain.models.spec import FEWER_LORA_TARGETS
+
+    for model_type, targets in FEWER_LORA_TARGETS.items():
+        if PEFT.get(model_type) is not None:  # peft does not list phi3
+            assert targets.split(",") == list(PEFT[model_type]), model_type

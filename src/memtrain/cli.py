@@ -289,8 +289,18 @@ def defaults_note(cfg: RunConfig) -> Optional[str]:
         parts.append(f"base weights fp32 under {tech.precision} autocast (use --precision bf16-pure to store them "
                      "in bf16, as a model loaded in bfloat16 for peft)")
     if tech.lora_rank and hf and "lora_targets" not in given:
-        parts.append("LoRA on every decoder Linear (peft's all-linear; --lora-targets q_proj,v_proj for fewer)")
+        parts.append(f"LoRA on every decoder Linear (peft's all-linear; {_fewer_targets_hint(cfg.model.model)})")
     return "defaults used: " + "; ".join(parts) if parts else None
+
+
+def _fewer_targets_hint(spec: Any) -> str:
+    """How to adapt fewer modules, in names the model has (GPT-2 has no q_proj: its q/k/v are c_attn)."""
+    from memtrain.models.spec import fewer_lora_targets  # torch-free
+
+    targets = fewer_lora_targets(spec) if isinstance(spec, str) else None
+    if targets is None:
+        return "--lora-targets with some of the model's Linear names for fewer"
+    return f"--lora-targets {targets} for fewer"
 
 
 def fmt_bytes(n: Optional[float]) -> str:

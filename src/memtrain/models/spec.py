@@ -42,6 +42,27 @@ ALL_LINEAR = "all-linear"  # peft's name for every Linear of the decoder
 PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 
 
+# Fewer LoRA targets than every decoder Linear, per model_type: peft's defaults for the family
+# (peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING: the attention
+# projections the LoRA paper adapted), copied so that the hint naming them costs no torch import
+# (tests/test_hf_user_flags.py holds them equal to peft's). GPT-2's q/k/v are one Conv1D, c_attn;
+# Phi-3, which peft does not list, fuses them into qkv_proj.
+FEWER_LORA_TARGETS: dict[str, str] = {
+    "gpt2": "c_attn", "llama": "q_proj,v_proj", "mistral": "q_proj,v_proj", "qwen2": "q_proj,v_proj",
+    "qwen3": "q_proj,v_proj", "gemma": "q_proj,v_proj", "gemma2": "q_proj,v_proj", "phi3": "qkv_proj",
+}
+
+
+def fewer_lora_targets(spec: str) -> Optional[str]:
+    """A ``--lora-targets`` value naming modules that transformers model ``spec`` has (its
+    attention projections), or None for a family not listed or a config that cannot be read."""
+    try:
+        model_type = analytic_config(spec).model_type
+    except ConfigError:
+        return None
+    return FEWER_LORA_TARGETS.get(model_type)
+
+
 def every_decoder_linear(targets: str) -> bool:
     """Whether ``--lora-targets`` asks for every Linear of the decoder: peft's ``all-linear``, or
     memtrain's default list, which names all of our GPT's (and means all of a transformers model's)."""
