@@ -53,6 +53,8 @@ def test_bad_values_are_one_line_errors(layer, message):
 def test_bad_config_files(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config_file(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="is a directory; give a YAML, TOML or JSON file"):
+        load_config_file(tmp_path)  # it exists: "not found" sent the user looking for it
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [\n")
     with pytest.raises(ConfigError, match="cannot parse"):

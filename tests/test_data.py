@@ -446,6 +446,39 @@ def test_unreadable_files(tmp_path: Path) -> None:
         docs_of(tmp_path / "bad.jsonl")
 
 
+def test_a_bad_json_line_is_named_by_its_line_number(tmp_path: Path) -> None:
+    """pyarrow's "in row N" counts from 0 within its current block: the first line was "row 0",
+    and a line past the first 10 MB block was counted from that block's start. The line is found
+    and named from 1."""
+    first = tmp_path / "first.jsonl"
+    first.write_text('{bad\n{"text": "fine"}\n')
+    with pytest.raises(ConfigError, match=r"cannot read .*first\.jsonl.*: line 1 is not valid JSON .*column 2"):
+        docs_of(first)
+    big = write_jsonl(tmp_path / "big.jsonl", [{"text": "hello world " * 80}] * 12000)  # past one 10 MB block
+    with big.open("a") as fh:
+        fh.write('{"text": "fine"}\n7\n')
+    with pytest.raises(ConfigError, match=r"line 12002 holds a JSON number, not a record") as err:
+        docs_of(big)
+    assert "row" not in str(err.value)
+
+
+@pytest.mark.parametrize("text, words", [("[1, 2, 3]", "holds an array of JSON numbers, not records"),
+                                         ("[[1], [2]]", "holds an array of JSON arrays, not records")])
+def test_json_records_that_are_not_objects_are_named_so(text, words, tmp_path: Path) -> None:
+    """An array of numbers was read as a column datasets names 'text': the refusal spoke of a
+    field 'text' holding int "(fields: text)", which the file never had."""
+    path = tmp_path / "nums.json"
+    path.write_text(text)
+    for field in ("text", "body"):
+        with pytest.raises(ConfigError, match=words) as err:
+            docs_of(path, text_field=field)
+        assert "fields:" not in str(err.value)
+    lines = tmp_path / "nums.jsonl"
+    lines.write_text("1\n2\n")
+    with pytest.raises(ConfigError, match="line 1 holds a JSON number, not a record"):
+        docs_of(lines)
+
+
 def test_too_small_corpus() -> None:
     with pytest.raises(ConfigError) as err:
         make_train_loader(np.zeros(1234, np.uint16), seq_len=256, batch_size=8, seed=0)

@@ -612,6 +612,7 @@ def _check_integers_fit(parts: dict[str, Any]) -> None:
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML or TOML config file into a dict (sections or flat keys)."""
     p = Path(path)
+    _require(not p.is_dir(), f"--config {str(p)!r} is a directory; give a YAML, TOML or JSON file")
     _require(p.is_file(), f"config file {str(p)!r} not found; check the --config path")
     suffix = p.suffix.lower()
     if suffix not in (".toml", ".yaml", ".yml", ".json"):

@@ -33,12 +33,12 @@ import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Iterator
 from html.parser import HTMLParser
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 from memtrain.config.run import ConfigError, DataConfig
 from memtrain.data.tokenizer import cut_before_word
 from memtrain.files.guard import folder_entry_problems, visible_entries
-from memtrain.files.results import MAX_JSON_DEPTH, bounded_lines, json_depth_error
+from memtrain.files.results import MAX_JSON_DEPTH, bounded_lines, json_depth_error, loads_bounded
 from memtrain.runtime.extras import quiet_datasets, require
 
 DEFAULT_SOURCE = "default"
@@ -448,10 +448,69 @@ def _structured_documents(builder: str, files: list[Path], field: str, label: st
     files = [p for p in files if p.stat().st_size > 0]
     if not files:
         raise ConfigError(f"{label!r} is empty (0 bytes); check --data")
+    locate = None
     if builder == "json":
         _check_json_nesting(files)
+        _check_json_records(files)
+        locate = functools.partial(_first_bad_json_line, files, label)
     ds = _load_dataset(builder, data_files=[str(p) for p in files], split="train", label=label)
-    yield from _dataset_texts(ds, field, label)
+    yield from _dataset_texts(ds, field, label, locate)
+
+
+# The first character of a JSON value -> what it is, for a record that is not an object.
+_JSON_KINDS = {"[": "array", '"': "string", "t": "boolean", "f": "boolean", "n": "null"}
+PEEK_CHARS = 1 << 16  # enough to reach the first record of any file a person writes
+
+
+def _json_kind(text: str) -> str:
+    return _JSON_KINDS.get(text[:1], "number")
+
+
+def _check_json_records(files: list[Path]) -> None:
+    """Refuse a JSON data file whose first record is not an object: datasets reads an array of
+    numbers as a column it names 'text', so the refusal spoke of a field the file never had.
+    (An array of strings stays what datasets makes of it: documents.)"""
+    for path in files:
+        try:
+            with path.open("r", encoding="utf-8-sig", errors="replace") as fh:
+                head = fh.read(PEEK_CHARS).lstrip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read {str(path)!r} ({exc.strerror or type(exc).__name__}); check --data") from None
+        if path.suffix.lower() == ".json" and head.startswith("["):
+            first = head[1:].lstrip()
+            if first[:1] not in ("{", '"', "]", ""):
+                raise ConfigError(f"{str(path)!r} holds an array of JSON {_json_kind(first)}s, not records: write "
+                                  'each record as a JSON object with its text in a field, e.g. {"text": "..."}')
+        elif head[:1] not in ("{", "") and (head[:1] in _JSON_KINDS or head[:1] in "-0123456789"):
+            raise ConfigError(f"{str(path)!r} line 1 holds a JSON {_json_kind(head)}, not a record: write each line as a "
+                              'JSON object with its text in a field, e.g. {"text": "..."}')
+
+
+def _first_bad_json_line(files: list[Path], label: str) -> Optional[str]:
+    """Where the first record Python's json module cannot read as an object is, 1-based:
+    pyarrow's "in row N" behind datasets counts from 0 within its current block of the file,
+    not the file's lines. None where every line reads (a .json array that spans lines)."""
+    for path in files:
+        try:
+            with path.open("rb") as fh:
+                for number, line in enumerate(fh, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        record = loads_bounded(line)
+                    except ValueError as exc:  # the line alone: its column, not json's "line 1"
+                        detail = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) \
+                            else _first_line(exc)
+                        why = f"is not valid JSON ({detail})"
+                    else:
+                        if isinstance(record, dict):
+                            continue
+                        why = f"holds a JSON {_json_kind(line.decode('utf-8', 'replace').lstrip())}, not a record (an object)"
+                    where = f"line {number}" if str(path) == label else f"line {number} of {str(path)!r}"
+                    return f"{where} {why}"
+        except OSError:
+            return None
+    return None
 
 
 def _check_json_nesting(files: list[Path]) -> None:
@@ -512,11 +571,13 @@ def _hub_unreachable(name: str, exc: BaseException) -> str:
     )
 
 
-def _dataset_texts(ds: Iterable[dict[str, Any]], field: str, label: str) -> Iterator[str]:
+def _dataset_texts(ds: Iterable[dict[str, Any]], field: str, label: str,
+                   locate: Optional[Callable[[], Optional[str]]] = None) -> Iterator[str]:
     """The ``field`` of every record; a missing field or a non-text value is a ConfigError.
 
     Records are pulled one at a time inside ``try`` so that a parse error in the file
-    becomes a ConfigError, while errors raised by the consumer are left alone.
+    becomes a ConfigError, while errors raised by the consumer are left alone. ``locate``
+    (local JSON files) names the line that failed, 1-based, in place of pyarrow's row.
     """
     import datasets
     import pyarrow as pa
@@ -530,7 +591,7 @@ def _dataset_texts(ds: Iterable[dict[str, Any]], field: str, label: str) -> Iter
         except ConnectionError:
             raise
         except (ValueError, OSError, pa.ArrowException, datasets.exceptions.DatasetsError) as exc:
-            raise ConfigError(f"cannot read {label!r}: {_first_line(exc)}; check the file format") from None
+            raise ConfigError(_unreadable(label, exc, locate)) from None
         if field not in record:
             raise ConfigError(
                 f"field {field!r} not found in record {index} of {label!r} "
@@ -545,6 +606,15 @@ def _dataset_texts(ds: Iterable[dict[str, Any]], field: str, label: str) -> Iter
                 f"set --text-field to a text field (fields: {', '.join(map(str, record))})"
             )
         yield text
+
+
+def _unreadable(label: str, exc: BaseException, locate: Optional[Callable[[], Optional[str]]]) -> str:
+    """The line for a file datasets could not read: the failing line when it can be found, else
+    the library's message without pyarrow's "in row N" (0-based, and counted within a block)."""
+    where = locate() if locate is not None else None
+    if where is not None:
+        return f"cannot read {label!r}: {where}; fix that line or remove it"
+    return f"cannot read {label!r}: {re.sub(r' in row [0-9]+', '', _first_line(exc))}; check the file format"
 
 
 def _first_line(exc: BaseException) -> str:
