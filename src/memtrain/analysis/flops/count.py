@@ -167,6 +167,7 @@ def _trace(cfg: RunConfig, fake: bool = True) -> tuple[dict[str, dict[str, Class
 
 def _traced_step(cfg: RunConfig, fake: bool) -> tuple[dict[str, dict[str, ClassCount]], float, int, int]:
     """:func:`_trace`'s step, drawing from the global RNG."""
+    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
