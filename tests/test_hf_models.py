@@ -602,6 +602,10 @@ def test_gemma2_soft_capped_logits_train_with_the_standard_loss(tmp_path, corpus
     assert main([*flags, "--loss", "chunked"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and "--loss standard" in err[0]
+    # transformers has no SDPA path for Gemma-2: the refusal names memtrain's eager option.
+    assert main([*flags[:-3], "--attention", "sdpa", "--json"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "use --attention math" in err[0] and "http" not in err[0]
 
 
 def test_lora_on_gpt2s_conv1d_layers_asks_peft_for_their_layout(model_dirs, corpus, tmp_path):

@@ -162,8 +162,17 @@ def build_hf_model(cfg: RunConfig, with_weights: bool = True) -> HFCausalLM:
     try:
         lm = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype, trust_remote_code=False)
     except (ImportError, ValueError) as exc:
-        raise ConfigError(f"--model {spec!r} with --attention {tech.attention} ({attn}): {_first_line(exc)}") from None
+        raise _attention_refusal(spec, tech.attention, attn, exc) from None
     return HFCausalLM(lm, source)
+
+
+def _attention_refusal(spec: str, attention: str, attn: str, exc: BaseException) -> ConfigError:
+    """transformers' refusal of an attention implementation (Gemma-2 has no SDPA path), cut to its
+    first sentence (the rest is an issue link and a from_pretrained example in transformers'
+    names), with memtrain's name for the implementation every family has."""
+    first = _first_line(exc).split(". ")[0].rstrip(".")
+    hint = "; use --attention math (transformers' eager attention)" if attn != "eager" else ""
+    return ConfigError(f"--model {spec!r} with --attention {attention} ({attn}): {first}{hint}")
 
 
 def _first_line(exc: BaseException) -> str:
