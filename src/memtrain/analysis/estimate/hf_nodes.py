@@ -8,7 +8,7 @@ from typing import Any
 
 from memtrain.analysis.estimate.simulator import Node
 
-__all__ = ["ROPE_TABLES", "gelu_new_nodes", "hf_model_input_nodes", "hf_model_inputs", "hf_norm_node", "hf_rope_node"]
+__all__ = ["CAUSAL_MASK", "ROPE_TABLES", "gelu_new_nodes", "hf_model_input_nodes", "hf_model_inputs", "hf_norm_node", "hf_rope_node"]
 
 # Keys of what a transformers Llama-style model makes once for all its layers (hf_model_input_nodes).
 ROPE_TABLES = "rope.cos_sin"

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from memtrain.analysis.estimate.hf_nodes import (
+    CAUSAL_MASK,
     gelu_new_nodes,
     hf_model_input_nodes,
     hf_model_inputs,
@@ -668,7 +669,7 @@ def _embedding_nodes(dm: Dims, arch: Arch, trainable: bool, attention: str) -> l
     N, d, s, pe = dm.n, dm.d, dm.s, dm.p
     nodes = [Node("wte", out=[("tok", N * d * pe)], grads=[("param:wte.weight", 0.0)] if trainable else [])]
     if arch.gpt2_layers and attention == "math":
-        nodes.append(Node("causal_mask", out=[("causal_mask", dm.b * s * s * pe)]))
+        nodes.append(Node("causal_mask", out=[(CAUSAL_MASK, dm.b * s * s * pe)]))
     elif dm.hf and not arch.gpt2_layers:
         nodes += hf_model_input_nodes(dm, attention)
     src = "tok"
@@ -707,11 +708,11 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
     if arch.gpt2_layers:
         # GPT2Model.forward's locals (the token and position embeddings, the causal mask) live
         # until it returns, after ln_f.
-        nodes[0].inputs += ["tok", "posemb"] + (["causal_mask"] if tech.attention == "math" else [])
+        nodes[0].inputs += ["tok", "posemb"] + list(layer_args(dm, arch, tech.attention))
     elif dm.hf:
         # The Llama-style model's locals live until it returns, after the norm: what it made for
         # every layer (hf_model_input_nodes) and ``inputs_embeds``, the first layer's input.
-        nodes[0].inputs += list(hf_model_inputs(tech.attention)) + ["blocks.0.in"]
+        nodes[0].inputs += list(layer_args(dm, arch, tech.attention)) + ["blocks.0.in"]
     if tech.loss == "chunked" and tech.loss_kernel == "cce":
         return nodes + _cce_nodes(dm, head, trainable)
     if tech.loss == "chunked":
@@ -853,6 +854,15 @@ def run_dims(cfg: RunConfig, arch: Arch, device_type: str, batch: Optional[int] 
     return dm
 
 
+def layer_args(dm: Dims, arch: Arch, attention: str) -> tuple[str, ...]:
+    """What a transformers model makes once and hands every layer besides its input: a
+    checkpointed layer keeps it until its backward (``Segment.held_inputs``), the model until it
+    returns. GPT-2: its eager causal mask; Llama-style: :func:`hf_model_input_nodes`' tensors."""
+    if arch.gpt2_layers:
+        return (CAUSAL_MASK,) if attention == "math" else ()
+    return hf_model_inputs(attention) if dm.hf else ()
+
+
 def block_segments(cfg: RunConfig, arch: Arch, dm: Dims, trainable_base: bool, grads_exist: bool,
               comp: Compression) -> list[Segment]:
     m, tech = cfg.model, cfg.technique
@@ -861,12 +871,7 @@ def block_segments(cfg: RunConfig, arch: Arch, dm: Dims, trainable_base: bool, g
     L = m.n_layers
     mode = "selective" if kind == "selective-matmul" else "full"
     segs = [Segment("embedding", _embedding_nodes(dm, arch, trainable_base, tech.attention))]
-    # What a transformers model hands every layer besides its input (a checkpoint keeps it).
-    layer_args: tuple[str, ...] = ()
-    if arch.gpt2_layers:
-        layer_args = ("causal_mask",) if tech.attention == "math" else ()
-    elif dm.hf:
-        layer_args = hf_model_inputs(tech.attention)
+    held_inputs = layer_args(dm, arch, tech.attention)
     for j in range(comp.blocks):
         i = comp.real(j)
         nodes = block_nodes(dm, j, arch, tech, trainable_base)
@@ -885,7 +890,7 @@ def block_segments(cfg: RunConfig, arch: Arch, dm: Dims, trainable_base: bool, g
         # adapter's B product is not recomputed), elsewhere it changes nothing that counts.
         segs.append(Segment(f"block {i}", nodes,
                              checkpoint=mode if policy.whole_block(i, L) else "none", input_key=f"blocks.{j}.in",
-                             lazy_recompute=dm.hf or bool(tech.lora_rank), held_inputs=layer_args))
+                             lazy_recompute=dm.hf or bool(tech.lora_rank), held_inputs=held_inputs))
     # (The simulated depth is passed, not set on a copy of cfg.model: a transformers model's
     # ModelConfig mirrors its config.json again on every copy, n_layers included.)
     segs.append(Segment("head", _head_nodes(dm, m, tech, arch, trainable_base, grads_exist, comp.blocks)))
