@@ -241,6 +241,9 @@ def test_a_misspelt_option_is_not_a_prefix(capsys):
         main(["estimate", "--seq", "64"])  # once a prefix of --seq-len
     assert exc.value.code == 2
     assert "did you mean --seq-len?" in _error_line(capsys)
+    with pytest.raises(SystemExit):
+        main(["estimate", "--lora"])  # memtrain's own flag before the Trainer's --lora_r
+    assert "did you mean --lora-rank?" in _error_line(capsys)
 
 
 def test_no_parser_takes_abbreviations():

@@ -25,6 +25,7 @@ import memtrain.commands as commands
 from memtrain import __version__
 from memtrain.config.aliases import (
     ALIASES,
+    BY_NAME,
     EXPANDED,
     flag_text,
     normalize as normalize_aliases,
@@ -68,8 +69,10 @@ class _Parser(argparse.ArgumentParser):
         unknown = [a for a in extra if a.startswith("-")] or list(extra)
         first = unknown[0].split("=", 1)[0]
         options = [o for o in self._option_string_actions if o.startswith("--")]
-        # A shortened option (--seq) names what it was short for; else the closest spelling.
-        close = sorted((o for o in options if o.startswith(first) and len(first) > 2), key=len)[:1] \
+        # A shortened option (--seq) names what it was short for, memtrain's own spelling before a
+        # Trainer alias (--lora: --lora-rank, not --lora_r); else the closest spelling.
+        close = sorted((o for o in options if o.startswith(first) and len(first) > 2),
+                       key=lambda o: (o[2:].replace("-", "_") in BY_NAME, len(o)))[:1] \
             or difflib.get_close_matches(first, options, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
         self.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
