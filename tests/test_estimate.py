@@ -158,6 +158,20 @@ def test_lora_7b_optimizer_memory_is_2_4_gb_not_84():
     assert e.extra["model_state"]["gradients"] == pytest.approx(4 * e.trainable_parameters, rel=0.01)
 
 
+def test_estimate_counts_parameters_as_flops_and_train_do(capsys):
+    """With LoRA, ``parameters`` is the model as built in every verb (train's result.json, flops,
+    estimate); the estimate gives the adapters apart, and they are what trains."""
+    flags = ["--d-model", "64", "--n-layers", "2", "--n-heads", "4", "--d-ff", "128", "--lora-rank", "4", "--json"]
+    assert main(["estimate", *flags]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert main(["flops", *flags]) == 0
+    flops = json.loads(capsys.readouterr().out)
+    assert est["parameters"] == flops["parameters"]
+    # 2 layers of r x (in + out) per adapted Linear: the fused qkv (64 -> 192), proj (64 -> 64),
+    # fc (64 -> 128) and fc_out (128 -> 64)
+    assert est["adapter_parameters"] == est["trainable_parameters"] == 2 * 4 * (256 + 128 + 192 + 192)
+
+
 def test_preset_parameter_counts():
     counts = {}
     for name in ("gpt2", "gpt2-xl", "llama-7b"):

@@ -213,8 +213,8 @@ def test_qwen2_sliding_window_counts_only_when_a_layer_slides(tmp_path):
         assert (why_not_modelled(_cfg(tmp_path / name)) is not None) == traced, name
 
 
-def _real_counts(cfg) -> tuple[int, int]:
-    """(parameters, trainable parameters) of the model a run builds, peft's adapters included."""
+def _real_counts(cfg) -> tuple[int, int, int]:
+    """(parameters, trainable parameters, adapter parameters) of the model a run builds."""
     import torch
 
     from memtrain.models import build_model
@@ -222,20 +222,22 @@ def _real_counts(cfg) -> tuple[int, int]:
 
     with torch.device("meta"):
         model = build_model(cfg, with_weights=False)
+    base = model.num_parameters()
     apply_hf_lora(model, cfg.technique)
-    return model.num_parameters(), model.num_parameters(trainable_only=True)
+    return base, model.num_parameters(trainable_only=True), model.num_parameters() - base
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 @pytest.mark.parametrize("tech", [{}, {"lora_rank": 4}, {"lora_rank": 8, "precision": "bf16-pure"}])
 def test_parameter_counts_are_the_real_models(dirs, family, tech):
     """The analytic parameter table counts what the run builds: one LoRA A and B per adapted
-    Linear (q, k, v, o, gate, up, down: peft's layout) and Qwen2's q/k/v biases."""
+    Linear (q, k, v, o, gate, up, down: peft's layout) and Qwen2's q/k/v biases; ``parameters``
+    the model as built, as train's result.json and flops count it, the adapters apart."""
     from memtrain.analysis.estimate.hf import analytic_estimate
 
     cfg = _cfg(dirs[family], **tech)
     est = analytic_estimate(cfg, "cpu")
-    assert (est.parameters, est.trainable_parameters) == _real_counts(cfg)
+    assert (est.parameters, est.trainable_parameters, est.adapter_parameters) == _real_counts(cfg)
 
 
 @pytest.mark.parametrize("tech", [{}, {"checkpointing": "full"}, {"checkpointing": "every:2"}])

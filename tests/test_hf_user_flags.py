@@ -244,6 +244,9 @@ def test_a_misspelt_option_is_not_a_prefix(capsys):
     with pytest.raises(SystemExit):
         main(["estimate", "--lora"])  # memtrain's own flag before the Trainer's --lora_r
     assert "did you mean --lora-rank?" in _error_line(capsys)
+    with pytest.raises(SystemExit):
+        main(["estimate", "--layers", "2"])  # the listed flag, not its unlisted --n_layers spelling
+    assert "did you mean --n-layers?" in _error_line(capsys)
 
 
 def test_no_parser_takes_abbreviations():

@@ -68,7 +68,9 @@ class _Parser(argparse.ArgumentParser):
 
         unknown = [a for a in extra if a.startswith("-")] or list(extra)
         first = unknown[0].split("=", 1)[0]
-        options = [o for o in self._option_string_actions if o.startswith("--")]
+        # Only flags --help lists: not the unlisted underscore spellings (--n_layers for --n-layers).
+        options = [o for o, action in self._option_string_actions.items()
+                   if o.startswith("--") and action.help is not argparse.SUPPRESS]
         # A shortened option (--seq) names what it was short for, memtrain's own spelling before a
         # Trainer alias (--lora: --lora-rank, not --lora_r); else the closest spelling.
         close = sorted((o for o in options if o.startswith(first) and len(first) > 2),

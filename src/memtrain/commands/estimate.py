@@ -137,6 +137,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_config_flags(p, ("model", "technique", "train"), exclude=(*LOOP_ONLY_FIELDS, "model"))  # --model is add_model_choice's
 
 
+def _parameter_words(est: Any) -> str:
+    """The model's parameter count as train and flops give it, LoRA's adapters apart."""
+    if est.adapter_parameters:
+        return (f"{est.parameters:,} parameters + {est.adapter_parameters:,} LoRA adapter parameters "
+                f"({est.trainable_parameters:,} trainable)")
+    return f"{est.parameters:,} parameters ({est.trainable_parameters:,} trainable)"
+
+
 def _table(rows: list[tuple[str, str, str]]) -> str:
     w = [max(len(r[i]) for r in rows) for i in range(3)]
     return "\n".join(f"  {a:<{w[0]}}  {b:>{w[1]}}  {c}" for a, b, c in rows)
@@ -200,7 +208,7 @@ def _run(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
         return 0
     m, t = cfg.model, cfg.train
     print(f"{arch.name} d_model {m.d_model}, {m.n_layers} layers, {m.n_heads} heads, vocab {m.padded_vocab_size}: "
-          f"{est.parameters:,} parameters ({est.trainable_parameters:,} trainable)")
+          f"{_parameter_words(est)}")
     print(f"batch {t.batch_size} x seq {t.seq_len} x accum {t.grad_accum}, {cfg.technique.precision}, "
           f"attention {cfg.technique.attention}, checkpointing {cfg.technique.checkpointing}, "
           f"loss {cfg.technique.loss}, optim {cfg.technique.optim} ({device_type} kernels"
@@ -381,7 +389,7 @@ def _run_hf_analytic(args: argparse.Namespace, step: StepEstimate, device_type: 
         print(json.dumps(out, indent=2, default=float))
         return 0
     t, tech = cfg.train, cfg.technique
-    print(f"{cfg.model.model}: {est.parameters:,} parameters ({est.trainable_parameters:,} trainable); "
+    print(f"{cfg.model.model}: {_parameter_words(est)}; "
           f"batch {t.batch_size} x seq {t.seq_len} x accum {t.grad_accum}, {tech.precision}, attention {tech.attention}, "
           f"checkpointing {tech.checkpointing}, loss {tech.loss}, optim {tech.optim}"
           + (f", LoRA r{tech.lora_rank}" if tech.lora_rank else "")

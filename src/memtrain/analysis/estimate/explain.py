@@ -56,7 +56,8 @@ def explanation_lines(cfg: RunConfig, arch: Arch, dm: Dims, params: list[ParamIn
     lines = [
         f"parameters = {n_params:,} (V*d{' x2 untied' if m.untie_embeddings else ' tied'} + "
         f"{'max_seq*d + ' if arch.positional == 'learned' else ''}L*(4d^2+2d*d_ff+biases) + norms); "
-        f"trainable {n_train:,}",
+        + (f"LoRA adds {n_train:,} adapter parameters, the only trainable ones" if tech.lora_rank
+           else f"trainable {n_train:,}"),
         f"weights = parameters x {pb} B ({tech.precision}{'; autocast keeps fp32 master weights and casts bf16/fp16 copies per forward' if autocast else ''})"
         + (" ; LoRA adapters in fp32" if tech.lora_rank else ""),
         f"gradients = trainable x {pb if not tech.lora_rank else 4} B (same dtype as the parameter)"

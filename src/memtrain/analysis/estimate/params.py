@@ -31,6 +31,11 @@ class ParamInfo:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def is_adapter(self) -> bool:
+        """A LoRA A or B matrix (peft's ``lora_A`` / ``lora_B``), added to the model as built."""
+        return ".lora_" in self.name
+
 
 def lora_target_names(tech: TechniqueConfig) -> set[str]:
     """The table entries ``--lora-targets`` adapts. peft's ``all-linear`` is every decoder Linear,

@@ -41,6 +41,8 @@ def _rng_state_bytes(arch: Arch, device_type: str) -> int:
 class Estimate:
     """What :func:`estimate` returns (``to_dict`` is the JSON of ``memtrain estimate --json``)."""
 
+    # The model's weights as built, LoRA adapters not included: what train's result.json and
+    # flops report as ``parameters``; the adapters are ``adapter_parameters``.
     parameters: int
     trainable_parameters: int
     bytes: dict[str, float]
@@ -63,6 +65,7 @@ class Estimate:
     # --offload-activations: host bytes and the bytes moved each way per step (offload_figures);
     # None (and left out of the JSON) when off.
     offload: Optional[dict[str, float]] = None
+    adapter_parameters: int = 0  # LoRA's A and B matrices (trainable; not in ``parameters``)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -136,7 +139,8 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
         comp = replace(comp, lumps=0, blocks=m.n_layers)
     rep = {j: 1 + comp.lumps for j in range(comp.period, 2 * comp.period)} if comp.lumps else None
     params = block_param_table(m, arch, tech, range(comp.blocks), rep)
-    n_params = sum(p.numel * p.repeat for p in params)
+    n_params = sum(p.numel * p.repeat for p in params if not p.is_adapter)
+    n_adapters = sum(p.numel * p.repeat for p in params if p.is_adapter)
     trainable = [p for p in params if p.trainable]
     n_train = sum(p.numel * p.repeat for p in trainable)
     pb, ab, autocast = precision_bytes(tech.precision)
@@ -314,6 +318,7 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     return Estimate(
         parameters=n_params,
         trainable_parameters=n_train,
+        adapter_parameters=n_adapters,
         bytes=dict(peak_tags),
         peak_bytes=sim.peak,
         peak_phase=sim.peak_phase,
