@@ -75,6 +75,34 @@ def test_nothing_fits_names_the_smallest_option():
     assert "raise --budget or lower --batch-size/--seq-len" in msg and "\n" not in msg
 
 
+@pytest.mark.parametrize("lora_fits", [True, False])
+def test_nothing_fits_names_lora_when_adapters_would_fit(lora_fits):
+    """A full fine-tune that fits nowhere: the refusal also says what LoRA would need, and the
+    clause is true (a plan with --lora-rank 16 finds that figure's candidate, or none)."""
+    cfg = build_config(dict(SMALL, d_model=256, n_heads=4, n_layers=2, d_ff=512, batch_size=1, seq_len=16))
+    lora = build_config(dict(SMALL, d_model=256, n_heads=4, n_layers=2, d_ff=512, batch_size=1, seq_len=16,
+                             lora_rank=16))
+    full_peak = min(estimate(cfg.replace(checkpointing=c), device_type="cpu").peak_bytes for c in ("none", "full"))
+    lora_peak = estimate(lora, device_type="cpu").peak_bytes
+    assert lora_peak < 0.5 * full_peak  # the model's state dominates: AdamW's 16 B per weight against 4
+    budget = 1.1 * (lora_peak * 1.2 if lora_fits else lora_peak * 0.8)
+    with pytest.raises(ConfigError) as info:
+        plan(cfg, budget, "cpu")
+    msg = str(info.value)
+    assert "\n" not in msg
+    if lora_fits:
+        assert "or train LoRA adapters instead of every weight: with --lora-rank 16 it needs" in msg
+        assert plan(lora, budget, "cpu").candidates
+    else:
+        assert "with LoRA (--lora-rank 16) it still needs" in msg and "--qlora" not in msg  # our GPT has none
+        with pytest.raises(ConfigError, match="nothing fits"):
+            plan(lora, budget, "cpu")
+    # Asked for LoRA already: no clause about it.
+    with pytest.raises(ConfigError) as info:
+        plan(lora, 0.5 * lora_peak, "cpu")
+    assert "LoRA" not in str(info.value)
+
+
 def test_every_candidate_fits_and_the_ranking_follows_the_cost_model():
     cfg = build_config(dict(SMALL, batch_size=16, seq_len=64))
     budget = 2 * GiB

@@ -544,10 +544,12 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
             assert smallest is not None
             p, t, micro, accum = smallest
             what = Candidate(dict(t), micro, accum, p, "", 0.0).label()
+            adapters = "" if cfg.technique.lora_rank else _adapters_hint(
+                at(t, micro, accum), lambda c: peak(c, exact=True)[0], limit, margin)
             raise ConfigError(
                 f"nothing fits in {_gib(budget_bytes)} (with a {margin:.0%} margin): the smallest option needs "
                 f"{_gib(p * (1 + margin))} ({_gib(p)} predicted; {what}); raise --budget or lower "
-                f"--batch-size/--seq-len")
+                f"--batch-size/--seq-len{adapters}")
         for cand in fits[:top]:
             cand.train_flags = train_flags(candidate_config(cfg, cand))
         notes.insert(0, f"cost model: {device_type} profile; a model to order candidates, not a measurement")
@@ -562,6 +564,25 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
                          "--trace` runs torch's partitioner")
         return PlanResult(budget_bytes, margin, device_type, None if max_batch else target, fits[:top],
                           evaluated, baseline, notes=notes)
+
+
+# The LoRA rank a plan names when a full fine-tune fits nowhere: a common choice (peft's examples,
+# the QLoRA paper's 7B runs use 8-64); the adapters' size barely moves the peak.
+HINT_LORA_RANK = 16
+
+
+def _adapters_hint(smallest: RunConfig, exact_peak: Callable[[RunConfig], float], limit: float,
+                   margin: float) -> str:
+    """When no full fine-tune fits: the smallest option again with LoRA adapters trained instead
+    of every weight, its peak predicted as every candidate's, as a clause of the refusal. A
+    different run (only the adapters learn), so it is named, never chosen."""
+    rank = min(HINT_LORA_RANK, smallest.model.d_model)
+    p = exact_peak(smallest.replace(lora_rank=rank))
+    needs = f"{_gib(p * (1 + margin))} ({_gib(p)} predicted)"
+    if p <= limit:
+        return f"; or train LoRA adapters instead of every weight: with --lora-rank {rank} it needs {needs}"
+    qlora = ", and --qlora keeps the base weights in 4 bits" if smallest.model.model is not None else ""
+    return f"; with LoRA (--lora-rank {rank}) it still needs {needs}{qlora}"
 
 
 def _config_key(cfg: RunConfig) -> str:
