@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 
 from tqdm.auto import tqdm
 
+from memtrain.analysis.advice import save_memory_clause
 from memtrain.analysis.depth_trace import trace_any_depth
 from memtrain.analysis.estimate import GPT2_ARCH
 from memtrain.analysis.estimate.hf import hf_arch, why_not_modelled
@@ -192,7 +193,7 @@ def find_longest_context(  # noqa: C901 - guess, confirm, search outward: one se
         else:
             found = largest_fitting(fits, cap) if fits(1) else None
         if found is None:
-            raise _nothing_fits(step, batch, peaks.get(1), budget_bytes)
+            raise _nothing_fits(cfg, device.type, step, batch, peaks.get(1), budget_bytes)
         nxt = found + 1 if found < cap else None
         next_peak = peak_at(nxt) if nxt is not None else None
         past = None if nxt is not None else past_the_bound(
@@ -229,7 +230,7 @@ def estimated_longest_context(cfg: RunConfig, budget_bytes: int, gpu: Optional[s
 
     ctx = longest_context(need, cfg, budget_bytes, batch, step, max_len)
     if ctx["seq_len"] is None:
-        raise _nothing_fits(step, batch, ctx["shortest_peak_bytes"], budget_bytes,
+        raise _nothing_fits(cfg, "cuda", step, batch, ctx["shortest_peak_bytes"], budget_bytes,
                             " on the device, estimated: the CUDA model, not measured")
     est = step_need(at_seq_len(cfg, ctx["seq_len"], bound, batch), arch, "cuda", gpu)[1]
     return LongestContextResult(
@@ -240,10 +241,13 @@ def estimated_longest_context(cfg: RunConfig, budget_bytes: int, gpu: Optional[s
         device_memory=est.device_memory)
 
 
-def _nothing_fits(step: int, batch: int, peak: Optional[float], budget_bytes: Optional[int],
-                  how: str = "") -> ConfigError:
+def _nothing_fits(cfg: RunConfig, device_type: str, step: int, batch: int, peak: Optional[float],
+                  budget_bytes: Optional[int], how: str = "") -> ConfigError:
     need = f"needs {peak / 2**30:.2f} GiB{how}" if peak is not None else "ran out of device memory"
     budget = f"the budget of {budget_bytes / 2**30:.2f} GiB" if budget_bytes else "the device"
-    return ConfigError(
-        f"even {step:,} tokens at batch {batch} do not fit {budget} ({need}); raise --memory-budget, lower "
-        "--batch-size or --multiple-of, or save memory with --loss chunked, --checkpointing full or --precision bf16")
+    save = save_memory_clause(cfg, budget_bytes, device_type, shorter_sequence=False)
+    # Over the budget on the model's state alone, a smaller batch or length step does not help.
+    shrink = [] if save.model_state else ["lower --batch-size or --multiple-of"]
+    change = ", ".join([save.text] * bool(save.text) + shrink)
+    return ConfigError(f"even {step:,} tokens at batch {batch} do not fit {budget} ({need}); {change}, or raise "
+                       "--memory-budget")

@@ -22,6 +22,7 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
+from memtrain.analysis.advice import save_memory_clause
 from memtrain.analysis.estimate import Arch, Estimate, estimate
 from memtrain.analysis.limits import MAX_WIDTH
 from memtrain.analysis.plan import default_space, plan
@@ -351,17 +352,20 @@ class FitVerdict:
     # The longest sequence length whose step at the asked micro-batch fits (longest_context's
     # entry); None where it was not searched.
     longest_context: Optional[dict[str, Any]] = None
+    # When no technique set or micro-batch split fits: what to change instead
+    # (memtrain.analysis.advice: the model-state flags when the state alone is over the budget).
+    advice: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def line(self) -> str:
         """One line: the verdict, the largest batch, and what to change when it does not fit."""
-        budget = _gib(self.budget_bytes)
+        budget = _size(self.budget_bytes)
         if self.fits:
-            head = f"fits {budget} with {_gib(self.headroom_bytes)} headroom"
+            head = f"fits {budget} with {_size(self.headroom_bytes)} headroom"
         else:
-            head = f"does not fit {budget}: needs {_gib(self.needed_bytes)} ({_gib(-self.headroom_bytes)} over)"
+            head = f"does not fit {budget}: needs {_size(self.needed_bytes)} ({_size(-self.headroom_bytes)} over)"
         if self.largest_batch is None:
             head += "; not even batch 1 fits"
         else:
@@ -370,7 +374,7 @@ class FitVerdict:
             head += f"; to fit batch {self.batch_size}: " + ", or ".join(
                 f"{s['flags']} (est. {_gib(s['needed_bytes'])})" for s in self.suggestions)
         elif not self.fits:
-            head += f"; no technique set or micro-batch split fits batch {self.batch_size}: lower --seq-len"
+            head += f"; no technique set or micro-batch split fits batch {self.batch_size}: {self.advice or 'lower --seq-len'}"
         return head
 
 
@@ -389,8 +393,11 @@ def fit_verdict(cfg: RunConfig, arch: Arch, device_type: str, budget: tuple[int,
     best = largest_batch(need_of, cfg, budget_bytes, cap=cap)
     fits = need <= budget_bytes
     suggestions: list[dict[str, Any]] = []
+    advice = ""
     if not fits and world_size == 1:
         suggestions = cheapest_changes(cfg, arch, device_type, budget_bytes, gpu, n_suggestions)
+        if not suggestions:
+            advice = save_memory_clause(cfg, budget_bytes, device_type).text
     if device_type == "cuda":
         measure = "device total: the caching allocator's reserved memory + the CUDA context (nvidia-smi's view)"
         assumptions = list(est.device_memory["assumptions"]) if est.device_memory else []
@@ -404,7 +411,7 @@ def fit_verdict(cfg: RunConfig, arch: Arch, device_type: str, budget: tuple[int,
                       needed_bytes=int(round(need)), measure=measure, fits=fits,
                       headroom_bytes=int(round(budget_bytes - need)), largest_batch=best,
                       largest_batch_capped=best == cap, suggestions=suggestions, assumptions=assumptions,
-                      longest_context=context)
+                      longest_context=context, advice=advice)
 
 
 def cheapest_changes(cfg: RunConfig, arch: Arch, device_type: str, budget_bytes: int, gpu: Optional[str],

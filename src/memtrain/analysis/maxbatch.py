@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 from tqdm.auto import tqdm
 
+from memtrain.analysis.advice import save_memory_clause
 from memtrain.analysis.estimate import GPT2_ARCH, estimate
 from memtrain.analysis.estimate.hf import hf_arch, why_not_modelled
 from memtrain.analysis.fit import largest_batch, largest_fitting, largest_fitting_from, step_need
@@ -124,12 +125,12 @@ def _analytic_guess(cfg: RunConfig, budget_bytes: Optional[int], multiple_of: in
         return None
 
 
-def _nothing_fits(batch: int, peak: Optional[float], budget_bytes: Optional[int], how: str = "") -> ConfigError:
+def _nothing_fits(cfg: RunConfig, device_type: str, batch: int, peak: Optional[float], budget_bytes: Optional[int],
+                  how: str = "") -> ConfigError:
     need = f"needs {peak / 2**30:.2f} GiB{how}" if peak is not None else "ran out of device memory"
     budget = f"the budget of {budget_bytes / 2**30:.2f} GiB" if budget_bytes else "the device"
-    return ConfigError(
-        f"even batch {batch} does not fit {budget} ({need}); raise --memory-budget or save memory "
-        "with --loss chunked, --checkpointing full, --precision bf16 or a smaller --seq-len")
+    return ConfigError(f"even batch {batch} does not fit {budget} ({need}); "
+                       f"{save_memory_clause(cfg, budget_bytes, device_type).text}, or raise --memory-budget")
 
 
 def estimated_max_batch(cfg: RunConfig, budget_bytes: int, gpu: Optional[str], max_batch: Optional[int] = None,
@@ -151,7 +152,7 @@ def estimated_max_batch(cfg: RunConfig, budget_bytes: int, gpu: Optional[str], m
 
     k = largest_batch(need, cfg, budget_bytes, multiple_of, (max_batch or 4096) // multiple_of)
     if k is None:
-        raise _nothing_fits(multiple_of, probes[0]["peak_bytes"], budget_bytes,
+        raise _nothing_fits(cfg, "cuda", multiple_of, probes[0]["peak_bytes"], budget_bytes,
                             " on the device, estimated: the CUDA model, not measured")
     total, est = step_need(cfg.replace(batch_size=k * multiple_of), arch, "cuda", gpu)
     return MaxBatchResult(k * multiple_of, int(total), budget_bytes, "cuda", "estimate", probes, measured=False,
@@ -243,11 +244,11 @@ def find_max_batch(  # noqa: C901 - grow then bisect, each with OOM and budget e
                 found = largest_fitting_from(lambda k: fits(k * multiple_of)[0], cap, start, start_fits)
                 if found is None:
                     peak_at_one = next(p["peak_bytes"] for p in probes if p["batch_size"] == multiple_of)
-                    raise _nothing_fits(multiple_of, peak_at_one, budget_bytes)
+                    raise _nothing_fits(cfg, device.type, multiple_of, peak_at_one, budget_bytes)
         if found is None:
             ok, peak = fits(multiple_of)
             if not ok:
-                raise _nothing_fits(multiple_of, peak, budget_bytes)
+                raise _nothing_fits(cfg, device.type, multiple_of, peak, budget_bytes)
             found = largest_fitting(lambda k: fits(k * multiple_of)[0], cap)
         best = found * multiple_of
         best_peak = next(p["peak_bytes"] for p in reversed(probes) if p["batch_size"] == best and p["fits"])
