@@ -17,8 +17,8 @@ from memtrain.analysis.estimate.hf import hf_arch, why_not_modelled
 from memtrain.config.run import ConfigError, RunConfig
 from memtrain.models import is_hf
 
-# The LoRA rank a refusal names (plan's HINT_LORA_RANK): a common choice; the adapters' own size
-# barely moves the peak.
+# The LoRA rank a refusal names (here and in plan's): a common choice (peft's examples; the QLoRA
+# paper's runs use 8-64); the adapters' own size barely moves the peak.
 ADVICE_LORA_RANK = 16
 # The AdamW family, whose two FP32 moments an 8-bit optimizer shrinks to two bytes.
 ADAMW_FAMILY = ("adamw", "adamw-fused", "adamw-foreach")

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 
 from tqdm.auto import tqdm
 
+from memtrain.analysis.advice import ADVICE_LORA_RANK
 from memtrain.analysis.estimate import GPT2_ARCH, Arch, estimate, param_count
 from memtrain.analysis.estimate.compile_budget import interpolated_budget, recompute_share
 from memtrain.analysis.estimate.hf import hf_arch, why_not_modelled
@@ -566,17 +567,12 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
                           evaluated, baseline, notes=notes)
 
 
-# The LoRA rank a plan names when a full fine-tune fits nowhere: a common choice (peft's examples,
-# the QLoRA paper's 7B runs use 8-64); the adapters' size barely moves the peak.
-HINT_LORA_RANK = 16
-
-
 def _adapters_hint(smallest: RunConfig, exact_peak: Callable[[RunConfig], float], limit: float,
                    margin: float) -> str:
     """When no full fine-tune fits: the smallest option again with LoRA adapters trained instead
     of every weight, its peak predicted as every candidate's, as a clause of the refusal. A
     different run (only the adapters learn), so it is named, never chosen."""
-    rank = min(HINT_LORA_RANK, smallest.model.d_model)
+    rank = min(ADVICE_LORA_RANK, smallest.model.d_model)
     p = exact_peak(smallest.replace(lora_rank=rank))
     needs = f"{_gib(p * (1 + margin))} ({_gib(p)} predicted)"
     if p <= limit:
