@@ -257,6 +257,9 @@ def test_resume_outside_the_run_and_incomplete_checkpoints_are_refused(saved_run
     (["--lr", "1e30"], "--lr"), (["--lr", "nan"], "--lr"), (["--weight-decay", "-0.1"], "--weight-decay"),
     (["--eval-every", "-1"], "--eval-every"), (["--save-every", "-1"], "--save-every"), (["--out", ""], "--out"),
     (["--vocab-size", "100"], "--vocab-size 100"), (["--steps", "inf"], "--steps"),
+    # An empty path would mean the current folder: every data file under it, the cache beside them.
+    (["--data", ""], "--data is empty"), (["--data", "  "], "--data is empty"),
+    (["--cache-dir", ""], "--cache-dir is empty"),
 ])
 def test_nonsense_flags_are_refused_before_anything_runs(tiny_run, args, words, capsys):
     assert main(["train", *cli_flags(tiny_run), *args]) == 2

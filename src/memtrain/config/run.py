@@ -171,6 +171,9 @@ class DataConfig:
     prefetch_factor: Optional[int] = _f(None, "Batches prefetched per worker (needs --num-workers > 0).")
 
     def __post_init__(self) -> None:
+        # An empty path is the current folder: every data file below it, a cache among them.
+        _require(self.data.strip() != "", "--data is empty; give a file, a folder, a glob, 'default' or hf:NAME")
+        _require(self.cache_dir.strip() != "", "--cache-dir is empty; give a folder or drop --cache-dir")
         _require(0.0 < self.val_fraction < 1.0, f"--val-fraction must be in (0, 1), got {self.val_fraction}")
         _require(self.val_blocks > 0, f"--val-blocks must be positive, got {self.val_blocks}")
         _require(self.num_workers >= 0, f"--num-workers must be >= 0, got {self.num_workers}")
