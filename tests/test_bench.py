@@ -67,6 +67,18 @@ def test_bad_technique_lists(techniques, message):
         resolve_rows(BenchOptions(techniques=techniques))
 
 
+def test_a_config_file_cannot_change_a_presets_own_technique():
+    # The row labelled "BF16 Mixed Precision" ran in FP32 with LoRA when --config said so.
+    file_layer = {"technique": {"precision": "fp32"}}
+    with pytest.raises(ConfigError, match="technique 'bf16' sets precision and --config sets it too"):
+        resolve_rows(BenchOptions(techniques=["bf16"], file_layer=file_layer))
+    # Keys the preset leaves alone still apply to its row, and an explicit row may be written instead.
+    (_, row), = resolve_rows(BenchOptions(techniques=["bf16"], file_layer={"checkpointing": "full"}))
+    assert (row.technique.precision, row.technique.checkpointing) == ("bf16", "full")
+    with pytest.raises(ConfigError, match="drop one"):
+        resolve_rows(BenchOptions(techniques=["precision=bf16"], file_layer=file_layer))
+
+
 def test_bench_rows_resume_and_failures(small_corpus, tmp_path):
     """Two real rows in subprocesses, one that cannot run; rerun skips what finished."""
     overrides = {**TINY_MODEL, "data": str(small_corpus), "steps": 3, "warmup_steps": 1, "batch_size": 2,

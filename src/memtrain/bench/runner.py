@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -23,9 +23,11 @@ from memtrain.bench.eta import BenchEta
 from memtrain.bench.process import clean_stale_row_dirs, row_tmpdir, start_row, stop_row
 from memtrain.bench.scales import SCALE_BUDGET, SCALE_MAX_BATCH, scale_overrides
 from memtrain.bench.technique_sets import describe, noise_twin, technique_overrides
-from memtrain.config.run import ConfigError, RunConfig, build_config, flatten, parse_size
+from memtrain.config.run import ConfigError, RunConfig, TechniqueConfig, build_config, flatten, parse_size
 from memtrain.files.results import FolderLock, append_result, read_results, remove_stale_temps, select_rows
 from memtrain.report import write_report
+
+TECHNIQUE_KEYS = frozenset(f.name for f in fields(TechniqueConfig))
 
 
 @dataclass
@@ -77,6 +79,12 @@ def resolve_rows(opts: BenchOptions) -> list[tuple[str, RunConfig]]:
             # neither may silently win over the other.
             raise ConfigError(f"technique {name!r} sets {', '.join(both)} and --{both[0].replace('_', '-')} is "
                               f"given too (as a flag or in --config); drop one (the row's value applies to that row only)")
+        # A preset's techniques are what its label says ("BF16 Mixed Precision"): a --config key that
+        # changed one would run another technique under that label. (Flags set no technique key.)
+        relabelled = sorted(set(row_layer) & set(flatten(opts.file_layer)) & TECHNIQUE_KEYS)
+        if relabelled and "=" not in name:
+            raise ConfigError(f"technique {name!r} sets {', '.join(relabelled)} and --config sets it too; drop "
+                              f"{relabelled[0]} from the config file, or name the row key=value+key=value")
         try:
             cfg = build_config(scale_overrides(opts.scale), row_layer, opts.file_layer, opts.overrides)
         except ConfigError as exc:
