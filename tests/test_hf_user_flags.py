@@ -84,6 +84,35 @@ def test_plan_command_rebuilds_a_transformers_model(capsys, one_thread):
     assert flags[:2] == ["--model", "tiny-llama"] and "--d-model" not in flags
 
 
+@pytest.mark.parametrize("flags, words", [
+    (["--lora-targets", "q_proj,v_proj"], "--lora-targets q_proj,v_proj applies only with --lora-rank"),
+    (["--lora-alpha", "32"], "--lora-alpha 32.0 applies only with --lora-rank"),
+    (["--lora-dropout", "0.05"], "--lora-dropout 0.05 applies only with --lora-rank"),
+    (["--compile-mode", "max-autotune"], "--compile-mode max-autotune applies only with --compile"),
+    (["--compile-scope", "block"], "--compile-scope block applies only with --compile"),
+    (["--adafactor-relative-step"], "--adafactor-relative-step applies only with --optim adafactor"),
+    (["--loss-chunk", "64"], "--loss-chunk 64 applies only with --loss chunked"),
+    (["--schedule", "constant", "--min-lr-ratio", "0.5"], "--min-lr-ratio 0.5 applies only with --schedule cosine"),
+])
+def test_a_setting_of_a_technique_that_is_off_is_refused(tiny_run, tmp_path, flags, words, capsys):
+    """--lora-targets without --lora-rank trained every weight and said nothing; each such setting
+    is one line naming the flag that turns its technique on."""
+    run = {**tiny_run, "out": str(tmp_path / "o")}
+    assert main(["train", *cli_flags(run), *flags]) == 2
+    assert words in _error_line(capsys)
+    assert not (tmp_path / "o").exists()
+    # With its technique on, or at its default value (a config file spelling out every key), it is taken.
+    assert _cfg(["train", "--lora-rank", "4", "--lora-alpha", "32"]).technique.lora_alpha == 32.0
+    assert _cfg(["train", "--lora-alpha", "16"]).technique.lora_rank == 0
+
+
+def test_printed_commands_leave_out_settings_of_techniques_that_are_off():
+    cfg = build_config({"loss": "standard", "loss_chunk": 64, "compile_mode": "max-autotune"})
+    flags = train_flags(cfg)
+    assert "--loss-chunk" not in flags and "--compile-mode" not in flags
+    _cfg(["train", *flags])  # train takes the command
+
+
 def test_plan_leaves_selective_out_for_a_transformers_model():
     """Megatron's selective policy is refused for a transformers model; plan does not offer it."""
     from memtrain.analysis.plan import default_space

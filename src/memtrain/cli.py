@@ -33,7 +33,17 @@ from memtrain.config.aliases import (
     switch_value,
 )
 from memtrain.config.argtypes import rank_count
-from memtrain.config.run import SECTIONS, ConfigError, ModelConfig, RunConfig, build_config, flatten, load_config_file
+from memtrain.config.run import (
+    SECTIONS,
+    ConfigError,
+    ModelConfig,
+    RunConfig,
+    build_config,
+    dormant_settings,
+    field_index,
+    flatten,
+    load_config_file,
+)
 from memtrain.distributed.rank_errors import begin_command, error_line, launch_env, launched_by_memtrain, say_error
 from memtrain.errors import one_line
 from memtrain.files.results import (
@@ -227,6 +237,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = 
                 layers.append({"max_seq_len": seq})
     cfg = build_config(*layers)
     _refuse_ignored_model_flags(cfg, _given_settings([file_layer, flags]))
+    _refuse_flags_of_an_unused_technique(cfg, _given_settings([file_layer, flags]))
     # Remembered (not a field) for defaults_note: which settings a layer named.
     cfg.given_settings = frozenset(merged)  # type: ignore[attr-defined]  # read with getattr(..., None)
     return cfg
@@ -250,6 +261,20 @@ def _refuse_ignored_model_flags(cfg: RunConfig, given: dict[str, Any]) -> None:
         if not same:
             raise ConfigError(f"--{name.replace('_', '-')} {given[name]}: --model {spec} sets {name} from its own "
                               f"config ({current}); drop the flag, or change it in a copy of the model's config")
+
+
+def _refuse_flags_of_an_unused_technique(cfg: RunConfig, given: dict[str, Any]) -> None:
+    """A setting of a technique that is off (``--lora-targets`` without ``--lora-rank``, ``--compile-mode``
+    without ``--compile``) would be dropped: refused in one line instead. A value equal to the default
+    passes (a config file that spells out every key)."""
+    defaults = RunConfig()
+    for name, switch in dormant_settings(cfg).items():
+        section = field_index()[name]
+        value = getattr(getattr(cfg, section), name)
+        if name in given and value != getattr(getattr(defaults, section), name):
+            flag = f"--{name.replace('_', '-')}"
+            shown = flag if isinstance(value, bool) else f"{flag} {value}"
+            raise ConfigError(f"{shown} applies only with {switch}; add {switch.split(' (')[0]} or drop {flag}")
 
 
 MODEL_DEFAULT_ATTENTION = "sdpa"
