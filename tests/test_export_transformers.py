@@ -206,6 +206,26 @@ def test_export_refuses_a_busy_destination_and_leaves_nothing_behind(scratch_lla
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
+@pytest.mark.parametrize("meanwhile", ["folder", "file"])
+def test_a_destination_made_during_the_export_is_refused_and_kept(tmp_path, meanwhile):
+    """Two exports to one new folder: the second's rename met the first's export and said
+    `error: OSError: [Errno 39] Directory not empty` (exit 1); it is bad input, and nothing is replaced."""
+    from memtrain.config.run import ConfigError
+    from memtrain.inference.export import _new_directory
+
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match="was created while exporting"):
+        with _new_directory(out) as tmp:
+            (tmp / "config.json").write_text("{}")
+            if meanwhile == "folder":
+                out.mkdir()
+                (out / "config.json").write_text("theirs")
+            else:
+                out.write_text("theirs")
+    assert (out / "config.json" if meanwhile == "folder" else out).read_text() == "theirs"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
 def test_a_fresh_process_reads_an_nf4_checkpoint_and_still_refuses_other_classes(tmp_path):
     """torch's restricted unpickler knows torchao's NF4Tensor only once torchao registered it:
     a fresh `memtrain export`/`generate`/`--resume` process refused every CPU QLoRA checkpoint

@@ -34,6 +34,7 @@ folder is read by transformers with ``trust_remote_code=False`` and safetensors 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
@@ -354,7 +355,14 @@ def _new_directory(out: Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
         yield tmp
-        os.replace(tmp, out)  # onto an empty directory too (POSIX rename)
+        try:
+            os.replace(tmp, out)  # onto an empty directory too (POSIX rename)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                raise
+            # Another export (or anything else) made ``out`` after the check: keep theirs.
+            raise ConfigError(f"{str(out)!r} was created while exporting (another export to it?); nothing was "
+                              "replaced: give a new directory") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
