@@ -190,6 +190,25 @@ def test_a_fresh_run_on_a_folder_with_results_is_refused_and_resume_appends(tiny
     assert steps[:2] == [1, 2] and steps[-1] == 4 and 3 in steps
 
 
+def test_a_tilde_in_out_and_save_is_the_home_folder_for_the_checks_and_the_writes(tiny_run, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """--out '~/r' (quoted, or from a config file): the checks looked in the home folder and the
+    run wrote into a folder named "~" in the current one, so a second run passed the fresh-folder
+    check and was stopped only at its metrics file."""
+    home, here = tmp_path / "home", tmp_path / "here"
+    home.mkdir()
+    here.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(here)
+    run = {**tiny_run, "steps": 2, "warmup_steps": 1, "out": "~/r", "save": "~/r/ck.pt"}
+    assert main(["train", *cli_flags(run)]) == 0
+    assert sorted(p.name for p in (home / "r").iterdir()) == [".memtrain.lock", "ck.pt", "metrics.jsonl", "result.json"]
+    assert list(here.iterdir()) == []
+    capsys.readouterr()
+    assert main(["train", *cli_flags(run)]) == 2
+    assert "already holds result.json and metrics.jsonl" in _one_error_line(capsys.readouterr().err)
+
+
 def test_a_resumed_run_continues_its_own_folder_but_not_another_runs(tiny_run, tmp_path, capsys):
     """--resume replaces result.json and appends to metrics.jsonl: in the resumed run's own folder
     (its result.json records the same settings) that continues the run; in a folder another run

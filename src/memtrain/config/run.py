@@ -406,6 +406,11 @@ class TrainConfig:
         _require(self.out.strip() != "", "--out is empty; give a directory, e.g. --out runs/train")
         _require(self.save is None or self.save.strip() != "", "--save is empty; give a file path or drop --save")
         _require(self.resume is None or self.resume.strip() != "", "--resume is empty; give a checkpoint path or drop --resume")
+        # One path for every check and every write: "~" is the home folder (as for --data and
+        # --cache-dir); the checks expanded it while the writes made a folder named "~" here.
+        self.out = os.path.expanduser(self.out)
+        self.save = None if self.save is None else os.path.expanduser(self.save)
+        self.resume = None if self.resume is None else os.path.expanduser(self.resume)
         # Without --save the periodic checkpoints would go nowhere, silently (the Trainer's
         # save_steps writes into output_dir: a user of the alias expects files).
         _require(not self.save_every or self.save is not None,
