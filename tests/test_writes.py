@@ -74,6 +74,30 @@ def test_bench_refuses_links_in_its_folder_before_any_row_runs(small_corpus, tmp
     assert sorted(p.name for p in out.iterdir()) == []  # nothing ran, nothing was written
 
 
+def test_bench_checks_and_writes_the_same_home_folder_for_a_tilde(small_corpus, tmp_path, monkeypatch):
+    """bench --out '~/b': the checks looked at the home folder, the rows and reports went to "./~/b"."""
+    import memtrain.commands.bench as bench_command
+
+    home, here = tmp_path / "home", tmp_path / "here"
+    home.mkdir()
+    here.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(here)
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_run_bench(opts, on_row=None):
+        seen.append(opts.out)
+        raise Stop
+
+    monkeypatch.setattr(bench_command, "run_bench", fake_run_bench)
+    main(["bench", "--techniques", "baseline", "--out", "~/b", "--no-maxbatch", "--data", str(small_corpus),
+          "--steps", "2", "--no-progress"])  # stopped where the rows would start
+    assert seen == [home / "b"] and list(here.iterdir()) == []
+
+
 def test_text_from_results_is_escaped_in_markdown_and_csv(tmp_path, capsys):
     out = _bench_folder(tmp_path, technique="=HYPERLINK(\"http://e.x\")", description=ATTACK)
     assert main(["report", str(out)]) == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -114,8 +115,10 @@ def check_options(args: argparse.Namespace) -> None:
     """Refuse bad bench options before any warning is printed or the results folder is made:
     the runner reads some of them only when a row starts (the budget, in each row's max-batch
     search), after the folder and its lock exist."""
+    # "~" is the home folder for the checks and for the writes alike (they once wrote into "./~").
+    args.bench_out = os.path.expanduser(args.bench_out)
     check_writable_dir(args.bench_out, "--out")  # empty, a file, or not writable: refused up front
-    check_out_names(Path(args.bench_out).expanduser())  # a link at results.jsonl, report.md, ...: refused up front
+    check_out_names(Path(args.bench_out))  # a link at results.jsonl, report.md, ...: refused up front
     if args.memory_budget is not None:
         parse_size(args.memory_budget)  # e.g. "lots": the one error: line, nothing written
     if args.multiple_of < 1:
