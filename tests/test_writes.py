@@ -98,6 +98,27 @@ def test_bench_checks_and_writes_the_same_home_folder_for_a_tilde(small_corpus, 
     assert seen == [home / "b"] and list(here.iterdir()) == []
 
 
+def test_every_verb_reads_and_writes_a_tilde_path_in_the_home_folder(tiny_run, tmp_path, monkeypatch, capsys):
+    """export checked '~/e' in the home folder and wrote "./~/e"; export and generate could not find
+    '~/ck.pt', report '~/b', while train's --resume could; flops --plot wrote "./~/f.png"."""
+    home, here = tmp_path / "home", tmp_path / "here"
+    home.mkdir()
+    here.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(here)
+    assert main(["train", *cli_flags({**tiny_run, "steps": 1, "warmup_steps": 0, "save": "~/ck.pt"})]) == 0
+    assert main(["export", "~/ck.pt", "~/e"]) == 0
+    assert (home / "e" / "config.json").is_file()
+    assert main(["generate", "~/e", "--max-new-tokens", "2"]) == 0
+    assert main(["generate", "~/ck.pt", "--max-new-tokens", "2"]) == 0
+    (home / "b").mkdir()
+    shutil.copy(Path(__file__).parent / "data" / "bench_results.jsonl", home / "b" / "results.jsonl")
+    assert main(["report", "~/b"]) == 0
+    assert main(["flops", *cli_flags({k: tiny_run[k] for k in ("d_model", "n_heads", "n_layers", "d_ff")}),
+                 "--seq-len", "16", "--batch-size", "1", "--plot", "~/f.png"]) == 0
+    assert (home / "f.png").is_file() and list(here.iterdir()) == []
+
+
 def test_text_from_results_is_escaped_in_markdown_and_csv(tmp_path, capsys):
     out = _bench_folder(tmp_path, technique="=HYPERLINK(\"http://e.x\")", description=ATTACK)
     assert main(["report", str(out)]) == 0

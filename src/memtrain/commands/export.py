@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from memtrain.cli import register
 from memtrain.training.preflight import check_writable_dir
@@ -23,6 +24,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from memtrain.inference.export import export_hf  # torch-free --help/estimate/plan
 
+    # "~" is the home folder, as for train's paths (the check expanded it, the export did not).
+    args.checkpoint, args.out_dir = os.path.expanduser(args.checkpoint), os.path.expanduser(args.out_dir)
     # A file in the way or a read-only place: one line (exit 2) before the checkpoint is read.
     check_writable_dir(args.out_dir, "OUT_DIR")
     res = export_hf(args.checkpoint, args.out_dir, adapter_only=args.adapter_only)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, derive_max_seq_len=True)
 
     check_analytic_size(cfg.model)  # before torch is imported: an absurd size costs nothing
+    if args.plot:
+        args.plot = os.path.expanduser(args.plot)  # "~" is the home folder, as for train's --out
     if args.plot and not args.plot.lower().endswith(".png"):
         raise ConfigError(f"--plot {args.plot!r} must name a .png file, e.g. --plot roofline.png")
     if args.plot:

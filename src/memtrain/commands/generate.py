@@ -30,7 +30,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from memtrain.inference.generate import generate  # torch-free --help/estimate/plan
 
-    texts = generate(Path(args.model), args.prompt, args.max_new_tokens, args.temperature, args.top_k,
+    texts = generate(Path(args.model).expanduser(), args.prompt, args.max_new_tokens, args.temperature, args.top_k,
                      args.num_samples, args.seed)
     for i, text in enumerate(texts):
         if len(texts) > 1:

@@ -243,7 +243,7 @@ def _measured_effects(results_dir: str, techs: list[dict]) -> tuple[list[Optiona
     memtrain.report.noise.row_noise). The reference is the row the bench's noise twins repeat when it is standard (the
     noise is measured around it), else the standard row with the lowest loss; twins are never
     a candidate's row."""
-    path = Path(results_dir)
+    path = Path(results_dir).expanduser()  # "~" is the home folder, as for bench --out
     if not (path / "results.jsonl").is_file():
         raise ConfigError(f"{str(path / 'results.jsonl')!r} not found; --results takes a bench output folder")
     results = _bench_rows(path)

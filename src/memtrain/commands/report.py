@@ -17,7 +17,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = Path(args.dir)
+    out = Path(args.dir).expanduser()  # "~" is the home folder, as for bench --out
     if not (out / "results.jsonl").is_file():
         raise ConfigError(f"{out}/results.jsonl not found; point memtrain report at a folder written by memtrain bench")
     # Read and check the rows before writing: a file with no rows must not replace a good report.
