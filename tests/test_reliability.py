@@ -260,6 +260,10 @@ def test_resume_outside_the_run_and_incomplete_checkpoints_are_refused(saved_run
     # An empty path would mean the current folder: every data file under it, the cache beside them.
     (["--data", ""], "--data is empty"), (["--data", "  "], "--data is empty"),
     (["--cache-dir", ""], "--cache-dir is empty"),
+    # A source setting --data does not use: the run trained on the default corpus, or on every line.
+    (["--data", "default", "--text-field", "body"], "--text-field body names a field of a structured --data"),
+    (["--data", "notes.txt", "--text-field", "body"], "--data notes.txt is plain text"),
+    (["--hf-split", "test"], "--hf-split test picks a split of an hf: --data"),
 ])
 def test_nonsense_flags_are_refused_before_anything_runs(tiny_run, args, words, capsys):
     assert main(["train", *cli_flags(tiny_run), *args]) == 2

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import glob
 import math
 import os
 import shlex
@@ -174,6 +175,15 @@ class DataConfig:
         # An empty path is the current folder: every data file below it, a cache among them.
         _require(self.data.strip() != "", "--data is empty; give a file, a folder, a glob, 'default' or hf:NAME")
         _require(self.cache_dir.strip() != "", "--cache-dir is empty; give a folder or drop --cache-dir")
+        # Settings of a kind of source that --data is not: dropped otherwise (the run trained on
+        # the default corpus when --data was forgotten next to --text-field).
+        plain = self.data == "default" or (not glob.has_magic(self.data) and self.data.lower().endswith(".txt"))
+        _require(self.text_field is None or not plain,
+                 f"--text-field {self.text_field} names a field of a structured --data (.jsonl, .json, .parquet, .csv, "
+                 f"Posts.xml, hf:...); --data {self.data} is plain text: give that --data or drop --text-field")
+        _require(self.hf_split == "train" or self.data.startswith("hf:"),
+                 f"--hf-split {self.hf_split} picks a split of an hf: --data; --data {self.data} has none: give "
+                 "--data hf:NAME or drop --hf-split")
         _require(0.0 < self.val_fraction < 1.0, f"--val-fraction must be in (0, 1), got {self.val_fraction}")
         _require(self.val_blocks > 0, f"--val-blocks must be positive, got {self.val_blocks}")
         _require(self.num_workers >= 0, f"--num-workers must be >= 0, got {self.num_workers}")
