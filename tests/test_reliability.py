@@ -264,6 +264,7 @@ def test_resume_outside_the_run_and_incomplete_checkpoints_are_refused(saved_run
     (["--data", "default", "--text-field", "body"], "--text-field body names a field of a structured --data"),
     (["--data", "notes.txt", "--text-field", "body"], "--data notes.txt is plain text"),
     (["--hf-split", "test"], "--hf-split test picks a split of an hf: --data"),
+    (["--warmup-steps", "7"], "--warmup-steps 7 is longer than --steps 6"),
 ])
 def test_nonsense_flags_are_refused_before_anything_runs(tiny_run, args, words, capsys):
     assert main(["train", *cli_flags(tiny_run), *args]) == 2

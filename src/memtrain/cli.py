@@ -236,8 +236,14 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = 
             if seq > build_config(base or {}).model.max_seq_len:
                 layers.append({"max_seq_len": seq})
     cfg = build_config(*layers)
-    _refuse_ignored_model_flags(cfg, _given_settings([file_layer, flags]))
-    _refuse_flags_of_an_unused_technique(cfg, _given_settings([file_layer, flags]))
+    given = _given_settings([file_layer, flags])
+    _refuse_ignored_model_flags(cfg, given)
+    _refuse_flags_of_an_unused_technique(cfg, given)
+    t = cfg.train
+    if "warmup_steps" in given and t.warmup_steps > t.steps:
+        # The schedule would end mid-ramp: the run would never train at the --lr it records.
+        raise ConfigError(f"--warmup-steps {t.warmup_steps} is longer than --steps {t.steps}: the learning rate would "
+                          f"end at {t.steps / t.warmup_steps:.0%} of --lr; lower --warmup-steps or raise --steps")
     # Remembered (not a field) for defaults_note: which settings a layer named.
     cfg.given_settings = frozenset(merged)  # type: ignore[attr-defined]  # read with getattr(..., None)
     return cfg
