@@ -254,6 +254,26 @@ def test_a_tilde_in_out_and_save_is_the_home_folder_for_the_checks_and_the_write
     assert "already holds result.json and metrics.jsonl" in _one_error_line(capsys.readouterr().err)
 
 
+def test_a_run_that_fails_before_its_first_step_leaves_no_metrics_file_to_block_the_next(tiny_run, monkeypatch,
+                                                                                          capsys):
+    """A first step that failed (out of memory) left an empty metrics.jsonl, and the same command
+    with a smaller batch was then refused: "--out already holds metrics.jsonl of an earlier run"."""
+    import memtrain.training.train as train_module
+
+    out = Path(tiny_run["out"])
+    real_run = train_module._Loop.run
+
+    def fail(self, *args, **kwargs):
+        raise RuntimeError("the first step failed")
+
+    monkeypatch.setattr(train_module._Loop, "run", fail)
+    assert main(["train", *cli_flags(tiny_run)]) == 1
+    assert "the first step failed" in _one_error_line(capsys.readouterr().err)
+    assert not out.exists()
+    monkeypatch.setattr(train_module._Loop, "run", real_run)
+    assert main(["train", *cli_flags({**tiny_run, "steps": 2})]) == 0
+
+
 def test_a_resumed_run_continues_its_own_folder_but_not_another_runs(tiny_run, tmp_path, capsys):
     """--resume replaces result.json and appends to metrics.jsonl: in the resumed run's own folder
     (its result.json records the same settings) that continues the run; in a folder another run

@@ -44,6 +44,7 @@ class JsonlSink:
         self.path = Path(path)
         self.fd: Optional[int] = open_append(self.path) if append else open_new(self.path)
         self.failure: Optional[BaseException] = None
+        self.created_empty = not append  # until the first line: a file only this run made
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         if self.fd is None:
@@ -51,6 +52,7 @@ class JsonlSink:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in scalars.items()}
         try:
             write_all(self.fd, (json.dumps({"step": step, **clean}) + "\n").encode(), self.path)
+            self.created_empty = False
         except OSError as exc:
             self.failure = exc
             sys.stderr.write(f"warning: cannot write {self.path} ({exc.strerror or exc}); training goes on, "
@@ -61,6 +63,19 @@ class JsonlSink:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+    def discard_if_empty(self) -> None:
+        """Close, and remove the file when this run created it and wrote no line (a run that failed
+        before its first step): an empty metrics.jsonl would make the folder refuse the next run."""
+        if self.fd is not None and self.created_empty:
+            mine = os.fstat(self.fd)
+            try:
+                there = os.lstat(self.path)
+                if (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino) and there.st_size == 0:
+                    os.unlink(self.path)
+            except OSError:
+                pass  # gone or replaced already: nothing of this run's to remove
+        self.close()
 
 
 class TensorBoardSink:
@@ -155,7 +170,11 @@ class MetricsLogger:
         """The error that stopped ``metrics.jsonl`` (a full disk), or None."""
         return self.jsonl.failure if self.jsonl is not None else None
 
-    def close(self) -> None:
+    def close(self, discard_if_empty: bool = False) -> None:
+        """Close every sink; ``discard_if_empty`` (a failed run): remove a metrics.jsonl this run
+        created and never wrote to."""
+        if discard_if_empty and self.jsonl is not None:
+            self.jsonl.discard_if_empty()
         for sink in self.sinks:
             sink.close()
         self.sinks = []

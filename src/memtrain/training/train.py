@@ -275,7 +275,7 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     try:
         loop.run(start_step, end_step, bar)
     except BaseException:
-        logger.close()
+        logger.close(discard_if_empty=True)  # a failed first step leaves the folder as it found it
         raise
     finally:
         bar.close()
