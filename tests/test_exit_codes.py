@@ -311,3 +311,29 @@ def test_progress_flags_decide_and_a_terminal_decides_otherwise(monkeypatch):
         assert shows_progress(None) is tty and shows_progress(True) and not shows_progress(False)
     monkeypatch.setattr(sys, "stderr", None)  # pythonw: no stderr at all
     assert not shows_progress(None)
+
+
+@pytest.mark.parametrize("error, size", [
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
+                  "tried to allocate 6587285504 bytes. Error code 12 (Cannot allocate memory)"), "6.13 GiB"),
+    ("cuda", "2.00 GiB"),
+])
+def test_a_batch_that_does_not_fit_is_one_line_saying_what_to_lower(tiny_run, monkeypatch, capsys, error, size):
+    """A step that ran out of memory said `error: RuntimeError: [enforce fail at alloc_cpu.cpp:127] ...`
+    (exit 1); it is a batch that cannot fit: one line naming the flags that lower the memory."""
+    import torch
+
+    import memtrain.training.train as train_module
+
+    if error == "cuda":
+        error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity")
+
+    def out_of_memory(self, *args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(train_module._Loop, "run", out_of_memory)
+    assert main(["train", *cli_flags(tiny_run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: out of memory training batch 4 x seq 32"), err
+    assert f"tried to allocate {size}" in err and "lower --batch-size" in err and "memtrain maxbatch" in err
+    assert not Path(tiny_run["out"]).exists()

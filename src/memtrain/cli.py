@@ -16,6 +16,7 @@ import errno
 import importlib
 import os
 import pkgutil
+import re
 import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
@@ -45,7 +46,7 @@ from memtrain.config.run import (
     load_config_file,
 )
 from memtrain.distributed.rank_errors import begin_command, error_line, launch_env, launched_by_memtrain, say_error
-from memtrain.errors import one_line
+from memtrain.errors import is_out_of_memory, one_line
 from memtrain.files.results import (
     RESULT_NAME,
     FolderLock,
@@ -378,6 +379,16 @@ def _launch_ranks(args: argparse.Namespace, cfg: RunConfig) -> int:
         return launch(args.nproc_per_node, args._argv)
 
 
+def _allocation_of(exc: BaseException) -> str:
+    """The allocation an out-of-memory error names ("tried to allocate 6.13 GiB"), or its kind."""
+    found = re.search(r"tried to allocate (\d+(?:\.\d+)?) ?(bytes|[KMGT]?i?B)\b", str(exc), re.IGNORECASE)
+    if not found:
+        return type(exc).__name__
+    if found.group(2).lower() == "bytes":
+        return f"it tried to allocate {fmt_bytes(float(found.group(1)))}"
+    return f"it tried to allocate {found.group(1)} {found.group(2)}"
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from memtrain.training.train import train  # torch-free --help/estimate/plan
 
@@ -405,7 +416,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         from memtrain.runtime.notices import random_base_warning
 
         warn = _warn_after_first_step(random_base_warning(cfg) if main_rank else None)
-        result = train(cfg, on_result=write_result, log_metrics=True, lock_out=True, on_step=warn)
+        try:
+            result = train(cfg, on_result=write_result, log_metrics=True, lock_out=True, on_step=warn)
+        except Exception as exc:
+            if not is_out_of_memory(exc) or env is not None:  # under torchrun each rank says its own
+                raise
+            t = cfg.train
+            raise ConfigError(f"out of memory training batch {t.batch_size} x seq {t.seq_len} ({_allocation_of(exc)}): lower "
+                              "--batch-size (--grad-accum keeps the tokens per step), or save memory with --loss "
+                              "chunked, --checkpointing full or --precision bf16; `memtrain maxbatch` finds the "
+                              "largest batch that fits") from None
     if not main_rank:
         return 0  # result["ranks"] has every rank's numbers
     if getattr(cfg.train, "warmup_defaulted", False):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["ConfigError", "one_line"]
+__all__ = ["ConfigError", "is_out_of_memory", "one_line"]
 
 
 class ConfigError(ValueError):
@@ -24,3 +24,11 @@ def one_line(text: str) -> str:
     """``text`` with every control character written as its Python escape (``\\n``, ``\\x1b``),
     so a message that echoes user text (a path, a --model spec) stays one line on the terminal."""
     return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation that did not fit: torch's ``OutOfMemoryError`` (CUDA) or the
+    CPU allocator's RuntimeError ("DefaultCPUAllocator: can't allocate memory")."""
+    text = str(exc).lower()
+    return type(exc).__name__ == "OutOfMemoryError" or (
+        isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text))
