@@ -180,3 +180,20 @@ def test_a_bad_memory_budget_is_refused_before_any_warning_or_folder(tmp_path, c
     err = capsys.readouterr().err
     assert err.startswith("error:") and err.count("\n") == 1 and "'lots'" in err, err
     assert not out.exists()
+
+
+def test_a_row_whose_cpu_allocation_failed_is_out_of_memory(tmp_path, monkeypatch):
+    """The CPU allocator's failure ("can't allocate memory") made the row's status "error"; it is "oom"."""
+    import memtrain.bench.worker as worker
+    import memtrain.training.train as train_module
+    from memtrain.config.run import RunConfig
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                           "memory: you tried to allocate 6587285504 bytes. Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr(train_module, "train", no_memory)
+    spec, out = tmp_path / "spec.json", tmp_path / "out.json"
+    spec.write_text(json.dumps({"config": RunConfig().to_dict()}))
+    assert worker.main([str(spec), str(out)]) == 0
+    assert json.loads(out.read_text())["status"] == "oom"

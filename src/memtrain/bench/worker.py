@@ -25,16 +25,15 @@ from typing import Any
 
 from memtrain.analysis.estimate.method import estimate_step, model_arch
 from memtrain.config.run import ConfigError, build_config
+from memtrain.errors import is_out_of_memory
 from memtrain.files.results import write_json_atomic
 from memtrain.runtime.extras import quiet_third_party
 from memtrain.runtime.notices import SlowPrecisionWarning
 
 
 def _is_oom(exc: BaseException) -> bool:
-    # torch loads only when a row has failed: the worker imports it after quiet_third_party()
-    import torch
-
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+    # The CPU allocator's "can't allocate memory" too: such a row once said status "error".
+    return is_out_of_memory(exc)
 
 
 def run_row(spec: dict[str, Any]) -> dict[str, Any]:
