@@ -274,6 +274,18 @@ def test_a_run_that_fails_before_its_first_step_leaves_no_metrics_file_to_block_
     assert main(["train", *cli_flags({**tiny_run, "steps": 2})]) == 0
 
 
+@pytest.mark.parametrize("logger", ["tensorboard", "wandb"])
+def test_a_link_at_a_loggers_folder_is_refused_before_anything_is_written(tiny_run, tmp_path, logger, capsys):
+    """OUT/tensorboard planted as a link: --report-to tensorboard wrote its event file into the target."""
+    out, victim = Path(tiny_run["out"]), tmp_path / "victim"
+    out.mkdir()
+    victim.mkdir()
+    (out / logger).symlink_to(victim, target_is_directory=True)
+    assert main(["train", *cli_flags({**tiny_run, "report_to": logger})]) == 2
+    assert f"{logger} (where --report-to {logger} writes) is a symbolic link" in _one_error_line(capsys.readouterr().err)
+    assert list(victim.iterdir()) == [] and [p.name for p in out.iterdir()] == [logger]
+
+
 def test_a_resumed_run_continues_its_own_folder_but_not_another_runs(tiny_run, tmp_path, capsys):
     """--resume replaces result.json and appends to metrics.jsonl: in the resumed run's own folder
     (its result.json records the same settings) that continues the run; in a folder another run

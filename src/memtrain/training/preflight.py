@@ -111,10 +111,28 @@ def check_destinations(cfg: RunConfig, fresh_out: bool = False) -> None:
             check_writable_file(t.save, "--save")
         check_save_target(cfg)
     check_out_names(Path(t.out).expanduser(), "--out")
+    check_logger_folders(Path(t.out).expanduser(), t.report_to)
     if fresh_out and not t.resume:
         check_fresh_out(Path(t.out).expanduser())
     elif fresh_out:
         check_resumed_out(Path(t.out).expanduser(), cfg)
+
+
+# The folders --report-to's loggers write their own files into, inside --out.
+LOGGER_FOLDERS = {"tensorboard": "tensorboard", "wandb": "wandb"}
+
+
+def check_logger_folders(out: Path, report_to: str) -> None:
+    """The folder a --report-to logger writes into (OUT/tensorboard, OUT/wandb) is a folder, not a
+    link: the loggers would follow one and write their event files wherever it points."""
+    for name in (s.strip() for s in report_to.split(",")):
+        if name not in LOGGER_FOLDERS:
+            continue
+        path = out / LOGGER_FOLDERS[name]
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            what = "a symbolic link" if path.is_symlink() else "not a folder"
+            raise ConfigError(f"--out {str(out)!r}: {LOGGER_FOLDERS[name]} (where --report-to {name} writes) is {what}; "
+                              "memtrain does not write through links: remove it or choose another --out")
 
 
 def check_out_names(out: Path, flag: str = "--out") -> None:
