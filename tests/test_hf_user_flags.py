@@ -278,6 +278,15 @@ def test_a_misspelt_option_is_not_a_prefix(capsys):
     assert "did you mean --n-layers?" in _error_line(capsys)
 
 
+@pytest.mark.parametrize("verb", ["bench", "plan", "estimate", "maxbatch", "flops"])
+@pytest.mark.parametrize("flag", [["--report-to", "tensorboard"], ["--log-every", "5"], ["--logging_steps", "5"]])
+def test_verbs_that_log_no_metrics_refuse_the_logging_flags(verb, flag):
+    """bench --report-to tensorboard logged nothing anywhere (a row's metrics are its results line),
+    and estimate, plan, maxbatch and flops took the flags too: refused, not dropped."""
+    _, extra = build_parser().parse_known_args([verb, *flag])  # the CLI refuses what is left over
+    assert extra[:1] == flag[:1]
+
+
 def test_no_parser_takes_abbreviations():
     import argparse
 

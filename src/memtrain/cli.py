@@ -101,7 +101,7 @@ def _type_name(f: Any) -> str:
 LOOP_ONLY_FIELDS: tuple[str, ...] = (
     "steps", "lr", "warmup_steps", "schedule", "min_lr_ratio", "weight_decay", "beta1", "beta2",
     "grad_clip", "eval_every", "warmup_timing_steps", "sync_steps", "out", "save", "save_every", "resume",
-    "stop_after", "progress", "adafactor_relative_step",
+    "stop_after", "progress", "adafactor_relative_step", "report_to", "log_every",
 )
 # The --memory-by-module table's fields: train measures it and estimate traces it; the verbs that
 # only size or count a step (maxbatch, flops, plan) leave them out of their flags.

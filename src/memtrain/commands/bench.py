@@ -93,7 +93,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--row-timeout", type=positive_float, default=None, help="Seconds before a row is stopped and recorded as timeout.")
     p.add_argument("--nproc", type=rank_count, default=1, help="Processes (devices) per row, launched with torchrun; rows "
                    "run data-parallel with --distributed ddp unless they set distributed=zero1|zero2|fsdp. Default 1.")
-    add_config_flags(p, ("data", "model", "train"), exclude=("out", "save", "resume", "save_every"))
+    # A row logs no metrics (its result is its line in results.jsonl): no --report-to/--log-every.
+    add_config_flags(p, ("data", "model", "train"), exclude=("out", "save", "resume", "save_every", "report_to",
+                                                            "log_every"))
     show_scale_defaults(p)
 
 
