@@ -21,7 +21,7 @@ from memtrain.cli import main
 from memtrain.config.run import ConfigError, build_config
 from memtrain.distributed.launch import report_failures
 from memtrain.distributed.rank_errors import agreement, error_line_of, record_error_line
-from memtrain.files.results import FolderLock
+from memtrain.files.results import FolderLock, file_lock
 
 RUN = {"seq_len": 32, "steps": 4, "warmup_steps": 1, "val_blocks": 2, "warmup_timing_steps": 1, "batch_size": 2,
        "progress": False}
@@ -161,6 +161,37 @@ def test_train_holds_its_out_folder_like_a_bench(tiny_run, capsys, monkeypatch):
     assert refused and "in use by memtrain train (pid" in refused[0]
     with FolderLock(out, "memtrain bench"):  # released when the train ended
         pass
+
+
+def test_two_trains_with_one_save_file_are_not_both_run(tiny_run, tmp_path, capsys, monkeypatch):
+    """Two runs with different --out but one --save would each replace the other's checkpoint
+    and both succeed: the second is refused while the first holds the file; the lock beside the
+    checkpoint goes with the run."""
+    save = tmp_path / "shared" / "ck.pt"
+    tiny_run = {**tiny_run, "steps": 2, "warmup_steps": 1, "warmup_timing_steps": 1, "val_blocks": 1,
+                "save": str(save)}
+    with file_lock(save, "memtrain train", "--save"):  # another run is training into that file
+        assert main(["train", *cli_flags(tiny_run)]) == 2
+        assert f"--save '{save}' is in use by memtrain train (pid" in _one_error_line(capsys.readouterr().err)
+    assert not save.exists() and not (Path(tiny_run["out"]) / "result.json").exists()
+
+    import memtrain.training.train as train_module
+
+    refused: list[str] = []
+    real = train_module.prepare_tokens
+
+    def during_the_run(*a, **kw):  # while the train runs, a second run's --save is refused
+        try:
+            with file_lock(save, "memtrain train", "--save"):
+                pass
+        except ConfigError as exc:
+            refused.append(str(exc))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(train_module, "prepare_tokens", during_the_run)
+    assert main(["train", *cli_flags(tiny_run)]) == 0
+    assert refused and "is in use by memtrain train (pid" in refused[0]
+    assert save.is_file() and sorted(p.name for p in save.parent.iterdir()) == ["ck.pt"]  # no lock left
 
 
 def test_a_refused_train_leaves_no_out_folder(small_corpus, tmp_path, capsys):

@@ -50,6 +50,7 @@ from memtrain.errors import is_out_of_memory, one_line
 from memtrain.files.results import (
     RESULT_NAME,
     FolderLock,
+    file_lock,
     write_json_atomic,
 )
 from memtrain.report.by_module import module_table_lines
@@ -374,7 +375,9 @@ def _launch_ranks(args: argparse.Namespace, cfg: RunConfig) -> int:
     from memtrain.training.train import remove_stale_writes
 
     check_before_launch(cfg, args.nproc_per_node)
-    with FolderLock(Path(cfg.train.out), "memtrain train", cleanup_if_unused=True):
+    with FolderLock(Path(cfg.train.out), "memtrain train", cleanup_if_unused=True), contextlib.ExitStack() as held:
+        if cfg.train.save:
+            held.enter_context(file_lock(Path(cfg.train.save), "memtrain train", "--save"))
         remove_stale_writes(cfg)
         return launch(args.nproc_per_node, args._argv)
 

@@ -36,6 +36,7 @@ docs/reliability.md hold for every command alike:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -536,11 +537,11 @@ def register_writer(folder: Path, what: str) -> None:
         os.close(fd)
 
 
-def _lock_refusal(folder: Path, flag: str, mode: int) -> ConfigError:
-    """The one line for a lock file that is not a regular file (of kind ``mode``)."""
+def _lock_refusal(folder: Path, flag: str, mode: int, name: str = LOCK_NAME) -> ConfigError:
+    """The one line for a lock file ``name`` that is not a regular file (of kind ``mode``)."""
     kind = ("a symbolic link" if stat.S_ISLNK(mode) else "a folder" if stat.S_ISDIR(mode)
             else "a FIFO, device or socket")
-    return ConfigError(f"{flag} {str(folder)!r}: {LOCK_NAME} there is not a regular file ({kind}); remove it, "
+    return ConfigError(f"{flag} {str(folder)!r}: {name} there is not a regular file ({kind}); remove it, "
                        f"or choose another {flag}")
 
 
@@ -562,12 +563,12 @@ def _open_lock_file(path: Path, flag: str, folder: Path) -> Any:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as exc:
         if exc.errno in (errno.EISDIR, errno.ELOOP, errno.ENXIO, errno.EOPNOTSUPP):
-            raise _lock_refusal(folder, flag, os.lstat(path).st_mode) from None
+            raise _lock_refusal(folder, flag, os.lstat(path).st_mode, path.name) from None
         raise
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        raise _lock_refusal(folder, flag, mode)
+        raise _lock_refusal(folder, flag, mode, path.name)
     return os.fdopen(fd, "r+", errors="replace")
 
 
@@ -579,20 +580,24 @@ class FolderLock:
     """
 
     def __init__(self, folder: Path, what: str = "memtrain", flag: str = "--out",
-                 cleanup_if_unused: bool = False) -> None:
+                 cleanup_if_unused: bool = False, name: str = LOCK_NAME, subject: Optional[Path] = None) -> None:
         self.folder = Path(folder)
         self.what = what
         self.flag = flag
         # A folder this lock created and nothing else wrote into is removed again on exit, so a
         # run refused after taking the lock leaves nothing behind (``train --out``).
         self.cleanup_if_unused = cleanup_if_unused
+        # The lock file's name in ``folder``, and what a refusal names (the folder, or one file
+        # in it: :func:`file_lock`).
+        self.name = name
+        self.subject = Path(subject) if subject is not None else self.folder
         self._created = False
         self._fh: Optional[Any] = None
 
     def __enter__(self) -> "FolderLock":
         self._created = not self.folder.exists()
         self.folder.mkdir(parents=True, exist_ok=True)
-        path = self.folder / LOCK_NAME
+        path = self.folder / self.name
         while True:
             fh = _open_lock_file(path, self.flag, self.folder)
             try:
@@ -624,12 +629,17 @@ class FolderLock:
         return self
 
     def _in_use(self, holder: str) -> ConfigError:
-        return ConfigError(f"{self.flag} {str(self.folder)!r} is in use by {holder}; wait for it to finish "
+        return ConfigError(f"{self.flag} {str(self.subject)!r} is in use by {holder}; wait for it to finish "
                            f"or choose another {self.flag}")
 
     def __exit__(self, *exc: Any) -> None:
         if self._fh is None:
             return
+        if self.name != LOCK_NAME:
+            # A file's lock is removed with the run (while still held: see __enter__); a
+            # folder's stays, as the mark of memtrain's folder.
+            with contextlib.suppress(OSError):
+                (self.folder / self.name).unlink()
         if self.cleanup_if_unused and self._created:
             try:
                 if [p.name for p in self.folder.iterdir()] == [LOCK_NAME]:
@@ -640,6 +650,14 @@ class FolderLock:
         fcntl.flock(self._fh.fileno(), fcntl.LOCK_UN)
         self._fh.close()
         self._fh = None
+
+
+def file_lock(path: Path, what: str, flag: str) -> FolderLock:
+    """Exclusive use of one file that a run rewrites (``train --save``) while the ``with`` block
+    runs: two runs with different ``--out`` but one ``--save`` would each replace the other's
+    checkpoint, and both succeed. The lock is a hidden file beside it, removed at the end."""
+    path = Path(path)
+    return FolderLock(path.parent, what, flag=flag, name=f".{path.name}{LOCK_NAME}", subject=path)
 
 
 # --------------------------------------------------------------------------- bench rows

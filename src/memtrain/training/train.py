@@ -31,7 +31,7 @@ from memtrain.data.device_feed import DeviceFeed
 from memtrain.devices.advice import mfu_for_run, reference_rate_now, run_device_facts
 from memtrain.distributed.rank_errors import agreement, launched_by_memtrain
 from memtrain.distributed.session import DistContext, distributed_session
-from memtrain.files.results import FolderLock, register_writer, remove_stale_temps
+from memtrain.files.results import FolderLock, file_lock, register_writer, remove_stale_temps
 from memtrain.metrics import MemoryMeter, StepTimer, device_peak_memory, percentile, reset_device_peak, synchronize
 from memtrain.metrics.state import ShardedStateBytes
 from memtrain.models.families import data_tokenizer
@@ -166,6 +166,8 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
             check_optimizer_installed(cfg.technique)  # an absent optional package, before anything is built
             if lock_out and dist_ctx.is_main and not launched:
                 held.enter_context(FolderLock(Path(cfg.train.out), "memtrain train", cleanup_if_unused=True))
+                if cfg.train.save:
+                    held.enter_context(file_lock(Path(cfg.train.save), "memtrain train", "--save"))
                 remove_stale_writes(cfg)
         # After the agreement: the holder (rank 0 or the launcher) has the lock file by now.
         if lock_out and dist_ctx.enabled and (launched or not dist_ctx.is_main):
