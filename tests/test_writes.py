@@ -229,10 +229,16 @@ def test_a_fresh_run_on_a_folder_with_results_is_refused_and_resume_appends(tiny
     assert main(["train", *cli_flags({**tiny_run, "steps": 2})]) == 2
     assert "metrics.jsonl" in _one_error_line(capsys.readouterr().err)
     assert (out / "metrics.jsonl").read_bytes() == curve
-    # --resume onto the same folder continues the curve.
+    # --resume onto the same folder continues the curve. A run killed past its last checkpoint
+    # had logged step 3 already: that line stays, and the resumed run's first line says where
+    # it continued from, so the repeated step is told apart.
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 3, "loss": 9.0}) + "\n")
     assert main(["train", *cli_flags({**half, "stop_after": 4, "resume": str(ck)})]) == 0
-    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert steps[:2] == [1, 2] and steps[-1] == 4 and 3 in steps
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [(x["step"], x.get("resumed_from_step")) for x in lines if "loss" in x]  # the training lines
+    assert steps == [(1, None), (2, None), (3, None), (3, 2), (4, None)]
+    assert sum("resumed_from_step" in x for x in lines) == 1
 
 
 def test_a_tilde_in_out_and_save_is_the_home_folder_for_the_checks_and_the_writes(tiny_run, tmp_path, monkeypatch,

@@ -40,19 +40,26 @@ class JsonlSink:
     A failed write (a full disk) does not stop the run: the sink says so once, stops writing,
     and keeps the error in :attr:`failure` for the run to report after its other writes."""
 
-    def __init__(self, path: Path, append: bool) -> None:
+    def __init__(self, path: Path, append: bool, resumed_from: Optional[int] = None) -> None:
         self.path = Path(path)
         self.fd: Optional[int] = open_append(self.path) if append else open_new(self.path)
         self.failure: Optional[BaseException] = None
         self.created_empty = not append  # until the first line: a file only this run made
+        # A resumed run's first line says where it continued from: the lines of an interrupted
+        # run past its last checkpoint stay (nothing written is removed), and the resumed run
+        # logs those steps again after them.
+        self.resumed_from = resumed_from
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         if self.fd is None:
             return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in scalars.items()}
+        if self.resumed_from is not None:
+            clean["resumed_from_step"] = self.resumed_from
         try:
             write_all(self.fd, (json.dumps({"step": step, **clean}) + "\n").encode(), self.path)
             self.created_empty = False
+            self.resumed_from = None
         except OSError as exc:
             self.failure = exc
             sys.stderr.write(f"warning: cannot write {self.path} ({exc.strerror or exc}); training goes on, "
@@ -134,10 +141,13 @@ def parse_report_to(spec: str) -> list[str]:
 
 
 class MetricsLogger:
-    """Fans one step's scalars out to every sink; a no-op when ``enabled`` is False (rank > 0)."""
+    """Fans one step's scalars out to every sink; a no-op when ``enabled`` is False (rank > 0).
+    ``append`` (a resumed run) continues metrics.jsonl, whose next line then carries
+    ``resumed_from_step``: ``resumed_from``, the step the run continues from."""
 
     def __init__(self, out: str | Path, report_to: str = "none", every: int = 1, enabled: bool = True,
-                 append: bool = False, config: Optional[dict[str, Any]] = None) -> None:
+                 append: bool = False, config: Optional[dict[str, Any]] = None,
+                 resumed_from: Optional[int] = None) -> None:
         self.every = max(1, every)
         self.sinks: list[Sink] = []
         self.jsonl: Optional[JsonlSink] = None
@@ -153,7 +163,7 @@ class MetricsLogger:
                 self.sinks.append(WandbSink(out, config or {}))
             if "tensorboard" in names:
                 self.sinks.append(TensorBoardSink(out / "tensorboard"))
-            self.jsonl = JsonlSink(self.path, append)
+            self.jsonl = JsonlSink(self.path, append, resumed_from if append else None)
             self.sinks.insert(0, self.jsonl)
         except BaseException:
             self.close()
