@@ -16,12 +16,11 @@ from memtrain.analysis.estimate import GPT2_ARCH, estimate
 from memtrain.analysis.estimate.hf import hf_arch, why_not_modelled
 from memtrain.config.run import ConfigError, RunConfig
 from memtrain.models import is_hf
+from memtrain.techniques.facts import ADAMW_KERNELS  # AdamW's two FP32 moments, which 8-bit AdamW shrinks
 
 # The LoRA rank a refusal names (here and in plan's): a common choice (peft's examples; the QLoRA
 # paper's runs use 8-64); the adapters' own size barely moves the peak.
 ADVICE_LORA_RANK = 16
-# The AdamW family, whose two FP32 moments an 8-bit optimizer shrinks to two bytes.
-ADAMW_FAMILY = ("adamw", "adamw-fused", "adamw-foreach")
 
 
 def model_state_bytes(cfg: RunConfig, device_type: str) -> Optional[float]:
@@ -102,7 +101,7 @@ def _state_changes(cfg: RunConfig, device_type: str) -> list[tuple[str, dict[str
     adapters = bool(tech.lora_rank or tech.qlora)  # then the frozen weights are the state: no optimizer flag helps
     changes = ((f"--lora-rank {rank}", {"lora_rank": rank}, not adapters),
                ("--precision bf16-pure", {"precision": "bf16-pure"}, tech.precision != "bf16-pure"),
-               ("--optim adamw-8bit", {"optim": "adamw-8bit"}, not adapters and tech.optim in ADAMW_FAMILY),
+               ("--optim adamw-8bit", {"optim": "adamw-8bit"}, not adapters and tech.optim in ADAMW_KERNELS),
                ("--qlora", {"qlora": True}, adapters and not tech.qlora and is_hf(cfg)),
                (f"--lora-rank {rank} --qlora", {"lora_rank": rank, "qlora": True}, not adapters and is_hf(cfg)))
     return [(flag, overrides, _state_after(cfg, overrides, device_type)) for flag, overrides, helps in changes if helps]
