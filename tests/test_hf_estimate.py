@@ -104,7 +104,10 @@ def test_unmodelled_families_and_techniques_say_they_traced(dirs, capsys):
     assert "activation_function relu" in why_not_modelled(_cfg(dirs["gpt2-relu"]))
     assert "head_dim" in why_not_modelled(_cfg(dirs["gemma-wide-heads"]))
     assert "QLoRA" in why_not_modelled(_cfg(dirs["llama"], lora_rank=4, qlora=True))
-    assert "--lora-targets" in why_not_modelled(_cfg(dirs["llama"], lora_rank=4, lora_targets="q_proj"))
+    # Named targets are modelled where each name is one of the family's decoder Linears.
+    assert why_not_modelled(_cfg(dirs["llama"], lora_rank=4, lora_targets="q_proj,v_proj")) is None
+    assert "--lora-targets lm_head" in why_not_modelled(_cfg(dirs["llama"], lora_rank=4, lora_targets="q_proj,lm_head"))
+    assert "GPT-2" in why_not_modelled(_cfg(dirs["gpt2"], lora_rank=4, lora_targets="c_attn"))
     # (peft's dropped adapter inputs are modelled: tests/test_estimate_lora_dropout.py.)
     assert why_not_modelled(_cfg(dirs["llama"], lora_rank=4, lora_dropout=0.1)) is None
     flags = ["--seq-len", "32", "--batch-size", "2", "--attention", "sdpa", "--json"]
@@ -161,6 +164,37 @@ def test_lora_on_all_linear_is_the_default_targets_estimate(dirs, family):
     named = analytic_estimate(_cfg(dirs[family], lora_rank=4, lora_targets="all-linear"), "cpu")
     assert named.parameters == default.parameters and named.trainable_parameters == default.trainable_parameters
     assert named.peak_bytes == default.peak_bytes
+
+
+@pytest.mark.parametrize("family, targets", [("llama", "q_proj,v_proj"), ("mistral", "gate_proj,up_proj,down_proj"),
+                                              ("gemma", "k_proj,o_proj")])
+def test_named_lora_targets_are_estimated_analytically(dirs, family, targets, capsys):
+    """Named --lora-targets (peft's Llama default q_proj,v_proj, MLP-only ones, a mix) on
+    Llama-style families are answered analytically, and the JSON says so; --trace checks the figure (within 1%:
+    tests/test_hf_estimate_grid.py::test_named_lora_targets_within_one_percent_of_the_trace)."""
+    from memtrain.cli import main
+
+    flags = ["estimate", "--model", str(dirs[family]), "--seq-len", "32", "--batch-size", "2", "--attention", "sdpa",
+             "--lora-rank", "4", "--lora-targets", targets, "--json"]
+    assert main(flags) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["method"] == "analytic" and "not_analytic" not in out
+    assert main([*flags, "--trace"]) == 0
+    checked = json.loads(capsys.readouterr().out)
+    assert checked["peak_bytes"] == out["peak_bytes"] and abs(checked["trace"]["error"]) < 0.01
+
+
+def test_unknown_lora_target_names_are_traced(dirs, capsys):
+    """A --lora-targets name that is not one of the family's decoder Linears (the LM head, a
+    dotted path) is traced, with a one-line reason naming it."""
+    from memtrain.cli import main
+
+    flags = ["estimate", "--model", str(dirs["llama"]), "--seq-len", "32", "--batch-size", "2", "--attention", "sdpa",
+             "--lora-rank", "4", "--lora-targets", "self_attn.q_proj", "--json"]
+    assert main(flags) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["method"] != "analytic" and "--lora-targets self_attn.q_proj" in out["not_analytic"]
+    assert "\n" not in out["not_analytic"]
 
 
 def test_estimate_cli_answers_analytically_and_checks_with_trace(dirs, capsys):
@@ -228,11 +262,14 @@ def _real_counts(cfg) -> tuple[int, int, int]:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
-@pytest.mark.parametrize("tech", [{}, {"lora_rank": 4}, {"lora_rank": 8, "precision": "bf16-pure"}])
+@pytest.mark.parametrize("tech", [{}, {"lora_rank": 4}, {"lora_rank": 8, "precision": "bf16-pure"},
+                                  {"lora_rank": 4, "lora_targets": "q_proj,v_proj"},
+                                  {"lora_rank": 4, "lora_targets": "k_proj,o_proj,up_proj"}])
 def test_parameter_counts_are_the_real_models(dirs, family, tech):
     """The analytic parameter table counts what the run builds: one LoRA A and B per adapted
-    Linear (q, k, v, o, gate, up, down: peft's layout) and Qwen2's q/k/v biases; ``parameters``
-    the model as built, as train's result.json and flops count it, the adapters apart."""
+    Linear (q, k, v, o, gate, up, down: peft's layout; only the named ones with named
+    --lora-targets) and Qwen2's q/k/v biases; ``parameters`` the model as built, as train's
+    result.json and flops count it, the adapters apart."""
     from memtrain.analysis.estimate.hf import analytic_estimate
 
     cfg = _cfg(dirs[family], **tech)

@@ -14,7 +14,7 @@ from memtrain.analysis.estimate.hf_nodes import (
     hf_norm_node,
     hf_rope_node,
 )
-from memtrain.analysis.estimate.params import lora_split, lora_target_names
+from memtrain.analysis.estimate.params import lora_adapted, lora_split
 from memtrain.analysis.estimate.simulator import Compression, Node, Segment
 from memtrain.config.archs import Arch
 from memtrain.config.run import ModelConfig, RunConfig, TechniqueConfig
@@ -175,8 +175,12 @@ def _linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int,
         if bias:
             grads.append((f"{name}.bc" if dm.autocast else bname, n_out * a if dm.autocast else 0.0))
     extra = [w_in] if dm.autocast else []
+    # Without autocast the matmul saves the parameter itself for the input's gradient: no new
+    # storage, but a save all the same, which is what makes a checkpointed layer's backward
+    # recompute when it reaches this op (a frozen Linear whose input requires a gradient).
+    weight_saved = extra if dm.autocast else [w_in]
     nodes.append(Node(name, out=[(base_out, N * n_out * a)], inputs=[x] + extra,
-                       saves=([x] if keeps_input else []) + (extra if keeps_weight else []), grads=grads, matmul=True,
+                       saves=([x] if keeps_input else []) + (weight_saved if keeps_weight else []), grads=grads, matmul=True,
                        sums_out_of_place=_adapter_grad_is_a_view(dm, lora)))
     # Under autocast peft's adapters on our GPT (float32, as on a transformers base) make the
     # casts _peft_lora counts: a bf16 input's float32 copy, lora_A's own bf16 copy of its input
@@ -365,10 +369,13 @@ def _scores_softmax(nodes: list[Node], dm: Dims, p: str, score_elems: float, mas
     src = f"{p}.s2"
     up = a != 4 and (dm.softmax_fp32 or dm.autocast)  # float32 softmax on low-precision scores
     sm = 4 if up else a
+    # transformers' Llama-style ``softmax(attn_weights, dtype=float32)`` casts inside the call:
+    # the caller's local holds the low-precision scores until softmax returns.
+    caller_held = [src] if up and dm.hf and dm.softmax_fp32 else []
     if up:
         nodes.append(Node(f"{p}.float", out=[(f"{p}.sf", sc * 4)], inputs=[src], grads=[(src, sc * a)]))
         src = f"{p}.sf"
-    nodes.append(Node(f"{p}.softmax", out=[(f"{p}.pf", sc * sm)], inputs=[src], saves=[f"{p}.pf"],
+    nodes.append(Node(f"{p}.softmax", out=[(f"{p}.pf", sc * sm)], inputs=[src] + caller_held, saves=[f"{p}.pf"],
                        grads=[(src, sc * sm)]))
     src = f"{p}.pf"
     if up:
@@ -379,9 +386,11 @@ def _scores_softmax(nodes: list[Node], dm: Dims, p: str, score_elems: float, mas
 
 
 def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Optional[int],
-                     v_src: Optional[str] = None) -> None:
+                     v_src: Optional[str] = None, qkv_grad: tuple[bool, bool, bool] = (True, True, True)) -> None:
     """q, k, v (views of the fused qkv output) -> y (batch, seq, d), the proj input. ``v_src``:
-    the storage v is a view of, when it is not ``qkv`` (Phi-3: the projection's fused output)."""
+    the storage v is a view of, when it is not ``qkv`` (Phi-3: the projection's fused output).
+    ``qkv_grad``: whether q, k and v require a gradient (not all of them in the first layer of a
+    transformers model under LoRA on named targets)."""
     b, s, d, h, a = dm.b, dm.s, dm.d, dm.h, dm.a
     N, kvw, hd = dm.n, dm.kv, dm.d // dm.h
     qkv, q, k, v, y = f"{p}.qkv", f"{p}.q", f"{p}.k", f"{p}.v", f"{p}.y"
@@ -473,14 +482,23 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
         # it returns, saved or not (checkpointed). The matmuls' gradients are as wide as the
         # copies; each copy's backward sums its gradient down to the k/v heads, after the
         # scores' backward (autograd runs the later ops first).
-        nodes.append(Node(f"{p}.repeat_k", out=[(f"{p}.kc", N * d * a)], inputs=[qkv], grads=[(k, N * kvw * a)]))
-        nodes.append(Node(f"{p}.repeat_v", out=[(f"{p}.vc", N * d * a)], inputs=[qkv], grads=[(v, N * kvw * a)]))
+        q_grad, k_grad, v_grad = qkv_grad
+        nodes.append(Node(f"{p}.repeat_k", out=[(f"{p}.kc", N * d * a)], inputs=[qkv],
+                           grads=[(k, N * kvw * a)] if k_grad else []))
+        nodes.append(Node(f"{p}.repeat_v", out=[(f"{p}.vc", N * d * a)], inputs=[qkv],
+                           grads=[(v, N * kvw * a)] if v_grad else []))
+        # Each matmul keeps one operand's copy for the other operand's gradient: q's (``qc``,
+        # not otherwise held) only when k requires one, k's only when q does; the
+        # probabilities only when v requires one, v's copy only when they do.
         nodes.append(Node(f"{p}.qk", out=[(f"{p}.qc", N * d * a), (f"{p}.s0", sc * a)], inputs=[qkv, f"{p}.kc"],
-                           saves=qk_saves, matmul=True, grad_out=(f"{p}.s0",), keep=(f"{p}.s0",),
-                           grads=[(q, N * d * a), (f"{p}.kc", N * d * a)]))
+                           saves=[f"{p}.qc"] * k_grad + [f"{p}.kc"] * q_grad, matmul=True, grad_out=(f"{p}.s0",),
+                           keep=(f"{p}.s0",),
+                           grads=[(q, N * d * a)] * q_grad + [(f"{p}.kc", N * d * a)] * k_grad))
         probs = _scores_softmax(nodes, dm, p, sc, s * s, kind)
+        probs_grad = q_grad or k_grad
         nodes.append(Node(f"{p}.pv", out=[(f"{p}.o", N * d * a)], inputs=[probs] + v_saved,
-                           saves=[probs] + v_saved, matmul=True, grads=[(probs, sc * a), (f"{p}.vc", N * d * a)]))
+                           saves=[probs] * v_grad + v_saved * probs_grad, matmul=True,
+                           grads=[(probs, sc * a)] * probs_grad + [(f"{p}.vc", N * d * a)] * v_grad))
         held = [f"{p}.kc", f"{p}.vc"]
     else:
         nodes.append(Node(f"{p}.qk", out=[(f"{p}.qc", N * d * a), (f"{p}.kc", N * d * a), (f"{p}.s0", sc * a)],
@@ -528,19 +546,20 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     p = f"blocks.{i}"
     N, d, f, a, r = dm.n, dm.d, dm.f, dm.a, dm.r
     lora = tech.lora_rank
-    targets = lora_target_names(tech) if lora else set()
+    adapted = lora_adapted(arch, tech)
     x = f"{p}.in"
     nodes: list[Node] = []
     layer = arch.norm == "layernorm"
 
-    # Under LoRA the frozen embedding's output needs no gradient: the first layer's input norm
-    # and residual add then keep nothing for it (autograd records no op whose inputs all lack
-    # requires_grad).
-    input_grad = trainable_base or i > 0
+    # Under LoRA the frozen embedding's output needs no gradient: in the first layer only what
+    # an adapter (or a tensor made from an adapter's output) feeds requires one, and autograd
+    # records no op whose inputs all lack it (the input norm, and with named targets whatever
+    # comes before the first adapted Linear).
+    needs = grad_flow(arch, adapted, trainable_base or i > 0)
 
-    def norm(name: str, src: str, out: str) -> None:
+    def norm(name: str, src: str, out: str, src_grad: bool) -> None:
         if dm.hf and not layer:
-            nodes.append(hf_norm_node(dm, name, src, out, trainable_base, input_grad or src != x, arch.norm_offset))
+            nodes.append(hf_norm_node(dm, name, src, out, trainable_base, src_grad, arch.norm_offset))
             return
         # LayerNorm saves its input and float32 mean + rstd per token (RMSNorm: rstd only);
         # nothing when neither its input nor its weights need a gradient (the first block's
@@ -548,49 +567,54 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
         pg = [(f"param:{name}.weight", 0.0)] if trainable_base else []
         if trainable_base and layer and dm.bias:
             pg.append((f"param:{name}.bias", 0.0))
-        recorded = input_grad or src != x
+        recorded = src_grad or trainable_base
         nodes.append(Node(name, out=[(out, N * d * r), (f"{name}.stats", (2 if layer else 1) * N * 4)],
                            inputs=[src], saves=[src, f"{name}.stats"] if recorded else [], grad_out=(out,),
                            grads=[(src, N * d * r)] + pg if recorded else []))
 
-    def lin(short: str, name: str, src: str, out: str, n_in: int, n_out: int, src_bytes: float,
+    def lin(short: str, name: str, src: str, out: str, n_in: int, n_out: int, src_bytes: float, src_grad: bool,
             part: Optional[str] = None) -> None:
         """The Linear(s) of a table entry; ``part``: only that one of a fused entry's Linears
-        (its name suffix), writing ``out + part``."""
+        (its name suffix), writing ``out + part``; ``src_grad``: whether ``src`` requires a
+        gradient."""
         split = lora_split(arch, short, n_out, d, dm.kv)
-        bias, grad_in = dm.bias or (arch.qkv_bias and short == "qkv"), input_grad or short != "qkv"
-        rank = lora if short in targets else 0
-        # Under LoRA the first q/k/v reads the frozen embedding through a frozen norm: no gradient.
-        x_grad = trainable_base or i > 0 or short != "qkv"
+        bias = dm.bias or (arch.qkv_bias and short == "qkv")
         if part is None:
+            # (All of the entry's Linears or none of them are adapted here: a transformers layer
+            # with some of q, k, v or gate, up adapted runs them one by one, ``per_linear``.)
+            suffixes = tuple(suffix for suffix, _ in split)
+            rank = lora if adapted & {(short, suffix) for suffix in suffixes} else 0
             _linear(nodes, dm, name, src, out, n_in, n_out, trainable_base, rank, src_bytes, bias=bias,
-                    lora_parts=tuple(suffix for suffix, _ in split), input_grad=grad_in, x_requires_grad=x_grad)
+                    lora_parts=suffixes, input_grad=src_grad)
             return
+        rank = lora if (short, part) in adapted else 0
         _linear(nodes, dm, name + part, src, out + part, n_in, dict(split)[part], trainable_base, rank, src_bytes,
-                bias=bias, lora_parts=(part,), input_grad=grad_in, param_name=name, x_requires_grad=x_grad)
+                bias=bias, lora_parts=(part,), input_grad=src_grad, param_name=name)
 
     # With peft's adapters a transformers layer's separate Linears (q, k, v; gate, up) are
     # simulated one after the other: each one's LoRA tail (base output, B product, its scaled
     # copy, their sum) lives while the earlier ones' outputs do, not all of them at once. (The
     # frozen base's outputs alone sum to the fused one's, which stands for them otherwise.)
     per_linear = dm.hf and bool(lora) and not (arch.fused_proj or arch.gpt2_layers)
-    norm(f"{p}.ln_1", x, f"{p}.ln1")
+    norm(f"{p}.ln_1", x, f"{p}.ln1", needs["in"])
     if per_linear:
         for part in (".q", ".k", ".v"):
-            lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0", d, d + 2 * dm.kv, r, part)
+            lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0", d, d + 2 * dm.kv, r, needs["in"], part)
         nodes.append(hf_rope_node(dm, [f"{p}.qkv0.q", f"{p}.qkv0.k", f"{p}.qkv0.v"], f"{p}.qkv"))
     else:
         rope = dm.hf and arch.positional == "rope"
-        lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0" if rope else f"{p}.qkv", d, d + 2 * dm.kv, r)
+        lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0" if rope else f"{p}.qkv", d, d + 2 * dm.kv, r,
+            needs["in"])
         if rope:
             nodes.append(hf_rope_node(dm, [f"{p}.qkv0"], f"{p}.qkv", v_view=arch.fused_proj))
     start = len(nodes)
-    _attention_nodes(nodes, dm, p, tech.attention, tech.window, v_src=f"{p}.qkv0" if arch.fused_proj else None)
+    _attention_nodes(nodes, dm, p, tech.attention, tech.window, v_src=f"{p}.qkv0" if arch.fused_proj else None,
+                     qkv_grad=(needs["qkv.q"], needs["qkv.k"], needs["qkv.v"]))
     # The attention core is what model.attn_fn computes: everything after the q/k/v split up
     # to the (b, h, s, hd) output; the merge (transpose + contiguous) is outside it.
     for n in nodes[start + 1:]:
         n.core = not n.name.endswith(".merge")
-    lin("proj", f"{p}.attn.proj", f"{p}.y", f"{p}.pr", d, d, a)
+    lin("proj", f"{p}.attn.proj", f"{p}.y", f"{p}.pr", d, d, a, needs["attn"])
     if dm.hf:
         # The decoder layer's local holds the norm's output until self_attn returns (and the
         # second norm's until the MLP returns), whether or not an op saved it; the attention's
@@ -601,28 +625,27 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     # Residual add: type promotion makes it float32 under autocast; the low-precision branch's
     # gradient is then a cast copy.
     nodes.append(Node(f"{p}.add1", out=[(f"{p}.x1", N * d * r)], inputs=[x, f"{p}.prd"],
-                       grads=([(x, 0.0)] if input_grad else []) + [(f"{p}.prd", 0.0 if a == r else N * d * a)]))
-    norm(f"{p}.ln_2", f"{p}.x1", f"{p}.ln2")
+                       grads=[(x, 0.0), (f"{p}.prd", 0.0 if a == r else N * d * a)]))
+    norm(f"{p}.ln_2", f"{p}.x1", f"{p}.ln2", needs["x1"])
     if arch.mlp == "swiglu" and per_linear:
         # LlamaMLP: down(silu(gate(x)) * up(x)): silu runs before up_proj.
-        lin("fc", f"{p}.mlp.fc", f"{p}.ln2", f"{p}.h1", d, 2 * f, r, ".gate")
+        lin("fc", f"{p}.mlp.fc", f"{p}.ln2", f"{p}.h1", d, 2 * f, r, needs["x1"], ".gate")
         gate, up = f"{p}.h1.gate", f"{p}.h1.up"
         nodes.append(Node(f"{p}.silu", out=[(f"{p}.g", N * f * a)], inputs=[gate], saves=[gate],
                            grads=[(gate, N * f * a)]))
-        lin("fc", f"{p}.mlp.fc", f"{p}.ln2", f"{p}.h1", d, 2 * f, r, ".up")
-        nodes.append(Node(f"{p}.gmul", out=[(f"{p}.act", N * f * a)], inputs=[f"{p}.g", up],
-                           saves=[f"{p}.g", up], grads=[(f"{p}.g", N * f * a), (up, N * f * a)]))
+        lin("fc", f"{p}.mlp.fc", f"{p}.ln2", f"{p}.h1", d, 2 * f, r, needs["x1"], ".up")
+        nodes.append(_gated_product(dm, p, up, needs))
     elif arch.mlp == "swiglu":
-        lin("fc", f"{p}.mlp.fc", f"{p}.ln2", f"{p}.h1", d, 2 * f, r)
+        lin("fc", f"{p}.mlp.fc", f"{p}.ln2", f"{p}.h1", d, 2 * f, r, needs["x1"])
         # silu(gate) * up: silu saves gate; the product saves silu(gate) and up (views of h1).
         nodes.append(Node(f"{p}.silu", out=[(f"{p}.g", N * f * a)], inputs=[f"{p}.h1"], saves=[f"{p}.h1"],
                            grads=[(f"{p}.h1", 2 * N * f * a)]))
         nodes.append(Node(f"{p}.gmul", out=[(f"{p}.act", N * f * a)], inputs=[f"{p}.g", f"{p}.h1"],
                            saves=[f"{p}.g"], grads=[(f"{p}.g", N * f * a), (f"{p}.h1", N * f * a)]))
     else:
-        lin("fc", f"{p}.mlp.fc", f"{p}.ln2", f"{p}.h1", d, f, r)
+        lin("fc", f"{p}.mlp.fc", f"{p}.ln2", f"{p}.h1", d, f, r, needs["x1"])
         nodes += _gelu_nodes(dm, arch, p)
-    lin("fc_out", f"{p}.mlp.fc_out", f"{p}.act", f"{p}.h2", f, d, a)
+    lin("fc_out", f"{p}.mlp.fc_out", f"{p}.act", f"{p}.h2", f, d, a, needs["act"])
     if dm.hf:
         nodes[-1].inputs.append(f"{p}.ln2")
     _dropout(nodes, dm, f"{p}.mlp_drop", f"{p}.h2", f"{p}.h2d", N * d, a)
@@ -630,20 +653,79 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     nodes.append(Node(f"{p}.add2", out=[(f"blocks.{i + 1}.in", N * d * r)], inputs=[f"{p}.x1", f"{p}.h2d"],
                        grads=[(f"{p}.x1", 0.0), (f"{p}.h2d", 0.0 if a == r else N * d * a)]))
     if dm.hf:
-        nodes[-1].inputs += _hf_layer_locals(p, arch, tech.attention)
+        nodes[-1].inputs += _hf_layer_locals(p, arch, tech.attention, dm.autocast)
+    record_only_what_needs_grad(nodes, set(), everything=needs["in"])
     return nodes
 
 
-def _hf_layer_locals(p: str, arch: Arch, attention: str) -> list[str]:
+def grad_flow(arch: Arch, adapted: set[tuple[str, str]], x_grad: bool) -> dict[str, bool]:
+    """Which of a block's tensors require a gradient: ``in`` (the block's input: ``x_grad``),
+    ``qkv.q``/``qkv.k``/``qkv.v`` (or ``qkv`` for a fused one), ``attn`` (the attention's
+    output), ``proj``, ``x1`` (the first residual sum, the MLP's input), ``fc.gate``/``fc.up``
+    (or ``fc``), ``act`` and ``fc_out``. A frozen Linear's output requires one when its input
+    does, an adapted Linear's always (``adapted``: :func:`lora_adapted`'s pairs); anything else
+    when one of its inputs does."""
+    needs = {"in": x_grad}
+    qkv = [f"qkv{s}" for s, _ in lora_split(arch, "qkv", 3, 1, 1)]
+    fc = [f"fc{s}" for s, _ in lora_split(arch, "fc", 2, 1, 1)]
+    for key in qkv:
+        needs[key] = x_grad or ("qkv", key[3:]) in adapted
+    needs["attn"] = any(needs[k] for k in qkv)
+    needs["proj"] = needs["attn"] or ("proj", "") in adapted
+    needs["x1"] = x_grad or needs["proj"]
+    for key in fc:
+        needs[key] = needs["x1"] or ("fc", key[2:]) in adapted
+    for part in ("q", "k", "v"):
+        needs[f"qkv.{part}"] = needs.get(f"qkv.{part}", needs.get("qkv", False))
+    needs["fc.gate"] = needs.get("fc.gate", needs.get("fc", False))
+    needs["fc.up"] = needs.get("fc.up", needs.get("fc", False))
+    needs["act"] = any(needs[k] for k in fc)
+    needs["fc_out"] = needs["act"] or ("fc_out", "") in adapted
+    return needs
+
+
+def record_only_what_needs_grad(nodes: list[Node], requiring: set[str], everything: bool = False) -> None:
+    """Drop what autograd never records: a gradient for a tensor that requires none, and every
+    save of an op none of whose inputs (nor parameters) requires one. ``requiring``: the keys
+    made before ``nodes`` that require a gradient. A node's outputs (and the views its
+    ``grad_out`` names) require one when a gradient it makes does (a parameter's, or an input's
+    that requires one). ``everything``: every op records (a block whose input requires a
+    gradient): nothing to drop."""
+    if everything:
+        return
+    needs = set(requiring)
+    for n in nodes:
+        n.grads = [(k, b) for k, b in n.grads if k.startswith("param:") or k in needs]
+        if not n.grads:
+            n.saves = []
+            continue
+        needs.update(o[0] for o in n.out)
+        needs.update(n.grad_out or ())
+
+
+def _gated_product(dm: Dims, p: str, up: str, needs: dict[str, bool]) -> Node:
+    """LlamaMLP's ``silu(gate) * up`` (``{p}.g`` times ``up``, separate Linears' outputs). The
+    product saves each factor for the other's gradient: silu(gate) only when up requires one,
+    up only when gate does (not so in the first layer under LoRA on named targets)."""
+    E = dm.n * dm.f * dm.a
+    saves = ([f"{p}.g"] if needs["fc.up"] else []) + ([up] if needs["fc.gate"] else [])
+    return Node(f"{p}.gmul", out=[(f"{p}.act", E)], inputs=[f"{p}.g", up], saves=saves,
+                grads=[(f"{p}.g", E), (up, E)])
+
+
+def _hf_layer_locals(p: str, arch: Arch, attention: str, autocast: bool) -> list[str]:
     """What a transformers decoder layer's frame (and its caller's) holds until the layer
     returns, whether or not an op saved it (checkpointed, nothing is saved): GPT2Block's locals;
     a Llama-style layer's eager attention weights (``hidden_states, _ = self.self_attn(...)``);
     and the layer's input, which the model's loop (``hidden_states = layer(hidden_states, ...)``)
-    rebinds only after the layer returns (the first layer under LoRA saves it nowhere)."""
+    rebinds only after the layer returns (the first layer under LoRA saves it nowhere).
+    Under autocast those weights are the float32 softmax itself: rope multiplies the bf16
+    projections by the float32 tables, so the query is float32 and ``.to(query.dtype)`` keeps
+    the softmax's output (the bf16 copy the second matmul reads is autocast's, freed with it)."""
     if arch.gpt2_layers:
         held = _gpt2_block_locals(p, attention)
     else:
-        held = [f"{p}.pd"] if attention == "math" else []
+        held = [f"{p}.pf" if autocast else f"{p}.pd"] if attention == "math" else []
     return held + [f"{p}.in"]
 
 

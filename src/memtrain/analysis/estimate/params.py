@@ -41,10 +41,40 @@ def lora_target_names(tech: TechniqueConfig) -> set[str]:
     """The table entries ``--lora-targets`` adapts. peft's ``all-linear`` is every decoder Linear,
     the entries memtrain's default names: on a transformers model as
     ``techniques.hf_mapping.lora_target_modules`` hands peft either, on our GPT as
-    ``techniques.lora`` reads it."""
+    ``techniques.lora`` reads it. (A transformers model's named targets: :func:`lora_adapted`.)"""
     if every_decoder_linear(tech.lora_targets):
         return set(GPT_LORA_TARGETS.split(","))
     return {t.strip() for t in tech.lora_targets.split(",") if t.strip()}
+
+
+def hf_lora_modules(arch: Arch) -> dict[str, tuple[tuple[str, str], ...]]:
+    """A transformers layer's Linear names (peft's ``target_modules``, matched as the last part of
+    a module's path) -> the (table entry, :func:`lora_split` suffix) pairs each one adapts.
+    GPT-2's ``c_proj`` names two Conv1Ds, the attention's output and the MLP's down projection."""
+    if arch.gpt2_layers:
+        return {"c_attn": (("qkv", ""),), "c_proj": (("proj", ""), ("fc_out", "")), "c_fc": (("fc", ""),)}
+    if arch.fused_proj:
+        return {"qkv_proj": (("qkv", ""),), "o_proj": (("proj", ""),), "gate_up_proj": (("fc", ""),),
+                "down_proj": (("fc_out", ""),)}
+    return {"q_proj": (("qkv", ".q"),), "k_proj": (("qkv", ".k"),), "v_proj": (("qkv", ".v"),),
+            "o_proj": (("proj", ""),), "gate_proj": (("fc", ".gate"),), "up_proj": (("fc", ".up"),),
+            "down_proj": (("fc_out", ""),)}
+
+
+def lora_adapted(arch: Arch, tech: TechniqueConfig) -> set[tuple[str, str]]:
+    """The (table entry, :func:`lora_split` suffix) pairs that get a LoRA pair: every Linear of
+    a named entry (our GPT's names, or every decoder Linear), or on a transformers model the
+    Linears ``--lora-targets`` names (:func:`hf_lora_modules`; a name it does not list adapts
+    nothing here: :func:`memtrain.analysis.estimate.hf.why_not_modelled` traces such runs)."""
+    if not tech.lora_rank:
+        return set()
+    names = {t.strip() for t in tech.lora_targets.split(",") if t.strip()}
+    if arch.hf and not every_decoder_linear(tech.lora_targets):
+        modules = hf_lora_modules(arch)
+        return {pair for name in names for pair in modules.get(name, ())}
+    entries = lora_target_names(tech)
+    suffixes = {short: [s for s, _ in lora_split(arch, short, 1, 1, 1)] for short in ("qkv", "proj", "fc", "fc_out")}
+    return {(short, s) for short in entries for s in suffixes.get(short, ())}
 
 
 def lora_split(arch: Arch, short: str, n_out: int, d: int, kv: int) -> list[tuple[str, int]]:
@@ -92,7 +122,7 @@ def block_param_table(m: ModelConfig, arch: Arch, tech: Optional[TechniqueConfig
     kv = (arch.n_kv_heads or m.n_heads) * m.head_dim
     bias = m.bias and arch.name == "gpt2"
     lora = tech.lora_rank if tech is not None else 0
-    targets = lora_target_names(tech) if lora else set()  # type: ignore[arg-type]  # lora > 0 implies tech is not None
+    adapted = lora_adapted(arch, tech) if lora else set()  # type: ignore[arg-type]  # lora > 0 implies tech is not None
     frozen = bool(lora)
     out: list[ParamInfo] = [ParamInfo("wte.weight", (V, d), not frozen)]
     if arch.positional == "learned":
@@ -111,8 +141,8 @@ def block_param_table(m: ModelConfig, arch: Arch, tech: Optional[TechniqueConfig
         out.append(ParamInfo(f"{name}.weight", (n_out, n_in), not frozen, i, k))
         if bias or (arch.qkv_bias and short == "qkv"):
             out.append(ParamInfo(f"{name}.bias", (n_out,), not frozen, i, k))
-        if lora and short in targets:
-            for suffix, width in lora_split(arch, short, n_out, d, kv):
+        for suffix, width in lora_split(arch, short, n_out, d, kv):
+            if (short, suffix) in adapted:
                 out.append(ParamInfo(f"{name}.lora_A{suffix}", (lora, n_in), True, i, k))
                 out.append(ParamInfo(f"{name}.lora_B{suffix}", (width, lora), True, i, k))
 
