@@ -22,8 +22,11 @@ FAMILIES = {
     # test_an_active_config_window_is_traced for one that is not).
     "mistral": lambda: transformers.MistralConfig(**TINY, num_key_value_heads=2, sliding_window=128),
     "gemma": lambda: transformers.GemmaConfig(**TINY, num_key_value_heads=1, head_dim=16),
-    # head_dim 32 is not hidden_size / heads (16): not modelled
+    # head_dim 32 is not hidden_size / heads (16): q is 4 x 32 wide (as Gemma-7B's 16 x 256 for 3072)
     "gemma-wide-heads": lambda: transformers.GemmaConfig(**TINY, num_key_value_heads=1, head_dim=32),
+    # Llama's biased projections (q, k, v, o; gate, up, down)
+    "llama-biases": lambda: transformers.LlamaConfig(**TINY, num_key_value_heads=2, attention_bias=True,
+                                                     mlp_bias=True),
     "gpt2": lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=384),
     # an activation the analytic model does not cover: traced
     "gpt2-relu": lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=384,
@@ -102,7 +105,7 @@ def test_unmodelled_families_and_techniques_say_they_traced(dirs, capsys):
     assert why_not_modelled(_cfg(dirs["llama"])) is None and why_not_modelled(_cfg(dirs["gemma"])) is None
     assert why_not_modelled(_cfg(dirs["gpt2"])) is None
     assert "activation_function relu" in why_not_modelled(_cfg(dirs["gpt2-relu"]))
-    assert "head_dim" in why_not_modelled(_cfg(dirs["gemma-wide-heads"]))
+    assert why_not_modelled(_cfg(dirs["gemma-wide-heads"])) is None  # (modelled: see the grid's SHAPED)
     assert "QLoRA" in why_not_modelled(_cfg(dirs["llama"], lora_rank=4, qlora=True))
     # Named targets are modelled where each name is one of the family's decoder Linears.
     assert why_not_modelled(_cfg(dirs["llama"], lora_rank=4, lora_targets="q_proj,v_proj")) is None
@@ -182,6 +185,28 @@ def test_named_lora_targets_are_estimated_analytically(dirs, family, targets, ca
     assert main([*flags, "--trace"]) == 0
     checked = json.loads(capsys.readouterr().out)
     assert checked["peak_bytes"] == out["peak_bytes"] and abs(checked["trace"]["error"]) < 0.01
+
+
+@pytest.mark.parametrize("family", ["gemma-wide-heads", "llama-biases"])
+@pytest.mark.parametrize("tech", [{}, {"lora_rank": 4, "precision": "bf16"}])
+def test_head_widths_and_biases_are_estimated_analytically(dirs, family, tech, capsys):
+    """A head_dim apart from hidden / heads and Llama's attention_bias / mlp_bias are answered
+    analytically, with the built model's parameters and the trace's peak within 1%
+    (tests/test_hf_estimate_grid.py::test_head_widths_and_biases_within_one_percent_of_the_trace
+    holds the grid)."""
+    from memtrain.analysis.estimate.hf import analytic_estimate
+    from memtrain.cli import main
+
+    cfg = _cfg(dirs[family], **tech)
+    assert (analytic_estimate(cfg, "cpu").parameters, analytic_estimate(cfg, "cpu").trainable_parameters) == \
+        _real_counts(cfg)
+    flags = ["estimate", "--model", str(dirs[family]), "--seq-len", "64", "--batch-size", "4", "--attention", "sdpa",
+             "--json", *[f"--{k.replace('_', '-')}={v}" for k, v in tech.items()]]
+    assert main(flags) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["method"] == "analytic" and "not_analytic" not in out
+    assert main([*flags, "--trace"]) == 0
+    assert abs(json.loads(capsys.readouterr().out)["trace"]["error"]) < 0.01
 
 
 def test_unknown_lora_target_names_are_traced(dirs, capsys):

@@ -251,3 +251,69 @@ def test_analytic_within_one_percent_of_the_trace_at_97_tokens(case, folders, tm
     for phase in ("forward", "backward"):  # each phase, not only the larger: either can be the peak
         ours, theirs = est.phase_peaks[phase], traced["phase_peaks"][phase]
         assert abs(ours / theirs - 1) < 0.01, (phase, ours, theirs, ours / theirs - 1)
+
+
+# Head widths and biases the families' layer code takes from config.json: a head_dim apart from
+# hidden / heads (wider, as Gemma-7B's 16 x 256 for 3072; narrower, as Mistral-Nemo's 32 x 128 for
+# 5120: q and the output projection's input are heads x head_dim wide), and Llama's
+# attention_bias (q, k, v and o) and mlp_bias (gate, up, down), Gemma's attention_bias. Mistral's
+# layers ignore attention_bias (no bias whatever the config says).
+SHAPED = {
+    "llama-wide_heads": ("llama", lambda hd: {"head_dim": hd + 8}),
+    "qwen2-wide_heads": ("qwen2", lambda hd: {"head_dim": hd + 8}),
+    "mistral-narrow_heads": ("mistral", lambda hd: {"head_dim": hd - 4, "attention_bias": True}),
+    "gemma-wide_heads": ("gemma", lambda hd: {"head_dim": 2 * hd}),
+    "phi3-wide_heads": ("phi3", lambda hd: {"head_dim": hd + 8}),
+    "llama-biases": ("llama", lambda hd: {"attention_bias": True, "mlp_bias": True}),
+    "gemma-biases": ("gemma", lambda hd: {"attention_bias": True}),
+}
+
+
+def _shape_cases() -> list[tuple[str, tuple[int, int, int, int], str, str, int, str, str]]:
+    """Every entry of SHAPED x precision x attention x LoRA (every Linear) x checkpointing, each
+    on the next shape of SIZES, the loss alternating between the standard and the chunked one."""
+    combos = list(itertools.product(SHAPED, PRECISIONS, ATTENTION, (0, 4), ("none", "full")))
+    return [(name, SIZES[i % len(SIZES)], prec, attn, lora, ck, ("standard", "chunked")[i // 2 % 2])
+            for i, (name, prec, attn, lora, ck) in enumerate(combos)]
+
+
+def _shape_case_id(case) -> str:
+    name, (h, nh, kv, L), prec, attn, lora, ck, loss = case
+    return f"{name}-h{h}-{nh}q{kv}kv-L{L}-{prec}-{attn}" + (f"-lora{lora}" if lora else "") + f"-ckpt_{ck}-{loss}"
+
+
+def _shaped_folder(folders: dict, root: Path, name: str, size: tuple[int, int, int, int]) -> Path:
+    """The config folder of SHAPED[name] on ``size``."""
+    if (name, size) not in folders:
+        fam, fields = SHAPED[name]
+        h, nh, kv, L = size
+        kw = dict(hidden_size=h, intermediate_size=2 * h + 8, num_hidden_layers=L, num_attention_heads=nh,
+                  num_key_value_heads=kv, max_position_embeddings=128, vocab_size=300 + h,
+                  **{**_extra(fam, h, nh), **fields(h // nh)})
+        d = root / f"{name}-{h}-{nh}-{kv}-{L}"
+        getattr(transformers, CONFIGS[fam])(**kw).save_pretrained(d)
+        folders[(name, size)] = d
+    return folders[(name, size)]
+
+
+# Run by default: a wide head under autocast with eager attention and LoRA, a narrow one (Mistral,
+# whose attention_bias is ignored) under bf16-pure with SDPA and checkpointing, Gemma-7B's
+# doubled head, and Llama's biases under autocast (their cached bf16 copies) with LoRA.
+SHAPED_DEFAULT = {"llama-wide_heads-h120-6q3kv-L3-bf16-math-lora4-ckpt_none-chunked",
+                  "mistral-narrow_heads-h168-6q6kv-L5-bf16-pure-sdpa-ckpt_full-standard",
+                  "gemma-wide_heads-h72-6q2kv-L3-fp32-sdpa-ckpt_none-standard",
+                  "llama-biases-h136-4q1kv-L3-bf16-sdpa-lora4-ckpt_none-chunked"}
+
+
+def _shape_params():
+    return [pytest.param(c, id=_shape_case_id(c), marks=[] if _shape_case_id(c) in SHAPED_DEFAULT else [pytest.mark.slow])
+            for c in _shape_cases()]
+
+
+@pytest.mark.parametrize("case", _shape_params())
+def test_head_widths_and_biases_within_one_percent_of_the_trace(case, folders, tmp_path_factory):
+    name, size, prec, attn, lora, ck, loss = case
+    d = _shaped_folder(folders, tmp_path_factory.getbasetemp(), name, size)
+    tech = {"precision": prec, "attention": attn, "checkpointing": ck, "loss": loss,
+            **({"lora_rank": lora} if lora else {}), **({"loss_chunk": 50} if loss == "chunked" else {})}
+    _within_one_percent(d, tech, bool(lora))

@@ -34,8 +34,15 @@ class Arch:
     # upcasts to float32 and keeps the upcast and the normalized copy for backward, rotary
     # embeddings that copy q and k (GPT-2: neither), peft adapters in the parameter dtype.
     hf: bool = False
-    # q/k/v projections with a bias, the output projection and MLP without (Qwen2's layers).
+    # q/k/v projections with a bias (Qwen2's layers; Llama's and Gemma's with attention_bias).
     qkv_bias: bool = False
+    # The attention's output projection with a bias (Llama's and Gemma's with attention_bias).
+    proj_bias: bool = False
+    # gate/up/down with a bias (Llama's with mlp_bias).
+    mlp_bias: bool = False
+    # The width of one attention head where it is not d_model / n_heads (Gemma-7B: 256 for 3072 /
+    # 16): q and the attention's output are n_heads x head_dim wide, k and v n_kv_heads x head_dim.
+    head_dim: Optional[int] = None
     # q/k/v as one Linear and gate/up as one Linear, split by slicing (Phi-3's qkv_proj and
     # gate_up_proj): one LoRA pair each, and the splits are views of the fused output.
     fused_proj: bool = False

@@ -333,7 +333,7 @@ ANALYTIC_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2": {**_COMMON_DEFAULTS, "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
               "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
               "max_position_embeddings": 32768, "use_sliding_window": False, "sliding_window": 4096,
-              "max_window_layers": 28, "layer_types": None},
+              "max_window_layers": 28, "layer_types": None, "head_dim": None},
     "mistral": {**_COMMON_DEFAULTS, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
                 "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
                 "max_position_embeddings": 4096 * 32, "sliding_window": 4096, "head_dim": None},
@@ -349,7 +349,7 @@ _GPT2_ALIASES = {"hidden_size": "n_embd", "max_position_embeddings": "n_position
 # The fields each family's typed config lets be null (an explicit null elsewhere: AutoConfig refuses it).
 _NULLABLE: dict[str, frozenset[str]] = {
     "llama": frozenset({"num_key_value_heads", "head_dim", "attention_dropout"}),
-    "qwen2": frozenset({"num_key_value_heads", "sliding_window", "layer_types"}),
+    "qwen2": frozenset({"num_key_value_heads", "sliding_window", "layer_types", "head_dim"}),
     "mistral": frozenset({"head_dim", "sliding_window"}),
     "gpt2": frozenset({"n_inner"}),
 }

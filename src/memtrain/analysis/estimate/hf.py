@@ -27,7 +27,17 @@ transformers decoder layer differs from it in three ways that matter for memory,
   float32 and casts back at the end (the normalized tensor the weight's gradient keeps is
   float32), the embedding's output is scaled by sqrt(hidden) into a new tensor, and its
   tanh-GELU gate is SiLU's for memory (one kernel each way, saving its input). Its head is
-  tied (the estimator's tied weight). A head_dim other than hidden / heads is not modelled.
+  tied (the estimator's tied weight).
+* A head_dim other than hidden / heads (Gemma-7B, Mistral-Nemo: ``Arch.head_dim``) makes q, the
+  attention's output and the output projection's input heads x head_dim wide. Biases follow each
+  family's layer code: Qwen2's q/k/v always, Llama's and Gemma's q/k/v/o with ``attention_bias``,
+  Llama's gate/up/down with ``mlp_bias`` (``Arch.qkv_bias``, ``proj_bias``, ``mlp_bias``; Mistral
+  and Phi-3 have none whatever the config says).
+* Named ``--lora-targets`` (peft's Llama default ``q_proj,v_proj``, MLP-only ones):
+  :func:`~memtrain.analysis.estimate.params.lora_adapted` gives each named Linear its pair; in
+  the first layer only what an adapter feeds requires a gradient, so autograd records nothing
+  before it (:func:`~memtrain.analysis.estimate.inventory.grad_flow`), and a frozen Linear there
+  keeps no weight copy. GPT-2's named targets are traced (:func:`why_targets_not_modelled`).
 * The CPU RNG state non-reentrant checkpoint stores per layer is not counted: it is made
   outside the dispatcher, so the memory meter never sees it.
 * GPT-2 (``GPT2LMHeadModel``) is our GPT's inventory (LayerNorm, learned positions, biases, one
@@ -83,6 +93,10 @@ MODELLED = ("llama", "qwen2", "mistral", "phi3", "gemma", "gpt2")
 # (Qwen2Attention builds q/k/v with bias=True and o_proj without; its configs have no
 # attention_bias field).
 QKV_BIAS = ("qwen2",)
+# Families whose q/k/v and o projections take config.json's attention_bias, and whose gate/up/down
+# take its mlp_bias (the others' layer code fixes their biases, whatever the config says).
+ATTENTION_BIAS = ("llama", "gemma")
+MLP_BIAS = ("llama",)
 # Families whose q/k/v and gate/up are one Linear each, split by slicing (Phi-3).
 FUSED_PROJ = ("phi3",)
 # Families with Gemma's float32 ``x * (1 + w)`` RMSNorm, sqrt(hidden)-scaled embeddings and a
@@ -132,11 +146,6 @@ def why_not_modelled(cfg: Any) -> Optional[str]:
                 "the windowed mask) is not modelled analytically for transformers models")
     if c.model_type in GPT2_LIKE:
         return why_gpt2_not_modelled(c, tech.attention, tech.lora_rank)
-    head_dim = getattr(c, "head_dim", None)
-    if head_dim is not None and head_dim * c.num_attention_heads != c.hidden_size:
-        return "a head_dim other than hidden_size / heads is not modelled analytically"
-    if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
-        return "biased projections are not modelled analytically"
     act = "gelu_pytorch_tanh" if c.model_type in GEMMA_LIKE else "silu"
     if getattr(c, "hidden_act", act) != act:
         return f"hidden_act {c.hidden_act} is not modelled analytically for {c.model_type} (only {act})"
@@ -196,9 +205,14 @@ def _arch_of(c: Any) -> Arch:
     """:func:`hf_arch` of a config already read."""
     if c.model_type in GPT2_LIKE:
         return replace(GPT2_ARCH, hf=True, gpt2_layers=True, mlp="gelu_new" if c.activation_function == "gelu_new" else "gelu")
+    attention_bias = c.model_type in ATTENTION_BIAS and bool(getattr(c, "attention_bias", False))
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return replace(LLAMA_ARCH, name=c.model_type, n_kv_heads=getattr(c, "num_key_value_heads", None), hf=True,
-                   qkv_bias=c.model_type in QKV_BIAS, fused_proj=c.model_type in FUSED_PROJ,
-                   norm_offset=c.model_type in GEMMA_LIKE, embed_scale=c.model_type in GEMMA_LIKE)
+                   qkv_bias=c.model_type in QKV_BIAS or attention_bias, proj_bias=attention_bias,
+                   mlp_bias=c.model_type in MLP_BIAS and bool(getattr(c, "mlp_bias", False)),
+                   head_dim=head_dim if head_dim * c.num_attention_heads != c.hidden_size else None,
+                   fused_proj=c.model_type in FUSED_PROJ, norm_offset=c.model_type in GEMMA_LIKE,
+                   embed_scale=c.model_type in GEMMA_LIKE)
 
 
 def analytic_estimate(cfg: Any, device_type: str, gpu: Optional[str] = None, world_size: int = 1,

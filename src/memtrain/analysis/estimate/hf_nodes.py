@@ -58,7 +58,7 @@ def hf_model_input_nodes(dm: Any, attention: str) -> list[Any]:
     eager attention, the additive float causal mask (b, 1, s, s) in the embeddings' dtype,
     ``torch.where`` over a bool (s, s) comparison. The rope products save cos and sin in every
     layer; the mask is added to the scores (nothing saved) and lives until the model returns."""
-    s, hd, p = dm.s, dm.d // dm.h, dm.p
+    s, hd, p = dm.s, dm.qw // dm.h, dm.p
     table = s * hd
     nodes = [Node("positions", out=[(POSITIONS, s * 8)])]
     if attention == "math":
@@ -82,7 +82,7 @@ def hf_rope_node(dm: Any, qkv: list[str], out: str, v_view: bool = False) -> Any
     fused entry) or three (q, k, v: the Linears simulated one by one). ``v_view``: v is a slice
     of the one fused output (Phi-3's qkv_proj), which the attention keeps itself: ``out`` is
     then the new q and k alone."""
-    N, d, kv, a = dm.n, dm.d, dm.kv, dm.a
+    N, d, kv, a = dm.n, dm.qw, dm.kv, dm.a  # (d: q's width, n_heads x head_dim)
     widths = [d + 2 * kv] if len(qkv) == 1 else [d, kv, kv]
     # The products save cos and sin (ROPE_TABLES), views of the model's tables.
     return Node(f"{out}.rope", out=[(out, N * (d + (kv if v_view else 2 * kv)) * a)],

@@ -14,7 +14,7 @@ from memtrain.analysis.estimate.hf_nodes import (
     hf_norm_node,
     hf_rope_node,
 )
-from memtrain.analysis.estimate.params import lora_adapted, lora_split
+from memtrain.analysis.estimate.params import has_bias, head_widths, lora_adapted, lora_split
 from memtrain.analysis.estimate.simulator import Compression, Node, Segment
 from memtrain.config.archs import Arch
 from memtrain.config.run import ModelConfig, RunConfig, TechniqueConfig
@@ -67,10 +67,18 @@ class Dims:
     # transformers' Llama-style eager attention repeats the k/v heads (repeat_kv) before the
     # scores and holds the copies until it returns.
     repeat_kv: bool = False
+    # Width of q and of the attention's output (n_heads x head_dim) where it is not d (a
+    # transformers config's head_dim: Arch.head_dim); 0: d.
+    hq: int = 0
 
     @property
     def n(self) -> int:
         return self.b * self.s
+
+    @property
+    def qw(self) -> int:
+        """The width of q and of the attention's output (the output projection's input)."""
+        return self.hq or self.d
 
 
 def _rename_key(nodes: list[Node], old: str, new: str) -> None:
@@ -391,8 +399,9 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
     the storage v is a view of, when it is not ``qkv`` (Phi-3: the projection's fused output).
     ``qkv_grad``: whether q, k and v require a gradient (not all of them in the first layer of a
     transformers model under LoRA on named targets)."""
-    b, s, d, h, a = dm.b, dm.s, dm.d, dm.h, dm.a
-    N, kvw, hd = dm.n, dm.kv, dm.d // dm.h
+    # (Inside the attention every q-sized tensor is n_heads x head_dim wide: ``d`` is that here.)
+    b, s, d, h, a = dm.b, dm.s, dm.qw, dm.h, dm.a
+    N, kvw, hd = dm.n, dm.kv, dm.qw // dm.h
     qkv, q, k, v, y = f"{p}.qkv", f"{p}.q", f"{p}.k", f"{p}.v", f"{p}.y"
     # What the kernels read and save for q, k and v: v's storage too when it is another one.
     qkv_keys = [qkv] if v_src is None else [qkv, v_src]
@@ -578,7 +587,7 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
         (its name suffix), writing ``out + part``; ``src_grad``: whether ``src`` requires a
         gradient."""
         split = lora_split(arch, short, n_out, d, dm.kv)
-        bias = dm.bias or (arch.qkv_bias and short == "qkv")
+        bias = has_bias(arch, short, dm.bias)
         if part is None:
             # (All of the entry's Linears or none of them are adapted here: a transformers layer
             # with some of q, k, v or gate, up adapted runs them one by one, ``per_linear``.)
@@ -599,11 +608,11 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     norm(f"{p}.ln_1", x, f"{p}.ln1", needs["in"])
     if per_linear:
         for part in (".q", ".k", ".v"):
-            lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0", d, d + 2 * dm.kv, r, needs["in"], part)
+            lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0", d, dm.qw + 2 * dm.kv, r, needs["in"], part)
         nodes.append(hf_rope_node(dm, [f"{p}.qkv0.q", f"{p}.qkv0.k", f"{p}.qkv0.v"], f"{p}.qkv"))
     else:
         rope = dm.hf and arch.positional == "rope"
-        lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0" if rope else f"{p}.qkv", d, d + 2 * dm.kv, r,
+        lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0" if rope else f"{p}.qkv", d, dm.qw + 2 * dm.kv, r,
             needs["in"])
         if rope:
             nodes.append(hf_rope_node(dm, [f"{p}.qkv0"], f"{p}.qkv", v_view=arch.fused_proj))
@@ -614,7 +623,7 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     # to the (b, h, s, hd) output; the merge (transpose + contiguous) is outside it.
     for n in nodes[start + 1:]:
         n.core = not n.name.endswith(".merge")
-    lin("proj", f"{p}.attn.proj", f"{p}.y", f"{p}.pr", d, d, a, needs["attn"])
+    lin("proj", f"{p}.attn.proj", f"{p}.y", f"{p}.pr", dm.qw, d, a, needs["attn"])
     if dm.hf:
         # The decoder layer's local holds the norm's output until self_attn returns (and the
         # second norm's until the MLP returns), whether or not an op saved it; the attention's
@@ -926,8 +935,9 @@ def precision_bytes(precision: str) -> tuple[int, int, bool]:
 def run_dims(cfg: RunConfig, arch: Arch, device_type: str, batch: Optional[int] = None) -> Dims:
     m, t = cfg.model, cfg.train
     pb, ab, autocast = precision_bytes(cfg.technique.precision)
-    dm = Dims(b=batch or t.batch_size, s=t.seq_len, d=m.d_model, f=m.d_ff, h=m.n_heads,
-               kv=(arch.n_kv_heads or m.n_heads) * m.head_dim, V=m.padded_vocab_size, a=ab,
+    q, kv = head_widths(m, arch)
+    dm = Dims(b=batch or t.batch_size, s=t.seq_len, d=m.d_model, f=m.d_ff, h=m.n_heads, kv=kv,
+               hq=q if q != m.d_model else 0, V=m.padded_vocab_size, a=ab,
                r=pb, p=pb, autocast=autocast, dropout=m.dropout > 0, cuda=device_type == "cuda",
                bias=m.bias and arch.name == "gpt2", hf=arch.hf, fp8=precision_facts(cfg.technique.precision).fp8,
                fused_proj=arch.fused_proj, lora_dropout=cfg.technique.lora_rank > 0 and cfg.technique.lora_dropout > 0,

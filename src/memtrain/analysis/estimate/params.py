@@ -80,15 +80,31 @@ def lora_adapted(arch: Arch, tech: TechniqueConfig) -> set[tuple[str, str]]:
 def lora_split(arch: Arch, short: str, n_out: int, d: int, kv: int) -> list[tuple[str, int]]:
     """The Linears a fused table entry stands for, each with its own LoRA pair: (name suffix,
     output width). Our GPT's q/k/v and its MLP input are one Linear each; a transformers layer
-    has q_proj, k_proj and v_proj, and gate_proj and up_proj, and peft gives every one of them
-    an ``A (r x in)`` and a ``B (out x r)``."""
+    has q_proj, k_proj and v_proj (q: ``n_out - 2 kv`` wide, ``d`` unless ``Arch.head_dim`` says
+    otherwise), and gate_proj and up_proj, and peft gives every one of them an ``A (r x in)`` and
+    a ``B (out x r)``."""
     if arch.fused_proj or arch.gpt2_layers:
         return [("", n_out)]
     if arch.hf and short == "qkv":
-        return [(".q", d), (".k", kv), (".v", kv)]
+        return [(".q", n_out - 2 * kv), (".k", kv), (".v", kv)]
     if arch.hf and short == "fc" and arch.mlp == "swiglu":
         return [(".gate", n_out // 2), (".up", n_out // 2)]
     return [("", n_out)]
+
+
+def head_widths(m: ModelConfig, arch: Arch) -> tuple[int, int]:
+    """(q width, k and v width): n_heads and n_kv_heads times the head width (``Arch.head_dim``
+    where a transformers config sets one apart from d_model / n_heads)."""
+    hd = arch.head_dim or m.head_dim
+    return m.n_heads * hd, (arch.n_kv_heads or m.n_heads) * hd
+
+
+def has_bias(arch: Arch, short: str, model_bias: bool) -> bool:
+    """Whether a table entry's Linear has a bias: all of them by ``model_bias`` (our GPT's
+    ``ModelConfig.bias``), else q/k/v (``Arch.qkv_bias``), the attention's output projection
+    (``Arch.proj_bias``) or the MLP's (``Arch.mlp_bias``)."""
+    return model_bias or {"qkv": arch.qkv_bias, "proj": arch.proj_bias, "fc": arch.mlp_bias,
+                          "fc_out": arch.mlp_bias}.get(short, False)
 
 
 def param_table(m: ModelConfig, arch: Arch = GPT2_ARCH, tech: Optional[TechniqueConfig] = None) -> list[ParamInfo]:
@@ -119,7 +135,7 @@ def block_param_table(m: ModelConfig, arch: Arch, tech: Optional[TechniqueConfig
     """The table with only the blocks ``blocks`` (indices used in the names); ``repeat``
     gives a block's entries a multiplicity (the compressed simulation's lumped periods)."""
     d, f, V = m.d_model, m.d_ff, m.padded_vocab_size
-    kv = (arch.n_kv_heads or m.n_heads) * m.head_dim
+    q, kv = head_widths(m, arch)
     bias = m.bias and arch.name == "gpt2"
     lora = tech.lora_rank if tech is not None else 0
     adapted = lora_adapted(arch, tech) if lora else set()  # type: ignore[arg-type]  # lora > 0 implies tech is not None
@@ -139,7 +155,7 @@ def block_param_table(m: ModelConfig, arch: Arch, tech: Optional[TechniqueConfig
     def linear(name: str, short: str, n_in: int, n_out: int, i: int) -> None:
         k = rep.get(i, 1)
         out.append(ParamInfo(f"{name}.weight", (n_out, n_in), not frozen, i, k))
-        if bias or (arch.qkv_bias and short == "qkv"):
+        if has_bias(arch, short, bias):
             out.append(ParamInfo(f"{name}.bias", (n_out,), not frozen, i, k))
         for suffix, width in lora_split(arch, short, n_out, d, kv):
             if (short, suffix) in adapted:
@@ -149,8 +165,8 @@ def block_param_table(m: ModelConfig, arch: Arch, tech: Optional[TechniqueConfig
     for i in blocks:
         p = f"blocks.{i}"
         norm(f"{p}.ln_1", i)
-        linear(f"{p}.attn.qkv", "qkv", d, d + 2 * kv, i)
-        linear(f"{p}.attn.proj", "proj", d, d, i)
+        linear(f"{p}.attn.qkv", "qkv", d, q + 2 * kv, i)
+        linear(f"{p}.attn.proj", "proj", q, d, i)
         norm(f"{p}.ln_2", i)
         if arch.mlp == "swiglu":
             linear(f"{p}.mlp.fc", "fc", d, 2 * f, i)  # gate and up fused
