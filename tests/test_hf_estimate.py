@@ -261,6 +261,22 @@ def test_an_active_config_window_is_traced(tmp_path, window, capsys):
     assert out["peak_bytes"] == peak[windowed]
 
 
+def test_an_active_window_with_eager_attention_is_analytic(tmp_path, capsys):
+    """Eager attention adds the model's float mask whether it is windowed or not: with
+    --attention math an active window (config.json's or --window) is answered analytically, on
+    the CPU as on CUDA (tests/test_hf_estimate_grid.py::test_eager_sliding_window_within_one_percent_of_the_trace
+    holds it to the trace)."""
+    from memtrain.cli import main
+
+    transformers.MistralConfig(**TINY, num_key_value_heads=2, sliding_window=32).save_pretrained(tmp_path)
+    for extra in ([], ["--window", "16"], ["--device-type", "cuda"]):
+        flags = ["estimate", "--model", str(tmp_path), "--seq-len", "64", "--batch-size", "4", "--attention", "math",
+                 "--json", *extra]
+        assert main(flags) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["method"] == "analytic" and "not_analytic" not in out, extra
+
+
 def test_qwen2_sliding_window_counts_only_when_a_layer_slides(tmp_path):
     """Qwen2 slides only layers from max_window_layers on, and only with use_sliding_window."""
     from memtrain.analysis.estimate.hf import why_not_modelled

@@ -116,7 +116,9 @@ def active_window(c: Any, window: Optional[int], seq_len: int) -> Optional[int]:
 
     transformers skips the attention mask only while the sequence is shorter than the window
     (masking_utils: ``kv_length < local_attention_size``); from ``seq_len >= window`` on it
-    builds the windowed mask, a step the analytic model does not describe."""
+    builds the windowed mask: eager attention adds it as it adds the causal one (the same
+    tensors), SDPA then gets it instead of ``is_causal``, a step the analytic model does not
+    describe (:func:`why_not_modelled`)."""
     if window is None:
         window = getattr(c, "sliding_window", None)
         if window is None or getattr(c, "use_sliding_window", True) is False:
@@ -141,9 +143,13 @@ def why_not_modelled(cfg: Any) -> Optional[str]:
         if unknown is not None:
             return unknown
     window = active_window(c, tech.window, cfg.train.seq_len)
-    if window is not None:
-        return (f"sliding-window attention (window {window} <= --seq-len {cfg.train.seq_len}: transformers builds "
-                "the windowed mask) is not modelled analytically for transformers models")
+    if window is not None and tech.attention != "math":
+        # Eager attention adds the model's float mask, windowed or not: the same tensors. SDPA gets
+        # that mask instead of is_causal: transformers repeats the k/v heads for it, and the CPU
+        # kernel turns the bool mask into a float one per layer, which its backward keeps.
+        return (f"sliding-window attention with --attention {tech.attention} (window {window} <= --seq-len "
+                f"{cfg.train.seq_len}: SDPA gets transformers' windowed mask, repeated k/v heads and a float copy "
+                "of the mask per layer) is not modelled analytically (eager attention with --attention math is)")
     if c.model_type in GPT2_LIKE:
         return why_gpt2_not_modelled(c, tech.attention, tech.lora_rank)
     act = "gelu_pytorch_tanh" if c.model_type in GEMMA_LIKE else "silu"

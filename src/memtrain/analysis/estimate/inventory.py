@@ -617,7 +617,10 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
         if rope:
             nodes.append(hf_rope_node(dm, [f"{p}.qkv0"], f"{p}.qkv", v_view=arch.fused_proj))
     start = len(nodes)
-    _attention_nodes(nodes, dm, p, tech.attention, tech.window, v_src=f"{p}.qkv0" if arch.fused_proj else None,
+    # A transformers layer's window is in the mask the model builds (hf_model_input_nodes), not in
+    # memtrain's banded kernel: its eager attention is the unwindowed one for memory.
+    window = None if dm.hf else tech.window
+    _attention_nodes(nodes, dm, p, tech.attention, window, v_src=f"{p}.qkv0" if arch.fused_proj else None,
                      qkv_grad=(needs["qkv.q"], needs["qkv.k"], needs["qkv.v"]))
     # The attention core is what model.attn_fn computes: everything after the q/k/v split up
     # to the (b, h, s, hd) output; the merge (transpose + contiguous) is outside it.
