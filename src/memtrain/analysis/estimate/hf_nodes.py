@@ -84,10 +84,16 @@ def hf_rope_node(dm: Any, qkv: list[str], out: str, v_view: bool = False) -> Any
     then the new q and k alone."""
     N, d, kv, a = dm.n, dm.qw, dm.kv, dm.a  # (d: q's width, n_heads x head_dim)
     widths = [d + 2 * kv] if len(qkv) == 1 else [d, kv, kv]
-    # The products save cos and sin (ROPE_TABLES), views of the model's tables.
+    # The products save cos and sin (ROPE_TABLES), views of the model's tables. The forward, q's
+    # then k's: ``x * cos``, rotate_half's ``neg`` and ``cat``, ``cat * sin`` (the cat then goes),
+    # and their sum: three x-sized tensors at once before the sum; k's come after q's result.
+    Q, K = N * d * a, N * kv * a
+    steps = (("alloc", "q_cos", Q), ("alloc", "q_cat", Q), ("alloc", "q_sin", Q), ("free", "q_cat", 0.0),
+             ("free", "q_cos", 0.0), ("free", "q_sin", 0.0), ("outputs", "", 0.0),
+             ("alloc", "k_cos", K), ("alloc", "k_cat", K), ("alloc", "k_sin", K))
     return Node(f"{out}.rope", out=[(out, N * (d + (kv if v_view else 2 * kv)) * a)],
                  inputs=list(qkv) + [ROPE_TABLES], saves=[ROPE_TABLES],
-                 grads=[(k, N * w * a) for k, w in zip(qkv, widths)], fwd_scratch=3 * N * (d + kv) * a,
+                 grads=[(k, N * w * a) for k, w in zip(qkv, widths)], fwd_steps=steps,
                  scratch=2 * N * (d + kv) * a)
 
 
