@@ -1,7 +1,9 @@
 """The analytic model of transformers decoder layers against the fake-tensor trace on odd
 shapes: widths 72-200, odd and even depths, grouped-query ratios from 1 (MQA) to equal heads,
 for Llama, Qwen2, Mistral, Phi-3, Gemma and GPT-2 under fp32, bf16 autocast and bf16-pure, eager and SDPA attention,
-with and without LoRA and full checkpointing.
+with and without LoRA and full checkpointing; then named --lora-targets (TARGETS), head widths
+and biases from config.json (SHAPED) and eager attention with a sliding window (WINDOWED), the
+loss alternating between the standard and the chunked one.
 
 The measure is the larger of the forward and the backward peak: the optimizer step's scratch
 is left out, because the trace runs torchao's compiled bf16 AdamW eagerly (its scratch there

@@ -94,7 +94,10 @@ def hf_rope_node(dm: Any, qkv: list[str], out: str, v_view: bool = False) -> Any
     return Node(f"{out}.rope", out=[(out, N * (d + (kv if v_view else 2 * kv)) * a)],
                  inputs=list(qkv) + [ROPE_TABLES], saves=[ROPE_TABLES],
                  grads=[(k, N * w * a) for k, w in zip(qkv, widths)], fwd_steps=steps,
-                 scratch=2 * N * (d + kv) * a)
+                 # Backward, k's then q's: ``grad * sin``, rotate_half's backward (neg, two
+                 # slice_backward) and their sum, then ``grad * cos`` and the sum: two x-sized
+                 # temporaries beside x's gradient, k's gone before q's (q is the wider).
+                 scratch=2 * N * d * a)
 
 
 def gelu_new_nodes(dm: Any, name: str, src: str, out: str) -> list[Any]:
