@@ -86,11 +86,12 @@ def hf_rope_node(dm: Any, qkv: list[str], out: str, v_view: bool = False) -> Any
     widths = [d + 2 * kv] if len(qkv) == 1 else [d, kv, kv]
     # The products save cos and sin (ROPE_TABLES), views of the model's tables. The forward, q's
     # then k's: ``x * cos``, rotate_half's ``neg`` and ``cat``, ``cat * sin`` (the cat then goes),
-    # and their sum: three x-sized tensors at once before the sum; k's come after q's result.
+    # and their sum: three x-sized tensors at once before the sum. k's come after q's result; the
+    # output here already holds k's result and a copy of v (which passes through, still held as
+    # the projection's output), so one k-sized temporary stands for k's three.
     Q, K = N * d * a, N * kv * a
     steps = (("alloc", "q_cos", Q), ("alloc", "q_cat", Q), ("alloc", "q_sin", Q), ("free", "q_cat", 0.0),
-             ("free", "q_cos", 0.0), ("free", "q_sin", 0.0), ("outputs", "", 0.0),
-             ("alloc", "k_cos", K), ("alloc", "k_cat", K), ("alloc", "k_sin", K))
+             ("free", "q_cos", 0.0), ("free", "q_sin", 0.0), ("outputs", "", 0.0), ("alloc", "k_sin", K))
     return Node(f"{out}.rope", out=[(out, N * (d + (kv if v_view else 2 * kv)) * a)],
                  inputs=list(qkv) + [ROPE_TABLES], saves=[ROPE_TABLES],
                  grads=[(k, N * w * a) for k, w in zip(qkv, widths)], fwd_steps=steps,
