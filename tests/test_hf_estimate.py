@@ -198,8 +198,8 @@ def test_head_widths_and_biases_are_estimated_analytically(dirs, family, tech, c
     from memtrain.cli import main
 
     cfg = _cfg(dirs[family], **tech)
-    assert (analytic_estimate(cfg, "cpu").parameters, analytic_estimate(cfg, "cpu").trainable_parameters) == \
-        _real_counts(cfg)
+    est = analytic_estimate(cfg, "cpu")
+    assert (est.parameters, est.trainable_parameters, est.adapter_parameters) == _real_counts(cfg)
     flags = ["estimate", "--model", str(dirs[family]), "--seq-len", "64", "--batch-size", "4", "--attention", "sdpa",
              "--json", *[f"--{k.replace('_', '-')}={v}" for k, v in tech.items()]]
     assert main(flags) == 0
