@@ -135,6 +135,26 @@ def test_agreement_without_a_process_group_re_raises_as_is():
 
 
 # --------------------------------------------------------------------------- the --out lock
+def _refusals_while_training(monkeypatch, second_holder) -> list[str]:
+    """The refusals a second holder (``second_holder()``, a lock) meets while the next train runs
+    (tried as it tokenizes, after its locks are taken)."""
+    import memtrain.training.train as train_module
+
+    refused: list[str] = []
+    real = train_module.prepare_tokens
+
+    def during_the_run(*a, **kw):
+        try:
+            with second_holder():
+                pass
+        except ConfigError as exc:
+            refused.append(str(exc))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(train_module, "prepare_tokens", during_the_run)
+    return refused
+
+
 def test_train_holds_its_out_folder_like_a_bench(tiny_run, capsys, monkeypatch):
     tiny_run = {**tiny_run, "steps": 2, "warmup_steps": 1, "warmup_timing_steps": 1, "val_blocks": 1}
     out = Path(tiny_run["out"])
@@ -143,20 +163,7 @@ def test_train_holds_its_out_folder_like_a_bench(tiny_run, capsys, monkeypatch):
         assert "is in use by memtrain bench (pid" in _one_error_line(capsys.readouterr().err)
     assert not (out / "result.json").exists()
 
-    import memtrain.training.train as train_module
-
-    refused: list[str] = []
-    real = train_module.prepare_tokens
-
-    def during_the_run(*a, **kw):  # while the train runs, a second holder is refused
-        try:
-            with FolderLock(out, "memtrain bench"):
-                pass
-        except ConfigError as exc:
-            refused.append(str(exc))
-        return real(*a, **kw)
-
-    monkeypatch.setattr(train_module, "prepare_tokens", during_the_run)
+    refused = _refusals_while_training(monkeypatch, lambda: FolderLock(out, "memtrain bench"))
     assert main(["train", *cli_flags(tiny_run)]) == 0
     assert refused and "in use by memtrain train (pid" in refused[0]
     with FolderLock(out, "memtrain bench"):  # released when the train ended
@@ -175,20 +182,7 @@ def test_two_trains_with_one_save_file_are_not_both_run(tiny_run, tmp_path, caps
         assert f"--save '{save}' is in use by memtrain train (pid" in _one_error_line(capsys.readouterr().err)
     assert not save.exists() and not (Path(tiny_run["out"]) / "result.json").exists()
 
-    import memtrain.training.train as train_module
-
-    refused: list[str] = []
-    real = train_module.prepare_tokens
-
-    def during_the_run(*a, **kw):  # while the train runs, a second run's --save is refused
-        try:
-            with file_lock(save, "memtrain train", "--save"):
-                pass
-        except ConfigError as exc:
-            refused.append(str(exc))
-        return real(*a, **kw)
-
-    monkeypatch.setattr(train_module, "prepare_tokens", during_the_run)
+    refused = _refusals_while_training(monkeypatch, lambda: file_lock(save, "memtrain train", "--save"))
     assert main(["train", *cli_flags(tiny_run)]) == 0
     assert refused and "is in use by memtrain train (pid" in refused[0]
     assert save.is_file() and sorted(p.name for p in save.parent.iterdir()) == ["ck.pt"]  # no lock left
