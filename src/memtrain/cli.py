@@ -424,11 +424,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         except Exception as exc:
             if not is_out_of_memory(exc) or env is not None:  # under torchrun each rank says its own
                 raise
+            # The estimate's modules, read only for this refusal: the flags the run does not use yet.
+            from memtrain.analysis.advice import save_memory_clause
+            from memtrain.runtime.env import resolve_device
+
             t = cfg.train
+            save = save_memory_clause(cfg, None, resolve_device(t.device).type).text
             raise ConfigError(f"out of memory training batch {t.batch_size} x seq {t.seq_len} ({_allocation_of(exc)}): lower "
-                              "--batch-size (--grad-accum keeps the tokens per step), or save memory with --loss "
-                              "chunked, --checkpointing full or --precision bf16; `memtrain maxbatch` finds the "
-                              "largest batch that fits") from None
+                              "--batch-size (--grad-accum keeps the tokens per step)" + (f", or {save}" if save else "")
+                              + "; `memtrain maxbatch` finds the largest batch that fits") from None
     if not main_rank:
         return 0  # result["ranks"] has every rank's numbers
     if getattr(cfg.train, "warmup_defaulted", False):
