@@ -227,3 +227,22 @@ def test_plots_name_the_run_scale_and_budget_and_keep_the_cap_mark(tmp_path, mon
         assert title.endswith("\nscale quick; batch 4 x seq 8; 2 steps; max-batch budget 1.00 GiB"), title
     labels = drawn["max_batch.png"][1]
     assert "256+" in labels and "10" in labels and "10+" not in labels
+
+
+def test_the_header_names_a_technique_setting_every_row_shares():
+    """A --config key (lora_rank: 4) applies to every row, under names ("BF16 Mixed Precision")
+    that do not mention it: the header says so. A setting that shaped only some rows (LoRA's
+    alpha beside a row without LoRA) is not shared; one row's name says all."""
+    def with_tech(row, **tech):
+        row["config"]["technique"].update(tech)
+        return row
+
+    assert "Every row also ran with" not in markdown_report(ROWS, [])
+    lora = [with_tech(_row("bf16", 0.40, 2**30, 9.3), lora_rank=4, lora_alpha=32.0),
+            with_tech(_row("flash-bf16", 0.38, 2**30, 9.3), lora_rank=4, lora_alpha=32.0)]
+    assert "Every row also ran with: `lora_rank=4, lora_alpha=32.0` (beside what its name says)." \
+        in markdown_report(lora, [])
+    assert "Every row also ran with" not in markdown_report(lora[:1], [])
+    mixed = [with_tech(_row("bf16", 0.40, 2**30, 9.3), lora_alpha=32.0),
+             with_tech(_row("lora", 0.38, 2**30, 9.3), lora_rank=4, lora_alpha=32.0)]
+    assert "Every row also ran with" not in markdown_report(mixed, [])

@@ -8,7 +8,7 @@ import re
 import unicodedata
 from typing import Any, Callable, Optional
 
-from memtrain.config.run import DEFAULT_MODULE_TOP
+from memtrain.config.run import DEFAULT_MODULE_TOP, ConfigError, TechniqueConfig, build_config, dormant_settings
 from memtrain.report.by_module import is_module_table, module_markdown
 from memtrain.report.labels import OPTIM_NAMES, method_cell
 from memtrain.report.noise import noise_markdown
@@ -239,7 +239,7 @@ def markdown_report(rows: list[dict[str, Any]], missing: list[str], header: Call
             f"lr {t['lr']}, warm-up {t['warmup_steps']}. Data: {md_code(raw_first_ok['config']['data']['data'])}.",
             f"Hardware: {env.get('device')}; torch {env.get('torch')}; memtrain commit {env.get('commit') or 'unknown'}.",
         ]
-        parts += device_lines(rows) + [""]
+        parts += device_lines(rows) + shared_technique_lines(rows) + [""]
     header_time = time_header(rows)
     columns = [(header_time if h == TIME_HEADER else h, k, f) for h, k, f in COLUMNS]
     parts += [markdown_table(records, columns), ""]
@@ -306,6 +306,45 @@ def module_lines(rows: list[dict[str, Any]]) -> list[str]:
 def _caps(rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
     return next((r["device_caps"] for r in rows if r.get("status") == "ok" and isinstance(r.get("device_caps"), dict)
                  and r["device_caps"].get("name")), None)
+
+
+def shared_technique_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The header's line of technique settings every row ran with beside the default, such as a
+    ``--config`` key (``lora_rank: 4``) that a row's name ("BF16 Mixed Precision") does not
+    mention; none with fewer than two rows (the one row's name says it)."""
+    ok = [r for r in rows if r.get("status") == "ok" and isinstance(r.get("config", {}).get("technique"), dict)]
+    if len(ok) < 2:
+        return []
+    configs = [r["config"]["technique"] for r in ok]
+    defaults = TechniqueConfig().__dict__
+    # Only what shaped every row: a setting of a technique some row leaves off (a loss chunk beside
+    # rows without the chunked loss) is one of the rows' own differences, not a shared one.
+    dormant = set.union(*(_dormant(r["config"]) for r in ok))
+    named = set.union(*(_named_settings(str(r.get("technique", ""))) for r in ok))  # a name says those
+    shared = [f"{k}={v}" for k, v in configs[0].items() if k in defaults and k not in dormant | named
+              and v != defaults[k] and all(c.get(k) == v for c in configs[1:])]
+    return [f"Every row also ran with: {md_code(', '.join(shared))} (beside what its name says)."] if shared else []
+
+
+def _named_settings(technique: str) -> set[str]:
+    """The settings a row's technique name sets (a preset's, or an explicit key=value row's);
+    none for a name the bench no longer knows."""
+    # The bench's table of presets, read only here: the report module is imported by the bench.
+    from memtrain.bench.technique_sets import technique_overrides
+
+    try:
+        return set(technique_overrides(technique, "quick"))
+    except ConfigError:
+        return set()
+
+
+def _dormant(config: dict[str, Any]) -> set[str]:
+    """The settings of a row's ``config`` that shape a technique it leaves off; none where the
+    recorded config no longer builds (a row of an older memtrain)."""
+    try:
+        return set(dormant_settings(build_config(config)))
+    except (ConfigError, TypeError):
+        return set()
 
 
 def device_lines(rows: list[dict[str, Any]]) -> list[str]:
