@@ -57,6 +57,7 @@ def test_bench_row_trains_a_transformers_model(llama_dir, small_corpus, tmp_path
     row = rows[0]
     assert row["config"]["model"]["model"] == str(llama_dir)
     assert row["config"]["model"]["d_model"] == 16  # the shape mirrors the transformers config
+    assert row["named_settings"] == ["attention", "lora_rank", "precision"]  # what its name sets, for the report
     assert row["memory"]["peak_bytes"] > 0 and len(row["loss_history"]) == 2
     # peft's adapters only: 2 x r x (in + out) per Linear of the one decoder layer
     assert 0 < row["trainable_parameters"] < row["parameters"]

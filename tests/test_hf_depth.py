@@ -91,9 +91,10 @@ def test_probe_depths_follow_the_checkpointing_period(tmp_path):
 def test_estimate_cli_says_how_it_traced(tmp_path, capsys):
     from memtrain.cli import main
 
-    d = _model_dir(tmp_path, "gemma", 4)  # a head_dim the analytic model does not cover: traced
+    d = _model_dir(tmp_path, "gemma", 4)
+    # A LoRA target named by its path, which the analytic model does not cover: traced.
     flags = ["estimate", "--model", str(d), "--seq-len", "32", "--batch-size", "2", "--attention", "sdpa",
-             "--lora-rank", "4", "--json"]
+             "--lora-rank", "4", "--lora-targets", "self_attn.q_proj,v_proj", "--json"]
     assert main(flags) == 0
     ex = json.loads(capsys.readouterr().out)
     assert main([*flags, "--full-trace"]) == 0

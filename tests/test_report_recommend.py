@@ -235,6 +235,7 @@ def test_the_header_names_a_technique_setting_every_row_shares():
     alpha beside a row without LoRA) is not shared; one row's name says all."""
     def with_tech(row, **tech):
         row["config"]["technique"].update(tech)
+        row["named_settings"] = ["lora_rank"] if row["technique"] == "lora" else ["precision"]  # the bench's record
         return row
 
     assert "Every row also ran with" not in markdown_report(ROWS, [])

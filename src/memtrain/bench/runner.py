@@ -242,8 +242,10 @@ def _run_rows(opts: BenchOptions, rows: list[tuple[str, RunConfig]], substituted
             searched.setdefault(tkey, {**found, "reused_from": name})
         if eta is not None:
             eta.row_finished(result)
+        # named_settings: what the row's name sets, so that the report tells them from settings
+        # every row shares (a --config key, memtrain.report.tables.shared_technique_lines).
         result.update({"technique": name, "description": describe(name), "scale": opts.scale,
-                       "config_hash": key[1]})
+                       "config_hash": key[1], "named_settings": sorted(technique_overrides(name, opts.scale))})
         if name in substituted:
             result["substituted"] = substituted[name]
         if optim_subs and name in optim_subs:

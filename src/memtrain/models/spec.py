@@ -423,7 +423,10 @@ def _post_init(c: SimpleNamespace) -> None:
             setattr(c, alias, getattr(c, name))
         return
     if "head_dim" in vars(c) and c.head_dim is None:
-        c.head_dim = c.hidden_size // c.num_attention_heads
+        if c.model_type == "qwen2":
+            del c.head_dim  # Qwen2Config keeps a head_dim only when config.json gives one
+        else:
+            c.head_dim = c.hidden_size // c.num_attention_heads
     if c.num_key_value_heads is None:
         c.num_key_value_heads = c.num_attention_heads
     if c.model_type == "qwen2":

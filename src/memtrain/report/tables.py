@@ -320,22 +320,17 @@ def shared_technique_lines(rows: list[dict[str, Any]]) -> list[str]:
     # Only what shaped every row: a setting of a technique some row leaves off (a loss chunk beside
     # rows without the chunked loss) is one of the rows' own differences, not a shared one.
     dormant = set.union(*(_dormant(r["config"]) for r in ok))
-    named = set.union(*(_named_settings(str(r.get("technique", ""))) for r in ok))  # a name says those
+    named = set.union(*(_named_settings(r) for r in ok))  # a row's name says those
     shared = [f"{k}={v}" for k, v in configs[0].items() if k in defaults and k not in dormant | named
               and v != defaults[k] and all(c.get(k) == v for c in configs[1:])]
     return [f"Every row also ran with: {md_code(', '.join(shared))} (beside what its name says)."] if shared else []
 
 
-def _named_settings(technique: str) -> set[str]:
-    """The settings a row's technique name sets (a preset's, or an explicit key=value row's);
-    none for a name the bench no longer knows."""
-    # The bench's table of presets, read only here: the report module is imported by the bench.
-    from memtrain.bench.technique_sets import technique_overrides
-
-    try:
-        return set(technique_overrides(technique, "quick"))
-    except ConfigError:
-        return set()
+def _named_settings(row: dict[str, Any]) -> set[str]:
+    """The settings a row's technique name sets, as the bench recorded them (``named_settings``);
+    none for a row of an older memtrain."""
+    named = row.get("named_settings")
+    return {str(k) for k in named} if isinstance(named, list) else set()
 
 
 def _dormant(config: dict[str, Any]) -> set[str]:
