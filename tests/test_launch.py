@@ -196,6 +196,11 @@ def test_a_refused_train_leaves_no_out_folder(small_corpus, tmp_path, capsys):
     assert main(["train", *cli_flags(run)]) == 2  # refused after the lock was taken (at tokenizing)
     _one_error_line(capsys.readouterr().err)
     assert not out.exists()
+    # Nor a --save folder that the save file's lock made (nor that lock, in a folder already there).
+    assert main(["train", *cli_flags({**run, "save": str(tmp_path / "ckpts" / "ck.pt")})]) == 2
+    assert main(["train", *cli_flags({**run, "save": str(tmp_path / "ck.pt")})]) == 2
+    _one_error_line(capsys.readouterr().err.splitlines(keepends=True)[-1])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.jsonl"]
 
 
 # --------------------------------------------------------------------------- log noise and siblings

@@ -635,18 +635,18 @@ class FolderLock:
     def __exit__(self, *exc: Any) -> None:
         if self._fh is None:
             return
-        if self.name != LOCK_NAME:
-            # A file's lock is removed with the run (while still held: see __enter__); a
-            # folder's stays, as the mark of memtrain's folder.
+        try:
+            unused = self.cleanup_if_unused and self._created and [p.name for p in self.folder.iterdir()] == [self.name]
+        except OSError:
+            unused = False
+        # A file's lock goes with the run; a folder's stays, as the mark of memtrain's folder,
+        # unless the folder goes too. Removed while still held: see __enter__.
+        if unused or self.name != LOCK_NAME:
             with contextlib.suppress(OSError):
                 (self.folder / self.name).unlink()
-        if self.cleanup_if_unused and self._created:
-            try:
-                if [p.name for p in self.folder.iterdir()] == [LOCK_NAME]:
-                    (self.folder / LOCK_NAME).unlink()  # while still locked: see __enter__
-                    self.folder.rmdir()
-            except OSError:
-                pass  # someone else's file appeared: keep the folder
+        if unused:
+            with contextlib.suppress(OSError):
+                self.folder.rmdir()  # someone else's file appeared meanwhile: keep the folder
         fcntl.flock(self._fh.fileno(), fcntl.LOCK_UN)
         self._fh.close()
         self._fh = None
@@ -655,9 +655,11 @@ class FolderLock:
 def file_lock(path: Path, what: str, flag: str) -> FolderLock:
     """Exclusive use of one file that a run rewrites (``train --save``) while the ``with`` block
     runs: two runs with different ``--out`` but one ``--save`` would each replace the other's
-    checkpoint, and both succeed. The lock is a hidden file beside it, removed at the end."""
+    checkpoint, and both succeed. The lock is a hidden file beside it, removed at the end, with
+    the folder the lock made when nothing else was written there (a run refused before saving)."""
     path = Path(path)
-    return FolderLock(path.parent, what, flag=flag, name=f".{path.name}{LOCK_NAME}", subject=path)
+    return FolderLock(path.parent, what, flag=flag, cleanup_if_unused=True, name=f".{path.name}{LOCK_NAME}",
+                      subject=path)
 
 
 # --------------------------------------------------------------------------- bench rows
