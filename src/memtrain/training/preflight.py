@@ -110,12 +110,13 @@ def check_destinations(cfg: RunConfig, fresh_out: bool = False) -> None:
         else:
             check_writable_file(t.save, "--save")
         check_save_target(cfg)
-    check_out_names(Path(t.out).expanduser(), "--out")
-    check_logger_folders(Path(t.out).expanduser(), t.report_to)
+    out = Path(t.out)  # "~" already expanded (TrainConfig)
+    check_out_names(out, "--out")
+    check_logger_folders(out, t.report_to)
     if fresh_out and not t.resume:
-        check_fresh_out(Path(t.out).expanduser())
+        check_fresh_out(out)
     elif fresh_out:
-        check_resumed_out(Path(t.out).expanduser(), cfg)
+        check_resumed_out(out, cfg)
 
 
 # The folders --report-to's loggers write their own files into, inside --out.
@@ -181,7 +182,7 @@ def check_save_target(cfg: RunConfig) -> None:
     """``--save`` replaces only what memtrain wrote: a checkpoint (or an empty file, for a
     single-file checkpoint; an empty folder, for a sharded one) or a new name; never a link,
     a device, a FIFO, the data file or a file memtrain writes in ``--out``."""
-    save = Path(cfg.train.save or "").expanduser()
+    save = Path(cfg.train.save or "")  # "~" already expanded (TrainConfig)
     sharded = cfg.technique.distributed != "none"
     try:
         st: Optional[os.stat_result] = os.lstat(save)
@@ -192,7 +193,7 @@ def check_save_target(cfg: RunConfig) -> None:
                           "give the real path or a new name")
     if st is not None and not sharded and not stat.S_ISREG(st.st_mode):
         raise ConfigError(f"--save {str(save)!r} is not a regular file (a device, FIFO or socket); give a new file path")
-    if Path(os.path.realpath(save.parent)) == Path(os.path.realpath(Path(cfg.train.out).expanduser())) \
+    if Path(os.path.realpath(save.parent)) == Path(os.path.realpath(cfg.train.out)) \
             and save.name in OUT_FILES:
         raise ConfigError(f"--save {str(save)!r} is a file memtrain writes in --out; give another name, e.g. "
                           f"{str(save.with_name('ckpt.pt'))!r}")

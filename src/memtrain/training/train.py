@@ -180,7 +180,7 @@ def remove_stale_writes(cfg: RunConfig) -> None:
     mid-write (a SIGKILL skips its cleanup): memtrain's own names, whose process is gone."""
     remove_stale_temps(Path(cfg.train.out))
     if cfg.train.save and cfg.technique.distributed == "none":
-        save = Path(cfg.train.save).expanduser()
+        save = Path(cfg.train.save)
         remove_stale_temps(save.parent, save.name)
 
 
