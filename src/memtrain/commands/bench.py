@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -13,7 +12,7 @@ from memtrain.bench.runner import BenchOptions, run_bench
 from memtrain.bench.scales import DEFAULT_SCALE, SCALE_BUDGET, SCALES, scale_overrides
 from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, NOISE_ROWS, TECHNIQUES, default_techniques, noise_twin
 from memtrain.cli import add_config_flags, fmt_bytes, register
-from memtrain.config.argtypes import batch_count, positive_float, rank_count
+from memtrain.config.argtypes import batch_count, positive_float, rank_count, user_path
 from memtrain.config.run import SECTIONS, ConfigError, load_config_file, parse_size
 from memtrain.report import write_report
 from memtrain.runtime.signals import sigterm_as_interrupt
@@ -82,7 +81,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "BF16 the default list runs its BF16 rows in the faster measured native precision (FP16 "
                    "where native and not measured slower than FP32, else FP32) and says so; rows named here "
                    "run as asked (with a warning).")
-    p.add_argument("--out", dest="bench_out", default="runs/bench", help="Results folder (default runs/bench).")
+    p.add_argument("--out", dest="bench_out", type=user_path, default="runs/bench", help="Results folder (default runs/bench).")
     p.add_argument("--force", action="store_true", help="Rerun rows already in results.jsonl.")
     p.add_argument("--no-maxbatch", action="store_true", help="Skip the max-batch search of each row.")
     p.add_argument("--memory-budget", default=None, help="Budget for the max-batch search, e.g. 8GiB "
@@ -117,8 +116,6 @@ def check_options(args: argparse.Namespace) -> None:
     """Refuse bad bench options before any warning is printed or the results folder is made:
     the runner reads some of them only when a row starts (the budget, in each row's max-batch
     search), after the folder and its lock exist."""
-    # "~" is the home folder for the checks and for the writes alike (they once wrote into "./~").
-    args.bench_out = os.path.expanduser(args.bench_out)
     check_writable_dir(args.bench_out, "--out")  # empty, a file, or not writable: refused up front
     check_out_names(Path(args.bench_out))  # a link at results.jsonl, report.md, ...: refused up front
     if args.memory_budget is not None:

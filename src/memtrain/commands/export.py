@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 from memtrain.cli import register
+from memtrain.config.argtypes import user_path
 from memtrain.training.preflight import check_writable_dir
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="Checkpoint file written by `memtrain train --save`.")
-    p.add_argument("out_dir", help="New directory: config.json, model.safetensors and the tokenizer files (memtrain's "
+    p.add_argument("checkpoint", type=user_path, help="Checkpoint file written by `memtrain train --save`.")
+    p.add_argument("out_dir", type=user_path, help="New directory: config.json, model.safetensors and the tokenizer files (memtrain's "
                    "GPT: GPT2LMHeadModel with GPT-2's tokenizer; a transformers --model: its own architecture and "
                    "tokenizer, GPT-2's tokenizer when its folder had none).")
     p.add_argument("--adapter-only", action="store_true", default=False,
@@ -24,8 +24,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from memtrain.inference.export import export_hf  # torch-free --help/estimate/plan
 
-    # "~" is the home folder, as for train's paths (the check expanded it, the export did not).
-    args.checkpoint, args.out_dir = os.path.expanduser(args.checkpoint), os.path.expanduser(args.out_dir)
     # A file in the way or a read-only place: one line (exit 2) before the checkpoint is read.
     check_writable_dir(args.out_dir, "OUT_DIR")
     res = export_hf(args.checkpoint, args.out_dir, adapter_only=args.adapter_only)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from memtrain.analysis.estimate import check_analytic_size
 from memtrain.analysis.flops.profile import profile_op_classes
 from memtrain.analysis.flops.roofline import flops_report, resolve_roof
 from memtrain.cli import LOOP_ONLY_FIELDS, MODULE_TABLE_FIELDS, add_config_flags, config_from_args, register
+from memtrain.config.argtypes import user_path
 from memtrain.config.run import ConfigError
 from memtrain.files.results import refuse_odd_destination
 from memtrain.report.roofline import plot_roofline
@@ -30,7 +30,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="GPU whose roofline to use: h100, h200, a100-80gb-sxm, l4, rtx-4090, ... "
                         "(default: the visible CUDA GPU, else h100)")
     p.add_argument("--json", action="store_true", help="Print the report as JSON instead of tables.")
-    p.add_argument("--plot", metavar="FILE.png", default=None, help="Write the roofline plot to this PNG.")
+    p.add_argument("--plot", type=user_path, metavar="FILE.png", default=None, help="Write the roofline plot to this PNG.")
     p.add_argument("--profile", action="store_true",
                    help="Also time each operation class with torch.profiler on the CUDA GPU and place "
                         "measured points (needs a GPU).")
@@ -126,8 +126,6 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, derive_max_seq_len=True)
 
     check_analytic_size(cfg.model)  # before torch is imported: an absurd size costs nothing
-    if args.plot:
-        args.plot = os.path.expanduser(args.plot)  # "~" is the home folder, as for train's --out
     if args.plot and not args.plot.lower().endswith(".png"):
         raise ConfigError(f"--plot {args.plot!r} must name a .png file, e.g. --plot roofline.png")
     if args.plot:

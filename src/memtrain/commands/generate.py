@@ -7,11 +7,11 @@ from pathlib import Path
 
 from memtrain.analysis.limits import MAX_WIDTH
 from memtrain.cli import register
-from memtrain.config.argtypes import batch_count, int_in, non_negative_float, seed_value, token_count
+from memtrain.config.argtypes import batch_count, int_in, non_negative_float, seed_value, token_count, user_path
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="Checkpoint file (train --save; memtrain's GPT or a transformers --model) or a "
+    p.add_argument("model", type=user_path, help="Checkpoint file (train --save; memtrain's GPT or a transformers --model) or a "
                    "directory written by `memtrain export`. A folder is read with safetensors weights only; one whose "
                    "config names custom code (auto_map) is refused.")
     p.add_argument("--prompt", default="", help="Text to continue (default: start of a document).")
@@ -30,7 +30,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from memtrain.inference.generate import generate  # torch-free --help/estimate/plan
 
-    texts = generate(Path(args.model).expanduser(), args.prompt, args.max_new_tokens, args.temperature, args.top_k,
+    texts = generate(Path(args.model), args.prompt, args.max_new_tokens, args.temperature, args.top_k,
                      args.num_samples, args.seed)
     for i, text in enumerate(texts):
         if len(texts) > 1:

@@ -26,7 +26,7 @@ from memtrain.commands.estimate import (
     refuse_max_len_when_traced,
     resolve_model,
 )
-from memtrain.config.argtypes import batch_count, positive_int
+from memtrain.config.argtypes import batch_count, positive_int, user_path
 from memtrain.config.run import ConfigError, parse_size
 from memtrain.devices.numerics import is_standard, numerics_key, numerics_note
 from memtrain.files.results import read_results_counted
@@ -63,7 +63,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", action="store_true",
                    help="Train the best choice for a few steps and compare the measured tracked peak.")
     p.add_argument("--verify-steps", type=positive_int, default=2, help="Steps for --verify (default 2).")
-    p.add_argument("--results", default=None, metavar="DIR",
+    p.add_argument("--results", type=user_path, default=None, metavar="DIR",
                    help="A bench results folder (results.jsonl): show the measured perplexity effect of each "
                         "choice that changes the numerics, where a row with the same numerics exists.")
     p.add_argument("--host-bandwidth", default=None, metavar="RATE",
@@ -243,7 +243,7 @@ def _measured_effects(results_dir: str, techs: list[dict]) -> tuple[list[Optiona
     memtrain.report.noise.row_noise). The reference is the row the bench's noise twins repeat when it is standard (the
     noise is measured around it), else the standard row with the lowest loss; twins are never
     a candidate's row."""
-    path = Path(results_dir).expanduser()  # "~" is the home folder, as for bench --out
+    path = Path(results_dir)
     if not (path / "results.jsonl").is_file():
         raise ConfigError(f"{str(path / 'results.jsonl')!r} not found; --results takes a bench output folder")
     results = _bench_rows(path)

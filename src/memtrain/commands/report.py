@@ -7,17 +7,18 @@ from pathlib import Path
 
 from memtrain.cli import register
 from memtrain.commands.bench import warn_skipped_lines
+from memtrain.config.argtypes import user_path
 from memtrain.config.run import ConfigError
 from memtrain.files.results import read_results_counted
 from memtrain.report import write_report
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dir", help="A bench results folder (holding results.jsonl).")
+    p.add_argument("dir", type=user_path, help="A bench results folder (holding results.jsonl).")
 
 
 def run(args: argparse.Namespace) -> int:
-    out = Path(args.dir).expanduser()  # "~" is the home folder, as for bench --out
+    out = Path(args.dir)
     if not (out / "results.jsonl").is_file():
         raise ConfigError(f"{out}/results.jsonl not found; point memtrain report at a folder written by memtrain bench")
     # Read and check the rows before writing: a file with no rows must not replace a good report.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from typing import Callable
 
 from memtrain.analysis.limits import MAX_BATCH, MAX_INT, MAX_RANKS, MAX_WIDTH, MAX_WORLD_SIZE, short_number
@@ -76,3 +77,9 @@ def non_negative_float(text: str) -> float:
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
+
+
+def user_path(text: str) -> str:
+    """A path argument with "~" as the home folder, as the shell would expand it unquoted: the
+    checks and the writes then read one path (they once checked "~/x" and wrote "./~/x")."""
+    return os.path.expanduser(text)
