@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import TINY_MODEL
 from memtrain.bench.device_rows import adapt_compiled_optims
 from memtrain.bench.runner import BenchOptions, resolve_rows
@@ -197,3 +199,18 @@ def test_a_row_whose_cpu_allocation_failed_is_out_of_memory(tmp_path, monkeypatc
     spec.write_text(json.dumps({"config": RunConfig().to_dict()}))
     assert worker.main([str(spec), str(out)]) == 0
     assert json.loads(out.read_text())["status"] == "oom"
+
+
+@pytest.mark.parametrize("exc,oom", [
+    (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"), True),
+    (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),
+    (MemoryError(), True),
+    (ValueError("Out of memory while packing"), True),  # any error that says so, as the bench workers read it
+    (RuntimeError("shape mismatch"), False),
+])
+def test_one_reading_of_an_out_of_memory_error_serves_every_worker(exc, oom):
+    """memtrain's and the HF comparison's bench workers and train's one-line refusal read an
+    out-of-memory error by one rule (memtrain.errors.is_out_of_memory)."""
+    from memtrain.errors import is_out_of_memory
+
+    assert is_out_of_memory(exc) is oom

@@ -27,8 +27,9 @@ def one_line(text: str) -> str:
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` is an allocation that did not fit: torch's ``OutOfMemoryError`` (CUDA) or the
-    CPU allocator's RuntimeError ("DefaultCPUAllocator: can't allocate memory")."""
+    """Whether ``exc`` is an allocation that did not fit: torch's ``OutOfMemoryError`` (CUDA), the
+    CPU allocator's RuntimeError ("DefaultCPUAllocator: can't allocate memory"), Python's
+    MemoryError, or any error that says "out of memory"."""
     text = str(exc).lower()
-    return type(exc).__name__ == "OutOfMemoryError" or (
-        isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text))
+    return (type(exc).__name__ == "OutOfMemoryError" or isinstance(exc, MemoryError)
+            or "out of memory" in text or "can't allocate memory" in text)

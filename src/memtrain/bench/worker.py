@@ -31,11 +31,6 @@ from memtrain.runtime.extras import quiet_third_party
 from memtrain.runtime.notices import SlowPrecisionWarning
 
 
-def _is_oom(exc: BaseException) -> bool:
-    # The CPU allocator's "can't allocate memory" too: such a row once said status "error".
-    return is_out_of_memory(exc)
-
-
 def run_row(spec: dict[str, Any]) -> dict[str, Any]:
     """Train, then search the max batch, then estimate; each part's failure is recorded."""
     from memtrain.training.train import train  # torch loads only when this runs
@@ -99,7 +94,7 @@ def main(argv: list[str]) -> int:
     except BaseException as exc:  # noqa: BLE001 - record every failure, including OOM
         if isinstance(exc, KeyboardInterrupt):
             raise
-        status = "oom" if _is_oom(exc) else "error"
+        status = "oom" if is_out_of_memory(exc) else "error"  # CPU's "can't allocate memory" too
         result = {"status": status, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
                   "traceback": traceback.format_exc(limit=8)}
     if rank == 0:

@@ -16,6 +16,7 @@ from memtrain.bench.hf.probe import hf_step_peak
 from memtrain.bench.hf.rows import probe_at
 from memtrain.bench.hf.trainer_side import run_theirs
 from memtrain.config.run import ConfigError, RunConfig, build_config
+from memtrain.errors import is_out_of_memory
 from memtrain.files.results import write_json_atomic
 
 
@@ -78,7 +79,7 @@ def worker_main(side: str, spec_path: str, out_path: str) -> int:
     except Exception as exc:  # noqa: BLE001 - every failure is recorded in the row, not lost
         import traceback
 
-        oom = isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+        oom = is_out_of_memory(exc)  # CUDA's OutOfMemoryError and the CPU allocator's refusal alike
         msg = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         result = {"status": "oom" if oom else ("not available yet" if "not wired" in msg else "error"),
                   "error": msg, "traceback": traceback.format_exc(limit=10)}
