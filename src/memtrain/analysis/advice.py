@@ -58,13 +58,13 @@ def save_memory_clause(cfg: RunConfig, budget_bytes: Optional[float], device_typ
     tech = cfg.technique
     state = model_state_bytes(cfg, device_type) if budget_bytes else None
     if state is not None and budget_bytes is not None and state > budget_bytes:
-        head = f"the weights, gradients and optimizer state alone need {_size(state)}"
+        head = f"the weights, gradients and optimizer state alone need {size_text(state)}"
         # Only what saves at least 1% of it (torchao keeps small tensors' moments in FP32, say).
         changes = sorted((c for c in _state_changes(cfg, device_type) if c[2] is None or c[2] < 0.99 * state),
                          key=lambda c: (c[2] is None, c[2] or 0.0))
         if not changes:
             return Advice(f"{head}: shard them with --distributed", True)
-        named = [flag + (f" (to {_size(after)})" if after is not None else "") for flag, _, after in changes]
+        named = [flag + (f" (to {size_text(after)})" if after is not None else "") for flag, _, after in changes]
         text = f"{head}: shrink them with {_either(named)}"
         known = [after for _, _, after in changes if after is not None]
         if len(known) > 1 and min(known) > budget_bytes:
@@ -72,7 +72,7 @@ def save_memory_clause(cfg: RunConfig, budget_bytes: Optional[float], device_typ
             together = {k: v for _, overrides, _ in changes if "qlora" not in overrides for k, v in overrides.items()}
             after_all = _state_after(cfg, together, device_type)
             if after_all is not None:
-                text += f"; together to {_size(after_all)}"
+                text += f"; together to {size_text(after_all)}"
         return Advice(text, True)
     picks = [flag for flag, helps in (("--loss chunked", tech.loss in ("standard", "naive")),
                                       ("--checkpointing full", tech.checkpointing != "full"),
@@ -107,8 +107,8 @@ def _state_changes(cfg: RunConfig, device_type: str) -> list[tuple[str, dict[str
     return [(flag, overrides, _state_after(cfg, overrides, device_type)) for flag, overrides, helps in changes if helps]
 
 
-def _size(n: float) -> str:
-    """Bytes in MiB under a GiB (a small model's state), else in GiB."""
+def size_text(n: float) -> str:
+    """Bytes in MiB under a GiB (a small model's state or step), else in GiB (also fit's verdicts)."""
     return f"{n / 2**20:.2f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
 
 

@@ -22,7 +22,7 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
-from memtrain.analysis.advice import save_memory_clause
+from memtrain.analysis.advice import save_memory_clause, size_text
 from memtrain.analysis.estimate import Arch, Estimate, estimate
 from memtrain.analysis.limits import MAX_WIDTH
 from memtrain.analysis.plan import default_space, plan
@@ -147,10 +147,10 @@ class ContextBound:
             assert need is not None  # fitting takes a peak
             if positions:
                 return (f"{length:,} is the model's position count, not the memory's limit: {nxt:,} fits too "
-                        f"({_size(need)}); {self.beyond}")
+                        f"({size_text(need)}); {self.beyond}")
             return (f"{length:,} is the search's upper bound, not the memory's: raise --max-len to search further "
-                    f"({nxt:,} fits too: {_size(need)})")
-        over = "runs out of device memory" if need is None else f"does not fit ({_size(need)})"
+                    f"({nxt:,} fits too: {size_text(need)})")
+        over = "runs out of device memory" if need is None else f"does not fit ({size_text(need)})"
         what = "the model's position count" if positions else "the search's upper bound"
         return f"{length:,} is {what} and the memory's limit too: {nxt:,} {over}"
 
@@ -361,11 +361,11 @@ class FitVerdict:
 
     def line(self) -> str:
         """One line: the verdict, the largest batch, and what to change when it does not fit."""
-        budget = _size(self.budget_bytes)
+        budget = size_text(self.budget_bytes)
         if self.fits:
-            head = f"fits {budget} with {_size(self.headroom_bytes)} headroom"
+            head = f"fits {budget} with {size_text(self.headroom_bytes)} headroom"
         else:
-            head = f"does not fit {budget}: needs {_size(self.needed_bytes)} ({_size(-self.headroom_bytes)} over)"
+            head = f"does not fit {budget}: needs {size_text(self.needed_bytes)} ({size_text(-self.headroom_bytes)} over)"
         if self.largest_batch is None:
             head += "; not even batch 1 fits"
         else:
@@ -447,9 +447,3 @@ def cheapest_changes(cfg: RunConfig, arch: Arch, device_type: str, budget_bytes:
 
 def _gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
-
-
-def _size(n: float) -> str:
-    """Bytes in MiB under a GiB (a small model's step), else in GiB."""
-    return f"{n / 2**20:.2f} MiB" if n < GiB else _gib(n)
-
