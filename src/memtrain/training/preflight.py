@@ -40,6 +40,7 @@ from memtrain.files.results import (
     loads_bounded,
     refuse_odd_destination,
 )
+from memtrain.training.sinks import LOGGER_FOLDERS, parse_report_to
 
 # Keys that may differ between the saved run and the resumed one: where output goes, how it
 # is shown, how fast it runs, and implementation choices that compute the same numbers.
@@ -119,16 +120,10 @@ def check_destinations(cfg: RunConfig, fresh_out: bool = False) -> None:
         check_resumed_out(out, cfg)
 
 
-# The folders --report-to's loggers write their own files into, inside --out.
-LOGGER_FOLDERS = {"tensorboard": "tensorboard", "wandb": "wandb"}
-
-
 def check_logger_folders(out: Path, report_to: str) -> None:
     """The folder a --report-to logger writes into (OUT/tensorboard, OUT/wandb) is a folder, not a
     link: the loggers would follow one and write their event files wherever it points."""
-    for name in (s.strip() for s in report_to.split(",")):
-        if name not in LOGGER_FOLDERS:
-            continue
+    for name in parse_report_to(report_to):
         path = out / LOGGER_FOLDERS[name]
         if path.is_symlink() or (path.exists() and not path.is_dir()):
             what = "a symbolic link" if path.is_symlink() else "not a folder"

@@ -22,6 +22,8 @@ from memtrain.config.run import ConfigError
 from memtrain.files.results import METRICS_NAME, open_append, open_new, write_all
 
 REPORT_TO = ("none", "tensorboard", "wandb")
+# The folder inside --out each logger writes its own files into (wandb makes OUT/wandb itself).
+LOGGER_FOLDERS = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
 
 class Sink(Protocol):
@@ -162,7 +164,7 @@ class MetricsLogger:
             if "wandb" in names:
                 self.sinks.append(WandbSink(out, config or {}))
             if "tensorboard" in names:
-                self.sinks.append(TensorBoardSink(out / "tensorboard"))
+                self.sinks.append(TensorBoardSink(out / LOGGER_FOLDERS["tensorboard"]))
             self.jsonl = JsonlSink(self.path, append, resumed_from if append else None)
             self.sinks.insert(0, self.jsonl)
         except BaseException:
