@@ -42,8 +42,9 @@ class JsonlSink:
     A failed write (a full disk) does not stop the run: the sink says so once, stops writing,
     and keeps the error in :attr:`failure` for the run to report after its other writes."""
 
-    def __init__(self, path: Path, append: bool, resumed_from: Optional[int] = None) -> None:
+    def __init__(self, path: Path, resumed_from: Optional[int] = None) -> None:
         self.path = Path(path)
+        append = resumed_from is not None  # a resumed run continues the curve; a fresh one creates it
         self.fd: Optional[int] = open_append(self.path) if append else open_new(self.path)
         self.failure: Optional[BaseException] = None
         self.created_empty = not append  # until the first line: a file only this run made
@@ -144,12 +145,11 @@ def parse_report_to(spec: str) -> list[str]:
 
 class MetricsLogger:
     """Fans one step's scalars out to every sink; a no-op when ``enabled`` is False (rank > 0).
-    ``append`` (a resumed run) continues metrics.jsonl, whose next line then carries
-    ``resumed_from_step``: ``resumed_from``, the step the run continues from."""
+    ``resumed_from`` (a resumed run: the step it continues from) appends to metrics.jsonl, whose
+    next line then carries it as ``resumed_from_step``; None creates the file."""
 
     def __init__(self, out: str | Path, report_to: str = "none", every: int = 1, enabled: bool = True,
-                 append: bool = False, config: Optional[dict[str, Any]] = None,
-                 resumed_from: Optional[int] = None) -> None:
+                 resumed_from: Optional[int] = None, config: Optional[dict[str, Any]] = None) -> None:
         self.every = max(1, every)
         self.sinks: list[Sink] = []
         self.jsonl: Optional[JsonlSink] = None
@@ -165,7 +165,7 @@ class MetricsLogger:
                 self.sinks.append(WandbSink(out, config or {}))
             if "tensorboard" in names:
                 self.sinks.append(TensorBoardSink(out / LOGGER_FOLDERS["tensorboard"]))
-            self.jsonl = JsonlSink(self.path, append, resumed_from if append else None)
+            self.jsonl = JsonlSink(self.path, resumed_from)
             self.sinks.insert(0, self.jsonl)
         except BaseException:
             self.close()

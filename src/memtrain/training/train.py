@@ -269,7 +269,7 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     reset_device_peak(device)
     end_step = t.stop_after or t.steps
     logger = MetricsLogger(t.out, t.report_to, t.log_every, enabled=log_metrics and dist_ctx.is_main,
-                           append=bool(t.resume), config=cfg.to_dict(), resumed_from=start_step)
+                           resumed_from=start_step if t.resume else None, config=cfg.to_dict())
     loop = _Loop(state, timer, meter, logger, save_ckpt, val_batches, tokens_per_step, on_step,
                  dist_ctx.mean, overlap)
     wall_start = time.perf_counter()
