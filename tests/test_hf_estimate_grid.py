@@ -115,17 +115,28 @@ def folders(tmp_path_factory) -> dict[tuple, Path]:
     return {}
 
 
-def _folder(folders: dict, root: Path, fam: str, size: tuple[int, int, int, int]) -> Path:
-    if (fam, size) not in folders:
+def _folder(folders: dict, root: Path, fam: str, size: tuple[int, int, int, int], name: str = "",
+            fields: dict | None = None) -> Path:
+    """The config folder of family ``fam`` on ``size`` (made once per module), with ``fields`` over
+    the grid's own (a variant's, kept apart under its ``name``)."""
+    name = name or fam
+    if (name, size) not in folders:
         h, nh, kv, L = size
         kw = dict(hidden_size=h, intermediate_size=2 * h + 8, num_hidden_layers=L, num_attention_heads=nh,
-                  num_key_value_heads=kv, max_position_embeddings=128, vocab_size=300 + h, **_extra(fam, h, nh))
+                  num_key_value_heads=kv, max_position_embeddings=128, vocab_size=300 + h,
+                  **{**_extra(fam, h, nh), **(fields or {})})
         if fam == "gpt2":
             kw = {GPT2_FIELDS.get(k, k): v for k, v in kw.items() if k != "num_key_value_heads"}
-        d = root / f"{fam}-{h}-{nh}-{kv}-{L}"
+        d = root / f"{name}-{h}-{nh}-{kv}-{L}"
         getattr(transformers, CONFIGS[fam])(**kw).save_pretrained(d)
-        folders[(fam, size)] = d
-    return folders[(fam, size)]
+        folders[(name, size)] = d
+    return folders[(name, size)]
+
+
+def _marked(cases: list, case_id, default: set[str]) -> list:
+    """``cases`` as pytest params named by ``case_id``: those in ``default`` run by default, the
+    rest with -m slow."""
+    return [pytest.param(c, id=case_id(c), marks=[] if case_id(c) in default else [pytest.mark.slow]) for c in cases]
 
 
 def _within_one_percent(d: Path, tech: dict, lora: bool) -> None:
@@ -195,13 +206,7 @@ TARGETS_DEFAULT = {"llama-h72-6q2kv-L3-q_proj+v_proj-bf16-math-ckpt_none-chunked
                    "gemma-h72-6q2kv-L3-k_proj+o_proj-bf16-math-ckpt_none-chunked"}
 
 
-def _target_params():
-    cases = _target_cases()
-    return [pytest.param(c, id=_target_case_id(c), marks=[] if _target_case_id(c) in TARGETS_DEFAULT else [pytest.mark.slow])
-            for c in cases]
-
-
-@pytest.mark.parametrize("case", _target_params())
+@pytest.mark.parametrize("case", _marked(_target_cases(), _target_case_id, TARGETS_DEFAULT))
 def test_named_lora_targets_within_one_percent_of_the_trace(case, folders, tmp_path_factory):
     fam, size, targets, prec, attn, ck, loss = case
     d = _folder(folders, tmp_path_factory.getbasetemp(), fam, size)
@@ -286,16 +291,8 @@ def _shape_case_id(case) -> str:
 
 def _shaped_folder(folders: dict, root: Path, name: str, size: tuple[int, int, int, int]) -> Path:
     """The config folder of SHAPED[name] on ``size``."""
-    if (name, size) not in folders:
-        fam, fields = SHAPED[name]
-        h, nh, kv, L = size
-        kw = dict(hidden_size=h, intermediate_size=2 * h + 8, num_hidden_layers=L, num_attention_heads=nh,
-                  num_key_value_heads=kv, max_position_embeddings=128, vocab_size=300 + h,
-                  **{**_extra(fam, h, nh), **fields(h // nh)})
-        d = root / f"{name}-{h}-{nh}-{kv}-{L}"
-        getattr(transformers, CONFIGS[fam])(**kw).save_pretrained(d)
-        folders[(name, size)] = d
-    return folders[(name, size)]
+    fam, fields = SHAPED[name]
+    return _folder(folders, root, fam, size, name, fields(size[0] // size[1]))
 
 
 # Run by default: a wide head under autocast with eager attention and LoRA, a narrow one (Mistral,
@@ -307,12 +304,7 @@ SHAPED_DEFAULT = {"llama-wide_heads-h120-6q3kv-L3-bf16-math-lora4-ckpt_none-chun
                   "llama-biases-h136-4q1kv-L3-bf16-sdpa-lora4-ckpt_none-chunked"}
 
 
-def _shape_params():
-    return [pytest.param(c, id=_shape_case_id(c), marks=[] if _shape_case_id(c) in SHAPED_DEFAULT else [pytest.mark.slow])
-            for c in _shape_cases()]
-
-
-@pytest.mark.parametrize("case", _shape_params())
+@pytest.mark.parametrize("case", _marked(_shape_cases(), _shape_case_id, SHAPED_DEFAULT))
 def test_head_widths_and_biases_within_one_percent_of_the_trace(case, folders, tmp_path_factory):
     name, size, prec, attn, lora, ck, loss = case
     d = _shaped_folder(folders, tmp_path_factory.getbasetemp(), name, size)
@@ -344,21 +336,10 @@ WINDOW_DEFAULT = {"mistral-config_window-h72-6q2kv-L3-fp32-math-ckpt_none",
                   "qwen2-flag_window-h96-4q4kv-L5-bf16-math-lora4-ckpt_full"}
 
 
-def _window_params():
-    return [pytest.param(c, id=_window_case_id(c), marks=[] if _window_case_id(c) in WINDOW_DEFAULT else [pytest.mark.slow])
-            for c in _window_cases()]
-
-
-@pytest.mark.parametrize("case", _window_params())
+@pytest.mark.parametrize("case", _marked(_window_cases(), _window_case_id, WINDOW_DEFAULT))
 def test_eager_sliding_window_within_one_percent_of_the_trace(case, folders, tmp_path_factory):
     name, size, prec, lora, ck = case
     fam, fields, flags = WINDOWED[name]
-    key = (name, size)
-    if key not in folders:
-        h, nh, kv, L = size
-        kw = dict(hidden_size=h, intermediate_size=2 * h + 8, num_hidden_layers=L, num_attention_heads=nh,
-                  num_key_value_heads=kv, max_position_embeddings=128, vocab_size=300 + h, **_extra(fam, h, nh), **fields)
-        folders[key] = tmp_path_factory.getbasetemp() / f"{name}-{h}-{nh}-{kv}-{L}"
-        getattr(transformers, CONFIGS[fam])(**kw).save_pretrained(folders[key])
+    d = _folder(folders, tmp_path_factory.getbasetemp(), fam, size, name, fields)
     tech = {"precision": prec, "attention": "math", "checkpointing": ck, **flags, **({"lora_rank": lora} if lora else {})}
-    _within_one_percent(folders[key], tech, bool(lora))
+    _within_one_percent(d, tech, bool(lora))
