@@ -74,15 +74,22 @@ def test_bench_refuses_links_in_its_folder_before_any_row_runs(small_corpus, tmp
     assert sorted(p.name for p in out.iterdir()) == []  # nothing ran, nothing was written
 
 
-def test_bench_checks_and_writes_the_same_home_folder_for_a_tilde(small_corpus, tmp_path, monkeypatch):
-    """bench --out '~/b': the checks looked at the home folder, the rows and reports went to "./~/b"."""
-    import memtrain.commands.bench as bench_command
-
+@pytest.fixture
+def home_and_here(tmp_path, monkeypatch) -> tuple[Path, Path]:
+    """A home folder ("~") and a current folder, both new and apart: what a "~" path wrote where."""
     home, here = tmp_path / "home", tmp_path / "here"
     home.mkdir()
     here.mkdir()
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.chdir(here)
+    return home, here
+
+
+def test_bench_checks_and_writes_the_same_home_folder_for_a_tilde(small_corpus, home_and_here, monkeypatch):
+    """bench --out '~/b': the checks looked at the home folder, the rows and reports went to "./~/b"."""
+    import memtrain.commands.bench as bench_command
+
+    home, here = home_and_here
     seen = []
 
     class Stop(Exception):
@@ -98,14 +105,10 @@ def test_bench_checks_and_writes_the_same_home_folder_for_a_tilde(small_corpus, 
     assert seen == [home / "b"] and list(here.iterdir()) == []
 
 
-def test_every_verb_reads_and_writes_a_tilde_path_in_the_home_folder(tiny_run, tmp_path, monkeypatch, capsys):
+def test_every_verb_reads_and_writes_a_tilde_path_in_the_home_folder(tiny_run, home_and_here, capsys):
     """export checked '~/e' in the home folder and wrote "./~/e"; export and generate could not find
     '~/ck.pt', report '~/b', while train's --resume could; flops --plot wrote "./~/f.png"."""
-    home, here = tmp_path / "home", tmp_path / "here"
-    home.mkdir()
-    here.mkdir()
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.chdir(here)
+    home, here = home_and_here
     assert main(["train", *cli_flags({**tiny_run, "steps": 1, "warmup_steps": 0, "save": "~/ck.pt"})]) == 0
     assert main(["export", "~/ck.pt", "~/e"]) == 0
     assert (home / "e" / "config.json").is_file()
@@ -241,16 +244,11 @@ def test_a_fresh_run_on_a_folder_with_results_is_refused_and_resume_appends(tiny
     assert sum("resumed_from_step" in x for x in lines) == 1
 
 
-def test_a_tilde_in_out_and_save_is_the_home_folder_for_the_checks_and_the_writes(tiny_run, tmp_path, monkeypatch,
-                                                                                  capsys):
+def test_a_tilde_in_out_and_save_is_the_home_folder_for_the_checks_and_the_writes(tiny_run, home_and_here, capsys):
     """--out '~/r' (quoted, or from a config file): the checks looked in the home folder and the
     run wrote into a folder named "~" in the current one, so a second run passed the fresh-folder
     check and was stopped only at its metrics file."""
-    home, here = tmp_path / "home", tmp_path / "here"
-    home.mkdir()
-    here.mkdir()
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.chdir(here)
+    home, here = home_and_here
     run = {**tiny_run, "steps": 2, "warmup_steps": 1, "out": "~/r", "save": "~/r/ck.pt"}
     assert main(["train", *cli_flags(run)]) == 0
     assert sorted(p.name for p in (home / "r").iterdir()) == [".memtrain.lock", "ck.pt", "metrics.jsonl", "result.json"]
