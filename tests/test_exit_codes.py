@@ -339,3 +339,16 @@ def test_a_batch_that_does_not_fit_is_one_line_saying_what_to_lower(tiny_run, mo
     # The flags the run does not use yet (memtrain.analysis.advice), a shorter sequence among them.
     assert "or save memory with --loss chunked, --checkpointing full" in err and "a smaller --seq-len" in err
     assert not Path(tiny_run["out"]).exists()
+
+
+def test_a_fifo_given_as_data_or_checkpoint_is_named_as_one(tmp_path: Path, capsys) -> None:
+    """A FIFO where a file is expected is said to be one (it was "no file matches" for --data and
+    "not found" for a checkpoint, though the path exists); nothing reads it, so nothing blocks."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    code, err = _code_and_err(["train", "--data", str(fifo), "--steps", "1", "--out", str(tmp_path / "o")], capsys)
+    _assert_one_error_line(code, err, f"--data '{fifo}' is a FIFO, not a file")
+    code, err = _code_and_err(["generate", str(fifo), "--prompt", "hi"], capsys)
+    _assert_one_error_line(code, err, f"checkpoint '{fifo}' is a FIFO, not a file")
+    code, err = _code_and_err(["generate", str(tmp_path / "absent.pt"), "--prompt", "hi"], capsys)
+    _assert_one_error_line(code, err, "absent.pt' not found")

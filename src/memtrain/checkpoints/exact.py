@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from memtrain.config.run import ConfigError
+from memtrain.files.guard import special_file_kind
 from memtrain.files.results import write_atomic
 
 # A checkpoint reads and writes a memtrain.training.step.TrainState; it is typed Any here because the
@@ -268,7 +269,9 @@ def read_state(p: Path, missing_hint: str) -> Any:
     strings, lists and dicts only: nothing in the file can execute). A missing or unreadable file
     is a one-line ConfigError; ``missing_hint`` says where the file should come from."""
     if not p.is_file():
-        raise ConfigError(f"checkpoint {str(p)!r} not found; {missing_hint}")
+        kind = special_file_kind(p)
+        found = "not found" if kind is None else f"is {kind}, not a file"
+        raise ConfigError(f"checkpoint {str(p)!r} {found}; {missing_hint}")
     try:
         return load_plain(p)
     except ConfigError:  # it says what to install

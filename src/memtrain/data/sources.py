@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 
 from memtrain.config.run import ConfigError, DataConfig
 from memtrain.data.tokenizer import cut_before_word
-from memtrain.files.guard import folder_entry_problems, visible_entries
+from memtrain.files.guard import folder_entry_problems, special_file_kind, visible_entries
 from memtrain.files.results import MAX_JSON_DEPTH, bounded_lines, json_depth_error, loads_bounded
 from memtrain.runtime.extras import quiet_datasets, require
 
@@ -266,6 +266,8 @@ def resolve_local_files(pattern: str) -> list[Path]:
             )
     elif path.is_file():
         files = [path]
+    elif (kind := special_file_kind(path)) is not None:
+        raise ConfigError(f"--data {pattern!r} is {kind}, not a file; give a file, a glob, a folder, 'default' or hf:NAME")
     else:
         raise ConfigError(f"no file matches {pattern!r}; check --data (a file, a glob, 'default' or hf:NAME)")
     for p in files:

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["file_kind", "folder_entry_problems", "inside", "regular_file_problem", "visible_entries"]
+__all__ = ["file_kind", "folder_entry_problems", "inside", "regular_file_problem", "special_file_kind", "visible_entries"]
 
 
 def file_kind(mode: int) -> str:
@@ -27,6 +27,16 @@ def file_kind(mode: int) -> str:
         if test(mode):
             return name
     return "a special file"
+
+
+def special_file_kind(path: Path) -> Optional[str]:
+    """``file_kind`` of ``path`` (links followed) when it exists but is neither a regular file nor
+    a directory, else None: what to say instead of "not found" about a FIFO, device or socket."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:  # missing, a dangling link, or not ours to read: the caller's "not found" stands
+        return None
+    return None if stat.S_ISREG(mode) or stat.S_ISDIR(mode) else file_kind(mode)
 
 
 def inside(path: Path, roots: Iterable[Path]) -> bool:
