@@ -16,8 +16,10 @@ library's exception, print ``NaN`` as JSON, be accepted, or wait for minutes.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -25,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+import memtrain.checkpoints.exact as exact
+import memtrain.commands.flops as flops_command
 import memtrain.devices.probe as device_module
 from conftest import TINY_MODEL, cli_flags
 from memtrain.cli import main
@@ -352,3 +356,53 @@ def test_a_fifo_given_as_data_or_checkpoint_is_named_as_one(tmp_path: Path, caps
     _assert_one_error_line(code, err, f"checkpoint '{fifo}' is a FIFO, not a file")
     code, err = _code_and_err(["generate", str(tmp_path / "absent.pt"), "--prompt", "hi"], capsys)
     _assert_one_error_line(code, err, "absent.pt' not found")
+
+
+@pytest.mark.parametrize("code_name", ["EACCES", "EROFS"])
+def test_a_write_the_user_may_not_make_is_bad_input(tmp_path: Path, capsys, monkeypatch, code_name: str) -> None:
+    """A folder the user may not write (permission denied, a read-only file system) is one line with
+    exit 2 naming the path, not a PermissionError with exit 1 (tests run as root, where no folder
+    refuses: the write is made to fail as the file system would)."""
+    target = tmp_path / "roofline.png"
+
+    def refused(report, path) -> None:
+        raise OSError(getattr(errno, code_name), "refused", str(path))
+
+    monkeypatch.setattr(flops_command, "plot_roofline", refused)
+    code, err = _code_and_err(["flops", "--plot", str(target)], capsys)
+    _assert_one_error_line(code, err, f"on '{target}'; change its permissions or give memtrain another path")
+
+
+def test_unreadable_inputs_are_named_with_the_reason(tmp_path: Path, capsys, monkeypatch, small_corpus) -> None:
+    """A --data file, a checkpoint or a model folder's config.json that cannot be opened says so and
+    why, instead of a PermissionError (exit 1) or "it is not a memtrain checkpoint"."""
+    real_open, real_read_text = pathlib.Path.open, pathlib.Path.read_text
+
+    def refusing_open(self, *args, **kwargs):
+        if self.name in ("corpus.txt", "config.json"):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_open(self, *args, **kwargs)
+
+    def refusing_read_text(self, *args, **kwargs):
+        if self.name == "config.json":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_read_text(self, *args, **kwargs)
+
+    data = tmp_path / "corpus.txt"
+    data.write_text(small_corpus.read_text())
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    checkpoint = tmp_path / "ckpt.pt"
+    checkpoint.write_bytes(b"PK")
+    monkeypatch.setattr(pathlib.Path, "open", refusing_open)
+    monkeypatch.setattr(pathlib.Path, "read_text", refusing_read_text)
+    monkeypatch.setattr(exact, "load_plain", lambda p: (_ for _ in ()).throw(PermissionError(13, "Permission denied", str(p))))
+    out = tmp_path / "out"
+    code, err = _code_and_err(["train", "--data", str(data), "--steps", "1", "--out", str(out)], capsys)
+    _assert_one_error_line(code, err, f"cannot read --data file '{data}' (Permission denied); check its permissions")
+    assert not (out / "metrics.jsonl").exists()
+    code, err = _code_and_err(["generate", str(checkpoint), "--prompt", "hi"], capsys)
+    _assert_one_error_line(code, err, f"cannot read checkpoint '{checkpoint}' (Permission denied); check its permissions")
+    code, err = _code_and_err(["estimate", "--model", str(model)], capsys)
+    _assert_one_error_line(code, err, "config.json' (Permission denied); check its permissions")

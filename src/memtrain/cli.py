@@ -46,7 +46,7 @@ from memtrain.config.run import (
     load_config_file,
 )
 from memtrain.distributed.rank_errors import begin_command, error_line, launch_env, launched_by_memtrain, say_error
-from memtrain.errors import is_out_of_memory, one_line
+from memtrain.errors import denied_access, is_out_of_memory, one_line
 from memtrain.files.results import (
     RESULT_NAME,
     FolderLock,
@@ -552,6 +552,10 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         _say("error: interrupted; results written so far are kept", 130)
         return 130
     except OSError as exc:
+        denied = denied_access(exc)
+        if denied is not None and not os.environ.get("MEMTRAIN_DEBUG"):
+            _say(f"error: {denied}", 2)  # the path is the user's to change: bad input
+            return 2
         if exc.errno != errno.ENOSPC or os.environ.get("MEMTRAIN_DEBUG"):
             return _failure(exc)
         where = f" writing {exc.filename}" if exc.filename else ""

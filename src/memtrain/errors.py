@@ -6,9 +6,11 @@ The CLI turns a ConfigError into one ``error:`` line on stderr and exit code 2 (
 
 from __future__ import annotations
 
+import errno
 import re
+from typing import Optional
 
-__all__ = ["ConfigError", "is_out_of_memory", "one_line"]
+__all__ = ["ConfigError", "denied_access", "is_out_of_memory", "one_line"]
 
 
 class ConfigError(ValueError):
@@ -33,3 +35,19 @@ def is_out_of_memory(exc: BaseException) -> bool:
     text = str(exc).lower()
     return (type(exc).__name__ == "OutOfMemoryError" or isinstance(exc, MemoryError)
             or "out of memory" in text or "can't allocate memory" in text)
+
+
+# An OSError the user fixes by choosing another path or changing permissions (bad input: exit 2),
+# not a failure of memtrain's own.
+_DENIED = {errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
+           errno.EROFS: "read-only file system"}
+
+
+def denied_access(exc: BaseException) -> Optional[str]:
+    """The one-line reason (without ``error:``) when ``exc`` is a file the user may not read or
+    write (permission denied, a read-only file system), else None."""
+    if not isinstance(exc, OSError) or exc.errno not in _DENIED:
+        return None
+    where = f" on {str(exc.filename)!r}" if exc.filename else ""
+    return (f"{_DENIED[exc.errno]}{where}; change its permissions or give memtrain another path "
+            "(files written before are intact)")

@@ -276,6 +276,9 @@ def read_state(p: Path, missing_hint: str) -> Any:
         return load_plain(p)
     except ConfigError:  # it says what to install
         raise
+    except OSError as exc:  # unreadable: the file may be a fine checkpoint
+        raise ConfigError(f"cannot read checkpoint {str(p)!r} ({exc.strerror or type(exc).__name__}); check its "
+                          "permissions") from None
     except Exception as exc:  # a truncated or foreign file
         raise ConfigError(f"cannot read checkpoint {str(p)!r} ({type(exc).__name__}); it is not a memtrain checkpoint") from None
 

@@ -276,6 +276,12 @@ def resolve_local_files(pattern: str) -> list[Path]:
                 f"unsupported file type {p.suffix or '(none)'!r} for {str(p)!r}; "
                 f"use {', '.join(SUPPORTED_SUFFIXES)} or convert the file"
             )
+        try:  # said now, before anything is written, not midway through tokenizing
+            with p.open("rb"):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"cannot read --data file {str(p)!r} ({exc.strerror or type(exc).__name__}); "
+                              "check its permissions") from None
     return files
 
 

@@ -180,8 +180,14 @@ def _json_object(path: Path, what: str) -> dict[str, Any]:
     is one error line, never a crash. Python's json, not memtrain's bounded reader: tokenizer
     configs hold 31-digit integers (transformers' "no limit" model_max_length)."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"cannot read {str(path)!r} as JSON (not UTF-8 text); fix or replace {what}") from None
+    except OSError as exc:  # unreadable: the file may be a fine config
+        raise ConfigError(f"cannot read {str(path)!r} ({exc.strerror or type(exc).__name__}); check its permissions") from None
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as exc:
         raise ConfigError(f"cannot read {str(path)!r} as JSON ({type(exc).__name__}); fix or replace {what}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{str(path)!r} holds a JSON {type(data).__name__}, not an object; fix or replace {what}")
