@@ -508,9 +508,24 @@ def cost_arch(spec: str) -> Any:
     """The closest :class:`memtrain.analysis.estimate.Arch` of a transformers model, for the plan's
     step-time model and parameter table (orders candidates; memory comes from the trace).
     A gated MLP (Llama, Qwen2, Mistral, Gemma, Phi-3: ``intermediate_size`` + a SiLU/GELU
-    gate) is ``llama``-like with its key/value heads; GPT-2 is ours."""
+    gate) is ``llama``-like with its key/value heads and its head width (:func:`config_head_dim`);
+    GPT-2 is ours."""
 
     c = load_config(spec)
     if c.model_type == "gpt2":
         return GPT2_ARCH
-    return replace(LLAMA_ARCH, name=c.model_type, n_kv_heads=getattr(c, "num_key_value_heads", None))
+    return replace(LLAMA_ARCH, name=c.model_type, n_kv_heads=getattr(c, "num_key_value_heads", None),
+                   head_dim=config_head_dim(c))
+
+
+def config_head_dim(c: Any) -> Optional[int]:
+    """The width of one attention head that the transformers config ``c`` sets apart from
+    ``hidden_size / num_attention_heads`` (Gemma-7B: 256 for 3072 / 16; Mistral-Nemo: 128 for
+    5120 / 32), as ``Arch.head_dim`` takes it; None where the heads split the hidden size (GPT-2,
+    and a config without a head_dim)."""
+    head_dim = getattr(c, "head_dim", None)
+    heads = getattr(c, "num_attention_heads", None)
+    if not head_dim or not heads or head_dim * heads == getattr(c, "hidden_size", None):
+        return None
+    return int(head_dim)
+

@@ -82,7 +82,11 @@ from typing import Any, Optional
 from memtrain.analysis.estimate.params import hf_lora_modules
 from memtrain.analysis.estimate.training import estimate
 from memtrain.config.archs import GPT2_ARCH, LLAMA_ARCH, Arch
-from memtrain.models.spec import analytic_config, every_decoder_linear  # torch-free for the modelled families
+from memtrain.models.spec import (  # torch-free for the modelled families
+    analytic_config,
+    config_head_dim,
+    every_decoder_linear,
+)
 
 __all__ = ["MODELLED", "QKV_BIAS", "active_window", "hf_arch", "why_not_modelled", "why_gpt2_not_modelled",
            "why_targets_not_modelled", "analytic_estimate"]
@@ -212,11 +216,10 @@ def _arch_of(c: Any) -> Arch:
     if c.model_type in GPT2_LIKE:
         return replace(GPT2_ARCH, hf=True, gpt2_layers=True, mlp="gelu_new" if c.activation_function == "gelu_new" else "gelu")
     attention_bias = c.model_type in ATTENTION_BIAS and bool(getattr(c, "attention_bias", False))
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return replace(LLAMA_ARCH, name=c.model_type, n_kv_heads=getattr(c, "num_key_value_heads", None), hf=True,
                    qkv_bias=c.model_type in QKV_BIAS or attention_bias, proj_bias=attention_bias,
                    mlp_bias=c.model_type in MLP_BIAS and bool(getattr(c, "mlp_bias", False)),
-                   head_dim=head_dim if head_dim * c.num_attention_heads != c.hidden_size else None,
+                   head_dim=config_head_dim(c),
                    fused_proj=c.model_type in FUSED_PROJ, norm_offset=c.model_type in GEMMA_LIKE,
                    embed_scale=c.model_type in GEMMA_LIKE)
 
