@@ -62,3 +62,24 @@ def test_parameter_counts_are_the_models(gemma):
     assert {name: param_count(cfg.model, arch)[0] for name, arch in _archs(gemma).items()} == {
         "hf_arch": real, "cost_arch": real}
     assert model_parameters(cfg.model) == real
+
+
+def test_plans_flops_per_token_are_the_counted_forward(gemma):
+    """plan's step-time model took q, the output projection's input and the attention core d_model
+    wide and k, v kv_heads x d_model / heads: 292,416 forward FLOPs a token where FlopCounterMode
+    counts 333,376 on the model (eager attention, whose two matmuls it counts), and three times
+    that with backward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from memtrain.analysis.plan import _flops_per_token
+
+    model, x = _model(gemma), _tokens()
+    with FlopCounterMode(display=False) as fc:
+        model(input_ids=x, use_cache=False)
+    forward = fc.get_total_flops() / (B * S)
+    with FlopCounterMode(display=False) as fc:
+        model(input_ids=x, use_cache=False).logits.float().sum().backward()
+    assert fc.get_total_flops() / (B * S) == 3 * forward
+    cfg = _cfg(gemma)
+    for name, arch in _archs(gemma).items():
+        assert sum(_flops_per_token(cfg, arch).values()) == forward, name

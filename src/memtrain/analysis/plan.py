@@ -31,6 +31,7 @@ from memtrain.analysis.advice import ADVICE_LORA_RANK
 from memtrain.analysis.estimate import GPT2_ARCH, Arch, estimate, param_count
 from memtrain.analysis.estimate.compile_budget import interpolated_budget, recompute_share
 from memtrain.analysis.estimate.hf import hf_arch, why_not_modelled
+from memtrain.analysis.estimate.params import head_widths
 from memtrain.config.run import ConfigError, RunConfig, train_flags
 from memtrain.devices.gpu_kinds import GPU_KINDS, allocator_facts, has_fp8
 from memtrain.models.spec import cost_arch, is_gpt_preset
@@ -87,14 +88,17 @@ SELECTIVE_RECOMPUTE_SHARE = 0.05
 
 
 def _flops_per_token(cfg: RunConfig, arch: Arch) -> dict[str, float]:
-    """Forward FLOPs per token: block matmuls, attention core, LM head (2 per multiply-add)."""
+    """Forward FLOPs per token: block matmuls, attention core, LM head (2 per multiply-add).
+    q and the attention's output are ``q`` wide and k and v ``kv`` (heads and key/value heads
+    times the head width: ``Arch.head_dim`` where a transformers config sets one apart from
+    d_model / n_heads)."""
     m, s = cfg.model, cfg.train.seq_len
-    kv = (arch.n_kv_heads or m.n_heads) * m.head_dim
+    q, kv = head_widths(m, arch)
     mlp = (3 if arch.mlp == "swiglu" else 2) * m.d_model * m.d_ff
-    block = 2 * (m.d_model * (m.d_model + 2 * kv) + m.d_model * m.d_model + mlp)
+    block = 2 * (m.d_model * (q + 2 * kv) + q * m.d_model + mlp)
     window = cfg.technique.window
     keys = min(window, s) if window else s
-    attn = 2 * 2 * keys * m.d_model  # QK^T and AV
+    attn = 2 * 2 * keys * q  # QK^T and AV, every query head
     head = 2 * m.padded_vocab_size * m.d_model
     return {"blocks": block * m.n_layers, "attention": attn * m.n_layers, "head": head}
 
