@@ -83,3 +83,38 @@ def test_plans_flops_per_token_are_the_counted_forward(gemma):
     cfg = _cfg(gemma)
     for name, arch in _archs(gemma).items():
         assert sum(_flops_per_token(cfg, arch).values()) == forward, name
+
+
+@pytest.mark.parametrize("attention", ["math", "sdpa"])
+def test_inference_qkv_are_the_models(gemma, attention):
+    """The inference estimate's q, k and v (and the attention's output and q/k copies) are the
+    model's widths: k and v the bytes a DynamicCache holds for a layer after a forward of the
+    same length, q the q projection's output. They were d_model and kv_heads x d_model / heads
+    wide (the block's peak 86,016 B for 102,400 under math attention, 49,664 for 61,952 under
+    SDPA)."""
+    from memtrain.analysis.estimate import estimate_inference
+    from memtrain.analysis.estimate.hf import hf_arch
+
+    model, x = _model(gemma), _tokens()
+    seen = {}
+    layer = model.model.layers[0].self_attn
+    hooks = [layer.q_proj.register_forward_hook(lambda m, i, o: seen.__setitem__("q", o.nbytes)),
+             layer.o_proj.register_forward_hook(lambda m, i, o: seen.__setitem__("out", i[0].nbytes))]
+    cache = transformers.DynamicCache()
+    with torch.no_grad():
+        model(input_ids=x, use_cache=True, cache=cache)
+    for h in hooks:
+        h.remove()
+    kv = cache.layers[0].keys.nbytes + cache.layers[0].values.nbytes
+    q, out = seen["q"], seen["out"]
+    res = estimate_inference(_cfg(gemma, attention=attention), "fp32", hf_arch(str(gemma)))
+    cfg = _cfg(gemma)
+    N, d, h = B * S, cfg.model.d_model, cfg.model.n_heads
+    residual = N * d * 4
+    if attention == "math":
+        sc = B * h * S * S
+        # q/k/v, then q and the k repeated to every head (q's size), then the scores and softmax
+        attn = q + kv + 2 * q + max(2 * sc * 4, sc * 4 + 2 * sc * 4)
+    else:
+        attn = q + kv + out + B * h * S * 4  # q/k/v, the fused kernel's output and its log-sum-exp
+    assert res["bytes"]["activations"] == residual + attn

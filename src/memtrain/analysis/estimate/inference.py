@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from memtrain.analysis.estimate.inventory import Dims, resolve_backend
-from memtrain.analysis.estimate.params import param_count
+from memtrain.analysis.estimate.params import head_widths, param_count
 from memtrain.config.archs import GPT2_ARCH, Arch
 from memtrain.config.run import ConfigError, RunConfig
 
@@ -32,21 +32,23 @@ def estimate_inference(cfg: RunConfig, weights_dtype: str = "fp32", arch: Arch =
     b, s, d, f, h = batch or t.batch_size, t.seq_len, m.d_model, m.d_ff, m.n_heads
     V = m.padded_vocab_size
     N = b * s
-    kv = (arch.n_kv_heads or h) * m.head_dim
+    # q and the attention's output are qw wide, k and v kv (Arch.head_dim: a transformers
+    # config's head width where it is not d / n_heads).
+    qw, kv = head_widths(m, arch)
     dm = Dims(b, s, d, f, h, kv, V, a, a, wb, autocast=False, dropout=False, cuda=False)
     backend = resolve_backend(cfg.technique.attention, cfg.technique.window, dm)
     x = N * d * a
-    qkv = N * (d + 2 * kv) * a
+    qkv = N * (qw + 2 * kv) * a
     if backend == "math":
         sc = b * h * s * s
         # q, k copies + scores + scaled + masked; then float32 softmax next to the masked scores.
-        attn = qkv + 2 * N * d * a + max(2 * sc * a, sc * a + 2 * sc * 4)
+        attn = qkv + 2 * N * qw * a + max(2 * sc * a, sc * a + 2 * sc * 4)
     elif backend.startswith("banded"):
         W = cfg.technique.window or s
         sc = b * h * s * (2 * W - 1)
-        attn = qkv + 4 * N * d * a + 2 * sc * 4
+        attn = qkv + 4 * N * qw * a + 2 * sc * 4
     else:
-        attn = qkv + N * d * a + b * h * s * 4
+        attn = qkv + N * qw * a + b * h * s * 4
     mlp = N * f * a * (3 if arch.mlp == "swiglu" else 2) + N * d * a
     block_peak = x + max(attn, mlp)
     logits = N * V * a + N * d * a
