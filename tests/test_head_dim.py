@@ -85,6 +85,27 @@ def test_plans_flops_per_token_are_the_counted_forward(gemma):
         assert sum(_flops_per_token(cfg, arch).values()) == forward, name
 
 
+def test_the_rules_attention_term_is_the_counted_attention(gemma):
+    """The 6ND + attention rule's attention term (also the MFU numerator where a step cannot be
+    counted) is 12 x layers x heads x head_dim x seq a token: the attention matmuls (bmm: QK^T and
+    AV, forward and backward) FlopCounterMode counts on the model; it was d_model wide (36,864
+    FLOPs a token for 49,152)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from memtrain.analysis.flops import rule_flops_per_token
+    from memtrain.analysis.flops.rules import rule_terms
+
+    model, x = _model(gemma), _tokens()
+    with FlopCounterMode(display=False) as fc:
+        model(input_ids=x, use_cache=False).logits.float().sum().backward()
+    bmm = fc.get_flop_counts()["Global"][torch.ops.aten.bmm]
+    cfg = _cfg(gemma)
+    n = sum(p.numel() for p in model.parameters())
+    assert rule_terms(cfg, n, B * S)["attention"] == bmm
+    six_n = 6.0 * (n - cfg.model.max_seq_len * cfg.model.d_model)
+    assert rule_flops_per_token(cfg.model, S, n) == six_n + bmm / (B * S)
+
+
 @pytest.mark.parametrize("attention", ["math", "sdpa"])
 def test_inference_qkv_are_the_models(gemma, attention):
     """The inference estimate's q, k and v (and the attention's output and q/k copies) are the

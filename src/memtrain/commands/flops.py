@@ -94,9 +94,11 @@ def render(report: dict[str, Any]) -> str:
     rule, rec = report["rule"], report["reconciliation"]
     counted = rec["counted_forward_backward"]
     diff = counted / report["rule_flops"] - 1 if report["rule_flops"] else 0.0
+    # The attention term's width: d_model, or heads x head_dim where a config sets the head apart.
+    width = "d_model" if rule["attention_width"] == m["d_model"] else f"heads x head_dim ({rule['attention_width']:,.0f})"
     lines += [
         f"rule of thumb 6ND + attention: {_g(report['rule_flops'])} GFLOP = 6 x {rule['rule_params'] / 1e6:.2f}M params "
-        f"x {report['tokens']:,} tokens ({_g(rule['six_n_d'])}) + 12 x layers x d_model x seq x tokens ({_g(rule['attention'])})",
+        f"x {report['tokens']:,} tokens ({_g(rule['six_n_d'])}) + 12 x layers x {width} x seq x tokens ({_g(rule['attention'])})",
         f"counted forward + backward:    {_g(counted)} GFLOP ({diff * 100:+.2f}% vs the rule)",
         f"  biases and LayerNorm weights are in 6N but do element-wise work only: {_g(rec['bias_and_norm_params'])} GFLOP",
     ]

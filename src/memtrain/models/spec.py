@@ -529,3 +529,11 @@ def config_head_dim(c: Any) -> Optional[int]:
         return None
     return int(head_dim)
 
+
+def model_head_dim(spec: Optional[str]) -> Optional[int]:
+    """:func:`config_head_dim` of the model ``spec`` names: None for memtrain's GPT (no spec or a
+    preset), whose heads always split d_model."""
+    if is_gpt_preset(spec):
+        return None
+    assert spec is not None  # is_gpt_preset(None) is True
+    return config_head_dim(analytic_config(spec))

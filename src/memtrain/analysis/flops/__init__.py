@@ -4,7 +4,9 @@ The rule of thumb (Kaplan et al. 2020; PaLM appendix B): a training step costs
 6 FLOPs per parameter per token (2 forward, 4 backward) for the matmuls against weights,
 plus the attention matmuls QK^T and AV, which have no parameters:
 2 matmuls x 2 FLOPs x seq x d_model per token per layer forward, x3 with backward
-= 12 * n_layers * d_model * seq per token. The position embedding is a lookup (no FLOPs),
+= 12 * n_layers * d_model * seq per token (heads x head_dim for d_model where a transformers
+config sets a head_dim apart from d_model / heads: :func:`.rules.attention_width`). The
+position embedding is a lookup (no FLOPs),
 so it is left out of the parameter term; the tied token embedding is counted once, for
 the LM-head matmul. Causal masking does not halve the count: the math and SDPA kernels
 compute the full score matrix.

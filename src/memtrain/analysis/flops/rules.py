@@ -4,13 +4,21 @@ from __future__ import annotations
 
 from memtrain.analysis.flops.classes import ClassCount, StepCount
 from memtrain.config.run import ModelConfig, RunConfig
+from memtrain.models.spec import model_head_dim
 from memtrain.techniques.facts import FOREIGN_LOSS_KERNELS, OPTIMIZER_STATE_RULES, precision_facts
+
+
+def attention_width(cfg: ModelConfig) -> int:
+    """Width of q and of the attention's output, heads x head width: d_model, or n_heads x the
+    head_dim a transformers config sets apart from d_model / n_heads (Gemma-7B: 16 x 256 = 4096
+    for d_model 3072), which the attention's matmuls run at (PaLM's 12 L H Q T)."""
+    return cfg.n_heads * (model_head_dim(cfg.model) or cfg.head_dim)
 
 
 def rule_flops_per_token(cfg: ModelConfig, seq_len: int, n_params: int) -> float:
     """Training FLOPs per token by the 6N + attention rule."""
     matmul_params = n_params - cfg.max_seq_len * cfg.d_model  # drop the position lookup table
-    return 6.0 * matmul_params + 12.0 * cfg.n_layers * cfg.d_model * seq_len
+    return 6.0 * matmul_params + 12.0 * cfg.n_layers * attention_width(cfg) * seq_len
 
 
 # Optimizer update FLOPs per trainable parameter, counted from torch's single-tensor update
@@ -75,13 +83,16 @@ def with_loss_kernel(cfg: RunConfig, table: dict[str, dict[str, ClassCount]],
 
 
 def rule_terms(cfg: RunConfig, n_params: int, tokens: int) -> dict[str, float]:
-    """The rule's two terms and the parameters it names, for the side-by-side."""
+    """The rule's two terms, the parameters it names and the attention width
+    (:func:`attention_width`) it takes, for the side-by-side."""
     m = cfg.model
     matmul_params = n_params - m.max_seq_len * m.d_model
+    width = attention_width(m)
     return {
         "six_n_d": 6.0 * matmul_params * tokens,
-        "attention": 12.0 * m.n_layers * m.d_model * cfg.train.seq_len * tokens,
+        "attention": 12.0 * m.n_layers * width * cfg.train.seq_len * tokens,
         "rule_params": float(matmul_params),
+        "attention_width": float(width),
     }
 
 
