@@ -27,9 +27,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from memtrain.config.run import ConfigError
 from memtrain.runtime.extras import require
-
-NF4_BLOCK = 64
-NF4_SCALER_BLOCK = 256
+from memtrain.techniques.facts import NF4_BLOCK, NF4_SCALER_BLOCK, nf4_quantizes
 
 
 def _frozen_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
@@ -58,7 +56,7 @@ def quantize_base_weights(model: nn.Module, device: torch.device) -> int:
     skipped = []
     for name, m in linears:
         w = m.weight
-        if w.numel() % (NF4_BLOCK * NF4_SCALER_BLOCK):
+        if not nf4_quantizes(w.numel()):
             skipped.append(name)
             continue
         with _one_chunk_if_fake(w):

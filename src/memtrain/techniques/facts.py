@@ -37,6 +37,7 @@ from memtrain.errors import ConfigError
 __all__ = [
     "ADAMW_KERNELS", "BF16_PURE_OPTIMS", "CHECKPOINT_KINDS", "DTYPE_MATMUL_TYPE", "FP8_DIM_MULTIPLE",
     "FOREIGN_LOSS_KERNELS", "FP8_MIN_CAPABILITY", "ForeignLossKernel", "LOW_BIT_BLOCK", "LOW_BIT_MIN_NUMEL",
+    "NF4_BLOCK", "NF4_SCALER_BLOCK", "nf4_bytes", "nf4_quantizes",
     "CCE_FORWARD_LOCK_TOKENS", "cce_forward_locks", "cce_lock_table_shape", "fp8_converts", "foreign_loss_kernel", "loss_kernel_precision_error", "loss_kernel_refusal",
     "MATMUL_TYPES", "MEMORY_CATEGORIES", "OFFLOAD_MIN_BYTES", "OFFLOAD_PREFETCH", "OPTIMIZER_STATE_RULES",
     "PRECISION_FACTS", "CheckpointPolicy",
@@ -155,6 +156,33 @@ def fp8_converts(n_in: int, n_out: int) -> bool:
     """Whether ``--precision fp8`` runs a Linear of these dimensions in FP8 (else it keeps it in
     the autocast dtype): both must divide by :data:`FP8_DIM_MULTIPLE`."""
     return n_in % FP8_DIM_MULTIPLE == 0 and n_out % FP8_DIM_MULTIPLE == 0
+
+
+# --qlora's NF4 weights (torchao's ``to_nf4``, memtrain.models.qlora): 4-bit codes in blocks of
+# NF4_BLOCK values, each block's absmax scale quantized to int8 in blocks of NF4_SCALER_BLOCK
+# scales (double quantization). A weight whose size does not divide into NF4_BLOCK x
+# NF4_SCALER_BLOCK values stays in its dtype.
+NF4_BLOCK = 64
+NF4_SCALER_BLOCK = 256
+
+
+def nf4_quantizes(numel: int) -> bool:
+    """Whether ``--qlora`` stores a frozen Linear weight of ``numel`` values in NF4."""
+    return numel > 0 and numel % (NF4_BLOCK * NF4_SCALER_BLOCK) == 0
+
+
+def nf4_bytes(numel: int, elt: float) -> float:
+    """Bytes of an NF4 weight of ``numel`` values quantized from ``elt``-byte elements: the inner
+    tensors of torchao's NF4Tensor (``NF4Tensor.from_tensor``): ``quantized_data`` (two 4-bit codes
+    a byte), ``quantized_scalers`` (an int8 scale per block), ``quantization_factor`` (one per
+    block of scales) and ``scaler_mean`` (a scalar), both in the weight's dtype, and its own
+    16-entry code table ``nf4`` in that dtype too. ``quantization_factor`` is
+    ``(256 / (2 * absmax))[:, 0].view(n).contiguous()``, the first column of an (n,
+    NF4_SCALER_BLOCK) tensor: copied out for n > 1 scale blocks, but for one block the column is
+    already contiguous, so the view keeps the whole row's storage."""
+    blocks = numel // NF4_BLOCK
+    factors = blocks // NF4_SCALER_BLOCK
+    return numel / 2 + blocks + (factors if factors > 1 else NF4_SCALER_BLOCK) * elt + elt + 16 * elt
 # Other libraries' precision names (Lightning's) that callers of the FLOP/s tables may pass.
 _FOREIGN_PRECISION_TYPE = {"bf16-mixed": "bf16", "fp16-mixed": "fp16"}
 
