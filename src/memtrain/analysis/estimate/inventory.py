@@ -649,11 +649,7 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
         nodes.append(_gated_product(dm, p, up, needs))
     elif arch.mlp == "swiglu":
         lin("fc", f"{p}.mlp.fc", f"{p}.ln2", f"{p}.h1", d, 2 * f, r, needs["x1"])
-        # silu(gate) * up: silu saves gate; the product saves silu(gate) and up (views of h1).
-        nodes.append(Node(f"{p}.silu", out=[(f"{p}.g", N * f * a)], inputs=[f"{p}.h1"], saves=[f"{p}.h1"],
-                           grads=[(f"{p}.h1", 2 * N * f * a)]))
-        nodes.append(Node(f"{p}.gmul", out=[(f"{p}.act", N * f * a)], inputs=[f"{p}.g", f"{p}.h1"],
-                           saves=[f"{p}.g"], grads=[(f"{p}.g", N * f * a), (f"{p}.h1", N * f * a)]))
+        nodes += _fused_swiglu_nodes(dm, p)
     else:
         lin("fc", f"{p}.mlp.fc", f"{p}.ln2", f"{p}.h1", d, f, r, needs["x1"])
         nodes += _gelu_nodes(dm, arch, p)
@@ -668,6 +664,24 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
         nodes[-1].inputs += _hf_layer_locals(p, arch, tech.attention, dm.autocast)
     record_only_what_needs_grad(nodes, set(), everything=needs["in"])
     return nodes
+
+
+def _fused_swiglu_nodes(dm: Dims, p: str) -> list[Node]:
+    """``silu(gate) * up`` on one fused Linear's output ``{p}.h1`` (gate and up: views of it)."""
+    E = dm.n * dm.f * dm.a
+    h1, g = f"{p}.h1", f"{p}.g"
+    if dm.fused_proj:
+        # Phi-3's gate_up_proj output is chunked into gate and up (views): the product's backward
+        # makes up's gradient and silu(gate)'s, silu's backward gate's, and the chunk's backward
+        # concatenates the two into the fused output's (N, 2 d_ff) gradient, which the Linear's
+        # backward reads (its NF4 dequantization, under --qlora, comes while it is alive).
+        gate, up = f"{h1}.gate", f"{h1}.up"
+        return [Node(f"{p}.chunk", inputs=[h1], grad_out=(gate, up), grads=[(h1, 2 * E)]),
+                Node(f"{p}.silu", out=[(g, E)], inputs=[h1], saves=[h1], grad_out=(g,), grads=[(gate, E)]),
+                Node(f"{p}.gmul", out=[(f"{p}.act", E)], inputs=[g, h1], saves=[g], grads=[(g, E), (up, E)])]
+    # silu saves gate; the product saves silu(gate) and up (views of h1).
+    return [Node(f"{p}.silu", out=[(g, E)], inputs=[h1], saves=[h1], grads=[(h1, 2 * E)]),
+            Node(f"{p}.gmul", out=[(f"{p}.act", E)], inputs=[g, h1], saves=[g], grads=[(g, E), (h1, E)])]
 
 
 def grad_flow(arch: Arch, adapted: set[tuple[str, str]], x_grad: bool) -> dict[str, bool]:
