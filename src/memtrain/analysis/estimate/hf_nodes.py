@@ -8,7 +8,7 @@ from typing import Any
 
 from memtrain.analysis.estimate.simulator import Node
 
-__all__ = ["CAUSAL_MASK", "ROPE_TABLES", "gelu_new_nodes", "hf_model_input_nodes", "hf_model_inputs", "hf_norm_node", "hf_rope_node"]
+__all__ = ["CAUSAL_MASK", "ROPE_TABLES", "gelu_new_nodes", "held_locals", "hf_model_input_nodes", "hf_model_inputs", "hf_norm_node", "hf_rope_node"]
 
 # Keys of what a transformers Llama-style model makes once for all its layers (hf_model_input_nodes).
 ROPE_TABLES = "rope.cos_sin"
@@ -92,13 +92,29 @@ def hf_rope_node(dm: Any, qkv: list[str], out: str, v_view: bool = False) -> Any
     Q, K = N * d * a, N * kv * a
     steps = (("alloc", "q_cos", Q), ("alloc", "q_cat", Q), ("alloc", "q_sin", Q), ("free", "q_cat", 0.0),
              ("free", "q_cos", 0.0), ("free", "q_sin", 0.0), ("outputs", "", 0.0), ("alloc", "k_sin", K))
-    return Node(f"{out}.rope", out=[(out, N * (d + (kv if v_view else 2 * kv)) * a)],
+    outs: list[tuple] = [(out, N * (d + (kv if v_view else 2 * kv)) * a)]
+    if held_locals(dm, qkv):
+        # Under autocast the tables are float32 (the embeddings' dtype) and the bf16 projections
+        # times them make float32 q and k; the attention kernels read bf16 copies of them (which
+        # ``out`` stands for: SDPA saves them, eager attention its own copies). The float32 q and k,
+        # with v, are the attention function's locals until o_proj has run
+        # (:func:`held_locals`), saved by nothing: so they live through a checkpointed layer's
+        # attention while the copies do not.
+        outs.append((f"{out}.locals", N * (d + kv) * 4 + K))
+    return Node(f"{out}.rope", out=outs,
                  inputs=list(qkv) + [ROPE_TABLES], saves=[ROPE_TABLES],
                  grads=[(k, N * w * a) for k, w in zip(qkv, widths)], fwd_steps=steps,
                  # Backward, k's then q's: ``grad * sin``, rotate_half's backward (neg, two
                  # slice_backward) and their sum, then ``grad * cos`` and the sum: two x-sized
                  # temporaries beside x's gradient, k's gone before q's (q is the wider).
                  scratch=2 * N * d * a)
+
+
+def held_locals(dm: Any, qkv: list[str]) -> bool:
+    """Whether :func:`hf_rope_node` keeps rope's float32 q and k (and v) apart as
+    ``<out>.locals``: under autocast, with q, k and v made by separate Linears (peft's adapters:
+    ``qkv`` names three outputs); the layer's o_proj then holds those locals, not ``out``."""
+    return bool(dm.autocast) and dm.a != 4 and len(qkv) == 3
 
 
 def gelu_new_nodes(dm: Any, name: str, src: str, out: str) -> list[Any]:

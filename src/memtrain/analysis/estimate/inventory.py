@@ -9,6 +9,7 @@ from typing import Optional
 from memtrain.analysis.estimate.hf_nodes import (
     CAUSAL_MASK,
     gelu_new_nodes,
+    held_locals,
     hf_model_input_nodes,
     hf_model_inputs,
     hf_norm_node,
@@ -631,7 +632,8 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
         # The decoder layer's local holds the norm's output until self_attn returns (and the
         # second norm's until the MLP returns), whether or not an op saved it; the attention's
         # locals, rope's q and k (and v), live until o_proj has run.
-        nodes[-1].inputs += [f"{p}.ln1"] + ([f"{p}.qkv"] if arch.positional == "rope" else [])
+        locals_ = [f"{p}.qkv.locals" if per_linear and held_locals(dm, ["q", "k", "v"]) else f"{p}.qkv"]
+        nodes[-1].inputs += [f"{p}.ln1"] + (locals_ if arch.positional == "rope" else [])
     _dropout(nodes, dm, f"{p}.resid_drop", f"{p}.pr", f"{p}.prd", N * d, a)
     _held_by_the_frame(nodes, dm, lora, f"{p}.ln1")
     # Residual add: type promotion makes it float32 under autocast; the low-precision branch's
