@@ -191,7 +191,10 @@ def test_estimate_per_rank_for_a_transformers_model(llamas, capsys):
     # --distributed on one process: the trace needs no process group (it holds no shards)
     assert main([*common, "--distributed", "fsdp", "--qlora", "--lora-rank", "4"]) == 0
     assert json.loads(capsys.readouterr().out)["method"] in ("trace", "extrapolated")
-    assert main([*common, "--world-size", "2", "--qlora", "--lora-rank", "4"]) == 2
+    # QLoRA's NF4 weights are modelled whole on every rank (DDP, ZeRO-1), not as FSDP2 shards.
+    assert main([*common, "--world-size", "2", "--qlora", "--lora-rank", "4"]) == 0
+    assert json.loads(capsys.readouterr().out)["method"] == "analytic"
+    assert main([*common, "--world-size", "2", "--shard", "fsdp", "--qlora", "--lora-rank", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --world-size for a transformers --model needs its analytic model")
 

@@ -238,6 +238,6 @@ def test_plan_cuda_error_names_a_flag_plan_accepts(capsys, monkeypatch):
 
     monkeypatch.setattr(trace, "cuda_trace_supported", lambda: False)
     err = _error_line(capsys, ["plan", "--model", "qwen2.5-0.5b", "--device-type", "cuda", "--budget", "24GiB",
-                               "--seq-len", "128", "--lora-rank", "8", "--qlora"])
+                               "--seq-len", "128", "--lora-rank", "8", "--lora-targets", "q_proj,lm_head"])
     assert "--trace-device" not in err and "use --device-type cpu" in err
     assert "--device-type" in _verb_flags("plan", capsys)

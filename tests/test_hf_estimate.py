@@ -106,7 +106,11 @@ def test_unmodelled_families_and_techniques_say_they_traced(dirs, capsys):
     assert why_not_modelled(_cfg(dirs["gpt2"])) is None
     assert "activation_function relu" in why_not_modelled(_cfg(dirs["gpt2-relu"]))
     assert why_not_modelled(_cfg(dirs["gemma-wide-heads"])) is None  # (modelled: see the grid's SHAPED)
-    assert "QLoRA" in why_not_modelled(_cfg(dirs["llama"], lora_rank=4, qlora=True))
+    # QLoRA is modelled (tests/test_hf_estimate_qlora_grid.py) but on GPT-2 (Conv1D, no nn.Linear to
+    # quantize) and under FSDP2 sharding of its NF4 weights.
+    assert why_not_modelled(_cfg(dirs["llama"], lora_rank=4, qlora=True)) is None
+    assert "QLoRA on GPT-2" in why_not_modelled(_cfg(dirs["gpt2"], lora_rank=4, qlora=True))
+    assert "FSDP2" in why_not_modelled(_cfg(dirs["llama"], lora_rank=4, qlora=True, distributed="fsdp"))
     # Named targets are modelled where each name is one of the family's decoder Linears.
     assert why_not_modelled(_cfg(dirs["llama"], lora_rank=4, lora_targets="q_proj,v_proj")) is None
     assert "--lora-targets lm_head" in why_not_modelled(_cfg(dirs["llama"], lora_rank=4, lora_targets="q_proj,lm_head"))

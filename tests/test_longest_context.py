@@ -193,7 +193,8 @@ def test_max_len_with_no_longest_context_to_bound_is_one_error_line(capsys, argv
     assert message in _error_line([*argv, *TINY_FLAGS], capsys)
 
 
-@pytest.mark.parametrize("argv", [["estimate", "--full-trace"], ["plan", "--qlora", "--lora-rank", "4"]])
+@pytest.mark.parametrize("argv", [["estimate", "--full-trace"],
+                                  ["plan", "--lora-rank", "4", "--lora-targets", "q_proj,lm_head"]])
 def test_max_len_on_a_traced_model_points_to_maxbatch(capsys, argv):
     line = _error_line([*argv, "--model", "tiny-llama", "--device", "cpu", "--budget", "1GiB", "--max-len", "256"],
                        capsys)

@@ -79,16 +79,26 @@ def test_the_state_flags_leave_out_what_the_run_uses_or_what_cannot_help(tech, f
     assert advice.model_state and advice.text.split(": ", 1)[1].startswith(flags) and " or " not in advice.text, advice.text
 
 
-def test_a_transformers_lora_run_is_told_of_qlora(tmp_path):
+def test_a_transformers_lora_run_is_told_of_qlora_with_its_figure(tmp_path):
     transformers = pytest.importorskip("transformers")
-    transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    # Widths whose q/o (128 x 128) and MLP (256 x 128) weights fit NF4's 64 x 256-value blocks, the
+    # k/v ones (64 x 128) not: QLoRA shrinks the state, by the estimate's NF4 bytes.
+    transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, vocab_size=300, max_position_embeddings=64).save_pretrained(tmp_path)
     cfg = build_config({"model": str(tmp_path), "lora_rank": 8, "batch_size": 1, "seq_len": 16, "device": "cpu"})
     advice = save_memory_clause(cfg, 1, "cpu")
-    # QLoRA's NF4 weights are traced, not modelled: named without a figure.
-    assert advice.model_state and advice.text.endswith(" or --qlora") and "--precision bf16-pure (to " in advice.text
+    qlora = model_state_bytes(cfg.replace(qlora=True), "cpu")
+    assert qlora is not None and qlora < model_state_bytes(cfg, "cpu")
+    assert advice.model_state and f"--qlora (to {qlora / 2**20:.2f} MiB)" in advice.text, advice.text
+    assert "--precision bf16-pure (to " in advice.text
     full = save_memory_clause(cfg.replace(lora_rank=0), 1, "cpu")
-    assert " or --lora-rank 16 --qlora; together to " in full.text
+    both = model_state_bytes(cfg.replace(lora_rank=16, qlora=True), "cpu")
+    together = model_state_bytes(cfg.replace(lora_rank=16, qlora=True, precision="bf16-pure", optim="adamw-8bit"),
+                                 "cpu")
+    assert both is not None and together is not None
+    # The smallest state first; what all of them leave together now counts QLoRA too.
+    assert f"shrink them with --lora-rank 16 --qlora (to {both / 2**20:.2f} MiB), " in full.text, full.text
+    assert full.text.endswith(f"; together to {together / 2**20:.2f} MiB"), full.text
 
 
 def test_estimate_budget_names_the_state_flags_when_no_technique_set_fits(capsys):

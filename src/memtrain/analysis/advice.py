@@ -69,7 +69,7 @@ def save_memory_clause(cfg: RunConfig, budget_bytes: Optional[float], device_typ
         known = [after for _, _, after in changes if after is not None]
         if len(known) > 1 and min(known) > budget_bytes:
             # No one flag is enough: what they leave together, where the estimate models it.
-            together = {k: v for _, overrides, _ in changes if "qlora" not in overrides for k, v in overrides.items()}
+            together = {k: v for _, overrides, _ in changes for k, v in overrides.items()}
             after_all = _state_after(cfg, together, device_type)
             if after_all is not None:
                 text += f"; together to {size_text(after_all)}"
@@ -94,8 +94,8 @@ def _state_after(cfg: RunConfig, overrides: dict[str, Any], device_type: str) ->
 
 def _state_changes(cfg: RunConfig, device_type: str) -> list[tuple[str, dict[str, Any], Optional[float]]]:
     """Each flag that shrinks the model's state and the run does not use yet: the flag, its
-    settings, and the state it leaves (the same estimate; None where that is not modelled
-    analytically, as QLoRA's NF4)."""
+    settings, and the state it leaves (the same estimate, QLoRA's NF4 weights included; None where
+    that is not modelled analytically, as QLoRA on GPT-2 or under FSDP2 sharding)."""
     tech = cfg.technique
     rank = min(ADVICE_LORA_RANK, cfg.model.d_model)
     adapters = bool(tech.lora_rank or tech.qlora)  # then the frozen weights are the state: no optimizer flag helps

@@ -391,7 +391,7 @@ def _run_hf_analytic(args: argparse.Namespace, step: StepEstimate, device_type: 
     print(f"{cfg.model.model}: {_parameter_words(est)}; "
           f"batch {t.batch_size} x seq {t.seq_len} x accum {t.grad_accum}, {tech.precision}, attention {tech.attention}, "
           f"checkpointing {tech.checkpointing}, loss {tech.loss}, optim {tech.optim}"
-          + (f", LoRA r{tech.lora_rank}" if tech.lora_rank else "")
+          + (f", LoRA r{tech.lora_rank}" if tech.lora_rank else "") + (" + NF4 base (QLoRA)" if tech.qlora else "")
           + (f"; {est.shard} over {est.world_size} ranks, per rank" if est.world_size > 1 else ""))
     rows = [("component at the peak", "bytes", "")]
     rows += [(k, fmt_bytes(v), "") for k, v in est.bytes.items()]

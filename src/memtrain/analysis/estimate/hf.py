@@ -70,8 +70,23 @@ transformers decoder layer differs from it in three ways that matter for memory,
 Everything else (separate q/k/v projections = one fused one for memory, SwiGLU's gate/up/down
 saves = memtrain's fused SwiGLU, SDPA/eager attention, checkpointing, the loss) is the
 estimator's own inventory. Families not listed in :data:`MODELLED` (Gemma-2 and later:
-soft-capping, sandwich norms) and QLoRA (torchao's NF4 dequantization scratch) are not
-modelled: ``estimate`` traces them and says so.
+soft-capping, sandwich norms) are not modelled: ``estimate`` traces them and says so.
+
+* QLoRA (``--qlora``, memtrain.models.qlora): every frozen decoder Linear whose weight divides into
+  torchao's 64 x 256-value blocks holds an NF4Tensor (q_proj, k_proj and v_proj each on its own:
+  a narrow k/v may stay in its dtype); its bytes are the NF4Tensor's inner tensors
+  (:func:`memtrain.techniques.facts.nf4_bytes`, ``ParamInfo.nf4``). Each call of such a Linear is
+  torchao's ``LinearNF4``: it dequantizes the weight (int64 codes, table lookups, repeated
+  scales, a stack: :func:`~memtrain.analysis.estimate.inventory.nf4_dequantize_steps`), saves only
+  the NF4 parameter, dequantizes again in backward, and in a checkpointed layer's recompute
+  (``inventory._nf4_linear``); a bias is added after it (float32 under autocast). Not modelled,
+  so traced: GPT-2 (its Conv1D projections are no nn.Linear for QLoRA to quantize) and FSDP2
+  sharding of the NF4 weights (:func:`why_qlora_not_modelled`).
+* Under autocast rope's float32 q and k (the bf16 projections times the float32 tables), with v,
+  are the attention function's locals until o_proj has run, while the kernels keep bf16 copies
+  (``hf_nodes.held_locals``), when q, k and v come from separate Linears (peft's adapters).
+* Phi-3's fused gate/up output is chunked: its gradient is the concatenation of gate's and up's,
+  (N, 2 d_ff), made before the Linear's backward runs.
 """
 
 from __future__ import annotations
@@ -89,7 +104,7 @@ from memtrain.models.spec import (  # torch-free for the modelled families
 )
 
 __all__ = ["MODELLED", "QKV_BIAS", "active_window", "hf_arch", "why_not_modelled", "why_gpt2_not_modelled",
-           "why_targets_not_modelled", "analytic_estimate"]
+           "why_targets_not_modelled", "why_qlora_not_modelled", "analytic_estimate"]
 
 # model_type -> the layer code is Llama's (modeling_qwen2/modeling_mistral copy it)
 MODELLED = ("llama", "qwen2", "mistral", "phi3", "gemma", "gpt2")
@@ -112,6 +127,8 @@ GPT2_LIKE = ("gpt2",)
 # GPT-2 activations modelled: gelu_new (transformers' NewGELUActivation formula) and gelu (one kernel).
 GPT2_ACTIVATIONS = ("gelu_new", "gelu")
 GPT2_DROPOUTS = ("attn_pdrop", "resid_pdrop", "embd_pdrop")
+# The --distributed choices that shard weights with FSDP2 (NF4 shards: not modelled).
+FSDP_SHARDS = ("zero2", "fsdp", "deepspeed-zero2", "deepspeed-zero3")
 
 
 def active_window(c: Any, window: Optional[int], seq_len: int) -> Optional[int]:
@@ -141,7 +158,9 @@ def why_not_modelled(cfg: Any) -> Optional[str]:
     if c.model_type not in MODELLED:
         return f"no analytic model of {c.model_type} layers (only {', '.join(MODELLED)})"
     if tech.qlora:
-        return "QLoRA's NF4 weights and their dequantization scratch are not modelled analytically"
+        qlora = why_qlora_not_modelled(c, tech)
+        if qlora is not None:
+            return qlora
     if tech.lora_rank and not every_decoder_linear(tech.lora_targets):
         unknown = why_targets_not_modelled(c, tech.lora_targets)
         if unknown is not None:
@@ -164,6 +183,17 @@ def why_not_modelled(cfg: Any) -> Optional[str]:
     rope = getattr(c, "rope_parameters", None) or {}
     if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
         return "a partial rotary embedding (partial_rotary_factor < 1) is not modelled analytically"
+    return None
+
+
+def why_qlora_not_modelled(c: Any, tech: Any) -> Optional[str]:
+    """:func:`why_not_modelled` for ``--qlora`` on a config ``c`` (``tech``: the run's
+    TechniqueConfig): None where its NF4 weights are modelled (``inventory._nf4_linear``)."""
+    if c.model_type in GPT2_LIKE:
+        # memtrain.models.qlora quantizes nn.Linear weights; GPT-2's projections are Conv1D.
+        return "QLoRA on GPT-2 is not modelled analytically (its Conv1D projections are no nn.Linear to quantize)"
+    if tech.distributed in FSDP_SHARDS:
+        return f"QLoRA's NF4 weights under --distributed {tech.distributed} (FSDP2 shards) are not modelled analytically"
     return None
 
 

@@ -20,12 +20,14 @@ from memtrain.analysis.estimate.simulator import Compression, Node, Segment
 from memtrain.config.archs import Arch
 from memtrain.config.run import ModelConfig, RunConfig, TechniqueConfig
 from memtrain.techniques.facts import (
+    NF4_BLOCK,
     aligned_vocab,
     cce_forward_locks,
     cce_lock_table_shape,
     checkpoint_policy,
     effective_loss_chunk,
     fp8_converts,
+    nf4_quantizes,
     precision_facts,
 )
 
@@ -71,6 +73,9 @@ class Dims:
     # Width of q and of the attention's output (n_heads x head_dim) where it is not d (a
     # transformers config's head_dim: Arch.head_dim); 0: d.
     hq: int = 0
+    # --qlora: a frozen Linear whose weight fits torchao's blocks holds it in NF4 and runs
+    # torchao's linear_nf4 (_nf4_linear).
+    qlora: bool = False
 
     @property
     def n(self) -> int:
@@ -129,6 +134,87 @@ def _fp8_linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: 
                        fwd_scratch=fwd, scratch=bwd))
 
 
+def nf4_dequantize_steps(numel: int, elt: float) -> list[tuple[str, str, float]]:
+    """torchao's ``NF4Tensor.get_original_weight`` of a ``numel``-value weight whose dtype has
+    ``elt``-byte elements, tensor by tensor (:class:`Node` ``fwd_steps``): the high and the low
+    4-bit codes (``quantized_data >> 4`` and ``& 0b1111``, uint8, numel / 2 each) cast to int64
+    indices, which stay (locals) until it returns; the table lookups ``nf4[codes]``; the scales
+    (``quantized_scalers / quantization_factor`` + ``scaler_mean``, one per 64-value block); the
+    scales repeated for each half (``expand(...).flatten()``: a copy per multiply) and the two scaled
+    halves; ``torch.stack`` of those, the dequantized weight (label ``"w"``), which is all that is
+    left when it returns."""
+    n, half, scales = float(numel), numel / 2 * elt, numel / NF4_BLOCK * elt
+    steps: list[tuple[str, str, float]] = [
+        ("alloc", "hi", n / 2), ("alloc", "hi64", 4 * n), ("free", "hi", 0.0),
+        ("alloc", "lo", n / 2), ("alloc", "lo64", 4 * n), ("free", "lo", 0.0),
+        ("alloc", "dq_hi", half), ("alloc", "dq_lo", half),
+        ("alloc", "scale_div", scales), ("alloc", "scales", scales), ("free", "scale_div", 0.0),
+        ("alloc", "rep_hi", half), ("alloc", "scaled_hi", half), ("free", "rep_hi", 0.0),
+        ("alloc", "rep_lo", half), ("alloc", "scaled_lo", half), ("free", "rep_lo", 0.0),
+        ("alloc", "w", n * elt)]
+    return steps + [("free", k, 0.0) for k in ("hi64", "lo64", "dq_hi", "dq_lo", "scales", "scaled_hi", "scaled_lo")]
+
+
+def _steps_peak(steps: list[tuple[str, str, float]]) -> float:
+    """The most bytes ``fwd_steps``-style ``steps`` hold at once."""
+    live: dict[str, float] = {}
+    top = 0.0
+    for op, label, nbytes in steps:
+        if op == "alloc":
+            live[label] = live.get(label, 0.0) + nbytes
+        elif op == "free":
+            live.pop(label, None)
+        top = max(top, sum(live.values()))
+    return top
+
+
+def _nf4_linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int, n_out: int, x_bytes: float,
+                *, bias: bool, input_grad: bool, param_name: str) -> float:
+    """A frozen Linear with an NF4 weight (``--qlora``): ``F.linear`` dispatches to torchao's
+    ``LinearNF4`` (nf4_tensor.py), whose forward is ``F.linear(x, w.to(x.dtype))`` with
+    ``ctx.save_for_backward(w)`` and whose backward is ``grad @ w.to(grad.dtype)``. Each call
+    dequantizes the weight (:func:`nf4_dequantize_steps`, in the dtype it was quantized from) and
+    casts it to the input's dtype; under autocast ``F.linear`` then casts the input and that copy to
+    the compute dtype (a tensor that requires no grad: not cached). The function saves only the NF4
+    parameter (no storage of its own), and only when ``x`` requires a gradient; it packs it as
+    forward returns, so a checkpoint's recompute that stops at it runs it whole
+    (``Node.packs_after_forward``). Backward dequantizes again (a frozen weight gets no gradient)
+    and autograd casts the input's gradient to ``x``'s dtype. A bias is added after the function
+    (``out + bias``), a new tensor; under autocast the bias is float32 and the sum too. Returns the
+    bytes per element of the Linear's output."""
+    N, a, p = dm.n, dm.a, dm.p
+    numel = n_in * n_out
+    deq = nf4_dequantize_steps(numel, p)
+    fwd = list(deq)
+    if x_bytes != p:  # weight.to(input.dtype)
+        fwd += [("alloc", "wx", numel * x_bytes), ("free", "w", 0.0)]
+    if dm.autocast:  # F.linear's autocast casts, input then weight
+        if x_bytes != a:
+            fwd.append(("alloc", "xc", N * n_in * a))
+            fwd.append(("alloc", "wc", numel * a))
+    fwd.append(("outputs", "", 0.0))
+    mm_out = f"{out}.nf4" if bias else out
+    g_out_bytes = N * n_in * a  # grad @ w: in the output's dtype
+    g_x = N * n_in * x_bytes
+    # Backward: the dequantization (and the cast to the gradient's dtype) before the matmul, then
+    # the matmul's output beside the weight, then autograd's cast of it to x's dtype.
+    before = _steps_peak(deq + ([("alloc", "wa", numel * a), ("free", "w", 0.0)] if p != a else []))
+    after = max(numel * a + g_out_bytes - g_x, g_out_bytes if x_bytes != a else 0.0, 0.0)
+    nodes.append(Node(name, out=[(mm_out, N * n_out * a)], inputs=[x],
+                      saves=[f"param:{param_name}.weight"] if input_grad else [],
+                      grads=[(x, g_x)] if input_grad else [], matmul=True, fwd_steps=tuple(fwd),
+                      scratch_first=before, scratch=after, packs_after_forward=True))
+    if not bias:
+        return a
+    # ``out + bias``, the bias frozen (no gradient for it). Type promotion: under autocast the
+    # bf16 product plus the float32 bias is float32, and the product's gradient a bf16 copy of
+    # the sum's; otherwise the gradient passes through.
+    ob = max(a, p)
+    nodes.append(Node(f"{name}.bias_add", out=[(out, N * n_out * ob)], inputs=[mm_out],
+                      grads=[(mm_out, 0.0 if ob == a else N * n_out * a)]))
+    return ob
+
+
 def _linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int, n_out: int,
             trainable_base: bool, lora: int, x_bytes: float, *, bias: Optional[bool] = None,
             lora_parts: tuple[str, ...] = ("",), input_grad: bool = True, param_name: Optional[str] = None,
@@ -146,6 +232,14 @@ def _linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int,
     if dm.fp8 and not lora and fp8_converts(n_in, n_out):
         # (--precision fp8 refuses LoRA; a fused entry's parts are taken to divide by 16 as it does.)
         _fp8_linear(nodes, dm, name, x, out, n_in, n_out, trainable_base, x_bytes, bias, len(lora_parts))
+        return
+    if dm.qlora and not trainable_base and nf4_quantizes(n_in * n_out):
+        base_out = f"{out}.base" if lora else out
+        out_bytes = _nf4_linear(nodes, dm, name, x, base_out, n_in, n_out, x_bytes, bias=bias, input_grad=input_grad,
+                                param_name=param_name or name)
+        if lora:
+            _peft_lora(nodes, dm, name, x, x_bytes, base_out, out, n_in, n_out, lora, lora_parts, input_grad,
+                       param_name or name, out_bytes=out_bytes)
         return
     n_linears = len(lora_parts)  # the separate Linears this entry stands for
     # autograd saves a matmul's input only for the weight's gradient: a frozen base weight
@@ -269,10 +363,13 @@ def _lora_dropout(nodes: list[Node], dm: Dims, name: str, x: str, x_bytes: float
 
 
 def _peft_lora(nodes: list[Node], dm: Dims, name: str, x: str, x_bytes: float, base_out: str, out: str,
-               n_in: int, n_out: int, r: int, parts: tuple[str, ...], input_grad: bool, param_name: str) -> None:
+               n_in: int, n_out: int, r: int, parts: tuple[str, ...], input_grad: bool, param_name: str,
+               out_bytes: Optional[float] = None) -> None:
     """peft's LoRA Linear on a transformers base (``x``: the Linear's own input, before any
     autocast cast): ``base(x) + lora_B(lora_A(x.to(A.dtype))) * scale``. The adapters have the
-    parameters' dtype (float32 under autocast, bf16 under bf16-pure)."""
+    parameters' dtype (float32 under autocast, bf16 under bf16-pure). ``out_bytes``: the base's
+    output element size where it is not the compute dtype's (a float32 sum under autocast: the
+    result is float32 too, and the adapters' branch gets a bf16 copy of its gradient)."""
     N, a = dm.n, dm.a
     n_a = len(parts)  # one adapter pair per Linear the entry stands for (q, k, v)
     la, lb = f"{name}.lora_a", f"{name}.lora_b"
@@ -316,8 +413,9 @@ def _peft_lora(nodes: list[Node], dm: Dims, name: str, x: str, x_bytes: float, b
                        grads=[(la, N * r * a * n_a)] + [(f"param:{param_name}.lora_B{s}", 0.0) for s in parts]))
     nodes.append(Node(f"{name}.lora_scale", out=[(f"{lb}.s", N * n_out * a)], inputs=[lb],
                        grads=[(lb, N * n_out * a)]))
-    nodes.append(Node(f"{name}.lora_add", out=[(out, N * n_out * a)], inputs=[base_out, f"{lb}.s"] + until_return,
-                       grads=[(base_out, 0.0), (f"{lb}.s", 0.0)]))
+    ob = out_bytes or a
+    nodes.append(Node(f"{name}.lora_add", out=[(out, N * n_out * ob)], inputs=[base_out, f"{lb}.s"] + until_return,
+                       grads=[(base_out, 0.0), (f"{lb}.s", 0.0 if ob == a else N * n_out * a)]))
 
 
 def _dropout(nodes: list[Node], dm: Dims, name: str, x: str, out: str, numel: float, elt: float,
@@ -961,7 +1059,8 @@ def run_dims(cfg: RunConfig, arch: Arch, device_type: str, batch: Optional[int] 
                bias=m.bias and arch.name == "gpt2", hf=arch.hf, fp8=precision_facts(cfg.technique.precision).fp8,
                fused_proj=arch.fused_proj, lora_dropout=cfg.technique.lora_rank > 0 and cfg.technique.lora_dropout > 0,
                softmax_fp32=not arch.gpt2_layers, additive_mask=arch.hf,
-               repeat_kv=arch.hf and not arch.gpt2_layers)
+               repeat_kv=arch.hf and not arch.gpt2_layers,
+               qlora=cfg.technique.qlora and arch.hf and not arch.gpt2_layers)
     return dm
 
 

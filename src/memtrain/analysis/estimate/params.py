@@ -12,6 +12,7 @@ from memtrain.analysis.limits import MAX_LAYERS, MAX_PARAMS, check_analytic_size
 from memtrain.config.archs import GPT2_ARCH, Arch
 from memtrain.config.run import ConfigError, ModelConfig, TechniqueConfig
 from memtrain.models.spec import GPT_LORA_TARGETS, every_decoder_linear
+from memtrain.techniques.facts import nf4_bytes, nf4_quantizes
 
 
 # --------------------------------------------------------------------------- parameters
@@ -26,10 +27,18 @@ class ParamInfo:
     # How many tensors of this shape the entry stands for: a compressed table (one per layer
     # *kind*, see :func:`param_count`) counts a block's parameters once with repeat = n_layers.
     repeat: int = 1
+    # --qlora: the sizes (values) of the Linears of this entry stored in NF4 (a fused entry
+    # stands for several Linears, each quantized on its own, or not: facts.nf4_quantizes); the
+    # rest of the entry keeps the parameters' dtype.
+    nf4: tuple[int, ...] = ()
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    def stored_bytes(self, elt: float) -> float:
+        """Bytes the tensor(s) hold with ``elt``-byte elements, NF4 parts as torchao stores them."""
+        return (self.numel - sum(self.nf4)) * elt + sum(nf4_bytes(n, elt) for n in self.nf4)
 
     @property
     def is_adapter(self) -> bool:
@@ -152,9 +161,16 @@ def block_param_table(m: ModelConfig, arch: Arch, tech: Optional[TechniqueConfig
         if bias and arch.norm == "layernorm":
             out.append(ParamInfo(f"{name}.bias", (d,), not frozen, i, k))
 
+    # (GPT-2's Conv1D projections are no nn.Linear: QLoRA leaves them alone.)
+    qlora = frozen and tech is not None and tech.qlora and not arch.gpt2_layers
+
     def linear(name: str, short: str, n_in: int, n_out: int, i: int) -> None:
         k = rep.get(i, 1)
-        out.append(ParamInfo(f"{name}.weight", (n_out, n_in), not frozen, i, k))
+        # QLoRA quantizes every frozen decoder Linear whose weight fits torchao's blocks (q_proj,
+        # k_proj and v_proj of a fused entry each on its own: a narrow k/v may not).
+        nf4 = tuple(width * n_in for _, width in lora_split(arch, short, n_out, d, kv)
+                    if qlora and nf4_quantizes(width * n_in))
+        out.append(ParamInfo(f"{name}.weight", (n_out, n_in), not frozen, i, k, nf4))
         if has_bias(arch, short, bias):
             out.append(ParamInfo(f"{name}.bias", (n_out,), not frozen, i, k))
         for suffix, width in lora_split(arch, short, n_out, d, kv):

@@ -143,6 +143,12 @@ class Node:
     # the saves named here, and before its last node makes the input's gradient: the simulator
     # frees those first, then counts the scratch, then makes ``grads``.
     releases_first: Optional[tuple[str, ...]] = None
+    # Transient bytes its backward holds before it makes its gradients (``scratch`` comes after):
+    # torchao's NF4 Linear dequantizes its weight before the matmul.
+    scratch_first: float = 0.0
+    # A custom autograd Function (torchao's LinearNF4): its ``ctx.save_for_backward`` is packed as
+    # its forward returns, so a checkpoint's recompute that stops at its save has run it whole.
+    packs_after_forward: bool = False
 
     def sac_kept(self) -> tuple[str, ...]:
         """Outputs selective checkpointing keeps (those of the matmul/attention kernel itself)."""
@@ -494,6 +500,7 @@ class Graph:
                 self._composite_backward(n, keys)
             elif has_grad or n.name == "loss":
                 through = next((self.grad_sid[k] for k in keys if k in self.grad_sid), None)
+                self.sim.transient(n.scratch_first)
                 start = len(self.sim.events) if self.sim.events is not None else 0
                 for key, nbytes in n.grads:
                     self._grad_alloc(n, key, nbytes, through)
@@ -639,7 +646,8 @@ class Graph:
             # LoRA Linear whose adapter is the last saver) lives until the recompute stops.
             recompute = list(seg.nodes[: last_saver + 1])
             stop = recompute[-1] if recompute else None
-            if seg.lazy_recompute and stop is not None and not set(stop.saves) & {o[0] for o in stop.out}:
+            if (seg.lazy_recompute and stop is not None and not stop.packs_after_forward
+                    and not set(stop.saves) & {o[0] for o in stop.out}):
                 # autograd saves an op's inputs before its kernel runs: the recompute stops
                 # there, before the last saver's outputs exist.
                 recompute[-1] = replace(stop, out=[], fwd_scratch=0.0, fwd_steps=(), hold=False)

@@ -155,7 +155,9 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     lora = tech.lora_rank > 0
     # LoRA adapters are created in float32 next to the (possibly bf16) frozen base.
     adapter_bytes = (pb if arch.hf else 4) if lora else pb  # peft makes them in the base's dtype
-    pbytes: dict[str, float] = {p.name: p.numel * (adapter_bytes if "lora_" in p.name else pb) for p in params}
+    # (--qlora: the frozen Linears' NF4 weights are smaller: ParamInfo.stored_bytes.)
+    pbytes: dict[str, float] = {p.name: p.numel * adapter_bytes if "lora_" in p.name else p.stored_bytes(pb)
+                                for p in params}
     repeat = {p.name: p.repeat for p in params}
     weights = sum(v * repeat[k] for k, v in pbytes.items())
     grad_bytes = {p.name: pbytes[p.name] for p in trainable}
