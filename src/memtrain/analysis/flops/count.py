@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from memtrain.analysis.flops.classes import ClassCount, StepCount, split_attention
 from memtrain.analysis.flops.recorder import in_core, make_recorder
-from memtrain.analysis.flops.rules import assemble_step
+from memtrain.analysis.flops.rules import RuleParams, assemble_step, model_rule_params
 from memtrain.analysis.limits import check_analytic_size
 from memtrain.config.run import ConfigError, ModelConfig, RunConfig
 from memtrain.techniques.facts import checkpoint_policy
@@ -151,9 +151,15 @@ def _empty_model(cfg: ModelConfig, build: Any = None) -> Any:
     return model
 
 
-def _trace(cfg: RunConfig, fake: bool = True) -> tuple[dict[str, dict[str, ClassCount]], float, int, int]:
+# (table, counter total, parameters, trainable parameters, the parameters that do no matmul work)
+Traced = tuple[dict[str, dict[str, ClassCount]], float, int, int, RuleParams]
+
+
+def _trace(cfg: RunConfig, fake: bool = True) -> Traced:
     """One micro-batch forward + backward of the configured model under FakeTensorMode with
-    FlopCounterMode and the recorder; returns (table, counter total, params, trainable).
+    FlopCounterMode and the recorder; returns (table, counter total, params, trainable, the
+    model's :class:`~memtrain.analysis.flops.rules.RuleParams`: position table, untied token
+    embedding and vectors, counted on the model as built, before LoRA adds adapters).
     ``fake=False`` runs the same step with real tensors (tests check both agree)."""
     # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
     import torch
@@ -165,7 +171,7 @@ def _trace(cfg: RunConfig, fake: bool = True) -> tuple[dict[str, dict[str, Class
         return _traced_step(cfg, fake)
 
 
-def _traced_step(cfg: RunConfig, fake: bool) -> tuple[dict[str, dict[str, ClassCount]], float, int, int]:
+def _traced_step(cfg: RunConfig, fake: bool) -> Traced:
     """:func:`_trace`'s step, drawing from the global RNG."""
     # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
     import torch
@@ -183,6 +189,7 @@ def _traced_step(cfg: RunConfig, fake: bool) -> tuple[dict[str, dict[str, ClassC
     else:
         base = build_model(cfg)
     n_params = base.num_parameters()
+    rule_params = model_rule_params(base)
     model = prepare_model(base, cfg, torch.device("cpu"), precision)
     model.train()
     _use_fused_dropout(model)
@@ -207,7 +214,7 @@ def _traced_step(cfg: RunConfig, fake: bool) -> tuple[dict[str, dict[str, ClassC
         raise RuntimeError(f"FLOP attribution lost FLOPs: classes sum to {attributed:.6g}, counter {total:.6g}")
     for phase, v in table.items():
         split_attention(v, only_scores=phase == "recompute" and checkpoint_policy(cfg.technique.checkpointing).kind == "selective")
-    return table, total, n_params, trainable
+    return table, total, n_params, trainable, rule_params
 
 
 # Models deeper than this are counted per layer kind (below), not traced whole.
@@ -215,11 +222,11 @@ _TRACE_LAYERS = 8
 _LORA_TRACE_LAYERS = 128
 
 
-def _trace_by_kind(cfg: RunConfig) -> tuple[dict[str, dict[str, ClassCount]], float, int, int]:
+def _trace_by_kind(cfg: RunConfig) -> Traced:
     """:func:`_trace`, in O(1) of the depth: every block of one kind (checkpointed or not)
     dispatches the same ops, so a deep model's count is a 1-block model's plus (L - 1) times
-    one block's (the difference of a 2-block and a 1-block trace), per kind. Shallow models are
-    traced whole, as before."""
+    one block's (the difference of a 2-block and a 1-block trace), per kind; the parameter
+    counts likewise. Shallow models are traced whole, as before."""
     check_analytic_size(cfg.model)
     L = cfg.model.n_layers
     if cfg.technique.lora_rank and L > _LORA_TRACE_LAYERS:
@@ -238,10 +245,11 @@ def _trace_by_kind(cfg: RunConfig) -> tuple[dict[str, dict[str, ClassCount]], fl
     out: dict[str, dict[str, ClassCount]] = {}
     total = 0.0
     n_params = trainable = 0
+    rule_params = RuleParams()
     first = True
     for ck, n in counts.items():
-        t1, c1, p1, tr1 = _trace(cfg.replace(n_layers=1, checkpointing=ck))
-        t2, c2, p2, tr2 = _trace(cfg.replace(n_layers=2, checkpointing=ck))
+        t1, c1, p1, tr1, r1 = _trace(cfg.replace(n_layers=1, checkpointing=ck))
+        t2, c2, p2, tr2, r2 = _trace(cfg.replace(n_layers=2, checkpointing=ck))
         if first:  # the embedding and the head, once: the 1-block trace minus its block
             _accumulate(out, t1, 1.0)
             _accumulate(out, t2, -1.0)
@@ -249,17 +257,19 @@ def _trace_by_kind(cfg: RunConfig) -> tuple[dict[str, dict[str, ClassCount]], fl
             total += 2 * c1 - c2
             n_params += 2 * p1 - p2
             trainable += 2 * tr1 - tr2
+            rule_params = RuleParams(*(r + 2 * a - b for r, a, b in zip(rule_params, r1, r2)))
             first = False
         _accumulate(out, t2, float(n))
         _accumulate(out, t1, -float(n))
         total += n * (c2 - c1)
         n_params += n * (p2 - p1)
         trainable += n * (tr2 - tr1)
+        rule_params = RuleParams(*(r + n * (b - a) for r, a, b in zip(rule_params, r1, r2)))
     for phase in list(out):
         out[phase] = {name: c for name, c in out[phase].items() if c.ops or c.counted or c.bytes or c.elementwise}
         if not out[phase]:
             del out[phase]
-    return out, total, n_params, trainable
+    return out, total, n_params, trainable, rule_params
 
 
 def _accumulate(into: dict[str, dict[str, ClassCount]], table: dict[str, dict[str, ClassCount]], scale: float) -> None:
@@ -302,7 +312,7 @@ def _count_step_cached(key: str) -> StepCount:
     traced = cfg.replace(loss_kernel="memtrain")
     notes: list[str] = []
     try:
-        table, counter_total, n_params, trainable = _trace_by_kind(traced)
+        table, counter_total, n_params, trainable, rule_params = _trace_by_kind(traced)
     except ConfigError as exc:
         # Some kernels exist on CUDA only (mem-efficient, flex backward, flash-attn). The count
         # runs on CPU, so it runs the same model with SDPA: torch counts every fused attention
@@ -310,10 +320,10 @@ def _count_step_cached(key: str) -> StepCount:
         # attention bytes are those of the CPU SDPA path.
         if cfg.technique.attention in ("math", "sdpa"):
             raise
-        table, counter_total, n_params, trainable = _trace_by_kind(traced.replace(attention="sdpa"))
+        table, counter_total, n_params, trainable, rule_params = _trace_by_kind(traced.replace(attention="sdpa"))
         notes.append(f"--attention {cfg.technique.attention} cannot run on CPU ({exc}); counted with "
                      f"--attention sdpa: same FLOPs, attention bytes of the CPU SDPA path")
-    return assemble_step(cfg, table, counter_total, n_params, trainable, notes)
+    return assemble_step(cfg, table, counter_total, n_params, trainable, notes, rule_params)
 
 
 def counted_flops_per_step(cfg: RunConfig) -> dict[str, float]:

@@ -32,7 +32,7 @@ from typing import Optional
 
 from memtrain.analysis.estimate.params import param_count
 from memtrain.analysis.flops.classes import ClassCount, StepCount, classify, split_attention
-from memtrain.analysis.flops.rules import assemble_step
+from memtrain.analysis.flops.rules import assemble_step, table_rule_params
 from memtrain.config.run import RunConfig
 from memtrain.techniques.facts import checkpoint_policy, effective_loss_chunk, precision_facts
 
@@ -96,7 +96,7 @@ def inventory_step(cfg: RunConfig) -> StepCount:
         split_attention(classes)
     n_params, trainable = param_count(cfg.model)
     counted = sum(c.counted for classes in table.values() for c in classes.values())
-    return assemble_step(cfg, table, counted, n_params, trainable, [])
+    return assemble_step(cfg, table, counted, n_params, trainable, [], table_rule_params(cfg.model))
 
 
 @dataclass

@@ -6,7 +6,6 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-from memtrain.analysis.estimate.params import param_table
 from memtrain.analysis.flops.classes import MATMUL_CLASSES, OP_CLASSES, PHASES, ClassCount, StepCount
 from memtrain.analysis.flops.count import count_step
 from memtrain.analysis.flops.inventory import inventory_step, not_covered
@@ -125,26 +124,28 @@ def roofline_ops(count: StepCount, roof: Roof, measured_s: Optional[dict[str, fl
 def reconcile(cfg: RunConfig, count: StepCount) -> dict[str, float]:
     """Why the counted forward+backward differs from the 6ND + attention rule, term by term.
 
-    - the rule's 6N includes biases and LayerNorm weights, whose work is element-wise: the
-      counter counts no FLOPs for them (addmm's bias add is not in its formula);
+    - the rule's 6N includes the vectors, biases and norm weights, whose work is element-wise:
+      the counter counts no FLOPs for them (addmm's bias add is not in its formula);
     - with untied embeddings the rule also counts the token embedding, a lookup (no FLOPs);
+    - the rule already drops the learned position table (a lookup) where the model has one;
+    - a fused attention kernel's backward computes the scores Q K^T again (torch's formula for
+      it counts five matmuls to the forward's two, the rule four): the backward's count beyond
+      twice the forward's;
     - what is left (``unexplained``) is 0 for the plain model; techniques that change the work
-      (LoRA computes no gradients of frozen weights) show up there.
-    The attention term needs no correction: the counter counts the full (T x T) score matrix,
-    as the rule does, masked half included.
+      (LoRA computes no gradients of frozen weights, a window only the band) show up there.
+    The parameters are those of the model counted (``count.rule_terms``: our GPT's parameter
+    table, or the built transformers model's parameters). The attention term needs no
+    correction: the counter counts the full (T x T) score matrix, as the rule does, masked half
+    included.
     """
-    # One block's vectors times the depth (param_table lists model.named_parameters(); the
-    # model itself is not built: O(1) in n_layers). The shape is already resolved, so the one-block
-    # copy drops the model's name (a named preset would otherwise keep its full depth).
-    one = param_table(replace(cfg.model, model=None, n_layers=1))
-    non_matmul = sum(p.numel * (cfg.model.n_layers if p.block is not None else 1) for p in one if len(p.shape) < 2)
     tokens = count.tokens
-    untied = cfg.model.padded_vocab_size * cfg.model.d_model if cfg.model.untie_embeddings else 0
     counted = count.phase_total("forward", "counted") + count.phase_total("backward", "counted")
+    fused = {p: count.table.get(p, {}).get("attn_fused", ClassCount()).counted for p in ("forward", "backward")}
     terms = {
         "rule_flops": count.rule_flops,
-        "bias_and_norm_params": -6.0 * non_matmul * tokens,
-        "untied_embedding_lookup": -6.0 * untied * tokens,
+        "bias_and_norm_params": -6.0 * count.rule_terms["vector_params"] * tokens,
+        "untied_embedding_lookup": -6.0 * count.rule_terms["untied_embedding_params"] * tokens,
+        "fused_attention_backward_scores": fused["backward"] - 2.0 * fused["forward"],
     }
     terms["unexplained"] = counted - sum(terms.values())
     terms["counted_forward_backward"] = counted

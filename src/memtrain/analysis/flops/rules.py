@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any, NamedTuple, Optional
+
+from memtrain.analysis.estimate.params import param_table
 from memtrain.analysis.flops.classes import ClassCount, StepCount
 from memtrain.config.run import ModelConfig, RunConfig
-from memtrain.models.spec import model_head_dim
+from memtrain.models.spec import is_gpt_preset, model_head_dim, rotary_positions
 from memtrain.techniques.facts import FOREIGN_LOSS_KERNELS, OPTIMIZER_STATE_RULES, precision_facts
 
 
@@ -15,10 +19,74 @@ def attention_width(cfg: ModelConfig) -> int:
     return cfg.n_heads * (model_head_dim(cfg.model) or cfg.head_dim)
 
 
-def rule_flops_per_token(cfg: ModelConfig, seq_len: int, n_params: int) -> float:
-    """Training FLOPs per token by the 6N + attention rule."""
-    matmul_params = n_params - cfg.max_seq_len * cfg.d_model  # drop the position lookup table
-    return 6.0 * matmul_params + 12.0 * cfg.n_layers * attention_width(cfg) * seq_len
+class RuleParams(NamedTuple):
+    """The parameters of a model that the 6N rule names but no matmul multiplies: the learned
+    position table (a lookup: the rule drops it), the token embedding where the LM head does not
+    share it (a lookup) and the vectors, biases and norm weights (element-wise work: the
+    counter's ``addmm`` formula leaves the bias add out). Counts of distinct tensors."""
+
+    positions: int = 0
+    untied_embedding: int = 0
+    vectors: int = 0
+
+
+def table_rule_params(m: ModelConfig) -> RuleParams:
+    """:class:`RuleParams` of memtrain's GPT from its parameter table (the model is not built):
+    one block's vectors times the depth, so O(1) in n_layers. The shape is already resolved, so
+    the one-block copy drops the model's name (a named preset would otherwise keep its depth)."""
+    one = param_table(replace(m, model=None, n_layers=1))
+    vectors = sum(p.numel * (m.n_layers if p.block is not None else 1) for p in one if len(p.shape) < 2)
+    untied = m.padded_vocab_size * m.d_model if m.untie_embeddings else 0
+    return RuleParams(positions=m.max_seq_len * m.d_model, untied_embedding=untied, vectors=vectors)
+
+
+def model_rule_params(model: Any) -> RuleParams:
+    """:class:`RuleParams` of a built model (memtrain's GPT or a transformers model as
+    :class:`memtrain.models.hf.HFCausalLM` wraps it), from its parameters: every embedding table
+    but the token embedding is a position table (GPT-2's ``wpe``, OPT's ``embed_positions``;
+    rotary models have none), the token embedding is a lookup unless a matmul (the tied head)
+    shares its weight, and every parameter with fewer than two dimensions is a vector. Tied
+    tensors count once, as ``num_parameters`` counts them."""
+    # torch loads only when a built model is counted: the analytic commands import this module
+    import torch.nn as nn
+
+    lm = getattr(model, "lm", model)  # HFCausalLM holds the transformers model as ``lm``
+    get_input = getattr(lm, "get_input_embeddings", None)
+    token_module = get_input() if get_input is not None else getattr(model, "wte", None)
+    token = getattr(token_module, "weight", None)  # None: a model without one, all tables are positions
+    tables: dict[int, int] = {}  # embedding tables: id -> elements
+    matmul: set[int] = set()  # tensors some other module uses (the tied head)
+    vectors: dict[int, int] = {}
+    for mod in model.modules():
+        for p in mod.parameters(recurse=False):
+            if isinstance(mod, nn.Embedding):
+                tables[id(p)] = p.numel()
+            else:
+                matmul.add(id(p))
+            if p.dim() < 2:
+                vectors[id(p)] = p.numel()
+    positions = sum(n for i, n in tables.items() if i != id(token) and i not in matmul)
+    untied = token.numel() if token is not None and id(token) not in matmul else 0
+    return RuleParams(positions=positions, untied_embedding=untied, vectors=sum(vectors.values()))
+
+
+def config_position_params(cfg: ModelConfig) -> int:
+    """The learned position table's parameters by the config alone, where no built model is at
+    hand: memtrain's GPT's ``max_seq_len x d_model``; a transformers model's none where it rotates
+    positions (RoPE: Llama, Qwen2, Mistral, Gemma, Phi-3), else ``max_seq_len x d_model`` (GPT-2's
+    ``wpe``). :func:`model_rule_params` counts the built model's own table."""
+    if cfg.model is not None and not is_gpt_preset(cfg.model) and rotary_positions(cfg.model):
+        return 0
+    return cfg.max_seq_len * cfg.d_model
+
+
+def rule_flops_per_token(cfg: ModelConfig, seq_len: int, n_params: int, positions: Optional[int] = None) -> float:
+    """Training FLOPs per token by the 6N + attention rule. ``positions``: the parameters of the
+    model's learned position table, which the rule drops (a lookup), as
+    :func:`model_rule_params` counts them on the built model; None: by the config
+    (:func:`config_position_params`)."""
+    table = config_position_params(cfg) if positions is None else positions
+    return 6.0 * (n_params - table) + 12.0 * cfg.n_layers * attention_width(cfg) * seq_len
 
 
 # Optimizer update FLOPs per trainable parameter, counted from torch's single-tensor update
@@ -82,25 +150,30 @@ def with_loss_kernel(cfg: RunConfig, table: dict[str, dict[str, ClassCount]],
         f"{flops * cfg.train.grad_accum / 1e9:.2f} GFLOP a step, counted as recompute"]
 
 
-def rule_terms(cfg: RunConfig, n_params: int, tokens: int) -> dict[str, float]:
-    """The rule's two terms, the parameters it names and the attention width
-    (:func:`attention_width`) it takes, for the side-by-side."""
+def rule_terms(cfg: RunConfig, n_params: int, tokens: int, params: RuleParams) -> dict[str, float]:
+    """The rule's two terms, the parameters it names (``n_params`` less the position table) and
+    the attention width (:func:`attention_width`) it takes, for the side-by-side; and the
+    parameters in 6N whose work is no matmul (``params``), for the reconciliation."""
     m = cfg.model
-    matmul_params = n_params - m.max_seq_len * m.d_model
+    matmul_params = n_params - params.positions
     width = attention_width(m)
     return {
         "six_n_d": 6.0 * matmul_params * tokens,
         "attention": 12.0 * m.n_layers * width * cfg.train.seq_len * tokens,
         "rule_params": float(matmul_params),
         "attention_width": float(width),
+        "position_params": float(params.positions),
+        "untied_embedding_params": float(params.untied_embedding),
+        "vector_params": float(params.vectors),
     }
 
 
 def assemble_step(cfg: RunConfig, table: dict[str, dict[str, ClassCount]], counter_total: float, n_params: int,
-                  trainable: int, notes: list[str]) -> StepCount:
+                  trainable: int, notes: list[str], params: RuleParams) -> StepCount:
     """One optimizer step from one micro-batch's table (forward, backward, recompute by class):
     the micro-batches of gradient accumulation (same shapes, so ``grad_accum`` times the table),
-    the optimizer update and clipping (analytic), the tokens and the rule's terms. The counted
+    the optimizer update and clipping (analytic), the tokens and the rule's terms (``params``: the
+    counted model's parameters that do no matmul work, :class:`RuleParams`). The counted
     step (:func:`memtrain.analysis.flops.count.count_step`) and the inventory
     (:func:`memtrain.analysis.flops.inventory.inventory_step`) both end here."""
     t = cfg.train
@@ -120,7 +193,7 @@ def assemble_step(cfg: RunConfig, table: dict[str, dict[str, ClassCount]], count
         0.0, float(per_param * trainable),
         float(optimizer_bytes_per_param(cfg.technique.optim, param_bytes, t.grad_clip > 0) * trainable), 1)}
     tokens = t.batch_size * t.seq_len * accum
-    terms = rule_terms(cfg, n_params, tokens)
+    terms = rule_terms(cfg, n_params, tokens, params)
     return StepCount(
         table=scaled, counter_flops=counter_total * accum, tokens=tokens, n_params=n_params,
         trainable_params=trainable, rule_flops=terms["six_n_d"] + terms["attention"],
