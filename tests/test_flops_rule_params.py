@@ -118,3 +118,20 @@ def test_a_deep_model_is_counted_per_layer(tmp_path):
     assert report["rule"]["untied_embedding_params"] == own["untied_embedding_params"]
     rec = report["reconciliation"]
     assert rec["unexplained"] == pytest.approx(0, abs=1e-9 * rec["counted_forward_backward"])
+
+
+def test_only_a_technique_on_is_named_for_what_is_left(tmp_path):
+    """`memtrain flops` named LoRA and a sliding window for any remainder, with neither on; with
+    LoRA on the remainder is LoRA's (no weight gradients of frozen weights) and it says so."""
+    from memtrain.commands.flops import _unexplained_cause, render
+
+    d = _model_dir(tmp_path, "llama")
+    plain = flops_report(_cfg(d, attention="sdpa"), "h100")
+    assert "left unexplained: 0.00 GFLOP\n" in render(plain)
+    assert "technique" not in render(plain)
+    lora = flops_report(_cfg(d, attention="sdpa", lora_rank=4), "h100")
+    assert lora["reconciliation"]["unexplained"] < 0
+    text = render(lora)
+    assert "a technique changes the work: LoRA computes no gradients of frozen weights)" in text
+    assert "window" not in text.split("left unexplained")[1].split("\n")[0]
+    assert "no technique on" in _unexplained_cause(1e6, 1e9, {"lora_rank": 0, "window": None})

@@ -49,6 +49,18 @@ def _pct(x: float) -> str:
     return f"{x * 100:.1f}%"
 
 
+def _unexplained_cause(unexplained: float, counted: float, tech: dict[str, Any]) -> str:
+    """What a non-zero remainder of the reconciliation comes from: the techniques on that change
+    the work the rule describes, or, with none on, that the rule's terms miss something."""
+    if abs(unexplained) < 1e-6 * max(counted, 1):
+        return ""
+    causes = [c for c, on in (("LoRA computes no gradients of frozen weights", tech.get("lora_rank")),
+                              ("the sliding window computes only the band", tech.get("window") is not None)) if on]
+    if causes:
+        return f" (a technique changes the work: {'; '.join(causes)})"
+    return " (no technique on changes the work: the rule's terms do not describe this model's step)"
+
+
 def render(report: dict[str, Any]) -> str:
     """The human-readable tables of a ``flops_report``."""
     gpu = report["gpu"]
@@ -100,17 +112,19 @@ def render(report: dict[str, Any]) -> str:
         f"rule of thumb 6ND + attention: {_g(report['rule_flops'])} GFLOP = 6 x {rule['rule_params'] / 1e6:.2f}M params "
         f"x {report['tokens']:,} tokens ({_g(rule['six_n_d'])}) + 12 x layers x {width} x seq x tokens ({_g(rule['attention'])})",
         f"counted forward + backward:    {_g(counted)} GFLOP ({diff * 100:+.2f}% vs the rule)",
-        f"  biases and LayerNorm weights are in 6N but do element-wise work only: {_g(rec['bias_and_norm_params'])} GFLOP",
+        f"  biases and norm weights are in 6N but do element-wise work only: {_g(rec['bias_and_norm_params'])} GFLOP",
     ]
     if rec["untied_embedding_lookup"]:
         lines.append(f"  the untied token embedding is in 6N but is a lookup (no FLOPs): {_g(rec['untied_embedding_lookup'])} GFLOP")
+    if rec.get("fused_attention_backward_scores"):
+        lines.append("  the fused attention kernel's backward computes the scores q k^T again, which the rule leaves "
+                     f"out: +{_g(rec['fused_attention_backward_scores'])} GFLOP")
+    head = "the untied LM head is a matmul" if rec["untied_embedding_lookup"] else "the tied LM head is counted once, as a matmul"
+    position = "the position table is a lookup (the rule drops it)" if rule.get("position_params") else "positions need no parameters"
     lines += [
-        f"  left unexplained: {_g(rec['unexplained'])} GFLOP"
-        + ("" if abs(rec["unexplained"]) < 1e-6 * max(counted, 1) else
-           " (a technique changes the work: LoRA computes no gradients of frozen weights, a sliding "
-           "window computes only the band)"),
-        "  the counter counts the full seq x seq score matrix (causal half included), as the rule does; the "
-        "tied LM head is counted once, as a matmul; embeddings are lookups (0 FLOPs).",
+        f"  left unexplained: {_g(rec['unexplained'])} GFLOP" + _unexplained_cause(rec["unexplained"], counted, tech),
+        f"  the counter counts the full seq x seq score matrix (causal half included), as the rule does; {head}; "
+        f"{position}; embeddings are lookups (0 FLOPs).",
         f"  the step also runs {_g(ph['recompute']['counted_flops'])} GFLOP of recompute, "
         f"{_g(report['total_flops'] - report['counter_flops'] - ph['optimizer']['flops'])} GFLOP of element-wise work "
         f"and {_g(ph['optimizer']['flops'])} GFLOP of optimizer update that the rule leaves out.",
