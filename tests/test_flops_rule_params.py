@@ -135,3 +135,31 @@ def test_only_a_technique_on_is_named_for_what_is_left(tmp_path):
     assert "a technique changes the work: LoRA computes no gradients of frozen weights)" in text
     assert "window" not in text.split("left unexplained")[1].split("\n")[0]
     assert "no technique on" in _unexplained_cause(1e6, 1e9, {"lora_rank": 0, "window": None})
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_the_mfu_fallback_drops_only_the_models_position_table(tmp_path, monkeypatch, family):
+    """Where a step cannot be counted, the MFU numerator is the rule over the model as built: it
+    dropped max_seq_len x d_model (here 128 x 32 = 4,096 parameters, 6 x 4,096 FLOPs a token)
+    from a rotary model too, which has no position table; GPT-2's ``wpe`` is still dropped."""
+    import memtrain.training.train as train_mod
+    from memtrain.analysis.flops.rules import attention_width
+    from memtrain.training.step import build_state
+
+    d = _model_dir(tmp_path, family)
+    cfg = _cfg(d, attention="sdpa")
+    state = build_state(cfg, torch.device("cpu"))
+    own = _own_counts(d)
+    assert (state.n_params, state.position_params) == (own["parameters"], own["position_params"])
+
+    def uncountable(cfg):
+        raise RuntimeError("cannot trace")
+
+    monkeypatch.setattr(train_mod, "counted_flops_per_step", uncountable)
+    flops, source = train_mod._flops_per_rank_step(cfg, state.n_params, state.position_params)
+    m = cfg.model
+    per_token = 6.0 * (own["parameters"] - own["position_params"]) + 12.0 * m.n_layers * attention_width(m) * S
+    assert source == "rule"
+    assert flops == per_token * B * S
+    # Without the built model's count, the config's rule gives the same table.
+    assert train_mod._flops_per_rank_step(cfg, state.n_params)[0] == flops

@@ -58,6 +58,7 @@ from typing import Any, Callable, ContextManager, Iterator, Optional
 import torch
 import torch.nn as nn
 
+from memtrain.analysis.flops.rules import model_rule_params
 from memtrain.config.run import RunConfig
 from memtrain.metrics import MemoryMeter, reset_device_peak
 from memtrain.models.families import build_model
@@ -217,6 +218,9 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     precision: Precision  # autocast, loss scaler, skipped-step count, last gradient norm
     n_params: int  # parameters of the model as built (before LoRA adds adapters)
+    # Parameters of its learned position table (GPT's wpe; none in a rotary model), which the 6ND
+    # rule drops: the MFU numerator where a step cannot be counted. None: by the config.
+    position_params: Optional[int] = None
     scheduler: Any = None  # LambdaLR over lr_lambda(cfg), when the run schedules its LR
     loader: Any = None  # the resumable data loader (its position is checkpointed)
     step: int = 0  # optimizer steps completed
@@ -260,7 +264,7 @@ def build_state(cfg: RunConfig, device: torch.device, precision: Optional[Precis
         model = prepare_model(base, cfg, device, precision)
     model.train()
     optimizer = build_optimizer(model, cfg.technique, cfg.train)
-    state = TrainState(cfg, device, model, optimizer, precision, n_params)
+    state = TrainState(cfg, device, model, optimizer, precision, n_params, model_rule_params(base).positions)
     if dist_ctx is not None:
         state.model, state.optimizer = dist_ctx.wrap_optimizer(model, optimizer)  # ZeRO-1 / DeepSpeed
         state.step_fn = dist_ctx.train_step or train_step
