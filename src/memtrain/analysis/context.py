@@ -31,8 +31,7 @@ from tqdm.auto import tqdm
 
 from memtrain.analysis.advice import save_memory_clause
 from memtrain.analysis.depth_trace import trace_any_depth
-from memtrain.analysis.estimate import GPT2_ARCH
-from memtrain.analysis.estimate.hf import hf_arch, why_not_modelled
+from memtrain.analysis.estimate.hf import modelled_arch
 from memtrain.analysis.fit import (
     at_seq_len,
     largest_fitting,
@@ -44,7 +43,6 @@ from memtrain.analysis.fit import (
 )
 from memtrain.analysis.maxbatch import analytic_arch, measured_step_peak, resolve_method
 from memtrain.config.run import ConfigError, RunConfig
-from memtrain.models import is_hf
 from memtrain.runtime.env import resolve_device
 from memtrain.runtime.notices import shows_progress
 
@@ -98,13 +96,9 @@ def _analytic_guess(cfg: RunConfig, budget_bytes: int, batch: int, step: int, ma
     """The analytic estimate's longest length (in units of ``step``; 0 when not even the shortest
     fits by it), or None where the estimator does not model the run."""
     try:
-        if is_hf(cfg):
-            if why_not_modelled(cfg) is not None:
-                return None
-            assert cfg.model.model is not None  # is_hf
-            arch = hf_arch(cfg.model.model)
-        else:
-            arch = GPT2_ARCH
+        arch = modelled_arch(cfg)
+        if arch is None:
+            return None
         found = longest_context(lambda c: step_need(c, arch, device_type, None)[0], cfg, budget_bytes, batch, step,
                                 max_len)["seq_len"]
     except Exception:  # noqa: BLE001 - no guess: the probes decide

@@ -22,13 +22,12 @@ import torch
 from tqdm.auto import tqdm
 
 from memtrain.analysis.advice import save_memory_clause
-from memtrain.analysis.estimate import GPT2_ARCH, estimate
-from memtrain.analysis.estimate.hf import hf_arch, why_not_modelled
+from memtrain.analysis.estimate import estimate
+from memtrain.analysis.estimate.hf import modelled_arch, why_not_modelled
 from memtrain.analysis.fit import largest_batch, largest_fitting, largest_fitting_from, step_need
 from memtrain.analysis.trace import trace_peak_bytes
 from memtrain.config.run import ConfigError, RunConfig
 from memtrain.metrics import MemoryMeter, device_peak_memory
-from memtrain.models import is_hf
 from memtrain.runtime.env import resolve_device
 from memtrain.runtime.notices import shows_progress
 from memtrain.techniques import make_precision
@@ -108,19 +107,14 @@ def _analytic_guess(cfg: RunConfig, budget_bytes: Optional[int], multiple_of: in
     estimator does not model the run. Only a starting point: the caller confirms it with probes."""
     if budget_bytes is None:
         return None
+    # memtrain's GPT, or a transformers family and technique set the analytic model claims (the
+    # same arithmetic with the transformers inventory); others (an unmodelled family or option)
+    # are traced probe by probe.
     try:
-        if is_hf(cfg):
-            # The families and techniques the analytic model claims (Llama, Qwen2, Mistral, ...):
-            # the same arithmetic as for memtrain's GPT, with the transformers inventory. Others
-            # (QLoRA's NF4, an unmodelled family) are traced probe by probe.
-            if why_not_modelled(cfg) is not None:
-                return None
-            assert cfg.model.model is not None  # is_hf
-            arch = hf_arch(cfg.model.model)
-            return largest_batch(lambda c: estimate(c, arch, device_type).peak_bytes, cfg, budget_bytes,
-                                 multiple_of, cap)
-        return largest_batch(lambda c: estimate(c, device_type=device_type).peak_bytes, cfg, budget_bytes,
-                             multiple_of, cap)
+        arch = modelled_arch(cfg)
+        if arch is None:
+            return None
+        return largest_batch(lambda c: estimate(c, arch, device_type).peak_bytes, cfg, budget_bytes, multiple_of, cap)
     except Exception:  # noqa: BLE001 - no guess: the full search below decides
         return None
 
@@ -162,15 +156,11 @@ def estimated_max_batch(cfg: RunConfig, budget_bytes: int, gpu: Optional[str], m
 def analytic_arch(cfg: RunConfig) -> Any:
     """The analytic model's Arch of ``cfg``: memtrain's GPT, or a transformers family the analytic
     model covers; any other transformers model is refused (it can only be traced or measured)."""
-    if not is_hf(cfg):
-        return GPT2_ARCH
-
-    reason = why_not_modelled(cfg)
-    if reason is not None:
-        raise ConfigError(f"the CUDA model (no CUDA device here): {reason}; run maxbatch on a CUDA machine, "
-                          "or drop --device-type cuda to search with CPU kernels")
-    assert cfg.model.model is not None  # is_hf: a transformers spec
-    return hf_arch(cfg.model.model)
+    arch = modelled_arch(cfg)
+    if arch is None:
+        raise ConfigError(f"the CUDA model (no CUDA device here): {why_not_modelled(cfg)}; run maxbatch on a CUDA "
+                          "machine, or drop --device-type cuda to search with CPU kernels")
+    return arch
 
 
 def resolve_method(method: str, device_type: str) -> str:

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from memtrain.analysis.advice import ADVICE_LORA_RANK
 from memtrain.analysis.estimate import GPT2_ARCH, Arch, estimate, param_count
 from memtrain.analysis.estimate.compile_budget import interpolated_budget, recompute_share
-from memtrain.analysis.estimate.hf import hf_arch, why_not_modelled
+from memtrain.analysis.estimate.hf import hf_arch, modelled_arch, why_not_modelled
 from memtrain.analysis.estimate.params import head_widths
 from memtrain.config.run import ConfigError, RunConfig, train_flags
 from memtrain.devices.gpu_kinds import GPU_KINDS, allocator_facts, has_fp8
@@ -443,9 +443,9 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
             if replay:
                 e = estimate(c, arch, device_type)
                 return e.peak_bytes + beside_tensors, e.peak_phase, PRUNE_SLACK
-            if traced and why_not_modelled(c) is None:
-                assert c.model.model is not None  # traced: a transformers model
-                e = estimate(c, hf_arch(c.model.model), device_type)
+            modelled = modelled_arch(c) if traced else None
+            if modelled is not None:
+                e = estimate(c, modelled, device_type)
                 return e.peak_bytes, e.peak_phase, TRACE_PRUNE_SLACK
             return None
 

@@ -101,9 +101,10 @@ from memtrain.models.spec import (  # torch-free for the modelled families
     analytic_config,
     config_head_dim,
     every_decoder_linear,
+    is_hf,
 )
 
-__all__ = ["MODELLED", "QKV_BIAS", "active_window", "hf_arch", "why_not_modelled", "why_gpt2_not_modelled",
+__all__ = ["MODELLED", "QKV_BIAS", "active_window", "hf_arch", "modelled_arch", "why_not_modelled", "why_gpt2_not_modelled",
            "why_targets_not_modelled", "why_qlora_not_modelled", "analytic_estimate"]
 
 # model_type -> the layer code is Llama's (modeling_qwen2/modeling_mistral copy it)
@@ -239,6 +240,15 @@ def hf_arch(spec: str) -> Arch:
     """The :class:`Arch` of a modelled transformers config (Llama-style layers, its k/v heads;
     GPT-2's: our GPT's with a fused Conv1D q/k/v and its activation)."""
     return _arch_of(analytic_config(spec))
+
+
+def modelled_arch(cfg: Any) -> Optional[Arch]:
+    """The Arch the analytic model estimates ``cfg`` (a RunConfig) with: memtrain's GPT's, a
+    transformers family's it covers (:func:`hf_arch`), or None where it does not
+    (:func:`why_not_modelled` says why: such a run is traced)."""
+    if not is_hf(cfg):
+        return GPT2_ARCH
+    return None if why_not_modelled(cfg) is not None else hf_arch(cfg.model.model)
 
 
 def _arch_of(c: Any) -> Arch:
