@@ -36,9 +36,31 @@ def hf_norm_node(dm: Any, name: str, src: str, out: str, trainable: bool, input_
     saves = ([x32, f"{name}.stats"] if (input_grad or trainable) else []) + ([f"{name}.nrm"] if trainable else [])
     return Node(name, out=outs, inputs=[src], saves=saves, grad_out=(out,),
                  grads=([(src, N * d * r)] if input_grad else []) + ([(f"param:{name}.weight", 0.0)] if trainable else []),
-                 # pow's output, and the float32 normalized tensor before its cast back
-                 fwd_scratch=N * d * 4 * (2 if r != 4 else 1),
+                 fwd_scratch=N * d * _norm_forward_above_outputs(r, offset, input_grad or trainable, trainable),
                  scratch=NORM_BACKWARD_HIGH_POINT * N * d * 4, releases_first=(f"{name}.nrm",))
+
+
+def _norm_forward_above_outputs(r: float, offset: bool, x32_saved: bool, nrm_saved: bool) -> float:
+    """How far (in bytes per (N, d) element) the norm's forward rises above its outputs (the
+    output, the normalized tensor, the float32 input; all counted at once), op by op. ``r``: the
+    stream's bytes per element; ``x32_saved``/``nrm_saved``: what autograd keeps.
+
+    LlamaRMSNorm: ``x32 = x.to(float32)``; ``pow(2)`` beside it (then gone); ``h = x32 * rstd``
+    (float32, the local ``hidden_states`` until return; x32 goes unless saved); ``h.to(dtype)``
+    (a new tensor unless float32) and the weight product. Gemma: ``_norm(x.float())`` the same
+    up to ``h``; ``h * (1 + w)`` in float32 (h goes unless saved), then ``type_as(x)`` (a new
+    tensor unless float32) beside the float32 product."""
+    x32 = 4 if r != 4 else 0  # the float32 input is a new tensor only on a 16-bit stream
+    kept_x32 = x32 if x32_saved else 0
+    if offset:
+        cast = r if r != 4 else 0
+        highs = [x32 + 4, kept_x32 + 4 + 4, kept_x32 + (4 if nrm_saved else 0) + 4 + cast]
+        outputs = r + 4 + x32
+    else:
+        cast = r if r != 4 else 0
+        highs = [x32 + 4, kept_x32 + 4 + cast + r]
+        outputs = r + r + x32
+    return max(0.0, max(highs) - outputs)
 
 
 # The RMSNorm backward's high point, in float32 (N, d) tensors: pow's backward
