@@ -320,7 +320,10 @@ def _linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int,
             nodes.append(Node(f"{name}.lora_back", out=[(f"{lb}.c", N * n_out * a)], inputs=[src],
                                grads=[(src, N * n_out * ad)]))
             src = f"{lb}.c"
-        nodes.append(Node(f"{name}.lora_add", out=[(out, N * n_out * a)], inputs=[base_out, src],
+        # peft's forward holds its argument x (the caller's) and its cast for the adapters (the
+        # rebound local x) until it returns.
+        held = [x_own] + ([f"{x}@lora"] if ad != a else [])
+        nodes.append(Node(f"{name}.lora_add", out=[(out, N * n_out * a)], inputs=[base_out, src] + held,
                            grads=[(base_out, 0.0), (src, 0.0)]))
 
 
@@ -455,23 +458,25 @@ def resolve_backend(kind: str, window: Optional[int], dm: Dims) -> str:
 
 
 def _scores_softmax(nodes: list[Node], dm: Dims, p: str, score_elems: float, mask_elems: float,
-                    kind: str = "math") -> str:
+                    kind: str = "math", mask_made: bool = False) -> str:
     """s0 (the q @ k^T product, already added by the caller) -> scale -> masked_fill -> float32
-    softmax -> cast back -> dropout. Returns the key of the probabilities the second matmul reads."""
+    softmax -> cast back -> dropout. Returns the key of the probabilities the second matmul reads.
+    ``mask_made``: the caller made the additive mask ``{p}.m`` already (SDPA's math path)."""
     a, sc = dm.a, score_elems
     nodes.append(Node(f"{p}.scale", out=[(f"{p}.s1", sc * a)], inputs=[f"{p}.s0"], grads=[(f"{p}.s0", sc * a)]))
-    if dm.additive_mask:
+    if dm.additive_mask or mask_made:
         # GPT-2's layers add a float mask (nothing saved): eager attention the one GPT2Model
         # built for every layer (its embedding nodes), SDPA's math fallback one of its own,
         # from a bool ones(s, s).tril().
         own = [(f"{p}.m", mask_elems * 4)] if kind != "math" else []
-        nodes.append(Node(f"{p}.mask", out=own, fwd_scratch=2 * mask_elems if own else 0.0))
+        if not mask_made:
+            nodes.append(Node(f"{p}.mask", out=own, fwd_scratch=2 * mask_elems if own else 0.0))
         nodes.append(Node(f"{p}.masked", out=[(f"{p}.s2", sc * a)], inputs=[f"{p}.s1"] + [o[0] for o in own],
                            grads=[(f"{p}.s1", 0.0)]))
     else:
-        # causal_mask: the bool mask and its negation (saved by masked_fill), plus aranges.
-        nodes.append(Node(f"{p}.mask", out=[(f"{p}.m", mask_elems)], fwd_scratch=mask_elems))
-        nodes.append(Node(f"{p}.masked", out=[(f"{p}.s2", sc * a)], inputs=[f"{p}.s1", f"{p}.m"],
+        # causal_mask: the bool mask ``cm`` and its negation ``m`` (saved by masked_fill).
+        nodes.append(Node(f"{p}.mask", out=[(f"{p}.m", mask_elems), (f"{p}.cm", mask_elems)]))
+        nodes.append(Node(f"{p}.masked", out=[(f"{p}.s2", sc * a)], inputs=[f"{p}.s1", f"{p}.m", f"{p}.cm"],
                            saves=[f"{p}.m"], grads=[(f"{p}.s1", sc * a)]))
     src = f"{p}.s2"
     up = a != 4 and (dm.softmax_fp32 or dm.autocast)  # float32 softmax on low-precision scores
@@ -585,44 +590,95 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
     v_view = dm.additive_mask and kind != "math" and not upcast and b == 1
     v_saved = qkv_keys if v_view else [f"{p}.vc"]
     qk_saves = [f"{p}.qc", f"{p}.kc"]
+    kernel_locals: list[str] = []  # what the attention function holds until it returns
     if dm.repeat_kv and kind == "math":
         # repeat_kv runs first, k's then v's, and its copies stay (the function's locals) until
         # it returns, saved or not (checkpointed). The matmuls' gradients are as wide as the
         # copies; each copy's backward sums its gradient down to the k/v heads, after the
         # scores' backward (autograd runs the later ops first).
         q_grad, k_grad, v_grad = qkv_grad
-        nodes.append(Node(f"{p}.repeat_k", out=[(f"{p}.kc", N * d * a)], inputs=[qkv],
-                           grads=[(k, N * kvw * a)] if k_grad else []))
-        nodes.append(Node(f"{p}.repeat_v", out=[(f"{p}.vc", N * d * a)], inputs=[qkv],
-                           grads=[(v, N * kvw * a)] if v_grad else []))
+        # (With as many k/v heads as q heads repeat_kv returns k and v themselves: the matmuls
+        # then copy k^T and v, as our GPT's do, and nothing is held.)
+        repeated = kvw != d
+        k_in, v_in = (f"{p}.kc", f"{p}.vc") if repeated else (k, v)
+        if repeated:
+            nodes.append(Node(f"{p}.repeat_k", out=[(f"{p}.kc", N * d * a)], inputs=[qkv],
+                               grads=[(k, N * kvw * a)] if k_grad else []))
+            nodes.append(Node(f"{p}.repeat_v", out=[(f"{p}.vc", N * d * a)], inputs=[qkv],
+                               grads=[(v, N * kvw * a)] if v_grad else []))
         # Each matmul keeps one operand's copy for the other operand's gradient: q's (``qc``,
         # not otherwise held) only when k requires one, k's only when q does; the
         # probabilities only when v requires one, v's copy only when they do.
-        nodes.append(Node(f"{p}.qk", out=[(f"{p}.qc", N * d * a), (f"{p}.s0", sc * a)], inputs=[qkv, f"{p}.kc"],
+        nodes.append(Node(f"{p}.qk", out=[(f"{p}.qc", N * d * a)] + ([] if repeated else [(f"{p}.kc", N * d * a)])
+                           + [(f"{p}.s0", sc * a)], inputs=[qkv] + ([f"{p}.kc"] if repeated else []),
                            saves=[f"{p}.qc"] * k_grad + [f"{p}.kc"] * q_grad, matmul=True, grad_out=(f"{p}.s0",),
                            keep=(f"{p}.s0",),
-                           grads=[(q, N * d * a)] * q_grad + [(f"{p}.kc", N * d * a)] * k_grad))
+                           grads=[(q, N * d * a)] * q_grad + [(k_in, N * d * a)] * k_grad))
         probs = _scores_softmax(nodes, dm, p, sc, s * s, kind)
         probs_grad = q_grad or k_grad
+        if not repeated:
+            nodes.append(Node(f"{p}.vcopy", out=[(f"{p}.vc", N * d * a)], inputs=[qkv]))
         nodes.append(Node(f"{p}.pv", out=[(f"{p}.o", N * d * a)], inputs=[probs] + v_saved,
                            saves=[probs] * v_grad + v_saved * probs_grad, matmul=True,
-                           grads=[(probs, sc * a)] * probs_grad + [(f"{p}.vc", N * d * a)] * v_grad))
-        held = [f"{p}.kc", f"{p}.vc"]
+                           grads=[(probs, sc * a)] * probs_grad + [(v_in, N * d * a)] * v_grad))
+        held = [f"{p}.kc", f"{p}.vc"] if repeated else []
     else:
+        qk_in = [qkv]
+        if kind == "sdpa":
+            kernel_locals = _sdpa_math_inputs(nodes, dm, p, kvw, upcast, qkv_keys)
+            qk_in = [f"{p}.qs", f"{p}.ks"]
         nodes.append(Node(f"{p}.qk", out=[(f"{p}.qc", N * d * a), (f"{p}.kc", N * d * a), (f"{p}.s0", sc * a)],
-                           inputs=[qkv], saves=qk_saves, matmul=True, grad_out=(f"{p}.s0",),
+                           inputs=qk_in, saves=qk_saves, matmul=True, grad_out=(f"{p}.s0",),
                            keep=(f"{p}.s0",),
                            grads=[(q, N * d * a), (k, N * kvw * a)]))
-        probs = _scores_softmax(nodes, dm, p, sc, s * s, kind)
+        probs = _scores_softmax(nodes, dm, p, sc, s * s, kind, mask_made=kind == "sdpa")
+        if kind == "sdpa":
+            # The kernel returns the attention weights too, cast to the inputs' dtype (a new
+            # tensor when it upcast), made before the second matmul (GCC builds the returned
+            # tuple's elements last to first); they and the (dropped) weights it multiplies by
+            # are its locals until it returns.
+            if upcast:
+                nodes.append(Node(f"{p}.weights_down", out=[(f"{p}.pw", sc * low_a)], inputs=[probs]))
+                kernel_locals.append(f"{p}.pw")
+            kernel_locals += [probs] + qkv_keys  # (q, k and v: the caller's, held through the call)
+        elif kind == "math" and not dm.hf:
+            # memtrain's math_attention: its ``scores`` (the masked ones) and ``mask`` locals live
+            # until it returns (``probs`` is a new name, the softmax's output), its arguments q, k
+            # and v (views of qkv) too.
+            kernel_locals = [f"{p}.s2", f"{p}.cm"] + qkv_keys
         nodes.append(Node(f"{p}.vcopy", out=[] if v_view else [(f"{p}.vc", N * v_width * a)], inputs=qkv_keys))
         nodes.append(Node(f"{p}.pv", out=[(f"{p}.o", N * d * a)], inputs=[probs] + v_saved,
                            saves=[probs] + v_saved, matmul=True,
                            grads=[(probs, sc * a), (v, N * kvw * a)]))
         held = []
     o = _cast_back(nodes, p, f"{p}.o", N * d, a, low_a)
+    nodes[-1].inputs += kernel_locals  # (the kernel's last op: the cast back, or the matmul)
     # y.transpose(1, 2).contiguous(): a copy; its backward passes the gradient through.
     nodes.append(Node(f"{p}.merge", out=[(y, N * d * low_a)], inputs=[o] + held,
                        grads=[(o, 0.0)]))
+
+
+def _sdpa_math_inputs(nodes: list[Node], dm: Dims, p: str, kvw: int, upcast: bool, qkv_keys: list[str]) -> list[str]:
+    """The tensors torch's SDPA math path (``_scaled_dot_product_attention_math``) makes before
+    its first matmul, beyond what that matmul copies and saves: float32 copies of q, k and v when
+    they are 16-bit (``upcast``), the scaled q (``q * sqrt(scale)``) and the additive float mask
+    it builds from ``is_causal`` (a bool ``ones(s, s).tril()`` turned into 0 / -inf, added to the
+    scores: nothing saved), all its locals until it returns; and the scaled k^T, a temporary of
+    the matmul's argument, gone once it returns. Returns the locals' keys (the scaled q is
+    ``{p}.qs``, the scaled k ``{p}.ks``, the mask ``{p}.m``)."""
+    N, d, a = dm.n, dm.qw, dm.a
+    locals_: list[str] = []
+    if upcast:
+        nodes.append(Node(f"{p}.upcast", out=[(f"{p}.q32", N * d * a), (f"{p}.k32", N * kvw * a),
+                                               (f"{p}.v32", N * kvw * a)], inputs=list(qkv_keys)))
+        locals_ += [f"{p}.q32", f"{p}.k32", f"{p}.v32"]
+    nodes.append(Node(f"{p}.qscale", out=[(f"{p}.qs", N * d * a)], inputs=list(qkv_keys)))
+    locals_.append(f"{p}.qs")
+    s = dm.s
+    nodes.append(Node(f"{p}.mask", out=[(f"{p}.m", s * s * 4)], fwd_scratch=2 * s * s))
+    locals_.append(f"{p}.m")
+    nodes.append(Node(f"{p}.kscale", out=[(f"{p}.ks", N * kvw * a)], inputs=list(qkv_keys)))
+    return locals_
 
 
 def _math_fallback_dims(dm: Dims) -> Dims:
@@ -640,13 +696,14 @@ def _cast_back(nodes: list[Node], p: str, o: str, numel: float, a: float, low_a:
     return f"{p}.ol"
 
 
-def _held_by_the_frame(nodes: list[Node], dm: Dims, lora: int, norm_out: str) -> None:
+def _held_by_the_frame(nodes: list[Node], dm: Dims, *held: str) -> None:
     """Our GPT's CausalSelfAttention.forward and MLP.forward hold their argument, the norm's
-    output ``norm_out``, until they return (their last op: ``nodes[-1]``). Under LoRA no op may
-    save it (frozen norm and base; under autocast lora_A saves its own copy), yet it lives
-    through the attention or the MLP, in the forward and in a checkpoint's recompute."""
-    if lora and not dm.hf:
-        nodes[-1].inputs.append(norm_out)
+    output (the first of ``held``), and their locals (the rest) until they return (their last
+    op: ``nodes[-1]``). No op may save them (under LoRA a frozen norm and base, under autocast
+    the Linear's cast copy, under checkpointing nothing in the forward), yet they live through
+    the attention or the MLP, in the forward and in a checkpoint's recompute."""
+    if not dm.hf:
+        nodes[-1].inputs += held
 
 
 def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_base: bool) -> list[Node]:
@@ -733,7 +790,8 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
         locals_ = [f"{p}.qkv.locals" if per_linear and held_locals(dm, ["q", "k", "v"]) else f"{p}.qkv"]
         nodes[-1].inputs += [f"{p}.ln1"] + (locals_ if arch.positional == "rope" else [])
     _dropout(nodes, dm, f"{p}.resid_drop", f"{p}.pr", f"{p}.prd", N * d, a)
-    _held_by_the_frame(nodes, dm, lora, f"{p}.ln1")
+    # (CausalSelfAttention.forward's q, k and v, views of the qkv output, are its locals too.)
+    _held_by_the_frame(nodes, dm, f"{p}.ln1", f"{p}.qkv")
     # Residual add: type promotion makes it float32 under autocast; the low-precision branch's
     # gradient is then a cast copy.
     nodes.append(Node(f"{p}.add1", out=[(f"{p}.x1", N * d * r)], inputs=[x, f"{p}.prd"],
@@ -757,11 +815,15 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     if dm.hf:
         nodes[-1].inputs.append(f"{p}.ln2")
     _dropout(nodes, dm, f"{p}.mlp_drop", f"{p}.h2", f"{p}.h2d", N * d, a)
-    _held_by_the_frame(nodes, dm, lora, f"{p}.ln2")
+    _held_by_the_frame(nodes, dm, f"{p}.ln2")
     nodes.append(Node(f"{p}.add2", out=[(f"blocks.{i + 1}.in", N * d * r)], inputs=[f"{p}.x1", f"{p}.h2d"],
                        grads=[(f"{p}.x1", 0.0), (f"{p}.h2d", 0.0 if a == r else N * d * a)]))
     if dm.hf:
         nodes[-1].inputs += _hf_layer_locals(p, arch, tech.attention, dm.autocast)
+    else:
+        # GPT.hidden_states' loop (``x = block(x)``) rebinds the block's input only after the
+        # block returns (the first block under LoRA saves it nowhere).
+        nodes[-1].inputs.append(x)
     record_only_what_needs_grad(nodes, set(), everything=needs["in"])
     return nodes
 
@@ -972,12 +1034,10 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
         src = "logits32"
     nodes.append(Node("log_softmax", out=[("logp", N * V * 4)], inputs=[src], saves=["logp"], tag="logits",
                        grads=[(src, N * V * 4)]))
-    # standard_lm_loss's local holds the low-precision logits until cross_entropy returns
-    # (counted for transformers models; our GPT's are modelled as freed by the float32 copy).
-    # So is the hidden state it was handed (the final norm's output; under autocast not the cast
-    # the matmul saved).
-    held_logits = ["logits", "hf"] if dm.hf else []
-    nodes.append(Node("loss", out=[("loss", 8)], inputs=["logp"] + held_logits, saves=["logp"], tag="logits",
+    # standard_lm_loss's local holds the low-precision logits until cross_entropy returns, and
+    # the caller the hidden state it handed over (the final norm's output; under autocast not the
+    # cast the matmul saved, and under LoRA saved by nothing: the head is frozen).
+    nodes.append(Node("loss", out=[("loss", 8)], inputs=["logp", "logits", "hf"], saves=["logp"], tag="logits",
                        grads=[("logp", N * V * 4)]))
     return nodes
 
