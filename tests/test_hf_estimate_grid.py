@@ -5,9 +5,10 @@ with and without LoRA and full checkpointing; then named --lora-targets (TARGETS
 and biases from config.json (SHAPED) and eager attention with a sliding window (WINDOWED), the
 loss alternating between the standard and the chunked one.
 
-The measure is the larger of the forward and the backward peak: the optimizer step's scratch
-is left out, because the trace runs torchao's compiled bf16 AdamW eagerly (its scratch there
-is an upper bound, docs/estimation.md), and the optimizer step has tests of its own
+The measures are the forward peak and the backward peak, each within 1% (the larger of the two
+alone hid forward peaks that were off where backward set the step's peak): the optimizer step's
+scratch is left out, because the trace runs torchao's compiled bf16 AdamW eagerly (its scratch
+there is an upper bound, docs/estimation.md), and the optimizer step has tests of its own
 (tests/test_estimate.py). A handful of cases run by default; the whole product with -m slow.
 """
 
@@ -89,10 +90,20 @@ DEFAULT = {"llama-h72-6q2kv-L3-fp32-sdpa-ckpt_none", "llama-h96-4q4kv-L5-fp32-sd
            "gpt2-h72-6q2kv-L3-fp32-sdpa-ckpt_none", "gpt2-h136-4q1kv-L3-bf16-sdpa-lora4-ckpt_none",
            "gpt2-h120-6q3kv-L3-bf16-pure-math-ckpt_none", "gpt2-h96-4q4kv-L5-bf16-pure-sdpa-lora4-ckpt_full"}
 
-# Measured gaps the analytic model still has (estimate / trace - 1 of the measure above, on
-# torch 2.13 and transformers 5.24), each with its located cause. None at present: every case
-# is within 1%. Strict: a case that comes within 1% fails here until it leaves this table.
-KNOWN: dict[str, float] = {}
+# Measured gaps the analytic model still has (estimate / trace - 1 of a measure above, on
+# torch 2.13 and transformers 5.24). Strict: a case that comes within 1% fails here until it
+# leaves this table. All are forward peaks under the trace (the backward within 0.05%) of
+# checkpointed layers with eager attention or wide heads under LoRA or the chunked loss: Phi-3's
+# fused q/k/v and Gemma's and Phi-3's wider heads (docs/estimation.md, "The forward peak").
+KNOWN: dict[str, float] = {
+    "phi3-h168-6q6kv-L5-qkv_proj-bf16-pure-math-ckpt_full-chunked": -0.0153,
+    "phi3-h96-4q4kv-L5-qkv_proj+o_proj-bf16-math-ckpt_full-chunked": -0.0190,
+    "phi3-h168-6q6kv-L5-qkv_proj+o_proj-bf16-pure-math-ckpt_full-chunked": -0.0152,
+    "gemma-wide_heads-h168-6q6kv-L5-bf16-sdpa-lora4-ckpt_full-chunked": -0.0260,
+    "gemma-wide_heads-h200-10q2kv-L1-bf16-math-lora4-ckpt_full-chunked": -0.0332,
+    "phi3-wide_heads-h200-10q2kv-L1-bf16-math-lora4-ckpt_full-chunked": -0.0145,
+    "phi3-wide_heads-h200-10q2kv-L1-bf16-pure-math-ckpt_full-standard": -0.0102,
+}
 
 
 def _known_reason(cid: str) -> str:
@@ -135,14 +146,21 @@ def _folder(folders: dict, root: Path, fam: str, size: tuple[int, int, int, int]
 
 def _marked(cases: list, case_id, default: set[str]) -> list:
     """``cases`` as pytest params named by ``case_id``: those in ``default`` run by default, the
-    rest with -m slow."""
-    return [pytest.param(c, id=case_id(c), marks=[] if case_id(c) in default else [pytest.mark.slow]) for c in cases]
+    rest with -m slow; those in KNOWN expected to fail."""
+    out = []
+    for c in cases:
+        cid = case_id(c)
+        marks = [] if cid in default else [pytest.mark.slow]
+        if cid in KNOWN:
+            marks.append(pytest.mark.xfail(reason=_known_reason(cid), strict=True))
+        out.append(pytest.param(c, id=cid, marks=marks))
+    return out
 
 
 def _within_one_percent(d: Path, tech: dict, lora: bool) -> None:
     """The analytic estimate of a 3 x 40-token step on the model folder ``d`` with ``tech``
-    against its trace: the larger of the forward and backward peaks within 1% (and, without
-    LoRA, whose adapters the trace does not count, the same parameters)."""
+    against its trace: the forward and the backward peaks each within 1% (and, without LoRA,
+    whose adapters the trace does not count, the same parameters)."""
     from memtrain.analysis.estimate.hf import analytic_estimate
     from memtrain.analysis.trace import trace_step
 
@@ -150,11 +168,17 @@ def _within_one_percent(d: Path, tech: dict, lora: bool) -> None:
     est = analytic_estimate(cfg, "cpu")
     assert est is not None
     traced = trace_step(cfg, "cpu")
-    ours = max(est.phase_peaks["forward"], est.phase_peaks["backward"])
-    theirs = max(traced["phase_peaks"]["forward"], traced["phase_peaks"]["backward"])
-    assert abs(ours / theirs - 1) < 0.01, (ours, theirs, ours / theirs - 1)
+    _each_phase_within_one_percent(est.phase_peaks, traced["phase_peaks"])
     if not lora:  # the trace's count is the base model's
         assert est.parameters == traced["parameters"]
+
+
+def _each_phase_within_one_percent(ours: dict, theirs: dict) -> None:
+    """The estimate's forward and backward peaks each within 1% of the trace's: either can be
+    the step's peak (the forward's under checkpointing or a small loss)."""
+    for phase in ("forward", "backward"):
+        mine, traced = ours[phase], theirs[phase]
+        assert abs(mine / traced - 1) < 0.01, (phase, mine, traced, mine / traced - 1)
 
 
 @pytest.mark.parametrize("case", _params())
@@ -255,9 +279,7 @@ def test_analytic_within_one_percent_of_the_trace_at_97_tokens(case, folders, tm
     est = analytic_estimate(cfg, "cpu")
     assert est is not None
     traced = trace_step(cfg, "cpu")
-    for phase in ("forward", "backward"):  # each phase, not only the larger: either can be the peak
-        ours, theirs = est.phase_peaks[phase], traced["phase_peaks"][phase]
-        assert abs(ours / theirs - 1) < 0.01, (phase, ours, theirs, ours / theirs - 1)
+    _each_phase_within_one_percent(est.phase_peaks, traced["phase_peaks"])
 
 
 # Head widths and biases the families' layer code takes from config.json: a head_dim apart from
