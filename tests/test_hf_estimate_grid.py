@@ -94,28 +94,11 @@ DEFAULT = {"llama-h72-6q2kv-L3-fp32-sdpa-ckpt_none", "llama-h96-4q4kv-L5-fp32-sd
 # torch 2.13 and transformers 5.24). Strict: a case that comes within 1% fails here until it
 # leaves this table. All are forward peaks under the trace (the backward within 0.05%) of
 # checkpointed layers with eager attention or wide heads under LoRA or the chunked loss: Phi-3's
-# fused q/k/v and Gemma's and Phi-3's wider heads (docs/estimation.md, "The forward peak").
+# fused q/k/v and its wider heads (docs/estimation.md, "The forward peak").
 KNOWN: dict[str, float] = {
     "phi3-h168-6q6kv-L5-qkv_proj-bf16-pure-math-ckpt_full-chunked": -0.0153,
     "phi3-h96-4q4kv-L5-qkv_proj+o_proj-bf16-math-ckpt_full-chunked": -0.0190,
     "phi3-h168-6q6kv-L5-qkv_proj+o_proj-bf16-pure-math-ckpt_full-chunked": -0.0152,
-    # Forward only, over the trace (the backward, the step's peak, within 0.05%): eager attention
-    # under autocast with as many k/v heads as heads, q, k and v from separate Linears. Rope's
-    # float32 q and k are held as the attention's locals (hf_nodes.held_locals) beside the bf16
-    # rope output the inventory keeps, while the matmuls make their own bf16 casts: likely one
-    # bf16 q/k counted twice.
-    "llama-h96-4q4kv-L5-q_proj+v_proj-bf16-math-ckpt_full-chunked": +0.0220,
-    "llama-h96-4q4kv-L5-q_proj+k_proj+v_proj+o_proj-bf16-math-ckpt_full-chunked": +0.0146,
-    "llama-h96-4q4kv-L5-gate_proj+up_proj+down_proj-bf16-math-ckpt_full-chunked": +0.0100,
-    "qwen2-h96-4q4kv-L5-q_proj+v_proj-bf16-math-ckpt_full-chunked": +0.0220,
-    "qwen2-h96-4q4kv-L5-v_proj+down_proj-bf16-math-ckpt_full-chunked": +0.0120,
-    "qwen2-h96-4q4kv-L5-gate_proj+up_proj+down_proj-bf16-math-ckpt_full-chunked": +0.0100,
-    "mistral-h96-4q4kv-L5-q_proj+v_proj-bf16-math-ckpt_full-chunked": +0.0220,
-    "mistral-h96-4q4kv-L5-q_proj+k_proj+v_proj+o_proj-bf16-math-ckpt_full-chunked": +0.0146,
-    "mistral-h96-4q4kv-L5-up_proj-bf16-math-ckpt_full-chunked": +0.0203,
-    "gemma-h96-4q4kv-L5-q_proj+v_proj-bf16-math-ckpt_full-chunked": +0.0231,
-    "gemma-h96-4q4kv-L5-k_proj+o_proj-bf16-math-ckpt_full-chunked": +0.0159,
-    "gemma-h96-4q4kv-L5-gate_proj+up_proj+down_proj-bf16-math-ckpt_full-chunked": +0.0106,
     "phi3-wide_heads-h200-10q2kv-L1-bf16-math-lora4-ckpt_full-chunked": -0.0145,
     "phi3-wide_heads-h200-10q2kv-L1-bf16-pure-math-ckpt_full-standard": -0.0102,
 }

@@ -97,7 +97,8 @@ def hf_model_inputs(attention: str) -> tuple[str, ...]:
     return (POSITIONS, ROPE_TABLES) + ((CAUSAL_MASK,) if attention == "math" else ())
 
 
-def hf_rope_node(dm: Any, qkv: list[str], out: str, v_view: bool = False) -> Any:
+def hf_rope_node(dm: Any, qkv: list[str], out: str, v_view: bool = False, kernel_casts: bool = False,
+                 v32: bool = False) -> Any:
     """apply_rotary_pos_emb: new q and k (``q * cos + rotate_half(q) * sin``); v passes on. For
     memory the q/k/v triple stays one storage (what SDPA saves); the forward's scratch is the
     products and the ``cat`` of rotate_half. ``qkv``: the projections' output, one key (the
@@ -117,12 +118,17 @@ def hf_rope_node(dm: Any, qkv: list[str], out: str, v_view: bool = False) -> Any
     outs: list[tuple] = [(out, N * (d + (kv if v_view else 2 * kv)) * a)]
     if held_locals(dm, qkv):
         # Under autocast the tables are float32 (the embeddings' dtype) and the bf16 projections
-        # times them make float32 q and k; the attention kernels read bf16 copies of them (which
-        # ``out`` stands for: SDPA saves them, eager attention its own copies). The float32 q and k,
-        # with v, are the attention function's locals until o_proj has run
-        # (:func:`held_locals`), saved by nothing: so they live through a checkpointed layer's
-        # attention while the copies do not.
-        outs.append((f"{out}.locals", N * (d + kv) * 4 + K))
+        # times them make float32 q and k: the attention function's locals until o_proj has run
+        # (:func:`held_locals`), saved by nothing, so they live through a checkpointed layer's
+        # attention while the kernels' bf16 copies do not. ``out`` then stands for v (bf16 already:
+        # a local too, and what SDPA saves) and, for SDPA, its autocast casts of q and k (saved);
+        # eager attention's matmuls make their casts themselves (the attention's q and k copies:
+        # ``kernel_casts``).
+        # A float32 v (``v32``: a bias added after QLoRA's NF4 matmul, in float32) is a local too,
+        # and the kernels cast it (SDPA's cast in ``out``; eager attention's matmul its own copy).
+        v_local = N * kv * 4 if v32 else 0.0
+        outs = [(out, (0.0 if v32 else N * kv * a) if kernel_casts else N * (d + 2 * kv) * a),
+                (f"{out}.locals", N * (d + kv) * 4 + v_local)]
     return Node(f"{out}.rope", out=outs,
                  inputs=list(qkv) + [ROPE_TABLES], saves=[ROPE_TABLES],
                  grads=[(k, N * w * a) for k, w in zip(qkv, widths)], fwd_steps=steps,
