@@ -168,6 +168,12 @@ def _steps_peak(steps: list[tuple[str, str, float]]) -> float:
     return top
 
 
+def _runs_nf4(dm: Dims, trainable_base: bool, n_in: int, n_out: int) -> bool:
+    """Whether a frozen ``n_in`` x ``n_out`` Linear holds its weight in NF4 under --qlora and runs
+    torchao's LinearNF4 (:func:`_nf4_linear`): its weight fits torchao's blocks."""
+    return dm.qlora and not trainable_base and nf4_quantizes(n_in * n_out)
+
+
 def _nf4_linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int, n_out: int, x_bytes: float,
                 *, bias: bool, input_grad: bool, param_name: str) -> float:
     """A frozen Linear with an NF4 weight (``--qlora``): ``F.linear`` dispatches to torchao's
@@ -233,7 +239,7 @@ def _linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int,
         # (--precision fp8 refuses LoRA; a fused entry's parts are taken to divide by 16 as it does.)
         _fp8_linear(nodes, dm, name, x, out, n_in, n_out, trainable_base, x_bytes, bias, len(lora_parts))
         return
-    if dm.qlora and not trainable_base and nf4_quantizes(n_in * n_out):
+    if _runs_nf4(dm, trainable_base, n_in, n_out):
         base_out = f"{out}.base" if lora else out
         out_bytes = _nf4_linear(nodes, dm, name, x, base_out, n_in, n_out, x_bytes, bias=bias, input_grad=input_grad,
                                 param_name=param_name or name)
@@ -770,7 +776,7 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
             lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0", d, dm.qw + 2 * dm.kv, r, needs["in"], part)
         nodes.append(hf_rope_node(dm, [f"{p}.qkv0.q", f"{p}.qkv0.k", f"{p}.qkv0.v"], f"{p}.qkv",
                                   kernel_casts=tech.attention == "math",
-                                  v32=arch.qkv_bias and dm.qlora and not trainable_base and nf4_quantizes(d * dm.kv)))
+                                  v32=arch.qkv_bias and _runs_nf4(dm, trainable_base, d, dm.kv)))
     else:
         rope = dm.hf and arch.positional == "rope"
         lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0" if rope else f"{p}.qkv", d, dm.qw + 2 * dm.kv, r,
