@@ -9,6 +9,7 @@ import io
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -212,7 +213,7 @@ def saved_run(small_corpus, tmp_path_factory):
 
 @pytest.mark.parametrize("change, key", [
     ({"d_model": 64}, "d_model"), ({"n_layers": 3}, "n_layers"), ({"batch_size": 4}, "batch_size"),
-    ({"seq_len": 16}, "seq_len"), ({"grad_accum": 2}, "grad_accum"), ({"steps": 10}, "steps"),
+    ({"seq_len": 16}, "seq_len"), ({"grad_accum": 2}, "grad_accum"), ({"steps": 4}, "steps"),
     ({"schedule": "constant"}, "schedule"), ({"seed": 1}, "seed"), ({"optim": "sgd"}, "optim"),
     ({"lr": 1e-3}, "lr"), ({"val_fraction": 0.1}, "val_fraction"), ({"data": "default"}, "data"),
 ])
@@ -224,6 +225,33 @@ def test_resume_with_a_changed_key_is_refused_naming_it(saved_run, change, key, 
     line = _one_error_line(capsys.readouterr().err)
     assert "different run" in line and f"{key}:" in line
     assert not (root / "r").exists()
+
+
+def test_resume_with_a_larger_steps_trains_longer_and_says_what_the_lr_does(saved_run, tmp_path, capsys):
+    """A larger --steps is the same run trained longer (a smaller one is another run, above):
+    it finishes, and one stderr note says the schedule now spans the new --steps and where the
+    LR moves. A warm-up set apart from the saved one is still another run's."""
+    run, root = saved_run
+    resumed = {**run, "stop_after": None, "save": str(tmp_path / "end.pt"), "resume": str(root / "half.pt"),
+               "out": str(tmp_path / "r"), "steps": 10}
+    assert main(["train", *cli_flags({k: v for k, v in resumed.items() if v is not None})]) == 0
+    err = capsys.readouterr().err
+    assert "--steps 10 trains the 6-step run" in err and "schedule now spans 10 steps" in err
+    assert "LR at step 3 moves from" in err, err
+    assert json.loads((tmp_path / "r" / "result.json").read_text())["steps_run"] == 7
+    # Resuming the finished run at its own --steps: nothing to run; the line says how to go on.
+    again = {**resumed, "save": None, "resume": str(tmp_path / "end.pt"), "out": str(tmp_path / "r2")}
+    assert main(["train", *cli_flags({k: v for k, v in again.items() if v is not None})]) == 2
+    assert "give a larger --steps" in _one_error_line(capsys.readouterr().err)
+    other = {**resumed, "save": None, "out": str(tmp_path / "r3"), "warmup_steps": 2}
+    assert main(["train", *cli_flags({k: v for k, v in other.items() if v is not None})]) == 2
+    assert "warmup_steps: 1 -> 2" in _one_error_line(capsys.readouterr().err)
+    # In the shorter run's own folder, saving over its own checkpoint: its files, so continued.
+    shutil.copytree(root / "half", tmp_path / "own")
+    shutil.copy(root / "half.pt", tmp_path / "own.pt")
+    own = {**resumed, "save": str(tmp_path / "own.pt"), "resume": str(tmp_path / "own.pt"), "out": str(tmp_path / "own")}
+    assert main(["train", *cli_flags({k: v for k, v in own.items() if v is not None})]) == 0
+    assert json.loads((tmp_path / "own" / "result.json").read_text())["config"]["train"]["steps"] == 10
 
 
 def test_resume_with_other_logging_options_continues_the_run(saved_run, tmp_path):

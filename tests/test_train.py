@@ -80,6 +80,48 @@ def test_resume_continues_exactly(tiny_run, tmp_path, lora):
     assert resumed["val_loss"] == pytest.approx(full["val_loss"], abs=0)
 
 
+def _logged_lrs(out) -> dict[int, float]:
+    import json
+    from pathlib import Path
+
+    lines = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return {d["step"]: d["lr"] for d in lines if "lr" in d}
+
+
+def test_resume_with_a_larger_steps_trains_the_same_run_longer(tiny_run, tmp_path):
+    """A finished 12-step run resumed with --steps 30: the first 12 losses stay, 18 steps run,
+    and every LR from the first resumed step on is the 30-step schedule's (the checkpoint's LR
+    was the 12-step schedule's end, min_lr_ratio). The warm-up no setting named stays the one
+    that ran (2 steps: 10% of 12), not 10% of 30, which would refuse the checkpoint."""
+    base = {k: v for k, v in tiny_run.items() if k != "warmup_steps"}
+    first = train(build_config({**base, "steps": 12, "save": str(tmp_path / "a.pt"), "out": str(tmp_path / "a")}))
+    assert first["config"]["train"]["warmup_steps"] == 2
+    cfg = build_config({**base, "steps": 30, "resume": str(tmp_path / "a.pt"), "out": str(tmp_path / "b")})
+    assert cfg.train.warmup_steps == 3  # before the run: 10% of 30
+    longer = train(cfg, log_metrics=True)  # metrics.jsonl: the LR of every step
+    assert longer["steps_run"] == 18 and longer["loss_history"][:12] == first["loss_history"]
+    assert longer["config"]["train"]["warmup_steps"] == 2
+    new = lr_lambda(build_config({"steps": 30, "warmup_steps": 2}))
+    lrs = _logged_lrs(tmp_path / "b")
+    assert sorted(lrs) == list(range(13, 31))
+    for step, lr in lrs.items():
+        assert lr == pytest.approx(cfg.train.lr * new(step), rel=1e-12), step
+    # The first resumed step (logged lines carry the LR of the step after theirs) runs at the new
+    # schedule's LR too: the restored optimizer holds the 12-step schedule's end until the run
+    # takes the step's LR again.
+    from conftest import tiny_run_state
+    from memtrain.checkpoints.exact import load_checkpoint
+    from memtrain.training.train import follow_new_schedule
+
+    state = tiny_run_state(cfg)
+    state.scheduler = torch.optim.lr_scheduler.LambdaLR(state.optimizer, lr_lambda(cfg))
+    load_checkpoint(str(tmp_path / "a.pt"), state)
+    old_end = cfg.train.lr * lr_lambda(build_config({"steps": 12, "warmup_steps": 2}))(12)
+    assert state.optimizer.param_groups[0]["lr"] == pytest.approx(old_end, rel=1e-12)
+    follow_new_schedule(state.scheduler)
+    assert state.optimizer.param_groups[0]["lr"] == pytest.approx(cfg.train.lr * new(12), rel=1e-12) != old_end
+
+
 def test_resume_rejects_other_model(tiny_run, tmp_path):
     train(build_config({**tiny_run, "steps": 2, "save": str(tmp_path / "a.pt")}))
     with pytest.raises(ConfigError, match="does not fit this model"):

@@ -57,7 +57,7 @@ from memtrain.report.by_module import module_table_lines
 from memtrain.runtime.extras import quiet_third_party
 from memtrain.runtime.notices import install_warning_format
 from memtrain.runtime.signals import bind_rank_to_launcher, sigterm_as_interrupt
-from memtrain.training.preflight import check_before_launch
+from memtrain.training.preflight import check_before_launch, continue_longer
 
 
 class _Parser(argparse.ArgumentParser):
@@ -404,6 +404,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     note = defaults_note(cfg)
     if note and main_rank:
         print(note, flush=True)
+    longer = continue_longer(cfg)  # said after the run (below), as the warm-up's note is
 
     def write_result(result: dict) -> None:  # before the final checkpoint (see train())
         if main_rank:
@@ -440,6 +441,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         n = cfg.train.warmup_steps
         sys.stderr.write(f"note: warm-up was {n} step{'' if n == 1 else 's'} (10% of --steps {cfg.train.steps}, "
                          "at most 200); set --warmup-steps to choose\n")
+    if longer:
+        sys.stderr.write(longer + "\n")
     mem = result["memory"]
     print(
         f"steps {result['steps']}  train loss {result['train_loss']:.4f}  "

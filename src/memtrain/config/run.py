@@ -365,7 +365,9 @@ class TrainConfig:
     out: str = _f("runs/train", "Output directory (result.json is written there).")
     save: Optional[str] = _f(None, "Write a checkpoint to this file at the end (atomically).")
     save_every: int = _f(0, "Also checkpoint every N steps to --save (0: only at the end).")
-    resume: Optional[str] = _f(None, "Resume model, optimizer, scheduler, RNG and data position from this checkpoint.")
+    resume: Optional[str] = _f(None, "Resume model, optimizer, scheduler, RNG and data position from this checkpoint; "
+                                     "a larger --steps than the saved run's trains it longer (its LR schedule stretched "
+                                     "over the new --steps).")
     stop_after: Optional[int] = _f(
         None,
         "Stop after this many optimizer steps, as if interrupted, with --save writing a checkpoint "

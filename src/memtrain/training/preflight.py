@@ -17,11 +17,13 @@
 - :func:`check_resume`: a checkpoint given to ``--resume`` belongs to *this* run: the saved
   config agrees on everything that decides the numbers (model, data, batch, sequence,
   accumulation, schedule, seed, optimizer, precision), and the saved step lies inside the run.
-  A mismatch is a ConfigError naming every differing key, raised before data is tokenized.
+  A mismatch is a ConfigError naming every differing key, raised before data is tokenized. A
+  larger ``--steps`` is the same run trained longer (:func:`continue_longer`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 import tempfile
@@ -40,6 +42,7 @@ from memtrain.files.results import (
     loads_bounded,
     refuse_odd_destination,
 )
+from memtrain.training.schedule import lr_lambda
 from memtrain.training.sinks import LOGGER_FOLDERS, parse_report_to
 
 # Keys that may differ between the saved run and the resumed one: where output goes, how it
@@ -167,7 +170,7 @@ def check_resumed_out(out: Path, cfg: RunConfig) -> None:
     if not isinstance(config, dict):
         raise ConfigError(f"--out {str(out)!r} holds a result.json that records no run config; a resumed run would "
                           "replace it: choose a new --out")
-    diffs = config_differences(config, cfg.to_dict())
+    diffs = differences_from_this_run(config, cfg)
     if diffs:
         raise ConfigError(f"--out {str(out)!r} holds the result.json of a different run ({_shown(diffs, 4)}); resuming there "
                           "would replace it: choose a new --out, or the resumed run's own")
@@ -225,7 +228,7 @@ def check_saved_by_this_run(save: Path, saved: dict[str, Any], cfg: RunConfig) -
     """``--save`` replaces a checkpoint of this run (a re-run, or a resumed run saving where it
     resumed from) but not another run's, which would be lost at the first save: the same
     comparison as :func:`check_resume`."""
-    diffs = config_differences(saved, cfg.to_dict())
+    diffs = differences_from_this_run(saved, cfg)
     if diffs:
         raise ConfigError(f"--save {str(save)!r} holds the checkpoint of a different run ({_shown(diffs, 4)}); "
                           "saving there would replace it: choose a new --save, or resume that run with --resume")
@@ -377,6 +380,58 @@ def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     return diffs
 
 
+def differences_from_this_run(saved: dict[str, Any], cfg: RunConfig) -> list[str]:
+    """:func:`config_differences` of a saved config (a checkpoint's, a result.json's) from this
+    run: none where it is this run's, or, when this run trains a resumed run longer
+    (:func:`continue_longer`), that run's (the same settings with its shorter ``--steps``)."""
+    now = cfg.to_dict()
+    diffs = config_differences(saved, now)
+    shorter = getattr(cfg.train, "continues_steps", None)
+    if diffs and shorter is not None and not config_differences(saved, {**now, "train": {**now["train"], "steps": shorter}}):
+        return []
+    return diffs
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _count_or_none(value: Any) -> Optional[int]:
+    """``value`` when it is a whole number (a saved config's field), else None."""
+    return value if _is_count(value) else None
+
+
+def continue_longer(cfg: RunConfig) -> Optional[str]:
+    """Train longer: ``--resume`` with a ``--steps`` larger than the saved run's continues that
+    run, its LR schedule stretched over the new ``--steps`` from the step it resumes at (as the
+    Trainer does when it resumes with a larger ``max_steps``): under the cosine schedule the LR
+    rises back to where the longer schedule has it. The warm-up stays the one that ran: a
+    warm-up no setting names would otherwise grow with ``--steps`` (10% of it) and refuse the
+    checkpoint as another run's; one set on the command line is compared as any setting is.
+
+    Returns the line that says so (None when this run does not resume a shorter run), and
+    sets ``cfg.train.warmup_steps`` to the saved warm-up where it was defaulted. Called before
+    the other checks compare the saved config with this one (:func:`check_resume`)."""
+    t = cfg.train
+    if not t.resume:
+        return None
+    saved, step, _ = saved_run(t.resume)
+    saved_train: dict[str, Any] = saved["train"] if isinstance(saved.get("train"), dict) else {}
+    before, warmup = _count_or_none(saved_train.get("steps")), _count_or_none(saved_train.get("warmup_steps"))
+    if before is None or t.steps <= before:
+        return None
+    t.continues_steps = before  # type: ignore[attr-defined]  # not a field: read by differences_from_this_run
+    if getattr(t, "warmup_defaulted", False) and warmup is not None:
+        t.warmup_steps = warmup
+        t.warmup_defaulted = False  # type: ignore[attr-defined]  # the CLI's note on a defaulted warm-up no longer applies
+    was = t.lr * lr_lambda(dataclasses.replace(cfg, train=dataclasses.replace(t, steps=before)))(step)
+    now = t.lr * lr_lambda(cfg)(step)
+    head = f"note: --steps {t.steps} trains the {before}-step run of {str(t.resume)!r} longer"
+    if was == now:
+        return f"{head}, from step {step} at LR {now:.3g}"
+    return f"{head}: the {t.schedule} schedule now spans {t.steps} steps, so the LR at step {step} moves from {was:.3g} to {now:.3g}"
+
+
 def _shown(diffs: list[str], most: int) -> str:
     """The first ``most`` of :func:`config_differences`' lines, and how many more there are."""
     return "; ".join(diffs[:most]) + (f"; and {len(diffs) - most} more" if len(diffs) > most else "")
@@ -387,15 +442,16 @@ def check_resume(cfg: RunConfig) -> None:
     if not cfg.train.resume:
         return
     saved, step, fingerprint = saved_run(cfg.train.resume)
-    diffs = config_differences(saved, cfg.to_dict())
+    diffs = differences_from_this_run(saved, cfg)
     if diffs:
         what = "model" if any(d.split(":")[0] in saved.get("model", {}) for d in diffs) else "run"
         raise ConfigError(f"checkpoint {cfg.train.resume!r} does not fit this {what}: it was saved by a different run "
                           f"({_shown(diffs, 8)}); resume with the saved run's settings or start a new run without --resume")
     end = cfg.train.stop_after or cfg.train.steps
     if not 0 <= step < end:
-        raise ConfigError(f"--resume {cfg.train.resume!r} is at step {step}, this run ends at step {end}; "
-                          "raise --stop-after (or drop it) to continue")
+        more = ("raise --stop-after (or drop it) to continue" if step < cfg.train.steps
+                else "give a larger --steps to train it longer")
+        raise ConfigError(f"--resume {cfg.train.resume!r} is at step {step}, this run ends at step {end}; {more}")
     check_resume_data(cfg, fingerprint)
 
 
@@ -430,6 +486,7 @@ def check_before_launch(cfg: RunConfig, nproc: int) -> None:
     if cfg.technique.distributed == "none":
         raise ConfigError(f"--nproc-per-node {nproc} starts data-parallel ranks; add --distributed ddp "
                           "(or zero1, zero2, fsdp)")
+    continue_longer(cfg)  # a longer --steps on --resume keeps the saved warm-up, before the configs are compared
     check_destinations(cfg, fresh_out=True)
     check_vocab(cfg)
     check_model_size(cfg.model, resolve_device(cfg.train.device), cfg.technique.precision)

@@ -51,7 +51,6 @@ before_wait=None) -> float``
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterator, Optional
 
@@ -65,6 +64,7 @@ from memtrain.models.families import build_model
 from memtrain.techniques import Precision, build_optimizer, make_precision, prepare_model
 from memtrain.techniques.offload import offloader_for
 from memtrain.training.preflight import check_model_size
+from memtrain.training.schedule import lr_lambda
 
 __all__ = [
     "Batch", "TrainState", "build_base_model", "build_state", "building_on", "lr_lambda", "measure_steps", "queue_run_step",
@@ -98,22 +98,6 @@ def build_base_model(cfg: RunConfig, device: torch.device, precision: Precision)
     """``cfg``'s model, before any technique, built on ``device`` in ``precision``'s weight dtype."""
     with building_on(device, precision.param_dtype):
         return build_model(cfg)  # memtrain's GPT, or a transformers model for --model SPEC
-
-
-def lr_lambda(cfg: RunConfig) -> Callable[[int], float]:
-    """Linear warm-up to 1, then cosine down to ``min_lr_ratio`` (or constant)."""
-    t = cfg.train
-
-    def factor(step: int) -> float:
-        if t.warmup_steps and step < t.warmup_steps:
-            return (step + 1) / t.warmup_steps
-        if t.schedule == "constant":
-            return 1.0
-        decay_steps = max(1, t.steps - t.warmup_steps)
-        progress = min(1.0, (step - t.warmup_steps) / decay_steps)
-        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
 
 
 def _optimizer_phase(model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision,

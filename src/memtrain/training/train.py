@@ -45,6 +45,7 @@ from memtrain.training.preflight import (
     check_model_size,
     check_resume,
     check_vocab,
+    continue_longer,
     saved_run,
     unchecked_data_warning,
 )
@@ -159,6 +160,8 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
         # on any one rank (its own file, its own disk) refuses the run on all of them.
         launched = launched_by_memtrain()  # the launcher holds OUT's lock for its ranks
         with agreement():
+            # A longer --steps on --resume keeps the saved warm-up, before the configs are compared.
+            stretched = continue_longer(cfg) is not None
             # Never a run that cannot write its result, nor one that would overwrite another's.
             check_destinations(cfg, fresh_out=log_metrics)
             check_vocab(cfg)
@@ -173,7 +176,16 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
         # After the agreement: the holder (rank 0 or the launcher) has the lock file by now.
         if lock_out and dist_ctx.enabled and (launched or not dist_ctx.is_main):
             register_writer(Path(cfg.train.out), f"memtrain train rank {dist_ctx.rank}")
-        return _train(cfg, dist_ctx, progress, track_memory, on_result, log_metrics, on_step)
+        return _train(cfg, dist_ctx, progress, track_memory, on_result, log_metrics, on_step, stretched)
+
+
+def follow_new_schedule(scheduler: Any) -> None:
+    """After resuming a run with a longer ``--steps`` (:func:`continue_longer`): the optimizer's
+    restored LR is the saved schedule's for the next step; take that step's LR again from this
+    run's schedule (LambdaLR keeps its step count and calls this run's lr_lambda; torch's
+    ``step`` also sets the 0-d tensor LR that torchao's optimizers keep)."""
+    scheduler.last_epoch -= 1
+    scheduler.step()
 
 
 def remove_stale_writes(cfg: RunConfig) -> None:
@@ -205,7 +217,8 @@ def _step_scalars(loss: float, logged: dict[str, Any], grad_norm: Optional[float
 
 def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], track_memory: bool,
            on_result: Optional[Callable[[dict[str, Any]], None]] = None,
-           log_metrics: bool = False, on_step: Optional[StepCallback] = None) -> dict[str, Any]:
+           log_metrics: bool = False, on_step: Optional[StepCallback] = None,
+           stretched: bool = False) -> dict[str, Any]:
     t = cfg.train
     show = shows_progress(t.progress if progress is None else progress) and dist_ctx.is_main
     device = dist_ctx.device
@@ -254,6 +267,8 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     clock.lap("data")
     if t.resume:
         load_ckpt(t.resume, state)  # sets state.step and state.losses
+        if stretched:
+            follow_new_schedule(state.scheduler)
         if dist_ctx.is_main and saved_run(t.resume)[2] is None:  # an older checkpoint: nothing was compared
             print(unchecked_data_warning(cfg), file=sys.stderr)
         clock.lap("resume")
