@@ -184,6 +184,17 @@ def test_roofline_verdicts_for_the_default_model():
     assert bf16["ridge"] == pytest.approx(989.4e12 / 3.35e12)
 
 
+def test_the_report_names_the_model_it_counted():
+    """The first line (and the roofline plot's title) named every model "GPT d_model ...": a
+    transformers model's report named memtrain's GPT."""
+    from memtrain.commands.flops import render
+
+    hf = render(flops_report(build_config({"model": "tiny-llama", "batch_size": 1, "seq_len": 16}), "h100"))
+    assert hf.splitlines()[0].startswith("one training step: tiny-llama d_model 128, ") and "GPT" not in hf.splitlines()[0]
+    ours = render(flops_report(build_config({"batch_size": 1, "seq_len": 16}), "h100"))
+    assert ours.splitlines()[0].startswith("one training step: GPT d_model 256, ")
+
+
 def test_unknown_gpu_is_a_config_error_listing_the_known_names(capsys):
     with pytest.raises(ConfigError, match="h100-sxm.*a100-80gb-sxm"):
         resolve_roof("b300", "fp32")

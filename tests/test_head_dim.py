@@ -139,3 +139,24 @@ def test_inference_qkv_are_the_models(gemma, attention):
     else:
         attn = q + kv + out + B * h * S * 4  # q/k/v, the fused kernel's output and its log-sum-exp
     assert res["bytes"]["activations"] == residual + attn
+
+
+@pytest.mark.parametrize("family, fields", [
+    ("Qwen2Config", {}),  # q/k/v with a bias by its layer code, o_proj without
+    ("LlamaConfig", dict(attention_bias=True, mlp_bias=True)),
+    ("LlamaConfig", dict(attention_bias=True)),
+])
+def test_plans_parameter_count_holds_the_biases_the_family_builds(tmp_path, family, fields):
+    """plan's and the size check's parameter count (cost_arch) left out q/k/v and o biases:
+    Qwen2-7B's 129,024 q/k/v bias parameters. Now it takes the analytic model's biases
+    (``with_config_biases``) and equals ``sum(p.numel())`` of the built model."""
+    from memtrain.analysis.estimate import param_count
+    from memtrain.models.spec import cost_arch
+    from memtrain.training.preflight import model_parameters
+
+    getattr(transformers, family)(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                                  vocab_size=301, num_hidden_layers=2, max_position_embeddings=64,
+                                  **fields).save_pretrained(tmp_path)
+    real = sum(p.numel() for p in _model(tmp_path).parameters())
+    cfg = _cfg(tmp_path)
+    assert param_count(cfg.model, cost_arch(str(tmp_path)))[0] == real == model_parameters(cfg.model)

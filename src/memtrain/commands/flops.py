@@ -21,6 +21,7 @@ from memtrain.cli import LOOP_ONLY_FIELDS, MODULE_TABLE_FIELDS, add_config_flags
 from memtrain.config.argtypes import user_path
 from memtrain.config.run import ConfigError
 from memtrain.files.results import refuse_odd_destination
+from memtrain.report.labels import model_label
 from memtrain.report.roofline import plot_roofline
 
 
@@ -68,7 +69,7 @@ def render(report: dict[str, Any]) -> str:
     m, tech = cfg["model"], cfg["technique"]
     measured = "measured" in report
     lines = [
-        f"one training step: GPT d_model {m['d_model']}, {m['n_layers']} layers, {m['n_heads']} heads, "
+        f"one training step: {model_label(m)}, {m['n_layers']} layers, {m['n_heads']} heads, "
         f"d_ff {m['d_ff']}, vocab {m['vocab_size']} ({report['parameters']:,} parameters); "
         f"batch {cfg['batch_size']} x seq {cfg['seq_len']} x grad-accum {cfg['grad_accum']} = "
         f"{report['tokens']:,} tokens; precision {tech['precision']}, checkpointing {tech['checkpointing']}",

@@ -504,18 +504,37 @@ def rotary_positions(spec: str) -> bool:
                                                    "rotary_pct", "partial_rotary_factor"))
 
 
+# Families whose q/k/v projections carry a bias by their layer code, whatever config.json says
+# (Qwen2Attention builds q/k/v with bias=True and o_proj without; its configs have no
+# attention_bias field).
+QKV_BIAS = ("qwen2",)
+# Families whose q/k/v and o projections take config.json's attention_bias, and whose gate/up/down
+# take its mlp_bias (the others' layer code fixes their biases, whatever the config says).
+ATTENTION_BIAS = ("llama", "gemma")
+MLP_BIAS = ("llama",)
+
+
+def with_config_biases(arch: Any, c: Any) -> Any:
+    """``arch`` (an :class:`~memtrain.config.archs.Arch`) with the ``qkv_bias``, ``proj_bias`` and
+    ``mlp_bias`` that the family of the Llama-style transformers config ``c`` builds
+    (:data:`QKV_BIAS`, :data:`ATTENTION_BIAS`, :data:`MLP_BIAS`)."""
+    attention_bias = c.model_type in ATTENTION_BIAS and bool(getattr(c, "attention_bias", False))
+    return replace(arch, qkv_bias=c.model_type in QKV_BIAS or attention_bias, proj_bias=attention_bias,
+                   mlp_bias=c.model_type in MLP_BIAS and bool(getattr(c, "mlp_bias", False)))
+
+
 def cost_arch(spec: str) -> Any:
     """The closest :class:`memtrain.analysis.estimate.Arch` of a transformers model, for the plan's
     step-time model and parameter table (orders candidates; memory comes from the trace).
     A gated MLP (Llama, Qwen2, Mistral, Gemma, Phi-3: ``intermediate_size`` + a SiLU/GELU
-    gate) is ``llama``-like with its key/value heads and its head width (:func:`config_head_dim`);
-    GPT-2 is ours."""
+    gate) is ``llama``-like with its key/value heads, its head width (:func:`config_head_dim`) and
+    its biases (:func:`with_config_biases`); GPT-2 is ours."""
 
     c = load_config(spec)
     if c.model_type == "gpt2":
         return GPT2_ARCH
-    return replace(LLAMA_ARCH, name=c.model_type, n_kv_heads=getattr(c, "num_key_value_heads", None),
-                   head_dim=config_head_dim(c))
+    return with_config_biases(replace(LLAMA_ARCH, name=c.model_type, n_kv_heads=getattr(c, "num_key_value_heads", None),
+                                      head_dim=config_head_dim(c)), c)
 
 
 def config_head_dim(c: Any) -> Optional[int]:

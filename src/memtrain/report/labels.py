@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import PurePath
 from typing import Any
 
-__all__ = ["OPTIM_NAMES", "method_cell"]
+__all__ = ["OPTIM_NAMES", "method_cell", "model_label"]
 
 OPTIM_NAMES = {"adafactor": "Adafactor", "adamw-4bit": "4-bit AdamW", "adamw-8bit": "8-bit AdamW"}
 
@@ -22,3 +23,15 @@ def method_cell(rec: dict[str, Any]) -> str:
     if rec.get("attention_substituted_to"):
         cell += f" [ran {rec['attention_substituted_to']} attention\u2021]"
     return cell
+
+
+def model_label(model: dict[str, Any]) -> str:
+    """The model a recorded config's ``model`` section describes, as headings name it: memtrain's
+    GPT (no ``--model``), else the ``--model`` it was given (a bundled name, ``hf:ORG/NAME``, a
+    GPT preset; a local folder by its own name), followed by its width (``d_model``: the hidden
+    size)."""
+    spec = model.get("model")
+    if spec is None:
+        return f"GPT d_model {model.get('d_model')}"
+    name = str(spec) if str(spec).startswith("hf:") else PurePath(str(spec)).name or str(spec)
+    return f"{name} d_model {model.get('d_model')}"

@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+from memtrain.report.labels import model_label
 from memtrain.report.plots import save_figure
 
 # One colour per class, matmuls in blues/greens, element-wise in warm colours, so the
@@ -174,7 +175,7 @@ def plot_roofline(report: dict[str, Any], path: str | Path, title: Optional[str]
     model = cfg.get("model", {})
     tech = cfg.get("technique", {})
     default_title = (
-        f"Roofline of one training step on {gpu['name']}: GPT d_model {model.get('d_model')}, "
+        f"Roofline of one training step on {gpu['name']}: {model_label(model)}, "
         f"{model.get('n_layers')} layers, vocab {model.get('vocab_size')}, "
         f"batch {cfg.get('batch_size')} x {cfg.get('seq_len')}, {tech.get('precision')}"
     )

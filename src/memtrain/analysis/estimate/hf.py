@@ -98,10 +98,12 @@ from memtrain.analysis.estimate.params import hf_lora_modules
 from memtrain.analysis.estimate.training import estimate
 from memtrain.config.archs import GPT2_ARCH, LLAMA_ARCH, Arch
 from memtrain.models.spec import (  # torch-free for the modelled families
+    QKV_BIAS,
     analytic_config,
     config_head_dim,
     every_decoder_linear,
     is_hf,
+    with_config_biases,
 )
 
 __all__ = ["MODELLED", "QKV_BIAS", "active_window", "hf_arch", "modelled_arch", "why_not_modelled", "why_gpt2_not_modelled",
@@ -109,14 +111,6 @@ __all__ = ["MODELLED", "QKV_BIAS", "active_window", "hf_arch", "modelled_arch", 
 
 # model_type -> the layer code is Llama's (modeling_qwen2/modeling_mistral copy it)
 MODELLED = ("llama", "qwen2", "mistral", "phi3", "gemma", "gpt2")
-# Families whose q/k/v projections carry a bias by their layer code, whatever config.json says
-# (Qwen2Attention builds q/k/v with bias=True and o_proj without; its configs have no
-# attention_bias field).
-QKV_BIAS = ("qwen2",)
-# Families whose q/k/v and o projections take config.json's attention_bias, and whose gate/up/down
-# take its mlp_bias (the others' layer code fixes their biases, whatever the config says).
-ATTENTION_BIAS = ("llama", "gemma")
-MLP_BIAS = ("llama",)
 # Families whose q/k/v and gate/up are one Linear each, split by slicing (Phi-3).
 FUSED_PROJ = ("phi3",)
 # Families with Gemma's float32 ``x * (1 + w)`` RMSNorm, sqrt(hidden)-scaled embeddings and a
@@ -255,13 +249,10 @@ def _arch_of(c: Any) -> Arch:
     """:func:`hf_arch` of a config already read."""
     if c.model_type in GPT2_LIKE:
         return replace(GPT2_ARCH, hf=True, gpt2_layers=True, mlp="gelu_new" if c.activation_function == "gelu_new" else "gelu")
-    attention_bias = c.model_type in ATTENTION_BIAS and bool(getattr(c, "attention_bias", False))
-    return replace(LLAMA_ARCH, name=c.model_type, n_kv_heads=getattr(c, "num_key_value_heads", None), hf=True,
-                   qkv_bias=c.model_type in QKV_BIAS or attention_bias, proj_bias=attention_bias,
-                   mlp_bias=c.model_type in MLP_BIAS and bool(getattr(c, "mlp_bias", False)),
-                   head_dim=config_head_dim(c),
-                   fused_proj=c.model_type in FUSED_PROJ, norm_offset=c.model_type in GEMMA_LIKE,
-                   embed_scale=c.model_type in GEMMA_LIKE)
+    arch = replace(LLAMA_ARCH, name=c.model_type, n_kv_heads=getattr(c, "num_key_value_heads", None), hf=True,
+                   head_dim=config_head_dim(c), fused_proj=c.model_type in FUSED_PROJ,
+                   norm_offset=c.model_type in GEMMA_LIKE, embed_scale=c.model_type in GEMMA_LIKE)
+    return with_config_biases(arch, c)
 
 
 def analytic_estimate(cfg: Any, device_type: str, gpu: Optional[str] = None, world_size: int = 1,
