@@ -163,3 +163,21 @@ def test_the_mfu_fallback_drops_only_the_models_position_table(tmp_path, monkeyp
     assert flops == per_token * B * S
     # Without the built model's count, the config's rule gives the same table.
     assert train_mod._flops_per_rank_step(cfg, state.n_params)[0] == flops
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "opt", "bloom"])
+def test_the_configs_position_table_is_the_models(tmp_path, family):
+    """The rule by the config alone (no built model) took ``max_seq_len x d_model`` for every
+    model without rotary positions: OPT's table is two rows longer (64 parameters short here),
+    and BLOOM's ALiBi has no table at all (it subtracted one). Now it counts the model built on
+    the meta device; a rotary model is known to have none from its config."""
+    from memtrain.analysis.flops.rules import config_position_params
+
+    if family == "bloom":
+        d = tmp_path / "bloom"
+        transformers.BloomConfig(hidden_size=32, n_head=4, n_layer=2, vocab_size=VOCAB).save_pretrained(d)
+    else:
+        d = _model_dir(tmp_path, family)
+    own = _own_counts(d)["position_params"]
+    assert config_position_params(_cfg(d).model) == own
+    assert own == {"llama": 0, "gpt2": 128 * 32, "opt": 130 * 32, "bloom": 0}[family]

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple, Optional
 from memtrain.analysis.estimate.params import param_table
 from memtrain.analysis.flops.classes import ClassCount, StepCount
 from memtrain.config.run import ModelConfig, RunConfig
-from memtrain.models.spec import is_gpt_preset, model_head_dim, rotary_positions
+from memtrain.models.spec import is_gpt_preset, load_config, model_head_dim, rotary_positions
 from memtrain.techniques.facts import FOREIGN_LOSS_KERNELS, OPTIMIZER_STATE_RULES, precision_facts
 
 
@@ -71,13 +71,22 @@ def model_rule_params(model: Any) -> RuleParams:
 
 
 def config_position_params(cfg: ModelConfig) -> int:
-    """The learned position table's parameters by the config alone, where no built model is at
-    hand: memtrain's GPT's ``max_seq_len x d_model``; a transformers model's none where it rotates
-    positions (RoPE: Llama, Qwen2, Mistral, Gemma, Phi-3), else ``max_seq_len x d_model`` (GPT-2's
-    ``wpe``). :func:`model_rule_params` counts the built model's own table."""
-    if cfg.model is not None and not is_gpt_preset(cfg.model) and rotary_positions(cfg.model):
+    """The learned position table's parameters where no built model is at hand: memtrain's GPT's
+    ``max_seq_len x d_model``; none for a transformers model that rotates positions (RoPE: Llama,
+    Qwen2, Mistral, Gemma, Phi-3), known from its config; else :func:`model_rule_params` of the
+    model built on the meta device (no memory, no init): GPT-2's ``wpe``, OPT's table with its two
+    offset rows, none for ALiBi models (BLOOM, MPT), whatever ``max_position_embeddings`` says."""
+    if cfg.model is None or is_gpt_preset(cfg.model):
+        return cfg.max_seq_len * cfg.d_model
+    if rotary_positions(cfg.model):
         return 0
-    return cfg.max_seq_len * cfg.d_model
+    # torch and transformers load only here: the analytic commands import this module
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(load_config(cfg.model))
+    return model_rule_params(model).positions
 
 
 def rule_flops_per_token(cfg: ModelConfig, seq_len: int, n_params: int, positions: Optional[int] = None) -> float:
