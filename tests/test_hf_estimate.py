@@ -114,7 +114,8 @@ def test_unmodelled_families_and_techniques_say_they_traced(dirs, capsys):
     # Named targets are modelled where each name is one of the family's decoder Linears.
     assert why_not_modelled(_cfg(dirs["llama"], lora_rank=4, lora_targets="q_proj,v_proj")) is None
     assert "--lora-targets lm_head" in why_not_modelled(_cfg(dirs["llama"], lora_rank=4, lora_targets="q_proj,lm_head"))
-    assert "GPT-2" in why_not_modelled(_cfg(dirs["gpt2"], lora_rank=4, lora_targets="c_attn"))
+    assert why_not_modelled(_cfg(dirs["gpt2"], lora_rank=4, lora_targets="c_attn")) is None
+    assert "--lora-targets lm_head" in why_not_modelled(_cfg(dirs["gpt2"], lora_rank=4, lora_targets="c_attn,lm_head"))
     # (peft's dropped adapter inputs are modelled: tests/test_estimate_lora_dropout.py.)
     assert why_not_modelled(_cfg(dirs["llama"], lora_rank=4, lora_dropout=0.1)) is None
     flags = ["--seq-len", "32", "--batch-size", "2", "--attention", "sdpa", "--json"]
@@ -174,10 +175,10 @@ def test_lora_on_all_linear_is_the_default_targets_estimate(dirs, family):
 
 
 @pytest.mark.parametrize("family, targets", [("llama", "q_proj,v_proj"), ("mistral", "gate_proj,up_proj,down_proj"),
-                                              ("gemma", "k_proj,o_proj")])
+                                              ("gemma", "k_proj,o_proj"), ("gpt2", "c_proj")])
 def test_named_lora_targets_are_estimated_analytically(dirs, family, targets, capsys):
-    """Named --lora-targets (peft's Llama default q_proj,v_proj, MLP-only ones, a mix) on
-    Llama-style families are answered analytically, and the JSON says so; --trace checks the figure (within 1%:
+    """Named --lora-targets (peft's Llama default q_proj,v_proj, MLP-only ones, a mix; GPT-2's
+    c_proj, which names the attention's output and the MLP's down projection) are answered analytically, and the JSON says so; --trace checks the figure (within 1%:
     tests/test_hf_estimate_grid.py::test_named_lora_targets_within_one_percent_of_the_trace)."""
     from memtrain.cli import main
 

@@ -37,7 +37,8 @@ transformers decoder layer differs from it in three ways that matter for memory,
   :func:`~memtrain.analysis.estimate.params.lora_adapted` gives each named Linear its pair; in
   the first layer only what an adapter feeds requires a gradient, so autograd records nothing
   before it (:func:`~memtrain.analysis.estimate.inventory.grad_flow`), and a frozen Linear there
-  keeps no weight copy. GPT-2's named targets are traced (:func:`why_targets_not_modelled`).
+  keeps no weight copy. GPT-2's ``c_proj`` names two Conv1Ds, the attention's output and the MLP's
+  down projection: peft adapts both.
 * The CPU RNG state non-reentrant checkpoint stores per layer is not counted: it is made
   outside the dispatcher, so the memory meter never sees it.
 * GPT-2 (``GPT2LMHeadModel``) is our GPT's inventory (LayerNorm, learned positions, biases, one
@@ -195,12 +196,7 @@ def why_qlora_not_modelled(c: Any, tech: Any) -> Optional[str]:
 def why_targets_not_modelled(c: Any, targets: str) -> Optional[str]:
     """:func:`why_not_modelled` for named ``--lora-targets`` on a config ``c``: None when every
     name is one of the family's decoder Linears (:func:`~memtrain.analysis.estimate.params.hf_lora_modules`),
-    which peft matches as the last part of a module's path, on a Llama-style family."""
-    if c.model_type in GPT2_LIKE:
-        # Measured: c_attn alone under bf16-pure with SDPA (attention dropout: the CPU's float32
-        # math path) and checkpointing, 1.4% under the trace: that path's float32 casts of q, k
-        # and v, alive until it returns, become the peak once the MLP has no adapters.
-        return "named --lora-targets on GPT-2 are not modelled analytically (only all-linear)"
+    which peft matches as the last part of a module's path."""
     modules = hf_lora_modules(_arch_of(c))
     unknown = sorted({t.strip() for t in targets.split(",") if t.strip()} - set(modules))
     if not unknown:
