@@ -242,10 +242,13 @@ def test_estimate_cli_answers_analytically_and_checks_with_trace(dirs, capsys):
 
 
 @pytest.mark.parametrize("window", [32, 64])
-def test_an_active_config_window_is_traced(tmp_path, window, capsys):
+def test_an_active_config_window_with_sdpa_is_analytic_on_cpu_kernels(tmp_path, window, capsys):
     """config.json's sliding_window with window <= seq_len makes transformers build the windowed
-    mask (a different step from the unwindowed one): the estimate traces it and says why. A
-    window longer than the sequence leaves the step as it was, and stays analytic."""
+    mask (a different step from the unwindowed one): SDPA then gets the mask, repeated k/v heads
+    and a float copy of the mask per layer, which the analytic model holds within 1% of the trace
+    on CPU kernels (the grid's SDPA_WINDOWED on odd shapes). On CUDA kernels, or where the kernels
+    are not known, it is not modelled and says why. A window longer than the sequence leaves the
+    step as it was."""
     from memtrain.analysis.estimate.hf import why_not_modelled
     from memtrain.analysis.trace import trace_step
     from memtrain.cli import main
@@ -257,13 +260,28 @@ def test_an_active_config_window_is_traced(tmp_path, window, capsys):
     windowed, long, none = folder("w", window), folder("long", 65), folder("none", None)
     peak = {d: trace_step(_cfg(d), "cpu")["peak_bytes"] for d in (windowed, long, none)}
     assert peak[windowed] != peak[none] and peak[long] == peak[none]
-    assert "sliding-window" in why_not_modelled(_cfg(windowed))
+    assert why_not_modelled(_cfg(windowed), "cpu") is None
+    assert "CUDA kernels" in why_not_modelled(_cfg(windowed), "cuda")
+    assert "sliding-window" in why_not_modelled(_cfg(windowed))  # (kernels unknown)
     assert why_not_modelled(_cfg(long)) is None and why_not_modelled(_cfg(none)) is None
     flags = ["--seq-len", "64", "--batch-size", "4", "--attention", "sdpa", "--json"]
     assert main(["estimate", "--model", str(windowed), *flags]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["method"] == "trace" and "sliding-window" in out["not_analytic"]
-    assert out["peak_bytes"] == peak[windowed]
+    assert out["method"] == "analytic" and "not_analytic" not in out
+    assert abs(out["peak_bytes"] / peak[windowed] - 1) < 0.01
+
+
+def test_mistral_7b_with_a_window_and_sdpa_answers_analytically(capsys):
+    """The built-in mistral-7b with --window and --attention sdpa: the analytic model answers (no
+    trace under fake tensors), in the same figure as a small config's trace holds it to (above)."""
+    from memtrain.cli import main
+
+    argv = ["estimate", "--model", "mistral-7b", "--window", "1024", "--attention", "sdpa", "--seq-len", "2048"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "analytic model of transformers decoder layers" in out and "traced" not in out
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["method"] == "analytic"
 
 
 def test_an_active_window_with_eager_attention_is_analytic(tmp_path, capsys):

@@ -28,7 +28,7 @@ def model_state_bytes(cfg: RunConfig, device_type: str) -> Optional[float]:
     where the analytic model does not cover the run (a transformers family or technique it does
     not model: those are traced, which costs seconds a refusal should not)."""
     if is_hf(cfg):
-        if why_not_modelled(cfg) is not None:
+        if why_not_modelled(cfg, device_type) is not None:
             return None
         assert cfg.model.model is not None  # is_hf: a transformers spec
         arch = hf_arch(cfg.model.model)

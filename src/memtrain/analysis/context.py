@@ -96,7 +96,7 @@ def _analytic_guess(cfg: RunConfig, budget_bytes: int, batch: int, step: int, ma
     """The analytic estimate's longest length (in units of ``step``; 0 when not even the shortest
     fits by it), or None where the estimator does not model the run."""
     try:
-        arch = modelled_arch(cfg)
+        arch = modelled_arch(cfg, device_type)
         if arch is None:
             return None
         found = longest_context(lambda c: step_need(c, arch, device_type, None)[0], cfg, budget_bytes, batch, step,

@@ -111,7 +111,7 @@ def _analytic_guess(cfg: RunConfig, budget_bytes: Optional[int], multiple_of: in
     # same arithmetic with the transformers inventory); others (an unmodelled family or option)
     # are traced probe by probe.
     try:
-        arch = modelled_arch(cfg)
+        arch = modelled_arch(cfg, device_type)
         if arch is None:
             return None
         return largest_batch(lambda c: estimate(c, arch, device_type).peak_bytes, cfg, budget_bytes, multiple_of, cap)
@@ -156,9 +156,9 @@ def estimated_max_batch(cfg: RunConfig, budget_bytes: int, gpu: Optional[str], m
 def analytic_arch(cfg: RunConfig) -> Any:
     """The analytic model's Arch of ``cfg``: memtrain's GPT, or a transformers family the analytic
     model covers; any other transformers model is refused (it can only be traced or measured)."""
-    arch = modelled_arch(cfg)
+    arch = modelled_arch(cfg, "cuda")
     if arch is None:
-        raise ConfigError(f"the CUDA model (no CUDA device here): {why_not_modelled(cfg)}; run maxbatch on a CUDA "
+        raise ConfigError(f"the CUDA model (no CUDA device here): {why_not_modelled(cfg, 'cuda')}; run maxbatch on a CUDA "
                           "machine, or drop --device-type cuda to search with CPU kernels")
     return arch
 

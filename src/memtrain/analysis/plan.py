@@ -443,7 +443,7 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
             if replay:
                 e = estimate(c, arch, device_type)
                 return e.peak_bytes + beside_tensors, e.peak_phase, PRUNE_SLACK
-            modelled = modelled_arch(c) if traced else None
+            modelled = modelled_arch(c, device_type) if traced else None
             if modelled is not None:
                 e = estimate(c, modelled, device_type)
                 return e.peak_bytes, e.peak_phase, TRACE_PRUNE_SLACK
@@ -627,7 +627,7 @@ def _transformers_arch(cfg: RunConfig, device_type: str) -> tuple[Arch, bool, st
 
         if cuda_trace_supported():
             return cost_arch(cfg.model.model), True, ""
-    reason = why_not_modelled(cfg)
+    reason = why_not_modelled(cfg, device_type)
     if reason is not None:
         raise ConfigError(f"--device-type cuda: {reason}, and tracing it with CUDA kernels needs a CUDA build of "
                           "torch (this one is CPU-only); use --device-type cpu to plan with CPU kernels' memory rules")

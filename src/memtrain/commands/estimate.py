@@ -299,13 +299,13 @@ def _check_max_len(args: argparse.Namespace) -> None:
                           "or drop --max-len")
 
 
-def refuse_max_len_when_traced(max_len: Optional[int], cfg: Any, also: Optional[str] = None) -> None:
-    """A traced transformers model (``why_not_modelled``, or ``also``: a flag that asks for the
-    trace) has no analytic longest context for --max-len to bound: one error line naming the
-    search that bounds it (estimate and plan)."""
+def refuse_max_len_when_traced(max_len: Optional[int], cfg: Any, device_type: str, also: Optional[str] = None) -> None:
+    """A traced transformers model (``why_not_modelled`` with ``device_type`` kernels, or ``also``:
+    a flag that asks for the trace) has no analytic longest context for --max-len to bound: one
+    error line naming the search that bounds it (estimate and plan)."""
     if max_len is None:
         return
-    reason = why_not_modelled(cfg) or also
+    reason = why_not_modelled(cfg, device_type) or also
     if reason is not None:
         raise ConfigError(f"--max-len bounds the analytic longest context, and this model is traced ({reason}): "
                           "search its longest context with memtrain maxbatch --search seq-len --max-len N")
@@ -329,7 +329,7 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
         raise ConfigError("--mode inference is analytic for memtrain's GPT only; drop --mode for a transformers --model")
     device_type = args.trace_device or device_type_for(args, cfg)
     _check_gpu_flag(args, device_type)
-    refuse_max_len_when_traced(args.max_len, cfg, "--full-trace" if args.full_trace else None)
+    refuse_max_len_when_traced(args.max_len, cfg, device_type, "--full-trace" if args.full_trace else None)
     step = estimate_step(cfg, device_type, None, world_size=args.world_size, shard=_shard(args, cfg), gpu=args.gpu,
                          full_trace=args.full_trace and args.world_size == 1)
     if args.world_size > 1 and (args.trace or args.full_trace):

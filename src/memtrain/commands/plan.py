@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise ConfigError(f"--top must be >= 1, got {args.top}")
     budget, budget_source = _budget(args)
-    _check_max_len(args, cfg, arch)
+    _check_max_len(args, cfg, arch, device_type)
     # Every fitting set is ranked (not only --top), so that the fastest numerically standard one
     # can be recommended even when faster non-standard sets fill the top of the list.
     res = plan(cfg, budget, device_type, arch, max_batch=args.max_batch is not None, margin=args.margin,
@@ -195,13 +195,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_max_len(args: argparse.Namespace, cfg: Any, arch: Any) -> None:
+def _check_max_len(args: argparse.Namespace, cfg: Any, arch: Any, device_type: str) -> None:
     """--max-len, checked before the search: a bound the model refuses (a learned position table
     has no row past it) and a traced model (no longest context to bound) are refused at once."""
     if args.max_len is None:
         return
     if arch is None:
-        refuse_max_len_when_traced(args.max_len, cfg)
+        refuse_max_len_when_traced(args.max_len, cfg, device_type)
     length_search_bound(cfg, args.max_len)  # the technique sets keep positions and window: one bound for all
 
 
@@ -213,7 +213,7 @@ def _longest_context(cfg: Any, arch: Any, cand: Candidate, device_type: str, bud
     None where the estimator does not model the model (a traced transformers model:
     ``memtrain maxbatch --search seq-len`` traces it)."""
     if arch is None:
-        if why_not_modelled(cfg) is not None:
+        if why_not_modelled(cfg, device_type) is not None:
             return None
         arch = hf_arch(cfg.model.model)
     at = candidate_config(cfg, cand)

@@ -56,6 +56,10 @@ class Arch:
     # is a float tensor added to the scores, the eager softmax runs in the scores' dtype, and the
     # modules' locals hold tensors until they return (memtrain.analysis.estimate.hf).
     gpt2_layers: bool = False
+    # A transformers config's sliding window on every decoder layer (Mistral's sliding_window,
+    # Qwen2's with use_sliding_window from layer 0 on), or None: from a sequence this long on,
+    # transformers builds the windowed mask (``--window`` stands in for it: RunConfig.technique).
+    sliding_window: Optional[int] = None
 
 
 GPT2_ARCH = Arch()

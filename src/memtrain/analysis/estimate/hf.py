@@ -107,7 +107,7 @@ from memtrain.models.spec import (  # torch-free for the modelled families
     with_config_biases,
 )
 
-__all__ = ["MODELLED", "QKV_BIAS", "active_window", "hf_arch", "modelled_arch", "why_not_modelled", "why_gpt2_not_modelled",
+__all__ = ["MODELLED", "QKV_BIAS", "active_window", "config_window", "hf_arch", "modelled_arch", "why_not_modelled", "why_gpt2_not_modelled",
            "why_targets_not_modelled", "why_qlora_not_modelled", "analytic_estimate"]
 
 # model_type -> the layer code is Llama's (modeling_qwen2/modeling_mistral copy it)
@@ -127,28 +127,45 @@ GPT2_DROPOUTS = ("attn_pdrop", "resid_pdrop", "embd_pdrop")
 FSDP_SHARDS = ("zero2", "fsdp", "deepspeed-zero2", "deepspeed-zero3")
 
 
+def config_window(c: Any) -> Optional[int]:
+    """config.json's sliding window on the layers that use it (Mistral's ``sliding_window``;
+    Qwen2's with ``use_sliding_window``, on the layers from ``max_window_layers`` on), or None."""
+    window = getattr(c, "sliding_window", None)
+    if window is None or getattr(c, "use_sliding_window", True) is False:
+        return None
+    types = getattr(c, "layer_types", None)
+    if types is not None and "sliding_attention" not in types:
+        return None  # Qwen2: only layers past max_window_layers slide
+    return int(window)
+
+
 def active_window(c: Any, window: Optional[int], seq_len: int) -> Optional[int]:
     """The sliding window that changes a step of ``seq_len`` tokens (``window``: ``--window``,
-    else the config's ``sliding_window`` on the layers that use it), or None.
+    else :func:`config_window`), or None.
 
     transformers skips the attention mask only while the sequence is shorter than the window
     (masking_utils: ``kv_length < local_attention_size``); from ``seq_len >= window`` on it
     builds the windowed mask: eager attention adds it as it adds the causal one (the same
-    tensors), SDPA then gets it instead of ``is_causal``, a step the analytic model does not
-    describe (:func:`why_not_modelled`)."""
+    tensors), SDPA then gets it instead of ``is_causal`` (``Dims.masked_sdpa``)."""
     if window is None:
-        window = getattr(c, "sliding_window", None)
-        if window is None or getattr(c, "use_sliding_window", True) is False:
+        window = config_window(c)
+        if window is None:
             return None
-        types = getattr(c, "layer_types", None)
-        if types is not None and "sliding_attention" not in types:
-            return None  # Qwen2: only layers past max_window_layers slide
     return int(window) if int(window) <= seq_len else None
 
 
-def why_not_modelled(cfg: Any) -> Optional[str]:
+def _some_layers_slide(c: Any) -> bool:
+    """Whether config.json slides some decoder layers and not others (Qwen2's layers below
+    ``max_window_layers`` attend in full)."""
+    types = getattr(c, "layer_types", None) or []
+    return "sliding_attention" in types and "full_attention" in types
+
+
+def why_not_modelled(cfg: Any, device_type: Optional[str] = None) -> Optional[str]:
     """None when the analytic model covers ``cfg`` (a RunConfig of a transformers model), else
-    the reason it does not (the estimate then traces)."""
+    the reason it does not (the estimate then traces). ``device_type``: the kernels estimated
+    ("cpu" or "cuda"); None where the caller does not know them (a windowed SDPA step, modelled
+    on CPU kernels only, is then not modelled)."""
     c = analytic_config(cfg.model.model)
     tech = cfg.technique
     if c.model_type not in MODELLED:
@@ -165,10 +182,24 @@ def why_not_modelled(cfg: Any) -> Optional[str]:
     if window is not None and tech.attention != "math":
         # Eager attention adds the model's float mask, windowed or not: the same tensors. SDPA gets
         # that mask instead of is_causal: transformers repeats the k/v heads for it, and the CPU
-        # kernel turns the bool mask into a float one per layer, which its backward keeps.
-        return (f"sliding-window attention with --attention {tech.attention} (window {window} <= --seq-len "
-                f"{cfg.train.seq_len}: SDPA gets transformers' windowed mask, repeated k/v heads and a float copy "
-                "of the mask per layer) is not modelled analytically (eager attention with --attention math is)")
+        # kernel turns the bool mask into a float one per layer, which its backward keeps
+        # (Dims.masked_sdpa).
+        windowed = f"sliding-window attention (window {window} <= --seq-len {cfg.train.seq_len})"
+        if tech.attention != "sdpa":
+            return (f"{windowed} with --attention {tech.attention} is not modelled analytically (--attention sdpa "
+                    "on CPU kernels and eager --attention math are)")
+        if tech.window is None and _some_layers_slide(c):
+            slide = c.layer_types.count("sliding_attention")
+            return (f"{windowed} on {slide} of {len(c.layer_types)} layers (the others attend in full, without a "
+                    "mask) is not modelled analytically with --attention sdpa")
+        if float(getattr(c, "attention_dropout", 0.0) or 0.0) > 0:
+            return f"{windowed} with attention dropout (SDPA's math path) is not modelled analytically"
+        if device_type != "cpu":
+            # torch's CUDA SDPA picks its fused kernel for a mask by rules and versions not measured
+            # here (the memory-efficient one pads the mask to 16 keys), so its copies stay unknown.
+            return (f"{windowed} with --attention sdpa on CUDA kernels is not modelled analytically (which fused "
+                    "kernel takes the mask, and what it copies of it, is unmeasured; CPU kernels and eager "
+                    "--attention math are modelled)")
     if c.model_type in GPT2_LIKE:
         return why_gpt2_not_modelled(c, tech.attention, tech.lora_rank)
     act = "gelu_pytorch_tanh" if c.model_type in GEMMA_LIKE else "silu"
@@ -232,13 +263,13 @@ def hf_arch(spec: str) -> Arch:
     return _arch_of(analytic_config(spec))
 
 
-def modelled_arch(cfg: Any) -> Optional[Arch]:
-    """The Arch the analytic model estimates ``cfg`` (a RunConfig) with: memtrain's GPT's, a
-    transformers family's it covers (:func:`hf_arch`), or None where it does not
-    (:func:`why_not_modelled` says why: such a run is traced)."""
+def modelled_arch(cfg: Any, device_type: Optional[str] = None) -> Optional[Arch]:
+    """The Arch the analytic model estimates ``cfg`` (a RunConfig) with ``device_type`` kernels:
+    memtrain's GPT's, a transformers family's it covers (:func:`hf_arch`), or None where it does
+    not (:func:`why_not_modelled` says why: such a run is traced)."""
     if not is_hf(cfg):
         return GPT2_ARCH
-    return None if why_not_modelled(cfg) is not None else hf_arch(cfg.model.model)
+    return None if why_not_modelled(cfg, device_type) is not None else hf_arch(cfg.model.model)
 
 
 def _arch_of(c: Any) -> Arch:
@@ -247,7 +278,8 @@ def _arch_of(c: Any) -> Arch:
         return replace(GPT2_ARCH, hf=True, gpt2_layers=True, mlp="gelu_new" if c.activation_function == "gelu_new" else "gelu")
     arch = replace(LLAMA_ARCH, name=c.model_type, n_kv_heads=getattr(c, "num_key_value_heads", None), hf=True,
                    head_dim=config_head_dim(c), fused_proj=c.model_type in FUSED_PROJ,
-                   norm_offset=c.model_type in GEMMA_LIKE, embed_scale=c.model_type in GEMMA_LIKE)
+                   norm_offset=c.model_type in GEMMA_LIKE, embed_scale=c.model_type in GEMMA_LIKE,
+                   sliding_window=config_window(c))
     return with_config_biases(arch, c)
 
 
@@ -259,6 +291,6 @@ def analytic_estimate(cfg: Any, device_type: str, gpu: Optional[str] = None, wor
     ``world_size``/``shard``: one rank's share under ``--distributed``, by the same rules as for
     our GPT (the wrap is the same: DDP buckets, ZeRO-1 dim-0 chunks, FSDP2 per decoder layer
     plus the root group)."""
-    if why_not_modelled(cfg) is not None:
+    if why_not_modelled(cfg, device_type) is not None:
         return None
     return estimate(cfg, hf_arch(cfg.model.model), device_type, world_size=world_size, shard=shard, gpu=gpu)

@@ -8,7 +8,7 @@ from typing import Any
 
 from memtrain.analysis.estimate.simulator import Node
 
-__all__ = ["CAUSAL_MASK", "ROPE_TABLES", "gelu_new_nodes", "held_locals", "hf_model_input_nodes", "hf_model_inputs", "hf_norm_node", "hf_rope_node"]
+__all__ = ["CAUSAL_MASK", "ROPE_TABLES", "gelu_new_nodes", "held_locals", "masked_kv_dtypes", "hf_model_input_nodes", "hf_model_inputs", "hf_norm_node", "hf_rope_node"]
 
 # Keys of what a transformers Llama-style model makes once for all its layers (hf_model_input_nodes).
 ROPE_TABLES = "rope.cos_sin"
@@ -79,12 +79,17 @@ def hf_model_input_nodes(dm: Any, attention: str) -> list[Any]:
     sin ((1, s, head_dim) each in the embeddings' dtype, computed in float32 and cast), and, for
     eager attention, the additive float causal mask (b, 1, s, s) in the embeddings' dtype,
     ``torch.where`` over a bool (s, s) comparison. The rope products save cos and sin in every
-    layer; the mask is added to the scores (nothing saved) and lives until the model returns."""
+    layer; the mask is added to the scores (nothing saved) and lives until the model returns.
+    SDPA with a sliding window (``dm.masked_sdpa``) gets the bool windowed mask instead
+    (masking_utils' ``sdpa_mask``: the causal and the window comparisons, (1, 1, s, s) each, and
+    their ``&``, expanded to the batch as a view)."""
     s, hd, p = dm.s, dm.qw // dm.h, dm.p
     table = s * hd
     nodes = [Node("positions", out=[(POSITIONS, s * 8)])]
     if attention == "math":
         nodes.append(Node("causal_mask", out=[(CAUSAL_MASK, dm.b * s * s * p)], fwd_scratch=s * s))
+    elif dm.masked_sdpa:
+        nodes.append(Node("sliding_mask", out=[(CAUSAL_MASK, s * s)], fwd_scratch=2 * s * s))
     # freqs (s x hd/2) and their cat (s x hd) in float32 stay until both tables exist; a table
     # in another dtype than float32 is cast from a float32 one.
     nodes.append(Node("rotary", out=[(ROPE_TABLES, 2 * table * p)],
@@ -92,9 +97,9 @@ def hf_model_input_nodes(dm: Any, attention: str) -> list[Any]:
     return nodes
 
 
-def hf_model_inputs(attention: str) -> tuple[str, ...]:
-    """The keys of :func:`hf_model_input_nodes`."""
-    return (POSITIONS, ROPE_TABLES) + ((CAUSAL_MASK,) if attention == "math" else ())
+def hf_model_inputs(attention: str, masked_sdpa: bool = False) -> tuple[str, ...]:
+    """The keys of :func:`hf_model_input_nodes` (``masked_sdpa``: ``Dims.masked_sdpa``)."""
+    return (POSITIONS, ROPE_TABLES) + ((CAUSAL_MASK,) if attention == "math" or masked_sdpa else ())
 
 
 def hf_rope_node(dm: Any, qkv: list[str], out: str, v_view: bool = False, kernel_casts: bool = False,
@@ -129,6 +134,15 @@ def hf_rope_node(dm: Any, qkv: list[str], out: str, v_view: bool = False, kernel
         v_local = N * kv * 4 if v32 else 0.0
         outs = [(out, (0.0 if v32 else N * kv * a) if kernel_casts else N * (d + 2 * kv) * a),
                 (f"{out}.locals", N * (d + kv) * 4 + v_local)]
+        if dm.masked_sdpa:
+            # SDPA's casts are of q and of the repeated k and v (masked_kv_dtypes): ``out`` is q's,
+            # ``out.kv`` v itself (a float32 v: a local already).
+            outs[:1] = [(out, N * d * a), (f"{out}.kv", 0.0 if v32 else N * kv * a)]
+    elif dm.masked_sdpa:
+        # SDPA with a mask keeps q and the repeated k and v: rope's k (and v) go when the attention
+        # returns, so they are a storage apart, ``out.kv`` (Phi-3: k alone; v is a view of the fused
+        # output).
+        outs = [(out, N * d * a), (f"{out}.kv", N * (kv if v_view else 2 * kv) * a)]
     return Node(f"{out}.rope", out=outs,
                  inputs=list(qkv) + [ROPE_TABLES], saves=[ROPE_TABLES],
                  grads=[(k, N * w * a) for k, w in zip(qkv, widths)], fwd_steps=steps,
@@ -136,6 +150,16 @@ def hf_rope_node(dm: Any, qkv: list[str], out: str, v_view: bool = False, kernel
                  # slice_backward) and their sum, then ``grad * cos`` and the sum: two x-sized
                  # temporaries beside x's gradient, k's gone before q's (q is the wider).
                  scratch=2 * N * d * a)
+
+
+def masked_kv_dtypes(dm: Any, per_linear: bool, v32: bool) -> tuple[float, float]:
+    """Bytes per element of k and of v as transformers' ``repeat_kv`` copies them for SDPA's
+    mask (``Dims.masked_sdpa``): under autocast rope's k is float32 (the bf16 projection times
+    the float32 tables); v is the projection's output (float32 only where QLoRA's bias is added in
+    float32, ``v32``, with q, k and v from separate Linears, ``per_linear``)."""
+    k = 4.0 if dm.autocast else dm.a
+    v = 4.0 if dm.autocast and per_linear and v32 else dm.a
+    return k, v
 
 
 def held_locals(dm: Any, qkv: list[str]) -> bool:

@@ -14,6 +14,7 @@ from memtrain.analysis.estimate.hf_nodes import (
     hf_model_inputs,
     hf_norm_node,
     hf_rope_node,
+    masked_kv_dtypes,
 )
 from memtrain.analysis.estimate.params import has_bias, head_widths, lora_adapted, lora_split
 from memtrain.analysis.estimate.simulator import Compression, Node, Segment
@@ -76,6 +77,10 @@ class Dims:
     # --qlora: a frozen Linear whose weight fits torchao's blocks holds it in NF4 and runs
     # torchao's linear_nf4 (_nf4_linear).
     qlora: bool = False
+    # transformers hands SDPA its windowed bool mask instead of ``is_causal`` (a sliding window no
+    # longer than the sequence, --attention sdpa, CPU kernels): k and v repeated to the q heads, a
+    # float copy of the mask per layer, both saved (_masked_sdpa_nodes).
+    masked_sdpa: bool = False
 
     @property
     def n(self) -> int:
@@ -504,11 +509,15 @@ def _scores_softmax(nodes: list[Node], dm: Dims, p: str, score_elems: float, mas
 
 
 def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Optional[int],
-                     v_src: Optional[str] = None, qkv_grad: tuple[bool, bool, bool] = (True, True, True)) -> None:
+                     v_src: Optional[str] = None, qkv_grad: tuple[bool, bool, bool] = (True, True, True),
+                     kv_bytes: tuple[float, float] = (0.0, 0.0),
+                     kv_locals: tuple[bool, bool] = (False, False)) -> None:
     """q, k, v (views of the fused qkv output) -> y (batch, seq, d), the proj input. ``v_src``:
     the storage v is a view of, when it is not ``qkv`` (Phi-3: the projection's fused output).
     ``qkv_grad``: whether q, k and v require a gradient (not all of them in the first layer of a
-    transformers model under LoRA on named targets)."""
+    transformers model under LoRA on named targets). ``kv_bytes``: k's and v's bytes per element
+    as transformers repeats them for SDPA's mask (``Dims.masked_sdpa``: hf_nodes.masked_kv_dtypes);
+    ``kv_locals``: whether k and v are rope's float32 locals (hf_nodes.held_locals)."""
     # (Inside the attention every q-sized tensor is n_heads x head_dim wide: ``d`` is that here.)
     b, s, d, h, a = dm.b, dm.s, dm.qw, dm.h, dm.a
     N, kvw, hd = dm.n, dm.kv, dm.qw // dm.h
@@ -520,6 +529,9 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
     nodes.append(Node(f"{p}.split", inputs=[qkv], grad_out=(q, k, v), scratch=N * d * a,
                        grads=[(qkv, N * (d + 2 * kvw) * a)]))
     backend = resolve_backend(kind, window, dm)
+    if backend == "flash" and dm.masked_sdpa:
+        _masked_sdpa_nodes(nodes, dm, p, v_src, kv_bytes, kv_locals)
+        return
     if backend == "flash":
         # Fused kernel (SDPA flash/mem-efficient/cuDNN, flex, flash-attn): saves q, k, v (views
         # of qkv), its output and a float32 log-sum-exp (b, h, s); nothing s x s. The CPU
@@ -666,6 +678,51 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
                        grads=[(o, 0.0)]))
 
 
+def _masked_sdpa_nodes(nodes: list[Node], dm: Dims, p: str, v_src: Optional[str],
+                       kv_bytes: tuple[float, float], kv_locals: tuple[bool, bool]) -> None:
+    """transformers' ``sdpa_attention_forward`` with the model's windowed bool mask (``Dims.masked_sdpa``),
+    on the CPU. ``repeat_kv`` copies k and v to the q heads (``expand`` + ``reshape``: a view where
+    there is one k/v head, k and v themselves where there are as many as q heads); SDPA's autocast
+    casts what is float32 (``kv_bytes``: rope's k under autocast), a copy as wide as q when it is a
+    repeated view; the kernel turns the bool mask into a float one in q's dtype ((b, 1, s, s),
+    ``where`` over its ``logical_not``); and the flash kernel saves q, the k and v it got, that
+    mask, its output and the log-sum-exp. The float32 copies are the function's locals, gone
+    when it returns; rope's k and v (``{p}.qkv.kv``, or the float32 ``{p}.qkv.locals`` where
+    ``kv_locals`` says so: :func:`hf_nodes.held_locals`) the attention module's, gone when o_proj
+    has run. Backward: each repeat's sums its (N, d) gradient down to the k/v heads."""
+    b, s, d, h, a = dm.b, dm.s, dm.qw, dm.h, dm.a
+    N, kvw = dm.n, dm.kv
+    qkv, q, k, v, o = f"{p}.qkv", f"{p}.q", f"{p}.k", f"{p}.v", f"{p}.y"
+    copies = kvw != d and kvw * dm.h // d > 1  # (one k/v head: a view)
+    keys, grads, locals_ = {}, [(q, N * d * a)], []
+    for part, src, grad, elt, local in (("k", f"{qkv}.kv", k, kv_bytes[0], kv_locals[0]),
+                                        ("v", v_src or f"{qkv}.kv", v, kv_bytes[1], kv_locals[1])):
+        src = f"{qkv}.locals" if local else src
+        if copies:
+            rep = f"{p}.{part}r"
+            nodes.append(Node(f"{p}.repeat_{part}", out=[(rep, N * d * elt)], inputs=[src],
+                               grads=[(grad, N * kvw * elt)]))
+            grad = rep
+            if elt != a:
+                locals_.append(rep)
+        else:
+            rep = src
+        if elt != a and (copies or local or kvw != d):
+            nodes.append(Node(f"{p}.cast_{part}", out=[(f"{p}.{part}c", N * d * a)], inputs=[rep],
+                               grads=[(grad, N * (d if copies else kvw) * elt)]))
+            rep, grad = f"{p}.{part}c", f"{p}.{part}c"
+        keys[part] = rep
+        grads.append((grad, N * (d if grad != (k if part == "k" else v) else kvw) * a))
+    nodes.append(Node(f"{p}.mask", out=[(f"{p}.m", b * s * s * a)], inputs=[CAUSAL_MASK], fwd_scratch=b * s * s))
+    saved = list(dict.fromkeys([qkv, keys["k"], keys["v"], f"{p}.m"]))
+    if dm.fused_proj:
+        o = f"{p}.o"
+    nodes.append(Node(f"{p}.sdpa", out=[(o, N * d * a), (f"{p}.lse", b * h * s * 4)], inputs=saved + locals_,
+                       saves=saved + [o, f"{p}.lse"], matmul=True, grad_out=(o,), grads=grads))
+    if dm.fused_proj:
+        nodes.append(Node(f"{p}.merge", out=[(f"{p}.y", N * d * a)], inputs=[o], grads=[(o, 0.0)]))
+
+
 def _sdpa_math_inputs(nodes: list[Node], dm: Dims, p: str, kvw: int, upcast: bool, qkv_keys: list[str]) -> list[str]:
     """The tensors torch's SDPA math path (``_scaled_dot_product_attention_math``) makes before
     its first matmul, beyond what that matmul copies and saves: float32 copies of q, k and v when
@@ -770,13 +827,14 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     # copy, their sum) lives while the earlier ones' outputs do, not all of them at once. (The
     # frozen base's outputs alone sum to the fused one's, which stands for them otherwise.)
     per_linear = dm.hf and bool(lora) and not (arch.fused_proj or arch.gpt2_layers)
+    # (A float32 v: QLoRA's bias added after the NF4 matmul, in float32.)
+    v32 = per_linear and arch.qkv_bias and _runs_nf4(dm, trainable_base, d, dm.kv)
     norm(f"{p}.ln_1", x, f"{p}.ln1", needs["in"])
     if per_linear:
         for part in (".q", ".k", ".v"):
             lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0", d, dm.qw + 2 * dm.kv, r, needs["in"], part)
         nodes.append(hf_rope_node(dm, [f"{p}.qkv0.q", f"{p}.qkv0.k", f"{p}.qkv0.v"], f"{p}.qkv",
-                                  kernel_casts=tech.attention == "math",
-                                  v32=arch.qkv_bias and _runs_nf4(dm, trainable_base, d, dm.kv)))
+                                  kernel_casts=tech.attention == "math", v32=v32))
     else:
         rope = dm.hf and arch.positional == "rope"
         lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0" if rope else f"{p}.qkv", d, dm.qw + 2 * dm.kv, r,
@@ -787,8 +845,10 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     # A transformers layer's window is in the mask the model builds (hf_model_input_nodes), not in
     # memtrain's banded kernel: its eager attention is the unwindowed one for memory.
     window = None if dm.hf else tech.window
+    k_local = per_linear and held_locals(dm, ["q", "k", "v"])  # rope's float32 k (and v32) apart
     _attention_nodes(nodes, dm, p, tech.attention, window, v_src=f"{p}.qkv0" if arch.fused_proj else None,
-                     qkv_grad=(needs["qkv.q"], needs["qkv.k"], needs["qkv.v"]))
+                     qkv_grad=(needs["qkv.q"], needs["qkv.k"], needs["qkv.v"]),
+                     kv_bytes=masked_kv_dtypes(dm, per_linear, v32), kv_locals=(k_local, k_local and v32))
     # The attention core is what model.attn_fn computes: everything after the q/k/v split up
     # to the (b, h, s, hd) output; the merge (transpose + contiguous) is outside it.
     for n in nodes[start + 1:]:
@@ -798,8 +858,7 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
         # The decoder layer's local holds the norm's output until self_attn returns (and the
         # second norm's until the MLP returns), whether or not an op saved it; the attention's
         # locals, rope's q and k (and v), live until o_proj has run.
-        locals_ = [f"{p}.qkv.locals" if per_linear and held_locals(dm, ["q", "k", "v"]) else f"{p}.qkv"]
-        nodes[-1].inputs += [f"{p}.ln1"] + (locals_ if arch.positional == "rope" else [])
+        nodes[-1].inputs += [f"{p}.ln1"] + (_rope_locals(dm, p, arch, per_linear) if arch.positional == "rope" else [])
     _dropout(nodes, dm, f"{p}.resid_drop", f"{p}.pr", f"{p}.prd", N * d, a)
     # (CausalSelfAttention.forward's q, k and v, views of the qkv output, are its locals too.)
     _held_by_the_frame(nodes, dm, lora, f"{p}.ln1", f"{p}.qkv")
@@ -837,6 +896,17 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
         nodes[-1].inputs.append(x)
     record_only_what_needs_grad(nodes, set(), everything=needs["in"])
     return nodes
+
+
+def _rope_locals(dm: Dims, p: str, arch: Arch, per_linear: bool) -> list[str]:
+    """The keys of what a Llama-style attention module holds from rope until o_proj has run: q, k
+    and v (the float32 ones apart under autocast with separate Linears: hf_nodes.held_locals),
+    and with SDPA's mask (``Dims.masked_sdpa``) rope's k and v, which SDPA does not save (Phi-3:
+    k, and the fused output v is a view of)."""
+    held = [f"{p}.qkv.locals" if per_linear and held_locals(dm, ["q", "k", "v"]) else f"{p}.qkv"]
+    if dm.masked_sdpa:
+        held += [f"{p}.qkv.kv"] + ([f"{p}.qkv0"] if arch.fused_proj else [])
+    return held
 
 
 def _fused_swiglu_nodes(dm: Dims, p: str) -> list[Node]:
@@ -1132,6 +1202,11 @@ def run_dims(cfg: RunConfig, arch: Arch, device_type: str, batch: Optional[int] 
                softmax_fp32=not arch.gpt2_layers, additive_mask=arch.hf,
                repeat_kv=arch.hf and not arch.gpt2_layers,
                qlora=cfg.technique.qlora and arch.hf and not arch.gpt2_layers)
+    window = cfg.technique.window if cfg.technique.window is not None else arch.sliding_window
+    # (hf.why_not_modelled keeps the rest of a windowed SDPA step out: CUDA kernels, attention
+    # dropout, layers of both kinds.)
+    dm.masked_sdpa = (arch.hf and not arch.gpt2_layers and cfg.technique.attention == "sdpa"
+                      and window is not None and window <= t.seq_len and not dm.dropout)
     return dm
 
 
@@ -1141,7 +1216,7 @@ def layer_args(dm: Dims, arch: Arch, attention: str) -> tuple[str, ...]:
     returns. GPT-2: its eager causal mask; Llama-style: :func:`hf_model_input_nodes`' tensors."""
     if arch.gpt2_layers:
         return (CAUSAL_MASK,) if attention == "math" else ()
-    return hf_model_inputs(attention) if dm.hf else ()
+    return hf_model_inputs(attention, dm.masked_sdpa) if dm.hf else ()
 
 
 def block_segments(cfg: RunConfig, arch: Arch, dm: Dims, trainable_base: bool, grads_exist: bool,

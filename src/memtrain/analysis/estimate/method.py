@@ -69,13 +69,13 @@ def estimate_step(cfg: RunConfig, device_type: str, arch: Optional[Arch] = GPT2_
     refusal = transformers_checkpointing_error(cfg.technique.checkpointing)
     if refusal is not None:  # the run would refuse it: so does its estimate, analytic or traced
         raise ConfigError(refusal)
-    reason = why_not_modelled(cfg)
+    reason = why_not_modelled(cfg, device_type)
     if world_size > 1:
         # One rank's share is the analytic model's (the same sharding rules as for our GPT);
         # a trace runs one process, which holds no shards. What is modelled depends on the shard
         # the rank holds (QLoRA's NF4 weights: not under FSDP2).
         if shard and shard != cfg.technique.distributed:
-            reason = why_not_modelled(cfg.replace(distributed=shard))
+            reason = why_not_modelled(cfg.replace(distributed=shard), device_type)
         if reason is not None:
             raise ConfigError(f"--world-size for a transformers --model needs its analytic model, and {reason}; "
                               "drop --world-size to trace one process")
