@@ -2,8 +2,8 @@
 shapes: widths 72-200, odd and even depths, grouped-query ratios from 1 (MQA) to equal heads,
 for Llama, Qwen2, Mistral, Phi-3, Gemma and GPT-2 under fp32, bf16 autocast and bf16-pure, eager and SDPA attention,
 with and without LoRA and full checkpointing; then named --lora-targets (TARGETS), head widths
-and biases from config.json (SHAPED) and eager attention with a sliding window (WINDOWED), the
-loss alternating between the standard and the chunked one.
+and biases from config.json (SHAPED) and a sliding window with eager attention (WINDOWED) and with
+SDPA (SDPA_WINDOWED), the loss alternating between the standard and the chunked one.
 
 The measures are the forward peak and the backward peak, each within 1% (the larger of the two
 alone hid forward peaks that were off where backward set the step's peak): the optimizer step's
@@ -339,9 +339,9 @@ def test_head_widths_and_biases_within_one_percent_of_the_trace(case, folders, t
 
 
 # Sliding windows with eager attention (--attention math): transformers adds the model's float
-# mask, windowed or not, so the step's tensors are the unwindowed ones (SDPA with a window is
-# traced: hf.why_not_modelled). The window from config.json (Mistral, Phi-3) or --window (Qwen2,
-# whose layers then all slide), shorter than the 40-token sequence.
+# mask, windowed or not, so the step's tensors are the unwindowed ones (SDPA with a window:
+# SDPA_WINDOWED below). The window from config.json (Mistral, Phi-3) or --window (Qwen2, whose
+# layers then all slide), shorter than the 40-token sequence. (Llama's layers have no window.)
 WINDOWED = {"mistral-config_window": ("mistral", {"sliding_window": 16}, {}),
             "qwen2-flag_window": ("qwen2", {}, {"window": 16}),
             "phi3-config_window": ("phi3", {"sliding_window": 16}, {})}
@@ -367,4 +367,40 @@ def test_eager_sliding_window_within_one_percent_of_the_trace(case, folders, tmp
     fam, fields, flags = WINDOWED[name]
     d = _folder(folders, tmp_path_factory.getbasetemp(), fam, size, name, fields)
     tech = {"precision": prec, "attention": "math", "checkpointing": ck, **flags, **({"lora_rank": lora} if lora else {})}
+    _within_one_percent(d, tech, bool(lora))
+
+
+# Sliding windows with SDPA (--attention sdpa, CPU kernels): transformers hands SDPA the windowed
+# bool mask instead of is_causal, repeats k and v to the q heads for it (a view with one k/v
+# head, nothing with as many as q heads), SDPA's autocast casts rope's float32 k, and torch's CPU
+# flash kernel saves a float copy of the mask per layer (inventory._masked_sdpa_nodes). The
+# windows of WINDOWED, the loss alternating between the standard and the chunked one.
+def _sdpa_window_cases() -> list[tuple[str, tuple[int, int, int, int], str, int, str, str]]:
+    combos = list(itertools.product(WINDOWED, PRECISIONS, (0, 4), ("none", "full")))
+    return [(name, SIZES[i % len(SIZES)], prec, lora, ck, ("standard", "chunked")[i // 2 % 2])
+            for i, (name, prec, lora, ck) in enumerate(combos)]
+
+
+def _sdpa_window_case_id(case) -> str:
+    name, (h, nh, kv, L), prec, lora, ck, loss = case
+    return f"{name}-h{h}-{nh}q{kv}kv-L{L}-{prec}-sdpa" + (f"-lora{lora}" if lora else "") + f"-ckpt_{ck}-{loss}"
+
+
+# Run by default: grouped-query heads copied by repeat_kv under fp32, one k/v head (a view, its
+# float32 k cast as wide as q) under autocast, and Qwen2's --window under autocast with LoRA
+# (rope's float32 k apart: repeated then cast; with as many k/v heads as q heads, cast alone,
+# under checkpointing with the chunked loss).
+SDPA_WINDOW_DEFAULT = {"mistral-config_window-h72-6q2kv-L3-fp32-sdpa-ckpt_none-standard",
+                       "mistral-config_window-h136-4q1kv-L3-bf16-sdpa-ckpt_none-standard",
+                       "qwen2-flag_window-h72-6q2kv-L3-bf16-sdpa-lora4-ckpt_none-chunked",
+                       "qwen2-flag_window-h96-4q4kv-L5-bf16-sdpa-lora4-ckpt_full-chunked"}
+
+
+@pytest.mark.parametrize("case", _marked(_sdpa_window_cases(), _sdpa_window_case_id, SDPA_WINDOW_DEFAULT))
+def test_sdpa_sliding_window_within_one_percent_of_the_trace(case, folders, tmp_path_factory):
+    name, size, prec, lora, ck, loss = case
+    fam, fields, flags = WINDOWED[name]
+    d = _folder(folders, tmp_path_factory.getbasetemp(), fam, size, name, fields)
+    tech = {"precision": prec, "attention": "sdpa", "checkpointing": ck, "loss": loss, **flags,
+            **({"lora_rank": lora} if lora else {}), **({"loss_chunk": 50} if loss == "chunked" else {})}
     _within_one_percent(d, tech, bool(lora))
