@@ -88,6 +88,11 @@ soft-capping, sandwich norms) are not modelled: ``estimate`` traces them and say
   (``hf_nodes.held_locals``), when q, k and v come from separate Linears (peft's adapters).
 * Phi-3's fused gate/up output is chunked: its gradient is the concatenation of gate's and up's,
   (N, 2 d_ff), made before the Linear's backward runs.
+* A sliding window no longer than the sequence (config.json's on every layer, ``Arch.sliding_window``,
+  or ``--window``) with SDPA on CPU kernels (``Dims.masked_sdpa``): the model's bool windowed mask,
+  ``repeat_kv``'s copies of k and v, SDPA's autocast casts and the float copy of the mask the CPU
+  flash kernel saves per layer (``inventory._masked_sdpa_nodes``). On CUDA kernels it is traced
+  (:func:`why_not_modelled`).
 """
 
 from __future__ import annotations
