@@ -78,8 +78,9 @@ class Dims:
     # torchao's linear_nf4 (_nf4_linear).
     qlora: bool = False
     # transformers hands SDPA its windowed bool mask instead of ``is_causal`` (a sliding window no
-    # longer than the sequence, --attention sdpa, CPU kernels): k and v repeated to the q heads, a
-    # float copy of the mask per layer, both saved (_masked_sdpa_nodes).
+    # longer than the sequence, --attention sdpa): k and v repeated to the q heads, a float copy of
+    # the mask per layer, both saved, as the CPU kernels do (_masked_sdpa_nodes; on CUDA kernels
+    # hf.why_not_modelled traces the step).
     masked_sdpa: bool = False
 
     @property
@@ -697,22 +698,21 @@ def _masked_sdpa_nodes(nodes: list[Node], dm: Dims, p: str, v_src: Optional[str]
     keys, grads, locals_ = {}, [(q, N * d * a)], []
     for part, src, grad, elt, local in (("k", f"{qkv}.kv", k, kv_bytes[0], kv_locals[0]),
                                         ("v", v_src or f"{qkv}.kv", v, kv_bytes[1], kv_locals[1])):
-        src = f"{qkv}.locals" if local else src
+        rep, width = (f"{qkv}.locals" if local else src), kvw  # what SDPA gets, and its gradient's width
         if copies:
-            rep = f"{p}.{part}r"
-            nodes.append(Node(f"{p}.repeat_{part}", out=[(rep, N * d * elt)], inputs=[src],
+            nodes.append(Node(f"{p}.repeat_{part}", out=[(f"{p}.{part}r", N * d * elt)], inputs=[rep],
                                grads=[(grad, N * kvw * elt)]))
-            grad = rep
+            rep = grad = f"{p}.{part}r"
+            width = d
             if elt != a:
                 locals_.append(rep)
-        else:
-            rep = src
         if elt != a and (copies or local or kvw != d):
             nodes.append(Node(f"{p}.cast_{part}", out=[(f"{p}.{part}c", N * d * a)], inputs=[rep],
-                               grads=[(grad, N * (d if copies else kvw) * elt)]))
-            rep, grad = f"{p}.{part}c", f"{p}.{part}c"
+                               grads=[(grad, N * width * elt)]))
+            rep = grad = f"{p}.{part}c"
+            width = d
         keys[part] = rep
-        grads.append((grad, N * (d if grad != (k if part == "k" else v) else kvw) * a))
+        grads.append((grad, N * width * a))
     nodes.append(Node(f"{p}.mask", out=[(f"{p}.m", b * s * s * a)], inputs=[CAUSAL_MASK], fwd_scratch=b * s * s))
     saved = list(dict.fromkeys([qkv, keys["k"], keys["v"], f"{p}.m"]))
     if dm.fused_proj:
