@@ -45,6 +45,7 @@ def test_the_analytic_estimate_imports_no_torch():
     seen = _cli_loaded(["estimate", "--batch-size", "4"],
                        ["estimate", "--json", "--gpu", "h100", "--budget", "40GiB", "--world-size", "4", "--shard", "fsdp"],
                        ["estimate", "--params", "1B", "--mode", "inference"],
+                       ["estimate", "--model", "llama-3-8b", "--mode", "inference", "--new-tokens", "512"],
                        ["estimate", "--model", "llama-7b", "--explain"])  # an analytic preset
     assert not any(seen.values()), seen
 

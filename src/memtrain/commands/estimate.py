@@ -7,11 +7,13 @@ import json
 from typing import Any, Optional
 
 from memtrain.analysis.estimate import GPT2_ARCH, estimate_inference, parse_count, shape_for_params
+from memtrain.analysis.estimate.generation import DEFAULT_NEW_TOKENS
 from memtrain.analysis.estimate.hf import why_not_modelled
+from memtrain.analysis.estimate.inference import estimate_generate_run
 from memtrain.analysis.estimate.method import StepEstimate, estimate_step
 from memtrain.analysis.limits import MAX_WIDTH
 from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, config_from_args, defaults_note, fmt_bytes, register
-from memtrain.config.argtypes import token_count, world_size
+from memtrain.config.argtypes import int_in, token_count, world_size
 from memtrain.config.presets import PRESETS, preset
 from memtrain.config.run import ConfigError, parse_size
 from memtrain.report.by_module import module_table_lines
@@ -110,9 +112,17 @@ def device_type_for(args: argparse.Namespace, cfg: Any) -> str:
 def add_args(p: argparse.ArgumentParser) -> None:
     add_model_choice(p)
     p.add_argument("--mode", choices=("train", "inference"), default="train",
-                   help="train: one steady-state training step; inference: one forward without autograd.")
+                   help="train: one steady-state training step; inference: memtrain generate, --batch-size "
+                        "sequences of a --seq-len-token prompt and --new-tokens sampled tokens (weights, KV cache, "
+                        "the prompt's forward, sampling), analytic; with --new-tokens 0, one forward of memtrain's GPT "
+                        "over every position without autograd.")
     p.add_argument("--weights-dtype", choices=("fp32", "bf16", "fp16", "int8"), default="bf16",
-                   help="Inference mode: the dtype the weights are stored in (default bf16).")
+                   help="Inference mode: the dtype the weights are stored in and computed in (default bf16; "
+                        "memtrain generate itself loads float32; int8 only with --new-tokens 0).")
+    p.add_argument("--new-tokens", type=int_in(0, MAX_WIDTH, "a token count"), default=DEFAULT_NEW_TOKENS, metavar="N",
+                   help=f"Inference mode: tokens generate samples after the --seq-len prompt (default "
+                        f"{DEFAULT_NEW_TOKENS}, as memtrain generate --max-new-tokens); the KV cache ends at "
+                        "prompt + N - 1 positions. 0: one forward without a cache (memtrain's GPT only).")
     add_device_type_flag(p, "Kernel facts to assume (dropout masks, SDPA kernels); default: from --device.")
     p.add_argument("--world-size", type=world_size, default=1, help="Data-parallel ranks (memory is per rank).")
     p.add_argument("--shard", choices=("none", "zero1", "zero2", "fsdp"), default=None,
@@ -153,7 +163,9 @@ def _table(rows: list[tuple[str, str, str]]) -> str:
 def run(args: argparse.Namespace) -> int:
     cfg, arch = resolve_model(args)
     rc = _run(args, cfg, arch)
-    note = defaults_note(cfg)
+    # generate's estimate is SDPA's whatever the training default: no attention default to name
+    generate = args.mode == "inference" and args.new_tokens > 0
+    note = defaults_note(cfg.replace(attention="sdpa") if generate else cfg)
     if rc == 0 and note and not args.json:
         print(note)
     return rc
@@ -162,27 +174,10 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
     _check_module_table(args, cfg)
     _check_max_len(args)
+    if args.mode == "inference":
+        return _run_inference(args, cfg, arch)
     if arch is None:
         return _run_traced(args, cfg)
-    if args.mode == "inference":
-        if args.budget is not None:
-            raise ConfigError("--budget judges a training step; drop --mode inference, or drop --budget")
-        res = estimate_inference(cfg, args.weights_dtype, arch)
-        if args.json:
-            print(json.dumps(res, indent=2, default=float))
-            return 0
-        b = res["bytes"]
-        print(f"inference, {res['parameters']:,} parameters, weights {args.weights_dtype}, "
-              f"batch {cfg.train.batch_size} x seq {cfg.train.seq_len}")
-        print(_table([("weights", fmt_bytes(b["weights"]), ""),
-                      ("one block (transient)", fmt_bytes(b["activations"]), ""),
-                      ("logits (all positions)", fmt_bytes(b["logits"]), ""),
-                      ("peak", fmt_bytes(res["peak_bytes"]), res["peak_phase"]),
-                      ("rule: 1.2 x weights", fmt_bytes(res["rule_of_thumb_bytes"]),
-                       "holds" if res["rule_holds"] else f"breaks ({res['ratio_to_weights']:.2f} x weights)")]))
-        if args.explain:
-            print("\n".join("  " + line for line in res["explanation"]))
-        return 0
     device_type = device_type_for(args, cfg)
     shard = _shard(args, cfg)
     _check_gpu_flag(args, device_type)
@@ -324,9 +319,75 @@ def _shard(args: argparse.Namespace, cfg: Any) -> Any:
     return shard
 
 
+def _run_inference(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
+    """--mode inference: memtrain generate's memory (--new-tokens N), or one forward of
+    memtrain's GPT (--new-tokens 0); analytic either way."""
+    if args.budget is not None:
+        raise ConfigError("--budget judges a training step; drop --mode inference, or drop --budget")
+    if args.trace or args.full_trace:
+        raise ConfigError("--trace traces a training step; --mode inference is analytic (checked against a measured "
+                          "generate in the tests), drop --trace")
+    if args.new_tokens == 0:
+        if arch is None:
+            raise ConfigError("--new-tokens 0 (one forward of every position) is modelled for memtrain's GPT only; "
+                              "give --new-tokens N (>= 1) to estimate a transformers model's generate")
+        return _print_forward(args, cfg, estimate_inference(cfg, args.weights_dtype, arch))
+    _check_generate_flags(cfg)
+    res = estimate_generate_run(cfg, args.weights_dtype, arch, args.new_tokens)
+    if args.json:
+        print(json.dumps(res, indent=2, default=float))
+        return 0
+    b = res["bytes"]
+    name = cfg.model.model or args.preset or "memtrain's GPT (generated as GPT2LMHeadModel)"
+    print(f"inference (memtrain generate), {name}: {res['parameters']:,} parameters, weights {args.weights_dtype}; "
+          f"{res['batch']} sequences x (prompt {res['prompt_tokens']} + {res['new_tokens']} new tokens), "
+          f"sampling {res['sampling']}, SDPA")
+    print(_table([("weights", fmt_bytes(b["weights"]), ""),
+                  ("KV cache (end of generate)", fmt_bytes(b["kv_cache"]),
+                   f"{res['cache_positions']} positions; {fmt_bytes(res['kv_cache_at_peak'])} at the peak"),
+                  ("transient at the peak", fmt_bytes(b["activations"]), "activations, logits, sampling, token ids"),
+                  ("peak", fmt_bytes(res["peak_bytes"]), res["peak_phase"]),
+                  ("rule: 1.2 x weights", fmt_bytes(res["rule_of_thumb_bytes"]),
+                   "holds" if res["rule_holds"] else f"breaks ({res['ratio_to_weights']:.2f} x weights)")]))
+    print("  live tensor bytes (what memtrain's memory meter counts); a GPU adds the CUDA context and the "
+          "caching allocator's rounding")
+    if args.explain:
+        print("\n".join("  " + line for line in res["explanation"]))
+    return 0
+
+
+def _check_generate_flags(cfg: Any) -> None:
+    """The settings generate's estimate cannot honour: another attention than the SDPA memtrain
+    generate loads, a sliding window of our own."""
+    tech = cfg.technique
+    if "attention" in (getattr(cfg, "given_settings", None) or ()) and tech.attention != "sdpa":
+        raise ConfigError(f"--attention {tech.attention}: memtrain generate loads the model with SDPA, the only "
+                          "attention its estimate models; drop --attention (or --new-tokens 0 for one forward of "
+                          "memtrain's GPT)")
+    if tech.window is not None:
+        raise ConfigError("--window is not modelled for generate (its KV cache keeps every position); drop --window")
+
+
+def _print_forward(args: argparse.Namespace, cfg: Any, res: dict[str, Any]) -> int:
+    """--mode inference --new-tokens 0: one forward of memtrain's GPT (every position's logits)."""
+    if args.json:
+        print(json.dumps(res, indent=2, default=float))
+        return 0
+    b = res["bytes"]
+    print(f"inference (one forward, no KV cache), {res['parameters']:,} parameters, weights {args.weights_dtype}, "
+          f"batch {cfg.train.batch_size} x seq {cfg.train.seq_len}")
+    print(_table([("weights", fmt_bytes(b["weights"]), ""),
+                  ("one block (transient)", fmt_bytes(b["activations"]), ""),
+                  ("logits (all positions)", fmt_bytes(b["logits"]), ""),
+                  ("peak", fmt_bytes(res["peak_bytes"]), res["peak_phase"]),
+                  ("rule: 1.2 x weights", fmt_bytes(res["rule_of_thumb_bytes"]),
+                   "holds" if res["rule_holds"] else f"breaks ({res['ratio_to_weights']:.2f} x weights)")]))
+    if args.explain:
+        print("\n".join("  " + line for line in res["explanation"]))
+    return 0
+
+
 def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
-    if args.mode != "train":
-        raise ConfigError("--mode inference is analytic for memtrain's GPT only; drop --mode for a transformers --model")
     device_type = args.trace_device or device_type_for(args, cfg)
     _check_gpu_flag(args, device_type)
     refuse_max_len_when_traced(args.max_len, cfg, device_type, "--full-trace" if args.full_trace else None)

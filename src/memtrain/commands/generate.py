@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from memtrain.analysis.estimate.generation import DEFAULT_NEW_TOKENS
 from memtrain.analysis.limits import MAX_WIDTH
 from memtrain.cli import register
 from memtrain.config.argtypes import batch_count, int_in, non_negative_float, seed_value, token_count, user_path
@@ -17,7 +18,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default="", help="Text to continue (default: start of a document).")
     # Every value is checked here (exit 2 before the model loads): NaN, inf or a negative
     # temperature, a seed or count beyond 64 bits would otherwise fail deep inside torch.
-    p.add_argument("--max-new-tokens", type=token_count, default=64, help="Tokens to sample (default 64).")
+    p.add_argument("--max-new-tokens", type=token_count, default=DEFAULT_NEW_TOKENS,
+                   help=f"Tokens to sample (default {DEFAULT_NEW_TOKENS}); memtrain estimate --mode inference --new-tokens "
+                        "N predicts the memory.")
     p.add_argument("--temperature", type=non_negative_float, default=0.8,
                    help="Softmax temperature, finite and >= 0; 0 = greedy (default 0.8).")
     p.add_argument("--top-k", type=int_in(0, MAX_WIDTH, "a token count"), default=50,

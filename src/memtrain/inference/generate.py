@@ -137,10 +137,19 @@ def positions(config: Any) -> Optional[int]:
 
 
 # --------------------------------------------------------------------------- sampling
+def generation_config(max_new_tokens: int, temperature: float, top_k: int, pad: int) -> Any:
+    """The ``GenerationConfig`` memtrain generate samples with (and estimate --mode inference
+    models): temperature and top-k sampling, greedy at temperature 0; no eos, so every sample is
+    ``max_new_tokens`` long and no padding is ever written (``pad``: a token id it would use)."""
+    transformers = require_transformers()
+    sampling = dict(do_sample=True, temperature=temperature, top_k=top_k or None) if temperature > 0 else dict(do_sample=False)
+    return transformers.GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=None, **sampling)
+
+
 def generate(model_path: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int,
              num_samples: int, seed: int) -> list[str]:
     """``num_samples`` continuations of ``prompt`` (the new text only)."""
-    transformers = require_transformers()
+    require_transformers()
     hf, codec = load_for_sampling(model_path)
     if prompt:
         ids = codec.encode(prompt)
@@ -152,11 +161,8 @@ def generate(model_path: Path, prompt: str, max_new_tokens: int, temperature: fl
     if limit is not None and len(ids) + max_new_tokens > limit:
         raise ConfigError(f"prompt ({len(ids)} tokens) + --max-new-tokens {max_new_tokens} exceeds the model's "
                           f"{limit} positions; shorten one")
-    sampling = dict(do_sample=True, temperature=temperature, top_k=top_k or None) if temperature > 0 else dict(do_sample=False)
-    # No eos: every sample is max_new_tokens long, so no padding is ever written.
     pad = codec.start_id if codec.start_id is not None else ids[0]
-    settings = transformers.GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=None,
-                                             **sampling)
+    settings = generation_config(max_new_tokens, temperature, top_k, pad)
     torch.manual_seed(seed)
     x = torch.tensor([ids] * num_samples)
     with torch.no_grad():

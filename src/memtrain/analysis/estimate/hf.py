@@ -112,7 +112,8 @@ from memtrain.models.spec import (  # torch-free for the modelled families
     with_config_biases,
 )
 
-__all__ = ["MODELLED", "QKV_BIAS", "active_window", "config_window", "hf_arch", "modelled_arch", "why_not_modelled", "why_gpt2_not_modelled",
+__all__ = ["MODELLED", "QKV_BIAS", "active_window", "cache_window", "config_window", "hf_arch", "modelled_arch",
+           "why_not_modelled", "why_generate_not_modelled", "why_gpt2_not_modelled",
            "why_targets_not_modelled", "why_qlora_not_modelled", "analytic_estimate"]
 
 # model_type -> the layer code is Llama's (modeling_qwen2/modeling_mistral copy it)
@@ -215,6 +216,46 @@ def why_not_modelled(cfg: Any, device_type: Optional[str] = None) -> Optional[st
     rope = getattr(c, "rope_parameters", None) or {}
     if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
         return "a partial rotary embedding (partial_rotary_factor < 1) is not modelled analytically"
+    return None
+
+
+def cache_window(c: Any) -> Optional[int]:
+    """The window a ``DynamicCache`` caps a sliding layer's keys and values at, or None when no layer
+    slides: transformers' ``get_layer_types_and_kwargs`` takes ``layer_types`` when the config has
+    them (Qwen2: sliding only with ``use_sliding_window``), else every layer slides when
+    ``sliding_window`` is set (Mistral, Phi-3)."""
+    window = getattr(c, "sliding_window", None)
+    types = getattr(c, "layer_types", None)
+    if window is None or (types is not None and "sliding_attention" not in types):
+        return None
+    return int(window)
+
+
+def why_generate_not_modelled(c: Any, prompt: int, new_tokens: int) -> Optional[str]:
+    """None when the generate estimate (memtrain.analysis.estimate.generation) covers the
+    transformers config ``c`` for a ``prompt``-token prompt and ``new_tokens`` new tokens, else the
+    reason, naming what would be needed."""
+    if c.model_type not in MODELLED:
+        return f"no analytic model of {c.model_type} layers (only {', '.join(MODELLED)})"
+    window = cache_window(c)
+    if window is not None and prompt + new_tokens > window:
+        # DynamicSlidingWindowLayer keeps a view of the last window - 1 positions of each step's
+        # concatenation, and the mask turns windowed (SDPA then repeats grouped k/v heads).
+        return (f"a sliding-window KV cache (sliding_window {window} < --seq-len {prompt} + --new-tokens "
+                f"{new_tokens}) is not modelled; keep the prompt and new tokens within {window} positions")
+    if c.model_type in GPT2_LIKE:
+        if c.activation_function not in GPT2_ACTIVATIONS + ("gelu_pytorch_tanh",):
+            return (f"activation_function {c.activation_function} is not modelled for gpt2's generate (only "
+                    f"{', '.join(GPT2_ACTIVATIONS)}, gelu_pytorch_tanh)")
+        if c.add_cross_attention:
+            return "GPT-2's cross-attention layers (add_cross_attention) are not modelled"
+        return None
+    act = "gelu_pytorch_tanh" if c.model_type in GEMMA_LIKE else "silu"
+    if getattr(c, "hidden_act", act) != act:
+        return f"hidden_act {c.hidden_act} is not modelled for {c.model_type} (only {act})"
+    rope = getattr(c, "rope_parameters", None) or {}
+    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        return "a partial rotary embedding (partial_rotary_factor < 1) is not modelled"
     return None
 
 

@@ -1,27 +1,35 @@
-"""Forward-only (inference) memory."""
+"""Inference memory: ``memtrain generate`` (prefill, KV cache, decode) or one forward without autograd."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Optional
 
+from memtrain.analysis.estimate.generation import DTYPE_BYTES, GENERATE_DTYPES, estimate_generate
+from memtrain.analysis.estimate.hf import hf_arch, why_generate_not_modelled
 from memtrain.analysis.estimate.inventory import Dims, resolve_backend
 from memtrain.analysis.estimate.params import head_widths, param_count
 from memtrain.config.archs import GPT2_ARCH, Arch
 from memtrain.config.run import ConfigError, RunConfig
+from memtrain.models.spec import analytic_config, is_hf
 
-DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "int8": 1, "int4": 0.5}
+__all__ = ["DTYPE_BYTES", "estimate_inference", "estimate_generate_run"]
 
 
 # --------------------------------------------------------------------------- inference
 def estimate_inference(cfg: RunConfig, weights_dtype: str = "fp32", arch: Arch = GPT2_ARCH,
-                       batch: Optional[int] = None) -> dict[str, Any]:
-    """Forward-only memory: weights in ``weights_dtype`` plus one forward without autograd.
+                       batch: Optional[int] = None, new_tokens: int = 0, sampling: bool = True) -> dict[str, Any]:
+    """Inference memory, weights in ``weights_dtype``. ``new_tokens`` > 0: ``memtrain generate``
+    sampling that many tokens after a ``--seq-len`` prompt for each of ``--batch-size`` sequences
+    (:func:`estimate_generate_run`); 0: one forward of memtrain's GPT without autograd, below.
 
     Without grad nothing is saved, so the activations are transient: the residual stream, one
     block's largest intermediates (the attention scores and softmax for the math kernel, the MLP
     hidden) and, at the end, the logits of every position (b x s x V in the compute dtype).
     Compared with the rule of thumb "about 1.2 x the weights" (EleutherAI's Transformer Math 101).
     """
+    if new_tokens:
+        return estimate_generate_run(cfg, weights_dtype, None if is_hf(cfg) else arch, new_tokens, batch, sampling)
     if weights_dtype not in ("fp32", "bf16", "fp16", "int8"):
         raise ConfigError(f"--weights-dtype {weights_dtype!r}: choose fp32, bf16, fp16 or int8")
     m, t = cfg.model, cfg.train
@@ -75,3 +83,64 @@ def estimate_inference(cfg: RunConfig, weights_dtype: str = "fp32", arch: Arch =
                "outgrow 20% of the weights"),
         ],
     }
+
+
+def estimate_generate_run(cfg: RunConfig, weights_dtype: str, arch: Optional[Arch], new_tokens: int,
+                          batch: Optional[int] = None, sampling: bool = True) -> dict[str, Any]:
+    """``memtrain generate``'s memory for ``cfg`` (:mod:`memtrain.analysis.estimate.generation`):
+    a transformers model of a modelled family (``arch`` None: its
+    :func:`~memtrain.analysis.estimate.hf.hf_arch`), or memtrain's GPT (``arch``: the preset's),
+    which generate runs as a GPT2LMHeadModel (real vocabulary, biases, ``gelu_pytorch_tanh``).
+    ConfigError, naming what would be needed, where it is not modelled, and where the prompt and
+    new tokens exceed the model's positions (memtrain generate refuses that run too); memtrain's
+    GPT without a --max-seq-len takes a position table of that length."""
+    if weights_dtype not in GENERATE_DTYPES:
+        raise ConfigError(f"--weights-dtype {weights_dtype} is not modelled for generate (a transformers model "
+                          f"loads float weights): choose {', '.join(GENERATE_DTYPES)}"
+                          + ("" if is_hf(cfg) else ", or --new-tokens 0 for one forward of memtrain's GPT"))
+    t = cfg.train
+    m = cfg.model
+    total = t.seq_len + new_tokens
+    if is_hf(cfg):
+        assert m.model is not None  # is_hf: a transformers model is named
+        c = analytic_config(m.model)
+        reason = why_generate_not_modelled(c, t.seq_len, new_tokens)
+        if reason is not None:
+            raise ConfigError(f"--mode inference: {reason}")
+        arch = hf_arch(m.model)
+        limit = getattr(c, "n_positions", None) or getattr(c, "max_position_embeddings", None)
+    else:
+        limit = m.max_seq_len
+        if total > limit and "max_seq_len" not in (getattr(cfg, "given_settings", None) or ()):
+            limit = total  # a position table as long as the run, as --seq-len alone derives one
+            m = replace(m, max_seq_len=total)
+    if limit is not None and total > limit:
+        raise ConfigError(f"--seq-len {t.seq_len} + --new-tokens {new_tokens} exceeds the model's {limit} positions "
+                          "(memtrain generate refuses it); shorten one")
+    assert arch is not None
+    if not arch.hf and arch.name == "gpt2":
+        # memtrain.inference.export.hf_config: the real vocabulary (no padding rows) and biases always.
+        m = replace(m, vocab_multiple=1, bias=True)
+    res = estimate_generate(m, arch, batch or t.batch_size, t.seq_len, new_tokens, weights_dtype, sampling)
+    weights = res["bytes"]["weights"]
+    rule = 1.2 * weights
+    b, kv = res["bytes"], res["kv_cache_at_peak"]
+    res.update({
+        "mode": "inference",
+        "generate": True,
+        "rule_of_thumb_bytes": rule,
+        "ratio_to_weights": res["peak_bytes"] / weights,
+        "rule_holds": res["peak_bytes"] <= rule,
+        "explanation": [
+            f"weights = {res['parameters']:,} x {DTYPE_BYTES[weights_dtype]:g} B ({weights_dtype}), compute in the same dtype",
+            f"KV cache (DynamicCache) = 2 x {m.n_layers} layers x {res['batch']} sequences x {res['kv_width']} "
+            f"(kv heads x head dim) x {res['cache_positions']} positions (prompt + new tokens - 1: the last token "
+            f"is never fed back) x {res['compute_bytes']} B = {b['kv_cache']:,} B",
+            f"peak in {res['peak_phase']}: the cache then holds {kv:,} B, the rest ({b['activations']:,} B) is "
+            "transient: the prefill's layer intermediates over batch x prompt tokens, or a decode step's "
+            "old-beside-new cache tensor, the last position's logits and the sampling head's float32 (batch, vocab) "
+            "tensors, token ids",
+            f"rule of thumb 1.2 x weights = {rule / 2**30:.2f} GiB; here {res['peak_bytes'] / weights:.2f} x weights",
+        ],
+    })
+    return res

@@ -1,0 +1,167 @@
+"""The memory of ``memtrain generate``: transformers' ``generate`` with its KV cache, without running it.
+
+``memtrain generate`` samples through transformers' ``generate`` (memtrain.inference.generate),
+memtrain's GPT mapped onto ``GPT2LMHeadModel`` with a ``gelu_pytorch_tanh`` MLP. What it holds
+(transformers 5.x, no grad, SDPA, every prompt the same length, no padding):
+
+* the weights;
+* the KV cache, a ``DynamicCache``: per layer a key and a value tensor of shape (batch, kv heads,
+  length, head dim) in the compute dtype, grown by ``torch.cat`` each step, so while a layer
+  grows its old tensor and the new one (one position longer) both live. The prompt's forward
+  (the prefill) fills ``prompt`` positions and each of the ``new_tokens - 1`` decode steps adds
+  one (the last sampled token is never fed back): ``prompt + new_tokens - 1`` positions at the end;
+* the prefill's transient activations over ``batch x prompt`` tokens, largest in the last
+  layer's MLP, where every layer's cache is written: the MLP's intermediates (SwiGLU: SiLU(gate),
+  up and their product; Phi-3's fused gate/up output besides; GPT-2's ``gelu_new`` formula: four
+  (tokens, d_ff) tensors at once; a fused GELU: two), the residual stream, the normed input,
+  the layer's input (held by the model's loop), the embedding output (held by the model until
+  it returns; GPT-2's token and position embeddings, and the attention output its block holds),
+  and rope's cos/sin tables (batch x prompt x head dim each);
+* the logits of the last position only (``generate`` passes ``logits_to_keep=1``), and the
+  sampling head: a float32 copy of them, the temperature's and top-k's outputs, top-k's bool
+  mask and the softmax (greedy: the copy alone). Those of one step live until the next step
+  replaces them, so a decode step's cache update runs beside the previous step's, and its
+  sampling beside both;
+* the token ids, attention mask and positions (int64, ``batch x length``).
+
+Attention is SDPA (what ``memtrain generate`` loads): with no padding the mask is None, grouped
+k/v heads go to the kernel as they are (``enable_gqa``; one query: ``pack_gqa``), so no
+repeated copy is made. The peak is the largest of the prefill's last layer (MLP or attention),
+the prefill's sampling, and the last decode step's cache update and sampling.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memtrain.analysis.estimate.params import head_widths, param_count
+from memtrain.config.archs import Arch
+from memtrain.config.run import ModelConfig
+
+# Bytes per element of a weights dtype (int8/int4: the stored weights; they compute in 16 bits).
+DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "int8": 1, "int4": 0.5}
+# The weights dtypes a transformers model is loaded in for generate (no quantized kernels).
+GENERATE_DTYPES = ("fp32", "bf16", "fp16")
+ID_BYTES = 8  # token ids, attention mask and positions are int64
+FP32 = 4  # the sampling head runs in float32 (generate copies the logits to float32)
+DEFAULT_NEW_TOKENS = 64  # memtrain generate --max-new-tokens, and estimate --new-tokens
+
+__all__ = ["DEFAULT_NEW_TOKENS", "DTYPE_BYTES", "GENERATE_DTYPES", "estimate_generate", "kv_cache_bytes", "mlp_width_factor"]
+
+
+def kv_cache_bytes(n_layers: int, batch: int, kv_width: int, length: int, elem: int) -> int:
+    """A DynamicCache of ``length`` positions: a key and a value tensor per layer, each
+    (batch, kv heads, length, head dim) = ``batch x length x kv_width`` elements of ``elem`` bytes."""
+    return 2 * n_layers * batch * kv_width * length * elem
+
+
+def mlp_width_factor(arch: Arch) -> int:
+    """How many (tokens, d_ff) tensors the MLP holds at once without autograd (see the module
+    docstring): SwiGLU 3 (Phi-3's fused gate/up 4), GPT-2's gelu_new formula 4, a fused GELU 2."""
+    if arch.mlp == "swiglu":
+        return 4 if arch.fused_proj else 3
+    return 4 if arch.mlp == "gelu_new" else 2
+
+
+def estimate_generate(m: ModelConfig, arch: Arch, batch: int, prompt: int, new_tokens: int,
+                      weights_dtype: str, sampling: bool = True) -> dict[str, Any]:
+    """Peak memory of ``generate`` sampling ``new_tokens`` tokens after a ``prompt``-token prompt
+    for each of ``batch`` sequences, weights in ``weights_dtype`` (one of :data:`GENERATE_DTYPES`).
+    ``sampling``: memtrain generate's default (temperature and top-k); False: greedy.
+
+    ``m``/``arch``: the model's shape (a transformers family's Arch, or memtrain's GPT's, which
+    generate runs as GPT2LMHeadModel). The KV cache term is exact; the transient terms count the
+    tensors transformers' code holds (module docstring)."""
+    if new_tokens < 1:
+        raise ValueError("generate samples at least one token")
+    n_params = param_count(m, arch)[0]
+    wb = DTYPE_BYTES[weights_dtype]
+    a = int(wb)  # the compute dtype is the weights' (fp32, bf16, fp16)
+    b, s, d, f, V, L = batch, prompt, m.d_model, m.d_ff, m.vocab_size, m.n_layers
+    qw, kvw = head_widths(m, arch)
+    hd = arch.head_dim or m.head_dim
+    N = b * s
+    gpt2 = arch.name == "gpt2"
+    final_len = s + new_tokens - 1
+    weights = n_params * wb
+    cache = kv_cache_bytes(L, b, kvw, final_len, a)
+    cache_prompt = kv_cache_bytes(L, b, kvw, s, a)
+    layer_cache = kv_cache_bytes(1, b, kvw, s, a)
+
+    # The prefill: what the model holds across its layers, then the last layer's two candidates:
+    # its attention (a cache of `attn_cache` bytes written by then) and its MLP (all of it).
+    if gpt2:
+        # wte and wpe outputs (GPT2Model's locals), the block's input (the caller's), and the
+        # attention output GPT2Block keeps until it returns.
+        held = 4 * N * d * a
+        # At c_proj: ln_1's output, c_attn's (q is a view of it; SDPA's output takes its layout,
+        # so no copy) and SDPA's output; this layer's k/v are in the cache.
+        attn, attn_cache = N * a * (d + (qw + 2 * kvw) + qw), cache_prompt
+    else:
+        # The embedding output (the model's local until it returns), rope's cos and sin, and the
+        # layer's input (the caller's; the embedding itself in a one-layer model).
+        held = N * d * a + 2 * b * s * hd * a + (N * d * a if L > 1 else 0)
+        if arch.fused_proj:
+            # Phi-3, after SDPA: the normed input, the fused q/k/v output (v is a view of it), q
+            # after rope (its cat makes it contiguous as (b, h, s, hd)), SDPA's output in that
+            # layout and the transpose's contiguous copy; this layer's k/v are in the cache.
+            attn, attn_cache = N * a * (d + (qw + 2 * kvw) + 3 * qw), cache_prompt
+        else:
+            # rope on q, before the cache update: the normed input, k, v, q and q * cos, the
+            # rotated q times sin, their sum.
+            attn, attn_cache = N * a * (d + 4 * qw + 2 * kvw), cache_prompt - layer_cache
+    mlp = N * a * (2 * d + mlp_width_factor(arch) * f)  # residual, normed input, the MLP's intermediates
+    ids_prefill = 4 * b * s * ID_BYTES
+    layer_mlp = cache_prompt + held + mlp
+    layer_attn = attn_cache + held + attn
+    if not gpt2:
+        # The post-attention RMSNorm (float32 inside): the residual, the float32 input (the residual
+        # itself in float32) and the normalized tensor with its per-token mean and rstd; in float32
+        # at its end the residual, the normalized tensor and the output.
+        norm = N * (a * d + (8 * d if a == FP32 else 8 * d + 2 * FP32))
+        layer_attn = max(layer_attn, cache_prompt + held + norm)
+    fresh, kept, kept_while = _head_bytes(b, V, sampling)
+    logits = b * V * a  # the last position's only (logits_to_keep=1)
+    phases = {"prefill": max(layer_mlp, layer_attn) + ids_prefill,
+              "prefill sampling": cache_prompt + logits + fresh + ids_prefill}
+    caches = {"prefill": cache_prompt if layer_mlp >= layer_attn else attn_cache,
+              "prefill sampling": cache_prompt}
+    if new_tokens > 1:
+        # The ids and mask of final_len positions (the mask one longer once the step has run),
+        # and three prompt-sized int64 tensors generate keeps (the prompt, its mask, its positions).
+        ids_decode = 2 * b * final_len * ID_BYTES + 3 * b * s * ID_BYTES
+        # One token's tensors in the last layer while its cache grows: the embedding, the layer's
+        # input and normed input, q and k after rope and v (Llama-style: rope's cos and sin too;
+        # GPT-2: both embeddings and c_attn's fused output).
+        token = b * a * ((4 * d + qw + 2 * kvw) if gpt2 else (3 * d + qw + 2 * kvw + 2 * hd))
+        grow = kv_cache_bytes(1, b, kvw, final_len - 1, a) // 2  # one key (or value) tensor, old beside new
+        phases["decode cache update"] = cache + grow + kept + token + ids_decode
+        phases["decode sampling"] = cache + logits + kept_while + fresh + ids_decode + b * ID_BYTES
+        caches["decode cache update"] = caches["decode sampling"] = cache
+    phase = max(phases, key=lambda k: phases[k])
+    prefill_detail = "the last layer's MLP" if layer_mlp >= layer_attn else "the last layer before its MLP"
+    return {
+        "parameters": n_params,
+        "weights_dtype": weights_dtype,
+        "batch": b, "prompt_tokens": s, "new_tokens": new_tokens, "cache_positions": final_len,
+        "kv_width": kvw, "compute_bytes": a,
+        "sampling": "temperature + top-k" if sampling else "greedy",
+        "bytes": {"weights": weights, "kv_cache": cache, "activations": phases[phase] - caches[phase]},
+        "kv_cache_at_peak": caches[phase],
+        "phase_bytes": {k: weights + v for k, v in phases.items()},
+        "peak_bytes": weights + phases[phase],
+        "peak_phase": phase if phase != "prefill" else f"prefill ({prefill_detail})",
+    }
+
+
+def _head_bytes(b: int, V: int, sampling: bool) -> tuple[int, int, int]:
+    """The sampling head's float32 (batch, vocab) tensors, in bytes: (made by one step at its
+    busiest, kept from one step to the next, kept from the previous step while the next samples).
+
+    Sampling: the float32 copy of the logits, the temperature's output, top-k's bool mask and its
+    output (13 B a row entry); the copy, the scores and the softmax live on (12 B) until the next
+    step replaces them, the copy first (so 8 B beside the next step's). Greedy: the copy (argmax
+    reads it in place)."""
+    if sampling:
+        return (3 * FP32 + 1) * b * V, 3 * FP32 * b * V, 2 * FP32 * b * V
+    return FP32 * b * V, FP32 * b * V, FP32 * b * V

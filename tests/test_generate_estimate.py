@@ -1,0 +1,164 @@
+"""estimate --mode inference against a measured ``generate``: tiny transformers models (and
+memtrain's GPT as generate runs it) sample on the CPU under the tracked memory meter, with the
+GenerationConfig memtrain generate uses; the estimate's peak must be within 1% of the measured
+peak and its KV cache exactly the bytes of the DynamicCache generate filled.
+
+1%, not the 5% aimed at: the estimate counts the tensors transformers' code holds, so what is left
+is the rotary inv_freq buffers (a few hundred bytes) and, at bf16, the float32 RMSNorm's small
+(tokens, 1) statistics; measured errors on this grid are under 0.1% (docs/estimation.md).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from memtrain.analysis.estimate import GPT2_ARCH, estimate_inference
+from memtrain.cli import main
+from memtrain.config.run import build_config
+from memtrain.metrics import MemoryMeter
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 512
+_BASE = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=VOCAB, max_position_embeddings=1024)
+
+
+def _config(family: str, **over):
+    """A tiny config of ``family`` (GPT-2: with gelu_new, or gelu_pytorch_tanh as memtrain's export)."""
+    if family.startswith("gpt2"):
+        act = "gelu_pytorch_tanh" if family == "gpt2-tanh" else "gelu_new"
+        return transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=1024,
+                                       bos_token_id=0, eos_token_id=0, activation_function=act, **over)
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "phi3": transformers.Phi3Config,
+           "gemma": transformers.GemmaConfig, "mistral": transformers.MistralConfig}[family]
+    extra = {"phi3": dict(pad_token_id=0), "gemma": dict(head_dim=16), "mistral": dict(sliding_window=None)}
+    return cls(**{**_BASE, **extra.get(family, {}), **over})
+
+
+def _measure(model, batch: int, prompt: int, new_tokens: int, cache=None, vocab: int = VOCAB) -> int:
+    """Peak tracked bytes of memtrain generate's sampling call on ``model`` (weights included)."""
+    from memtrain.inference.generate import generation_config
+
+    torch.manual_seed(0)
+    x = torch.randint(1, vocab, (batch, prompt))
+    extra = {} if cache is None else {"cache": cache}
+    meter = MemoryMeter(model)
+    with torch.no_grad(), meter:
+        meter.track(x)
+        model.generate(x, attention_mask=torch.ones_like(x), generation_config=generation_config(new_tokens, 0.8, 50, 0),
+                       **extra)
+    return meter.stats().peak_bytes
+
+
+def _saved(tmp_path, config, dtype):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+    model.save_pretrained(tmp_path)
+    return model
+
+
+def _estimate(capsys, *flags: str) -> dict:
+    assert main(["estimate", "--mode", "inference", *flags, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+# family, dtype, batch, prompt, new tokens: prefill-bound, decode-bound, attention-bound, sampling-bound
+GRID = [
+    ("llama", "fp32", 4, 64, 32, {}),
+    ("llama", "fp32", 4, 16, 200, {}),
+    ("llama", "bf16", 4, 64, 32, {}),
+    ("llama", "bf16", 4, 64, 4, dict(intermediate_size=16)),
+    ("llama", "fp32", 8, 4, 2, {}),
+    ("qwen2", "fp32", 2, 32, 64, {}),
+    ("mistral", "fp32", 3, 48, 20, {}),
+    ("phi3", "fp32", 4, 64, 4, dict(intermediate_size=16)),
+    ("phi3", "fp32", 2, 8, 300, {}),
+    ("gemma", "bf16", 4, 64, 8, {}),
+    ("gpt2", "fp32", 4, 16, 200, {}),
+    ("gpt2", "bf16", 4, 64, 8, {}),
+    ("gpt2-tanh", "fp32", 2, 16, 100, {}),
+    ("gpt2", "fp32", 4, 64, 4, dict(n_inner=16)),
+]
+
+
+@pytest.mark.parametrize("family,dtype,batch,prompt,new,over", GRID,
+                         ids=[f"{g[0]}-{g[1]}-b{g[2]}-s{g[3]}-n{g[4]}" + ("-narrow" if g[5] else "") for g in GRID])
+def test_generate_peak_matches_the_measured_one(tmp_path, capsys, family, dtype, batch, prompt, new, over):
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    model = _saved(tmp_path, _config(family, **over), torch_dtype)
+    measured = _measure(model, batch, prompt, new)
+    est = _estimate(capsys, "--model", str(tmp_path), "--weights-dtype", dtype, "--batch-size", str(batch),
+                    "--seq-len", str(prompt), "--new-tokens", str(new))
+    # `pytest -s` prints the figures docs/estimation.md quotes
+    print(f"\n{family} {dtype} b{batch} s{prompt} n{new}{' narrow' if over else ''}: measured {measured:,} B, "
+          f"estimated {est['peak_bytes']:,} B ({est['peak_bytes'] / measured - 1:+.3%}), {est['peak_phase']}; "
+          f"KV cache {est['bytes']['kv_cache']:,} B")
+    assert est["peak_bytes"] == pytest.approx(measured, rel=0.01), (est["peak_phase"], est["phase_bytes"], measured)
+    assert est["bytes"]["weights"] == sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_kv_cache_is_exactly_the_dynamic_cache(tmp_path, capsys, family):
+    model = _saved(tmp_path, _config(family), torch.float32)
+    cache = transformers.DynamicCache(config=model.config)
+    _measure(model, 3, 20, 12, cache=cache)
+    held = sum(t.untyped_storage().nbytes() for layer in cache.layers for t in (layer.keys, layer.values))
+    est = _estimate(capsys, "--model", str(tmp_path), "--weights-dtype", "fp32", "--batch-size", "3",
+                    "--seq-len", "20", "--new-tokens", "12")
+    assert est["cache_positions"] == 20 + 12 - 1 and cache.get_seq_length() == est["cache_positions"]
+    assert est["bytes"]["kv_cache"] == held
+
+
+def test_our_gpt_generates_as_gpt2_with_its_cache():
+    """memtrain generate samples memtrain's GPT as GPT2LMHeadModel (memtrain.inference.export):
+    its real vocabulary (not the padded table), biases, gelu_pytorch_tanh, a DynamicCache."""
+    from memtrain.inference.export import to_hf_model
+    from memtrain.models.gpt import GPT
+
+    cfg = build_config(dict(vocab_size=500, vocab_multiple=64, d_model=64, n_heads=4, n_layers=2, d_ff=256,
+                            max_seq_len=128, dropout=0.0, batch_size=4, seq_len=48))
+    torch.manual_seed(0)
+    hf = to_hf_model(GPT(cfg.model), cfg)
+    measured = _measure(hf, 4, 48, 40, vocab=500)
+    est = estimate_inference(cfg, "fp32", GPT2_ARCH, new_tokens=40)
+    assert est["peak_bytes"] == pytest.approx(measured, rel=0.01)
+    assert est["bytes"]["kv_cache"] == 2 * 2 * 4 * 64 * (48 + 40 - 1) * 4
+
+
+def _error_line(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.mark.parametrize("flags,expect", [
+    (["--weights-dtype", "int8"], "choose fp32, bf16, fp16"),
+    (["--attention", "math"], "loads the model with SDPA"),
+    (["--trace"], "drop --trace"),
+    (["--new-tokens", "0"], "memtrain's GPT only"),
+    (["--seq-len", "1000", "--new-tokens", "100"], "exceeds the model's 1024 positions"),
+    (["--window", "16"], "drop --window"),
+])
+def test_what_generate_does_not_model_is_one_error_line(tmp_path, capsys, flags, expect):
+    _config("llama").save_pretrained(tmp_path)
+    assert expect in _error_line(capsys, ["estimate", "--mode", "inference", "--model", str(tmp_path), *flags])
+
+
+def test_a_sliding_window_cache_that_caps_is_refused(tmp_path, capsys):
+    _config("mistral", sliding_window=64).save_pretrained(tmp_path)
+    argv = ["estimate", "--mode", "inference", "--model", str(tmp_path), "--seq-len", "32"]
+    assert "sliding-window KV cache" in _error_line(capsys, [*argv, "--new-tokens", "40"])
+    assert main([*argv, "--new-tokens", "32", "--json"]) == 0  # within the window: a plain cache
+
+
+def test_the_cli_prints_the_cache_and_the_peak_phase(capsys):
+    assert main(["estimate", "--mode", "inference", "--model", "llama-3-8b", "--batch-size", "8", "--seq-len", "2048",
+                 "--new-tokens", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert "KV cache (end of generate)" in out and "4.00 GiB" in out and "4095 positions" in out
+    assert "decode cache update" in out and "attention=" not in out
