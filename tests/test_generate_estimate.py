@@ -4,8 +4,9 @@ GenerationConfig memtrain generate uses; the estimate's peak must be within 1% o
 peak and its KV cache exactly the bytes of the DynamicCache generate filled.
 
 1%, not the 5% aimed at: the estimate counts the tensors transformers' code holds, so what is left
-is the rotary inv_freq buffers (a few hundred bytes) and, at bf16, the float32 RMSNorm's small
-(tokens, 1) statistics; measured errors on this grid are under 0.1% (docs/estimation.md).
+is the rotary inv_freq buffers (a few hundred bytes), a decode step's small per-token tensors
+(Phi-3's fused q/k/v output) and, at bf16, the float32 RMSNorm's (tokens, 1) statistics; measured
+errors on this grid are under 0.1% (docs/estimation.md).
 """
 
 from __future__ import annotations
