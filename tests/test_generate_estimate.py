@@ -163,3 +163,16 @@ def test_the_cli_prints_the_cache_and_the_peak_phase(capsys):
     out = capsys.readouterr().out
     assert "KV cache (end of generate)" in out and "4.00 GiB" in out and "4095 positions" in out
     assert "decode cache update" in out and "attention=" not in out
+
+
+def test_the_cache_at_the_peak_is_the_cache_written_by_then(tmp_path, capsys):
+    """Before the last layer's cache update (Llama's rope) the cache holds one layer less; at its
+    RMSNorm (bf16, a narrow MLP) and in decode every layer's."""
+    _config("llama", intermediate_size=16).save_pretrained(tmp_path)
+    flags = ["--model", str(tmp_path), "--batch-size", "4", "--seq-len", "64", "--new-tokens", "4"]
+    layer = 2 * 4 * 32 * 64  # k and v of one layer: batch x kv width x prompt, one byte each
+    fp32 = _estimate(capsys, *flags, "--weights-dtype", "fp32")
+    bf16 = _estimate(capsys, *flags, "--weights-dtype", "bf16")
+    assert fp32["peak_phase"] == bf16["peak_phase"] == "prefill (the last layer before its MLP)"
+    assert fp32["kv_cache_at_peak"] == 4 * layer  # rope on q, layer 1's cache not written yet
+    assert bf16["kv_cache_at_peak"] == 2 * 2 * layer  # the post-attention RMSNorm: both layers'

@@ -119,7 +119,8 @@ def estimate_generate(m: ModelConfig, arch: Arch, batch: int, prompt: int, new_t
         # itself in float32) and the normalized tensor with its per-token mean and rstd; in float32
         # at its end the residual, the normalized tensor and the output.
         norm = N * (a * d + (8 * d if a == FP32 else 8 * d + 2 * FP32))
-        layer_attn = max(layer_attn, cache_prompt + held + norm)
+        if cache_prompt + held + norm > layer_attn:
+            layer_attn, attn_cache = cache_prompt + held + norm, cache_prompt  # every k/v written by then
     fresh, kept, kept_while = _head_bytes(b, V, sampling)
     logits = b * V * a  # the last position's only (logits_to_keep=1)
     phases = {"prefill": max(layer_mlp, layer_attn) + ids_prefill,
