@@ -112,7 +112,7 @@ from memtrain.models.spec import (  # torch-free for the modelled families
     with_config_biases,
 )
 
-__all__ = ["MODELLED", "QKV_BIAS", "active_window", "cache_window", "config_window", "hf_arch", "modelled_arch",
+__all__ = ["MODELLED", "QKV_BIAS", "active_window", "config_window", "hf_arch", "modelled_arch",
            "why_not_modelled", "why_generate_not_modelled", "why_gpt2_not_modelled",
            "why_targets_not_modelled", "why_qlora_not_modelled", "analytic_estimate"]
 
@@ -134,8 +134,11 @@ FSDP_SHARDS = ("zero2", "fsdp", "deepspeed-zero2", "deepspeed-zero3")
 
 
 def config_window(c: Any) -> Optional[int]:
-    """config.json's sliding window on the layers that use it (Mistral's ``sliding_window``;
-    Qwen2's with ``use_sliding_window``, on the layers from ``max_window_layers`` on), or None."""
+    """config.json's sliding window on the layers that use it (Mistral's and Phi-3's
+    ``sliding_window``; Qwen2's with ``use_sliding_window``, on the layers from
+    ``max_window_layers`` on), or None. The same layers' ``DynamicCache`` keeps at most the window
+    (transformers' ``get_layer_types_and_kwargs`` reads ``layer_types``, which Qwen2's config
+    derives from ``use_sliding_window``)."""
     window = getattr(c, "sliding_window", None)
     if window is None or getattr(c, "use_sliding_window", True) is False:
         return None
@@ -219,25 +222,13 @@ def why_not_modelled(cfg: Any, device_type: Optional[str] = None) -> Optional[st
     return None
 
 
-def cache_window(c: Any) -> Optional[int]:
-    """The window a ``DynamicCache`` caps a sliding layer's keys and values at, or None when no layer
-    slides: transformers' ``get_layer_types_and_kwargs`` takes ``layer_types`` when the config has
-    them (Qwen2: sliding only with ``use_sliding_window``), else every layer slides when
-    ``sliding_window`` is set (Mistral, Phi-3)."""
-    window = getattr(c, "sliding_window", None)
-    types = getattr(c, "layer_types", None)
-    if window is None or (types is not None and "sliding_attention" not in types):
-        return None
-    return int(window)
-
-
 def why_generate_not_modelled(c: Any, prompt: int, new_tokens: int) -> Optional[str]:
     """None when the generate estimate (memtrain.analysis.estimate.generation) covers the
     transformers config ``c`` for a ``prompt``-token prompt and ``new_tokens`` new tokens, else the
     reason, naming what would be needed."""
     if c.model_type not in MODELLED:
         return f"no analytic model of {c.model_type} layers (only {', '.join(MODELLED)})"
-    window = cache_window(c)
+    window = config_window(c)  # the window a DynamicCache caps a sliding layer's keys and values at
     if window is not None and prompt + new_tokens > window:
         # DynamicSlidingWindowLayer keeps a view of the last window - 1 positions of each step's
         # concatenation, and the mask turns windowed (SDPA then repeats grouped k/v heads).
