@@ -85,7 +85,7 @@ def config_position_params(cfg: ModelConfig) -> int:
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(load_config(cfg.model))
+        model = AutoModelForCausalLM.from_config(load_config(cfg.model), trust_remote_code=False)
     return model_rule_params(model).positions
 
 
