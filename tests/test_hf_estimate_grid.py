@@ -91,17 +91,9 @@ DEFAULT = {"llama-h72-6q2kv-L3-fp32-sdpa-ckpt_none", "llama-h96-4q4kv-L5-fp32-sd
            "gpt2-h120-6q3kv-L3-bf16-pure-math-ckpt_none", "gpt2-h96-4q4kv-L5-bf16-pure-sdpa-lora4-ckpt_full"}
 
 # Measured gaps the analytic model still has (estimate / trace - 1 of a measure above, on
-# torch 2.13 and transformers 5.24). Strict: a case that comes within 1% fails here until it
-# leaves this table. All are forward peaks under the trace (the backward within 0.05%) of
-# checkpointed layers with eager attention or wide heads under LoRA or the chunked loss: Phi-3's
-# fused q/k/v and its wider heads (docs/estimation.md, "The forward peak").
-KNOWN: dict[str, float] = {
-    "phi3-h168-6q6kv-L5-qkv_proj-bf16-pure-math-ckpt_full-chunked": -0.0153,
-    "phi3-h96-4q4kv-L5-qkv_proj+o_proj-bf16-math-ckpt_full-chunked": -0.0190,
-    "phi3-h168-6q6kv-L5-qkv_proj+o_proj-bf16-pure-math-ckpt_full-chunked": -0.0152,
-    "phi3-wide_heads-h200-10q2kv-L1-bf16-math-lora4-ckpt_full-chunked": -0.0145,
-    "phi3-wide_heads-h200-10q2kv-L1-bf16-pure-math-ckpt_full-standard": -0.0102,
-}
+# torch 2.13 and transformers 5.24), each a case id mapped to its figure. Strict: a case that
+# comes within 1% fails here until it leaves this table. None at present.
+KNOWN: dict[str, float] = {}
 
 
 def _known_reason(cid: str) -> str:

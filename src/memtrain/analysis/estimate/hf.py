@@ -85,7 +85,11 @@ soft-capping, sandwich norms) are not modelled: ``estimate`` traces them and say
   sharding of the NF4 weights (:func:`why_qlora_not_modelled`).
 * Under autocast rope's float32 q and k (the bf16 projections times the float32 tables), with v,
   are the attention function's locals until o_proj has run, while the kernels keep bf16 copies
-  (``hf_nodes.held_locals``), when q, k and v come from separate Linears (peft's adapters).
+  (``hf_nodes.held_locals``); eager attention's repeat_kv copies the float32 k in float32, and
+  adding the model's float32 mask makes the scores float32, which the softmax reads uncast.
+* Phi-3's attention and MLP hold their fused output as a local until they return (``qkv``, whose
+  slice v is, until o_proj has run; ``gate``, a chunk of gate_up_proj's output, until down_proj
+  has), whether or not an op saved it.
 * Phi-3's fused gate/up output is chunked: its gradient is the concatenation of gate's and up's,
   (N, 2 d_ff), made before the Linear's backward runs.
 * A sliding window no longer than the sequence (config.json's on every layer, ``Arch.sliding_window``,

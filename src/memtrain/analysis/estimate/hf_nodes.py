@@ -121,7 +121,7 @@ def hf_rope_node(dm: Any, qkv: list[str], out: str, v_view: bool = False, kernel
     steps = (("alloc", "q_cos", Q), ("alloc", "q_cat", Q), ("alloc", "q_sin", Q), ("free", "q_cat", 0.0),
              ("free", "q_cos", 0.0), ("free", "q_sin", 0.0), ("outputs", "", 0.0), ("alloc", "k_sin", K))
     outs: list[tuple] = [(out, N * (d + (kv if v_view else 2 * kv)) * a)]
-    if held_locals(dm, qkv):
+    if held_locals(dm):
         # Under autocast the tables are float32 (the embeddings' dtype) and the bf16 projections
         # times them make float32 q and k: the attention function's locals until o_proj has run
         # (:func:`held_locals`), saved by nothing, so they live through a checkpointed layer's
@@ -131,13 +131,16 @@ def hf_rope_node(dm: Any, qkv: list[str], out: str, v_view: bool = False, kernel
         # ``kernel_casts``).
         # A float32 v (``v32``: a bias added after QLoRA's NF4 matmul, in float32) is a local too,
         # and the kernels cast it (SDPA's cast in ``out``; eager attention's matmul its own copy).
+        # Phi-3's v (``v_view``) is a slice of the fused output, which Phi3Attention.forward holds
+        # itself (its ``qkv``, until o_proj has run): ``out`` has no v of its own then.
         v_local = N * kv * 4 if v32 else 0.0
-        outs = [(out, (0.0 if v32 else N * kv * a) if kernel_casts else N * (d + 2 * kv) * a),
-                (f"{out}.locals", N * (d + kv) * 4 + v_local)]
+        v = 0.0 if v32 or v_view else N * kv * a
+        sdpa_casts = N * (d + kv + (kv if v32 else 0)) * a
+        outs = [(out, v if kernel_casts else v + sdpa_casts), (f"{out}.locals", N * (d + kv) * 4 + v_local)]
         if dm.masked_sdpa:
             # SDPA's casts are of q and of the repeated k and v (masked_kv_dtypes): ``out`` is q's,
-            # ``out.kv`` v itself (a float32 v: a local already).
-            outs[:1] = [(out, N * d * a), (f"{out}.kv", 0.0 if v32 else N * kv * a)]
+            # ``out.kv`` v itself (none where v is float32, a local already, or Phi-3's slice).
+            outs[:1] = [(out, N * d * a), (f"{out}.kv", v)]
     elif dm.masked_sdpa:
         # SDPA with a mask keeps q and the repeated k and v: rope's k (and v) go when the attention
         # returns, so they are a storage apart, ``out.kv`` (Phi-3: k alone; v is a view of the fused
@@ -162,11 +165,12 @@ def masked_kv_dtypes(dm: Any, per_linear: bool, v32: bool) -> tuple[float, float
     return k, v
 
 
-def held_locals(dm: Any, qkv: list[str]) -> bool:
+def held_locals(dm: Any) -> bool:
     """Whether :func:`hf_rope_node` keeps rope's float32 q and k (and v) apart as
-    ``<out>.locals``: under autocast, with q, k and v made by separate Linears (peft's adapters:
-    ``qkv`` names three outputs); the layer's o_proj then holds those locals, not ``out``."""
-    return bool(dm.autocast) and dm.a != 4 and len(qkv) == 3
+    ``<out>.locals``: under autocast, whose float32 rotary tables make q and k float32 however
+    the projections run (one Linear each, peft's adapters one after the other, or Phi-3's fused
+    qkv_proj); the layer's o_proj then holds those locals (and, with eager attention, v)."""
+    return bool(dm.autocast) and dm.a != 4
 
 
 def gelu_new_nodes(dm: Any, name: str, src: str, out: str) -> list[Any]:

@@ -475,6 +475,7 @@ def _scores_softmax(nodes: list[Node], dm: Dims, p: str, score_elems: float, mas
     softmax -> cast back -> dropout. Returns the key of the probabilities the second matmul reads.
     ``mask_made``: the caller made the additive mask ``{p}.m`` already (SDPA's math path)."""
     a, sc = dm.a, score_elems
+    s2_bytes = a  # the masked scores' bytes per element
     nodes.append(Node(f"{p}.scale", out=[(f"{p}.s1", sc * a)], inputs=[f"{p}.s0"], grads=[(f"{p}.s0", sc * a)]))
     if dm.additive_mask or mask_made:
         # GPT-2's layers add a float mask (nothing saved): eager attention the one GPT2Model
@@ -483,16 +484,22 @@ def _scores_softmax(nodes: list[Node], dm: Dims, p: str, score_elems: float, mas
         own = [(f"{p}.m", mask_elems * 4)] if kind != "math" else []
         if not mask_made:
             nodes.append(Node(f"{p}.mask", out=own, fwd_scratch=2 * mask_elems if own else 0.0))
-        nodes.append(Node(f"{p}.masked", out=[(f"{p}.s2", sc * a)], inputs=[f"{p}.s1"] + [o[0] for o in own],
-                           grads=[(f"{p}.s1", 0.0)]))
+        # Eager attention adds the model's mask, made in the embeddings' dtype (the parameters':
+        # float32 under autocast): type promotion makes the sum of the low-precision scores and
+        # it a float32 tensor, which the softmax then reads without a cast, and whose gradient
+        # the add's backward casts back to the scores' dtype (a copy).
+        s2_bytes = max(a, dm.p) if kind == "math" and dm.autocast else a
+        nodes.append(Node(f"{p}.masked", out=[(f"{p}.s2", sc * s2_bytes)], inputs=[f"{p}.s1"] + [o[0] for o in own],
+                           grads=[(f"{p}.s1", 0.0 if s2_bytes == a else sc * a)]))
     else:
         # causal_mask: the bool mask ``cm`` and its negation ``m`` (saved by masked_fill).
         nodes.append(Node(f"{p}.mask", out=[(f"{p}.m", mask_elems), (f"{p}.cm", mask_elems)]))
         nodes.append(Node(f"{p}.masked", out=[(f"{p}.s2", sc * a)], inputs=[f"{p}.s1", f"{p}.m", f"{p}.cm"],
                            saves=[f"{p}.m"], grads=[(f"{p}.s1", sc * a)]))
     src = f"{p}.s2"
-    up = a != 4 and (dm.softmax_fp32 or dm.autocast)  # float32 softmax on low-precision scores
-    sm = 4 if up else a
+    float_scores = a != 4 and (dm.softmax_fp32 or dm.autocast)  # a float32 softmax on low-precision scores
+    up = float_scores and s2_bytes != 4  # ... which casts them first (unless the mask promoted them)
+    sm = 4 if float_scores else a
     # transformers' Llama-style ``softmax(attn_weights, dtype=float32)`` casts inside the call:
     # the caller's local holds the low-precision scores until softmax returns.
     caller_held = [src] if up and dm.hf and dm.softmax_fp32 else []
@@ -502,7 +509,7 @@ def _scores_softmax(nodes: list[Node], dm: Dims, p: str, score_elems: float, mas
     nodes.append(Node(f"{p}.softmax", out=[(f"{p}.pf", sc * sm)], inputs=[src] + caller_held, saves=[f"{p}.pf"],
                        grads=[(src, sc * sm)]))
     src = f"{p}.pf"
-    if up:
+    if float_scores:
         nodes.append(Node(f"{p}.tocast", out=[(f"{p}.pa", sc * a)], inputs=[src], grads=[(src, sc * 4)]))
         src = f"{p}.pa"
     _dropout(nodes, dm, f"{p}.attn_drop", src, f"{p}.pd", sc, a)
@@ -518,7 +525,8 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
     ``qkv_grad``: whether q, k and v require a gradient (not all of them in the first layer of a
     transformers model under LoRA on named targets). ``kv_bytes``: k's and v's bytes per element
     as transformers repeats them for SDPA's mask (``Dims.masked_sdpa``: hf_nodes.masked_kv_dtypes);
-    ``kv_locals``: whether k and v are rope's float32 locals (hf_nodes.held_locals)."""
+    ``kv_locals``: whether k and v are rope's float32 locals (autocast: hf_nodes.held_locals),
+    which eager attention's repeat_kv copies in float32 too."""
     # (Inside the attention every q-sized tensor is n_heads x head_dim wide: ``d`` is that here.)
     b, s, d, h, a = dm.b, dm.s, dm.qw, dm.h, dm.a
     N, kvw, hd = dm.n, dm.kv, dm.qw // dm.h
@@ -620,8 +628,13 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
         # then copy k^T and v, as our GPT's do, and nothing is held.)
         repeated = kvw != d
         k_in, v_in = (f"{p}.kc", f"{p}.vc") if repeated else (k, v)
+        # repeat_kv copies k in its dtype: a float32 k (rope's under autocast) makes a float32
+        # copy, and the matmul then casts that to the compute dtype, a copy of its own (saved
+        # in its place).
+        k_cast = repeated and kv_locals[0] and a != 4
+        k_saved = f"{p}.kc16" if k_cast else f"{p}.kc"
         if repeated:
-            nodes.append(Node(f"{p}.repeat_k", out=[(f"{p}.kc", N * d * a)], inputs=[qkv],
+            nodes.append(Node(f"{p}.repeat_k", out=[(f"{p}.kc", N * d * (4 if k_cast else a))], inputs=[qkv],
                                grads=[(k, N * kvw * a)] if k_grad else []))
             nodes.append(Node(f"{p}.repeat_v", out=[(f"{p}.vc", N * d * a)], inputs=[qkv],
                                grads=[(v, N * kvw * a)] if v_grad else []))
@@ -629,8 +642,9 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
         # not otherwise held) only when k requires one, k's only when q does; the
         # probabilities only when v requires one, v's copy only when they do.
         nodes.append(Node(f"{p}.qk", out=[(f"{p}.qc", N * d * a)] + ([] if repeated else [(f"{p}.kc", N * d * a)])
+                           + ([(k_saved, N * d * a)] if k_cast else [])
                            + [(f"{p}.s0", sc * a)], inputs=[qkv] + ([f"{p}.kc"] if repeated else []),
-                           saves=[f"{p}.qc"] * k_grad + [f"{p}.kc"] * q_grad, matmul=True, grad_out=(f"{p}.s0",),
+                           saves=[f"{p}.qc"] * k_grad + [k_saved] * q_grad, matmul=True, grad_out=(f"{p}.s0",),
                            keep=(f"{p}.s0",),
                            grads=[(q, N * d * a)] * q_grad + [(k_in, N * d * a)] * k_grad))
         probs = _scores_softmax(nodes, dm, p, sc, s * s, kind)
@@ -840,25 +854,25 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
         lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0" if rope else f"{p}.qkv", d, dm.qw + 2 * dm.kv, r,
             needs["in"])
         if rope:
-            nodes.append(hf_rope_node(dm, [f"{p}.qkv0"], f"{p}.qkv", v_view=arch.fused_proj))
+            nodes.append(hf_rope_node(dm, [f"{p}.qkv0"], f"{p}.qkv", v_view=arch.fused_proj,
+                                      kernel_casts=tech.attention == "math"))
     start = len(nodes)
     # A transformers layer's window is in the mask the model builds (hf_model_input_nodes), not in
     # memtrain's banded kernel: its eager attention is the unwindowed one for memory.
     window = None if dm.hf else tech.window
-    k_local = per_linear and held_locals(dm, ["q", "k", "v"])  # rope's float32 k (and v32) apart
+    # Rope's float32 q and k under autocast (and a float32 v32) are the attention's locals, apart
+    # from ``{p}.qkv`` (hf_nodes.held_locals).
+    rope_locals = dm.hf and arch.positional == "rope" and held_locals(dm)
     _attention_nodes(nodes, dm, p, tech.attention, window, v_src=f"{p}.qkv0" if arch.fused_proj else None,
                      qkv_grad=(needs["qkv.q"], needs["qkv.k"], needs["qkv.v"]),
-                     kv_bytes=masked_kv_dtypes(dm, per_linear, v32), kv_locals=(k_local, k_local and v32))
+                     kv_bytes=masked_kv_dtypes(dm, per_linear, v32), kv_locals=(rope_locals, rope_locals and v32))
     # The attention core is what model.attn_fn computes: everything after the q/k/v split up
     # to the (b, h, s, hd) output; the merge (transpose + contiguous) is outside it.
     for n in nodes[start + 1:]:
         n.core = not n.name.endswith(".merge")
     lin("proj", f"{p}.attn.proj", f"{p}.y", f"{p}.pr", dm.qw, d, a, needs["attn"])
     if dm.hf:
-        # The decoder layer's local holds the norm's output until self_attn returns (and the
-        # second norm's until the MLP returns), whether or not an op saved it; the attention's
-        # locals, rope's q and k (and v), live until o_proj has run.
-        nodes[-1].inputs += [f"{p}.ln1"] + (_rope_locals(dm, p, arch, per_linear) if arch.positional == "rope" else [])
+        nodes[-1].inputs += _hf_attention_locals(dm, p, arch, rope_locals, tech.attention)
     _dropout(nodes, dm, f"{p}.resid_drop", f"{p}.pr", f"{p}.prd", N * d, a)
     # (CausalSelfAttention.forward's q, k and v, views of the qkv output, are its locals too.)
     _held_by_the_frame(nodes, dm, lora, f"{p}.ln1", f"{p}.qkv")
@@ -883,7 +897,7 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
         nodes += _gelu_nodes(dm, arch, p)
     lin("fc_out", f"{p}.mlp.fc_out", f"{p}.act", f"{p}.h2", f, d, a, needs["act"])
     if dm.hf:
-        nodes[-1].inputs.append(f"{p}.ln2")
+        nodes[-1].inputs += _hf_mlp_locals(p, arch)
     _dropout(nodes, dm, f"{p}.mlp_drop", f"{p}.h2", f"{p}.h2d", N * d, a)
     _held_by_the_frame(nodes, dm, lora, f"{p}.ln2")
     nodes.append(Node(f"{p}.add2", out=[(f"blocks.{i + 1}.in", N * d * r)], inputs=[f"{p}.x1", f"{p}.h2d"],
@@ -896,17 +910,6 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
         nodes[-1].inputs.append(x)
     record_only_what_needs_grad(nodes, set(), everything=needs["in"])
     return nodes
-
-
-def _rope_locals(dm: Dims, p: str, arch: Arch, per_linear: bool) -> list[str]:
-    """The keys of what a Llama-style attention module holds from rope until o_proj has run: q, k
-    and v (the float32 ones apart under autocast with separate Linears: hf_nodes.held_locals),
-    and with SDPA's mask (``Dims.masked_sdpa``) rope's k and v, which SDPA does not save (Phi-3:
-    k, and the fused output v is a view of)."""
-    held = [f"{p}.qkv.locals" if per_linear and held_locals(dm, ["q", "k", "v"]) else f"{p}.qkv"]
-    if dm.masked_sdpa:
-        held += [f"{p}.qkv.kv"] + ([f"{p}.qkv0"] if arch.fused_proj else [])
-    return held
 
 
 def _fused_swiglu_nodes(dm: Dims, p: str) -> list[Node]:
@@ -980,6 +983,37 @@ def _gated_product(dm: Dims, p: str, up: str, needs: dict[str, bool]) -> Node:
     saves = ([f"{p}.g"] if needs["fc.up"] else []) + ([up] if needs["fc.gate"] else [])
     return Node(f"{p}.gmul", out=[(f"{p}.act", E)], inputs=[f"{p}.g", up], saves=saves,
                 grads=[(f"{p}.g", E), (up, E)])
+
+
+def _hf_attention_locals(dm: Dims, p: str, arch: Arch, rope_locals: bool, attention: str) -> list[str]:
+    """What a transformers decoder layer holds, whether or not an op saved it (checkpointed,
+    nothing is saved), until o_proj has run: the input norm's output (the layer's local until
+    self_attn returns) and the attention's locals, rope's q and k (and v). ``rope_locals``: rope's
+    q and k are float32 apart from ``qkv`` (:func:`hf_nodes.held_locals`), which then stands for
+    v alone where the attention is eager (a local as well, read through repeat_kv's copy or the
+    matmul's). With SDPA's mask (``Dims.masked_sdpa``) rope's k and v (``qkv.kv``: v alone when
+    k is a float32 local) are held too, which SDPA does not save (it keeps their repeated copies)."""
+    held = [f"{p}.ln1"]
+    if arch.positional == "rope":
+        held += [f"{p}.qkv.locals"] + [f"{p}.qkv"] * (attention == "math") if rope_locals else [f"{p}.qkv"]
+        if dm.masked_sdpa:
+            held.append(f"{p}.qkv.kv")
+    if arch.fused_proj:
+        # Phi3Attention.forward keeps ``qkv`` (qkv_proj's fused output, whose slices q, k and v
+        # are) as a local until it returns, after o_proj: rope's new q and k replace q and k, and
+        # eager attention reads v through repeat_kv's copy (or its matmul's), so no op may keep
+        # it, yet it is live through the attention, in a checkpointed layer's forward and in its
+        # recompute.
+        held.append(f"{p}.qkv0")
+    return held
+
+
+def _hf_mlp_locals(p: str, arch: Arch) -> list[str]:
+    """What a transformers decoder layer holds until down_proj has run: the second norm's output
+    (the layer's local until the MLP returns), and Phi3MLP.forward's ``gate``, a chunk of
+    gate_up_proj's output (a view of all of it), its local until down_proj returns (``up_states``
+    is rebound to the product): the fused output outlives the product, saved by silu or not."""
+    return [f"{p}.ln2"] + ([f"{p}.h1"] if arch.fused_proj and arch.mlp == "swiglu" else [])
 
 
 def _hf_layer_locals(p: str, arch: Arch, attention: str, autocast: bool) -> list[str]:
