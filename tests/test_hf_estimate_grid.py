@@ -100,17 +100,6 @@ def _known_reason(cid: str) -> str:
     return f"the analytic model is {KNOWN[cid]:+.1%} off the trace here (a known gap, not yet located)"
 
 
-def _params():
-    out = []
-    for case in _cases():
-        cid = _case_id(case)
-        marks = [] if cid in DEFAULT else [pytest.mark.slow]
-        if cid in KNOWN:
-            marks.append(pytest.mark.xfail(reason=_known_reason(cid), strict=True))
-        out.append(pytest.param(case, id=cid, marks=marks))
-    return out
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[tuple, Path]:
     return {}
@@ -171,7 +160,7 @@ def _each_phase_within_one_percent(ours: dict, theirs: dict) -> None:
         assert abs(mine / traced - 1) < 0.01, (phase, mine, traced, mine / traced - 1)
 
 
-@pytest.mark.parametrize("case", _params())
+@pytest.mark.parametrize("case", _marked(_cases(), _case_id, DEFAULT))
 def test_analytic_within_one_percent_of_the_trace(case, folders, tmp_path_factory):
     fam, size, prec, attn, lora, ck = case
     d = _folder(folders, tmp_path_factory.getbasetemp(), fam, size)
