@@ -32,6 +32,7 @@ from memtrain.models.gpt import GPT
 from memtrain.models.hf import load_pretrained_lm
 from memtrain.models.spec import (
     TOKENIZER_FILES,
+    config_positions,
     read_config_json,
     refuse_custom_tokenizer,
     refuse_pickled_weights,
@@ -127,15 +128,6 @@ def load_for_sampling(model_path: Path) -> tuple[Any, Codec]:
     return from_checkpoint(model_path)
 
 
-def positions(config: Any) -> Optional[int]:
-    """How many positions a transformers model covers (None: no limit in its config)."""
-    for name in ("n_positions", "max_position_embeddings"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 # --------------------------------------------------------------------------- sampling
 def generation_config(max_new_tokens: int, temperature: float, top_k: int, pad: int) -> Any:
     """The ``GenerationConfig`` memtrain generate samples with (and estimate --mode inference
@@ -157,7 +149,7 @@ def generate(model_path: Path, prompt: str, max_new_tokens: int, temperature: fl
         ids = [codec.start_id]
     else:
         raise ConfigError("this model's tokenizer has no eos or bos token to start a document from; give --prompt")
-    limit = positions(hf.config)
+    limit = config_positions(hf.config)
     if limit is not None and len(ids) + max_new_tokens > limit:
         raise ConfigError(f"prompt ({len(ids)} tokens) + --max-new-tokens {max_new_tokens} exceeds the model's "
                           f"{limit} positions; shorten one")

@@ -523,6 +523,16 @@ def with_config_biases(arch: Any, c: Any) -> Any:
                    mlp_bias=c.model_type in MLP_BIAS and bool(getattr(c, "mlp_bias", False)))
 
 
+def config_positions(config: Any) -> Optional[int]:
+    """How many positions a transformers model covers (None: no limit in its config): what
+    ``memtrain generate`` bounds a prompt and its new tokens by, and its estimate with it."""
+    for name in ("n_positions", "max_position_embeddings"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def cost_arch(spec: str) -> Any:
     """The closest :class:`memtrain.analysis.estimate.Arch` of a transformers model, for the plan's
     step-time model and parameter table (orders candidates; memory comes from the trace).

@@ -11,7 +11,7 @@ from memtrain.analysis.estimate.inventory import Dims, resolve_backend
 from memtrain.analysis.estimate.params import head_widths, param_count
 from memtrain.config.archs import GPT2_ARCH, Arch
 from memtrain.config.run import ConfigError, RunConfig
-from memtrain.models.spec import analytic_config, is_hf
+from memtrain.models.spec import analytic_config, config_positions, is_hf
 
 __all__ = ["DTYPE_BYTES", "estimate_inference", "estimate_generate_run"]
 
@@ -108,7 +108,7 @@ def estimate_generate_run(cfg: RunConfig, weights_dtype: str, arch: Optional[Arc
         if reason is not None:
             raise ConfigError(f"--mode inference: {reason}")
         arch = hf_arch(m.model)
-        limit = getattr(c, "n_positions", None) or getattr(c, "max_position_embeddings", None)
+        limit = config_positions(c)
     else:
         limit = m.max_seq_len
         if total > limit and "max_seq_len" not in (getattr(cfg, "given_settings", None) or ()):
