@@ -347,8 +347,7 @@ def _run_inference(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
                    f"{res['cache_positions']} positions; {fmt_bytes(res['kv_cache_at_peak'])} at the peak"),
                   ("transient at the peak", fmt_bytes(b["activations"]), "activations, logits, sampling, token ids"),
                   ("peak", fmt_bytes(res["peak_bytes"]), res["peak_phase"]),
-                  ("rule: 1.2 x weights", fmt_bytes(res["rule_of_thumb_bytes"]),
-                   "holds" if res["rule_holds"] else f"breaks ({res['ratio_to_weights']:.2f} x weights)")]))
+                  _rule_row(res)]))
     print("  live tensor bytes (what memtrain's memory meter counts); a GPU adds the CUDA context and the "
           "caching allocator's rounding")
     if args.explain:
@@ -368,6 +367,12 @@ def _check_generate_flags(cfg: Any) -> None:
         raise ConfigError("--window is not modelled for generate (its KV cache keeps every position); drop --window")
 
 
+def _rule_row(res: dict[str, Any]) -> tuple[str, str, str]:
+    """The inference table's last row: the 1.2 x weights rule of thumb and whether ``res`` holds it."""
+    return ("rule: 1.2 x weights", fmt_bytes(res["rule_of_thumb_bytes"]),
+            "holds" if res["rule_holds"] else f"breaks ({res['ratio_to_weights']:.2f} x weights)")
+
+
 def _print_forward(args: argparse.Namespace, cfg: Any, res: dict[str, Any]) -> int:
     """--mode inference --new-tokens 0: one forward of memtrain's GPT (every position's logits)."""
     if args.json:
@@ -380,8 +385,7 @@ def _print_forward(args: argparse.Namespace, cfg: Any, res: dict[str, Any]) -> i
                   ("one block (transient)", fmt_bytes(b["activations"]), ""),
                   ("logits (all positions)", fmt_bytes(b["logits"]), ""),
                   ("peak", fmt_bytes(res["peak_bytes"]), res["peak_phase"]),
-                  ("rule: 1.2 x weights", fmt_bytes(res["rule_of_thumb_bytes"]),
-                   "holds" if res["rule_holds"] else f"breaks ({res['ratio_to_weights']:.2f} x weights)")]))
+                  _rule_row(res)]))
     if args.explain:
         print("\n".join("  " + line for line in res["explanation"]))
     return 0
