@@ -122,6 +122,24 @@ def test_resume_with_a_larger_steps_trains_the_same_run_longer(tiny_run, tmp_pat
     assert state.optimizer.param_groups[0]["lr"] == pytest.approx(cfg.train.lr * new(12), rel=1e-12) != old_end
 
 
+def test_a_crafted_checkpoints_negative_warmup_is_not_taken_by_a_longer_run(tiny_run, tmp_path):
+    """A longer --steps adopts the saved warm-up only when it is a whole number >= 0: a crafted
+    checkpoint's -3 would bypass --warmup-steps' own check. It is compared as any setting is,
+    and refused before anything runs."""
+    from memtrain.training.preflight import check_resume, continue_longer
+
+    base = {k: v for k, v in tiny_run.items() if k != "warmup_steps"}
+    train(build_config({**base, "steps": 4, "save": str(tmp_path / "a.pt"), "out": str(tmp_path / "a")}))
+    state = torch.load(tmp_path / "a.pt", weights_only=True)
+    state["config"]["train"]["warmup_steps"] = -3
+    torch.save(state, tmp_path / "crafted.pt")
+    cfg = build_config({**base, "steps": 10, "resume": str(tmp_path / "crafted.pt"), "out": str(tmp_path / "b")})
+    continue_longer(cfg)
+    assert cfg.train.warmup_steps == 1  # 10% of 10, its own default
+    with pytest.raises(ConfigError, match="warmup_steps: -3 -> 1"):
+        check_resume(cfg)
+
+
 def test_resume_rejects_other_model(tiny_run, tmp_path):
     train(build_config({**tiny_run, "steps": 2, "save": str(tmp_path / "a.pt")}))
     with pytest.raises(ConfigError, match="does not fit this model"):

@@ -392,13 +392,10 @@ def differences_from_this_run(saved: dict[str, Any], cfg: RunConfig) -> list[str
     return diffs
 
 
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _count_or_none(value: Any) -> Optional[int]:
-    """``value`` when it is a whole number (a saved config's field), else None."""
-    return value if _is_count(value) else None
+    """``value`` when it is a whole number >= 0 (a saved config's step count), else None: a
+    damaged or crafted checkpoint's field neither extends a run nor sets its warm-up."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def continue_longer(cfg: RunConfig) -> Optional[str]:
