@@ -67,6 +67,10 @@ def _estimate(capsys, *flags: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+# How a grid case's overrides show in its id.
+_ID_PARTS = {"intermediate_size": "-narrow", "n_inner": "-narrow", "num_key_value_heads": "-mha",
+             "use_sliding_window": "", "max_window_layers": "-all_slide"}
+
 # family, dtype, batch, prompt, new tokens: prefill-bound, decode-bound, attention-bound, sampling-bound
 GRID = [
     ("llama", "fp32", 4, 64, 32, {}),
@@ -74,6 +78,7 @@ GRID = [
     ("llama", "bf16", 4, 64, 32, {}),
     ("llama", "bf16", 4, 64, 4, dict(intermediate_size=16)),
     ("llama", "fp32", 8, 4, 2, {}),
+    ("llama", "fp32", 4, 64, 4, dict(intermediate_size=16, num_key_value_heads=4)),  # rope on k peaks
     ("qwen2", "fp32", 2, 32, 64, {}),
     ("mistral", "fp32", 3, 48, 20, {}),
     ("phi3", "fp32", 4, 64, 4, dict(intermediate_size=16)),
@@ -87,7 +92,7 @@ GRID = [
 
 
 @pytest.mark.parametrize("family,dtype,batch,prompt,new,over", GRID,
-                         ids=[f"{g[0]}-{g[1]}-b{g[2]}-s{g[3]}-n{g[4]}" + ("-narrow" if g[5] else "") for g in GRID])
+                         ids=[f"{g[0]}-{g[1]}-b{g[2]}-s{g[3]}-n{g[4]}" + "".join(_ID_PARTS[k] for k in g[5]) for g in GRID])
 def test_generate_peak_matches_the_measured_one(tmp_path, capsys, family, dtype, batch, prompt, new, over):
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     model = _saved(tmp_path, _config(family, **over), torch_dtype)
@@ -150,11 +155,91 @@ def test_what_generate_does_not_model_is_one_error_line(tmp_path, capsys, flags,
     assert expect in _error_line(capsys, ["estimate", "--mode", "inference", "--model", str(tmp_path), *flags])
 
 
-def test_a_sliding_window_cache_that_caps_is_refused(tmp_path, capsys):
-    _config("mistral", sliding_window=64).save_pretrained(tmp_path)
-    argv = ["estimate", "--mode", "inference", "--model", str(tmp_path), "--seq-len", "32"]
-    assert "sliding-window KV cache" in _error_line(capsys, [*argv, "--new-tokens", "40"])
-    assert main([*argv, "--new-tokens", "32", "--json"]) == 0  # within the window: a plain cache
+# A sliding window on every layer (config.json's sliding_window): family, dtype, batch, prompt, new
+# tokens, window, overrides. The window caps the cache in decode (prompt + new past it), masks the
+# prefill (prompt >= window: repeated k/v, the float mask), or neither (the sliding cache's update
+# still holds both old tensors); a prompt longer than the window is freed in the first decode step.
+WINDOWED = [
+    ("mistral", "fp32", 3, 16, 200, 32, {}),
+    ("mistral", "fp32", 4, 8, 40, 64, dict(intermediate_size=16)),
+    ("mistral", "fp32", 3, 48, 40, 32, {}),
+    ("mistral", "bf16", 4, 64, 8, 32, {}),
+    ("mistral", "fp32", 4, 64, 4, 16, dict(intermediate_size=16)),
+    ("mistral", "bf16", 4, 64, 4, 16, dict(intermediate_size=16)),
+    ("mistral", "fp32", 4, 64, 4, 16, dict(intermediate_size=16, num_key_value_heads=4)),
+    ("mistral", "fp32", 2, 200, 3, 8, dict(intermediate_size=16)),
+    ("phi3", "fp32", 2, 8, 300, 64, {}),
+    ("phi3", "fp32", 4, 64, 4, 16, dict(intermediate_size=16)),
+    ("phi3", "bf16", 4, 64, 4, 16, dict(intermediate_size=16)),
+    ("qwen2", "fp32", 2, 32, 64, 16, dict(use_sliding_window=True, max_window_layers=0)),
+]
+
+
+@pytest.mark.parametrize("family,dtype,batch,prompt,new,window,over", WINDOWED,
+                         ids=[f"{g[0]}-{g[1]}-b{g[2]}-s{g[3]}-n{g[4]}-w{g[5]}" + "".join(_ID_PARTS[k] for k in g[6])
+                              for g in WINDOWED])
+def test_a_sliding_window_cache_matches_the_measured_generate(tmp_path, capsys, family, dtype, batch, prompt, new,
+                                                              window, over):
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    model = _saved(tmp_path, _config(family, sliding_window=window, **over), torch_dtype)
+    cache = transformers.DynamicCache(config=model.config)
+    assert all(layer.is_sliding for layer in cache.layers)
+    measured = _measure(model, batch, prompt, new, cache=cache)
+    est = _estimate(capsys, "--model", str(tmp_path), "--weights-dtype", dtype, "--batch-size", str(batch),
+                    "--seq-len", str(prompt), "--new-tokens", str(new))
+    print(f"\n{family} {dtype} b{batch} s{prompt} n{new} window {window}: measured {measured:,} B, "
+          f"estimated {est['peak_bytes']:,} B ({est['peak_bytes'] / measured - 1:+.3%}), {est['peak_phase']}")
+    assert est["peak_bytes"] == pytest.approx(measured, rel=0.01), (est["peak_phase"], est["phase_bytes"], measured)
+    # The cache generate leaves: each layer's storage (a view of the last window - 1 positions of it).
+    held = sum(t.untyped_storage().nbytes() for layer in cache.layers for t in (layer.keys, layer.values))
+    assert est["bytes"]["kv_cache"] == held
+    assert est["cache_positions"] == cache.get_seq_length() == prompt + new - 1
+    assert est["cache_stored_positions"] == min(prompt + new - 1, window)
+
+
+def test_a_prompt_past_the_window_names_its_masked_sdpa(tmp_path, capsys):
+    _config("mistral", sliding_window=16, intermediate_size=16).save_pretrained(tmp_path)
+    est = _estimate(capsys, "--model", str(tmp_path), "--weights-dtype", "fp32", "--batch-size", "4",
+                    "--seq-len", "64", "--new-tokens", "4")
+    assert est["peak_phase"] == "prefill (the last layer's masked SDPA)"
+
+
+@pytest.mark.parametrize("window", [None, 8, 40, 200])
+@pytest.mark.parametrize("prompt,cached", [(24, 24), (24, 60), (100, 100)])
+def test_a_decode_steps_cache_update_peaks_as_counted(window, prompt, cached):
+    """The cache's bytes at their busiest while a decode step adds one position, measured on
+    transformers' own cache layers (DynamicLayer; DynamicSlidingWindowLayer, whose first step after
+    a prompt longer than the window frees that prompt layer by layer)."""
+    from memtrain.analysis.estimate.generation import _update_bytes
+
+    L, b, kv_heads, hd = 3, 2, 2, 8
+    config = _config("mistral", sliding_window=window, num_hidden_layers=L)
+    cache = transformers.DynamicCache(config=config)
+    assert all(layer.is_sliding == (window is not None) for layer in cache.layers)
+    kv = lambda n: torch.randn(b, kv_heads, n, hd)  # noqa: E731 - a key or value of n positions
+    for i in range(L):
+        cache.update(kv(prompt), kv(prompt), i)
+    for _ in range(cached - prompt):
+        for i in range(L):
+            cache.update(kv(1), kv(1), i)
+    keep = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    meter = MemoryMeter(torch.nn.Linear(1, 1, bias=False))
+    with meter:
+        meter.track(*keep)
+        del keep
+        for i in range(L):
+            cache.update(kv(1), kv(1), i)
+    # Besides the cache: the meter's module (one float32 weight) and the step's new key and value
+    # (the token's tensors in the estimate).
+    others = 4 + 2 * b * kv_heads * hd * 4
+    assert meter.stats().peak_bytes - others == _update_bytes(L, b, kv_heads * hd, 4, prompt, cached, window)
+
+
+def test_some_sliding_layers_are_refused_naming_the_setting(tmp_path, capsys):
+    """Qwen2's max_window_layers: full and sliding layers in one model are not modelled."""
+    _config("qwen2", sliding_window=16, use_sliding_window=True, max_window_layers=1).save_pretrained(tmp_path)
+    err = _error_line(capsys, ["estimate", "--mode", "inference", "--model", str(tmp_path), "--seq-len", "32"])
+    assert "some layers only (layers 1+ of 2, max_window_layers)" in err and "max_window_layers 0" in err
 
 
 def test_the_cli_prints_the_cache_and_the_peak_phase(capsys):

@@ -343,8 +343,7 @@ def _run_inference(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
           f"{res['batch']} sequences x (prompt {res['prompt_tokens']} + {res['new_tokens']} new tokens), "
           f"sampling {res['sampling']}, SDPA")
     print(_table([("weights", fmt_bytes(b["weights"]), ""),
-                  ("KV cache (end of generate)", fmt_bytes(b["kv_cache"]),
-                   f"{res['cache_positions']} positions; {fmt_bytes(res['kv_cache_at_peak'])} at the peak"),
+                  ("KV cache (end of generate)", fmt_bytes(b["kv_cache"]), _cache_note(res)),
                   ("transient at the peak", fmt_bytes(b["activations"]), "activations, logits, sampling, token ids"),
                   ("peak", fmt_bytes(res["peak_bytes"]), res["peak_phase"]),
                   _rule_row(res)]))
@@ -353,6 +352,15 @@ def _run_inference(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
     if args.explain:
         print("\n".join("  " + line for line in res["explanation"]))
     return 0
+
+
+def _cache_note(res: dict[str, Any]) -> str:
+    """The KV cache row's note: the positions it stores (a sliding window's cap) and its bytes at the peak."""
+    stored, written, window = res["cache_stored_positions"], res["cache_positions"], res["cache_window"]
+    held = f"{fmt_bytes(res['kv_cache_at_peak'])} at the peak"
+    if window is None:
+        return f"{written} positions; {held}"
+    return f"{stored} of {written} positions stored (sliding_window {window}); {held}"
 
 
 def _check_generate_flags(cfg: Any) -> None:

@@ -10,6 +10,19 @@ memtrain's GPT mapped onto ``GPT2LMHeadModel`` with a ``gelu_pytorch_tanh`` MLP.
   grows its old tensor and the new one (one position longer) both live. The prompt's forward
   (the prefill) fills ``prompt`` positions and each of the ``new_tokens - 1`` decode steps adds
   one (the last sampled token is never fed back): ``prompt + new_tokens - 1`` positions at the end;
+* with a sliding window ``W`` on every layer (config.json's ``sliding_window``: Mistral,
+  Phi-3), a ``DynamicSlidingWindowLayer`` per layer instead: each step concatenates both the key
+  and the value before it lets either old tensor go (two old tensors beside two new ones), and
+  keeps a view of the last ``W - 1`` positions of the concatenation, so a layer's storage is the
+  prompt after the prefill, then at most ``W`` positions from the first decode step on (a prompt
+  longer than ``W`` is freed layer by layer in that first step). From ``W`` positions on,
+  transformers builds the windowed bool mask (masking_utils' ``sdpa_mask``: (prompt, prompt),
+  expanded to the batch as a view, held by the model's forward), and the prefill's SDPA gets it
+  instead of ``is_causal``: grouped k/v heads are then repeated (``repeat_kv``: copies of the
+  prompt's k and v at the query's width) and torch's SDPA turns the bool mask into a float one
+  (batch, 1, prompt, prompt) in the compute dtype, beside its output and its float32 logsumexp
+  (batch x heads x prompt). A decode step's mask is one query row (no repeat: ``pack_gqa``);
+  those few bytes are left out;
 * the prefill's transient activations over ``batch x prompt`` tokens, largest in the last
   layer's MLP, where every layer's cache is written: the MLP's intermediates (SwiGLU: SiLU(gate),
   up and their product; Phi-3's fused gate/up output besides; GPT-2's ``gelu_new`` formula: four
@@ -32,7 +45,7 @@ the prefill's sampling, and the last decode step's cache update and sampling.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from memtrain.analysis.estimate.params import head_widths, param_count
 from memtrain.config.archs import Arch
@@ -64,10 +77,12 @@ def mlp_width_factor(arch: Arch) -> int:
 
 
 def estimate_generate(m: ModelConfig, arch: Arch, batch: int, prompt: int, new_tokens: int,
-                      weights_dtype: str, sampling: bool = True) -> dict[str, Any]:
+                      weights_dtype: str, sampling: bool = True, window: Optional[int] = None) -> dict[str, Any]:
     """Peak memory of ``generate`` sampling ``new_tokens`` tokens after a ``prompt``-token prompt
     for each of ``batch`` sequences, weights in ``weights_dtype`` (one of :data:`GENERATE_DTYPES`).
     ``sampling``: memtrain generate's default (temperature and top-k); False: greedy.
+    ``window``: the sliding window every layer's attention and cache keep (config.json's
+    ``sliding_window``), or None.
 
     ``m``/``arch``: the model's shape (a transformers family's Arch, or memtrain's GPT's, which
     generate runs as GPT2LMHeadModel). The KV cache term is exact; the transient terms count the
@@ -83,10 +98,14 @@ def estimate_generate(m: ModelConfig, arch: Arch, batch: int, prompt: int, new_t
     N = b * s
     gpt2 = arch.name == "gpt2"
     final_len = s + new_tokens - 1
+    if window is not None and window < 2:
+        raise ValueError("a sliding window keeps at least 2 positions")
     weights = n_params * wb
-    cache = kv_cache_bytes(L, b, kvw, final_len, a)
+    cache = kv_cache_bytes(L, b, kvw, _stored(s, new_tokens, window), a)
     cache_prompt = kv_cache_bytes(L, b, kvw, s, a)
     layer_cache = kv_cache_bytes(1, b, kvw, s, a)
+    # From `window` positions on the prefill's attention is masked (module docstring).
+    masked = window is not None and s >= window
 
     # The prefill: what the model holds across its layers, then the last layer's two candidates:
     # its attention (a cache of `attn_cache` bytes written by then) and its MLP (all of it).
@@ -107,13 +126,27 @@ def estimate_generate(m: ModelConfig, arch: Arch, batch: int, prompt: int, new_t
             # layout and the transpose's contiguous copy; this layer's k/v are in the cache.
             attn, attn_cache = N * a * (d + (qw + 2 * kvw) + 3 * qw), cache_prompt
         else:
-            # rope on q, before the cache update: the normed input, k, v, q and q * cos, the
-            # rotated q times sin, their sum.
-            attn, attn_cache = N * a * (d + 4 * qw + 2 * kvw), cache_prompt - layer_cache
+            # rope, before the cache update: the normed input, q, k, v, and q's three temporaries
+            # (q * cos, the rotated q times sin, their sum); then k's three beside q's result,
+            # which is the larger where k is as wide as q (no grouped heads).
+            attn, attn_cache = N * a * (d + max(4 * qw + 2 * kvw, 2 * qw + 5 * kvw)), cache_prompt - layer_cache
+    if masked:
+        held += s * s  # the bool windowed mask, the model's local until it returns
     mlp = N * a * (2 * d + mlp_width_factor(arch) * f)  # residual, normed input, the MLP's intermediates
     ids_prefill = 4 * b * s * ID_BYTES
     layer_mlp = cache_prompt + held + mlp
     layer_attn = attn_cache + held + attn
+    attn_detail = "the last layer before its MLP"
+    if masked:
+        # Inside the masked SDPA: the normed input, q after rope, the repeated k and v (where k/v
+        # heads are grouped; the cache's own tensors otherwise), the float mask, the output and
+        # its logsumexp; Phi-3 holds its fused q/k/v output besides (v is a view of it).
+        repeated = 2 * qw if qw != kvw else 0
+        inside = (N * a * (d + 2 * qw + repeated + ((qw + 2 * kvw) if arch.fused_proj else 0))
+                  + b * s * s * a + b * m.n_heads * s * FP32)
+        if cache_prompt + held + inside > layer_attn:
+            layer_attn, attn_cache = cache_prompt + held + inside, cache_prompt
+            attn_detail = "the last layer's masked SDPA"
     if not gpt2:
         # The post-attention RMSNorm (float32 inside): the residual, the float32 input (the residual
         # itself in float32) and the normalized tensor with its per-token mean and rstd; in float32
@@ -121,38 +154,75 @@ def estimate_generate(m: ModelConfig, arch: Arch, batch: int, prompt: int, new_t
         norm = N * (a * d + (8 * d if a == FP32 else 8 * d + 2 * FP32))
         if cache_prompt + held + norm > layer_attn:
             layer_attn, attn_cache = cache_prompt + held + norm, cache_prompt  # every k/v written by then
+            attn_detail = "the last layer before its MLP"
     fresh, kept, kept_while = _head_bytes(b, V, sampling)
     logits = b * V * a  # the last position's only (logits_to_keep=1)
     phases = {"prefill": max(layer_mlp, layer_attn) + ids_prefill,
               "prefill sampling": cache_prompt + logits + fresh + ids_prefill}
     caches = {"prefill": cache_prompt if layer_mlp >= layer_attn else attn_cache,
               "prefill sampling": cache_prompt}
+    update_detail = ""
     if new_tokens > 1:
-        # The ids and mask of final_len positions (the mask one longer once the step has run),
-        # and three prompt-sized int64 tensors generate keeps (the prompt, its mask, its positions).
-        ids_decode = 2 * b * final_len * ID_BYTES + 3 * b * s * ID_BYTES
         # One token's tensors in the last layer while its cache grows: the embedding, the layer's
         # input and normed input, q and k after rope and v (Llama-style: rope's cos and sin too;
         # GPT-2: both embeddings and c_attn's fused output).
         token = b * a * ((4 * d + qw + 2 * kvw) if gpt2 else (3 * d + qw + 2 * kvw + 2 * hd))
-        grow = kv_cache_bytes(1, b, kvw, final_len - 1, a) // 2  # one key (or value) tensor, old beside new
-        phases["decode cache update"] = cache + grow + kept + token + ids_decode
-        phases["decode sampling"] = cache + logits + kept_while + fresh + ids_decode + b * ID_BYTES
+        # The last step's update, and with a window the first one's too (the prompt's storage,
+        # which can outgrow the window, is still held by the layers not yet updated).
+        steps = {"": final_len - 1} if window is None else {" (first step)": s, "": final_len - 1}
+        updates = {k: _update_bytes(L, b, kvw, a, s, c, window) + _decode_ids(b, s, c) for k, c in steps.items()}
+        update_detail = max(updates, key=lambda k: updates[k])
+        phases["decode cache update"] = updates[update_detail] + kept + token
+        phases["decode sampling"] = cache + logits + kept_while + fresh + _decode_ids(b, s, final_len - 1) + b * ID_BYTES
         caches["decode cache update"] = caches["decode sampling"] = cache
     phase = max(phases, key=lambda k: phases[k])
-    prefill_detail = "the last layer's MLP" if layer_mlp >= layer_attn else "the last layer before its MLP"
+    prefill_detail = "the last layer's MLP" if layer_mlp >= layer_attn else attn_detail
     return {
         "parameters": n_params,
         "weights_dtype": weights_dtype,
         "batch": b, "prompt_tokens": s, "new_tokens": new_tokens, "cache_positions": final_len,
+        "cache_window": window, "cache_stored_positions": _stored(s, new_tokens, window),
         "kv_width": kvw, "compute_bytes": a,
         "sampling": "temperature + top-k" if sampling else "greedy",
         "bytes": {"weights": weights, "kv_cache": cache, "activations": phases[phase] - caches[phase]},
         "kv_cache_at_peak": caches[phase],
         "phase_bytes": {k: weights + v for k, v in phases.items()},
         "peak_bytes": weights + phases[phase],
-        "peak_phase": phase if phase != "prefill" else f"prefill ({prefill_detail})",
+        "peak_phase": (f"prefill ({prefill_detail})" if phase == "prefill"
+                       else phase + update_detail if phase == "decode cache update" else phase),
     }
+
+
+def _stored(prompt: int, new_tokens: int, window: Optional[int]) -> int:
+    """Positions a layer's cache stores at the end of generate: every one written (the last
+    sampled token is never fed back), or with a ``window`` at most ``window`` from the first
+    decode step on (the storage of a concatenation whose last ``window - 1`` positions it views)."""
+    if new_tokens == 1:
+        return prompt
+    written = prompt + new_tokens - 1
+    return written if window is None else min(written, window)
+
+
+def _update_bytes(L: int, b: int, kvw: int, a: int, prompt: int, cached: int, window: Optional[int]) -> int:
+    """The KV cache's bytes at its busiest during the decode step that adds a position to
+    ``cached`` ones: every layer before the one updating holds its new tensors, every layer after
+    it its old ones. A ``DynamicLayer`` lets its old key go before it concatenates the value (one
+    old tensor beside its new ones: the last layer's is the peak); a ``DynamicSlidingWindowLayer``
+    concatenates both first (two), and its new tensors can be shorter than its old ones (a prompt
+    longer than the window: the first layer's update is the peak then)."""
+    one = b * kvw * a  # one key (or value) tensor per position
+    if window is None:
+        return one * (2 * L * (cached + 1) + cached)
+    old = prompt if cached == prompt else min(cached, window)
+    new = min(cached, window - 1) + 1
+    return one * (2 * L * max(old, new) + 2 * min(old, new))
+
+
+def _decode_ids(b: int, prompt: int, cached: int) -> int:
+    """The int64 tensors of the decode step after ``cached`` positions: the ids and mask of
+    ``cached + 1`` positions (the mask one longer once the step has run), and three prompt-sized
+    ones generate keeps (the prompt, its mask, its positions)."""
+    return 2 * b * (cached + 1) * ID_BYTES + 3 * b * prompt * ID_BYTES
 
 
 def _head_bytes(b: int, V: int, sampling: bool) -> tuple[int, int, int]:

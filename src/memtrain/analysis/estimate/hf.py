@@ -233,11 +233,13 @@ def why_generate_not_modelled(c: Any, prompt: int, new_tokens: int) -> Optional[
     if c.model_type not in MODELLED:
         return f"no analytic model of {c.model_type} layers (only {', '.join(MODELLED)})"
     window = config_window(c)  # the window a DynamicCache caps a sliding layer's keys and values at
-    if window is not None and prompt + new_tokens > window:
-        # DynamicSlidingWindowLayer keeps a view of the last window - 1 positions of each step's
-        # concatenation, and the mask turns windowed (SDPA then repeats grouped k/v heads).
-        return (f"a sliding-window KV cache (sliding_window {window} < --seq-len {prompt} + --new-tokens "
-                f"{new_tokens}) is not modelled; keep the prompt and new tokens within {window} positions")
+    types = getattr(c, "layer_types", None)
+    if window is not None and types is not None and "full_attention" in types:
+        # Qwen2's max_window_layers: full and sliding layers in one model (the estimate models a
+        # window on every layer, as Mistral's and Phi-3's sliding_window set it).
+        first = types.index("sliding_attention")
+        return (f"a sliding window on some layers only (layers {first}+ of {len(types)}, max_window_layers) is not "
+                "modelled for generate; set use_sliding_window false, or max_window_layers 0 (every layer slides)")
     if c.model_type in GPT2_LIKE:
         if c.activation_function not in GPT2_ACTIVATIONS + ("gelu_pytorch_tanh",):
             return (f"activation_function {c.activation_function} is not modelled for gpt2's generate (only "

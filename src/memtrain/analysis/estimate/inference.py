@@ -6,7 +6,7 @@ from dataclasses import replace
 from typing import Any, Optional
 
 from memtrain.analysis.estimate.generation import DTYPE_BYTES, GENERATE_DTYPES, estimate_generate
-from memtrain.analysis.estimate.hf import hf_arch, why_generate_not_modelled
+from memtrain.analysis.estimate.hf import config_window, hf_arch, why_generate_not_modelled
 from memtrain.analysis.estimate.inventory import Dims, resolve_backend
 from memtrain.analysis.estimate.params import head_widths, param_count
 from memtrain.config.archs import GPT2_ARCH, Arch
@@ -101,6 +101,7 @@ def estimate_generate_run(cfg: RunConfig, weights_dtype: str, arch: Optional[Arc
     t = cfg.train
     m = cfg.model
     total = t.seq_len + new_tokens
+    window = None
     if is_hf(cfg):
         assert m.model is not None  # is_hf: a transformers model is named
         c = analytic_config(m.model)
@@ -109,6 +110,7 @@ def estimate_generate_run(cfg: RunConfig, weights_dtype: str, arch: Optional[Arc
             raise ConfigError(f"--mode inference: {reason}")
         arch = hf_arch(m.model)
         limit = config_positions(c)
+        window = config_window(c)
     else:
         limit = m.max_seq_len
         if total > limit and "max_seq_len" not in (getattr(cfg, "given_settings", None) or ()):
@@ -121,7 +123,7 @@ def estimate_generate_run(cfg: RunConfig, weights_dtype: str, arch: Optional[Arc
     if not arch.hf and arch.name == "gpt2":
         # memtrain.inference.export.hf_config: the real vocabulary (no padding rows) and biases always.
         m = replace(m, vocab_multiple=1, bias=True)
-    res = estimate_generate(m, arch, batch or t.batch_size, t.seq_len, new_tokens, weights_dtype, sampling)
+    res = estimate_generate(m, arch, batch or t.batch_size, t.seq_len, new_tokens, weights_dtype, sampling, window)
     weights = res["bytes"]["weights"]
     rule = 1.2 * weights
     b, kv = res["bytes"], res["kv_cache_at_peak"]
@@ -134,8 +136,11 @@ def estimate_generate_run(cfg: RunConfig, weights_dtype: str, arch: Optional[Arc
         "explanation": [
             f"weights = {res['parameters']:,} x {DTYPE_BYTES[weights_dtype]:g} B ({weights_dtype}), compute in the same dtype",
             f"KV cache (DynamicCache) = 2 x {m.n_layers} layers x {res['batch']} sequences x {res['kv_width']} "
-            f"(kv heads x head dim) x {res['cache_positions']} positions (prompt + new tokens - 1: the last token "
-            f"is never fed back) x {res['compute_bytes']} B = {b['kv_cache']:,} B",
+            f"(kv heads x head dim) x {res['cache_stored_positions']} positions "
+            + ("(prompt + new tokens - 1: the last token is never fed back)" if window is None else
+               f"(sliding_window {window}: each layer stores at most {window} of the {res['cache_positions']} "
+               "positions written, the prompt's until the first decode step)")
+            + f" x {res['compute_bytes']} B = {b['kv_cache']:,} B",
             f"peak in {res['peak_phase']}: the cache then holds {kv:,} B, the rest ({b['activations']:,} B) is "
             "transient: the prefill's layer intermediates over batch x prompt tokens, or a decode step's "
             "old-beside-new cache tensor, the last position's logits and the sampling head's float32 (batch, vocab) "
