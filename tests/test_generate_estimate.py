@@ -242,6 +242,13 @@ def test_some_sliding_layers_are_refused_naming_the_setting(tmp_path, capsys):
     assert "some layers only (layers 1+ of 2, max_window_layers)" in err and "max_window_layers 0" in err
 
 
+def test_a_window_of_one_position_is_refused(tmp_path, capsys):
+    """transformers' sliding cache keeps positions [-window + 1:]: a window of 1 keeps them all."""
+    _config("mistral", sliding_window=1).save_pretrained(tmp_path)
+    err = _error_line(capsys, ["estimate", "--mode", "inference", "--model", str(tmp_path), "--seq-len", "32"])
+    assert "sliding_window 1 in config.json is not modelled" in err and "at least 2" in err
+
+
 def test_the_cli_prints_the_cache_and_the_peak_phase(capsys):
     assert main(["estimate", "--mode", "inference", "--model", "llama-3-8b", "--batch-size", "8", "--seq-len", "2048",
                  "--new-tokens", "2048"]) == 0

@@ -233,6 +233,9 @@ def why_generate_not_modelled(c: Any, prompt: int, new_tokens: int) -> Optional[
     if c.model_type not in MODELLED:
         return f"no analytic model of {c.model_type} layers (only {', '.join(MODELLED)})"
     window = config_window(c)  # the window a DynamicCache caps a sliding layer's keys and values at
+    if window is not None and window < 2:
+        # DynamicSlidingWindowLayer keeps positions [-window + 1:]: a window of 1 keeps them all.
+        return f"sliding_window {window} in config.json is not modelled for generate (a window of at least 2 is)"
     types = getattr(c, "layer_types", None)
     if window is not None and types is not None and "full_attention" in types:
         # Qwen2's max_window_layers: full and sliding layers in one model (the estimate models a
