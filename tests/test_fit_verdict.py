@@ -98,7 +98,7 @@ def test_gpus_without_a_memory_figure_ask_for_a_budget(capsys):
 
 
 @pytest.mark.parametrize("argv,expect", [
-    (["--mode", "inference", "--budget", "8GiB"], "drop --mode inference"),
+    (["--mode", "inference", "--new-tokens", "0", "--budget", "8GiB"], "give --new-tokens N, or drop --budget/--gpu"),
     (["--budget", "0", "--device-type", "cpu"], "cannot read memory size"),
     (["--gpu", "h100", "--device-type", "cpu"], "--device-type cuda"),
 ])

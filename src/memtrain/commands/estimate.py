@@ -322,8 +322,6 @@ def _shard(args: argparse.Namespace, cfg: Any) -> Any:
 def _run_inference(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
     """--mode inference: memtrain generate's memory (--new-tokens N), or one forward of
     memtrain's GPT (--new-tokens 0); analytic either way."""
-    if args.budget is not None:
-        raise ConfigError("--budget judges a training step; drop --mode inference, or drop --budget")
     if args.trace or args.full_trace:
         raise ConfigError("--trace traces a training step; --mode inference is analytic (checked against a measured "
                           "generate in the tests), drop --trace")
@@ -331,9 +329,13 @@ def _run_inference(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
         if arch is None:
             raise ConfigError("--new-tokens 0 (one forward of every position) is modelled for memtrain's GPT only; "
                               "give --new-tokens N (>= 1) to estimate a transformers model's generate")
+        if args.budget is not None or args.gpu is not None:
+            raise ConfigError("--budget and --gpu judge generate (--new-tokens N >= 1) or a training step; give "
+                              "--new-tokens N, or drop --budget/--gpu")
         return _print_forward(args, cfg, estimate_inference(cfg, args.weights_dtype, arch))
     _check_generate_flags(cfg)
     res = estimate_generate_run(cfg, args.weights_dtype, arch, args.new_tokens)
+    res.update(_generate_fit(args, cfg, arch))
     if args.json:
         print(json.dumps(res, indent=2, default=float))
         return 0
@@ -351,7 +353,37 @@ def _run_inference(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
           "caching allocator's rounding")
     if args.explain:
         print("\n".join("  " + line for line in res["explanation"]))
+    _print_generate_fit(res)
     return 0
+
+
+def _generate_fit(args: argparse.Namespace, cfg: Any, arch: Any) -> dict[str, Any]:
+    """The ``fit`` entry of --mode inference with --budget/--gpu (``fit_note`` where the card's
+    memory is unknown); {} without either."""
+    if args.budget is None and args.gpu is None:
+        return {}
+    from memtrain.analysis.fit import budget_for  # torch-free --help/estimate/plan
+    from memtrain.analysis.generate_fit import generate_fit  # likewise
+
+    found = budget_for(parse_size(args.budget) if args.budget is not None else None, args.gpu)
+    if found is None:
+        return {"fit": None, "fit_note": f"no fit verdict: --gpu {args.gpu}'s memory is not in the GPU table "
+                                         "(memtrain.devices.gpu_memory); add --budget SIZE"}
+    verdict = generate_fit(cfg, args.weights_dtype, arch, args.new_tokens, found, gpu=args.gpu)
+    return {"fit": verdict.to_dict(), "fit_line": verdict.line()}
+
+
+def _print_generate_fit(res: dict[str, Any]) -> None:
+    """The verdict line of --mode inference with --budget/--gpu, its measure and assumptions."""
+    if "fit_line" in res:
+        fit = res["fit"]
+        print(f"fit: {res['fit_line']}")
+        print(f"  compared: {fit['measure']}, {fmt_bytes(fit['needed_bytes'])} at batch {fit['batch_size']}; "
+              "estimated, not measured")
+        for line in fit["assumptions"]:
+            print(f"  model: {line}")
+    elif "fit_note" in res:
+        print(f"fit: {res['fit_note']}")
 
 
 def _cache_note(res: dict[str, Any]) -> str:

@@ -226,10 +226,9 @@ def why_not_modelled(cfg: Any, device_type: Optional[str] = None) -> Optional[st
     return None
 
 
-def why_generate_not_modelled(c: Any, prompt: int, new_tokens: int) -> Optional[str]:
+def why_generate_not_modelled(c: Any) -> Optional[str]:
     """None when the generate estimate (memtrain.analysis.estimate.generation) covers the
-    transformers config ``c`` for a ``prompt``-token prompt and ``new_tokens`` new tokens, else the
-    reason, naming what would be needed."""
+    transformers config ``c``, else the reason, naming what would be needed."""
     if c.model_type not in MODELLED:
         return f"no analytic model of {c.model_type} layers (only {', '.join(MODELLED)})"
     window = config_window(c)  # the window a DynamicCache caps a sliding layer's keys and values at

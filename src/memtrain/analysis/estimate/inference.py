@@ -13,7 +13,7 @@ from memtrain.config.archs import GPT2_ARCH, Arch
 from memtrain.config.run import ConfigError, RunConfig
 from memtrain.models.spec import analytic_config, config_positions, is_hf
 
-__all__ = ["DTYPE_BYTES", "estimate_inference", "estimate_generate_run"]
+__all__ = ["DTYPE_BYTES", "estimate_inference", "estimate_generate_run", "generate_positions"]
 
 
 # --------------------------------------------------------------------------- inference
@@ -85,6 +85,16 @@ def estimate_inference(cfg: RunConfig, weights_dtype: str = "fp32", arch: Arch =
     }
 
 
+def generate_positions(cfg: RunConfig) -> Optional[int]:
+    """The most positions (prompt + new tokens) ``memtrain generate`` takes for ``cfg``'s model:
+    a transformers config's (None where it sets none), memtrain's GPT's ``--max-seq-len`` where
+    given, else None (its position table is made as long as the run)."""
+    if is_hf(cfg):
+        assert cfg.model.model is not None  # is_hf: a transformers model is named
+        return config_positions(analytic_config(cfg.model.model))
+    return cfg.model.max_seq_len if "max_seq_len" in (getattr(cfg, "given_settings", None) or ()) else None
+
+
 def estimate_generate_run(cfg: RunConfig, weights_dtype: str, arch: Optional[Arch], new_tokens: int,
                           batch: Optional[int] = None, sampling: bool = True) -> dict[str, Any]:
     """``memtrain generate``'s memory for ``cfg`` (:mod:`memtrain.analysis.estimate.generation`):
@@ -102,20 +112,17 @@ def estimate_generate_run(cfg: RunConfig, weights_dtype: str, arch: Optional[Arc
     m = cfg.model
     total = t.seq_len + new_tokens
     window = None
+    limit = generate_positions(cfg)
     if is_hf(cfg):
         assert m.model is not None  # is_hf: a transformers model is named
         c = analytic_config(m.model)
-        reason = why_generate_not_modelled(c, t.seq_len, new_tokens)
+        reason = why_generate_not_modelled(c)
         if reason is not None:
             raise ConfigError(f"--mode inference: {reason}")
         arch = hf_arch(m.model)
-        limit = config_positions(c)
         window = config_window(c)
-    else:
-        limit = m.max_seq_len
-        if total > limit and "max_seq_len" not in (getattr(cfg, "given_settings", None) or ()):
-            limit = total  # a position table as long as the run, as --seq-len alone derives one
-            m = replace(m, max_seq_len=total)
+    elif limit is None and total > m.max_seq_len:
+        m = replace(m, max_seq_len=total)  # a position table as long as the run, as --seq-len alone derives one
     if limit is not None and total > limit:
         raise ConfigError(f"--seq-len {t.seq_len} + --new-tokens {new_tokens} exceeds the model's {limit} positions "
                           "(memtrain generate refuses it); shorten one")
