@@ -504,3 +504,40 @@ def test_a_zero1_rank_file_round_trips_and_a_moment_of_another_shape_is_refused(
     torch.save(rank, tmp_path / "ck" / "rank-0.pt")
     with pytest.raises(ConfigError, match=r"rank-0.pt' is damaged: its optimizer state exp_avg .* shape \[5, 5\]"):
         load_checkpoint(tmp_path / "ck", zero1_run())
+
+
+class _RunsCode:
+    """Unpickling this runs ``touch`` on a marker file: proof that a file was loaded."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("name", ["ckpt.pt", "model.bin", "run-state"])  # the last found by its zip bytes
+@pytest.mark.parametrize("verb", [["estimate"], ["estimate", "--mode", "inference"], ["train", "--steps", "1"]])
+def test_a_checkpoint_given_as_model_is_one_line_saying_what_model_takes(tmp_path, capsys, name, verb):
+    marker = tmp_path / "was-unpickled"
+    ckpt = tmp_path / name
+    torch.save({"model": _RunsCode(marker)}, ckpt)
+    assert main([*verb, "--model", str(ckpt), "--out", str(tmp_path / "out")] if verb[0] == "train"
+                else [*verb, "--model", str(ckpt)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and err.count("\n") == 1, err
+    assert "is a checkpoint, not a model config" in err and f"train --resume {ckpt}" in err and "memtrain export" in err
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_a_weights_file_or_a_sharded_checkpoint_as_model_is_one_line(tmp_path, capsys):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
+    assert main(["estimate", "--model", str(weights)]) == 2
+    assert "is a weights file; give the folder holding it and its config.json" in capsys.readouterr().err
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / ".metadata").write_bytes(b"\x80\x04N.")  # DCP's pickled metadata: never read here
+    (sharded / "meta.json").write_text("{}")
+    assert main(["estimate", "--model", str(sharded)]) == 2
+    assert "is a sharded memtrain checkpoint, not a model config" in capsys.readouterr().err

@@ -158,6 +158,7 @@ def resolve(spec: str) -> ModelSource:
     if "/" not in spec and bundled.is_file():
         return ModelSource(spec, bundled, None)
     p = Path(spec).expanduser()
+    _refuse_a_checkpoint(p, spec)
     if p.is_dir():
         p = p / "config.json"
     if os.path.lexists(p):
@@ -173,6 +174,38 @@ def resolve(spec: str) -> ModelSource:
     raise ConfigError(
         f"--model {spec!r} is not a preset, a bundled config, a config.json or a directory holding one; "
         f"choose one of {', '.join(model_names())}, a path, or hf:ORG/NAME")
+
+
+# The first bytes of a file torch.save writes (a zip archive): a checkpoint, never a config.
+_ZIP_MAGIC = b"PK\x03\x04"
+_CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
+
+
+def _refuse_a_checkpoint(p: Path, spec: str) -> None:
+    """A checkpoint or a weights file given as ``--model`` is one error line saying what --model
+    takes instead (reading it as a config.json said only that it is not JSON). Only its first
+    bytes are read, never unpickled."""
+    if p.is_dir():
+        if (p / ".metadata").is_file() and not (p / "config.json").exists():
+            kind = "a sharded memtrain checkpoint"
+        else:
+            return
+    elif p.is_file() and p.suffix == ".safetensors":
+        raise ConfigError(f"--model {spec!r} is a weights file; give the folder holding it and its config.json")
+    elif p.is_file() and (p.suffix in _CHECKPOINT_SUFFIXES or _starts_with(p, _ZIP_MAGIC)):
+        kind = "a checkpoint"
+    else:
+        return
+    raise ConfigError(f"--model {spec!r} is {kind}, not a model config: give the model it was trained from "
+                      f"(train --resume {spec} continues it), or `memtrain export {spec} DIR` and --model DIR")
+
+
+def _starts_with(p: Path, magic: bytes) -> bool:
+    try:
+        with p.open("rb") as f:
+            return f.read(len(magic)) == magic
+    except OSError:
+        return False  # unreadable: the JSON reader says so in its own words
 
 
 def _json_object(path: Path, what: str) -> dict[str, Any]:
