@@ -256,8 +256,9 @@ def test_resume_with_a_larger_steps_trains_longer_and_says_what_the_lr_does(save
 
 def test_resume_with_other_logging_options_continues_the_run(saved_run, tmp_path):
     run, root = saved_run
-    resumed = {**run, "stop_after": None, "save": None, "resume": str(root / "half.pt"), "out": str(tmp_path / "r"),
-               "log_every": 2}
+    # A --save of its own: the saved run's (the shared half.pt) would be this run's otherwise.
+    resumed = {**run, "stop_after": None, "save": str(tmp_path / "end.pt"), "resume": str(root / "half.pt"),
+               "out": str(tmp_path / "r"), "log_every": 2}
     assert main(["train", *cli_flags({k: v for k, v in resumed.items() if v is not None})]) == 0
     # Where metrics go is no more part of the run than how often they are written.
     saved = RunConfig().to_dict()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,6 +140,47 @@ def test_a_crafted_checkpoints_negative_warmup_is_not_taken_by_a_longer_run(tiny
     assert cfg.train.warmup_steps == 1  # 10% of 10, its own default
     with pytest.raises(ConfigError, match="warmup_steps: -3 -> 1"):
         check_resume(cfg)
+
+
+def _cli_train(capsys, *argv: str) -> tuple[int, str]:
+    from memtrain.cli import main
+
+    rc = main(["train", *argv])
+    return rc, capsys.readouterr().err
+
+
+def test_resume_alone_continues_the_run_with_its_saved_settings(tiny_run, tmp_path, capsys):
+    """`train --resume CKPT` with no other flag: the checkpoint's saved settings (model, data,
+    schedule, --out, --save) are the run's, so it ends as the uninterrupted run does; what the
+    run stopped at (--stop-after) and the machine's settings are not taken from it."""
+    from conftest import cli_flags
+
+    base = {**tiny_run, "steps": 6, "dropout": 0.1}
+    full = train(build_config({**base, "out": str(tmp_path / "full")}))
+    ckpt = tmp_path / "half.pt"
+    rc, err = _cli_train(capsys, *cli_flags({**base, "stop_after": 3, "save": str(ckpt)}))
+    assert rc == 0, err
+    rc, err = _cli_train(capsys, "--resume", str(ckpt))
+    assert rc == 0, err
+    resumed = json.loads((Path(tiny_run["out"]) / "result.json").read_text())
+    assert resumed["steps_run"] == 3 and resumed["loss_history"] == full["loss_history"]
+    assert resumed["config"]["train"]["stop_after"] is None
+    saved = torch.load(ckpt, weights_only=True)  # --save was the run's own: it holds the end now
+    assert saved["step"] == 6
+    # A flag still overrides, and one that changes the numbers is another run.
+    rc, err = _cli_train(capsys, "--resume", str(ckpt), "--steps", "6", "--lr", "0.01")
+    assert rc == 2 and "lr: 0.0003 -> 0.01" in err and "at step 6" not in err
+
+
+def test_a_checkpoint_whose_saved_settings_are_refused_names_it(tiny_run, tmp_path, capsys):
+    train(build_config({**tiny_run, "steps": 2, "save": str(tmp_path / "a.pt")}))
+    state = torch.load(tmp_path / "a.pt", weights_only=True)
+    state["config"]["train"]["lr"] = -1.0
+    state["config"]["model"]["unheard_of"] = 3  # a name this memtrain does not know: left out
+    torch.save(state, tmp_path / "crafted.pt")
+    rc, err = _cli_train(capsys, "--resume", str(tmp_path / "crafted.pt"))
+    assert rc == 2 and err.count("\n") == 1
+    assert f"checkpoint {str(tmp_path / 'crafted.pt')!r} holds settings memtrain refuses" in err and "lr" in err
 
 
 def test_resume_rejects_other_model(tiny_run, tmp_path):

@@ -57,7 +57,7 @@ from memtrain.report.by_module import module_table_lines
 from memtrain.runtime.extras import quiet_third_party
 from memtrain.runtime.notices import install_warning_format
 from memtrain.runtime.signals import bind_rank_to_launcher, sigterm_as_interrupt
-from memtrain.training.preflight import check_before_launch, continue_longer
+from memtrain.training.preflight import check_before_launch, continue_longer, resumed_settings
 
 
 class _Parser(argparse.ArgumentParser):
@@ -213,16 +213,22 @@ def add_config_flags(parser: argparse.ArgumentParser, sections: Sequence[str] = 
 
 
 def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = None,
-                     derive_max_seq_len: bool = False) -> RunConfig:
+                     derive_max_seq_len: bool = False, resumed: bool = False) -> RunConfig:
     """Defaults <- ``base`` (e.g. a bench preset) <- config file <- flags.
 
     ``derive_max_seq_len`` (the verbs that size one step): when no layer sets --max-seq-len,
     it follows --seq-len, so ``estimate --seq-len 2048`` needs no second flag.
+    ``resumed`` (train): a ``--resume CKPT`` (flag or config file) makes the checkpoint's saved
+    settings the base, so that ``--resume CKPT`` alone continues the run
+    (:func:`memtrain.training.preflight.resumed_settings`).
     """
     check_switches(args)
     known = {f.name for cls in SECTIONS.values() for f in fields(cls)} | EXPANDED
     flags = {k: v for k, v in vars(args).items() if k in known}
     file_layer = load_config_file(args.config) if getattr(args, "config", None) else {}
+    resume = _given_settings([file_layer, flags]).get("resume") if resumed else None
+    if resume:
+        base = {**(base or {}), **resumed_settings(str(resume))}
     layers = [base or {}, file_layer, flags]
     merged = _given_settings(layers)
     if _is_transformers_model(merged.get("model")) and "attention" not in merged:
@@ -395,7 +401,7 @@ def _allocation_of(exc: BaseException) -> str:
 def cmd_train(args: argparse.Namespace) -> int:
     from memtrain.training.train import train  # torch-free --help/estimate/plan
 
-    cfg = config_from_args(args)
+    cfg = config_from_args(args, resumed=True)
     if getattr(args, "nproc_per_node", None) and not launched_by_memtrain():
         return _launch_ranks(args, cfg)
     out = Path(cfg.train.out)

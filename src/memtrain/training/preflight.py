@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from memtrain.analysis.limits import check_analytic_size
-from memtrain.config.run import ConfigError, ModelConfig, RunConfig
+from memtrain.config.run import ConfigError, ModelConfig, RunConfig, build_config, field_index, flatten
 from memtrain.files.guard import regular_file_problem
 from memtrain.files.results import (
     LOCK_NAME,
@@ -366,6 +366,33 @@ def saved_run(path: str | Path) -> tuple[dict[str, Any], int, Optional[str]]:
     return state["config"], state["step"], fingerprint if isinstance(fingerprint, str) else None
 
 
+# The saved settings a resumed run does not take from its checkpoint: which checkpoint it resumes
+# and where it stops, and what belongs to the machine it runs on now (the device, the loader's
+# workers, the token cache, the launch), which the saved config recorded for another machine.
+NOT_RESUMED: frozenset[str] = frozenset({
+    "resume", "stop_after", "device", "progress", "num_workers", "pin_memory", "prefetch_factor", "cache_dir",
+    "no_cache", "distributed", "cpu_offload",
+})
+
+
+def resumed_settings(path: str | Path) -> dict[str, Any]:
+    """The settings ``train --resume CKPT`` starts from: the checkpoint's saved run config
+    (model, data, schedule, techniques, its ``--out`` and ``--save``), so that ``--resume CKPT``
+    alone continues the run; the config file and the flags override them, and a change that
+    decides the numbers is still refused as another run's (:func:`check_resume`). Leaves out
+    :data:`NOT_RESUMED` and names this memtrain does not know. A saved value memtrain refuses
+    is one ConfigError naming the checkpoint."""
+    saved, _, _ = saved_run(path)
+    index = field_index()
+    settings = {k: v for k, v in flatten(saved).items() if k in index and k not in NOT_RESUMED}
+    try:
+        build_config(settings)
+    except ConfigError as exc:
+        raise ConfigError(f"checkpoint {str(path)!r} holds settings memtrain refuses ({exc}); resume only from "
+                          "checkpoints memtrain wrote") from None
+    return settings
+
+
 def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """``["key: saved -> now", ...]`` for every key that decides the run's numbers."""
     diffs = []
@@ -443,7 +470,8 @@ def check_resume(cfg: RunConfig) -> None:
     if diffs:
         what = "model" if any(d.split(":")[0] in saved.get("model", {}) for d in diffs) else "run"
         raise ConfigError(f"checkpoint {cfg.train.resume!r} does not fit this {what}: it was saved by a different run "
-                          f"({_shown(diffs, 8)}); resume with the saved run's settings or start a new run without --resume")
+                          f"({_shown(diffs, 8)}); drop the flags that differ (--resume alone takes the saved run's settings) "
+                          "or start a new run without --resume")
     end = cfg.train.stop_after or cfg.train.steps
     if not 0 <= step < end:
         more = ("raise --stop-after (or drop it) to continue" if step < cfg.train.steps
