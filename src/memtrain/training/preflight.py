@@ -386,7 +386,10 @@ def resumed_settings(path: str | Path) -> dict[str, Any]:
     index = field_index()
     settings = {k: v for k, v in flatten(saved).items() if k in index and k not in NOT_RESUMED}
     try:
-        build_config(settings)
+        # The values as a config file's are checked, before anything runs. The model spec is left
+        # to the run's own build: a model that cannot be resolved now (a folder since moved, the
+        # Hub offline) is said in its own words there, not blamed on the checkpoint.
+        build_config({k: v for k, v in settings.items() if k != "model"})
     except ConfigError as exc:
         raise ConfigError(f"checkpoint {str(path)!r} holds settings memtrain refuses ({exc}); resume only from "
                           "checkpoints memtrain wrote") from None

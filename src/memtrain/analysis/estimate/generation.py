@@ -39,8 +39,9 @@ memtrain's GPT mapped onto ``GPT2LMHeadModel`` with a ``gelu_pytorch_tanh`` MLP.
 
 Attention is SDPA (what ``memtrain generate`` loads): with no padding the mask is None, grouped
 k/v heads go to the kernel as they are (``enable_gqa``; one query: ``pack_gqa``), so no
-repeated copy is made. The peak is the largest of the prefill's last layer (MLP or attention),
-the prefill's sampling, and the last decode step's cache update and sampling.
+repeated copy is made (a window's mask aside, above). The peak is the largest of the prefill's
+last layer (MLP or attention), the prefill's sampling, and the last decode step's cache update
+(with a window the first step's too) and sampling.
 """
 
 from __future__ import annotations
