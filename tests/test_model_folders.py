@@ -541,3 +541,19 @@ def test_a_weights_file_or_a_sharded_checkpoint_as_model_is_one_line(tmp_path, c
     (sharded / "meta.json").write_text("{}")
     assert main(["estimate", "--model", str(sharded)]) == 2
     assert "is a sharded memtrain checkpoint, not a model config" in capsys.readouterr().err
+
+
+def test_resume_alone_of_a_model_folder_run_and_of_one_whose_folder_moved(tokenizer_dir, corpus, tmp_path, capsys):
+    """`train --resume CKPT` alone takes the saved --model folder; once the folder has moved the
+    line names the model, in the model resolution's own words (the checkpoint is not blamed)."""
+    model = model_folder(tmp_path / "m", tokenizer_dir)
+    ckpt = tmp_path / "ck.pt"
+    assert main([*_flags(model, corpus, tmp_path / "out", steps=3, stop_after=2), "--save", str(ckpt)]) == 0
+    capsys.readouterr()
+    model.rename(tmp_path / "moved")
+    assert main(["train", "--resume", str(ckpt)]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"--model {str(model)!r} is not a preset" in line and "holds settings" not in line
+    (tmp_path / "moved").rename(model)
+    assert main(["train", "--resume", str(ckpt)]) == 0
+    assert json.loads((tmp_path / "out" / "result.json").read_text())["steps"] == 3
