@@ -2,7 +2,7 @@
 
 A session that is lent a GPU has about 15 minutes of device time, at most 10 minutes per
 command, and gets back at most 8 files per command. This script turns the open GPU checks into
-five *parts*, each one device command of under 10 minutes, run in priority order:
+six *parts*, each one device command of under 10 minutes, run in priority order:
 
     hf      memtrain vs HF Trainer (+ peft) on Llama-3-8B LoRA (with and without checkpointing),
             Qwen2.5-0.5B full fine-tune (standard loss, chunked loss, checkpointing) and the seed GPT
@@ -18,6 +18,8 @@ five *parts*, each one device command of under 10 minutes, run in priority order
             (benchmarks/loss_profile.py: step times, host vs device time, top operators), the
             library loss kernels (Cut Cross-Entropy, Liger) beside memtrain's on the seed GPT and
             Qwen2.5-0.5B, and the compiled seed step with --sync-steps, beside build's overlapped one
+    inference  `estimate --mode inference` against a measured generate on CUDA kernels, and
+            `--gpu`'s fit figure against the device's used memory (benchmarks/generate_check.py)
 
 ``--part picked --only A,B,...`` runs the named steps of any parts, in that order: a session with
 a few minutes of device time puts the checks it owes most first in one command.
@@ -257,12 +259,19 @@ STEPS: list[Step] = [
                          *([str(out), "qwen-standard", "qwen-chunked", "qwen-cce"] if s.device == "cuda"
                            else ["--help"])],
          "table"),
+    Step("generate", "inference",
+         "estimate --mode inference within 1% of generate's tracked peak on CUDA kernels (Qwen2.5-0.5B, Llama-3-8B, "
+         "Mistral-7B's shape, a prompt past its 4096 window); max allocated / reserved and the device's used memory "
+         "beside --gpu's fit figure, which claims to be a lower bound of it", 150,
+         lambda s, out: [PY, str(ROOT / "benchmarks" / "generate_check.py"), "--out", str(out), "--device", s.device,
+                         "--rows", "full" if s.device == "cuda" else "smoke"],
+         "markdown"),
     Step("seed-compiled-synced", "profile",
          "what overlapping steps buys: build's seed-compiled with --sync-steps (every step waited for, the loss "
          "read at once, host-clock timing); its step time and data wait beside seed-compiled's", 70,
          lambda s, out: _train(s, out, *_seed_train(s, "--sync-steps")), "train"),
 ]
-PARTS = ["hf", "build", "seed", "checks", "profile"]
+PARTS = ["hf", "build", "seed", "checks", "profile", "inference"]
 # --part picked: the steps --only names, from any part, in the order named (a session's own list
 # of the checks it owes, in one device command).
 PICKED = "picked"

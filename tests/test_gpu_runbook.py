@@ -473,3 +473,22 @@ def test_the_per_op_chunk_step_gives_the_one_call_bodys_loss_and_gradients(monke
     row = profile.profile_variant(overrides, steps=1, warmup=1, top=3, how="loop", timed=1)
     assert row["step_s_median"] > 0 and len(calls) == 3 * 4  # three steps, 32 tokens in chunks of 8
     assert loss._chunk_step is original
+
+
+def test_generate_checks_full_rows_are_estimated_and_its_smoke_rows_measured(tmp_path):
+    """benchmarks/generate_check.py: every GPU-size row is one the estimate answers (with --gpu's
+    fit figure, as the GPU run asks for it), and the CPU smoke run measures and writes its table."""
+    check = _load("generate_check")
+    for spec, dtype, batch, prompt, new in check.FULL_ROWS:
+        est = check._estimate(check._model_dir(spec, tmp_path), dtype, batch, prompt, new, "NVIDIA H200")
+        assert est["fit"]["needed_bytes"] > est["peak_bytes"] > 0, spec
+        if spec in check.WINDOWED:
+            window = check.WINDOWED[spec][1]
+            assert prompt > window and est["cache_window"] == est["cache_stored_positions"] == window, est
+    assert check.main(["--out", str(tmp_path / "out"), "--device", "cpu", "--rows", "smoke"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "out" / "generate_check.jsonl").read_text().splitlines()]
+    assert len(rows) == len(check.SMOKE_ROWS) and not any("error" in r for r in rows)
+    for r in rows:  # the estimate is held to 1% of a measured generate (test_generate_estimate.py)
+        assert r["estimated_peak"] == pytest.approx(r["tracked_peak"], rel=0.01)
+    assert (tmp_path / "out" / "generate_check.md").read_text().count("| tiny-llama |") == len(rows)
+    assert check.main(["--out", str(tmp_path / "out"), "--device", "cpu"]) == 2  # a used folder
