@@ -462,3 +462,64 @@ def test_error_lines_escape_control_characters():
     from memtrain.errors import one_line
 
     assert one_line("a\nb\r\x1b[0m\u2028é") == "a\\nb\\r\\x1b[0m\\u2028é"
+
+
+# --------------------------------------------------------------------------- generate: device, dtype, fit
+def test_generate_reads_a_folder_in_the_asked_dtype_and_samples_as_transformers_does(good_folder):
+    """--dtype bf16: the weights are read in bf16 (not cast after a float32 load), and the text is
+    the one transformers' own generate samples from the folder loaded in bf16 with the same seed."""
+    from memtrain.inference.generate import generate, generation_config, load_for_sampling
+
+    seen: dict = {}
+
+    def spy(cfg, hf, prompt_tokens, device):
+        seen.update(dtype=next(hf.parameters()).dtype, prompt=prompt_tokens, device=device.type)
+
+    texts = generate(good_folder, "memory", 5, 0.8, 50, 2, 7, "cpu", "bf16", before_sampling=spy)
+    assert seen["dtype"] == torch.bfloat16 and seen["device"] == "cpu" and len(texts) == 2
+    hf, codec, _ = load_for_sampling(good_folder, torch.bfloat16)
+    ids = codec.encode("memory")
+    assert seen["prompt"] == len(ids)
+    torch.manual_seed(7)
+    x = torch.tensor([ids] * 2)
+    with torch.no_grad():
+        y = hf.generate(x, attention_mask=torch.ones_like(x), generation_config=generation_config(5, 0.8, 50, codec.start_id))
+    assert texts == [codec.decode(row[len(ids):].tolist()) for row in y]
+
+
+def test_a_sampling_run_that_cannot_fit_is_one_line_before_it_starts(good_folder, capsys, monkeypatch):
+    """The estimate of the run is held against the device's memory (here a CPU said to hold
+    64 MiB): too many samples is one line naming what to lower; fewer sample."""
+    from memtrain.commands import generate as command
+
+    monkeypatch.setattr(command, "free_memory", lambda device: 64 << 20)
+    argv = ["generate", str(good_folder), "--prompt", "memory", "--max-new-tokens", "100"]
+    assert main([*argv, "--num-samples", "20000"]) == 2
+    captured = capsys.readouterr()
+    line = _one_error_line(captured.err)
+    assert "20000 samples of a" in line and "more than the 0.06 GiB of this machine's memory" in line
+    assert "lower --num-samples or --max-new-tokens, or --dtype bf16" in line and captured.out == ""
+    assert main([*argv, "--num-samples", "2"]) == 0
+
+
+def test_the_fit_check_holds_the_estimate_it_names(good_folder):
+    """check_fits refuses exactly above estimate --mode inference's peak, and checks nothing
+    where the memory is unknown."""
+    from memtrain.analysis.estimate.inference import estimate_generate_run
+    from memtrain.commands.generate import check_fits
+    from memtrain.config.run import ConfigError
+    from memtrain.inference.generate import load_for_sampling
+
+    hf, _, cfg = load_for_sampling(good_folder)
+    need = estimate_generate_run(cfg.replace(seq_len=5, batch_size=3), "fp32", None, 40)["peak_bytes"]
+    cpu = torch.device("cpu")
+    check_fits(cfg, hf, 5, 40, 3, cpu, int(need))
+    check_fits(cfg, hf, 5, 40, 3, cpu, None)
+    with pytest.raises(ConfigError, match="3 samples of a 5-token prompt"):
+        check_fits(cfg, hf, 5, 40, 3, cpu, int(need) - 1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without CUDA")
+def test_generate_on_cuda_without_one_is_one_line(good_folder, capsys):
+    assert main(["generate", str(good_folder), "--device", "cuda"]) == 2
+    assert "no CUDA GPU is visible" in _one_error_line(capsys.readouterr().err)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any, Optional
 
 from memtrain.analysis.estimate.generation import DEFAULT_NEW_TOKENS
 from memtrain.analysis.limits import MAX_WIDTH
 from memtrain.cli import register
 from memtrain.config.argtypes import batch_count, int_in, non_negative_float, seed_value, token_count, user_path
+from memtrain.config.run import ConfigError
+from memtrain.techniques.facts import GENERATE_DTYPES
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -27,14 +30,63 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Sample among the k likeliest tokens; 0 = no cut (default 50).")
     p.add_argument("--num-samples", type=batch_count, default=1, help="Independent samples (default 1).")
     p.add_argument("--seed", type=seed_value, default=1337,
-                   help="Sampling seed in [0, 2**64) (default 1337): same seed, same text.")
+                   help="Sampling seed in [0, 2**64) (default 1337): same seed, same text (on the same device, "
+                        "in the same dtype).")
+    p.add_argument("--device", default="cpu", help="Device to sample on: auto, cpu, cuda or cuda:N (default cpu).")
+    p.add_argument("--dtype", default=None, choices=GENERATE_DTYPES,
+                   help="Weights and compute dtype (default: as stored: float32, or the dtype a checkpoint's run "
+                        "trained in). Before sampling, the estimate of the run is held against the device's free "
+                        "memory: a run that cannot fit is one error line.")
+
+
+def check_fits(cfg: Any, hf: Any, prompt_tokens: int, new_tokens: int, samples: int, device: Any,
+               free_bytes: Optional[int]) -> None:
+    """ConfigError when ``memtrain estimate --mode inference``'s peak for this sampling run (the
+    model ``hf`` in its dtype, ``samples`` sequences of ``prompt_tokens`` + ``new_tokens``) exceeds
+    ``free_bytes`` of ``device`` (None: unknown, nothing checked). A model the estimate does not
+    model is not checked: generate runs as it would have."""
+    from memtrain.analysis.estimate import GPT2_ARCH  # torch-free --help: read once a model is loaded
+    from memtrain.analysis.estimate.inference import estimate_generate_run
+    from memtrain.inference.generate import DTYPES
+    from memtrain.models.spec import is_hf
+
+    if free_bytes is None:
+        return
+    weights_dtype = next(k for k, v in DTYPES.items() if v == next(hf.parameters()).dtype)
+    try:
+        run = cfg.replace(seq_len=prompt_tokens, batch_size=samples)
+        need = estimate_generate_run(run, weights_dtype, None if is_hf(cfg) else GPT2_ARCH, new_tokens)["peak_bytes"]
+    except ConfigError:
+        return
+    if need <= free_bytes:
+        return
+    where = f"free on {device}" if device.type == "cuda" else "of this machine's memory"
+    cheaper = ", or --dtype bf16" if weights_dtype == "fp32" else ""
+    raise ConfigError(f"{samples} sample{'s' if samples > 1 else ''} of a {prompt_tokens}-token prompt + {new_tokens} "
+                      f"new tokens need about {need / 2**30:.2f} GiB (memtrain estimate --mode inference), more than "
+                      f"the {free_bytes / 2**30:.2f} GiB {where}; lower --num-samples or --max-new-tokens{cheaper}")
+
+
+def free_memory(device: Any) -> Optional[int]:
+    """What generate may use on ``device``: a GPU's free memory, a CPU's whole memory (the model
+    already loaded there is in the estimate too), or None where unknown."""
+    if device.type == "cuda":
+        import torch  # torch-free --help: a CUDA device was resolved, so torch is loaded already
+
+        return int(torch.cuda.mem_get_info(device)[0])
+    from memtrain.training.preflight import host_memory_bytes  # the reading train's size check uses
+
+    return host_memory_bytes()
 
 
 def run(args: argparse.Namespace) -> int:
     from memtrain.inference.generate import generate  # torch-free --help/estimate/plan
 
+    def fits(cfg: Any, hf: Any, prompt_tokens: int, device: Any) -> None:
+        check_fits(cfg, hf, prompt_tokens, args.max_new_tokens, args.num_samples, device, free_memory(device))
+
     texts = generate(Path(args.model), args.prompt, args.max_new_tokens, args.temperature, args.top_k,
-                     args.num_samples, args.seed)
+                     args.num_samples, args.seed, args.device, args.dtype, before_sampling=fits)
     for i, text in enumerate(texts):
         if len(texts) > 1:
             print(f"--- sample {i + 1}")

@@ -13,7 +13,12 @@ What ``memtrain generate MODEL`` samples from:
 
 Every sampling setting comes from the command line (a fresh ``GenerationConfig``): a folder's
 ``generation_config.json`` is not consulted, so the same seed gives the same text from a
-checkpoint and from its export.
+checkpoint and from its export (on the same device, in the same dtype).
+
+``--device`` and ``--dtype`` place the model (a folder's weights are read in that dtype); before
+it moves, the command holds ``memtrain estimate --mode inference``'s figure for the run against
+the device's memory (``before_sampling``: memtrain.commands.generate), so a batch that cannot
+fit is one error line instead of an out-of-memory failure midway.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from memtrain.config.run import ConfigError, ModelConfig
+from memtrain.config.run import ConfigError, ModelConfig, RunConfig, build_config
 from memtrain.data.tokenizer import EOT_ID, N_VOCAB, get_tokenizer
 from memtrain.inference.export import load_trained, require_transformers, to_hf_model
 from memtrain.models.families import data_tokenizer
@@ -39,6 +44,7 @@ from memtrain.models.spec import (
     safetensors_files,
 )
 from memtrain.models.tokenizer import load_tokenizer
+from memtrain.techniques.facts import DTYPE_MATMUL_TYPE, GENERATE_DTYPES
 from memtrain.training.preflight import check_model_size
 
 
@@ -66,17 +72,19 @@ def transformers_codec(tok: Any) -> Codec:
 
 
 # --------------------------------------------------------------------------- what to sample from
-def from_checkpoint(path: Path) -> tuple[Any, Codec]:
-    """A checkpoint's model as a transformers model, and its tokenizer."""
+def from_checkpoint(path: Path) -> tuple[Any, Codec, RunConfig]:
+    """A checkpoint's model as a transformers model, its tokenizer, and the run config it was
+    trained with."""
     model, cfg = load_trained(path)
     if isinstance(model, GPT):
-        return to_hf_model(model, cfg), gpt2_codec()
+        return to_hf_model(model, cfg), gpt2_codec(), cfg
     tok = data_tokenizer(cfg)
-    return model.lm, gpt2_codec() if tok is None else transformers_codec(tok.tok)
+    return model.lm, gpt2_codec() if tok is None else transformers_codec(tok.tok), cfg
 
 
-def from_directory(path: Path) -> tuple[Any, Codec]:
-    """A transformers model folder and its tokenizer, read without running any of its code."""
+def from_directory(path: Path, dtype: Optional[torch.dtype] = None) -> tuple[Any, Codec, RunConfig]:
+    """A transformers model folder (its weights read in ``dtype``; None: float32), its tokenizer
+    and a run config naming it, read without running any of its code."""
 
     shown = repr(str(path))
     if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
@@ -88,7 +96,7 @@ def from_directory(path: Path) -> tuple[Any, Codec]:
     check_model_size(ModelConfig.from_spec(str(path)))  # the shape config.json declares, before transformers builds it
     _check_weight_files(path)
     config = _read_config(path)
-    lm = load_pretrained_lm(str(path), config, "sdpa", shown)
+    lm = load_pretrained_lm(str(path), config, "sdpa", shown, dtype=dtype)
     vocab = getattr(lm.config, "vocab_size", None)
     if any((path / f).is_file() for f in TOKENIZER_FILES):
         codec = transformers_codec(load_tokenizer(str(path), shown))
@@ -100,7 +108,9 @@ def from_directory(path: Path) -> tuple[Any, Codec]:
     if isinstance(vocab, int) and codec.n_vocab > vocab:
         raise ConfigError(f"the tokenizer of {shown} has {codec.n_vocab} tokens but the model embeds only vocab_size "
                           f"{vocab}; use the model's own tokenizer")
-    return lm.eval(), codec
+    # The run config names the folder; its sequence (a placeholder: any prompt within the
+    # model's positions) is the prompt's when the memory of a sampling run is estimated.
+    return lm.eval(), codec, build_config({"model": str(path), "seq_len": 1})
 
 
 def _check_weight_files(path: Path) -> None:
@@ -121,11 +131,20 @@ def _read_config(path: Path) -> Any:
         raise ConfigError(f"cannot read the config.json of {str(path)!r}: {first}") from None
 
 
-def load_for_sampling(model_path: Path) -> tuple[Any, Codec]:
-    """The transformers model and tokenizer ``memtrain generate`` samples from."""
+def load_for_sampling(model_path: Path, dtype: Optional[torch.dtype] = None) -> tuple[Any, Codec, RunConfig]:
+    """The transformers model ``memtrain generate`` samples from (in ``dtype``; None: as stored,
+    float32 or the dtype a checkpoint's run trained in), its tokenizer and its run config."""
     if model_path.is_dir():
-        return from_directory(model_path)
-    return from_checkpoint(model_path)
+        hf, codec, cfg = from_directory(model_path, dtype)
+    else:
+        hf, codec, cfg = from_checkpoint(model_path)
+    return (hf if dtype is None else hf.to(dtype)), codec, cfg
+
+
+# The dtypes --dtype names (those estimate --mode inference's --weights-dtype models for
+# generate), by the registry's dtype -> matmul type table.
+DTYPES: dict[str, torch.dtype] = {kind: getattr(torch, name) for name, kind in DTYPE_MATMUL_TYPE.items()
+                                  if kind in GENERATE_DTYPES}
 
 
 # --------------------------------------------------------------------------- sampling
@@ -138,11 +157,21 @@ def generation_config(max_new_tokens: int, temperature: float, top_k: int, pad: 
     return transformers.GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=None, **sampling)
 
 
+# What generate calls once the prompt is tokenized and before the model moves to its device:
+# (the model's run config, the loaded model, the prompt's token count, the device).
+BeforeSampling = Callable[[RunConfig, Any, int, torch.device], None]
+
+
 def generate(model_path: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int,
-             num_samples: int, seed: int) -> list[str]:
-    """``num_samples`` continuations of ``prompt`` (the new text only)."""
+             num_samples: int, seed: int, device: str = "cpu", dtype: Optional[str] = None,
+             before_sampling: Optional[BeforeSampling] = None) -> list[str]:
+    """``num_samples`` continuations of ``prompt`` (the new text only), sampled on ``device``
+    (auto, cpu, cuda, cuda:N) with the weights in ``dtype`` (fp32, bf16, fp16; None: as stored)."""
+    from memtrain.runtime.env import resolve_device  # torch-free --help: the device is resolved here
+
     require_transformers()
-    hf, codec = load_for_sampling(model_path)
+    place = resolve_device(device)
+    hf, codec, cfg = load_for_sampling(model_path, None if dtype is None else DTYPES[dtype])
     if prompt:
         ids = codec.encode(prompt)
     elif codec.start_id is not None:
@@ -153,10 +182,13 @@ def generate(model_path: Path, prompt: str, max_new_tokens: int, temperature: fl
     if limit is not None and len(ids) + max_new_tokens > limit:
         raise ConfigError(f"prompt ({len(ids)} tokens) + --max-new-tokens {max_new_tokens} exceeds the model's "
                           f"{limit} positions; shorten one")
+    if before_sampling is not None:
+        before_sampling(cfg, hf, len(ids), place)
+    hf = hf.to(place)
     pad = codec.start_id if codec.start_id is not None else ids[0]
     settings = generation_config(max_new_tokens, temperature, top_k, pad)
     torch.manual_seed(seed)
-    x = torch.tensor([ids] * num_samples)
+    x = torch.tensor([ids] * num_samples, device=place)
     with torch.no_grad():
         y = hf.generate(x, attention_mask=torch.ones_like(x), generation_config=settings)
     return [codec.decode(row[len(ids):].tolist()) for row in y]

@@ -202,9 +202,10 @@ def quiet_transformers() -> Iterator[None]:
             tlog.enable_progress_bar()
 
 
-def load_pretrained_lm(load_id: str, config: Any, attn: str, what: str, repo: Optional[str] = None) -> Any:
+def load_pretrained_lm(load_id: str, config: Any, attn: str, what: str, repo: Optional[str] = None,
+                       dtype: Optional[torch.dtype] = None) -> Any:
     """``AutoModelForCausalLM.from_pretrained`` of a folder (or Hub repository) whose config
-    memtrain has checked, in the default dtype; ``what`` names it in errors.
+    memtrain has checked, in ``dtype`` (None: the default dtype); ``what`` names it in errors.
 
     Never runs code (``trust_remote_code=False``) nor reads pickles (``use_safetensors``).
     Every failure to read the weights is a ConfigError: a truncated or foreign
@@ -216,7 +217,7 @@ def load_pretrained_lm(load_id: str, config: Any, attn: str, what: str, repo: Op
     try:
         with quiet_transformers():
             loaded: Any = AutoModelForCausalLM.from_pretrained(
-                load_id, config=config, attn_implementation=attn, dtype=torch.get_default_dtype(),
+                load_id, config=config, attn_implementation=attn, dtype=dtype or torch.get_default_dtype(),
                 use_safetensors=True, trust_remote_code=False, output_loading_info=True,
                 # transformers then returns the mis-shaped tensors (refused below, naming one)
                 # instead of raising after a report of every one; such a model is never used.

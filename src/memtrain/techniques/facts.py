@@ -144,6 +144,9 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "
 MATMUL_TYPES: tuple[str, ...] = ("bf16", "fp16", "tf32", "fp32", "fp8")
 DTYPE_MATMUL_TYPE = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
                      "float8_e4m3fn": "fp8", "float8_e5m2": "fp8"}
+# The weights dtypes `memtrain generate --dtype` loads a model in (and `estimate --mode inference
+# --weights-dtype` models for it): float weights, no quantized kernels.
+GENERATE_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16")
 # FP8 tensor cores arrive with compute capability 8.9 (Ada: L4, L40S, RTX 4090; then Hopper:
 # H100, H200); torch's float8 matmul (torch._scaled_mm) refuses older GPUs.
 FP8_MIN_CAPABILITY: tuple[int, int] = (8, 9)

@@ -51,11 +51,10 @@ from typing import Any, Optional
 from memtrain.analysis.estimate.params import head_widths, param_count
 from memtrain.config.archs import Arch
 from memtrain.config.run import ModelConfig
+from memtrain.techniques.facts import GENERATE_DTYPES
 
 # Bytes per element of a weights dtype (int8/int4: the stored weights; they compute in 16 bits).
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "int8": 1, "int4": 0.5}
-# The weights dtypes a transformers model is loaded in for generate (no quantized kernels).
-GENERATE_DTYPES = ("fp32", "bf16", "fp16")
 ID_BYTES = 8  # token ids, attention mask and positions are int64
 FP32 = 4  # the sampling head runs in float32 (generate copies the logits to float32)
 DEFAULT_NEW_TOKENS = 64  # memtrain generate --max-new-tokens, and estimate --new-tokens
