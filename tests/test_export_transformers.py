@@ -523,3 +523,20 @@ def test_the_fit_check_holds_the_estimate_it_names(good_folder):
 def test_generate_on_cuda_without_one_is_one_line(good_folder, capsys):
     assert main(["generate", str(good_folder), "--device", "cuda"]) == 2
     assert "no CUDA GPU is visible" in _one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_generate_samples_on_cuda_in_bf16(good_folder, capsys):
+    from memtrain.inference.generate import generate
+
+    seen: dict = {}
+
+    def spy(cfg, hf, prompt_tokens, device):
+        seen.update(device=device.type)
+
+    texts = generate(good_folder, "memory", 4, 0.8, 50, 3, 7, "cuda", "bf16", before_sampling=spy)
+    assert seen["device"] == "cuda" and len(texts) == 3
+    assert main(["generate", str(good_folder), "--prompt", "memory", "--device", "cuda", "--dtype", "bf16",
+                 "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.startswith("memory")
