@@ -32,7 +32,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=seed_value, default=1337,
                    help="Sampling seed in [0, 2**64) (default 1337): same seed, same text (on the same device, "
                         "in the same dtype).")
-    p.add_argument("--device", default="cpu", help="Device to sample on: auto, cpu, cuda or cuda:N (default cpu).")
+    p.add_argument("--device", default="auto",
+                   help="Device to sample on: auto (CUDA when present, as train), cpu, cuda or cuda:N.")
     p.add_argument("--dtype", default=None, choices=GENERATE_DTYPES,
                    help="Weights and compute dtype (default: as stored: float32, or the dtype a checkpoint's run "
                         "trained in). Before sampling, the estimate of the run is held against the device's free "
@@ -61,7 +62,7 @@ def check_fits(cfg: Any, hf: Any, prompt_tokens: int, new_tokens: int, samples: 
     if need <= free_bytes:
         return
     where = f"free on {device}" if device.type == "cuda" else "of this machine's memory"
-    cheaper = ", or --dtype bf16" if weights_dtype == "fp32" else ""
+    cheaper = (", or --dtype bf16" if weights_dtype == "fp32" else "") + (", or --device cpu" if device.type == "cuda" else "")
     raise ConfigError(f"{samples} sample{'s' if samples > 1 else ''} of a {prompt_tokens}-token prompt + {new_tokens} "
                       f"new tokens need about {need / 2**30:.2f} GiB (memtrain estimate --mode inference), more than "
                       f"the {free_bytes / 2**30:.2f} GiB {where}; lower --num-samples or --max-new-tokens{cheaper}")

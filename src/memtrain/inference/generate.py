@@ -163,7 +163,7 @@ BeforeSampling = Callable[[RunConfig, Any, int, torch.device], None]
 
 
 def generate(model_path: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int,
-             num_samples: int, seed: int, device: str = "cpu", dtype: Optional[str] = None,
+             num_samples: int, seed: int, device: str = "auto", dtype: Optional[str] = None,
              before_sampling: Optional[BeforeSampling] = None) -> list[str]:
     """``num_samples`` continuations of ``prompt`` (the new text only), sampled on ``device``
     (auto, cpu, cuda, cuda:N) with the weights in ``dtype`` (fp32, bf16, fp16; None: as stored)."""
