@@ -245,11 +245,16 @@ def _fit(args: argparse.Namespace, cfg: Any, arch: Any, device_type: str, shard:
         raise ConfigError(f"--gpu {args.gpu}: its memory is not in the GPU table, so there is no longest context for "
                           "--max-len to bound; add --budget SIZE")
     if found is None:
-        return {"fit": None, "fit_note": f"no fit verdict: --gpu {args.gpu}'s memory is not in the GPU table "
-                                         "(memtrain.devices.gpu_memory); add --budget SIZE"}
+        return _no_budget(args)
     verdict = fit_verdict(cfg, arch, device_type, found, gpu=args.gpu, world_size=args.world_size, shard=shard,
                           max_len=args.max_len)
     return {"fit": verdict.to_dict(), "fit_line": verdict.line()}
+
+
+def _no_budget(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``fit`` entry where --gpu names a card without one memory figure and no --budget is given."""
+    return {"fit": None, "fit_note": f"no fit verdict: --gpu {args.gpu}'s memory is not in the GPU table "
+                                     "(memtrain.devices.gpu_memory); add --budget SIZE"}
 
 
 def _loss_kernel(cfg: Any, device_type: str) -> dict[str, Any]:
@@ -266,7 +271,8 @@ def _print_loss_kernel(out: dict[str, Any]) -> None:
 
 
 def _print_fit(out: dict[str, Any]) -> None:
-    """The verdict line of --budget/--gpu, its measure and assumptions (nothing without them)."""
+    """The verdict line of --budget/--gpu (a training step's, or generate's with --mode
+    inference), its measure and assumptions (nothing without them)."""
     if "fit_line" in out:
         fit = out["fit"]
         print(f"fit: {out['fit_line']}")
@@ -353,7 +359,7 @@ def _run_inference(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
           "caching allocator's rounding")
     if args.explain:
         print("\n".join("  " + line for line in res["explanation"]))
-    _print_generate_fit(res)
+    _print_fit(res)
     return 0
 
 
@@ -367,23 +373,9 @@ def _generate_fit(args: argparse.Namespace, cfg: Any, arch: Any) -> dict[str, An
 
     found = budget_for(parse_size(args.budget) if args.budget is not None else None, args.gpu)
     if found is None:
-        return {"fit": None, "fit_note": f"no fit verdict: --gpu {args.gpu}'s memory is not in the GPU table "
-                                         "(memtrain.devices.gpu_memory); add --budget SIZE"}
+        return _no_budget(args)
     verdict = generate_fit(cfg, args.weights_dtype, arch, args.new_tokens, found, gpu=args.gpu)
     return {"fit": verdict.to_dict(), "fit_line": verdict.line()}
-
-
-def _print_generate_fit(res: dict[str, Any]) -> None:
-    """The verdict line of --mode inference with --budget/--gpu, its measure and assumptions."""
-    if "fit_line" in res:
-        fit = res["fit"]
-        print(f"fit: {res['fit_line']}")
-        print(f"  compared: {fit['measure']}, {fmt_bytes(fit['needed_bytes'])} at batch {fit['batch_size']}; "
-              "estimated, not measured")
-        for line in fit["assumptions"]:
-            print(f"  model: {line}")
-    elif "fit_note" in res:
-        print(f"fit: {res['fit_note']}")
 
 
 def _cache_note(res: dict[str, Any]) -> str:
