@@ -204,18 +204,23 @@ def test_a_prompt_past_the_window_names_its_masked_sdpa(tmp_path, capsys):
     assert est["peak_phase"] == "prefill (the last layer's masked SDPA)"
 
 
-@pytest.mark.parametrize("window", [None, 8, 40, 200])
+@pytest.mark.parametrize("window,full_layers", [(None, 0), (8, 0), (40, 0), (200, 0), (8, 1), (40, 2)])
 @pytest.mark.parametrize("prompt,cached", [(24, 24), (24, 60), (100, 100)])
-def test_a_decode_steps_cache_update_peaks_as_counted(window, prompt, cached):
+def test_a_decode_steps_cache_update_peaks_as_counted(window, full_layers, prompt, cached):
     """The cache's bytes at their busiest while a decode step adds one position, measured on
     transformers' own cache layers (DynamicLayer; DynamicSlidingWindowLayer, whose first step after
-    a prompt longer than the window frees that prompt layer by layer)."""
+    a prompt longer than the window frees that prompt layer by layer; Qwen2's mix of the two)."""
     from memtrain.analysis.estimate.generation import _update_bytes
 
     L, b, kv_heads, hd = 3, 2, 2, 8
-    config = _config("mistral", sliding_window=window, num_hidden_layers=L)
+    if full_layers:
+        config = _config("qwen2", sliding_window=window, num_hidden_layers=L, use_sliding_window=True,
+                         max_window_layers=full_layers)
+    else:
+        config = _config("mistral", sliding_window=window, num_hidden_layers=L)
     cache = transformers.DynamicCache(config=config)
-    assert all(layer.is_sliding == (window is not None) for layer in cache.layers)
+    windows = [window if layer.is_sliding else None for layer in cache.layers]
+    assert sum(w is None for w in windows) == (L if window is None else full_layers)
     kv = lambda n: torch.randn(b, kv_heads, n, hd)  # noqa: E731 - a key or value of n positions
     for i in range(L):
         cache.update(kv(prompt), kv(prompt), i)
@@ -232,14 +237,23 @@ def test_a_decode_steps_cache_update_peaks_as_counted(window, prompt, cached):
     # Besides the cache: the meter's module (one float32 weight) and the step's new key and value
     # (the token's tensors in the estimate).
     others = 4 + 2 * b * kv_heads * hd * 4
-    assert meter.stats().peak_bytes - others == _update_bytes(L, b, kv_heads * hd, 4, prompt, cached, window)
+    assert meter.stats().peak_bytes - others == _update_bytes(b, kv_heads * hd, 4, prompt, cached, windows)
 
 
-def test_some_sliding_layers_are_refused_naming_the_setting(tmp_path, capsys):
-    """Qwen2's max_window_layers: full and sliding layers in one model are not modelled."""
-    _config("qwen2", sliding_window=16, use_sliding_window=True, max_window_layers=1).save_pretrained(tmp_path)
-    err = _error_line(capsys, ["estimate", "--mode", "inference", "--model", str(tmp_path), "--seq-len", "32"])
-    assert "some layers only (layers 1+ of 2, max_window_layers)" in err and "max_window_layers 0" in err
+@pytest.mark.parametrize("prompt,new", [(32, 64), (8, 60), (40, 2)])
+def test_qwen2s_full_and_sliding_layers_match_the_measured_generate(tmp_path, capsys, prompt, new):
+    """Qwen2's max_window_layers: its first layer attends to every position (a DynamicLayer), the
+    two after it slide (the window caps their cache, masks their prefill)."""
+    config = _config("qwen2", num_hidden_layers=3, sliding_window=16, use_sliding_window=True, max_window_layers=1)
+    model = _saved(tmp_path, config, torch.float32)
+    cache = transformers.DynamicCache(config=model.config)
+    assert [layer.is_sliding for layer in cache.layers] == [False, True, True]
+    measured = _measure(model, 2, prompt, new, cache=cache)
+    est = _estimate(capsys, "--model", str(tmp_path), "--weights-dtype", "fp32", "--batch-size", "2",
+                    "--seq-len", str(prompt), "--new-tokens", str(new))
+    assert est["peak_bytes"] == pytest.approx(measured, rel=0.01), (est["peak_phase"], est["phase_bytes"], measured)
+    held = sum(t.untyped_storage().nbytes() for layer in cache.layers for t in (layer.keys, layer.values))
+    assert est["bytes"]["kv_cache"] == held and est["sliding_layers"] == 2
 
 
 def test_a_window_of_one_position_is_refused(tmp_path, capsys):

@@ -384,7 +384,8 @@ def _cache_note(res: dict[str, Any]) -> str:
     held = f"{fmt_bytes(res['kv_cache_at_peak'])} at the peak"
     if window is None:
         return f"{written} positions; {held}"
-    return f"{stored} of {written} positions stored (sliding_window {window}); {held}"
+    full = "" if res["sliding_layers"] == res["n_layers"] else " in the sliding layers"
+    return f"{stored} of {written} positions stored{full} (sliding_window {window}); {held}"
 
 
 def _check_generate_flags(cfg: Any) -> None:

@@ -46,7 +46,7 @@ last layer (MLP or attention), the prefill's sampling, and the last decode step'
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from memtrain.analysis.estimate.params import head_widths, param_count
 from memtrain.config.archs import Arch
@@ -77,12 +77,14 @@ def mlp_width_factor(arch: Arch) -> int:
 
 
 def estimate_generate(m: ModelConfig, arch: Arch, batch: int, prompt: int, new_tokens: int,
-                      weights_dtype: str, sampling: bool = True, window: Optional[int] = None) -> dict[str, Any]:
+                      weights_dtype: str, sampling: bool = True, window: Optional[int] = None,
+                      sliding_layers: Optional[Sequence[bool]] = None) -> dict[str, Any]:
     """Peak memory of ``generate`` sampling ``new_tokens`` tokens after a ``prompt``-token prompt
     for each of ``batch`` sequences, weights in ``weights_dtype`` (one of :data:`GENERATE_DTYPES`).
     ``sampling``: memtrain generate's default (temperature and top-k); False: greedy.
-    ``window``: the sliding window every layer's attention and cache keep (config.json's
-    ``sliding_window``), or None.
+    ``window``: the sliding window the layers' attention and cache keep (config.json's
+    ``sliding_window``), or None; ``sliding_layers``: which layers slide (Qwen2's
+    ``max_window_layers``: the later ones), None for every one.
 
     ``m``/``arch``: the model's shape (a transformers family's Arch, or memtrain's GPT's, which
     generate runs as GPT2LMHeadModel). The KV cache term is exact; the transient terms count the
@@ -100,12 +102,18 @@ def estimate_generate(m: ModelConfig, arch: Arch, batch: int, prompt: int, new_t
     final_len = s + new_tokens - 1
     if window is not None and window < 2:
         raise ValueError("a sliding window keeps at least 2 positions")
+    if sliding_layers is not None and len(sliding_layers) != L:
+        raise ValueError(f"sliding_layers names {len(sliding_layers)} layers of {L}")
+    # Each layer's window (None: a full-attention layer, whose cache keeps every position).
+    windows = [window if (sliding_layers is None or slides) else None for slides in (sliding_layers or [True] * L)]
     weights = n_params * wb
-    cache = kv_cache_bytes(L, b, kvw, _stored(s, new_tokens, window), a)
+    cache = sum(kv_cache_bytes(1, b, kvw, _stored(s, new_tokens, w), a) for w in windows)
     cache_prompt = kv_cache_bytes(L, b, kvw, s, a)
     layer_cache = kv_cache_bytes(1, b, kvw, s, a)
-    # From `window` positions on the prefill's attention is masked (module docstring).
+    # From `window` positions on the prefill's sliding layers are masked (module docstring): the
+    # model then holds the mask, and the last layer's SDPA takes it where that layer slides.
     masked = window is not None and s >= window
+    masked_last = masked and windows[-1] is not None
 
     # The prefill: what the model holds across its layers, then the last layer's two candidates:
     # its attention (a cache of `attn_cache` bytes written by then) and its MLP (all of it).
@@ -137,7 +145,7 @@ def estimate_generate(m: ModelConfig, arch: Arch, batch: int, prompt: int, new_t
     layer_mlp = cache_prompt + held + mlp
     layer_attn = attn_cache + held + attn
     attn_detail = "the last layer before its MLP"
-    if masked:
+    if masked_last:
         # Inside the masked SDPA: the normed input, q after rope, the repeated k and v (where k/v
         # heads are grouped; the cache's own tensors otherwise), the float mask, the output and
         # its logsumexp; Phi-3 holds its fused q/k/v output besides (v is a view of it).
@@ -170,7 +178,7 @@ def estimate_generate(m: ModelConfig, arch: Arch, batch: int, prompt: int, new_t
         # The last step's update, and with a window the first one's too (the prompt's storage,
         # which can outgrow the window, is still held by the layers not yet updated).
         steps = {"": final_len - 1} if window is None else {" (first step)": s, "": final_len - 1}
-        updates = {k: _update_bytes(L, b, kvw, a, s, c, window) + _decode_ids(b, s, c) for k, c in steps.items()}
+        updates = {k: _update_bytes(b, kvw, a, s, c, windows) + _decode_ids(b, s, c) for k, c in steps.items()}
         update_detail = max(updates, key=lambda k: updates[k])
         phases["decode cache update"] = updates[update_detail] + kept + token
         phases["decode sampling"] = cache + logits + kept_while + fresh + _decode_ids(b, s, final_len - 1) + b * ID_BYTES
@@ -182,6 +190,7 @@ def estimate_generate(m: ModelConfig, arch: Arch, batch: int, prompt: int, new_t
         "weights_dtype": weights_dtype,
         "batch": b, "prompt_tokens": s, "new_tokens": new_tokens, "cache_positions": final_len,
         "cache_window": window, "cache_stored_positions": _stored(s, new_tokens, window),
+        "sliding_layers": sum(w is not None for w in windows), "n_layers": L,
         "kv_width": kvw, "compute_bytes": a,
         "sampling": "temperature + top-k" if sampling else "greedy",
         "bytes": {"weights": weights, "kv_cache": cache, "activations": phases[phase] - caches[phase]},
@@ -203,19 +212,29 @@ def _stored(prompt: int, new_tokens: int, window: Optional[int]) -> int:
     return written if window is None else min(written, window)
 
 
-def _update_bytes(L: int, b: int, kvw: int, a: int, prompt: int, cached: int, window: Optional[int]) -> int:
-    """The KV cache's bytes at its busiest during the decode step that adds a position to
-    ``cached`` ones: every layer before the one updating holds its new tensors, every layer after
-    it its old ones. A ``DynamicLayer`` lets its old key go before it concatenates the value (one
-    old tensor beside its new ones: the last layer's is the peak); a ``DynamicSlidingWindowLayer``
-    concatenates both first (two), and its new tensors can be shorter than its old ones (a prompt
-    longer than the window: the first layer's update is the peak then)."""
-    one = b * kvw * a  # one key (or value) tensor per position
-    if window is None:
-        return one * (2 * L * (cached + 1) + cached)
-    old = prompt if cached == prompt else min(cached, window)
-    new = min(cached, window - 1) + 1
-    return one * (2 * L * max(old, new) + 2 * min(old, new))
+def _update_bytes(b: int, kvw: int, a: int, prompt: int, cached: int, windows: Sequence[Optional[int]]) -> int:
+    """The KV cache's bytes at their busiest during the decode step that adds a position to
+    ``cached`` ones, ``windows`` giving each layer's window (None: a full-attention layer): every
+    layer before the one updating holds its new tensors, every layer after it its old ones. A
+    ``DynamicLayer`` lets its old key go before it concatenates the value (one old tensor beside
+    its new ones); a ``DynamicSlidingWindowLayer`` concatenates both first (two), and its new
+    tensors can be shorter than its old ones (a prompt longer than the window: the first sliding
+    layer's update can be the peak then)."""
+    olds, news = [], []
+    for w in windows:
+        if w is None:
+            olds.append(cached)
+            news.append(cached + 1)
+        else:
+            olds.append(prompt if cached == prompt else min(cached, w))
+            news.append(min(cached, w - 1) + 1)
+    before, after = 0, 2 * sum(olds)  # the positions held by the layers before and after the one updating
+    busiest = 0
+    for w, old, new in zip(windows, olds, news):
+        after -= 2 * old
+        busiest = max(busiest, before + after + 2 * new + (1 if w is None else 2) * old)
+        before += 2 * new
+    return b * kvw * a * busiest
 
 
 def _decode_ids(b: int, prompt: int, cached: int) -> int:

@@ -116,7 +116,7 @@ from memtrain.models.spec import (  # torch-free for the modelled families
     with_config_biases,
 )
 
-__all__ = ["MODELLED", "QKV_BIAS", "active_window", "config_window", "hf_arch", "modelled_arch",
+__all__ = ["MODELLED", "QKV_BIAS", "active_window", "config_sliding_layers", "config_window", "hf_arch", "modelled_arch",
            "why_not_modelled", "why_generate_not_modelled", "why_gpt2_not_modelled",
            "why_targets_not_modelled", "why_qlora_not_modelled", "analytic_estimate"]
 
@@ -150,6 +150,14 @@ def config_window(c: Any) -> Optional[int]:
     if types is not None and "sliding_attention" not in types:
         return None  # Qwen2: only layers past max_window_layers slide
     return int(window)
+
+
+def config_sliding_layers(c: Any) -> Optional[list[bool]]:
+    """Which decoder layers slide when :func:`config_window` is set: from ``layer_types``
+    (Qwen2's ``max_window_layers``: the later ones), or None where every layer does (Mistral's
+    and Phi-3's ``sliding_window``)."""
+    types = getattr(c, "layer_types", None)
+    return None if types is None else [t == "sliding_attention" for t in types]
 
 
 def active_window(c: Any, window: Optional[int], seq_len: int) -> Optional[int]:
@@ -235,13 +243,6 @@ def why_generate_not_modelled(c: Any) -> Optional[str]:
     if window is not None and window < 2:
         # DynamicSlidingWindowLayer keeps positions [-window + 1:]: a window of 1 keeps them all.
         return f"sliding_window {window} in config.json is not modelled for generate (a window of at least 2 is)"
-    types = getattr(c, "layer_types", None)
-    if window is not None and types is not None and "full_attention" in types:
-        # Qwen2's max_window_layers: full and sliding layers in one model (the estimate models a
-        # window on every layer, as Mistral's and Phi-3's sliding_window set it).
-        first = types.index("sliding_attention")
-        return (f"a sliding window on some layers only (layers {first}+ of {len(types)}, max_window_layers) is not "
-                "modelled for generate; set use_sliding_window false, or max_window_layers 0 (every layer slides)")
     if c.model_type in GPT2_LIKE:
         if c.activation_function not in GPT2_ACTIVATIONS + ("gelu_pytorch_tanh",):
             return (f"activation_function {c.activation_function} is not modelled for gpt2's generate (only "

@@ -6,7 +6,7 @@ from dataclasses import replace
 from typing import Any, Optional
 
 from memtrain.analysis.estimate.generation import DTYPE_BYTES, GENERATE_DTYPES, estimate_generate
-from memtrain.analysis.estimate.hf import config_window, hf_arch, why_generate_not_modelled
+from memtrain.analysis.estimate.hf import config_sliding_layers, config_window, hf_arch, why_generate_not_modelled
 from memtrain.analysis.estimate.inventory import Dims, resolve_backend
 from memtrain.analysis.estimate.params import head_widths, param_count
 from memtrain.config.archs import GPT2_ARCH, Arch
@@ -85,6 +85,21 @@ def estimate_inference(cfg: RunConfig, weights_dtype: str = "fp32", arch: Arch =
     }
 
 
+def _cache_line(res: dict[str, Any], n_layers: int, window: Optional[int]) -> str:
+    """The explanation's KV cache line: its bytes as a product (full and sliding layers apart)."""
+    head = f"KV cache (DynamicCache) = 2 x {res['batch']} sequences x {res['kv_width']} (kv heads x head dim) x "
+    tail = f" x {res['compute_bytes']} B = {res['bytes']['kv_cache']:,} B"
+    written, stored, sliding = res["cache_positions"], res["cache_stored_positions"], res["sliding_layers"]
+    if window is None:
+        return (f"{head}{n_layers} layers x {written} positions (prompt + new tokens - 1: the last token is never fed "
+                f"back){tail}")
+    full = n_layers - sliding
+    layers = f"({sliding} sliding layers x {stored} + {full} full-attention layers x {written})" if full else \
+        f"{n_layers} layers x {stored}"
+    return (f"{head}{layers} positions{tail} (sliding_window {window}: a sliding layer stores at most {window} of the "
+            f"{written} positions written, the prompt's until the first decode step)")
+
+
 def generate_positions(cfg: RunConfig) -> Optional[int]:
     """The most positions (prompt + new tokens) ``memtrain generate`` takes for ``cfg``'s model:
     a transformers config's (None where it sets none), memtrain's GPT's ``--max-seq-len`` where
@@ -111,7 +126,7 @@ def estimate_generate_run(cfg: RunConfig, weights_dtype: str, arch: Optional[Arc
     t = cfg.train
     m = cfg.model
     total = t.seq_len + new_tokens
-    window = None
+    window, sliding = None, None
     limit = generate_positions(cfg)
     if is_hf(cfg):
         assert m.model is not None  # is_hf: a transformers model is named
@@ -121,6 +136,7 @@ def estimate_generate_run(cfg: RunConfig, weights_dtype: str, arch: Optional[Arc
             raise ConfigError(f"--mode inference: {reason}")
         arch = hf_arch(m.model)
         window = config_window(c)
+        sliding = config_sliding_layers(c) if window is not None else None
     elif limit is None and total > m.max_seq_len:
         m = replace(m, max_seq_len=total)  # a position table as long as the run, as --seq-len alone derives one
     if limit is not None and total > limit:
@@ -130,7 +146,8 @@ def estimate_generate_run(cfg: RunConfig, weights_dtype: str, arch: Optional[Arc
     if not arch.hf and arch.name == "gpt2":
         # memtrain.inference.export.hf_config: the real vocabulary (no padding rows) and biases always.
         m = replace(m, vocab_multiple=1, bias=True)
-    res = estimate_generate(m, arch, batch or t.batch_size, t.seq_len, new_tokens, weights_dtype, sampling, window)
+    res = estimate_generate(m, arch, batch or t.batch_size, t.seq_len, new_tokens, weights_dtype, sampling, window,
+                            sliding)
     weights = res["bytes"]["weights"]
     rule = 1.2 * weights
     b, kv = res["bytes"], res["kv_cache_at_peak"]
@@ -142,12 +159,7 @@ def estimate_generate_run(cfg: RunConfig, weights_dtype: str, arch: Optional[Arc
         "rule_holds": res["peak_bytes"] <= rule,
         "explanation": [
             f"weights = {res['parameters']:,} x {DTYPE_BYTES[weights_dtype]:g} B ({weights_dtype}), compute in the same dtype",
-            f"KV cache (DynamicCache) = 2 x {m.n_layers} layers x {res['batch']} sequences x {res['kv_width']} "
-            f"(kv heads x head dim) x {res['cache_stored_positions']} positions "
-            + ("(prompt + new tokens - 1: the last token is never fed back)" if window is None else
-               f"(sliding_window {window}: each layer stores at most {window} of the {res['cache_positions']} "
-               "positions written, the prompt's until the first decode step)")
-            + f" x {res['compute_bytes']} B = {b['kv_cache']:,} B",
+            _cache_line(res, m.n_layers, window),
             f"peak in {res['peak_phase']}: the cache then holds {kv:,} B, the rest ({b['activations']:,} B) is "
             "transient: the prefill's layer intermediates over batch x prompt tokens, or a decode step's "
             "old-beside-new cache tensor, the last position's logits and the sampling head's float32 (batch, vocab) "
