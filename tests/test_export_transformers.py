@@ -517,6 +517,7 @@ def test_the_fit_check_holds_the_estimate_it_names(good_folder):
     check_fits(cfg, hf, 5, 40, 3, cpu, None)
     with pytest.raises(ConfigError, match="3 samples of a 5-token prompt"):
         check_fits(cfg, hf, 5, 40, 3, cpu, int(need) - 1)
+    check_fits(cfg, hf.to(torch.float64), 5, 40, 3, cpu, 1)  # weights in a dtype the estimate does not model
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without CUDA")

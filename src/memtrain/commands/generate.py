@@ -51,9 +51,10 @@ def check_fits(cfg: Any, hf: Any, prompt_tokens: int, new_tokens: int, samples: 
     from memtrain.inference.generate import DTYPES
     from memtrain.models.spec import is_hf
 
-    if free_bytes is None:
+    first = next(hf.parameters(), None)
+    weights_dtype = next((k for k, v in DTYPES.items() if first is not None and v == first.dtype), None)
+    if free_bytes is None or weights_dtype is None:  # weights in a dtype the estimate does not model
         return
-    weights_dtype = next(k for k, v in DTYPES.items() if v == next(hf.parameters()).dtype)
     try:
         run = cfg.replace(seq_len=prompt_tokens, batch_size=samples)
         need = estimate_generate_run(run, weights_dtype, None if is_hf(cfg) else GPT2_ARCH, new_tokens)["peak_bytes"]
