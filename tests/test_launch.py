@@ -57,6 +57,21 @@ def _sharded_checkpoint(root: Path, settings: dict, rank1: bytes | None) -> Path
 
 
 # --------------------------------------------------------------------------- the launcher
+def test_resume_alone_of_a_ranks_run_takes_its_strategy_when_launched_as_ranks(small_corpus, tmp_path, capsys,
+                                                                               monkeypatch):
+    """`train --resume CKPT` of a 2-rank checkpoint: alone, one line says how many ranks resume it;
+    with --nproc-per-node 2 the saved --distributed is taken (no flag repeated) and ranks start."""
+    started = []
+    monkeypatch.setattr("memtrain.distributed.launch.launch", lambda *a: started.append(a) or 0)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    run = {**TINY_MODEL, **RUN, "data": str(small_corpus), "out": str(tmp_path / "out"), "distributed": "ddp"}
+    ckpt = _sharded_checkpoint(tmp_path / "a", run, rank1=b"rank 1")
+    assert main(["train", "--resume", str(ckpt)]) == 2
+    assert "was written by 2 ranks; resume with --nproc-per-node 2" in _one_error_line(capsys.readouterr().err)
+    assert main(["train", "--resume", str(ckpt), "--nproc-per-node", "2"]) == 0, capsys.readouterr().err
+    assert len(started) == 1
+
+
 def test_launcher_checks_input_before_starting_any_rank(small_corpus, tmp_path, capsys, monkeypatch):
     started = []
     monkeypatch.setattr("memtrain.distributed.launch.launch", lambda *a: started.append(a) or 0)

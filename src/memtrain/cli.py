@@ -228,7 +228,8 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = 
     file_layer = load_config_file(args.config) if getattr(args, "config", None) else {}
     resume = _given_settings([file_layer, flags]).get("resume") if resumed else None
     if resume:
-        base = {**(base or {}), **resumed_settings(str(resume))}
+        launched = bool(getattr(args, "nproc_per_node", None)) or "WORLD_SIZE" in os.environ
+        base = {**(base or {}), **resumed_settings(str(resume), launched)}
     layers = [base or {}, file_layer, flags]
     merged = _given_settings(layers)
     if _is_transformers_model(merged.get("model")) and "attention" not in merged:

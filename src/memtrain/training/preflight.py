@@ -368,23 +368,30 @@ def saved_run(path: str | Path) -> tuple[dict[str, Any], int, Optional[str]]:
 
 # The saved settings a resumed run does not take from its checkpoint: which checkpoint it resumes
 # and where it stops, and what belongs to the machine it runs on now (the device, the loader's
-# workers, the token cache, the launch), which the saved config recorded for another machine.
+# workers, the token cache), which the saved config recorded for another machine.
 NOT_RESUMED: frozenset[str] = frozenset({
     "resume", "stop_after", "device", "progress", "num_workers", "pin_memory", "prefetch_factor", "cache_dir",
-    "no_cache", "distributed", "cpu_offload",
+    "no_cache",
 })
+# The data-parallel strategy, taken only by a resumed run that is launched as ranks again
+# (--nproc-per-node, torchrun): one process resuming a ranks' run gets the launch's own refusal.
+LAUNCH_SETTINGS: frozenset[str] = frozenset({"distributed", "cpu_offload"})
 
 
-def resumed_settings(path: str | Path) -> dict[str, Any]:
+def resumed_settings(path: str | Path, launched: bool = False) -> dict[str, Any]:
     """The settings ``train --resume CKPT`` starts from: the checkpoint's saved run config
-    (model, data, schedule, techniques, its ``--out`` and ``--save``), so that ``--resume CKPT``
-    alone continues the run; the config file and the flags override them, and a change that
-    decides the numbers is still refused as another run's (:func:`check_resume`). Leaves out
-    :data:`NOT_RESUMED` and names this memtrain does not know. A saved value memtrain refuses
-    is one ConfigError naming the checkpoint."""
+    (model, data, schedule, techniques, its ``--out`` and ``--save``; with ``launched``, a run
+    started as ranks, its data-parallel strategy too), so that ``--resume CKPT`` alone continues
+    the run; the config file and the flags override them, and a change that decides the numbers
+    is still refused as another run's (:func:`check_resume`). Leaves out :data:`NOT_RESUMED`
+    and names this memtrain does not know. A saved value memtrain refuses is one ConfigError
+    naming the checkpoint."""
     saved, _, _ = saved_run(path)
+    if not launched and Path(path).expanduser().is_dir():
+        check_sharded_resume(path, 1)  # a ranks' checkpoint: says how many ranks resume it
     index = field_index()
-    settings = {k: v for k, v in flatten(saved).items() if k in index and k not in NOT_RESUMED}
+    left_out = NOT_RESUMED if launched else NOT_RESUMED | LAUNCH_SETTINGS
+    settings = {k: v for k, v in flatten(saved).items() if k in index and k not in left_out}
     try:
         # The values as a config file's are checked, before anything runs. The model spec is left
         # to the run's own build: a model that cannot be resolved now (a folder since moved, the
