@@ -11,18 +11,11 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from memtrain.config.run import build_config  # noqa: E402
+from tiny_families import tiny_config  # noqa: E402
 
-VOCAB = 384
-TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, max_position_embeddings=128,
-            vocab_size=VOCAB)
-FAMILIES = {
-    "llama": lambda n: transformers.LlamaConfig(**TINY, num_hidden_layers=n, num_key_value_heads=2),
-    "qwen2": lambda n: transformers.Qwen2Config(**TINY, num_hidden_layers=n, num_key_value_heads=2),
-    "mistral": lambda n: transformers.MistralConfig(**TINY, num_hidden_layers=n, num_key_value_heads=2, sliding_window=16),
-    # head_dim 16, not hidden_size / heads (8): a Gemma the analytic model does not cover
-    "gemma": lambda n: transformers.GemmaConfig(**TINY, num_hidden_layers=n, num_key_value_heads=1, head_dim=16),
-    "gpt2": lambda n: transformers.GPT2Config(n_embd=32, n_layer=n, n_head=4, n_positions=128, vocab_size=VOCAB),
-}
+# The families traced here, and what each sets beyond its tiny config: Mistral a window of 16,
+# shorter than the steps' 32 tokens, so the traced step is the windowed one.
+FAMILIES = {"llama": {}, "qwen2": {}, "mistral": {"sliding_window": 16}, "gemma": {}, "gpt2": {}}
 
 
 # Tiny models: one thread (conftest.one_thread).
@@ -32,10 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def _model_dir(root: Path, family: str, n_layers: int, **overrides) -> Path:
     d = root / f"{family}-{n_layers}"
     d.mkdir(parents=True, exist_ok=True)
-    cfg = FAMILIES[family](n_layers)
-    for k, v in overrides.items():
-        setattr(cfg, k, v)
-    cfg.save_pretrained(d)
+    tiny_config(family, n_layers, **{**FAMILIES[family], **overrides}).save_pretrained(d)
     return d
 
 
