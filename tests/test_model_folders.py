@@ -557,3 +557,21 @@ def test_resume_alone_of_a_model_folder_run_and_of_one_whose_folder_moved(tokeni
     (tmp_path / "moved").rename(model)
     assert main(["train", "--resume", str(ckpt)]) == 0
     assert json.loads((tmp_path / "out" / "result.json").read_text())["steps"] == 3
+
+
+@pytest.mark.parametrize("window", [0, -3])
+def test_a_config_window_that_lets_no_token_attend_is_refused_by_every_verb(tmp_path, capsys, window):
+    """transformers masks every key with a sliding_window of 0 or less: the attention's output is
+    zero and training ran silently without attention. A window of null, or one Qwen2 does not use
+    (use_sliding_window false), passes."""
+    transformers.MistralConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                               num_hidden_layers=1, vocab_size=VOCAB, sliding_window=window).save_pretrained(tmp_path / "m")
+    for argv in (["estimate"], ["estimate", "--mode", "inference"], ["train", "--steps", "1", "--out", str(tmp_path / "o")]):
+        assert main([*argv, "--model", str(tmp_path / "m")]) == 2
+        line = _one_error_line(capsys.readouterr().err)
+        assert f"sliding_window {window} lets no token attend" in line and "write null for no window" in line
+    assert not (tmp_path / "o").exists()
+    transformers.Qwen2Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                             num_hidden_layers=1, vocab_size=VOCAB, sliding_window=window,
+                             use_sliding_window=False).save_pretrained(tmp_path / "q")
+    assert main(["estimate", "--model", str(tmp_path / "q"), "--seq-len", "16"]) == 0

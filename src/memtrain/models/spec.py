@@ -480,6 +480,13 @@ def mirrored_fields(spec: str) -> dict[str, Any]:
     memtrain that reads ``cfg.model`` (random batches, FLOP rules, validation of --seq-len and
     --lora-rank) sees the transformers model's real vocabulary, width and length."""
     c = analytic_config(spec)  # a ConfigError of its own when unreadable
+    window = getattr(c, "sliding_window", None)
+    if (isinstance(window, int) and not isinstance(window, bool) and window < 1
+            and getattr(c, "use_sliding_window", True) is not False):
+        # transformers masks every key a query sees with a window of 0 or less: training ran with
+        # attention outputs of zero, silently (a config meaning "no window" writes null).
+        raise ConfigError(f"--model {spec!r}: its config.json's sliding_window {window} lets no token attend to any "
+                          "other; write null for no window, or a window of 1 or more positions")
     try:
         return _mirrored_fields(c)
     except (TypeError, ValueError, OverflowError) as exc:  # a size that is missing, text, or not finite
