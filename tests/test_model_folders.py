@@ -563,7 +563,7 @@ def test_resume_alone_of_a_model_folder_run_and_of_one_whose_folder_moved(tokeni
 def test_a_config_window_that_lets_no_token_attend_is_refused_by_every_verb(tmp_path, capsys, window):
     """transformers masks every key with a sliding_window of 0 or less: the attention's output is
     zero and training ran silently without attention. A window of null, or one Qwen2 does not use
-    (use_sliding_window false), passes."""
+    (use_sliding_window false, or no layer past max_window_layers), passes."""
     transformers.MistralConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                                num_hidden_layers=1, vocab_size=VOCAB, sliding_window=window).save_pretrained(tmp_path / "m")
     for argv in (["estimate"], ["estimate", "--mode", "inference"], ["train", "--steps", "1", "--out", str(tmp_path / "o")]):
@@ -575,3 +575,8 @@ def test_a_config_window_that_lets_no_token_attend_is_refused_by_every_verb(tmp_
                              num_hidden_layers=1, vocab_size=VOCAB, sliding_window=window,
                              use_sliding_window=False).save_pretrained(tmp_path / "q")
     assert main(["estimate", "--model", str(tmp_path / "q"), "--seq-len", "16"]) == 0
+    # Nor does a window no layer uses (every layer before max_window_layers attends to all).
+    transformers.Qwen2Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                             num_hidden_layers=1, vocab_size=VOCAB, sliding_window=window, use_sliding_window=True,
+                             max_window_layers=1).save_pretrained(tmp_path / "q2")
+    assert main(["estimate", "--model", str(tmp_path / "q2"), "--seq-len", "16"]) == 0

@@ -480,9 +480,8 @@ def mirrored_fields(spec: str) -> dict[str, Any]:
     memtrain that reads ``cfg.model`` (random batches, FLOP rules, validation of --seq-len and
     --lora-rank) sees the transformers model's real vocabulary, width and length."""
     c = analytic_config(spec)  # a ConfigError of its own when unreadable
-    window = getattr(c, "sliding_window", None)
-    if (isinstance(window, int) and not isinstance(window, bool) and window < 1
-            and getattr(c, "use_sliding_window", True) is not False):
+    window = config_window(c)
+    if window is not None and window < 1 and not isinstance(c.sliding_window, bool):
         # transformers masks every key a query sees with a window of 0 or less: training ran with
         # attention outputs of zero, silently (a config meaning "no window" writes null).
         raise ConfigError(f"--model {spec!r}: its config.json's sliding_window {window} lets no token attend to any "
@@ -561,6 +560,21 @@ def with_config_biases(arch: Any, c: Any) -> Any:
     attention_bias = c.model_type in ATTENTION_BIAS and bool(getattr(c, "attention_bias", False))
     return replace(arch, qkv_bias=c.model_type in QKV_BIAS or attention_bias, proj_bias=attention_bias,
                    mlp_bias=c.model_type in MLP_BIAS and bool(getattr(c, "mlp_bias", False)))
+
+
+def config_window(c: Any) -> Optional[int]:
+    """config.json's sliding window on the layers that use it (Mistral's and Phi-3's
+    ``sliding_window``; Qwen2's with ``use_sliding_window``, on the layers from
+    ``max_window_layers`` on), or None. The same layers' ``DynamicCache`` keeps at most the window
+    (transformers' ``get_layer_types_and_kwargs`` reads ``layer_types``, which Qwen2's config
+    derives from ``use_sliding_window``)."""
+    window = getattr(c, "sliding_window", None)
+    if window is None or getattr(c, "use_sliding_window", True) is False:
+        return None
+    types = getattr(c, "layer_types", None)
+    if types is not None and "sliding_attention" not in types:
+        return None  # Qwen2: only layers past max_window_layers slide
+    return int(window)
 
 
 def config_positions(config: Any) -> Optional[int]:

@@ -111,6 +111,7 @@ from memtrain.models.spec import (  # torch-free for the modelled families
     QKV_BIAS,
     analytic_config,
     config_head_dim,
+    config_window,
     every_decoder_linear,
     is_hf,
     with_config_biases,
@@ -135,21 +136,6 @@ GPT2_ACTIVATIONS = ("gelu_new", "gelu")
 GPT2_DROPOUTS = ("attn_pdrop", "resid_pdrop", "embd_pdrop")
 # The --distributed choices that shard weights with FSDP2 (NF4 shards: not modelled).
 FSDP_SHARDS = ("zero2", "fsdp", "deepspeed-zero2", "deepspeed-zero3")
-
-
-def config_window(c: Any) -> Optional[int]:
-    """config.json's sliding window on the layers that use it (Mistral's and Phi-3's
-    ``sliding_window``; Qwen2's with ``use_sliding_window``, on the layers from
-    ``max_window_layers`` on), or None. The same layers' ``DynamicCache`` keeps at most the window
-    (transformers' ``get_layer_types_and_kwargs`` reads ``layer_types``, which Qwen2's config
-    derives from ``use_sliding_window``)."""
-    window = getattr(c, "sliding_window", None)
-    if window is None or getattr(c, "use_sliding_window", True) is False:
-        return None
-    types = getattr(c, "layer_types", None)
-    if types is not None and "sliding_attention" not in types:
-        return None  # Qwen2: only layers past max_window_layers slide
-    return int(window)
 
 
 def config_sliding_layers(c: Any) -> Optional[list[bool]]:
