@@ -34,7 +34,7 @@ from memtrain.models.spec import is_hf, rotary_positions
 __all__ = ["ContextBound", "DEFAULT_LENGTH_MULTIPLE", "FitVerdict", "at_seq_len", "bisect_fitting", "budget_for",
            "context_bound", "context_line", "fit_verdict", "largest_batch", "largest_fitting", "largest_fitting_from",
            "length_multiple", "length_search_bound", "longer_fits_mark", "longest_context", "past_the_bound",
-           "step_need"]
+           "step_need", "verdict_head"]
 
 GiB = 1 << 30
 DEFAULT_SEARCH_CAP = 4096  # the largest batch searched, as maxbatch's and plan's --max-batch default
@@ -361,11 +361,7 @@ class FitVerdict:
 
     def line(self) -> str:
         """One line: the verdict, the largest batch, and what to change when it does not fit."""
-        budget = size_text(self.budget_bytes)
-        if self.fits:
-            head = f"fits {budget} with {size_text(self.headroom_bytes)} headroom"
-        else:
-            head = f"does not fit {budget}: needs {size_text(self.needed_bytes)} ({size_text(-self.headroom_bytes)} over)"
+        head = verdict_head(self.fits, self.budget_bytes, self.needed_bytes, self.headroom_bytes)
         if self.largest_batch is None:
             head += "; not even batch 1 fits"
         else:
@@ -376,6 +372,16 @@ class FitVerdict:
         elif not self.fits:
             head += f"; no technique set or micro-batch split fits batch {self.batch_size}: {self.advice or 'lower --seq-len'}"
         return head
+
+
+def verdict_head(fits: bool, budget_bytes: int, needed_bytes: int, headroom_bytes: int, qualifier: str = "") -> str:
+    """A fit line's opening: "fits BUDGET with HEADROOM headroom", or "does not fit BUDGET: needs
+    NEEDED (OVER over)"; ``qualifier`` follows the figure compared ("before the caching
+    allocator's rounding" where it is a lower bound)."""
+    after = f" {qualifier}" if qualifier else ""
+    if fits:
+        return f"fits {size_text(budget_bytes)} with {size_text(headroom_bytes)} headroom{after}"
+    return f"does not fit {size_text(budget_bytes)}: needs {size_text(needed_bytes)}{after} ({size_text(-headroom_bytes)} over)"
 
 
 def fit_verdict(cfg: RunConfig, arch: Arch, device_type: str, budget: tuple[int, str], gpu: Optional[str] = None,

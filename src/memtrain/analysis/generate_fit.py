@@ -24,7 +24,7 @@ from typing import Any, Optional
 from memtrain.analysis.advice import size_text
 from memtrain.analysis.estimate import Arch
 from memtrain.analysis.estimate.inference import estimate_generate_run, generate_positions
-from memtrain.analysis.fit import DEFAULT_SEARCH_CAP, largest_fitting
+from memtrain.analysis.fit import DEFAULT_SEARCH_CAP, largest_fitting, verdict_head
 from memtrain.config.run import RunConfig
 from memtrain.devices.gpu_kinds import allocator_facts
 
@@ -61,13 +61,8 @@ class GenerateFit:
 
     def line(self) -> str:
         """One line: the verdict, the largest batch and the most new tokens of the asked batch."""
-        budget = size_text(self.budget_bytes)
-        before = " before the caching allocator's rounding" if self.lower_bound else ""
-        if self.fits:
-            head = f"fits {budget} with {size_text(self.headroom_bytes)} headroom{before}"
-        else:
-            head = (f"does not fit {budget}: needs {size_text(self.needed_bytes)}{before} "
-                    f"({size_text(-self.headroom_bytes)} over)")
+        head = verdict_head(self.fits, self.budget_bytes, self.needed_bytes, self.headroom_bytes,
+                            "before the caching allocator's rounding" if self.lower_bound else "")
         if self.largest_batch is None:
             head += f"; not even 1 sequence generates {self.new_tokens} tokens"
             if self.weights_bytes > self.budget_bytes:

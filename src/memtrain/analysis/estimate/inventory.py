@@ -995,7 +995,7 @@ def _hf_attention_locals(dm: Dims, p: str, arch: Arch, rope_locals: bool, attent
     k is a float32 local) are held too, which SDPA does not save (it keeps their repeated copies)."""
     held = [f"{p}.ln1"]
     if arch.positional == "rope":
-        held += [f"{p}.qkv.locals"] + [f"{p}.qkv"] * (attention == "math") if rope_locals else [f"{p}.qkv"]
+        held += ([f"{p}.qkv.locals"] + [f"{p}.qkv"] * (attention == "math")) if rope_locals else [f"{p}.qkv"]
         if dm.masked_sdpa:
             held.append(f"{p}.qkv.kv")
     if arch.fused_proj:
