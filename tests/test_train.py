@@ -90,6 +90,26 @@ def _logged_lrs(out) -> dict[int, float]:
     return {d["step"]: d["lr"] for d in lines if "lr" in d}
 
 
+def test_metrics_line_n_carries_the_lr_step_n_ran_at(tiny_run, tmp_path, monkeypatch):
+    """Line N's ``lr`` is the learning rate the optimizer applied in step N (warm-up 2 of 6:
+    half the peak at step 1, not the next step's), read from the optimizer as it steps."""
+    applied: list[float] = []
+    original = torch.optim.AdamW.step
+
+    def recording_step(self, *args, **kwargs):
+        applied.append(float(self.param_groups[0]["lr"]))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
+    cfg = build_config({**tiny_run, "log_every": 1})
+    train(cfg, log_metrics=True)
+    lrs = _logged_lrs(Path(cfg.train.out))
+    assert sorted(lrs) == [1, 2, 3, 4, 5, 6]
+    # The run's own six steps are the last six (a probe before the run may step a copy).
+    assert [lrs[n] for n in range(1, 7)] == pytest.approx(applied[-6:], rel=1e-12)
+    assert lrs[1] == pytest.approx(cfg.train.lr / 2, rel=1e-12)  # warm-up's first step
+
+
 def test_resume_with_a_larger_steps_trains_the_same_run_longer(tiny_run, tmp_path):
     """A finished 12-step run resumed with --steps 30: the first 12 losses stay, 18 steps run,
     and every LR from the first resumed step on is the 30-step schedule's (the checkpoint's LR
@@ -106,11 +126,10 @@ def test_resume_with_a_larger_steps_trains_the_same_run_longer(tiny_run, tmp_pat
     new = lr_lambda(build_config({"steps": 30, "warmup_steps": 2}))
     lrs = _logged_lrs(tmp_path / "b")
     assert sorted(lrs) == list(range(13, 31))
-    for step, lr in lrs.items():
-        assert lr == pytest.approx(cfg.train.lr * new(step), rel=1e-12), step
-    # The first resumed step (logged lines carry the LR of the step after theirs) runs at the new
-    # schedule's LR too: the restored optimizer holds the 12-step schedule's end until the run
-    # takes the step's LR again.
+    for step, lr in lrs.items():  # line N: the LR step N ran at (schedule index N - 1)
+        assert lr == pytest.approx(cfg.train.lr * new(step - 1), rel=1e-12), step
+    # The first resumed step's line is the new schedule's LR: the restored optimizer held the
+    # 12-step schedule's end until the run took the step's LR again, as below.
     from conftest import tiny_run_state
     from memtrain.checkpoints.exact import load_checkpoint
     from memtrain.training.train import follow_new_schedule
@@ -206,12 +225,12 @@ def test_metrics_line_holds_plain_numbers_when_a_tensor_comes_back():
     import json
 
     ao = pytest.importorskip("torchao.optim")
-    from memtrain.training.train import _host_scalars, _step_scalars
+    from memtrain.training.train import _host_scalars, _step_scalars, step_lr
 
     p = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))
     sched = torch.optim.lr_scheduler.LambdaLR(ao._AdamW([p], lr=3e-4, bf16_stochastic_round=True), lambda s: 0.5 ** s)
     assert isinstance(sched.get_last_lr()[0], torch.Tensor)  # what made the line unwritable
-    logged = _host_scalars(sched, torch.device("cpu"))
+    logged = _host_scalars(step_lr(sched), torch.device("cpu"))
     sched.step()  # the next step, queued before this one's line is written
     out = _step_scalars(2.25, logged, 1.5, 100.0)
     line = json.loads(json.dumps(out))

@@ -197,14 +197,21 @@ def remove_stale_writes(cfg: RunConfig) -> None:
         remove_stale_temps(save.parent, save.name)
 
 
-def _host_scalars(scheduler: Any, device: torch.device) -> dict[str, Any]:
-    """A metrics line's values known on the host as a step is queued: the learning rate and
-    live memory, as plain numbers. torchao's optimizers (bf16-pure's stochastic-rounding AdamW,
-    the low-bit AdamWs) keep the learning rate as a 0-d CPU tensor, which json cannot write
-    (a run once stopped at its first metrics line) and which the scheduler overwrites in place
-    at the next step, so its value is taken now."""
+def step_lr(scheduler: Any) -> float:
+    """The learning rate the next optimizer step runs at (read before ``scheduler.step()``), as a
+    plain number. torchao's optimizers (bf16-pure's stochastic-rounding AdamW, the low-bit
+    AdamWs) keep it as a 0-d CPU tensor, which json cannot write (a run once stopped at its
+    first metrics line) and which the scheduler overwrites in place at the next step, so its
+    value is taken now."""
     lr = scheduler.get_last_lr()[0]
-    return {"lr": lr.item() if isinstance(lr, torch.Tensor) else lr, **live_memory(device)}
+    return float(lr.item() if isinstance(lr, torch.Tensor) else lr)
+
+
+def _host_scalars(lr: float, device: torch.device) -> dict[str, Any]:
+    """A metrics line's values known on the host as a step is queued: the learning rate the step
+    ran at (:func:`step_lr`, taken before the scheduler moved on; HF Trainer's line shows the
+    next step's) and live memory."""
+    return {"lr": lr, **live_memory(device)}
 
 
 def _step_scalars(loss: float, logged: dict[str, Any], grad_norm: Optional[float],
@@ -415,10 +422,11 @@ class _Loop:
             started = time.perf_counter()
             metered = self.meter is not None and step - start_step in METERED_STEPS
             logs = self._logs(step + 1, end_step)
+            lr = step_lr(state.scheduler) if logs else 0.0  # this step's, before the scheduler moves on
             with self.timer.step():
                 readings = self._one_step(micro, step - start_step, metered, logs)
                 state.scheduler.step()
-            logged = _host_scalars(state.scheduler, state.device) if logs else None
+            logged = _host_scalars(lr, state.device) if logs else None
             self._queued.append(_Queued(step + 1, readings, started, logged))
             lag = self.overlap and not metered and not self._acts(step + 1, end_step)
             self._read_queued(keep=1 if lag else 0, start_step=start_step, end_step=end_step, bar=bar)
