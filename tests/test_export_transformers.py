@@ -465,18 +465,30 @@ def test_error_lines_escape_control_characters():
 
 
 # --------------------------------------------------------------------------- generate: device, dtype, fit
-def test_generate_reads_a_folder_in_the_asked_dtype_and_samples_as_transformers_does(good_folder):
-    """--dtype bf16: the weights are read in bf16 (not cast after a float32 load), and the text is
-    the one transformers' own generate samples from the folder loaded in bf16 with the same seed."""
+def test_generate_reads_a_folder_in_the_asked_dtype_and_samples_as_transformers_does(good_folder, monkeypatch):
+    """--dtype bf16: the weights are read in bf16 straight onto the device (not cast or moved after
+    a float32 load on the host), and the text is the one transformers' own generate samples from
+    the folder loaded in bf16 with the same seed."""
+    from memtrain.inference import generate as module
     from memtrain.inference.generate import generate, generation_config, load_for_sampling
 
     seen: dict = {}
+    reads: list = []
+    read = module.load_pretrained_lm
 
-    def spy(cfg, hf, prompt_tokens, device):
-        seen.update(dtype=next(hf.parameters()).dtype, prompt=prompt_tokens, device=device.type)
+    def spy(cfg, dtype, prompt_tokens, device):
+        seen.update(dtype=dtype, prompt=prompt_tokens, device=device.type, reads_before=len(reads))
 
+    def reading(*args, **kwargs):
+        lm = read(*args, **kwargs)
+        reads.append((kwargs["dtype"], kwargs["device"], next(lm.parameters()).dtype, next(lm.parameters()).device))
+        return lm
+
+    monkeypatch.setattr(module, "load_pretrained_lm", reading)
     texts = generate(good_folder, "memory", 5, 0.8, 50, 2, 7, "cpu", "bf16", before_sampling=spy)
     assert seen["dtype"] == torch.bfloat16 and seen["device"] == "cpu" and len(texts) == 2
+    cpu = torch.device("cpu")
+    assert seen["reads_before"] == 0 and reads == [(torch.bfloat16, cpu, torch.bfloat16, cpu)]  # checked, then read once
     hf, codec, _ = load_for_sampling(good_folder, torch.bfloat16)
     ids = codec.encode("memory")
     assert seen["prompt"] == len(ids)
@@ -508,16 +520,33 @@ def test_the_fit_check_holds_the_estimate_it_names(good_folder):
     from memtrain.analysis.estimate.inference import estimate_generate_run
     from memtrain.commands.generate import check_fits
     from memtrain.config.run import ConfigError
-    from memtrain.inference.generate import load_for_sampling
+    from memtrain.inference.generate import read_folder
 
-    hf, _, cfg = load_for_sampling(good_folder)
+    cfg = read_folder(good_folder).cfg
     need = estimate_generate_run(cfg.replace(seq_len=5, batch_size=3), "fp32", None, 40)["peak_bytes"]
-    cpu = torch.device("cpu")
-    check_fits(cfg, hf, 5, 40, 3, cpu, int(need))
-    check_fits(cfg, hf, 5, 40, 3, cpu, None)
+    cpu, fp32 = torch.device("cpu"), torch.float32
+    check_fits(cfg, fp32, 5, 40, 3, cpu, int(need))
+    check_fits(cfg, fp32, 5, 40, 3, cpu, None)
     with pytest.raises(ConfigError, match="3 samples of a 5-token prompt"):
-        check_fits(cfg, hf, 5, 40, 3, cpu, int(need) - 1)
-    check_fits(cfg, hf.to(torch.float64), 5, 40, 3, cpu, 1)  # weights in a dtype the estimate does not model
+        check_fits(cfg, fp32, 5, 40, 3, cpu, int(need) - 1)
+    check_fits(cfg, torch.float64, 5, 40, 3, cpu, 1)  # weights in a dtype the estimate does not model
+
+
+def test_a_folder_that_cannot_fit_reads_no_weight(good_folder, monkeypatch):
+    """The fit check of a folder comes before any weight is read: a refused run never loads the
+    model (on a GPU, never a byte of it on the device)."""
+    from memtrain.config.run import ConfigError
+    from memtrain.inference import generate as module
+
+    def refuse(cfg, dtype, prompt_tokens, device):
+        raise ConfigError("does not fit")
+
+    def must_not_read(*args, **kwargs):
+        raise AssertionError("weights read before the fit check")
+
+    monkeypatch.setattr(module, "load_pretrained_lm", must_not_read)
+    with pytest.raises(ConfigError, match="does not fit"):
+        module.generate(good_folder, "memory", 5, 0.8, 50, 2, 7, "cpu", "bf16", before_sampling=refuse)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without CUDA")
@@ -528,16 +557,24 @@ def test_generate_on_cuda_without_one_is_one_line(good_folder, capsys):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_generate_samples_on_cuda_in_bf16(good_folder, capsys):
-    from memtrain.inference.generate import generate
+def test_generate_samples_on_cuda_in_bf16(good_folder, capsys, monkeypatch):
+    """A folder's weights are read in bf16 straight onto the GPU (transformers' device_map)."""
+    from memtrain.inference import generate as module
 
     seen: dict = {}
+    read = module.load_pretrained_lm
 
-    def spy(cfg, hf, prompt_tokens, device):
+    def spy(cfg, dtype, prompt_tokens, device):
         seen.update(device=device.type)
 
-    texts = generate(good_folder, "memory", 4, 0.8, 50, 3, 7, "cuda", "bf16", before_sampling=spy)
-    assert seen["device"] == "cuda" and len(texts) == 3
+    def reading(*args, **kwargs):
+        lm = read(*args, **kwargs)
+        seen.update(weights=(next(lm.parameters()).device.type, next(lm.parameters()).dtype))
+        return lm
+
+    monkeypatch.setattr(module, "load_pretrained_lm", reading)
+    texts = module.generate(good_folder, "memory", 4, 0.8, 50, 3, 7, "cuda", "bf16", before_sampling=spy)
+    assert seen["device"] == "cuda" and seen["weights"] == ("cuda", torch.bfloat16) and len(texts) == 3
     assert main(["generate", str(good_folder), "--prompt", "memory", "--device", "cuda", "--dtype", "bf16",
                  "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.startswith("memory")

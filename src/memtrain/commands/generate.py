@@ -40,19 +40,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "memory: a run that cannot fit is one error line.")
 
 
-def check_fits(cfg: Any, hf: Any, prompt_tokens: int, new_tokens: int, samples: int, device: Any,
+def check_fits(cfg: Any, dtype: Any, prompt_tokens: int, new_tokens: int, samples: int, device: Any,
                free_bytes: Optional[int]) -> None:
     """ConfigError when ``memtrain estimate --mode inference``'s peak for this sampling run (the
-    model ``hf`` in its dtype, ``samples`` sequences of ``prompt_tokens`` + ``new_tokens``) exceeds
-    ``free_bytes`` of ``device`` (None: unknown, nothing checked). A model the estimate does not
-    model is not checked: generate runs as it would have."""
-    from memtrain.analysis.estimate import GPT2_ARCH  # torch-free --help: read once a model is loaded
+    model of ``cfg`` with its weights in the torch ``dtype``, ``samples`` sequences of
+    ``prompt_tokens`` + ``new_tokens``) exceeds ``free_bytes`` of ``device`` (None: unknown,
+    nothing checked). A model the estimate does not model is not checked: generate runs as it
+    would have."""
+    from memtrain.analysis.estimate import GPT2_ARCH  # torch-free --help: read once a model is known
     from memtrain.analysis.estimate.inference import estimate_generate_run
     from memtrain.inference.generate import DTYPES
     from memtrain.models.spec import is_hf
 
-    first = next(hf.parameters(), None)
-    weights_dtype = next((k for k, v in DTYPES.items() if first is not None and v == first.dtype), None)
+    weights_dtype = next((k for k, v in DTYPES.items() if v == dtype), None)
     if free_bytes is None or weights_dtype is None:  # weights in a dtype the estimate does not model
         return
     try:
@@ -70,7 +70,7 @@ def check_fits(cfg: Any, hf: Any, prompt_tokens: int, new_tokens: int, samples: 
 
 
 def free_memory(device: Any) -> Optional[int]:
-    """What generate may use on ``device``: a GPU's free memory, a CPU's whole memory (the model
+    """What generate may use on ``device``: a GPU's free memory, a CPU's whole memory (a model
     already loaded there is in the estimate too), or None where unknown."""
     if device.type == "cuda":
         import torch  # torch-free --help: a CUDA device was resolved, so torch is loaded already
@@ -84,8 +84,8 @@ def free_memory(device: Any) -> Optional[int]:
 def run(args: argparse.Namespace) -> int:
     from memtrain.inference.generate import generate  # torch-free --help/estimate/plan
 
-    def fits(cfg: Any, hf: Any, prompt_tokens: int, device: Any) -> None:
-        check_fits(cfg, hf, prompt_tokens, args.max_new_tokens, args.num_samples, device, free_memory(device))
+    def fits(cfg: Any, dtype: Any, prompt_tokens: int, device: Any) -> None:
+        check_fits(cfg, dtype, prompt_tokens, args.max_new_tokens, args.num_samples, device, free_memory(device))
 
     texts = generate(Path(args.model), args.prompt, args.max_new_tokens, args.temperature, args.top_k,
                      args.num_samples, args.seed, args.device, args.dtype, before_sampling=fits)

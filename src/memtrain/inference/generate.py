@@ -15,10 +15,12 @@ Every sampling setting comes from the command line (a fresh ``GenerationConfig``
 ``generation_config.json`` is not consulted, so the same seed gives the same text from a
 checkpoint and from its export (on the same device, in the same dtype).
 
-``--device`` and ``--dtype`` place the model (a folder's weights are read in that dtype); before
-it moves, the command holds ``memtrain estimate --mode inference``'s figure for the run against
-the device's memory (``before_sampling``: memtrain.commands.generate), so a batch that cannot
-fit is one error line instead of an out-of-memory failure midway.
+``--device`` and ``--dtype`` place the model: a folder's weights are read in that dtype straight
+onto the device (never a float32 copy on the host first), a checkpoint's model is built on the
+host and moved. Before any weight reaches the device, the command holds ``memtrain estimate
+--mode inference``'s figure for the run against the device's memory (``before_sampling``:
+memtrain.commands.generate), so a batch that cannot fit is one error line instead of an
+out-of-memory failure midway; for a folder the check comes before its weights are read at all.
 """
 
 from __future__ import annotations
@@ -82,10 +84,25 @@ def from_checkpoint(path: Path) -> tuple[Any, Codec, RunConfig]:
     return model.lm, gpt2_codec() if tok is None else transformers_codec(tok.tok), cfg
 
 
-def from_directory(path: Path, dtype: Optional[torch.dtype] = None) -> tuple[Any, Codec, RunConfig]:
-    """A transformers model folder (its weights read in ``dtype``; None: float32), its tokenizer
-    and a run config naming it, read without running any of its code."""
+@dataclass(frozen=True)
+class Folder:
+    """A transformers model folder checked and read up to its weights: its transformers config,
+    its tokenizer and a run config naming it (no code of the folder runs, no weight is read)."""
 
+    path: Path
+    config: Any
+    codec: Codec
+    cfg: RunConfig
+
+    def load(self, dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> Any:
+        """The model in eval mode, its weights read in ``dtype`` (None: float32) straight onto
+        ``device`` (None: the host)."""
+        lm = load_pretrained_lm(str(self.path), self.config, "sdpa", repr(str(self.path)), dtype=dtype, device=device)
+        return lm.eval()
+
+
+def read_folder(path: Path) -> Folder:
+    """A transformers model folder to sample from, checked and read without its weights."""
     shown = repr(str(path))
     if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
         # `memtrain export --adapter-only` writes a LoRA adapter, which samples only on its base.
@@ -96,8 +113,7 @@ def from_directory(path: Path, dtype: Optional[torch.dtype] = None) -> tuple[Any
     check_model_size(ModelConfig.from_spec(str(path)))  # the shape config.json declares, before transformers builds it
     _check_weight_files(path)
     config = _read_config(path)
-    lm = load_pretrained_lm(str(path), config, "sdpa", shown, dtype=dtype)
-    vocab = getattr(lm.config, "vocab_size", None)
+    vocab = getattr(config, "vocab_size", None)
     if any((path / f).is_file() for f in TOKENIZER_FILES):
         codec = transformers_codec(load_tokenizer(str(path), shown))
     elif isinstance(vocab, int) and vocab >= N_VOCAB:
@@ -110,7 +126,14 @@ def from_directory(path: Path, dtype: Optional[torch.dtype] = None) -> tuple[Any
                           f"{vocab}; use the model's own tokenizer")
     # The run config names the folder; its sequence (a placeholder: any prompt within the
     # model's positions) is the prompt's when the memory of a sampling run is estimated.
-    return lm.eval(), codec, build_config({"model": str(path), "seq_len": 1})
+    return Folder(path, config, codec, build_config({"model": str(path), "seq_len": 1}))
+
+
+def from_directory(path: Path, dtype: Optional[torch.dtype] = None) -> tuple[Any, Codec, RunConfig]:
+    """A transformers model folder (its weights read in ``dtype``; None: float32) on the host, its
+    tokenizer and a run config naming it, read without running any of its code."""
+    folder = read_folder(path)
+    return folder.load(dtype), folder.codec, folder.cfg
 
 
 def _check_weight_files(path: Path) -> None:
@@ -157,9 +180,9 @@ def generation_config(max_new_tokens: int, temperature: float, top_k: int, pad: 
     return transformers.GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=None, **sampling)
 
 
-# What generate calls once the prompt is tokenized and before the model moves to its device:
-# (the model's run config, the loaded model, the prompt's token count, the device).
-BeforeSampling = Callable[[RunConfig, Any, int, torch.device], None]
+# What generate calls once the prompt is tokenized and before any weight reaches the device:
+# (the model's run config, the dtype its weights will have, the prompt's token count, the device).
+BeforeSampling = Callable[[RunConfig, torch.dtype, int, torch.device], None]
 
 
 def generate(model_path: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int,
@@ -171,20 +194,29 @@ def generate(model_path: Path, prompt: str, max_new_tokens: int, temperature: fl
 
     require_transformers()
     place = resolve_device(device)
-    hf, codec, cfg = load_for_sampling(model_path, None if dtype is None else DTYPES[dtype])
+    asked = None if dtype is None else DTYPES[dtype]
+    # A folder is read up to its weights now and its weights once the run is known to fit; a
+    # checkpoint's model is built on the host (its weights are in the checkpoint file).
+    folder = read_folder(model_path) if model_path.is_dir() else None
+    loaded: Any = None
+    if folder is not None:
+        codec, cfg, config, weights_dtype = folder.codec, folder.cfg, folder.config, asked or torch.float32
+    else:
+        loaded, codec, cfg = load_for_sampling(model_path, asked)
+        config, weights_dtype = loaded.config, next(loaded.parameters()).dtype
     if prompt:
         ids = codec.encode(prompt)
     elif codec.start_id is not None:
         ids = [codec.start_id]
     else:
         raise ConfigError("this model's tokenizer has no eos or bos token to start a document from; give --prompt")
-    limit = config_positions(hf.config)
+    limit = config_positions(config)
     if limit is not None and len(ids) + max_new_tokens > limit:
         raise ConfigError(f"prompt ({len(ids)} tokens) + --max-new-tokens {max_new_tokens} exceeds the model's "
                           f"{limit} positions; shorten one")
     if before_sampling is not None:
-        before_sampling(cfg, hf, len(ids), place)
-    hf = hf.to(place)
+        before_sampling(cfg, weights_dtype, len(ids), place)
+    hf = folder.load(asked, place) if folder is not None else loaded.to(place)
     pad = codec.start_id if codec.start_id is not None else ids[0]
     settings = generation_config(max_new_tokens, temperature, top_k, pad)
     torch.manual_seed(seed)

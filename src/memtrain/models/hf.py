@@ -203,9 +203,11 @@ def quiet_transformers() -> Iterator[None]:
 
 
 def load_pretrained_lm(load_id: str, config: Any, attn: str, what: str, repo: Optional[str] = None,
-                       dtype: Optional[torch.dtype] = None) -> Any:
+                       dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> Any:
     """``AutoModelForCausalLM.from_pretrained`` of a folder (or Hub repository) whose config
-    memtrain has checked, in ``dtype`` (None: the default dtype); ``what`` names it in errors.
+    memtrain has checked, in ``dtype`` (None: the default dtype), its weights read straight onto
+    ``device`` (None: the device context the caller built under, else the host); ``what`` names
+    it in errors.
 
     Never runs code (``trust_remote_code=False``) nor reads pickles (``use_safetensors``).
     Every failure to read the weights is a ConfigError: a truncated or foreign
@@ -221,7 +223,10 @@ def load_pretrained_lm(load_id: str, config: Any, attn: str, what: str, repo: Op
                 use_safetensors=True, trust_remote_code=False, output_loading_info=True,
                 # transformers then returns the mis-shaped tensors (refused below, naming one)
                 # instead of raising after a report of every one; such a model is never used.
-                ignore_mismatched_sizes=True, **from_pretrained_kwargs(repo))
+                ignore_mismatched_sizes=True, **from_pretrained_kwargs(repo),
+                # transformers places every weight on this device as it reads it ({"": device});
+                # None lets it take a `with torch.device(...)` context (train's build).
+                **({} if device is None else {"device_map": {"": device}}))
         lm, info = loaded  # output_loading_info: (model, what was missing, unexpected, mis-shaped)
     except ImportError as exc:  # an attention implementation whose package is absent
         raise ConfigError(f"{what} with attn_implementation {attn}: {_first_line(exc)}") from None
