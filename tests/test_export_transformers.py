@@ -24,6 +24,8 @@ transformers = pytest.importorskip("transformers")
 
 import test_hf_models as hf_models  # noqa: E402
 from memtrain.cli import main  # noqa: E402
+from memtrain.config.run import build_config  # noqa: E402
+from tiny_families import FAMILIES, tiny_config  # noqa: E402
 
 VOCAB, make_model_dir = hf_models.VOCAB, hf_models.make_model_dir
 tokenizer_files, corpus = hf_models.tokenizer_files, hf_models.corpus  # the tiny models' fixtures
@@ -103,6 +105,32 @@ def test_transformers_checkpoint_exports_with_equal_logits_and_generates(scratch
     from_ckpt = capsys.readouterr().out
     assert main(["generate", str(out), *args]) == 0
     assert capsys.readouterr().out == from_ckpt and from_ckpt.startswith("memory") and len(from_ckpt) > len("memory\n")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_build_for_a_checkpoints_weights_draws_nothing_and_keeps_ties_and_buffers(tmp_path, family):
+    """Export and generate build a checkpoint's model uninitialized (every weight is loaded after):
+    no random number is drawn, the head is tied as in an initialized build, every buffer
+    (rope's inv_freq, GPT-2's causal mask) is the initialized build's, and once the weights are
+    loaded the logits are equal."""
+    from memtrain.models.hf import build_hf_model
+
+    folder = tmp_path / family
+    tiny_config(family, 2).save_pretrained(folder)
+    cfg = build_config({"model": str(folder), "seq_len": 16})
+    built = build_hf_model(cfg, with_weights=False)
+    rng = torch.get_rng_state()
+    bare = build_hf_model(cfg, with_weights=False, initialize=False)
+    assert torch.equal(torch.get_rng_state(), rng)  # nothing drawn
+    assert [n for n, _ in bare.named_parameters()] == [n for n, _ in built.named_parameters()]  # the same ties
+    buffers = dict(built.named_buffers())
+    assert {n: b for n, b in bare.named_buffers()}.keys() == buffers.keys()
+    for name, buffer in bare.named_buffers():
+        assert torch.equal(buffer, buffers[name]), name
+    bare.load_state_dict(built.state_dict())
+    idx = torch.randint(0, 384, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(bare.eval()(idx), built.eval()(idx))
 
 
 def test_model_without_tokenizer_exports_gpt2_tokenizer(tmp_path_factory, corpus, tmp_path, capsys):

@@ -154,7 +154,8 @@ def _load_transformers(weights: dict[str, Any], cfg: RunConfig, ckpt: Path, merg
     attention = tech.attention if tech.attention in PORTABLE_ATTENTION else "sdpa"
     build_cfg = cfg.replace(attention=attention, qlora=False, compile=False, checkpointing="none",
                             distributed="none")
-    model = build_hf_model(build_cfg, with_weights=False).float()  # every weight comes from the checkpoint
+    # Every weight comes from the checkpoint (a strict load below), so none is drawn at random first.
+    model = build_hf_model(build_cfg, with_weights=False, initialize=False).float()
     if tech.lora_rank:
         require("peft")
         apply_hf_lora(model, build_cfg.technique)
