@@ -134,6 +134,38 @@ def test_train_flags_round_trip_through_trains_parser(argv):
     assert _cfg(["train", *train_flags(cfg)]).to_dict() == cfg.to_dict()
 
 
+@pytest.mark.parametrize("verb", ["train", "estimate"])
+@pytest.mark.parametrize("flag, words", [
+    (["--no-bias"], "--no-bias: --model tiny-gpt2 is a transformers model, which builds the biases"),
+    (["--vocab-multiple", "64"], "--vocab-multiple 64: --model tiny-gpt2 is a transformers model, which embeds"),
+])
+def test_gpt_only_model_flags_are_refused_for_a_transformers_model(verb, flag, words, capsys, tmp_path):
+    """--no-bias and --vocab-multiple shape memtrain's GPT only: with a transformers --model, train
+    ignored them (while result.json recorded them) and estimate counted them. Refused in one
+    line by every verb; their defaults (a config file spelling out every key) pass."""
+    assert main([verb, "--model", "tiny-gpt2", *flag, "--out", str(tmp_path / "o")] if verb == "train"
+                else [verb, "--model", "tiny-gpt2", *flag]) == 2
+    assert words in _error_line(capsys)
+    assert not (tmp_path / "o").exists()
+    assert _cfg(["train", "--model", "tiny-gpt2", "--bias", "--vocab-multiple", "1"]).model.bias
+    assert _cfg(["train", *flag]).model != _cfg(["train"]).model  # memtrain's GPT takes them
+
+
+def test_a_bench_presets_padding_is_not_applied_to_a_transformers_model():
+    """The adamw-8bit row pads memtrain's GPT's vocabulary to 64; a transformers model embeds its
+    own vocab_size rows, so its row's config (and estimate) keeps vocab_multiple 1."""
+    from memtrain.analysis.estimate.method import estimate_step
+    from memtrain.bench.technique_sets import technique_overrides
+
+    row = technique_overrides("adamw-8bit", "quick")
+    assert row["vocab_multiple"] == 64
+    cfg = build_config({"model": "tiny-gpt2", "batch_size": 2, "seq_len": 32}, row)
+    assert cfg.model.vocab_multiple == 1 and cfg.model.padded_vocab_size == cfg.model.vocab_size
+    plain = build_config({"model": "tiny-gpt2", "batch_size": 2, "seq_len": 32, "bias": False, "vocab_multiple": 64})
+    assert estimate_step(plain, "cpu", None).json["parameters"] == estimate_step(
+        build_config({"model": "tiny-gpt2", "batch_size": 2, "seq_len": 32}), "cpu", None).json["parameters"]
+
+
 # ------------------------------------------------------------------------ 2. defaults of a --model
 def test_a_transformers_model_gets_sdpa_unless_attention_is_given():
     from memtrain.commands.estimate import resolve_model

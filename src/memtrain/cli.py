@@ -258,15 +258,44 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = 
     return cfg
 
 
+# memtrain's GPT's settings that a transformers model has no counterpart for, and why.
+GPT_ONLY_MODEL_FIELDS = {
+    "bias": "builds the biases its own layer code gives it",
+    "vocab_multiple": "embeds exactly its config.json's vocab_size rows",
+}
+
+
+def _shown_flag(name: str, value: Any) -> str:
+    """A setting as the flag that sets it (``--no-bias``, ``--vocab-multiple 64``)."""
+    flag = f"--{name.replace('_', '-')}"
+    if isinstance(value, bool):
+        return flag if value else f"--no-{flag[2:]}"
+    return f"{flag} {value}"
+
+
 def _refuse_ignored_model_flags(cfg: RunConfig, given: dict[str, Any]) -> None:
     """A ``--model`` (a transformers config or a GPT preset) sets the model fields it describes
     (shape, tied head, attention dropout) from its own config, over any flag: a flag or config-file
     value that would be dropped is refused in one line instead of ignored. Values equal to the
     model's pass (a config file written for the same model)."""
+    from memtrain.models.spec import is_gpt_preset  # torch-free
+
     spec = cfg.model.model
     if spec is None:
         return
     model_fields = {f.name for f in fields(ModelConfig)} - {"model"}
+    if not is_gpt_preset(spec):
+        # A transformers model's layer code decides its biases and its embedding rows: memtrain's
+        # GPT-only settings would be recorded in result.json (and counted by estimate) but never built.
+        for name in sorted(set(GPT_ONLY_MODEL_FIELDS) & set(given)):
+            built = getattr(cfg.model, name)  # the model's own (models.spec.mirrored_fields)
+            try:
+                same = type(built)(given[name]) == built
+            except (TypeError, ValueError):
+                same = False
+            if not same:
+                raise ConfigError(f"{_shown_flag(name, given[name])}: --model {spec} is a transformers model, which "
+                                  f"{GPT_ONLY_MODEL_FIELDS[name]}; drop the flag")
     for name in sorted(model_fields & set(given)):
         current = getattr(cfg.model, name)
         try:

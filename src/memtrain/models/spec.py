@@ -507,6 +507,11 @@ def _mirrored_fields(c: Any) -> dict[str, Any]:
         "untie_embeddings": not bool(getattr(c, "tie_word_embeddings", True)),
         # attention dropout decides which SDPA kernels a CPU step may use (plan's search space)
         "dropout": float(get("attention_dropout", "attn_pdrop", default=0.0)),
+        # memtrain's GPT-only settings, as a transformers model is built: exactly vocab_size rows
+        # (a bench preset's padding does not apply) and the biases of its layer code (the analytic
+        # model reads the family's, Arch.qkv_bias and the like; GPT-2's layers always have them).
+        "vocab_multiple": 1,
+        "bias": True,
     }
 
 
