@@ -191,6 +191,41 @@ def test_resume_alone_continues_the_run_with_its_saved_settings(tiny_run, tmp_pa
     assert rc == 2 and "lr: 0.0003 -> 0.01" in err and "at step 6" not in err
 
 
+def test_resume_from_another_folder_continues_in_the_runs_own_folder(tiny_run, tmp_path, capsys, monkeypatch):
+    """Relative --data, --out and --save are relative to where the run was launched: resumed
+    from another working folder (by the checkpoint's path alone) the run continues in its own
+    --out and --save and reads its own data, rather than starting a copy beside the new folder
+    and refusing the data path; `./d.jsonl` and `d.jsonl` are one file. A checkpoint that
+    records no launch folder (an older one) is placed by its relative --save."""
+    import shutil
+
+    from conftest import cli_flags
+
+    base = {**tiny_run, "steps": 6}
+    full = train(build_config({**base, "out": str(tmp_path / "full")}))
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    home.mkdir(), elsewhere.mkdir()
+    shutil.copy(tiny_run["data"], home / "d.jsonl")
+    monkeypatch.chdir(home)
+    rel = {**base, "data": "d.jsonl", "out": "runs/x", "save": "runs/x/c.pt"}
+    rc, err = _cli_train(capsys, *cli_flags({**rel, "stop_after": 2}))
+    assert rc == 0, err
+    ckpt = home / "runs" / "x" / "c.pt"
+    assert torch.load(ckpt, weights_only=True)["cwd"] == str(home)
+    rc, err = _cli_train(capsys, "--resume", "runs/x/c.pt", "--data", "./d.jsonl", "--stop-after", "4")
+    assert rc == 0, err
+    state = torch.load(ckpt, weights_only=True)
+    assert state["step"] == 4
+    del state["cwd"]  # as an older memtrain wrote it
+    torch.save(state, ckpt)
+    monkeypatch.chdir(elsewhere)
+    rc, err = _cli_train(capsys, "--resume", str(ckpt))
+    assert rc == 0, err
+    assert list(elsewhere.iterdir()) == []  # nothing started beside the new working folder
+    resumed = json.loads((home / "runs" / "x" / "result.json").read_text())
+    assert resumed["loss_history"] == full["loss_history"] and torch.load(ckpt, weights_only=True)["step"] == 6
+
+
 def test_a_checkpoint_whose_saved_settings_are_refused_names_it(tiny_run, tmp_path, capsys):
     train(build_config({**tiny_run, "steps": 2, "save": str(tmp_path / "a.pt")}))
     state = torch.load(tmp_path / "a.pt", weights_only=True)

@@ -27,6 +27,7 @@ ddp, zero2 and fsdp read one another's checkpoints, since DCP stores tensors by 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -172,6 +173,7 @@ def save_checkpoint(path: str | Path, run: TrainState) -> None:
             "strategy": cfg.technique.distributed,
             "config": cfg.to_dict(),
             "data_fingerprint": run.data_fingerprint,  # --resume refuses other data at the same path
+            "cwd": os.getcwd(),  # what its relative paths are relative to (memtrain.training.run_paths)
         }
         (tmp / META).write_text(json.dumps(meta, indent=1))
     dist.barrier()  # every rank has written its part

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import pickle
 import re
 import warnings
@@ -296,6 +297,7 @@ def save_checkpoint(path: str | Path, run: TrainState) -> None:
         **rng_and_scaler_state(run.precision),
         "config": run.cfg.to_dict(),
         "data_fingerprint": run.data_fingerprint,  # --resume refuses other data at the same path
+        "cwd": os.getcwd(),  # what its relative paths are relative to (memtrain.training.run_paths)
     }
     # A temporary file beside ``path``, then a rename: a failure or a kill mid-save leaves the
     # previous checkpoint at ``path`` untouched (memtrain.files.results.write_atomic).

@@ -42,6 +42,7 @@ from memtrain.files.results import (
     loads_bounded,
     refuse_odd_destination,
 )
+from memtrain.training.run_paths import anchored, launch_dir, same_place
 from memtrain.training.schedule import lr_lambda
 from memtrain.training.sinks import LOGGER_FOLDERS, parse_report_to
 
@@ -170,6 +171,8 @@ def check_resumed_out(out: Path, cfg: RunConfig) -> None:
     if not isinstance(config, dict):
         raise ConfigError(f"--out {str(out)!r} holds a result.json that records no run config; a resumed run would "
                           "replace it: choose a new --out")
+    if cfg.train.resume:  # written by the resumed run from the folder it was launched from
+        config = anchored(config, saved_launch_dir(cfg.train.resume))
     diffs = differences_from_this_run(config, cfg)
     if diffs:
         raise ConfigError(f"--out {str(out)!r} holds the result.json of a different run ({_shown(diffs, 4)}); resuming there "
@@ -331,10 +334,26 @@ def check_model_size(m: ModelConfig, device: Any = "cpu", precision: str = "fp32
 # --------------------------------------------------------------------------- resume
 def saved_run(path: str | Path) -> tuple[dict[str, Any], int, Optional[str]]:
     """The saved config, step and data fingerprint (None in checkpoints that predate it) of a
-    checkpoint (single file or sharded directory).
+    checkpoint (single file or sharded directory). The config's relative paths are made
+    absolute against the folder the run was launched from, where that is not this process's
+    (:mod:`memtrain.training.run_paths`).
 
     Reads no tensor data: a sharded checkpoint's meta.json, or a single file memory-mapped
     with ``weights_only=True`` (only the small entries are touched)."""
+    state = _saved_state(path)
+    fingerprint = state.get("data_fingerprint")
+    config = anchored(state["config"], launch_dir(state, path))
+    return config, state["step"], fingerprint if isinstance(fingerprint, str) else None
+
+
+def saved_launch_dir(path: str | Path) -> Optional[str]:
+    """The folder the checkpoint's run was launched from (None where unknown)."""
+    return launch_dir(_saved_state(path), path)
+
+
+def _saved_state(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's small entries (config, step, fingerprint, launch folder), checked to hold a
+    run config and a step."""
     p = Path(path).expanduser()
     if p.is_dir():
         meta_path = p / "meta.json"
@@ -362,8 +381,7 @@ def saved_run(path: str | Path) -> tuple[dict[str, Any], int, Optional[str]]:
         raise ConfigError(f"checkpoint {str(p)!r} not found; check --resume")
     if not isinstance(state, dict) or not isinstance(state.get("config"), dict) or not isinstance(state.get("step"), int):
         raise ConfigError(f"checkpoint {str(p)!r} holds no run config or step; it was not written by this memtrain version")
-    fingerprint = state.get("data_fingerprint")
-    return state["config"], state["step"], fingerprint if isinstance(fingerprint, str) else None
+    return state
 
 
 # The saved settings a resumed run does not take from its checkpoint: which checkpoint it resumes
@@ -412,16 +430,20 @@ def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
             if key in MAY_DIFFER:
                 continue
             old = old_section.get(key, "<missing>")  # type: ignore[union-attr]  # old_section is a dict: non-dicts were replaced by {}
-            if old != value:
+            if not same_place(key, old, value):
                 diffs.append(f"{key}: {old!r} -> {value!r}")
     return diffs
 
 
-def differences_from_this_run(saved: dict[str, Any], cfg: RunConfig) -> list[str]:
+def differences_from_this_run(saved: dict[str, Any], cfg: RunConfig, data_checked: bool = False) -> list[str]:
     """:func:`config_differences` of a saved config (a checkpoint's, a result.json's) from this
     run: none where it is this run's, or, when this run trains a resumed run longer
-    (:func:`continue_longer`), that run's (the same settings with its shorter ``--steps``)."""
+    (:func:`continue_longer`), that run's (the same settings with its shorter ``--steps``).
+    ``data_checked``: the data's content is compared by its fingerprint instead of its path
+    (a copied or moved data file still resumes; :func:`check_resume_data`)."""
     now = cfg.to_dict()
+    if data_checked:
+        now = {**now, "data": {**now["data"], "data": (saved.get("data") or {}).get("data", now["data"]["data"])}}
     diffs = config_differences(saved, now)
     shorter = getattr(cfg.train, "continues_steps", None)
     if diffs and shorter is not None and not config_differences(saved, {**now, "train": {**now["train"], "steps": shorter}}):
@@ -476,7 +498,7 @@ def check_resume(cfg: RunConfig) -> None:
     if not cfg.train.resume:
         return
     saved, step, fingerprint = saved_run(cfg.train.resume)
-    diffs = differences_from_this_run(saved, cfg)
+    diffs = differences_from_this_run(saved, cfg, data_checked=fingerprint is not None)
     if diffs:
         what = "model" if any(d.split(":")[0] in saved.get("model", {}) for d in diffs) else "run"
         raise ConfigError(f"checkpoint {cfg.train.resume!r} does not fit this {what}: it was saved by a different run "
