@@ -542,6 +542,22 @@ def test_a_sampling_run_that_cannot_fit_is_one_line_before_it_starts(good_folder
     assert main([*argv, "--num-samples", "2"]) == 0
 
 
+def test_running_out_of_memory_past_the_check_is_one_line(good_folder, capsys, monkeypatch):
+    """The fit check is a lower bound: an allocation that still fails while sampling (the CPU
+    allocator's words) is exit 2 with one line naming the allocation and what to lower."""
+    from memtrain.inference import generate as module
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 6587285504 bytes. Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr(module, "load_pretrained_lm", out_of_memory)
+    assert main(["generate", str(good_folder), "--prompt", "memory", "--num-samples", "12"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "out of memory sampling 12 x" in line and "tried to allocate 6.13 GiB" in line
+    assert "lower --num-samples or --max-new-tokens, or --dtype bf16" in line
+
+
 def test_the_fit_check_holds_the_estimate_it_names(good_folder):
     """check_fits refuses exactly above estimate --mode inference's peak, and checks nothing
     where the memory is unknown."""

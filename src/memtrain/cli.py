@@ -418,7 +418,7 @@ def _launch_ranks(args: argparse.Namespace, cfg: RunConfig) -> int:
         return launch(args.nproc_per_node, args._argv)
 
 
-def _allocation_of(exc: BaseException) -> str:
+def allocation_of(exc: BaseException) -> str:
     """The allocation an out-of-memory error names ("tried to allocate 6.13 GiB"), or its kind."""
     found = re.search(r"tried to allocate (\d+(?:\.\d+)?) ?(bytes|[KMGT]?i?B)\b", str(exc), re.IGNORECASE)
     if not found:
@@ -467,7 +467,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
             t = cfg.train
             save = save_memory_clause(cfg, None, resolve_device(t.device).type).text
-            raise ConfigError(f"out of memory training batch {t.batch_size} x seq {t.seq_len} ({_allocation_of(exc)}): lower "
+            raise ConfigError(f"out of memory training batch {t.batch_size} x seq {t.seq_len} ({allocation_of(exc)}): lower "
                               "--batch-size (--grad-accum keeps the tokens per step)" + (f", or {save}" if save else "")
                               + "; `memtrain maxbatch` finds the largest batch that fits") from None
     if not main_rank:

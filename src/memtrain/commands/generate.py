@@ -8,9 +8,10 @@ from typing import Any, Optional
 
 from memtrain.analysis.estimate.generation import DEFAULT_NEW_TOKENS
 from memtrain.analysis.limits import MAX_WIDTH
-from memtrain.cli import register
+from memtrain.cli import allocation_of, register
 from memtrain.config.argtypes import batch_count, int_in, non_negative_float, seed_value, token_count, user_path
 from memtrain.config.run import ConfigError
+from memtrain.errors import is_out_of_memory
 from memtrain.techniques.facts import GENERATE_DTYPES
 
 
@@ -87,8 +88,17 @@ def run(args: argparse.Namespace) -> int:
     def fits(cfg: Any, dtype: Any, prompt_tokens: int, device: Any) -> None:
         check_fits(cfg, dtype, prompt_tokens, args.max_new_tokens, args.num_samples, device, free_memory(device))
 
-    texts = generate(Path(args.model), args.prompt, args.max_new_tokens, args.temperature, args.top_k,
-                     args.num_samples, args.seed, args.device, args.dtype, before_sampling=fits)
+    try:
+        texts = generate(Path(args.model), args.prompt, args.max_new_tokens, args.temperature, args.top_k,
+                         args.num_samples, args.seed, args.device, args.dtype, before_sampling=fits)
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        # Past the estimate's check (a lower bound; other processes take memory too): the same
+        # advice as the check's, in one line, as train's out-of-memory refusal.
+        raise ConfigError(f"out of memory sampling {args.num_samples} x {args.max_new_tokens} new tokens "
+                          f"({allocation_of(exc)}); lower --num-samples or --max-new-tokens"
+                          + (", or --dtype bf16" if args.dtype in (None, "fp32") else "")) from None
     for i, text in enumerate(texts):
         if len(texts) > 1:
             print(f"--- sample {i + 1}")
