@@ -226,6 +226,41 @@ def test_resume_from_another_folder_continues_in_the_runs_own_folder(tiny_run, t
     assert resumed["loss_history"] == full["loss_history"] and torch.load(ckpt, weights_only=True)["step"] == 6
 
 
+def test_a_changed_flag_on_resume_is_said_as_the_resumes_difference(tiny_run, tmp_path, capsys):
+    """`--resume CKPT --lr X` where CKPT is the run's own --save: the line names the lr, in a
+    resume's words (not "choose a new --save", which would only move the refusal), and a larger
+    --steps, which is allowed, is not listed as a difference."""
+    from conftest import cli_flags
+
+    ckpt = tmp_path / "c.pt"
+    rc, err = _cli_train(capsys, *cli_flags({**tiny_run, "steps": 6, "stop_after": 2, "save": str(ckpt)}))
+    assert rc == 0, err
+    rc, err = _cli_train(capsys, "--resume", str(ckpt), "--lr", "0.01", "--steps", "8")
+    assert rc == 2 and "lr: 0.0003 -> 0.01" in err and "--resume alone takes the saved run's settings" in err
+    assert "choose a new --save" not in err and "steps:" not in err
+
+
+def test_resume_compares_the_data_by_content_not_by_path(tiny_run, tmp_path, capsys):
+    """A copy of the data at another path resumes (into the run's own --out, whose result.json
+    records the original path); other content at another path is another run's, named."""
+    import shutil
+
+    from conftest import cli_flags
+
+    ckpt = tmp_path / "c.pt"
+    rc, err = _cli_train(capsys, *cli_flags({**tiny_run, "steps": 6, "stop_after": 2, "save": str(ckpt)}))
+    assert rc == 0, err
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"text": "quite other words"}\n' * 50)
+    rc, err = _cli_train(capsys, "--resume", str(ckpt), "--data", str(other))
+    assert rc == 2 and "different run" in err and "data: " in err
+    copy = tmp_path / "copy.jsonl"
+    shutil.copy(tiny_run["data"], copy)
+    rc, err = _cli_train(capsys, "--resume", str(ckpt), "--data", str(copy))
+    assert rc == 0, err
+    assert torch.load(ckpt, weights_only=True)["step"] == 6
+
+
 def test_a_checkpoint_whose_saved_settings_are_refused_names_it(tiny_run, tmp_path, capsys):
     train(build_config({**tiny_run, "steps": 2, "save": str(tmp_path / "a.pt")}))
     state = torch.load(tmp_path / "a.pt", weights_only=True)

@@ -171,9 +171,13 @@ def check_resumed_out(out: Path, cfg: RunConfig) -> None:
     if not isinstance(config, dict):
         raise ConfigError(f"--out {str(out)!r} holds a result.json that records no run config; a resumed run would "
                           "replace it: choose a new --out")
+    data_as = None
     if cfg.train.resume:  # written by the resumed run from the folder it was launched from
         config = anchored(config, saved_launch_dir(cfg.train.resume))
-    diffs = differences_from_this_run(config, cfg)
+        # The data was compared with the checkpoint's (check_resume, by content where it moved):
+        # the result.json's run is the checkpoint's where it records the checkpoint's data.
+        data_as = _data_of(saved_run(cfg.train.resume)[0])
+    diffs = differences_from_this_run(config, cfg, data_as=data_as)
     if diffs:
         raise ConfigError(f"--out {str(out)!r} holds the result.json of a different run ({_shown(diffs, 4)}); resuming there "
                           "would replace it: choose a new --out, or the resumed run's own")
@@ -214,8 +218,20 @@ def check_save_target(cfg: RunConfig) -> None:
         if saved is None:
             raise ConfigError(f"--save {str(save)!r} exists and is not a memtrain checkpoint; memtrain replaces only "
                               "its own checkpoints: give a new name")
-    if saved is not None:
+    if saved is not None and not _resumes_from(save, cfg):
         check_saved_by_this_run(save, saved, cfg)
+
+
+def _resumes_from(save: Path, cfg: RunConfig) -> bool:
+    """Whether ``--save`` is the checkpoint this run resumes: :func:`check_resume` compares it
+    then, and says what differs in a resume's words (not "choose a new --save")."""
+    resume = cfg.train.resume
+    if not resume:
+        return False
+    try:
+        return os.path.samefile(save, Path(resume).expanduser())
+    except OSError:
+        return False
 
 
 def _saved_config(path: Path) -> Optional[dict[str, Any]]:
@@ -435,19 +451,20 @@ def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     return diffs
 
 
-def differences_from_this_run(saved: dict[str, Any], cfg: RunConfig, data_checked: bool = False) -> list[str]:
+def differences_from_this_run(saved: dict[str, Any], cfg: RunConfig, data_as: Optional[str] = None) -> list[str]:
     """:func:`config_differences` of a saved config (a checkpoint's, a result.json's) from this
     run: none where it is this run's, or, when this run trains a resumed run longer
     (:func:`continue_longer`), that run's (the same settings with its shorter ``--steps``).
-    ``data_checked``: the data's content is compared by its fingerprint instead of its path
-    (a copied or moved data file still resumes; :func:`check_resume_data`)."""
+    ``data_as``: the ``--data`` to compare as this run's, where the run's own data path is not
+    the one to compare (resuming, the data was compared with the checkpoint's by its content:
+    a copied or moved data file still resumes; :func:`check_resume`)."""
     now = cfg.to_dict()
-    if data_checked:
-        now = {**now, "data": {**now["data"], "data": (saved.get("data") or {}).get("data", now["data"]["data"])}}
+    if data_as is not None:
+        now = {**now, "data": {**now["data"], "data": data_as}}
     diffs = config_differences(saved, now)
     shorter = getattr(cfg.train, "continues_steps", None)
-    if diffs and shorter is not None and not config_differences(saved, {**now, "train": {**now["train"], "steps": shorter}}):
-        return []
+    if diffs and shorter is not None:  # the larger --steps is no difference: only the others are
+        return config_differences(saved, {**now, "train": {**now["train"], "steps": shorter}})
     return diffs
 
 
@@ -498,7 +515,9 @@ def check_resume(cfg: RunConfig) -> None:
     if not cfg.train.resume:
         return
     saved, step, fingerprint = saved_run(cfg.train.resume)
-    diffs = differences_from_this_run(saved, cfg, data_checked=fingerprint is not None)
+    diffs = differences_from_this_run(saved, cfg)
+    if any(d.startswith("data: ") for d in diffs) and _holds_the_saved_data(cfg, fingerprint):
+        diffs = differences_from_this_run(saved, cfg, data_as=_data_of(saved))  # the same data, moved
     if diffs:
         what = "model" if any(d.split(":")[0] in saved.get("model", {}) for d in diffs) else "run"
         raise ConfigError(f"checkpoint {cfg.train.resume!r} does not fit this {what}: it was saved by a different run "
@@ -510,6 +529,26 @@ def check_resume(cfg: RunConfig) -> None:
                 else "give a larger --steps to train it longer")
         raise ConfigError(f"--resume {cfg.train.resume!r} is at step {step}, this run ends at step {end}; {more}")
     check_resume_data(cfg, fingerprint)
+
+
+def _data_of(config: dict[str, Any]) -> Optional[str]:
+    """A saved config's ``--data`` (None where a damaged config has none)."""
+    section = config.get("data")
+    value = section.get("data") if isinstance(section, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def _holds_the_saved_data(cfg: RunConfig, saved: Optional[str]) -> bool:
+    """Whether ``--data`` holds the content of the checkpoint's data fingerprint ``saved``
+    (False where the checkpoint has none, or the data cannot be read)."""
+    from memtrain.data.sources import data_fingerprint  # reads the data's files only when resuming
+
+    if saved is None:
+        return False
+    try:
+        return data_fingerprint(cfg.data) == saved
+    except ConfigError:
+        return False
 
 
 def check_resume_data(cfg: RunConfig, saved: Optional[str]) -> None:
@@ -544,10 +583,10 @@ def check_before_launch(cfg: RunConfig, nproc: int) -> None:
         raise ConfigError(f"--nproc-per-node {nproc} starts data-parallel ranks; add --distributed ddp "
                           "(or zero1, zero2, fsdp)")
     continue_longer(cfg)  # a longer --steps on --resume keeps the saved warm-up, before the configs are compared
+    check_resume(cfg)  # before --out and --save are compared (train's order)
     check_destinations(cfg, fresh_out=True)
     check_vocab(cfg)
     check_model_size(cfg.model, resolve_device(cfg.train.device), cfg.technique.precision)
-    check_resume(cfg)
     check_combination(cfg, resolve_device(cfg.train.device))
     if cfg.train.resume:
         check_sharded_resume(cfg.train.resume, nproc)

@@ -162,11 +162,13 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
         with agreement():
             # A longer --steps on --resume keeps the saved warm-up, before the configs are compared.
             stretched = continue_longer(cfg) is not None
+            # A checkpoint of another run is refused before tokenizing, and before its own --out
+            # and --save are compared (a changed flag is then said as a resume's difference).
+            check_resume(cfg)
             # Never a run that cannot write its result, nor one that would overwrite another's.
             check_destinations(cfg, fresh_out=log_metrics)
             check_vocab(cfg)
             check_model_size(cfg.model, dist_ctx.device, cfg.technique.precision)  # a shape that cannot be built, refused before building
-            check_resume(cfg)  # a checkpoint of another run is refused before tokenizing
             check_optimizer_installed(cfg.technique)  # an absent optional package, before anything is built
             if lock_out and dist_ctx.is_main and not launched:
                 held.enter_context(FolderLock(Path(cfg.train.out), "memtrain train", cleanup_if_unused=True))
