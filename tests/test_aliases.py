@@ -162,3 +162,32 @@ def test_a_config_file_with_disagreeing_switches_is_refused(text, tmp_path, caps
     agree = tmp_path / "agree.yaml"
     agree.write_text("precision: bf16\nbf16: true\nfp16: false\n")
     assert main(["estimate", "--config", str(agree), "--json"]) == 0
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--lr", "1e-3", "--learning_rate", "2e-3"], "--lr 1e-3 and --learning_rate ask for different --lr (1e-3, 2e-3)"),
+    (["--learning_rate", "2e-3", "--lr", "1e-3"], "--learning_rate and --lr 1e-3 ask for different --lr"),
+    (["--batch-size", "2", "--per_device_train_batch_size", "4"], "ask for different --batch-size (2, 4)"),
+])
+def test_an_alias_and_its_target_asking_for_different_values_are_refused(argv, words, capsys):
+    """Whichever of --lr and --learning_rate came last silently won; now the line names both.
+    The same value twice is one setting."""
+    assert main(["train", *argv]) == 2
+    assert words in capsys.readouterr().err
+    assert _cfg(["train", "--lr", "1e-3", "--learning_rate", "1e-3"]).train.lr == 1e-3
+    with pytest.raises(ConfigError, match="ask for different --lr"):
+        build_config({"lr": 1e-3, "learning_rate": "2e-3"})
+    assert build_config({"lr": 1e-3, "learning_rate": "1e-3"}).train.lr == 1e-3  # YAML reads 1e-3 as text
+
+
+@pytest.mark.parametrize("text, words", [
+    ("model:\n  d_model: 32\ntrain:\n  d_model: 64\n", "has d_model under train: but it is a model setting"),
+    ("model:\n  d_model: 32\nd_model: 64\n", "sets d_model twice (model: and the top level)"),
+    ("train:\n  lr: 0.001\n  learning_rate: 0.002\n", "ask for different --lr"),
+])
+def test_a_config_file_setting_a_key_twice_or_in_the_wrong_section_is_refused(text, words, tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    assert main(["estimate", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1

@@ -114,20 +114,24 @@ MODULE_TABLE_FIELDS: tuple[str, ...] = ("memory_by_module", "module_depth", "mod
 SWITCHES_SET = "_switches_set"
 
 
-class _SwitchAlias(argparse.Action):
-    """A Trainer switch such as ``--bf16``: alone it sets its field; ``--bf16 false`` does not.
-    Beside another name of the field asking for another value it is refused (check_switches)."""
+class _ValueAlias(argparse.Action):
+    """A Trainer name of a field (``--learning_rate`` for ``--lr``): it sets the field, and beside
+    another name of the field asking for another value it is refused (check_switches), since
+    whichever came last would silently win."""
+
+    nargs_taken: Any = None
 
     def __init__(self, option_strings: Sequence[str], dest: str, alias: Any = None, **kw: Any) -> None:
         self.alias = alias
-        super().__init__(option_strings, dest, nargs="?", **kw)
+        super().__init__(option_strings, dest, nargs=self.nargs_taken, **kw)
+
+    def value(self, parser: argparse.ArgumentParser, values: Any) -> Any:
+        """The field's value this flag asks for (None: it asks for nothing)."""
+        return values
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: Optional[str] = None) -> None:
-        try:
-            value = switch_value(self.alias, values)
-        except ValueError as exc:
-            parser.error(str(exc))
+        value = self.value(parser, values)
         if value is None:
             return
         noted: dict[str, list[tuple[str, Any]]] = getattr(namespace, SWITCHES_SET, None) or {}
@@ -140,9 +144,23 @@ class _SwitchAlias(argparse.Action):
         setattr(namespace, self.dest, value)
 
 
+class _SwitchAlias(_ValueAlias):
+    """A Trainer switch such as ``--bf16``: alone it sets its field; ``--bf16 false`` does not.
+    Beside another name of the field asking for another value it is refused (check_switches)."""
+
+    nargs_taken = "?"
+
+    def value(self, parser: argparse.ArgumentParser, values: Any) -> Any:
+        try:
+            return switch_value(self.alias, values)
+        except ValueError as exc:
+            parser.error(str(exc))
+
+
 def check_switches(args: argparse.Namespace) -> None:
-    """Refuse a switch alias whose field another flag set to something else, before or after it
-    (``--fp16 --bf16``, ``--precision fp16 --bf16``, ``--bf16 --precision fp16``)."""
+    """Refuse a Trainer alias whose field another flag set to something else, before or after it
+    (``--fp16 --bf16``, ``--precision fp16 --bf16``, ``--bf16 --precision fp16``,
+    ``--lr 1e-3 --learning_rate 2e-3``)."""
     for field, given in (getattr(args, SWITCHES_SET, None) or {}).items():
         final = getattr(args, field)
         later = [(flag_text(field, final), final)] if final != given[-1][1] else []
@@ -173,7 +191,8 @@ def _add_aliases(parser: argparse.ArgumentParser, targets: set[str]) -> None:
             group.add_argument(*flags, dest=a.field, action=_SwitchAlias, alias=a, default=argparse.SUPPRESS,
                                metavar="BOOL", help=a.help)
         else:
-            group.add_argument(*flags, dest=a.field, default=argparse.SUPPRESS, metavar="VALUE", help=a.help)
+            group.add_argument(*flags, dest=a.field, action=_ValueAlias, alias=a, default=argparse.SUPPRESS,
+                               metavar="VALUE", help=a.help)
 
 
 def add_config_flags(parser: argparse.ArgumentParser, sections: Sequence[str] = tuple(SECTIONS),

@@ -175,17 +175,25 @@ def refuse_disagreement(field: str, given: list[tuple[str, Any]]) -> None:
     """Refuse a switch alias beside another name of its field asking for another value (``--fp16``
     with ``--bf16``, ``--precision fp16`` with ``--bf16``): whichever came last would silently win,
     and transformers' Trainer refuses fp16 with bf16 too. ``given``: (how it was written, value)."""
-    values = list(dict.fromkeys(_comparable(v) for _, v in given))
+    values: dict[Any, Any] = {}  # each value asked for, as first written
+    for _, value in given:
+        values.setdefault(_comparable(value), value)
     if len(values) > 1:
         names = " and ".join(dict.fromkeys(name for name, _ in given))
         raise ValueError(f"{names} ask for different --{field.replace('_', '-')} "
-                         f"({', '.join(map(str, values))}); keep one of them")
+                         f"({', '.join(map(str, values.values()))}); keep one of them")
 
 
 def _comparable(value: Any) -> Any:
-    """A boolean written as a word in a config file (``compile: "true"``) compares as the boolean."""
+    """A boolean written as a word in a config file (``compile: "true"``) compares as the boolean,
+    a number written as text (YAML reads ``1e-3`` as a string) as the number."""
     if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
         return value.lower() in _TRUE
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
     return value
 
 
@@ -204,8 +212,9 @@ def normalize(flat: dict[str, Any]) -> dict[str, Any]:
 
     A switch alias in a file (``bf16: true``) behaves as on the command line, and is refused
     beside another switch or its target set to another value (``fp16: true`` with ``bf16: true``,
-    ``precision: fp16`` with ``bf16: true``); any other alias and its target both present keep
-    the target's value (it is the more specific one). An expanding
+    ``precision: fp16`` with ``bf16: true``); any other alias beside its target is refused when
+    the two ask for different values (``learning_rate`` with ``lr``), and is the same setting
+    twice when they agree. An expanding
     alias (``lr_scheduler_type``) adds each setting it stands for; ``warmup_ratio`` stays a key
     of its own (:data:`WARMUP_RATIO`) for build_config to resolve against --steps. Raises
     ValueError for a value memtrain cannot express.
@@ -228,6 +237,9 @@ def normalize(flat: dict[str, Any]) -> dict[str, Any]:
             from_alias.update(alias.expand(value))
             continue
         from_alias[alias.field] = normalize_value(alias.field, value)
+        if not alias.is_switch and alias.field in flat:  # its target too: whichever won would hide the other
+            refuse_disagreement(alias.field, [(flag_text(alias.field, flat[alias.field]), flat[alias.field]),
+                                              (f"--{alias.name}", from_alias[alias.field])])
     for field, switches in switched.items():
         target = [(flag_text(field, out[field]), out[field])] if field in out else []
         refuse_disagreement(field, target + switches)

@@ -676,7 +676,29 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         for k in (key, *inner):
             if not isinstance(k, str):
                 raise ConfigError(f"config file {str(p)!r} has the key {k!r}; keys are setting names such as d_model")
+    _check_placement(data, str(p))
     return data
+
+
+def _check_placement(data: dict[str, Any], shown: str) -> None:
+    """Each setting of a config file once, and under its own section when under one: flattened,
+    ``train: {d_model: 64}`` beside ``model: {d_model: 32}`` would silently take the later."""
+    index = field_index()
+    seen: dict[str, str] = {}
+    for key, value in data.items():
+        section = key.replace("-", "_")
+        if section in SECTIONS and isinstance(value, dict):
+            entries = [(k.replace("-", "_"), f"{section}:") for k in value]
+        else:
+            entries = [(section, "the top level")]
+        for name, where in entries:
+            home = index.get(name)
+            if home is not None and where.endswith(":") and where != f"{home}:":
+                raise ConfigError(f"config file {shown!r} has {name} under {where} but it is a {home} setting; "
+                                  f"move it under {home}:")
+            if name in seen:
+                raise ConfigError(f"config file {shown!r} sets {name} twice ({seen[name]} and {where}); keep one")
+            seen[name] = where
 
 
 def _parse_config_text(text: str, suffix: str) -> Any:
