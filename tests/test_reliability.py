@@ -180,12 +180,14 @@ def test_non_finite_loss_stops_the_run_and_writes_no_nan(tiny_run, capsys, monke
 
 # --------------------------------------------------------------------------- 4. torn results lines
 def test_bench_appends_after_a_torn_line_and_reports_partial(small_corpus, tmp_path, capsys):
-    from memtrain.bench.runner import BenchOptions, config_hash, resolve_rows
+    from memtrain.bench.runner import BenchOptions, bench_settings, config_hash, resolve_rows, settings_hash
 
     overrides = {**TINY_MODEL, "data": str(small_corpus), "steps": 2, "warmup_steps": 1, "batch_size": 2,
                  "seq_len": 32, "val_blocks": 2}
-    (name, cfg), = resolve_rows(BenchOptions(techniques=["baseline"], overrides=overrides))
+    opts = BenchOptions(techniques=["baseline"], overrides=overrides, maxbatch=False)
+    (name, cfg), = resolve_rows(opts)
     done = {"technique": "baseline", "status": "ok", "config_hash": config_hash(cfg.to_dict()),
+            "settings_hash": settings_hash(bench_settings(opts)),
             "config": cfg.to_dict(), "val_ppl": 10.0, "step_time_s": {"median": 0.01},
             "memory": {"peak_bytes": 1000}}
     out = tmp_path / "b"
@@ -197,7 +199,7 @@ def test_bench_appends_after_a_torn_line_and_reports_partial(small_corpus, tmp_p
     err = capsys.readouterr().err
     assert "skipped 2 unreadable line(s)" in err
     lines = (out / "results.jsonl").read_text().splitlines()
-    assert json.loads(lines[-1])["technique"] == "attention=flex"
+    assert len(lines) == 4 and json.loads(lines[-1])["technique"] == "attention=flex"
     assert json.loads(lines[1])["technique"] == "baseline" and lines[2] == '{"technique": "x", "stat'
 
 

@@ -1,7 +1,8 @@
 """Run a list of techniques, each in its own subprocess, appending results as they finish.
 
-Resumable: a row already in ``results.jsonl`` with status ok and the same resolved config is
-skipped (``force`` reruns it). After every row the report's tables (Markdown, CSV, JSON) are
+Resumable: a row already in ``results.jsonl`` with status ok, the same resolved config and the
+same bench settings (:func:`bench_settings`: what every row shares, the max-batch search among
+them) is skipped (``force`` reruns it). After every row the report's tables (Markdown, CSV, JSON) are
 rebuilt, so an interrupted bench still leaves a complete report of what finished; the plots are
 drawn by the caller (``memtrain bench`` draws them at the end and when interrupted;
 ``memtrain report DIR`` redraws everything).
@@ -24,7 +25,15 @@ from memtrain.bench.process import clean_stale_row_dirs, row_tmpdir, start_row, 
 from memtrain.bench.scales import SCALE_BUDGET, SCALE_MAX_BATCH, scale_overrides
 from memtrain.bench.technique_sets import describe, noise_twin, technique_overrides
 from memtrain.config.run import ConfigError, RunConfig, TechniqueConfig, build_config, flatten, parse_size
-from memtrain.files.results import FolderLock, append_result, read_results, remove_stale_temps, select_rows
+from memtrain.files.results import (
+    FolderLock,
+    append_result,
+    read_results,
+    remove_stale_temps,
+    row_settings,
+    rows_under,
+    select_rows,
+)
 from memtrain.report import write_report
 
 TECHNIQUE_KEYS = frozenset(f.name for f in fields(TechniqueConfig))
@@ -59,6 +68,32 @@ def config_hash(config: dict[str, Any]) -> str:
     c.get("train", {}).pop("out", None)
     c.get("train", {}).pop("progress", None)
     return hashlib.sha256(json.dumps(c, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def bench_settings(opts: BenchOptions) -> dict[str, Any]:
+    """What every row of the bench shares and that shapes its figures beside its own config: the
+    config the rows start from (scale, ``--config``, flags) before their names' settings, the
+    device type ``auto`` resolves to, the max-batch search asked for (None: ``--no-maxbatch``;
+    the Max Batch column), and the processes per row."""
+    from memtrain.runtime.env import resolve_device  # torch-free --help/estimate/plan
+
+    rows = resolve_rows(opts)  # the errors a bad list gets, before anything else
+    try:
+        base: Any = build_config(scale_overrides(opts.scale), opts.file_layer, opts.overrides).to_dict()
+        base["train"].pop("out", None)
+        base["train"].pop("progress", None)
+    except ConfigError:
+        # Valid only beside a row's own settings (a --config key that needs a technique): the
+        # layers as given name it.
+        base = [scale_overrides(opts.scale), opts.file_layer, opts.overrides]
+    return {"scale": opts.scale, "config": base, "device": resolve_device(rows[0][1].train.device).type,
+            "max_batch_search": _maxbatch_spec(opts, rows[0][1]), "nproc": opts.nproc}
+
+
+def settings_hash(settings: dict[str, Any]) -> str:
+    """Identity of :func:`bench_settings`: equal for every row of one bench, and for two benches
+    whose rows ran alike."""
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def resolve_rows(opts: BenchOptions) -> list[tuple[str, RunConfig]]:
@@ -208,6 +243,7 @@ def run_bench(opts: BenchOptions, on_row: Optional[Callable[[str, dict[str, Any]
     rows, optim_subs, optim_notes = adapt_compiled_optims(rows, device_type, opts.substitute_slow)
     rows, attention_subs, attention_notes = adapt_window_kernels(rows, device_type, opts.substitute_slow)
     rows, fp8_notes = adapt_fp8_rows(rows, caps, opts.substitute_slow)
+    settings = bench_settings(opts)
     # One bench per folder: a second one would run every row twice under contention and
     # interleave its appends with ours. Held until the last row is appended.
     with FolderLock(opts.out, "memtrain bench"):
@@ -215,18 +251,23 @@ def run_bench(opts: BenchOptions, on_row: Optional[Callable[[str, dict[str, Any]
         for note in notes + optim_notes + attention_notes + fp8_notes:
             print(f"warning: {note}", file=sys.stderr, flush=True)
         remove_stale_temps(opts.out)  # a report write of an earlier bench that was SIGKILL'd
-        return _run_rows(opts, rows, substituted, on_row, optim_subs, attention_subs)
+        return _run_rows(opts, rows, substituted, on_row, optim_subs, attention_subs, settings)
 
 
 def _run_rows(opts: BenchOptions, rows: list[tuple[str, RunConfig]], substituted: dict[str, Any],
               on_row: Optional[Callable[[str, dict[str, Any]], None]],
               optim_subs: Optional[dict[str, Any]] = None,
-              attention_subs: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
+              attention_subs: Optional[dict[str, Any]] = None,
+              settings: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
     clean_stale_row_dirs()  # scratch of an earlier bench that was SIGKILL'd
-    done = {} if opts.force else {
-        (r.get("technique"), r.get("config_hash")): r for r in read_results(opts.out) if r.get("status") == "ok"
-    }
-    keys = [(name, config_hash(cfg.to_dict())) for name, cfg in rows]
+    settings = settings if settings is not None else bench_settings(opts)
+    sid = settings_hash(settings)
+    # A row is done when it ran with the same config under the same bench settings; a row that
+    # records no settings_hash (row_settings: "unrecorded") never matches, so it runs again.
+    finished = [] if opts.force else [r for r in read_results(opts.out) if r.get("status") == "ok"]
+    done = {(r.get("technique"), r.get("config_hash"), row_settings(r)): r for r in finished}
+    earlier = {r.get("technique"): r for r in finished}
+    keys = [(name, config_hash(cfg.to_dict()), sid) for name, cfg in rows]
     eta = BenchEta(sum(k not in done for k in keys)) if opts.eta else None
     names = [n for n, _ in rows]
     searched: dict[str, dict[str, Any]] = {}  # trace_key -> a finished row's max-batch answer
@@ -235,6 +276,8 @@ def _run_rows(opts: BenchOptions, rows: list[tuple[str, RunConfig]], substituted
             if on_row:
                 on_row(name, {**done[key], "skipped": True})
             continue
+        if name in earlier:  # said before the row's minutes, not after
+            print(rerun_message(name, earlier[name], key, settings), file=sys.stderr, flush=True)
         tkey = trace_key(cfg)
         result = run_row_subprocess(name, cfg, opts, eta, known_max_batch=searched.get(tkey))
         found = result.get("max_batch")
@@ -245,7 +288,8 @@ def _run_rows(opts: BenchOptions, rows: list[tuple[str, RunConfig]], substituted
         # named_settings: what the row's name sets, so that the report tells them from settings
         # every row shares (a --config key, memtrain.report.tables.shared_technique_lines).
         result.update({"technique": name, "description": describe(name), "scale": opts.scale,
-                       "config_hash": key[1], "named_settings": sorted(technique_overrides(name, opts.scale))})
+                       "config_hash": key[1], "named_settings": sorted(technique_overrides(name, opts.scale)),
+                       "settings_hash": sid, "max_batch_search": settings["max_batch_search"], "nproc": opts.nproc})
         if name in substituted:
             result["substituted"] = substituted[name]
         if optim_subs and name in optim_subs:
@@ -258,4 +302,20 @@ def _run_rows(opts: BenchOptions, rows: list[tuple[str, RunConfig]], substituted
         # The tables after every row, so an interrupted bench keeps them; the plots (most of a
         # report's cost) are drawn once by the caller, at the end or on interruption.
         write_report(opts.out, techniques=names, plots=False)
-    return select_rows(read_results(opts.out), names)
+    return select_rows(rows_under(read_results(opts.out), sid), names)
+
+
+def rerun_message(name: str, row: dict[str, Any], key: tuple[str, str, str], settings: dict[str, Any]) -> str:
+    """Why ``name`` runs again although it finished before (``row``, its latest finished row;
+    ``key``: technique, config hash and settings hash of the row about to run; ``settings``:
+    :func:`bench_settings`): what changed, in a few words."""
+    if "settings_hash" not in row:
+        return f"[{name}] its earlier row does not record its bench settings; running it again"
+    what = []
+    if row.get("config_hash") != key[1]:
+        what.append("config")
+    if row.get("max_batch_search") != settings["max_batch_search"]:
+        what.append("max-batch search")
+    if row.get("nproc") != settings["nproc"]:
+        what.append("--nproc")
+    return f"[{name}] settings changed since its earlier row ({', '.join(what) or 'device or shared settings'}); running it again"

@@ -25,7 +25,8 @@ docs/reliability.md hold for every command alike:
   JSON uses (results, config files, checkpoint metadata, JSON data files): the nesting is
   measured by a cheap scan before any parser recurses into it.
 - :func:`read_results_counted` / :func:`append_result` / :func:`select_rows`: the bench's
-  ``results.jsonl`` store, read by the bench runner and by ``memtrain report`` alike.
+  ``results.jsonl`` store, read by the bench runner and by ``memtrain report`` alike;
+  :func:`row_settings` names the bench settings a row ran under (its resume key has them).
 - :class:`FolderLock`: ``fcntl.flock`` on a lock file inside an output folder; a second
   holder is refused at once with a :class:`~memtrain.config.run.ConfigError` (exit 2). The kernel
   drops the lock when its process dies, so a killed run never leaves the folder locked.
@@ -682,6 +683,7 @@ _CONFIG_KEYS = {"model": ("d_model", "n_layers", "n_heads", "d_ff", "vocab_size"
 # the report's header): when present, each must have this type.
 _OPTIONAL_TYPES: dict[str, type | tuple[type, ...]] = {
     "config_hash": str, "description": (str, type(None)), "env": dict, "device_caps": (dict, type(None)),
+    "settings_hash": str, "max_batch_search": (dict, type(None)),
 }
 
 
@@ -769,3 +771,26 @@ def select_rows(all_rows: list[dict[str, Any]], techniques: Optional[list[str]] 
             latest[technique] = r
     order = techniques or list(latest)
     return [latest[t] for t in order if t in latest]
+
+
+# The settings id of rows that record none (``settings_hash``): written before the bench recorded
+# it, they cannot be told apart by their settings and are reported as one group.
+UNRECORDED_SETTINGS = "unrecorded"
+
+
+# What the bench writes as settings_hash (hex digits); anything else is a hand edit.
+_SETTINGS_ID = re.compile(r"[0-9a-f]{1,64}")
+
+
+def row_settings(row: dict[str, Any]) -> str:
+    """The id of the settings a bench row ran under (what every row of its bench shared: the
+    model, data and training settings, the max-batch search, the device, ...): its
+    ``settings_hash``, or :data:`UNRECORDED_SETTINGS` (also for one that is not hex digits,
+    which the report and an error line would otherwise print as given)."""
+    value = row.get("settings_hash")
+    return value if isinstance(value, str) and _SETTINGS_ID.fullmatch(value) else UNRECORDED_SETTINGS
+
+
+def rows_under(all_rows: list[dict[str, Any]], settings: Optional[str]) -> list[dict[str, Any]]:
+    """The rows that ran under ``settings``, in file order."""
+    return [r for r in all_rows if row_settings(r) == settings]

@@ -1,0 +1,101 @@
+"""A bench row counts as done only under the settings it ran with: `memtrain bench` resumes by
+each row's config and ``settings_hash`` (the model, data and training settings every row of a
+bench shares, the max-batch search, the device, the processes per row)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import memtrain.bench.device_rows as device_rows
+import memtrain.bench.runner as runner
+from conftest import TINY_MODEL
+from memtrain.bench.runner import BenchOptions, bench_settings, run_bench, settings_hash
+from memtrain.files.results import UNRECORDED_SETTINGS, append_result, read_results, row_settings
+
+SHAPE = {**TINY_MODEL, "seq_len": 32, "val_blocks": 2, "device": "cpu", "progress": False}
+
+
+def _fake_row(name: str, cfg: Any, opts: BenchOptions, eta: Any = None, known_max_batch: Any = None) -> dict:
+    """What a finished row's process returns, without running it (the resume key and the report
+    read only these parts): its Max Batch found when the bench asked for a search."""
+    spec = runner._maxbatch_spec(opts, cfg)
+    return {"status": "ok", "config": cfg.to_dict(), "val_ppl": 100.0, "val_loss": 4.6,
+            "step_time_s": {"median": 0.1, "p10": 0.1, "p90": 0.1}, "tokens_per_s": 100.0,
+            "memory": {"peak_bytes": 2**20, "by_category": {}}, "env": {"device": "cpu"},
+            "max_batch": {"batch_size": 4, "budget_bytes": spec["budget_bytes"]} if spec else None}
+
+
+@pytest.fixture
+def fake_rows(monkeypatch):
+    """Rows that finish at once: no subprocess, no device probe."""
+    monkeypatch.setattr(runner, "run_row_subprocess", _fake_row)
+    monkeypatch.setattr(device_rows, "runner_caps", lambda device, cfg=None: None)
+
+
+def _opts(out: Path, **kw: Any) -> BenchOptions:
+    overrides = {**SHAPE, "steps": 2, "batch_size": 2, **kw.pop("overrides", {})}
+    return BenchOptions(**{"techniques": ["baseline"], "out": out, "overrides": overrides, "maxbatch": False,
+                           "progress": False, "eta": False, **kw})
+
+
+def _ran(opts: BenchOptions) -> list[bool]:
+    """Which rows of ``opts`` ran (False: found done)."""
+    seen: list[bool] = []
+    run_bench(opts, on_row=lambda name, row: seen.append(not row.get("skipped")))
+    return seen
+
+
+def test_a_max_batch_search_asked_later_runs_the_row_again(fake_rows, tmp_path, capsys):
+    """A row benched with --no-maxbatch was "already done" when the same bench asked for the
+    search, and its Max Batch stayed n/a."""
+    out = tmp_path / "b"
+    assert _ran(_opts(out)) == [True]
+    searched = _opts(out, maxbatch=True, memory_budget="100MiB", max_batch=16)
+    capsys.readouterr()
+    assert _ran(searched) == [True]
+    assert "[baseline] settings changed since its earlier row (max-batch search); running it again" \
+        in capsys.readouterr().err
+    assert "| Baseline (TF32/FP32) | 4 |" in (out / "report.md").read_text()
+    assert _ran(searched) == [False]  # the same settings again: done
+    # Every search setting is part of the row's settings, and so are the processes per row.
+    assert _ran(_opts(out, maxbatch=True, memory_budget="200MiB", max_batch=16)) == [True]
+    assert _ran(_opts(out, maxbatch=True, memory_budget="200MiB", max_batch=8)) == [True]
+    assert _ran(_opts(out, maxbatch=True, memory_budget="200MiB", max_batch=8, multiple_of=2)) == [True]
+    assert _ran(_opts(out)) == [False]  # the first bench's row still counts for its settings
+    rows = read_results(out)
+    assert len(rows) == 5 and all(len(row_settings(r)) == 16 for r in rows)
+    assert rows[1]["max_batch_search"] == {"budget_bytes": 100 * 2**20, "max_batch": 16, "multiple_of": 1}
+    assert rows[0]["max_batch_search"] is None and rows[0]["nproc"] == 1
+    assert settings_hash(bench_settings(_opts(out, nproc=2))) != settings_hash(bench_settings(_opts(out)))
+
+
+def test_the_same_settings_spelled_otherwise_are_the_same(tmp_path):
+    """The settings are what the rows run with, not how they were asked for."""
+    plain = settings_hash(bench_settings(_opts(tmp_path, maxbatch=True, memory_budget="1GiB")))
+    assert settings_hash(bench_settings(_opts(tmp_path, maxbatch=True, memory_budget=str(2**30)))) == plain
+    # On a CPU the search's budget is 1 GiB unless the scale sets one (SCALE_BUDGET).
+    assert settings_hash(bench_settings(_opts(tmp_path, maxbatch=True, scale="seed"))) == \
+        settings_hash(bench_settings(_opts(tmp_path, maxbatch=True, scale="seed", memory_budget="1GiB")))
+    # Which rows a bench lists is not one of its settings: a row added later joins the others.
+    assert settings_hash(bench_settings(_opts(tmp_path, techniques=["baseline", "bf16"]))) == \
+        settings_hash(bench_settings(_opts(tmp_path)))
+    assert settings_hash(bench_settings(_opts(tmp_path, overrides={"steps": 3}))) != \
+        settings_hash(bench_settings(_opts(tmp_path)))
+
+
+def test_a_row_that_records_no_settings_runs_again(fake_rows, tmp_path, capsys):
+    """Rows written before settings_hash existed are read (the report shows them) but never
+    count as done: which search or budget they ran with is unknown."""
+    out = tmp_path / "b"
+    opts = _opts(out)
+    (_, cfg), = runner.resolve_rows(opts)
+    old = {**_fake_row("baseline", cfg, opts), "technique": "baseline", "config_hash": runner.config_hash(cfg.to_dict())}
+    append_result(out, old)
+    assert row_settings(read_results(out)[0]) == UNRECORDED_SETTINGS
+    assert _ran(opts) == [True]
+    assert "[baseline] its earlier row does not record its bench settings; running it again" in capsys.readouterr().err
+    assert _ran(opts) == [False]
+    assert len(read_results(out)) == 2
