@@ -1,9 +1,11 @@
-"""A bench row counts as done only under the settings it ran with: `memtrain bench` resumes by
-each row's config and ``settings_hash`` (the model, data and training settings every row of a
-bench shares, the max-batch search, the device, the processes per row)."""
+"""A bench row counts as done only under the settings it ran with, and a report never compares
+rows run under different settings: `memtrain bench` resumes and `memtrain report` groups by
+each row's ``settings_hash`` (the model, data and training settings every row of a bench
+shares, the max-batch search, the device, the processes per row)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +13,11 @@ import pytest
 
 import memtrain.bench.device_rows as device_rows
 import memtrain.bench.runner as runner
-from conftest import TINY_MODEL
+from conftest import TINY_MODEL, cli_flags
 from memtrain.bench.runner import BenchOptions, bench_settings, run_bench, settings_hash
+from memtrain.cli import main
 from memtrain.files.results import UNRECORDED_SETTINGS, append_result, read_results, row_settings
+from memtrain.report import write_report
 
 SHAPE = {**TINY_MODEL, "seq_len": 32, "val_blocks": 2, "device": "cpu", "progress": False}
 
@@ -99,3 +103,90 @@ def test_a_row_that_records_no_settings_runs_again(fake_rows, tmp_path, capsys):
     assert "[baseline] its earlier row does not record its bench settings; running it again" in capsys.readouterr().err
     assert _ran(opts) == [False]
     assert len(read_results(out)) == 2
+
+
+def test_a_bench_reports_its_own_rows_not_a_later_benchs(fake_rows, tmp_path, capsys):
+    """A row found done under this bench's settings is the one its report and its return show,
+    even when a later bench ran the same technique otherwise."""
+    out = tmp_path / "b"
+    first, second = _opts(out), _opts(out, overrides={"batch_size": 4})
+    _ran(first), _ran(second)
+    (row,) = run_bench(first)
+    assert "skipped" not in row and row["config"]["train"]["batch_size"] == 2
+    bench = ["bench", "--techniques", "baseline", "--out", str(out), "--no-maxbatch"]
+    assert main([*bench, *cli_flags({**SHAPE, "steps": 2, "batch_size": 2})]) == 0
+    assert "[baseline] already done" in capsys.readouterr().err
+    assert "batch 2 x seq 32" in (out / "report.md").read_text()
+    assert len(read_results(out)) == 2
+
+
+def _two_benches(out: Path) -> tuple[str, str]:
+    """B's folder: baseline and chunked-loss at batch 2 for 2 steps, then baseline alone at batch
+    4 for 3 steps; the two settings ids."""
+    assert main(["bench", "--techniques", "baseline,chunked-loss", "--out", str(out), "--no-maxbatch",
+                 *cli_flags({**SHAPE, "steps": 2, "batch_size": 2})]) == 0
+    assert main(["bench", "--techniques", "baseline", "--out", str(out), "--no-maxbatch",
+                 *cli_flags({**SHAPE, "steps": 3, "batch_size": 4})]) == 0
+    rows = read_results(out)
+    return row_settings(rows[0]), row_settings(rows[-1])
+
+
+def test_report_never_mixes_rows_of_different_settings(fake_rows, tmp_path, capsys):
+    """`memtrain report` showed the second bench's header ("batch 4 x seq 32, 3 steps") over a
+    chunked-loss row run at batch 2 for 2 steps, and recommended between them; the second
+    bench's own report showed baseline alone."""
+    out = tmp_path / "b"
+    old, new = _two_benches(out)
+    assert old != new
+    bench_md = (out / "report.md").read_text()
+    capsys.readouterr()
+    assert main(["report", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    assert md == bench_md  # `report DIR` agrees with what the bench wrote
+    assert "batch 4 x seq 32, 3 steps" in md and "Chunked LM-head loss" not in md
+    assert md.count("| Baseline (TF32/FP32) |") == 2  # the main table and the breakdown: one row
+    assert (f"**Other settings**: results.jsonl also holds 2 rows run under other settings, not compared here: "
+            f"settings `{old}` (baseline, chunked-loss). `memtrain report {out} --settings ID` reports those of "
+            "settings ID.") in md
+    report = json.loads((out / "report.json").read_text())
+    assert report["settings"] == new and report["other_settings"] == [
+        {"settings": old, "techniques": ["baseline", "chunked-loss"]}]
+    assert [r["technique"] for r in report["rows"]] == ["baseline"]
+    # The older rows, on request: their own header, and the newer row named instead.
+    assert main(["report", str(out), "--settings", old]) == 0
+    md = (out / "report.md").read_text()
+    assert "batch 2 x seq 32, 2 steps" in md and "Chunked LM-head loss" in md
+    assert f"settings `{new}` (baseline)" in md
+    assert [r["batch_size"] for r in json.loads((out / "report.json").read_text())["rows"]] == [2, 2]
+
+
+def test_report_of_unknown_settings_is_one_error_line(fake_rows, tmp_path, capsys):
+    out = tmp_path / "b"
+    old, new = _two_benches(out)
+    before = (out / "report.md").read_text()
+    capsys.readouterr()
+    assert main(["report", str(out), "--settings", "0123"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --settings 0123: no row of {out}/results.jsonl ran under these settings; "
+                   f"it holds {new}, {old}"]
+    assert (out / "report.md").read_text() == before  # nothing rewritten
+
+
+def test_rows_without_settings_are_one_group_and_their_report_is_unchanged(tmp_path):
+    """A folder whose rows all predate settings_hash reports as it did (tests/data's golden
+    report covers the text); beside newer rows they are the settings "unrecorded"."""
+    data = Path(__file__).parent / "data" / "bench_results.jsonl"
+    (tmp_path / "results.jsonl").write_text(data.read_text())
+    summary = write_report(tmp_path, plots=False)
+    assert summary["other_settings"] == [] and summary["settings"] == UNRECORDED_SETTINGS
+    alone = (tmp_path / "report.md").read_text()
+    assert "Other settings" not in alone and "settings" not in json.loads((tmp_path / "report.json").read_text())
+    assert row_settings({"settings_hash": "\x1b[2J"}) == UNRECORDED_SETTINGS  # printed nowhere as given
+    newer = {**read_results(tmp_path)[0], "settings_hash": "0" * 16}
+    append_result(tmp_path, newer)
+    summary = write_report(tmp_path, plots=False)
+    assert summary["rows"] == 1 and summary["other_settings"][0][0] == UNRECORDED_SETTINGS
+    assert write_report(tmp_path, plots=False, settings=UNRECORDED_SETTINGS)["rows"] == len(summary["other_settings"][0][1])
+    assert (tmp_path / "report.md").read_text().replace(
+        f"**Other settings**: results.jsonl also holds 1 row run under other settings, not compared here: settings "
+        f"`{'0' * 16}` (baseline). `memtrain report {tmp_path} --settings ID` reports those of settings ID.\n\n", "") == alone

@@ -8,7 +8,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Optional
 
-from memtrain.bench.runner import BenchOptions, run_bench
+from memtrain.bench.runner import BenchOptions, bench_settings, run_bench, settings_hash
 from memtrain.bench.scales import DEFAULT_SCALE, SCALE_BUDGET, SCALES, scale_overrides
 from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, NOISE_ROWS, TECHNIQUES, default_techniques, noise_twin
 from memtrain.cli import add_config_flags, fmt_bytes, register
@@ -168,15 +168,18 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"[{name}] {row.get('status')}: {row.get('error')}", file=sys.stderr)
 
+    # The report shows this bench's rows: those run (or found done) under its settings, never
+    # a row of the same technique that an earlier bench ran otherwise.
+    settings = settings_hash(bench_settings(opts))
     try:
         with sigterm_as_interrupt():  # `kill`, systemd, a job scheduler: stop like Ctrl-C
             rows = run_bench(opts, on_row=on_row)
     except KeyboardInterrupt:
-        summary = write_report(opts.out, techniques=opts.techniques)
+        summary = write_report(opts.out, techniques=opts.techniques, settings=settings)
         warn_skipped_lines(opts.out, summary)
         print(f"error: interrupted; partial report of {summary['rows']} row(s) in {opts.out}/report.md", file=sys.stderr)
         return 130
-    summary = write_report(opts.out, techniques=opts.techniques)
+    summary = write_report(opts.out, techniques=opts.techniques, settings=settings)
     print((opts.out / "report.md").read_text())
     print(f"wrote {opts.out}/results.jsonl, report.md, report.csv, report.json and {len(summary['plots'])} plots")
     warn_skipped_lines(opts.out, summary)

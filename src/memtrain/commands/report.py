@@ -9,12 +9,17 @@ from memtrain.cli import register
 from memtrain.commands.bench import warn_skipped_lines
 from memtrain.config.argtypes import user_path
 from memtrain.config.run import ConfigError
-from memtrain.files.results import read_results_counted
+from memtrain.files.results import read_results_counted, row_settings
 from memtrain.report import write_report
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", type=user_path, help="A bench results folder (holding results.jsonl).")
+    p.add_argument("--settings", default=None, metavar="ID",
+                   help="Report the rows run under these bench settings (an ID the report names when "
+                   "results.jsonl holds rows of several benches run otherwise; 'unrecorded': rows that "
+                   "record none). Default: the settings of the row appended last. A report never "
+                   "compares rows run under different settings.")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,11 +31,22 @@ def run(args: argparse.Namespace) -> int:
     if not read.rows:
         skipped = f" ({read.skipped} unreadable line(s) skipped)" if read.skipped else ""
         raise ConfigError(f"{out}/results.jsonl holds no rows{skipped}; run memtrain bench first")
-    summary = write_report(out, read=read)
+    if args.settings is not None:
+        check_settings(out, read.rows, args.settings)
+    summary = write_report(out, read=read, settings=args.settings)
     print((out / "report.md").read_text())
     warn_skipped_lines(out, summary)
     print(f"wrote {out}/report.md, report.csv, report.json and {len(summary['plots'])} plots")
     return 0
+
+
+def check_settings(out: Path, rows: list[dict], settings: str) -> None:
+    """Refuse a --settings ID that no row of ``out`` ran under, naming the ones there are."""
+    known = list(dict.fromkeys(row_settings(r) for r in reversed(rows)))  # the latest first
+    if settings not in known:
+        shown = ", ".join(known[:5]) + (f" and {len(known) - 5} more" if len(known) > 5 else "")
+        raise ConfigError(f"--settings {settings}: no row of {out}/results.jsonl ran under these settings; "
+                          f"it holds {shown}")
 
 
 register("report", "Rebuild the bench tables and plots from a results folder.", add_args, run)

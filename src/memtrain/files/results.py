@@ -25,8 +25,9 @@ docs/reliability.md hold for every command alike:
   JSON uses (results, config files, checkpoint metadata, JSON data files): the nesting is
   measured by a cheap scan before any parser recurses into it.
 - :func:`read_results_counted` / :func:`append_result` / :func:`select_rows`: the bench's
-  ``results.jsonl`` store, read by the bench runner and by ``memtrain report`` alike;
-  :func:`row_settings` names the bench settings a row ran under (its resume key has them).
+  ``results.jsonl`` store, read by the bench runner and by ``memtrain report`` alike; a row's
+  :func:`row_settings` groups it with the rows run under the same settings (a report compares
+  only those).
 - :class:`FolderLock`: ``fcntl.flock`` on a lock file inside an output folder; a second
   holder is refused at once with a :class:`~memtrain.config.run.ConfigError` (exit 2). The kernel
   drops the lock when its process dies, so a killed run never leaves the folder locked.
@@ -791,6 +792,25 @@ def row_settings(row: dict[str, Any]) -> str:
     return value if isinstance(value, str) and _SETTINGS_ID.fullmatch(value) else UNRECORDED_SETTINGS
 
 
+def latest_settings(all_rows: list[dict[str, Any]]) -> Optional[str]:
+    """The settings of the row appended last (None when there is none)."""
+    return row_settings(all_rows[-1]) if all_rows else None
+
+
 def rows_under(all_rows: list[dict[str, Any]], settings: Optional[str]) -> list[dict[str, Any]]:
     """The rows that ran under ``settings``, in file order."""
     return [r for r in all_rows if row_settings(r) == settings]
+
+
+def other_settings(all_rows: list[dict[str, Any]], settings: Optional[str]) -> list[tuple[str, list[str]]]:
+    """Every other settings id of ``all_rows`` with its techniques (the latest row of each), the
+    group appended last first."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    last: dict[str, int] = {}
+    for i, r in enumerate(all_rows):
+        sid = row_settings(r)
+        if sid != settings:
+            groups.setdefault(sid, []).append(r)
+            last[sid] = i
+    newest_first = sorted(groups, key=last.__getitem__, reverse=True)
+    return [(sid, [str(r.get("technique")) for r in select_rows(groups[sid])]) for sid in newest_first]

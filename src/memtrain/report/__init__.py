@@ -1,7 +1,8 @@
 """Reports from bench results: tables (Markdown, CSV, JSON) and plots (PNG).
 
 ``write_report(out)`` rebuilds everything from ``out/results.jsonl``; ``memtrain report DIR``
-calls it.
+calls it. A report compares rows run under one set of bench settings (``settings_hash``): by
+default those of the row appended last; rows under other settings are left out and named.
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ from memtrain.files.results import (
     REPORT_FILES,
     JsonlRead,
     dumps,
+    latest_settings,
+    other_settings,
     read_results_counted,
     refuse_odd_destination,
+    rows_under,
     select_rows,
     write_text_atomic,
 )
@@ -24,24 +28,33 @@ from memtrain.report.tables import csv_text, markdown_report, table_rows
 
 
 def write_report(out: Path, techniques: Optional[list[str]] = None, plots: bool = True,
-                 read: Optional[JsonlRead] = None) -> dict[str, Any]:
+                 read: Optional[JsonlRead] = None, settings: Optional[str] = None) -> dict[str, Any]:
     """Write report.md, report.csv, report.json and (``plots``) PNG plots into ``out``; return a
     summary. The plots are most of the cost (matplotlib's savefig, ~1.5 s): the bench redraws
     them once at its end rather than after every row. Every file is replaced atomically; a
     link (or a folder, device, FIFO) at any of their names is refused before any is written.
-    ``read``: the rows of results.jsonl already read (and checked) by the caller."""
+    ``read``: the rows of results.jsonl already read (and checked) by the caller. ``settings``:
+    the settings id whose rows are reported (:func:`~memtrain.files.results.row_settings`;
+    default: those of the row appended last); the others are counted in one line."""
     out = Path(out)
     for name in REPORT_FILES + (PLOT_FILES if plots else ()):
         refuse_odd_destination(out / name, f"{str(out / name)!r}")
     if read is None:
         read = read_results_counted(out)
-    rows = select_rows(read.rows, techniques)
+    chosen = settings if settings is not None else latest_settings(read.rows)
+    rows = select_rows(rows_under(read.rows, chosen), techniques)
+    other = other_settings(read.rows, chosen)
     present = {r.get("technique") for r in rows}
     missing = [t for t in (techniques or []) if t not in present]
     records = table_rows(rows)
     md, csv, js = REPORT_FILES
-    write_text_atomic(out / md, markdown_report(rows, missing) + "\n")
+    write_text_atomic(out / md, markdown_report(rows, missing, other=other, folder=str(out)) + "\n")
     write_text_atomic(out / csv, csv_text(records))
-    write_text_atomic(out / js, dumps({"partial": bool(missing), "missing": missing, "rows": records}, indent=2) + "\n")
+    summary: dict[str, Any] = {"partial": bool(missing), "missing": missing, "rows": records}
+    if other:  # only then is there a choice of settings to name
+        summary = {"settings": chosen, "other_settings": [{"settings": sid, "techniques": t} for sid, t in other],
+                   **summary}
+    write_text_atomic(out / js, dumps(summary, indent=2) + "\n")
     drawn = write_plots(records, out) if plots else []
-    return {"rows": len(rows), "missing": missing, "plots": [str(p) for p in drawn], "skipped_lines": read.skipped}
+    return {"rows": len(rows), "missing": missing, "plots": [str(p) for p in drawn], "skipped_lines": read.skipped,
+            "settings": chosen, "other_settings": other}

@@ -218,9 +218,12 @@ def csv_text(records: list[dict[str, Any]]) -> str:
     return buf.getvalue()
 
 
-def markdown_report(rows: list[dict[str, Any]], missing: list[str], header: Callable[[], str] | None = None) -> str:
+def markdown_report(rows: list[dict[str, Any]], missing: list[str], header: Callable[[], str] | None = None,
+                    other: Optional[list[tuple[str, list[str]]]] = None, folder: str = "DIR") -> str:
     """The whole report.md: settings, main table, memory breakdown, failures, provenance.
-    Every string from the rows is shown as literal text (:func:`markdown_safe`)."""
+    Every string from the rows is shown as literal text (:func:`markdown_safe`). ``rows`` ran
+    under one set of bench settings; ``other``: the other settings of the results folder
+    ``folder`` with their techniques (:func:`memtrain.files.results.other_settings`), named in one line."""
     raw_first_ok = next((r for r in rows if r.get("status") == "ok"), None)
     rows, missing = markdown_safe(rows), [md_text(m) for m in missing]
     records = table_rows(rows)
@@ -228,6 +231,7 @@ def markdown_report(rows: list[dict[str, Any]], missing: list[str], header: Call
     if missing:
         parts += [f"**Partial**: {len(missing)} of {len(missing) + len(rows)} techniques have no result yet "
                   f"({', '.join(missing)}).", ""]
+    parts += other_settings_lines(other or [], folder)
     first_ok = next((r for r in rows if r.get("status") == "ok"), None)
     if first_ok is not None and raw_first_ok is not None:
         t = first_ok["config"]["train"]
@@ -286,6 +290,26 @@ def markdown_report(rows: list[dict[str, Any]], missing: list[str], header: Call
         parts += [f"Max-batch budget: {', '.join(f'{b / GIB:.2f} GiB' for b in sorted(budgets))} (tracked meter).", ""]
     parts += recommendation(records, rows, min(budgets) if budgets else None)
     return "\n".join(parts)
+
+
+# Settings named one by one in the report's line about rows under other settings; report.json lists all.
+MAX_OTHER_SETTINGS = 3
+
+
+def other_settings_lines(other: list[tuple[str, list[str]]], folder: str) -> list[str]:
+    """The line saying that ``folder``'s results.jsonl holds rows run under other settings, which
+    the report leaves out (a table compares rows run alike), and how to report them; none when
+    there are none."""
+    if not other:
+        return []
+    count = sum(len(techniques) for _, techniques in other)
+    named = "; ".join(f"{md_code(sid)} ({', '.join(md_text(t) for t in techniques)})"
+                      for sid, techniques in other[:MAX_OTHER_SETTINGS])
+    more = (f"; {len(other) - MAX_OTHER_SETTINGS} more (report.json lists them)"
+            if len(other) > MAX_OTHER_SETTINGS else "")
+    return [f"**Other settings**: results.jsonl also holds {count} row{'s' if count != 1 else ''} run under other "
+            f"settings, not compared here: settings {named}{more}. "
+            f"{md_code(f'memtrain report {folder} --settings ID')} reports those of settings ID.", ""]
 
 
 def module_lines(rows: list[dict[str, Any]]) -> list[str]:
