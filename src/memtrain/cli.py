@@ -303,27 +303,22 @@ def _refuse_ignored_model_flags(cfg: RunConfig, given: dict[str, Any]) -> None:
     if spec is None:
         return
     model_fields = {f.name for f in fields(ModelConfig)} - {"model"}
-    if not is_gpt_preset(spec):
-        # A transformers model's layer code decides its biases and its embedding rows: memtrain's
-        # GPT-only settings would be recorded in result.json (and counted by estimate) but never built.
-        for name in sorted(set(GPT_ONLY_MODEL_FIELDS) & set(given)):
-            built = getattr(cfg.model, name)  # the model's own (models.spec.mirrored_fields)
-            try:
-                same = type(built)(given[name]) == built
-            except (TypeError, ValueError):
-                same = False
-            if not same:
-                raise ConfigError(f"{_shown_flag(name, given[name])}: --model {spec} is a transformers model, which "
-                                  f"{GPT_ONLY_MODEL_FIELDS[name]}; drop the flag")
+    transformers_model = not is_gpt_preset(spec)
     for name in sorted(model_fields & set(given)):
-        current = getattr(cfg.model, name)
+        current = getattr(cfg.model, name)  # the model's own (models.spec.model_fields)
         try:
             same = type(current)(given[name]) == current
         except (TypeError, ValueError):
             same = False
-        if not same:
-            raise ConfigError(f"--{name.replace('_', '-')} {given[name]}: --model {spec} sets {name} from its own "
-                              f"config ({current}); drop the flag, or change it in a copy of the model's config")
+        if same:
+            continue
+        if transformers_model and name in GPT_ONLY_MODEL_FIELDS:
+            # A transformers model's layer code decides its biases and its embedding rows: memtrain's
+            # GPT-only settings would be recorded in result.json (and counted by estimate) but never built.
+            raise ConfigError(f"{_shown_flag(name, given[name])}: --model {spec} is a transformers model, which "
+                              f"{GPT_ONLY_MODEL_FIELDS[name]}; drop the flag")
+        raise ConfigError(f"--{name.replace('_', '-')} {given[name]}: --model {spec} sets {name} from its own "
+                          f"config ({current}); drop the flag, or change it in a copy of the model's config")
 
 
 def _refuse_flags_of_an_unused_technique(cfg: RunConfig, given: dict[str, Any]) -> None:
