@@ -65,6 +65,25 @@ def test_plan_warns_when_results_hold_no_rows(tmp_path, capsys, content, said):
     assert json.loads(captured.out)["candidates"]  # the plan itself stands
 
 
+def test_plan_measures_effects_only_on_the_last_benchs_rows(tmp_path, capsys):
+    """Rows a bench ran under other settings (another batch, other steps) are no measure of the
+    same change: plan reads the last bench's rows, as `memtrain report` does, and says how many
+    it left out. Here an older bench's adamw-4bit row would have given the 4-bit candidates an
+    effect; the last bench has no such row."""
+    if not (RESULTS / "results.jsonl").is_file():
+        pytest.skip("recorded bench results not in this checkout")
+    rows = [json.loads(line) for line in (RESULTS / "results.jsonl").read_text().splitlines() if line.strip()]
+    older = [{**r, "settings_hash": "0a"} for r in rows]
+    last = [{**r, "settings_hash": "0b"} for r in rows if "4bit" not in str(r.get("config", {}).get("technique", {}).get("optim"))]
+    assert len(last) < len(older)
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in older + last))
+    assert main([*ARGS, "--precisions", "bf16", "--memory-budget", "450MiB", "--results", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    four_bit = [c for c in json.loads(captured.out)["candidates"] if c["techniques"]["optim"] == "adamw-4bit"]
+    assert four_bit and all(c["measured_ppl_effect"] is None for c in four_bit)
+    assert f"holds {len(older)} row(s) a bench ran under other settings" in captured.err
+
+
 def _judged_argv(results: Path) -> list[str]:
     """plan of BF16 AdamW against Adafactor, reading the bench results in ``results``."""
     return ["plan", "--device", "cpu", "--precisions", "bf16", "--optims", "adamw,adafactor",

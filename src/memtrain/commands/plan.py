@@ -29,7 +29,7 @@ from memtrain.commands.estimate import (
 from memtrain.config.argtypes import batch_count, positive_int, user_path
 from memtrain.config.run import ConfigError, parse_size
 from memtrain.devices.numerics import is_standard, numerics_key, numerics_note
-from memtrain.files.results import read_results_counted
+from memtrain.files.results import latest_settings, read_results_counted, rows_under
 from memtrain.report.noise import (
     FACTOR,
     fmt_noise,
@@ -274,17 +274,26 @@ def _measured_effects(results_dir: str, techs: list[dict]) -> tuple[list[Optiona
 
 
 def _bench_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows of ``path``/results.jsonl. A file without rows (empty, or only unreadable lines)
-    or with unreadable lines is said in one warning: the plan stands without measured effects,
-    but a silent empty column would read as "nothing measured differs"."""
+    """The rows of ``path``/results.jsonl that the last bench there ran (those under its settings,
+    as ``memtrain report`` takes them; one note counts the others). A file without rows (empty,
+    or only unreadable lines) or with unreadable lines is said in one warning: the plan stands
+    without measured effects, but a silent empty column would read as "nothing measured differs"."""
     read = read_results_counted(path)
     if not read.rows:
         skipped = f" ({read.skipped} unreadable line(s) skipped)" if read.skipped else ""
         print(f"warning: {path}/results.jsonl holds no rows{skipped}; the plan shows no measured PPL effect",
               file=sys.stderr)
-    else:
-        warn_skipped_lines(path, {"skipped_lines": read.skipped})
-    return read.rows
+        return read.rows
+    warn_skipped_lines(path, {"skipped_lines": read.skipped})
+    # One bench's rows, as `memtrain report` compares them: a row another bench ran under other
+    # settings (batch, steps, data) is no measure of the same change.
+    chosen = latest_settings(read.rows)
+    rows = rows_under(read.rows, chosen)
+    if len(rows) < len(read.rows):
+        print(f"note: {path}/results.jsonl holds {len(read.rows) - len(rows)} row(s) a bench ran under other settings; "
+              f"the measured effects are the last bench's ({len(rows)} row(s); `memtrain report {path}` names the "
+              "others)", file=sys.stderr)
+    return rows
 
 
 def _measured_text(effect: Optional[float], beyond: Optional[bool], rel_noise: Optional[float]) -> str:
