@@ -79,6 +79,32 @@ def test_a_config_file_cannot_change_a_presets_own_technique():
         resolve_rows(BenchOptions(techniques=["precision=bf16"], file_layer=file_layer))
 
 
+def test_a_warmup_longer_than_the_run_is_refused_as_train_refuses_it(tmp_path, capsys):
+    out = tmp_path / "b"
+    flags = ["--steps", "2", "--warmup-steps", "5", "--no-maxbatch", "--techniques", "baseline", "--out", str(out)]
+    assert main(["bench", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--warmup-steps 5 is longer than --steps 2" in err
+    assert not out.exists()
+    # A warm-up named in a --config file or by the Trainer's ratio is the user's too.
+    with pytest.raises(ConfigError, match="--warmup-steps 9 is longer than --steps 3"):
+        resolve_rows(BenchOptions(techniques=["baseline"], file_layer={"train": {"steps": 3, "warmup_steps": 9}}))
+    (_, row), = resolve_rows(BenchOptions(techniques=["baseline"], overrides={"steps": 4, "warmup_ratio": 0.5}))
+    assert row.train.warmup_steps == 2
+
+
+@pytest.mark.parametrize("scale, steps, warmup", [
+    ("quick", 2, 1), ("quick", 3, 1), ("quick", 5, 5), ("quick", 100, 5), ("seed", 100, 10), ("seed", 300, 200),
+])
+def test_a_scales_warmup_fits_the_asked_steps(scale, steps, warmup):
+    # The quick scale's 5 warm-up steps under --steps 2 left every row short of --lr; a scale's
+    # warm-up that fits is kept, one that does not follows train's default (10% of the steps).
+    (_, row), = resolve_rows(BenchOptions(techniques=["baseline"], scale=scale, overrides={"steps": steps}))
+    assert row.train.warmup_steps == warmup <= row.train.steps
+    (_, row), = resolve_rows(BenchOptions(techniques=["baseline"], scale=scale, file_layer={"train": {"steps": steps}}))
+    assert row.train.warmup_steps == warmup
+
+
 def test_bench_rows_resume_and_failures(small_corpus, tmp_path):
     """Two real rows in subprocesses, one that cannot run; rerun skips what finished."""
     overrides = {**TINY_MODEL, "data": str(small_corpus), "steps": 3, "warmup_steps": 1, "batch_size": 2,

@@ -44,6 +44,7 @@ from memtrain.config.run import (
     field_index,
     flatten,
     load_config_file,
+    refuse_long_warmup,
 )
 from memtrain.distributed.rank_errors import begin_command, error_line, launch_env, launched_by_memtrain, say_error
 from memtrain.errors import denied_access, is_out_of_memory, one_line
@@ -267,11 +268,8 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = 
     given = _given_settings([file_layer, flags])
     _refuse_ignored_model_flags(cfg, given)
     _refuse_flags_of_an_unused_technique(cfg, given)
-    t = cfg.train
-    if "warmup_steps" in given and t.warmup_steps > t.steps:
-        # The schedule would end mid-ramp: the run would never train at the --lr it records.
-        raise ConfigError(f"--warmup-steps {t.warmup_steps} is longer than --steps {t.steps}: the learning rate would "
-                          f"end at {t.steps / t.warmup_steps:.0%} of --lr; lower --warmup-steps or raise --steps")
+    if "warmup_steps" in given:
+        refuse_long_warmup(cfg.train)
     # Remembered (not a field) for defaults_note: which settings a layer named.
     cfg.given_settings = frozenset(merged)  # type: ignore[attr-defined]  # read with getattr(..., None)
     return cfg

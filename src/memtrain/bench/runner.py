@@ -22,9 +22,18 @@ from typing import Any, Callable, Optional
 
 from memtrain.bench.eta import BenchEta
 from memtrain.bench.process import clean_stale_row_dirs, row_tmpdir, start_row, stop_row
-from memtrain.bench.scales import SCALE_BUDGET, SCALE_MAX_BATCH, scale_overrides
+from memtrain.bench.scales import SCALE_BUDGET, SCALE_MAX_BATCH, fitted_scale_overrides
 from memtrain.bench.technique_sets import describe, noise_twin, technique_overrides
-from memtrain.config.run import ConfigError, RunConfig, TechniqueConfig, build_config, flatten, parse_size
+from memtrain.config.run import (
+    ConfigError,
+    RunConfig,
+    TechniqueConfig,
+    build_config,
+    flatten,
+    names_warmup,
+    parse_size,
+    refuse_long_warmup,
+)
 from memtrain.files.results import (
     FolderLock,
     append_result,
@@ -79,13 +88,14 @@ def bench_settings(opts: BenchOptions) -> dict[str, Any]:
 
     rows = resolve_rows(opts)  # the errors a bad list gets, before anything else
     try:
-        base: Any = build_config(scale_overrides(opts.scale), opts.file_layer, opts.overrides).to_dict()
+        base: Any = build_config(fitted_scale_overrides(opts.scale, opts.file_layer, opts.overrides), opts.file_layer,
+                                 opts.overrides).to_dict()
         base["train"].pop("out", None)
         base["train"].pop("progress", None)
     except ConfigError:
         # Valid only beside a row's own settings (a --config key that needs a technique): the
         # layers as given name it.
-        base = [scale_overrides(opts.scale), opts.file_layer, opts.overrides]
+        base = [fitted_scale_overrides(opts.scale, opts.file_layer, opts.overrides), opts.file_layer, opts.overrides]
     return {"scale": opts.scale, "config": base, "device": resolve_device(rows[0][1].train.device).type,
             "max_batch_search": _maxbatch_spec(opts, rows[0][1]), "nproc": opts.nproc}
 
@@ -121,7 +131,10 @@ def resolve_rows(opts: BenchOptions) -> list[tuple[str, RunConfig]]:
             raise ConfigError(f"technique {name!r} sets {', '.join(relabelled)} and --config sets it too; drop "
                               f"{relabelled[0]} from the config file, or name the row key=value+key=value")
         try:
-            cfg = build_config(scale_overrides(opts.scale), row_layer, opts.file_layer, opts.overrides)
+            given = (row_layer, opts.file_layer, opts.overrides)
+            cfg = build_config(fitted_scale_overrides(opts.scale, *given), *given)
+            if names_warmup(*given):
+                refuse_long_warmup(cfg.train)
         except ConfigError as exc:
             raise ConfigError(f"technique {name!r}: {exc}") from None
         twin = noise_twin(name)  # the same row again: run-to-run noise

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from memtrain.config.run import ConfigError
+from memtrain.config.aliases import normalize as normalize_aliases
+from memtrain.config.run import ConfigError, capped_warmup, flatten, names_warmup
 
 SCALES: dict[str, dict[str, Any]] = {
     # The published comparison's settings (RTX 4090): default model, batch 64, seq 256,
@@ -54,3 +55,23 @@ def scale_overrides(scale: str) -> dict[str, Any]:
     if scale not in SCALES:
         raise ConfigError(f"unknown scale {scale!r} (--scale); choose {' or '.join(SCALES)}")
     return dict(SCALES[scale])
+
+
+def fitted_scale_overrides(scale: str, *later: dict[str, Any]) -> dict[str, Any]:
+    """Config overrides of run scale ``scale`` below the ``later`` layers (a row's, a config
+    file's, the flags): a scale warm-up longer than the --steps a later layer asks is replaced by
+    train's default rule for a run length without a warm-up (:func:`capped_warmup`), since no
+    one asked for the scale's warm-up and the rows would never reach --lr. A warm-up a later layer
+    names is left as given (the bench refuses one longer than the run, as train does)."""
+    layer = scale_overrides(scale)
+    if names_warmup(*later):
+        return layer
+    steps = layer.get("steps")
+    for each in later:
+        try:
+            steps = normalize_aliases(flatten(each)).get("steps", steps)
+        except ValueError:
+            pass  # build_config reports the bad alias
+    if isinstance(steps, int) and not isinstance(steps, bool) and 0 < steps < layer.get("warmup_steps", 0):
+        layer["warmup_steps"] = capped_warmup(steps)
+    return layer

@@ -814,6 +814,27 @@ def capped_warmup(steps: int) -> int:
     return min(TrainConfig.warmup_steps, max(1, math.ceil(WARMUP_FRACTION * steps)))
 
 
+def names_warmup(*layers: dict[str, Any]) -> bool:
+    """Whether a layer of settings names the warm-up (``warmup_steps``, or the Trainer's
+    ``warmup_ratio`` / a ``lr_scheduler_type`` that sets it), in memtrain's names."""
+    for layer in layers:
+        try:
+            flat = normalize_aliases(flatten(layer))
+        except ValueError:
+            continue  # build_config reports the bad alias
+        if "warmup_steps" in flat or WARMUP_RATIO in flat:
+            return True
+    return False
+
+
+def refuse_long_warmup(t: TrainConfig) -> None:
+    """A warm-up the user set that is longer than the run is refused (ConfigError): the schedule
+    would end mid-ramp, and the run would never train at the --lr it records."""
+    if t.warmup_steps > t.steps:
+        raise ConfigError(f"--warmup-steps {t.warmup_steps} is longer than --steps {t.steps}: the learning rate would "
+                          f"end at {t.steps / t.warmup_steps:.0%} of --lr; lower --warmup-steps or raise --steps")
+
+
 def parse_size(text: str | int | float) -> int:
     """Parse a memory size such as ``8GiB``, ``1.5GB``, ``512MiB`` or a byte count (at least one
     byte, at most ``limits.MAX_BYTES``)."""

@@ -9,9 +9,9 @@ from typing import Any, Optional
 
 from memtrain.bench.hf.mapping import hf_plan, trainer_alignment
 from memtrain.bench.runner import config_hash as bench_config_hash
-from memtrain.bench.scales import scale_overrides
+from memtrain.bench.scales import fitted_scale_overrides
 from memtrain.bench.technique_sets import technique_overrides
-from memtrain.config.run import ConfigError, RunConfig, build_config
+from memtrain.config.run import ConfigError, RunConfig, build_config, names_warmup, refuse_long_warmup
 from memtrain.files.results import append_jsonl, read_jsonl
 
 RUNS_FILE = "runs.jsonl"
@@ -29,9 +29,12 @@ def resolve_rows(scale: str, presets: list[str], overrides: dict[str, Any], devi
     rows = []
     for name in presets:
         try:
-            layers = [scale_overrides(scale), technique_overrides(name, scale)]
+            row = technique_overrides(name, scale)
+            layers = [fitted_scale_overrides(scale, row, overrides), row]
             align = trainer_alignment(build_config(*layers, overrides))
             cfg = build_config(*layers, align, overrides)
+            if names_warmup(row, overrides):
+                refuse_long_warmup(cfg.train)
         except ConfigError as exc:
             raise ConfigError(f"preset {name!r}: {exc}") from None
         plan = hf_plan(cfg, device_type)
