@@ -479,6 +479,24 @@ def test_json_records_that_are_not_objects_are_named_so(text, words, tmp_path: P
         docs_of(lines)
 
 
+@pytest.mark.parametrize("name, text, words", [
+    ("a.jsonl", "not json\n", "line 1 is not valid JSON (Expecting value at column 1)"),
+    ("b.jsonl", "nope\n", "line 1 is not valid JSON"),
+    ("c.jsonl", "\ntrue story\n", "line 2 is not valid JSON (Extra data at column 6)"),
+    ("d.jsonl", "fals\n", "line 1 is not valid JSON"),
+    ("e.json", "[nope]", "line 1 is not valid JSON (Expecting value at column 2)"),
+])
+def test_a_first_record_that_is_not_json_is_said_to_be_not_json(name, text, words, tmp_path: Path) -> None:
+    """Its first character was taken for the record's kind: "not json" was "a JSON null", "true
+    story" "a JSON boolean"."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        docs_of(path)
+    assert f"cannot read {str(path)!r}: {words}" in str(err.value)
+    assert "holds a JSON" not in str(err.value)
+
+
 def test_too_small_corpus() -> None:
     with pytest.raises(ConfigError) as err:
         make_train_loader(np.zeros(1234, np.uint16), seq_len=256, batch_size=8, seed=0)

@@ -465,19 +465,32 @@ def _structured_documents(builder: str, files: list[Path], field: str, label: st
     yield from _dataset_texts(ds, field, label, locate)
 
 
-# The first character of a JSON value -> what it is, for a record that is not an object.
-_JSON_KINDS = {"[": "array", '"': "string", "t": "boolean", "f": "boolean", "n": "null"}
 PEEK_CHARS = 1 << 16  # enough to reach the first record of any file a person writes
 
 
-def _json_kind(text: str) -> str:
-    return _JSON_KINDS.get(text[:1], "number")
+def _json_kind(value: Any) -> str:
+    """What a decoded JSON value is, in JSON's words (for a record that is not an object)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    for kind, types in (("string", str), ("array", list), ("object", dict)):
+        if isinstance(value, types):
+            return kind
+    return "number"
+
+
+def _not_json(exc: ValueError) -> str:
+    """Why a line is not JSON, with its column (json's own "line 1" is the line itself)."""
+    detail = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else _first_line(exc)
+    return f"is not valid JSON ({detail})"
 
 
 def _check_json_records(files: list[Path]) -> None:
     """Refuse a JSON data file whose first record is not an object: datasets reads an array of
     numbers as a column it names 'text', so the refusal spoke of a field the file never had.
-    (An array of strings stays what datasets makes of it: documents.)"""
+    (An array of strings stays what datasets makes of it: documents.) The first record is
+    decoded, not judged by its first character: a line "nope" is not JSON, not a null."""
     for path in files:
         try:
             with path.open("r", encoding="utf-8-sig", errors="replace") as fh:
@@ -485,13 +498,42 @@ def _check_json_records(files: list[Path]) -> None:
         except OSError as exc:
             raise ConfigError(f"cannot read {str(path)!r} ({exc.strerror or type(exc).__name__}); check --data") from None
         if path.suffix.lower() == ".json" and head.startswith("["):
-            first = head[1:].lstrip()
-            if first[:1] not in ("{", '"', "]", ""):
-                raise ConfigError(f"{str(path)!r} holds an array of JSON {_json_kind(first)}s, not records: write "
-                                  'each record as a JSON object with its text in a field, e.g. {"text": "..."}')
-        elif head[:1] not in ("{", "") and (head[:1] in _JSON_KINDS or head[:1] in "-0123456789"):
-            raise ConfigError(f"{str(path)!r} line 1 holds a JSON {_json_kind(head)}, not a record: write each line as a "
-                              'JSON object with its text in a field, e.g. {"text": "..."}')
+            _check_first_element(path, head)
+        elif head[:1] not in ("{", ""):
+            _check_first_line(path)
+
+
+def _check_first_element(path: Path, head: str) -> None:
+    """Refuse a .json array whose first element (in ``head``, the file's start) is not a record."""
+    first = head[1:].lstrip()
+    if first[:1] in ("{", '"', "]", ""):
+        return
+    if first[:1] == "[":  # an array of arrays, whatever they hold (and however long the first is)
+        kind = "array"
+    else:  # a scalar: short, so the peek holds it whole
+        try:
+            kind = _json_kind(json.JSONDecoder().raw_decode(first)[0])
+        except json.JSONDecodeError:
+            return  # not JSON: datasets fails on it and _first_bad_json_line names the line
+    raise ConfigError(f"{str(path)!r} holds an array of JSON {kind}s, not records: write "
+                      'each record as a JSON object with its text in a field, e.g. {"text": "..."}')
+
+
+def _check_first_line(path: Path) -> None:
+    """Refuse a JSON-lines file whose first record is not an object: not JSON at all (the line
+    named, as a bad line further on is), or a JSON value of another kind."""
+    try:
+        with path.open("rb") as fh:
+            number, line = next((n, text) for n, text in enumerate(fh, 1) if text.strip())
+    except (OSError, StopIteration):
+        return  # the nesting check read it; an empty file is left out before this
+    try:
+        record = loads_bounded(line)
+    except ValueError as exc:
+        raise ConfigError(f"cannot read {str(path)!r}: line {number} {_not_json(exc)}; fix that line or remove it") from None
+    if not isinstance(record, dict):
+        raise ConfigError(f"{str(path)!r} line {number} holds a JSON {_json_kind(record)}, not a record: write each line "
+                          'as a JSON object with its text in a field, e.g. {"text": "..."}')
 
 
 def _first_bad_json_line(files: list[Path], label: str) -> Optional[str]:
@@ -507,13 +549,11 @@ def _first_bad_json_line(files: list[Path], label: str) -> Optional[str]:
                     try:
                         record = loads_bounded(line)
                     except ValueError as exc:  # the line alone: its column, not json's "line 1"
-                        detail = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) \
-                            else _first_line(exc)
-                        why = f"is not valid JSON ({detail})"
+                        why = _not_json(exc)
                     else:
                         if isinstance(record, dict):
                             continue
-                        why = f"holds a JSON {_json_kind(line.decode('utf-8', 'replace').lstrip())}, not a record (an object)"
+                        why = f"holds a JSON {_json_kind(record)}, not a record (an object)"
                     where = f"line {number}" if str(path) == label else f"line {number} of {str(path)!r}"
                     return f"{where} {why}"
         except OSError:
