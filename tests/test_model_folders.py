@@ -580,3 +580,33 @@ def test_a_config_window_that_lets_no_token_attend_is_refused_by_every_verb(tmp_
                              num_hidden_layers=1, vocab_size=VOCAB, sliding_window=window, use_sliding_window=True,
                              max_window_layers=1).save_pretrained(tmp_path / "q2")
     assert main(["estimate", "--model", str(tmp_path / "q2"), "--seq-len", "16"]) == 0
+
+
+@pytest.mark.parametrize("family, field, value", [
+    ("llama", "rms_norm_eps", "NaN"), ("llama", "rope_theta", "Infinity"), ("gpt2", "layer_norm_epsilon", "-Infinity"),
+    ("llama", "rope_scaling.factor", "1e999"),
+])
+def test_a_config_number_that_is_not_finite_is_refused_by_every_verb(tmp_path, capsys, family, field, value):
+    """Python's json reads NaN, Infinity and 1e999: an rms_norm_eps of NaN trained into a loss of
+    NaN, reported as a divergence to fix with a lower --lr (exit 1)."""
+    from tiny_families import tiny_config
+
+    tiny_config(family, 1).save_pretrained(tmp_path / "m")
+    config = tmp_path / "m" / "config.json"
+    data = json.loads(config.read_text())
+    if field == "rope_scaling.factor":
+        data["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+    text = json.dumps(data).replace('"factor": 2.0', f'"factor": {value}')  # json.dumps writes no 1e999
+    if "." not in field:
+        text = text[:-1] + f', "{field}": {value}}}'  # a later key wins in json.loads
+    config.write_text(text)
+    shown = "Infinity" if value == "1e999" else value
+    for argv in (["estimate", "--seq-len", "16"], ["estimate", "--mode", "inference", "--seq-len", "16"],
+                 ["flops", "--seq-len", "16"], ["plan", "--budget", "1GiB", "--seq-len", "16"],
+                 ["train", "--steps", "1", "--seq-len", "16", "--out", str(tmp_path / "o")]):
+        assert main([*argv, "--model", str(tmp_path / "m")]) == 2, argv
+        line = _one_error_line(capsys.readouterr().err)
+        assert f"has {field} {shown}, not a finite number" in line, (argv, line)
+    assert main(["generate", str(tmp_path / "m")]) == 2
+    assert f"has {field} {shown}, not a finite number" in _one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "o").exists()

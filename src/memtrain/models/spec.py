@@ -17,8 +17,10 @@ only from ``*.safetensors`` (never pickled ``*.bin`` files).
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, replace
@@ -239,6 +241,7 @@ def read_config_json(path: Path) -> dict[str, Any]:
     if "auto_map" in data:
         raise ConfigError(f"{shown!r} names custom model code (auto_map); memtrain never runs code shipped with a "
                           "model: use a model type transformers ships")
+    refuse_non_finite(data, shown)
     model_type = data.get("model_type")
     if not isinstance(model_type, str) or not model_type:
         raise ConfigError(f"{shown!r} has no 'model_type'; it is not a transformers config.json")
@@ -246,6 +249,22 @@ def read_config_json(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{shown!r} has model_type {model_type!r}, which this transformers does not ship (custom "
                           "code is never run); use a model type transformers ships, or upgrade transformers")
     return data
+
+
+def refuse_non_finite(data: dict[str, Any], shown: str) -> None:
+    """Refuse a config.json number that is not finite (Python's json reads NaN, Infinity and
+    1e999), naming its field: an ``rms_norm_eps`` of NaN built a model whose loss was NaN from
+    the first step, reported as a divergence to fix with a lower --lr."""
+    queue = collections.deque(data.items())  # the top level first, in the file's order
+    while queue:  # no recursion: json.loads accepted the nesting, a Python walk might not
+        name, value = queue.popleft()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{shown!r} has {name} {json.dumps(value)}, not a finite number; write a number there "
+                              "(or remove the field for transformers' default)")
+        if isinstance(value, dict):
+            queue.extend((f"{name}.{key}", item) for key, item in value.items())
+        elif isinstance(value, list):
+            queue.extend((f"{name}[{i}]", item) for i, item in enumerate(value))
 
 
 def _shipped_model_types() -> Any:
@@ -421,6 +440,7 @@ def _read_light_config(spec: str) -> Optional[SimpleNamespace]:
         if src.repo is not None or src.config_path is None:
             return None
         data = _json_object(src.config_path, "the config.json")
+        refuse_non_finite(data, str(src.config_path))  # said by read_config_json, through load_config
         if src.directory is not None:
             refuse_custom_tokenizer(src.directory)
     except ConfigError:
