@@ -239,6 +239,11 @@ def test_estimate_cli_answers_analytically_and_checks_with_trace(dirs, capsys):
     assert main([*flags, "--trace"]) == 0
     checked = json.loads(capsys.readouterr().out)
     assert checked["peak_bytes"] == out["peak_bytes"] and abs(checked["trace"]["error"]) < 0.10
+    # The note suggests --trace only to a run without it.
+    assert out["note"].endswith("; --trace to check it") and "--trace" not in checked["note"]
+    assert main([*flags[:-1], "--trace"]) == 0
+    text = capsys.readouterr().out
+    assert "traced peak" in text and "--trace" not in text
 
 
 @pytest.mark.parametrize("window", [32, 64])

@@ -10,7 +10,7 @@ from memtrain.analysis.estimate import GPT2_ARCH, estimate_inference, parse_coun
 from memtrain.analysis.estimate.generation import DEFAULT_NEW_TOKENS
 from memtrain.analysis.estimate.hf import why_not_modelled
 from memtrain.analysis.estimate.inference import estimate_generate_run
-from memtrain.analysis.estimate.method import StepEstimate, estimate_step
+from memtrain.analysis.estimate.method import HF_ANALYTIC_MODEL, StepEstimate, estimate_step
 from memtrain.analysis.limits import MAX_WIDTH
 from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, config_from_args, defaults_note, fmt_bytes, register
 from memtrain.config.argtypes import int_in, token_count, world_size
@@ -481,6 +481,7 @@ def _run_hf_analytic(args: argparse.Namespace, step: StepEstimate, device_type: 
         traced = _trace_any_depth(cfg, device_type)
         out["trace"] = _trace_check(traced, est, method=traced["method"],
                                     probe_layers=traced["probe_layers"])
+        out["note"] = HF_ANALYTIC_MODEL  # the check the note suggests is the row above it
     out.update(_module_table_traced(cfg, device_type))
     if args.json:
         print(json.dumps(out, indent=2, default=float))

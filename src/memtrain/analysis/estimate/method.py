@@ -27,9 +27,10 @@ from memtrain.config.run import ConfigError, RunConfig
 from memtrain.models.spec import is_hf
 from memtrain.techniques.facts import transformers_checkpointing_error
 
-__all__ = ["StepEstimate", "estimate_step", "model_arch"]
+__all__ = ["HF_ANALYTIC_MODEL", "StepEstimate", "estimate_step", "model_arch"]
 
-HF_ANALYTIC_NOTE = "analytic model of transformers decoder layers (memtrain.analysis.estimate.hf); --trace to check it"
+HF_ANALYTIC_MODEL = "analytic model of transformers decoder layers (memtrain.analysis.estimate.hf)"
+HF_ANALYTIC_NOTE = HF_ANALYTIC_MODEL + "; --trace to check it"
 
 
 @dataclass
