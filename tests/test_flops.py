@@ -195,6 +195,21 @@ def test_the_report_names_the_model_it_counted():
     assert ours.splitlines()[0].startswith("one training step: GPT d_model 256, ")
 
 
+def test_the_fused_attention_term_is_printed_with_one_sign():
+    """The term was printed after a fixed "+": a small negative one read "+-0.00 GFLOP" (LoRA's
+    fused attention backward counts under fewer FLOPs than twice its forward)."""
+    from memtrain.commands.flops import render
+
+    cfg = build_config({**TINY, "n_layers": 1, "seq_len": 16, "dropout": 0.0, "attention": "flash", "lora_rank": 4})
+    report = flops_report(cfg, "h100")
+    assert report["reconciliation"]["fused_attention_backward_scores"] < 0
+    line = next(x for x in render(report).splitlines() if "fused attention kernel's backward" in x)
+    assert line.endswith("which the rule leaves out: +0.00 GFLOP"), line
+    from memtrain.commands.flops import _signed_g
+
+    assert [_signed_g(x) for x in (-4e6, 0.0, 1.07e9, -4.29e9)] == ["+0.00", "+0.00", "+1.07", "-4.29"]
+
+
 def test_unknown_gpu_is_a_config_error_listing_the_known_names(capsys):
     with pytest.raises(ConfigError, match="h100-sxm.*a100-80gb-sxm"):
         resolve_roof("b300", "fp32")

@@ -46,6 +46,12 @@ def _g(x: float) -> str:
     return f"{x / 1e9:,.2f}"
 
 
+def _signed_g(x: float) -> str:
+    """GFLOP with their sign, a value that rounds to zero as +0.00 (a "+" before _g's text printed
+    "+-0.00" for a small negative)."""
+    return f"{round(x / 1e9, 2) + 0.0:+,.2f}"  # + 0.0 turns the -0.0 of rounding into 0.0
+
+
 def _pct(x: float) -> str:
     return f"{x * 100:.1f}%"
 
@@ -119,7 +125,7 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"  the untied token embedding is in 6N but is a lookup (no FLOPs): {_g(rec['untied_embedding_lookup'])} GFLOP")
     if rec.get("fused_attention_backward_scores"):
         lines.append("  the fused attention kernel's backward computes the scores q k^T again, which the rule leaves "
-                     f"out: +{_g(rec['fused_attention_backward_scores'])} GFLOP")
+                     f"out: {_signed_g(rec['fused_attention_backward_scores'])} GFLOP")
     head = "the untied LM head is a matmul" if rec["untied_embedding_lookup"] else "the tied LM head is counted once, as a matmul"
     position = "the position table is a lookup (the rule drops it)" if rule.get("position_params") else "positions need no parameters"
     lines += [
