@@ -121,9 +121,33 @@ def test_train_warns_up_front_before_any_step(tiny_run, monkeypatch):
 
 
 def test_warning_shown_as_one_error_style_line():
+    from memtrain.runtime.notices import QLoRASkipWarning
+    from memtrain.techniques.optim import LowBitSkipWarning
+
     install_warning_format()
     assert warnings.formatwarning("x is slow", SlowPrecisionWarning, "f.py", 1) == "warning: x is slow\n"
+    # QLoRA's unquantized weights and a low-bit optimizer's FP32 tensors printed the file, the
+    # class and the source line under it.
+    for category in (QLoRASkipWarning, LowBitSkipWarning):
+        assert warnings.formatwarning("kept", category, "hf_mapping.py", 118, "quantize()") == "warning: kept\n"
     assert "UserWarning" in warnings.formatwarning("other", UserWarning, "f.py", 1)
+
+
+def test_the_qlora_warning_is_one_line_on_the_cli(tmp_path):
+    """Through the CLI (a process of its own: pytest records warnings in-process)."""
+    import subprocess
+    import sys
+
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torchao")
+    transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                             num_hidden_layers=1, vocab_size=320, max_position_embeddings=64).save_pretrained(tmp_path / "m")
+    proc = subprocess.run([sys.executable, "-m", "memtrain", "estimate", "--model", str(tmp_path / "m"), "--seq-len", "16",
+                           "--lora-rank", "4", "--qlora", "--trace"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [x for x in proc.stderr.splitlines() if "--qlora" in x or "quantize_base_weights" in x]
+    assert len(lines) == 1 and lines[0].startswith("warning: --qlora: 7 of 7 frozen Linear weights"), proc.stderr
+    assert "UserWarning" not in proc.stderr
 
 
 def test_cpu_mfu_against_measured_gemm(tiny_run):

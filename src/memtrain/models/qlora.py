@@ -27,6 +27,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from memtrain.config.run import ConfigError
 from memtrain.runtime.extras import require
+from memtrain.runtime.notices import QLoRASkipWarning
 from memtrain.techniques.facts import NF4_BLOCK, NF4_SCALER_BLOCK, nf4_quantizes
 
 
@@ -64,7 +65,8 @@ def quantize_base_weights(model: nn.Module, device: torch.device) -> int:
         m.weight = nn.Parameter(q, requires_grad=False)
     if skipped:
         warnings.warn(f"--qlora: {len(skipped)} of {len(linears)} frozen Linear weights are not a multiple of "
-                      f"{NF4_BLOCK * NF4_SCALER_BLOCK} values and stay unquantized (e.g. {skipped[0]})", stacklevel=2)
+                      f"{NF4_BLOCK * NF4_SCALER_BLOCK} values and stay unquantized (e.g. {skipped[0]})",
+                      QLoRASkipWarning, stacklevel=2)
     return len(skipped)
 
 

@@ -8,7 +8,8 @@ import sys
 import warnings
 from typing import Any, Optional
 
-__all__ = ["SlowPrecisionWarning", "install_warning_format", "random_base_warning", "shows_progress"]
+__all__ = ["NoticeWarning", "QLoRASkipWarning", "SlowPrecisionWarning", "install_warning_format", "random_base_warning",
+           "shows_progress"]
 
 
 def shows_progress(requested: Optional[bool] = None) -> bool:
@@ -24,19 +25,28 @@ def shows_progress(requested: Optional[bool] = None) -> bool:
         return False
 
 
-class SlowPrecisionWarning(UserWarning):
+class NoticeWarning(UserWarning):
+    """A warning memtrain gives the user about their run: shown as one ``warning:`` line."""
+
+
+class SlowPrecisionWarning(NoticeWarning):
     """The run's precision has no native kernel on this device (slow matmuls)."""
 
 
+class QLoRASkipWarning(NoticeWarning):
+    """--qlora leaves some frozen weights unquantized (their size does not fit NF4's blocks)."""
+
+
 def install_warning_format() -> None:
-    """Show a :class:`SlowPrecisionWarning` on the terminal as one ``warning:`` line (the CLI's
-    style) instead of Python's file:line form; other warnings keep their format."""
+    """Show a :class:`NoticeWarning` (memtrain's own, e.g. :class:`SlowPrecisionWarning`) on the
+    terminal as one ``warning:`` line (the CLI's style) instead of Python's file:line form with
+    the source line; other warnings keep their format."""
     original = warnings.formatwarning
     if getattr(original, "_memtrain", False):
         return
 
     def fmt(message: Any, category: type[Warning], filename: str, lineno: int, line: Optional[str] = None) -> str:
-        if issubclass(category, SlowPrecisionWarning):
+        if issubclass(category, NoticeWarning):
             return f"warning: {message}\n"
         return original(message, category, filename, lineno, line)
 

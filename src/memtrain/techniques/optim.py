@@ -51,6 +51,7 @@ import torch.nn as nn
 
 from memtrain.config.run import ConfigError, TechniqueConfig, TrainConfig
 from memtrain.runtime.extras import require
+from memtrain.runtime.notices import NoticeWarning
 from memtrain.techniques.facts import ADAMW_KERNELS, BF16_PURE_OPTIMS, LOW_BIT_BLOCK, LOW_BIT_MIN_NUMEL
 
 __all__ = [
@@ -79,7 +80,7 @@ BNB_MESSAGE = (
 )
 
 
-class LowBitSkipWarning(UserWarning):
+class LowBitSkipWarning(NoticeWarning):
     """A large tensor keeps FP32 optimizer state under a low-bit optimizer."""
 
 
