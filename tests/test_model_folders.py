@@ -610,3 +610,24 @@ def test_a_config_number_that_is_not_finite_is_refused_by_every_verb(tmp_path, c
     assert main(["generate", str(tmp_path / "m")]) == 2
     assert f"has {field} {shown}, not a finite number" in _one_error_line(capsys.readouterr().err)
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("vocab", [0, -5])
+def test_a_config_without_a_vocabulary_is_one_line_naming_the_field(tmp_path, capfd, vocab):
+    """transformers logged a line for each special token outside the empty vocabulary before the
+    refusal, which named a flag (--vocab-size) the user never gave."""
+    from tiny_families import tiny_config
+
+    tiny_config("llama", 1).save_pretrained(tmp_path / "m")
+    config = tmp_path / "m" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "vocab_size": vocab}))
+    for argv in (["estimate", "--model", str(tmp_path / "m")], ["generate", str(tmp_path / "m")],
+                 ["train", "--model", str(tmp_path / "m"), "--steps", "1", "--out", str(tmp_path / "o")]):
+        assert main(argv) == 2, argv
+        line = _one_error_line(capfd.readouterr().err)
+        assert f"config.json' has vocab_size {vocab}; a model needs a vocabulary of at least one token" in line
+    assert not (tmp_path / "o").exists()
+    # transformers' log handler holds the stderr it found at import: only a process of its own shows it.
+    proc = subprocess.run([sys.executable, "-m", "memtrain", "estimate", "--model", str(tmp_path / "m")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "has vocab_size" in _one_error_line(proc.stderr)

@@ -242,6 +242,7 @@ def read_config_json(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{shown!r} names custom model code (auto_map); memtrain never runs code shipped with a "
                           "model: use a model type transformers ships")
     refuse_non_finite(data, shown)
+    _refuse_no_vocabulary(data, shown)
     model_type = data.get("model_type")
     if not isinstance(model_type, str) or not model_type:
         raise ConfigError(f"{shown!r} has no 'model_type'; it is not a transformers config.json")
@@ -265,6 +266,15 @@ def refuse_non_finite(data: dict[str, Any], shown: str) -> None:
             queue.extend((f"{name}.{key}", item) for key, item in value.items())
         elif isinstance(value, list):
             queue.extend((f"{name}[{i}]", item) for i, item in enumerate(value))
+
+
+def _refuse_no_vocabulary(data: dict[str, Any], shown: str) -> None:
+    """Refuse a ``vocab_size`` of 0 or below before transformers reads the config: it logs a
+    line per special token outside the (empty) vocabulary ahead of memtrain's own refusal."""
+    vocab = data.get("vocab_size")
+    if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab < 1:
+        raise ConfigError(f"{shown!r} has vocab_size {vocab}; a model needs a vocabulary of at least one token: "
+                          "fix the config")
 
 
 def _shipped_model_types() -> Any:
