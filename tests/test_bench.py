@@ -103,6 +103,9 @@ def test_a_scales_warmup_fits_the_asked_steps(scale, steps, warmup):
     assert row.train.warmup_steps == warmup <= row.train.steps
     (_, row), = resolve_rows(BenchOptions(techniques=["baseline"], scale=scale, file_layer={"train": {"steps": steps}}))
     assert row.train.warmup_steps == warmup
+    # As the command line hands it over: text, converted by build_config.
+    (_, row), = resolve_rows(BenchOptions(techniques=["baseline"], scale=scale, overrides={"steps": str(steps)}))
+    assert row.train.warmup_steps == warmup
 
 
 def test_bench_rows_resume_and_failures(small_corpus, tmp_path):

@@ -66,12 +66,18 @@ def fitted_scale_overrides(scale: str, *later: dict[str, Any]) -> dict[str, Any]
     layer = scale_overrides(scale)
     if names_warmup(*later):
         return layer
-    steps = layer.get("steps")
+    asked: Any = layer.get("steps")
     for each in later:
         try:
-            steps = normalize_aliases(flatten(each)).get("steps", steps)
+            asked = normalize_aliases(flatten(each)).get("steps", asked)
         except ValueError:
             pass  # build_config reports the bad alias
-    if isinstance(steps, int) and not isinstance(steps, bool) and 0 < steps < layer.get("warmup_steps", 0):
+    if isinstance(asked, bool):
+        return layer
+    try:  # a flag's value is still text here ("2"); build_config reports one that is no number
+        steps = int(asked)
+    except (TypeError, ValueError):
+        return layer
+    if 0 < steps < layer.get("warmup_steps", 0):
         layer["warmup_steps"] = capped_warmup(steps)
     return layer
