@@ -88,6 +88,18 @@ def test_a_count_without_dropout_is_the_same_in_every_process():
     assert back["qkv"].counted == L * 2 * (2 * N * d * 3 * d)
 
 
+def test_a_fused_attention_kernel_is_attention_wherever_the_tracker_is():
+    """With LoRA the module tracker still held the output projection while the fused kernel's
+    backward ran: its five (T x T) matmuls went to that projection's class and the fused line
+    read forward only (the reconciliation's "computes the scores again" term came out negative).
+    The kernel's backward is attention's: 10/4 of its forward, as without LoRA."""
+    for lora in (0, 2):
+        cfg = build_config({**TINY, "attention": "sdpa", "dropout": 0.0, "lora_rank": lora})
+        table = count_step(cfg).table
+        forward, backward = table["forward"]["attn_fused"].counted, table["backward"]["attn_fused"].counted
+        assert forward > 0 and backward == pytest.approx(2.5 * forward), lora
+
+
 @pytest.mark.parametrize("settings, why", [
     ({"lora_rank": 2}, "--lora-rank"),
     ({"window": 3}, "--window"),

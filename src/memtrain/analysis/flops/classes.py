@@ -193,6 +193,10 @@ def classify(module_path: str, op: str, tensors: Iterable[Shaped], vocab: int) -
 
     ``attn_core`` (the math backend's two bmm) is split into QK^T and AV afterwards.
     """
+    if op in _ATTENTION_KERNELS:
+        # A fused attention kernel is attention wherever the module tracker places it: with LoRA,
+        # torch's ModuleTracker still holds the output projection while the kernel's backward runs.
+        return "attn_fused"
     parts = module_path.split(".")
     for part in reversed(parts):
         if part in _MODULE_ROLES:
@@ -201,8 +205,6 @@ def classify(module_path: str, op: str, tensors: Iterable[Shaped], vocab: int) -
             return "attn_proj" if "attn" in parts else "mlp_fc_out"
     if op in _OP_CLASS:
         return _OP_CLASS[op]
-    if op in _ATTENTION_KERNELS:
-        return "attn_fused"
     in_block = "blocks" in parts or any(p in parts for p in _HF_BLOCK_LISTS)
     if op in _MATMUL_OPS:
         if in_block and ("attn" in parts or "self_attn" in parts):
