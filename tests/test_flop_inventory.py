@@ -100,6 +100,32 @@ def test_a_fused_attention_kernel_is_attention_wherever_the_tracker_is():
         assert forward > 0 and backward == pytest.approx(2.5 * forward), lora
 
 
+def test_a_lora_count_is_the_same_in_every_process():
+    """peft's LoRA dropout at --lora-dropout 0 is an Identity, which hands its input back: as
+    with dropout above, the backward's classes then followed the process's hash seed. Counted
+    in two processes with different seeds: the same table, and the frozen base's matmuls count
+    their input gradient only (mlp fc: forward + input gradient in every layer, and LoRA's)."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import json; from memtrain.analysis.flops.count import count_step; "
+              "from memtrain.config.run import build_config; "
+              f"t = count_step(build_config({{**{TINY!r}, 'dropout': 0.0, 'lora_rank': 2}})).table; "
+              "print(json.dumps({p: {k: c.counted for k, c in v.items()} for p, v in t.items()}, sort_keys=True))")
+    tables = []
+    for seed in ("1", "2"):
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "PYTHONHASHSEED": seed})
+        assert done.returncode == 0, done.stderr
+        tables.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert tables[0] == tables[1]
+    N, d, f, L, r = TINY["batch_size"] * TINY["seq_len"], TINY["d_model"], TINY["d_ff"], TINY["n_layers"], 2
+    lora = 2 * N * r * (d + f)  # x A and (x A) B, forward
+    assert tables[0]["forward"]["mlp_fc"] == L * (2 * N * d * f + lora)
+    assert tables[0]["backward"]["mlp_fc"] == L * (2 * N * d * f + 2 * lora)  # base: input gradient only
+
+
 @pytest.mark.parametrize("settings, why", [
     ({"lora_rank": 2}, "--lora-rank"),
     ({"window": 3}, "--window"),

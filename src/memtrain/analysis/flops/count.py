@@ -112,6 +112,10 @@ def _use_fused_dropout(model: Any) -> None:
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.forward = (lambda m: lambda x: module_dropout(x, m.p, m.training))(module)  # type: ignore[method-assign]  # patches this instance's forward on purpose
+        elif isinstance(module, nn.Identity):
+            # The same for an Identity (peft's LoRA dropout at --lora-dropout 0): with LoRA the
+            # backward's classes varied from one process to the next.
+            module.forward = lambda x, *args, **kwargs: x.view_as(x)  # type: ignore[method-assign]  # this instance only
         fn = getattr(module, "attn_fn", None)
         if isinstance(fn, functools.partial) and fn.func is checkpointed_call:
             # Selective checkpointing checkpoints the attention core: the mode must be active
