@@ -282,26 +282,16 @@ GPT_ONLY_MODEL_FIELDS = {
 }
 
 
-def _shown_flag(name: str, value: Any) -> str:
-    """A setting as the flag that sets it (``--no-bias``, ``--vocab-multiple 64``)."""
-    flag = f"--{name.replace('_', '-')}"
-    if isinstance(value, bool):
-        return flag if value else f"--no-{flag[2:]}"
-    return f"{flag} {value}"
-
-
 def _refuse_ignored_model_flags(cfg: RunConfig, given: dict[str, Any]) -> None:
     """A ``--model`` (a transformers config or a GPT preset) sets the model fields it describes
     (shape, tied head, attention dropout) from its own config, over any flag: a flag or config-file
     value that would be dropped is refused in one line instead of ignored. Values equal to the
     model's pass (a config file written for the same model)."""
-    from memtrain.models.spec import is_gpt_preset  # torch-free
-
     spec = cfg.model.model
     if spec is None:
         return
     model_fields = {f.name for f in fields(ModelConfig)} - {"model"}
-    transformers_model = not is_gpt_preset(spec)
+    transformers_model = _is_transformers_model(spec)
     for name in sorted(model_fields & set(given)):
         current = getattr(cfg.model, name)  # the model's own (models.spec.model_fields)
         try:
@@ -313,7 +303,7 @@ def _refuse_ignored_model_flags(cfg: RunConfig, given: dict[str, Any]) -> None:
         if transformers_model and name in GPT_ONLY_MODEL_FIELDS:
             # A transformers model's layer code decides its biases and its embedding rows: memtrain's
             # GPT-only settings would be recorded in result.json (and counted by estimate) but never built.
-            raise ConfigError(f"{_shown_flag(name, given[name])}: --model {spec} is a transformers model, which "
+            raise ConfigError(f"{flag_text(name, given[name])}: --model {spec} is a transformers model, which "
                               f"{GPT_ONLY_MODEL_FIELDS[name]}; drop the flag")
         raise ConfigError(f"--{name.replace('_', '-')} {given[name]}: --model {spec} sets {name} from its own "
                           f"config ({current}); drop the flag, or change it in a copy of the model's config")
