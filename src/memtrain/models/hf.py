@@ -135,6 +135,7 @@ def build_hf_model(cfg: RunConfig, with_weights: bool = True, initialize: bool =
     7-10 s against 0.01 s, CHANGELOG; an 8B model's takes minutes).
     """
     from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
 
     spec = cfg.model.model
     assert spec is not None
@@ -164,7 +165,9 @@ def build_hf_model(cfg: RunConfig, with_weights: bool = True, initialize: bool =
         lm = load_pretrained_lm(source.load_id, config, attn, f"--model {spec!r}", repo=source.repo)
         return HFCausalLM(lm, source)
     try:
-        with contextlib.nullcontext() if initialize else _weights_left_uninitialized():
+        # no_init_weights: torch's init functions and the model's init_weights do nothing; buffers
+        # computed in __init__ (rope's inv_freq) still are.
+        with contextlib.nullcontext() if initialize else no_init_weights():
             lm = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype,
                                                   trust_remote_code=False)
     except (ImportError, ValueError) as exc:
@@ -172,17 +175,6 @@ def build_hf_model(cfg: RunConfig, with_weights: bool = True, initialize: bool =
     if not initialize:
         lm.tie_weights()  # transformers ties the head to the embedding in the init it skipped
     return HFCausalLM(lm, source)
-
-
-@contextlib.contextmanager
-def _weights_left_uninitialized() -> Iterator[None]:
-    """transformers' ``no_init_weights``: torch's init functions and the model's
-    ``init_weights`` do nothing while a model is built (buffers computed in ``__init__``, such
-    as rope's ``inv_freq``, are still computed)."""
-    from transformers.initialization import no_init_weights  # transformers is imported by the caller already
-
-    with no_init_weights():
-        yield
 
 
 def _attention_refusal(spec: str, attention: str, attn: str, exc: BaseException) -> ConfigError:
