@@ -129,13 +129,6 @@ def read_folder(path: Path) -> Folder:
     return Folder(path, config, codec, build_config({"model": str(path), "seq_len": 1}))
 
 
-def from_directory(path: Path, dtype: Optional[torch.dtype] = None) -> tuple[Any, Codec, RunConfig]:
-    """A transformers model folder (its weights read in ``dtype``; None: float32) on the host, its
-    tokenizer and a run config naming it, read without running any of its code."""
-    folder = read_folder(path)
-    return folder.load(dtype), folder.codec, folder.cfg
-
-
 def _check_weight_files(path: Path) -> None:
     """A folder to sample from needs safetensors weights; pickled ones are never read."""
     refuse_pickled_weights(path, repr(str(path)))
@@ -157,10 +150,10 @@ def _read_config(path: Path) -> Any:
 def load_for_sampling(model_path: Path, dtype: Optional[torch.dtype] = None) -> tuple[Any, Codec, RunConfig]:
     """The transformers model ``memtrain generate`` samples from (in ``dtype``; None: as stored,
     float32 or the dtype a checkpoint's run trained in), its tokenizer and its run config."""
-    if model_path.is_dir():
-        hf, codec, cfg = from_directory(model_path, dtype)
-    else:
-        hf, codec, cfg = from_checkpoint(model_path)
+    if model_path.is_dir():  # its weights read in the dtype (None: float32)
+        folder = read_folder(model_path)
+        return folder.load(dtype), folder.codec, folder.cfg
+    hf, codec, cfg = from_checkpoint(model_path)
     return (hf if dtype is None else hf.to(dtype)), codec, cfg
 
 
