@@ -173,10 +173,12 @@ def check_resumed_out(out: Path, cfg: RunConfig) -> None:
                           "replace it: choose a new --out")
     data_as = None
     if cfg.train.resume:  # written by the resumed run from the folder it was launched from
-        config = anchored(config, saved_launch_dir(cfg.train.resume))
+        state = _saved_state(cfg.train.resume)
+        where = launch_dir(state, cfg.train.resume)
+        config = anchored(config, where)
         # The data was compared with the checkpoint's (check_resume, by content where it moved):
         # the result.json's run is the checkpoint's where it records the checkpoint's data.
-        data_as = _data_of(saved_run(cfg.train.resume)[0])
+        data_as = _data_of(anchored(state["config"], where))
     diffs = differences_from_this_run(config, cfg, data_as=data_as)
     if diffs:
         raise ConfigError(f"--out {str(out)!r} holds the result.json of a different run ({_shown(diffs, 4)}); resuming there "
@@ -362,11 +364,6 @@ def saved_run(path: str | Path) -> tuple[dict[str, Any], int, Optional[str]]:
     return config, state["step"], fingerprint if isinstance(fingerprint, str) else None
 
 
-def saved_launch_dir(path: str | Path) -> Optional[str]:
-    """The folder the checkpoint's run was launched from (None where unknown)."""
-    return launch_dir(_saved_state(path), path)
-
-
 def _saved_state(path: str | Path) -> dict[str, Any]:
     """A checkpoint's small entries (config, step, fingerprint, launch folder), checked to hold a
     run config and a step."""
@@ -516,8 +513,9 @@ def check_resume(cfg: RunConfig) -> None:
         return
     saved, step, fingerprint = saved_run(cfg.train.resume)
     diffs = differences_from_this_run(saved, cfg)
-    if any(d.startswith("data: ") for d in diffs) and _holds_the_saved_data(cfg, fingerprint):
-        diffs = differences_from_this_run(saved, cfg, data_as=_data_of(saved))  # the same data, moved
+    moved = any(d.startswith("data: ") for d in diffs) and _holds_the_saved_data(cfg, fingerprint)
+    if moved:  # the same data at another path: its content is the checkpoint's
+        diffs = differences_from_this_run(saved, cfg, data_as=_data_of(saved))
     if diffs:
         what = "model" if any(d.split(":")[0] in saved.get("model", {}) for d in diffs) else "run"
         raise ConfigError(f"checkpoint {cfg.train.resume!r} does not fit this {what}: it was saved by a different run "
@@ -528,7 +526,8 @@ def check_resume(cfg: RunConfig) -> None:
         more = ("raise --stop-after (or drop it) to continue" if step < cfg.train.steps
                 else "give a larger --steps to train it longer")
         raise ConfigError(f"--resume {cfg.train.resume!r} is at step {step}, this run ends at step {end}; {more}")
-    check_resume_data(cfg, fingerprint)
+    if not moved:  # a moved file's content was compared above already
+        check_resume_data(cfg, fingerprint)
 
 
 def _data_of(config: dict[str, Any]) -> Optional[str]:
