@@ -79,14 +79,16 @@ def config_hash(config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(c, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def bench_settings(opts: BenchOptions) -> dict[str, Any]:
+def bench_settings(opts: BenchOptions, rows: Optional[list[tuple[str, RunConfig]]] = None) -> dict[str, Any]:
     """What every row of the bench shares and that shapes its figures beside its own config: the
     config the rows start from (scale, ``--config``, flags) before their names' settings, the
     device type ``auto`` resolves to, the max-batch search asked for (None: ``--no-maxbatch``;
-    the Max Batch column), and the processes per row."""
+    the Max Batch column), and the processes per row. ``rows``: ``resolve_rows(opts)`` where the
+    caller has them (before any device adaptation)."""
     from memtrain.runtime.env import resolve_device  # torch-free --help/estimate/plan
 
-    rows = resolve_rows(opts)  # the errors a bad list gets, before anything else
+    if rows is None:
+        rows = resolve_rows(opts)  # the errors a bad list gets, before anything else
     try:
         base: Any = build_config(fitted_scale_overrides(opts.scale, opts.file_layer, opts.overrides), opts.file_layer,
                                  opts.overrides).to_dict()
@@ -249,6 +251,7 @@ def run_bench(opts: BenchOptions, on_row: Optional[Callable[[str, dict[str, Any]
     from memtrain.runtime.env import resolve_device  # torch-free --help/estimate/plan
 
     rows = resolve_rows(opts)
+    settings = bench_settings(opts, rows)
     device = resolve_device(rows[0][1].train.device) if rows else None
     caps = runner_caps(device, rows[0][1]) if device is not None else None
     rows, substituted, notes = adapt_rows(rows, caps, opts.substitute_slow)
@@ -256,7 +259,6 @@ def run_bench(opts: BenchOptions, on_row: Optional[Callable[[str, dict[str, Any]
     rows, optim_subs, optim_notes = adapt_compiled_optims(rows, device_type, opts.substitute_slow)
     rows, attention_subs, attention_notes = adapt_window_kernels(rows, device_type, opts.substitute_slow)
     rows, fp8_notes = adapt_fp8_rows(rows, caps, opts.substitute_slow)
-    settings = bench_settings(opts)
     # One bench per folder: a second one would run every row twice under contention and
     # interleave its appends with ours. Held until the last row is appended.
     with FolderLock(opts.out, "memtrain bench"):
