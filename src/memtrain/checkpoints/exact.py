@@ -265,16 +265,21 @@ def load_plain(f: Any, **kwargs: Any) -> Any:
                 f.seek(0)
 
 
-def read_state(p: Path, missing_hint: str) -> Any:
+def read_state(p: Path, missing_hint: str, mmap: bool = False) -> Any:
     """A single-file checkpoint's contents, loaded with ``weights_only=True`` (tensors, numbers,
     strings, lists and dicts only: nothing in the file can execute). A missing or unreadable file
-    is a one-line ConfigError; ``missing_hint`` says where the file should come from."""
+    is a one-line ConfigError; ``missing_hint`` says where the file should come from.
+
+    ``mmap``: the tensors are mapped from the file, not read into memory (torch's private
+    mapping: a write to one copies its page, never reaches the file). A reader that needs only
+    the weights (export, generate) then never reads the optimizer's state, and a model given
+    these tensors holds no second copy of them."""
     if not p.is_file():
         kind = special_file_kind(p)
         found = "not found" if kind is None else f"is {kind}, not a file"
         raise ConfigError(f"checkpoint {str(p)!r} {found}; {missing_hint}")
     try:
-        return load_plain(p)
+        return load_plain(p, mmap=True) if mmap else load_plain(p)
     except ConfigError:  # it says what to install
         raise
     except OSError as exc:  # unreadable: the file may be a fine checkpoint

@@ -73,7 +73,9 @@ def read_checkpoint(ckpt: str | Path) -> tuple[dict[str, Any], RunConfig]:
     if p.is_dir():
         raise ConfigError(f"{str(p)!r} is a directory; give the single-file checkpoint written by --save "
                           "(a sharded distributed checkpoint cannot be exported yet)")
-    state = read_state(p, "give the file written by train --save")
+    # Mapped, not read: export and generate use the weights only (never the optimizer's state), and
+    # the model they build takes the mapped tensors themselves (``_fit(assign=True)``).
+    state = read_state(p, "give the file written by train --save", mmap=True)
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict) or not isinstance(state.get("config"), dict):
         raise ConfigError(f"checkpoint {str(p)!r} is not a memtrain checkpoint (no model or config)")
     try:
@@ -95,10 +97,13 @@ def load_trained(ckpt: str | Path, merge: bool = True) -> tuple[nn.Module, RunCo
     return _load_gpt(state["model"], cfg, Path(ckpt)), cfg
 
 
-def _fit(model: nn.Module, weights: dict[str, Any], ckpt: Path, cfg: RunConfig) -> None:
-    """``model.load_state_dict(weights)``, a mismatch being the input's fault (exit 2)."""
+def _fit(model: nn.Module, weights: dict[str, Any], ckpt: Path, cfg: RunConfig, assign: bool = False) -> None:
+    """``model.load_state_dict(weights)``, a mismatch being the input's fault (exit 2).
+
+    ``assign``: the model's parameters become the checkpoint's tensors themselves, in their own
+    dtypes (the base's and the adapters', as training kept them), instead of copies into what the build allocated."""
     try:
-        model.load_state_dict(weights)
+        model.load_state_dict(weights, assign=assign)
     except (RuntimeError, TypeError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         spec = f"--model {cfg.model.model!r} as it reads now" if cfg.model.model else "the model its config describes"
@@ -154,12 +159,16 @@ def _load_transformers(weights: dict[str, Any], cfg: RunConfig, ckpt: Path, merg
     attention = tech.attention if tech.attention in PORTABLE_ATTENTION else "sdpa"
     build_cfg = cfg.replace(attention=attention, qlora=False, compile=False, checkpointing="none",
                             distributed="none")
-    # Every weight comes from the checkpoint (a strict load below), so none is drawn at random first.
-    model = build_hf_model(build_cfg, with_weights=False, initialize=False).float()
+    # Every weight comes from the checkpoint (a strict load below), so none is drawn at random
+    # first, and the build's own storage is never written: the load hands the model the
+    # checkpoint's (mapped) tensors and frees what the build allocated, untouched. An 8B BF16
+    # checkpoint so takes its own size in host memory, not that again in FP32 for a copy.
+    model = build_hf_model(build_cfg, with_weights=False, initialize=False)
     if tech.lora_rank:
         require("peft")
         apply_hf_lora(model, build_cfg.technique)
-    _fit(model, _plain_weights(weights, model, ckpt), ckpt, cfg)
+    _fit(model, _plain_weights(weights, model, ckpt), ckpt, cfg, assign=True)
+    model.lm.tie_weights()  # the load assigned the head and the embedding one at a time: one tensor again
     if tech.lora_rank and merge:
         merge_adapters_in_place(model)
     model.lm.config.use_cache = True  # training turned the KV cache off; generation wants it

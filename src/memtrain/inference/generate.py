@@ -16,8 +16,9 @@ Every sampling setting comes from the command line (a fresh ``GenerationConfig``
 checkpoint and from its export (on the same device, in the same dtype).
 
 ``--device`` and ``--dtype`` place the model: a folder's weights are read in that dtype straight
-onto the device (never a float32 copy on the host first), a checkpoint's model is built on the
-host and moved. Before any weight reaches the device, the command holds ``memtrain estimate
+onto the device (never a float32 copy on the host first); a checkpoint's model holds the
+checkpoint's own tensors, mapped from the file (no copy on the host), and each is moved to the
+device and cast in one step. Before any weight reaches the device, the command holds ``memtrain estimate
 --mode inference``'s figure for the run against the device's memory (``before_sampling``:
 memtrain.commands.generate), so a batch that cannot fit is one error line instead of an
 out-of-memory failure midway; for a folder the check comes before its weights are read at all.
@@ -154,7 +155,7 @@ def load_for_sampling(model_path: Path, dtype: Optional[torch.dtype] = None) -> 
         folder = read_folder(model_path)
         return folder.load(dtype), folder.codec, folder.cfg
     hf, codec, cfg = from_checkpoint(model_path)
-    return (hf if dtype is None else hf.to(dtype)), codec, cfg
+    return hf.to(dtype=dtype), codec, cfg
 
 
 # The dtypes --dtype names (those estimate --mode inference's --weights-dtype models for
@@ -189,14 +190,14 @@ def generate(model_path: Path, prompt: str, max_new_tokens: int, temperature: fl
     place = resolve_device(device)
     asked = None if dtype is None else DTYPES[dtype]
     # A folder is read up to its weights now and its weights once the run is known to fit; a
-    # checkpoint's model is built on the host (its weights are in the checkpoint file).
+    # checkpoint's model is made on the host from the file's mapped tensors (no copy), then moved.
     folder = read_folder(model_path) if model_path.is_dir() else None
     loaded: Any = None
     if folder is not None:
         codec, cfg, config, weights_dtype = folder.codec, folder.cfg, folder.config, asked or torch.float32
     else:
-        loaded, codec, cfg = load_for_sampling(model_path, asked)
-        config, weights_dtype = loaded.config, next(loaded.parameters()).dtype
+        loaded, codec, cfg = from_checkpoint(model_path)
+        config, weights_dtype = loaded.config, asked or next(loaded.parameters()).dtype
     if prompt:
         ids = codec.encode(prompt)
     elif codec.start_id is not None:
@@ -209,7 +210,9 @@ def generate(model_path: Path, prompt: str, max_new_tokens: int, temperature: fl
                           f"{limit} positions; shorten one")
     if before_sampling is not None:
         before_sampling(cfg, weights_dtype, len(ids), place)
-    hf = folder.load(asked, place) if folder is not None else loaded.to(place)
+    # A checkpoint's tensors are moved and cast together, tensor by tensor: no whole copy in the
+    # asked dtype on the host first.
+    hf = folder.load(asked, place) if folder is not None else loaded.to(device=place, dtype=weights_dtype)
     pad = codec.start_id if codec.start_id is not None else ids[0]
     settings = generation_config(max_new_tokens, temperature, top_k, pad)
     torch.manual_seed(seed)

@@ -18,7 +18,9 @@ does by default): they are tiny, and their updates then need no stochastic round
 from __future__ import annotations
 
 import copy
+from typing import cast
 
+import torch
 import torch.nn as nn
 
 from memtrain.config.run import ConfigError, TechniqueConfig
@@ -104,7 +106,13 @@ def merge_adapters_in_place(model: nn.Module) -> None:
 
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
     for name, layer in layers:
+        # Merged in FP32 and rounded once to the base's dtype: a BF16 merge would round B A and
+        # then the sum. One layer at a time, so the FP32 copy is one layer's, not the model's.
+        base: nn.Module = layer.get_base_layer()
+        stored = base.weight.dtype
+        cast(nn.Module, layer).float()  # peft's LoRA layers are Modules; its LoraLayer mixin is typed apart
         layer.merge(safe_merge=True)  # safe_merge: fail on NaN/inf instead of writing them
+        base.to(cast(torch.dtype, stored))
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, layer.get_base_layer())
