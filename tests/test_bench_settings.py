@@ -76,6 +76,33 @@ def test_a_max_batch_search_asked_later_runs_the_row_again(fake_rows, tmp_path, 
     assert settings_hash(bench_settings(_opts(out, nproc=2))) != settings_hash(bench_settings(_opts(out)))
 
 
+def test_rows_benched_on_another_device_model_are_another_bench(fake_rows, tmp_path, monkeypatch, capsys):
+    """A folder benched on one GPU (or CPU) model and then on another: the rows of the first
+    counted as done on the second, and the report put both machines' step times in one table.
+    The device's model is one of the bench's settings now, and the rerun says which changed."""
+    out = tmp_path / "b"
+    monkeypatch.setattr(runner, "hardware_name", lambda device: "NVIDIA H100 80GB HBM3")
+    assert _ran(_opts(out)) == [True]
+    assert _ran(_opts(out)) == [False]
+    first = read_results(out)[0]
+    assert first["device_name"] == "NVIDIA H100 80GB HBM3"
+    monkeypatch.setattr(runner, "hardware_name", lambda device: "NVIDIA H200")
+    capsys.readouterr()
+    assert _ran(_opts(out)) == [True]
+    assert ("[baseline] settings changed since its earlier row (device: NVIDIA H100 80GB HBM3 then, NVIDIA H200 "
+            "now); running it again") in capsys.readouterr().err
+    second = read_results(out)[-1]
+    assert row_settings(first) != row_settings(second)
+
+
+def test_the_device_name_is_the_cpu_model_on_a_cpu():
+    import torch
+
+    from memtrain.devices.probe import cpu_model
+
+    assert runner.hardware_name(torch.device("cpu")) == cpu_model() != ""
+
+
 def test_the_same_settings_spelled_otherwise_are_the_same(tmp_path):
     """The settings are what the rows run with, not how they were asked for."""
     plain = settings_hash(bench_settings(_opts(tmp_path, maxbatch=True, memory_budget="1GiB")))

@@ -84,7 +84,11 @@ def bench_settings(opts: BenchOptions, rows: Optional[list[tuple[str, RunConfig]
     config the rows start from (scale, ``--config``, flags) before their names' settings, the
     device type ``auto`` resolves to, the max-batch search asked for (None: ``--no-maxbatch``;
     the Max Batch column), and the processes per row. ``rows``: ``resolve_rows(opts)`` where the
-    caller has them (before any device adaptation)."""
+    caller has them (before any device adaptation).
+
+    The device is named too (``device_name``: the GPU model, the CPU model): rows benched on an
+    H100 and then an H200, or on an AVX2-only CPU and then one with AMX, in one folder are not
+    the same bench, and a report never puts their step times side by side."""
     from memtrain.runtime.env import resolve_device  # torch-free --help/estimate/plan
 
     if rows is None:
@@ -98,8 +102,20 @@ def bench_settings(opts: BenchOptions, rows: Optional[list[tuple[str, RunConfig]
         # Valid only beside a row's own settings (a --config key that needs a technique): the
         # layers as given name it.
         base = [fitted_scale_overrides(opts.scale, opts.file_layer, opts.overrides), opts.file_layer, opts.overrides]
-    return {"scale": opts.scale, "config": base, "device": resolve_device(rows[0][1].train.device).type,
+    device = resolve_device(rows[0][1].train.device)
+    return {"scale": opts.scale, "config": base, "device": device.type, "device_name": hardware_name(device),
             "max_batch_search": _maxbatch_spec(opts, rows[0][1]), "nproc": opts.nproc}
+
+
+def hardware_name(device: Any) -> str:
+    """The model of ``device``: the GPU's name as CUDA gives it ("NVIDIA H100 80GB HBM3"), the
+    CPU's marketing name ("AMD EPYC 9B14"). Neither runs a kernel nor, on CUDA, makes a context
+    that would hold GPU memory while the rows measure theirs (as the runner's capability probe)."""
+    import torch  # torch-free --help/estimate/plan: bench has resolved a device by now
+
+    from memtrain.devices.probe import cpu_model  # imports torch, as above
+
+    return str(torch.cuda.get_device_name(device)) if device.type == "cuda" else cpu_model()
 
 
 def settings_hash(settings: dict[str, Any]) -> str:
@@ -239,8 +255,12 @@ def _wait(proc: subprocess.Popen, timeout_s: Optional[float], start: float, tick
             tick()
 
 
-def run_bench(opts: BenchOptions, on_row: Optional[Callable[[str, dict[str, Any]], None]] = None) -> list[dict[str, Any]]:
-    """Run every technique of ``opts`` not already done; return all rows of this bench."""
+def run_bench(opts: BenchOptions, on_row: Optional[Callable[[str, dict[str, Any]], None]] = None,
+              rows: Optional[list[tuple[str, RunConfig]]] = None,
+              settings: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
+    """Run every technique of ``opts`` not already done; return all rows of this bench.
+    ``rows`` and ``settings``: :func:`resolve_rows` and :func:`bench_settings` of ``opts`` where
+    the caller has them (``memtrain bench`` needs the settings before the first row)."""
     from memtrain.bench.device_rows import (  # torch-free --help/estimate/plan
         adapt_compiled_optims,
         adapt_fp8_rows,
@@ -250,8 +270,10 @@ def run_bench(opts: BenchOptions, on_row: Optional[Callable[[str, dict[str, Any]
     )
     from memtrain.runtime.env import resolve_device  # torch-free --help/estimate/plan
 
-    rows = resolve_rows(opts)
-    settings = bench_settings(opts, rows)
+    if rows is None:
+        rows = resolve_rows(opts)
+    if settings is None:
+        settings = bench_settings(opts, rows)
     device = resolve_device(rows[0][1].train.device) if rows else None
     caps = runner_caps(device, rows[0][1]) if device is not None else None
     rows, substituted, notes = adapt_rows(rows, caps, opts.substitute_slow)
@@ -304,7 +326,8 @@ def _run_rows(opts: BenchOptions, rows: list[tuple[str, RunConfig]], substituted
         # every row shares (a --config key, memtrain.report.tables.shared_technique_lines).
         result.update({"technique": name, "description": describe(name), "scale": opts.scale,
                        "config_hash": key[1], "named_settings": sorted(technique_overrides(name, opts.scale)),
-                       "settings_hash": sid, "max_batch_search": settings["max_batch_search"], "nproc": opts.nproc})
+                       "settings_hash": sid, "max_batch_search": settings["max_batch_search"], "nproc": opts.nproc,
+                       "device_name": settings["device_name"]})
         if name in substituted:
             result["substituted"] = substituted[name]
         if optim_subs and name in optim_subs:
@@ -333,4 +356,6 @@ def rerun_message(name: str, row: dict[str, Any], key: tuple[str, str, str], set
         what.append("max-batch search")
     if row.get("nproc") != settings["nproc"]:
         what.append("--nproc")
+    if "device_name" in row and row["device_name"] != settings["device_name"]:
+        what.append(f"device: {row['device_name']} then, {settings['device_name']} now")
     return f"[{name}] settings changed since its earlier row ({', '.join(what) or 'device or shared settings'}); running it again"

@@ -8,7 +8,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Optional
 
-from memtrain.bench.runner import BenchOptions, bench_settings, run_bench, settings_hash
+from memtrain.bench.runner import BenchOptions, bench_settings, resolve_rows, run_bench, settings_hash
 from memtrain.bench.scales import DEFAULT_SCALE, SCALE_BUDGET, SCALES, scale_overrides
 from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, NOISE_ROWS, TECHNIQUES, default_techniques, noise_twin
 from memtrain.cli import add_config_flags, fmt_bytes, register
@@ -170,10 +170,12 @@ def run(args: argparse.Namespace) -> int:
 
     # The report shows this bench's rows: those run (or found done) under its settings, never
     # a row of the same technique that an earlier bench ran otherwise.
-    settings = settings_hash(bench_settings(opts))
+    resolved = resolve_rows(opts)  # once: the settings and the bench use the same rows
+    shared = bench_settings(opts, resolved)
+    settings = settings_hash(shared)
     try:
         with sigterm_as_interrupt():  # `kill`, systemd, a job scheduler: stop like Ctrl-C
-            rows = run_bench(opts, on_row=on_row)
+            rows = run_bench(opts, on_row=on_row, rows=resolved, settings=shared)
     except KeyboardInterrupt:
         summary = write_report(opts.out, techniques=opts.techniques, settings=settings)
         warn_skipped_lines(opts.out, summary)
