@@ -64,3 +64,34 @@ def test_hub_model_on_an_unreachable_hub_is_one_config_error(no_offline_env):
     with pytest.raises(ConfigError, match=r"cannot read the model config of --model 'hf:memtrain-test/absent'.*"
                                           r"the Hub was not asked: 127\.0\.0\.1 is unreachable"):
         build_config({"model": "hf:memtrain-test/absent"})
+
+
+def test_a_cached_hub_config_with_a_nan_is_refused_naming_the_field(no_offline_env, tmp_path):
+    """A Hub repository's config.json is read by transformers from the cache, not by memtrain's
+    reader of local files: its NaN rms_norm_eps went through and trained into a divergence."""
+    pytest.importorskip("transformers")
+    import json
+
+    import huggingface_hub.constants
+
+    from memtrain.config.run import ConfigError, build_config
+    from memtrain.models.spec import load_config
+
+    for name, fields in (("nan", {"rms_norm_eps": float("nan")}), ("novocab", {"vocab_size": 0})):
+        snapshot = tmp_path / f"models--memtrain-test--{name}" / "snapshots" / ("0" * 40)
+        snapshot.mkdir(parents=True)
+        (tmp_path / f"models--memtrain-test--{name}" / "refs").mkdir()
+        (tmp_path / f"models--memtrain-test--{name}" / "refs" / "main").write_text("0" * 40)
+        config = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+                  "num_hidden_layers": 1, "vocab_size": 128, **fields}
+        (snapshot / "config.json").write_text(json.dumps(config))
+    no_offline_env.setenv("HF_HUB_OFFLINE", "1")
+    no_offline_env.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    load_config.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match=r"'hf:memtrain-test/nan' has rms_norm_eps NaN, not a finite number"):
+            build_config({"model": "hf:memtrain-test/nan"})
+        with pytest.raises(ConfigError, match=r"'hf:memtrain-test/novocab' has vocab_size 0"):
+            build_config({"model": "hf:memtrain-test/novocab"})
+    finally:
+        load_config.cache_clear()

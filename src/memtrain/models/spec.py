@@ -379,6 +379,13 @@ def load_config(spec: str) -> Any:
         why = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
         why = why if len(why) <= 400 else why[:397] + "..."
         raise ConfigError(f"cannot read the model config of --model {spec!r}: {why}{offline_hint(src.repo)}") from None
+    if src.repo is not None:
+        # A Hub repository's config.json was read by transformers from its cache, not by
+        # read_config_json: the same checks on what it holds (a NaN rms_norm_eps would train
+        # into a "lower --lr" divergence).
+        data = cfg.to_dict()
+        refuse_non_finite(data, spec)
+        _refuse_no_vocabulary(data, spec)
     if getattr(cfg, "is_encoder_decoder", False):
         raise ConfigError(f"--model {spec!r} is an encoder-decoder ({cfg.model_type}); memtrain trains causal LMs")
     return cfg
