@@ -397,7 +397,7 @@ def test_unreadable_inputs_are_named_with_the_reason(tmp_path: Path, capsys, mon
     checkpoint.write_bytes(b"PK")
     monkeypatch.setattr(pathlib.Path, "open", refusing_open)
     monkeypatch.setattr(pathlib.Path, "read_text", refusing_read_text)
-    monkeypatch.setattr(exact, "load_plain", lambda p: (_ for _ in ()).throw(PermissionError(13, "Permission denied", str(p))))
+    monkeypatch.setattr(exact, "load_plain", lambda p, **kw: (_ for _ in ()).throw(PermissionError(13, "Permission denied", str(p))))
     out = tmp_path / "out"
     code, err = _code_and_err(["train", "--data", str(data), "--steps", "1", "--out", str(out)], capsys)
     _assert_one_error_line(code, err, f"cannot read --data file '{data}' (Permission denied); check its permissions")
