@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY_MODEL
+from conftest import TINY_MODEL, cli_flags
 from memtrain.bench.process import ROW_PREFIX, clean_stale_row_dirs
 from memtrain.cli import main
 from memtrain.files.results import read_jsonl
@@ -193,3 +193,40 @@ def test_a_row_is_stopped_even_when_an_interrupt_left_popens_wait_lock_held():
             proc._waitpid_lock.release()
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("when", ["reading the config", "exporting"])
+def test_sigterm_is_ctrl_c_from_a_commands_first_line(tmp_path, monkeypatch, capsys, when):
+    """SIGTERM became KeyboardInterrupt only around training: while train read its config, or
+    during an export, it ended the process at once (exit 143, no line, an export's scratch
+    folder left beside its destination)."""
+    import memtrain.cli as cli
+    import memtrain.inference.export as export
+
+    def terminated(*args: object, **kwargs: object) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises before this returns
+
+    if when == "reading the config":
+        monkeypatch.setattr(cli, "config_from_args", terminated)
+        argv = ["train", "--steps", "1", "--out", str(tmp_path / "run")]
+    else:
+        ckpt = tmp_path / "run" / "ck.pt"
+        assert cli.main(["train", *cli_flags({**TINY_MODEL, "steps": 1, "batch_size": 1, "seq_len": 16,
+                                              "val_blocks": 1, "warmup_steps": 0}),
+                         "--no-progress", "--out", str(tmp_path / "run"), "--save", str(ckpt)]) == 0
+        monkeypatch.setattr(export, "save_tokenizer", terminated)
+        argv = ["export", str(ckpt), str(tmp_path / "hf")]
+    capsys.readouterr()
+
+    def unhandled(signum: int, frame: object) -> None:  # what the test sees if the command sets no handler
+        raise RuntimeError("SIGTERM reached the default action")
+
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        code = cli.main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert code == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: interrupted")
+    assert not any(p.name.startswith(".hf.") for p in tmp_path.iterdir()) and not (tmp_path / "hf").exists()

@@ -56,7 +56,7 @@ from memtrain.files.results import (
 )
 from memtrain.report.by_module import module_table_lines
 from memtrain.runtime.extras import quiet_third_party
-from memtrain.runtime.notices import install_warning_format
+from memtrain.runtime.notices import install_warning_format, random_base_warning
 from memtrain.runtime.signals import bind_rank_to_launcher, sigterm_as_interrupt
 from memtrain.training.preflight import check_before_launch, continue_longer, resumed_settings
 
@@ -448,30 +448,25 @@ def cmd_train(args: argparse.Namespace) -> int:
         if main_rank:
             write_json_atomic(out / RESULT_NAME, result)
 
-    # SIGTERM (kill, a job scheduler) stops like Ctrl-C: finally blocks run, scratch is removed,
-    # exit 130. Not under torchrun, whose launcher owns its workers' signals.
+    # SIGTERM stops like Ctrl-C (main() turns it into KeyboardInterrupt for the whole command):
+    # finally blocks run, scratch is removed, exit 130. The --out lock: a second train or bench
+    # on the folder is refused (exit 2). Under memtrain's launcher the launcher holds it and the
+    # ranks add themselves as its writers.
+    warn = _warn_after_first_step(random_base_warning(cfg) if main_rank else None)
+    try:
+        result = train(cfg, on_result=write_result, log_metrics=True, lock_out=True, on_step=warn)
+    except Exception as exc:
+        if not is_out_of_memory(exc) or env is not None:  # under torchrun each rank says its own
+            raise
+        # The estimate's modules, read only for this refusal: the flags the run does not use yet.
+        from memtrain.analysis.advice import save_memory_clause
+        from memtrain.runtime.env import resolve_device
 
-    guard = sigterm_as_interrupt() if "WORLD_SIZE" not in os.environ else contextlib.nullcontext()
-    with guard:
-        # The --out lock: a second train or bench on the folder is refused (exit 2). Under
-        # memtrain's launcher the launcher holds it and the ranks add themselves as its writers.
-        from memtrain.runtime.notices import random_base_warning
-
-        warn = _warn_after_first_step(random_base_warning(cfg) if main_rank else None)
-        try:
-            result = train(cfg, on_result=write_result, log_metrics=True, lock_out=True, on_step=warn)
-        except Exception as exc:
-            if not is_out_of_memory(exc) or env is not None:  # under torchrun each rank says its own
-                raise
-            # The estimate's modules, read only for this refusal: the flags the run does not use yet.
-            from memtrain.analysis.advice import save_memory_clause
-            from memtrain.runtime.env import resolve_device
-
-            t = cfg.train
-            save = save_memory_clause(cfg, None, resolve_device(t.device).type).text
-            raise ConfigError(f"out of memory training batch {t.batch_size} x seq {t.seq_len} ({allocation_of(exc)}): lower "
-                              "--batch-size (--grad-accum keeps the tokens per step)" + (f", or {save}" if save else "")
-                              + "; `memtrain maxbatch` finds the largest batch that fits") from None
+        t = cfg.train
+        save = save_memory_clause(cfg, None, resolve_device(t.device).type).text
+        raise ConfigError(f"out of memory training batch {t.batch_size} x seq {t.seq_len} ({allocation_of(exc)}): lower "
+                          "--batch-size (--grad-accum keeps the tokens per step)" + (f", or {save}" if save else "")
+                          + "; `memtrain maxbatch` finds the largest batch that fits") from None
     if not main_rank:
         return 0  # result["ranks"] has every rank's numbers
     if getattr(cfg.train, "warmup_defaulted", False):
@@ -563,8 +558,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # First thing a torchrun rank runs of memtrain: a rank never outlives its launcher.
     bind_rank_to_launcher()
     begin_command()
+    # SIGTERM (kill, a job scheduler) stops every verb like Ctrl-C, from its first line on:
+    # finally blocks run (an export's scratch folder is removed), exit 130 with one line. It was
+    # set only around training, so a SIGTERM while train read its config, or during an export,
+    # ended the process at once (exit 143, no line, scratch left). Not under torchrun, whose
+    # launcher owns its workers' signals.
+    guard = sigterm_as_interrupt() if "WORLD_SIZE" not in os.environ else contextlib.nullcontext()
     try:
-        return _main(argv)
+        with guard:
+            return _main(argv)
     except KeyboardInterrupt:  # Ctrl-C while importing or parsing (a rank just started): no traceback
         _say("error: interrupted; results written so far are kept", 130)
         return 130

@@ -15,7 +15,6 @@ from memtrain.cli import add_config_flags, fmt_bytes, register
 from memtrain.config.argtypes import batch_count, positive_float, rank_count, user_path
 from memtrain.config.run import SECTIONS, ConfigError, load_config_file, parse_size
 from memtrain.report import write_report
-from memtrain.runtime.signals import sigterm_as_interrupt
 from memtrain.training.preflight import check_out_names, check_writable_dir
 
 
@@ -174,8 +173,8 @@ def run(args: argparse.Namespace) -> int:
     shared = bench_settings(opts, resolved)
     settings = settings_hash(shared)
     try:
-        with sigterm_as_interrupt():  # `kill`, systemd, a job scheduler: stop like Ctrl-C
-            rows = run_bench(opts, on_row=on_row, rows=resolved, settings=shared)
+        # SIGTERM (`kill`, systemd, a job scheduler) arrives here as KeyboardInterrupt (cli.main).
+        rows = run_bench(opts, on_row=on_row, rows=resolved, settings=shared)
     except KeyboardInterrupt:
         summary = write_report(opts.out, techniques=opts.techniques, settings=settings)
         warn_skipped_lines(opts.out, summary)
