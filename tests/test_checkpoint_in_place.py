@@ -10,6 +10,7 @@ host memory (an 8B model: 16 GB read, 32 GB copied), more than a 24 GiB machine 
 from __future__ import annotations
 
 import hashlib
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -21,16 +22,21 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from memtrain.config.run import build_config  # noqa: E402
+from test_hf_models import tokenizer_files  # noqa: E402,F401  # the tiny BPE fixture
 from tiny_families import tiny_config  # noqa: E402
 
 
-def _write_checkpoint(folder: Path, ckpt: Path, lora_rank: int = 0, **overrides: object) -> None:
+def _write_checkpoint(folder: Path, ckpt: Path, lora_rank: int = 0, tokenizer: Path | None = None,
+                      **overrides: object) -> None:
     """A memtrain checkpoint of a Llama config (head tied to the embedding) in BF16 (``bf16-pure``), as train --save writes its
-    model and config, with learned-looking (non-zero) adapters when ``lora_rank``."""
+    model and config, with learned-looking (non-zero) adapters when ``lora_rank``, and the
+    ``tokenizer`` folder's files beside the config (needed to export or sample)."""
     from memtrain.models.hf import build_hf_model
     from memtrain.techniques.hf_mapping import apply_hf_lora
 
     tiny_config("llama", 2, **{"tie_word_embeddings": True, **overrides}).save_pretrained(folder)
+    for f in tokenizer.iterdir() if tokenizer is not None else ():
+        shutil.copy(f, folder / f.name)
     cfg = build_config({"model": str(folder), "seq_len": 16, "precision": "bf16-pure", "attention": "sdpa",
                         "lora_rank": lora_rank})
     torch.manual_seed(0)
@@ -126,3 +132,26 @@ def test_loading_a_bf16_checkpoint_adds_far_less_than_its_size_to_host_memory(tm
     assert weight_bytes > 60e6
     print(f"load added {added} bytes for {weight_bytes} weight bytes")
     assert added < 0.35 * weight_bytes, (added, weight_bytes)
+
+
+def test_a_checkpoint_sampled_in_bf16_keeps_ropes_float32_frequencies_as_its_export(tmp_path, tokenizer_files):
+    """generate CKPT --dtype bf16 cast the whole model with Module.to, rope's inv_freq buffer too:
+    its frequencies rounded to BF16 turned far positions by other angles than training and than
+    the export read in BF16 (whose inv_freq transformers computes in float32), so the same seed
+    could sample other text from a checkpoint than from its export."""
+    from memtrain.inference.export import export_hf
+    from memtrain.inference.generate import load_for_sampling
+
+    ckpt = tmp_path / "ck.pt"
+    _write_checkpoint(tmp_path / "m", ckpt, tokenizer=tokenizer_files, max_position_embeddings=512)
+    export_hf(ckpt, tmp_path / "hf")
+    from_ckpt, _, _ = load_for_sampling(ckpt, torch.bfloat16)
+    from_export, _, _ = load_for_sampling(tmp_path / "hf", torch.bfloat16)
+    ours, theirs = dict(from_ckpt.named_buffers()), dict(from_export.named_buffers())
+    assert ours.keys() == theirs.keys() and ours
+    for name, buffer in ours.items():
+        assert buffer.dtype == theirs[name].dtype and torch.equal(buffer, theirs[name]), name
+    assert next(from_ckpt.parameters()).dtype == torch.bfloat16
+    idx = torch.randint(0, 384, (1, 500), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(from_ckpt(idx).logits, from_export(idx).logits)

@@ -17,11 +17,12 @@ checkpoint and from its export (on the same device, in the same dtype).
 
 ``--device`` and ``--dtype`` place the model: a folder's weights are read in that dtype straight
 onto the device (never a float32 copy on the host first); a checkpoint's model holds the
-checkpoint's own tensors, mapped from the file (no copy on the host), and each is moved to the
-device and cast in one step. Before any weight reaches the device, the command holds ``memtrain estimate
---mode inference``'s figure for the run against the device's memory (``before_sampling``:
-memtrain.commands.generate), so a batch that cannot fit is one error line instead of an
-out-of-memory failure midway; for a folder the check comes before its weights are read at all.
+checkpoint's own tensors, mapped from the file (no copy on the host), and each parameter is
+moved to the device and cast in one step (buffers keep their dtype, as a folder's do). Before
+any weight reaches the device, the command holds ``memtrain estimate --mode inference``'s figure
+for the run against the device's memory (``before_sampling``: memtrain.commands.generate), so a
+batch that cannot fit is one error line instead of an out-of-memory failure midway; for a folder
+the check comes before its weights are read at all.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 
 from memtrain.config.run import ConfigError, ModelConfig, RunConfig, build_config
 from memtrain.data.tokenizer import EOT_ID, N_VOCAB, get_tokenizer
-from memtrain.inference.export import load_trained, require_transformers, to_hf_model
+from memtrain.inference.export import load_trained, place_weights, require_transformers, to_hf_model
 from memtrain.models.families import data_tokenizer
 from memtrain.models.gpt import GPT
 from memtrain.models.hf import load_pretrained_lm
@@ -155,7 +156,7 @@ def load_for_sampling(model_path: Path, dtype: Optional[torch.dtype] = None) -> 
         folder = read_folder(model_path)
         return folder.load(dtype), folder.codec, folder.cfg
     hf, codec, cfg = from_checkpoint(model_path)
-    return hf.to(dtype=dtype), codec, cfg
+    return place_weights(hf, dtype), codec, cfg
 
 
 # The dtypes --dtype names (those estimate --mode inference's --weights-dtype models for
@@ -210,9 +211,9 @@ def generate(model_path: Path, prompt: str, max_new_tokens: int, temperature: fl
                           f"{limit} positions; shorten one")
     if before_sampling is not None:
         before_sampling(cfg, weights_dtype, len(ids), place)
-    # A checkpoint's tensors are moved and cast together, tensor by tensor: no whole copy in the
-    # asked dtype on the host first.
-    hf = folder.load(asked, place) if folder is not None else loaded.to(device=place, dtype=weights_dtype)
+    # A checkpoint's parameters are moved and cast together, tensor by tensor (no whole copy in
+    # the asked dtype on the host first); its buffers (rope's float32 inv_freq) are only moved.
+    hf: Any = folder.load(asked, place) if folder is not None else place_weights(loaded, weights_dtype, place)
     pad = codec.start_id if codec.start_id is not None else ids[0]
     settings = generation_config(max_new_tokens, temperature, top_k, pad)
     torch.manual_seed(seed)
