@@ -21,9 +21,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import test_hf_models as hf_models  # noqa: E402
 from memtrain.config.run import build_config  # noqa: E402
-from test_hf_models import tokenizer_files  # noqa: E402,F401  # the tiny BPE fixture
 from tiny_families import tiny_config  # noqa: E402
+
+tokenizer_files = hf_models.tokenizer_files  # the tiny BPE tokenizer fixture
 
 
 def _write_checkpoint(folder: Path, ckpt: Path, lora_rank: int = 0, tokenizer: Path | None = None,

@@ -154,6 +154,34 @@ def test_loss_on_hidden_states_equals_transformers_loss(model_dirs, corpus, tmp_
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma", "phi3"])
+def test_bf16_pure_keeps_the_float32_buffers_transformers_keeps(model_dirs, corpus, tmp_path, family):
+    """bf16-pure cast the whole model with Module.to, rope's inv_freq buffer too: its frequencies
+    rounded to BF16 (up to 0.4% off) turned every position by other angles than transformers'
+    own BF16 model (from_config/from_pretrained with dtype=bfloat16, as HF Trainer trains it)."""
+    import transformers
+
+    from memtrain.techniques import make_precision, prepare_model
+    from memtrain.training.step import build_base_model
+
+    cpu = torch.device("cpu")
+    cfg = run_cfg(model_dirs[family], corpus, tmp_path, precision="bf16-pure", attention="math")
+    precision = make_precision("bf16-pure", cpu)
+    torch.manual_seed(0)
+    ours = prepare_model(build_base_model(cfg, cpu, precision), cfg, cpu, precision).eval()
+    config = transformers.AutoConfig.from_pretrained(str(model_dirs[family]), trust_remote_code=False)
+    theirs = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="eager",
+                                                          trust_remote_code=False).eval()
+    buffers = dict(ours.lm.named_buffers())
+    assert buffers and buffers.keys() == dict(theirs.named_buffers()).keys()
+    for name, buffer in theirs.named_buffers():
+        assert buffers[name].dtype == buffer.dtype and torch.equal(buffers[name], buffer), name
+    theirs.load_state_dict(ours.lm.state_dict())
+    ids = torch.randint(0, VOCAB, (1, 120), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(ours.lm(ids).logits, theirs(ids).logits)
+
+
 def test_chunked_loss_equals_standard_loss_and_gradients(model_dirs, corpus, tmp_path):
     from memtrain.models import build_model
     from memtrain.techniques import make_precision, prepare_model

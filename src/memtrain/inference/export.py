@@ -39,7 +39,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -51,6 +51,7 @@ from memtrain.models import is_hf
 from memtrain.models.families import data_tokenizer
 from memtrain.models.gpt import GPT
 from memtrain.models.hf import HFCausalLM, build_hf_model, quiet_transformers
+from memtrain.models.placement import place_weights
 from memtrain.models.spec import resolve
 from memtrain.runtime.extras import require
 from memtrain.techniques.hf_mapping import apply_hf_lora
@@ -176,29 +177,8 @@ def _load_transformers(weights: dict[str, Any], cfg: RunConfig, ckpt: Path, merg
         p.requires_grad_(False)
     dtype = trained_dtype(weights)
     if merge or not tech.lora_rank:
-        place_weights(model, dtype)
+        place_weights(model, dtype)  # rope's float32 inv_freq stays float32 (models.placement)
     return model.eval()
-
-
-def place_weights(model: nn.Module, dtype: Optional[torch.dtype], device: Optional[torch.device] = None) -> nn.Module:
-    """``model``'s floating parameters cast to ``dtype`` (None: kept) and everything moved to
-    ``device`` (None: kept), tensor by tensor; ties stay ties.
-
-    Unlike ``Module.to(dtype)``, buffers keep their dtype: transformers computes rope's
-    ``inv_freq`` in float32 whatever the weights' dtype (training, and ``from_pretrained`` of an
-    export, use it so). Cast to BF16 its frequencies are off by up to 0.4%, so positions far
-    into a sample turned by other angles than in training, and a checkpoint sampled otherwise
-    than its export in the same dtype."""
-    for module in model.modules():
-        for p in module.parameters(recurse=False):  # a tied Parameter is one object: changed once
-            if p.is_floating_point() and dtype is not None:
-                p.data = p.data.to(device=device, dtype=dtype)
-            elif device is not None:
-                p.data = p.data.to(device=device)
-        if device is not None:
-            for name, buffer in module.named_buffers(recurse=False):
-                setattr(module, name, buffer.to(device=device))
-    return model
 
 
 # --------------------------------------------------------------------------- our GPT -> GPT2LMHeadModel

@@ -35,10 +35,11 @@ import torch
 
 from memtrain.config.run import ConfigError, ModelConfig, RunConfig, build_config
 from memtrain.data.tokenizer import EOT_ID, N_VOCAB, get_tokenizer
-from memtrain.inference.export import load_trained, place_weights, require_transformers, to_hf_model
+from memtrain.inference.export import load_trained, require_transformers, to_hf_model
 from memtrain.models.families import data_tokenizer
 from memtrain.models.gpt import GPT
 from memtrain.models.hf import load_pretrained_lm
+from memtrain.models.placement import place_weights
 from memtrain.models.spec import (
     TOKENIZER_FILES,
     config_positions,

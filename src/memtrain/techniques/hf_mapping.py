@@ -20,6 +20,7 @@ import torch.nn as nn
 from memtrain.config.run import ConfigError, RunConfig, TechniqueConfig
 from memtrain.distributed.wrapping import apply_distributed
 from memtrain.models.hf import HFCausalLM
+from memtrain.models.placement import place_weights
 from memtrain.models.qlora import nf4_unshardable, quantize_base_weights
 from memtrain.models.spec import ALL_LINEAR, every_decoder_linear
 from memtrain.techniques.checkpointing import apply_checkpointing
@@ -112,7 +113,7 @@ def prepare_hf_model(model: HFCausalLM, cfg: RunConfig, device: torch.device, pr
     tech = cfg.technique
     _check_supported(tech, device)
     _check_logit_softcap(model, tech)
-    model = model.to(device=device, dtype=precision.param_dtype)
+    place_weights(model, precision.param_dtype, device)  # rope's float32 inv_freq stays float32, as in transformers
     apply_hf_lora(model, tech)
     if tech.qlora:
         quantize_base_weights(model, device)
