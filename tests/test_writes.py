@@ -95,7 +95,7 @@ def test_bench_checks_and_writes_the_same_home_folder_for_a_tilde(small_corpus, 
     class Stop(Exception):
         pass
 
-    def fake_run_bench(opts, on_row=None):
+    def fake_run_bench(opts, on_row=None, **resolved):
         seen.append(opts.out)
         raise Stop
 
