@@ -101,8 +101,8 @@ def load_trained(ckpt: str | Path, merge: bool = True) -> tuple[nn.Module, RunCo
 def _fit(model: nn.Module, weights: dict[str, Any], ckpt: Path, cfg: RunConfig, assign: bool = False) -> None:
     """``model.load_state_dict(weights)``, a mismatch being the input's fault (exit 2).
 
-    ``assign``: the model's parameters become the checkpoint's tensors themselves, in their own
-    dtypes (the base's and the adapters', as training kept them), instead of copies into what the build allocated."""
+    ``assign``: the model's parameters become the checkpoint's tensors themselves, in the dtypes
+    training kept them in, instead of copies into what the build allocated."""
     try:
         model.load_state_dict(weights, assign=assign)
     except (RuntimeError, TypeError, ValueError) as exc:
@@ -162,8 +162,8 @@ def _load_transformers(weights: dict[str, Any], cfg: RunConfig, ckpt: Path, merg
                             distributed="none")
     # Every weight comes from the checkpoint (a strict load below), so none is drawn at random
     # first, and the build's own storage is never written: the load hands the model the
-    # checkpoint's (mapped) tensors and frees what the build allocated, untouched. An 8B BF16
-    # checkpoint so takes its own size in host memory, not that again in FP32 for a copy.
+    # checkpoint's (mapped) tensors and frees what the build allocated, untouched: an 8B BF16
+    # checkpoint takes its own size in host memory, not twice that again for an FP32 copy.
     model = build_hf_model(build_cfg, with_weights=False, initialize=False)
     if tech.lora_rank:
         require("peft")
