@@ -66,9 +66,10 @@ def test_hub_model_on_an_unreachable_hub_is_one_config_error(no_offline_env):
         build_config({"model": "hf:memtrain-test/absent"})
 
 
-def test_a_cached_hub_config_with_a_nan_is_refused_naming_the_field(no_offline_env, tmp_path):
-    """A Hub repository's config.json is read by transformers from the cache, not by memtrain's
-    reader of local files: its NaN rms_norm_eps went through and trained into a divergence."""
+def test_a_cached_hub_config_gets_the_checks_of_a_local_one(no_offline_env, tmp_path):
+    """A Hub repository's config.json was read by transformers from the cache, not by memtrain's
+    checks of local files: its NaN rms_norm_eps went through and trained into a divergence, and
+    an auto_map naming custom model code was accepted (a model_type transformers ships)."""
     pytest.importorskip("transformers")
     import json
 
@@ -77,7 +78,8 @@ def test_a_cached_hub_config_with_a_nan_is_refused_naming_the_field(no_offline_e
     from memtrain.config.run import ConfigError, build_config
     from memtrain.models.spec import load_config
 
-    for name, fields in (("nan", {"rms_norm_eps": float("nan")}), ("novocab", {"vocab_size": 0})):
+    for name, fields in (("nan", {"rms_norm_eps": float("nan")}), ("novocab", {"vocab_size": 0}),
+                         ("custom", {"auto_map": {"AutoModelForCausalLM": "modeling.Custom"}})):
         snapshot = tmp_path / f"models--memtrain-test--{name}" / "snapshots" / ("0" * 40)
         snapshot.mkdir(parents=True)
         (tmp_path / f"models--memtrain-test--{name}" / "refs").mkdir()
@@ -89,9 +91,14 @@ def test_a_cached_hub_config_with_a_nan_is_refused_naming_the_field(no_offline_e
     no_offline_env.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     load_config.cache_clear()
     try:
-        with pytest.raises(ConfigError, match=r"'hf:memtrain-test/nan' has rms_norm_eps NaN, not a finite number"):
+        with pytest.raises(ConfigError, match=r"--model 'hf:memtrain-test/nan': .*config.json' has rms_norm_eps NaN, "
+                                              "not a finite number"):
             build_config({"model": "hf:memtrain-test/nan"})
-        with pytest.raises(ConfigError, match=r"'hf:memtrain-test/novocab' has vocab_size 0"):
+        with pytest.raises(ConfigError, match=r"--model 'hf:memtrain-test/novocab': .*config.json' has vocab_size 0"):
             build_config({"model": "hf:memtrain-test/novocab"})
+        # Custom code in a cached repository is refused as in a folder: never offered
+        # (transformers' own refusal told the user to pass trust_remote_code=True).
+        with pytest.raises(ConfigError, match=r"names custom model code \(auto_map\); memtrain never runs code"):
+            build_config({"model": "hf:memtrain-test/custom"})
     finally:
         load_config.cache_clear()

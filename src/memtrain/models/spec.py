@@ -359,14 +359,17 @@ def load_config(spec: str) -> Any:
     except ImportError:
         raise ConfigError("--model with a transformers config needs transformers: pip install 'memtrain[hf]'") from None
     src = resolve(spec)
-    if src.repo is None:
-        assert src.config_path is not None
-        try:
-            read_config_json(src.config_path)
-            if src.directory is not None:
-                refuse_custom_tokenizer(src.directory)
-        except ConfigError as exc:
-            raise ConfigError(f"cannot read the model config of --model {spec!r}: {exc}") from None
+    # A local config.json, or a Hub repository's from the cache (downloaded first when the Hub is
+    # reachable): read by memtrain's checks before transformers reads it, so custom code
+    # (auto_map) is refused, never offered, and a NaN field or an empty vocabulary is named.
+    config_path = src.config_path if src.repo is None else _hub_file(src.repo, "config.json", spec)
+    try:
+        assert config_path is not None
+        read_config_json(config_path)
+        if src.directory is not None:
+            refuse_custom_tokenizer(src.directory)
+    except ConfigError as exc:
+        raise ConfigError(f"cannot read the model config of --model {spec!r}: {exc}") from None
     try:
         # One code path for a Hub repository, a directory and a config.json file; an offline Hub
         # is read from the local cache only (hub_access: seconds instead of half a minute of retries).
@@ -379,16 +382,25 @@ def load_config(spec: str) -> Any:
         why = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
         why = why if len(why) <= 400 else why[:397] + "..."
         raise ConfigError(f"cannot read the model config of --model {spec!r}: {why}{offline_hint(src.repo)}") from None
-    if src.repo is not None:
-        # A Hub repository's config.json was read by transformers from its cache, not by
-        # read_config_json: the same checks on what it holds (a NaN rms_norm_eps would train
-        # into a "lower --lr" divergence).
-        data = cfg.to_dict()
-        refuse_non_finite(data, spec)
-        _refuse_no_vocabulary(data, spec)
     if getattr(cfg, "is_encoder_decoder", False):
         raise ConfigError(f"--model {spec!r} is an encoder-decoder ({cfg.model_type}); memtrain trains causal LMs")
     return cfg
+
+
+def _hub_file(repo: str, name: str, spec: str) -> Path:
+    """The local copy of file ``name`` of Hub repository ``repo``: from the Hugging Face cache,
+    downloaded into it first when the Hub is reachable (huggingface_hub, as transformers reads it)."""
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return Path(hf_hub_download(repo, name, **from_pretrained_kwargs(repo)))
+    except Exception as exc:  # noqa: BLE001 - absent from the cache, no such repository, no network
+        hint = offline_hint(repo)
+        if hint and type(exc).__name__ == "LocalEntryNotFoundError":  # the hint says it; huggingface_hub's
+            raise ConfigError(f"cannot read the model config of --model {spec!r}{hint}") from None  # names an argument
+        why = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+        why = why if len(why) <= 300 else why[:297] + "..."
+        raise ConfigError(f"cannot read the model config of --model {spec!r}: {why}{hint}") from None
 
 
 # --------------------------------------------------------------------------- config.json without torch
