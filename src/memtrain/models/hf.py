@@ -30,7 +30,7 @@ from memtrain.attention.hf import restricted_sdpa_implementation
 from memtrain.config.run import ConfigError, RunConfig
 from memtrain.models.depth import apply_layer_count
 from memtrain.models.gpt import LossFn, standard_lm_loss
-from memtrain.models.hub_access import from_pretrained_kwargs
+from memtrain.models.hub_access import from_pretrained_kwargs, offline_reason
 from memtrain.models.spec import ModelSource, load_config, refuse_pickled_weights, resolve
 
 # --attention -> transformers' attn_implementation
@@ -247,6 +247,17 @@ def load_pretrained_lm(load_id: str, config: Any, attn: str, what: str, repo: Op
         reason = f"{type(exc).__name__}: {_first_line(exc)}"
         if "ignore_mismatched_sizes" in reason:  # transformers points at the report memtrain keeps quiet
             reason = "a tensor's shape differs from the one its config.json gives"
+        # A Hub repository without safetensors weights (or none cached, offline): transformers'
+        # advice ("do not set use_safetensors=True", "a file named pytorch_model.bin") would read
+        # pickles, which can run code.
+        offline = offline_reason() if repo is not None else None
+        if repo is not None and offline is not None and not _cached_safetensors(repo):
+            raise ConfigError(f"{what} has no *.safetensors weights in the local Hugging Face cache (the Hub was "
+                              f"not asked: {offline}); connect once to download them, or point --model at a local "
+                              "directory") from None
+        if repo is not None and ("model.safetensors" in reason or "pytorch_model.bin" in reason):
+            raise ConfigError(f"{what} has no *.safetensors weights; memtrain reads safetensors only (a pickle can "
+                              "run code): use a repository that ships them, or convert its weights") from None
         raise ConfigError(f"cannot read the weights of {what} ({reason}); "
                           "its *.safetensors files must be complete and belong to its config.json") from None
     mismatched = sorted(info.get("mismatched_keys") or (), key=lambda m: str(m[0]))
@@ -261,6 +272,14 @@ def load_pretrained_lm(load_id: str, config: Any, attn: str, what: str, repo: Op
         raise ConfigError(f"the weights of {what} do not fit its config.json: {len(missing)} tensor(s) missing, "
                           f"e.g. {missing[0]}; give the complete *.safetensors files")
     return lm
+
+
+def _cached_safetensors(repo: str) -> bool:
+    """Whether the Hugging Face cache holds ``repo``'s safetensors weights (one file or an index)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    return any(isinstance(try_to_load_from_cache(repo, name), str)
+               for name in ("model.safetensors", "model.safetensors.index.json"))
 
 
 @contextlib.contextmanager

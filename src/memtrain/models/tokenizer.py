@@ -87,5 +87,9 @@ def load_tokenizer(load_id: str, what: str, repo: Optional[str] = None) -> Any:
         raise
     except Exception as exc:  # noqa: BLE001 - the tokenizers library raises a bare Exception for a garbled file
         text = str(exc).strip()
+        if "contains custom code" in text:  # a Hub repository's auto_map: refused, never offered (its text goes on
+            # to ask for trust_remote_code=True); a folder's was refused before this read (refuse_custom_tokenizer)
+            raise ConfigError(f"the tokenizer of {what} names custom code (auto_map); memtrain never runs code shipped "
+                              "with a model: use a tokenizer class transformers ships") from None
         first = text.splitlines()[0] if text else type(exc).__name__
         raise ConfigError(f"cannot load the tokenizer of {what}: {first}") from None
