@@ -161,6 +161,18 @@ def test_a_crafted_checkpoints_negative_warmup_is_not_taken_by_a_longer_run(tiny
         check_resume(cfg)
 
 
+def test_a_longer_steps_with_a_stop_after_past_the_saved_run_trains_to_the_stop(tiny_run, tmp_path):
+    """``--resume CKPT --steps 10 --stop-after 7`` on a finished 4-step run: the 10-step run
+    stops after step 7. The saved schedule, rebuilt to say where the LR moves, kept this run's
+    --stop-after, and a 4-step schedule refused a stop at 7 (exit 2 naming ``--steps (4)``)."""
+    base = {k: v for k, v in tiny_run.items() if k != "warmup_steps"}
+    train(build_config({**base, "steps": 4, "save": str(tmp_path / "a.pt"), "out": str(tmp_path / "a")}))
+    cfg = build_config({**base, "steps": 10, "stop_after": 7, "resume": str(tmp_path / "a.pt"),
+                        "out": str(tmp_path / "b")})
+    r = train(cfg)
+    assert r["stopped_early"] and r["steps_run"] == 3 and len(r["loss_history"]) == 7
+
+
 def _cli_train(capsys, *argv: str) -> tuple[int, str]:
     from memtrain.cli import main
 

@@ -494,7 +494,11 @@ def continue_longer(cfg: RunConfig) -> Optional[str]:
     if getattr(t, "warmup_defaulted", False) and warmup is not None:
         t.warmup_steps = warmup
         t.warmup_defaulted = False  # type: ignore[attr-defined]  # the CLI's note on a defaulted warm-up no longer applies
-    was = t.lr * lr_lambda(dataclasses.replace(cfg, train=dataclasses.replace(t, steps=before)))(step)
+    # The saved run's schedule, rebuilt only to read its LR: this run's --stop-after (which may lie
+    # past the saved run's end, the point of a longer --steps) is no part of it, and TrainConfig
+    # refuses a --stop-after beyond its --steps.
+    saved_schedule = dataclasses.replace(t, steps=before, stop_after=None)
+    was = t.lr * lr_lambda(dataclasses.replace(cfg, train=saved_schedule))(step)
     now = t.lr * lr_lambda(cfg)(step)
     head = f"note: --steps {t.steps} trains the {before}-step run of {str(t.resume)!r} longer"
     if was == now:
