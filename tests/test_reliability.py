@@ -311,6 +311,12 @@ def test_nonsense_flags_are_refused_before_anything_runs(tiny_run, args, words, 
     ("latin1.toml", b'data = "caf\xe9"\n', "not UTF-8"),
     ("bool.toml", b"batch_size = true\n", "--batch-size expects int, got True"),
     ("nested.yaml", b"model: {d_model: [1]}\n", "--d-model expects int, got a list"),
+    # A key given twice: YAML and JSON parsers keep the later one silently (a second section
+    # replaced the first whole); TOML refuses it itself.
+    ("twice.yaml", b"steps: 3\nsteps: 5\n", "the key 'steps' appears twice (line 2)"),
+    ("section_twice.yaml", b"train:\n  steps: 3\ntrain:\n  lr: 0.1\n", "the key 'train' appears twice (line 3)"),
+    ("twice.json", b'{"steps": 3, "steps": 5}', "the key 'steps' appears twice"),
+    ("twice.toml", b"steps = 3\nsteps = 5\n", "cannot parse config file"),
 ])
 def test_bad_config_files_are_refused(tiny_run, tmp_path, name, content, words, capsys):
     (tmp_path / name).write_bytes(content)

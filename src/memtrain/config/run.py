@@ -701,6 +701,37 @@ def _check_placement(data: dict[str, Any], shown: str) -> None:
             seen[name] = where
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load``'s loader, refusing a key given twice in one mapping: PyYAML keeps the
+    later value silently, so ``steps: 3`` above ``steps: 5`` (or a second ``train:`` section,
+    which replaces the first whole) ran with settings the file's reader never saw."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` merges; the keys beside it win by design
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+            except TypeError:  # an unhashable key: the base class says so
+                continue
+            if duplicate:
+                raise ValueError(f"the key {key!r} appears twice (line {key_node.start_mark.line + 1}); keep one")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _unique_json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object of a config file, refusing a key given twice (``json`` keeps the later)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key!r} appears twice; keep one")
+        out[key] = value
+    return out
+
+
 def _parse_config_text(text: str, suffix: str) -> Any:
     """The settings of a config file's text; ValueError for text no config can hold.
 
@@ -711,12 +742,13 @@ def _parse_config_text(text: str, suffix: str) -> Any:
     indentation is caught by the RecursionError guard, since it costs a line per level.
     """
     if suffix == ".json":
-        return loads_bounded(text)
+        return loads_bounded(text, object_pairs_hook=_unique_json_object)
     too_deep = json_depth_error([text.encode("utf-8", "surrogatepass")])
     if too_deep is not None:
         raise ValueError(f"settings nested deeper than {MAX_JSON_DEPTH} levels (line {too_deep})")
     try:
-        data = tomllib.loads(text) if suffix == ".toml" else yaml.safe_load(text)
+        # tomllib refuses a key given twice itself; YAML and JSON parsers keep the later one.
+        data = tomllib.loads(text) if suffix == ".toml" else yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
     except RecursionError:
         raise ValueError(f"settings nested deeper than Python can parse (keep them under {MAX_JSON_DEPTH} levels)") from None
     except ValueError as exc:

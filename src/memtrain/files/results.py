@@ -186,17 +186,20 @@ def _no_constant(text: str) -> Any:
     raise ValueError(f"{text} is not a number JSON allows")
 
 
-def loads_bounded(text: str | bytes, limit: int = MAX_JSON_DEPTH) -> Any:
+def loads_bounded(text: str | bytes, limit: int = MAX_JSON_DEPTH,
+                  object_pairs_hook: Optional[Callable[[list[tuple[str, Any]]], Any]] = None) -> Any:
     """``json.loads`` for text memtrain did not necessarily write: ValueError (never a
     RecursionError, an overflow or a crash) when the text nests deeper than ``limit``, holds
     an integer longer than MAX_INT_DIGITS, or a number that is not finite (NaN, Infinity,
-    1e999). Python's own json would recurse once per level and parse a 4,000-digit integer."""
+    1e999). Python's own json would recurse once per level and parse a 4,000-digit integer.
+    ``object_pairs_hook`` is json's (a config file's reader refuses a key given twice with it)."""
     raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
     too_deep = json_depth_error((raw[i:i + SCAN_PIECE_BYTES] for i in range(0, len(raw), SCAN_PIECE_BYTES)), limit)
     if too_deep is not None:
         raise ValueError(f"JSON nested deeper than {limit} levels (line {too_deep})")
     try:
-        return json.loads(text, parse_int=_bounded_int, parse_float=_finite_float, parse_constant=_no_constant)
+        return json.loads(text, parse_int=_bounded_int, parse_float=_finite_float, parse_constant=_no_constant,
+                          object_pairs_hook=object_pairs_hook)
     except RecursionError:  # the scan bounds the depth; kept for a parser's deeper internal recursion
         raise ValueError(f"JSON nested too deeply to parse (at most {limit} levels)") from None
 
