@@ -402,6 +402,8 @@ DAMAGE = {
     "optimizer step as text": (lambda s: s["optimizer"]["state"][0].update(step="2"), "optimizer state"),
     "model weight as text": (lambda s: s["model"].update({next(iter(s["model"])): "w"}), "model"),
     "scaler as text": (lambda s: s.update(scaler="on"), "scaler"),
+    # Checked before the run's end is compared with it: "raise --stop-after" was the advice.
+    "negative step": (lambda s: s.update(step=-3), "its step is -3"),
 }
 
 
