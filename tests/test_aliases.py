@@ -65,6 +65,14 @@ def test_unknown_option_names_the_closest(capsys):
     assert err.count("\n") == 1
 
 
+def test_a_misspelt_trainer_name_in_a_config_file_names_the_closest(tmp_path, capsys):
+    """A config file's misspelt Trainer name gets the suggestion the command line gives it
+    (only memtrain's own names were offered: `see --help`)."""
+    (tmp_path / "c.toml").write_text("[train]\nlearning_rat = 0.1\n")
+    assert main(["train", "--config", str(tmp_path / "c.toml"), "--out", str(tmp_path / "o")]) == 2
+    assert "unknown option --learning-rat; did you mean --learning-rate?" in capsys.readouterr().err
+
+
 def test_per_verb_help_lists_only_used_options(capsys):
     for verb in ("estimate", "maxbatch", "flops", "plan"):
         with pytest.raises(SystemExit):

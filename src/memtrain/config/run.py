@@ -28,7 +28,7 @@ import tomllib
 import yaml
 
 from memtrain.analysis.limits import MAX_BATCH, MAX_BYTES, MAX_INT, MAX_RANKS, check_analytic_size, check_at_most
-from memtrain.config.aliases import WARMUP_RATIO, normalize as normalize_aliases
+from memtrain.config.aliases import BY_NAME as ALIASES_BY_NAME, WARMUP_RATIO, normalize as normalize_aliases
 
 # ConfigError lives in a leaf module so that the modules config itself consults (model presets,
 # model-spec resolution) can raise it without importing config back.
@@ -810,7 +810,9 @@ def build_config(*layers: dict[str, Any]) -> RunConfig:
         flat.pop(WARMUP_RATIO, None)
         for key, value in flat.items():
             if key not in index:
-                close = difflib.get_close_matches(key, index.keys(), n=1)
+                # The Trainer's names are settings too (a file's `learning_rat` means `learning_rate`),
+                # as the command line's own suggestion offers them.
+                close = difflib.get_close_matches(key, [*index, *ALIASES_BY_NAME], n=1)
                 hint = f"; did you mean --{close[0].replace('_', '-')}?" if close else "; see --help for the options"
                 raise ConfigError(f"unknown option --{key.replace('_', '-')}{hint}")
             section = index[key]
