@@ -335,6 +335,23 @@ def test_qlora_nf4_on_cpu_stores_4bit_base_weights_and_trains(tmp_path_factory, 
     assert res["loss_history"][-1] < res["loss_history"][0]
 
 
+def test_qlora_says_once_which_weights_stay_unquantized(tmp_path_factory, tokenizer_files, corpus, tmp_path):
+    """A 64-wide model: the 64 x 64 attention matrices do not fill NF4's blocks and stay in
+    float. The run says so once; the FLOP count after the run (the MFU numerator), which builds
+    the model again, said it a second time."""
+    import warnings
+
+    from memtrain.runtime.notices import QLoRASkipWarning
+    from memtrain.training.train import train
+
+    d = make_model_dir(tmp_path_factory.mktemp("q64"), "llama", tokenizer_files, hidden_size=64,
+                       intermediate_size=256, num_key_value_heads=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(run_cfg(d, corpus, tmp_path, lora_rank=4, qlora=True, steps=2))
+    assert len([w for w in caught if issubclass(w.category, QLoRASkipWarning)]) == 1
+
+
 def test_qlora_without_lora_is_an_error(model_dirs, corpus, tmp_path):
     from memtrain.training.train import train
 
