@@ -622,3 +622,41 @@ def test_generate_samples_on_cuda_in_bf16(good_folder, capsys, monkeypatch):
     assert main(["generate", str(good_folder), "--prompt", "memory", "--device", "cuda", "--dtype", "bf16",
                  "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.startswith("memory")
+
+
+def test_export_from_another_folder_reads_the_model_folder_the_run_trained(scratch_llama, corpus, tmp_path,
+                                                                           monkeypatch, capsys):
+    """A run trained with a relative --model: export and generate from another folder said
+    "--model './m' is not a preset" (the path was read from the new folder), or read a folder
+    of the same name there; they read the run's own, as --resume does."""
+    launch, elsewhere = tmp_path / "launch", tmp_path / "elsewhere"
+    launch.mkdir(), elsewhere.mkdir()
+    shutil.copytree(scratch_llama, launch / "m")
+    monkeypatch.chdir(launch)
+    assert main(["train", "--model", "./m", "--data", str(corpus), *TRAIN, "--out", "run", "--save", "run/ck.pt"]) == 0
+    monkeypatch.chdir(elsewhere)
+    (elsewhere / "m").mkdir()  # a folder of the same name here, not the model
+    capsys.readouterr()
+    assert main(["export", str(launch / "run" / "ck.pt"), "hf"]) == 0, capsys.readouterr().err
+    assert (elsewhere / "hf" / "tokenizer.json").is_file()
+    assert main(["generate", str(launch / "run" / "ck.pt"), "--prompt", "memory", "--max-new-tokens", "3"]) == 0
+
+
+@pytest.mark.parametrize("damage", ["shape", "integer", "nan"])
+def test_a_damaged_checkpoint_is_named_by_the_tensor_that_does_not_fit(scratch_llama, corpus, tmp_path, capsys, damage):
+    """A tensor of another shape was refused with torch's headline only ("Error(s) in loading
+    state_dict for HFCausalLM:"), naming none; an integer tensor in a run that was no QLoRA was
+    blamed on bitsandbytes' packed weights; NaN weights exported with exit 0 and sampling failed
+    in torch's multinomial."""
+    ckpt = _train(scratch_llama, corpus, tmp_path, "--steps", "1")
+    state = torch.load(ckpt, weights_only=True)
+    name = "lm.model.norm.weight"
+    state["model"][name] = {"shape": torch.ones(3), "integer": state["model"][name].to(torch.int64),
+                            "nan": state["model"][name].clone().fill_(float("nan"))}[damage]
+    torch.save(state, ckpt)
+    capsys.readouterr()
+    assert main(["export", str(ckpt), str(tmp_path / "hf")]) == 2
+    said = _one_error_line(capsys.readouterr().err)
+    assert name in said and "bitsandbytes" not in said, said
+    assert {"shape": "size mismatch", "integer": "torch.int64", "nan": "NaN or inf"}[damage] in said
+    assert not (tmp_path / "hf").exists()

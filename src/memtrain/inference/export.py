@@ -57,6 +57,7 @@ from memtrain.runtime.extras import require
 from memtrain.techniques.hf_mapping import apply_hf_lora
 from memtrain.techniques.lora import apply_lora, merge_adapters_in_place, merge_lora
 from memtrain.training.preflight import check_model_size
+from memtrain.training.run_paths import anchored, launch_dir
 
 # The attention kernels any machine can load a transformers model with; the others (flash-attn,
 # flex, mem-efficient: CUDA) are a training choice, not part of the weights.
@@ -80,7 +81,10 @@ def read_checkpoint(ckpt: str | Path) -> tuple[dict[str, Any], RunConfig]:
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict) or not isinstance(state.get("config"), dict):
         raise ConfigError(f"checkpoint {str(p)!r} is not a memtrain checkpoint (no model or config)")
     try:
-        cfg = build_config(state["config"])
+        # The run's relative --model (and data) are relative to the folder it was launched from,
+        # as for --resume (memtrain.training.run_paths): an export from another folder reads the
+        # model folder the run trained, never a folder of the same name here.
+        cfg = build_config(anchored(state["config"], launch_dir(state, p)))
     except ConfigError as exc:
         raise ConfigError(f"checkpoint {str(p)!r}: the config of the run that wrote it cannot be used here ({exc}); "
                           "run where its --model is readable (a relative path is read from the current folder)") from None
@@ -106,10 +110,34 @@ def _fit(model: nn.Module, weights: dict[str, Any], ckpt: Path, cfg: RunConfig, 
     try:
         model.load_state_dict(weights, assign=assign)
     except (RuntimeError, TypeError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = _mismatch_line(exc)
         spec = f"--model {cfg.model.model!r} as it reads now" if cfg.model.model else "the model its config describes"
         raise ConfigError(f"checkpoint {str(ckpt)!r} does not fit {spec} ({first}); export with the files the run "
                           "was trained on") from None
+
+
+def _mismatch_line(exc: BaseException) -> str:
+    """What a failed ``load_state_dict`` says about the first tensor that does not fit: torch's
+    headline ("Error(s) in loading state_dict for HFCausalLM:") names none; the line after it
+    does ("size mismatch for lm.model.norm.weight: ...", "Missing key(s) in state_dict: ...")."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    detail = lines[1] if len(lines) > 1 and lines[0].startswith("Error(s) in loading state_dict") else lines[0]
+    return detail if len(detail) <= 240 else detail[:237] + "..."
+
+
+def _refuse_non_finite(model: nn.Module, ckpt: Path) -> None:
+    """Refuse a model whose weights hold NaN or inf (a run that diverged before its checkpoint):
+    exported, they loaded everywhere, and sampling failed in torch's multinomial with a message
+    that never named the checkpoint."""
+    for name, p in model.named_parameters():
+        if not p.is_floating_point():
+            continue
+        for part in p.detach().reshape(-1).split(1 << 24):  # a bool mask of 16M elements at a time
+            if not bool(torch.isfinite(part).all()):
+                raise ConfigError(f"checkpoint {str(ckpt)!r} holds NaN or inf in {name}: its run diverged before it "
+                                  "was saved; export an earlier checkpoint, or train again with a lower --lr")
 
 
 def _load_gpt(weights: dict[str, Any], cfg: RunConfig, ckpt: Path) -> GPT:
@@ -122,6 +150,7 @@ def _load_gpt(weights: dict[str, Any], cfg: RunConfig, ckpt: Path) -> GPT:
         model = merge_lora(model)
     else:
         _fit(model, weights, ckpt, cfg)
+    _refuse_non_finite(model, ckpt)
     return model.float().eval()
 
 
@@ -134,9 +163,10 @@ def trained_dtype(weights: dict[str, Any]) -> torch.dtype:
     return torch.float32
 
 
-def _plain_weights(weights: dict[str, Any], model: nn.Module, ckpt: Path) -> dict[str, Any]:
+def _plain_weights(weights: dict[str, Any], model: nn.Module, ckpt: Path, cfg: RunConfig) -> dict[str, Any]:
     """``weights`` with QLoRA's NF4 base weights dequantized (torchao ``NF4Tensor``), so they
-    load into the plain model; packed 4-bit weights without their scales are refused."""
+    load into the plain model; packed 4-bit weights without their scales are refused, and so is
+    an integer tensor where the model has a floating one in a run that was no QLoRA."""
     expected = model.state_dict()
     out: dict[str, Any] = {}
     for name, value in weights.items():
@@ -144,6 +174,10 @@ def _plain_weights(weights: dict[str, Any], model: nn.Module, ckpt: Path) -> dic
             value = value.get_original_weight()
         elif isinstance(value, torch.Tensor) and not value.is_floating_point() and name in expected \
                 and expected[name].is_floating_point():
+            if not cfg.technique.qlora:  # no quantized run wrote it: the file was changed
+                raise ConfigError(f"checkpoint {str(ckpt)!r} holds {name} as {value.dtype} where the model has "
+                                  f"{expected[name].dtype}; it does not fit the model its config describes: export "
+                                  "the checkpoint the run wrote")
             raise ConfigError(f"checkpoint {str(ckpt)!r} holds packed 4-bit weights ({name}, bitsandbytes' QLoRA on "
                               "CUDA) whose scales it does not keep; export the adapter with --adapter-only and apply "
                               "it to the base model")
@@ -168,8 +202,9 @@ def _load_transformers(weights: dict[str, Any], cfg: RunConfig, ckpt: Path, merg
     if tech.lora_rank:
         require("peft")
         apply_hf_lora(model, build_cfg.technique)
-    _fit(model, _plain_weights(weights, model, ckpt), ckpt, cfg, assign=True)
+    _fit(model, _plain_weights(weights, model, ckpt, cfg), ckpt, cfg, assign=True)
     model.lm.tie_weights()  # the load assigned the head and the embedding one at a time: one tensor again
+    _refuse_non_finite(model, ckpt)
     if tech.lora_rank and merge:
         merge_adapters_in_place(model)
     model.lm.config.use_cache = True  # training turned the KV cache off; generation wants it
