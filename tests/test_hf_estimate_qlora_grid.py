@@ -108,8 +108,9 @@ def test_qlora_within_one_percent_of_the_trace(case, tmp_path_factory):
 
 
 def test_qlora_weights_are_their_nf4_storage(tmp_path):
-    """The weights category is the trace's to the byte but for the rotary inv_freq buffer
-    (head_dim / 2 float32 values, which the analytic model leaves out): every NF4 weight's inner
+    """The weights category is the trace's to the byte but for the rotary inv_freq buffers
+    (inv_freq and original_inv_freq, head_dim / 2 float32 values each, which the analytic model
+    leaves out; float32 under bf16-pure too, as transformers keeps them): every NF4 weight's inner
     tensors, a one-block weight's whole quantization_factor row included."""
     from memtrain.analysis.estimate.hf import analytic_estimate
     from memtrain.analysis.trace import trace_step
@@ -121,5 +122,5 @@ def test_qlora_weights_are_their_nf4_storage(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         traced = trace_step(cfg, "cpu")
-    inv_freq = (256 // 4) // 2 * 4
+    inv_freq = 2 * (256 // 4) // 2 * 4  # inv_freq and original_inv_freq: head_dim / 2 float32 values each
     assert est.extra["model_state"]["weights"] + inv_freq == traced["by_category"]["parameters"]
