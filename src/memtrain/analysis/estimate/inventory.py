@@ -51,6 +51,10 @@ class Dims:
     autocast: bool
     dropout: bool
     cuda: bool
+    # Whether ``dropout`` also drops the embedding and the residual branches (our GPT's and GPT-2's
+    # layers) rather than the attention weights alone (a Llama-style transformers layer: its
+    # config's attention_dropout is its only dropout).
+    branch_dropout: bool = True
     bias: bool = True
     # FSDP2 under autocast gathers weights already in the compute dtype: autocast casts nothing
     # (no cached copies) and the gathered weights are counted by the sharding rule instead.
@@ -434,13 +438,14 @@ def _peft_lora(nodes: list[Node], dm: Dims, name: str, x: str, x_bytes: float, b
 
 
 def _dropout(nodes: list[Node], dm: Dims, name: str, x: str, out: str, numel: float, elt: float,
-             requires_grad: bool = True) -> None:
+             requires_grad: bool = True, attention: bool = False) -> None:
     """Dropout in training: the CPU kernel keeps a float noise tensor (input dtype) for
     backward, CUDA's fused kernel a bool mask; either way the output is a new tensor. Without
     dropout the op returns its input: ``out`` is another name for ``x``. ``requires_grad``:
     whether ``x`` needs a gradient; when it does not (a frozen embedding's output under LoRA)
-    autograd records nothing and the mask is freed with the op."""
-    if not dm.dropout:
+    autograd records nothing and the mask is freed with the op. ``attention``: the attention
+    weights' dropout, the only one a Llama-style layer has (``Dims.branch_dropout``)."""
+    if not dm.dropout or not (attention or dm.branch_dropout):
         _rename_key(nodes, x, out)
         return
     mask = f"{name}.mask"
@@ -512,7 +517,7 @@ def _scores_softmax(nodes: list[Node], dm: Dims, p: str, score_elems: float, mas
     if float_scores:
         nodes.append(Node(f"{p}.tocast", out=[(f"{p}.pa", sc * a)], inputs=[src], grads=[(src, sc * 4)]))
         src = f"{p}.pa"
-    _dropout(nodes, dm, f"{p}.attn_drop", src, f"{p}.pd", sc, a)
+    _dropout(nodes, dm, f"{p}.attn_drop", src, f"{p}.pd", sc, a, attention=True)
     return f"{p}.pd"
 
 
@@ -1231,6 +1236,9 @@ def run_dims(cfg: RunConfig, arch: Arch, device_type: str, batch: Optional[int] 
     dm = Dims(b=batch or t.batch_size, s=t.seq_len, d=m.d_model, f=m.d_ff, h=m.n_heads, kv=kv,
                hq=q if q != m.d_model else 0, V=m.padded_vocab_size, a=ab,
                r=pb, p=pb, autocast=autocast, dropout=m.dropout > 0, cuda=device_type == "cuda",
+               # (A Llama-style config's dropout is its attention_dropout, mirrored as ModelConfig.dropout:
+               # its layers and embedding drop nothing else; hf.why_not_modelled refuses Phi-3's others.)
+               branch_dropout=not (arch.hf and not arch.gpt2_layers),
                bias=m.bias and arch.name == "gpt2", hf=arch.hf, fp8=precision_facts(cfg.technique.precision).fp8,
                fused_proj=arch.fused_proj, lora_dropout=cfg.technique.lora_rank > 0 and cfg.technique.lora_dropout > 0,
                softmax_fp32=not arch.gpt2_layers, additive_mask=arch.hf,
