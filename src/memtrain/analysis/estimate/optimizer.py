@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable
 
 from memtrain.analysis.estimate.params import ParamInfo
-from memtrain.config.archs import Arch
 from memtrain.techniques.facts import (
     LOW_BIT_MIN_NUMEL,
     low_bit_quantizes,
@@ -59,17 +58,19 @@ def _quantized_state_bytes(ps: list[ParamInfo], rule: Any, n: int, block: int) -
     block = rule.quant_block(block)
     total = 0.0
     q = 0
-    for p in ps:
-        if low_bit_quantizes(p.numel, block):
-            q += p.numel * p.repeat
+    # Per tensor of the model: a fused table entry (ParamInfo.parts) is quantized, or not, tensor
+    # by tensor, each with its own scales, lookup tables and step.
+    for numel, repeat in ((n, p.repeat) for p in ps for n in (p.parts or (p.numel,))):
+        if low_bit_quantizes(numel, block):
+            q += numel * repeat
             # codes + one fp32 scale per block, for each of the 2 states; torchao also keeps
             # a 256-entry (8-bit) or 16-entry (4-bit) fp32 lookup table per state.
-            codes = p.numel * bits / 8
-            scales = 4 * p.numel / block
+            codes = numel * bits / 8
+            scales = 4 * numel / block
             qmap = 4 * (2 ** bits) if rule.qmap else 0
-            total += (2 * (codes + scales + qmap) + 4) * p.repeat
+            total += (2 * (codes + scales + qmap) + 4) * repeat
         else:
-            total += (2 * 4 * p.numel + 4) * p.repeat
+            total += (2 * 4 * numel + 4) * repeat
     lines = [f"{bits}-bit AdamW: 2 states x {bits} bits + fp32 scale per {block} elements on "
              f"{q:,} of {n:,} params; the rest (tensors < {LOW_BIT_MIN_NUMEL} elements or not a multiple of "
              f"{block}) keep fp32 states"]
@@ -77,19 +78,19 @@ def _quantized_state_bytes(ps: list[ParamInfo], rule: Any, n: int, block: int) -
 
 
 def optimizer_temporaries(params: list[ParamInfo], optim: str, param_bytes: float, weight_decay: float,
-                          precision: str, arch: Optional[Arch] = None) -> float:
+                          precision: str) -> float:
     """Scratch the optimizer step allocates at its worst moment (steady state).
 
     ``precision`` (``--precision``) picks the optimizer ``optim`` names: under bf16-pure,
-    ``adamw`` is torchao's stochastic-rounding AdamW, not torch's. ``arch`` says which of the
-    table's fused entries are separate tensors in the model (a transformers Llama's q/k/v)."""
+    ``adamw`` is torchao's stochastic-rounding AdamW, not torch's. A fused table entry that the
+    model holds as separate tensors (a transformers Llama's q/k/v) says so itself (ParamInfo.parts)."""
     ps = [p for p in params if p.trainable]
     if ps and precision == "bf16-pure" and optim == "adamw":
         # memtrain's bucketed stochastic-rounding AdamW (memtrain.techniques.sr_adamw): while it
         # updates a bucket it holds four copies of it (weights, gradients, both moments, in the
         # weights' dtype); buckets are planned per param group in model order.
-        bucket = max(sr_adamw_scratch_numel(_model_order([p for p in ps if len(p.shape) >= 2], arch)),
-                     sr_adamw_scratch_numel(_model_order([p for p in ps if len(p.shape) < 2], arch)))
+        bucket = max(sr_adamw_scratch_numel(_model_order([p for p in ps if len(p.shape) >= 2])),
+                     sr_adamw_scratch_numel(_model_order([p for p in ps if len(p.shape) < 2])))
         return 4 * bucket * param_bytes
     if not ps or torchao_compiled_step(optim, precision):
         # torchao's step (the low-bit AdamWs) is one compiled (fused) kernel per parameter that
@@ -149,7 +150,7 @@ def _adafactor_scratch(ps: list[ParamInfo], param_bytes: float) -> float:
 _MODEL_ORDER_MAX = 1 << 16
 
 
-def _model_order(params: list[ParamInfo], arch: Optional[Arch]) -> list[int]:
+def _model_order(params: list[ParamInfo]) -> list[int]:
     """The element counts of the model's tensors behind ``params``, in the model's order: a
     table entry that stands for ``repeat`` blocks (the compressed table) is one run of its
     block's entries, repeated; a fused entry the model holds as separate tensors is split."""
@@ -159,7 +160,7 @@ def _model_order(params: list[ParamInfo], arch: Optional[Arch]) -> list[int]:
     def flush() -> None:
         for _ in range(run[0].repeat if run else 0):
             for p in run:
-                out.extend(_tensor_numels(p, arch))
+                out.extend(_tensor_numels(p))
 
     for p in params:
         if run and (p.block != run[0].block or p.repeat != run[0].repeat):
@@ -172,18 +173,10 @@ def _model_order(params: list[ParamInfo], arch: Optional[Arch]) -> list[int]:
     return out
 
 
-def _tensor_numels(p: ParamInfo, arch: Optional[Arch]) -> list[int]:
+def _tensor_numels(p: ParamInfo) -> list[int]:
     """The model's tensors behind one table entry. The table fuses q/k/v into ``attn.qkv`` and a
     SwiGLU's gate and up into ``mlp.fc`` (as our GPT and Phi-3 hold them, and transformers' GPT-2
     its c_attn); a transformers Llama, Qwen2, Mistral or Gemma holds separate Linears, listed q,
-    k, v and gate, up. Biases are left whole: every vector of a model fits one bucket."""
-    separate = arch is not None and arch.hf and not arch.fused_proj and not arch.gpt2_layers
-    if not separate or len(p.shape) != 2:
-        return [p.numel]
-    n_out, n_in = p.shape
-    if p.name.endswith("attn.qkv.weight"):
-        kv = (n_out - n_in) // 2  # the table's rows are d (q) + 2 x kv
-        return [n_in * n_in, kv * n_in, kv * n_in]
-    if p.name.endswith("mlp.fc.weight") and arch is not None and arch.mlp == "swiglu":
-        return [p.numel // 2, p.numel // 2]
-    return [p.numel]
+    k, v and gate, up (``ParamInfo.parts``: q is n_heads x head_dim rows, which a config's head_dim
+    sets apart from the hidden size). Biases are left whole: every vector of a model fits one bucket."""
+    return list(p.parts or (p.numel,))

@@ -31,6 +31,11 @@ class ParamInfo:
     # stands for several Linears, each quantized on its own, or not: facts.nf4_quantizes); the
     # rest of the entry keeps the parameters' dtype.
     nf4: tuple[int, ...] = ()
+    # The element counts of the model's own tensors behind a fused entry (a transformers Llama's
+    # q_proj, k_proj, v_proj; gate_proj, up_proj: :func:`lora_split`), () where the entry is one
+    # tensor. An optimizer keeps its state per tensor, so whether a low-bit AdamW quantizes it is
+    # decided on each of them (a narrow k_proj may keep FP32 state where the fused entry would not).
+    parts: tuple[int, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -168,9 +173,10 @@ def block_param_table(m: ModelConfig, arch: Arch, tech: Optional[TechniqueConfig
         k = rep.get(i, 1)
         # QLoRA quantizes every frozen decoder Linear whose weight fits torchao's blocks (q_proj,
         # k_proj and v_proj of a fused entry each on its own: a narrow k/v may not).
-        nf4 = tuple(width * n_in for _, width in lora_split(arch, short, n_out, d, kv)
-                    if qlora and nf4_quantizes(width * n_in))
-        out.append(ParamInfo(f"{name}.weight", (n_out, n_in), not frozen, i, k, nf4))
+        split = lora_split(arch, short, n_out, d, kv)
+        nf4 = tuple(width * n_in for _, width in split if qlora and nf4_quantizes(width * n_in))
+        parts = tuple(width * n_in for _, width in split) if len(split) > 1 else ()
+        out.append(ParamInfo(f"{name}.weight", (n_out, n_in), not frozen, i, k, nf4, parts))
         if has_bias(arch, short, bias):
             out.append(ParamInfo(f"{name}.bias", (n_out,), not frozen, i, k))
         for suffix, width in lora_split(arch, short, n_out, d, kv):

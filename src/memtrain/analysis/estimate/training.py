@@ -166,7 +166,7 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     # `--optim adamw` runs the device's kernel: on CUDA the fused one, which updates in place, not
     # the CPU's per-tensor loop with its scratch.
     step_kernel = optimizer_kernel(tech.optim, tech.precision, device_type)
-    opt_tmp = optimizer_temporaries(trainable, step_kernel, adapter_bytes, t.weight_decay, tech.precision, arch)
+    opt_tmp = optimizer_temporaries(trainable, step_kernel, adapter_bytes, t.weight_decay, tech.precision)
     zero1: Optional[dict[str, Any]] = None
     if shard == "zero1" and world_size > 1 and sum(p.repeat for p in trainable) <= _ZERO1_MAX_TENSORS:
         # memtrain's ZeRO-1 gives each rank the dim-0 chunk of every tensor (ceil(rows/N) rows,
@@ -176,7 +176,7 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
         worst = per_rank.index(max(per_rank))
         zero1 = {"rank": worst, "optimizer_per_rank": per_rank,
                  "scratch": optimizer_temporaries(ranks[worst], step_kernel, adapter_bytes, t.weight_decay,
-                                                  tech.precision, arch)}
+                                                  tech.precision)}
 
     # ---- sharding (one rank's share)
     n = world_size
@@ -385,7 +385,8 @@ def _zero1_partition(params: list[ParamInfo], world: int) -> list[list[ParamInfo
         for r in range(world):
             start, end = dim0_range(rows, r, world)
             if end > start:
-                out[r].append(replace(p, shape=(end - start, *p.shape[1:])))
+                # (A chunk of a fused entry's rows is no longer its tensors: ParamInfo.parts dropped.)
+                out[r].append(replace(p, shape=(end - start, *p.shape[1:]), parts=()))
     return out
 
 
