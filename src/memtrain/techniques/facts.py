@@ -286,6 +286,9 @@ class OptimizerStateRule:
     block: int = 0  # default quantization block (0: not quantized)
     fixed_block: bool = False  # bitsandbytes always uses its own block
     qmap: bool = False  # torchao's per-state lookup table
+    # A tensor it leaves unquantized keeps float32 state (bitsandbytes makes it float32); else the
+    # state is in the weight's dtype (torchao's ``zeros_like(p)``: bf16 under --precision bf16-pure).
+    unquantized_fp32: bool = False
     step_tensor: bool = False
     factored: bool = False
 
@@ -314,7 +317,7 @@ OPTIMIZER_STATE_RULES: dict[str, OptimizerStateRule] = {
     "adamw-8bit": OptimizerStateRule("adamw-8bit", states=2, state_bits=8, block=256, qmap=True, step_tensor=True),
     "adamw-4bit": OptimizerStateRule("adamw-4bit", states=2, state_bits=4, block=128, qmap=True, step_tensor=True),
     "adamw-bnb-8bit": OptimizerStateRule("adamw-bnb-8bit", states=2, state_bits=8, block=256, fixed_block=True,
-                                         step_tensor=True),
+                                         unquantized_fp32=True, step_tensor=True),
     "sgd": OptimizerStateRule("sgd", states=1),
 }
 # The optimizers that are torch's AdamW (one algorithm, three kernels).

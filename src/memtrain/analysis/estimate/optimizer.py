@@ -44,7 +44,7 @@ def predicted_optimizer_state(params: Iterable[ParamInfo], optim: str, param_byt
                 total += (4 * p.numel + 4) * p.repeat
         return total, ["Adafactor: factored second moment (rows + columns per matrix), no first moment"]
     if rule.quantized:
-        return _quantized_state_bytes(ps, rule, n, block)
+        return _quantized_state_bytes(ps, rule, n, block, param_bytes)
     if rule.step_tensor:
         # AdamW: exp_avg + exp_avg_sq per parameter, plus a 4-byte float32 ``step`` tensor each.
         return (rule.states * param_bytes * n + 4 * n_tensors,
@@ -52,10 +52,14 @@ def predicted_optimizer_state(params: Iterable[ParamInfo], optim: str, param_byt
     return param_bytes * n, [f"SGD momentum: 1 buffer x {param_bytes:g} B x {n:,}"]
 
 
-def _quantized_state_bytes(ps: list[ParamInfo], rule: Any, n: int, block: int) -> tuple[float, list[str]]:
-    """A low-bit AdamW's state: quantized codes + block scales on the tensors it quantizes."""
+def _quantized_state_bytes(ps: list[ParamInfo], rule: Any, n: int, block: int,
+                           param_bytes: float) -> tuple[float, list[str]]:
+    """A low-bit AdamW's state: quantized codes + block scales on the tensors it quantizes; the
+    others keep two full moments, in the weights' dtype (``param_bytes``) unless the optimizer
+    makes them float32 (``OptimizerStateRule.unquantized_fp32``)."""
     bits = rule.state_bits
     block = rule.quant_block(block)
+    plain = 4 if rule.unquantized_fp32 else param_bytes
     total = 0.0
     q = 0
     # Per tensor of the model: a fused table entry (ParamInfo.parts) is quantized, or not, tensor
@@ -70,10 +74,10 @@ def _quantized_state_bytes(ps: list[ParamInfo], rule: Any, n: int, block: int) -
             qmap = 4 * (2 ** bits) if rule.qmap else 0
             total += (2 * (codes + scales + qmap) + 4) * repeat
         else:
-            total += (2 * 4 * numel + 4) * repeat
+            total += (2 * plain * numel + 4) * repeat
     lines = [f"{bits}-bit AdamW: 2 states x {bits} bits + fp32 scale per {block} elements on "
              f"{q:,} of {n:,} params; the rest (tensors < {LOW_BIT_MIN_NUMEL} elements or not a multiple of "
-             f"{block}) keep fp32 states"]
+             f"{block}) keep {plain:g}-byte states"]
     return total, lines
 
 
