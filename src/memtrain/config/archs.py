@@ -60,6 +60,14 @@ class Arch:
     # Qwen2's with use_sliding_window from layer 0 on), or None: from a sequence this long on,
     # transformers builds the windowed mask (``--window`` stands in for it: RunConfig.technique).
     sliding_window: Optional[int] = None
+    # Qwen2's model makes the full causal mask beside the windowed one whenever one of its layers
+    # slides (Qwen2Model.has_sliding_layers) and hands each layer its kind's; Mistral's and Phi-3's
+    # make the windowed one alone. Eager attention materializes both.
+    full_mask_beside_window: bool = False
+    # Which decoder layers slide where some attend in full (Qwen2's from max_window_layers on, in
+    # config.json's layer_types), in layer order; () where all or none do. A layer is handed its
+    # kind's mask, so a checkpointed one keeps that mask until its backward.
+    layer_slides: tuple[bool, ...] = ()
 
 
 GPT2_ARCH = Arch()

@@ -97,6 +97,11 @@ soft-capping, sandwich norms) are not modelled: ``estimate`` traces them and say
   ``repeat_kv``'s copies of k and v, SDPA's autocast casts and the float copy of the mask the CPU
   flash kernel saves per layer (``inventory._masked_sdpa_nodes``). On CUDA kernels it is traced
   (:func:`why_not_modelled`).
+* Qwen2 with a sliding layer (config.json's ``use_sliding_window``, or ``--window``) and eager
+  attention: its model makes the full causal mask beside the windowed one (``Arch.full_mask_beside_window``,
+  ``Dims.full_mask``) and hands each layer its kind's, so a checkpointed layer keeps its own until its
+  backward (``inventory.layer_held_inputs``; layers of both kinds, ``Arch.layer_slides``, are simulated
+  block by block, never lumped).
 """
 
 from __future__ import annotations
@@ -131,6 +136,9 @@ GEMMA_LIKE = ("gemma",)
 # Families with GPT-2's layers (transformers' GPT2LMHeadModel): our GPT's inventory (LayerNorm,
 # learned positions, biases, one fused q/k/v projection) with transformers' activation and peft.
 GPT2_LIKE = ("gpt2",)
+# Families whose model makes the full causal mask beside the windowed one when a layer slides
+# (Qwen2Model's causal_mask_mapping; Mistral and Phi-3 make one mask, windowed or not).
+FULL_MASK_BESIDE_WINDOW = ("qwen2",)
 # GPT-2 activations modelled: gelu_new (transformers' NewGELUActivation formula) and gelu (one kernel).
 GPT2_ACTIVATIONS = ("gelu_new", "gelu")
 GPT2_DROPOUTS = ("attn_pdrop", "resid_pdrop", "embd_pdrop")
@@ -311,7 +319,8 @@ def _arch_of(c: Any) -> Arch:
     arch = replace(LLAMA_ARCH, name=c.model_type, n_kv_heads=getattr(c, "num_key_value_heads", None), hf=True,
                    head_dim=config_head_dim(c), fused_proj=c.model_type in FUSED_PROJ,
                    norm_offset=c.model_type in GEMMA_LIKE, embed_scale=c.model_type in GEMMA_LIKE,
-                   sliding_window=config_window(c))
+                   sliding_window=config_window(c), full_mask_beside_window=c.model_type in FULL_MASK_BESIDE_WINDOW,
+                   layer_slides=tuple(config_sliding_layers(c) or ()) if _some_layers_slide(c) else ())
     return with_config_biases(arch, c)
 
 

@@ -8,12 +8,14 @@ from typing import Any
 
 from memtrain.analysis.estimate.simulator import Node
 
-__all__ = ["CAUSAL_MASK", "ROPE_TABLES", "gelu_new_nodes", "held_locals", "masked_kv_dtypes", "hf_model_input_nodes", "hf_model_inputs", "hf_norm_node", "hf_rope_node"]
+__all__ = ["CAUSAL_MASK", "FULL_MASK", "ROPE_TABLES", "gelu_new_nodes", "held_locals", "masked_kv_dtypes", "hf_model_input_nodes", "hf_model_inputs", "hf_norm_node", "hf_rope_node"]
 
 # Keys of what a transformers Llama-style model makes once for all its layers (hf_model_input_nodes).
 ROPE_TABLES = "rope.cos_sin"
 POSITIONS = "cache_position"
 CAUSAL_MASK = "causal_mask"
+# Qwen2's full causal mask beside its windowed one (CAUSAL_MASK then: Dims.full_mask).
+FULL_MASK = "causal_mask.full"
 
 
 def hf_norm_node(dm: Any, name: str, src: str, out: str, trainable: bool, input_grad: bool = True,
@@ -88,6 +90,9 @@ def hf_model_input_nodes(dm: Any, attention: str) -> list[Any]:
     nodes = [Node("positions", out=[(POSITIONS, s * 8)])]
     if attention == "math":
         nodes.append(Node("causal_mask", out=[(CAUSAL_MASK, dm.b * s * s * p)], fwd_scratch=s * s))
+        if dm.full_mask:
+            # Qwen2 with a sliding layer: the full causal mask too, made the same way.
+            nodes.append(Node("full_mask", out=[(FULL_MASK, dm.b * s * s * p)], fwd_scratch=s * s))
     elif dm.masked_sdpa:
         nodes.append(Node("sliding_mask", out=[(CAUSAL_MASK, s * s)], fwd_scratch=2 * s * s))
     # freqs (s x hd/2) and their cat (s x hd) in float32 stay until both tables exist; a table
@@ -97,9 +102,11 @@ def hf_model_input_nodes(dm: Any, attention: str) -> list[Any]:
     return nodes
 
 
-def hf_model_inputs(attention: str, masked_sdpa: bool = False) -> tuple[str, ...]:
-    """The keys of :func:`hf_model_input_nodes` (``masked_sdpa``: ``Dims.masked_sdpa``)."""
-    return (POSITIONS, ROPE_TABLES) + ((CAUSAL_MASK,) if attention == "math" or masked_sdpa else ())
+def hf_model_inputs(attention: str, masked_sdpa: bool = False, full_mask: bool = False) -> tuple[str, ...]:
+    """The keys of :func:`hf_model_input_nodes` (``masked_sdpa``: ``Dims.masked_sdpa``;
+    ``full_mask``: ``Dims.full_mask``)."""
+    return ((POSITIONS, ROPE_TABLES) + ((CAUSAL_MASK,) if attention == "math" or masked_sdpa else ())
+            + ((FULL_MASK,) if attention == "math" and full_mask else ()))
 
 
 def hf_rope_node(dm: Any, qkv: list[str], out: str, v_view: bool = False, kernel_casts: bool = False,

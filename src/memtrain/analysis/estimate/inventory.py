@@ -8,6 +8,7 @@ from typing import Optional
 
 from memtrain.analysis.estimate.hf_nodes import (
     CAUSAL_MASK,
+    FULL_MASK,
     gelu_new_nodes,
     held_locals,
     hf_model_input_nodes,
@@ -86,6 +87,12 @@ class Dims:
     # the mask per layer, both saved, as the CPU kernels do (_masked_sdpa_nodes; on CUDA kernels
     # hf.why_not_modelled traces the step).
     masked_sdpa: bool = False
+    # Eager attention in a Qwen2 model with a sliding layer (Arch.full_mask_beside_window): the model
+    # makes the full causal mask beside the windowed one (hf_nodes.FULL_MASK), until it returns.
+    full_mask: bool = False
+    # ... and some layers attend in full (Arch.layer_slides, in layer order): each layer is handed its
+    # kind's mask, the full ones FULL_MASK, so a checkpointed layer keeps that one until its backward.
+    layer_slides: tuple[bool, ...] = ()
 
     @property
     def n(self) -> int:
@@ -1249,6 +1256,9 @@ def run_dims(cfg: RunConfig, arch: Arch, device_type: str, batch: Optional[int] 
     # dropout, layers of both kinds.)
     dm.masked_sdpa = (arch.hf and not arch.gpt2_layers and cfg.technique.attention == "sdpa"
                       and window is not None and window <= t.seq_len and not dm.dropout)
+    # Eager attention materializes the masks whatever the sequence's length; --window slides every layer.
+    dm.full_mask = arch.full_mask_beside_window and cfg.technique.attention == "math" and window is not None
+    dm.layer_slides = arch.layer_slides if dm.full_mask and cfg.technique.window is None else ()
     return dm
 
 
@@ -1258,7 +1268,20 @@ def layer_args(dm: Dims, arch: Arch, attention: str) -> tuple[str, ...]:
     returns. GPT-2: its eager causal mask; Llama-style: :func:`hf_model_input_nodes`' tensors."""
     if arch.gpt2_layers:
         return (CAUSAL_MASK,) if attention == "math" else ()
-    return hf_model_inputs(attention, dm.masked_sdpa) if dm.hf else ()
+    return hf_model_inputs(attention, dm.masked_sdpa, dm.full_mask) if dm.hf else ()
+
+
+def layer_held_inputs(dm: Dims, model_inputs: tuple[str, ...], i: int) -> tuple[str, ...]:
+    """What of the model's ``model_inputs`` (:func:`layer_args`) decoder layer ``i`` is handed, so
+    keeps when checkpointed: all of it, but for Qwen2's two masks (``Dims.full_mask``), of which a
+    layer gets its kind's (the windowed CAUSAL_MASK where it slides, FULL_MASK where it attends in
+    full); with every layer sliding, FULL_MASK is the model's alone. (Layers of both kinds repeat
+    no period for Compression to lump: such a model is simulated block by block, estimate.)"""
+    if not dm.full_mask:
+        return model_inputs
+    slides = dm.layer_slides[i] if dm.layer_slides else True
+    mask = CAUSAL_MASK if slides else FULL_MASK
+    return tuple(k for k in model_inputs if k not in (CAUSAL_MASK, FULL_MASK) or k == mask)
 
 
 def block_segments(cfg: RunConfig, arch: Arch, dm: Dims, trainable_base: bool, grads_exist: bool,
@@ -1269,10 +1292,11 @@ def block_segments(cfg: RunConfig, arch: Arch, dm: Dims, trainable_base: bool, g
     L = m.n_layers
     mode = "selective" if kind == "selective-matmul" else "full"
     segs = [Segment("embedding", _embedding_nodes(dm, arch, trainable_base, tech.attention))]
-    held_inputs = layer_args(dm, arch, tech.attention)
+    model_inputs = layer_args(dm, arch, tech.attention)
     for j in range(comp.blocks):
         i = comp.real(j)
         nodes = block_nodes(dm, j, arch, tech, trainable_base)
+        held_inputs = layer_held_inputs(dm, model_inputs, i)
         if kind == "selective":
             # Megatron's selective recomputation: the block runs as usual around a checkpointed
             # attention core, which keeps only its input (q, k, v: views of the qkv output).

@@ -134,8 +134,11 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     check_analytic_size(m)
     # Deep models run a few blocks and lump the rest (per layer kind: O(1) in n_layers); the
     # table has one entry per simulated tensor, the lumped blocks' counted by ``repeat``.
+    dm = run_dims(cfg, arch, device_type)
     comp = compression_of(cfg)
-    if not _compress:
+    # Layers of two kinds, each handed its own mask (Qwen2's full and sliding ones under eager
+    # attention: Dims.layer_slides), repeat no period: a lump would replay a mask's release.
+    if not _compress or dm.layer_slides:
         comp = replace(comp, lumps=0, blocks=m.n_layers)
     rep = {j: 1 + comp.lumps for j in range(comp.period, 2 * comp.period)} if comp.lumps else None
     params = block_param_table(m, arch, tech, range(comp.blocks), rep)
@@ -144,7 +147,6 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     trainable = [p for p in params if p.trainable]
     n_train = sum(p.numel * p.repeat for p in trainable)
     pb, ab, autocast = precision_bytes(tech.precision)
-    dm = run_dims(cfg, arch, device_type)
     if autocast and world_size > 1 and shard in ("zero2", "fsdp"):
         dm = replace(dm, weights_in_compute_dtype=True)
     # DDP (and zero1, which runs on DDP) keeps the gradients in its communication buckets
