@@ -326,3 +326,24 @@ def test_adafactor_step_scratch_follows_its_loop():
     assert est.phase_peaks["optimizer"] == pytest.approx(measured["phase_peaks"]["optimizer"], rel=0.01)
     for device_type in ("cpu", "cuda"):  # the same loop, the same scratch
         assert estimate(cfg, device_type=device_type).phase_peaks["optimizer"] == est.phase_peaks["optimizer"]
+
+
+@pytest.mark.parametrize("optim", ["adamw", "adafactor", "sgd"])
+def test_optimizer_step_scratch_of_a_transformers_llama_is_per_tensor(optim, tmp_path):
+    """A transformers Mistral holds gate_proj and up_proj (q_proj, k_proj, v_proj) apart, and the
+    single-tensor loops update one tensor at a time: their scratch follows the model's tensors,
+    not the fused table entries (gate/up 816 x 200), which made the optimizer phase of this step
+    3.5% (AdamW), 4.9% (Adafactor) and 3.7% (SGD) over its trace."""
+    transformers = pytest.importorskip("transformers")
+    from memtrain.analysis.estimate.hf import analytic_estimate
+    from memtrain.analysis.trace import trace_step
+
+    transformers.MistralConfig(hidden_size=200, intermediate_size=408, num_hidden_layers=1, num_attention_heads=10,
+                               num_key_value_heads=2, max_position_embeddings=128,
+                               vocab_size=500).save_pretrained(tmp_path)
+    cfg = build_config({"model": str(tmp_path), "optim": optim, "attention": "sdpa", "device": "cpu",
+                        "batch_size": 3, "seq_len": 40})
+    est = analytic_estimate(cfg, "cpu")
+    assert est is not None
+    traced = trace_step(cfg, "cpu")["phase_peaks"]["optimizer"]
+    assert est.phase_peaks["optimizer"] == pytest.approx(traced, rel=0.01)

@@ -102,7 +102,9 @@ def optimizer_temporaries(params: list[ParamInfo], optim: str, param_bytes: floa
         # state, as MemoryMeter measures the steady step (docs/estimation.md, "Optimizer step
         # scratch"); the tensors bf16-pure's AdamW updates alone are the same.
         return 0.0
-    largest = max(p.numel for p in ps) * param_bytes
+    # (Per tensor of the model: a transformers Llama's q/k/v and gate/up table entries are
+    # separate tensors there, each updated on its own: _tensor_numels.)
+    largest = max(n for p in ps for n in _tensor_numels(p)) * param_bytes
     if optim == "adamw":
         # Single-tensor AdamW works one parameter at a time: denom = sqrt(v) / c builds two
         # buffers of the parameter's size, and the local ``denom`` keeps the previous
@@ -112,8 +114,8 @@ def optimizer_temporaries(params: list[ParamInfo], optim: str, param_bytes: floa
         worst = 0.0
         for group in ([p for p in ps if len(p.shape) >= 2], [p for p in ps if len(p.shape) < 2]):
             previous = 0.0
-            for p in group:
-                current = p.numel * param_bytes
+            for numel in (n for p in group for n in _tensor_numels(p)):
+                current = numel * param_bytes
                 worst = max(worst, previous + 2 * current)
                 previous = current
         return worst
@@ -143,9 +145,10 @@ def _adafactor_scratch(ps: list[ParamInfo], param_bytes: float) -> float:
     for group in ([p for p in ps if len(p.shape) >= 2], [p for p in ps if len(p.shape) < 2]):
         previous = 0.0
         for p in group:
-            current = p.numel * param_bytes
-            worst = max(worst, previous + (current if len(p.shape) >= 2 else 2 * current))
-            previous = current
+            for numel in _tensor_numels(p):
+                current = numel * param_bytes
+                worst = max(worst, previous + (current if len(p.shape) >= 2 else 2 * current))
+                previous = current
     return worst
 
 
