@@ -395,6 +395,21 @@ def test_selective_checkpointing_is_refused_by_the_estimate_as_by_train(dirs, fa
     assert len(err) == 1 and err[0].startswith("error: --checkpointing selective") and "selective-matmul" in err[0]
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma", "gpt2"])
+def test_a_window_on_layers_without_one_is_refused_by_the_estimate_as_by_train(dirs, family, capsys):
+    """train refuses --window on a family whose layers have no sliding window; the analytic
+    estimate ignored the flag and answered for the unwindowed run (a 2-layer Llama: the same
+    4.75 MiB with --window 16 as without), where only --trace, which builds the model, said train's
+    line. The estimate says it now, with or without --trace."""
+    from memtrain.cli import main
+
+    for extra in ([], ["--trace"]):
+        flags = ["--model", str(dirs[family]), "--seq-len", "32", "--batch-size", "2", "--window", "16", *extra]
+        assert main(["estimate", *flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"error: --window: {family} has no sliding-window attention; drop --window"]
+
+
 @pytest.mark.parametrize("attention, seq_len", [("sdpa", 96), ("math", 384)])
 def test_gpt2_at_batch_one_within_one_percent_of_the_trace(tmp_path, attention, seq_len):
     """At batch 1 the attention's matmuls read q, k and v in place (no copies): SDPA's float32 math

@@ -31,7 +31,7 @@ from memtrain.config.run import ConfigError, RunConfig
 from memtrain.models.depth import apply_layer_count
 from memtrain.models.gpt import LossFn, standard_lm_loss
 from memtrain.models.hub_access import from_pretrained_kwargs, offline_reason
-from memtrain.models.spec import ModelSource, load_config, refuse_pickled_weights, resolve
+from memtrain.models.spec import ModelSource, load_config, refuse_pickled_weights, resolve, window_refusal
 
 # --attention -> transformers' attn_implementation
 ATTN_IMPLEMENTATION = {
@@ -151,8 +151,9 @@ def build_hf_model(cfg: RunConfig, with_weights: bool = True, initialize: bool =
                           f"choose one of {', '.join(ATTN_IMPLEMENTATION)}")
     attn = restricted_sdpa_implementation(tech.attention) or attn
     if tech.window is not None:
-        if not hasattr(config, "sliding_window"):
-            raise ConfigError(f"--window: {config.model_type} has no sliding-window attention; drop --window")
+        refusal = window_refusal(config)
+        if refusal is not None:
+            raise ConfigError(refusal)
         config.sliding_window = tech.window
         if hasattr(config, "use_sliding_window"):
             config.use_sliding_window = True

@@ -616,6 +616,15 @@ def with_config_biases(arch: Any, c: Any) -> Any:
                    mlp_bias=c.model_type in MLP_BIAS and bool(getattr(c, "mlp_bias", False)))
 
 
+def window_refusal(c: Any) -> Optional[str]:
+    """Why ``--window`` cannot run on the transformers config ``c`` (a family whose layers have no
+    sliding window: Llama, Gemma, GPT-2), or None. The model build refuses such a run, so its
+    estimate must too: the analytic one ignored the flag and answered for no window."""
+    if hasattr(c, "sliding_window"):
+        return None
+    return f"--window: {c.model_type} has no sliding-window attention; drop --window"
+
+
 def config_window(c: Any) -> Optional[int]:
     """config.json's sliding window on the layers that use it (Mistral's and Phi-3's
     ``sliding_window``; Qwen2's with ``use_sliding_window``, on the layers from

@@ -24,7 +24,7 @@ from memtrain.analysis.estimate.hf import analytic_estimate, hf_arch, why_not_mo
 from memtrain.analysis.estimate.training import Estimate, estimate
 from memtrain.config.archs import GPT2_ARCH, Arch
 from memtrain.config.run import ConfigError, RunConfig
-from memtrain.models.spec import is_hf
+from memtrain.models.spec import analytic_config, is_hf, window_refusal
 from memtrain.techniques.facts import transformers_checkpointing_error
 
 __all__ = ["HF_ANALYTIC_MODEL", "StepEstimate", "estimate_step", "model_arch"]
@@ -68,6 +68,9 @@ def estimate_step(cfg: RunConfig, device_type: str, arch: Optional[Arch] = GPT2_
                                                                shard=shard)
         return StepEstimate("analytic", out, cfg, est, arch)
     refusal = transformers_checkpointing_error(cfg.technique.checkpointing)
+    if refusal is None and cfg.technique.window is not None:
+        assert cfg.model.model is not None  # a transformers model (arch is None)
+        refusal = window_refusal(analytic_config(cfg.model.model))
     if refusal is not None:  # the run would refuse it: so does its estimate, analytic or traced
         raise ConfigError(refusal)
     reason = why_not_modelled(cfg, device_type)
