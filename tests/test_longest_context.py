@@ -219,7 +219,7 @@ def test_a_max_len_below_the_models_positions_is_named_as_the_bound(capsys):
     code, out, err = _cli(argv, capsys)
     assert code == 0, err
     ctx = json.loads(out)["fit"]["longest_context"]
-    assert ctx["max_len"] == 256 and ctx["note"] == "bounded by --max-len 256 (the model's --max-seq-len is 512)"
+    assert ctx["max_len"] == 256 and ctx["note"] == "searched up to --max-len 256 (the model's --max-seq-len is 512)"
 
 
 @pytest.mark.parametrize("budget, says", [("8MiB", "128 is the model's position count and the memory's limit too: "
@@ -240,3 +240,15 @@ def test_a_search_stopped_by_the_models_positions_probes_past_them(budget, says,
     assert says in out and "longer fits" not in out, out
     fits = budget == "16MiB"
     assert ("longest context 128+ tokens" in out) is fits and ("longest context 128 tokens" in out) is not fits, out
+
+
+def test_a_search_that_memory_stopped_does_not_say_the_positions_bounded_it(capsys):
+    """maxbatch --search seq-len printed "bounded by the model's max_position_embeddings (512)"
+    under a search that memory stopped at 128 tokens."""
+    from memtrain.cli import main
+
+    assert main(["maxbatch", "--search", "seq-len", "--model", "tiny-llama", "--batch-size", "8",
+                 "--memory-budget", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "next length 192 does not fit" in out and "bounded by" not in out
+    assert "searched up to the model's max_position_embeddings (512)" in out

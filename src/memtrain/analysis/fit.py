@@ -203,12 +203,12 @@ def context_bound(cfg: RunConfig, max_len: Optional[int] = None) -> ContextBound
     hf = is_hf(cfg)
     name = "max_position_embeddings" if hf else "--max-seq-len"
     if max_len is not None and max_len < positions:
-        return ContextBound(max_len, False, positions, f"bounded by --max-len {max_len:,} (the model's {name} is "
+        return ContextBound(max_len, False, positions, f"searched up to --max-len {max_len:,} (the model's {name} is "
                                                        f"{positions:,})")
     if max_len is None or max_len == positions:
         beyond = ("memtrain maxbatch --search seq-len --max-len N searches past them where its positions are rotary"
                   if hf else "a larger --max-seq-len gives its learned position table more rows")
-        return ContextBound(positions, False, positions, f"bounded by the model's {name} ({positions:,})", beyond)
+        return ContextBound(positions, False, positions, f"searched up to the model's {name} ({positions:,})", beyond)
     if not (hf and cfg.model.model is not None and rotary_positions(cfg.model.model)):
         raise ConfigError(f"--max-len {max_len:,} is beyond the model's {name} ({positions:,}) and its positions are a "
                           f"learned table with no row past it; lower --max-len to {positions:,}"
