@@ -67,6 +67,10 @@ def test_parse_size():
     assert parse_size("512MiB") == 512 * 2**20
     with pytest.raises(ConfigError, match="8GiB"):
         parse_size("lots")
+    # Peta units are read (they were "cannot read memory size"), and a size past 1 EiB says so.
+    assert parse_size("1PiB") == 2**50 and parse_size("2PB") == 2 * 10**15
+    with pytest.raises(ConfigError, match="beyond what memtrain handles"):
+        parse_size("99999999PiB")
 
 
 # --------------------------------------------------------------------------- --model resolution

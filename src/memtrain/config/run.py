@@ -875,9 +875,9 @@ def parse_size(text: str | int | float) -> int:
     s = str(text).strip().replace(" ", "")
     units = {
         "": 1, "b": 1,
-        "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-        "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-        "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+        "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
+        "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50,
+        "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "p": 2**50,
     }
     num = s.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
     unit = s[len(num):].lower()
