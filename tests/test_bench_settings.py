@@ -95,6 +95,22 @@ def test_rows_benched_on_another_device_model_are_another_bench(fake_rows, tmp_p
     assert row_settings(first) != row_settings(second)
 
 
+def test_a_data_file_edited_in_place_runs_the_rows_again(fake_rows, tmp_path, capsys):
+    """A bench's rows were done by the data's path: a data file rewritten between two benches
+    kept the first one's perplexities in the second's report."""
+    data = tmp_path / "posts.txt"
+    data.write_text("how do I free GPU memory in torch\n" * 400)
+    out = tmp_path / "b"
+    assert _ran(_opts(out, overrides={"data": str(data)})) == [True]
+    assert _ran(_opts(out, overrides={"data": str(data)})) == [False]
+    data.write_text("why does my batch not fit on the card\n" * 400)
+    capsys.readouterr()
+    assert _ran(_opts(out, overrides={"data": str(data)})) == [True]
+    assert "settings changed since its earlier row (the data's content)" in capsys.readouterr().err
+    first, last = read_results(out)
+    assert first["data_fingerprint"] != last["data_fingerprint"]
+
+
 def test_the_device_name_is_the_cpu_model_on_a_cpu():
     import torch
 

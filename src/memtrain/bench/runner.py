@@ -88,7 +88,10 @@ def bench_settings(opts: BenchOptions, rows: Optional[list[tuple[str, RunConfig]
 
     The device is named too (``device_name``: the GPU model, the CPU model): rows benched on an
     H100 and then an H200, or on an AVX2-only CPU and then one with AMX, in one folder are not
-    the same bench, and a report never puts their step times side by side."""
+    the same bench, and a report never puts their step times side by side. So is the data's
+    content (``data_fingerprint``, as --resume compares it): a data file edited in place between
+    two benches makes the second one's rows run again, where its path alone called them done."""
+    from memtrain.data import data_fingerprint  # torch and numpy: only once a bench runs
     from memtrain.runtime.env import resolve_device  # torch-free --help/estimate/plan
 
     if rows is None:
@@ -104,6 +107,7 @@ def bench_settings(opts: BenchOptions, rows: Optional[list[tuple[str, RunConfig]
         base = [fitted_scale_overrides(opts.scale, opts.file_layer, opts.overrides), opts.file_layer, opts.overrides]
     device = resolve_device(rows[0][1].train.device)
     return {"scale": opts.scale, "config": base, "device": device.type, "device_name": hardware_name(device),
+            "data_fingerprint": data_fingerprint(rows[0][1].data),
             "max_batch_search": _maxbatch_spec(opts, rows[0][1]), "nproc": opts.nproc}
 
 
@@ -327,7 +331,7 @@ def _run_rows(opts: BenchOptions, rows: list[tuple[str, RunConfig]], substituted
         result.update({"technique": name, "description": describe(name), "scale": opts.scale,
                        "config_hash": key[1], "named_settings": sorted(technique_overrides(name, opts.scale)),
                        "settings_hash": sid, "max_batch_search": settings["max_batch_search"], "nproc": opts.nproc,
-                       "device_name": settings["device_name"]})
+                       "device_name": settings["device_name"], "data_fingerprint": settings["data_fingerprint"]})
         if name in substituted:
             result["substituted"] = substituted[name]
         if optim_subs and name in optim_subs:
@@ -358,4 +362,6 @@ def rerun_message(name: str, row: dict[str, Any], key: tuple[str, str, str], set
         what.append("--nproc")
     if "device_name" in row and row["device_name"] != settings["device_name"]:
         what.append(f"device: {row['device_name']} then, {settings['device_name']} now")
+    if "data_fingerprint" in row and row["data_fingerprint"] != settings["data_fingerprint"]:
+        what.append("the data's content")
     return f"[{name}] settings changed since its earlier row ({', '.join(what) or 'device or shared settings'}); running it again"
