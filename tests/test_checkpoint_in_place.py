@@ -146,3 +146,25 @@ def test_a_checkpoint_sampled_in_bf16_keeps_ropes_float32_frequencies_as_its_exp
     idx = torch.randint(0, 384, (1, 500), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(from_ckpt(idx).logits, from_export(idx).logits)
+
+
+def test_a_bf16_checkpoint_exports_on_a_host_its_fp32_build_would_not_fit(tmp_path, tokenizer_files, monkeypatch,
+                                                                          capsys):
+    """The size check before an export counted every parameter in FP32 (a build's bytes): an 8B
+    BF16 checkpoint, which the in-place load holds in 16 GB, was refused on a 24 GiB host."""
+    import memtrain.training.preflight as preflight
+    from memtrain.cli import main
+    from memtrain.inference.export import read_checkpoint
+
+    ckpt = tmp_path / "ck.pt"
+    _write_checkpoint(tmp_path / "m", ckpt, tokenizer=tokenizer_files)
+    params = preflight.model_parameters(read_checkpoint(ckpt)[1].model)
+    monkeypatch.setattr(preflight, "host_memory_bytes", lambda: 3 * params)  # BF16 fits, FP32 does not
+    capsys.readouterr()
+    assert main(["export", str(ckpt), str(tmp_path / "hf")]) == 0, capsys.readouterr().err
+    state = torch.load(ckpt, weights_only=True)
+    for name in state["model"]:
+        state["model"][name] = state["model"][name].float()
+    torch.save(state, tmp_path / "fp32.pt")
+    assert main(["export", str(tmp_path / "fp32.pt"), str(tmp_path / "hf32")]) == 2
+    assert "in FP32, more than this machine's" in capsys.readouterr().err

@@ -56,7 +56,7 @@ from memtrain.models.spec import resolve
 from memtrain.runtime.extras import require
 from memtrain.techniques.hf_mapping import apply_hf_lora
 from memtrain.techniques.lora import apply_lora, merge_adapters_in_place, merge_lora
-from memtrain.training.preflight import check_model_size
+from memtrain.training.preflight import BUILD_BYTES_PER_PARAM, check_model_size
 from memtrain.training.run_paths import anchored, launch_dir
 
 # The attention kernels any machine can load a transformers model with; the others (flash-attn,
@@ -88,7 +88,11 @@ def read_checkpoint(ckpt: str | Path) -> tuple[dict[str, Any], RunConfig]:
     except ConfigError as exc:
         raise ConfigError(f"checkpoint {str(p)!r}: the config of the run that wrote it cannot be used here ({exc}); "
                           "run where its --model is readable (a relative path is read from the current folder)") from None
-    check_model_size(cfg.model)  # a checkpoint's config is read, not trusted: its shape could be absurd
+    # A checkpoint's config is read, not trusted: its shape could be absurd. A transformers model
+    # takes the checkpoint's tensors in place (their dtype's bytes: an 8B BF16 model fits a host
+    # that its FP32 build would not); our GPT is built in FP32.
+    per_param = trained_dtype(state["model"]).itemsize if is_hf(cfg) else BUILD_BYTES_PER_PARAM
+    check_model_size(cfg.model, host_bytes_per_param=per_param)
     return state, cfg
 
 

@@ -329,16 +329,20 @@ def model_parameters(m: ModelConfig) -> int:
     return param_count(m, arch)[0]
 
 
-def check_model_size(m: ModelConfig, device: Any = "cpu", precision: str = "fp32") -> None:
+def check_model_size(m: ModelConfig, device: Any = "cpu", precision: str = "fp32",
+                     host_bytes_per_param: int = BUILD_BYTES_PER_PARAM) -> None:
     """Refuse a model that cannot be built here, before building any of it (see the module
-    docstring). ``device``: where it will run (its memory is checked besides the host's)."""
+    docstring). ``device``: where it will run (its memory is checked besides the host's);
+    ``host_bytes_per_param``: what one parameter takes on the host (FP32 for a build; a
+    checkpoint's model loaded in place holds its tensors in the dtype they were saved in)."""
 
     check_analytic_size(m)
     params = model_parameters(m)
     host = host_memory_bytes()
-    need = params * BUILD_BYTES_PER_PARAM
+    need = params * host_bytes_per_param
     if host is not None and need > host:
-        raise ConfigError(f"the model has {params:,} parameters, {need / 2**30:,.1f} GiB in FP32, more than this "
+        held = "in FP32" if host_bytes_per_param == 4 else f"at {host_bytes_per_param} bytes each"
+        raise ConfigError(f"the model has {params:,} parameters, {need / 2**30:,.1f} GiB {held}, more than this "
                           f"machine's {host / 2**30:,.1f} GiB of memory; choose a smaller --n-layers/--d-model/"
                           "--d-ff/--vocab-size (memtrain estimate shows what a size needs)")
     on_device = _device_memory_bytes(device)
