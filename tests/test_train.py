@@ -82,6 +82,27 @@ def test_resume_continues_exactly(tiny_run, tmp_path, lora):
     assert resumed["val_loss"] == pytest.approx(full["val_loss"], abs=0)
 
 
+def test_a_resumed_runs_result_lists_the_evaluations_before_the_interruption(tiny_run, tmp_path, capsys):
+    """--eval-every 2 over 6 steps, stopped at 3 and resumed: result.json's val_history held the
+    step-4 evaluation only (the checkpoint kept no evaluations), while loss_history covered all
+    6 steps. Now it equals the uninterrupted run's; a damaged val_history is refused."""
+    from memtrain.cli import main
+
+    base = {**tiny_run, "steps": 6, "eval_every": 2}
+    full = train(build_config(base))
+    assert [e["step"] for e in full["val_history"]] == [2, 4]
+    ckpt = tmp_path / "part.pt"
+    train(build_config({**base, "stop_after": 3, "save": str(ckpt)}))
+    resumed = train(build_config({**base, "resume": str(ckpt)}))
+    assert resumed["val_history"] == full["val_history"]
+    state = torch.load(ckpt, weights_only=True)
+    state["val_history"] = [{"step": 9, "val_loss": 1.0, "val_ppl": 2.7}]  # a step the run never reached
+    torch.save(state, ckpt)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(ckpt), "--steps", "6"]) == 2
+    assert "is damaged: its val_history is" in capsys.readouterr().err
+
+
 def _logged_lrs(out) -> dict[int, float]:
     import json
     from pathlib import Path

@@ -45,6 +45,7 @@ from memtrain.checkpoints.exact import (
     check_process_state,
     check_progress,
     check_scheduler_fits,
+    check_val_history,
     damaged,
     load_plain,
     restore_rng_and_scaler,
@@ -168,6 +169,7 @@ def save_checkpoint(path: str | Path, run: TrainState) -> None:
             "format": FORMAT,
             "step": run.step,
             "losses": list(run.losses),
+            "val_history": [dict(e) for e in run.val_history],  # --eval-every's evaluations so far
             "loader": run.loader.state_dict(),
             "world_size": dist.get_world_size(),
             "strategy": cfg.technique.distributed,
@@ -221,6 +223,7 @@ def load_checkpoint(path: str | Path, run: TrainState) -> dict[str, Any]:
     run.loader.load_state_dict(meta["loader"])
     restore_rng_and_scaler(own, run.precision)
     run.step, run.losses = int(meta["step"]), list(meta["losses"])
+    run.val_history = [dict(e) for e in meta.get("val_history", [])]
     return {"step": int(meta["step"]), "losses": meta["losses"]}
 
 
@@ -263,6 +266,7 @@ def _checked_parts(p: Path, optimizer: Any) -> tuple[dict[str, Any], dict[str, A
         raise ConfigError(f"{str(_rank_file(p, rank))!r} is not a memtrain checkpoint part (no scheduler state)")
     try:
         check_progress(meta["step"], meta["losses"])
+        check_val_history(meta.get("val_history", []), meta["step"])
         check_loader_state(meta["loader"])
     except DamagedCheckpoint as exc:
         raise damaged(p / META, exc) from None

@@ -97,6 +97,18 @@ def check_progress(step: Any, losses: Any) -> None:
         raise DamagedCheckpoint(f"it holds {len(losses)} losses for {step} steps")
 
 
+def check_val_history(history: Any, step: int) -> None:
+    """The evaluations of the saved run: ``{"step", "val_loss", "val_ppl"}`` each, at steps up
+    to ``step`` (a checkpoint written before they were saved has none)."""
+    def entry_ok(e: Any) -> bool:  # a value may be NaN (an evaluation that diverged): the run went on
+        return (isinstance(e, dict) and set(e) == {"step", "val_loss", "val_ppl"} and _count(e["step"])
+                and 0 < e["step"] <= step and all(isinstance(e[k], (int, float)) and not isinstance(e[k], bool)
+                                                  for k in ("val_loss", "val_ppl")))
+
+    if not isinstance(history, list) or not all(entry_ok(e) for e in history):
+        raise DamagedCheckpoint(f"its val_history is {_kind(history)}, not evaluations at the steps it ran")
+
+
 def check_loader_state(loader: Any) -> None:
     """The data position: ``{"epoch", "batch_index"}`` as whole numbers."""
     if not isinstance(loader, dict) or not (_count(loader.get("epoch")) and _count(loader.get("batch_index"))):
@@ -295,6 +307,7 @@ def save_checkpoint(path: str | Path, run: TrainState) -> None:
         "format": FORMAT_VERSION,
         "step": run.step,
         "losses": list(run.losses),
+        "val_history": [dict(e) for e in run.val_history],  # --eval-every's evaluations so far
         "model": _unwrap(run.model).state_dict(),
         "optimizer": run.optimizer.state_dict(),
         "scheduler": run.scheduler.state_dict(),
@@ -324,6 +337,7 @@ def load_checkpoint(path: str | Path, run: TrainState) -> dict[str, Any]:
         raise ConfigError(f"checkpoint {str(p)!r} lacks {', '.join(missing)}; it is incomplete or was not written by memtrain")
     try:  # every field's type before anything is restored
         check_progress(state["step"], state["losses"])
+        check_val_history(state.get("val_history", []), state["step"])
         check_loader_state(state["loader"])
         check_process_state(state)
         check_model_state(state["model"])
@@ -348,4 +362,5 @@ def load_checkpoint(path: str | Path, run: TrainState) -> dict[str, Any]:
         raise ConfigError(f"checkpoint {str(p)!r} does not fit this run ({type(exc).__name__}: {exc}); "
                           "resume with the saved run's optimizer and settings") from None
     run.step, run.losses = int(state["step"]), list(state["losses"])
+    run.val_history = [dict(e) for e in state.get("val_history", [])]
     return {"step": int(state["step"]), "losses": state["losses"]}

@@ -212,6 +212,9 @@ class TrainState:
     # checkpoints so that --resume refuses other data at the same path; None when unknown.
     data_fingerprint: Optional[str] = None
     losses: list[float] = field(default_factory=list)  # one training loss per completed step
+    # The evaluations so far (--eval-every): {"step", "val_loss", "val_ppl"} each. Checkpointed,
+    # so that a resumed run's result.json lists those before the interruption too.
+    val_history: list[dict[str, float]] = field(default_factory=list)
     # The step function and the data-parallel no-sync context the distributed wrap chose
     # (DeepSpeed drives its engine with its own step; DDP/FSDP skip all-reduces on accumulation).
     step_fn: StepFn = train_step

@@ -324,7 +324,7 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     if meter is not None and len(state.losses) > 0:
         memory.update(meter.stats().to_dict())
     memory.update(device_peak_memory(device))
-    result = _result(state, timer, memory, splits, val_loss, loop.val_history, start_step, end_step,
+    result = _result(state, timer, memory, splits, val_loss, state.val_history, start_step, end_step,
                      tokens_per_step, total_time, caps, device_caps, rate_now)
     result["setup_time_s"] = {**clock.laps, "first_step": timer.first_step_s}
     result.update(dist_ctx.result_fields(memory))  # distributed: "ranks" (memory per rank), "distributed"
@@ -417,7 +417,6 @@ class _Loop:
     on_step: Optional[StepCallback]
     mean: Callable[[float], float]  # the mean over ranks (DistContext.mean)
     overlap: bool = False
-    val_history: list[dict[str, float]] = field(default_factory=list)
     _queued: deque[_Queued] = field(default_factory=deque)
     _last_read: float = 0.0  # host clock when the last step's values were read
 
@@ -496,8 +495,8 @@ class _Loop:
                          percentile(self.timer.step_times, 50) if self.timer.step_times else None)
         if t.eval_every and done % t.eval_every == 0 and done < end_step:
             v = evaluate(state.model, self.val_batches, state.precision, state.device)
-            self.val_history.append({"step": done, "val_loss": v, "val_ppl": math.exp(min(v, 50))})
-            logger.log(done, self.val_history[-1], force=True)
+            state.val_history.append({"step": done, "val_loss": v, "val_ppl": math.exp(min(v, 50))})
+            logger.log(done, state.val_history[-1], force=True)
             self.timer.skip_gap()  # the evaluation was work, not the device idling
         if t.save and t.save_every and done % t.save_every == 0:
             self.save_ckpt(t.save, state)
