@@ -63,4 +63,5 @@ def test_bench_row_trains_a_transformers_model(llama_dir, small_corpus, tmp_path
     assert 0 < row["trainable_parameters"] < row["parameters"]
     # AdamW state of the adapters only: two FP32 moments per element (+ a step scalar per tensor)
     assert 8 * row["trainable_parameters"] <= row["memory"]["by_category"]["optimizer"] < 8 * row["trainable_parameters"] + 512
-    assert (out / "report.md").is_file()
+    # The report names the model the rows trained (its Model line gave the shape only).
+    assert f"Model: `{llama_dir}`, d_model 16" in (out / "report.md").read_text()

@@ -237,8 +237,10 @@ def markdown_report(rows: list[dict[str, Any]], missing: list[str], header: Call
         t = first_ok["config"]["train"]
         m = first_ok["config"]["model"]
         env = first_ok.get("env", {})
+        spec = raw_first_ok["config"]["model"].get("model")  # a transformers --model (None: memtrain's GPT)
+        named = f"{md_code(str(spec))}, " if spec else ""
         parts += [
-            f"Model: d_model {m['d_model']}, {m['n_layers']} layers, {m['n_heads']} heads, d_ff {m['d_ff']}, "
+            f"Model: {named}d_model {m['d_model']}, {m['n_layers']} layers, {m['n_heads']} heads, d_ff {m['d_ff']}, "
             f"vocab {m['vocab_size']}; batch {t['batch_size']} x seq {t['seq_len']}, {t['steps']} steps, "
             f"lr {t['lr']}, warm-up {t['warmup_steps']}. Data: {md_code(raw_first_ok['config']['data']['data'])}.",
             f"Hardware: {env.get('device')}; torch {env.get('torch')}; memtrain commit {env.get('commit') or 'unknown'}.",
