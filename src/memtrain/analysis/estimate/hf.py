@@ -68,8 +68,9 @@ transformers decoder layer differs from it in three ways that matter for memory,
   output until the model returns; a layer's input, rope's q/k/v, eager attention's weights and
   repeated k/v until their function returns.
 
-Everything else (separate q/k/v projections = one fused one for memory, SwiGLU's gate/up/down
-saves = memtrain's fused SwiGLU, SDPA/eager attention, checkpointing, the loss) is the
+Everything else (separate q/k/v projections = one fused one for memory; gate_proj and up_proj
+run one after the other, each making its own weight gradient, so a checkpointed layer frees
+gate's output once silu has read it; SDPA/eager attention, checkpointing, the loss) is the
 estimator's own inventory. Families not listed in :data:`MODELLED` (Gemma-2 and later:
 soft-capping, sandwich norms) are not modelled: ``estimate`` traces them and says so.
 

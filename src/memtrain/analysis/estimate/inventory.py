@@ -241,7 +241,7 @@ def _nf4_linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: 
 def _linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int, n_out: int,
             trainable_base: bool, lora: int, x_bytes: float, *, bias: Optional[bool] = None,
             lora_parts: tuple[str, ...] = ("",), input_grad: bool = True, param_name: Optional[str] = None,
-            x_requires_grad: Optional[bool] = None) -> None:
+            x_requires_grad: Optional[bool] = None, param_share: float = 1.0) -> None:
     """A Linear layer: autocast casts of input/weight/bias, the matmul, LoRA adapters.
     ``bias``: this Linear's (default: the model's rule, ``dm.bias``); ``lora_parts``: the name
     suffixes of the Linears the entry stands for (:func:`lora_split`), one adapter pair each;
@@ -249,7 +249,9 @@ def _linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int,
     first q/k/v under LoRA, whose input comes from the frozen embedding through a frozen norm);
     ``param_name``: the table entry its parameters belong to (default ``name``; one Linear of
     a fused entry names its nodes apart); ``x_requires_grad``: whether autograd really records a
-    gradient for ``x`` (default ``input_grad``; our GPT models its first q/k/v as taking one)."""
+    gradient for ``x`` (default ``input_grad``; our GPT models its first q/k/v as taking one);
+    ``param_share``: the share of the entry's parameters this Linear's are (one of a fused entry's:
+    its .grads are made apart, :attr:`Node.param_share`)."""
     N, a = dm.n, dm.a
     bias = dm.bias if bias is None else bias
     if dm.fp8 and not lora and fp8_converts(n_in, n_out):
@@ -281,11 +283,12 @@ def _linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int,
         # autocast casts the fp32 weight once per forward and caches the copy until the
         # autocast region ends; the copy is what the matmul saves for backward.
         nodes.append(Node(f"{name}.cast_w", out=[(f"{name}.wc", 0.0 if dm.weights_in_compute_dtype else n_in * n_out * a)],
-                           hold=trainable_base, grads=[(w, 0.0)] if trainable_base else []))
+                           hold=trainable_base, grads=[(w, 0.0)] if trainable_base else [], param_share=param_share))
         w_in = f"{name}.wc"
         if bias:
             nodes.append(Node(f"{name}.cast_b", out=[(f"{name}.bc", 0.0 if dm.weights_in_compute_dtype else n_out * a)],
-                               hold=trainable_base, grads=[(bname, 0.0)] if trainable_base else []))
+                               hold=trainable_base, grads=[(bname, 0.0)] if trainable_base else [],
+                               param_share=param_share))
         if x_bytes != a:
             # autocast caches the casts of leaf weights only: each Linear casts its input
             # itself, and its matmul saves that copy (q, k and v: three copies of one input).
@@ -307,7 +310,7 @@ def _linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int,
     weight_saved = extra if dm.autocast else [w_in]
     nodes.append(Node(name, out=[(base_out, N * n_out * a)], inputs=[x] + extra,
                        saves=([x] if keeps_input else []) + (weight_saved if keeps_weight else []), grads=grads, matmul=True,
-                       sums_out_of_place=_adapter_grad_is_a_view(dm, lora)))
+                       sums_out_of_place=_adapter_grad_is_a_view(dm, lora), param_share=param_share))
     # Under autocast peft's adapters on our GPT (float32, as on a transformers base) make the
     # casts _peft_lora counts: a bf16 input's float32 copy, lora_A's own bf16 copy of its input
     # (the base's cast is another) and the adapters' cached weight copies.
@@ -845,8 +848,9 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
                     lora_parts=suffixes, input_grad=src_grad)
             return
         rank = lora if (short, part) in adapted else 0
-        _linear(nodes, dm, name + part, src, out + part, n_in, dict(split)[part], trainable_base, rank, src_bytes,
-                bias=bias, lora_parts=(part,), input_grad=src_grad, param_name=name)
+        width = dict(split)[part]
+        _linear(nodes, dm, name + part, src, out + part, n_in, width, trainable_base, rank, src_bytes,
+                bias=bias, lora_parts=(part,), input_grad=src_grad, param_name=name, param_share=width / n_out)
 
     # With peft's adapters a transformers layer's separate Linears (q, k, v; gate, up) are
     # simulated one after the other: each one's LoRA tail (base output, B product, its scaled
@@ -893,7 +897,13 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     nodes.append(Node(f"{p}.add1", out=[(f"{p}.x1", N * d * r)], inputs=[x, f"{p}.prd"],
                        grads=[(x, 0.0), (f"{p}.prd", 0.0 if a == r else N * d * a)]))
     norm(f"{p}.ln_2", f"{p}.x1", f"{p}.ln2", needs["x1"])
-    if arch.mlp == "swiglu" and per_linear:
+    # LlamaMLP's gate_proj and up_proj are separate Linears, adapted or not: in a checkpointed
+    # layer, which saves nothing, gate's output goes once silu has read it, before up_proj runs,
+    # where one fused output would keep both until the product; and each one's .grad is made by
+    # its own backward. (--precision fp8's Float8Linear keys its parameters by the Linear's own
+    # name: its entries stay fused.)
+    per_mlp = per_linear or (dm.hf and not dm.fp8 and not (arch.fused_proj or arch.gpt2_layers))
+    if arch.mlp == "swiglu" and per_mlp:
         # LlamaMLP: down(silu(gate(x)) * up(x)): silu runs before up_proj.
         lin("fc", f"{p}.mlp.fc", f"{p}.ln2", f"{p}.h1", d, 2 * f, r, needs["x1"], ".gate")
         gate, up = f"{p}.h1.gate", f"{p}.h1.up"

@@ -149,6 +149,10 @@ class Node:
     # A custom autograd Function (torchao's LinearNF4): its ``ctx.save_for_backward`` is packed as
     # its forward returns, so a checkpoint's recompute that stops at its save has run it whole.
     packs_after_forward: bool = False
+    # One Linear of a fused table entry (a transformers layer's gate_proj of ``mlp.fc``): its
+    # parameters are tensors of their own, whose .grad it makes when its own backward runs, this
+    # share of the entry's bytes (the ``param:`` placeholders: that share of the entry's size).
+    param_share: float = 1.0
 
     def sac_kept(self) -> tuple[str, ...]:
         """Outputs selective checkpointing keeps (those of the matmul/attention kernel itself)."""
@@ -204,6 +208,10 @@ class Graph:
         self.grad_refs: dict[int, int] = {}
         # Gradient accumulation: every .grad exists already (sid -1: counted by the caller).
         self.param_grad_sid: dict[str, int] = {k: -1 for k in param_grad} if grads_exist else {}
+        # A table entry whose Linears make their .grads one by one (Node.param_share): the later
+        # parts' storages, and the bytes of the entry's gradient no part has made yet.
+        self.param_grad_parts: dict[str, list[int]] = {}
+        self.param_grad_left: dict[str, float] = {}
         self._shared: dict[int, str] = {}  # gradient storage id -> forward key it belongs to
         self.tied: set[str] = set()  # parameters used twice (the tied embedding / LM head)
         self.deferred: dict[str, Any] = {}  # tied parameter -> its buffered first gradient (key or sid)
@@ -423,6 +431,11 @@ class Graph:
                 # output's gradient (_sum_tied).
                 self._late_tied.append((name, sim.alloc(nbytes, "temporaries")))
                 return
+            if name in self.param_grad_left:
+                # A later Linear of the entry: its .grad is a new tensor, not added into the first's.
+                self.param_grad_parts.setdefault(name, []).append(sim.alloc(nbytes, "gradients"))
+                self._part_made(name, nbytes)
+                return
             if name in self.param_grad_sid and name not in self.tied:
                 if key not in n.grad_from:
                     sim.transient(nbytes)  # the op's gradient, added in place into .grad
@@ -450,6 +463,12 @@ class Graph:
                 self.saved_refs.pop(src, None)
                 sim.retag(sid, "gradients")
                 self.param_grad_sid[name] = sid
+                return
+            if n.param_share < 1.0:
+                # The first Linear of the entry to run its backward makes only its own .grad.
+                self.param_grad_sid[name] = sim.alloc(nbytes, "gradients")
+                self.param_grad_left[name] = self.param_grad[name]
+                self._part_made(name, nbytes)
                 return
             self.param_grad_sid[name] = sim.alloc(self.param_grad[name], "gradients")
             return
@@ -516,6 +535,28 @@ class Graph:
                 self._done_with(k)
             self._sum_late()
             self._sum_tied()
+
+    def _part_made(self, name: str, nbytes: float) -> None:
+        """One Linear of the fused entry ``name`` has made its ``nbytes`` of .grad: once all have
+        (less than a byte left: the shares are fractions of the entry's size), none is pending."""
+        left = self.param_grad_left[name] - nbytes
+        if left < 1.0:
+            del self.param_grad_left[name]
+        else:
+            self.param_grad_left[name] = left
+
+    def param_grad_sids(self, name: str) -> list[int]:
+        """The storages of parameter ``name``'s .grad made in this backward (none where they
+        existed before it: gradient accumulation), every part's of a fused entry."""
+        first = self.param_grad_sid.get(name, -1)
+        return ([first] if first > 0 else []) + self.param_grad_parts.get(name, [])
+
+    def pop_param_grads(self, name: str) -> list[int]:
+        """:meth:`param_grad_sids`, forgotten here (the caller frees them)."""
+        sids = self.param_grad_sids(name)
+        self.param_grad_sid.pop(name, None)
+        self.param_grad_parts.pop(name, None)
+        return sids
 
     def _composite_backward(self, n: Node, keys: tuple[str, ...]) -> None:
         """:attr:`Node.releases_first`'s order: the incoming gradient and the named saves go,

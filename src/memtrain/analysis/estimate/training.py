@@ -284,7 +284,7 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     elif shard_div["gradients"] > 1:
         # ZeRO-2 / FSDP: after the reduce-scatter a rank keeps 1/N of the gradients.
         lumped = [sid for sid in graph.lump_grads if sim.live.get(sid, (0, ""))[1] == "gradients"]
-        for sid in [v for v in graph.param_grad_sid.values() if v > 0] + lumped:
+        for sid in [sid for name in list(graph.param_grad_sid) for sid in graph.param_grad_sids(name)] + lumped:
             sim.free(sid)
         if fsdp_accum:
             sim.free(grads_lump)  # the last micro-batch's reduce-scatter replaces them with the shards
@@ -422,7 +422,8 @@ class _FSDPReduce:
         self.opened += nbytes - previous
         self.pending = sim.alloc(nbytes, "temporaries")
         for p in with_grad:
-            sim.free(graph.param_grad_sid.pop(p.name))
+            for sid in graph.pop_param_grads(p.name):
+                sim.free(sid)
         sim.alloc(nbytes / self.world, "gradients")
         if self.gloo:
             sim.transient(nbytes)
@@ -463,8 +464,9 @@ def _padded_rows(p: ParamInfo, world: int) -> int:
 
 
 def _fill_param_grads(segs: list[Segment], pbytes: dict[str, float]) -> None:
-    """Replace the 0.0 placeholders of parameter gradients by the parameter's size."""
+    """Replace the 0.0 placeholders of parameter gradients by the parameter's size (a fused
+    entry's Linear's: its share of it, :attr:`Node.param_share`)."""
     for seg in segs:
         for n in seg.nodes:
-            n.grads = [(k, pbytes.get(k[6:], 0.0) if (k.startswith("param:") and v == 0.0) else v)
+            n.grads = [(k, pbytes.get(k[6:], 0.0) * n.param_share if (k.startswith("param:") and v == 0.0) else v)
                        for k, v in n.grads]
