@@ -541,6 +541,26 @@ def test_train_refuses_a_folder_whose_weights_are_only_pickled(tmp_path_factory,
     assert not (out / "result.json").exists()
 
 
+def test_train_refuses_a_folder_whose_safetensors_index_names_absent_files(tmp_path_factory, tokenizer_files,
+                                                                            corpus, tmp_path, capsys):
+    """A folder with its weights' index and none of the shards it names (not copied) trained from
+    random weights with no word; the folder declares weights, so the run is refused."""
+    import json
+
+    from memtrain.cli import main
+
+    d = make_model_dir(tmp_path_factory.mktemp("index"), "llama", tokenizer_files)
+    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    capsys.readouterr()
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(d), "--data", str(corpus), "--steps", "2", "--batch-size", "2",
+                 "--seq-len", "32", "--attention", "sdpa", "--no-progress", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has model.safetensors.index.json but none of the *.safetensors files" in err[0], err
+    assert not (out / "result.json").exists()
+
+
 def test_qlora_trace_matches_a_measured_step(tmp_path_factory, corpus, tmp_path):
     """NF4 base weights under fake tensors: the trace equals the real step's tracked peak."""
     from memtrain.analysis.maxbatch import measure_step_memory

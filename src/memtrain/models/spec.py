@@ -301,7 +301,8 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def refuse_pickled_weights(folder: Path, what: str) -> None:
-    """Refuse a model folder whose weights are only pickled files (``pytorch_model.bin`` ...).
+    """Refuse a model folder whose weights are only pickled files (``pytorch_model.bin`` ...), or
+    only a safetensors index whose files are absent.
 
     They are never read, and without them the model would be built from its config alone:
     random weights, trained or sampled as if they were the folder's. A folder with no weight
@@ -312,6 +313,12 @@ def refuse_pickled_weights(folder: Path, what: str) -> None:
     if pickled:
         raise ConfigError(f"{what} holds only pickled weights ({pickled[0]}), which memtrain never loads (a "
                           "pickle can run code); convert them to *.safetensors")
+    # An index names weight files the folder does not hold (not copied, or links out of it, which
+    # are never followed): the folder declares weights, so training it from random ones is refused.
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        raise ConfigError(f"{what} has {index.name} but none of the *.safetensors files it names; copy them into "
+                          "the folder (or remove the index to train from random weights)")
 
 
 def _snapshot_blobs(folder: Path) -> list[Path]:
