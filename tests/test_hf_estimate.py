@@ -424,3 +424,16 @@ def test_gpt2_at_batch_one_within_one_percent_of_the_trace(tmp_path, attention, 
                         "device": "cpu"})
     est, traced = analytic_estimate(cfg, "cpu"), trace_step(cfg, "cpu")
     assert abs(est.peak_bytes / traced["peak_bytes"] - 1) < 0.01, (est.peak_bytes, traced["peak_bytes"])
+
+
+def test_the_explanation_names_a_gated_mlps_saved_tensors(capsys):
+    """estimate --json's activation formula of a Llama described GPT-2's MLP ("fc out, gelu out",
+    2 x d_ff per token) where the model keeps four d_ff-wide tensors."""
+    import json
+
+    from memtrain.cli import main
+
+    assert main(["estimate", "--model", "tiny-llama", "--seq-len", "64", "--batch-size", "2", "--json"]) == 0
+    formula = next(line for line in json.loads(capsys.readouterr().out)["explanation"]
+                   if line.startswith("activations per block"))
+    assert "4*N*d_ff*4 (gate, up, act(gate), their product)" in formula and "gelu" not in formula

@@ -101,8 +101,11 @@ def explanation_lines(cfg: RunConfig, arch: Arch, dm: Dims, params: list[ParamIn
 def _act_formula(dm: Dims, tech: TechniqueConfig, arch: Arch, device_type: str) -> str:
     backend = resolve_backend(tech.attention, tech.window, dm)
     a, r = dm.a, dm.r
-    parts = [f"N*d*({r:g} input + {r:g} after attn + {a:g}x(ln1+q,k,v copies+attn out+ln2) ...)",
-             f"2*N*d_ff*{a:g} (fc out, gelu out)"]
+    # The MLP's saved outputs: a gated MLP (Llama's SwiGLU, Gemma's GeGLU, ...) keeps gate's, up's,
+    # act(gate)'s and their product's; GPT-2's MLP its fc output and the activation's.
+    mlp = (f"4*N*d_ff*{a:g} (gate, up, act(gate), their product)" if arch.mlp == "swiglu"
+           else f"2*N*d_ff*{a:g} (fc out, gelu out)")
+    parts = [f"N*d*({r:g} input + {r:g} after attn + {a:g}x(ln1+q,k,v copies+attn out+ln2) ...)", mlp]
     if backend == "math":
         parts.append(f"b*h*s^2*({4:g} softmax{' + ' + str(a) + ' cast' if a != 4 else ''}"
                      f"{' + 2 x dropout' if dm.dropout else ''}) + s^2 mask")
