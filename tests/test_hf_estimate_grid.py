@@ -452,3 +452,46 @@ def test_qwen2_config_window_with_eager_attention_within_one_percent_of_the_trac
     _each_phase_within_one_percent(est.phase_peaks, traced)
     if prec == "fp32":
         assert abs(est.phase_peaks["optimizer"] / traced["optimizer"] - 1) < 0.01
+
+
+# --checkpointing selective-matmul (torch's SAC): a layer's recompute stops at its last op that
+# saved something (down_proj, or its lora_B), so the cached output of that matmul, read only by
+# the residual add, is never handed back to the recompute; the checkpoint's frame drops it as the
+# layer's backward ends. The estimate kept it past the backward: the optimizer phase of these
+# cases +2.3%, +1.4%, +12.2% and +19.1% over the trace before (one per layer: three LoRA layers
+# keep three). That phase is held within 1% too, but under bf16-pure, whose torchao AdamW the
+# trace runs eagerly (its scratch there an upper bound: the module docstring).
+SELECTIVE_MATMUL = [("llama", (200, 10, 2, 1), "fp32", "sdpa", 0),
+                    ("gemma", (200, 10, 2, 1), "bf16", "math", 0),
+                    ("llama", (72, 6, 2, 3), "bf16", "sdpa", 4),
+                    ("gemma", (120, 6, 3, 3), "fp32", "math", 4),
+                    ("mistral", (136, 4, 1, 3), "bf16-pure", "sdpa", 0)]
+SELECTIVE_MATMUL_DEFAULT = {0, 2}
+
+
+def _selective_matmul_params():
+    out = []
+    for i, case in enumerate(SELECTIVE_MATMUL):
+        fam, (h, nh, kv, L), prec, attn, lora = case
+        cid = f"{fam}-h{h}-L{L}-{prec}-{attn}" + (f"-lora{lora}" if lora else "")
+        out.append(pytest.param(case, id=cid, marks=[] if i in SELECTIVE_MATMUL_DEFAULT else [pytest.mark.slow]))
+    return out
+
+
+@pytest.mark.parametrize("case", _selective_matmul_params())
+def test_selective_matmul_each_phase_within_one_percent_of_the_trace(case, folders, tmp_path_factory):
+    from memtrain.analysis.estimate.hf import analytic_estimate
+    from memtrain.analysis.trace import trace_step
+
+    fam, size, prec, attn, lora = case
+    d = _folder(folders, tmp_path_factory.getbasetemp(), fam, size)
+    cfg = build_config({"model": str(d), "batch_size": 3, "seq_len": 97, "device": "cpu", "precision": prec,
+                        "attention": attn, "checkpointing": "selective-matmul",
+                        **({"lora_rank": lora} if lora else {})})
+    est = analytic_estimate(cfg, "cpu")
+    assert est is not None
+    traced = trace_step(cfg, "cpu")["phase_peaks"]
+    _each_phase_within_one_percent(est.phase_peaks, traced)
+    if prec != "bf16-pure":
+        mine = est.phase_peaks["optimizer"]
+        assert abs(mine / traced["optimizer"] - 1) < 0.01, ("optimizer", mine, traced["optimizer"])
