@@ -87,10 +87,15 @@ def _kind(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def check_progress(step: Any, losses: Any) -> None:
-    """``step`` completed optimizer steps and one finite loss per step."""
+def check_step(step: Any) -> None:
+    """``step``: a whole number of completed optimizer steps."""
     if not _count(step):
         raise DamagedCheckpoint(f"its step is {step!r}, not a whole number of steps")
+
+
+def check_progress(step: Any, losses: Any) -> None:
+    """``step`` completed optimizer steps and one finite loss per step."""
+    check_step(step)
     if not isinstance(losses, list) or not all(_number(x) and not isinstance(x, torch.Tensor) for x in losses):
         raise DamagedCheckpoint(f"its losses are {_kind(losses)} holding other than finite numbers")
     if len(losses) != step:

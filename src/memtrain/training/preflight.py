@@ -398,9 +398,13 @@ def _saved_state(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"checkpoint {str(p)!r} not found; check --resume")
     if not isinstance(state, dict) or not isinstance(state.get("config"), dict) or not isinstance(state.get("step"), int):
         raise ConfigError(f"checkpoint {str(p)!r} holds no run config or step; it was not written by this memtrain version")
-    if state["step"] < 0:  # else check_resume, comparing it with this run's end, asks for another --stop-after
-        raise ConfigError(f"checkpoint {str(p)!r} is damaged: its step is {state['step']}, not a whole number of "
-                          "steps; resume from a checkpoint memtrain wrote")
+    # A negative step, else check_resume, comparing it with this run's end, asks for another --stop-after.
+    from memtrain.checkpoints.exact import DamagedCheckpoint, check_step, damaged  # torch: only for --resume
+
+    try:
+        check_step(state["step"])
+    except DamagedCheckpoint as exc:
+        raise damaged(p, exc) from None
     return state
 
 
