@@ -119,6 +119,22 @@ def test_the_device_name_is_the_cpu_model_on_a_cpu():
     assert runner.hardware_name(torch.device("cpu")) == cpu_model() != ""
 
 
+def test_result_json_and_the_reports_name_the_cpu_model_beside_its_core_count():
+    """A result's ``env.device`` gives a CPU's core count only; ``env.device_model`` names which CPU
+    (a figure's hardware), and the reports show both."""
+    import torch
+
+    from memtrain.devices.probe import cpu_model
+    from memtrain.report.labels import hardware_text
+    from memtrain.runtime.env import environment
+
+    env = environment(torch.device("cpu"))
+    assert env["device_model"] == cpu_model() and env["device"].startswith("cpu (")
+    assert hardware_text(env) == f"{cpu_model()}, {env['device']}"
+    assert hardware_text({"device": "NVIDIA H200", "device_model": "NVIDIA H200"}) == "NVIDIA H200"
+    assert hardware_text({"device": "synthetic"}) == "synthetic"  # written before device_model was recorded
+
+
 def test_the_same_settings_spelled_otherwise_are_the_same(tmp_path):
     """The settings are what the rows run with, not how they were asked for."""
     plain = settings_hash(bench_settings(_opts(tmp_path, maxbatch=True, memory_budget="1GiB")))

@@ -112,13 +112,12 @@ def bench_settings(opts: BenchOptions, rows: Optional[list[tuple[str, RunConfig]
 
 
 def hardware_name(device: Any) -> str:
-    """The model of ``device``: the GPU's name as CUDA gives it ("NVIDIA H100 80GB HBM3"), the
-    CPU's marketing name ("AMD EPYC 9B14"). Neither runs a kernel nor, on CUDA, makes a context
-    that would hold GPU memory while the rows measure theirs (as the runner's capability probe)."""
-    from memtrain.devices.probe import cpu_model  # torch-free --help/estimate/plan: bench has resolved a device
-    from memtrain.runtime.env import device_name  # (result.json's name; a CPU's there is its core count only)
+    """The model of ``device`` (``runtime.env.device_model``: result.json's ``env.device_model``).
+    On CUDA it reads the driver's name and makes no context that would hold GPU memory while the
+    rows measure theirs (as the runner's capability probe)."""
+    from memtrain.runtime.env import device_model  # torch-free --help/estimate/plan: bench has resolved a device
 
-    return device_name(device) if device.type == "cuda" else cpu_model()
+    return device_model(device)
 
 
 def settings_hash(settings: dict[str, Any]) -> str:

@@ -35,3 +35,11 @@ def model_label(model: dict[str, Any]) -> str:
         return f"GPT d_model {model.get('d_model')}"
     name = str(spec) if str(spec).startswith("hf:") else PurePath(str(spec)).name or str(spec)
     return f"{name} d_model {model.get('d_model')}"
+
+
+def hardware_text(env: dict[str, Any]) -> str:
+    """The hardware of a recorded ``runtime.env.environment`` as a report names it: the device's model and
+    its description ("AMD EPYC, cpu (x86_64, 2 cores)"; a GPU's name once). Results written before
+    ``device_model`` was recorded give their ``device`` alone."""
+    device, model = str(env.get("device")), env.get("device_model")
+    return device if not model or str(model) in device else f"{model}, {device}"

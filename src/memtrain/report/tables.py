@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 
 from memtrain.config.run import DEFAULT_MODULE_TOP, ConfigError, TechniqueConfig, build_config, dormant_settings
 from memtrain.report.by_module import is_module_table, module_markdown
-from memtrain.report.labels import OPTIM_NAMES, method_cell
+from memtrain.report.labels import OPTIM_NAMES, hardware_text, method_cell
 from memtrain.report.noise import noise_markdown
 from memtrain.report.recommend import max_batch_capped, recommendation, zero_categories, zero_notes
 from memtrain.techniques.facts import MEMORY_CATEGORIES
@@ -243,7 +243,7 @@ def markdown_report(rows: list[dict[str, Any]], missing: list[str], header: Call
             f"Model: {named}d_model {m['d_model']}, {m['n_layers']} layers, {m['n_heads']} heads, d_ff {m['d_ff']}, "
             f"vocab {m['vocab_size']}; batch {t['batch_size']} x seq {t['seq_len']}, {t['steps']} steps, "
             f"lr {t['lr']}, warm-up {t['warmup_steps']}. Data: {md_code(raw_first_ok['config']['data']['data'])}.",
-            f"Hardware: {env.get('device')}; torch {env.get('torch')}; memtrain commit {env.get('commit') or 'unknown'}.",
+            f"Hardware: {hardware_text(env)}; torch {env.get('torch')}; memtrain commit {env.get('commit') or 'unknown'}.",
         ]
         parts += device_lines(rows) + shared_technique_lines(rows) + [""]
     header_time = time_header(rows)

@@ -14,6 +14,7 @@ import torch
 
 import memtrain
 from memtrain.config.run import ConfigError
+from memtrain.devices.probe import cpu_model
 
 
 def resolve_device(name: str) -> torch.device:
@@ -83,11 +84,19 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
+def device_model(device: torch.device) -> str:
+    """The model of ``device``: the GPU's name as CUDA gives it ("NVIDIA H100 80GB HBM3"), the
+    CPU's marketing name ("AMD EPYC 9B14"), where :func:`device_name` gives a CPU's core count only.
+    Neither runs a kernel; on CUDA the name comes from the driver's properties."""
+    return device_name(device) if device.type == "cuda" else cpu_model()
+
+
 def environment(device: torch.device) -> dict[str, Any]:
     """What produced a result: device, software versions, commit."""
 
     env: dict[str, Any] = {
         "device": device_name(device),
+        "device_model": device_model(device),
         "device_type": device.type,
         "torch": torch.__version__,
         "python": platform.python_version(),

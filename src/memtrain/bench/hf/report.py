@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 from memtrain.bench.hf.lockstep import window_overlap_s
 from memtrain.bench.hf.rows import COMMANDS_FILE, REPORT_JSON, REPORT_MD, SIDES, config_hash, probe_at, read_runs
 from memtrain.files.results import write_json_atomic, write_text_atomic
+from memtrain.report.labels import hardware_text
 from memtrain.techniques.facts import MEMORY_CATEGORIES
 
 
@@ -129,7 +130,7 @@ def render_markdown(report: dict[str, Any]) -> str:  # noqa: C901 - one flat sec
         f"- commit: `{', '.join(report.get('commits') or [str(env.get('commit'))])}`; memtrain {env.get('memtrain')}, "
         f"torch {env.get('torch')}, "
         f"transformers {report.get('transformers')}, python {env.get('python')}",
-        f"- hardware: {env.get('device')}, {env.get('host_threads')} torch threads"
+        f"- hardware: {hardware_text(env)}, {env.get('host_threads')} torch threads"
         + (f", {env.get('gpu_memory_bytes', 0) / 2**30:.0f} GiB" if env.get("gpu_memory_bytes") else ""),
         f"- finished: {report['finished']}; wall time {report['wall_s'] / 60:.1f} min",
         (f"- model: `{s['model']}` (a transformers model, trained by memtrain through its model seam and by the "
@@ -295,7 +296,7 @@ def write_profiles(out: Path, rows: list[dict[str, Any]], steps: int, command: s
 
     env = environment(resolve_device(rows[0]["config"].train.device))
     lines = ["# Per-phase step times, memtrain vs the Trainer-equivalent step", "",
-             f"- command: `{command}`", f"- commit: `{git_commit()}`; hardware: {env['device']}, "
+             f"- command: `{command}`", f"- commit: `{git_commit()}`; hardware: {hardware_text(env)}, "
              f"{env['host_threads']} torch threads", "",
              "Both steps in one process, alternating step by step; median milliseconds per phase "
              "(ours' phases are train_step's: forward includes the loss, optimizer includes clipping; "
