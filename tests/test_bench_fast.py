@@ -13,7 +13,8 @@ import pytest
 from conftest import TINY_MODEL
 from memtrain.bench.device_rows import adapt_compiled_optims
 from memtrain.bench.runner import BenchOptions, resolve_rows
-from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, NOISE_ROWS, describe
+from memtrain.bench.technique_sets import CUDA_DEFAULT_EXTRA, DEFAULT_TECHNIQUES, NOISE_ROWS, describe
+from memtrain.cli import main
 from memtrain.report.tables import markdown_report
 
 
@@ -214,3 +215,11 @@ def test_one_reading_of_an_out_of_memory_error_serves_every_worker(exc, oom):
     from memtrain.errors import is_out_of_memory
 
     assert is_out_of_memory(exc) is oom
+
+
+def test_bench_help_names_every_row_the_default_list_adds_on_cuda(capsys):
+    """--techniques' help lists the CUDA default list's extra rows (it said only compile)."""
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert f"(on CUDA {', '.join(CUDA_DEFAULT_EXTRA)} too" in text.replace("- ", "-"), text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -10,7 +11,7 @@ import sys
 import pytest
 
 from conftest import SHARED_SAMPLE, TINY_MODEL
-from memtrain.cli import main
+from memtrain.cli import build_parser, main
 
 
 def _flags(d: dict) -> list[str]:
@@ -113,3 +114,22 @@ def test_python_dash_m_and_help():
     proc = subprocess.run([sys.executable, "-m", "memtrain", "train", "--seq-len", "9999"],
                           capture_output=True, text=True, env=env)
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and "Traceback" not in proc.stderr
+
+
+def test_every_option_help_states_its_default():
+    """The README's promise: every command's --help gives each option's meaning and default. An
+    option whose default is a value says it; so do those whose unset default is derived."""
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    derived = {("bench", "--max-batch"), ("bench", "--row-timeout"), ("estimate", "--trace-device")}
+    missing = []
+    for verb, parser in subparsers.choices.items():
+        for action in parser._actions:
+            if not action.option_strings or isinstance(action, argparse._HelpAction) or not action.help:
+                continue
+            has_value = action.default not in (None, False, argparse.SUPPRESS)
+            if not has_value and (verb, action.option_strings[0]) not in derived:
+                continue
+            text = action.help.lower()
+            if "default" not in text and "same as" not in text:
+                missing.append((verb, action.option_strings[0]))
+    assert not missing, missing

@@ -9,8 +9,15 @@ from pathlib import Path
 from typing import Any, Optional
 
 from memtrain.bench.runner import BenchOptions, bench_settings, resolve_rows, run_bench, settings_hash
-from memtrain.bench.scales import DEFAULT_SCALE, SCALE_BUDGET, SCALES, scale_overrides
-from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, NOISE_ROWS, TECHNIQUES, default_techniques, noise_twin
+from memtrain.bench.scales import DEFAULT_SCALE, SCALE_BUDGET, SCALE_MAX_BATCH, SCALES, scale_overrides
+from memtrain.bench.technique_sets import (
+    CUDA_DEFAULT_EXTRA,
+    DEFAULT_TECHNIQUES,
+    NOISE_ROWS,
+    TECHNIQUES,
+    default_techniques,
+    noise_twin,
+)
 from memtrain.cli import add_config_flags, fmt_bytes, register
 from memtrain.config.argtypes import batch_count, positive_float, rank_count, user_path
 from memtrain.config.run import SECTIONS, ConfigError, load_config_file, parse_size
@@ -76,7 +83,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "(e.g. --vocab-multiple) overrides a preset's own setting; an explicit row may not "
                    "set a key that a flag also sets, nor a --config file a preset's technique (refused, so neither "
                    "silently wins). "
-                   f"Default: {','.join(DEFAULT_TECHNIQUES + NOISE_ROWS)} (plus compile on CUDA); on a device without native "
+                   f"Default: {','.join(DEFAULT_TECHNIQUES + NOISE_ROWS)} (on CUDA {', '.join(CUDA_DEFAULT_EXTRA)} too, before "
+                   "the twins; fp8 only where the GPU has FP8 tensor cores); on a device without native "
                    "BF16 the default list runs its BF16 rows in the faster measured native precision (FP16 "
                    "where native and not measured slower than FP32, else FP32) and says so; rows named here "
                    "run as asked (with a warning).")
@@ -86,9 +94,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-budget", default=None, help="Budget for the max-batch search, e.g. 8GiB "
                    "(default: the device's memory on CUDA; on CPU the scale's budget, "
                    f"{', '.join(f'{k} {v}' for k, v in SCALE_BUDGET.items() if v)}, else 1GiB, through the tracked meter).")
-    p.add_argument("--max-batch", type=batch_count, default=None, help="Upper bound of the max-batch search.")
-    p.add_argument("--multiple-of", type=batch_count, default=1, help="Max batch searched in multiples of this (e.g. 8).")
-    p.add_argument("--row-timeout", type=positive_float, default=None, help="Seconds before a row is stopped and recorded as timeout.")
+    p.add_argument("--max-batch", type=batch_count, default=None, help="Upper bound of the max-batch search (default: the scale's, "
+                   + ", ".join(f"{k} {v}" for k, v in SCALE_MAX_BATCH.items()) + ").")
+    p.add_argument("--multiple-of", type=batch_count, default=1, help="Max batch searched in multiples of this (e.g. 8; default 1).")
+    p.add_argument("--row-timeout", type=positive_float, default=None, help="Seconds before a row is stopped and recorded as timeout (default: no limit).")
     p.add_argument("--nproc", type=rank_count, default=1, help="Processes (devices) per row, launched with torchrun; rows "
                    "run data-parallel with --distributed ddp unless they set distributed=zero1|zero2|fsdp. Default 1.")
     # A row logs no metrics (its result is its line in results.jsonl): no --report-to/--log-every.

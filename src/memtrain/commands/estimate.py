@@ -115,7 +115,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="train: one steady-state training step; inference: memtrain generate, --batch-size "
                         "sequences of a --seq-len-token prompt and --new-tokens sampled tokens (weights, KV cache, "
                         "the prompt's forward, sampling), analytic; with --new-tokens 0, one forward of memtrain's GPT "
-                        "over every position without autograd.")
+                        "over every position without autograd. Default train.")
     p.add_argument("--weights-dtype", choices=("fp32", "bf16", "fp16", "int8"), default="bf16",
                    help="Inference mode: the dtype the weights are stored in and computed in (default bf16; "
                         "memtrain generate itself loads float32; int8 only with --new-tokens 0).")
@@ -124,7 +124,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         f"{DEFAULT_NEW_TOKENS}, as memtrain generate --max-new-tokens); the KV cache ends at "
                         "prompt + N - 1 positions. 0: one forward without a cache (memtrain's GPT only).")
     add_device_type_flag(p, "Kernel facts to assume (dropout masks, SDPA kernels); default: from --device.")
-    p.add_argument("--world-size", type=world_size, default=1, help="Data-parallel ranks (memory is per rank).")
+    p.add_argument("--world-size", type=world_size, default=1, help="Data-parallel ranks (memory is per rank; default 1).")
     p.add_argument("--shard", choices=("none", "zero1", "zero2", "fsdp"), default=None,
                    help="Sharding over --world-size ranks (default: --distributed).")
     add_gpu_flag(p, "With CUDA kernels: also model PyTorch's caching allocator and report allocated, reserved "
@@ -138,7 +138,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", action="store_true",
                    help="Also run one real step under fake tensors (nothing allocated) and compare.")
     p.add_argument("--trace-device", choices=("cpu", "cuda"), default=None,
-                   help="Device type of the fake tensors (cuda needs a CUDA build of torch).")
+                   help="Device type of the fake tensors (cuda needs a CUDA build of torch); default: as --device-type.")
     p.add_argument("--full-trace", action="store_true",
                    help="A transformers --model: trace every decoder layer instead of extrapolating from two "
                         "shallow copies (memtrain.analysis.depth_trace; the same bytes, seconds instead of minutes).")

@@ -35,7 +35,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true",
                    help="Also time each operation class with torch.profiler on the CUDA GPU and place "
                         "measured points (needs a GPU).")
-    p.add_argument("--profile-steps", type=int, default=5, metavar="N", help="Profiled steps (after 3 warm-up steps).")
+    p.add_argument("--profile-steps", type=int, default=5, metavar="N", help="Profiled steps (after 3 warm-up steps; default 5).")
     p.add_argument("--count", action="store_true",
                    help="Count the step under fake tensors (torch) even where the analytic inventory answers "
                         "(memtrain's GPT without LoRA, --window, selective checkpointing or a CUDA-only attention "

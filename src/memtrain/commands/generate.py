@@ -34,7 +34,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Sampling seed in [0, 2**64) (default 1337): same seed, same text (on the same device, "
                         "in the same dtype).")
     p.add_argument("--device", default="auto",
-                   help="Device to sample on: auto (CUDA when present, as train), cpu, cuda or cuda:N.")
+                   help="Device to sample on: auto (CUDA when present, as train; the default), cpu, cuda or cuda:N.")
     p.add_argument("--dtype", default=None, choices=GENERATE_DTYPES,
                    help="Weights and compute dtype (default: as stored: float32, or the dtype a checkpoint's run "
                         "trained in). Before sampling, the estimate of the run is held against the device's free "
