@@ -253,7 +253,7 @@ def test_failing_rank_fails_the_run_without_hanging(small_corpus, tmp_path):
 # --------------------------------------------------------------------------- in-process checks
 def test_distributed_needs_torchrun(tiny_run, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with pytest.raises(ConfigError, match="torchrun --nproc_per_node N"):
+    with pytest.raises(ConfigError, match="add --nproc-per-node N .*`torchrun --nproc_per_node N"):
         train(build_config({**tiny_run, "distributed": "fsdp"}))
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="--distributed is none"):

@@ -10,7 +10,8 @@ from memtrain.config.run import ConfigError, RunConfig
 
 DEEPSPEED_STRATEGIES = ("deepspeed-zero2", "deepspeed-zero3")
 
-LAUNCH_HINT = "launch it with `torchrun --nproc_per_node N -m memtrain train --distributed {s} ...`"
+LAUNCH_HINT = ("add --nproc-per-node N (memtrain starts N ranks), or launch it with "
+               "`torchrun --nproc_per_node N -m memtrain train --distributed {s} ...`")
 
 
 def check_distributed_run(cfg: RunConfig, device: torch.device) -> None:
