@@ -42,6 +42,9 @@ def test_layers_later_wins_and_nested_or_flat(tmp_path):
         ({"optim_block": 3}, "--optim-block must be 0"),
         ({"optim_block": -256}, "--optim-block must be 0"),
         ({"save_every": 5, "out": "runs/x"}, "no --save is given; add --save \\(e.g. --save runs/x/ckpt.pt\\)"),
+        # A YAML "\\0" or JSON "\\u0000" (or a checkpoint's saved --out): os calls raised ValueError mid-run.
+        ({"out": "runs/a\x00b"}, "--out holds a NUL character"),
+        ({"data": "a\x00.txt"}, "--data holds a NUL character"),
     ],
 )
 def test_bad_values_are_one_line_errors(layer, message):

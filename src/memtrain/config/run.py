@@ -628,9 +628,18 @@ def _coerce(cls: type, name: str, value: Any) -> Any:
             if math.isnan(number):  # NaN passes every comparison of the checks below as False
                 raise ValueError(value)
             return number
-        return str(value)
+        text = str(value)
     except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"--{name.replace('_', '-')} expects {base}, got {_shown(value)}") from None
+    return _without_nul(name, text)
+
+
+def _without_nul(name: str, text: str) -> str:
+    """``text``, a text setting without a NUL character: no path or name holds one, and os calls
+    given one raised ValueError midway through a run."""
+    if "\x00" in text:
+        raise ConfigError(f"--{name.replace('_', '-')} holds a NUL character (\\x00); remove it")
+    return text
 
 
 def _shown(value: Any, width: int = 40) -> str:
