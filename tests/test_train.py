@@ -305,6 +305,20 @@ def test_a_checkpoint_whose_saved_settings_are_refused_names_it(tiny_run, tmp_pa
     assert f"checkpoint {str(tmp_path / 'crafted.pt')!r} holds settings memtrain refuses" in err and "lr" in err
 
 
+def test_a_checkpoint_whose_saved_config_has_a_key_that_is_no_name_is_refused(tiny_run, tmp_path, capsys):
+    """torch.load admits any dict key: an integer key in the saved config (a crafted file)
+    ended `--resume` and export with exit 1 (AttributeError in flatten)."""
+    from memtrain.inference.export import read_checkpoint
+
+    config = build_config(tiny_run).to_dict()
+    config["train"][5] = 1
+    torch.save({"config": config, "step": 0, "model": {}}, tmp_path / "crafted.pt")
+    rc, err = _cli_train(capsys, "--resume", str(tmp_path / "crafted.pt"))
+    assert rc == 2 and err.count("\n") == 1 and "the key 5 is not a setting name" in err, err
+    with pytest.raises(ConfigError, match="the key 5 is not a setting name"):
+        read_checkpoint(tmp_path / "crafted.pt")
+
+
 def test_resume_rejects_other_model(tiny_run, tmp_path):
     train(build_config({**tiny_run, "steps": 2, "save": str(tmp_path / "a.pt")}))
     with pytest.raises(ConfigError, match="does not fit this model"):

@@ -785,16 +785,23 @@ def _check_int_digits(data: Any) -> None:
 
 
 def flatten(nested: dict[str, Any]) -> dict[str, Any]:
-    """Accept both ``{"model": {"d_model": 64}}`` and ``{"d_model": 64}``; return flat keys."""
+    """Accept both ``{"model": {"d_model": 64}}`` and ``{"d_model": 64}``; return flat keys.
+    A key that is no string (a checkpoint's saved config read, not trusted) is a ValueError."""
     flat: dict[str, Any] = {}
     for key, value in (nested or {}).items():
-        key = key.replace("-", "_")
+        key = _setting_name(key)
         if key in SECTIONS and isinstance(value, dict):
             for k, v in value.items():
-                flat[k.replace("-", "_")] = v
+                flat[_setting_name(k)] = v
         else:
             flat[key] = value
     return flat
+
+
+def _setting_name(key: Any) -> str:
+    if not isinstance(key, str):
+        raise ValueError(f"the key {_shown(key)} is not a setting name")
+    return key.replace("-", "_")
 
 
 def build_config(*layers: dict[str, Any]) -> RunConfig:

@@ -433,13 +433,13 @@ def resumed_settings(path: str | Path, launched: bool = False) -> dict[str, Any]
         check_sharded_resume(path, 1)  # a ranks' checkpoint: says how many ranks resume it
     index = field_index()
     left_out = NOT_RESUMED if launched else NOT_RESUMED | LAUNCH_SETTINGS
-    settings = {k: v for k, v in flatten(saved).items() if k in index and k not in left_out}
     try:
+        settings = {k: v for k, v in flatten(saved).items() if k in index and k not in left_out}
         # The values as a config file's are checked, before anything runs. The model spec is left
         # to the run's own build: a model that cannot be resolved now (a folder since moved, the
         # Hub offline) is said in its own words there, not blamed on the checkpoint.
         build_config({k: v for k, v in settings.items() if k != "model"})
-    except ConfigError as exc:
+    except ValueError as exc:  # a ConfigError, or flatten's key that is no setting name
         raise ConfigError(f"checkpoint {str(path)!r} holds settings memtrain refuses ({exc}); resume only from "
                           "checkpoints memtrain wrote") from None
     return settings
