@@ -416,6 +416,20 @@ def _checkpoint_of(tmp_path: Path, model: dict, config: dict) -> Path:
     return p
 
 
+TINY_LLAMA = {"model": {"model": "tiny-llama"}, "train": {"seq_len": 64}}
+NORM = "lm.model.norm.weight"  # the tensor each crafted checkpoint changes
+
+
+def _weights_with(tmp_path: Path, change) -> Path:
+    """A checkpoint of tiny-llama whose weights all fit, ``change`` made to them (a crafted
+    file: each tensor it puts there loaded into the model and failed later, exit 1)."""
+    from memtrain.models.hf import build_hf_model
+
+    weights = dict(build_hf_model(build_config(TINY_LLAMA), with_weights=False).state_dict())
+    change(weights)
+    return _checkpoint_of(tmp_path, weights, TINY_LLAMA)
+
+
 CORRUPT_CHECKPOINTS = {
     "missing": lambda t: t / "none.pt",
     "a-folder": lambda t: t,
@@ -428,6 +442,10 @@ CORRUPT_CHECKPOINTS = {
     "config-not-a-dict": lambda t: _checkpoint_of(t, {}, "gpt"),
     "weights-do-not-fit": lambda t: _checkpoint_of(t, {"wte.weight": torch.zeros(2, 2)}, {}),
     "model-folder-gone": lambda t: _checkpoint_of(t, {}, {"model": {"model": str(t / "gone")}}),
+    "weight-float8": lambda t: _weights_with(t, lambda w: w.update({NORM: w[NORM].to(torch.float8_e4m3fn)})),
+    "weight-on-meta": lambda t: _weights_with(t, lambda w: w.update({NORM: w[NORM].to("meta")})),
+    "weight-sparse": lambda t: _weights_with(t, lambda w: w.update({NORM: w[NORM].to_sparse()})),
+    "weight-name-not-a-string": lambda t: _weights_with(t, lambda w: w.update({3: torch.zeros(1)})),
 }
 
 

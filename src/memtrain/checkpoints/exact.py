@@ -163,6 +163,24 @@ def check_model_state(model_sd: Any) -> None:
         raise DamagedCheckpoint("its model is not tensors by parameter name")
 
 
+# The floating dtypes a run keeps its weights in (FP8 training too keeps FP32 master weights).
+WEIGHT_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64})
+
+
+def check_weights(model_sd: Any) -> None:
+    """:func:`check_model_state`, each tensor dense with data (not sparse, not on the meta device),
+    and each floating one in a dtype of :data:`WEIGHT_DTYPES`: export and generate hand the
+    checkpoint's tensors to the model as they are, and such a tensor failed midway (torch's
+    ``isfinite`` has no float8 kernel, a meta tensor has no values, a sparse one no reshape)."""
+    check_model_state(model_sd)
+    for name, value in model_sd.items():
+        if value.layout != torch.strided or value.is_meta:
+            where = "on the meta device (no values)" if value.is_meta else f"of layout {value.layout}"
+            raise DamagedCheckpoint(f"its weight {name} is a tensor {where}, not a dense one")
+        if value.is_floating_point() and value.dtype not in WEIGHT_DTYPES:
+            raise DamagedCheckpoint(f"its weight {name} is {value.dtype}, a dtype no run keeps its weights in")
+
+
 def _same_kind(saved: Any, now: Any) -> bool:
     """Whether a saved optimizer hyper-parameter may replace the current one: numbers for
     numbers, equally long sequences of numbers, a flag (bool or None) for a flag."""

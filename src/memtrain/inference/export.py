@@ -44,7 +44,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from memtrain.checkpoints.exact import read_state
+from memtrain.checkpoints.exact import DamagedCheckpoint, check_weights, read_state
 from memtrain.config.run import ConfigError, RunConfig, build_config
 from memtrain.data.tokenizer import EOT_ID, vocab_dir
 from memtrain.models import is_hf
@@ -80,6 +80,10 @@ def read_checkpoint(ckpt: str | Path) -> tuple[dict[str, Any], RunConfig]:
     state = read_state(p, "give the file written by train --save", mmap=True)
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict) or not isinstance(state.get("config"), dict):
         raise ConfigError(f"checkpoint {str(p)!r} is not a memtrain checkpoint (no model or config)")
+    try:
+        check_weights(state["model"])
+    except DamagedCheckpoint as exc:
+        raise ConfigError(f"checkpoint {str(p)!r} is damaged: {exc}; export a checkpoint memtrain wrote") from None
     try:
         # The run's relative --model (and data) are relative to the folder it was launched from,
         # as for --resume (memtrain.training.run_paths): an export from another folder reads the
