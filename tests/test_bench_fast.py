@@ -223,3 +223,18 @@ def test_bench_help_names_every_row_the_default_list_adds_on_cuda(capsys):
         main(["bench", "--help"])
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     assert f"(on CUDA {', '.join(CUDA_DEFAULT_EXTRA)} too" in text.replace("- ", "-"), text
+
+
+@pytest.mark.parametrize("content", ["", "  \n\n", '{"text": "a"\n'])
+def test_data_without_a_document_is_refused_before_any_row_or_folder(tmp_path, capsys, content):
+    """Each row found the empty (or broken) data alone: the bench wrote a report of failed rows
+    and exited 1, where train says one error: line (exit 2) and writes nothing."""
+    from memtrain.cli import main
+
+    data = tmp_path / ("d.jsonl" if content.startswith("{") else "d.txt")
+    data.write_text(content)
+    out = tmp_path / "b"
+    assert main(["bench", "--techniques", "baseline", "--no-maxbatch", "--data", str(data), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and err.count("\n") == 1 and "d." in err, err
+    assert not out.exists()

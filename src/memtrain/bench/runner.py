@@ -111,6 +111,24 @@ def bench_settings(opts: BenchOptions, rows: Optional[list[tuple[str, RunConfig]
             "max_batch_search": _maxbatch_spec(opts, rows[0][1]), "nproc": opts.nproc}
 
 
+def check_rows_data(rows: list[tuple[str, RunConfig]]) -> None:
+    """Each local data source of ``rows`` holds a document (a ConfigError, the one line ``train``
+    says, if not), checked before the folder, its lock or a row exists: an empty or unreadable
+    data file made every row fail alone ("invalid") and the bench exit 1 after writing a report
+    of failed rows. Reading stops at the first document; a Hub dataset is left to its rows."""
+    from memtrain.data.sources import iter_documents  # reads the data: only once a bench runs
+
+    checked: set[str] = set()
+    for _, cfg in rows:
+        data = cfg.data
+        key = repr(data)
+        if key in checked or data.data.startswith("hf:"):
+            continue
+        checked.add(key)
+        for _ in iter_documents(data):
+            break
+
+
 def hardware_name(device: Any) -> str:
     """The model of ``device`` (``runtime.env.device_model``: result.json's ``env.device_model``).
     On CUDA it reads the driver's name and makes no context that would hold GPU memory while the

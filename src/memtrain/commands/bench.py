@@ -8,7 +8,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Optional
 
-from memtrain.bench.runner import BenchOptions, bench_settings, resolve_rows, run_bench, settings_hash
+from memtrain.bench.runner import BenchOptions, bench_settings, check_rows_data, resolve_rows, run_bench, settings_hash
 from memtrain.bench.scales import DEFAULT_SCALE, SCALE_BUDGET, SCALE_MAX_BATCH, SCALES, scale_overrides
 from memtrain.bench.technique_sets import (
     CUDA_DEFAULT_EXTRA,
@@ -180,6 +180,7 @@ def run(args: argparse.Namespace) -> int:
     # a row of the same technique that an earlier bench ran otherwise.
     resolved = resolve_rows(opts)  # once: the settings and the bench use the same rows
     shared = bench_settings(opts, resolved)
+    check_rows_data(resolved)  # empty or unreadable data: one error: line, no folder
     settings = settings_hash(shared)
     try:
         # SIGTERM (`kill`, systemd, a job scheduler) arrives here as KeyboardInterrupt (cli.main).
