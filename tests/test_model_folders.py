@@ -189,6 +189,37 @@ def test_a_link_out_of_a_model_folder_is_refused(tokenizer_dir, corpus, tmp_path
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("verb", ["train", "generate"])
+@pytest.mark.parametrize("named", ["a FIFO outside", "../a shard outside", "an absolute path"])
+def test_a_safetensors_index_naming_a_file_outside_the_folder_is_refused(tokenizer_dir, corpus, tmp_path, capsys,
+                                                                         verb, named):
+    """transformers opens ``folder/NAME`` for each file a sharded model's index names: ``../x``
+    or an absolute path read past the checks of the folder's entries (a FIFO blocked the run, a
+    device such as /dev/zero filled the memory). Only the folder's own shards, by name, pass."""
+    model = model_folder(tmp_path / "m", tokenizer_dir)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(_gpt2_config()).save_pretrained(model, max_shard_size="20KB")
+    index_path = model / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    first = sorted(set(index["weight_map"].values()))[0]
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    fifo = outside / "fifo.safetensors"
+    os.mkfifo(fifo)
+    shutil.copy(model / first, outside / first)
+    target = {"a FIFO outside": str(fifo), "../a shard outside": f"../elsewhere/{first}",
+              "an absolute path": str(outside / first)}[named]
+    index["weight_map"] = {k: target if v == first else v for k, v in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index))
+    capsys.readouterr()  # what saving the weights printed
+    argv = _flags(model, corpus, tmp_path / "o") if verb == "train" else ["generate", str(model), "--max-new-tokens", "2"]
+    with unblocks(fifo):
+        assert main(argv) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"model.safetensors.index.json names {target!r}, which is not a *.safetensors file of the folder" in line
+    assert not (tmp_path / "o").exists()
+
+
 def test_links_inside_the_folder_and_a_hub_cache_snapshot_are_read(tokenizer_dir, tmp_path):
     """A Hugging Face cache snapshot links every file into ../../blobs: the snapshot folder is the
     model folder (its weights and tokenizer beside config.json), and the links are followed."""

@@ -307,7 +307,9 @@ def refuse_pickled_weights(folder: Path, what: str) -> None:
     They are never read, and without them the model would be built from its config alone:
     random weights, trained or sampled as if they were the folder's. A folder with no weight
     file at all is a config to train from scratch, on purpose, and passes."""
-    if safetensors_files(folder):
+    present = safetensors_files(folder)
+    if present:
+        _check_safetensors_index(folder, what, {p.name for p in present})
         return
     pickled = sorted(p.name for pattern in PICKLED_WEIGHTS for p in folder.glob(pattern) if p.is_file())
     if pickled:
@@ -319,6 +321,25 @@ def refuse_pickled_weights(folder: Path, what: str) -> None:
     if index.is_file():
         raise ConfigError(f"{what} has {index.name} but none of the *.safetensors files it names; copy them into "
                           "the folder (or remove the index to train from random weights)")
+
+
+def _check_safetensors_index(folder: Path, what: str, present: set[str]) -> None:
+    """Every file ``model.safetensors.index.json`` names is one of the folder's own ``*.safetensors``
+    files (``present``), by its plain name: transformers opens ``folder/NAME`` for each, so an
+    index naming ``../x.safetensors``, an absolute path, a FIFO or ``/dev/zero`` made it read
+    outside the folder, past the checks of its entries (a FIFO or a device blocked the run or
+    filled the memory)."""
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file() or "model.safetensors" in present:  # transformers reads that file, not the index
+        return
+    weight_map = _json_object(index, "the index").get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ConfigError(f"{what}: {index.name} has no weight_map object; fix or remove the index")
+    for name in weight_map.values():
+        if not isinstance(name, str) or name not in present:
+            raise ConfigError(f"{what}: {index.name} names {name!r}, which is not a *.safetensors file of the "
+                              "folder; an index may name only the folder's own files by name: fix the index or "
+                              "copy the file into the folder")
 
 
 def _snapshot_blobs(folder: Path) -> list[Path]:
