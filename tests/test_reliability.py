@@ -324,6 +324,15 @@ def test_bad_config_files_are_refused(tiny_run, tmp_path, name, content, words, 
     assert words in _one_error_line(capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("verb", ["estimate", "maxbatch", "flops"])
+def test_an_infinite_seq_len_in_a_config_file_is_one_line(tmp_path, capsys, verb):
+    """YAML's .inf as --seq-len: the verbs whose --max-seq-len follows --seq-len converted it to
+    an int before the config was checked (OverflowError, exit 1)."""
+    (tmp_path / "c.yaml").write_text("seq_len: .inf\n")
+    assert main([verb, "--config", str(tmp_path / "c.yaml")]) == 2
+    assert "--seq-len expects int, got inf" in _one_error_line(capsys.readouterr().err)
+
+
 def test_empty_data_file_and_command_counts_are_refused(tiny_run, tmp_path, capsys):
     (tmp_path / "empty.jsonl").write_text("")
     assert main(["train", *cli_flags({**tiny_run, "data": str(tmp_path / "empty.jsonl")})]) == 2

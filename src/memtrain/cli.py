@@ -260,7 +260,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = 
         if "max_seq_len" not in merged and "seq_len" in merged:
             try:
                 seq = int(merged["seq_len"])
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):  # a config file's .inf: no int
                 seq = 0  # build_config below reports the bad value
             if seq > build_config(base or {}).model.max_seq_len:
                 layers.append({"max_seq_len": seq})
