@@ -173,6 +173,18 @@ def test_a_fifo_in_a_model_folder_is_refused_without_being_opened(tokenizer_dir,
     assert not (tmp_path / "o").exists()
 
 
+def test_a_device_or_fifo_given_as_the_model_is_named_itself(tmp_path, capsys):
+    """`--model /dev/null` was refused for another entry of /dev ("'autofs' is a character
+    device ... remove or replace that entry"), its folder being checked as a model folder."""
+    fifo = tmp_path / "spec"
+    os.mkfifo(fifo)
+    for spec, kind in (("/dev/null", "a character device"), (str(fifo), "a FIFO")):
+        with unblocks(fifo):
+            assert main(["estimate", "--model", spec]) == 2
+        line = _one_error_line(capsys.readouterr().err)
+        assert f"--model {spec!r} is {kind}, not a config.json or a model folder" in line, line
+
+
 @pytest.mark.parametrize("name", ["tokenizer.json", "config.json", "model.safetensors"])
 def test_a_link_out_of_a_model_folder_is_refused(tokenizer_dir, corpus, tmp_path, capsys, name):
     """A symbolic link to a file outside the folder is refused (a readable file, so nothing

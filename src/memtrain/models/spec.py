@@ -31,7 +31,7 @@ from typing import Any, Optional
 from memtrain.config.archs import GPT2_ARCH, LLAMA_ARCH
 from memtrain.config.presets import PRESETS
 from memtrain.errors import ConfigError
-from memtrain.files.guard import folder_entry_problems, visible_entries
+from memtrain.files.guard import folder_entry_problems, special_file_kind, visible_entries
 from memtrain.models.hub_access import from_pretrained_kwargs, offline_hint
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -161,6 +161,10 @@ def resolve(spec: str) -> ModelSource:
         return ModelSource(spec, bundled, None)
     p = Path(spec).expanduser()
     _refuse_a_checkpoint(p, spec)
+    kind = special_file_kind(p)
+    if kind is not None:  # else the folder it sits in was checked, naming another of its entries
+        raise ConfigError(f"--model {spec!r} is {kind}, not a config.json or a model folder; give a model's folder "
+                          "or its config.json")
     if p.is_dir():
         p = p / "config.json"
     if os.path.lexists(p):
