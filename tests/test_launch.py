@@ -249,6 +249,19 @@ def test_ctrl_c_before_the_command_runs_is_one_line(monkeypatch, capsys):
     assert "interrupted" in _one_error_line(capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("field, value, words", [("hidden_act", "nonexistent", "hidden_act 'nonexistent' is no activation"),
+                                                 ("head_dim", 0, "head_dim 0 is not a positive whole number")])
+def test_config_values_transformers_cannot_build_are_bad_input(tmp_path, capsys, field, value, words):
+    """transformers reads an unknown activation or a head_dim of 0 without a word, then fails
+    building the model (KeyError, ZeroDivisionError: exit 1) in train, a trace or generate."""
+    pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 1,
+        "intermediate_size": 64, "vocab_size": 100, "max_position_embeddings": 64, field: value}))
+    assert main(["estimate", "--trace", "--seq-len", "16", "--batch-size", "1", "--model", str(tmp_path)]) == 2
+    assert words in _one_error_line(capsys.readouterr().err)
+
+
 def test_bad_transformers_model_folders_are_bad_input(tmp_path, capsys):
     """--model DIR: an invalid size in config.json, or a corrupt *.safetensors file, is exit 2
     (was exit 1 with transformers' or safetensors' exception); remote code stays refused."""

@@ -416,7 +416,29 @@ def load_config(spec: str) -> Any:
         raise ConfigError(f"cannot read the model config of --model {spec!r}: {why}{offline_hint(src.repo)}") from None
     if getattr(cfg, "is_encoder_decoder", False):
         raise ConfigError(f"--model {spec!r} is an encoder-decoder ({cfg.model_type}); memtrain trains causal LMs")
+    _refuse_unbuildable(cfg, spec)
     return cfg
+
+
+# The config fields naming a layer's activation (Llama's family, Gemma, GPT-2 and OPT).
+ACTIVATION_FIELDS = ("hidden_act", "hidden_activation", "activation_function")
+
+
+def _refuse_unbuildable(cfg: Any, spec: str) -> None:
+    """Refuse config values transformers reads without checking and then fails to build a model
+    from (a KeyError for an unknown activation, ZeroDivisionError for a head_dim of 0, exit 1),
+    whichever verb builds it (train, estimate's trace, generate)."""
+    from transformers.activations import ACT2FN  # transformers is loaded by now (load_config)
+
+    for name in ACTIVATION_FIELDS:
+        value = getattr(cfg, name, None)
+        if value is not None and (not isinstance(value, str) or value not in ACT2FN):
+            raise ConfigError(f"--model {spec!r}: its config.json's {name} {value!r} is no activation transformers "
+                              f"knows; use one of {', '.join(sorted(ACT2FN))}")
+    head_dim = getattr(cfg, "head_dim", None)
+    if head_dim is not None and (not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 1):
+        raise ConfigError(f"--model {spec!r}: its config.json's head_dim {head_dim!r} is not a positive whole number; "
+                          "fix it, or remove it (hidden_size / num_attention_heads is taken)")
 
 
 def _hub_file(repo: str, name: str, spec: str) -> Path:
