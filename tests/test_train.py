@@ -319,6 +319,20 @@ def test_a_checkpoint_whose_saved_config_has_a_key_that_is_no_name_is_refused(ti
         read_checkpoint(tmp_path / "crafted.pt")
 
 
+@pytest.mark.parametrize("world", [None, -2, "two"])
+def test_a_sharded_checkpoint_without_a_rank_count_is_damaged(tmp_path, capsys, world):
+    """A meta.json without a positive world_size was answered "written by None ranks; resume
+    with --nproc-per-node None"."""
+    import json
+
+    meta = {"config": {}, "step": 0, **({} if world is None else {"world_size": world})}
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "meta.json").write_text(json.dumps(meta))
+    rc, err = _cli_train(capsys, "--resume", str(tmp_path / "ck"))
+    assert rc == 2 and err.count("\n") == 1, err
+    assert f"is damaged: its meta.json's world_size is {world!r}, not a count of ranks" in err, err
+
+
 def test_resume_rejects_other_model(tiny_run, tmp_path):
     train(build_config({**tiny_run, "steps": 2, "save": str(tmp_path / "a.pt")}))
     with pytest.raises(ConfigError, match="does not fit this model"):

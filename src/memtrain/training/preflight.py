@@ -613,7 +613,12 @@ def check_sharded_resume(path: str | Path, nproc: int) -> None:
         raise ConfigError(f"{str(p)!r} is not a distributed checkpoint directory; a single-process checkpoint "
                           "resumes without --distributed and without --nproc-per-node")
     meta = loads_bounded((p / "meta.json").read_text())  # saved_run (check_resume) has read it
-    world = meta.get("world_size")
+    world = meta.get("world_size") if isinstance(meta, dict) else None
+    if not (isinstance(world, int) and not isinstance(world, bool) and world > 0):
+        from memtrain.checkpoints.exact import DamagedCheckpoint, damaged  # torch: only for --resume
+
+        # else the line below asked for --nproc-per-node None (or -5, or "two")
+        raise damaged(p, DamagedCheckpoint(f"its meta.json's world_size is {world!r}, not a count of ranks"))
     if world != nproc:
         raise ConfigError(f"checkpoint {str(p)!r} was written by {world} ranks; resume with --nproc-per-node {world}")
     missing = [f"rank-{r}.pt" for r in range(nproc) if not (p / f"rank-{r}.pt").is_file()]
