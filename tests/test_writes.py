@@ -74,6 +74,22 @@ def test_bench_refuses_links_in_its_folder_before_any_row_runs(small_corpus, tmp
     assert sorted(p.name for p in out.iterdir()) == []  # nothing ran, nothing was written
 
 
+@pytest.mark.parametrize("link", ["rows", "rows/baseline"])
+def test_bench_refuses_a_link_where_a_row_runs_before_any_row_runs(small_corpus, tmp_path, capsys, link):
+    """Each row runs in OUT/rows/NAME: a link there made the row create its folder, and run, at
+    the link's target, outside the bench folder."""
+    out = tmp_path / "b"
+    (out / link).parent.mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (out / link).symlink_to(elsewhere)
+    assert main(["bench", "--techniques", "baseline", "--out", str(out), "--no-maxbatch",
+                 "--data", str(small_corpus), "--steps", "2", "--no-progress"]) == 2
+    assert f"{link!r} is a symbolic link" in _one_error_line(capsys.readouterr().err)
+    assert list(elsewhere.iterdir()) == []
+    assert not (out / ".memtrain.lock").exists()
+
+
 @pytest.fixture
 def home_and_here(tmp_path, monkeypatch) -> tuple[Path, Path]:
     """A home folder ("~") and a current folder, both new and apart: what a "~" path wrote where."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -208,11 +209,27 @@ def trace_key(cfg: RunConfig) -> str:
     return config_hash(cfg.replace(seed=0, nudge_seed=0).to_dict())
 
 
+def row_folder(out: Path, name: str) -> Path:
+    """The folder row ``name`` of the bench in ``out`` runs in (its train's --out)."""
+    return out / "rows" / name.replace("/", "_").replace("=", "-").replace("+", "_")
+
+
+def check_row_folders(out: Path, names: list[str]) -> None:
+    """``out/rows`` and each row's folder in it are real folders (or absent), checked before the
+    bench folder or a row exists: a link there made each row create its folder, and run, at the
+    link's target, outside the bench folder."""
+    for path in [out / "rows", *(row_folder(out, name) for name in names)]:
+        if path.is_symlink() or (os.path.lexists(path) and not path.is_dir()):
+            kind = "a symbolic link" if path.is_symlink() else "not a folder"
+            raise ConfigError(f"--out {str(out)!r}: {str(path.relative_to(out))!r} is {kind}; memtrain does not "
+                              "write through links: remove it or choose another --out")
+
+
 def run_row_subprocess(name: str, cfg: RunConfig, opts: BenchOptions, eta: Optional[Any] = None,
                        known_max_batch: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Run one row in a fresh Python process; return its result dict (with status).
     ``known_max_batch``: this bench's search result for a row with the same :func:`trace_key`."""
-    row_dir = opts.out / "rows" / name.replace("/", "_").replace("=", "-").replace("+", "_")
+    row_dir = row_folder(opts.out, name)
     row_dir.mkdir(parents=True, exist_ok=True)
     cfg = cfg.replace(out=str(row_dir))
     distributed = cfg.technique.distributed != "none"

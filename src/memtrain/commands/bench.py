@@ -8,7 +8,15 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Optional
 
-from memtrain.bench.runner import BenchOptions, bench_settings, check_rows_data, resolve_rows, run_bench, settings_hash
+from memtrain.bench.runner import (
+    BenchOptions,
+    bench_settings,
+    check_row_folders,
+    check_rows_data,
+    resolve_rows,
+    run_bench,
+    settings_hash,
+)
 from memtrain.bench.scales import DEFAULT_SCALE, SCALE_BUDGET, SCALE_MAX_BATCH, SCALES, scale_overrides
 from memtrain.bench.technique_sets import (
     CUDA_DEFAULT_EXTRA,
@@ -179,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
     # The report shows this bench's rows: those run (or found done) under its settings, never
     # a row of the same technique that an earlier bench ran otherwise.
     resolved = resolve_rows(opts)  # once: the settings and the bench use the same rows
+    check_row_folders(opts.out, [name for name, _ in resolved])  # a link at rows/: before the folder exists
     shared = bench_settings(opts, resolved)
     check_rows_data(resolved)  # empty or unreadable data: one error: line, no folder
     settings = settings_hash(shared)
