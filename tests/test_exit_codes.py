@@ -124,6 +124,8 @@ def test_train_refuses_absurd_numbers_before_it_starts(extra, words, small_corpu
     (["--top-k", BIG], "argument --top-k"),
     (["--num-samples", BIG], "argument --num-samples"),  # an OverflowError in torch
     (["--max-new-tokens", "0"], "argument --max-new-tokens"),
+    # Bytes the locale could not decode (lone surrogates): a transformers tokenizer's TypeError, exit 1.
+    (["--prompt", "\udcff\udcfe bad"], "argument --prompt: is not UTF-8 text"),
 ])
 def test_generate_refuses_bad_sampling_settings(extra, words, checkpoint, capsys):
     code, err = _code_and_err(["generate", str(checkpoint), "--max-new-tokens", "2", *extra], capsys)

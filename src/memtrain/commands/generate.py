@@ -9,7 +9,15 @@ from typing import Any, Optional
 from memtrain.analysis.estimate.generation import DEFAULT_NEW_TOKENS
 from memtrain.analysis.limits import MAX_WIDTH
 from memtrain.cli import allocation_of, register
-from memtrain.config.argtypes import batch_count, int_in, non_negative_float, seed_value, token_count, user_path
+from memtrain.config.argtypes import (
+    batch_count,
+    int_in,
+    non_negative_float,
+    seed_value,
+    token_count,
+    user_path,
+    utf8_text,
+)
 from memtrain.config.run import ConfigError
 from memtrain.errors import is_out_of_memory
 from memtrain.techniques.facts import GENERATE_DTYPES
@@ -19,7 +27,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", type=user_path, help="Checkpoint file (train --save; memtrain's GPT or a transformers --model) or a "
                    "directory written by `memtrain export`. A folder is read with safetensors weights only; one whose "
                    "config names custom code (auto_map) is refused.")
-    p.add_argument("--prompt", default="", help="Text to continue (default: start of a document).")
+    p.add_argument("--prompt", type=utf8_text, default="", help="Text to continue (default: start of a document).")
     # Every value is checked here (exit 2 before the model loads): NaN, inf or a negative
     # temperature, a seed or count beyond 64 bits would otherwise fail deep inside torch.
     p.add_argument("--max-new-tokens", type=token_count, default=DEFAULT_NEW_TOKENS,

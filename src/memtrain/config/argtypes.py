@@ -83,3 +83,13 @@ def user_path(text: str) -> str:
     """A path argument with "~" as the home folder, as the shell would expand it unquoted: the
     checks and the writes then read one path (they once checked "~/x" and wrote "./~/x")."""
     return os.path.expanduser(text)
+
+
+def utf8_text(text: str) -> str:
+    """Text that is UTF-8: bytes the locale could not decode reach Python as lone surrogates,
+    which a tokenizer refused deep inside (``TypeError: TextEncodeInput must be ...``, exit 1)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("is not UTF-8 text (bytes the locale could not decode); give UTF-8 text") from None
+    return text
