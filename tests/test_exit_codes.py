@@ -151,6 +151,22 @@ def test_export_refuses_a_file_or_an_unwritable_place(checkpoint, tmp_path, caps
         _assert_one_error_line(code, err, "is not writable")  # was FileNotFoundError, exit 1
 
 
+def test_a_full_disk_while_exporting_is_the_disk_full_line(checkpoint, tmp_path, capsys, monkeypatch):
+    """safetensors reports a full disk as its own SafetensorError (no OSError): the line was
+    "error: SafetensorError: Error while serializing: I/O error: No space left on device"."""
+    import memtrain.inference.export as export
+
+    def full(out):
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(export, "save_tokenizer", full)
+    out = tmp_path / "exported"
+    code, err = _code_and_err(["export", str(checkpoint), str(out)], capsys)
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith(f"error: disk full writing {out}; free space"), err
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == []  # the scratch folder is gone
+
+
 @pytest.mark.parametrize("kind", ["folder", "fifo", "symlink"])
 def test_a_lock_file_that_is_not_a_file_is_bad_input(kind, small_corpus, tmp_path, capsys):
     out = tmp_path / "out"

@@ -408,7 +408,14 @@ def _new_directory(out: Path) -> Iterator[Path]:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
-        yield tmp
+        try:
+            yield tmp
+        except Exception as exc:
+            # safetensors' SafetensorError (no OSError) says "No space left on device (os error
+            # 28)" in its text only: the CLI's "disk full writing OUT" line, as for any other file.
+            if isinstance(exc, OSError) or "No space left on device" not in str(exc):
+                raise
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out)) from None
         try:
             os.replace(tmp, out)  # onto an empty directory too (POSIX rename)
         except OSError as exc:
