@@ -224,6 +224,39 @@ def test_resume_alone_continues_the_run_with_its_saved_settings(tiny_run, tmp_pa
     assert rc == 2 and "lr: 0.0003 -> 0.01" in err and "at step 6" not in err
 
 
+def test_a_copied_or_moved_checkpoint_resumes_without_that_runs_out_and_save(tiny_run, tmp_path, capsys, monkeypatch):
+    """A checkpoint that is no longer the file its run saved (an earlier one kept aside, one from
+    another machine whose config names any folder) does not lend its --out and --save: taken,
+    they replaced the run's newer checkpoint and wrote into that run's folder, or wherever a
+    foreign config said. It writes where this run says, and a note names what was not taken."""
+    import shutil
+
+    from conftest import cli_flags
+
+    base = {**tiny_run, "steps": 6}
+    ckpt, run_out = tmp_path / "run" / "c.pt", tmp_path / "run"
+    rc, err = _cli_train(capsys, *cli_flags({**base, "out": str(run_out), "save": str(ckpt), "stop_after": 2}))
+    assert rc == 0, err
+    kept = tmp_path / "kept.pt"
+    shutil.copy(ckpt, kept)  # step 2, kept aside
+    rc, err = _cli_train(capsys, "--resume", str(ckpt), "--stop-after", "4")  # the run goes on to step 4
+    assert rc == 0, err
+    assert "moved or copied" not in err  # its own checkpoint lends its outputs
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    rc, err = _cli_train(capsys, "--resume", str(kept))
+    assert rc == 0, err
+    assert f"was saved by its run as {str(ckpt)!r}" in err and "does not take that run's --out or --save" in err
+    assert "saved no checkpoint" in err
+    assert torch.load(ckpt, weights_only=True)["step"] == 4  # the run's newer checkpoint is left as it was
+    assert json.loads((here / "runs" / "train" / "result.json").read_text())["steps_run"] == 4
+    rc, err = _cli_train(capsys, "--resume", str(kept), "--out", str(tmp_path / "branch"),
+                         "--save", str(tmp_path / "branch.pt"))
+    assert rc == 0 and "moved or copied" not in err, err  # both named: nothing to say
+    assert torch.load(tmp_path / "branch.pt", weights_only=True)["step"] == 6
+
+
 def test_resume_from_another_folder_continues_in_the_runs_own_folder(tiny_run, tmp_path, capsys, monkeypatch):
     """Relative --data, --out and --save are relative to where the run was launched: resumed
     from another working folder (by the checkpoint's path alone) the run continues in its own

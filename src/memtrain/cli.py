@@ -58,7 +58,7 @@ from memtrain.report.by_module import module_table_lines
 from memtrain.runtime.extras import quiet_third_party
 from memtrain.runtime.notices import install_warning_format, random_base_warning
 from memtrain.runtime.signals import bind_rank_to_launcher, sigterm_as_interrupt
-from memtrain.training.preflight import check_before_launch, continue_longer, resumed_settings
+from memtrain.training.preflight import check_before_launch, continue_longer, moved_checkpoint_note, resumed_settings
 
 
 class _Parser(argparse.ArgumentParser):
@@ -272,6 +272,8 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = 
         refuse_long_warmup(cfg.train)
     # Remembered (not a field) for defaults_note: which settings a layer named.
     cfg.given_settings = frozenset(merged)  # type: ignore[attr-defined]  # read with getattr(..., None)
+    # And which outputs a flag or the config file named (not a resumed checkpoint): moved_checkpoint_note.
+    cfg.given_outputs = frozenset(k for k in ("out", "save") if k in given)  # type: ignore[attr-defined]
     return cfg
 
 
@@ -442,6 +444,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     note = defaults_note(cfg)
     if note and main_rank:
         print(note, flush=True)
+    moved = moved_checkpoint_note(cfg, frozenset(getattr(cfg, "given_outputs", ())))  # said after the run, as --steps longer is
     longer = continue_longer(cfg)  # said after the run (below), as the warm-up's note is
 
     def write_result(result: dict) -> None:  # before the final checkpoint (see train())
@@ -476,6 +479,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                          "at most 200); set --warmup-steps to choose\n")
     if longer:
         sys.stderr.write(longer + "\n")
+    if moved:
+        sys.stderr.write(moved + "\n")
     mem = result["memory"]
     print(
         f"steps {result['steps']}  train loss {result['train_loss']:.4f}  "

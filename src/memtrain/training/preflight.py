@@ -442,7 +442,43 @@ def resumed_settings(path: str | Path, launched: bool = False) -> dict[str, Any]
     except ValueError as exc:  # a ConfigError, or flatten's key that is no setting name
         raise ConfigError(f"checkpoint {str(path)!r} holds settings memtrain refuses ({exc}); resume only from "
                           "checkpoints memtrain wrote") from None
+    if saved_elsewhere(path, settings.get("save")):
+        settings = {k: v for k, v in settings.items() if k not in RUN_OUTPUTS}
     return settings
+
+
+# Where a run writes: taken by a resumed run only from a checkpoint still where its run saved it.
+RUN_OUTPUTS: frozenset[str] = frozenset({"out", "save"})
+
+
+def saved_elsewhere(path: str | Path, saved_as: Any) -> bool:
+    """Whether the checkpoint at ``path`` is no longer the file (or folder) its run saved as
+    ``saved_as``: moved, copied (an earlier checkpoint kept aside) or brought from another
+    machine. Such a checkpoint's ``--out`` and ``--save`` are that run's: taken, a resumed run
+    would replace the newer checkpoint saved there, or write wherever its config says."""
+    if not isinstance(saved_as, str) or not saved_as:
+        return False
+    there = os.path.expanduser(saved_as)
+    try:
+        return not (os.path.exists(there) and os.path.samefile(os.path.expanduser(str(path)), there))
+    except OSError:
+        return True
+
+
+def moved_checkpoint_note(cfg: RunConfig, given: frozenset[str]) -> Optional[str]:
+    """The note a resumed run prints when its checkpoint was saved elsewhere
+    (:func:`saved_elsewhere`) and a flag did not name the outputs :func:`resumed_settings` left
+    out; None otherwise."""
+    t = cfg.train
+    if not t.resume or RUN_OUTPUTS <= given:
+        return None
+    saved_as = saved_run(t.resume)[0].get("train", {}).get("save")
+    if not saved_elsewhere(t.resume, saved_as):
+        return None
+    left = " or ".join(f"--{k}" for k in ("out", "save") if k not in given)
+    writes = f"it wrote to {t.out!r}" + (f" and saved {t.save!r}" if t.save else " and saved no checkpoint (--save to keep one)")
+    return (f"note: {str(t.resume)!r} was saved by its run as {saved_as!r} (moved or copied since): this run does not "
+            f"take that run's {left}; {writes}")
 
 
 def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
