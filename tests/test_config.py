@@ -74,6 +74,15 @@ def test_parse_size():
     assert parse_size("1PiB") == 2**50 and parse_size("2PB") == 2 * 10**15
     with pytest.raises(ConfigError, match="beyond what memtrain handles"):
         parse_size("99999999PiB")
+    # The unit of that limit is read, and a size at or past it says so, not "cannot read"; zero or
+    # less is said to be what it is.
+    assert parse_size("0.5EiB") == 2**59
+    for size in ("1EiB", "2EiB", "1e400", "2E"):
+        with pytest.raises(ConfigError, match="beyond what memtrain handles"):
+            parse_size(size)
+    for size in ("0", "-3GiB", "0MiB"):
+        with pytest.raises(ConfigError, match="is not positive"):
+            parse_size(size)
 
 
 # --------------------------------------------------------------------------- --model resolution

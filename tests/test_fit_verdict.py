@@ -99,7 +99,7 @@ def test_gpus_without_a_memory_figure_ask_for_a_budget(capsys):
 
 @pytest.mark.parametrize("argv,expect", [
     (["--mode", "inference", "--new-tokens", "0", "--budget", "8GiB"], "give --new-tokens N, or drop --budget/--gpu"),
-    (["--budget", "0", "--device-type", "cpu"], "cannot read memory size"),
+    (["--budget", "0", "--device-type", "cpu"], "memory size '0' is not positive"),
     (["--gpu", "h100", "--device-type", "cpu"], "--device-type cuda"),
 ])
 def test_bad_budget_use_is_one_error_line(capsys, argv, expect):

@@ -91,7 +91,7 @@ def test_a_gpu_without_a_memory_figure_asks_for_a_budget(capsys):
 
 @pytest.mark.parametrize("flags,expect", [
     (["--new-tokens", "0", "--budget", "8GiB"], "give --new-tokens N, or drop --budget/--gpu"),
-    (["--budget", "0"], "cannot read memory size"),
+    (["--budget", "0"], "memory size '0' is not positive"),
     (["--budget", "lots"], "cannot read memory size"),
 ])
 def test_bad_budget_use_is_one_error_line(capsys, flags, expect):

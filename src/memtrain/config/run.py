@@ -891,9 +891,9 @@ def parse_size(text: str | int | float) -> int:
     s = str(text).strip().replace(" ", "")
     units = {
         "": 1, "b": 1,
-        "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
-        "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50,
-        "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "p": 2**50,
+        "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15, "eb": 10**18,
+        "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50, "eib": 2**60,
+        "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "p": 2**50, "e": 2**60,
     }
     num = s.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
     unit = s[len(num):].lower()
@@ -901,11 +901,13 @@ def parse_size(text: str | int | float) -> int:
         value = float(num)
     except ValueError:
         value = math.nan
-    if unit not in units or not math.isfinite(value) or value <= 0:
+    if unit not in units or math.isnan(value):
         raise ConfigError(f"cannot read memory size {text!r}; write it like 8GiB, 1.5GB or 512MiB")
-    size = value * units[unit]  # a float: 1e300GB is inf here, refused below
+    if value <= 0:
+        raise ConfigError(f"memory size {text!r} is not positive; write it like 8GiB, 1.5GB or 512MiB")
+    size = value * units[unit]  # a float: 1e300GB (or inf) is inf here, refused below
     if not size < MAX_BYTES:
-        raise ConfigError(f"memory size {text!r} is beyond what memtrain handles (at most 1 EiB); "
+        raise ConfigError(f"memory size {text!r} is beyond what memtrain handles (less than 1 EiB, 1024 PiB); "
                           "write it like 8GiB, 1.5GB or 512MiB")
     if size < 1:
         raise ConfigError(f"memory size {text!r} is less than one byte; write it like 8GiB, 1.5GB or 512MiB")
