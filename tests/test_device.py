@@ -200,6 +200,24 @@ def test_info_command(capsys, monkeypatch):
     assert main(["info", "--device", "tpu"]) == 2
 
 
+def test_info_says_whether_it_could_cache_the_rates(capsys, monkeypatch, tmp_path):
+    """A cache folder that cannot be written (here: a file in a folder's place) costs only the
+    next run another measurement, and info says so instead of "cached for next time"."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("MEMTRAIN_CACHE", str(blocker / "cache"))
+    assert main(["info", "--device", "cpu"]) == 0
+    assert "measured now (not cached: the cache folder cannot be written" in capsys.readouterr().out
+    D._PROBES.clear()
+    monkeypatch.setenv("MEMTRAIN_CACHE", str(tmp_path / "cache"))
+    assert main(["info", "--device", "cpu"]) == 0
+    assert "measured now (cached for next time)" in capsys.readouterr().out
+    D._PROBES.clear()
+    assert main(["info", "--device", "cpu", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["from_cache"] is True and out["cached_at"] is None
+
+
 def test_adamw_default_kernel_per_device(monkeypatch):
     """--optim adamw: the fused kernel on CUDA (foreach where fused is missing), the per-tensor
     loop on CPU; adamw-fused / adamw-foreach pin a kernel everywhere."""

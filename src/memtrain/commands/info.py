@@ -56,8 +56,13 @@ def render(caps: dict[str, Any]) -> str:
         lines.append(f"ISA flags:         {' '.join(caps['isa_flags'])}")
     if caps.get("forced"):
         lines.append(f"forced:            {caps['forced']}")
-    lines.append("rates:             " + ("from the per-machine cache (--remeasure to measure again)"
-                                         if caps.get("from_cache") else "measured now (cached for next time)"))
+    if caps.get("from_cache"):
+        rates = "from the per-machine cache (--remeasure to measure again)"
+    elif caps.get("cached_at"):
+        rates = "measured now (cached for next time)"
+    else:
+        rates = "measured now (not cached: the cache folder cannot be written; MEMTRAIN_CACHE chooses another)"
+    lines.append(f"rates:             {rates}")
     return "\n".join(lines)
 
 

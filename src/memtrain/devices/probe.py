@@ -97,6 +97,9 @@ class DeviceCaps:
     compute_capability: Optional[list[int]] = None
     forced: Optional[str] = None  # the overrides in effect, e.g. "MEMTRAIN_FORCE_NATIVE_BF16=0"
     from_cache: bool = False
+    # Where measured rates were stored for the next run (None: read from the cache, not measured,
+    # or the cache could not be written, e.g. a read-only folder).
+    cached_at: Optional[str] = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -348,18 +351,19 @@ def _read_cache(path: Path, key: str) -> Optional[dict[str, Any]]:
     return rates if _valid_rates(rates) else None
 
 
-def _write_cache(path: Path, key: str, rates: dict[str, Any]) -> None:
-    """Write the entry atomically (a temporary file, then a rename); a cache that cannot be
-    written is skipped (it only costs the next run another measurement)."""
+def _write_cache(path: Path, key: str, rates: dict[str, Any]) -> bool:
+    """Write the entry atomically (a temporary file, then a rename); whether it was written. A
+    cache that cannot be written is skipped (it only costs the next run another measurement)."""
     if not _valid_rates(rates):
-        return  # never store what the reader would refuse
+        return False  # never store what the reader would refuse
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         _remove_empty_dir(path)  # a folder in the entry's place (one with files stays: the write is refused)
         write_text_atomic(path, json.dumps({"version": CACHE_VERSION, "key": key, "rates": rates}, indent=2,
                                            allow_nan=False) + "\n")
     except (OSError, ValueError, ConfigError):
-        pass  # a read-only cache (or a link in its place) only costs the next run another second
+        return False  # a read-only cache (or a link in its place) only costs the next run another second
+    return True
 
 
 def _remove_empty_dir(path: Path) -> None:
@@ -476,7 +480,7 @@ def _probe(device: torch.device, measure: bool, kernels: bool,
         if rates is None:
             rates = (measure_fn or _rates)(device, low)
             if measure_fn is None:
-                _write_cache(path, key, rates)
+                caps.cached_at = str(path) if _write_cache(path, key, rates) else None
         else:
             caps.from_cache = True
         for k, v in rates.items():
