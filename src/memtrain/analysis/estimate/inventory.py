@@ -634,42 +634,7 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
     qk_saves = [f"{p}.qc", f"{p}.kc"]
     kernel_locals: list[str] = []  # what the attention function holds until it returns
     if dm.repeat_kv and kind == "math":
-        # repeat_kv runs first, k's then v's, and its copies stay (the function's locals) until
-        # it returns, saved or not (checkpointed). The matmuls' gradients are as wide as the
-        # copies; each copy's backward sums its gradient down to the k/v heads, after the
-        # scores' backward (autograd runs the later ops first).
-        q_grad, k_grad, v_grad = qkv_grad
-        # (With as many k/v heads as q heads repeat_kv returns k and v themselves: the matmuls
-        # then copy k^T and v, as our GPT's do, and nothing is held.)
-        repeated = kvw != d
-        k_in, v_in = (f"{p}.kc", f"{p}.vc") if repeated else (k, v)
-        # repeat_kv copies k in its dtype: a float32 k (rope's under autocast) makes a float32
-        # copy, and the matmul then casts that to the compute dtype, a copy of its own (saved
-        # in its place).
-        k_cast = repeated and kv_locals[0] and a != 4
-        k_saved = f"{p}.kc16" if k_cast else f"{p}.kc"
-        if repeated:
-            nodes.append(Node(f"{p}.repeat_k", out=[(f"{p}.kc", N * d * (4 if k_cast else a))], inputs=[qkv],
-                               grads=[(k, N * kvw * a)] if k_grad else []))
-            nodes.append(Node(f"{p}.repeat_v", out=[(f"{p}.vc", N * d * a)], inputs=[qkv],
-                               grads=[(v, N * kvw * a)] if v_grad else []))
-        # Each matmul keeps one operand's copy for the other operand's gradient: q's (``qc``,
-        # not otherwise held) only when k requires one, k's only when q does; the
-        # probabilities only when v requires one, v's copy only when they do.
-        nodes.append(Node(f"{p}.qk", out=[(f"{p}.qc", N * d * a)] + ([] if repeated else [(f"{p}.kc", N * d * a)])
-                           + ([(k_saved, N * d * a)] if k_cast else [])
-                           + [(f"{p}.s0", sc * a)], inputs=[qkv] + ([f"{p}.kc"] if repeated else []),
-                           saves=[f"{p}.qc"] * k_grad + [k_saved] * q_grad, matmul=True, grad_out=(f"{p}.s0",),
-                           keep=(f"{p}.s0",),
-                           grads=[(q, N * d * a)] * q_grad + [(k_in, N * d * a)] * k_grad))
-        probs = _scores_softmax(nodes, dm, p, sc, s * s, kind)
-        probs_grad = q_grad or k_grad
-        if not repeated:
-            nodes.append(Node(f"{p}.vcopy", out=[(f"{p}.vc", N * d * a)], inputs=[qkv]))
-        nodes.append(Node(f"{p}.pv", out=[(f"{p}.o", N * d * a)], inputs=[probs] + v_saved,
-                           saves=[probs] * v_grad + v_saved * probs_grad, matmul=True,
-                           grads=[(probs, sc * a)] * probs_grad + [(v_in, N * d * a)] * v_grad))
-        held = [f"{p}.kc", f"{p}.vc"] if repeated else []
+        held = _eager_hf_attention_nodes(nodes, dm, p, qkv_keys, v_src, qkv_grad, kv_locals, a)
     else:
         qk_in = [qkv]
         if kind == "sdpa":
@@ -706,6 +671,70 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
     # y.transpose(1, 2).contiguous(): a copy; its backward passes the gradient through.
     nodes.append(Node(f"{p}.merge", out=[(y, N * d * low_a)], inputs=[o] + held,
                        grads=[(o, 0.0)]))
+
+
+def _eager_hf_attention_nodes(nodes: list[Node], dm: Dims, p: str, qkv_keys: list[str], v_src: Optional[str],
+                              qkv_grad: tuple[bool, bool, bool], kv_locals: tuple[bool, bool], a: float) -> list[str]:
+    """transformers' eager attention of a Llama-style layer (:func:`_attention_nodes`' arguments),
+    from repeat_kv to the probabilities times v; returns what the function holds until it
+    returns (repeat_kv's copies)."""
+    b, s, d, h = dm.b, dm.s, dm.qw, dm.h
+    N, kvw = dm.n, dm.kv
+    qkv, q, k, v = f"{p}.qkv", f"{p}.q", f"{p}.k", f"{p}.v"
+    sc = b * h * s * s
+    v_saved = [f"{p}.vc"]
+    # repeat_kv runs first, k's then v's, and its copies stay (the function's locals) until
+    # it returns, saved or not (checkpointed). The matmuls' gradients are as wide as the
+    # copies; each copy's backward sums its gradient down to the k/v heads, after the
+    # scores' backward (autograd runs the later ops first).
+    q_grad, k_grad, v_grad = qkv_grad
+    # (With as many k/v heads as q heads repeat_kv returns k and v themselves: the matmuls
+    # then copy k^T and v, as our GPT's do, and nothing is held.)
+    repeated = kvw != d
+    k_in, v_in = (f"{p}.kc", f"{p}.vc") if repeated else (k, v)
+    # repeat_kv copies k in its dtype: a float32 k (rope's under autocast) makes a float32
+    # copy, and the matmul then casts that to the compute dtype, a copy of its own (saved
+    # in its place).
+    k_cast = repeated and kv_locals[0] and a != 4
+    # One k/v head: repeat_kv's expand + reshape is a view (stride 0 across the heads), which
+    # each matmul copies into a contiguous (b h, s, hd) buffer, except at batch 1, where the
+    # view folds into bmm's batch dimension as it is: no copy, and the matmuls save the views,
+    # so rope's k and v (their storages: ``qkv``, or the float32 locals) stay for backward.
+    in_place = repeated and kvw * h == d and b == 1
+    k_src = f"{qkv}.locals" if kv_locals[0] else qkv
+    k_saved = f"{p}.kc16" if k_cast else (k_src if in_place else f"{p}.kc")
+    if repeated:
+        nodes.append(Node(f"{p}.repeat_k", out=[(f"{p}.kc", 0.0 if in_place else N * d * (4 if k_cast else a))],
+                           inputs=[qkv], grads=[(k, N * kvw * a)] if k_grad else []))
+        nodes.append(Node(f"{p}.repeat_v", out=[(f"{p}.vc", 0.0 if in_place else N * d * a)], inputs=[qkv],
+                           grads=[(v, N * kvw * a)] if v_grad else []))
+        if in_place:
+            v_saved = qkv_keys
+    # Each matmul keeps one operand's copy for the other operand's gradient: q's (``qc``,
+    # not otherwise held) only when k requires one, k's only when q does; the
+    # probabilities only when v requires one, v's copy only when they do.
+    # (At batch 1 the matmul reads rope's q in place too: ``qc`` is q itself, kept by ``qkv``'s
+    # save there, unless autocast casts a float32 q.)
+    q_bytes = 0.0 if in_place and not kv_locals[0] else N * d * a
+    nodes.append(Node(f"{p}.qk", out=[(f"{p}.qc", q_bytes)] + ([] if repeated else [(f"{p}.kc", N * d * a)])
+                       + ([(k_saved, N * d * a)] if k_cast else [])
+                       + [(f"{p}.s0", sc * a)], inputs=[qkv] + ([f"{p}.kc"] if repeated else []),
+                       saves=[f"{p}.qc"] * k_grad + [k_saved] * q_grad, matmul=True, grad_out=(f"{p}.s0",),
+                       keep=(f"{p}.s0",),
+                       grads=[(q, N * d * a)] * q_grad + [(k_in, N * d * a)] * k_grad))
+    probs = _scores_softmax(nodes, dm, p, sc, s * s, "math")
+    probs_grad = q_grad or k_grad
+    if not repeated and v_src is not None and b == 1:
+        # Phi-3's v, a slice of the fused output, folds into bmm's batch dimension at batch 1:
+        # read in place, and the save keeps the whole fused output.
+        v_saved = [v_src]
+    elif not repeated:
+        nodes.append(Node(f"{p}.vcopy", out=[(f"{p}.vc", N * d * a)], inputs=[qkv]))
+    nodes.append(Node(f"{p}.pv", out=[(f"{p}.o", N * d * a)], inputs=[probs] + v_saved,
+                       saves=[probs] * v_grad + v_saved * probs_grad, matmul=True,
+                       grads=[(probs, sc * a)] * probs_grad + [(v_in, N * d * a)] * v_grad))
+    held = [f"{p}.kc", f"{p}.vc"] if repeated else []
+    return held
 
 
 def _masked_sdpa_nodes(nodes: list[Node], dm: Dims, p: str, v_src: Optional[str],
