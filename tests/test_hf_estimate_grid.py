@@ -408,7 +408,12 @@ def test_sdpa_sliding_window_within_one_percent_of_the_trace(case, folders, tmp_
 ATTENTION_DROPOUT = [("llama", (72, 6, 2, 3), "fp32", "sdpa", 0, "none"),
                      ("qwen2", (136, 4, 1, 3), "bf16", "sdpa", 0, "none"),
                      ("gemma", (120, 6, 3, 3), "bf16-pure", "math", 4, "none"),
-                     ("phi3", (96, 4, 4, 5), "fp32", "math", 0, "none")]
+                     ("phi3", (96, 4, 4, 5), "fp32", "math", 0, "none"),
+                     # Eager attention under autocast drops the float32 softmax (rope's float32 query
+                     # keeps it float32) and the second matmul casts the dropped weights: counted in
+                     # bf16 before, -3.2% forward and backward (-3.4% backward checkpointed).
+                     ("llama", (72, 6, 2, 3), "bf16", "math", 0, "none"),
+                     ("mistral", (120, 6, 3, 3), "fp16", "math", 4, "full")]
 
 
 @pytest.mark.parametrize("case", ATTENTION_DROPOUT, ids=lambda c: f"{c[0]}-{c[2]}-{c[3]}-lora{c[4]}-ckpt_{c[5]}")

@@ -524,11 +524,24 @@ def _scores_softmax(nodes: list[Node], dm: Dims, p: str, score_elems: float, mas
     nodes.append(Node(f"{p}.softmax", out=[(f"{p}.pf", sc * sm)], inputs=[src] + caller_held, saves=[f"{p}.pf"],
                        grads=[(src, sc * sm)]))
     src = f"{p}.pf"
+    if float_scores and _float32_weights_dropped(dm, kind):
+        # A Llama-style layer under autocast: ``.to(query.dtype)`` keeps the float32 softmax
+        # (rope's float32 query), so the attention dropout runs on it in float32 (its output and
+        # the CPU kernel's noise), and the second matmul's autocast casts the dropped weights.
+        _dropout(nodes, dm, f"{p}.attn_drop", src, f"{p}.pd", sc, 4, attention=True)
+        nodes.append(Node(f"{p}.tocast", out=[(f"{p}.pa", sc * a)], inputs=[f"{p}.pd"], grads=[(f"{p}.pd", sc * 4)]))
+        return f"{p}.pa"
     if float_scores:
         nodes.append(Node(f"{p}.tocast", out=[(f"{p}.pa", sc * a)], inputs=[src], grads=[(src, sc * 4)]))
         src = f"{p}.pa"
     _dropout(nodes, dm, f"{p}.attn_drop", src, f"{p}.pd", sc, a, attention=True)
     return f"{p}.pd"
+
+
+def _float32_weights_dropped(dm: Dims, kind: str) -> bool:
+    """Whether a transformers Llama-style eager attention drops its float32 softmax output under
+    autocast (the weights its layer then holds: :func:`_hf_layer_locals`)."""
+    return kind == "math" and dm.repeat_kv and dm.autocast and dm.a != 4 and dm.dropout and not dm.cuda
 
 
 def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Optional[int],
@@ -954,7 +967,8 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     nodes.append(Node(f"{p}.add2", out=[(f"blocks.{i + 1}.in", N * d * r)], inputs=[f"{p}.x1", f"{p}.h2d"],
                        grads=[(f"{p}.x1", 0.0), (f"{p}.h2d", 0.0 if a == r else N * d * a)]))
     if dm.hf:
-        nodes[-1].inputs += _hf_layer_locals(p, arch, tech.attention, dm.autocast)
+        dropped32 = _float32_weights_dropped(dm, tech.attention)  # (the weights held: the dropped ones)
+        nodes[-1].inputs += _hf_layer_locals(p, arch, tech.attention, dm.autocast and not dropped32)
     else:
         # GPT.hidden_states' loop (``x = block(x)``) rebinds the block's input only after the
         # block returns (the first block under LoRA saves it nowhere).
