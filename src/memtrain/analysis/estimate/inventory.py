@@ -649,11 +649,16 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
     if dm.repeat_kv and kind == "math":
         held = _eager_hf_attention_nodes(nodes, dm, p, qkv_keys, v_src, qkv_grad, kv_locals, a)
     else:
-        qk_in = [qkv]
+        qk_in, gqa_v = [qkv], None
         if kind == "sdpa":
-            kernel_locals = _sdpa_math_inputs(nodes, dm, p, kvw, upcast, qkv_keys)
+            kernel_locals, gqa_v = _sdpa_math_inputs(nodes, dm, p, kvw, upcast, qkv_keys)
             qk_in = [f"{p}.qs", f"{p}.ks"]
-        nodes.append(Node(f"{p}.qk", out=[(f"{p}.qc", N * d * a), (f"{p}.kc", N * d * a), (f"{p}.s0", sc * a)],
+        if gqa_v is not None:
+            # The repeated (contiguous) k and v are read in place: the scaled k is saved for q's
+            # gradient, the repeated v (or its float32 copy) for the probabilities'.
+            qk_saves, v_saved = [f"{p}.qc", f"{p}.ks"], [gqa_v]
+        nodes.append(Node(f"{p}.qk", out=[(f"{p}.qc", N * d * a), (f"{p}.kc", 0.0 if gqa_v else N * d * a),
+                                          (f"{p}.s0", sc * a)],
                            inputs=qk_in, saves=qk_saves, matmul=True, grad_out=(f"{p}.s0",),
                            keep=(f"{p}.s0",),
                            grads=[(q, N * d * a), (k, N * kvw * a)]))
@@ -674,7 +679,7 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
             # the replay without them is what the committed H100 runs measured (reserved within
             # 1.5%: tests/test_allocator.py), and with them 20% under: not yet explained.
             kernel_locals = [f"{p}.s2", f"{p}.cm"] + qkv_keys
-        nodes.append(Node(f"{p}.vcopy", out=[] if v_view else [(f"{p}.vc", N * v_width * a)], inputs=qkv_keys))
+        nodes.append(Node(f"{p}.vcopy", out=[] if v_view or gqa_v else [(f"{p}.vc", N * v_width * a)], inputs=qkv_keys))
         nodes.append(Node(f"{p}.pv", out=[(f"{p}.o", N * d * a)], inputs=[probs] + v_saved,
                            saves=[probs] + v_saved, matmul=True,
                            grads=[(probs, sc * a), (v, N * kvw * a)]))
@@ -794,27 +799,38 @@ def _masked_sdpa_nodes(nodes: list[Node], dm: Dims, p: str, v_src: Optional[str]
         nodes.append(Node(f"{p}.merge", out=[(f"{p}.y", N * d * a)], inputs=[o], grads=[(o, 0.0)]))
 
 
-def _sdpa_math_inputs(nodes: list[Node], dm: Dims, p: str, kvw: int, upcast: bool, qkv_keys: list[str]) -> list[str]:
+def _sdpa_math_inputs(nodes: list[Node], dm: Dims, p: str, kvw: int, upcast: bool,
+                      qkv_keys: list[str]) -> tuple[list[str], Optional[str]]:
     """The tensors torch's SDPA math path (``_scaled_dot_product_attention_math``) makes before
     its first matmul, beyond what that matmul copies and saves: float32 copies of q, k and v when
     they are 16-bit (``upcast``), the scaled q (``q * sqrt(scale)``) and the additive float mask
     it builds from ``is_causal`` (a bool ``ones(s, s).tril()`` turned into 0 / -inf, added to the
     scores: nothing saved), all its locals until it returns; and the scaled k^T, a temporary of
     the matmul's argument, gone once it returns. Returns the locals' keys (the scaled q is
-    ``{p}.qs``, the scaled k ``{p}.ks``, the mask ``{p}.m``)."""
+    ``{p}.qs``, the scaled k ``{p}.ks``, the mask ``{p}.m``), and, where transformers hands it
+    grouped k/v heads (a Llama-style layer: ``enable_gqa``), the key of the repeated v that the
+    second matmul reads in place (else None): after the float32 copies the math path repeats k and
+    v to the q heads (``repeat_interleave``: contiguous copies as wide as q), its locals as well,
+    so the scaled k is as wide as q, and the matmuls copy neither the scaled k nor v."""
     N, d, a = dm.n, dm.qw, dm.a
     locals_: list[str] = []
+    gqa_v = None
     if upcast:
         nodes.append(Node(f"{p}.upcast", out=[(f"{p}.q32", N * d * a), (f"{p}.k32", N * kvw * a),
                                                (f"{p}.v32", N * kvw * a)], inputs=list(qkv_keys)))
         locals_ += [f"{p}.q32", f"{p}.k32", f"{p}.v32"]
+    if dm.repeat_kv and kvw != d:
+        nodes.append(Node(f"{p}.gqa_repeat", out=[(f"{p}.kg", N * d * a), (f"{p}.vg", N * d * a)],
+                          inputs=list(qkv_keys)))
+        locals_ += [f"{p}.kg", f"{p}.vg"]
+        kvw, gqa_v = d, f"{p}.vg"
     nodes.append(Node(f"{p}.qscale", out=[(f"{p}.qs", N * d * a)], inputs=list(qkv_keys)))
     locals_.append(f"{p}.qs")
     s = dm.s
     nodes.append(Node(f"{p}.mask", out=[(f"{p}.m", s * s * 4)], fwd_scratch=2 * s * s))
     locals_.append(f"{p}.m")
     nodes.append(Node(f"{p}.kscale", out=[(f"{p}.ks", N * kvw * a)], inputs=list(qkv_keys)))
-    return locals_
+    return locals_, gqa_v
 
 
 def _math_fallback_dims(dm: Dims) -> Dims:
