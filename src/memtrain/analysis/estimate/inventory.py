@@ -649,6 +649,9 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
     if dm.repeat_kv and kind == "math":
         held = _eager_hf_attention_nodes(nodes, dm, p, qkv_keys, v_src, qkv_grad, kv_locals, a)
     else:
+        # Each matmul keeps one operand for the other operand's gradient (not every one of q, k
+        # and v requires one in the first layer under LoRA on named targets: ``qkv_grad``).
+        q_grad, k_grad, v_grad = qkv_grad
         qk_in, gqa_v = [qkv], None
         if kind == "sdpa":
             kernel_locals, gqa_v = _sdpa_math_inputs(nodes, dm, p, kvw, upcast, qkv_keys)
@@ -659,9 +662,9 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
             qk_saves, v_saved = [f"{p}.qc", f"{p}.ks"], [gqa_v]
         nodes.append(Node(f"{p}.qk", out=[(f"{p}.qc", N * d * a), (f"{p}.kc", 0.0 if gqa_v else N * d * a),
                                           (f"{p}.s0", sc * a)],
-                           inputs=qk_in, saves=qk_saves, matmul=True, grad_out=(f"{p}.s0",),
-                           keep=(f"{p}.s0",),
-                           grads=[(q, N * d * a), (k, N * kvw * a)]))
+                           inputs=qk_in, saves=qk_saves[:1] * k_grad + qk_saves[1:] * q_grad, matmul=True,
+                           grad_out=(f"{p}.s0",), keep=(f"{p}.s0",),
+                           grads=[(q, N * d * a)] * q_grad + [(k, N * kvw * a)] * k_grad))
         probs = _scores_softmax(nodes, dm, p, sc, s * s, kind, mask_made=kind == "sdpa")
         if kind == "sdpa":
             # The kernel returns the attention weights too, cast to the inputs' dtype (a new
@@ -681,8 +684,8 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
             kernel_locals = [f"{p}.s2", f"{p}.cm"] + qkv_keys
         nodes.append(Node(f"{p}.vcopy", out=[] if v_view or gqa_v else [(f"{p}.vc", N * v_width * a)], inputs=qkv_keys))
         nodes.append(Node(f"{p}.pv", out=[(f"{p}.o", N * d * a)], inputs=[probs] + v_saved,
-                           saves=[probs] + v_saved, matmul=True,
-                           grads=[(probs, sc * a), (v, N * kvw * a)]))
+                           saves=[probs] * v_grad + v_saved * (q_grad or k_grad), matmul=True,
+                           grads=[(probs, sc * a)] * (q_grad or k_grad) + [(v, N * kvw * a)] * v_grad))
         held = []
     o = _cast_back(nodes, p, f"{p}.o", N * d, a, low_a)
     nodes[-1].inputs += kernel_locals  # (the kernel's last op: the cast back, or the matmul)
