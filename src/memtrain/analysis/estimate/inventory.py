@@ -641,8 +641,9 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
     # as our GPT's q and k copies.
     v_width = d if dm.hf else kvw
     # (GPT-2's SDPA math fallback on float32 v at batch 1: bmm reads the (h, s, hd) view of v
-    # in place, and its save keeps the whole q/k/v output.)
-    v_view = dm.additive_mask and kind != "math" and not upcast and b == 1
+    # in place, and its save keeps the whole q/k/v output. A Llama-style layer's v is a storage of
+    # its own, apart from rope's q and k, which ``qkv`` stands for too: the copy's bytes are v's.)
+    v_view = dm.additive_mask and not dm.repeat_kv and kind != "math" and not upcast and b == 1
     v_saved = qkv_keys if v_view else [f"{p}.vc"]
     qk_saves = [f"{p}.qc", f"{p}.kc"]
     kernel_locals: list[str] = []  # what the attention function holds until it returns
