@@ -719,19 +719,25 @@ def _eager_hf_attention_nodes(nodes: list[Node], dm: Dims, p: str, qkv_keys: lis
     # in its place).
     k_cast = repeated and kv_locals[0] and a != 4
     # One k/v head: repeat_kv's expand + reshape is a view (stride 0 across the heads), which
-    # each matmul copies into a contiguous (b h, s, hd) buffer, except at batch 1, where the
-    # view folds into bmm's batch dimension as it is: no copy, and the matmuls save the views,
-    # so rope's k and v (their storages: ``qkv``, or the float32 locals) stay for backward.
-    in_place = repeated and kvw * h == d and b == 1
+    # each matmul copies into a contiguous (b h, s, hd) buffer as it runs (``kt``, ``vt``: gone
+    # with the matmul unless saved), except at batch 1, where the view folds into bmm's batch
+    # dimension as it is: no copy, and the matmuls save the views, so rope's k and v (their
+    # storages: ``qkv``, or the float32 locals) stay for backward.
+    view_kv = repeated and kvw * h == d
+    in_place = view_kv and b == 1
     k_src = f"{qkv}.locals" if kv_locals[0] else qkv
-    k_saved = f"{p}.kc16" if k_cast else (k_src if in_place else f"{p}.kc")
+    k_saved = f"{p}.kc16" if k_cast else (k_src if in_place else (f"{p}.kt" if view_kv else f"{p}.kc"))
     if repeated:
-        nodes.append(Node(f"{p}.repeat_k", out=[(f"{p}.kc", 0.0 if in_place else N * d * (4 if k_cast else a))],
+        nodes.append(Node(f"{p}.repeat_k", out=[(f"{p}.kc", 0.0 if view_kv else N * d * (4 if k_cast else a))],
                            inputs=[qkv], grads=[(k, N * kvw * a)] if k_grad else []))
-        nodes.append(Node(f"{p}.repeat_v", out=[(f"{p}.vc", 0.0 if in_place else N * d * a)], inputs=[qkv],
+        nodes.append(Node(f"{p}.repeat_v", out=[(f"{p}.vc", 0.0 if view_kv else N * d * a)], inputs=[qkv],
                            grads=[(v, N * kvw * a)] if v_grad else []))
         if in_place:
             v_saved = qkv_keys
+        elif view_kv:
+            v_saved = [f"{p}.vt"]
+    if view_kv and not in_place and not k_cast:
+        nodes.append(Node(f"{p}.kcopy", out=[(f"{p}.kt", N * d * a)], inputs=[qkv]))
     # Each matmul keeps one operand's copy for the other operand's gradient: q's (``qc``,
     # not otherwise held) only when k requires one, k's only when q does; the
     # probabilities only when v requires one, v's copy only when they do.
@@ -740,7 +746,8 @@ def _eager_hf_attention_nodes(nodes: list[Node], dm: Dims, p: str, qkv_keys: lis
     q_bytes = 0.0 if in_place and not kv_locals[0] else N * d * a
     nodes.append(Node(f"{p}.qk", out=[(f"{p}.qc", q_bytes)] + ([] if repeated else [(f"{p}.kc", N * d * a)])
                        + ([(k_saved, N * d * a)] if k_cast else [])
-                       + [(f"{p}.s0", sc * a)], inputs=[qkv] + ([f"{p}.kc"] if repeated else []),
+                       + [(f"{p}.s0", sc * a)], inputs=[qkv] + ([f"{p}.kc"] if repeated else [])
+                       + ([k_saved] if k_saved == f"{p}.kt" else []),
                        saves=[f"{p}.qc"] * k_grad + [k_saved] * q_grad, matmul=True, grad_out=(f"{p}.s0",),
                        keep=(f"{p}.s0",),
                        grads=[(q, N * d * a)] * q_grad + [(k_in, N * d * a)] * k_grad))
@@ -750,12 +757,13 @@ def _eager_hf_attention_nodes(nodes: list[Node], dm: Dims, p: str, qkv_keys: lis
         # Phi-3's v, a slice of the fused output, folds into bmm's batch dimension at batch 1:
         # read in place, and the save keeps the whole fused output.
         v_saved = [v_src]
-    elif not repeated:
-        nodes.append(Node(f"{p}.vcopy", out=[(f"{p}.vc", N * d * a)], inputs=[qkv]))
+    elif not repeated or (view_kv and not in_place):
+        v_copy = f"{p}.vt" if repeated else f"{p}.vc"
+        nodes.append(Node(f"{p}.vcopy", out=[(v_copy, N * d * a)], inputs=[qkv]))
     nodes.append(Node(f"{p}.pv", out=[(f"{p}.o", N * d * a)], inputs=[probs] + v_saved,
                        saves=[probs] * v_grad + v_saved * probs_grad, matmul=True,
                        grads=[(probs, sc * a)] * probs_grad + [(v_in, N * d * a)] * v_grad))
-    held = [f"{p}.kc", f"{p}.vc"] if repeated else []
+    held = [f"{p}.kc", f"{p}.vc"] if repeated and not view_kv else []
     return held
 
 
