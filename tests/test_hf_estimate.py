@@ -437,3 +437,20 @@ def test_the_explanation_names_a_gated_mlps_saved_tensors(capsys):
     formula = next(line for line in json.loads(capsys.readouterr().out)["explanation"]
                    if line.startswith("activations per block"))
     assert "4*N*d_ff*4 (gate, up, act(gate), their product)" in formula and "gelu" not in formula
+
+
+@pytest.mark.parametrize("optim", ["adamw", "adafactor"])
+def test_phi3_optimizer_step_walks_the_models_parameter_order(tmp_path, optim):
+    """Phi3Attention registers o_proj before qkv_proj, and the single-tensor AdamW and Adafactor
+    steps pair each tensor's scratch with its predecessor's in that order: the step's peak came
+    out 2.3% (AdamW) and 1.8% (Adafactor) under the trace when qkv_proj came first."""
+    from memtrain.analysis.estimate.hf import analytic_estimate
+    from memtrain.analysis.trace import trace_step
+
+    transformers.Phi3Config(hidden_size=126, intermediate_size=260, num_hidden_layers=1, num_attention_heads=7,
+                            num_key_value_heads=7, vocab_size=426, max_position_embeddings=128, pad_token_id=0,
+                            bos_token_id=0, eos_token_id=0).save_pretrained(tmp_path)
+    cfg = build_config({"model": str(tmp_path), "batch_size": 2, "seq_len": 64, "device": "cpu", "optim": optim})
+    est, traced = analytic_estimate(cfg, "cpu"), trace_step(cfg, "cpu")
+    mine, theirs = est.phase_peaks["optimizer"], traced["phase_peaks"]["optimizer"]
+    assert abs(mine / theirs - 1) < 0.002, (mine, theirs)

@@ -187,8 +187,14 @@ def block_param_table(m: ModelConfig, arch: Arch, tech: Optional[TechniqueConfig
     for i in blocks:
         p = f"blocks.{i}"
         norm(f"{p}.ln_1", i)
-        linear(f"{p}.attn.qkv", "qkv", d, q + 2 * kv, i)
-        linear(f"{p}.attn.proj", "proj", q, d, i)
+        if arch.fused_proj:
+            # Phi3Attention registers o_proj before qkv_proj: the model's parameter order, which
+            # the single-tensor optimizer steps walk (their scratch pairs neighbours).
+            linear(f"{p}.attn.proj", "proj", q, d, i)
+            linear(f"{p}.attn.qkv", "qkv", d, q + 2 * kv, i)
+        else:
+            linear(f"{p}.attn.qkv", "qkv", d, q + 2 * kv, i)
+            linear(f"{p}.attn.proj", "proj", q, d, i)
         norm(f"{p}.ln_2", i)
         if arch.mlp == "swiglu":
             linear(f"{p}.mlp.fc", "fc", d, 2 * f, i)  # gate and up fused
