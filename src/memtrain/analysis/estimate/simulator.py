@@ -645,6 +645,11 @@ class Graph:
 
     def backward(self) -> None:
         self._in_backward = True
+        # loss.backward() begins by allocating the loss's gradient: everything the forward left
+        # is live in the backward phase before anything is freed (its peak under gradient
+        # accumulation with the chunked loss, whose backward frees before it allocates).
+        self.sim.at("backward", "loss backward")
+        self.sim.count_live()
         lump = self.comp is not None and self.comp.lumps > 0
         for idx in range(len(self.segments) - 1, -1, -1):
             seg = self.segments[idx]
