@@ -600,9 +600,12 @@ def test_sdpa_dropout_at_batch_one_within_one_percent_of_the_trace(case, folders
 # Gradient accumulation with the chunked loss: every .grad exists from the first micro-batch on,
 # and the loss's backward frees before it allocates, so the backward's peak is where it starts,
 # with all the forward left (loss.backward() allocates the loss's gradient first). The estimate
-# counted the backward's live total from its first allocation on: -1.8% to -2.5% backward.
+# counted the backward's live total from its first allocation on: -1.8% to -2.5% backward. Under
+# bf16-pure the float32 grad_w is cast to the weight's dtype before it is added into .grad: a
+# new tensor, left out before (-2.7% backward).
 GRAD_ACCUM_CHUNKED = [("qwen2", (90, 5, 1, 2), "fp16", "sdpa", "every:3", 1, 9),
-                      ("llama", (90, 5, 1, 2), "fp32", "math", "none", 3, 9)]
+                      ("llama", (90, 5, 1, 2), "fp32", "math", "none", 3, 9),
+                      ("llama", (96, 4, 2, 2), "bf16-pure", "sdpa", "none", 2, 31)]
 
 
 @pytest.mark.parametrize("case", GRAD_ACCUM_CHUNKED, ids=lambda c: f"{c[0]}-{c[2]}-{c[3]}-ckpt_{c[4]}-b{c[5]}")

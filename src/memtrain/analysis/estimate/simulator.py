@@ -437,8 +437,7 @@ class Graph:
                 self._part_made(name, nbytes)
                 return
             if name in self.param_grad_sid and name not in self.tied:
-                if key not in n.grad_from:
-                    sim.transient(nbytes)  # the op's gradient, added in place into .grad
+                self._added_into_grad(n, key, name, nbytes)
                 return
             if name in self.tied:
                 # A tied weight has two gradient edges: autograd buffers the first (the LM
@@ -494,6 +493,17 @@ class Graph:
         sid = sim.alloc(nbytes, "temporaries")
         self.grad_sid[key] = sid
         self.grad_refs[sid] = 1
+
+    def _added_into_grad(self, n: Node, key: str, name: str, nbytes: float) -> None:
+        """The op's gradient of parameter ``name``, whose .grad exists (gradient accumulation),
+        added in place into it: a transient, unless the op hands on a tensor it holds (the
+        chunked loss's grad_w), which is added as it is, or cast first when its dtype is not the
+        weight's (float32 next to bf16-pure weights: a new tensor the weight's size)."""
+        src = n.grad_from.get(key)
+        if src is None:
+            self.sim.transient(nbytes)
+        elif src in self.store and self.sim.live[self.store[src]][0] != self.param_grad[name]:
+            self.sim.transient(self.param_grad[name])
 
     def _drop_grad(self, key: str) -> None:
         if key not in self.grad_sid:
