@@ -657,11 +657,8 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
         if kind == "sdpa":
             kernel_locals, gqa_v = _sdpa_math_inputs(nodes, dm, p, kvw, upcast, qkv_keys)
             qk_in = [f"{p}.qs", f"{p}.ks"]
-        if gqa_v is not None:
-            # The repeated (contiguous) k and v are read in place: the scaled k is saved for q's
-            # gradient, the repeated v (or its float32 copy) for the probabilities'.
-            qk_saves, v_saved = [f"{p}.qc", f"{p}.ks"], [gqa_v]
-        nodes.append(Node(f"{p}.qk", out=[(f"{p}.qc", N * d * a), (f"{p}.kc", 0.0 if gqa_v else N * d * a),
+        qk_saves, v_saved, q_copy, k_copy, gqa_v = _math_path_reads(dm, p, kind, upcast, gqa_v, qk_saves, v_saved)
+        nodes.append(Node(f"{p}.qk", out=[(f"{p}.qc", N * d * a * q_copy), (f"{p}.kc", N * d * a * k_copy),
                                           (f"{p}.s0", sc * a)],
                            inputs=qk_in, saves=qk_saves[:1] * k_grad + qk_saves[1:] * q_grad, matmul=True,
                            grad_out=(f"{p}.s0",), keep=(f"{p}.s0",),
@@ -693,6 +690,27 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
     # y.transpose(1, 2).contiguous(): a copy; its backward passes the gradient through.
     nodes.append(Node(f"{p}.merge", out=[(y, N * d * low_a)], inputs=[o] + held,
                        grads=[(o, 0.0)]))
+
+
+def _math_path_reads(dm: Dims, p: str, kind: str, upcast: bool, gqa_v: Optional[str], qk_saves: list[str],
+                     v_saved: list[str]) -> tuple[list[str], list[str], bool, bool, Optional[str]]:
+    """What the materialized attention's matmuls read in place rather than copy (:func:`_attention_nodes`):
+    returns the first matmul's saves (q's for k's gradient, k's for q's), the second's v, whether
+    q and k are copied, and the v read in place (None where it is copied, or read by
+    ``v_saved`` as it is). ``gqa_v``: SDPA's math path's repeated v (:func:`_sdpa_math_inputs`)."""
+    q_copy = k_copy = not (kind == "sdpa" and dm.hf and dm.b == 1)
+    if not q_copy and upcast and dm.repeat_kv and gqa_v is None:
+        # (A Llama-style v's float32 copy keeps the projection's layout: read in place too.)
+        gqa_v = f"{p}.v32"
+    if gqa_v is not None:
+        # The repeated (contiguous) k and v are read in place: the scaled k is saved for q's
+        # gradient, the repeated v (or its float32 copy) for the probabilities'.
+        qk_saves, v_saved, k_copy = [f"{p}.qc", f"{p}.ks"], [gqa_v], False
+    if not q_copy:
+        # At batch 1 the math path's scaled q and k fold into bmm's batch dimension as they
+        # are: read in place and saved, no copies.
+        qk_saves = [f"{p}.qs", f"{p}.ks"]
+    return qk_saves, v_saved, q_copy, k_copy, gqa_v
 
 
 def _eager_hf_attention_nodes(nodes: list[Node], dm: Dims, p: str, qkv_keys: list[str], v_src: Optional[str],
