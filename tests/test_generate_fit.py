@@ -97,3 +97,25 @@ def test_a_gpu_without_a_memory_figure_asks_for_a_budget(capsys):
 def test_bad_budget_use_is_one_error_line(capsys, flags, expect):
     argv = ["estimate", "--mode", "inference", "--d-model", "64", "--n-heads", "4", "--n-layers", "2", *flags]
     assert expect in _error_line(capsys, argv)
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--qlora"], "--qlora is a training setting; drop it (--weights-dtype sets the weights' dtype)"),
+    (["--checkpointing", "full", "--distributed", "fsdp"], "--checkpointing, --distributed are training settings"),
+    (["--lora-rank", "8"], "--lora-rank is a training setting; drop it"),
+    (["--new-tokens", "0", "--grad-accum", "2"], "--grad-accum is a training setting"),
+])
+def test_training_settings_are_refused_by_inference_mode(capsys, flags, named):
+    """They were ignored silently: --qlora's 4-bit weights, say, answered for full-width ones."""
+    argv = ["estimate", "--mode", "inference", "--d-model", "64", "--n-heads", "4", "--n-layers", "2", *flags]
+    assert named in _error_line(capsys, argv)
+
+
+def test_training_settings_at_their_default_pass_inference_mode(capsys):
+    """A config file spelling out every key at its default is no request for a technique."""
+    argv = ["estimate", "--mode", "inference", "--d-model", "64", "--n-heads", "4", "--n-layers", "2",
+            "--checkpointing", "none", "--grad-accum", "1", "--json"]
+    from memtrain.cli import main
+
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["peak_bytes"] > 0

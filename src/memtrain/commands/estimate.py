@@ -15,7 +15,7 @@ from memtrain.analysis.limits import MAX_WIDTH
 from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, config_from_args, defaults_note, fmt_bytes, register
 from memtrain.config.argtypes import int_in, token_count, world_size
 from memtrain.config.presets import PRESETS, preset
-from memtrain.config.run import ConfigError, parse_size
+from memtrain.config.run import ConfigError, TechniqueConfig, TrainConfig, parse_size
 from memtrain.report.by_module import module_table_lines
 from memtrain.runtime.extras import cpu_only_torch
 from memtrain.techniques.facts import foreign_loss_kernel
@@ -325,12 +325,39 @@ def _shard(args: argparse.Namespace, cfg: Any) -> Any:
     return shard
 
 
+# The settings of a training step that neither generate nor one forward has: given with
+# another value than their default, --mode inference would answer for a run they do not shape.
+TRAINING_ONLY_SETTINGS = (
+    "precision", "checkpointing", "loss", "loss_chunk", "loss_kernel", "optim", "optim_block",
+    "adafactor_relative_step", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "qlora", "compile",
+    "compile_mode", "compile_scope", "compile_memory_budget", "distributed", "cpu_offload",
+    "offload_activations", "grad_accum",
+)
+
+
+def _refuse_training_settings(cfg: Any) -> None:
+    """--mode inference with a training setting given (a flag, or a config file written for
+    train) at another value than its default: one ConfigError naming them, instead of an
+    answer that silently ignores them (``--qlora``'s 4-bit weights, ``--checkpointing``)."""
+    given = getattr(cfg, "given_settings", None) or ()
+    defaults = {**vars(TechniqueConfig()), **vars(TrainConfig())}
+    values = {**vars(cfg.technique), **vars(cfg.train)}
+    named = [n for n in TRAINING_ONLY_SETTINGS if n in given and values.get(n) != defaults.get(n)]
+    if named:
+        flags = ", ".join(f"--{n.replace('_', '-')}" for n in named)
+        raise ConfigError(f"--mode inference estimates generate, which does not train: {flags} "
+                          f"{'is a training setting' if len(named) == 1 else 'are training settings'}; drop "
+                          f"{'it' if len(named) == 1 else 'them'}"
+                          + (" (--weights-dtype sets the weights' dtype)" if {"precision", "qlora"} & set(named) else ""))
+
+
 def _run_inference(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
     """--mode inference: memtrain generate's memory (--new-tokens N), or one forward of
     memtrain's GPT (--new-tokens 0); analytic either way."""
     if args.trace or args.full_trace:
         raise ConfigError("--trace traces a training step; --mode inference is analytic (checked against a measured "
                           "generate in the tests), drop --trace")
+    _refuse_training_settings(cfg)
     if args.new_tokens == 0:
         if arch is None:
             raise ConfigError("--new-tokens 0 (one forward of every position) is modelled for memtrain's GPT only; "
