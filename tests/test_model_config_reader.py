@@ -80,12 +80,36 @@ def test_a_config_with_some_fields_left_out_gets_transformers_defaults(tmp_path,
     {"model_type": "llama", "tie_word_embeddings": "yes"},
     {"model_type": ["llama"]},
     {"model_type": "mistral", "num_key_value_heads": None},  # not nullable there: transformers refuses it
+    # Fields the estimate does not read but AutoConfig refuses (train, --trace and generate did, the
+    # analytic estimate answered): an epsilon of 0, a rope that is no dict, an unknown dtype, layer
+    # kinds that are unknown or not one per layer.
+    {"model_type": "llama", "rms_norm_eps": 0},
+    {"model_type": "qwen2", "rope_scaling": "yes"},
+    {"model_type": "llama", "torch_dtype": "float128"},
+    {"model_type": "llama", "num_hidden_layers": 2, "layer_types": ["x", "y"]},
+    {"model_type": "qwen2", "num_hidden_layers": 2, "layer_types": ["full_attention"]},
+    {"model_type": "gpt2", "layer_norm_epsilon": -1.0},
 ])
 def test_what_the_reader_does_not_know_goes_to_autoconfig(tmp_path, monkeypatch, data):
     spec = _write(tmp_path, data)
     assert model_spec._read_light_config(spec) is None
     monkeypatch.setattr(model_spec, "load_config", lambda s: ("autoconfig", s))
     assert analytic_config(spec) == ("autoconfig", spec)
+
+
+@pytest.mark.parametrize("data", [
+    {"model_type": "llama", "rms_norm_eps": 0},
+    {"model_type": "llama", "rope_scaling": "yes"},
+    {"model_type": "llama", "num_hidden_layers": 2, "layer_types": ["x", "y"]},
+])
+def test_a_config_transformers_refuses_is_refused_by_the_analytic_estimate_too(tmp_path, capsys, data):
+    from memtrain.cli import main
+
+    spec = _write(tmp_path, {"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
+                             "vocab_size": 300, **data})
+    assert main(["estimate", "--model", spec, "--seq-len", "16"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot read the model config") and err.count("\n") == 1, err
 
 
 def test_a_hub_model_goes_to_autoconfig(monkeypatch):

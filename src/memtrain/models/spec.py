@@ -535,11 +535,37 @@ def _read_light_config(spec: str) -> Optional[SimpleNamespace]:
     values = {name: data.get(name, default) for name, default in defaults.items()}
     if any(values[name] is None and name not in _NULLABLE[model_type] for name in values) or not _plain_values(values):
         return None
+    if not _plain_unread_fields(data, values.get("num_hidden_layers", values.get("n_layer"))):
+        return None
     c = SimpleNamespace(model_type=model_type, is_encoder_decoder=False, **values)
     _post_init(c)
     if c.hidden_size % c.num_attention_heads:
         return None  # transformers refuses it (validate_architecture): its message, not ours
     return c
+
+
+# Fields the analytic estimate does not read but AutoConfig validates, refusing the config (as
+# train, --trace and generate then do): read lightly only when they hold what it accepts.
+_DTYPE_NAMES = frozenset({"float32", "float16", "bfloat16", "float64", "auto"})
+_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+
+
+def _plain_unread_fields(data: dict[str, Any], layers: Any) -> bool:
+    """Whether the config.json fields :func:`_read_light_config` leaves unread hold what
+    transformers' typed config accepts: a positive float epsilon, a rope dict (or null), a dtype
+    torch has, one known attention kind per layer. Anything else defers to AutoConfig, whose
+    refusal is then the estimate's too."""
+    for name in ("rms_norm_eps", "layer_norm_epsilon"):
+        if name in data and not (isinstance(data[name], float) and data[name] > 0):
+            return False
+    if any(name in data and not (data[name] is None or isinstance(data[name], dict))
+           for name in ("rope_scaling", "rope_parameters")):
+        return False
+    if not all(data.get(name) is None or data[name] in _DTYPE_NAMES for name in ("torch_dtype", "dtype")):
+        return False
+    kinds = data.get("layer_types")
+    return kinds is None or (isinstance(kinds, list) and len(kinds) == layers
+                             and all(isinstance(k, str) and k in _LAYER_TYPES for k in kinds))
 
 
 def _plain_values(values: dict[str, Any]) -> bool:
