@@ -225,6 +225,15 @@ def test_bench_help_names_every_row_the_default_list_adds_on_cuda(capsys):
     assert f"(on CUDA {', '.join(CUDA_DEFAULT_EXTRA)} too" in text.replace("- ", "-"), text
 
 
+def test_bench_help_of_stop_after_names_no_flag_bench_lacks(capsys):
+    """train's help of --stop-after speaks of --save and --resume, which bench does not take."""
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    stop_after = text[text.index("--stop-after INT Stop"):text.index("--progress, --no-progress")]
+    assert "Stop each row" in stop_after and "--save" not in stop_after and "--resume" not in stop_after
+
+
 @pytest.mark.parametrize("content", ["", "  \n\n", '{"text": "a"\n'])
 def test_data_without_a_document_is_refused_before_any_row_or_folder(tmp_path, capsys, content):
     """Each row found the empty (or broken) data alone: the bench wrote a report of failed rows

@@ -197,10 +197,11 @@ def _add_aliases(parser: argparse.ArgumentParser, targets: set[str]) -> None:
 
 
 def add_config_flags(parser: argparse.ArgumentParser, sections: Sequence[str] = tuple(SECTIONS),
-                     exclude: Sequence[str] = ()) -> None:
+                     exclude: Sequence[str] = (), helps: Optional[dict[str, str]] = None) -> None:
     """One flag per config field of ``sections`` (except the field names in ``exclude``);
     unset flags stay absent (SUPPRESS) so that a config file's values are only overridden by
-    flags actually given. The Trainer's names of these fields are added as aliases."""
+    flags actually given. The Trainer's names of these fields are added as aliases. ``helps``:
+    a verb's own help of a field, where the field's (train's) speaks of flags the verb lacks."""
     parser.add_argument("--config", help="YAML or TOML file with settings (sections model/data/technique/train or flat keys).")
     added: set[str] = set()
     for section in sections:
@@ -211,7 +212,7 @@ def add_config_flags(parser: argparse.ArgumentParser, sections: Sequence[str] = 
             added.add(f.name)
             flag = "--" + f.name.replace("_", "-")
             default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc,operator]  # MISSING ruled out just before
-            help_text = f"{f.metadata.get('help', '')} (default: {default})"
+            help_text = f"{(helps or {}).get(f.name, f.metadata.get('help', ''))} (default: {default})"
             kind = _type_name(f)
             if kind == "bool" and f.name.startswith("no_"):
                 # A negative name (no_cache) gets one switch: BooleanOptionalAction would add --no-no-cache.

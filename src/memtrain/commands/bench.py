@@ -110,7 +110,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "run data-parallel with --distributed ddp unless they set distributed=zero1|zero2|fsdp. Default 1.")
     # A row logs no metrics (its result is its line in results.jsonl): no --report-to/--log-every.
     add_config_flags(p, ("data", "model", "train"), exclude=("out", "save", "resume", "save_every", "report_to",
-                                                            "log_every"))
+                                                            "log_every"),
+                     helps={"stop_after": "Stop each row after this many optimizer steps, its schedule still "
+                                          "spanning --steps (a row saves no checkpoint)."})
     show_scale_defaults(p)
 
 
