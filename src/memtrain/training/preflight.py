@@ -42,7 +42,7 @@ from memtrain.files.results import (
     loads_bounded,
     refuse_odd_destination,
 )
-from memtrain.training.run_paths import anchored, launch_dir, same_place
+from memtrain.training.run_paths import anchored, launch_dir, same_file, same_place
 from memtrain.training.schedule import lr_lambda
 from memtrain.training.sinks import LOGGER_FOLDERS, parse_report_to
 
@@ -456,13 +456,7 @@ def saved_elsewhere(path: str | Path, saved_as: Any) -> bool:
     ``saved_as``: moved, copied (an earlier checkpoint kept aside) or brought from another
     machine. Such a checkpoint's ``--out`` and ``--save`` are that run's: taken, a resumed run
     would replace the newer checkpoint saved there, or write wherever its config says."""
-    if not isinstance(saved_as, str) or not saved_as:
-        return False
-    there = os.path.expanduser(saved_as)
-    try:
-        return not (os.path.exists(there) and os.path.samefile(os.path.expanduser(str(path)), there))
-    except OSError:
-        return True
+    return isinstance(saved_as, str) and bool(saved_as) and not same_file(path, saved_as)
 
 
 def moved_checkpoint_note(cfg: RunConfig, given: frozenset[str]) -> Optional[str]:

@@ -69,7 +69,12 @@ def same_place(key: str, old: Any, new: Any) -> bool:
         return True
     if key not in MAYBE_NAMES or not isinstance(old, str) or not isinstance(new, str):
         return False
-    a, b = os.path.expanduser(old), os.path.expanduser(new)
+    return same_file(old, new)
+
+
+def same_file(a: str | Path, b: str | Path) -> bool:
+    """Whether ``a`` and ``b`` ("~" expanded) are one existing file or folder."""
+    a, b = os.path.expanduser(str(a)), os.path.expanduser(str(b))
     try:
         return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
     except OSError:
