@@ -248,9 +248,11 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = 
     flags = {k: v for k, v in vars(args).items() if k in known}
     file_layer = load_config_file(args.config) if getattr(args, "config", None) else {}
     resume = _given_settings([file_layer, flags]).get("resume") if resumed else None
+    moved_from = None  # the --save a moved or copied checkpoint was written as
     if resume:
         launched = bool(getattr(args, "nproc_per_node", None)) or "WORLD_SIZE" in os.environ
-        base = {**(base or {}), **resumed_settings(str(resume), launched)}
+        taken, moved_from = resumed_settings(str(resume), launched)
+        base = {**(base or {}), **taken}
     layers = [base or {}, file_layer, flags]
     merged = _given_settings(layers)
     if _is_transformers_model(merged.get("model")) and "attention" not in merged:
@@ -273,8 +275,8 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = 
         refuse_long_warmup(cfg.train)
     # Remembered (not a field) for defaults_note: which settings a layer named.
     cfg.given_settings = frozenset(merged)  # type: ignore[attr-defined]  # read with getattr(..., None)
-    # And which outputs a flag or the config file named (not a resumed checkpoint): moved_checkpoint_note.
-    cfg.given_outputs = frozenset(k for k in ("out", "save") if k in given)  # type: ignore[attr-defined]
+    # And, for train to say after the run, the outputs a moved checkpoint did not lend.
+    cfg.resume_note = moved_checkpoint_note(cfg, moved_from, given)  # type: ignore[attr-defined]
     return cfg
 
 
@@ -445,7 +447,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     note = defaults_note(cfg)
     if note and main_rank:
         print(note, flush=True)
-    moved = moved_checkpoint_note(cfg, frozenset(getattr(cfg, "given_outputs", ())))  # said after the run, as --steps longer is
+    moved = getattr(cfg, "resume_note", None)  # said after the run, as --steps longer is
     longer = continue_longer(cfg)  # said after the run (below), as the warm-up's note is
 
     def write_result(result: dict) -> None:  # before the final checkpoint (see train())

@@ -28,7 +28,7 @@ import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from memtrain.analysis.limits import check_analytic_size
 from memtrain.config.run import ConfigError, ModelConfig, RunConfig, build_config, field_index, flatten
@@ -420,14 +420,16 @@ NOT_RESUMED: frozenset[str] = frozenset({
 LAUNCH_SETTINGS: frozenset[str] = frozenset({"distributed", "cpu_offload"})
 
 
-def resumed_settings(path: str | Path, launched: bool = False) -> dict[str, Any]:
+def resumed_settings(path: str | Path, launched: bool = False) -> tuple[dict[str, Any], Optional[str]]:
     """The settings ``train --resume CKPT`` starts from: the checkpoint's saved run config
     (model, data, schedule, techniques, its ``--out`` and ``--save``; with ``launched``, a run
     started as ranks, its data-parallel strategy too), so that ``--resume CKPT`` alone continues
     the run; the config file and the flags override them, and a change that decides the numbers
     is still refused as another run's (:func:`check_resume`). Leaves out :data:`NOT_RESUMED`
     and names this memtrain does not know. A saved value memtrain refuses is one ConfigError
-    naming the checkpoint."""
+    naming the checkpoint. Also returns the ``--save`` the checkpoint was written as where it is
+    no longer that file (:func:`saved_elsewhere`: its ``--out`` and ``--save`` are left out then),
+    else None."""
     saved, _, _ = saved_run(path)
     if not launched and Path(path).expanduser().is_dir():
         check_sharded_resume(path, 1)  # a ranks' checkpoint: says how many ranks resume it
@@ -442,9 +444,10 @@ def resumed_settings(path: str | Path, launched: bool = False) -> dict[str, Any]
     except ValueError as exc:  # a ConfigError, or flatten's key that is no setting name
         raise ConfigError(f"checkpoint {str(path)!r} holds settings memtrain refuses ({exc}); resume only from "
                           "checkpoints memtrain wrote") from None
-    if saved_elsewhere(path, settings.get("save")):
-        settings = {k: v for k, v in settings.items() if k not in RUN_OUTPUTS}
-    return settings
+    saved_as = settings.get("save")
+    if not saved_elsewhere(path, saved_as):
+        return settings, None
+    return {k: v for k, v in settings.items() if k not in RUN_OUTPUTS}, saved_as
 
 
 # Where a run writes: taken by a resumed run only from a checkpoint still where its run saved it.
@@ -459,20 +462,17 @@ def saved_elsewhere(path: str | Path, saved_as: Any) -> bool:
     return isinstance(saved_as, str) and bool(saved_as) and not same_file(path, saved_as)
 
 
-def moved_checkpoint_note(cfg: RunConfig, given: frozenset[str]) -> Optional[str]:
-    """The note a resumed run prints when its checkpoint was saved elsewhere
-    (:func:`saved_elsewhere`) and a flag did not name the outputs :func:`resumed_settings` left
-    out; None otherwise."""
+def moved_checkpoint_note(cfg: RunConfig, saved_as: Optional[str], given: Iterable[str]) -> Optional[str]:
+    """The note a resumed run prints after it when its checkpoint was saved elsewhere, as
+    ``saved_as`` (:func:`resumed_settings`), and the flags or the config file (``given``) did not
+    name both outputs it left out; None otherwise."""
+    left = [k for k in ("out", "save") if k not in given]
+    if saved_as is None or not left:
+        return None
     t = cfg.train
-    if not t.resume or RUN_OUTPUTS <= given:
-        return None
-    saved_as = saved_run(t.resume)[0].get("train", {}).get("save")
-    if not saved_elsewhere(t.resume, saved_as):
-        return None
-    left = " or ".join(f"--{k}" for k in ("out", "save") if k not in given)
     writes = f"it wrote to {t.out!r}" + (f" and saved {t.save!r}" if t.save else " and saved no checkpoint (--save to keep one)")
     return (f"note: {str(t.resume)!r} was saved by its run as {saved_as!r} (moved or copied since): this run does not "
-            f"take that run's {left}; {writes}")
+            f"take that run's {' or '.join(f'--{k}' for k in left)}; {writes}")
 
 
 def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
