@@ -20,7 +20,7 @@ import re
 import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import memtrain.commands as commands
 from memtrain import __version__
@@ -314,18 +314,27 @@ def _refuse_ignored_model_flags(cfg: RunConfig, given: dict[str, Any]) -> None:
                           f"config ({current}); drop the flag, or change it in a copy of the model's config")
 
 
+def given_off_default(cfg: RunConfig, given: Iterable[str], names: Iterable[str]) -> list[str]:
+    """Those of the settings ``names`` (in their order) that a layer named (``given``: a flag or a
+    config file) and that hold another value than their default in ``cfg``. A value equal to the
+    default asks for nothing: a config file may spell out every key."""
+    defaults, index, named = RunConfig(), field_index(), set(given)
+    return [n for n in names if n in named
+            and getattr(getattr(cfg, index[n]), n) != getattr(getattr(defaults, index[n]), n)]
+
+
 def _refuse_flags_of_an_unused_technique(cfg: RunConfig, given: dict[str, Any]) -> None:
     """A setting of a technique that is off (``--lora-targets`` without ``--lora-rank``, ``--compile-mode``
-    without ``--compile``) would be dropped: refused in one line instead. A value equal to the default
-    passes (a config file that spells out every key)."""
-    defaults = RunConfig()
-    for name, switch in dormant_settings(cfg).items():
-        section = field_index()[name]
-        value = getattr(getattr(cfg, section), name)
-        if name in given and value != getattr(getattr(defaults, section), name):
-            flag = f"--{name.replace('_', '-')}"
-            shown = flag if isinstance(value, bool) else f"{flag} {value}"
-            raise ConfigError(f"{shown} applies only with {switch}; add {switch.split(' (')[0]} or drop {flag}")
+    without ``--compile``) would be dropped: refused in one line instead (:func:`given_off_default`)."""
+    dormant = dormant_settings(cfg)
+    off = given_off_default(cfg, given, dormant)
+    if not off:
+        return
+    name = off[0]
+    value, switch = getattr(getattr(cfg, field_index()[name]), name), dormant[name]
+    flag = f"--{name.replace('_', '-')}"
+    shown = flag if isinstance(value, bool) else f"{flag} {value}"
+    raise ConfigError(f"{shown} applies only with {switch}; add {switch.split(' (')[0]} or drop {flag}")
 
 
 MODEL_DEFAULT_ATTENTION = "sdpa"

@@ -12,10 +12,18 @@ from memtrain.analysis.estimate.hf import why_not_modelled
 from memtrain.analysis.estimate.inference import estimate_generate_run
 from memtrain.analysis.estimate.method import HF_ANALYTIC_MODEL, StepEstimate, estimate_step
 from memtrain.analysis.limits import MAX_WIDTH
-from memtrain.cli import LOOP_ONLY_FIELDS, add_config_flags, config_from_args, defaults_note, fmt_bytes, register
+from memtrain.cli import (
+    LOOP_ONLY_FIELDS,
+    add_config_flags,
+    config_from_args,
+    defaults_note,
+    fmt_bytes,
+    given_off_default,
+    register,
+)
 from memtrain.config.argtypes import int_in, token_count, world_size
 from memtrain.config.presets import PRESETS, preset
-from memtrain.config.run import ConfigError, TechniqueConfig, TrainConfig, parse_size
+from memtrain.config.run import ConfigError, parse_size
 from memtrain.report.by_module import module_table_lines
 from memtrain.runtime.extras import cpu_only_torch
 from memtrain.techniques.facts import foreign_loss_kernel
@@ -339,10 +347,7 @@ def _refuse_training_settings(cfg: Any) -> None:
     """--mode inference with a training setting given (a flag, or a config file written for
     train) at another value than its default: one ConfigError naming them, instead of an
     answer that silently ignores them (``--qlora``'s 4-bit weights, ``--checkpointing``)."""
-    given = getattr(cfg, "given_settings", None) or ()
-    defaults = {**vars(TechniqueConfig()), **vars(TrainConfig())}
-    values = {**vars(cfg.technique), **vars(cfg.train)}
-    named = [n for n in TRAINING_ONLY_SETTINGS if n in given and values.get(n) != defaults.get(n)]
+    named = given_off_default(cfg, getattr(cfg, "given_settings", None) or (), TRAINING_ONLY_SETTINGS)
     if named:
         flags = ", ".join(f"--{n.replace('_', '-')}" for n in named)
         raise ConfigError(f"--mode inference estimates generate, which does not train: {flags} "
