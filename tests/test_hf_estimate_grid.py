@@ -258,13 +258,16 @@ LONG = [
 LONG_DEFAULT = {0, 5, 7, 10, 12}
 
 
+def _params(cases: list, default: set, case_id) -> list:
+    """``cases`` as pytest params named by ``case_id``; those not in ``default`` (their indices)
+    run with ``-m slow`` only."""
+    return [pytest.param(case, id=case_id(*case), marks=[] if i in default else [pytest.mark.slow])
+            for i, case in enumerate(cases)]
+
+
 def _long_params():
-    out = []
-    for i, case in enumerate(LONG):
-        fam, (h, nh, kv, L), prec, attn, lora, ck, loss = case
-        cid = f"{fam}-h{h}-L{L}-{prec}-{attn}" + (f"-lora{lora}" if lora else "") + f"-ckpt_{ck}-{loss}"
-        out.append(pytest.param(case, id=cid, marks=[] if i in LONG_DEFAULT else [pytest.mark.slow]))
-    return out
+    return _params(LONG, LONG_DEFAULT, lambda fam, size, prec, attn, lora, ck, loss:
+                   f"{fam}-h{size[0]}-L{size[3]}-{prec}-{attn}" + (f"-lora{lora}" if lora else "") + f"-ckpt_{ck}-{loss}")
 
 
 @pytest.mark.parametrize("case", _long_params())
@@ -485,12 +488,8 @@ SELECTIVE_MATMUL_DEFAULT = {0, 2}
 
 
 def _selective_matmul_params():
-    out = []
-    for i, case in enumerate(SELECTIVE_MATMUL):
-        fam, (h, nh, kv, L), prec, attn, lora = case
-        cid = f"{fam}-h{h}-L{L}-{prec}-{attn}" + (f"-lora{lora}" if lora else "")
-        out.append(pytest.param(case, id=cid, marks=[] if i in SELECTIVE_MATMUL_DEFAULT else [pytest.mark.slow]))
-    return out
+    return _params(SELECTIVE_MATMUL, SELECTIVE_MATMUL_DEFAULT, lambda fam, size, prec, attn, lora:
+                   f"{fam}-h{size[0]}-L{size[3]}-{prec}-{attn}" + (f"-lora{lora}" if lora else ""))
 
 
 @pytest.mark.parametrize("case", _selective_matmul_params())
@@ -528,12 +527,9 @@ BATCH_ONE_DEFAULT = {0, 3}
 
 
 def _batch_one_params():
-    out = []
-    for i, case in enumerate(BATCH_ONE):
-        fam, (h, nh, kv, L), prec, lora, ck = case
-        cid = f"{fam}-h{h}-{nh}q{kv}kv-L{L}-{prec}" + (f"-lora{lora}" if lora else "") + f"-ckpt_{ck}"
-        out.append(pytest.param(case, id=cid, marks=[] if i in BATCH_ONE_DEFAULT else [pytest.mark.slow]))
-    return out
+    return _params(BATCH_ONE, BATCH_ONE_DEFAULT, lambda fam, size, prec, lora, ck:
+                   f"{fam}-h{size[0]}-{size[1]}q{size[2]}kv-L{size[3]}-{prec}" + (f"-lora{lora}" if lora else "")
+                   + f"-ckpt_{ck}")
 
 
 @pytest.mark.parametrize("case", _batch_one_params())
