@@ -108,8 +108,11 @@ def _quantize_bnb(linears: list[tuple[str, nn.Linear]], device: torch.device) ->
         raise ConfigError("--qlora on CUDA uses bitsandbytes: pip install bitsandbytes") from None
 
     for _, m in linears:
+        # Quantized where the weight already is (the model is built on the GPU): Params4bit's
+        # .to(device) quantizes on that device, and a round trip through the host would copy every
+        # frozen weight twice over PCIe (seconds for an 8B model) and hold it in host memory.
         w = m.weight.detach()
-        q = bnb.nn.Params4bit(w.to("cpu"), requires_grad=False, quant_type="nf4",  # type: ignore[misc]  # bitsandbytes' .to overload confuses mypy where it is installed
+        q = bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4",  # type: ignore[misc]  # bitsandbytes' .to overload confuses mypy where it is installed
                               compress_statistics=True).to(device)
         m.weight = q
         m.forward = functools.partial(_bnb_forward, m)  # type: ignore[method-assign]
