@@ -53,3 +53,40 @@ def test_qlora_on_cuda_quantizes_each_weight_where_it_is(fake_bitsandbytes: type
     for record, weight in zip(made, originals):
         assert record["data"].device.type == "meta"
         assert record["data"].untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
+
+
+def _two_gpus(monkeypatch: pytest.MonkeyPatch) -> list[torch.device]:
+    """torch.cuda as a machine with two visible GPUs shows it; returns the devices made current."""
+    current: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: current.append(torch.device(d)))
+    return current
+
+
+def test_a_gpu_number_past_the_visible_ones_is_refused_up_front(monkeypatch: pytest.MonkeyPatch) -> None:
+    from memtrain.config.run import ConfigError
+    from memtrain.runtime.env import resolve_device
+
+    _two_gpus(monkeypatch)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert resolve_device("cuda") == torch.device("cuda")
+    with pytest.raises(ConfigError, match=r"--device cuda:2: 2 CUDA GPUs are visible \(cuda:0 to cuda:1\)"):
+        resolve_device("cuda:2")
+
+
+def test_one_process_on_gpu_n_makes_it_the_current_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton kernels called outside inductor (Liger's, Cut Cross-Entropy's) launch on the current
+    device: a run on cuda:1 must make it current, or they run on GPU 0 with GPU 1's pointers."""
+    from memtrain.config.run import build_config
+    from memtrain.distributed.session import init_distributed
+
+    current = _two_gpus(monkeypatch)
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = build_config({"device": "cuda:1"})
+    assert init_distributed(cfg, torch.device("cuda", 1)).device == torch.device("cuda", 1)
+    assert current == [torch.device("cuda", 1)]
+    init_distributed(cfg, torch.device("cuda"))  # the current device, whichever it is: left alone
+    init_distributed(cfg, torch.device("cpu"))
+    assert current == [torch.device("cuda", 1)]

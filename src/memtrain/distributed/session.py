@@ -168,6 +168,11 @@ def init_distributed(cfg: RunConfig, device: torch.device) -> DistContext:
                 f"launched with {world} processes but --distributed is none; add --distributed ddp "
                 f"(or zero1, zero2, fsdp), or run without torchrun"
             )
+        if device.type == "cuda" and device.index is not None:
+            # Triton kernels called directly (Liger's, Cut Cross-Entropy's) launch on the current
+            # device, not on their tensors' (inductor's code sets it, they do not): --device
+            # cuda:N makes N current.
+            torch.cuda.set_device(device)
         return DistContext(device=device)
     env = launch_env()  # bad launch variables are refused here, before any rendezvous waits on them
     if env is None and not dist.is_initialized():

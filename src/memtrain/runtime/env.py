@@ -27,6 +27,12 @@ def resolve_device(name: str) -> torch.device:
         raise ConfigError(f"unknown --device {name!r}; use auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for but no CUDA GPU is visible; use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        # Else the first allocation there fails deep in the run with CUDA's "invalid device ordinal".
+        count = torch.cuda.device_count()
+        raise ConfigError(f"--device {name}: {count} CUDA GPU{'s are' if count != 1 else ' is'} visible "
+                          f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''}); "
+                          "CUDA_VISIBLE_DEVICES numbers the visible ones from 0")
     if device.type not in ("cpu", "cuda"):
         raise ConfigError(f"--device {name!r} is not supported; use auto, cpu, cuda or cuda:N")
     return device
