@@ -90,3 +90,28 @@ def test_one_process_on_gpu_n_makes_it_the_current_device(monkeypatch: pytest.Mo
     init_distributed(cfg, torch.device("cuda"))  # the current device, whichever it is: left alone
     init_distributed(cfg, torch.device("cpu"))
     assert current == [torch.device("cuda", 1)]
+
+
+def test_the_fp16_optimizer_phase_leaves_the_skipped_count_on_the_device() -> None:
+    """Under a GradScaler with a fused AdamW (CUDA's default kernel) torch's own step reads
+    nothing; memtrain's count of skipped steps must not either (it read the scale twice a step,
+    each read a wait for the device on a GPU). The count is read when asked for, and is right."""
+    from memtrain.metrics.host_syncs import HostSyncCounter
+    from memtrain.techniques import make_precision
+    from memtrain.training.step import _optimizer_phase
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    precision = make_precision("fp16", torch.device("cpu"))
+    assert precision.scaler is not None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    for poisoned in (True, False, False):
+        loss = model(torch.randn(4, 8)).square().mean() * (float("inf") if poisoned else 1.0)
+        precision.scaler.scale(loss).backward()
+        counter = HostSyncCounter()
+        with counter:
+            _optimizer_phase(model, optimizer, precision, grad_clip=1.0)
+        assert counter.total == 0, counter.describe()
+    assert precision.skipped_steps == 1
+    precision.skipped_steps = 5  # a resumed run's count
+    assert precision.skipped_steps == 5

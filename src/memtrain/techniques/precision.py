@@ -49,10 +49,31 @@ class Precision:
     autocast_dtype: Optional[torch.dtype] = None
     param_dtype: torch.dtype = torch.float32
     scaler: Optional[torch.amp.GradScaler] = None
-    skipped_steps: int = field(default=0)
+    # The steps GradScaler skipped that have been read (see skipped_steps).
+    _skipped_read: int = field(default=0, repr=False)
+    # Those not read yet: a count on the device, added to at each step without waiting for it.
+    _skipped_pending: Optional[torch.Tensor] = field(default=None, repr=False)
     # The last step's global gradient norm before clipping (a tensor: read it only when logging,
     # so the step does not wait on the device for it).
     last_grad_norm: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps GradScaler skipped (inf/NaN gradients); reading it waits for the device."""
+        if self._skipped_pending is not None:
+            self._skipped_read += int(self._skipped_pending)
+            self._skipped_pending = None
+        return self._skipped_read
+
+    @skipped_steps.setter
+    def skipped_steps(self, count: int) -> None:
+        self._skipped_read, self._skipped_pending = count, None
+
+    def count_skipped(self, skipped: torch.Tensor) -> None:
+        """Add a step's skipped flag (a 0-d device tensor) to the count without reading it: a read
+        here would make the host wait for every step's optimizer on a GPU."""
+        flag = skipped.to(torch.int64)
+        self._skipped_pending = flag if self._skipped_pending is None else self._skipped_pending + flag
 
     def autocast(self) -> ContextManager:
         if self.autocast_dtype is None:

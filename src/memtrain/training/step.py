@@ -110,12 +110,16 @@ def _optimizer_phase(model: nn.Module, optimizer: torch.optim.Optimizer, precisi
         params = [p for p in model.parameters() if p.grad is not None]
         precision.last_grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     if scaler is not None:
-        scale_before = scaler.get_scale()
+        # The scale as a device tensor: GradScaler.get_scale() reads it to the host, which would
+        # make the host wait for the step twice (with a fused optimizer the step itself does not).
+        scale = scaler._get_scale_async()
+        scale_before = None if scale is None else scale.clone()  # update() changes it in place
         scaler.step(optimizer)
         scaler.update()
-        if scaler.get_scale() < scale_before:
+        scale = scaler._get_scale_async()
+        if scale is not None and scale_before is not None:
             # GradScaler skips the step when it finds inf/nan and lowers the scale.
-            precision.skipped_steps += 1
+            precision.count_skipped(scale < scale_before)
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
