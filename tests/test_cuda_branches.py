@@ -115,3 +115,18 @@ def test_the_fp16_optimizer_phase_leaves_the_skipped_count_on_the_device() -> No
     assert precision.skipped_steps == 1
     precision.skipped_steps = 5  # a resumed run's count
     assert precision.skipped_steps == 5
+
+
+def test_a_cuda_launch_of_more_ranks_than_gpus_is_refused_before_any_starts(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    from memtrain.config.run import ConfigError, build_config
+    from memtrain.training.preflight import check_before_launch
+
+    _two_gpus(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=80 * 2**30))
+    cfg = build_config({"device": "cuda", "distributed": "ddp", "out": str(tmp_path / "out")})
+    check_before_launch(cfg, 2)
+    with pytest.raises(ConfigError, match="--nproc-per-node 3 starts one rank per GPU, but 2 CUDA GPUs are visible; "
+                                          "use --nproc-per-node 2 or fewer"):
+        check_before_launch(cfg, 3)
+    check_before_launch(cfg.replace(device="cpu"), 3)  # CPU ranks share the host

@@ -630,10 +630,25 @@ def check_before_launch(cfg: RunConfig, nproc: int) -> None:
     check_resume(cfg)  # before --out and --save are compared (train's order)
     check_destinations(cfg, fresh_out=True)
     check_vocab(cfg)
-    check_model_size(cfg.model, resolve_device(cfg.train.device), cfg.technique.precision)
-    check_combination(cfg, resolve_device(cfg.train.device))
+    device = resolve_device(cfg.train.device)
+    check_model_size(cfg.model, device, cfg.technique.precision)
+    check_combination(cfg, device)
+    if device.type == "cuda":
+        check_gpu_count(nproc)
     if cfg.train.resume:
         check_sharded_resume(cfg.train.resume, nproc)
+
+
+def check_gpu_count(nproc: int) -> None:
+    """Each CUDA rank takes its own GPU (its local rank): more ranks than visible GPUs is refused
+    before any starts. Otherwise the ranks past them refuse at start-up while the others wait
+    for them at the rendezvous."""
+    import torch  # loads only for a CUDA launch: the CLI checks before any command
+
+    count = torch.cuda.device_count()
+    if nproc > count:
+        raise ConfigError(f"--nproc-per-node {nproc} starts one rank per GPU, but {count} CUDA GPU"
+                          f"{'s are' if count != 1 else ' is'} visible; use --nproc-per-node {count} or fewer")
 
 
 def check_sharded_resume(path: str | Path, nproc: int) -> None:
