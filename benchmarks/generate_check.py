@@ -135,15 +135,19 @@ def _gib(n: Any) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="a new or empty folder for the results")
+    p.add_argument("--out", required=True, help="a folder for the results (new, or without an earlier run's)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--gpu", default=None, help="the card's name for --gpu's fit figure (e.g. h100); default: the device's")
     p.add_argument("--rows", default="full", choices=["full", "smoke"])
     args = p.parse_args(argv)
     out = Path(args.out)
-    if out.is_symlink() or out.is_file() or (out.is_dir() and any(out.iterdir())):
-        print(f"error: --out {str(out)!r} must be a new or empty folder", file=sys.stderr)
-        return 2
+    # The rows are appended to generate_check.jsonl: a folder that holds one from an earlier run is
+    # refused, other files are not (the GPU runbook writes its step's log.txt there first).
+    from memtrain.files.results import benchmark_out_problem
+
+    problem = benchmark_out_problem(out, "generate_check.jsonl")
+    if problem:
+        p.error(problem)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda needs a CUDA GPU; give --device cpu --rows smoke on a CPU", file=sys.stderr)
         return 2

@@ -279,6 +279,7 @@ def test_cli_refuses_an_out_file_and_a_used_work_folder(tmp_path, capsys):
 @pytest.mark.parametrize("script,produced,argv", [
     ("allocator_check", "allocator_check.json", []),
     ("loss_profile", "loss_profile.json", ["--device", "cpu"]),
+    ("generate_check", "generate_check.jsonl", ["--device", "cpu"]),
 ])
 def test_the_gpu_scripts_refuse_a_used_folder_a_file_and_a_link_as_out(script, produced, argv, tmp_path, capsys):
     """A second run into the same --out would replace the first one's figures (a results
@@ -485,10 +486,14 @@ def test_generate_checks_full_rows_are_estimated_and_its_smoke_rows_measured(tmp
         if spec in check.WINDOWED:
             window = check.WINDOWED[spec][1]
             assert prompt > window and est["cache_window"] == est["cache_stored_positions"] == window, est
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "log.txt").write_text("")  # the runbook's step log, written there before the step runs
     assert check.main(["--out", str(tmp_path / "out"), "--device", "cpu", "--rows", "smoke"]) == 0
     rows = [json.loads(line) for line in (tmp_path / "out" / "generate_check.jsonl").read_text().splitlines()]
     assert len(rows) == len(check.SMOKE_ROWS) and not any("error" in r for r in rows)
     for r in rows:  # the estimate is held to 1% of a measured generate (test_generate_estimate.py)
         assert r["estimated_peak"] == pytest.approx(r["tracked_peak"], rel=0.01)
     assert (tmp_path / "out" / "generate_check.md").read_text().count("| tiny-llama |") == len(rows)
-    assert check.main(["--out", str(tmp_path / "out"), "--device", "cpu"]) == 2  # a used folder
+    with pytest.raises(SystemExit) as used:  # a folder holding an earlier run's rows
+        check.main(["--out", str(tmp_path / "out"), "--device", "cpu"])
+    assert used.value.code == 2
