@@ -459,3 +459,28 @@ def test_profile_phases_times_every_phase():
     # is counted too: at most one, in transformers' causal-mask builder (5.24 reads the position ids)
     assert result["ours"]["host_syncs"] == {"count": 0, "sites": "none"}
     assert result["theirs"]["host_syncs"]["count"] in (0, 1), result["theirs"]["host_syncs"]
+
+
+def test_profile_phases_builds_our_model_on_the_device_in_its_weight_dtype(monkeypatch):
+    """memtrain's side of the profile is built as train builds it (memtrain.training.step.build_base_model):
+    on the run's device in the weight dtype, not in FP32 on the host and then moved."""
+    import memtrain.models
+    import memtrain.training.step as step_mod
+
+    class Built(Exception):
+        """Stops the profile once the model is built: what follows is not under test."""
+
+    seen: list[tuple[str, torch.dtype]] = []
+
+    def spy(where):
+        def build(cfg):
+            seen.append((where, torch.get_default_dtype()))
+            raise Built
+
+        return build
+
+    monkeypatch.setattr(step_mod, "build_model", spy("build_base_model"))
+    monkeypatch.setattr(memtrain.models, "build_model", spy("bare build_model"))
+    with pytest.raises(Built):
+        profile_phases(build_config(TINY, {"steps": 2, "precision": "bf16-pure"}), steps=1, top_ops=1)
+    assert seen == [("build_base_model", torch.bfloat16)]

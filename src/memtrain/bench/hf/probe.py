@@ -214,16 +214,13 @@ def profile_phases(cfg: RunConfig, steps: int, top_ops: int = 12) -> dict[str, A
     from memtrain.metrics import synchronize
 
     # on this side's turn: the package imports no torch before the lockstep baton
-    from memtrain.models import build_model
-
-    # on this side's turn: the package imports no torch before the lockstep baton
     from memtrain.runtime.env import resolve_device, seed_everything
 
     # on this side's turn: the package imports no torch before the lockstep baton
     from memtrain.techniques import build_optimizer, make_precision, prepare_model
 
     # on this side's turn: the package imports no torch before the lockstep baton
-    from memtrain.training.step import train_step
+    from memtrain.training.step import build_base_model, train_step
 
     transformers.logging.set_verbosity_error()
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)  # two sides' graphs
@@ -232,7 +229,10 @@ def profile_phases(cfg: RunConfig, steps: int, top_ops: int = 12) -> dict[str, A
     micro = _random_micro_batches(cfg, t.batch_size, device)
     precision = make_precision(cfg.technique.precision, device)
     seed_everything(t.seed)
-    ours = prepare_model(build_model(cfg), cfg, device, precision)
+    # Built on the device in the weight dtype, as train builds it (the Trainer side's model is too):
+    # built on the host in FP32 and then moved, a model of Llama-3-8B's shape spends minutes
+    # drawing its weights on the CPU before the profile starts.
+    ours = prepare_model(build_base_model(cfg, device, precision), cfg, device, precision)
     ours.train()
     ours_opt = build_optimizer(ours, cfg.technique, t)
     plan = hf_plan(cfg, device.type)
