@@ -130,3 +130,12 @@ def test_a_cuda_launch_of_more_ranks_than_gpus_is_refused_before_any_starts(
                                           "use --nproc-per-node 2 or fewer"):
         check_before_launch(cfg, 3)
     check_before_launch(cfg.replace(device="cpu"), 3)  # CPU ranks share the host
+
+
+def test_pin_memory_pins_only_for_a_gpu(tiny_run: dict[str, Any]) -> None:
+    """--pin-memory asks for pinned host batches, which only a copy to a GPU uses; on a machine
+    without one torch cannot pin (the run failed at its first batch)."""
+    from memtrain.config.run import build_config
+    from memtrain.training.train import train
+
+    assert train(build_config({**tiny_run, "steps": 2, "pin_memory": True}))["steps"] == 2

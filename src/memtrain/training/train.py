@@ -274,7 +274,8 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     # The next step's batches are fetched while this one runs, on a GPU (memtrain.data.device_feed).
     state.loader = DeviceFeed(make_train_loader(
         splits.train, t.seq_len, t.batch_size, seed=t.seed,
-        num_workers=cfg.data.num_workers, pin_memory=cfg.data.pin_memory,
+        # Pinning speeds a copy to a GPU only; without one, torch cannot pin (it raises).
+        num_workers=cfg.data.num_workers, pin_memory=cfg.data.pin_memory and device.type == "cuda",
         prefetch_factor=cfg.data.prefetch_factor, rank=dist_ctx.rank, world_size=dist_ctx.world_size,
     ), device)
     val_batches = make_val_batches(splits.val, t.seq_len, cfg.data.val_blocks, t.batch_size)
