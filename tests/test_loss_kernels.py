@@ -172,6 +172,52 @@ def test_cce_gets_both_operands_in_the_compute_dtype(recorded_cce):
     torch.testing.assert_close(gh, rh, rtol=0, atol=2e-2 * float(rh.abs().max()))
 
 
+def _recording_liger(monkeypatch, accum_dtype: bool) -> list[dict]:
+    """A stand-in ``liger_kernel.transformers``: its ``LigerFusedLinearCrossEntropyLoss`` records
+    how it was built and called; without ``accum_dtype``, the constructor of a Liger before 0.6.2."""
+    calls: list[dict] = []
+
+    class LigerFusedLinearCrossEntropyLoss:
+        def __init__(self, ignore_index=-100, reduction="mean", accum_dtype=None):
+            calls.append({"ignore_index": ignore_index, "reduction": reduction,
+                          **({} if accum_dtype is None else {"accum_dtype": accum_dtype})})
+
+        def __call__(self, lin_weight, _input, target):
+            calls.append({"weight": lin_weight.dtype, "input": _input.dtype,
+                          "autocast": torch.is_autocast_enabled("cpu")})
+            return F.cross_entropy((_input @ lin_weight.T).float(), target, ignore_index=-100)
+
+    if not accum_dtype:
+        def __init__(self, ignore_index=-100, reduction="mean"):
+            calls.append({"ignore_index": ignore_index, "reduction": reduction})
+
+        LigerFusedLinearCrossEntropyLoss.__init__ = __init__  # type: ignore[method-assign]
+    module = types.ModuleType("liger_kernel.transformers")
+    module.LigerFusedLinearCrossEntropyLoss = LigerFusedLinearCrossEntropyLoss  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", module)
+    return calls
+
+
+@pytest.mark.parametrize("accum_dtype", [True, False])
+def test_liger_accumulates_the_heads_gradient_in_float32(accum_dtype, monkeypatch):
+    """The adapter hands Liger the head in the 16-bit compute dtype (Liger's mixed-dtype bugs under
+    autocast), and Liger accumulates the head's gradient in its weight's dtype: it is asked for
+    float32 accumulation, as memtrain's own chunked loss and Liger under autocast with float32
+    weights accumulate, where the installed Liger takes accum_dtype. Operands (weight first),
+    ignore index -100 and the mean as Liger's module takes them."""
+    calls = _recording_liger(monkeypatch, accum_dtype)
+    liger = loss_mod._liger_loss(standard_lm_loss)
+    assert liger is not None
+    h, w, t = make_inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = liger(h, w, t)
+    built = {"ignore_index": -100, "reduction": "mean"}
+    assert calls == [{**built, **({"accum_dtype": torch.float32} if accum_dtype else {})},
+                     {"weight": torch.bfloat16, "input": torch.bfloat16, "autocast": False}]
+    assert loss.dtype == torch.float32
+
+
 def test_cce_under_fake_tensors_makes_its_buffers_and_gradients_of_the_right_shape(recorded_cce):
     """The tracer's fake tensors cannot enter a Triton kernel: _CutCrossEntropyBuffers stands in,
     without calling the library, and gives both gradients the parameters' shapes and dtypes (a

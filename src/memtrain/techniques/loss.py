@@ -51,6 +51,7 @@ sequence / chunk. Liger's kernel is left out of the graph instead (it calls ``.i
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Callable, Optional
 
 import torch
@@ -328,7 +329,13 @@ def _liger_loss(fallback: LossFn) -> Optional[LossFn]:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
     except ImportError:
         return None
-    module = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="mean")
+    # The weight is handed over in the 16-bit compute dtype (below), and Liger then accumulates its
+    # gradient over the chunks in that dtype; with the FP32 weight autocast would have given it, it
+    # accumulates in FP32. accum_dtype keeps FP32 (as memtrain's own chunked loss does), where the
+    # installed Liger takes it (0.6.2 on).
+    accum = ({"accum_dtype": torch.float32}
+             if "accum_dtype" in inspect.signature(LigerFusedLinearCrossEntropyLoss).parameters else {})
+    module = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="mean", **accum)
 
     def liger_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if is_fake(hidden):
