@@ -1,5 +1,6 @@
-"""CUDA-only branches checked on a CPU: the path each one takes and what it hands the libraries
-it calls (bitsandbytes, the device allocator), with stand-ins where the real call needs a GPU."""
+"""CUDA-only branches checked on a CPU: the path each one takes, what it hands the library it calls
+and what it asks of the device, with stand-ins where the real call needs a GPU (a bitsandbytes
+module, a torch.cuda that reports two GPUs)."""
 
 from __future__ import annotations
 
