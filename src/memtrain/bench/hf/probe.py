@@ -230,8 +230,8 @@ def profile_phases(cfg: RunConfig, steps: int, top_ops: int = 12) -> dict[str, A
     precision = make_precision(cfg.technique.precision, device)
     seed_everything(t.seed)
     # Built on the device in the weight dtype, as train builds it (the Trainer side's model is too):
-    # built on the host in FP32 and then moved, a model of Llama-3-8B's shape spends minutes
-    # drawing its weights on the CPU before the profile starts.
+    # built on the host in FP32 and then moved, a model of Llama-3-8B's shape draws its weights
+    # on the CPU first, the slow build train had before it built on the device.
     ours = prepare_model(build_base_model(cfg, device, precision), cfg, device, precision)
     ours.train()
     ours_opt = build_optimizer(ours, cfg.technique, t)
