@@ -140,3 +140,25 @@ def test_pin_memory_pins_only_for_a_gpu(tiny_run: dict[str, Any]) -> None:
     from memtrain.training.train import train
 
     assert train(build_config({**tiny_run, "steps": 2, "pin_memory": True}))["steps"] == 2
+
+
+def test_a_checkpoint_of_more_gpus_restores_the_rng_of_the_gpus_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint keeps one CUDA RNG state per GPU visible when it was saved; resumed where fewer
+    are visible, each GPU here gets its own and the rest are left (an invalid device ordinal before)."""
+    from memtrain.checkpoints.exact import restore_rng_and_scaler
+    from memtrain.techniques import make_precision
+
+    _two_gpus(monkeypatch)
+    restored: list[int] = []
+
+    def set_rng_state(state: torch.Tensor, device: int = 0) -> None:
+        if device >= 2:
+            raise RuntimeError("CUDA error: invalid device ordinal")
+        restored.append(device)
+
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_rng_state)
+    monkeypatch.setattr(torch.cuda.random, "set_rng_state", set_rng_state)  # what set_rng_state_all calls
+    state = {"rng_cpu": torch.get_rng_state(), "rng_cuda": [torch.zeros(16, dtype=torch.uint8)] * 4,
+             "scaler": None, "skipped_steps": 0}
+    restore_rng_and_scaler(state, make_precision("fp32", torch.device("cpu")))
+    assert restored == [0, 1]

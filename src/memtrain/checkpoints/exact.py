@@ -56,7 +56,10 @@ def restore_rng_and_scaler(state: dict[str, Any], precision: Any) -> None:
     """Inverse of :func:`rng_and_scaler_state`."""
     torch.set_rng_state(state["rng_cpu"])
     if state["rng_cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng_cuda"])
+        # One state per GPU visible where it was saved: a machine (or CUDA_VISIBLE_DEVICES) with
+        # fewer restores those it has (set_rng_state_all failed with "invalid device ordinal").
+        for index, rng in enumerate(state["rng_cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(rng, index)
     if state["scaler"] is not None and precision.scaler is not None:
         precision.scaler.load_state_dict(state["scaler"])
     precision.skipped_steps = state["skipped_steps"]
