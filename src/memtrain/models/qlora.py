@@ -110,7 +110,7 @@ def _quantize_bnb(linears: list[tuple[str, nn.Linear]], device: torch.device) ->
     for _, m in linears:
         # Quantized where the weight already is (the model is built on the GPU): Params4bit's
         # .to(device) quantizes on that device, and a round trip through the host would copy every
-        # frozen weight twice over PCIe (seconds for an 8B model) and hold it in host memory.
+        # frozen weight twice over PCIe and hold it in host memory.
         w = m.weight.detach()
         q = bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4",  # type: ignore[misc]  # bitsandbytes' .to overload confuses mypy where it is installed
                               compress_statistics=True).to(device)
