@@ -71,7 +71,7 @@ def test_nothing_fits_names_the_smallest_option():
     with pytest.raises(ConfigError) as info:
         plan(cfg, 16 * 2**20, "cpu")
     msg = str(info.value)
-    assert msg.startswith("nothing fits in 0.02 GiB") and "the smallest option needs" in msg
+    assert msg.startswith("nothing fits in 16.00 MiB") and "the smallest option needs" in msg
     assert "raise --budget or lower --batch-size/--seq-len" in msg and "\n" not in msg
 
 

@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any, Optional
 
+from memtrain.analysis.advice import size_text
 from memtrain.analysis.estimate import GPT2_ARCH, estimate_inference, parse_count, shape_for_params
 from memtrain.analysis.estimate.generation import DEFAULT_NEW_TOKENS
 from memtrain.analysis.estimate.hf import why_not_modelled
@@ -284,7 +285,7 @@ def _print_fit(out: dict[str, Any]) -> None:
     if "fit_line" in out:
         fit = out["fit"]
         print(f"fit: {out['fit_line']}")
-        print(f"  compared: {fit['measure']}, {fit['needed_bytes'] / 2**30:.2f} GiB at batch {fit['batch_size']}; "
+        print(f"  compared: {fit['measure']}, {size_text(fit['needed_bytes'])} at batch {fit['batch_size']}; "
               "estimated, not measured")
         for line in fit["assumptions"]:
             print(f"  model: {line}")
