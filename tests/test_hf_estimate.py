@@ -439,6 +439,32 @@ def test_the_explanation_names_a_gated_mlps_saved_tensors(capsys):
     assert "4*N*d_ff*4 (gate, up, act(gate), their product)" in formula and "gelu" not in formula
 
 
+@pytest.mark.parametrize("family", ["llama", "llama-biases", "gpt2"])
+def test_the_explanation_counts_parameters_with_the_models_own_layers(dirs, family, capsys):
+    """The parameter line wrote our GPT's ``L*(4d^2+2d*d_ff+biases)`` for every model; a Llama
+    with grouped k/v heads has 2d*d_q + 2d*d_kv attention weights, three MLP matrices and no
+    biases. Evaluated at the model's widths, the formula gives the count it explains."""
+    import json
+    import re
+
+    from memtrain.cli import main
+
+    assert main(["estimate", "--model", str(dirs[family]), "--seq-len", "64", "--batch-size", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    line = next(x for x in out["explanation"] if x.startswith("parameters = "))
+    layers = re.search(r"L\*\((.*?)\)", line).group(1)
+    if family == "gpt2":
+        assert layers == "4d^2 + 2d*d_ff + biases"
+        return
+    assert layers == ("2d*d_q + 2d*d_kv + 3d*d_ff" + (" + biases" if family == "llama-biases" else ""))
+    assert "d_q = 64, d_kv = 32" in line
+    d, d_ff, q, kv, layers_n, vocab = 64, 128, 64, 32, 2, 384
+    biases = (q + 2 * kv + d + 2 * d_ff + d) if family == "llama-biases" else 0
+    embeddings = 1 if transformers.AutoConfig.from_pretrained(dirs[family]).tie_word_embeddings else 2
+    count = embeddings * vocab * d + layers_n * (2 * d * q + 2 * d * kv + 3 * d * d_ff + biases + 2 * d) + d
+    assert out["parameters"] == count
+
+
 @pytest.mark.parametrize("optim", ["adamw", "adafactor"])
 def test_phi3_optimizer_step_walks_the_models_parameter_order(tmp_path, optim):
     """Phi3Attention registers o_proj before qkv_proj, and the single-tensor AdamW and Adafactor
