@@ -227,6 +227,19 @@ def test_unknown_lora_target_names_are_traced(dirs, capsys):
     assert "\n" not in out["not_analytic"]
 
 
+def test_a_lora_target_that_names_no_module_is_one_error_line(dirs, capsys):
+    """peft refuses a target list only when no name matches: ``q_proj,v_prj`` trained q_proj's
+    adapters alone without a word, and the estimate traced that run. Both now refuse it."""
+    from memtrain.cli import main
+
+    flags = ["--model", str(dirs["llama"]), "--seq-len", "32", "--batch-size", "2", "--lora-rank", "4",
+             "--lora-targets", "q_proj,v_prj"]
+    assert main(["estimate", *flags, "--json"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --lora-targets 'q_proj,v_prj': v_prj names no module") and "\n" not in err
+    assert "v_proj" in err  # the names it could have meant
+
+
 def test_estimate_cli_answers_analytically_and_checks_with_trace(dirs, capsys):
     from memtrain.cli import main
 
