@@ -257,6 +257,27 @@ def test_a_copied_or_moved_checkpoint_resumes_without_that_runs_out_and_save(tin
     assert torch.load(tmp_path / "branch.pt", weights_only=True)["step"] == 6
 
 
+def test_a_copied_checkpoint_of_a_run_that_saved_periodically_resumes(tiny_run, tmp_path, capsys):
+    """A copied checkpoint lends no --save, and so no --save-every either: its run was refused
+    with "--save-every 2 checkpoints to --save PATH, and no --save is given; ... or drop
+    --save-every", a flag the user never gave."""
+    import shutil
+
+    from conftest import cli_flags
+
+    base = {**tiny_run, "steps": 6}
+    ckpt = tmp_path / "run" / "c.pt"
+    rc, err = _cli_train(capsys, *cli_flags({**base, "out": str(tmp_path / "run"), "save": str(ckpt),
+                                             "save_every": 2, "stop_after": 2}))
+    assert rc == 0, err
+    kept = tmp_path / "kept.pt"
+    shutil.copy(ckpt, kept)
+    rc, err = _cli_train(capsys, "--resume", str(kept), "--out", str(tmp_path / "branch"))
+    assert rc == 0, err
+    result = json.loads((tmp_path / "branch" / "result.json").read_text())
+    assert result["steps_run"] == 4 and result["config"]["train"]["save_every"] == 0
+
+
 def test_resume_from_another_folder_continues_in_the_runs_own_folder(tiny_run, tmp_path, capsys, monkeypatch):
     """Relative --data, --out and --save are relative to where the run was launched: resumed
     from another working folder (by the checkpoint's path alone) the run continues in its own
