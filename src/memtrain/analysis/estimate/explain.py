@@ -50,9 +50,10 @@ def layer_activation_bytes(cfg: RunConfig, arch: Arch, dm: Dims, trainable_base:
 def _layers_formula(m: ModelConfig, arch: Arch) -> tuple[str, str]:
     """The decoder layers' parameter count as a formula of this architecture: grouped-query k/v
     widths and SwiGLU's three MLP matrices where the model has them (``L*(4d^2+2d*d_ff)`` is
-    only our GPT's), and biases only where there are some."""
+    only our GPT's), and biases only where there are some; and the q and k/v widths where they
+    differ from d."""
     q, kv = head_widths(m, arch)
-    attn = "4d^2" if q == kv == m.d_model else f"2d*d_q + 2d*d_kv"
+    attn = "4d^2" if q == kv == m.d_model else "2d*d_q + 2d*d_kv"
     mlp = "3d*d_ff" if arch.mlp == "swiglu" else "2d*d_ff"
     model_bias = m.bias and arch.name == "gpt2"  # as block_param_table reads ModelConfig.bias
     biases = " + biases" if any(has_bias(arch, s, model_bias) for s in ("qkv", "proj", "fc", "fc_out")) else ""
