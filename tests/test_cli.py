@@ -116,6 +116,19 @@ def test_python_dash_m_and_help():
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("verb", ["estimate", "plan"])
+def test_model_help_names_every_bundled_config_and_what_is_analytic(verb, capsys):
+    """estimate's and plan's --model help left out tiny-llama and tiny-gpt2 and called every
+    transformers model traced, while six families are answered analytically."""
+    from memtrain.models.spec import bundled_names
+
+    with pytest.raises(SystemExit):
+        main([verb, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(name in text for name in bundled_names())
+    assert "hf:ORG/NAME (traced)" not in text and "layers answered analytically" in text
+
+
 def test_every_option_help_states_its_default():
     """The README's promise: every command's --help gives each option's meaning and default. An
     option whose default is a value says it; so do those whose unset default is derived."""

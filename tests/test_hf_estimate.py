@@ -227,6 +227,19 @@ def test_unknown_lora_target_names_are_traced(dirs, capsys):
     assert "\n" not in out["not_analytic"]
 
 
+def test_a_lora_target_that_names_no_module_is_one_error_line(dirs, capsys):
+    """peft refuses a target list only when no name matches: ``q_proj,v_prj`` trained q_proj's
+    adapters alone without a word, and the estimate traced that run. Both now refuse it."""
+    from memtrain.cli import main
+
+    flags = ["--model", str(dirs["llama"]), "--seq-len", "32", "--batch-size", "2", "--lora-rank", "4",
+             "--lora-targets", "q_proj,v_prj"]
+    assert main(["estimate", *flags, "--json"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --lora-targets 'q_proj,v_prj': v_prj names no module") and "\n" not in err
+    assert "v_proj" in err  # the names it could have meant
+
+
 def test_estimate_cli_answers_analytically_and_checks_with_trace(dirs, capsys):
     from memtrain.cli import main
 
@@ -437,6 +450,32 @@ def test_the_explanation_names_a_gated_mlps_saved_tensors(capsys):
     formula = next(line for line in json.loads(capsys.readouterr().out)["explanation"]
                    if line.startswith("activations per block"))
     assert "4*N*d_ff*4 (gate, up, act(gate), their product)" in formula and "gelu" not in formula
+
+
+@pytest.mark.parametrize("family", ["llama", "llama-biases", "gpt2"])
+def test_the_explanation_counts_parameters_with_the_models_own_layers(dirs, family, capsys):
+    """The parameter line wrote our GPT's ``L*(4d^2+2d*d_ff+biases)`` for every model; a Llama
+    with grouped k/v heads has 2d*d_q + 2d*d_kv attention weights, three MLP matrices and no
+    biases. Evaluated at the model's widths, the formula gives the count it explains."""
+    import json
+    import re
+
+    from memtrain.cli import main
+
+    assert main(["estimate", "--model", str(dirs[family]), "--seq-len", "64", "--batch-size", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    line = next(x for x in out["explanation"] if x.startswith("parameters = "))
+    layers = re.search(r"L\*\((.*?)\)", line).group(1)
+    if family == "gpt2":
+        assert layers == "4d^2 + 2d*d_ff + biases"
+        return
+    assert layers == ("2d*d_q + 2d*d_kv + 3d*d_ff" + (" + biases" if family == "llama-biases" else ""))
+    assert "d_q = 64, d_kv = 32" in line
+    d, d_ff, q, kv, layers_n, vocab = 64, 128, 64, 32, 2, 384
+    biases = (q + 2 * kv + d + 2 * d_ff + d) if family == "llama-biases" else 0
+    embeddings = 1 if transformers.AutoConfig.from_pretrained(dirs[family]).tie_word_embeddings else 2
+    count = embeddings * vocab * d + layers_n * (2 * d * q + 2 * d * kv + 3 * d * d_ff + biases + 2 * d) + d
+    assert out["parameters"] == count
 
 
 @pytest.mark.parametrize("optim", ["adamw", "adafactor"])

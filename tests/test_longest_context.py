@@ -5,6 +5,7 @@ tracked meter on real CPU steps."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -116,6 +117,16 @@ def test_estimate_budget_states_the_longest_context(capsys):
     code, out, _ = _cli(["estimate", *TINY_FLAGS, "--batch-size", "2", "--budget", "128MiB", "--json"], capsys)
     ctx = json.loads(out)["fit"]["longest_context"]
     assert ctx["batch_size"] == 2 and ctx["peak_bytes"] <= 128 << 20 < ctx["next_peak_bytes"]
+
+
+def test_a_small_budgets_context_line_names_sizes_that_tell_the_lengths_apart(capsys):
+    # Under a GiB the line spoke in GiB to two decimals: "needs 0.01 GiB; 192 needs 0.01 GiB",
+    # the fitting length and the next one the same figure, and both "within" the budget.
+    code, out, _ = _cli(["estimate", *TINY_FLAGS, "--batch-size", "2", "--budget", "128MiB"], capsys)
+    line = next(x for x in out.splitlines() if "longest context at batch 2: " in x)
+    found = re.search(r"needs ([0-9.]+) MiB; [0-9,]+ needs ([0-9.]+) MiB", line)
+    assert code == 0 and found, line
+    assert float(found.group(1)) <= 128 < float(found.group(2))
 
 
 def test_plan_states_the_longest_context_of_its_recommendation(capsys):

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memtrain.metrics import (
@@ -385,6 +386,19 @@ def test_compiled_code_runs_and_is_counted_under_the_meter() -> None:
     with meter:
         out = f(a)
         assert meter.current()["activations"] == out.nbytes
+
+
+def test_the_rng_operators_of_compiled_checkpointed_code_run_and_are_counted() -> None:
+    # Inductor wraps a random op in these higher-order operators when a checkpointed region is
+    # compiled (SDPA's CPU flash kernel under `--compile --checkpointing full`); the meter must
+    # run them as any op (it raised NotImplementedError) and count what they return.
+    x = torch.randn(64, 64)
+    meter = MemoryMeter()
+    with meter:
+        state, (y, mask) = run_and_save_rng_state(torch.ops.aten.native_dropout.default, x, 0.5, True)
+        assert meter.current()["activations"] == state.nbytes + y.nbytes + mask.nbytes
+        y2, _ = run_with_rng_state(state, torch.ops.aten.native_dropout.default, x, 0.5, True)
+    assert torch.equal(y, y2)  # replayed with the saved state: the same mask
 
 
 def test_meter_removes_its_hooks_on_exit() -> None:

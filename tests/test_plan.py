@@ -71,7 +71,7 @@ def test_nothing_fits_names_the_smallest_option():
     with pytest.raises(ConfigError) as info:
         plan(cfg, 16 * 2**20, "cpu")
     msg = str(info.value)
-    assert msg.startswith("nothing fits in 0.02 GiB") and "the smallest option needs" in msg
+    assert msg.startswith("nothing fits in 16.00 MiB") and "the smallest option needs" in msg
     assert "raise --budget or lower --batch-size/--seq-len" in msg and "\n" not in msg
 
 
@@ -313,3 +313,20 @@ def test_a_traced_plan_traces_only_candidates_near_the_limit_and_is_the_same(bud
         traces.clear()
         plan(cfg, budget, "cpu", arch=None, space=space)
         assert traces == []
+
+
+def test_equal_modelled_times_recommend_the_smaller_peak(tmp_path):
+    """The CPU cost model times a transformers model's eager and SDPA attention alike: the tie
+    went to the candidates' order, so `plan --model ./my-qwen` recommended math attention at 25%
+    more memory than SDPA. Equal times now rank by the peak."""
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=256).save_pretrained(tmp_path)
+    cfg = build_config({"model": str(tmp_path), "seq_len": 128, "batch_size": 8})
+    space = {"precision": ["fp32"], "attention": ["math", "sdpa"], "checkpointing": ["none"],
+             "loss": ["standard"], "optim": ["adamw"]}
+    result = plan(cfg, 1 << 30, "cpu", arch=None, space=space)
+    first, second = result.candidates[:2]
+    assert first.step_time_s == second.step_time_s  # the tie this is about
+    assert first.peak_bytes < second.peak_bytes and first.techniques["attention"] == "sdpa"

@@ -257,6 +257,52 @@ def test_a_copied_or_moved_checkpoint_resumes_without_that_runs_out_and_save(tin
     assert torch.load(tmp_path / "branch.pt", weights_only=True)["step"] == 6
 
 
+def test_a_copied_checkpoint_of_a_run_that_saved_periodically_resumes(tiny_run, tmp_path, capsys):
+    """A copied checkpoint lends no --save, and so no --save-every either: its run was refused
+    with "--save-every 2 checkpoints to --save PATH, and no --save is given; ... or drop
+    --save-every", a flag the user never gave."""
+    import shutil
+
+    from conftest import cli_flags
+
+    base = {**tiny_run, "steps": 6}
+    ckpt = tmp_path / "run" / "c.pt"
+    rc, err = _cli_train(capsys, *cli_flags({**base, "out": str(tmp_path / "run"), "save": str(ckpt),
+                                             "save_every": 2, "stop_after": 2}))
+    assert rc == 0, err
+    kept = tmp_path / "kept.pt"
+    shutil.copy(ckpt, kept)
+    rc, err = _cli_train(capsys, "--resume", str(kept), "--out", str(tmp_path / "branch"))
+    assert rc == 0, err
+    result = json.loads((tmp_path / "branch" / "result.json").read_text())
+    assert result["steps_run"] == 4 and result["config"]["train"]["save_every"] == 0
+
+
+def test_a_run_stopped_in_its_last_validation_resumes_to_its_result(tiny_run, tmp_path, monkeypatch):
+    """With --save-every dividing --steps, the last step's periodic checkpoint was written before
+    the final validation: Ctrl-C there left no result.json and a checkpoint at the last step, which
+    --resume refused ("is at step 4, this run ends at step 4"). The last step saves only after
+    result.json now, so the resumed run trains the last steps again and writes the result."""
+    import memtrain.training.train as train_module
+
+    base = {**tiny_run, "steps": 4, "warmup_steps": 1}
+    full = train(build_config({**base, "out": str(tmp_path / "full")}))
+    ckpt = tmp_path / "c.pt"
+    real = train_module.evaluate
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module, "evaluate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train(build_config({**base, "save": str(ckpt), "save_every": 2, "out": str(tmp_path / "a")}))
+    assert torch.load(ckpt, weights_only=True)["step"] == 2
+    monkeypatch.setattr(train_module, "evaluate", real)
+    resumed = train(build_config({**base, "save": str(ckpt), "save_every": 2, "resume": str(ckpt),
+                                  "out": str(tmp_path / "b")}))
+    assert resumed["loss_history"] == full["loss_history"] and resumed["val_loss"] == full["val_loss"]
+
+
 def test_resume_from_another_folder_continues_in_the_runs_own_folder(tiny_run, tmp_path, capsys, monkeypatch):
     """Relative --data, --out and --save are relative to where the run was launched: resumed
     from another working folder (by the checkpoint's path alone) the run continues in its own

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 
 from tqdm.auto import tqdm
 
-from memtrain.analysis.advice import save_memory_clause
+from memtrain.analysis.advice import save_memory_clause, size_text
 from memtrain.analysis.depth_trace import trace_any_depth
 from memtrain.analysis.estimate.hf import modelled_arch
 from memtrain.analysis.fit import (
@@ -237,8 +237,8 @@ def estimated_longest_context(cfg: RunConfig, budget_bytes: int, gpu: Optional[s
 
 def _nothing_fits(cfg: RunConfig, device_type: str, step: int, batch: int, peak: Optional[float],
                   budget_bytes: Optional[int], how: str = "") -> ConfigError:
-    need = f"needs {peak / 2**30:.2f} GiB{how}" if peak is not None else "ran out of device memory"
-    budget = f"the budget of {budget_bytes / 2**30:.2f} GiB" if budget_bytes else "the device"
+    need = f"needs {size_text(peak)}{how}" if peak is not None else "ran out of device memory"
+    budget = f"the budget of {size_text(budget_bytes)}" if budget_bytes else "the device"
     save = save_memory_clause(cfg, budget_bytes, device_type, shorter_sequence=False)
     # Over the budget on the model's state alone, a smaller batch or length step does not help.
     shrink = [] if save.model_state else ["lower --batch-size or --multiple-of"]

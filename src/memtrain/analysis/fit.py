@@ -305,10 +305,10 @@ def context_line(ctx: dict[str, Any]) -> str:
     """``longest context at batch B: N tokens`` with its peak and the next length's need."""
     head = f"longest context at batch {ctx['batch_size']}: "
     if ctx["seq_len"] is None:
-        return head + (f"none: even {ctx['multiple_of']:,} tokens need {_gib(ctx['shortest_peak_bytes'])}")
-    head += f"{ctx['seq_len']:,}{longer_fits_mark(ctx['capped'], ctx.get('past_fits'))} tokens (needs {_gib(ctx['peak_bytes'])}"
+        return head + (f"none: even {ctx['multiple_of']:,} tokens need {size_text(ctx['shortest_peak_bytes'])}")
+    head += f"{ctx['seq_len']:,}{longer_fits_mark(ctx['capped'], ctx.get('past_fits'))} tokens (needs {size_text(ctx['peak_bytes'])}"
     if ctx["next_seq_len"] is not None:
-        head += f"; {ctx['next_seq_len']:,} needs {_gib(ctx['next_peak_bytes'])}"
+        head += f"; {ctx['next_seq_len']:,} needs {size_text(ctx['next_peak_bytes'])}"
     return head + f"; lengths in multiples of {ctx['multiple_of']})"
 
 
@@ -368,7 +368,7 @@ class FitVerdict:
             head += f"; largest batch {self.largest_batch}" + ("+" if self.largest_batch_capped else "")
         if self.suggestions:
             head += f"; to fit batch {self.batch_size}: " + ", or ".join(
-                f"{s['flags']} (est. {_gib(s['needed_bytes'])})" for s in self.suggestions)
+                f"{s['flags']} (est. {size_text(s['needed_bytes'])})" for s in self.suggestions)
         elif not self.fits:
             head += f"; no technique set or micro-batch split fits batch {self.batch_size}: {self.advice or 'lower --seq-len'}"
         return head
@@ -450,6 +450,3 @@ def cheapest_changes(cfg: RunConfig, arch: Arch, device_type: str, budget_bytes:
                     "relative_time": c.relative_time, "numerics": numerics_note({**current, **c.techniques})})
     return out
 
-
-def _gib(n: float) -> str:
-    return f"{n / GiB:.2f} GiB"

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 from tqdm.auto import tqdm
 
-from memtrain.analysis.advice import save_memory_clause
+from memtrain.analysis.advice import save_memory_clause, size_text
 from memtrain.analysis.estimate import estimate
 from memtrain.analysis.estimate.hf import modelled_arch, why_not_modelled
 from memtrain.analysis.fit import largest_batch, largest_fitting, largest_fitting_from, step_need
@@ -121,8 +121,8 @@ def _analytic_guess(cfg: RunConfig, budget_bytes: Optional[int], multiple_of: in
 
 def _nothing_fits(cfg: RunConfig, device_type: str, batch: int, peak: Optional[float], budget_bytes: Optional[int],
                   how: str = "") -> ConfigError:
-    need = f"needs {peak / 2**30:.2f} GiB{how}" if peak is not None else "ran out of device memory"
-    budget = f"the budget of {budget_bytes / 2**30:.2f} GiB" if budget_bytes else "the device"
+    need = f"needs {size_text(peak)}{how}" if peak is not None else "ran out of device memory"
+    budget = f"the budget of {size_text(budget_bytes)}" if budget_bytes else "the device"
     return ConfigError(f"even batch {batch} does not fit {budget} ({need}); "
                        f"{save_memory_clause(cfg, budget_bytes, device_type).text}, or raise --memory-budget")
 

@@ -72,9 +72,13 @@ def row_estimate(cfg: Any) -> dict[str, Any]:
     the analytic model does not cover), or ``{"error": ...}``."""
     from memtrain.runtime.env import resolve_device  # torch loads only when this runs
 
+    # A row run on N ranks (`bench --nproc N`) is measured per rank: its estimate is one rank's
+    # share, as `estimate --world-size N` gives it (the whole unsharded step was set beside it).
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    shard = "none" if world > 1 and cfg.technique.distributed in ("none", "ddp") else None
     try:
         device_type = resolve_device(cfg.train.device).type
-        return estimate_step(cfg, device_type, model_arch(cfg)).json
+        return estimate_step(cfg, device_type, model_arch(cfg), world_size=world, shard=shard).json
     except Exception as exc:  # noqa: BLE001 - an estimator gap must not lose the measured row
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
 

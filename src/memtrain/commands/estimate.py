@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any, Optional
 
+from memtrain.analysis.advice import size_text
 from memtrain.analysis.estimate import GPT2_ARCH, estimate_inference, parse_count, shape_for_params
 from memtrain.analysis.estimate.generation import DEFAULT_NEW_TOKENS
 from memtrain.analysis.estimate.hf import why_not_modelled
@@ -24,6 +25,7 @@ from memtrain.cli import (
 from memtrain.config.argtypes import int_in, token_count, world_size
 from memtrain.config.presets import PRESETS, preset
 from memtrain.config.run import ConfigError, parse_size
+from memtrain.models.spec import bundled_names
 from memtrain.report.by_module import module_table_lines
 from memtrain.runtime.extras import cpu_only_torch
 from memtrain.techniques.facts import foreign_loss_kernel
@@ -36,8 +38,9 @@ def add_model_choice(p: argparse.ArgumentParser) -> None:
     # --model_name_or_path: the Trainer scripts' name of the same choice (memtrain.config.aliases).
     g.add_argument("--model", "--model_name_or_path", "--model-name-or-path", dest="preset", default=None, metavar="SPEC",
                    help="Model preset: " + ", ".join(PRESETS) + " (flags given next to it override it); or a "
-                   "transformers model: a bundled config (llama-3-8b, qwen2.5-7b, mistral-7b, llama-3-70b, "
-                   "qwen2.5-0.5b), a config.json or a directory holding one, or hf:ORG/NAME (traced).")
+                   "transformers model: a bundled config (" + ", ".join(bundled_names()) + "), a config.json or "
+                   "a directory holding one, or hf:ORG/NAME (Llama, Qwen2, Mistral, Phi-3, Gemma and GPT-2 "
+                   "layers answered analytically, other families traced; \"method\" in --json says which).")
     g.add_argument("--params", default=None, metavar="COUNT",
                    help="Parameter count such as 3B or 124M: a GPT-2-style shape of that size is derived.")
 
@@ -284,7 +287,7 @@ def _print_fit(out: dict[str, Any]) -> None:
     if "fit_line" in out:
         fit = out["fit"]
         print(f"fit: {out['fit_line']}")
-        print(f"  compared: {fit['measure']}, {fit['needed_bytes'] / 2**30:.2f} GiB at batch {fit['batch_size']}; "
+        print(f"  compared: {fit['measure']}, {size_text(fit['needed_bytes'])} at batch {fit['batch_size']}; "
               "estimated, not measured")
         for line in fit["assumptions"]:
             print(f"  model: {line}")

@@ -40,6 +40,7 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch._prims import rng_prims  # the RNG higher-order operators compiled code calls
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -156,10 +157,35 @@ class _AllocationWatcher(TorchDispatchMode):
             # first: the ops it issues on its inner tensors come back through this mode, so the
             # scratch it makes (e.g. the FP32 copy while quantizing) is seen too.
             return NotImplemented
-        out = func(*args, **(kwargs or {}))
+        return self._observed(func(*args, **(kwargs or {})))
+
+    def _observed(self, out: Any) -> Any:
+        """Count ``out``'s new storages (unless made under another fake mode) and return it."""
         if _active_fake_mode() is self._fake_mode:
             self._meter._observe_output(out)
         return out
+
+
+def _count_like_an_op(hop: Any) -> None:
+    """Let the meter run ``hop`` as it runs any op: call it, then count its outputs.
+
+    A dispatch mode that does not handle a higher-order operator makes it raise. Inductor wraps a
+    random op (SDPA's CPU flash kernel, dropout) in ``run_and_save_rng_state`` /
+    ``run_with_rng_state`` when a compiled region is checkpointed, so without this a compiled,
+    checkpointed step failed under the meter with ``NotImplementedError``.
+    """
+
+    def handler(mode: _AllocationWatcher, *args: Any, **kwargs: Any) -> Any:
+        # The mode is popped while a handler runs: the wrapped op runs as the compiled code
+        # asked, and its outputs (the saved RNG state included) are counted here.
+        return mode._observed(hop(*args, **kwargs))
+
+    hop.py_impl(_AllocationWatcher)(handler)
+
+
+for _hop in (rng_prims.run_and_save_rng_state, rng_prims.run_with_rng_state,
+             rng_prims.graphsafe_run_with_rng_state):
+    _count_like_an_op(_hop)
 
 
 class MemoryMeter:

@@ -60,6 +60,22 @@ def lora_target_modules(targets: str) -> Any:
     return [t.strip() for t in targets.split(",") if t.strip()]
 
 
+def _check_targets_exist(model: HFCausalLM, targets: Any, spec: str, kinds: tuple[type, ...]) -> None:
+    """Refuse a named target that no module of the model answers to.
+
+    peft matches each name of a list as the last part(s) of a module's path and raises only when
+    *no* name matches: a misspelt name beside a right one (``q_proj,v_prj``) trained without its
+    adapters and without a word (memtrain's own GPT refuses an unknown name)."""
+    if not isinstance(targets, list):
+        return  # all-linear: peft's own rule
+    paths = [n for n, _ in model.lm.named_modules()]
+    missing = [t for t in targets if not any(p == t or p.endswith("." + t) for p in paths)]
+    if missing:
+        linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.lm.named_modules() if isinstance(m, kinds)})
+        raise ConfigError(f"--lora-targets {spec!r}: {', '.join(missing)} names no module of --model "
+                          f"{model.source_spec!r}; its Linear layers are {', '.join(linears)} (or all-linear)")
+
+
 def apply_hf_lora(model: HFCausalLM, tech: TechniqueConfig) -> None:
     """Add LoRA adapters in place with peft; only the adapters stay trainable."""
     if not tech.lora_rank:
@@ -70,6 +86,7 @@ def apply_hf_lora(model: HFCausalLM, tech: TechniqueConfig) -> None:
     # GPT-2's projections are transformers' Conv1D, whose weight is stored (in, out): peft needs
     # fan_in_fan_out for them and otherwise switches it on itself with a UserWarning per layer.
     conv1d = any(isinstance(m, Conv1D) for m in model.lm.modules())
+    _check_targets_exist(model, lora_target_modules(tech.lora_targets), tech.lora_targets, (nn.Linear, Conv1D))
     lcfg = LoraConfig(r=tech.lora_rank, lora_alpha=tech.lora_alpha, lora_dropout=tech.lora_dropout,  # type: ignore[arg-type]
                       target_modules=lora_target_modules(tech.lora_targets), bias="none", fan_in_fan_out=conv1d)
     try:

@@ -451,7 +451,9 @@ def resumed_settings(path: str | Path, launched: bool = False) -> tuple[dict[str
 
 
 # Where a run writes: taken by a resumed run only from a checkpoint still where its run saved it.
-RUN_OUTPUTS: frozenset[str] = frozenset({"out", "save"})
+# --save-every is how often it saves to that --save: taken without it, a copied checkpoint's run
+# was refused for a --save-every its user never gave ("add --save or drop --save-every").
+RUN_OUTPUTS: frozenset[str] = frozenset({"out", "save", "save_every"})
 
 
 def saved_elsewhere(path: str | Path, saved_as: Any) -> bool:

@@ -499,7 +499,9 @@ class _Loop:
             state.val_history.append({"step": done, "val_loss": v, "val_ppl": math.exp(min(v, 50))})
             logger.log(done, state.val_history[-1], force=True)
             self.timer.skip_gap()  # the evaluation was work, not the device idling
-        if t.save and t.save_every and done % t.save_every == 0:
+        # Not at the last step: the final checkpoint follows result.json there, so a run stopped
+        # between the two (Ctrl-C in the last validation) still has a step to resume that writes it.
+        if t.save and t.save_every and done % t.save_every == 0 and done < end_step:
             self.save_ckpt(t.save, state)
             self.timer.skip_gap()
 

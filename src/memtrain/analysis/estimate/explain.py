@@ -6,10 +6,10 @@ from dataclasses import replace
 from typing import Optional
 
 from memtrain.analysis.estimate.inventory import Dims, block_nodes, precision_bytes, resolve_backend
-from memtrain.analysis.estimate.params import ParamInfo
+from memtrain.analysis.estimate.params import ParamInfo, has_bias, head_widths
 from memtrain.analysis.estimate.simulator import Simulator
 from memtrain.config.archs import Arch
-from memtrain.config.run import RunConfig, TechniqueConfig
+from memtrain.config.run import ModelConfig, RunConfig, TechniqueConfig
 from memtrain.techniques.facts import checkpoint_policy, effective_loss_chunk
 
 
@@ -47,15 +47,30 @@ def layer_activation_bytes(cfg: RunConfig, arch: Arch, dm: Dims, trainable_base:
     return (n_ck * full + (L - n_ck) * none) / L
 
 
+def _layers_formula(m: ModelConfig, arch: Arch) -> tuple[str, str]:
+    """The decoder layers' parameter count as a formula of this architecture: grouped-query k/v
+    widths and SwiGLU's three MLP matrices where the model has them (``L*(4d^2+2d*d_ff)`` is
+    only our GPT's), and biases only where there are some; and the q and k/v widths where they
+    differ from d."""
+    q, kv = head_widths(m, arch)
+    attn = "4d^2" if q == kv == m.d_model else "2d*d_q + 2d*d_kv"
+    mlp = "3d*d_ff" if arch.mlp == "swiglu" else "2d*d_ff"
+    model_bias = m.bias and arch.name == "gpt2"  # as block_param_table reads ModelConfig.bias
+    biases = " + biases" if any(has_bias(arch, s, model_bias) for s in ("qkv", "proj", "fc", "fc_out")) else ""
+    widths = "" if attn == "4d^2" else f"; d_q = {q:,}, d_kv = {kv:,}"
+    return f"L*({attn} + {mlp}{biases})", widths
+
+
 def explanation_lines(cfg: RunConfig, arch: Arch, dm: Dims, params: list[ParamInfo], n_params: int, n_train: int,
              weights: float, opt_bytes: float, opt_lines: list[str], act_layer: float, sim: Simulator,
              shard: str, world: int, device_type: str) -> list[str]:
     m, tech, t = cfg.model, cfg.technique, cfg.train
     pb, ab, autocast = precision_bytes(tech.precision)
     N = dm.n
+    layers, widths = _layers_formula(m, arch)
     lines = [
         f"parameters = {n_params:,} (V*d{' x2 untied' if m.untie_embeddings else ' tied'} + "
-        f"{'max_seq*d + ' if arch.positional == 'learned' else ''}L*(4d^2+2d*d_ff+biases) + norms); "
+        f"{'max_seq*d + ' if arch.positional == 'learned' else ''}{layers} + norms{widths}); "
         + (f"LoRA adds {n_train:,} adapter parameters, the only trainable ones" if tech.lora_rank
            else f"trainable {n_train:,}"),
         f"weights = parameters x {pb} B ({tech.precision}{'; autocast keeps fp32 master weights and casts bf16/fp16 copies per forward' if autocast else ''})"
