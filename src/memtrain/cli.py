@@ -251,7 +251,8 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = 
     moved_from = None  # the --save a moved or copied checkpoint was written as
     if resume:
         launched = bool(getattr(args, "nproc_per_node", None)) or "WORLD_SIZE" in os.environ
-        taken, moved_from = resumed_settings(str(resume), launched)
+        out_given = "out" in _given_settings([file_layer, flags])
+        taken, moved_from = resumed_settings(str(resume), launched, out_given)
         base = {**(base or {}), **taken}
     layers = [base or {}, file_layer, flags]
     merged = _given_settings(layers)
