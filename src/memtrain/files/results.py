@@ -308,6 +308,31 @@ def named_write_error(exc: BaseException, path: Path) -> BaseException:
     return exc
 
 
+def umask() -> int:
+    """This process's umask, read without changing it where Linux says it (``/proc/self/status``)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and restore (the only portable read)
+    os.umask(mask)
+    return mask
+
+
+def _destination_mode(path: Path) -> int:
+    """The permission bits for a file written to ``path``: those of the regular file it replaces,
+    else 0666 less the umask, as ``open`` creates files."""
+    try:
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode):
+            return stat.S_IMODE(st.st_mode)
+    except OSError:
+        pass
+    return 0o666 & ~umask()
+
+
 def write_atomic(path: Path, write: Callable[[str], object]) -> None:
     """Fill ``path`` through ``write(temp_path)`` and a rename: never a half-written file.
 
@@ -320,7 +345,12 @@ def write_atomic(path: Path, write: Callable[[str], object]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path.name), suffix=".tmp", dir=path.parent)
-        os.close(fd)
+        try:
+            # mkstemp makes the file owner-only (0600); the file it becomes gets the mode a plain
+            # open would give (0666 less the umask), or keeps the mode of the file it replaces.
+            os.fchmod(fd, _destination_mode(path))
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise named_write_error(exc, path) from None
     try:

@@ -48,6 +48,7 @@ from memtrain.checkpoints.exact import DamagedCheckpoint, check_weights, read_st
 from memtrain.checkpoints.mapped import read_off_mapping
 from memtrain.config.run import ConfigError, RunConfig, build_config
 from memtrain.data.tokenizer import EOT_ID, vocab_dir
+from memtrain.files.results import umask
 from memtrain.models import is_hf
 from memtrain.models.families import data_tokenizer
 from memtrain.models.gpt import GPT
@@ -420,6 +421,8 @@ def _new_directory(out: Path) -> Iterator[Path]:
             if isinstance(exc, OSError) or "No space left on device" not in str(exc):
                 raise
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out)) from None
+        # mkdtemp makes the folder owner-only (0700): the model folder gets a plain mkdir's mode.
+        os.chmod(tmp, 0o777 & ~umask())
         try:
             os.replace(tmp, out)  # onto an empty directory too (POSIX rename)
         except OSError as exc:
