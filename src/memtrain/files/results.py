@@ -718,7 +718,7 @@ _CONFIG_KEYS = {"model": ("d_model", "n_layers", "n_heads", "d_ff", "vocab_size"
 _OPTIONAL_TYPES: dict[str, type | tuple[type, ...]] = {
     "config_hash": str, "description": (str, type(None)), "env": dict, "device_caps": (dict, type(None)),
     "settings_hash": str, "max_batch_search": (dict, type(None)), "device_name": str,
-    "data_fingerprint": str,
+    "data_fingerprint": str, "scale": (str, type(None)),
 }
 
 
