@@ -471,3 +471,31 @@ def test_resume_after_a_torn_metrics_line_starts_a_new_line(tiny_run, tmp_path):
     assert '{"step": 3, "lo' in lines  # the torn line stays alone
     parsed = [json.loads(line) for line in lines if line != '{"step": 3, "lo']
     assert {p["step"] for p in parsed} == {1, 2, 3, 4}
+
+
+def test_links_planted_in_the_out_folder_during_the_run_are_replaced_not_followed(tiny_run, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """Links planted at result.json and at --save after the run checked them (another user, a
+    script): the run trained every step and then refused to write (exit 2), losing its result and
+    its checkpoint. They are replaced by the files, their targets untouched, with a warning."""
+    import torch
+
+    import memtrain.cli as cli
+
+    out = Path(tiny_run["out"])
+    ckpt = out / "c.pt"
+    victim, victim2 = tmp_path / "victim", tmp_path / "victim2"
+    victim.write_text("precious\n")
+
+    def plant(done: int, total: int, median_s) -> None:
+        if done == 1:
+            (out / "result.json").symlink_to(victim)
+            ckpt.symlink_to(victim2)  # a link to a file that does not exist yet
+
+    monkeypatch.setattr(cli, "_warn_after_first_step", lambda warning: plant)
+    assert main(["train", *cli_flags({**tiny_run, "steps": 3, "save": str(ckpt)})]) == 0
+    err = capsys.readouterr().err
+    assert err.count("became a symbolic link") == 2, err
+    assert not (out / "result.json").is_symlink() and json.loads((out / "result.json").read_text())["steps"] == 3
+    assert not ckpt.is_symlink() and torch.load(ckpt, weights_only=True)["step"] == 3
+    assert victim.read_text() == "precious\n" and not victim2.exists()

@@ -462,7 +462,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     def write_result(result: dict) -> None:  # before the final checkpoint (see train())
         if main_rank:
-            write_json_atomic(out / RESULT_NAME, result)
+            # Its name was checked before the first step: a link there now was planted since.
+            write_json_atomic(out / RESULT_NAME, result, replace_link=True)
 
     # SIGTERM stops like Ctrl-C (main() turns it into KeyboardInterrupt for the whole command):
     # finally blocks run, scratch is removed, exit 130. The --out lock: a second train or bench

@@ -47,6 +47,7 @@ import os
 import re
 import shutil
 import stat
+import sys
 import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -333,15 +334,22 @@ def _destination_mode(path: Path) -> int:
     return 0o666 & ~umask()
 
 
-def write_atomic(path: Path, write: Callable[[str], object]) -> None:
+def write_atomic(path: Path, write: Callable[[str], object], replace_link: bool = False) -> None:
     """Fill ``path`` through ``write(temp_path)`` and a rename: never a half-written file.
 
     The temporary file is created (exclusively) beside ``path``, so the rename stays on one
     file system; it is fsynced before the rename and removed on any failure, leaving what was
     at ``path`` untouched. ``os.replace`` replaces the name itself, so nothing a link at
-    ``path`` points to is ever written; such a link is refused up front all the same."""
+    ``path`` points to is ever written; such a link is refused up front all the same, unless
+    ``replace_link``: a run's own outputs, whose names were checked before its first step, so
+    that a link there was planted during the run; refusing it then lost the whole run's result
+    (or checkpoint), so the link is replaced, its target untouched, and a warning says so."""
     path = Path(path)
-    refuse_odd_destination(path)
+    if replace_link and path.is_symlink():
+        sys.stderr.write(f"warning: {str(path)!r} became a symbolic link (to {os.readlink(path)!r}) during the run; "
+                         "it is replaced by the file, its target left untouched\n")
+    else:
+        refuse_odd_destination(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path.name), suffix=".tmp", dir=path.parent)
@@ -360,7 +368,8 @@ def write_atomic(path: Path, write: Callable[[str], object]) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-        refuse_odd_destination(path)  # planted while the file was being written
+        if not replace_link or not path.is_symlink():
+            refuse_odd_destination(path)  # planted while the file was being written
         os.replace(tmp, path)
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
@@ -369,16 +378,17 @@ def write_atomic(path: Path, write: Callable[[str], object]) -> None:
         raise
 
 
-def write_text_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str, replace_link: bool = False) -> None:
     """Write ``text`` (UTF-8) to ``path`` atomically (see :func:`write_atomic`)."""
     data = text.encode("utf-8")
-    write_atomic(path, lambda tmp: Path(tmp).write_bytes(data))
+    write_atomic(path, lambda tmp: Path(tmp).write_bytes(data), replace_link)
 
 
-def write_json_atomic(path: Path, payload: Any) -> None:
-    """Write JSON through a temporary file and a rename: never a half-written file."""
+def write_json_atomic(path: Path, payload: Any, replace_link: bool = False) -> None:
+    """Write JSON through a temporary file and a rename: never a half-written file
+    (``replace_link``: see :func:`write_atomic`)."""
     text = dumps(payload, indent=2) + "\n"  # serialize first: a bad payload leaves nothing behind
-    write_text_atomic(path, text)
+    write_text_atomic(path, text, replace_link)
 
 
 def process_alive(pid: int) -> bool:
