@@ -345,11 +345,9 @@ def write_atomic(path: Path, write: Callable[[str], object], replace_link: bool 
     that a link there was planted during the run; refusing it then lost the whole run's result
     (or checkpoint), so the link is replaced, its target untouched, and a warning says so."""
     path = Path(path)
-    if replace_link and path.is_symlink():
-        sys.stderr.write(f"warning: {str(path)!r} became a symbolic link (to {os.readlink(path)!r}) during the run; "
-                         "it is replaced by the file, its target left untouched\n")
-    else:
-        refuse_odd_destination(path)
+    if replace_link:
+        drop_planted_link(path)
+    refuse_odd_destination(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path.name), suffix=".tmp", dir=path.parent)
@@ -368,8 +366,9 @@ def write_atomic(path: Path, write: Callable[[str], object], replace_link: bool 
             os.fsync(fd)
         finally:
             os.close(fd)
-        if not replace_link or not path.is_symlink():
-            refuse_odd_destination(path)  # planted while the file was being written
+        if replace_link:
+            drop_planted_link(path)
+        refuse_odd_destination(path)  # planted while the file was being written
         os.replace(tmp, path)
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
@@ -802,8 +801,22 @@ def read_results(out: Path) -> list[dict[str, Any]]:
     return read_results_counted(out).rows
 
 
+def drop_planted_link(path: Path) -> None:
+    """Remove a symbolic link at ``path`` (never its target), saying so: for the outputs of a
+    command that checked their names before it started (a link was refused then), so that a link
+    planted during the command does not make it refuse to write, and lose, what it produced."""
+    path = Path(path)
+    if path.is_symlink():
+        sys.stderr.write(f"warning: {str(path)!r} became a symbolic link (to {os.readlink(path)!r}) while memtrain "
+                         "ran; it is replaced by the file, its target left untouched\n")
+        path.unlink(missing_ok=True)
+
+
 def append_result(out: Path, row: dict[str, Any]) -> None:
-    """Append one row as one line (on a line of its own) and flush it to disk before going on."""
+    """Append one row as one line (on a line of its own) and flush it to disk before going on.
+    The bench refused a link at results.jsonl before its first row: one there now was planted
+    since, and is replaced rather than losing the row (:func:`drop_planted_link`)."""
+    drop_planted_link(Path(out) / BENCH_RESULTS)
     append_jsonl(Path(out) / BENCH_RESULTS, row)
 
 
