@@ -36,8 +36,10 @@ class _Interrupts:
     def __call__(self, signum: int, frame: Any) -> None:
         self.count += 1
         if self.count == 2:
-            sys.stderr.write(AGAIN_NOTE)
-            sys.stderr.flush()
+            # os.write, not sys.stderr: the signal may have interrupted a write to sys.stderr, and
+            # its buffered writer refuses a reentrant call.
+            with contextlib.suppress(OSError):
+                os.write(2, AGAIN_NOTE.encode())
             return
         raise KeyboardInterrupt(f"signal {signum}")
 
