@@ -285,6 +285,19 @@ def test_a_checkpoint_outside_its_runs_out_folder_does_not_name_where_the_resume
     assert files() == before
 
 
+def test_a_checkpoint_lends_only_the_folder_it_lies_in(tmp_path):
+    """Not a folder above it (a crafted config naming `/` or the home folder would otherwise pass),
+    nor the folder above its own."""
+    from memtrain.training.preflight import lends_out
+
+    out = tmp_path / "run"
+    (out / "sub").mkdir(parents=True)
+    assert lends_out(out / "c.pt", str(out)) and lends_out(out / "c.pt", str(out) + "/")
+    assert not lends_out(out / "sub" / "c.pt", str(out))
+    assert not lends_out(out / "c.pt", str(tmp_path)) and not lends_out(out / "c.pt", "/")
+    assert not lends_out(out / "c.pt", "") and not lends_out(out / "c.pt", None)
+
+
 def test_resume_from_another_folder_continues_in_the_runs_own_folder(tiny_run, tmp_path, capsys, monkeypatch):
     """Relative --data, --out and --save are relative to where the run was launched: resumed
     from another working folder (by the checkpoint's path alone) the run continues in its own

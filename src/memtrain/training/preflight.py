@@ -32,7 +32,7 @@ from typing import Any, Iterable, Optional
 
 from memtrain.analysis.limits import check_analytic_size
 from memtrain.config.run import ConfigError, ModelConfig, RunConfig, build_config, field_index, flatten
-from memtrain.files.guard import inside, regular_file_problem
+from memtrain.files.guard import regular_file_problem
 from memtrain.files.results import (
     LOCK_NAME,
     METRICS_NAME,
@@ -432,7 +432,7 @@ def resumed_settings(path: str | Path, launched: bool = False,
     no longer that file (:func:`saved_elsewhere`: its ``--out`` and ``--save`` are left out then),
     else None.
 
-    A checkpoint still at its ``--save`` lends its ``--out`` only when it lies inside that folder
+    A checkpoint still at its ``--save`` lends its ``--out`` only when it lies in that folder
     (:func:`lends_out`): a file anyone could have placed at a path names no folder for this run
     to write into. Otherwise this run needs its own ``--out`` (``out_given``: the flags or the
     config file name one), else one ConfigError saying to add it."""
@@ -454,7 +454,7 @@ def resumed_settings(path: str | Path, launched: bool = False,
     if not saved_elsewhere(path, saved_as):
         if "out" in settings and not lends_out(path, settings["out"]):
             if not out_given:
-                raise ConfigError(f"checkpoint {str(path)!r} lies outside the folder its run wrote to "
+                raise ConfigError(f"checkpoint {str(path)!r} is not in the folder its run wrote to "
                                   f"({str(settings['out'])!r}), so it does not say where this run writes; "
                                   "add --out DIR (the run's own folder to continue there)")
             del settings["out"]
@@ -467,15 +467,16 @@ RUN_OUTPUTS: frozenset[str] = frozenset({"out", "save"})
 
 
 def lends_out(checkpoint: str | Path, out: Any) -> bool:
-    """Whether a resumed ``checkpoint`` may name the ``--out`` its config records: it lies inside
-    that folder (links resolved), where only someone who may write there could have put it.
-    A checkpoint elsewhere that named any folder would make ``--resume CKPT`` alone write
-    result.json and metrics.jsonl wherever a file placed at a known path said."""
+    """Whether a resumed ``checkpoint`` may name the ``--out`` its config records: it lies in
+    that folder itself (links resolved; ``--out runs/x --save runs/x/ckpt.pt``), where only
+    someone who may write there could have put it. A checkpoint elsewhere that named any folder
+    would make ``--resume CKPT`` alone write result.json and metrics.jsonl wherever a file placed
+    at a known path said; any folder above the checkpoint (``/``, the home folder) would be as
+    bad, so the checkpoint's own folder is the only one lent."""
     if not isinstance(out, str) or not out:
         return False
     here = Path(os.path.expanduser(str(checkpoint))).resolve()
-    folder = Path(os.path.expanduser(out)).resolve()
-    return here != folder and inside(here, [folder])
+    return here.parent == Path(os.path.expanduser(out)).resolve()
 
 
 def saved_elsewhere(path: str | Path, saved_as: Any) -> bool:
