@@ -116,6 +116,35 @@ def test_sigterm_keeps_finished_rows_and_a_second_bench_is_refused(small_corpus,
         _kill_all(bench, workers)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_second_sigterm_during_the_cleanup_lets_it_finish(small_corpus, tmp_path):
+    """SIGTERM, then a second one while the bench waits for its row to stop (a row slow to stop
+    ignores SIGTERM until its grace period ends in SIGKILL): the second raised KeyboardInterrupt
+    mid-cleanup, the bench exited at once and its row ran on. Now the second is said and waited
+    out: the row is stopped, the partial report written, and the bench exits 130 after it."""
+    out = tmp_path / "b"
+    bench = _start_bench(small_corpus, out, "baseline",
+                         {"MEMTRAIN_TEST_ROW_SLEEP": "120", "MEMTRAIN_TEST_ROW_IGNORE_TERM": "1"})
+    workers: list[int] = []
+    try:
+        assert _wait_for(lambda: bool(_children(bench.pid))), "the bench never started its row"
+        workers = _children(bench.pid)
+        time.sleep(1.0)  # the row process is past its start-up, ignoring SIGTERM
+        bench.send_signal(signal.SIGTERM)
+        time.sleep(1.0)  # inside the 10 s grace period the bench gives its row
+        assert bench.poll() is None
+        bench.send_signal(signal.SIGTERM)
+        _, stderr = bench.communicate(timeout=60)
+        gone = not any(_alive(w) for w in workers)
+        assert bench.returncode == 130, stderr
+        assert "interrupted again" in stderr and "Traceback" not in stderr
+        assert stderr.strip().splitlines()[-1].startswith("error: interrupted; partial report of 0 row(s)")
+        assert gone, "the bench exited before its row was stopped"
+        assert (out / "report.md").is_file()
+    finally:
+        _kill_all(bench, workers)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl and /proc are Linux")
 def test_sigkilled_bench_leaves_no_row_running_and_its_scratch_is_cleaned_next_run(small_corpus, tmp_path):
     bench = _start_bench(small_corpus, tmp_path / "b", "baseline", {"MEMTRAIN_TEST_ROW_SLEEP": "120"})

@@ -332,6 +332,31 @@ def test_report_only_rebuilds_the_tables(tmp_path):
     assert "| baseline | matched | 0.0 | 0.0 |" in (tmp_path / REPORT_MD).read_text()  # 100 and 200 bytes in MiB
 
 
+@pytest.mark.parametrize("edit", ["no-result", "result-text", "rep-text", "side-list", "step-text", "memory-list",
+                                  "peak-text", "ppl-text", "max-batch-text", "status-number"])
+def test_report_only_skips_a_runs_line_of_the_wrong_shape_with_a_warning(tmp_path, capsys, edit):
+    """A hand-edited or foreign runs.jsonl line that parses as JSON (no result, a text where a
+    number belongs, a list where an object does) ended --report-only and --resume with a KeyError
+    or TypeError traceback; it is skipped and counted in one warning, the report built from the rest."""
+    import copy
+    import json
+
+    rows = resolve_rows("quick", ["baseline"], {"progress": False, "device": "auto"}, "cpu")
+    h = config_hash(rows[0]["config"])
+    runs = [_fake_run("baseline", "ours", 0, h, 1.0, 100), _fake_run("baseline", "theirs", 0, h, 2.0, 200)]
+    bad = copy.deepcopy(runs[0])
+    res = bad["result"]
+    {"no-result": lambda: bad.pop("result"), "result-text": lambda: bad.update(result="x"),
+     "rep-text": lambda: bad.update(rep="zero"), "side-list": lambda: bad.update(side=["ours"]),
+     "step-text": lambda: res.update(step_time_s="fast"), "memory-list": lambda: res.update(memory=[1]),
+     "peak-text": lambda: res["memory"].update(peak_bytes="big"), "ppl-text": lambda: res.update(val_ppl="x"),
+     "max-batch-text": lambda: res.update(max_batch="x"), "status-number": lambda: res.update(status=3)}[edit]()
+    (tmp_path / RUNS_FILE).write_text("".join(json.dumps(r) + "\n" for r in [*runs, bad]))
+    assert main(["--presets", "baseline", "--out", str(tmp_path), "--report-only"]) == 0
+    assert "warning: skipped 1 unreadable line(s)" in capsys.readouterr().err
+    assert json.loads((tmp_path / REPORT_JSON).read_text())["rows"][0]["ratios"]["peak_bytes"] == 0.5
+
+
 def test_a_used_folder_a_link_or_a_file_as_out_is_refused_and_nothing_is_deleted(tmp_path, capsys):
     """A second comparison into a folder with runs.jsonl would have deleted it (the default --out
     was a committed results folder): refused in one line unless --resume or --report-only."""

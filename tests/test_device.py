@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import warnings
 
 import pytest
@@ -293,3 +294,30 @@ def test_train_caches_the_device_rates_in_its_cache_dir(tiny_run, tmp_path, monk
     train(build_config({**tiny_run, "steps": 2, "cache_dir": str(run_dir)}))
     assert len(_device_entries(run_dir)) == 1
     assert not (tmp_path / "home" / ".cache" / "memtrain").exists()
+
+
+@pytest.mark.parametrize("plant", ["fifo", "dev-zero", "huge"])
+def test_a_device_cache_entry_that_is_no_small_regular_file_is_not_read(tmp_path, plant):
+    """A FIFO in an entry's place (a shared MEMTRAIN_CACHE) blocked `info` and every train for ever
+    in open(); a link to /dev/zero was read without end. Neither is opened: the rates are measured
+    again."""
+    import threading
+
+    from memtrain.devices.probe import _read_cache
+
+    entry = tmp_path / "device" / "k.json"
+    entry.parent.mkdir()
+    if plant == "fifo":
+        os.mkfifo(entry)
+    elif plant == "dev-zero":
+        entry.symlink_to("/dev/zero")
+    else:
+        entry.write_text('{"pad": "' + "x" * 2**17 + '"}')
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(_read_cache(entry, "k")), daemon=True)
+    reader.start()
+    reader.join(timeout=30)
+    if reader.is_alive() and plant == "fifo":
+        with open(entry, "wb"):  # release the blocked open, so the test process can end
+            pass
+    assert got == [None]

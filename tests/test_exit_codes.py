@@ -376,6 +376,37 @@ def test_a_fifo_given_as_data_or_checkpoint_is_named_as_one(tmp_path: Path, caps
     _assert_one_error_line(code, err, "absent.pt' not found")
 
 
+def test_a_fifo_or_device_as_config_or_results_is_named_as_one(tmp_path: Path, capsys) -> None:
+    """--config, `report DIR`'s and `plan --results DIR`'s results.jsonl that exist as a FIFO or a
+    device (a link to /dev/zero) said "not found; check the --config path", though the path is
+    right; each names what the path is, and nothing opens it."""
+    fifo, device = tmp_path / "c.yaml", tmp_path / "z.yaml"
+    os.mkfifo(fifo)
+    device.symlink_to("/dev/zero")
+    for cfg, kind in ((fifo, "a FIFO"), (device, "a character device")):
+        code, err = _code_and_err(["estimate", "--config", str(cfg)], capsys)
+        _assert_one_error_line(code, err, f"config file '{cfg}' is {kind}, not a file")
+    bench = tmp_path / "b"
+    bench.mkdir()
+    os.mkfifo(bench / "results.jsonl")
+    code, err = _code_and_err(["report", str(bench)], capsys)
+    _assert_one_error_line(code, err, "results.jsonl is a FIFO, not a file")
+    code, err = _code_and_err(["plan", "--budget", "8GiB", "--results", str(bench)], capsys)
+    _assert_one_error_line(code, err, "results.jsonl' is a FIFO, not a file")
+
+
+def test_a_train_out_folder_given_as_a_model_folder_names_its_checkpoint(tmp_path: Path, capsys) -> None:
+    """`generate runs/x` (a train --out folder) said only that a model folder needs its config.json;
+    the line names the run's checkpoint to give instead, and `memtrain export`."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "result.json").write_text("{}")
+    (run / "ckpt.pt").write_bytes(b"")
+    code, err = _code_and_err(["generate", str(run), "--prompt", "hi"], capsys)
+    _assert_one_error_line(code, err, f"is a train --out folder: give its checkpoint ('{run / 'ckpt.pt'}')")
+    assert "memtrain export CKPT DIR" in err
+
+
 @pytest.mark.parametrize("code_name", ["EACCES", "EROFS"])
 def test_a_write_the_user_may_not_make_is_bad_input(tmp_path: Path, capsys, monkeypatch, code_name: str) -> None:
     """A folder the user may not write (permission denied, a read-only file system) is one line with

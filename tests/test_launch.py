@@ -65,7 +65,7 @@ def test_resume_alone_of_a_ranks_run_takes_its_strategy_when_launched_as_ranks(s
     monkeypatch.setattr("memtrain.distributed.launch.launch", lambda *a: started.append(a) or 0)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     run = {**TINY_MODEL, **RUN, "data": str(small_corpus), "out": str(tmp_path / "out"), "distributed": "ddp"}
-    ckpt = _sharded_checkpoint(tmp_path / "a", run, rank1=b"rank 1")
+    ckpt = _sharded_checkpoint(tmp_path / "out", run, rank1=b"rank 1")  # in its --out, which it lends
     assert main(["train", "--resume", str(ckpt)]) == 2
     assert "was written by 2 ranks; resume with --nproc-per-node 2" in _one_error_line(capsys.readouterr().err)
     assert main(["train", "--resume", str(ckpt), "--nproc-per-node", "2"]) == 0, capsys.readouterr().err

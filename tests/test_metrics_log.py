@@ -46,6 +46,25 @@ def test_a_run_that_dies_keeps_its_curve(tmp_path, monkeypatch, capsys):
     assert [ln["step"] for ln in _lines(out)] == [1, 2, 3, 4]
 
 
+def test_a_failure_after_the_last_step_still_saves_the_trained_steps(tmp_path, monkeypatch, capsys):
+    """The final evaluation failed (on a GPU: out of memory) after every step had run: --save was
+    never written and the trained weights were lost. They are saved as the run's end, a note says
+    where, and the failure's line is still the last one (exit 1)."""
+    import torch
+
+    import memtrain.training.train as T
+
+    def boom(*a, **k):
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(T, "evaluate", boom)
+    out, ckpt = tmp_path / "r", tmp_path / "r" / "c.pt"
+    assert main([*RUN, "--out", str(out), "--save", str(ckpt)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error:") and "4 trained steps are saved in" in err[-2]
+    assert torch.load(ckpt, weights_only=True)["step"] == 4 and not (out / "result.json").exists()
+
+
 def test_log_every_and_bad_report_to(tmp_path, capsys):
     out = tmp_path / "r"
     assert main([*RUN, "--out", str(out), "--log-every", "3"]) == 0

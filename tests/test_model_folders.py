@@ -592,7 +592,7 @@ def test_resume_alone_of_a_model_folder_run_and_of_one_whose_folder_moved(tokeni
     """`train --resume CKPT` alone takes the saved --model folder; once the folder has moved the
     line names the model, in the model resolution's own words (the checkpoint is not blamed)."""
     model = model_folder(tmp_path / "m", tokenizer_dir)
-    ckpt = tmp_path / "ck.pt"
+    ckpt = tmp_path / "out" / "ck.pt"  # inside its --out, which it lends
     assert main([*_flags(model, corpus, tmp_path / "out", steps=3, stop_after=2), "--save", str(ckpt)]) == 0
     capsys.readouterr()
     model.rename(tmp_path / "moved")

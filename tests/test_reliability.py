@@ -356,6 +356,41 @@ def _entry(cfg) -> Path:
     return cache_root(cfg.data) / cache_key(cfg.data)
 
 
+@pytest.mark.parametrize("plant", ["fifo-meta", "fifo-bin", "zero-meta", "zero-bin", "huge-meta", "folder-meta"])
+def test_a_cache_entry_file_that_is_not_a_regular_file_is_rebuilt_without_opening_it(tiny_run, tmp_path,
+                                                                                      monkeypatch, plant):
+    """A shared cache (MEMTRAIN_CACHE) in which someone planted a FIFO as an entry's meta.json or
+    train.bin blocked the run for ever in open(); a link to /dev/zero as meta.json was read without
+    end. Each is checked with lstat/stat first and the entry rebuilt."""
+    import threading
+
+    from memtrain.data.cache import prepare_tokens
+
+    monkeypatch.setenv("MEMTRAIN_CACHE", str(tmp_path / "cache"))
+    cfg = build_config(tiny_run)
+    want = np.array(prepare_tokens(cfg.data, progress=False).train)
+    entry = _entry(cfg)
+    name = "train.bin" if plant.endswith("bin") else "meta.json"
+    (entry / name).unlink()
+    if plant.startswith("fifo"):
+        os.mkfifo(entry / name)
+    elif plant.startswith("zero"):
+        (entry / name).symlink_to("/dev/zero")
+    elif plant == "huge-meta":
+        (entry / name).write_text('{"pad": "' + "x" * 2**21 + '"}')
+    else:
+        (entry / name).mkdir()
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(prepare_tokens(cfg.data, progress=False)), daemon=True)
+    reader.start()
+    reader.join(timeout=60)
+    if reader.is_alive() and plant.startswith("fifo"):
+        with open(entry / name, "wb"):  # release the blocked open, so the test process can end
+            pass
+    assert got, "reading the cache blocked"
+    assert not got[0].from_cache and np.array_equal(np.array(got[0].train), want)
+
+
 def test_token_cache_rebuilds_bad_entries_and_works_without_a_writable_cache(tiny_run, tmp_path, monkeypatch, capsys):
     from memtrain.data.cache import prepare_tokens
 

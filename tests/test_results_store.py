@@ -104,3 +104,32 @@ def test_folder_lock_refuses_a_second_holder_and_frees_on_exit(tmp_path):
         holder.wait()
     with FolderLock(tmp_path, "memtrain bench"):  # the kernel dropped the dead holder's lock
         pass
+
+
+def test_atomic_writes_get_a_plain_files_mode_and_keep_a_replaced_files(tmp_path):
+    """result.json, report.md, checkpoints (every atomic write) and an exported model folder were
+    owner-only (0600, 0700: mkstemp's and mkdtemp's modes carried through the rename), unreadable
+    to the others a shared machine's umask lets read them. A new file gets 0666 less the umask;
+    a replaced file keeps its mode."""
+    import os
+    import stat
+
+    from memtrain.inference.export import _new_directory
+
+    old = os.umask(0o022)
+    try:
+        write_json_atomic(tmp_path / "new.json", {"a": 1})
+        assert stat.S_IMODE((tmp_path / "new.json").stat().st_mode) == 0o644
+        (tmp_path / "mine.json").write_text("{}")
+        (tmp_path / "mine.json").chmod(0o640)
+        write_json_atomic(tmp_path / "mine.json", {"a": 2})
+        assert stat.S_IMODE((tmp_path / "mine.json").stat().st_mode) == 0o640
+        os.umask(0o077)
+        write_json_atomic(tmp_path / "private.json", {"a": 3})
+        assert stat.S_IMODE((tmp_path / "private.json").stat().st_mode) == 0o600
+        os.umask(0o002)
+        with _new_directory(tmp_path / "exported") as tmp:
+            (tmp / "config.json").write_text("{}")
+        assert stat.S_IMODE((tmp_path / "exported").stat().st_mode) == 0o775
+    finally:
+        os.umask(old)

@@ -99,7 +99,7 @@ def test_a_resumed_runs_result_lists_the_evaluations_before_the_interruption(tin
     state["val_history"] = [{"step": 9, "val_loss": 1.0, "val_ppl": 2.7}]  # a step the run never reached
     torch.save(state, ckpt)
     capsys.readouterr()
-    assert main(["train", "--resume", str(ckpt), "--steps", "6"]) == 2
+    assert main(["train", "--resume", str(ckpt), "--steps", "6", "--out", str(tmp_path / "again")]) == 2
     assert "is damaged: its val_history is" in capsys.readouterr().err
 
 
@@ -209,7 +209,7 @@ def test_resume_alone_continues_the_run_with_its_saved_settings(tiny_run, tmp_pa
 
     base = {**tiny_run, "steps": 6, "dropout": 0.1}
     full = train(build_config({**base, "out": str(tmp_path / "full")}))
-    ckpt = tmp_path / "half.pt"
+    ckpt = Path(tiny_run["out"]) / "half.pt"  # inside its --out: the checkpoint lends that folder
     rc, err = _cli_train(capsys, *cli_flags({**base, "stop_after": 3, "save": str(ckpt)}))
     assert rc == 0, err
     rc, err = _cli_train(capsys, "--resume", str(ckpt))
@@ -303,6 +303,47 @@ def test_a_run_stopped_in_its_last_validation_resumes_to_its_result(tiny_run, tm
     assert resumed["loss_history"] == full["loss_history"] and resumed["val_loss"] == full["val_loss"]
 
 
+def test_a_checkpoint_outside_its_runs_out_folder_does_not_name_where_the_resume_writes(tiny_run, tmp_path, capsys):
+    """A checkpoint still at its --save, but outside the --out its config names (a file anyone
+    could place at a known path, naming any folder), does not lend that --out: `--resume CKPT`
+    alone is one line asking for --out, and nothing is written in the folder it named; with
+    --out (flag or config file) it resumes there, its own --save kept."""
+    from conftest import cli_flags
+
+    base = {**tiny_run, "steps": 6}
+    victim, ckpt = tmp_path / "victim", tmp_path / "shared" / "c.pt"
+    victim.mkdir(), ckpt.parent.mkdir()
+    (victim / "notes.txt").write_text("mine")
+    rc, err = _cli_train(capsys, *cli_flags({**base, "out": str(victim), "save": str(ckpt), "stop_after": 2}))
+    assert rc == 0, err
+    def files() -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in victim.iterdir()}
+
+    before = files()
+    rc, err = _cli_train(capsys, "--resume", str(ckpt))
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("error:") and "add --out DIR" in err, err
+    assert files() == before  # nothing written where it named
+    assert torch.load(ckpt, weights_only=True)["step"] == 2
+    rc, err = _cli_train(capsys, "--resume", str(ckpt), "--out", str(tmp_path / "mine"), "--stop-after", "4")
+    assert rc == 0, err
+    assert json.loads((tmp_path / "mine" / "result.json").read_text())["steps_run"] == 2
+    assert torch.load(ckpt, weights_only=True)["step"] == 4  # its own --save goes on
+    assert files() == before
+
+
+def test_a_checkpoint_lends_only_the_folder_it_lies_in(tmp_path):
+    """Not a folder above it (a crafted config naming `/` or the home folder would otherwise pass),
+    nor the folder above its own."""
+    from memtrain.training.preflight import lends_out
+
+    out = tmp_path / "run"
+    (out / "sub").mkdir(parents=True)
+    assert lends_out(out / "c.pt", str(out)) and lends_out(out / "c.pt", str(out) + "/")
+    assert not lends_out(out / "sub" / "c.pt", str(out))
+    assert not lends_out(out / "c.pt", str(tmp_path)) and not lends_out(out / "c.pt", "/")
+    assert not lends_out(out / "c.pt", "") and not lends_out(out / "c.pt", None)
+
+
 def test_resume_from_another_folder_continues_in_the_runs_own_folder(tiny_run, tmp_path, capsys, monkeypatch):
     """Relative --data, --out and --save are relative to where the run was launched: resumed
     from another working folder (by the checkpoint's path alone) the run continues in its own
@@ -344,7 +385,7 @@ def test_a_changed_flag_on_resume_is_said_as_the_resumes_difference(tiny_run, tm
     --steps, which is allowed, is not listed as a difference."""
     from conftest import cli_flags
 
-    ckpt = tmp_path / "c.pt"
+    ckpt = Path(tiny_run["out"]) / "c.pt"  # inside its --out, which it lends
     rc, err = _cli_train(capsys, *cli_flags({**tiny_run, "steps": 6, "stop_after": 2, "save": str(ckpt)}))
     assert rc == 0, err
     rc, err = _cli_train(capsys, "--resume", str(ckpt), "--lr", "0.01", "--steps", "8")
@@ -359,7 +400,7 @@ def test_resume_compares_the_data_by_content_not_by_path(tiny_run, tmp_path, cap
 
     from conftest import cli_flags
 
-    ckpt = tmp_path / "c.pt"
+    ckpt = Path(tiny_run["out"]) / "c.pt"
     rc, err = _cli_train(capsys, *cli_flags({**tiny_run, "steps": 6, "stop_after": 2, "save": str(ckpt)}))
     assert rc == 0, err
     other = tmp_path / "other.jsonl"

@@ -471,3 +471,69 @@ def test_resume_after_a_torn_metrics_line_starts_a_new_line(tiny_run, tmp_path):
     assert '{"step": 3, "lo' in lines  # the torn line stays alone
     parsed = [json.loads(line) for line in lines if line != '{"step": 3, "lo']
     assert {p["step"] for p in parsed} == {1, 2, 3, 4}
+
+
+def test_links_planted_in_the_out_folder_during_the_run_are_replaced_not_followed(tiny_run, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """Links planted at result.json and at --save after the run checked them (another user, a
+    script): the run trained every step and then refused to write (exit 2), losing its result and
+    its checkpoint. They are replaced by the files, their targets untouched, with a warning."""
+    import torch
+
+    import memtrain.cli as cli
+
+    out = Path(tiny_run["out"])
+    ckpt = out / "c.pt"
+    victim, victim2 = tmp_path / "victim", tmp_path / "victim2"
+    victim.write_text("precious\n")
+
+    def plant(done: int, total: int, median_s) -> None:
+        if done == 1:
+            (out / "result.json").symlink_to(victim)
+            ckpt.symlink_to(victim2)  # a link to a file that does not exist yet
+
+    monkeypatch.setattr(cli, "_warn_after_first_step", lambda warning: plant)
+    assert main(["train", *cli_flags({**tiny_run, "steps": 3, "save": str(ckpt)})]) == 0
+    err = capsys.readouterr().err
+    assert err.count("became a symbolic link") == 2, err
+    assert not (out / "result.json").is_symlink() and json.loads((out / "result.json").read_text())["steps"] == 3
+    assert not ckpt.is_symlink() and torch.load(ckpt, weights_only=True)["step"] == 3
+    assert victim.read_text() == "precious\n" and not victim2.exists()
+
+
+def test_links_planted_in_a_bench_folder_between_rows_are_replaced_not_followed(small_corpus, tmp_path, capsys,
+                                                                                monkeypatch):
+    """Links planted at results.jsonl and report.md after the bench's first row (the bench refused
+    them before it started): the next row ran, then its line was refused and the bench ended (exit 2),
+    losing the row. The links are replaced, their targets untouched, and every row is kept."""
+    import memtrain.bench.runner as runner
+
+    out = tmp_path / "b"
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    real = runner.write_report
+    calls = []
+
+    def plant_after_the_first_row(*args, **kwargs):
+        summary = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 1:
+            (out / "results.jsonl").rename(tmp_path / "kept.jsonl")
+            (out / "results.jsonl").symlink_to(victim)
+            (out / "report.md").unlink()
+            (out / "report.md").symlink_to(victim)
+        return summary
+
+    monkeypatch.setattr(runner, "write_report", plant_after_the_first_row)
+    assert main(["bench", "--techniques", "baseline,precision=bf16", "--out", str(out), "--no-maxbatch",
+                 "--data", str(small_corpus), "--steps", "2", "--batch-size", "2", "--seq-len", "32",
+                 "--d-model", "32", "--n-heads", "4", "--n-layers", "2", "--d-ff", "64", "--max-seq-len", "64",
+                 "--no-progress"]) == 1  # the first row's line went away with the moved file
+    err = capsys.readouterr().err
+    assert err.count("became a symbolic link") == 2, err
+    assert err.strip().splitlines()[-1] == "error: partial report: no row for baseline"
+    assert victim.read_text() == "precious\n"
+    assert not (out / "results.jsonl").is_symlink() and not (out / "report.md").is_symlink()
+    assert [json.loads(line)["technique"] for line in (out / "results.jsonl").read_text().splitlines()] == [
+        "precision=bf16"]
+    assert "bf16" in (out / "report.md").read_text().lower()

@@ -251,7 +251,8 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = 
     moved_from = None  # the --save a moved or copied checkpoint was written as
     if resume:
         launched = bool(getattr(args, "nproc_per_node", None)) or "WORLD_SIZE" in os.environ
-        taken, moved_from = resumed_settings(str(resume), launched)
+        out_given = "out" in _given_settings([file_layer, flags])
+        taken, moved_from = resumed_settings(str(resume), launched, out_given)
         base = {**(base or {}), **taken}
     layers = [base or {}, file_layer, flags]
     merged = _given_settings(layers)
@@ -461,7 +462,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     def write_result(result: dict) -> None:  # before the final checkpoint (see train())
         if main_rank:
-            write_json_atomic(out / RESULT_NAME, result)
+            # Its name was checked before the first step: a link there now was planted since.
+            write_json_atomic(out / RESULT_NAME, result, replace_link=True)
 
     # SIGTERM stops like Ctrl-C (main() turns it into KeyboardInterrupt for the whole command):
     # finally blocks run, scratch is removed, exit 130. The --out lock: a second train or bench

@@ -376,7 +376,7 @@ def _run_rows(opts: BenchOptions, rows: list[tuple[str, RunConfig]], substituted
             on_row(name, result)
         # The tables after every row, so an interrupted bench keeps them; the plots (most of a
         # report's cost) are drawn once by the caller, at the end or on interruption.
-        write_report(opts.out, techniques=names, plots=False, settings=sid)
+        write_report(opts.out, techniques=names, plots=False, settings=sid, replace_links=True)
     return select_rows(rows_under(read_results(opts.out), sid), names)
 
 

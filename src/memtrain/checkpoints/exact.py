@@ -344,8 +344,10 @@ def save_checkpoint(path: str | Path, run: TrainState) -> None:
         "cwd": os.getcwd(),  # what its relative paths are relative to (memtrain.training.run_paths)
     }
     # A temporary file beside ``path``, then a rename: a failure or a kill mid-save leaves the
-    # previous checkpoint at ``path`` untouched (memtrain.files.results.write_atomic).
-    write_atomic(Path(path), lambda tmp: torch.save(state, tmp))
+    # previous checkpoint at ``path`` untouched (memtrain.files.results.write_atomic). A link
+    # there was planted after the run checked its --save (memtrain.training.preflight): it is
+    # replaced, never written through, rather than losing the checkpoint.
+    write_atomic(Path(path), lambda tmp: torch.save(state, tmp), replace_link=True)
 
 
 def load_checkpoint(path: str | Path, run: TrainState) -> dict[str, Any]:

@@ -197,11 +197,11 @@ def run(args: argparse.Namespace) -> int:
         # SIGTERM (`kill`, systemd, a job scheduler) arrives here as KeyboardInterrupt (cli.main).
         rows = run_bench(opts, on_row=on_row, rows=resolved, settings=shared)
     except KeyboardInterrupt:
-        summary = write_report(opts.out, techniques=opts.techniques, settings=settings)
+        summary = write_report(opts.out, techniques=opts.techniques, settings=settings, replace_links=True)
         warn_skipped_lines(opts.out, summary)
         print(f"error: interrupted; partial report of {summary['rows']} row(s) in {opts.out}/report.md", file=sys.stderr)
         return 130
-    summary = write_report(opts.out, techniques=opts.techniques, settings=settings)
+    summary = write_report(opts.out, techniques=opts.techniques, settings=settings, replace_links=True)
     print((opts.out / "report.md").read_text())
     print(f"wrote {opts.out}/results.jsonl, report.md, report.csv, report.json and {len(summary['plots'])} plots")
     warn_skipped_lines(opts.out, summary)

@@ -33,6 +33,7 @@ from memtrain.config.aliases import BY_NAME as ALIASES_BY_NAME, WARMUP_RATIO, no
 # ConfigError lives in a leaf module so that the modules config itself consults (model presets,
 # model-spec resolution) can raise it without importing config back.
 from memtrain.errors import ConfigError
+from memtrain.files.guard import special_file_kind
 from memtrain.files.results import MAX_INT_DIGITS, MAX_JSON_DEPTH, json_depth_error, loads_bounded
 from memtrain.techniques.facts import (
     FOREIGN_LOSS_KERNELS,
@@ -662,6 +663,8 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML or TOML config file into a dict (sections or flat keys)."""
     p = Path(path)
     _require(not p.is_dir(), f"--config {str(p)!r} is a directory; give a YAML, TOML or JSON file")
+    kind = special_file_kind(p)  # a FIFO (never opened: it would block), a device: named, not "not found"
+    _require(kind is None, f"config file {str(p)!r} is {kind}, not a file; give a YAML, TOML or JSON file")
     _require(p.is_file(), f"config file {str(p)!r} not found; check the --config path")
     suffix = p.suffix.lower()
     if suffix not in (".toml", ".yaml", ".yml", ".json"):

@@ -37,6 +37,7 @@ from memtrain.data.tokenizer import (
     encoding_pieces,
     get_tokenizer,
 )
+from memtrain.files.guard import regular_file_problem
 from memtrain.runtime.notices import shows_progress
 
 # Bump when the on-disk layout or the way documents are rendered changes.
@@ -279,9 +280,19 @@ def _publish(tmp: Path, final: Path) -> None:
 
 
 # --------------------------------------------------------------------------- reading
+MAX_META_BYTES = 2**20  # the writer's meta.json is under 1 KiB; a larger one is not the writer's
 def _load_entry(entry: Path, from_cache: bool) -> TokenSplits | None:
-    """Open a cache entry, or None when it is missing or inconsistent (it is then rebuilt)."""
+    """Open a cache entry, or None when it is missing or inconsistent (it is then rebuilt).
+
+    Its files are checked before any is opened: each must be a regular file of the entry (a FIFO
+    planted in a shared cache blocked the run for ever in ``open``; a link to ``/dev/zero`` as
+    meta.json was read without end), and meta.json small."""
+    for name in ("meta.json", *(f"{s}.bin" for s in SPLITS)):
+        if regular_file_problem(entry / name, entry) is not None:
+            return None
     try:
+        if (entry / "meta.json").stat().st_size > MAX_META_BYTES:
+            return None
         meta = json.loads((entry / "meta.json").read_text())
         sizes = {s: int(meta[f"n_{s}_tokens"]) for s in SPLITS}
         docs = {s: int(meta[f"n_{s}_docs"]) for s in SPLITS}

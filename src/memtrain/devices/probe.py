@@ -47,6 +47,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from memtrain.config.run import CACHE_ENV, DEFAULT_CACHE_DIR
 from memtrain.errors import ConfigError
+from memtrain.files.guard import regular_file_problem
 from memtrain.files.results import write_text_atomic
 from memtrain.techniques.facts import half_matmul_type
 
@@ -336,12 +337,21 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} in a device cache entry")  # JSON has no NaN/Infinity; Python's reader takes them
 
 
+MAX_CACHE_BYTES = 2**16  # an entry is under 1 KiB; a larger file is not one of ours
+
+
 def _read_cache(path: Path, key: str) -> Optional[dict[str, Any]]:
     """The cached rates, or None when absent or damaged in any way (a file that is not strict
     JSON, a field of the wrong type, a rate that is NaN, infinite, zero or negative, a folder
     in the file's place). A damaged entry is measured again and rewritten: a wrong value read
-    here would end up in every MFU, in ``info --json`` (as invalid JSON) and in every train."""
+    here would end up in every MFU, in ``info --json`` (as invalid JSON) and in every train.
+    Checked before it is opened: a FIFO in its place blocked ``info`` and every train for ever,
+    a link to ``/dev/zero`` was read without end."""
+    if regular_file_problem(path, path.parent) is not None:
+        return None
     try:
+        if path.stat().st_size > MAX_CACHE_BYTES:
+            return None
         data = json.loads(path.read_text(), parse_constant=_no_constant)
     except (OSError, ValueError):  # UnicodeDecodeError is a ValueError
         return None

@@ -47,6 +47,7 @@ import os
 import re
 import shutil
 import stat
+import sys
 import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -308,19 +309,54 @@ def named_write_error(exc: BaseException, path: Path) -> BaseException:
     return exc
 
 
-def write_atomic(path: Path, write: Callable[[str], object]) -> None:
+def umask() -> int:
+    """This process's umask, read without changing it where Linux says it (``/proc/self/status``)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and restore (the only portable read)
+    os.umask(mask)
+    return mask
+
+
+def _destination_mode(path: Path) -> int:
+    """The permission bits for a file written to ``path``: those of the regular file it replaces,
+    else 0666 less the umask, as ``open`` creates files."""
+    try:
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode):
+            return stat.S_IMODE(st.st_mode)
+    except OSError:
+        pass
+    return 0o666 & ~umask()
+
+
+def write_atomic(path: Path, write: Callable[[str], object], replace_link: bool = False) -> None:
     """Fill ``path`` through ``write(temp_path)`` and a rename: never a half-written file.
 
     The temporary file is created (exclusively) beside ``path``, so the rename stays on one
     file system; it is fsynced before the rename and removed on any failure, leaving what was
     at ``path`` untouched. ``os.replace`` replaces the name itself, so nothing a link at
-    ``path`` points to is ever written; such a link is refused up front all the same."""
+    ``path`` points to is ever written; such a link is refused up front all the same, unless
+    ``replace_link``: a run's own outputs, whose names were checked before its first step, so
+    that a link there was planted during the run; refusing it then lost the whole run's result
+    (or checkpoint), so the link is replaced, its target untouched, and a warning says so."""
     path = Path(path)
+    if replace_link:
+        drop_planted_link(path)
     refuse_odd_destination(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path.name), suffix=".tmp", dir=path.parent)
-        os.close(fd)
+        try:
+            # mkstemp makes the file owner-only (0600); the file it becomes gets the mode a plain
+            # open would give (0666 less the umask), or keeps the mode of the file it replaces.
+            os.fchmod(fd, _destination_mode(path))
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise named_write_error(exc, path) from None
     try:
@@ -330,6 +366,8 @@ def write_atomic(path: Path, write: Callable[[str], object]) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+        if replace_link:
+            drop_planted_link(path)
         refuse_odd_destination(path)  # planted while the file was being written
         os.replace(tmp, path)
     except BaseException as exc:
@@ -339,16 +377,17 @@ def write_atomic(path: Path, write: Callable[[str], object]) -> None:
         raise
 
 
-def write_text_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str, replace_link: bool = False) -> None:
     """Write ``text`` (UTF-8) to ``path`` atomically (see :func:`write_atomic`)."""
     data = text.encode("utf-8")
-    write_atomic(path, lambda tmp: Path(tmp).write_bytes(data))
+    write_atomic(path, lambda tmp: Path(tmp).write_bytes(data), replace_link)
 
 
-def write_json_atomic(path: Path, payload: Any) -> None:
-    """Write JSON through a temporary file and a rename: never a half-written file."""
+def write_json_atomic(path: Path, payload: Any, replace_link: bool = False) -> None:
+    """Write JSON through a temporary file and a rename: never a half-written file
+    (``replace_link``: see :func:`write_atomic`)."""
     text = dumps(payload, indent=2) + "\n"  # serialize first: a bad payload leaves nothing behind
-    write_text_atomic(path, text)
+    write_text_atomic(path, text, replace_link)
 
 
 def process_alive(pid: int) -> bool:
@@ -688,7 +727,7 @@ _CONFIG_KEYS = {"model": ("d_model", "n_layers", "n_heads", "d_ff", "vocab_size"
 _OPTIONAL_TYPES: dict[str, type | tuple[type, ...]] = {
     "config_hash": str, "description": (str, type(None)), "env": dict, "device_caps": (dict, type(None)),
     "settings_hash": str, "max_batch_search": (dict, type(None)), "device_name": str,
-    "data_fingerprint": str,
+    "data_fingerprint": str, "scale": (str, type(None)),
 }
 
 
@@ -762,8 +801,22 @@ def read_results(out: Path) -> list[dict[str, Any]]:
     return read_results_counted(out).rows
 
 
+def drop_planted_link(path: Path) -> None:
+    """Remove a symbolic link at ``path`` (never its target), saying so: for the outputs of a
+    command that checked their names before it started (a link was refused then), so that a link
+    planted during the command does not make it refuse to write, and lose, what it produced."""
+    path = Path(path)
+    if path.is_symlink():
+        sys.stderr.write(f"warning: {str(path)!r} became a symbolic link (to {os.readlink(path)!r}) while memtrain "
+                         "ran; it is replaced by the file, its target left untouched\n")
+        path.unlink(missing_ok=True)
+
+
 def append_result(out: Path, row: dict[str, Any]) -> None:
-    """Append one row as one line (on a line of its own) and flush it to disk before going on."""
+    """Append one row as one line (on a line of its own) and flush it to disk before going on.
+    The bench refused a link at results.jsonl before its first row: one there now was planted
+    since, and is replaced rather than losing the row (:func:`drop_planted_link`)."""
+    drop_planted_link(Path(out) / BENCH_RESULTS)
     append_jsonl(Path(out) / BENCH_RESULTS, row)
 
 

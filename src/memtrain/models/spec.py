@@ -233,6 +233,16 @@ def _json_object(path: Path, what: str) -> dict[str, Any]:
     return data
 
 
+def _run_folder_hint(folder: Path) -> str:
+    """For a ``train --out`` folder given where a model folder goes (it holds result.json, and
+    the run's checkpoint where --save put it there): what to give instead; else ""."""
+    if not (folder / "result.json").is_file():
+        return ""
+    ckpts = sorted(p.name for p in folder.glob("*.pt") if p.is_file())
+    take = f"its checkpoint ({str(folder / ckpts[0])!r})" if ckpts else "the checkpoint its run saved with --save"
+    return f" ({str(folder)!r} is a train --out folder: give {take}, or make a model folder of it with `memtrain export CKPT DIR`)"
+
+
 def read_config_json(path: Path) -> dict[str, Any]:
     """A model's ``config.json`` as a dict, checked before transformers reads it: a JSON object
     with a ``model_type`` transformers knows, and no ``auto_map``. A folder whose config names
@@ -240,7 +250,8 @@ def read_config_json(path: Path) -> dict[str, Any]:
     outright: memtrain never runs, nor offers to run, Python shipped with a model."""
     shown = str(path)
     if not path.is_file():
-        raise ConfigError(f"{shown!r} is missing or not a file; a model folder needs its config.json")
+        raise ConfigError(f"{shown!r} is missing or not a file; a model folder needs its config.json"
+                          + _run_folder_hint(path.parent))
     data = _json_object(path, "the config.json (it is not a transformers config.json)")
     if "auto_map" in data:
         raise ConfigError(f"{shown!r} names custom model code (auto_map); memtrain never runs code shipped with a "

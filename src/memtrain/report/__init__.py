@@ -14,6 +14,7 @@ from memtrain.files.results import (
     PLOT_FILES,
     REPORT_FILES,
     JsonlRead,
+    drop_planted_link,
     dumps,
     latest_settings,
     other_settings,
@@ -28,16 +29,22 @@ from memtrain.report.tables import csv_text, markdown_report, table_rows
 
 
 def write_report(out: Path, techniques: Optional[list[str]] = None, plots: bool = True,
-                 read: Optional[JsonlRead] = None, settings: Optional[str] = None) -> dict[str, Any]:
+                 read: Optional[JsonlRead] = None, settings: Optional[str] = None,
+                 replace_links: bool = False) -> dict[str, Any]:
     """Write report.md, report.csv, report.json and (``plots``) PNG plots into ``out``; return a
     summary. The plots are most of the cost (matplotlib's savefig, ~1.5 s): the bench redraws
     them once at its end rather than after every row. Every file is replaced atomically; a
     link (or a folder, device, FIFO) at any of their names is refused before any is written.
     ``read``: the rows of results.jsonl already read (and checked) by the caller. ``settings``:
     the settings id whose rows are reported (:func:`~memtrain.files.results.row_settings`;
-    default: those of the row appended last); the others are counted in one line."""
+    default: those of the row appended last); the others are counted in one line.
+    ``replace_links``: a bench's own report, whose names it checked before its first row: a link
+    planted there since is replaced (:func:`~memtrain.files.results.drop_planted_link`), rather
+    than stopping the bench with rows left to run."""
     out = Path(out)
     for name in REPORT_FILES + (PLOT_FILES if plots else ()):
+        if replace_links:
+            drop_planted_link(out / name)
         refuse_odd_destination(out / name, f"{str(out / name)!r}")
     if read is None:
         read = read_results_counted(out)

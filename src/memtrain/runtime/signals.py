@@ -18,22 +18,51 @@ from typing import Any, Iterator
 
 from memtrain.distributed.rank_errors import launched_by_memtrain
 
+AGAIN_NOTE = ("warning: interrupted again; still stopping the run's processes and writing what it produced "
+              "(interrupt once more to stop at once and lose that)\n")
 
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+
+class _Interrupts:
+    """SIGINT and SIGTERM inside :func:`sigterm_as_interrupt`: the first raises KeyboardInterrupt;
+    the cleanup it starts (a bench stopping its row and drawing its partial report, a run closing
+    its loggers) then runs to its end. A second signal, which a scheduler's repeated SIGTERM or an
+    impatient Ctrl-C sends within seconds, raised KeyboardInterrupt again mid-cleanup: a row left
+    running without its SIGKILL, the plots not redrawn, a logger's buffered events not flushed.
+    Now it is said once and waited out; a third one stops at once (the user insists)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        if self.count == 2:
+            # os.write, not sys.stderr: the signal may have interrupted a write to sys.stderr, and
+            # its buffered writer refuses a reentrant call.
+            with contextlib.suppress(OSError):
+                os.write(2, AGAIN_NOTE.encode())
+            return
+        raise KeyboardInterrupt(f"signal {signum}")
 
 
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
-    """Inside the block, SIGTERM raises KeyboardInterrupt (main thread only; else a no-op)."""
+    """Inside the block, SIGTERM raises KeyboardInterrupt like Ctrl-C (main thread only; else a
+    no-op), and a second SIGTERM or Ctrl-C lets the cleanup after the first finish
+    (:class:`_Interrupts`). A SIGINT the process was started ignoring (``nohup``, a background
+    job) stays ignored."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    handler = _Interrupts()
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    for sig, before in previous.items():
+        if sig == signal.SIGTERM or before is not signal.SIG_IGN:
+            signal.signal(sig, handler)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, before in previous.items():
+            signal.signal(sig, before if before is not None else signal.SIG_DFL)
 
 
 # ----------------------------------------------------------------------------- parent death

@@ -420,7 +420,8 @@ NOT_RESUMED: frozenset[str] = frozenset({
 LAUNCH_SETTINGS: frozenset[str] = frozenset({"distributed", "cpu_offload"})
 
 
-def resumed_settings(path: str | Path, launched: bool = False) -> tuple[dict[str, Any], Optional[str]]:
+def resumed_settings(path: str | Path, launched: bool = False,
+                     out_given: bool = False) -> tuple[dict[str, Any], Optional[str]]:
     """The settings ``train --resume CKPT`` starts from: the checkpoint's saved run config
     (model, data, schedule, techniques, its ``--out`` and ``--save``; with ``launched``, a run
     started as ranks, its data-parallel strategy too), so that ``--resume CKPT`` alone continues
@@ -429,7 +430,12 @@ def resumed_settings(path: str | Path, launched: bool = False) -> tuple[dict[str
     and names this memtrain does not know. A saved value memtrain refuses is one ConfigError
     naming the checkpoint. Also returns the ``--save`` the checkpoint was written as where it is
     no longer that file (:func:`saved_elsewhere`: its ``--out`` and ``--save`` are left out then),
-    else None."""
+    else None.
+
+    A checkpoint still at its ``--save`` lends its ``--out`` only when it lies in that folder
+    (:func:`lends_out`): a file anyone could have placed at a path names no folder for this run
+    to write into. Otherwise this run needs its own ``--out`` (``out_given``: the flags or the
+    config file name one), else one ConfigError saying to add it."""
     saved, _, _ = saved_run(path)
     if not launched and Path(path).expanduser().is_dir():
         check_sharded_resume(path, 1)  # a ranks' checkpoint: says how many ranks resume it
@@ -446,6 +452,12 @@ def resumed_settings(path: str | Path, launched: bool = False) -> tuple[dict[str
                           "checkpoints memtrain wrote") from None
     saved_as = settings.get("save")
     if not saved_elsewhere(path, saved_as):
+        if "out" in settings and not lends_out(path, settings["out"]):
+            if not out_given:
+                raise ConfigError(f"checkpoint {str(path)!r} is not in the folder its run wrote to "
+                                  f"({str(settings['out'])!r}), so it does not say where this run writes; "
+                                  "add --out DIR (the run's own folder to continue there)")
+            del settings["out"]
         return settings, None
     return {k: v for k, v in settings.items() if k not in RUN_OUTPUTS}, saved_as
 
@@ -454,6 +466,19 @@ def resumed_settings(path: str | Path, launched: bool = False) -> tuple[dict[str
 # --save-every is how often it saves to that --save: taken without it, a copied checkpoint's run
 # was refused for a --save-every its user never gave ("add --save or drop --save-every").
 RUN_OUTPUTS: frozenset[str] = frozenset({"out", "save", "save_every"})
+
+
+def lends_out(checkpoint: str | Path, out: Any) -> bool:
+    """Whether a resumed ``checkpoint`` may name the ``--out`` its config records: it lies in
+    that folder itself (links resolved; ``--out runs/x --save runs/x/ckpt.pt``), where only
+    someone who may write there could have put it. A checkpoint elsewhere that named any folder
+    would make ``--resume CKPT`` alone write result.json and metrics.jsonl wherever a file placed
+    at a known path said; any folder above the checkpoint (``/``, the home folder) would be as
+    bad, so the checkpoint's own folder is the only one lent."""
+    if not isinstance(out, str) or not out:
+        return False
+    here = Path(os.path.expanduser(str(checkpoint))).resolve()
+    return here.parent == Path(os.path.expanduser(out)).resolve()
 
 
 def saved_elsewhere(path: str | Path, saved_as: Any) -> bool:

@@ -314,23 +314,44 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         bar.close()
         state.loader.close()  # drops a group fetched ahead; stops the loader's workers, if any
     total_time = time.perf_counter() - wall_start
-    # CPU MFU's reference rate, measured now: under the same load as the steps just timed.
-    rate_now = reference_rate_now(caps)
+    try:
+        # CPU MFU's reference rate, measured now: under the same load as the steps just timed.
+        rate_now = reference_rate_now(caps)
 
-    val_loss = evaluate(state.model, val_batches, precision, device)
-    logger.log(end_step, {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, force=True)
-    logger.close()
+        val_loss = evaluate(state.model, val_batches, precision, device)
+        logger.log(end_step, {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, force=True)
+        logger.close()
 
-    memory: dict[str, Any] = {"peak_bytes": None, "by_category": None}
-    if meter is not None and len(state.losses) > 0:
-        memory.update(meter.stats().to_dict())
-    memory.update(device_peak_memory(device))
-    result = _result(state, timer, memory, splits, val_loss, state.val_history, start_step, end_step,
-                     tokens_per_step, total_time, caps, device_caps, rate_now)
-    result["setup_time_s"] = {**clock.laps, "first_step": timer.first_step_s}
-    result.update(dist_ctx.result_fields(memory))  # distributed: "ranks" (memory per rank), "distributed"
+        memory: dict[str, Any] = {"peak_bytes": None, "by_category": None}
+        if meter is not None and len(state.losses) > 0:
+            memory.update(meter.stats().to_dict())
+        memory.update(device_peak_memory(device))
+        result = _result(state, timer, memory, splits, val_loss, state.val_history, start_step, end_step,
+                         tokens_per_step, total_time, caps, device_caps, rate_now)
+        result["setup_time_s"] = {**clock.laps, "first_step": timer.first_step_s}
+        result.update(dist_ctx.result_fields(memory))  # distributed: "ranks" (memory per rank), "distributed"
+    except BaseException:
+        if not dist_ctx.enabled:  # a sharded save is collective: one rank's failure would hang it
+            _save_trained_steps(state, save_ckpt, end_step)
+        raise
     _write_outputs(result, state, on_result, save_ckpt, end_step, logger.failure)
     return result
+
+
+def _save_trained_steps(state: TrainState, save_ckpt: Callable[[Any, TrainState], None], end_step: int) -> None:
+    """Every step ran, then what follows them failed (the final evaluation ran out of memory, a
+    signal came): the trained weights were lost with the run, whatever --save said. They are
+    saved to --save as the run's end (export, generate, or a longer --steps take them), and a
+    note says so before the failure's line; a failing save leaves the failure as it was."""
+    if not state.cfg.train.save:
+        return
+    state.step = end_step
+    try:
+        save_ckpt(state.cfg.train.save, state)
+    except Exception:  # noqa: BLE001 - the run's own failure is the one to report
+        return
+    sys.stderr.write(f"note: the run failed after its last step; its {end_step} trained steps are saved in "
+                     f"{state.cfg.train.save!r}\n")
 
 
 def _write_outputs(result: dict[str, Any], state: TrainState, on_result: Optional[Callable[[dict[str, Any]], None]],

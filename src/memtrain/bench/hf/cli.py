@@ -21,6 +21,7 @@ from memtrain.bench.hf.rows import (
     append_run,
     config_hash,
     read_runs,
+    read_runs_counted,
     resolve_rows,
 )
 from memtrain.bench.scales import SCALE_BUDGET, SCALE_MAX_BATCH, SCALES
@@ -200,6 +201,10 @@ def main(argv: list[str], prog: str = DEFAULT_PROG) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
+    skipped = read_runs_counted(out).skipped if (out / RUNS_FILE).is_file() else 0
+    if skipped:  # said once; the report and --resume read only the runs
+        print(f"warning: skipped {skipped} unreadable line(s) of {out / RUNS_FILE} (torn by a kill or a full disk, "
+              "or not shaped like a run)", file=sys.stderr)
     if opts.profile is not None:
         return write_profiles(out, rows, opts.profile, command)
     if opts.report_only:
