@@ -33,6 +33,20 @@ from memtrain.techniques.facts import (
     precision_facts,
 )
 
+# The step's int64 token ids as the memory meter sees them (docs/estimation.md, "Token ids"):
+# made by the data loader outside the meter, each is counted from the first op that shows it
+# (a view: GPT-2's input_ids.view, the loss's targets.reshape) until the step's list of
+# micro-batches goes, after the optimizer step. Pinned keys: never freed within the step.
+INPUT_IDS = "input_ids"
+TARGETS = "targets"
+TOKEN_KEYS = (INPUT_IDS, TARGETS)
+
+
+def token_id_bytes(dm: "Dims", arch: Arch) -> float:
+    """Bytes of one micro-batch's token ids the meter counts: the labels (b x s x 8), and the
+    inputs too where the model views them (GPT-2's ``input_ids.view``)."""
+    return dm.n * 8 * (2 if arch.gpt2_layers else 1)
+
 
 # --------------------------------------------------------------------------- node builders
 @dataclass
@@ -1164,6 +1178,11 @@ def _embedding_nodes(dm: Dims, arch: Arch, trainable: bool, attention: str) -> l
     GPT2Model.forward builds, in the embeddings' dtype, for every layer.)"""
     N, d, s, pe = dm.n, dm.d, dm.s, dm.p
     nodes = [Node("wte", out=[("tok", N * d * pe)], grads=[("param:wte.weight", 0.0)] if trainable else [])]
+    if arch.gpt2_layers:
+        # GPT2Model.forward's ``input_ids.view(-1, s)``: the meter counts the step's token ids
+        # (made by the data loader, outside it) from this first op that shows them, until the
+        # step's batches go after the optimizer step (TOKEN_KEYS, pinned).
+        nodes.insert(0, Node("input_ids", out=[(INPUT_IDS, N * 8)]))
     if arch.gpt2_layers and attention == "math":
         nodes.append(Node("causal_mask", out=[(CAUSAL_MASK, dm.b * s * s * pe)]))
     elif dm.hf and not arch.gpt2_layers:
@@ -1201,6 +1220,10 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
                    saves=[x, "ln_f.stats"], grad_out=("hf",), grads=[(x, N * d * r)] + pg)]
     if dm.hf and not layer:
         nodes = [hf_norm_node(dm, "ln_f", x, "hf", trainable, offset=arch.norm_offset)]
+    # The loss's ``targets.reshape(-1)`` (our GPT's forward and memtrain's transformers wrapper,
+    # after the final norm): from there the meter counts the micro-batch's int64 labels, which
+    # the step's list of batches holds through the optimizer step (TOKEN_KEYS, pinned).
+    nodes.append(Node("targets", out=[(TARGETS, N * 8)]))
     if arch.gpt2_layers:
         # GPT2Model.forward's locals (the token and position embeddings, the causal mask) live
         # until it returns, after ln_f.

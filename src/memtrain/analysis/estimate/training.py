@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional
 
 from memtrain.analysis.device_replay import StepTimeline, replay_two_steps
 from memtrain.analysis.estimate.explain import explanation_lines, layer_activation_bytes
-from memtrain.analysis.estimate.inventory import block_segments, precision_bytes, run_dims
+from memtrain.analysis.estimate.inventory import TOKEN_KEYS, block_segments, precision_bytes, run_dims, token_id_bytes
 from memtrain.analysis.estimate.optimizer import optimizer_temporaries, predicted_optimizer_state
 from memtrain.analysis.estimate.params import ParamInfo, block_param_table
 from memtrain.analysis.estimate.rules import model_state_rule
@@ -266,6 +266,13 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
         graph.after_forward["lm_head"] = lambda: sim.free(previous)
     if not m.untie_embeddings:
         graph.tied.add("wte.weight")
+    # The token ids: counted from the first op that shows them, held by the step's list of
+    # micro-batches until it ends (inventory.TOKEN_KEYS); by the last micro-batch every earlier
+    # one's are counted.
+    graph.pinned.update(TOKEN_KEYS)
+    if t.grad_accum > 1:
+        sim.at("forward", "earlier micro-batches' token ids")
+        sim.alloc((t.grad_accum - 1) * token_id_bytes(dm, arch), "activations")
     gathered = sim.alloc(gathered_bytes, "weights") if gathered_bytes else None
     if gathered_bytes and n > 1:
         # FSDP2 all-gathers a group into one flat buffer and copies it out into the unsharded
