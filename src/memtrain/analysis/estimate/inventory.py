@@ -473,9 +473,12 @@ def _dropout(nodes: list[Node], dm: Dims, name: str, x: str, out: str, numel: fl
         _rename_key(nodes, x, out)
         return
     mask = f"{name}.mask"
+    # (The CPU kernel draws the noise, then multiplies: the product saves the noise before the
+    # output exists, where a lazy recompute that stops at this op stops. CUDA's one kernel makes both.)
     nodes.append(Node(name, out=[(out, numel * elt), (mask, numel * (1 if dm.cuda else elt))],
                        inputs=[x], saves=[mask] if requires_grad else [],
-                       grads=[(x, numel * elt)] if requires_grad else []))
+                       grads=[(x, numel * elt)] if requires_grad else [],
+                       made_before_save=() if dm.cuda else (mask,)))
 
 
 def resolve_backend(kind: str, window: Optional[int], dm: Dims) -> str:
@@ -1096,6 +1099,8 @@ def record_only_what_needs_grad(nodes: list[Node], requiring: set[str], everythi
         if not n.grads:
             n.saves = []
             continue
+        if n.saves_for is not None and not any(k in needs for k in n.saves_for):
+            n.saves, n.scratch = [], 0.0
         needs.update(o[0] for o in n.out)
         needs.update(n.grad_out or ())
 
@@ -1168,8 +1173,10 @@ def _gelu_nodes(dm: Dims, arch: Arch, p: str) -> list[Node]:
 
 def _gpt2_block_locals(p: str, attention: str) -> list[str]:
     """What GPT2Block's locals hold until the block returns (``attn_output, _ = self.attn(...)``):
-    the attention's output after resid_dropout and, eager, the attention weights it returns."""
-    return [f"{p}.prd"] + ([f"{p}.pd"] if attention == "math" else [])
+    the attention's output after resid_dropout and, eager, the attention weights it returns; and
+    ln_2's output, its ``hidden_states`` until ``residual + feed_forward_hidden_states`` rebinds it,
+    through the MLP's closing dropout (which a checkpointed layer's recompute reaches)."""
+    return [f"{p}.prd"] + ([f"{p}.pd"] if attention == "math" else []) + [f"{p}.ln2"]
 
 
 def _embedding_nodes(dm: Dims, arch: Arch, trainable: bool, attention: str) -> list[Node]:
