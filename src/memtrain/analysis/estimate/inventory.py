@@ -660,7 +660,8 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
     # (GPT-2's SDPA math fallback on float32 v at batch 1: bmm reads the (h, s, hd) view of v
     # in place, and its save keeps the whole q/k/v output. A Llama-style layer's v is a storage of
     # its own, apart from rope's q and k, which ``qkv`` stands for too: the copy's bytes are v's.)
-    v_view = dm.additive_mask and not dm.repeat_kv and kind != "math" and not upcast and b == 1
+    # Our GPT's v is a view of its fused q/k/v output as GPT-2's is: the same at batch 1.
+    v_view = (dm.additive_mask or not dm.hf) and not dm.repeat_kv and kind != "math" and not upcast and b == 1
     v_saved = qkv_keys if v_view else [f"{p}.vc"]
     qk_saves = [f"{p}.qc", f"{p}.kc"]
     kernel_locals: list[str] = []  # what the attention function holds until it returns
@@ -705,20 +706,21 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
     o = _cast_back(nodes, p, f"{p}.o", N * d, a, low_a)
     nodes[-1].inputs += kernel_locals  # (the kernel's last op: the cast back, or the matmul)
     # y.transpose(1, 2).contiguous(): a copy; its backward passes the gradient through.
-    _merge_heads(nodes, dm, p, o, y, N * d * low_a, held)
+    _merge_heads(nodes, dm, p, o, y, N * d * low_a, tuple(held))
 
 
-def _merge_heads(nodes: list[Node], dm: Dims, p: str, o: str, y: str, nbytes: float, held: list[str] = []) -> None:
+def _merge_heads(nodes: list[Node], dm: Dims, p: str, o: str, y: str, nbytes: float,
+                 held: tuple[str, ...] = ()) -> None:
     """``y = o.transpose(1, 2).contiguous()`` on a (b, h, s, hd) attention output ``o``: a copy whose
     backward passes the gradient through, but where the transposed view is contiguous already
     (one position or one head: torch ignores the strides of size-1 dimensions) ``.contiguous()``
     returns it and ``y`` is ``o`` (a Phi-3 model at one token: +1.0% backward when counted).
     ``held``: keys the attention holds until then."""
     if dm.s > 1 and dm.h > 1:
-        nodes.append(Node(f"{p}.merge", out=[(y, nbytes)], inputs=[o] + held, grads=[(o, 0.0)]))
+        nodes.append(Node(f"{p}.merge", out=[(y, nbytes)], inputs=[o, *held], grads=[(o, 0.0)]))
         return
     _rename_key(nodes, o, y)
-    nodes.append(Node(f"{p}.merge", inputs=[y] + held))
+    nodes.append(Node(f"{p}.merge", inputs=[y, *held]))
 
 
 def _math_path_reads(dm: Dims, p: str, kind: str, upcast: bool, gqa_v: Optional[str], qk_saves: list[str],
@@ -727,7 +729,7 @@ def _math_path_reads(dm: Dims, p: str, kind: str, upcast: bool, gqa_v: Optional[
     returns the first matmul's saves (q's for k's gradient, k's for q's), the second's v, whether
     q and k are copied, and the v read in place (None where it is copied, or read by
     ``v_saved`` as it is). ``gqa_v``: SDPA's math path's repeated v (:func:`_sdpa_math_inputs`)."""
-    q_copy = k_copy = not (kind == "sdpa" and dm.hf and dm.b == 1)
+    q_copy = k_copy = not (kind == "sdpa" and dm.b == 1)  # (our GPT's as well as a transformers layer's)
     if not q_copy and upcast and dm.repeat_kv and gqa_v is None:
         # (A Llama-style v's float32 copy keeps the projection's layout: read in place too.)
         gqa_v = f"{p}.v32"

@@ -23,18 +23,12 @@ _CATEGORY_OF = {"weights": "parameters", "gradients": "gradients", "optimizer": 
                 "activations": "activations", "logits": "activations", "temporaries": "temporaries"}
 
 # Bytes of torch.get_rng_state() on CPU: non-reentrant checkpointing stores one per block call
-# (preserve_rng_state=True) so that dropout draws the same masks during the recompute.
+# (preserve_rng_state=True) so that dropout draws the same masks during the recompute. Counted
+# nowhere: the tensor is made outside the dispatcher, so the memory meter (which counts op
+# outputs), traced or real, never sees it. The timeline counted it for our GPT on CPU (and from
+# the block's forward to the end of the step): a checkpointed tiny model's backward up to +3.3%
+# and its optimizer step up to +3.8% over the meter; a transformers model's never did.
 _CPU_RNG_STATE_BYTES = 5056
-
-
-def _rng_state_bytes(arch: Arch, device_type: str) -> int:
-    """The RNG state each checkpointed block stores, as ``activations_per_layer`` counts it (our
-    GPT on CPU; a transformers model's per-layer figure leaves it out). Never in the step's
-    timeline: ``torch.get_rng_state()`` makes its tensor outside the dispatcher, so the memory
-    meter (which counts op outputs), traced or real, never sees it. The timeline counted it for
-    our GPT, and from the block's forward to the end of the step: a checkpointed tiny model's
-    backward up to +3.3% and its optimizer step up to +3.8% over the meter."""
-    return _CPU_RNG_STATE_BYTES if device_type == "cpu" and not arch.hf else 0
 
 
 # --------------------------------------------------------------------------- the estimate
@@ -244,7 +238,7 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
         unsharded = {p.name: p.numel * ab for p in params}
     segs = block_segments(cfg, arch, dm, not lora, grads_exist, comp)
     _fill_param_grads(segs, unsharded)
-    # (No RNG state in the timeline: unseen by the meter, _rng_state_bytes.)
+    # (No RNG state: unseen by the meter, _CPU_RNG_STATE_BYTES.)
     graph = Graph(sim, segs, {k: unsharded[k] for k in grad_bytes}, grads_exist, 0)
     reduce = _FSDPReduce(sim, graph, n, device_type, pbytes) if per_group else None
     if reduce is not None:
@@ -321,7 +315,7 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     by_category = {c: 0.0 for c in MEMORY_CATEGORIES}
     for tag, v in peak_tags.items():
         by_category[_CATEGORY_OF[tag]] += v
-    rng = _rng_state_bytes(arch, device_type)
+    rng = 0  # (the checkpoint's RNG state: _CPU_RNG_STATE_BYTES)
     act_layer = layer_activation_bytes(cfg, arch, dm, not lora, rng)
     act_layer_none = layer_activation_bytes(cfg, arch, dm, not lora, rng, "none")
     expl = explanation_lines(cfg, arch, dm, params, n_params, n_train, weights, opt_bytes, opt_lines, act_layer_none,
