@@ -1450,12 +1450,13 @@ def block_segments(cfg: RunConfig, arch: Arch, dm: Dims, trainable_base: bool, g
                               input_key=f"blocks.{j}.qkv"),
                      Segment(f"block {i}", nodes[b:])]
             continue
-        # torch's checkpoint recomputes lazily for our GPT as well; under LoRA that moves the peak
-        # (the residual branch's gradient cast under autocast comes before the recompute, the last
-        # adapter's B product is not recomputed), elsewhere it changes nothing that counts.
+        # torch's checkpoint recomputes lazily for our GPT as well: under autocast the residual
+        # branch's gradient cast comes before the recompute (the last checkpointed block's
+        # recompute end was -1.2% under without LoRA, where this held for LoRA alone), and under
+        # LoRA the last adapter's B product is not recomputed.
         segs.append(Segment(f"block {i}", nodes,
                              checkpoint=mode if policy.whole_block(i, L) else "none", input_key=f"blocks.{j}.in",
-                             lazy_recompute=dm.hf or bool(tech.lora_rank), held_inputs=held_inputs))
+                             lazy_recompute=True, held_inputs=held_inputs))
     # (The simulated depth is passed, not set on a copy of cfg.model: a transformers model's
     # ModelConfig mirrors its config.json again on every copy, n_layers included.)
     segs.append(Segment("head", _head_nodes(dm, m, tech, arch, trainable_base, grads_exist, comp.blocks)))
