@@ -49,7 +49,8 @@ def test_full_checkpointing_keeps_the_block_input_only():
     cfg = RunConfig().replace(**TINY, checkpointing="full")
     n, d = 2 * 32, 64
     assert E.estimate(cfg, device_type="cuda").activations_per_layer == n * d * 4
-    assert E.estimate(cfg, device_type="cpu").activations_per_layer == n * d * 4 + T._CPU_RNG_STATE_BYTES
+    # (The CPU RNG state the checkpoint stores is made outside the dispatcher: no meter sees it.)
+    assert E.estimate(cfg, device_type="cpu").activations_per_layer == n * d * 4
 
 
 # --------------------------------------------------------------------------- selective (Megatron)

@@ -35,20 +35,18 @@ def _compare(shape: str, precision: str, checkpointing: str, attention: str, lor
     The peak is compared, except where the trace's peak is torchao's optimizer step
     (``--precision bf16-pure`` without LoRA on these shapes): the trace runs that compiled
     step eagerly, an upper bound the real step does not reach (docs/estimation.md, "Tracing");
-    the backward's peak is compared there. The CPU RNG state each checkpointed block stores
-    (``torch.get_rng_state()``, made outside the dispatcher) is counted by the estimate and seen
-    by no meter, traced or real: it is left out of the estimate's side here."""
-    from memtrain.analysis.estimate.training import _CPU_RNG_STATE_BYTES
+    the backward's peak is compared there. (The CPU RNG state each checkpointed block stores,
+    ``torch.get_rng_state()``, made outside the dispatcher, is seen by no meter, traced or real,
+    and is no longer in the estimate's timeline: no allowance for it here.)"""
     from memtrain.analysis.trace import trace_step
 
     cfg = build_config(dict(SHAPES[shape], device="cpu", batch_size=2, seq_len=32, precision=precision,
                             checkpointing=checkpointing, attention=attention, lora_rank=lora_rank))
     est = estimate(cfg, device_type="cpu")
     traced = trace_step(cfg, "cpu")
-    unseen = _CPU_RNG_STATE_BYTES * cfg.model.n_layers if checkpointing == "full" else 0
     if precision == "bf16-pure" and traced["peak_phase"] == "optimizer":
-        return est.phase_peaks["backward"] - unseen, traced["phase_peaks"]["backward"]
-    return est.peak_bytes - unseen, traced["peak_bytes"]
+        return est.phase_peaks["backward"], traced["phase_peaks"]["backward"]
+    return est.peak_bytes, traced["peak_bytes"]
 
 
 FAST = [
@@ -83,3 +81,55 @@ def _grid() -> list[tuple]:
 def test_small_vocab_grid_within_one_percent_of_the_trace(case):
     est, traced = _compare(*case)
     assert est == pytest.approx(traced, rel=0.01)
+
+
+# Our GPT on axes the grid above does not hold (a random sweep's): batch 1 under SDPA's CPU math
+# path (dropout), where the scaled q and k and v (a view of the fused q/k/v output) fold into
+# bmm's batch dimension as they are, so the save keeps the whole output and copies nothing
+# (-3.1% forward, -2.0% backward before); checkpointed tiny models, whose estimate counted the
+# CPU RNG state no meter sees from each block's forward to the end of the step (backward up to
+# +3.3%, optimizer step +3.8%); one position (no merge copy); fp16, gradient accumulation, LoRA
+# with the chunked loss, tied and untied heads, vocabularies of 17-257.
+SWEPT = [
+    dict(vocab_size=17, d_model=56, n_heads=4, n_layers=1, d_ff=170, dropout=0.1, batch_size=1, seq_len=32,
+         precision="fp32", attention="sdpa", checkpointing="none", loss="standard", untie_embeddings=True, lora_rank=1),
+    dict(vocab_size=97, d_model=88, n_heads=4, n_layers=3, d_ff=266, dropout=0.1, batch_size=1, seq_len=32,
+         precision="fp32", attention="sdpa", checkpointing="every:2", loss="chunked", grad_accum=3, loss_chunk=50,
+         lora_rank=1),
+    dict(vocab_size=97, d_model=48, n_heads=2, n_layers=3, d_ff=100, dropout=0.0, batch_size=9, seq_len=2,
+         precision="fp32", attention="math", checkpointing="full", loss="chunked", grad_accum=2,
+         untie_embeddings=True, loss_chunk=7, lora_rank=1),
+    dict(vocab_size=33, d_model=48, n_heads=2, n_layers=2, d_ff=100, dropout=0.0, batch_size=16, seq_len=3,
+         precision="fp16", attention="sdpa", checkpointing="full", loss="standard", grad_accum=2, lora_rank=1),
+    dict(vocab_size=17, d_model=56, n_heads=4, n_layers=3, d_ff=100, dropout=0.0, batch_size=2, seq_len=1,
+         precision="bf16-pure", attention="math", checkpointing="every:2", loss="standard", grad_accum=3, lora_rank=4),
+    dict(vocab_size=257, d_model=48, n_heads=2, n_layers=2, d_ff=192, dropout=0.0, batch_size=2, seq_len=2,
+         precision="bf16", attention="math", checkpointing="sqrt", loss="chunked", grad_accum=2, loss_chunk=50,
+         lora_rank=1),
+    # No LoRA: torch's checkpoint recomputes lazily, after the residual add's backward (its bf16
+    # gradient cast under autocast): the estimate recomputed eagerly, -1.26% and -1.16% backward.
+    dict(vocab_size=33, d_model=56, n_heads=4, n_layers=2, d_ff=100, dropout=0.1, batch_size=9, seq_len=32,
+         precision="bf16", attention="sdpa", checkpointing="every:2", loss="chunked", loss_chunk=7),
+    dict(vocab_size=33, d_model=56, n_heads=4, n_layers=2, d_ff=100, dropout=0.1, batch_size=9, seq_len=32,
+         precision="fp16", attention="sdpa", checkpointing="every:2", loss="chunked", grad_accum=3, loss_chunk=7),
+]
+
+
+def _swept_id(c: dict) -> str:
+    return (f"v{c['vocab_size']}-d{c['d_model']}-l{c['n_layers']}-b{c['batch_size']}x{c['seq_len']}-{c['precision']}-"
+            f"{c['attention']}-ckpt_{c['checkpointing']}-{c['loss']}-ga{c.get('grad_accum', 1)}-lora{c.get('lora_rank', 0)}"
+            + ("-untied" if c.get("untie_embeddings") else ""))
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=_swept_id(c), marks=[] if i in (0, 1) else [pytest.mark.slow])
+                                  for i, c in enumerate(SWEPT)])
+def test_swept_axes_each_phase_within_one_percent_of_the_trace(case):
+    from memtrain.analysis.trace import trace_step
+
+    cfg = build_config(dict(case, device="cpu"))
+    est = estimate(cfg, device_type="cpu")
+    traced = trace_step(cfg, "cpu")["phase_peaks"]
+    for phase in ("forward", "backward", "optimizer"):
+        if phase == "optimizer" and case["precision"] == "bf16-pure":
+            continue  # torchao's step, traced eagerly (the module docstring of tests/test_hf_estimate_grid.py)
+        assert est.phase_peaks[phase] == pytest.approx(traced[phase], rel=0.01), (phase, est.phase_peaks, traced)

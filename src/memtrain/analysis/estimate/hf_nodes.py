@@ -156,6 +156,10 @@ def hf_rope_node(dm: Any, qkv: list[str], out: str, v_view: bool = False, kernel
     return Node(f"{out}.rope", out=outs,
                  inputs=list(qkv) + [ROPE_TABLES], saves=[ROPE_TABLES],
                  grads=[(k, N * w * a) for k, w in zip(qkv, widths)], fwd_steps=steps,
+                 # The tables are saved (and the backward's temporaries made) for q's and k's
+                 # gradients: with separate projections v may need one where q and k do not (the
+                 # first layer under LoRA on v_proj alone).
+                 saves_for=tuple(qkv[:2]) if len(qkv) == 3 else None,
                  # Backward, k's then q's: ``grad * sin``, rotate_half's backward (neg, two
                  # slice_backward) and their sum, then ``grad * cos`` and the sum: two x-sized
                  # temporaries beside x's gradient, k's gone before q's (q is the wider).

@@ -33,6 +33,20 @@ from memtrain.techniques.facts import (
     precision_facts,
 )
 
+# The step's int64 token ids as the memory meter sees them (docs/estimation.md, "Token ids"):
+# made by the data loader outside the meter, each is counted from the first op that shows it
+# (a view: GPT-2's input_ids.view, the loss's targets.reshape) until the step's list of
+# micro-batches goes, after the optimizer step. Pinned keys: never freed within the step.
+INPUT_IDS = "input_ids"
+TARGETS = "targets"
+TOKEN_KEYS = (INPUT_IDS, TARGETS)
+
+
+def token_id_bytes(dm: "Dims", arch: Arch) -> float:
+    """Bytes of one micro-batch's token ids the meter counts: the labels (b x s x 8), and the
+    inputs too where the model views them (GPT-2's ``input_ids.view``)."""
+    return dm.n * 8 * (2 if arch.gpt2_layers else 1)
+
 
 # --------------------------------------------------------------------------- node builders
 @dataclass
@@ -459,9 +473,12 @@ def _dropout(nodes: list[Node], dm: Dims, name: str, x: str, out: str, numel: fl
         _rename_key(nodes, x, out)
         return
     mask = f"{name}.mask"
+    # (The CPU kernel draws the noise, then multiplies: the product saves the noise before the
+    # output exists, where a lazy recompute that stops at this op stops. CUDA's one kernel makes both.)
     nodes.append(Node(name, out=[(out, numel * elt), (mask, numel * (1 if dm.cuda else elt))],
                        inputs=[x], saves=[mask] if requires_grad else [],
-                       grads=[(x, numel * elt)] if requires_grad else []))
+                       grads=[(x, numel * elt)] if requires_grad else [],
+                       made_before_save=() if dm.cuda else (mask,)))
 
 
 def resolve_backend(kind: str, window: Optional[int], dm: Dims) -> str:
@@ -580,7 +597,7 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
                            saves=qkv_keys + [o, f"{p}.lse"], matmul=True, grad_out=(o,),
                            grads=[(q, N * d * a), (k, N * kvw * a), (v, N * kvw * a)]))
         if dm.fused_proj:
-            nodes.append(Node(f"{p}.merge", out=[(y, N * d * a)], inputs=[o], grads=[(o, 0.0)]))
+            _merge_heads(nodes, dm, p, o, y, N * d * a)
         return
     if backend in ("banded", "banded-sdpa"):
         low_a = a
@@ -643,7 +660,8 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
     # (GPT-2's SDPA math fallback on float32 v at batch 1: bmm reads the (h, s, hd) view of v
     # in place, and its save keeps the whole q/k/v output. A Llama-style layer's v is a storage of
     # its own, apart from rope's q and k, which ``qkv`` stands for too: the copy's bytes are v's.)
-    v_view = dm.additive_mask and not dm.repeat_kv and kind != "math" and not upcast and b == 1
+    # Our GPT's v is a view of its fused q/k/v output as GPT-2's is: the same at batch 1.
+    v_view = (dm.additive_mask or not dm.hf) and not dm.repeat_kv and kind != "math" and not upcast and b == 1
     v_saved = qkv_keys if v_view else [f"{p}.vc"]
     qk_saves = [f"{p}.qc", f"{p}.kc"]
     kernel_locals: list[str] = []  # what the attention function holds until it returns
@@ -688,8 +706,21 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
     o = _cast_back(nodes, p, f"{p}.o", N * d, a, low_a)
     nodes[-1].inputs += kernel_locals  # (the kernel's last op: the cast back, or the matmul)
     # y.transpose(1, 2).contiguous(): a copy; its backward passes the gradient through.
-    nodes.append(Node(f"{p}.merge", out=[(y, N * d * low_a)], inputs=[o] + held,
-                       grads=[(o, 0.0)]))
+    _merge_heads(nodes, dm, p, o, y, N * d * low_a, tuple(held))
+
+
+def _merge_heads(nodes: list[Node], dm: Dims, p: str, o: str, y: str, nbytes: float,
+                 held: tuple[str, ...] = ()) -> None:
+    """``y = o.transpose(1, 2).contiguous()`` on a (b, h, s, hd) attention output ``o``: a copy whose
+    backward passes the gradient through, but where the transposed view is contiguous already
+    (one position or one head: torch ignores the strides of size-1 dimensions) ``.contiguous()``
+    returns it and ``y`` is ``o`` (a Phi-3 model at one token: +1.0% backward when counted).
+    ``held``: keys the attention holds until then."""
+    if dm.s > 1 and dm.h > 1:
+        nodes.append(Node(f"{p}.merge", out=[(y, nbytes)], inputs=[o, *held], grads=[(o, 0.0)]))
+        return
+    _rename_key(nodes, o, y)
+    nodes.append(Node(f"{p}.merge", inputs=[y, *held]))
 
 
 def _math_path_reads(dm: Dims, p: str, kind: str, upcast: bool, gqa_v: Optional[str], qk_saves: list[str],
@@ -698,7 +729,7 @@ def _math_path_reads(dm: Dims, p: str, kind: str, upcast: bool, gqa_v: Optional[
     returns the first matmul's saves (q's for k's gradient, k's for q's), the second's v, whether
     q and k are copied, and the v read in place (None where it is copied, or read by
     ``v_saved`` as it is). ``gqa_v``: SDPA's math path's repeated v (:func:`_sdpa_math_inputs`)."""
-    q_copy = k_copy = not (kind == "sdpa" and dm.hf and dm.b == 1)
+    q_copy = k_copy = not (kind == "sdpa" and dm.b == 1)  # (our GPT's as well as a transformers layer's)
     if not q_copy and upcast and dm.repeat_kv and gqa_v is None:
         # (A Llama-style v's float32 copy keeps the projection's layout: read in place too.)
         gqa_v = f"{p}.v32"
@@ -826,7 +857,7 @@ def _masked_sdpa_nodes(nodes: list[Node], dm: Dims, p: str, v_src: Optional[str]
     nodes.append(Node(f"{p}.sdpa", out=[(o, N * d * a), (f"{p}.lse", b * h * s * 4)], inputs=saved + locals_,
                        saves=saved + [o, f"{p}.lse"], matmul=True, grad_out=(o,), grads=grads))
     if dm.fused_proj:
-        nodes.append(Node(f"{p}.merge", out=[(f"{p}.y", N * d * a)], inputs=[o], grads=[(o, 0.0)]))
+        _merge_heads(nodes, dm, p, o, f"{p}.y", N * d * a)
 
 
 def _sdpa_math_inputs(nodes: list[Node], dm: Dims, p: str, kvw: int, upcast: bool,
@@ -1082,6 +1113,8 @@ def record_only_what_needs_grad(nodes: list[Node], requiring: set[str], everythi
         if not n.grads:
             n.saves = []
             continue
+        if n.saves_for is not None and not any(k in needs for k in n.saves_for):
+            n.saves, n.scratch = [], 0.0
         needs.update(o[0] for o in n.out)
         needs.update(n.grad_out or ())
 
@@ -1154,8 +1187,10 @@ def _gelu_nodes(dm: Dims, arch: Arch, p: str) -> list[Node]:
 
 def _gpt2_block_locals(p: str, attention: str) -> list[str]:
     """What GPT2Block's locals hold until the block returns (``attn_output, _ = self.attn(...)``):
-    the attention's output after resid_dropout and, eager, the attention weights it returns."""
-    return [f"{p}.prd"] + ([f"{p}.pd"] if attention == "math" else [])
+    the attention's output after resid_dropout and, eager, the attention weights it returns; and
+    ln_2's output, its ``hidden_states`` until ``residual + feed_forward_hidden_states`` rebinds it,
+    through the MLP's closing dropout (which a checkpointed layer's recompute reaches)."""
+    return [f"{p}.prd"] + ([f"{p}.pd"] if attention == "math" else []) + [f"{p}.ln2"]
 
 
 def _embedding_nodes(dm: Dims, arch: Arch, trainable: bool, attention: str) -> list[Node]:
@@ -1164,6 +1199,11 @@ def _embedding_nodes(dm: Dims, arch: Arch, trainable: bool, attention: str) -> l
     GPT2Model.forward builds, in the embeddings' dtype, for every layer.)"""
     N, d, s, pe = dm.n, dm.d, dm.s, dm.p
     nodes = [Node("wte", out=[("tok", N * d * pe)], grads=[("param:wte.weight", 0.0)] if trainable else [])]
+    if arch.gpt2_layers:
+        # GPT2Model.forward's ``input_ids.view(-1, s)``: the meter counts the step's token ids
+        # (made by the data loader, outside it) from this first op that shows them, until the
+        # step's batches go after the optimizer step (TOKEN_KEYS, pinned).
+        nodes.insert(0, Node("input_ids", out=[(INPUT_IDS, N * 8)]))
     if arch.gpt2_layers and attention == "math":
         nodes.append(Node("causal_mask", out=[(CAUSAL_MASK, dm.b * s * s * pe)]))
     elif dm.hf and not arch.gpt2_layers:
@@ -1201,6 +1241,10 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
                    saves=[x, "ln_f.stats"], grad_out=("hf",), grads=[(x, N * d * r)] + pg)]
     if dm.hf and not layer:
         nodes = [hf_norm_node(dm, "ln_f", x, "hf", trainable, offset=arch.norm_offset)]
+    # The loss's ``targets.reshape(-1)`` (our GPT's forward and memtrain's transformers wrapper,
+    # after the final norm): from there the meter counts the micro-batch's int64 labels, which
+    # the step's list of batches holds through the optimizer step (TOKEN_KEYS, pinned).
+    nodes.append(Node("targets", out=[(TARGETS, N * 8)]))
     if arch.gpt2_layers:
         # GPT2Model.forward's locals (the token and position embeddings, the causal mask) live
         # until it returns, after ln_f.
@@ -1406,12 +1450,13 @@ def block_segments(cfg: RunConfig, arch: Arch, dm: Dims, trainable_base: bool, g
                               input_key=f"blocks.{j}.qkv"),
                      Segment(f"block {i}", nodes[b:])]
             continue
-        # torch's checkpoint recomputes lazily for our GPT as well; under LoRA that moves the peak
-        # (the residual branch's gradient cast under autocast comes before the recompute, the last
-        # adapter's B product is not recomputed), elsewhere it changes nothing that counts.
+        # torch's checkpoint recomputes lazily for our GPT as well: under autocast the residual
+        # branch's gradient cast comes before the recompute (the last checkpointed block's
+        # recompute end was -1.2% under without LoRA, where this held for LoRA alone), and under
+        # LoRA the last adapter's B product is not recomputed.
         segs.append(Segment(f"block {i}", nodes,
                              checkpoint=mode if policy.whole_block(i, L) else "none", input_key=f"blocks.{j}.in",
-                             lazy_recompute=dm.hf or bool(tech.lora_rank), held_inputs=held_inputs))
+                             lazy_recompute=True, held_inputs=held_inputs))
     # (The simulated depth is passed, not set on a copy of cfg.model: a transformers model's
     # ModelConfig mirrors its config.json again on every copy, n_layers included.)
     segs.append(Segment("head", _head_nodes(dm, m, tech, arch, trainable_base, grads_exist, comp.blocks)))

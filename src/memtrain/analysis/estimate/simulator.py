@@ -149,6 +149,15 @@ class Node:
     # A custom autograd Function (torchao's LinearNF4): its ``ctx.save_for_backward`` is packed as
     # its forward returns, so a checkpoint's recompute that stops at its save has run it whole.
     packs_after_forward: bool = False
+    # Outputs the op has made when autograd packs its saves, the rest coming after: the CPU
+    # dropout draws its noise (an output here, ``saves``) and multiplies the input by it, a
+    # product that saves the noise as its input before the product exists. A lazy recompute
+    # that stops at such an op makes only these.
+    made_before_save: tuple[str, ...] = ()
+    # The inputs whose gradients ``saves`` and ``scratch`` serve, where the op passes others on
+    # (rope rotates q and k and hands v on): without one of them requiring a gradient autograd
+    # records neither (inventory.record_only_what_needs_grad). None: any input's.
+    saves_for: Optional[tuple[str, ...]] = None
     # One Linear of a fused table entry (a transformers layer's gate_proj of ``mlp.fc``): its
     # parameters are tensors of their own, whose .grad it makes when its own backward runs, this
     # share of the entry's bytes (the ``param:`` placeholders: that share of the entry's size).
@@ -707,6 +716,9 @@ class Graph:
                 # autograd saves an op's inputs before its kernel runs: the recompute stops
                 # there, before the last saver's outputs exist.
                 recompute[-1] = replace(stop, out=[], fwd_scratch=0.0, fwd_steps=(), hold=False)
+            elif seg.lazy_recompute and stop is not None and stop.made_before_save:
+                recompute[-1] = replace(stop, out=[o for o in stop.out if o[0] in stop.made_before_save],
+                                        fwd_scratch=0.0, fwd_steps=(), hold=False)
             made = {o[0] for n in recompute for o in n.out}
             past_stop = {k for n in seg.nodes[last_saver + 1:] for k in n.inputs} & made
             held = self._run_forward(recompute, True, "temporaries", past_stop, set())
