@@ -45,7 +45,6 @@ import torch
 import torch.nn as nn
 
 from memtrain.checkpoints.exact import DamagedCheckpoint, check_weights, read_state
-from memtrain.checkpoints.mapped import read_off_mapping
 from memtrain.config.run import ConfigError, RunConfig, build_config
 from memtrain.data.tokenizer import EOT_ID, vocab_dir
 from memtrain.files.results import umask
@@ -99,9 +98,6 @@ def read_checkpoint(ckpt: str | Path) -> tuple[dict[str, Any], RunConfig]:
     # that its FP32 build would not); our GPT is built in FP32.
     per_param = trained_dtype(state["model"]).itemsize if is_hf(cfg) else BUILD_BYTES_PER_PARAM
     check_model_size(cfg.model, host_bytes_per_param=per_param)
-    # Read off the mapping before anything touches a weight: a file cut meanwhile is then one line,
-    # not SIGBUS (memtrain.checkpoints.mapped).
-    state["model"] = read_off_mapping(state["model"], p)
     return state, cfg
 
 
