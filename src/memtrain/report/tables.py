@@ -254,7 +254,8 @@ def markdown_report(rows: list[dict[str, Any]], missing: list[str], header: Call
     parts += [
         "Peak memory (tracked) is the largest total of live tensor storage during a steady-state "
         "training step, counted by memtrain's meter on every device; Peak Allocated is "
-        "`torch.cuda.max_memory_allocated` after warm-up (CUDA only). Step time is the median "
+        "`torch.cuda.max_memory_allocated` over the row's whole run, its first steps and evaluation "
+        "included (CUDA only). Step time is the median "
         "over the timed steps (warm-up and metered steps excluded) and Step p10-p90 their spread; "
         f"`{header_time}` is the wall time of all of the row's training steps (timing warm-up included, "
         "evaluation excluded). Max Batch is searched "
