@@ -14,12 +14,12 @@ from memtrain.techniques.facts import checkpoint_policy, effective_loss_chunk
 
 
 def layer_activation_bytes(cfg: RunConfig, arch: Arch, dm: Dims, trainable_base: bool,
-                           rng_state_bytes: float = 0.0, policy: Optional[str] = None) -> float:
+                           policy: Optional[str] = None) -> float:
     """Bytes one block keeps for backward between its forward and its backward, block input
     included, under the checkpointing ``policy`` (default: the configured one).
 
-    none: everything autograd saves; full: the input the checkpoint holds (+ the RNG state it
-    stores on CPU); selective: that plus the outputs the policy keeps; every:K and sqrt: the
+    none: everything autograd saves; full: the input the checkpoint holds (not the CPU RNG state
+    it stores, which no meter sees: estimate.training); selective: that plus the outputs the policy keeps; every:K and sqrt: the
     mean over the blocks (1 in K checkpointed). The same bytes the timeline keeps per block.
     """
     nodes = block_nodes(dm, 0, arch, replace(cfg.technique, checkpointing="none"), trainable_base)
@@ -31,7 +31,7 @@ def layer_activation_bytes(cfg: RunConfig, arch: Arch, dm: Dims, trainable_base:
     kind = ck.kind
     if kind == "none":
         return none
-    full = block_input + rng_state_bytes
+    full = block_input
     if kind == "full":
         return full
     if kind == "selective-matmul":
@@ -39,9 +39,9 @@ def layer_activation_bytes(cfg: RunConfig, arch: Arch, dm: Dims, trainable_base:
         return full + sum(sizes[k] for k in kept)
     if kind == "selective":
         # Everything outside the attention core as without checkpointing, plus the core's
-        # input (the qkv output q, k and v are views of) and the RNG state its checkpoint stores.
+        # input (the qkv output q, k and v are views of).
         outside = {k for n in nodes if not n.core for k in n.saves if k in sizes}
-        return sum(sizes[k] for k in outside | {"blocks.0.qkv"}) + block_input + rng_state_bytes
+        return sum(sizes[k] for k in outside | {"blocks.0.qkv"}) + block_input
     L = cfg.model.n_layers
     n_ck = ck.n_checkpointed(L)
     return (n_ck * full + (L - n_ck) * none) / L

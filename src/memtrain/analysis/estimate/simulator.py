@@ -206,11 +206,10 @@ class Graph:
     """Runs forward and backward of a list of segments through a :class:`Simulator`."""
 
     def __init__(self, sim: Simulator, segments: list[Segment], param_grad: dict[str, float],
-                 grads_exist: bool, rng_state_bytes: float) -> None:
+                 grads_exist: bool) -> None:
         self.sim = sim
         self.segments = segments
         self.param_grad = param_grad  # trainable param name -> bytes of its .grad
-        self.rng_state_bytes = rng_state_bytes
         self.store: dict[str, int] = {}  # key -> storage id (forward tensors)
         self.saved_refs: dict[str, int] = {}
         self.grad_sid: dict[str, int] = {}  # key -> storage id of its gradient
@@ -651,7 +650,8 @@ class Graph:
             held += self._run_forward(seg.nodes, True, None, set(), later)
             return
         # Checkpointed: nothing saved but the block input (held by the checkpoint) and, for
-        # selective checkpointing, the matmul outputs; plus the RNG state it stores.
+        # selective checkpointing, the matmul outputs (the RNG state it stores on CPU no meter
+        # sees: estimate.training).
         if seg.input_key and seg.input_key in self.store and not self._offload(seg.input_key):
             self.saved_refs[seg.input_key] = self.saved_refs.get(seg.input_key, 0) + 1
         for k in seg.held_inputs:
@@ -659,8 +659,6 @@ class Graph:
                 self.saved_refs[k] = self.saved_refs.get(k, 0) + 1
         keep = {k for n in seg.nodes for k in n.sac_kept()} if seg.checkpoint == "selective" else set()
         held += self._run_forward(seg.nodes, False, None, keep, later)
-        if self.rng_state_bytes:
-            sim.alloc(self.rng_state_bytes, "activations")
 
     def backward(self) -> None:
         self._in_backward = True

@@ -22,13 +22,12 @@ from memtrain.techniques.facts import MEMORY_CATEGORIES, OFFLOAD_MIN_BYTES, OPTI
 _CATEGORY_OF = {"weights": "parameters", "gradients": "gradients", "optimizer": "optimizer",
                 "activations": "activations", "logits": "activations", "temporaries": "temporaries"}
 
-# Bytes of torch.get_rng_state() on CPU: non-reentrant checkpointing stores one per block call
-# (preserve_rng_state=True) so that dropout draws the same masks during the recompute. Counted
-# nowhere: the tensor is made outside the dispatcher, so the memory meter (which counts op
-# outputs), traced or real, never sees it. The timeline counted it for our GPT on CPU (and from
-# the block's forward to the end of the step): a checkpointed tiny model's backward up to +3.3%
-# and its optimizer step up to +3.8% over the meter; a transformers model's never did.
-_CPU_RNG_STATE_BYTES = 5056
+# Not estimated: the RNG state non-reentrant checkpointing stores per block call on CPU
+# (torch.get_rng_state(), 5,056 B; preserve_rng_state=True, so that dropout draws the same masks
+# during the recompute). The tensor is made outside the dispatcher, so the memory meter (which
+# counts op outputs), traced or real, never sees it. The timeline once counted it for our GPT on
+# CPU (from the block's forward to the end of the step): a checkpointed tiny model's backward up
+# to +3.3% and its optimizer step up to +3.8% over the meter; a transformers model's never did.
 
 
 # --------------------------------------------------------------------------- the estimate
@@ -238,8 +237,7 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
         unsharded = {p.name: p.numel * ab for p in params}
     segs = block_segments(cfg, arch, dm, not lora, grads_exist, comp)
     _fill_param_grads(segs, unsharded)
-    # (No RNG state: unseen by the meter, _CPU_RNG_STATE_BYTES.)
-    graph = Graph(sim, segs, {k: unsharded[k] for k in grad_bytes}, grads_exist, 0)
+    graph = Graph(sim, segs, {k: unsharded[k] for k in grad_bytes}, grads_exist)
     reduce = _FSDPReduce(sim, graph, n, device_type, pbytes) if per_group else None
     if reduce is not None:
         graph.lump_exclude = lambda: {"temporaries": reduce.opened}
@@ -315,9 +313,8 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     by_category = {c: 0.0 for c in MEMORY_CATEGORIES}
     for tag, v in peak_tags.items():
         by_category[_CATEGORY_OF[tag]] += v
-    rng = 0  # (the checkpoint's RNG state: _CPU_RNG_STATE_BYTES)
-    act_layer = layer_activation_bytes(cfg, arch, dm, not lora, rng)
-    act_layer_none = layer_activation_bytes(cfg, arch, dm, not lora, rng, "none")
+    act_layer = layer_activation_bytes(cfg, arch, dm, not lora)
+    act_layer_none = layer_activation_bytes(cfg, arch, dm, not lora, "none")
     expl = explanation_lines(cfg, arch, dm, params, n_params, n_train, weights, opt_bytes, opt_lines, act_layer_none,
                     sim, shard, n, device_type)
     rule = model_state_rule(n_params, tech.optim, trainable=n_train if lora else None,
