@@ -637,7 +637,6 @@ def _transformers_arch(cfg: RunConfig, device_type: str) -> tuple[Arch, bool, st
                                             "facts (a CUDA trace needs a CUDA build of torch)")
 
 
-
 def candidate_config(cfg: RunConfig, c: Candidate) -> RunConfig:
     """The run of candidate ``c``. An fp8 candidate runs compiled: torchao's FP8 casts are fast only
     fused by torch.compile, and the cost model charges FP8's rate (memtrain.techniques.fp8)."""
