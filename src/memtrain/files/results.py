@@ -707,13 +707,14 @@ def file_lock(path: Path, what: str, flag: str) -> FolderLock:
 
 
 # --------------------------------------------------------------------------- bench rows
-def _number(x: Any) -> bool:
+def finite_number(x: Any) -> bool:
+    """A JSON number (not a bool) that is finite."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _measured(x: Any) -> bool:
+def measured_value(x: Any) -> bool:
     """A measured value: absent, or a finite number >= 0 (bytes, seconds, rates, losses)."""
-    return x is None or (_number(x) and x >= 0)
+    return x is None or (finite_number(x) and x >= 0)
 
 
 # A cross-entropy loss in nats is at most ln(vocabulary) at the start of training (about 11 for
@@ -736,7 +737,7 @@ def _config_problem(config: Any) -> Optional[str]:
     if not isinstance(config, dict) or any(
             not isinstance(config.get(s), dict) or any(k not in config[s] for k in keys) for s, keys in _CONFIG_KEYS.items()):
         return "config lacks the model, train or data settings"
-    if not all(_number(config[s][k]) for s in ("model", "train") for k in _CONFIG_KEYS[s]):
+    if not all(finite_number(config[s][k]) for s in ("model", "train") for k in _CONFIG_KEYS[s]):
         return "a model or train setting in config is not a number"
     technique = config.get("technique", {})
     if not isinstance(config["data"]["data"], str) or not isinstance(technique, dict):
@@ -766,7 +767,7 @@ def bench_row_problem(row: dict[str, Any]) -> Optional[str]:
     if not isinstance(memory, dict) or not isinstance(steps, dict):
         return "memory and step_time_s must be objects"
     by_cat = memory.get("by_category")
-    if by_cat is not None and (not isinstance(by_cat, dict) or not all(_measured(v) for v in by_cat.values())):
+    if by_cat is not None and (not isinstance(by_cat, dict) or not all(measured_value(v) for v in by_cat.values())):
         return "memory.by_category must map categories to numbers"
     numbers = [memory.get(k) for k in ("peak_bytes", "max_allocated_bytes", "max_reserved_bytes")]
     numbers += [steps.get(k) for k in ("median", "p10", "p90")]
@@ -780,7 +781,7 @@ def bench_row_problem(row: dict[str, Any]) -> Optional[str]:
             probes = value.get("probes")
             if probes is not None and not (isinstance(probes, list) and all(isinstance(p, dict) for p in probes)):
                 return f"{part}.probes must be a list of objects"
-    if not all(_measured(v) for v in numbers):
+    if not all(measured_value(v) for v in numbers):
         return "a measured value is not a number >= 0"
     if any((row.get(k) or 0) > MAX_LOSS for k in ("val_loss", "train_loss")):
         return f"a loss above {MAX_LOSS:g} (no cross-entropy of a real vocabulary comes near it)"
@@ -791,8 +792,14 @@ def bench_row_problem(row: dict[str, Any]) -> Optional[str]:
 def read_results_counted(out: Path) -> JsonlRead:
     """The bench rows of ``results.jsonl`` and the count of lines that were not rows (torn by
     a kill or a full disk, not a JSON object, or not shaped like a bench row)."""
-    read = read_jsonl(Path(out) / BENCH_RESULTS)
-    rows = [r for r in read.rows if bench_row_problem(r) is None]
+    return read_checked_jsonl(Path(out) / BENCH_RESULTS, bench_row_problem)
+
+
+def read_checked_jsonl(path: Path, problem: Callable[[dict[str, Any]], Optional[str]]) -> JsonlRead:
+    """The objects of the JSON-lines file ``path`` for which ``problem`` says None, and the count
+    of lines that were not (torn, not a JSON object, or of the wrong shape: ``problem``'s text)."""
+    read = read_jsonl(path)
+    rows = [r for r in read.rows if problem(r) is None]
     return JsonlRead(rows=rows, skipped=read.skipped + len(read.rows) - len(rows))
 
 

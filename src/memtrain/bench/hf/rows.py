@@ -4,7 +4,6 @@ hash, so a row's identity means the same as in ``memtrain bench``)."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Optional
 
@@ -13,7 +12,13 @@ from memtrain.bench.runner import config_hash as bench_config_hash
 from memtrain.bench.scales import fitted_scale_overrides
 from memtrain.bench.technique_sets import technique_overrides
 from memtrain.config.run import ConfigError, RunConfig, build_config, names_warmup, refuse_long_warmup
-from memtrain.files.results import JsonlRead, append_jsonl, read_jsonl
+from memtrain.files.results import (
+    JsonlRead,
+    append_jsonl,
+    finite_number,
+    measured_value,
+    read_checked_jsonl,
+)
 
 RUNS_FILE = "runs.jsonl"
 COMMANDS_FILE = "commands.log"  # every invocation that wrote into the folder (--resume adds to runs.jsonl)
@@ -48,39 +53,30 @@ def config_hash(cfg: RunConfig) -> str:
     return bench_config_hash(cfg.to_dict())
 
 
-def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _measured(x: Any) -> bool:
-    """Absent, or a finite number >= 0 (bytes, seconds, rates, losses)."""
-    return x is None or (_number(x) and x >= 0)
-
-
 def _ok_result_problem(res: dict[str, Any]) -> Optional[str]:
     """Why the result of an "ok" run cannot be aggregated by the report, or None."""
     steps, memory = res.get("step_time_s"), res.get("memory")
-    if not isinstance(steps, dict) or not all(_number(steps.get(k)) and steps[k] > 0 for k in ("median", "p10", "p90")):
+    if not isinstance(steps, dict) or not all(finite_number(steps.get(k)) and steps[k] > 0 for k in ("median", "p10", "p90")):
         return "step_time_s must hold positive median, p10 and p90"
     if not isinstance(memory, dict):
         return "memory must be an object"
     by_cat = memory.get("by_category")
-    if by_cat is not None and (not isinstance(by_cat, dict) or not all(_measured(v) for v in by_cat.values())):
+    if by_cat is not None and (not isinstance(by_cat, dict) or not all(measured_value(v) for v in by_cat.values())):
         return "memory.by_category must map categories to numbers"
     numbers = [memory.get(k) for k in ("peak_bytes", "max_allocated_bytes", "max_reserved_bytes")]
     numbers += [res.get(k) for k in ("parameters", "trainable_parameters", "tokens_per_s", "total_time_s")]
-    if not all(_measured(v) for v in numbers) or not all(_measured(res.get(k)) and res.get(k) is not None
+    if not all(measured_value(v) for v in numbers) or not all(measured_value(res.get(k)) and res.get(k) is not None
                                                        for k in ("val_ppl", "train_loss")):
         return "a measured value is not a number >= 0"
     mb = res.get("max_batch")
-    if mb is not None and (not isinstance(mb, dict) or not _measured(mb.get("batch_size"))
-                           or not _measured(mb.get("peak_bytes"))
+    if mb is not None and (not isinstance(mb, dict) or not measured_value(mb.get("batch_size"))
+                           or not measured_value(mb.get("peak_bytes"))
                            or not isinstance(mb.get("probes", []), list)
                            or not all(isinstance(p, dict) for p in mb.get("probes", []))):
         return "max_batch must be an object of numbers and a list of probes"
     windows = res.get("step_windows")
     if windows is not None and not (isinstance(windows, list) and all(
-            isinstance(w, list) and len(w) == 2 and all(_number(t) for t in w) for w in windows)):
+            isinstance(w, list) and len(w) == 2 and all(finite_number(t) for t in w) for w in windows)):
         return "step_windows must be a list of [start, end] times"
     return None
 
@@ -99,7 +95,7 @@ def run_line_problem(line: dict[str, Any]) -> Optional[str]:
     if not isinstance(res, dict) or not isinstance(res.get("status", ""), str):
         return "result must be an object whose status is text"
     if not isinstance(res.get("error"), (str, type(None))) or not isinstance(res.get("env", {}), dict) \
-            or not isinstance(res.get("transformers", ""), str) or not _measured(res.get("process_wall_s")):
+            or not isinstance(res.get("transformers", ""), str) or not measured_value(res.get("process_wall_s")):
         return "error, env, transformers or process_wall_s has the wrong type"
     return _ok_result_problem(res) if res.get("status") == "ok" else None
 
@@ -107,9 +103,7 @@ def run_line_problem(line: dict[str, Any]) -> Optional[str]:
 def read_runs_counted(out: Path) -> JsonlRead:
     """The run lines of ``OUT/runs.jsonl`` and the count of lines that are not runs (torn by an
     interrupted write, not JSON objects, or not shaped like a run: :func:`run_line_problem`)."""
-    read = read_jsonl(out / RUNS_FILE)
-    runs = [r for r in read.rows if run_line_problem(r) is None]
-    return JsonlRead(rows=runs, skipped=read.skipped + len(read.rows) - len(runs))
+    return read_checked_jsonl(out / RUNS_FILE, run_line_problem)
 
 
 def read_runs(out: Path) -> list[dict[str, Any]]:
