@@ -281,6 +281,8 @@ def _publish(tmp: Path, final: Path) -> None:
 
 # --------------------------------------------------------------------------- reading
 MAX_META_BYTES = 2**20  # the writer's meta.json is under 1 KiB; a larger one is not the writer's
+
+
 def _load_entry(entry: Path, from_cache: bool) -> TokenSplits | None:
     """Open a cache entry, or None when it is missing or inconsistent (it is then rebuilt).
 
@@ -288,11 +290,10 @@ def _load_entry(entry: Path, from_cache: bool) -> TokenSplits | None:
     planted in a shared cache blocked the run for ever in ``open``; a link to ``/dev/zero`` as
     meta.json was read without end), and meta.json small."""
     for name in ("meta.json", *(f"{s}.bin" for s in SPLITS)):
-        if regular_file_problem(entry / name, entry) is not None:
+        limit = MAX_META_BYTES if name == "meta.json" else None  # the splits' .bin files are any size
+        if regular_file_problem(entry / name, entry, max_bytes=limit) is not None:
             return None
     try:
-        if (entry / "meta.json").stat().st_size > MAX_META_BYTES:
-            return None
         meta = json.loads((entry / "meta.json").read_text())
         sizes = {s: int(meta[f"n_{s}_tokens"]) for s in SPLITS}
         docs = {s: int(meta[f"n_{s}_docs"]) for s in SPLITS}

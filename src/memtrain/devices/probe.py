@@ -347,11 +347,9 @@ def _read_cache(path: Path, key: str) -> Optional[dict[str, Any]]:
     here would end up in every MFU, in ``info --json`` (as invalid JSON) and in every train.
     Checked before it is opened: a FIFO in its place blocked ``info`` and every train for ever,
     a link to ``/dev/zero`` was read without end."""
-    if regular_file_problem(path, path.parent) is not None:
+    if regular_file_problem(path, path.parent, max_bytes=MAX_CACHE_BYTES) is not None:
         return None
     try:
-        if path.stat().st_size > MAX_CACHE_BYTES:
-            return None
         data = json.loads(path.read_text(), parse_constant=_no_constant)
     except (OSError, ValueError):  # UnicodeDecodeError is a ValueError
         return None

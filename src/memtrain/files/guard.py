@@ -55,12 +55,14 @@ def _link_target_problem(path: Path, roots: tuple[Path, ...]) -> Optional[str]:
     return None
 
 
-def regular_file_problem(path: Path, root: Path, link_roots: Iterable[Path] = ()) -> Optional[str]:
+def regular_file_problem(path: Path, root: Path, link_roots: Iterable[Path] = (),
+                         max_bytes: Optional[int] = None) -> Optional[str]:
     """None when ``path`` may be opened as a file of the folder ``root``; else why not, in words.
 
     ``path`` must be a regular file (a symbolic link to one is followed) that resolves inside
     ``root`` or one of ``link_roots`` (folders a link may lead into, e.g. a Hugging Face cache's
-    ``blobs``). Nothing is opened: ``lstat`` and ``stat`` never block on a FIFO.
+    ``blobs``), and, with ``max_bytes``, of at most that size (a small file its reader reads
+    whole). Nothing is opened: ``lstat`` and ``stat`` never block on a FIFO.
     """
     roots = (root.resolve(), *(r.resolve() for r in link_roots))
     try:
@@ -76,6 +78,8 @@ def regular_file_problem(path: Path, root: Path, link_roots: Iterable[Path] = ()
         return f"outside {str(roots[0])!r}"
     if not stat.S_ISREG(st.st_mode):
         return f"{file_kind(st.st_mode)}, not a regular file"
+    if max_bytes is not None and st.st_size > max_bytes:
+        return f"larger than {max_bytes:,} bytes"
     return None
 
 
