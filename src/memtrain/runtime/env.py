@@ -17,6 +17,11 @@ from memtrain.config.run import ConfigError
 from memtrain.devices.probe import cpu_model
 
 
+def visible_gpus_phrase(count: int) -> str:
+    """``"2 CUDA GPUs are visible"`` (``"1 CUDA GPU is visible"``): the refusals of a GPU that is not there."""
+    return f"{count} CUDA GPU{'s are' if count != 1 else ' is'} visible"
+
+
 def resolve_device(name: str) -> torch.device:
     """``auto`` picks CUDA when present, else CPU; an unavailable device is a user error."""
     if name == "auto":
@@ -30,7 +35,7 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         # Else the first allocation there fails deep in the run with CUDA's "invalid device ordinal".
         count = torch.cuda.device_count()
-        raise ConfigError(f"--device {name}: {count} CUDA GPU{'s are' if count != 1 else ' is'} visible "
+        raise ConfigError(f"--device {name}: {visible_gpus_phrase(count)} "
                           f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''}); "
                           "CUDA_VISIBLE_DEVICES numbers the visible ones from 0")
     if device.type not in ("cpu", "cuda"):

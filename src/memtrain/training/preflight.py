@@ -672,10 +672,12 @@ def check_gpu_count(nproc: int) -> None:
     for them at the rendezvous."""
     import torch  # loads only for a CUDA launch: the CLI checks before any command
 
+    from memtrain.runtime.env import visible_gpus_phrase  # as torch: only for a CUDA launch
+
     count = torch.cuda.device_count()
     if nproc > count:
-        raise ConfigError(f"--nproc-per-node {nproc} starts one rank per GPU, but {count} CUDA GPU"
-                          f"{'s are' if count != 1 else ' is'} visible; use --nproc-per-node {count} or fewer")
+        raise ConfigError(f"--nproc-per-node {nproc} starts one rank per GPU, but {visible_gpus_phrase(count)}; "
+                          f"use --nproc-per-node {count} or fewer")
 
 
 def check_sharded_resume(path: str | Path, nproc: int) -> None:
