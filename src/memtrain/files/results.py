@@ -461,11 +461,12 @@ def open_append(path: Path) -> int:
 
 
 def open_new(path: Path, flag: str = "--out") -> int:
-    """A descriptor of a new, empty ``path`` (O_EXCL: an existing file is never overwritten)."""
+    """A descriptor of a new, empty ``path`` (O_EXCL: an existing file is never overwritten), open
+    for reading too: a writer whose file is removed under it can still copy out what it wrote."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        return _open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        return _open_regular(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
     except FileExistsError:
         raise ConfigError(f"{str(path)!r} already exists and is not overwritten; choose a new {flag} "
                           "(or continue that run with --resume)") from None
