@@ -44,7 +44,7 @@ def test_report_command(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 0
     assert "Chunked LM-head loss" in capsys.readouterr().out
     assert main(["report", str(tmp_path / "nothing")]) == 2
-    assert "results.jsonl not found" in capsys.readouterr().err
+    assert "nothing' not found; memtrain report takes a folder that memtrain bench wrote" in capsys.readouterr().err
 
 
 def test_presets_resolve_for_both_scales():
