@@ -409,7 +409,7 @@ def test_report_and_plan_results_say_what_is_wrong_with_a_results_folder_in_the_
         os.mkfifo(folder / "results.jsonl")
     elif case == "a folder":
         (folder / "results.jsonl").mkdir()
-    expected = {"no folder": f"'{folder}' not found", "a file as the folder": f"'{folder}' is a file, not a folder",
+    expected = {"no folder": f"'{folder}' not found", "a file as the folder": f"'{folder}' is a regular file, not a folder",
                 "no results.jsonl": f"'{folder}/results.jsonl' not found",
                 "a FIFO": f"'{folder}/results.jsonl' is a FIFO, not a file",
                 "a folder": f"'{folder}/results.jsonl' is a directory, not a file"}[case]

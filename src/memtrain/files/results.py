@@ -802,7 +802,7 @@ def bench_results_file(folder: Path, reader: str) -> Path:
         mode = path.stat().st_mode
     except OSError:
         if Path(folder).exists() and not Path(folder).is_dir():
-            raise ConfigError(f"{str(folder)!r} is a file, not a folder; {fix}") from None
+            raise ConfigError(f"{str(folder)!r} is {file_kind(Path(folder).stat().st_mode)}, not a folder; {fix}") from None
         missing = path if Path(folder).is_dir() else Path(folder)
         raise ConfigError(f"{str(missing)!r} not found; {fix}") from None
     if not stat.S_ISREG(mode):
