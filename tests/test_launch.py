@@ -281,10 +281,13 @@ def test_a_signal_while_the_command_imports_is_one_line(sig):
 
 
 @pytest.mark.parametrize("field, value, words", [("hidden_act", "nonexistent", "hidden_act 'nonexistent' is no activation"),
-                                                 ("head_dim", 0, "head_dim 0 is not a positive whole number")])
+                                                 ("head_dim", 0, "head_dim 0 is not a positive whole number"),
+                                                 ("rope_scaling", {"type": "evil", "factor": 2.0},
+                                                  "rope_scaling type 'evil' is no rotary embedding")])
 def test_config_values_transformers_cannot_build_are_bad_input(tmp_path, capsys, field, value, words):
-    """transformers reads an unknown activation or a head_dim of 0 without a word, then fails
-    building the model (KeyError, ZeroDivisionError: exit 1) in train, a trace or generate."""
+    """transformers reads an unknown activation, a head_dim of 0 or an unknown rope_scaling type without
+    a word (or with a warning), then fails building the model (KeyError, ZeroDivisionError: exit 1) in
+    train, a trace or generate."""
     pytest.importorskip("transformers")
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "llama", "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 1,
