@@ -539,6 +539,27 @@ def test_links_planted_in_a_bench_folder_between_rows_are_replaced_not_followed(
     assert "bf16" in (out / "report.md").read_text().lower()
 
 
+def test_a_fifo_planted_at_metrics_jsonl_during_the_run_is_never_opened(tiny_run, capsys, monkeypatch):
+    """A FIFO put where metrics.jsonl was: the curve stops there with a warning (a FIFO is never
+    opened: a write would block the run), the run writes its result and says so in its last line."""
+    import memtrain.cli as cli
+
+    out = Path(tiny_run["out"])
+
+    def plant(done: int, total: int, median_s) -> None:
+        if done == 1:
+            (out / "metrics.jsonl").unlink()
+            os.mkfifo(out / "metrics.jsonl")
+
+    monkeypatch.setattr(cli, "_warn_after_first_step", lambda warning: plant)
+    assert main(["train", *cli_flags({**tiny_run, "steps": 3})]) == 2
+    err = capsys.readouterr().err
+    assert "warning: cannot write" in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("error:") and "metrics.jsonl" in err.strip().splitlines()[-1]
+    assert json.loads((out / "result.json").read_text())["steps"] == 3
+    assert stat.S_ISFIFO(os.lstat(out / "metrics.jsonl").st_mode)
+
+
 @pytest.mark.parametrize("how", ["link", "removed", "replaced", "moved"])
 def test_metrics_jsonl_replaced_during_the_run_keeps_every_line(tiny_run, tmp_path, capsys, monkeypatch, how):
     """metrics.jsonl removed, replaced by another file or by a planted link after the first step: the
