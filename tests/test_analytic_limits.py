@@ -139,3 +139,14 @@ def test_flops_per_kind_equals_the_whole_trace():
         for name, c in classes.items():
             k = kinds[0][phase][name]
             assert (k.counted, k.elementwise, k.bytes, k.ops) == (c.counted, c.elementwise, c.bytes, c.ops)
+
+
+@pytest.mark.parametrize("verb", [["estimate"], ["maxbatch", "--memory-budget", "8GiB"], ["flops"]])
+def test_an_absurd_seq_len_is_refused_naming_seq_len(verb, capsys):
+    """--seq-len alone sets --max-seq-len on the verbs that size one step: a --seq-len beyond the
+    limit was refused as "--max-seq-len 2,000,000 is beyond ...", a flag the user never gave."""
+    from memtrain.cli import main
+
+    assert main([*verb, "--seq-len", "2000000"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: --seq-len 2,000,000 is beyond what memtrain"), lines

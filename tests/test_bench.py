@@ -44,7 +44,7 @@ def test_report_command(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 0
     assert "Chunked LM-head loss" in capsys.readouterr().out
     assert main(["report", str(tmp_path / "nothing")]) == 2
-    assert "results.jsonl not found" in capsys.readouterr().err
+    assert "nothing' not found; memtrain report takes a folder that memtrain bench wrote" in capsys.readouterr().err
 
 
 def test_presets_resolve_for_both_scales():
@@ -216,3 +216,17 @@ def test_scatter_labels_do_not_overlap():
         assert not any(b.overlaps(o) for j, o in enumerate(boxes) if j != i), labels[i]
         assert not any(b.overlaps(m) for m in markers), labels[i]
     plt.close(fig)
+
+
+@pytest.mark.parametrize("row, words", [("precision=bf16+precision=fp32", "sets precision twice; keep one"),
+                                        ("lora-rank=2+lora_rank=4", "sets lora_rank twice; keep one"),
+                                        ("out=/tmp/elsewhere", "sets out, which the bench sets for each row")])
+def test_an_explicit_row_whose_key_could_only_be_ignored_is_refused_before_any_row_runs(tmp_path, capsys, row, words):
+    """`precision=bf16+precision=fp32` ran as fp32 under its label, `out=DIR` ran in OUT/rows like
+    any row: each silently ignored a setting the user wrote. Refused before anything runs."""
+    out = tmp_path / "b"
+    assert main(["bench", "--techniques", f"baseline,{row}", "--out", str(out), "--no-maxbatch", "--steps", "1",
+                 "--no-progress"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and words in lines[0], lines
+    assert not (out / "results.jsonl").exists()

@@ -390,9 +390,36 @@ def test_a_fifo_or_device_as_config_or_results_is_named_as_one(tmp_path: Path, c
     bench.mkdir()
     os.mkfifo(bench / "results.jsonl")
     code, err = _code_and_err(["report", str(bench)], capsys)
-    _assert_one_error_line(code, err, "results.jsonl is a FIFO, not a file")
+    _assert_one_error_line(code, err, "results.jsonl' is a FIFO, not a file")
     code, err = _code_and_err(["plan", "--budget", "8GiB", "--results", str(bench)], capsys)
     _assert_one_error_line(code, err, "results.jsonl' is a FIFO, not a file")
+
+
+@pytest.mark.parametrize("case", ["no folder", "a file as the folder", "no results.jsonl", "a FIFO", "a folder"])
+def test_report_and_plan_results_say_what_is_wrong_with_a_results_folder_in_the_same_words(tmp_path, capsys, case):
+    """`report DIR` and `plan --results DIR` checked DIR/results.jsonl each in its own words (quoted
+    or not, "point memtrain report at ..." / "--results takes a bench output folder"), and both said
+    "not found" of a results.jsonl that is a folder and of a DIR that is a file. One helper says it."""
+    folder = tmp_path / "b"
+    if case == "a file as the folder":
+        folder.write_text("x")
+    elif case != "no folder":
+        folder.mkdir()
+    if case == "a FIFO":
+        os.mkfifo(folder / "results.jsonl")
+    elif case == "a folder":
+        (folder / "results.jsonl").mkdir()
+    expected = {"no folder": f"'{folder}' not found", "a file as the folder": f"'{folder}' is a regular file, not a folder",
+                "no results.jsonl": f"'{folder}/results.jsonl' not found",
+                "a FIFO": f"'{folder}/results.jsonl' is a FIFO, not a file",
+                "a folder": f"'{folder}/results.jsonl' is a directory, not a file"}[case]
+    lines = []
+    for argv, reader in ((["report", str(folder)], "memtrain report"),
+                         (["plan", "--budget", "8GiB", "--results", str(folder)], "plan --results")):
+        code, err = _code_and_err(argv, capsys)
+        _assert_one_error_line(code, err, f"error: {expected}; {reader} takes a folder that memtrain bench wrote")
+        lines.append(err.strip().replace(reader, "READER"))
+    assert lines[0] == lines[1]
 
 
 def test_a_train_out_folder_given_as_a_model_folder_names_its_checkpoint(tmp_path: Path, capsys) -> None:

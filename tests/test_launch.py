@@ -249,11 +249,45 @@ def test_ctrl_c_before_the_command_runs_is_one_line(monkeypatch, capsys):
     assert "interrupted" in _one_error_line(capsys.readouterr().err)
 
 
+# The console script pip writes for the entry point in pyproject.toml, with the signal sent while
+# memtrain.cli imports its configuration modules (the import takes most of the startup).
+_CONSOLE_SCRIPT = """
+import builtins, os, signal, sys
+real_import = builtins.__import__
+def import_(name, *args, **kwargs):
+    if name == "memtrain.config.aliases":
+        os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+    return real_import(name, *args, **kwargs)
+builtins.__import__ = import_
+from {module} import {function}
+sys.exit({function}(["info"]))
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_while_the_command_imports_is_one_line(sig):
+    """Ctrl-C while the console script imported memtrain.cli printed a traceback (exit 1); a SIGTERM
+    ended the process without a line (exit 143). The entry point now handles both before the import."""
+    import tomllib
+
+    entry = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"]["memtrain"]
+    module, function = entry.split(":")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "MEMTRAIN_DEBUG")}
+    env["PYTHONPATH"] = str(Path(__file__).parents[1] / "src")
+    proc = subprocess.run([sys.executable, "-c", _CONSOLE_SCRIPT.format(module=module, function=function), sig],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 130, (proc.returncode, proc.stderr)
+    assert "interrupted" in _one_error_line(proc.stderr)
+
+
 @pytest.mark.parametrize("field, value, words", [("hidden_act", "nonexistent", "hidden_act 'nonexistent' is no activation"),
-                                                 ("head_dim", 0, "head_dim 0 is not a positive whole number")])
+                                                 ("head_dim", 0, "head_dim 0 is not a positive whole number"),
+                                                 ("rope_scaling", {"type": "evil", "factor": 2.0},
+                                                  "rope_scaling type 'evil' is no rotary embedding")])
 def test_config_values_transformers_cannot_build_are_bad_input(tmp_path, capsys, field, value, words):
-    """transformers reads an unknown activation or a head_dim of 0 without a word, then fails
-    building the model (KeyError, ZeroDivisionError: exit 1) in train, a trace or generate."""
+    """transformers reads an unknown activation, a head_dim of 0 or an unknown rope_scaling type without
+    a word (or with a warning), then fails building the model (KeyError, ZeroDivisionError: exit 1) in
+    train, a trace or generate."""
     pytest.importorskip("transformers")
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "llama", "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 1,

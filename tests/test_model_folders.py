@@ -173,6 +173,23 @@ def test_a_fifo_in_a_model_folder_is_refused_without_being_opened(tokenizer_dir,
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("text, words", [("{not json", "Expecting property name"),
+                                         ("{}", "lacks the field 'added_tokens'"),
+                                         ("[" * 100_000 + "]" * 100_000, "recursion")])
+def test_a_garbled_tokenizer_json_is_one_line_saying_what_to_fix(tokenizer_dir, corpus, tmp_path, capsys, text, words):
+    """A tokenizer.json that is no JSON, an empty object, or 100,000 levels deep: one line, but it
+    said only the parser's words ("cannot load the tokenizer of --model ...: 'added_tokens'"), not
+    what is wrong nor what to change."""
+    model = model_folder(tmp_path / "m", tokenizer_dir)
+    (model / "tokenizer.json").write_text(text)
+    capsys.readouterr()
+    assert main(_flags(model, corpus, tmp_path / "o")) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "cannot load the tokenizer of --model" in line and words in line, line
+    assert "fix or replace its tokenizer files" in line, line
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_device_or_fifo_given_as_the_model_is_named_itself(tmp_path, capsys):
     """`--model /dev/null` was refused for another entry of /dev ("'autofs' is a character
     device ... remove or replace that entry"), its folder being checked as a model folder."""

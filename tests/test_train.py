@@ -245,16 +245,54 @@ def test_a_copied_or_moved_checkpoint_resumes_without_that_runs_out_and_save(tin
     here = tmp_path / "here"
     here.mkdir()
     monkeypatch.chdir(here)
+    # Outside its run's folder, it names no folder to write into: refused, as a checkpoint still at
+    # its --save outside that folder is (it wrote into ./runs/train, a folder no one named).
     rc, err = _cli_train(capsys, "--resume", str(kept))
+    assert rc == 2 and "add --out DIR" in err and len(err.strip().splitlines()) == 1, err
+    assert list(here.iterdir()) == []
+    rc, err = _cli_train(capsys, "--resume", str(kept), "--out", str(here / "b"))
     assert rc == 0, err
-    assert f"was saved by its run as {str(ckpt)!r}" in err and "does not take that run's --out or --save" in err
+    assert f"was saved by its run as {str(ckpt)!r}" in err and "does not take that run's --save;" in err
     assert "saved no checkpoint" in err
     assert torch.load(ckpt, weights_only=True)["step"] == 4  # the run's newer checkpoint is left as it was
-    assert json.loads((here / "runs" / "train" / "result.json").read_text())["steps_run"] == 4
+    assert json.loads((here / "b" / "result.json").read_text())["steps_run"] == 4
     rc, err = _cli_train(capsys, "--resume", str(kept), "--out", str(tmp_path / "branch"),
                          "--save", str(tmp_path / "branch.pt"))
     assert rc == 0 and "moved or copied" not in err, err  # both named: nothing to say
     assert torch.load(tmp_path / "branch.pt", weights_only=True)["step"] == 6
+
+
+def test_resume_writes_where_the_user_said_or_into_the_checkpoints_own_run_folder(tiny_run, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """One rule for where a resumed run writes, moved checkpoint or not: --out when given, else the
+    folder the checkpoint lies in when its run wrote there, else refused. A checkpoint moved out of
+    its folder resumed into ./runs/train (a default no one named) while one left at its --save
+    outside its folder was refused; a copy kept inside its run's folder continues that folder."""
+    import shutil
+
+    from conftest import cli_flags
+
+    run_out = tmp_path / "run"
+    outside = tmp_path / "elsewhere.pt"  # saved outside its --out, still where its run saved it
+    rc, err = _cli_train(capsys, *cli_flags({**tiny_run, "out": str(run_out), "save": str(outside), "stop_after": 2}))
+    assert rc == 0, err
+    inside = run_out / "kept.pt"
+    shutil.copy(outside, inside)  # a copy kept in the run's own folder
+    moved = tmp_path / "moved.pt"
+    shutil.copy(outside, moved)  # and one moved away from it
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    for ckpt in (outside, moved):
+        rc, err = _cli_train(capsys, "--resume", str(ckpt))
+        assert rc == 2 and "is not in the folder its run wrote to" in err and "add --out DIR" in err, err
+    assert list(here.iterdir()) == []  # nothing written where no one said
+    rc, err = _cli_train(capsys, "--resume", str(inside), "--stop-after", "4")
+    assert rc == 0, err
+    assert "does not take that run's --save" in err  # a copy: the run's own --save is left alone
+    assert json.loads((run_out / "result.json").read_text())["steps_run"] == 2
+    assert torch.load(outside, weights_only=True)["step"] == 2
+    assert list(here.iterdir()) == []
 
 
 def test_a_copied_checkpoint_of_a_run_that_saved_periodically_resumes(tiny_run, tmp_path, capsys):

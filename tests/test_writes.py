@@ -537,3 +537,69 @@ def test_links_planted_in_a_bench_folder_between_rows_are_replaced_not_followed(
     assert [json.loads(line)["technique"] for line in (out / "results.jsonl").read_text().splitlines()] == [
         "precision=bf16"]
     assert "bf16" in (out / "report.md").read_text().lower()
+
+
+def test_a_fifo_planted_at_metrics_jsonl_during_the_run_is_never_opened(tiny_run, capsys, monkeypatch):
+    """A FIFO put where metrics.jsonl was: the curve stops there with a warning (a FIFO is never
+    opened: a write would block the run), the run writes its result and says so in its last line."""
+    import memtrain.cli as cli
+
+    out = Path(tiny_run["out"])
+
+    def plant(done: int, total: int, median_s) -> None:
+        if done == 1:
+            (out / "metrics.jsonl").unlink()
+            os.mkfifo(out / "metrics.jsonl")
+
+    monkeypatch.setattr(cli, "_warn_after_first_step", lambda warning: plant)
+    assert main(["train", *cli_flags({**tiny_run, "steps": 3})]) == 2
+    err = capsys.readouterr().err
+    assert "warning: cannot write" in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("error:") and "metrics.jsonl" in err.strip().splitlines()[-1]
+    assert json.loads((out / "result.json").read_text())["steps"] == 3
+    assert stat.S_ISFIFO(os.lstat(out / "metrics.jsonl").st_mode)
+
+
+@pytest.mark.parametrize("how", ["link", "removed", "replaced", "moved"])
+def test_metrics_jsonl_replaced_during_the_run_keeps_every_line(tiny_run, tmp_path, capsys, monkeypatch, how):
+    """metrics.jsonl removed, replaced by another file or by a planted link after the first step: the
+    run kept writing into the file it had open, no longer in the folder, and every later line was
+    lost (a link's target was left alone). The name is followed as result.json's is: a link is
+    replaced, not followed; lines of a file no longer anywhere are copied into the new one."""
+    import memtrain.cli as cli
+
+    out = Path(tiny_run["out"])
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+
+    def plant(done: int, total: int, median_s) -> None:
+        if done != 1:
+            return
+        metrics = out / "metrics.jsonl"
+        if how == "moved":
+            metrics.rename(tmp_path / "moved.jsonl")
+        else:
+            metrics.unlink()
+        if how == "link":
+            metrics.symlink_to(victim)
+        elif how == "replaced":
+            metrics.write_text('{"note": "theirs"}\n')
+
+    monkeypatch.setattr(cli, "_warn_after_first_step", lambda warning: plant)
+    assert main(["train", *cli_flags({**tiny_run, "steps": 3})]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert victim.read_text() == "precious\n"
+    metrics = out / "metrics.jsonl"
+    assert not metrics.is_symlink()
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = [r["step"] for r in lines if "loss" in r]  # the step lines (the last evaluation's has val_loss)
+    assert lines[-1]["step"] == 3 and "val_loss" in lines[-1]
+    if how == "moved":  # the earlier line is where it was moved to; the rest continue at the name
+        assert [json.loads(x)["step"] for x in (tmp_path / "moved.jsonl").read_text().splitlines()] == [1]
+        assert steps == [2, 3]
+    else:
+        assert steps == [1, 2, 3], lines
+    if how == "replaced":
+        assert lines[0] == {"note": "theirs"}
+    assert "metrics.jsonl" in err and ("became a symbolic link" in err) == (how == "link"), err

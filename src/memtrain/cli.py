@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import memtrain.commands as commands
 from memtrain import __version__
+from memtrain.analysis.limits import MAX_WIDTH, check_at_most
 from memtrain.config.aliases import (
     ALIASES,
     BY_NAME,
@@ -267,6 +268,9 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = 
             except (TypeError, ValueError, OverflowError):  # a config file's .inf: no int
                 seq = 0  # build_config below reports the bad value
             if seq > build_config(base or {}).model.max_seq_len:
+                # The derived --max-seq-len is the user's --seq-len: a size beyond the limit is
+                # refused naming the flag they gave (it named --max-seq-len, never written).
+                check_at_most("--seq-len", seq, MAX_WIDTH)
                 layers.append({"max_seq_len": seq})
     cfg = build_config(*layers)
     given = _given_settings([file_layer, flags])

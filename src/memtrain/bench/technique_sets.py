@@ -110,6 +110,21 @@ def noise_twin(name: str) -> Optional[Twin]:
     return twin if twin is not None and twin.base in TECHNIQUES else None
 
 
+# Settings a row cannot choose: the bench runs each row in its own folder, OUT/rows/NAME.
+BENCH_SET_KEYS = frozenset({"out"})
+
+
+def _refuse_row_key(name: str, key: str, earlier: dict[str, Any]) -> None:
+    """A key of the explicit row ``name`` that could only be ignored: one it already set (the last
+    value silently won: ``precision=bf16+precision=fp32`` ran, and was reported, as fp32), or one
+    the bench sets for every row (``out=/etc`` ran in OUT/rows as if it had not been written)."""
+    if key in earlier:
+        raise ConfigError(f"technique {name!r} sets {key} twice; keep one")
+    if key in BENCH_SET_KEYS:
+        raise ConfigError(f"technique {name!r} sets {key}, which the bench sets for each row (OUT/rows/NAME); "
+                          f"drop {key}= from the row")
+
+
 def technique_overrides(name: str, scale: str) -> dict[str, Any]:
     """Config overrides of technique ``name`` (a preset, a preset's noise twin, or an
     explicit ``key=value+key=value`` combination) at ``scale``."""
@@ -122,7 +137,9 @@ def technique_overrides(name: str, scale: str) -> dict[str, Any]:
             key, _, value = part.partition("=")
             if not key or not _:
                 raise ConfigError(f"cannot read technique {name!r}; write presets or key=value+key=value, e.g. precision=bf16+loss=chunked")
-            out[key.strip().replace("-", "_")] = value.strip()
+            key = key.strip().replace("-", "_")
+            _refuse_row_key(name, key, out)
+            out[key] = value.strip()
         return out
     if name not in TECHNIQUES:
         close = difflib.get_close_matches(name, TECHNIQUES, n=1)

@@ -29,8 +29,7 @@ from memtrain.commands.estimate import (
 from memtrain.config.argtypes import batch_count, positive_int, user_path
 from memtrain.config.run import ConfigError, parse_size
 from memtrain.devices.numerics import is_standard, numerics_key, numerics_note
-from memtrain.files.guard import special_file_kind
-from memtrain.files.results import latest_settings, read_results_counted, rows_under
+from memtrain.files.results import bench_results_file, latest_settings, read_results_counted, rows_under
 from memtrain.report.noise import (
     FACTOR,
     fmt_noise,
@@ -245,11 +244,7 @@ def _measured_effects(results_dir: str, techs: list[dict]) -> tuple[list[Optiona
     noise is measured around it), else the standard row with the lowest loss; twins are never
     a candidate's row."""
     path = Path(results_dir)
-    kind = special_file_kind(path / "results.jsonl")  # a FIFO is never opened (it would block)
-    if kind is not None:
-        raise ConfigError(f"{str(path / 'results.jsonl')!r} is {kind}, not a file; --results takes a bench output folder")
-    if not (path / "results.jsonl").is_file():
-        raise ConfigError(f"{str(path / 'results.jsonl')!r} not found; --results takes a bench output folder")
+    bench_results_file(path, "plan --results")
     results = _bench_rows(path)
     rows = [r for r in results if r.get("status") == "ok" and r.get("val_loss") is not None
             and not is_noise_twin(r.get("technique"))]

@@ -9,8 +9,7 @@ from memtrain.cli import register
 from memtrain.commands.bench import warn_skipped_lines
 from memtrain.config.argtypes import user_path
 from memtrain.config.run import ConfigError
-from memtrain.files.guard import special_file_kind
-from memtrain.files.results import read_results_counted, row_settings
+from memtrain.files.results import bench_results_file, read_results_counted, row_settings
 from memtrain.report import write_report
 
 
@@ -25,12 +24,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     out = Path(args.dir)
-    kind = special_file_kind(out / "results.jsonl")  # a FIFO is never opened (it would block)
-    if kind is not None:
-        raise ConfigError(f"{out}/results.jsonl is {kind}, not a file; point memtrain report at a folder written by "
-                          "memtrain bench")
-    if not (out / "results.jsonl").is_file():
-        raise ConfigError(f"{out}/results.jsonl not found; point memtrain report at a folder written by memtrain bench")
+    bench_results_file(out, "memtrain report")
     # Read and check the rows before writing: a file with no rows must not replace a good report.
     read = read_results_counted(out)
     if not read.rows:

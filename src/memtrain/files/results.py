@@ -56,6 +56,7 @@ from typing import IO, Any, Callable, Optional
 
 # A leaf import (not memtrain.config.run): config itself parses its files with loads_bounded.
 from memtrain.errors import ConfigError
+from memtrain.files.guard import file_kind
 
 LOCK_NAME = ".memtrain.lock"
 # The bench store: one row per line, appended as each row finishes (see memtrain.bench).
@@ -461,11 +462,12 @@ def open_append(path: Path) -> int:
 
 
 def open_new(path: Path, flag: str = "--out") -> int:
-    """A descriptor of a new, empty ``path`` (O_EXCL: an existing file is never overwritten)."""
+    """A descriptor of a new, empty ``path`` (O_EXCL: an existing file is never overwritten), open
+    for reading too: a writer whose file is removed under it can still copy out what it wrote."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        return _open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        return _open_regular(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
     except FileExistsError:
         raise ConfigError(f"{str(path)!r} already exists and is not overwritten; choose a new {flag} "
                           "(or continue that run with --resume)") from None
@@ -789,6 +791,25 @@ def bench_row_problem(row: dict[str, Any]) -> Optional[str]:
 
 
 # --------------------------------------------------------------------------- the bench store
+def bench_results_file(folder: Path, reader: str) -> Path:
+    """``folder``/results.jsonl, for a reader of a bench's results (``reader``: "memtrain report",
+    "plan --results"), or one ConfigError, in the same words for every reader, saying what is
+    there instead: nothing, a file where the folder goes, or a FIFO, device or folder where
+    results.jsonl goes (found with ``stat``, never opened: a FIFO would block)."""
+    path = Path(folder) / BENCH_RESULTS
+    fix = f"{reader} takes a folder that memtrain bench wrote"
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        if Path(folder).exists() and not Path(folder).is_dir():
+            raise ConfigError(f"{str(folder)!r} is {file_kind(Path(folder).stat().st_mode)}, not a folder; {fix}") from None
+        missing = path if Path(folder).is_dir() else Path(folder)
+        raise ConfigError(f"{str(missing)!r} not found; {fix}") from None
+    if not stat.S_ISREG(mode):
+        raise ConfigError(f"{str(path)!r} is {file_kind(mode)}, not a file; {fix}")
+    return path
+
+
 def read_results_counted(out: Path) -> JsonlRead:
     """The bench rows of ``results.jsonl`` and the count of lines that were not rows (torn by
     a kill or a full disk, not a JSON object, or not shaped like a bench row)."""

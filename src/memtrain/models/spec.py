@@ -18,11 +18,14 @@ only from ``*.safetensors`` (never pickled ``*.bin`` files).
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import json
+import logging
 import math
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -416,8 +419,9 @@ def load_config(spec: str) -> Any:
     try:
         # One code path for a Hub repository, a directory and a config.json file; an offline Hub
         # is read from the local cache only (hub_access: seconds instead of half a minute of retries).
-        cfg = AutoConfig.from_pretrained(src.repo or str(src.config_path), trust_remote_code=False,
-                                         **from_pretrained_kwargs(src.repo))
+        with _rope_type_warning_dropped():
+            cfg = AutoConfig.from_pretrained(src.repo or str(src.config_path), trust_remote_code=False,
+                                             **from_pretrained_kwargs(src.repo))
     except Exception as exc:  # noqa: BLE001 - OSError, bad JSON, or transformers' validation of a field
         # transformers' validation puts the reason on the lines after its headline ("Class
         # validation error for validator ...:" then "ValueError: The hidden size (64) is not a
@@ -450,6 +454,59 @@ def _refuse_unbuildable(cfg: Any, spec: str) -> None:
     if head_dim is not None and (not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 1):
         raise ConfigError(f"--model {spec!r}: its config.json's head_dim {head_dim!r} is not a positive whole number; "
                           "fix it, or remove it (hidden_size / num_attention_heads is taken)")
+    _refuse_unknown_rope_type(cfg, spec)
+
+
+def _rope_types(parameters: Any) -> list[Any]:
+    """The ``rope_type`` values of a config's ``rope_parameters``: one mapping, or one per layer
+    type (Gemma-3's ``{"full_attention": {...}, "sliding_attention": {...}}``)."""
+    if not isinstance(parameters, dict):
+        return []
+    if "rope_type" in parameters:
+        return [parameters["rope_type"]]
+    return [p["rope_type"] for p in parameters.values() if isinstance(p, dict) and "rope_type" in p]
+
+
+def _refuse_unknown_rope_type(cfg: Any, spec: str) -> None:
+    """A ``rope_scaling``/``rope_parameters`` type transformers has no rotary embedding for (no
+    ``_validate_<type>_rope_parameters`` on the config): it reads the config with a warning, then
+    building the model fails (KeyError: exit 1) in train, a traced estimate, generate."""
+    known = sorted(m.group(1) for m in map(_ROPE_VALIDATOR.fullmatch, dir(cfg)) if m)
+    for rope_type in _rope_types(getattr(cfg, "rope_parameters", None)):
+        if not isinstance(rope_type, str) or rope_type not in known:
+            raise ConfigError(f"--model {spec!r}: its config.json's rope_scaling type {rope_type!r} is no rotary "
+                              f"embedding transformers knows; use one of {', '.join(known)}, or remove rope_scaling")
+
+
+# The check transformers runs for each rope type it knows (RotaryEmbeddingConfigMixin's methods).
+_ROPE_VALIDATOR = re.compile(r"_validate_(\w+)_rope_parameters")
+# What transformers logs, reading a config, of a rope type it does not know: the refusal above says it.
+_UNKNOWN_ROPE_WARNING = "Missing validation function in 'RotaryEmbeddingConfigMixin'"
+
+
+@contextlib.contextmanager
+def _rope_type_warning_dropped() -> Iterator[None]:
+    """transformers' warning about an unknown rope type kept off stderr while a config is read:
+    :func:`_refuse_unknown_rope_type` refuses that config in its one ``error:`` line."""
+    rope_log = logging.getLogger("transformers.modeling_rope_utils")
+    drop = _DropMessage(_UNKNOWN_ROPE_WARNING)
+    rope_log.addFilter(drop)
+    try:
+        yield
+    finally:
+        rope_log.removeFilter(drop)
+
+
+class _DropMessage(logging.Filter):
+    """Drops the log records whose message starts with ``prefix``."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith(self.prefix)
+
 
 
 def _hub_file(repo: str, name: str, spec: str) -> Path:

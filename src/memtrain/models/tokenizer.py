@@ -91,5 +91,14 @@ def load_tokenizer(load_id: str, what: str, repo: Optional[str] = None) -> Any:
             # to ask for trust_remote_code=True); a folder's was refused before this read (refuse_custom_tokenizer)
             raise ConfigError(f"the tokenizer of {what} names custom code (auto_map); memtrain never runs code shipped "
                               "with a model: use a tokenizer class transformers ships") from None
-        first = text.splitlines()[0] if text else type(exc).__name__
-        raise ConfigError(f"cannot load the tokenizer of {what}: {first}") from None
+        raise ConfigError(f"cannot load the tokenizer of {what}: {_load_failure(exc)}; fix or replace its tokenizer "
+                          f"files ({', '.join(TOKENIZER_FILES)})") from None
+
+
+def _load_failure(exc: BaseException) -> str:
+    """What went wrong reading a tokenizer, in words: a KeyError (a field transformers expects,
+    missing from a file) said only the field's name."""
+    if isinstance(exc, KeyError) and exc.args:
+        return f"a file lacks the field {exc.args[0]!r}"
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

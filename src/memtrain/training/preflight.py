@@ -429,13 +429,15 @@ def resumed_settings(path: str | Path, launched: bool = False,
     is still refused as another run's (:func:`check_resume`). Leaves out :data:`NOT_RESUMED`
     and names this memtrain does not know. A saved value memtrain refuses is one ConfigError
     naming the checkpoint. Also returns the ``--save`` the checkpoint was written as where it is
-    no longer that file (:func:`saved_elsewhere`: its ``--out`` and ``--save`` are left out then),
-    else None.
+    no longer that file (:func:`saved_elsewhere`: its ``--save`` and ``--save-every`` are left
+    out then), else None.
 
-    A checkpoint still at its ``--save`` lends its ``--out`` only when it lies in that folder
-    (:func:`lends_out`): a file anyone could have placed at a path names no folder for this run
-    to write into. Otherwise this run needs its own ``--out`` (``out_given``: the flags or the
-    config file name one), else one ConfigError saying to add it."""
+    One rule says where a resumed run writes, moved checkpoint or not: into the ``--out`` the
+    flags or the config file name (``out_given``); else into the folder the checkpoint lies in,
+    when that is the folder its run wrote to (:func:`lends_out`); else nowhere: one ConfigError
+    saying to add ``--out``. A file anyone could have placed at a path names no folder for this
+    run to write into, and a default folder (runs/train, where a moved checkpoint's run once
+    wrote) is one the user did not name."""
     saved, _, _ = saved_run(path)
     if not launched and Path(path).expanduser().is_dir():
         check_sharded_resume(path, 1)  # a ranks' checkpoint: says how many ranks resume it
@@ -451,21 +453,22 @@ def resumed_settings(path: str | Path, launched: bool = False,
         raise ConfigError(f"checkpoint {str(path)!r} holds settings memtrain refuses ({exc}); resume only from "
                           "checkpoints memtrain wrote") from None
     saved_as = settings.get("save")
-    if not saved_elsewhere(path, saved_as):
-        if "out" in settings and not lends_out(path, settings["out"]):
-            if not out_given:
-                raise ConfigError(f"checkpoint {str(path)!r} is not in the folder its run wrote to "
-                                  f"({str(settings['out'])!r}), so it does not say where this run writes; "
-                                  "add --out DIR (the run's own folder to continue there)")
-            del settings["out"]
-        return settings, None
-    return {k: v for k, v in settings.items() if k not in RUN_OUTPUTS}, saved_as
+    moved = saved_elsewhere(path, saved_as)
+    if moved:  # its --save (and how often to save there) is that run's, whose newer checkpoint it holds
+        settings = {k: v for k, v in settings.items() if k not in RUN_SAVES}
+    if not lends_out(path, settings.get("out")):
+        if not out_given:
+            raise ConfigError(f"checkpoint {str(path)!r} is not in the folder its run wrote to "
+                              f"({str(settings.get('out'))!r}), so it does not say where this run writes; "
+                              "add --out DIR (the run's own folder to continue there)")
+        settings.pop("out", None)
+    return settings, saved_as if moved else None
 
 
-# Where a run writes: taken by a resumed run only from a checkpoint still where its run saved it.
+# Where a run saves: taken by a resumed run only from a checkpoint still where its run saved it.
 # --save-every is how often it saves to that --save: taken without it, a copied checkpoint's run
 # was refused for a --save-every its user never gave ("add --save or drop --save-every").
-RUN_OUTPUTS: frozenset[str] = frozenset({"out", "save", "save_every"})
+RUN_SAVES: frozenset[str] = frozenset({"save", "save_every"})
 
 
 def lends_out(checkpoint: str | Path, out: Any) -> bool:
@@ -492,14 +495,13 @@ def saved_elsewhere(path: str | Path, saved_as: Any) -> bool:
 def moved_checkpoint_note(cfg: RunConfig, saved_as: Optional[str], given: Iterable[str]) -> Optional[str]:
     """The note a resumed run prints after it when its checkpoint was saved elsewhere, as
     ``saved_as`` (:func:`resumed_settings`), and the flags or the config file (``given``) did not
-    name both outputs it left out; None otherwise."""
-    left = [k for k in ("out", "save") if k not in given]
-    if saved_as is None or not left:
+    name the ``--save`` it left out; None otherwise."""
+    if saved_as is None or "save" in given:
         return None
     t = cfg.train
     writes = f"it wrote to {t.out!r}" + (f" and saved {t.save!r}" if t.save else " and saved no checkpoint (--save to keep one)")
     return (f"note: {str(t.resume)!r} was saved by its run as {saved_as!r} (moved or copied since): this run does not "
-            f"take that run's {' or '.join(f'--{k}' for k in left)}; {writes}")
+            f"take that run's --save; {writes}")
 
 
 def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:

@@ -19,7 +19,10 @@ from pathlib import Path
 from typing import Any, Optional, Protocol
 
 from memtrain.config.run import ConfigError
-from memtrain.files.results import METRICS_NAME, open_append, open_new, write_all
+from memtrain.files.results import METRICS_NAME, drop_planted_link, open_append, open_new, write_all
+
+# Bytes copied at a time from a curve no longer in the folder into the file that takes its name.
+_COPY_PIECE = 1 << 20
 
 REPORT_TO = ("none", "tensorboard", "wandb")
 # The folder inside --out each logger writes its own files into (wandb makes OUT/wandb itself).
@@ -39,6 +42,10 @@ class JsonlSink:
     A fresh run creates the file (``O_EXCL``: an earlier run's curve is never overwritten; the
     CLI refuses such a folder before the first step). A resumed run appends to the curve it
     continues, after a newline when a kill left the last line torn. Never through a link.
+    The name is checked before each line, as result.json's and results.jsonl's are: when it no
+    longer names this run's file (removed, replaced, a link planted), the curve goes on in the file
+    now at the name (a link is replaced, never followed), after the lines written so far when the
+    file they are in is no longer anywhere; otherwise every later line went to a removed file.
     A failed write (a full disk) does not stop the run: the sink says so once, stops writing,
     and keeps the error in :attr:`failure` for the run to report after its other writes."""
 
@@ -60,12 +67,14 @@ class JsonlSink:
         if self.resumed_from is not None:
             clean["resumed_from_step"] = self.resumed_from
         try:
+            self._follow_the_name()
             write_all(self.fd, (json.dumps({"step": step, **clean}) + "\n").encode(), self.path)
             self.created_empty = False
             self.resumed_from = None
-        except OSError as exc:
+        except (OSError, ConfigError) as exc:  # ConfigError: a folder or FIFO now at the name
             self.failure = exc
-            sys.stderr.write(f"warning: cannot write {self.path} ({exc.strerror or exc}); training goes on, "
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            sys.stderr.write(f"warning: cannot write {self.path} ({reason}); training goes on, "
                              f"its curve from step {step} on is not logged\n")
             self.close()
 
@@ -73,6 +82,42 @@ class JsonlSink:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+    def _follow_the_name(self) -> None:
+        """Reopen the curve at :attr:`path` when the name no longer names the open file."""
+        assert self.fd is not None
+        mine = os.fstat(self.fd)
+        try:
+            there = os.lstat(self.path)
+            if (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino):
+                return
+        except FileNotFoundError:
+            pass
+        drop_planted_link(self.path)  # warns: a link is replaced, its target untouched
+        old, self.fd = self.fd, None
+        try:
+            self.fd = open_append(self.path)
+            # st_nlink 0: the file is in no folder any more (removed, or renamed over); its lines
+            # would go with it. A file moved elsewhere keeps them where it was moved.
+            copied = self._copy_lines(old) if mine.st_nlink == 0 else 0
+        finally:
+            os.close(old)
+        sys.stderr.write(f"warning: {str(self.path)!r} was replaced or removed while the run wrote it; the curve "
+                         f"goes on in the file now there" + (f" ({copied} bytes written before copied into it)"
+                                                             if copied else "") + "\n")
+        self.created_empty = False  # the file at the name is not one this run made empty
+
+    def _copy_lines(self, old: int) -> int:
+        """Append every byte of the descriptor ``old`` to the curve (then a newline if its last
+        line was torn, so the next line stays intact); the count copied."""
+        assert self.fd is not None
+        copied, last = 0, b"\n"
+        while piece := os.pread(old, _COPY_PIECE, copied):
+            write_all(self.fd, piece, self.path)
+            copied, last = copied + len(piece), piece
+        if not last.endswith(b"\n"):
+            write_all(self.fd, b"\n", self.path)
+        return copied
 
     def discard_if_empty(self) -> None:
         """Close, and remove the file when this run created it and wrote no line (a run that failed
