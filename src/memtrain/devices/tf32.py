@@ -78,8 +78,10 @@ def restore_fp32_matmul(state: Fp32MatmulState) -> None:
 
 def set_tf32(enabled: bool) -> None:
     """TF32 on or off for FP32 matmuls and cuDNN, process-wide, through both APIs."""
-    if "global" in _new_api_knobs():
-        torch.backends.fp32_precision = "tf32" if enabled else "ieee"
+    knobs = _new_api_knobs()
+    if "global" in knobs:
+        obj, attr = knobs["global"]
+        setattr(obj, attr, "tf32" if enabled else "ieee")
     torch.backends.cuda.matmul.allow_tf32 = enabled
     torch.backends.cudnn.allow_tf32 = enabled
     torch.set_float32_matmul_precision("high" if enabled else "highest")
