@@ -101,3 +101,21 @@ def test_the_child_answer_is_read_back_and_a_failed_child_is_none(fake_cuda, mon
 def test_the_child_refuses_a_device_that_is_not_cuda(capsys):
     assert cuda_caps.main(["cpu"]) == 2
     assert "usage" in capsys.readouterr().err
+
+
+def test_a_cuda_result_records_the_allocator_settings(monkeypatch):
+    """result.json's env on CUDA names the allocator settings its reserved figures ran under."""
+    from memtrain.runtime import env as run_env
+
+    class Props:
+        total_memory = 80 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    for name in run_env.ALLOC_CONF_VARS:
+        monkeypatch.delenv(name, raising=False)
+    assert run_env.environment(torch.device("cuda"))["allocator_conf"] == {}
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    recorded = run_env.environment(torch.device("cuda"))
+    assert recorded["allocator_conf"] == {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    assert "allocator_conf" not in run_env.environment(torch.device("cpu"))

@@ -497,3 +497,14 @@ def test_generate_checks_full_rows_are_estimated_and_its_smoke_rows_measured(tmp
     with pytest.raises(SystemExit) as used:  # a folder holding an earlier run's rows
         check.main(["--out", str(tmp_path / "out"), "--device", "cpu"])
     assert used.value.code == 2
+
+
+def test_the_part_header_names_the_allocator_settings(monkeypatch):
+    """Every reserved figure of a part depends on them, and the allocator model assumes torch's
+    defaults: a run on a machine that sets expandable_segments says so in its header."""
+    monkeypatch.setattr(runbook.shutil, "which", lambda name: None)  # no nvidia-smi here
+    env = {k: v for k, v in runbook._env(None, None).items() if "ALLOC_CONF" not in k}
+    assert runbook._machine(env)[-1] == ("allocator settings: torch's defaults "
+                                         "(PYTORCH_ALLOC_CONF and PYTORCH_CUDA_ALLOC_CONF unset)")
+    env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    assert runbook._machine(env)[-1] == "allocator settings: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
