@@ -55,7 +55,7 @@ def _fake_row(name: str, cfg: Any, opts: BenchOptions, eta: Any = None, known_ma
 def _opts(out: Path) -> BenchOptions:
     overrides = {**TINY_MODEL, "seq_len": 32, "val_blocks": 2, "device": "cuda", "progress": False,
                  "steps": 2, "batch_size": 2}
-    return BenchOptions(techniques=["baseline", "bf16"], out=out, overrides=overrides, maxbatch=False,
+    return BenchOptions(techniques=["baseline", "bf16"], out=out, overrides=overrides, maxbatch=True,
                         progress=False, eta=False)
 
 
