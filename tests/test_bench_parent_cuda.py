@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import types
 from pathlib import Path
 from typing import Any
 
@@ -119,3 +120,21 @@ def test_a_cuda_result_records_the_allocator_settings(monkeypatch):
     recorded = run_env.environment(torch.device("cuda"))
     assert recorded["allocator_conf"] == {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
     assert "allocator_conf" not in run_env.environment(torch.device("cpu"))
+
+
+def test_the_comparison_report_names_the_gpu_without_initialising_cuda(fake_cuda, monkeypatch, tmp_path):
+    """compare_hf's parent rewrites its report after every row; while no run has recorded its
+    machine (every one so far failed), the report names it itself, from the child on a GPU."""
+    from memtrain.bench.hf.cli import settings_of
+    from memtrain.bench.hf.report import write_report
+    from memtrain.bench.hf.rows import resolve_rows
+
+    monkeypatch.setattr(cuda_caps, "_child_answer", lambda device: H100)
+    rows = resolve_rows("quick", ["baseline"], {**TINY_MODEL, "seq_len": 32, "device": "cuda"}, "cuda")
+    opts = types.SimpleNamespace(scale="quick", repeats=1, threads=None, device="cuda", lockstep=True,
+                                 exact_schedule=False, model=None)
+    report = write_report(tmp_path, rows, settings_of(opts, rows, None, None), "compare_hf.py --device cuda", 0.0)
+    assert fake_cuda == []
+    assert report["env"]["device_model"] == H100.name and report["env"]["device_type"] == "cuda"
+    assert report["env"]["torch"] == torch.__version__ and report["env"]["host_threads"] >= 1
+    assert H100.name in (tmp_path / "compare_hf.md").read_text()
