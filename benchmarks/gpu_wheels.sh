@@ -14,7 +14,9 @@ mkdir -p .whl
 # its llama and qwen2 forwards (what use_liger_kernel=True patches in) read config.use_return_dict and
 # pass past_key_values, both deprecated there but still answered (a property; an alias of `cache`
 # until 5.40), so they run, with deprecation warnings: run on the CPU with a plain-torch loss in place
-# of the Triton one, the same loss as the unpatched model's. memtrain's LigerFusedLinearCrossEntropyLoss
+# of the Triton one, the same loss as the unpatched model's. Its module patches find what they need
+# there too: RMSNorm's variance_epsilon, the MLPs' gate/up/down_proj, the module-level
+# apply_rotary_pos_emb(q, k, cos, sin) that the attention calls. memtrain's LigerFusedLinearCrossEntropyLoss
 # call (ignore_index, reduction, accum_dtype) matches 0.8.5's signature. compare_hf refuses Liger for a
 # model whose patched forward reads a config attribute the installed transformers lacks
 # (memtrain.bench.hf.mapping.liger_forward_gaps).
