@@ -13,6 +13,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from memtrain.bench.scales import scale_overrides
 from memtrain.bench.technique_sets import technique_overrides
@@ -508,3 +509,25 @@ def test_the_part_header_names_the_allocator_settings(monkeypatch):
                                          "(PYTORCH_ALLOC_CONF and PYTORCH_CUDA_ALLOC_CONF unset)")
     env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     assert runbook._machine(env)[-1] == "allocator settings: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+
+
+def test_loss_profile_skips_a_library_kernel_that_cannot_run_here_and_says_why(tmp_path, monkeypatch):
+    """A library kernel's variant whose package is missing, or whose device is not CUDA, is written
+    as skipped with memtrain's reason, not as a failure; the other variants still run."""
+    profile = _load("loss_profile")
+    assert profile.main(["--device", "cpu", "--batch-size", "1", "--seq-len", "16", "--d-model", "32",
+                         "--variants", "liger,cce-cudagraphs,standard", "--steps", "1", "--warmup", "1",
+                         "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "loss_profile.json").read_text())["rows"]
+    assert [r["name"] for r in rows] == ["liger", "cce-cudagraphs", "standard"]
+    assert rows[0]["skipped"].startswith("--loss-kernel liger runs on CUDA only")
+    assert rows[1]["skipped"].startswith("--loss-kernel cce runs on CUDA only")
+    assert not any("error" in r for r in rows) and rows[2]["step_s_median"] > 0
+    md = (tmp_path / "loss_profile.md").read_text()
+    assert "| liger | skipped: --loss-kernel liger runs on CUDA only" in md
+    assert "## standard: top operators" in md and "## liger" not in md
+    # On CUDA without the package installed: skipped, naming what to install.
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)  # find_spec: not installed
+    why = profile._library_refusal({"loss": "chunked", "loss_kernel": "liger"}, torch.device("cuda"))
+    assert why is not None and why.startswith("--loss-kernel liger needs liger_kernel") and "pip install" in why
+    assert profile._library_refusal({"loss": "standard"}, torch.device("cuda")) is None
