@@ -44,12 +44,6 @@ def _legacy_reads() -> bool:
     return True
 
 
-def test_new_api_set_first_makes_the_legacy_reads_raise() -> None:
-    # The premise of this file, on the installed torch: if it stops holding, the helpers still work.
-    torch.backends.fp32_precision = "tf32"
-    assert not _legacy_reads()
-
-
 def test_probe_rates_read_the_state_after_the_new_api(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.backends.fp32_precision = "tf32"  # as TrainingArguments(tf32=True) does
     before = fp32_matmul_state()
