@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -531,3 +532,15 @@ def test_loss_profile_skips_a_library_kernel_that_cannot_run_here_and_says_why(t
     why = profile._library_refusal({"loss": "chunked", "loss_kernel": "liger"}, torch.device("cuda"))
     assert why is not None and why.startswith("--loss-kernel liger needs liger_kernel") and "pip install" in why
     assert profile._library_refusal({"loss": "standard"}, torch.device("cuda")) is None
+
+
+def test_loss_kernel_ab_says_why_a_row_left_no_result(tmp_path):
+    """A row memtrain refuses (here: no GPU; on one, a kernel's package not installed) is printed
+    with memtrain's one-line reason, not a bare "no result"."""
+    script = str(ROOT / "benchmarks" / "loss_kernel_ab.sh")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(["bash", script, str(tmp_path / "ab"), "qwen-cce"], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=300)
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("| qwen-cce |")]
+    assert "| exit 2 |" in line
+    assert "no result: error: --device cuda was asked for but no CUDA GPU is visible" in line
