@@ -544,3 +544,28 @@ def test_loss_kernel_ab_says_why_a_row_left_no_result(tmp_path):
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("| qwen-cce |")]
     assert "| exit 2 |" in line
     assert "no result: error: --device cuda was asked for but no CUDA GPU is visible" in line
+
+
+def test_allocator_check_measures_under_the_allocator_defaults_its_model_assumes(tmp_path, monkeypatch, capsys):
+    """A machine that sets expandable_segments would otherwise have its reserved figures held
+    against a model of the default allocator; the rows run without the setting, and say so."""
+    alloc = _load("allocator_check")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    envs: list[dict] = []
+    real_run = subprocess.run
+
+    def fake_run(cmd, **kw):
+        if "--one" not in cmd:  # not a row (memtrain's git commit lookup)
+            return real_run(cmd, **kw)
+        envs.append(kw["env"])
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="RuntimeError: no GPU here")
+
+    monkeypatch.setattr(alloc.subprocess, "run", fake_run)
+    assert alloc.main(["--out", str(tmp_path / "a"), "--rows", "seed"]) == 0
+    assert envs and all("PYTORCH_CUDA_ALLOC_CONF" not in e and "PATH" in e for e in envs)
+    md = (tmp_path / "a" / "allocator_check.md").read_text()
+    assert "not the environment's {'PYTORCH_CUDA_ALLOC_CONF': 'expandable_segments:True'}" in md
+    data = json.loads((tmp_path / "a" / "allocator_check.json").read_text())
+    assert data["allocator_conf_dropped"] == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert "allocator defaults" in capsys.readouterr().err
