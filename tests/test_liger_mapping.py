@@ -112,3 +112,21 @@ def test_the_installed_liger_forwards_run_on_the_installed_transformers(model):
     pytest.importorskip("liger_kernel.transformers.monkey_patch")
     config = load_config(model)
     assert mapping.liger_forward_gaps(config.model_type, config) == []
+
+
+def test_a_liger_that_does_not_import_leaves_the_row_without_it_and_says_why(stand_in_liger):
+    """An installed Liger-Kernel whose import fails (its Triton, a transformers it predates) made
+    the whole comparison fail while planning its rows; now the row runs without Liger and says why."""
+    (stand_in_liger.parent / "monkey_patch.py").write_text("raise RuntimeError('triton 9 is not supported')\n")
+    plan = mapping.hf_plan(_chunked("qwen2.5-0.5b"), "cuda")
+    assert "use_liger_kernel" not in plan.training_args and plan.status == "closest"
+    (line,) = [m for m in plan.missing if m.startswith("--loss chunked")]
+    assert "the installed Liger-Kernel does not import (RuntimeError: triton 9 is not supported)" in line
+
+
+def test_without_liger_the_row_says_it_is_not_installed(monkeypatch):
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)  # find_spec: not installed
+    plan = mapping.hf_plan(_chunked("qwen2.5-0.5b"), "cuda")
+    (line,) = [m for m in plan.missing if m.startswith("--loss chunked")]
+    assert "Liger-Kernel is not installed (pip install liger-kernel)" in line
+    assert "has no qwen2 patch" not in line  # it has one: the old message said otherwise

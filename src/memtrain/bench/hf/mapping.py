@@ -119,13 +119,20 @@ def lora_targets(spec: str) -> list[str]:
     return sorted({_LORA_TARGETS[n] for n in names})
 
 
-def _liger_supports(model_type: str) -> bool:
-    """Whether the installed Liger-Kernel has a patch for ``model_type`` (none for gpt2 as of 0.6)."""
+def _liger_patch_problem(model_type: str) -> Optional[str]:
+    """Why the installed Liger-Kernel cannot patch ``model_type`` (None: it has a patch for it;
+    none for gpt2 as of 0.6): not installed, installed but failing to import, or no patch."""
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "Liger-Kernel is not installed (pip install liger-kernel)"
     try:
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
-    except ImportError:
-        return False
-    return model_type in MODEL_TYPE_TO_APPLY_LIGER_FN
+    except Exception as exc:  # noqa: BLE001 - any failure (its Triton, a transformers it predates): no Liger, said why
+        first = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        return f"the installed Liger-Kernel does not import ({first})"
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        return (f"Liger-Kernel has no {model_type} patch (its fused linear cross-entropy covers llama, "
+                "mistral, gemma, qwen2, phi3, ...)")
+    return None
 
 
 def _config_reads(function: Any) -> list[str]:
@@ -147,7 +154,7 @@ def liger_forward_gaps(model_type: str, config: Any) -> list[str]:
         module = importlib.import_module(f"liger_kernel.transformers.model.{model_type}")
         reads = _config_reads(module.lce_forward)
     except (ImportError, AttributeError, OSError, TypeError, SyntaxError):
-        return []  # no forward under that name (or no source): _liger_supports decides alone
+        return []  # no forward under that name (or no source): _liger_patch_problem decides alone
     return [name for name in reads if not hasattr(config, name)]
 
 
@@ -155,9 +162,9 @@ def _liger_refusal(cfg: RunConfig, model_type: str, cuda: bool) -> Optional[str]
     """Why the Trainer side cannot take ``use_liger_kernel=True`` for this row (None: it can)."""
     if not cuda:
         return "Liger-Kernel needs CUDA (Triton)"
-    if not _liger_supports(model_type):
-        return (f"Liger-Kernel has no {model_type} patch (its fused linear cross-entropy covers llama, "
-                "mistral, gemma, qwen2, phi3, ...)")
+    problem = _liger_patch_problem(model_type)
+    if problem is not None:
+        return problem
     if not is_hf(cfg):
         return None
     # on this side's turn: the package imports no torch before the lockstep baton
