@@ -138,3 +138,20 @@ def test_the_comparison_report_names_the_gpu_without_initialising_cuda(fake_cuda
     assert report["env"]["device_model"] == H100.name and report["env"]["device_type"] == "cuda"
     assert report["env"]["torch"] == torch.__version__ and report["env"]["host_threads"] >= 1
     assert H100.name in (tmp_path / "compare_hf.md").read_text()
+
+
+def test_the_default_cuda_list_is_fitted_to_the_gpu_without_initialising_cuda(fake_cuda, monkeypatch, tmp_path):
+    """Every row of the GPU default list (compiled, windowed, fp8 ones) goes through the runner's
+    adaptation to the device: all of it reads the child's answer, none of it asks CUDA."""
+    from memtrain.bench.technique_sets import NOISE_ROWS, default_techniques
+
+    monkeypatch.setattr(cuda_caps, "_child_answer", lambda device: H100)
+    monkeypatch.setattr(runner, "run_row_subprocess", _fake_row)
+    opts = _opts(tmp_path / "b")
+    overrides = {**opts.overrides, "seq_len": 256, "max_seq_len": 256}  # the windowed rows' 128-token window fits
+    opts = BenchOptions(**{**vars(opts), "overrides": overrides,
+                           "techniques": default_techniques("cuda") + NOISE_ROWS, "substitute_slow": True})
+    ran: list[str] = []
+    run_bench(opts, on_row=lambda name, row: ran.append(name))
+    assert fake_cuda == []
+    assert len(ran) >= len(default_techniques("cuda"))
