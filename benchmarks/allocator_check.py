@@ -142,6 +142,17 @@ def _ratio(a: Any, b: Any) -> str:
     return "-" if not a or not b else f"{a / b - 1:+.1%}"
 
 
+def _defaults_env() -> tuple[dict[str, str], dict[str, str]]:
+    """This process's environment less the caching allocator's settings, and the settings left out.
+    The model describes torch's default allocator; under ``expandable_segments`` or
+    ``max_split_size_mb`` (a machine may set them) its reserved figures would be compared against
+    another allocator's."""
+    from memtrain.runtime.env import ALLOC_CONF_VARS  # memtrain's imports of this script are local (see main)
+
+    dropped = {k: os.environ[k] for k in ALLOC_CONF_VARS if os.environ.get(k)}
+    return {k: v for k, v in os.environ.items() if k not in ALLOC_CONF_VARS}, dropped
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--out", default="benchmarks/results/allocator-check")
@@ -166,12 +177,17 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(problem)
     out.mkdir(parents=True, exist_ok=True)
 
-    meta = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit() or "unknown"}
+    env, dropped = _defaults_env()
+    meta = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit() or "unknown",
+            "allocator_conf_dropped": dropped}
+    if dropped:
+        print(f"note: the rows run under torch's allocator defaults, as the model assumes, not {dropped}",
+              file=sys.stderr)
     rows: list[dict[str, Any]] = []
     for name, overrides, seed in ROW_SETS[args.rows]:
         try:
             proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(overrides)], capture_output=True,
-                                  text=True, timeout=args.timeout, env=dict(os.environ))
+                                  text=True, timeout=args.timeout, env=env)
         except subprocess.TimeoutExpired:
             rows.append({"name": name, "overrides": overrides, "error": [f"no result within --timeout {args.timeout:g} s"]})
             print(f"{name}: no result within {args.timeout:g} s", file=sys.stderr)
@@ -196,7 +212,9 @@ def _write(out: Path, run: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     meta = {**run, "gpu": next((r.get("gpu") for r in rows if r.get("gpu")), None)}
     write_text_atomic(out / "allocator_check.json", json.dumps({**meta, "rows": rows}, indent=2))
     lines = [f"# CUDA allocator model vs measured ({meta['gpu']})", "",
-             f"Command: `{meta['command']}`, commit {meta['commit']}. GB = 1e9 bytes.", "",
+             f"Command: `{meta['command']}`, commit {meta['commit']}. GB = 1e9 bytes."
+             + (f" Rows ran under torch's allocator defaults (the model's), not the environment's "
+                f"{meta['allocator_conf_dropped']}." if meta.get("allocator_conf_dropped") else ""), "",
              "| config | tracked est. | allocated meas. | allocated est. | err | reserved meas. | reserved est. | err "
              "| device total meas. | device total est. | err | seed table | context meas. / assumed "
              "| outside torch after the run meas. | reserved after step 1 meas. / est. |",

@@ -374,6 +374,11 @@ def _machine(env: dict[str, str]) -> list[str]:
             "print(platform.python_version(), platform.processor() or platform.machine(), os.cpu_count(), v)")
     p = subprocess.run([PY, "-c", code], capture_output=True, text=True, env=env)
     lines.append(f"host and packages: {p.stdout.strip() or p.stderr.strip()[-300:]}")
+    # Every reserved figure depends on these (expandable_segments, max_split_size_mb), and the
+    # allocator model (the allocator step) assumes torch's defaults.
+    conf = {name: env[name] for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF") if env.get(name)}
+    lines.append("allocator settings: " + (", ".join(f"{k}={v}" for k, v in conf.items())
+                                          or "torch's defaults (PYTORCH_ALLOC_CONF and PYTORCH_CUDA_ALLOC_CONF unset)"))
     return lines
 
 

@@ -10,7 +10,16 @@ cd "$(git rev-parse --show-toplevel)"
 mkdir -p .whl
 # Pinned to the versions the recorded GPU runs used (benchmarks/results/gpu-h100/; cut-cross-entropy
 # not yet measured there, 22 kB, needs the image's triton); datasets
-# needs dill and multiprocess besides what the image has.
+# needs dill and multiprocess besides what the image has. liger-kernel 0.8.5 on transformers 5.24:
+# its llama and qwen2 forwards (what use_liger_kernel=True patches in) read config.use_return_dict and
+# pass past_key_values, both deprecated there but still answered (a property; an alias of `cache`
+# until 5.40), so they run, with deprecation warnings: run on the CPU with a plain-torch loss in place
+# of the Triton one, the same loss as the unpatched model's. Its module patches find what they need
+# there too: RMSNorm's variance_epsilon, the MLPs' gate/up/down_proj, the module-level
+# apply_rotary_pos_emb(q, k, cos, sin) that the attention calls. memtrain's LigerFusedLinearCrossEntropyLoss
+# call (ignore_index, reduction, accum_dtype) matches 0.8.5's signature. compare_hf refuses Liger for a
+# model whose patched forward reads a config attribute the installed transformers lacks
+# (memtrain.bench.hf.mapping.liger_forward_gaps).
 python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \

@@ -61,13 +61,19 @@ row() {  # row NAME
   read -r -a argv <<<"$(args_of "$name")"
   python3 -m memtrain "${argv[@]}" --out "$out/$name" >"$out/$name.log" 2>&1
   rc=$?
-  python3 - "$out/$name/result.json" "$name" "$rc" "$((SECONDS - t0))" <<'PY'
+  python3 - "$out/$name/result.json" "$name" "$rc" "$((SECONDS - t0))" "$out/$name.log" <<'PY'
 import json, sys
-path, name, rc, wall = sys.argv[1:]
+path, name, rc, wall, log = sys.argv[1:]
 try:
     r = json.load(open(path))
 except (OSError, ValueError):
-    print(f"| {name} | exit {rc} | {wall} s | no result |"); sys.exit()
+    # memtrain's one-line refusal (a kernel's package not installed, no GPU), else the log's last line
+    try:
+        lines = [ln.strip() for ln in open(log, errors="replace") if ln.strip()]
+    except OSError:
+        lines = []
+    why = next((ln for ln in reversed(lines) if ln.startswith("error:")), lines[-1] if lines else "no log")
+    print(f"| {name} | exit {rc} | {wall} s | no result: {why.replace('|', '/')} |"); sys.exit()
 st, mem, setup = r.get("step_time_s") or {}, r.get("memory") or {}, r.get("setup_time_s") or {}
 print(f"| {name} | exit {rc} | {wall} s | step {st.get('median', 0) * 1e3:.2f} ms | first step {setup.get('first_step', 0):.1f} s "
       f"| max allocated {mem.get('max_allocated_bytes', 0) / 2**30:.2f} GiB | max reserved {mem.get('max_reserved_bytes', 0) / 2**30:.2f} GiB "

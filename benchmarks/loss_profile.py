@@ -28,7 +28,9 @@ on a GPU, CUDA graphs replay the compiled forward and backward in one launch eac
 much of a step is launch cost (their max allocated leaves out the graphs' own pool: read reserved).
 Each variant's step time is the median of steps timed without the profiler (``--timed``), which
 adds host time to every operator it records.
-A variant that fails is recorded with its error, and the next one runs.
+A variant that fails is recorded with its error, and the next one runs. A library kernel that
+cannot run here (its package not installed, or a device other than CUDA) is recorded as skipped,
+with memtrain's reason.
 
     python benchmarks/loss_profile.py --device cuda --compile --out /tmp/loss-profile
     python benchmarks/loss_profile.py --device cpu --batch-size 2 --seq-len 64 --d-model 64 --steps 2
@@ -57,6 +59,7 @@ from memtrain.files.results import benchmark_out_problem, write_json_atomic, wri
 from memtrain.metrics.timing import synchronize
 from memtrain.runtime.env import device_name, git_commit
 from memtrain.techniques import loss as loss_module
+from memtrain.techniques.facts import loss_kernel_refusal
 from memtrain.techniques.precision import make_precision
 from memtrain.training.step import build_state, random_micro_batches, run_step
 
@@ -204,6 +207,14 @@ def _profile_steps(state: Any, cfg: Any, device: torch.device, steps: int, warmu
     }
 
 
+def _library_refusal(extra: dict[str, Any], device: torch.device) -> Optional[str]:
+    """Why a library kernel's variant cannot run here (its package is not installed, or it is
+    Triton code and the device is not CUDA), or None: memtrain's refusal, as train gives it."""
+    if "loss_kernel" not in extra:
+        return None
+    return loss_kernel_refusal(extra["loss"], extra["loss_kernel"], device.type)
+
+
 def _markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = ["# Where the step's time goes: standard vs chunked loss", "",
              f"- command: `{meta['command']}`", f"- commit: {meta['commit']}", f"- device: {meta['device_name']}",
@@ -214,8 +225,9 @@ def _markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
              "| max allocated GiB | max reserved GiB |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['name']} | failed: {r['error'].replace('|', '/')} | | | | | | | |")
+        if "error" in r or "skipped" in r:
+            what = f"failed: {r['error']}" if "error" in r else f"skipped: {r['skipped']}"
+            lines.append(f"| {r['name']} | {what.replace('|', '/')} | | | | | | | |")
             continue
         dev = "-" if r["device_us_per_step"] is None else f"{r['device_us_per_step']:,.0f}"
         ker = "-" if r["kernels_per_step"] is None else f"{r['kernels_per_step']:,.0f}"
@@ -224,7 +236,7 @@ def _markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         prof = r.get("profiled_step_s_median", r["step_s_median"]) * 1e3
         lines.append(f"| {r['name']} | {r['step_s_median'] * 1e3:.2f} | {prof:.2f} | {first} | {r['host_us_per_step']:,.0f} "
                      f"| {dev} | {ker} | {gib[0]} | {gib[1]} |")
-    for r in (r for r in rows if "error" not in r):
+    for r in (r for r in rows if "error" not in r and "skipped" not in r):
         lines += ["", f"## {r['name']}: top operators by self {'device' if r['device_us_per_step'] is not None else 'host'} "
                   "time", "", "| op | calls/step | self us/step |", "|---|---:|---:|"]
         lines += [f"| `{t['op']}` | {t['calls_per_step']:g} | {t['self_us_per_step']:,.1f} |" for t in r["top"]]
@@ -274,6 +286,15 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__, "device_name": device_name(device)}
     rows: list[dict[str, Any]] = []
     for name, extra, how in variants:
+        skip = _library_refusal(extra, device)
+        if skip is not None:
+            # Not installed, or not a kernel for this device: the row is left out with the reason
+            # (a failure would read as a defect of the kernel, the others' device time unspent).
+            rows.append({"name": name, "config": {**base, **extra}, "skipped": skip})
+            print(f"{name}: skipped: {skip}", file=sys.stderr, flush=True)
+            write_json_atomic(out / "loss_profile.json", {**meta, "rows": rows})
+            write_text_atomic(out / "loss_profile.md", _markdown(meta, rows))
+            continue
         try:
             row = {"name": name, **profile_variant({**base, **extra}, args.steps, args.warmup, args.top, how,
                                                    max(0, args.timed))}

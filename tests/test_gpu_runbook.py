@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -13,6 +14,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from memtrain.bench.scales import scale_overrides
 from memtrain.bench.technique_sets import technique_overrides
@@ -497,3 +499,73 @@ def test_generate_checks_full_rows_are_estimated_and_its_smoke_rows_measured(tmp
     with pytest.raises(SystemExit) as used:  # a folder holding an earlier run's rows
         check.main(["--out", str(tmp_path / "out"), "--device", "cpu"])
     assert used.value.code == 2
+
+
+def test_the_part_header_names_the_allocator_settings(monkeypatch):
+    """Every reserved figure of a part depends on them, and the allocator model assumes torch's
+    defaults: a run on a machine that sets expandable_segments says so in its header."""
+    monkeypatch.setattr(runbook.shutil, "which", lambda name: None)  # no nvidia-smi here
+    env = {k: v for k, v in runbook._env(None, None).items() if "ALLOC_CONF" not in k}
+    assert runbook._machine(env)[-1] == ("allocator settings: torch's defaults "
+                                         "(PYTORCH_ALLOC_CONF and PYTORCH_CUDA_ALLOC_CONF unset)")
+    env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    assert runbook._machine(env)[-1] == "allocator settings: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+
+
+def test_loss_profile_skips_a_library_kernel_that_cannot_run_here_and_says_why(tmp_path, monkeypatch):
+    """A library kernel's variant whose package is missing, or whose device is not CUDA, is written
+    as skipped with memtrain's reason, not as a failure; the other variants still run."""
+    profile = _load("loss_profile")
+    assert profile.main(["--device", "cpu", "--batch-size", "1", "--seq-len", "16", "--d-model", "32",
+                         "--variants", "liger,cce-cudagraphs,standard", "--steps", "1", "--warmup", "1",
+                         "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "loss_profile.json").read_text())["rows"]
+    assert [r["name"] for r in rows] == ["liger", "cce-cudagraphs", "standard"]
+    assert rows[0]["skipped"].startswith("--loss-kernel liger runs on CUDA only")
+    assert rows[1]["skipped"].startswith("--loss-kernel cce runs on CUDA only")
+    assert not any("error" in r for r in rows) and rows[2]["step_s_median"] > 0
+    md = (tmp_path / "loss_profile.md").read_text()
+    assert "| liger | skipped: --loss-kernel liger runs on CUDA only" in md
+    assert "## standard: top operators" in md and "## liger" not in md
+    # On CUDA without the package installed: skipped, naming what to install.
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)  # find_spec: not installed
+    why = profile._library_refusal({"loss": "chunked", "loss_kernel": "liger"}, torch.device("cuda"))
+    assert why is not None and why.startswith("--loss-kernel liger needs liger_kernel") and "pip install" in why
+    assert profile._library_refusal({"loss": "standard"}, torch.device("cuda")) is None
+
+
+def test_loss_kernel_ab_says_why_a_row_left_no_result(tmp_path):
+    """A row memtrain refuses (here: no GPU; on one, a kernel's package not installed) is printed
+    with memtrain's one-line reason, not a bare "no result"."""
+    script = str(ROOT / "benchmarks" / "loss_kernel_ab.sh")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(["bash", script, str(tmp_path / "ab"), "qwen-cce"], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=300)
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("| qwen-cce |")]
+    assert "| exit 2 |" in line
+    assert "no result: error: --device cuda was asked for but no CUDA GPU is visible" in line
+
+
+def test_allocator_check_measures_under_the_allocator_defaults_its_model_assumes(tmp_path, monkeypatch, capsys):
+    """A machine that sets expandable_segments would otherwise have its reserved figures held
+    against a model of the default allocator; the rows run without the setting, and say so."""
+    alloc = _load("allocator_check")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    envs: list[dict] = []
+    real_run = subprocess.run
+
+    def fake_run(cmd, **kw):
+        if "--one" not in cmd:  # not a row (memtrain's git commit lookup)
+            return real_run(cmd, **kw)
+        envs.append(kw["env"])
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="RuntimeError: no GPU here")
+
+    monkeypatch.setattr(alloc.subprocess, "run", fake_run)
+    assert alloc.main(["--out", str(tmp_path / "a"), "--rows", "seed"]) == 0
+    assert envs and all("PYTORCH_CUDA_ALLOC_CONF" not in e and "PATH" in e for e in envs)
+    md = (tmp_path / "a" / "allocator_check.md").read_text()
+    assert "not the environment's {'PYTORCH_CUDA_ALLOC_CONF': 'expandable_segments:True'}" in md
+    data = json.loads((tmp_path / "a" / "allocator_check.json").read_text())
+    assert data["allocator_conf_dropped"] == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert "allocator defaults" in capsys.readouterr().err

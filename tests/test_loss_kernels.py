@@ -328,3 +328,22 @@ def test_a_library_kernel_run_gets_counted_flops_for_its_mfu():
     c = counted_flops_per_step(cfg)
     assert flops == c["model_flops"] == counted_flops_per_step(_kernel_config("memtrain"))["model_flops"]
     assert c["hardware_flops"] == c["model_flops"] + 2.0 * 64 * 64 * 1000
+
+
+@pytest.mark.parametrize("kernel,module,name", [("liger", "liger_kernel.transformers", "LigerFusedLinearCrossEntropyLoss"),
+                                                ("cce", "cut_cross_entropy", "linear_cross_entropy")])
+def test_a_kernel_whose_import_raises_another_error_is_one_line_too(kernel, module, name, kernels_installed,
+                                                                     monkeypatch):
+    """An installed kernel whose import fails with something other than ImportError (a Triton or
+    transformers it does not fit: RuntimeError, AttributeError) is the same one line, not a traceback."""
+    def broken(attr):
+        raise RuntimeError(f"triton 9 is not supported ({attr})")
+
+    for part in (module.split(".")[0], module):
+        stand_in = types.ModuleType(part)
+        stand_in.__path__ = []  # a package, so that its submodule resolves from sys.modules
+        monkeypatch.setitem(sys.modules, part, stand_in)
+    sys.modules[module].__getattr__ = broken  # PEP 562: `from module import name` asks it
+    tech = TechniqueConfig(loss="chunked", loss_kernel=kernel, precision=SIXTEEN_BIT[kernel])
+    with pytest.raises(ConfigError, match=f"{module} is installed but does not import"):
+        loss_mod.make_loss_fn(tech, torch.device("cuda"))

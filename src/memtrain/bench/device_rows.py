@@ -34,6 +34,7 @@ from typing import Any, Optional
 
 import torch
 
+from memtrain.bench.cuda_caps import cuda_caps_in_child
 from memtrain.config.run import RunConfig, effective_cache_dir
 from memtrain.devices.probe import DeviceCaps, precision_is_native, probe, slow_precision_message
 from memtrain.techniques.facts import LOW_BIT_BLOCK, half_matmul_type, precision_facts
@@ -44,14 +45,14 @@ __all__ = ["adapt_compiled_optims", "adapt_fp8_rows", "adapt_rows", "adapt_windo
 
 def runner_caps(device: torch.device, cfg: Optional[RunConfig] = None) -> Optional[DeviceCaps]:
     """The device's capabilities as the bench runner may learn them: on CPU the full probe (GEMM
-    rates cached in the cache folder of ``cfg``, a row's config, where given); on CUDA the compute capability only, without running a kernel
-    (a CUDA context in the runner would hold GPU memory while the rows measure theirs; each row
-    probes itself)."""
+    rates cached in the cache folder of ``cfg``, a row's config, where given); on CUDA the compute capability only, without running a kernel,
+    asked of a child process (torch initialises CUDA to answer, and CUDA state in the runner would
+    stay beside every row it measures: :mod:`memtrain.bench.cuda_caps`; each row probes itself)."""
     try:
         if device.type == "cpu":
             return probe(device, cache_dir=effective_cache_dir(cfg.data) if cfg is not None else None)
         if device.type == "cuda":
-            return probe(device, measure=False, kernels=False)
+            return cuda_caps_in_child(device)
     except Exception:  # noqa: BLE001 - without the answer, rows run as listed (each row probes again)
         return None
     return None

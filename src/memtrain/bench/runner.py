@@ -132,8 +132,13 @@ def check_rows_data(rows: list[tuple[str, RunConfig]]) -> None:
 
 def hardware_name(device: Any) -> str:
     """The model of ``device`` (``runtime.env.device_model``: result.json's ``env.device_model``).
-    On CUDA it reads the driver's name and makes no context that would hold GPU memory while the
-    rows measure theirs (as the runner's capability probe)."""
+    On CUDA a child process reads it (:mod:`memtrain.bench.cuda_caps`): torch initialises CUDA to
+    name a GPU, and the runner must not, while the rows measure their memory."""
+    if getattr(device, "type", None) == "cuda":
+        from memtrain.bench.cuda_caps import cuda_caps_in_child  # torch-free --help/estimate/plan
+
+        caps = cuda_caps_in_child(device)
+        return caps.name if caps is not None else "CUDA GPU (its model could not be read)"
     from memtrain.runtime.env import device_model  # torch-free --help/estimate/plan: bench has resolved a device
 
     return device_model(device)

@@ -46,6 +46,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from memtrain.config.run import CACHE_ENV, DEFAULT_CACHE_DIR
+from memtrain.devices.tf32 import fp32_only
 from memtrain.errors import ConfigError
 from memtrain.files.guard import regular_file_problem
 from memtrain.files.results import write_text_atomic
@@ -266,11 +267,9 @@ def _rates(device: torch.device, low: list[torch.dtype]) -> dict[str, Any]:
     else:
         fp32_shape, low_shape = FP32_SHAPE, CPU_LOW_SHAPE
     threads = torch.get_num_threads()
-    with torch.no_grad():
-        # TF32 off for the FP32 rate: it is the plain FP32 reference (restored afterwards).
-        prev, prev_precision = torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision()
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.set_float32_matmul_precision("highest")
+    # TF32 off for the FP32 rate: it is the plain FP32 reference (restored afterwards, through the
+    # API that set it: memtrain.devices.tf32).
+    with torch.no_grad(), fp32_only():
         try:
             fp32 = measure_gemm(device, torch.float32, fp32_shape)
             out: dict[str, Any] = {"gemm_fp32_flops": fp32,
@@ -290,8 +289,6 @@ def _rates(device: torch.device, low: list[torch.dtype]) -> dict[str, Any]:
                 # Reported at the FP32 shape and all threads: the FP32 rate over the slowdown.
                 out[f"gemm_{key}_flops"] = (fp32 / slowdown) if (fp32 and slowdown) else rate
         finally:
-            torch.backends.cuda.matmul.allow_tf32 = prev
-            torch.set_float32_matmul_precision(prev_precision)
             torch.set_num_threads(threads)
     return out
 
@@ -507,13 +504,8 @@ def measure_fp32_rate(budget_s: float = 2 * TIME_BUDGET_S) -> Optional[float]:
     """The CPU's FP32 GEMM rate now: the best of repeated ``FP32_SHAPE`` products over ``budget_s``
     (best, not median: on a shared machine the least-disturbed product is the closest to what
     the BLAS does). The random number generators are left as they were."""
-    prev = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            return measure_gemm(torch.device("cpu"), torch.float32, FP32_SHAPE, budget_s=budget_s)
-    finally:
-        torch.set_float32_matmul_precision(prev)
+    with fp32_only(), torch.no_grad(), torch.random.fork_rng(devices=[]):
+        return measure_gemm(torch.device("cpu"), torch.float32, FP32_SHAPE, budget_s=budget_s)
 
 
 def refresh_fp32_rate(caps: DeviceCaps, cache_dir: CacheDir = None) -> DeviceCaps:

@@ -118,4 +118,17 @@ def environment(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         env["cuda"] = torch.version.cuda
         env["gpu_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
+        env["allocator_conf"] = allocator_conf()
     return env
+
+
+# The caching allocator's settings (torch 2.9 renamed the variable; the old name still counts).
+ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def allocator_conf() -> dict[str, str]:
+    """The allocator settings this process runs under, by variable ({}: torch's defaults). They
+    change the reserved figures (``expandable_segments:True`` maps one growing segment instead of
+    caching blocks; ``max_split_size_mb`` stops splits), and memtrain's allocator model assumes
+    the defaults: a result records them so that its reserved figures are read for what they are."""
+    return {name: os.environ[name] for name in ALLOC_CONF_VARS if os.environ.get(name)}

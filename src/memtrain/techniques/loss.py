@@ -327,7 +327,7 @@ def _liger_loss(fallback: LossFn) -> Optional[LossFn]:
     Triton kernel cannot: the trace then describes memtrain's kernel, not Liger's."""
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-    except ImportError:
+    except Exception:  # noqa: BLE001 - not only ImportError: a Triton or transformers it does not fit raises others
         return None
     # The weight is handed over in the 16-bit compute dtype (below), and Liger then accumulates its
     # gradient over the chunks in that dtype; with the FP32 weight autocast would have given it, it
@@ -408,7 +408,7 @@ def _cce_loss() -> Optional[LossFn]:
     :class:`_CutCrossEntropyBuffers` makes its buffers instead."""
     try:
         from cut_cross_entropy import linear_cross_entropy
-    except ImportError:
+    except Exception:  # noqa: BLE001 - not only ImportError: a Triton it does not fit raises others
         return None
 
     def cce_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,7 @@ from typing import ContextManager, Optional
 import torch
 
 from memtrain.config.run import ConfigError
+from memtrain.devices.tf32 import set_tf32
 from memtrain.techniques.facts import PrecisionFacts, precision_facts
 from memtrain.techniques.fp8 import check_fp8_device
 
@@ -83,10 +84,9 @@ class Precision:
 
 def _set_tf32(enabled: bool) -> None:
     # TF32 is a process-wide switch: set it explicitly every run (on or off) so that one
-    # bench row cannot leak into the next.
-    torch.backends.cuda.matmul.allow_tf32 = enabled
-    torch.backends.cudnn.allow_tf32 = enabled
-    torch.set_float32_matmul_precision("high" if enabled else "highest")
+    # bench row cannot leak into the next; through both of torch's APIs, so that a value set
+    # through the other one before (transformers sets the new one) neither stays nor breaks a reader.
+    set_tf32(enabled)
 
 
 def _cpu_fp16_autocast_works() -> bool:

@@ -19,12 +19,19 @@ Three outcomes per row (``HFPlan.status``):
              there is nothing to compare against, the row is listed with the reason and not run.
 
 Written against transformers 5.23, where ``gradient_checkpointing`` is the deprecated alias of
-``activation_checkpointing`` (with ``every_n_layers``).
+``activation_checkpointing`` (with ``every_n_layers``). ``use_liger_kernel=True`` is asked for only
+where the installed Liger-Kernel's patched forward reads nothing the installed transformers' model
+config lacks (:func:`liger_forward_gaps`).
 """
 
 from __future__ import annotations
 
+import ast
+import importlib
+import importlib.metadata
 import importlib.util
+import inspect
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -33,7 +40,7 @@ from memtrain.config.run import ConfigError, RunConfig
 from memtrain.models import is_hf
 from memtrain.techniques.facts import LOW_BIT_BLOCK, checkpoint_policy, precision_facts
 
-__all__ = ["HFPlan", "hf_plan", "lora_targets", "trainer_alignment", "TRAINER_LOW_BIT_BLOCK"]
+__all__ = ["HFPlan", "hf_plan", "liger_forward_gaps", "lora_targets", "trainer_alignment", "TRAINER_LOW_BIT_BLOCK"]
 
 # transformers passes block_size=256 to torchao's AdamW8bit and AdamW4bit, and cannot be told
 # otherwise: optim_args="block_size=128" reaches torchao as the string "128" in transformers
@@ -112,13 +119,70 @@ def lora_targets(spec: str) -> list[str]:
     return sorted({_LORA_TARGETS[n] for n in names})
 
 
-def _liger_supports(model_type: str) -> bool:
-    """Whether the installed Liger-Kernel has a patch for ``model_type`` (none for gpt2 as of 0.6)."""
+def _liger_patch_problem(model_type: str) -> Optional[str]:
+    """Why the installed Liger-Kernel cannot patch ``model_type`` (None: it has a patch for it;
+    none for gpt2 as of 0.6): not installed, installed but failing to import, or no patch."""
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "Liger-Kernel is not installed (pip install liger-kernel)"
     try:
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
-    except ImportError:
-        return False
-    return model_type in MODEL_TYPE_TO_APPLY_LIGER_FN
+    except Exception as exc:  # noqa: BLE001 - any failure (its Triton, a transformers it predates): no Liger, said why
+        first = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        return f"the installed Liger-Kernel does not import ({first})"
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        return (f"Liger-Kernel has no {model_type} patch (its fused linear cross-entropy covers llama, "
+                "mistral, gemma, qwen2, phi3, ...)")
+    return None
+
+
+def _config_reads(function: Any) -> list[str]:
+    """The ``self.config.NAME`` attributes ``function``'s source reads (parsed, never run)."""
+    source = textwrap.dedent(inspect.getsource(function))
+    return sorted({node.attr for node in ast.walk(ast.parse(source))
+                   if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                   and node.value.attr == "config" and isinstance(node.value.value, ast.Name)
+                   and node.value.value.id == "self"})
+
+
+def liger_forward_gaps(model_type: str, config: Any) -> list[str]:
+    """The model-config attributes that the installed Liger-Kernel's patched causal-LM forward for
+    ``model_type`` (``liger_kernel.transformers.model.<type>.lce_forward``) reads and ``config``
+    lacks: a forward written for another transformers release fails with AttributeError at the
+    first step (``config.use_return_dict``, deprecated in transformers 5, for one). Read from the
+    forward's source, so the check needs no GPU; [] when there is no such forward to read."""
+    try:
+        module = importlib.import_module(f"liger_kernel.transformers.model.{model_type}")
+        reads = _config_reads(module.lce_forward)
+    except (ImportError, AttributeError, OSError, TypeError, SyntaxError):
+        return []  # no forward under that name (or no source): _liger_patch_problem decides alone
+    return [name for name in reads if not hasattr(config, name)]
+
+
+def _liger_refusal(cfg: RunConfig, model_type: str, cuda: bool) -> Optional[str]:
+    """Why the Trainer side cannot take ``use_liger_kernel=True`` for this row (None: it can)."""
+    if not cuda:
+        return "Liger-Kernel needs CUDA (Triton)"
+    problem = _liger_patch_problem(model_type)
+    if problem is not None:
+        return problem
+    if not is_hf(cfg):
+        return None
+    # on this side's turn: the package imports no torch before the lockstep baton
+    from memtrain.models import load_config
+
+    gaps = liger_forward_gaps(model_type, load_config(cfg.model.model))
+    if gaps:
+        return (f"the installed Liger-Kernel {_version('liger-kernel')}'s {model_type} forward reads "
+                f"{', '.join('config.' + g for g in gaps)}, which transformers {_version('transformers')} "
+                "configs lack (install a Liger release written for it: benchmarks/gpu_wheels.sh pins one)")
+    return None
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "(version unknown)"
 
 
 def _model_type(cfg: RunConfig) -> str:
@@ -270,14 +334,11 @@ def hf_plan(cfg: RunConfig, device_type: str) -> HFPlan:  # noqa: C901 - one bra
 
     # -- loss
     if t.loss == "chunked":
-        model_type = _model_type(cfg)
-        if cuda and _liger_supports(model_type):
+        why = _liger_refusal(cfg, _model_type(cfg), cuda)
+        if why is None:
             args["use_liger_kernel"] = True
             mapping.append("loss chunked -> use_liger_kernel=True (fused linear cross-entropy)")
         else:
-            why = ("Liger-Kernel needs CUDA (Triton)" if not cuda else
-                   f"Liger-Kernel has no {model_type} patch (its fused linear cross-entropy covers llama, "
-                   "mistral, gemma, qwen2, phi3, ...)")
             closest.append(f"--loss chunked: {why}, and the model's own forward has no other chunked loss; "
                            "the HF side materializes the full logits")
 

@@ -241,11 +241,33 @@ def render_markdown(report: dict[str, Any]) -> str:  # noqa: C901 - one flat sec
     return "\n".join(lines) + "\n"
 
 
+def _runner_environment(device: Any) -> dict[str, Any]:
+    """What the report says produced it when no run recorded its own ``env`` (every run so far
+    failed): ``runtime.env.environment``, except on CUDA, where that initialises CUDA in this
+    process, which runs the rows' workers and would keep CUDA state beside them for the rest of the
+    comparison; there the GPU's name comes from a child process (``bench.cuda_caps``)."""
+    # on this side's turn: the package imports no torch before the lockstep baton
+    import torch
+
+    # on this side's turn: the package imports no torch before the lockstep baton
+    from memtrain.runtime.env import environment
+
+    if device.type != "cuda":
+        return environment(device)
+    # on this side's turn: the package imports no torch before the lockstep baton
+    from memtrain.bench.runner import hardware_name
+
+    # The host's facts (software versions, commit, threads) as any result records them; the device's
+    # from the child.
+    name = hardware_name(device)
+    return {**environment(torch.device("cpu")), "device": name, "device_model": name, "device_type": "cuda"}
+
+
 def write_report(out: Path, rows: list[dict[str, Any]], settings: dict[str, Any], command: Optional[str],
                  start: float) -> dict[str, Any]:
     """Aggregate every recorded run of these rows; write JSON and Markdown; return the report."""
     # on this side's turn: the package imports no torch before the lockstep baton
-    from memtrain.runtime.env import environment, resolve_device
+    from memtrain.runtime.env import resolve_device
 
     hashes = {config_hash(r["config"]) for r in rows}
     runs = [r for r in read_runs(out) if r["config_hash"] in hashes]
@@ -273,7 +295,7 @@ def write_report(out: Path, rows: list[dict[str, Any]], settings: dict[str, Any]
         "commands": commands,
         # The machine and commit of the runs themselves (a --report-only rebuild may come later).
         "env": next((r["result"]["env"] for r in runs if r["result"].get("env")), None)
-        or environment(resolve_device(settings["device"])),
+        or _runner_environment(resolve_device(settings["device"])),
         "commits": sorted({str(r["result"]["env"].get("commit")) for r in runs if r["result"].get("env")}),
         "transformers": tf_version,
         "settings": settings,
