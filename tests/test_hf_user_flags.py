@@ -376,3 +376,32 @@ def test_the_fewer_lora_targets_are_pefts_defaults_for_the_family():
     for model_type, targets in FEWER_LORA_TARGETS.items():
         if PEFT.get(model_type) is not None:  # peft does not list phi3
             assert targets.split(",") == list(PEFT[model_type]), model_type
+
+
+# ------------------------------------------------------------------------ 6. what a run records
+def test_a_transformers_run_records_the_lora_targets_it_trained(small_corpus, tmp_path, one_thread):
+    """Our GPT's default target list means peft's all-linear on a transformers model: result.json and
+    the checkpoint record all-linear, the modules that got adapters, not our GPT's names."""
+    out = tmp_path / "run"
+    assert main(["train", "--model", "tiny-llama", "--data", str(small_corpus), "--lora-rank", "2", "--steps", "1",
+                 "--batch-size", "1", "--seq-len", "16", "--val-blocks", "1", "--no-progress", "--out", str(out),
+                 "--save", str(out / "ckpt.pt")]) == 0
+    assert json.loads((out / "result.json").read_text())["config"]["technique"]["lora_targets"] == "all-linear"
+    from memtrain.training.preflight import saved_run
+
+    assert saved_run(str(out / "ckpt.pt"))[0]["technique"]["lora_targets"] == "all-linear"
+    # Our GPT's own default, a named list and a run without LoRA are recorded as they were.
+    assert build_config({"lora_rank": 2}).technique.lora_targets == "qkv,proj,fc,fc_out"
+    assert build_config({"model": "tiny-llama", "lora_rank": 2, "lora_targets": "q_proj"}).technique.lora_targets \
+        == "q_proj"
+    assert build_config({"model": "tiny-llama"}).technique.lora_targets == "qkv,proj,fc,fc_out"
+
+
+def test_a_run_saved_with_the_gpt_default_targets_resumes_as_all_linear():
+    from memtrain.training.preflight import config_differences
+
+    now = build_config({"model": "tiny-llama", "lora_rank": 2}).to_dict()
+    saved = {**now, "technique": {**now["technique"], "lora_targets": "qkv,proj,fc,fc_out"}}
+    assert config_differences(saved, now) == []
+    named = {**now, "technique": {**now["technique"], "lora_targets": "q_proj"}}
+    assert config_differences(named, now) == ["lora_targets: 'q_proj' -> 'all-linear'"]

@@ -854,9 +854,21 @@ def build_config(*layers: dict[str, Any]) -> RunConfig:
     parts.update({s: SECTIONS[s](**kv) for s, kv in per_section.items() if s != "model"})
     _check_integers_fit(parts)
     cfg = RunConfig(**parts)
+    _record_trained_lora_targets(cfg)
     # Remembered (not a field, so not in result.json's config) for the CLI's one-line note.
     cfg.train.warmup_defaulted = default_warmup  # type: ignore[attr-defined]  # read with getattr(..., False)
     return cfg
+
+
+def _record_trained_lora_targets(cfg: RunConfig) -> None:
+    """Set in ``cfg`` the LoRA targets a transformers ``--model`` trains: our GPT's default list
+    (``qkv,proj,fc,fc_out``) means peft's ``all-linear`` there, and result.json, checkpoints and
+    bench rows record the config, so they name what was adapted rather than our GPT's modules."""
+    from memtrain.models.spec import ALL_LINEAR, GPT_LORA_TARGETS, is_gpt_preset  # torch-free; spec reads config
+
+    tech = cfg.technique
+    if tech.lora_rank and tech.lora_targets == GPT_LORA_TARGETS and not is_gpt_preset(cfg.model.model):
+        tech.lora_targets = ALL_LINEAR
 
 
 WARMUP_FRACTION = 0.1
