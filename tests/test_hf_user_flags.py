@@ -180,6 +180,33 @@ def test_a_transformers_model_gets_sdpa_unless_attention_is_given():
     assert resolve_model(_parse(["estimate", "--model", "gpt2"]))[0].technique.attention == "math"
 
 
+def test_a_family_without_sdpa_gets_eager_as_transformers_builds_it(tmp_path, capsys):
+    """transformers builds Gemma-2 with eager attention (it has no SDPA path and refuses one): its
+    default is math, not an sdpa that stops the run; a named --attention still wins."""
+    import transformers
+
+    d = tmp_path / "gemma2"
+    d.mkdir()
+    (d / "config.json").write_text(transformers.Gemma2Config(
+        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_hidden_layers=2, max_position_embeddings=256, vocab_size=50257).to_json_string())
+    assert _cfg(["train", "--model", str(d)]).technique.attention == "math"
+    assert _cfg(["train", "--model", str(d), "--attention", "sdpa"]).technique.attention == "sdpa"
+    assert main(["estimate", "--model", str(d), "--seq-len", "16", "--batch-size", "1"]) == 0
+    assert "attention=math (the model's default, as in transformers" in capsys.readouterr().out
+
+
+def test_the_families_without_sdpa_are_transformers_own():
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from memtrain.models.spec import NO_SDPA_MODEL_TYPES
+
+    for model_type in sorted(NO_SDPA_MODEL_TYPES | {"llama", "qwen2", "mistral", "gemma", "phi3", "gpt2", "opt"}):
+        model_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+        assert bool(model_class._supports_sdpa) == (model_type not in NO_SDPA_MODEL_TYPES), model_type
+
+
 def test_estimate_of_llama_says_which_defaults_shaped_it(capsys):
     flags = ["estimate", "--model", "llama-3-8b", "--bf16", "--lora_r", "16", "--device-type", "cuda"]
     assert main(flags) == 0

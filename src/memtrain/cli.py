@@ -257,9 +257,12 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = 
     layers = [base or {}, file_layer, flags]
     merged = _given_settings(layers)
     if _is_transformers_model(merged.get("model")) and "attention" not in merged:
-        # transformers builds a model with SDPA unless told otherwise (attn_implementation);
-        # memtrain's GPT keeps its math default (the seed's lab).
-        layers.append({"attention": MODEL_DEFAULT_ATTENTION})
+        # transformers builds a model with SDPA unless told otherwise (attn_implementation), or
+        # eager where the family has no SDPA path (Gemma-2); memtrain's GPT keeps its math default
+        # (the seed's lab).
+        from memtrain.models.spec import default_attention  # torch-free
+
+        layers.append({"attention": default_attention(str(merged["model"]))})
     if derive_max_seq_len:
         if "max_seq_len" not in merged and "seq_len" in merged:
             try:
@@ -336,9 +339,6 @@ def _refuse_flags_of_an_unused_technique(cfg: RunConfig, given: dict[str, Any]) 
     flag = f"--{name.replace('_', '-')}"
     shown = flag if isinstance(value, bool) else f"{flag} {value}"
     raise ConfigError(f"{shown} applies only with {switch}; add {switch.split(' (')[0]} or drop {flag}")
-
-
-MODEL_DEFAULT_ATTENTION = "sdpa"
 
 
 def _given_settings(layers: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -55,6 +55,30 @@ FEWER_LORA_TARGETS: dict[str, str] = {
 }
 
 
+# The causal LMs transformers builds with eager attention when no attn_implementation is asked:
+# their classes do not set _supports_sdpa (transformers 5.24), and asking them for "sdpa" is refused.
+# Copied so that a --model's default attention costs no torch import (tests/test_hf_user_flags.py
+# holds each entry, and the families docs/models.md names, to transformers' own classes).
+NO_SDPA_MODEL_TYPES = frozenset({
+    "big_bird", "bigbird_pegasus", "bloom", "cpmant", "deepseek_v4", "falcon_mamba", "flint", "gemma2", "git",
+    "got_ocr2", "gpt_neo", "gpt_neox_japanese", "gpt_oss", "granite_swa", "granitemoe_swa", "hy_v4",
+    "inkling2_loop_text", "inkling2_text", "mamba", "mamba2", "megatron-bert", "mimo_v2_flash", "mpt", "mvp",
+    "openai-gpt", "prophetnet", "reformer", "rembert", "roformer", "rwkv", "trocr", "vaultgemma", "xglm", "xlm",
+    "xlnet", "xlstm",
+})
+
+
+def default_attention(spec: str) -> str:
+    """memtrain's ``--attention`` for the implementation transformers builds transformers model
+    ``spec`` with when none is asked: ``sdpa``, or ``math`` (eager) for a family without SDPA
+    (Gemma-2). ``sdpa`` where the config cannot be read: resolving the model reports that."""
+    try:
+        model_type = analytic_config(spec).model_type
+    except ConfigError:
+        return "sdpa"
+    return "math" if model_type in NO_SDPA_MODEL_TYPES else "sdpa"
+
+
 def fewer_lora_targets(spec: str) -> Optional[str]:
     """A ``--lora-targets`` value naming modules that transformers model ``spec`` has (its
     attention projections), or None for a family not listed or a config that cannot be read."""
