@@ -107,6 +107,31 @@ def test_transformers_checkpoint_exports_with_equal_logits_and_generates(scratch
     assert capsys.readouterr().out == from_ckpt and from_ckpt.startswith("memory") and len(from_ckpt) > len("memory\n")
 
 
+def test_gemma2_trains_exports_and_generates_with_the_defaults(tmp_path, tokenizer_files, corpus, capsys):
+    """Gemma-2, which transformers builds with eager attention only, goes through the day without an
+    --attention flag: trained, exported with equal logits, and sampled from its export as from its
+    checkpoint."""
+    d = hf_models._gemma2_dir(tmp_path)
+    for f in tokenizer_files.iterdir():
+        shutil.copy(f, d / f.name)
+    ckpt = tmp_path / "run" / "ck.pt"
+    flags = [a for a in TRAIN if a not in ("--attention", "sdpa")]
+    assert main(["train", "--model", str(d), "--data", str(corpus), *flags, "--lora-rank", "2",
+                 "--out", str(tmp_path / "run"), "--save", str(ckpt)]) == 0
+    out = tmp_path / "hf"
+    assert main(["export", str(ckpt), str(out)]) == 0
+    idx = _tokens()
+    with torch.no_grad():
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()(idx).logits
+    assert (_memtrain_logits(ckpt, idx) - theirs).abs().max().item() < 1e-5
+    args = ["--prompt", "memory", "--max-new-tokens", "4", "--seed", "5"]
+    capsys.readouterr()
+    assert main(["generate", str(ckpt), *args]) == 0
+    from_ckpt = capsys.readouterr().out
+    assert main(["generate", str(out), *args]) == 0
+    assert capsys.readouterr().out == from_ckpt and from_ckpt.startswith("memory")
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_a_build_for_a_checkpoints_weights_draws_nothing_and_keeps_ties_and_buffers(tmp_path, family):
     """Export and generate build a checkpoint's model uninitialized (every weight is loaded after):

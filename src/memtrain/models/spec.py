@@ -76,6 +76,11 @@ def default_attention(spec: str) -> str:
         model_type = analytic_config(spec).model_type
     except ConfigError:
         return "sdpa"
+    return attention_of_model_type(model_type)
+
+
+def attention_of_model_type(model_type: Optional[str]) -> str:
+    """memtrain's name of the attention transformers builds a ``model_type`` with by default."""
     return "math" if model_type in NO_SDPA_MODEL_TYPES else "sdpa"
 
 
