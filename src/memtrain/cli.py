@@ -44,6 +44,7 @@ from memtrain.config.run import (
     field_index,
     flatten,
     load_config_file,
+    model_default_attention,
     refuse_long_warmup,
 )
 from memtrain.distributed.rank_errors import begin_command, error_line, launch_env, launched_by_memtrain, say_error
@@ -256,13 +257,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = 
         base = {**(base or {}), **taken}
     layers = [base or {}, file_layer, flags]
     merged = _given_settings(layers)
-    if _is_transformers_model(merged.get("model")) and "attention" not in merged:
-        # transformers builds a model with SDPA unless told otherwise (attn_implementation), or
-        # eager where the family has no SDPA path (Gemma-2); memtrain's GPT keeps its math default
-        # (the seed's lab).
-        from memtrain.models.spec import default_attention  # torch-free
-
-        layers.append({"attention": default_attention(str(merged["model"]))})
+    layers.append(model_default_attention(*layers))
     if derive_max_seq_len:
         if "max_seq_len" not in merged and "seq_len" in merged:
             try:
