@@ -132,6 +132,24 @@ def test_gemma2_trains_exports_and_generates_with_the_defaults(tmp_path, tokeniz
     assert capsys.readouterr().out == from_ckpt and from_ckpt.startswith("memory")
 
 
+def test_an_export_keeps_the_folders_generation_settings_with_the_kv_cache_on(pretrained_llama, scratch_llama,
+                                                                            corpus, tmp_path):
+    """The export's generation_config.json is the --model folder's own (eos tokens, sampling
+    defaults), or the one its config gives; never the training build's use_cache=False, which
+    would make transformers' generate recompute every step without a KV cache."""
+    d = tmp_path / "brought"
+    shutil.copytree(pretrained_llama, d)
+    transformers.GenerationConfig(do_sample=True, temperature=0.6, top_p=0.9, eos_token_id=[2, 7],
+                                  bos_token_id=1).save_pretrained(d)
+    for model_dir, name in ((d, "brought"), (scratch_llama, "scratch")):
+        ckpt = _train(model_dir, corpus, tmp_path / name, "--lora-rank", "2")
+        assert main(["export", str(ckpt), str(tmp_path / name / "hf")]) == 0
+        generation = transformers.GenerationConfig.from_pretrained(str(tmp_path / name / "hf"))
+        assert generation.use_cache is True
+        if model_dir == d:
+            assert (generation.temperature, generation.top_p, generation.eos_token_id) == (0.6, 0.9, [2, 7])
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_a_build_for_a_checkpoints_weights_draws_nothing_and_keeps_ties_and_buffers(tmp_path, family):
     """Export and generate build a checkpoint's model uninitialized (every weight is loaded after):

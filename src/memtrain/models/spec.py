@@ -243,7 +243,7 @@ def _starts_with(p: Path, magic: bytes) -> bool:
         return False  # unreadable: the JSON reader says so in its own words
 
 
-def _json_object(path: Path, what: str) -> dict[str, Any]:
+def json_object(path: Path, what: str) -> dict[str, Any]:
     """The JSON object in ``path`` (a model folder's config or tokenizer config); a crafted file
     is one error line, never a crash. Python's json, not memtrain's bounded reader: tokenizer
     configs hold 31-digit integers (transformers' "no limit" model_max_length)."""
@@ -281,7 +281,7 @@ def read_config_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"{shown!r} is missing or not a file; a model folder needs its config.json"
                           + _run_folder_hint(path.parent))
-    data = _json_object(path, "the config.json (it is not a transformers config.json)")
+    data = json_object(path, "the config.json (it is not a transformers config.json)")
     if "auto_map" in data:
         raise ConfigError(f"{shown!r} names custom model code (auto_map); memtrain never runs code shipped with a "
                           "model: use a model type transformers ships")
@@ -334,7 +334,7 @@ def refuse_custom_tokenizer(directory: Path) -> None:
     path = directory / "tokenizer_config.json"
     if not path.is_file():
         return  # no file, or not a file: the tokenizer's loader reports it
-    if "auto_map" in _json_object(path, "it"):
+    if "auto_map" in json_object(path, "it"):
         raise ConfigError(f"{str(path)!r} names custom tokenizer code (auto_map); memtrain never runs code shipped "
                           "with a model: use a tokenizer class transformers ships")
 
@@ -376,7 +376,7 @@ def _check_safetensors_index(folder: Path, what: str, present: set[str]) -> None
     index = folder / "model.safetensors.index.json"
     if not index.is_file() or "model.safetensors" in present:  # transformers reads that file, not the index
         return
-    weight_map = _json_object(index, "the index").get("weight_map")
+    weight_map = json_object(index, "the index").get("weight_map")
     if not isinstance(weight_map, dict):
         raise ConfigError(f"{what}: {index.name} has no weight_map object; fix or remove the index")
     for name in weight_map.values():
@@ -562,7 +562,7 @@ def _read_light_config(spec: str) -> Optional[SimpleNamespace]:
         src = resolve(spec)
         if src.repo is not None or src.config_path is None:
             return None
-        data = _json_object(src.config_path, "the config.json")
+        data = json_object(src.config_path, "the config.json")
         refuse_non_finite(data, str(src.config_path))  # said by read_config_json, through load_config
         if src.directory is not None:
             refuse_custom_tokenizer(src.directory)
