@@ -671,7 +671,7 @@ def _mirrored_fields(c: Any) -> dict[str, Any]:
         "d_model": d_model,
         "n_heads": n_heads if d_model % n_heads == 0 else 1,
         "n_layers": int(get("num_hidden_layers", "n_layer")),
-        "d_ff": int(get("intermediate_size", "n_inner", default=4 * d_model)),
+        "d_ff": int(get("intermediate_size", "n_inner", "ffn_dim", default=4 * d_model)),  # ffn_dim: OPT's
         "max_seq_len": int(get("max_position_embeddings", "n_positions", default=2048)),
         "untie_embeddings": not bool(getattr(c, "tie_word_embeddings", True)),
         # attention dropout decides which SDPA kernels a CPU step may use (plan's search space)
