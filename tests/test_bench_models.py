@@ -65,3 +65,19 @@ def test_bench_row_trains_a_transformers_model(llama_dir, small_corpus, tmp_path
     assert 8 * row["trainable_parameters"] <= row["memory"]["by_category"]["optimizer"] < 8 * row["trainable_parameters"] + 512
     # The report names the model the rows trained (its Model line gave the shape only).
     assert f"Model: `{llama_dir}`, d_model 16" in (out / "report.md").read_text()
+
+
+def test_a_bench_row_on_a_transformers_model_gets_the_attention_train_gets(llama_dir):
+    """A row that names no attention runs what `train --model` runs (transformers' sdpa), not our
+    GPT's math default; a row or preset that names one keeps it."""
+    from memtrain.bench.runner import BenchOptions, resolve_rows
+    from memtrain.cli import config_from_args
+
+    opts = BenchOptions(techniques=["lora_rank=4", "attention=math", "baseline"], overrides={"model": str(llama_dir), "seq_len": 32})
+    rows = dict(resolve_rows(opts))
+    trained = config_from_args(build_parser().parse_args(["train", "--model", str(llama_dir), "--lora-rank", "4",
+                                                          "--seq-len", "32"]))
+    assert rows["lora_rank=4"].technique.attention == trained.technique.attention == "sdpa"
+    assert rows["attention=math"].technique.attention == "math" and rows["baseline"].technique.attention == "math"
+    gpt = dict(resolve_rows(BenchOptions(techniques=["lora_rank=4"])))
+    assert gpt["lora_rank=4"].technique.attention == "math"  # our GPT keeps its default

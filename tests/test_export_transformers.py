@@ -107,6 +107,49 @@ def test_transformers_checkpoint_exports_with_equal_logits_and_generates(scratch
     assert capsys.readouterr().out == from_ckpt and from_ckpt.startswith("memory") and len(from_ckpt) > len("memory\n")
 
 
+def test_gemma2_trains_exports_and_generates_with_the_defaults(tmp_path, tokenizer_files, corpus, capsys):
+    """Gemma-2, which transformers builds with eager attention only, goes through the day without an
+    --attention flag: trained, exported with equal logits, and sampled from its export as from its
+    checkpoint."""
+    d = hf_models._gemma2_dir(tmp_path)
+    for f in tokenizer_files.iterdir():
+        shutil.copy(f, d / f.name)
+    ckpt = tmp_path / "run" / "ck.pt"
+    flags = [a for a in TRAIN if a not in ("--attention", "sdpa")]
+    assert main(["train", "--model", str(d), "--data", str(corpus), *flags, "--lora-rank", "2",
+                 "--out", str(tmp_path / "run"), "--save", str(ckpt)]) == 0
+    out = tmp_path / "hf"
+    assert main(["export", str(ckpt), str(out)]) == 0
+    idx = _tokens()
+    with torch.no_grad():
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()(idx).logits
+    assert (_memtrain_logits(ckpt, idx) - theirs).abs().max().item() < 1e-5
+    args = ["--prompt", "memory", "--max-new-tokens", "4", "--seed", "5"]
+    capsys.readouterr()
+    assert main(["generate", str(ckpt), *args]) == 0
+    from_ckpt = capsys.readouterr().out
+    assert main(["generate", str(out), *args]) == 0
+    assert capsys.readouterr().out == from_ckpt and from_ckpt.startswith("memory")
+
+
+def test_an_export_keeps_the_folders_generation_settings_with_the_kv_cache_on(pretrained_llama, scratch_llama,
+                                                                            corpus, tmp_path):
+    """The export's generation_config.json is the --model folder's own (eos tokens, sampling
+    defaults), or the one its config gives; never the training build's use_cache=False, which
+    would make transformers' generate recompute every step without a KV cache."""
+    d = tmp_path / "brought"
+    shutil.copytree(pretrained_llama, d)
+    transformers.GenerationConfig(do_sample=True, temperature=0.6, top_p=0.9, eos_token_id=[2, 7],
+                                  bos_token_id=1).save_pretrained(d)
+    for model_dir, name in ((d, "brought"), (scratch_llama, "scratch")):
+        ckpt = _train(model_dir, corpus, tmp_path / name, "--lora-rank", "2")
+        assert main(["export", str(ckpt), str(tmp_path / name / "hf")]) == 0
+        generation = transformers.GenerationConfig.from_pretrained(str(tmp_path / name / "hf"))
+        assert generation.use_cache is True
+        if model_dir == d:
+            assert (generation.temperature, generation.top_p, generation.eos_token_id) == (0.6, 0.9, [2, 7])
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_a_build_for_a_checkpoints_weights_draws_nothing_and_keeps_ties_and_buffers(tmp_path, family):
     """Export and generate build a checkpoint's model uninitialized (every weight is loaded after):

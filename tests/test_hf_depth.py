@@ -92,3 +92,26 @@ def test_estimate_cli_says_how_it_traced(tmp_path, capsys):
     assert ex["method"] == "extrapolated" and ex["probe_layers"] == [2, 3] and "2 and 3 decoder layers" in ex["note"]
     assert full["method"] == "trace" and full["probe_layers"] is None and "every layer" in full["note"]
     assert ex["peak_bytes"] == full["peak_bytes"] and ex["bytes"] == full["bytes"]
+
+
+@pytest.mark.parametrize("tech", [{}, {"lora_rank": 4}], ids=["full", "lora"])
+def test_a_traced_estimate_counts_the_trainable_parameters_train_records(tmp_path, tech, capsys):
+    """OPT has no analytic model: its estimate is traced (from 2 + 3 layers of the 6) and gives the
+    trainable parameters train records (the adapters alone under LoRA), in the JSON and the text."""
+    import torch
+
+    from memtrain.cli import main
+    from memtrain.training.step import build_state
+
+    d = tmp_path / "opt-6"
+    tiny_config("opt", 6).save_pretrained(d)
+    cfg = _cfg(d, **tech)
+    trained = build_state(cfg, torch.device("cpu")).trainable_parameters
+    flags = ["estimate", "--model", str(d), "--batch-size", "2", "--seq-len", "32", "--device-type", "cpu",
+             *(["--lora-rank", "4"] if tech else [])]
+    assert main([*flags, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["method"] == "extrapolated" and out["trainable_parameters"] == trained
+    assert trained < out["parameters"] if tech else trained == out["parameters"]
+    assert main(flags) == 0
+    assert f"({trained:,} trainable)" in capsys.readouterr().out.splitlines()[0]

@@ -673,6 +673,22 @@ def test_gemma2_soft_capped_logits_train_with_the_standard_loss(tmp_path, corpus
     assert len(err) == 1 and err[0].startswith("error:") and "use --attention math" in err[0] and "http" not in err[0]
 
 
+def test_a_folder_with_weights_refusing_sdpa_blames_the_attention_not_the_weights(tmp_path, corpus, capsys):
+    """transformers refuses --attention sdpa for Gemma-2 while reading its weights too: the line
+    names the attention and memtrain's eager option, not the (sound) *.safetensors files."""
+    from memtrain.cli import main
+
+    d = _gemma2_dir(tmp_path)
+    transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(d)).save_pretrained(d)
+    capsys.readouterr()  # transformers' progress bar while writing
+    flags = ["train", "--model", str(d), "--data", str(corpus), "--steps", "1", "--batch-size", "1",
+             "--seq-len", "16", "--out", str(tmp_path / "run")]
+    assert main([*flags, "--attention", "sdpa"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "use --attention math" in err[0] and "cannot read the weights" not in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
 def test_lora_on_gpt2s_conv1d_layers_asks_peft_for_their_layout(model_dirs, corpus, tmp_path):
     """GPT-2's projections are Conv1D (weight stored in x out): the adapters are made for that
     layout without peft's per-layer warning, and the model with fresh adapters computes what the

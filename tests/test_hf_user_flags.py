@@ -180,6 +180,33 @@ def test_a_transformers_model_gets_sdpa_unless_attention_is_given():
     assert resolve_model(_parse(["estimate", "--model", "gpt2"]))[0].technique.attention == "math"
 
 
+def test_a_family_without_sdpa_gets_eager_as_transformers_builds_it(tmp_path, capsys):
+    """transformers builds Gemma-2 with eager attention (it has no SDPA path and refuses one): its
+    default is math, not an sdpa that stops the run; a named --attention still wins."""
+    import transformers
+
+    d = tmp_path / "gemma2"
+    d.mkdir()
+    (d / "config.json").write_text(transformers.Gemma2Config(
+        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_hidden_layers=2, max_position_embeddings=256, vocab_size=50257).to_json_string())
+    assert _cfg(["train", "--model", str(d)]).technique.attention == "math"
+    assert _cfg(["train", "--model", str(d), "--attention", "sdpa"]).technique.attention == "sdpa"
+    assert main(["estimate", "--model", str(d), "--seq-len", "16", "--batch-size", "1"]) == 0
+    assert "attention=math (the model's default, as in transformers" in capsys.readouterr().out
+
+
+def test_the_families_without_sdpa_are_transformers_own():
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from memtrain.models.spec import NO_SDPA_MODEL_TYPES
+
+    for model_type in sorted(NO_SDPA_MODEL_TYPES | {"llama", "qwen2", "mistral", "gemma", "phi3", "gpt2", "opt"}):
+        model_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+        assert bool(model_class._supports_sdpa) == (model_type not in NO_SDPA_MODEL_TYPES), model_type
+
+
 def test_estimate_of_llama_says_which_defaults_shaped_it(capsys):
     flags = ["estimate", "--model", "llama-3-8b", "--bf16", "--lora_r", "16", "--device-type", "cuda"]
     assert main(flags) == 0
@@ -376,3 +403,32 @@ def test_the_fewer_lora_targets_are_pefts_defaults_for_the_family():
     for model_type, targets in FEWER_LORA_TARGETS.items():
         if PEFT.get(model_type) is not None:  # peft does not list phi3
             assert targets.split(",") == list(PEFT[model_type]), model_type
+
+
+# ------------------------------------------------------------------------ 6. what a run records
+def test_a_transformers_run_records_the_lora_targets_it_trained(small_corpus, tmp_path, one_thread):
+    """Our GPT's default target list means peft's all-linear on a transformers model: result.json and
+    the checkpoint record all-linear, the modules that got adapters, not our GPT's names."""
+    out = tmp_path / "run"
+    assert main(["train", "--model", "tiny-llama", "--data", str(small_corpus), "--lora-rank", "2", "--steps", "1",
+                 "--batch-size", "1", "--seq-len", "16", "--val-blocks", "1", "--no-progress", "--out", str(out),
+                 "--save", str(out / "ckpt.pt")]) == 0
+    assert json.loads((out / "result.json").read_text())["config"]["technique"]["lora_targets"] == "all-linear"
+    from memtrain.training.preflight import saved_run
+
+    assert saved_run(str(out / "ckpt.pt"))[0]["technique"]["lora_targets"] == "all-linear"
+    # Our GPT's own default, a named list and a run without LoRA are recorded as they were.
+    assert build_config({"lora_rank": 2}).technique.lora_targets == "qkv,proj,fc,fc_out"
+    assert build_config({"model": "tiny-llama", "lora_rank": 2, "lora_targets": "q_proj"}).technique.lora_targets \
+        == "q_proj"
+    assert build_config({"model": "tiny-llama"}).technique.lora_targets == "qkv,proj,fc,fc_out"
+
+
+def test_a_run_saved_with_the_gpt_default_targets_resumes_as_all_linear():
+    from memtrain.training.preflight import config_differences
+
+    now = build_config({"model": "tiny-llama", "lora_rank": 2}).to_dict()
+    saved = {**now, "technique": {**now["technique"], "lora_targets": "qkv,proj,fc,fc_out"}}
+    assert config_differences(saved, now) == []
+    named = {**now, "technique": {**now["technique"], "lora_targets": "q_proj"}}
+    assert config_differences(named, now) == ["lora_targets: 'q_proj' -> 'all-linear'"]

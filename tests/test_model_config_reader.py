@@ -115,3 +115,14 @@ def test_a_config_transformers_refuses_is_refused_by_the_analytic_estimate_too(t
 def test_a_hub_model_goes_to_autoconfig(monkeypatch):
     monkeypatch.setattr(model_spec, "load_config", lambda s: ("autoconfig", s))
     assert analytic_config("hf:Qwen/Qwen2.5-0.5B") == ("autoconfig", "hf:Qwen/Qwen2.5-0.5B")
+
+
+def test_the_mirrored_ffn_width_is_the_models_own_for_opt(tmp_path):
+    """OPT names its FFN width ffn_dim: result.json, flops and the bench report recorded 4 x
+    hidden (a width the model does not have) in its place."""
+    transformers = pytest.importorskip("transformers")
+    from memtrain.models.spec import model_fields
+
+    transformers.OPTConfig(hidden_size=32, ffn_dim=48, num_attention_heads=4, num_hidden_layers=2,
+                           word_embed_proj_dim=32, vocab_size=384).save_pretrained(tmp_path)
+    assert model_fields(str(tmp_path))["d_ff"] == 48

@@ -45,6 +45,7 @@ from memtrain.config.run import (
     field_index,
     flatten,
     load_config_file,
+    model_default_attention,
     refuse_long_warmup,
 )
 from memtrain.distributed.rank_errors import begin_command, error_line, launch_env, launched_by_memtrain, say_error
@@ -257,10 +258,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = 
         base = {**(base or {}), **taken}
     layers = [base or {}, file_layer, flags]
     merged = _given_settings(layers)
-    if _is_transformers_model(merged.get("model")) and "attention" not in merged:
-        # transformers builds a model with SDPA unless told otherwise (attn_implementation);
-        # memtrain's GPT keeps its math default (the seed's lab).
-        layers.append({"attention": MODEL_DEFAULT_ATTENTION})
+    layers.append(model_default_attention(*layers))
     if derive_max_seq_len:
         if "max_seq_len" not in merged and "seq_len" in merged:
             try:
@@ -340,9 +338,6 @@ def _refuse_flags_of_an_unused_technique(cfg: RunConfig, given: dict[str, Any]) 
     flag = f"--{name.replace('_', '-')}"
     shown = flag if isinstance(value, bool) else f"{flag} {value}"
     raise ConfigError(f"{shown} applies only with {switch}; add {switch.split(' (')[0]} or drop {flag}")
-
-
-MODEL_DEFAULT_ATTENTION = "sdpa"
 
 
 def _given_settings(layers: Sequence[dict[str, Any]]) -> dict[str, Any]:

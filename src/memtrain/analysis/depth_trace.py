@@ -115,6 +115,7 @@ def extrapolated_trace(cfg: RunConfig, device_type: str = "cpu") -> dict[str, An
         current_by_category={c: _line(a["current_by_category"][c], b["current_by_category"][c], l1, l2, n)
                              for c in a["current_by_category"]},
         parameters=_line(a["parameters"], b["parameters"], l1, l2, n),
+        trainable_parameters=_line(a["trainable_parameters"], b["trainable_parameters"], l1, l2, n),
         method="extrapolated", probe_layers=[l1, l2],
     )
     for key in ("offloaded_peak_bytes", "offloaded_at_peak_bytes"):  # --offload-activations' host bytes
@@ -171,6 +172,7 @@ def traced_estimate(cfg: Any, device_type: str, full_trace: bool = False) -> dic
                  if traced["method"] == "extrapolated" else
                  "traced under fake tensors, every layer (" + traced["full_trace_reason"] + ")"),
         "parameters": traced.get("parameters"),
+        "trainable_parameters": traced.get("trainable_parameters"),
         "bytes": {"weights": cats["parameters"], "gradients": cats["gradients"], "optimizer": cats["optimizer"],
                   "activations": cats["activations"], "logits": None, "temporaries": cats["temporaries"]},
         "peak_bytes": traced["peak_bytes"],

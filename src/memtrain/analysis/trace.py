@@ -317,6 +317,7 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
         stats["compile"] = _saved_entry(saved, compiled, forward_passes=steps * run)
     stats["device_type"] = device_type
     stats["parameters"] = state.n_params
+    stats["trainable_parameters"] = state.trainable_parameters  # train's figure (LoRA: the adapters)
     # bf16-pure's AdamW traces its buckets as they run (their copies) and leaves only its large
     # tensors to torchao's step (memtrain.techniques.sr_adamw): eager, thus an upper bound, only then.
     if torchao_compiled_step(cfg.technique.optim, cfg.technique.precision) and \

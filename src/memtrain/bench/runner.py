@@ -31,6 +31,7 @@ from memtrain.config.run import (
     TechniqueConfig,
     build_config,
     flatten,
+    model_default_attention,
     names_warmup,
     parse_size,
     refuse_long_warmup,
@@ -176,7 +177,8 @@ def resolve_rows(opts: BenchOptions) -> list[tuple[str, RunConfig]]:
                               f"{relabelled[0]} from the config file, or name the row key=value+key=value")
         try:
             given = (row_layer, opts.file_layer, opts.overrides)
-            cfg = build_config(fitted_scale_overrides(opts.scale, *given), *given)
+            scale_layer = fitted_scale_overrides(opts.scale, *given)
+            cfg = build_config(scale_layer, *given, model_default_attention(scale_layer, *given))
             if names_warmup(*given):
                 refuse_long_warmup(cfg.train)
         except ConfigError as exc:

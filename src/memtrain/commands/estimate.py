@@ -166,6 +166,15 @@ def _parameter_words(est: Any) -> str:
     return f"{est.parameters:,} parameters ({est.trainable_parameters:,} trainable)"
 
 
+def _traced_parameter_words(out: dict[str, Any], lora_rank: int) -> str:
+    """A traced estimate's parameter counts in train's words: the model's, and what trains (the
+    adapters alone under LoRA, whose base is frozen)."""
+    total, trainable = out["parameters"], out["trainable_parameters"]
+    if lora_rank:
+        return f"{total:,} parameters + {trainable:,} LoRA adapter parameters ({trainable:,} trainable)"
+    return f"{total:,} parameters ({trainable:,} trainable)"
+
+
 def _table(rows: list[tuple[str, str, str]]) -> str:
     w = [max(len(r[i]) for r in rows) for i in range(3)]
     return "\n".join(f"  {a:<{w[0]}}  {b:>{w[1]}}  {c}" for a, b, c in rows)
@@ -483,7 +492,8 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
         print(json.dumps(out, indent=2, default=float))
         return 0
     m, t, tech = cfg.model, cfg.train, cfg.technique
-    print(f"{cfg.model.model}: d_model {m.d_model}, {m.n_layers} layers, vocab {m.vocab_size}; "
+    print(f"{cfg.model.model}: {_traced_parameter_words(out, tech.lora_rank)}, d_model {m.d_model}, {m.n_layers} "
+          f"layers, vocab {m.vocab_size}; "
           f"batch {t.batch_size} x seq {t.seq_len} x accum {t.grad_accum}, {tech.precision}, attention {tech.attention}, "
           f"checkpointing {tech.checkpointing}, loss {tech.loss}, optim {tech.optim}"
           + (f", LoRA r{tech.lora_rank}" if tech.lora_rank else "") + (" + NF4 base (QLoRA)" if tech.qlora else ""))

@@ -11,9 +11,9 @@ from memtrain.training.preflight import check_writable_dir
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", type=user_path, help="Checkpoint file written by `memtrain train --save`.")
-    p.add_argument("out_dir", type=user_path, help="New directory: config.json, model.safetensors and the tokenizer files (memtrain's "
-                   "GPT: GPT2LMHeadModel with GPT-2's tokenizer; a transformers --model: its own architecture and "
-                   "tokenizer, GPT-2's tokenizer when its folder had none).")
+    p.add_argument("out_dir", type=user_path, help="New directory: config.json, model.safetensors, generation_config.json and the tokenizer files "
+                   "(memtrain's GPT: GPT2LMHeadModel with GPT-2's tokenizer; a transformers --model: its own "
+                   "architecture, tokenizer and generation settings, GPT-2's tokenizer when its folder had none).")
     p.add_argument("--adapter-only", action="store_true", default=False,
                    help="For a transformers --model trained with --lora-rank: write the LoRA adapter as a peft adapter "
                    "(adapter_config.json, adapter_model.safetensors) for PeftModel.from_pretrained(base, OUT_DIR), "

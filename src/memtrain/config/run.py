@@ -854,9 +854,40 @@ def build_config(*layers: dict[str, Any]) -> RunConfig:
     parts.update({s: SECTIONS[s](**kv) for s, kv in per_section.items() if s != "model"})
     _check_integers_fit(parts)
     cfg = RunConfig(**parts)
+    _record_trained_lora_targets(cfg)
     # Remembered (not a field, so not in result.json's config) for the CLI's one-line note.
     cfg.train.warmup_defaulted = default_warmup  # type: ignore[attr-defined]  # read with getattr(..., False)
     return cfg
+
+
+def model_default_attention(*layers: dict[str, Any]) -> dict[str, Any]:
+    """A layer setting the attention transformers builds a transformers ``--model`` with (sdpa, or
+    eager for Gemma-2), for settings ``layers`` that name such a model and no attention; else
+    empty: memtrain's GPT keeps its math default (the seed's lab). train, estimate, plan and
+    every bench row use it, so one model gets one default."""
+    from memtrain.models.spec import default_attention, is_gpt_preset  # torch-free; spec reads config
+
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        try:
+            merged.update(normalize_aliases(flatten(layer)))
+        except ValueError:
+            continue  # build_config reports the bad alias
+    spec = merged.get("model")
+    if "attention" in merged or not isinstance(spec, str) or is_gpt_preset(spec):
+        return {}
+    return {"attention": default_attention(spec)}
+
+
+def _record_trained_lora_targets(cfg: RunConfig) -> None:
+    """Set in ``cfg`` the LoRA targets a transformers ``--model`` trains: our GPT's default list
+    (``qkv,proj,fc,fc_out``) means peft's ``all-linear`` there, and result.json, checkpoints and
+    bench rows record the config, so they name what was adapted rather than our GPT's modules."""
+    from memtrain.models.spec import ALL_LINEAR, GPT_LORA_TARGETS, is_gpt_preset  # torch-free; spec reads config
+
+    tech = cfg.technique
+    if tech.lora_rank and tech.lora_targets == GPT_LORA_TARGETS and not is_gpt_preset(cfg.model.model):
+        tech.lora_targets = ALL_LINEAR
 
 
 WARMUP_FRACTION = 0.1

@@ -53,7 +53,7 @@ from memtrain.models.families import data_tokenizer
 from memtrain.models.gpt import GPT
 from memtrain.models.hf import HFCausalLM, build_hf_model, quiet_transformers
 from memtrain.models.placement import place_weights
-from memtrain.models.spec import resolve
+from memtrain.models.spec import json_object, resolve
 from memtrain.runtime.extras import require
 from memtrain.techniques.hf_mapping import apply_hf_lora
 from memtrain.techniques.lora import apply_lora, merge_adapters_in_place, merge_lora
@@ -217,12 +217,33 @@ def _load_transformers(weights: dict[str, Any], cfg: RunConfig, ckpt: Path, merg
     if tech.lora_rank and merge:
         merge_adapters_in_place(model)
     model.lm.config.use_cache = True  # training turned the KV cache off; generation wants it
+    model.lm.generation_config = _generation_config(cfg, model.lm.config)
     for p in model.parameters():
         p.requires_grad_(False)
     dtype = trained_dtype(weights)
     if merge or not tech.lora_rank:
         place_weights(model, dtype)  # rope's float32 inv_freq stays float32 (models.placement)
     return model.eval()
+
+
+GENERATION_CONFIG = "generation_config.json"
+
+
+def _generation_config(cfg: RunConfig, config: Any) -> Any:
+    """The generation settings an export carries: the ``--model`` folder's own
+    ``generation_config.json`` (its eos tokens, sampling defaults), else those transformers derives
+    from the model's config; with the KV cache on. The model was built for training (no KV cache),
+    and transformers would write that into the exported folder's generate defaults."""
+    from transformers import GenerationConfig  # export's extra, not the core's
+
+    folder = resolve(str(cfg.model.model)).directory
+    if folder is not None and (folder / GENERATION_CONFIG).is_file():
+        path = folder / GENERATION_CONFIG  # read as JSON, checked: nothing of the folder runs
+        generation = GenerationConfig.from_dict(json_object(path, f"the {GENERATION_CONFIG} of {str(folder)!r}"))
+    else:
+        generation = GenerationConfig.from_model_config(config)
+    generation.use_cache = True
+    return generation
 
 
 # --------------------------------------------------------------------------- our GPT -> GPT2LMHeadModel

@@ -38,10 +38,11 @@ from memtrain.data.tokenizer import EOT_ID, N_VOCAB, get_tokenizer
 from memtrain.inference.export import load_trained, require_transformers, to_hf_model
 from memtrain.models.families import data_tokenizer
 from memtrain.models.gpt import GPT
-from memtrain.models.hf import load_pretrained_lm
+from memtrain.models.hf import ATTN_IMPLEMENTATION, load_pretrained_lm
 from memtrain.models.placement import place_weights
 from memtrain.models.spec import (
     TOKENIZER_FILES,
+    attention_of_model_type,
     config_positions,
     read_config_json,
     refuse_custom_tokenizer,
@@ -100,7 +101,9 @@ class Folder:
     def load(self, dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> Any:
         """The model in eval mode, its weights read in ``dtype`` (None: float32) straight onto
         ``device`` (None: the host)."""
-        lm = load_pretrained_lm(str(self.path), self.config, "sdpa", repr(str(self.path)), dtype=dtype, device=device)
+        # The attention transformers builds this family with (eager for Gemma-2, which refuses SDPA).
+        attn = ATTN_IMPLEMENTATION[attention_of_model_type(getattr(self.config, "model_type", None))]
+        lm = load_pretrained_lm(str(self.path), self.config, attn, repr(str(self.path)), dtype=dtype, device=device)
         return lm.eval()
 
 

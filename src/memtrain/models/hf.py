@@ -172,19 +172,26 @@ def build_hf_model(cfg: RunConfig, with_weights: bool = True, initialize: bool =
             lm = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype,
                                                   trust_remote_code=False)
     except (ImportError, ValueError) as exc:
-        raise _attention_refusal(spec, tech.attention, attn, exc) from None
+        raise _attention_refusal(f"--model {spec!r} with --attention {tech.attention} ({attn})", attn, exc) from None
     if not initialize:
         lm.tie_weights()  # transformers ties the head to the embedding in the init it skipped
     return HFCausalLM(lm, source)
 
 
-def _attention_refusal(spec: str, attention: str, attn: str, exc: BaseException) -> ConfigError:
-    """transformers' refusal of an attention implementation (Gemma-2 has no SDPA path), cut to its
-    first sentence (the rest is an issue link and a from_pretrained example in transformers'
-    names), with memtrain's name for the implementation every family has."""
+def _attention_refusal(what: str, attn: str, exc: BaseException) -> ConfigError:
+    """transformers' refusal of attention implementation ``attn`` for the model and attention
+    ``what`` names (Gemma-2 has no SDPA path), cut to its first sentence (the rest is an issue link and a
+    from_pretrained example in transformers' names), with memtrain's name for the implementation
+    every family has."""
     first = _first_line(exc).split(". ")[0].rstrip(".")
     hint = "; use --attention math (transformers' eager attention)" if attn != "eager" else ""
-    return ConfigError(f"--model {spec!r} with --attention {attention} ({attn}): {first}{hint}")
+    return ConfigError(f"{what}: {first}{hint}")
+
+
+def _refuses_attention(exc: ValueError) -> bool:
+    """Whether transformers' ValueError refuses the attention implementation asked (its words:
+    "... does not support an attention implementation through ...")."""
+    return "attention implementation" in _first_line(exc)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -245,6 +252,8 @@ def load_pretrained_lm(load_id: str, config: Any, attn: str, what: str, repo: Op
     except MemoryError:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever the files hold, reading them is the input's failure
+        if isinstance(exc, ValueError) and _refuses_attention(exc):  # the flag's fault, not the files'
+            raise _attention_refusal(f"{what} with attn_implementation {attn}", attn, exc) from None
         reason = f"{type(exc).__name__}: {_first_line(exc)}"
         if "ignore_mismatched_sizes" in reason:  # transformers points at the report memtrain keeps quiet
             reason = "a tensor's shape differs from the one its config.json gives"

@@ -58,6 +58,35 @@ FEWER_LORA_TARGETS: dict[str, str] = {
 }
 
 
+# The causal LMs transformers builds with eager attention when no attn_implementation is asked:
+# their classes do not set _supports_sdpa (transformers 5.24), and asking them for "sdpa" is refused.
+# Copied so that a --model's default attention costs no torch import (tests/test_hf_user_flags.py
+# holds each entry, and the families docs/models.md names, to transformers' own classes).
+NO_SDPA_MODEL_TYPES = frozenset({
+    "big_bird", "bigbird_pegasus", "bloom", "cpmant", "deepseek_v4", "falcon_mamba", "flint", "gemma2", "git",
+    "got_ocr2", "gpt_neo", "gpt_neox_japanese", "gpt_oss", "granite_swa", "granitemoe_swa", "hy_v4",
+    "inkling2_loop_text", "inkling2_text", "mamba", "mamba2", "megatron-bert", "mimo_v2_flash", "mpt", "mvp",
+    "openai-gpt", "prophetnet", "reformer", "rembert", "roformer", "rwkv", "trocr", "vaultgemma", "xglm", "xlm",
+    "xlnet", "xlstm",
+})
+
+
+def default_attention(spec: str) -> str:
+    """memtrain's ``--attention`` for the implementation transformers builds transformers model
+    ``spec`` with when none is asked: ``sdpa``, or ``math`` (eager) for a family without SDPA
+    (Gemma-2). ``sdpa`` where the config cannot be read: resolving the model reports that."""
+    try:
+        model_type = analytic_config(spec).model_type
+    except ConfigError:
+        return "sdpa"
+    return attention_of_model_type(model_type)
+
+
+def attention_of_model_type(model_type: Optional[str]) -> str:
+    """memtrain's name of the attention transformers builds a ``model_type`` with by default."""
+    return "math" if model_type in NO_SDPA_MODEL_TYPES else "sdpa"
+
+
 def fewer_lora_targets(spec: str) -> Optional[str]:
     """A ``--lora-targets`` value naming modules that transformers model ``spec`` has (its
     attention projections), or None for a family not listed or a config that cannot be read."""
@@ -217,7 +246,7 @@ def _starts_with(p: Path, magic: bytes) -> bool:
         return False  # unreadable: the JSON reader says so in its own words
 
 
-def _json_object(path: Path, what: str) -> dict[str, Any]:
+def json_object(path: Path, what: str) -> dict[str, Any]:
     """The JSON object in ``path`` (a model folder's config or tokenizer config); a crafted file
     is one error line, never a crash. Python's json, not memtrain's bounded reader: tokenizer
     configs hold 31-digit integers (transformers' "no limit" model_max_length)."""
@@ -255,7 +284,7 @@ def read_config_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"{shown!r} is missing or not a file; a model folder needs its config.json"
                           + _run_folder_hint(path.parent))
-    data = _json_object(path, "the config.json (it is not a transformers config.json)")
+    data = json_object(path, "the config.json (it is not a transformers config.json)")
     if "auto_map" in data:
         raise ConfigError(f"{shown!r} names custom model code (auto_map); memtrain never runs code shipped with a "
                           "model: use a model type transformers ships")
@@ -308,7 +337,7 @@ def refuse_custom_tokenizer(directory: Path) -> None:
     path = directory / "tokenizer_config.json"
     if not path.is_file():
         return  # no file, or not a file: the tokenizer's loader reports it
-    if "auto_map" in _json_object(path, "it"):
+    if "auto_map" in json_object(path, "it"):
         raise ConfigError(f"{str(path)!r} names custom tokenizer code (auto_map); memtrain never runs code shipped "
                           "with a model: use a tokenizer class transformers ships")
 
@@ -350,7 +379,7 @@ def _check_safetensors_index(folder: Path, what: str, present: set[str]) -> None
     index = folder / "model.safetensors.index.json"
     if not index.is_file() or "model.safetensors" in present:  # transformers reads that file, not the index
         return
-    weight_map = _json_object(index, "the index").get("weight_map")
+    weight_map = json_object(index, "the index").get("weight_map")
     if not isinstance(weight_map, dict):
         raise ConfigError(f"{what}: {index.name} has no weight_map object; fix or remove the index")
     for name in weight_map.values():
@@ -590,7 +619,7 @@ def _read_light_config(spec: str) -> Optional[SimpleNamespace]:
         src = resolve(spec)
         if src.repo is not None or src.config_path is None:
             return None
-        data = _json_object(src.config_path, "the config.json")
+        data = json_object(src.config_path, "the config.json")
         refuse_non_finite(data, str(src.config_path))  # said by read_config_json, through load_config
         if src.directory is not None:
             refuse_custom_tokenizer(src.directory)
@@ -699,7 +728,7 @@ def _mirrored_fields(c: Any) -> dict[str, Any]:
         "d_model": d_model,
         "n_heads": n_heads if d_model % n_heads == 0 else 1,
         "n_layers": int(get("num_hidden_layers", "n_layer")),
-        "d_ff": int(get("intermediate_size", "n_inner", default=4 * d_model)),
+        "d_ff": int(get("intermediate_size", "n_inner", "ffn_dim", default=4 * d_model)),  # ffn_dim: OPT's
         "max_seq_len": int(get("max_position_embeddings", "n_positions", default=2048)),
         "untie_embeddings": not bool(getattr(c, "tie_word_embeddings", True)),
         # attention dropout decides which SDPA kernels a CPU step may use (plan's search space)

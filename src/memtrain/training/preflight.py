@@ -42,6 +42,7 @@ from memtrain.files.results import (
     loads_bounded,
     refuse_odd_destination,
 )
+from memtrain.models.spec import every_decoder_linear
 from memtrain.training.run_paths import anchored, launch_dir, same_file, same_place
 from memtrain.training.schedule import lr_lambda
 from memtrain.training.sinks import LOGGER_FOLDERS, parse_report_to
@@ -513,9 +514,16 @@ def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
             if key in MAY_DIFFER:
                 continue
             old = old_section.get(key, "<missing>")  # type: ignore[union-attr]  # old_section is a dict: non-dicts were replaced by {}
-            if not same_place(key, old, value):
+            if not same_place(key, old, value) and not _same_lora_targets(key, old, value):
                 diffs.append(f"{key}: {old!r} -> {value!r}")
     return diffs
+
+
+def _same_lora_targets(key: str, old: Any, new: Any) -> bool:
+    """Whether ``old`` and ``new`` are two names of every decoder Linear as LoRA targets: a
+    transformers run saved before its config recorded peft's ``all-linear`` recorded our GPT's
+    default list for the same adapters, and still resumes."""
+    return key == "lora_targets" and isinstance(old, str) and every_decoder_linear(old) and every_decoder_linear(new)
 
 
 def differences_from_this_run(saved: dict[str, Any], cfg: RunConfig, data_as: Optional[str] = None) -> list[str]:
