@@ -979,7 +979,12 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     # (A float32 v: QLoRA's bias added after the NF4 matmul, in float32.)
     v32 = per_linear and arch.qkv_bias and _runs_nf4(dm, trainable_base, d, dm.kv)
     norm(f"{p}.ln_1", x, f"{p}.ln1", needs["in"])
-    if per_linear:
+    # Without adapters too, each of q_proj, k_proj and v_proj makes its own .grad in its own
+    # backward (a 16-bit one cast to the float32 parameter's dtype under autocast, then gone):
+    # one fused entry would hold the three 16-bit gradients at once. (--precision fp8's
+    # Float8Linear keys its parameters by the Linear's own name: its entries stay fused.)
+    per_qkv = per_linear or (dm.hf and not dm.fp8 and not (arch.fused_proj or arch.gpt2_layers))
+    if per_qkv:
         for part in (".q", ".k", ".v"):
             lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0", d, dm.qw + 2 * dm.kv, r, needs["in"], part)
         nodes.append(hf_rope_node(dm, [f"{p}.qkv0.q", f"{p}.qkv0.k", f"{p}.qkv0.v"], f"{p}.qkv",
