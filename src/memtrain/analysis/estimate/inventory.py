@@ -661,7 +661,7 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
     # in place, and its save keeps the whole q/k/v output. A Llama-style layer's v is a storage of
     # its own, apart from rope's q and k, which ``qkv`` stands for too: the copy's bytes are v's.)
     # Our GPT's v is a view of its fused q/k/v output as GPT-2's is: the same at batch 1.
-    v_view = (dm.additive_mask or not dm.hf) and not dm.repeat_kv and kind != "math" and not upcast and b == 1
+    v_view = (dm.additive_mask or not dm.hf) and not dm.repeat_kv and kind != "math" and not upcast and _folds(dm)
     v_saved = qkv_keys if v_view else [f"{p}.vc"]
     qk_saves = [f"{p}.qc", f"{p}.kc"]
     kernel_locals: list[str] = []  # what the attention function holds until it returns
@@ -723,13 +723,20 @@ def _merge_heads(nodes: list[Node], dm: Dims, p: str, o: str, y: str, nbytes: fl
     nodes.append(Node(f"{p}.merge", inputs=[y, *held]))
 
 
+def _folds(dm: Dims) -> bool:
+    """Whether a (b, h, s, hd) view of a projection's output (heads split by a transpose) folds
+    into bmm's (b h) batch dimension as it is: where b or h is 1, torch ignores the size-1
+    dimension's stride, so the matmul reads the view in place and saves it (no contiguous copy)."""
+    return dm.b == 1 or dm.h == 1
+
+
 def _math_path_reads(dm: Dims, p: str, kind: str, upcast: bool, gqa_v: Optional[str], qk_saves: list[str],
                      v_saved: list[str]) -> tuple[list[str], list[str], bool, bool, Optional[str]]:
     """What the materialized attention's matmuls read in place rather than copy (:func:`_attention_nodes`):
     returns the first matmul's saves (q's for k's gradient, k's for q's), the second's v, whether
     q and k are copied, and the v read in place (None where it is copied, or read by
     ``v_saved`` as it is). ``gqa_v``: SDPA's math path's repeated v (:func:`_sdpa_math_inputs`)."""
-    q_copy = k_copy = not (kind == "sdpa" and dm.b == 1)  # (our GPT's as well as a transformers layer's)
+    q_copy = k_copy = not (kind == "sdpa" and _folds(dm))  # (our GPT's as well as a transformers layer's)
     if not q_copy and upcast and dm.repeat_kv and gqa_v is None:
         # (A Llama-style v's float32 copy keeps the projection's layout: read in place too.)
         gqa_v = f"{p}.v32"
@@ -802,7 +809,7 @@ def _eager_hf_attention_nodes(nodes: list[Node], dm: Dims, p: str, qkv_keys: lis
                        grads=[(q, N * d * a)] * q_grad + [(k_in, N * d * a)] * k_grad))
     probs = _scores_softmax(nodes, dm, p, sc, s * s, "math")
     probs_grad = q_grad or k_grad
-    if not repeated and v_src is not None and b == 1:
+    if not repeated and v_src is not None and _folds(dm):
         # Phi-3's v, a slice of the fused output, folds into bmm's batch dimension at batch 1:
         # read in place, and the save keeps the whole fused output.
         v_saved = [v_src]
