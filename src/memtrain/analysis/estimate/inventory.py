@@ -586,6 +586,17 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
     if backend == "flash" and dm.masked_sdpa:
         _masked_sdpa_nodes(nodes, dm, p, v_src, kv_bytes, kv_locals)
         return
+    if backend == "math" and _dense_window_on_cpu_flash(dm, kind, window):
+        # attention.kernels._dense_window hands SDPA the bool (s, s) window mask (made per call:
+        # int64 i - j beside three bool (s, s) comparisons), and torch's CPU flash kernel turns it
+        # into a float mask in q's dtype, which it saves with q, k, v (views of qkv), its output
+        # (written as (b, s, h, hd): the merge's .contiguous() is free) and the log-sum-exp:
+        # nothing (b, h, s, s), as the math path would keep.
+        nodes.append(Node(f"{p}.mask", out=[(f"{p}.m", s * s * a)], fwd_scratch=s * s * 11))
+        nodes.append(Node(f"{p}.sdpa", out=[(y, N * d * a), (f"{p}.lse", b * h * s * 4)], inputs=qkv_keys + [f"{p}.m"],
+                          saves=qkv_keys + [y, f"{p}.lse", f"{p}.m"], matmul=True, grad_out=(y,),
+                          grads=[(q, N * d * a), (k, N * kvw * a), (v, N * kvw * a)]))
+        return
     if backend == "flash":
         # Fused kernel (SDPA flash/mem-efficient/cuDNN, flex, flash-attn): saves q, k, v (views
         # of qkv), its output and a float32 log-sum-exp (b, h, s); nothing s x s. The CPU
@@ -721,6 +732,14 @@ def _merge_heads(nodes: list[Node], dm: Dims, p: str, o: str, y: str, nbytes: fl
         return
     _rename_key(nodes, o, y)
     nodes.append(Node(f"{p}.merge", inputs=[y, *held]))
+
+
+def _dense_window_on_cpu_flash(dm: Dims, kind: str, window: Optional[int]) -> bool:
+    """Whether our GPT's --attention sdpa with a window too wide to band (block + window - 1 >= s,
+    :func:`memtrain.attention.kernels.banded_attention`) runs torch's CPU flash kernel with the
+    dense bool window mask: on CPU kernels without dropout (with dropout SDPA takes its math
+    path). On CUDA which fused kernel takes the mask is not modelled: counted as the math path."""
+    return kind == "sdpa" and window is not None and window < dm.s and not dm.cuda and not dm.dropout and not dm.hf
 
 
 def _folds(dm: Dims) -> bool:
