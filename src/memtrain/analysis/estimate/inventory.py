@@ -631,7 +631,11 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
         # (which saves the padded tensors); unfold's backward scatters into a padded buffer.
         copy = kv_band if backend == "banded" else 0
         nodes.append(Node(f"{p}.kband", out=[(f"{p}.kb", copy)], inputs=[f"{p}.kp"], grads=[(f"{p}.kp", kv_pad)]))
-        nodes.append(Node(f"{p}.vband", out=[(f"{p}.vb", copy)], inputs=[f"{p}.vp"], grads=[(f"{p}.vp", kv_pad)]))
+        # (The math kernel's second matmul copies v's band, after the softmax and the dropout;
+        # for SDPA the reshape to (b h, blocks, band, hd) copies it, before the call.)
+        vband = Node(f"{p}.vband", out=[(f"{p}.vb", copy)], inputs=[f"{p}.vp"], grads=[(f"{p}.vp", kv_pad)])
+        if kind != "math":
+            nodes.append(vband)
         mask_elems = nb * blk * band
         if backend == "banded-sdpa":
             # The bool band mask becomes an additive float mask, saved with q, k, v, out, lse.
@@ -642,13 +646,7 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
                                saves=[f"{p}.qp", f"{p}.kp", f"{p}.vp", f"{p}.o", f"{p}.lse", f"{p}.m"],
                                grads=[(f"{p}.qp", q_pad), (f"{p}.kb", kv_band), (f"{p}.vb", kv_band)]))
         else:
-            nodes.append(Node(f"{p}.qk", out=[(f"{p}.s0", sc * a)], inputs=[f"{p}.qp", f"{p}.kb"],
-                               saves=[f"{p}.qp", f"{p}.kb"], matmul=True, keep=(f"{p}.s0",),
-                               grads=[(f"{p}.qp", q_pad), (f"{p}.kb", kv_band)]))
-            probs = _scores_softmax(nodes, dm, p, sc, mask_elems)
-            nodes.append(Node(f"{p}.pv", out=[(f"{p}.o", q_pad)], inputs=[probs, f"{p}.vb"],
-                               saves=[probs, f"{p}.vb"], matmul=True,
-                               grads=[(probs, sc * a), (f"{p}.vb", kv_band)]))
+            _band_math_nodes(nodes, dm, p, kind, vband, sc, mask_elems, q_pad, kv_band)
         o = _cast_back(nodes, p, f"{p}.o", q_pad / a, a, low_a)
         # out[:, :, :s] then transpose(1, 2).contiguous(): one copy.
         nodes.append(Node(f"{p}.merge", out=[(y, N * d * low_a)], inputs=[o], grads=[(o, q_pad * low_a / a)]))
@@ -718,6 +716,28 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
     nodes[-1].inputs += kernel_locals  # (the kernel's last op: the cast back, or the matmul)
     # y.transpose(1, 2).contiguous(): a copy; its backward passes the gradient through.
     _merge_heads(nodes, dm, p, o, y, N * d * low_a, tuple(held))
+
+
+def _band_math_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, vband: Node, sc: float, mask_elems: float,
+                     q_pad: float, kv_band: float) -> None:
+    """The banded kernel's materialized band scores (``kernels._banded`` with the math kernel, or
+    SDPA's math path per band where the CPU has dropout), from the padded q and k's band to the
+    band output ``{p}.o``. ``vband``: the node of v's band; ``sc``/``mask_elems``: the band
+    scores' and mask's elements; ``q_pad``/``kv_band``: bytes of the padded q and of a band."""
+    a = dm.a
+    nodes.append(Node(f"{p}.qk", out=[(f"{p}.s0", sc * a)], inputs=[f"{p}.qp", f"{p}.kb"],
+                       saves=[f"{p}.qp", f"{p}.kb"], matmul=True, keep=(f"{p}.s0",),
+                       grads=[(f"{p}.qp", q_pad), (f"{p}.kb", kv_band)]))
+    probs = _scores_softmax(nodes, dm, p, sc, mask_elems)
+    if kind == "math":
+        nodes.append(vband)
+    nodes.append(Node(f"{p}.pv", out=[(f"{p}.o", q_pad)], inputs=[probs, f"{p}.vb"],
+                       saves=[probs, f"{p}.vb"], matmul=True,
+                       grads=[(probs, sc * a), (f"{p}.vb", kv_band)]))
+    # kernels._banded's locals live until it returns, saved or not (a checkpointed block's
+    # forward saves nothing): the padded q, k and v, the bool band mask, and with the math
+    # kernel its masked ``scores`` beside the softmax and the dropout.
+    nodes[-1].inputs += [f"{p}.qp", f"{p}.kp", f"{p}.vp", f"{p}.cm"] + ([f"{p}.s2"] if kind == "math" else [])
 
 
 def _merge_heads(nodes: list[Node], dm: Dims, p: str, o: str, y: str, nbytes: float,
