@@ -33,3 +33,44 @@ def test_windowed_sdpa_with_dropout_other_shapes():
     shape = dict(d_model=72, n_heads=6, n_layers=2, d_ff=200, vocab_size=2011, batch_size=3, seq_len=48, window=12)
     for extra in (dict(checkpointing="full"), dict(lora_rank=4)):
         assert abs(_gap(attention="sdpa", precision="bf16", **shape, **extra)) < 0.01
+
+
+def _phase_gaps(**kw) -> dict[str, float]:
+    """estimate / trace - 1 of each phase's peak (forward, backward, optimizer)."""
+    cfg = build_config({**BASE, **kw})
+    mine, traced = estimate(cfg, device_type="cpu").phase_peaks, trace_step(cfg, "cpu")["phase_peaks"]
+    return {ph: mine[ph] / traced[ph] - 1 for ph in ("forward", "backward", "optimizer")}
+
+
+# A checkpointed block's forward saves nothing, so its peak is inside the banded kernel, whose
+# locals (the padded q, k and v, the bool band mask, the math kernel's masked scores) live until
+# it returns; the math kernel's second matmul copies v's band only after the softmax and the
+# dropout. The estimate freed the locals as soon as they were read and copied v's band first:
+# forward -10.6% (SDPA, LoRA with lora_dropout) and -23.7% (math), batch 5 x 40 tokens, window 16.
+BANDED_CHECKPOINTED = [dict(attention="sdpa", precision="fp32", lora_rank=4, lora_dropout=0.1),
+                       dict(attention="math", precision="fp32"),
+                       dict(attention="math", precision="bf16", n_layers=3, checkpointing="every:2")]
+
+
+@pytest.mark.parametrize("extra", BANDED_CHECKPOINTED, ids=lambda e: "-".join(f"{k}_{v}" for k, v in e.items()))
+def test_a_checkpointed_banded_kernel_holds_its_locals(extra):
+    shape = dict(d_model=8, n_heads=2, n_layers=1, d_ff=22, vocab_size=33, batch_size=5, seq_len=40, window=16,
+                 untie_embeddings=True)
+    gaps = _phase_gaps(**{**shape, "checkpointing": "full", **extra})
+    assert all(abs(g) < 0.01 for g in gaps.values()), gaps
+
+
+# A window too wide to band (block + window - 1 >= seq: 16 over 23 tokens) runs the dense masked
+# form: --attention sdpa without dropout hands SDPA the bool window mask, and torch's CPU flash
+# kernel keeps a float copy of it beside q, k, v, its output and the log-sum-exp, no (b, h, s, s)
+# scores. The estimate counted SDPA's math path there: +4.7% forward (bf16 autocast), +2.1% (fp32).
+DENSE_WINDOW = [dict(precision="bf16"), dict(precision="fp32"), dict(precision="bf16-pure", n_heads=1, batch_size=1),
+                dict(precision="fp16", n_layers=3, checkpointing="full")]
+
+
+@pytest.mark.parametrize("extra", DENSE_WINDOW, ids=lambda e: "-".join(f"{k}_{v}" for k, v in e.items()))
+def test_a_window_too_wide_to_band_runs_the_cpu_flash_kernel(extra):
+    shape = dict(d_model=28, n_heads=2, n_layers=1, d_ff=62, vocab_size=301, batch_size=3, seq_len=23, window=16,
+                 dropout=0.0, attention="sdpa", loss="chunked", loss_chunk=7, untie_embeddings=True)
+    gaps = _phase_gaps(**{**shape, **extra})
+    assert all(abs(g) < 0.01 for g in gaps.values()), gaps

@@ -318,8 +318,9 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
     stats["device_type"] = device_type
     stats["parameters"] = state.n_params
     stats["trainable_parameters"] = state.trainable_parameters  # train's figure (LoRA: the adapters)
-    # bf16-pure's AdamW traces its buckets as they run (their copies) and leaves only its large
-    # tensors to torchao's step (memtrain.techniques.sr_adamw): eager, thus an upper bound, only then.
+    # bf16-pure's AdamW traces its buckets as they run (their copies) and its large tensors as
+    # torchao's compiled kernel holds them (their state, no scratch: memtrain.techniques.sr_adamw);
+    # it runs torchao's step eagerly (an upper bound) only for an AMSGrad group.
     if torchao_compiled_step(cfg.technique.optim, cfg.technique.precision) and \
             getattr(state.optimizer, "updated_alone", 1) > 0:
         stats["optimizer_step"] = EAGER_OPTIMIZER_STEP

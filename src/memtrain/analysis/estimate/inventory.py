@@ -586,6 +586,17 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
     if backend == "flash" and dm.masked_sdpa:
         _masked_sdpa_nodes(nodes, dm, p, v_src, kv_bytes, kv_locals)
         return
+    if backend == "math" and _dense_window_on_cpu_flash(dm, kind, window):
+        # attention.kernels._dense_window hands SDPA the bool (s, s) window mask (made per call:
+        # int64 i - j beside three bool (s, s) comparisons), and torch's CPU flash kernel turns it
+        # into a float mask in q's dtype, which it saves with q, k, v (views of qkv), its output
+        # (written as (b, s, h, hd): the merge's .contiguous() is free) and the log-sum-exp:
+        # nothing (b, h, s, s), as the math path would keep.
+        nodes.append(Node(f"{p}.mask", out=[(f"{p}.m", s * s * a)], fwd_scratch=s * s * 11))
+        nodes.append(Node(f"{p}.sdpa", out=[(y, N * d * a), (f"{p}.lse", b * h * s * 4)], inputs=qkv_keys + [f"{p}.m"],
+                          saves=qkv_keys + [y, f"{p}.lse", f"{p}.m"], matmul=True, grad_out=(y,),
+                          grads=[(q, N * d * a), (k, N * kvw * a), (v, N * kvw * a)]))
+        return
     if backend == "flash":
         # Fused kernel (SDPA flash/mem-efficient/cuDNN, flex, flash-attn): saves q, k, v (views
         # of qkv), its output and a float32 log-sum-exp (b, h, s); nothing s x s. The CPU
@@ -620,7 +631,11 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
         # (which saves the padded tensors); unfold's backward scatters into a padded buffer.
         copy = kv_band if backend == "banded" else 0
         nodes.append(Node(f"{p}.kband", out=[(f"{p}.kb", copy)], inputs=[f"{p}.kp"], grads=[(f"{p}.kp", kv_pad)]))
-        nodes.append(Node(f"{p}.vband", out=[(f"{p}.vb", copy)], inputs=[f"{p}.vp"], grads=[(f"{p}.vp", kv_pad)]))
+        # (The math kernel's second matmul copies v's band, after the softmax and the dropout;
+        # for SDPA the reshape to (b h, blocks, band, hd) copies it, before the call.)
+        vband = Node(f"{p}.vband", out=[(f"{p}.vb", copy)], inputs=[f"{p}.vp"], grads=[(f"{p}.vp", kv_pad)])
+        if kind != "math":
+            nodes.append(vband)
         mask_elems = nb * blk * band
         if backend == "banded-sdpa":
             # The bool band mask becomes an additive float mask, saved with q, k, v, out, lse.
@@ -631,13 +646,7 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
                                saves=[f"{p}.qp", f"{p}.kp", f"{p}.vp", f"{p}.o", f"{p}.lse", f"{p}.m"],
                                grads=[(f"{p}.qp", q_pad), (f"{p}.kb", kv_band), (f"{p}.vb", kv_band)]))
         else:
-            nodes.append(Node(f"{p}.qk", out=[(f"{p}.s0", sc * a)], inputs=[f"{p}.qp", f"{p}.kb"],
-                               saves=[f"{p}.qp", f"{p}.kb"], matmul=True, keep=(f"{p}.s0",),
-                               grads=[(f"{p}.qp", q_pad), (f"{p}.kb", kv_band)]))
-            probs = _scores_softmax(nodes, dm, p, sc, mask_elems)
-            nodes.append(Node(f"{p}.pv", out=[(f"{p}.o", q_pad)], inputs=[probs, f"{p}.vb"],
-                               saves=[probs, f"{p}.vb"], matmul=True,
-                               grads=[(probs, sc * a), (f"{p}.vb", kv_band)]))
+            _band_math_nodes(nodes, dm, p, kind, vband, sc, mask_elems, q_pad, kv_band)
         o = _cast_back(nodes, p, f"{p}.o", q_pad / a, a, low_a)
         # out[:, :, :s] then transpose(1, 2).contiguous(): one copy.
         nodes.append(Node(f"{p}.merge", out=[(y, N * d * low_a)], inputs=[o], grads=[(o, q_pad * low_a / a)]))
@@ -661,7 +670,7 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
     # in place, and its save keeps the whole q/k/v output. A Llama-style layer's v is a storage of
     # its own, apart from rope's q and k, which ``qkv`` stands for too: the copy's bytes are v's.)
     # Our GPT's v is a view of its fused q/k/v output as GPT-2's is: the same at batch 1.
-    v_view = (dm.additive_mask or not dm.hf) and not dm.repeat_kv and kind != "math" and not upcast and b == 1
+    v_view = (dm.additive_mask or not dm.hf) and not dm.repeat_kv and kind != "math" and not upcast and _folds(dm)
     v_saved = qkv_keys if v_view else [f"{p}.vc"]
     qk_saves = [f"{p}.qc", f"{p}.kc"]
     kernel_locals: list[str] = []  # what the attention function holds until it returns
@@ -709,6 +718,28 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
     _merge_heads(nodes, dm, p, o, y, N * d * low_a, tuple(held))
 
 
+def _band_math_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, vband: Node, sc: float, mask_elems: float,
+                     q_pad: float, kv_band: float) -> None:
+    """The banded kernel's materialized band scores (``kernels._banded`` with the math kernel, or
+    SDPA's math path per band where the CPU has dropout), from the padded q and k's band to the
+    band output ``{p}.o``. ``vband``: the node of v's band; ``sc``/``mask_elems``: the band
+    scores' and mask's elements; ``q_pad``/``kv_band``: bytes of the padded q and of a band."""
+    a = dm.a
+    nodes.append(Node(f"{p}.qk", out=[(f"{p}.s0", sc * a)], inputs=[f"{p}.qp", f"{p}.kb"],
+                       saves=[f"{p}.qp", f"{p}.kb"], matmul=True, keep=(f"{p}.s0",),
+                       grads=[(f"{p}.qp", q_pad), (f"{p}.kb", kv_band)]))
+    probs = _scores_softmax(nodes, dm, p, sc, mask_elems)
+    if kind == "math":
+        nodes.append(vband)
+    nodes.append(Node(f"{p}.pv", out=[(f"{p}.o", q_pad)], inputs=[probs, f"{p}.vb"],
+                       saves=[probs, f"{p}.vb"], matmul=True,
+                       grads=[(probs, sc * a), (f"{p}.vb", kv_band)]))
+    # kernels._banded's locals live until it returns, saved or not (a checkpointed block's
+    # forward saves nothing): the padded q, k and v, the bool band mask, and with the math
+    # kernel its masked ``scores`` beside the softmax and the dropout.
+    nodes[-1].inputs += [f"{p}.qp", f"{p}.kp", f"{p}.vp", f"{p}.cm"] + ([f"{p}.s2"] if kind == "math" else [])
+
+
 def _merge_heads(nodes: list[Node], dm: Dims, p: str, o: str, y: str, nbytes: float,
                  held: tuple[str, ...] = ()) -> None:
     """``y = o.transpose(1, 2).contiguous()`` on a (b, h, s, hd) attention output ``o``: a copy whose
@@ -723,13 +754,28 @@ def _merge_heads(nodes: list[Node], dm: Dims, p: str, o: str, y: str, nbytes: fl
     nodes.append(Node(f"{p}.merge", inputs=[y, *held]))
 
 
+def _dense_window_on_cpu_flash(dm: Dims, kind: str, window: Optional[int]) -> bool:
+    """Whether our GPT's --attention sdpa with a window too wide to band (block + window - 1 >= s,
+    :func:`memtrain.attention.kernels.banded_attention`) runs torch's CPU flash kernel with the
+    dense bool window mask: on CPU kernels without dropout (with dropout SDPA takes its math
+    path). On CUDA which fused kernel takes the mask is not modelled: counted as the math path."""
+    return kind == "sdpa" and window is not None and window < dm.s and not dm.cuda and not dm.dropout and not dm.hf
+
+
+def _folds(dm: Dims) -> bool:
+    """Whether a (b, h, s, hd) view of a projection's output (heads split by a transpose) folds
+    into bmm's (b h) batch dimension as it is: where b or h is 1, torch ignores the size-1
+    dimension's stride, so the matmul reads the view in place and saves it (no contiguous copy)."""
+    return dm.b == 1 or dm.h == 1
+
+
 def _math_path_reads(dm: Dims, p: str, kind: str, upcast: bool, gqa_v: Optional[str], qk_saves: list[str],
                      v_saved: list[str]) -> tuple[list[str], list[str], bool, bool, Optional[str]]:
     """What the materialized attention's matmuls read in place rather than copy (:func:`_attention_nodes`):
     returns the first matmul's saves (q's for k's gradient, k's for q's), the second's v, whether
     q and k are copied, and the v read in place (None where it is copied, or read by
     ``v_saved`` as it is). ``gqa_v``: SDPA's math path's repeated v (:func:`_sdpa_math_inputs`)."""
-    q_copy = k_copy = not (kind == "sdpa" and dm.b == 1)  # (our GPT's as well as a transformers layer's)
+    q_copy = k_copy = not (kind == "sdpa" and _folds(dm))  # (our GPT's as well as a transformers layer's)
     if not q_copy and upcast and dm.repeat_kv and gqa_v is None:
         # (A Llama-style v's float32 copy keeps the projection's layout: read in place too.)
         gqa_v = f"{p}.v32"
@@ -802,7 +848,7 @@ def _eager_hf_attention_nodes(nodes: list[Node], dm: Dims, p: str, qkv_keys: lis
                        grads=[(q, N * d * a)] * q_grad + [(k_in, N * d * a)] * k_grad))
     probs = _scores_softmax(nodes, dm, p, sc, s * s, "math")
     probs_grad = q_grad or k_grad
-    if not repeated and v_src is not None and b == 1:
+    if not repeated and v_src is not None and _folds(dm):
         # Phi-3's v, a slice of the fused output, folds into bmm's batch dimension at batch 1:
         # read in place, and the save keeps the whole fused output.
         v_saved = [v_src]
@@ -979,7 +1025,12 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     # (A float32 v: QLoRA's bias added after the NF4 matmul, in float32.)
     v32 = per_linear and arch.qkv_bias and _runs_nf4(dm, trainable_base, d, dm.kv)
     norm(f"{p}.ln_1", x, f"{p}.ln1", needs["in"])
-    if per_linear:
+    # Without adapters too, each of q_proj, k_proj and v_proj makes its own .grad in its own
+    # backward (a 16-bit one cast to the float32 parameter's dtype under autocast, then gone):
+    # one fused entry would hold the three 16-bit gradients at once. (--precision fp8's
+    # Float8Linear keys its parameters by the Linear's own name: its entries stay fused.)
+    per_qkv = per_linear or (dm.hf and not dm.fp8 and not (arch.fused_proj or arch.gpt2_layers))
+    if per_qkv:
         for part in (".q", ".k", ".v"):
             lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0", d, dm.qw + 2 * dm.kv, r, needs["in"], part)
         nodes.append(hf_rope_node(dm, [f"{p}.qkv0.q", f"{p}.qkv0.k", f"{p}.qkv0.v"], f"{p}.qkv",
