@@ -240,6 +240,23 @@ def test_a_lora_target_that_names_no_module_is_one_error_line(dirs, capsys):
     assert "v_proj" in err  # the names it could have meant
 
 
+@pytest.mark.parametrize("targets, change", [("lm_head", "name decoder Linears"), ("q_proj,lm_head", "use --lora-targets q_proj")])
+def test_lora_on_the_lm_head_is_refused_alike_by_estimate_and_train(dirs, targets, change, tmp_path, capsys):
+    """memtrain's loss reads the LM head's weight, never peft's wrapper around it: an adapter there
+    got no gradient (``lm_head`` alone: estimate and train failed with exit 1 on autograd's "does
+    not require grad"; beside ``q_proj`` it sat untrained). Both now refuse it in one line, exit 2."""
+    from memtrain.cli import main
+
+    flags = ["--model", str(dirs["llama"]), "--seq-len", "16", "--batch-size", "1", "--lora-rank", "4",
+             "--lora-targets", targets]
+    out = tmp_path / "run"
+    for command in (["estimate", *flags, "--json"], ["train", *flags, "--steps", "1", "--no-progress", "--out", str(out)]):
+        assert main(command) == 2, command[0]
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith(f"error: --lora-targets {targets!r}: lm_head is the LM head") and change in err
+    assert not (out / "result.json").exists()
+
+
 def test_estimate_cli_answers_analytically_and_checks_with_trace(dirs, capsys):
     from memtrain.cli import main
 

@@ -76,6 +76,24 @@ def _check_targets_exist(model: HFCausalLM, targets: Any, spec: str, kinds: tupl
                           f"{model.source_spec!r}; its Linear layers are {', '.join(linears)} (or all-linear)")
 
 
+def _check_head_not_targeted(model: HFCausalLM, targets: Any, spec: str) -> None:
+    """Refuse an adapter on the LM head where memtrain's loss reads the head's weight itself.
+
+    The standard and chunked losses take ``head.weight`` (the chunked one never holds the
+    logits), so peft's wrapper around the head never runs: its adapter would get no gradient
+    (the backward failed outright when it was the only target). Only a head with a bias or a
+    soft-capped model runs ``head(h)``."""
+    if not isinstance(targets, list) or model.logit_softcap is not None or getattr(model.head, "bias", None) is not None:
+        return  # all-linear leaves the output layer out (peft's rule)
+    head_paths = [n for n, m in model.lm.named_modules() if m is model.head]
+    hit = [t for t in targets if any(p == t or p.endswith("." + t) for p in head_paths)]
+    if hit:
+        rest = ",".join(t for t in targets if t not in hit)
+        change = f"use --lora-targets {rest}" if rest else "name decoder Linears in --lora-targets (or all-linear)"
+        raise ConfigError(f"--lora-targets {spec!r}: {', '.join(hit)} is the LM head, whose weight memtrain's loss "
+                          f"reads directly, so its adapter would never train; {change}")
+
+
 def apply_hf_lora(model: HFCausalLM, tech: TechniqueConfig) -> None:
     """Add LoRA adapters in place with peft; only the adapters stay trainable."""
     if not tech.lora_rank:
@@ -87,6 +105,7 @@ def apply_hf_lora(model: HFCausalLM, tech: TechniqueConfig) -> None:
     # fan_in_fan_out for them and otherwise switches it on itself with a UserWarning per layer.
     conv1d = any(isinstance(m, Conv1D) for m in model.lm.modules())
     _check_targets_exist(model, lora_target_modules(tech.lora_targets), tech.lora_targets, (nn.Linear, Conv1D))
+    _check_head_not_targeted(model, lora_target_modules(tech.lora_targets), tech.lora_targets)
     lcfg = LoraConfig(r=tech.lora_rank, lora_alpha=tech.lora_alpha, lora_dropout=tech.lora_dropout,  # type: ignore[arg-type]
                       target_modules=lora_target_modules(tech.lora_targets), bias="none", fan_in_fan_out=conv1d)
     try:
