@@ -118,3 +118,34 @@ def test_a_trace_keeps_no_fake_constants(tmp_path, monkeypatch):
     ops, stats = _traced_ops(_llama(tmp_path, "tiny", heads=4, ffn=1024), monkeypatch)
     assert ops > 0 and stats["current_by_category"]["optimizer"] > 0  # AdamW made its state
     assert FakeTensorMode.cache_bypasses.get("constant attribute", 0) == before
+
+
+# AOTAutograd, its partitioner (networkx) and inductor's decompositions: what only a trace compiled
+# under --compile-memory-budget uses. torch._dynamo itself is not among them: torch.compiler's
+# set_stance, which every trace enters, and transformers' modeling_utils import it.
+COMPILE_ONLY = ("torch._functorch.aot_autograd", "functorch.compile", "torch._inductor.compile_fx", "networkx")
+
+
+def test_an_eager_trace_does_not_import_the_compiled_trace_machinery():
+    """A trace without a compile budget left AOTAutograd and inductor unloaded only since
+    memtrain.analysis.trace imports compile_trace where it compiles (it loaded them at import:
+    0.3-0.5 s of every traced estimate, docs/performance.md)."""
+    import os
+    import subprocess
+    import sys
+
+    import memtrain
+
+    # This checkout's memtrain in the child too, whatever the environment installs.
+    src = str(Path(memtrain.__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    code = ("import sys\n"
+            "from memtrain.analysis.trace import trace_step\n"
+            "from memtrain.config.run import build_config\n"
+            "cfg = build_config({'d_model': 32, 'n_heads': 2, 'n_layers': 1, 'vocab_size': 64, 'batch_size': 1, "
+            "'seq_len': 8, 'device': 'cpu'})\n"
+            "assert trace_step(cfg)['peak_bytes'] > 0\n"
+            f"print([m for m in {COMPILE_ONLY!r} if m in sys.modules])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"

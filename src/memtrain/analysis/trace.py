@@ -43,13 +43,12 @@ What fake tensors cannot do, and what is done instead:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memtrain.analysis.compile_trace import SavedActivations, partition_recording_backend
 from memtrain.config.run import ConfigError, RunConfig, TechniqueConfig
 from memtrain.metrics import MemoryMeter
 from memtrain.models.families import build_model
@@ -59,6 +58,9 @@ from memtrain.techniques.compile import apply_compile
 from memtrain.techniques.facts import precision_facts, torchao_compiled_step
 from memtrain.techniques.precision import make_precision
 from memtrain.training.step import build_state, measure_steps, random_micro_batches
+
+if TYPE_CHECKING:
+    from memtrain.analysis.compile_trace import SavedActivations
 
 __all__ = ["trace_step", "trace_peak_bytes", "cuda_trace_supported"]
 
@@ -292,9 +294,14 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
             # cannot swap fake parameters (see the module docstring), so it replaces them.
             state = build_state(cfg, device, precision, base=base,
                                 prepare_context=lambda: _fake_prepare(device))
-            saved = SavedActivations() if compiled is not None else None
+            saved: Optional[SavedActivations] = None
             micro_context: Optional[Callable[[], ContextManager[Any]]] = None
-            if compiled is not None and saved is not None:
+            if compiled is not None:
+                # Local import: compile_trace loads AOTAutograd, its partitioner and inductor's
+                # decompositions (0.3-0.5 s), which only a trace compiled under a budget uses.
+                from memtrain.analysis.compile_trace import SavedActivations, partition_recording_backend
+
+                saved = SavedActivations()
                 # Each trace compiles a new model with a new backend: dynamo never reuses the
                 # graphs of earlier traces (it guards on the backend), but they stay in its cache
                 # of Module._call_impl's code and count towards its recompile limit, past which
