@@ -233,6 +233,24 @@ def test_plan_prints_the_defaults_of_its_choice(capsys):
     assert lines == ["defaults used: seq-len 256 (--seq-len)"]  # plan chose the attention itself
 
 
+def test_maxbatch_prints_the_defaults_of_its_answer(capsys, one_thread):
+    """maxbatch picks the same defaults as estimate, plan and train (the attention kernel, the
+    batch search's --seq-len) and said none of them; the length search sets --seq-len itself."""
+    tiny = ["--budget", "64MiB", "--d-model", "32", "--n-heads", "2", "--n-layers", "1", "--vocab-size", "128"]
+    assert main(["maxbatch", *tiny, "--max-batch", "8"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("defaults used: ")]
+    assert lines == ["defaults used: attention=math (memtrain's GPT; --attention sdpa for the fused kernel); "
+                     "seq-len 256 (--seq-len)"]
+    assert main(["maxbatch", *tiny, "--search", "seq-len", "--max-len", "128"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("defaults used: ")]
+    assert lines == ["defaults used: attention=math (memtrain's GPT; --attention sdpa for the fused kernel)"]
+    # Named settings are not defaults, and JSON stays JSON.
+    assert main(["maxbatch", *tiny, "--max-batch", "8", "--attention", "sdpa", "--seq-len", "64"]) == 0
+    assert "defaults used" not in capsys.readouterr().out
+    assert main(["maxbatch", *tiny, "--max-batch", "8", "--json"]) == 0
+    json.loads(capsys.readouterr().out)
+
+
 # ------------------------------------------------------------------------ 3. one name per model
 @pytest.mark.parametrize("spec,twin", [("llama3-8b", "llama-3-8b"), ("Llama-3-8B", "llama-3-8b"),
                                        ("qwen2.5_7b", "qwen2.5-7b"), ("gpt-2", "gpt2")])

@@ -360,13 +360,16 @@ def _is_transformers_model(spec: Any) -> bool:
     return isinstance(spec, str) and not is_gpt_preset(spec)
 
 
-def defaults_note(cfg: RunConfig) -> Optional[str]:
+def defaults_note(cfg: RunConfig, searched: Iterable[str] = ()) -> Optional[str]:
     """One ``defaults used:`` line naming the defaults that shaped the answer and that a user of
     transformers' Trainer and peft would likely have set differently, or None. Only for configs
-    read by :func:`config_from_args` (and their ``replace`` copies), which remember what was given."""
+    read by :func:`config_from_args` (and their ``replace`` copies), which remember what was given.
+    ``searched``: settings the command chooses itself (maxbatch's length search: ``seq_len``),
+    never defaults."""
     given = getattr(cfg, "given_settings", None)
     if given is None:
         return None
+    given = frozenset(given) | frozenset(searched)
     tech = cfg.technique
     hf = _is_transformers_model(cfg.model.model)
     parts = []

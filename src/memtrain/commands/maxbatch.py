@@ -7,7 +7,15 @@ import json
 from typing import Any, Optional
 
 from memtrain.analysis.fit import DEFAULT_LENGTH_MULTIPLE, budget_for, longer_fits_mark
-from memtrain.cli import LOOP_ONLY_FIELDS, MODULE_TABLE_FIELDS, add_config_flags, config_from_args, fmt_bytes, register
+from memtrain.cli import (
+    LOOP_ONLY_FIELDS,
+    MODULE_TABLE_FIELDS,
+    add_config_flags,
+    config_from_args,
+    defaults_note,
+    fmt_bytes,
+    register,
+)
 from memtrain.commands.estimate import add_device_type_flag, add_gpu_flag, add_max_len_flag, refuse_gpu_off_cuda
 from memtrain.config.argtypes import batch_count
 from memtrain.config.run import ConfigError, parse_size
@@ -39,16 +47,25 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memtrain.analysis.maxbatch import find_max_batch  # torch-free --help/estimate/plan
-
     _check_search_flags(args)
     # The length search sets each probe's --seq-len; the config's own starts at the shortest valid
     # one, so that a short --max-seq-len or a --window is not measured against the default length.
     base = {"seq_len": getattr(args, "window", None) or 1} if args.search == "seq-len" else None
     cfg = config_from_args(args, base=base, derive_max_seq_len=True)
     budget = parse_size(args.memory_budget) if args.memory_budget else None
-    if args.search == "seq-len":
-        return _run_seq_len(args, cfg, budget)
+    rc = _run_seq_len(args, cfg, budget) if args.search == "seq-len" else _run_batch(args, cfg, budget)
+    # The defaults estimate, plan and train name shape this answer too; the length search sets
+    # --seq-len itself, so it is not a default there.
+    note = defaults_note(cfg, searched=("seq_len",) if args.search == "seq-len" else ())
+    if rc == 0 and note and not args.json:
+        print(note)
+    return rc
+
+
+def _run_batch(args: argparse.Namespace, cfg: Any, budget: Optional[int]) -> int:
+    """The batch search: measured or traced here, or the CUDA model's where no CUDA device is."""
+    from memtrain.analysis.maxbatch import find_max_batch  # torch-free --help/estimate/plan
+
     args.max_search = args.max_search or 4096
     args.multiple_of = args.multiple_of or 1
     if _wants_cuda_model(args, cfg):
