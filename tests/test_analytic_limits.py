@@ -150,3 +150,22 @@ def test_an_absurd_seq_len_is_refused_naming_seq_len(verb, capsys):
     assert main([*verb, "--seq-len", "2000000"]) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: --seq-len 2,000,000 is beyond what memtrain"), lines
+
+
+@pytest.mark.parametrize("model", [[], ["--model", "tiny-llama"]])
+def test_train_refuses_an_absurd_seq_len_naming_the_limit(model, tmp_path, capsys):
+    """train said "lower --seq-len or raise --max-seq-len" (for a transformers model: a config.json
+    with more max_position_embeddings), advice that only met memtrain's size limit next: now the
+    limit itself, as estimate says it, and nothing is written."""
+    from memtrain.analysis.limits import MAX_WIDTH
+    from memtrain.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", *model, "--seq-len", "2000000", "--out", str(out)]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert lines == [f"error: --seq-len 2,000,000 is beyond what memtrain builds or estimates (at most {MAX_WIDTH:,}); "
+                     "give a real size"]
+    assert not out.exists()
+    # Within the limit the advice is still the flag that helps.
+    assert main(["train", "--seq-len", "600", "--out", str(out)]) == 2
+    assert "lower --seq-len or raise --max-seq-len" in capsys.readouterr().err

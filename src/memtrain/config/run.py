@@ -27,7 +27,15 @@ from typing import Any, Optional
 import tomllib
 import yaml
 
-from memtrain.analysis.limits import MAX_BATCH, MAX_BYTES, MAX_INT, MAX_RANKS, check_analytic_size, check_at_most
+from memtrain.analysis.limits import (
+    MAX_BATCH,
+    MAX_BYTES,
+    MAX_INT,
+    MAX_RANKS,
+    MAX_WIDTH,
+    check_analytic_size,
+    check_at_most,
+)
 from memtrain.config.aliases import BY_NAME as ALIASES_BY_NAME, WARMUP_RATIO, normalize as normalize_aliases
 
 # ConfigError lives in a leaf module so that the modules config itself consults (model presets,
@@ -480,6 +488,10 @@ class RunConfig:
         # A transformers model (--model) takes its limits from its config.json, not from
         # memtrain's model flags: the message names what the user can change.
         hf = self.model.model
+        # Past memtrain's size limit neither a larger --max-seq-len nor a config.json with more
+        # max_position_embeddings (both bounded by the same limit) helps: name the limit, as
+        # estimate does, not the flag.
+        check_at_most("--seq-len", self.train.seq_len, MAX_WIDTH)
         _require(
             self.train.seq_len <= self.model.max_seq_len,
             f"--seq-len {self.train.seq_len} exceeds the max_position_embeddings {self.model.max_seq_len} of "
