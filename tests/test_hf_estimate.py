@@ -215,8 +215,8 @@ def test_head_widths_and_biases_are_estimated_analytically(dirs, family, tech, c
 
 
 def test_unknown_lora_target_names_are_traced(dirs, capsys):
-    """A --lora-targets name that is not one of the family's decoder Linears (the LM head, a
-    dotted path) is traced, with a one-line reason naming it."""
+    """A --lora-targets name that is not one of the family's decoder Linears (a dotted path) is
+    traced, with a one-line reason naming it (the LM head is refused: see below)."""
     from memtrain.cli import main
 
     flags = ["estimate", "--model", str(dirs["llama"]), "--seq-len", "32", "--batch-size", "2", "--attention", "sdpa",
