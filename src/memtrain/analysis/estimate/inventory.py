@@ -632,7 +632,8 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
     # in place, and its save keeps the whole q/k/v output. A Llama-style layer's v is a storage of
     # its own, apart from rope's q and k, which ``qkv`` stands for too: the copy's bytes are v's.)
     # Our GPT's v is a view of its fused q/k/v output as GPT-2's is: the same at batch 1.
-    v_view = (dm.additive_mask or not dm.hf) and not dm.repeat_kv and kind != "math" and not upcast and _folds(dm)
+    # (Our GPT's math_attention reads it in place too.)
+    v_view = ((dm.additive_mask and kind != "math") or not dm.hf) and not dm.repeat_kv and not upcast and _folds(dm)
     v_saved = qkv_keys if v_view else [f"{p}.vc"]
     qk_saves = [f"{p}.qc", f"{p}.kc"]
     kernel_locals: list[str] = []  # what the attention function holds until it returns
@@ -846,7 +847,10 @@ def _math_path_reads(dm: Dims, p: str, kind: str, upcast: bool, gqa_v: Optional[
     returns the first matmul's saves (q's for k's gradient, k's for q's), the second's v, whether
     q and k are copied, and the v read in place (None where it is copied, or read by
     ``v_saved`` as it is). ``gqa_v``: SDPA's math path's repeated v (:func:`_sdpa_math_inputs`)."""
-    q_copy = k_copy = not (kind == "sdpa" and _folds(dm))  # (our GPT's as well as a transformers layer's)
+    # (SDPA: our GPT's as well as a transformers layer's; math: our GPT's math_attention, whose
+    # q @ k^T reads q and k, views of the q/k/v output, as they are: a recompute at batch 1 that
+    # copied them was 2.0% over the trace's backward, fp32, selective checkpointing, LoRA.)
+    q_copy = k_copy = not ((kind == "sdpa" or not dm.hf) and _folds(dm))
     if not q_copy and upcast and dm.repeat_kv and gqa_v is None:
         # (A Llama-style v's float32 copy keeps the projection's layout: read in place too.)
         gqa_v = f"{p}.v32"
@@ -855,9 +859,10 @@ def _math_path_reads(dm: Dims, p: str, kind: str, upcast: bool, gqa_v: Optional[
         # gradient, the repeated v (or its float32 copy) for the probabilities'.
         qk_saves, v_saved, k_copy = [f"{p}.qc", f"{p}.ks"], [gqa_v], False
     if not q_copy:
-        # At batch 1 the math path's scaled q and k fold into bmm's batch dimension as they
-        # are: read in place and saved, no copies.
-        qk_saves = [f"{p}.qs", f"{p}.ks"]
+        # At batch 1 the math path's scaled q and k (math_attention's q and k, views of the
+        # q/k/v output) fold into bmm's batch dimension as they are: read in place and saved,
+        # no copies.
+        qk_saves = [f"{p}.qs", f"{p}.ks"] if kind == "sdpa" else [f"{p}.qkv", f"{p}.qkv"]
     return qk_saves, v_saved, q_copy, k_copy, gqa_v
 
 
