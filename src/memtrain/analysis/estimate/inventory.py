@@ -700,8 +700,8 @@ def _banded_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, backend: str, 
     kv_pad = b * h * (nb * blk + W - 1) * hd * a
     kv_band = b * h * nb * band * hd * a
     sc = b * h * nb * blk * band
-    if a != low_a:  # SDPA's math path per band on 16-bit q, k, v: its float32 copies
-        _band_sdpa_upcast_nodes(nodes, dm, p, (q, k, v, qkv), (N * d, N * kvw), (nb, blk, W), low_a)
+    if backend == "banded" and kind != "math":  # SDPA's math path, band by band
+        _band_sdpa_math_nodes(nodes, dm, p, (q, k, v, qkv), (N * d, N * kvw), (nb, blk, W), low_a)
         return
     # F.pad copies q, k, v; the matmuls copy the overlapping band views of k and v.
     nodes.append(Node(f"{p}.pad", out=[(f"{p}.qp", q_pad), (f"{p}.kp", kv_pad), (f"{p}.vp", kv_pad)],
@@ -755,18 +755,21 @@ def _band_math_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, vband: Node
     nodes[-1].inputs += [f"{p}.qp", f"{p}.kp", f"{p}.vp", f"{p}.cm"] + ([f"{p}.s2"] if kind == "math" else [])
 
 
-def _band_sdpa_upcast_nodes(nodes: list[Node], dm: Dims, p: str, keys: tuple[str, str, str, str],
-                            numels: tuple[float, float], band_dims: tuple[int, int, int], low_a: float) -> None:
-    """``kernels._banded`` with SDPA on 16-bit q, k, v where the CPU has dropout: torch's math path
+def _band_sdpa_math_nodes(nodes: list[Node], dm: Dims, p: str, keys: tuple[str, str, str, str],
+                          numels: tuple[float, float], band_dims: tuple[int, int, int], low_a: float) -> None:
+    """``kernels._banded`` with SDPA where the CPU has dropout: torch's math path
     (``_scaled_dot_product_attention_math``) runs over every band at once, through to the merged
     output ``{p}.y``. ``dm``: the math path's float32 Dims; ``keys``: q, k, v and the q/k/v output;
-    ``numels``: q's and k's elements; ``band_dims``: the blocks, the block and the window. F.pad copies q, k and v in their own dtype; the math path casts q and k's and v's band
-    views to float32 copies, scales q, and adds the band mask as a float mask in q's dtype. All of
-    it (and the caller's padded tensors and bool mask) lives until the kernel returns: a
+    ``numels``: q's and k's elements; ``band_dims``: the blocks, the block and the window;
+    ``low_a``: the inputs' bytes per element. F.pad copies q, k and v in their own dtype; on
+    16-bit inputs the math path casts q and k's and v's band views to float32 copies; it scales q
+    and k^T (copies) and adds the band mask as a float mask in q's dtype. All of it but the scaled
+    k^T (and the caller's padded tensors and bool mask) lives until the kernel returns: a
     checkpointed block's forward peak, which counted the pads in float32 and none of the copies
     (-5.0% forward, fp16, window 5 over 40 tokens)."""
     q, k, v, qkv = keys
     b, h, a = dm.b, dm.h, dm.a
+    upcast = a != low_a
     hd = dm.qw // h
     nb, blk, W = band_dims
     q_len, band = nb * blk, blk + W - 1
@@ -777,20 +780,23 @@ def _band_sdpa_upcast_nodes(nodes: list[Node], dm: Dims, p: str, keys: tuple[str
                       inputs=[qkv], grad_out=(f"{p}.qp", f"{p}.kp", f"{p}.vp"),
                       grads=[(q, numels[0] * low_a), (k, numels[1] * low_a), (v, numels[1] * low_a)]))
     # F.pad by nothing keeps q's transposed strides, so folding (batch, heads) copies it.
-    q_in = f"{p}.qp"
+    q_in, k_in = f"{p}.qp", f"{p}.kp"
     local = [f"{p}.qp", f"{p}.kp", f"{p}.vp", f"{p}.cm", f"{p}.m"]
     if q_len == dm.s and b > 1 and h > 1:
         nodes.append(Node(f"{p}.qfold", out=[(f"{p}.qr", q_pad * low_a)], inputs=[q_in], grads=[(q_in, q_pad * low_a)]))
         q_in = f"{p}.qr"
         local.append(q_in)
     nodes.append(Node(f"{p}.mask", out=[(f"{p}.cm", mask_elems), (f"{p}.m", mask_elems * low_a)]))
-    nodes.append(Node(f"{p}.upcast", out=[(f"{p}.q32", q_pad * a), (f"{p}.k32", kv_band * a), (f"{p}.vb", kv_band * a)],
-                      inputs=[q_in, f"{p}.kp", f"{p}.vp"], grad_out=(f"{p}.q32", f"{p}.k32", f"{p}.vb"),
-                      grads=[(q_in, q_pad * low_a), (f"{p}.kp", kv_pad * low_a), (f"{p}.vp", kv_pad * low_a)]))
-    nodes.append(Node(f"{p}.qscale", out=[(f"{p}.qs", q_pad * a)], inputs=[f"{p}.q32"], grads=[(f"{p}.q32", q_pad * a)]))
-    nodes.append(Node(f"{p}.kscale", out=[(f"{p}.kb", kv_band * a)], inputs=[f"{p}.k32"],
-                      grads=[(f"{p}.k32", kv_band * a)]))
-    local += [f"{p}.q32", f"{p}.k32", f"{p}.vb", f"{p}.qs"]
+    if upcast:
+        nodes.append(Node(f"{p}.upcast", out=[(f"{p}.q32", q_pad * a), (f"{p}.k32", kv_band * a),
+                                              (f"{p}.vb", kv_band * a)],
+                          inputs=[q_in, f"{p}.kp", f"{p}.vp"], grad_out=(f"{p}.q32", f"{p}.k32", f"{p}.vb"),
+                          grads=[(q_in, q_pad * low_a), (f"{p}.kp", kv_pad * low_a), (f"{p}.vp", kv_pad * low_a)]))
+        q_in, k_in = f"{p}.q32", f"{p}.k32"
+        local += [f"{p}.q32", f"{p}.k32", f"{p}.vb"]
+    nodes.append(Node(f"{p}.qscale", out=[(f"{p}.qs", q_pad * a)], inputs=[q_in], grads=[(q_in, q_pad * a)]))
+    nodes.append(Node(f"{p}.kscale", out=[(f"{p}.kb", kv_band * a)], inputs=[k_in], grads=[(k_in, kv_band * a)]))
+    local.append(f"{p}.qs")
     # At batch 1 those strides reach the scaled q, which the matmul then copies to fold (heads,
     # blocks) into bmm's batch: the copy is what it saves.
     qs = f"{p}.qs"
@@ -801,9 +807,15 @@ def _band_sdpa_upcast_nodes(nodes: list[Node], dm: Dims, p: str, keys: tuple[str
                       saves=[qs, f"{p}.kb"], matmul=True, keep=(f"{p}.s0",),
                       grads=[(qs, q_pad * a), (f"{p}.kb", kv_band * a)]))
     probs = _scores_softmax(nodes, dm, p, sc, mask_elems, "sdpa", mask_made=True)
-    # The attention weights it returns too, cast to q's dtype before the second matmul.
-    nodes.append(Node(f"{p}.weights_down", out=[(f"{p}.pw", sc * low_a)], inputs=[probs]))
-    local += [f"{p}.pw", probs]
+    local.append(probs)
+    if upcast:
+        # The attention weights it returns too, cast to q's dtype before the second matmul.
+        nodes.append(Node(f"{p}.weights_down", out=[(f"{p}.pw", sc * low_a)], inputs=[probs]))
+        local.append(f"{p}.pw")
+    else:
+        # The second matmul copies v's band view (a float32 copy is contiguous already).
+        nodes.append(Node(f"{p}.vband", out=[(f"{p}.vb", kv_band * a)], inputs=[f"{p}.vp"],
+                          grads=[(f"{p}.vp", kv_pad * a)]))
     nodes.append(Node(f"{p}.pv", out=[(f"{p}.o", q_pad * a)], inputs=[probs, f"{p}.vb"],
                       saves=[probs, f"{p}.vb"], matmul=True,
                       grads=[(probs, sc * a), (f"{p}.vb", kv_band * a)]))
