@@ -870,6 +870,11 @@ def _math_path_reads(dm: Dims, p: str, kind: str, upcast: bool, gqa_v: Optional[
         # The repeated (contiguous) k and v are read in place: the scaled k is saved for q's
         # gradient, the repeated v (or its float32 copy) for the probabilities'.
         qk_saves, v_saved, k_copy = [f"{p}.qc", f"{p}.ks"], [gqa_v], False
+    if kind == "sdpa" and dm.fused_proj:
+        # Phi-3's rope (a cat) makes q and k contiguous (b, h, s, hd): the math path's scaled q
+        # is too and its scaled k^T a transposed view of a contiguous tensor, which bmm reads and
+        # saves as they are (fp16 with LoRA: +3.4% forward when copied).
+        q_copy = k_copy = False
     if not q_copy:
         # At batch 1 the math path's scaled q and k (math_attention's q and k, views of the
         # q/k/v output) fold into bmm's batch dimension as they are: read in place and saved,
