@@ -356,15 +356,21 @@ def _linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int,
         nodes.append(Node(f"{name}.lora_scale", out=[(f"{lb}.s", N * n_out * ad)], inputs=[lb],
                            grads=[(lb, N * n_out * ad)]))
         src = f"{lb}.s"
-        if ad != a:
-            nodes.append(Node(f"{name}.lora_back", out=[(f"{lb}.c", N * n_out * a)], inputs=[src],
-                               grads=[(src, N * n_out * ad)]))
-            src = f"{lb}.c"
         # peft's forward holds its argument x (the caller's) and its cast for the adapters (the
         # rebound local x) until it returns.
         held = [x_own] + ([f"{x}@lora"] if ad != a else [])
-        nodes.append(Node(f"{name}.lora_add", out=[(out, N * n_out * a)], inputs=[base_out, src] + held,
-                           grads=[(base_out, 0.0), (src, 0.0)]))
+        if ad != a:
+            # The bf16 base output plus the float32 product promotes to a float32 sum, which peft
+            # casts back; in backward the add casts the sum's gradient down for the base, a new
+            # tensor beside the adapters' (a checkpointed block's lazy recompute starts after it:
+            # -1.3% backward without it, bf16-pure, LoRA, window 2).
+            nodes.append(Node(f"{name}.lora_add", out=[(f"{out}.f", N * n_out * ad)], inputs=[base_out, src],
+                              grads=[(base_out, N * n_out * a), (src, 0.0)]))
+            nodes.append(Node(f"{name}.lora_back", out=[(out, N * n_out * a)], inputs=[f"{out}.f"] + held,
+                              grads=[(f"{out}.f", N * n_out * ad)]))
+        else:
+            nodes.append(Node(f"{name}.lora_add", out=[(out, N * n_out * a)], inputs=[base_out, src] + held,
+                              grads=[(base_out, 0.0), (src, 0.0)]))
 
 
 def _adapter_grad_is_a_view(dm: Dims, lora: int) -> bool:
