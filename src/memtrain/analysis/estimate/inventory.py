@@ -699,31 +699,27 @@ def _banded_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, backend: str, 
     b, s, d, h, a = dm.b, dm.s, dm.qw, dm.h, dm.a
     N, kvw, hd = dm.n, dm.kv, dm.qw // dm.h
     qkv, q, k, v, y = f"{p}.qkv", f"{p}.q", f"{p}.k", f"{p}.v", f"{p}.y"
-    low_a = a
-    if backend == "banded" and kind != "math":  # SDPA's math path, band by band
-        dm = _math_fallback_dims(dm)
-        a = dm.a
     W = window or s
     blk = min(W, s)
     nb = -(-s // blk)
+    if backend == "banded" and kind != "math":  # SDPA's math path, band by band
+        _band_sdpa_math_nodes(nodes, _math_fallback_dims(dm), p, (q, k, v, qkv), (N * d, N * kvw), (nb, blk, W), a)
+        return
     band = blk + W - 1
     q_pad = b * h * nb * blk * hd * a
     kv_pad = b * h * (nb * blk + W - 1) * hd * a
     kv_band = b * h * nb * band * hd * a
     sc = b * h * nb * blk * band
-    if backend == "banded" and kind != "math":  # SDPA's math path, band by band
-        _band_sdpa_math_nodes(nodes, dm, p, (q, k, v, qkv), (N * d, N * kvw), (nb, blk, W), low_a)
-        return
     # F.pad copies q, k, v; the matmuls copy the overlapping band views of k and v.
     nodes.append(Node(f"{p}.pad", out=[(f"{p}.qp", q_pad), (f"{p}.kp", kv_pad), (f"{p}.vp", kv_pad)],
                        inputs=[qkv], grad_out=(f"{p}.qp", f"{p}.kp", f"{p}.vp"),
-                       grads=[(q, N * d * low_a), (k, N * kvw * low_a), (v, N * kvw * low_a)]))
+                       grads=[(q, N * d * a), (k, N * kvw * a), (v, N * kvw * a)]))
     # The band views of k and v: copied by the math kernel's matmuls, read in place by SDPA
     # (which saves the padded tensors); unfold's backward scatters into a padded buffer.
     copy = kv_band if backend == "banded" else 0
     nodes.append(Node(f"{p}.kband", out=[(f"{p}.kb", copy)], inputs=[f"{p}.kp"], grads=[(f"{p}.kp", kv_pad)]))
-    # (The math kernel's second matmul copies v's band, after the softmax and the dropout;
-    # for SDPA the reshape to (b h, blocks, band, hd) copies it, before the call.)
+    # (The math kernel's second matmul copies v's band, after the softmax and the dropout; the
+    # fused SDPA kernel reads it in place.)
     vband = Node(f"{p}.vband", out=[(f"{p}.vb", copy)], inputs=[f"{p}.vp"], grads=[(f"{p}.vp", kv_pad)])
     if kind != "math":
         nodes.append(vband)
@@ -738,17 +734,15 @@ def _banded_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, backend: str, 
                            grads=[(f"{p}.qp", q_pad), (f"{p}.kb", kv_band), (f"{p}.vb", kv_band)]))
     else:
         _band_math_nodes(nodes, dm, p, kind, vband, sc, mask_elems, q_pad, kv_band)
-    o = _cast_back(nodes, p, f"{p}.o", q_pad / a, a, low_a)
     # out[:, :, :s] then transpose(1, 2).contiguous(): one copy.
-    nodes.append(Node(f"{p}.merge", out=[(y, N * d * low_a)], inputs=[o], grads=[(o, q_pad * low_a / a)]))
-    return
+    nodes.append(Node(f"{p}.merge", out=[(y, N * d * a)], inputs=[f"{p}.o"], grads=[(f"{p}.o", q_pad)]))
 
 
 def _band_math_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, vband: Node, sc: float, mask_elems: float,
                      q_pad: float, kv_band: float) -> None:
-    """The banded kernel's materialized band scores (``kernels._banded`` with the math kernel, or
-    SDPA's math path per band where the CPU has dropout), from the padded q and k's band to the
-    band output ``{p}.o``. ``vband``: the node of v's band; ``sc``/``mask_elems``: the band
+    """The banded kernel's materialized band scores (``kernels._banded`` with the math kernel;
+    SDPA's math path per band: :func:`_band_sdpa_math_nodes`), from the padded q and k's band to
+    the band output ``{p}.o``. ``vband``: the node of v's band; ``sc``/``mask_elems``: the band
     scores' and mask's elements; ``q_pad``/``kv_band``: bytes of the padded q and of a band."""
     a = dm.a
     nodes.append(Node(f"{p}.qk", out=[(f"{p}.s0", sc * a)], inputs=[f"{p}.qp", f"{p}.kb"],
