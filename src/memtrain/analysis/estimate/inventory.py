@@ -356,15 +356,21 @@ def _linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int,
         nodes.append(Node(f"{name}.lora_scale", out=[(f"{lb}.s", N * n_out * ad)], inputs=[lb],
                            grads=[(lb, N * n_out * ad)]))
         src = f"{lb}.s"
-        if ad != a:
-            nodes.append(Node(f"{name}.lora_back", out=[(f"{lb}.c", N * n_out * a)], inputs=[src],
-                               grads=[(src, N * n_out * ad)]))
-            src = f"{lb}.c"
         # peft's forward holds its argument x (the caller's) and its cast for the adapters (the
         # rebound local x) until it returns.
         held = [x_own] + ([f"{x}@lora"] if ad != a else [])
-        nodes.append(Node(f"{name}.lora_add", out=[(out, N * n_out * a)], inputs=[base_out, src] + held,
-                           grads=[(base_out, 0.0), (src, 0.0)]))
+        if ad != a:
+            # The bf16 base output plus the float32 product promotes to a float32 sum, which peft
+            # casts back; in backward the add casts the sum's gradient down for the base, a new
+            # tensor beside the adapters' (a checkpointed block's lazy recompute starts after it:
+            # -1.3% backward without it, bf16-pure, LoRA, window 2).
+            nodes.append(Node(f"{name}.lora_add", out=[(f"{out}.f", N * n_out * ad)], inputs=[base_out, src],
+                              grads=[(base_out, N * n_out * a), (src, 0.0)]))
+            nodes.append(Node(f"{name}.lora_back", out=[(out, N * n_out * a)], inputs=[f"{out}.f"] + held,
+                              grads=[(f"{out}.f", N * n_out * ad)]))
+        else:
+            nodes.append(Node(f"{name}.lora_add", out=[(out, N * n_out * a)], inputs=[base_out, src] + held,
+                              grads=[(base_out, 0.0), (src, 0.0)]))
 
 
 def _adapter_grad_is_a_view(dm: Dims, lora: int) -> bool:
@@ -574,7 +580,7 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
     which eager attention's repeat_kv copies in float32 too."""
     # (Inside the attention every q-sized tensor is n_heads x head_dim wide: ``d`` is that here.)
     b, s, d, h, a = dm.b, dm.s, dm.qw, dm.h, dm.a
-    N, kvw, hd = dm.n, dm.kv, dm.qw // dm.h
+    N, kvw = dm.n, dm.kv
     qkv, q, k, v, y = f"{p}.qkv", f"{p}.q", f"{p}.k", f"{p}.v", f"{p}.y"
     # What the kernels read and save for q, k and v: v's storage too when it is another one.
     qkv_keys = [qkv] if v_src is None else [qkv, v_src]
@@ -592,8 +598,13 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
         # into a float mask in q's dtype, which it saves with q, k, v (views of qkv), its output
         # (written as (b, s, h, hd): the merge's .contiguous() is free) and the log-sum-exp:
         # nothing (b, h, s, s), as the math path would keep.
-        nodes.append(Node(f"{p}.mask", out=[(f"{p}.m", s * s * a)], fwd_scratch=s * s * 11))
-        nodes.append(Node(f"{p}.sdpa", out=[(y, N * d * a), (f"{p}.lse", b * h * s * 4)], inputs=qkv_keys + [f"{p}.m"],
+        # causal_mask's peak is at ``i - j < window``: the int64 aranges and difference beside the
+        # causal bool and the comparison; the bool window mask it returns is _dense_window's local
+        # until SDPA returns, beside the float copy (made with both: +3.1% forward at 1 x 23 tokens).
+        nodes.append(Node(f"{p}.wmask", out=[(f"{p}.cm", s * s)], fwd_scratch=s * s * 9 + s * 16))
+        nodes.append(Node(f"{p}.mask", out=[(f"{p}.m", s * s * a)], inputs=[f"{p}.cm"]))
+        nodes.append(Node(f"{p}.sdpa", out=[(y, N * d * a), (f"{p}.lse", b * h * s * 4)],
+                          inputs=qkv_keys + [f"{p}.m", f"{p}.cm"],
                           saves=qkv_keys + [y, f"{p}.lse", f"{p}.m"], matmul=True, grad_out=(y,),
                           grads=[(q, N * d * a), (k, N * kvw * a), (v, N * kvw * a)]))
         return
@@ -611,45 +622,7 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
             _merge_heads(nodes, dm, p, o, y, N * d * a)
         return
     if backend in ("banded", "banded-sdpa"):
-        low_a = a
-        if backend == "banded" and kind != "math":  # SDPA's math path, band by band
-            dm = _math_fallback_dims(dm)
-            a = dm.a
-        W = window or s
-        blk = min(W, s)
-        nb = -(-s // blk)
-        band = blk + W - 1
-        q_pad = b * h * nb * blk * hd * a
-        kv_pad = b * h * (nb * blk + W - 1) * hd * a
-        kv_band = b * h * nb * band * hd * a
-        sc = b * h * nb * blk * band
-        # F.pad copies q, k, v; the matmuls copy the overlapping band views of k and v.
-        nodes.append(Node(f"{p}.pad", out=[(f"{p}.qp", q_pad), (f"{p}.kp", kv_pad), (f"{p}.vp", kv_pad)],
-                           inputs=[qkv], grad_out=(f"{p}.qp", f"{p}.kp", f"{p}.vp"),
-                           grads=[(q, N * d * low_a), (k, N * kvw * low_a), (v, N * kvw * low_a)]))
-        # The band views of k and v: copied by the math kernel's matmuls, read in place by SDPA
-        # (which saves the padded tensors); unfold's backward scatters into a padded buffer.
-        copy = kv_band if backend == "banded" else 0
-        nodes.append(Node(f"{p}.kband", out=[(f"{p}.kb", copy)], inputs=[f"{p}.kp"], grads=[(f"{p}.kp", kv_pad)]))
-        # (The math kernel's second matmul copies v's band, after the softmax and the dropout;
-        # for SDPA the reshape to (b h, blocks, band, hd) copies it, before the call.)
-        vband = Node(f"{p}.vband", out=[(f"{p}.vb", copy)], inputs=[f"{p}.vp"], grads=[(f"{p}.vp", kv_pad)])
-        if kind != "math":
-            nodes.append(vband)
-        mask_elems = nb * blk * band
-        if backend == "banded-sdpa":
-            # The bool band mask becomes an additive float mask, saved with q, k, v, out, lse.
-            nodes.append(Node(f"{p}.mask", out=[(f"{p}.m", mask_elems * 4)], fwd_scratch=2 * mask_elems))
-            nodes.append(Node(f"{p}.sdpa", out=[(f"{p}.o", q_pad), (f"{p}.lse", b * h * nb * blk * 4)],
-                               inputs=[f"{p}.qp", f"{p}.kp", f"{p}.vp", f"{p}.kb", f"{p}.vb", f"{p}.m"], matmul=True,
-                               keep=(f"{p}.o", f"{p}.lse"),
-                               saves=[f"{p}.qp", f"{p}.kp", f"{p}.vp", f"{p}.o", f"{p}.lse", f"{p}.m"],
-                               grads=[(f"{p}.qp", q_pad), (f"{p}.kb", kv_band), (f"{p}.vb", kv_band)]))
-        else:
-            _band_math_nodes(nodes, dm, p, kind, vband, sc, mask_elems, q_pad, kv_band)
-        o = _cast_back(nodes, p, f"{p}.o", q_pad / a, a, low_a)
-        # out[:, :, :s] then transpose(1, 2).contiguous(): one copy.
-        nodes.append(Node(f"{p}.merge", out=[(y, N * d * low_a)], inputs=[o], grads=[(o, q_pad * low_a / a)]))
+        _banded_nodes(nodes, dm, p, kind, backend, window)
         return
     # Materialized attention (math, or SDPA's math fallback): (b, h, s, s) scores. matmul on
     # the transposed views copies q and k^T into contiguous buffers, which bmm saves.
@@ -670,7 +643,8 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
     # in place, and its save keeps the whole q/k/v output. A Llama-style layer's v is a storage of
     # its own, apart from rope's q and k, which ``qkv`` stands for too: the copy's bytes are v's.)
     # Our GPT's v is a view of its fused q/k/v output as GPT-2's is: the same at batch 1.
-    v_view = (dm.additive_mask or not dm.hf) and not dm.repeat_kv and kind != "math" and not upcast and _folds(dm)
+    # (Our GPT's math_attention reads it in place too.)
+    v_view = ((dm.additive_mask and kind != "math") or not dm.hf) and not dm.repeat_kv and not upcast and _folds(dm)
     v_saved = qkv_keys if v_view else [f"{p}.vc"]
     qk_saves = [f"{p}.qc", f"{p}.kc"]
     kernel_locals: list[str] = []  # what the attention function holds until it returns
@@ -718,11 +692,57 @@ def _attention_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, window: Opt
     _merge_heads(nodes, dm, p, o, y, N * d * low_a, tuple(held))
 
 
+def _banded_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, backend: str, window: Optional[int]) -> None:
+    """``kernels._banded``: the banded kernel (``backend`` "banded": the math kernel, or SDPA's math
+    path per band where the CPU has dropout; "banded-sdpa": a fused SDPA kernel over the bands),
+    from q, k, v (views of ``{p}.qkv``) to the merged output ``{p}.y``."""
+    b, s, d, h, a = dm.b, dm.s, dm.qw, dm.h, dm.a
+    N, kvw, hd = dm.n, dm.kv, dm.qw // dm.h
+    qkv, q, k, v, y = f"{p}.qkv", f"{p}.q", f"{p}.k", f"{p}.v", f"{p}.y"
+    W = window or s
+    blk = min(W, s)
+    nb = -(-s // blk)
+    if backend == "banded" and kind != "math":  # SDPA's math path, band by band
+        _band_sdpa_math_nodes(nodes, _math_fallback_dims(dm), p, (q, k, v, qkv), (N * d, N * kvw), (nb, blk, W), a)
+        return
+    band = blk + W - 1
+    q_pad = b * h * nb * blk * hd * a
+    kv_pad = b * h * (nb * blk + W - 1) * hd * a
+    kv_band = b * h * nb * band * hd * a
+    sc = b * h * nb * blk * band
+    # F.pad copies q, k, v; the matmuls copy the overlapping band views of k and v.
+    nodes.append(Node(f"{p}.pad", out=[(f"{p}.qp", q_pad), (f"{p}.kp", kv_pad), (f"{p}.vp", kv_pad)],
+                       inputs=[qkv], grad_out=(f"{p}.qp", f"{p}.kp", f"{p}.vp"),
+                       grads=[(q, N * d * a), (k, N * kvw * a), (v, N * kvw * a)]))
+    # The band views of k and v: copied by the math kernel's matmuls, read in place by SDPA
+    # (which saves the padded tensors); unfold's backward scatters into a padded buffer.
+    copy = kv_band if backend == "banded" else 0
+    nodes.append(Node(f"{p}.kband", out=[(f"{p}.kb", copy)], inputs=[f"{p}.kp"], grads=[(f"{p}.kp", kv_pad)]))
+    # (The math kernel's second matmul copies v's band, after the softmax and the dropout; the
+    # fused SDPA kernel reads it in place.)
+    vband = Node(f"{p}.vband", out=[(f"{p}.vb", copy)], inputs=[f"{p}.vp"], grads=[(f"{p}.vp", kv_pad)])
+    if kind != "math":
+        nodes.append(vband)
+    mask_elems = nb * blk * band
+    if backend == "banded-sdpa":
+        # The bool band mask becomes an additive float mask, saved with q, k, v, out, lse.
+        nodes.append(Node(f"{p}.mask", out=[(f"{p}.m", mask_elems * 4)], fwd_scratch=2 * mask_elems))
+        nodes.append(Node(f"{p}.sdpa", out=[(f"{p}.o", q_pad), (f"{p}.lse", b * h * nb * blk * 4)],
+                           inputs=[f"{p}.qp", f"{p}.kp", f"{p}.vp", f"{p}.kb", f"{p}.vb", f"{p}.m"], matmul=True,
+                           keep=(f"{p}.o", f"{p}.lse"),
+                           saves=[f"{p}.qp", f"{p}.kp", f"{p}.vp", f"{p}.o", f"{p}.lse", f"{p}.m"],
+                           grads=[(f"{p}.qp", q_pad), (f"{p}.kb", kv_band), (f"{p}.vb", kv_band)]))
+    else:
+        _band_math_nodes(nodes, dm, p, kind, vband, sc, mask_elems, q_pad, kv_band)
+    # out[:, :, :s] then transpose(1, 2).contiguous(): one copy.
+    nodes.append(Node(f"{p}.merge", out=[(y, N * d * a)], inputs=[f"{p}.o"], grads=[(f"{p}.o", q_pad)]))
+
+
 def _band_math_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, vband: Node, sc: float, mask_elems: float,
                      q_pad: float, kv_band: float) -> None:
-    """The banded kernel's materialized band scores (``kernels._banded`` with the math kernel, or
-    SDPA's math path per band where the CPU has dropout), from the padded q and k's band to the
-    band output ``{p}.o``. ``vband``: the node of v's band; ``sc``/``mask_elems``: the band
+    """The banded kernel's materialized band scores (``kernels._banded`` with the math kernel;
+    SDPA's math path per band: :func:`_band_sdpa_math_nodes`), from the padded q and k's band to
+    the band output ``{p}.o``. ``vband``: the node of v's band; ``sc``/``mask_elems``: the band
     scores' and mask's elements; ``q_pad``/``kv_band``: bytes of the padded q and of a band."""
     a = dm.a
     nodes.append(Node(f"{p}.qk", out=[(f"{p}.s0", sc * a)], inputs=[f"{p}.qp", f"{p}.kb"],
@@ -738,6 +758,85 @@ def _band_math_nodes(nodes: list[Node], dm: Dims, p: str, kind: str, vband: Node
     # forward saves nothing): the padded q, k and v, the bool band mask, and with the math
     # kernel its masked ``scores`` beside the softmax and the dropout.
     nodes[-1].inputs += [f"{p}.qp", f"{p}.kp", f"{p}.vp", f"{p}.cm"] + ([f"{p}.s2"] if kind == "math" else [])
+
+
+def _band_sdpa_math_nodes(nodes: list[Node], dm: Dims, p: str, keys: tuple[str, str, str, str],
+                          numels: tuple[float, float], band_dims: tuple[int, int, int], low_a: float) -> None:
+    """``kernels._banded`` with SDPA where the CPU has dropout: torch's math path
+    (``_scaled_dot_product_attention_math``) runs over every band at once, through to the merged
+    output ``{p}.y``. ``dm``: the math path's float32 Dims; ``keys``: q, k, v and the q/k/v output;
+    ``numels``: q's and k's elements; ``band_dims``: the blocks, the block and the window;
+    ``low_a``: the inputs' bytes per element. F.pad copies q, k and v in their own dtype; on
+    16-bit inputs the math path casts q and k's and v's band views to float32 copies; it scales q
+    and k^T (copies) and adds the band mask as a float mask in q's dtype. All of it but the scaled
+    k^T (and the caller's padded tensors and bool mask) lives until the kernel returns: a
+    checkpointed block's forward peak, which counted the pads in float32 and none of the copies
+    (-5.0% forward, fp16, window 5 over 40 tokens)."""
+    q, k, v, qkv = keys
+    b, h, a = dm.b, dm.h, dm.a
+    upcast = a != low_a
+    hd = dm.qw // h
+    nb, blk, W = band_dims
+    q_len, band = nb * blk, blk + W - 1
+    q_pad, kv_pad = b * h * q_len * hd, b * h * (q_len + W - 1) * hd  # elements
+    kv_band, sc, mask_elems = b * h * nb * band * hd, b * h * q_len * band, q_len * band
+    nodes.append(Node(f"{p}.pad", out=[(f"{p}.qp", q_pad * low_a), (f"{p}.kp", kv_pad * low_a),
+                                       (f"{p}.vp", kv_pad * low_a)],
+                      inputs=[qkv], grad_out=(f"{p}.qp", f"{p}.kp", f"{p}.vp"),
+                      grads=[(q, numels[0] * low_a), (k, numels[1] * low_a), (v, numels[1] * low_a)]))
+    # F.pad by nothing keeps q's transposed strides, so folding (batch, heads) copies it.
+    q_in, k_in = f"{p}.qp", f"{p}.kp"
+    local = [f"{p}.qp", f"{p}.kp", f"{p}.vp", f"{p}.cm", f"{p}.m"]
+    if q_len == dm.s and b > 1 and h > 1:
+        nodes.append(Node(f"{p}.qfold", out=[(f"{p}.qr", q_pad * low_a)], inputs=[q_in], grads=[(q_in, q_pad * low_a)]))
+        q_in = f"{p}.qr"
+        local.append(q_in)
+    nodes.append(Node(f"{p}.mask", out=[(f"{p}.cm", mask_elems), (f"{p}.m", mask_elems * low_a)]))
+    if upcast:
+        nodes.append(Node(f"{p}.upcast", out=[(f"{p}.q32", q_pad * a), (f"{p}.k32", kv_band * a),
+                                              (f"{p}.vb", kv_band * a)],
+                          inputs=[q_in, f"{p}.kp", f"{p}.vp"], grad_out=(f"{p}.q32", f"{p}.k32", f"{p}.vb"),
+                          grads=[(q_in, q_pad * low_a), (f"{p}.kp", kv_pad * low_a), (f"{p}.vp", kv_pad * low_a)]))
+        q_in, k_in = f"{p}.q32", f"{p}.k32"
+        local += [f"{p}.q32", f"{p}.k32", f"{p}.vb"]
+    nodes.append(Node(f"{p}.qscale", out=[(f"{p}.qs", q_pad * a)], inputs=[q_in], grads=[(q_in, q_pad * a)]))
+    nodes.append(Node(f"{p}.kscale", out=[(f"{p}.kb", kv_band * a)], inputs=[k_in], grads=[(k_in, kv_band * a)]))
+    local.append(f"{p}.qs")
+    # At batch 1 those strides reach the scaled q, which the matmul then copies to fold (heads,
+    # blocks) into bmm's batch: the copy is what it saves.
+    qs = f"{p}.qs"
+    if q_len == dm.s and b == 1 and h > 1:
+        nodes.append(Node(f"{p}.qsfold", out=[(f"{p}.qf", q_pad * a)], inputs=[qs], grads=[(qs, q_pad * a)]))
+        qs = f"{p}.qf"
+    nodes.append(Node(f"{p}.qk", out=[(f"{p}.s0", sc * a)], inputs=[qs, f"{p}.kb"],
+                      saves=[qs, f"{p}.kb"], matmul=True, keep=(f"{p}.s0",),
+                      grads=[(qs, q_pad * a), (f"{p}.kb", kv_band * a)]))
+    probs = _scores_softmax(nodes, dm, p, sc, mask_elems, "sdpa", mask_made=True)
+    local.append(probs)
+    if upcast:
+        # The attention weights it returns too, cast to q's dtype before the second matmul.
+        nodes.append(Node(f"{p}.weights_down", out=[(f"{p}.pw", sc * low_a)], inputs=[probs]))
+        local.append(f"{p}.pw")
+    else:
+        # The second matmul copies v's band view (a float32 copy is contiguous already).
+        nodes.append(Node(f"{p}.vband", out=[(f"{p}.vb", kv_band * a)], inputs=[f"{p}.vp"],
+                          grads=[(f"{p}.vp", kv_pad * a)]))
+    nodes.append(Node(f"{p}.pv", out=[(f"{p}.o", q_pad * a)], inputs=[probs, f"{p}.vb"],
+                      saves=[probs, f"{p}.vb"], matmul=True,
+                      grads=[(probs, sc * a), (f"{p}.vb", kv_band * a)]))
+    o = _cast_back(nodes, p, f"{p}.o", q_pad, a, low_a)
+    nodes[-1].inputs += local
+    nodes.append(Node(f"{p}.merge", out=[(f"{p}.y", numels[0] * low_a)], inputs=[o], grads=[(o, q_pad * low_a)]))
+
+
+def _norm_stats_bytes(dm: Dims, layer: bool) -> float:
+    """Bytes of a norm's saved statistics: LayerNorm's mean and rstd per token, RMSNorm's rstd.
+    The CPU LayerNorm kernel makes them in its input's dtype where the weights share it (bf16-pure:
+    2 bytes; +1.4% forward over the trace at 4 bytes, 7 layers of width 12), float32 otherwise
+    (autocast runs it in float32) and on CUDA."""
+    if not layer:
+        return dm.n * 4
+    return 2 * dm.n * (4 if dm.cuda else dm.r)
 
 
 def _merge_heads(nodes: list[Node], dm: Dims, p: str, o: str, y: str, nbytes: float,
@@ -775,7 +874,10 @@ def _math_path_reads(dm: Dims, p: str, kind: str, upcast: bool, gqa_v: Optional[
     returns the first matmul's saves (q's for k's gradient, k's for q's), the second's v, whether
     q and k are copied, and the v read in place (None where it is copied, or read by
     ``v_saved`` as it is). ``gqa_v``: SDPA's math path's repeated v (:func:`_sdpa_math_inputs`)."""
-    q_copy = k_copy = not (kind == "sdpa" and _folds(dm))  # (our GPT's as well as a transformers layer's)
+    # (SDPA: our GPT's as well as a transformers layer's; math: our GPT's math_attention, whose
+    # q @ k^T reads q and k, views of the q/k/v output, as they are: a recompute at batch 1 that
+    # copied them was 2.0% over the trace's backward, fp32, selective checkpointing, LoRA.)
+    q_copy = k_copy = not ((kind == "sdpa" or not dm.hf) and _folds(dm))
     if not q_copy and upcast and dm.repeat_kv and gqa_v is None:
         # (A Llama-style v's float32 copy keeps the projection's layout: read in place too.)
         gqa_v = f"{p}.v32"
@@ -783,10 +885,16 @@ def _math_path_reads(dm: Dims, p: str, kind: str, upcast: bool, gqa_v: Optional[
         # The repeated (contiguous) k and v are read in place: the scaled k is saved for q's
         # gradient, the repeated v (or its float32 copy) for the probabilities'.
         qk_saves, v_saved, k_copy = [f"{p}.qc", f"{p}.ks"], [gqa_v], False
+    if kind == "sdpa" and dm.fused_proj:
+        # Phi-3's rope (a cat) makes q and k contiguous (b, h, s, hd): the math path's scaled q
+        # is too and its scaled k^T a transposed view of a contiguous tensor, which bmm reads and
+        # saves as they are (fp16 with LoRA: +3.4% forward when copied).
+        q_copy = k_copy = False
     if not q_copy:
-        # At batch 1 the math path's scaled q and k fold into bmm's batch dimension as they
-        # are: read in place and saved, no copies.
-        qk_saves = [f"{p}.qs", f"{p}.ks"]
+        # At batch 1 the math path's scaled q and k (math_attention's q and k, views of the
+        # q/k/v output) fold into bmm's batch dimension as they are: read in place and saved,
+        # no copies.
+        qk_saves = [f"{p}.qs", f"{p}.ks"] if kind == "sdpa" else [f"{p}.qkv", f"{p}.qkv"]
     return qk_saves, v_saved, q_copy, k_copy, gqa_v
 
 
@@ -993,7 +1101,7 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
         if trainable_base and layer and dm.bias:
             pg.append((f"param:{name}.bias", 0.0))
         recorded = src_grad or trainable_base
-        nodes.append(Node(name, out=[(out, N * d * r), (f"{name}.stats", (2 if layer else 1) * N * 4)],
+        nodes.append(Node(name, out=[(out, N * d * r), (f"{name}.stats", _norm_stats_bytes(dm, layer))],
                            inputs=[src], saves=[src, f"{name}.stats"] if recorded else [], grad_out=(out,),
                            grads=[(src, N * d * r)] + pg if recorded else []))
 
@@ -1288,7 +1396,7 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
     pg = [("param:ln_f.weight", 0.0)] if trainable else []
     if trainable and layer and dm.bias:
         pg.append(("param:ln_f.bias", 0.0))
-    nodes = [Node("ln_f", out=[("hf", N * d * r), ("ln_f.stats", (2 if layer else 1) * N * 4)], inputs=[x],
+    nodes = [Node("ln_f", out=[("hf", N * d * r), ("ln_f.stats", _norm_stats_bytes(dm, layer))], inputs=[x],
                    saves=[x, "ln_f.stats"], grad_out=("hf",), grads=[(x, N * d * r)] + pg)]
     if dm.hf and not layer:
         nodes = [hf_norm_node(dm, "ln_f", x, "hf", trainable, offset=arch.norm_offset)]
@@ -1494,11 +1602,14 @@ def block_segments(cfg: RunConfig, arch: Arch, dm: Dims, trainable_base: bool, g
         if kind == "selective":
             # Megatron's selective recomputation: the block runs as usual around a checkpointed
             # attention core, which keeps only its input (q, k, v: views of the qkv output).
+            # Its recompute is lazy as a block's: the output's cast back (SDPA's math path on
+            # 16-bit inputs) runs its backward first, and the recompute stops as probs @ v saves
+            # its inputs, before its output exists (+1.3% backward when made, bf16-pure, LoRA).
             a = next(x for x, n in enumerate(nodes) if n.core)
             b = a + sum(1 for n in nodes if n.core)
             segs += [Segment(f"block {i}", nodes[:a]),
                      Segment(f"block {i} attention core", nodes[a:b], checkpoint="full",
-                              input_key=f"blocks.{j}.qkv"),
+                              input_key=f"blocks.{j}.qkv", lazy_recompute=True),
                      Segment(f"block {i}", nodes[b:])]
             continue
         # torch's checkpoint recomputes lazily for our GPT as well: under autocast the residual
