@@ -537,7 +537,6 @@ class _DropMessage(logging.Filter):
         return not str(record.getMessage()).startswith(self.prefix)
 
 
-
 def _hub_file(repo: str, name: str, spec: str) -> Path:
     """The local copy of file ``name`` of Hub repository ``repo``: from the Hugging Face cache,
     downloaded into it first when the Hub is reachable (huggingface_hub, as transformers reads it)."""

@@ -82,13 +82,6 @@ class Precision:
         return torch.autocast(device_type=self.device_type, dtype=self.autocast_dtype)
 
 
-def _set_tf32(enabled: bool) -> None:
-    # TF32 is a process-wide switch: set it explicitly every run (on or off) so that one
-    # bench row cannot leak into the next; through both of torch's APIs, so that a value set
-    # through the other one before (transformers sets the new one) neither stays nor breaks a reader.
-    set_tf32(enabled)
-
-
 def _cpu_fp16_autocast_works() -> bool:
     """Whether this torch build runs CPU autocast in FP16 (older builds silently fall back)."""
     try:
@@ -138,7 +131,11 @@ def make_precision(precision: str, device: torch.device) -> Precision:
     """Validate ``precision`` for ``device`` and set the global matmul precision (TF32).
     The dtypes come from :mod:`memtrain.techniques.facts`, which estimate and flops read too."""
     facts = precision_facts(precision)
-    _set_tf32(facts.tf32)
+    # TF32 is a process-wide switch: set it explicitly every run (on or off) so that one bench row
+    # cannot leak into the next; through both of torch's APIs (memtrain.devices.tf32), so that a
+    # value set through the other one before (transformers sets the new one) neither stays nor
+    # breaks a reader.
+    set_tf32(facts.tf32)
     _check_device(precision, device)
     param, autocast = torch_dtypes(facts)
     scaler = torch.amp.GradScaler(device.type) if facts.scaler else None
