@@ -158,20 +158,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_config_flags(p, ("model", "technique", "train"), exclude=(*LOOP_ONLY_FIELDS, "model"))  # --model is add_model_choice's
 
 
-def _parameter_words(est: Any) -> str:
-    """The model's parameter count as train and flops give it, LoRA's adapters apart."""
-    if est.adapter_parameters:
-        return (f"{est.parameters:,} parameters + {est.adapter_parameters:,} LoRA adapter parameters "
-                f"({est.trainable_parameters:,} trainable)")
-    return f"{est.parameters:,} parameters ({est.trainable_parameters:,} trainable)"
-
-
-def _traced_parameter_words(out: dict[str, Any], lora_rank: int) -> str:
-    """A traced estimate's parameter counts in train's words: the model's, and what trains (the
-    adapters alone under LoRA, whose base is frozen)."""
-    total, trainable = out["parameters"], out["trainable_parameters"]
-    if lora_rank:
-        return f"{total:,} parameters + {trainable:,} LoRA adapter parameters ({trainable:,} trainable)"
+def _parameter_words(total: int, adapters: int, trainable: int) -> str:
+    """The model's parameter count as train and flops give it, LoRA's ``adapters`` apart."""
+    if adapters:
+        return f"{total:,} parameters + {adapters:,} LoRA adapter parameters ({trainable:,} trainable)"
     return f"{total:,} parameters ({trainable:,} trainable)"
 
 
@@ -223,7 +213,7 @@ def _run(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
         return 0
     m, t = cfg.model, cfg.train
     print(f"{arch.name} d_model {m.d_model}, {m.n_layers} layers, {m.n_heads} heads, vocab {m.padded_vocab_size}: "
-          f"{_parameter_words(est)}")
+          f"{_parameter_words(est.parameters, est.adapter_parameters, est.trainable_parameters)}")
     print(f"batch {t.batch_size} x seq {t.seq_len} x accum {t.grad_accum}, {cfg.technique.precision}, "
           f"attention {cfg.technique.attention}, checkpointing {cfg.technique.checkpointing}, "
           f"loss {cfg.technique.loss}, optim {cfg.technique.optim} ({device_type} kernels"
@@ -492,7 +482,9 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
         print(json.dumps(out, indent=2, default=float))
         return 0
     m, t, tech = cfg.model, cfg.train, cfg.technique
-    print(f"{cfg.model.model}: {_traced_parameter_words(out, tech.lora_rank)}, d_model {m.d_model}, {m.n_layers} "
+    # A traced LoRA run trains the adapters alone (its base is frozen): they are its trainable count.
+    adapters = out["trainable_parameters"] if tech.lora_rank else 0
+    print(f"{cfg.model.model}: {_parameter_words(out['parameters'], adapters, out['trainable_parameters'])}, d_model {m.d_model}, {m.n_layers} "
           f"layers, vocab {m.vocab_size}; "
           f"batch {t.batch_size} x seq {t.seq_len} x accum {t.grad_accum}, {tech.precision}, attention {tech.attention}, "
           f"checkpointing {tech.checkpointing}, loss {tech.loss}, optim {tech.optim}"
@@ -532,7 +524,7 @@ def _run_hf_analytic(args: argparse.Namespace, step: StepEstimate, device_type: 
         print(json.dumps(out, indent=2, default=float))
         return 0
     t, tech = cfg.train, cfg.technique
-    print(f"{cfg.model.model}: {_parameter_words(est)}; "
+    print(f"{cfg.model.model}: {_parameter_words(est.parameters, est.adapter_parameters, est.trainable_parameters)}; "
           f"batch {t.batch_size} x seq {t.seq_len} x accum {t.grad_accum}, {tech.precision}, attention {tech.attention}, "
           f"checkpointing {tech.checkpointing}, loss {tech.loss}, optim {tech.optim}"
           + (f", LoRA r{tech.lora_rank}" if tech.lora_rank else "") + (" + NF4 base (QLoRA)" if tech.qlora else "")
