@@ -23,7 +23,8 @@ differs in this implementation are in docs/estimation.md.
 
 Sub-modules, lowest first: :mod:`.params` (the parameter catalogue), :mod:`.rules` (literature
 rules of thumb), :mod:`.optimizer` (our optimizers' state), :mod:`.simulator` (the generic
-storage-lifetime simulator), :mod:`.inventory` (our GPT's op inventory as simulator nodes),
+storage-lifetime simulator), :mod:`.dims` (the sizes the inventory's builders share),
+:mod:`.inventory` (our GPT's op inventory as simulator nodes),
 :mod:`.explain` (explanation lines), :mod:`.training` (:func:`estimate`) and :mod:`.inference`.
 """
 

@@ -6,8 +6,9 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Optional
 
 from memtrain.analysis.device_replay import StepTimeline, replay_two_steps
+from memtrain.analysis.estimate.dims import precision_bytes, run_dims
 from memtrain.analysis.estimate.explain import explanation_lines, layer_activation_bytes
-from memtrain.analysis.estimate.inventory import TOKEN_KEYS, block_segments, precision_bytes, run_dims, token_id_bytes
+from memtrain.analysis.estimate.inventory import TOKEN_KEYS, block_segments, token_id_bytes
 from memtrain.analysis.estimate.optimizer import optimizer_temporaries, predicted_optimizer_state
 from memtrain.analysis.estimate.params import ParamInfo, block_param_table
 from memtrain.analysis.estimate.rules import model_state_rule
