@@ -24,6 +24,7 @@ differs in this implementation are in docs/estimation.md.
 Sub-modules, lowest first: :mod:`.params` (the parameter catalogue), :mod:`.rules` (literature
 rules of thumb), :mod:`.optimizer` (our optimizers' state), :mod:`.simulator` (the generic
 storage-lifetime simulator), :mod:`.dims` (the sizes the inventory's builders share),
+:mod:`.basic_nodes` (dropout, norm statistics: ops every part of the inventory builds),
 :mod:`.inventory` (our GPT's op inventory as simulator nodes),
 :mod:`.explain` (explanation lines), :mod:`.training` (:func:`estimate`) and :mod:`.inference`.
 """

@@ -6,6 +6,7 @@ import math
 from dataclasses import replace
 from typing import Optional
 
+from memtrain.analysis.estimate.basic_nodes import dropout, norm_stats_bytes, rename_key
 from memtrain.analysis.estimate.dims import Dims
 from memtrain.analysis.estimate.hf_nodes import (
     CAUSAL_MASK,
@@ -49,17 +50,6 @@ def token_id_bytes(dm: "Dims", arch: Arch) -> float:
 
 
 # --------------------------------------------------------------------------- node builders
-
-
-def _rename_key(nodes: list[Node], old: str, new: str) -> None:
-    """Let ``new`` name the storage ``old`` named (an op that allocates nothing)."""
-    for n in nodes:
-        n.out = [(new,) + tuple(o[1:]) if o[0] == old else o for o in n.out]
-        n.inputs = [new if k == old else k for k in n.inputs]
-        n.saves = [new if k == old else k for k in n.saves]
-        n.grads = [(new if k == old else k, v) for k, v in n.grads]
-        if n.grad_out is not None:
-            n.grad_out = tuple(new if k == old else k for k in n.grad_out)
 
 
 def fp8_cast_bytes(numel: float, hp_bytes: float) -> float:
@@ -322,7 +312,7 @@ def _lora_dropout(nodes: list[Node], dm: Dims, name: str, x: str, x_bytes: float
     the adapters' dtype (our GPT's are float32). peft casts x to it first (a new tensor only
     when the dtypes differ, which lives only through the dropout); the dropout's output is a
     new tensor in the adapters' dtype, and its
-    backward keeps the mask (:func:`_dropout`: CUDA's bool mask, the CPU kernel's float noise)
+    backward keeps the mask (:func:`dropout`: CUDA's bool mask, the CPU kernel's float noise)
     only when ``x`` requires a gradient (``keep_mask``).
     Under autocast lora_A casts the dropped copy to the compute dtype and saves that copy (the
     adapters'-dtype one is then freed); otherwise it saves the dropped copy itself. One of each
@@ -400,26 +390,6 @@ def _peft_lora(nodes: list[Node], dm: Dims, name: str, x: str, x_bytes: float, b
                        grads=[(base_out, 0.0), (f"{lb}.s", 0.0 if ob == a else N * n_out * a)]))
 
 
-def _dropout(nodes: list[Node], dm: Dims, name: str, x: str, out: str, numel: float, elt: float,
-             requires_grad: bool = True, attention: bool = False) -> None:
-    """Dropout in training: the CPU kernel keeps a float noise tensor (input dtype) for
-    backward, CUDA's fused kernel a bool mask; either way the output is a new tensor. Without
-    dropout the op returns its input: ``out`` is another name for ``x``. ``requires_grad``:
-    whether ``x`` needs a gradient; when it does not (a frozen embedding's output under LoRA)
-    autograd records nothing and the mask is freed with the op. ``attention``: the attention
-    weights' dropout, the only one a Llama-style layer has (``Dims.branch_dropout``)."""
-    if not dm.dropout or not (attention or dm.branch_dropout):
-        _rename_key(nodes, x, out)
-        return
-    mask = f"{name}.mask"
-    # (The CPU kernel draws the noise, then multiplies: the product saves the noise before the
-    # output exists, where a lazy recompute that stops at this op stops. CUDA's one kernel makes both.)
-    nodes.append(Node(name, out=[(out, numel * elt), (mask, numel * (1 if dm.cuda else elt))],
-                       inputs=[x], saves=[mask] if requires_grad else [],
-                       grads=[(x, numel * elt)] if requires_grad else [],
-                       made_before_save=() if dm.cuda else (mask,)))
-
-
 def resolve_backend(kind: str, window: Optional[int], dm: Dims) -> str:
     """The memory shape of an attention choice here: math (s x s), flash (fused), banded."""
     if window is not None and window < dm.s:
@@ -484,13 +454,13 @@ def _scores_softmax(nodes: list[Node], dm: Dims, p: str, score_elems: float, mas
         # A Llama-style layer under autocast: ``.to(query.dtype)`` keeps the float32 softmax
         # (rope's float32 query), so the attention dropout runs on it in float32 (its output and
         # the CPU kernel's noise), and the second matmul's autocast casts the dropped weights.
-        _dropout(nodes, dm, f"{p}.attn_drop", src, f"{p}.pd", sc, 4, attention=True)
+        dropout(nodes, dm, f"{p}.attn_drop", src, f"{p}.pd", sc, 4, attention=True)
         nodes.append(Node(f"{p}.tocast", out=[(f"{p}.pa", sc * a)], inputs=[f"{p}.pd"], grads=[(f"{p}.pd", sc * 4)]))
         return f"{p}.pa"
     if float_scores:
         nodes.append(Node(f"{p}.tocast", out=[(f"{p}.pa", sc * a)], inputs=[src], grads=[(src, sc * 4)]))
         src = f"{p}.pa"
-    _dropout(nodes, dm, f"{p}.attn_drop", src, f"{p}.pd", sc, a, attention=True)
+    dropout(nodes, dm, f"{p}.attn_drop", src, f"{p}.pd", sc, a, attention=True)
     return f"{p}.pd"
 
 
@@ -762,16 +732,6 @@ def _band_sdpa_math_nodes(nodes: list[Node], dm: Dims, p: str, keys: tuple[str, 
     nodes.append(Node(f"{p}.merge", out=[(f"{p}.y", numels[0] * low_a)], inputs=[o], grads=[(o, q_pad * low_a)]))
 
 
-def _norm_stats_bytes(dm: Dims, layer: bool) -> float:
-    """Bytes of a norm's saved statistics: LayerNorm's mean and rstd per token, RMSNorm's rstd.
-    The CPU LayerNorm kernel makes them in its input's dtype where the weights share it (bf16-pure:
-    2 bytes; +1.4% forward over the trace at 4 bytes, 7 layers of width 12), float32 otherwise
-    (autocast runs it in float32) and on CUDA."""
-    if not layer:
-        return dm.n * 4
-    return 2 * dm.n * (4 if dm.cuda else dm.r)
-
-
 def _merge_heads(nodes: list[Node], dm: Dims, p: str, o: str, y: str, nbytes: float,
                  held: tuple[str, ...] = ()) -> None:
     """``y = o.transpose(1, 2).contiguous()`` on a (b, h, s, hd) attention output ``o``: a copy whose
@@ -782,7 +742,7 @@ def _merge_heads(nodes: list[Node], dm: Dims, p: str, o: str, y: str, nbytes: fl
     if dm.s > 1 and dm.h > 1:
         nodes.append(Node(f"{p}.merge", out=[(y, nbytes)], inputs=[o, *held], grads=[(o, 0.0)]))
         return
-    _rename_key(nodes, o, y)
+    rename_key(nodes, o, y)
     nodes.append(Node(f"{p}.merge", inputs=[y, *held]))
 
 
@@ -1034,7 +994,7 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
         if trainable_base and layer and dm.bias:
             pg.append((f"param:{name}.bias", 0.0))
         recorded = src_grad or trainable_base
-        nodes.append(Node(name, out=[(out, N * d * r), (f"{name}.stats", _norm_stats_bytes(dm, layer))],
+        nodes.append(Node(name, out=[(out, N * d * r), (f"{name}.stats", norm_stats_bytes(dm, layer))],
                            inputs=[src], saves=[src, f"{name}.stats"] if recorded else [], grad_out=(out,),
                            grads=[(src, N * d * r)] + pg if recorded else []))
 
@@ -1100,7 +1060,7 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     lin("proj", f"{p}.attn.proj", f"{p}.y", f"{p}.pr", dm.qw, d, a, needs["attn"])
     if dm.hf:
         nodes[-1].inputs += _hf_attention_locals(dm, p, arch, rope_locals, tech.attention)
-    _dropout(nodes, dm, f"{p}.resid_drop", f"{p}.pr", f"{p}.prd", N * d, a)
+    dropout(nodes, dm, f"{p}.resid_drop", f"{p}.pr", f"{p}.prd", N * d, a)
     # (CausalSelfAttention.forward's q, k and v, views of the qkv output, are its locals too.)
     _held_by_the_frame(nodes, dm, lora, f"{p}.ln1", f"{p}.qkv")
     # Residual add: type promotion makes it float32 under autocast; the low-precision branch's
@@ -1131,7 +1091,7 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     lin("fc_out", f"{p}.mlp.fc_out", f"{p}.act", f"{p}.h2", f, d, a, needs["act"])
     if dm.hf:
         nodes[-1].inputs += _hf_mlp_locals(p, arch)
-    _dropout(nodes, dm, f"{p}.mlp_drop", f"{p}.h2", f"{p}.h2d", N * d, a)
+    dropout(nodes, dm, f"{p}.mlp_drop", f"{p}.h2", f"{p}.h2d", N * d, a)
     _held_by_the_frame(nodes, dm, lora, f"{p}.ln2")
     nodes.append(Node(f"{p}.add2", out=[(f"blocks.{i + 1}.in", N * d * r)], inputs=[f"{p}.x1", f"{p}.h2d"],
                        grads=[(f"{p}.x1", 0.0), (f"{p}.h2d", 0.0 if a == r else N * d * a)]))
@@ -1314,7 +1274,7 @@ def _embedding_nodes(dm: Dims, arch: Arch, trainable: bool, attention: str) -> l
         # nothing saved).
         nodes.append(Node("embed_scale", out=[("emb", N * d * pe)], inputs=[src], grads=[(src, N * d * pe)]))
         src = "emb"
-    _dropout(nodes, dm, "drop", src, "blocks.0.in", N * d, pe, requires_grad=trainable)
+    dropout(nodes, dm, "drop", src, "blocks.0.in", N * d, pe, requires_grad=trainable)
     return nodes
 
 
@@ -1329,7 +1289,7 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
     pg = [("param:ln_f.weight", 0.0)] if trainable else []
     if trainable and layer and dm.bias:
         pg.append(("param:ln_f.bias", 0.0))
-    nodes = [Node("ln_f", out=[("hf", N * d * r), ("ln_f.stats", _norm_stats_bytes(dm, layer))], inputs=[x],
+    nodes = [Node("ln_f", out=[("hf", N * d * r), ("ln_f.stats", norm_stats_bytes(dm, layer))], inputs=[x],
                    saves=[x, "ln_f.stats"], grad_out=("hf",), grads=[(x, N * d * r)] + pg)]
     if dm.hf and not layer:
         nodes = [hf_norm_node(dm, "ln_f", x, "hf", trainable, offset=arch.norm_offset)]
