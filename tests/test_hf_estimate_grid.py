@@ -376,7 +376,7 @@ def test_eager_sliding_window_within_one_percent_of_the_trace(case, folders, tmp
 # Sliding windows with SDPA (--attention sdpa, CPU kernels): transformers hands SDPA the windowed
 # bool mask instead of is_causal, repeats k and v to the q heads for it (a view with one k/v
 # head, nothing with as many as q heads), SDPA's autocast casts rope's float32 k, and torch's CPU
-# flash kernel saves a float copy of the mask per layer (inventory._masked_sdpa_nodes). The
+# flash kernel saves a float copy of the mask per layer (attention_nodes._masked_sdpa_nodes). The
 # windows of WINDOWED, the loss alternating between the standard and the chunked one.
 def _sdpa_window_cases() -> list[tuple[str, tuple[int, int, int, int], str, int, str, str]]:
     combos = list(itertools.product(WINDOWED, PRECISIONS, (0, 4), ("none", "full")))

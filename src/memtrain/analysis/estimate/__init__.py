@@ -25,6 +25,7 @@ Sub-modules, lowest first: :mod:`.params` (the parameter catalogue), :mod:`.rule
 rules of thumb), :mod:`.optimizer` (our optimizers' state), :mod:`.simulator` (the generic
 storage-lifetime simulator), :mod:`.dims` (the sizes the inventory's builders share),
 :mod:`.basic_nodes` (dropout, norm statistics: ops every part of the inventory builds),
+:mod:`.attention_nodes` (the attention's ops, every kernel),
 :mod:`.inventory` (our GPT's op inventory as simulator nodes),
 :mod:`.explain` (explanation lines), :mod:`.training` (:func:`estimate`) and :mod:`.inference`.
 """

@@ -96,7 +96,7 @@ soft-capping, sandwich norms) are not modelled: ``estimate`` traces them and say
 * A sliding window no longer than the sequence (config.json's on every layer, ``Arch.sliding_window``,
   or ``--window``) with SDPA on CPU kernels (``Dims.masked_sdpa``): the model's bool windowed mask,
   ``repeat_kv``'s copies of k and v, SDPA's autocast casts and the float copy of the mask the CPU
-  flash kernel saves per layer (``inventory._masked_sdpa_nodes``). On CUDA kernels it is traced
+  flash kernel saves per layer (``attention_nodes._masked_sdpa_nodes``). On CUDA kernels it is traced
   (:func:`why_not_modelled`).
 * Qwen2 with a sliding layer (config.json's ``use_sliding_window``, or ``--window``) and eager
   attention: its model makes the full causal mask beside the windowed one (``Arch.full_mask_beside_window``,

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Optional
 
+from memtrain.analysis.estimate.attention_nodes import resolve_backend
 from memtrain.analysis.estimate.dims import Dims
 from memtrain.analysis.estimate.generation import DTYPE_BYTES, GENERATE_DTYPES, estimate_generate
 from memtrain.analysis.estimate.hf import config_sliding_layers, config_window, hf_arch, why_generate_not_modelled
-from memtrain.analysis.estimate.inventory import resolve_backend
 from memtrain.analysis.estimate.params import head_widths, param_count
 from memtrain.config.archs import GPT2_ARCH, Arch
 from memtrain.config.run import ConfigError, RunConfig
