@@ -122,7 +122,7 @@ def test_fp8_estimate_keeps_bf16s_state_and_drops_the_weight_copies():
 
 
 def test_fp8_estimate_cast_temporaries_by_hand():
-    from memtrain.analysis.estimate.inventory import fp8_cast_bytes
+    from memtrain.analysis.estimate.linear_nodes import fp8_cast_bytes
 
     assert fp8_cast_bytes(100, 2) == 100 * (4 + 4 + 4 + 1)  # BF16 input: FP32 copy, scaled, clamped, FP8
     assert fp8_cast_bytes(100, 4) == 100 * (4 + 4 + 1)  # FP32 weight: no copy to FP32 first

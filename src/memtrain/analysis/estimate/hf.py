@@ -16,7 +16,7 @@ transformers decoder layer differs from it in three ways that matter for memory,
   bf16-pure``), where memtrain's own LoRA keeps them in float32; and a frozen LM head gets no
   gradient from the chunked loss. Under LoRA autograd records what the frozen parts need and no
   more (the first layer's norm and q/k/v, the LM head), peft's casts and autocast's adapter copies
-  are counted, and q/k/v and gate/up run one Linear at a time (``inventory._peft_lora``).
+  are counted, and q/k/v and gate/up run one Linear at a time (``linear_nodes._peft_lora``).
 * Checkpointed layers recompute lazily, as torch's non-reentrant checkpoint does
   (``Segment.lazy_recompute``).
 * Phi-3 (``Arch.fused_proj``) runs q/k/v and gate/up as one Linear each (one LoRA pair each)
@@ -79,9 +79,9 @@ soft-capping, sandwich norms) are not modelled: ``estimate`` traces them and say
   a narrow k/v may stay in its dtype); its bytes are the NF4Tensor's inner tensors
   (:func:`memtrain.techniques.facts.nf4_bytes`, ``ParamInfo.nf4``). Each call of such a Linear is
   torchao's ``LinearNF4``: it dequantizes the weight (int64 codes, table lookups, repeated
-  scales, a stack: :func:`~memtrain.analysis.estimate.inventory.nf4_dequantize_steps`), saves only
+  scales, a stack: :func:`~memtrain.analysis.estimate.linear_nodes.nf4_dequantize_steps`), saves only
   the NF4 parameter, dequantizes again in backward, and in a checkpointed layer's recompute
-  (``inventory._nf4_linear``); a bias is added after it (float32 under autocast). Not modelled,
+  (``linear_nodes._nf4_linear``); a bias is added after it (float32 under autocast). Not modelled,
   so traced: GPT-2 (its Conv1D projections are no nn.Linear for QLoRA to quantize) and FSDP2
   sharding of the NF4 weights (:func:`why_qlora_not_modelled`).
 * Under autocast rope's float32 q and k (the bf16 projections times the float32 tables), with v,
@@ -256,7 +256,7 @@ def why_generate_not_modelled(c: Any) -> Optional[str]:
 
 def why_qlora_not_modelled(c: Any, tech: Any) -> Optional[str]:
     """:func:`why_not_modelled` for ``--qlora`` on a config ``c`` (``tech``: the run's
-    TechniqueConfig): None where its NF4 weights are modelled (``inventory._nf4_linear``)."""
+    TechniqueConfig): None where its NF4 weights are modelled (``linear_nodes._nf4_linear``)."""
     if c.model_type in GPT2_LIKE:
         # memtrain.models.qlora quantizes nn.Linear weights; GPT-2's projections are Conv1D.
         return "QLoRA on GPT-2 is not modelled analytically (its Conv1D projections are no nn.Linear to quantize)"
