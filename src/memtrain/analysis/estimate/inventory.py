@@ -8,13 +8,12 @@ from typing import Optional
 from memtrain.analysis.estimate.attention_nodes import attention_nodes, float32_weights_dropped
 from memtrain.analysis.estimate.basic_nodes import dropout, norm_stats_bytes
 from memtrain.analysis.estimate.dims import Dims
+from memtrain.analysis.estimate.embedding_nodes import TARGETS, embedding_nodes, layer_args
 from memtrain.analysis.estimate.hf_nodes import (
     CAUSAL_MASK,
     FULL_MASK,
     gelu_new_nodes,
     held_locals,
-    hf_model_input_nodes,
-    hf_model_inputs,
     hf_norm_node,
     hf_rope_node,
     masked_kv_dtypes,
@@ -31,21 +30,6 @@ from memtrain.techniques.facts import (
     checkpoint_policy,
     effective_loss_chunk,
 )
-
-# The step's int64 token ids as the memory meter sees them (docs/estimation.md, "Token ids"):
-# made by the data loader outside the meter, each is counted from the first op that shows it
-# (a view: GPT-2's input_ids.view, the loss's targets.reshape) until the step's list of
-# micro-batches goes, after the optimizer step. Pinned keys: never freed within the step.
-INPUT_IDS = "input_ids"
-TARGETS = "targets"
-TOKEN_KEYS = (INPUT_IDS, TARGETS)
-
-
-def token_id_bytes(dm: "Dims", arch: Arch) -> float:
-    """Bytes of one micro-batch's token ids the meter counts: the labels (b x s x 8), and the
-    inputs too where the model views them (GPT-2's ``input_ids.view``)."""
-    return dm.n * 8 * (2 if arch.gpt2_layers else 1)
-
 
 # --------------------------------------------------------------------------- node builders
 
@@ -339,39 +323,6 @@ def _gpt2_block_locals(p: str, attention: str) -> list[str]:
     return [f"{p}.prd"] + ([f"{p}.pd"] if attention == "math" else []) + [f"{p}.ln2"]
 
 
-def _embedding_nodes(dm: Dims, arch: Arch, trainable: bool, attention: str) -> list[Node]:
-    """Token lookup (+ learned positions) and embedding dropout. Lookups are not autocast: the
-    output has the table's dtype. (GPT-2's eager attention: the float causal mask
-    GPT2Model.forward builds, in the embeddings' dtype, for every layer.)"""
-    N, d, s, pe = dm.n, dm.d, dm.s, dm.p
-    nodes = [Node("wte", out=[("tok", N * d * pe)], grads=[("param:wte.weight", 0.0)] if trainable else [])]
-    if arch.gpt2_layers:
-        # GPT2Model.forward's ``input_ids.view(-1, s)``: the meter counts the step's token ids
-        # (made by the data loader, outside it) from this first op that shows them, until the
-        # step's batches go after the optimizer step (TOKEN_KEYS, pinned).
-        nodes.insert(0, Node("input_ids", out=[(INPUT_IDS, N * 8)]))
-    if arch.gpt2_layers and attention == "math":
-        nodes.append(Node("causal_mask", out=[(CAUSAL_MASK, dm.b * s * s * pe)]))
-    elif dm.hf and not arch.gpt2_layers:
-        nodes += hf_model_input_nodes(dm, attention)
-    src = "tok"
-    if arch.positional == "learned":
-        nodes.append(Node("pos", out=[("pos_idx", s * 8)]))
-        nodes.append(Node("wpe", out=[("posemb", s * d * pe)], inputs=["pos_idx"], saves=["pos_idx"],
-                           grads=[("param:wpe.weight", 0.0)] if trainable else []))
-        # Broadcast add: the token side's gradient passes through, the position side is summed.
-        nodes.append(Node("embed_add", out=[("emb", N * d * pe)], inputs=["tok", "posemb"],
-                           grads=[("tok", 0.0), ("posemb", s * d * pe)]))
-        src = "emb"
-    if arch.embed_scale:
-        # Gemma's embedding: the lookup times sqrt(hidden), a new tensor (the scale is a buffer:
-        # nothing saved).
-        nodes.append(Node("embed_scale", out=[("emb", N * d * pe)], inputs=[src], grads=[(src, N * d * pe)]))
-        src = "emb"
-    dropout(nodes, dm, "drop", src, "blocks.0.in", N * d, pe, requires_grad=trainable)
-    return nodes
-
-
 def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, trainable: bool,
                 grads_exist: bool, n_blocks: int) -> list[Node]:
     """Final norm, LM head and loss (standard: full logits; chunked: fused, chunk x vocab).
@@ -519,15 +470,6 @@ def _chunk_steps(c: int, V: int, d: int, a: float, cuda: bool, grad_w: bool) -> 
     return steps + [("free", "g", 0.0)]
 
 
-def layer_args(dm: Dims, arch: Arch, attention: str) -> tuple[str, ...]:
-    """What a transformers model makes once and hands every layer besides its input: a
-    checkpointed layer keeps it until its backward (``Segment.held_inputs``), the model until it
-    returns. GPT-2: its eager causal mask; Llama-style: :func:`hf_model_input_nodes`' tensors."""
-    if arch.gpt2_layers:
-        return (CAUSAL_MASK,) if attention == "math" else ()
-    return hf_model_inputs(attention, dm.masked_sdpa, dm.full_mask) if dm.hf else ()
-
-
 def layer_held_inputs(dm: Dims, model_inputs: tuple[str, ...], i: int) -> tuple[str, ...]:
     """What of the model's ``model_inputs`` (:func:`layer_args`) decoder layer ``i`` is handed, so
     keeps when checkpointed: all of it, but for Qwen2's two masks (``Dims.full_mask``), of which a
@@ -548,7 +490,7 @@ def block_segments(cfg: RunConfig, arch: Arch, dm: Dims, trainable_base: bool, g
     kind = policy.kind
     L = m.n_layers
     mode = "selective" if kind == "selective-matmul" else "full"
-    segs = [Segment("embedding", _embedding_nodes(dm, arch, trainable_base, tech.attention))]
+    segs = [Segment("embedding", embedding_nodes(dm, arch, trainable_base, tech.attention))]
     model_inputs = layer_args(dm, arch, tech.attention)
     for j in range(comp.blocks):
         i = comp.real(j)

@@ -7,8 +7,9 @@ from typing import Any, Callable, Optional
 
 from memtrain.analysis.device_replay import StepTimeline, replay_two_steps
 from memtrain.analysis.estimate.dims import precision_bytes, run_dims
+from memtrain.analysis.estimate.embedding_nodes import TOKEN_KEYS, token_id_bytes
 from memtrain.analysis.estimate.explain import explanation_lines, layer_activation_bytes
-from memtrain.analysis.estimate.inventory import TOKEN_KEYS, block_segments, token_id_bytes
+from memtrain.analysis.estimate.inventory import block_segments
 from memtrain.analysis.estimate.optimizer import optimizer_temporaries, predicted_optimizer_state
 from memtrain.analysis.estimate.params import ParamInfo, block_param_table
 from memtrain.analysis.estimate.rules import model_state_rule
@@ -262,7 +263,7 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     if not m.untie_embeddings:
         graph.tied.add("wte.weight")
     # The token ids: counted from the first op that shows them, held by the step's list of
-    # micro-batches until it ends (inventory.TOKEN_KEYS); by the last micro-batch every earlier
+    # micro-batches until it ends (embedding_nodes.TOKEN_KEYS); by the last micro-batch every earlier
     # one's are counted.
     graph.pinned.update(TOKEN_KEYS)
     if t.grad_accum > 1:
