@@ -437,7 +437,7 @@ FOREIGN_LOSS_KERNELS: dict[str, ForeignLossKernel] = {
     # float32 log-sum-exp per token and the backward computes them again, with the gradients of
     # the hidden states and the head (accumulated in the 16-bit compute dtype). Its backward
     # asserts 16-bit embeddings, hence sixteen_bit. The estimate models its buffers
-    # (memtrain.analysis.estimate.inventory._cce_nodes; the trace sees
+    # (memtrain.analysis.estimate.head_nodes._cce_nodes; the trace sees
     # memtrain.techniques.loss._CutCrossEntropyBuffers), read from its source.
     "cce": ForeignLossKernel(
         "cce", "Apple's Cut Cross-Entropy", ("cut_cross_entropy", "triton"), "cut-cross-entropy",

@@ -28,6 +28,7 @@ storage-lifetime simulator), :mod:`.dims` (the sizes the inventory's builders sh
 :mod:`.attention_nodes` (the attention's ops, every kernel),
 :mod:`.linear_nodes` (a Linear's ops: autocast casts, LoRA, FP8, NF4),
 :mod:`.embedding_nodes` (the embedding, the token ids, what every layer is handed),
+:mod:`.head_nodes` (the final norm, the LM head and the loss),
 :mod:`.inventory` (our GPT's op inventory as simulator nodes),
 :mod:`.explain` (explanation lines), :mod:`.training` (:func:`estimate`) and :mod:`.inference`.
 """

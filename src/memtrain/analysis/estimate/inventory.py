@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 from memtrain.analysis.estimate.attention_nodes import attention_nodes, float32_weights_dropped
 from memtrain.analysis.estimate.basic_nodes import dropout, norm_stats_bytes
 from memtrain.analysis.estimate.dims import Dims
-from memtrain.analysis.estimate.embedding_nodes import TARGETS, embedding_nodes, layer_args
+from memtrain.analysis.estimate.embedding_nodes import embedding_nodes, layer_args
+from memtrain.analysis.estimate.head_nodes import head_nodes
 from memtrain.analysis.estimate.hf_nodes import (
     CAUSAL_MASK,
     FULL_MASK,
@@ -22,13 +22,9 @@ from memtrain.analysis.estimate.linear_nodes import linear, runs_nf4
 from memtrain.analysis.estimate.params import has_bias, lora_adapted, lora_split
 from memtrain.analysis.estimate.simulator import Compression, Node, Segment
 from memtrain.config.archs import Arch
-from memtrain.config.run import ModelConfig, RunConfig, TechniqueConfig
+from memtrain.config.run import RunConfig, TechniqueConfig
 from memtrain.techniques.facts import (
-    aligned_vocab,
-    cce_forward_locks,
-    cce_lock_table_shape,
     checkpoint_policy,
-    effective_loss_chunk,
 )
 
 # --------------------------------------------------------------------------- node builders
@@ -323,153 +319,6 @@ def _gpt2_block_locals(p: str, attention: str) -> list[str]:
     return [f"{p}.prd"] + ([f"{p}.pd"] if attention == "math" else []) + [f"{p}.ln2"]
 
 
-def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, trainable: bool,
-                grads_exist: bool, n_blocks: int) -> list[Node]:
-    """Final norm, LM head and loss (standard: full logits; chunked: fused, chunk x vocab).
-    ``n_blocks``: the simulated blocks, the last of which makes the head's input."""
-    N, d, V, a, r = dm.n, dm.d, dm.V, dm.a, dm.r
-    x = f"blocks.{n_blocks}.in"
-    layer = arch.norm == "layernorm"
-    head = "lm_head.weight" if m.untie_embeddings else "wte.weight"
-    pg = [("param:ln_f.weight", 0.0)] if trainable else []
-    if trainable and layer and dm.bias:
-        pg.append(("param:ln_f.bias", 0.0))
-    nodes = [Node("ln_f", out=[("hf", N * d * r), ("ln_f.stats", norm_stats_bytes(dm, layer))], inputs=[x],
-                   saves=[x, "ln_f.stats"], grad_out=("hf",), grads=[(x, N * d * r)] + pg)]
-    if dm.hf and not layer:
-        nodes = [hf_norm_node(dm, "ln_f", x, "hf", trainable, offset=arch.norm_offset)]
-    # The loss's ``targets.reshape(-1)`` (our GPT's forward and memtrain's transformers wrapper,
-    # after the final norm): from there the meter counts the micro-batch's int64 labels, which
-    # the step's list of batches holds through the optimizer step (TOKEN_KEYS, pinned).
-    nodes.append(Node("targets", out=[(TARGETS, N * 8)]))
-    if arch.gpt2_layers:
-        # GPT2Model.forward's locals (the token and position embeddings, the causal mask) live
-        # until it returns, after ln_f.
-        nodes[0].inputs += ["tok", "posemb"] + list(layer_args(dm, arch, tech.attention))
-    elif dm.hf:
-        # The Llama-style model's locals live until it returns, after the norm: what it made for
-        # every layer (hf_model_input_nodes) and ``inputs_embeds``, the first layer's input.
-        nodes[0].inputs += list(layer_args(dm, arch, tech.attention)) + ["blocks.0.in"]
-    if tech.loss == "chunked" and tech.loss_kernel == "cce":
-        return nodes + _cce_nodes(dm, head, trainable)
-    if tech.loss == "chunked":
-        c = min(effective_loss_chunk(tech.loss_chunk, "cuda" if dm.cuda else "cpu", m.vocab_size), N)
-        # _ChunkedLinearCrossEntropy.forward, tensor by tensor (the caching allocator places each
-        # on its own): casts of hidden and weight (when the compute dtype differs), then its
-        # outputs grad_h (N x d) and a float32 grad_w (V x d), kept for backward, then the chunks.
-        # (No weight cast under FSDP2's bf16 gather: the gathered weight is in the compute dtype.)
-        # On CUDA the weight, the logits and grad_w are laid out aligned_vocab rows wide (a zero-padded
-        # copy of the weight, even in the compute dtype); elsewhere exactly V.
-        Vw = aligned_vocab(V) if dm.cuda else V
-        cast_w = (a != dm.p and not dm.weights_in_compute_dtype) or Vw != V
-        steps: list[tuple[str, str, float]] = [("alloc", "h", N * d * a if a != r else 0.0),
-                                               ("alloc", "w", Vw * d * a if cast_w else 0.0),
-                                               ("outputs", "", 0.0)]
-        # Every full chunk repeats the first one's allocations, which find the blocks the one before
-        # freed: the first and the shorter last one set both the peak and the allocator's cache.
-        sizes = [c] + ([N % c] if N % c else [])
-        for cc in sizes:
-            steps += _chunk_steps(cc, Vw, d, a, dm.cuda, trainable)
-        # backward hands grad_h on as the hidden states' gradient; grad_w, still referenced by
-        # ctx, cannot be stolen by AccumulateGrad, which clones it into .grad (or adds it in).
-        # (A frozen head, as under LoRA, gets no grad_w: need_grad_weight is False.)
-        gw = Vw * d * 4 if trainable else 0.0
-        nodes.append(Node("loss", out=[("loss.grad_h", N * d * r), ("loss.grad_w", gw)],
-                           inputs=["hf"], saves=["loss.grad_h", "loss.grad_w"], fwd_steps=tuple(steps),
-                           tag="logits", grad_from={"hf": "loss.grad_h", f"param:{head}": "loss.grad_w"},
-                           grads=[("hf", N * d * r)] + ([(f"param:{head}", 0.0)] if trainable else [])))
-        return nodes
-    # Standard: F.linear (autocast casts hidden and weight), .float(), log_softmax (saved),
-    # nll_loss. Backward: grad of the log-probs, grad of the logits (fp32), cast back, matmuls.
-    xin = "hf"
-    extra: list[str] = []
-    if dm.autocast:
-        nodes.append(Node("head.cast_w", out=[("head.wc", 0.0 if dm.weights_in_compute_dtype else V * d * a)], hold=True,
-                           grads=[(f"param:{head}", 0.0)] if trainable else []))
-        nodes.append(Node("head.cast_x", out=[("hfc", N * d * a)], inputs=["hf"], grads=[("hf", N * d * r)]))
-        xin, extra = "hfc", ["head.wc"]
-    w_grad = [("head.wc", V * d * a)] if dm.autocast else [(f"param:{head}", 0.0)]
-    # A frozen LM head (LoRA) keeps no input: the matmul saves it only for the weight's
-    # gradient (the input's gradient needs the weight alone).
-    x_saved = [xin] if trainable else []
-    nodes.append(Node("lm_head", out=[("logits", N * V * a)], inputs=[xin] + extra, saves=x_saved + extra,
-                       tag="logits", grads=[(xin, N * d * a)] + (w_grad if trainable else [])))
-    src = "logits"
-    if a != 4:
-        nodes.append(Node("logits.float", out=[("logits32", N * V * 4)], inputs=[src], tag="logits",
-                           grads=[(src, N * V * a)]))
-        src = "logits32"
-    nodes.append(Node("log_softmax", out=[("logp", N * V * 4)], inputs=[src], saves=["logp"], tag="logits",
-                       grads=[(src, N * V * 4)]))
-    # standard_lm_loss's local holds the low-precision logits until cross_entropy returns, and
-    # the caller the hidden state it handed over (the final norm's output; under autocast not the
-    # cast the matmul saved, and under LoRA saved by nothing: the head is frozen).
-    nodes.append(Node("loss", out=[("loss", 8)], inputs=["logp", "logits", "hf"], saves=["logp"], tag="logits",
-                       grads=[("logp", N * V * 4)]))
-    return nodes
-
-
-def _cce_nodes(dm: Dims, head: str, trainable: bool) -> list[Node]:
-    """``--loss-kernel cce``: Cut Cross-Entropy as memtrain calls it (memtrain.techniques.loss's
-    ``cce_lm_loss`` and ``_CutCrossEntropyBuffers``, which lists what the library allocates).
-    The hidden states and the head are cast to the compute dtype where they are not in it, and
-    both casts are kept for backward with one float32 log-sum-exp per token; no logits are ever
-    stored. Backward makes both gradients in the compute dtype (zero-filled, with int32 lock
-    tables), which the casts' backward turns into the float32 ones. A frozen head (LoRA) gets no
-    gradient but is still cast and kept."""
-    N, d, V, a, r = dm.n, dm.d, dm.V, dm.a, dm.r
-    nodes: list[Node] = []
-    xin, w_saved = "hf", []
-    if a != r:
-        nodes.append(Node("cce.cast_x", out=[("cce.hc", N * d * a)], inputs=["hf"], grads=[("hf", N * d * r)]))
-        xin = "cce.hc"
-    if a != dm.p and not dm.weights_in_compute_dtype:
-        nodes.append(Node("cce.cast_w", out=[("cce.wc", V * d * a)],
-                          grads=[(f"param:{head}", 0.0)] if trainable else []))
-        w_saved = ["cce.wc"]
-        w_grad = [("cce.wc", V * d * a)] if trainable else []
-    else:
-        w_grad = [(f"param:{head}", 0.0)] if trainable else []
-    # Forward, in the library's order: the valid-target mask and its nonzero() (int64, an int32
-    # copy), dropped when every target counts; the log-sum-exp (an output: kept); 128-token locks
-    # and the float32 target-logit dot, freed on return.
-    steps: tuple[tuple[str, str, float], ...] = (
-        ("alloc", "mask", N), ("alloc", "index", N * 8), ("free", "mask", 0.0), ("alloc", "index32", N * 4),
-        ("free", "index", 0.0), ("free", "index32", 0.0), ("outputs", "", 0.0),
-        ("alloc", "locks", cce_forward_locks(N) * 4), ("alloc", "neg_dot", N * 4))
-    lock_tables = sum(math.prod(cce_lock_table_shape(rows, d)) * 4 for rows in (N, V))
-    # The caller's hidden states ("hf") stay alive through the call, cast or not.
-    nodes.append(Node("loss", out=[("cce.lse", N * 4), ("loss", 4)], inputs=sorted({"hf", xin}) + w_saved,
-                      saves=[xin] + w_saved + ["cce.lse"], fwd_steps=steps, tag="logits", grad_out=("loss",),
-                      grads=[(xin, N * d * a)] + w_grad, scratch=lock_tables))
-    return nodes
-
-
-def _chunk_steps(c: int, V: int, d: int, a: float, cuda: bool, grad_w: bool) -> list[tuple[str, str, float]]:
-    """One chunk of memtrain's chunked loss (memtrain.techniques.loss._chunked_forward), tensor
-    by tensor: the logits, the logit gradient, ``g @ w`` (c x d, copied into grad_h) and, for a
-    trainable head, ``g.t() @ h`` (V x d, added into the float32 grad_w; in place, no temporary,
-    when computing in float32).
-
-    On CUDA each chunk's body is one inductor-compiled function (its logits and their gradient, in
-    the compute dtype; ``V`` is then the aligned width, memtrain.techniques.facts.aligned_vocab).
-    Elsewhere the eager body: float32 logits (a float copy of the
-    low-precision matmul output, which then goes), turned into the gradient in place and cast
-    back, the float32 buffer freed before the matmuls."""
-    steps: list[tuple[str, str, float]] = []
-    if cuda:
-        steps += [("alloc", "logits", c * V * a), ("alloc", "g", c * V * a), ("free", "logits", 0.0)]
-    elif a == 4:
-        steps += [("alloc", "g", c * V * 4)]
-    else:
-        steps += [("alloc", "logits", c * V * a), ("alloc", "logits32", c * V * 4), ("free", "logits", 0.0),
-                  ("alloc", "g", c * V * a), ("free", "logits32", 0.0)]
-    steps += [("alloc", "gh", c * d * a), ("free", "gh", 0.0)]
-    if grad_w and a != 4:
-        steps += [("alloc", "gw", V * d * a), ("free", "gw", 0.0)]
-    return steps + [("free", "g", 0.0)]
-
-
 def layer_held_inputs(dm: Dims, model_inputs: tuple[str, ...], i: int) -> tuple[str, ...]:
     """What of the model's ``model_inputs`` (:func:`layer_args`) decoder layer ``i`` is handed, so
     keeps when checkpointed: all of it, but for Qwen2's two masks (``Dims.full_mask``), of which a
@@ -518,6 +367,6 @@ def block_segments(cfg: RunConfig, arch: Arch, dm: Dims, trainable_base: bool, g
                              lazy_recompute=True, held_inputs=held_inputs))
     # (The simulated depth is passed, not set on a copy of cfg.model: a transformers model's
     # ModelConfig mirrors its config.json again on every copy, n_layers included.)
-    segs.append(Segment("head", _head_nodes(dm, m, tech, arch, trainable_base, grads_exist, comp.blocks)))
+    segs.append(Segment("head", head_nodes(dm, m, tech, arch, trainable_base, grads_exist, comp.blocks)))
     assert L == comp.blocks + comp.lumps * comp.period
     return segs
