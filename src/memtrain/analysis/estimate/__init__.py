@@ -29,7 +29,8 @@ storage-lifetime simulator), :mod:`.dims` (the sizes the inventory's builders sh
 :mod:`.linear_nodes` (a Linear's ops: autocast casts, LoRA, FP8, NF4),
 :mod:`.embedding_nodes` (the embedding, the token ids, what every layer is handed),
 :mod:`.head_nodes` (the final norm, the LM head and the loss),
-:mod:`.inventory` (our GPT's op inventory as simulator nodes),
+:mod:`.block_nodes` (one block's ops),
+:mod:`.inventory` (the op inventory as the simulator's segments),
 :mod:`.explain` (explanation lines), :mod:`.training` (:func:`estimate`) and :mod:`.inference`.
 """
 

@@ -2,7 +2,7 @@
 output projection reads, for each kernel (memory shape: :func:`resolve_backend`): math attention
 (s x s scores), SDPA's fused kernels (flash, mem-efficient, cuDNN, flex) and its math fallback,
 the banded and the dense sliding window, and transformers' eager attention and windowed-mask SDPA.
-Its callers place the nodes: the block (:func:`~memtrain.analysis.estimate.inventory.block_nodes`)
+Its callers place the nodes: the block (:func:`~memtrain.analysis.estimate.block_nodes.block_nodes`)
 and, for selective recomputation, the block's segments."""
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ from dataclasses import replace
 from typing import Optional
 
 from memtrain.analysis.estimate.attention_nodes import resolve_backend
+from memtrain.analysis.estimate.block_nodes import block_nodes
 from memtrain.analysis.estimate.dims import Dims, precision_bytes
-from memtrain.analysis.estimate.inventory import block_nodes
 from memtrain.analysis.estimate.params import ParamInfo, has_bias, head_widths
 from memtrain.analysis.estimate.simulator import Simulator
 from memtrain.config.archs import Arch

@@ -36,7 +36,7 @@ transformers decoder layer differs from it in three ways that matter for memory,
 * Named ``--lora-targets`` (peft's Llama default ``q_proj,v_proj``, MLP-only ones):
   :func:`~memtrain.analysis.estimate.params.lora_adapted` gives each named Linear its pair; in
   the first layer only what an adapter feeds requires a gradient, so autograd records nothing
-  before it (:func:`~memtrain.analysis.estimate.inventory.grad_flow`), and a frozen Linear there
+  before it (:func:`~memtrain.analysis.estimate.block_nodes.grad_flow`), and a frozen Linear there
   keeps no weight copy. GPT-2's ``c_proj`` names two Conv1Ds, the attention's output and the MLP's
   down projection: peft adapts both.
 * The CPU RNG state non-reentrant checkpoint stores per layer is not counted: it is made

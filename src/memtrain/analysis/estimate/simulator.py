@@ -156,7 +156,7 @@ class Node:
     made_before_save: tuple[str, ...] = ()
     # The inputs whose gradients ``saves`` and ``scratch`` serve, where the op passes others on
     # (rope rotates q and k and hands v on): without one of them requiring a gradient autograd
-    # records neither (inventory.record_only_what_needs_grad). None: any input's.
+    # records neither (block_nodes.record_only_what_needs_grad). None: any input's.
     saves_for: Optional[tuple[str, ...]] = None
     # One Linear of a fused table entry (a transformers layer's gate_proj of ``mlp.fc``): its
     # parameters are tensors of their own, whose .grad it makes when its own backward runs, this
