@@ -108,6 +108,29 @@ def test_a_scales_warmup_fits_the_asked_steps(scale, steps, warmup):
     assert row.train.warmup_steps == warmup
 
 
+def test_a_scale_fitted_to_the_steps_reads_each_layer_once(monkeypatch):
+    # The warm-up test and the --steps lookup read the same layers: their aliases are normalized
+    # once per layer, not once for each question (the Trainer's max_steps is --steps).
+    from memtrain.bench import scales
+    from memtrain.config import run
+
+    calls = []
+    normalize = run.normalize_aliases
+
+    def counting(flat):
+        calls.append(dict(flat))
+        return normalize(flat)
+
+    monkeypatch.setattr(run, "normalize_aliases", counting)
+    monkeypatch.setattr(scales, "normalize_aliases", counting, raising=False)
+    layers = ({"steps": 50}, {"max_steps": 3}, {"lr": 1e-3})
+    assert scales.fitted_scale_overrides("quick", *layers)["warmup_steps"] == 1
+    assert len(calls) == len(layers)
+    calls.clear()
+    assert scales.fitted_scale_overrides("quick", {"max_steps": 3}, {"warmup_ratio": 0.5})["warmup_steps"] == 5
+    assert len(calls) == 2
+
+
 def test_bench_rows_resume_and_failures(small_corpus, tmp_path):
     """Two real rows in subprocesses, one that cannot run; rerun skips what finished."""
     overrides = {**TINY_MODEL, "data": str(small_corpus), "steps": 3, "warmup_steps": 1, "batch_size": 2,

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from memtrain.config.aliases import normalize as normalize_aliases
-from memtrain.config.run import ConfigError, capped_warmup, flatten, names_warmup
+from memtrain.config.run import ConfigError, capped_warmup, normalized_layers, warmup_named
 
 SCALES: dict[str, dict[str, Any]] = {
     # The published comparison's settings (RTX 4090): default model, batch 64, seq 256,
@@ -64,14 +63,12 @@ def fitted_scale_overrides(scale: str, *later: dict[str, Any]) -> dict[str, Any]
     one asked for the scale's warm-up and the rows would never reach --lr. A warm-up a later layer
     names is left as given (the bench refuses one longer than the run, as train does)."""
     layer = scale_overrides(scale)
-    if names_warmup(*later):
+    flat_layers = normalized_layers(*later)  # read once: for the warm-up and for the steps
+    if warmup_named(flat_layers):
         return layer
     asked: Any = layer.get("steps")
-    for each in later:
-        try:
-            asked = normalize_aliases(flatten(each)).get("steps", asked)
-        except ValueError:
-            pass  # build_config reports the bad alias
+    for flat in flat_layers:
+        asked = flat.get("steps", asked)
     if isinstance(asked, bool):
         return layer
     try:  # a flag's value is still text here ("2"); build_config reports one that is no number

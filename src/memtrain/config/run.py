@@ -880,11 +880,8 @@ def model_default_attention(*layers: dict[str, Any]) -> dict[str, Any]:
     from memtrain.models.spec import default_attention, is_gpt_preset  # torch-free; spec reads config
 
     merged: dict[str, Any] = {}
-    for layer in layers:
-        try:
-            merged.update(normalize_aliases(flatten(layer)))
-        except ValueError:
-            continue  # build_config reports the bad alias
+    for flat in normalized_layers(*layers):
+        merged.update(flat)
     spec = merged.get("model")
     if "attention" in merged or not isinstance(spec, str) or is_gpt_preset(spec):
         return {}
@@ -910,17 +907,27 @@ def capped_warmup(steps: int) -> int:
     return min(TrainConfig.warmup_steps, max(1, math.ceil(WARMUP_FRACTION * steps)))
 
 
+def normalized_layers(*layers: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each layer of settings flattened and in memtrain's names (the Trainer's aliases read); a
+    layer whose aliases cannot be read is left out (build_config reports it)."""
+    flat_layers = []
+    for layer in layers:
+        try:
+            flat_layers.append(normalize_aliases(flatten(layer)))
+        except ValueError:
+            continue  # build_config reports the bad alias
+    return flat_layers
+
+
 def names_warmup(*layers: dict[str, Any]) -> bool:
     """Whether a layer of settings names the warm-up (``warmup_steps``, or the Trainer's
     ``warmup_ratio`` / a ``lr_scheduler_type`` that sets it), in memtrain's names."""
-    for layer in layers:
-        try:
-            flat = normalize_aliases(flatten(layer))
-        except ValueError:
-            continue  # build_config reports the bad alias
-        if "warmup_steps" in flat or WARMUP_RATIO in flat:
-            return True
-    return False
+    return warmup_named(normalized_layers(*layers))
+
+
+def warmup_named(flat_layers: list[dict[str, Any]]) -> bool:
+    """:func:`names_warmup` of layers :func:`normalized_layers` has read already."""
+    return any("warmup_steps" in flat or WARMUP_RATIO in flat for flat in flat_layers)
 
 
 def refuse_long_warmup(t: TrainConfig) -> None:
