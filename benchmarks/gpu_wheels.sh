@@ -18,8 +18,9 @@ mkdir -p .whl
 # there too: RMSNorm's variance_epsilon, the MLPs' gate/up/down_proj, the module-level
 # apply_rotary_pos_emb(q, k, cos, sin) that the attention calls. memtrain's LigerFusedLinearCrossEntropyLoss
 # call (ignore_index, reduction, accum_dtype) matches 0.8.5's signature. compare_hf refuses Liger for a
-# model whose patched forward reads a config attribute the installed transformers lacks
-# (memtrain.bench.hf.mapping.liger_forward_gaps).
+# model whose patched forward reads a config attribute the installed transformers lacks, or passes
+# the model a keyword that its forward, decoder layers or attention refuse (memtrain.bench.hf.liger_calls,
+# which reads the forward's file: on transformers 5.24 0.8.5's llama and qwen2 forwards pass nothing refused).
 python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
