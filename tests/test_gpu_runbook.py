@@ -245,6 +245,23 @@ def test_a_step_past_the_deadline_is_stopped_and_the_part_still_published(monkey
     assert "stopped at the part's deadline" in (tmp_path / "out" / "hf.md").read_text()
 
 
+def test_the_deadline_counts_the_wheels_installation(monkeypatch, tmp_path):
+    """Installing the carried wheels spends the same device command's time: a step that fits the
+    deadline from the start but not after the installation is skipped."""
+    import time
+
+    def slow_install(folder, target):
+        time.sleep(1.5)
+        return target
+
+    monkeypatch.setattr(runbook, "install_wheels", slow_install)
+    _fake_steps(monkeypatch, runbook.Step("a", "hf", "fits only without the installation", 1.0, _py("pass"), "log"))
+    assert runbook.main(["--part", "hf", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
+                         "--wheels", str(tmp_path), "--deadline", "2"]) == 0
+    md = (tmp_path / "out" / "hf.md").read_text()
+    assert "## a: skipped" in md, md
+
+
 def test_given_commit_wins_over_a_stale_git_checkout():
     env = runbook._env("abc123", None)
     code = "from memtrain.runtime.env import git_commit; print(git_commit())"
