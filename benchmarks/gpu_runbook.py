@@ -347,11 +347,28 @@ def _env(commit: Optional[str], site: Optional[Path]) -> dict[str, str]:
     return env
 
 
+def _twice(wheels: list[Path]) -> list[str]:
+    """The distributions of which ``wheels`` hold more than one file (a wheel's name is
+    ``NAME-VERSION-...whl``; NAME compared as pip does, case and ``-``/``_``/``.`` aside)."""
+    seen: dict[str, list[str]] = {}
+    for wheel in wheels:
+        name = wheel.name.split("-")[0].lower().replace(".", "_")
+        seen.setdefault(name, []).append(wheel.name)
+    return [" and ".join(files) for files in seen.values() if len(files) > 1]
+
+
 def install_wheels(folder: Path, target: Path) -> Path:
     """pip-install every wheel of ``folder`` into ``target`` (no index, no dependencies)."""
-    wheels = sorted(str(p) for p in folder.glob("*.whl"))
-    if not wheels:
+    paths = sorted(folder.glob("*.whl"))
+    if not paths:
         raise SystemExit(f"--wheels {folder}: no .whl files there (benchmarks/gpu_wheels.sh fetches them)")
+    # Two versions of one package (a folder fetched before a pin changed) make pip refuse them
+    # all, on the device, after its start: refused here, before anything is installed.
+    twice = _twice(paths)
+    if twice:
+        raise SystemExit(f"--wheels {folder}: two versions of one package ({'; '.join(twice)}); remove the "
+                         "older (benchmarks/gpu_wheels.sh empties the folder first)")
+    wheels = [str(p) for p in paths]
     subprocess.run([PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
                     "--upgrade", "--target", str(target), *wheels], check=True)
     return target

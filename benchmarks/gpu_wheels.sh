@@ -8,6 +8,9 @@
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 mkdir -p .whl
+# From an empty folder: a wheel left by an earlier pin beside the new one is two versions of one
+# package, which gpu_runbook.py --wheels refuses (pip would refuse them all, on the device).
+rm -f .whl/*.whl
 # Pinned to the versions the recorded GPU runs used (benchmarks/results/gpu-h100/; cut-cross-entropy
 # not yet measured there, 22 kB, needs the image's triton); datasets
 # needs dill and multiprocess besides what the image has. liger-kernel 0.8.5 on transformers 5.24:

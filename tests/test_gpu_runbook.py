@@ -262,6 +262,22 @@ def test_the_deadline_counts_the_wheels_installation(monkeypatch, tmp_path):
     assert "## a: skipped" in md, md
 
 
+def test_wheels_holding_two_versions_of_a_package_are_refused_before_installing(tmp_path, monkeypatch):
+    for name in ("torchao-0.17.0-cp310-abi3-manylinux_2_28_x86_64.whl",
+                 "torchao-0.18.0-cp310-abi3-manylinux_2_28_x86_64.whl", "Liger_Kernel-0.8.5-py3-none-any.whl"):
+        (tmp_path / name).write_bytes(b"")
+    ran: list = []
+    monkeypatch.setattr(runbook.subprocess, "run", lambda *a, **kw: ran.append(a))
+    with pytest.raises(SystemExit, match=r"two versions of one package \(torchao-0\.17\.0-.*\.whl and "
+                                         r"torchao-0\.18\.0-.*\.whl\); remove the older"):
+        runbook.install_wheels(tmp_path, tmp_path / "site")
+    assert not ran
+    (tmp_path / "torchao-0.17.0-cp310-abi3-manylinux_2_28_x86_64.whl").unlink()
+    (tmp_path / "liger_kernel-0.8.4-py3-none-any.whl").write_bytes(b"")  # the same name, spelled as pip does
+    with pytest.raises(SystemExit, match="Liger_Kernel-0.8.5-py3-none-any.whl and liger_kernel-0.8.4"):
+        runbook.install_wheels(tmp_path, tmp_path / "site")
+
+
 def test_given_commit_wins_over_a_stale_git_checkout():
     env = runbook._env("abc123", None)
     code = "from memtrain.runtime.env import git_commit; print(git_commit())"
