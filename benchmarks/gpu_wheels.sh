@@ -4,7 +4,8 @@
 # The machine (Python 3.12, x86-64, torch 2.11 + CUDA, transformers, peft, accelerate, tiktoken,
 # triton, pyarrow already there) cannot reach a package index, so they travel with the working
 # tree as .whl/ (.gitignore keeps it out of commits; about 47 MB of the 64 MiB a command may
-# carry, named in the run's `carry`). Prints the folder's size.
+# carry, named in the run's `carry`). Prints the folder's size and the tree's and .whl's total
+# against that limit (exit 1 past it).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 mkdir -p .whl
@@ -29,3 +30,13 @@ python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --im
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
   -d .whl torchao==0.18.0 liger-kernel==0.8.5 cut-cross-entropy==25.1.1 bitsandbytes==0.50.2 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 du -sh .whl
+# What a device command carries: the working tree (tracked files and untracked ones git does not
+# ignore) and .whl, together at most 64 MiB.
+tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
+wheels=$(du -sb .whl | cut -f1)
+mib=$(( (tree + wheels + 1048575) / 1048576 ))
+echo "carried: tree $(( tree / 1048576 )) MiB + .whl $(( wheels / 1048576 )) MiB = about $mib MiB of 64 MiB"
+if [ $(( tree + wheels )) -gt $(( 64 * 1048576 )) ]; then
+  echo "gpu_wheels.sh: the tree and .whl exceed the 64 MiB a device command carries; drop a wheel or large untracked files" >&2
+  exit 1
+fi
