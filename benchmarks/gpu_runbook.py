@@ -247,7 +247,7 @@ STEPS: list[Step] = [
          "--loss chunked <= 1.05x the standard step, seed GPT <= 6 ms: the library kernels beside memtrain's, seed GPT "
          "compiled (steps timed without the profiler, top operators): Cut Cross-Entropy with and without its "
          "gradient filter, Liger's, memtrain's chunk 1024, the standard loss; CCE, memtrain's and the standard "
-         "loss under CUDA graphs. Their numerics: pytest's CCE-vs-standard GPU test",
+         "loss under CUDA graphs. Their numerics: pytest's CCE- and Liger-vs-standard GPU test",
          150,
          lambda s, out: _loss_profile(s, out, "standard,chunked-1024,cce,cce-filter,liger,standard-cudagraphs,"
                                       "chunked-1024-cudagraphs,cce-cudagraphs"),
