@@ -217,3 +217,13 @@ def test_the_forward_is_read_from_its_file_without_importing_liger(stand_in_lige
     monkeypatch.delattr(PretrainedConfig, "use_return_dict")
     assert mapping.liger_forward_gaps("qwen2", load_config("qwen2.5-0.5b")) == ["use_return_dict"]
     assert "liger_kernel.transformers" not in sys.modules
+
+
+def test_a_model_type_mapped_to_several_base_classes_is_read_against_the_first(monkeypatch):
+    from transformers.models.auto import modeling_auto
+    from transformers.models.llama.modeling_llama import LlamaModel
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2Model
+
+    config = load_config("qwen2.5-0.5b")
+    monkeypatch.setattr(modeling_auto, "MODEL_MAPPING", {type(config): (Qwen2Model, LlamaModel)})
+    assert liger_calls._inner_model_class(config) is Qwen2Model

@@ -142,12 +142,16 @@ def renamed_keywords(function: Callable[..., Any]) -> dict[str, Optional[str]]:
 
 def _inner_model_class(config: Any) -> Any:
     """The installed transformers' base model class for ``config`` (``Qwen2Model``)."""
-    from transformers import MODEL_MAPPING  # transformers imports torch: only where a row asks for Liger
+    # transformers imports torch: only where a row asks for Liger
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
     try:
-        return MODEL_MAPPING[type(config)]
+        found = MODEL_MAPPING[type(config)]
     except KeyError:  # a config with no base model class in this transformers
         return None
+    # a few model types map to several classes (a tuple); from_config takes the first unless the
+    # config's architectures name another, and Liger's forwards are written for the first
+    return found[0] if isinstance(found, tuple) else found
 
 
 def _kwargs_receivers(model_class: Any) -> list[Callable[..., Any]]:
