@@ -135,3 +135,33 @@ def test_trainer_arguments_leave_inductors_legacy_reads_working(monkeypatch: pyt
     from torch._inductor.select_algorithm import create_precompile_key  # the max-autotune read itself
 
     assert create_precompile_key("mm", "inputs", []).endswith(":high")
+
+
+def test_max_autotune_compiles_after_the_trainer_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The read itself, on a CPU: a frozen Linear under max-autotune has two candidate GEMM
+    kernels (ATen's and inductor's C++ template), so inductor keys its autotuning cache on
+    get_float32_matmul_precision(); after TrainingArguments set TF32 through the new API only,
+    that compile raised ("mix of the legacy and new APIs")."""
+    import torch._inductor.config as inductor_config
+    from transformers import training_args
+    from transformers.utils import import_utils
+
+    from memtrain.bench.hf.mapping import hf_plan
+    from memtrain.bench.hf.trainer_side import training_arguments
+    from memtrain.config.run import build_config
+
+    monkeypatch.setattr(training_args, "is_torch_tf32_available", lambda: True)
+    import_utils.enable_tf32.cache_clear()
+    try:
+        cfg = build_config({"vocab_size": 512, "d_model": 32, "n_heads": 2, "n_layers": 1, "d_ff": 64,
+                            "max_seq_len": 32, "seq_len": 32, "precision": "bf16", "compile": True})
+        training_arguments(cfg, hf_plan(cfg, "cpu"), "/tmp/unused", torch.device("cpu"))
+    finally:
+        import_utils.enable_tf32.cache_clear()
+    torch._dynamo.reset()
+    linear = torch.nn.Linear(64, 32).eval()
+    x = torch.randn(16, 64)
+    with inductor_config.patch(freezing=True), torch.no_grad():
+        out = torch.compile(linear, mode="max-autotune-no-cudagraphs")(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(out, linear(x), rtol=1e-2, atol=1e-2)  # TF32 or not: the same product
