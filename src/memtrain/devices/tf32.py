@@ -16,8 +16,10 @@ backends memtrain does not name), then the legacy switches, which every reader t
 Inductor still reads the legacy API in torch 2.13: its autotuning cache keys on
 ``torch.get_float32_matmul_precision()`` (``PersistentCache.lookup`` and
 ``create_precompile_key`` in ``select_algorithm``), reached whenever a GEMM has more than one
-candidate kernel, i.e. under ``--compile-mode max-autotune`` on CUDA. After another library set
-only the new API, :func:`align_legacy_with_new` makes the legacy switches say the same.
+candidate kernel: under max-autotune (ATen's and Triton's on CUDA; ATen's and the C++ template for
+frozen weights on a CPU), not in the default or reduce-overhead modes, whose GEMMs have ATen's
+alone. After another library set only the new API, :func:`align_legacy_with_new` makes the legacy
+switches say the same.
 """
 
 from __future__ import annotations
