@@ -63,8 +63,9 @@ from typing import Any, Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
-# One device command may run 600 s; the start-up, the wheels and the packing take the rest.
-DEFAULT_DEADLINE_S = 540.0
+# One device command may run 600 s. The deadline counts from the command's start, installing the
+# wheels included; the last 40 s are for a step stopped at the deadline and the packing.
+DEFAULT_DEADLINE_S = 560.0
 
 
 @dataclass(frozen=True)
@@ -247,7 +248,7 @@ STEPS: list[Step] = [
          "--loss chunked <= 1.05x the standard step, seed GPT <= 6 ms: the library kernels beside memtrain's, seed GPT "
          "compiled (steps timed without the profiler, top operators): Cut Cross-Entropy with and without its "
          "gradient filter, Liger's, memtrain's chunk 1024, the standard loss; CCE, memtrain's and the standard "
-         "loss under CUDA graphs. Their numerics: pytest's CCE-vs-standard GPU test",
+         "loss under CUDA graphs. Their numerics: pytest's CCE- and Liger-vs-standard GPU test",
          150,
          lambda s, out: _loss_profile(s, out, "standard,chunked-1024,cce,cce-filter,liger,standard-cudagraphs,"
                                       "chunked-1024-cudagraphs,cce-cudagraphs"),
@@ -347,11 +348,28 @@ def _env(commit: Optional[str], site: Optional[Path]) -> dict[str, str]:
     return env
 
 
+def _twice(wheels: list[Path]) -> list[str]:
+    """The distributions of which ``wheels`` hold more than one file (a wheel's name is
+    ``NAME-VERSION-...whl``; NAME compared as pip does, case and ``-``/``_``/``.`` aside)."""
+    seen: dict[str, list[str]] = {}
+    for wheel in wheels:
+        name = wheel.name.split("-")[0].lower().replace(".", "_")
+        seen.setdefault(name, []).append(wheel.name)
+    return [" and ".join(files) for files in seen.values() if len(files) > 1]
+
+
 def install_wheels(folder: Path, target: Path) -> Path:
     """pip-install every wheel of ``folder`` into ``target`` (no index, no dependencies)."""
-    wheels = sorted(str(p) for p in folder.glob("*.whl"))
-    if not wheels:
+    paths = sorted(folder.glob("*.whl"))
+    if not paths:
         raise SystemExit(f"--wheels {folder}: no .whl files there (benchmarks/gpu_wheels.sh fetches them)")
+    # Two versions of one package (a folder fetched before a pin changed) make pip refuse them
+    # all, on the device, after its start: refused here, before anything is installed.
+    twice = _twice(paths)
+    if twice:
+        raise SystemExit(f"--wheels {folder}: two versions of one package ({'; '.join(twice)}); remove the "
+                         "older (benchmarks/gpu_wheels.sh empties the folder first)")
+    wheels = [str(p) for p in paths]
     subprocess.run([PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
                     "--upgrade", "--target", str(target), *wheels], check=True)
     return target
@@ -471,11 +489,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: check that every command still runs")
     ap.add_argument("--only", help=f"comma-separated step names of the part (of any part for --part {PICKED})")
     ap.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE_S,
-                    help=f"seconds the part may take (default {DEFAULT_DEADLINE_S:g}: under a 600 s device command)")
+                    help=f"seconds the part may take, installing --wheels included (default {DEFAULT_DEADLINE_S:g}: "
+                         "under a 600 s device command)")
     ap.add_argument("--wheels", type=Path, help="install these wheels first (into a folder put on PYTHONPATH)")
     ap.add_argument("--commit", help="the commit the working tree was sent at (recorded in every result)")
     ap.add_argument("--list", action="store_true", help="print the parts and steps with their estimates")
     args = ap.parse_args(argv)
+    # --deadline counts from here: the wheels' installation spends the same device command's time.
+    started = time.monotonic()
     if args.list:
         for p in PARTS:
             steps = [s for s in STEPS if s.part == p]
@@ -508,7 +529,8 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"commit: {args.commit or 'not given (--commit)'}",
               f"sizes: {'smoke (toy sizes on ' + SMOKE.device + ')' if args.smoke else 'full'}",
               f"started: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}"]
-    failed = run_part(args.part, SMOKE if args.smoke else FULL, args.out, work, args.deadline, env, only, header)
+    left = args.deadline - (time.monotonic() - started)
+    failed = run_part(args.part, SMOKE if args.smoke else FULL, args.out, work, left, env, only, header)
     print(f"wrote {args.out / (args.part + '.md')} and {args.out / (args.part + '.tar.gz')}; {failed} step(s) failed")
     return 1 if failed else 0
 

@@ -245,6 +245,39 @@ def test_a_step_past_the_deadline_is_stopped_and_the_part_still_published(monkey
     assert "stopped at the part's deadline" in (tmp_path / "out" / "hf.md").read_text()
 
 
+def test_the_deadline_counts_the_wheels_installation(monkeypatch, tmp_path):
+    """Installing the carried wheels spends the same device command's time: a step that fits the
+    deadline from the start but not after the installation is skipped."""
+    import time
+
+    def slow_install(folder, target):
+        time.sleep(1.5)
+        return target
+
+    monkeypatch.setattr(runbook, "install_wheels", slow_install)
+    _fake_steps(monkeypatch, runbook.Step("a", "hf", "fits only without the installation", 1.0, _py("pass"), "log"))
+    assert runbook.main(["--part", "hf", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
+                         "--wheels", str(tmp_path), "--deadline", "2"]) == 0
+    md = (tmp_path / "out" / "hf.md").read_text()
+    assert "## a: skipped" in md, md
+
+
+def test_wheels_holding_two_versions_of_a_package_are_refused_before_installing(tmp_path, monkeypatch):
+    for name in ("torchao-0.17.0-cp310-abi3-manylinux_2_28_x86_64.whl",
+                 "torchao-0.18.0-cp310-abi3-manylinux_2_28_x86_64.whl", "Liger_Kernel-0.8.5-py3-none-any.whl"):
+        (tmp_path / name).write_bytes(b"")
+    ran: list = []
+    monkeypatch.setattr(runbook.subprocess, "run", lambda *a, **kw: ran.append(a))
+    with pytest.raises(SystemExit, match=r"two versions of one package \(torchao-0\.17\.0-.*\.whl and "
+                                         r"torchao-0\.18\.0-.*\.whl\); remove the older"):
+        runbook.install_wheels(tmp_path, tmp_path / "site")
+    assert not ran
+    (tmp_path / "torchao-0.17.0-cp310-abi3-manylinux_2_28_x86_64.whl").unlink()
+    (tmp_path / "liger_kernel-0.8.4-py3-none-any.whl").write_bytes(b"")  # the same name, spelled as pip does
+    with pytest.raises(SystemExit, match="Liger_Kernel-0.8.5-py3-none-any.whl and liger_kernel-0.8.4"):
+        runbook.install_wheels(tmp_path, tmp_path / "site")
+
+
 def test_given_commit_wins_over_a_stale_git_checkout():
     env = runbook._env("abc123", None)
     code = "from memtrain.runtime.env import git_commit; print(git_commit())"

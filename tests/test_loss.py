@@ -191,7 +191,7 @@ def test_cuda_chunked_matches_standard():
     from memtrain.techniques.loss import make_loss_fn
 
     dev = torch.device("cuda")
-    fn = make_loss_fn(TechniqueConfig(loss="chunked", loss_chunk=128), dev)  # Liger if installed
+    fn = make_loss_fn(TechniqueConfig(loss="chunked", loss_chunk=128), dev)  # memtrain's kernel (the default)
     hidden, weight, targets = (t.to(dev) for t in make_inputs(n=1000, d=64, v=5000))
     hidden, weight = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
     ref = loss_and_grads(standard_lm_loss, hidden, weight, targets)

@@ -242,7 +242,7 @@ def test_the_cce_adapter_with_the_librarys_own_torch_implementation_matches_the_
     (``impl="torch_compile"``, which runs on a CPU where its Triton kernels cannot) takes memtrain's
     arguments and gives the standard loss and its gradients under bf16 autocast, ignored targets
     included. Skipped without the package (and triton, which it imports); the Triton kernels
-    themselves are the GPU test's (test_cuda_cce_matches_the_standard_loss)."""
+    themselves are the GPU test's (test_cuda_library_kernel_matches_the_standard_loss)."""
     lib = pytest.importorskip("cut_cross_entropy", reason="needs cut-cross-entropy (and triton)")
     import functools
 
@@ -267,12 +267,15 @@ def test_cce_is_absent_without_the_package(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_cce_matches_the_standard_loss():
-    """Cut Cross-Entropy's kernel, as memtrain calls it (exact: no gradient filter), against the
-    standard loss under bf16 autocast."""
-    pytest.importorskip("cut_cross_entropy", reason="--loss-kernel cce needs cut-cross-entropy")
+@pytest.mark.parametrize("kernel,module,package", [("cce", "cut_cross_entropy", "cut-cross-entropy"),
+                                                   ("liger", "liger_kernel.transformers", "liger-kernel")])
+def test_cuda_library_kernel_matches_the_standard_loss(kernel, module, package):
+    """Cut Cross-Entropy's kernel (exact: no gradient filter) and Liger's fused linear
+    cross-entropy (FP32 accumulation), as memtrain calls them, against the standard loss under
+    bf16 autocast: the numerics behind the runbook's loss-kernels timings."""
+    pytest.importorskip(module, reason=f"--loss-kernel {kernel} needs {package}")
     dev = torch.device("cuda")
-    fn = loss_mod.make_loss_fn(TechniqueConfig(loss="chunked", loss_kernel="cce", precision="bf16"), dev)
+    fn = loss_mod.make_loss_fn(TechniqueConfig(loss="chunked", loss_kernel=kernel, precision="bf16"), dev)
     hidden, weight, targets = (x.to(dev) for x in make_inputs(n=1000, d=64, v=5000))
     hidden, weight = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
     with torch.autocast("cuda", dtype=torch.bfloat16):

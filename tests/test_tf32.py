@@ -22,6 +22,7 @@ pytestmark = pytest.mark.skipif(not hasattr(torch.backends, "fp32_precision"),
 
 def _fresh() -> None:
     """The switches as a new process has them: no new-API value set, TF32 off for matmuls."""
+    torch.set_float32_matmul_precision("highest")  # the legacy default ("high" would hide a mix)
     torch.backends.cuda.matmul.fp32_precision = "none"
     torch.backends.mkldnn.matmul.fp32_precision = "none"
     torch.backends.fp32_precision = "none"
@@ -106,3 +107,61 @@ def test_make_precision_tf32_then_state_round_trips() -> None:
     restore_fp32_matmul(state)
     assert torch.backends.cuda.matmul.fp32_precision == "tf32"
     assert torch.get_float32_matmul_precision() == "high"
+
+
+def test_trainer_arguments_leave_inductors_legacy_reads_working(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TrainingArguments(bf16, torch_compile) on an Ampere GPU turns TF32 on through the new API
+    only; inductor's max-autotune then keys its kernel cache on get_float32_matmul_precision()."""
+    from transformers import training_args
+    from transformers.utils import import_utils
+
+    from memtrain.bench.hf.mapping import hf_plan
+    from memtrain.bench.hf.trainer_side import training_arguments
+    from memtrain.config.run import build_config
+
+    # What TrainingArguments does on CUDA, here on the CPU: its TF32 check passes, and its
+    # enable_tf32 (cached per value per process) runs afresh.
+    monkeypatch.setattr(training_args, "is_torch_tf32_available", lambda: True)
+    import_utils.enable_tf32.cache_clear()
+    try:
+        cfg = build_config({"vocab_size": 512, "d_model": 32, "n_heads": 2, "n_layers": 1, "d_ff": 64,
+                            "max_seq_len": 32, "seq_len": 32, "precision": "bf16", "compile": True})
+        args = training_arguments(cfg, hf_plan(cfg, "cpu"), "/tmp/unused", torch.device("cpu"))
+    finally:
+        import_utils.enable_tf32.cache_clear()
+    assert args.torch_compile and args.bf16
+    assert torch.backends.cuda.matmul.fp32_precision == "tf32"  # the Trainer's choice stands
+    assert _legacy_reads() and torch.get_float32_matmul_precision() == "high"
+    from torch._inductor.select_algorithm import create_precompile_key  # the max-autotune read itself
+
+    assert create_precompile_key("mm", "inputs", []).endswith(":high")
+
+
+def test_max_autotune_compiles_after_the_trainer_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The read itself, on a CPU: a frozen Linear under max-autotune has two candidate GEMM
+    kernels (ATen's and inductor's C++ template), so inductor keys its autotuning cache on
+    get_float32_matmul_precision(); after TrainingArguments set TF32 through the new API only,
+    that compile raised ("mix of the legacy and new APIs")."""
+    import torch._inductor.config as inductor_config
+    from transformers import training_args
+    from transformers.utils import import_utils
+
+    from memtrain.bench.hf.mapping import hf_plan
+    from memtrain.bench.hf.trainer_side import training_arguments
+    from memtrain.config.run import build_config
+
+    monkeypatch.setattr(training_args, "is_torch_tf32_available", lambda: True)
+    import_utils.enable_tf32.cache_clear()
+    try:
+        cfg = build_config({"vocab_size": 512, "d_model": 32, "n_heads": 2, "n_layers": 1, "d_ff": 64,
+                            "max_seq_len": 32, "seq_len": 32, "precision": "bf16", "compile": True})
+        training_arguments(cfg, hf_plan(cfg, "cpu"), "/tmp/unused", torch.device("cpu"))
+    finally:
+        import_utils.enable_tf32.cache_clear()
+    torch._dynamo.reset()
+    linear = torch.nn.Linear(64, 32).eval()
+    x = torch.randn(16, 64)
+    with inductor_config.patch(freezing=True), torch.no_grad():
+        out = torch.compile(linear, mode="max-autotune-no-cudagraphs")(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(out, linear(x), rtol=1e-2, atol=1e-2)  # TF32 or not: the same product

@@ -12,6 +12,14 @@ and makes the legacy readers (inductor's ``torch.get_float32_matmul_precision()`
 So memtrain reads the state through whichever API reads without raising, and sets it through
 both: the new global first (else a ``tf32`` left there by another library keeps ruling the
 backends memtrain does not name), then the legacy switches, which every reader then agrees with.
+
+Inductor still reads the legacy API in torch 2.13: its autotuning cache keys on
+``torch.get_float32_matmul_precision()`` (``PersistentCache.lookup`` and
+``create_precompile_key`` in ``select_algorithm``), reached whenever a GEMM has more than one
+candidate kernel: under max-autotune (ATen's and Triton's on CUDA; ATen's and the C++ template for
+frozen weights on a CPU), not in the default or reduce-overhead modes, whose GEMMs have ATen's
+alone. After another library set only the new API, :func:`align_legacy_with_new` makes the legacy
+switches say the same.
 """
 
 from __future__ import annotations
@@ -22,7 +30,8 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["Fp32MatmulState", "fp32_matmul_state", "fp32_only", "restore_fp32_matmul", "set_tf32"]
+__all__ = ["Fp32MatmulState", "align_legacy_with_new", "fp32_matmul_state", "fp32_only", "restore_fp32_matmul",
+           "set_tf32"]
 
 
 def _new_api_knobs() -> dict[str, tuple[Any, str]]:
@@ -85,6 +94,16 @@ def set_tf32(enabled: bool) -> None:
     torch.backends.cuda.matmul.allow_tf32 = enabled
     torch.backends.cudnn.allow_tf32 = enabled
     torch.set_float32_matmul_precision("high" if enabled else "highest")
+
+
+def align_legacy_with_new() -> None:
+    """Make the legacy switches say what the new API says, where another library set only the
+    new one (transformers' ``TrainingArguments(tf32=...)`` and its ``torch_compile=True`` do), so
+    that inductor's legacy reads under max-autotune do not raise. TF32 stays as that library
+    chose it (the CUDA matmul value rules); a no-op where the legacy readers already work."""
+    if fp32_matmul_state().legacy is not None:
+        return
+    set_tf32(torch.backends.cuda.matmul.fp32_precision == "tf32")
 
 
 @contextlib.contextmanager

@@ -21,20 +21,19 @@ Three outcomes per row (``HFPlan.status``):
 Written against transformers 5.23, where ``gradient_checkpointing`` is the deprecated alias of
 ``activation_checkpointing`` (with ``every_n_layers``). ``use_liger_kernel=True`` is asked for only
 where the installed Liger-Kernel's patched forward reads nothing the installed transformers' model
-config lacks (:func:`liger_forward_gaps`).
+config lacks (:func:`liger_forward_gaps`) and passes the model no keyword it refuses
+(:func:`memtrain.bench.hf.liger_calls.liger_call_gaps`).
 """
 
 from __future__ import annotations
 
-import ast
 import importlib
 import importlib.metadata
 import importlib.util
-import inspect
-import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from memtrain.bench.hf.liger_calls import liger_call_gaps, liger_config_gaps as liger_forward_gaps
 from memtrain.config.aliases import trainer_optim
 from memtrain.config.run import ConfigError, RunConfig
 from memtrain.models import is_hf
@@ -135,29 +134,6 @@ def _liger_patch_problem(model_type: str) -> Optional[str]:
     return None
 
 
-def _config_reads(function: Any) -> list[str]:
-    """The ``self.config.NAME`` attributes ``function``'s source reads (parsed, never run)."""
-    source = textwrap.dedent(inspect.getsource(function))
-    return sorted({node.attr for node in ast.walk(ast.parse(source))
-                   if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
-                   and node.value.attr == "config" and isinstance(node.value.value, ast.Name)
-                   and node.value.value.id == "self"})
-
-
-def liger_forward_gaps(model_type: str, config: Any) -> list[str]:
-    """The model-config attributes that the installed Liger-Kernel's patched causal-LM forward for
-    ``model_type`` (``liger_kernel.transformers.model.<type>.lce_forward``) reads and ``config``
-    lacks: a forward written for another transformers release fails with AttributeError at the
-    first step (``config.use_return_dict``, deprecated in transformers 5, for one). Read from the
-    forward's source, so the check needs no GPU; [] when there is no such forward to read."""
-    try:
-        module = importlib.import_module(f"liger_kernel.transformers.model.{model_type}")
-        reads = _config_reads(module.lce_forward)
-    except (ImportError, AttributeError, OSError, TypeError, SyntaxError):
-        return []  # no forward under that name (or no source): _liger_patch_problem decides alone
-    return [name for name in reads if not hasattr(config, name)]
-
-
 def _liger_refusal(cfg: RunConfig, model_type: str, cuda: bool) -> Optional[str]:
     """Why the Trainer side cannot take ``use_liger_kernel=True`` for this row (None: it can)."""
     if not cuda:
@@ -170,11 +146,14 @@ def _liger_refusal(cfg: RunConfig, model_type: str, cuda: bool) -> Optional[str]
     # on this side's turn: the package imports no torch before the lockstep baton
     from memtrain.models import load_config
 
-    gaps = liger_forward_gaps(model_type, load_config(cfg.model.model))
+    config = load_config(cfg.model.model)
+    gaps = [f"reads {', '.join('config.' + g for g in reads)}, which transformers {_version('transformers')} "
+            "configs lack" for reads in [liger_forward_gaps(model_type, config)] if reads]
+    gaps += [f"passes {', '.join(calls)} to the model, which transformers {_version('transformers')} refuses"
+             for calls in [liger_call_gaps(model_type, config)] if calls]
     if gaps:
-        return (f"the installed Liger-Kernel {_version('liger-kernel')}'s {model_type} forward reads "
-                f"{', '.join('config.' + g for g in gaps)}, which transformers {_version('transformers')} "
-                "configs lack (install a Liger release written for it: benchmarks/gpu_wheels.sh pins one)")
+        return (f"the installed Liger-Kernel {_version('liger-kernel')}'s {model_type} forward {'; it '.join(gaps)} "
+                "(install a Liger release written for it: benchmarks/gpu_wheels.sh pins one)")
     return None
 
 

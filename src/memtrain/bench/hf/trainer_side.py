@@ -17,6 +17,7 @@ from memtrain.bench.hf.hf_model import apply_hf_lora, build_hf_model
 from memtrain.bench.hf.lockstep import BATON, STEP_WINDOWS
 from memtrain.bench.hf.mapping import HFPlan, hf_plan
 from memtrain.config.run import ConfigError, RunConfig
+from memtrain.devices.tf32 import align_legacy_with_new
 
 
 def training_arguments(cfg: RunConfig, plan: HFPlan, output_dir: str, device: torch.device) -> Any:
@@ -51,7 +52,11 @@ def training_arguments(cfg: RunConfig, plan: HFPlan, output_dir: str, device: to
         use_cpu=device.type == "cpu",
     )
     kwargs.update(plan.training_args)
-    return TrainingArguments(**_checkpointing_for_installed(kwargs, TrainingArguments))
+    args = TrainingArguments(**_checkpointing_for_installed(kwargs, TrainingArguments))
+    # On CUDA it has just set TF32 through torch's new API only (tf32=..., or torch_compile with
+    # bf16): the legacy readers, which inductor's max-autotune uses, would raise from here on.
+    align_legacy_with_new()
+    return args
 
 
 def _checkpointing_for_installed(kwargs: dict[str, Any], arguments_class: type) -> dict[str, Any]:
