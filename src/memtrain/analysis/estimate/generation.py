@@ -41,7 +41,7 @@ Attention is SDPA (what ``memtrain generate`` loads): with no padding the mask i
 k/v heads go to the kernel as they are (``enable_gqa``; one query: ``pack_gqa``), so no
 repeated copy is made (a window's mask aside, above). The peak is the largest of the prefill's
 last layer (MLP or attention), the prefill's sampling, and the last decode step's cache update
-(with a window the first step's too) and sampling.
+(with a window the first step's too), its last layer's MLP (``decode step``) and sampling.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def estimate_generate(m: ModelConfig, arch: Arch, batch: int, prompt: int, new_t
     n_params = param_count(m, arch)[0]
     wb = DTYPE_BYTES[weights_dtype]
     a = int(wb)  # the compute dtype is the weights' (fp32, bf16, fp16)
-    b, s, d, f, V, L = batch, prompt, m.d_model, m.d_ff, m.vocab_size, m.n_layers
+    b, s, d, V, L = batch, prompt, m.d_model, m.vocab_size, m.n_layers
     qw, kvw = head_widths(m, arch)
     hd = arch.head_dim or m.head_dim
     N = b * s
@@ -117,17 +117,12 @@ def estimate_generate(m: ModelConfig, arch: Arch, batch: int, prompt: int, new_t
 
     # The prefill: what the model holds across its layers, then the last layer's two candidates:
     # its attention (a cache of `attn_cache` bytes written by then) and its MLP (all of it).
+    held = _held_bytes(arch, m, b, s, a)
     if gpt2:
-        # wte and wpe outputs (GPT2Model's locals), the block's input (the caller's), and the
-        # attention output GPT2Block keeps until it returns.
-        held = 4 * N * d * a
         # At c_proj: ln_1's output, c_attn's (q is a view of it; SDPA's output takes its layout,
         # so no copy) and SDPA's output; this layer's k/v are in the cache.
         attn, attn_cache = N * a * (d + (qw + 2 * kvw) + qw), cache_prompt
     else:
-        # The embedding output (the model's local until it returns), rope's cos and sin, and the
-        # layer's input (the caller's; the embedding itself in a one-layer model).
-        held = N * d * a + 2 * b * s * hd * a + (N * d * a if L > 1 else 0)
         if arch.fused_proj:
             # Phi-3, after SDPA: the normed input, the fused q/k/v output (v is a view of it), q
             # after rope (its cat makes it contiguous as (b, h, s, hd)), SDPA's output in that
@@ -140,7 +135,7 @@ def estimate_generate(m: ModelConfig, arch: Arch, batch: int, prompt: int, new_t
             attn, attn_cache = N * a * (d + max(4 * qw + 2 * kvw, 2 * qw + 5 * kvw)), cache_prompt - layer_cache
     if masked:
         held += s * s  # the bool windowed mask, the model's local until it returns
-    mlp = N * a * (2 * d + mlp_width_factor(arch) * f)  # residual, normed input, the MLP's intermediates
+    mlp = _mlp_bytes(arch, m, N, a)
     ids_prefill = 4 * b * s * ID_BYTES
     layer_mlp = cache_prompt + held + mlp
     layer_attn = attn_cache + held + attn
@@ -182,9 +177,16 @@ def estimate_generate(m: ModelConfig, arch: Arch, batch: int, prompt: int, new_t
         update_detail = max(updates, key=lambda k: updates[k])
         phases["decode cache update"] = updates[update_detail] + kept + token
         phases["decode sampling"] = cache + logits + kept_while + fresh + _decode_ids(b, s, final_len - 1) + b * ID_BYTES
-        caches["decode cache update"] = caches["decode sampling"] = cache
+        # The last step's forward at its last layer's MLP, every layer's cache updated, beside the
+        # previous step's sampling tensors: the prefill's MLP over one token a sequence, which
+        # outgrows the cache update where the MLP is wide and the cache short (a small window).
+        step_mlp = _held_bytes(arch, m, b, 1, a) + _mlp_bytes(arch, m, b, a)
+        phases["decode step"] = cache + kept + _decode_ids(b, s, final_len - 1) + step_mlp
+        caches["decode cache update"] = caches["decode sampling"] = caches["decode step"] = cache
     phase = max(phases, key=lambda k: phases[k])
     prefill_detail = "the last layer's MLP" if layer_mlp >= layer_attn else attn_detail
+    details = {"prefill": f" ({prefill_detail})", "decode cache update": update_detail,
+               "decode step": " (the last layer's MLP)"}
     return {
         "parameters": n_params,
         "weights_dtype": weights_dtype,
@@ -197,9 +199,27 @@ def estimate_generate(m: ModelConfig, arch: Arch, batch: int, prompt: int, new_t
         "kv_cache_at_peak": caches[phase],
         "phase_bytes": {k: weights + v for k, v in phases.items()},
         "peak_bytes": weights + phases[phase],
-        "peak_phase": (f"prefill ({prefill_detail})" if phase == "prefill"
-                       else phase + update_detail if phase == "decode cache update" else phase),
+        "peak_phase": phase + details.get(phase, ""),
     }
+
+
+def _held_bytes(arch: Arch, m: ModelConfig, b: int, s: int, a: int) -> int:
+    """What a forward over ``b`` x ``s`` tokens holds across its layers (module docstring). GPT-2:
+    wte's and wpe's outputs (GPT2Model's locals), the block's input (the caller's) and the attention
+    output GPT2Block keeps until it returns. The others: the embedding output (the model's local
+    until it returns), rope's cos and sin, and the layer's input (the caller's; the embedding
+    itself in a one-layer model)."""
+    N, d = b * s, m.d_model
+    if arch.name == "gpt2":
+        return 4 * N * d * a
+    hd = arch.head_dim or m.head_dim
+    return N * d * a + 2 * N * hd * a + (N * d * a if m.n_layers > 1 else 0)
+
+
+def _mlp_bytes(arch: Arch, m: ModelConfig, tokens: int, a: int) -> int:
+    """A layer's MLP over ``tokens`` tokens: the residual, the normed input and the MLP's
+    intermediates (:func:`mlp_width_factor`)."""
+    return tokens * a * (2 * m.d_model + mlp_width_factor(arch) * m.d_ff)
 
 
 def _repeat_copies(qw: int, kvw: int, hd: int) -> bool:
