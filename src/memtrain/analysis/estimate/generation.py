@@ -137,7 +137,8 @@ def estimate_generate(m: ModelConfig, arch: Arch, batch: int, prompt: int, new_t
     if masked:
         held += s * s  # the bool windowed mask, the model's local until it returns
     mlp = _mlp_bytes(arch, m, N, a)
-    ids_prefill = 4 * b * s * ID_BYTES
+    # The prompt, its mask, its positions and the model's copy of the ids; the unfinished-sequence flags.
+    ids_prefill = 4 * b * s * ID_BYTES + b * ID_BYTES
     layer_mlp = cache_prompt + held + mlp
     layer_attn = attn_cache + held + attn
     attn_detail = "the last layer before its MLP"
@@ -268,9 +269,12 @@ def _update_bytes(b: int, kvw: int, a: int, prompt: int, cached: int, windows: S
 
 def _decode_ids(b: int, prompt: int, cached: int) -> int:
     """The int64 tensors of the decode step after ``cached`` positions: the ids and mask of
-    ``cached + 1`` positions (the mask one longer once the step has run), and three prompt-sized
-    ones generate keeps (the prompt, its mask, its positions)."""
-    return 2 * b * (cached + 1) * ID_BYTES + 3 * b * prompt * ID_BYTES
+    ``cached + 1`` positions (the mask one longer once the step has run), three prompt-sized
+    ones generate keeps (the prompt, its mask, its positions), and four of one entry a sequence:
+    the step's input ids and positions (the model's copies), the previous step's sampled tokens
+    and the unfinished-sequence flags (left out, 64 one-token prompts at width 16 were 2.6%
+    under the measured generate)."""
+    return 2 * b * (cached + 1) * ID_BYTES + 3 * b * prompt * ID_BYTES + 4 * b * ID_BYTES
 
 
 def _head_bytes(b: int, V: int, sampling: bool) -> tuple[int, int, int]:
