@@ -124,3 +124,29 @@ def test_qlora_weights_are_their_nf4_storage(tmp_path):
         traced = trace_step(cfg, "cpu")
     inv_freq = 2 * (256 // 4) // 2 * 4  # inv_freq and original_inv_freq: head_dim / 2 float32 values each
     assert est.extra["model_state"]["weights"] + inv_freq == traced["by_category"]["parameters"]
+
+
+# Batch 1 with eager attention and as many k/v heads as q heads: the matmuls read rope's q and k
+# (and v) in place, their (1, h, s, hd) views folding into bmm's batch dimension; only a float32
+# q or k under autocast is cast (a new tensor). Counted as copies, they sat beside o_proj's NF4
+# dequantization (the MLP of 264 stays in its dtype, so o_proj is the layer's last NF4 call) where
+# a checkpointed layer's recompute is the backward's peak: +1.5% (bf16-pure) and +3.0% (fp32).
+BATCH_ONE = [("llama", (128, 2, 2, 3, 264), "bf16-pure", "full"), ("mistral", (128, 2, 2, 1, 264), "fp32", "every:2")]
+
+
+@pytest.mark.parametrize("case", BATCH_ONE, ids=lambda c: f"{c[0]}-h{c[1][0]}-{c[1][1]}q{c[1][2]}kv-L{c[1][3]}-{c[2]}-ckpt_{c[3]}")
+def test_qlora_eager_attention_at_batch_one_each_phase_within_one_percent(case, tmp_path_factory):
+    from memtrain.analysis.estimate.hf import analytic_estimate
+    from memtrain.analysis.trace import trace_step
+
+    fam, size, prec, ck = case
+    cfg = build_config({"model": str(_folder(tmp_path_factory.getbasetemp(), fam, size)), "batch_size": 1,
+                        "seq_len": 33, "device": "cpu", "lora_rank": 4, "qlora": True, "precision": prec,
+                        "attention": "math", "checkpointing": ck})
+    est = analytic_estimate(cfg, "cpu")
+    assert est is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = trace_step(cfg, "cpu")["phase_peaks"]
+    for phase in ("forward", "backward"):
+        assert abs(est.phase_peaks[phase] / traced[phase] - 1) < 0.01, (phase, est.phase_peaks[phase], traced[phase])

@@ -26,7 +26,7 @@ from memtrain.analysis.advice import save_memory_clause, size_text
 from memtrain.analysis.estimate import Arch, Estimate, estimate
 from memtrain.analysis.limits import MAX_WIDTH
 from memtrain.analysis.plan import default_space, plan
-from memtrain.config.run import ConfigError, RunConfig
+from memtrain.config.run import ConfigError, ModelConfig, RunConfig
 from memtrain.devices.gpu_memory import gpu_memory
 from memtrain.devices.numerics import is_standard, numerics_note
 from memtrain.models.spec import is_hf, rotary_positions
@@ -181,9 +181,9 @@ def context_bound(cfg: RunConfig, max_len: Optional[int] = None) -> ContextBound
     """The bound of a length search over ``cfg`` (``max_len``: ``--max-len``, None for the default).
 
     * memtrain's GPT with no ``--max-seq-len`` given: the learned position table is sized to each
-      probed length (``max_seq_len`` = the length, as ``train --seq-len N`` sizes it), so the
-      table's bytes are counted at every length; the search goes up to ``max_len``, by default
-      :data:`memtrain.analysis.limits.MAX_WIDTH` tokens.
+      probed length (``max_seq_len`` = the length, at least the default 512, as ``train --seq-len
+      N`` sizes it), so the table's bytes are counted at every length; the search goes up to
+      ``max_len``, by default :data:`memtrain.analysis.limits.MAX_WIDTH` tokens.
     * ``--max-seq-len P`` given, a GPT preset or a transformers model: the model has P positions
       (a transformers config's ``max_position_embeddings``) and the search stops there by default.
       A transformers model with rotary positions may be searched beyond P (``max_len`` > P): the
@@ -199,7 +199,7 @@ def context_bound(cfg: RunConfig, max_len: Optional[int] = None) -> ContextBound
     if cfg.model.model is None and "max_seq_len" not in given:
         return ContextBound(max_len or MAX_WIDTH, True, None,
                             "the learned position table is sized to each probed length (--max-seq-len = the "
-                            "length, as train sizes it); --max-seq-len N fixes the table and bounds the search")
+                            "length, at least 512, as train sizes it); --max-seq-len N fixes the table and bounds the search")
     hf = is_hf(cfg)
     name = "max_position_embeddings" if hf else "--max-seq-len"
     if max_len is not None and max_len < positions:
@@ -219,6 +219,11 @@ def context_bound(cfg: RunConfig, max_len: Optional[int] = None) -> ContextBound
                         "max_position_embeddings, as Llama-3.1's 131,072, trains there at the same memory)")
 
 
+# The position table memtrain's GPT gets without --max-seq-len, unless --seq-len is longer
+# (cli.config_from_args, derive_max_seq_len).
+_DEFAULT_POSITIONS = ModelConfig().max_seq_len
+
+
 def at_seq_len(cfg: RunConfig, length: int, bound: ContextBound, batch: Optional[int] = None) -> RunConfig:
     """``cfg`` at sequence length ``length`` (and micro-batch ``batch``), its position count as
     ``bound`` says. Built with ``dataclasses.replace``: ``RunConfig.replace`` re-reads a
@@ -226,8 +231,11 @@ def at_seq_len(cfg: RunConfig, length: int, bound: ContextBound, batch: Optional
     settings a command line named carry over (``defaults_note`` reads them)."""
     model = cfg.model
     if bound.grow_positions:
-        positions = length if bound.model_positions is None else max(length, bound.model_positions)
-        model = dataclasses.replace(model, max_seq_len=positions)
+        # As the CLI derives --max-seq-len: the default table, grown to a longer --seq-len (sized
+        # to the length itself, a length under the default's counted fewer rows than `estimate
+        # --seq-len` at that length, and than train holds).
+        floor = _DEFAULT_POSITIONS if bound.model_positions is None else bound.model_positions
+        model = dataclasses.replace(model, max_seq_len=max(length, floor))
     train = dataclasses.replace(cfg.train, seq_len=length,
                                 batch_size=cfg.train.batch_size if batch is None else batch)
     out = dataclasses.replace(cfg, model=model, train=train)

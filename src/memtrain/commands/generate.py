@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any, Optional
 
-from memtrain.analysis.estimate.generation import DEFAULT_NEW_TOKENS
+from memtrain.analysis.estimate.generation import DEFAULT_NEW_TOKENS, TOP_K
 from memtrain.analysis.limits import MAX_WIDTH
 from memtrain.cli import allocation_of, register
 from memtrain.config.argtypes import (
@@ -35,7 +35,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "N predicts the memory.")
     p.add_argument("--temperature", type=non_negative_float, default=0.8,
                    help="Softmax temperature, finite and >= 0; 0 = greedy (default 0.8).")
-    p.add_argument("--top-k", type=int_in(0, MAX_WIDTH, "a token count"), default=50,
+    p.add_argument("--top-k", type=int_in(0, MAX_WIDTH, "a token count"), default=TOP_K,
                    help="Sample among the k likeliest tokens; 0 = no cut (default 50).")
     p.add_argument("--num-samples", type=batch_count, default=1, help="Independent samples (default 1).")
     p.add_argument("--seed", type=seed_value, default=1337,

@@ -397,8 +397,10 @@ def _math_path_reads(dm: Dims, p: str, kind: str, upcast: bool, gqa_v: Optional[
     # q @ k^T reads q and k, views of the q/k/v output, as they are: a recompute at batch 1 that
     # copied them was 2.0% over the trace's backward, fp32, selective checkpointing, LoRA.)
     q_copy = k_copy = not ((kind == "sdpa" or not dm.hf) and _folds(dm))
-    if not q_copy and upcast and dm.repeat_kv and gqa_v is None:
-        # (A Llama-style v's float32 copy keeps the projection's layout: read in place too.)
+    if not q_copy and upcast and gqa_v is None:
+        # (v's float32 copy keeps the projection's layout, a Llama-style layer's or a view of our
+        # GPT's and GPT-2's fused q/k/v output: read in place too. Copied, one head under bf16
+        # autocast with a checkpointed block was +1.2% to +1.7% over the trace's backward.)
         gqa_v = f"{p}.v32"
     if gqa_v is not None:
         # The repeated (contiguous) k and v are read in place: the scaled k is saved for q's
@@ -433,7 +435,8 @@ def _eager_hf_attention_nodes(nodes: list[Node], dm: Dims, p: str, qkv_keys: lis
     # scores' backward (autograd runs the later ops first).
     q_grad, k_grad, v_grad = qkv_grad
     # (With as many k/v heads as q heads repeat_kv returns k and v themselves: the matmuls
-    # then copy k^T and v, as our GPT's do, and nothing is held.)
+    # then copy q, k^T and v, as our GPT's do, except where the views fold (``own_fold``), and
+    # nothing is held.)
     repeated = kvw != d
     k_in, v_in = (f"{p}.kc", f"{p}.vc") if repeated else (k, v)
     # repeat_kv copies k in its dtype: a float32 k (rope's under autocast) makes a float32
@@ -447,8 +450,14 @@ def _eager_hf_attention_nodes(nodes: list[Node], dm: Dims, p: str, qkv_keys: lis
     # storages: ``qkv``, or the float32 locals) stay for backward.
     view_kv = repeated and kvw * h == d
     in_place = view_kv and b == 1
+    # With as many k/v heads as q heads the matmuls read rope's q and k (and v) in place where the
+    # (b, h, s, hd) views fold (batch 1, one head); only autocast's casts of a float32 q and k are
+    # new tensors, laid out as their sources, so read in place too (counted as copies, QLoRA's
+    # o_proj dequantizing beside them at 1 x 33 tokens was +1.6% to +4.3% forward).
+    own_fold = not repeated and _folds(dm)
     k_src = f"{qkv}.locals" if kv_locals[0] else qkv
-    k_saved = f"{p}.kc16" if k_cast else (k_src if in_place else (f"{p}.kt" if view_kv else f"{p}.kc"))
+    k_saved = f"{p}.kc16" if k_cast else (k_src if in_place or (own_fold and not kv_locals[0]) else
+                                           (f"{p}.kt" if view_kv else f"{p}.kc"))
     if repeated:
         nodes.append(Node(f"{p}.repeat_k", out=[(f"{p}.kc", 0.0 if view_kv else N * d * (4 if k_cast else a))],
                            inputs=[qkv], grads=[(k, N * kvw * a)] if k_grad else []))
@@ -465,8 +474,8 @@ def _eager_hf_attention_nodes(nodes: list[Node], dm: Dims, p: str, qkv_keys: lis
     # probabilities only when v requires one, v's copy only when they do.
     # (At batch 1 the matmul reads rope's q in place too: ``qc`` is q itself, kept by ``qkv``'s
     # save there, unless autocast casts a float32 q.)
-    q_bytes = 0.0 if in_place and not kv_locals[0] else N * d * a
-    nodes.append(Node(f"{p}.qk", out=[(f"{p}.qc", q_bytes)] + ([] if repeated else [(f"{p}.kc", N * d * a)])
+    q_bytes = 0.0 if (in_place or own_fold) and not kv_locals[0] else N * d * a
+    nodes.append(Node(f"{p}.qk", out=[(f"{p}.qc", q_bytes)] + ([] if repeated else [(f"{p}.kc", q_bytes)])
                        + ([(k_saved, N * d * a)] if k_cast else [])
                        + [(f"{p}.s0", sc * a)], inputs=[qkv] + ([f"{p}.kc"] if repeated else [])
                        + ([k_saved] if k_saved == f"{p}.kt" else []),
@@ -479,6 +488,8 @@ def _eager_hf_attention_nodes(nodes: list[Node], dm: Dims, p: str, qkv_keys: lis
         # Phi-3's v, a slice of the fused output, folds into bmm's batch dimension at batch 1:
         # read in place, and the save keeps the whole fused output.
         v_saved = [v_src]
+    elif own_fold and not kv_locals[1]:
+        v_saved = qkv_keys  # (rope's v, folded: read in place)
     elif not repeated or (view_kv and not in_place):
         v_copy = f"{p}.vt" if repeated else f"{p}.vc"
         nodes.append(Node(f"{p}.vcopy", out=[(v_copy, N * d * a)], inputs=[qkv]))

@@ -53,7 +53,7 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
 
     def norm(name: str, src: str, out: str, src_grad: bool) -> None:
         if dm.hf and not layer:
-            nodes.append(hf_norm_node(dm, name, src, out, trainable_base, src_grad, arch.norm_offset))
+            nodes.append(hf_norm_node(dm, name, src, out, trainable_base, src_grad, arch.norm_offset, residual=True))
             return
         # LayerNorm saves its input and float32 mean + rstd per token (RMSNorm: rstd only);
         # nothing when neither its input nor its weights need a gradient (the first block's

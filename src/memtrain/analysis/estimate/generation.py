@@ -19,7 +19,7 @@ memtrain's GPT mapped onto ``GPT2LMHeadModel`` with a ``gelu_pytorch_tanh`` MLP.
   transformers builds the windowed bool mask (masking_utils' ``sdpa_mask``: (prompt, prompt),
   expanded to the batch as a view, held by the model's forward), and the prefill's SDPA gets it
   instead of ``is_causal``: grouped k/v heads are then repeated (``repeat_kv``: copies of the
-  prompt's k and v at the query's width) and torch's SDPA turns the bool mask into a float one
+  prompt's k and v at the query's width; a view with one k/v head) and torch's SDPA turns the bool mask into a float one
   (batch, 1, prompt, prompt) in the compute dtype, beside its output and its float32 logsumexp
   (batch x heads x prompt). A decode step's mask is one query row (no repeat: ``pack_gqa``);
   those few bytes are left out;
@@ -41,7 +41,7 @@ Attention is SDPA (what ``memtrain generate`` loads): with no padding the mask i
 k/v heads go to the kernel as they are (``enable_gqa``; one query: ``pack_gqa``), so no
 repeated copy is made (a window's mask aside, above). The peak is the largest of the prefill's
 last layer (MLP or attention), the prefill's sampling, and the last decode step's cache update
-(with a window the first step's too) and sampling.
+(with a window the first step's too), its last layer's MLP (``decode step``) and sampling.
 """
 
 from __future__ import annotations
@@ -58,8 +58,9 @@ DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "int8": 1, "int4": 0.
 ID_BYTES = 8  # token ids, attention mask and positions are int64
 FP32 = 4  # the sampling head runs in float32 (generate copies the logits to float32)
 DEFAULT_NEW_TOKENS = 64  # memtrain generate --max-new-tokens, and estimate --new-tokens
+TOP_K = 50  # memtrain generate --top-k's default, which the sampling head is estimated with
 
-__all__ = ["DEFAULT_NEW_TOKENS", "DTYPE_BYTES", "GENERATE_DTYPES", "estimate_generate", "kv_cache_bytes", "mlp_width_factor"]
+__all__ = ["DEFAULT_NEW_TOKENS", "DTYPE_BYTES", "TOP_K", "GENERATE_DTYPES", "estimate_generate", "kv_cache_bytes", "mlp_width_factor"]
 
 
 def kv_cache_bytes(n_layers: int, batch: int, kv_width: int, length: int, elem: int) -> int:
@@ -94,7 +95,7 @@ def estimate_generate(m: ModelConfig, arch: Arch, batch: int, prompt: int, new_t
     n_params = param_count(m, arch)[0]
     wb = DTYPE_BYTES[weights_dtype]
     a = int(wb)  # the compute dtype is the weights' (fp32, bf16, fp16)
-    b, s, d, f, V, L = batch, prompt, m.d_model, m.d_ff, m.vocab_size, m.n_layers
+    b, s, d, V, L = batch, prompt, m.d_model, m.vocab_size, m.n_layers
     qw, kvw = head_widths(m, arch)
     hd = arch.head_dim or m.head_dim
     N = b * s
@@ -117,17 +118,12 @@ def estimate_generate(m: ModelConfig, arch: Arch, batch: int, prompt: int, new_t
 
     # The prefill: what the model holds across its layers, then the last layer's two candidates:
     # its attention (a cache of `attn_cache` bytes written by then) and its MLP (all of it).
+    held = _held_bytes(arch, m, b, s, a)
     if gpt2:
-        # wte and wpe outputs (GPT2Model's locals), the block's input (the caller's), and the
-        # attention output GPT2Block keeps until it returns.
-        held = 4 * N * d * a
         # At c_proj: ln_1's output, c_attn's (q is a view of it; SDPA's output takes its layout,
         # so no copy) and SDPA's output; this layer's k/v are in the cache.
         attn, attn_cache = N * a * (d + (qw + 2 * kvw) + qw), cache_prompt
     else:
-        # The embedding output (the model's local until it returns), rope's cos and sin, and the
-        # layer's input (the caller's; the embedding itself in a one-layer model).
-        held = N * d * a + 2 * b * s * hd * a + (N * d * a if L > 1 else 0)
         if arch.fused_proj:
             # Phi-3, after SDPA: the normed input, the fused q/k/v output (v is a view of it), q
             # after rope (its cat makes it contiguous as (b, h, s, hd)), SDPA's output in that
@@ -140,8 +136,9 @@ def estimate_generate(m: ModelConfig, arch: Arch, batch: int, prompt: int, new_t
             attn, attn_cache = N * a * (d + max(4 * qw + 2 * kvw, 2 * qw + 5 * kvw)), cache_prompt - layer_cache
     if masked:
         held += s * s  # the bool windowed mask, the model's local until it returns
-    mlp = N * a * (2 * d + mlp_width_factor(arch) * f)  # residual, normed input, the MLP's intermediates
-    ids_prefill = 4 * b * s * ID_BYTES
+    mlp = _mlp_bytes(arch, m, N, a)
+    # The prompt, its mask, its positions and the model's copy of the ids; the unfinished-sequence flags.
+    ids_prefill = 4 * b * s * ID_BYTES + b * ID_BYTES
     layer_mlp = cache_prompt + held + mlp
     layer_attn = attn_cache + held + attn
     attn_detail = "the last layer before its MLP"
@@ -149,7 +146,7 @@ def estimate_generate(m: ModelConfig, arch: Arch, batch: int, prompt: int, new_t
         # Inside the masked SDPA: the normed input, q after rope, the repeated k and v (where k/v
         # heads are grouped; the cache's own tensors otherwise), the float mask, the output and
         # its logsumexp; Phi-3 holds its fused q/k/v output besides (v is a view of it).
-        repeated = 2 * qw if qw != kvw else 0
+        repeated = 2 * qw if _repeat_copies(qw, kvw, hd) else 0
         inside = (N * a * (d + 2 * qw + repeated + ((qw + 2 * kvw) if arch.fused_proj else 0))
                   + b * s * s * a + b * m.n_heads * s * FP32)
         if cache_prompt + held + inside > layer_attn:
@@ -182,9 +179,16 @@ def estimate_generate(m: ModelConfig, arch: Arch, batch: int, prompt: int, new_t
         update_detail = max(updates, key=lambda k: updates[k])
         phases["decode cache update"] = updates[update_detail] + kept + token
         phases["decode sampling"] = cache + logits + kept_while + fresh + _decode_ids(b, s, final_len - 1) + b * ID_BYTES
-        caches["decode cache update"] = caches["decode sampling"] = cache
+        # The last step's forward at its last layer's MLP, every layer's cache updated, beside the
+        # previous step's sampling tensors: the prefill's MLP over one token a sequence, which
+        # outgrows the cache update where the MLP is wide and the cache short (a small window).
+        step_mlp = _held_bytes(arch, m, b, 1, a) + _mlp_bytes(arch, m, b, a)
+        phases["decode step"] = cache + kept + _decode_ids(b, s, final_len - 1) + step_mlp
+        caches["decode cache update"] = caches["decode sampling"] = caches["decode step"] = cache
     phase = max(phases, key=lambda k: phases[k])
     prefill_detail = "the last layer's MLP" if layer_mlp >= layer_attn else attn_detail
+    details = {"prefill": f" ({prefill_detail})", "decode cache update": update_detail,
+               "decode step": " (the last layer's MLP)"}
     return {
         "parameters": n_params,
         "weights_dtype": weights_dtype,
@@ -197,9 +201,35 @@ def estimate_generate(m: ModelConfig, arch: Arch, batch: int, prompt: int, new_t
         "kv_cache_at_peak": caches[phase],
         "phase_bytes": {k: weights + v for k, v in phases.items()},
         "peak_bytes": weights + phases[phase],
-        "peak_phase": (f"prefill ({prefill_detail})" if phase == "prefill"
-                       else phase + update_detail if phase == "decode cache update" else phase),
+        "peak_phase": phase + details.get(phase, ""),
     }
+
+
+def _held_bytes(arch: Arch, m: ModelConfig, b: int, s: int, a: int) -> int:
+    """What a forward over ``b`` x ``s`` tokens holds across its layers (module docstring). GPT-2:
+    wte's and wpe's outputs (GPT2Model's locals), the block's input (the caller's) and the attention
+    output GPT2Block keeps until it returns. The others: the embedding output (the model's local
+    until it returns), rope's cos and sin, and the layer's input (the caller's; the embedding
+    itself in a one-layer model)."""
+    N, d = b * s, m.d_model
+    if arch.name == "gpt2":
+        return 4 * N * d * a
+    hd = arch.head_dim or m.head_dim
+    return N * d * a + 2 * N * hd * a + (N * d * a if m.n_layers > 1 else 0)
+
+
+def _mlp_bytes(arch: Arch, m: ModelConfig, tokens: int, a: int) -> int:
+    """A layer's MLP over ``tokens`` tokens: the residual, the normed input and the MLP's
+    intermediates (:func:`mlp_width_factor`)."""
+    return tokens * a * (2 * m.d_model + mlp_width_factor(arch) * m.d_ff)
+
+
+def _repeat_copies(qw: int, kvw: int, hd: int) -> bool:
+    """Whether transformers' ``repeat_kv`` copies k and v to the query's width: under grouped heads,
+    but not with one k/v head, whose ``expand(...).reshape(...)`` merges a size-1 dimension with the
+    expanded one and so returns a view (counted as copies, a window's masked prefill was 2% to 14%
+    over the measured generate)."""
+    return qw != kvw and kvw != hd
 
 
 def _stored(prompt: int, new_tokens: int, window: Optional[int]) -> int:
@@ -239,9 +269,12 @@ def _update_bytes(b: int, kvw: int, a: int, prompt: int, cached: int, windows: S
 
 def _decode_ids(b: int, prompt: int, cached: int) -> int:
     """The int64 tensors of the decode step after ``cached`` positions: the ids and mask of
-    ``cached + 1`` positions (the mask one longer once the step has run), and three prompt-sized
-    ones generate keeps (the prompt, its mask, its positions)."""
-    return 2 * b * (cached + 1) * ID_BYTES + 3 * b * prompt * ID_BYTES
+    ``cached + 1`` positions (the mask one longer once the step has run), three prompt-sized
+    ones generate keeps (the prompt, its mask, its positions), and four of one entry a sequence:
+    the step's input ids and positions (the model's copies), the previous step's sampled tokens
+    and the unfinished-sequence flags (left out, 64 one-token prompts at width 16 were 2.6%
+    under the measured generate)."""
+    return 2 * b * (cached + 1) * ID_BYTES + 3 * b * prompt * ID_BYTES + 4 * b * ID_BYTES
 
 
 def _head_bytes(b: int, V: int, sampling: bool) -> tuple[int, int, int]:
@@ -249,9 +282,13 @@ def _head_bytes(b: int, V: int, sampling: bool) -> tuple[int, int, int]:
     busiest, kept from one step to the next, kept from the previous step while the next samples).
 
     Sampling: the float32 copy of the logits, the temperature's output, top-k's bool mask and its
-    output (13 B a row entry); the copy, the scores and the softmax live on (12 B) until the next
-    step replaces them, the copy first (so 8 B beside the next step's). Greedy: the copy (argmax
-    reads it in place)."""
+    output (13 B a row entry); before the mask, beside the copy and the temperature's output,
+    ``torch.topk``'s values (float32) and indices (int64) of ``min(TOP_K, V)`` entries a row, which
+    outweigh the mask and its output where the vocabulary is under 2.4 x TOP_K (left out, vocabularies
+    of 61 and 97 were 3% to 7% under the measured generate). The copy, the scores and the softmax
+    live on (12 B) until the next step replaces them, the copy first (so 8 B beside the next
+    step's). Greedy: the copy (argmax reads it in place)."""
     if sampling:
-        return (3 * FP32 + 1) * b * V, 3 * FP32 * b * V, 2 * FP32 * b * V
+        top_k = b * min(TOP_K, V) * (FP32 + ID_BYTES)
+        return max((3 * FP32 + 1) * b * V, 2 * FP32 * b * V + top_k), 3 * FP32 * b * V, 2 * FP32 * b * V
     return FP32 * b * V, FP32 * b * V, FP32 * b * V
