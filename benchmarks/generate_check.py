@@ -86,7 +86,7 @@ def _measure(model_dir: str, dtype: str, batch: int, prompt: int, new: int, devi
     """Peaks of memtrain generate's sampling call on a random-weight model built on ``device``."""
     import transformers
 
-    from memtrain.inference.generate import generation_config
+    from memtrain.inference.generate import generation_config, sample_ids
     from memtrain.metrics import MemoryMeter
     from memtrain.models.spec import load_config
 
@@ -108,7 +108,7 @@ def _measure(model_dir: str, dtype: str, batch: int, prompt: int, new: int, devi
     start = time.perf_counter()
     with torch.no_grad(), meter:
         meter.track(x)
-        lm.generate(x, attention_mask=torch.ones_like(x), generation_config=settings)
+        sample_ids(lm, x, settings)
     if cuda:
         torch.cuda.synchronize(device)
     out: dict[str, Any] = {"tracked_peak": meter.stats().peak_bytes, "seconds": time.perf_counter() - start}

@@ -453,6 +453,25 @@ def test_the_good_folder_generates(good_folder, capsys):
     assert capsys.readouterr().out.startswith("memory")
 
 
+def test_every_sample_runs_its_new_tokens_past_the_models_eos(good_folder, tmp_path):
+    """generate samples ``--max-new-tokens`` tokens whatever the model's eos (what estimate --mode
+    inference models): transformers fills the eos that memtrain's settings leave unset from the
+    folder's config, and stopped a sample that drew it, padding the rest. Here every logit is zero
+    and the eos is token 0, which greedy sampling picks at every step."""
+    from memtrain.inference.generate import generate, load_for_sampling
+
+    d = tmp_path / "model"
+    shutil.copytree(good_folder, d)
+    _edit_weights(d, lambda t: t.update({k: torch.zeros_like(v) for k, v in t.items() if k == "lm_head.weight"}))
+    _edit_config(d, eos_token_id=0)
+    if (d / "generation_config.json").exists():
+        generation = json.loads((d / "generation_config.json").read_text())
+        _write_json(d / "generation_config.json", {**generation, "eos_token_id": 0})
+    _, codec, _ = load_for_sampling(d, torch.float32)
+    texts = generate(d, "memory", 6, 0.0, 0, 2, 7, "cpu")
+    assert texts == [codec.decode([0] * 6)] * 2  # was one eos, then five pad tokens
+
+
 def _checkpoint_of(tmp_path: Path, model: dict, config: dict) -> Path:
     p = tmp_path / "crafted.pt"
     torch.save({"model": model, "config": config}, p)
@@ -583,6 +602,7 @@ def test_generate_reads_a_folder_in_the_asked_dtype_and_samples_as_transformers_
     assert seen["prompt"] == len(ids)
     torch.manual_seed(7)
     x = torch.tensor([ids] * 2)
+    hf.generation_config.eos_token_id = None  # memtrain samples past the model's eos (sample_ids)
     with torch.no_grad():
         y = hf.generate(x, attention_mask=torch.ones_like(x), generation_config=generation_config(5, 0.8, 50, codec.start_id))
     assert texts == [codec.decode(row[len(ids):].tolist()) for row in y]

@@ -42,7 +42,7 @@ def _config(family: str, **over):
 
 def _measure(model, batch: int, prompt: int, new_tokens: int, cache=None, vocab: int = VOCAB) -> int:
     """Peak tracked bytes of memtrain generate's sampling call on ``model`` (weights included)."""
-    from memtrain.inference.generate import generation_config
+    from memtrain.inference.generate import generation_config, sample_ids
 
     torch.manual_seed(0)
     x = torch.randint(1, vocab, (batch, prompt))
@@ -50,8 +50,7 @@ def _measure(model, batch: int, prompt: int, new_tokens: int, cache=None, vocab:
     meter = MemoryMeter(model)
     with torch.no_grad(), meter:
         meter.track(x)
-        model.generate(x, attention_mask=torch.ones_like(x), generation_config=generation_config(new_tokens, 0.8, 50, 0),
-                       **extra)
+        sample_ids(model, x, generation_config(new_tokens, 0.8, 50, 0), **extra)
     return meter.stats().peak_bytes
 
 

@@ -179,6 +179,20 @@ def generation_config(max_new_tokens: int, temperature: float, top_k: int, pad: 
     return transformers.GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=None, **sampling)
 
 
+def sample_ids(hf: Any, x: torch.Tensor, settings: Any, **extra: Any) -> torch.Tensor:
+    """transformers' ``generate`` of ``x`` (prompts and continuations) with ``settings`` (from
+    :func:`generation_config`; ``extra``: more of generate's arguments), every sample
+    ``max_new_tokens`` long.
+
+    transformers fills an eos that the settings leave unset from the model's own generation config
+    (its ``config.json``'s or ``generation_config.json``'s eos), so a sample that drew it stopped there
+    and was padded, shorter than the estimate's run and with pad tokens in its text: the model's eos
+    is cleared first."""
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        return hf.generate(x, attention_mask=torch.ones_like(x), generation_config=settings, **extra)
+
+
 # What generate calls once the prompt is tokenized and before any weight reaches the device:
 # (the model's run config, the dtype its weights will have, the prompt's token count, the device).
 BeforeSampling = Callable[[RunConfig, torch.dtype, int, torch.device], None]
@@ -222,6 +236,5 @@ def generate(model_path: Path, prompt: str, max_new_tokens: int, temperature: fl
     settings = generation_config(max_new_tokens, temperature, top_k, pad)
     torch.manual_seed(seed)
     x = torch.tensor([ids] * num_samples, device=place)
-    with torch.no_grad():
-        y = hf.generate(x, attention_mask=torch.ones_like(x), generation_config=settings)
+    y = sample_ids(hf, x, settings)
     return [codec.decode(row[len(ids):].tolist()) for row in y]
