@@ -307,6 +307,57 @@ def host_memory_bytes() -> Optional[int]:
     return min(limits) if limits else None
 
 
+# Where the kernel says how much memory a new allocation can get without swapping (Linux): the
+# host's estimate, then a cgroup's (container) limit less what the cgroup uses beyond its
+# reclaimable page cache. Module constants so a test can point them at crafted readings.
+MEMINFO = Path("/proc/meminfo")
+CGROUP_V2 = Path("/sys/fs/cgroup")
+CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+
+
+def _read_small(path: Path) -> Optional[str]:
+    """The text of a small kernel file, or None where it is missing or unreadable."""
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _field_bytes(text: Optional[str], name: str, unit: int = 1) -> Optional[int]:
+    """The number after ``name`` on its line of a ``key value`` file (meminfo, memory.stat)."""
+    for line in (text or "").splitlines():
+        parts = line.replace(":", " ").split()
+        if len(parts) >= 2 and parts[0] == name and parts[1].isdigit():
+            return int(parts[1]) * unit
+    return None
+
+
+def _cgroup_available(limit: Path, usage: Path, stat_file: Path, inactive: str) -> Optional[int]:
+    """A cgroup's limit less its usage, its inactive page cache counted as free (the kernel
+    reclaims it before failing an allocation); None without a numeric limit."""
+    limit_text, usage_text = (_read_small(limit) or "").strip(), (_read_small(usage) or "").strip()
+    if not (limit_text.isdigit() and usage_text.isdigit()):
+        return None  # no cgroup here, or "max": no limit
+    reclaimable = _field_bytes(_read_small(stat_file), inactive) or 0
+    return max(0, int(limit_text) - int(usage_text) + reclaimable)
+
+
+def host_available_bytes() -> Optional[int]:
+    """The memory a new allocation on this host can get now: the kernel's ``MemAvailable``,
+    less under a cgroup limit; the total (:func:`host_memory_bytes`) where neither is known.
+    Other processes' memory is not available: checking against the total let a run that
+    could not fit start and end in the allocator's failure."""
+    readings = [
+        _field_bytes(_read_small(MEMINFO), "MemAvailable", 1024),  # meminfo counts in kB
+        _cgroup_available(CGROUP_V2 / "memory.max", CGROUP_V2 / "memory.current", CGROUP_V2 / "memory.stat",
+                          "inactive_file"),
+        _cgroup_available(CGROUP_V1 / "memory.limit_in_bytes", CGROUP_V1 / "memory.usage_in_bytes",
+                          CGROUP_V1 / "memory.stat", "total_inactive_file"),
+    ]
+    known = [r for r in readings if r is not None]
+    return min(known) if known else host_memory_bytes()
+
+
 def _device_memory_bytes(device: Any) -> Optional[int]:
     """Total memory of a CUDA device (None on the CPU, where host memory is the limit)."""
     if getattr(device, "type", str(device)).startswith("cuda"):
