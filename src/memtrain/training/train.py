@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from memtrain.analysis.flops import counted_flops_per_step, rule_flops_per_token
 from memtrain.checkpoints.exact import load_checkpoint, save_checkpoint
 from memtrain.config.run import RunConfig, effective_cache_dir
-from memtrain.data import data_fingerprint, make_train_loader, make_val_batches, prepare_tokens
+from memtrain.data import check_split_documents, data_fingerprint, make_train_loader, make_val_batches, prepare_tokens
 from memtrain.data.device_feed import DeviceFeed
 from memtrain.devices.advice import mfu_for_run, reference_rate_now, run_device_facts
 from memtrain.distributed.rank_errors import agreement, launched_by_memtrain
@@ -270,6 +270,7 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     # Then data; nothing is written before both succeeded.
     with dist_ctx.main_first():  # rank 0 fills the token cache, the other ranks then read it
         splits = prepare_tokens(cfg.data, progress=show, tokenizer=data_tokenizer(cfg))
+    check_split_documents(splits, cfg.data)
     state.data_fingerprint = data_fingerprint(cfg.data)  # saved in checkpoints, checked by --resume
     # The next step's batches are fetched while this one runs, on a GPU (memtrain.data.device_feed).
     state.loader = DeviceFeed(make_train_loader(
