@@ -133,3 +133,17 @@ def test_atomic_writes_get_a_plain_files_mode_and_keep_a_replaced_files(tmp_path
         assert stat.S_IMODE((tmp_path / "exported").stat().st_mode) == 0o775
     finally:
         os.umask(old)
+
+
+def test_a_report_quoting_a_file_name_that_is_not_utf8_is_written(tmp_path, capsys):
+    """A bench on `--data` named with a byte that is not UTF-8 (Python holds it as a lone
+    surrogate) records the name; report.md quotes it, and its strict UTF-8 encode made the
+    report (and a bench's last step) exit 1 with nothing written. It is written as the escape."""
+    rows = [json.loads(line) for line in (DATA / "bench_results.jsonl").read_text().splitlines()]
+    for row in rows:
+        row["config"].setdefault("data", {})["data"] = "corpus/d\udcff.txt"
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["report", str(tmp_path)]) == 0, capsys.readouterr().err
+    text = (tmp_path / "report.md").read_text(encoding="utf-8")  # still UTF-8
+    assert "corpus/d\\udcff.txt" in text
+

@@ -379,8 +379,11 @@ def write_atomic(path: Path, write: Callable[[str], object], replace_link: bool 
 
 
 def write_text_atomic(path: Path, text: str, replace_link: bool = False) -> None:
-    """Write ``text`` (UTF-8) to ``path`` atomically (see :func:`write_atomic`)."""
-    data = text.encode("utf-8")
+    """Write ``text`` (UTF-8) to ``path`` atomically (see :func:`write_atomic`). A file name that
+    is not UTF-8 reaches Python as lone surrogates ("d\\udcff.txt"); such a path quoted in a
+    report is written as that escape, so the file stays UTF-8 and the write cannot fail at the
+    end of a bench (a strict encode lost the report)."""
+    data = text.encode("utf-8", errors="backslashreplace")
     write_atomic(path, lambda tmp: Path(tmp).write_bytes(data), replace_link)
 
 
