@@ -603,3 +603,17 @@ def test_metrics_jsonl_replaced_during_the_run_keeps_every_line(tiny_run, tmp_pa
     if how == "replaced":
         assert lines[0] == {"note": "theirs"}
     assert "metrics.jsonl" in err and ("became a symbolic link" in err) == (how == "link"), err
+
+
+def test_a_name_too_long_for_the_system_is_one_line_saying_so(tiny_run, tmp_path, capsys):
+    """A name over 255 bytes (--out, --data) was exit 1 with Python's
+    "OSError: [Errno 36] File name too long" and the whole path; it is bad input, one line that
+    says to shorten it, the path cut to its ends."""
+    long = tmp_path / ("x" * 300)
+    run = {**tiny_run, "steps": 1, "warmup_steps": 0}
+    for argv in (["train", *cli_flags({**run, "out": str(long)})],
+                 ["train", *cli_flags({**run, "data": str(long) + ".txt"})]):
+        assert main(argv) == 2
+        line = _one_error_line(capsys.readouterr().err)
+        assert line.startswith("error: file name too long") and "give memtrain a shorter path" in line
+        assert len(line) < 400
