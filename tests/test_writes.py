@@ -605,6 +605,39 @@ def test_metrics_jsonl_replaced_during_the_run_keeps_every_line(tiny_run, tmp_pa
     assert "metrics.jsonl" in err and ("became a symbolic link" in err) == (how == "link"), err
 
 
+def test_a_save_name_whose_temporary_file_would_be_too_long_is_refused_before_the_first_step(tiny_run, tmp_path,
+                                                                                              capsys):
+    """A --save name of 235 bytes is a valid name, but the temporary file memtrain writes it
+    through (NAME.memtrain-PID.RANDOM.tmp) is not: the run trained every step, wrote
+    result.json, then lost its checkpoint to ENAMETOOLONG. Refused up front, nothing written;
+    a name that leaves room still trains."""
+    out = tmp_path / "run"
+    save = out / ("s" * 232 + ".pt")
+    assert main(["train", *cli_flags({**tiny_run, "steps": 1, "warmup_steps": 0, "save": str(save)})]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "--save: the name" in line and "over the 255 a name may have here; shorten the name to at most 225" in line
+    assert not out.exists()
+    fits = out / ("s" * 222 + ".pt")
+    assert main(["train", *cli_flags({**tiny_run, "steps": 1, "warmup_steps": 0, "save": str(fits)})]) == 0
+    assert fits.is_file()
+
+
+def test_an_out_path_too_long_for_the_result_is_refused_before_the_first_step(tiny_run, tmp_path, capsys):
+    """An --out path the system takes (its lock and metrics.jsonl fit) but result.json's
+    temporary file does not: the run trained and then lost its result. Refused up front."""
+    room = 4096 - len(os.fsencode(str(tmp_path))) - 1 - len("result.json.memtrain-9999999.xxxxxxxx.tmp") + 10
+    parts, left = [], room
+    while left > 0:
+        parts.append("d" * min(200, left))
+        left -= len(parts[-1]) + 1
+    out = tmp_path.joinpath(*parts)
+    assert len(os.fsencode(str(out / ".memtrain.lock"))) < 4096  # the lock alone would fit
+    assert main(["train", *cli_flags({**tiny_run, "steps": 1, "warmup_steps": 0, "out": str(out)})]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "the path of result.json there, with its temporary name" in line and "give a shorter path" in line
+    assert not (tmp_path / parts[0]).exists()
+
+
 def test_a_name_too_long_for_the_system_is_one_line_saying_so(tiny_run, tmp_path, capsys):
     """A name over 255 bytes (--out, --data) was exit 1 with Python's
     "OSError: [Errno 36] File name too long" and the whole path; it is bad input, one line that

@@ -67,6 +67,7 @@ REPORT_FILES = ("report.md", "report.csv", "report.json")  # memtrain.report
 PLOT_FILES = ("peak_memory.png", "step_time.png", "max_batch.png", "memory_vs_time.png")  # memtrain.report.plots
 # Every name memtrain writes in an output folder: none may be a link, and --save is none of them.
 OUT_FILES = (RESULT_NAME, METRICS_NAME, LOCK_NAME, BENCH_RESULTS, *REPORT_FILES, *PLOT_FILES)
+TRAIN_FILES = (RESULT_NAME, METRICS_NAME, LOCK_NAME)  # those memtrain train writes
 
 
 # --------------------------------------------------------------------------- bounded JSON
@@ -229,6 +230,14 @@ _TEMP_RE = re.compile(r"^(?P<name>.+)\.memtrain-(?P<pid>\d+)\.[A-Za-z0-9_]+\.tmp
 
 def _temp_prefix(name: str) -> str:
     return f"{name}.memtrain-{os.getpid()}."
+
+
+def longest_temp_name(name: str) -> str:
+    """The longest name :func:`write_atomic`'s temporary file beside ``name`` can have: a pid of
+    up to 7 digits (Linux's largest pid_max, 2**22) and mkstemp's 8 random characters. A name
+    that fits the file system while this one does not failed only when the file was written,
+    at the end of a run."""
+    return f"{name}.memtrain-{'9' * 7}.{'x' * 8}.tmp"
 
 
 def refuse_odd_destination(path: Path, what: str = "") -> None:

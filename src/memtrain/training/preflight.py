@@ -32,14 +32,17 @@ from typing import Any, Iterable, Optional
 
 from memtrain.analysis.limits import check_analytic_size
 from memtrain.config.run import ConfigError, ModelConfig, RunConfig, build_config, field_index, flatten
+from memtrain.errors import shortened
 from memtrain.files.guard import regular_file_problem
 from memtrain.files.results import (
     LOCK_NAME,
     METRICS_NAME,
     OUT_FILES,
     RESULT_NAME,
+    TRAIN_FILES,
     check_lock_file,
     loads_bounded,
+    longest_temp_name,
     refuse_odd_destination,
 )
 from memtrain.models.spec import every_decoder_linear
@@ -94,6 +97,36 @@ def check_writable_dir(path: str | Path, flag: str) -> None:
         raise ConfigError(f"{flag} {str(p)!r} is not writable ({why} in {str(base)!r}); choose another {flag}")
 
 
+def _path_limit(folder: Path, name: str, default: int) -> int:
+    """``os.pathconf``'s limit ``name`` for ``folder`` (PC_NAME_MAX, PC_PATH_MAX), else ``default``."""
+    try:
+        return int(os.pathconf(folder, name))
+    except (OSError, ValueError, AttributeError):
+        return default
+
+
+def check_name_room(folder: str | Path, names: Iterable[str], flag: str) -> None:
+    """Each file memtrain writes in ``folder`` (``names``, each through a temporary file beside
+    it) fits the file system's limits on a name (255 bytes) and a path (4,096): a ``--save``
+    name of 235 bytes trained the whole run and then lost its checkpoint, whose temporary name
+    was too long."""
+    where = Path(folder)  # as memtrain passes it to the system: relative stays relative
+    existing = _nearest_existing(where.absolute())  # pathconf needs a path that exists
+    name_max = _path_limit(existing, "PC_NAME_MAX", 255)
+    path_max = _path_limit(existing, "PC_PATH_MAX", 4096)
+    for name in names:
+        temp = os.fsencode(longest_temp_name(name))
+        if len(temp) > name_max:
+            spare = name_max - (len(temp) - len(os.fsencode(name)))
+            raise ConfigError(f"{flag}: the name {shortened(name)!r} has {len(os.fsencode(name))} bytes, and the temporary "
+                              f"file memtrain writes it through has {len(temp)}, over the {name_max} a name may have "
+                              f"here; shorten the name to at most {spare} bytes")
+        full = len(os.fsencode(str(where))) + 1 + len(temp)
+        if full >= path_max:
+            raise ConfigError(f"{flag} {shortened(str(folder))!r}: the path of {name} there, with its temporary name, "
+                              f"has {full:,} bytes, over the {path_max:,} a path may have here; give a shorter path")
+
+
 def check_writable_file(path: str | Path, flag: str) -> None:
     """``path`` is (or can become) a file memtrain can replace atomically."""
     p = Path(path).expanduser()
@@ -102,6 +135,7 @@ def check_writable_file(path: str | Path, flag: str) -> None:
     if p.is_dir():
         raise ConfigError(f"{flag} {str(p)!r} is a directory; give a file path inside it, e.g. {str(p / 'ckpt.pt')!r}")
     check_writable_dir(p.parent if str(p.parent) else Path("."), f"{flag} (its folder)")
+    check_name_room(p.parent, [p.name], flag)
 
 
 def check_destinations(cfg: RunConfig, fresh_out: bool = False) -> None:
@@ -117,6 +151,7 @@ def check_destinations(cfg: RunConfig, fresh_out: bool = False) -> None:
             check_writable_file(t.save, "--save")
         check_save_target(cfg)
     out = Path(t.out)  # "~" already expanded (TrainConfig)
+    check_name_room(out, TRAIN_FILES, "--out")
     check_out_names(out, "--out")
     check_logger_folders(out, t.report_to)
     if fresh_out and not t.resume:
