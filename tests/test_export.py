@@ -112,6 +112,24 @@ def test_export_refuses_bad_input(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+def test_export_into_the_current_folder_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    """`export CKPT .` in an empty folder passed the empty-folder check, wrote the whole export
+    beside it and then failed to rename it onto the current folder (EBUSY, exit 1). It is bad
+    input, said before the checkpoint is read; an export by name there still works."""
+    ckpt = _train(tmp_path)
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    capsys.readouterr()
+    for dest in (".", "./", ".."):
+        assert main(["export", str(ckpt), dest]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error:") and "give a new directory by name" in err and err.count("\n") == 1
+    assert list(here.iterdir()) == []
+    assert main(["export", str(ckpt), "model"]) == 0
+    assert (here / "model" / "config.json").is_file()
+
+
 def test_generate_is_seeded_from_checkpoint_and_export(tmp_path, capsys):
     ckpt = _train(tmp_path)
     capsys.readouterr()

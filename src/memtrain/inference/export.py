@@ -413,6 +413,11 @@ def write_adapter(model: HFCausalLM, out: Path) -> int:
 def check_new_directory(out: Path) -> None:
     """``out`` may become the export: absent, or an empty directory; not a link (even to an
     empty directory: the export's final rename would replace the link, not fill its target)."""
+    if out.name in ("", ".", ".."):
+        # The export is written beside OUT and renamed onto it: the current folder (or its
+        # parent, or /) cannot be replaced (the rename failed with EBUSY, exit 1, once written).
+        raise ConfigError(f"{str(out)!r} names the current folder, its parent or the root, which an export cannot "
+                          "replace; give a new directory by name, e.g. ./model")
     if out.is_symlink():
         raise ConfigError(f"{str(out)!r} is a symbolic link; memtrain does not write through links: remove it "
                           "or give a new directory")
