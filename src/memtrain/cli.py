@@ -48,6 +48,7 @@ from memtrain.config.run import (
     model_default_attention,
     refuse_long_warmup,
 )
+from memtrain.devices.forced import check_forced_env
 from memtrain.distributed.rank_errors import begin_command, error_line, launch_env, launched_by_memtrain, say_error
 from memtrain.errors import denied_access, is_out_of_memory, one_line
 from memtrain.files.results import (
@@ -617,6 +618,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     quiet_third_party()
     install_warning_format()
     try:
+        check_forced_env()  # the probe survives a value it cannot read: say so before anything runs
         return int(args._run(args) or 0)
     except ConfigError as exc:
         # Under torchrun every rank exits 2 (memtrain.distributed.rank_errors makes a rank-specific
