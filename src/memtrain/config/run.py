@@ -700,8 +700,34 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         for k in (key, *inner):
             if not isinstance(k, str):
                 raise ConfigError(f"config file {str(p)!r} has the key {k!r}; keys are setting names such as d_model")
+    data = _checked_sections(data, str(p))
     _check_placement(data, str(p))
     return data
+
+
+def _checked_sections(data: dict[str, Any], shown: str) -> dict[str, Any]:
+    """``data`` without its empty sections (``train:`` whose settings are all commented out is
+    YAML's null: it was refused as "unknown option --train"), a section holding anything but
+    settings refused naming it. ``model`` and ``data`` are settings too (``model: gpt2``): only
+    their null is a section's."""
+    settings = field_index()
+    kept: dict[str, Any] = {}
+    for key, value in data.items():
+        section = key.replace("-", "_")
+        if section in SECTIONS and value is None:
+            continue
+        if section in SECTIONS and section not in settings and not isinstance(value, dict):
+            example = dataclasses.fields(SECTIONS[section])[0]  # one of its own settings, as shown in --help
+            raise ConfigError(f"config file {shown!r} has {key}: holding {_yaml_kind(value)}; a section holds "
+                              f"settings (key: value under {key}:), e.g. {key}: {{{example.name}: {example.default!r}}}")
+        kept[key] = value
+    return kept
+
+
+def _yaml_kind(value: Any) -> str:
+    """What a config value is, in the file's words (a list, a number, text)."""
+    kinds = {list: "a list", bool: "true/false", int: "a number", float: "a number", str: "text"}
+    return next((word for cls, word in kinds.items() if isinstance(value, cls)), type(value).__name__)
 
 
 def _check_placement(data: dict[str, Any], shown: str) -> None:
