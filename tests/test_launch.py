@@ -344,3 +344,16 @@ def test_odd_data_paths_are_refused_without_hanging(tmp_path, capsys):
         assert main(["train", *cli_flags(run)]) == 2, data
         _one_error_line(capsys.readouterr().err)
     assert not (tmp_path / "o").exists()
+
+
+def test_a_launched_flag_left_without_its_launcher_still_says_the_line(monkeypatch, tmp_path, capsys):
+    """MEMTRAIN_LAUNCHED=1 in an environment memtrain's launcher did not make (no error folder
+    for it to read): a refused run exited 2 with no line at all, each rank leaving its line to a
+    launcher that was not there. The line is said."""
+    monkeypatch.setenv("MEMTRAIN_LAUNCHED", "1")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("MEMTRAIN_ERROR_DIR", raising=False)
+    assert main(["train", "--steps", "1", "--out", str(tmp_path / "run"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: RANK is not set but WORLD_SIZE is") and err.count("\n") == 1
