@@ -671,6 +671,9 @@ def _check_integers_fit(parts: dict[str, Any]) -> None:
                 check_at_most(f"--{f.name.replace('_', '-')}", abs(value), MAX_INT)
 
 
+MAX_CONFIG_BYTES = 16 * 2**20
+
+
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML or TOML config file into a dict (sections or flat keys)."""
     p = Path(path)
@@ -678,6 +681,12 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     kind = special_file_kind(p)  # a FIFO (never opened: it would block), a device: named, not "not found"
     _require(kind is None, f"config file {str(p)!r} is {kind}, not a file; give a YAML, TOML or JSON file")
     _require(p.is_file(), f"config file {str(p)!r} not found; check the --config path")
+    size = p.stat().st_size
+    # Read whole before parsing: a data file given as --config (corpus.json, GBs) took minutes and
+    # tens of GB before being refused as "holds a list"; settings take a few KB.
+    _require(size <= MAX_CONFIG_BYTES, f"config file {str(p)!r} is {size / 2**20:,.1f} MiB, more than the "
+             f"{MAX_CONFIG_BYTES // 2**20} MiB a config file may be (settings take a few KB); if it is text to "
+             "train on, give it as --data")
     suffix = p.suffix.lower()
     if suffix not in (".toml", ".yaml", ".yml", ".json"):
         raise ConfigError(f"config file {str(p)!r} must end in .yaml, .yml, .toml or .json")
