@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -543,3 +544,29 @@ def test_a_split_left_without_a_document_says_what_the_data_holds(tmp_path, caps
     assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
     assert all(w in errors[0] for w in words), errors[0]
     assert not out.exists()
+
+
+@pytest.mark.parametrize("code", ["ENOSPC", "EDQUOT", "EIO"])
+def test_a_cache_disk_that_fills_while_writing_the_entry_tokenizes_without_it(tmp_path, capsys, monkeypatch, code):
+    """The token cache's disk filling up (or failing) while an entry was written ended the run
+    (`disk full writing ...`, exit 1) although the cache only saves time: the run now goes on as
+    with an unwritable cache, one warning line, the same tokens, no half entry left."""
+    import errno
+
+    monkeypatch.delenv("MEMTRAIN_CACHE", raising=False)  # the folders below, not the tests' shared cache
+    data = _lines_txt(tmp_path / "d.txt", 6, 120)
+    cfg = DataConfig(data=str(data), cache_dir=str(tmp_path / "cache"), val_fraction=0.5)
+    expected = prepare_tokens(DataConfig(data=str(data), cache_dir=str(tmp_path / "other"), val_fraction=0.5))
+    real = cache_mod._write_tokens
+
+    def full_in_the_cache(cfg_, out, *args, **kwargs):
+        if (tmp_path / "cache") in Path(out).parents:
+            raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)), str(out / "train.bin"))
+        return real(cfg_, out, *args, **kwargs)
+
+    monkeypatch.setattr(cache_mod, "_write_tokens", full_in_the_cache)
+    splits = prepare_tokens(cfg)
+    assert "warning: token cache" in capsys.readouterr().err
+    assert splits.cache_path == "" and np.array_equal(splits.train, expected.train)
+    assert np.array_equal(splits.val, expected.val)
+    assert [p.name for p in (tmp_path / "cache").rglob("*") if p.name.startswith(".tmp-")] == []
