@@ -185,6 +185,31 @@ def test_train_holds_its_out_folder_like_a_bench(tiny_run, capsys, monkeypatch):
         pass
 
 
+def test_a_train_whose_checks_passed_before_another_finished_on_its_out_never_replaces_its_results(
+        tiny_run, capsys, monkeypatch):
+    """Two trains on one --out, the second checked before the first took the folder and
+    taking it after the first ended: the lock no longer refuses it, but the first run's
+    metrics.jsonl is opened exclusively, so the second is refused (exit 2) and the first's
+    result.json and curve are as it wrote them."""
+    from memtrain.training import train as train_module
+
+    run = {**tiny_run, "steps": 2, "warmup_steps": 1, "warmup_timing_steps": 1, "val_blocks": 1}
+    out = Path(run["out"])
+    real, first = train_module.check_optimizer_installed, []
+
+    def the_first_runs_meanwhile(technique):  # after the second's destination checks, before its lock
+        if not first:  # another process, as a second command would be
+            first.append(subprocess.run([sys.executable, "-m", "memtrain", "train", *cli_flags({**run, "seed": 1})],
+                                        capture_output=True, timeout=240).returncode)
+        return real(technique)
+
+    monkeypatch.setattr(train_module, "check_optimizer_installed", the_first_runs_meanwhile)
+    assert main(["train", *cli_flags({**run, "seed": 2})]) == 2 and first == [0]
+    assert "metrics.jsonl' already exists and is not overwritten" in capsys.readouterr().err
+    assert json.loads((out / "result.json").read_text())["config"]["train"]["seed"] == 1
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3  # the first run's lines only
+
+
 def test_two_trains_with_one_save_file_are_not_both_run(tiny_run, tmp_path, capsys, monkeypatch):
     """Two runs with different --out but one --save would each replace the other's checkpoint
     and both succeed: the second is refused while the first holds the file; the lock beside the
