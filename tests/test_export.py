@@ -130,6 +130,28 @@ def test_export_into_the_current_folder_is_refused_before_anything_is_written(tm
     assert (here / "model" / "config.json").is_file()
 
 
+def test_export_to_a_path_that_is_not_utf8_is_refused_before_the_checkpoint_is_read(tmp_path, capsys, monkeypatch):
+    """The tokenizers library writes to UTF-8 paths only: an OUT_DIR named with a byte that is not
+    UTF-8 read the checkpoint, wrote the weights, then failed with "TypeError: failed to extract
+    enum PyVocab" (exit 1). One line (exit 2) before the checkpoint is read; nothing is left."""
+    import os
+
+    from memtrain.inference import export as module
+
+    ckpt = _train(tmp_path)
+    out = os.fsdecode(bytes(tmp_path) + b"/model\xff")
+
+    def must_not_read(*args, **kwargs):
+        raise AssertionError("the checkpoint was read")
+
+    monkeypatch.setattr(module, "read_checkpoint", must_not_read)
+    capsys.readouterr()
+    assert main(["export", str(ckpt), out]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "is not a UTF-8 path" in err and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.pt", "r"]
+
+
 def test_generate_is_seeded_from_checkpoint_and_export(tmp_path, capsys):
     ckpt = _train(tmp_path)
     capsys.readouterr()

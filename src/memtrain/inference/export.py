@@ -418,6 +418,14 @@ def check_new_directory(out: Path) -> None:
         # parent, or /) cannot be replaced (the rename failed with EBUSY, exit 1, once written).
         raise ConfigError(f"{str(out)!r} names the current folder, its parent or the root, which an export cannot "
                           "replace; give a new directory by name, e.g. ./model")
+    try:
+        str(out.absolute()).encode("utf-8")
+    except UnicodeEncodeError:
+        # A byte that is not UTF-8 (a lone surrogate here): the tokenizers and safetensors
+        # libraries take UTF-8 paths only; tokenizers failed with a TypeError, exit 1, once the
+        # checkpoint was read and the weights written.
+        raise ConfigError(f"{str(out)!r} is not a UTF-8 path, and transformers' tokenizer and safetensors files can "
+                          "only be written to one; give a UTF-8 path") from None
     if out.is_symlink():
         raise ConfigError(f"{str(out)!r} is a symbolic link; memtrain does not write through links: remove it "
                           "or give a new directory")
