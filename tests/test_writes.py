@@ -650,3 +650,27 @@ def test_a_name_too_long_for_the_system_is_one_line_saying_so(tiny_run, tmp_path
         line = _one_error_line(capsys.readouterr().err)
         assert line.startswith("error: file name too long") and "give memtrain a shorter path" in line
         assert len(line) < 400
+
+
+def test_an_out_folder_the_data_reads_is_refused_before_anything_is_written(tiny_run, tmp_path, capsys):
+    """`--data corpus --out corpus/run` (or `--out corpus`, or a glob matching what memtrain
+    writes) trained, then the next run or a resume read result.json and metrics.jsonl as text
+    (or refused: the data changed). Refused up front by train and bench; the data is untouched."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    shutil.copy(tiny_run["data"], corpus / "a.txt")
+    (corpus / "b.jsonl").write_text(json.dumps({"text": "one document " * 50}) + "\n")
+    run = {**tiny_run, "steps": 1, "warmup_steps": 0, "val_fraction": 0.5}
+    cases = [(str(corpus), corpus / "run", "result.json"), (str(corpus), corpus, "result.json"),
+             (str(corpus / "*.jsonl"), corpus, "metrics.jsonl")]
+    for data, out, name in cases:
+        assert main(["train", *cli_flags({**run, "data": data, "out": str(out)})]) == 2
+        line = _one_error_line(capsys.readouterr().err)
+        assert f"is where --data {data!r} reads: the {name} memtrain writes there" in line
+    assert main(["bench", "--techniques", "baseline", "--no-maxbatch", "--data", str(corpus),
+                 "--out", str(corpus / "bench"), *cli_flags({k: v for k, v in run.items() if k not in ("data", "out")})]) == 2
+    assert "is where --data" in _one_error_line(capsys.readouterr().err)
+    assert sorted(p.name for p in corpus.iterdir()) == ["a.txt", "b.jsonl"]
+    # An --out beside the data, and a glob that cannot match what memtrain writes there, train.
+    assert main(["train", *cli_flags({**run, "data": str(corpus), "out": str(tmp_path / "beside")})]) == 0
+    assert main(["train", *cli_flags({**run, "data": str(corpus / "*.txt"), "out": str(corpus / "run")})]) == 0

@@ -31,7 +31,7 @@ from memtrain.config.argtypes import batch_count, positive_float, rank_count, us
 from memtrain.config.run import SECTIONS, ConfigError, load_config_file, parse_size
 from memtrain.files.results import OUT_FILES
 from memtrain.report import write_report
-from memtrain.training.preflight import check_name_room, check_out_names, check_writable_dir
+from memtrain.training.preflight import check_name_room, check_out_names, check_out_outside_data, check_writable_dir
 
 
 def warn_skipped_lines(out: Path, summary: dict) -> None:
@@ -194,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
     check_row_folders(opts.out, [name for name, _ in resolved])  # a link at rows/: before the folder exists
     shared = bench_settings(opts, resolved)
     check_rows_data(resolved)  # empty or unreadable data: one error: line, no folder
+    for data in sorted({cfg.data.data for _, cfg in resolved}):  # results.jsonl read by the next row
+        check_out_outside_data(opts.out, data, OUT_FILES)
     settings = settings_hash(shared)
     try:
         # SIGTERM (`kill`, systemd, a job scheduler) arrives here as KeyboardInterrupt (cli.main).

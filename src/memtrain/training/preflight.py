@@ -24,10 +24,11 @@
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 import stat
 import tempfile
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, Iterable, Optional
 
 from memtrain.analysis.limits import check_analytic_size
@@ -152,6 +153,7 @@ def check_destinations(cfg: RunConfig, fresh_out: bool = False) -> None:
         check_save_target(cfg)
     out = Path(t.out)  # "~" already expanded (TrainConfig)
     check_name_room(out, TRAIN_FILES, "--out")
+    check_out_outside_data(out, cfg.data.data, TRAIN_FILES)
     check_out_names(out, "--out")
     check_logger_folders(out, t.report_to)
     if fresh_out and not t.resume:
@@ -179,6 +181,30 @@ def check_out_names(out: Path, flag: str = "--out") -> None:
             check_lock_file(out, flag)  # the lock's own words, whichever check meets it first
         else:
             refuse_odd_destination(out / name, f"{flag} {str(out)!r}: {name}")
+
+
+def check_out_outside_data(out: str | Path, data: str, names: Iterable[str], flag: str = "--out") -> None:
+    """No file memtrain writes in ``out`` (``names``) is one that ``--data`` reads: an --out in
+    (or equal to) a --data folder, or one a --data glob matches (``corpus/*.jsonl`` and
+    ``--out corpus``), made the next run, a resume or a bench's next row read result.json,
+    metrics.jsonl or results.jsonl as text to train on (or refuse it, the data's fingerprint
+    changed). ``**`` in a glob is matched as one folder level (pathlib's rule)."""
+    if data == "default" or data.startswith("hf:"):
+        return
+    from memtrain.data.sources import SUPPORTED_SUFFIXES  # memtrain.data loads torch: not for --help
+
+    read = [name for name in names if Path(name).suffix.lower() in SUPPORTED_SUFFIXES]
+    target = Path(out).expanduser().absolute()
+    source = Path(data).expanduser()
+    if glob.has_magic(data):
+        pattern = str(source.absolute())
+        hit = next((n for n in read if PurePath(target / n).match(pattern)), None)
+    else:
+        inside = source.is_dir() and (target == source.absolute() or source.absolute() in target.parents)
+        hit = read[0] if inside and read else None
+    if hit is not None:
+        raise ConfigError(f"{flag} {str(out)!r} is where --data {data!r} reads: the {hit} memtrain writes there would be "
+                          "read as text to train on by the next run (or a resumed one); choose an --out outside the data")
 
 
 def check_fresh_out(out: Path) -> None:
