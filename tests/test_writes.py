@@ -674,3 +674,35 @@ def test_an_out_folder_the_data_reads_is_refused_before_anything_is_written(tiny
     # An --out beside the data, and a glob that cannot match what memtrain writes there, train.
     assert main(["train", *cli_flags({**run, "data": str(corpus), "out": str(tmp_path / "beside")})]) == 0
     assert main(["train", *cli_flags({**run, "data": str(corpus / "*.txt"), "out": str(corpus / "run")})]) == 0
+
+
+@pytest.mark.parametrize("failing", ["second", "every"])
+def test_a_periodic_checkpoint_that_cannot_be_written_does_not_stop_the_run(tiny_run, tmp_path, capsys, monkeypatch,
+                                                                         failing):
+    """A --save-every checkpoint meeting a full disk stopped the run there (exit 1): the steps
+    since the last checkpoint and the result were lost. It is said once and training goes on;
+    the final save tries again (its own failure still exits 1, after result.json)."""
+    import torch
+
+    from memtrain.training import train as train_module
+
+    real, calls = train_module.save_checkpoint, []
+
+    def full_disk(path, state):
+        calls.append(state.step)
+        if failing == "every" or len(calls) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real(path, state)
+
+    monkeypatch.setattr(train_module, "save_checkpoint", full_disk)
+    save = tmp_path / "run" / "ck.pt"
+    run = {**tiny_run, "steps": 4, "warmup_steps": 0, "save": str(save), "save_every": 1}
+    code = main(["train", *cli_flags(run)])
+    err = capsys.readouterr().err
+    assert calls == [1, 2, 3, 4]  # three periodic saves, then the final one
+    assert err.count("warning: the checkpoint of step") == 1
+    assert json.loads((tmp_path / "run" / "result.json").read_text())["steps"] == 4
+    if failing == "second":
+        assert code == 0 and torch.load(save, weights_only=True, mmap=True)["step"] == 4
+    else:
+        assert code == 1 and "disk full writing" in err.strip().splitlines()[-1] and not save.exists()

@@ -442,6 +442,7 @@ class _Loop:
     overlap: bool = False
     _queued: deque[_Queued] = field(default_factory=deque)
     _last_read: float = 0.0  # host clock when the last step's values were read
+    _save_failed: bool = False  # a periodic checkpoint could not be written (said once)
 
     def run(self, start_step: int, end_step: int, bar: _Progress) -> None:
         state, t = self.state, self.state.cfg.train
@@ -524,8 +525,25 @@ class _Loop:
         # Not at the last step: the final checkpoint follows result.json there, so a run stopped
         # between the two (Ctrl-C in the last validation) still has a step to resume that writes it.
         if t.save and t.save_every and done % t.save_every == 0 and done < end_step:
-            self.save_ckpt(t.save, state)
+            self._save_periodic(t.save, done)
             self.timer.skip_gap()
+
+    def _save_periodic(self, path: str, done: int) -> None:
+        """A --save-every checkpoint. One that cannot be written (a full disk, EIO) is said once
+        and training goes on: stopping there lost every step since the last checkpoint and the
+        run's result, while the final save (after result.json) tries again and says its own
+        failure; the file keeps the last checkpoint written. A sharded save is collective: its
+        failure stops every rank, as before."""
+        try:
+            self.save_ckpt(path, self.state)
+        except OSError as exc:
+            if self.state.cfg.technique.distributed != "none":
+                raise
+            if not self._save_failed:
+                self._save_failed = True
+                sys.stderr.write(f"warning: the checkpoint of step {done} could not be written to {path!r} "
+                                 f"({exc.strerror or type(exc).__name__}); training goes on, the final save tries "
+                                 "again, and the file keeps the last checkpoint written\n")
 
 
 def overlaps_steps(state: TrainState, sync_steps: bool, world_size: int) -> bool:
