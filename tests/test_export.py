@@ -152,6 +152,17 @@ def test_export_to_a_path_that_is_not_utf8_is_refused_before_the_checkpoint_is_r
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.pt", "r"]
 
 
+def test_export_to_a_name_of_up_to_255_bytes_is_written(tmp_path, capsys):
+    """The export is written in a scratch folder beside OUT and renamed: that folder was named
+    ".OUT.<random>.tmp", 14 bytes longer than OUT, so a valid name of 242-255 bytes failed once
+    the checkpoint was read (`File name too long`). The scratch folder's name is its own now."""
+    ckpt = _train(tmp_path)
+    out = tmp_path / ("m" * 250)
+    assert main(["export", str(ckpt), str(out)]) == 0, capsys.readouterr().err
+    assert (out / "config.json").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
 def test_generate_is_seeded_from_checkpoint_and_export(tmp_path, capsys):
     ckpt = _train(tmp_path)
     capsys.readouterr()

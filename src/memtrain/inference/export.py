@@ -441,7 +441,9 @@ def _new_directory(out: Path) -> Iterator[Path]:
     failed or interrupted export leaves no half-written model where a loader would find it."""
     check_new_directory(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    # A name of its own, not OUT's: ".OUT.<random>.tmp" made an OUT name of 242-255 bytes (valid)
+    # too long once the checkpoint was read.
+    tmp = Path(tempfile.mkdtemp(prefix=".memtrain-export-", suffix=".tmp", dir=out.parent))
     try:
         try:
             yield tmp
