@@ -437,6 +437,20 @@ def good_folder(pretrained_llama) -> Path:
     return pretrained_llama
 
 
+def test_a_model_folder_whose_path_is_not_utf8_is_named_as_such_and_a_link_to_it_works(good_folder, tmp_path, capsys):
+    """safetensors reads UTF-8 paths only: a sound folder named with a byte that is not UTF-8 was
+    refused as weights that "must be complete and belong to its config.json". The line names the
+    path; a link with a UTF-8 name to the same folder samples."""
+    d = Path(os.fsdecode(bytes(tmp_path) + b"/model\xff"))
+    shutil.copytree(good_folder, d)
+    capsys.readouterr()
+    assert main(["generate", str(d), "--prompt", "memory", "--max-new-tokens", "2"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "its path is not UTF-8" in line and "give it through a link with a UTF-8 name" in line
+    (tmp_path / "link").symlink_to(d, target_is_directory=True)
+    assert main(["generate", str(tmp_path / "link"), "--prompt", "memory", "--max-new-tokens", "2"]) == 0
+
+
 @pytest.mark.parametrize("name", list(CORRUPT_FOLDERS))
 def test_generate_refuses_each_corrupt_folder_with_one_line(good_folder, tmp_path, capsys, name):
     d = tmp_path / "model"
