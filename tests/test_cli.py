@@ -64,7 +64,7 @@ def test_field_absent_and_empty_and_too_small_corpus(tmp_path, capsys):
     small.write_text("just a few words")
     bad_xml = tmp_path / "Posts.xml"
     bad_xml.write_text('<posts><row Body="x"></posts>')
-    for path, message in ((absent, "text"), (empty, "no documents"), (small, "fewer than one batch"),
+    for path, message in ((absent, "text"), (empty, "no documents"), (small, "is one document"),
                           (bad_xml, "XML")):
         code, _, err = run_cli(["train", "--data", str(path), "--out", str(tmp_path / "o"), "--no-progress",
                                 "--seq-len", "32",

@@ -169,3 +169,24 @@ def test_replace_resolves_the_model_again():
     """RunConfig.replace goes through build_config: the model's shape stays the model's."""
     cfg = build_config({"model": "gpt2"}).replace(d_model=64, batch_size=2)
     assert (cfg.model.d_model, cfg.train.batch_size) == (768, 2)
+
+
+def test_an_empty_section_is_no_settings_and_a_section_holding_a_value_is_named(tmp_path):
+    """`train:` with its settings commented out is YAML's null: it was refused as "unknown option
+    --train", the name of a section the file may use. It is an empty section now; a section
+    holding a list or text is one line naming the section and showing one of its settings."""
+    from memtrain.config.run import flatten
+
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("model:\ntrain:\n  # steps: 3\ntechnique:\nsteps: 2\n")
+    assert load_config_file(empty) == {"steps": 2}
+    cfg = build_config(flatten(load_config_file(empty)))
+    assert cfg.train.steps == 2
+    for text, words in (("train: [1, 2]\n", "has train: holding a list"),
+                        ("technique: fast\n", "has technique: holding text"),
+                        ("train: 3\n", "has train: holding a number")):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match="a section holds settings") as err:
+            load_config_file(bad)
+        assert words in str(err.value) and "e.g." in str(err.value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -508,3 +509,64 @@ def test_too_small_corpus() -> None:
         make_train_loader(np.zeros(3000, np.uint16), seq_len=256, batch_size=8, seed=0, world_size=2)
     with pytest.raises(ConfigError, match="--val-fraction"):
         make_val_batches(np.zeros(100, np.uint16), seq_len=256, n_blocks=32, batch_size=8)
+
+
+def _lines_txt(path: Path, docs: int, lines: int) -> Path:
+    """A .txt of ``docs`` documents of ``lines`` short lines each, a blank line between them."""
+    words = "memory training model token batch layer the of and a to in".split()
+    rng = np.random.default_rng(0)
+    text = "\n".join("".join(" ".join(rng.choice(words, 15)) + "\n" for _ in range(lines)) for _ in range(docs))
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("docs, lines, val_fraction, words", [
+    # ~29 KB without a blank line: one document, which no --val-fraction can split
+    (1, 400, "0.05", ["the validation split is empty: --data", "is one document (a .txt is cut into documents at the "
+                      "first blank line after each 8,192 characters", "lands wholly in one split",
+                      "put a blank line between its documents, give more text, or give a .jsonl"]),
+    (3, 120, "0.05", ["the validation split is empty: none of the 3 documents of --data", "at --val-fraction 0.05",
+                      "raise --val-fraction (to 0.5 or more), change --split-seed or use more data"]),
+    (3, 120, "0.99", ["the training split is empty: all 3 documents of --data", "lower --val-fraction"]),
+])
+def test_a_split_left_without_a_document_says_what_the_data_holds(tmp_path, capsys, docs, lines, val_fraction, words):
+    """A .txt of few documents left a split empty, and the line only said "raise --val-fraction"
+    (useless for one document, whichever split it lands in); it now says how many documents the
+    data is and what changes that. Nothing is left in --out."""
+    from memtrain.cli import main
+
+    data = _lines_txt(tmp_path / "few.txt", docs, lines)
+    out = tmp_path / "out"
+    code = main(["train", "--data", str(data), "--val-fraction", val_fraction, "--steps", "1", "--batch-size", "1",
+                 "--seq-len", "32", "--out", str(out), "--cache-dir", str(tmp_path / "cache"), "--no-progress"])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert all(w in errors[0] for w in words), errors[0]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("code", ["ENOSPC", "EDQUOT", "EIO"])
+def test_a_cache_disk_that_fills_while_writing_the_entry_tokenizes_without_it(tmp_path, capsys, monkeypatch, code):
+    """The token cache's disk filling up (or failing) while an entry was written ended the run
+    (`disk full writing ...`, exit 1) although the cache only saves time: the run now goes on as
+    with an unwritable cache, one warning line, the same tokens, no half entry left."""
+    import errno
+
+    monkeypatch.delenv("MEMTRAIN_CACHE", raising=False)  # the folders below, not the tests' shared cache
+    data = _lines_txt(tmp_path / "d.txt", 6, 120)
+    cfg = DataConfig(data=str(data), cache_dir=str(tmp_path / "cache"), val_fraction=0.5)
+    expected = prepare_tokens(DataConfig(data=str(data), cache_dir=str(tmp_path / "other"), val_fraction=0.5))
+    real = cache_mod._write_tokens
+
+    def full_in_the_cache(cfg_, out, *args, **kwargs):
+        if (tmp_path / "cache") in Path(out).parents:
+            raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)), str(out / "train.bin"))
+        return real(cfg_, out, *args, **kwargs)
+
+    monkeypatch.setattr(cache_mod, "_write_tokens", full_in_the_cache)
+    splits = prepare_tokens(cfg)
+    assert "warning: token cache" in capsys.readouterr().err
+    assert splits.cache_path == "" and np.array_equal(splits.train, expected.train)
+    assert np.array_equal(splits.val, expected.val)
+    assert [p.name for p in (tmp_path / "cache").rglob("*") if p.name.startswith(".tmp-")] == []

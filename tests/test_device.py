@@ -321,3 +321,24 @@ def test_a_device_cache_entry_that_is_no_small_regular_file_is_not_read(tmp_path
         with open(entry, "wb"):  # release the blocked open, so the test process can end
             pass
     assert got == [None]
+
+
+@pytest.mark.parametrize("value", ["on", "2", "maybe"])
+def test_a_force_variable_the_probe_cannot_read_is_one_line_before_anything_runs(monkeypatch, tmp_path, capsys, value):
+    """MEMTRAIN_FORCE_NATIVE_BF16=on was read as unset: the probe's own answer stood and the run
+    went on as measured, silently. It is one line (exit 2) before the command runs; an empty
+    value is still unset."""
+    from memtrain.cli import main
+
+    out = tmp_path / "run"
+    argv = ["train", "--steps", "1", "--batch-size", "1", "--seq-len", "16", "--d-model", "16", "--n-heads", "2",
+            "--n-layers", "1", "--d-ff", "32", "--val-blocks", "1", "--warmup-steps", "0", "--no-progress",
+            "--out", str(out), "--cache-dir", str(tmp_path / "cache")]
+    for env in (D.FORCE_BF16_ENV, D.FORCE_FP16_ENV):
+        monkeypatch.setenv(env, value)
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: environment variable {env}={value!r} is not 1/0") and err.count("\n") == 1
+        assert not out.exists()
+        monkeypatch.setenv(env, "")
+    assert D.probe("cpu", measure=False).forced is None

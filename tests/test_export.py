@@ -112,6 +112,57 @@ def test_export_refuses_bad_input(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+def test_export_into_the_current_folder_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    """`export CKPT .` in an empty folder passed the empty-folder check, wrote the whole export
+    beside it and then failed to rename it onto the current folder (EBUSY, exit 1). It is bad
+    input, said before the checkpoint is read; an export by name there still works."""
+    ckpt = _train(tmp_path)
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    capsys.readouterr()
+    for dest in (".", "./", ".."):
+        assert main(["export", str(ckpt), dest]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error:") and "give a new directory by name" in err and err.count("\n") == 1
+    assert list(here.iterdir()) == []
+    assert main(["export", str(ckpt), "model"]) == 0
+    assert (here / "model" / "config.json").is_file()
+
+
+def test_export_to_a_path_that_is_not_utf8_is_refused_before_the_checkpoint_is_read(tmp_path, capsys, monkeypatch):
+    """The tokenizers library writes to UTF-8 paths only: an OUT_DIR named with a byte that is not
+    UTF-8 read the checkpoint, wrote the weights, then failed with "TypeError: failed to extract
+    enum PyVocab" (exit 1). One line (exit 2) before the checkpoint is read; nothing is left."""
+    import os
+
+    from memtrain.inference import export as module
+
+    ckpt = _train(tmp_path)
+    out = os.fsdecode(bytes(tmp_path) + b"/model\xff")
+
+    def must_not_read(*args, **kwargs):
+        raise AssertionError("the checkpoint was read")
+
+    monkeypatch.setattr(module, "read_checkpoint", must_not_read)
+    capsys.readouterr()
+    assert main(["export", str(ckpt), out]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "is not a UTF-8 path" in err and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.pt", "r"]
+
+
+def test_export_to_a_name_of_up_to_255_bytes_is_written(tmp_path, capsys):
+    """The export is written in a scratch folder beside OUT and renamed: that folder was named
+    ".OUT.<random>.tmp", 14 bytes longer than OUT, so a valid name of 242-255 bytes failed once
+    the checkpoint was read (`File name too long`). The scratch folder's name is its own now."""
+    ckpt = _train(tmp_path)
+    out = tmp_path / ("m" * 250)
+    assert main(["export", str(ckpt), str(out)]) == 0, capsys.readouterr().err
+    assert (out / "config.json").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
 def test_generate_is_seeded_from_checkpoint_and_export(tmp_path, capsys):
     ckpt = _train(tmp_path)
     capsys.readouterr()

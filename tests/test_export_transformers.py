@@ -437,6 +437,20 @@ def good_folder(pretrained_llama) -> Path:
     return pretrained_llama
 
 
+def test_a_model_folder_whose_path_is_not_utf8_is_named_as_such_and_a_link_to_it_works(good_folder, tmp_path, capsys):
+    """safetensors reads UTF-8 paths only: a sound folder named with a byte that is not UTF-8 was
+    refused as weights that "must be complete and belong to its config.json". The line names the
+    path; a link with a UTF-8 name to the same folder samples."""
+    d = Path(os.fsdecode(bytes(tmp_path) + b"/model\xff"))
+    shutil.copytree(good_folder, d)
+    capsys.readouterr()
+    assert main(["generate", str(d), "--prompt", "memory", "--max-new-tokens", "2"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "its path is not UTF-8" in line and "give it through a link with a UTF-8 name" in line
+    (tmp_path / "link").symlink_to(d, target_is_directory=True)
+    assert main(["generate", str(tmp_path / "link"), "--prompt", "memory", "--max-new-tokens", "2"]) == 0
+
+
 @pytest.mark.parametrize("name", list(CORRUPT_FOLDERS))
 def test_generate_refuses_each_corrupt_folder_with_one_line(good_folder, tmp_path, capsys, name):
     d = tmp_path / "model"
@@ -613,14 +627,60 @@ def test_a_sampling_run_that_cannot_fit_is_one_line_before_it_starts(good_folder
     64 MiB): too many samples is one line naming what to lower; fewer sample."""
     from memtrain.commands import generate as command
 
-    monkeypatch.setattr(command, "free_memory", lambda device: 64 << 20)
+    monkeypatch.setattr(command, "free_memory", lambda device, host_available: 64 << 20)
     argv = ["generate", str(good_folder), "--prompt", "memory", "--max-new-tokens", "100"]
     assert main([*argv, "--num-samples", "20000"]) == 2
     captured = capsys.readouterr()
     line = _one_error_line(captured.err)
-    assert "20000 samples of a" in line and "more than the 0.06 GiB of this machine's memory" in line
+    assert "20000 samples of a" in line and "more than the 0.06 GiB available on this machine" in line
     assert "lower --num-samples or --max-new-tokens, or --dtype bf16" in line and captured.out == ""
     assert main([*argv, "--num-samples", "2"]) == 0
+
+
+def _fake_memory(monkeypatch, tmp_path: Path, meminfo: str, cgroup: dict[str, str] | None = None) -> None:
+    """Point the host memory readings at crafted kernel files: /proc/meminfo's text, and a
+    cgroup v2 folder holding ``cgroup``'s files (none: no cgroup)."""
+    from memtrain.training import preflight
+
+    (tmp_path / "meminfo").write_text(meminfo)
+    folder = tmp_path / "cgroup"
+    folder.mkdir()
+    for name, text in (cgroup or {}).items():
+        (folder / name).write_text(text)
+    monkeypatch.setattr(preflight, "MEMINFO", tmp_path / "meminfo")
+    monkeypatch.setattr(preflight, "CGROUP_V2", folder)
+    monkeypatch.setattr(preflight, "CGROUP_V1", tmp_path / "no-cgroup-v1")
+
+
+def test_generate_holds_the_run_against_available_memory_not_the_total(good_folder, tmp_path, capsys, monkeypatch):
+    """A host of 1 TiB with 64 MiB available (other processes hold the rest) refuses a run that
+    needs more than 64 MiB, naming the available figure; the total let it start and fail in the
+    allocator."""
+    _fake_memory(monkeypatch, tmp_path, "MemTotal:       1073741824 kB\nMemFree:  1000 kB\n"
+                                        "MemAvailable:      65536 kB\n")
+    argv = ["generate", str(good_folder), "--prompt", "memory", "--max-new-tokens", "100", "--device", "cpu"]
+    assert main([*argv, "--num-samples", "20000"]) == 2
+    captured = capsys.readouterr()
+    line = _one_error_line(captured.err)
+    assert "more than the 0.06 GiB available on this machine" in line and captured.out == ""
+    assert "lower --num-samples or --max-new-tokens" in line
+    assert main([*argv, "--num-samples", "2"]) == 0
+
+
+def test_available_memory_takes_the_tighter_of_the_host_and_its_cgroup(tmp_path, monkeypatch):
+    """MemAvailable, a cgroup's limit less its usage (its inactive page cache counted free),
+    the smaller of the two; the total where no reading is known."""
+    from memtrain.training import preflight
+
+    meminfo = "MemTotal: 4194304 kB\nMemAvailable: 2097152 kB\n"  # 4 GiB, 2 GiB available
+    _fake_memory(monkeypatch, tmp_path, meminfo, {"memory.max": f"{2**30}\n", "memory.current": f"{900 << 20}\n",
+                                                  "memory.stat": f"anon 1\ninactive_file {100 << 20}\n"})
+    assert preflight.host_available_bytes() == 2**30 - (900 << 20) + (100 << 20)
+    (tmp_path / "cgroup" / "memory.max").write_text("max\n")  # no limit: the host's figure
+    assert preflight.host_available_bytes() == 2 * 2**30
+    (tmp_path / "meminfo").write_text("garbage\n")
+    monkeypatch.setattr(preflight, "host_memory_bytes", lambda: 123)
+    assert preflight.host_available_bytes() == 123
 
 
 def test_running_out_of_memory_past_the_check_is_one_line(good_folder, capsys, monkeypatch):

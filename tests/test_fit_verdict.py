@@ -158,7 +158,7 @@ def test_maxbatch_cuda_model_counts_the_overhead_a_tracked_search_misses(capsys,
 
 @pytest.mark.parametrize("argv,expect", [
     (["--device-type", "cuda"], "--gpu NAME"),
-    (["--gpu", "b200"], "add --memory-budget"),
+    (["--gpu", "v100"], "add --memory-budget"),  # a kind without one memory figure (16 or 32 GB)
     (["--gpu", "h100", "--device", "cpu"], "drop --device-type cpu/--device cpu"),
     (["--gpu", "h100", "--method", "trace"], "drop it"),
     # no --gpu given: the line names the two flags that disagree, not --gpu

@@ -215,9 +215,36 @@ def test_the_fused_attention_term_is_printed_with_one_sign():
 def test_unknown_gpu_is_a_config_error_listing_the_known_names(capsys):
     with pytest.raises(ConfigError, match="h100-sxm.*a100-80gb-sxm"):
         resolve_roof("b300", "fp32")
-    assert main(["flops", "--gpu", "b300", *_flags(TINY)]) == 2
+    with pytest.raises(SystemExit, match="2"):  # argparse's refusal, as every flag's (exit 2 from the command line)
+        main(["flops", "--gpu", "b300", *_flags(TINY)])
     err = capsys.readouterr().err
-    assert err.startswith("error: unknown --gpu 'b300'") and "h100-sxm" in err and err.count("\n") == 1
+    assert err.startswith("error: argument --gpu: 'b300' is no GPU kind memtrain knows") and "h100-sxm" in err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("verb", [["flops"], ["estimate"], ["plan", "--budget", "24GiB"], ["maxbatch"]])
+@pytest.mark.parametrize("name", ["A100;rm", "my t4 card", "h100 $(reboot)", "rtx 4090 d", "a100\nrm"])
+def test_every_verb_refuses_a_gpu_name_no_kind_answers_to(capsys, verb, name):
+    """One rule on every verb: a --gpu NAME is a table key or a name made of GPU-name words.
+    The device-name patterns search for a model anywhere, so "A100;rm" was an A100 (flops,
+    estimate, plan) and "my t4 card" a T4; it is now one line listing the known names."""
+    with pytest.raises(SystemExit, match="2"):
+        main([*verb, "--gpu", name, *_flags(TINY)])
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: argument --gpu: {name!r} is no GPU kind memtrain knows; choose one of h100-sxm"), err
+    assert "for a card not listed" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("name, key", [("NVIDIA A100-SXM4-80GB", "a100-80gb-sxm"), ("Tesla V100S-PCIE-32GB", "v100s-pcie"),
+                                       ("NVIDIA GeForce RTX 4090", "rtx-4090"), ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+                                       ("a100-80gb", "a100-80gb-sxm"), ("rtx4090", "rtx-4090"), ("4090", "rtx-4090"),
+                                       ("H100", "h100-sxm"), ("t4", "t4")])
+def test_gpu_names_as_cuda_prints_them_and_short_names_still_resolve(capsys, name, key):
+    from memtrain.devices.gpu_kinds import named_gpu_key
+
+    assert named_gpu_key(name) == key
+    assert main(["flops", "--json", "--gpu", name, *_flags(TINY)]) == 0
+    assert json.loads(capsys.readouterr().out)["gpu"]["key"] == key
 
 
 def test_no_bf16_tensor_cores_is_a_config_error():

@@ -341,6 +341,25 @@ def test_hostile_config_files_are_one_error_line(tmp_path, capsys, suffix, text)
     assert "set_int_max_str_digits" not in err
 
 
+@pytest.mark.parametrize("suffix", [".json", ".yaml", ".toml"])
+def test_a_config_file_the_size_of_data_is_refused_before_it_is_read(tmp_path, capsys, monkeypatch, suffix):
+    """A data file given as --config (corpus.json) was read whole and parsed: 85 MB took 7 s and
+    630 MB before "holds a list"; GBs ran out of memory. Over 16 MiB is one line naming --data,
+    from its size alone (the file is never opened)."""
+    from pathlib import Path as PathType
+
+    path = tmp_path / f"corpus{suffix}"
+    with open(path, "wb") as f:
+        f.truncate(20 * 2**20)  # sparse: 20 MiB on paper
+    opened = []
+    real_read_text = PathType.read_text
+    monkeypatch.setattr(PathType, "read_text", lambda self, *a, **k: opened.append(self) or real_read_text(self, *a, **k))
+    assert main(["estimate", "--config", str(path)]) == 2
+    err = _one_error_line(capsys.readouterr().err)
+    assert "is 20.0 MiB, more than the 16 MiB a config file may be" in err and "give it as --data" in err
+    assert path not in opened
+
+
 def test_yaml_aliases_sharing_a_list_are_checked_once(tmp_path):
     from memtrain.config.run import load_config_file
 

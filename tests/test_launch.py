@@ -185,6 +185,31 @@ def test_train_holds_its_out_folder_like_a_bench(tiny_run, capsys, monkeypatch):
         pass
 
 
+def test_a_train_whose_checks_passed_before_another_finished_on_its_out_never_replaces_its_results(
+        tiny_run, capsys, monkeypatch):
+    """Two trains on one --out, the second checked before the first took the folder and
+    taking it after the first ended: the lock no longer refuses it, but the first run's
+    metrics.jsonl is opened exclusively, so the second is refused (exit 2) and the first's
+    result.json and curve are as it wrote them."""
+    from memtrain.training import train as train_module
+
+    run = {**tiny_run, "steps": 2, "warmup_steps": 1, "warmup_timing_steps": 1, "val_blocks": 1}
+    out = Path(run["out"])
+    real, first = train_module.check_optimizer_installed, []
+
+    def the_first_runs_meanwhile(technique):  # after the second's destination checks, before its lock
+        if not first:  # another process, as a second command would be
+            first.append(subprocess.run([sys.executable, "-m", "memtrain", "train", *cli_flags({**run, "seed": 1})],
+                                        capture_output=True, timeout=240).returncode)
+        return real(technique)
+
+    monkeypatch.setattr(train_module, "check_optimizer_installed", the_first_runs_meanwhile)
+    assert main(["train", *cli_flags({**run, "seed": 2})]) == 2 and first == [0]
+    assert "metrics.jsonl' already exists and is not overwritten" in capsys.readouterr().err
+    assert json.loads((out / "result.json").read_text())["config"]["train"]["seed"] == 1
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3  # the first run's lines only
+
+
 def test_two_trains_with_one_save_file_are_not_both_run(tiny_run, tmp_path, capsys, monkeypatch):
     """Two runs with different --out but one --save would each replace the other's checkpoint
     and both succeed: the second is refused while the first holds the file; the lock beside the
@@ -344,3 +369,16 @@ def test_odd_data_paths_are_refused_without_hanging(tmp_path, capsys):
         assert main(["train", *cli_flags(run)]) == 2, data
         _one_error_line(capsys.readouterr().err)
     assert not (tmp_path / "o").exists()
+
+
+def test_a_launched_flag_left_without_its_launcher_still_says_the_line(monkeypatch, tmp_path, capsys):
+    """MEMTRAIN_LAUNCHED=1 in an environment memtrain's launcher did not make (no error folder
+    for it to read): a refused run exited 2 with no line at all, each rank leaving its line to a
+    launcher that was not there. The line is said."""
+    monkeypatch.setenv("MEMTRAIN_LAUNCHED", "1")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("MEMTRAIN_ERROR_DIR", raising=False)
+    assert main(["train", "--steps", "1", "--out", str(tmp_path / "run"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: RANK is not set but WORLD_SIZE is") and err.count("\n") == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -133,3 +134,31 @@ def test_atomic_writes_get_a_plain_files_mode_and_keep_a_replaced_files(tmp_path
         assert stat.S_IMODE((tmp_path / "exported").stat().st_mode) == 0o775
     finally:
         os.umask(old)
+
+
+def test_a_report_quoting_a_file_name_that_is_not_utf8_is_written(tmp_path, capsys):
+    """A bench on `--data` named with a byte that is not UTF-8 (Python holds it as a lone
+    surrogate) records the name; report.md quotes it, and its strict UTF-8 encode made the
+    report (and a bench's last step) exit 1 with nothing written. It is written as the escape."""
+    rows = [json.loads(line) for line in (DATA / "bench_results.jsonl").read_text().splitlines()]
+    for row in rows:
+        row["config"].setdefault("data", {})["data"] = "corpus/d\udcff.txt"
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["report", str(tmp_path)]) == 0, capsys.readouterr().err
+    text = (tmp_path / "report.md").read_text(encoding="utf-8")  # still UTF-8
+    assert "corpus/d\\udcff.txt" in text
+
+
+def test_a_command_printing_a_path_that_is_not_utf8_exits_0_under_a_strict_stdout(tmp_path):
+    """A UTF-8 locale's stdout refuses lone surrogates: `train --out` named with a byte that
+    is not UTF-8 wrote everything, then failed on its last line ("wrote OUT/result.json"), exit
+    1. The line now shows the byte as an escape."""
+    out = os.fsdecode(bytes(tmp_path) + b"/o\xfe")
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}  # what a UTF-8 locale gives: strict stdout
+    proc = subprocess.run([sys.executable, "-m", "memtrain", "train", "--steps", "1", "--batch-size", "1",
+                           "--seq-len", "16", "--d-model", "16", "--n-heads", "2", "--n-layers", "1", "--d-ff", "32",
+                           "--val-blocks", "1", "--warmup-steps", "0", "--no-progress", "--out", out,
+                           "--cache-dir", str(tmp_path / "cache")], capture_output=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")
+    assert b"wrote " + bytes(tmp_path) + b"/o\\udcfe/result.json" in proc.stdout
+    assert json.loads((Path(out) / "result.json").read_text())["steps"] == 1

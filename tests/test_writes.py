@@ -603,3 +603,106 @@ def test_metrics_jsonl_replaced_during_the_run_keeps_every_line(tiny_run, tmp_pa
     if how == "replaced":
         assert lines[0] == {"note": "theirs"}
     assert "metrics.jsonl" in err and ("became a symbolic link" in err) == (how == "link"), err
+
+
+def test_a_save_name_whose_temporary_file_would_be_too_long_is_refused_before_the_first_step(tiny_run, tmp_path,
+                                                                                              capsys):
+    """A --save name of 235 bytes is a valid name, but the temporary file memtrain writes it
+    through (NAME.memtrain-PID.RANDOM.tmp) is not: the run trained every step, wrote
+    result.json, then lost its checkpoint to ENAMETOOLONG. Refused up front, nothing written;
+    a name that leaves room still trains."""
+    out = tmp_path / "run"
+    save = out / ("s" * 232 + ".pt")
+    assert main(["train", *cli_flags({**tiny_run, "steps": 1, "warmup_steps": 0, "save": str(save)})]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "--save: the name" in line and "over the 255 a name may have here; shorten the name to at most 225" in line
+    assert not out.exists()
+    fits = out / ("s" * 222 + ".pt")
+    assert main(["train", *cli_flags({**tiny_run, "steps": 1, "warmup_steps": 0, "save": str(fits)})]) == 0
+    assert fits.is_file()
+
+
+def test_an_out_path_too_long_for_the_result_is_refused_before_the_first_step(tiny_run, tmp_path, capsys):
+    """An --out path the system takes (its lock and metrics.jsonl fit) but result.json's
+    temporary file does not: the run trained and then lost its result. Refused up front."""
+    room = 4096 - len(os.fsencode(str(tmp_path))) - 1 - len("result.json.memtrain-9999999.xxxxxxxx.tmp") + 10
+    parts, left = [], room
+    while left > 0:
+        parts.append("d" * min(200, left))
+        left -= len(parts[-1]) + 1
+    out = tmp_path.joinpath(*parts)
+    assert len(os.fsencode(str(out / ".memtrain.lock"))) < 4096  # the lock alone would fit
+    assert main(["train", *cli_flags({**tiny_run, "steps": 1, "warmup_steps": 0, "out": str(out)})]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "the path of result.json there, with its temporary name" in line and "give a shorter path" in line
+    assert not (tmp_path / parts[0]).exists()
+
+
+def test_a_name_too_long_for_the_system_is_one_line_saying_so(tiny_run, tmp_path, capsys):
+    """A name over 255 bytes (--out, --data) was exit 1 with Python's
+    "OSError: [Errno 36] File name too long" and the whole path; it is bad input, one line that
+    says to shorten it, the path cut to its ends."""
+    long = tmp_path / ("x" * 300)
+    run = {**tiny_run, "steps": 1, "warmup_steps": 0}
+    for argv in (["train", *cli_flags({**run, "out": str(long)})],
+                 ["train", *cli_flags({**run, "data": str(long) + ".txt"})]):
+        assert main(argv) == 2
+        line = _one_error_line(capsys.readouterr().err)
+        assert line.startswith("error: file name too long") and "give memtrain a shorter path" in line
+        assert len(line) < 400
+
+
+def test_an_out_folder_the_data_reads_is_refused_before_anything_is_written(tiny_run, tmp_path, capsys):
+    """`--data corpus --out corpus/run` (or `--out corpus`, or a glob matching what memtrain
+    writes) trained, then the next run or a resume read result.json and metrics.jsonl as text
+    (or refused: the data changed). Refused up front by train and bench; the data is untouched."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    shutil.copy(tiny_run["data"], corpus / "a.txt")
+    (corpus / "b.jsonl").write_text(json.dumps({"text": "one document " * 50}) + "\n")
+    run = {**tiny_run, "steps": 1, "warmup_steps": 0, "val_fraction": 0.5}
+    cases = [(str(corpus), corpus / "run", "result.json"), (str(corpus), corpus, "result.json"),
+             (str(corpus / "*.jsonl"), corpus, "metrics.jsonl")]
+    for data, out, name in cases:
+        assert main(["train", *cli_flags({**run, "data": data, "out": str(out)})]) == 2
+        line = _one_error_line(capsys.readouterr().err)
+        assert f"is where --data {data!r} reads: the {name} memtrain writes there" in line
+    assert main(["bench", "--techniques", "baseline", "--no-maxbatch", "--data", str(corpus),
+                 "--out", str(corpus / "bench"), *cli_flags({k: v for k, v in run.items() if k not in ("data", "out")})]) == 2
+    assert "is where --data" in _one_error_line(capsys.readouterr().err)
+    assert sorted(p.name for p in corpus.iterdir()) == ["a.txt", "b.jsonl"]
+    # An --out beside the data, and a glob that cannot match what memtrain writes there, train.
+    assert main(["train", *cli_flags({**run, "data": str(corpus), "out": str(tmp_path / "beside")})]) == 0
+    assert main(["train", *cli_flags({**run, "data": str(corpus / "*.txt"), "out": str(corpus / "run")})]) == 0
+
+
+@pytest.mark.parametrize("failing", ["second", "every"])
+def test_a_periodic_checkpoint_that_cannot_be_written_does_not_stop_the_run(tiny_run, tmp_path, capsys, monkeypatch,
+                                                                         failing):
+    """A --save-every checkpoint meeting a full disk stopped the run there (exit 1): the steps
+    since the last checkpoint and the result were lost. It is said once and training goes on;
+    the final save tries again (its own failure still exits 1, after result.json)."""
+    import torch
+
+    from memtrain.training import train as train_module
+
+    real, calls = train_module.save_checkpoint, []
+
+    def full_disk(path, state):
+        calls.append(state.step)
+        if failing == "every" or len(calls) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real(path, state)
+
+    monkeypatch.setattr(train_module, "save_checkpoint", full_disk)
+    save = tmp_path / "run" / "ck.pt"
+    run = {**tiny_run, "steps": 4, "warmup_steps": 0, "save": str(save), "save_every": 1}
+    code = main(["train", *cli_flags(run)])
+    err = capsys.readouterr().err
+    assert calls == [1, 2, 3, 4]  # three periodic saves, then the final one
+    assert err.count("warning: the checkpoint of step") == 1
+    assert json.loads((tmp_path / "run" / "result.json").read_text())["steps"] == 4
+    if failing == "second":
+        assert code == 0 and torch.load(save, weights_only=True, mmap=True)["step"] == 4
+    else:
+        assert code == 1 and "disk full writing" in err.strip().splitlines()[-1] and not save.exists()

@@ -48,6 +48,7 @@ from memtrain.config.run import (
     model_default_attention,
     refuse_long_warmup,
 )
+from memtrain.devices.forced import check_forced_env
 from memtrain.distributed.rank_errors import begin_command, error_line, launch_env, launched_by_memtrain, say_error
 from memtrain.errors import denied_access, is_out_of_memory, one_line
 from memtrain.files.results import (
@@ -575,10 +576,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _printable_stdout() -> None:
+    """Let stdout print any path: a file name that is not UTF-8 reaches Python as lone
+    surrogates, which a UTF-8 locale's strict stdout refused, so a finished train or bench
+    ended with exit 1 on its last line ("wrote OUT/result.json"). Written as escapes, as
+    Python's own stderr writes them."""
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None and getattr(sys.stdout, "errors", None) == "strict":
+        reconfigure(errors="backslashreplace")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     # First thing a torchrun rank runs of memtrain: a rank never outlives its launcher.
     bind_rank_to_launcher()
     begin_command()
+    _printable_stdout()
     # SIGTERM (kill, a job scheduler) stops every verb like Ctrl-C, from its first line on:
     # finally blocks run (an export's scratch folder is removed), exit 130 with one line. It was
     # set only around training, so a SIGTERM while train read its config, or during an export,
@@ -606,6 +618,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     quiet_third_party()
     install_warning_format()
     try:
+        check_forced_env()  # the probe survives a value it cannot read: say so before anything runs
         return int(args._run(args) or 0)
     except ConfigError as exc:
         # Under torchrun every rank exits 2 (memtrain.distributed.rank_errors makes a rank-specific

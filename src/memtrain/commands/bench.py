@@ -29,8 +29,9 @@ from memtrain.bench.technique_sets import (
 from memtrain.cli import add_config_flags, fmt_bytes, register
 from memtrain.config.argtypes import batch_count, positive_float, rank_count, user_path
 from memtrain.config.run import SECTIONS, ConfigError, load_config_file, parse_size
+from memtrain.files.results import OUT_FILES
 from memtrain.report import write_report
-from memtrain.training.preflight import check_out_names, check_writable_dir
+from memtrain.training.preflight import check_name_room, check_out_names, check_out_outside_data, check_writable_dir
 
 
 def warn_skipped_lines(out: Path, summary: dict) -> None:
@@ -135,6 +136,7 @@ def check_options(args: argparse.Namespace) -> None:
     the runner reads some of them only when a row starts (the budget, in each row's max-batch
     search), after the folder and its lock exist."""
     check_writable_dir(args.bench_out, "--out")  # empty, a file, or not writable: refused up front
+    check_name_room(args.bench_out, OUT_FILES, "--out")  # a path too long for the report's files
     check_out_names(Path(args.bench_out))  # a link at results.jsonl, report.md, ...: refused up front
     if args.memory_budget is not None:
         parse_size(args.memory_budget)  # e.g. "lots": the one error: line, nothing written
@@ -192,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
     check_row_folders(opts.out, [name for name, _ in resolved])  # a link at rows/: before the folder exists
     shared = bench_settings(opts, resolved)
     check_rows_data(resolved)  # empty or unreadable data: one error: line, no folder
+    for data in sorted({cfg.data.data for _, cfg in resolved}):  # results.jsonl read by the next row
+        check_out_outside_data(opts.out, data, OUT_FILES)
     settings = settings_hash(shared)
     try:
         # SIGTERM (`kill`, systemd, a job scheduler) arrives here as KeyboardInterrupt (cli.main).

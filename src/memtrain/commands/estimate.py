@@ -22,7 +22,7 @@ from memtrain.cli import (
     given_off_default,
     register,
 )
-from memtrain.config.argtypes import int_in, token_count, world_size
+from memtrain.config.argtypes import gpu_name, int_in, token_count, world_size
 from memtrain.config.presets import PRESETS, preset
 from memtrain.config.run import ConfigError, parse_size
 from memtrain.models.spec import bundled_names
@@ -55,9 +55,14 @@ def add_device_type_flag(p: argparse.ArgumentParser, help: str) -> None:
     p.add_argument("--device-type", choices=DEVICE_TYPES, default=None, help=help)
 
 
+# One type for the three verbs' --gpu: a name no kind answers to is refused, and a card not
+# listed is asked for as a budget (--budget: plan's and maxbatch's other name of --memory-budget).
+_GPU_NAME = gpu_name("--budget")
+
+
 def add_gpu_flag(p: argparse.ArgumentParser, help: str) -> None:
     """--gpu NAME: a CUDA GPU kind (h100, a100-80gb, rtx4090, ...; memtrain.devices.gpu_kinds)."""
-    p.add_argument("--gpu", default=None, metavar="NAME", help=help)
+    p.add_argument("--gpu", default=None, metavar="NAME", type=_GPU_NAME, help=help)
 
 
 def add_max_len_flag(p: argparse.ArgumentParser, when: str) -> None:
@@ -139,8 +144,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard", choices=("none", "zero1", "zero2", "fsdp"), default=None,
                    help="Sharding over --world-size ranks (default: --distributed).")
     add_gpu_flag(p, "With CUDA kernels: also model PyTorch's caching allocator and report allocated, reserved "
-                    "and device total (nvidia-smi) for this GPU kind (h100, a100, rtx4090; other names: a "
-                    "default CUDA context, stated as an assumption).")
+                    "and device total (nvidia-smi) for this GPU kind (h100, a100, rtx4090, ...; a card not "
+                    "listed: --device-type cuda --budget SIZE, a default CUDA context stated as an assumption).")
     p.add_argument("--budget", default=None, metavar="SIZE",
                    help="Memory to fit in, e.g. 24GiB: a verdict line (fits, headroom, largest batch, and the cheapest "
                         "changes that fit the asked batch); with CUDA kernels counted as the card holds it (caching "

@@ -18,7 +18,7 @@ from memtrain.analysis.estimate import check_analytic_size
 from memtrain.analysis.flops.profile import profile_op_classes
 from memtrain.analysis.flops.roofline import flops_report, resolve_roof
 from memtrain.cli import LOOP_ONLY_FIELDS, MODULE_TABLE_FIELDS, add_config_flags, config_from_args, register
-from memtrain.config.argtypes import user_path
+from memtrain.config.argtypes import gpu_name, user_path
 from memtrain.config.run import ConfigError
 from memtrain.files.results import refuse_odd_destination
 from memtrain.report.labels import model_label
@@ -27,7 +27,7 @@ from memtrain.report.roofline import plot_roofline
 
 def add_args(p: argparse.ArgumentParser) -> None:
     add_config_flags(p, ("model", "technique", "train"), exclude=(*LOOP_ONLY_FIELDS, *MODULE_TABLE_FIELDS))
-    p.add_argument("--gpu", default=None, metavar="NAME",
+    p.add_argument("--gpu", default=None, metavar="NAME", type=gpu_name(None),
                    help="GPU whose roofline to use: h100, h200, a100-80gb-sxm, l4, rtx-4090, ... "
                         "(default: the visible CUDA GPU, else h100)")
     p.add_argument("--json", action="store_true", help="Print the report as JSON instead of tables.")

@@ -71,30 +71,35 @@ def check_fits(cfg: Any, dtype: Any, prompt_tokens: int, new_tokens: int, sample
         return
     if need <= free_bytes:
         return
-    where = f"free on {device}" if device.type == "cuda" else "of this machine's memory"
+    where = f"free on {device}" if device.type == "cuda" else "available on this machine"
     cheaper = (", or --dtype bf16" if weights_dtype == "fp32" else "") + (", or --device cpu" if device.type == "cuda" else "")
     raise ConfigError(f"{samples} sample{'s' if samples > 1 else ''} of a {prompt_tokens}-token prompt + {new_tokens} "
                       f"new tokens need about {need / 2**30:.2f} GiB (memtrain estimate --mode inference), more than "
                       f"the {free_bytes / 2**30:.2f} GiB {where}; lower --num-samples or --max-new-tokens{cheaper}")
 
 
-def free_memory(device: Any) -> Optional[int]:
-    """What generate may use on ``device``: a GPU's free memory, a CPU's whole memory (a model
-    already loaded there is in the estimate too), or None where unknown."""
+def free_memory(device: Any, host_available: Optional[int]) -> Optional[int]:
+    """What generate may use on ``device``: a GPU's free memory, or on the CPU
+    ``host_available``, the host's available memory read before the model was loaded (the
+    estimate counts the model's own bytes), or None where unknown."""
     if device.type == "cuda":
         import torch  # torch-free --help: a CUDA device was resolved, so torch is loaded already
 
         return int(torch.cuda.mem_get_info(device)[0])
-    from memtrain.training.preflight import host_memory_bytes  # the reading train's size check uses
-
-    return host_memory_bytes()
+    return host_available
 
 
 def run(args: argparse.Namespace) -> int:
     from memtrain.inference.generate import generate  # torch-free --help/estimate/plan
+    from memtrain.training.preflight import host_available_bytes  # the reading train's size check sits beside
+
+    # Read before a checkpoint's model is loaded: the estimate the reading is held against
+    # counts the model, which would otherwise be subtracted twice.
+    host_available = host_available_bytes()
 
     def fits(cfg: Any, dtype: Any, prompt_tokens: int, device: Any) -> None:
-        check_fits(cfg, dtype, prompt_tokens, args.max_new_tokens, args.num_samples, device, free_memory(device))
+        check_fits(cfg, dtype, prompt_tokens, args.max_new_tokens, args.num_samples, device,
+                   free_memory(device, host_available))
 
     try:
         texts = generate(Path(args.model), args.prompt, args.max_new_tokens, args.temperature, args.top_k,

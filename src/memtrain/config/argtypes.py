@@ -13,6 +13,7 @@ import os
 from typing import Callable
 
 from memtrain.analysis.limits import MAX_BATCH, MAX_INT, MAX_RANKS, MAX_WIDTH, MAX_WORLD_SIZE, short_number
+from memtrain.devices.gpu_kinds import named_gpu_key, unknown_gpu_line
 
 
 def _int(text: str, what: str) -> int:
@@ -93,3 +94,20 @@ def utf8_text(text: str) -> str:
     except UnicodeEncodeError:
         raise argparse.ArgumentTypeError("is not UTF-8 text (bytes the locale could not decode); give UTF-8 text") from None
     return text
+
+
+def gpu_name(budget_flag: str | None) -> Callable[[str], str]:
+    """A type for ``--gpu NAME``: a GPU kind by the one rule every verb shares
+    (:func:`memtrain.devices.gpu_kinds.named_gpu_key`), kept as given. The refusal lists the
+    known names and, for a card not listed, what to give instead: ``budget_flag`` (its memory,
+    with CUDA kernels) where the verb has a budget, else the closest kind."""
+
+    def parse(text: str) -> str:
+        if named_gpu_key(text) is None:
+            instead = (f"drop --gpu and give --device-type cuda with {budget_flag} SIZE" if budget_flag
+                       else "name the closest one")
+            raise argparse.ArgumentTypeError(f"{unknown_gpu_line(text)}; for a card not listed, {instead}")
+        return text
+
+    parse.__name__ = "a GPU name"
+    return parse

@@ -671,6 +671,9 @@ def _check_integers_fit(parts: dict[str, Any]) -> None:
                 check_at_most(f"--{f.name.replace('_', '-')}", abs(value), MAX_INT)
 
 
+MAX_CONFIG_BYTES = 16 * 2**20
+
+
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML or TOML config file into a dict (sections or flat keys)."""
     p = Path(path)
@@ -678,6 +681,12 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     kind = special_file_kind(p)  # a FIFO (never opened: it would block), a device: named, not "not found"
     _require(kind is None, f"config file {str(p)!r} is {kind}, not a file; give a YAML, TOML or JSON file")
     _require(p.is_file(), f"config file {str(p)!r} not found; check the --config path")
+    size = p.stat().st_size
+    # Read whole before parsing: a data file given as --config (corpus.json, GBs) took minutes and
+    # tens of GB before being refused as "holds a list"; settings take a few KB.
+    _require(size <= MAX_CONFIG_BYTES, f"config file {str(p)!r} is {size / 2**20:,.1f} MiB, more than the "
+             f"{MAX_CONFIG_BYTES // 2**20} MiB a config file may be (settings take a few KB); if it is text to "
+             "train on, give it as --data")
     suffix = p.suffix.lower()
     if suffix not in (".toml", ".yaml", ".yml", ".json"):
         raise ConfigError(f"config file {str(p)!r} must end in .yaml, .yml, .toml or .json")
@@ -700,8 +709,34 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         for k in (key, *inner):
             if not isinstance(k, str):
                 raise ConfigError(f"config file {str(p)!r} has the key {k!r}; keys are setting names such as d_model")
+    data = _checked_sections(data, str(p))
     _check_placement(data, str(p))
     return data
+
+
+def _checked_sections(data: dict[str, Any], shown: str) -> dict[str, Any]:
+    """``data`` without its empty sections (``train:`` whose settings are all commented out is
+    YAML's null: it was refused as "unknown option --train"), a section holding anything but
+    settings refused naming it. ``model`` and ``data`` are settings too (``model: gpt2``): only
+    their null is a section's."""
+    settings = field_index()
+    kept: dict[str, Any] = {}
+    for key, value in data.items():
+        section = key.replace("-", "_")
+        if section in SECTIONS and value is None:
+            continue
+        if section in SECTIONS and section not in settings and not isinstance(value, dict):
+            example = dataclasses.fields(SECTIONS[section])[0]  # one of its own settings, as shown in --help
+            raise ConfigError(f"config file {shown!r} has {key}: holding {_yaml_kind(value)}; a section holds "
+                              f"settings (key: value under {key}:), e.g. {key}: {{{example.name}: {example.default!r}}}")
+        kept[key] = value
+    return kept
+
+
+def _yaml_kind(value: Any) -> str:
+    """What a config value is, in the file's words (a list, a number, text)."""
+    kinds = {list: "a list", bool: "true/false", int: "a number", float: "a number", str: "text"}
+    return next((word for cls, word in kinds.items() if isinstance(value, cls)), type(value).__name__)
 
 
 def _check_placement(data: dict[str, Any], shown: str) -> None:

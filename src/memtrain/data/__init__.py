@@ -1,6 +1,7 @@
 """Data pipeline: text source -> GPT-2 tokens -> cached train/validation split -> batches.
 
     splits = prepare_tokens(cfg.data)                       # cached on disk, memory-mapped
+    check_split_documents(splits, cfg.data)                 # each split holds a document
     loader = make_train_loader(splits.train, seq_len, batch_size, seed)
     x, y = loader.next_batch()                              # resumable: loader.state_dict()
     val = make_val_batches(splits.val, seq_len, cfg.data.val_blocks, batch_size)
@@ -11,6 +12,7 @@ from memtrain.data.loader import (
     BlockDataset,
     ResumableBatchSampler,
     TrainLoader,
+    check_split_documents,
     make_train_loader,
     make_val_batches,
 )
@@ -28,6 +30,7 @@ __all__ = [
     "TrainLoader",
     "cache_key",
     "cache_root",
+    "check_split_documents",
     "data_fingerprint",
     "default_documents",
     "encode_batch",

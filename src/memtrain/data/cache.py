@@ -11,6 +11,7 @@ the arrays are memory-mapped on load, so a corpus larger than RAM still trains.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -48,6 +49,9 @@ BATCH_DOCS = 512  # documents per encode_ordinary_batch call: enough to keep the
 # memory and the Python lists of ids it returns (~36 bytes per id until they become an array).
 BATCH_CHARS = 1 << 22
 SPLITS = ("train", "val")
+# Write errors of the cache's own disk that a run without the cache would not meet: full, over
+# quota, failing. The entry is dropped and the run tokenizes without it.
+CACHE_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO})
 TMP_PREFIX = ".tmp-"  # entries being written: .tmp-<pid>-<random>
 
 assert N_VOCAB <= np.iinfo(TOKEN_DTYPE).max + 1
@@ -91,6 +95,13 @@ def prepare_tokens(cfg: DataConfig, progress: Optional[bool] = None, tokenizer: 
         meta = _write_tokens(cfg, tmp, progress, tokenizer)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))  # written last: marks a complete entry
         _publish(tmp, final)
+    except OSError as exc:
+        if exc.errno not in CACHE_FULL:
+            raise
+        # The cache's disk filled (or failed) while the entry was written: the cache only saves
+        # time, so the run goes on as with an unwritable cache (the folder is cleaned first).
+        shutil.rmtree(tmp, ignore_errors=True)
+        return _tokenize_uncached(cfg, root, exc, progress, tokenizer)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone after a successful rename; cleans up after a failure
     splits = _load_entry(final, from_cache=False)

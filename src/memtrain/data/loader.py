@@ -24,7 +24,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from memtrain.config.run import ConfigError
+from memtrain.config.run import ConfigError, DataConfig
+from memtrain.data.cache import TokenSplits
+from memtrain.data.sources import TEXT_SUFFIXES, TXT_DOC_CHARS
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -272,6 +274,34 @@ def make_train_loader(
             f"use more data or lower --batch-size / --seq-len"
         )
     return TrainLoader(dataset, batch_size, seed, num_workers, pin_memory, prefetch_factor, rank, world_size)
+
+
+def check_split_documents(splits: TokenSplits, data: DataConfig) -> None:
+    """ConfigError, naming what the data holds and what to change, when the document-level
+    split left a split without any document: the token-count lines of the loaders could only
+    say "raise --val-fraction", which cannot help data of one document (it lands wholly in
+    one split) and does not say why the split is empty."""
+    train, val = splits.n_train_docs, splits.n_val_docs
+    if train and val:
+        return
+    total, empty = train + val, "training" if not train else "validation"
+    txt = data.data.lower().endswith(TEXT_SUFFIXES)
+    # How a .txt becomes documents (memtrain.data.sources._txt_documents), the usual surprise.
+    how = (f" (a .txt is cut into documents at the first blank line after each {TXT_DOC_CHARS:,} characters, "
+           f"at any line break after {4 * TXT_DOC_CHARS:,})") if txt else ""
+    if total <= 1:
+        more = ("put a blank line between its documents, give more text, or give a .jsonl with one document per line"
+                if txt else "give data of more than one document")
+        raise ConfigError(f"the {empty} split is empty: --data {data.data} is one document{how}, and a document lands "
+                          f"wholly in one split; {more}")
+    if not val:
+        suggest = min(0.5, float(f"{2 / total:.2g}"))  # about two documents expected in validation
+        raise ConfigError(f"the validation split is empty: none of the {total:,} documents of --data {data.data}{how} was "
+                          f"drawn for it at --val-fraction {data.val_fraction}; raise --val-fraction (to {suggest} or "
+                          "more), change --split-seed or use more data")
+    raise ConfigError(f"the training split is empty: all {total:,} documents of --data {data.data}{how} were drawn for "
+                      f"validation at --val-fraction {data.val_fraction}; lower --val-fraction, change --split-seed or "
+                      "use more data")
 
 
 def make_val_batches(tokens: np.ndarray, seq_len: int, n_blocks: int, batch_size: int) -> list[Batch]:

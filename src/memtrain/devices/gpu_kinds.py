@@ -48,7 +48,7 @@ from typing import Optional
 from memtrain.techniques.facts import MATMUL_TYPES
 
 __all__ = ["AllocatorFacts", "DEFAULT_ALLOCATOR", "GPU_KINDS", "GpuKind", "allocator_facts", "gpu_kind",
-           "gpu_table_key", "has_fp8", "peak_of"]
+           "gpu_table_key", "has_fp8", "named_gpu_key", "peak_of", "unknown_gpu_line"]
 
 T = 1e12  # TFLOP/s
 GBs = 1e9  # GB/s (decimal, as datasheets state bandwidth)
@@ -206,6 +206,36 @@ def gpu_table_key(name: Optional[str]) -> Optional[str]:
         if re.search(pattern, norm):
             return table_key
     return None
+
+
+# The words a --gpu NAME may hold besides the parts of the table's keys: those of the names
+# torch.cuda.get_device_name and nvidia-smi print ("NVIDIA A100-SXM4-80GB", "Tesla V100S-PCIE-32GB",
+# "NVIDIA GeForce RTX 4090", "NVIDIA H100 80GB HBM3") and the squashed "rtx4090".
+_DEVICE_NAME_WORDS = frozenset({"nvidia", "tesla", "geforce", "rtx", "rtx4090", "rtx3090", "sxm", "sxm2", "sxm3",
+                                "sxm4", "sxm5", "pcie", "nvl", "hbm2", "hbm2e", "hbm3", "hbm3e"})
+_MEMORY_WORD = re.compile(r"\d+gb")
+
+
+def named_gpu_key(name: str) -> Optional[str]:
+    """The table key a user's ``--gpu NAME`` names, or None: a key itself, or a name made only
+    of the words GPU names are made of (a key's parts, the vendor's words, a memory size such as
+    80gb), separated by spaces, dashes or underscores, that :func:`gpu_table_key` resolves.
+    ``gpu_table_key`` searches a device name for its model, which suits what CUDA reports but
+    took "A100;rm" or "my t4 card" for a known card; every verb's --gpu goes through this rule."""
+    key = name.strip().lower()
+    if key in GPU_KINDS:
+        return key
+    if not re.fullmatch(r"[a-z0-9][a-z0-9 _-]*", key):
+        return None
+    allowed = _DEVICE_NAME_WORDS | {part for k in GPU_KINDS for part in k.split("-")}
+    if not all(word in allowed or _MEMORY_WORD.fullmatch(word) for word in re.split(r"[ _-]+", key) if word):
+        return None
+    return gpu_table_key(key)
+
+
+def unknown_gpu_line(name: str) -> str:
+    """What the one line refusing a --gpu NAME no kind answers to says after the flag: the known names."""
+    return f"{name!r} is no GPU kind memtrain knows; choose one of {', '.join(GPU_KINDS)} (or the name nvidia-smi prints)"
 
 
 def has_fp8(name: Optional[str]) -> bool:

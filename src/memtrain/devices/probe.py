@@ -46,6 +46,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from memtrain.config.run import CACHE_ENV, DEFAULT_CACHE_DIR
+from memtrain.devices.forced import FORCE_BF16_ENV, FORCE_FP16_ENV, forced as _forced
 from memtrain.devices.tf32 import fp32_only
 from memtrain.errors import ConfigError
 from memtrain.files.guard import regular_file_problem
@@ -55,8 +56,6 @@ from memtrain.techniques.facts import half_matmul_type
 __all__ = ["DeviceCaps", "probe", "cache_clear", "cpu_model", "cpu_flags", "measure_gemm", "measure_fp32_rate", "FORCE_BF16_ENV",
            "FORCE_FP16_ENV", "cache_path", "slow_precision_message", "precision_is_native"]
 
-FORCE_BF16_ENV = "MEMTRAIN_FORCE_NATIVE_BF16"
-FORCE_FP16_ENV = "MEMTRAIN_FORCE_NATIVE_FP16"
 CACHE_VERSION = 1
 
 # GEMM shapes (M, K, N) timed for the rates. Small on purpose: the probe must stay under about a
@@ -386,16 +385,6 @@ def _discard(path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- probe
-def _forced(env: str) -> Optional[bool]:
-    """The answer forced by environment variable ``env`` (0/1, false/true, no/yes), else None."""
-    value = os.environ.get(env, "").strip().lower()
-    if value in ("1", "true", "yes"):
-        return True
-    if value in ("0", "false", "no"):
-        return False
-    return None
-
-
 _PROBES: dict[tuple[str, bool], DeviceCaps] = {}
 
 

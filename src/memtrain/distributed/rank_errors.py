@@ -198,7 +198,10 @@ def say_error(line: str, code: int, every_rank: bool = True) -> None:
     line = one_line(line.rstrip("\n"))
     record_error_line(line, code)
     debug = bool(os.environ.get("MEMTRAIN_DEBUG"))
-    if launched_by_memtrain() and not debug:
+    # The launcher says the line it finds in its folder; without that folder (MEMTRAIN_LAUNCHED
+    # left in an environment memtrain's launcher did not make) no one would: exit 2, no line.
+    relayed = bool(os.environ.get(ERROR_DIR_ENV)) and "RANK" in os.environ
+    if launched_by_memtrain() and relayed and not debug:
         return
     if every_rank or env_rank() == 0 or debug:
         sys.stderr.write(line + "\n")

@@ -67,6 +67,7 @@ REPORT_FILES = ("report.md", "report.csv", "report.json")  # memtrain.report
 PLOT_FILES = ("peak_memory.png", "step_time.png", "max_batch.png", "memory_vs_time.png")  # memtrain.report.plots
 # Every name memtrain writes in an output folder: none may be a link, and --save is none of them.
 OUT_FILES = (RESULT_NAME, METRICS_NAME, LOCK_NAME, BENCH_RESULTS, *REPORT_FILES, *PLOT_FILES)
+TRAIN_FILES = (RESULT_NAME, METRICS_NAME, LOCK_NAME)  # those memtrain train writes
 
 
 # --------------------------------------------------------------------------- bounded JSON
@@ -231,6 +232,14 @@ def _temp_prefix(name: str) -> str:
     return f"{name}.memtrain-{os.getpid()}."
 
 
+def longest_temp_name(name: str) -> str:
+    """The longest name :func:`write_atomic`'s temporary file beside ``name`` can have: a pid of
+    up to 7 digits (Linux's largest pid_max, 2**22) and mkstemp's 8 random characters. A name
+    that fits the file system while this one does not failed only when the file was written,
+    at the end of a run."""
+    return f"{name}.memtrain-{'9' * 7}.{'x' * 8}.tmp"
+
+
 def refuse_odd_destination(path: Path, what: str = "") -> None:
     """ConfigError when ``path``'s own name is a symbolic link or exists as anything but a
     regular file (a folder, device, FIFO, socket): memtrain writes only plain files of its own
@@ -379,8 +388,11 @@ def write_atomic(path: Path, write: Callable[[str], object], replace_link: bool 
 
 
 def write_text_atomic(path: Path, text: str, replace_link: bool = False) -> None:
-    """Write ``text`` (UTF-8) to ``path`` atomically (see :func:`write_atomic`)."""
-    data = text.encode("utf-8")
+    """Write ``text`` (UTF-8) to ``path`` atomically (see :func:`write_atomic`). A file name that
+    is not UTF-8 reaches Python as lone surrogates ("d\\udcff.txt"); such a path quoted in a
+    report is written as that escape, so the file stays UTF-8 and the write cannot fail at the
+    end of a bench (a strict encode lost the report)."""
+    data = text.encode("utf-8", errors="backslashreplace")
     write_atomic(path, lambda tmp: Path(tmp).write_bytes(data), replace_link)
 
 

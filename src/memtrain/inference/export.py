@@ -413,6 +413,19 @@ def write_adapter(model: HFCausalLM, out: Path) -> int:
 def check_new_directory(out: Path) -> None:
     """``out`` may become the export: absent, or an empty directory; not a link (even to an
     empty directory: the export's final rename would replace the link, not fill its target)."""
+    if out.name in ("", ".", ".."):
+        # The export is written beside OUT and renamed onto it: the current folder (or its
+        # parent, or /) cannot be replaced (the rename failed with EBUSY, exit 1, once written).
+        raise ConfigError(f"{str(out)!r} names the current folder, its parent or the root, which an export cannot "
+                          "replace; give a new directory by name, e.g. ./model")
+    try:
+        str(out.absolute()).encode("utf-8")
+    except UnicodeEncodeError:
+        # A byte that is not UTF-8 (a lone surrogate here): the tokenizers and safetensors
+        # libraries take UTF-8 paths only; tokenizers failed with a TypeError, exit 1, once the
+        # checkpoint was read and the weights written.
+        raise ConfigError(f"{str(out)!r} is not a UTF-8 path, and transformers' tokenizer and safetensors files can "
+                          "only be written to one; give a UTF-8 path") from None
     if out.is_symlink():
         raise ConfigError(f"{str(out)!r} is a symbolic link; memtrain does not write through links: remove it "
                           "or give a new directory")
@@ -428,7 +441,9 @@ def _new_directory(out: Path) -> Iterator[Path]:
     failed or interrupted export leaves no half-written model where a loader would find it."""
     check_new_directory(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    # A name of its own, not OUT's: ".OUT.<random>.tmp" made an OUT name of 242-255 bytes (valid)
+    # too long once the checkpoint was read.
+    tmp = Path(tempfile.mkdtemp(prefix=".memtrain-export-", suffix=".tmp", dir=out.parent))
     try:
         try:
             yield tmp

@@ -268,6 +268,9 @@ def load_pretrained_lm(load_id: str, config: Any, attn: str, what: str, repo: Op
         if repo is not None and ("model.safetensors" in reason or "pytorch_model.bin" in reason):
             raise ConfigError(f"{what} has no *.safetensors weights; memtrain reads safetensors only (a pickle can "
                               "run code): use a repository that ships them, or convert its weights") from None
+        if "not valid UTF-8" in reason:  # safetensors reads UTF-8 paths only: the path's fault, not the files'
+            raise ConfigError(f"cannot read the weights of {what}: its path is not UTF-8, which safetensors cannot "
+                              "read; rename the folder, or give it through a link with a UTF-8 name") from None
         raise ConfigError(f"cannot read the weights of {what} ({reason}); "
                           "its *.safetensors files must be complete and belong to its config.json") from None
     mismatched = sorted(info.get("mismatched_keys") or (), key=lambda m: str(m[0]))

@@ -91,6 +91,10 @@ def load_tokenizer(load_id: str, what: str, repo: Optional[str] = None) -> Any:
             # to ask for trust_remote_code=True); a folder's was refused before this read (refuse_custom_tokenizer)
             raise ConfigError(f"the tokenizer of {what} names custom code (auto_map); memtrain never runs code shipped "
                               "with a model: use a tokenizer class transformers ships") from None
+        if isinstance(exc, UnicodeEncodeError):  # the tokenizers library takes UTF-8 paths only: the path's fault
+            raise ConfigError(f"cannot load the tokenizer of {what}: its path is not UTF-8, which the tokenizers "
+                              "library cannot read; rename the folder, or give it through a link with a UTF-8 name"
+                              ) from None
         raise ConfigError(f"cannot load the tokenizer of {what}: {_load_failure(exc)}; fix or replace its tokenizer "
                           f"files ({', '.join(TOKENIZER_FILES)})") from None
 

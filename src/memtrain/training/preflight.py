@@ -24,22 +24,26 @@
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 import stat
 import tempfile
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, Iterable, Optional
 
 from memtrain.analysis.limits import check_analytic_size
 from memtrain.config.run import ConfigError, ModelConfig, RunConfig, build_config, field_index, flatten
+from memtrain.errors import shortened
 from memtrain.files.guard import regular_file_problem
 from memtrain.files.results import (
     LOCK_NAME,
     METRICS_NAME,
     OUT_FILES,
     RESULT_NAME,
+    TRAIN_FILES,
     check_lock_file,
     loads_bounded,
+    longest_temp_name,
     refuse_odd_destination,
 )
 from memtrain.models.spec import every_decoder_linear
@@ -94,6 +98,36 @@ def check_writable_dir(path: str | Path, flag: str) -> None:
         raise ConfigError(f"{flag} {str(p)!r} is not writable ({why} in {str(base)!r}); choose another {flag}")
 
 
+def _path_limit(folder: Path, name: str, default: int) -> int:
+    """``os.pathconf``'s limit ``name`` for ``folder`` (PC_NAME_MAX, PC_PATH_MAX), else ``default``."""
+    try:
+        return int(os.pathconf(folder, name))
+    except (OSError, ValueError, AttributeError):
+        return default
+
+
+def check_name_room(folder: str | Path, names: Iterable[str], flag: str) -> None:
+    """Each file memtrain writes in ``folder`` (``names``, each through a temporary file beside
+    it) fits the file system's limits on a name (255 bytes) and a path (4,096): a ``--save``
+    name of 235 bytes trained the whole run and then lost its checkpoint, whose temporary name
+    was too long."""
+    where = Path(folder)  # as memtrain passes it to the system: relative stays relative
+    existing = _nearest_existing(where.absolute())  # pathconf needs a path that exists
+    name_max = _path_limit(existing, "PC_NAME_MAX", 255)
+    path_max = _path_limit(existing, "PC_PATH_MAX", 4096)
+    for name in names:
+        temp = os.fsencode(longest_temp_name(name))
+        if len(temp) > name_max:
+            spare = name_max - (len(temp) - len(os.fsencode(name)))
+            raise ConfigError(f"{flag}: the name {shortened(name)!r} has {len(os.fsencode(name))} bytes, and the temporary "
+                              f"file memtrain writes it through has {len(temp)}, over the {name_max} a name may have "
+                              f"here; shorten the name to at most {spare} bytes")
+        full = len(os.fsencode(str(where))) + 1 + len(temp)
+        if full >= path_max:
+            raise ConfigError(f"{flag} {shortened(str(folder))!r}: the path of {name} there, with its temporary name, "
+                              f"has {full:,} bytes, over the {path_max:,} a path may have here; give a shorter path")
+
+
 def check_writable_file(path: str | Path, flag: str) -> None:
     """``path`` is (or can become) a file memtrain can replace atomically."""
     p = Path(path).expanduser()
@@ -102,6 +136,7 @@ def check_writable_file(path: str | Path, flag: str) -> None:
     if p.is_dir():
         raise ConfigError(f"{flag} {str(p)!r} is a directory; give a file path inside it, e.g. {str(p / 'ckpt.pt')!r}")
     check_writable_dir(p.parent if str(p.parent) else Path("."), f"{flag} (its folder)")
+    check_name_room(p.parent, [p.name], flag)
 
 
 def check_destinations(cfg: RunConfig, fresh_out: bool = False) -> None:
@@ -117,6 +152,8 @@ def check_destinations(cfg: RunConfig, fresh_out: bool = False) -> None:
             check_writable_file(t.save, "--save")
         check_save_target(cfg)
     out = Path(t.out)  # "~" already expanded (TrainConfig)
+    check_name_room(out, TRAIN_FILES, "--out")
+    check_out_outside_data(out, cfg.data.data, TRAIN_FILES)
     check_out_names(out, "--out")
     check_logger_folders(out, t.report_to)
     if fresh_out and not t.resume:
@@ -144,6 +181,30 @@ def check_out_names(out: Path, flag: str = "--out") -> None:
             check_lock_file(out, flag)  # the lock's own words, whichever check meets it first
         else:
             refuse_odd_destination(out / name, f"{flag} {str(out)!r}: {name}")
+
+
+def check_out_outside_data(out: str | Path, data: str, names: Iterable[str], flag: str = "--out") -> None:
+    """No file memtrain writes in ``out`` (``names``) is one that ``--data`` reads: an --out in
+    (or equal to) a --data folder, or one a --data glob matches (``corpus/*.jsonl`` and
+    ``--out corpus``), made the next run, a resume or a bench's next row read result.json,
+    metrics.jsonl or results.jsonl as text to train on (or refuse it, the data's fingerprint
+    changed). ``**`` in a glob is matched as one folder level (pathlib's rule)."""
+    if data == "default" or data.startswith("hf:"):
+        return
+    from memtrain.data.sources import SUPPORTED_SUFFIXES  # memtrain.data loads torch: not for --help
+
+    read = [name for name in names if Path(name).suffix.lower() in SUPPORTED_SUFFIXES]
+    target = Path(out).expanduser().absolute()
+    source = Path(data).expanduser()
+    if glob.has_magic(data):
+        pattern = str(source.absolute())
+        hit = next((n for n in read if PurePath(target / n).match(pattern)), None)
+    else:
+        inside = source.is_dir() and (target == source.absolute() or source.absolute() in target.parents)
+        hit = read[0] if inside and read else None
+    if hit is not None:
+        raise ConfigError(f"{flag} {str(out)!r} is where --data {data!r} reads: the {hit} memtrain writes there would be "
+                          "read as text to train on by the next run (or a resumed one); choose an --out outside the data")
 
 
 def check_fresh_out(out: Path) -> None:
@@ -305,6 +366,57 @@ def host_memory_bytes() -> Optional[int]:
         if text.isdigit():
             limits.append(int(text))
     return min(limits) if limits else None
+
+
+# Where the kernel says how much memory a new allocation can get without swapping (Linux): the
+# host's estimate, then a cgroup's (container) limit less what the cgroup uses beyond its
+# reclaimable page cache. Module constants so a test can point them at crafted readings.
+MEMINFO = Path("/proc/meminfo")
+CGROUP_V2 = Path("/sys/fs/cgroup")
+CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+
+
+def _read_small(path: Path) -> Optional[str]:
+    """The text of a small kernel file, or None where it is missing or unreadable."""
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _field_bytes(text: Optional[str], name: str, unit: int = 1) -> Optional[int]:
+    """The number after ``name`` on its line of a ``key value`` file (meminfo, memory.stat)."""
+    for line in (text or "").splitlines():
+        parts = line.replace(":", " ").split()
+        if len(parts) >= 2 and parts[0] == name and parts[1].isdigit():
+            return int(parts[1]) * unit
+    return None
+
+
+def _cgroup_available(limit: Path, usage: Path, stat_file: Path, inactive: str) -> Optional[int]:
+    """A cgroup's limit less its usage, its inactive page cache counted as free (the kernel
+    reclaims it before failing an allocation); None without a numeric limit."""
+    limit_text, usage_text = (_read_small(limit) or "").strip(), (_read_small(usage) or "").strip()
+    if not (limit_text.isdigit() and usage_text.isdigit()):
+        return None  # no cgroup here, or "max": no limit
+    reclaimable = _field_bytes(_read_small(stat_file), inactive) or 0
+    return max(0, int(limit_text) - int(usage_text) + reclaimable)
+
+
+def host_available_bytes() -> Optional[int]:
+    """The memory a new allocation on this host can get now: the kernel's ``MemAvailable``,
+    less under a cgroup limit; the total (:func:`host_memory_bytes`) where neither is known.
+    Other processes' memory is not available: checking against the total let a run that
+    could not fit start and end in the allocator's failure."""
+    readings = [
+        _field_bytes(_read_small(MEMINFO), "MemAvailable", 1024),  # meminfo counts in kB
+        _cgroup_available(CGROUP_V2 / "memory.max", CGROUP_V2 / "memory.current", CGROUP_V2 / "memory.stat",
+                          "inactive_file"),
+        _cgroup_available(CGROUP_V1 / "memory.limit_in_bytes", CGROUP_V1 / "memory.usage_in_bytes",
+                          CGROUP_V1 / "memory.stat", "total_inactive_file"),
+    ]
+    known = [r for r in readings if r is not None]
+    return min(known) if known else host_memory_bytes()
 
 
 def _device_memory_bytes(device: Any) -> Optional[int]:

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from memtrain.analysis.flops import counted_flops_per_step, rule_flops_per_token
 from memtrain.checkpoints.exact import load_checkpoint, save_checkpoint
 from memtrain.config.run import RunConfig, effective_cache_dir
-from memtrain.data import data_fingerprint, make_train_loader, make_val_batches, prepare_tokens
+from memtrain.data import check_split_documents, data_fingerprint, make_train_loader, make_val_batches, prepare_tokens
 from memtrain.data.device_feed import DeviceFeed
 from memtrain.devices.advice import mfu_for_run, reference_rate_now, run_device_facts
 from memtrain.distributed.rank_errors import agreement, launched_by_memtrain
@@ -270,6 +270,7 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     # Then data; nothing is written before both succeeded.
     with dist_ctx.main_first():  # rank 0 fills the token cache, the other ranks then read it
         splits = prepare_tokens(cfg.data, progress=show, tokenizer=data_tokenizer(cfg))
+    check_split_documents(splits, cfg.data)
     state.data_fingerprint = data_fingerprint(cfg.data)  # saved in checkpoints, checked by --resume
     # The next step's batches are fetched while this one runs, on a GPU (memtrain.data.device_feed).
     state.loader = DeviceFeed(make_train_loader(
@@ -441,6 +442,7 @@ class _Loop:
     overlap: bool = False
     _queued: deque[_Queued] = field(default_factory=deque)
     _last_read: float = 0.0  # host clock when the last step's values were read
+    _save_failed: bool = False  # a periodic checkpoint could not be written (said once)
 
     def run(self, start_step: int, end_step: int, bar: _Progress) -> None:
         state, t = self.state, self.state.cfg.train
@@ -523,8 +525,25 @@ class _Loop:
         # Not at the last step: the final checkpoint follows result.json there, so a run stopped
         # between the two (Ctrl-C in the last validation) still has a step to resume that writes it.
         if t.save and t.save_every and done % t.save_every == 0 and done < end_step:
-            self.save_ckpt(t.save, state)
+            self._save_periodic(t.save, done)
             self.timer.skip_gap()
+
+    def _save_periodic(self, path: str, done: int) -> None:
+        """A --save-every checkpoint. One that cannot be written (a full disk, EIO) is said once
+        and training goes on: stopping there lost every step since the last checkpoint and the
+        run's result, while the final save (after result.json) tries again and says its own
+        failure; the file keeps the last checkpoint written. A sharded save is collective: its
+        failure stops every rank, as before."""
+        try:
+            self.save_ckpt(path, self.state)
+        except OSError as exc:
+            if self.state.cfg.technique.distributed != "none":
+                raise
+            if not self._save_failed:
+                self._save_failed = True
+                sys.stderr.write(f"warning: the checkpoint of step {done} could not be written to {path!r} "
+                                 f"({exc.strerror or type(exc).__name__}); training goes on, the final save tries "
+                                 "again, and the file keeps the last checkpoint written\n")
 
 
 def overlaps_steps(state: TrainState, sync_steps: bool, world_size: int) -> bool:

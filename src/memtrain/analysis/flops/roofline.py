@@ -10,7 +10,7 @@ from memtrain.analysis.flops.classes import MATMUL_CLASSES, OP_CLASSES, PHASES, 
 from memtrain.analysis.flops.count import count_step
 from memtrain.analysis.flops.inventory import inventory_step, not_covered
 from memtrain.config.run import ConfigError, RunConfig
-from memtrain.devices.gpu_kinds import GPU_KINDS, gpu_table_key, peak_of
+from memtrain.devices.gpu_kinds import GPU_KINDS, gpu_table_key, named_gpu_key, peak_of, unknown_gpu_line
 from memtrain.runtime.extras import cpu_only_torch
 from memtrain.techniques.facts import precision_facts
 
@@ -55,9 +55,9 @@ def resolve_roof(gpu: Optional[str], precision: str) -> Roof:
     """The roof for ``gpu`` (a short name such as ``h100`` or a device name; None: the visible
     CUDA GPU, else H100 SXM) at the matmul type of ``precision``. Torch loads only to look for a
     visible GPU, and not where the installed torch is a CPU-only build."""
-    key = _visible_gpu_key() if gpu is None else gpu_table_key(gpu)
+    key = _visible_gpu_key() if gpu is None else named_gpu_key(gpu)
     if key is None:
-        raise ConfigError(f"unknown --gpu {gpu!r}; choose one of {', '.join(GPU_KINDS)}")
+        raise ConfigError(f"--gpu {unknown_gpu_line(str(gpu))}; for a card not listed, name the closest one")
     kind = GPU_KINDS[key]
     dtype = precision_facts(precision).matmul_type
     peak = peak_of(kind.flops, dtype)
