@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,12 +24,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import test_hf_models as hf_models  # noqa: E402
+import test_hub_access as hub_tests  # noqa: E402
 from memtrain.cli import main  # noqa: E402
 from memtrain.config.run import build_config  # noqa: E402
 from tiny_families import FAMILIES, tiny_config  # noqa: E402
 
 VOCAB, make_model_dir = hf_models.VOCAB, hf_models.make_model_dir
 tokenizer_files, corpus = hf_models.tokenizer_files, hf_models.corpus  # the tiny models' fixtures
+hub_cache, no_offline_env = hub_tests.hub_cache, hub_tests.no_offline_env  # an offline Hub with a local cache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -148,6 +151,33 @@ def test_an_export_keeps_the_folders_generation_settings_with_the_kv_cache_on(pr
         assert generation.use_cache is True
         if model_dir == d:
             assert (generation.temperature, generation.top_p, generation.eos_token_id) == (0.6, 0.9, [2, 7])
+
+
+def test_an_export_of_a_cached_hub_model_carries_the_repositorys_generation_settings(hub_cache, tokenizer_files,
+                                                                                    corpus, tmp_path_factory):
+    """``export`` of a run on ``hf:ORG/NAME`` wrote generation settings derived from config.json,
+    never the repository's own ``generation_config.json`` (its eos tokens, sampling defaults),
+    which a folder's export carries: read from the (offline) Hugging Face cache now. A cached
+    repository without one still exports the settings its config gives."""
+    folder = make_model_dir(tmp_path_factory.mktemp("brought"), "llama", tokenizer_files, weights=True)
+    files: dict[str, Any] = {f.name: f.read_bytes() for f in folder.iterdir()}
+    generation = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "eos_token_id": [2, 7], "bos_token_id": 1}
+    hub_tests._cached_repo(hub_cache, "withgen", {**files, "generation_config.json": generation})
+    hub_tests._cached_repo(hub_cache, "nogen", files)
+    runs = tmp_path_factory.mktemp("hubruns")
+    for name in ("withgen", "nogen"):
+        ckpt = runs / name / "ck.pt"
+        assert main(["train", "--model", f"hf:memtrain-test/{name}", "--data", str(corpus), "--steps", "1",
+                     "--batch-size", "2", "--seq-len", "16", "--val-blocks", "1", "--warmup-steps", "0",
+                     "--lora-rank", "2", "--no-progress", "--out", str(runs / name), "--save", str(ckpt)]) == 0
+        assert main(["export", str(ckpt), str(runs / name / "hf")]) == 0
+        written = transformers.GenerationConfig.from_pretrained(str(runs / name / "hf"))
+        assert written.use_cache is True
+        if name == "withgen":
+            assert (written.temperature, written.top_p, written.eos_token_id, written.do_sample) == (0.6, 0.9, [2, 7],
+                                                                                                    True)
+        else:
+            assert written.temperature in (None, 1.0) and not written.do_sample
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
