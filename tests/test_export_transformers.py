@@ -135,6 +135,32 @@ def test_gemma2_trains_exports_and_generates_with_the_defaults(tmp_path, tokeniz
     assert capsys.readouterr().out == from_ckpt and from_ckpt.startswith("memory")
 
 
+def test_a_mixture_of_experts_lora_run_exports_merged_with_equal_logits(tmp_path, tokenizer_files, corpus):
+    """LoRA on a mixture-of-experts model (transformers' Mixtral: each layer's experts are stacked
+    tensors, which peft adapts with one ParamWrapper nested in another) trained, then its export
+    failed after the run: exit 1, "'MixtralExperts' object has no attribute 'weight'". Every
+    adapter is merged now, the experts' included: the export's logits are memtrain's."""
+    d = tmp_path / "mixtral"
+    config = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, max_position_embeddings=128, vocab_size=VOCAB,
+                                        num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(d)
+    for f in tokenizer_files.iterdir():
+        shutil.copy(f, d / f.name)
+    ckpt = _train(d, corpus, tmp_path, "--lora-rank", "2")
+    state = torch.load(ckpt, weights_only=True)["model"]
+    assert any(".experts." in k and "lora_B" in k and v.abs().sum() > 0 for k, v in state.items())  # experts learned
+    out = tmp_path / "hf"
+    assert main(["export", str(ckpt), str(out)]) == 0
+    idx = _tokens()
+    with torch.no_grad():
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()(idx).logits
+        base = transformers.AutoModelForCausalLM.from_pretrained(str(d)).eval()(idx).logits
+    ours = _memtrain_logits(ckpt, idx)
+    assert (ours - theirs).abs().max().item() < 1e-5
+    assert (ours - base).abs().max().item() > 1e-3  # the merged adapters changed the model
+
 def test_an_export_keeps_the_folders_generation_settings_with_the_kv_cache_on(pretrained_llama, scratch_llama,
                                                                             corpus, tmp_path):
     """The export's generation_config.json is the --model folder's own (eos tokens, sampling
