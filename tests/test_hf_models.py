@@ -432,6 +432,24 @@ def test_trace_matches_a_measured_step_within_one_percent(model_dirs, corpus, tm
     assert abs(traced / measured - 1) < 0.01, (traced, measured)
 
 
+@pytest.mark.parametrize("tech", [{}, {"lora_rank": 2}, {"optim": "sgd", "checkpointing": "full"}],
+                         ids=["full", "lora", "sgd-ckpt"])
+def test_a_mixture_of_experts_step_traces_in_float32_as_measured(corpus, tmp_path, tech):
+    """A mixture-of-experts layer (Mixtral: its experts run torch's grouped_mm) was no estimate:
+    torch's fake kernel of grouped_mm takes only the CUDA kernel's bf16 inputs, so the trace of
+    the float32 step a CPU runs failed with exit 1 ("Expected inputs of BF16 type"). The trace
+    now gives the float32 outputs the CPU kernel makes: equal to the measured step's peak."""
+    from memtrain.analysis.maxbatch import measure_step_memory
+    from memtrain.analysis.trace import trace_step
+
+    d = tmp_path / "mixtral"
+    transformers.MixtralConfig(**{**TINY, "num_key_value_heads": 2, "num_local_experts": 4,
+                                  "num_experts_per_tok": 2}).save_pretrained(d)
+    cfg = run_cfg(d, corpus, tmp_path, seq_len=32, **tech)
+    measured = measure_step_memory(cfg, 2)["peak_bytes"]
+    traced = trace_step(cfg.replace(batch_size=2), "cpu")["peak_bytes"]
+    assert abs(traced / measured - 1) < 0.001, (traced, measured)
+
 def test_estimate_cli_traces_a_transformers_model(model_dirs, capsys):
     from memtrain.cli import main
 
