@@ -450,6 +450,29 @@ def test_a_mixture_of_experts_step_traces_in_float32_as_measured(corpus, tmp_pat
     traced = trace_step(cfg.replace(batch_size=2), "cpu")["peak_bytes"]
     assert abs(traced / measured - 1) < 0.001, (traced, measured)
 
+def test_lora_on_mixture_of_experts_warns_nothing_about_peft_own_patterns(tmp_path):
+    """peft's all-linear on Mixtral adapts the stacked experts with its own rank pattern (twice
+    the rank for the fused gate_up_proj), which it applies, then warns twice on stderr in
+    train, export and generate that the pattern "matched no targeted module and was ignored".
+    memtrain gives peft no pattern: the warning is not passed on, and the rank did apply."""
+    import warnings
+
+    from memtrain.models.hf import build_hf_model
+    from memtrain.techniques.hf_mapping import apply_hf_lora
+
+    d = tmp_path / "mixtral"
+    transformers.MixtralConfig(**{**TINY, "num_key_value_heads": 2, "num_local_experts": 4,
+                                  "num_experts_per_tok": 2}).save_pretrained(d)
+    cfg = build_config({"model": str(d), "seq_len": 16, "lora_rank": 2})
+    model = build_hf_model(cfg, with_weights=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_hf_lora(model, cfg.technique)
+    assert not [w for w in caught if "pattern" in str(w.message)], [str(w.message) for w in caught]
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if "layers.0.mlp.experts" in n and "lora_A" in n}
+    # 4 experts x rank 2 for down_proj; 4 experts x rank 4 for gate_up_proj: the pattern applied
+    assert sorted(shapes.values()) == [(8, 128), (16, 64)], shapes
+
 def test_estimate_cli_traces_a_transformers_model(model_dirs, capsys):
     from memtrain.cli import main
 

@@ -11,6 +11,7 @@ mapping lives with the techniques so that models never import techniques.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -94,6 +95,10 @@ def _check_head_not_targeted(model: HFCausalLM, targets: Any, spec: str) -> None
                           f"reads directly, so its adapter would never train; {change}")
 
 
+# peft's warning about its own rank/alpha patterns for stacked experts (see apply_hf_lora).
+_PEFT_OWN_PATTERN_WARNING = r"The following (rank|alpha)_pattern keys did not match any targeted module"
+
+
 def apply_hf_lora(model: HFCausalLM, tech: TechniqueConfig) -> None:
     """Add LoRA adapters in place with peft; only the adapters stay trainable."""
     if not tech.lora_rank:
@@ -109,7 +114,13 @@ def apply_hf_lora(model: HFCausalLM, tech: TechniqueConfig) -> None:
     lcfg = LoraConfig(r=tech.lora_rank, lora_alpha=tech.lora_alpha, lora_dropout=tech.lora_dropout,  # type: ignore[arg-type]
                       target_modules=lora_target_modules(tech.lora_targets), bias="none", fan_in_fan_out=conv1d)
     try:
-        inject_adapter_in_model(lcfg, model.lm)
+        with warnings.catch_warnings():
+            # memtrain gives peft no rank or alpha pattern: one on a mixture-of-experts model is
+            # peft's own (twice the rank for Mixtral's fused gate_up_proj experts), applied to the
+            # expert tensor, and peft's check of it looks at module names only, so it says the
+            # pattern "matched no targeted module and was ignored" when it was not.
+            warnings.filterwarnings("ignore", message=_PEFT_OWN_PATTERN_WARNING, category=RuntimeWarning)
+            inject_adapter_in_model(lcfg, model.lm)
     except ValueError as exc:
         raise ConfigError(f"--lora-targets {tech.lora_targets!r}: {str(exc).splitlines()[0]}") from None
     for name, p in model.lm.named_parameters():
