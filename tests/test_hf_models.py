@@ -680,6 +680,32 @@ def _gemma2_dir(tmp_path: Path) -> Path:
     return d
 
 
+@pytest.mark.parametrize("family", ["cohere", "granite"])
+@pytest.mark.parametrize("loss", ["standard", "chunked"])
+def test_scaled_logits_train_with_the_models_own_loss(tmp_path, corpus, family, loss):
+    """Cohere multiplies its logits by logit_scale after the LM head, Granite divides them by
+    logits_scaling: memtrain's losses read the head's weight and left the scale out, so a run
+    trained (and reported the perplexity of) other logits than the model's (Cohere's tiny model:
+    loss 5.961 against transformers' 5.950, logits 1.27 apart). Every loss equals transformers'
+    own now, the fused one included, and the logits are the model's."""
+    from memtrain.models import build_model
+    from memtrain.techniques import make_precision, prepare_model
+
+    d = tmp_path / family
+    config = {"cohere": lambda: transformers.CohereConfig(**TINY, num_key_value_heads=2, logit_scale=0.25),
+              "granite": lambda: transformers.GraniteConfig(**TINY, num_key_value_heads=2, logits_scaling=8.0)}[family]()
+    config.save_pretrained(d)
+    cpu = torch.device("cpu")
+    cfg = run_cfg(d, corpus, tmp_path, loss=loss, loss_chunk=16)
+    torch.manual_seed(0)
+    model = prepare_model(build_model(cfg), cfg, cpu, make_precision("fp32", cpu))
+    model.eval()
+    ids = torch.randint(0, VOCAB, (2, 17))
+    with torch.no_grad():
+        theirs = model.lm(input_ids=ids, labels=ids).loss
+        torch.testing.assert_close(model(ids[:, :-1], ids[:, 1:]), theirs, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(ids), model.lm(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
 def test_gemma2_soft_capped_logits_train_with_the_standard_loss(tmp_path, corpus, capsys):
     """Gemma-2's final_logit_softcapping is applied by the standard loss (the loss equals
     transformers' own); the fused losses, which never hold the logits, are refused in one line;
