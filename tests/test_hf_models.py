@@ -680,11 +680,11 @@ def _gemma2_dir(tmp_path: Path) -> Path:
     return d
 
 
-@pytest.mark.parametrize("family", ["cohere", "granite"])
+@pytest.mark.parametrize("family", ["cohere", "granite", "falcon_h1"])
 @pytest.mark.parametrize("loss", ["standard", "chunked"])
 def test_scaled_logits_train_with_the_models_own_loss(tmp_path, corpus, family, loss):
-    """Cohere multiplies its logits by logit_scale after the LM head, Granite divides them by
-    logits_scaling: memtrain's losses read the head's weight and left the scale out, so a run
+    """Cohere multiplies its logits by logit_scale after the LM head (Falcon-H1 by
+    lm_head_multiplier), Granite divides them by logits_scaling: memtrain's losses read the head's weight and left the scale out, so a run
     trained (and reported the perplexity of) other logits than the model's (Cohere's tiny model:
     loss 5.961 against transformers' 5.950, logits 1.27 apart). Every loss equals transformers'
     own now, the fused one included, and the logits are the model's."""
@@ -693,7 +693,10 @@ def test_scaled_logits_train_with_the_models_own_loss(tmp_path, corpus, family, 
 
     d = tmp_path / family
     config = {"cohere": lambda: transformers.CohereConfig(**TINY, num_key_value_heads=2, logit_scale=0.25),
-              "granite": lambda: transformers.GraniteConfig(**TINY, num_key_value_heads=2, logits_scaling=8.0)}[family]()
+              "granite": lambda: transformers.GraniteConfig(**TINY, num_key_value_heads=2, logits_scaling=8.0),
+              "falcon_h1": lambda: transformers.FalconH1Config(**TINY, num_key_value_heads=2, lm_head_multiplier=0.5,
+                                                               mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
+                                                               mamba_d_state=16)}[family]()
     config.save_pretrained(d)
     cpu = torch.device("cpu")
     cfg = run_cfg(d, corpus, tmp_path, loss=loss, loss_chunk=16)

@@ -132,11 +132,13 @@ class HFCausalLM(nn.Module):
         return sum(p.numel() for p in seen.values())
 
 
-# Families whose causal-LM head scales the logits after the LM head's matmul (their modeling
-# files: ``logits * logit_scale``; Granite's and MiniCPM3's ``/ logits_scaling``; HyperCLOVA X's
-# ``* logits_scaling``), and the config field that gives the factor.
+# Families whose causal-LM head scales the logits around the LM head's matmul (their modeling
+# files: Cohere's ``logits * logit_scale``, Falcon-H1's ``* lm_head_multiplier``, HyperCLOVA X's
+# ``* logits_scaling``; Granite's and MiniCPM3's ``/ logits_scaling``), and the config field that
+# gives the factor.
 LOGIT_SCALE_MULTIPLIES = {"cohere": "logit_scale", "cohere2": "logit_scale", "cohere2_moe": "logit_scale",
-                          "cohere_compass": "logit_scale", "hyperclovax": "logits_scaling"}
+                          "cohere_compass": "logit_scale", "hyperclovax": "logits_scaling",
+                          "falcon_h1": "lm_head_multiplier"}
 LOGIT_SCALE_DIVIDES = {t: "logits_scaling" for t in ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid",
                                                      "granite_swa", "granitemoe_swa", "minicpm3")}
 
