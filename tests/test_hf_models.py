@@ -487,6 +487,30 @@ def test_estimate_cli_traces_a_transformers_model(model_dirs, capsys):
     assert "method" not in json.loads(capsys.readouterr().out)
 
 
+def test_a_traced_estimate_gives_the_adapter_count_under_the_analytic_key(tmp_path, capsys):
+    """estimate's JSON has ``adapter_parameters`` (LoRA's A and B matrices; 0 without LoRA) beside
+    ``parameters``: the analytic answer gave it, a traced family's (GPT-NeoX here) left it out
+    while its text said "+ N LoRA adapter parameters". Both forms give it, equal to train's count."""
+    from memtrain.cli import main
+
+    d = tmp_path / "neox"
+    transformers.GPTNeoXConfig(**TINY).save_pretrained(d)
+    flags = ["estimate", "--model", str(d), "--seq-len", "32", "--batch-size", "2", "--json"]
+    assert main(flags) == 0
+    assert json.loads(capsys.readouterr().out)["adapter_parameters"] == 0
+    assert main([*flags, "--lora-rank", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    from memtrain.models import build_model
+    from memtrain.techniques.hf_mapping import apply_hf_lora
+
+    cfg = build_config({"model": str(d), "seq_len": 32, "lora_rank": 2})
+    with torch.device("meta"):
+        model = build_model(cfg, with_weights=False)
+    base = model.num_parameters()
+    apply_hf_lora(model, cfg.technique)
+    assert out["method"] != "analytic" and out["parameters"] == base
+    assert out["adapter_parameters"] == out["trainable_parameters"] == model.num_parameters() - base > 0
+
 def test_estimate_gpu_models_the_allocator_for_a_transformers_model(model_dirs, capsys):
     """--gpu on the analytic transformers path replays the step through the caching-allocator
     model (a traced family says it has none; tracing for CUDA needs a CUDA build of torch)."""
