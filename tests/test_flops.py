@@ -280,3 +280,25 @@ def test_profile_places_measured_points_on_gpu(tmp_path, capsys):
     lm = next(o for o in report["ops"] if o["name"] == "lm_head")
     assert lm["measured_time_s"] > 0 and lm["achieved_flops_per_s"] > 0
     assert png.stat().st_size > 20_000
+
+
+def test_a_mixture_of_experts_step_counts_its_experts(tmp_path):
+    """A mixture-of-experts layer (Mixtral) runs its experts through torch's grouped_mm, for
+    which torch 2.13's FLOP counter has no formula and its fake kernel takes bf16 only: `flops`
+    failed with exit 1 in float32 and, in bf16, counted the step without its experts. The count
+    now holds them: each token meets top-k experts of 3 x hidden x intermediate weights, 6 FLOPs
+    per weight and token over forward and backward, and the fake count equals a real step's."""
+    transformers = pytest.importorskip("transformers")
+    hidden, inter, layers, tokens = 32, 64, 2, 2 * 16
+    totals = {}
+    for top_k in (1, 2):
+        d = tmp_path / f"top{top_k}"
+        transformers.MixtralConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=384,
+                                   max_position_embeddings=64, num_local_experts=4,
+                                   num_experts_per_tok=top_k).save_pretrained(d)
+        cfg = _counting_config(build_config({"model": str(d), "seq_len": 16, "batch_size": 2}))
+        _, totals[top_k], *_ = _trace(cfg, fake=True)
+        if top_k == 2:
+            assert _trace(cfg, fake=False)[1] == totals[top_k]
+    assert totals[2] - totals[1] == 6 * tokens * 3 * hidden * inter * layers

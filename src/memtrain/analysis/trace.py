@@ -46,9 +46,9 @@ import contextlib
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memtrain.analysis.flops.fake_ops import CpuStepFakeMode
 from memtrain.config.run import ConfigError, RunConfig, TechniqueConfig
 from memtrain.metrics import MemoryMeter
 from memtrain.models.families import build_model
@@ -128,39 +128,17 @@ def _fake_mode() -> Any:
     gives the same bytes, faster.
     """
     item = torch.ops.aten._local_scalar_dense.default
-    grouped_mm = torch.ops.aten._grouped_mm.default
 
-    class _TraceFakeMode(FakeTensorMode):
+    class _TraceFakeMode(CpuStepFakeMode):  # a mixture-of-experts step too (memtrain.analysis.flops.fake_ops)
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             if func is item:
                 return _item_stub(args[0])
-            if func is grouped_mm and args[0].device.type == "cpu" and args[0].dtype != torch.bfloat16:
-                # torch's fake kernel holds every grouped_mm to the CUDA kernel's bf16 inputs; the
-                # CPU kernel a real step of a mixture-of-experts layer runs takes float32 too.
-                shape, dtype = _grouped_mm_output(*args, **(kwargs or {}))
-                return super().__torch_dispatch__(torch.ops.aten.empty.memory_format, types, (shape,),
-                                                  {"dtype": dtype, "device": args[0].device})
             return super().__torch_dispatch__(func, types, args, kwargs)
 
         def may_turn_const(self, t: Any) -> bool:
             return False
 
     return _TraceFakeMode(allow_non_fake_inputs=True)
-
-
-def _grouped_mm_output(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: Optional[torch.Tensor] = None,
-                       bias: Optional[torch.Tensor] = None,
-                       out_dtype: Optional[torch.dtype] = None) -> tuple[list[int], torch.dtype]:
-    """The shape and dtype of ``aten._grouped_mm(mat_a, mat_b, offs)``'s output, as its CPU kernel
-    makes it (torch's ``_create_grouped_mm_output_tensor`` without the CUDA row padding): a
-    2-D ``mat_a`` split into groups by ``offs`` against 3-D ``mat_b`` (experts' forward), 2-D by
-    2-D (their weight gradients, one matrix per group), 3-D by 2-D, or 3-D by 3-D (batched)."""
-    groups = offs.size(0) if offs is not None else mat_b.size(0)
-    if mat_a.dim() == 2:
-        shape = [groups, mat_a.size(0), mat_b.size(1)] if mat_b.dim() == 2 else [mat_a.size(0), mat_b.size(-1)]
-    else:
-        shape = [mat_a.size(1), mat_b.size(1)] if mat_b.dim() == 2 else [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
-    return shape, out_dtype or mat_a.dtype
 
 
 @contextlib.contextmanager

@@ -33,11 +33,14 @@ def _extra_flop_formulas() -> dict:
 
     * in-place ``addmm_`` / ``baddbmm_`` (the chunked loss accumulates the LM-head weight
       gradient with ``addmm_``; without this a third of the LM head would go uncounted);
-    * the CPU flash-attention kernels SDPA picks on CPU (torch registers the CUDA ones only).
+    * the CPU flash-attention kernels SDPA picks on CPU (torch registers the CUDA ones only);
+    * ``grouped_mm``, the experts' matmuls of a mixture-of-experts layer (Mixtral, Qwen3-MoE).
     """
     # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
     import torch
     from torch.utils import flop_counter as fc
+
+    from memtrain.analysis.flops.fake_ops import grouped_mm_flops  # imports torch: loaded only for a count
 
     aten = torch.ops.aten
     mapping: dict = {}
@@ -51,6 +54,8 @@ def _extra_flop_formulas() -> dict:
         mapping[fwd] = lambda q, k, v, *a, out_shape=None, **kw: fc.sdpa_flop_count(q, k, v)
     if bwd is not None and bwd not in fc.flop_registry:
         mapping[bwd] = lambda g, q, k, v, *a, out_shape=None, **kw: fc.sdpa_backward_flop_count(g, q, k, v)
+    if aten._grouped_mm not in fc.flop_registry:
+        mapping[aten._grouped_mm] = grouped_mm_flops
     return mapping
 
 
@@ -179,9 +184,9 @@ def _traced_step(cfg: RunConfig, fake: bool) -> Traced:
     """:func:`_trace`'s step, drawing from the global RNG."""
     # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
+    from memtrain.analysis.flops.fake_ops import CpuStepFakeMode  # imports torch: loaded only for a count
     from memtrain.techniques import prepare_model  # torch-free --help/estimate/plan
 
     t = cfg.train
@@ -199,7 +204,7 @@ def _traced_step(cfg: RunConfig, fake: bool) -> Traced:
     _use_fused_dropout(model)
     # Parameters are real (uninitialized) CPU tensors: modules built inside FakeTensorMode
     # cannot be moved with .to(), which prepare_model does. Everything the step computes is fake.
-    with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+    with CpuStepFakeMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
         trainable = sum({id(p): p.numel() for p in model.parameters() if p.requires_grad}.values())
         idx = torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len))
         targets = torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len))
