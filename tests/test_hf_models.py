@@ -704,6 +704,22 @@ def _gemma2_dir(tmp_path: Path) -> Path:
     return d
 
 
+@pytest.mark.parametrize("loss", ["chunked", "naive"])
+def test_a_fused_loss_on_a_head_with_a_bias_is_refused_naming_the_loss_and_the_fix(tmp_path, capsys, loss):
+    """Phi-2's LM head has a bias, which the fused losses (they take the head's weight alone)
+    cannot apply: the refusal came from inside the first forward, named --loss chunked for
+    --loss naive as well, and said nothing to do. It names the loss asked for and the one to use."""
+    from memtrain.cli import main
+
+    d = tmp_path / "phi"
+    transformers.PhiConfig(**TINY).save_pretrained(d)
+    flags = ["estimate", "--model", str(d), "--seq-len", "32", "--batch-size", "2"]
+    assert main([*flags, "--loss", loss]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: --loss {loss} needs an LM head without a bias; --model {str(d)!r} has one: use --loss "
+                   "standard"), err
+    assert main([*flags, "--loss", "standard"]) == 0
+
 @pytest.mark.parametrize("family", ["cohere", "granite", "falcon_h1"])
 @pytest.mark.parametrize("loss", ["standard", "chunked"])
 def test_scaled_logits_train_with_the_models_own_loss(tmp_path, corpus, family, loss):

@@ -39,6 +39,16 @@ def _check_logit_softcap(model: HFCausalLM, tech: TechniqueConfig) -> None:
                           "(final_logit_softcapping), which only --loss standard applies; use --loss standard")
 
 
+def _check_head_bias(model: HFCausalLM, tech: TechniqueConfig) -> None:
+    """Refuse a fused loss for a model whose LM head has a bias (Phi-2, GPT-J): the fused losses
+    take the head's weight alone, and only the standard loss runs the head itself. Said before
+    the first step, naming the loss asked for (the forward's own refusal named --loss chunked
+    for --loss naive too, and said nothing to do)."""
+    if getattr(model.head, "bias", None) is not None and tech.loss != "standard":
+        raise ConfigError(f"--loss {tech.loss} needs an LM head without a bias; --model {model.source_spec!r} has one: "
+                          "use --loss standard")
+
+
 def _check_supported(tech: TechniqueConfig, device: torch.device) -> None:
     """Refuse, before anything is applied, a technique a transformers model cannot take on ``device``."""
     if tech.attention == "flash-attn" and device.type != "cuda":
@@ -160,6 +170,7 @@ def prepare_hf_model(model: HFCausalLM, cfg: RunConfig, device: torch.device, pr
     tech = cfg.technique
     _check_supported(tech, device)
     _check_logit_softcap(model, tech)
+    _check_head_bias(model, tech)
     place_weights(model, precision.param_dtype, device)  # rope's float32 inv_freq stays float32, as in transformers
     apply_hf_lora(model, tech)
     if tech.qlora:
