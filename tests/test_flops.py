@@ -302,3 +302,24 @@ def test_a_mixture_of_experts_step_counts_its_experts(tmp_path):
         if top_k == 2:
             assert _trace(cfg, fake=False)[1] == totals[top_k]
     assert totals[2] - totals[1] == 6 * tokens * 3 * hidden * inter * layers
+
+
+def test_lora_on_a_mixture_of_experts_model_is_one_refusal_and_train_uses_the_rule(tmp_path, capsys):
+    """LoRA's all-linear on Mixtral adapts its router and expert tensors with peft's ParamWrapper,
+    which re-registers them in every forward: under the count's fake tensors that failed with an
+    AssertionError about aten.set_ (exit 1). `flops` refuses it in one line (exit 2), and a LoRA
+    run on such a model still reports the 6ND rule's FLOPs."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from memtrain.analysis.flops import counted_flops_per_step
+
+    d = tmp_path / "mixtral"
+    transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=384, max_position_embeddings=64,
+                               num_local_experts=4, num_experts_per_tok=2).save_pretrained(d)
+    assert main(["flops", "--model", str(d), "--seq-len", "16", "--batch-size", "2", "--lora-rank", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: memtrain flops cannot count --lora-rank on --model {d}: ")
+    assert "count it without --lora-rank" in err[0]
+    with pytest.raises(ConfigError):
+        counted_flops_per_step(build_config({"model": str(d), "seq_len": 16, "batch_size": 2, "lora_rank": 2}))

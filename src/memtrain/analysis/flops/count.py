@@ -200,6 +200,8 @@ def _traced_step(cfg: RunConfig, fake: bool) -> Traced:
     n_params = base.num_parameters()
     rule_params = model_rule_params(base)
     model = prepare_model(base, cfg, torch.device("cpu"), precision)
+    if fake:
+        _refuse_adapted_parameters(model, cfg)
     model.train()
     _use_fused_dropout(model)
     # Parameters are real (uninitialized) CPU tensors: modules built inside FakeTensorMode
@@ -224,6 +226,18 @@ def _traced_step(cfg: RunConfig, fake: bool) -> Traced:
     for phase, v in table.items():
         split_attention(v, only_scores=phase == "recompute" and checkpoint_policy(cfg.technique.checkpointing).kind == "selective")
     return table, total, n_params, trainable, rule_params
+
+
+def _refuse_adapted_parameters(model: Any, cfg: RunConfig) -> None:
+    """peft adapts a mixture-of-experts model's router and stacked expert tensors (LoRA's
+    all-linear on Mixtral, Qwen3-MoE: tensors of no Linear layer) by re-registering them as parametrized tensors inside every forward: a
+    metadata change on the real parameters the count builds, which fake tensors cannot make
+    (an AssertionError about ``aten.set_``, exit 1). Refused in one line instead."""
+    wrapped = next((name for name, m in model.named_modules() if type(m).__name__ == "ParamWrapper"), None)
+    if wrapped is not None:
+        raise ConfigError(f"memtrain flops cannot count --lora-rank on --model {cfg.model.model}: LoRA adapts tensors "
+                          f"of it that belong to no Linear layer (e.g. {wrapped.removeprefix('lm.')}), which peft "
+                          "re-registers in every forward and the count cannot trace yet; count it without --lora-rank")
 
 
 # Models deeper than this are counted per layer kind (below), not traced whole.
