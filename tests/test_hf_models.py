@@ -352,6 +352,36 @@ def test_qlora_says_once_which_weights_stay_unquantized(tmp_path_factory, tokeni
     assert len([w for w in caught if issubclass(w.category, QLoRASkipWarning)]) == 1
 
 
+def test_qlora_says_a_mixture_of_experts_models_stacked_experts_stay_unquantized(tmp_path):
+    """Mixtral's experts are 3-D tensors, not Linear weights: --qlora left them (most of the
+    model) at full width and said nothing, so a run looked like a 4-bit base. It quantizes the
+    Linears as before and says, once, which share stays in its dtype."""
+    import warnings
+
+    from memtrain.models.hf import build_hf_model
+    from memtrain.models.qlora import quantize_base_weights
+    from memtrain.runtime.notices import QLoRASkipWarning
+    from memtrain.techniques.hf_mapping import apply_hf_lora
+
+    d = tmp_path / "mixtral"
+    transformers.MixtralConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128,
+                               num_local_experts=4, num_experts_per_tok=2).save_pretrained(d)
+    cfg = build_config({"model": str(d), "seq_len": 16, "lora_rank": 2, "qlora": True})
+    model = build_hf_model(cfg, with_weights=False)
+    apply_hf_lora(model, cfg.technique)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert quantize_base_weights(model, torch.device("cpu")) == 0  # every Linear fits NF4's blocks
+    said = [str(w.message) for w in caught if issubclass(w.category, QLoRASkipWarning)]
+    experts = 2 * 4 * (2 * 512 * 256 + 256 * 512)  # layers x experts x (gate_up + down)
+    share = experts / sum({id(p): p.numel() for p in model.parameters()}.values())
+    assert round(share, 2) == 0.83  # most of the model
+    assert said == ["--qlora: 4 frozen weights of no Linear layer (83% of the parameters, e.g. "
+                    "model.layers.0.mlp.experts.gate_up_proj: a mixture-of-experts layer's stacked experts) stay "
+                    "unquantized in their dtype"], said
+    assert hasattr(model.lm.model.layers[0].self_attn.q_proj.base_layer.weight, "get_original_weight")  # NF4
+
 def test_qlora_without_lora_is_an_error(model_dirs, corpus, tmp_path):
     from memtrain.training.train import train
 
