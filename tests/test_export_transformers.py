@@ -693,6 +693,30 @@ def test_the_fit_check_holds_the_estimate_it_names(good_folder):
     check_fits(cfg, torch.float64, 5, 40, 3, cpu, 1)  # weights in a dtype the estimate does not model
 
 
+def test_a_family_the_inference_estimate_does_not_model_samples_with_a_note(tmp_path, tokenizer_files, capsys):
+    """generate holds a run against estimate --mode inference before sampling; for a family that
+    estimate does not model (Qwen3 here) it sampled unchecked without a word, whatever the
+    device's memory. It says so in one note line on stderr, and samples."""
+    from memtrain.commands.generate import check_fits
+    from memtrain.inference.generate import read_folder
+
+    d = tmp_path / "qwen3"
+    transformers.Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=8, vocab_size=VOCAB,
+                             max_position_embeddings=64).save_pretrained(d)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(d)).save_pretrained(d)
+    for f in tokenizer_files.iterdir():
+        shutil.copy(f, d / f.name)
+    capsys.readouterr()  # transformers' progress bar of the save
+    check_fits(read_folder(d).cfg, torch.float32, 5, 40, 3, torch.device("cpu"), 1)  # 1 byte: unchecked
+    assert capsys.readouterr().err == ("note: sampling without the memory check (memtrain estimate --mode inference: "
+                                       "no analytic model of qwen3 layers (only llama, qwen2, mistral, phi3, gemma, "
+                                       "gpt2))\n")
+    assert main(["generate", str(d), "--prompt", "memory", "--max-new-tokens", "2", "--seed", "1"]) == 0
+    said = capsys.readouterr()
+    assert said.out.startswith("memory") and said.err.startswith("note: sampling without the memory check")
+
 def test_a_folder_that_cannot_fit_reads_no_weight(good_folder, monkeypatch):
     """The fit check of a folder comes before any weight is read: a refused run never loads the
     model (on a GPU, never a byte of it on the device)."""
