@@ -381,6 +381,15 @@ def test_qlora_says_a_mixture_of_experts_models_stacked_experts_stay_unquantized
                     "model.layers.0.mlp.experts.gate_up_proj: a mixture-of-experts layer's stacked experts) stay "
                     "unquantized in their dtype"], said
     assert hasattr(model.lm.model.layers[0].self_attn.q_proj.base_layer.weight, "get_original_weight")  # NF4
+    # Another frozen 3-D weight (a convolution's, as in Falcon-H1's Mamba mixers) is said to stay too,
+    # without being called an expert.
+    other = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Conv1d(128, 128, 4, groups=128))
+    other.requires_grad_(False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quantize_base_weights(other, torch.device("cpu"))
+    assert [str(w.message) for w in caught] == ["--qlora: 1 frozen weights of no Linear layer (3% of the parameters, "
+                                                "e.g. 1.weight) stay unquantized in their dtype"]
 
 def test_qlora_without_lora_is_an_error(model_dirs, corpus, tmp_path):
     from memtrain.training.train import train

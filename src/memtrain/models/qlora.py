@@ -87,10 +87,10 @@ def _say_stacked_weights_stay(model: nn.Module) -> None:
         return
     total = sum({id(p): p.numel() for p in model.parameters()}.values())
     share = sum(p.numel() for _, p in stacked) / total
+    name = _shown_name(stacked[0][0])
+    kind = ": a mixture-of-experts layer's stacked experts" if ".experts." in f".{name}." else ""
     warnings.warn(f"--qlora: {len(stacked)} frozen weights of no Linear layer ({share:.0%} of the parameters, e.g. "
-                  f"{_shown_name(stacked[0][0])}: a mixture-of-experts layer's stacked experts) stay unquantized in "
-                  "their dtype",
-                  QLoRASkipWarning, stacklevel=3)
+                  f"{name}{kind}) stay unquantized in their dtype", QLoRASkipWarning, stacklevel=3)
 
 
 @contextlib.contextmanager
