@@ -469,9 +469,6 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
     if step.method == "analytic":
         return _run_hf_analytic(args, step, device_type)
     cfg, out = step.cfg, step.json
-    # A traced LoRA run trains the adapters alone (its base is frozen): they are its trainable
-    # count, under the key the analytic estimate gives them.
-    out["adapter_parameters"] = out["trainable_parameters"] if cfg.technique.lora_rank else 0
     out.update(_loss_kernel(cfg, device_type))
     out.update(_module_table_traced(cfg, device_type))
     if args.gpu is not None:
