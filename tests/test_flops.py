@@ -323,3 +323,25 @@ def test_lora_on_a_mixture_of_experts_model_is_one_refusal_and_train_uses_the_ru
     assert "count it without --lora-rank" in err[0]
     with pytest.raises(ConfigError):
         counted_flops_per_step(build_config({"model": str(d), "seq_len": 16, "batch_size": 2, "lora_rank": 2}))
+
+
+def test_the_rule_of_a_mixture_of_experts_model_counts_the_experts_a_token_meets(tmp_path):
+    """The 6ND rule counted every expert of a mixture-of-experts layer, though a token meets
+    top-k of them (memtrain flops on a Mixtral of hidden 64, 2 layers, 4 experts, top-2: rule 107,274,240
+    FLOPs against 60,489,728 counted), and a LoRA run (whose MFU falls back to the rule)
+    reported that. The rule drops the (E - k) / E
+    experts a token does not meet, and the reconciliation with the count is exact."""
+    transformers = pytest.importorskip("transformers")
+    from memtrain.analysis.flops.rules import model_rule_params
+    from memtrain.models import build_model
+
+    d = tmp_path / "mixtral"
+    transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=384, max_position_embeddings=64,
+                               num_local_experts=4, num_experts_per_tok=1).save_pretrained(d)
+    cfg = build_config({"model": str(d), "seq_len": 16, "batch_size": 2})
+    experts = 2 * 4 * (2 * 64 * 32 + 32 * 64)  # layers x experts x (gate_up + down)
+    assert model_rule_params(build_model(cfg, with_weights=False)).inactive_experts == experts * 3 // 4
+    report = flops_report(cfg, "h100")
+    assert report["rule"]["inactive_expert_params"] == experts * 3 // 4
+    assert report["reconciliation"]["unexplained"] == 0
