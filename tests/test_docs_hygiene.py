@@ -111,3 +111,18 @@ def test_readme_links_the_section_that_holds_its_timings():
     section = (ROOT / "docs" / "performance.md").read_text().split("## Timings of the README's commands", 1)[1]
     assert MAIN_COMMAND.split(" && ")[1] in section and _ci_test_command() in section
     assert COMMIT_LIKE.search(section)  # every timing there names the commit it ran at
+
+
+def test_the_checkpointing_row_of_the_models_doc_names_what_a_transformers_model_takes():
+    """docs/models.md listed `selective` among the checkpointing kinds a transformers model runs,
+    which train refuses for one (and left out `selective-matmul`, which it runs): the row's kinds
+    are those memtrain.techniques.facts lets through, and the refused one is said to be refused."""
+    from memtrain.techniques.facts import transformers_checkpointing_error
+
+    row = next(line for line in (ROOT / "docs" / "models.md").read_text().splitlines()
+               if line.startswith("| `--checkpointing "))
+    kinds = re.match(r"\| `--checkpointing ([^`]+)`", row).group(1).split("/")  # type: ignore[union-attr]
+    assert "selective-matmul" in kinds
+    for kind in kinds:
+        assert transformers_checkpointing_error(kind.replace("every:K", "every:2")) is None, kind
+    assert transformers_checkpointing_error("selective") is not None and "`selective`" in row and "refused" in row

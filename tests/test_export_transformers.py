@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,12 +24,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import test_hf_models as hf_models  # noqa: E402
+import test_hub_access as hub_tests  # noqa: E402
 from memtrain.cli import main  # noqa: E402
 from memtrain.config.run import build_config  # noqa: E402
 from tiny_families import FAMILIES, tiny_config  # noqa: E402
 
 VOCAB, make_model_dir = hf_models.VOCAB, hf_models.make_model_dir
 tokenizer_files, corpus = hf_models.tokenizer_files, hf_models.corpus  # the tiny models' fixtures
+hub_cache, no_offline_env = hub_tests.hub_cache, hub_tests.no_offline_env  # an offline Hub with a local cache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -132,6 +135,32 @@ def test_gemma2_trains_exports_and_generates_with_the_defaults(tmp_path, tokeniz
     assert capsys.readouterr().out == from_ckpt and from_ckpt.startswith("memory")
 
 
+def test_a_mixture_of_experts_lora_run_exports_merged_with_equal_logits(tmp_path, tokenizer_files, corpus):
+    """LoRA on a mixture-of-experts model (transformers' Mixtral: each layer's experts are stacked
+    tensors, which peft adapts with one ParamWrapper nested in another) trained, then its export
+    failed after the run: exit 1, "'MixtralExperts' object has no attribute 'weight'". Every
+    adapter is merged now, the experts' included: the export's logits are memtrain's."""
+    d = tmp_path / "mixtral"
+    config = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, max_position_embeddings=128, vocab_size=VOCAB,
+                                        num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(d)
+    for f in tokenizer_files.iterdir():
+        shutil.copy(f, d / f.name)
+    ckpt = _train(d, corpus, tmp_path, "--lora-rank", "2")
+    state = torch.load(ckpt, weights_only=True)["model"]
+    assert any(".experts." in k and "lora_B" in k and v.abs().sum() > 0 for k, v in state.items())  # experts learned
+    out = tmp_path / "hf"
+    assert main(["export", str(ckpt), str(out)]) == 0
+    idx = _tokens()
+    with torch.no_grad():
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()(idx).logits
+        base = transformers.AutoModelForCausalLM.from_pretrained(str(d)).eval()(idx).logits
+    ours = _memtrain_logits(ckpt, idx)
+    assert (ours - theirs).abs().max().item() < 1e-5
+    assert (ours - base).abs().max().item() > 1e-3  # the merged adapters changed the model
+
 def test_an_export_keeps_the_folders_generation_settings_with_the_kv_cache_on(pretrained_llama, scratch_llama,
                                                                             corpus, tmp_path):
     """The export's generation_config.json is the --model folder's own (eos tokens, sampling
@@ -148,6 +177,33 @@ def test_an_export_keeps_the_folders_generation_settings_with_the_kv_cache_on(pr
         assert generation.use_cache is True
         if model_dir == d:
             assert (generation.temperature, generation.top_p, generation.eos_token_id) == (0.6, 0.9, [2, 7])
+
+
+def test_an_export_of_a_cached_hub_model_carries_the_repositorys_generation_settings(hub_cache, tokenizer_files,
+                                                                                    corpus, tmp_path_factory):
+    """``export`` of a run on ``hf:ORG/NAME`` wrote generation settings derived from config.json,
+    never the repository's own ``generation_config.json`` (its eos tokens, sampling defaults),
+    which a folder's export carries: read from the (offline) Hugging Face cache now. A cached
+    repository without one still exports the settings its config gives."""
+    folder = make_model_dir(tmp_path_factory.mktemp("brought"), "llama", tokenizer_files, weights=True)
+    files: dict[str, Any] = {f.name: f.read_bytes() for f in folder.iterdir()}
+    generation = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "eos_token_id": [2, 7], "bos_token_id": 1}
+    hub_tests._cached_repo(hub_cache, "withgen", {**files, "generation_config.json": generation})
+    hub_tests._cached_repo(hub_cache, "nogen", files)
+    runs = tmp_path_factory.mktemp("hubruns")
+    for name in ("withgen", "nogen"):
+        ckpt = runs / name / "ck.pt"
+        assert main(["train", "--model", f"hf:memtrain-test/{name}", "--data", str(corpus), "--steps", "1",
+                     "--batch-size", "2", "--seq-len", "16", "--val-blocks", "1", "--warmup-steps", "0",
+                     "--lora-rank", "2", "--no-progress", "--out", str(runs / name), "--save", str(ckpt)]) == 0
+        assert main(["export", str(ckpt), str(runs / name / "hf")]) == 0
+        written = transformers.GenerationConfig.from_pretrained(str(runs / name / "hf"))
+        assert written.use_cache is True
+        if name == "withgen":
+            assert (written.temperature, written.top_p, written.eos_token_id, written.do_sample) == (0.6, 0.9, [2, 7],
+                                                                                                    True)
+        else:
+            assert written.temperature in (None, 1.0) and not written.do_sample
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -716,6 +772,30 @@ def test_the_fit_check_holds_the_estimate_it_names(good_folder):
         check_fits(cfg, fp32, 5, 40, 3, cpu, int(need) - 1)
     check_fits(cfg, torch.float64, 5, 40, 3, cpu, 1)  # weights in a dtype the estimate does not model
 
+
+def test_a_family_the_inference_estimate_does_not_model_samples_with_a_note(tmp_path, tokenizer_files, capsys):
+    """generate holds a run against estimate --mode inference before sampling; for a family that
+    estimate does not model (Qwen3 here) it sampled unchecked without a word, whatever the
+    device's memory. It says so in one note line on stderr, and samples."""
+    from memtrain.commands.generate import check_fits
+    from memtrain.inference.generate import read_folder
+
+    d = tmp_path / "qwen3"
+    transformers.Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=8, vocab_size=VOCAB,
+                             max_position_embeddings=64).save_pretrained(d)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(d)).save_pretrained(d)
+    for f in tokenizer_files.iterdir():
+        shutil.copy(f, d / f.name)
+    capsys.readouterr()  # transformers' progress bar of the save
+    check_fits(read_folder(d).cfg, torch.float32, 5, 40, 3, torch.device("cpu"), 1)  # 1 byte: unchecked
+    assert capsys.readouterr().err == ("note: sampling without the memory check (memtrain estimate --mode inference: "
+                                       "no analytic model of qwen3 layers (only llama, qwen2, mistral, phi3, gemma, "
+                                       "gpt2))\n")
+    assert main(["generate", str(d), "--prompt", "memory", "--max-new-tokens", "2", "--seed", "1"]) == 0
+    said = capsys.readouterr()
+    assert said.out.startswith("memory") and said.err.startswith("note: sampling without the memory check")
 
 def test_a_folder_that_cannot_fit_reads_no_weight(good_folder, monkeypatch):
     """The fit check of a folder comes before any weight is read: a refused run never loads the

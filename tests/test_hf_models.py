@@ -352,6 +352,45 @@ def test_qlora_says_once_which_weights_stay_unquantized(tmp_path_factory, tokeni
     assert len([w for w in caught if issubclass(w.category, QLoRASkipWarning)]) == 1
 
 
+def test_qlora_says_a_mixture_of_experts_models_stacked_experts_stay_unquantized(tmp_path):
+    """Mixtral's experts are 3-D tensors, not Linear weights: --qlora left them (most of the
+    model) at full width and said nothing, so a run looked like a 4-bit base. It quantizes the
+    Linears as before and says, once, which share stays in its dtype."""
+    import warnings
+
+    from memtrain.models.hf import build_hf_model
+    from memtrain.models.qlora import quantize_base_weights
+    from memtrain.runtime.notices import QLoRASkipWarning
+    from memtrain.techniques.hf_mapping import apply_hf_lora
+
+    d = tmp_path / "mixtral"
+    transformers.MixtralConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128,
+                               num_local_experts=4, num_experts_per_tok=2).save_pretrained(d)
+    cfg = build_config({"model": str(d), "seq_len": 16, "lora_rank": 2, "qlora": True})
+    model = build_hf_model(cfg, with_weights=False)
+    apply_hf_lora(model, cfg.technique)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert quantize_base_weights(model, torch.device("cpu")) == 0  # every Linear fits NF4's blocks
+    said = [str(w.message) for w in caught if issubclass(w.category, QLoRASkipWarning)]
+    experts = 2 * 4 * (2 * 512 * 256 + 256 * 512)  # layers x experts x (gate_up + down)
+    share = experts / sum({id(p): p.numel() for p in model.parameters()}.values())
+    assert round(share, 2) == 0.83  # most of the model
+    assert said == ["--qlora: 4 frozen weights of no Linear layer (83% of the parameters, e.g. "
+                    "model.layers.0.mlp.experts.gate_up_proj: a mixture-of-experts layer's stacked experts) stay "
+                    "unquantized in their dtype"], said
+    assert hasattr(model.lm.model.layers[0].self_attn.q_proj.base_layer.weight, "get_original_weight")  # NF4
+    # Another frozen 3-D weight (a convolution's, as in Falcon-H1's Mamba mixers) is said to stay too,
+    # without being called an expert.
+    other = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Conv1d(128, 128, 4, groups=128))
+    other.requires_grad_(False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quantize_base_weights(other, torch.device("cpu"))
+    assert [str(w.message) for w in caught] == ["--qlora: 1 frozen weights of no Linear layer (3% of the parameters, "
+                                                "e.g. 1.weight) stay unquantized in their dtype"]
+
 def test_qlora_without_lora_is_an_error(model_dirs, corpus, tmp_path):
     from memtrain.training.train import train
 
@@ -432,6 +471,47 @@ def test_trace_matches_a_measured_step_within_one_percent(model_dirs, corpus, tm
     assert abs(traced / measured - 1) < 0.01, (traced, measured)
 
 
+@pytest.mark.parametrize("tech", [{}, {"lora_rank": 2}, {"optim": "sgd", "checkpointing": "full"}],
+                         ids=["full", "lora", "sgd-ckpt"])
+def test_a_mixture_of_experts_step_traces_in_float32_as_measured(corpus, tmp_path, tech):
+    """A mixture-of-experts layer (Mixtral: its experts run torch's grouped_mm) was no estimate:
+    torch's fake kernel of grouped_mm takes only the CUDA kernel's bf16 inputs, so the trace of
+    the float32 step a CPU runs failed with exit 1 ("Expected inputs of BF16 type"). The trace
+    now gives the float32 outputs the CPU kernel makes: equal to the measured step's peak."""
+    from memtrain.analysis.maxbatch import measure_step_memory
+    from memtrain.analysis.trace import trace_step
+
+    d = tmp_path / "mixtral"
+    transformers.MixtralConfig(**{**TINY, "num_key_value_heads": 2, "num_local_experts": 4,
+                                  "num_experts_per_tok": 2}).save_pretrained(d)
+    cfg = run_cfg(d, corpus, tmp_path, seq_len=32, **tech)
+    measured = measure_step_memory(cfg, 2)["peak_bytes"]
+    traced = trace_step(cfg.replace(batch_size=2), "cpu")["peak_bytes"]
+    assert abs(traced / measured - 1) < 0.001, (traced, measured)
+
+def test_lora_on_mixture_of_experts_warns_nothing_about_peft_own_patterns(tmp_path):
+    """peft's all-linear on Mixtral adapts the stacked experts with its own rank pattern (twice
+    the rank for the fused gate_up_proj), which it applies, then warns twice on stderr in
+    train, export and generate that the pattern "matched no targeted module and was ignored".
+    memtrain gives peft no pattern: the warning is not passed on, and the rank did apply."""
+    import warnings
+
+    from memtrain.models.hf import build_hf_model
+    from memtrain.techniques.hf_mapping import apply_hf_lora
+
+    d = tmp_path / "mixtral"
+    transformers.MixtralConfig(**{**TINY, "num_key_value_heads": 2, "num_local_experts": 4,
+                                  "num_experts_per_tok": 2}).save_pretrained(d)
+    cfg = build_config({"model": str(d), "seq_len": 16, "lora_rank": 2})
+    model = build_hf_model(cfg, with_weights=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_hf_lora(model, cfg.technique)
+    assert not [w for w in caught if "pattern" in str(w.message)], [str(w.message) for w in caught]
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if "layers.0.mlp.experts" in n and "lora_A" in n}
+    # 4 experts x rank 2 for down_proj; 4 experts x rank 4 for gate_up_proj: the pattern applied
+    assert sorted(shapes.values()) == [(8, 128), (16, 64)], shapes
+
 def test_estimate_cli_traces_a_transformers_model(model_dirs, capsys):
     from memtrain.cli import main
 
@@ -445,6 +525,30 @@ def test_estimate_cli_traces_a_transformers_model(model_dirs, capsys):
     assert main(["estimate", "--model", "gpt2", "--seq-len", "64", "--batch-size", "1", "--json"]) == 0
     assert "method" not in json.loads(capsys.readouterr().out)
 
+
+def test_a_traced_estimate_gives_the_adapter_count_under_the_analytic_key(tmp_path, capsys):
+    """estimate's JSON has ``adapter_parameters`` (LoRA's A and B matrices; 0 without LoRA) beside
+    ``parameters``: the analytic answer gave it, a traced family's (GPT-NeoX here) left it out
+    while its text said "+ N LoRA adapter parameters". Both forms give it, equal to train's count."""
+    from memtrain.cli import main
+
+    d = tmp_path / "neox"
+    transformers.GPTNeoXConfig(**TINY).save_pretrained(d)
+    flags = ["estimate", "--model", str(d), "--seq-len", "32", "--batch-size", "2", "--json"]
+    assert main(flags) == 0
+    assert json.loads(capsys.readouterr().out)["adapter_parameters"] == 0
+    assert main([*flags, "--lora-rank", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    from memtrain.models import build_model
+    from memtrain.techniques.hf_mapping import apply_hf_lora
+
+    cfg = build_config({"model": str(d), "seq_len": 32, "lora_rank": 2})
+    with torch.device("meta"):
+        model = build_model(cfg, with_weights=False)
+    base = model.num_parameters()
+    apply_hf_lora(model, cfg.technique)
+    assert out["method"] != "analytic" and out["parameters"] == base
+    assert out["adapter_parameters"] == out["trainable_parameters"] == model.num_parameters() - base > 0
 
 def test_estimate_gpu_models_the_allocator_for_a_transformers_model(model_dirs, capsys):
     """--gpu on the analytic transformers path replays the step through the caching-allocator
@@ -638,6 +742,51 @@ def _gemma2_dir(tmp_path: Path) -> Path:
                                  "attn_logit_softcapping": 50.0}).save_pretrained(d)
     return d
 
+
+@pytest.mark.parametrize("loss", ["chunked", "naive"])
+def test_a_fused_loss_on_a_head_with_a_bias_is_refused_naming_the_loss_and_the_fix(tmp_path, capsys, loss):
+    """Phi-2's LM head has a bias, which the fused losses (they take the head's weight alone)
+    cannot apply: the refusal came from inside the first forward, named --loss chunked for
+    --loss naive as well, and said nothing to do. It names the loss asked for and the one to use."""
+    from memtrain.cli import main
+
+    d = tmp_path / "phi"
+    transformers.PhiConfig(**TINY).save_pretrained(d)
+    flags = ["estimate", "--model", str(d), "--seq-len", "32", "--batch-size", "2"]
+    assert main([*flags, "--loss", loss]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: --loss {loss} needs an LM head without a bias; --model {str(d)!r} has one: use --loss "
+                   "standard"), err
+    assert main([*flags, "--loss", "standard"]) == 0
+
+@pytest.mark.parametrize("family", ["cohere", "granite", "falcon_h1"])
+@pytest.mark.parametrize("loss", ["standard", "chunked"])
+def test_scaled_logits_train_with_the_models_own_loss(tmp_path, corpus, family, loss):
+    """Cohere multiplies its logits by logit_scale after the LM head (Falcon-H1 by
+    lm_head_multiplier), Granite divides them by logits_scaling: memtrain's losses read the head's weight and left the scale out, so a run
+    trained (and reported the perplexity of) other logits than the model's (Cohere's tiny model:
+    loss 5.961 against transformers' 5.950, logits 1.27 apart). Every loss equals transformers'
+    own now, the fused one included, and the logits are the model's."""
+    from memtrain.models import build_model
+    from memtrain.techniques import make_precision, prepare_model
+
+    d = tmp_path / family
+    config = {"cohere": lambda: transformers.CohereConfig(**TINY, num_key_value_heads=2, logit_scale=0.25),
+              "granite": lambda: transformers.GraniteConfig(**TINY, num_key_value_heads=2, logits_scaling=8.0),
+              "falcon_h1": lambda: transformers.FalconH1Config(**TINY, num_key_value_heads=2, lm_head_multiplier=0.5,
+                                                               mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
+                                                               mamba_d_state=16)}[family]()
+    config.save_pretrained(d)
+    cpu = torch.device("cpu")
+    cfg = run_cfg(d, corpus, tmp_path, loss=loss, loss_chunk=16)
+    torch.manual_seed(0)
+    model = prepare_model(build_model(cfg), cfg, cpu, make_precision("fp32", cpu))
+    model.eval()
+    ids = torch.randint(0, VOCAB, (2, 17))
+    with torch.no_grad():
+        theirs = model.lm(input_ids=ids, labels=ids).loss
+        torch.testing.assert_close(model(ids[:, :-1], ids[:, 1:]), theirs, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(ids), model.lm(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
 
 def test_gemma2_soft_capped_logits_train_with_the_standard_loss(tmp_path, corpus, capsys):
     """Gemma-2's final_logit_softcapping is applied by the standard loss (the loss equals

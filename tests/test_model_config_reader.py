@@ -126,3 +126,23 @@ def test_the_mirrored_ffn_width_is_the_models_own_for_opt(tmp_path):
     transformers.OPTConfig(hidden_size=32, ffn_dim=48, num_attention_heads=4, num_hidden_layers=2,
                            word_embed_proj_dim=32, vocab_size=384).save_pretrained(tmp_path)
     assert model_fields(str(tmp_path))["d_ff"] == 48
+
+
+@pytest.mark.parametrize("family", ["mamba", "rwkv"])
+def test_a_causal_lm_without_attention_heads_is_refused_naming_why(tmp_path, capsys, family):
+    """A state-space or recurrent causal LM (Mamba, RWKV) has no attention heads: its config was
+    refused as a typo, "its config.json holds a size that is not a whole number (int() argument
+    must be ... not 'NoneType'); fix the config". The refusal says what the model is, for every verb."""
+    import transformers
+
+    from memtrain.cli import main
+
+    config = {"mamba": transformers.MambaConfig, "rwkv": transformers.RwkvConfig}[family]
+    config(hidden_size=32, num_hidden_layers=2, vocab_size=384).save_pretrained(tmp_path)
+    for verb in (["estimate"], ["train", "--out", str(tmp_path / "run"), "--steps", "1"]):
+        assert main([*verb, "--model", str(tmp_path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"error: --model {str(tmp_path)!r}: a {family} model has no attention heads (num_attention_heads "
+                       "or n_head in its config.json); memtrain trains Transformer decoders, not state-space or "
+                       "recurrent models"), err
+    assert not (tmp_path / "run").exists()

@@ -173,6 +173,9 @@ def traced_estimate(cfg: Any, device_type: str, full_trace: bool = False) -> dic
                  "traced under fake tensors, every layer (" + traced["full_trace_reason"] + ")"),
         "parameters": traced.get("parameters"),
         "trainable_parameters": traced.get("trainable_parameters"),
+        # A traced LoRA run trains the adapters alone (its base is frozen): they are its trainable
+        # count, under the key the analytic estimate gives them.
+        "adapter_parameters": traced.get("trainable_parameters") if cfg.technique.lora_rank else 0,
         "bytes": {"weights": cats["parameters"], "gradients": cats["gradients"], "optimizer": cats["optimizer"],
                   "activations": cats["activations"], "logits": None, "temporaries": cats["temporaries"]},
         "peak_bytes": traced["peak_bytes"],

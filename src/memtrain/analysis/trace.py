@@ -46,9 +46,9 @@ import contextlib
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memtrain.analysis.flops.fake_ops import CpuStepFakeMode
 from memtrain.config.run import ConfigError, RunConfig, TechniqueConfig
 from memtrain.metrics import MemoryMeter
 from memtrain.models.families import build_model
@@ -129,7 +129,7 @@ def _fake_mode() -> Any:
     """
     item = torch.ops.aten._local_scalar_dense.default
 
-    class _TraceFakeMode(FakeTensorMode):
+    class _TraceFakeMode(CpuStepFakeMode):  # a mixture-of-experts step too (memtrain.analysis.flops.fake_ops)
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             if func is item:
                 return _item_stub(args[0])

@@ -487,9 +487,8 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
         print(json.dumps(out, indent=2, default=float))
         return 0
     m, t, tech = cfg.model, cfg.train, cfg.technique
-    # A traced LoRA run trains the adapters alone (its base is frozen): they are its trainable count.
-    adapters = out["trainable_parameters"] if tech.lora_rank else 0
-    print(f"{cfg.model.model}: {_parameter_words(out['parameters'], adapters, out['trainable_parameters'])}, d_model {m.d_model}, {m.n_layers} "
+    words = _parameter_words(out["parameters"], out["adapter_parameters"], out["trainable_parameters"])
+    print(f"{cfg.model.model}: {words}, d_model {m.d_model}, {m.n_layers} "
           f"layers, vocab {m.vocab_size}; "
           f"batch {t.batch_size} x seq {t.seq_len} x accum {t.grad_accum}, {tech.precision}, attention {tech.attention}, "
           f"checkpointing {tech.checkpointing}, loss {tech.loss}, optim {tech.optim}"

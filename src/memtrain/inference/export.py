@@ -52,6 +52,7 @@ from memtrain.models import is_hf
 from memtrain.models.families import data_tokenizer
 from memtrain.models.gpt import GPT
 from memtrain.models.hf import HFCausalLM, build_hf_model, quiet_transformers
+from memtrain.models.hub_access import from_pretrained_kwargs
 from memtrain.models.placement import place_weights
 from memtrain.models.spec import json_object, resolve
 from memtrain.runtime.extras import require
@@ -236,14 +237,31 @@ def _generation_config(cfg: RunConfig, config: Any) -> Any:
     and transformers would write that into the exported folder's generate defaults."""
     from transformers import GenerationConfig  # export's extra, not the core's
 
-    folder = resolve(str(cfg.model.model)).directory
-    if folder is not None and (folder / GENERATION_CONFIG).is_file():
-        path = folder / GENERATION_CONFIG  # read as JSON, checked: nothing of the folder runs
-        generation = GenerationConfig.from_dict(json_object(path, f"the {GENERATION_CONFIG} of {str(folder)!r}"))
+    path = _generation_config_file(str(cfg.model.model))
+    if path is not None:  # read as JSON, checked: nothing of the folder runs
+        generation = GenerationConfig.from_dict(json_object(path, f"the {GENERATION_CONFIG} of "
+                                                                  f"--model {cfg.model.model!r}"))
     else:
         generation = GenerationConfig.from_model_config(config)
     generation.use_cache = True
     return generation
+
+
+def _generation_config_file(spec: str) -> Path | None:
+    """The ``generation_config.json`` of the model the run started from: in its folder, or for
+    ``hf:ORG/NAME`` the Hub repository's (from the local Hugging Face cache, fetched into it first
+    when the Hub is reachable), as ``from_pretrained`` reads it; None when it has none."""
+    source = resolve(spec)
+    if source.repo is None:
+        folder = source.directory
+        return folder / GENERATION_CONFIG if folder is not None and (folder / GENERATION_CONFIG).is_file() else None
+    from huggingface_hub import hf_hub_download  # export's extra (transformers requires it), not the core's
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(source.repo, GENERATION_CONFIG, **from_pretrained_kwargs(source.repo)))
+    except (EntryNotFoundError, LocalEntryNotFoundError):  # the repository has none, or the cache holds none
+        return None
 
 
 # --------------------------------------------------------------------------- our GPT -> GPT2LMHeadModel

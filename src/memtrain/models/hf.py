@@ -62,6 +62,9 @@ class HFCausalLM(nn.Module):
         # logits, cannot (memtrain.techniques.hf_mapping refuses them).
         softcap = getattr(lm.config, "final_logit_softcapping", None)
         self.logit_softcap: Optional[float] = float(softcap) if softcap else None
+        # Cohere and Granite scale their logits after the head (logit_scale, 1 / logits_scaling):
+        # every loss applies it, as the model's own head does.
+        self.logit_multiplier = logit_multiplier(lm.config)
 
     # -- the seams the techniques use ---------------------------------------------------------
     @property
@@ -105,11 +108,18 @@ class HFCausalLM(nn.Module):
             # getattr: under --memory-by-module the loss runs wrapped (memtrain.metrics.by_module).
             if getattr(self.loss_fn, "__wrapped__", self.loss_fn) is not standard_lm_loss:
                 raise ConfigError(f"--loss chunked needs an LM head without bias; --model {self.source_spec!r} has one")
-            return F.cross_entropy(head(h2).float(), y, ignore_index=-100)
+            return F.cross_entropy(self._capped(head(h2)).float(), y, ignore_index=-100)
+        if self.logit_multiplier is not None:
+            # (m h) W^T = m (h W^T): scaled on the hidden states, the fused losses (which never
+            # hold the logits) compute the model's own logits too.
+            h2 = h2 * self.logit_multiplier
         return self.loss_fn(h2, head.weight, y)
 
     def _capped(self, logits: torch.Tensor) -> torch.Tensor:
-        """The logits as the model's own head returns them: soft-capped where the config says so."""
+        """The logits as the model's own head returns them: scaled and soft-capped where the
+        config says so."""
+        if self.logit_multiplier is not None:
+            logits = logits * self.logit_multiplier
         cap = self.logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -120,6 +130,30 @@ class HFCausalLM(nn.Module):
             if not trainable_only or p.requires_grad:
                 seen[id(p)] = p
         return sum(p.numel() for p in seen.values())
+
+
+# Families whose causal-LM head scales the logits around the LM head's matmul (their modeling
+# files: Cohere's ``logits * logit_scale``, Falcon-H1's ``* lm_head_multiplier``, HyperCLOVA X's
+# ``* logits_scaling``; Granite's and MiniCPM3's ``/ logits_scaling``), and the config field that
+# gives the factor.
+LOGIT_SCALE_MULTIPLIES = {"cohere": "logit_scale", "cohere2": "logit_scale", "cohere2_moe": "logit_scale",
+                          "cohere_compass": "logit_scale", "hyperclovax": "logits_scaling",
+                          "falcon_h1": "lm_head_multiplier"}
+LOGIT_SCALE_DIVIDES = {t: "logits_scaling" for t in ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid",
+                                                     "granite_swa", "granitemoe_swa", "minicpm3")}
+
+
+def logit_multiplier(config: Any) -> Optional[float]:
+    """The factor a model's own head multiplies its logits by (None: 1, no scaling)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in LOGIT_SCALE_MULTIPLIES:
+        value = getattr(config, LOGIT_SCALE_MULTIPLIES[model_type], None)
+        factor = 1.0 if value is None else float(value)
+    elif model_type in LOGIT_SCALE_DIVIDES:
+        factor = 1.0 / float(getattr(config, LOGIT_SCALE_DIVIDES[model_type]))
+    else:
+        return None
+    return None if factor == 1.0 else factor
 
 
 def build_hf_model(cfg: RunConfig, with_weights: bool = True, initialize: bool = True) -> HFCausalLM:

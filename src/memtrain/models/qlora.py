@@ -67,7 +67,30 @@ def quantize_base_weights(model: nn.Module, device: torch.device) -> int:
         warnings.warn(f"--qlora: {len(skipped)} of {len(linears)} frozen Linear weights are not a multiple of "
                       f"{NF4_BLOCK * NF4_SCALER_BLOCK} values and stay unquantized (e.g. {skipped[0]})",
                       QLoRASkipWarning, stacklevel=2)
+    _say_stacked_weights_stay(model)
     return len(skipped)
+
+
+def _shown_name(name: str) -> str:
+    """A parameter's name as the model folder has it: no wrapper's ``lm.`` or peft's ``base_layer``."""
+    return name.removeprefix("lm.").replace(".base_layer", "")
+
+
+def _say_stacked_weights_stay(model: nn.Module) -> None:
+    """Warn when frozen weights of no Linear layer stay in their dtype: a mixture-of-experts
+    layer's stacked experts (Mixtral's gate_up_proj and down_proj, most of its parameters) are
+    3-D tensors, and memtrain's QLoRA quantizes Linear weights only (torchao and bitsandbytes
+    alike); the run then holds them at full width, which nothing said."""
+    stacked = [(name, p) for name, p in model.named_parameters()
+               if p.dim() >= 3 and not p.requires_grad and "lora_" not in name]
+    if not stacked:
+        return
+    total = sum({id(p): p.numel() for p in model.parameters()}.values())
+    share = sum(p.numel() for _, p in stacked) / total
+    name = _shown_name(stacked[0][0])
+    kind = ": a mixture-of-experts layer's stacked experts" if ".experts." in f".{name}." else ""
+    warnings.warn(f"--qlora: {len(stacked)} frozen weights of no Linear layer ({share:.0%} of the parameters, e.g. "
+                  f"{name}{kind}) stay unquantized in their dtype", QLoRASkipWarning, stacklevel=3)
 
 
 @contextlib.contextmanager

@@ -711,6 +711,11 @@ def mirrored_fields(spec: str) -> dict[str, Any]:
         # attention outputs of zero, silently (a config meaning "no window" writes null).
         raise ConfigError(f"--model {spec!r}: its config.json's sliding_window {window} lets no token attend to any "
                           "other; write null for no window, or a window of 1 or more positions")
+    if all(getattr(c, name, None) is None for name in HEAD_COUNT_FIELDS):
+        # Mamba, RWKV: a causal LM of another kind, whose missing head count read as a config typo.
+        raise ConfigError(f"--model {spec!r}: a {getattr(c, 'model_type', 'model')} model has no attention heads "
+                          f"({' or '.join(HEAD_COUNT_FIELDS)} in its config.json); memtrain trains Transformer "
+                          "decoders, not state-space or recurrent models")
     try:
         return _mirrored_fields(c)
     except (TypeError, ValueError, OverflowError) as exc:  # a size that is missing, text, or not finite
@@ -718,10 +723,14 @@ def mirrored_fields(spec: str) -> dict[str, Any]:
                           "fix the config") from None
 
 
+# The config fields that count a Transformer's attention heads (GPT-2's n_head).
+HEAD_COUNT_FIELDS = ("num_attention_heads", "n_head")
+
+
 def _mirrored_fields(c: Any) -> dict[str, Any]:
     get = lambda *names, default=None: next((getattr(c, n) for n in names if getattr(c, n, None) is not None), default)  # noqa: E731
     d_model = int(get("hidden_size", "n_embd", "d_model"))
-    n_heads = int(get("num_attention_heads", "n_head"))
+    n_heads = int(get(*HEAD_COUNT_FIELDS))
     return {
         "vocab_size": int(c.vocab_size),
         "d_model": d_model,

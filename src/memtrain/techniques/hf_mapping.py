@@ -11,6 +11,7 @@ mapping lives with the techniques so that models never import techniques.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -36,6 +37,16 @@ def _check_logit_softcap(model: HFCausalLM, tech: TechniqueConfig) -> None:
     if model.logit_softcap is not None and tech.loss != "standard":
         raise ConfigError(f"--loss {tech.loss}: --model {model.source_spec!r} caps its logits "
                           "(final_logit_softcapping), which only --loss standard applies; use --loss standard")
+
+
+def _check_head_bias(model: HFCausalLM, tech: TechniqueConfig) -> None:
+    """Refuse a fused loss for a model whose LM head has a bias (Phi-2, GPT-J): the fused losses
+    take the head's weight alone, and only the standard loss runs the head itself. Said before
+    the first step, naming the loss asked for (the forward's own refusal named --loss chunked
+    for --loss naive too, and said nothing to do)."""
+    if getattr(model.head, "bias", None) is not None and tech.loss != "standard":
+        raise ConfigError(f"--loss {tech.loss} needs an LM head without a bias; --model {model.source_spec!r} has one: "
+                          "use --loss standard")
 
 
 def _check_supported(tech: TechniqueConfig, device: torch.device) -> None:
@@ -94,6 +105,10 @@ def _check_head_not_targeted(model: HFCausalLM, targets: Any, spec: str) -> None
                           f"reads directly, so its adapter would never train; {change}")
 
 
+# peft's warning about its own rank/alpha patterns for stacked experts (see apply_hf_lora).
+_PEFT_OWN_PATTERN_WARNING = r"The following (rank|alpha)_pattern keys did not match any targeted module"
+
+
 def apply_hf_lora(model: HFCausalLM, tech: TechniqueConfig) -> None:
     """Add LoRA adapters in place with peft; only the adapters stay trainable."""
     if not tech.lora_rank:
@@ -109,7 +124,13 @@ def apply_hf_lora(model: HFCausalLM, tech: TechniqueConfig) -> None:
     lcfg = LoraConfig(r=tech.lora_rank, lora_alpha=tech.lora_alpha, lora_dropout=tech.lora_dropout,  # type: ignore[arg-type]
                       target_modules=lora_target_modules(tech.lora_targets), bias="none", fan_in_fan_out=conv1d)
     try:
-        inject_adapter_in_model(lcfg, model.lm)
+        with warnings.catch_warnings():
+            # memtrain gives peft no rank or alpha pattern: one on a mixture-of-experts model is
+            # peft's own (twice the rank for Mixtral's fused gate_up_proj experts), applied to the
+            # expert tensor, and peft's check of it looks at module names only, so it says the
+            # pattern "matched no targeted module and was ignored" when it was not.
+            warnings.filterwarnings("ignore", message=_PEFT_OWN_PATTERN_WARNING, category=RuntimeWarning)
+            inject_adapter_in_model(lcfg, model.lm)
     except ValueError as exc:
         raise ConfigError(f"--lora-targets {tech.lora_targets!r}: {str(exc).splitlines()[0]}") from None
     for name, p in model.lm.named_parameters():
@@ -149,6 +170,7 @@ def prepare_hf_model(model: HFCausalLM, cfg: RunConfig, device: torch.device, pr
     tech = cfg.technique
     _check_supported(tech, device)
     _check_logit_softcap(model, tech)
+    _check_head_bias(model, tech)
     place_weights(model, precision.param_dtype, device)  # rope's float32 inv_freq stays float32, as in transformers
     apply_hf_lora(model, tech)
     if tech.qlora:

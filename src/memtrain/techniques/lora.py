@@ -101,20 +101,32 @@ def merge_lora(model: nn.Module) -> GPT:
 
 def merge_adapters_in_place(model: nn.Module) -> None:
     """Fold every peft LoRA layer of ``model`` (any model: our GPT, a transformers model) into
-    its base Linear and put the plain Linear back in its place; every parameter trainable."""
+    its base layer and put the plain base layer back in its place; every parameter trainable.
+
+    A base layer is a Linear, or a mixture-of-experts block whose experts are stacked tensors
+    (transformers' Mixtral, Qwen3-MoE): peft adapts each such tensor with a ``ParamWrapper``,
+    one wrapped around the other per tensor, and the outermost one merges those inside it."""
     from peft.tuners.lora import LoraLayer
 
-    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
-    for name, layer in layers:
+    names = {name for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    outermost = [(name, m) for name, m in model.named_modules()
+                 if name in names and not any(name.startswith(outer + ".") for outer in names)]
+    for name, layer in outermost:
         # Merged in FP32 and rounded once to the base's dtype: a BF16 merge would round B A and
         # then the sum. One layer at a time, so the FP32 copy is one layer's, not the model's.
         base: nn.Module = layer.get_base_layer()
-        stored = base.weight.dtype
+        stored = next((p.dtype for p in base.parameters() if p.is_floating_point()), torch.float32)
         cast(nn.Module, layer).float()  # peft's LoRA layers are Modules; its LoraLayer mixin is typed apart
-        layer.merge(safe_merge=True)  # safe_merge: fail on NaN/inf instead of writing them
-        base.to(cast(torch.dtype, stored))
+        # safe_merge: fail on NaN/inf instead of writing them. A ParamWrapper merges the wrappers
+        # nested in it too (its own unload method, which peft's merge_and_unload calls).
+        unload = getattr(layer, "unload_and_optionally_merge_module", None)
+        if unload is not None:
+            unload(merge=True, safe_merge=True, adapter_names=None)
+        else:
+            layer.merge(safe_merge=True)
+        base.to(stored)
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, layer.get_base_layer())
+        setattr(parent, child, base)
     for p in model.parameters():
         p.requires_grad_(True)

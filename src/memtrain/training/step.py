@@ -206,8 +206,9 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     precision: Precision  # autocast, loss scaler, skipped-step count, last gradient norm
     n_params: int  # parameters of the model as built (before LoRA adds adapters)
-    # Parameters of its learned position table (GPT's wpe; none in a rotary model), which the 6ND
-    # rule drops: the MFU numerator where a step cannot be counted. None: by the config.
+    # Parameters the 6ND rule drops: its learned position table (GPT's wpe; none in a rotary
+    # model) and a mixture-of-experts model's experts a token does not meet (RuleParams): the
+    # MFU numerator where a step cannot be counted. None: by the config.
     position_params: Optional[int] = None
     scheduler: Any = None  # LambdaLR over lr_lambda(cfg), when the run schedules its LR
     loader: Any = None  # the resumable data loader (its position is checkpointed)
@@ -255,7 +256,8 @@ def build_state(cfg: RunConfig, device: torch.device, precision: Optional[Precis
         model = prepare_model(base, cfg, device, precision)
     model.train()
     optimizer = build_optimizer(model, cfg.technique, cfg.train)
-    state = TrainState(cfg, device, model, optimizer, precision, n_params, model_rule_params(base).positions)
+    rule = model_rule_params(base)
+    state = TrainState(cfg, device, model, optimizer, precision, n_params, rule.positions + rule.inactive_experts)
     if dist_ctx is not None:
         state.model, state.optimizer = dist_ctx.wrap_optimizer(model, optimizer)  # ZeRO-1 / DeepSpeed
         state.step_fn = dist_ctx.train_step or train_step

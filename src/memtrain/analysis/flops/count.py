@@ -33,11 +33,14 @@ def _extra_flop_formulas() -> dict:
 
     * in-place ``addmm_`` / ``baddbmm_`` (the chunked loss accumulates the LM-head weight
       gradient with ``addmm_``; without this a third of the LM head would go uncounted);
-    * the CPU flash-attention kernels SDPA picks on CPU (torch registers the CUDA ones only).
+    * the CPU flash-attention kernels SDPA picks on CPU (torch registers the CUDA ones only);
+    * ``grouped_mm``, the experts' matmuls of a mixture-of-experts layer (Mixtral, Qwen3-MoE).
     """
     # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
     import torch
     from torch.utils import flop_counter as fc
+
+    from memtrain.analysis.flops.fake_ops import grouped_mm_flops  # imports torch: loaded only for a count
 
     aten = torch.ops.aten
     mapping: dict = {}
@@ -51,6 +54,8 @@ def _extra_flop_formulas() -> dict:
         mapping[fwd] = lambda q, k, v, *a, out_shape=None, **kw: fc.sdpa_flop_count(q, k, v)
     if bwd is not None and bwd not in fc.flop_registry:
         mapping[bwd] = lambda g, q, k, v, *a, out_shape=None, **kw: fc.sdpa_backward_flop_count(g, q, k, v)
+    if aten._grouped_mm not in fc.flop_registry:
+        mapping[aten._grouped_mm] = grouped_mm_flops
     return mapping
 
 
@@ -179,9 +184,9 @@ def _traced_step(cfg: RunConfig, fake: bool) -> Traced:
     """:func:`_trace`'s step, drawing from the global RNG."""
     # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
+    from memtrain.analysis.flops.fake_ops import CpuStepFakeMode  # imports torch: loaded only for a count
     from memtrain.techniques import prepare_model  # torch-free --help/estimate/plan
 
     t = cfg.train
@@ -195,11 +200,13 @@ def _traced_step(cfg: RunConfig, fake: bool) -> Traced:
     n_params = base.num_parameters()
     rule_params = model_rule_params(base)
     model = prepare_model(base, cfg, torch.device("cpu"), precision)
+    if fake:
+        _refuse_adapted_parameters(model, cfg)
     model.train()
     _use_fused_dropout(model)
     # Parameters are real (uninitialized) CPU tensors: modules built inside FakeTensorMode
     # cannot be moved with .to(), which prepare_model does. Everything the step computes is fake.
-    with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+    with CpuStepFakeMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
         trainable = sum({id(p): p.numel() for p in model.parameters() if p.requires_grad}.values())
         idx = torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len))
         targets = torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len))
@@ -219,6 +226,18 @@ def _traced_step(cfg: RunConfig, fake: bool) -> Traced:
     for phase, v in table.items():
         split_attention(v, only_scores=phase == "recompute" and checkpoint_policy(cfg.technique.checkpointing).kind == "selective")
     return table, total, n_params, trainable, rule_params
+
+
+def _refuse_adapted_parameters(model: Any, cfg: RunConfig) -> None:
+    """peft adapts a mixture-of-experts model's router and stacked expert tensors (LoRA's
+    all-linear on Mixtral, Qwen3-MoE: tensors of no Linear layer) by re-registering them as parametrized tensors inside every forward: a
+    metadata change on the real parameters the count builds, which fake tensors cannot make
+    (an AssertionError about ``aten.set_``, exit 1). Refused in one line instead."""
+    wrapped = next((name for name, m in model.named_modules() if type(m).__name__ == "ParamWrapper"), None)
+    if wrapped is not None:
+        raise ConfigError(f"memtrain flops cannot count --lora-rank on --model {cfg.model.model}: LoRA adapts tensors "
+                          f"of it that belong to no Linear layer (e.g. {wrapped.removeprefix('lm.')}), which peft "
+                          "re-registers in every forward and the count cannot trace yet; count it without --lora-rank")
 
 
 # Models deeper than this are counted per layer kind (below), not traced whole.

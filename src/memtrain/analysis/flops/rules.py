@@ -28,6 +28,10 @@ class RuleParams(NamedTuple):
     positions: int = 0
     untied_embedding: int = 0
     vectors: int = 0
+    # A mixture-of-experts layer's stacked experts that a token does not meet: of E experts it
+    # runs top-k, so (E - k) / E of them do no work for it (the rule drops them, as the usual
+    # "active parameters" 6ND of an MoE does).
+    inactive_experts: int = 0
 
 
 def table_rule_params(m: ModelConfig) -> RuleParams:
@@ -67,7 +71,25 @@ def model_rule_params(model: Any) -> RuleParams:
                 vectors[id(p)] = p.numel()
     positions = sum(n for i, n in tables.items() if i != id(token) and i not in matmul)
     untied = token.numel() if token is not None and id(token) not in matmul else 0
-    return RuleParams(positions=positions, untied_embedding=untied, vectors=sum(vectors.values()))
+    return RuleParams(positions=positions, untied_embedding=untied, vectors=sum(vectors.values()),
+                      inactive_experts=_inactive_experts(model, getattr(lm, "config", None)))
+
+
+# The config fields that count a mixture-of-experts layer's experts (Mixtral, Qwen3-MoE, DeepSeek).
+EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def _inactive_experts(model: Any, config: Any) -> int:
+    """The stacked expert weights a token does not meet (:class:`RuleParams`): (E - k) / E of
+    the 3-D ``experts`` tensors whose first dimension is the E experts, k the experts per token."""
+    experts = next((v for v in (getattr(config, n, None) for n in EXPERT_COUNT_FIELDS)
+                    if isinstance(v, int) and v > 1), 0)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if not experts or not isinstance(top_k, int) or not 0 < top_k < experts:
+        return 0
+    stacked = {id(p): p.numel() for name, p in model.named_parameters()
+               if p.dim() >= 3 and p.shape[0] == experts and ".experts." in f".{name}."}
+    return sum(stacked.values()) * (experts - top_k) // experts
 
 
 def config_position_params(cfg: ModelConfig) -> int:
@@ -164,7 +186,7 @@ def rule_terms(cfg: RunConfig, n_params: int, tokens: int, params: RuleParams) -
     the attention width (:func:`attention_width`) it takes, for the side-by-side; and the
     parameters in 6N whose work is no matmul (``params``), for the reconciliation."""
     m = cfg.model
-    matmul_params = n_params - params.positions
+    matmul_params = n_params - params.positions - params.inactive_experts
     width = attention_width(m)
     return {
         "six_n_d": 6.0 * matmul_params * tokens,
@@ -174,6 +196,7 @@ def rule_terms(cfg: RunConfig, n_params: int, tokens: int, params: RuleParams) -
         "position_params": float(params.positions),
         "untied_embedding_params": float(params.untied_embedding),
         "vector_params": float(params.vectors),
+        "inactive_expert_params": float(params.inactive_experts),
     }
 
 
