@@ -131,6 +131,53 @@ def test_a_scale_fitted_to_the_steps_reads_each_layer_once(monkeypatch):
     assert len(calls) == 2
 
 
+def _count_reads_outside_build_config(monkeypatch, module) -> list[dict]:
+    """The layers whose aliases ``module`` normalizes itself (build_config's own reads not counted)."""
+    from memtrain.config import run
+
+    calls: list[dict] = []
+    inside = []
+    normalize, build = run.normalize_aliases, module.build_config
+
+    def counting(flat):
+        if not inside:
+            calls.append(dict(flat))
+        return normalize(flat)
+
+    def building(*layers):
+        inside.append(True)
+        try:
+            return build(*layers)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(run, "normalize_aliases", counting)
+    monkeypatch.setattr(module, "build_config", building)
+    return calls
+
+
+def test_a_bench_row_reads_each_given_layer_once(monkeypatch):
+    # The scale's warm-up, the model's default attention and the refusal of a long warm-up ask the
+    # same layers (the row's, --config's, the flags'): their aliases are normalized once per row.
+    from memtrain.bench import runner
+
+    calls = _count_reads_outside_build_config(monkeypatch, runner)
+    opts = BenchOptions(techniques=["baseline", "bf16"], file_layer={"train": {"max_steps": 3}},
+                        overrides={**TINY_MODEL, "seq_len": 32, "progress": False})
+    rows = resolve_rows(opts)
+    assert [cfg.train.warmup_steps for _, cfg in rows] == [1, 1]  # fitted to the Trainer's max_steps
+    assert len(calls) == 3 * len(rows)
+
+
+def test_a_compare_hf_row_reads_each_given_layer_once(monkeypatch):
+    from memtrain.bench.hf import rows as hf_rows
+
+    calls = _count_reads_outside_build_config(monkeypatch, hf_rows)
+    rows = hf_rows.resolve_rows("quick", ["baseline"], {"progress": False, "max_steps": 3}, "cpu")
+    assert rows[0]["config"].train.warmup_steps == 1
+    assert len(calls) == 2  # the preset's layer and the --set overrides
+
+
 def test_bench_rows_resume_and_failures(small_corpus, tmp_path):
     """Two real rows in subprocesses, one that cannot run; rerun skips what finished."""
     overrides = {**TINY_MODEL, "data": str(small_corpus), "steps": 3, "warmup_steps": 1, "batch_size": 2,

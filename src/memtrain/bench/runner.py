@@ -23,18 +23,19 @@ from typing import Any, Callable, Optional
 
 from memtrain.bench.eta import BenchEta
 from memtrain.bench.process import clean_stale_row_dirs, row_tmpdir, start_row, stop_row
-from memtrain.bench.scales import SCALE_BUDGET, SCALE_MAX_BATCH, fitted_scale_overrides
+from memtrain.bench.scales import SCALE_BUDGET, SCALE_MAX_BATCH, fitted_scale_layer, fitted_scale_overrides
 from memtrain.bench.technique_sets import describe, noise_twin, technique_overrides
 from memtrain.config.run import (
     ConfigError,
     RunConfig,
     TechniqueConfig,
+    attention_default_of,
     build_config,
     flatten,
-    model_default_attention,
-    names_warmup,
+    normalized_layers,
     parse_size,
     refuse_long_warmup,
+    warmup_named,
 )
 from memtrain.files.results import (
     FolderLock,
@@ -177,9 +178,11 @@ def resolve_rows(opts: BenchOptions) -> list[tuple[str, RunConfig]]:
                               f"{relabelled[0]} from the config file, or name the row key=value+key=value")
         try:
             given = (row_layer, opts.file_layer, opts.overrides)
-            scale_layer = fitted_scale_overrides(opts.scale, *given)
-            cfg = build_config(scale_layer, *given, model_default_attention(scale_layer, *given))
-            if names_warmup(*given):
+            flat_given = normalized_layers(*given)  # read once: for the scale, the attention and the warm-up
+            scale_layer = fitted_scale_layer(opts.scale, flat_given)
+            # The scale's layer is flat and in memtrain's names already: nothing to normalize.
+            cfg = build_config(scale_layer, *given, attention_default_of([scale_layer, *flat_given]))
+            if warmup_named(flat_given):
                 refuse_long_warmup(cfg.train)
         except ConfigError as exc:
             raise ConfigError(f"technique {name!r}: {exc}") from None

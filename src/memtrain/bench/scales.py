@@ -58,12 +58,18 @@ def scale_overrides(scale: str) -> dict[str, Any]:
 
 def fitted_scale_overrides(scale: str, *later: dict[str, Any]) -> dict[str, Any]:
     """Config overrides of run scale ``scale`` below the ``later`` layers (a row's, a config
-    file's, the flags): a scale warm-up longer than the --steps a later layer asks is replaced by
-    train's default rule for a run length without a warm-up (:func:`capped_warmup`), since no
-    one asked for the scale's warm-up and the rows would never reach --lr. A warm-up a later layer
-    names is left as given (the bench refuses one longer than the run, as train does)."""
+    file's, the flags): :func:`fitted_scale_layer` of those layers, their aliases read here."""
+    return fitted_scale_layer(scale, normalized_layers(*later))
+
+
+def fitted_scale_layer(scale: str, flat_layers: list[dict[str, Any]]) -> dict[str, Any]:
+    """Config overrides of run scale ``scale`` below ``flat_layers`` (the later layers as
+    :func:`normalized_layers` returns them, so a caller that asks more of them reads them once):
+    a scale warm-up longer than the --steps a later layer asks is replaced by train's default
+    rule for a run length without a warm-up (:func:`capped_warmup`), since no one asked for the
+    scale's warm-up and the rows would never reach --lr. A warm-up a later layer names is left as
+    given (the bench refuses one longer than the run, as train does)."""
     layer = scale_overrides(scale)
-    flat_layers = normalized_layers(*later)  # read once: for the warm-up and for the steps
     if warmup_named(flat_layers):
         return layer
     asked: Any = layer.get("steps")

@@ -912,10 +912,15 @@ def model_default_attention(*layers: dict[str, Any]) -> dict[str, Any]:
     eager for Gemma-2), for settings ``layers`` that name such a model and no attention; else
     empty: memtrain's GPT keeps its math default (the seed's lab). train, estimate, plan and
     every bench row use it, so one model gets one default."""
+    return attention_default_of(normalized_layers(*layers))
+
+
+def attention_default_of(flat_layers: list[dict[str, Any]]) -> dict[str, Any]:
+    """:func:`model_default_attention` of layers :func:`normalized_layers` has read already."""
     from memtrain.models.spec import default_attention, is_gpt_preset  # torch-free; spec reads config
 
     merged: dict[str, Any] = {}
-    for flat in normalized_layers(*layers):
+    for flat in flat_layers:
         merged.update(flat)
     spec = merged.get("model")
     if "attention" in merged or not isinstance(spec, str) or is_gpt_preset(spec):
@@ -954,14 +959,9 @@ def normalized_layers(*layers: dict[str, Any]) -> list[dict[str, Any]]:
     return flat_layers
 
 
-def names_warmup(*layers: dict[str, Any]) -> bool:
-    """Whether a layer of settings names the warm-up (``warmup_steps``, or the Trainer's
-    ``warmup_ratio`` / a ``lr_scheduler_type`` that sets it), in memtrain's names."""
-    return warmup_named(normalized_layers(*layers))
-
-
 def warmup_named(flat_layers: list[dict[str, Any]]) -> bool:
-    """:func:`names_warmup` of layers :func:`normalized_layers` has read already."""
+    """Whether a layer of settings (as :func:`normalized_layers` returns them) names the warm-up:
+    ``warmup_steps``, or the Trainer's ``warmup_ratio`` / a ``lr_scheduler_type`` that sets it."""
     return any("warmup_steps" in flat or WARMUP_RATIO in flat for flat in flat_layers)
 
 

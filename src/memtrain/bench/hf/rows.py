@@ -9,9 +9,16 @@ from typing import Any, Optional
 
 from memtrain.bench.hf.mapping import hf_plan, trainer_alignment
 from memtrain.bench.runner import config_hash as bench_config_hash
-from memtrain.bench.scales import fitted_scale_overrides
+from memtrain.bench.scales import fitted_scale_layer
 from memtrain.bench.technique_sets import technique_overrides
-from memtrain.config.run import ConfigError, RunConfig, build_config, names_warmup, refuse_long_warmup
+from memtrain.config.run import (
+    ConfigError,
+    RunConfig,
+    build_config,
+    normalized_layers,
+    refuse_long_warmup,
+    warmup_named,
+)
 from memtrain.files.results import (
     JsonlRead,
     append_jsonl,
@@ -36,10 +43,11 @@ def resolve_rows(scale: str, presets: list[str], overrides: dict[str, Any], devi
     for name in presets:
         try:
             row = technique_overrides(name, scale)
-            layers = [fitted_scale_overrides(scale, row, overrides), row]
+            flat_given = normalized_layers(row, overrides)  # read once: for the scale and the warm-up
+            layers = [fitted_scale_layer(scale, flat_given), row]
             align = trainer_alignment(build_config(*layers, overrides))
             cfg = build_config(*layers, align, overrides)
-            if names_warmup(row, overrides):
+            if warmup_named(flat_given):
                 refuse_long_warmup(cfg.train)
         except ConfigError as exc:
             raise ConfigError(f"preset {name!r}: {exc}") from None
