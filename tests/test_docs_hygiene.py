@@ -126,3 +126,10 @@ def test_the_checkpointing_row_of_the_models_doc_names_what_a_transformers_model
     for kind in kinds:
         assert transformers_checkpointing_error(kind.replace("every:K", "every:2")) is None, kind
     assert transformers_checkpointing_error("selective") is not None and "`selective`" in row and "refused" in row
+
+
+def test_no_merge_leftover_is_tracked():
+    # A conflicted merge's backups (``*.orig``, ``*.rej``) are stale copies of the code beside it:
+    # shipped in src/, they are read as the module by whoever greps for a function.
+    leftovers = [f for f in _repo_files() if f.endswith((".orig", ".rej"))]
+    assert not leftovers, leftovers
