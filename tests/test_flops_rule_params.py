@@ -133,13 +133,13 @@ def test_the_mfu_fallback_drops_only_the_models_position_table(tmp_path, monkeyp
     cfg = _cfg(d, attention="sdpa")
     state = build_state(cfg, torch.device("cpu"))
     own = _own_counts(d)
-    assert (state.n_params, state.position_params) == (own["parameters"], own["position_params"])
+    assert (state.n_params, state.rule_dropped_params) == (own["parameters"], own["position_params"])
 
     def uncountable(cfg):
         raise RuntimeError("cannot trace")
 
     monkeypatch.setattr(train_mod, "counted_flops_per_step", uncountable)
-    flops, source = train_mod._flops_per_rank_step(cfg, state.n_params, state.position_params)
+    flops, source = train_mod._flops_per_rank_step(cfg, state.n_params, state.rule_dropped_params)
     m = cfg.model
     per_token = 6.0 * (own["parameters"] - own["position_params"]) + 12.0 * m.n_layers * attention_width(m) * S
     assert source == "rule"

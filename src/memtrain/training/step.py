@@ -209,7 +209,7 @@ class TrainState:
     # Parameters the 6ND rule drops: its learned position table (GPT's wpe; none in a rotary
     # model) and a mixture-of-experts model's experts a token does not meet (RuleParams): the
     # MFU numerator where a step cannot be counted. None: by the config.
-    position_params: Optional[int] = None
+    rule_dropped_params: Optional[int] = None
     scheduler: Any = None  # LambdaLR over lr_lambda(cfg), when the run schedules its LR
     loader: Any = None  # the resumable data loader (its position is checkpointed)
     step: int = 0  # optimizer steps completed

@@ -112,11 +112,13 @@ class _Progress:
             self.bar.close()
 
 
-def _flops_per_rank_step(cfg: RunConfig, n_params: int, position_params: Optional[int] = None) -> tuple[float, str]:
+def _flops_per_rank_step(cfg: RunConfig, n_params: int, rule_dropped_params: Optional[int] = None) -> tuple[float, str]:
     """Model FLOPs of one optimizer step on one rank, the MFU numerator: the counted
     forward + backward (as ``memtrain flops`` reports them, so both agree), or the 6ND +
-    attention rule when the model cannot be traced for counting, less the model's own learned
-    position table (``position_params``, counted on the built model; a rotary model has none)."""
+    attention rule when the model cannot be traced for counting, less the parameters that do no
+    matmul work for a token (``rule_dropped_params``, counted on the built model: its learned
+    position table, none in a rotary model, and a mixture-of-experts model's experts a token does
+    not meet; None: the position table by the config)."""
     try:
         # The count builds the model once more: --qlora's note on the weights it leaves unquantized
         # was said when the run built it, and a second time after the run reads as another model.
@@ -126,7 +128,7 @@ def _flops_per_rank_step(cfg: RunConfig, n_params: int, position_params: Optiona
     except Exception:  # noqa: BLE001 - a counting gap must not fail a finished run
         t = cfg.train
         tokens = t.batch_size * t.grad_accum * t.seq_len
-        return rule_flops_per_token(cfg.model, t.seq_len, n_params, position_params) * tokens, "rule"
+        return rule_flops_per_token(cfg.model, t.seq_len, n_params, rule_dropped_params) * tokens, "rule"
 
 
 # Called after every optimizer step with (steps done, steps in this run, timed-step median so
@@ -562,7 +564,7 @@ def _result(state: TrainState, timer: StepTimer, memory: dict[str, Any], splits:
     cfg, t, losses, device = state.cfg, state.cfg.train, state.losses, state.device
     stats = timer.summary().to_dict()
     tail = losses[-min(10, len(losses)):] if losses else [float("nan")]
-    flops_per_rank_step, flops_source = _flops_per_rank_step(cfg, state.n_params, state.position_params)
+    flops_per_rank_step, flops_source = _flops_per_rank_step(cfg, state.n_params, state.rule_dropped_params)
     median = stats["median"]
     run_mfu, mfu_reference = mfu_for_run(flops_per_rank_step, median, device, cfg.technique.precision, caps, rate_now,
                                          effective_cache_dir(cfg.data))

@@ -112,10 +112,11 @@ def config_position_params(cfg: ModelConfig) -> int:
 
 
 def rule_flops_per_token(cfg: ModelConfig, seq_len: int, n_params: int, positions: Optional[int] = None) -> float:
-    """Training FLOPs per token by the 6N + attention rule. ``positions``: the parameters of the
-    model's learned position table, which the rule drops (a lookup), as
-    :func:`model_rule_params` counts them on the built model; None: by the config
-    (:func:`config_position_params`)."""
+    """Training FLOPs per token by the 6N + attention rule. ``positions``: the parameters the rule
+    drops, as :func:`model_rule_params` counts them on the built model (its learned position
+    table, a lookup, and a mixture-of-experts model's experts a token does not meet:
+    ``RuleParams.positions + RuleParams.inactive_experts``); None: the position table by the
+    config (:func:`config_position_params`)."""
     table = config_position_params(cfg) if positions is None else positions
     return 6.0 * (n_params - table) + 12.0 * cfg.n_layers * attention_width(cfg) * seq_len
 
