@@ -759,6 +759,24 @@ def test_a_fused_loss_on_a_head_with_a_bias_is_refused_naming_the_loss_and_the_f
                    "standard"), err
     assert main([*flags, "--loss", "standard"]) == 0
 
+
+def test_the_forward_refuses_a_fused_loss_on_a_head_with_a_bias_in_the_same_words(tmp_path):
+    """A model whose fused loss was set without prepare_hf_model (library use) meets the
+    forward's own refusal: it says what the command's refusal says, not "--loss chunked" for
+    every fused loss with nothing to do."""
+    from memtrain.models.hf import build_hf_model
+    from memtrain.techniques.loss import NaiveLoss
+
+    d = tmp_path / "phi"
+    transformers.PhiConfig(**TINY).save_pretrained(d)
+    model = build_hf_model(build_config({"model": str(d), "seq_len": 16}), with_weights=False)
+    model.loss_fn = NaiveLoss()  # --loss naive's
+    idx = torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(ConfigError) as caught:
+        model(idx, idx)
+    assert str(caught.value) == (f"--loss chunked or naive needs an LM head without a bias; --model {str(d)!r} has "
+                                 "one: use --loss standard")
+
 @pytest.mark.parametrize("family", ["cohere", "granite", "falcon_h1"])
 @pytest.mark.parametrize("loss", ["standard", "chunked"])
 def test_scaled_logits_train_with_the_models_own_loss(tmp_path, corpus, family, loss):

@@ -107,7 +107,10 @@ class HFCausalLM(nn.Module):
         if getattr(head, "bias", None) is not None:
             # getattr: under --memory-by-module the loss runs wrapped (memtrain.metrics.by_module).
             if getattr(self.loss_fn, "__wrapped__", self.loss_fn) is not standard_lm_loss:
-                raise ConfigError(f"--loss chunked needs an LM head without bias; --model {self.source_spec!r} has one")
+                # prepare_hf_model refuses this first (techniques.hf_mapping._check_head_bias); here
+                # for a loss set without it, in the same words (the loss's name is not known here).
+                raise ConfigError(f"--loss chunked or naive needs an LM head without a bias; --model {self.source_spec!r} "
+                                  "has one: use --loss standard")
             return F.cross_entropy(self._capped(head(h2)).float(), y, ignore_index=-100)
         if self.logit_multiplier is not None:
             # (m h) W^T = m (h W^T): scaled on the hidden states, the fused losses (which never
