@@ -37,7 +37,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=non_negative_float, default=0.8,
                    help="Softmax temperature, finite and >= 0; 0 = greedy (default 0.8).")
     p.add_argument("--top-k", type=int_in(0, MAX_WIDTH, "a token count"), default=TOP_K,
-                   help="Sample among the k likeliest tokens; 0 = no cut (default 50).")
+                   help=f"Sample among the k likeliest tokens; 0 = no cut (default {TOP_K}).")
     p.add_argument("--num-samples", type=batch_count, default=1, help="Independent samples (default 1).")
     p.add_argument("--seed", type=seed_value, default=1337,
                    help="Sampling seed in [0, 2**64) (default 1337): same seed, same text (on the same device, "
