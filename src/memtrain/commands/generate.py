@@ -22,6 +22,7 @@ from memtrain.config.argtypes import (
 from memtrain.config.run import ConfigError
 from memtrain.errors import is_out_of_memory
 from memtrain.techniques.facts import GENERATE_DTYPES
+from memtrain.training.preflight import host_available_bytes
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -96,7 +97,6 @@ def free_memory(device: Any, host_available: Optional[int]) -> Optional[int]:
 
 def run(args: argparse.Namespace) -> int:
     from memtrain.inference.generate import generate  # torch-free --help/estimate/plan
-    from memtrain.training.preflight import host_available_bytes  # the reading train's size check sits beside
 
     # Read before a checkpoint's model is loaded: the estimate the reading is held against
     # counts the model, which would otherwise be subtracted twice.
