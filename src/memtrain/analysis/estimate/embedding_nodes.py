@@ -19,7 +19,7 @@ TARGETS = "targets"
 TOKEN_KEYS = (INPUT_IDS, TARGETS)
 
 
-def token_id_bytes(dm: "Dims", arch: Arch) -> float:
+def token_id_bytes(dm: Dims, arch: Arch) -> float:
     """Bytes of one micro-batch's token ids the meter counts: the labels (b x s x 8), and the
     inputs too where the model views them (GPT-2's ``input_ids.view``)."""
     return dm.n * 8 * (2 if arch.gpt2_layers else 1)
