@@ -147,10 +147,13 @@ def _liger_refusal(cfg: RunConfig, model_type: str, cuda: bool) -> Optional[str]
     from memtrain.models import load_config
 
     config = load_config(cfg.model.model)
-    gaps = [f"reads {', '.join('config.' + g for g in reads)}, which transformers {_version('transformers')} "
-            "configs lack" for reads in [liger_forward_gaps(model_type, config)] if reads]
-    gaps += [f"passes {', '.join(calls)} to the model, which transformers {_version('transformers')} refuses"
-             for calls in [liger_call_gaps(model_type, config)] if calls]
+    transformers = f"transformers {_version('transformers')}"
+    reads, calls = liger_forward_gaps(model_type, config), liger_call_gaps(model_type, config)
+    gaps = []
+    if reads:
+        gaps.append(f"reads {', '.join('config.' + g for g in reads)}, which {transformers} configs lack")
+    if calls:
+        gaps.append(f"passes {', '.join(calls)} to the model, which {transformers} refuses")
     if gaps:
         return (f"the installed Liger-Kernel {_version('liger-kernel')}'s {model_type} forward {'; it '.join(gaps)} "
                 "(install a Liger release written for it: benchmarks/gpu_wheels.sh pins one)")
