@@ -230,9 +230,10 @@ def _traced_step(cfg: RunConfig, fake: bool) -> Traced:
 
 def _refuse_adapted_parameters(model: Any, cfg: RunConfig) -> None:
     """peft adapts a mixture-of-experts model's router and stacked expert tensors (LoRA's
-    all-linear on Mixtral, Qwen3-MoE: tensors of no Linear layer) by re-registering them as parametrized tensors inside every forward: a
-    metadata change on the real parameters the count builds, which fake tensors cannot make
-    (an AssertionError about ``aten.set_``, exit 1). Refused in one line instead."""
+    all-linear on Mixtral, Qwen3-MoE: tensors of no Linear layer) by re-registering them as
+    parametrized tensors inside every forward: a metadata change on the real parameters the
+    count builds, which fake tensors cannot make (an AssertionError about ``aten.set_``, exit 1).
+    Refused in one line instead."""
     wrapped = next((name for name, m in model.named_modules() if type(m).__name__ == "ParamWrapper"), None)
     if wrapped is not None:
         raise ConfigError(f"memtrain flops cannot count --lora-rank on --model {cfg.model.model}: LoRA adapts tensors "
