@@ -60,7 +60,8 @@ FP32 = 4  # the sampling head runs in float32 (generate copies the logits to flo
 DEFAULT_NEW_TOKENS = 64  # memtrain generate --max-new-tokens, and estimate --new-tokens
 TOP_K = 50  # memtrain generate --top-k's default, which the sampling head is estimated with
 
-__all__ = ["DEFAULT_NEW_TOKENS", "DTYPE_BYTES", "TOP_K", "GENERATE_DTYPES", "estimate_generate", "kv_cache_bytes", "mlp_width_factor"]
+__all__ = ["DEFAULT_NEW_TOKENS", "DTYPE_BYTES", "GENERATE_DTYPES", "TOP_K", "estimate_generate", "kv_cache_bytes",
+           "mlp_width_factor"]
 
 
 def kv_cache_bytes(n_layers: int, batch: int, kv_width: int, length: int, elem: int) -> int:
