@@ -122,7 +122,6 @@ def test_a_scale_fitted_to_the_steps_reads_each_layer_once(monkeypatch):
         return normalize(flat)
 
     monkeypatch.setattr(run, "normalize_aliases", counting)
-    monkeypatch.setattr(scales, "normalize_aliases", counting, raising=False)
     layers = ({"steps": 50}, {"max_steps": 3}, {"lr": 1e-3})
     assert scales.fitted_scale_overrides("quick", *layers)["warmup_steps"] == 1
     assert len(calls) == len(layers)
