@@ -348,7 +348,7 @@ def _env(commit: Optional[str], site: Optional[Path]) -> dict[str, str]:
     return env
 
 
-def _twice(wheels: list[Path]) -> list[str]:
+def _versions_of_one_package(wheels: list[Path]) -> list[str]:
     """The distributions of which ``wheels`` hold more than one file (a wheel's name is
     ``NAME-VERSION-...whl``; NAME compared as pip does, case and ``-``/``_``/``.`` aside)."""
     seen: dict[str, list[str]] = {}
@@ -365,7 +365,7 @@ def install_wheels(folder: Path, target: Path) -> Path:
         raise SystemExit(f"--wheels {folder}: no .whl files there (benchmarks/gpu_wheels.sh fetches them)")
     # Two versions of one package (a folder fetched before a pin changed) make pip refuse them
     # all, on the device, after its start: refused here, before anything is installed.
-    twice = _twice(paths)
+    twice = _versions_of_one_package(paths)
     if twice:
         raise SystemExit(f"--wheels {folder}: two versions of one package ({'; '.join(twice)}); remove the "
                          "older (benchmarks/gpu_wheels.sh empties the folder first)")
