@@ -50,7 +50,7 @@ from memtrain.config.run import (
 )
 from memtrain.devices.forced import check_forced_env
 from memtrain.distributed.rank_errors import begin_command, error_line, launch_env, launched_by_memtrain, say_error
-from memtrain.errors import denied_access, is_out_of_memory, one_line
+from memtrain.errors import denied_access, is_out_of_memory, name_too_long, one_line
 from memtrain.files.results import (
     RESULT_NAME,
     FolderLock,
@@ -629,7 +629,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         _say("error: interrupted; results written so far are kept", 130)
         return 130
     except OSError as exc:
-        denied = denied_access(exc)
+        denied = denied_access(exc) or name_too_long(exc)
         if denied is not None and not os.environ.get("MEMTRAIN_DEBUG"):
             _say(f"error: {denied}", 2)  # the path is the user's to change: bad input
             return 2

@@ -10,7 +10,7 @@ import errno
 import re
 from typing import Optional
 
-__all__ = ["ConfigError", "denied_access", "is_out_of_memory", "one_line", "shortened"]
+__all__ = ["ConfigError", "denied_access", "is_out_of_memory", "name_too_long", "one_line", "shortened"]
 
 
 class ConfigError(ValueError):
@@ -51,16 +51,19 @@ def shortened(path: str, keep: int = 120) -> str:
 
 def denied_access(exc: BaseException) -> Optional[str]:
     """The one-line reason (without ``error:``) when ``exc`` is a file the user may not read or
-    write (permission denied, a read-only file system) or a path the file system refuses for
-    its length, else None."""
-    if not isinstance(exc, OSError):
-        return None
-    if exc.errno == errno.ENAMETOOLONG:
-        where = f" {shortened(str(exc.filename))!r}" if exc.filename else ""
-        return (f"file name too long{where}: a name may have 255 bytes and a path 4,096 here; give memtrain a "
-                "shorter path (files written before are intact)")
-    if exc.errno not in _DENIED:
+    write (permission denied, a read-only file system), else None."""
+    if not isinstance(exc, OSError) or exc.errno not in _DENIED:
         return None
     where = f" on {str(exc.filename)!r}" if exc.filename else ""
     return (f"{_DENIED[exc.errno]}{where}; change its permissions or give memtrain another path "
             "(files written before are intact)")
+
+
+def name_too_long(exc: BaseException) -> Optional[str]:
+    """The one-line reason (without ``error:``) when ``exc`` is a path the file system refuses for
+    its length (a name over 255 bytes, a path over 4,096), else None: the user's path to shorten."""
+    if not isinstance(exc, OSError) or exc.errno != errno.ENAMETOOLONG:
+        return None
+    where = f" {shortened(str(exc.filename))!r}" if exc.filename else ""
+    return (f"file name too long{where}: a name may have 255 bytes and a path 4,096 here; give memtrain a "
+            "shorter path (files written before are intact)")
