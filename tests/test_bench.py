@@ -168,6 +168,15 @@ def test_a_bench_row_reads_each_given_layer_once(monkeypatch):
     assert len(calls) == 3 * len(rows)
 
 
+def test_every_scale_layer_is_flat_and_in_memtrains_names():
+    # resolve_rows hands the scale's layer to attention_default_of as it is, unread.
+    from memtrain.bench.scales import SCALES
+    from memtrain.config.run import normalized_layers
+
+    for scale, layer in SCALES.items():
+        assert normalized_layers(layer) == [layer], scale
+
+
 def test_a_compare_hf_row_reads_each_given_layer_once(monkeypatch):
     from memtrain.bench.hf import rows as hf_rows
 
