@@ -33,6 +33,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+# liger_forward_gaps: the name this module exported before the check moved to liger_calls (kept in __all__).
 from memtrain.bench.hf.liger_calls import liger_call_gaps, liger_config_gaps as liger_forward_gaps
 from memtrain.config.aliases import trainer_optim
 from memtrain.config.run import ConfigError, RunConfig
