@@ -62,8 +62,9 @@ class HFCausalLM(nn.Module):
         # logits, cannot (memtrain.techniques.hf_mapping refuses them).
         softcap = getattr(lm.config, "final_logit_softcapping", None)
         self.logit_softcap: Optional[float] = float(softcap) if softcap else None
-        # Cohere and Granite scale their logits after the head (logit_scale, 1 / logits_scaling):
-        # every loss applies it, as the model's own head does.
+        # Some families scale their logits after the head (Cohere's logit_scale, Granite's
+        # 1 / logits_scaling, ...: LOGIT_SCALE_MULTIPLIES / _DIVIDES): every loss applies the
+        # factor, as the model's own head does, so the run trains the logits generate samples.
         self.logit_multiplier = logit_multiplier(lm.config)
 
     # -- the seams the techniques use ---------------------------------------------------------
