@@ -777,6 +777,7 @@ def test_the_forward_refuses_a_fused_loss_on_a_head_with_a_bias_in_the_same_word
     assert str(caught.value) == (f"--loss chunked or naive needs an LM head without a bias; --model {str(d)!r} has "
                                  "one: use --loss standard")
 
+
 @pytest.mark.parametrize("family", ["cohere", "granite", "falcon_h1"])
 @pytest.mark.parametrize("loss", ["standard", "chunked"])
 def test_scaled_logits_train_with_the_models_own_loss(tmp_path, corpus, family, loss):
