@@ -92,7 +92,7 @@ def _scores_softmax(nodes: list[Node], dm: Dims, p: str, score_elems: float, mas
 
 def float32_weights_dropped(dm: Dims, kind: str) -> bool:
     """Whether a transformers Llama-style eager attention drops its float32 softmax output under
-    autocast (the weights its layer then holds: :func:`_hf_layer_locals`)."""
+    autocast (the weights its layer then holds: ``block_nodes._hf_layer_locals``)."""
     return kind == "math" and dm.repeat_kv and dm.autocast and dm.a != 4 and dm.dropout and not dm.cuda
 
 

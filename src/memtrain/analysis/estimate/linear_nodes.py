@@ -140,7 +140,7 @@ def linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int, 
            x_requires_grad: Optional[bool] = None, param_share: float = 1.0) -> None:
     """A Linear layer: autocast casts of input/weight/bias, the matmul, LoRA adapters.
     ``bias``: this Linear's (default: the model's rule, ``dm.bias``); ``lora_parts``: the name
-    suffixes of the Linears the entry stands for (:func:`lora_split`), one adapter pair each;
+    suffixes of the Linears the entry stands for (:func:`.params.lora_split`), one adapter pair each;
     ``input_grad``: whether ``x`` requires a gradient (False only for a transformers model's
     first q/k/v under LoRA, whose input comes from the frozen embedding through a frozen norm);
     ``param_name``: the table entry its parameters belong to (default ``name``; one Linear of
@@ -271,7 +271,7 @@ def _lora_dropout(nodes: list[Node], dm: Dims, name: str, x: str, x_bytes: float
     the adapters' dtype (our GPT's are float32). peft casts x to it first (a new tensor only
     when the dtypes differ, which lives only through the dropout); the dropout's output is a
     new tensor in the adapters' dtype, and its
-    backward keeps the mask (:func:`dropout`: CUDA's bool mask, the CPU kernel's float noise)
+    backward keeps the mask (:func:`.basic_nodes.dropout`: CUDA's bool mask, the CPU kernel's float noise)
     only when ``x`` requires a gradient (``keep_mask``).
     Under autocast lora_A casts the dropped copy to the compute dtype and saves that copy (the
     adapters'-dtype one is then freed); otherwise it saves the dropped copy itself. One of each
