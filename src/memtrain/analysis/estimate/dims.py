@@ -38,11 +38,11 @@ class Dims:
     # (no cached copies) and the gathered weights are counted by the sharding rule instead.
     weights_in_compute_dtype: bool = False
     hf: bool = False  # a transformers decoder layer (Arch.hf; memtrain.analysis.estimate.hf)
-    fp8: bool = False  # --precision fp8: block Linears are torchao Float8Linears (_fp8_linear)
+    fp8: bool = False  # --precision fp8: block Linears are torchao Float8Linears (linear_nodes._fp8_linear)
     # Phi-3's layers (Arch.fused_proj): v is a slice of the fused q/k/v output, and rope's cat
     # makes q contiguous as (b, h, s, hd), so SDPA's output is laid out that way too.
     fused_proj: bool = False
-    # --lora-dropout > 0: peft drops each adapter's input before lora_A (_lora_dropout).
+    # --lora-dropout > 0: peft drops each adapter's input before lora_A (linear_nodes._lora_dropout).
     lora_dropout: bool = False
     # The eager attention's softmax runs in float32 outside autocast too (Llama's
     # ``softmax(dtype=float32)``); GPT-2's runs in the scores' dtype (float32 under autocast only).
@@ -57,12 +57,12 @@ class Dims:
     # transformers config's head_dim: Arch.head_dim); 0: d.
     hq: int = 0
     # --qlora: a frozen Linear whose weight fits torchao's blocks holds it in NF4 and runs
-    # torchao's linear_nf4 (_nf4_linear).
+    # torchao's linear_nf4 (linear_nodes._nf4_linear).
     qlora: bool = False
     # transformers hands SDPA its windowed bool mask instead of ``is_causal`` (a sliding window no
     # longer than the sequence, --attention sdpa): k and v repeated to the q heads, a float copy of
-    # the mask per layer, both saved, as the CPU kernels do (_masked_sdpa_nodes; on CUDA kernels
-    # hf.why_not_modelled traces the step).
+    # the mask per layer, both saved, as the CPU kernels do (attention_nodes._masked_sdpa_nodes;
+    # on CUDA kernels hf.why_not_modelled traces the step).
     masked_sdpa: bool = False
     # Eager attention in a Qwen2 model with a sliding layer (Arch.full_mask_beside_window): the model
     # makes the full causal mask beside the windowed one (hf_nodes.FULL_MASK), until it returns.
