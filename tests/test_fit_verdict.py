@@ -91,6 +91,14 @@ def test_the_verdict_is_printed(capsys):
     assert "fit: fits 79.18 GiB with " in text and "largest batch" in text and "not measured" in text
 
 
+def test_an_h200_is_held_to_its_measured_memory_not_its_datasheets(capsys):
+    """torch reports 150,109,880,320 B (139.80 GiB) for an NVIDIA H200 (benchmarks/results/gpu-h200);
+    its 141 GB read as GiB was 1.2 GiB more than a run can have."""
+    out = _estimate(capsys, "--gpu", "NVIDIA H200", "--batch-size", "2")
+    assert out["fit"]["budget_bytes"] == 150_109_880_320
+    assert any("measured total_memory of an H200 SXM" in a for a in out["fit"]["assumptions"])
+
+
 def test_gpus_without_a_memory_figure_ask_for_a_budget(capsys):
     out = _estimate(capsys, "--gpu", "v100", "--batch-size", "2")
     assert out["fit"] is None and "--budget" in out["fit_note"]

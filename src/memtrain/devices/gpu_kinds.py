@@ -31,9 +31,10 @@ Sources (dense figures, sparse ones halved where only those are printed):
   Baseten's "NVIDIA A10 vs A10G for ML model inference" (same 600 GB/s memory, half the
   A10's tensor rate, a higher FP32 rate).
 
-Memory: "h100-sxm" is MEASURED: torch.cuda.get_device_properties(0).total_memory of an "NVIDIA
-H100 80GB HBM3", less than the 80 GiB on its datasheet (the record it comes from:
-docs/estimation.md, ``budget_bytes``). The others are the DATASHEET capacity read as GiB, an
+Memory: "h100-sxm" and "h200" are MEASURED: torch.cuda.get_device_properties(0).total_memory of an
+"NVIDIA H100 80GB HBM3" (85,017,493,504 B = 79.18 GiB, less than the 80 GiB on its datasheet) and of
+an "NVIDIA H200" (150,109,880,320 B = 139.80 GiB, less than its 141 GB read as GiB); the records they
+come from: docs/estimation.md, ``budget_bytes``. The others are the DATASHEET capacity read as GiB, an
 assumption: the driver keeps part of it, as the H100 shows. None: the datasheet lists two sizes
 under one name (V100 16/32 GB); such a card needs --budget.
 """
@@ -128,8 +129,9 @@ GPU_KINDS: dict[str, GpuKind] = {
                        fp8=1513.0 * T),
     "h100-nvl": _kind("H100 NVL", 835.5 * T, 835.5 * T, 417.5 * T, 60.0 * T, 3900 * GBs, 94 * GiB, _H100_ALLOC,
                       fp8=1670.5 * T),
-    # H200 is the H100 SXM die with 141 GB of HBM3e.
-    "h200": _kind("H200 SXM", 989.4 * T, 989.4 * T, 494.7 * T, 66.9 * T, 4800 * GBs, 141 * GiB, fp8=1978.9 * T),
+    # H200 is the H100 SXM die with 141 GB of HBM3e; its memory is measured (the module's docstring).
+    "h200": _kind("H200 SXM", 989.4 * T, 989.4 * T, 494.7 * T, 66.9 * T, 4800 * GBs, 150_109_880_320,
+                  memory_measured=True, fp8=1978.9 * T),
     "h200-nvl": _kind("H200 NVL", 835.5 * T, 835.5 * T, 417.5 * T, 60.0 * T, 4800 * GBs, 141 * GiB, fp8=1670.5 * T),
     # Ampere data centre.
     "a100-40gb-sxm": _kind("A100 40GB SXM", 312 * T, 312 * T, 156 * T, 19.5 * T, 1555 * GBs, 40 * GiB, _A100_ALLOC),

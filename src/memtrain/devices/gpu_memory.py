@@ -28,6 +28,6 @@ def gpu_memory(name: Optional[str]) -> Optional[tuple[int, str]]:
     nbytes = GPU_MEMORY_BYTES.get(key) if key is not None else None
     if key is None or nbytes is None:
         return None
-    source = ("measured total_memory of an H100 80GB HBM3" if key in MEASURED_MEMORY
+    source = (f"measured total_memory of an {GPU_KINDS[key].name}" if key in MEASURED_MEMORY
               else "datasheet capacity (the usable memory is lower: an H100 80GB reports 79.18 GiB)")
     return nbytes, f"{key}: {source}"
