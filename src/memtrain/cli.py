@@ -61,6 +61,7 @@ from memtrain.report.by_module import module_table_lines
 from memtrain.runtime.extras import quiet_third_party
 from memtrain.runtime.notices import install_warning_format, random_base_warning
 from memtrain.runtime.signals import bind_rank_to_launcher, sigterm_as_interrupt
+from memtrain.runtime.streams import tolerant_std_streams
 from memtrain.training.preflight import check_before_launch, continue_longer, moved_checkpoint_note, resumed_settings
 
 
@@ -591,18 +592,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bind_rank_to_launcher()
     begin_command()
     _printable_stdout()
-    # SIGTERM (kill, a job scheduler) stops every verb like Ctrl-C, from its first line on:
+    # SIGTERM (kill, a job scheduler) and SIGHUP (a terminal hung up) stop every verb like Ctrl-C, from its first line on:
     # finally blocks run (an export's scratch folder is removed), exit 130 with one line. It was
     # set only around training, so a SIGTERM while train read its config, or during an export,
     # ended the process at once (exit 143, no line, scratch left). Not under torchrun, whose
     # launcher owns its workers' signals.
     guard = sigterm_as_interrupt() if "WORLD_SIZE" not in os.environ else contextlib.nullcontext()
-    try:
-        with guard:
-            return _main(argv)
-    except KeyboardInterrupt:  # Ctrl-C while importing or parsing (a rank just started): no traceback
-        _say("error: interrupted; results written so far are kept", 130)
-        return 130
+    # A hung-up terminal (EIO) or a closed pipe (EPIPE, `| head -1`) drops what is printed to it
+    # instead of raising: a print must not stop a run before it writes its files.
+    with tolerant_std_streams():
+        try:
+            with guard:
+                return _main(argv)
+        except KeyboardInterrupt:  # Ctrl-C while importing or parsing (a rank just started): no traceback
+            _say("error: interrupted; results written so far are kept", 130)
+            return 130
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:

@@ -1,4 +1,4 @@
-"""SIGTERM handled like Ctrl-C, so every exit path keeps what a run produced.
+"""SIGTERM and SIGHUP handled like Ctrl-C, so every exit path keeps what a run produced.
 
 Python turns SIGINT into KeyboardInterrupt, and memtrain's commands already stop cleanly on
 it (rows finished so far kept, a partial report written, exit 130). SIGTERM, which ``kill``,
@@ -17,6 +17,10 @@ import threading
 from typing import Any, Iterator
 
 from memtrain.distributed.rank_errors import launched_by_memtrain
+
+# The signals that stop a command like Ctrl-C. SIGHUP (a terminal hung up, an ssh session closed)
+# ended the process at once: no partial bench report, scratch left behind.
+STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 AGAIN_NOTE = ("warning: interrupted again; still stopping the run's processes and writing what it produced "
               "(interrupt once more to stop at once and lose that)\n")
@@ -46,15 +50,14 @@ class _Interrupts:
 
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
-    """Inside the block, SIGTERM raises KeyboardInterrupt like Ctrl-C (main thread only; else a
-    no-op), and a second SIGTERM or Ctrl-C lets the cleanup after the first finish
-    (:class:`_Interrupts`). A SIGINT the process was started ignoring (``nohup``, a background
-    job) stays ignored."""
+    """Inside the block, SIGTERM and SIGHUP raise KeyboardInterrupt like Ctrl-C (main thread only;
+    else a no-op), and a second one lets the cleanup after the first finish (:class:`_Interrupts`).
+    A SIGINT or SIGHUP the process was started ignoring (``nohup``, a background job) stays ignored."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     handler = _Interrupts()
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.getsignal(sig) for sig in STOPPING}
     for sig, before in previous.items():
         if sig == signal.SIGTERM or before is not signal.SIG_IGN:
             signal.signal(sig, handler)
