@@ -9,6 +9,7 @@ killed in a ``finally``.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -349,3 +350,28 @@ def test_a_sighup_the_command_was_started_ignoring_stays_ignored():
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
     finally:
         signal.signal(signal.SIGHUP, previous)
+
+
+@pytest.mark.parametrize("verb", ["train", "bench"])
+def test_stdout_whose_reader_left_loses_nothing(small_corpus, tmp_path, verb):
+    """`memtrain train ... | head -1`: once the reader has gone every print raises EPIPE. A train
+    lost its whole run to its first note (exit 1, no --out folder), a bench ended with exit 1
+    after its report. Output no one reads is dropped; the run and its files are whole, exit 0."""
+    out = tmp_path / "run"
+    flags = [f for f in _flags(small_corpus) if verb == "bench" or f != "--no-maxbatch"] + ["--out", str(out)]
+    cmd = [sys.executable, "-m", "memtrain", verb, *(["--techniques", "baseline"] if verb == "bench" else []), *flags]
+    read, write = os.pipe()
+    os.close(read)  # the reader has gone before the first line
+    try:
+        proc = subprocess.run(cmd, stdout=write, stderr=subprocess.PIPE, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    finally:
+        os.close(write)
+    assert proc.returncode == 0, proc.stderr
+    assert "Broken pipe" not in proc.stderr and "Traceback" not in proc.stderr
+    if verb == "train":
+        assert json.loads((out / "result.json").read_text())["steps"] == 2
+        assert len((out / "metrics.jsonl").read_text().splitlines()) >= 2
+    else:
+        assert [r["technique"] for r in read_jsonl(out / "results.jsonl").rows] == ["baseline"]
+        assert "Partial" not in (out / "report.md").read_text()
