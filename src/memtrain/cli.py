@@ -49,7 +49,14 @@ from memtrain.config.run import (
     refuse_long_warmup,
 )
 from memtrain.devices.forced import check_forced_env
-from memtrain.distributed.rank_errors import begin_command, error_line, launch_env, launched_by_memtrain, say_error
+from memtrain.distributed.rank_errors import (
+    begin_command,
+    env_rank,
+    error_line,
+    launch_env,
+    launched_by_memtrain,
+    say_error,
+)
 from memtrain.errors import denied_access, is_out_of_memory, one_line
 from memtrain.files.results import (
     RESULT_NAME,
@@ -589,7 +596,16 @@ def _printable_stdout() -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     # First thing a torchrun rank runs of memtrain: a rank never outlives its launcher.
-    bind_rank_to_launcher()
+    try:
+        bind_rank_to_launcher()
+    except ConfigError as exc:
+        # memtrain's launch variables set by mistake: said here, by rank 0, on its own stderr (the
+        # launcher they name relays no line), before anything else runs.
+        if env_rank() == 0:
+            with contextlib.suppress(OSError):
+                sys.stderr.write(f"error: {exc}\n")
+                sys.stderr.flush()
+        return 2
     begin_command()
     _printable_stdout()
     # SIGTERM (kill, a job scheduler) and SIGHUP (a terminal hung up) stop every verb like Ctrl-C, from its first line on:

@@ -16,7 +16,9 @@ import sys
 import threading
 from typing import Any, Iterator
 
-from memtrain.distributed.rank_errors import launched_by_memtrain
+from memtrain.distributed.rank_errors import ERROR_DIR_ENV, LAUNCHED_ENV, launched_by_memtrain
+from memtrain.errors import ConfigError
+from memtrain.files.results import process_alive
 
 # The signals that stop a command like Ctrl-C. SIGHUP (a terminal hung up, an ssh session closed)
 # ended the process at once: no partial bench report, scratch left behind.
@@ -105,9 +107,30 @@ def bind_rank_to_launcher() -> bool:
     """In a process that torch's elastic launcher started (memtrain's ``--nproc-per-node`` or
     plain torchrun), :func:`die_with_parent`; elsewhere nothing. The launcher's pid comes from
     ``MEMTRAIN_LAUNCHER_PID`` under memtrain's launcher (so even a launcher that died before
-    this call is noticed), else it is the parent now."""
+    this call is noticed), else it is the parent now. Launch variables that are not this
+    launch's raise ConfigError (:func:`stated_launcher`)."""
 
     if "TORCHELASTIC_RUN_ID" not in os.environ or "WORLD_SIZE" not in os.environ:
         return False
-    raw = os.environ.get(LAUNCHER_PID_ENV, "") if launched_by_memtrain() else ""
-    return die_with_parent(int(raw) if raw.isdigit() else None)
+    return die_with_parent(stated_launcher() if launched_by_memtrain() else None)
+
+
+def stated_launcher() -> int | None:
+    """The launcher pid ``MEMTRAIN_LAUNCHER_PID`` names, when it is this rank's launcher: our
+    parent, or one that died and left its error folder (``MEMTRAIN_ERROR_DIR``, which its exit
+    removes) behind; None when unset. memtrain's own variables set by mistake (exported from a
+    shell that once ran a launcher, then plain torchrun) made every rank SIGKILL itself at start,
+    exit 137 and no word: a pid that is not a number, or names a live process that is not our
+    parent, or a dead one without that folder, is a ConfigError saying to unset them."""
+    raw = os.environ.get(LAUNCHER_PID_ENV, "")
+    if not raw:
+        return None
+    if raw.isdigit():
+        pid = int(raw)
+        folder = os.environ.get(ERROR_DIR_ENV, "")
+        launcher_died = not process_alive(pid) and bool(folder) and os.path.isdir(folder)
+        if pid == os.getppid() or launcher_died:
+            return pid
+    raise ConfigError(f"{LAUNCHED_ENV}=1 and {LAUNCHER_PID_ENV}={raw!r} are set, but memtrain's launcher did not "
+                      f"start this process (pid {raw} is not its parent); unset {LAUNCHED_ENV}, {LAUNCHER_PID_ENV} "
+                      f"and {ERROR_DIR_ENV}: `memtrain train --nproc-per-node N` sets them for its ranks")
