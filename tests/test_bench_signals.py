@@ -375,3 +375,26 @@ def test_stdout_whose_reader_left_loses_nothing(small_corpus, tmp_path, verb):
     else:
         assert [r["technique"] for r in read_jsonl(out / "results.jsonl").rows] == ["baseline"]
         assert "Partial" not in (out / "report.md").read_text()
+
+
+def test_a_train_whose_terminal_closes_without_a_sighup_finishes(small_corpus, tmp_path):
+    """A job left running when its terminal closed (`disown`, `setsid`: no SIGHUP comes): its
+    final lines met EIO and the run ended exit 1, a finished run reported as failed. What no one
+    can read is dropped now; exit 0, the result written."""
+    out = tmp_path / "run"
+    settings = {**TINY_MODEL, "data": str(small_corpus), "steps": 20, "warmup_steps": 1, "batch_size": 2,
+                "seq_len": 32, "val_blocks": 2, "out": str(out)}
+    master, slave = _hung_up_terminal()
+    proc = subprocess.Popen([sys.executable, "-m", "memtrain", "train", *cli_flags(settings)], stdout=slave,
+                            stderr=slave, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    os.close(slave)
+    try:
+        assert os.read(master, 4096)  # the defaults note, said before the run starts
+    finally:
+        os.close(master)  # the terminal goes away before the run's last lines
+    try:
+        assert proc.wait(timeout=300) == 0
+        assert json.loads((out / "result.json").read_text())["steps"] == 20
+    finally:
+        proc.kill()
+        proc.wait()
