@@ -41,8 +41,9 @@ def run(argv: Optional[list[str]] = None) -> int:
 
         return main(argv)
     except KeyboardInterrupt:
-        # A hung-up terminal answers EIO, a closed pipe EPIPE: the line is lost, not a traceback.
-        with contextlib.suppress(OSError):
+        # A hung-up terminal answers EIO, a closed pipe EPIPE, and a stderr closed at start is
+        # None (AttributeError): the line is lost, not a traceback.
+        with contextlib.suppress(OSError, AttributeError):
             sys.stderr.write(INTERRUPTED)
             sys.stderr.flush()
         return 130

@@ -15,8 +15,9 @@ import os
 import sys
 from typing import Any, Iterable, Iterator, TextIO
 
-# The reader is gone: a hung-up terminal (EIO), a closed pipe (EPIPE).
-READER_GONE = frozenset({errno.EIO, errno.EPIPE})
+# The reader is gone: a hung-up terminal (EIO), a closed pipe (EPIPE), a descriptor closed
+# (EBADF: the shell's `2>&-` under a wrapper script that left a read-only file there).
+READER_GONE = frozenset({errno.EIO, errno.EPIPE, errno.EBADF})
 
 
 class _Tolerant:
@@ -24,9 +25,16 @@ class _Tolerant:
     descriptor is then pointed at /dev/null, so that Python's own flush at exit (and a child
     process inheriting it) meets no error either."""
 
-    def __init__(self, stream: TextIO) -> None:
+    def __init__(self, stream: TextIO, any_error: bool = False) -> None:
         self._stream = stream
+        # stderr holds diagnostics only: no failure to write them (a full disk under `2> log`)
+        # may change how a run ends. stdout's other failures (a full disk under `> out.txt`) are
+        # the user's output lost and still end the command with their line.
+        self._any_error = any_error
         self.lost = False
+
+    def _dropped(self, exc: OSError) -> bool:
+        return self._any_error or exc.errno in READER_GONE
 
     def _gone(self) -> None:
         self.lost = True
@@ -43,7 +51,7 @@ class _Tolerant:
         try:
             return self._stream.write(text)
         except OSError as exc:
-            if exc.errno not in READER_GONE:
+            if not self._dropped(exc):
                 raise
             self._gone()
             return len(text)
@@ -56,7 +64,7 @@ class _Tolerant:
         try:
             self._stream.flush()
         except OSError as exc:
-            if exc.errno not in READER_GONE:
+            if not self._dropped(exc):
                 raise
             self._gone()
             # What the buffer still held now goes to /dev/null; the next flush (Python's at exit) is clean.
@@ -72,13 +80,16 @@ def tolerant_std_streams() -> Iterator[None]:
     """Inside the block, sys.stdout and sys.stderr drop what they cannot deliver (:class:`_Tolerant`);
     at its end both are flushed through the wrappers and restored."""
     saved = sys.stdout, sys.stderr
-    wrapped = [_Tolerant(s) if s is not None else None for s in saved]
-    sys.stdout, sys.stderr = wrapped  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        for stream in wrapped:
-            if stream is not None:
+    with contextlib.ExitStack() as closing:
+        # Python leaves a stream None when its descriptor was closed at start (`2>&-`): the
+        # error line's write then raised AttributeError, bad input exiting 1 instead of 2.
+        nulls = [closing.enter_context(open(os.devnull, "w")) if s is None else s for s in saved]
+        wrapped = _Tolerant(nulls[0]), _Tolerant(nulls[1], any_error=True)
+        sys.stdout, sys.stderr = wrapped  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            for stream in wrapped:
                 with contextlib.suppress(OSError, ValueError):  # ValueError: a stream closed by the caller
                     stream.flush()
-        sys.stdout, sys.stderr = saved
+            sys.stdout, sys.stderr = saved
