@@ -706,6 +706,25 @@ def test_an_out_folder_a_recursive_data_glob_reads_is_refused(tiny_run, tmp_path
     assert not (corpus / "deep" / "new").exists()
 
 
+def test_an_out_the_data_reads_through_a_link_or_dotdot_is_refused(tiny_run, tmp_path, capsys):
+    """The data named through a link to its folder, or with "..", and the --out named plainly (or
+    the reverse): two spellings of one folder, compared as text, so the run trained and the next
+    one read its metrics.jsonl as data. Both sides are resolved first."""
+    corpus = tmp_path / "corpus"
+    (corpus / "deep").mkdir(parents=True)
+    shutil.copy(tiny_run["data"], corpus / "a.txt")
+    (corpus / "deep" / "b.jsonl").write_text(json.dumps({"text": "one document " * 50}) + "\n")
+    link = tmp_path / "link"
+    link.symlink_to(corpus, target_is_directory=True)
+    run = {**tiny_run, "steps": 1, "warmup_steps": 0, "val_fraction": 0.5}
+    cases = [(str(link), corpus / "run"), (str(corpus), link / "run"), (str(link / "**" / "*.jsonl"), corpus / "deep" / "run"),
+             (str(tmp_path / "deep" / ".." / "corpus" / "**" / "*.jsonl"), corpus / "deep" / "x")]
+    for data, out in cases:
+        assert main(["train", *cli_flags({**run, "data": data, "out": str(out)})]) == 2, (data, out)
+        assert f"is where --data {data!r} reads" in _one_error_line(capsys.readouterr().err)
+        assert not out.exists()
+
+
 @pytest.mark.parametrize("failing", ["second", "every"])
 def test_a_periodic_checkpoint_that_cannot_be_written_does_not_stop_the_run(tiny_run, tmp_path, capsys, monkeypatch,
                                                                          failing):

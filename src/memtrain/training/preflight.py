@@ -195,13 +195,16 @@ def check_out_outside_data(out: str | Path, data: str, names: Iterable[str], fla
     from memtrain.data.sources import SUPPORTED_SUFFIXES  # memtrain.data loads torch: not for --help
 
     read = [name for name in names if Path(name).suffix.lower() in SUPPORTED_SUFFIXES]
-    target = Path(out).expanduser().absolute()
+    # Links and ".." resolved on both sides: `--data corpus_link --out corpus/run` (or a glob through
+    # the link, or `../corpus`) named one folder two ways and was let through. realpath leaves a
+    # glob's wildcard parts, which exist as no file, as they are.
+    target = Path(os.path.realpath(Path(out).expanduser()))
     source = Path(data).expanduser()
+    real_source = Path(os.path.realpath(source))
     if glob.has_magic(data):
-        pattern = str(source.absolute())
-        hit = next((n for n in read if glob_lists(PurePath(pattern), target / n)), None)
+        hit = next((n for n in read if glob_lists(real_source, target / n)), None)
     else:
-        inside = source.is_dir() and (target == source.absolute() or source.absolute() in target.parents)
+        inside = source.is_dir() and (target == real_source or real_source in target.parents)
         hit = read[0] if inside and read else None
     if hit is not None:
         raise ConfigError(f"{flag} {str(out)!r} is where --data {data!r} reads: the {hit} memtrain writes there would be "
