@@ -9,6 +9,7 @@ killed in a ``finally``.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -259,3 +260,141 @@ def test_sigterm_is_ctrl_c_from_a_commands_first_line(tmp_path, monkeypatch, cap
     assert code == 130
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: interrupted")
     assert not any(p.name.startswith(".hf.") for p in tmp_path.iterdir()) and not (tmp_path / "hf").exists()
+
+
+def _hung_up_terminal() -> tuple[int, int]:
+    """A pseudo-terminal (master, slave): once the master is closed, every write to the slave
+    answers EIO, as a terminal whose ssh session closed does."""
+    return os.openpty()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("on_terminal", ["stdout", "stderr"])
+def test_sighup_stops_a_bench_like_sigterm_even_with_its_terminal_gone(small_corpus, tmp_path, on_terminal):
+    """SIGHUP (an ssh session closing) ended the bench at once: no partial report, the row's
+    scratch left. It stops like SIGTERM now, and the lines it writes to the hung-up terminal
+    (EIO) are dropped instead of becoming a traceback that stopped the report being written."""
+    out = tmp_path / "b"
+    master, slave = _hung_up_terminal()
+    cmd = [sys.executable, "-m", "memtrain", "bench", "--techniques", "baseline", "--out", str(out), *_flags(small_corpus)]
+    pythonpath = os.pathsep.join(p for p in (str(ROW_HOLD), os.environ.get("PYTHONPATH")) if p)
+    streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, on_terminal: slave}
+    bench = subprocess.Popen(cmd, **streams, text=True, start_new_session=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath,
+                                  "MEMTRAIN_TEST_ROW_SLEEP": "120"})
+    os.close(slave)
+    workers: list[int] = []
+    try:
+        assert _wait_for(lambda: bool(_children(bench.pid))), "the bench never started its row"
+        workers = _children(bench.pid)
+        scratch = list(Path(tempfile.gettempdir()).glob(f"{ROW_PREFIX}{bench.pid}-*"))
+        os.close(master)  # the terminal hangs up
+        master = -1
+        bench.send_signal(signal.SIGHUP)
+        stdout, stderr = bench.communicate(timeout=60)
+        assert bench.returncode == 130, stderr
+        assert "Traceback" not in (stdout or "") + (stderr or "")
+        if on_terminal == "stdout":
+            assert stderr.strip().splitlines()[-1].startswith("error: interrupted; partial report of 0 row(s)")
+        assert _wait_for(lambda: not any(_alive(w) for w in workers), timeout=15), "the row outlived its bench"
+        assert scratch and not any(p.exists() for p in scratch)
+        assert "**Partial**" in (out / "report.md").read_text()
+    finally:
+        if master >= 0:
+            os.close(master)
+        _kill_all(bench, workers)
+
+
+def test_sighup_stops_a_training_run_whose_terminal_hung_up(small_corpus, tmp_path):
+    """A train whose terminal hung up and then got SIGHUP: exit 130 like SIGTERM (it died of
+    SIGHUP, its token-cache scratch left), the curve so far kept; the error line written to the
+    hung-up terminal (EIO) is dropped, not a traceback (which made the exit 1)."""
+    cache = tmp_path / "cache"
+    settings = {**TINY_MODEL, "data": str(small_corpus), "steps": 100000, "warmup_steps": 1, "batch_size": 2,
+                "seq_len": 32, "val_blocks": 2, "out": str(tmp_path / "run")}
+    cmd = [sys.executable, "-m", "memtrain", "train", "--no-progress"]
+    for k, v in settings.items():
+        cmd += ["--" + k.replace("_", "-"), str(v)]
+    master, slave = _hung_up_terminal()
+    proc = subprocess.Popen(cmd, stdout=slave, stderr=slave, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "MEMTRAIN_CACHE": str(cache)})
+    os.close(slave)
+    try:
+        assert _wait_for(lambda: any((d / "meta.json").exists() for d in cache.glob("[0-9a-f]*"))), "never trained"
+        time.sleep(1.0)
+        os.close(master)
+        master = -1
+        proc.send_signal(signal.SIGHUP)
+        proc.wait(timeout=60)
+        assert proc.returncode == 130
+        assert not list(cache.glob(".tmp-*"))
+        assert (tmp_path / "run" / "metrics.jsonl").read_text().strip()
+    finally:
+        if master >= 0:
+            os.close(master)
+        proc.kill()
+        proc.wait()
+
+
+def test_a_sighup_the_command_was_started_ignoring_stays_ignored():
+    """`nohup memtrain ...` asks for the run to outlive its terminal: SIGHUP stays ignored."""
+    from memtrain.runtime.signals import sigterm_as_interrupt
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with sigterm_as_interrupt():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        with sigterm_as_interrupt():
+            assert callable(signal.getsignal(signal.SIGHUP))
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
+@pytest.mark.parametrize("verb", ["train", "bench"])
+def test_stdout_whose_reader_left_loses_nothing(small_corpus, tmp_path, verb):
+    """`memtrain train ... | head -1`: once the reader has gone every print raises EPIPE. A train
+    lost its whole run to its first note (exit 1, no --out folder), a bench ended with exit 1
+    after its report. Output no one reads is dropped; the run and its files are whole, exit 0."""
+    out = tmp_path / "run"
+    flags = [f for f in _flags(small_corpus) if verb == "bench" or f != "--no-maxbatch"] + ["--out", str(out)]
+    cmd = [sys.executable, "-m", "memtrain", verb, *(["--techniques", "baseline"] if verb == "bench" else []), *flags]
+    read, write = os.pipe()
+    os.close(read)  # the reader has gone before the first line
+    try:
+        proc = subprocess.run(cmd, stdout=write, stderr=subprocess.PIPE, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    finally:
+        os.close(write)
+    assert proc.returncode == 0, proc.stderr
+    assert "Broken pipe" not in proc.stderr and "Traceback" not in proc.stderr
+    if verb == "train":
+        assert json.loads((out / "result.json").read_text())["steps"] == 2
+        assert len((out / "metrics.jsonl").read_text().splitlines()) >= 2
+    else:
+        assert [r["technique"] for r in read_jsonl(out / "results.jsonl").rows] == ["baseline"]
+        assert "Partial" not in (out / "report.md").read_text()
+
+
+def test_a_train_whose_terminal_closes_without_a_sighup_finishes(small_corpus, tmp_path):
+    """A job left running when its terminal closed (`disown`, `setsid`: no SIGHUP comes): its
+    final lines met EIO and the run ended exit 1, a finished run reported as failed. What no one
+    can read is dropped now; exit 0, the result written."""
+    out = tmp_path / "run"
+    settings = {**TINY_MODEL, "data": str(small_corpus), "steps": 20, "warmup_steps": 1, "batch_size": 2,
+                "seq_len": 32, "val_blocks": 2, "out": str(out)}
+    master, slave = _hung_up_terminal()
+    proc = subprocess.Popen([sys.executable, "-m", "memtrain", "train", *cli_flags(settings)], stdout=slave,
+                            stderr=slave, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    os.close(slave)
+    try:
+        assert os.read(master, 4096)  # the defaults note, said before the run starts
+    finally:
+        os.close(master)  # the terminal goes away before the run's last lines
+    try:
+        assert proc.wait(timeout=300) == 0
+        assert json.loads((out / "result.json").read_text())["steps"] == 20
+    finally:
+        proc.kill()
+        proc.wait()

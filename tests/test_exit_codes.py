@@ -482,3 +482,26 @@ def test_unreadable_inputs_are_named_with_the_reason(tmp_path: Path, capsys, mon
     _assert_one_error_line(code, err, f"cannot read checkpoint '{checkpoint}' (Permission denied); check its permissions")
     code, err = _code_and_err(["estimate", "--model", str(model)], capsys)
     _assert_one_error_line(code, err, "config.json' (Permission denied); check its permissions")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("stderr", ["closed", "full disk"])
+def test_the_exit_code_does_not_depend_on_where_stderr_goes(stderr, small_corpus, tmp_path):
+    """Bad input with stderr closed (`2>&-`: Python's sys.stderr is None) or on a full disk
+    (`2> log`, ENOSPC): writing the error line raised, and the exit was 1, not 2. A train whose
+    warnings and progress meet a full disk on stderr stopped too. stderr holds diagnostics
+    only: the bad input is exit 2, the train finishes with exit 0 and its result."""
+    def run(*argv: str) -> int:
+        with open("/dev/full", "w") as full:
+            proc = subprocess.run([sys.executable, "-m", "memtrain", *argv], stdout=subprocess.DEVNULL, timeout=300,
+                                  stderr=full if stderr == "full disk" else None, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                  preexec_fn=(lambda: os.close(2)) if stderr == "closed" else None)
+        return proc.returncode
+
+    assert run("train", "--steps", "-1", "--out", str(tmp_path / "bad")) == 2
+    assert not (tmp_path / "bad").exists()
+    out = tmp_path / "run"
+    settings = {**TINY_MODEL, "data": str(small_corpus), "steps": 3, "warmup_steps": 1, "batch_size": 2,
+                "seq_len": 32, "val_blocks": 1, "out": str(out)}
+    assert run("train", *cli_flags(settings), "--progress") == 0
+    assert json.loads((out / "result.json").read_text())["steps"] == 3

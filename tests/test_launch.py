@@ -289,10 +289,11 @@ sys.exit({function}(["info"]))
 """
 
 
-@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
 def test_a_signal_while_the_command_imports_is_one_line(sig):
     """Ctrl-C while the console script imported memtrain.cli printed a traceback (exit 1); a SIGTERM
-    ended the process without a line (exit 143). The entry point now handles both before the import."""
+    ended the process without a line (exit 143), a SIGHUP (a terminal hung up) without one too (exit
+    129). The entry point now handles them before the import."""
     import tomllib
 
     entry = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"]["memtrain"]

@@ -211,3 +211,31 @@ def test_a_parent_that_died_before_the_binding_is_noticed():
     proc = subprocess.run([sys.executable, "-c", _GRANDCHILD, str(os.getpid() + 10**6)], capture_output=True,
                           timeout=60)
     assert proc.returncode == -signal.SIGKILL and proc.stdout == b""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux")
+def test_memtrains_launch_variables_set_by_mistake_are_one_line_not_a_silent_kill(tmp_path):
+    """MEMTRAIN_LAUNCHED=1 and a MEMTRAIN_LAUNCHER_PID exported from a shell that once ran a
+    launcher, then plain torchrun: every rank compared its parent with that pid and SIGKILLed
+    itself (exit 137, no word). A pid that is not the parent (alive, or dead with no launcher's
+    error folder left) is one error: line, exit 2; the parent's own pid, and a launcher that died
+    and left its error folder, keep the binding."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid no process has now
+    base = {**os.environ, "TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0",
+            "MEMTRAIN_LAUNCHED": "1", "MEMTRAIN_ERROR_DIR": str(tmp_path / "removed")}
+
+    def version(launcher: str, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "memtrain", "--version"], capture_output=True, text=True,
+                              timeout=120, env={**base, "MEMTRAIN_LAUNCHER_PID": launcher, **env})
+
+    for wrong in (str(os.getppid()), str(gone.pid), "12ab"):  # alive but not the parent, dead, not a pid
+        proc = version(wrong)
+        assert proc.returncode == 2, (wrong, proc.returncode, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: MEMTRAIN_LAUNCHED=1 and MEMTRAIN_LAUNCHER_PID=")
+        assert "unset MEMTRAIN_LAUNCHED, MEMTRAIN_LAUNCHER_PID" in lines[0] and proc.stdout == ""
+    assert version(str(os.getpid())).returncode == 0  # this test is the parent: the launcher
+    (tmp_path / "left").mkdir()  # what a SIGKILLed launcher leaves behind
+    died = version(str(gone.pid), MEMTRAIN_ERROR_DIR=str(tmp_path / "left"))
+    assert died.returncode == -signal.SIGKILL and died.stdout == ""

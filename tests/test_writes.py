@@ -676,6 +676,55 @@ def test_an_out_folder_the_data_reads_is_refused_before_anything_is_written(tiny
     assert main(["train", *cli_flags({**run, "data": str(corpus / "*.txt"), "out": str(corpus / "run")})]) == 0
 
 
+def test_an_out_folder_a_recursive_data_glob_reads_is_refused(tiny_run, tmp_path, capsys):
+    """`--data 'corpus/**/*.jsonl' --out corpus/deep/run` trained: the check took `**` for one
+    folder level (pathlib's match on Python 3.11), while the data's glob reads any depth, so the
+    next run read metrics.jsonl as text to train on. The check now lists what glob lists."""
+    import glob
+
+    from memtrain.training.preflight import glob_lists
+
+    corpus = tmp_path / "corpus"
+    files = ["a.jsonl", "deep/run/metrics.jsonl", "deep/b.txt", "deep/.x.jsonl", ".hidden/run/metrics.jsonl",
+             "deep/er/run/result.json"]
+    for name in files:
+        (corpus / name).parent.mkdir(parents=True, exist_ok=True)
+        (corpus / name).write_text("x")
+    patterns = ["**/*.jsonl", "**", "*/*.jsonl", "**/run/*.jsonl", ".hidden/**/*.jsonl", "**/.x.jsonl", "*.jsonl",
+                "**/**/*.jsonl", "d*/**/metrics.jsonl", "deep/**/run/*.json", "**/r?n/*", "deep/[ab]*"]
+    for pattern in patterns:
+        listed = set(glob.glob(str(corpus / pattern), recursive=True))
+        for name in files:
+            assert glob_lists(corpus / pattern, corpus / name) == (str(corpus / name) in listed), (pattern, name)
+
+    data = str(corpus / "**" / "*.jsonl")
+    shutil.copy(tiny_run["data"], corpus / "deep" / "c.jsonl")
+    run = {**tiny_run, "data": data, "steps": 1, "warmup_steps": 0, "val_fraction": 0.5}
+    assert main(["train", *cli_flags({**run, "out": str(corpus / "deep" / "new")})]) == 2
+    assert f"is where --data {data!r} reads: the metrics.jsonl memtrain writes there" in _one_error_line(
+        capsys.readouterr().err)
+    assert not (corpus / "deep" / "new").exists()
+
+
+def test_an_out_the_data_reads_through_a_link_or_dotdot_is_refused(tiny_run, tmp_path, capsys):
+    """The data named through a link to its folder, or with "..", and the --out named plainly (or
+    the reverse): two spellings of one folder, compared as text, so the run trained and the next
+    one read its metrics.jsonl as data. Both sides are resolved first."""
+    corpus = tmp_path / "corpus"
+    (corpus / "deep").mkdir(parents=True)
+    shutil.copy(tiny_run["data"], corpus / "a.txt")
+    (corpus / "deep" / "b.jsonl").write_text(json.dumps({"text": "one document " * 50}) + "\n")
+    link = tmp_path / "link"
+    link.symlink_to(corpus, target_is_directory=True)
+    run = {**tiny_run, "steps": 1, "warmup_steps": 0, "val_fraction": 0.5}
+    cases = [(str(link), corpus / "run"), (str(corpus), link / "run"), (str(link / "**" / "*.jsonl"), corpus / "deep" / "run"),
+             (str(tmp_path / "deep" / ".." / "corpus" / "**" / "*.jsonl"), corpus / "deep" / "x")]
+    for data, out in cases:
+        assert main(["train", *cli_flags({**run, "data": data, "out": str(out)})]) == 2, (data, out)
+        assert f"is where --data {data!r} reads" in _one_error_line(capsys.readouterr().err)
+        assert not out.exists()
+
+
 @pytest.mark.parametrize("failing", ["second", "every"])
 def test_a_periodic_checkpoint_that_cannot_be_written_does_not_stop_the_run(tiny_run, tmp_path, capsys, monkeypatch,
                                                                          failing):

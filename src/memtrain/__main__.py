@@ -8,6 +8,7 @@ then printed a traceback (exit 1, or a death by SIGINT), a SIGTERM ended the pro
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -15,6 +16,9 @@ import threading
 from types import FrameType
 from typing import Any, Optional
 
+# SIGHUP (a terminal hung up) stops like SIGTERM. Spelled here, not imported from
+# memtrain.runtime.signals: this module imports nothing of memtrain before its handlers are set.
+STOPPING = (signal.SIGTERM, signal.SIGHUP)
 INTERRUPTED = "error: interrupted; results written so far are kept\n"
 
 
@@ -23,23 +27,29 @@ def _interrupt(signum: int, frame: Optional[FrameType]) -> None:
 
 
 def run(argv: Optional[list[str]] = None) -> int:
-    """Import the CLI and run it, a Ctrl-C or SIGTERM on the way being one line and exit 130.
+    """Import the CLI and run it, a Ctrl-C, SIGTERM or SIGHUP on the way being one line and exit 130.
     Not under torchrun (``WORLD_SIZE`` set), whose launcher owns its workers' signals, as
     ``cli.main`` does; not off the main thread, where Python allows no handler."""
     guard = "WORLD_SIZE" not in os.environ and threading.current_thread() is threading.main_thread()
-    before: Any = signal.getsignal(signal.SIGTERM) if guard else None
+    before: dict[int, Any] = {sig: signal.getsignal(sig) for sig in STOPPING} if guard else {}
     try:
-        if guard:
-            signal.signal(signal.SIGTERM, _interrupt)
+        for sig, handler in before.items():
+            # A SIGHUP the process was started ignoring (nohup) stays ignored.
+            if sig == signal.SIGTERM or handler is not signal.SIG_IGN:
+                signal.signal(sig, _interrupt)
         from memtrain.cli import main  # after the handler: importing it takes most of the startup
 
         return main(argv)
     except KeyboardInterrupt:
-        sys.stderr.write(INTERRUPTED)
+        # A hung-up terminal answers EIO, a closed pipe EPIPE, and a stderr closed at start is
+        # None (AttributeError): the line is lost, not a traceback.
+        with contextlib.suppress(OSError, AttributeError):
+            sys.stderr.write(INTERRUPTED)
+            sys.stderr.flush()
         return 130
     finally:
-        if guard:
-            signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
+        for sig, handler in before.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,14 @@ from memtrain.config.run import (
     refuse_long_warmup,
 )
 from memtrain.devices.forced import check_forced_env
-from memtrain.distributed.rank_errors import begin_command, error_line, launch_env, launched_by_memtrain, say_error
+from memtrain.distributed.rank_errors import (
+    begin_command,
+    env_rank,
+    error_line,
+    launch_env,
+    launched_by_memtrain,
+    say_error,
+)
 from memtrain.errors import denied_access, is_out_of_memory, name_too_long, one_line
 from memtrain.files.results import (
     RESULT_NAME,
@@ -61,6 +68,7 @@ from memtrain.report.by_module import module_table_lines
 from memtrain.runtime.extras import quiet_third_party
 from memtrain.runtime.notices import install_warning_format, random_base_warning
 from memtrain.runtime.signals import bind_rank_to_launcher, sigterm_as_interrupt
+from memtrain.runtime.streams import tolerant_std_streams
 from memtrain.training.preflight import check_before_launch, continue_longer, moved_checkpoint_note, resumed_settings
 
 
@@ -588,21 +596,33 @@ def _printable_stdout() -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     # First thing a torchrun rank runs of memtrain: a rank never outlives its launcher.
-    bind_rank_to_launcher()
+    try:
+        bind_rank_to_launcher()
+    except ConfigError as exc:
+        # memtrain's launch variables set by mistake: said here, by rank 0, on its own stderr (the
+        # launcher they name relays no line), before anything else runs.
+        if env_rank() == 0:
+            with contextlib.suppress(OSError):
+                sys.stderr.write(f"error: {exc}\n")
+                sys.stderr.flush()
+        return 2
     begin_command()
     _printable_stdout()
-    # SIGTERM (kill, a job scheduler) stops every verb like Ctrl-C, from its first line on:
+    # SIGTERM (kill, a job scheduler) and SIGHUP (a terminal hung up) stop every verb like Ctrl-C, from its first line on:
     # finally blocks run (an export's scratch folder is removed), exit 130 with one line. It was
     # set only around training, so a SIGTERM while train read its config, or during an export,
     # ended the process at once (exit 143, no line, scratch left). Not under torchrun, whose
     # launcher owns its workers' signals.
     guard = sigterm_as_interrupt() if "WORLD_SIZE" not in os.environ else contextlib.nullcontext()
-    try:
-        with guard:
-            return _main(argv)
-    except KeyboardInterrupt:  # Ctrl-C while importing or parsing (a rank just started): no traceback
-        _say("error: interrupted; results written so far are kept", 130)
-        return 130
+    # A hung-up terminal (EIO) or a closed pipe (EPIPE, `| head -1`) drops what is printed to it
+    # instead of raising: a print must not stop a run before it writes its files.
+    with tolerant_std_streams():
+        try:
+            with guard:
+                return _main(argv)
+        except KeyboardInterrupt:  # Ctrl-C while importing or parsing (a rank just started): no traceback
+            _say("error: interrupted; results written so far are kept", 130)
+            return 130
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:

@@ -1,4 +1,4 @@
-"""SIGTERM handled like Ctrl-C, so every exit path keeps what a run produced.
+"""SIGTERM and SIGHUP handled like Ctrl-C, so every exit path keeps what a run produced.
 
 Python turns SIGINT into KeyboardInterrupt, and memtrain's commands already stop cleanly on
 it (rows finished so far kept, a partial report written, exit 130). SIGTERM, which ``kill``,
@@ -16,7 +16,13 @@ import sys
 import threading
 from typing import Any, Iterator
 
-from memtrain.distributed.rank_errors import launched_by_memtrain
+from memtrain.distributed.rank_errors import ERROR_DIR_ENV, LAUNCHED_ENV, launched_by_memtrain
+from memtrain.errors import ConfigError
+from memtrain.files.results import process_alive
+
+# The signals that stop a command like Ctrl-C. SIGHUP (a terminal hung up, an ssh session closed)
+# ended the process at once: no partial bench report, scratch left behind.
+STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 AGAIN_NOTE = ("warning: interrupted again; still stopping the run's processes and writing what it produced "
               "(interrupt once more to stop at once and lose that)\n")
@@ -46,15 +52,14 @@ class _Interrupts:
 
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
-    """Inside the block, SIGTERM raises KeyboardInterrupt like Ctrl-C (main thread only; else a
-    no-op), and a second SIGTERM or Ctrl-C lets the cleanup after the first finish
-    (:class:`_Interrupts`). A SIGINT the process was started ignoring (``nohup``, a background
-    job) stays ignored."""
+    """Inside the block, SIGTERM and SIGHUP raise KeyboardInterrupt like Ctrl-C (main thread only;
+    else a no-op), and a second one lets the cleanup after the first finish (:class:`_Interrupts`).
+    A SIGINT or SIGHUP the process was started ignoring (``nohup``, a background job) stays ignored."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     handler = _Interrupts()
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.getsignal(sig) for sig in STOPPING}
     for sig, before in previous.items():
         if sig == signal.SIGTERM or before is not signal.SIG_IGN:
             signal.signal(sig, handler)
@@ -102,9 +107,30 @@ def bind_rank_to_launcher() -> bool:
     """In a process that torch's elastic launcher started (memtrain's ``--nproc-per-node`` or
     plain torchrun), :func:`die_with_parent`; elsewhere nothing. The launcher's pid comes from
     ``MEMTRAIN_LAUNCHER_PID`` under memtrain's launcher (so even a launcher that died before
-    this call is noticed), else it is the parent now."""
+    this call is noticed), else it is the parent now. Launch variables that are not this
+    launch's raise ConfigError (:func:`stated_launcher`)."""
 
     if "TORCHELASTIC_RUN_ID" not in os.environ or "WORLD_SIZE" not in os.environ:
         return False
-    raw = os.environ.get(LAUNCHER_PID_ENV, "") if launched_by_memtrain() else ""
-    return die_with_parent(int(raw) if raw.isdigit() else None)
+    return die_with_parent(stated_launcher() if launched_by_memtrain() else None)
+
+
+def stated_launcher() -> int | None:
+    """The launcher pid ``MEMTRAIN_LAUNCHER_PID`` names, when it is this rank's launcher: our
+    parent, or one that died and left its error folder (``MEMTRAIN_ERROR_DIR``, which its exit
+    removes) behind; None when unset. memtrain's own variables set by mistake (exported from a
+    shell that once ran a launcher, then plain torchrun) made every rank SIGKILL itself at start,
+    exit 137 and no word: a pid that is not a number, or names a live process that is not our
+    parent, or a dead one without that folder, is a ConfigError saying to unset them."""
+    raw = os.environ.get(LAUNCHER_PID_ENV, "")
+    if not raw:
+        return None
+    if raw.isdigit():
+        pid = int(raw)
+        folder = os.environ.get(ERROR_DIR_ENV, "")
+        launcher_died = not process_alive(pid) and bool(folder) and os.path.isdir(folder)
+        if pid == os.getppid() or launcher_died:
+            return pid
+    raise ConfigError(f"{LAUNCHED_ENV}=1 and {LAUNCHER_PID_ENV}={raw!r} are set, but memtrain's launcher did not "
+                      f"start this process (pid {raw} is not its parent); unset {LAUNCHED_ENV}, {LAUNCHER_PID_ENV} "
+                      f"and {ERROR_DIR_ENV}: `memtrain train --nproc-per-node N` sets them for its ranks")

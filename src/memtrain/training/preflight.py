@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import glob
 import os
 import stat
@@ -188,23 +189,49 @@ def check_out_outside_data(out: str | Path, data: str, names: Iterable[str], fla
     (or equal to) a --data folder, or one a --data glob matches (``corpus/*.jsonl`` and
     ``--out corpus``), made the next run, a resume or a bench's next row read result.json,
     metrics.jsonl or results.jsonl as text to train on (or refuse it, the data's fingerprint
-    changed). ``**`` in a glob is matched as one folder level (pathlib's rule)."""
+    changed). A glob is matched as the data reads it (:func:`glob_lists`: ``**`` any number of levels)."""
     if data == "default" or data.startswith("hf:"):
         return
     from memtrain.data.sources import SUPPORTED_SUFFIXES  # memtrain.data loads torch: not for --help
 
     read = [name for name in names if Path(name).suffix.lower() in SUPPORTED_SUFFIXES]
-    target = Path(out).expanduser().absolute()
+    # Links and ".." resolved on both sides: `--data corpus_link --out corpus/run` (or a glob through
+    # the link, or `../corpus`) named one folder two ways and was let through. realpath leaves a
+    # glob's wildcard parts, which exist as no file, as they are.
+    target = Path(os.path.realpath(Path(out).expanduser()))
     source = Path(data).expanduser()
+    real_source = Path(os.path.realpath(source))
     if glob.has_magic(data):
-        pattern = str(source.absolute())
-        hit = next((n for n in read if PurePath(target / n).match(pattern)), None)
+        hit = next((n for n in read if glob_lists(real_source, target / n)), None)
     else:
-        inside = source.is_dir() and (target == source.absolute() or source.absolute() in target.parents)
+        inside = source.is_dir() and (target == real_source or real_source in target.parents)
         hit = read[0] if inside and read else None
     if hit is not None:
         raise ConfigError(f"{flag} {str(out)!r} is where --data {data!r} reads: the {hit} memtrain writes there would be "
                           "read as text to train on by the next run (or a resumed one); choose an --out outside the data")
+
+
+def glob_lists(pattern: PurePath, path: PurePath) -> bool:
+    """Whether ``glob.glob(pattern, recursive=True)`` (how --data reads a glob) would list ``path``,
+    without the files existing yet. pathlib's ``match`` (Python 3.11) takes ``**`` for one folder
+    level, so ``corpus/**/*.jsonl`` let ``--out corpus/deep/run`` through, whose metrics.jsonl the
+    next run read as data. Both must be absolute or both relative."""
+    return _parts_listed(pattern.parts, path.parts)
+
+
+def _parts_listed(pattern: tuple[str, ...], names: tuple[str, ...]) -> bool:
+    if not pattern:
+        return not names
+    head, rest = pattern[0], pattern[1:]
+    if head == "**":  # zero levels, or one more (never a hidden one, as glob walks) and again
+        return _parts_listed(rest, names) or (
+            bool(names) and not names[0].startswith(".") and _parts_listed(pattern, names[1:]))
+    if not names:
+        return False
+    # glob's wildcards skip names starting with "." unless the pattern's part starts with one too.
+    if glob.has_magic(head) and names[0].startswith(".") and not head.startswith("."):
+        return False
+    return fnmatch.fnmatchcase(names[0], head) and _parts_listed(rest, names[1:])
 
 
 def check_fresh_out(out: Path) -> None:
