@@ -15,6 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from memtrain.bench import runner as bench_runner  # noqa: E402
 from memtrain.bench.hf.cli import main  # noqa: E402
 from memtrain.bench.hf.data import hf_train_dataset  # noqa: E402
 from memtrain.bench.hf.hf_model import build_hf_model  # noqa: E402
@@ -312,6 +313,35 @@ def test_aggregate_ratios_and_markdown():
         "command": "c", "finished": "now", "wall_s": 60, "rows": table, "runs": runs}
     md_exact = render_markdown(exact)
     assert schedules not in md_exact and "HF given memtrain's LR schedule (--exact-schedule)" in md_exact
+
+
+def _gemma2_dir(tmp_path):
+    d = tmp_path / "gemma2"
+    transformers.Gemma2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16).save_pretrained(d)
+    return d
+
+
+@pytest.mark.parametrize("model, attention, implementation", [
+    ("tiny-llama", "sdpa", "sdpa"),  # what HF Trainer and `memtrain bench` build a Llama with
+    ("gemma2", "math", "eager"),  # a family without SDPA: eager, as transformers builds it
+])
+def test_a_row_naming_no_attention_runs_the_models_default_on_both_sides(tmp_path, model, attention, implementation):
+    """A compare_hf row that names no attention ran eager on both sides, while the same row under
+    `memtrain bench` (and the Trainer unasked) runs the model's default: it takes that default
+    now, in the config memtrain trains and in the plan the Trainer runs, and the report names it."""
+    spec = str(_gemma2_dir(tmp_path)) if model == "gemma2" else model
+    overrides = {"progress": False, "model": spec}
+    rows = resolve_rows("quick", ["precision=fp32", "precision=fp32+attention=math"], overrides, "cpu")
+    default, asked = rows
+    assert default["config"].technique.attention == attention
+    assert default["plan"].attn_implementation == implementation
+    assert asked["config"].technique.attention == "math" and asked["plan"].attn_implementation == "eager"
+    bench_opts = bench_runner.BenchOptions(techniques=["precision=fp32"], scale="quick", overrides=overrides)
+    (_, bench_cfg), = bench_runner.resolve_rows(bench_opts)
+    assert bench_cfg.technique.attention == default["config"].technique.attention
+    entry = aggregate(rows[:1], [])[0]
+    assert entry["attention"] == attention and entry["hf_attn_implementation"] == implementation
 
 
 def test_cli_rejects_an_unknown_preset(capsys):

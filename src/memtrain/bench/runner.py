@@ -23,13 +23,12 @@ from typing import Any, Callable, Optional
 
 from memtrain.bench.eta import BenchEta
 from memtrain.bench.process import clean_stale_row_dirs, row_tmpdir, start_row, stop_row
-from memtrain.bench.scales import SCALE_BUDGET, SCALE_MAX_BATCH, fitted_scale_layer, fitted_scale_overrides
+from memtrain.bench.scales import SCALE_BUDGET, SCALE_MAX_BATCH, fitted_scale_overrides, row_base_layers
 from memtrain.bench.technique_sets import describe, noise_twin, technique_overrides
 from memtrain.config.run import (
     ConfigError,
     RunConfig,
     TechniqueConfig,
-    attention_default_of,
     build_config,
     flatten,
     normalized_layers,
@@ -179,9 +178,8 @@ def resolve_rows(opts: BenchOptions) -> list[tuple[str, RunConfig]]:
         try:
             given = (row_layer, opts.file_layer, opts.overrides)
             flat_given = normalized_layers(*given)  # read once: for the scale, the attention and the warm-up
-            scale_layer = fitted_scale_layer(opts.scale, flat_given)
-            # The scale's layer is flat and in memtrain's names already: nothing to normalize.
-            cfg = build_config(scale_layer, *given, attention_default_of([scale_layer, *flat_given]))
+            scale_layer, default_attention = row_base_layers(opts.scale, flat_given)
+            cfg = build_config(scale_layer, *given, default_attention)
             if warmup_named(flat_given):
                 refuse_long_warmup(cfg.train)
         except ConfigError as exc:

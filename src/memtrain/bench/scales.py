@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from memtrain.config.run import ConfigError, capped_warmup, normalized_layers, warmup_named
+from memtrain.config.run import ConfigError, attention_default_of, capped_warmup, normalized_layers, warmup_named
 
 SCALES: dict[str, dict[str, Any]] = {
     # The published comparison's settings (RTX 4090): default model, batch 64, seq 256,
@@ -84,3 +84,14 @@ def fitted_scale_layer(scale: str, flat_layers: list[dict[str, Any]]) -> dict[st
     if 0 < steps < layer.get("warmup_steps", 0):
         layer["warmup_steps"] = capped_warmup(steps)
     return layer
+
+
+def row_base_layers(scale: str, flat_layers: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The layers every row of a comparison takes around its given settings ``flat_layers`` (as
+    :func:`normalized_layers` returns them): the scale's layer fitted to them (below them), and
+    the model's default attention where they name none (:func:`attention_default_of`; empty for
+    memtrain's GPT). ``memtrain bench`` and compare_hf both take them here, so one row runs the
+    same attention in either."""
+    scale_layer = fitted_scale_layer(scale, flat_layers)
+    # The scale's layer is flat and in memtrain's names already: nothing to normalize.
+    return scale_layer, attention_default_of([scale_layer, *flat_layers])

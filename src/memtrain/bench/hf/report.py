@@ -29,7 +29,8 @@ def aggregate(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[di
         h = config_hash(cfg)
         entry: dict[str, Any] = {"preset": name, "hf_status": plan.status, "hf_missing": plan.missing,
                                  "hf_mapping": plan.mapping, "hf_training_args": plan.training_args,
-                                 "hf_attn_implementation": plan.attn_implementation, "sides": {}}
+                                 "hf_attn_implementation": plan.attn_implementation,
+                                 "attention": cfg.technique.attention, "sides": {}}
         mine = [r for r in runs if r["preset"] == name and r["config_hash"] == h]
         for side in SIDES:
             rs = [r for r in mine if r["side"] == side]
@@ -218,7 +219,8 @@ def render_markdown(report: dict[str, Any]) -> str:  # noqa: C901 - one flat sec
                          f"| {num(d.get('parameters'), '{:,}')} ({num(d.get('trainable_parameters'), '{:,}')}) |")
     lines += ["", "## How each preset maps onto the Trainer", ""]
     for e in report["rows"]:
-        lines.append(f"- **{e['preset']}** ({e['hf_status']}; attn_implementation `{e['hf_attn_implementation']}`, "
+        lines.append(f"- **{e['preset']}** ({e['hf_status']}; attention `{e['attention']}`, "
+                     f"attn_implementation `{e['hf_attn_implementation']}`, "
                      f"TrainingArguments `{json.dumps(e['hf_training_args'])}`)")
         for m in e["hf_mapping"]:
             lines.append(f"  - {m}")

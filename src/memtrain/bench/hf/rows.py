@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from memtrain.bench.hf.mapping import hf_plan, trainer_alignment
 from memtrain.bench.runner import config_hash as bench_config_hash
-from memtrain.bench.scales import fitted_scale_layer
+from memtrain.bench.scales import row_base_layers
 from memtrain.bench.technique_sets import technique_overrides
 from memtrain.config.run import (
     ConfigError,
@@ -38,15 +38,19 @@ def resolve_rows(scale: str, presets: list[str], overrides: dict[str, Any], devi
     """Each preset's memtrain config and Hugging Face plan, validated before anything runs.
 
     A preset takes :func:`mapping.trainer_alignment` (settings the Trainer cannot change,
-    e.g. the low-bit optimizers' block) below the user's ``--set`` overrides."""
+    e.g. the low-bit optimizers' block) below the user's ``--set`` overrides, and the model's
+    default attention where neither names one (:func:`scales.row_base_layers`, as bench rows)."""
     rows = []
     for name in presets:
         try:
             row = technique_overrides(name, scale)
-            flat_given = normalized_layers(row, overrides)  # read once: for the scale and the warm-up
-            layers = [fitted_scale_layer(scale, flat_given), row]
-            align = trainer_alignment(build_config(*layers, overrides))
-            cfg = build_config(*layers, align, overrides)
+            flat_given = normalized_layers(row, overrides)  # read once: for the scale, the attention and the warm-up
+            scale_layer, default_attention = row_base_layers(scale, flat_given)
+            # The model's default attention as `memtrain bench` gives it (sdpa for a transformers
+            # model, as the Trainer builds it), so both sides run what either tool runs unasked.
+            layers = [scale_layer, row]
+            align = trainer_alignment(build_config(*layers, overrides, default_attention))
+            cfg = build_config(*layers, align, overrides, default_attention)
             if warmup_named(flat_given):
                 refuse_long_warmup(cfg.train)
         except ConfigError as exc:
