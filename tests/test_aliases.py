@@ -199,3 +199,31 @@ def test_a_config_file_setting_a_key_twice_or_in_the_wrong_section_is_refused(te
     assert main(["estimate", "--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("verb, extra", [
+    (["estimate"], "seq_len: 100000000\n"),  # would derive --max-seq-len from it
+    (["train", "--out", "{out}"], "resume: {missing}\n"),  # would read the checkpoint before the file
+])
+def test_a_config_file_whose_aliases_cannot_be_read_is_that_one_error(verb, extra, tmp_path, capsys):
+    """A config file whose aliases cannot be read is refused as the one-line error it is: its
+    unread keys steered the command first (a --seq-len over the limit, a --resume that is not
+    there), which then failed on them and hid the file's own error."""
+    path = tmp_path / "run.yaml"
+    out = tmp_path / "o"
+    path.write_text("fp16: true\nbf16: true\n" + extra.format(missing=tmp_path / "missing"))
+    assert main([*(a.format(out=out) for a in verb), "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: --fp16 and --bf16 ask for different --precision (fp16, bf16); keep one of them\n", err
+    assert not out.exists()
+
+
+def test_given_settings_reads_each_layer_as_the_bench_does():
+    """The CLI's settings and the bench's are one reading: an unreadable layer is left out (its
+    raw keys, in the Trainer's names, are never merged) and later layers win."""
+    from memtrain.config.run import given_settings, normalized_layers
+
+    bad = {"learning_rate": 1e-3, "lr": 2e-3, "seq_len": 64}
+    assert normalized_layers(bad) == []
+    assert given_settings({"lr": 1e-3, "steps": 5}, bad, {"per_device_train_batch_size": 2}) == \
+        {"lr": 1e-3, "steps": 5, "batch_size": 2}

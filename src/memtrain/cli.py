@@ -30,7 +30,6 @@ from memtrain.config.aliases import (
     BY_NAME,
     EXPANDED,
     flag_text,
-    normalize as normalize_aliases,
     refuse_disagreement,
     switch_value,
 )
@@ -43,7 +42,7 @@ from memtrain.config.run import (
     build_config,
     dormant_settings,
     field_index,
-    flatten,
+    given_settings,
     load_config_file,
     model_default_attention,
     refuse_long_warmup,
@@ -258,15 +257,16 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = 
     known = {f.name for cls in SECTIONS.values() for f in fields(cls)} | EXPANDED
     flags = {k: v for k, v in vars(args).items() if k in known}
     file_layer = load_config_file(args.config) if getattr(args, "config", None) else {}
-    resume = _given_settings([file_layer, flags]).get("resume") if resumed else None
+    given = given_settings(file_layer, flags)  # the user's settings, read once
+    resume = given.get("resume") if resumed else None
     moved_from = None  # the --save a moved or copied checkpoint was written as
     if resume:
         launched = bool(getattr(args, "nproc_per_node", None)) or "WORLD_SIZE" in os.environ
-        out_given = "out" in _given_settings([file_layer, flags])
+        out_given = "out" in given
         taken, moved_from = resumed_settings(str(resume), launched, out_given)
         base = {**(base or {}), **taken}
     layers = [base or {}, file_layer, flags]
-    merged = _given_settings(layers)
+    merged = given_settings(*layers)
     layers.append(model_default_attention(*layers))
     if derive_max_seq_len:
         if "max_seq_len" not in merged and "seq_len" in merged:
@@ -280,7 +280,6 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = 
                 check_at_most("--seq-len", seq, MAX_WIDTH)
                 layers.append({"max_seq_len": seq})
     cfg = build_config(*layers)
-    given = _given_settings([file_layer, flags])
     _refuse_ignored_model_flags(cfg, given)
     _refuse_flags_of_an_unused_technique(cfg, given)
     if "warmup_steps" in given:
@@ -347,20 +346,6 @@ def _refuse_flags_of_an_unused_technique(cfg: RunConfig, given: dict[str, Any]) 
     flag = f"--{name.replace('_', '-')}"
     shown = flag if isinstance(value, bool) else f"{flag} {value}"
     raise ConfigError(f"{shown} applies only with {switch}; add {switch.split(' (')[0]} or drop {flag}")
-
-
-def _given_settings(layers: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The settings the layers name, flat and in memtrain's names (later layers win)."""
-
-    merged: dict[str, Any] = {}
-    for layer in layers:
-        flat = flatten(layer)
-        try:
-            flat = normalize_aliases(flat)
-        except ValueError:
-            pass  # build_config reports it
-        merged.update(flat)
-    return merged
 
 
 def _is_transformers_model(spec: Any) -> bool:

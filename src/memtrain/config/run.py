@@ -919,9 +919,7 @@ def attention_default_of(flat_layers: list[dict[str, Any]]) -> dict[str, Any]:
     """:func:`model_default_attention` of layers :func:`normalized_layers` has read already."""
     from memtrain.models.spec import default_attention, is_gpt_preset  # torch-free; spec reads config
 
-    merged: dict[str, Any] = {}
-    for flat in flat_layers:
-        merged.update(flat)
+    merged = merged_layers(flat_layers)
     spec = merged.get("model")
     if "attention" in merged or not isinstance(spec, str) or is_gpt_preset(spec):
         return {}
@@ -957,6 +955,22 @@ def normalized_layers(*layers: dict[str, Any]) -> list[dict[str, Any]]:
         except ValueError:
             continue  # build_config reports the bad alias
     return flat_layers
+
+
+def given_settings(*layers: dict[str, Any]) -> dict[str, Any]:
+    """The settings ``layers`` name, flat and in memtrain's names, later layers winning: a layer
+    whose aliases cannot be read is left out, as :func:`normalized_layers` leaves it, so its
+    unread keys steer nothing (a --resume, a derived --max-seq-len) before build_config
+    reports it as the one-line error it is."""
+    return merged_layers(normalized_layers(*layers))
+
+
+def merged_layers(flat_layers: list[dict[str, Any]]) -> dict[str, Any]:
+    """Flat layers (as :func:`normalized_layers` returns them) merged into one, later layers winning."""
+    merged: dict[str, Any] = {}
+    for flat in flat_layers:
+        merged.update(flat)
+    return merged
 
 
 def warmup_named(flat_layers: list[dict[str, Any]]) -> bool:
