@@ -303,6 +303,7 @@ def test_aggregate_ratios_and_markdown():
         "command": "python benchmarks/compare_hf.py", "finished": "now", "wall_s": 60, "rows": table, "runs": runs})
     assert "| window-flash | no HF equivalent |" in md
     assert "| baseline | 0.50 | 1.00 | 0.50, 1.50 |" in md
+    assert "- **baseline** (matched; attention `math`, attn_implementation `eager`, " in md  # named as run
     assert table[0]["step_overlap_s"] == [0.0, 0.0]
     # The PPL column compares the two learning-rate schedules unless the Trainer is given memtrain's.
     schedules = "the PPL ratio mostly compares the schedules; --exact-schedule gives the Trainer memtrain's"
