@@ -505,3 +505,46 @@ def test_the_exit_code_does_not_depend_on_where_stderr_goes(stderr, small_corpus
                 "seq_len": 32, "val_blocks": 1, "out": str(out)}
     assert run("train", *cli_flags(settings), "--progress") == 0
     assert json.loads((out / "result.json").read_text())["steps"] == 3
+
+
+# The console entry with a stand-in for a C library (OpenMP, a tokenizer) or a child process
+# that writes to descriptors 1 and 2 themselves, not through sys.stderr: each time a file is
+# renamed into place (result.json, the checkpoint), and once more at the end.
+CLOSED_STREAMS_PROBE = """
+import os, sys
+real_replace = os.replace
+
+def replace_saying_so(src, dst, **kw):
+    os.write(2, b"warning: written to descriptor 2\\n")
+    os.write(1, b"progress written to descriptor 1\\n")
+    return real_replace(src, dst, **kw)
+
+os.replace = replace_saying_so
+from memtrain.__main__ import run
+code = run(sys.argv[2:])
+where = [os.readlink(f"/proc/self/fd/{fd}") if os.path.exists(f"/proc/self/fd/{fd}") else "closed" for fd in (0, 1, 2)]
+with open(sys.argv[1], "w") as f:
+    f.write("\\n".join(where))
+sys.exit(code)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="reads /proc/self/fd")
+@pytest.mark.parametrize("closed", [(2,), (1, 2), (0, 1, 2)])
+def test_descriptors_closed_at_start_are_dev_null_and_no_file_takes_their_writes(closed, small_corpus, tmp_path):
+    """A train started with standard descriptors closed (`2>&-`, `>&- 2>&-`, `<&- >&- 2>&-`):
+    the next file opened took the lowest free descriptor, and a write meant for stderr or stdout
+    landed in it. The entry points each closed one at /dev/null first; the run's files are
+    intact JSON."""
+    out, where = tmp_path / "run", tmp_path / "where.txt"
+    settings = {**TINY_MODEL, "data": str(small_corpus), "steps": 2, "warmup_steps": 1, "batch_size": 2,
+                "seq_len": 32, "val_blocks": 1, "out": str(out), "save": str(tmp_path / "c.pt")}
+    proc = subprocess.run([sys.executable, "-c", CLOSED_STREAMS_PROBE, str(where), "train", *cli_flags(settings), "--progress"],
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          preexec_fn=lambda: [os.close(fd) for fd in closed])  # type: ignore[func-returns-value]
+    assert proc.returncode == 0
+    assert [line for fd, line in enumerate(where.read_text().splitlines()) if fd in closed] == [os.devnull] * len(closed)
+    assert json.loads((out / "result.json").read_text())["steps"] == 2
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()][:2] == [1, 2]
+    assert "written to descriptor" not in (out / ".memtrain.lock").read_text(errors="replace")
+    assert b"written to descriptor" not in (tmp_path / "c.pt").read_bytes()

@@ -725,6 +725,43 @@ def test_an_out_the_data_reads_through_a_link_or_dotdot_is_refused(tiny_run, tmp
         assert not out.exists()
 
 
+
+def test_an_out_a_data_glob_reads_through_a_link_below_its_wildcard_is_refused(tiny_run, tmp_path, capsys, monkeypatch):
+    """A link inside the data below a wildcard part (`corpus/sub` -> `elsewhere`, `--data
+    'corpus/**/*.jsonl'`, `--out elsewhere/run`): realpath resolves only the parts before the
+    wildcard, so the run trained and the next one's glob read its metrics.jsonl through the link.
+    The check walks the folders the glob walks (links followed, as glob follows them) and the
+    files it lists now (a link to a file in the --out)."""
+    from memtrain.config.run import ConfigError
+    from memtrain.files.results import TRAIN_FILES
+    from memtrain.training.preflight import check_out_outside_data
+
+    corpus, elsewhere, other = tmp_path / "corpus", tmp_path / "elsewhere", tmp_path / "other"
+    for folder in (corpus, elsewhere / "deep", other):
+        folder.mkdir(parents=True)
+    shutil.copy(tiny_run["data"], corpus / "a.jsonl")
+    (corpus / "sub").symlink_to(elsewhere, target_is_directory=True)
+    (corpus / ".hid").symlink_to(other, target_is_directory=True)
+    (corpus / "m.jsonl").symlink_to(other / "kept" / "metrics.jsonl")  # dangling until a run writes there
+    monkeypatch.chdir(tmp_path)
+    run = {**tiny_run, "steps": 1, "warmup_steps": 0, "val_fraction": 0.5}
+    data = "corpus/**/*.jsonl"
+    assert main(["train", *cli_flags({**run, "data": data, "out": str(elsewhere / "run")})]) == 2
+    assert f"is where --data {data!r} reads: the metrics.jsonl" in _one_error_line(capsys.readouterr().err)
+    assert not (elsewhere / "run").exists()
+    refused = [("corpus/**/*.jsonl", elsewhere / "deep" / "x" / "run"), ("corpus/*/*.jsonl", elsewhere),
+               (str(corpus / "*" / "*.jsonl"), elsewhere), ("corpus/*.jsonl", other / "kept"),
+               ("other/../corpus/**/*.jsonl", elsewhere / "run")]
+    for pattern, out in refused:
+        with pytest.raises(ConfigError, match="is where --data"):
+            check_out_outside_data(out, pattern, TRAIN_FILES)
+    # What the glob does not walk stays allowed: one level only, a hidden link (glob skips it),
+    # a folder beside the link's target.
+    allowed = [("corpus/*.jsonl", elsewhere / "run"), ("corpus/**/*.jsonl", other / "run"),
+               ("corpus/*/*.jsonl", elsewhere / "deep"), ("corpus/**/*.jsonl", tmp_path / "elsewhere2")]
+    for pattern, out in allowed:
+        check_out_outside_data(out, pattern, TRAIN_FILES)
+
 @pytest.mark.parametrize("failing", ["second", "every"])
 def test_a_periodic_checkpoint_that_cannot_be_written_does_not_stop_the_run(tiny_run, tmp_path, capsys, monkeypatch,
                                                                          failing):

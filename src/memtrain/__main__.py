@@ -26,10 +26,35 @@ def _interrupt(signum: int, frame: Optional[FrameType]) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:  # EBADF: closed
+        return False
+    return True
+
+
+def reopen_closed_std_descriptors() -> None:
+    """Point each of descriptors 0, 1 and 2 that was closed at start (`2>&-`, `<&-`, a daemon's
+    launcher) at /dev/null. The system hands the lowest free descriptor to the next file opened:
+    a checkpoint, metrics.jsonl or a lock then sat on descriptor 2 and took what a C library
+    (OpenMP, a tokenizer) or a child process wrote to stderr. Inheritable, as standard
+    descriptors are, so that a row or a rank started from here finds them too."""
+    for fd in (0, 1, 2):
+        if _is_open(fd):
+            continue
+        null = os.open(os.devnull, os.O_RDWR)  # the lowest free descriptor: fd, the lower ones being open
+        if null != fd:
+            os.dup2(null, fd)
+            os.close(null)
+        os.set_inheritable(fd, True)
+
+
 def run(argv: Optional[list[str]] = None) -> int:
     """Import the CLI and run it, a Ctrl-C, SIGTERM or SIGHUP on the way being one line and exit 130.
     Not under torchrun (``WORLD_SIZE`` set), whose launcher owns its workers' signals, as
     ``cli.main`` does; not off the main thread, where Python allows no handler."""
+    reopen_closed_std_descriptors()  # before anything opens a file
     guard = "WORLD_SIZE" not in os.environ and threading.current_thread() is threading.main_thread()
     before: dict[int, Any] = {sig: signal.getsignal(sig) for sig in STOPPING} if guard else {}
     try:

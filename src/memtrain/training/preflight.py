@@ -189,7 +189,8 @@ def check_out_outside_data(out: str | Path, data: str, names: Iterable[str], fla
     (or equal to) a --data folder, or one a --data glob matches (``corpus/*.jsonl`` and
     ``--out corpus``), made the next run, a resume or a bench's next row read result.json,
     metrics.jsonl or results.jsonl as text to train on (or refuse it, the data's fingerprint
-    changed). A glob is matched as the data reads it (:func:`glob_lists`: ``**`` any number of levels)."""
+    changed). A glob is matched as the data reads it (:func:`glob_lists`: ``**`` any number of levels;
+    :func:`glob_reads_through_links`: through links below its wildcard parts)."""
     if data == "default" or data.startswith("hf:"):
         return
     from memtrain.data.sources import SUPPORTED_SUFFIXES  # memtrain.data loads torch: not for --help
@@ -202,13 +203,51 @@ def check_out_outside_data(out: str | Path, data: str, names: Iterable[str], fla
     source = Path(data).expanduser()
     real_source = Path(os.path.realpath(source))
     if glob.has_magic(data):
-        hit = next((n for n in read if glob_lists(real_source, target / n)), None)
+        hit = next((n for n in read if glob_lists(real_source, target / n)), None) or glob_reads_through_links(
+            data, target, read)
     else:
         inside = source.is_dir() and (target == real_source or real_source in target.parents)
         hit = read[0] if inside and read else None
     if hit is not None:
         raise ConfigError(f"{flag} {str(out)!r} is where --data {data!r} reads: the {hit} memtrain writes there would be "
                           "read as text to train on by the next run (or a resumed one); choose an --out outside the data")
+
+
+def glob_reads_through_links(data: str, target: Path, names: list[str]) -> Optional[str]:
+    """The first of ``names`` in the folder ``target`` (resolved) that the --data glob ``data``
+    reads through a link below one of its wildcard parts (``corpus/sub`` a link elsewhere,
+    ``--data 'corpus/**/*.jsonl'``, ``--out`` under the link's target), or that a file the glob
+    lists now links to. realpath resolves only the parts before the first wildcard, and glob's
+    wildcards (``**`` included) follow links to folders, as the reader's ``glob.glob`` does."""
+    # As given (relative stays relative, ".." kept): glob walks it so, and a working folder whose
+    # name holds "[" would be read as a wildcard.
+    pattern = Path(data).expanduser()
+    wanted = {target / name: name for name in names}
+    for listed in glob.iglob(str(pattern), recursive=True):  # what the reader reads now
+        hit = wanted.get(Path(os.path.realpath(listed)))
+        if hit is not None:
+            return hit
+    return next((hit for folder in _folders_walked(pattern) if (hit := _read_through(pattern, folder, target, names))),
+                None)
+
+
+def _folders_walked(pattern: Path) -> Iterable[str]:
+    """Every existing folder the glob ``pattern`` walks below its first wildcard part, as glob
+    spells it (a trailing separator makes glob list folders only)."""
+    parts = pattern.parts
+    first = next(i for i, part in enumerate(parts) if glob.has_magic(part))
+    for end in range(first + 1, len(parts)):
+        yield from glob.iglob(os.path.join(*parts[:end], ""), recursive=True)
+
+
+def _read_through(pattern: Path, folder: str, target: Path, names: list[str]) -> Optional[str]:
+    """The first of ``names`` in ``target`` that ``pattern`` lists when ``target`` lies inside the
+    real path of ``folder`` and is spelled through it: the out folder need not exist yet."""
+    real = Path(os.path.realpath(folder))
+    if real != target and real not in target.parents:
+        return None
+    spelled = Path(folder) / target.relative_to(real)
+    return next((name for name in names if glob_lists(pattern, spelled / name)), None)
 
 
 def glob_lists(pattern: PurePath, path: PurePath) -> bool:
