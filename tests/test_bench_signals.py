@@ -64,6 +64,18 @@ def _wait_for(cond, timeout: float = 60.0) -> bool:
     return False
 
 
+def _row_started(bench: subprocess.Popen) -> tuple[list[int], list[Path]]:
+    """(the row's processes, its scratch folders) once the bench has started its row. The scratch
+    folder is made just before the row's process, so a child seen beside it is the row: a child
+    seen alone may be another, short-lived one (git, which the bench runs to read its commit): under
+    load the test saw it and took it for the row."""
+    def scratch() -> list[Path]:
+        return list(Path(tempfile.gettempdir()).glob(f"{ROW_PREFIX}{bench.pid}-*"))
+
+    assert _wait_for(lambda: bool(scratch()) and bool(_children(bench.pid))), "the bench never started its row"
+    return _children(bench.pid), scratch()
+
+
 ROW_HOLD = Path(__file__).with_name("row_hold")  # its sitecustomize holds a row that many seconds
 
 
@@ -94,9 +106,7 @@ def test_sigterm_keeps_finished_rows_and_a_second_bench_is_refused(small_corpus,
     bench = _start_bench(small_corpus, out, "baseline,precision=bf16", {"MEMTRAIN_TEST_ROW_SLEEP": "120"})
     workers: list[int] = []
     try:
-        assert _wait_for(lambda: bool(_children(bench.pid))), "the bench never started its row"
-        workers = _children(bench.pid)
-        scratch = list(Path(tempfile.gettempdir()).glob(f"{ROW_PREFIX}{bench.pid}-*"))
+        workers, scratch = _row_started(bench)
         assert scratch, "the row's scratch folder is named after its bench"
         # A second bench on the same folder: refused at once, before any row runs.
         assert main(["bench", "--techniques", "baseline", "--out", str(out), *_flags(small_corpus)]) == 2
@@ -128,8 +138,7 @@ def test_a_second_sigterm_during_the_cleanup_lets_it_finish(small_corpus, tmp_pa
                          {"MEMTRAIN_TEST_ROW_SLEEP": "120", "MEMTRAIN_TEST_ROW_IGNORE_TERM": "1"})
     workers: list[int] = []
     try:
-        assert _wait_for(lambda: bool(_children(bench.pid))), "the bench never started its row"
-        workers = _children(bench.pid)
+        workers, _ = _row_started(bench)
         time.sleep(1.0)  # the row process is past its start-up, ignoring SIGTERM
         bench.send_signal(signal.SIGTERM)
         time.sleep(1.0)  # inside the 10 s grace period the bench gives its row
@@ -151,9 +160,7 @@ def test_sigkilled_bench_leaves_no_row_running_and_its_scratch_is_cleaned_next_r
     bench = _start_bench(small_corpus, tmp_path / "b", "baseline", {"MEMTRAIN_TEST_ROW_SLEEP": "120"})
     workers: list[int] = []
     try:
-        assert _wait_for(lambda: bool(_children(bench.pid))), "the bench never started its row"
-        workers = _children(bench.pid)
-        scratch = list(Path(tempfile.gettempdir()).glob(f"{ROW_PREFIX}{bench.pid}-*"))
+        workers, scratch = _row_started(bench)
         assert scratch
         bench.kill()  # SIGKILL: no handler, no finally runs in the bench
         bench.wait()
@@ -285,9 +292,7 @@ def test_sighup_stops_a_bench_like_sigterm_even_with_its_terminal_gone(small_cor
     os.close(slave)
     workers: list[int] = []
     try:
-        assert _wait_for(lambda: bool(_children(bench.pid))), "the bench never started its row"
-        workers = _children(bench.pid)
-        scratch = list(Path(tempfile.gettempdir()).glob(f"{ROW_PREFIX}{bench.pid}-*"))
+        workers, scratch = _row_started(bench)
         os.close(master)  # the terminal hangs up
         master = -1
         bench.send_signal(signal.SIGHUP)
