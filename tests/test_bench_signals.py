@@ -175,16 +175,11 @@ def test_sigkilled_bench_leaves_no_row_running_and_its_scratch_is_cleaned_next_r
 
 def test_sigterm_stops_a_training_run_like_ctrl_c(small_corpus, tmp_path):
     cache = tmp_path / "cache"
-    settings = {**TINY_MODEL, "data": str(small_corpus), "steps": 100000, "warmup_steps": 1, "batch_size": 2,
-                "seq_len": 32, "val_blocks": 2, "out": str(tmp_path / "run")}
-    cmd = [sys.executable, "-m", "memtrain", "train", "--no-progress"]
-    for k, v in settings.items():
-        cmd += ["--" + k.replace("_", "-"), str(v)]
+    cmd = _endless_train(small_corpus, tmp_path / "run")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "MEMTRAIN_CACHE": str(cache)})
     try:
-        # The token cache entry is published just before the first step (the handler is set earlier).
-        assert _wait_for(lambda: any((d / "meta.json").exists() for d in cache.glob("[0-9a-f]*"))), "never trained"
+        assert _wait_for(lambda: _training_started(cache)), "never trained"
         time.sleep(1.0)
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=60)
@@ -315,17 +310,13 @@ def test_sighup_stops_a_training_run_whose_terminal_hung_up(small_corpus, tmp_pa
     SIGHUP, its token-cache scratch left), the curve so far kept; the error line written to the
     hung-up terminal (EIO) is dropped, not a traceback (which made the exit 1)."""
     cache = tmp_path / "cache"
-    settings = {**TINY_MODEL, "data": str(small_corpus), "steps": 100000, "warmup_steps": 1, "batch_size": 2,
-                "seq_len": 32, "val_blocks": 2, "out": str(tmp_path / "run")}
-    cmd = [sys.executable, "-m", "memtrain", "train", "--no-progress"]
-    for k, v in settings.items():
-        cmd += ["--" + k.replace("_", "-"), str(v)]
+    cmd = _endless_train(small_corpus, tmp_path / "run")
     master, slave = _hung_up_terminal()
     proc = subprocess.Popen(cmd, stdout=slave, stderr=slave, start_new_session=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "MEMTRAIN_CACHE": str(cache)})
     os.close(slave)
     try:
-        assert _wait_for(lambda: any((d / "meta.json").exists() for d in cache.glob("[0-9a-f]*"))), "never trained"
+        assert _wait_for(lambda: _training_started(cache)), "never trained"
         time.sleep(1.0)
         os.close(master)
         master = -1
@@ -380,6 +371,19 @@ def test_stdout_whose_reader_left_loses_nothing(small_corpus, tmp_path, verb):
     else:
         assert [r["technique"] for r in read_jsonl(out / "results.jsonl").rows] == ["baseline"]
         assert "Partial" not in (out / "report.md").read_text()
+
+
+def _endless_train(small_corpus: Path, out: Path) -> list[str]:
+    """A `memtrain train` command on the tiny model that runs until it is stopped."""
+    settings = {**TINY_MODEL, "data": str(small_corpus), "steps": 100000, "warmup_steps": 1, "batch_size": 2,
+                "seq_len": 32, "val_blocks": 2, "out": str(out)}
+    return [sys.executable, "-m", "memtrain", "train", "--no-progress", *cli_flags(settings)]
+
+
+def _training_started(cache: Path) -> bool:
+    """The run's token-cache entry is published, just before its first step (its signal
+    handlers are set earlier)."""
+    return any((d / "meta.json").exists() for d in cache.glob("[0-9a-f]*"))
 
 
 def test_a_train_whose_terminal_closes_without_a_sighup_finishes(small_corpus, tmp_path):
