@@ -417,26 +417,8 @@ def check_vocab(cfg: RunConfig) -> None:
 BUILD_BYTES_PER_PARAM = 4  # models are built in FP32 on the host; bf16-pure casts afterwards
 
 
-def host_memory_bytes() -> Optional[int]:
-    """The memory this process may use: physical RAM, or less under a cgroup (container) limit."""
-    limits = []
-    try:
-        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        pass
-    for cgroup in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = Path(cgroup).read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit():
-            limits.append(int(text))
-    return min(limits) if limits else None
-
-
-# Where the kernel says how much memory a new allocation can get without swapping (Linux): the
-# host's estimate, then a cgroup's (container) limit less what the cgroup uses beyond its
-# reclaimable page cache. Module constants so a test can point them at crafted readings.
+# Where the kernel says how much memory this process may use (Linux): the host's counts, then a
+# cgroup's (container) limit and usage. Module constants so a test can point them at crafted readings.
 MEMINFO = Path("/proc/meminfo")
 CGROUP_V2 = Path("/sys/fs/cgroup")
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")
@@ -448,6 +430,20 @@ def _read_small(path: Path) -> Optional[str]:
         return path.read_text()
     except (OSError, UnicodeDecodeError):
         return None
+
+
+def host_memory_bytes() -> Optional[int]:
+    """The memory this process may use: physical RAM, or less under a cgroup (container) limit."""
+    limits = []
+    try:
+        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        pass
+    for cgroup in (CGROUP_V2 / "memory.max", CGROUP_V1 / "memory.limit_in_bytes"):
+        text = (_read_small(cgroup) or "").strip()
+        if text.isdigit():
+            limits.append(int(text))
+    return min(limits) if limits else None
 
 
 def _field_bytes(text: Optional[str], name: str, unit: int = 1) -> Optional[int]:
