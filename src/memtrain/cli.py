@@ -441,6 +441,19 @@ def allocation_of(exc: BaseException) -> str:
     return f"it tried to allocate {found.group(1)} {found.group(2)}"
 
 
+def parameter_line(result: dict[str, Any]) -> str:
+    """The run's parameter counts in one line; with LoRA also their sum and the trainable share
+    as peft's ``print_trainable_parameters`` states them (its "all params" counts the adapters,
+    which ``parameters``, the model as built, leaves out)."""
+    base, trainable = result["parameters"], result["trainable_parameters"]
+    adapters = result.get("adapter_parameters") or 0
+    if not adapters:
+        return f"parameters {base:,} ({trainable:,} trainable)"
+    total = base + adapters
+    return (f"parameters {base:,} + {adapters:,} LoRA adapter = {total:,}; "
+            f"trainable {trainable:,} ({100 * trainable / total:.4f}%)")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from memtrain.training.train import train  # torch-free --help/estimate/plan
 
@@ -492,6 +505,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if moved:
         sys.stderr.write(moved + "\n")
     mem = result["memory"]
+    print(parameter_line(result))
     print(
         f"steps {result['steps']}  train loss {result['train_loss']:.4f}  "
         f"val loss {result['val_loss']:.4f}  val ppl {result['val_ppl']:.2f}"

@@ -591,6 +591,9 @@ def _result(state: TrainState, timer: StepTimer, memory: dict[str, Any], splits:
         "memory": memory,
         "parameters": state.n_params,
         "trainable_parameters": state.trainable_parameters,
+        # LoRA's A and B matrices, outside ``parameters`` (the model as built), as estimate
+        # counts them: parameters + adapter_parameters is peft's "all params".
+        "adapter_parameters": state.trainable_parameters if cfg.technique.lora_rank else 0,
         "loss_history": losses,
         "val_history": val_history,
         "skipped_steps": state.precision.skipped_steps,

@@ -188,6 +188,7 @@ def flops_report(cfg: RunConfig, gpu: Optional[str] = None, measured_s: Optional
         "tokens": step.tokens,
         "parameters": step.n_params,
         "trainable_parameters": step.trainable_params,
+        "adapter_parameters": step.trainable_params if cfg.technique.lora_rank else 0,  # as train and estimate
         "gpu": roof.to_dict(),
         "ridge": roof.ridge,
         "total_bytes": sum(r["bytes"] for r in ops),
