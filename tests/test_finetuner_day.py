@@ -5,8 +5,60 @@ named for what it is."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import numpy as np
+import pytest
+
+from conftest import _small_corpus_texts
 from memtrain.cli import main
+
+BOS, EOS = 1, 2
+
+
+def _llama_folder(root: Path, bos_template: bool) -> Path:
+    """A config-only tiny Llama with its own byte-level BPE (<pad>, <s>, </s> as ids 0-2); with
+    ``bos_template`` the tokenizer adds <s> before a text, as Llama's tokenizers do."""
+    # tokenizers and transformers are optional extras: imported only by the tests that need them
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(_small_corpus_texts(), trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if bos_template:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
+    root.mkdir(parents=True)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>").save_pretrained(root)
+    LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=64, bos_token_id=BOS, eos_token_id=EOS,
+                pad_token_id=0).save_pretrained(root)
+    return root
+
+
+@pytest.mark.parametrize("bos_template", [True, False])
+def test_each_document_starts_as_the_models_tokenizer_starts_a_text(small_corpus, tmp_path, bos_template):
+    """A tokenizer that puts bos before a text (Llama's) gets it before every document, as
+    transformers' tokenizer call gives it; one that adds nothing (GPT-2's, Qwen2's) gets none. The
+    prompt of generate is framed the same way."""
+    from memtrain.config.run import build_config
+    from memtrain.data import prepare_tokens
+    from memtrain.inference.generate import transformers_codec
+    from memtrain.models.families import data_tokenizer
+
+    folder = _llama_folder(tmp_path / "llama", bos_template)
+    cfg = build_config({"model": str(folder), "data": str(small_corpus), "cache_dir": str(tmp_path / "cache"),
+                        "seq_len": 32})
+    tokenizer = data_tokenizer(cfg)
+    splits = prepare_tokens(cfg.data, progress=False, tokenizer=tokenizer)
+    ids = np.asarray(splits.train)
+    assert (ids == EOS).sum() == splits.n_train_docs
+    starts = np.concatenate([[0], np.flatnonzero(ids == EOS)[:-1] + 1])  # where each document begins
+    assert (ids[starts] == BOS).all() if bos_template else (ids == BOS).sum() == 0
+    codec = transformers_codec(tokenizer.tok)
+    assert codec.encode("x")[:1] == ([BOS] if bos_template else tokenizer.tok("x")["input_ids"][:1])
 
 
 def _peft_counts(spec: str, r: int, targets: list[str]) -> tuple[int, int]:

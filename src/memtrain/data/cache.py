@@ -19,7 +19,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Optional
@@ -158,7 +158,7 @@ def cache_key(cfg: DataConfig, tokenizer: Any = None) -> str:
         "max_documents": cfg.max_documents,
         "hf_split": cfg.hf_split,
         "tokenizer": {"name": TOKENIZER_NAME, "n_vocab": N_VOCAB} if tokenizer is None
-        else {"name": tokenizer.name, "n_vocab": tokenizer.n_vocab, "eot_id": tokenizer.eot_id},
+        else _tokenizer_meta(tokenizer),
         "val_fraction": cfg.val_fraction,
         "split_seed": cfg.split_seed,
     }
@@ -190,7 +190,7 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenize
         tok_meta: dict[str, Any] = {"name": TOKENIZER_NAME, "n_vocab": N_VOCAB, "eot_id": EOT_ID}
     else:
         encode = tokenizer.encode_batch
-        tok_meta = {"name": tokenizer.name, "n_vocab": tokenizer.n_vocab, "eot_id": tokenizer.eot_id}
+        tok_meta = _tokenizer_meta(tokenizer)
     dtype = _token_dtype(tok_meta["n_vocab"])
     docs = {s: 0 for s in SPLITS}
     tokens = {s: 0 for s in SPLITS}
@@ -207,7 +207,8 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenize
             encoded = _encode_documents(encode, batch, dtype)
             encode_s += time.perf_counter() - t0
             for split, chosen in (("train", ~is_val), ("val", is_val)):
-                ids = _concat_with_eot([e for e, c in zip(encoded, chosen) if c], tok_meta["eot_id"], dtype)
+                ids = _concat_with_eot([e for e, c in zip(encoded, chosen) if c], tok_meta["eot_id"], dtype,
+                                       tok_meta.get("prefix_ids", ()))
                 files[split].write(ids.tobytes())
                 docs[split] += int(chosen.sum())
                 tokens[split] += len(ids)
@@ -250,10 +251,21 @@ def _encode_long(encode: Encoder, doc: str, dtype: Any) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
-def _concat_with_eot(encoded: list[Any], eot_id: int = EOT_ID, dtype: Any = TOKEN_DTYPE) -> np.ndarray:
-    """One array: each document's ids followed by the end-of-text id."""
+def _tokenizer_meta(tokenizer: Any) -> dict[str, Any]:
+    """A model tokenizer's identity for the cache key and meta.json; ``prefix_ids`` (the bos a
+    document starts with) only when there is one, so entries of tokenizers without one keep
+    their keys."""
+    meta = {"name": tokenizer.name, "n_vocab": tokenizer.n_vocab, "eot_id": tokenizer.eot_id}
+    prefix = list(getattr(tokenizer, "prefix_ids", ()))
+    return {**meta, "prefix_ids": prefix} if prefix else meta
+
+
+def _concat_with_eot(encoded: list[Any], eot_id: int = EOT_ID, dtype: Any = TOKEN_DTYPE,
+                     prefix: Sequence[int] = ()) -> np.ndarray:
+    """One array: each document's ids, after ``prefix`` (a tokenizer's bos), then the end-of-text id."""
     eot = np.array([eot_id], dtype=dtype)
-    parts = [p for ids in encoded for p in (np.asarray(ids, dtype=dtype), eot)]
+    lead = (np.array(prefix, dtype=dtype),) if len(prefix) else ()
+    parts = [p for ids in encoded for p in (*lead, np.asarray(ids, dtype=dtype), eot)]
     return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 

@@ -49,7 +49,7 @@ from memtrain.models.spec import (
     refuse_pickled_weights,
     safetensors_files,
 )
-from memtrain.models.tokenizer import load_tokenizer
+from memtrain.models.tokenizer import leading_special_ids, load_tokenizer
 from memtrain.techniques.facts import DTYPE_MATMUL_TYPE, GENERATE_DTYPES
 from memtrain.training.preflight import check_model_size
 
@@ -71,9 +71,11 @@ def gpt2_codec() -> Codec:
 
 
 def transformers_codec(tok: Any) -> Codec:
-    """A transformers tokenizer; no special tokens are added to the prompt (as in training)."""
-    start = tok.eos_token_id if tok.eos_token_id is not None else tok.bos_token_id
-    return Codec(lambda text: list(tok(text, add_special_tokens=False)["input_ids"]),
+    """A transformers tokenizer; a prompt is framed as training framed a document: after the
+    tokenizer's bos when it adds one (Llama), which an empty prompt then starts from."""
+    prefix = leading_special_ids(tok)
+    start = prefix[-1] if prefix else tok.eos_token_id if tok.eos_token_id is not None else tok.bos_token_id
+    return Codec(lambda text: prefix + list(tok(text, add_special_tokens=False)["input_ids"]),
                  lambda ids: tok.decode(ids, clean_up_tokenization_spaces=False), start, len(tok))
 
 

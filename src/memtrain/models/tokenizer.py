@@ -20,7 +20,7 @@ from memtrain.models.spec import TOKENIZER_FILES, TOKENIZER_ID_FILES, is_gpt_pre
 
 class HFTokenizer:
     """The interface ``memtrain.data.prepare_tokens`` uses: ``name``, ``n_vocab``, ``eot_id``,
-    ``encode_batch``."""
+    ``prefix_ids``, ``encode_batch``."""
 
     def __init__(self, tok: Any, identity: str) -> None:
         self.tok = tok
@@ -30,11 +30,26 @@ class HFTokenizer:
         if eot is None:
             raise ConfigError(f"tokenizer {identity!r} has no eos token to separate documents; set eos_token in its tokenizer_config.json")
         self.eot_id = int(eot)
+        # What the tokenizer puts before a text when called as transformers calls it (a Llama
+        # tokenizer's bos): the cache starts every document with it, as the model was trained.
+        self.prefix_ids = leading_special_ids(tok)
 
     def encode_batch(self, texts: list[str], num_threads: Optional[int] = None) -> list[list[int]]:
-        # No special tokens inside documents (as encode_ordinary for GPT-2): a document's
-        # boundary is the eos token the cache appends.
+        # The text alone: a long document is encoded in pieces, and its bos (prefix_ids) and
+        # closing eos are added once, by the cache. Special-token text written in a document (a
+        # chat template's markers) maps to its id, as transformers' tokenizer call maps it.
         return self.tok(texts, add_special_tokens=False)["input_ids"]
+
+
+def leading_special_ids(tok: Any) -> list[int]:
+    """The ids ``tok`` adds before a text with ``add_special_tokens=True`` (Llama's bos; none
+    for GPT-2 or Qwen2), found by encoding a probe text both ways."""
+    plain = list(tok("a", add_special_tokens=False)["input_ids"])
+    framed = list(tok("a", add_special_tokens=True)["input_ids"])
+    for start in range(len(framed) - len(plain) + 1):
+        if framed[start:start + len(plain)] == plain:
+            return framed[:start]
+    return []  # the text's own ids changed under the template: add nothing rather than guess
 
 
 def _identity(load_id: str, directory: Any) -> str:
