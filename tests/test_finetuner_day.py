@@ -91,3 +91,44 @@ def test_train_states_the_parameters_as_peft_counts_them(small_corpus, tmp_path,
                  "--seq-len", "16", "--batch-size", "1", "--json"]) == 0
     flops = json.loads(capsys.readouterr().out)
     assert (flops["parameters"], flops["adapter_parameters"]) == (result["parameters"], result["adapter_parameters"])
+
+
+@pytest.mark.parametrize("record, field", [
+    ({"prompt": "How do I sort a list?", "response": "Use sorted()."}, None),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}, "messages"),
+])
+def test_instruction_and_chat_records_are_refused_saying_what_memtrain_trains_on(tmp_path, capsys, record, field):
+    """Naming a prompt field would train on prompts alone and a messages list is no text: the one
+    error line says memtrain trains on one packed text field, how to make one, and writes nothing."""
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(record) + "\n" for _ in range(20)))
+    out = tmp_path / "run"
+    argv = ["train", "--data", str(data), "--steps", "1", "--seq-len", "16", "--batch-size", "1", "--out", str(out)]
+    assert main([*argv, *(["--text-field", field] if field else [])]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    assert "apply_chat_template" in err and "no prompt masking" in err
+    assert not out.exists()
+
+
+def test_a_text_field_named_like_none_of_those_gets_no_instruction_hint(tmp_path, capsys):
+    data = tmp_path / "posts.jsonl"
+    data.write_text("".join(json.dumps({"body": "a post"}) + "\n" for _ in range(20)))
+    assert main(["train", "--data", str(data), "--steps", "1", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "field 'text' not found" in err and "apply_chat_template" not in err
+
+
+def test_a_text_field_that_is_one_part_of_an_instruction_record_is_warned_once(tmp_path, capsys):
+    """--text-field instruction trains on the instructions alone: the run goes on, saying so in one line."""
+    from memtrain.config.run import build_config
+    from memtrain.data import prepare_tokens
+    from memtrain.runtime.notices import PartOfARecordWarning
+
+    data = tmp_path / "alpaca.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"Sort list {i}", "output": "sorted(x)"}) + "\n"
+                            for i in range(20)))
+    cfg = build_config({"data": str(data), "text_field": "instruction", "cache_dir": str(tmp_path / "cache")})
+    with pytest.warns(PartOfARecordWarning, match="trains on that field alone; the records also hold output") as seen:
+        prepare_tokens(cfg.data, progress=False)
+    assert len(seen) == 1

@@ -29,6 +29,7 @@ import platform
 import re
 import sys
 import sysconfig
+import warnings
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Iterator
 from html.parser import HTMLParser
@@ -40,6 +41,7 @@ from memtrain.data.tokenizer import cut_before_word
 from memtrain.files.guard import folder_entry_problems, special_file_kind, visible_entries
 from memtrain.files.results import MAX_JSON_DEPTH, bounded_lines, json_depth_error, loads_bounded
 from memtrain.runtime.extras import quiet_datasets, require
+from memtrain.runtime.notices import PartOfARecordWarning
 
 DEFAULT_SOURCE = "default"
 STACKOVERFLOW_HF = "mikex86/stackoverflow-posts"
@@ -643,17 +645,44 @@ def _dataset_texts(ds: Iterable[dict[str, Any]], field: str, label: str,
         if field not in record:
             raise ConfigError(
                 f"field {field!r} not found in record {index} of {label!r} "
-                f"(fields: {', '.join(map(str, record))}); set --text-field"
+                f"(fields: {', '.join(map(str, record))}); set --text-field" + _instruction_hint(record)
             )
+        if index == 1:
+            _warn_part_of_a_record(field, record)
         text = record[field]
         if text is None:
             continue  # a null or absent value in this record: an empty document
         if not isinstance(text, str):
             raise ConfigError(
                 f"field {field!r} in record {index} of {label!r} holds {type(text).__name__}, not text; "
-                f"set --text-field to a text field (fields: {', '.join(map(str, record))})"
+                f"set --text-field to a text field (fields: {', '.join(map(str, record))})" + _instruction_hint(record)
             )
         yield text
+
+
+# Field names of instruction and chat data sets (Alpaca's, TRL's prompt-completion and
+# conversational formats, ShareGPT's): records a causal-LM text field does not describe.
+INSTRUCTION_FIELDS = frozenset({"messages", "conversations", "prompt", "completion", "response", "instruction",
+                                "output", "chosen", "rejected"})
+
+
+def _instruction_hint(record: dict[str, Any]) -> str:
+    """What memtrain does with instruction or chat records, when ``record`` looks like one: it
+    trains on one text field (packed, every token a target); nothing formats or masks turns."""
+    if not INSTRUCTION_FIELDS & set(map(str, record)):
+        return ""
+    return ("; for instruction or chat records, write each one's whole text to one field first (e.g. "
+            "tokenizer.apply_chat_template(messages, tokenize=False)): memtrain trains on one text field, packed, "
+            "every token a target (no chat template, no prompt masking)")
+
+
+def _warn_part_of_a_record(field: str, record: dict[str, Any]) -> None:
+    """One warning when ``field`` is one part of an instruction record (its prompt, its answer):
+    the run then trains on that part alone, which a text field cannot tell from the data."""
+    others = sorted(INSTRUCTION_FIELDS & set(map(str, record)) - {field})
+    if field in INSTRUCTION_FIELDS and others:
+        warnings.warn(f"--text-field {field} trains on that field alone; the records also hold {', '.join(others)}"
+                      + _instruction_hint(record), PartOfARecordWarning, stacklevel=2)
 
 
 def _unreadable(label: str, exc: BaseException, locate: Optional[Callable[[], Optional[str]]]) -> str:

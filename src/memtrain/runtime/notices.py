@@ -8,7 +8,7 @@ import sys
 import warnings
 from typing import Any, Optional
 
-__all__ = ["NoticeWarning", "QLoRASkipWarning", "SlowPrecisionWarning", "install_warning_format", "random_base_warning",
+__all__ = ["NoticeWarning", "PartOfARecordWarning", "QLoRASkipWarning", "SlowPrecisionWarning", "install_warning_format", "random_base_warning",
            "shows_progress"]
 
 
@@ -31,6 +31,10 @@ class NoticeWarning(UserWarning):
 
 class SlowPrecisionWarning(NoticeWarning):
     """The run's precision has no native kernel on this device (slow matmuls)."""
+
+
+class PartOfARecordWarning(NoticeWarning):
+    """--text-field names one part of an instruction record (its prompt): the rest is not trained on."""
 
 
 class QLoRASkipWarning(NoticeWarning):
