@@ -450,3 +450,15 @@ def test_a_run_saved_with_the_gpt_default_targets_resumes_as_all_linear():
     assert config_differences(saved, now) == []
     named = {**now, "technique": {**now["technique"], "lora_targets": "q_proj"}}
     assert config_differences(named, now) == ["lora_targets: 'q_proj' -> 'all-linear'"]
+
+
+def test_the_trainers_adam_options_map_or_are_refused_in_one_line(capsys):
+    """--adam_beta1/--adam_beta2 set the betas; --adam_epsilon at the Trainer's default is memtrain's
+    eps, and another eps, which memtrain cannot set, is refused instead of trained with 1e-8."""
+    t = _cfg(["train", "--adam_beta1", "0.8", "--adam_beta2", "0.999", "--adam_epsilon", "1e-8"]).train
+    assert (t.beta1, t.beta2) == (0.8, 0.999)
+    assert build_config({"adam_beta2": 0.99, "adam_epsilon": 1e-8}).train.beta2 == 0.99
+    assert main(["train", "--adam_epsilon", "1e-6"]) == 2
+    assert "--adam_epsilon 1e-6: memtrain's AdamW uses eps 1e-8" in _error_line(capsys)
+    assert main(["train", "--adam_beta2", "0.9", "--beta2", "0.95"]) == 2  # two values for one setting
+    assert "beta2" in _error_line(capsys)

@@ -72,6 +72,24 @@ def _num_train_epochs(value: Any) -> dict[str, Any]:
                      "(--batch-size x --grad-accum)")
 
 
+# The eps every AdamW memtrain builds uses (torch's, torchao's and bitsandbytes' default), which is
+# also the Trainer's default --adam_epsilon.
+ADAM_EPSILON = 1e-8
+
+
+def _adam_epsilon(value: Any) -> dict[str, Any]:
+    """The Trainer's default eps is memtrain's: nothing to set. Another eps cannot be expressed,
+    so it is refused rather than silently trained with 1e-8."""
+    try:
+        eps = float(value)
+    except (TypeError, ValueError):
+        eps = math.nan
+    if isinstance(value, bool) or eps != ADAM_EPSILON:
+        raise ValueError(f"--adam_epsilon {value}: memtrain's AdamW uses eps 1e-8 (the Trainer's default) "
+                         "and has no setting for another; drop the flag")
+    return {}
+
+
 ALIASES: tuple[Alias, ...] = (
     Alias("bf16", "precision", "bf16", "Trainer's --bf16: same as --precision bf16."),
     Alias("fp16", "precision", "fp16", "Trainer's --fp16: same as --precision fp16."),
@@ -86,6 +104,11 @@ ALIASES: tuple[Alias, ...] = (
     Alias("output_dir", "out", help="Same as --out."),
     Alias("dataloader_num_workers", "num_workers", help="Same as --num-workers."),
     Alias("lora_r", "lora_rank", help="peft's LoraConfig(r=...): same as --lora-rank."),
+    Alias("adam_beta1", "beta1", help="Same as --beta1."),
+    Alias("adam_beta2", "beta2", help="Same as --beta2 (the Trainer's default is 0.999, memtrain's 0.95)."),
+    # Offered where the betas are (field beta1): eps belongs to the same optimizer.
+    Alias("adam_epsilon", "beta1", expand=_adam_epsilon,
+          help="Accepted at the Trainer's default 1e-8, memtrain's AdamW eps; another value is refused."),
     Alias("model_name_or_path", "model", help="Same as --model (a config.json, a directory, a bundled name or hf:ORG/NAME)."),
     Alias("resume_from_checkpoint", "resume", help="Same as --resume (a checkpoint file written by --save)."),
     Alias("save_steps", "save_every", help="Same as --save-every (checkpoints go to --save)."),
