@@ -313,6 +313,32 @@ def test_qlora_checkpoint_exports_dequantized_and_merged(tmp_path_factory, token
     assert (ours - theirs).abs().max().item() < 1e-5
 
 
+def test_a_qlora_adapter_says_it_was_trained_on_the_nf4_base(tmp_path_factory, tokenizer_files, corpus, tmp_path,
+                                                            capsys):
+    """A QLoRA run's adapters on the full-precision base are not the trained model (the NF4
+    rounding is not there): --adapter-only says so and names the two ways to the trained logits."""
+    pytest.importorskip("torchao")
+    peft = pytest.importorskip("peft")
+    d = make_model_dir(tmp_path_factory.mktemp("qa"), "llama", tokenizer_files, weights=True, hidden_size=128,
+                       intermediate_size=256, num_key_value_heads=4)
+    ckpt = _train(d, corpus, tmp_path, "--lora-rank", "4", "--qlora")
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    capsys.readouterr()
+    assert main(["export", str(ckpt), str(adapter), "--adapter-only"]) == 0
+    note = capsys.readouterr().out.splitlines()[-1]
+    assert note.startswith("note: these adapters were trained on the base in NF4 (--qlora)") and "load_in_4bit" in note
+    assert main(["export", str(ckpt), str(merged)]) == 0
+    idx = _tokens()
+    with torch.no_grad():
+        base = transformers.AutoModelForCausalLM.from_pretrained(str(d)).eval()
+        on_full_base = peft.PeftModel.from_pretrained(base, str(adapter)).eval()(idx).logits
+        trained = transformers.AutoModelForCausalLM.from_pretrained(str(merged)).eval()(idx).logits
+    assert (on_full_base - trained).abs().max().item() > 1e-3  # what the note warns of
+    assert main(["export", str(_train(d, corpus, tmp_path / "plain", "--lora-rank", "4")), str(tmp_path / "a2"),
+                 "--adapter-only"]) == 0
+    assert "NF4" not in capsys.readouterr().out  # a LoRA run's adapter needs no such note
+
+
 def test_export_refuses_a_busy_destination_and_leaves_nothing_behind(scratch_llama, corpus, tmp_path, capsys):
     ckpt = _train(scratch_llama, corpus, tmp_path, "--steps", "1")
     (tmp_path / "file").write_text("x")

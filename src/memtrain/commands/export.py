@@ -21,6 +21,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "started from; its weights must be unchanged.")
 
 
+# The adapters of a --qlora run learnt to correct the NF4-rounded base, not the full-precision one
+# from_pretrained loads: there the model is another one (a tiny Llama's logits moved 0.2 apart, more
+# than the adapters' own effect), which nothing in the adapter folder records.
+QLORA_ADAPTER_NOTE = ("note: these adapters were trained on the base in NF4 (--qlora); on the base loaded in full "
+                      "precision the logits differ from the trained model's: load the base in 4-bit NF4 (e.g. "
+                      "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')), or export without "
+                      "--adapter-only (the NF4 base dequantized, the adapters merged: the trained model's logits)")
+
+
 def run(args: argparse.Namespace) -> int:
     from memtrain.inference.export import export_hf  # torch-free --help/estimate/plan
 
@@ -30,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
     if args.adapter_only:
         print(f"wrote {res['out']}: {res['kind']}, {res['parameters']:,} parameters; load with "
               f"peft.PeftModel.from_pretrained(base_model, {res['out']!r})")
+        if res["qlora"]:
+            print(QLORA_ADAPTER_NOTE)
         return 0
     merged = " (LoRA merged)" if res["lora_merged"] else ""
     print(f"wrote {res['out']}: {res['kind']}, {res['parameters']:,} parameters{merged}; "

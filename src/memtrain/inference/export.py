@@ -514,4 +514,4 @@ def export_hf(ckpt: str | Path, out: str | Path, adapter_only: bool = False) -> 
             save_tokenizer(tmp)
         n, kind = gpt.num_parameters(), "GPT2LMHeadModel"
     return {"out": str(out), "kind": kind, "parameters": n, "lora_merged": lora and not adapter_only,
-            "files": sorted(p.name for p in out.iterdir())}
+            "qlora": bool(cfg.technique.qlora), "files": sorted(p.name for p in out.iterdir())}
