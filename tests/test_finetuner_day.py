@@ -16,7 +16,7 @@ from memtrain.cli import main
 BOS, EOS = 1, 2
 
 
-def _llama_folder(root: Path, bos_template: bool) -> Path:
+def _llama_folder(root: Path, bos_template: bool, **tokenizer_kw) -> Path:
     """A config-only tiny Llama with its own byte-level BPE (<pad>, <s>, </s> as ids 0-2); with
     ``bos_template`` the tokenizer adds <s> before a text, as Llama's tokenizers do."""
     # tokenizers and transformers are optional extras: imported only by the tests that need them
@@ -31,7 +31,8 @@ def _llama_folder(root: Path, bos_template: bool) -> Path:
     if bos_template:
         tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
     root.mkdir(parents=True)
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>").save_pretrained(root)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                            **tokenizer_kw).save_pretrained(root)
     LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                 num_key_value_heads=1, max_position_embeddings=64, bos_token_id=BOS, eos_token_id=EOS,
                 pad_token_id=0).save_pretrained(root)
@@ -132,3 +133,17 @@ def test_a_text_field_that_is_one_part_of_an_instruction_record_is_warned_once(t
     with pytest.warns(PartOfARecordWarning, match="trains on that field alone; the records also hold output") as seen:
         prepare_tokens(cfg.data, progress=False)
     assert len(seen) == 1
+
+
+def test_documents_longer_than_the_tokenizers_max_length_are_packed_without_its_warning(small_corpus, tmp_path, capfd):
+    """transformers warns that a text longer than model_max_length "will result in indexing errors"
+    when run whole; memtrain cuts the stream into --seq-len blocks, so no such line is printed and
+    the documents are kept whole."""
+    folder = _llama_folder(tmp_path / "llama", False, model_max_length=8)
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(folder), "--data", str(small_corpus), "--seq-len", "32", "--batch-size", "2",
+                 "--steps", "1", "--val-blocks", "1", "--no-progress", "--out", str(out),
+                 "--cache-dir", str(tmp_path / "cache")]) == 0
+    assert "indexing errors" not in capfd.readouterr().err
+    data = json.loads((out / "result.json").read_text())["data"]
+    assert data["train_tokens"] > 8 * data["train_documents"]  # documents past model_max_length, kept whole

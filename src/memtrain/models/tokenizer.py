@@ -38,7 +38,10 @@ class HFTokenizer:
         # The text alone: a long document is encoded in pieces, and its bos (prefix_ids) and
         # closing eos are added once, by the cache. Special-token text written in a document (a
         # chat template's markers) maps to its id, as transformers' tokenizer call maps it.
-        return self.tok(texts, add_special_tokens=False)["input_ids"]
+        # verbose=False: transformers' "longer than the specified maximum sequence length ... will
+        # result in indexing errors" is about one document run whole, while memtrain packs documents
+        # into --seq-len blocks (checked against max_position_embeddings): a long document is no error.
+        return self.tok(texts, add_special_tokens=False, verbose=False)["input_ids"]
 
 
 def leading_special_ids(tok: Any) -> list[int]:
