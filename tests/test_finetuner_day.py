@@ -147,3 +147,31 @@ def test_documents_longer_than_the_tokenizers_max_length_are_packed_without_its_
     assert "indexing errors" not in capfd.readouterr().err
     data = json.loads((out / "result.json").read_text())["data"]
     assert data["train_tokens"] > 8 * data["train_documents"]  # documents past model_max_length, kept whole
+
+
+def test_a_save_to_disk_folder_reads_as_the_same_records_in_a_file(small_corpus, tmp_path, capsys):
+    """datasets' save_to_disk (a Dataset, or a DatasetDict's split) is read with load_from_disk
+    through hf:DIR, giving the tokens of the same records in a .jsonl; the folder given without
+    hf: is one line saying to add it, and a split the DatasetDict lacks names the ones it has."""
+    datasets = pytest.importorskip("datasets")
+    from memtrain.config.run import ConfigError, build_config
+    from memtrain.data import prepare_tokens
+
+    records = [json.loads(line) for line in small_corpus.read_text().splitlines()]
+    one, both = tmp_path / "one", tmp_path / "both"
+    datasets.Dataset.from_list(records).save_to_disk(str(one))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(records)}).save_to_disk(str(both))
+
+    def tokens(data: str, **kw) -> np.ndarray:
+        cfg = build_config({"data": data, "cache_dir": str(tmp_path / "cache"), **kw})
+        return np.asarray(prepare_tokens(cfg.data, progress=False).train)
+
+    expected = tokens(str(small_corpus))
+    assert np.array_equal(tokens(f"hf:{one}"), expected)
+    assert np.array_equal(tokens(f"hf:{both}"), expected)
+    with pytest.raises(ConfigError, match=r"has no split 'validation' \(splits: train\); set --hf-split"):
+        tokens(f"hf:{both}", hf_split="validation")
+    capsys.readouterr()  # save_to_disk's progress bars
+    assert main(["train", "--data", str(one), "--steps", "1", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --data {str(one)!r} is a folder written by datasets' save_to_disk; give --data hf:{one}\n"

@@ -260,6 +260,8 @@ def resolve_local_files(pattern: str) -> list[Path]:
     path = Path(pattern).expanduser()
     if glob.has_magic(pattern):
         files = _match_files(pattern, pattern)
+    elif path.is_dir() and is_saved_dataset(path):
+        raise ConfigError(f"--data {pattern!r} is a folder written by datasets' save_to_disk; give --data hf:{pattern}")
     elif path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUPPORTED_SUFFIXES)
         if not files:
@@ -434,11 +436,37 @@ def _hf_documents(cfg: DataConfig) -> Iterator[str]:
         root = Path(target)
         _check_json_nesting(sorted(p for p in root.rglob("*") if p.is_file() and not _hidden(p, root)
                                    and p.suffix.lower() in JSON_SUFFIXES))
-        ds = _load_dataset(target, split=cfg.hf_split, label=target)
+        load = _load_saved if is_saved_dataset(root) else _load_dataset
+        ds = load(target, split=cfg.hf_split, label=target)
         yield from _dataset_texts(ds, default_text_field(cfg, "text"), target)
     else:
         for path in _match_files(target, cfg.data):
             yield from _structured_documents(kind, [path], default_text_field(cfg, kind), str(path))
+
+
+def is_saved_dataset(folder: Path) -> bool:
+    """Whether ``folder`` was written by ``Dataset.save_to_disk`` (state.json and dataset_info.json
+    beside Arrow files) or ``DatasetDict.save_to_disk`` (dataset_dict.json, a folder per split)."""
+    return (folder / "dataset_dict.json").is_file() or (
+        (folder / "state.json").is_file() and (folder / "dataset_info.json").is_file())
+
+
+def _load_saved(path: str, *, split: str, label: str) -> Any:
+    """``datasets.load_from_disk`` (Arrow files, memory-mapped; no code is run) of a saved dataset,
+    ``split`` of a saved DatasetDict; its failures as ConfigError."""
+    # Imported here: it takes about a second, only these sources need it (extra memtrain[hub]).
+    datasets = require("datasets")
+    require("pyarrow")
+    quiet_datasets()
+    try:
+        ds = datasets.load_from_disk(path)
+    except (OSError, ValueError, KeyError, datasets.exceptions.DatasetsError) as exc:
+        raise ConfigError(f"cannot load {label!r} (a save_to_disk folder): {_first_line(exc)}; check --data") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise ConfigError(f"{label!r} has no split {split!r} (splits: {', '.join(ds)}); set --hf-split")
+        ds = ds[split]
+    return ds
 
 
 def _hub_documents(name: str, cfg: DataConfig) -> Iterator[str]:
