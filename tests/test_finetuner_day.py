@@ -175,3 +175,19 @@ def test_a_save_to_disk_folder_reads_as_the_same_records_in_a_file(small_corpus,
     assert main(["train", "--data", str(one), "--steps", "1", "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert err == f"error: --data {str(one)!r} is a folder written by datasets' save_to_disk; give --data hf:{one}\n"
+
+
+def test_a_model_shorter_than_the_default_seq_len_trains_at_its_own_length(tmp_path, capsys):
+    """With no --seq-len, a model of 64 positions gets seq-len 64 (as run_clm caps its block size),
+    said in the defaults line, where every verb refused the default 256 as if it had been asked
+    for; a --seq-len given past the model's positions is still refused."""
+    from memtrain.config.run import ConfigError, build_config
+
+    folder = _llama_folder(tmp_path / "llama", False)
+    assert build_config({"model": str(folder)}).train.seq_len == 64
+    assert build_config({"max_seq_len": 128}).train.seq_len == 128  # memtrain's GPT made shorter
+    assert build_config({"model": str(folder), "seq_len": 32}).train.seq_len == 32
+    with pytest.raises(ConfigError, match="--seq-len 256 exceeds the max_position_embeddings 64"):
+        build_config({"model": str(folder), "seq_len": 256})
+    assert main(["estimate", "--model", str(folder), "--batch-size", "1"]) == 0
+    assert "seq-len 64 (the model's max_position_embeddings, under memtrain's 256; --seq-len)" in capsys.readouterr().out

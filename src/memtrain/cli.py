@@ -39,6 +39,7 @@ from memtrain.config.run import (
     ConfigError,
     ModelConfig,
     RunConfig,
+    TrainConfig,
     build_config,
     dormant_settings,
     field_index,
@@ -371,7 +372,9 @@ def defaults_note(cfg: RunConfig, searched: Iterable[str] = ()) -> Optional[str]
         parts.append(f"attention={tech.attention} (the model's default, as in transformers; --attention to choose)"
                      if hf else f"attention={tech.attention} (memtrain's GPT; --attention sdpa for the fused kernel)")
     if "seq_len" not in given:
-        parts.append(f"seq-len {cfg.train.seq_len} (--seq-len)")
+        capped = cfg.train.seq_len == cfg.model.max_seq_len < TrainConfig.seq_len
+        parts.append(f"seq-len {cfg.train.seq_len} (" + ("the model's max_position_embeddings, under memtrain's "
+                     f"{TrainConfig.seq_len}; " if capped else "") + "--seq-len)")
     if tech.lora_rank and not tech.qlora and tech.precision in ("bf16", "fp16"):
         parts.append(f"base weights fp32 under {tech.precision} autocast (use --precision bf16-pure to store them "
                      "in bf16, as a model loaded in bfloat16 for peft)")

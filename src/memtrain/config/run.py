@@ -898,6 +898,11 @@ def build_config(*layers: dict[str, Any]) -> RunConfig:
     # first, as before: an unknown model is reported ahead of the other sections' values.
     model = per_section["model"]
     parts: dict[str, Any] = {"model": ModelConfig.from_spec(model.pop("model", None), **model)}
+    max_len = parts["model"].max_seq_len
+    if "seq_len" not in per_section["train"] and isinstance(max_len, int) and 0 < max_len < TrainConfig.seq_len:
+        # A default, not a request: a model shorter than it trains at its own length, as transformers'
+        # run_clm caps its block size at the model's; a --seq-len given is still checked against it.
+        per_section["train"]["seq_len"] = max_len
     parts.update({s: SECTIONS[s](**kv) for s, kv in per_section.items() if s != "model"})
     _check_integers_fit(parts)
     cfg = RunConfig(**parts)
