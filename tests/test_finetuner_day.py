@@ -191,3 +191,15 @@ def test_a_model_shorter_than_the_default_seq_len_trains_at_its_own_length(tmp_p
         build_config({"model": str(folder), "seq_len": 256})
     assert main(["estimate", "--model", str(folder), "--batch-size", "1"]) == 0
     assert "seq-len 64 (the model's max_position_embeddings, under memtrain's 256; --seq-len)" in capsys.readouterr().out
+
+
+def test_a_bench_scales_seq_len_fits_a_shorter_model_as_trains_default_does(tmp_path):
+    """The scale's 256 tokens are a default too: a 64-position model's rows run at 64 (they were
+    each refused); a --seq-len given, or a model long enough, keeps its length."""
+    from memtrain.bench.scales import fitted_scale_layer
+
+    folder = str(_llama_folder(tmp_path / "llama", False))
+    assert fitted_scale_layer("quick", [{"model": folder}])["seq_len"] == 64
+    assert fitted_scale_layer("quick", [{"model": folder}, {"seq_len": 32}])["seq_len"] == 256  # the flag's wins later
+    assert fitted_scale_layer("quick", [{"model": "tiny-llama"}])["seq_len"] == 256
+    assert fitted_scale_layer("quick", [{}])["seq_len"] == 256

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from memtrain.config.run import ConfigError, attention_default_of, capped_warmup, normalized_layers, warmup_named
+from memtrain.config.run import (
+    ConfigError,
+    ModelConfig,
+    attention_default_of,
+    capped_warmup,
+    merged_layers,
+    normalized_layers,
+    warmup_named,
+)
 
 SCALES: dict[str, dict[str, Any]] = {
     # The published comparison's settings (RTX 4090): default model, batch 64, seq 256,
@@ -69,7 +77,7 @@ def fitted_scale_layer(scale: str, flat_layers: list[dict[str, Any]]) -> dict[st
     rule for a run length without a warm-up (:func:`capped_warmup`), since no one asked for the
     scale's warm-up and the rows would never reach --lr. A warm-up a later layer names is left as
     given (the bench refuses one longer than the run, as train does)."""
-    layer = scale_overrides(scale)
+    layer = _fitted_seq_len(scale_overrides(scale), merged_layers(flat_layers))
     if warmup_named(flat_layers):
         return layer
     asked: Any = layer.get("steps")
@@ -83,6 +91,22 @@ def fitted_scale_layer(scale: str, flat_layers: list[dict[str, Any]]) -> dict[st
         return layer
     if 0 < steps < layer.get("warmup_steps", 0):
         layer["warmup_steps"] = capped_warmup(steps)
+    return layer
+
+
+def _fitted_seq_len(layer: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """``layer`` with its sequence length cut to the positions of a ``--model`` shorter than it,
+    when no later layer names one: the scale's length is a default, as train's is (build_config)."""
+    spec = given.get("model")
+    if "seq_len" in given or not isinstance(spec, str) or "seq_len" not in layer:
+        return layer
+    model = {k: v for k, v in given.items() if k == "max_seq_len"}  # our GPT's presets take it
+    try:
+        positions = ModelConfig.from_spec(spec, **model).max_seq_len
+    except (ConfigError, TypeError, ValueError):
+        return layer  # build_config says what is wrong with the model, once
+    if isinstance(positions, int) and 0 < positions < layer["seq_len"]:
+        layer["seq_len"] = positions
     return layer
 
 
