@@ -213,7 +213,7 @@ def test_estimate_of_llama_says_which_defaults_shaped_it(capsys):
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("defaults used: ")]
     assert len(lines) == 1
     for part in ("attention=sdpa", "seq-len 256", "base weights fp32 under bf16 autocast", "--precision bf16-pure",
-                 "all-linear"):
+                 "all-linear", "lora-alpha 16 (scale alpha / r = 1; peft's LoraConfig default is 8; --lora-alpha)"):
         assert part in lines[0], part
     # The default is transformers' SDPA: smaller than the materialized scores of --attention math.
     assert main([*flags, "--json"]) == 0
@@ -224,6 +224,8 @@ def test_estimate_of_llama_says_which_defaults_shaped_it(capsys):
     assert main([*flags, "--attention", "sdpa", "--seq-len", "128"]) == 0
     out = capsys.readouterr().out
     assert "attention=" not in out and "seq-len 256" not in out and "all-linear" in out
+    assert main([*flags, "--lora-alpha", "32"]) == 0  # peft's alpha, given, is no default
+    assert "lora-alpha" not in capsys.readouterr().out
 
 
 def test_plan_prints_the_defaults_of_its_choice(capsys):

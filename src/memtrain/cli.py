@@ -378,6 +378,11 @@ def defaults_note(cfg: RunConfig, searched: Iterable[str] = ()) -> Optional[str]
     if tech.lora_rank and not tech.qlora and tech.precision in ("bf16", "fp16"):
         parts.append(f"base weights fp32 under {tech.precision} autocast (use --precision bf16-pure to store them "
                      "in bf16, as a model loaded in bfloat16 for peft)")
+    if tech.lora_rank and "lora_alpha" not in given:
+        # peft's LoraConfig defaults lora_alpha to 8: the same rank there scales the update by
+        # 8 / r, here by 16 / r (twice the step at the same --lr).
+        parts.append(f"lora-alpha {tech.lora_alpha:g} (scale alpha / r = {tech.lora_alpha / tech.lora_rank:g}; "
+                     f"peft's LoraConfig default is 8; --lora-alpha)")
     if tech.lora_rank and hf and "lora_targets" not in given:
         parts.append(f"LoRA on every decoder Linear (peft's all-linear; {_fewer_targets_hint(cfg.model.model)})")
     return "defaults used: " + "; ".join(parts) if parts else None
