@@ -203,3 +203,4 @@ def test_a_bench_scales_seq_len_fits_a_shorter_model_as_trains_default_does(tmp_
     assert fitted_scale_layer("quick", [{"model": folder}, {"seq_len": 32}])["seq_len"] == 256  # the flag's wins later
     assert fitted_scale_layer("quick", [{"model": "tiny-llama"}])["seq_len"] == 256
     assert fitted_scale_layer("quick", [{}])["seq_len"] == 256
+    assert fitted_scale_layer("quick", [{"max_seq_len": "128"}])["seq_len"] == 128  # our GPT made shorter

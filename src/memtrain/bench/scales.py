@@ -98,11 +98,12 @@ def _fitted_seq_len(layer: dict[str, Any], given: dict[str, Any]) -> dict[str, A
     """``layer`` with its sequence length cut to the positions of a ``--model`` shorter than it,
     when no later layer names one: the scale's length is a default, as train's is (build_config)."""
     spec = given.get("model")
-    if "seq_len" in given or not isinstance(spec, str) or "seq_len" not in layer:
+    if "seq_len" in given or "seq_len" not in layer or not (isinstance(spec, str) or "max_seq_len" in given):
         return layer
-    model = {k: v for k, v in given.items() if k == "max_seq_len"}  # our GPT's presets take it
     try:
-        positions = ModelConfig.from_spec(spec, **model).max_seq_len
+        # our GPT (a preset or not) takes --max-seq-len, a flag's value still text here
+        model = {"max_seq_len": int(given["max_seq_len"])} if "max_seq_len" in given else {}
+        positions = ModelConfig.from_spec(spec if isinstance(spec, str) else None, **model).max_seq_len
     except (ConfigError, TypeError, ValueError):
         return layer  # build_config says what is wrong with the model, once
     if isinstance(positions, int) and 0 < positions < layer["seq_len"]:
