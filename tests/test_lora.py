@@ -108,6 +108,10 @@ def test_merged_model_matches_adapted_logits():
     assert (out - adapted).abs().max().item() < 1e-5
     # The adapters mattered (merging them is not a no-op) and the source model is untouched.
     assert not torch.allclose(merged.blocks[0].attn.qkv.weight, model.blocks[0].attn.qkv.base_layer.weight)
+    # --lora-alpha reaches peft: the update is scaled by alpha / r (8 / 4), not by peft's own default.
+    qkv = model.blocks[0].attn.qkv
+    update = 8.0 / 4 * (qkv.lora_B["default"].weight @ qkv.lora_A["default"].weight)
+    torch.testing.assert_close(merged.blocks[0].attn.qkv.weight, qkv.base_layer.weight + update)
     assert any("lora" in n for n, _ in model.named_parameters())
     assert set(merged.state_dict()) == set(GPT(CFG).state_dict())
 
