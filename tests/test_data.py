@@ -94,6 +94,16 @@ def test_txt_large_file_splits_at_blank_lines(tmp_path: Path) -> None:
     assert all(len(d) >= sources_mod.TXT_DOC_CHARS for d in docs[:-1])
 
 
+def test_txt_without_blank_lines_is_still_cut(tmp_path: Path) -> None:
+    """A file with no blank line is cut at 4 x TXT_DOC_CHARS, so its documents can be split
+    between train and validation (one document would leave a split empty)."""
+    text = "".join(f"Line {i}: " + "words " * 30 + "\n" for i in range(1000))
+    (tmp_path / "log.txt").write_text(text)
+    docs = docs_of(tmp_path / "log.txt")
+    assert len(docs) > 1 and "".join(docs) == text
+    assert all(len(d) <= 4 * sources_mod.TXT_DOC_CHARS + 200 for d in docs)
+
+
 def test_glob_reads_files_in_sorted_order(tmp_path: Path) -> None:
     for name in ("b.txt", "a.txt", "c.txt"):
         (tmp_path / name).write_text(f"text of {name}")
