@@ -104,6 +104,12 @@ def test_txt_without_blank_lines_is_still_cut(tmp_path: Path) -> None:
     assert all(len(d) <= 4 * sources_mod.TXT_DOC_CHARS + 200 for d in docs)
 
 
+def test_token_ids_beyond_uint16_are_stored_as_uint32() -> None:
+    """A vocabulary of 65536 ids fits uint16; one more id would wrap to 0 there."""
+    assert cache_mod._token_dtype(65536) == np.uint16
+    assert cache_mod._token_dtype(65537) == np.uint32
+
+
 def test_glob_reads_files_in_sorted_order(tmp_path: Path) -> None:
     for name in ("b.txt", "a.txt", "c.txt"):
         (tmp_path / name).write_text(f"text of {name}")
