@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -97,6 +98,22 @@ def test_optimizer_state_rule_predicts_the_measured_state(optim):
 
 
 # ------------------------------------------------------------------------------- harness
+def test_the_gradient_norm_covers_every_parameter_with_a_gradient():
+    """The norm clipped (and logged as grad_norm) is torch's over every gradient, biases and
+    LayerNorm weights included, as one backward of the same batch gives it."""
+    cfg = _cfg(grad_clip=1.0)
+    torch.manual_seed(0)
+    state = build_state(cfg, CPU)
+    micro = random_micro_batches(cfg, 2, CPU, torch.Generator().manual_seed(0))
+    reference = copy.deepcopy(state.model)
+    reference(*micro[0]).backward()
+    grads = [p.grad for p in reference.parameters() if p.grad is not None]
+    assert any(g.dim() == 1 for g in grads)  # vectors (biases, LayerNorms) have gradients too
+    run_step(state, micro)
+    assert float(state.precision.last_grad_norm) == pytest.approx(float(torch.nn.utils.get_total_norm(grads)),
+                                                                  rel=1e-5)
+
+
 def test_build_state_builds_one_train_state_and_steps_it():
     cfg = _cfg(grad_accum=2, lr=1e-2, warmup_steps=0)
     torch.manual_seed(0)
