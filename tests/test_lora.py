@@ -116,6 +116,19 @@ def test_merged_model_matches_adapted_logits():
     assert set(merged.state_dict()) == set(GPT(CFG).state_dict())
 
 
+def test_a_bf16_merge_leaves_every_layer_in_bf16():
+    """Each layer is merged in FP32 and rounded back to its dtype before the next one: a BF16
+    model comes out of the merge in BF16, not as FP32 layers of twice its bytes."""
+    from memtrain.techniques.lora import merge_adapters_in_place
+
+    model = _lora_model()
+    _train(model, steps=1)
+    model.to(torch.bfloat16)
+    merge_adapters_in_place(model)
+    assert not any("lora" in n for n, _ in model.named_parameters())
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
 @pytest.mark.parametrize("targets", ["qkv,mlp", "attn", ""])
 def test_invalid_targets_rejected(targets):
     with pytest.raises(ConfigError, match="choose from fc, fc_out, proj, qkv"):
