@@ -68,6 +68,7 @@ def test_which_blocks():
     assert checkpointed_blocks("every:9", 4) == [0]
     assert checkpointed_blocks("sqrt", 9) == [0, 3, 6]  # K = round(sqrt(9)) = 3
     assert checkpointed_blocks("sqrt", 12) == [0, 3, 6, 9]  # K = round(3.46) = 3
+    assert checkpointed_blocks("sqrt", 8) == [0, 3, 6]  # K = round(2.83) = 3, not its floor 2
     assert checkpointed_blocks("sqrt", 1) == [0]
 
 

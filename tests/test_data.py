@@ -94,6 +94,22 @@ def test_txt_large_file_splits_at_blank_lines(tmp_path: Path) -> None:
     assert all(len(d) >= sources_mod.TXT_DOC_CHARS for d in docs[:-1])
 
 
+def test_txt_without_blank_lines_is_still_cut(tmp_path: Path) -> None:
+    """A file with no blank line is cut at 4 x TXT_DOC_CHARS, so its documents can be split
+    between train and validation (one document would leave a split empty)."""
+    text = "".join(f"Line {i}: " + "words " * 30 + "\n" for i in range(1000))
+    (tmp_path / "log.txt").write_text(text)
+    docs = docs_of(tmp_path / "log.txt")
+    assert len(docs) > 1 and "".join(docs) == text
+    assert all(len(d) <= 4 * sources_mod.TXT_DOC_CHARS + 200 for d in docs)
+
+
+def test_token_ids_beyond_uint16_are_stored_as_uint32() -> None:
+    """A vocabulary of 65536 ids fits uint16; one more id would wrap to 0 there."""
+    assert cache_mod._token_dtype(65536) == np.uint16
+    assert cache_mod._token_dtype(65537) == np.uint32
+
+
 def test_glob_reads_files_in_sorted_order(tmp_path: Path) -> None:
     for name in ("b.txt", "a.txt", "c.txt"):
         (tmp_path / name).write_text(f"text of {name}")
@@ -289,7 +305,8 @@ def test_split_is_seeded_per_document(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in texts])
 
     def val_docs(seed: int) -> list[str]:
-        splits = prepare_tokens(cfg(path, val_fraction=0.2, split_seed=seed, no_cache=True), progress=False)
+        # Through the cache: a second seed must not be answered by the first seed's entry.
+        splits = prepare_tokens(cfg(path, val_fraction=0.2, split_seed=seed), progress=False)
         text = get_tokenizer().decode(splits.val.tolist())
         return [d for d in text.split("<|endoftext|>") if d]
 

@@ -56,6 +56,22 @@ def test_probe_on_cpu_measures_and_caches(tmp_path, monkeypatch):
     assert not fresh.from_cache and json.loads(files[0].read_text())["rates"]["gemm_fp32_flops"] > 1e8
 
 
+@pytest.mark.parametrize("flags, onednn, bf16, fp16", [
+    (["avx2", "fma", "f16c"], {}, False, False),  # AVX2-only: torch's reference BF16 kernel
+    (["avx2", "avx512f", "avx512bw"], {"bf16": True}, True, False),  # AVX512-core: oneDNN converts BF16
+    (["avx2", "avx512f", "avx512_bf16"], {}, True, False),  # AVX-512 with the BF16 instruction
+    (["avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16"], {"bf16": True, "fp16": True},
+     True, True),  # AMX with BF16 and FP16
+], ids=["avx2", "avx512-core", "avx512-bf16", "amx"])
+def test_each_cpu_kind_gets_its_own_answer(flags, onednn, bf16, fp16, monkeypatch):
+    """The native answers from a CPU's flags and oneDNN's checks, whichever CPU runs the test."""
+    monkeypatch.setattr(D.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(D, "_mkldnn_check", lambda name: onednn.get("bf16" if "bf16" in name else "fp16", False))
+    native_bf16, bf16_reason, native_fp16, _ = D._cpu_native(flags)
+    assert (native_bf16, native_fp16) == (bf16, fp16), bf16_reason
+    assert ("oneDNN has a BF16 kernel" in bf16_reason) == (bf16 and "avx512_bf16" not in flags)
+
+
 def test_force_env_sets_both_answers(monkeypatch):
     monkeypatch.setenv(D.FORCE_BF16_ENV, "0")
     off = D.probe("cpu", measure=False)

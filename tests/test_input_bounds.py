@@ -201,6 +201,31 @@ def test_model_bytes_beyond_host_memory_are_refused(monkeypatch):
     preflight.check_model_size(ModelConfig(**TINY_MODEL))
 
 
+def test_model_weights_beyond_the_devices_memory_are_refused_at_their_precisions_width(monkeypatch):
+    """On a GPU the weights are checked at 4 bytes each (FP32), 2 under bf16-pure: a device with
+    3 bytes per parameter takes the bf16-pure model and refuses the FP32 one up front."""
+    from memtrain.config.run import ConfigError, ModelConfig
+    from memtrain.training import preflight
+
+    m = ModelConfig(**TINY_MODEL)
+    monkeypatch.setattr(preflight, "host_memory_bytes", lambda: 2**40)
+    monkeypatch.setattr(preflight, "_device_memory_bytes", lambda device: 3 * preflight.model_parameters(m))
+    with pytest.raises(ConfigError, match="more than cuda:0's"):
+        preflight.check_model_size(m, "cuda:0", "fp32")
+    preflight.check_model_size(m, "cuda:0", "bf16-pure")
+
+
+def test_a_vocabulary_one_id_short_of_the_tokenizers_is_refused():
+    """GPT-2's end-of-text id is 50256, the last row of a 50257-row table: 50256 rows would fail
+    with an index error after the whole tokenization."""
+    from memtrain.config.run import ConfigError, build_config
+    from memtrain.training.preflight import check_vocab
+
+    with pytest.raises(ConfigError, match="--vocab-size 50256 is smaller"):
+        check_vocab(build_config({"vocab_size": 50256}))
+    check_vocab(build_config({"vocab_size": 50257}))
+
+
 # --------------------------------------------------------------------------- 4. resume on other data
 def test_resume_refuses_other_content_at_the_same_data_path(small_corpus, tmp_path, capsys):
     data = tmp_path / "posts.jsonl"

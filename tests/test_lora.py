@@ -108,8 +108,25 @@ def test_merged_model_matches_adapted_logits():
     assert (out - adapted).abs().max().item() < 1e-5
     # The adapters mattered (merging them is not a no-op) and the source model is untouched.
     assert not torch.allclose(merged.blocks[0].attn.qkv.weight, model.blocks[0].attn.qkv.base_layer.weight)
+    # --lora-alpha reaches peft: the update is scaled by alpha / r (8 / 4), not by peft's own default.
+    qkv = model.blocks[0].attn.qkv
+    update = 8.0 / 4 * (qkv.lora_B["default"].weight @ qkv.lora_A["default"].weight)
+    torch.testing.assert_close(merged.blocks[0].attn.qkv.weight, qkv.base_layer.weight + update)
     assert any("lora" in n for n, _ in model.named_parameters())
     assert set(merged.state_dict()) == set(GPT(CFG).state_dict())
+
+
+def test_a_bf16_merge_leaves_every_layer_in_bf16():
+    """Each layer is merged in FP32 and rounded back to its dtype before the next one: a BF16
+    model comes out of the merge in BF16, not as FP32 layers of twice its bytes."""
+    from memtrain.techniques.lora import merge_adapters_in_place
+
+    model = _lora_model()
+    _train(model, steps=1)
+    model.to(torch.bfloat16)
+    merge_adapters_in_place(model)
+    assert not any("lora" in n for n, _ in model.named_parameters())
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
 @pytest.mark.parametrize("targets", ["qkv,mlp", "attn", ""])

@@ -76,6 +76,11 @@ def test_outward_search_is_exact_for_every_guess():
             assert got == (answer or None), (answer, guess, got)
             assert all(1 <= k <= 100 for k in asked)
     assert largest_fitting(lambda k: k <= 37, 100) == 37
+    # The cap (--max-batch) bounds the growth too: never a probe, nor an answer, above it.
+    for answer in (1, 37, 100, 1000):
+        asked: list[int] = []
+        got = largest_fitting(lambda k, answer=answer, asked=asked: asked.append(k) or k <= answer, 100)
+        assert got == min(answer, 100) and max(asked, default=1) <= 100, (answer, got, asked)
 
 
 def test_a_transformers_model_the_analytic_model_claims_starts_from_its_estimate_too(tmp_path):

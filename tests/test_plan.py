@@ -143,6 +143,27 @@ def test_cost_model_charges_recomputation():
     assert cpu16 >= cpu32
 
 
+def test_top_k_is_the_head_of_the_full_ranking():
+    """The search stops early only where no later set can enter the top K: --top 3 shows the
+    first three of the ranking that considers every set. The budget is a third of the plain
+    step's peak, so that some sets need micro-batches (their time exceeds the bound the search
+    orders sets by)."""
+    cfg = build_config(dict(SMALL, batch_size=16, seq_len=64))
+    budget = int(0.3 * estimate(cfg, device_type="cpu").peak_bytes)
+    every = plan(cfg, budget, "cpu", top=10**6).candidates
+    three = plan(cfg, budget, "cpu", top=3).candidates
+    assert len(every) > 3
+    assert [c.label() for c in three] == [c.label() for c in every[:3]]
+
+
+def test_max_batch_never_exceeds_its_limit():
+    """plan --max-batch N: no candidate's batch is above N, and with room to spare it is N."""
+    cfg = build_config(dict(SMALL, seq_len=64))
+    res = plan(cfg, 4 * GiB, "cpu", max_batch=True, top=10**6, max_batch_limit=6)
+    assert res.candidates and all(c.batch_size <= 6 for c in res.candidates)
+    assert res.candidates[0].batch_size == 6
+
+
 def test_max_batch_grows_with_the_budget():
     cfg = build_config(dict(SMALL, seq_len=64))
     small = plan(cfg, 256 * 2**20, "cpu", max_batch=True, top=1).candidates[0]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -77,16 +78,18 @@ def test_make_precision_takes_its_dtypes_from_the_facts(name):
     assert (prec.scaler is not None) == facts.scaler
 
 
-@pytest.mark.parametrize("optim", ["adamw", "sgd"])
+@pytest.mark.parametrize("optim", ["adamw", "sgd", "adafactor"])
 def test_optimizer_state_rule_predicts_the_measured_state(optim):
-    """The rule the estimator uses (state tensors x element size, step counters) gives the
-    bytes torch's optimizer really holds after a step."""
+    """The rule the estimator uses (state tensors x element size, step counters; Adafactor's
+    factored rows and columns) gives the bytes torch's optimizer really holds after a step."""
     cfg = _cfg(optim=optim)
     torch.manual_seed(0)
     state = build_state(cfg, CPU)
     run_step(state, random_micro_batches(cfg, 2, CPU, torch.Generator().manual_seed(0)))
     predicted, _ = predicted_optimizer_state(param_table(cfg.model), optim, 4)
     assert measured_state_bytes(state.optimizer) == predicted
+    if optim == "adafactor":
+        return  # no per-element state rule: the factored state is summed per tensor above
     rule = optimizer_state_rule(optim)
     assert rule.states == (2 if optim == "adamw" else 1) and rule.state_bytes(4) == 4
     assert optimizer_state_rule("adamw-4bit").state_bytes(4) == 0.5
@@ -95,6 +98,22 @@ def test_optimizer_state_rule_predicts_the_measured_state(optim):
 
 
 # ------------------------------------------------------------------------------- harness
+def test_the_gradient_norm_covers_every_parameter_with_a_gradient():
+    """The norm clipped (and logged as grad_norm) is torch's over every gradient, biases and
+    LayerNorm weights included, as one backward of the same batch gives it."""
+    cfg = _cfg(grad_clip=1.0)
+    torch.manual_seed(0)
+    state = build_state(cfg, CPU)
+    micro = random_micro_batches(cfg, 2, CPU, torch.Generator().manual_seed(0))
+    reference = copy.deepcopy(state.model)
+    reference(*micro[0]).backward()
+    grads = [p.grad for p in reference.parameters() if p.grad is not None]
+    assert any(g.dim() == 1 for g in grads)  # vectors (biases, LayerNorms) have gradients too
+    run_step(state, micro)
+    assert float(state.precision.last_grad_norm) == pytest.approx(float(torch.nn.utils.get_total_norm(grads)),
+                                                                  rel=1e-5)
+
+
 def test_build_state_builds_one_train_state_and_steps_it():
     cfg = _cfg(grad_accum=2, lr=1e-2, warmup_steps=0)
     torch.manual_seed(0)
