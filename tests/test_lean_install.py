@@ -56,10 +56,18 @@ def test_core_install_has_no_optional_packages_and_test_extra_no_wandb():
     assert {Requirement(t).name for t in project["optional-dependencies"]["lowbit"]} == {"torchao"}
     test = _extra_closure(project, "test")
     assert "wandb" not in test and "pandas" not in test  # pandas comes with datasets, not asked for
-    # pytest-xdist: pyproject's addopts start workers with -n auto, which plain pytest refuses
-    assert {"torchao", "datasets", "pyarrow", "peft", "transformers", "tensorboard", "pytest", "pytest-xdist"} <= test
+    # pytest-xdist: pyproject's addopts start workers with -n auto, which plain pytest refuses;
+    # pytest-timeout: the ini's `timeout` (a hung test fails instead of holding CI) needs it
+    assert {"torchao", "datasets", "pyarrow", "peft", "transformers", "tensorboard", "pytest", "pytest-xdist",
+            "pytest-timeout"} <= test
     assert _extra_closure(project, "dev") >= test  # CI installs dev
     assert "wandb" in _extra_closure(project, "wandb")  # users keep their extra
+
+
+def test_a_hung_test_fails_at_the_ini_timeout_instead_of_holding_the_run():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert 0 < int(ini["timeout"]) <= 1800, ini.get("timeout")
 
 
 def test_every_extra_an_error_names_exists_and_installs_the_module():
