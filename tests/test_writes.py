@@ -762,6 +762,34 @@ def test_an_out_a_data_glob_reads_through_a_link_below_its_wildcard_is_refused(t
     for pattern, out in allowed:
         check_out_outside_data(out, pattern, TRAIN_FILES)
 
+def test_an_out_a_data_folder_reads_through_a_file_link_is_refused(tiny_run, tmp_path, capsys):
+    """`--data corpus` (a folder, no wildcard) with `corpus/x.txt -> ../run/metrics.jsonl`: the
+    folder reader's rglob lists the link and reads its target, while the check compared folders
+    only, so the run trained and the next one read its own loss curve as text. The check looks at
+    what the reader lists (the rule the glob case uses), a link that dangles until the run writes
+    its target included."""
+    from memtrain.config.run import ConfigError
+    from memtrain.files.results import TRAIN_FILES
+    from memtrain.training.preflight import check_out_outside_data
+
+    corpus, run_dir = tmp_path / "corpus", tmp_path / "run"
+    corpus.mkdir()
+    shutil.copy(tiny_run["data"], corpus / "a.txt")
+    (corpus / "x.txt").symlink_to(Path("..") / "run" / "metrics.jsonl")  # dangling until a run writes it
+    run = {**tiny_run, "steps": 1, "warmup_steps": 0, "val_fraction": 0.5}
+    assert main(["train", *cli_flags({**run, "data": str(corpus), "out": str(run_dir)})]) == 2
+    assert f"is where --data {str(corpus)!r} reads: the metrics.jsonl" in _one_error_line(capsys.readouterr().err)
+    assert not run_dir.exists()
+    single = tmp_path / "one.jsonl"
+    single.symlink_to(run_dir / "result.json")
+    with pytest.raises(ConfigError, match="reads: the result.json"):
+        check_out_outside_data(run_dir, str(single), TRAIN_FILES)  # a file --data that links there
+    # What the folder reader does not list stays allowed: a link whose name it skips (".md").
+    (corpus / "x.txt").unlink()
+    (corpus / "x.md").symlink_to(run_dir / "metrics.jsonl")
+    check_out_outside_data(run_dir, str(corpus), TRAIN_FILES)
+
+
 @pytest.mark.parametrize("failing", ["second", "every"])
 def test_a_periodic_checkpoint_that_cannot_be_written_does_not_stop_the_run(tiny_run, tmp_path, capsys, monkeypatch,
                                                                          failing):

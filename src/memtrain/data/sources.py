@@ -259,7 +259,7 @@ def resolve_local_files(pattern: str) -> list[Path]:
     if glob.has_magic(pattern):
         files = _match_files(pattern, pattern)
     elif path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUPPORTED_SUFFIXES)
+        files = sorted(p for p in listed_entries(pattern) if p.is_file())
         if not files:
             raise ConfigError(
                 f"directory {pattern!r} holds no {', '.join(SUPPORTED_SUFFIXES)} files; check --data"
@@ -285,9 +285,26 @@ def resolve_local_files(pattern: str) -> list[Path]:
     return files
 
 
+def listed_entries(pattern: str) -> Iterator[Path]:
+    """Every entry the reader lists for the local ``--data`` ``pattern`` (a glob, ``**`` any depth;
+    a folder: its supported files at any depth, hidden ones too, links to folders not followed, as
+    ``rglob`` walks; a file: itself), before it keeps the files among them. A link that dangles now is listed:
+    once a run writes its target, the next run reads it (``preflight.check_out_outside_data``)."""
+    path = Path(pattern).expanduser()
+    if glob.has_magic(pattern):
+        return _glob_entries(pattern)
+    if path.is_dir():
+        return (p for p in path.rglob("*") if p.suffix.lower() in SUPPORTED_SUFFIXES)
+    return iter([path] if path.is_symlink() or path.is_file() else [])
+
+
+def _glob_entries(pattern: str) -> Iterator[Path]:
+    return (Path(p) for p in glob.iglob(str(Path(pattern).expanduser()), recursive=True))
+
+
 def _match_files(pattern: str, data: str) -> list[Path]:
     """Sorted files matching a glob (``**`` allowed); none -> ConfigError naming ``--data``."""
-    files = sorted(Path(p) for p in glob.glob(str(Path(pattern).expanduser()), recursive=True) if Path(p).is_file())
+    files = sorted(p for p in _glob_entries(pattern) if p.is_file())
     if not files:
         raise ConfigError(f"no file matches {pattern!r}; check --data {data!r}")
     return files

@@ -190,10 +190,11 @@ def check_out_outside_data(out: str | Path, data: str, names: Iterable[str], fla
     ``--out corpus``), made the next run, a resume or a bench's next row read result.json,
     metrics.jsonl or results.jsonl as text to train on (or refuse it, the data's fingerprint
     changed). A glob is matched as the data reads it (:func:`glob_lists`: ``**`` any number of levels;
-    :func:`glob_reads_through_links`: through links below its wildcard parts)."""
+    :func:`glob_reads_through_links`: through links below its wildcard parts); a glob's, a folder's
+    or a file's entry that links to one of ``names`` is seen by :func:`linked_to_written`."""
     if data == "default" or data.startswith("hf:"):
         return
-    from memtrain.data.sources import SUPPORTED_SUFFIXES  # memtrain.data loads torch: not for --help
+    from memtrain.data.sources import SUPPORTED_SUFFIXES, listed_entries  # memtrain.data loads torch: not for --help
 
     read = [name for name in names if Path(name).suffix.lower() in SUPPORTED_SUFFIXES]
     # Links and ".." resolved on both sides: `--data corpus_link --out corpus/run` (or a glob through
@@ -208,6 +209,9 @@ def check_out_outside_data(out: str | Path, data: str, names: Iterable[str], fla
     else:
         inside = source.is_dir() and (target == real_source or real_source in target.parents)
         hit = read[0] if inside and read else None
+    # A file the reader lists now that links to one memtrain writes (`corpus/x.txt ->
+    # ../run/metrics.jsonl`, dangling until the run writes it): the folder reader's rglob follows it.
+    hit = hit or linked_to_written(listed_entries(data), target, read)
     if hit is not None:
         raise ConfigError(f"{flag} {str(out)!r} is where --data {data!r} reads: the {hit} memtrain writes there would be "
                           "read as text to train on by the next run (or a resumed one); choose an --out outside the data")
@@ -216,19 +220,20 @@ def check_out_outside_data(out: str | Path, data: str, names: Iterable[str], fla
 def glob_reads_through_links(data: str, target: Path, names: list[str]) -> Optional[str]:
     """The first of ``names`` in the folder ``target`` (resolved) that the --data glob ``data``
     reads through a link below one of its wildcard parts (``corpus/sub`` a link elsewhere,
-    ``--data 'corpus/**/*.jsonl'``, ``--out`` under the link's target), or that a file the glob
-    lists now links to. realpath resolves only the parts before the first wildcard, and glob's
+    ``--data 'corpus/**/*.jsonl'``, ``--out`` under the link's target). realpath resolves only the parts before the first wildcard, and glob's
     wildcards (``**`` included) follow links to folders, as the reader's ``glob.glob`` does."""
     # As given (relative stays relative, ".." kept): glob walks it so, and a working folder whose
     # name holds "[" would be read as a wildcard.
     pattern = Path(data).expanduser()
-    wanted = {target / name: name for name in names}
-    for listed in glob.iglob(str(pattern), recursive=True):  # what the reader reads now
-        hit = wanted.get(Path(os.path.realpath(listed)))
-        if hit is not None:
-            return hit
     return next((hit for folder in _folders_walked(pattern) if (hit := _read_through(pattern, folder, target, names))),
                 None)
+
+
+def linked_to_written(listed: Iterable[Path], target: Path, names: list[str]) -> Optional[str]:
+    """The first of ``names`` in the folder ``target`` (resolved) that an entry of ``listed`` (what
+    the reader lists, :func:`memtrain.data.sources.listed_entries`) is, or links to."""
+    wanted = {target / name: name for name in names}
+    return next((hit for entry in listed if (hit := wanted.get(Path(os.path.realpath(entry))))), None)
 
 
 def _folders_walked(pattern: Path) -> Iterable[str]:
