@@ -638,6 +638,29 @@ def test_an_out_path_too_long_for_the_result_is_refused_before_the_first_step(ti
     assert not (tmp_path / parts[0]).exists()
 
 
+def test_a_bench_out_too_long_for_a_rows_files_is_refused_before_the_first_row(small_corpus, tmp_path, capsys):
+    """The bench checked the room of the names it writes at the top of --out, while each row's
+    train writes in OUT/rows/NAME and checked that itself when it ran: a long --out with a long row
+    name ran the rows before it, then refused that row (exit 1). Refused before any row."""
+    from memtrain.config.run import ConfigError
+    from memtrain.training.preflight import check_folder_room
+
+    length = 4036  # baseline's files fit (4,094 bytes with the temporary name), chunked-loss's do not
+    parts, left = [], length - len(os.fsencode(str(tmp_path))) - 1
+    while left > 0:
+        parts.append("d" * min(200, left - 2 if 0 < left - 200 < 2 else left))
+        left -= len(parts[-1]) + 1
+    out = tmp_path.joinpath(*parts)
+    assert len(os.fsencode(str(out))) == length
+    assert main(["bench", "--techniques", "baseline,chunked-loss", "--out", str(out), "--no-maxbatch",
+                 "--data", str(small_corpus), "--steps", "1", "--no-progress"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert line.startswith("error: --out (row chunked-loss)") and "give a shorter path" in line
+    assert not (tmp_path / parts[0]).exists()  # no row ran, nothing was written
+    with pytest.raises(ConfigError, match="the folder name .* has 300 bytes, over the 255"):
+        check_folder_room(tmp_path / "rows" / ("r" * 300), ["result.json"], "--out")
+
+
 def test_a_name_too_long_for_the_system_is_one_line_saying_so(tiny_run, tmp_path, capsys):
     """A name over 255 bytes (--out, --data) was exit 1 with Python's
     "OSError: [Errno 36] File name too long" and the whole path; it is bad input, one line that

@@ -129,6 +129,19 @@ def check_name_room(folder: str | Path, names: Iterable[str], flag: str) -> None
                               f"has {full:,} bytes, over the {path_max:,} a path may have here; give a shorter path")
 
 
+def check_folder_room(folder: str | Path, names: Iterable[str], flag: str) -> None:
+    """``folder``, one memtrain creates, has a name the file system takes, and each of ``names``
+    written in it fits (:func:`check_name_room`): a bench row's folder (``OUT/rows/NAME``) is made,
+    and its files written, only when that row runs, after the rows before it."""
+    where = Path(folder)
+    name_max = _path_limit(_nearest_existing(where.absolute()), "PC_NAME_MAX", 255)
+    size = len(os.fsencode(where.name))
+    if size > name_max:
+        raise ConfigError(f"{flag}: the folder name {shortened(where.name)!r} has {size} bytes, over the {name_max} "
+                          "a name may have here; shorten it")
+    check_name_room(where, names, flag)
+
+
 def check_writable_file(path: str | Path, flag: str) -> None:
     """``path`` is (or can become) a file memtrain can replace atomically."""
     p = Path(path).expanduser()
