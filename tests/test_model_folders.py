@@ -674,6 +674,41 @@ def test_a_config_number_that_is_not_finite_is_refused_by_every_verb(tmp_path, c
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("family, field, value, words", [
+    ("granite", "logits_scaling", None, "has logits_scaling null, not a number; granite divides by it"),
+    ("granite", "logits_scaling", 0, "has logits_scaling 0; granite divides by it: write a number other than 0"),
+    ("granite", "residual_multiplier", "2", 'has residual_multiplier "2", not a number; granite multiplies by it'),
+    ("granite", "attention_multiplier", 10 ** 400, "too large for a float; granite multiplies by it"),
+    ("cohere", "logit_scale", None, "has logit_scale null, not a number; cohere multiplies by it"),
+    ("minicpm3", "dim_model_base", 0, "has dim_model_base 0; minicpm3 divides by it"),
+])
+def test_a_scale_field_that_is_no_number_is_one_line_naming_it(tmp_path, capsys, family, field, value, words):
+    """A family's scale factor set to null, a string or 0: transformers types Cohere's logit_scale
+    as optional, and `generate` stopped with `Tensor * None`'s TypeError; Granite's
+    logits_scaling 0 stopped `train` with a ZeroDivisionError (exit 1, after the model was built)."""
+    import transformers
+
+    from memtrain.models.spec import refuse_bad_scales
+
+    small = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=4,
+                 num_hidden_layers=1, max_position_embeddings=128, vocab_size=50304)
+    configs = {"granite": transformers.GraniteConfig, "cohere": transformers.CohereConfig,
+               "minicpm3": lambda **kw: transformers.MiniCPM3Config(**kw, kv_lora_rank=16, q_lora_rank=16,
+                                                                     qk_nope_head_dim=8, qk_rope_head_dim=8)}
+    configs[family](**small).save_pretrained(tmp_path / "m")
+    path = tmp_path / "m" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), field: value}))
+    for argv in (["estimate", "--model", str(tmp_path / "m"), "--seq-len", "16"],
+                 ["train", "--model", str(tmp_path / "m"), "--steps", "1", "--seq-len", "16", "--batch-size", "1",
+                  "--out", str(tmp_path / "o")],
+                 ["generate", str(tmp_path / "m"), "--prompt", "hi", "--seed", "1"]):
+        assert main(argv) == 2, argv
+        line = _one_error_line(capsys.readouterr().err)
+        assert words in line and " there (or remove the field" in line, (argv, line)
+    assert not (tmp_path / "o").exists()
+    refuse_bad_scales({"model_type": "minicpm3", "scale_depth": None, "dim_model_base": None}, "c")  # its no-op scales
+
+
 @pytest.mark.parametrize("vocab", [0, -5])
 def test_a_config_without_a_vocabulary_is_one_line_naming_the_field(tmp_path, capfd, vocab):
     """transformers logged a line for each special token outside the empty vocabulary before the
