@@ -173,6 +173,32 @@ def test_a_fifo_in_a_model_folder_is_refused_without_being_opened(tokenizer_dir,
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("name", ["tokenizer.json", "config.json", "additional_chat_templates/t.jinja"])
+def test_a_file_too_large_to_read_whole_is_refused_before_it_is_read(tokenizer_dir, corpus, tmp_path, capsys,
+                                                                      monkeypatch, name):
+    """A 3 GB tokenizer.json (a sparse file) took 73 s and 16 GB of memory before its refusal:
+    transformers reads a model folder's config and tokenizer files whole. Refused by its size, from
+    ``stat``, before anything reads it; a large file no reader opens (a README) stays allowed."""
+    from memtrain.models import spec
+
+    monkeypatch.setattr(spec, "MAX_READ_WHOLE_BYTES", 1 << 20, raising=False)  # a 1 MiB limit: a fast test
+    model = model_folder(tmp_path / "m", tokenizer_dir)
+    (model / name).parent.mkdir(exist_ok=True)
+    with open(model / name, "ab") as f:
+        f.truncate(2 << 20)  # sparse: no bytes written
+    with open(model / "README.md", "wb") as f:
+        f.truncate(2 << 20)
+    capsys.readouterr()
+    assert main(_flags(model, corpus, tmp_path / "o")) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"{name!r} is larger than 1,048,576 bytes" in line and "replace it with the model's own file" in line, line
+    assert not (tmp_path / "o").exists()
+    (model / name).unlink()
+    if name == "config.json":
+        return
+    assert main(["estimate", "--model", str(model), "--seq-len", "16"]) == 0  # the README is never read
+
+
 @pytest.mark.parametrize("text, words", [("{not json", "Expecting property name"),
                                          ("{}", "lacks the field 'added_tokens'"),
                                          ("[" * 100_000 + "]" * 100_000, "recursion")])

@@ -113,6 +113,11 @@ TOKENIZER_ID_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.mode
 # Subfolders of a model folder that transformers reads by name (AutoTokenizer loads the chat
 # templates in this one); the other subfolders of a model folder are never opened.
 READ_SUBFOLDERS = ("additional_chat_templates",)
+# A model folder's files that memtrain or transformers read whole into memory (config, tokenizer,
+# chat templates, the weights' index) may have at most this many bytes: a 3 GB tokenizer.json
+# (a sparse file) took 73 s and 16 GB of memory before its refusal, where the machine had that much.
+READ_WHOLE_SUFFIXES = (".json", ".txt", ".model", ".jinja")
+MAX_READ_WHOLE_BYTES = 256 << 20
 
 
 def bundled_names() -> list[str]:
@@ -457,10 +462,17 @@ def check_model_folder(folder: Path, spec: str) -> None:
     for sub in READ_SUBFOLDERS:
         if (folder / sub).is_dir() and not (folder / sub).is_symlink():
             entries += visible_entries(folder / sub, recursive=True)
-    for entry, why in folder_entry_problems(folder, entries, _snapshot_blobs(folder)):
+    for entry, why in folder_entry_problems(folder, entries, _snapshot_blobs(folder), _read_whole_limit):
         name = str(entry.relative_to(folder))
+        if why.startswith("larger than"):
+            raise ConfigError(f"--model {spec!r}: {name!r} is {why}, the most memtrain lets transformers read whole "
+                              "into memory; replace it with the model's own file")
         raise ConfigError(f"--model {spec!r}: {name!r} is {why}; a model folder may hold only regular files "
                           "inside it, remove or replace that entry")
+
+
+def _read_whole_limit(entry: Path) -> Optional[int]:
+    return MAX_READ_WHOLE_BYTES if entry.suffix.lower() in READ_WHOLE_SUFFIXES else None
 
 
 def _name_key(name: str) -> str:
