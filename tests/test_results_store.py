@@ -55,6 +55,31 @@ def test_report_survives_torn_and_non_object_lines(tmp_path, capsys):
     assert "skipped 2 unreadable line(s)" in captured.err
 
 
+def test_a_line_too_long_for_a_row_is_skipped_without_being_held(tmp_path, capsys):
+    """A 2 GB line in results.jsonl (a sparse or foreign file) took `report` 6 GB of memory and
+    28 s to skip: every line was read whole before it was parsed. A line over 16 MiB is read past
+    in pieces and counted; the rows around it are read."""
+    import tracemalloc
+
+    lines = (DATA / "bench_results.jsonl").read_text().splitlines()
+    path = tmp_path / "results.jsonl"
+    path.write_text(lines[0] + "\n")
+    with open(path, "ab") as f:
+        f.truncate(f.tell() + (200 << 20))  # a 200 MiB line of NUL bytes, sparse: nothing written
+    with open(path, "a") as f:
+        f.write("\n" + "\n".join(lines[1:]) + "\n")
+    tracemalloc.start()
+    try:
+        read = read_jsonl(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (len(read.rows), read.skipped) == (len(lines), 1)
+    assert peak < 40 << 20, f"{peak:,} bytes held"  # the 200 MiB line was held whole
+    assert main(["report", str(tmp_path)]) == 0
+    assert "skipped 1 unreadable line(s)" in capsys.readouterr().err
+
+
 def test_report_of_a_file_with_no_rows_is_bad_input(tmp_path, capsys):
     (tmp_path / "results.jsonl").write_bytes(b"\x00\x01garbage\n[1, 2]\n")
     assert main(["report", str(tmp_path)]) == 2
