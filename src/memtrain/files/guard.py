@@ -13,7 +13,7 @@ Imports only the standard library: the analytic commands reach it without torch.
 from __future__ import annotations
 
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Optional
 
