@@ -65,6 +65,10 @@ TXT_DOC_CHARS = 8192
 # (memtrain.data.tokenizer.encoding_pieces), into documents of at most this many characters:
 # reading a 200 MB line whole, then tokenizing it, needed gigabytes.
 TXT_MAX_LINE_CHARS = 1 << 20
+# A .jsonl line longer than this is refused before any reader holds it: pyarrow and the check
+# that names a bad line each hold a record whole, several times over (a 300 MiB line took 1.8 GB
+# of memory before its refusal, and memory grows with the line).
+MAX_JSON_RECORD_BYTES = 64 << 20
 
 # Directories of the standard library that hold tests, the IDLE application or installed
 # third-party packages rather than documented library code.
@@ -589,12 +593,30 @@ def _check_json_nesting(files: list[Path]) -> None:
     for path in files:
         try:
             with path.open("rb") as fh:
-                line = json_depth_error(bounded_lines(fh))
+                pieces = bounded_lines(fh)
+                if path.suffix.lower() == ".jsonl":  # one record a line (a .json array may be one line)
+                    pieces = _records_within(path, pieces)
+                line = json_depth_error(pieces)
         except OSError as exc:
             raise ConfigError(f"cannot read {str(path)!r} ({exc.strerror or type(exc).__name__}); check --data") from None
         if line is not None:
             raise ConfigError(f"{str(path)!r} line {line}: JSON nested deeper than {MAX_JSON_DEPTH} levels; "
                               "flatten that record or remove it from the data")
+
+
+def _records_within(path: Path, pieces: Iterable[bytes]) -> Iterator[bytes]:
+    """``pieces`` (of lines, as :func:`bounded_lines` gives them), refusing a line longer than
+    MAX_JSON_RECORD_BYTES as soon as the count passes it."""
+    size, line = 0, 1
+    for piece in pieces:
+        size += len(piece)
+        if size > MAX_JSON_RECORD_BYTES:
+            raise ConfigError(f"{str(path)!r} line {line} is longer than {MAX_JSON_RECORD_BYTES >> 20} MiB, more than "
+                              "memtrain reads as one record (its readers hold a record whole, several times over); "
+                              "split it into records, or give the text as a .txt file (read in pieces)")
+        if piece.endswith(b"\n"):
+            size, line = 0, line + 1
+        yield piece
 
 
 def _load_dataset(path: str, *, split: str, label: str, hub: bool = False, **kwargs: Any) -> Any:
