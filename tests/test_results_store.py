@@ -132,6 +132,23 @@ def test_folder_lock_refuses_a_second_holder_and_frees_on_exit(tmp_path):
         pass
 
 
+def test_a_huge_lock_file_is_not_read_whole(tmp_path):
+    """A lock file left huge (sparse, 200 MiB of NUL bytes) was read whole, as text, by the next
+    run taking the folder: only its first MiB can hold the holder's and the writers' lines."""
+    import tracemalloc
+
+    with open(tmp_path / ".memtrain.lock", "wb") as f:
+        f.truncate(200 << 20)
+    tracemalloc.start()
+    try:
+        with FolderLock(tmp_path, "memtrain bench"):
+            peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 20 << 20, f"{peak:,} bytes held"
+    assert (tmp_path / ".memtrain.lock").stat().st_size < 100  # taken: the holder's line alone
+
+
 def test_atomic_writes_get_a_plain_files_mode_and_keep_a_replaced_files(tmp_path):
     """result.json, report.md, checkpoints (every atomic write) and an exported model folder were
     owner-only (0600, 0700: mkstemp's and mkdtemp's modes carried through the rename), unreadable

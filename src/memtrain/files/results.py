@@ -596,6 +596,11 @@ def process_start(pid: int) -> Optional[str]:
     return None if state in ("Z", "X") else start
 
 
+# What is read of a lock file: its holder's line and one per writer rank (tens of bytes each; the
+# holder truncates the file when it takes it). A sparse 1 GiB lock file was read whole.
+MAX_LOCK_CHARS = 1 << 20
+
+
 def _live_writers(text: str) -> list[str]:
     """The writers listed in a lock file's ``text`` that still run (as "WHAT (pid N)")."""
     live = []
@@ -703,7 +708,7 @@ class FolderLock:
                 break
             fh.close()
         fh.seek(0)
-        live = _live_writers(fh.read())
+        live = _live_writers(fh.read(MAX_LOCK_CHARS))
         if live:  # the holder is gone, its writers are not (e.g. the ranks of a killed launcher)
             fh.close()
             raise self._in_use(live[0])
