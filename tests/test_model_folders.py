@@ -362,6 +362,29 @@ def test_a_fifo_in_a_dataset_folder_is_refused_without_being_opened(corpus, tmp_
     assert "'b.jsonl' is a FIFO" in _one_error_line(capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("cut", ["half", "last-100-bytes"])
+def test_a_truncated_checkpoint_is_said_to_be_incomplete_by_every_reader(corpus, tmp_path, capsys, cut):
+    """A checkpoint cut short (a copy stopped midway, a disk full while it was written) was called
+    "not a memtrain checkpoint" by --resume, export and generate: the user went looking for
+    another file. It is said to be incomplete, with what to do; nothing runs or is written."""
+    from memtrain.checkpoints.exact import save_checkpoint
+
+    whole = tmp_path / "whole.pt"
+    save_checkpoint(whole, _run_state(build_config({**TINY_MODEL, "seq_len": 16, "batch_size": 2, "steps": 4})))
+    data = whole.read_bytes()
+    ckpt = tmp_path / "cut.pt"
+    ckpt.write_bytes(data[:len(data) // 2] if cut == "half" else data[:-100])
+    run = {**TINY_MODEL, **RUN, "data": str(corpus), "steps": 4, "out": str(tmp_path / "o"), "resume": str(ckpt)}
+    for argv in (["train", *cli_flags(run)], ["export", str(ckpt), str(tmp_path / "x")], ["generate", str(ckpt)]):
+        assert main(argv) == 2, argv
+        line = _one_error_line(capsys.readouterr().err)
+        assert f"checkpoint {str(ckpt)!r} is incomplete" in line and "copy it again" in line, line
+    assert not (tmp_path / "o").exists() and not (tmp_path / "x").exists()
+    (tmp_path / "junk.pt").write_bytes(b"not a zip")  # a file of another kind keeps its words
+    assert main(["generate", str(tmp_path / "junk.pt")]) == 2
+    assert "it is not a memtrain checkpoint" in _one_error_line(capsys.readouterr().err)
+
+
 # ------------------------------------------------------------------------------ 3. sharded checkpoints: storage files
 def _run_state(cfg):
     return tiny_run_state(cfg, batch_index=1)

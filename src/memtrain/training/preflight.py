@@ -579,14 +579,14 @@ def _saved_state(path: str | Path) -> dict[str, Any]:
             raise ConfigError(f"cannot read {str(meta_path)!r}; it is not a memtrain checkpoint") from None
     elif p.is_file():
         # memtrain.checkpoints imports torch: loaded only for --resume
-        from memtrain.checkpoints.exact import load_plain
+        from memtrain.checkpoints.exact import load_plain, unreadable_checkpoint
 
         try:
             state = load_plain(p, mmap=True)
         except ConfigError:  # it says what to install
             raise
         except Exception as exc:  # truncated, foreign, or holding more than plain data
-            raise ConfigError(f"cannot read checkpoint {str(p)!r} ({type(exc).__name__}); it is not a memtrain checkpoint") from None
+            raise unreadable_checkpoint(p, exc) from None
     else:
         raise ConfigError(f"checkpoint {str(p)!r} not found; check --resume")
     if not isinstance(state, dict) or not isinstance(state.get("config"), dict) or not isinstance(state.get("step"), int):
