@@ -260,6 +260,25 @@ def test_a_fresh_run_on_a_folder_with_results_is_refused_and_resume_appends(tiny
     assert sum("resumed_from_step" in x for x in lines) == 1
 
 
+def test_a_resume_onto_a_huge_result_json_is_refused_before_reading_it(tiny_run, tmp_path, capsys, monkeypatch):
+    """A resumed run read the result.json in its --out whole (to compare its run with its own): a
+    huge or sparse one went into memory, as bytes and then text. One over the limit is refused from
+    its size, unread and kept."""
+    from memtrain.training import preflight
+
+    monkeypatch.setattr(preflight, "MAX_RESULT_BYTES", 1 << 20, raising=False)  # 1 MiB: a fast test
+    out, ck = Path(tiny_run["out"]), tmp_path / "ck.pt"
+    half = {**tiny_run, "steps": 4, "stop_after": 2, "save": str(ck)}
+    assert main(["train", *cli_flags(half)]) == 0
+    with open(out / "result.json", "ab") as f:
+        f.truncate(2 << 20)  # sparse
+    capsys.readouterr()
+    assert main(["train", *cli_flags({**half, "stop_after": 4, "resume": str(ck)})]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "holds a result.json of 2,097,152 bytes, more than memtrain reads back" in line, line
+    assert (out / "result.json").stat().st_size == 2 << 20
+
+
 def test_a_tilde_in_out_and_save_is_the_home_folder_for_the_checks_and_the_writes(tiny_run, home_and_here, capsys):
     """--out '~/r' (quoted, or from a config file): the checks looked in the home folder and the
     run wrote into a folder named "~" in the current one, so a second run passed the fresh-folder

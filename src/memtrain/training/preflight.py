@@ -300,6 +300,12 @@ def check_fresh_out(out: Path) -> None:
                           "--out, or continue that run with --resume CHECKPOINT")
 
 
+# The largest result.json a resumed run reads back to compare its run with its own: one grows by
+# about 20 bytes a step (loss_history), so this is over ten million steps. A sparse 1 GiB one was
+# read whole, as text, then parsed.
+MAX_RESULT_BYTES = 256 << 20
+
+
 def check_resumed_out(out: Path, cfg: RunConfig) -> None:
     """A resumed run replaces ``result.json`` and appends to ``metrics.jsonl``: allowed in its own
     folder (or a new one), refused where the result.json was written by a different run (other
@@ -309,6 +315,10 @@ def check_resumed_out(out: Path, cfg: RunConfig) -> None:
     path = out / RESULT_NAME
     if not os.path.lexists(path):
         return
+    size = path.stat().st_size
+    if size > MAX_RESULT_BYTES:  # read whole below: a huge (or sparse) file would be, into memory
+        raise ConfigError(f"--out {str(out)!r} holds a result.json of {size:,} bytes, more than memtrain reads back "
+                          f"({MAX_RESULT_BYTES:,}); a resumed run would replace it: choose a new --out")
     try:
         recorded = loads_bounded(path.read_bytes())
     except (OSError, ValueError):
