@@ -132,6 +132,28 @@ def test_folder_lock_refuses_a_second_holder_and_frees_on_exit(tmp_path):
         pass
 
 
+def test_report_waits_for_a_bench_still_writing_its_folder(tmp_path, capsys):
+    """`memtrain report DIR` while a bench runs in DIR built a report from the rows of the moment,
+    which could land after the bench's own final report and be the one left. Refused in one line
+    while the bench holds the folder, nothing written; it runs once the bench is gone."""
+    (tmp_path / "results.jsonl").write_text((DATA / "bench_results.jsonl").read_text())
+    code = ("import sys, time; from memtrain.files.results import FolderLock\n"
+            "with FolderLock(sys.argv[1], 'memtrain bench'):\n"
+            "    print('locked', flush=True); time.sleep(60)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert main(["report", str(tmp_path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"is in use by memtrain bench (pid {holder.pid})" in err[0]
+        assert not (tmp_path / "report.md").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(["report", str(tmp_path)]) == 0
+    assert (tmp_path / "report.md").is_file()
+
+
 def test_a_huge_lock_file_is_not_read_whole(tmp_path):
     """A lock file left huge (sparse, 200 MiB of NUL bytes) was read whole, as text, by the next
     run taking the folder: only its first MiB can hold the holder's and the writers' lines."""
