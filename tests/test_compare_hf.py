@@ -388,6 +388,24 @@ def test_report_only_skips_a_runs_line_of_the_wrong_shape_with_a_warning(tmp_pat
     assert json.loads((tmp_path / REPORT_JSON).read_text())["rows"][0]["ratios"]["peak_bytes"] == 0.5
 
 
+def test_report_only_on_a_folder_without_a_run_is_refused_and_writes_nothing(tmp_path, capsys):
+    """--report-only on a folder another tool wrote (a runs.jsonl of other lines) wrote a report
+    of rows all "not run", stamped with this machine and the time now, and exited 0: it looked
+    like a finished comparison. Refused in one line, nothing written; a folder not there is not
+    made either."""
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / RUNS_FILE).write_text('{"model": "x", "acc": 0.5}\n[1]\n')
+    (foreign / "report.md").write_text("theirs\n")
+    assert main(["--presets", "baseline", "--out", str(foreign), "--report-only"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "holds no run (2 unreadable line(s) skipped)" in err[0]
+    assert sorted(p.name for p in foreign.iterdir()) == ["report.md", RUNS_FILE]
+    assert main(["--presets", "baseline", "--out", str(tmp_path / "new"), "--report-only"]) == 2
+    assert "not found; run the comparison first" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+
 def test_a_used_folder_a_link_or_a_file_as_out_is_refused_and_nothing_is_deleted(tmp_path, capsys):
     """A second comparison into a folder with runs.jsonl would have deleted it (the default --out
     was a committed results folder): refused in one line unless --resume or --report-only."""

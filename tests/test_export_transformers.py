@@ -568,6 +568,23 @@ def test_every_sample_runs_its_new_tokens_past_the_models_eos(good_folder, tmp_p
     assert texts == [codec.decode([0] * 6)] * 2  # was one eos, then five pad tokens
 
 
+def test_a_folders_generation_settings_never_change_what_is_sampled(good_folder, tmp_path):
+    """generate samples with the command line's settings only (module docstring): transformers
+    filled every setting they leave at its default from the folder's generation_config.json, so a
+    repetition_penalty or top_p there (Qwen's has both) changed the text, and a num_beams of 0 ended
+    in ZeroDivisionError (exit 1)."""
+    from memtrain.inference.generate import generate
+
+    d = tmp_path / "model"
+    shutil.copytree(good_folder, d)
+    plain = [generate(d, "memory memory", 6, temperature, 50, 2, 7, "cpu") for temperature in (0.0, 0.8)]
+    _write_json(d / "generation_config.json", {"repetition_penalty": 50.0, "no_repeat_ngram_size": 1,
+                                               "top_p": 0.01, "num_beams": 3})
+    assert [generate(d, "memory memory", 6, temperature, 50, 2, 7, "cpu") for temperature in (0.0, 0.8)] == plain
+    _write_json(d / "generation_config.json", {"num_beams": 0})
+    assert generate(d, "memory memory", 6, 0.0, 50, 2, 7, "cpu") == plain[0]
+
+
 def _checkpoint_of(tmp_path: Path, model: dict, config: dict) -> Path:
     p = tmp_path / "crafted.pt"
     torch.save({"model": model, "config": config}, p)

@@ -89,6 +89,28 @@ def test_deeply_nested_json_data_is_refused_naming_file_and_line(tmp_path, layou
     assert not out.exists()  # no lock or folder left behind
 
 
+@pytest.mark.parametrize("data", ["file", "hf-dir"])
+def test_a_jsonl_line_too_long_for_a_record_is_refused_before_any_reader_holds_it(tmp_path, capsys, monkeypatch, data):
+    """A .jsonl line of 300 MiB (a sparse file) took 1.8 GB of memory before its refusal (pyarrow
+    and the check naming the bad line each held it whole, several times over). Refused from the streaming pass that measures the nesting, naming the line."""
+    from memtrain.data import sources
+
+    monkeypatch.setattr(sources, "MAX_JSON_RECORD_BYTES", 1 << 20, raising=False)  # 1 MiB: a fast test
+    path = tmp_path / "d" / "train.jsonl"
+    path.parent.mkdir()
+    path.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(3)))
+    with open(path, "ab") as f:
+        f.truncate(f.tell() + (2 << 20))  # line 4: 2 MiB of NUL bytes, sparse
+    with open(path, "a") as f:
+        f.write("\n" + json.dumps({"text": "after"}) + "\n")
+    out = tmp_path / "out"
+    given = str(path) if data == "file" else f"hf:{path.parent}"
+    assert main(["train", *cli_flags({**RUN, "data": given, "steps": 1, "out": str(out)})]) == 2
+    err = _one_error_line(capsys.readouterr().err)
+    assert f"{str(path)!r} line 4 is longer than 1 MiB" in err and "split it into records" in err, err
+    assert not out.exists()
+
+
 # --------------------------------------------------------------------------- 2. one huge line
 _RSS = textwrap.dedent("""
     import resource, sys

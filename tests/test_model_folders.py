@@ -173,6 +173,32 @@ def test_a_fifo_in_a_model_folder_is_refused_without_being_opened(tokenizer_dir,
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("name", ["tokenizer.json", "config.json", "additional_chat_templates/t.jinja"])
+def test_a_file_too_large_to_read_whole_is_refused_before_it_is_read(tokenizer_dir, corpus, tmp_path, capsys,
+                                                                      monkeypatch, name):
+    """A 3 GB tokenizer.json (a sparse file) took 73 s and 16 GB of memory before its refusal:
+    transformers reads a model folder's config and tokenizer files whole. Refused by its size, from
+    ``stat``, before anything reads it; a large file no reader opens (a README) stays allowed."""
+    from memtrain.models import spec
+
+    monkeypatch.setattr(spec, "MAX_READ_WHOLE_BYTES", 1 << 20, raising=False)  # a 1 MiB limit: a fast test
+    model = model_folder(tmp_path / "m", tokenizer_dir)
+    (model / name).parent.mkdir(exist_ok=True)
+    with open(model / name, "ab") as f:
+        f.truncate(2 << 20)  # sparse: no bytes written
+    with open(model / "README.md", "wb") as f:
+        f.truncate(2 << 20)
+    capsys.readouterr()
+    assert main(_flags(model, corpus, tmp_path / "o")) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"{name!r} is larger than 1,048,576 bytes" in line and "replace it with the model's own file" in line, line
+    assert not (tmp_path / "o").exists()
+    (model / name).unlink()
+    if name == "config.json":
+        return
+    assert main(["estimate", "--model", str(model), "--seq-len", "16"]) == 0  # the README is never read
+
+
 @pytest.mark.parametrize("text, words", [("{not json", "Expecting property name"),
                                          ("{}", "lacks the field 'added_tokens'"),
                                          ("[" * 100_000 + "]" * 100_000, "recursion")])
@@ -334,6 +360,29 @@ def test_a_fifo_in_a_dataset_folder_is_refused_without_being_opened(corpus, tmp_
     with unblocks(ds / "b.jsonl"):
         assert main(["train", *cli_flags(run)]) == 2
     assert "'b.jsonl' is a FIFO" in _one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("cut", ["half", "last-100-bytes"])
+def test_a_truncated_checkpoint_is_said_to_be_incomplete_by_every_reader(corpus, tmp_path, capsys, cut):
+    """A checkpoint cut short (a copy stopped midway, a disk full while it was written) was called
+    "not a memtrain checkpoint" by --resume, export and generate: the user went looking for
+    another file. It is said to be incomplete, with what to do; nothing runs or is written."""
+    from memtrain.checkpoints.exact import save_checkpoint
+
+    whole = tmp_path / "whole.pt"
+    save_checkpoint(whole, _run_state(build_config({**TINY_MODEL, "seq_len": 16, "batch_size": 2, "steps": 4})))
+    data = whole.read_bytes()
+    ckpt = tmp_path / "cut.pt"
+    ckpt.write_bytes(data[:len(data) // 2] if cut == "half" else data[:-100])
+    run = {**TINY_MODEL, **RUN, "data": str(corpus), "steps": 4, "out": str(tmp_path / "o"), "resume": str(ckpt)}
+    for argv in (["train", *cli_flags(run)], ["export", str(ckpt), str(tmp_path / "x")], ["generate", str(ckpt)]):
+        assert main(argv) == 2, argv
+        line = _one_error_line(capsys.readouterr().err)
+        assert f"checkpoint {str(ckpt)!r} is incomplete" in line and "copy it again" in line, line
+    assert not (tmp_path / "o").exists() and not (tmp_path / "x").exists()
+    (tmp_path / "junk.pt").write_bytes(b"not a zip")  # a file of another kind keeps its words
+    assert main(["generate", str(tmp_path / "junk.pt")]) == 2
+    assert "it is not a memtrain checkpoint" in _one_error_line(capsys.readouterr().err)
 
 
 # ------------------------------------------------------------------------------ 3. sharded checkpoints: storage files
@@ -672,6 +721,41 @@ def test_a_config_number_that_is_not_finite_is_refused_by_every_verb(tmp_path, c
     assert main(["generate", str(tmp_path / "m")]) == 2
     assert f"has {field} {shown}, not a finite number" in _one_error_line(capsys.readouterr().err)
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("family, field, value, words", [
+    ("granite", "logits_scaling", None, "has logits_scaling null, not a number; granite divides by it"),
+    ("granite", "logits_scaling", 0, "has logits_scaling 0; granite divides by it: write a number other than 0"),
+    ("granite", "residual_multiplier", "2", 'has residual_multiplier "2", not a number; granite multiplies by it'),
+    ("granite", "attention_multiplier", 10 ** 400, "too large for a float; granite multiplies by it"),
+    ("cohere", "logit_scale", None, "has logit_scale null, not a number; cohere multiplies by it"),
+    ("minicpm3", "dim_model_base", 0, "has dim_model_base 0; minicpm3 divides by it"),
+])
+def test_a_scale_field_that_is_no_number_is_one_line_naming_it(tmp_path, capsys, family, field, value, words):
+    """A family's scale factor set to null, a string or 0: transformers types Cohere's logit_scale
+    as optional, and `generate` stopped with `Tensor * None`'s TypeError; Granite's
+    logits_scaling 0 stopped `train` with a ZeroDivisionError (exit 1, after the model was built)."""
+    import transformers
+
+    from memtrain.models.spec import refuse_bad_scales
+
+    small = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=4,
+                 num_hidden_layers=1, max_position_embeddings=128, vocab_size=50304)
+    configs = {"granite": transformers.GraniteConfig, "cohere": transformers.CohereConfig,
+               "minicpm3": lambda **kw: transformers.MiniCPM3Config(**kw, kv_lora_rank=16, q_lora_rank=16,
+                                                                     qk_nope_head_dim=8, qk_rope_head_dim=8)}
+    configs[family](**small).save_pretrained(tmp_path / "m")
+    path = tmp_path / "m" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), field: value}))
+    for argv in (["estimate", "--model", str(tmp_path / "m"), "--seq-len", "16"],
+                 ["train", "--model", str(tmp_path / "m"), "--steps", "1", "--seq-len", "16", "--batch-size", "1",
+                  "--out", str(tmp_path / "o")],
+                 ["generate", str(tmp_path / "m"), "--prompt", "hi", "--seed", "1"]):
+        assert main(argv) == 2, argv
+        line = _one_error_line(capsys.readouterr().err)
+        assert words in line and " there (or remove the field" in line, (argv, line)
+    assert not (tmp_path / "o").exists()
+    refuse_bad_scales({"model_type": "minicpm3", "scale_depth": None, "dim_model_base": None}, "c")  # its no-op scales
 
 
 @pytest.mark.parametrize("vocab", [0, -5])

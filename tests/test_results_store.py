@@ -55,6 +55,31 @@ def test_report_survives_torn_and_non_object_lines(tmp_path, capsys):
     assert "skipped 2 unreadable line(s)" in captured.err
 
 
+def test_a_line_too_long_for_a_row_is_skipped_without_being_held(tmp_path, capsys):
+    """A 2 GB line in results.jsonl (a sparse or foreign file) took `report` 6 GB of memory and
+    28 s to skip: every line was read whole before it was parsed. A line over 16 MiB is read past
+    in pieces and counted; the rows around it are read."""
+    import tracemalloc
+
+    lines = (DATA / "bench_results.jsonl").read_text().splitlines()
+    path = tmp_path / "results.jsonl"
+    path.write_text(lines[0] + "\n")
+    with open(path, "ab") as f:
+        f.truncate(f.tell() + (200 << 20))  # a 200 MiB line of NUL bytes, sparse: nothing written
+    with open(path, "a") as f:
+        f.write("\n" + "\n".join(lines[1:]) + "\n")
+    tracemalloc.start()
+    try:
+        read = read_jsonl(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (len(read.rows), read.skipped) == (len(lines), 1)
+    assert peak < 40 << 20, f"{peak:,} bytes held"  # the 200 MiB line was held whole
+    assert main(["report", str(tmp_path)]) == 0
+    assert "skipped 1 unreadable line(s)" in capsys.readouterr().err
+
+
 def test_report_of_a_file_with_no_rows_is_bad_input(tmp_path, capsys):
     (tmp_path / "results.jsonl").write_bytes(b"\x00\x01garbage\n[1, 2]\n")
     assert main(["report", str(tmp_path)]) == 2
@@ -105,6 +130,45 @@ def test_folder_lock_refuses_a_second_holder_and_frees_on_exit(tmp_path):
         holder.wait()
     with FolderLock(tmp_path, "memtrain bench"):  # the kernel dropped the dead holder's lock
         pass
+
+
+def test_report_waits_for_a_bench_still_writing_its_folder(tmp_path, capsys):
+    """`memtrain report DIR` while a bench runs in DIR built a report from the rows of the moment,
+    which could land after the bench's own final report and be the one left. Refused in one line
+    while the bench holds the folder, nothing written; it runs once the bench is gone."""
+    (tmp_path / "results.jsonl").write_text((DATA / "bench_results.jsonl").read_text())
+    code = ("import sys, time; from memtrain.files.results import FolderLock\n"
+            "with FolderLock(sys.argv[1], 'memtrain bench'):\n"
+            "    print('locked', flush=True); time.sleep(60)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert main(["report", str(tmp_path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"is in use by memtrain bench (pid {holder.pid})" in err[0]
+        assert not (tmp_path / "report.md").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(["report", str(tmp_path)]) == 0
+    assert (tmp_path / "report.md").is_file()
+
+
+def test_a_huge_lock_file_is_not_read_whole(tmp_path):
+    """A lock file left huge (sparse, 200 MiB of NUL bytes) was read whole, as text, by the next
+    run taking the folder: only its first MiB can hold the holder's and the writers' lines."""
+    import tracemalloc
+
+    with open(tmp_path / ".memtrain.lock", "wb") as f:
+        f.truncate(200 << 20)
+    tracemalloc.start()
+    try:
+        with FolderLock(tmp_path, "memtrain bench"):
+            peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 20 << 20, f"{peak:,} bytes held"
+    assert (tmp_path / ".memtrain.lock").stat().st_size < 100  # taken: the holder's line alone
 
 
 def test_atomic_writes_get_a_plain_files_mode_and_keep_a_replaced_files(tmp_path):

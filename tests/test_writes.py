@@ -260,6 +260,25 @@ def test_a_fresh_run_on_a_folder_with_results_is_refused_and_resume_appends(tiny
     assert sum("resumed_from_step" in x for x in lines) == 1
 
 
+def test_a_resume_onto_a_huge_result_json_is_refused_before_reading_it(tiny_run, tmp_path, capsys, monkeypatch):
+    """A resumed run read the result.json in its --out whole (to compare its run with its own): a
+    huge or sparse one went into memory, as bytes and then text. One over the limit is refused from
+    its size, unread and kept."""
+    from memtrain.training import preflight
+
+    monkeypatch.setattr(preflight, "MAX_RESULT_BYTES", 1 << 20, raising=False)  # 1 MiB: a fast test
+    out, ck = Path(tiny_run["out"]), tmp_path / "ck.pt"
+    half = {**tiny_run, "steps": 4, "stop_after": 2, "save": str(ck)}
+    assert main(["train", *cli_flags(half)]) == 0
+    with open(out / "result.json", "ab") as f:
+        f.truncate(2 << 20)  # sparse
+    capsys.readouterr()
+    assert main(["train", *cli_flags({**half, "stop_after": 4, "resume": str(ck)})]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "holds a result.json of 2,097,152 bytes, more than memtrain reads back" in line, line
+    assert (out / "result.json").stat().st_size == 2 << 20
+
+
 def test_a_tilde_in_out_and_save_is_the_home_folder_for_the_checks_and_the_writes(tiny_run, home_and_here, capsys):
     """--out '~/r' (quoted, or from a config file): the checks looked in the home folder and the
     run wrote into a folder named "~" in the current one, so a second run passed the fresh-folder
@@ -638,6 +657,29 @@ def test_an_out_path_too_long_for_the_result_is_refused_before_the_first_step(ti
     assert not (tmp_path / parts[0]).exists()
 
 
+def test_a_bench_out_too_long_for_a_rows_files_is_refused_before_the_first_row(small_corpus, tmp_path, capsys):
+    """The bench checked the room of the names it writes at the top of --out, while each row's
+    train writes in OUT/rows/NAME and checked that itself when it ran: a long --out with a long row
+    name ran the rows before it, then refused that row (exit 1). Refused before any row."""
+    from memtrain.config.run import ConfigError
+    from memtrain.training.preflight import check_folder_room
+
+    length = 4036  # baseline's files fit (4,094 bytes with the temporary name), chunked-loss's do not
+    parts, left = [], length - len(os.fsencode(str(tmp_path))) - 1
+    while left > 0:
+        parts.append("d" * min(200, left - 2 if 0 < left - 200 < 2 else left))
+        left -= len(parts[-1]) + 1
+    out = tmp_path.joinpath(*parts)
+    assert len(os.fsencode(str(out))) == length
+    assert main(["bench", "--techniques", "baseline,chunked-loss", "--out", str(out), "--no-maxbatch",
+                 "--data", str(small_corpus), "--steps", "1", "--no-progress"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert line.startswith("error: --out (row chunked-loss)") and "give a shorter path" in line
+    assert not (tmp_path / parts[0]).exists()  # no row ran, nothing was written
+    with pytest.raises(ConfigError, match="the folder name .* has 300 bytes, over the 255"):
+        check_folder_room(tmp_path / "rows" / ("r" * 300), ["result.json"], "--out")
+
+
 def test_a_name_too_long_for_the_system_is_one_line_saying_so(tiny_run, tmp_path, capsys):
     """A name over 255 bytes (--out, --data) was exit 1 with Python's
     "OSError: [Errno 36] File name too long" and the whole path; it is bad input, one line that
@@ -761,6 +803,34 @@ def test_an_out_a_data_glob_reads_through_a_link_below_its_wildcard_is_refused(t
                ("corpus/*/*.jsonl", elsewhere / "deep"), ("corpus/**/*.jsonl", tmp_path / "elsewhere2")]
     for pattern, out in allowed:
         check_out_outside_data(out, pattern, TRAIN_FILES)
+
+def test_an_out_a_data_folder_reads_through_a_file_link_is_refused(tiny_run, tmp_path, capsys):
+    """`--data corpus` (a folder, no wildcard) with `corpus/x.txt -> ../run/metrics.jsonl`: the
+    folder reader's rglob lists the link and reads its target, while the check compared folders
+    only, so the run trained and the next one read its own loss curve as text. The check looks at
+    what the reader lists (the rule the glob case uses), a link that dangles until the run writes
+    its target included."""
+    from memtrain.config.run import ConfigError
+    from memtrain.files.results import TRAIN_FILES
+    from memtrain.training.preflight import check_out_outside_data
+
+    corpus, run_dir = tmp_path / "corpus", tmp_path / "run"
+    corpus.mkdir()
+    shutil.copy(tiny_run["data"], corpus / "a.txt")
+    (corpus / "x.txt").symlink_to(Path("..") / "run" / "metrics.jsonl")  # dangling until a run writes it
+    run = {**tiny_run, "steps": 1, "warmup_steps": 0, "val_fraction": 0.5}
+    assert main(["train", *cli_flags({**run, "data": str(corpus), "out": str(run_dir)})]) == 2
+    assert f"is where --data {str(corpus)!r} reads: the metrics.jsonl" in _one_error_line(capsys.readouterr().err)
+    assert not run_dir.exists()
+    single = tmp_path / "one.jsonl"
+    single.symlink_to(run_dir / "result.json")
+    with pytest.raises(ConfigError, match="reads: the result.json"):
+        check_out_outside_data(run_dir, str(single), TRAIN_FILES)  # a file --data that links there
+    # What the folder reader does not list stays allowed: a link whose name it skips (".md").
+    (corpus / "x.txt").unlink()
+    (corpus / "x.md").symlink_to(run_dir / "metrics.jsonl")
+    check_out_outside_data(run_dir, str(corpus), TRAIN_FILES)
+
 
 @pytest.mark.parametrize("failing", ["second", "every"])
 def test_a_periodic_checkpoint_that_cannot_be_written_does_not_stop_the_run(tiny_run, tmp_path, capsys, monkeypatch,

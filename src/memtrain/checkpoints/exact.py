@@ -13,6 +13,7 @@ import os
 import pickle
 import re
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -324,7 +325,26 @@ def read_state(p: Path, missing_hint: str, mmap: bool = False) -> Any:
         raise ConfigError(f"cannot read checkpoint {str(p)!r} ({exc.strerror or type(exc).__name__}); check its "
                           "permissions") from None
     except Exception as exc:  # a truncated or foreign file
-        raise ConfigError(f"cannot read checkpoint {str(p)!r} ({type(exc).__name__}); it is not a memtrain checkpoint") from None
+        raise unreadable_checkpoint(p, exc) from None
+
+
+# How every zip file, and so every torch checkpoint, starts.
+ZIP_MAGIC = b"PK\x03\x04"
+
+
+def unreadable_checkpoint(p: Path, exc: BaseException) -> ConfigError:
+    """The one line for a checkpoint file torch cannot load: a zip archive without its end (a
+    copy cut short, a disk that filled while it was written) is said to be incomplete, with what
+    to do; it was called "not a memtrain checkpoint", which sent the user after the wrong file."""
+    try:
+        with open(p, "rb") as f:
+            truncated = f.read(len(ZIP_MAGIC)) == ZIP_MAGIC and not zipfile.is_zipfile(f)
+    except OSError:
+        truncated = False
+    if truncated:
+        return ConfigError(f"checkpoint {str(p)!r} is incomplete (its zip archive has no end: a copy cut short, or a "
+                           "disk that filled while it was written); copy it again, or give an earlier checkpoint")
+    return ConfigError(f"cannot read checkpoint {str(p)!r} ({type(exc).__name__}); it is not a memtrain checkpoint")
 
 
 def save_checkpoint(path: str | Path, run: TrainState) -> None:

@@ -14,6 +14,7 @@ from memtrain.bench.runner import (
     check_row_folders,
     check_rows_data,
     resolve_rows,
+    row_folder,
     run_bench,
     settings_hash,
 )
@@ -29,9 +30,15 @@ from memtrain.bench.technique_sets import (
 from memtrain.cli import add_config_flags, fmt_bytes, register
 from memtrain.config.argtypes import batch_count, positive_float, rank_count, user_path
 from memtrain.config.run import SECTIONS, ConfigError, load_config_file, parse_size
-from memtrain.files.results import OUT_FILES
+from memtrain.files.results import OUT_FILES, TRAIN_FILES
 from memtrain.report import write_report
-from memtrain.training.preflight import check_name_room, check_out_names, check_out_outside_data, check_writable_dir
+from memtrain.training.preflight import (
+    check_folder_room,
+    check_name_room,
+    check_out_names,
+    check_out_outside_data,
+    check_writable_dir,
+)
 
 
 def warn_skipped_lines(out: Path, summary: dict) -> None:
@@ -192,6 +199,8 @@ def run(args: argparse.Namespace) -> int:
     # a row of the same technique that an earlier bench ran otherwise.
     resolved = resolve_rows(opts)  # once: the settings and the bench use the same rows
     check_row_folders(opts.out, [name for name, _ in resolved])  # a link at rows/: before the folder exists
+    for name, _ in resolved:  # each row's train checks its own folder, when it runs: too late for the rows after it
+        check_folder_room(row_folder(opts.out, name), TRAIN_FILES, f"--out (row {name})")
     shared = bench_settings(opts, resolved)
     check_rows_data(resolved)  # empty or unreadable data: one error: line, no folder
     for data in sorted({cfg.data.data for _, cfg in resolved}):  # results.jsonl read by the next row

@@ -9,7 +9,7 @@ from memtrain.cli import register
 from memtrain.commands.bench import warn_skipped_lines
 from memtrain.config.argtypes import user_path
 from memtrain.config.run import ConfigError
-from memtrain.files.results import bench_results_file, read_results_counted, row_settings
+from memtrain.files.results import FolderLock, bench_results_file, read_results_counted, row_settings
 from memtrain.report import write_report
 
 
@@ -25,6 +25,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     out = Path(args.dir)
     bench_results_file(out, "memtrain report")
+    # Held while the report is built: a bench still running in DIR writes its report at its end,
+    # and ours, from the rows of the moment, could land after it and be the one left.
+    with FolderLock(out, "memtrain report", flag="DIR", cleanup_if_unused=True):
+        return _report(out, args)
+
+
+def _report(out: Path, args: argparse.Namespace) -> int:
     # Read and check the rows before writing: a file with no rows must not replace a good report.
     read = read_results_counted(out)
     if not read.rows:

@@ -67,6 +67,10 @@ TXT_DOC_CHARS = 8192
 # (memtrain.data.tokenizer.encoding_pieces), into documents of at most this many characters:
 # reading a 200 MB line whole, then tokenizing it, needed gigabytes.
 TXT_MAX_LINE_CHARS = 1 << 20
+# A .jsonl line longer than this is refused before any reader holds it: pyarrow and the check
+# that names a bad line each hold a record whole, several times over (a 300 MiB line took 1.8 GB
+# of memory before its refusal, and memory grows with the line).
+MAX_JSON_RECORD_BYTES = 64 << 20
 
 # Directories of the standard library that hold tests, the IDLE application or installed
 # third-party packages rather than documented library code.
@@ -263,7 +267,7 @@ def resolve_local_files(pattern: str) -> list[Path]:
     elif path.is_dir() and is_saved_dataset(path):
         raise ConfigError(f"--data {pattern!r} is a folder written by datasets' save_to_disk; give --data hf:{pattern}")
     elif path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUPPORTED_SUFFIXES)
+        files = sorted(p for p in listed_entries(pattern) if p.is_file())
         if not files:
             raise ConfigError(
                 f"directory {pattern!r} holds no {', '.join(SUPPORTED_SUFFIXES)} files; check --data"
@@ -289,9 +293,26 @@ def resolve_local_files(pattern: str) -> list[Path]:
     return files
 
 
+def listed_entries(pattern: str) -> Iterator[Path]:
+    """Every entry the reader lists for the local ``--data`` ``pattern`` (a glob, ``**`` any depth;
+    a folder: its supported files at any depth, hidden ones too, links to folders not followed, as
+    ``rglob`` walks; a file: itself), before it keeps the files among them. A link that dangles now is listed:
+    once a run writes its target, the next run reads it (``preflight.check_out_outside_data``)."""
+    path = Path(pattern).expanduser()
+    if glob.has_magic(pattern):
+        return _glob_entries(pattern)
+    if path.is_dir():
+        return (p for p in path.rglob("*") if p.suffix.lower() in SUPPORTED_SUFFIXES)
+    return iter([path] if path.is_symlink() or path.is_file() else [])
+
+
+def _glob_entries(pattern: str) -> Iterator[Path]:
+    return (Path(p) for p in glob.iglob(str(Path(pattern).expanduser()), recursive=True))
+
+
 def _match_files(pattern: str, data: str) -> list[Path]:
     """Sorted files matching a glob (``**`` allowed); none -> ConfigError naming ``--data``."""
-    files = sorted(Path(p) for p in glob.glob(str(Path(pattern).expanduser()), recursive=True) if Path(p).is_file())
+    files = sorted(p for p in _glob_entries(pattern) if p.is_file())
     if not files:
         raise ConfigError(f"no file matches {pattern!r}; check --data {data!r}")
     return files
@@ -602,12 +623,30 @@ def _check_json_nesting(files: list[Path]) -> None:
     for path in files:
         try:
             with path.open("rb") as fh:
-                line = json_depth_error(bounded_lines(fh))
+                pieces = bounded_lines(fh)
+                if path.suffix.lower() == ".jsonl":  # one record a line (a .json array may be one line)
+                    pieces = _records_within(path, pieces)
+                line = json_depth_error(pieces)
         except OSError as exc:
             raise ConfigError(f"cannot read {str(path)!r} ({exc.strerror or type(exc).__name__}); check --data") from None
         if line is not None:
             raise ConfigError(f"{str(path)!r} line {line}: JSON nested deeper than {MAX_JSON_DEPTH} levels; "
                               "flatten that record or remove it from the data")
+
+
+def _records_within(path: Path, pieces: Iterable[bytes]) -> Iterator[bytes]:
+    """``pieces`` (of lines, as :func:`bounded_lines` gives them), refusing a line longer than
+    MAX_JSON_RECORD_BYTES as soon as the count passes it."""
+    size, line = 0, 1
+    for piece in pieces:
+        size += len(piece)
+        if size > MAX_JSON_RECORD_BYTES:
+            raise ConfigError(f"{str(path)!r} line {line} is longer than {MAX_JSON_RECORD_BYTES >> 20} MiB, more than "
+                              "memtrain reads as one record (its readers hold a record whole, several times over); "
+                              "split it into records, or give the text as a .txt file (read in pieces)")
+        if piece.endswith(b"\n"):
+            size, line = 0, line + 1
+        yield piece
 
 
 def _load_dataset(path: str, *, split: str, label: str, hub: bool = False, **kwargs: Any) -> Any:

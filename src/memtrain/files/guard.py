@@ -13,7 +13,7 @@ Imports only the standard library: the analytic commands reach it without torch.
 from __future__ import annotations
 
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Optional
 
@@ -83,9 +83,12 @@ def regular_file_problem(path: Path, root: Path, link_roots: Iterable[Path] = ()
     return None
 
 
-def folder_entry_problems(folder: Path, entries: Iterable[Path], link_roots: Iterable[Path] = ()) -> Iterator[tuple[Path, str]]:
+def folder_entry_problems(folder: Path, entries: Iterable[Path], link_roots: Iterable[Path] = (),
+                          max_bytes: Callable[[Path], Optional[int]] = lambda entry: None,
+                          ) -> Iterator[tuple[Path, str]]:
     """``(entry, why)`` for each entry of ``folder`` that may not be read: a folder (or a link to
-    one inside ``folder``) passes, anything else must pass :func:`regular_file_problem`."""
+    one inside ``folder``) passes, anything else must pass :func:`regular_file_problem`, with
+    ``max_bytes(entry)`` as its size limit (a file its reader reads whole)."""
     roots = tuple(link_roots)
     for entry in entries:
         try:
@@ -98,7 +101,7 @@ def folder_entry_problems(folder: Path, entries: Iterable[Path], link_roots: Ite
         if stat.S_ISLNK(st.st_mode) and entry.is_dir():
             why = _link_target_problem(entry, (folder.resolve(), *(r.resolve() for r in roots)))
         else:
-            why = regular_file_problem(entry, folder, roots)
+            why = regular_file_problem(entry, folder, roots, max_bytes(entry))
         if why is not None:
             yield entry, why
 

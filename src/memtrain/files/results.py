@@ -49,7 +49,7 @@ import shutil
 import stat
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Optional
@@ -170,6 +170,26 @@ def bounded_lines(fh: IO[bytes], piece: int = SCAN_PIECE_BYTES) -> Iterable[byte
     the last ends with a newline): memory stays bounded however long a line is."""
     while chunk := fh.readline(piece):
         yield chunk
+
+
+def bounded_jsonl_lines(fh: IO[bytes], most: Optional[int] = None) -> Iterator[Optional[bytes]]:
+    """Each line of a binary file, or None for one longer than ``most`` bytes
+    (MAX_JSONL_LINE_BYTES), which is read past in pieces, never held whole."""
+    most = MAX_JSONL_LINE_BYTES if most is None else most
+    pieces: list[bytes] = []
+    size, too_long = 0, False
+    for piece in bounded_lines(fh):
+        size += len(piece)
+        too_long = too_long or size > most
+        if too_long:
+            pieces.clear()
+        else:
+            pieces.append(piece)
+        if piece.endswith(b"\n"):
+            yield None if too_long else b"".join(pieces)
+            pieces, size, too_long = [], 0, False
+    if size:
+        yield None if too_long else b"".join(pieces)
 
 
 def _bounded_int(text: str) -> int:
@@ -518,6 +538,11 @@ class JsonlRead:
     skipped: int = 0
 
 
+# A JSON-lines line longer than this is skipped unread: a bench row is about 10 KB, and a line of
+# 2 GB (a sparse or foreign results.jsonl) took `report` 6 GB of memory and 28 s to skip.
+MAX_JSONL_LINE_BYTES = 16 << 20
+
+
 def read_jsonl(path: Path) -> JsonlRead:
     """Every JSON object line of ``path`` (missing file: none); other lines are counted."""
     path = Path(path)
@@ -525,7 +550,10 @@ def read_jsonl(path: Path) -> JsonlRead:
     if not path.is_file():
         return read
     with open(path, "rb") as fh:
-        for raw in fh:
+        for raw in bounded_jsonl_lines(fh):
+            if raw is None:  # too long to be a row
+                read.skipped += 1
+                continue
             raw = raw.strip()
             if not raw:
                 continue
@@ -566,6 +594,11 @@ def process_start(pid: int) -> Optional[str]:
     after_name = text[text.rfind(")") + 2:].split()  # the name may hold spaces and parentheses
     state, start = after_name[0], after_name[19]
     return None if state in ("Z", "X") else start
+
+
+# What is read of a lock file: its holder's line and one per writer rank (tens of bytes each; the
+# holder truncates the file when it takes it). A sparse 1 GiB lock file was read whole.
+MAX_LOCK_CHARS = 1 << 20
 
 
 def _live_writers(text: str) -> list[str]:
@@ -675,7 +708,7 @@ class FolderLock:
                 break
             fh.close()
         fh.seek(0)
-        live = _live_writers(fh.read())
+        live = _live_writers(fh.read(MAX_LOCK_CHARS))
         if live:  # the holder is gone, its writers are not (e.g. the ranks of a killed launcher)
             fh.close()
             raise self._in_use(live[0])

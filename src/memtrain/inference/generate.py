@@ -188,9 +188,13 @@ def sample_ids(hf: Any, x: torch.Tensor, settings: Any, **extra: Any) -> torch.T
 
     transformers fills an eos that the settings leave unset from the model's own generation config
     (its ``config.json``'s or ``generation_config.json``'s eos), so a sample that drew it stopped there
-    and was padded, shorter than the estimate's run and with pad tokens in its text: the model's eos
-    is cleared first."""
-    hf.generation_config.eos_token_id = None
+    and was padded, shorter than the estimate's run and with pad tokens in its text: the model's
+    generation config is replaced by a default one first (the eos and every other setting)."""
+    # Not only the eos: transformers fills every setting ``settings`` leaves at its default from
+    # the model's own generation config, so a folder's generation_config.json (Qwen's
+    # repetition_penalty and top_p, a num_beams) changed what was sampled, and num_beams 0 ended in
+    # ZeroDivisionError. A default config in its place leaves the command line's settings alone.
+    hf.generation_config = require_transformers().GenerationConfig()
     with torch.no_grad():
         return hf.generate(x, attention_mask=torch.ones_like(x), generation_config=settings, **extra)
 

@@ -33,7 +33,7 @@ from typing import Any, Optional
 
 from memtrain.config.archs import GPT2_ARCH, LLAMA_ARCH
 from memtrain.config.presets import PRESETS
-from memtrain.errors import ConfigError
+from memtrain.errors import ConfigError, shortened
 from memtrain.files.guard import folder_entry_problems, special_file_kind, visible_entries
 from memtrain.models.hub_access import from_pretrained_kwargs, offline_hint
 
@@ -113,6 +113,11 @@ TOKENIZER_ID_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.mode
 # Subfolders of a model folder that transformers reads by name (AutoTokenizer loads the chat
 # templates in this one); the other subfolders of a model folder are never opened.
 READ_SUBFOLDERS = ("additional_chat_templates",)
+# A model folder's files that memtrain or transformers read whole into memory (config, tokenizer,
+# chat templates, the weights' index) may have at most this many bytes: a 3 GB tokenizer.json
+# (a sparse file) took 73 s and 16 GB of memory before its refusal, where the machine had that much.
+READ_WHOLE_SUFFIXES = (".json", ".txt", ".model", ".jinja")
+MAX_READ_WHOLE_BYTES = 256 << 20
 
 
 def bundled_names() -> list[str]:
@@ -289,6 +294,7 @@ def read_config_json(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{shown!r} names custom model code (auto_map); memtrain never runs code shipped with a "
                           "model: use a model type transformers ships")
     refuse_non_finite(data, shown)
+    refuse_bad_scales(data, shown)
     _refuse_no_vocabulary(data, shown)
     model_type = data.get("model_type")
     if not isinstance(model_type, str) or not model_type:
@@ -313,6 +319,54 @@ def refuse_non_finite(data: dict[str, Any], shown: str) -> None:
             queue.extend((f"{name}.{key}", item) for key, item in value.items())
         elif isinstance(value, list):
             queue.extend((f"{name}[{i}]", item) for i, item in enumerate(value))
+
+
+# The scale factors a family's modeling file multiplies (or, ``DIVIDES``, divides) hidden states
+# or logits by. transformers types some as optional (Cohere's ``logit_scale: float | None``) and
+# older releases check none, so a null or a string stopped `generate` with `Tensor * None`'s
+# TypeError (exit 1), and a divisor of 0 stopped `train` with a ZeroDivisionError.
+_GRANITE_SCALES = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+SCALE_FIELDS: dict[str, tuple[str, ...]] = {
+    **{t: _GRANITE_SCALES for t in ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granite_swa",
+                                    "granitemoe_swa", "hyperclovax")},
+    **{t: ("logit_scale",) for t in ("cohere", "cohere2", "cohere2_moe")},
+    "falcon_h1": ("lm_head_multiplier", "embedding_multiplier", "key_multiplier", "attention_in_multiplier",
+                  "attention_out_multiplier", "ssm_in_multiplier", "ssm_out_multiplier"),
+    "minicpm3": ("scale_emb", "scale_depth", "dim_model_base"),
+}
+SCALE_DIVISORS = frozenset({"logits_scaling", "dim_model_base"})
+# Nulls the family's config turns into its no-op scale (MiniCPM3Config.__post_init__).
+SCALE_NULLS = {"minicpm3": frozenset({"scale_depth", "dim_model_base"})}
+
+
+def refuse_bad_scales(data: dict[str, Any], shown: str) -> None:
+    """Refuse a scale field of the config's family (:data:`SCALE_FIELDS`) that is not a number (a
+    null, a string, true), is too large for a float, or is 0 where the model divides by it."""
+    family = data.get("model_type")
+    if not isinstance(family, str):
+        return  # read_config_json names a missing model_type
+    for name in SCALE_FIELDS.get(family, ()):
+        if name not in data or (data[name] is None and name in SCALE_NULLS.get(family, ())):
+            continue
+        value, divisor = data[name], name in SCALE_DIVISORS
+        problem = _scale_problem(value, divisor)
+        if problem:
+            uses, wanted = ("divides by", "a number other than 0") if divisor else ("multiplies by", "a number")
+            said = "" if problem == "zero" else f", {problem}"
+            raise ConfigError(f"{shown!r} has {name} {shortened(json.dumps(value))}{said}; {family} {uses} it: write "
+                              f"{wanted} there (or remove the field for transformers' default)")
+
+
+def _scale_problem(value: Any, divisor: bool) -> str:
+    """Why ``value`` cannot be a scale factor ("" when it can)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "not a number"
+    try:
+        if not math.isfinite(float(value)):
+            return "not a finite number"
+    except OverflowError:  # an integer of hundreds of digits
+        return "too large for a float"
+    return "zero" if divisor and value == 0 else ""
 
 
 def _refuse_no_vocabulary(data: dict[str, Any], shown: str) -> None:
@@ -408,10 +462,17 @@ def check_model_folder(folder: Path, spec: str) -> None:
     for sub in READ_SUBFOLDERS:
         if (folder / sub).is_dir() and not (folder / sub).is_symlink():
             entries += visible_entries(folder / sub, recursive=True)
-    for entry, why in folder_entry_problems(folder, entries, _snapshot_blobs(folder)):
+    for entry, why in folder_entry_problems(folder, entries, _snapshot_blobs(folder), _read_whole_limit):
         name = str(entry.relative_to(folder))
+        if why.startswith("larger than"):
+            raise ConfigError(f"--model {spec!r}: {name!r} is {why}, the most memtrain lets transformers read whole "
+                              "into memory; replace it with the model's own file")
         raise ConfigError(f"--model {spec!r}: {name!r} is {why}; a model folder may hold only regular files "
                           "inside it, remove or replace that entry")
+
+
+def _read_whole_limit(entry: Path) -> Optional[int]:
+    return MAX_READ_WHOLE_BYTES if entry.suffix.lower() in READ_WHOLE_SUFFIXES else None
 
 
 def _name_key(name: str) -> str:

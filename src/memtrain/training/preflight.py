@@ -129,6 +129,19 @@ def check_name_room(folder: str | Path, names: Iterable[str], flag: str) -> None
                               f"has {full:,} bytes, over the {path_max:,} a path may have here; give a shorter path")
 
 
+def check_folder_room(folder: str | Path, names: Iterable[str], flag: str) -> None:
+    """``folder``, one memtrain creates, has a name the file system takes, and each of ``names``
+    written in it fits (:func:`check_name_room`): a bench row's folder (``OUT/rows/NAME``) is made,
+    and its files written, only when that row runs, after the rows before it."""
+    where = Path(folder)
+    name_max = _path_limit(_nearest_existing(where.absolute()), "PC_NAME_MAX", 255)
+    size = len(os.fsencode(where.name))
+    if size > name_max:
+        raise ConfigError(f"{flag}: the folder name {shortened(where.name)!r} has {size} bytes, over the {name_max} "
+                          "a name may have here; shorten it")
+    check_name_room(where, names, flag)
+
+
 def check_writable_file(path: str | Path, flag: str) -> None:
     """``path`` is (or can become) a file memtrain can replace atomically."""
     p = Path(path).expanduser()
@@ -190,10 +203,11 @@ def check_out_outside_data(out: str | Path, data: str, names: Iterable[str], fla
     ``--out corpus``), made the next run, a resume or a bench's next row read result.json,
     metrics.jsonl or results.jsonl as text to train on (or refuse it, the data's fingerprint
     changed). A glob is matched as the data reads it (:func:`glob_lists`: ``**`` any number of levels;
-    :func:`glob_reads_through_links`: through links below its wildcard parts)."""
+    :func:`glob_reads_through_links`: through links below its wildcard parts); a glob's, a folder's
+    or a file's entry that links to one of ``names`` is seen by :func:`linked_to_written`."""
     if data == "default" or data.startswith("hf:"):
         return
-    from memtrain.data.sources import SUPPORTED_SUFFIXES  # memtrain.data loads torch: not for --help
+    from memtrain.data.sources import SUPPORTED_SUFFIXES, listed_entries  # memtrain.data loads torch: not for --help
 
     read = [name for name in names if Path(name).suffix.lower() in SUPPORTED_SUFFIXES]
     # Links and ".." resolved on both sides: `--data corpus_link --out corpus/run` (or a glob through
@@ -208,6 +222,9 @@ def check_out_outside_data(out: str | Path, data: str, names: Iterable[str], fla
     else:
         inside = source.is_dir() and (target == real_source or real_source in target.parents)
         hit = read[0] if inside and read else None
+    # A file the reader lists now that links to one memtrain writes (`corpus/x.txt ->
+    # ../run/metrics.jsonl`, dangling until the run writes it): the folder reader's rglob follows it.
+    hit = hit or linked_to_written(listed_entries(data), target, read)
     if hit is not None:
         raise ConfigError(f"{flag} {str(out)!r} is where --data {data!r} reads: the {hit} memtrain writes there would be "
                           "read as text to train on by the next run (or a resumed one); choose an --out outside the data")
@@ -216,19 +233,20 @@ def check_out_outside_data(out: str | Path, data: str, names: Iterable[str], fla
 def glob_reads_through_links(data: str, target: Path, names: list[str]) -> Optional[str]:
     """The first of ``names`` in the folder ``target`` (resolved) that the --data glob ``data``
     reads through a link below one of its wildcard parts (``corpus/sub`` a link elsewhere,
-    ``--data 'corpus/**/*.jsonl'``, ``--out`` under the link's target), or that a file the glob
-    lists now links to. realpath resolves only the parts before the first wildcard, and glob's
+    ``--data 'corpus/**/*.jsonl'``, ``--out`` under the link's target). realpath resolves only the parts before the first wildcard, and glob's
     wildcards (``**`` included) follow links to folders, as the reader's ``glob.glob`` does."""
     # As given (relative stays relative, ".." kept): glob walks it so, and a working folder whose
     # name holds "[" would be read as a wildcard.
     pattern = Path(data).expanduser()
-    wanted = {target / name: name for name in names}
-    for listed in glob.iglob(str(pattern), recursive=True):  # what the reader reads now
-        hit = wanted.get(Path(os.path.realpath(listed)))
-        if hit is not None:
-            return hit
     return next((hit for folder in _folders_walked(pattern) if (hit := _read_through(pattern, folder, target, names))),
                 None)
+
+
+def linked_to_written(listed: Iterable[Path], target: Path, names: list[str]) -> Optional[str]:
+    """The first of ``names`` in the folder ``target`` (resolved) that an entry of ``listed`` (what
+    the reader lists, :func:`memtrain.data.sources.listed_entries`) is, or links to."""
+    wanted = {target / name: name for name in names}
+    return next((hit for entry in listed if (hit := wanted.get(Path(os.path.realpath(entry))))), None)
 
 
 def _folders_walked(pattern: Path) -> Iterable[str]:
@@ -282,6 +300,12 @@ def check_fresh_out(out: Path) -> None:
                           "--out, or continue that run with --resume CHECKPOINT")
 
 
+# The largest result.json a resumed run reads back to compare its run with its own: one grows by
+# about 20 bytes a step (loss_history), so this is over ten million steps. A sparse 1 GiB one was
+# read whole, as text, then parsed.
+MAX_RESULT_BYTES = 256 << 20
+
+
 def check_resumed_out(out: Path, cfg: RunConfig) -> None:
     """A resumed run replaces ``result.json`` and appends to ``metrics.jsonl``: allowed in its own
     folder (or a new one), refused where the result.json was written by a different run (other
@@ -291,6 +315,10 @@ def check_resumed_out(out: Path, cfg: RunConfig) -> None:
     path = out / RESULT_NAME
     if not os.path.lexists(path):
         return
+    size = path.stat().st_size
+    if size > MAX_RESULT_BYTES:  # read whole below: a huge (or sparse) file would be, into memory
+        raise ConfigError(f"--out {str(out)!r} holds a result.json of {size:,} bytes, more than memtrain reads back "
+                          f"({MAX_RESULT_BYTES:,}); a resumed run would replace it: choose a new --out")
     try:
         recorded = loads_bounded(path.read_bytes())
     except (OSError, ValueError):
@@ -561,14 +589,14 @@ def _saved_state(path: str | Path) -> dict[str, Any]:
             raise ConfigError(f"cannot read {str(meta_path)!r}; it is not a memtrain checkpoint") from None
     elif p.is_file():
         # memtrain.checkpoints imports torch: loaded only for --resume
-        from memtrain.checkpoints.exact import load_plain
+        from memtrain.checkpoints.exact import load_plain, unreadable_checkpoint
 
         try:
             state = load_plain(p, mmap=True)
         except ConfigError:  # it says what to install
             raise
         except Exception as exc:  # truncated, foreign, or holding more than plain data
-            raise ConfigError(f"cannot read checkpoint {str(p)!r} ({type(exc).__name__}); it is not a memtrain checkpoint") from None
+            raise unreadable_checkpoint(p, exc) from None
     else:
         raise ConfigError(f"checkpoint {str(p)!r} not found; check --resume")
     if not isinstance(state, dict) or not isinstance(state.get("config"), dict) or not isinstance(state.get("step"), int):

@@ -175,6 +175,19 @@ def out_problem(out: Path, opts: argparse.Namespace) -> Optional[str]:
     return None
 
 
+def report_only_problem(out: Path) -> Optional[str]:
+    """Why ``--report-only`` cannot rebuild a report from ``out`` (None when it can): no
+    runs.jsonl, or one holding no run (another tool's file, or every line torn), whose report of
+    rows all "not run", stamped with this machine and now, looked like a finished comparison."""
+    if not (out / RUNS_FILE).is_file():
+        return f"{out / RUNS_FILE} not found; run the comparison first"
+    read = read_runs_counted(out)
+    if not read.rows:
+        return (f"{out / RUNS_FILE} holds no run ({read.skipped} unreadable line(s) skipped); give the folder of a "
+                "comparison, or run the comparison first")
+    return None
+
+
 # The command the reports name (commands.log, compare_hf.md) when the caller does not say.
 DEFAULT_PROG = "python benchmarks/compare_hf.py"
 
@@ -200,6 +213,10 @@ def main(argv: list[str], prog: str = DEFAULT_PROG) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    problem = report_only_problem(out) if opts.report_only else None
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
     skipped = read_runs_counted(out).skipped if (out / RUNS_FILE).is_file() else 0
     if skipped:  # said once; the report and --resume read only the runs
@@ -208,9 +225,6 @@ def main(argv: list[str], prog: str = DEFAULT_PROG) -> int:
     if opts.profile is not None:
         return write_profiles(out, rows, opts.profile, command)
     if opts.report_only:
-        if not (out / RUNS_FILE).is_file():
-            print(f"error: {out / RUNS_FILE} not found; run the comparison first", file=sys.stderr)
-            return 2
         write_report(out, rows, settings, None, start)  # None: keep the commands that produced the runs
         print((out / REPORT_MD).read_text().split("## Memory at the peak")[0])
         return 0
