@@ -361,7 +361,7 @@ def test_a_config_file_the_size_of_data_is_refused_before_it_is_read(tmp_path, c
 
 
 def test_yaml_aliases_sharing_a_list_are_checked_once(tmp_path):
-    from memtrain.config.run import load_config_file
+    from memtrain.config.file import load_config_file
 
     laughs = "a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + "".join(
         f"{chr(98 + i)}: &{chr(98 + i)} [" + ", ".join(["*" + chr(97 + i)] * 9) + "]\n" for i in range(9))

@@ -34,6 +34,7 @@ from memtrain.config.aliases import (
     switch_value,
 )
 from memtrain.config.argtypes import rank_count
+from memtrain.config.file import load_config_file
 from memtrain.config.run import (
     SECTIONS,
     ConfigError,
@@ -43,7 +44,6 @@ from memtrain.config.run import (
     dormant_settings,
     field_index,
     given_settings,
-    load_config_file,
     model_default_attention,
     refuse_long_warmup,
 )

@@ -10,11 +10,17 @@ import errno
 import re
 from typing import Optional
 
-__all__ = ["ConfigError", "denied_access", "is_out_of_memory", "name_too_long", "one_line", "shortened"]
+__all__ = ["ConfigError", "denied_access", "is_out_of_memory", "name_too_long", "one_line", "require", "shortened"]
 
 
 class ConfigError(ValueError):
     """Bad user input. The message is one line that names the problem and the fix."""
+
+
+def require(cond: bool, message: str) -> None:
+    """A :class:`ConfigError` saying ``message`` unless ``cond`` holds."""
+    if not cond:
+        raise ConfigError(message)
 
 
 # C0 and C1 control characters, DEL, and the Unicode line and paragraph separators: anything a
