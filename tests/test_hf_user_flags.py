@@ -13,7 +13,8 @@ import pytest
 
 from conftest import TINY_MODEL, cli_flags
 from memtrain.cli import build_parser, config_from_args, main
-from memtrain.config.run import ConfigError, build_config, train_flags
+from memtrain.config.run import ConfigError, build_config
+from memtrain.config.train_flags import train_flags
 
 
 def _parse(argv: list[str]):

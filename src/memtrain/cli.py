@@ -41,12 +41,12 @@ from memtrain.config.run import (
     ModelConfig,
     RunConfig,
     build_config,
-    dormant_settings,
     field_index,
     given_settings,
     model_default_attention,
     refuse_long_warmup,
 )
+from memtrain.config.train_flags import dormant_settings
 from memtrain.devices.forced import check_forced_env
 from memtrain.distributed.rank_errors import (
     begin_command,

@@ -8,7 +8,8 @@ import re
 import unicodedata
 from typing import Any, Callable, Optional
 
-from memtrain.config.run import DEFAULT_MODULE_TOP, ConfigError, TechniqueConfig, build_config, dormant_settings
+from memtrain.config.run import DEFAULT_MODULE_TOP, ConfigError, TechniqueConfig, build_config
+from memtrain.config.train_flags import dormant_settings
 from memtrain.report.by_module import is_module_table, module_markdown
 from memtrain.report.labels import OPTIM_NAMES, hardware_text, method_cell
 from memtrain.report.noise import noise_markdown
