@@ -35,17 +35,8 @@ from memtrain.config.aliases import (
 )
 from memtrain.config.argtypes import rank_count
 from memtrain.config.file import load_config_file
-from memtrain.config.run import (
-    SECTIONS,
-    ConfigError,
-    ModelConfig,
-    RunConfig,
-    build_config,
-    field_index,
-    given_settings,
-    model_default_attention,
-    refuse_long_warmup,
-)
+from memtrain.config.layers import given_settings, model_default_attention, refuse_long_warmup
+from memtrain.config.run import SECTIONS, ConfigError, ModelConfig, RunConfig, build_config, field_index
 from memtrain.config.train_flags import dormant_settings
 from memtrain.devices.forced import check_forced_env
 from memtrain.distributed.rank_errors import (

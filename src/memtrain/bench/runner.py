@@ -25,17 +25,8 @@ from memtrain.bench.eta import BenchEta
 from memtrain.bench.process import clean_stale_row_dirs, row_tmpdir, start_row, stop_row
 from memtrain.bench.scales import SCALE_BUDGET, SCALE_MAX_BATCH, fitted_scale_overrides, row_base_layers
 from memtrain.bench.technique_sets import describe, noise_twin, technique_overrides
-from memtrain.config.run import (
-    ConfigError,
-    RunConfig,
-    TechniqueConfig,
-    build_config,
-    flatten,
-    normalized_layers,
-    parse_size,
-    refuse_long_warmup,
-    warmup_named,
-)
+from memtrain.config.layers import normalized_layers, refuse_long_warmup, warmup_named
+from memtrain.config.run import ConfigError, RunConfig, TechniqueConfig, build_config, flatten, parse_size
 from memtrain.files.results import (
     FolderLock,
     append_result,

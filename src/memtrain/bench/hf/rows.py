@@ -11,14 +11,8 @@ from memtrain.bench.hf.mapping import hf_plan, trainer_alignment
 from memtrain.bench.runner import config_hash as bench_config_hash
 from memtrain.bench.scales import row_base_layers
 from memtrain.bench.technique_sets import technique_overrides
-from memtrain.config.run import (
-    ConfigError,
-    RunConfig,
-    build_config,
-    normalized_layers,
-    refuse_long_warmup,
-    warmup_named,
-)
+from memtrain.config.layers import normalized_layers, refuse_long_warmup, warmup_named
+from memtrain.config.run import ConfigError, RunConfig, build_config
 from memtrain.files.results import (
     JsonlRead,
     append_jsonl,
