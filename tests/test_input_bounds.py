@@ -43,7 +43,7 @@ def _cli(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
 
 # --------------------------------------------------------------------------- the bounded parse
 def test_depth_scan_agrees_with_json_on_strings_escapes_and_piece_boundaries():
-    from memtrain.files.results import JsonDepthScan
+    from memtrain.files.json_text import JsonDepthScan
 
     text = json.dumps({"a": ["[[[", {"b": "x\\\"]]{{"}], "c": [[["\\"]]], "d": "}}}"}).encode()
     true_depth = 4  # {"c": [[[ ... ]]]}
@@ -54,7 +54,7 @@ def test_depth_scan_agrees_with_json_on_strings_escapes_and_piece_boundaries():
 
 
 def test_loads_bounded_refuses_deep_long_and_non_finite_numbers():
-    from memtrain.files.results import loads_bounded
+    from memtrain.files.json_text import loads_bounded
 
     for hostile in (_deep(100_000), "9" * 400, "9" * 5000, "1e999", "NaN", '{"x": -Infinity}'):
         with pytest.raises(ValueError):

@@ -18,7 +18,7 @@ import yaml
 from memtrain.config.run import SECTIONS, field_index
 from memtrain.errors import ConfigError, require
 from memtrain.files.guard import special_file_kind
-from memtrain.files.results import MAX_INT_DIGITS, MAX_JSON_DEPTH, json_depth_error, loads_bounded
+from memtrain.files.json_text import MAX_INT_DIGITS, MAX_JSON_DEPTH, json_depth_error, loads_bounded
 
 MAX_CONFIG_BYTES = 16 * 2**20
 

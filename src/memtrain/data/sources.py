@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional
 from memtrain.config.run import ConfigError, DataConfig
 from memtrain.data.tokenizer import cut_before_word
 from memtrain.files.guard import folder_entry_problems, special_file_kind, visible_entries
-from memtrain.files.results import MAX_JSON_DEPTH, bounded_lines, json_depth_error, loads_bounded
+from memtrain.files.json_text import MAX_JSON_DEPTH, bounded_lines, json_depth_error, loads_bounded
 from memtrain.runtime.extras import quiet_datasets, require
 
 DEFAULT_SOURCE = "default"

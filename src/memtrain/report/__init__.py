@@ -10,12 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+from memtrain.files.json_text import dumps
 from memtrain.files.results import (
     PLOT_FILES,
     REPORT_FILES,
     JsonlRead,
     drop_planted_link,
-    dumps,
     latest_settings,
     other_settings,
     read_results_counted,

@@ -36,6 +36,7 @@ from memtrain.analysis.limits import check_analytic_size
 from memtrain.config.run import ConfigError, ModelConfig, RunConfig, build_config, field_index, flatten
 from memtrain.errors import shortened
 from memtrain.files.guard import regular_file_problem
+from memtrain.files.json_text import loads_bounded
 from memtrain.files.results import (
     LOCK_NAME,
     METRICS_NAME,
@@ -43,7 +44,6 @@ from memtrain.files.results import (
     RESULT_NAME,
     TRAIN_FILES,
     check_lock_file,
-    loads_bounded,
     longest_temp_name,
     refuse_odd_destination,
 )
