@@ -33,7 +33,8 @@ import memtrain.devices.probe as device_module
 from conftest import TINY_MODEL, cli_flags
 from memtrain.cli import main
 from memtrain.config.run import ConfigError
-from memtrain.files.results import LOCK_NAME, FolderLock
+from memtrain.files.lock import FolderLock
+from memtrain.files.results import LOCK_NAME
 
 BIG = str(10**30)
 HUGE = str(10**300)

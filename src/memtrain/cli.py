@@ -48,12 +48,8 @@ from memtrain.distributed.rank_errors import (
     say_error,
 )
 from memtrain.errors import denied_access, is_out_of_memory, name_too_long, one_line
-from memtrain.files.results import (
-    RESULT_NAME,
-    FolderLock,
-    file_lock,
-    write_json_atomic,
-)
+from memtrain.files.lock import FolderLock, file_lock
+from memtrain.files.results import RESULT_NAME, write_json_atomic
 from memtrain.report.by_module import module_table_lines
 from memtrain.runtime.extras import quiet_third_party
 from memtrain.runtime.notices import install_warning_format, random_base_warning

@@ -27,8 +27,8 @@ from memtrain.bench.scales import SCALE_BUDGET, SCALE_MAX_BATCH, fitted_scale_ov
 from memtrain.bench.technique_sets import describe, noise_twin, technique_overrides
 from memtrain.config.layers import normalized_layers, refuse_long_warmup, warmup_named
 from memtrain.config.run import ConfigError, RunConfig, TechniqueConfig, build_config, flatten, parse_size
+from memtrain.files.lock import FolderLock
 from memtrain.files.results import (
-    FolderLock,
     append_result,
     read_results,
     remove_stale_temps,

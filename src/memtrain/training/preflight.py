@@ -37,13 +37,13 @@ from memtrain.config.run import ConfigError, ModelConfig, RunConfig, build_confi
 from memtrain.errors import shortened
 from memtrain.files.guard import regular_file_problem
 from memtrain.files.json_text import loads_bounded
+from memtrain.files.lock import check_lock_file
 from memtrain.files.results import (
     LOCK_NAME,
     METRICS_NAME,
     OUT_FILES,
     RESULT_NAME,
     TRAIN_FILES,
-    check_lock_file,
     longest_temp_name,
     refuse_odd_destination,
 )

@@ -32,7 +32,8 @@ from memtrain.data.device_feed import DeviceFeed
 from memtrain.devices.advice import mfu_for_run, reference_rate_now, run_device_facts
 from memtrain.distributed.rank_errors import agreement, launched_by_memtrain
 from memtrain.distributed.session import DistContext, distributed_session
-from memtrain.files.results import FolderLock, file_lock, register_writer, remove_stale_temps
+from memtrain.files.lock import FolderLock, file_lock, register_writer
+from memtrain.files.results import remove_stale_temps
 from memtrain.metrics import MemoryMeter, StepTimer, device_peak_memory, percentile, reset_device_peak, synchronize
 from memtrain.metrics.state import ShardedStateBytes
 from memtrain.models.families import data_tokenizer
@@ -159,7 +160,7 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
     ``train`` command) holds ``OUT``'s folder lock for the run, so a second train or bench
     on the folder is refused (exit 2) instead of mixing their files: rank 0 takes it (under
     memtrain's launcher the launcher has it already), and every other rank adds itself to
-    the lock file as a writer (:func:`memtrain.files.results.register_writer`), so the folder stays
+    the lock file as a writer (:func:`memtrain.files.lock.register_writer`), so the folder stays
     refused until the last rank is gone, whoever ends first.
     """
     with distributed_session(cfg, resolve_device(cfg.train.device)) as dist_ctx, contextlib.ExitStack() as held:
