@@ -3,7 +3,8 @@
 ``--data`` selects one of four kinds of source:
 
 * ``default``: English technical prose from the running Python's own documentation
-  (``pydoc`` topics and the standard library's docstrings); needs no download.
+  (``pydoc`` topics and the standard library's docstrings, :mod:`memtrain.data.default_corpus`);
+  needs no download.
 * ``hf:NAME``: a Hugging Face dataset, streamed. ``hf:`` followed by a local directory,
   or ``hf:json:GLOB`` / ``hf:parquet:GLOB`` / ``hf:csv:GLOB``, reads local data through the
   same code, which is how this path works (and is tested) without the Hub.
@@ -18,7 +19,6 @@ message naming the problem and the fix.
 
 from __future__ import annotations
 
-import ast
 import functools
 import glob
 import hashlib
@@ -28,7 +28,6 @@ import json
 import platform
 import re
 import sys
-import sysconfig
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Iterator
 from html.parser import HTMLParser
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from memtrain.config.run import ConfigError, DataConfig
+from memtrain.data.default_corpus import DEFAULT_CORPUS_VERSION, default_documents
 from memtrain.data.tokenizer import cut_before_word
 from memtrain.files.guard import folder_entry_problems, special_file_kind, visible_entries
 from memtrain.files.json_text import MAX_JSON_DEPTH, bounded_lines, json_depth_error, loads_bounded
@@ -43,8 +43,6 @@ from memtrain.runtime.extras import quiet_datasets, require
 
 DEFAULT_SOURCE = "default"
 STACKOVERFLOW_HF = "mikex86/stackoverflow-posts"
-# Bump when the rendering of the default corpus changes, so cached tokens are rebuilt.
-DEFAULT_CORPUS_VERSION = 1
 
 # File suffix -> ``datasets`` packaged builder.
 STRUCTURED_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -65,10 +63,6 @@ TXT_DOC_CHARS = 8192
 # (memtrain.data.tokenizer.encoding_pieces), into documents of at most this many characters:
 # reading a 200 MB line whole, then tokenizing it, needed gigabytes.
 TXT_MAX_LINE_CHARS = 1 << 20
-
-# Directories of the standard library that hold tests, the IDLE application or installed
-# third-party packages rather than documented library code.
-_SKIP_STDLIB_DIRS = frozenset({"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__"})
 
 
 # --------------------------------------------------------------------------- entry points
@@ -183,73 +177,6 @@ def _raw_documents(cfg: DataConfig) -> Iterator[str]:
     if cfg.data.startswith("hf:"):
         return _hf_documents(cfg)
     return _local_documents(resolve_local_files(cfg.data), cfg)
-
-
-# --------------------------------------------------------------------------- default corpus
-@functools.lru_cache(maxsize=1)
-def default_documents() -> tuple[str, ...]:
-    """The default corpus, built once per process (parsing the stdlib takes a few seconds)."""
-    return tuple(collect_default_documents())
-
-
-def collect_default_documents() -> Iterator[str]:
-    """Python's own documentation: every ``pydoc`` topic, then one document per stdlib module.
-
-    A module's docstrings (module, classes, functions, in source order, each under its
-    qualified name) form one document rather than one document per docstring: most
-    docstrings are a line or two, so separate documents would make end-of-text tokens a
-    large share of the corpus and cut training blocks into unrelated fragments, while a
-    module reads as one coherent page, like a chapter of the library reference.
-    Sources are parsed with :mod:`ast` and never imported (importing runs code).
-    """
-    try:
-        # pydoc_data is left out of some Python builds (the try says what then)
-        from pydoc_data.topics import topics
-    except ImportError:  # some distributions split pydoc_data into a separate package
-        topics = {}  # type: ignore[misc]  # fallback for the optional import above
-    for key in sorted(topics):
-        yield topics[key]
-    for path in _stdlib_sources():
-        doc = _module_document(path)
-        if doc:
-            yield doc
-
-
-def _stdlib_sources() -> list[Path]:
-    """The standard library's .py files, sorted, without tests, IDLE and site-packages."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(
-        p for p in root.rglob("*.py") if not _SKIP_STDLIB_DIRS.intersection(p.relative_to(root).parts[:-1])
-    )
-
-
-def _module_document(path: Path) -> str | None:
-    """All docstrings of one module as a single text, or None if it has none or cannot parse."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    module = ".".join(path.relative_to(root).with_suffix("").parts)
-    module = module.removesuffix(".__init__")
-    try:
-        tree = ast.parse(path.read_bytes(), filename=str(path))  # bytes: honours coding cookies
-    except (SyntaxError, ValueError):
-        return None  # e.g. deliberately broken files; skipping them is still deterministic
-    parts = [f"{name}\n\n{doc}" for name, doc in _docstrings(tree, module)]
-    return "\n\n\n".join(parts) or None
-
-
-def _docstrings(node: ast.AST, qualname: str) -> Iterator[tuple[str, str]]:
-    """(qualified name, docstring) of ``node`` and every def/class inside it, in source order.
-
-    Recurses through all statements, so definitions under ``if``/``try`` are found too.
-    """
-    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-        doc = ast.get_docstring(node)
-        if doc:
-            yield qualname, doc
-    for child in ast.iter_child_nodes(node):
-        if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            yield from _docstrings(child, f"{qualname}.{child.name}")
-        elif isinstance(child, (ast.stmt, ast.excepthandler, ast.match_case)):
-            yield from _docstrings(child, qualname)
 
 
 # --------------------------------------------------------------------------- local files
