@@ -192,13 +192,13 @@ def test_generate_refuses_an_exported_folder_of_absurd_depth(tmp_path, capsys):
 
 def test_model_bytes_beyond_host_memory_are_refused(monkeypatch):
     from memtrain.config.run import ConfigError, ModelConfig
-    from memtrain.training import preflight
+    from memtrain.training import size_check
 
-    monkeypatch.setattr(preflight, "host_memory_bytes", lambda: 2**20)  # 1 MiB of RAM
+    monkeypatch.setattr(size_check, "host_memory_bytes", lambda: 2**20)  # 1 MiB of RAM
     with pytest.raises(ConfigError, match="more than this machine's"):
-        preflight.check_model_size(ModelConfig(**TINY_MODEL))
-    monkeypatch.setattr(preflight, "host_memory_bytes", lambda: 2**40)
-    preflight.check_model_size(ModelConfig(**TINY_MODEL))
+        size_check.check_model_size(ModelConfig(**TINY_MODEL))
+    monkeypatch.setattr(size_check, "host_memory_bytes", lambda: 2**40)
+    size_check.check_model_size(ModelConfig(**TINY_MODEL))
 
 
 # --------------------------------------------------------------------------- 4. resume on other data

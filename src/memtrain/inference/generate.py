@@ -51,7 +51,7 @@ from memtrain.models.spec import (
 )
 from memtrain.models.tokenizer import load_tokenizer
 from memtrain.techniques.facts import DTYPE_MATMUL_TYPE, GENERATE_DTYPES
-from memtrain.training.preflight import check_model_size
+from memtrain.training.size_check import check_model_size
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,6 @@ from memtrain.techniques.optim import check_optimizer_installed
 from memtrain.training.nudge import nudge_weights
 from memtrain.training.preflight import (
     check_destinations,
-    check_model_size,
     check_resume,
     check_vocab,
     continue_longer,
@@ -53,6 +52,7 @@ from memtrain.training.preflight import (
 )
 from memtrain.training.readings import StepReadings
 from memtrain.training.sinks import MetricsLogger, live_memory
+from memtrain.training.size_check import check_model_size
 from memtrain.training.step import (
     Batch,
     TrainState,
