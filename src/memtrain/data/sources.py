@@ -37,6 +37,7 @@ from memtrain.config.run import ConfigError, DataConfig
 from memtrain.data.default_corpus import DEFAULT_CORPUS_VERSION, default_documents
 from memtrain.data.html_text import html_to_text
 from memtrain.data.tokenizer import cut_before_word
+from memtrain.errors import first_line
 from memtrain.files.guard import folder_entry_problems, special_file_kind, visible_entries
 from memtrain.files.json_text import MAX_JSON_DEPTH, bounded_lines, json_depth_error, loads_bounded
 from memtrain.runtime.extras import quiet_datasets, require
@@ -409,7 +410,7 @@ def _json_kind(value: Any) -> str:
 
 def _not_json(exc: ValueError) -> str:
     """Why a line is not JSON, with its column (json's own "line 1" is the line itself)."""
-    detail = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else _first_line(exc)
+    detail = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else first_line(exc)
     return f"is not valid JSON ({detail})"
 
 
@@ -527,21 +528,21 @@ def _load_dataset(path: str, *, split: str, label: str, hub: bool = False, **kwa
         ) from None
     except ValueError as exc:
         if "split" in str(exc).lower():
-            raise ConfigError(f"{label!r}: {_first_line(exc)}; set --hf-split") from None
-        raise ConfigError(f"cannot read {label!r}: {_first_line(exc)}; check --data") from None
+            raise ConfigError(f"{label!r}: {first_line(exc)}; set --hf-split") from None
+        raise ConfigError(f"cannot read {label!r}: {first_line(exc)}; check --data") from None
     except (OSError, datasets.exceptions.DatasetsError) as exc:
         hint = "check the connection or pass a local file" if hub else "check --data"
-        raise ConfigError(f"cannot load {label!r}: {_first_line(exc)}; {hint}") from None
+        raise ConfigError(f"cannot load {label!r}: {first_line(exc)}; {hint}") from None
     except RuntimeError as exc:  # datasets >= 4 raises this for a Hub dataset that is a loading script
         if "script" not in str(exc).lower():
             raise
-        raise ConfigError(f"cannot load {label!r}: {_first_line(exc)}; memtrain never runs dataset code, "
+        raise ConfigError(f"cannot load {label!r}: {first_line(exc)}; memtrain never runs dataset code, "
                           "use a dataset of data files") from None
 
 
 def _hub_unreachable(name: str, exc: BaseException) -> str:
     return (
-        f"cannot reach the Hugging Face Hub for {name!r} ({_first_line(exc)}); download the data "
+        f"cannot reach the Hugging Face Hub for {name!r} ({first_line(exc)}); download the data "
         f"and pass a local file, e.g. --data posts.parquet or --data hf:parquet:'data/*.parquet'"
     )
 
@@ -589,12 +590,7 @@ def _unreadable(label: str, exc: BaseException, locate: Optional[Callable[[], Op
     where = locate() if locate is not None else None
     if where is not None:
         return f"cannot read {label!r}: {where}; fix that line or remove it"
-    return f"cannot read {label!r}: {re.sub(r' in row [0-9]+', '', _first_line(exc))}; check the file format"
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
+    return f"cannot read {label!r}: {re.sub(r' in row [0-9]+', '', first_line(exc))}; check the file format"
 
 
 # --------------------------------------------------------------------------- helpers
