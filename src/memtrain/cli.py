@@ -55,7 +55,8 @@ from memtrain.runtime.extras import quiet_third_party
 from memtrain.runtime.notices import install_warning_format, random_base_warning
 from memtrain.runtime.signals import bind_rank_to_launcher, sigterm_as_interrupt
 from memtrain.runtime.streams import tolerant_std_streams
-from memtrain.training.preflight import check_before_launch, continue_longer, moved_checkpoint_note, resumed_settings
+from memtrain.training.preflight import check_before_launch
+from memtrain.training.resume_check import continue_longer, moved_checkpoint_note, resumed_settings
 
 
 class _Parser(argparse.ArgumentParser):
@@ -238,7 +239,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = 
     it follows --seq-len, so ``estimate --seq-len 2048`` needs no second flag.
     ``resumed`` (train): a ``--resume CKPT`` (flag or config file) makes the checkpoint's saved
     settings the base, so that ``--resume CKPT`` alone continues the run
-    (:func:`memtrain.training.preflight.resumed_settings`).
+    (:func:`memtrain.training.resume_check.resumed_settings`).
     """
     check_switches(args)
     known = {f.name for cls in SECTIONS.values() for f in fields(cls)} | EXPANDED

@@ -42,15 +42,9 @@ from memtrain.runtime.notices import QLoRASkipWarning, shows_progress
 from memtrain.techniques import Precision, make_precision
 from memtrain.techniques.optim import check_optimizer_installed
 from memtrain.training.nudge import nudge_weights
-from memtrain.training.preflight import (
-    check_destinations,
-    check_resume,
-    check_vocab,
-    continue_longer,
-    saved_run,
-    unchecked_data_warning,
-)
+from memtrain.training.preflight import check_destinations, check_vocab
 from memtrain.training.readings import StepReadings
+from memtrain.training.resume_check import check_resume, continue_longer, saved_run, unchecked_data_warning
 from memtrain.training.sinks import MetricsLogger, live_memory
 from memtrain.training.size_check import check_model_size
 from memtrain.training.step import (
