@@ -221,7 +221,7 @@ def test_a_config_file_whose_aliases_cannot_be_read_is_that_one_error(verb, extr
 def test_given_settings_reads_each_layer_as_the_bench_does():
     """The CLI's settings and the bench's are one reading: an unreadable layer is left out (its
     raw keys, in the Trainer's names, are never merged) and later layers win."""
-    from memtrain.config.run import given_settings, normalized_layers
+    from memtrain.config.layers import given_settings, normalized_layers
 
     bad = {"learning_rate": 1e-3, "lr": 2e-3, "seq_len": 64}
     assert normalized_layers(bad) == []

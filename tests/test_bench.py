@@ -112,16 +112,16 @@ def test_a_scale_fitted_to_the_steps_reads_each_layer_once(monkeypatch):
     # The warm-up test and the --steps lookup read the same layers: their aliases are normalized
     # once per layer, not once for each question (the Trainer's max_steps is --steps).
     from memtrain.bench import scales
-    from memtrain.config import run
+    from memtrain.config import layers
 
     calls = []
-    normalize = run.normalize_aliases
+    normalize = layers.normalize_aliases
 
     def counting(flat):
         calls.append(dict(flat))
         return normalize(flat)
 
-    monkeypatch.setattr(run, "normalize_aliases", counting)
+    monkeypatch.setattr(layers, "normalize_aliases", counting)
     layers = ({"steps": 50}, {"max_steps": 3}, {"lr": 1e-3})
     assert scales.fitted_scale_overrides("quick", *layers)["warmup_steps"] == 1
     assert len(calls) == len(layers)
@@ -132,11 +132,11 @@ def test_a_scale_fitted_to_the_steps_reads_each_layer_once(monkeypatch):
 
 def _count_reads_outside_build_config(monkeypatch, module) -> list[dict]:
     """The layers whose aliases ``module`` normalizes itself (build_config's own reads not counted)."""
-    from memtrain.config import run
+    from memtrain.config import layers
 
     calls: list[dict] = []
     inside = []
-    normalize, build = run.normalize_aliases, module.build_config
+    normalize, build = layers.normalize_aliases, module.build_config
 
     def counting(flat):
         if not inside:
@@ -150,7 +150,7 @@ def _count_reads_outside_build_config(monkeypatch, module) -> list[dict]:
         finally:
             inside.pop()
 
-    monkeypatch.setattr(run, "normalize_aliases", counting)
+    monkeypatch.setattr(layers, "normalize_aliases", counting)
     monkeypatch.setattr(module, "build_config", building)
     return calls
 
@@ -171,7 +171,7 @@ def test_a_bench_row_reads_each_given_layer_once(monkeypatch):
 def test_every_scale_layer_is_flat_and_in_memtrains_names():
     # resolve_rows hands the scale's layer to attention_default_of as it is, unread.
     from memtrain.bench.scales import SCALES
-    from memtrain.config.run import normalized_layers
+    from memtrain.config.layers import normalized_layers
 
     for scale, layer in SCALES.items():
         assert normalized_layers(layer) == [layer], scale

@@ -98,7 +98,7 @@ def test_bench_records_the_optimizer_substitution(small_corpus, tmp_path):
 
 
 def test_write_report_without_plots_writes_the_tables_only(tmp_path):
-    from memtrain.files.results import append_result
+    from memtrain.files.bench_store import append_result
     from memtrain.report import write_report
 
     append_result(tmp_path, {"technique": "baseline", "status": "error", "error": "x"})

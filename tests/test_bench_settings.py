@@ -16,7 +16,7 @@ import memtrain.bench.runner as runner
 from conftest import TINY_MODEL, cli_flags
 from memtrain.bench.runner import BenchOptions, bench_settings, run_bench, settings_hash
 from memtrain.cli import main
-from memtrain.files.results import UNRECORDED_SETTINGS, append_result, read_results, row_settings
+from memtrain.files.bench_store import UNRECORDED_SETTINGS, append_result, read_results, row_settings
 from memtrain.report import write_report
 
 SHAPE = {**TINY_MODEL, "seq_len": 32, "val_blocks": 2, "device": "cpu", "progress": False}

@@ -152,14 +152,14 @@ def test_a_bf16_checkpoint_exports_on_a_host_its_fp32_build_would_not_fit(tmp_pa
                                                                           capsys):
     """The size check before an export counted every parameter in FP32 (a build's bytes): an 8B
     BF16 checkpoint, which the in-place load holds in 16 GB, was refused on a 24 GiB host."""
-    import memtrain.training.preflight as preflight
+    import memtrain.training.size_check as size_check
     from memtrain.cli import main
     from memtrain.inference.export import read_checkpoint
 
     ckpt = tmp_path / "ck.pt"
     _write_checkpoint(tmp_path / "m", ckpt, tokenizer=tokenizer_files)
-    params = preflight.model_parameters(read_checkpoint(ckpt)[1].model)
-    monkeypatch.setattr(preflight, "host_memory_bytes", lambda: 3 * params)  # BF16 fits, FP32 does not
+    params = size_check.model_parameters(read_checkpoint(ckpt)[1].model)
+    monkeypatch.setattr(size_check, "host_memory_bytes", lambda: 3 * params)  # BF16 fits, FP32 does not
     capsys.readouterr()
     assert main(["export", str(ckpt), str(tmp_path / "hf")]) == 0, capsys.readouterr().err
     state = torch.load(ckpt, weights_only=True)

@@ -2,7 +2,8 @@
 
 import pytest
 
-from memtrain.config.run import ConfigError, build_config, load_config_file, parse_size
+from memtrain.config.file import load_config_file
+from memtrain.config.run import ConfigError, build_config, parse_size
 
 
 def test_defaults_follow_spec():

@@ -18,6 +18,7 @@ from memtrain.data import (
     BlockDataset,
     cache as cache_mod,
     cache_key,
+    default_corpus as corpus_mod,
     default_documents,
     get_tokenizer,
     html_to_text,
@@ -232,9 +233,9 @@ def test_default_source_is_large_and_deterministic() -> None:
     assert any("json.dumps" in d for d in docs)  # docstrings of stdlib modules
     # Deterministic: topics in sorted order, then modules in sorted path order, each rendered
     # from its parse alone. Re-render a few modules (a full second parse costs seconds).
-    paths = sources_mod._stdlib_sources()
-    assert paths == sorted(paths) == sources_mod._stdlib_sources()
-    module_docs = [d for d in map(sources_mod._module_document, paths[:40]) if d]
+    paths = corpus_mod._stdlib_sources()
+    assert paths == sorted(paths) == corpus_mod._stdlib_sources()
+    module_docs = [d for d in map(corpus_mod._module_document, paths[:40]) if d]
     assert list(docs).index(module_docs[0]) + len(module_docs) <= len(docs)
     start = list(docs).index(module_docs[0])
     assert list(docs[start : start + len(module_docs)]) == module_docs

@@ -33,7 +33,8 @@ import memtrain.devices.probe as device_module
 from conftest import TINY_MODEL, cli_flags
 from memtrain.cli import main
 from memtrain.config.run import ConfigError
-from memtrain.files.results import LOCK_NAME, FolderLock
+from memtrain.files.lock import FolderLock
+from memtrain.files.results import LOCK_NAME
 
 BIG = str(10**30)
 HUGE = str(10**300)
@@ -548,3 +549,13 @@ def test_descriptors_closed_at_start_are_dev_null_and_no_file_takes_their_writes
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()][:2] == [1, 2]
     assert "written to descriptor" not in (out / ".memtrain.lock").read_text(errors="replace")
     assert b"written to descriptor" not in (tmp_path / "c.pt").read_bytes()
+
+
+def test_an_exceptions_first_line_is_its_message_or_its_type():
+    """One helper says what a library's exception says, in the one line an ``error:`` has room
+    for: its first non-blank line, or its type's name when the message is empty."""
+    from memtrain.errors import first_line
+
+    assert first_line(ValueError("\n  bad field\nTraceback details\n")) == "bad field"
+    assert first_line(KeyError()) == "KeyError"
+    assert first_line(RuntimeError("   ")) == "RuntimeError"

@@ -739,16 +739,16 @@ def test_a_sampling_run_that_cannot_fit_is_one_line_before_it_starts(good_folder
 def _fake_memory(monkeypatch, tmp_path: Path, meminfo: str, cgroup: dict[str, str] | None = None) -> None:
     """Point the host memory readings at crafted kernel files: /proc/meminfo's text, and a
     cgroup v2 folder holding ``cgroup``'s files (none: no cgroup)."""
-    from memtrain.training import preflight
+    from memtrain.training import size_check
 
     (tmp_path / "meminfo").write_text(meminfo)
     folder = tmp_path / "cgroup"
     folder.mkdir()
     for name, text in (cgroup or {}).items():
         (folder / name).write_text(text)
-    monkeypatch.setattr(preflight, "MEMINFO", tmp_path / "meminfo")
-    monkeypatch.setattr(preflight, "CGROUP_V2", folder)
-    monkeypatch.setattr(preflight, "CGROUP_V1", tmp_path / "no-cgroup-v1")
+    monkeypatch.setattr(size_check, "MEMINFO", tmp_path / "meminfo")
+    monkeypatch.setattr(size_check, "CGROUP_V2", folder)
+    monkeypatch.setattr(size_check, "CGROUP_V1", tmp_path / "no-cgroup-v1")
 
 
 def test_generate_holds_the_run_against_available_memory_not_the_total(good_folder, tmp_path, capsys, monkeypatch):
@@ -769,17 +769,17 @@ def test_generate_holds_the_run_against_available_memory_not_the_total(good_fold
 def test_available_memory_takes_the_tighter_of_the_host_and_its_cgroup(tmp_path, monkeypatch):
     """MemAvailable, a cgroup's limit less its usage (its inactive page cache counted free),
     the smaller of the two; the total where no reading is known."""
-    from memtrain.training import preflight
+    from memtrain.training import size_check
 
     meminfo = "MemTotal: 4194304 kB\nMemAvailable: 2097152 kB\n"  # 4 GiB, 2 GiB available
     _fake_memory(monkeypatch, tmp_path, meminfo, {"memory.max": f"{2**30}\n", "memory.current": f"{900 << 20}\n",
                                                   "memory.stat": f"anon 1\ninactive_file {100 << 20}\n"})
-    assert preflight.host_available_bytes() == 2**30 - (900 << 20) + (100 << 20)
+    assert size_check.host_available_bytes() == 2**30 - (900 << 20) + (100 << 20)
     (tmp_path / "cgroup" / "memory.max").write_text("max\n")  # no limit: the host's figure
-    assert preflight.host_available_bytes() == 2 * 2**30
+    assert size_check.host_available_bytes() == 2 * 2**30
     (tmp_path / "meminfo").write_text("garbage\n")
-    monkeypatch.setattr(preflight, "host_memory_bytes", lambda: 123)
-    assert preflight.host_available_bytes() == 123
+    monkeypatch.setattr(size_check, "host_memory_bytes", lambda: 123)
+    assert size_check.host_available_bytes() == 123
 
 
 def test_running_out_of_memory_past_the_check_is_one_line(good_folder, capsys, monkeypatch):

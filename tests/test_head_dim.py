@@ -55,7 +55,7 @@ def test_parameter_counts_are_the_models(gemma):
     """plan's and the size check's parameter count (cost_arch) counted q and o as hidden x hidden
     and k, v as hidden x kv_heads x hidden / heads: 140,544 for the model's 158,976."""
     from memtrain.analysis.estimate import param_count
-    from memtrain.training.preflight import model_parameters
+    from memtrain.training.size_check import model_parameters
 
     real = sum(p.numel() for p in _model(gemma).parameters())
     cfg = _cfg(gemma)
@@ -152,7 +152,7 @@ def test_plans_parameter_count_holds_the_biases_the_family_builds(tmp_path, fami
     (``with_config_biases``) and equals ``sum(p.numel())`` of the built model."""
     from memtrain.analysis.estimate import param_count
     from memtrain.models.spec import cost_arch
-    from memtrain.training.preflight import model_parameters
+    from memtrain.training.size_check import model_parameters
 
     getattr(transformers, family)(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
                                   vocab_size=301, num_hidden_layers=2, max_position_embeddings=64,

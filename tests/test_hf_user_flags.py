@@ -13,7 +13,8 @@ import pytest
 
 from conftest import TINY_MODEL, cli_flags
 from memtrain.cli import build_parser, config_from_args, main
-from memtrain.config.run import ConfigError, build_config, train_flags
+from memtrain.config.run import ConfigError, build_config
+from memtrain.config.train_flags import train_flags
 
 
 def _parse(argv: list[str]):
@@ -434,7 +435,7 @@ def test_a_transformers_run_records_the_lora_targets_it_trained(small_corpus, tm
                  "--batch-size", "1", "--seq-len", "16", "--val-blocks", "1", "--no-progress", "--out", str(out),
                  "--save", str(out / "ckpt.pt")]) == 0
     assert json.loads((out / "result.json").read_text())["config"]["technique"]["lora_targets"] == "all-linear"
-    from memtrain.training.preflight import saved_run
+    from memtrain.training.resume_check import saved_run
 
     assert saved_run(str(out / "ckpt.pt"))[0]["technique"]["lora_targets"] == "all-linear"
     # Our GPT's own default, a named list and a run without LoRA are recorded as they were.
@@ -445,7 +446,7 @@ def test_a_transformers_run_records_the_lora_targets_it_trained(small_corpus, tm
 
 
 def test_a_run_saved_with_the_gpt_default_targets_resumes_as_all_linear():
-    from memtrain.training.preflight import config_differences
+    from memtrain.training.resume_check import config_differences
 
     now = build_config({"model": "tiny-llama", "lora_rank": 2}).to_dict()
     saved = {**now, "technique": {**now["technique"], "lora_targets": "qkv,proj,fc,fc_out"}}

@@ -43,7 +43,7 @@ def _cli(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
 
 # --------------------------------------------------------------------------- the bounded parse
 def test_depth_scan_agrees_with_json_on_strings_escapes_and_piece_boundaries():
-    from memtrain.files.results import JsonDepthScan
+    from memtrain.files.json_text import JsonDepthScan
 
     text = json.dumps({"a": ["[[[", {"b": "x\\\"]]{{"}], "c": [[["\\"]]], "d": "}}}"}).encode()
     true_depth = 4  # {"c": [[[ ... ]]]}
@@ -54,7 +54,7 @@ def test_depth_scan_agrees_with_json_on_strings_escapes_and_piece_boundaries():
 
 
 def test_loads_bounded_refuses_deep_long_and_non_finite_numbers():
-    from memtrain.files.results import loads_bounded
+    from memtrain.files.json_text import loads_bounded
 
     for hostile in (_deep(100_000), "9" * 400, "9" * 5000, "1e999", "NaN", '{"x": -Infinity}'):
         with pytest.raises(ValueError):
@@ -93,9 +93,9 @@ def test_deeply_nested_json_data_is_refused_naming_file_and_line(tmp_path, layou
 def test_a_jsonl_line_too_long_for_a_record_is_refused_before_any_reader_holds_it(tmp_path, capsys, monkeypatch, data):
     """A .jsonl line of 300 MiB (a sparse file) took 1.8 GB of memory before its refusal (pyarrow
     and the check naming the bad line each held it whole, several times over). Refused from the streaming pass that measures the nesting, naming the line."""
-    from memtrain.data import sources
+    from memtrain.data import json_records
 
-    monkeypatch.setattr(sources, "MAX_JSON_RECORD_BYTES", 1 << 20, raising=False)  # 1 MiB: a fast test
+    monkeypatch.setattr(json_records, "MAX_JSON_RECORD_BYTES", 1 << 20)  # 1 MiB: a fast test
     path = tmp_path / "d" / "train.jsonl"
     path.parent.mkdir()
     path.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(3)))
@@ -214,13 +214,13 @@ def test_generate_refuses_an_exported_folder_of_absurd_depth(tmp_path, capsys):
 
 def test_model_bytes_beyond_host_memory_are_refused(monkeypatch):
     from memtrain.config.run import ConfigError, ModelConfig
-    from memtrain.training import preflight
+    from memtrain.training import size_check
 
-    monkeypatch.setattr(preflight, "host_memory_bytes", lambda: 2**20)  # 1 MiB of RAM
+    monkeypatch.setattr(size_check, "host_memory_bytes", lambda: 2**20)  # 1 MiB of RAM
     with pytest.raises(ConfigError, match="more than this machine's"):
-        preflight.check_model_size(ModelConfig(**TINY_MODEL))
-    monkeypatch.setattr(preflight, "host_memory_bytes", lambda: 2**40)
-    preflight.check_model_size(ModelConfig(**TINY_MODEL))
+        size_check.check_model_size(ModelConfig(**TINY_MODEL))
+    monkeypatch.setattr(size_check, "host_memory_bytes", lambda: 2**40)
+    size_check.check_model_size(ModelConfig(**TINY_MODEL))
 
 
 def test_model_weights_beyond_the_devices_memory_are_refused_at_their_precisions_width(monkeypatch):
@@ -408,7 +408,7 @@ def test_a_config_file_the_size_of_data_is_refused_before_it_is_read(tmp_path, c
 
 
 def test_yaml_aliases_sharing_a_list_are_checked_once(tmp_path):
-    from memtrain.config.run import load_config_file
+    from memtrain.config.file import load_config_file
 
     laughs = "a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + "".join(
         f"{chr(98 + i)}: &{chr(98 + i)} [" + ", ".join(["*" + chr(97 + i)] * 9) + "]\n" for i in range(9))

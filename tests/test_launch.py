@@ -21,7 +21,7 @@ from memtrain.cli import main
 from memtrain.config.run import ConfigError, build_config
 from memtrain.distributed.launch import report_failures
 from memtrain.distributed.rank_errors import agreement, error_line_of, record_error_line
-from memtrain.files.results import FolderLock, file_lock
+from memtrain.files.lock import FolderLock, file_lock
 
 RUN = {"seq_len": 32, "steps": 4, "warmup_steps": 1, "val_blocks": 2, "warmup_timing_steps": 1, "batch_size": 2,
        "progress": False}

@@ -15,7 +15,7 @@ from memtrain.metrics import CATEGORIES, MemoryMeter
 from memtrain.metrics.by_module import LOSS, MODEL
 from memtrain.report.by_module import OTHER, module_table_lines, top_entries
 from memtrain.report.tables import markdown_report
-from memtrain.training.preflight import config_differences
+from memtrain.training.resume_check import config_differences
 from memtrain.training.step import build_state, measure_steps, random_micro_batches
 
 pytestmark = pytest.mark.usefixtures("one_thread")

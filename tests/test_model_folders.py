@@ -578,7 +578,7 @@ def test_a_link_out_as_the_sharded_meta_json_is_refused(sharded_checkpoint, tmp_
     """meta.json linked to a (valid) copy outside the checkpoint: refused by the resume check and
     by the load, which read it."""
     from memtrain.checkpoints.distributed import load_checkpoint
-    from memtrain.training.preflight import saved_run
+    from memtrain.training.resume_check import saved_run
 
     outside = tmp_path / "meta-copy.json"
     shutil.move(sharded_checkpoint / "meta.json", outside)

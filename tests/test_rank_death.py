@@ -24,7 +24,8 @@ import pytest
 from conftest import TINY_MODEL, cli_flags
 from memtrain.cli import main
 from memtrain.config.run import ConfigError
-from memtrain.files.results import LOCK_NAME, FolderLock, process_start, register_writer
+from memtrain.files.lock import FolderLock, process_start, register_writer
+from memtrain.files.results import LOCK_NAME
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signals are Linux's")
 
@@ -126,7 +127,7 @@ def test_sigkilled_launcher_takes_its_ranks_and_the_folder_is_free_only_after_th
 
 def _writer(folder: Path, what: str) -> subprocess.Popen:
     """A process that registers as a writer of ``folder`` and then waits."""
-    code = ("import sys, time; from memtrain.files.results import register_writer\n"
+    code = ("import sys, time; from memtrain.files.lock import register_writer\n"
             "register_writer(sys.argv[1], sys.argv[2]); print('registered', flush=True); time.sleep(120)\n")
     proc = subprocess.Popen([sys.executable, "-c", code, str(folder), what], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "registered"

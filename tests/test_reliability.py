@@ -21,7 +21,7 @@ import torch
 from conftest import TINY_MODEL, cli_flags, tiny_run_state
 from memtrain.cli import main
 from memtrain.config.run import ConfigError, RunConfig, build_config
-from memtrain.training.preflight import config_differences
+from memtrain.training.resume_check import config_differences
 
 RUN = {"seq_len": 32, "warmup_steps": 1, "val_blocks": 2, "warmup_timing_steps": 1, "batch_size": 2}
 

@@ -13,7 +13,8 @@ import pytest
 
 from memtrain.cli import main
 from memtrain.config.run import ConfigError
-from memtrain.files.results import FolderLock, append_jsonl, read_jsonl, write_json_atomic
+from memtrain.files.lock import FolderLock
+from memtrain.files.results import append_jsonl, read_jsonl, write_json_atomic
 
 DATA = Path(__file__).parent / "data"
 
@@ -116,7 +117,7 @@ def test_report_skips_rows_of_the_wrong_shape(tmp_path, capsys):
 
 
 def test_folder_lock_refuses_a_second_holder_and_frees_on_exit(tmp_path):
-    code = ("import sys, time; from memtrain.files.results import FolderLock\n"
+    code = ("import sys, time; from memtrain.files.lock import FolderLock\n"
             "with FolderLock(sys.argv[1], 'memtrain bench'):\n"
             "    print('locked', flush=True); time.sleep(60)\n")
     holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)

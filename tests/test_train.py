@@ -168,7 +168,7 @@ def test_a_crafted_checkpoints_negative_warmup_is_not_taken_by_a_longer_run(tiny
     """A longer --steps adopts the saved warm-up only when it is a whole number >= 0: a crafted
     checkpoint's -3 would bypass --warmup-steps' own check. It is compared as any setting is,
     and refused before anything runs."""
-    from memtrain.training.preflight import check_resume, continue_longer
+    from memtrain.training.resume_check import check_resume, continue_longer
 
     base = {k: v for k, v in tiny_run.items() if k != "warmup_steps"}
     train(build_config({**base, "steps": 4, "save": str(tmp_path / "a.pt"), "out": str(tmp_path / "a")}))
@@ -375,7 +375,7 @@ def test_a_checkpoint_outside_its_runs_out_folder_does_not_name_where_the_resume
 def test_a_checkpoint_lends_only_the_folder_it_lies_in(tmp_path):
     """Not a folder above it (a crafted config naming `/` or the home folder would otherwise pass),
     nor the folder above its own."""
-    from memtrain.training.preflight import lends_out
+    from memtrain.training.resume_check import lends_out
 
     out = tmp_path / "run"
     (out / "sub").mkdir(parents=True)

@@ -364,7 +364,8 @@ def test_train_refuses_a_link_inside_its_out_folder(tiny_run, tmp_path, capsys, 
 
 def test_appends_and_the_lock_never_follow_a_link(tmp_path):
     from memtrain.config.run import ConfigError
-    from memtrain.files.results import FolderLock, append_jsonl
+    from memtrain.files.lock import FolderLock
+    from memtrain.files.results import append_jsonl
 
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")

@@ -34,20 +34,10 @@ from memtrain.config.aliases import (
     switch_value,
 )
 from memtrain.config.argtypes import rank_count
-from memtrain.config.run import (
-    SECTIONS,
-    ConfigError,
-    ModelConfig,
-    RunConfig,
-    TrainConfig,
-    build_config,
-    dormant_settings,
-    field_index,
-    given_settings,
-    load_config_file,
-    model_default_attention,
-    refuse_long_warmup,
-)
+from memtrain.config.file import load_config_file
+from memtrain.config.layers import given_settings, model_default_attention, refuse_long_warmup
+from memtrain.config.run import SECTIONS, ConfigError, ModelConfig, RunConfig, TrainConfig, build_config, field_index
+from memtrain.config.train_flags import dormant_settings
 from memtrain.devices.forced import check_forced_env
 from memtrain.distributed.rank_errors import (
     begin_command,
@@ -58,18 +48,15 @@ from memtrain.distributed.rank_errors import (
     say_error,
 )
 from memtrain.errors import denied_access, is_out_of_memory, name_too_long, one_line
-from memtrain.files.results import (
-    RESULT_NAME,
-    FolderLock,
-    file_lock,
-    write_json_atomic,
-)
+from memtrain.files.lock import FolderLock, file_lock
+from memtrain.files.results import RESULT_NAME, write_json_atomic
 from memtrain.report.by_module import module_table_lines
 from memtrain.runtime.extras import quiet_third_party
 from memtrain.runtime.notices import install_warning_format, random_base_warning
 from memtrain.runtime.signals import bind_rank_to_launcher, sigterm_as_interrupt
 from memtrain.runtime.streams import tolerant_std_streams
-from memtrain.training.preflight import check_before_launch, continue_longer, moved_checkpoint_note, resumed_settings
+from memtrain.training.preflight import check_before_launch
+from memtrain.training.resume_check import continue_longer, moved_checkpoint_note, resumed_settings
 
 
 class _Parser(argparse.ArgumentParser):
@@ -252,7 +239,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = 
     it follows --seq-len, so ``estimate --seq-len 2048`` needs no second flag.
     ``resumed`` (train): a ``--resume CKPT`` (flag or config file) makes the checkpoint's saved
     settings the base, so that ``--resume CKPT`` alone continues the run
-    (:func:`memtrain.training.preflight.resumed_settings`).
+    (:func:`memtrain.training.resume_check.resumed_settings`).
     """
     check_switches(args)
     known = {f.name for cls in SECTIONS.values() for f in fields(cls)} | EXPANDED

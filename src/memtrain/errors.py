@@ -10,16 +10,29 @@ import errno
 import re
 from typing import Optional
 
-__all__ = ["ConfigError", "denied_access", "is_out_of_memory", "name_too_long", "one_line", "shortened"]
+__all__ = ["ConfigError", "denied_access", "first_line", "is_out_of_memory", "name_too_long", "one_line", "require", "shortened"]
 
 
 class ConfigError(ValueError):
     """Bad user input. The message is one line that names the problem and the fix."""
 
 
+def require(cond: bool, message: str) -> None:
+    """A :class:`ConfigError` saying ``message`` unless ``cond`` holds."""
+    if not cond:
+        raise ConfigError(message)
+
+
 # C0 and C1 control characters, DEL, and the Unicode line and paragraph separators: anything a
 # terminal would break the line at or interpret.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message, or its type's name when the message is empty: what a
+    one-line ``error:`` says of a library's multi-line exception."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def one_line(text: str) -> str:

@@ -3,7 +3,7 @@
 A leaf module (it imports only the error type), below everything that counts or runs: the
 config sections, the command-line types and the analytic commands (estimate, flops, plan) all
 refuse an absurd size here, at once, with the same bound and the same words; so do the builders
-(train, export, generate: memtrain.training.preflight.check_model_size) before a model is built. Without a bound a
+(train, export, generate: memtrain.training.size_check.check_model_size) before a model is built. Without a bound a
 typo such as ``--batch-size 10**30`` reaches torch (an overflow: exit 1), float arithmetic
 (``inf``: exit 1) or a search that runs for minutes.
 """

@@ -32,7 +32,8 @@ from memtrain.analysis.estimate import GPT2_ARCH, Arch, estimate, param_count
 from memtrain.analysis.estimate.compile_budget import interpolated_budget, recompute_share
 from memtrain.analysis.estimate.hf import hf_arch, modelled_arch, why_not_modelled
 from memtrain.analysis.estimate.params import head_widths
-from memtrain.config.run import ConfigError, RunConfig, train_flags
+from memtrain.config.run import ConfigError, RunConfig
+from memtrain.config.train_flags import train_flags
 from memtrain.devices.gpu_kinds import GPU_KINDS, allocator_facts, has_fp8
 from memtrain.models.spec import cost_arch, is_gpt_preset
 from memtrain.runtime.extras import cpu_only_torch

@@ -46,6 +46,7 @@ from memtrain.attention.kernels import (
     sdpa_attention,
 )
 from memtrain.config.run import ConfigError, TechniqueConfig
+from memtrain.errors import first_line
 from memtrain.models.gpt import GPT
 
 # The SDPA backend each forced --attention choice pins.
@@ -177,7 +178,7 @@ def _reason(exc: BaseException, caught: list[warnings.WarningMessage]) -> str:
         text = re.sub(r"\s*\(Triggered internally at [^)]*\)\.?", "", str(w.message)).strip()
         if text and text not in parts and not text.endswith("because:"):
             parts.append(text.rstrip("."))
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    first = first_line(exc)
     reason = ", ".join(parts) + f" ({first.rstrip('.')})" if parts else first.rstrip(".")
     return " ".join(reason.replace(";", ",").split())  # one line; ';' separates the advice
 

@@ -25,26 +25,11 @@ from memtrain.bench.eta import BenchEta
 from memtrain.bench.process import clean_stale_row_dirs, row_tmpdir, start_row, stop_row
 from memtrain.bench.scales import SCALE_BUDGET, SCALE_MAX_BATCH, fitted_scale_overrides, row_base_layers
 from memtrain.bench.technique_sets import describe, noise_twin, technique_overrides
-from memtrain.config.run import (
-    ConfigError,
-    RunConfig,
-    TechniqueConfig,
-    build_config,
-    flatten,
-    normalized_layers,
-    parse_size,
-    refuse_long_warmup,
-    warmup_named,
-)
-from memtrain.files.results import (
-    FolderLock,
-    append_result,
-    read_results,
-    remove_stale_temps,
-    row_settings,
-    rows_under,
-    select_rows,
-)
+from memtrain.config.layers import normalized_layers, refuse_long_warmup, warmup_named
+from memtrain.config.run import ConfigError, RunConfig, TechniqueConfig, build_config, flatten, parse_size
+from memtrain.files.bench_store import append_result, read_results, row_settings, rows_under, select_rows
+from memtrain.files.lock import FolderLock
+from memtrain.files.results import remove_stale_temps
 from memtrain.report import write_report
 
 TECHNIQUE_KEYS = frozenset(f.name for f in fields(TechniqueConfig))

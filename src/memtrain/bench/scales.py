@@ -5,15 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from memtrain.config.run import (
-    ConfigError,
-    ModelConfig,
-    attention_default_of,
-    capped_warmup,
-    merged_layers,
-    normalized_layers,
-    warmup_named,
-)
+from memtrain.config.layers import attention_default_of, merged_layers, normalized_layers, warmup_named
+from memtrain.config.run import ConfigError, ModelConfig, capped_warmup
 
 SCALES: dict[str, dict[str, Any]] = {
     # The published comparison's settings (RTX 4090): default model, batch 64, seq 256,

@@ -53,6 +53,7 @@ from memtrain.checkpoints.exact import (
 )
 from memtrain.config.run import ConfigError
 from memtrain.distributed.rank_errors import agreement
+from memtrain.errors import first_line
 
 if TYPE_CHECKING:  # the harness imports the techniques (torch models); a checkpoint only reads it
     from memtrain.training.step import TrainState
@@ -204,7 +205,7 @@ def load_checkpoint(path: str | Path, run: TrainState) -> dict[str, Any]:
         # Our reader and planner: nothing in the directory is unpickled beyond plain data.
         dcp.load(state, storage_reader=SafeFileSystemReader(str(p)), planner=SafeLoadPlanner())
     except CheckpointException as exc:  # a BaseException in torch: turn it into a user error
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         raise ConfigError(f"checkpoint {str(p)!r} does not fit this model ({first}); use the same model flags as the saved run") from None
     for alias, key in aliases.items():  # a tied weight: the same loaded tensor under both names
         state["model"][alias] = state["model"][key]

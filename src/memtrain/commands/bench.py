@@ -29,7 +29,8 @@ from memtrain.bench.technique_sets import (
 )
 from memtrain.cli import add_config_flags, fmt_bytes, register
 from memtrain.config.argtypes import batch_count, positive_float, rank_count, user_path
-from memtrain.config.run import SECTIONS, ConfigError, load_config_file, parse_size
+from memtrain.config.file import load_config_file
+from memtrain.config.run import SECTIONS, ConfigError, parse_size
 from memtrain.files.results import OUT_FILES, TRAIN_FILES
 from memtrain.report import write_report
 from memtrain.training.preflight import (

@@ -22,7 +22,7 @@ from memtrain.config.argtypes import (
 from memtrain.config.run import ConfigError
 from memtrain.errors import is_out_of_memory
 from memtrain.techniques.facts import GENERATE_DTYPES
-from memtrain.training.preflight import host_available_bytes
+from memtrain.training.size_check import host_available_bytes
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from memtrain.cli import register
-from memtrain.files.results import dumps
+from memtrain.files.json_text import dumps
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -29,7 +29,7 @@ from memtrain.commands.estimate import (
 from memtrain.config.argtypes import batch_count, positive_int, user_path
 from memtrain.config.run import ConfigError, parse_size
 from memtrain.devices.numerics import is_standard, numerics_key, numerics_note
-from memtrain.files.results import bench_results_file, latest_settings, read_results_counted, rows_under
+from memtrain.files.bench_store import bench_results_file, latest_settings, read_results_counted, rows_under
 from memtrain.report.noise import (
     FACTOR,
     fmt_noise,

@@ -9,7 +9,8 @@ from memtrain.cli import register
 from memtrain.commands.bench import warn_skipped_lines
 from memtrain.config.argtypes import user_path
 from memtrain.config.run import ConfigError
-from memtrain.files.results import FolderLock, bench_results_file, read_results_counted, row_settings
+from memtrain.files.bench_store import bench_results_file, read_results_counted, row_settings
+from memtrain.files.lock import FolderLock
 from memtrain.report import write_report
 
 

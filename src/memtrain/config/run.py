@@ -10,6 +10,7 @@ generated from these fields (see :mod:`memtrain.cli`), so a field added here bec
 
 Field names are unique across the sections so that a flat ``--key value`` or a flat
 config file key maps to exactly one field.
+A config file's text becomes such keys in :mod:`memtrain.config.file`.
 """
 
 from __future__ import annotations
@@ -19,13 +20,8 @@ import difflib
 import glob
 import math
 import os
-import shlex
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any, Optional
-
-import tomllib
-import yaml
 
 from memtrain.analysis.limits import (
     MAX_BATCH,
@@ -40,9 +36,7 @@ from memtrain.config.aliases import BY_NAME as ALIASES_BY_NAME, WARMUP_RATIO, no
 
 # ConfigError lives in a leaf module so that the modules config itself consults (model presets,
 # model-spec resolution) can raise it without importing config back.
-from memtrain.errors import ConfigError
-from memtrain.files.guard import special_file_kind
-from memtrain.files.results import MAX_INT_DIGITS, MAX_JSON_DEPTH, json_depth_error, loads_bounded
+from memtrain.errors import ConfigError, require
 from memtrain.techniques.facts import (
     FOREIGN_LOSS_KERNELS,
     OPTIMIZER_STATE_RULES,
@@ -61,11 +55,6 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
-
-
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
 
 
 # --------------------------------------------------------------------------- model
@@ -124,16 +113,16 @@ class ModelConfig:
         # Checks the values as given, and nothing else: no file or network is read while a
         # ModelConfig is built (``model`` is only recorded here; from_spec resolves it).
         for name in ("vocab_size", "vocab_multiple", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len"):
-            _require(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+            require(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         # Before any arithmetic on the shape (the hint below loops over n_heads): every verb
         # refuses an absurd shape here, before building or counting it.
         check_analytic_size(self)
-        _require(
+        require(
             self.d_model % self.n_heads == 0,
             f"--n-heads ({self.n_heads}) must divide --d-model ({self.d_model}); try --n-heads "
             f"{max(h for h in range(1, self.n_heads + 1) if self.d_model % h == 0)}",
         )
-        _require(0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout}")
+        require(0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout}")
 
     @property
     def padded_vocab_size(self) -> int:
@@ -182,28 +171,28 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         # An empty path is the current folder: every data file below it, a cache among them.
-        _require(self.data.strip() != "", "--data is empty; give a file, a folder, a glob, 'default' or hf:NAME")
-        _require(self.cache_dir.strip() != "", "--cache-dir is empty; give a folder or drop --cache-dir")
+        require(self.data.strip() != "", "--data is empty; give a file, a folder, a glob, 'default' or hf:NAME")
+        require(self.cache_dir.strip() != "", "--cache-dir is empty; give a folder or drop --cache-dir")
         # Settings of a kind of source that --data is not: dropped otherwise (the run trained on
         # the default corpus when --data was forgotten next to --text-field).
         plain = self.data == "default" or (not glob.has_magic(self.data) and self.data.lower().endswith(".txt"))
-        _require(self.text_field is None or not plain,
+        require(self.text_field is None or not plain,
                  f"--text-field {self.text_field} names a field of a structured --data (.jsonl, .json, .parquet, .csv, "
                  f"Posts.xml, hf:...); --data {self.data} is plain text: give that --data or drop --text-field")
-        _require(self.hf_split == "train" or self.data.startswith("hf:"),
+        require(self.hf_split == "train" or self.data.startswith("hf:"),
                  f"--hf-split {self.hf_split} picks a split of an hf: --data; --data {self.data} has none: give "
                  "--data hf:NAME or drop --hf-split")
-        _require(0.0 < self.val_fraction < 1.0, f"--val-fraction must be in (0, 1), got {self.val_fraction}")
-        _require(self.val_blocks > 0, f"--val-blocks must be positive, got {self.val_blocks}")
-        _require(self.num_workers >= 0, f"--num-workers must be >= 0, got {self.num_workers}")
+        require(0.0 < self.val_fraction < 1.0, f"--val-fraction must be in (0, 1), got {self.val_fraction}")
+        require(self.val_blocks > 0, f"--val-blocks must be positive, got {self.val_blocks}")
+        require(self.num_workers >= 0, f"--num-workers must be >= 0, got {self.num_workers}")
         check_at_most("--num-workers", self.num_workers, MAX_RANKS)
-        _require(self.prefetch_factor is None or self.prefetch_factor >= 1,
+        require(self.prefetch_factor is None or self.prefetch_factor >= 1,
                  f"--prefetch-factor must be at least 1 (batches each worker loads ahead), got {self.prefetch_factor}")
-        _require(
+        require(
             self.prefetch_factor is None or self.num_workers > 0,
             "--prefetch-factor needs --num-workers > 0; set --num-workers 2 or drop --prefetch-factor",
         )
-        _require(
+        require(
             self.max_documents is None or self.max_documents > 0,
             f"--max-documents must be positive, got {self.max_documents}",
         )
@@ -294,35 +283,35 @@ class TechniqueConfig:
     )
 
     def __post_init__(self) -> None:
-        _require(self.precision in PRECISIONS, f"unknown --precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
-        _require(self.attention in ATTENTIONS, f"unknown --attention {self.attention!r}; choose one of {', '.join(ATTENTIONS)}")
-        _require(self.loss in LOSSES, f"unknown --loss {self.loss!r}; choose one of {', '.join(LOSSES)}")
-        _require(self.optim in OPTIMS, f"unknown --optim {self.optim!r}; choose one of {', '.join(OPTIMS)}")
-        _require(self.distributed in DISTRIBUTED, f"unknown --distributed {self.distributed!r}; choose one of {', '.join(DISTRIBUTED)}")
-        _require(self.window is None or self.window > 0, f"--window must be positive, got {self.window}")
-        _require(self.loss_chunk >= 0, f"--loss-chunk must be positive (or 0: by device), got {self.loss_chunk}")
-        _require(self.loss_kernel in LOSS_KERNELS,
+        require(self.precision in PRECISIONS, f"unknown --precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        require(self.attention in ATTENTIONS, f"unknown --attention {self.attention!r}; choose one of {', '.join(ATTENTIONS)}")
+        require(self.loss in LOSSES, f"unknown --loss {self.loss!r}; choose one of {', '.join(LOSSES)}")
+        require(self.optim in OPTIMS, f"unknown --optim {self.optim!r}; choose one of {', '.join(OPTIMS)}")
+        require(self.distributed in DISTRIBUTED, f"unknown --distributed {self.distributed!r}; choose one of {', '.join(DISTRIBUTED)}")
+        require(self.window is None or self.window > 0, f"--window must be positive, got {self.window}")
+        require(self.loss_chunk >= 0, f"--loss-chunk must be positive (or 0: by device), got {self.loss_chunk}")
+        require(self.loss_kernel in LOSS_KERNELS,
                  f"unknown --loss-kernel {self.loss_kernel!r}; choose one of {', '.join(LOSS_KERNELS)}")
-        _require(self.loss_kernel == "memtrain" or self.loss == "chunked",
+        require(self.loss_kernel == "memtrain" or self.loss == "chunked",
                  f"--loss-kernel {self.loss_kernel} picks the kernel of --loss chunked; add --loss chunked "
                  "or drop --loss-kernel")
         precision_error = loss_kernel_precision_error(self.loss_kernel, self.precision)
-        _require(precision_error is None, precision_error or "")
-        _require(self.optim_block >= 0 and self.optim_block % 2 == 0,
+        require(precision_error is None, precision_error or "")
+        require(self.optim_block >= 0 and self.optim_block % 2 == 0,
                  f"--optim-block must be 0 (torchao's default) or a positive even number, e.g. 256; got {self.optim_block}")
-        _require(self.lora_rank >= 0, f"--lora-rank must be >= 0, got {self.lora_rank}")
-        _require(math.isfinite(self.lora_alpha) and self.lora_alpha > 0, f"--lora-alpha must be positive, got {self.lora_alpha}")
-        _require(0.0 <= self.lora_dropout < 1.0, f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
-        _require(self.compile_mode in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+        require(self.lora_rank >= 0, f"--lora-rank must be >= 0, got {self.lora_rank}")
+        require(math.isfinite(self.lora_alpha) and self.lora_alpha > 0, f"--lora-alpha must be positive, got {self.lora_alpha}")
+        require(0.0 <= self.lora_dropout < 1.0, f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        require(self.compile_mode in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
                  f"unknown --compile-mode {self.compile_mode!r}; choose default, reduce-overhead or max-autotune")
-        _require(self.compile_scope in ("model", "block"), f"unknown --compile-scope {self.compile_scope!r}; choose model or block")
+        require(self.compile_scope in ("model", "block"), f"unknown --compile-scope {self.compile_scope!r}; choose model or block")
         parse_checkpointing(self.checkpointing)
         # torchao's float8 training casts trainable high-precision Linear weights per matmul: a LoRA
         # base is frozen (peft wraps it) and QLoRA's is NF4, neither a weight it converts.
-        _require(not (self.precision == "fp8" and (self.lora_rank or self.qlora)),
+        require(not (self.precision == "fp8" and (self.lora_rank or self.qlora)),
                  "--precision fp8 trains every weight (torchao float8 training); with --lora-rank/--qlora use "
                  "--precision bf16")
-        _require(not (self.offload_activations and self.distributed.startswith("deepspeed")),
+        require(not (self.offload_activations and self.distributed.startswith("deepspeed")),
                  f"--offload-activations wraps memtrain's own train step, but --distributed {self.distributed} runs "
                  "DeepSpeed's engine step: use --distributed zero2 or fsdp, or drop --offload-activations")
         self._check_compile_memory_budget()
@@ -331,9 +320,9 @@ class TechniqueConfig:
         budget = self.compile_memory_budget
         if budget is None:
             return
-        _require(math.isfinite(budget) and 0.0 < budget <= 1.0,
+        require(math.isfinite(budget) and 0.0 < budget <= 1.0,
                  f"--compile-memory-budget must be in (0, 1] (1 = torch's default partition), got {budget}")
-        _require(self.compile, "--compile-memory-budget sets torch.compile's partitioner: add --compile")
+        require(self.compile, "--compile-memory-budget sets torch.compile's partitioner: add --compile")
 
 
 # --------------------------------------------------------------------------- training
@@ -411,22 +400,22 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len", "steps", "grad_accum"):
-            _require(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+            require(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         for name in ("batch_size", "grad_accum"):  # a batch of 10**30 overflows torch or hangs a search
             check_at_most(f"--{name.replace('_', '-')}", getattr(self, name), MAX_BATCH)
-        _require(math.isfinite(self.lr) and 0 < self.lr <= MAX_LR,
+        require(math.isfinite(self.lr) and 0 < self.lr <= MAX_LR,
                  f"--lr must be positive and at most {MAX_LR:g} (larger diverges at once), got {self.lr}")
-        _require(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+        require(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
                  f"--weight-decay must be >= 0 and finite, got {self.weight_decay}")
         for name in ("beta1", "beta2"):
-            _require(0.0 <= getattr(self, name) < 1.0, f"--{name} must be in [0, 1), got {getattr(self, name)}")
-        _require(0 <= self.seed < 2**32, f"--seed must be in [0, 2**32), got {self.seed}")
-        _require(0 <= self.nudge_seed < 2**32, f"--nudge-seed must be in [0, 2**32) (0: no nudge), got {self.nudge_seed}")
+            require(0.0 <= getattr(self, name) < 1.0, f"--{name} must be in [0, 1), got {getattr(self, name)}")
+        require(0 <= self.seed < 2**32, f"--seed must be in [0, 2**32), got {self.seed}")
+        require(0 <= self.nudge_seed < 2**32, f"--nudge-seed must be in [0, 2**32) (0: no nudge), got {self.nudge_seed}")
         for name in ("eval_every", "save_every", "warmup_timing_steps"):
-            _require(getattr(self, name) >= 0, f"--{name.replace('_', '-')} must be >= 0 (0 turns it off), got {getattr(self, name)}")
-        _require(self.out.strip() != "", "--out is empty; give a directory, e.g. --out runs/train")
-        _require(self.save is None or self.save.strip() != "", "--save is empty; give a file path or drop --save")
-        _require(self.resume is None or self.resume.strip() != "", "--resume is empty; give a checkpoint path or drop --resume")
+            require(getattr(self, name) >= 0, f"--{name.replace('_', '-')} must be >= 0 (0 turns it off), got {getattr(self, name)}")
+        require(self.out.strip() != "", "--out is empty; give a directory, e.g. --out runs/train")
+        require(self.save is None or self.save.strip() != "", "--save is empty; give a file path or drop --save")
+        require(self.resume is None or self.resume.strip() != "", "--resume is empty; give a checkpoint path or drop --resume")
         # One path for every check and every write: "~" is the home folder (as for --data and
         # --cache-dir); the checks expanded it while the writes made a folder named "~" here.
         self.out = os.path.expanduser(self.out)
@@ -434,28 +423,28 @@ class TrainConfig:
         self.resume = None if self.resume is None else os.path.expanduser(self.resume)
         # Without --save the periodic checkpoints would go nowhere, silently (the Trainer's
         # save_steps writes into output_dir: a user of the alias expects files).
-        _require(not self.save_every or self.save is not None,
+        require(not self.save_every or self.save is not None,
                  f"--save-every {self.save_every} checkpoints to --save PATH, and no --save is given; add --save "
                  f"(e.g. --save {self.out.rstrip('/') or 'runs/train'}/ckpt.pt) or drop --save-every")
-        _require(self.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {self.warmup_steps}")
-        _require(self.schedule in ("cosine", "constant"), f"unknown --schedule {self.schedule!r}; choose cosine or constant")
-        _require(math.isfinite(self.grad_clip) and self.grad_clip >= 0, f"--grad-clip must be >= 0 and finite, got {self.grad_clip}")
-        _require(0.0 <= self.min_lr_ratio <= 1.0, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
-        _require(self.log_every > 0, f"--log-every must be positive, got {self.log_every}")
+        require(self.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        require(self.schedule in ("cosine", "constant"), f"unknown --schedule {self.schedule!r}; choose cosine or constant")
+        require(math.isfinite(self.grad_clip) and self.grad_clip >= 0, f"--grad-clip must be >= 0 and finite, got {self.grad_clip}")
+        require(0.0 <= self.min_lr_ratio <= 1.0, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        require(self.log_every > 0, f"--log-every must be positive, got {self.log_every}")
         bad = [s for s in self.report_to.split(",") if s.strip() not in ("none", "tensorboard", "wandb")]
-        _require(not bad, f"unknown --report-to {bad[0] if bad else ''!r}; choose none, tensorboard or wandb (comma-separated)")
-        _require(self.stop_after is None or 0 < self.stop_after <= self.steps,
+        require(not bad, f"unknown --report-to {bad[0] if bad else ''!r}; choose none, tensorboard or wandb (comma-separated)")
+        require(self.stop_after is None or 0 < self.stop_after <= self.steps,
                  f"--stop-after must be between 1 and --steps ({self.steps}), got {self.stop_after}")
         self._check_module_table()
 
     def _check_module_table(self) -> None:
         """--module-depth and --module-top shape --memory-by-module's table: valid, and only with it."""
-        _require(self.module_depth is None or self.module_depth >= 1,
+        require(self.module_depth is None or self.module_depth >= 1,
                  f"--module-depth must be >= 1 (1: top-level modules such as blocks, 2: blocks.0), got {self.module_depth}")
-        _require(self.module_top >= 1, f"--module-top must be >= 1, got {self.module_top}")
+        require(self.module_top >= 1, f"--module-top must be >= 1, got {self.module_top}")
         if not self.memory_by_module:
             named = "--module-depth" if self.module_depth is not None else "--module-top" if self.module_top != DEFAULT_MODULE_TOP else None
-            _require(named is None, f"{named} shapes the table of --memory-by-module: add --memory-by-module (or drop {named})")
+            require(named is None, f"{named} shapes the table of --memory-by-module: add --memory-by-module (or drop {named})")
 
 
 CACHE_ENV = "MEMTRAIN_CACHE"
@@ -492,7 +481,7 @@ class RunConfig:
         # max_position_embeddings (both bounded by the same limit) helps: name the limit, as
         # estimate does, not the flag.
         check_at_most("--seq-len", self.train.seq_len, MAX_WIDTH)
-        _require(
+        require(
             self.train.seq_len <= self.model.max_seq_len,
             f"--seq-len {self.train.seq_len} exceeds the max_position_embeddings {self.model.max_seq_len} of "
             f"--model {hf!r}; lower --seq-len (or use a config.json with a larger max_position_embeddings)" if hf else
@@ -500,13 +489,13 @@ class RunConfig:
             f"lower --seq-len or raise --max-seq-len",
         )
         if self.technique.window is not None:
-            _require(
+            require(
                 self.technique.window <= self.train.seq_len,
                 f"--window {self.technique.window} is larger than --seq-len {self.train.seq_len}; "
                 f"use a window <= seq-len (or drop --window for full causal attention)",
             )
         if self.technique.lora_rank:
-            _require(self.technique.lora_rank <= self.model.d_model,
+            require(self.technique.lora_rank <= self.model.d_model,
                      f"--lora-rank {self.technique.lora_rank} exceeds the hidden size {self.model.d_model} of "
                      f"--model {hf!r}; lower --lora-rank" if hf else
                      f"--lora-rank {self.technique.lora_rank} exceeds --d-model {self.model.d_model}")
@@ -531,70 +520,6 @@ class RunConfig:
         if given is not None:
             copy.given_settings = frozenset(given) | set(overrides)  # type: ignore[attr-defined]
         return copy
-
-
-# Flags a printed `memtrain train` command always spells out, default or not: the choices a plan
-# makes, and the attention, whose default depends on the model (memtrain.cli.config_from_args).
-ALWAYS_SPELLED = ("precision", "attention", "checkpointing", "loss", "optim", "batch_size", "grad_accum", "seq_len")
-
-
-def dormant_settings(cfg: RunConfig) -> dict[str, str]:
-    """Settings of ``cfg`` that only shape a technique ``cfg`` leaves off, each with the flag that
-    turns that technique on (``lora_targets`` -> ``--lora-rank N (e.g. 8)`` when LoRA is off)."""
-    t = cfg.technique
-    off: dict[str, str] = {}
-    if not t.lora_rank:
-        off.update(dict.fromkeys(("lora_alpha", "lora_dropout", "lora_targets"), "--lora-rank N (e.g. 8)"))
-    if not t.compile:
-        off.update(dict.fromkeys(("compile_mode", "compile_scope"), "--compile"))
-    if t.optim != "adafactor":
-        off["adafactor_relative_step"] = "--optim adafactor"
-    if t.loss != "chunked":
-        off["loss_chunk"] = "--loss chunked"
-    if cfg.train.schedule != "cosine":
-        off["min_lr_ratio"] = "--schedule cosine"
-    return off
-
-
-def train_flags(cfg: RunConfig) -> list[str]:
-    """The ``memtrain train`` arguments that rebuild ``cfg``: --model first, then every field
-    that differs from what train would use without it (for a transformers --model its shape
-    fields come from the model and are left out), plus :data:`ALWAYS_SPELLED`. Parsing them
-    with train's parser gives ``cfg`` back (tests/test_hf_user_flags.py checks it), less the
-    :func:`dormant_settings` (train refuses a setting of a technique that is off)."""
-    spec = cfg.model.model
-    defaults: dict[str, Any] = {
-        "model": ModelConfig.from_spec(spec),  # the model's own shape
-        "data": DataConfig(), "technique": TechniqueConfig(), "train": TrainConfig(),
-    }
-    args: list[str] = ["--model", spec] if spec is not None else []
-    dormant = dormant_settings(cfg)
-    for section, default in defaults.items():
-        current = getattr(cfg, section)
-        for f in fields(current):
-            value = getattr(current, f.name)
-            if f.name == "model" or f.name in dormant or (value == getattr(default, f.name) and f.name not in ALWAYS_SPELLED):
-                continue
-            args += _flag(f.name, value)
-    return args
-
-
-def _flag(name: str, value: Any) -> list[str]:
-    """One field as train's command line writes it (see memtrain.cli.add_config_flags)."""
-    dashed = "--" + name.replace("_", "-")
-    if isinstance(value, bool):
-        if name.startswith("no_"):  # a one-way switch (--no-cache): its default is off
-            return [dashed] if value else []
-        return [dashed if value else "--no-" + name.replace("_", "-")]
-    if value is None:
-        return [dashed, "none"]  # Optional fields read "none" as None (_coerce)
-    return [dashed, repr(value) if isinstance(value, float) else str(value)]
-
-
-def train_command(cfg: RunConfig) -> str:
-    """``memtrain train ...`` for ``cfg``, quoted for a POSIX shell."""
-
-    return shlex.join(["memtrain", "train", *train_flags(cfg)])
 
 
 def field_index() -> dict[str, str]:
@@ -669,169 +594,6 @@ def _check_integers_fit(parts: dict[str, Any]) -> None:
             value = getattr(section, f.name)
             if isinstance(value, int) and not isinstance(value, bool):
                 check_at_most(f"--{f.name.replace('_', '-')}", abs(value), MAX_INT)
-
-
-MAX_CONFIG_BYTES = 16 * 2**20
-
-
-def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a YAML or TOML config file into a dict (sections or flat keys)."""
-    p = Path(path)
-    _require(not p.is_dir(), f"--config {str(p)!r} is a directory; give a YAML, TOML or JSON file")
-    kind = special_file_kind(p)  # a FIFO (never opened: it would block), a device: named, not "not found"
-    _require(kind is None, f"config file {str(p)!r} is {kind}, not a file; give a YAML, TOML or JSON file")
-    _require(p.is_file(), f"config file {str(p)!r} not found; check the --config path")
-    size = p.stat().st_size
-    # Read whole before parsing: a data file given as --config (corpus.json, GBs) took minutes and
-    # tens of GB before being refused as "holds a list"; settings take a few KB.
-    _require(size <= MAX_CONFIG_BYTES, f"config file {str(p)!r} is {size / 2**20:,.1f} MiB, more than the "
-             f"{MAX_CONFIG_BYTES // 2**20} MiB a config file may be (settings take a few KB); if it is text to "
-             "train on, give it as --data")
-    suffix = p.suffix.lower()
-    if suffix not in (".toml", ".yaml", ".yml", ".json"):
-        raise ConfigError(f"config file {str(p)!r} must end in .yaml, .yml, .toml or .json")
-    try:
-        text = p.read_text(encoding="utf-8")
-        data = _parse_config_text(text, suffix)
-    except UnicodeDecodeError:
-        raise ConfigError(f"config file {str(p)!r} is not UTF-8 text; save it as UTF-8") from None
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {str(p)!r} ({exc.strerror}); check the --config path") from None
-    except (tomllib.TOMLDecodeError, yaml.YAMLError, ValueError) as exc:  # JSONDecodeError is a ValueError
-        raise ConfigError(f"cannot parse config file {str(p)!r}: {str(exc).splitlines()[0]}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(p)!r} holds a {type(data).__name__}; it must be a mapping of settings "
-                          "(key: value, optionally under model/data/technique/train)")
-    for key, value in data.items():
-        inner = value.keys() if isinstance(value, dict) else ()
-        for k in (key, *inner):
-            if not isinstance(k, str):
-                raise ConfigError(f"config file {str(p)!r} has the key {k!r}; keys are setting names such as d_model")
-    data = _checked_sections(data, str(p))
-    _check_placement(data, str(p))
-    return data
-
-
-def _checked_sections(data: dict[str, Any], shown: str) -> dict[str, Any]:
-    """``data`` without its empty sections (``train:`` whose settings are all commented out is
-    YAML's null: it was refused as "unknown option --train"), a section holding anything but
-    settings refused naming it. ``model`` and ``data`` are settings too (``model: gpt2``): only
-    their null is a section's."""
-    settings = field_index()
-    kept: dict[str, Any] = {}
-    for key, value in data.items():
-        section = key.replace("-", "_")
-        if section in SECTIONS and value is None:
-            continue
-        if section in SECTIONS and section not in settings and not isinstance(value, dict):
-            example = dataclasses.fields(SECTIONS[section])[0]  # one of its own settings, as shown in --help
-            raise ConfigError(f"config file {shown!r} has {key}: holding {_yaml_kind(value)}; a section holds "
-                              f"settings (key: value under {key}:), e.g. {key}: {{{example.name}: {example.default!r}}}")
-        kept[key] = value
-    return kept
-
-
-def _yaml_kind(value: Any) -> str:
-    """What a config value is, in the file's words (a list, a number, text)."""
-    kinds = {list: "a list", bool: "true/false", int: "a number", float: "a number", str: "text"}
-    return next((word for cls, word in kinds.items() if isinstance(value, cls)), type(value).__name__)
-
-
-def _check_placement(data: dict[str, Any], shown: str) -> None:
-    """Each setting of a config file once, and under its own section when under one: flattened,
-    ``train: {d_model: 64}`` beside ``model: {d_model: 32}`` would silently take the later."""
-    index = field_index()
-    seen: dict[str, str] = {}
-    for key, value in data.items():
-        section = key.replace("-", "_")
-        if section in SECTIONS and isinstance(value, dict):
-            entries = [(k.replace("-", "_"), f"{section}:") for k in value]
-        else:
-            entries = [(section, "the top level")]
-        for name, where in entries:
-            home = index.get(name)
-            if home is not None and where.endswith(":") and where != f"{home}:":
-                raise ConfigError(f"config file {shown!r} has {name} under {where} but it is a {home} setting; "
-                                  f"move it under {home}:")
-            if name in seen:
-                raise ConfigError(f"config file {shown!r} sets {name} twice ({seen[name]} and {where}); keep one")
-            seen[name] = where
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.safe_load``'s loader, refusing a key given twice in one mapping: PyYAML keeps the
-    later value silently, so ``steps: 3`` above ``steps: 5`` (or a second ``train:`` section,
-    which replaces the first whole) ran with settings the file's reader never saw."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` merges; the keys beside it win by design
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            try:
-                duplicate = key in seen
-            except TypeError:  # an unhashable key: the base class says so
-                continue
-            if duplicate:
-                raise ValueError(f"the key {key!r} appears twice (line {key_node.start_mark.line + 1}); keep one")
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-def _unique_json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object of a config file, refusing a key given twice (``json`` keeps the later)."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"the key {key!r} appears twice; keep one")
-        out[key] = value
-    return out
-
-
-def _parse_config_text(text: str, suffix: str) -> Any:
-    """The settings of a config file's text; ValueError for text no config can hold.
-
-    Nesting is measured before any parser recurses into it (a 100,000-deep list would end
-    yaml, tomllib and json with a RecursionError), and integers are capped at MAX_INT_DIGITS
-    digits (Python refuses to parse more than 4,300; fewer still overflow every size check).
-    The bracket scan reads YAML and TOML flow collections too; YAML's block nesting by
-    indentation is caught by the RecursionError guard, since it costs a line per level.
-    """
-    if suffix == ".json":
-        return loads_bounded(text, object_pairs_hook=_unique_json_object)
-    too_deep = json_depth_error([text.encode("utf-8", "surrogatepass")])
-    if too_deep is not None:
-        raise ValueError(f"settings nested deeper than {MAX_JSON_DEPTH} levels (line {too_deep})")
-    try:
-        # tomllib refuses a key given twice itself; YAML and JSON parsers keep the later one.
-        data = tomllib.loads(text) if suffix == ".toml" else yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
-    except RecursionError:
-        raise ValueError(f"settings nested deeper than Python can parse (keep them under {MAX_JSON_DEPTH} levels)") from None
-    except ValueError as exc:
-        if "integer string conversion" in str(exc):  # Python's own cap, phrased for a programmer
-            raise ValueError(f"an integer of more than {MAX_INT_DIGITS} digits; no setting takes one") from None
-        raise
-    _check_int_digits(data)
-    return data
-
-
-def _check_int_digits(data: Any) -> None:
-    """ValueError for an integer longer than MAX_INT_DIGITS anywhere in parsed settings.
-
-    Each container is visited once: YAML aliases can share one list many times over (or
-    make it contain itself), which a plain recursive walk would expand exponentially."""
-    seen: set[int] = set()
-    stack = [data]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**MAX_INT_DIGITS:
-            raise ValueError(f"an integer of more than {MAX_INT_DIGITS} digits; no setting takes one")
-        if isinstance(value, (dict, list)) and id(value) not in seen:
-            seen.add(id(value))
-            stack.extend(value.values() if isinstance(value, dict) else value)
 
 
 def flatten(nested: dict[str, Any]) -> dict[str, Any]:
@@ -912,25 +674,6 @@ def build_config(*layers: dict[str, Any]) -> RunConfig:
     return cfg
 
 
-def model_default_attention(*layers: dict[str, Any]) -> dict[str, Any]:
-    """A layer setting the attention transformers builds a transformers ``--model`` with (sdpa, or
-    eager for Gemma-2), for settings ``layers`` that name such a model and no attention; else
-    empty: memtrain's GPT keeps its math default (the seed's lab). train, estimate, plan and
-    every bench row use it, so one model gets one default."""
-    return attention_default_of(normalized_layers(*layers))
-
-
-def attention_default_of(flat_layers: list[dict[str, Any]]) -> dict[str, Any]:
-    """:func:`model_default_attention` of layers :func:`normalized_layers` has read already."""
-    from memtrain.models.spec import default_attention, is_gpt_preset  # torch-free; spec reads config
-
-    merged = merged_layers(flat_layers)
-    spec = merged.get("model")
-    if "attention" in merged or not isinstance(spec, str) or is_gpt_preset(spec):
-        return {}
-    return {"attention": default_attention(spec)}
-
-
 def _record_trained_lora_targets(cfg: RunConfig) -> None:
     """Set in ``cfg`` the LoRA targets a transformers ``--model`` trains: our GPT's default list
     (``qkv,proj,fc,fc_out``) means peft's ``all-linear`` there, and result.json, checkpoints and
@@ -948,48 +691,6 @@ WARMUP_FRACTION = 0.1
 def capped_warmup(steps: int) -> int:
     """Warm-up when none is set: the default 200, capped at 10% of ``steps`` (at least 1)."""
     return min(TrainConfig.warmup_steps, max(1, math.ceil(WARMUP_FRACTION * steps)))
-
-
-def normalized_layers(*layers: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each layer of settings flattened and in memtrain's names (the Trainer's aliases read); a
-    layer whose aliases cannot be read is left out (build_config reports it)."""
-    flat_layers = []
-    for layer in layers:
-        try:
-            flat_layers.append(normalize_aliases(flatten(layer)))
-        except ValueError:
-            continue  # build_config reports the bad alias
-    return flat_layers
-
-
-def given_settings(*layers: dict[str, Any]) -> dict[str, Any]:
-    """The settings ``layers`` name, flat and in memtrain's names, later layers winning: a layer
-    whose aliases cannot be read is left out, as :func:`normalized_layers` leaves it, so its
-    unread keys steer nothing (a --resume, a derived --max-seq-len) before build_config
-    reports it as the one-line error it is."""
-    return merged_layers(normalized_layers(*layers))
-
-
-def merged_layers(flat_layers: list[dict[str, Any]]) -> dict[str, Any]:
-    """Flat layers (as :func:`normalized_layers` returns them) merged into one, later layers winning."""
-    merged: dict[str, Any] = {}
-    for flat in flat_layers:
-        merged.update(flat)
-    return merged
-
-
-def warmup_named(flat_layers: list[dict[str, Any]]) -> bool:
-    """Whether a layer of settings (as :func:`normalized_layers` returns them) names the warm-up:
-    ``warmup_steps``, or the Trainer's ``warmup_ratio`` / a ``lr_scheduler_type`` that sets it."""
-    return any("warmup_steps" in flat or WARMUP_RATIO in flat for flat in flat_layers)
-
-
-def refuse_long_warmup(t: TrainConfig) -> None:
-    """A warm-up the user set that is longer than the run is refused (ConfigError): the schedule
-    would end mid-ramp, and the run would never train at the --lr it records."""
-    if t.warmup_steps > t.steps:
-        raise ConfigError(f"--warmup-steps {t.warmup_steps} is longer than --steps {t.steps}: the learning rate would "
-                          f"end at {t.steps / t.warmup_steps:.0%} of --lr; lower --warmup-steps or raise --steps")
 
 
 def parse_size(text: str | int | float) -> int:

@@ -8,6 +8,8 @@
 """
 
 from memtrain.data.cache import FORMAT_VERSION, TokenSplits, cache_key, cache_root, prepare_tokens
+from memtrain.data.default_corpus import default_documents
+from memtrain.data.html_text import html_to_text
 from memtrain.data.loader import (
     BlockDataset,
     ResumableBatchSampler,
@@ -16,7 +18,7 @@ from memtrain.data.loader import (
     make_train_loader,
     make_val_batches,
 )
-from memtrain.data.sources import data_fingerprint, default_documents, html_to_text, iter_documents, source_identity
+from memtrain.data.sources import data_fingerprint, iter_documents, source_identity
 from memtrain.data.tokenizer import EOT_ID, N_VOCAB, TOKENIZER_NAME, encode_batch, get_tokenizer
 
 __all__ = [

@@ -3,7 +3,8 @@
 ``--data`` selects one of four kinds of source:
 
 * ``default``: English technical prose from the running Python's own documentation
-  (``pydoc`` topics and the standard library's docstrings); needs no download.
+  (``pydoc`` topics and the standard library's docstrings, :mod:`memtrain.data.default_corpus`);
+  needs no download.
 * ``hf:NAME``: a Hugging Face dataset, streamed. ``hf:`` followed by a local directory,
   or ``hf:json:GLOB`` / ``hf:parquet:GLOB`` / ``hf:csv:GLOB``, reads local data through the
   same code, which is how this path works (and is tested) without the Hub.
@@ -18,7 +19,6 @@ message naming the problem and the fix.
 
 from __future__ import annotations
 
-import ast
 import functools
 import glob
 import hashlib
@@ -28,25 +28,24 @@ import json
 import platform
 import re
 import sys
-import sysconfig
 import warnings
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Iterator
-from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from memtrain.config.run import ConfigError, DataConfig
+from memtrain.data.default_corpus import DEFAULT_CORPUS_VERSION, default_documents
+from memtrain.data.html_text import html_to_text
+from memtrain.data.json_records import check_json_nesting, check_json_records, first_bad_json_line
 from memtrain.data.tokenizer import cut_before_word
+from memtrain.errors import first_line
 from memtrain.files.guard import folder_entry_problems, special_file_kind, visible_entries
-from memtrain.files.results import MAX_JSON_DEPTH, bounded_lines, json_depth_error, loads_bounded
 from memtrain.runtime.extras import quiet_datasets, require
 from memtrain.runtime.notices import PartOfARecordWarning
 
 DEFAULT_SOURCE = "default"
 STACKOVERFLOW_HF = "mikex86/stackoverflow-posts"
-# Bump when the rendering of the default corpus changes, so cached tokens are rebuilt.
-DEFAULT_CORPUS_VERSION = 1
 
 # File suffix -> ``datasets`` packaged builder.
 STRUCTURED_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -67,14 +66,6 @@ TXT_DOC_CHARS = 8192
 # (memtrain.data.tokenizer.encoding_pieces), into documents of at most this many characters:
 # reading a 200 MB line whole, then tokenizing it, needed gigabytes.
 TXT_MAX_LINE_CHARS = 1 << 20
-# A .jsonl line longer than this is refused before any reader holds it: pyarrow and the check
-# that names a bad line each hold a record whole, several times over (a 300 MiB line took 1.8 GB
-# of memory before its refusal, and memory grows with the line).
-MAX_JSON_RECORD_BYTES = 64 << 20
-
-# Directories of the standard library that hold tests, the IDLE application or installed
-# third-party packages rather than documented library code.
-_SKIP_STDLIB_DIRS = frozenset({"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__"})
 
 
 # --------------------------------------------------------------------------- entry points
@@ -189,73 +180,6 @@ def _raw_documents(cfg: DataConfig) -> Iterator[str]:
     if cfg.data.startswith("hf:"):
         return _hf_documents(cfg)
     return _local_documents(resolve_local_files(cfg.data), cfg)
-
-
-# --------------------------------------------------------------------------- default corpus
-@functools.lru_cache(maxsize=1)
-def default_documents() -> tuple[str, ...]:
-    """The default corpus, built once per process (parsing the stdlib takes a few seconds)."""
-    return tuple(collect_default_documents())
-
-
-def collect_default_documents() -> Iterator[str]:
-    """Python's own documentation: every ``pydoc`` topic, then one document per stdlib module.
-
-    A module's docstrings (module, classes, functions, in source order, each under its
-    qualified name) form one document rather than one document per docstring: most
-    docstrings are a line or two, so separate documents would make end-of-text tokens a
-    large share of the corpus and cut training blocks into unrelated fragments, while a
-    module reads as one coherent page, like a chapter of the library reference.
-    Sources are parsed with :mod:`ast` and never imported (importing runs code).
-    """
-    try:
-        # pydoc_data is left out of some Python builds (the try says what then)
-        from pydoc_data.topics import topics
-    except ImportError:  # some distributions split pydoc_data into a separate package
-        topics = {}  # type: ignore[misc]  # fallback for the optional import above
-    for key in sorted(topics):
-        yield topics[key]
-    for path in _stdlib_sources():
-        doc = _module_document(path)
-        if doc:
-            yield doc
-
-
-def _stdlib_sources() -> list[Path]:
-    """The standard library's .py files, sorted, without tests, IDLE and site-packages."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(
-        p for p in root.rglob("*.py") if not _SKIP_STDLIB_DIRS.intersection(p.relative_to(root).parts[:-1])
-    )
-
-
-def _module_document(path: Path) -> str | None:
-    """All docstrings of one module as a single text, or None if it has none or cannot parse."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    module = ".".join(path.relative_to(root).with_suffix("").parts)
-    module = module.removesuffix(".__init__")
-    try:
-        tree = ast.parse(path.read_bytes(), filename=str(path))  # bytes: honours coding cookies
-    except (SyntaxError, ValueError):
-        return None  # e.g. deliberately broken files; skipping them is still deterministic
-    parts = [f"{name}\n\n{doc}" for name, doc in _docstrings(tree, module)]
-    return "\n\n\n".join(parts) or None
-
-
-def _docstrings(node: ast.AST, qualname: str) -> Iterator[tuple[str, str]]:
-    """(qualified name, docstring) of ``node`` and every def/class inside it, in source order.
-
-    Recurses through all statements, so definitions under ``if``/``try`` are found too.
-    """
-    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-        doc = ast.get_docstring(node)
-        if doc:
-            yield qualname, doc
-    for child in ast.iter_child_nodes(node):
-        if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            yield from _docstrings(child, f"{qualname}.{child.name}")
-        elif isinstance(child, (ast.stmt, ast.excepthandler, ast.match_case)):
-            yield from _docstrings(child, qualname)
 
 
 # --------------------------------------------------------------------------- local files
@@ -455,7 +379,7 @@ def _hf_documents(cfg: DataConfig) -> Iterator[str]:
         yield from _hub_documents(target, cfg)
     elif kind == "dir":
         root = Path(target)
-        _check_json_nesting(sorted(p for p in root.rglob("*") if p.is_file() and not _hidden(p, root)
+        check_json_nesting(sorted(p for p in root.rglob("*") if p.is_file() and not _hidden(p, root)
                                    and p.suffix.lower() in JSON_SUFFIXES))
         load = _load_saved if is_saved_dataset(root) else _load_dataset
         ds = load(target, split=cfg.hf_split, label=target)
@@ -482,7 +406,7 @@ def _load_saved(path: str, *, split: str, label: str) -> Any:
     try:
         ds = datasets.load_from_disk(path)
     except (OSError, ValueError, KeyError, datasets.exceptions.DatasetsError) as exc:
-        raise ConfigError(f"cannot load {label!r} (a save_to_disk folder): {_first_line(exc)}; check --data") from None
+        raise ConfigError(f"cannot load {label!r} (a save_to_disk folder): {first_line(exc)}; check --data") from None
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
             raise ConfigError(f"{label!r} has no split {split!r} (splits: {', '.join(ds)}); set --hf-split")
@@ -509,144 +433,11 @@ def _structured_documents(builder: str, files: list[Path], field: str, label: st
         raise ConfigError(f"{label!r} is empty (0 bytes); check --data")
     locate = None
     if builder == "json":
-        _check_json_nesting(files)
-        _check_json_records(files)
-        locate = functools.partial(_first_bad_json_line, files, label)
+        check_json_nesting(files)
+        check_json_records(files)
+        locate = functools.partial(first_bad_json_line, files, label)
     ds = _load_dataset(builder, data_files=[str(p) for p in files], split="train", label=label)
     yield from _dataset_texts(ds, field, label, locate)
-
-
-PEEK_CHARS = 1 << 16  # enough to reach the first record of any file a person writes
-
-
-def _json_kind(value: Any) -> str:
-    """What a decoded JSON value is, in JSON's words (for a record that is not an object)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    for kind, types in (("string", str), ("array", list), ("object", dict)):
-        if isinstance(value, types):
-            return kind
-    return "number"
-
-
-def _not_json(exc: ValueError) -> str:
-    """Why a line is not JSON, with its column (json's own "line 1" is the line itself)."""
-    detail = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else _first_line(exc)
-    return f"is not valid JSON ({detail})"
-
-
-def _check_json_records(files: list[Path]) -> None:
-    """Refuse a JSON data file whose first record is not an object: datasets reads an array of
-    numbers as a column it names 'text', so the refusal spoke of a field the file never had.
-    (An array of strings stays what datasets makes of it: documents.) The first record is
-    decoded, not judged by its first character: a line "nope" is not JSON, not a null."""
-    for path in files:
-        try:
-            with path.open("r", encoding="utf-8-sig", errors="replace") as fh:
-                head = fh.read(PEEK_CHARS).lstrip()
-        except OSError as exc:
-            raise ConfigError(f"cannot read {str(path)!r} ({exc.strerror or type(exc).__name__}); check --data") from None
-        if path.suffix.lower() == ".json" and head.startswith("["):
-            _check_first_element(path, head)
-        elif head[:1] not in ("{", ""):
-            _check_first_line(path)
-
-
-def _check_first_element(path: Path, head: str) -> None:
-    """Refuse a .json array whose first element (in ``head``, the file's start) is not a record."""
-    first = head[1:].lstrip()
-    if first[:1] in ("{", '"', "]", ""):
-        return
-    if first[:1] == "[":  # an array of arrays, whatever they hold (and however long the first is)
-        kind = "array"
-    else:  # a scalar: short, so the peek holds it whole
-        try:
-            kind = _json_kind(json.JSONDecoder().raw_decode(first)[0])
-        except json.JSONDecodeError:
-            return  # not JSON: datasets fails on it and _first_bad_json_line names the line
-    raise ConfigError(f"{str(path)!r} holds an array of JSON {kind}s, not records: write "
-                      'each record as a JSON object with its text in a field, e.g. {"text": "..."}')
-
-
-def _check_first_line(path: Path) -> None:
-    """Refuse a JSON-lines file whose first record is not an object: not JSON at all (the line
-    named, as a bad line further on is), or a JSON value of another kind."""
-    try:
-        with path.open("rb") as fh:
-            number, line = next((n, text) for n, text in enumerate(fh, 1) if text.strip())
-    except (OSError, StopIteration):
-        return  # the nesting check read it; an empty file is left out before this
-    try:
-        record = loads_bounded(line)
-    except ValueError as exc:
-        raise ConfigError(f"cannot read {str(path)!r}: line {number} {_not_json(exc)}; fix that line or remove it") from None
-    if not isinstance(record, dict):
-        raise ConfigError(f"{str(path)!r} line {number} holds a JSON {_json_kind(record)}, not a record: write each line "
-                          'as a JSON object with its text in a field, e.g. {"text": "..."}')
-
-
-def _first_bad_json_line(files: list[Path], label: str) -> Optional[str]:
-    """Where the first record Python's json module cannot read as an object is, 1-based:
-    pyarrow's "in row N" behind datasets counts from 0 within its current block of the file,
-    not the file's lines. None where every line reads (a .json array that spans lines)."""
-    for path in files:
-        try:
-            with path.open("rb") as fh:
-                for number, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = loads_bounded(line)
-                    except ValueError as exc:  # the line alone: its column, not json's "line 1"
-                        why = _not_json(exc)
-                    else:
-                        if isinstance(record, dict):
-                            continue
-                        why = f"holds a JSON {_json_kind(record)}, not a record (an object)"
-                    where = f"line {number}" if str(path) == label else f"line {number} of {str(path)!r}"
-                    return f"{where} {why}"
-        except OSError:
-            return None
-    return None
-
-
-def _check_json_nesting(files: list[Path]) -> None:
-    """Refuse JSON data nested deeper than MAX_JSON_DEPTH, naming the file and line.
-
-    pyarrow's JSON reader (behind ``datasets``) recurses once per level in C: a line nested
-    20,000 deep ends the process with SIGSEGV, no message and no cleanup; ``datasets`` itself
-    raises RecursionError near 1,000 levels. One streaming pass (bounded pieces, strings
-    skipped at C speed) measures the depth before either sees the file.
-    """
-    for path in files:
-        try:
-            with path.open("rb") as fh:
-                pieces = bounded_lines(fh)
-                if path.suffix.lower() == ".jsonl":  # one record a line (a .json array may be one line)
-                    pieces = _records_within(path, pieces)
-                line = json_depth_error(pieces)
-        except OSError as exc:
-            raise ConfigError(f"cannot read {str(path)!r} ({exc.strerror or type(exc).__name__}); check --data") from None
-        if line is not None:
-            raise ConfigError(f"{str(path)!r} line {line}: JSON nested deeper than {MAX_JSON_DEPTH} levels; "
-                              "flatten that record or remove it from the data")
-
-
-def _records_within(path: Path, pieces: Iterable[bytes]) -> Iterator[bytes]:
-    """``pieces`` (of lines, as :func:`bounded_lines` gives them), refusing a line longer than
-    MAX_JSON_RECORD_BYTES as soon as the count passes it."""
-    size, line = 0, 1
-    for piece in pieces:
-        size += len(piece)
-        if size > MAX_JSON_RECORD_BYTES:
-            raise ConfigError(f"{str(path)!r} line {line} is longer than {MAX_JSON_RECORD_BYTES >> 20} MiB, more than "
-                              "memtrain reads as one record (its readers hold a record whole, several times over); "
-                              "split it into records, or give the text as a .txt file (read in pieces)")
-        if piece.endswith(b"\n"):
-            size, line = 0, line + 1
-        yield piece
 
 
 def _load_dataset(path: str, *, split: str, label: str, hub: bool = False, **kwargs: Any) -> Any:
@@ -669,21 +460,21 @@ def _load_dataset(path: str, *, split: str, label: str, hub: bool = False, **kwa
         ) from None
     except ValueError as exc:
         if "split" in str(exc).lower():
-            raise ConfigError(f"{label!r}: {_first_line(exc)}; set --hf-split") from None
-        raise ConfigError(f"cannot read {label!r}: {_first_line(exc)}; check --data") from None
+            raise ConfigError(f"{label!r}: {first_line(exc)}; set --hf-split") from None
+        raise ConfigError(f"cannot read {label!r}: {first_line(exc)}; check --data") from None
     except (OSError, datasets.exceptions.DatasetsError) as exc:
         hint = "check the connection or pass a local file" if hub else "check --data"
-        raise ConfigError(f"cannot load {label!r}: {_first_line(exc)}; {hint}") from None
+        raise ConfigError(f"cannot load {label!r}: {first_line(exc)}; {hint}") from None
     except RuntimeError as exc:  # datasets >= 4 raises this for a Hub dataset that is a loading script
         if "script" not in str(exc).lower():
             raise
-        raise ConfigError(f"cannot load {label!r}: {_first_line(exc)}; memtrain never runs dataset code, "
+        raise ConfigError(f"cannot load {label!r}: {first_line(exc)}; memtrain never runs dataset code, "
                           "use a dataset of data files") from None
 
 
 def _hub_unreachable(name: str, exc: BaseException) -> str:
     return (
-        f"cannot reach the Hugging Face Hub for {name!r} ({_first_line(exc)}); download the data "
+        f"cannot reach the Hugging Face Hub for {name!r} ({first_line(exc)}); download the data "
         f"and pass a local file, e.g. --data posts.parquet or --data hf:parquet:'data/*.parquet'"
     )
 
@@ -758,72 +549,7 @@ def _unreadable(label: str, exc: BaseException, locate: Optional[Callable[[], Op
     where = locate() if locate is not None else None
     if where is not None:
         return f"cannot read {label!r}: {where}; fix that line or remove it"
-    return f"cannot read {label!r}: {re.sub(r' in row [0-9]+', '', _first_line(exc))}; check the file format"
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
-
-
-# --------------------------------------------------------------------------- HTML
-_BLOCK_TAGS = frozenset(
-    "p div br pre blockquote ul ol li dl dt dd table tr thead tbody h1 h2 h3 h4 h5 h6 hr "
-    "section article header footer figure figcaption".split()
-)
-_DROP_TAGS = frozenset({"script", "style"})
-
-
-class _TextExtractor(HTMLParser):
-    """Collects the text of an HTML fragment; ``convert_charrefs`` unescapes entities."""
-
-    def __init__(self) -> None:
-        super().__init__(convert_charrefs=True)
-        self.parts: list[str] = []
-        self._dropping = 0
-        self._pre = 0
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        if tag in _DROP_TAGS:
-            self._dropping += 1
-        elif tag == "li":
-            self.parts.append("\n- ")
-        elif tag in _BLOCK_TAGS:
-            self.parts.append("\n")
-        self._pre += tag == "pre"
-
-    def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        self.handle_starttag(tag, attrs)  # <br/> is one line break, not an open and a close
-
-    def handle_endtag(self, tag: str) -> None:
-        if tag in _DROP_TAGS:
-            self._dropping = max(0, self._dropping - 1)
-        elif tag in _BLOCK_TAGS and tag != "li":  # the next item's "- " starts its own line
-            self.parts.append("\n")
-        if tag == "pre":
-            self._pre = max(0, self._pre - 1)
-
-    def handle_data(self, data: str) -> None:
-        # Text inside <code> and <pre> is kept verbatim: for Stack Overflow it is much of the content.
-        if self._dropping:
-            return
-        if not self._pre and data.isspace() and "\n" in data:
-            # Source line breaks between tags: nothing at a line start (after a block tag),
-            # a word space between inline elements, as a browser would render them.
-            if self.parts and not self.parts[-1].endswith("\n"):
-                self.parts.append(" ")
-            return
-        self.parts.append(data)
-
-
-def html_to_text(html: str) -> str:
-    """Plain text of an HTML fragment: tags removed, entities unescaped, block tags as line breaks."""
-    parser = _TextExtractor()
-    parser.feed(html)
-    parser.close()
-    text = "".join(parser.parts).replace("\r\n", "\n").replace("\r", "\n")
-    text = re.sub(r"[ \t]+\n", "\n", text)  # trailing spaces left by inline breaks
-    return re.sub(r"\n{3,}", "\n\n", text).strip()
+    return f"cannot read {label!r}: {re.sub(r' in row [0-9]+', '', first_line(exc))}; check the file format"
 
 
 # --------------------------------------------------------------------------- helpers

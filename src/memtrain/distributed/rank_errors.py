@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
-from memtrain.errors import ConfigError, one_line
+from memtrain.errors import ConfigError, first_line, one_line
 
 # Set by memtrain.distributed.launch for the ranks it starts: the launcher prints the error line (once,
 # after torch's launcher has gone quiet) and holds the --out lock for the ranks.
@@ -119,7 +119,7 @@ def _outcome(exc: Optional[BaseException]) -> Optional[tuple[str, str]]:
     """What a rank tells the others: None (fine) or (kind, one-line reason)."""
     if exc is None:
         return None
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = first_line(exc)
     if isinstance(exc, ConfigError):
         return "config", text
     return "failure", f"{type(exc).__name__}: {text}"

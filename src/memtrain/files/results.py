@@ -1,4 +1,4 @@
-"""Results on disk: atomic JSON files, the append-only JSONL store, and the folder lock.
+"""Results on disk: the names memtrain writes in an output folder, atomic files, and the append-only JSONL files.
 
 The one place that writes and reads what a run produced, so the promises of
 docs/reliability.md hold for every command alike:
@@ -21,28 +21,14 @@ docs/reliability.md hold for every command alike:
 - :func:`read_jsonl`: every JSON object line; torn, non-UTF-8, non-object and hostile lines
   (nested deeper than MAX_JSON_DEPTH, an integer longer than MAX_INT_DIGITS, a non-finite
   number) are skipped and counted, never fatal (a caller decides whether to warn).
-- :func:`loads_bounded` / :func:`json_depth_error`: the bounded JSON parse every reader of
-  JSON uses (results, config files, checkpoint metadata, JSON data files): the nesting is
-  measured by a cheap scan before any parser recurses into it.
-- :func:`read_results_counted` / :func:`append_result` / :func:`select_rows`: the bench's
-  ``results.jsonl`` store, read by the bench runner and by ``memtrain report`` alike; a row's
-  :func:`row_settings` groups it with the rows run under the same settings (a report compares
-  only those).
-- :class:`FolderLock`: ``fcntl.flock`` on a lock file inside an output folder; a second
-  holder is refused at once with a :class:`~memtrain.config.run.ConfigError` (exit 2). The kernel
-  drops the lock when its process dies, so a killed run never leaves the folder locked.
-  Processes that write into the folder under the holder's lock (the ranks of a launched run)
-  add themselves to the lock file (:func:`register_writer`); the folder stays refused while
-  any of them lives, also after the holder died.
+- JSON text is parsed bounded and written strict by :mod:`memtrain.files.json_text`.
+- the bench's ``results.jsonl`` store of rows is read and appended by :mod:`memtrain.files.bench_store`.
+- the ``--out`` folder lock (``LOCK_NAME``) is taken and held by :mod:`memtrain.files.lock`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import fcntl
-import json
-import math
 import os
 import re
 import shutil
@@ -56,7 +42,7 @@ from typing import IO, Any, Callable, Optional
 
 # A leaf import (not memtrain.config.run): config itself parses its files with loads_bounded.
 from memtrain.errors import ConfigError
-from memtrain.files.guard import file_kind
+from memtrain.files.json_text import bounded_lines, dumps, loads_bounded
 
 LOCK_NAME = ".memtrain.lock"
 # The bench store: one row per line, appended as each row finishes (see memtrain.bench).
@@ -68,179 +54,6 @@ PLOT_FILES = ("peak_memory.png", "step_time.png", "max_batch.png", "memory_vs_ti
 # Every name memtrain writes in an output folder: none may be a link, and --save is none of them.
 OUT_FILES = (RESULT_NAME, METRICS_NAME, LOCK_NAME, BENCH_RESULTS, *REPORT_FILES, *PLOT_FILES)
 TRAIN_FILES = (RESULT_NAME, METRICS_NAME, LOCK_NAME)  # those memtrain train writes
-
-
-# --------------------------------------------------------------------------- bounded JSON
-# Deeper nesting than this is refused before any parser sees it: Python's json and yaml
-# recurse once per level (RecursionError near 1,000), pyarrow's JSON reader overflows the C
-# stack (SIGSEGV) at about 20,000. Real records, configs and results nest a few levels.
-MAX_JSON_DEPTH = 256
-# Integers longer than this are refused: no count, size or seed memtrain reads comes near 30
-# digits (2**64 has 20), while a 400-digit one overflows every float conversion downstream.
-MAX_INT_DIGITS = 30
-# Bytes handed to the depth scan at a time (a line longer than this is scanned in pieces).
-SCAN_PIECE_BYTES = 1 << 20
-
-# A complete JSON string (escapes included): removed before counting brackets.
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
-# Inside a string: everything up to (not including) its closing quote or a final lone backslash.
-_STRING_BODY = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*', re.S)
-# Outside a string: the next quote or bracket.
-_STRUCTURE = re.compile(rb'["\[\]{}]')
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-_OPEN = frozenset(b"[{")
-
-
-class JsonDepthScan:
-    """The running bracket depth of JSON text fed in pieces (bytes), strings skipped.
-
-    Cheap: a piece whose strings all close inside it is handled by C-speed ``re.sub`` and
-    ``bytes.count``; only brackets of a suspiciously deep piece, and the rare string that
-    spans two pieces, are walked in Python. ``feed`` returns False once the depth has
-    exceeded ``limit`` (the text is then refused, never parsed).
-    """
-
-    def __init__(self, limit: int = MAX_JSON_DEPTH) -> None:
-        self.limit = limit
-        self.depth = 0
-        self.in_string = False
-        self.escape = False  # the previous piece ended on a backslash inside a string
-
-    def feed(self, piece: bytes) -> bool:
-        if not self.in_string and not self.escape:
-            outside = _JSON_STRING.sub(b"", piece)
-            if b'"' not in outside:  # every string of the piece closed inside it
-                return self._brackets(outside)
-        return self._walk(piece)
-
-    def _brackets(self, outside: bytes) -> bool:
-        """Brackets outside strings: counted at once unless they could exceed the limit."""
-        opens = outside.count(b"[") + outside.count(b"{")
-        if self.depth + opens <= self.limit:
-            self.depth = max(0, self.depth + opens - outside.count(b"]") - outside.count(b"}"))
-            return True
-        for c in outside.translate(None, _NOT_BRACKETS):
-            self.depth = self.depth + 1 if c in _OPEN else max(0, self.depth - 1)
-            if self.depth > self.limit:
-                return False
-        return True
-
-    def _walk(self, piece: bytes) -> bool:
-        """A piece in which a string opens or closes across the piece boundary."""
-        pos, n = 0, len(piece)
-        while pos < n:
-            if self.escape:  # the escaped character itself
-                self.escape, pos = False, pos + 1
-            elif self.in_string:
-                pos = _STRING_BODY.match(piece, pos).end()  # type: ignore[union-attr]  # matches the empty string
-                if pos < n and piece[pos] == 0x5C:  # a lone backslash at the end of the piece
-                    self.escape, pos = True, pos + 1
-                elif pos < n:  # the closing quote
-                    self.in_string, pos = False, pos + 1
-            else:
-                m = _STRUCTURE.search(piece, pos)
-                if m is None:
-                    break
-                pos, c = m.end(), piece[m.start()]
-                if c == 0x22:
-                    self.in_string = True
-                elif c in _OPEN:
-                    self.depth += 1
-                    if self.depth > self.limit:
-                        return False
-                else:
-                    self.depth = max(0, self.depth - 1)
-        return True
-
-
-def json_depth_error(lines: Iterable[bytes], limit: int = MAX_JSON_DEPTH) -> Optional[int]:
-    """The 1-based line at which JSON text (pieces of lines, as :func:`bounded_lines` gives
-    them) nests deeper than ``limit``, or None when it never does."""
-    scan = JsonDepthScan(limit)
-    line = 1
-    for piece in lines:
-        if not scan.feed(piece):
-            return line
-        line += piece.endswith(b"\n")
-    return None
-
-
-def bounded_lines(fh: IO[bytes], piece: int = SCAN_PIECE_BYTES) -> Iterable[bytes]:
-    """The lines of a binary file, a line longer than ``piece`` bytes in several pieces (only
-    the last ends with a newline): memory stays bounded however long a line is."""
-    while chunk := fh.readline(piece):
-        yield chunk
-
-
-def bounded_jsonl_lines(fh: IO[bytes], most: Optional[int] = None) -> Iterator[Optional[bytes]]:
-    """Each line of a binary file, or None for one longer than ``most`` bytes
-    (MAX_JSONL_LINE_BYTES), which is read past in pieces, never held whole."""
-    most = MAX_JSONL_LINE_BYTES if most is None else most
-    pieces: list[bytes] = []
-    size, too_long = 0, False
-    for piece in bounded_lines(fh):
-        size += len(piece)
-        too_long = too_long or size > most
-        if too_long:
-            pieces.clear()
-        else:
-            pieces.append(piece)
-        if piece.endswith(b"\n"):
-            yield None if too_long else b"".join(pieces)
-            pieces, size, too_long = [], 0, False
-    if size:
-        yield None if too_long else b"".join(pieces)
-
-
-def _bounded_int(text: str) -> int:
-    if len(text.lstrip("-")) > MAX_INT_DIGITS:
-        raise ValueError(f"an integer of {len(text.lstrip('-')):,} digits (at most {MAX_INT_DIGITS})")
-    return int(text)
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"the number {text[:20]} is out of range")
-    return value
-
-
-def _no_constant(text: str) -> Any:
-    raise ValueError(f"{text} is not a number JSON allows")
-
-
-def loads_bounded(text: str | bytes, limit: int = MAX_JSON_DEPTH,
-                  object_pairs_hook: Optional[Callable[[list[tuple[str, Any]]], Any]] = None) -> Any:
-    """``json.loads`` for text memtrain did not necessarily write: ValueError (never a
-    RecursionError, an overflow or a crash) when the text nests deeper than ``limit``, holds
-    an integer longer than MAX_INT_DIGITS, or a number that is not finite (NaN, Infinity,
-    1e999). Python's own json would recurse once per level and parse a 4,000-digit integer.
-    ``object_pairs_hook`` is json's (a config file's reader refuses a key given twice with it)."""
-    raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
-    too_deep = json_depth_error((raw[i:i + SCAN_PIECE_BYTES] for i in range(0, len(raw), SCAN_PIECE_BYTES)), limit)
-    if too_deep is not None:
-        raise ValueError(f"JSON nested deeper than {limit} levels (line {too_deep})")
-    try:
-        return json.loads(text, parse_int=_bounded_int, parse_float=_finite_float, parse_constant=_no_constant,
-                          object_pairs_hook=object_pairs_hook)
-    except RecursionError:  # the scan bounds the depth; kept for a parser's deeper internal recursion
-        raise ValueError(f"JSON nested too deeply to parse (at most {limit} levels)") from None
-
-
-def json_safe(value: Any) -> Any:
-    """``value`` with every NaN/inf float replaced by None (recursively through dicts/lists)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
-
-
-def dumps(payload: Any, **kw: Any) -> str:
-    """Strict JSON text of ``payload`` (non-finite floats as null; unknown objects as str)."""
-    return json.dumps(json_safe(payload), allow_nan=False, default=str, **kw)
 
 
 # --------------------------------------------------------------------------- safe writes
@@ -543,6 +356,26 @@ class JsonlRead:
 MAX_JSONL_LINE_BYTES = 16 << 20
 
 
+def bounded_jsonl_lines(fh: IO[bytes], most: Optional[int] = None) -> Iterator[Optional[bytes]]:
+    """Each line of a binary file, or None for one longer than ``most`` bytes
+    (MAX_JSONL_LINE_BYTES), which is read past in pieces, never held whole."""
+    most = MAX_JSONL_LINE_BYTES if most is None else most
+    pieces: list[bytes] = []
+    size, too_long = 0, False
+    for piece in bounded_lines(fh):
+        size += len(piece)
+        too_long = too_long or size > most
+        if too_long:
+            pieces.clear()
+        else:
+            pieces.append(piece)
+        if piece.endswith(b"\n"):
+            yield None if too_long else b"".join(pieces)
+            pieces, size, too_long = [], 0, False
+    if size:
+        yield None if too_long else b"".join(pieces)
+
+
 def read_jsonl(path: Path) -> JsonlRead:
     """Every JSON object line of ``path`` (missing file: none); other lines are counted."""
     path = Path(path)
@@ -569,309 +402,12 @@ def read_jsonl(path: Path) -> JsonlRead:
     return read
 
 
-# A writer's line in the lock file: "writer: WHAT (pid N, started T)". T tells the process from a
-# later one that got the same pid (None off Linux, where only the pid is compared).
-WRITER_PREFIX = "writer: "
-_WRITER_LINE = re.compile(r"^writer: (?P<what>.*) \(pid (?P<pid>\d+), started (?P<started>\w+)\)$")
-
-
-def process_start(pid: int) -> Optional[str]:
-    """When process ``pid`` started (Linux: ``/proc/PID/stat`` field 22, clock ticks after boot);
-    None when it is gone or a zombie (it can write nothing more). Off Linux: "unknown" while
-    ``kill(pid, 0)`` finds it."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return None
-    except OSError:  # no /proc here: the pid alone
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            pass
-        return "unknown"
-    after_name = text[text.rfind(")") + 2:].split()  # the name may hold spaces and parentheses
-    state, start = after_name[0], after_name[19]
-    return None if state in ("Z", "X") else start
-
-
-# What is read of a lock file: its holder's line and one per writer rank (tens of bytes each; the
-# holder truncates the file when it takes it). A sparse 1 GiB lock file was read whole.
-MAX_LOCK_CHARS = 1 << 20
-
-
-def _live_writers(text: str) -> list[str]:
-    """The writers listed in a lock file's ``text`` that still run (as "WHAT (pid N)")."""
-    live = []
-    for line in text.splitlines():
-        m = _WRITER_LINE.match(line.strip())
-        if not m or int(m["pid"]) == os.getpid():
-            continue
-        now = process_start(int(m["pid"]))
-        if now is not None and (now == m["started"] or "unknown" in (now, m["started"])):
-            live.append(f"{m['what']} (pid {m['pid']})")
-    return live
-
-
-def register_writer(folder: Path, what: str) -> None:
-    """Add this process to the writers of ``folder``, whose lock another process holds (the
-    launcher of this rank, or rank 0). A later :class:`FolderLock` on the folder is refused
-    while this process lives, even when the holder is gone: a holder killed with SIGKILL frees
-    its lock at once, and its ranks must not share the folder with a second run meanwhile."""
-    line = f"{WRITER_PREFIX}{what} (pid {os.getpid()}, started {process_start(os.getpid()) or 'unknown'})\n"
-    # O_APPEND: one write() per line, so the ranks' lines never overwrite each other.
-    fd = os.open(Path(folder) / LOCK_NAME, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        os.write(fd, line.encode())
-    finally:
-        os.close(fd)
-
-
-def _lock_refusal(folder: Path, flag: str, mode: int, name: str = LOCK_NAME) -> ConfigError:
-    """The one line for a lock file ``name`` that is not a regular file (of kind ``mode``)."""
-    kind = ("a symbolic link" if stat.S_ISLNK(mode) else "a folder" if stat.S_ISDIR(mode)
-            else "a FIFO, device or socket")
-    return ConfigError(f"{flag} {str(folder)!r}: {name} there is not a regular file ({kind}); remove it, "
-                       f"or choose another {flag}")
-
-
-def check_lock_file(folder: Path, flag: str = "--out") -> None:
-    """Refuse, before anything runs, a lock file that is not a regular file (see :func:`_open_lock_file`)."""
-    try:
-        mode = os.lstat(Path(folder) / LOCK_NAME).st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISREG(mode):
-        raise _lock_refusal(Path(folder), flag, mode)
-
-
-def _open_lock_file(path: Path, flag: str, folder: Path) -> Any:
-    """The lock file opened for reading and writing (created when absent). Anything but a
-    regular file there (a folder, a FIFO, a socket, a symbolic link) is refused: reading a FIFO
-    would block, and a link would lock a file elsewhere."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
-        if exc.errno in (errno.EISDIR, errno.ELOOP, errno.ENXIO, errno.EOPNOTSUPP):
-            raise _lock_refusal(folder, flag, os.lstat(path).st_mode, path.name) from None
-        raise
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise _lock_refusal(folder, flag, mode, path.name)
-    return os.fdopen(fd, "r+", errors="replace")
-
-
-class FolderLock:
-    """Exclusive use of an output folder while the ``with`` block runs.
-
-    ``with FolderLock(out, "memtrain bench"):`` -- a second process asking for the same folder
-    gets a ConfigError naming the holder's pid instead of interleaving its rows with ours.
-    """
-
-    def __init__(self, folder: Path, what: str = "memtrain", flag: str = "--out",
-                 cleanup_if_unused: bool = False, name: str = LOCK_NAME, subject: Optional[Path] = None) -> None:
-        self.folder = Path(folder)
-        self.what = what
-        self.flag = flag
-        # A folder this lock created and nothing else wrote into is removed again on exit, so a
-        # run refused after taking the lock leaves nothing behind (``train --out``).
-        self.cleanup_if_unused = cleanup_if_unused
-        # The lock file's name in ``folder``, and what a refusal names (the folder, or one file
-        # in it: :func:`file_lock`).
-        self.name = name
-        self.subject = Path(subject) if subject is not None else self.folder
-        self._created = False
-        self._fh: Optional[Any] = None
-
-    def __enter__(self) -> "FolderLock":
-        self._created = not self.folder.exists()
-        self.folder.mkdir(parents=True, exist_ok=True)
-        path = self.folder / self.name
-        while True:
-            fh = _open_lock_file(path, self.flag, self.folder)
-            try:
-                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                fh.seek(0)
-                holder = (fh.read(200).strip().splitlines() or ["another process"])[0]
-                fh.close()
-                raise self._in_use(holder) from None
-            # A holder that cleaned up may have unlinked the file we opened: lock the file
-            # that is there now, or two processes would each hold "the" lock.
-            try:
-                same = os.fstat(fh.fileno()).st_ino == os.lstat(path).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            fh.close()
-        fh.seek(0)
-        live = _live_writers(fh.read(MAX_LOCK_CHARS))
-        if live:  # the holder is gone, its writers are not (e.g. the ranks of a killed launcher)
-            fh.close()
-            raise self._in_use(live[0])
-        fh.seek(0)
-        fh.truncate()
-        fh.write(f"{self.what} (pid {os.getpid()})\n")
-        fh.flush()
-        self._fh = fh
-        return self
-
-    def _in_use(self, holder: str) -> ConfigError:
-        return ConfigError(f"{self.flag} {str(self.subject)!r} is in use by {holder}; wait for it to finish "
-                           f"or choose another {self.flag}")
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._fh is None:
-            return
-        try:
-            unused = self.cleanup_if_unused and self._created and [p.name for p in self.folder.iterdir()] == [self.name]
-        except OSError:
-            unused = False
-        # A file's lock goes with the run; a folder's stays, as the mark of memtrain's folder,
-        # unless the folder goes too. Removed while still held: see __enter__.
-        if unused or self.name != LOCK_NAME:
-            with contextlib.suppress(OSError):
-                (self.folder / self.name).unlink()
-        if unused:
-            with contextlib.suppress(OSError):
-                self.folder.rmdir()  # someone else's file appeared meanwhile: keep the folder
-        fcntl.flock(self._fh.fileno(), fcntl.LOCK_UN)
-        self._fh.close()
-        self._fh = None
-
-
-def file_lock(path: Path, what: str, flag: str) -> FolderLock:
-    """Exclusive use of one file that a run rewrites (``train --save``) while the ``with`` block
-    runs: two runs with different ``--out`` but one ``--save`` would each replace the other's
-    checkpoint, and both succeed. The lock is a hidden file beside it, removed at the end, with
-    the folder the lock made when nothing else was written there (a run refused before saving)."""
-    path = Path(path)
-    return FolderLock(path.parent, what, flag=flag, cleanup_if_unused=True, name=f".{path.name}{LOCK_NAME}",
-                      subject=path)
-
-
-# --------------------------------------------------------------------------- bench rows
-def finite_number(x: Any) -> bool:
-    """A JSON number (not a bool) that is finite."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def measured_value(x: Any) -> bool:
-    """A measured value: absent, or a finite number >= 0 (bytes, seconds, rates, losses)."""
-    return x is None or (finite_number(x) and x >= 0)
-
-
-# A cross-entropy loss in nats is at most ln(vocabulary) at the start of training (about 11 for
-# GPT-2); a larger "loss" in a row is corrupt and would overflow exp() into the perplexity.
-MAX_LOSS = 1000.0
-_CONFIG_KEYS = {"model": ("d_model", "n_layers", "n_heads", "d_ff", "vocab_size"),
-                "train": ("batch_size", "seq_len", "steps", "lr", "warmup_steps"),
-                "data": ("data",)}
-# Optional parts of a row that readers index into (plan's numerics, the bench's resume key,
-# the report's header): when present, each must have this type.
-_OPTIONAL_TYPES: dict[str, type | tuple[type, ...]] = {
-    "config_hash": str, "description": (str, type(None)), "env": dict, "device_caps": (dict, type(None)),
-    "settings_hash": str, "max_batch_search": (dict, type(None)), "device_name": str,
-    "data_fingerprint": str, "scale": (str, type(None)),
-}
-
-
-def _config_problem(config: Any) -> Optional[str]:
-    """Why a row's config cannot be read by the report, plan and bench, or None."""
-    if not isinstance(config, dict) or any(
-            not isinstance(config.get(s), dict) or any(k not in config[s] for k in keys) for s, keys in _CONFIG_KEYS.items()):
-        return "config lacks the model, train or data settings"
-    if not all(finite_number(config[s][k]) for s in ("model", "train") for k in _CONFIG_KEYS[s]):
-        return "a model or train setting in config is not a number"
-    technique = config.get("technique", {})
-    if not isinstance(config["data"]["data"], str) or not isinstance(technique, dict):
-        return "config.data.data must be text and config.technique an object"
-    if not all(isinstance(v, (str, int, float, bool, type(None))) for v in technique.values()):
-        return "a technique setting in config is not a single value"
-    return None
-
-
-def bench_row_problem(row: dict[str, Any]) -> Optional[str]:
-    """Why ``row`` cannot be a bench row the report can show, or None when it can.
-
-    A hand-edited or foreign line that parses as JSON but has the wrong shape (a string where
-    a number belongs, a list for the memory, a negative time) is skipped like a torn line
-    rather than crashing ``memtrain report``, ``plan --results`` or a resumed bench."""
-    if not isinstance(row.get("technique"), str) or not isinstance(row.get("status", ""), str):
-        return "technique and status must be strings"
-    for key, kind in _OPTIONAL_TYPES.items():
-        if key in row and not isinstance(row[key], kind):
-            return f"{key} has the wrong type"
-    if row.get("status") != "ok":
-        return None
-    problem = _config_problem(row.get("config"))
-    if problem is not None:
-        return problem
-    memory, steps = row.get("memory"), row.get("step_time_s")
-    if not isinstance(memory, dict) or not isinstance(steps, dict):
-        return "memory and step_time_s must be objects"
-    by_cat = memory.get("by_category")
-    if by_cat is not None and (not isinstance(by_cat, dict) or not all(measured_value(v) for v in by_cat.values())):
-        return "memory.by_category must map categories to numbers"
-    numbers = [memory.get(k) for k in ("peak_bytes", "max_allocated_bytes", "max_reserved_bytes")]
-    numbers += [steps.get(k) for k in ("median", "p10", "p90")]
-    numbers += [row.get(k) for k in ("val_ppl", "val_loss", "train_loss", "tokens_per_s", "mfu", "total_time_s")]
-    for part in ("max_batch", "estimate"):
-        value = row.get(part)
-        if value is not None and not isinstance(value, dict):
-            return f"{part} must be an object"
-        if isinstance(value, dict):
-            numbers += [value.get(k) for k in ("batch_size", "budget_bytes", "peak_bytes")]
-            probes = value.get("probes")
-            if probes is not None and not (isinstance(probes, list) and all(isinstance(p, dict) for p in probes)):
-                return f"{part}.probes must be a list of objects"
-    if not all(measured_value(v) for v in numbers):
-        return "a measured value is not a number >= 0"
-    if any((row.get(k) or 0) > MAX_LOSS for k in ("val_loss", "train_loss")):
-        return f"a loss above {MAX_LOSS:g} (no cross-entropy of a real vocabulary comes near it)"
-    return None
-
-
-# --------------------------------------------------------------------------- the bench store
-def bench_results_file(folder: Path, reader: str) -> Path:
-    """``folder``/results.jsonl, for a reader of a bench's results (``reader``: "memtrain report",
-    "plan --results"), or one ConfigError, in the same words for every reader, saying what is
-    there instead: nothing, a file where the folder goes, or a FIFO, device or folder where
-    results.jsonl goes (found with ``stat``, never opened: a FIFO would block)."""
-    path = Path(folder) / BENCH_RESULTS
-    fix = f"{reader} takes a folder that memtrain bench wrote"
-    try:
-        mode = path.stat().st_mode
-    except OSError:
-        if Path(folder).exists() and not Path(folder).is_dir():
-            raise ConfigError(f"{str(folder)!r} is {file_kind(Path(folder).stat().st_mode)}, not a folder; {fix}") from None
-        missing = path if Path(folder).is_dir() else Path(folder)
-        raise ConfigError(f"{str(missing)!r} not found; {fix}") from None
-    if not stat.S_ISREG(mode):
-        raise ConfigError(f"{str(path)!r} is {file_kind(mode)}, not a file; {fix}")
-    return path
-
-
-def read_results_counted(out: Path) -> JsonlRead:
-    """The bench rows of ``results.jsonl`` and the count of lines that were not rows (torn by
-    a kill or a full disk, not a JSON object, or not shaped like a bench row)."""
-    return read_checked_jsonl(Path(out) / BENCH_RESULTS, bench_row_problem)
-
-
 def read_checked_jsonl(path: Path, problem: Callable[[dict[str, Any]], Optional[str]]) -> JsonlRead:
     """The objects of the JSON-lines file ``path`` for which ``problem`` says None, and the count
     of lines that were not (torn, not a JSON object, or of the wrong shape: ``problem``'s text)."""
     read = read_jsonl(path)
     rows = [r for r in read.rows if problem(r) is None]
     return JsonlRead(rows=rows, skipped=read.skipped + len(read.rows) - len(rows))
-
-
-def read_results(out: Path) -> list[dict[str, Any]]:
-    """All rows of ``results.jsonl``; torn and non-object lines are ignored."""
-    return read_results_counted(out).rows
 
 
 def drop_planted_link(path: Path) -> None:
@@ -883,64 +419,3 @@ def drop_planted_link(path: Path) -> None:
         sys.stderr.write(f"warning: {str(path)!r} became a symbolic link (to {os.readlink(path)!r}) while memtrain "
                          "ran; it is replaced by the file, its target left untouched\n")
         path.unlink(missing_ok=True)
-
-
-def append_result(out: Path, row: dict[str, Any]) -> None:
-    """Append one row as one line (on a line of its own) and flush it to disk before going on.
-    The bench refused a link at results.jsonl before its first row: one there now was planted
-    since, and is replaced rather than losing the row (:func:`drop_planted_link`)."""
-    drop_planted_link(Path(out) / BENCH_RESULTS)
-    append_jsonl(Path(out) / BENCH_RESULTS, row)
-
-
-def select_rows(all_rows: list[dict[str, Any]], techniques: Optional[list[str]] = None) -> list[dict[str, Any]]:
-    """The latest row per technique, in the order asked (or first-seen order)."""
-    latest: dict[str, dict[str, Any]] = {}
-    for r in all_rows:
-        technique = r.get("technique", "?")
-        if isinstance(technique, str):  # a hand-edited row with a non-string name is not a row of ours
-            latest[technique] = r
-    order = techniques or list(latest)
-    return [latest[t] for t in order if t in latest]
-
-
-# The settings id of rows that record none (``settings_hash``): written before the bench recorded
-# it, they cannot be told apart by their settings and are reported as one group.
-UNRECORDED_SETTINGS = "unrecorded"
-
-
-# What the bench writes as settings_hash (hex digits); anything else is a hand edit.
-_SETTINGS_ID = re.compile(r"[0-9a-f]{1,64}")
-
-
-def row_settings(row: dict[str, Any]) -> str:
-    """The id of the settings a bench row ran under (what every row of its bench shared: the
-    model, data and training settings, the max-batch search, the device, ...): its
-    ``settings_hash``, or :data:`UNRECORDED_SETTINGS` (also for one that is not hex digits,
-    which the report and an error line would otherwise print as given)."""
-    value = row.get("settings_hash")
-    return value if isinstance(value, str) and _SETTINGS_ID.fullmatch(value) else UNRECORDED_SETTINGS
-
-
-def latest_settings(all_rows: list[dict[str, Any]]) -> Optional[str]:
-    """The settings of the row appended last (None when there is none)."""
-    return row_settings(all_rows[-1]) if all_rows else None
-
-
-def rows_under(all_rows: list[dict[str, Any]], settings: Optional[str]) -> list[dict[str, Any]]:
-    """The rows that ran under ``settings``, in file order."""
-    return [r for r in all_rows if row_settings(r) == settings]
-
-
-def other_settings(all_rows: list[dict[str, Any]], settings: Optional[str]) -> list[tuple[str, list[str]]]:
-    """Every other settings id of ``all_rows`` with its techniques (the latest row of each), the
-    group appended last first."""
-    groups: dict[str, list[dict[str, Any]]] = {}
-    last: dict[str, int] = {}
-    for i, r in enumerate(all_rows):
-        sid = row_settings(r)
-        if sid != settings:
-            groups.setdefault(sid, []).append(r)
-            last[sid] = i
-    newest_first = sorted(groups, key=last.__getitem__, reverse=True)
-    return [(sid, [str(r.get("technique")) for r in select_rows(groups[sid])]) for sid in newest_first]

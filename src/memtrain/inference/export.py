@@ -58,8 +58,8 @@ from memtrain.models.spec import json_object, resolve
 from memtrain.runtime.extras import require
 from memtrain.techniques.hf_mapping import apply_hf_lora
 from memtrain.techniques.lora import apply_lora, merge_adapters_in_place, merge_lora
-from memtrain.training.preflight import BUILD_BYTES_PER_PARAM, check_model_size
 from memtrain.training.run_paths import anchored, launch_dir
+from memtrain.training.size_check import BUILD_BYTES_PER_PARAM, check_model_size
 
 # The attention kernels any machine can load a transformers model with; the others (flash-attn,
 # flex, mem-efficient: CUDA) are a training choice, not part of the weights.

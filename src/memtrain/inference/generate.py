@@ -35,6 +35,7 @@ import torch
 
 from memtrain.config.run import ConfigError, ModelConfig, RunConfig, build_config
 from memtrain.data.tokenizer import EOT_ID, N_VOCAB, get_tokenizer
+from memtrain.errors import first_line
 from memtrain.inference.export import load_trained, require_transformers, to_hf_model
 from memtrain.models.families import data_tokenizer
 from memtrain.models.gpt import GPT
@@ -51,7 +52,7 @@ from memtrain.models.spec import (
 )
 from memtrain.models.tokenizer import leading_special_ids, load_tokenizer
 from memtrain.techniques.facts import DTYPE_MATMUL_TYPE, GENERATE_DTYPES
-from memtrain.training.preflight import check_model_size
+from memtrain.training.size_check import check_model_size
 
 
 @dataclass(frozen=True)
@@ -150,8 +151,7 @@ def _read_config(path: Path) -> Any:
     try:
         return transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=False)
     except Exception as exc:  # noqa: BLE001 - a field transformers rejects: the file's fault
-        text = str(exc).strip()
-        first = text.splitlines()[0] if text else type(exc).__name__
+        first = first_line(exc)
         raise ConfigError(f"cannot read the config.json of {str(path)!r}: {first}") from None
 
 

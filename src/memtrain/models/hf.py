@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from memtrain.attention.hf import restricted_sdpa_implementation
 from memtrain.config.run import ConfigError, RunConfig
+from memtrain.errors import first_line
 from memtrain.models.depth import apply_layer_count
 from memtrain.models.gpt import LossFn, standard_lm_loss
 from memtrain.models.hub_access import from_pretrained_kwargs, offline_reason
@@ -221,7 +222,7 @@ def _attention_refusal(what: str, attn: str, exc: BaseException) -> ConfigError:
     ``what`` names (Gemma-2 has no SDPA path), cut to its first sentence (the rest is an issue link and a
     from_pretrained example in transformers' names), with memtrain's name for the implementation
     every family has."""
-    first = _first_line(exc).split(". ")[0].rstrip(".")
+    first = first_line(exc).split(". ")[0].rstrip(".")
     hint = "; use --attention math (transformers' eager attention)" if attn != "eager" else ""
     return ConfigError(f"{what}: {first}{hint}")
 
@@ -229,12 +230,7 @@ def _attention_refusal(what: str, attn: str, exc: BaseException) -> ConfigError:
 def _refuses_attention(exc: ValueError) -> bool:
     """Whether transformers' ValueError refuses the attention implementation asked (its words:
     "... does not support an attention implementation through ...")."""
-    return "attention implementation" in _first_line(exc)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    return "attention implementation" in first_line(exc)
 
 
 @contextlib.contextmanager
@@ -286,13 +282,13 @@ def load_pretrained_lm(load_id: str, config: Any, attn: str, what: str, repo: Op
                 **({} if device is None else {"device_map": {"": device}}))
         lm, info = loaded  # output_loading_info: (model, what was missing, unexpected, mis-shaped)
     except ImportError as exc:  # an attention implementation whose package is absent
-        raise ConfigError(f"{what} with attn_implementation {attn}: {_first_line(exc)}") from None
+        raise ConfigError(f"{what} with attn_implementation {attn}: {first_line(exc)}") from None
     except MemoryError:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever the files hold, reading them is the input's failure
         if isinstance(exc, ValueError) and _refuses_attention(exc):  # the flag's fault, not the files'
             raise _attention_refusal(f"{what} with attn_implementation {attn}", attn, exc) from None
-        reason = f"{type(exc).__name__}: {_first_line(exc)}"
+        reason = f"{type(exc).__name__}: {first_line(exc)}"
         if "ignore_mismatched_sizes" in reason:  # transformers points at the report memtrain keeps quiet
             reason = "a tensor's shape differs from the one its config.json gives"
         # A Hub repository without safetensors weights (or none cached, offline): transformers'

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from memtrain.config.run import ConfigError, RunConfig
 from memtrain.data.tokenizer import N_VOCAB
+from memtrain.errors import first_line
 from memtrain.models.hf import quiet_transformers
 from memtrain.models.hub_access import from_pretrained_kwargs
 from memtrain.models.spec import TOKENIZER_FILES, TOKENIZER_ID_FILES, is_gpt_preset, load_config, resolve
@@ -122,5 +123,4 @@ def _load_failure(exc: BaseException) -> str:
     missing from a file) said only the field's name."""
     if isinstance(exc, KeyError) and exc.args:
         return f"a file lacks the field {exc.args[0]!r}"
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    return first_line(exc)

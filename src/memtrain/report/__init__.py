@@ -10,18 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+from memtrain.files.bench_store import latest_settings, other_settings, read_results_counted, rows_under, select_rows
+from memtrain.files.json_text import dumps
 from memtrain.files.results import (
     PLOT_FILES,
     REPORT_FILES,
     JsonlRead,
     drop_planted_link,
-    dumps,
-    latest_settings,
-    other_settings,
-    read_results_counted,
     refuse_odd_destination,
-    rows_under,
-    select_rows,
     write_text_atomic,
 )
 from memtrain.report.plots import write_plots
@@ -36,7 +32,7 @@ def write_report(out: Path, techniques: Optional[list[str]] = None, plots: bool 
     them once at its end rather than after every row. Every file is replaced atomically; a
     link (or a folder, device, FIFO) at any of their names is refused before any is written.
     ``read``: the rows of results.jsonl already read (and checked) by the caller. ``settings``:
-    the settings id whose rows are reported (:func:`~memtrain.files.results.row_settings`;
+    the settings id whose rows are reported (:func:`~memtrain.files.bench_store.row_settings`;
     default: those of the row appended last); the others are counted in one line.
     ``replace_links``: a bench's own report, whose names it checked before its first row: a link
     planted there since is replaced (:func:`~memtrain.files.results.drop_planted_link`), rather

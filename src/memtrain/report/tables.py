@@ -8,7 +8,8 @@ import re
 import unicodedata
 from typing import Any, Callable, Optional
 
-from memtrain.config.run import DEFAULT_MODULE_TOP, ConfigError, TechniqueConfig, build_config, dormant_settings
+from memtrain.config.run import DEFAULT_MODULE_TOP, ConfigError, TechniqueConfig, build_config
+from memtrain.config.train_flags import dormant_settings
 from memtrain.report.by_module import is_module_table, module_markdown
 from memtrain.report.labels import OPTIM_NAMES, hardware_text, method_cell
 from memtrain.report.noise import noise_markdown
@@ -223,7 +224,7 @@ def markdown_report(rows: list[dict[str, Any]], missing: list[str], header: Call
     """The whole report.md: settings, main table, memory breakdown, failures, provenance.
     Every string from the rows is shown as literal text (:func:`markdown_safe`). ``rows`` ran
     under one set of bench settings; ``other``: the other settings of the results folder
-    ``folder`` with their techniques (:func:`memtrain.files.results.other_settings`), named in one line."""
+    ``folder`` with their techniques (:func:`memtrain.files.bench_store.other_settings`), named in one line."""
     raw_first_ok = next((r for r in rows if r.get("status") == "ok"), None)
     rows, missing = markdown_safe(rows), [md_text(m) for m in missing]
     records = table_rows(rows)

@@ -10,20 +10,14 @@
   an ``--out`` that holds an earlier run's ``result.json`` or ``metrics.jsonl``, and a resumed
   one an ``--out`` whose ``result.json`` another run wrote.
 - :func:`check_vocab`: the model's vocabulary holds every token id of the tokenizer.
-- :func:`check_model_size`: the model's shape lies within the limits ``estimate`` uses, and its
-  parameters (in FP32, as models are built) fit the host's memory and the device's, before
-  anything is built: a typo such as ``--n-layers 1000000000`` is refused in a second instead
-  of building layers for minutes or ending in an allocator's failure.
-- :func:`check_resume`: a checkpoint given to ``--resume`` belongs to *this* run: the saved
-  config agrees on everything that decides the numbers (model, data, batch, sequence,
-  accumulation, schedule, seed, optimizer, precision), and the saved step lies inside the run.
-  A mismatch is a ConfigError naming every differing key, raised before data is tokenized. A
-  larger ``--steps`` is the same run trained longer (:func:`continue_longer`).
+- :func:`memtrain.training.size_check.check_model_size`: the model's shape can be built here
+  (called by :func:`check_before_launch`, the step harness, export and generate).
+- :func:`memtrain.training.resume_check.check_resume`: a checkpoint given to ``--resume`` belongs
+  to *this* run (called by :func:`check_before_launch` and the train loop).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import glob
 import os
@@ -32,37 +26,32 @@ import tempfile
 from pathlib import Path, PurePath
 from typing import Any, Iterable, Optional
 
-from memtrain.analysis.limits import check_analytic_size
-from memtrain.config.run import ConfigError, ModelConfig, RunConfig, build_config, field_index, flatten
+from memtrain.config.run import ConfigError, RunConfig
 from memtrain.errors import shortened
-from memtrain.files.guard import regular_file_problem
+from memtrain.files.json_text import loads_bounded
+from memtrain.files.lock import check_lock_file
 from memtrain.files.results import (
     LOCK_NAME,
     METRICS_NAME,
     OUT_FILES,
     RESULT_NAME,
     TRAIN_FILES,
-    check_lock_file,
-    loads_bounded,
     longest_temp_name,
     refuse_odd_destination,
 )
-from memtrain.models.spec import every_decoder_linear
-from memtrain.training.run_paths import anchored, launch_dir, same_file, same_place
-from memtrain.training.schedule import lr_lambda
+from memtrain.training.resume_check import (
+    check_resume,
+    check_sharded_resume,
+    continue_longer,
+    data_of,
+    differences_from_this_run,
+    saved_run,
+    saved_state,
+    shown_differences,
+)
+from memtrain.training.run_paths import anchored, launch_dir
 from memtrain.training.sinks import LOGGER_FOLDERS, parse_report_to
-
-# Keys that may differ between the saved run and the resumed one: where output goes, how it
-# is shown, how fast it runs, and implementation choices that compute the same numbers.
-MAY_DIFFER: frozenset[str] = frozenset({
-    "out", "save", "save_every", "resume", "stop_after", "progress", "device", "eval_every",
-    "warmup_timing_steps", "sync_steps", "cache_dir", "no_cache", "num_workers", "pin_memory", "prefetch_factor",
-    "attention", "checkpointing", "compile", "compile_mode", "compile_scope", "loss", "loss_chunk",
-    "distributed", "cpu_offload", "offload_activations",
-    "compile_memory_budget",  # what the compiled graph recomputes, not what it computes
-    "memory_by_module", "module_depth", "module_top",  # what the result reports, not what the run computes
-    "log_every", "report_to",  # how often and where metrics are logged, not what they are
-})
+from memtrain.training.size_check import check_model_size
 
 
 # --------------------------------------------------------------------------- destinations
@@ -329,15 +318,15 @@ def check_resumed_out(out: Path, cfg: RunConfig) -> None:
                           "replace it: choose a new --out")
     data_as = None
     if cfg.train.resume:  # written by the resumed run from the folder it was launched from
-        state = _saved_state(cfg.train.resume)
+        state = saved_state(cfg.train.resume)
         where = launch_dir(state, cfg.train.resume)
         config = anchored(config, where)
         # The data was compared with the checkpoint's (check_resume, by content where it moved):
         # the result.json's run is the checkpoint's where it records the checkpoint's data.
-        data_as = _data_of(anchored(state["config"], where))
+        data_as = data_of(anchored(state["config"], where))
     diffs = differences_from_this_run(config, cfg, data_as=data_as)
     if diffs:
-        raise ConfigError(f"--out {str(out)!r} holds the result.json of a different run ({_shown(diffs, 4)}); resuming there "
+        raise ConfigError(f"--out {str(out)!r} holds the result.json of a different run ({shown_differences(diffs, 4)}); resuming there "
                           "would replace it: choose a new --out, or the resumed run's own")
 
 
@@ -407,7 +396,7 @@ def check_saved_by_this_run(save: Path, saved: dict[str, Any], cfg: RunConfig) -
     comparison as :func:`check_resume`."""
     diffs = differences_from_this_run(saved, cfg)
     if diffs:
-        raise ConfigError(f"--save {str(save)!r} holds the checkpoint of a different run ({_shown(diffs, 4)}); "
+        raise ConfigError(f"--save {str(save)!r} holds the checkpoint of a different run ({shown_differences(diffs, 4)}); "
                           "saving there would replace it: choose a new --save, or resume that run with --resume")
 
 
@@ -439,418 +428,6 @@ def check_vocab(cfg: RunConfig) -> None:
     if cfg.model.vocab_size < N_VOCAB:
         raise ConfigError(f"--vocab-size {cfg.model.vocab_size} is smaller than the {TOKENIZER_NAME} tokenizer's "
                           f"{N_VOCAB} ids; use --vocab-size {N_VOCAB} (or more) to train on text")
-
-
-# --------------------------------------------------------------------------- model size
-BUILD_BYTES_PER_PARAM = 4  # models are built in FP32 on the host; bf16-pure casts afterwards
-
-
-# Where the kernel says how much memory this process may use (Linux): the host's counts, then a
-# cgroup's (container) limit and usage. Module constants so a test can point them at crafted readings.
-MEMINFO = Path("/proc/meminfo")
-CGROUP_V2 = Path("/sys/fs/cgroup")
-CGROUP_V1 = Path("/sys/fs/cgroup/memory")
-
-
-def _read_small(path: Path) -> Optional[str]:
-    """The text of a small kernel file, or None where it is missing or unreadable."""
-    try:
-        return path.read_text()
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
-def host_memory_bytes() -> Optional[int]:
-    """The memory this process may use: physical RAM, or less under a cgroup (container) limit."""
-    limits = []
-    try:
-        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        pass
-    for cgroup in (CGROUP_V2 / "memory.max", CGROUP_V1 / "memory.limit_in_bytes"):
-        text = (_read_small(cgroup) or "").strip()
-        if text.isdigit():
-            limits.append(int(text))
-    return min(limits) if limits else None
-
-
-def _field_bytes(text: Optional[str], name: str, unit: int = 1) -> Optional[int]:
-    """The number after ``name`` on its line of a ``key value`` file (meminfo, memory.stat)."""
-    for line in (text or "").splitlines():
-        parts = line.replace(":", " ").split()
-        if len(parts) >= 2 and parts[0] == name and parts[1].isdigit():
-            return int(parts[1]) * unit
-    return None
-
-
-def _cgroup_available(limit: Path, usage: Path, stat_file: Path, inactive: str) -> Optional[int]:
-    """A cgroup's limit less its usage, its inactive page cache counted as free (the kernel
-    reclaims it before failing an allocation); None without a numeric limit."""
-    limit_text, usage_text = (_read_small(limit) or "").strip(), (_read_small(usage) or "").strip()
-    if not (limit_text.isdigit() and usage_text.isdigit()):
-        return None  # no cgroup here, or "max": no limit
-    reclaimable = _field_bytes(_read_small(stat_file), inactive) or 0
-    return max(0, int(limit_text) - int(usage_text) + reclaimable)
-
-
-def host_available_bytes() -> Optional[int]:
-    """The memory a new allocation on this host can get now: the kernel's ``MemAvailable``,
-    less under a cgroup limit; the total (:func:`host_memory_bytes`) where neither is known.
-    Other processes' memory is not available: checking against the total let a run that
-    could not fit start and end in the allocator's failure."""
-    readings = [
-        _field_bytes(_read_small(MEMINFO), "MemAvailable", 1024),  # meminfo counts in kB
-        _cgroup_available(CGROUP_V2 / "memory.max", CGROUP_V2 / "memory.current", CGROUP_V2 / "memory.stat",
-                          "inactive_file"),
-        _cgroup_available(CGROUP_V1 / "memory.limit_in_bytes", CGROUP_V1 / "memory.usage_in_bytes",
-                          CGROUP_V1 / "memory.stat", "total_inactive_file"),
-    ]
-    known = [r for r in readings if r is not None]
-    return min(known) if known else host_memory_bytes()
-
-
-def _device_memory_bytes(device: Any) -> Optional[int]:
-    """Total memory of a CUDA device (None on the CPU, where host memory is the limit)."""
-    if getattr(device, "type", str(device)).startswith("cuda"):
-        # torch loads only for a CUDA device: the CLI runs these checks before any command
-        import torch
-
-        if torch.cuda.is_available():
-            return int(torch.cuda.get_device_properties(device).total_memory)
-    return None
-
-
-def model_parameters(m: ModelConfig) -> int:
-    """The parameter count of the model ``m`` describes, from its shape (nothing is built)."""
-    from memtrain.analysis.estimate.params import param_count  # torch-free arithmetic
-    from memtrain.config.archs import GPT2_ARCH
-
-    # memtrain.models imports torch: loaded only when a model is checked
-    from memtrain.models.spec import cost_arch, is_gpt_preset
-
-    arch = GPT2_ARCH if is_gpt_preset(m.model) else cost_arch(m.model)  # type: ignore[arg-type]
-    return param_count(m, arch)[0]
-
-
-def check_model_size(m: ModelConfig, device: Any = "cpu", precision: str = "fp32",
-                     host_bytes_per_param: int = BUILD_BYTES_PER_PARAM) -> None:
-    """Refuse a model that cannot be built here, before building any of it (see the module
-    docstring). ``device``: where it will run (its memory is checked besides the host's);
-    ``host_bytes_per_param``: what one parameter takes on the host (FP32 for a build; a
-    checkpoint's model loaded in place holds its tensors in the dtype they were saved in)."""
-
-    check_analytic_size(m)
-    params = model_parameters(m)
-    host = host_memory_bytes()
-    need = params * host_bytes_per_param
-    if host is not None and need > host:
-        held = "in FP32" if host_bytes_per_param == 4 else f"at {host_bytes_per_param} bytes each"
-        raise ConfigError(f"the model has {params:,} parameters, {need / 2**30:,.1f} GiB {held}, more than this "
-                          f"machine's {host / 2**30:,.1f} GiB of memory; choose a smaller --n-layers/--d-model/"
-                          "--d-ff/--vocab-size (memtrain estimate shows what a size needs)")
-    on_device = _device_memory_bytes(device)
-    weight_bytes = 2 if precision == "bf16-pure" else BUILD_BYTES_PER_PARAM
-    if on_device is not None and params * weight_bytes > on_device:
-        raise ConfigError(f"the model's {params:,} parameters take {params * weight_bytes / 2**30:,.1f} GiB, more than "
-                          f"{device}'s {on_device / 2**30:,.1f} GiB; choose a smaller model "
-                          "(memtrain plan finds what fits)")
-
-
-# --------------------------------------------------------------------------- resume
-def saved_run(path: str | Path) -> tuple[dict[str, Any], int, Optional[str]]:
-    """The saved config, step and data fingerprint (None in checkpoints that predate it) of a
-    checkpoint (single file or sharded directory). The config's relative paths are made
-    absolute against the folder the run was launched from, where that is not this process's
-    (:mod:`memtrain.training.run_paths`).
-
-    Reads no tensor data: a sharded checkpoint's meta.json, or a single file memory-mapped
-    with ``weights_only=True`` (only the small entries are touched)."""
-    state = _saved_state(path)
-    fingerprint = state.get("data_fingerprint")
-    config = anchored(state["config"], launch_dir(state, path))
-    return config, state["step"], fingerprint if isinstance(fingerprint, str) else None
-
-
-def _saved_state(path: str | Path) -> dict[str, Any]:
-    """A checkpoint's small entries (config, step, fingerprint, launch folder), checked to hold a
-    run config and a step."""
-    p = Path(path).expanduser()
-    if p.is_dir():
-        meta_path = p / "meta.json"
-        if not meta_path.is_file():
-            raise ConfigError(f"--resume {str(p)!r} is a directory without meta.json; it is not a memtrain checkpoint")
-        why = regular_file_problem(meta_path, p)  # e.g. a link out of the checkpoint
-        if why is not None:
-            raise ConfigError(f"checkpoint {str(p)!r} is refused: its meta.json is {why}; resume only from "
-                              "checkpoints memtrain wrote")
-        try:
-            state = loads_bounded(meta_path.read_text())
-        except (OSError, UnicodeDecodeError, ValueError):
-            raise ConfigError(f"cannot read {str(meta_path)!r}; it is not a memtrain checkpoint") from None
-    elif p.is_file():
-        # memtrain.checkpoints imports torch: loaded only for --resume
-        from memtrain.checkpoints.exact import load_plain, unreadable_checkpoint
-
-        try:
-            state = load_plain(p, mmap=True)
-        except ConfigError:  # it says what to install
-            raise
-        except Exception as exc:  # truncated, foreign, or holding more than plain data
-            raise unreadable_checkpoint(p, exc) from None
-    else:
-        raise ConfigError(f"checkpoint {str(p)!r} not found; check --resume")
-    if not isinstance(state, dict) or not isinstance(state.get("config"), dict) or not isinstance(state.get("step"), int):
-        raise ConfigError(f"checkpoint {str(p)!r} holds no run config or step; it was not written by this memtrain version")
-    # A negative step, else check_resume, comparing it with this run's end, asks for another --stop-after.
-    from memtrain.checkpoints.exact import DamagedCheckpoint, check_step, damaged  # torch: only for --resume
-
-    try:
-        check_step(state["step"])
-    except DamagedCheckpoint as exc:
-        raise damaged(p, exc) from None
-    return state
-
-
-# The saved settings a resumed run does not take from its checkpoint: which checkpoint it resumes
-# and where it stops, and what belongs to the machine it runs on now (the device, the loader's
-# workers, the token cache), which the saved config recorded for another machine.
-NOT_RESUMED: frozenset[str] = frozenset({
-    "resume", "stop_after", "device", "progress", "num_workers", "pin_memory", "prefetch_factor", "cache_dir",
-    "no_cache",
-})
-# The data-parallel strategy, taken only by a resumed run that is launched as ranks again
-# (--nproc-per-node, torchrun): one process resuming a ranks' run gets the launch's own refusal.
-LAUNCH_SETTINGS: frozenset[str] = frozenset({"distributed", "cpu_offload"})
-
-
-def resumed_settings(path: str | Path, launched: bool = False,
-                     out_given: bool = False) -> tuple[dict[str, Any], Optional[str]]:
-    """The settings ``train --resume CKPT`` starts from: the checkpoint's saved run config
-    (model, data, schedule, techniques, its ``--out`` and ``--save``; with ``launched``, a run
-    started as ranks, its data-parallel strategy too), so that ``--resume CKPT`` alone continues
-    the run; the config file and the flags override them, and a change that decides the numbers
-    is still refused as another run's (:func:`check_resume`). Leaves out :data:`NOT_RESUMED`
-    and names this memtrain does not know. A saved value memtrain refuses is one ConfigError
-    naming the checkpoint. Also returns the ``--save`` the checkpoint was written as where it is
-    no longer that file (:func:`saved_elsewhere`: its ``--save`` and ``--save-every`` are left
-    out then), else None.
-
-    One rule says where a resumed run writes, moved checkpoint or not: into the ``--out`` the
-    flags or the config file name (``out_given``); else into the folder the checkpoint lies in,
-    when that is the folder its run wrote to (:func:`lends_out`); else nowhere: one ConfigError
-    saying to add ``--out``. A file anyone could have placed at a path names no folder for this
-    run to write into, and a default folder (runs/train, where a moved checkpoint's run once
-    wrote) is one the user did not name."""
-    saved, _, _ = saved_run(path)
-    if not launched and Path(path).expanduser().is_dir():
-        check_sharded_resume(path, 1)  # a ranks' checkpoint: says how many ranks resume it
-    index = field_index()
-    left_out = NOT_RESUMED if launched else NOT_RESUMED | LAUNCH_SETTINGS
-    try:
-        settings = {k: v for k, v in flatten(saved).items() if k in index and k not in left_out}
-        # The values as a config file's are checked, before anything runs. The model spec is left
-        # to the run's own build: a model that cannot be resolved now (a folder since moved, the
-        # Hub offline) is said in its own words there, not blamed on the checkpoint.
-        build_config({k: v for k, v in settings.items() if k != "model"})
-    except ValueError as exc:  # a ConfigError, or flatten's key that is no setting name
-        raise ConfigError(f"checkpoint {str(path)!r} holds settings memtrain refuses ({exc}); resume only from "
-                          "checkpoints memtrain wrote") from None
-    saved_as = settings.get("save")
-    moved = saved_elsewhere(path, saved_as)
-    if moved:  # its --save (and how often to save there) is that run's, whose newer checkpoint it holds
-        settings = {k: v for k, v in settings.items() if k not in RUN_SAVES}
-    if not lends_out(path, settings.get("out")):
-        if not out_given:
-            raise ConfigError(f"checkpoint {str(path)!r} is not in the folder its run wrote to "
-                              f"({str(settings.get('out'))!r}), so it does not say where this run writes; "
-                              "add --out DIR (the run's own folder to continue there)")
-        settings.pop("out", None)
-    return settings, saved_as if moved else None
-
-
-# Where a run saves: taken by a resumed run only from a checkpoint still where its run saved it.
-# --save-every is how often it saves to that --save: taken without it, a copied checkpoint's run
-# was refused for a --save-every its user never gave ("add --save or drop --save-every").
-RUN_SAVES: frozenset[str] = frozenset({"save", "save_every"})
-
-
-def lends_out(checkpoint: str | Path, out: Any) -> bool:
-    """Whether a resumed ``checkpoint`` may name the ``--out`` its config records: it lies in
-    that folder itself (links resolved; ``--out runs/x --save runs/x/ckpt.pt``), where only
-    someone who may write there could have put it. A checkpoint elsewhere that named any folder
-    would make ``--resume CKPT`` alone write result.json and metrics.jsonl wherever a file placed
-    at a known path said; any folder above the checkpoint (``/``, the home folder) would be as
-    bad, so the checkpoint's own folder is the only one lent."""
-    if not isinstance(out, str) or not out:
-        return False
-    here = Path(os.path.expanduser(str(checkpoint))).resolve()
-    return here.parent == Path(os.path.expanduser(out)).resolve()
-
-
-def saved_elsewhere(path: str | Path, saved_as: Any) -> bool:
-    """Whether the checkpoint at ``path`` is no longer the file (or folder) its run saved as
-    ``saved_as``: moved, copied (an earlier checkpoint kept aside) or brought from another
-    machine. Such a checkpoint's ``--out`` and ``--save`` are that run's: taken, a resumed run
-    would replace the newer checkpoint saved there, or write wherever its config says."""
-    return isinstance(saved_as, str) and bool(saved_as) and not same_file(path, saved_as)
-
-
-def moved_checkpoint_note(cfg: RunConfig, saved_as: Optional[str], given: Iterable[str]) -> Optional[str]:
-    """The note a resumed run prints after it when its checkpoint was saved elsewhere, as
-    ``saved_as`` (:func:`resumed_settings`), and the flags or the config file (``given``) did not
-    name the ``--save`` it left out; None otherwise."""
-    if saved_as is None or "save" in given:
-        return None
-    t = cfg.train
-    writes = f"it wrote to {t.out!r}" + (f" and saved {t.save!r}" if t.save else " and saved no checkpoint (--save to keep one)")
-    return (f"note: {str(t.resume)!r} was saved by its run as {saved_as!r} (moved or copied since): this run does not "
-            f"take that run's --save; {writes}")
-
-
-def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """``["key: saved -> now", ...]`` for every key that decides the run's numbers."""
-    diffs = []
-    for section, values in now.items():
-        old_section = saved.get(section) if isinstance(saved.get(section), dict) else {}
-        for key, value in values.items():
-            if key in MAY_DIFFER:
-                continue
-            old = old_section.get(key, "<missing>")  # type: ignore[union-attr]  # old_section is a dict: non-dicts were replaced by {}
-            if not same_place(key, old, value) and not _same_lora_targets(key, old, value):
-                diffs.append(f"{key}: {old!r} -> {value!r}")
-    return diffs
-
-
-def _same_lora_targets(key: str, old: Any, new: Any) -> bool:
-    """Whether ``old`` and ``new`` are two names of every decoder Linear as LoRA targets: a
-    transformers run saved before its config recorded peft's ``all-linear`` recorded our GPT's
-    default list for the same adapters, and still resumes."""
-    return key == "lora_targets" and isinstance(old, str) and every_decoder_linear(old) and every_decoder_linear(new)
-
-
-def differences_from_this_run(saved: dict[str, Any], cfg: RunConfig, data_as: Optional[str] = None) -> list[str]:
-    """:func:`config_differences` of a saved config (a checkpoint's, a result.json's) from this
-    run: none where it is this run's, or, when this run trains a resumed run longer
-    (:func:`continue_longer`), that run's (the same settings with its shorter ``--steps``).
-    ``data_as``: the ``--data`` to compare as this run's, where the run's own data path is not
-    the one to compare (resuming, the data was compared with the checkpoint's by its content:
-    a copied or moved data file still resumes; :func:`check_resume`)."""
-    now = cfg.to_dict()
-    if data_as is not None:
-        now = {**now, "data": {**now["data"], "data": data_as}}
-    diffs = config_differences(saved, now)
-    shorter = getattr(cfg.train, "continues_steps", None)
-    if diffs and shorter is not None:  # the larger --steps is no difference: only the others are
-        return config_differences(saved, {**now, "train": {**now["train"], "steps": shorter}})
-    return diffs
-
-
-def _count_or_none(value: Any) -> Optional[int]:
-    """``value`` when it is a whole number >= 0 (a saved config's step count), else None: a
-    damaged or crafted checkpoint's field neither extends a run nor sets its warm-up."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
-
-
-def continue_longer(cfg: RunConfig) -> Optional[str]:
-    """Train longer: ``--resume`` with a ``--steps`` larger than the saved run's continues that
-    run, its LR schedule stretched over the new ``--steps`` from the step it resumes at (as the
-    Trainer does when it resumes with a larger ``max_steps``): under the cosine schedule the LR
-    rises back to where the longer schedule has it. The warm-up stays the one that ran: a
-    warm-up no setting names would otherwise grow with ``--steps`` (10% of it) and refuse the
-    checkpoint as another run's; one set on the command line is compared as any setting is.
-
-    Returns the line that says so (None when this run does not resume a shorter run), and
-    sets ``cfg.train.warmup_steps`` to the saved warm-up where it was defaulted. Called before
-    the other checks compare the saved config with this one (:func:`check_resume`)."""
-    t = cfg.train
-    if not t.resume:
-        return None
-    saved, step, _ = saved_run(t.resume)
-    saved_train: dict[str, Any] = saved["train"] if isinstance(saved.get("train"), dict) else {}
-    before, warmup = _count_or_none(saved_train.get("steps")), _count_or_none(saved_train.get("warmup_steps"))
-    if before is None or t.steps <= before:
-        return None
-    t.continues_steps = before  # type: ignore[attr-defined]  # not a field: read by differences_from_this_run
-    if getattr(t, "warmup_defaulted", False) and warmup is not None:
-        t.warmup_steps = warmup
-        t.warmup_defaulted = False  # type: ignore[attr-defined]  # the CLI's note on a defaulted warm-up no longer applies
-    # The saved run's schedule, rebuilt only to read its LR: this run's --stop-after (which may lie
-    # past the saved run's end, the point of a longer --steps) is no part of it, and TrainConfig
-    # refuses a --stop-after beyond its --steps.
-    saved_schedule = dataclasses.replace(t, steps=before, stop_after=None)
-    was = t.lr * lr_lambda(dataclasses.replace(cfg, train=saved_schedule))(step)
-    now = t.lr * lr_lambda(cfg)(step)
-    head = f"note: --steps {t.steps} trains the {before}-step run of {str(t.resume)!r} longer"
-    if was == now:
-        return f"{head}, from step {step} at LR {now:.3g}"
-    return f"{head}: the {t.schedule} schedule now spans {t.steps} steps, so the LR at step {step} moves from {was:.3g} to {now:.3g}"
-
-
-def _shown(diffs: list[str], most: int) -> str:
-    """The first ``most`` of :func:`config_differences`' lines, and how many more there are."""
-    return "; ".join(diffs[:most]) + (f"; and {len(diffs) - most} more" if len(diffs) > most else "")
-
-
-def check_resume(cfg: RunConfig) -> None:
-    """Refuse ``--resume`` of a checkpoint from a different run (see the module docstring)."""
-    if not cfg.train.resume:
-        return
-    saved, step, fingerprint = saved_run(cfg.train.resume)
-    diffs = differences_from_this_run(saved, cfg)
-    moved = any(d.startswith("data: ") for d in diffs) and _holds_the_saved_data(cfg, fingerprint)
-    if moved:  # the same data at another path: its content is the checkpoint's
-        diffs = differences_from_this_run(saved, cfg, data_as=_data_of(saved))
-    if diffs:
-        what = "model" if any(d.split(":")[0] in saved.get("model", {}) for d in diffs) else "run"
-        raise ConfigError(f"checkpoint {cfg.train.resume!r} does not fit this {what}: it was saved by a different run "
-                          f"({_shown(diffs, 8)}); drop the flags that differ (--resume alone takes the saved run's settings) "
-                          "or start a new run without --resume")
-    end = cfg.train.stop_after or cfg.train.steps
-    if not 0 <= step < end:
-        more = ("raise --stop-after (or drop it) to continue" if step < cfg.train.steps
-                else "give a larger --steps to train it longer")
-        raise ConfigError(f"--resume {cfg.train.resume!r} is at step {step}, this run ends at step {end}; {more}")
-    if not moved:  # a moved file's content was compared above already
-        check_resume_data(cfg, fingerprint)
-
-
-def _data_of(config: dict[str, Any]) -> Optional[str]:
-    """A saved config's ``--data`` (None where a damaged config has none)."""
-    section = config.get("data")
-    value = section.get("data") if isinstance(section, dict) else None
-    return value if isinstance(value, str) else None
-
-
-def _holds_the_saved_data(cfg: RunConfig, saved: Optional[str]) -> bool:
-    """Whether ``--data`` holds the content of the checkpoint's data fingerprint ``saved``
-    (False where the checkpoint has none, or the data cannot be read)."""
-    from memtrain.data.sources import data_fingerprint  # reads the data's files only when resuming
-
-    if saved is None:
-        return False
-    try:
-        return data_fingerprint(cfg.data) == saved
-    except ConfigError:
-        return False
-
-
-def check_resume_data(cfg: RunConfig, saved: Optional[str]) -> None:
-    """The data at ``--data`` holds what the checkpoint was trained on: the same path with other
-    content would resume the data position (and the train/validation split) on other tokens.
-    A checkpoint without a fingerprint (written before checkpoints carried one) cannot be
-    compared: the run warns once it has resumed (:func:`unchecked_data_warning`)."""
-    from memtrain.data.sources import data_fingerprint  # reads the data's files only when resuming
-
-    if saved is not None and data_fingerprint(cfg.data) != saved:
-        raise ConfigError(f"--data {cfg.data.data!r} does not hold the data checkpoint {cfg.train.resume!r} was "
-                          "trained on (its content changed since); resume with that data, or start a new run "
-                          "without --resume")
-
-
-def unchecked_data_warning(cfg: RunConfig) -> str:
-    """What a run resumed from a checkpoint without a data fingerprint says (once, on stderr)."""
-    return (f"warning: checkpoint {cfg.train.resume!r} records no data fingerprint (an older memtrain wrote it); "
-            f"cannot check that --data {cfg.data.data!r} holds the data it was trained on")
 
 
 # --------------------------------------------------------------------------- launch
@@ -890,23 +467,3 @@ def check_gpu_count(nproc: int) -> None:
     if nproc > count:
         raise ConfigError(f"--nproc-per-node {nproc} starts one rank per GPU, but {visible_gpus_phrase(count)}; "
                           f"use --nproc-per-node {count} or fewer")
-
-
-def check_sharded_resume(path: str | Path, nproc: int) -> None:
-    """A sharded checkpoint was written by ``nproc`` ranks and holds every rank's file."""
-    p = Path(path).expanduser()
-    if not p.is_dir():
-        raise ConfigError(f"{str(p)!r} is not a distributed checkpoint directory; a single-process checkpoint "
-                          "resumes without --distributed and without --nproc-per-node")
-    meta = loads_bounded((p / "meta.json").read_text())  # saved_run (check_resume) has read it
-    world = meta.get("world_size") if isinstance(meta, dict) else None
-    if not (isinstance(world, int) and not isinstance(world, bool) and world > 0):
-        from memtrain.checkpoints.exact import DamagedCheckpoint, damaged  # torch: only for --resume
-
-        # else the line below asked for --nproc-per-node None (or -5, or "two")
-        raise damaged(p, DamagedCheckpoint(f"its meta.json's world_size is {world!r}, not a count of ranks"))
-    if world != nproc:
-        raise ConfigError(f"checkpoint {str(p)!r} was written by {world} ranks; resume with --nproc-per-node {world}")
-    missing = [f"rank-{r}.pt" for r in range(nproc) if not (p / f"rank-{r}.pt").is_file()]
-    if missing:
-        raise ConfigError(f"checkpoint {str(p)!r} lacks {', '.join(missing)}; it is incomplete, resume from another one")

@@ -1,6 +1,6 @@
 """The learning-rate schedule as a pure function of the run config (no torch): the
 training loop wraps it in a LambdaLR (:mod:`memtrain.training.step`), and the checks made
-before a resumed run (:func:`memtrain.training.preflight.continue_longer`) read it to say
+before a resumed run (:func:`memtrain.training.resume_check.continue_longer`) read it to say
 what a longer ``--steps`` does to the LR."""
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Optional, Protocol
 
 from memtrain.config.run import ConfigError
+from memtrain.errors import first_line
 from memtrain.files.results import METRICS_NAME, drop_planted_link, open_append, open_new, write_all
 
 # Bytes copied at a time from a curve no longer in the folder into the file that takes its name.
@@ -168,7 +169,7 @@ class WandbSink:
         except (wandb.errors.UsageError, wandb.errors.AuthenticationError, ValueError) as exc:
             # No login (no API key, no network to log in), or a WANDB_* variable wandb cannot read
             # (its settings' ValidationError is a ValueError): the user's setup, said in one line.
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            reason = first_line(exc)
             raise ConfigError(f"--report-to wandb cannot start a run ({reason}); run `wandb login`, set "
                               "WANDB_API_KEY, or set WANDB_MODE=offline to log without an account") from None
 

@@ -63,8 +63,8 @@ from memtrain.metrics import MemoryMeter, reset_device_peak
 from memtrain.models.families import build_model
 from memtrain.techniques import Precision, build_optimizer, make_precision, prepare_model
 from memtrain.techniques.offload import offloader_for
-from memtrain.training.preflight import check_model_size
 from memtrain.training.schedule import lr_lambda
+from memtrain.training.size_check import check_model_size
 
 __all__ = [
     "Batch", "TrainState", "build_base_model", "build_state", "building_on", "lr_lambda", "measure_steps", "queue_run_step",

@@ -32,7 +32,8 @@ from memtrain.data.device_feed import DeviceFeed
 from memtrain.devices.advice import mfu_for_run, reference_rate_now, run_device_facts
 from memtrain.distributed.rank_errors import agreement, launched_by_memtrain
 from memtrain.distributed.session import DistContext, distributed_session
-from memtrain.files.results import FolderLock, file_lock, register_writer, remove_stale_temps
+from memtrain.files.lock import FolderLock, file_lock, register_writer
+from memtrain.files.results import remove_stale_temps
 from memtrain.metrics import MemoryMeter, StepTimer, device_peak_memory, percentile, reset_device_peak, synchronize
 from memtrain.metrics.state import ShardedStateBytes
 from memtrain.models.families import data_tokenizer
@@ -41,17 +42,11 @@ from memtrain.runtime.notices import QLoRASkipWarning, shows_progress
 from memtrain.techniques import Precision, make_precision
 from memtrain.techniques.optim import check_optimizer_installed
 from memtrain.training.nudge import nudge_weights
-from memtrain.training.preflight import (
-    check_destinations,
-    check_model_size,
-    check_resume,
-    check_vocab,
-    continue_longer,
-    saved_run,
-    unchecked_data_warning,
-)
+from memtrain.training.preflight import check_destinations, check_vocab
 from memtrain.training.readings import StepReadings
+from memtrain.training.resume_check import check_resume, continue_longer, saved_run, unchecked_data_warning
 from memtrain.training.sinks import MetricsLogger, live_memory
+from memtrain.training.size_check import check_model_size
 from memtrain.training.step import (
     Batch,
     TrainState,
@@ -159,7 +154,7 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
     ``train`` command) holds ``OUT``'s folder lock for the run, so a second train or bench
     on the folder is refused (exit 2) instead of mixing their files: rank 0 takes it (under
     memtrain's launcher the launcher has it already), and every other rank adds itself to
-    the lock file as a writer (:func:`memtrain.files.results.register_writer`), so the folder stays
+    the lock file as a writer (:func:`memtrain.files.lock.register_writer`), so the folder stays
     refused until the last rank is gone, whoever ends first.
     """
     with distributed_session(cfg, resolve_device(cfg.train.device)) as dist_ctx, contextlib.ExitStack() as held:

@@ -11,21 +11,10 @@ from memtrain.bench.hf.mapping import hf_plan, trainer_alignment
 from memtrain.bench.runner import config_hash as bench_config_hash
 from memtrain.bench.scales import row_base_layers
 from memtrain.bench.technique_sets import technique_overrides
-from memtrain.config.run import (
-    ConfigError,
-    RunConfig,
-    build_config,
-    normalized_layers,
-    refuse_long_warmup,
-    warmup_named,
-)
-from memtrain.files.results import (
-    JsonlRead,
-    append_jsonl,
-    finite_number,
-    measured_value,
-    read_checked_jsonl,
-)
+from memtrain.config.layers import normalized_layers, refuse_long_warmup, warmup_named
+from memtrain.config.run import ConfigError, RunConfig, build_config
+from memtrain.files.bench_store import finite_number, measured_value
+from memtrain.files.results import JsonlRead, append_jsonl, read_checked_jsonl
 
 RUNS_FILE = "runs.jsonl"
 COMMANDS_FILE = "commands.log"  # every invocation that wrote into the folder (--resume adds to runs.jsonl)
