@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from memtrain.analysis.estimate import estimate
 from memtrain.analysis.estimate.hf import hf_arch, why_not_modelled
-from memtrain.analysis.fit import context_line, length_search_bound, longest_context
+from memtrain.analysis.fit import context_line, length_search_bound, longest_context, step_need
 from memtrain.analysis.plan import Candidate, candidate_config, default_space, plan, verification, verify_config
 from memtrain.cli import LOOP_ONLY_FIELDS, MODULE_TABLE_FIELDS, add_config_flags, defaults_note, fmt_bytes, register
 from memtrain.commands.bench import warn_skipped_lines
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     out["recommended"] = rec
     out["budget_source"] = budget_source
     out["longest_context"] = _longest_context(cfg, arch, res.candidates[rec], device_type, budget, res.margin,
-                                              args.max_len)
+                                              args.max_len, args.gpu)
     if args.json:
         print(json.dumps(out, indent=2, default=float))
         return 0
@@ -206,12 +206,15 @@ def _check_max_len(args: argparse.Namespace, cfg: Any, arch: Any, device_type: s
 
 
 def _longest_context(cfg: Any, arch: Any, cand: Candidate, device_type: str, budget: int,
-                     margin: float, max_len: Optional[int] = None) -> Optional[dict[str, Any]]:
+                     margin: float, max_len: Optional[int] = None,
+                     gpu: Optional[str] = None) -> Optional[dict[str, Any]]:
     """The longest sequence length (at most ``max_len``, --max-len) the recommended technique set
     fits at its micro-batch, with the plan's margin kept (memtrain.analysis.fit.longest_context over
     the analytic estimate);
     None where the estimator does not model the model (a traced transformers model:
-    ``memtrain maxbatch --search seq-len`` traces it)."""
+    ``memtrain maxbatch --search seq-len`` traces it). With ``gpu`` on CUDA each length is judged
+    by what the card holds (caching allocator + CUDA context), as the plan judged its candidates:
+    live tensor bytes alone passed lengths whose device total was over the margin."""
     if arch is None:
         if why_not_modelled(cfg, device_type) is not None:
             return None
@@ -219,6 +222,8 @@ def _longest_context(cfg: Any, arch: Any, cand: Candidate, device_type: str, bud
     at = candidate_config(cfg, cand)
 
     def need(c: Any) -> float:
+        if gpu is not None and device_type == "cuda":
+            return step_need(c, arch, device_type, gpu)[0]
         return float(estimate(c, arch, device_type).peak_bytes)
 
     return longest_context(need, at, budget / (1 + margin), cand.batch_size, max_len=max_len)
