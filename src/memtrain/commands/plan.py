@@ -28,7 +28,7 @@ from memtrain.commands.estimate import (
 )
 from memtrain.config.argtypes import batch_count, positive_int, user_path
 from memtrain.config.run import ConfigError, parse_size
-from memtrain.devices.numerics import is_standard, numerics_key, numerics_note
+from memtrain.devices.numerics import is_standard, numerics_changes, numerics_key, numerics_note
 from memtrain.files.results import bench_results_file, latest_settings, read_results_counted, rows_under
 from memtrain.report.noise import (
     FACTOR,
@@ -133,9 +133,7 @@ def run(args: argparse.Namespace) -> int:
                progress=False if args.json else None)
 
     techs = [{**asdict(cfg.technique), **c.techniques} for c in res.candidates]
-    # Prefer the numerically standard choice when one fits: the fastest candidate may change the
-    # weights' or the optimizer's arithmetic, which its speed alone does not show.
-    rec = next((i for i, t in enumerate(techs) if is_standard(t)), 0)
+    rec = _recommended(techs)
     shown = list(range(min(args.top, len(techs)))) + ([rec] if rec >= args.top else [])
     res.candidates = [res.candidates[i] for i in shown]
     techs = [techs[i] for i in shown]
@@ -172,8 +170,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {r[0]:>{w[0]}}  {r[1]:>{w[1]}}  {r[2]:>{w[2]}}  {r[3]:<{w[3]}}  {r[4]}")
     best = out["candidates"][rec]
     print(f"best: memtrain train {best['config_flags']}")
-    if rec != 0:
+    if rec != 0 and best["numerics_standard"]:
         print(f"  (#{shown[rec] + 1}, the fastest numerically standard choice; #1 is faster but: {out['candidates'][0]['numerics']})")
+    elif rec != 0:
+        print(f"  (no numerically standard choice fits; #{shown[rec] + 1} is the fastest that changes the least: "
+              f"{best['numerics']}; #1 is faster but: {out['candidates'][0]['numerics']})")
     elif not best["numerics_standard"]:
         print(f"  (no numerically standard choice fits; this one: {best['numerics']})")
     note = defaults_note(candidate_config(cfg, res.candidates[rec]))  # the recommended choice's defaults
@@ -193,6 +194,15 @@ def run(args: argparse.Namespace) -> int:
     for note in res.notes[1:]:  # how the peaks were found, where the first (the cost model) says nothing new
         print(f"note: {note}")
     return 0
+
+
+def _recommended(techs: list[dict[str, Any]]) -> int:
+    """The index of the choice to recommend among ``techs`` (fastest first): the fastest of those
+    that change the numerics least. The fastest candidate may change the weights' or the
+    optimizer's arithmetic, which its speed alone does not show; a standard choice changes
+    nothing, and when none fits, a change the others need too (LoRA, pure BF16 weights) is no
+    reason to add another (8-bit optimizer state) for a modelled gain."""
+    return min(range(len(techs)), key=lambda i: (len(numerics_changes(techs[i])), i))
 
 
 def _check_max_len(args: argparse.Namespace, cfg: Any, arch: Any, device_type: str) -> None:
