@@ -127,8 +127,9 @@ def run(args: argparse.Namespace) -> int:
     _check_max_len(args, cfg, arch, device_type)
     # Every fitting set is ranked (not only --top), so that the fastest numerically standard one
     # can be recommended even when faster non-standard sets fill the top of the list.
+    card = _card(args.gpu, device_type)
     res = plan(cfg, budget, device_type, arch, max_batch=args.max_batch is not None, margin=args.margin,
-               top=10**6, space=space, max_batch_limit=args.max_batch or 4096, gpu=args.gpu,
+               top=10**6, space=space, max_batch_limit=args.max_batch or 4096, gpu=card,
                host_bandwidth=parse_rate(args.host_bandwidth) if args.host_bandwidth else None,
                progress=False if args.json else None)
 
@@ -152,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     out["recommended"] = rec
     out["budget_source"] = budget_source
     out["longest_context"] = _longest_context(cfg, arch, res.candidates[rec], device_type, budget, res.margin,
-                                              args.max_len, args.gpu)
+                                              args.max_len, card)
     if args.json:
         print(json.dumps(out, indent=2, default=float))
         return 0
@@ -194,6 +195,13 @@ def run(args: argparse.Namespace) -> int:
     for note in res.notes[1:]:  # how the peaks were found, where the first (the cost model) says nothing new
         print(f"note: {note}")
     return 0
+
+
+def _card(gpu: Optional[str], device_type: str) -> Optional[str]:
+    """The GPU kind whose device totals (caching allocator + CUDA context) the candidates are judged
+    by: --gpu, else on CUDA the "default" kind that `estimate --budget` and `maxbatch` assume there.
+    Live tensor bytes alone recommended batches those commands say do not fit the same budget."""
+    return gpu or ("default" if device_type == "cuda" else None)
 
 
 def _recommended(techs: list[dict[str, Any]]) -> int:
