@@ -173,6 +173,9 @@ def test_cli_plan_json_and_verify(capsys, tmp_path, monkeypatch):
     (["plan", "--budget", "1GiB", "--model", "gpt9"], "choose one of default"),
     (["plan", "--budget", "1GiB", "--precisions", "fp4", "--device", "cpu"], "unknown --precision"),
     (["plan", "--budget", "1GiB", "--precisions", "fp8", "--device", "cpu"], "--precisions fp8 runs on a CUDA GPU"),
+    # an A100 has no FP8 tensor cores: fp8 candidates were ranked first there, as if they ran
+    (["plan", "--gpu", "a100", "--precisions", "fp8,bf16"], "--gpu a100 has no FP8 tensor cores"),
+    (["plan", "--device-type", "cuda", "--budget", "8GiB", "--precisions", "fp8"], "no --gpu names the card"),
     (["plan", "--device", "cpu"], "plan needs a budget: give --memory-budget SIZE (e.g. 24GiB) or --gpu NAME"),
 ])
 def test_cli_plan_bad_input(argv, text, capsys):

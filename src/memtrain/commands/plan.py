@@ -28,6 +28,7 @@ from memtrain.commands.estimate import (
 )
 from memtrain.config.argtypes import batch_count, positive_int, user_path
 from memtrain.config.run import ConfigError, parse_size
+from memtrain.devices.gpu_kinds import has_fp8
 from memtrain.devices.numerics import is_standard, numerics_changes, numerics_key, numerics_note
 from memtrain.files.results import bench_results_file, latest_settings, read_results_counted, rows_under
 from memtrain.report.noise import (
@@ -100,6 +101,12 @@ def _search_space(args: argparse.Namespace, cfg: Any, device_type: str) -> dict[
         # FP8 matmuls need FP8 tensor cores: a plan for a CPU could only recommend a refused run.
         raise ConfigError("--precisions fp8 runs on a CUDA GPU with FP8 tensor cores only; plan for one with "
                           "--device-type cuda --gpu h100, or drop fp8")
+    if "fp8" in space["precision"] and not has_fp8(args.gpu):
+        # Likewise a card without FP8 tensor cores (an A100), or one not named: the default space
+        # leaves fp8 out there, and a plan that asks for it must not rank it as if it ran.
+        card = f"--gpu {args.gpu} has no FP8 tensor cores" if args.gpu else "no --gpu names the card"
+        raise ConfigError(f"--precisions fp8 needs a GPU with FP8 tensor cores and {card}; plan for one with "
+                          "--gpu h100 (or l4, h200, ...), or drop fp8")
     return space
 
 
