@@ -279,3 +279,27 @@ def test_a_search_that_memory_stopped_does_not_say_the_positions_bounded_it(caps
     out = capsys.readouterr().out
     assert "next length 192 does not fit" in out and "bounded by" not in out
     assert "searched up to the model's max_position_embeddings (512)" in out
+
+
+def test_plan_with_a_gpu_judges_the_longest_context_by_what_the_card_holds(capsys):
+    # The plan's candidates are device totals (caching allocator + CUDA context) with --gpu; its
+    # longest context was live tensor bytes, so it passed lengths whose device total was over the
+    # margin (Llama-3-8B LoRA on an RTX 4090 at 24 GiB: 3,328 tokens, whose step needs 23.94 GiB).
+    gpu = [*TINY_FLAGS, "--device-type", "cuda", "--gpu", "rtx4090", "--batch-size", "2"]
+    code, out, err = _cli(["plan", *gpu, "--budget", "1GiB", "--json"], capsys)
+    assert code == 0, err
+    d = json.loads(out)
+    ctx, best = d["longest_context"], d["candidates"][d["recommended"]]
+    flags = list(best["train_flags"])
+    i = flags.index("--seq-len")
+    del flags[i:i + 2]  # the planned length: each length below is set instead
+
+    def needed(length):
+        code, out, err = _cli(["estimate", *flags, "--seq-len", str(length), "--device-type", "cuda",
+                               "--gpu", "rtx4090", "--budget", "1GiB", "--json"], capsys)
+        assert code == 0, err
+        return json.loads(out)["fit"]["needed_bytes"]
+
+    limit = (1 << 30) / (1 + d["margin"])
+    assert ctx["peak_bytes"] == needed(ctx["seq_len"]) <= limit
+    assert ctx["next_peak_bytes"] == needed(ctx["next_seq_len"]) > limit

@@ -194,6 +194,9 @@ def test_cli_plan_json_and_verify(capsys, tmp_path, monkeypatch):
     (["plan", "--budget", "1GiB", "--model", "gpt9"], "choose one of default"),
     (["plan", "--budget", "1GiB", "--precisions", "fp4", "--device", "cpu"], "unknown --precision"),
     (["plan", "--budget", "1GiB", "--precisions", "fp8", "--device", "cpu"], "--precisions fp8 runs on a CUDA GPU"),
+    # an A100 has no FP8 tensor cores: fp8 candidates were ranked first there, as if they ran
+    (["plan", "--gpu", "a100", "--precisions", "fp8,bf16"], "--gpu a100 has no FP8 tensor cores"),
+    (["plan", "--device-type", "cuda", "--budget", "8GiB", "--precisions", "fp8"], "no --gpu names the card"),
     (["plan", "--device", "cpu"], "plan needs a budget: give --memory-budget SIZE (e.g. 24GiB) or --gpu NAME"),
 ])
 def test_cli_plan_bad_input(argv, text, capsys):
@@ -211,7 +214,8 @@ def test_each_plan_candidate_is_estimated_once_offload_included(monkeypatch, cap
     real = plan_module.estimate
 
     def counting(cfg, *args, **kw):
-        seen.append(repr(cfg.to_dict()))
+        # on CUDA each candidate's live bytes (the quick figure) and its device total are two estimates
+        seen.append(repr(cfg.to_dict()) + repr(kw.get("gpu")))
         return real(cfg, *args, **kw)
 
     monkeypatch.setattr(plan_module, "estimate", counting)
@@ -223,7 +227,8 @@ def test_each_plan_candidate_is_estimated_once_offload_included(monkeypatch, cap
     out = json.loads(capsys.readouterr().out)
     offloaded = [key for key in seen if "'offload_activations': True" in key]
     assert offloaded and len(seen) == len(set(seen)), [k for k in set(seen) if seen.count(k) > 1][:1]
-    assert out["candidates"] and out["evaluated"] >= len(seen)
+    exact = [key for key in seen if not key.endswith("None")]  # device totals, not quick figures
+    assert out["candidates"] and exact and out["evaluated"] >= len(exact)
 
 
 def test_plan_for_a_gpu_kind_alone_takes_its_memory_and_cuda_kernels(capsys):
@@ -355,3 +360,21 @@ def test_equal_modelled_times_recommend_the_smaller_peak(tmp_path):
     first, second = result.candidates[:2]
     assert first.step_time_s == second.step_time_s  # the tie this is about
     assert first.peak_bytes < second.peak_bytes and first.techniques["attention"] == "sdpa"
+
+
+def test_plan_for_cuda_without_a_gpu_kind_judges_batches_as_estimate_and_maxbatch_do(capsys):
+    """On CUDA without --gpu, `estimate --budget` and `maxbatch` judge a step by the device total of
+    an unnamed card; plan judged live tensor bytes, so it recommended batches they call too large
+    (Qwen2.5-0.5B, seq 1024, 24 GiB: plan 109, maxbatch 82)."""
+    tiny = ["--device-type", "cuda", "--budget", "1GiB", "--d-model", "32", "--n-heads", "2", "--n-layers", "2",
+            "--d-ff", "64", "--seq-len", "64"]
+    techs = ["--precision", "bf16", "--attention", "sdpa", "--checkpointing", "none", "--loss", "standard",
+             "--optim", "adamw"]
+    plural = ["--precisions", "bf16", "--attentions", "sdpa", "--checkpointings", "none", "--losses", "standard",
+              "--optims", "adamw"]
+    assert main(["plan", *tiny, *plural, "--max-batch", "--margin", "0", "--json"]) == 0
+    planned = [c for c in json.loads(capsys.readouterr().out)["candidates"]
+               if not c["techniques"].get("offload_activations")]
+    assert main(["maxbatch", *tiny, *techs, "--json"]) == 0
+    largest = json.loads(capsys.readouterr().out)["batch_size"]
+    assert largest and planned[0]["batch_size"] == largest

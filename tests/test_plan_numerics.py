@@ -34,8 +34,20 @@ def test_plan_recommends_the_standard_choice_when_it_fits(capsys):
     assert cands[rec]["relative_time"] >= cands[0]["relative_time"]
 
 
-def test_plan_falls_back_when_nothing_standard_fits(capsys):
+def test_plan_falls_back_to_the_fewest_changes_when_nothing_standard_fits(capsys):
+    # Every fitting set keeps pure BF16 weights here; the fastest adds 4-bit optimizer state too.
+    # The pick is the fastest that adds nothing more (it recommended #1, two changes, before).
     assert main([*ARGS, "--memory-budget", "300MiB"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    cands, rec = out["candidates"], out["recommended"]
+    assert not any(c["numerics_standard"] for c in cands)
+    assert cands[0]["techniques"]["optim"] == "adamw-4bit" and rec != 0
+    assert cands[rec]["techniques"] == {**cands[rec]["techniques"], "precision": "bf16-pure", "optim": "adamw"}
+    assert cands[rec]["numerics"].count("changes") == 1 < cands[0]["numerics"].count("changes")
+
+
+def test_plan_falls_back_to_the_fastest_when_every_choice_changes_as_much(capsys):
+    assert main([*ARGS, "--optims", "adamw-4bit", "--memory-budget", "300MiB"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["recommended"] == 0 and not out["candidates"][0]["numerics_standard"]
 

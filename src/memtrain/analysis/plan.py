@@ -569,8 +569,9 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
             cand.train_flags = train_flags(candidate_config(cfg, cand))
         notes.insert(0, f"cost model: {device_type} profile; a model to order candidates, not a measurement")
         if gpu is not None and device_type == "cuda" and not traced:
-            notes.append("peaks are device totals: the caching-allocator model's reserved memory plus the CUDA context "
-                         "(memtrain.analysis.allocator)")
+            unnamed = " of an unnamed card (--gpu NAME for yours)" if gpu == "default" else ""
+            notes.append("peaks are device totals: the caching-allocator model's reserved memory plus the CUDA context"
+                         f"{unnamed} (memtrain.analysis.allocator)")
         if traced:
             if modelled_inside:
                 notes.append(f"peaks of the candidates within {TRACE_PRUNE_SLACK - 1:.0%} of the limit traced under fake "

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from memtrain.analysis.estimate import estimate
 from memtrain.analysis.estimate.hf import hf_arch, why_not_modelled
-from memtrain.analysis.fit import context_line, length_search_bound, longest_context
+from memtrain.analysis.fit import context_line, length_search_bound, longest_context, step_need
 from memtrain.analysis.plan import Candidate, candidate_config, default_space, plan, verification, verify_config
 from memtrain.cli import LOOP_ONLY_FIELDS, MODULE_TABLE_FIELDS, add_config_flags, defaults_note, fmt_bytes, register
 from memtrain.commands.bench import warn_skipped_lines
@@ -28,7 +28,8 @@ from memtrain.commands.estimate import (
 )
 from memtrain.config.argtypes import batch_count, positive_int, user_path
 from memtrain.config.run import ConfigError, parse_size
-from memtrain.devices.numerics import is_standard, numerics_key, numerics_note
+from memtrain.devices.gpu_kinds import has_fp8
+from memtrain.devices.numerics import is_standard, numerics_changes, numerics_key, numerics_note
 from memtrain.files.bench_store import bench_results_file, latest_settings, read_results_counted, rows_under
 from memtrain.report.noise import (
     FACTOR,
@@ -100,6 +101,12 @@ def _search_space(args: argparse.Namespace, cfg: Any, device_type: str) -> dict[
         # FP8 matmuls need FP8 tensor cores: a plan for a CPU could only recommend a refused run.
         raise ConfigError("--precisions fp8 runs on a CUDA GPU with FP8 tensor cores only; plan for one with "
                           "--device-type cuda --gpu h100, or drop fp8")
+    if "fp8" in space["precision"] and not has_fp8(args.gpu):
+        # Likewise a card without FP8 tensor cores (an A100), or one not named: the default space
+        # leaves fp8 out there, and a plan that asks for it must not rank it as if it ran.
+        card = f"--gpu {args.gpu} has no FP8 tensor cores" if args.gpu else "no --gpu names the card"
+        raise ConfigError(f"--precisions fp8 needs a GPU with FP8 tensor cores and {card}; plan for one with "
+                          "--gpu h100 (or l4, h200, ...), or drop fp8")
     return space
 
 
@@ -127,15 +134,14 @@ def run(args: argparse.Namespace) -> int:
     _check_max_len(args, cfg, arch, device_type)
     # Every fitting set is ranked (not only --top), so that the fastest numerically standard one
     # can be recommended even when faster non-standard sets fill the top of the list.
+    card = _card(args.gpu, device_type)
     res = plan(cfg, budget, device_type, arch, max_batch=args.max_batch is not None, margin=args.margin,
-               top=10**6, space=space, max_batch_limit=args.max_batch or 4096, gpu=args.gpu,
+               top=10**6, space=space, max_batch_limit=args.max_batch or 4096, gpu=card,
                host_bandwidth=parse_rate(args.host_bandwidth) if args.host_bandwidth else None,
                progress=False if args.json else None)
 
     techs = [{**asdict(cfg.technique), **c.techniques} for c in res.candidates]
-    # Prefer the numerically standard choice when one fits: the fastest candidate may change the
-    # weights' or the optimizer's arithmetic, which its speed alone does not show.
-    rec = next((i for i, t in enumerate(techs) if is_standard(t)), 0)
+    rec = _recommended(techs)
     shown = list(range(min(args.top, len(techs)))) + ([rec] if rec >= args.top else [])
     res.candidates = [res.candidates[i] for i in shown]
     techs = [techs[i] for i in shown]
@@ -154,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     out["recommended"] = rec
     out["budget_source"] = budget_source
     out["longest_context"] = _longest_context(cfg, arch, res.candidates[rec], device_type, budget, res.margin,
-                                              args.max_len)
+                                              args.max_len, card)
     if args.json:
         print(json.dumps(out, indent=2, default=float))
         return 0
@@ -172,8 +178,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {r[0]:>{w[0]}}  {r[1]:>{w[1]}}  {r[2]:>{w[2]}}  {r[3]:<{w[3]}}  {r[4]}")
     best = out["candidates"][rec]
     print(f"best: memtrain train {best['config_flags']}")
-    if rec != 0:
+    if rec != 0 and best["numerics_standard"]:
         print(f"  (#{shown[rec] + 1}, the fastest numerically standard choice; #1 is faster but: {out['candidates'][0]['numerics']})")
+    elif rec != 0:
+        print(f"  (no numerically standard choice fits; #{shown[rec] + 1} is the fastest that changes the least: "
+              f"{best['numerics']}; #1 is faster but: {out['candidates'][0]['numerics']})")
     elif not best["numerics_standard"]:
         print(f"  (no numerically standard choice fits; this one: {best['numerics']})")
     note = defaults_note(candidate_config(cfg, res.candidates[rec]))  # the recommended choice's defaults
@@ -195,6 +204,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _card(gpu: Optional[str], device_type: str) -> Optional[str]:
+    """The GPU kind whose device totals (caching allocator + CUDA context) the candidates are judged
+    by: --gpu, else on CUDA the "default" kind that `estimate --budget` and `maxbatch` assume there.
+    Live tensor bytes alone recommended batches those commands say do not fit the same budget."""
+    return gpu or ("default" if device_type == "cuda" else None)
+
+
+def _recommended(techs: list[dict[str, Any]]) -> int:
+    """The index of the choice to recommend among ``techs`` (fastest first): the fastest of those
+    that change the numerics least. The fastest candidate may change the weights' or the
+    optimizer's arithmetic, which its speed alone does not show; a standard choice changes
+    nothing, and when none fits, a change the others need too (LoRA, pure BF16 weights) is no
+    reason to add another (8-bit optimizer state) for a modelled gain."""
+    return min(range(len(techs)), key=lambda i: (len(numerics_changes(techs[i])), i))
+
+
 def _check_max_len(args: argparse.Namespace, cfg: Any, arch: Any, device_type: str) -> None:
     """--max-len, checked before the search: a bound the model refuses (a learned position table
     has no row past it) and a traced model (no longest context to bound) are refused at once."""
@@ -206,12 +231,15 @@ def _check_max_len(args: argparse.Namespace, cfg: Any, arch: Any, device_type: s
 
 
 def _longest_context(cfg: Any, arch: Any, cand: Candidate, device_type: str, budget: int,
-                     margin: float, max_len: Optional[int] = None) -> Optional[dict[str, Any]]:
+                     margin: float, max_len: Optional[int] = None,
+                     gpu: Optional[str] = None) -> Optional[dict[str, Any]]:
     """The longest sequence length (at most ``max_len``, --max-len) the recommended technique set
     fits at its micro-batch, with the plan's margin kept (memtrain.analysis.fit.longest_context over
     the analytic estimate);
     None where the estimator does not model the model (a traced transformers model:
-    ``memtrain maxbatch --search seq-len`` traces it)."""
+    ``memtrain maxbatch --search seq-len`` traces it). With ``gpu`` on CUDA each length is judged
+    by what the card holds (caching allocator + CUDA context), as the plan judged its candidates:
+    live tensor bytes alone passed lengths whose device total was over the margin."""
     if arch is None:
         if why_not_modelled(cfg, device_type) is not None:
             return None
@@ -219,6 +247,8 @@ def _longest_context(cfg: Any, arch: Any, cand: Candidate, device_type: str, bud
     at = candidate_config(cfg, cand)
 
     def need(c: Any) -> float:
+        if gpu is not None and device_type == "cuda":
+            return step_need(c, arch, device_type, gpu)[0]
         return float(estimate(c, arch, device_type).peak_bytes)
 
     return longest_context(need, at, budget / (1 + margin), cand.batch_size, max_len=max_len)
