@@ -227,14 +227,14 @@ def test_model_weights_beyond_the_devices_memory_are_refused_at_their_precisions
     """On a GPU the weights are checked at 4 bytes each (FP32), 2 under bf16-pure: a device with
     3 bytes per parameter takes the bf16-pure model and refuses the FP32 one up front."""
     from memtrain.config.run import ConfigError, ModelConfig
-    from memtrain.training import preflight
+    from memtrain.training import size_check
 
     m = ModelConfig(**TINY_MODEL)
-    monkeypatch.setattr(preflight, "host_memory_bytes", lambda: 2**40)
-    monkeypatch.setattr(preflight, "_device_memory_bytes", lambda device: 3 * preflight.model_parameters(m))
+    monkeypatch.setattr(size_check, "host_memory_bytes", lambda: 2**40)
+    monkeypatch.setattr(size_check, "_device_memory_bytes", lambda device: 3 * size_check.model_parameters(m))
     with pytest.raises(ConfigError, match="more than cuda:0's"):
-        preflight.check_model_size(m, "cuda:0", "fp32")
-    preflight.check_model_size(m, "cuda:0", "bf16-pure")
+        size_check.check_model_size(m, "cuda:0", "fp32")
+    size_check.check_model_size(m, "cuda:0", "bf16-pure")
 
 
 def test_a_vocabulary_one_id_short_of_the_tokenizers_is_refused():

@@ -181,7 +181,7 @@ def test_a_file_too_large_to_read_whole_is_refused_before_it_is_read(tokenizer_d
     ``stat``, before anything reads it; a large file no reader opens (a README) stays allowed."""
     from memtrain.models import spec
 
-    monkeypatch.setattr(spec, "MAX_READ_WHOLE_BYTES", 1 << 20, raising=False)  # a 1 MiB limit: a fast test
+    monkeypatch.setattr(spec, "MAX_READ_WHOLE_BYTES", 1 << 20)  # a 1 MiB limit: a fast test
     model = model_folder(tmp_path / "m", tokenizer_dir)
     (model / name).parent.mkdir(exist_ok=True)
     with open(model / name, "ab") as f:

@@ -138,7 +138,7 @@ def test_report_waits_for_a_bench_still_writing_its_folder(tmp_path, capsys):
     which could land after the bench's own final report and be the one left. Refused in one line
     while the bench holds the folder, nothing written; it runs once the bench is gone."""
     (tmp_path / "results.jsonl").write_text((DATA / "bench_results.jsonl").read_text())
-    code = ("import sys, time; from memtrain.files.results import FolderLock\n"
+    code = ("import sys, time; from memtrain.files.lock import FolderLock\n"
             "with FolderLock(sys.argv[1], 'memtrain bench'):\n"
             "    print('locked', flush=True); time.sleep(60)\n")
     holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)

@@ -266,7 +266,7 @@ def test_a_resume_onto_a_huge_result_json_is_refused_before_reading_it(tiny_run,
     its size, unread and kept."""
     from memtrain.training import preflight
 
-    monkeypatch.setattr(preflight, "MAX_RESULT_BYTES", 1 << 20, raising=False)  # 1 MiB: a fast test
+    monkeypatch.setattr(preflight, "MAX_RESULT_BYTES", 1 << 20)  # 1 MiB: a fast test
     out, ck = Path(tiny_run["out"]), tmp_path / "ck.pt"
     half = {**tiny_run, "steps": 4, "stop_after": 2, "save": str(ck)}
     assert main(["train", *cli_flags(half)]) == 0
@@ -425,7 +425,7 @@ def test_a_failing_metrics_log_does_not_lose_the_run(tiny_run, tmp_path, capsys,
         calls.append(path)
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr("memtrain.training.sinks.write_all", full, raising=False)
+    monkeypatch.setattr("memtrain.training.sinks.write_all", full)
     assert main(["train", *cli_flags({**tiny_run, "steps": 3, "save": str(ck)})]) == 1
     err = capsys.readouterr().err
     assert len(calls) == 1  # said once, then no more attempts
