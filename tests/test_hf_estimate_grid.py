@@ -798,21 +798,31 @@ def test_swept_axes_within_one_percent_of_the_trace(case, tmp_path_factory):
 # gradient for it is summed with the residual's (which arrived first) into one tensor before pow's
 # backward: one float32 (N, d) tensor fewer than on a 16-bit stream. Counted, +2.0% (Qwen2,
 # every:2, the chunked loss in a ragged last chunk of 4 rows; Llama, full) and +1.6% (Gemma) backward.
+# Then the MLP's backward: gate_proj's input gradient meets up_proj's, which arrived first, and
+# under a dispatch mode (the trace's, the meter's) autograd sums them out of place, after
+# gate_proj's weight gradient: both gradients and their sum beside it. Counted as added in place,
+# -0.7% backward (the three cases above) and -1.04% (Llama, intermediate_size 60); within 0.03% now.
 NARROW_MLP = [("qwen2", {"num_key_value_heads": 2}, "every:2", "chunked"),
               ("llama", {"num_key_value_heads": 2}, "full", "standard"),
-              ("gemma", {"num_key_value_heads": 6, "head_dim": 32}, "full", "chunked")]
+              ("gemma", {"num_key_value_heads": 6, "head_dim": 32}, "full", "chunked"),
+              ("llama", {"num_key_value_heads": 2, "intermediate_size": 60}, "full", "standard")]
 
 
-@pytest.mark.parametrize("case", NARROW_MLP, ids=lambda c: f"{c[0]}-ckpt_{c[2]}-{c[3]}")
+@pytest.mark.parametrize("case", NARROW_MLP,
+                         ids=lambda c: f"{c[0]}-ff{c[1].get('intermediate_size', 100)}-ckpt_{c[2]}-{c[3]}")
 def test_fp32_norm_backward_beside_a_narrow_mlp_within_one_percent_of_the_trace(case, folders, tmp_path_factory):
     from memtrain.analysis.estimate.hf import analytic_estimate
     from memtrain.analysis.trace import trace_step
 
     fam, fields, ck, loss = case
     d = _folder(folders, tmp_path_factory.getbasetemp(), fam, (192, 6, fields["num_key_value_heads"], 1),
-                f"{fam}-narrow_mlp", {"intermediate_size": 100, "vocab_size": 97, "tie_word_embeddings": True, **fields})
+                f"{fam}-narrow_mlp{fields.get('intermediate_size', '')}",
+                {"intermediate_size": 100, "vocab_size": 97, "tie_word_embeddings": True, **fields})
     cfg = build_config({"model": str(d), "batch_size": 7, "seq_len": 37, "device": "cpu", "precision": "fp32",
                         "attention": "sdpa", "checkpointing": ck, "loss": loss, "loss_chunk": 5})
     est = analytic_estimate(cfg, "cpu")
     assert est is not None
-    _each_phase_within_one_percent(est.phase_peaks, trace_step(cfg, "cpu")["phase_peaks"])
+    traced = trace_step(cfg, "cpu")["phase_peaks"]
+    _each_phase_within_one_percent(est.phase_peaks, traced)
+    # What is left is a few hundred bytes (rope's inv_freq) to 1.7 KB (Gemma): -0.03% at most.
+    assert abs(est.phase_peaks["backward"] / traced["backward"] - 1) < 0.001, (est.phase_peaks, traced)

@@ -206,7 +206,7 @@ def linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int, 
     weight_saved = extra if dm.autocast else [w_in]
     nodes.append(Node(name, out=[(base_out, N * n_out * a)], inputs=[x] + extra,
                        saves=([x] if keeps_input else []) + (weight_saved if keeps_weight else []), grads=grads, matmul=True,
-                       sums_out_of_place=_adapter_grad_is_a_view(dm, lora), param_share=param_share))
+                       param_share=param_share))
     # Under autocast peft's adapters on our GPT (float32, as on a transformers base) make the
     # casts _peft_lora counts: a bf16 input's float32 copy, lora_A's own bf16 copy of its input
     # (the base's cast is another) and the adapters' cached weight copies.
@@ -253,15 +253,6 @@ def linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int, 
         else:
             nodes.append(Node(f"{name}.lora_add", out=[(out, N * n_out * a)], inputs=[base_out, src] + held,
                               grads=[(base_out, 0.0), (src, 0.0)]))
-
-
-def _adapter_grad_is_a_view(dm: Dims, lora: int) -> bool:
-    """Whether our GPT's LoRA Linear gets its input's two gradients summed out of place: in
-    float32 without LoRA dropout lora_A reads x itself, and its gradient for x (a view of its
-    matmul's output, as any 3-d matmul's input gradient is) arrives first. autograd adds in
-    place only into a tensor it holds the last reference to, so the base's gradient and their
-    sum are new tensors next to it (a cast or a dropout in between hands over a fresh one)."""
-    return bool(lora) and not dm.hf and not dm.autocast and dm.a == 4 and not dm.lora_dropout
 
 
 def _lora_dropout(nodes: list[Node], dm: Dims, name: str, x: str, x_bytes: float, n_in: int, n_a: int,
