@@ -758,6 +758,20 @@ PHI3_CONTIGUOUS_QK = [
     ('phi3', {'hidden_size': 16, 'intermediate_size': 18, 'num_hidden_layers': 1, 'num_attention_heads': 2, 'num_key_value_heads': 2, 'vocab_size': 97, 'tie_word_embeddings': False, 'attention_dropout': 0.1, 'resid_pdrop': 0.0, 'embd_pdrop': 0.0},
      {'batch_size': 5, 'seq_len': 23, 'precision': 'bf16', 'attention': 'sdpa', 'checkpointing': 'none', 'loss': 'chunked', 'grad_accum': 1, 'loss_chunk': 7}),
 ]
+# A sweep of 400 random configurations (seed 6161: GPT-2, Gemma, Phi-3 and our GPT; fp16, bf16-pure,
+# LoRA with dropout on a subset of targets, every checkpointing mode, windows, the chunked loss,
+# batch 1, 1-3 tokens) left two transformers cases outside 1%, not yet located (strict: a case that
+# comes within 1% fails here). GPT-2 under autocast with LoRA dropout on c_proj, the forward's peak in
+# the chunked loss: one N x r bf16 tensor and one r x n_inner bf16 tensor (mlp.c_proj's adapter
+# sizes) fewer than the trace, 1,472 B; Gemma at width 4 (head_dim 2, d_ff 3), fp16, LoRA on every
+# Linear with dropout, the chunked loss in 1-row chunks.
+SWEPT_GAPS = [
+    ('gpt2', {'n_embd': 8, 'n_inner': 29, 'n_layer': 2, 'n_head': 1, 'vocab_size': 130, 'tie_word_embeddings': False},
+     {'batch_size': 7, 'seq_len': 9, 'precision': 'bf16', 'attention': 'math', 'checkpointing': 'every:3', 'loss': 'chunked', 'grad_accum': 2, 'loss_chunk': 5, 'lora_rank': 8, 'lora_dropout': 0.1, 'lora_targets': 'c_attn,c_proj'}),
+    ('gemma', {'hidden_size': 4, 'intermediate_size': 3, 'num_hidden_layers': 1, 'num_attention_heads': 2, 'num_key_value_heads': 2, 'vocab_size': 61, 'tie_word_embeddings': False, 'head_dim': 2},
+     {'batch_size': 3, 'seq_len': 17, 'precision': 'fp16', 'attention': 'sdpa', 'checkpointing': 'full', 'loss': 'chunked', 'grad_accum': 1, 'loss_chunk': 1, 'lora_rank': 4, 'lora_dropout': 0.1, 'lora_targets': 'down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj'}),
+]
+SWEPT_GAP_FIGURES = ("-1.22% forward, -1.28% backward", "-3.65% forward, -1.97% backward")
 _FIXED_IDS = {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}
 
 
@@ -773,9 +787,16 @@ def _swept_params(cases: list, default: set) -> list:
     return _params(cases, default, _swept_id)
 
 
+def _swept_gaps() -> list:
+    """SWEPT_GAPS as slow params expected to fail (strict), each with its measured figures."""
+    return [pytest.param(c, id=_swept_id(*c), marks=[pytest.mark.slow, pytest.mark.xfail(
+        reason=f"the analytic model is {fig} off the trace here (a known gap, not yet located)", strict=True)])
+            for c, fig in zip(SWEPT_GAPS, SWEPT_GAP_FIGURES)]
+
+
 @pytest.mark.parametrize("case", _swept_params(ONE_POSITION, {0}) + _swept_params(SWEPT, SWEPT_DEFAULT)
                          + _swept_params(SWEPT_AGAIN, {0}) + _swept_params(ONE_HEAD, {0})
-                         + _swept_params(PHI3_CONTIGUOUS_QK, {0}))
+                         + _swept_params(PHI3_CONTIGUOUS_QK, {0}) + _swept_gaps())
 def test_swept_axes_within_one_percent_of_the_trace(case, tmp_path_factory):
     from memtrain.analysis.estimate.hf import analytic_estimate
     from memtrain.analysis.trace import trace_step
