@@ -760,19 +760,21 @@ PHI3_CONTIGUOUS_QK = [
 ]
 # A sweep of 400 random configurations (seed 6161: GPT-2, Gemma, Phi-3 and our GPT; fp16, bf16-pure,
 # LoRA with dropout on a subset of targets, every checkpointing mode, windows, the chunked loss,
-# batch 1, 1-3 tokens) left two transformers cases outside 1%, not yet located (strict: a case that
-# comes within 1% fails here). GPT-2 under autocast with LoRA dropout on c_proj: the trace's forward
-# peaks in the chunked loss with mlp.c_proj's float32 input copy and peft's float32 dropped copy of it
-# still alive, which the estimate has freed once lora_A cast the dropped copy (its forward peak is in
-# the block instead, 1,472 B lower); what holds them is not yet located. Gemma at width 4 (head_dim 2,
-# d_ff 3), fp16, LoRA on every Linear with dropout, the chunked loss in 1-row chunks: not yet located.
-SWEPT_GAPS = [
+# batch 1, 1-3 tokens) left two transformers cases outside 1%. Under autocast with LoRA dropout, peft's
+# dropped float32 copy is lora_A's argument, alive until lora_A returns, beside autocast's bf16 cast
+# of it and A's output; the estimate freed it after the cast: GPT-2 -1.22% forward, -1.28% backward
+# (the forward's peak is there, at mlp.c_proj's lora_A), Gemma -1.97% backward.
+SWEPT_DROPOUT = [
     ('gpt2', {'n_embd': 8, 'n_inner': 29, 'n_layer': 2, 'n_head': 1, 'vocab_size': 130, 'tie_word_embeddings': False},
      {'batch_size': 7, 'seq_len': 9, 'precision': 'bf16', 'attention': 'math', 'checkpointing': 'every:3', 'loss': 'chunked', 'grad_accum': 2, 'loss_chunk': 5, 'lora_rank': 8, 'lora_dropout': 0.1, 'lora_targets': 'c_attn,c_proj'}),
+]
+# Gemma's forward, at width 4 (head_dim 2, d_ff 3), is still -3.15% (396 B) under the trace, not yet
+# located (strict: a case that comes within 1% fails here).
+SWEPT_GAPS = [
     ('gemma', {'hidden_size': 4, 'intermediate_size': 3, 'num_hidden_layers': 1, 'num_attention_heads': 2, 'num_key_value_heads': 2, 'vocab_size': 61, 'tie_word_embeddings': False, 'head_dim': 2},
      {'batch_size': 3, 'seq_len': 17, 'precision': 'fp16', 'attention': 'sdpa', 'checkpointing': 'full', 'loss': 'chunked', 'grad_accum': 1, 'loss_chunk': 1, 'lora_rank': 4, 'lora_dropout': 0.1, 'lora_targets': 'down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj'}),
 ]
-SWEPT_GAP_FIGURES = ("-1.22% forward, -1.28% backward", "-3.65% forward, -1.97% backward")
+SWEPT_GAP_FIGURES = ("-3.15% forward",)
 _FIXED_IDS = {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}
 
 
@@ -797,7 +799,8 @@ def _swept_gaps() -> list:
 
 @pytest.mark.parametrize("case", _swept_params(ONE_POSITION, {0}) + _swept_params(SWEPT, SWEPT_DEFAULT)
                          + _swept_params(SWEPT_AGAIN, {0}) + _swept_params(ONE_HEAD, {0})
-                         + _swept_params(PHI3_CONTIGUOUS_QK, {0}) + _swept_gaps())
+                         + _swept_params(PHI3_CONTIGUOUS_QK, {0}) + _swept_params(SWEPT_DROPOUT, {0})
+                         + _swept_gaps())
 def test_swept_axes_within_one_percent_of_the_trace(case, tmp_path_factory):
     from memtrain.analysis.estimate.hf import analytic_estimate
     from memtrain.analysis.trace import trace_step
