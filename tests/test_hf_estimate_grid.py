@@ -758,6 +758,23 @@ PHI3_CONTIGUOUS_QK = [
     ('phi3', {'hidden_size': 16, 'intermediate_size': 18, 'num_hidden_layers': 1, 'num_attention_heads': 2, 'num_key_value_heads': 2, 'vocab_size': 97, 'tie_word_embeddings': False, 'attention_dropout': 0.1, 'resid_pdrop': 0.0, 'embd_pdrop': 0.0},
      {'batch_size': 5, 'seq_len': 23, 'precision': 'bf16', 'attention': 'sdpa', 'checkpointing': 'none', 'loss': 'chunked', 'grad_accum': 1, 'loss_chunk': 7}),
 ]
+# A sweep of 400 random configurations (seed 6161: GPT-2, Gemma, Phi-3 and our GPT; fp16, bf16-pure,
+# LoRA with dropout on a subset of targets, every checkpointing mode, windows, the chunked loss,
+# batch 1, 1-3 tokens) left two transformers cases outside 1%. Under autocast with LoRA dropout, peft's
+# dropped float32 copy is lora_A's argument, alive until lora_A returns, beside autocast's bf16 cast
+# of it and A's output; the estimate freed it after the cast: GPT-2 -1.22% forward, -1.28% backward
+# (the forward's peak is there, at mlp.c_proj's lora_A), Gemma -1.97% backward.
+SWEPT_DROPOUT = [
+    ('gpt2', {'n_embd': 8, 'n_inner': 29, 'n_layer': 2, 'n_head': 1, 'vocab_size': 130, 'tie_word_embeddings': False},
+     {'batch_size': 7, 'seq_len': 9, 'precision': 'bf16', 'attention': 'math', 'checkpointing': 'every:3', 'loss': 'chunked', 'grad_accum': 2, 'loss_chunk': 5, 'lora_rank': 8, 'lora_dropout': 0.1, 'lora_targets': 'c_attn,c_proj'}),
+]
+# Gemma's forward, at width 4 (head_dim 2, d_ff 3), is still -3.15% (396 B) under the trace, not yet
+# located (strict: a case that comes within 1% fails here).
+SWEPT_GAPS = [
+    ('gemma', {'hidden_size': 4, 'intermediate_size': 3, 'num_hidden_layers': 1, 'num_attention_heads': 2, 'num_key_value_heads': 2, 'vocab_size': 61, 'tie_word_embeddings': False, 'head_dim': 2},
+     {'batch_size': 3, 'seq_len': 17, 'precision': 'fp16', 'attention': 'sdpa', 'checkpointing': 'full', 'loss': 'chunked', 'grad_accum': 1, 'loss_chunk': 1, 'lora_rank': 4, 'lora_dropout': 0.1, 'lora_targets': 'down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj'}),
+]
+SWEPT_GAP_FIGURES = ("-3.15% forward",)
 _FIXED_IDS = {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}
 
 
@@ -773,9 +790,17 @@ def _swept_params(cases: list, default: set) -> list:
     return _params(cases, default, _swept_id)
 
 
+def _swept_gaps() -> list:
+    """SWEPT_GAPS as slow params expected to fail (strict), each with its measured figures."""
+    return [pytest.param(c, id=_swept_id(*c), marks=[pytest.mark.slow, pytest.mark.xfail(
+        reason=f"the analytic model is {fig} off the trace here (a known gap, not yet located)", strict=True)])
+            for c, fig in zip(SWEPT_GAPS, SWEPT_GAP_FIGURES)]
+
+
 @pytest.mark.parametrize("case", _swept_params(ONE_POSITION, {0}) + _swept_params(SWEPT, SWEPT_DEFAULT)
                          + _swept_params(SWEPT_AGAIN, {0}) + _swept_params(ONE_HEAD, {0})
-                         + _swept_params(PHI3_CONTIGUOUS_QK, {0}))
+                         + _swept_params(PHI3_CONTIGUOUS_QK, {0}) + _swept_params(SWEPT_DROPOUT, {0})
+                         + _swept_gaps())
 def test_swept_axes_within_one_percent_of_the_trace(case, tmp_path_factory):
     from memtrain.analysis.estimate.hf import analytic_estimate
     from memtrain.analysis.trace import trace_step
@@ -798,21 +823,31 @@ def test_swept_axes_within_one_percent_of_the_trace(case, tmp_path_factory):
 # gradient for it is summed with the residual's (which arrived first) into one tensor before pow's
 # backward: one float32 (N, d) tensor fewer than on a 16-bit stream. Counted, +2.0% (Qwen2,
 # every:2, the chunked loss in a ragged last chunk of 4 rows; Llama, full) and +1.6% (Gemma) backward.
+# Then the MLP's backward: gate_proj's input gradient meets up_proj's, which arrived first, and
+# under a dispatch mode (the trace's, the meter's) autograd sums them out of place, after
+# gate_proj's weight gradient: both gradients and their sum beside it. Counted as added in place,
+# -0.7% backward (the three cases above) and -1.04% (Llama, intermediate_size 60); within 0.03% now.
 NARROW_MLP = [("qwen2", {"num_key_value_heads": 2}, "every:2", "chunked"),
               ("llama", {"num_key_value_heads": 2}, "full", "standard"),
-              ("gemma", {"num_key_value_heads": 6, "head_dim": 32}, "full", "chunked")]
+              ("gemma", {"num_key_value_heads": 6, "head_dim": 32}, "full", "chunked"),
+              ("llama", {"num_key_value_heads": 2, "intermediate_size": 60}, "full", "standard")]
 
 
-@pytest.mark.parametrize("case", NARROW_MLP, ids=lambda c: f"{c[0]}-ckpt_{c[2]}-{c[3]}")
+@pytest.mark.parametrize("case", NARROW_MLP,
+                         ids=lambda c: f"{c[0]}-ff{c[1].get('intermediate_size', 100)}-ckpt_{c[2]}-{c[3]}")
 def test_fp32_norm_backward_beside_a_narrow_mlp_within_one_percent_of_the_trace(case, folders, tmp_path_factory):
     from memtrain.analysis.estimate.hf import analytic_estimate
     from memtrain.analysis.trace import trace_step
 
     fam, fields, ck, loss = case
     d = _folder(folders, tmp_path_factory.getbasetemp(), fam, (192, 6, fields["num_key_value_heads"], 1),
-                f"{fam}-narrow_mlp", {"intermediate_size": 100, "vocab_size": 97, "tie_word_embeddings": True, **fields})
+                f"{fam}-narrow_mlp{fields.get('intermediate_size', '')}",
+                {"intermediate_size": 100, "vocab_size": 97, "tie_word_embeddings": True, **fields})
     cfg = build_config({"model": str(d), "batch_size": 7, "seq_len": 37, "device": "cpu", "precision": "fp32",
                         "attention": "sdpa", "checkpointing": ck, "loss": loss, "loss_chunk": 5})
     est = analytic_estimate(cfg, "cpu")
     assert est is not None
-    _each_phase_within_one_percent(est.phase_peaks, trace_step(cfg, "cpu")["phase_peaks"])
+    traced = trace_step(cfg, "cpu")["phase_peaks"]
+    _each_phase_within_one_percent(est.phase_peaks, traced)
+    # What is left is a few hundred bytes (rope's inv_freq) to 1.7 KB (Gemma): -0.03% at most.
+    assert abs(est.phase_peaks["backward"] / traced["backward"] - 1) < 0.001, (est.phase_peaks, traced)

@@ -149,3 +149,31 @@ def test_an_eager_trace_does_not_import_the_compiled_trace_machinery():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+# What a traced estimate of our GPT needs is torch (and torch._dynamo, which FakeTensorMode imports);
+# these it never uses: transformers and peft (models users bring, LoRA on them), datasets and
+# pyarrow (data files), matplotlib (plots), scipy (imported by transformers' loss module), torchao
+# (low-bit optimizers, NF4), tiktoken (memtrain.data's tokenizer, once reached through the model
+# family table: 0.04 s of the command).
+TRACE_NEVER = ("transformers", "peft", "datasets", "pyarrow", "matplotlib", "scipy", "torchao", "tiktoken")
+
+
+def test_a_traced_estimate_of_our_gpt_imports_no_heavy_module_it_does_not_use():
+    import os
+    import subprocess
+    import sys
+
+    import memtrain
+
+    src = str(Path(memtrain.__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    code = ("import contextlib, io, sys\n"
+            "from memtrain.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    assert main(['estimate', '--d-model', '32', '--n-heads', '2', '--n-layers', '1', '--vocab-size', '64',\n"
+            "                 '--batch-size', '1', '--seq-len', '8', '--device', 'cpu', '--trace', '--json']) == 0\n"
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {TRACE_NEVER!r}))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"

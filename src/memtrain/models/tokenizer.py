@@ -12,7 +12,6 @@ import hashlib
 from typing import Any, Optional
 
 from memtrain.config.run import ConfigError, RunConfig
-from memtrain.data.tokenizer import N_VOCAB
 from memtrain.errors import first_line
 from memtrain.models.hf import quiet_transformers
 from memtrain.models.hub_access import from_pretrained_kwargs
@@ -82,6 +81,10 @@ def data_tokenizer(cfg: RunConfig) -> Optional[HFTokenizer]:
         if src.has_weights():
             raise ConfigError(f"--model {spec!r} has weights but no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
                               "add the tokenizer the weights were trained with")
+        # Imported here: memtrain.data loads tiktoken and the data pipeline, which a model's build
+        # (every traced estimate) never needs.
+        from memtrain.data.tokenizer import N_VOCAB
+
         if vocab < N_VOCAB:
             raise ConfigError(f"--model {spec!r} has no tokenizer files and its vocab_size {vocab} is smaller than "
                               f"GPT-2's {N_VOCAB}; add a tokenizer (tokenizer.json) to the directory")
