@@ -46,6 +46,27 @@ for where, module, name in json.load(sys.stdin):
 """
 
 
+# A dotted name a message or docstring of src/ tells the reader to use (``memtrain.a.b.name``),
+# resolved in a fresh process: prints each one that names nothing.
+_RESOLVE_DOTTED = """
+import importlib, json, sys
+for where, dotted in json.load(sys.stdin):
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr, None)
+        break
+    if obj is None:
+        print(f"{where}: {dotted} names nothing")
+"""
+# memtrain.x.y in a string, not part of a longer name or a file name (".memtrain.lock")
+_DOTTED = re.compile(r"(?<![\w.])memtrain(?:\.[A-Za-z_]\w*)+")
+
+
 def _module_of(path: Path, node: ast.ImportFrom) -> str:
     """The absolute module a ``from`` import names (relative ones resolved against ``path``)."""
     if node.level == 0:
@@ -95,15 +116,29 @@ def _installed(module: str) -> bool:
     return top == "memtrain" or importlib.util.find_spec(top) is not None
 
 
-def unresolved(imports: list[tuple[str, str, Optional[str]]]) -> list[str]:
-    """The imports that fail (of packages installed here), one line each."""
-    checkable = [list(t) for t in imports if _installed(t[1])]
-    path = [str(SRC), str(ROOT / "tests"), str(ROOT / "benchmarks")]
-    env_path = {"PYTHONPATH": os.pathsep.join(path)}
-    proc = subprocess.run([sys.executable, "-c", _RESOLVE], input=json.dumps(checkable), capture_output=True,
-                          text=True, timeout=600, env={**os.environ, **env_path, "MPLBACKEND": "Agg"})
+def _run_resolver(code: str, items: list) -> list[str]:
+    """Run ``code`` in a fresh process over ``items`` (JSON on stdin); the lines it prints."""
+    path = os.pathsep.join([str(SRC), str(ROOT / "tests"), str(ROOT / "benchmarks")])
+    proc = subprocess.run([sys.executable, "-c", code], input=json.dumps(items), capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": path, "MPLBACKEND": "Agg"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout.splitlines()
+
+
+def dotted_names(paths: list[Path]) -> list[tuple[str, str]]:
+    """(where, name) of each ``memtrain.a.b`` in a string constant of the Python files ``paths``."""
+    found = []
+    for path in paths:
+        where = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                found += [(f"{where}:{node.lineno}", name) for name in _DOTTED.findall(node.value)]
+    return found
+
+
+def unresolved(imports: list[tuple[str, str, Optional[str]]]) -> list[str]:
+    """The imports that fail (of packages installed here), one line each."""
+    return _run_resolver(_RESOLVE, [list(t) for t in imports if _installed(t[1])])
 
 
 def _code_files() -> list[Path]:
@@ -149,3 +184,23 @@ def test_the_check_reports_a_moved_name_a_gone_module_and_a_heredoc(tmp_path):
     rel = ast.parse("def f():\n    from ..files import results\n    from .gpt import GPT\n")
     assert [(m, n) for _, m, n in _imports(rel, pkg / "hf.py", "x", local_only=True)] == [
         ("memtrain.files", "results"), ("memtrain.models.gpt", "GPT")]
+
+
+def test_every_memtrain_name_a_message_or_docstring_gives_exists():
+    """A message that tells the reader to call ``memtrain.x.y`` names something that is there (an
+    error that sent users to a name the restructure moved is no help)."""
+    names = dotted_names(sorted((SRC / "memtrain").rglob("*.py")))
+    assert len(names) > 50, len(names)
+    failed = _run_resolver(_RESOLVE_DOTTED, [list(n) for n in names])
+    assert failed == [], "\n".join(failed)
+
+
+def test_the_dotted_name_check_sees_a_moved_name_and_skips_a_file_name(tmp_path):
+    code = tmp_path / "msg.py"
+    code.write_text('X = "use memtrain.analysis.estimate.method.estimate_step, not memtrain.analysis.estimate.nothing"\n'
+                    'LOCK = ".memtrain.lock"\n')
+    names = dotted_names([code])
+    assert [n for _, n in names] == ["memtrain.analysis.estimate.method.estimate_step",
+                                     "memtrain.analysis.estimate.nothing"]
+    assert _run_resolver(_RESOLVE_DOTTED, [list(n) for n in names]) == [
+        f"{code}:1: memtrain.analysis.estimate.nothing names nothing"]
