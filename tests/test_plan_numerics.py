@@ -9,7 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from memtrain.analysis import fit
+from memtrain.analysis.plan import Candidate, PlanResult
 from memtrain.cli import main
+from memtrain.config.archs import GPT2_ARCH
+from memtrain.config.run import build_config
 from memtrain.devices.numerics import is_standard, numerics_note
 
 ARGS = ["plan", "--device", "cpu", "--optims", "adamw,adamw-4bit", "--precisions", "bf16,bf16-pure", "--top", "2",
@@ -141,3 +145,21 @@ def test_plan_judges_a_bf16_effect_against_the_bf16_twins(tmp_path, capsys):
     assert all(c["measured_ppl_row_noise"] == pytest.approx(0.10, abs=1e-4) for c in ada)
     assert main(argv) == 0
     assert "(measured: PPL -6.67%, within 2x the bench's noise of 10.00%)" in capsys.readouterr().out
+
+
+def test_estimate_suggests_the_fewest_numerics_changes_first_as_plan_recommends(monkeypatch):
+    """With no standard change fitting, estimate --budget's first suggestion is plan's pick: the
+    fastest of those that change the numerics least, not the fastest whatever it adds."""
+    def candidate(optim: str, seconds: float) -> Candidate:
+        return Candidate(techniques={"precision": "bf16-pure", "optim": optim}, batch_size=4, grad_accum=1,
+                         peak_bytes=2**20, peak_phase="backward", step_time_s=seconds)
+
+    # plan's answer, fastest first: 4-bit optimizer state on top of pure BF16 weights is faster by a hair
+    found = [candidate("adamw-4bit", 1.0), candidate("adamw", 1.0001), candidate("adafactor", 1.2)]
+    monkeypatch.setattr(fit, "plan", lambda *a, **k: PlanResult(
+        budget_bytes=2**30, margin=0.0, device_type="cpu", target_batch=4, candidates=found, evaluated=3,
+        baseline_step_time_s=1.0))
+    cfg = build_config({"batch_size": 4})
+    got = fit.cheapest_changes(cfg, GPT2_ARCH, "cpu", 2**30, None)
+    assert [s["techniques"]["optim"] for s in got] == ["adamw", "adamw-4bit", "adafactor"]
+    assert got[0]["numerics"].count("changes") == 1 < got[1]["numerics"].count("changes")

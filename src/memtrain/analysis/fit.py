@@ -28,7 +28,7 @@ from memtrain.analysis.limits import MAX_WIDTH
 from memtrain.analysis.plan import default_space, plan
 from memtrain.config.run import ConfigError, ModelConfig, RunConfig
 from memtrain.devices.gpu_memory import gpu_memory
-from memtrain.devices.numerics import is_standard, numerics_note
+from memtrain.devices.numerics import numerics_changes, numerics_note
 from memtrain.models.spec import is_hf, rotary_positions
 
 __all__ = ["ContextBound", "DEFAULT_LENGTH_MULTIPLE", "FitVerdict", "at_seq_len", "bisect_fitting", "budget_for",
@@ -430,8 +430,8 @@ def fit_verdict(cfg: RunConfig, arch: Arch, device_type: str, budget: tuple[int,
 
 def cheapest_changes(cfg: RunConfig, arch: Arch, device_type: str, budget_bytes: int, gpu: Optional[str],
                      limit: int = 3) -> list[dict[str, Any]]:
-    """Up to ``limit`` changes that make the asked batch (``batch_size x grad_accum``) fit, the
-    numerically standard ones first, then by ``plan``'s modelled step time. Each: the flags to
+    """Up to ``limit`` changes that make the asked batch (``batch_size x grad_accum``) fit, those
+    that change the numerics least first (the standard ones), then by ``plan``'s modelled step time. Each: the flags to
     add (only those that differ from ``cfg``), the bytes it needs, its modelled time relative to
     plan's baseline and what it changes in the numerics. [] when nothing fits."""
 
@@ -447,7 +447,10 @@ def cheapest_changes(cfg: RunConfig, arch: Arch, device_type: str, budget_bytes:
     except ConfigError:  # nothing in the space fits
         return []
     current = {k: getattr(tech, k) for k in space}
-    ranked = sorted(res.candidates, key=lambda c: not is_standard({**current, **c.techniques}))  # stable: time order
+    # plan's rule (memtrain.commands.plan._recommended): the fewest numerics changes first, then
+    # the fastest (a stable sort keeps plan's time order), so that with no standard choice the
+    # first suggestion adds no 8-bit optimizer state or pure BF16 weights the others do without.
+    ranked = sorted(res.candidates, key=lambda c: len(numerics_changes({**current, **c.techniques})))
     out = []
     for c in ranked[:limit]:
         flags = [f"--{k.replace('_', '-')} {v}" for k, v in c.techniques.items() if v != current[k]]

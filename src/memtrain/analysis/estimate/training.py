@@ -84,7 +84,7 @@ def _validate(cfg: RunConfig, arch: Arch, device_type: str) -> None:
         # A transformers model read with memtrain's GPT layout would be a quiet wrong answer
         # (tied head, GPT's LoRA targets: Llama-3-8B came out 1.83 GiB low).
         raise ConfigError(f"{cfg.model.model!r} is a transformers model: estimate it with "
-                          "memtrain.analysis.estimate.estimate_step (its own layer model or a trace), "
+                          "memtrain.analysis.estimate.method.estimate_step (its own layer model or a trace), "
                           "not with memtrain's GPT architecture")
     if tech.compile:
         pass  # compile changes kernels, not (to first order) what is saved; estimated as eager
