@@ -589,6 +589,28 @@ def test_a_link_out_as_the_sharded_meta_json_is_refused(sharded_checkpoint, tmp_
         load_checkpoint(sharded_checkpoint, _run_state(build_config(SHARDED)))
 
 
+def test_a_sharded_meta_json_too_large_to_read_whole_is_refused_from_its_size(sharded_checkpoint, monkeypatch):
+    """A sharded checkpoint's meta.json was read whole, with no limit, by the resume check and by
+    the load (a sparse 1 GiB one went into memory as bytes, then text). One over the limit that
+    bounds result.json is refused from its size by both, naming it, unread."""
+    from memtrain.checkpoints.distributed import load_checkpoint
+    from memtrain.files import results
+    from memtrain.training.preflight import saved_run
+
+    monkeypatch.setattr(results, "MAX_WHOLE_JSON_BYTES", 1 << 20)  # 1 MiB: a fast test
+    meta = sharded_checkpoint / "meta.json"
+    with open(meta, "ab") as f:
+        f.truncate(2 << 20)  # sparse
+    opened = []
+    real_read_text = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: opened.append(self.name) or real_read_text(self, *a, **k))
+    with pytest.raises(ConfigError, match="its meta.json is larger than 1,048,576 bytes"):
+        saved_run(sharded_checkpoint)
+    with pytest.raises(ConfigError, match="its meta.json is larger than 1,048,576 bytes"):
+        load_checkpoint(sharded_checkpoint, _run_state(build_config(SHARDED)))
+    assert "meta.json" not in opened
+
+
 def test_a_zero1_rank_file_round_trips_and_a_moment_of_another_shape_is_refused(one_rank_group, tmp_path):
     """ZeRO-1 keeps its optimizer shard in the rank file (the outer groups without parameters):
     a real one loads; one whose Adam moment has another shape is refused before the load."""

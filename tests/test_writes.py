@@ -264,9 +264,9 @@ def test_a_resume_onto_a_huge_result_json_is_refused_before_reading_it(tiny_run,
     """A resumed run read the result.json in its --out whole (to compare its run with its own): a
     huge or sparse one went into memory, as bytes and then text. One over the limit is refused from
     its size, unread and kept."""
-    from memtrain.training import preflight
+    from memtrain.files import results
 
-    monkeypatch.setattr(preflight, "MAX_RESULT_BYTES", 1 << 20)  # 1 MiB: a fast test
+    monkeypatch.setattr(results, "MAX_WHOLE_JSON_BYTES", 1 << 20)  # 1 MiB: a fast test
     out, ck = Path(tiny_run["out"]), tmp_path / "ck.pt"
     half = {**tiny_run, "steps": 4, "stop_after": 2, "save": str(ck)}
     assert main(["train", *cli_flags(half)]) == 0

@@ -30,7 +30,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -75,6 +75,7 @@ from memtrain.checkpoints.safe_dcp import (
 )
 from memtrain.distributed.zero1 import ShardedZeRO1
 from memtrain.files.guard import regular_file_problem
+from memtrain.files.results import loads_bounded, whole_json_limit
 
 FORMAT = "memtrain-dcp-1"
 META = "meta.json"
@@ -234,10 +235,10 @@ def _checked_parts(p: Path, optimizer: Any) -> tuple[dict[str, Any], dict[str, A
     if not (p / META).is_file():
         hint = "it is a single-process checkpoint; resume it without --distributed" if p.is_file() else "check --resume"
         raise ConfigError(f"{str(p)!r} is not a distributed checkpoint directory ({hint})")
-    _check_part_file(p, META)
+    _check_part_file(p, META, max_bytes=whole_json_limit())  # read whole below
     try:
-        meta = json.loads((p / META).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        meta = loads_bounded((p / META).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
         meta = None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or not _meta_complete(meta):
         raise ConfigError(f"checkpoint {str(p)!r} has an unknown format; it was not written by this memtrain version")
@@ -278,10 +279,10 @@ def _checked_parts(p: Path, optimizer: Any) -> tuple[dict[str, Any], dict[str, A
     return meta, own
 
 
-def _check_part_file(p: Path, name: str) -> None:
+def _check_part_file(p: Path, name: str, max_bytes: Optional[int] = None) -> None:
     """``p / name`` is a regular file inside the checkpoint (never a FIFO, which would block
-    the rank in ``open``, nor a link out of the folder)."""
-    why = regular_file_problem(p / name, p)
+    the rank in ``open``, nor a link out of the folder), of at most ``max_bytes`` when given."""
+    why = regular_file_problem(p / name, p, max_bytes=max_bytes)
     if why is not None:
         raise ConfigError(f"checkpoint {str(p)!r} is refused: its {name} is {why}; resume only from checkpoints memtrain wrote")
 

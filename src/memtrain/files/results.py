@@ -55,6 +55,16 @@ PLOT_FILES = ("peak_memory.png", "step_time.png", "max_batch.png", "memory_vs_ti
 OUT_FILES = (RESULT_NAME, METRICS_NAME, LOCK_NAME, BENCH_RESULTS, *REPORT_FILES, *PLOT_FILES)
 TRAIN_FILES = (RESULT_NAME, METRICS_NAME, LOCK_NAME)  # those memtrain train writes
 
+# The largest JSON file memtrain reads back whole: a train's result.json and a sharded checkpoint's
+# meta.json grow by about 20 bytes a step (their loss histories), so this is over ten million
+# steps. A sparse 1 GiB one was read whole, as text, then parsed.
+MAX_WHOLE_JSON_BYTES = 256 << 20
+
+
+def whole_json_limit() -> int:
+    """MAX_WHOLE_JSON_BYTES, looked up at each call: one setting bounds every reader of such a file."""
+    return MAX_WHOLE_JSON_BYTES
+
 
 # --------------------------------------------------------------------------- safe writes
 # NAME.memtrain-<pid>.<random>.tmp: the writer's pid tells a later run whether it is gone.

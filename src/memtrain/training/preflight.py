@@ -38,6 +38,7 @@ from memtrain.files.results import (
     TRAIN_FILES,
     longest_temp_name,
     refuse_odd_destination,
+    whole_json_limit,
 )
 from memtrain.training.resume_check import (
     check_resume,
@@ -289,12 +290,6 @@ def check_fresh_out(out: Path) -> None:
                           "--out, or continue that run with --resume CHECKPOINT")
 
 
-# The largest result.json a resumed run reads back to compare its run with its own: one grows by
-# about 20 bytes a step (loss_history), so this is over ten million steps. A sparse 1 GiB one was
-# read whole, as text, then parsed.
-MAX_RESULT_BYTES = 256 << 20
-
-
 def check_resumed_out(out: Path, cfg: RunConfig) -> None:
     """A resumed run replaces ``result.json`` and appends to ``metrics.jsonl``: allowed in its own
     folder (or a new one), refused where the result.json was written by a different run (other
@@ -304,10 +299,10 @@ def check_resumed_out(out: Path, cfg: RunConfig) -> None:
     path = out / RESULT_NAME
     if not os.path.lexists(path):
         return
-    size = path.stat().st_size
-    if size > MAX_RESULT_BYTES:  # read whole below: a huge (or sparse) file would be, into memory
+    size, limit = path.stat().st_size, whole_json_limit()
+    if size > limit:  # read whole below: a huge (or sparse) file would be, into memory
         raise ConfigError(f"--out {str(out)!r} holds a result.json of {size:,} bytes, more than memtrain reads back "
-                          f"({MAX_RESULT_BYTES:,}); a resumed run would replace it: choose a new --out")
+                          f"({limit:,}); a resumed run would replace it: choose a new --out")
     try:
         recorded = loads_bounded(path.read_bytes())
     except (OSError, ValueError):
