@@ -17,6 +17,7 @@ import pytest
 
 from conftest import TINY_MODEL, cli_flags
 from memtrain.cli import main
+from memtrain.config.run import DataConfig
 
 DATA = Path(__file__).parent / "data"
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -89,14 +90,17 @@ def test_deeply_nested_json_data_is_refused_naming_file_and_line(tmp_path, layou
     assert not out.exists()  # no lock or folder left behind
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
 @pytest.mark.parametrize("data", ["file", "hf-dir"])
-def test_a_jsonl_line_too_long_for_a_record_is_refused_before_any_reader_holds_it(tmp_path, capsys, monkeypatch, data):
+def test_a_jsonl_line_too_long_for_a_record_is_refused_before_any_reader_holds_it(tmp_path, capsys, monkeypatch, data,
+                                                                                    suffix):
     """A .jsonl line of 300 MiB (a sparse file) took 1.8 GB of memory before its refusal (pyarrow
-    and the check naming the bad line each held it whole, several times over). Refused from the streaming pass that measures the nesting, naming the line."""
+    and the check naming the bad line each held it whole, several times over). Refused from the streaming pass that measures the nesting, naming the line.
+    A .json file of JSON lines, which the reader reads the same way, had no limit."""
     from memtrain.data import json_records
 
     monkeypatch.setattr(json_records, "MAX_JSON_RECORD_BYTES", 1 << 20)  # 1 MiB: a fast test
-    path = tmp_path / "d" / "train.jsonl"
+    path = tmp_path / "d" / f"train{suffix}"
     path.parent.mkdir()
     path.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(3)))
     with open(path, "ab") as f:
@@ -109,6 +113,32 @@ def test_a_jsonl_line_too_long_for_a_record_is_refused_before_any_reader_holds_i
     err = _one_error_line(capsys.readouterr().err)
     assert f"{str(path)!r} line 4 is longer than 1 MiB" in err and "split it into records" in err, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("layout", ["one-line", "pretty", "hf-dir"])
+def test_a_json_array_too_large_to_read_whole_is_refused_from_its_size(tmp_path, capsys, monkeypatch, layout):
+    """datasets' json reader holds a .json array whole, several times over (64.6 MB of records
+    peaked 409 MB), and a .json file had no size or line limit: an array on one line, or one
+    pretty-printed over many short lines, of any size went into memory. One over the record
+    limit is refused from its size, naming the limit and the JSON-lines form to write instead."""
+    from memtrain.data import json_records, sources
+
+    monkeypatch.setattr(json_records, "MAX_JSON_RECORD_BYTES", 1 << 20)  # 1 MiB: a fast test
+    records = [{"text": f"document {i} about memory " * 8} for i in range(12_000)]  # ~2.6 MB
+    path = tmp_path / "d" / "posts.json"
+    path.parent.mkdir()
+    path.write_bytes(b"\xef\xbb\xbf\n " + json.dumps(records, indent=1 if layout == "pretty" else None).encode())
+    size = path.stat().st_size
+    out = tmp_path / "out"
+    given = f"hf:{path.parent}" if layout == "hf-dir" else str(path)
+    assert main(["train", *cli_flags({**RUN, "data": given, "steps": 1, "out": str(out)})]) == 2
+    err = _one_error_line(capsys.readouterr().err)
+    assert f"{str(path)!r} is a JSON array of {size:,} bytes, more than memtrain reads whole (1 MiB" in err, err
+    assert "jq -c '.[]' posts.json > posts.jsonl" in err, err
+    assert not out.exists()
+    # An array within the limit is read, records in order.
+    path.write_text(json.dumps(records[:3]))
+    assert list(sources.iter_documents(DataConfig(data=str(path)))) == [r["text"] for r in records[:3]]
 
 
 # --------------------------------------------------------------------------- 2. one huge line

@@ -7,6 +7,7 @@ within a block). Each refusal is one :class:`ConfigError` naming the file, the l
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -21,6 +22,11 @@ PEEK_CHARS = 1 << 16  # enough to reach the first record of any file a person wr
 # that names a bad line each hold a record whole, several times over (a 300 MiB line took 1.8 GB
 # of memory before its refusal, and memory grows with the line).
 MAX_JSON_RECORD_BYTES = 64 << 20
+# datasets' json reader holds a .json array whole: it loads the array, then writes it again as
+# JSON lines for pyarrow (a 64.6 MB array of 2 KB records peaked 409 MB above the reader's start,
+# 6 times its size; the same records as JSON lines, read a chunk at a time, 112 MB). An array is
+# one record to it, bounded by MAX_JSON_RECORD_BYTES as a line of JSON lines is.
+JSON_ARRAY_PEEK_BYTES = 1 << 16  # enough to reach an array's "[" past any indentation a person writes
 
 
 def _json_kind(value: Any) -> str:
@@ -126,9 +132,12 @@ def check_json_nesting(files: list[Path]) -> None:
     """
     for path in files:
         try:
+            whole = _read_whole(path)
+            if whole:
+                _check_array_size(path)
             with path.open("rb") as fh:
                 pieces = bounded_lines(fh)
-                if path.suffix.lower() == ".jsonl":  # one record a line (a .json array may be one line)
+                if not whole:  # JSON lines (a .json file may hold them too): one record a line
                     pieces = _records_within(path, pieces)
                 line = json_depth_error(pieces)
         except OSError as exc:
@@ -136,6 +145,27 @@ def check_json_nesting(files: list[Path]) -> None:
         if line is not None:
             raise ConfigError(f"{str(path)!r} line {line}: JSON nested deeper than {MAX_JSON_DEPTH} levels; "
                               "flatten that record or remove it from the data")
+
+
+def _read_whole(path: Path) -> bool:
+    """Whether the json reader holds ``path`` whole: a .json file holding a JSON array. Any
+    other JSON data file is read as JSON lines, a chunk of lines at a time."""
+    if path.suffix.lower() != ".json":
+        return False
+    with path.open("rb") as fh:
+        head = fh.read(JSON_ARRAY_PEEK_BYTES)
+    return head.removeprefix(codecs.BOM_UTF8).lstrip()[:1] == b"["
+
+
+def _check_array_size(path: Path) -> None:
+    """Refuse a .json array larger than MAX_JSON_RECORD_BYTES from its size, before anything
+    reads it: the json reader holds it whole, several times over."""
+    size = path.stat().st_size
+    if size > MAX_JSON_RECORD_BYTES:
+        raise ConfigError(f"{str(path)!r} is a JSON array of {size:,} bytes, more than memtrain reads whole "
+                          f"({MAX_JSON_RECORD_BYTES >> 20} MiB: its reader holds an array whole, several times over); "
+                          "write it as JSON lines, one record a line, read a line at a time "
+                          f"(e.g. jq -c '.[]' {path.name} > {path.stem}.jsonl)")
 
 
 def _records_within(path: Path, pieces: Iterable[bytes]) -> Iterator[bytes]:
