@@ -278,6 +278,23 @@ def test_table_output_and_plot(tmp_path, capsys):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
 
 
+def test_a_plot_path_that_cannot_be_written_is_refused_before_counting(tmp_path, capsys, monkeypatch):
+    """--plot in a folder that cannot be made (/proc), or naming a folder, failed only after the
+    count (or a --profile run) with exit 1 and the OSError's words; now exit 2 up front, one line
+    naming --plot, and nothing is counted."""
+    import memtrain.commands.flops as flops_command
+
+    counted = []
+    monkeypatch.setattr(flops_command, "flops_report", lambda *a, **k: counted.append(1) or {})
+    (tmp_path / "dir.png").mkdir()
+    for plot, words in [("/proc/memtrain-roof.png", "--plot (its folder) '/proc' is not writable"),
+                        (str(tmp_path / "dir.png"), "is a folder")]:
+        assert main(["flops", "--plot", plot, *_flags(TINY)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "\n" not in err and words in err, err
+    assert counted == []
+
+
 def test_plot_must_be_png():
     assert main(["flops", "--plot", "roof.jpg", *_flags(TINY)]) == 2
 

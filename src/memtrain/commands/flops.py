@@ -23,6 +23,7 @@ from memtrain.config.run import ConfigError
 from memtrain.files.results import refuse_odd_destination
 from memtrain.report.labels import model_label
 from memtrain.report.roofline import plot_roofline
+from memtrain.training.preflight import check_writable_file
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -153,6 +154,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--plot {args.plot!r} must name a .png file, e.g. --plot roofline.png")
     if args.plot:
         refuse_odd_destination(Path(args.plot), f"--plot {args.plot!r}")  # a link there is never written through
+        # Written last, after a count or a --profile run: a folder it cannot be written in is said now.
+        check_writable_file(args.plot, "--plot")
     if args.profile_steps <= 0:
         raise ConfigError(f"--profile-steps must be positive, got {args.profile_steps}")
     resolve_roof(args.gpu, cfg.technique.precision)  # a bad --gpu fails before any counting
