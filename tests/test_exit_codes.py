@@ -236,6 +236,32 @@ def test_bad_launch_variables_are_refused_before_any_rendezvous(env, words, smal
     assert time.monotonic() - start < 15 and not out.exists()
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "1e400", "1e12", "abc", "-5", "0"])
+def test_a_bad_rendezvous_timeout_is_refused_before_any_rank_starts(value, small_corpus, tmp_path, capsys,
+                                                                    monkeypatch):
+    """MEMTRAIN_DIST_TIMEOUT=nan or inf failed at each rank's rendezvous with Python's own words
+    ("cannot convert float NaN to integer", exit 1); 1e12 seconds, past torch's int64
+    nanoseconds, failed it or not from run to run ("The client socket has timed out"). Now one line naming
+    the variable and its range, exit 2: under a launcher before the rendezvous, and with
+    --nproc-per-node before any rank starts."""
+    import memtrain.distributed.launch as launch_module
+
+    monkeypatch.setenv("MEMTRAIN_DIST_TIMEOUT", value)
+    words = f"MEMTRAIN_DIST_TIMEOUT={value!r} must be a number of seconds above 0 and at most 1e+09"
+    started = []
+    monkeypatch.setattr(launch_module, "launch", lambda *a, **k: started.append(a) or 0)
+    run = {**RUN, "data": str(small_corpus), "distributed": "ddp", "device": "cpu"}
+    code, err = _code_and_err(["train", *cli_flags({**run, "out": str(tmp_path / "a")}), "--nproc-per-node", "2"],
+                              capsys)
+    _assert_one_error_line(code, err, words)
+    assert started == [] and not (tmp_path / "a").exists()
+    for name, v in {**LAUNCH, "RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, v)
+    code, err = _code_and_err(["train", *cli_flags({**run, "out": str(tmp_path / "b")})], capsys)
+    _assert_one_error_line(code, err, words)
+    assert not (tmp_path / "b" / "result.json").exists()
+
+
 # --------------------------------------------------------------------------- the device cache
 def _strict(text: str) -> dict:
     def refuse(name: str) -> None:

@@ -45,6 +45,7 @@ from memtrain.distributed.rank_errors import (
     error_line,
     launch_env,
     launched_by_memtrain,
+    rendezvous_timeout_s,
     say_error,
 )
 from memtrain.errors import denied_access, is_out_of_memory, name_too_long, one_line
@@ -418,6 +419,7 @@ def _launch_ranks(args: argparse.Namespace, cfg: RunConfig) -> int:
     # torch loads only when train runs: --help and the analytic commands stay torch-free
     from memtrain.training.train import remove_stale_writes
 
+    rendezvous_timeout_s()  # every rank reads it at its rendezvous: a bad value is said before any starts
     check_before_launch(cfg, args.nproc_per_node)
     with FolderLock(Path(cfg.train.out), "memtrain train", cleanup_if_unused=True), contextlib.ExitStack() as held:
         if cfg.train.save:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import sys
@@ -62,6 +63,31 @@ def _env_int(name: str, default: Optional[str] = None) -> int:
     except ValueError:
         raise ConfigError(f"environment variable {name}={raw[:40]!r} is not an integer; launch with torchrun "
                           f"(it sets {name}) or unset it") from None
+
+
+TIMEOUT_ENV = "MEMTRAIN_DIST_TIMEOUT"
+DEFAULT_TIMEOUT_S = 300.0
+# torch keeps a process group's timeout in int64 nanoseconds (about 292 years): beyond that the
+# rendezvous failed or not from run to run ("The client socket has timed out after
+# -5833720454947758ms" at 999,999,999 days). A billion seconds (31 years)
+# is far from it and from any wait a run means.
+MAX_TIMEOUT_S = 1e9
+
+
+def rendezvous_timeout_s() -> float:
+    """``MEMTRAIN_DIST_TIMEOUT`` in seconds (DEFAULT_TIMEOUT_S when unset or empty), checked: a
+    finite number in (0, MAX_TIMEOUT_S]. NaN and infinity failed in ``timedelta`` with Python's
+    own words (exit 1), after the input was checked."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    try:
+        seconds = float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds <= MAX_TIMEOUT_S:  # False for NaN too
+        raise ConfigError(f"environment variable {TIMEOUT_ENV}={(raw or '')[:40]!r} must be a number of seconds "
+                          f"above 0 and at most {MAX_TIMEOUT_S:.0e}, e.g. 300; set one, or unset it for "
+                          f"{DEFAULT_TIMEOUT_S:.0f}")
+    return seconds
 
 
 def launch_world_size() -> Optional[int]:

@@ -17,23 +17,19 @@ from torch.distributed.fsdp import FSDPModule
 
 from memtrain.config.run import ConfigError, RunConfig
 from memtrain.distributed.deepspeed_engine import deepspeed_config, deepspeed_train_step
-from memtrain.distributed.rank_errors import agreement, launch_env, launch_world_size, raise_if_any_rank_failed
+from memtrain.distributed.rank_errors import (
+    agreement,
+    launch_env,
+    launch_world_size,
+    raise_if_any_rank_failed,
+    rendezvous_timeout_s,
+)
 from memtrain.distributed.validation import DEEPSPEED_STRATEGIES, LAUNCH_HINT, check_distributed_run
 from memtrain.distributed.wrapping import fsdp_no_sync, zero_redundancy
 
-TIMEOUT_ENV = "MEMTRAIN_DIST_TIMEOUT"
-DEFAULT_TIMEOUT_S = 300.0
-
 
 def _timeout() -> datetime.timedelta:
-    raw = os.environ.get(TIMEOUT_ENV)
-    try:
-        seconds = float(raw) if raw else DEFAULT_TIMEOUT_S
-    except ValueError:
-        seconds = -1.0
-    if seconds <= 0:
-        raise ConfigError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of seconds, e.g. 300")
-    return datetime.timedelta(seconds=seconds)
+    return datetime.timedelta(seconds=rendezvous_timeout_s())
 
 
 @dataclass
