@@ -479,6 +479,20 @@ def test_stale_temporary_files_in_out_are_removed_when_the_folder_is_taken(tiny_
     assert not stale.exists() and keep.exists()
 
 
+def test_a_temporary_file_naming_a_pid_no_process_can_have_is_stale(tiny_run):
+    """A leftover NAME.memtrain-PID.RANDOM.tmp whose PID is past a C int (a copied or hand-made
+    file) ended every train on that --out with "OverflowError: Python int too large to convert to
+    C long" (exit 1) before its first step; one naming pid 0 was kept, since kill(0, 0) asks about
+    our own process group. Both name no writer: removed, and the run trains."""
+    out = Path(tiny_run["out"])
+    out.mkdir()
+    huge, zero = out / "result.json.memtrain-99999999999999999999.k2j4h5g6.tmp", out / "result.json.memtrain-0.a1b2c3d4.tmp"
+    for stale in (huge, zero):
+        stale.write_text("{half")
+    assert main(["train", *cli_flags({**tiny_run, "steps": 2})]) == 0
+    assert not huge.exists() and not zero.exists() and (out / "result.json").is_file()
+
+
 def test_resume_after_a_torn_metrics_line_starts_a_new_line(tiny_run, tmp_path):
     out = Path(tiny_run["out"])
     ck = tmp_path / "ck.pt"

@@ -246,8 +246,15 @@ def write_json_atomic(path: Path, payload: Any, replace_link: bool = False) -> N
     write_text_atomic(path, text, replace_link)
 
 
+# Process ids are positive C ints: a pid read from a file name or a lock line outside them names
+# no process (kill() raised OverflowError on one, and pid 0 would ask about our own group).
+MAX_PID = 2**31 - 1
+
+
 def process_alive(pid: int) -> bool:
     """Whether a process with this id exists (one we may not signal counts as alive)."""
+    if not 0 < pid <= MAX_PID:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
