@@ -420,6 +420,40 @@ def test_resume_from_another_folder_continues_in_the_runs_own_folder(tiny_run, t
     assert resumed["loss_history"] == full["loss_history"] and torch.load(ckpt, weights_only=True)["step"] == 6
 
 
+def test_a_run_folder_moved_with_its_checkpoint_resumes_and_exports_from_the_new_place(small_corpus, tmp_path, capsys,
+                                                                                       monkeypatch):
+    """A run launched in proj/ with relative --model, --data, --out and --save, then the folder
+    renamed (proj -> moved): its paths were anchored to the launch folder the checkpoint records,
+    which no longer exists. export could not find the --model folder ("is not a preset, a
+    bundled config ..."), nor could a resume. The checkpoint's own relative --save places the
+    run now: export reads moved/llama, and the resume continues in moved/runs/x, recreating
+    nothing at the old place."""
+    import shutil
+
+    from conftest import cli_flags
+    from memtrain.cli import main
+
+    proj = tmp_path / "proj"
+    (proj / "llama").mkdir(parents=True)
+    bundled = Path(__file__).resolve().parents[1] / "src" / "memtrain" / "models" / "configs" / "tiny-llama.json"
+    shutil.copy(bundled, proj / "llama" / "config.json")
+    shutil.copy(small_corpus, proj / "d.jsonl")
+    monkeypatch.chdir(proj)
+    rel = {"model": "llama", "data": "d.jsonl", "out": "runs/x", "save": "runs/x/c.pt", "seq_len": 16,
+           "batch_size": 1, "steps": 3, "warmup_steps": 1, "val_blocks": 1, "progress": False}
+    rc, err = _cli_train(capsys, *cli_flags({**rel, "stop_after": 1}))
+    assert rc == 0, err
+    proj.rename(tmp_path / "moved")
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", "moved/runs/x/c.pt", "exported"]) == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "exported" / "config.json").read_text())["model_type"] == "llama"
+    rc, err = _cli_train(capsys, "--resume", "moved/runs/x/c.pt", "--stop-after", "2")
+    assert rc == 0, err
+    assert torch.load(tmp_path / "moved" / "runs" / "x" / "c.pt", weights_only=True)["step"] == 2
+    assert json.loads((tmp_path / "moved" / "runs" / "x" / "result.json").read_text())["steps"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exported", "moved"]
+
+
 def test_a_changed_flag_on_resume_is_said_as_the_resumes_difference(tiny_run, tmp_path, capsys):
     """`--resume CKPT --lr X` where CKPT is the run's own --save: the line names the lr, in a
     resume's words (not "choose a new --save", which would only move the refusal), and a larger

@@ -26,10 +26,20 @@ MAYBE_NAMES = frozenset({"data", "model"})
 
 def launch_dir(state: dict[str, Any], checkpoint: str | Path) -> Optional[str]:
     """The folder the relative paths of a checkpoint's config are relative to: the ``cwd`` it
-    records, else the one its own relative ``--save`` implies (None where neither is known)."""
+    records while that folder exists, else the one its own relative ``--save`` implies, else the
+    recorded one (None where neither is known). A run's folder moved or renamed with its
+    checkpoint (``mv proj proj2``) no longer exists: its paths were anchored there, so export
+    could not find a relative ``--model`` and a resume wrote a new ``--out`` at the old place."""
     recorded = state.get("cwd")
-    if isinstance(recorded, str) and os.path.isabs(recorded):
+    recorded = recorded if isinstance(recorded, str) and os.path.isabs(recorded) else None
+    if recorded is not None and os.path.isdir(recorded):
         return recorded
+    return _save_implied_dir(state, checkpoint) or recorded
+
+
+def _save_implied_dir(state: dict[str, Any], checkpoint: str | Path) -> Optional[str]:
+    """The folder a checkpoint's relative ``--save`` was relative to, where the checkpoint's own
+    path ends with it (None where it does not, or the ``--save`` is absolute)."""
     train = state.get("config", {}).get("train") if isinstance(state.get("config"), dict) else None
     save = train.get("save") if isinstance(train, dict) else None
     if not isinstance(save, str) or not save or os.path.isabs(save) or save.startswith("~"):
