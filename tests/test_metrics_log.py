@@ -65,6 +65,24 @@ def test_a_failure_after_the_last_step_still_saves_the_trained_steps(tmp_path, m
     assert torch.load(ckpt, weights_only=True)["step"] == 4 and not (out / "result.json").exists()
 
 
+def test_an_interrupt_while_the_result_is_written_still_writes_the_final_checkpoint(tmp_path, monkeypatch, capsys):
+    """A Ctrl-C (or SIGTERM, which memtrain turns into one) while result.json was being written
+    skipped the final checkpoint: every step since the last periodic one was lost (all of them
+    without --save-every). The checkpoint is written first; the run still ends as interrupted."""
+    import torch
+
+    import memtrain.cli as cli
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "write_json_atomic", interrupted)
+    out, ckpt = tmp_path / "r", tmp_path / "r" / "c.pt"
+    assert main([*RUN, "--out", str(out), "--save", str(ckpt), "--save-every", "2"]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: interrupted")
+    assert torch.load(ckpt, weights_only=True)["step"] == 4 and not (out / "result.json").exists()
+
+
 def test_log_every_and_bad_report_to(tmp_path, capsys):
     out = tmp_path / "r"
     assert main([*RUN, "--out", str(out), "--log-every", "3"]) == 0

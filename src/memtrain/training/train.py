@@ -363,7 +363,9 @@ def _write_outputs(result: dict[str, Any], state: TrainState, on_result: Optiona
     if on_result is not None:
         try:
             on_result(result)
-        except Exception as exc:  # noqa: BLE001 - raised below, after the checkpoint
+        # raised below, after the checkpoint; a Ctrl-C or SIGTERM too: it lost every step since
+        # the last periodic checkpoint (all of them without --save-every) with the result
+        except BaseException as exc:  # noqa: BLE001
             failures.append(exc)
     if state.cfg.train.save:  # after the result is out: a full disk here loses no numbers
         state.step = end_step
@@ -376,8 +378,12 @@ def _write_outputs(result: dict[str, Any], state: TrainState, on_result: Optiona
 
 
 def _first_failure(failures: list[BaseException]) -> BaseException:
-    """The first failure; when every one is an OSError of the same kind (a full disk), one
-    OSError naming all their files (the CLI's line says ``disk full writing A and B``)."""
+    """The first failure; an interrupt wins (the run ends as interrupted, exit 130); when every
+    one is an OSError of the same kind (a full disk), one OSError naming all their files (the
+    CLI's line says ``disk full writing A and B``)."""
+    interrupts = [f for f in failures if not isinstance(f, Exception)]
+    if interrupts:
+        return interrupts[0]
     first = failures[0]
     errors = [f for f in failures if isinstance(f, OSError)]
     if len(failures) > 1 and len(errors) == len(failures) and len({e.errno for e in errors}) == 1:
