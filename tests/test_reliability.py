@@ -333,6 +333,22 @@ def test_an_infinite_seq_len_in_a_config_file_is_one_line(tmp_path, capsys, verb
     assert "--seq-len expects int, got inf" in _one_error_line(capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("verb, text, flag", [
+    ("maxbatch", "memory_budget: 4GiB\n", "--memory-budget"),
+    ("plan", "train:\n  memory_budget: 4GiB\ntop: 3\n", "--memory-budget"),
+    ("estimate", "seq_len: 32\nbudget: 4GiB\n", "--budget"),
+])
+def test_a_commands_own_option_in_a_config_file_is_named_as_one(tmp_path, capsys, verb, text, flag):
+    """A config file holds run settings; a command's own option there (maxbatch's memory_budget)
+    was refused as "unknown option --memory-budget; did you mean --compile-memory-budget?",
+    though the command's --help lists it. The line names the file and says to give the flag."""
+    (tmp_path / "c.yaml").write_text(text)
+    assert main([verb, "--config", str(tmp_path / "c.yaml")]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"config file {str(tmp_path / 'c.yaml')!r}" in line and "is an option of this command" in line, line
+    assert f"give {flag} on the command line" in line and "--compile-memory-budget" not in line, line
+
+
 def test_empty_data_file_and_command_counts_are_refused(tiny_run, tmp_path, capsys):
     (tmp_path / "empty.jsonl").write_text("")
     assert main(["train", *cli_flags({**tiny_run, "data": str(tmp_path / "empty.jsonl")})]) == 2

@@ -36,7 +36,16 @@ from memtrain.config.aliases import (
 from memtrain.config.argtypes import rank_count
 from memtrain.config.file import load_config_file
 from memtrain.config.layers import given_settings, model_default_attention, refuse_long_warmup
-from memtrain.config.run import SECTIONS, ConfigError, ModelConfig, RunConfig, TrainConfig, build_config, field_index
+from memtrain.config.run import (
+    SECTIONS,
+    ConfigError,
+    ModelConfig,
+    RunConfig,
+    TrainConfig,
+    build_config,
+    field_index,
+    flatten,
+)
 from memtrain.config.train_flags import dormant_settings
 from memtrain.devices.forced import check_forced_env
 from memtrain.distributed.rank_errors import (
@@ -232,6 +241,25 @@ def add_config_flags(parser: argparse.ArgumentParser, sections: Sequence[str] = 
     _add_aliases(parser, added)
 
 
+def _refuse_command_options_in_file(args: argparse.Namespace, file_layer: dict[str, Any]) -> None:
+    """A config file holds run settings (the model, data, technique and train sections), not the
+    command's own options: ``memory_budget`` in maxbatch's file was refused as "unknown option
+    --memory-budget; did you mean --compile-memory-budget?", an option maxbatch's --help lists."""
+    try:
+        keys = flatten(file_layer)
+    except ValueError:
+        return  # build_config names what is wrong with the file
+    index = field_index()
+    parser = getattr(args, "_parser", None)
+    options = parser._option_string_actions if parser is not None else {}  # this command's own flags
+    for key in keys:
+        flag = "--" + key.replace("_", "-")
+        if key not in index and key not in BY_NAME and flag in options:
+            raise ConfigError(f"config file {str(args.config)!r}: {key} is an option of this command, not a run "
+                              f"setting (a config file holds the model, data, technique and train settings); "
+                              f"give {flag} on the command line")
+
+
 def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = None,
                      derive_max_seq_len: bool = False, resumed: bool = False) -> RunConfig:
     """Defaults <- ``base`` (e.g. a bench preset) <- config file <- flags.
@@ -246,6 +274,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = 
     known = {f.name for cls in SECTIONS.values() for f in fields(cls)} | EXPANDED
     flags = {k: v for k, v in vars(args).items() if k in known}
     file_layer = load_config_file(args.config) if getattr(args, "config", None) else {}
+    _refuse_command_options_in_file(args, file_layer)
     given = given_settings(file_layer, flags)  # the user's settings, read once
     resume = given.get("resume") if resumed else None
     moved_from = None  # the --save a moved or copied checkpoint was written as
