@@ -293,6 +293,34 @@ def test_a_tilde_in_out_and_save_is_the_home_folder_for_the_checks_and_the_write
     assert "already holds result.json and metrics.jsonl" in _one_error_line(capsys.readouterr().err)
 
 
+NO_USER = "~memtrain-no-such-user"
+
+
+@pytest.mark.parametrize("where", ["--out", "--save", "--data", "--cache-dir", "MEMTRAIN_CACHE", "info", "--plot"])
+def test_a_path_in_the_home_of_an_unknown_user_is_one_line(tiny_run, tmp_path, capsys, monkeypatch, where):
+    """A path starting with "~user" for a user this system does not know: pathlib's expanduser
+    raised RuntimeError deep inside the run ("Could not determine home directory.", exit 1, no
+    path named). One line naming the flag (or the variable) and the user, exit 2, nothing made."""
+    run = {**tiny_run, "steps": 1, "warmup_steps": 1}
+    path = f"{NO_USER}/x"
+    if where in ("MEMTRAIN_CACHE", "info"):
+        monkeypatch.setenv("MEMTRAIN_CACHE", path)
+        argv = ["info"] if where == "info" else ["train", *cli_flags(run)]
+        named = "environment variable MEMTRAIN_CACHE"
+    elif where == "--plot":
+        argv, named = ["flops", "--plot", f"{path}.png"], "argument --plot"
+    else:
+        argv, named = ["train", *cli_flags({**run, where.lstrip("-").replace("-", "_"): path})], where
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own line
+        code = exc.code
+    assert code == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert named in line and "home folder of user 'memtrain-no-such-user'" in line and "give the full path" in line
+    assert not Path(tiny_run["out"]).exists()
+
+
 def test_a_run_that_fails_before_its_first_step_leaves_no_metrics_file_to_block_the_next(tiny_run, monkeypatch,
                                                                                           capsys):
     """A first step that failed (out of memory) left an empty metrics.jsonl, and the same command

@@ -43,6 +43,7 @@ from memtrain.config.run import (
     RunConfig,
     TrainConfig,
     build_config,
+    check_cache_env,
     field_index,
     flatten,
 )
@@ -664,6 +665,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     install_warning_format()
     try:
         check_forced_env()  # the probe survives a value it cannot read: say so before anything runs
+        check_cache_env()  # every command's device cache (info's too) lies there
         return int(args._run(args) or 0)
     except ConfigError as exc:
         # Under torchrun every rank exits 2 (memtrain.distributed.rank_errors makes a rank-specific

@@ -14,6 +14,7 @@ from typing import Callable
 
 from memtrain.analysis.limits import MAX_BATCH, MAX_INT, MAX_RANKS, MAX_WIDTH, MAX_WORLD_SIZE, short_number
 from memtrain.devices.gpu_kinds import named_gpu_key, unknown_gpu_line
+from memtrain.files.guard import unknown_home
 
 
 def _int(text: str, what: str) -> int:
@@ -83,6 +84,9 @@ def non_negative_float(text: str) -> float:
 def user_path(text: str) -> str:
     """A path argument with "~" as the home folder, as the shell would expand it unquoted: the
     checks and the writes then read one path (they once checked "~/x" and wrote "./~/x")."""
+    why = unknown_home(text, "the path")
+    if why is not None:
+        raise argparse.ArgumentTypeError(why.removeprefix("the path "))
     return os.path.expanduser(text)
 
 

@@ -37,6 +37,7 @@ from memtrain.config.aliases import BY_NAME as ALIASES_BY_NAME, WARMUP_RATIO, no
 # ConfigError lives in a leaf module so that the modules config itself consults (model presets,
 # model-spec resolution) can raise it without importing config back.
 from memtrain.errors import ConfigError, require
+from memtrain.files.guard import unknown_home
 from memtrain.techniques.facts import (
     FOREIGN_LOSS_KERNELS,
     OPTIMIZER_STATE_RULES,
@@ -55,6 +56,13 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
+
+
+def _check_homes(*paths: tuple[str, Optional[str]]) -> None:
+    """Each (flag, path) given: refused when it names the home folder of an unknown user."""
+    for flag, path in paths:
+        why = unknown_home(path, flag) if isinstance(path, str) else None
+        require(why is None, str(why))
 
 
 # --------------------------------------------------------------------------- model
@@ -173,6 +181,7 @@ class DataConfig:
         # An empty path is the current folder: every data file below it, a cache among them.
         require(self.data.strip() != "", "--data is empty; give a file, a folder, a glob, 'default' or hf:NAME")
         require(self.cache_dir.strip() != "", "--cache-dir is empty; give a folder or drop --cache-dir")
+        _check_homes(("--data", self.data), ("--cache-dir", self.cache_dir))
         # Settings of a kind of source that --data is not: dropped otherwise (the run trained on
         # the default corpus when --data was forgotten next to --text-field).
         plain = self.data == "default" or (not glob.has_magic(self.data) and self.data.lower().endswith(".txt"))
@@ -399,6 +408,7 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
+        _check_homes(("--out", self.out), ("--save", self.save), ("--resume", self.resume))
         for name in ("batch_size", "seq_len", "steps", "grad_accum"):
             require(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         for name in ("batch_size", "grad_accum"):  # a batch of 10**30 overflows torch or hangs a search
@@ -453,7 +463,13 @@ CACHE_ENV = "MEMTRAIN_CACHE"
 def effective_cache_dir(data: DataConfig) -> str:
     """The token cache folder a run uses, as written (``~`` unexpanded): ``$MEMTRAIN_CACHE`` when
     set, else ``--cache-dir``."""
+    check_cache_env()
     return os.environ.get(CACHE_ENV) or data.cache_dir
+
+
+def check_cache_env() -> None:
+    """``$MEMTRAIN_CACHE`` names no home folder of an unknown user (refused before anything runs)."""
+    _check_homes((f"environment variable {CACHE_ENV}", os.environ.get(CACHE_ENV) or None))
 
 
 SECTIONS: dict[str, type] = {

@@ -12,12 +12,14 @@ Imports only the standard library: the analytic commands reach it without torch.
 
 from __future__ import annotations
 
+import os
 import stat
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["file_kind", "folder_entry_problems", "inside", "regular_file_problem", "special_file_kind", "visible_entries"]
+__all__ = ["file_kind", "folder_entry_problems", "inside", "regular_file_problem", "special_file_kind",
+           "unknown_home", "visible_entries"]
 
 
 def file_kind(mode: int) -> str:
@@ -116,3 +118,16 @@ def visible_entries(folder: Path, recursive: bool) -> Iterator[Path]:
         yield entry
         if recursive and entry.is_dir() and not entry.is_symlink():
             yield from visible_entries(entry, recursive)
+
+
+def unknown_home(path: str, what: str) -> Optional[str]:
+    """Why ``path`` (named ``what``, e.g. "--out") cannot be used, when it starts with the home
+    folder of a user this system does not know (``~nouser/x``, or ``~`` with no home set); else
+    None. pathlib's ``expanduser`` raised RuntimeError on one deep inside a run ("Could not
+    determine home directory.", exit 1, naming no path); os.path's leaves it as it is."""
+    if not path.startswith("~") or os.path.expanduser(path) != path:
+        return None
+    user = path[1:].split(os.sep, 1)[0]
+    whose = f"user {user!r}" if user else "this user (HOME is not set)"
+    return (f"{what} {path!r} starts with the home folder of {whose}, which this system does not know; "
+            "give the full path")
