@@ -414,7 +414,7 @@ def test_plan_says_why_the_sets_not_shown_are_missing(capsys):
     text = capsys.readouterr().out
     section = text[text.index("not shown:"):].splitlines()
     assert section[1].startswith(f"  does not fit: {unfit} set(s), even at micro-batch 1 x 8 (batch 8)")
-    assert any(line.startswith("  not on this device: precision fp8: needs a CUDA GPU") for line in section)
+    assert any(line.startswith("  not available here: precision fp8: needs a CUDA GPU") for line in section)
     assert f"slower than the 2 shown: {len(sets) - unfit - 2} set(s)" in text
 
 

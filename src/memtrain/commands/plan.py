@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
 
 def dropped_lines(dropped: dict[str, Any], target_batch: Optional[int]) -> list[str]:
     """plan's "not shown" section: one line per reason a technique set is missing from the table
-    (does not fit, not on this device, slower than the shown), so "why not X?" has an answer."""
+    (does not fit, not available for this device or run, slower than the shown), so "why not X?" has an answer."""
     lines = []
     no_fit = dropped["does_not_fit"]
     if no_fit["count"]:
@@ -219,7 +219,7 @@ def dropped_lines(dropped: dict[str, Any], target_batch: Optional[int]) -> list[
                      f"({c['label'].rsplit(', micro-batch', 1)[0]}) needs {fmt_bytes(c['need_bytes'])} with the margin, "
                      f"{fmt_bytes(c['over_bytes'])} over the budget")
     if dropped["unavailable"]:
-        lines += [f"  not on this device: {u['technique']} {', '.join(u['values'])}: {u['reason']}"
+        lines += [f"  not available here: {u['technique']} {', '.join(u['values'])}: {u['reason']}"
                   for u in dropped["unavailable"]]
     slower = dropped["slower"]
     if slower["count"]:
