@@ -261,8 +261,11 @@ def default_space(cfg: RunConfig, device_type: str, gpu: Optional[str] = None) -
 
     checkpointings = ["none", "selective", "every:2", "full"] if cfg.model.n_layers > 1 else ["none", "full"]
     if not is_gpt_preset(cfg.model.model):
-        # Megatron's selective policy needs our GPT's attention seam (techniques/hf_mapping.py).
-        checkpointings = [c for c in checkpointings if c != "selective"]
+        # Megatron's selective policy needs our GPT's attention seam (techniques/hf_mapping.py);
+        # torch's selective-matmul runs on any model and is the fastest fitting choice on a
+        # full Qwen2.5-0.5B fine-tune (docs/estimation.md, the planner's cost model). every:3,
+        # every:4 and sqrt never were, and would double the search.
+        checkpointings = [c if c != "selective" else "selective-matmul" for c in checkpointings]
     space: dict[str, list[Any]] = {
         "precision": ["fp32", "bf16"] if cpu else ["bf16", "tf32"] + (["bf16-pure"] if lowbit else []) + _fp8_choice(cfg, gpu),
         "attention": attentions,
