@@ -247,11 +247,13 @@ def test_plan_for_a_gpu_kind_alone_takes_its_memory_and_cuda_kernels(capsys):
     assert out["budget_bytes"] == 8 * 2**30 and out["budget_source"] == "--budget"
 
 
-def test_plain_adamw_is_the_fused_kernel_on_cuda():
+def test_plain_adamw_is_the_fused_kernel_on_cuda(monkeypatch):
     """`--optim adamw` runs torch's fused AdamW on CUDA: plan models its step as the fused one's
     and does not suggest `--optim adamw-fused` for it; a pinned foreach AdamW still gets it."""
+    import memtrain.analysis.plan as plan_module
     from memtrain.analysis.plan import default_space
 
+    monkeypatch.setattr(plan_module, "torchao_installed", lambda: True)  # its 8-bit AdamW is searched with torchao
     cfg = build_config({"batch_size": 2, "seq_len": 64})
     assert default_space(cfg, "cuda")["optim"] == ["adamw", "adamw-8bit"]
     assert default_space(cfg.replace(optim="adamw-foreach"), "cuda")["optim"] == ["adamw-fused", "adamw-8bit"]
@@ -378,3 +380,76 @@ def test_plan_for_cuda_without_a_gpu_kind_judges_batches_as_estimate_and_maxbatc
     assert main(["maxbatch", *tiny, *techs, "--json"]) == 0
     largest = json.loads(capsys.readouterr().out)["batch_size"]
     assert largest and planned[0]["batch_size"] == largest
+
+
+def test_plan_says_why_the_sets_not_shown_are_missing(capsys):
+    """"Why not X?": every technique set of the search is shown, or counted under one reason:
+    it fits no micro-batch (the closest named with how far over the budget it is at the batch
+    asked), it is left out on this device (fp8 on a CPU, with what to change), or it fits but
+    is slower than the shown. The budget is the median set's need at micro-batch 1, so that
+    some sets fit and some do not."""
+    from memtrain.analysis.plan import _sets, default_space
+
+    cfg = build_config(dict(SMALL, batch_size=8, seq_len=64))
+    sets = _sets(default_space(cfg, "cpu"))
+    at_one = sorted(estimate(cfg.replace(**t, batch_size=1, grad_accum=8), device_type="cpu").peak_bytes for t in sets)
+    budget = int(at_one[len(at_one) // 2] * 1.1)
+    unfit = sum(p * 1.1 > budget for p in at_one)
+    assert 0 < unfit < len(sets)
+    argv = ["plan", "--budget", str(budget), "--d-model", "64", "--n-heads", "4", "--n-layers", "2", "--d-ff", "128",
+            "--batch-size", "8", "--seq-len", "64", "--device", "cpu", "--top", "2"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    dropped = out["dropped"]
+    no_fit = dropped["does_not_fit"]
+    assert no_fit["count"] == unfit
+    closest = no_fit["closest"]
+    assert closest["need_bytes"] == pytest.approx(min(p for p in at_one if p * 1.1 > budget) * 1.1, abs=1)
+    assert closest["over_bytes"] == closest["need_bytes"] - budget > 0
+    assert (closest["batch_size"], closest["grad_accum"]) == (1, 8)
+    assert dropped["slower"] == {"count": len(sets) - unfit - 2, "shown": 2}
+    fp8 = [u for u in dropped["unavailable"] if u["technique"] == "precision"]
+    assert fp8 and fp8[0]["values"] == ["fp8"] and "--device-type cuda" in fp8[0]["reason"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    section = text[text.index("not shown:"):].splitlines()
+    assert section[1].startswith(f"  does not fit: {unfit} set(s), even at micro-batch 1 x 8 (batch 8)")
+    assert any(line.startswith("  not available here: precision fp8: needs a CUDA GPU") for line in section)
+    assert f"slower than the 2 shown: {len(sets) - unfit - 2} set(s)" in text
+
+
+def test_without_torchao_plan_leaves_its_optimizers_out_and_says_so(monkeypatch, capsys):
+    """On CUDA the 8-bit AdamW and bf16-pure's stochastic-rounding AdamW are torchao's: without it
+    plan recommended a run that fails at its first step; now it leaves them out and names the install."""
+    import memtrain.analysis.plan as plan_module
+
+    monkeypatch.setattr(plan_module, "torchao_installed", lambda: False)
+    cfg = build_config({"batch_size": 2, "seq_len": 64})
+    space = plan_module.default_space(cfg, "cuda")
+    assert space["optim"] == ["adamw"] and "bf16-pure" not in space["precision"]
+    argv = ["plan", "--device-type", "cuda", "--budget", "8GiB", "--d-model", "32", "--n-heads", "2",
+            "--n-layers", "2", "--d-ff", "64", "--seq-len", "32", "--batch-size", "4", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert all(c["techniques"]["optim"] == "adamw" and c["techniques"]["precision"] != "bf16-pure"
+               for c in out["candidates"])
+    left = {(u["technique"], v): u["reason"] for u in out["dropped"]["unavailable"] for v in u["values"]}
+    assert "torchao" in left[("optim", "adamw-8bit")] and "torchao" in left[("precision", "bf16-pure")]
+
+
+def test_a_transformers_plan_searches_selective_matmul_and_it_wins_a_full_qwen_fine_tune(capsys):
+    """torch's selective checkpointing (keep the matmul outputs) runs on any transformers model;
+    plan searched only none / every:2 / full there. On a full Qwen2.5-0.5B fine-tune at seq 8192
+    under 80 GiB it is the fastest fitting set: the whole batch of 8 in one micro-batch, where no
+    checkpointing needs two micro-batches of 4 and every:2 and full recompute more."""
+    argv = ["plan", "--model", "qwen2.5-0.5b", "--device-type", "cuda", "--budget", "80GiB", "--seq-len", "8192",
+            "--batch-size", "8", "--precisions", "bf16", "--attentions", "sdpa", "--losses", "chunked",
+            "--optims", "adamw", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    best = out["candidates"][0]
+    assert best["techniques"]["checkpointing"] == "selective-matmul"
+    assert (best["batch_size"], best["grad_accum"]) == (8, 1)
+    others = {c["techniques"]["checkpointing"]: c["step_time_s"] for c in out["candidates"][1:]
+              if not c["techniques"].get("offload_activations")}
+    assert set(others) == {"none", "every:2", "full"} and min(others.values()) > best["step_time_s"]

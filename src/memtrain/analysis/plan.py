@@ -19,6 +19,7 @@ plus the optimizer step as memory traffic. Its job is to order candidates sensib
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import shlex
 from dataclasses import asdict, dataclass, field
@@ -202,12 +203,36 @@ class PlanResult:
     baseline_step_time_s: float
     verified: Optional[dict[str, Any]] = None
     notes: list[str] = field(default_factory=list)
+    # Why the other technique sets are not among ``candidates`` (:meth:`dropped`): the sets
+    # that fit no micro-batch (each at micro-batch 1, its peak), how many fit but rank below
+    # the shown ones, and the values the search left out on this device.
+    unfit: list[Candidate] = field(default_factory=list)
+    slower: int = 0
+    unavailable: list[dict[str, Any]] = field(default_factory=list)
+
+    def dropped(self) -> dict[str, Any]:
+        """The sets not shown, grouped by what a user can do about each: ``does_not_fit`` (how
+        many, and the closest one: its need with the margin and how far over the budget),
+        ``unavailable`` (values the search leaves out on this device, and why) and ``slower``
+        (sets that fit but rank below the shown ones)."""
+        closest = min(self.unfit, key=lambda c: c.peak_bytes, default=None)
+        no_fit: dict[str, Any] = {"count": len(self.unfit), "closest": None}
+        if closest is not None:
+            need = closest.peak_bytes * (1 + self.margin)
+            no_fit["closest"] = {"techniques": dict(closest.techniques), "batch_size": closest.batch_size,
+                                 "grad_accum": closest.grad_accum, "peak_bytes": int(round(closest.peak_bytes)),
+                                 "need_bytes": int(round(need)), "over_bytes": int(round(need - self.budget_bytes)),
+                                 "label": closest.label()}
+        return {"does_not_fit": no_fit, "unavailable": self.unavailable,
+                "slower": {"count": self.slower, "shown": len(self.candidates)}}
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         for c in d["candidates"]:
             c["peak_bytes"] = int(round(c["peak_bytes"]))
             c["config_flags"] = shlex.join(c["train_flags"])
+        del d["unfit"], d["slower"], d["unavailable"]  # summarized, not listed: one set per combination
+        d["dropped"] = self.dropped()
         return d
 
 
@@ -226,16 +251,23 @@ def default_space(cfg: RunConfig, device_type: str, gpu: Optional[str] = None) -
         optims = [optim] if cpu else ["adamw" if optim == "adamw" else "adamw-fused", "adamw-8bit"]
     else:
         optims = [optim]
+    lowbit = torchao_installed()
+    if not lowbit:
+        # torchao runs the 8-bit state and bf16-pure's stochastic rounding: without it neither runs.
+        optims = [o for o in optims if o not in LOW_BIT_OPTIMS]
     attentions = ["math"] if (cpu and cfg.model.dropout > 0) else ["math", "sdpa"]
     if not cpu:
         attentions = ["sdpa", "math"]
 
     checkpointings = ["none", "selective", "every:2", "full"] if cfg.model.n_layers > 1 else ["none", "full"]
     if not is_gpt_preset(cfg.model.model):
-        # Megatron's selective policy needs our GPT's attention seam (techniques/hf_mapping.py).
-        checkpointings = [c for c in checkpointings if c != "selective"]
+        # Megatron's selective policy needs our GPT's attention seam (techniques/hf_mapping.py);
+        # torch's selective-matmul runs on any model and is the fastest fitting choice on a
+        # full Qwen2.5-0.5B fine-tune (docs/estimation.md, the planner's cost model). every:3,
+        # every:4 and sqrt never were, and would double the search.
+        checkpointings = [c if c != "selective" else "selective-matmul" for c in checkpointings]
     space: dict[str, list[Any]] = {
-        "precision": ["fp32", "bf16"] if cpu else ["bf16", "tf32", "bf16-pure"] + _fp8_choice(cfg, gpu),
+        "precision": ["fp32", "bf16"] if cpu else ["bf16", "tf32"] + (["bf16-pure"] if lowbit else []) + _fp8_choice(cfg, gpu),
         "attention": attentions,
         "checkpointing": checkpointings,
         "loss": ["standard", "chunked"],
@@ -249,6 +281,49 @@ def default_space(cfg: RunConfig, device_type: str, gpu: Optional[str] = None) -
         # and full: None is torch's default partition.
         space["compile_memory_budget"] = [None, *COMPILE_BUDGETS]
     return space
+
+
+# The low-bit optimizers torchao provides (techniques/optim.py).
+LOW_BIT_OPTIMS = ("adamw-8bit", "adamw-4bit")
+
+
+def torchao_installed() -> bool:
+    """Whether torchao can be imported, without importing it (and torch with it)."""
+    return importlib.util.find_spec("torchao") is not None
+
+
+def unavailable(cfg: RunConfig, device_type: str, gpu: Optional[str], space: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    """The technique values :func:`default_space` leaves out on this device and are not in
+    ``space`` (a --precisions etc. that names one searches it), each with the reason in words a
+    user can act on, for plan's "not shown" section."""
+    cpu = device_type == "cpu"
+    tech = cfg.technique
+    out: list[tuple[str, list[str], str]] = []
+    if cpu:
+        out.append(("precision", ["fp8"], "needs a CUDA GPU with FP8 tensor cores: --device-type cuda --gpu h100"))
+    elif tech.lora_rank or tech.qlora:
+        out.append(("precision", ["fp8"], "torchao's float8 training refuses LoRA/QLoRA"))
+    elif not has_fp8(gpu):
+        card = f"--gpu {gpu} has no FP8 tensor cores" if gpu and gpu != "default" else "no --gpu names the card"
+        out.append(("precision", ["fp8"], f"needs FP8 tensor cores and {card}: --gpu h100, l4, ..."))
+    if tech.optim in ADAMW_KERNELS:
+        if cpu:
+            out.append(("optim", list(LOW_BIT_OPTIMS), "their compiled step takes minutes to build on a CPU: "
+                        "--optims adamw-8bit searches it"))
+        elif not torchao_installed():
+            out.append(("optim", list(LOW_BIT_OPTIMS), 'need torchao: pip install -e ".[lowbit]"'))
+    if not cpu and not torchao_installed():
+        out.append(("precision", ["bf16-pure"], 'needs torchao\'s stochastic-rounding AdamW: pip install -e ".[lowbit]"'))
+    if cpu and cfg.model.dropout > 0:
+        out.append(("attention", ["sdpa"], "with dropout a CPU runs it as math attention: --dropout 0 searches it"))
+    if not is_gpt_preset(cfg.model.model) and cfg.model.n_layers > 1:
+        out.append(("checkpointing", ["selective"], "Megatron's selective policy needs memtrain's GPT's attention"))
+    kept = []
+    for technique, values, why in out:
+        left = [v for v in values if v not in space.get(technique, [])]
+        if left:
+            kept.append({"technique": technique, "values": left, "reason": why})
+    return kept
 
 
 def _fp8_choice(cfg: RunConfig, gpu: Optional[str]) -> list[str]:
@@ -479,6 +554,8 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
             return e.peak_bytes, e.peak_phase
 
         fits: list[Candidate] = []
+        unfit: list[Candidate] = []  # each set that fits no micro-batch, at micro-batch 1
+        visited = 0
         smallest: Optional[tuple[float, dict[str, str], int, int]] = None
         if not max_batch:
             micros = _divisors(target)
@@ -487,9 +564,11 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
             for bound, i in bounds:
                 if len(fits) >= top and bound > sorted(c.step_time_s for c in fits)[top - 1]:
                     break
+                visited += 1
                 t = sets[i]
                 # The largest micro-batch that fits (peak grows with the micro-batch): bisect.
                 lo, hi, best = 0, len(micros) - 1, None
+                at_one: Optional[float] = None  # the peak at micro-batch 1, where it was found
                 while lo <= hi:
                     mid = (lo + hi) // 2
                     c = at(t, micros[mid], target // micros[mid])
@@ -498,13 +577,16 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
                         best, hi = (micros[mid], p, ph), mid - 1
                     else:
                         lo = mid + 1
-                        if micros[mid] == 1 and (smallest is None or p < smallest[0]):
-                            smallest = (p, t, 1, target)
+                        if micros[mid] == 1:
+                            at_one = p
+                            if smallest is None or p < smallest[0]:
+                                smallest = (p, t, 1, target)
                 if best is None:
                     if smallest is None or micros[-1] != 1:
                         p, _ = peak(at(t, micros[-1], target // micros[-1]))
                         if smallest is None or p < smallest[0]:
                             smallest = (p, t, micros[-1], target // micros[-1])
+                    unfit.append(Candidate(dict(t), 1, target, at_one if at_one is not None else p, "", 0.0, fits=False))
                     continue
                 micro, p, ph = best
                 c = at(t, micro, target // micro)
@@ -517,9 +599,11 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
             for t in sets:
                 lo, hi = 0, 1
                 p, ph = peak(at(t, 1, 1))
+                visited += 1
                 if p > limit:
                     if smallest is None or p < smallest[0]:
                         smallest = (p, t, 1, 1)
+                    unfit.append(Candidate(dict(t), 1, 1, p, ph, 0.0, fits=False))
                     continue
                 best = (1, p, ph)
                 while hi < max_batch_limit:  # grow by doubling, never past the limit
@@ -549,7 +633,11 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
                 best_rate = fits[0].step_time_s
                 for cand in fits:
                     cand.relative_time = cand.step_time_s / best_rate
+        ranked = len(fits)
         fits = _without_idle_offload(fits)
+        # Slower than the shown: the sets the branch and bound never reached (their lower bound is
+        # above the top's), the offload twins that only add copies, and those ranked below the top.
+        slower = (len(sets) - visited) + (ranked - len(fits)) + max(0, len(fits) - top)
         if not fits and pruned:  # the smallest option must be a replayed or traced peak, not a quick figure
             accum = 1 if max_batch else target
             in_order = sets if max_batch else [sets[i] for _, i in bounds]  # the order the search visits them
@@ -585,7 +673,8 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
                          "full (docs/estimation.md), not traced; `memtrain estimate --compile --compile-memory-budget F "
                          "--trace` runs torch's partitioner")
         return PlanResult(budget_bytes, margin, device_type, None if max_batch else target, fits[:top],
-                          evaluated, baseline, notes=notes)
+                          evaluated, baseline, notes=notes, unfit=unfit, slower=slower,
+                          unavailable=unavailable(cfg, device_type, gpu, space))
 
 
 def _adapters_hint(smallest: RunConfig, exact_peak: Callable[[RunConfig], float], limit: float,

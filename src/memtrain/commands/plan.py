@@ -143,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
     techs = [{**asdict(cfg.technique), **c.techniques} for c in res.candidates]
     rec = _recommended(techs)
     shown = list(range(min(args.top, len(techs)))) + ([rec] if rec >= args.top else [])
+    res.slower += len(res.candidates) - len(shown)  # every fitting set was ranked (top=10**6); these fit but are not shown
     res.candidates = [res.candidates[i] for i in shown]
     techs = [techs[i] for i in shown]
     rec = shown.index(rec)
@@ -199,9 +200,31 @@ def run(args: argparse.Namespace) -> int:
         ver = res.verified
         print(f"verified: measured tracked peak {fmt_bytes(ver['measured_bytes'])} vs predicted "
               f"{fmt_bytes(ver['predicted_bytes'])} ({ver['error']:+.1%}) over {ver['steps']} steps")
+    for line in dropped_lines(out["dropped"], res.target_batch):
+        print(line)
     for note in res.notes[1:]:  # how the peaks were found, where the first (the cost model) says nothing new
         print(f"note: {note}")
     return 0
+
+
+def dropped_lines(dropped: dict[str, Any], target_batch: Optional[int]) -> list[str]:
+    """plan's "not shown" section: one line per reason a technique set is missing from the table
+    (does not fit, not available for this device or run, slower than the shown), so "why not X?" has an answer."""
+    lines = []
+    no_fit = dropped["does_not_fit"]
+    if no_fit["count"]:
+        c = no_fit["closest"]
+        batch = f"micro-batch 1 x {c['grad_accum']} (batch {target_batch})" if target_batch else "batch 1"
+        lines.append(f"  does not fit: {no_fit['count']} set(s), even at {batch}; the closest "
+                     f"({c['label'].rsplit(', micro-batch', 1)[0]}) needs {fmt_bytes(c['need_bytes'])} with the margin, "
+                     f"{fmt_bytes(c['over_bytes'])} over the budget")
+    if dropped["unavailable"]:
+        lines += [f"  not available here: {u['technique']} {', '.join(u['values'])}: {u['reason']}"
+                  for u in dropped["unavailable"]]
+    slower = dropped["slower"]
+    if slower["count"]:
+        lines.append(f"  slower than the {slower['shown']} shown: {slower['count']} set(s) that fit (--top N shows more)")
+    return ["not shown:"] + lines if lines else []
 
 
 def _card(gpu: Optional[str], device_type: str) -> Optional[str]:
