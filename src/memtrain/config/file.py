@@ -34,8 +34,8 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     # Read whole before parsing: a data file given as --config (corpus.json, GBs) took minutes and
     # tens of GB before being refused as "holds a list"; settings take a few KB.
     require(size <= MAX_CONFIG_BYTES, f"config file {str(p)!r} is {size / 2**20:,.1f} MiB, more than the "
-             f"{MAX_CONFIG_BYTES // 2**20} MiB a config file may be (settings take a few KB); if it is text to "
-             "train on, give it as --data")
+            f"{MAX_CONFIG_BYTES // 2**20} MiB a config file may be (settings take a few KB); if it is text to "
+            "train on, give it as --data")
     suffix = p.suffix.lower()
     if suffix not in (".toml", ".yaml", ".yml", ".json"):
         raise ConfigError(f"config file {str(p)!r} must end in .yaml, .yml, .toml or .json")
