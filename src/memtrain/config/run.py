@@ -335,7 +335,8 @@ class TrainConfig:
     """Optimisation loop, evaluation, checkpoints and output."""
 
     batch_size: int = _f(8, "Micro-batch size (sequences per forward/backward).")
-    seq_len: int = _f(256, "Tokens per training sequence (<= --max-seq-len).")
+    seq_len: int = _f(256, "Tokens per training sequence (<= --max-seq-len; when not given, a model with fewer "
+                           "positions than this default trains at its own length).")
     steps: int = _f(200, "Optimizer steps (one epoch is 200 steps by default).")
     grad_accum: int = _f(1, "Micro-batches per optimizer step (gradient_accumulation_steps).")
     lr: float = _f(3e-4, "Peak learning rate.")
