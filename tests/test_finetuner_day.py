@@ -60,6 +60,7 @@ def test_each_document_starts_as_the_models_tokenizer_starts_a_text(small_corpus
     assert (ids[starts] == BOS).all() if bos_template else (ids == BOS).sum() == 0
     codec = transformers_codec(tokenizer.tok)
     assert codec.encode("x")[:1] == ([BOS] if bos_template else tokenizer.tok("x")["input_ids"][:1])
+    assert codec.start_id == (BOS if bos_template else EOS)  # where an empty prompt starts
 
 
 def _peft_counts(spec: str, r: int, targets: list[str]) -> tuple[int, int]:
