@@ -474,7 +474,7 @@ def test_every_adamw_memtrain_builds_uses_the_eps_adam_epsilon_accepts(optim, pr
     make the accepted flag a lie."""
     import torch
 
-    from memtrain.config.aliases import ADAM_EPSILON
+    from memtrain.techniques.facts import ADAM_EPSILON
     from memtrain.techniques.optim import build_optimizer
 
     if optim != "adamw" or precision == "bf16-pure":
