@@ -191,3 +191,17 @@ def test_an_empty_section_is_no_settings_and_a_section_holding_a_value_is_named(
         with pytest.raises(ConfigError, match="a section holds settings") as err:
             load_config_file(bad)
         assert words in str(err.value) and "e.g." in str(err.value)
+
+
+def test_seq_lens_help_says_a_shorter_model_trains_at_its_own_length(capsys):
+    """Without --seq-len a model with fewer positions than the default trains at its own length
+    (build_config); the flag's help said only the default and the bound."""
+    from memtrain.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--seq-len INT Tokens per training sequence (<= --max-seq-len; when not given, a model with fewer " \
+           "positions than this default trains at its own length). (default: 256)" in help_text
+    cfg = build_config({"max_seq_len": 128})
+    assert cfg.train.seq_len == 128 and build_config({"max_seq_len": 128, "seq_len": 64}).train.seq_len == 64

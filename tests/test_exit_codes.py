@@ -585,3 +585,14 @@ def test_an_exceptions_first_line_is_its_message_or_its_type():
     assert first_line(ValueError("\n  bad field\nTraceback details\n")) == "bad field"
     assert first_line(KeyError()) == "KeyError"
     assert first_line(RuntimeError("   ")) == "RuntimeError"
+
+
+def test_a_failures_type_and_first_line_name_it_in_one_line():
+    """The ``error:`` line of a failure that is not bad input and a bench row's ``error`` name it
+    the same way: its type, then its message's first non-blank line (nothing when it has none)."""
+    from memtrain.distributed.rank_errors import error_line
+    from memtrain.errors import typed_first_line
+
+    assert typed_first_line(ValueError("\n  bad field\nTraceback details\n")) == "ValueError: bad field"
+    assert typed_first_line(RuntimeError()) == "RuntimeError: "
+    assert error_line(OSError("disk gone\nmore")) == "error: OSError: disk gone (set MEMTRAIN_DEBUG=1 for the traceback)"

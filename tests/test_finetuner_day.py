@@ -60,6 +60,7 @@ def test_each_document_starts_as_the_models_tokenizer_starts_a_text(small_corpus
     assert (ids[starts] == BOS).all() if bos_template else (ids == BOS).sum() == 0
     codec = transformers_codec(tokenizer.tok)
     assert codec.encode("x")[:1] == ([BOS] if bos_template else tokenizer.tok("x")["input_ids"][:1])
+    assert codec.start_id == (BOS if bos_template else EOS)  # where an empty prompt starts
 
 
 def _peft_counts(spec: str, r: int, targets: list[str]) -> tuple[int, int]:
@@ -191,6 +192,9 @@ def test_a_model_shorter_than_the_default_seq_len_trains_at_its_own_length(tmp_p
         build_config({"model": str(folder), "seq_len": 256})
     assert main(["estimate", "--model", str(folder), "--batch-size", "1"]) == 0
     assert "seq-len 64 (the model's max_position_embeddings, under memtrain's 256; --seq-len)" in capsys.readouterr().out
+    # memtrain's GPT made shorter names the flag that made it so (it said max_position_embeddings)
+    assert main(["estimate", "--max-seq-len", "128", "--d-model", "64", "--n-heads", "4", "--n-layers", "2"]) == 0
+    assert "seq-len 128 (--max-seq-len 128, under memtrain's 256; --seq-len)" in capsys.readouterr().out
 
 
 def test_a_bench_scales_seq_len_fits_a_shorter_model_as_trains_default_does(tmp_path):

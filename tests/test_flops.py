@@ -248,8 +248,15 @@ def test_gpu_names_as_cuda_prints_them_and_short_names_still_resolve(capsys, nam
 
 
 def test_no_bf16_tensor_cores_is_a_config_error():
-    with pytest.raises(ConfigError, match="--precision fp16"):
+    with pytest.raises(ConfigError, match="--precision fp32, tf32, fp16 "):
         resolve_roof("t4", "bf16")
+
+
+def test_a_card_without_fp8_tensor_cores_offers_the_precisions_it_runs():
+    """An A100 asked for fp8 was offered "fp16 or fp32" only, though BF16 is what it runs best."""
+    with pytest.raises(ConfigError, match=r"a100\S* has no FP8 tensor cores for --precision fp8; choose one of "
+                                          r"--precision fp32, tf32, bf16, fp16, bf16-pure"):
+        resolve_roof("a100", "fp8")
 
 
 # --------------------------------------------------------------------------- command

@@ -465,3 +465,21 @@ def test_the_trainers_adam_options_map_or_are_refused_in_one_line(capsys):
     assert "--adam_epsilon 1e-6: memtrain's AdamW uses eps 1e-8" in _error_line(capsys)
     assert main(["train", "--adam_beta2", "0.9", "--beta2", "0.95"]) == 2  # two values for one setting
     assert "beta2" in _error_line(capsys)
+
+
+@pytest.mark.parametrize("optim, precision", [("adamw", "fp32"), ("adamw-8bit", "fp32"), ("adamw", "bf16-pure")])
+def test_every_adamw_memtrain_builds_uses_the_eps_adam_epsilon_accepts(optim, precision):
+    """--adam_epsilon is accepted at ADAM_EPSILON only because every AdamW memtrain builds (torch's,
+    torchao's 8-bit, bf16-pure's stochastic rounding) uses it; a builder passing another eps would
+    make the accepted flag a lie."""
+    import torch
+
+    from memtrain.techniques.facts import ADAM_EPSILON
+    from memtrain.techniques.optim import build_optimizer
+
+    if optim != "adamw" or precision == "bf16-pure":
+        pytest.importorskip("torchao")  # low-bit and bf16-pure optimizers come from torchao
+    cfg = build_config({"optim": optim, "precision": precision})
+    model = torch.nn.Linear(64, 64).to(torch.bfloat16 if precision == "bf16-pure" else torch.float32)
+    opt = build_optimizer(model, cfg.technique, cfg.train)
+    assert {g["eps"] for g in opt.param_groups} == {ADAM_EPSILON}

@@ -116,13 +116,24 @@ def test_report_skips_rows_of_the_wrong_shape(tmp_path, capsys):
     assert "holds no rows (3 unreadable line(s) skipped)" in capsys.readouterr().err
 
 
-def test_folder_lock_refuses_a_second_holder_and_frees_on_exit(tmp_path):
+def _bench_holding(folder: Path) -> subprocess.Popen[str]:
+    """A child process holding ``folder``'s lock as ``memtrain bench`` would, returned once it
+    holds it (kill it to let go)."""
     code = ("import sys, time; from memtrain.files.lock import FolderLock\n"
             "with FolderLock(sys.argv[1], 'memtrain bench'):\n"
             "    print('locked', flush=True); time.sleep(60)\n")
-    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None
+    if holder.stdout.readline().strip() != "locked":
+        holder.kill()  # it never took the lock: nothing of the test's to hold for it
+        holder.wait()
+        pytest.fail("the child never took the folder's lock")
+    return holder
+
+
+def test_folder_lock_refuses_a_second_holder_and_frees_on_exit(tmp_path):
+    holder = _bench_holding(tmp_path)
     try:
-        assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(ConfigError, match=rf"in use by memtrain bench \(pid {holder.pid}\)"):
             with FolderLock(tmp_path, "memtrain bench"):
                 pass
@@ -138,12 +149,8 @@ def test_report_waits_for_a_bench_still_writing_its_folder(tmp_path, capsys):
     which could land after the bench's own final report and be the one left. Refused in one line
     while the bench holds the folder, nothing written; it runs once the bench is gone."""
     (tmp_path / "results.jsonl").write_text((DATA / "bench_results.jsonl").read_text())
-    code = ("import sys, time; from memtrain.files.lock import FolderLock\n"
-            "with FolderLock(sys.argv[1], 'memtrain bench'):\n"
-            "    print('locked', flush=True); time.sleep(60)\n")
-    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    holder = _bench_holding(tmp_path)
     try:
-        assert holder.stdout.readline().strip() == "locked"
         assert main(["report", str(tmp_path)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and f"is in use by memtrain bench (pid {holder.pid})" in err[0]

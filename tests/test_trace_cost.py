@@ -4,6 +4,9 @@ fake mode never falls back to computing "constants" for real."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("torchao")
 
+import memtrain  # noqa: E402
 from memtrain.config.run import build_config  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -130,15 +134,6 @@ def test_an_eager_trace_does_not_import_the_compiled_trace_machinery():
     """A trace without a compile budget left AOTAutograd and inductor unloaded only since
     memtrain.analysis.trace imports compile_trace where it compiles (it loaded them at import:
     0.3-0.5 s of every traced estimate, docs/performance.md)."""
-    import os
-    import subprocess
-    import sys
-
-    import memtrain
-
-    # This checkout's memtrain in the child too, whatever the environment installs.
-    src = str(Path(memtrain.__file__).resolve().parents[1])
-    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     code = ("import sys\n"
             "from memtrain.analysis.trace import trace_step\n"
             "from memtrain.config.run import build_config\n"
@@ -146,9 +141,7 @@ def test_an_eager_trace_does_not_import_the_compiled_trace_machinery():
             "'seq_len': 8, 'device': 'cpu'})\n"
             "assert trace_step(cfg)['peak_bytes'] > 0\n"
             f"print([m for m in {COMPILE_ONLY!r} if m in sys.modules])\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert _last_line_printed(code) == "[]"
 
 
 # What a traced estimate of our GPT needs is torch (and torch._dynamo, which FakeTensorMode imports);
@@ -160,20 +153,20 @@ TRACE_NEVER = ("transformers", "peft", "datasets", "pyarrow", "matplotlib", "sci
 
 
 def test_a_traced_estimate_of_our_gpt_imports_no_heavy_module_it_does_not_use():
-    import os
-    import subprocess
-    import sys
-
-    import memtrain
-
-    src = str(Path(memtrain.__file__).resolve().parents[1])
-    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     code = ("import contextlib, io, sys\n"
             "from memtrain.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             "    assert main(['estimate', '--d-model', '32', '--n-heads', '2', '--n-layers', '1', '--vocab-size', '64',\n"
             "                 '--batch-size', '1', '--seq-len', '8', '--device', 'cpu', '--trace', '--json']) == 0\n"
             f"print(sorted(m for m in sys.modules if m.split('.')[0] in {TRACE_NEVER!r}))\n")
+    assert _last_line_printed(code) == "[]"
+
+
+def _last_line_printed(code: str) -> str:
+    """The last line ``code`` prints, run in a fresh process (so ``sys.modules`` holds only what it
+    imported) against this checkout's memtrain, whatever the environment installs."""
+    src = str(Path(memtrain.__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "[]"
+    return out.stdout.strip().splitlines()[-1]

@@ -390,9 +390,7 @@ def defaults_note(cfg: RunConfig, searched: Iterable[str] = ()) -> Optional[str]
         parts.append(f"attention={tech.attention} (the model's default, as in transformers; --attention to choose)"
                      if hf else f"attention={tech.attention} (memtrain's GPT; --attention sdpa for the fused kernel)")
     if "seq_len" not in given:
-        capped = cfg.train.seq_len == cfg.model.max_seq_len < TrainConfig.seq_len
-        parts.append(f"seq-len {cfg.train.seq_len} (" + ("the model's max_position_embeddings, under memtrain's "
-                     f"{TrainConfig.seq_len}; " if capped else "") + "--seq-len)")
+        parts.append(_seq_len_default(cfg, hf))
     if tech.lora_rank and not tech.qlora and tech.precision in ("bf16", "fp16"):
         parts.append(f"base weights fp32 under {tech.precision} autocast (use --precision bf16-pure to store them "
                      "in bf16, as a model loaded in bfloat16 for peft)")
@@ -466,6 +464,17 @@ def allocation_of(exc: BaseException) -> str:
     if found.group(2).lower() == "bytes":
         return f"it tried to allocate {fmt_bytes(float(found.group(1)))}"
     return f"it tried to allocate {found.group(1)} {found.group(2)}"
+
+
+def _seq_len_default(cfg: RunConfig, hf: bool) -> str:
+    """The defaults line's part for a sequence length nobody gave: memtrain's default, or the
+    model's positions where they are fewer (build_config caps it there), named as the user set
+    them: a transformers model's max_position_embeddings, our GPT's --max-seq-len."""
+    seq_len = cfg.train.seq_len
+    if not seq_len == cfg.model.max_seq_len < TrainConfig.seq_len:
+        return f"seq-len {seq_len} (--seq-len)"
+    positions = "the model's max_position_embeddings" if hf else f"--max-seq-len {seq_len}"
+    return f"seq-len {seq_len} ({positions}, under memtrain's {TrainConfig.seq_len}; --seq-len)"
 
 
 def parameter_line(result: dict[str, Any]) -> str:

@@ -10,7 +10,8 @@ import errno
 import re
 from typing import Optional
 
-__all__ = ["ConfigError", "denied_access", "first_line", "is_out_of_memory", "name_too_long", "one_line", "require", "shortened"]
+__all__ = ["ConfigError", "denied_access", "first_line", "is_out_of_memory", "name_too_long", "one_line", "require", "shortened",
+           "typed_first_line"]
 
 
 class ConfigError(ValueError):
@@ -33,6 +34,13 @@ def first_line(exc: BaseException) -> str:
     one-line ``error:`` says of a library's multi-line exception."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def typed_first_line(exc: BaseException) -> str:
+    """``Type: first line`` of ``exc`` (nothing after the colon when its message is empty): how a
+    failure that is not bad input is named in an ``error:`` line or a bench row's ``error``."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def one_line(text: str) -> str:

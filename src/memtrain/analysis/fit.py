@@ -28,7 +28,7 @@ from memtrain.analysis.limits import MAX_WIDTH
 from memtrain.analysis.plan import default_space, plan
 from memtrain.config.run import ConfigError, ModelConfig, RunConfig
 from memtrain.devices.gpu_memory import gpu_memory
-from memtrain.devices.numerics import numerics_changes, numerics_note
+from memtrain.devices.numerics import fewest_changes_first, numerics_note
 from memtrain.models.spec import is_hf, rotary_positions
 
 __all__ = ["ContextBound", "DEFAULT_LENGTH_MULTIPLE", "FitVerdict", "at_seq_len", "bisect_fitting", "budget_for",
@@ -447,10 +447,10 @@ def cheapest_changes(cfg: RunConfig, arch: Arch, device_type: str, budget_bytes:
     except ConfigError:  # nothing in the space fits
         return []
     current = {k: getattr(tech, k) for k in space}
-    # plan's rule (memtrain.commands.plan._recommended): the fewest numerics changes first, then
-    # the fastest (a stable sort keeps plan's time order), so that with no standard choice the
-    # first suggestion adds no 8-bit optimizer state or pure BF16 weights the others do without.
-    ranked = sorted(res.candidates, key=lambda c: len(numerics_changes({**current, **c.techniques})))
+    # plan's rule: the fewest numerics changes first, then the fastest, so that with no standard
+    # choice the first suggestion adds no 8-bit optimizer state or pure BF16 weights the others do without.
+    order = fewest_changes_first([{**current, **c.techniques} for c in res.candidates])
+    ranked = [res.candidates[i] for i in order]
     out = []
     for c in ranked[:limit]:
         flags = [f"--{k.replace('_', '-')} {v}" for k, v in c.techniques.items() if v != current[k]]

@@ -25,7 +25,7 @@ from typing import Any
 
 from memtrain.analysis.estimate.method import estimate_step, model_arch
 from memtrain.config.run import ConfigError, build_config
-from memtrain.errors import is_out_of_memory
+from memtrain.errors import is_out_of_memory, typed_first_line
 from memtrain.files.results import write_json_atomic
 from memtrain.runtime.extras import quiet_third_party
 from memtrain.runtime.notices import SlowPrecisionWarning
@@ -80,7 +80,7 @@ def row_estimate(cfg: Any) -> dict[str, Any]:
         device_type = resolve_device(cfg.train.device).type
         return estimate_step(cfg, device_type, model_arch(cfg), world_size=world, shard=shard).json
     except Exception as exc:  # noqa: BLE001 - an estimator gap must not lose the measured row
-        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+        return {"error": typed_first_line(exc)}
 
 
 def main(argv: list[str]) -> int:
@@ -99,7 +99,7 @@ def main(argv: list[str]) -> int:
         if isinstance(exc, KeyboardInterrupt):
             raise
         status = "oom" if is_out_of_memory(exc) else "error"  # CPU's "can't allocate memory" too
-        result = {"status": status, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+        result = {"status": status, "error": typed_first_line(exc),
                   "traceback": traceback.format_exc(limit=8)}
     if rank == 0:
         write_json_atomic(out_path, result)

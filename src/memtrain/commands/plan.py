@@ -29,7 +29,7 @@ from memtrain.commands.estimate import (
 from memtrain.config.argtypes import batch_count, positive_int, user_path
 from memtrain.config.run import ConfigError, parse_size
 from memtrain.devices.gpu_kinds import has_fp8
-from memtrain.devices.numerics import is_standard, numerics_changes, numerics_key, numerics_note
+from memtrain.devices.numerics import fewest_changes_first, is_standard, numerics_key, numerics_note
 from memtrain.files.bench_store import bench_results_file, latest_settings, read_results_counted, rows_under
 from memtrain.report.noise import (
     FACTOR,
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
                progress=False if args.json else None)
 
     techs = [{**asdict(cfg.technique), **c.techniques} for c in res.candidates]
-    rec = _recommended(techs)
+    rec = fewest_changes_first(techs)[0]  # the fastest of those that change the numerics least
     shown = list(range(min(args.top, len(techs)))) + ([rec] if rec >= args.top else [])
     res.slower += len(res.candidates) - len(shown)  # every fitting set was ranked (top=10**6); these fit but are not shown
     res.candidates = [res.candidates[i] for i in shown]
@@ -232,15 +232,6 @@ def _card(gpu: Optional[str], device_type: str) -> Optional[str]:
     by: --gpu, else on CUDA the "default" kind that `estimate --budget` and `maxbatch` assume there.
     Live tensor bytes alone recommended batches those commands say do not fit the same budget."""
     return gpu or ("default" if device_type == "cuda" else None)
-
-
-def _recommended(techs: list[dict[str, Any]]) -> int:
-    """The index of the choice to recommend among ``techs`` (fastest first): the fastest of those
-    that change the numerics least. The fastest candidate may change the weights' or the
-    optimizer's arithmetic, which its speed alone does not show; a standard choice changes
-    nothing, and when none fits, a change the others need too (LoRA, pure BF16 weights) is no
-    reason to add another (8-bit optimizer state) for a modelled gain."""
-    return min(range(len(techs)), key=lambda i: (len(numerics_changes(techs[i])), i))
 
 
 def _check_max_len(args: argparse.Namespace, cfg: Any, arch: Any, device_type: str) -> None:

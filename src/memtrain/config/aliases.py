@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from memtrain.techniques.facts import ADAM_EPSILON
+
 
 @dataclass(frozen=True)
 class Alias:
@@ -70,11 +72,6 @@ def _num_train_epochs(value: Any) -> dict[str, Any]:
     raise ValueError(f"--num_train_epochs {value} has no memtrain equivalent: memtrain runs a number of optimizer "
                      "steps; use --steps N (--max_steps N), one epoch being the training blocks / "
                      "(--batch-size x --grad-accum)")
-
-
-# The eps every AdamW memtrain builds uses (torch's, torchao's and bitsandbytes' default), which is
-# also the Trainer's default --adam_epsilon.
-ADAM_EPSILON = 1e-8
 
 
 def _adam_epsilon(value: Any) -> dict[str, Any]:

@@ -26,19 +26,7 @@ MAX_CONFIG_BYTES = 16 * 2**20
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML or TOML config file into a dict (sections or flat keys)."""
     p = Path(path)
-    require(not p.is_dir(), f"--config {str(p)!r} is a directory; give a YAML, TOML or JSON file")
-    kind = special_file_kind(p)  # a FIFO (never opened: it would block), a device: named, not "not found"
-    require(kind is None, f"config file {str(p)!r} is {kind}, not a file; give a YAML, TOML or JSON file")
-    require(p.is_file(), f"config file {str(p)!r} not found; check the --config path")
-    size = p.stat().st_size
-    # Read whole before parsing: a data file given as --config (corpus.json, GBs) took minutes and
-    # tens of GB before being refused as "holds a list"; settings take a few KB.
-    require(size <= MAX_CONFIG_BYTES, f"config file {str(p)!r} is {size / 2**20:,.1f} MiB, more than the "
-             f"{MAX_CONFIG_BYTES // 2**20} MiB a config file may be (settings take a few KB); if it is text to "
-             "train on, give it as --data")
-    suffix = p.suffix.lower()
-    if suffix not in (".toml", ".yaml", ".yml", ".json"):
-        raise ConfigError(f"config file {str(p)!r} must end in .yaml, .yml, .toml or .json")
+    suffix = _config_suffix(p)
     try:
         text = p.read_text(encoding="utf-8")
         data = _parse_config_text(text, suffix)
@@ -53,14 +41,39 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(p)!r} holds a {type(data).__name__}; it must be a mapping of settings "
                           "(key: value, optionally under model/data/technique/train)")
+    _check_key_types(data, str(p))
+    data = _checked_sections(data, str(p))
+    _check_placement(data, str(p))
+    return data
+
+
+def _config_suffix(p: Path) -> str:
+    """The suffix of the config file ``p``, lower-cased, once ``p`` is known to be a regular file
+    of a config's size and kind; ConfigError naming what to change otherwise. Nothing is opened."""
+    require(not p.is_dir(), f"--config {str(p)!r} is a directory; give a YAML, TOML or JSON file")
+    kind = special_file_kind(p)  # a FIFO (never opened: it would block), a device: named, not "not found"
+    require(kind is None, f"config file {str(p)!r} is {kind}, not a file; give a YAML, TOML or JSON file")
+    require(p.is_file(), f"config file {str(p)!r} not found; check the --config path")
+    size = p.stat().st_size
+    # Read whole before parsing: a data file given as --config (corpus.json, GBs) took minutes and
+    # tens of GB before being refused as "holds a list"; settings take a few KB.
+    require(size <= MAX_CONFIG_BYTES, f"config file {str(p)!r} is {size / 2**20:,.1f} MiB, more than the "
+            f"{MAX_CONFIG_BYTES // 2**20} MiB a config file may be (settings take a few KB); if it is text to "
+            "train on, give it as --data")
+    suffix = p.suffix.lower()
+    if suffix not in (".toml", ".yaml", ".yml", ".json"):
+        raise ConfigError(f"config file {str(p)!r} must end in .yaml, .yml, .toml or .json")
+    return suffix
+
+
+def _check_key_types(data: dict[Any, Any], shown: str) -> None:
+    """Every key of the file's top level and of its sections is text (YAML reads ``1:`` or ``true:``
+    as a number or a bool), as a setting's name is."""
     for key, value in data.items():
         inner = value.keys() if isinstance(value, dict) else ()
         for k in (key, *inner):
             if not isinstance(k, str):
-                raise ConfigError(f"config file {str(p)!r} has the key {k!r}; keys are setting names such as d_model")
-    data = _checked_sections(data, str(p))
-    _check_placement(data, str(p))
-    return data
+                raise ConfigError(f"config file {shown!r} has the key {k!r}; keys are setting names such as d_model")
 
 
 def _checked_sections(data: dict[str, Any], shown: str) -> dict[str, Any]:

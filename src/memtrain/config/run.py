@@ -186,17 +186,17 @@ class DataConfig:
         # the default corpus when --data was forgotten next to --text-field).
         plain = self.data == "default" or (not glob.has_magic(self.data) and self.data.lower().endswith(".txt"))
         require(self.text_field is None or not plain,
-                 f"--text-field {self.text_field} names a field of a structured --data (.jsonl, .json, .parquet, .csv, "
-                 f"Posts.xml, hf:...); --data {self.data} is plain text: give that --data or drop --text-field")
+                f"--text-field {self.text_field} names a field of a structured --data (.jsonl, .json, .parquet, .csv, "
+                f"Posts.xml, hf:...); --data {self.data} is plain text: give that --data or drop --text-field")
         require(self.hf_split == "train" or self.data.startswith("hf:"),
-                 f"--hf-split {self.hf_split} picks a split of an hf: --data; --data {self.data} has none: give "
-                 "--data hf:NAME or drop --hf-split")
+                f"--hf-split {self.hf_split} picks a split of an hf: --data; --data {self.data} has none: give "
+                "--data hf:NAME or drop --hf-split")
         require(0.0 < self.val_fraction < 1.0, f"--val-fraction must be in (0, 1), got {self.val_fraction}")
         require(self.val_blocks > 0, f"--val-blocks must be positive, got {self.val_blocks}")
         require(self.num_workers >= 0, f"--num-workers must be >= 0, got {self.num_workers}")
         check_at_most("--num-workers", self.num_workers, MAX_RANKS)
         require(self.prefetch_factor is None or self.prefetch_factor >= 1,
-                 f"--prefetch-factor must be at least 1 (batches each worker loads ahead), got {self.prefetch_factor}")
+                f"--prefetch-factor must be at least 1 (batches each worker loads ahead), got {self.prefetch_factor}")
         require(
             self.prefetch_factor is None or self.num_workers > 0,
             "--prefetch-factor needs --num-workers > 0; set --num-workers 2 or drop --prefetch-factor",
@@ -300,29 +300,29 @@ class TechniqueConfig:
         require(self.window is None or self.window > 0, f"--window must be positive, got {self.window}")
         require(self.loss_chunk >= 0, f"--loss-chunk must be positive (or 0: by device), got {self.loss_chunk}")
         require(self.loss_kernel in LOSS_KERNELS,
-                 f"unknown --loss-kernel {self.loss_kernel!r}; choose one of {', '.join(LOSS_KERNELS)}")
+                f"unknown --loss-kernel {self.loss_kernel!r}; choose one of {', '.join(LOSS_KERNELS)}")
         require(self.loss_kernel == "memtrain" or self.loss == "chunked",
-                 f"--loss-kernel {self.loss_kernel} picks the kernel of --loss chunked; add --loss chunked "
-                 "or drop --loss-kernel")
+                f"--loss-kernel {self.loss_kernel} picks the kernel of --loss chunked; add --loss chunked "
+                "or drop --loss-kernel")
         precision_error = loss_kernel_precision_error(self.loss_kernel, self.precision)
         require(precision_error is None, precision_error or "")
         require(self.optim_block >= 0 and self.optim_block % 2 == 0,
-                 f"--optim-block must be 0 (torchao's default) or a positive even number, e.g. 256; got {self.optim_block}")
+                f"--optim-block must be 0 (torchao's default) or a positive even number, e.g. 256; got {self.optim_block}")
         require(self.lora_rank >= 0, f"--lora-rank must be >= 0, got {self.lora_rank}")
         require(math.isfinite(self.lora_alpha) and self.lora_alpha > 0, f"--lora-alpha must be positive, got {self.lora_alpha}")
         require(0.0 <= self.lora_dropout < 1.0, f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
         require(self.compile_mode in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
-                 f"unknown --compile-mode {self.compile_mode!r}; choose default, reduce-overhead or max-autotune")
+                f"unknown --compile-mode {self.compile_mode!r}; choose default, reduce-overhead or max-autotune")
         require(self.compile_scope in ("model", "block"), f"unknown --compile-scope {self.compile_scope!r}; choose model or block")
         parse_checkpointing(self.checkpointing)
         # torchao's float8 training casts trainable high-precision Linear weights per matmul: a LoRA
         # base is frozen (peft wraps it) and QLoRA's is NF4, neither a weight it converts.
         require(not (self.precision == "fp8" and (self.lora_rank or self.qlora)),
-                 "--precision fp8 trains every weight (torchao float8 training); with --lora-rank/--qlora use "
-                 "--precision bf16")
+                "--precision fp8 trains every weight (torchao float8 training); with --lora-rank/--qlora use "
+                "--precision bf16")
         require(not (self.offload_activations and self.distributed.startswith("deepspeed")),
-                 f"--offload-activations wraps memtrain's own train step, but --distributed {self.distributed} runs "
-                 "DeepSpeed's engine step: use --distributed zero2 or fsdp, or drop --offload-activations")
+                f"--offload-activations wraps memtrain's own train step, but --distributed {self.distributed} runs "
+                "DeepSpeed's engine step: use --distributed zero2 or fsdp, or drop --offload-activations")
         self._check_compile_memory_budget()
 
     def _check_compile_memory_budget(self) -> None:
@@ -330,7 +330,7 @@ class TechniqueConfig:
         if budget is None:
             return
         require(math.isfinite(budget) and 0.0 < budget <= 1.0,
-                 f"--compile-memory-budget must be in (0, 1] (1 = torch's default partition), got {budget}")
+                f"--compile-memory-budget must be in (0, 1] (1 = torch's default partition), got {budget}")
         require(self.compile, "--compile-memory-budget sets torch.compile's partitioner: add --compile")
 
 
@@ -344,7 +344,8 @@ class TrainConfig:
     """Optimisation loop, evaluation, checkpoints and output."""
 
     batch_size: int = _f(8, "Micro-batch size (sequences per forward/backward).")
-    seq_len: int = _f(256, "Tokens per training sequence (<= --max-seq-len).")
+    seq_len: int = _f(256, "Tokens per training sequence (<= --max-seq-len; when not given, a model with fewer "
+                           "positions than this default trains at its own length).")
     steps: int = _f(200, "Optimizer steps (one epoch is 200 steps by default).")
     grad_accum: int = _f(1, "Micro-batches per optimizer step (gradient_accumulation_steps).")
     lr: float = _f(3e-4, "Peak learning rate.")
@@ -414,9 +415,9 @@ class TrainConfig:
         for name in ("batch_size", "grad_accum"):  # a batch of 10**30 overflows torch or hangs a search
             check_at_most(f"--{name.replace('_', '-')}", getattr(self, name), MAX_BATCH)
         require(math.isfinite(self.lr) and 0 < self.lr <= MAX_LR,
-                 f"--lr must be positive and at most {MAX_LR:g} (larger diverges at once), got {self.lr}")
+                f"--lr must be positive and at most {MAX_LR:g} (larger diverges at once), got {self.lr}")
         require(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
-                 f"--weight-decay must be >= 0 and finite, got {self.weight_decay}")
+                f"--weight-decay must be >= 0 and finite, got {self.weight_decay}")
         for name in ("beta1", "beta2"):
             require(0.0 <= getattr(self, name) < 1.0, f"--{name} must be in [0, 1), got {getattr(self, name)}")
         require(0 <= self.seed < 2**32, f"--seed must be in [0, 2**32), got {self.seed}")
@@ -434,8 +435,8 @@ class TrainConfig:
         # Without --save the periodic checkpoints would go nowhere, silently (the Trainer's
         # save_steps writes into output_dir: a user of the alias expects files).
         require(not self.save_every or self.save is not None,
-                 f"--save-every {self.save_every} checkpoints to --save PATH, and no --save is given; add --save "
-                 f"(e.g. --save {self.out.rstrip('/') or 'runs/train'}/ckpt.pt) or drop --save-every")
+                f"--save-every {self.save_every} checkpoints to --save PATH, and no --save is given; add --save "
+                f"(e.g. --save {self.out.rstrip('/') or 'runs/train'}/ckpt.pt) or drop --save-every")
         require(self.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         require(self.schedule in ("cosine", "constant"), f"unknown --schedule {self.schedule!r}; choose cosine or constant")
         require(math.isfinite(self.grad_clip) and self.grad_clip >= 0, f"--grad-clip must be >= 0 and finite, got {self.grad_clip}")
@@ -444,13 +445,13 @@ class TrainConfig:
         bad = [s for s in self.report_to.split(",") if s.strip() not in ("none", "tensorboard", "wandb")]
         require(not bad, f"unknown --report-to {bad[0] if bad else ''!r}; choose none, tensorboard or wandb (comma-separated)")
         require(self.stop_after is None or 0 < self.stop_after <= self.steps,
-                 f"--stop-after must be between 1 and --steps ({self.steps}), got {self.stop_after}")
+                f"--stop-after must be between 1 and --steps ({self.steps}), got {self.stop_after}")
         self._check_module_table()
 
     def _check_module_table(self) -> None:
         """--module-depth and --module-top shape --memory-by-module's table: valid, and only with it."""
         require(self.module_depth is None or self.module_depth >= 1,
-                 f"--module-depth must be >= 1 (1: top-level modules such as blocks, 2: blocks.0), got {self.module_depth}")
+                f"--module-depth must be >= 1 (1: top-level modules such as blocks, 2: blocks.0), got {self.module_depth}")
         require(self.module_top >= 1, f"--module-top must be >= 1, got {self.module_top}")
         if not self.memory_by_module:
             named = "--module-depth" if self.module_depth is not None else "--module-top" if self.module_top != DEFAULT_MODULE_TOP else None
@@ -512,9 +513,9 @@ class RunConfig:
             )
         if self.technique.lora_rank:
             require(self.technique.lora_rank <= self.model.d_model,
-                     f"--lora-rank {self.technique.lora_rank} exceeds the hidden size {self.model.d_model} of "
-                     f"--model {hf!r}; lower --lora-rank" if hf else
-                     f"--lora-rank {self.technique.lora_rank} exceeds --d-model {self.model.d_model}")
+                    f"--lora-rank {self.technique.lora_rank} exceeds the hidden size {self.model.d_model} of "
+                    f"--model {hf!r}; lower --lora-rank" if hf else
+                    f"--lora-rank {self.technique.lora_rank} exceeds --d-model {self.model.d_model}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

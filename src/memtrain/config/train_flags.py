@@ -5,7 +5,6 @@ which train refuses and those arguments leave out.
 
 from __future__ import annotations
 
-import shlex
 from dataclasses import fields
 from typing import Any
 
@@ -67,9 +66,3 @@ def _flag(name: str, value: Any) -> list[str]:
     if value is None:
         return [dashed, "none"]  # Optional fields read "none" as None (_coerce)
     return [dashed, repr(value) if isinstance(value, float) else str(value)]
-
-
-def train_command(cfg: RunConfig) -> str:
-    """``memtrain train ...`` for ``cfg``, quoted for a POSIX shell."""
-
-    return shlex.join(["memtrain", "train", *train_flags(cfg)])

@@ -373,7 +373,8 @@ def check_dataset_folder(folder: Path, data: str) -> None:
 
 
 def _hf_documents(cfg: DataConfig) -> Iterator[str]:
-    """Documents of an ``hf:`` source, streamed through ``datasets.load_dataset``."""
+    """Documents of an ``hf:`` source: a Hub data set streamed, a ``save_to_disk`` folder through
+    ``datasets.load_from_disk``, other local files through ``datasets.load_dataset``."""
     kind, target = _parse_hf(cfg.data)
     if kind == "hub":
         yield from _hub_documents(target, cfg)

@@ -9,7 +9,7 @@ ones; the bench report uses :func:`numerics_key` to find rows whose PPL differen
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from memtrain.techniques.facts import PRECISION_FACTS
 
@@ -42,6 +42,16 @@ def numerics_changes(tech: Mapping[str, Any]) -> list[str]:
     if tech.get("lora_rank"):
         notes.append("LoRA: trains adapters only, the base is frozen")
     return notes
+
+
+def fewest_changes_first(techs: Sequence[Mapping[str, Any]]) -> list[int]:
+    """The indices of ``techs`` (candidates, fastest first) reordered by how many numerics changes
+    each makes, fewest first, ties kept fastest first: plan recommends the first, and
+    ``estimate --budget`` suggests in this order. The fastest candidate may change the weights' or
+    the optimizer's arithmetic, which its speed alone does not show; a standard choice changes
+    nothing, and when none fits, a change the others need too (LoRA, pure BF16 weights) is no
+    reason to add another (8-bit optimizer state) for a modelled gain."""
+    return sorted(range(len(techs)), key=lambda i: len(numerics_changes(techs[i])))
 
 
 def is_standard(tech: Mapping[str, Any]) -> bool:

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
-from memtrain.errors import ConfigError, first_line, one_line
+from memtrain.errors import ConfigError, first_line, one_line, typed_first_line
 
 # Set by memtrain.distributed.launch for the ranks it starts: the launcher prints the error line (once,
 # after torch's launcher has gone quiet) and holds the --out lock for the ranks.
@@ -199,8 +199,7 @@ def error_line(exc: BaseException) -> str:
     """The one ``error:`` line the CLI prints for ``exc`` (bad input, or another failure)."""
     if isinstance(exc, ConfigError):
         return f"error: {exc}"
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"error: {type(exc).__name__}: {first} (set MEMTRAIN_DEBUG=1 for the traceback)"
+    return f"error: {typed_first_line(exc)} (set MEMTRAIN_DEBUG=1 for the traceback)"
 
 
 _said = False

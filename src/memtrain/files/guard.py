@@ -57,6 +57,11 @@ def _link_target_problem(path: Path, roots: tuple[Path, ...]) -> Optional[str]:
     return None
 
 
+# How a size-limit problem begins, so that a caller can give its own advice for a file too large
+# to read whole (as models.spec does) without matching the wording of every other problem.
+TOO_LARGE = "larger than"
+
+
 def regular_file_problem(path: Path, root: Path, link_roots: Iterable[Path] = (),
                          max_bytes: Optional[int] = None) -> Optional[str]:
     """None when ``path`` may be opened as a file of the folder ``root``; else why not, in words.
@@ -81,7 +86,7 @@ def regular_file_problem(path: Path, root: Path, link_roots: Iterable[Path] = ()
     if not stat.S_ISREG(st.st_mode):
         return f"{file_kind(st.st_mode)}, not a regular file"
     if max_bytes is not None and st.st_size > max_bytes:
-        return f"larger than {max_bytes:,} bytes"
+        return f"{TOO_LARGE} {max_bytes:,} bytes"
     return None
 
 

@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Optional
 
-# A leaf import (not memtrain.config.run): config itself parses its files with loads_bounded.
+# A leaf import (not memtrain.config.run), as in every module of memtrain.files: config reads its
+# files through this package (config.file: files.json_text, files.guard), so files imports no config.
 from memtrain.errors import ConfigError
 from memtrain.files.json_text import bounded_lines, dumps, loads_bounded
 

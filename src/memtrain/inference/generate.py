@@ -75,9 +75,17 @@ def transformers_codec(tok: Any) -> Codec:
     """A transformers tokenizer; a prompt is framed as training framed a document: after the
     tokenizer's bos when it adds one (Llama), which an empty prompt then starts from."""
     prefix = leading_special_ids(tok)
-    start = prefix[-1] if prefix else tok.eos_token_id if tok.eos_token_id is not None else tok.bos_token_id
     return Codec(lambda text: prefix + list(tok(text, add_special_tokens=False)["input_ids"]),
-                 lambda ids: tok.decode(ids, clean_up_tokenization_spaces=False), start, len(tok))
+                 lambda ids: tok.decode(ids, clean_up_tokenization_spaces=False), _start_id(tok, prefix), len(tok))
+
+
+def _start_id(tok: Any, prefix: list[int]) -> Optional[int]:
+    """The id an empty prompt starts from: the last of ``prefix`` (the bos a Llama tokenizer puts
+    before every document), else the eos that ends the document before, else the bos; None when
+    the tokenizer has neither."""
+    if prefix:
+        return prefix[-1]
+    return tok.eos_token_id if tok.eos_token_id is not None else tok.bos_token_id
 
 
 # --------------------------------------------------------------------------- what to sample from

@@ -34,7 +34,7 @@ from typing import Any, Optional
 from memtrain.config.archs import GPT2_ARCH, LLAMA_ARCH
 from memtrain.config.presets import PRESETS
 from memtrain.errors import ConfigError, shortened
-from memtrain.files.guard import folder_entry_problems, special_file_kind, visible_entries
+from memtrain.files.guard import TOO_LARGE, folder_entry_problems, special_file_kind, visible_entries
 from memtrain.models.hub_access import from_pretrained_kwargs, offline_hint
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -464,7 +464,7 @@ def check_model_folder(folder: Path, spec: str) -> None:
             entries += visible_entries(folder / sub, recursive=True)
     for entry, why in folder_entry_problems(folder, entries, _snapshot_blobs(folder), _read_whole_limit):
         name = str(entry.relative_to(folder))
-        if why.startswith("larger than"):
+        if why.startswith(TOO_LARGE):
             raise ConfigError(f"--model {spec!r}: {name!r} is {why}, the most memtrain lets transformers read whole "
                               "into memory; replace it with the model's own file")
         raise ConfigError(f"--model {spec!r}: {name!r} is {why}; a model folder may hold only regular files "

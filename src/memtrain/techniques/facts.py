@@ -333,6 +333,9 @@ LOW_BIT_MIN_NUMEL = 4096
 # Optimizers that can update BF16 weights without an FP32 master copy (``--precision bf16-pure``):
 # torchao's, whose update is rounded stochastically.
 BF16_PURE_OPTIMS: tuple[str, ...] = ("adamw", "adamw-8bit", "adamw-4bit")
+# The eps every AdamW memtrain builds uses: none passes its own, and this is torch's, torchao's
+# and bitsandbytes' default (and the Trainer's --adam_epsilon default, which is accepted at it).
+ADAM_EPSILON = 1e-8
 
 
 def optimizer_kernel(optim: str, precision: str, device_type: str) -> str:

@@ -12,7 +12,7 @@ from memtrain.analysis.flops.inventory import inventory_step, not_covered
 from memtrain.config.run import ConfigError, RunConfig
 from memtrain.devices.gpu_kinds import GPU_KINDS, gpu_table_key, named_gpu_key, peak_of, unknown_gpu_line
 from memtrain.runtime.extras import cpu_only_torch
-from memtrain.techniques.facts import precision_facts
+from memtrain.techniques.facts import PRECISION_FACTS, precision_facts
 
 
 # --------------------------------------------------------------------------- roofline
@@ -63,7 +63,11 @@ def resolve_roof(gpu: Optional[str], precision: str) -> Roof:
     peak = peak_of(kind.flops, dtype)
     vector = peak_of(kind.flops, "fp32")
     if not peak or not vector:
-        raise ConfigError(f"--gpu {key} has no {dtype} tensor cores; choose --precision fp16 or fp32")
+        # Name what this card runs: "fp16 or fp32" was offered to an A100 asked for fp8, whose
+        # BF16 is the usual choice, while plan named FP8 cards for the same request.
+        runs = [p for p, f in PRECISION_FACTS.items() if peak_of(kind.flops, f.matmul_type)]
+        raise ConfigError(f"--gpu {key} has no {dtype.upper()} tensor cores for --precision {precision}; choose "
+                          f"one of --precision {', '.join(runs)} (the matmul types it has)")
     return Roof(kind.name, key, dtype, float(peak), float(vector), float(kind.mem_bandwidth))
 
 

@@ -16,7 +16,7 @@ from memtrain.bench.hf.probe import hf_step_peak
 from memtrain.bench.hf.rows import probe_at
 from memtrain.bench.hf.trainer_side import run_theirs
 from memtrain.config.run import ConfigError, RunConfig, build_config
-from memtrain.errors import is_out_of_memory
+from memtrain.errors import is_out_of_memory, typed_first_line
 from memtrain.files.results import write_json_atomic
 
 
@@ -80,7 +80,7 @@ def worker_main(side: str, spec_path: str, out_path: str) -> int:
         import traceback
 
         oom = is_out_of_memory(exc)  # CUDA's OutOfMemoryError and the CPU allocator's refusal alike
-        msg = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        msg = typed_first_line(exc)
         result = {"status": "oom" if oom else ("not available yet" if "not wired" in msg else "error"),
                   "error": msg, "traceback": traceback.format_exc(limit=10)}
     result["worker_wall_s"] = time.perf_counter() - start
