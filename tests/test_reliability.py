@@ -349,6 +349,20 @@ def test_a_commands_own_option_in_a_config_file_is_named_as_one(tmp_path, capsys
     assert f"give {flag} on the command line" in line and "--compile-memory-budget" not in line, line
 
 
+@pytest.mark.parametrize("text, named", [("train:\n  stepz: 3\n", "unknown option --stepz; did you mean --steps?"),
+                                         ("learning_rat: 0.1\n", "did you mean --learning-rate?"),
+                                         ("foo: 1\n", "unknown option --foo; see --help")])
+def test_an_unknown_key_in_a_config_file_names_the_file(tmp_path, capsys, text, named):
+    """A key no section has read "unknown option --foo", the words of a mistyped flag: the user
+    could not tell the file held it. The line names the file; a flag still reads as before."""
+    (tmp_path / "c.yaml").write_text(text)
+    out = tmp_path / "out"
+    assert main(["train", "--config", str(tmp_path / "c.yaml"), "--out", str(out)]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert line.startswith(f"error: config file {str(tmp_path / 'c.yaml')!r}: ") and named in line, line
+    assert not out.exists()
+
+
 def test_empty_data_file_and_command_counts_are_refused(tiny_run, tmp_path, capsys):
     (tmp_path / "empty.jsonl").write_text("")
     assert main(["train", *cli_flags({**tiny_run, "data": str(tmp_path / "empty.jsonl")})]) == 2

@@ -29,7 +29,9 @@ from memtrain.config.aliases import (
     ALIASES,
     BY_NAME,
     EXPANDED,
+    WARMUP_RATIO,
     flag_text,
+    normalize,
     refuse_disagreement,
     switch_value,
 )
@@ -46,6 +48,7 @@ from memtrain.config.run import (
     check_cache_env,
     field_index,
     flatten,
+    unknown_option_line,
 )
 from memtrain.config.train_flags import dormant_settings
 from memtrain.devices.forced import check_forced_env
@@ -242,23 +245,28 @@ def add_config_flags(parser: argparse.ArgumentParser, sections: Sequence[str] = 
     _add_aliases(parser, added)
 
 
-def _refuse_command_options_in_file(args: argparse.Namespace, file_layer: dict[str, Any]) -> None:
+def _refuse_foreign_keys_in_file(args: argparse.Namespace, file_layer: dict[str, Any]) -> None:
     """A config file holds run settings (the model, data, technique and train sections), not the
     command's own options: ``memory_budget`` in maxbatch's file was refused as "unknown option
-    --memory-budget; did you mean --compile-memory-budget?", an option maxbatch's --help lists."""
+    --memory-budget; did you mean --compile-memory-budget?", an option maxbatch's --help lists.
+    A name that is no setting at all is refused naming the file too: the same line for a flag
+    and for a file's key left the user to find which of the two held it."""
     try:
-        keys = flatten(file_layer)
+        keys = normalize(flatten(file_layer))  # the Trainer's names become ours, as build_config reads them
     except ValueError:
         return  # build_config names what is wrong with the file
     index = field_index()
     parser = getattr(args, "_parser", None)
     options = parser._option_string_actions if parser is not None else {}  # this command's own flags
+    where = f"config file {str(args.config)!r}"
     for key in keys:
         flag = "--" + key.replace("_", "-")
-        if key not in index and key not in BY_NAME and flag in options:
-            raise ConfigError(f"config file {str(args.config)!r}: {key} is an option of this command, not a run "
-                              f"setting (a config file holds the model, data, technique and train settings); "
-                              f"give {flag} on the command line")
+        if key in index or key == WARMUP_RATIO:
+            continue
+        if flag in options:
+            raise ConfigError(f"{where}: {key} is an option of this command, not a run setting (a config file holds "
+                              f"the model, data, technique and train settings); give {flag} on the command line")
+        raise ConfigError(f"{where}: {unknown_option_line(key)}")
 
 
 def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = None,
@@ -275,7 +283,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = 
     known = {f.name for cls in SECTIONS.values() for f in fields(cls)} | EXPANDED
     flags = {k: v for k, v in vars(args).items() if k in known}
     file_layer = load_config_file(args.config) if getattr(args, "config", None) else {}
-    _refuse_command_options_in_file(args, file_layer)
+    _refuse_foreign_keys_in_file(args, file_layer)
     given = given_settings(file_layer, flags)  # the user's settings, read once
     resume = given.get("resume") if resumed else None
     moved_from = None  # the --save a moved or copied checkpoint was written as

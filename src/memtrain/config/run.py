@@ -633,6 +633,15 @@ def _setting_name(key: Any) -> str:
     return key.replace("-", "_")
 
 
+def unknown_option_line(key: str) -> str:
+    """The refusal of a setting name no section has, with the closest name as a hint. The
+    Trainer's names are settings too (a file's `learning_rat` means `learning_rate`), as the
+    command line's own suggestion offers them."""
+    close = difflib.get_close_matches(key, [*field_index(), *ALIASES_BY_NAME], n=1)
+    hint = f"; did you mean --{close[0].replace('_', '-')}?" if close else "; see --help for the options"
+    return f"unknown option --{key.replace('_', '-')}{hint}"
+
+
 def build_config(*layers: dict[str, Any]) -> RunConfig:
     """Merge layers of settings (later wins) into a validated RunConfig.
 
@@ -655,11 +664,7 @@ def build_config(*layers: dict[str, Any]) -> RunConfig:
         flat.pop(WARMUP_RATIO, None)
         for key, value in flat.items():
             if key not in index:
-                # The Trainer's names are settings too (a file's `learning_rat` means `learning_rate`),
-                # as the command line's own suggestion offers them.
-                close = difflib.get_close_matches(key, [*index, *ALIASES_BY_NAME], n=1)
-                hint = f"; did you mean --{close[0].replace('_', '-')}?" if close else "; see --help for the options"
-                raise ConfigError(f"unknown option --{key.replace('_', '-')}{hint}")
+                raise ConfigError(unknown_option_line(key))
             section = index[key]
             per_section[section][key] = _coerce(SECTIONS[section], key, value)
     if warmup_ratio is not None:
