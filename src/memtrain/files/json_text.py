@@ -5,6 +5,8 @@ serialisation every JSON file memtrain writes goes through.
 - :func:`loads_bounded` / :func:`json_depth_error`: the nesting is measured by a cheap scan
   (:class:`JsonDepthScan`) before any parser recurses into it; integers longer than
   MAX_INT_DIGITS and non-finite numbers are refused as ValueError, never a crash.
+- :func:`bounded_lines` / :func:`bounded_jsonl_lines`: a file's lines in bounded pieces, and
+  whole lines up to MAX_JSONL_LINE_BYTES (a longer one is read past, never held).
 - :func:`dumps` / :func:`json_safe`: JSON never holds ``NaN`` (non-finite floats become
   ``null``; ``json.dumps`` would otherwise write the invalid token).
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import IO, Any, Callable, Optional
 
 # Deeper nesting than this is refused before any parser sees it: Python's json and yaml
@@ -116,6 +118,31 @@ def bounded_lines(fh: IO[bytes], piece: int = SCAN_PIECE_BYTES) -> Iterable[byte
     the last ends with a newline): memory stays bounded however long a line is."""
     while chunk := fh.readline(piece):
         yield chunk
+
+
+# A JSON-lines line longer than this is skipped unread: a bench row is about 10 KB, and a line of
+# 2 GB (a sparse or foreign results.jsonl) took `report` 6 GB of memory and 28 s to skip.
+MAX_JSONL_LINE_BYTES = 16 << 20
+
+
+def bounded_jsonl_lines(fh: IO[bytes], most: Optional[int] = None) -> Iterator[Optional[bytes]]:
+    """Each line of a binary file, or None for one longer than ``most`` bytes
+    (MAX_JSONL_LINE_BYTES), which is read past in pieces, never held whole."""
+    most = MAX_JSONL_LINE_BYTES if most is None else most
+    pieces: list[bytes] = []
+    size, too_long = 0, False
+    for piece in bounded_lines(fh):
+        size += len(piece)
+        too_long = too_long or size > most
+        if too_long:
+            pieces.clear()
+        else:
+            pieces.append(piece)
+        if piece.endswith(b"\n"):
+            yield None if too_long else b"".join(pieces)
+            pieces, size, too_long = [], 0, False
+    if size:
+        yield None if too_long else b"".join(pieces)
 
 
 def _bounded_int(text: str) -> int:

@@ -35,15 +35,15 @@ import shutil
 import stat
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 # A leaf import (not memtrain.config.run), as in every module of memtrain.files: config reads its
 # files through this package (config.file: files.json_text, files.guard), so files imports no config.
 from memtrain.errors import ConfigError
-from memtrain.files.json_text import bounded_lines, dumps, loads_bounded
+from memtrain.files.json_text import bounded_jsonl_lines, dumps, loads_bounded
 
 LOCK_NAME = ".memtrain.lock"
 # The bench store: one row per line, appended as each row finishes (see memtrain.bench).
@@ -367,31 +367,6 @@ class JsonlRead:
 
     rows: list[dict[str, Any]] = field(default_factory=list)
     skipped: int = 0
-
-
-# A JSON-lines line longer than this is skipped unread: a bench row is about 10 KB, and a line of
-# 2 GB (a sparse or foreign results.jsonl) took `report` 6 GB of memory and 28 s to skip.
-MAX_JSONL_LINE_BYTES = 16 << 20
-
-
-def bounded_jsonl_lines(fh: IO[bytes], most: Optional[int] = None) -> Iterator[Optional[bytes]]:
-    """Each line of a binary file, or None for one longer than ``most`` bytes
-    (MAX_JSONL_LINE_BYTES), which is read past in pieces, never held whole."""
-    most = MAX_JSONL_LINE_BYTES if most is None else most
-    pieces: list[bytes] = []
-    size, too_long = 0, False
-    for piece in bounded_lines(fh):
-        size += len(piece)
-        too_long = too_long or size > most
-        if too_long:
-            pieces.clear()
-        else:
-            pieces.append(piece)
-        if piece.endswith(b"\n"):
-            yield None if too_long else b"".join(pieces)
-            pieces, size, too_long = [], 0, False
-    if size:
-        yield None if too_long else b"".join(pieces)
 
 
 def read_jsonl(path: Path) -> JsonlRead:
