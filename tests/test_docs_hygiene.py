@@ -6,12 +6,16 @@ docs, beside the figure; a comment that names a commit goes stale the day the co
 
 from __future__ import annotations
 
+import argparse
 import ast
+import importlib
 import io
 import re
 import subprocess
 import tokenize
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "memtrain"
@@ -133,3 +137,111 @@ def test_no_merge_leftover_is_tracked():
     # shipped in src/, they are read as the module by whoever greps for a function.
     leftovers = [f for f in _repo_files() if f.endswith((".orig", ".rej"))]
     assert not leftovers, leftovers
+
+
+# What a user reads: the README, benchmarks/README.md and docs/. A command, a module name or a test
+# named there is checked against the code, so a flag renamed or a module split leaves no dead text.
+USER_DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"```[^\n]*\n(.*?)```", re.S)
+FLAG = re.compile(r"(?<![\w-])(--[a-zA-Z][\w-]*)")
+
+
+def _code_texts(text: str) -> list[str]:
+    """Every fenced block's lines (a backslash continuation joined) and every inline code span."""
+    lines = [line for block in FENCE.findall(text) for line in block.replace("\\\n", " ").splitlines()]
+    return lines + re.findall(r"`([^`]+)`", FENCE.sub("", text))
+
+
+def _verb_options() -> dict[str, set[str]]:
+    from memtrain.cli import build_parser  # the other tests of this file read text only: no torch
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {name: set(parser._option_string_actions) for name, parser in sub.choices.items()}
+
+
+def _flags_by_verb(code: str, verbs: set[str]) -> list[tuple[str, str]]:
+    """(verb, flag) for each flag written after ``memtrain VERB`` (or a span opening with ``VERB --``)
+    in ``code``, up to the next shell separator or comment."""
+    found = []
+    starts = [m for m in re.finditer(r"(?:^|(?<=memtrain ))(\w+)(?= )", code) if m.group(1) in verbs]
+    for m in starts:
+        if m.start() != 0 and not code[:m.start()].endswith("memtrain "):
+            continue
+        rest = re.split(r"\||;|&&|\s#|memtrain ", code[m.end():])[0]
+        found += [(m.group(1), flag) for flag in FLAG.findall(rest)]
+    return found
+
+
+def test_the_flag_scan_reads_commands_in_blocks_and_spans():
+    text = "run `memtrain plan --top 3 | head` or\n```bash\nmemtrain estimate --model x \\\n  --json  # --nope\n```\n" \
+           "and `maxbatch --search seq-len`; `--top` alone names no verb"
+    verbs = {"plan", "estimate", "maxbatch"}
+    pairs = [pair for code in _code_texts(text) for pair in _flags_by_verb(code, verbs)]
+    assert sorted(pairs) == [("estimate", "--json"), ("estimate", "--model"), ("maxbatch", "--search"), ("plan", "--top")]
+
+
+def test_every_flag_the_docs_give_a_verb_is_one_that_verb_takes():
+    options = _verb_options()
+    wrong = [f"{doc.relative_to(ROOT)}: memtrain {verb} {flag}"
+             for doc in USER_DOCS for code in _code_texts(doc.read_text(encoding="utf-8"))
+             for verb, flag in _flags_by_verb(code, set(options)) if flag.split("=")[0] not in options[verb]]
+    assert not wrong, "a documented command gives a flag its verb does not have: " + "; ".join(wrong)
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether ``memtrain.a.b.name`` is a module or a module's attribute (a moved name is not)."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj: object = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError as exc:
+            if exc.name and not exc.name.startswith("memtrain"):
+                pytest.skip(f"{dotted} needs {exc.name}, not installed")
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def test_every_memtrain_module_or_name_the_docs_give_exists():
+    packages = {p.stem for p in SRC.iterdir() if p.is_dir() or p.suffix == ".py"} - {"__init__", "__main__"}
+    missing = []
+    for doc in USER_DOCS:
+        for code in _code_texts(doc.read_text(encoding="utf-8")):
+            for dotted in re.findall(r"(?<![\w./-])((?:memtrain\.)?[a-z_]+(?:\.[A-Za-z_]\w*)+)(?![\w/-])", code):
+                head = dotted.split(".")[0]
+                if head != "memtrain" and (head not in packages or head in {"data", "config"} and
+                                           dotted.count(".") == 1):
+                    continue  # a file name (`config.json`) or a result key (`data.tokenizer`), not a module
+                full = dotted if head == "memtrain" else f"memtrain.{dotted}"
+                if not re.search(r"\.(py|md|json|jsonl|lock|log|pt|csv|png|txt)$", dotted) and not _resolves(full):
+                    missing.append(f"{doc.relative_to(ROOT)}: {dotted}")
+    assert not missing, "the docs name modules or names the code no longer has (moved?): " + "; ".join(missing)
+
+
+def _test_names() -> dict[str, set[str]]:
+    return {path.name: {node.name for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                        if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+            for path in (ROOT / "tests").glob("test_*.py")}
+
+
+def test_every_test_the_docs_cite_exists():
+    tests = _test_names()
+    every = set().union(*tests.values())
+    missing = []
+    for doc in USER_DOCS:
+        text = doc.read_text(encoding="utf-8")
+        for path in re.findall(r"\btests/([\w/]+\.py)\b", text):
+            if not (ROOT / "tests" / path).exists():
+                missing.append(f"{doc.relative_to(ROOT)}: tests/{path}")
+        for file, name, star in re.findall(r"(test_\w+\.py)::(test_\w+)(\*?)", text):
+            # `file::test_prefix_*` names every test of the file that starts so: one must exist
+            if not any(found == name or star and found.startswith(name) for found in tests.get(file, set())):
+                missing.append(f"{doc.relative_to(ROOT)}: {file}::{name}{star}")
+        for name in re.findall(r"(?<![\w.])::(test_\w+)", text):
+            if name not in every:
+                missing.append(f"{doc.relative_to(ROOT)}: ::{name}")
+    assert not missing, "the docs cite tests that do not exist: " + "; ".join(missing)
