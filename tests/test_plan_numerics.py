@@ -163,3 +163,15 @@ def test_estimate_suggests_the_fewest_numerics_changes_first_as_plan_recommends(
     got = fit.cheapest_changes(cfg, GPT2_ARCH, "cpu", 2**30, None)
     assert [s["techniques"]["optim"] for s in got] == ["adamw", "adamw-4bit", "adafactor"]
     assert got[0]["numerics"].count("changes") == 1 < got[1]["numerics"].count("changes")
+
+
+def test_plan_help_and_the_readme_state_the_pick_rule(capsys):
+    """plan recommends by fewest numerics changes first, speed second; its --help and the README
+    said "the fastest technique set that fits", which a faster set changing the numerics is not
+    picked over."""
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    description = " ".join(capsys.readouterr().out.split("options:")[0].split())
+    assert "fastest technique set" in description and "change the numerics least" in description
+    readme = " ".join((Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8").split())
+    assert "the fastest technique set that fits a budget among those that change the numerics least" in readme
