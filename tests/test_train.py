@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 import torch
 
-from memtrain.config.run import ConfigError, build_config
+from memtrain.config.run import ConfigError, TrainConfig, build_config
 from memtrain.training.step import lr_lambda
 from memtrain.training.train import train
 
@@ -66,6 +67,16 @@ def test_schedule_warmup_then_cosine():
     assert 0.1 < f(55) < 1.0
     const = lr_lambda(build_config({"steps": 100, "warmup_steps": 10, "schedule": "constant"}))
     assert const(50) == 1.0
+
+
+
+def test_the_warmup_help_states_the_ramp_the_schedule_runs():
+    """--warmup-steps' help said "from 0 to --lr", while step s runs at (s + 1) / W (the README's
+    words, and unlike the Trainer's s / W): the first warm-up step is not at 0."""
+    text = next(f.metadata["help"] for f in fields(TrainConfig) if f.name == "warmup_steps")
+    assert "from 0 to" not in text and "(s + 1) / W" in text
+    f = lr_lambda(build_config({"steps": 100, "warmup_steps": 4}))
+    assert [f(s) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
 
 
 @pytest.mark.parametrize("lora", [0, 4])

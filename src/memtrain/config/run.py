@@ -351,7 +351,8 @@ class TrainConfig:
     lr: float = _f(3e-4, "Peak learning rate.")
     warmup_steps: int = _f(
         200,
-        "Linear warm-up steps from 0 to --lr. When no setting names it, it is capped at "
+        "Linear warm-up steps W up to --lr: step s (from 0) runs at (s + 1) / W of it, so the first step "
+        "already learns. When no setting names it, it is capped at "
         "10%% of --steps (the 200 is the seed's one-epoch warm-up; a 30-step run would never reach --lr).",
     )
     schedule: str = _f("cosine", "Learning-rate shape after warm-up: cosine|constant.")
