@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from memtrain.analysis import fit
-from memtrain.analysis.plan import Candidate, PlanResult
+from memtrain.analysis.plan import Candidate, PlanResult, verify_config
 from memtrain.cli import main
 from memtrain.config.archs import GPT2_ARCH
 from memtrain.config.run import build_config
@@ -175,3 +175,16 @@ def test_plan_help_and_the_readme_state_the_pick_rule(capsys):
     assert "fastest technique set" in description and "change the numerics least" in description
     readme = " ".join((Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8").split())
     assert "the fastest technique set that fits a budget among those that change the numerics least" in readme
+
+
+def test_verify_steps_help_says_the_run_takes_at_least_two(capsys):
+    """--verify runs at least 2 steps (the second is the steady state it measures): --verify-steps 1
+    ran 2 and said so only after training, while --help read "Steps for --verify (default 2)"."""
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--verify-steps VERIFY_STEPS Steps for --verify (default 2; at least 2" in help_text
+    techniques = {"precision": "fp32", "attention": "math", "checkpointing": "none", "loss": "standard",
+                  "optim": "adamw"}
+    cand = Candidate(techniques=techniques, batch_size=1, grad_accum=1, peak_bytes=1.0, peak_phase="backward", step_time_s=1.0)
+    assert verify_config(build_config({}), cand, steps=1).train.steps == 2

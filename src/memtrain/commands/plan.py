@@ -63,7 +63,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                        help=f"Comma-separated {what} values to consider (default: a per-device list).")
     p.add_argument("--verify", action="store_true",
                    help="Train the best choice for a few steps and compare the measured tracked peak.")
-    p.add_argument("--verify-steps", type=positive_int, default=2, help="Steps for --verify (default 2).")
+    p.add_argument("--verify-steps", type=positive_int, default=2,
+                   help="Steps for --verify (default 2; at least 2, so that one is a steady-state step: 1 runs 2).")
     p.add_argument("--results", type=user_path, default=None, metavar="DIR",
                    help="A bench results folder (results.jsonl): show the measured perplexity effect of each "
                         "choice that changes the numerics, where a row with the same numerics exists.")
