@@ -119,3 +119,13 @@ def test_training_settings_at_their_default_pass_inference_mode(capsys):
 
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["peak_bytes"] > 0
+
+
+def test_generate_help_names_the_memory_its_check_holds_on_a_cpu(capsys):
+    """generate's check holds the estimate against a GPU's free memory or, on the CPU, the host's
+    available memory (memtrain.training.size_check.host_available_bytes); its --help said "the
+    device's free memory", which a CPU has no figure of, as the README says."""
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "a GPU's free memory; on the CPU the host's available memory" in help_text

@@ -47,8 +47,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Device to sample on: auto (CUDA when present, as train; the default), cpu, cuda or cuda:N.")
     p.add_argument("--dtype", default=None, choices=GENERATE_DTYPES,
                    help="Weights and compute dtype (default: as stored: float32, or the dtype a checkpoint's run "
-                        "trained in). Before sampling, the estimate of the run is held against the device's free "
-                        "memory: a run that cannot fit is one error line.")
+                        "trained in). Before sampling, the estimate of the run is held against the memory it can have "
+                        "(a GPU's free memory; on the CPU the host's available memory, MemAvailable or less "
+                        "under a cgroup limit): a run that cannot fit is one error line.")
 
 
 def check_fits(cfg: Any, dtype: Any, prompt_tokens: int, new_tokens: int, samples: int, device: Any,
