@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import TINY_MODEL
-from memtrain.analysis.maxbatch import find_max_batch, traced_step_peak
+from memtrain.analysis.maxbatch import find_max_batch, resolve_method, traced_step_peak
+from memtrain.cli import main
 from memtrain.config.run import build_config
 
 
@@ -97,3 +98,13 @@ def test_a_transformers_model_the_analytic_model_claims_starts_from_its_estimate
                           probe=lambda c, b: traced_step_peak(c, b))
     assert (fast.batch_size, fast.peak_bytes) == (full.batch_size, full.peak_bytes) == (6, budget)
     assert len(fast.probes) <= 2 < len(full.probes)  # the guess and the next batch only
+
+
+def test_maxbatch_help_names_what_the_default_method_does(capsys):
+    """--method's default is auto, which measures on CUDA and traces elsewhere (resolve_method, as the
+    README says); the help named only "default on CPU" beside trace, and auto not at all."""
+    with pytest.raises(SystemExit):
+        main(["maxbatch", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "auto (the default): measure on CUDA, trace elsewhere" in help_text
+    assert (resolve_method("auto", "cuda"), resolve_method("auto", "cpu")) == ("measure", "trace")

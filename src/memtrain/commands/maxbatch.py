@@ -41,7 +41,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Upper bound of the search: largest batch to try (default 4096). Same flag in bench and plan.")
     add_max_len_flag(p, "--search seq-len")
     p.add_argument("--method", choices=("auto", "measure", "trace"), default="auto",
-                   help="measure: run real steps; trace: fake tensors, nothing allocated (default on CPU).")
+                   help="measure: run real steps; trace: fake tensors, nothing allocated; auto (the default): "
+                        "measure on CUDA, trace elsewhere.")
     p.add_argument("--json", action="store_true", help="Print JSON only.")
     add_config_flags(p, ("model", "technique", "train"), exclude=(*LOOP_ONLY_FIELDS, *MODULE_TABLE_FIELDS))
 
