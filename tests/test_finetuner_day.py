@@ -208,3 +208,30 @@ def test_a_bench_scales_seq_len_fits_a_shorter_model_as_trains_default_does(tmp_
     assert fitted_scale_layer("quick", [{"model": "tiny-llama"}])["seq_len"] == 256
     assert fitted_scale_layer("quick", [{}])["seq_len"] == 256
     assert fitted_scale_layer("quick", [{"max_seq_len": "128"}])["seq_len"] == 128  # our GPT made shorter
+
+
+def test_a_run_without_save_says_so_and_its_folder_is_named_as_one_that_saved_nothing(tiny_run, tmp_path, capsys):
+    """train writes weights only with --save (the Trainer saves by default): the run says so in
+    one note, and export or generate of its --out folder says the run saved no checkpoint and
+    how to keep one, where it sent the user after "the checkpoint its run saved with --save"."""
+    from conftest import cli_flags
+
+    run = Path(tiny_run["out"])
+    assert main(["train", *cli_flags(tiny_run)]) == 0
+    said = capsys.readouterr()
+    assert "note: no --save: the trained weights were not written; give --save FILE" in said.err
+    expected = f"{str(run)!r} is the --out folder of a run that saved no checkpoint: train keeps the weights only with --save"
+    for argv in (["export", str(run), str(tmp_path / "exported")], ["generate", str(run), "--prompt", "hi"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: ") and expected in err, err
+        assert "the checkpoint its run saved" not in err
+    assert not (tmp_path / "exported").exists()
+    # A run that saved elsewhere is named with its --save, and export's line does not send the
+    # user to `memtrain export`.
+    assert main(["train", *cli_flags({**tiny_run, "out": str(tmp_path / "run2"), "steps": 2}),
+                 "--save", str(tmp_path / "keep.pt")]) == 0
+    assert "note: no --save" not in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "run2"), str(tmp_path / "exported")]) == 2
+    err = capsys.readouterr().err
+    assert f"the checkpoint its run saved with --save ({str(tmp_path / 'keep.pt')!r})" in err and "memtrain export" not in err

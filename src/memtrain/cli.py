@@ -544,6 +544,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         n = cfg.train.warmup_steps
         sys.stderr.write(f"note: warm-up was {n} step{'' if n == 1 else 's'} (10% of --steps {cfg.train.steps}, "
                          "at most 200); set --warmup-steps to choose\n")
+    if not cfg.train.save:
+        # The Trainer saves checkpoints by default; memtrain writes weights only where --save
+        # says, and a first run's export or generate then found nothing to read.
+        sys.stderr.write("note: no --save: the trained weights were not written; give --save FILE to export, "
+                         "generate from or --resume a run\n")
     if longer:
         sys.stderr.write(longer + "\n")
     if moved:

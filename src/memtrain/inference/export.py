@@ -54,7 +54,7 @@ from memtrain.models.gpt import GPT
 from memtrain.models.hf import HFCausalLM, build_hf_model, quiet_transformers
 from memtrain.models.hub_access import from_pretrained_kwargs
 from memtrain.models.placement import place_weights
-from memtrain.models.spec import json_object, resolve
+from memtrain.models.spec import json_object, resolve, run_folder_hint
 from memtrain.runtime.extras import require
 from memtrain.techniques.hf_mapping import apply_hf_lora
 from memtrain.techniques.lora import apply_lora, merge_adapters_in_place, merge_lora
@@ -75,8 +75,9 @@ def read_checkpoint(ckpt: str | Path) -> tuple[dict[str, Any], RunConfig]:
     """A single-file checkpoint's state and the config of the run that wrote it."""
     p = Path(ckpt)
     if p.is_dir():
-        raise ConfigError(f"{str(p)!r} is a directory; give the single-file checkpoint written by --save "
-                          "(a sharded distributed checkpoint cannot be exported yet)")
+        raise ConfigError(f"{str(p)!r} is a directory; give the single-file checkpoint written by --save"
+                          + (run_folder_hint(p, export_hint=False)
+                             or " (a sharded distributed checkpoint cannot be exported yet)"))
     # Mapped, not read: export and generate use the weights only (never the optimizer's state), and
     # the model they build takes the mapped tensors themselves (``_fit(assign=True)``).
     state = read_state(p, "give the file written by train --save", mmap=True)
