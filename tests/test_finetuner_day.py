@@ -235,3 +235,24 @@ def test_a_run_without_save_says_so_and_its_folder_is_named_as_one_that_saved_no
     assert main(["export", str(tmp_path / "run2"), str(tmp_path / "exported")]) == 2
     err = capsys.readouterr().err
     assert f"the checkpoint its run saved with --save ({str(tmp_path / 'keep.pt')!r})" in err and "memtrain export" not in err
+
+
+def test_the_summary_says_what_its_losses_average_and_result_json_has_the_trainers_train_loss(tiny_run, capsys):
+    """train_loss is the mean of the last 10 steps and val_loss covers --val-blocks blocks, where
+    the Trainer's train_loss is the mean over every step run and its eval covers the whole split:
+    the summary line says both spans, and result.json adds the Trainer's figure and the tokens
+    val_loss was read on."""
+    from conftest import cli_flags
+
+    run = Path(tiny_run["out"])
+    assert main(["train", *cli_flags({**tiny_run, "steps": 12})]) == 0
+    out = capsys.readouterr().out
+    result = json.loads((run / "result.json").read_text())
+    history = result["loss_history"]
+    assert len(history) == 12 and result["train_loss_steps"] == 10
+    assert result["train_loss"] == pytest.approx(sum(history[-10:]) / 10)
+    assert result["train_loss_mean"] == pytest.approx(sum(history) / 12)  # the Trainer's train_loss
+    data = result["data"]
+    assert data["val_tokens_evaluated"] == tiny_run["val_blocks"] * tiny_run["seq_len"] < data["val_tokens"]
+    assert (f"train loss {result['train_loss']:.4f} (mean of the last 10 steps)" in out
+            and f"(on {data['val_tokens_evaluated']:,} of {data['val_tokens']:,} held-out tokens; --val-blocks)" in out), out

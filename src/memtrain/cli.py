@@ -556,8 +556,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     mem = result["memory"]
     print(parameter_line(result))
     print(
-        f"steps {result['steps']}  train loss {result['train_loss']:.4f}  "
-        f"val loss {result['val_loss']:.4f}  val ppl {result['val_ppl']:.2f}"
+        f"steps {result['steps']}  train loss {result['train_loss']:.4f}{_train_loss_span(result)}  "
+        f"val loss {result['val_loss']:.4f}  val ppl {result['val_ppl']:.2f}{_val_span(result)}"
     )
     print(
         f"step time {result['step_time_s']['median'] * 1000:.1f} ms (median)  "
@@ -579,6 +579,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         print("\n".join(module_table_lines(mem["by_module"], cfg.train.module_top, fmt_bytes)))
     print(f"wrote {out / 'result.json'}")
     return 0
+
+
+def _train_loss_span(result: dict[str, Any]) -> str:
+    """What the train loss averages (the Trainer's train_loss is the mean over every step run)."""
+    n = result.get("train_loss_steps")
+    return f" (mean of the last {n} step{'' if n == 1 else 's'})" if n else ""
+
+
+def _val_span(result: dict[str, Any]) -> str:
+    """What the val loss covers: --val-blocks blocks, not the whole held-out split as the Trainer's eval."""
+    data = result.get("data") or {}
+    n, held_out = data.get("val_tokens_evaluated"), data.get("val_tokens")
+    return f" (on {n:,} of {held_out:,} held-out tokens; --val-blocks)" if n and held_out else ""
 
 
 def _warn_after_first_step(warning: Optional[str]) -> Optional[Callable[[int, int, Optional[float]], None]]:
