@@ -256,3 +256,19 @@ def test_the_summary_says_what_its_losses_average_and_result_json_has_the_traine
     assert data["val_tokens_evaluated"] == tiny_run["val_blocks"] * tiny_run["seq_len"] < data["val_tokens"]
     assert (f"train loss {result['train_loss']:.4f} (mean of the last 10 steps)" in out
             and f"(on {data['val_tokens_evaluated']:,} of {data['val_tokens']:,} held-out tokens; --val-blocks)" in out), out
+
+
+def test_trains_defaults_line_names_the_optimizer_defaults_the_trainer_sets_otherwise(small_corpus, tmp_path, capsys,
+                                                                                        one_thread):
+    """A fine-tune of a transformers model at memtrain's lr 3e-4, weight decay 0.1 and beta2 0.95
+    (the Trainer's: 5e-5, 0, 0.999) said nothing of them: train's defaults line names each one not
+    given; estimate's, whose memory they do not shape, does not."""
+    argv = ["--model", "tiny-llama", "--seq-len", "16", "--batch-size", "1"]
+    assert main(["train", *argv, "--data", str(small_corpus), "--steps", "2", "--val-blocks", "1", "--no-progress",
+                 "--learning_rate", "1e-4", "--out", str(tmp_path / "run")]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("defaults used: "))
+    assert "weight-decay 0.1 (the Trainer's default is 0; --weight-decay)" in line
+    assert "beta2 0.95 (the Trainer's default is 0.999; --beta2)" in line
+    assert "lr " not in line  # given, by its Trainer name
+    assert main(["estimate", *argv]) == 0
+    assert "Trainer" not in capsys.readouterr().out

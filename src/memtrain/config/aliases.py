@@ -50,6 +50,10 @@ LR_SCHEDULER_TYPES: dict[str, dict[str, Any]] = {
 # The settings key of --warmup_ratio: build_config turns it into warm-up steps once --steps is known.
 WARMUP_RATIO = "warmup_ratio"
 
+# transformers.TrainingArguments' defaults for the optimizer settings memtrain defaults otherwise
+# (setting, the Trainer's value): train's `defaults used:` line names those a fine-tune ran with.
+TRAINER_OPTIMIZER_DEFAULTS: tuple[tuple[str, float], ...] = (("lr", 5e-5), ("weight_decay", 0.0), ("beta2", 0.999))
+
 
 def _lr_scheduler_type(value: Any) -> dict[str, Any]:
     if value not in LR_SCHEDULER_TYPES:
