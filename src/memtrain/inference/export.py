@@ -420,6 +420,10 @@ def write_adapter(model: HFCausalLM, out: Path) -> int:
     lcfg = lm.peft_config["default"]
     lcfg.base_model_name_or_path = resolve(model.source_spec).load_id
     lcfg.task_type = "CAUSAL_LM"
+    lcfg.inference_mode = True  # as peft's save_pretrained writes it (the live config is training's)
+    if isinstance(lcfg.target_modules, (set, list)):
+        # peft holds all-linear's modules as a set: sorted, two exports of one checkpoint are equal.
+        lcfg.target_modules = sorted(lcfg.target_modules)
     adapters = get_peft_model_state_dict(lm)
     # PeftModel keeps the wrapped model under base_model.model: the names its loader expects.
     save_file({f"base_model.model.{k}": v.detach().contiguous() for k, v in adapters.items()},
