@@ -272,3 +272,42 @@ def test_trains_defaults_line_names_the_optimizer_defaults_the_trainer_sets_othe
     assert "lr " not in line  # given, by its Trainer name
     assert main(["estimate", *argv]) == 0
     assert "Trainer" not in capsys.readouterr().out
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+
+
+def test_generate_chat_frames_the_prompt_with_the_chat_template_and_prints_the_reply(tmp_path, capsys):
+    """A chat model was prompted with raw text only (its template typed by hand); --chat frames
+    --prompt as a user message with the tokenizer's template, as transformers' chat pipeline
+    does, and prints the reply up to the end of its turn: transformers' greedy continuation of
+    the same ids, cut at eos. A tokenizer without a template is one error line."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder = _llama_folder(tmp_path / "chat", False, chat_template=CHAT_TEMPLATE)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder))).save_pretrained(folder)  # random weights
+    assert main(["generate", str(folder), "--chat", "--prompt", "How do I sort a list?", "--temperature", "0",
+                 "--max-new-tokens", "12"]) == 0
+    printed = capsys.readouterr().out
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    ids = tok.apply_chat_template([{"role": "user", "content": "How do I sort a list?"}], add_generation_prompt=True,
+                                  tokenize=True, return_dict=False)
+    opened = tok("<s>assistant\n", add_special_tokens=False)["input_ids"]
+    assert ids[-len(opened):] == opened and opened[0] == BOS  # the assistant's turn opened
+    model = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    with torch.no_grad():
+        new = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12, eos_token_id=None,
+                             pad_token_id=0)[0, len(ids):].tolist()
+    reply = new[:new.index(EOS)] if EOS in new else new
+    from memtrain.inference.generate import chat_reply
+    assert chat_reply([5, EOS, 7], EOS) == [5] and chat_reply([5, 7], EOS) == [5, 7]  # cut at the end of the turn
+    assert printed == tok.decode(reply, clean_up_tokenization_spaces=False) + "\n"
+    plain = _llama_folder(tmp_path / "plain", False)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(plain))).save_pretrained(plain)
+    capsys.readouterr()  # the test's own loading bars
+    assert main(["generate", str(plain), "--chat", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: --chat: ") and "has no chat template" in err
