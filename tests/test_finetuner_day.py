@@ -311,3 +311,25 @@ def test_generate_chat_frames_the_prompt_with_the_chat_template_and_prints_the_r
     assert main(["generate", str(plain), "--chat", "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: --chat: ") and "has no chat template" in err
+
+
+def test_the_trainers_default_linear_schedule_is_taken_and_decays_as_transformers_does(tiny_run):
+    """--lr_scheduler_type linear, the Trainer's default, was refused ("memtrain's --schedule is
+    cosine or constant"), so a Trainer recipe could not be matched: it is --schedule linear
+    --min-lr-ratio 0, each step after warm-up at transformers' get_linear_schedule_with_warmup rate."""
+    from conftest import cli_flags
+
+    steps, warmup, lr = 8, 2, 1e-3
+    run = Path(tiny_run["out"])
+    assert main(["train", *cli_flags({**tiny_run, "steps": steps, "warmup_steps": warmup}), "--lr", str(lr),
+                 "--lr_scheduler_type", "linear"]) == 0
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    ran = {line["step"]: line["lr"] for line in lines if "lr" in line}
+    assert json.loads((run / "result.json").read_text())["config"]["train"]["schedule"] == "linear"
+    import torch
+    from transformers import get_linear_schedule_with_warmup
+
+    theirs = get_linear_schedule_with_warmup(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr), warmup, steps)
+    for step in range(warmup + 1, steps + 1):  # the rate step N ran at: transformers' scheduler at N - 1
+        assert ran[step] == pytest.approx(lr * theirs.lr_lambdas[0](step - 1)), step
+    assert ran[steps] < ran[warmup + 1] / 2  # it decays: the check has teeth
