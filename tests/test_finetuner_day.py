@@ -333,3 +333,13 @@ def test_the_trainers_default_linear_schedule_is_taken_and_decays_as_transformer
     for step in range(warmup + 1, steps + 1):  # the rate step N ran at: transformers' scheduler at N - 1
         assert ran[step] == pytest.approx(lr * theirs.lr_lambdas[0](step - 1)), step
     assert ran[steps] < ran[warmup + 1] / 2  # it decays: the check has teeth
+
+
+@pytest.mark.parametrize("command", ["train", "estimate", "maxbatch"])
+def test_help_says_a_transformers_model_defaults_to_sdpa(command, capsys):
+    """--help said `--attention ... (default: math)` only, while every verb runs a --model with
+    sdpa: a newcomer reading it expected eager attention and its memory."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "a transformers --model defaults to sdpa" in text

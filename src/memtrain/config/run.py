@@ -223,7 +223,9 @@ class TechniqueConfig:
     (lora -> attention backend -> activation checkpointing -> compile -> distributed wrap)."""
 
     precision: str = _f("fp32", "Numeric precision: " + "|".join(PRECISIONS) + ".")
-    attention: str = _f("math", "Attention implementation: " + "|".join(ATTENTIONS) + ".")
+    attention: str = _f("math", "Attention implementation: " + "|".join(ATTENTIONS) + ". The default is memtrain's "
+                        "GPT's; a transformers --model defaults to sdpa (eager math for a family without SDPA), as "
+                        "transformers builds it.")
     window: Optional[int] = _f(None, "Sliding-window attention: each token attends to the previous W tokens.")
     checkpointing: str = _f(
         "none", "Activation checkpointing: none|full|every:K|sqrt|selective|selective-matmul "
