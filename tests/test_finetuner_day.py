@@ -343,3 +343,10 @@ def test_help_says_a_transformers_model_defaults_to_sdpa(command, capsys):
         main([command, "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "a transformers --model defaults to sdpa" in text
+
+
+def test_help_of_save_says_that_without_it_no_weights_are_kept(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "what export, generate and --resume read. None: the trained weights are not kept." in text

@@ -374,7 +374,8 @@ class TrainConfig:
         "device never idles while the host logs or fetches) and times steps with CUDA events. No effect on a CPU.",
     )
     out: str = _f("runs/train", "Output directory (result.json is written there).")
-    save: Optional[str] = _f(None, "Write a checkpoint to this file at the end (atomically).")
+    save: Optional[str] = _f(None, "Write a checkpoint to this file at the end (atomically): what export, generate "
+                             "and --resume read. None: the trained weights are not kept.")
     save_every: int = _f(0, "Also checkpoint every N steps to --save (0: only at the end).")
     resume: Optional[str] = _f(None, "Resume model, optimizer, scheduler, RNG and data position from this checkpoint; "
                                      "a larger --steps than the saved run's trains it longer (its LR schedule stretched "
