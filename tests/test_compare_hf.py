@@ -214,12 +214,13 @@ def test_dataset_reproduces_memtrains_batches():
         assert torch.equal(batch["shift_labels"], y)
 
 
-def test_schedule_is_memtrains_up_to_hfs_one_step_warmup_offset():
+@pytest.mark.parametrize("schedule", [{}, {"schedule": "linear", "min_lr_ratio": 0.0}])
+def test_schedule_is_memtrains_up_to_hfs_one_step_warmup_offset(schedule):
     from transformers import get_scheduler
 
     from memtrain.training.step import lr_lambda
 
-    cfg = build_config(TINY, {"steps": 20, "warmup_steps": 5})
+    cfg = build_config(TINY, {"steps": 20, "warmup_steps": 5, **schedule})
     plan = hf_plan(cfg, "cpu")
     model = torch.nn.Linear(2, 2)
     args = training_arguments(cfg, plan, "/tmp/unused", torch.device("cpu"))

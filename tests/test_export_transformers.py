@@ -270,6 +270,27 @@ def test_adapter_only_loads_with_peft_onto_the_base(pretrained_llama, corpus, tm
     assert err.count("\n") == 1 and err.startswith("error: ") and "LoRA adapter" in err and "without --adapter-only" in err
 
 
+def test_adapter_config_is_written_as_peft_writes_one_and_the_same_every_time(pretrained_llama, corpus, tmp_path):
+    """peft's save_pretrained writes inference_mode true; export wrote the live training config's
+    false, and its target_modules in set order, so two exports of one checkpoint differed. The
+    fields now read as peft's own save of the same LoraConfig, the module list sorted."""
+    peft = pytest.importorskip("peft")
+    ckpt = _train(pretrained_llama, corpus, tmp_path, "--lora-rank", "4")
+    ours = []
+    for name in ("a", "b"):
+        assert main(["export", str(ckpt), str(tmp_path / name), "--adapter-only"]) == 0
+        ours.append(json.loads((tmp_path / name / "adapter_config.json").read_text()))
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(pretrained_llama))
+    theirs_dir = tmp_path / "peft"
+    peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=16, target_modules="all-linear",
+                                              task_type="CAUSAL_LM")).save_pretrained(str(theirs_dir))
+    theirs = json.loads((theirs_dir / "adapter_config.json").read_text())
+    assert ours[0]["inference_mode"] is theirs["inference_mode"] is True
+    assert set(ours[0]["target_modules"]) == set(theirs["target_modules"])
+    assert ours[0]["target_modules"] == sorted(ours[0]["target_modules"])
+    assert ours[0] == ours[1]
+
+
 def test_adapter_only_is_refused_where_it_cannot_be_used(pretrained_llama, scratch_llama, corpus, tmp_path, capsys):
     peft_free = _train(pretrained_llama, corpus, tmp_path / "a", "--steps", "1")
     scratch = _train(scratch_llama, corpus, tmp_path / "b", "--steps", "1", "--lora-rank", "4")

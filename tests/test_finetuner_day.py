@@ -208,3 +208,145 @@ def test_a_bench_scales_seq_len_fits_a_shorter_model_as_trains_default_does(tmp_
     assert fitted_scale_layer("quick", [{"model": "tiny-llama"}])["seq_len"] == 256
     assert fitted_scale_layer("quick", [{}])["seq_len"] == 256
     assert fitted_scale_layer("quick", [{"max_seq_len": "128"}])["seq_len"] == 128  # our GPT made shorter
+
+
+def test_a_run_without_save_says_so_and_its_folder_is_named_as_one_that_saved_nothing(tiny_run, tmp_path, capsys):
+    """train writes weights only with --save (the Trainer saves by default): the run says so in
+    one note, and export or generate of its --out folder says the run saved no checkpoint and
+    how to keep one, where it sent the user after "the checkpoint its run saved with --save"."""
+    from conftest import cli_flags
+
+    run = Path(tiny_run["out"])
+    assert main(["train", *cli_flags(tiny_run)]) == 0
+    said = capsys.readouterr()
+    assert "note: no --save: the trained weights were not written; give --save FILE" in said.err
+    expected = f"{str(run)!r} is the --out folder of a run that saved no checkpoint: train keeps the weights only with --save"
+    for argv in (["export", str(run), str(tmp_path / "exported")], ["generate", str(run), "--prompt", "hi"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: ") and expected in err, err
+        assert "the checkpoint its run saved" not in err
+    assert not (tmp_path / "exported").exists()
+    # A run that saved elsewhere is named with its --save, and export's line does not send the
+    # user to `memtrain export`.
+    assert main(["train", *cli_flags({**tiny_run, "out": str(tmp_path / "run2"), "steps": 2}),
+                 "--save", str(tmp_path / "keep.pt")]) == 0
+    assert "note: no --save" not in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "run2"), str(tmp_path / "exported")]) == 2
+    err = capsys.readouterr().err
+    assert f"the checkpoint its run saved with --save ({str(tmp_path / 'keep.pt')!r})" in err and "memtrain export" not in err
+
+
+def test_the_summary_says_what_its_losses_average_and_result_json_has_the_trainers_train_loss(tiny_run, capsys):
+    """train_loss is the mean of the last 10 steps and val_loss covers --val-blocks blocks, where
+    the Trainer's train_loss is the mean over every step run and its eval covers the whole split:
+    the summary line says both spans, and result.json adds the Trainer's figure and the tokens
+    val_loss was read on."""
+    from conftest import cli_flags
+
+    run = Path(tiny_run["out"])
+    assert main(["train", *cli_flags({**tiny_run, "steps": 12})]) == 0
+    out = capsys.readouterr().out
+    result = json.loads((run / "result.json").read_text())
+    history = result["loss_history"]
+    assert len(history) == 12 and result["train_loss_steps"] == 10
+    assert result["train_loss"] == pytest.approx(sum(history[-10:]) / 10)
+    assert result["train_loss_mean"] == pytest.approx(sum(history) / 12)  # the Trainer's train_loss
+    data = result["data"]
+    assert data["val_tokens_evaluated"] == tiny_run["val_blocks"] * tiny_run["seq_len"] < data["val_tokens"]
+    assert (f"train loss {result['train_loss']:.4f} (mean of the last 10 steps)" in out
+            and f"(on {data['val_tokens_evaluated']:,} of {data['val_tokens']:,} held-out tokens; --val-blocks)" in out), out
+
+
+def test_trains_defaults_line_names_the_optimizer_defaults_the_trainer_sets_otherwise(small_corpus, tmp_path, capsys,
+                                                                                        one_thread):
+    """A fine-tune of a transformers model at memtrain's lr 3e-4, weight decay 0.1 and beta2 0.95
+    (the Trainer's: 5e-5, 0, 0.999) said nothing of them: train's defaults line names each one not
+    given; estimate's, whose memory they do not shape, does not."""
+    argv = ["--model", "tiny-llama", "--seq-len", "16", "--batch-size", "1"]
+    assert main(["train", *argv, "--data", str(small_corpus), "--steps", "2", "--val-blocks", "1", "--no-progress",
+                 "--learning_rate", "1e-4", "--out", str(tmp_path / "run")]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("defaults used: "))
+    assert "weight-decay 0.1 (the Trainer's default is 0; --weight-decay)" in line
+    assert "beta2 0.95 (the Trainer's default is 0.999; --beta2)" in line
+    assert "lr " not in line  # given, by its Trainer name
+    assert main(["estimate", *argv]) == 0
+    assert "Trainer" not in capsys.readouterr().out
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+
+
+def test_generate_chat_frames_the_prompt_with_the_chat_template_and_prints_the_reply(tmp_path, capsys):
+    """A chat model was prompted with raw text only (its template typed by hand); --chat frames
+    --prompt as a user message with the tokenizer's template, as transformers' chat pipeline
+    does, and prints the reply up to the end of its turn: transformers' greedy continuation of
+    the same ids, cut at eos. A tokenizer without a template is one error line."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder = _llama_folder(tmp_path / "chat", False, chat_template=CHAT_TEMPLATE)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder))).save_pretrained(folder)  # random weights
+    assert main(["generate", str(folder), "--chat", "--prompt", "How do I sort a list?", "--temperature", "0",
+                 "--max-new-tokens", "12"]) == 0
+    printed = capsys.readouterr().out
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    ids = tok.apply_chat_template([{"role": "user", "content": "How do I sort a list?"}], add_generation_prompt=True,
+                                  tokenize=True, return_dict=False)
+    opened = tok("<s>assistant\n", add_special_tokens=False)["input_ids"]
+    assert ids[-len(opened):] == opened and opened[0] == BOS  # the assistant's turn opened
+    model = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    with torch.no_grad():
+        new = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12, eos_token_id=None,
+                             pad_token_id=0)[0, len(ids):].tolist()
+    reply = new[:new.index(EOS)] if EOS in new else new
+    from memtrain.inference.generate import chat_reply
+    assert chat_reply([5, EOS, 7], EOS) == [5] and chat_reply([5, 7], EOS) == [5, 7]  # cut at the end of the turn
+    assert printed == tok.decode(reply, clean_up_tokenization_spaces=False) + "\n"
+    plain = _llama_folder(tmp_path / "plain", False)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(plain))).save_pretrained(plain)
+    capsys.readouterr()  # the test's own loading bars
+    assert main(["generate", str(plain), "--chat", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: --chat: ") and "has no chat template" in err
+
+
+def test_the_trainers_default_linear_schedule_is_taken_and_decays_as_transformers_does(tiny_run):
+    """--lr_scheduler_type linear, the Trainer's default, was refused ("memtrain's --schedule is
+    cosine or constant"), so a Trainer recipe could not be matched: it is --schedule linear
+    --min-lr-ratio 0, each step after warm-up at transformers' get_linear_schedule_with_warmup rate."""
+    from conftest import cli_flags
+
+    steps, warmup, lr = 8, 2, 1e-3
+    run = Path(tiny_run["out"])
+    assert main(["train", *cli_flags({**tiny_run, "steps": steps, "warmup_steps": warmup}), "--lr", str(lr),
+                 "--lr_scheduler_type", "linear"]) == 0
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    ran = {line["step"]: line["lr"] for line in lines if "lr" in line}
+    assert json.loads((run / "result.json").read_text())["config"]["train"]["schedule"] == "linear"
+    import torch
+    from transformers import get_linear_schedule_with_warmup
+
+    theirs = get_linear_schedule_with_warmup(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr), warmup, steps)
+    for step in range(warmup + 1, steps + 1):  # the rate step N ran at: transformers' scheduler at N - 1
+        assert ran[step] == pytest.approx(lr * theirs.lr_lambdas[0](step - 1)), step
+    assert ran[steps] < ran[warmup + 1] / 2  # it decays: the check has teeth
+
+
+@pytest.mark.parametrize("command", ["train", "estimate", "maxbatch"])
+def test_help_says_a_transformers_model_defaults_to_sdpa(command, capsys):
+    """--help said `--attention ... (default: math)` only, while every verb runs a --model with
+    sdpa: a newcomer reading it expected eager attention and its memory."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "a transformers --model defaults to sdpa" in text
+
+
+def test_help_of_save_says_that_without_it_no_weights_are_kept(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "what export, generate and --resume read. None: the trained weights are not kept." in text

@@ -329,8 +329,10 @@ def test_lr_scheduler_type_maps_onto_the_schedule(capsys):
     assert (constant.schedule, constant.warmup_steps) == ("constant", 0)
     warm = _cfg(["train", "--lr_scheduler_type", "constant_with_warmup", "--warmup_steps", "5"]).train
     assert (warm.schedule, warm.warmup_steps) == ("constant", 5)
-    assert main(["train", "--lr_scheduler_type", "linear"]) == 2
-    assert "--lr_scheduler_type 'linear' is not available" in _error_line(capsys)
+    linear = _cfg(["train", "--lr_scheduler_type", "linear"]).train
+    assert (linear.schedule, linear.min_lr_ratio) == ("linear", 0.0)  # the Trainer's default, to 0
+    assert main(["train", "--lr_scheduler_type", "polynomial"]) == 2
+    assert "--lr_scheduler_type 'polynomial' is not available" in _error_line(capsys)
 
 
 def test_num_train_epochs_is_refused_naming_steps(capsys):

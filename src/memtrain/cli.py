@@ -29,6 +29,7 @@ from memtrain.config.aliases import (
     ALIASES,
     BY_NAME,
     EXPANDED,
+    TRAINER_OPTIMIZER_DEFAULTS,
     WARMUP_RATIO,
     flag_text,
     normalize,
@@ -381,12 +382,13 @@ def _is_transformers_model(spec: Any) -> bool:
     return isinstance(spec, str) and not is_gpt_preset(spec)
 
 
-def defaults_note(cfg: RunConfig, searched: Iterable[str] = ()) -> Optional[str]:
+def defaults_note(cfg: RunConfig, searched: Iterable[str] = (), trains: bool = False) -> Optional[str]:
     """One ``defaults used:`` line naming the defaults that shaped the answer and that a user of
     transformers' Trainer and peft would likely have set differently, or None. Only for configs
     read by :func:`config_from_args` (and their ``replace`` copies), which remember what was given.
     ``searched``: settings the command chooses itself (maxbatch's length search: ``seq_len``),
-    never defaults."""
+    never defaults. ``trains``: the answer is a training run (train), whose optimizer settings
+    shape it too."""
     given = getattr(cfg, "given_settings", None)
     if given is None:
         return None
@@ -409,7 +411,24 @@ def defaults_note(cfg: RunConfig, searched: Iterable[str] = ()) -> Optional[str]
                      f"peft's LoraConfig default is 8; --lora-alpha)")
     if tech.lora_rank and hf and "lora_targets" not in given:
         parts.append(f"LoRA on every decoder Linear (peft's all-linear; {_fewer_targets_hint(cfg.model.model)})")
+    if trains and hf:
+        parts += _optimizer_defaults(cfg, given)
     return "defaults used: " + "; ".join(parts) if parts else None
+
+
+def _optimizer_defaults(cfg: RunConfig, given: frozenset[str]) -> list[str]:
+    """The optimizer settings a fine-tune of a transformers model ran at memtrain's default where
+    the Trainer's differs (lr 3e-4 against 5e-5 is six times the step a Trainer recipe takes)."""
+    adam = cfg.technique.optim.startswith("adamw")
+    shown = []
+    for name, theirs in TRAINER_OPTIMIZER_DEFAULTS:
+        if name in given or (name == "beta2" and not adam):
+            continue
+        ours = getattr(cfg.train, name)
+        if ours != theirs:
+            flag = "--" + name.replace("_", "-")
+            shown.append(f"{flag[2:]} {ours:g} (the Trainer's default is {theirs:g}; {flag})")
+    return shown
 
 
 def _fewer_targets_hint(spec: Any) -> str:
@@ -507,7 +526,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     out = Path(cfg.train.out)
     env = launch_env()  # bad launch variables: exit 2 before anything starts
     main_rank = env is None or env.rank == 0  # under torchrun only rank 0 writes and prints
-    note = defaults_note(cfg)
+    note = defaults_note(cfg, trains=True)
     if note and main_rank:
         print(note, flush=True)
     moved = getattr(cfg, "resume_note", None)  # said after the run, as --steps longer is
@@ -544,6 +563,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         n = cfg.train.warmup_steps
         sys.stderr.write(f"note: warm-up was {n} step{'' if n == 1 else 's'} (10% of --steps {cfg.train.steps}, "
                          "at most 200); set --warmup-steps to choose\n")
+    if not cfg.train.save:
+        # The Trainer saves checkpoints by default; memtrain writes weights only where --save
+        # says, and a first run's export or generate then found nothing to read.
+        sys.stderr.write("note: no --save: the trained weights were not written; give --save FILE to export, "
+                         "generate from or --resume a run\n")
     if longer:
         sys.stderr.write(longer + "\n")
     if moved:
@@ -551,8 +575,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     mem = result["memory"]
     print(parameter_line(result))
     print(
-        f"steps {result['steps']}  train loss {result['train_loss']:.4f}  "
-        f"val loss {result['val_loss']:.4f}  val ppl {result['val_ppl']:.2f}"
+        f"steps {result['steps']}  train loss {result['train_loss']:.4f}{_train_loss_span(result)}  "
+        f"val loss {result['val_loss']:.4f}  val ppl {result['val_ppl']:.2f}{_val_span(result)}"
     )
     print(
         f"step time {result['step_time_s']['median'] * 1000:.1f} ms (median)  "
@@ -574,6 +598,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         print("\n".join(module_table_lines(mem["by_module"], cfg.train.module_top, fmt_bytes)))
     print(f"wrote {out / 'result.json'}")
     return 0
+
+
+def _train_loss_span(result: dict[str, Any]) -> str:
+    """What the train loss averages (the Trainer's train_loss is the mean over every step run)."""
+    n = result.get("train_loss_steps")
+    return f" (mean of the last {n} step{'' if n == 1 else 's'})" if n else ""
+
+
+def _val_span(result: dict[str, Any]) -> str:
+    """What the val loss covers: --val-blocks blocks, not the whole held-out split as the Trainer's eval."""
+    data = result.get("data") or {}
+    n, held_out = data.get("val_tokens_evaluated"), data.get("val_tokens")
+    return f" (on {n:,} of {held_out:,} held-out tokens; --val-blocks)" if n and held_out else ""
 
 
 def _warn_after_first_step(warning: Optional[str]) -> Optional[Callable[[int, int, Optional[float]], None]]:

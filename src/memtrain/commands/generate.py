@@ -30,6 +30,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "directory written by `memtrain export`. A folder is read with safetensors weights only; one whose "
                    "config names custom code (auto_map) is refused.")
     p.add_argument("--prompt", type=utf8_text, default="", help="Text to continue (default: start of a document).")
+    p.add_argument("--chat", action="store_true",
+                   help="--prompt is a user message: frame it with the tokenizer's chat template (assistant turn "
+                        "opened, as transformers' chat pipeline does) and print the reply, cut at the end of its "
+                        "turn. A tokenizer without a template is refused.")
     # Every value is checked here (exit 2 before the model loads): NaN, inf or a negative
     # temperature, a seed or count beyond 64 bits would otherwise fail deep inside torch.
     p.add_argument("--max-new-tokens", type=token_count, default=DEFAULT_NEW_TOKENS,
@@ -109,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         texts = generate(Path(args.model), args.prompt, args.max_new_tokens, args.temperature, args.top_k,
-                         args.num_samples, args.seed, args.device, args.dtype, before_sampling=fits)
+                         args.num_samples, args.seed, args.device, args.dtype, before_sampling=fits, chat=args.chat)
     except Exception as exc:
         if not is_out_of_memory(exc):
             raise
@@ -121,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     for i, text in enumerate(texts):
         if len(texts) > 1:
             print(f"--- sample {i + 1}")
-        print(args.prompt + text)
+        print(text if args.chat else args.prompt + text)  # a chat prints the reply alone
     return 0
 
 

@@ -40,9 +40,10 @@ class Alias:
 
 
 # The Trainer's lr_scheduler_type values memtrain's --schedule can express. The Trainer's
-# cosine decays to 0 (memtrain's stops at --min-lr-ratio, 0.1 by default) and its constant has
-# no warm-up (constant_with_warmup has one, as memtrain's constant does).
+# cosine and linear (its default) decay to 0 (memtrain's stop at --min-lr-ratio, 0.1 by default)
+# and its constant has no warm-up (constant_with_warmup has one, as memtrain's constant does).
 LR_SCHEDULER_TYPES: dict[str, dict[str, Any]] = {
+    "linear": {"schedule": "linear", "min_lr_ratio": 0.0},
     "cosine": {"schedule": "cosine", "min_lr_ratio": 0.0},
     "constant": {"schedule": "constant", "warmup_steps": 0},
     "constant_with_warmup": {"schedule": "constant"},
@@ -50,11 +51,15 @@ LR_SCHEDULER_TYPES: dict[str, dict[str, Any]] = {
 # The settings key of --warmup_ratio: build_config turns it into warm-up steps once --steps is known.
 WARMUP_RATIO = "warmup_ratio"
 
+# transformers.TrainingArguments' defaults for the optimizer settings memtrain defaults otherwise
+# (setting, the Trainer's value): train's `defaults used:` line names those a fine-tune ran with.
+TRAINER_OPTIMIZER_DEFAULTS: tuple[tuple[str, float], ...] = (("lr", 5e-5), ("weight_decay", 0.0), ("beta2", 0.999))
+
 
 def _lr_scheduler_type(value: Any) -> dict[str, Any]:
     if value not in LR_SCHEDULER_TYPES:
-        raise ValueError(f"--lr_scheduler_type {value!r} is not available: memtrain's --schedule is cosine or "
-                         f"constant; use --lr_scheduler_type {', '.join(LR_SCHEDULER_TYPES)}")
+        raise ValueError(f"--lr_scheduler_type {value!r} is not available: memtrain's --schedule is cosine, "
+                         f"linear or constant; use --lr_scheduler_type {', '.join(LR_SCHEDULER_TYPES)}")
     return dict(LR_SCHEDULER_TYPES[value])
 
 
@@ -114,8 +119,9 @@ ALIASES: tuple[Alias, ...] = (
     Alias("warmup_ratio", "warmup_steps", expand=_warmup_ratio,
           help="Warm-up as a share of --steps: ceil(ratio x steps) warm-up steps (--warmup-steps wins when both are given)."),
     Alias("lr_scheduler_type", "schedule", expand=_lr_scheduler_type,
-          help="cosine (decays to 0: --schedule cosine --min-lr-ratio 0), constant (--schedule constant "
-               "--warmup-steps 0) or constant_with_warmup (--schedule constant); other values are refused."),
+          help="linear (the Trainer's default; decays to 0: --schedule linear --min-lr-ratio 0), cosine (decays to "
+               "0: --schedule cosine --min-lr-ratio 0), constant (--schedule constant --warmup-steps 0) or "
+               "constant_with_warmup (--schedule constant); other values are refused."),
     Alias("num_train_epochs", "steps", expand=_num_train_epochs,
           help="Refused: memtrain counts optimizer steps; use --steps (--max_steps)."),
 )

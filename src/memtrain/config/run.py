@@ -223,7 +223,9 @@ class TechniqueConfig:
     (lora -> attention backend -> activation checkpointing -> compile -> distributed wrap)."""
 
     precision: str = _f("fp32", "Numeric precision: " + "|".join(PRECISIONS) + ".")
-    attention: str = _f("math", "Attention implementation: " + "|".join(ATTENTIONS) + ".")
+    attention: str = _f("math", "Attention implementation: " + "|".join(ATTENTIONS) + ". The default is memtrain's "
+                        "GPT's; a transformers --model defaults to sdpa (eager math for a family without SDPA), as "
+                        "transformers builds it.")
     window: Optional[int] = _f(None, "Sliding-window attention: each token attends to the previous W tokens.")
     checkpointing: str = _f(
         "none", "Activation checkpointing: none|full|every:K|sqrt|selective|selective-matmul "
@@ -355,8 +357,9 @@ class TrainConfig:
         "already learns. When no setting names it, it is capped at "
         "10%% of --steps (the 200 is the seed's one-epoch warm-up; a 30-step run would never reach --lr).",
     )
-    schedule: str = _f("cosine", "Learning-rate shape after warm-up: cosine|constant.")
-    min_lr_ratio: float = _f(0.1, "Cosine floor as a fraction of --lr.")
+    schedule: str = _f("cosine", "Learning-rate shape after warm-up: cosine|linear|constant (linear: straight down "
+                       "to --min-lr-ratio, the Trainer's default shape with --min-lr-ratio 0).")
+    min_lr_ratio: float = _f(0.1, "Floor of the cosine or linear decay as a fraction of --lr.")
     weight_decay: float = _f(0.1, "Decoupled weight decay on matrices (not on biases, norms).")
     beta1: float = _f(0.9, "Adam beta1.")
     beta2: float = _f(0.95, "Adam beta2.")
@@ -372,7 +375,8 @@ class TrainConfig:
         "device never idles while the host logs or fetches) and times steps with CUDA events. No effect on a CPU.",
     )
     out: str = _f("runs/train", "Output directory (result.json is written there).")
-    save: Optional[str] = _f(None, "Write a checkpoint to this file at the end (atomically).")
+    save: Optional[str] = _f(None, "Write a checkpoint to this file at the end (atomically): what export, generate "
+                             "and --resume read. None: the trained weights are not kept.")
     save_every: int = _f(0, "Also checkpoint every N steps to --save (0: only at the end).")
     resume: Optional[str] = _f(None, "Resume model, optimizer, scheduler, RNG and data position from this checkpoint; "
                                      "a larger --steps than the saved run's trains it longer (its LR schedule stretched "
@@ -439,7 +443,8 @@ class TrainConfig:
                 f"--save-every {self.save_every} checkpoints to --save PATH, and no --save is given; add --save "
                 f"(e.g. --save {self.out.rstrip('/') or 'runs/train'}/ckpt.pt) or drop --save-every")
         require(self.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {self.warmup_steps}")
-        require(self.schedule in ("cosine", "constant"), f"unknown --schedule {self.schedule!r}; choose cosine or constant")
+        require(self.schedule in ("cosine", "linear", "constant"),
+                f"unknown --schedule {self.schedule!r}; choose cosine, linear or constant")
         require(math.isfinite(self.grad_clip) and self.grad_clip >= 0, f"--grad-clip must be >= 0 and finite, got {self.grad_clip}")
         require(0.0 <= self.min_lr_ratio <= 1.0, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         require(self.log_every > 0, f"--log-every must be positive, got {self.log_every}")

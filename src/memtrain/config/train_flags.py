@@ -28,8 +28,8 @@ def dormant_settings(cfg: RunConfig) -> dict[str, str]:
         off["adafactor_relative_step"] = "--optim adafactor"
     if t.loss != "chunked":
         off["loss_chunk"] = "--loss chunked"
-    if cfg.train.schedule != "cosine":
-        off["min_lr_ratio"] = "--schedule cosine"
+    if cfg.train.schedule == "constant":
+        off["min_lr_ratio"] = "--schedule cosine (or linear)"
     return off
 
 

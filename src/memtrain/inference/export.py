@@ -54,7 +54,7 @@ from memtrain.models.gpt import GPT
 from memtrain.models.hf import HFCausalLM, build_hf_model, quiet_transformers
 from memtrain.models.hub_access import from_pretrained_kwargs
 from memtrain.models.placement import place_weights
-from memtrain.models.spec import json_object, resolve
+from memtrain.models.spec import json_object, resolve, run_folder_hint
 from memtrain.runtime.extras import require
 from memtrain.techniques.hf_mapping import apply_hf_lora
 from memtrain.techniques.lora import apply_lora, merge_adapters_in_place, merge_lora
@@ -75,8 +75,9 @@ def read_checkpoint(ckpt: str | Path) -> tuple[dict[str, Any], RunConfig]:
     """A single-file checkpoint's state and the config of the run that wrote it."""
     p = Path(ckpt)
     if p.is_dir():
-        raise ConfigError(f"{str(p)!r} is a directory; give the single-file checkpoint written by --save "
-                          "(a sharded distributed checkpoint cannot be exported yet)")
+        raise ConfigError(f"{str(p)!r} is a directory; give the single-file checkpoint written by --save"
+                          + (run_folder_hint(p, export_hint=False)
+                             or " (a sharded distributed checkpoint cannot be exported yet)"))
     # Mapped, not read: export and generate use the weights only (never the optimizer's state), and
     # the model they build takes the mapped tensors themselves (``_fit(assign=True)``).
     state = read_state(p, "give the file written by train --save", mmap=True)
@@ -419,6 +420,10 @@ def write_adapter(model: HFCausalLM, out: Path) -> int:
     lcfg = lm.peft_config["default"]
     lcfg.base_model_name_or_path = resolve(model.source_spec).load_id
     lcfg.task_type = "CAUSAL_LM"
+    lcfg.inference_mode = True  # as peft's save_pretrained writes it (the live config is training's)
+    if isinstance(lcfg.target_modules, (set, list)):
+        # peft holds all-linear's modules as a set: sorted, two exports of one checkpoint are equal.
+        lcfg.target_modules = sorted(lcfg.target_modules)
     adapters = get_peft_model_state_dict(lm)
     # PeftModel keeps the wrapped model under base_model.model: the names its loader expects.
     save_file({f"base_model.model.{k}": v.detach().contiguous() for k, v in adapters.items()},

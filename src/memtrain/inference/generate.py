@@ -63,6 +63,10 @@ class Codec:
     decode: Callable[[list[int]], str]
     start_id: Optional[int]  # the document boundary an empty prompt starts after (None: none known)
     n_vocab: int
+    # A user message framed by the tokenizer's chat template, up to the assistant's turn (None:
+    # the tokenizer has no template), and the id that ends a turn there (the reply is cut at it).
+    chat: Optional[Callable[[str], list[int]]] = None
+    end_id: Optional[int] = None
 
 
 def gpt2_codec() -> Codec:
@@ -76,7 +80,23 @@ def transformers_codec(tok: Any) -> Codec:
     tokenizer's bos when it adds one (Llama), which an empty prompt then starts from."""
     prefix = leading_special_ids(tok)
     return Codec(lambda text: prefix + list(tok(text, add_special_tokens=False)["input_ids"]),
-                 lambda ids: tok.decode(ids, clean_up_tokenization_spaces=False), _start_id(tok, prefix), len(tok))
+                 lambda ids: tok.decode(ids, clean_up_tokenization_spaces=False), _start_id(tok, prefix), len(tok),
+                 _chat_encoder(tok), tok.eos_token_id)
+
+
+def _chat_encoder(tok: Any) -> Optional[Callable[[str], list[int]]]:
+    """One user message through the tokenizer's chat template with the assistant's turn opened,
+    as transformers' chat pipeline frames it (the template supplies any bos); None without one.
+    transformers renders the template in jinja's sandbox: it cannot run Python."""
+    if not getattr(tok, "chat_template", None):
+        return None
+    return lambda text: list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False))
+
+
+def chat_reply(ids: list[int], end_id: Optional[int]) -> list[int]:
+    """A sampled reply up to its end-of-turn id (sampling runs the full --max-new-tokens)."""
+    return ids[:ids.index(end_id)] if end_id is not None and end_id in ids else ids
 
 
 def _start_id(tok: Any, prefix: list[int]) -> Optional[int]:
@@ -214,9 +234,11 @@ BeforeSampling = Callable[[RunConfig, torch.dtype, int, torch.device], None]
 
 def generate(model_path: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int,
              num_samples: int, seed: int, device: str = "auto", dtype: Optional[str] = None,
-             before_sampling: Optional[BeforeSampling] = None) -> list[str]:
+             before_sampling: Optional[BeforeSampling] = None, chat: bool = False) -> list[str]:
     """``num_samples`` continuations of ``prompt`` (the new text only), sampled on ``device``
-    (auto, cpu, cuda, cuda:N) with the weights in ``dtype`` (fp32, bf16, fp16; None: as stored)."""
+    (auto, cpu, cuda, cuda:N) with the weights in ``dtype`` (fp32, bf16, fp16; None: as stored).
+    ``chat``: ``prompt`` is a user message, framed by the tokenizer's chat template; each
+    continuation is the reply, up to the template's end of turn."""
     from memtrain.runtime.env import resolve_device  # torch-free --help: the device is resolved here
 
     require_transformers()
@@ -231,7 +253,12 @@ def generate(model_path: Path, prompt: str, max_new_tokens: int, temperature: fl
     else:
         loaded, codec, cfg = from_checkpoint(model_path)
         config, weights_dtype = loaded.config, asked or next(loaded.parameters()).dtype
-    if prompt:
+    if chat:
+        if codec.chat is None:
+            raise ConfigError(f"--chat: {str(model_path)!r} has no chat template (tokenizer_config.json's chat_template "
+                              "or chat_template.jinja beside the tokenizer); give the prompt as text without --chat")
+        ids = codec.chat(prompt)
+    elif prompt:
         ids = codec.encode(prompt)
     elif codec.start_id is not None:
         ids = [codec.start_id]
@@ -251,4 +278,5 @@ def generate(model_path: Path, prompt: str, max_new_tokens: int, temperature: fl
     torch.manual_seed(seed)
     x = torch.tensor([ids] * num_samples, device=place)
     y = sample_ids(hf, x, settings)
-    return [codec.decode(row[len(ids):].tolist()) for row in y]
+    rows = [row[len(ids):].tolist() for row in y]
+    return [codec.decode(chat_reply(row, codec.end_id) if chat else row) for row in rows]

@@ -35,6 +35,8 @@ from memtrain.config.archs import GPT2_ARCH, LLAMA_ARCH
 from memtrain.config.presets import PRESETS
 from memtrain.errors import ConfigError, shortened
 from memtrain.files.guard import TOO_LARGE, folder_entry_problems, special_file_kind, visible_entries
+from memtrain.files.json_text import loads_bounded
+from memtrain.files.results import whole_json_limit
 from memtrain.models.hub_access import from_pretrained_kwargs, offline_hint
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -270,14 +272,42 @@ def json_object(path: Path, what: str) -> dict[str, Any]:
     return data
 
 
-def _run_folder_hint(folder: Path) -> str:
-    """For a ``train --out`` folder given where a model folder goes (it holds result.json, and
-    the run's checkpoint where --save put it there): what to give instead; else ""."""
+def _saved_by_run(folder: Path) -> tuple[bool, Optional[str]]:
+    """Whether the ``result.json`` in ``folder`` could be read, and the ``--save`` its run
+    recorded (None: the run saved no checkpoint). Read bounded: the folder is any folder."""
+    path = folder / "result.json"
+    try:
+        if path.stat().st_size > whole_json_limit():
+            return False, None
+        recorded = loads_bounded(path.read_bytes())
+    except (OSError, ValueError):
+        return False, None
+    config = recorded.get("config") if isinstance(recorded, dict) else None
+    train = config.get("train") if isinstance(config, dict) else None
+    if not isinstance(train, dict) or "save" not in train:
+        return False, None
+    save = train["save"]
+    return True, save if isinstance(save, str) and save else None
+
+
+def run_folder_hint(folder: Path, export_hint: bool = True) -> str:
+    """For a ``train --out`` folder given where a model folder or a checkpoint goes (it holds
+    result.json, and the run's checkpoint where --save put it there): what to give instead, in
+    parentheses; else "". ``export_hint`` adds `memtrain export` (not for export itself)."""
     if not (folder / "result.json").is_file():
         return ""
     ckpts = sorted(p.name for p in folder.glob("*.pt") if p.is_file())
-    take = f"its checkpoint ({str(folder / ckpts[0])!r})" if ckpts else "the checkpoint its run saved with --save"
-    return f" ({str(folder)!r} is a train --out folder: give {take}, or make a model folder of it with `memtrain export CKPT DIR`)"
+    known, save = (False, None) if ckpts else _saved_by_run(folder)
+    if known and save is None:
+        # The usual first run: train keeps its weights only with --save, and saying "give the
+        # checkpoint its run saved" sent the user looking for a file that was never written.
+        return (f" ({str(folder)!r} is the --out folder of a run that saved no checkpoint: train keeps the weights only "
+                f"with --save FILE; train again with --save {str(folder / 'ckpt.pt')!r})")
+    take = (f"its checkpoint ({str(folder / ckpts[0])!r})" if ckpts
+            else f"the checkpoint its run saved with --save ({save!r})" if save
+            else "the checkpoint its run saved with --save")
+    export = ", or make a model folder of it with `memtrain export CKPT DIR`" if export_hint else ""
+    return f" ({str(folder)!r} is a train --out folder: give {take}{export})"
 
 
 def read_config_json(path: Path) -> dict[str, Any]:
@@ -288,7 +318,7 @@ def read_config_json(path: Path) -> dict[str, Any]:
     shown = str(path)
     if not path.is_file():
         raise ConfigError(f"{shown!r} is missing or not a file; a model folder needs its config.json"
-                          + _run_folder_hint(path.parent))
+                          + run_folder_hint(path.parent))
     data = json_object(path, "the config.json (it is not a transformers config.json)")
     if "auto_map" in data:
         raise ConfigError(f"{shown!r} names custom model code (auto_map); memtrain never runs code shipped with a "

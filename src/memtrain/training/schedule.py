@@ -12,7 +12,7 @@ from memtrain.config.run import RunConfig
 
 
 def lr_lambda(cfg: RunConfig) -> Callable[[int], float]:
-    """Linear warm-up to 1, then cosine down to ``min_lr_ratio`` (or constant)."""
+    """Linear warm-up to 1, then cosine or linear down to ``min_lr_ratio`` (or constant)."""
     t = cfg.train
 
     def factor(step: int) -> float:
@@ -22,6 +22,8 @@ def lr_lambda(cfg: RunConfig) -> Callable[[int], float]:
             return 1.0
         decay_steps = max(1, t.steps - t.warmup_steps)
         progress = min(1.0, (step - t.warmup_steps) / decay_steps)
+        if t.schedule == "linear":  # transformers' get_linear_schedule_with_warmup, floored at min_lr_ratio
+            return t.min_lr_ratio + (1 - t.min_lr_ratio) * (1 - progress)
         return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor

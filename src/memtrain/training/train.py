@@ -327,6 +327,8 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         result = _result(state, timer, memory, splits, val_loss, state.val_history, start_step, end_step,
                          tokens_per_step, total_time, caps, device_caps, rate_now)
         result["setup_time_s"] = {**clock.laps, "first_step": timer.first_step_s}
+        # What val_loss averages: the first --val-blocks blocks of the held-out split, not all of it.
+        result["data"]["val_tokens_evaluated"] = sum(int(y.numel()) for _, y in val_batches)
         result.update(dist_ctx.result_fields(memory))  # distributed: "ranks" (memory per rank), "distributed"
     except BaseException:
         if not dist_ctx.enabled:  # a sharded save is collective: one rank's failure would hang it
@@ -565,6 +567,9 @@ def _result(state: TrainState, timer: StepTimer, memory: dict[str, Any], splits:
     cfg, t, losses, device = state.cfg, state.cfg.train, state.losses, state.device
     stats = timer.summary().to_dict()
     tail = losses[-min(10, len(losses)):] if losses else [float("nan")]
+    # The Trainer's train_loss: the mean over every step this invocation ran (a resumed run's
+    # own steps), beside memtrain's train_loss, the mean of the last 10 (the end of the curve).
+    ran = losses[len(losses) - (end_step - start_step):] if end_step > start_step and losses else [float("nan")]
     flops_per_rank_step, flops_source = _flops_per_rank_step(cfg, state.n_params, state.rule_dropped_params)
     median = stats["median"]
     run_mfu, mfu_reference = mfu_for_run(flops_per_rank_step, median, device, cfg.technique.precision, caps, rate_now,
@@ -572,6 +577,8 @@ def _result(state: TrainState, timer: StepTimer, memory: dict[str, Any], splits:
     return {
         "config": cfg.recorded(),
         "train_loss": sum(tail) / len(tail),
+        "train_loss_steps": len(tail) if losses else 0,
+        "train_loss_mean": sum(ran) / len(ran),
         "val_loss": val_loss,
         "val_ppl": math.exp(min(val_loss, 50)),
         "steps": end_step,

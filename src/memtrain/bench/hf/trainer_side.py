@@ -36,7 +36,8 @@ def training_arguments(cfg: RunConfig, plan: HFPlan, output_dir: str, device: to
         adam_beta2=t.beta2,
         adam_epsilon=1e-8,
         max_grad_norm=t.grad_clip,
-        lr_scheduler_type="cosine_with_min_lr" if t.schedule == "cosine" else "constant_with_warmup",
+        # The Trainer's linear decays to 0: the same schedule where --min-lr-ratio is 0 (--lr_scheduler_type linear).
+        lr_scheduler_type={"cosine": "cosine_with_min_lr", "linear": "linear"}.get(t.schedule, "constant_with_warmup"),
         lr_scheduler_kwargs={"min_lr_rate": t.min_lr_ratio} if t.schedule == "cosine" else {},
         warmup_steps=t.warmup_steps,
         seed=t.seed,
