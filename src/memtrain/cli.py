@@ -554,15 +554,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"steps {result['steps']}  train loss {result['train_loss']:.4f}  "
         f"val loss {result['val_loss']:.4f}  val ppl {result['val_ppl']:.2f}"
     )
-    print(
-        f"step time {result['step_time_s']['median'] * 1000:.1f} ms (median)  "
-        f"{result['tokens_per_s']:,.0f} tokens/s  {result['steps_run']} steps in {result['total_time_s']:.1f} s  "
-        f"tracked peak {fmt_bytes(mem.get('peak_bytes'))}"
-        # On a CPU the "device" is the host itself: the time between steps is loop work, not idling.
-        + (f"  device idle between steps {result['device_idle_share']:.1%}"
-           if result.get("device_idle_share") is not None
-           and (result.get("env") or {}).get("device_type") not in (None, "cpu") else "")
-    )
+    if result["steps_run"]:
+        print(
+            f"step time {result['step_time_s']['median'] * 1000:.1f} ms (median)  "
+            f"{result['tokens_per_s']:,.0f} tokens/s  {result['steps_run']} steps in {result['total_time_s']:.1f} s  "
+            f"tracked peak {fmt_bytes(mem.get('peak_bytes'))}"
+            # On a CPU the "device" is the host itself: the time between steps is loop work, not idling.
+            + (f"  device idle between steps {result['device_idle_share']:.1%}"
+               if result.get("device_idle_share") is not None
+               and (result.get("env") or {}).get("device_type") not in (None, "cpu") else "")
+        )
+    else:  # a resume at the run's last step: its steps were timed and metered by the run it finishes
+        print("no step ran: the checkpoint was at the run's last step; step time, tokens/s and memory are "
+              "null in result.json")
     setup = result.get("setup_time_s") or {}
     if setup:
         first = setup.get("first_step")
