@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
-import errno
 import importlib
 import os
 import pkgutil
@@ -61,7 +60,7 @@ from memtrain.distributed.rank_errors import (
     rendezvous_timeout_s,
     say_error,
 )
-from memtrain.errors import denied_access, is_out_of_memory, name_too_long, one_line
+from memtrain.errors import denied_access, is_out_of_memory, name_too_long, one_line, out_of_room
 from memtrain.files.lock import FolderLock, file_lock
 from memtrain.files.results import RESULT_NAME, write_json_atomic
 from memtrain.report.by_module import module_table_lines
@@ -701,10 +700,10 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         if denied is not None and not os.environ.get("MEMTRAIN_DEBUG"):
             _say(f"error: {denied}", 2)  # the path is the user's to change: bad input
             return 2
-        if exc.errno != errno.ENOSPC or os.environ.get("MEMTRAIN_DEBUG"):
+        room = out_of_room(exc)
+        if room is None or os.environ.get("MEMTRAIN_DEBUG"):
             return _failure(exc)
-        where = f" writing {exc.filename}" if exc.filename else ""
-        _say(f"error: disk full{where}; free space and run again (files written before are intact)", 1)
+        _say(f"error: {room}", 1)  # not the input's fault: exit 1
         return 1
     except Exception as exc:  # noqa: BLE001 - the contract: exit 1 with the reason
         return _failure(exc)

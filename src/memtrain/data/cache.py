@@ -96,6 +96,11 @@ def prepare_tokens(cfg: DataConfig, progress: Optional[bool] = None, tokenizer: 
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))  # written last: marks a complete entry
         _publish(tmp, final)
     except OSError as exc:
+        if exc.errno == errno.EFBIG:
+            # The file size limit (ulimit -f) binds every file this process writes: tokenizing
+            # without the cache writes the same arrays to another folder. Said naming the cache
+            # (the write's own error names no file).
+            raise OSError(exc.errno, exc.strerror, str(root)) from None
         if exc.errno not in CACHE_FULL:
             raise
         # The cache's disk filled (or failed) while the entry was written: the cache only saves
