@@ -588,3 +588,22 @@ def test_a_cache_disk_that_fills_while_writing_the_entry_tokenizes_without_it(tm
     assert splits.cache_path == "" and np.array_equal(splits.train, expected.train)
     assert np.array_equal(splits.val, expected.val)
     assert [p.name for p in (tmp_path / "cache").rglob("*") if p.name.startswith(".tmp-")] == []
+
+
+def test_a_cache_entry_of_another_tokenizer_or_source_is_rebuilt(tmp_path: Path) -> None:
+    """An entry whose meta.json records another tokenizer or source (an entry copied or moved in
+    under this key from another) was used as this run's: its ids trained the model and
+    result.json's data.tokenizer named the other tokenizer. It is rebuilt, the ids this run's."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in corpus(50)])
+    first = prepare_tokens(cfg(path), progress=False)
+    meta_path = Path(first.cache_path) / "meta.json"
+    written = json.loads(meta_path.read_text())
+    for key, foreign in (("tokenizer", {"name": "hf-0123456789abcdef", "n_vocab": 50257, "eot_id": 0}),
+                         ("source", {"kind": "files", "files": [{"path": "/elsewhere/other.jsonl"}]})):
+        meta_path.write_text(json.dumps({**written, key: foreign}))
+        again = prepare_tokens(cfg(path), progress=False)
+        assert not again.from_cache and again.tokenizer == "gpt2", key
+        np.testing.assert_array_equal(again.train, first.train)
+        assert json.loads(meta_path.read_text())[key] == written[key]
+    assert prepare_tokens(cfg(path), progress=False).from_cache  # the rebuilt entry is read again
+
