@@ -296,16 +296,25 @@ def _publish(tmp: Path, final: Path) -> None:
     If another process published the same key meanwhile, its entry is kept: both hold the
     same tokens, since the key determines the content.
     """
-    if final.exists():
+    if os.path.lexists(final):  # a dangling link too: the rename below failed on it (ENOTDIR)
         old = final.with_name(f".old-{final.name}-{os.getpid()}")
         with contextlib.suppress(FileNotFoundError):
-            os.rename(final, old)
-            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)  # the name itself: a link's target is never touched
+            _remove_entry(old)
     try:
         os.rename(tmp, final)
     except OSError:
         if not (final / "meta.json").exists():
             raise
+
+
+def _remove_entry(path: Path) -> None:
+    """Remove a replaced entry: a folder with its files, a link or a file by its name only."""
+    if path.is_symlink() or not path.is_dir():
+        with contextlib.suppress(OSError):
+            path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- reading
