@@ -201,7 +201,7 @@ def resolve_local_files(pattern: str) -> list[Path]:
     elif (kind := special_file_kind(path)) is not None:
         raise ConfigError(f"--data {pattern!r} is {kind}, not a file; give a file, a glob, a folder, 'default' or hf:NAME")
     else:
-        raise ConfigError(f"no file matches {pattern!r}; check --data (a file, a glob, 'default' or hf:NAME)")
+        raise _no_file_matches(pattern, "check --data (a file, a glob, 'default' or hf:NAME)")
     for p in files:
         if p.suffix.lower() not in SUPPORTED_SUFFIXES:
             raise ConfigError(
@@ -238,8 +238,21 @@ def _match_files(pattern: str, data: str) -> list[Path]:
     """Sorted files matching a glob (``**`` allowed); none -> ConfigError naming ``--data``."""
     files = sorted(p for p in _glob_entries(pattern) if p.is_file())
     if not files:
-        raise ConfigError(f"no file matches {pattern!r}; check --data {data!r}")
+        raise _no_file_matches(pattern, f"check --data {data!r}")
     return files
+
+
+# A URL's scheme ("https://", "s3://", "file://"): memtrain reads no URL; one given as --data was
+# looked for as a local path and said to match no file, as if the name were mistyped.
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def _no_file_matches(pattern: str, check: str) -> ConfigError:
+    """The refusal of a ``--data`` path or glob that names no file; of a URL, saying so."""
+    if _URL.match(pattern):
+        return ConfigError(f"--data {pattern!r} is a URL; memtrain reads local files and Hugging Face datasets, not "
+                           "URLs: download it and give its path (or hf:ORG/NAME for a Hub dataset)")
+    return ConfigError(f"no file matches {pattern!r}; {check}")
 
 
 def _local_documents(files: list[Path], cfg: DataConfig) -> Iterator[str]:
