@@ -588,3 +588,42 @@ def test_a_cache_disk_that_fills_while_writing_the_entry_tokenizes_without_it(tm
     assert splits.cache_path == "" and np.array_equal(splits.train, expected.train)
     assert np.array_equal(splits.val, expected.val)
     assert [p.name for p in (tmp_path / "cache").rglob("*") if p.name.startswith(".tmp-")] == []
+
+
+def test_a_cache_entry_of_another_tokenizer_or_source_is_rebuilt(tmp_path: Path) -> None:
+    """An entry whose meta.json records another tokenizer or source (an entry copied or moved in
+    under this key from another) was used as this run's: its ids trained the model and
+    result.json's data.tokenizer named the other tokenizer. It is rebuilt, the ids this run's."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in corpus(50)])
+    first = prepare_tokens(cfg(path), progress=False)
+    meta_path = Path(first.cache_path) / "meta.json"
+    written = json.loads(meta_path.read_text())
+    for key, foreign in (("tokenizer", {"name": "hf-0123456789abcdef", "n_vocab": 50257, "eot_id": 0}),
+                         ("source", {"kind": "files", "files": [{"path": "/elsewhere/other.jsonl"}]})):
+        meta_path.write_text(json.dumps({**written, key: foreign}))
+        again = prepare_tokens(cfg(path), progress=False)
+        assert not again.from_cache and again.tokenizer == "gpt2", key
+        np.testing.assert_array_equal(again.train, first.train)
+        assert json.loads(meta_path.read_text())[key] == written[key]
+    assert prepare_tokens(cfg(path), progress=False).from_cache  # the rebuilt entry is read again
+
+
+def test_a_cache_entry_that_is_a_dangling_link_is_replaced(tmp_path: Path) -> None:
+    """A dangling link at an entry's name (its folder removed, a link into a cache elsewhere)
+    ended the run: `NotADirectoryError` renaming the new entry onto it, exit 1. The link is
+    replaced by the entry; a link to a folder is replaced by name, its folder left as it was."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in corpus(50)])
+    entry = tmp_path / "cache" / cache_key(cfg(path))
+    entry.parent.mkdir()
+    entry.symlink_to(tmp_path / "gone")
+    first = prepare_tokens(cfg(path), progress=False)
+    assert entry.is_dir() and not entry.is_symlink() and not first.from_cache
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("mine")
+    os.rename(entry, tmp_path / "moved")
+    entry.symlink_to(elsewhere)
+    again = prepare_tokens(cfg(path), progress=False)
+    np.testing.assert_array_equal(again.train, first.train)
+    assert entry.is_dir() and not entry.is_symlink() and (elsewhere / "keep.txt").read_text() == "mine"
+    assert [p.name for p in entry.parent.iterdir() if p.name.startswith(".old-")] == []

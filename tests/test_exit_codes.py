@@ -121,6 +121,8 @@ def test_train_refuses_absurd_numbers_before_it_starts(extra, words, small_corpu
     (["--temperature", "nan"], "argument --temperature"),  # was accepted
     (["--temperature", "inf"], "argument --temperature"),  # was accepted
     (["--temperature", "-0.5"], "argument --temperature"),
+    # 0 in float32: the logits divided by it made NaN probabilities, torch's RuntimeError, exit 1.
+    (["--temperature", "1e-300"], "argument --temperature: must be 0 (greedy) or at least 1e-30"),
     (["--top-k", "-1"], "argument --top-k"),
     (["--top-k", BIG], "argument --top-k"),
     (["--num-samples", BIG], "argument --num-samples"),  # an OverflowError in torch
@@ -137,6 +139,8 @@ def test_generate_still_takes_the_edges_of_each_range(checkpoint, capsys):
     """Greedy (temperature 0), no top-k cut (0) and the largest seed are settings, not errors."""
     argv = ["generate", str(checkpoint), "--max-new-tokens", "2", "--temperature", "0", "--top-k", "0",
             "--seed", str(2**64 - 1)]
+    assert _code_and_err(argv, capsys)[0] == 0
+    argv = ["generate", str(checkpoint), "--max-new-tokens", "2", "--temperature", "1e-30"]  # the smallest above greedy
     assert _code_and_err(argv, capsys)[0] == 0
 
 

@@ -5,13 +5,17 @@ named for what it is."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import _small_corpus_texts
+from conftest import TINY_MODEL, _small_corpus_texts, cli_flags
 from memtrain.cli import main
+
+TINY_FLAGS = [*cli_flags(TINY_MODEL), "--batch-size", "1", "--seq-len", "16", "--val-blocks", "1", "--warmup-steps", "1",
+              "--no-progress"]
 
 BOS, EOS = 1, 2
 
@@ -176,6 +180,36 @@ def test_a_save_to_disk_folder_reads_as_the_same_records_in_a_file(small_corpus,
     assert main(["train", "--data", str(one), "--steps", "1", "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert err == f"error: --data {str(one)!r} is a folder written by datasets' save_to_disk; give --data hf:{one}\n"
+
+
+def test_a_save_to_disk_folder_with_garbled_or_outward_json_is_one_line(small_corpus, tmp_path, capsys):
+    """A save_to_disk folder whose dataset_info.json is a list, whose state.json lists files as
+    numbers, or whose state.json names a file outside it (`../good/data.arrow`, which datasets read):
+    datasets' AttributeError or TypeError (exit 1), or a read outside the folder. Each is one
+    line (exit 2) before datasets reads the folder; the folder as saved still reads."""
+    datasets = pytest.importorskip("datasets")
+
+    records = [json.loads(line) for line in small_corpus.read_text().splitlines()]
+    good = tmp_path / "good"
+    datasets.Dataset.from_list(records).save_to_disk(str(good))
+    state = json.loads((good / "state.json").read_text())
+    outward = f"../good/{state['_data_files'][0]['filename']}"
+    capsys.readouterr()  # save_to_disk's progress bars
+    for name, edit in (("info-list", {"dataset_info.json": "[1]"}),
+                       ("files-numbers", {"state.json": json.dumps({**state, "_data_files": [5]})}),
+                       # a file that exists outside the folder: datasets read it
+                       ("outward", {"state.json": json.dumps({**state, "_data_files": [{"filename": outward}]})})):
+        folder = tmp_path / name
+        shutil.copytree(good, folder)
+        for file, text in edit.items():
+            (folder / file).write_text(text)
+        out = tmp_path / f"run-{name}"
+        argv = ["train", "--data", f"hf:{folder}", "--steps", "1", "--out", str(out), *TINY_FLAGS]
+        assert main(argv) == 2, name
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: cannot load {str(folder)!r} (a save_to_disk folder): ") and err.count("\n") == 1, err
+        assert not out.exists()
+    assert main(["train", "--data", f"hf:{good}", "--steps", "1", "--out", str(tmp_path / "ok"), *TINY_FLAGS]) == 0
 
 
 def test_a_model_shorter_than_the_default_seq_len_trains_at_its_own_length(tmp_path, capsys):

@@ -372,6 +372,18 @@ def test_odd_data_paths_are_refused_without_hanging(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+def test_a_url_as_data_is_said_to_be_one(tmp_path, capsys):
+    """A URL given as --data was looked for as a local path: "no file matches
+    'https://example.com/posts.jsonl'", as if mistyped. The line says memtrain reads no URL and
+    what to give instead."""
+    for data in ("https://example.com/posts.jsonl", "s3://bucket/posts?part=1", "hf:json:https://example.com/*.jsonl"):
+        run = {**TINY_MODEL, **RUN, "steps": 1, "data": data, "out": str(tmp_path / "o")}
+        assert main(["train", *cli_flags(run)]) == 2, data
+        line = _one_error_line(capsys.readouterr().err)
+        assert "is a URL" in line and "download it and give its path" in line, line
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_launched_flag_left_without_its_launcher_still_says_the_line(monkeypatch, tmp_path, capsys):
     """MEMTRAIN_LAUNCHED=1 in an environment memtrain's launcher did not make (no error folder
     for it to read): a refused run exited 2 with no line at all, each rank leaving its line to a

@@ -83,6 +83,46 @@ def test_an_interrupt_while_the_result_is_written_still_writes_the_final_checkpo
     assert torch.load(ckpt, weights_only=True)["step"] == 4 and not (out / "result.json").exists()
 
 
+def test_a_run_interrupted_in_its_final_evaluation_resumes_to_its_result(tmp_path, monkeypatch, capsys):
+    """Ctrl-C (or SIGTERM) in the final evaluation kept the trained steps in --save but wrote no
+    result.json, and `train --resume` refused the checkpoint: "is at step 4, this run ends at step
+    4". The resume runs the final evaluation only and writes the result the uninterrupted run
+    wrote: the same keys, losses and perplexity (step times and memory null: no step ran), and
+    appends the evaluation's metrics line. A second resume, the result written, is refused."""
+    import memtrain.training.train as T
+
+    full = tmp_path / "full"
+    assert main([*RUN, "--out", str(full)]) == 0
+    real = T.evaluate
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(T, "evaluate", interrupted)
+    out, ckpt = tmp_path / "r", tmp_path / "r" / "c.pt"
+    assert main([*RUN, "--out", str(out), "--save", str(ckpt)]) == 130
+    assert not (out / "result.json").exists()
+    monkeypatch.setattr(T, "evaluate", real)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(ckpt), "--no-progress"]) == 0, capsys.readouterr().err
+    assert "no step ran" in capsys.readouterr().out
+    want, got = (json.loads((d / "result.json").read_text()) for d in (full, out))
+    assert got.keys() == want.keys() and got["memory"].keys() == want["memory"].keys()
+    for key in ("val_loss", "val_ppl", "loss_history", "train_loss", "steps", "tokens", "stopped_early"):
+        assert got[key] == want[key], key
+    assert got["steps_run"] == 0 and got["step_time_s"]["median"] is None and got["memory"]["peak_bytes"] is None
+    last = _lines(out)[-1]
+    assert last["step"] == 4 and last["val_loss"] == want["val_loss"] and last["resumed_from_step"] == 4
+    before = (out / "result.json").read_bytes()
+    assert main(["train", "--resume", str(ckpt), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds its result" in err and "larger --steps" in err and len(err.splitlines()) == 1
+    assert (out / "result.json").read_bytes() == before
+    # Into a new folder too: the run's own --out holds the result of that step.
+    assert main(["train", "--resume", str(ckpt), "--out", str(tmp_path / "again"), "--no-progress"]) == 2
+    assert "holds its result" in capsys.readouterr().err and not (tmp_path / "again").exists()
+
+
 def test_log_every_and_bad_report_to(tmp_path, capsys):
     out = tmp_path / "r"
     assert main([*RUN, "--out", str(out), "--log-every", "3"]) == 0

@@ -466,9 +466,9 @@ def test_a_failing_metrics_log_does_not_lose_the_run(tiny_run, tmp_path, capsys,
 _KILLED_AT_SAVE = textwrap.dedent("""
     import os, signal, sys
     import memtrain.checkpoints.exact as c
-    def save(obj, f):
-        with open(f, "wb") as fh:
-            fh.write(b"half a checkpoint")
+    def save(obj, f):  # f: the temporary file memtrain opened
+        f.write(b"half a checkpoint")
+        f.flush()
         os.kill(os.getpid(), signal.SIGKILL)
     c.torch.save = save
     from memtrain.cli import main
@@ -905,3 +905,60 @@ def test_a_periodic_checkpoint_that_cannot_be_written_does_not_stop_the_run(tiny
         assert code == 0 and torch.load(save, weights_only=True, mmap=True)["step"] == 4
     else:
         assert code == 1 and "disk full writing" in err.strip().splitlines()[-1] and not save.exists()
+
+
+SRC = Path(__file__).parents[1] / "src"
+
+
+def _under_file_size_limit(args: list[str], limit: int, cache: Path) -> subprocess.CompletedProcess:
+    """``memtrain ARGS`` in a process whose files may not grow past ``limit`` bytes (``ulimit -f``:
+    a write past it fails with EFBIG, Python ignoring SIGXFSZ), on its own token cache."""
+    import resource
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "MEMTRAIN_CACHE": str(cache)}
+    return subprocess.run([sys.executable, "-m", "memtrain", *args], capture_output=True, text=True, env=env,
+                          preexec_fn=cap, timeout=600)
+
+
+def test_a_file_size_limit_at_the_checkpoints_keeps_the_old_one_and_the_run(tiny_run, tmp_path):
+    """A checkpoint past the file size limit (`ulimit -f`) made torch.save raise "[enforce fail at
+    inline_container.cc] unexpected pos": a --save-every save stopped the run there (the periodic
+    save goes on past an OSError only), losing the result, and the line named no file. The write's
+    own error (EFBIG) is kept: the periodic save warns, the run writes its result, the final save's
+    line names the checkpoint and the limit, and the checkpoint resumed from is untouched."""
+    ck = tmp_path / "ck.pt"
+    run = {**tiny_run, "steps": 4, "warmup_steps": 1, "save": str(ck)}
+    assert main(["train", *cli_flags({**run, "stop_after": 2})]) == 0
+    before = ck.read_bytes()
+    assert len(before) > 4_000_000  # the limit below binds the checkpoint only
+    proc = _under_file_size_limit(["train", "--resume", str(ck), "--out", tiny_run["out"], "--save-every", "1",
+                                   "--no-progress"],
+                                  4_000_000, tmp_path / "cache")
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith(f"error: file too large writing {ck}: it passed this shell's file size limit")
+    assert "Traceback" not in proc.stderr and "warning: the checkpoint of step 3 could not be written" in proc.stderr
+    assert ck.read_bytes() == before
+    assert json.loads((Path(tiny_run["out"]) / "result.json").read_text())["steps"] == 4
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("ck.pt")] == ["ck.pt"]
+
+
+def test_a_file_size_limit_in_export_and_the_token_cache_is_one_line_naming_the_place(tiny_run, tmp_path):
+    """An export past the file size limit said "SafetensorError: ... File too large (os error 27)",
+    a token cache entry past it "OSError: [Errno 27] File too large": neither named the place nor
+    what to change. Each is one line naming the export folder or the cache, exit 1, nothing left."""
+    ck = tmp_path / "ck.pt"
+    assert main(["train", *cli_flags({**tiny_run, "steps": 1, "warmup_steps": 1, "save": str(ck)})]) == 0
+    dest = tmp_path / "exported"
+    proc = _under_file_size_limit(["export", str(ck), str(dest)], 1_000_000, tmp_path / "cache")
+    assert proc.returncode == 1
+    assert _one_error_line(proc.stderr).startswith(f"error: file too large writing {dest}: ")
+    assert not dest.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".memtrain-export")]
+    cache, out = tmp_path / "fresh-cache", tmp_path / "limited"
+    proc = _under_file_size_limit(["train", *cli_flags({**tiny_run, "out": str(out)})], 16_000, cache)
+    assert proc.returncode == 1
+    assert _one_error_line(proc.stderr).startswith(f"error: file too large writing {cache}: ")
+    assert not out.exists() and not [p for p in cache.iterdir() if p.name.startswith(".tmp-")]

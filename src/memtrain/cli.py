@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
-import errno
 import importlib
 import os
 import pkgutil
@@ -62,7 +61,7 @@ from memtrain.distributed.rank_errors import (
     rendezvous_timeout_s,
     say_error,
 )
-from memtrain.errors import denied_access, is_out_of_memory, name_too_long, one_line
+from memtrain.errors import denied_access, is_out_of_memory, name_too_long, one_line, out_of_room
 from memtrain.files.lock import FolderLock, file_lock
 from memtrain.files.results import RESULT_NAME, write_json_atomic
 from memtrain.report.by_module import module_table_lines
@@ -578,15 +577,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"steps {result['steps']}  train loss {result['train_loss']:.4f}{_train_loss_span(result)}  "
         f"val loss {result['val_loss']:.4f}  val ppl {result['val_ppl']:.2f}{_val_span(result)}"
     )
-    print(
-        f"step time {result['step_time_s']['median'] * 1000:.1f} ms (median)  "
-        f"{result['tokens_per_s']:,.0f} tokens/s  {result['steps_run']} steps in {result['total_time_s']:.1f} s  "
-        f"tracked peak {fmt_bytes(mem.get('peak_bytes'))}"
-        # On a CPU the "device" is the host itself: the time between steps is loop work, not idling.
-        + (f"  device idle between steps {result['device_idle_share']:.1%}"
-           if result.get("device_idle_share") is not None
-           and (result.get("env") or {}).get("device_type") not in (None, "cpu") else "")
-    )
+    if result["steps_run"]:
+        print(
+            f"step time {result['step_time_s']['median'] * 1000:.1f} ms (median)  "
+            f"{result['tokens_per_s']:,.0f} tokens/s  {result['steps_run']} steps in {result['total_time_s']:.1f} s  "
+            f"tracked peak {fmt_bytes(mem.get('peak_bytes'))}"
+            # On a CPU the "device" is the host itself: the time between steps is loop work, not idling.
+            + (f"  device idle between steps {result['device_idle_share']:.1%}"
+               if result.get("device_idle_share") is not None
+               and (result.get("env") or {}).get("device_type") not in (None, "cpu") else "")
+        )
+    else:  # a resume at the run's last step: its steps were timed and metered by the run it finishes
+        print("no step ran: the checkpoint was at the run's last step; step time, tokens/s and memory are "
+              "null in result.json")
     setup = result.get("setup_time_s") or {}
     if setup:
         first = setup.get("first_step")
@@ -734,10 +737,10 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         if denied is not None and not os.environ.get("MEMTRAIN_DEBUG"):
             _say(f"error: {denied}", 2)  # the path is the user's to change: bad input
             return 2
-        if exc.errno != errno.ENOSPC or os.environ.get("MEMTRAIN_DEBUG"):
+        room = out_of_room(exc)
+        if room is None or os.environ.get("MEMTRAIN_DEBUG"):
             return _failure(exc)
-        where = f" writing {exc.filename}" if exc.filename else ""
-        _say(f"error: disk full{where}; free space and run again (files written before are intact)", 1)
+        _say(f"error: {room}", 1)  # not the input's fault: exit 1
         return 1
     except Exception as exc:  # noqa: BLE001 - the contract: exit 1 with the reason
         return _failure(exc)

@@ -10,8 +10,8 @@ import errno
 import re
 from typing import Optional
 
-__all__ = ["ConfigError", "denied_access", "first_line", "is_out_of_memory", "name_too_long", "one_line", "require", "shortened",
-           "typed_first_line"]
+__all__ = ["ConfigError", "denied_access", "first_line", "is_out_of_memory", "name_too_long", "one_line", "out_of_room",
+           "require", "shortened", "typed_first_line"]
 
 
 class ConfigError(ValueError):
@@ -88,3 +88,20 @@ def name_too_long(exc: BaseException) -> Optional[str]:
     where = f" {shortened(str(exc.filename))!r}" if exc.filename else ""
     return (f"file name too long{where}: a name may have 255 bytes and a path 4,096 here; give memtrain a "
             "shorter path (files written before are intact)")
+
+
+def out_of_room(exc: BaseException) -> Optional[str]:
+    """The one-line reason (without ``error:``) when ``exc`` is a write that found no room: a full
+    disk, a used-up quota, or a file past this process's size limit (``ulimit -f``, EFBIG: Python
+    ignores SIGXFSZ, so the write fails instead of the process ending), else None. Each names the
+    file and what to change; writes that failed leave what was there (memtrain writes beside and
+    renames)."""
+    if not isinstance(exc, OSError) or exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return None
+    where = f" writing {exc.filename}" if exc.filename else ""
+    if exc.errno == errno.ENOSPC:
+        return f"disk full{where}; free space and run again (files written before are intact)"
+    if exc.errno == errno.EDQUOT:
+        return f"disk quota exceeded{where}; free space under your quota and run again (files written before are intact)"
+    return (f"file too large{where}: it passed this shell's file size limit (`ulimit -f`); raise it "
+            "(`ulimit -f unlimited`) or write elsewhere, and run again (files written before are intact)")

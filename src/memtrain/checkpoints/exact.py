@@ -367,7 +367,17 @@ def save_checkpoint(path: str | Path, run: TrainState) -> None:
     # previous checkpoint at ``path`` untouched (memtrain.files.results.write_atomic). A link
     # there was planted after the run checked its --save (memtrain.training.preflight): it is
     # replaced, never written through, rather than losing the checkpoint.
-    write_atomic(Path(path), lambda tmp: torch.save(state, tmp), replace_link=True)
+    write_atomic(Path(path), lambda tmp: save_through_python(state, tmp), replace_link=True)
+
+
+def save_through_python(state: Any, tmp: str) -> None:
+    """``torch.save`` into a file Python opened: a write that fails (a full disk, a quota, the
+    file size limit of ``ulimit -f``) raises an OSError with its errno, which torch's RuntimeError
+    then carries as its context (:func:`memtrain.files.results.named_write_error` takes it).
+    Given a name, torch writes through its own C++ stream and says only "unexpected pos 576 vs
+    534", which left the run's last line a RuntimeError naming no file and no cause."""
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
 
 
 def load_checkpoint(path: str | Path, run: TrainState) -> dict[str, Any]:

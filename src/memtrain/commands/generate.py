@@ -13,7 +13,7 @@ from memtrain.cli import allocation_of, register
 from memtrain.config.argtypes import (
     batch_count,
     int_in,
-    non_negative_float,
+    sampling_temperature,
     seed_value,
     token_count,
     user_path,
@@ -39,8 +39,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=token_count, default=DEFAULT_NEW_TOKENS,
                    help=f"Tokens to sample (default {DEFAULT_NEW_TOKENS}); memtrain estimate --mode inference --new-tokens "
                         "N predicts the memory.")
-    p.add_argument("--temperature", type=non_negative_float, default=0.8,
-                   help="Softmax temperature, finite and >= 0; 0 = greedy (default 0.8).")
+    p.add_argument("--temperature", type=sampling_temperature, default=0.8,
+                   help="Softmax temperature: 0 = greedy, else finite and at least 1e-30 (default 0.8).")
     p.add_argument("--top-k", type=int_in(0, MAX_WIDTH, "a token count"), default=TOP_K,
                    help=f"Sample among the k likeliest tokens; 0 = no cut (default {TOP_K}).")
     p.add_argument("--num-samples", type=batch_count, default=1, help="Independent samples (default 1).")

@@ -81,6 +81,22 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+# The smallest sampling temperature above 0 (greedy): transformers divides the float32 logits by
+# it, and a temperature that is 0 in float32 (1e-300) or so small that a logit's quotient passes
+# float32's 3.4e38 made the probabilities NaN (torch's "probability tensor contains either inf,
+# nan or element < 0", exit 1). At 1e-30 a logit up to 3.4e8 in size stays finite.
+MIN_TEMPERATURE = 1e-30
+
+
+def sampling_temperature(text: str) -> float:
+    """A sampling temperature: 0 (greedy) or a finite number of at least MIN_TEMPERATURE."""
+    value = non_negative_float(text)
+    if 0 < value < MIN_TEMPERATURE:
+        raise argparse.ArgumentTypeError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {text}: "
+                                         "smaller, the logits divided by it overflow float32; give 0 for greedy")
+    return value
+
+
 def user_path(text: str) -> str:
     """A path argument with "~" as the home folder, as the shell would expand it unquoted: the
     checks and the writes then read one path (they once checked "~/x" and wrote "./~/x")."""

@@ -82,7 +82,7 @@ def prepare_tokens(cfg: DataConfig, progress: Optional[bool] = None, tokenizer: 
     root = cache_root(cfg)
     final = root / cache_key(cfg, tokenizer)
     if not cfg.no_cache:
-        cached = _load_entry(final, from_cache=True)
+        cached = _load_entry(final, from_cache=True, expected=_identity(cfg, tokenizer))
         if cached is not None:
             return cached
     try:
@@ -96,6 +96,11 @@ def prepare_tokens(cfg: DataConfig, progress: Optional[bool] = None, tokenizer: 
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))  # written last: marks a complete entry
         _publish(tmp, final)
     except OSError as exc:
+        if exc.errno == errno.EFBIG:
+            # The file size limit (ulimit -f) binds every file this process writes: tokenizing
+            # without the cache writes the same arrays to another folder. Said naming the cache
+            # (the write's own error names no file).
+            raise OSError(exc.errno, exc.strerror, str(root)) from None
         if exc.errno not in CACHE_FULL:
             raise
         # The cache's disk filled (or failed) while the entry was written: the cache only saves
@@ -187,10 +192,9 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenize
     if tokenizer is None:
         gpt2 = get_tokenizer()  # built before the clock starts: tokens/s measures encoding only
         encode = lambda texts: gpt2.encode_ordinary_batch(texts, num_threads=threads)  # noqa: E731
-        tok_meta: dict[str, Any] = {"name": TOKENIZER_NAME, "n_vocab": N_VOCAB, "eot_id": EOT_ID}
     else:
         encode = tokenizer.encode_batch
-        tok_meta = _tokenizer_meta(tokenizer)
+    tok_meta = _tokenizer_meta(tokenizer)
     dtype = _token_dtype(tok_meta["n_vocab"])
     docs = {s: 0 for s in SPLITS}
     tokens = {s: 0 for s in SPLITS}
@@ -252,9 +256,11 @@ def _encode_long(encode: Encoder, doc: str, dtype: Any) -> np.ndarray:
 
 
 def _tokenizer_meta(tokenizer: Any) -> dict[str, Any]:
-    """A model tokenizer's identity for the cache key and meta.json; ``prefix_ids`` (the bos a
-    document starts with) only when there is one, so entries of tokenizers without one keep
-    their keys."""
+    """A tokenizer's identity for meta.json (None: GPT-2 BPE) and, of a model's tokenizer, the
+    cache key; ``prefix_ids`` (the bos a document starts with) only when there is one, so entries
+    of tokenizers without one keep their keys."""
+    if tokenizer is None:
+        return {"name": TOKENIZER_NAME, "n_vocab": N_VOCAB, "eot_id": EOT_ID}
     meta = {"name": tokenizer.name, "n_vocab": tokenizer.n_vocab, "eot_id": tokenizer.eot_id}
     prefix = list(getattr(tokenizer, "prefix_ids", ()))
     return {**meta, "prefix_ids": prefix} if prefix else meta
@@ -290,11 +296,11 @@ def _publish(tmp: Path, final: Path) -> None:
     If another process published the same key meanwhile, its entry is kept: both hold the
     same tokens, since the key determines the content.
     """
-    if final.exists():
+    if os.path.lexists(final):  # a dangling link too: the rename below failed on it (ENOTDIR)
         old = final.with_name(f".old-{final.name}-{os.getpid()}")
         with contextlib.suppress(FileNotFoundError):
-            os.rename(final, old)
-            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)  # the name itself: a link's target is never touched
+            _remove_entry(old)
     try:
         os.rename(tmp, final)
     except OSError:
@@ -302,16 +308,33 @@ def _publish(tmp: Path, final: Path) -> None:
             raise
 
 
+def _remove_entry(path: Path) -> None:
+    """Remove a replaced entry: a folder with its files, a link or a file by its name only."""
+    if path.is_symlink() or not path.is_dir():
+        with contextlib.suppress(OSError):
+            path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 # --------------------------------------------------------------------------- reading
 MAX_META_BYTES = 2**20  # the writer's meta.json is under 1 KiB; a larger one is not the writer's
 
 
-def _load_entry(entry: Path, from_cache: bool) -> TokenSplits | None:
+def _identity(cfg: DataConfig, tokenizer: Any) -> dict[str, Any]:
+    """What the meta.json of this run's entry records of its source and tokenizer, as JSON reads
+    it back (lists for tuples)."""
+    return json.loads(json.dumps({"source": source_identity(cfg), "tokenizer": _tokenizer_meta(tokenizer)}))
+
+
+def _load_entry(entry: Path, from_cache: bool, expected: Optional[dict[str, Any]] = None) -> TokenSplits | None:
     """Open a cache entry, or None when it is missing or inconsistent (it is then rebuilt).
 
     Its files are checked before any is opened: each must be a regular file of the entry (a FIFO
     planted in a shared cache blocked the run for ever in ``open``; a link to ``/dev/zero`` as
-    meta.json was read without end), and meta.json small."""
+    meta.json was read without end), and meta.json small. With ``expected`` (:func:`_identity`),
+    an entry whose meta.json records another source or tokenizer (copied or moved in from
+    another key) is not this run's: its ids were used, and result.json named its tokenizer."""
     for name in ("meta.json", *(f"{s}.bin" for s in SPLITS)):
         limit = MAX_META_BYTES if name == "meta.json" else None  # the splits' .bin files are any size
         if regular_file_problem(entry / name, entry, max_bytes=limit) is not None:
@@ -324,6 +347,8 @@ def _load_entry(entry: Path, from_cache: bool) -> TokenSplits | None:
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     if meta.get("format_version") != FORMAT_VERSION or min(sizes.values()) < 0:
+        return None
+    if expected is not None and any(meta.get(k) != v for k, v in expected.items()):
         return None
     arrays = {}
     # meta.json is read, not trusted: only the two id widths the writer produces are accepted.

@@ -41,6 +41,7 @@ from memtrain.data.json_records import check_json_nesting, check_json_records, f
 from memtrain.data.tokenizer import cut_before_word
 from memtrain.errors import first_line
 from memtrain.files.guard import folder_entry_problems, special_file_kind, visible_entries
+from memtrain.files.json_text import loads_bounded
 from memtrain.runtime.extras import quiet_datasets, require
 from memtrain.runtime.notices import PartOfARecordWarning
 
@@ -201,7 +202,7 @@ def resolve_local_files(pattern: str) -> list[Path]:
     elif (kind := special_file_kind(path)) is not None:
         raise ConfigError(f"--data {pattern!r} is {kind}, not a file; give a file, a glob, a folder, 'default' or hf:NAME")
     else:
-        raise ConfigError(f"no file matches {pattern!r}; check --data (a file, a glob, 'default' or hf:NAME)")
+        raise _no_file_matches(pattern, "check --data (a file, a glob, 'default' or hf:NAME)")
     for p in files:
         if p.suffix.lower() not in SUPPORTED_SUFFIXES:
             raise ConfigError(
@@ -238,8 +239,21 @@ def _match_files(pattern: str, data: str) -> list[Path]:
     """Sorted files matching a glob (``**`` allowed); none -> ConfigError naming ``--data``."""
     files = sorted(p for p in _glob_entries(pattern) if p.is_file())
     if not files:
-        raise ConfigError(f"no file matches {pattern!r}; check --data {data!r}")
+        raise _no_file_matches(pattern, f"check --data {data!r}")
     return files
+
+
+# A URL's scheme ("https://", "s3://", "file://"): memtrain reads no URL; one given as --data was
+# looked for as a local path and said to match no file, as if the name were mistyped.
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def _no_file_matches(pattern: str, check: str) -> ConfigError:
+    """The refusal of a ``--data`` path or glob that names no file; of a URL, saying so."""
+    if _URL.match(pattern):
+        return ConfigError(f"--data {pattern!r} is a URL; memtrain reads local files and Hugging Face datasets, not "
+                           "URLs: download it and give its path (or hf:ORG/NAME for a Hub dataset)")
+    return ConfigError(f"no file matches {pattern!r}; {check}")
 
 
 def _local_documents(files: list[Path], cfg: DataConfig) -> Iterator[str]:
@@ -397,16 +411,61 @@ def is_saved_dataset(folder: Path) -> bool:
         (folder / "state.json").is_file() and (folder / "dataset_info.json").is_file())
 
 
+# The JSON files of a save_to_disk folder are small (a few KiB); one larger is not datasets'.
+MAX_SAVED_JSON_BYTES = 16 << 20
+
+
+def _saved_json(path: Path, label: str) -> dict[str, Any]:
+    """A save_to_disk folder's JSON file (state.json, dataset_info.json, dataset_dict.json) as an
+    object, else ConfigError naming it."""
+    try:
+        value = loads_bounded(path.read_bytes()) if path.stat().st_size <= MAX_SAVED_JSON_BYTES else None
+    except (OSError, ValueError):
+        value = None
+    if not isinstance(value, dict):
+        raise ConfigError(f"cannot load {label!r} (a save_to_disk folder): {path.name} is not the JSON object "
+                          "datasets writes; save the dataset again or give its data files")
+    return value
+
+
+def _plain_name(name: Any) -> bool:
+    """Whether ``name`` names an entry of its folder by name alone (no path, no "..")."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
+
+
+def check_saved_dataset(folder: Path, label: str) -> None:
+    """The JSON of a save_to_disk folder, checked before ``datasets`` reads it: each file an object,
+    dataset_dict.json's splits and state.json's ``_data_files`` named by plain names, so that the
+    data read is the folder's own files (a state.json naming ``../../x`` had datasets open a file
+    outside it), and a wrong shape is one line (it was datasets' TypeError or AttributeError, exit 1)."""
+    if (folder / "dataset_dict.json").is_file():
+        splits = _saved_json(folder / "dataset_dict.json", label).get("splits")
+        if not isinstance(splits, list) or not all(_plain_name(s) for s in splits):
+            raise ConfigError(f"cannot load {label!r} (a save_to_disk folder): dataset_dict.json's splits must "
+                              "name its split folders; save the dataset again")
+        folders = [folder / s for s in splits if (folder / s).is_dir()]
+    else:
+        folders = [folder]
+    for split in folders:
+        _saved_json(split / "dataset_info.json", label)
+        files = _saved_json(split / "state.json", label).get("_data_files")
+        if not isinstance(files, list) or not all(isinstance(f, dict) and _plain_name(f.get("filename"))
+                                                  for f in files):
+            raise ConfigError(f"cannot load {label!r} (a save_to_disk folder): {split.name}/state.json's _data_files "
+                              "must name the folder's own .arrow files; save the dataset again")
+
+
 def _load_saved(path: str, *, split: str, label: str) -> Any:
     """``datasets.load_from_disk`` (Arrow files, memory-mapped; no code is run) of a saved dataset,
     ``split`` of a saved DatasetDict; its failures as ConfigError."""
+    check_saved_dataset(Path(path), label)
     # Imported here: it takes about a second, only these sources need it (extra memtrain[hub]).
     datasets = require("datasets")
     require("pyarrow")
     quiet_datasets()
     try:
         ds = datasets.load_from_disk(path)
-    except (OSError, ValueError, KeyError, datasets.exceptions.DatasetsError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, datasets.exceptions.DatasetsError) as exc:
         raise ConfigError(f"cannot load {label!r} (a save_to_disk folder): {first_line(exc)}; check --data") from None
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:

@@ -153,6 +153,10 @@ def named_write_error(exc: BaseException, path: Path) -> BaseException:
     becomes OSError(ENOSPC) when the file system is nearly full, the likely cause."""
     if isinstance(exc, OSError) and not isinstance(exc, FileExistsError):
         return OSError(exc.errno, exc.strerror or str(exc), str(path))
+    cause = exc.__context__
+    if isinstance(exc, RuntimeError) and isinstance(cause, OSError) and cause.errno is not None:
+        # torch.save into a Python file: the failed write's own error (ENOSPC, EFBIG, EDQUOT)
+        return OSError(cause.errno, cause.strerror or str(cause), str(path))
     if isinstance(exc, RuntimeError) and "write failed" in str(exc):
         try:
             free = shutil.disk_usage(Path(path).parent).free

@@ -36,10 +36,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -458,6 +459,16 @@ def check_new_directory(out: Path) -> None:
         raise ConfigError(f"{str(out)!r} exists and is not empty; give a new directory")
 
 
+# A write that found no room: a full disk, a used-up quota, the file size limit (ulimit -f).
+ROOM_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+def _os_error_code(text: str) -> Optional[int]:
+    """The errno a Rust library's error text ends with ("... (os error 27)"), or None."""
+    found = re.search(r"\(os error (\d+)\)", text)
+    return int(found.group(1)) if found else None
+
+
 @contextlib.contextmanager
 def _new_directory(out: Path) -> Iterator[Path]:
     """A scratch folder beside ``out`` that becomes ``out`` when the block succeeds, so a
@@ -471,11 +482,13 @@ def _new_directory(out: Path) -> Iterator[Path]:
         try:
             yield tmp
         except Exception as exc:
-            # safetensors' SafetensorError (no OSError) says "No space left on device (os error
-            # 28)" in its text only: the CLI's "disk full writing OUT" line, as for any other file.
-            if isinstance(exc, OSError) or "No space left on device" not in str(exc):
+            # safetensors' SafetensorError (no OSError) gives a failed write's errno in its text
+            # only ("No space left on device (os error 28)", "File too large (os error 27)"): the
+            # CLI's "disk full writing OUT" line, as for any other file.
+            code = None if isinstance(exc, OSError) else _os_error_code(str(exc))
+            if code not in ROOM_ERRNOS:
                 raise
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out)) from None
+            raise OSError(code, os.strerror(code), str(out)) from None
         # mkdtemp makes the folder owner-only (0700): the model folder gets a plain mkdir's mode.
         os.chmod(tmp, 0o777 & ~umask())
         try:

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Optional
 from memtrain.config.run import ConfigError, RunConfig, build_config, field_index, flatten
 from memtrain.files.guard import regular_file_problem
 from memtrain.files.json_text import loads_bounded
-from memtrain.files.results import whole_json_limit
+from memtrain.files.results import RESULT_NAME, whole_json_limit
 from memtrain.models.spec import every_decoder_linear
 from memtrain.training.run_paths import anchored, launch_dir, same_file, same_place
 from memtrain.training.schedule import lr_lambda
@@ -285,12 +285,43 @@ def check_resume(cfg: RunConfig) -> None:
                           f"({shown_differences(diffs, 8)}); drop the flags that differ (--resume alone takes the saved run's settings) "
                           "or start a new run without --resume")
     end = cfg.train.stop_after or cfg.train.steps
-    if not 0 <= step < end:
+    # A checkpoint at the run's last step resumes to its final evaluation and result.json (the
+    # run was stopped between the two), unless that result is written already.
+    written = finished_result(cfg, saved, step) if step == end else None
+    if not 0 <= step <= end or written is not None:
         more = ("raise --stop-after (or drop it) to continue" if step < cfg.train.steps
                 else "give a larger --steps to train it longer")
-        raise ConfigError(f"--resume {cfg.train.resume!r} is at step {step}, this run ends at step {end}; {more}")
+        held = f" and {str(written)!r} holds its result" if written is not None else ""
+        raise ConfigError(f"--resume {cfg.train.resume!r} is at step {step}, this run ends at step {end}{held}; {more}")
     if not moved:  # a moved file's content was compared above already
         check_resume_data(cfg, fingerprint)
+
+
+def finished_result(cfg: RunConfig, saved: dict[str, Any], step: int) -> Optional[Path]:
+    """The result.json of a run that ended at ``step`` in this run's ``--out`` or in the saved
+    run's own (a finished run's checkpoint resumed into a new folder), or None: a run stopped
+    between its last step and its result (Ctrl-C in the final evaluation) has none."""
+    saved_train = saved.get("train")
+    saved_out = saved_train.get("out") if isinstance(saved_train, dict) else None
+    for out in dict.fromkeys([cfg.train.out, *([saved_out] if isinstance(saved_out, str) else [])]):
+        if result_written_at(out, step):
+            return Path(out) / RESULT_NAME
+    return None
+
+
+def result_written_at(out: str | Path, step: int) -> bool:
+    """Whether ``OUT/result.json`` records a run that ended at ``step``: the run a checkpoint at
+    that step belongs to is finished, and resuming it would only replace its result (its step
+    times and memory, measured while it trained) with an evaluation's. A file that is not a
+    readable result of that step is left to :func:`memtrain.training.preflight.check_resumed_out`."""
+    path = Path(out) / RESULT_NAME
+    if regular_file_problem(path, path.parent, max_bytes=whole_json_limit()) is not None:
+        return False  # absent, or nothing this check may open (a FIFO, a link out, a huge file)
+    try:
+        recorded = loads_bounded(path.read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(recorded, dict) and recorded.get("steps") == step
 
 
 def data_of(config: dict[str, Any]) -> Optional[str]:

@@ -313,17 +313,15 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         state.loader.close()  # drops a group fetched ahead; stops the loader's workers, if any
     total_time = time.perf_counter() - wall_start
     try:
-        # CPU MFU's reference rate, measured now: under the same load as the steps just timed.
-        rate_now = reference_rate_now(caps)
+        # CPU MFU's reference rate, measured now: under the same load as the steps just timed
+        # (none timed where the run resumed at its last step: no MFU to refer to it).
+        rate_now = reference_rate_now(caps) if end_step > start_step else None
 
         val_loss = evaluate(state.model, val_batches, precision, device)
         logger.log(end_step, {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, force=True)
         logger.close()
 
-        memory: dict[str, Any] = {"peak_bytes": None, "by_category": None}
-        if meter is not None and len(state.losses) > 0:
-            memory.update(meter.stats().to_dict())
-        memory.update(device_peak_memory(device))
+        memory = _run_memory(meter, device, ran_steps=end_step > start_step)
         result = _result(state, timer, memory, splits, val_loss, state.val_history, start_step, end_step,
                          tokens_per_step, total_time, caps, device_caps, rate_now)
         result["setup_time_s"] = {**clock.laps, "first_step": timer.first_step_s}
@@ -336,6 +334,20 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         raise
     _write_outputs(result, state, on_result, save_ckpt, end_step, logger.failure)
     return result
+
+
+def _run_memory(meter: Optional[MemoryMeter], device: torch.device, ran_steps: bool) -> dict[str, Any]:
+    """result.json's ``memory``: the meter's figures of the metered steps and the device's peaks.
+    A run resumed at its last step (it only evaluates: ``resume_check.check_resume``) measured no step:
+    it keeps the same keys, each null, rather than the figures of an evaluation or a meter that
+    saw nothing (a peak of 0 bytes)."""
+    memory: dict[str, Any] = {"peak_bytes": None, "by_category": None}
+    if meter is not None:
+        memory.update(meter.stats().to_dict())
+    memory.update(device_peak_memory(device))
+    if not ran_steps:
+        memory = dict.fromkeys(memory)
+    return memory
 
 
 def _save_trained_steps(state: TrainState, save_ckpt: Callable[[Any, TrainState], None], end_step: int) -> None:
