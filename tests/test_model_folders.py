@@ -759,7 +759,7 @@ def test_a_scale_field_that_is_no_number_is_one_line_naming_it(tmp_path, capsys,
     logits_scaling 0 stopped `train` with a ZeroDivisionError (exit 1, after the model was built)."""
     import transformers
 
-    from memtrain.models.spec import refuse_bad_scales
+    from memtrain.models.config_json import refuse_bad_scales
 
     small = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=4,
                  num_hidden_layers=1, max_position_embeddings=128, vocab_size=50304)

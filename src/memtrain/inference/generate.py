@@ -37,6 +37,7 @@ from memtrain.config.run import ConfigError, ModelConfig, RunConfig, build_confi
 from memtrain.data.tokenizer import EOT_ID, N_VOCAB, get_tokenizer
 from memtrain.errors import first_line
 from memtrain.inference.export import load_trained, require_transformers, to_hf_model
+from memtrain.models.config_json import read_config_json, refuse_custom_tokenizer
 from memtrain.models.families import data_tokenizer
 from memtrain.models.gpt import GPT
 from memtrain.models.hf import ATTN_IMPLEMENTATION, load_pretrained_lm
@@ -45,8 +46,6 @@ from memtrain.models.spec import (
     TOKENIZER_FILES,
     attention_of_model_type,
     config_positions,
-    read_config_json,
-    refuse_custom_tokenizer,
     refuse_pickled_weights,
     safetensors_files,
 )
