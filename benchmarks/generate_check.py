@@ -55,7 +55,7 @@ def _model_dir(spec: str, work: Path) -> str:
     """A --model for ``spec``: the bundled config, or a folder with its config and a window set."""
     if spec not in WINDOWED:
         return spec
-    from memtrain.models.spec import CONFIG_DIR
+    from memtrain.models.source import CONFIG_DIR
 
     base, window = WINDOWED[spec]
     config = json.loads((CONFIG_DIR / f"{base}.json").read_text())

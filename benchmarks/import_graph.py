@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # the techniques' typed facts, files read and written, the process around a run, the
     # device's facts. Read while a config is validated, so below everything else.
     ("foundation", ("config", "errors", "files", "runtime", "devices", "analysis.limits",
-                    "distributed.rank_errors", "models.spec", "models.config_json", "models.hub_access",
+                    "distributed.rank_errors", "models.spec", "models.source", "models.config_json", "models.hub_access",
                     "techniques.facts")),
     ("data+model", ("data", "models", "attention")),
     ("techniques", ("techniques", "attention.apply", "distributed")),

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from memtrain.models import spec as model_spec
-from memtrain.models.spec import ANALYTIC_CONFIG_DEFAULTS, CONFIG_DIR, analytic_config, bundled_names
+from memtrain.models.source import CONFIG_DIR, bundled_names
+from memtrain.models.spec import ANALYTIC_CONFIG_DEFAULTS, analytic_config
 
 pytest.importorskip("transformers")
 

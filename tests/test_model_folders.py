@@ -179,9 +179,9 @@ def test_a_file_too_large_to_read_whole_is_refused_before_it_is_read(tokenizer_d
     """A 3 GB tokenizer.json (a sparse file) took 73 s and 16 GB of memory before its refusal:
     transformers reads a model folder's config and tokenizer files whole. Refused by its size, from
     ``stat``, before anything reads it; a large file no reader opens (a README) stays allowed."""
-    from memtrain.models import spec
+    from memtrain.models import source
 
-    monkeypatch.setattr(spec, "MAX_READ_WHOLE_BYTES", 1 << 20)  # a 1 MiB limit: a fast test
+    monkeypatch.setattr(source, "MAX_READ_WHOLE_BYTES", 1 << 20)  # a 1 MiB limit: a fast test
     model = model_folder(tmp_path / "m", tokenizer_dir)
     (model / name).parent.mkdir(exist_ok=True)
     with open(model / name, "ab") as f:

@@ -55,7 +55,7 @@ from memtrain.models.gpt import GPT
 from memtrain.models.hf import HFCausalLM, build_hf_model, quiet_transformers
 from memtrain.models.hub_access import from_pretrained_kwargs
 from memtrain.models.placement import place_weights
-from memtrain.models.spec import resolve
+from memtrain.models.source import resolve
 from memtrain.runtime.extras import require
 from memtrain.techniques.hf_mapping import apply_hf_lora
 from memtrain.techniques.lora import apply_lora, merge_adapters_in_place, merge_lora

@@ -42,13 +42,8 @@ from memtrain.models.families import data_tokenizer
 from memtrain.models.gpt import GPT
 from memtrain.models.hf import ATTN_IMPLEMENTATION, load_pretrained_lm
 from memtrain.models.placement import place_weights
-from memtrain.models.spec import (
-    TOKENIZER_FILES,
-    attention_of_model_type,
-    config_positions,
-    refuse_pickled_weights,
-    safetensors_files,
-)
+from memtrain.models.source import TOKENIZER_FILES, refuse_pickled_weights, safetensors_files
+from memtrain.models.spec import attention_of_model_type, config_positions
 from memtrain.models.tokenizer import leading_special_ids, load_tokenizer
 from memtrain.techniques.facts import DTYPE_MATMUL_TYPE, GENERATE_DTYPES
 from memtrain.training.size_check import check_model_size

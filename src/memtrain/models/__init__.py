@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from memtrain.models.spec import bundled_names, is_hf, load_config, resolve
+from memtrain.models.source import bundled_names, resolve
+from memtrain.models.spec import is_hf, load_config
 
 if TYPE_CHECKING:
     from memtrain.models.families import FAMILIES, ModelFamily, build_model, data_tokenizer, family_of
