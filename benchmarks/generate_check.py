@@ -88,7 +88,7 @@ def _measure(model_dir: str, dtype: str, batch: int, prompt: int, new: int, devi
 
     from memtrain.inference.generate import generation_config, sample_ids
     from memtrain.metrics import MemoryMeter
-    from memtrain.models.spec import load_config
+    from memtrain.models.auto_config import load_config
 
     config = load_config(model_dir)
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]

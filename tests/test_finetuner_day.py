@@ -69,7 +69,7 @@ def _peft_counts(spec: str, r: int, targets: list[str]) -> tuple[int, int]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from memtrain.models.spec import load_config
+    from memtrain.models.auto_config import load_config
 
     model = AutoModelForCausalLM.from_config(load_config(spec))
     peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=16, target_modules=targets))

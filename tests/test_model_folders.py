@@ -279,7 +279,7 @@ def test_links_inside_the_folder_and_a_hub_cache_snapshot_are_read(tokenizer_dir
     """A Hugging Face cache snapshot links every file into ../../blobs: the snapshot folder is the
     model folder (its weights and tokenizer beside config.json), and the links are followed."""
     from memtrain.models import data_tokenizer, resolve
-    from memtrain.models.spec import load_config
+    from memtrain.models.auto_config import load_config
 
     plain = model_folder(tmp_path / "plain", tokenizer_dir)
     repo = tmp_path / "hub" / "models--org--tiny"
