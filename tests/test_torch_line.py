@@ -7,7 +7,7 @@ Torch side: building models, applying techniques, the step harness, train, trace
 profile. transformers imports torch whenever it is installed (its configuration module loads its
 rope utilities, which import torch), so a transformers --model of a family the analytic estimator
 models (a bundled config, a local config.json) is read as JSON with transformers' defaults
-(memtrain.models.spec.analytic_config); traced paths, Hub models and other families read it
+(memtrain.models.light_config.analytic_config); traced paths, Hub models and other families read it
 through AutoConfig.
 """
 
