@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from memtrain.config.run import ConfigError, RunConfig, build_config, field_index, flatten
+from memtrain.files import results
 from memtrain.files.guard import regular_file_problem
 from memtrain.files.json_text import loads_bounded
-from memtrain.files.results import whole_json_limit
 from memtrain.models.spec import every_decoder_linear
 from memtrain.training.run_paths import anchored, launch_dir, same_file, same_place
 from memtrain.training.schedule import lr_lambda
@@ -58,7 +58,7 @@ def saved_state(path: str | Path) -> dict[str, Any]:
         if not meta_path.is_file():
             raise ConfigError(f"--resume {str(p)!r} is a directory without meta.json; it is not a memtrain checkpoint")
         # e.g. a link out of the checkpoint, or a file too large to read whole (a sparse one)
-        why = regular_file_problem(meta_path, p, max_bytes=whole_json_limit())
+        why = regular_file_problem(meta_path, p, max_bytes=results.MAX_WHOLE_JSON_BYTES)
         if why is not None:
             raise ConfigError(f"checkpoint {str(p)!r} is refused: its meta.json is {why}; resume only from "
                               "checkpoints memtrain wrote")
