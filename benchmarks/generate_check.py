@@ -55,7 +55,7 @@ def _model_dir(spec: str, work: Path) -> str:
     """A --model for ``spec``: the bundled config, or a folder with its config and a window set."""
     if spec not in WINDOWED:
         return spec
-    from memtrain.models.spec import CONFIG_DIR
+    from memtrain.models.source import CONFIG_DIR
 
     base, window = WINDOWED[spec]
     config = json.loads((CONFIG_DIR / f"{base}.json").read_text())
@@ -88,7 +88,7 @@ def _measure(model_dir: str, dtype: str, batch: int, prompt: int, new: int, devi
 
     from memtrain.inference.generate import generation_config, sample_ids
     from memtrain.metrics import MemoryMeter
-    from memtrain.models.spec import load_config
+    from memtrain.models.auto_config import load_config
 
     config = load_config(model_dir)
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]

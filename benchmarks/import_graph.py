@@ -32,11 +32,12 @@ PACKAGE = "memtrain"
 # that the graph of an older checkout (--src) is layered the same way, for before/after views.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # What a run is and the facts every layer reads, torch-free where they can be: the typed
-    # configuration and its flags (config), what a name refers to (models.spec, hub access),
-    # the techniques' typed facts, files read and written, the process around a run, the
+    # configuration and its flags (config), what a name refers to and its config (models.spec,
+    # .source, .config_json, .auto_config, .light_config, hub access), the techniques' typed facts, files read and written, the process around a run, the
     # device's facts. Read while a config is validated, so below everything else.
     ("foundation", ("config", "errors", "files", "runtime", "devices", "analysis.limits",
-                    "distributed.rank_errors", "models.spec", "models.hub_access", "techniques.facts")),
+                    "distributed.rank_errors", "models.spec", "models.source", "models.config_json",
+                    "models.auto_config", "models.light_config", "models.hub_access", "techniques.facts")),
     ("data+model", ("data", "models", "attention")),
     ("techniques", ("techniques", "attention.apply", "distributed")),
     # GPU kinds and their FLOP rates are device facts measured against, so beside the meters.

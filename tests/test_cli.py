@@ -120,7 +120,7 @@ def test_python_dash_m_and_help():
 def test_model_help_names_every_bundled_config_and_what_is_analytic(verb, capsys):
     """estimate's and plan's --model help left out tiny-llama and tiny-gpt2 and called every
     transformers model traced, while six families are answered analytically."""
-    from memtrain.models.spec import bundled_names
+    from memtrain.models.source import bundled_names
 
     with pytest.raises(SystemExit):
         main([verb, "--help"])

@@ -126,7 +126,7 @@ def test_model_config_reads_no_file_and_imports_no_spec():
 def _bundled_json(name: str) -> dict:
     import json
 
-    from memtrain.models.spec import CONFIG_DIR
+    from memtrain.models.source import CONFIG_DIR
 
     return json.loads((CONFIG_DIR / f"{name}.json").read_text(encoding="utf-8"))
 

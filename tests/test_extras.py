@@ -18,11 +18,11 @@ FLAGS = [x for k, v in TINY_MODEL.items() for x in ("--" + k.replace("_", "-"), 
 @pytest.mark.parametrize("module,extra", [("peft", "lora"), ("datasets", "hub"), ("pyarrow", "hub"),
                                           ("transformers", "hf")])
 def test_require_names_the_extra(monkeypatch, module, extra):
-    from memtrain.runtime.extras import require
+    from memtrain.runtime.extras import import_extra
 
     monkeypatch.setitem(sys.modules, module, None)  # `import module` now raises ImportError
     with pytest.raises(ConfigError, match=rf"pip install 'memtrain\[{extra}\]'"):
-        require(module)
+        import_extra(module)
 
 
 def test_lora_without_peft_is_one_error_line(tmp_path, monkeypatch, capsys):

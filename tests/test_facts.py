@@ -235,10 +235,10 @@ def test_plan_cost_model_keys_are_the_registrys():
 
 def test_model_names_have_one_list():
     from memtrain.config.presets import PRESETS
-    from memtrain.models import spec
+    from memtrain.models import source
 
-    names = spec.model_names()
-    assert names == [*PRESETS, *spec.bundled_names()]
+    names = source.model_names()
+    assert names == [*PRESETS, *source.bundled_names()]
     assert "llama3-8b" not in names and "llama-3-8b" in names
-    keys = [spec._name_key(n) for n in names]
+    keys = [source._name_key(n) for n in names]
     assert len(keys) == len(set(keys))

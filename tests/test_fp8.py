@@ -55,7 +55,7 @@ def test_fp8_on_a_gpu_without_fp8_cores_names_its_capability(monkeypatch):
         check_fp8_device(torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     required = []
-    monkeypatch.setattr(fp8, "require", required.append)  # torchao's import is not this test's subject
+    monkeypatch.setattr(fp8, "import_extra", required.append)  # torchao's import is not this test's subject
     check_fp8_device(torch.device("cuda"))  # H100: accepted, once torchao is there
     assert required == ["torchao"]
 

@@ -124,7 +124,7 @@ def test_hub_spec_offline_is_a_clear_error(monkeypatch):
     """hf:ORG/NAME goes through the same from_pretrained as a directory; offline it must end in
     one ConfigError, not a traceback."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from memtrain.models.spec import load_config
+    from memtrain.models.auto_config import load_config
 
     load_config.cache_clear()
     with pytest.raises(ConfigError, match="cannot read the model config of --model 'hf:memtrain-test/no-such-model'"):

@@ -267,7 +267,7 @@ def test_llama_3_8b_is_the_transformers_config(capsys):
     assert main(["estimate", "--model", "llama-3-8b", "--device-type", "cuda", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["parameters"] == 8_030_261_248
     from memtrain.config.presets import PRESETS
-    from memtrain.models.spec import _name_key, bundled_names
+    from memtrain.models.source import _name_key, bundled_names
 
     keys = [_name_key(n) for n in [*PRESETS, *bundled_names()]]
     assert len(keys) == len(set(keys))  # no two names for one model
@@ -283,7 +283,7 @@ def test_random_base_warning_names_the_cases(tmp_path):
     assert "no *.safetensors weights" in random_base_warning(build_config({"model": "tiny-llama", "lora_rank": 4}))
     with_weights = tmp_path / "m"
     with_weights.mkdir()
-    (with_weights / "config.json").write_text((__import__("memtrain.models.spec", fromlist=["CONFIG_DIR"])
+    (with_weights / "config.json").write_text((__import__("memtrain.models.source", fromlist=["CONFIG_DIR"])
                                                .CONFIG_DIR / "tiny-llama.json").read_text())
     (with_weights / "model.safetensors").write_bytes(b"")
     assert random_base_warning(build_config({"model": str(with_weights), "lora_rank": 4})) is None

@@ -59,7 +59,7 @@ def test_reachable_endpoint_and_proxies_leave_the_library_alone(no_offline_env):
 def test_hub_model_on_an_unreachable_hub_is_one_config_error(no_offline_env):
     pytest.importorskip("transformers")
     from memtrain.config.run import ConfigError, build_config
-    from memtrain.models.spec import load_config
+    from memtrain.models.auto_config import load_config
 
     no_offline_env.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
     load_config.cache_clear()
@@ -94,7 +94,7 @@ def hub_cache(no_offline_env, tmp_path):
     pytest.importorskip("transformers")
     import huggingface_hub.constants
 
-    from memtrain.models.spec import load_config
+    from memtrain.models.auto_config import load_config
 
     no_offline_env.setenv("HF_HUB_OFFLINE", "1")
     no_offline_env.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))

@@ -447,3 +447,13 @@ def test_yaml_aliases_sharing_a_list_are_checked_once(tmp_path):
     start = time.process_time()
     assert set(load_config_file(path)) == {chr(97 + i) for i in range(10)}
     assert time.process_time() - start < 10  # 9**10 references if expanded
+
+
+def test_a_lines_bytes_are_counted_once_for_the_reader_that_skips_and_the_one_that_refuses():
+    """bounded_jsonl_lines (results.jsonl: a long line skipped) and the JSON data check (a long
+    record refused) count a line's bytes over its pieces with one generator: the count so far
+    and the 1-based line, reset after each newline."""
+    from memtrain.files.json_text import counted_pieces
+
+    got = list(counted_pieces([b"ab", b"c\n", b"de\n", b"\n", b"f"]))
+    assert got == [(b"ab", 2, 1), (b"c\n", 4, 1), (b"de\n", 3, 2), (b"\n", 1, 3), (b"f", 1, 4)]

@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from memtrain.models import spec as model_spec
-from memtrain.models.spec import ANALYTIC_CONFIG_DEFAULTS, CONFIG_DIR, analytic_config, bundled_names
+from memtrain.models import light_config, spec as model_spec
+from memtrain.models.light_config import ANALYTIC_CONFIG_DEFAULTS, analytic_config
+from memtrain.models.source import CONFIG_DIR, bundled_names
 
 pytest.importorskip("transformers")
 
@@ -24,7 +25,7 @@ def _autoconfig(path):
 
 
 def _assert_same_as_autoconfig(path, spec: str) -> None:
-    light = model_spec._read_light_config(spec)
+    light = light_config._read_light_config(spec)
     assert light is not None, spec
     full = _autoconfig(path)
     fields = set(ANALYTIC_CONFIG_DEFAULTS[full.model_type]) | set(DERIVED)
@@ -44,7 +45,7 @@ def test_every_bundled_config_reads_as_autoconfig_reads_it(name):
 def _write(tmp_path, data: dict) -> str:
     path = tmp_path / "config.json"
     path.write_text(json.dumps(data))
-    model_spec._read_light_config.cache_clear()
+    light_config._read_light_config.cache_clear()
     return str(path)
 
 
@@ -92,8 +93,8 @@ def test_a_config_with_some_fields_left_out_gets_transformers_defaults(tmp_path,
 ])
 def test_what_the_reader_does_not_know_goes_to_autoconfig(tmp_path, monkeypatch, data):
     spec = _write(tmp_path, data)
-    assert model_spec._read_light_config(spec) is None
-    monkeypatch.setattr(model_spec, "load_config", lambda s: ("autoconfig", s))
+    assert light_config._read_light_config(spec) is None
+    monkeypatch.setattr(light_config, "load_config", lambda s: ("autoconfig", s))
     assert analytic_config(spec) == ("autoconfig", spec)
 
 
@@ -113,7 +114,7 @@ def test_a_config_transformers_refuses_is_refused_by_the_analytic_estimate_too(t
 
 
 def test_a_hub_model_goes_to_autoconfig(monkeypatch):
-    monkeypatch.setattr(model_spec, "load_config", lambda s: ("autoconfig", s))
+    monkeypatch.setattr(light_config, "load_config", lambda s: ("autoconfig", s))
     assert analytic_config("hf:Qwen/Qwen2.5-0.5B") == ("autoconfig", "hf:Qwen/Qwen2.5-0.5B")
 
 

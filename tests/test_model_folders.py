@@ -179,9 +179,9 @@ def test_a_file_too_large_to_read_whole_is_refused_before_it_is_read(tokenizer_d
     """A 3 GB tokenizer.json (a sparse file) took 73 s and 16 GB of memory before its refusal:
     transformers reads a model folder's config and tokenizer files whole. Refused by its size, from
     ``stat``, before anything reads it; a large file no reader opens (a README) stays allowed."""
-    from memtrain.models import spec
+    from memtrain.models import source
 
-    monkeypatch.setattr(spec, "MAX_READ_WHOLE_BYTES", 1 << 20)  # a 1 MiB limit: a fast test
+    monkeypatch.setattr(source, "MAX_READ_WHOLE_BYTES", 1 << 20)  # a 1 MiB limit: a fast test
     model = model_folder(tmp_path / "m", tokenizer_dir)
     (model / name).parent.mkdir(exist_ok=True)
     with open(model / name, "ab") as f:
@@ -279,7 +279,7 @@ def test_links_inside_the_folder_and_a_hub_cache_snapshot_are_read(tokenizer_dir
     """A Hugging Face cache snapshot links every file into ../../blobs: the snapshot folder is the
     model folder (its weights and tokenizer beside config.json), and the links are followed."""
     from memtrain.models import data_tokenizer, resolve
-    from memtrain.models.spec import load_config
+    from memtrain.models.auto_config import load_config
 
     plain = model_folder(tmp_path / "plain", tokenizer_dir)
     repo = tmp_path / "hub" / "models--org--tiny"
@@ -759,7 +759,7 @@ def test_a_scale_field_that_is_no_number_is_one_line_naming_it(tmp_path, capsys,
     logits_scaling 0 stopped `train` with a ZeroDivisionError (exit 1, after the model was built)."""
     import transformers
 
-    from memtrain.models.spec import refuse_bad_scales
+    from memtrain.models.config_json import refuse_bad_scales
 
     small = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=4,
                  num_hidden_layers=1, max_position_embeddings=128, vocab_size=50304)

@@ -1,13 +1,13 @@
 """The torch line: what answers by arithmetic imports no torch, and every caller that estimates a
 step (`memtrain estimate`, a bench row) makes the same choice of method.
 
-Torch-free: the config and its sections, what a --model names (memtrain.models.spec), the
+Torch-free: the config and its sections, what a --model names (memtrain.models.source, .spec), the
 technique facts, the analytic estimator and its choice of method, plan's search, the rendering.
 Torch side: building models, applying techniques, the step harness, train, trace, maxbatch,
 profile. transformers imports torch whenever it is installed (its configuration module loads its
 rope utilities, which import torch), so a transformers --model of a family the analytic estimator
 models (a bundled config, a local config.json) is read as JSON with transformers' defaults
-(memtrain.models.spec.analytic_config); traced paths, Hub models and other families read it
+(memtrain.models.light_config.analytic_config); traced paths, Hub models and other families read it
 through AutoConfig.
 """
 
@@ -91,7 +91,8 @@ def test_the_flop_rule_and_the_model_names_import_no_torch():
         from memtrain.config.run import ModelConfig
         assert rule_flops_per_token(ModelConfig(), 256, 124_000_000) > 6 * 124_000_000
         import memtrain.models, memtrain.techniques, memtrain.distributed.rank_errors
-        from memtrain.models.spec import bundled_names, is_gpt_preset, resolve
+        from memtrain.models.spec import is_gpt_preset
+        from memtrain.models.source import bundled_names, resolve
         src = resolve("llama-3-8b")
         assert "llama-3-8b" in bundled_names() and not is_gpt_preset("llama-3-8b")
         assert src.repo is None and src.config_path.name == "llama-3-8b.json"
@@ -119,7 +120,7 @@ def test_a_bench_rows_estimate_is_the_models_own(capsys, tmp_path, model, method
     for the same settings (the analytic model of its layers, or its trace), not a GPT's."""
     from memtrain.bench.worker import row_estimate
     from memtrain.config.run import build_config
-    from memtrain.models.spec import CONFIG_DIR
+    from memtrain.models.source import CONFIG_DIR
 
     if model == "relu-gpt2":  # an activation the analytic model does not cover: traced
         config = json.loads((CONFIG_DIR / "tiny-gpt2.json").read_text())

@@ -35,8 +35,9 @@ from memtrain.analysis.estimate.training import estimate
 from memtrain.analysis.trace import trace_step
 from memtrain.config.run import RunConfig
 from memtrain.models import is_hf
+from memtrain.models.auto_config import load_config
 from memtrain.models.depth import layer_count
-from memtrain.models.spec import cost_arch, load_config
+from memtrain.models.spec import cost_arch
 from memtrain.techniques.facts import checkpoint_policy
 
 __all__ = ["probe_depths", "extrapolated_trace", "trace_any_depth", "traced_estimate", "NotAffine"]

@@ -400,7 +400,7 @@ def _smallest_option(
     return best[0], options[best[1]][0], 1, accum
 
 
-def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one search
+def plan(
     cfg: RunConfig,
     budget_bytes: int,
     device_type: str = "cpu",
@@ -449,232 +449,297 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
     sets = _sets(space)
     target = cfg.train.batch_size * cfg.train.grad_accum
     limit = budget_bytes / (1 + margin)
-    evaluated = 0
     base_cfg = cfg.replace(precision="fp32", attention="math", checkpointing="none", loss="standard",
                            window=None, batch_size=target, grad_accum=1)
     baseline, _ = step_cost(base_cfg, device_type, arch)
-
-    def at(t: dict[str, str], micro: int, accum: int) -> RunConfig:
-        return cfg.replace(**t, batch_size=micro, grad_accum=accum)
-
-    link = host_bandwidth or HOST_BANDWIDTH[device_type]
-
-    def cost_of(c: RunConfig) -> float:
-        """The modelled step time, with the copies of --offload-activations compute does not hide."""
-        cost, detail = step_cost(c, device_type, arch)
-        if c.technique.offload_activations:
-            d2h, h2d = transfer(c)
-            cost += offload_exposed_s(d2h, h2d, detail["compute_s"], link)
-        return cost
-
-    # One estimate (or trace) per candidate config: the peak search and an offload candidate's
-    # bytes moved read the same step, which costs the most of a plan (a trace: seconds).
-    steps: dict[str, Any] = {}
-
-    replay = gpu is not None and device_type == "cuda" and not traced
-    slow = traced or replay
-    bar = tqdm(desc="plan", unit="trace" if traced else "replay", leave=False, dynamic_ncols=True,
-               disable=not (slow and shows_progress(progress)))
-    with bar:  # closed however the search ends (an answer, nothing fits, Ctrl-C)
-
-        def step_of(c: RunConfig) -> Any:
-            """The Estimate of ``c`` (analytic models), or its trace_any_depth dict (``traced``)."""
-            key = _config_key(c)
-            if key not in steps:
-                bar.set_postfix_str(_short_label(c), refresh=False)
-                bar.update(1)
-                if traced:
-                    # The torch line, crossed for a transformers model only: its candidates are traced.
-                    from memtrain.analysis.depth_trace import trace_any_depth
-
-                    steps[key] = trace_any_depth(c, device_type)  # 2 + 3 layers extended to the depth when exact
-                else:
-                    steps[key] = estimate(c, arch, device_type, gpu=gpu if device_type == "cuda" else None)
-            return steps[key]
-
-        def transfer(c: RunConfig) -> tuple[float, float]:
-            """Bytes --offload-activations copies each way in one step (estimated or traced)."""
-            if traced:
-                moved = step_of(c).get("offload") or {}
-                return float(moved.get("d2h_bytes", 0)), float(moved.get("h2d_bytes", 0))
-            off = step_of(c).offload or {}
-            return off.get("d2h_bytes_per_step", 0.0), off.get("h2d_bytes_per_step", 0.0)
-
-        # What the card holds besides the live tensors, for certain: its CUDA context and the first
-        # cuBLAS workspace (the allocator model allocates both; its reserved memory rounds up).
-        facts = allocator_facts(gpu) if replay else None
-        beside_tensors = facts.cuda_context_bytes + facts.cublas_workspace_bytes if facts is not None else 0
-        pruned = False
-        modelled_inside = 0  # traced plans: candidates whose peak is the analytic model's (far inside the limit)
-
-        def quick_peak(c: RunConfig) -> Optional[tuple[float, str, float]]:
-            """A figure that takes milliseconds where the exact peak takes long, with its slack
-            (the exact peak is at least the figure / slack), or None where there is none.
-            With --gpu: the live tensors plus the CUDA context and a cuBLAS workspace, a lower bound
-            of what the card holds (the slack covers rounding between the compressed and the full
-            simulation). Traced, for a family the analytic model claims: that model's peak (within
-            1% of the trace on the forward and backward peaks; below it in a compiled optimizer step)."""
-            if c.technique.compile_memory_budget is not None:
-                return None
-            if replay:
-                e = estimate(c, arch, device_type)
-                return e.peak_bytes + beside_tensors, e.peak_phase, PRUNE_SLACK
-            modelled = modelled_arch(c, device_type) if traced else None
-            if modelled is not None:
-                e = estimate(c, modelled, device_type)
-                return e.peak_bytes, e.peak_phase, TRACE_PRUNE_SLACK
-            return None
-
-        def peak(c: RunConfig, exact: bool = False) -> tuple[float, str]:
-            """``c``'s peak: replayed, traced or estimated; with the shortcut (``_prune`` and not
-            ``exact``), the quick figure where it puts ``c`` far over the limit."""
-            nonlocal evaluated, pruned, modelled_inside
-            evaluated += 1
-            if _prune and not exact:
-                quick = quick_peak(c)
-                if quick is not None and quick[0] > limit * quick[2]:
-                    pruned = True
-                    return quick[0], quick[1]
-                if quick is not None and traced and quick[0] * quick[2] <= limit:
-                    # Traced, quick_peak is the analytic model of a family it claims, within 1% of
-                    # the trace both ways: 5% inside the limit fits whatever the trace would add.
-                    # Only candidates near the limit are decided by a trace (seconds each).
-                    modelled_inside += 1
-                    return quick[0], quick[1]
-            if traced:
-                r = step_of(c)
-                return float(r["peak_bytes"]), str(r["peak_phase"])
-            if c.technique.compile_memory_budget is not None:
-                entry = interpolated_budget(c, arch, device_type, gpu=gpu if device_type == "cuda" else None)
-                assert entry is not None and entry["peak_bytes"] is not None  # checkpointing none (_sets)
-                return float(entry.get("device_total", entry["peak_bytes"])), "interpolated"
-            e = step_of(c)
-            if e.device_memory:
-                return float(e.device_memory["device_total"]), e.peak_phase
-            return e.peak_bytes, e.peak_phase
-
-        fits: list[Candidate] = []
-        unfit: list[Candidate] = []  # each set that fits no micro-batch, at micro-batch 1
-        visited = 0
-        smallest: Optional[tuple[float, dict[str, str], int, int]] = None
+    search = _Search(cfg, arch, device_type, gpu, traced, limit, host_bandwidth, progress, _prune)
+    with search.bar:  # closed however the search ends (an answer, nothing fits, Ctrl-C)
+        search.count_beside_tensors()
         if not max_batch:
-            micros = _divisors(target)
-            # Branch and bound: a set's cost at the full micro-batch is a lower bound of its cost.
-            bounds = sorted(((step_cost(at(t, target, 1), device_type, arch)[0], i) for i, t in enumerate(sets)))
-            for bound, i in bounds:
-                if len(fits) >= top and bound > sorted(c.step_time_s for c in fits)[top - 1]:
-                    break
-                visited += 1
-                t = sets[i]
-                # The largest micro-batch that fits (peak grows with the micro-batch): bisect.
-                lo, hi, best = 0, len(micros) - 1, None
-                at_one: Optional[float] = None  # the peak at micro-batch 1, where it was found
-                while lo <= hi:
-                    mid = (lo + hi) // 2
-                    c = at(t, micros[mid], target // micros[mid])
-                    p, ph = peak(c)
-                    if p <= limit:
-                        best, hi = (micros[mid], p, ph), mid - 1
-                    else:
-                        lo = mid + 1
-                        if micros[mid] == 1:
-                            at_one = p
-                            if smallest is None or p < smallest[0]:
-                                smallest = (p, t, 1, target)
-                if best is None:
-                    if smallest is None or micros[-1] != 1:
-                        p, _ = peak(at(t, micros[-1], target // micros[-1]))
-                        if smallest is None or p < smallest[0]:
-                            smallest = (p, t, micros[-1], target // micros[-1])
-                    unfit.append(Candidate(dict(t), 1, target, at_one if at_one is not None else p, "", 0.0, fits=False))
-                    continue
-                micro, p, ph = best
-                c = at(t, micro, target // micro)
-                cost = cost_of(c)
-                fits.append(Candidate(dict(t), micro, target // micro, p, ph, cost, cost / baseline))
-            # Equal modelled times (the CPU cost model times eager and SDPA attention alike) go to
-            # the smaller peak: the candidates' order alone recommended math attention at 25% more.
-            fits.sort(key=lambda c: (c.step_time_s, c.peak_bytes))
+            fits, unfit, visited, smallest, order = _fit_target_batch(search, sets, target, top, baseline)
         else:
-            for t in sets:
-                lo, hi = 0, 1
-                p, ph = peak(at(t, 1, 1))
-                visited += 1
-                if p > limit:
-                    if smallest is None or p < smallest[0]:
-                        smallest = (p, t, 1, 1)
-                    unfit.append(Candidate(dict(t), 1, 1, p, ph, 0.0, fits=False))
-                    continue
-                best = (1, p, ph)
-                while hi < max_batch_limit:  # grow by doubling, never past the limit
-                    b = min(hi * 2 if hi > 1 else 2, max_batch_limit)
-                    p2, ph2 = peak(at(t, b, 1))
-                    if p2 > limit:
-                        lo, hi = best[0], b
-                        break
-                    best, hi = (b, p2, ph2), b
-                else:
-                    hi = best[0]
-                lo = best[0]
-                while hi - lo > 1:
-                    mid = (lo + hi) // 2
-                    p3, ph3 = peak(at(t, mid, 1))
-                    if p3 <= limit:
-                        best, lo = (mid, p3, ph3), mid
-                    else:
-                        hi = mid
-                b, p, ph = best
-                c = at(t, b, 1)
-                cost = cost_of(c)
-                per_token = cost / (b * cfg.train.seq_len)
-                fits.append(Candidate(dict(t), b, 1, p, ph, per_token, 1.0))
-            fits.sort(key=lambda c: (c.step_time_s, -c.batch_size, c.peak_bytes))
-            if fits:
-                best_rate = fits[0].step_time_s
-                for cand in fits:
-                    cand.relative_time = cand.step_time_s / best_rate
+            fits, unfit, visited, smallest = _fit_max_batch(search, sets, max_batch_limit)
+            order = sets
+        fits = _ranked(fits, max_batch)
         ranked = len(fits)
         fits = _without_idle_offload(fits)
         # Slower than the shown: the sets the branch and bound never reached (their lower bound is
         # above the top's), the offload twins that only add copies, and those ranked below the top.
         slower = (len(sets) - visited) + (ranked - len(fits)) + max(0, len(fits) - top)
-        if not fits and pruned:  # the smallest option must be a replayed or traced peak, not a quick figure
-            accum = 1 if max_batch else target
-            in_order = sets if max_batch else [sets[i] for _, i in bounds]  # the order the search visits them
-            smallest = _smallest_option([(t, at(t, 1, accum)) for t in in_order], quick_peak,
-                                        lambda c: peak(c, exact=True)[0], accum)
         if not fits:
-            assert smallest is not None
-            p, t, micro, accum = smallest
-            what = Candidate(dict(t), micro, accum, p, "", 0.0).label()
-            adapters = "" if cfg.technique.lora_rank else _adapters_hint(
-                at(t, micro, accum), lambda c: peak(c, exact=True)[0], limit, margin)
-            raise ConfigError(
-                f"nothing fits in {size_text(budget_bytes)} (with a {margin:.0%} margin): the smallest option needs "
-                f"{size_text(p * (1 + margin))} ({size_text(p)} predicted; {what}); raise --budget or lower "
-                f"--batch-size/--seq-len{adapters}")
+            _refuse_nothing_fits(search, order, smallest, 1 if max_batch else target, budget_bytes, margin)
         for cand in fits[:top]:
             cand.train_flags = train_flags(candidate_config(cfg, cand))
-        notes.insert(0, f"cost model: {device_type} profile; a model to order candidates, not a measurement")
-        if gpu is not None and device_type == "cuda" and not traced:
-            unnamed = " of an unnamed card (--gpu NAME for yours)" if gpu == "default" else ""
-            notes.append("peaks are device totals: the caching-allocator model's reserved memory plus the CUDA context"
-                         f"{unnamed} (memtrain.analysis.allocator)")
-        if traced:
-            if modelled_inside:
-                notes.append(f"peaks of the candidates within {TRACE_PRUNE_SLACK - 1:.0%} of the limit traced under fake "
-                             "tensors (transformers model; deep ones from 2 + 3 layer probes); the "
-                             f"{modelled_inside} further inside from the analytic model of its layers (within 1% of "
-                             "the trace on this family)")
-            else:
-                notes.append("peaks traced under fake tensors (transformers model; deep ones from 2 + 3 layer probes)")
-        if "compile_memory_budget" in space:
-            notes.append("compile budget candidates: peak and recompute interpolated between checkpointing none and "
-                         "full (docs/estimation.md), not traced; `memtrain estimate --compile --compile-memory-budget F "
-                         "--trace` runs torch's partitioner")
+        notes = _notes(search, space, notes)
         return PlanResult(budget_bytes, margin, device_type, None if max_batch else target, fits[:top],
-                          evaluated, baseline, notes=notes, unfit=unfit, slower=slower,
+                          search.evaluated, baseline, notes=notes, unfit=unfit, slower=slower,
                           unavailable=unavailable(cfg, device_type, gpu, space))
+
+
+class _Search:
+    """What plan's steps share: the run planned, how a candidate's peak and step time are found
+    (estimated, replayed through the allocator model or traced; one estimate or trace per
+    candidate config), the progress bar, and what the search has counted."""
+
+    def __init__(self, cfg: RunConfig, arch: Arch, device_type: str, gpu: Optional[str], traced: bool, limit: float,
+                 host_bandwidth: Optional[float], progress: Optional[bool], prune: bool) -> None:
+        self.cfg, self.arch, self.device_type, self.gpu = cfg, arch, device_type, gpu
+        self.traced, self.limit, self.prune = traced, limit, prune
+        self.link = host_bandwidth or HOST_BANDWIDTH[device_type]
+        # One estimate (or trace) per candidate config: the peak search and an offload candidate's
+        # bytes moved read the same step, which costs the most of a plan (a trace: seconds).
+        self.steps: dict[str, Any] = {}
+        self.replay = gpu is not None and device_type == "cuda" and not traced
+        slow = traced or self.replay
+        self.bar = tqdm(desc="plan", unit="trace" if traced else "replay", leave=False, dynamic_ncols=True,
+                        disable=not (slow and shows_progress(progress)))
+        self.beside_tensors = 0
+        self.evaluated = 0
+        self.pruned = False
+        self.modelled_inside = 0  # traced plans: candidates whose peak is the analytic model's (far inside the limit)
+
+    def count_beside_tensors(self) -> None:
+        """What the card holds besides the live tensors, for certain: its CUDA context and the first
+        cuBLAS workspace (the allocator model allocates both; its reserved memory rounds up)."""
+        facts = allocator_facts(self.gpu) if self.replay else None
+        self.beside_tensors = facts.cuda_context_bytes + facts.cublas_workspace_bytes if facts is not None else 0
+
+    def at(self, t: dict[str, str], micro: int, accum: int) -> RunConfig:
+        return self.cfg.replace(**t, batch_size=micro, grad_accum=accum)
+
+    def cost_of(self, c: RunConfig) -> float:
+        """The modelled step time, with the copies of --offload-activations compute does not hide."""
+        cost, detail = step_cost(c, self.device_type, self.arch)
+        if c.technique.offload_activations:
+            d2h, h2d = self.transfer(c)
+            cost += offload_exposed_s(d2h, h2d, detail["compute_s"], self.link)
+        return cost
+
+    def step_of(self, c: RunConfig) -> Any:
+        """The Estimate of ``c`` (analytic models), or its trace_any_depth dict (``traced``)."""
+        key = _config_key(c)
+        if key not in self.steps:
+            self.bar.set_postfix_str(_short_label(c), refresh=False)
+            self.bar.update(1)
+            if self.traced:
+                # The torch line, crossed for a transformers model only: its candidates are traced.
+                from memtrain.analysis.depth_trace import trace_any_depth
+
+                self.steps[key] = trace_any_depth(c, self.device_type)  # 2 + 3 layers extended to the depth when exact
+            else:
+                self.steps[key] = estimate(c, self.arch, self.device_type,
+                                           gpu=self.gpu if self.device_type == "cuda" else None)
+        return self.steps[key]
+
+    def transfer(self, c: RunConfig) -> tuple[float, float]:
+        """Bytes --offload-activations copies each way in one step (estimated or traced)."""
+        if self.traced:
+            moved = self.step_of(c).get("offload") or {}
+            return float(moved.get("d2h_bytes", 0)), float(moved.get("h2d_bytes", 0))
+        off = self.step_of(c).offload or {}
+        return off.get("d2h_bytes_per_step", 0.0), off.get("h2d_bytes_per_step", 0.0)
+
+    def quick_peak(self, c: RunConfig) -> Optional[tuple[float, str, float]]:
+        """A figure that takes milliseconds where the exact peak takes long, with its slack
+        (the exact peak is at least the figure / slack), or None where there is none.
+        With --gpu: the live tensors plus the CUDA context and a cuBLAS workspace, a lower bound
+        of what the card holds (the slack covers rounding between the compressed and the full
+        simulation). Traced, for a family the analytic model claims: that model's peak (within
+        1% of the trace on the forward and backward peaks; below it in a compiled optimizer step)."""
+        if c.technique.compile_memory_budget is not None:
+            return None
+        if self.replay:
+            e = estimate(c, self.arch, self.device_type)
+            return e.peak_bytes + self.beside_tensors, e.peak_phase, PRUNE_SLACK
+        modelled = modelled_arch(c, self.device_type) if self.traced else None
+        if modelled is not None:
+            e = estimate(c, modelled, self.device_type)
+            return e.peak_bytes, e.peak_phase, TRACE_PRUNE_SLACK
+        return None
+
+    def peak(self, c: RunConfig, exact: bool = False) -> tuple[float, str]:
+        """``c``'s peak: replayed, traced or estimated; with the shortcut (``prune`` and not
+        ``exact``), the quick figure where it puts ``c`` far over the limit."""
+        self.evaluated += 1
+        if self.prune and not exact:
+            quick = self.quick_peak(c)
+            if quick is not None and quick[0] > self.limit * quick[2]:
+                self.pruned = True
+                return quick[0], quick[1]
+            if quick is not None and self.traced and quick[0] * quick[2] <= self.limit:
+                # Traced, quick_peak is the analytic model of a family it claims, within 1% of
+                # the trace both ways: 5% inside the limit fits whatever the trace would add.
+                # Only candidates near the limit are decided by a trace (seconds each).
+                self.modelled_inside += 1
+                return quick[0], quick[1]
+        if self.traced:
+            r = self.step_of(c)
+            return float(r["peak_bytes"]), str(r["peak_phase"])
+        if c.technique.compile_memory_budget is not None:
+            entry = interpolated_budget(c, self.arch, self.device_type,
+                                        gpu=self.gpu if self.device_type == "cuda" else None)
+            assert entry is not None and entry["peak_bytes"] is not None  # checkpointing none (_sets)
+            return float(entry.get("device_total", entry["peak_bytes"])), "interpolated"
+        e = self.step_of(c)
+        if e.device_memory:
+            return float(e.device_memory["device_total"]), e.peak_phase
+        return e.peak_bytes, e.peak_phase
+
+
+# A set that fits no micro-batch: (its smallest peak, its techniques, micro-batch, accumulation).
+_Smallest = tuple[float, dict[str, str], int, int]
+
+
+def _fit_target_batch(search: _Search, sets: list[dict[str, Any]], target: int, top: int, baseline: float,
+                      ) -> tuple[list[Candidate], list[Candidate], int, Optional[_Smallest], list[dict[str, Any]]]:
+    """Each set at the largest micro-batch that fits the target batch (``target`` sequences a step):
+    the sets that fit, those that fit no micro-batch (at micro-batch 1), how many sets were
+    visited, the smallest option found, and the sets in the order the search visits them."""
+    fits: list[Candidate] = []
+    unfit: list[Candidate] = []  # each set that fits no micro-batch, at micro-batch 1
+    visited = 0
+    smallest: Optional[_Smallest] = None
+    micros = _divisors(target)
+    at, peak, limit = search.at, search.peak, search.limit
+    # Branch and bound: a set's cost at the full micro-batch is a lower bound of its cost.
+    bounds = sorted(((step_cost(at(t, target, 1), search.device_type, search.arch)[0], i) for i, t in enumerate(sets)))
+    for bound, i in bounds:
+        if len(fits) >= top and bound > sorted(c.step_time_s for c in fits)[top - 1]:
+            break
+        visited += 1
+        t = sets[i]
+        # The largest micro-batch that fits (peak grows with the micro-batch): bisect.
+        lo, hi, best = 0, len(micros) - 1, None
+        at_one: Optional[float] = None  # the peak at micro-batch 1, where it was found
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            c = at(t, micros[mid], target // micros[mid])
+            p, ph = peak(c)
+            if p <= limit:
+                best, hi = (micros[mid], p, ph), mid - 1
+            else:
+                lo = mid + 1
+                if micros[mid] == 1:
+                    at_one = p
+                    if smallest is None or p < smallest[0]:
+                        smallest = (p, t, 1, target)
+        if best is None:
+            if smallest is None or micros[-1] != 1:
+                p, _ = peak(at(t, micros[-1], target // micros[-1]))
+                if smallest is None or p < smallest[0]:
+                    smallest = (p, t, micros[-1], target // micros[-1])
+            unfit.append(Candidate(dict(t), 1, target, at_one if at_one is not None else p, "", 0.0, fits=False))
+            continue
+        micro, p, ph = best
+        c = at(t, micro, target // micro)
+        cost = search.cost_of(c)
+        fits.append(Candidate(dict(t), micro, target // micro, p, ph, cost, cost / baseline))
+    return fits, unfit, visited, smallest, [sets[i] for _, i in bounds]
+
+
+def _fit_max_batch(search: _Search, sets: list[dict[str, Any]], max_batch_limit: int,
+                   ) -> tuple[list[Candidate], list[Candidate], int, Optional[_Smallest]]:
+    """Each set at the largest batch that fits (micro-batch = batch, no accumulation, at most
+    ``max_batch_limit``): the sets that fit, those that fit not even batch 1, how many sets were
+    visited, and the smallest option found."""
+    fits: list[Candidate] = []
+    unfit: list[Candidate] = []  # each set that fits no micro-batch, at micro-batch 1
+    visited = 0
+    smallest: Optional[_Smallest] = None
+    at, peak, limit = search.at, search.peak, search.limit
+    for t in sets:
+        lo, hi = 0, 1
+        p, ph = peak(at(t, 1, 1))
+        visited += 1
+        if p > limit:
+            if smallest is None or p < smallest[0]:
+                smallest = (p, t, 1, 1)
+            unfit.append(Candidate(dict(t), 1, 1, p, ph, 0.0, fits=False))
+            continue
+        best = (1, p, ph)
+        while hi < max_batch_limit:  # grow by doubling, never past the limit
+            b = min(hi * 2 if hi > 1 else 2, max_batch_limit)
+            p2, ph2 = peak(at(t, b, 1))
+            if p2 > limit:
+                lo, hi = best[0], b
+                break
+            best, hi = (b, p2, ph2), b
+        else:
+            hi = best[0]
+        lo = best[0]
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            p3, ph3 = peak(at(t, mid, 1))
+            if p3 <= limit:
+                best, lo = (mid, p3, ph3), mid
+            else:
+                hi = mid
+        b, p, ph = best
+        c = at(t, b, 1)
+        cost = search.cost_of(c)
+        per_token = cost / (b * search.cfg.train.seq_len)
+        fits.append(Candidate(dict(t), b, 1, p, ph, per_token, 1.0))
+    return fits, unfit, visited, smallest
+
+
+def _ranked(fits: list[Candidate], max_batch: bool) -> list[Candidate]:
+    """The sets that fit, fastest first (``fits``, sorted in place). At the target batch: by
+    modelled step time; with ``max_batch``: by modelled time per token, the larger batch first on a
+    tie, each timed relative to the fastest."""
+    if not max_batch:
+        # Equal modelled times (the CPU cost model times eager and SDPA attention alike) go to
+        # the smaller peak: the candidates' order alone recommended math attention at 25% more.
+        fits.sort(key=lambda c: (c.step_time_s, c.peak_bytes))
+        return fits
+    fits.sort(key=lambda c: (c.step_time_s, -c.batch_size, c.peak_bytes))
+    if fits:
+        best_rate = fits[0].step_time_s
+        for cand in fits:
+            cand.relative_time = cand.step_time_s / best_rate
+    return fits
+
+
+def _refuse_nothing_fits(search: _Search, order: list[dict[str, Any]], smallest: Optional[_Smallest], accum: int,
+                         budget_bytes: int, margin: float) -> None:
+    """The ConfigError when no set fits: the smallest option's need (a replayed or traced peak,
+    never a quick figure), what to change, and the same option with LoRA adapters."""
+    if search.pruned:  # the smallest option must be a replayed or traced peak, not a quick figure
+        smallest = _smallest_option([(t, search.at(t, 1, accum)) for t in order], search.quick_peak,
+                                    lambda c: search.peak(c, exact=True)[0], accum)
+    assert smallest is not None
+    p, t, micro, accum = smallest
+    what = Candidate(dict(t), micro, accum, p, "", 0.0).label()
+    adapters = "" if search.cfg.technique.lora_rank else _adapters_hint(
+        search.at(t, micro, accum), lambda c: search.peak(c, exact=True)[0], search.limit, margin)
+    raise ConfigError(
+        f"nothing fits in {size_text(budget_bytes)} (with a {margin:.0%} margin): the smallest option needs "
+        f"{size_text(p * (1 + margin))} ({size_text(p)} predicted; {what}); raise --budget or lower "
+        f"--batch-size/--seq-len{adapters}")
+
+
+def _notes(search: _Search, space: dict[str, list[Any]], arch_notes: list[str]) -> list[str]:
+    """What the shown figures are: the cost model's, how the model was read (``arch_notes``), and how
+    each peak was found (the allocator model, a trace or the analytic model of its layers, an
+    interpolated compile budget)."""
+    device_type, gpu = search.device_type, search.gpu
+    notes = [f"cost model: {device_type} profile; a model to order candidates, not a measurement", *arch_notes]
+    if gpu is not None and device_type == "cuda" and not search.traced:
+        unnamed = " of an unnamed card (--gpu NAME for yours)" if gpu == "default" else ""
+        notes.append("peaks are device totals: the caching-allocator model's reserved memory plus the CUDA context"
+                     f"{unnamed} (memtrain.analysis.allocator)")
+    if search.traced:
+        if search.modelled_inside:
+            notes.append(f"peaks of the candidates within {TRACE_PRUNE_SLACK - 1:.0%} of the limit traced under fake "
+                         "tensors (transformers model; deep ones from 2 + 3 layer probes); the "
+                         f"{search.modelled_inside} further inside from the analytic model of its layers (within 1% of "
+                         "the trace on this family)")
+        else:
+            notes.append("peaks traced under fake tensors (transformers model; deep ones from 2 + 3 layer probes)")
+    if "compile_memory_budget" in space:
+        notes.append("compile budget candidates: peak and recompute interpolated between checkpointing none and "
+                     "full (docs/estimation.md), not traced; `memtrain estimate --compile --compile-memory-budget F "
+                     "--trace` runs torch's partitioner")
+    return notes
 
 
 def _adapters_hint(smallest: RunConfig, exact_peak: Callable[[RunConfig], float], limit: float,

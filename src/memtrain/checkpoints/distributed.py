@@ -74,8 +74,9 @@ from memtrain.checkpoints.safe_dcp import (
     read_metadata,
 )
 from memtrain.distributed.zero1 import ShardedZeRO1
+from memtrain.files import results
 from memtrain.files.guard import regular_file_problem
-from memtrain.files.results import loads_bounded, whole_json_limit
+from memtrain.files.results import loads_bounded
 
 FORMAT = "memtrain-dcp-1"
 META = "meta.json"
@@ -235,7 +236,7 @@ def _checked_parts(p: Path, optimizer: Any) -> tuple[dict[str, Any], dict[str, A
     if not (p / META).is_file():
         hint = "it is a single-process checkpoint; resume it without --distributed" if p.is_file() else "check --resume"
         raise ConfigError(f"{str(p)!r} is not a distributed checkpoint directory ({hint})")
-    _check_part_file(p, META, max_bytes=whole_json_limit())  # read whole below
+    _check_part_file(p, META, max_bytes=results.MAX_WHOLE_JSON_BYTES)  # read whole below
     try:
         meta = loads_bounded((p / META).read_text())
     except (OSError, UnicodeDecodeError, ValueError):

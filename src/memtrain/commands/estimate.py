@@ -25,7 +25,7 @@ from memtrain.cli import (
 from memtrain.config.argtypes import gpu_name, int_in, token_count, world_size
 from memtrain.config.presets import PRESETS, preset
 from memtrain.config.run import ConfigError, parse_size
-from memtrain.models.spec import bundled_names
+from memtrain.models.source import bundled_names
 from memtrain.report.by_module import module_table_lines
 from memtrain.runtime.extras import cpu_only_torch
 from memtrain.techniques.facts import foreign_loss_kernel

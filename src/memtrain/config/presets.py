@@ -12,7 +12,7 @@ here can check (our trainer builds only the GPT-2 architecture), and ``--trace``
 
 One name, one model: a model that has a bundled transformers config (``llama-3-8b`` in
 ``models/configs/``) has no preset here, and a spelling that differs from a known name only in
-case or punctuation (``llama3-8b``) is refused with the name to use (:mod:`memtrain.models.spec`).
+case or punctuation (``llama3-8b``) is refused with the name to use (:mod:`memtrain.models.source`).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from memtrain.config.run import ConfigError
 from memtrain.errors import first_line
-from memtrain.files.json_text import MAX_JSON_DEPTH, bounded_lines, json_depth_error, loads_bounded
+from memtrain.files.json_text import MAX_JSON_DEPTH, bounded_lines, counted_pieces, json_depth_error, loads_bounded
 
 PEEK_CHARS = 1 << 16  # enough to reach the first record of any file a person writes
 # A .jsonl line longer than this is refused before any reader holds it: pyarrow and the check
@@ -171,13 +171,9 @@ def _check_array_size(path: Path) -> None:
 def _records_within(path: Path, pieces: Iterable[bytes]) -> Iterator[bytes]:
     """``pieces`` (of lines, as :func:`bounded_lines` gives them), refusing a line longer than
     MAX_JSON_RECORD_BYTES as soon as the count passes it."""
-    size, line = 0, 1
-    for piece in pieces:
-        size += len(piece)
+    for piece, size, line in counted_pieces(pieces):
         if size > MAX_JSON_RECORD_BYTES:
             raise ConfigError(f"{str(path)!r} line {line} is longer than {MAX_JSON_RECORD_BYTES >> 20} MiB, more than "
                               "memtrain reads as one record (its readers hold a record whole, several times over); "
                               "split it into records, or give the text as a .txt file (read in pieces)")
-        if piece.endswith(b"\n"):
-            size, line = 0, line + 1
         yield piece

@@ -42,7 +42,7 @@ from memtrain.data.tokenizer import cut_before_word
 from memtrain.errors import first_line
 from memtrain.files.guard import folder_entry_problems, special_file_kind, visible_entries
 from memtrain.files.json_text import loads_bounded
-from memtrain.runtime.extras import quiet_datasets, require
+from memtrain.runtime.extras import import_extra, quiet_datasets
 from memtrain.runtime.notices import PartOfARecordWarning
 
 DEFAULT_SOURCE = "default"
@@ -460,8 +460,8 @@ def _load_saved(path: str, *, split: str, label: str) -> Any:
     ``split`` of a saved DatasetDict; its failures as ConfigError."""
     check_saved_dataset(Path(path), label)
     # Imported here: it takes about a second, only these sources need it (extra memtrain[hub]).
-    datasets = require("datasets")
-    require("pyarrow")
+    datasets = import_extra("datasets")
+    import_extra("pyarrow")
     quiet_datasets()
     try:
         ds = datasets.load_from_disk(path)
@@ -504,8 +504,8 @@ def _load_dataset(path: str, *, split: str, label: str, hub: bool = False, **kwa
     """``datasets.load_dataset(..., streaming=True)`` with its failures turned into ConfigError."""
 
     # Imported here: it takes about a second, only these sources need it (extra memtrain[hub]).
-    datasets = require("datasets")
-    require("pyarrow")
+    datasets = import_extra("datasets")
+    import_extra("pyarrow")
     quiet_datasets()  # its own log of a failure would come beside our error: line
 
     if "trust_remote_code" in inspect.signature(datasets.load_dataset).parameters:

@@ -58,7 +58,7 @@ def _link_target_problem(path: Path, roots: tuple[Path, ...]) -> Optional[str]:
 
 
 # How a size-limit problem begins, so that a caller can give its own advice for a file too large
-# to read whole (as models.spec does) without matching the wording of every other problem.
+# to read whole (as models.source does) without matching the wording of every other problem.
 TOO_LARGE = "larger than"
 
 

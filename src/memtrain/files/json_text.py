@@ -120,6 +120,18 @@ def bounded_lines(fh: IO[bytes], piece: int = SCAN_PIECE_BYTES) -> Iterable[byte
         yield chunk
 
 
+def counted_pieces(pieces: Iterable[bytes]) -> Iterator[tuple[bytes, int, int]]:
+    """Each of ``pieces`` (of lines, as :func:`bounded_lines` gives them) with the bytes of its
+    line so far, this piece's included, and the line's 1-based number: what a reader that skips
+    a long line and one that refuses it both count."""
+    size, line = 0, 1
+    for piece in pieces:
+        size += len(piece)
+        yield piece, size, line
+        if piece.endswith(b"\n"):
+            size, line = 0, line + 1
+
+
 # A JSON-lines line longer than this is skipped unread: a bench row is about 10 KB, and a line of
 # 2 GB (a sparse or foreign results.jsonl) took `report` 6 GB of memory and 28 s to skip.
 MAX_JSONL_LINE_BYTES = 16 << 20
@@ -130,18 +142,18 @@ def bounded_jsonl_lines(fh: IO[bytes], most: Optional[int] = None) -> Iterator[O
     (MAX_JSONL_LINE_BYTES), which is read past in pieces, never held whole."""
     most = MAX_JSONL_LINE_BYTES if most is None else most
     pieces: list[bytes] = []
-    size, too_long = 0, False
-    for piece in bounded_lines(fh):
-        size += len(piece)
+    too_long = unfinished = False
+    for piece, size, _ in counted_pieces(bounded_lines(fh)):
         too_long = too_long or size > most
         if too_long:
             pieces.clear()
         else:
             pieces.append(piece)
-        if piece.endswith(b"\n"):
+        unfinished = not piece.endswith(b"\n")
+        if not unfinished:
             yield None if too_long else b"".join(pieces)
-            pieces, size, too_long = [], 0, False
-    if size:
+            pieces, too_long = [], False
+    if unfinished:  # the last line, without its newline
         yield None if too_long else b"".join(pieces)
 
 

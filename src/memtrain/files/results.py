@@ -59,12 +59,9 @@ TRAIN_FILES = (RESULT_NAME, METRICS_NAME, LOCK_NAME)  # those memtrain train wri
 # The largest JSON file memtrain reads back whole: a train's result.json and a sharded checkpoint's
 # meta.json grow by about 20 bytes a step (their loss histories), so this is over ten million
 # steps. A sparse 1 GiB one was read whole, as text, then parsed.
+# Its readers look it up on this module at each call (``results.MAX_WHOLE_JSON_BYTES``), so that one
+# setting bounds every reader of such a file.
 MAX_WHOLE_JSON_BYTES = 256 << 20
-
-
-def whole_json_limit() -> int:
-    """MAX_WHOLE_JSON_BYTES, looked up at each call: one setting bounds every reader of such a file."""
-    return MAX_WHOLE_JSON_BYTES
 
 
 # --------------------------------------------------------------------------- safe writes

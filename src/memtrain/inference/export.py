@@ -50,13 +50,14 @@ from memtrain.config.run import ConfigError, RunConfig, build_config
 from memtrain.data.tokenizer import EOT_ID, vocab_dir
 from memtrain.files.results import umask
 from memtrain.models import is_hf
+from memtrain.models.config_json import json_object, run_folder_hint
 from memtrain.models.families import data_tokenizer
 from memtrain.models.gpt import GPT
 from memtrain.models.hf import HFCausalLM, build_hf_model, quiet_transformers
 from memtrain.models.hub_access import from_pretrained_kwargs
 from memtrain.models.placement import place_weights
-from memtrain.models.spec import json_object, resolve, run_folder_hint
-from memtrain.runtime.extras import require
+from memtrain.models.source import resolve
+from memtrain.runtime.extras import import_extra
 from memtrain.techniques.hf_mapping import apply_hf_lora
 from memtrain.techniques.lora import apply_lora, merge_adapters_in_place, merge_lora
 from memtrain.training.run_paths import anchored, launch_dir
@@ -68,7 +69,7 @@ PORTABLE_ATTENTION = ("math", "sdpa")
 
 
 def require_transformers() -> Any:
-    return require("transformers")
+    return import_extra("transformers")
 
 
 # --------------------------------------------------------------------------- reading a checkpoint
@@ -212,7 +213,7 @@ def _load_transformers(weights: dict[str, Any], cfg: RunConfig, ckpt: Path, merg
     # checkpoint takes its own size in host memory, not twice that again for an FP32 copy.
     model = build_hf_model(build_cfg, with_weights=False, initialize=False)
     if tech.lora_rank:
-        require("peft")
+        import_extra("peft")
         apply_hf_lora(model, build_cfg.technique)
     _fit(model, _plain_weights(weights, model, ckpt, cfg), ckpt, cfg, assign=True)
     model.lm.tie_weights()  # the load assigned the head and the embedding one at a time: one tensor again

@@ -37,19 +37,13 @@ from memtrain.config.run import ConfigError, ModelConfig, RunConfig, build_confi
 from memtrain.data.tokenizer import EOT_ID, N_VOCAB, get_tokenizer
 from memtrain.errors import first_line
 from memtrain.inference.export import load_trained, require_transformers, to_hf_model
+from memtrain.models.config_json import read_config_json, refuse_custom_tokenizer
 from memtrain.models.families import data_tokenizer
 from memtrain.models.gpt import GPT
 from memtrain.models.hf import ATTN_IMPLEMENTATION, load_pretrained_lm
 from memtrain.models.placement import place_weights
-from memtrain.models.spec import (
-    TOKENIZER_FILES,
-    attention_of_model_type,
-    config_positions,
-    read_config_json,
-    refuse_custom_tokenizer,
-    refuse_pickled_weights,
-    safetensors_files,
-)
+from memtrain.models.source import TOKENIZER_FILES, refuse_pickled_weights, safetensors_files
+from memtrain.models.spec import attention_of_model_type, config_positions
 from memtrain.models.tokenizer import leading_special_ids, load_tokenizer
 from memtrain.techniques.facts import DTYPE_MATMUL_TYPE, GENERATE_DTYPES
 from memtrain.training.size_check import check_model_size

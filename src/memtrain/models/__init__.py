@@ -23,7 +23,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from memtrain.models.spec import bundled_names, is_hf, load_config, resolve
+from memtrain.models.auto_config import load_config
+from memtrain.models.source import bundled_names, resolve
+from memtrain.models.spec import is_hf
 
 if TYPE_CHECKING:
     from memtrain.models.families import FAMILIES, ModelFamily, build_model, data_tokenizer, family_of

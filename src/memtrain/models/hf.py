@@ -29,10 +29,12 @@ import torch.nn.functional as F
 from memtrain.attention.hf import restricted_sdpa_implementation
 from memtrain.config.run import ConfigError, RunConfig
 from memtrain.errors import first_line
+from memtrain.models.auto_config import load_config
 from memtrain.models.depth import apply_layer_count
 from memtrain.models.gpt import LossFn, standard_lm_loss
 from memtrain.models.hub_access import from_pretrained_kwargs, offline_reason
-from memtrain.models.spec import ModelSource, load_config, refuse_pickled_weights, resolve, window_refusal
+from memtrain.models.source import ModelSource, refuse_pickled_weights, resolve
+from memtrain.models.spec import window_refusal
 
 # --attention -> transformers' attn_implementation
 ATTN_IMPLEMENTATION = {

@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 
 from memtrain.config.run import ConfigError
-from memtrain.runtime.extras import require
+from memtrain.runtime.extras import import_extra
 from memtrain.runtime.notices import QLoRASkipWarning
 from memtrain.techniques.facts import NF4_BLOCK, NF4_SCALER_BLOCK, nf4_quantizes
 
@@ -51,7 +51,7 @@ def quantize_base_weights(model: nn.Module, device: torch.device) -> int:
     # (4 bits a value, an 8-bit scale per 64 values, an fp32 scale per 256 of those).
     if device.type == "cuda" and not is_fake(linears[0][1].weight):
         return _quantize_bnb(linears, device)
-    require("torchao")  # an optional extra (memtrain[lowbit]): one error line naming the pip command
+    import_extra("torchao")  # an optional extra (memtrain[lowbit]): one error line naming the pip command
     from torchao.quantization import to_nf4
 
     skipped = []

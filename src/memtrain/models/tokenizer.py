@@ -13,9 +13,11 @@ from typing import Any, Optional
 
 from memtrain.config.run import ConfigError, RunConfig
 from memtrain.errors import first_line
+from memtrain.models.auto_config import load_config
 from memtrain.models.hf import quiet_transformers
 from memtrain.models.hub_access import from_pretrained_kwargs
-from memtrain.models.spec import TOKENIZER_FILES, TOKENIZER_ID_FILES, is_gpt_preset, load_config, resolve
+from memtrain.models.source import TOKENIZER_FILES, TOKENIZER_ID_FILES, resolve
+from memtrain.models.spec import is_gpt_preset
 
 
 class HFTokenizer:

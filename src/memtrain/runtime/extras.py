@@ -30,7 +30,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
 }
 
 
-def require(module: str) -> ModuleType:
+def import_extra(module: str) -> ModuleType:
     """Import ``module`` or raise a ConfigError that names the extra providing it."""
     try:
         return importlib.import_module(module)

@@ -70,7 +70,8 @@ def random_base_warning(cfg: Any) -> Optional[str]:
     tech, spec = cfg.technique, cfg.model.model
     if not tech.lora_rank or cfg.train.resume:
         return None
-    from memtrain.models.spec import is_gpt_preset, resolve  # torch-free
+    from memtrain.models.source import resolve  # torch-free
+    from memtrain.models.spec import is_gpt_preset  # torch-free
 
     if is_gpt_preset(spec):
         what = "memtrain's GPT starts from random weights (no --resume)"

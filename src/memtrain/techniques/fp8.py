@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from memtrain.config.run import ConfigError, TechniqueConfig
-from memtrain.runtime.extras import require
+from memtrain.runtime.extras import import_extra
 from memtrain.runtime.notices import SlowPrecisionWarning
 from memtrain.techniques.facts import FP8_DIM_MULTIPLE, precision_facts
 
@@ -52,7 +52,7 @@ def check_fp8_device(device: torch.device) -> None:
         name = torch.cuda.get_device_name(device)
         raise ConfigError(f"--precision fp8 needs {wanted}; this GPU ({name}) is {cap[0]}.{cap[1]}: "
                           "use --precision bf16")
-    require("torchao")
+    import_extra("torchao")
 
 
 def fp8_module_filter(module: nn.Module, fqn: str) -> bool:
@@ -95,7 +95,7 @@ def apply_fp8(model: nn.Module, tech: TechniqueConfig, *, emulate: bool = False)
 
 def _torchao_float8() -> ModuleType:
     """torchao's float8 package (a ConfigError naming the lowbit extra when torchao is missing)."""
-    require("torchao")
+    import_extra("torchao")
     from torchao import float8  # optional package: imported only when --precision fp8 is used
 
     return float8

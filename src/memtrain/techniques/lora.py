@@ -26,7 +26,7 @@ import torch.nn as nn
 from memtrain.config.run import ConfigError, TechniqueConfig
 from memtrain.models.gpt import GPT
 from memtrain.models.spec import ALL_LINEAR
-from memtrain.runtime.extras import require
+from memtrain.runtime.extras import import_extra
 
 __all__ = ["apply_lora", "lora_target_names", "merge_adapters_in_place", "merge_lora"]
 
@@ -66,7 +66,7 @@ def apply_lora(model: GPT, tech: TechniqueConfig) -> None:
 
     # Imported on demand: peft is slow to import, and an optional extra (memtrain[lora]).
 
-    require("peft")
+    import_extra("peft")
     from peft import LoraConfig, inject_adapter_in_model
     from peft.tuners.tuners_utils import cast_adapter_dtype
 

@@ -50,7 +50,7 @@ import torch
 import torch.nn as nn
 
 from memtrain.config.run import ConfigError, TechniqueConfig, TrainConfig
-from memtrain.runtime.extras import require
+from memtrain.runtime.extras import import_extra
 from memtrain.runtime.notices import NoticeWarning
 from memtrain.techniques.facts import ADAMW_KERNELS, BF16_PURE_OPTIMS, LOW_BIT_BLOCK, LOW_BIT_MIN_NUMEL
 
@@ -172,13 +172,13 @@ def check_optimizer_installed(tech: TechniqueConfig) -> None:
     """Refuse, before a run builds or tokenizes anything, an optimizer whose package (torchao,
     the ``lowbit`` extra) is not installed: one ConfigError naming the pip command."""
     if uses_torchao(tech):
-        require("torchao")
+        import_extra("torchao")
 
 
 def _torchao_optim(name: str) -> Any:
     # Imported only when asked for: importing torchao is slow and prints loader noise; and it is
-    # an optional extra (memtrain[lowbit]): require() names the pip command when it is absent.
-    require("torchao")
+    # an optional extra (memtrain[lowbit]): import_extra() names the pip command when it is absent.
+    import_extra("torchao")
     import torchao.optim as ao
 
     # torch.compile advises every tensor subclass to implement a cache hash; torchao's state

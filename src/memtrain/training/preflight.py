@@ -28,6 +28,7 @@ from typing import Any, Iterable, Optional
 
 from memtrain.config.run import ConfigError, RunConfig
 from memtrain.errors import shortened
+from memtrain.files import results
 from memtrain.files.json_text import loads_bounded
 from memtrain.files.lock import check_lock_file
 from memtrain.files.results import (
@@ -38,7 +39,6 @@ from memtrain.files.results import (
     TRAIN_FILES,
     longest_temp_name,
     refuse_odd_destination,
-    whole_json_limit,
 )
 from memtrain.training.resume_check import (
     check_resume,
@@ -299,7 +299,7 @@ def check_resumed_out(out: Path, cfg: RunConfig) -> None:
     path = out / RESULT_NAME
     if not os.path.lexists(path):
         return
-    size, limit = path.stat().st_size, whole_json_limit()
+    size, limit = path.stat().st_size, results.MAX_WHOLE_JSON_BYTES
     if size > limit:  # read whole below: a huge (or sparse) file would be, into memory
         raise ConfigError(f"--out {str(out)!r} holds a result.json of {size:,} bytes, more than memtrain reads back "
                           f"({limit:,}); a resumed run would replace it: choose a new --out")

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from memtrain.config.run import ConfigError, RunConfig, build_config, field_index, flatten
+from memtrain.files import results
 from memtrain.files.guard import regular_file_problem
 from memtrain.files.json_text import loads_bounded
-from memtrain.files.results import RESULT_NAME, whole_json_limit
+from memtrain.files.results import RESULT_NAME
 from memtrain.models.spec import every_decoder_linear
 from memtrain.training.run_paths import anchored, launch_dir, same_file, same_place
 from memtrain.training.schedule import lr_lambda
@@ -58,7 +59,7 @@ def saved_state(path: str | Path) -> dict[str, Any]:
         if not meta_path.is_file():
             raise ConfigError(f"--resume {str(p)!r} is a directory without meta.json; it is not a memtrain checkpoint")
         # e.g. a link out of the checkpoint, or a file too large to read whole (a sparse one)
-        why = regular_file_problem(meta_path, p, max_bytes=whole_json_limit())
+        why = regular_file_problem(meta_path, p, max_bytes=results.MAX_WHOLE_JSON_BYTES)
         if why is not None:
             raise ConfigError(f"checkpoint {str(p)!r} is refused: its meta.json is {why}; resume only from "
                               "checkpoints memtrain wrote")
@@ -315,7 +316,7 @@ def result_written_at(out: str | Path, step: int) -> bool:
     times and memory, measured while it trained) with an evaluation's. A file that is not a
     readable result of that step is left to :func:`memtrain.training.preflight.check_resumed_out`."""
     path = Path(out) / RESULT_NAME
-    if regular_file_problem(path, path.parent, max_bytes=whole_json_limit()) is not None:
+    if regular_file_problem(path, path.parent, max_bytes=results.MAX_WHOLE_JSON_BYTES) is not None:
         return False  # absent, or nothing this check may open (a FIFO, a link out, a huge file)
     try:
         recorded = loads_bounded(path.read_bytes())

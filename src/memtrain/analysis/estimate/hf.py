@@ -113,9 +113,9 @@ from typing import Any, Optional
 from memtrain.analysis.estimate.params import hf_lora_modules
 from memtrain.analysis.estimate.training import estimate
 from memtrain.config.archs import GPT2_ARCH, LLAMA_ARCH, Arch
-from memtrain.models.spec import (  # torch-free for the modelled families
+from memtrain.models.light_config import analytic_config  # torch-free for the modelled families
+from memtrain.models.spec import (
     QKV_BIAS,
-    analytic_config,
     config_head_dim,
     config_window,
     every_decoder_linear,

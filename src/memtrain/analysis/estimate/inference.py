@@ -12,7 +12,8 @@ from memtrain.analysis.estimate.hf import config_sliding_layers, config_window, 
 from memtrain.analysis.estimate.params import head_widths, param_count
 from memtrain.config.archs import GPT2_ARCH, Arch
 from memtrain.config.run import ConfigError, RunConfig
-from memtrain.models.spec import analytic_config, config_positions, is_hf
+from memtrain.models.light_config import analytic_config
+from memtrain.models.spec import config_positions, is_hf
 
 __all__ = ["DTYPE_BYTES", "estimate_inference", "estimate_generate_run", "generate_positions"]
 

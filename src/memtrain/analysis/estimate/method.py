@@ -24,7 +24,8 @@ from memtrain.analysis.estimate.hf import analytic_estimate, hf_arch, why_not_mo
 from memtrain.analysis.estimate.training import Estimate, estimate
 from memtrain.config.archs import GPT2_ARCH, Arch
 from memtrain.config.run import ConfigError, RunConfig
-from memtrain.models.spec import analytic_config, is_hf, window_refusal
+from memtrain.models.light_config import analytic_config
+from memtrain.models.spec import is_hf, window_refusal
 from memtrain.techniques.facts import transformers_checkpointing_error
 
 __all__ = ["HF_ANALYTIC_MODEL", "StepEstimate", "estimate_step", "model_arch"]

@@ -8,7 +8,8 @@ from typing import Any, NamedTuple, Optional
 from memtrain.analysis.estimate.params import param_table
 from memtrain.analysis.flops.classes import ClassCount, StepCount
 from memtrain.config.run import ModelConfig, RunConfig
-from memtrain.models.spec import is_gpt_preset, load_config, model_head_dim, rotary_positions
+from memtrain.models.auto_config import load_config
+from memtrain.models.spec import is_gpt_preset, model_head_dim, rotary_positions
 from memtrain.techniques.facts import FOREIGN_LOSS_KERNELS, OPTIMIZER_STATE_RULES, precision_facts
 
 

@@ -1,0 +1,150 @@
+"""The ``transformers.PretrainedConfig`` of a transformers ``--model`` (:func:`load_config`):
+read by AutoConfig after memtrain's own checks of its config.json (:mod:`memtrain.models.config_json`),
+then refused where transformers would read it and fail to build a model (an unknown activation,
+a head_dim of 0, a rope type it has no embedding for).
+
+Nothing read here can execute code: ``trust_remote_code`` is never set. transformers (and with
+it torch) is imported when a config is read, not when this module is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from memtrain.errors import ConfigError
+from memtrain.models.config_json import read_config_json, refuse_custom_tokenizer
+from memtrain.models.hub_access import from_pretrained_kwargs, offline_hint
+from memtrain.models.source import resolve
+
+
+@functools.lru_cache(maxsize=32)
+def load_config(spec: str) -> Any:
+    """The ``transformers.PretrainedConfig`` of ``spec`` (read once per process)."""
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise ConfigError("--model with a transformers config needs transformers: pip install 'memtrain[hf]'") from None
+    src = resolve(spec)
+    # A local config.json, or a Hub repository's from the cache (downloaded first when the Hub is
+    # reachable): read by memtrain's checks before transformers reads it, so custom code
+    # (auto_map) is refused, never offered, and a NaN field or an empty vocabulary is named.
+    config_path = src.config_path if src.repo is None else _hub_file(src.repo, "config.json", spec)
+    try:
+        assert config_path is not None
+        read_config_json(config_path)
+        if src.directory is not None:
+            refuse_custom_tokenizer(src.directory)
+    except ConfigError as exc:
+        raise ConfigError(f"cannot read the model config of --model {spec!r}: {exc}") from None
+    try:
+        # One code path for a Hub repository, a directory and a config.json file; an offline Hub
+        # is read from the local cache only (hub_access: seconds instead of half a minute of retries).
+        with _rope_type_warning_dropped():
+            cfg = AutoConfig.from_pretrained(src.repo or str(src.config_path), trust_remote_code=False,
+                                             **from_pretrained_kwargs(src.repo))
+    except Exception as exc:  # noqa: BLE001 - OSError, bad JSON, or transformers' validation of a field
+        # transformers' validation puts the reason on the lines after its headline ("Class
+        # validation error for validator ...:" then "ValueError: The hidden size (64) is not a
+        # multiple ..."): every line is kept, joined into one.
+        why = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+        why = why if len(why) <= 400 else why[:397] + "..."
+        raise ConfigError(f"cannot read the model config of --model {spec!r}: {why}{offline_hint(src.repo)}") from None
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise ConfigError(f"--model {spec!r} is an encoder-decoder ({cfg.model_type}); memtrain trains causal LMs")
+    _refuse_unbuildable(cfg, spec)
+    return cfg
+
+
+# The config fields naming a layer's activation (Llama's family, Gemma, GPT-2 and OPT).
+ACTIVATION_FIELDS = ("hidden_act", "hidden_activation", "activation_function")
+
+
+def _refuse_unbuildable(cfg: Any, spec: str) -> None:
+    """Refuse config values transformers reads without checking and then fails to build a model
+    from (a KeyError for an unknown activation, ZeroDivisionError for a head_dim of 0, exit 1),
+    whichever verb builds it (train, estimate's trace, generate)."""
+    from transformers.activations import ACT2FN  # transformers is loaded by now (load_config)
+
+    for name in ACTIVATION_FIELDS:
+        value = getattr(cfg, name, None)
+        if value is not None and (not isinstance(value, str) or value not in ACT2FN):
+            raise ConfigError(f"--model {spec!r}: its config.json's {name} {value!r} is no activation transformers "
+                              f"knows; use one of {', '.join(sorted(ACT2FN))}")
+    head_dim = getattr(cfg, "head_dim", None)
+    if head_dim is not None and (not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 1):
+        raise ConfigError(f"--model {spec!r}: its config.json's head_dim {head_dim!r} is not a positive whole number; "
+                          "fix it, or remove it (hidden_size / num_attention_heads is taken)")
+    _refuse_unknown_rope_type(cfg, spec)
+
+
+def _rope_types(parameters: Any) -> list[Any]:
+    """The ``rope_type`` values of a config's ``rope_parameters``: one mapping, or one per layer
+    type (Gemma-3's ``{"full_attention": {...}, "sliding_attention": {...}}``)."""
+    if not isinstance(parameters, dict):
+        return []
+    if "rope_type" in parameters:
+        return [parameters["rope_type"]]
+    return [p["rope_type"] for p in parameters.values() if isinstance(p, dict) and "rope_type" in p]
+
+
+def _refuse_unknown_rope_type(cfg: Any, spec: str) -> None:
+    """A ``rope_scaling``/``rope_parameters`` type transformers has no rotary embedding for (no
+    ``_validate_<type>_rope_parameters`` on the config): it reads the config with a warning, then
+    building the model fails (KeyError: exit 1) in train, a traced estimate, generate."""
+    known = sorted(m.group(1) for m in map(_ROPE_VALIDATOR.fullmatch, dir(cfg)) if m)
+    for rope_type in _rope_types(getattr(cfg, "rope_parameters", None)):
+        if not isinstance(rope_type, str) or rope_type not in known:
+            raise ConfigError(f"--model {spec!r}: its config.json's rope_scaling type {rope_type!r} is no rotary "
+                              f"embedding transformers knows; use one of {', '.join(known)}, or remove rope_scaling")
+
+
+# The check transformers runs for each rope type it knows (RotaryEmbeddingConfigMixin's methods).
+_ROPE_VALIDATOR = re.compile(r"_validate_(\w+)_rope_parameters")
+# What transformers logs, reading a config, of a rope type it does not know: the refusal above says it.
+_UNKNOWN_ROPE_WARNING = "Missing validation function in 'RotaryEmbeddingConfigMixin'"
+
+
+@contextlib.contextmanager
+def _rope_type_warning_dropped() -> Iterator[None]:
+    """transformers' warning about an unknown rope type kept off stderr while a config is read:
+    :func:`_refuse_unknown_rope_type` refuses that config in its one ``error:`` line."""
+    rope_log = logging.getLogger("transformers.modeling_rope_utils")
+    drop = _DropMessage(_UNKNOWN_ROPE_WARNING)
+    rope_log.addFilter(drop)
+    try:
+        yield
+    finally:
+        rope_log.removeFilter(drop)
+
+
+class _DropMessage(logging.Filter):
+    """Drops the log records whose message starts with ``prefix``."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith(self.prefix)
+
+
+def _hub_file(repo: str, name: str, spec: str) -> Path:
+    """The local copy of file ``name`` of Hub repository ``repo``: from the Hugging Face cache,
+    downloaded into it first when the Hub is reachable (huggingface_hub, as transformers reads it)."""
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return Path(hf_hub_download(repo, name, **from_pretrained_kwargs(repo)))
+    except Exception as exc:  # noqa: BLE001 - absent from the cache, no such repository, no network
+        hint = offline_hint(repo)
+        if hint and type(exc).__name__ == "LocalEntryNotFoundError":  # the hint says it; huggingface_hub's
+            raise ConfigError(f"cannot read the model config of --model {spec!r}{hint}") from None  # names an argument
+        why = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+        why = why if len(why) <= 300 else why[:297] + "..."
+        raise ConfigError(f"cannot read the model config of --model {spec!r}: {why}{hint}") from None

@@ -1,0 +1,189 @@
+"""A model folder's ``config.json`` and ``tokenizer_config.json`` read as JSON and checked before
+transformers reads them: a JSON object, no custom code (``auto_map``), a ``model_type`` transformers
+ships, finite numbers, scale factors that are numbers, a vocabulary. Torch-free: Python's json only
+(transformers is imported, where installed, only to list the model types it ships)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+from memtrain.errors import ConfigError, shortened
+from memtrain.files import results
+from memtrain.files.json_text import loads_bounded
+
+
+def json_object(path: Path, what: str) -> dict[str, Any]:
+    """The JSON object in ``path`` (a model folder's config or tokenizer config); a crafted file
+    is one error line, never a crash. Python's json, not memtrain's bounded reader: tokenizer
+    configs hold 31-digit integers (transformers' "no limit" model_max_length)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"cannot read {str(path)!r} as JSON (not UTF-8 text); fix or replace {what}") from None
+    except OSError as exc:  # unreadable: the file may be a fine config
+        raise ConfigError(f"cannot read {str(path)!r} ({exc.strerror or type(exc).__name__}); check its permissions") from None
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ConfigError(f"cannot read {str(path)!r} as JSON ({type(exc).__name__}); fix or replace {what}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{str(path)!r} holds a JSON {type(data).__name__}, not an object; fix or replace {what}")
+    return data
+
+
+def _saved_by_run(folder: Path) -> tuple[bool, Optional[str]]:
+    """Whether the ``result.json`` in ``folder`` could be read, and the ``--save`` its run
+    recorded (None: the run saved no checkpoint). Read bounded: the folder is any folder."""
+    path = folder / "result.json"
+    try:
+        if path.stat().st_size > results.MAX_WHOLE_JSON_BYTES:
+            return False, None
+        recorded = loads_bounded(path.read_bytes())
+    except (OSError, ValueError):
+        return False, None
+    config = recorded.get("config") if isinstance(recorded, dict) else None
+    train = config.get("train") if isinstance(config, dict) else None
+    if not isinstance(train, dict) or "save" not in train:
+        return False, None
+    save = train["save"]
+    return True, save if isinstance(save, str) and save else None
+
+
+def run_folder_hint(folder: Path, export_hint: bool = True) -> str:
+    """For a ``train --out`` folder given where a model folder or a checkpoint goes (it holds
+    result.json, and the run's checkpoint where --save put it there): what to give instead, in
+    parentheses; else "". ``export_hint`` adds `memtrain export` (not for export itself)."""
+    if not (folder / "result.json").is_file():
+        return ""
+    ckpts = sorted(p.name for p in folder.glob("*.pt") if p.is_file())
+    known, save = (False, None) if ckpts else _saved_by_run(folder)
+    if known and save is None:
+        # The usual first run: train keeps its weights only with --save, and saying "give the
+        # checkpoint its run saved" sent the user looking for a file that was never written.
+        return (f" ({str(folder)!r} is the --out folder of a run that saved no checkpoint: train keeps the weights only "
+                f"with --save FILE; train again with --save {str(folder / 'ckpt.pt')!r})")
+    take = (f"its checkpoint ({str(folder / ckpts[0])!r})" if ckpts
+            else f"the checkpoint its run saved with --save ({save!r})" if save
+            else "the checkpoint its run saved with --save")
+    export = ", or make a model folder of it with `memtrain export CKPT DIR`" if export_hint else ""
+    return f" ({str(folder)!r} is a train --out folder: give {take}{export})"
+
+
+def read_config_json(path: Path) -> dict[str, Any]:
+    """A model's ``config.json`` as a dict, checked before transformers reads it: a JSON object
+    with a ``model_type`` transformers knows, and no ``auto_map``. A folder whose config names
+    custom code (``auto_map``, or a ``model_type`` transformers does not ship) is refused
+    outright: memtrain never runs, nor offers to run, Python shipped with a model."""
+    shown = str(path)
+    if not path.is_file():
+        raise ConfigError(f"{shown!r} is missing or not a file; a model folder needs its config.json"
+                          + run_folder_hint(path.parent))
+    data = json_object(path, "the config.json (it is not a transformers config.json)")
+    if "auto_map" in data:
+        raise ConfigError(f"{shown!r} names custom model code (auto_map); memtrain never runs code shipped with a "
+                          "model: use a model type transformers ships")
+    refuse_non_finite(data, shown)
+    refuse_bad_scales(data, shown)
+    _refuse_no_vocabulary(data, shown)
+    model_type = data.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise ConfigError(f"{shown!r} has no 'model_type'; it is not a transformers config.json")
+    if model_type not in _shipped_model_types():
+        raise ConfigError(f"{shown!r} has model_type {model_type!r}, which this transformers does not ship (custom "
+                          "code is never run); use a model type transformers ships, or upgrade transformers")
+    return data
+
+
+def refuse_non_finite(data: dict[str, Any], shown: str) -> None:
+    """Refuse a config.json number that is not finite (Python's json reads NaN, Infinity and
+    1e999), naming its field: an ``rms_norm_eps`` of NaN built a model whose loss was NaN from
+    the first step, reported as a divergence to fix with a lower --lr."""
+    queue = collections.deque(data.items())  # the top level first, in the file's order
+    while queue:  # no recursion: json.loads accepted the nesting, a Python walk might not
+        name, value = queue.popleft()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{shown!r} has {name} {json.dumps(value)}, not a finite number; write a number there "
+                              "(or remove the field for transformers' default)")
+        if isinstance(value, dict):
+            queue.extend((f"{name}.{key}", item) for key, item in value.items())
+        elif isinstance(value, list):
+            queue.extend((f"{name}[{i}]", item) for i, item in enumerate(value))
+
+
+# The scale factors a family's modeling file multiplies (or, ``DIVIDES``, divides) hidden states
+# or logits by. transformers types some as optional (Cohere's ``logit_scale: float | None``) and
+# older releases check none, so a null or a string stopped `generate` with `Tensor * None`'s
+# TypeError (exit 1), and a divisor of 0 stopped `train` with a ZeroDivisionError.
+_GRANITE_SCALES = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+SCALE_FIELDS: dict[str, tuple[str, ...]] = {
+    **{t: _GRANITE_SCALES for t in ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granite_swa",
+                                    "granitemoe_swa", "hyperclovax")},
+    **{t: ("logit_scale",) for t in ("cohere", "cohere2", "cohere2_moe")},
+    "falcon_h1": ("lm_head_multiplier", "embedding_multiplier", "key_multiplier", "attention_in_multiplier",
+                  "attention_out_multiplier", "ssm_in_multiplier", "ssm_out_multiplier"),
+    "minicpm3": ("scale_emb", "scale_depth", "dim_model_base"),
+}
+SCALE_DIVISORS = frozenset({"logits_scaling", "dim_model_base"})
+# Nulls the family's config turns into its no-op scale (MiniCPM3Config.__post_init__).
+SCALE_NULLS = {"minicpm3": frozenset({"scale_depth", "dim_model_base"})}
+
+
+def refuse_bad_scales(data: dict[str, Any], shown: str) -> None:
+    """Refuse a scale field of the config's family (:data:`SCALE_FIELDS`) that is not a number (a
+    null, a string, true), is too large for a float, or is 0 where the model divides by it."""
+    family = data.get("model_type")
+    if not isinstance(family, str):
+        return  # read_config_json names a missing model_type
+    for name in SCALE_FIELDS.get(family, ()):
+        if name not in data or (data[name] is None and name in SCALE_NULLS.get(family, ())):
+            continue
+        value, divisor = data[name], name in SCALE_DIVISORS
+        problem = _scale_problem(value, divisor)
+        if problem:
+            uses, wanted = ("divides by", "a number other than 0") if divisor else ("multiplies by", "a number")
+            said = "" if problem == "zero" else f", {problem}"
+            raise ConfigError(f"{shown!r} has {name} {shortened(json.dumps(value))}{said}; {family} {uses} it: write "
+                              f"{wanted} there (or remove the field for transformers' default)")
+
+
+def _scale_problem(value: Any, divisor: bool) -> str:
+    """Why ``value`` cannot be a scale factor ("" when it can)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "not a number"
+    try:
+        if not math.isfinite(float(value)):
+            return "not a finite number"
+    except OverflowError:  # an integer of hundreds of digits
+        return "too large for a float"
+    return "zero" if divisor and value == 0 else ""
+
+
+def _refuse_no_vocabulary(data: dict[str, Any], shown: str) -> None:
+    """Refuse a ``vocab_size`` of 0 or below before transformers reads the config: it logs a
+    line per special token outside the (empty) vocabulary ahead of memtrain's own refusal."""
+    vocab = data.get("vocab_size")
+    if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab < 1:
+        raise ConfigError(f"{shown!r} has vocab_size {vocab}; a model needs a vocabulary of at least one token: "
+                          "fix the config")
+
+
+def _shipped_model_types() -> Any:
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    except ImportError:
+        raise ConfigError("a transformers model needs transformers: pip install 'memtrain[hf]'") from None
+    return CONFIG_MAPPING_NAMES
+
+
+def refuse_custom_tokenizer(directory: Path) -> None:
+    """Refuse a folder whose ``tokenizer_config.json`` names custom tokenizer code (``auto_map``)."""
+    path = directory / "tokenizer_config.json"
+    if not path.is_file():
+        return  # no file, or not a file: the tokenizer's loader reports it
+    if "auto_map" in json_object(path, "it"):
+        raise ConfigError(f"{str(path)!r} names custom tokenizer code (auto_map); memtrain never runs code shipped "
+                          "with a model: use a tokenizer class transformers ships")
