@@ -64,6 +64,9 @@ def test_schedule_warmup_then_cosine():
     assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
     assert f(10) == pytest.approx(1.0) and f(100) == pytest.approx(0.1)
     assert 0.1 < f(55) < 1.0
+    # Past --steps (the scheduler's last step() reads step == steps; a schedule read further on)
+    # the LR stays at its floor instead of climbing back up the cosine.
+    assert f(150) == pytest.approx(0.1) and f(190) == pytest.approx(0.1)
     const = lr_lambda(build_config({"steps": 100, "warmup_steps": 10, "schedule": "constant"}))
     assert const(50) == 1.0
 
