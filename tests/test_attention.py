@@ -7,6 +7,7 @@ import importlib.util
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend
 
 from memtrain.attention.apply import apply_attention, build_attention
 from memtrain.attention.kernels import _banded, banded_attention, causal_mask, math_attention, sdpa_attention
@@ -321,3 +322,46 @@ def test_cuda_banded_memory_is_linear() -> None:
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated() - base)
     assert 1.6 <= peaks[1] / peaks[0] <= 2.4, peaks
+
+
+@pytest.mark.parametrize(("kind", "window", "fn", "keywords"), [
+    ("math", None, math_attention, None),
+    ("math", 8, banded_attention, {"window": 8, "kernel": "math"}),  # materialized band scores
+    ("sdpa", None, sdpa_attention, {"backend": None}),  # PyTorch picks the kernel
+    ("sdpa", 8, banded_attention, {"window": 8, "kernel": "sdpa", "backend": None}),
+    ("flash", None, sdpa_attention, {"backend": SDPBackend.FLASH_ATTENTION}),
+    ("flash", 8, banded_attention, {"window": 8, "kernel": "sdpa", "backend": SDPBackend.FLASH_ATTENTION}),
+    ("mem-efficient", None, sdpa_attention, {"backend": SDPBackend.EFFICIENT_ATTENTION}),
+])
+def test_each_choice_builds_its_own_kernel(kind, window, fn, keywords) -> None:
+    """Which kernel --attention and --window name (a row labelled math must materialize the
+    scores, one labelled flash must pin flash)."""
+    built = build_attention(kind, window)
+    if keywords is None:
+        assert built is fn
+    else:
+        assert isinstance(built, functools.partial) and built.func is fn and built.keywords == keywords
+
+
+def test_the_probe_of_a_window_runs_the_banded_path(monkeypatch) -> None:
+    """A window wider than the probe's 16 tokens would take the dense path (W >= seq): the probe
+    runs a window of 4, so the band code that training runs is the code proven here."""
+    from memtrain.attention import apply as module
+
+    built: list = []
+    real = module.build_attention
+    monkeypatch.setattr(module, "build_attention", lambda kind, window=None: built.append(window) or real(kind, window))
+    module.probe_attention("sdpa", 64, CPU, torch.float32, 16, 0.0)
+    assert built == [4]
+
+
+def test_refusal_advice_names_the_cause() -> None:
+    """flash on CPU is refused for its dropout only when there is dropout; the advice for a window
+    on CUDA's flash names the kernels that take one."""
+    from memtrain.attention.apply import _advice
+
+    assert "no dropout" in _advice("flash", None, CPU, torch.float32, 0.1)
+    assert "no dropout" not in _advice("flash", None, CPU, torch.float32, 0.0)
+    cuda = torch.device("cuda")
+    assert "flex or flash-attn" in _advice("flash", 8, cuda, torch.bfloat16, 0.0)
+    assert "--precision bf16 or fp16" in _advice("flash", None, cuda, torch.float32, 0.0)

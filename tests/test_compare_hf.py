@@ -235,6 +235,23 @@ def test_schedule_is_memtrains_up_to_hfs_one_step_warmup_offset(schedule):
     assert sched.lr_lambdas[0](20) == pytest.approx(cfg.train.min_lr_ratio)
 
 
+def test_the_trainer_gets_every_loop_setting_of_the_run():
+    """The Trainer side runs memtrain's loop: each setting lands in its TrainingArguments field
+    (values unlike the defaults, so a field left at its default or read from another setting shows)."""
+    cfg = build_config(TINY, {"steps": 17, "warmup_steps": 3, "batch_size": 3, "grad_accum": 2, "lr": 2e-3,
+                              "weight_decay": 0.05, "beta1": 0.8, "beta2": 0.97, "grad_clip": 0.7, "seed": 11,
+                              "min_lr_ratio": 0.2})
+    args = training_arguments(cfg, hf_plan(cfg, "cpu"), "/tmp/unused", torch.device("cpu"))
+    assert (args.max_steps, args.warmup_steps, args.per_device_train_batch_size, args.gradient_accumulation_steps) \
+        == (17, 3, 3, 2)
+    assert (args.learning_rate, args.weight_decay, args.adam_beta1, args.adam_beta2, args.max_grad_norm, args.seed) \
+        == (2e-3, 0.05, 0.8, 0.97, 0.7, 11)
+    assert args.lr_scheduler_kwargs == {"min_lr_rate": 0.2}
+    constant = build_config(TINY, {"schedule": "constant", "warmup_steps": 2, "steps": 9})
+    args = training_arguments(constant, hf_plan(constant, "cpu"), "/tmp/unused", torch.device("cpu"))
+    assert getattr(args.lr_scheduler_type, "value", None) == "constant_with_warmup" and args.warmup_steps == 2
+
+
 def test_trainer_optimizer_decays_the_same_tensors():
     from memtrain.techniques.optim import param_groups
 

@@ -205,3 +205,25 @@ def test_seq_lens_help_says_a_shorter_model_trains_at_its_own_length(capsys):
            "positions than this default trains at its own length). (default: 256)" in help_text
     cfg = build_config({"max_seq_len": 128})
     assert cfg.train.seq_len == 128 and build_config({"max_seq_len": 128, "seq_len": 64}).train.seq_len == 64
+
+
+def test_a_flag_beats_the_config_file_which_beats_the_base_and_the_defaults(tmp_path):
+    """The command line's layers, as train resolves them: defaults <- a base (a bench preset) <-
+    --config FILE <- flags; a setting no layer names keeps its default."""
+    from memtrain.cli import build_parser, config_from_args
+
+    p = tmp_path / "run.yaml"
+    p.write_text("train:\n  batch_size: 3\n  lr: 0.002\n  steps: 40\ntechnique:\n  precision: bf16\n")
+    args, _ = build_parser().parse_known_args(["train", "--config", str(p), "--batch-size", "5"])
+    cfg = config_from_args(args, base={"lr": 0.001, "seq_len": 64, "steps": 10})
+    assert cfg.train.batch_size == 5  # the flag over the file
+    assert cfg.train.lr == 0.002 and cfg.train.steps == 40 and cfg.technique.precision == "bf16"  # file over base
+    assert cfg.train.seq_len == 64  # the base over the default
+    assert cfg.train.warmup_steps == 4  # not given anywhere: 10% of the file's 40 steps
+    assert cfg.train.weight_decay == 0.1 and cfg.technique.attention == "math"  # defaults
+
+
+def test_a_run_that_sets_steps_alone_warms_up_over_a_tenth_of_them():
+    """ceil(10%) of --steps, at least 1, at most the default 200; no --steps: the default 200."""
+    assert [build_config({"steps": s}).train.warmup_steps for s in (3, 45, 2000, 5000)] == [1, 5, 200, 200]
+    assert build_config({}).train.warmup_steps == 200

@@ -406,6 +406,44 @@ def test_without_workers_the_loader_gathers_the_dataloaders_batches() -> None:
         ds.batch([0, len(ds)])
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_loader_pins_and_prefetches_as_asked(num_workers: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--pin-memory pins every batch (the gathered path pins it itself; with workers the
+    DataLoader is asked to) and --prefetch-factor reaches the DataLoader's workers. Pinning needs
+    an accelerator, so here the calls are recorded, not made."""
+    from memtrain.data import loader as loader_mod
+
+    pinned: list = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: pinned.append(t.shape) or t)
+    asked: dict = {}
+    real = loader_mod.DataLoader
+
+    def spy(*args, **kwargs):
+        asked.update(kwargs)
+        return real(*args, **{**kwargs, "pin_memory": False})
+
+    monkeypatch.setattr(loader_mod, "DataLoader", spy)
+    tokens = np.arange(40 * 17, dtype=np.uint16)
+    loader = make_train_loader(tokens, seq_len=16, batch_size=4, seed=7, num_workers=num_workers,
+                               pin_memory=True, prefetch_factor=3 if num_workers else None)
+    x, y = loader.next_batch()
+    assert x.shape == y.shape == (4, 16)
+    if num_workers:
+        assert asked["pin_memory"] is True and asked["prefetch_factor"] == 3 and asked["num_workers"] == 2
+    else:
+        assert pinned == [(4, 16), (4, 16)] and not asked  # x and y, and no DataLoader
+
+
+def test_a_loader_position_past_the_epoch_is_refused() -> None:
+    """A saved position is always inside an epoch (the batch after an epoch's last is the next
+    epoch's first): batch_index == batches_per_epoch is another run's state, refused."""
+    loader = make_train_loader(np.arange(10 * 9, dtype=np.uint16), seq_len=8, batch_size=3, seed=0)
+    loader.load_state_dict({"epoch": 2, "batch_index": 2})
+    for bad in ({"epoch": 0, "batch_index": 3}, {"epoch": -1, "batch_index": 0}, {"epoch": 0, "batch_index": -1}):
+        with pytest.raises(ConfigError, match="does not fit this data"):
+            loader.load_state_dict(bad)
+
+
 def test_ranks_take_disjoint_blocks() -> None:
     tokens = np.arange(50 * 9, dtype=np.uint16)
     loaders = [make_train_loader(tokens, seq_len=8, batch_size=4, seed=3, rank=r, world_size=3) for r in range(3)]

@@ -358,3 +358,20 @@ def test_a_force_variable_the_probe_cannot_read_is_one_line_before_anything_runs
         assert not out.exists()
         monkeypatch.setenv(env, "")
     assert D.probe("cpu", measure=False).forced is None
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_cuda_mfu_is_against_the_datasheet_peak_of_the_runs_precision(monkeypatch, precision):
+    """On CUDA the reference is the card's dense peak for the run's precision (an H100's BF16 peak
+    is many times its FP32 one), and the MFU is the step's FLOP/s over that same figure."""
+    import memtrain.devices.advice as A
+    from memtrain.devices.gpus import lookup_gpu, peak_flops
+
+    h100 = lookup_gpu("h100")
+    assert h100 is not None
+    monkeypatch.setattr(A, "device_gpu", lambda device: h100)
+    value, ref = mfu_for_run(1e14, 0.5, torch.device("cuda"), precision, None)
+    assert ref is not None and ref["kind"] == "datasheet_peak" and ref["dtype"] == precision
+    assert ref["flops_per_s"] == peak_flops(h100, precision) and ref["flops_per_s"] > 0
+    assert value == pytest.approx(1e14 / 0.5 / ref["flops_per_s"])
+    assert peak_flops(h100, "bf16") > 2 * peak_flops(h100, "fp32")  # so a wrong dtype shows

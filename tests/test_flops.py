@@ -95,6 +95,30 @@ def test_flops_are_exactly_linear_in_batch_and_accumulation():
     assert accum["forward"] == two["forward"] and accum["optimizer"] == one["optimizer"]
 
 
+def test_an_accumulated_step_counts_every_micro_batch_and_its_tokens():
+    """Two micro-batches of 1 are the work and the tokens of one batch of 2: the step's tokens
+    (MFU's and tokens/s's denominator), the 6N rule and the counter's own total all count both."""
+    accum, two = count_step(_tiny(batch_size=1, grad_accum=2)), count_step(_tiny(batch_size=2))
+    assert accum.tokens == two.tokens == 2 * TINY["seq_len"]
+    assert accum.rule_flops == two.rule_flops
+    assert accum.counter_flops == two.counter_flops > 0
+
+
+@pytest.mark.parametrize(("optim", "per_param", "states"), [("adamw", 14, 2), ("sgd", 6, 1)])
+def test_the_update_and_clipping_cost_their_documented_flops_and_bytes(optim, per_param, states):
+    """The optimizer phase: the update's FLOPs per trainable parameter (AdamW 14, SGD 6), plus 3
+    when --grad-clip is on (square-accumulate and scale); bytes: the weight and gradient read,
+    the weight written, each FP32 state tensor read and written, and the gradients read twice
+    and written once for clipping."""
+    def update(clip: float):
+        s = count_step(_tiny(optim=optim, grad_clip=clip))
+        return s.table["optimizer"]["optimizer"], s.trainable_params
+
+    (plain, n), (clipped, _) = update(0.0), update(1.0)
+    assert plain.elementwise == per_param * n and clipped.elementwise == (per_param + 3) * n
+    assert plain.bytes == (3 * 4 + 2 * states * 4) * n and clipped.bytes == plain.bytes + 3 * 4 * n
+
+
 def test_elementwise_ops_get_their_documented_constants():
     """FlopCounterMode counts 0 for softmax/LayerNorm/GELU; the analytic constants fill in."""
     s = count_step(_tiny(dropout=0.0))

@@ -131,6 +131,40 @@ def test_report_failures_prefers_the_refusal_and_its_own_line(capsys):
     assert capsys.readouterr().err == "error: rank 1: bad shard\n"
 
 
+def test_report_failures_ranks_the_lines_it_has(capsys):
+    """A refusal (2) outranks an interruption (130) whatever the ranks' order, the lowest
+    refusing rank's line is the one said, and among plain failures the rank that failed first."""
+    def failure(code: int, message: object = "", stamp: int = 0):
+        return SimpleNamespace(exitcode=code, message=message, timestamp=stamp, signal_name=lambda: "SIGTERM")
+
+    said = {0: ("error: interrupted", 130), 2: ("error: rank 2: bad --data", 2), 1: ("error: rank 1: bad --data", 2)}
+    assert report_failures({}, said) == 2
+    assert capsys.readouterr().err == "error: rank 1: bad --data\n"
+    assert report_failures({}, {1: ("error: interrupted", 130)}) == 130
+    assert capsys.readouterr().err == "error: interrupted\n"
+    later = failure(1, {"message": "error: RuntimeError: follow-on"}, stamp=9)
+    first = failure(1, {"message": "error: RuntimeError: the cause"}, stamp=3)
+    assert report_failures({0: later, 1: first}) == 1
+    assert capsys.readouterr().err == "error: RuntimeError: the cause\n"
+
+
+def test_an_interrupted_launch_is_one_line_and_exit_130(monkeypatch, capsys):
+    from memtrain.distributed import launch as module
+    from memtrain.distributed.rank_errors import ERROR_DIR_ENV, LAUNCHED_ENV
+    from memtrain.runtime.signals import LAUNCHER_PID_ENV
+
+    for name in (LAUNCHED_ENV, LAUNCHER_PID_ENV, ERROR_DIR_ENV):  # launch sets them: restored after
+        monkeypatch.setenv(name, "")
+    monkeypatch.setenv("MEMTRAIN_VERBOSE", "1")  # keeps this process's logging on
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, "run", interrupted)
+    assert module.launch(2, ["train"]) == 130
+    assert _one_error_line(capsys.readouterr().err).startswith("error: interrupted; the ranks were stopped")
+
+
 def test_error_line_goes_into_torchelastics_error_file(tmp_path, monkeypatch):
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 

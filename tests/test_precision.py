@@ -93,6 +93,21 @@ def test_grad_scaler_skips_and_counts_overflowing_step():
     assert not torch.equal(before["wpe.weight"], model.wpe.weight)
 
 
+def test_fp16_clips_and_logs_the_unscaled_gradient_norm():
+    """Under a GradScaler the gradients are unscaled before clipping: the norm clipped and logged
+    is the true one (as an FP32 step's), not the loss scale (65536) times it, which would clip
+    every step down to almost nothing."""
+    torch.manual_seed(0)
+    model = GPT(SMALL)
+    reference = copy.deepcopy(model)
+    reference(*_batch()).backward()
+    expected = float(torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]))
+    prec = make_precision("fp16", CPU)
+    opt = build_optimizer(model, TechniqueConfig(precision="fp16"), TrainConfig(lr=1e-2))
+    train_step(model, [_batch()], opt, prec, 1.0, CPU)
+    assert float(prec.last_grad_norm) == pytest.approx(expected, rel=0.05)
+
+
 def test_bf16_pure_halves_parameter_bytes_and_trains(eager_torchao):
     prec = make_precision("bf16-pure", CPU)
     assert prec.param_dtype == torch.bfloat16 and prec.autocast_dtype is None

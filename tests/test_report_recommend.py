@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
+
 from memtrain.report.tables import markdown_report, table_rows
 
 CATS = ("parameters", "gradients", "optimizer", "activations", "temporaries")
@@ -247,3 +249,42 @@ def test_the_header_names_a_technique_setting_every_row_shares():
     mixed = [with_tech(_row("bf16", 0.40, 2**30, 9.3), lora_alpha=32.0),
              with_tech(_row("lora", 0.38, 2**30, 9.3), lora_rank=4, lora_alpha=32.0)]
     assert "Every row also ran with" not in markdown_report(mixed, [])
+
+
+def _table(md: str, first_header: str, method: str) -> dict[str, str]:
+    """The cells of ``method``'s row in the report table whose header row starts ``first_header``,
+    by header."""
+    lines = md.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {first_header} |"))
+    headers = [h.strip() for h in lines[start].strip("|").split("|")]
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[0] == method:
+            return dict(zip(headers, cells))
+    raise AssertionError(f"no row {method!r}")
+
+
+def test_each_column_shows_its_own_figure_in_its_unit():
+    """Every figure of the main table and the breakdown sits under its own header, in the unit
+    the header names: GiB and MiB (2**30, 2**20), seconds, a percentage, the estimate's error
+    against the tracked peak with its sign (an estimate above the peak is +)."""
+    row = _row("probe", 0.25, 1.5 * 2**30, math.log(20.5), spread=(0.05, 0.1), mb=12)
+    row["memory"]["max_allocated_bytes"] = 2 * 2**30
+    row["memory"]["by_category"]["gradients"] = 4 * 2**20  # a zero category would be left out
+    row.update(total_time_s=12.34, tokens_per_s=4096.7, mfu=0.1234, estimate={"peak_bytes": 1.65 * 2**30})
+    md = markdown_report([row], [])
+    main = _table(md, "Method", "probe")
+    assert main["Max Batch"] == "12"
+    assert main["Peak Memory (GiB, tracked)"] == "1.500" and main["Peak Allocated (GiB, CUDA)"] == "2.000"
+    assert main["Step Time (s)"] == "0.250" and main["Step p10-p90 (s)"] == "0.200-0.350"
+    assert main["Time, 2 steps (s)"] == "12.3" and main["Tokens/s"] == "4,096"
+    assert main["MFU"] == "12.3%" and main["Val PPL"] == "20.50"
+    assert main["Estimate (GiB)"] == "1.650" and main["Est. vs tracked"] == "+10.0%"
+    rec = table_rows([row])[0]
+    assert rec["estimate_error"] == pytest.approx(0.1)
+    breakdown = md[md.index("| Method | Parameters (MiB)"):]
+    cells = _table(breakdown, "Method", "probe")
+    assert [cells[f"{c.capitalize()} (MiB)"] for c in CATS] == ["1.0", "4.0", "2.0", "3.0", "5.0"]
+    assert cells["Peak (MiB)"] == "1536.0"

@@ -65,6 +65,9 @@ def test_schedule_warmup_then_cosine():
     assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
     assert f(10) == pytest.approx(1.0) and f(100) == pytest.approx(0.1)
     assert 0.1 < f(55) < 1.0
+    # Past --steps (the scheduler's last step() reads step == steps; a schedule read further on)
+    # the LR stays at its floor instead of climbing back up the cosine.
+    assert f(150) == pytest.approx(0.1) and f(190) == pytest.approx(0.1)
     const = lr_lambda(build_config({"steps": 100, "warmup_steps": 10, "schedule": "constant"}))
     assert const(50) == 1.0
 
@@ -573,3 +576,25 @@ def test_metrics_line_holds_plain_numbers_when_a_tensor_comes_back():
     line = json.loads(json.dumps(out))
     assert line["loss"] == 2.25 and abs(line["lr"] - 3e-4) < 1e-9 and line["grad_norm"] == 1.5
     assert abs(float(sched.get_last_lr()[0]) - 1.5e-4) < 1e-9
+
+
+# Settings that change the numbers a run computes: a checkpoint saved under another value of any
+# of them is another run's (a resumed run would not continue it exactly).
+DECIDES_THE_NUMBERS = {
+    "lr": 1e-3, "seed": 7, "grad_accum": 2, "grad_clip": 0.5, "weight_decay": 0.0, "beta1": 0.8, "beta2": 0.99,
+    "dropout": 0.0, "precision": "bf16", "optim": "sgd", "lora_rank": 4, "batch_size": 3, "seq_len": 32,
+    "min_lr_ratio": 0.0, "schedule": "constant", "warmup_steps": 5, "steps": 20, "d_model": 128,
+    "val_fraction": 0.2, "split_seed": 9, "window": 8,
+}
+
+
+@pytest.mark.parametrize("key", list(DECIDES_THE_NUMBERS))
+def test_a_checkpoint_of_a_run_that_differs_in_a_number_deciding_setting_is_refused(key):
+    from memtrain.training.resume_check import config_differences
+
+    base = {"steps": 10, "warmup_steps": 1, "seq_len": 64}
+    saved = build_config(base).to_dict()
+    now = build_config({**base, key: DECIDES_THE_NUMBERS[key]}).to_dict()
+    diffs = config_differences(saved, now)
+    assert any(d.startswith(f"{key}: ") for d in diffs), diffs
+    assert config_differences(saved, build_config({**base, "out": "elsewhere", "attention": "sdpa"}).to_dict()) == []
