@@ -35,6 +35,15 @@ def _held_by_the_frame(nodes: list[Node], dm: Dims, lora: int, *held: str) -> No
         nodes[-1].inputs += held
 
 
+def _held_by_gpt2_attention(nodes: list[Node], dm: Dims, arch: Arch, p: str) -> None:
+    """GPT2Attention.forward's q, k and v are views of c_attn's output, its locals until it
+    returns, after c_proj and resid_dropout (``nodes[-1]``): eager attention saves copies of them,
+    not the output, which then lives on unsaved (freed at v's copy, a GPT-2 whose c_proj under
+    LoRA was the forward's peak, 2 x 2 tokens, was -1.6% forward under the trace)."""
+    if dm.hf and arch.gpt2_layers:
+        nodes[-1].inputs += [f"{p}.qkv"]
+
+
 def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_base: bool) -> list[Node]:
     """The op inventory of one Transformer block (model.py: x + attn(ln_1(x)); + mlp(ln_2(.)))."""
     p = f"blocks.{i}"
@@ -138,6 +147,7 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     if dm.hf:
         nodes[-1].inputs += _hf_attention_locals(dm, p, arch, rope_locals, tech.attention) + [f"{p}.qkv.v"] * v_apart
     dropout(nodes, dm, f"{p}.resid_drop", f"{p}.pr", f"{p}.prd", N * d, a)
+    _held_by_gpt2_attention(nodes, dm, arch, p)
     # (CausalSelfAttention.forward's q, k and v, views of the qkv output, are its locals too.)
     _held_by_the_frame(nodes, dm, lora, f"{p}.ln1", f"{p}.qkv")
     # Residual add: type promotion makes it float32 under autocast; the low-precision branch's
