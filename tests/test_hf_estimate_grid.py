@@ -789,11 +789,15 @@ SWEPT_V_LOCAL = [
 # - GPT-2 under LoRA on c_fc and c_proj, eager attention, 2 x 2 tokens: c_attn's output, whose views
 #   q, k and v are GPT2Attention.forward's locals, lives through c_proj (the forward's peak); the
 #   estimate freed it at v's copy: -1.61% forward.
+# - Llama at width 6 with 42 LoRA tensors (QLoRA, fp16, SGD): clip_grad_norm_'s per-tensor norms and
+#   their stack were the optimizer step's peak, left out: -2.06% optimizer.
 SWEPT_5151 = [
     ('qwen2', {'hidden_size': 12, 'intermediate_size': 3, 'num_hidden_layers': 1, 'num_attention_heads': 1, 'num_key_value_heads': 1, 'vocab_size': 257, 'tie_word_embeddings': False, 'use_sliding_window': True, 'sliding_window': 8, 'max_window_layers': 0},
      {'batch_size': 5, 'seq_len': 40, 'precision': 'fp32', 'attention': 'math', 'checkpointing': 'full', 'loss': 'chunked', 'grad_accum': 2, 'loss_chunk': 7}),
     ('gpt2', {'n_embd': 36, 'n_inner': 3, 'n_layer': 1, 'n_head': 6, 'vocab_size': 61, 'tie_word_embeddings': False},
      {'batch_size': 2, 'seq_len': 2, 'precision': 'fp32', 'attention': 'math', 'checkpointing': 'sqrt', 'loss': 'chunked', 'grad_accum': 1, 'loss_chunk': 5, 'lora_rank': 2, 'lora_targets': 'c_fc,c_proj'}),
+    ('llama', {'hidden_size': 6, 'intermediate_size': 20, 'num_hidden_layers': 3, 'num_attention_heads': 1, 'num_key_value_heads': 1, 'vocab_size': 131, 'tie_word_embeddings': True},
+     {'batch_size': 2, 'seq_len': 3, 'precision': 'fp16', 'attention': 'math', 'checkpointing': 'sqrt', 'loss': 'standard', 'grad_accum': 2, 'lora_rank': 1, 'qlora': True, 'optim': 'sgd'}),
 ]
 # Swept cases still outside 1% (strict expected failures, each with its figure). None at present.
 SWEPT_GAPS: list = []
@@ -823,7 +827,7 @@ def _swept_gaps() -> list:
 @pytest.mark.parametrize("case", _swept_params(ONE_POSITION, {0}) + _swept_params(SWEPT, SWEPT_DEFAULT)
                          + _swept_params(SWEPT_AGAIN, {0}) + _swept_params(ONE_HEAD, {0})
                          + _swept_params(PHI3_CONTIGUOUS_QK, {0}) + _swept_params(SWEPT_DROPOUT, {0})
-                         + _swept_params(SWEPT_V_LOCAL, {0}) + _swept_params(SWEPT_5151, {0, 1})
+                         + _swept_params(SWEPT_V_LOCAL, {0}) + _swept_params(SWEPT_5151, {0, 1, 2})
                          + _swept_gaps())
 def test_swept_axes_within_one_percent_of_the_trace(case, tmp_path_factory):
     from memtrain.analysis.estimate.hf import analytic_estimate
