@@ -135,14 +135,20 @@ def test_a_trace_of_bucketed_tensors_holds_their_copies_as_the_real_step():
                                              ("adamw-8bit", "fp32")])
 def test_a_step_without_scratch_holds_the_weights_gradients_and_state(optim, precision):
     """An optimizer step that adds no scratch still has its phase peak in the estimate: all that
-    is live there (``phase_peaks`` of ``estimate --json``): the model state and the step's labels
-    (1 x 8 int64, held until the step ends)."""
+    is live there (``phase_peaks`` of ``estimate --json``): the model state, the step's labels
+    (1 x 8 int64, held until the step ends), its 0-d tensors (the float32 loss total and the
+    previous step's gradient norm) and, before the step, clip_grad_norm_'s per-tensor norms and
+    their stack (two values per gradient tensor, in the gradients' dtype)."""
     cfg = build_config(dict(SHAPES["gpt-v97-d40"], device="cpu", optim=optim, precision=precision, dropout=0.0,
                             batch_size=1, seq_len=8))
     est = estimate(cfg, device_type="cpu")
     state = est.extra["model_state"]
     assert state["optimizer_step_scratch"] == 0
-    assert est.phase_peaks["optimizer"] == state["weights"] + state["gradients"] + state["optimizer"] + 1 * 8 * 8
+    grads = [p for p in build_model(cfg, with_weights=False).parameters() if p.requires_grad]
+    grad_bytes = 2 if precision == "bf16-pure" else 4
+    scalars = 4 + grad_bytes + 2 * len(grads) * grad_bytes
+    assert est.phase_peaks["optimizer"] == (state["weights"] + state["gradients"] + state["optimizer"] + 1 * 8 * 8
+                                            + scalars)
 
 
 def test_a_deep_models_buckets_are_planned_in_model_order():

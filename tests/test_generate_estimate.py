@@ -279,6 +279,32 @@ def test_qwen2s_full_and_sliding_layers_match_the_measured_generate(tmp_path, ca
     assert est["bytes"]["kv_cache"] == held and est["sliding_layers"] == 2
 
 
+# A random sweep (seed 5151) left three configurations outside 1%, each modelled since: Gemma's
+# norm keeps one per-token float32 statistic, not two (+1.36% prefill); a one-layer model's layer
+# input is the embedding itself in a decode step too (+1.13%); Phi-3 holds its fused q/k/v output
+# to o_proj in a decode step, the step's peak (-1.24%).
+SWEPT = [
+    ("gemma", "bf16", 2, 33, 2, dict(hidden_size=12, intermediate_size=3, num_hidden_layers=1, num_attention_heads=6,
+                                     num_key_value_heads=3, vocab_size=61, head_dim=2, tie_word_embeddings=False)),
+    ("gemma", "bf16", 8, 2, 5, dict(hidden_size=96, intermediate_size=3, num_hidden_layers=1, num_attention_heads=6,
+                                    num_key_value_heads=6, vocab_size=61, head_dim=16)),
+    ("phi3", "fp32", 4, 1, 2, dict(hidden_size=72, intermediate_size=3, num_hidden_layers=2, num_attention_heads=6,
+                                   num_key_value_heads=3, vocab_size=131, tie_word_embeddings=False)),
+]
+
+
+@pytest.mark.parametrize("family,dtype,batch,prompt,new,over", SWEPT,
+                         ids=[f"{g[0]}-{g[1]}-h{g[5]['hidden_size']}-L{g[5]['num_hidden_layers']}-b{g[2]}-s{g[3]}-n{g[4]}"
+                              for g in SWEPT])
+def test_swept_generate_peaks_match_the_measured_one(tmp_path, capsys, family, dtype, batch, prompt, new, over):
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    model = _saved(tmp_path, _config(family, **over), torch_dtype)
+    measured = _measure(model, batch, prompt, new, vocab=over["vocab_size"])
+    est = _estimate(capsys, "--model", str(tmp_path), "--weights-dtype", dtype, "--batch-size", str(batch),
+                    "--seq-len", str(prompt), "--new-tokens", str(new))
+    assert est["peak_bytes"] == pytest.approx(measured, rel=0.01), (est["peak_phase"], est["phase_bytes"], measured)
+
+
 def test_a_window_of_one_position_is_refused(tmp_path, capsys):
     """transformers' sliding cache keeps positions [-window + 1:]: a window of 1 keeps them all."""
     _config("mistral", sliding_window=1).save_pretrained(tmp_path)

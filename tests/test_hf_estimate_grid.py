@@ -768,13 +768,40 @@ SWEPT_DROPOUT = [
     ('gpt2', {'n_embd': 8, 'n_inner': 29, 'n_layer': 2, 'n_head': 1, 'vocab_size': 130, 'tie_word_embeddings': False},
      {'batch_size': 7, 'seq_len': 9, 'precision': 'bf16', 'attention': 'math', 'checkpointing': 'every:3', 'loss': 'chunked', 'grad_accum': 2, 'loss_chunk': 5, 'lora_rank': 8, 'lora_dropout': 0.1, 'lora_targets': 'c_attn,c_proj'}),
 ]
-# Gemma's forward, at width 4 (head_dim 2, d_ff 3), is still -3.15% (396 B) under the trace, not yet
-# located (strict: a case that comes within 1% fails here).
-SWEPT_GAPS = [
+# The same sweep's Gemma at width 4 (head_dim 2, d_ff 3), fully checkpointed under fp16 autocast with
+# LoRA dropout on every Linear: the forward's peak is o_proj's lora_A. value_states is the attention's
+# local until it returns, after o_proj, while SDPA's autocast casts of q and k go when SDPA returns;
+# the estimate freed v with the casts (nothing is saved in a checkpointed forward), and cast
+# lora_B's weight before lora_A's product: -3.15% (396 B) forward, now -0.16% (20 B: the scalars
+# and rotary buffers the estimate leaves out).
+SWEPT_V_LOCAL = [
     ('gemma', {'hidden_size': 4, 'intermediate_size': 3, 'num_hidden_layers': 1, 'num_attention_heads': 2, 'num_key_value_heads': 2, 'vocab_size': 61, 'tie_word_embeddings': False, 'head_dim': 2},
      {'batch_size': 3, 'seq_len': 17, 'precision': 'fp16', 'attention': 'sdpa', 'checkpointing': 'full', 'loss': 'chunked', 'grad_accum': 1, 'loss_chunk': 1, 'lora_rank': 4, 'lora_dropout': 0.1, 'lora_targets': 'down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj'}),
 ]
-SWEPT_GAP_FIGURES = ("-3.15% forward",)
+# A sweep of 260 random configurations (seed 5151: every family, --mode inference, QLoRA, fp16, the
+# low-bit and other optimizers, gradient accumulation, batch 1, 1-3 tokens, widths 2-96) left these
+# training cases outside 1% (forward, backward, or the optimizer step where no torchao step made
+# the trace an upper bound):
+# - Qwen2, one head over 5 x 40 tokens, eager attention in a checkpointed layer: the views of rope's
+#   v fold into bmm's batch, so the probabilities' matmul saves v itself, which its backward frees
+#   before the scores' backward (the softmax's backward the peak); one storage with q and k, v
+#   stayed: +3.03% backward.
+# - GPT-2 under LoRA on c_fc and c_proj, eager attention, 2 x 2 tokens: c_attn's output, whose views
+#   q, k and v are GPT2Attention.forward's locals, lives through c_proj (the forward's peak); the
+#   estimate freed it at v's copy: -1.61% forward.
+# - Llama at width 6 with 42 LoRA tensors (QLoRA, fp16, SGD): clip_grad_norm_'s per-tensor norms and
+#   their stack were the optimizer step's peak, left out: -2.06% optimizer.
+SWEPT_5151 = [
+    ('qwen2', {'hidden_size': 12, 'intermediate_size': 3, 'num_hidden_layers': 1, 'num_attention_heads': 1, 'num_key_value_heads': 1, 'vocab_size': 257, 'tie_word_embeddings': False, 'use_sliding_window': True, 'sliding_window': 8, 'max_window_layers': 0},
+     {'batch_size': 5, 'seq_len': 40, 'precision': 'fp32', 'attention': 'math', 'checkpointing': 'full', 'loss': 'chunked', 'grad_accum': 2, 'loss_chunk': 7}),
+    ('gpt2', {'n_embd': 36, 'n_inner': 3, 'n_layer': 1, 'n_head': 6, 'vocab_size': 61, 'tie_word_embeddings': False},
+     {'batch_size': 2, 'seq_len': 2, 'precision': 'fp32', 'attention': 'math', 'checkpointing': 'sqrt', 'loss': 'chunked', 'grad_accum': 1, 'loss_chunk': 5, 'lora_rank': 2, 'lora_targets': 'c_fc,c_proj'}),
+    ('llama', {'hidden_size': 6, 'intermediate_size': 20, 'num_hidden_layers': 3, 'num_attention_heads': 1, 'num_key_value_heads': 1, 'vocab_size': 131, 'tie_word_embeddings': True},
+     {'batch_size': 2, 'seq_len': 3, 'precision': 'fp16', 'attention': 'math', 'checkpointing': 'sqrt', 'loss': 'standard', 'grad_accum': 2, 'lora_rank': 1, 'qlora': True, 'optim': 'sgd'}),
+]
+# Swept cases still outside 1% (strict expected failures, each with its figure). None at present.
+SWEPT_GAPS: list = []
+SWEPT_GAP_FIGURES: tuple[str, ...] = ()
 _FIXED_IDS = {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}
 
 
@@ -800,6 +827,7 @@ def _swept_gaps() -> list:
 @pytest.mark.parametrize("case", _swept_params(ONE_POSITION, {0}) + _swept_params(SWEPT, SWEPT_DEFAULT)
                          + _swept_params(SWEPT_AGAIN, {0}) + _swept_params(ONE_HEAD, {0})
                          + _swept_params(PHI3_CONTIGUOUS_QK, {0}) + _swept_params(SWEPT_DROPOUT, {0})
+                         + _swept_params(SWEPT_V_LOCAL, {0}) + _swept_params(SWEPT_5151, {0, 1, 2})
                          + _swept_gaps())
 def test_swept_axes_within_one_percent_of_the_trace(case, tmp_path_factory):
     from memtrain.analysis.estimate.hf import analytic_estimate

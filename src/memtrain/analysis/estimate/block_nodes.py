@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from memtrain.analysis.estimate.attention_nodes import attention_nodes, float32_weights_dropped
+from memtrain.analysis.estimate.attention_nodes import attention_nodes, float32_weights_dropped, resolve_backend
 from memtrain.analysis.estimate.basic_nodes import dropout, norm_stats_bytes
 from memtrain.analysis.estimate.dims import Dims
 from memtrain.analysis.estimate.hf_nodes import (
@@ -33,6 +33,15 @@ def _held_by_the_frame(nodes: list[Node], dm: Dims, lora: int, *held: str) -> No
     # Without LoRA, on CPU kernels only (the H100 measurements: attention_nodes.attention_nodes' math_attention).
     if not dm.hf and (lora or not dm.cuda):
         nodes[-1].inputs += held
+
+
+def _held_by_gpt2_attention(nodes: list[Node], dm: Dims, arch: Arch, p: str) -> None:
+    """GPT2Attention.forward's q, k and v are views of c_attn's output, its locals until it
+    returns, after c_proj and resid_dropout (``nodes[-1]``): eager attention saves copies of them,
+    not the output, which then lives on unsaved (freed at v's copy, a GPT-2 whose c_proj under
+    LoRA was the forward's peak, 2 x 2 tokens, was -1.6% forward under the trace)."""
+    if dm.hf and arch.gpt2_layers:
+        nodes[-1].inputs += [f"{p}.qkv"]
 
 
 def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_base: bool) -> list[Node]:
@@ -99,11 +108,22 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     # one fused entry would hold the three 16-bit gradients at once. (--precision fp8's
     # Float8Linear keys its parameters by the Linear's own name: its entries stay fused.)
     per_qkv = per_linear or (dm.hf and not dm.fp8 and not (arch.fused_proj or arch.gpt2_layers))
+    # Rope's float32 q and k under autocast (and a float32 v32) are the attention's locals, apart
+    # from ``{p}.qkv`` (hf_nodes.held_locals).
+    rope_locals = dm.hf and arch.positional == "rope" and held_locals(dm)
+    # Rope's v as a storage of its own (hf_nodes.hf_rope_node), held until o_proj has run: apart
+    # from the fused SDPA kernel's casts of q and k under autocast, and from rope's q and k where
+    # eager attention reads v in place (its views fold into bmm's batch: as many k/v heads as q
+    # heads, and batch 1 or one head).
+    eager_v_in_place = (dm.repeat_kv and tech.attention == "math" and not rope_locals and dm.kv == dm.qw
+                        and (dm.b == 1 or dm.h == 1))
+    v_apart = (per_qkv and arch.positional == "rope" and not v32 and not dm.masked_sdpa
+               and ((rope_locals and resolve_backend(tech.attention, None, dm) == "flash") or eager_v_in_place))
     if per_qkv:
         for part in (".q", ".k", ".v"):
             lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0", d, dm.qw + 2 * dm.kv, r, needs["in"], part)
         nodes.append(hf_rope_node(dm, [f"{p}.qkv0.q", f"{p}.qkv0.k", f"{p}.qkv0.v"], f"{p}.qkv",
-                                  kernel_casts=tech.attention == "math", v32=v32))
+                                  kernel_casts=tech.attention == "math", v32=v32, v_apart=v_apart))
     else:
         rope = dm.hf and arch.positional == "rope"
         lin("qkv", f"{p}.attn.qkv", f"{p}.ln1", f"{p}.qkv0" if rope else f"{p}.qkv", d, dm.qw + 2 * dm.kv, r,
@@ -115,10 +135,8 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     # A transformers layer's window is in the mask the model builds (hf_model_input_nodes), not in
     # memtrain's banded kernel: its eager attention is the unwindowed one for memory.
     window = None if dm.hf else tech.window
-    # Rope's float32 q and k under autocast (and a float32 v32) are the attention's locals, apart
-    # from ``{p}.qkv`` (hf_nodes.held_locals).
-    rope_locals = dm.hf and arch.positional == "rope" and held_locals(dm)
-    attention_nodes(nodes, dm, p, tech.attention, window, v_src=f"{p}.qkv0" if arch.fused_proj else None,
+    v_src = f"{p}.qkv0" if arch.fused_proj else (f"{p}.qkv.v" if v_apart else None)
+    attention_nodes(nodes, dm, p, tech.attention, window, v_src=v_src,
                     qkv_grad=(needs["qkv.q"], needs["qkv.k"], needs["qkv.v"]),
                     kv_bytes=masked_kv_dtypes(dm, per_linear, v32), kv_locals=(rope_locals, rope_locals and v32))
     # The attention core is what model.attn_fn computes: everything after the q/k/v split up
@@ -127,8 +145,9 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
         n.core = not n.name.endswith(".merge")
     lin("proj", f"{p}.attn.proj", f"{p}.y", f"{p}.pr", dm.qw, d, a, needs["attn"])
     if dm.hf:
-        nodes[-1].inputs += _hf_attention_locals(dm, p, arch, rope_locals, tech.attention)
+        nodes[-1].inputs += _hf_attention_locals(dm, p, arch, rope_locals, tech.attention) + [f"{p}.qkv.v"] * v_apart
     dropout(nodes, dm, f"{p}.resid_drop", f"{p}.pr", f"{p}.prd", N * d, a)
+    _held_by_gpt2_attention(nodes, dm, arch, p)
     # (CausalSelfAttention.forward's q, k and v, views of the qkv output, are its locals too.)
     _held_by_the_frame(nodes, dm, lora, f"{p}.ln1", f"{p}.qkv")
     # Residual add: type promotion makes it float32 under autocast; the low-precision branch's

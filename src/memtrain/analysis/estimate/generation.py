@@ -157,7 +157,11 @@ def estimate_generate(m: ModelConfig, arch: Arch, batch: int, prompt: int, new_t
         # The post-attention RMSNorm (float32 inside): the residual, the float32 input (the residual
         # itself in float32) and the normalized tensor with its per-token mean and rstd; in float32
         # at its end the residual, the normalized tensor and the output.
-        norm = N * (a * d + (8 * d if a == FP32 else 8 * d + 2 * FP32))
+        # Gemma's norm (``norm_offset``) takes ``x.pow(2).mean(-1, keepdim=True)`` straight into
+        # rsqrt, no local keeping it: one per-token float32 tensor at a time (two counted, a Gemma
+        # of width 12 over 2 x 33 tokens was +1.36% over the measured prefill).
+        stats = (1 if arch.norm_offset else 2) * FP32
+        norm = N * (a * d + (8 * d if a == FP32 else 8 * d + stats))
         if cache_prompt + held + norm > layer_attn:
             layer_attn, attn_cache = cache_prompt + held + norm, cache_prompt  # every k/v written by then
             attn_detail = "the last layer before its MLP"
@@ -168,11 +172,15 @@ def estimate_generate(m: ModelConfig, arch: Arch, batch: int, prompt: int, new_t
     caches = {"prefill": cache_prompt if layer_mlp >= layer_attn else attn_cache,
               "prefill sampling": cache_prompt}
     update_detail = ""
+    step_detail = " (the last layer's MLP)"
     if new_tokens > 1:
         # One token's tensors in the last layer while its cache grows: the embedding, the layer's
         # input and normed input, q and k after rope and v (Llama-style: rope's cos and sin too;
-        # GPT-2: both embeddings and c_attn's fused output).
-        token = b * a * ((4 * d + qw + 2 * kvw) if gpt2 else (3 * d + qw + 2 * kvw + 2 * hd))
+        # GPT-2: both embeddings and c_attn's fused output). In a one-layer Llama-style model the
+        # layer's input is the embedding itself, as in the prefill (_held_bytes; counted apart,
+        # a one-layer Gemma of width 96 was +1.1% over the measured generate).
+        inputs = 3 if L > 1 else 2
+        token = b * a * ((4 * d + qw + 2 * kvw) if gpt2 else (inputs * d + qw + 2 * kvw + 2 * hd))
         # The last step's update, and with a window the first one's too (the prompt's storage,
         # which can outgrow the window, is still held by the layers not yet updated).
         steps = {"": final_len - 1} if window is None else {" (first step)": s, "": final_len - 1}
@@ -184,12 +192,21 @@ def estimate_generate(m: ModelConfig, arch: Arch, batch: int, prompt: int, new_t
         # previous step's sampling tensors: the prefill's MLP over one token a sequence, which
         # outgrows the cache update where the MLP is wide and the cache short (a small window).
         step_mlp = _held_bytes(arch, m, b, 1, a) + _mlp_bytes(arch, m, b, a)
+        if arch.fused_proj:
+            # Phi-3 holds its fused q/k/v output to the end of the attention: at o_proj the
+            # embedding, the layer's input, the normed input, that output, q after rope (its cat),
+            # SDPA's output (one position: the transpose's .contiguous() copies nothing), o_proj's
+            # output and rope's cos and sin (left out, 4 one-token sequences at width 72 were
+            # -1.2% under the measured generate).
+            step_attn = b * a * ((inputs + 1) * d + (qw + 2 * kvw) + 2 * qw + 2 * hd)
+            if step_attn > step_mlp:
+                step_mlp, step_detail = step_attn, " (the last layer's o_proj)"
         phases["decode step"] = cache + kept + _decode_ids(b, s, final_len - 1) + step_mlp
         caches["decode cache update"] = caches["decode sampling"] = caches["decode step"] = cache
     phase = max(phases, key=lambda k: phases[k])
     prefill_detail = "the last layer's MLP" if layer_mlp >= layer_attn else attn_detail
     details = {"prefill": f" ({prefill_detail})", "decode cache update": update_detail,
-               "decode step": " (the last layer's MLP)"}
+               "decode step": step_detail}
     return {
         "parameters": n_params,
         "weights_dtype": weights_dtype,

@@ -117,13 +117,15 @@ def hf_model_inputs(attention: str, masked_sdpa: bool = False, full_mask: bool =
 
 
 def hf_rope_node(dm: Any, qkv: list[str], out: str, v_view: bool = False, kernel_casts: bool = False,
-                 v32: bool = False) -> Any:
+                 v32: bool = False, v_apart: bool = False) -> Any:
     """apply_rotary_pos_emb: new q and k (``q * cos + rotate_half(q) * sin``); v passes on. For
     memory the q/k/v triple stays one storage (what SDPA saves); the forward's scratch is the
     products and the ``cat`` of rotate_half. ``qkv``: the projections' output, one key (the
     fused entry) or three (q, k, v: the Linears simulated one by one). ``v_view``: v is a slice
     of the one fused output (Phi-3's qkv_proj), which the attention keeps itself: ``out`` is
-    then the new q and k alone."""
+    then the new q and k alone. ``v_apart``: v is a storage of its own, ``<out>.v``, apart from
+    SDPA's casts of q and k (autocast with the fused kernel, :func:`held_locals`) or from rope's q
+    and k (eager attention reading v in place)."""
     N, d, kv, a = dm.n, dm.qw, dm.kv, dm.a  # (d: q's width, n_heads x head_dim)
     widths = [d + 2 * kv] if len(qkv) == 1 else [d, kv, kv]
     # The products save cos and sin (ROPE_TABLES), views of the model's tables. The forward, q's
@@ -151,10 +153,23 @@ def hf_rope_node(dm: Any, qkv: list[str], out: str, v_view: bool = False, kernel
         v = 0.0 if v32 or v_view else N * kv * a
         sdpa_casts = N * (d + kv + (kv if v32 else 0)) * a
         outs = [(out, v if kernel_casts else v + sdpa_casts), (f"{out}.locals", N * (d + kv) * 4 + v_local)]
+        if v_apart and v and not kernel_casts and not dm.masked_sdpa:
+            # value_states is the attention's local until it returns, after o_proj, while SDPA's
+            # casts of q and k go when SDPA returns: apart, so a checkpointed layer's forward
+            # (nothing saved) holds v through o_proj (freed with the casts, a width-4 Gemma's
+            # forward was -3.15% under the trace).
+            outs[:1] = [(out, sdpa_casts), (f"{out}.v", v)]
         if dm.masked_sdpa:
             # SDPA's casts are of q and of the repeated k and v (masked_kv_dtypes): ``out`` is q's,
             # ``out.kv`` v itself (none where v is float32, a local already, or Phi-3's slice).
             outs[:1] = [(out, N * d * a), (f"{out}.kv", v)]
+    elif v_apart and not v_view and not dm.masked_sdpa:
+        # Eager attention reading rope's v in place (as many k/v heads as q heads, the views
+        # folding into bmm's batch: batch 1 or one head): v is its own storage, saved by the
+        # probabilities' matmul alone and freed when that matmul's backward has run, before
+        # q @ k^T's (as one storage with q and k it stayed to the scores' backward: +3.0% backward
+        # where the softmax's backward was the peak, one head over 5 x 40 tokens).
+        outs = [(out, N * (d + kv) * a), (f"{out}.v", N * kv * a)]
     elif dm.masked_sdpa:
         # SDPA with a mask keeps q and the repeated k and v: rope's k (and v) go when the attention
         # returns, so they are a storage apart, ``out.kv`` (Phi-3: k alone; v is a view of the fused

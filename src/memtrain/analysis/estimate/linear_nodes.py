@@ -327,16 +327,19 @@ def _peft_lora(nodes: list[Node], dm: Dims, name: str, x: str, x_bytes: float, b
                                grads=[(src, N * n_in * 4)] if input_grad else []))
         # The adapters are leaves that require grad: autocast caches their bf16 copies until
         # the forward ends. lora_B's matmul saves its copy (for the gradient of A's output),
-        # lora_A's only when its input needs a gradient.
+        # lora_A's only when its input needs a gradient. Each is cast when its matmul runs: B's
+        # after A's product (both before it, a width-4 Gemma's forward peak at o_proj's lora_A
+        # was counted 32 B over the trace).
         w_a, w_b = [f"{name}.lora_wa"], [f"{name}.lora_wb"]
-        nodes.append(Node(f"{name}.lora_cast_w", out=[(w_a[0], n_a * r * n_in * a), (w_b[0], r * n_out * a)],
-                           hold=True))
+        nodes.append(Node(f"{name}.lora_cast_wa", out=[(w_a[0], n_a * r * n_in * a)], hold=True))
     elif dm.lora_dropout:
         xa = _lora_dropout(nodes, dm, name, x, x_bytes, n_in, n_a, input_grad, adapter_bytes=dm.p)
     nodes.append(Node(la, out=[(la, N * r * a * n_a)], inputs=[xa] + w_a + call_args,
                        saves=[xa] + (w_a if input_grad else []),
                        matmul=True, grads=([(xa, N * n_in * a)] if input_grad else [])
                        + [(f"param:{param_name}.lora_A{s}", 0.0) for s in parts]))
+    if w_b:
+        nodes.append(Node(f"{name}.lora_cast_wb", out=[(w_b[0], r * n_out * a)], hold=True))
     nodes.append(Node(lb, out=[(lb, N * n_out * a)], inputs=[la] + w_b, saves=[la] + w_b, matmul=True,
                        grads=[(la, N * r * a * n_a)] + [(f"param:{param_name}.lora_B{s}", 0.0) for s in parts]))
     nodes.append(Node(f"{name}.lora_scale", out=[(f"{lb}.s", N * n_out * a)], inputs=[lb],

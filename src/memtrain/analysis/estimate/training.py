@@ -10,7 +10,7 @@ from memtrain.analysis.estimate.dims import precision_bytes, run_dims
 from memtrain.analysis.estimate.embedding_nodes import TOKEN_KEYS, token_id_bytes
 from memtrain.analysis.estimate.explain import explanation_lines, layer_activation_bytes
 from memtrain.analysis.estimate.inventory import block_segments
-from memtrain.analysis.estimate.optimizer import optimizer_temporaries, predicted_optimizer_state
+from memtrain.analysis.estimate.optimizer import clip_scratch, optimizer_temporaries, predicted_optimizer_state
 from memtrain.analysis.estimate.params import ParamInfo, block_param_table
 from memtrain.analysis.estimate.rules import model_state_rule
 from memtrain.analysis.estimate.simulator import Graph, Segment, Simulator, compression_of
@@ -216,6 +216,13 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     # _first_step (the allocator replay's first step): no optimizer state yet (created lazily
     # by the first optimizer step) and no previous step's logits (--loss naive).
     state_sids = [sim.alloc(w_rank, "weights")] + ([] if _first_step else [sim.alloc(opt_share, "optimizer")])
+    # The step's 0-d tensors: train_step's float32 loss total (made before the first forward,
+    # alive to the end of the step) and, with clipping, the previous step's total gradient norm
+    # (``Precision.last_grad_norm``, in the gradients' dtype, replaced by this step's clip). A
+    # few bytes, but a model a few bytes wide holds little else.
+    sim.alloc(4.0, "activations")
+    if t.grad_clip > 0 and not _first_step:
+        sim.alloc(adapter_bytes, "temporaries")
     if shard == "fsdp" and n > 1:
         # FSDP all-gathers one block's parameters at a time (forward and backward).
         per_block = max((sum(pbytes[p.name] for p in params if p.block == i) for i in range(comp.blocks)), default=0)
@@ -297,6 +304,9 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     sim.at("optimizer", f"{tech.optim} step")
     sim.count_live()  # the step holds the weights, gradients and state even where it adds no scratch
     optimizer_at = len(sim.events) if sim.events is not None else 0
+    if t.grad_clip > 0 and shard_div["gradients"] == 1:
+        # clip_grad_norm_ runs before the step, its per-tensor norms gone when it returns.
+        sim.transient(clip_scratch(trainable, adapter_bytes), "temporaries")
     sim.transient(tmp_share, "temporaries")
 
     device_memory = None
