@@ -517,6 +517,15 @@ def parameter_line(result: dict[str, Any]) -> str:
             f"trainable {trainable:,} ({100 * trainable / total:.4f}%)")
 
 
+def _print_data_lines(data: str) -> None:
+    """Which local files ``--data`` reads (stdout) and, on stderr, a warning when a folder holds
+    one name in several formats: a folder is read whole, every supported format in it."""
+    from memtrain.data.sources import local_data_lines  # memtrain.data imports torch: train needs it anyway
+
+    for line in local_data_lines(data):
+        print(line, file=sys.stderr if line.startswith("warning:") else sys.stdout, flush=True)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from memtrain.training.train import train  # torch-free --help/estimate/plan
 
@@ -529,6 +538,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     note = defaults_note(cfg, trains=True)
     if note and main_rank:
         print(note, flush=True)
+    if main_rank:
+        _print_data_lines(cfg.data.data)
     moved = getattr(cfg, "resume_note", None)  # said after the run, as --steps longer is
     longer = continue_longer(cfg)  # said after the run (below), as the warm-up's note is
 
