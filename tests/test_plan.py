@@ -453,3 +453,28 @@ def test_a_transformers_plan_searches_selective_matmul_and_it_wins_a_full_qwen_f
     others = {c["techniques"]["checkpointing"]: c["step_time_s"] for c in out["candidates"][1:]
               if not c["techniques"].get("offload_activations")}
     assert set(others) == {"none", "every:2", "full"} and min(others.values()) > best["step_time_s"]
+
+
+@pytest.mark.parametrize("device, device_type, expected", [
+    ("cpu", "cuda", "--device cuda"),  # it said --device cpu: the command ran a plan not modelled
+    ("cuda:1", "cpu", "--device cpu"),
+    ("cuda:1", "cuda", "--device cuda:1"),  # of the modelled type: kept as given
+])
+def test_the_best_command_runs_on_the_device_type_the_plan_modelled(device, device_type, expected, capsys):
+    tiny = ["--d-model", "32", "--n-heads", "2", "--n-layers", "2", "--d-ff", "64", "--seq-len", "32",
+            "--precisions", "fp32,bf16", "--checkpointings", "none"]
+    assert main(["plan", "--device", device, "--device-type", device_type, "--budget", "8GiB", *tiny, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["device_type"] == device_type
+    for cand in out["candidates"]:
+        flags = cand["config_flags"]
+        assert f" {expected}" in flags and flags.count("--device ") == 1, flags
+    assert main(["plan", "--device", device, "--device-type", device_type, "--budget", "8GiB", *tiny]) == 0
+    best = [line for line in capsys.readouterr().out.splitlines() if line.startswith("best: ")]
+    assert len(best) == 1 and best[0].split(" --device ")[1].split()[0] == expected.split()[1]
+
+
+def test_an_auto_device_stays_out_of_the_planned_command(capsys):
+    assert main(["plan", "--device-type", "cuda", "--budget", "8GiB", "--d-model", "32", "--n-heads", "2",
+                 "--n-layers", "2", "--d-ff", "64", "--seq-len", "32", "--json"]) == 0
+    assert all("--device " not in c["config_flags"] for c in json.loads(capsys.readouterr().out)["candidates"])

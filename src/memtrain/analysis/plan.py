@@ -654,7 +654,7 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
                 f"{size_text(p * (1 + margin))} ({size_text(p)} predicted; {what}); raise --budget or lower "
                 f"--batch-size/--seq-len{adapters}")
         for cand in fits[:top]:
-            cand.train_flags = train_flags(candidate_config(cfg, cand))
+            cand.train_flags = train_flags(command_config(cfg, cand, device_type))
         notes.insert(0, f"cost model: {device_type} profile; a model to order candidates, not a measurement")
         if gpu is not None and device_type == "cuda" and not traced:
             unnamed = " of an unnamed card (--gpu NAME for yours)" if gpu == "default" else ""
@@ -733,6 +733,20 @@ def candidate_config(cfg: RunConfig, c: Candidate) -> RunConfig:
     fused by torch.compile, and the cost model charges FP8's rate (memtrain.techniques.fp8)."""
     compiled = {"compile": True} if precision_facts(c.techniques["precision"]).fp8 else {}
     return cfg.replace(**c.techniques, **compiled, batch_size=c.batch_size, grad_accum=c.grad_accum)
+
+
+def command_config(cfg: RunConfig, c: Candidate, device_type: str) -> RunConfig:
+    """The run the printed ``memtrain train`` command rebuilds: candidate ``c`` on the device type
+    the plan modelled. A --device of another type (``--device cpu --device-type cuda``) would run
+    a plan whose kernels and peaks were not the ones modelled, so the command names the modelled type."""
+    run = candidate_config(cfg, c)
+    return run if planned_device(run.train.device, device_type) == run.train.device else \
+        run.replace(device=device_type)
+
+
+def planned_device(device: str, device_type: str) -> str:
+    """``device`` when it is 'auto' or of ``device_type`` ('cuda:1' for cuda), else ``device_type``."""
+    return device if device == "auto" or device.split(":")[0] == device_type else device_type
 
 
 def verify_config(cfg: RunConfig, c: Candidate, steps: int = 2) -> RunConfig:
