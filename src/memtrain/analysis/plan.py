@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 from tqdm.auto import tqdm
 
 from memtrain.analysis.advice import ADVICE_LORA_RANK, size_text
+from memtrain.analysis.dips import climb_past_dips, largest_fitting
 from memtrain.analysis.estimate import GPT2_ARCH, Arch, estimate, param_count
 from memtrain.analysis.estimate.compile_budget import interpolated_budget, recompute_share
 from memtrain.analysis.estimate.hf import hf_arch, modelled_arch, why_not_modelled
@@ -569,10 +570,17 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
                 # The largest micro-batch that fits (peak grows with the micro-batch): bisect.
                 lo, hi, best = 0, len(micros) - 1, None
                 at_one: Optional[float] = None  # the peak at micro-batch 1, where it was found
+                micro_peaks: dict[int, tuple[float, str]] = {}  # by index in micros; each modelled once
+
+                def micro_peak(j: int, t: dict[str, str] = t,
+                               micro_peaks: dict[int, tuple[float, str]] = micro_peaks) -> tuple[float, str]:
+                    if j not in micro_peaks:
+                        micro_peaks[j] = peak(at(t, micros[j], target // micros[j]))
+                    return micro_peaks[j]
+
                 while lo <= hi:
                     mid = (lo + hi) // 2
-                    c = at(t, micros[mid], target // micros[mid])
-                    p, ph = peak(c)
+                    p, ph = micro_peak(mid)
                     if p <= limit:
                         best, hi = (micros[mid], p, ph), mid - 1
                     else:
@@ -588,7 +596,12 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
                             smallest = (p, t, micros[-1], target // micros[-1])
                     unfit.append(Candidate(dict(t), 1, target, at_one if at_one is not None else p, "", 0.0, fits=False))
                     continue
-                micro, p, ph = best
+                # The allocator model's peak can fall as the micro-batch grows (memtrain.analysis.dips):
+                # the next few larger divisors are looked at too. micros runs from the largest down.
+                position = climb_past_dips(lambda k: micro_peak(len(micros) - k)[0] <= limit,
+                                           len(micros) - micros.index(best[0]), len(micros))
+                micro = micros[len(micros) - position]
+                p, ph = micro_peak(len(micros) - position)
                 c = at(t, micro, target // micro)
                 cost = cost_of(c)
                 fits.append(Candidate(dict(t), micro, target // micro, p, ph, cost, cost / baseline))
@@ -597,7 +610,6 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
             fits.sort(key=lambda c: (c.step_time_s, c.peak_bytes))
         else:
             for t in sets:
-                lo, hi = 0, 1
                 p, ph = peak(at(t, 1, 1))
                 visited += 1
                 if p > limit:
@@ -605,25 +617,17 @@ def plan(  # noqa: C901 - enumerate, estimate, bisect the batch, rank: one searc
                         smallest = (p, t, 1, 1)
                     unfit.append(Candidate(dict(t), 1, 1, p, ph, 0.0, fits=False))
                     continue
-                best = (1, p, ph)
-                while hi < max_batch_limit:  # grow by doubling, never past the limit
-                    b = min(hi * 2 if hi > 1 else 2, max_batch_limit)
-                    p2, ph2 = peak(at(t, b, 1))
-                    if p2 > limit:
-                        lo, hi = best[0], b
-                        break
-                    best, hi = (b, p2, ph2), b
-                else:
-                    hi = best[0]
-                lo = best[0]
-                while hi - lo > 1:
-                    mid = (lo + hi) // 2
-                    p3, ph3 = peak(at(t, mid, 1))
-                    if p3 <= limit:
-                        best, lo = (mid, p3, ph3), mid
-                    else:
-                        hi = mid
-                b, p, ph = best
+                peaks = {1: (p, ph)}
+
+                def batch_fits(b: int, t: dict[str, str] = t, peaks: dict[int, tuple[float, str]] = peaks) -> bool:
+                    if b not in peaks:  # each batch modelled once: the climb revisits the bisection's
+                        peaks[b] = peak(at(t, b, 1))
+                    return peaks[b][0] <= limit
+
+                # Grow by doubling, then bisect; then look past a spike of the modelled peak (the
+                # allocator model's total can fall as the batch grows: memtrain.analysis.dips).
+                b = climb_past_dips(batch_fits, largest_fitting(batch_fits, max_batch_limit), max_batch_limit)
+                p, ph = peaks[b]
                 c = at(t, b, 1)
                 cost = cost_of(c)
                 per_token = cost / (b * cfg.train.seq_len)
