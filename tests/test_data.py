@@ -665,3 +665,21 @@ def test_a_cache_entry_that_is_a_dangling_link_is_replaced(tmp_path: Path) -> No
     np.testing.assert_array_equal(again.train, first.train)
     assert entry.is_dir() and not entry.is_symlink() and (elsewhere / "keep.txt").read_text() == "mine"
     assert [p.name for p in entry.parent.iterdir() if p.name.startswith(".old-")] == []
+
+def test_hf_dir_of_txt_is_one_document_per_line_as_its_help_and_the_readme_say(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """datasets' text builder makes each line a document; memtrain's .txt reader keeps a short file whole.
+    The two give different documents (so different splits), which --data's help and the README state."""
+    from memtrain.cli import main
+
+    folder = tmp_path / "txt"
+    folder.mkdir()
+    (folder / "a.txt").write_text("line one\nline two\n\nline three\n")
+    assert docs_of(f"hf:{folder}") == ["line one", "line two", "line three"]
+    assert docs_of(folder) == ["line one\nline two\n\nline three\n"]
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    train_help = " ".join(capsys.readouterr().out.split())
+    assert "a .txt in hf:DIR is one document per line" in train_help
+    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    assert "a `.txt` read through `hf:` is one document per line" in readme

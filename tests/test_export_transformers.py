@@ -945,3 +945,32 @@ def test_a_damaged_checkpoint_is_named_by_the_tensor_that_does_not_fit(scratch_l
     assert name in said and "bitsandbytes" not in said, said
     assert {"shape": "size mismatch", "integer": "torch.int64", "nan": "NaN or inf"}[damage] in said
     assert not (tmp_path / "hf").exists()
+
+
+
+def test_a_bf16_pure_adapter_says_it_was_trained_on_the_bf16_base(pretrained_llama, corpus, tmp_path, capsys):
+    """A bf16-pure run's adapters learnt on the base rounded to bf16; on the float32 base that
+    from_pretrained loads by default the logits move by that rounding, as for QLoRA's NF4, and
+    --adapter-only says so (it said nothing). The note's remedy, the base loaded in bf16 then
+    cast to float32, gives exactly the trained weights."""
+    peft = pytest.importorskip("peft")
+    from memtrain.inference.export import load_trained
+
+    ckpt = _train(pretrained_llama, corpus, tmp_path, "--lora-rank", "4", "--precision", "bf16-pure")
+    adapter = tmp_path / "adapter"
+    capsys.readouterr()
+    assert main(["export", str(ckpt), str(adapter), "--adapter-only"]) == 0
+    note = capsys.readouterr().out.splitlines()[-1]
+    assert note.startswith("note: these adapters were trained on the base rounded to bf16 (--precision bf16-pure)")
+    assert "torch_dtype=torch.bfloat16" in note
+    trained, _ = load_trained(ckpt, merge=False)
+    idx = _tokens()
+    with torch.no_grad():
+        exact = trained.float()(idx)  # the trained (bf16) weights, in float32 arithmetic
+        fp32 = transformers.AutoModelForCausalLM.from_pretrained(str(pretrained_llama)).eval()
+        on_fp32_base = peft.PeftModel.from_pretrained(fp32, str(adapter)).eval()(idx).logits
+        rounded = transformers.AutoModelForCausalLM.from_pretrained(
+            str(pretrained_llama), torch_dtype=torch.bfloat16).float().eval()
+        on_rounded_base = peft.PeftModel.from_pretrained(rounded, str(adapter)).eval()(idx).logits
+    assert (on_fp32_base - exact).abs().max().item() > 1e-4  # what the note warns of
+    assert (on_rounded_base - exact).abs().max().item() < 1e-5  # what it advises

@@ -386,14 +386,17 @@ def test_plan_says_why_the_sets_not_shown_are_missing(capsys):
     """"Why not X?": every technique set of the search is shown, or counted under one reason:
     it fits no micro-batch (the closest named with how far over the budget it is at the batch
     asked), it is left out on this device (fp8 on a CPU, with what to change), or it fits but
-    is slower than the shown. The budget is the median set's need at micro-batch 1, so that
+    is slower than the shown. The budget lies between the sets' needs at micro-batch 1, so that
     some sets fit and some do not."""
     from memtrain.analysis.plan import _sets, default_space
 
     cfg = build_config(dict(SMALL, batch_size=8, seq_len=64))
     sets = _sets(default_space(cfg, "cpu"))
     at_one = sorted(estimate(cfg.replace(**t, batch_size=1, grad_accum=8), device_type="cpu").peak_bytes for t in sets)
-    budget = int(at_one[len(at_one) // 2] * 1.1)
+    # Halfway between two distinct peaks near the median: a set whose need equals the budget
+    # would be neither clearly in nor clearly out.
+    distinct = sorted(set(at_one))
+    budget = int((distinct[len(distinct) // 2 - 1] + distinct[len(distinct) // 2]) / 2 * 1.1)
     unfit = sum(p * 1.1 > budget for p in at_one)
     assert 0 < unfit < len(sets)
     argv = ["plan", "--budget", str(budget), "--d-model", "64", "--n-heads", "4", "--n-layers", "2", "--d-ff", "128",
@@ -453,3 +456,28 @@ def test_a_transformers_plan_searches_selective_matmul_and_it_wins_a_full_qwen_f
     others = {c["techniques"]["checkpointing"]: c["step_time_s"] for c in out["candidates"][1:]
               if not c["techniques"].get("offload_activations")}
     assert set(others) == {"none", "every:2", "full"} and min(others.values()) > best["step_time_s"]
+
+
+@pytest.mark.parametrize("device, device_type, expected", [
+    ("cpu", "cuda", "--device cuda"),  # it said --device cpu: the command ran a plan not modelled
+    ("cuda:1", "cpu", "--device cpu"),
+    ("cuda:1", "cuda", "--device cuda:1"),  # of the modelled type: kept as given
+])
+def test_the_best_command_runs_on_the_device_type_the_plan_modelled(device, device_type, expected, capsys):
+    tiny = ["--d-model", "32", "--n-heads", "2", "--n-layers", "2", "--d-ff", "64", "--seq-len", "32",
+            "--precisions", "fp32,bf16", "--checkpointings", "none"]
+    assert main(["plan", "--device", device, "--device-type", device_type, "--budget", "8GiB", *tiny, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["device_type"] == device_type
+    for cand in out["candidates"]:
+        flags = cand["config_flags"]
+        assert f" {expected}" in flags and flags.count("--device ") == 1, flags
+    assert main(["plan", "--device", device, "--device-type", device_type, "--budget", "8GiB", *tiny]) == 0
+    best = [line for line in capsys.readouterr().out.splitlines() if line.startswith("best: ")]
+    assert len(best) == 1 and best[0].split(" --device ")[1].split()[0] == expected.split()[1]
+
+
+def test_an_auto_device_stays_out_of_the_planned_command(capsys):
+    assert main(["plan", "--device-type", "cuda", "--budget", "8GiB", "--d-model", "32", "--n-heads", "2",
+                 "--n-layers", "2", "--d-ff", "64", "--seq-len", "32", "--json"]) == 0
+    assert all("--device " not in c["config_flags"] for c in json.loads(capsys.readouterr().out)["candidates"])

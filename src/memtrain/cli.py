@@ -516,6 +516,32 @@ def parameter_line(result: dict[str, Any]) -> str:
             f"trainable {trainable:,} ({100 * trainable / total:.4f}%)")
 
 
+def _print_data_lines(data: str) -> None:
+    """Which local files ``--data`` reads (stdout) and, on stderr, a warning when a folder holds
+    one name in several formats: a folder is read whole, every supported format in it."""
+    from memtrain.data.sources import local_data_lines  # memtrain.data imports torch: train needs it anyway
+
+    for line in local_data_lines(data):
+        print(line, file=sys.stderr if line.startswith("warning:") else sys.stdout, flush=True)
+
+
+def _after_run_notes(cfg: Any, longer: Optional[str], moved: Optional[str]) -> None:
+    """The notes train writes to stderr after its run (after it, so that a failure's stderr stays
+    its one error: line): a defaulted warm-up, no --save, a longer run continued, a moved checkpoint."""
+    if getattr(cfg.train, "warmup_defaulted", False):
+        n = cfg.train.warmup_steps
+        sys.stderr.write(f"note: warm-up was {n} step{'' if n == 1 else 's'} (10% of --steps {cfg.train.steps}, "
+                         "at most 200); set --warmup-steps to choose\n")
+    if not cfg.train.save:
+        # The Trainer saves checkpoints by default; memtrain writes weights only where --save
+        # says, and a first run's export or generate then found nothing to read.
+        sys.stderr.write("note: no --save: the trained weights were not written; give --save FILE to export, "
+                         "generate from or --resume a run\n")
+    for line in (longer, moved):
+        if line:
+            sys.stderr.write(line + "\n")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from memtrain.training.train import train  # torch-free --help/estimate/plan
 
@@ -528,6 +554,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     note = defaults_note(cfg, trains=True)
     if note and main_rank:
         print(note, flush=True)
+    if main_rank:
+        _print_data_lines(cfg.data.data)
     moved = getattr(cfg, "resume_note", None)  # said after the run, as --steps longer is
     longer = continue_longer(cfg)  # said after the run (below), as the warm-up's note is
 
@@ -557,20 +585,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                           + "; `memtrain maxbatch` finds the largest batch that fits") from None
     if not main_rank:
         return 0  # result["ranks"] has every rank's numbers
-    if getattr(cfg.train, "warmup_defaulted", False):
-        # After the run, so that a failure's stderr stays its one error: line.
-        n = cfg.train.warmup_steps
-        sys.stderr.write(f"note: warm-up was {n} step{'' if n == 1 else 's'} (10% of --steps {cfg.train.steps}, "
-                         "at most 200); set --warmup-steps to choose\n")
-    if not cfg.train.save:
-        # The Trainer saves checkpoints by default; memtrain writes weights only where --save
-        # says, and a first run's export or generate then found nothing to read.
-        sys.stderr.write("note: no --save: the trained weights were not written; give --save FILE to export, "
-                         "generate from or --resume a run\n")
-    if longer:
-        sys.stderr.write(longer + "\n")
-    if moved:
-        sys.stderr.write(moved + "\n")
+    _after_run_notes(cfg, longer, moved)
     mem = result["memory"]
     print(parameter_line(result))
     print(

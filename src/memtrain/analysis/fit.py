@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
 from memtrain.analysis.advice import save_memory_clause, size_text
+from memtrain.analysis.dips import bisect_fitting, climb_past_dips, largest_fitting
 from memtrain.analysis.estimate import Arch, Estimate, estimate
 from memtrain.analysis.limits import MAX_WIDTH
 from memtrain.analysis.plan import default_space, plan
@@ -38,32 +39,6 @@ __all__ = ["ContextBound", "DEFAULT_LENGTH_MULTIPLE", "FitVerdict", "at_seq_len"
 
 GiB = 1 << 30
 DEFAULT_SEARCH_CAP = 4096  # the largest batch searched, as maxbatch's and plan's --max-batch default
-
-
-def bisect_fitting(fits: Callable[[int], bool], lo: int, hi: int) -> int:
-    """The largest k in [lo, hi) with ``fits(k)``, given that ``lo`` fits, ``hi`` does not and
-    fitting is monotone."""
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-def largest_fitting(fits: Callable[[int], bool], cap: int) -> int:
-    """The largest k in [1, cap] with ``fits(k)``, given that 1 fits and fitting is monotone:
-    grow geometrically until a k fails or the cap is reached, then bisect between the last fit
-    and the first failure."""
-    lo, hi = 1, None  # lo fits; hi (when known) does not
-    while hi is None and lo < cap:
-        k = min(lo * 2, cap)
-        if fits(k):
-            lo = k
-        else:
-            hi = k
-    return lo if hi is None else bisect_fitting(fits, lo, hi)
 
 
 def largest_fitting_from(fits: Callable[[int], bool], cap: int, start: int, start_fits: bool) -> Optional[int]:
@@ -97,12 +72,18 @@ def largest_fitting_from(fits: Callable[[int], bool], cap: int, start: int, star
 def largest_batch(need: Callable[[RunConfig], float], cfg: RunConfig, budget_bytes: float, multiple_of: int = 1,
                   cap: int = DEFAULT_SEARCH_CAP) -> Optional[int]:
     """The largest k <= ``cap`` whose batch ``k * multiple_of`` needs at most ``budget_bytes``
-    (``need`` of the config at that batch), or None when not even one fits."""
+    (``need`` of the config at that batch), or None when not even one fits. A batch that fits
+    above a spike of the modelled peak up to DIP_WINDOW batches wide is found."""
+
+    seen: dict[int, bool] = {}  # each batch probed once: the climb below revisits the bisection's
 
     def fits(k: int) -> bool:
-        return need(cfg.replace(batch_size=k * multiple_of)) <= budget_bytes
+        if k not in seen:
+            seen[k] = need(cfg.replace(batch_size=k * multiple_of)) <= budget_bytes
+        return seen[k]
 
-    return largest_fitting(fits, cap) if fits(1) else None
+    # The modelled peak can dip as the batch grows (memtrain.analysis.dips): look past the bisection.
+    return climb_past_dips(fits, largest_fitting(fits, cap), cap) if fits(1) else None
 
 
 # ---------------------------------------------------------------------------- the longest context

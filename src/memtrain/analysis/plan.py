@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 from tqdm.auto import tqdm
 
 from memtrain.analysis.advice import ADVICE_LORA_RANK, size_text
+from memtrain.analysis.dips import climb_past_dips, largest_fitting
 from memtrain.analysis.estimate import GPT2_ARCH, Arch, estimate, param_count
 from memtrain.analysis.estimate.compile_budget import interpolated_budget, recompute_share
 from memtrain.analysis.estimate.hf import hf_arch, modelled_arch, why_not_modelled
@@ -469,7 +470,7 @@ def plan(
         if not fits:
             _refuse_nothing_fits(search, order, smallest, 1 if max_batch else target, budget_bytes, margin)
         for cand in fits[:top]:
-            cand.train_flags = train_flags(candidate_config(cfg, cand))
+            cand.train_flags = train_flags(command_config(cfg, cand, device_type))
         notes = _notes(search, space, notes)
         return PlanResult(budget_bytes, margin, device_type, None if max_batch else target, fits[:top],
                           search.evaluated, baseline, notes=notes, unfit=unfit, slower=slower,
@@ -611,10 +612,17 @@ def _fit_target_batch(search: _Search, sets: list[dict[str, Any]], target: int, 
         # The largest micro-batch that fits (peak grows with the micro-batch): bisect.
         lo, hi, best = 0, len(micros) - 1, None
         at_one: Optional[float] = None  # the peak at micro-batch 1, where it was found
+        micro_peaks: dict[int, tuple[float, str]] = {}  # by index in micros; each modelled once
+
+        def micro_peak(j: int, t: dict[str, Any] = t,
+                       micro_peaks: dict[int, tuple[float, str]] = micro_peaks) -> tuple[float, str]:
+            if j not in micro_peaks:
+                micro_peaks[j] = peak(at(t, micros[j], target // micros[j]))
+            return micro_peaks[j]
+
         while lo <= hi:
             mid = (lo + hi) // 2
-            c = at(t, micros[mid], target // micros[mid])
-            p, ph = peak(c)
+            p, ph = micro_peak(mid)
             if p <= limit:
                 best, hi = (micros[mid], p, ph), mid - 1
             else:
@@ -630,7 +638,12 @@ def _fit_target_batch(search: _Search, sets: list[dict[str, Any]], target: int, 
                     smallest = (p, t, micros[-1], target // micros[-1])
             unfit.append(Candidate(dict(t), 1, target, at_one if at_one is not None else p, "", 0.0, fits=False))
             continue
-        micro, p, ph = best
+        # The allocator model's peak can fall as the micro-batch grows (memtrain.analysis.dips):
+        # the next few larger divisors are looked at too. micros runs from the largest down.
+        position = climb_past_dips(lambda k: micro_peak(len(micros) - k)[0] <= limit,
+                                   len(micros) - micros.index(best[0]), len(micros))
+        micro = micros[len(micros) - position]
+        p, ph = micro_peak(len(micros) - position)
         c = at(t, micro, target // micro)
         cost = search.cost_of(c)
         fits.append(Candidate(dict(t), micro, target // micro, p, ph, cost, cost / baseline))
@@ -648,7 +661,6 @@ def _fit_max_batch(search: _Search, sets: list[dict[str, Any]], max_batch_limit:
     smallest: Optional[_Smallest] = None
     at, peak, limit = search.at, search.peak, search.limit
     for t in sets:
-        lo, hi = 0, 1
         p, ph = peak(at(t, 1, 1))
         visited += 1
         if p > limit:
@@ -656,25 +668,17 @@ def _fit_max_batch(search: _Search, sets: list[dict[str, Any]], max_batch_limit:
                 smallest = (p, t, 1, 1)
             unfit.append(Candidate(dict(t), 1, 1, p, ph, 0.0, fits=False))
             continue
-        best = (1, p, ph)
-        while hi < max_batch_limit:  # grow by doubling, never past the limit
-            b = min(hi * 2 if hi > 1 else 2, max_batch_limit)
-            p2, ph2 = peak(at(t, b, 1))
-            if p2 > limit:
-                lo, hi = best[0], b
-                break
-            best, hi = (b, p2, ph2), b
-        else:
-            hi = best[0]
-        lo = best[0]
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            p3, ph3 = peak(at(t, mid, 1))
-            if p3 <= limit:
-                best, lo = (mid, p3, ph3), mid
-            else:
-                hi = mid
-        b, p, ph = best
+        peaks = {1: (p, ph)}
+
+        def batch_fits(b: int, t: dict[str, Any] = t, peaks: dict[int, tuple[float, str]] = peaks) -> bool:
+            if b not in peaks:  # each batch modelled once: the climb revisits the bisection's
+                peaks[b] = peak(at(t, b, 1))
+            return peaks[b][0] <= limit
+
+        # Grow by doubling, then bisect; then look past a spike of the modelled peak (the
+        # allocator model's total can fall as the batch grows: memtrain.analysis.dips).
+        b = climb_past_dips(batch_fits, largest_fitting(batch_fits, max_batch_limit), max_batch_limit)
+        p, ph = peaks[b]
         c = at(t, b, 1)
         cost = search.cost_of(c)
         per_token = cost / (b * search.cfg.train.seq_len)
@@ -798,6 +802,20 @@ def candidate_config(cfg: RunConfig, c: Candidate) -> RunConfig:
     fused by torch.compile, and the cost model charges FP8's rate (memtrain.techniques.fp8)."""
     compiled = {"compile": True} if precision_facts(c.techniques["precision"]).fp8 else {}
     return cfg.replace(**c.techniques, **compiled, batch_size=c.batch_size, grad_accum=c.grad_accum)
+
+
+def command_config(cfg: RunConfig, c: Candidate, device_type: str) -> RunConfig:
+    """The run the printed ``memtrain train`` command rebuilds: candidate ``c`` on the device type
+    the plan modelled. A --device of another type (``--device cpu --device-type cuda``) would run
+    a plan whose kernels and peaks were not the ones modelled, so the command names the modelled type."""
+    run = candidate_config(cfg, c)
+    return run if planned_device(run.train.device, device_type) == run.train.device else \
+        run.replace(device=device_type)
+
+
+def planned_device(device: str, device_type: str) -> str:
+    """``device`` when it is 'auto' or of ``device_type`` ('cuda:1' for cuda), else ``device_type``."""
+    return device if device == "auto" or device.split(":")[0] == device_type else device_type
 
 
 def verify_config(cfg: RunConfig, c: Candidate, steps: int = 2) -> RunConfig:

@@ -29,6 +29,23 @@ QLORA_ADAPTER_NOTE = ("note: these adapters were trained on the base in NF4 (--q
                       "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')), or export without "
                       "--adapter-only (the NF4 base dequantized, the adapters merged: the trained model's logits)")
 
+# Likewise a --precision bf16-pure run's adapters learnt on the base rounded to bf16; from_pretrained
+# loads it in float32 by default, the weights before that rounding. A tiny Llama's logits moved 0.002
+# (tests/test_export_transformers.py); loaded in bf16, then .float(), the weights are the trained ones.
+BF16_PURE_ADAPTER_NOTE = ("note: these adapters were trained on the base rounded to bf16 (--precision bf16-pure); on "
+                          "the base loaded in float32 (from_pretrained's default) the logits differ from the trained "
+                          "model's by that rounding: load the base with torch_dtype=torch.bfloat16 (then .float() "
+                          "for float32 arithmetic on exactly the trained weights), or export without --adapter-only")
+
+
+def adapter_note(res: dict) -> str | None:
+    """The note an --adapter-only export needs when the run's base was stored rounded (NF4, bf16)."""
+    if res["qlora"]:
+        return QLORA_ADAPTER_NOTE
+    if res.get("precision") == "bf16-pure":
+        return BF16_PURE_ADAPTER_NOTE
+    return None
+
 
 def run(args: argparse.Namespace) -> int:
     from memtrain.inference.export import export_hf  # torch-free --help/estimate/plan
@@ -39,8 +56,8 @@ def run(args: argparse.Namespace) -> int:
     if args.adapter_only:
         print(f"wrote {res['out']}: {res['kind']}, {res['parameters']:,} parameters; load with "
               f"peft.PeftModel.from_pretrained(base_model, {res['out']!r})")
-        if res["qlora"]:
-            print(QLORA_ADAPTER_NOTE)
+        if (note := adapter_note(res)) is not None:
+            print(note)
         return 0
     merged = " (LoRA merged)" if res["lora_merged"] else ""
     print(f"wrote {res['out']}: {res['kind']}, {res['parameters']:,} parameters{merged}; "

@@ -151,8 +151,11 @@ class DataConfig:
     data: str = _f(
         "default",
         "Text source: 'default' (embedded Python documentation), 'hf:OWNER/NAME' "
-        "(Hugging Face dataset, streamed), a local file or glob (.txt .jsonl .json "
-        ".parquet .csv), or a Stack Exchange Posts.xml dump.",
+        "(Hugging Face dataset, streamed; hf:DIR and hf:json|parquet|csv:GLOB read local files the same way, "
+        "through datasets: a .txt in hf:DIR is one document per line, blank lines dropped, where memtrain's own "
+        ".txt reader cuts documents at a blank line after each 8,192 characters, so the two split a text into "
+        "train and validation differently), a local file, folder or glob (.txt .jsonl .json .parquet .csv), "
+        "or a Stack Exchange Posts.xml dump.",
     )
     text_field: Optional[str] = _f(
         None,

@@ -218,6 +218,48 @@ def resolve_local_files(pattern: str) -> list[Path]:
     return files
 
 
+def local_data_lines(data: str) -> list[str]:
+    """What ``train`` says of local ``--data`` before it reads it: the files' summary, and a
+    warning when a folder holds one name in several formats; nothing for the default corpus or
+    ``hf:`` (a bad ``--data`` is left for the run's own check to report)."""
+    if data == DEFAULT_SOURCE or data.startswith("hf:"):
+        return []
+    try:
+        files = resolve_local_files(data)
+        lines = [files_summary(files)]
+    except (ConfigError, OSError):
+        return []
+    warning = same_data_warning(files)
+    return lines + ([warning] if warning else [])
+
+
+def files_summary(files: list[Path]) -> str:
+    """One line naming how many files ``--data`` reads, of which kinds, and their size, e.g.
+    ``data: 3 files (1 .jsonl, 1 .json, 1 .parquet), 2.1 MB``: a folder or a glob reads every
+    supported file in it, which nothing else told the user."""
+    kinds: dict[str, int] = {}
+    for p in files:
+        kinds[p.suffix.lower()] = kinds.get(p.suffix.lower(), 0) + 1
+    size = sum(p.stat().st_size for p in files)
+    counts = ", ".join(f"{n} {suffix}" for suffix, n in kinds.items())
+    return f"data: {len(files)} file{'' if len(files) == 1 else 's'} ({counts}), {size / 1e6:.1f} MB"
+
+
+def same_data_warning(files: list[Path]) -> Optional[str]:
+    """A warning line when files of one folder share a name in different formats
+    (posts.jsonl beside posts.parquet): likely one data set written twice, which training
+    would then read twice and could place in both the train and the validation split."""
+    formats: dict[Path, list[str]] = {}
+    for p in files:
+        formats.setdefault(p.with_suffix(""), []).append(p.suffix)
+    twins = [f"{str(stem)!r} as {', '.join(sorted(suffixes))}" for stem, suffixes in formats.items()
+             if len({s.lower() for s in suffixes}) > 1]
+    if not twins:
+        return None
+    return (f"warning: --data holds {'; '.join(twins)}: likely the same data twice, which training reads "
+            "every time, into train and validation alike; keep one format or narrow --data to a glob ('*.jsonl')")
+
+
 def listed_entries(pattern: str) -> Iterator[Path]:
     """Every entry the reader lists for the local ``--data`` ``pattern`` (a glob, ``**`` any depth;
     a folder: its supported files at any depth, hidden ones too, links to folders not followed, as

@@ -506,7 +506,8 @@ def _new_directory(out: Path) -> Iterator[Path]:
 
 def export_hf(ckpt: str | Path, out: str | Path, adapter_only: bool = False) -> dict[str, Any]:
     """Write ``out`` as a transformers-loadable directory (or, ``adapter_only``, a peft
-    adapter); return a summary: ``out``, ``kind``, ``parameters``, ``lora_merged``, ``files``."""
+    adapter); return a summary: ``out``, ``kind``, ``parameters``, ``lora_merged``, ``qlora``,
+    ``precision`` (the run's), ``files``."""
     out = Path(out)
     check_new_directory(out)  # before the checkpoint is read: a refusal costs nothing
     state, cfg = read_checkpoint(ckpt)
@@ -533,4 +534,5 @@ def export_hf(ckpt: str | Path, out: str | Path, adapter_only: bool = False) -> 
             save_tokenizer(tmp)
         n, kind = gpt.num_parameters(), "GPT2LMHeadModel"
     return {"out": str(out), "kind": kind, "parameters": n, "lora_merged": lora and not adapter_only,
-            "qlora": bool(cfg.technique.qlora), "files": sorted(p.name for p in out.iterdir())}
+            "qlora": bool(cfg.technique.qlora), "precision": cfg.technique.precision,
+            "files": sorted(p.name for p in out.iterdir())}
