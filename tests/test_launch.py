@@ -96,6 +96,29 @@ def test_launcher_checks_input_before_starting_any_rank(small_corpus, tmp_path, 
     assert not started and not (tmp_path / "out").exists()  # nothing started, nothing written
 
 
+def test_more_cpu_ranks_than_the_host_memory_holds_are_refused_before_any_starts(small_corpus, tmp_path, capsys,
+                                                                                monkeypatch):
+    """`--nproc-per-node 1000` on the CPU started 1000 interpreters on a 23 GiB host until the kernel
+    killed them (minutes, then no line). Each rank takes at least the launcher's own memory: the
+    count is checked against what the host has available, and the line names a count that fits."""
+    from memtrain.training import size_check
+
+    started = []
+    monkeypatch.setattr("memtrain.distributed.launch.launch", lambda *a: started.append(a) or 0)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(size_check, "host_available_bytes", lambda: 10 * 2**30)  # 10 GiB available
+    statm = tmp_path / "statm"
+    statm.write_text(f"100000 {2**28 // os.sysconf('SC_PAGE_SIZE')} 0 0 0 0 0\n")  # 256 MiB resident
+    monkeypatch.setattr(size_check, "STATM", statm)
+    run = {**TINY_MODEL, **RUN, "data": str(small_corpus), "out": str(tmp_path / "out"), "distributed": "ddp"}
+    assert main(["train", *cli_flags(run), "--nproc-per-node", "1000"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "1000 CPU ranks of at least 256 MiB each" in line and "use --nproc-per-node 40 or fewer" in line
+    assert not started and not (tmp_path / "out").exists()
+    assert main(["train", *cli_flags(run), "--nproc-per-node", "40"]) == 0  # 40 x 256 MiB = 10 GiB fits
+    assert len(started) == 1
+
+
 def test_launched_ranks_refuse_together_and_the_line_is_said_once(small_corpus, tmp_path):
     """rank-1.pt is corrupt: only rank 1 can see it. Every rank exits 2, rank 0 says rank
     1's reason (the ``rank 1:`` prefix is only in rank 0's line), and the launcher prints it
