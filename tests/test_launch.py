@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -138,7 +139,8 @@ def test_launched_ranks_refuse_together_and_the_line_is_said_once(small_corpus, 
 
 def test_report_failures_prefers_the_refusal_and_its_own_line(capsys):
     def failure(code: int, message: object = "", stamp: int = 0):
-        return SimpleNamespace(exitcode=code, message=message, timestamp=stamp, signal_name=lambda: "SIGTERM")
+        return SimpleNamespace(exitcode=code, message=message, timestamp=stamp,
+                               signal_name=lambda: signal.Signals(-code).name)
 
     line = "error: rank 1: --data 'x' not found"
     # rank 0 was stopped by the launcher's SIGTERM, rank 1 refused its input
@@ -147,11 +149,27 @@ def test_report_failures_prefers_the_refusal_and_its_own_line(capsys):
     assert report_failures({0: failure(1, {"message": "error: RuntimeError: boom"}, 5), 1: failure(-15)}) == 1
     assert capsys.readouterr().err == "error: RuntimeError: boom\n"
     assert report_failures({0: failure(-9)}) == 1  # no line anywhere: say who and how
-    assert _one_error_line(capsys.readouterr().err).startswith("error: rank 0 ended with signal SIGTERM")
+    assert _one_error_line(capsys.readouterr().err).startswith("error: rank 0 ended with signal SIGKILL")
     # torch's agent saw only rank 1 fail; rank 0's own line (from the launcher's folder) wins
     said = {0: ("error: rank 1: bad shard", 2), 1: ("error: bad shard", 2)}
     assert report_failures({1: failure(2, {"message": "error: bad shard"})}, said) == 2
     assert capsys.readouterr().err == "error: rank 1: bad shard\n"
+
+
+def test_report_failures_names_the_rank_that_ended_first_not_the_one_torch_stopped(capsys):
+    """Seen from a 2-rank run: rank 1 SIGKILLed, torch's agent then SIGTERMs rank 0. The line named
+    rank 0 and SIGTERM (exit 1). A SIGTERM to one rank (both end by SIGTERM) said the same,
+    though the run was interrupted: now exit 130, as SIGTERM to the launcher."""
+    def failure(code: int):
+        return SimpleNamespace(exitcode=code, message="", timestamp=0,
+                               signal_name=lambda: signal.Signals(-code).name if code < 0 else "")
+
+    assert report_failures({0: failure(-15), 1: failure(-9)}) == 1
+    assert _one_error_line(capsys.readouterr().err).startswith("error: rank 1 ended with signal SIGKILL")
+    assert report_failures({0: failure(-15), 1: failure(1)}) == 1
+    assert _one_error_line(capsys.readouterr().err).startswith("error: rank 1 ended with exit code 1")
+    assert report_failures({0: failure(-15), 1: failure(-15)}) == 130
+    assert _one_error_line(capsys.readouterr().err).startswith("error: interrupted: a rank was sent SIGTERM")
 
 
 def test_error_line_goes_into_torchelastics_error_file(tmp_path, monkeypatch):
