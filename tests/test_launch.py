@@ -97,6 +97,26 @@ def test_launcher_checks_input_before_starting_any_rank(small_corpus, tmp_path, 
     assert not started and not (tmp_path / "out").exists()  # nothing started, nothing written
 
 
+def test_a_meta_json_that_lies_about_its_rank_count_is_refused_naming_the_rank_file(small_corpus, tmp_path, capsys,
+                                                                                    monkeypatch):
+    """A 2-rank checkpoint whose meta.json says 1 rank was resumed by `--nproc-per-node 1`, on
+    another global batch and without rank 1's state, silently. The rank files it holds give the
+    count away: the resume is refused naming the file, whatever --nproc-per-node says."""
+    started = []
+    monkeypatch.setattr("memtrain.distributed.launch.launch", lambda *a: started.append(a) or 0)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    run = {**TINY_MODEL, **RUN, "data": str(small_corpus), "out": str(tmp_path / "out"), "distributed": "ddp"}
+    ckpt = _sharded_checkpoint(tmp_path / "a", run, rank1=None)
+    torch.save(torch.load(ckpt / "rank-0.pt", weights_only=True), ckpt / "rank-1.pt")
+    meta = json.loads((ckpt / "meta.json").read_text())
+    (ckpt / "meta.json").write_text(json.dumps({**meta, "world_size": 1}))
+    for n in ("1", "2"):
+        assert main(["train", *cli_flags(run), "--resume", str(ckpt), "--nproc-per-node", n]) == 2
+        line = _one_error_line(capsys.readouterr().err)
+        assert "is damaged: it says 1 ranks wrote it, but it holds rank-1.pt" in line, line
+    assert not started and not (tmp_path / "out").exists()
+
+
 def test_more_cpu_ranks_than_the_host_memory_holds_are_refused_before_any_starts(small_corpus, tmp_path, capsys,
                                                                                 monkeypatch):
     """`--nproc-per-node 1000` on the CPU started 1000 interpreters on a 23 GiB host until the kernel

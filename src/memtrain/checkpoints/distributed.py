@@ -138,6 +138,26 @@ def _rank_file(root: Path, rank: int) -> Path:
     return root / f"rank-{rank}.pt"
 
 
+def rank_files_beyond(root: Path, world: int) -> list[str]:
+    """The ``rank-R.pt`` files in ``root`` of ranks ``R >= world``. A save writes one per rank into a
+    fresh folder, so any such file means meta.json's ``world_size`` is not the count that wrote it:
+    a meta.json saying 1 rank for a 2-rank checkpoint was resumed by 1 rank, on another global batch
+    and rank 1's state dropped, without a word."""
+    found = []
+    for f in root.glob("rank-*.pt"):
+        index = f.name[len("rank-"):-len(".pt")]
+        if index.isdigit() and int(index) >= world:
+            found.append(f.name)
+    return sorted(found, key=lambda name: int(name[len("rank-"):-len(".pt")]))
+
+
+def check_rank_count(p: Path, world: int) -> None:
+    """meta.json's ``world_size`` agrees with the rank files the checkpoint holds."""
+    beyond = rank_files_beyond(p, world)
+    if beyond:
+        raise damaged(p / META, DamagedCheckpoint(f"it says {world} ranks wrote it, but it holds {', '.join(beyond)}"))
+
+
 def save_checkpoint(path: str | Path, run: TrainState) -> None:
     """Write everything needed to continue after ``run.step`` (a collective: every rank calls it)."""
 
@@ -255,6 +275,7 @@ def _checked_parts(p: Path, optimizer: Any) -> tuple[dict[str, Any], dict[str, A
             f"checkpoint {str(p)!r} was written by {meta['world_size']} ranks, this run has {world}; "
             f"resume with torchrun --nproc_per_node {meta['world_size']}"
         )
+    check_rank_count(p, world)
     local = _zero1_local(optimizer)
     if (meta["strategy"] == "zero1") != (local is not None):
         raise ConfigError(f"checkpoint {str(p)!r} was written with --distributed {meta['strategy']}; resume with the same strategy")
