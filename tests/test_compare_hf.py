@@ -454,6 +454,26 @@ def test_ctrl_c_keeps_the_finished_runs_writes_the_report_and_exits_130(tmp_path
     assert (tmp_path / REPORT_MD).is_file() and (tmp_path / "commands.log").read_text().count("started") == 1
 
 
+def test_a_second_comparison_on_a_busy_folder_is_refused_and_runs_nothing(tmp_path, monkeypatch, capsys):
+    """Two `--resume` runs on one folder each ran the rows neither had recorded and appended
+    each row twice to runs.jsonl. The second is refused (exit 2, naming the holder) before it
+    reads runs.jsonl or runs a row; once the first has ended, the folder is free."""
+    import os
+
+    import memtrain.bench.hf.cli as cli
+    from memtrain.files.lock import FolderLock
+
+    ran = []
+    monkeypatch.setattr(cli, "run_rows", lambda *a, **k: ran.append(a))
+    argv = ["--presets", "baseline", "--no-maxbatch", "--out", str(tmp_path), "--resume"]
+    with FolderLock(tmp_path, "compare_hf"):  # the first comparison, still running
+        assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and str(os.getpid()) in err[0], err
+    assert not ran and not (tmp_path / "commands.log").exists()
+    assert main(argv) != 2 and len(ran) == 1  # the rows ran (stubbed: the report has none, exit 1)
+
+
 def test_ctrl_c_while_a_pair_runs_kills_both_workers(monkeypatch):
     import os
     import subprocess
