@@ -29,6 +29,7 @@ from memtrain.bench.technique_sets import TECHNIQUES
 from memtrain.config.run import ConfigError, parse_size
 from memtrain.files.lock import FolderLock
 from memtrain.files.results import open_append, out_folder_problem, write_all
+from memtrain.runtime.signals import sigterm_as_interrupt
 
 DESCRIPTION = "memtrain vs Hugging Face Trainer: the same model, tokens and schedule, the same meters."
 
@@ -221,7 +222,7 @@ def main(argv: list[str], prog: str = DEFAULT_PROG) -> int:
     # One comparison per folder at a time: two `--resume` runs on one folder both ran the rows
     # neither had recorded and appended each twice. The lock is taken before runs.jsonl is read.
     try:
-        with FolderLock(out, "compare_hf"):
+        with FolderLock(out, "compare_hf"), sigterm_as_interrupt():
             return run_in_folder(opts, out, rows, maxbatch, settings, command, start)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
