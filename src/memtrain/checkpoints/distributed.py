@@ -26,6 +26,7 @@ ddp, zero2 and fsdp read one another's checkpoints, since DCP stores tensors by 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -202,13 +203,42 @@ def save_checkpoint(path: str | Path, run: TrainState) -> None:
         (tmp / META).write_text(json.dumps(meta, indent=1))
     dist.barrier()  # every rank has written its part
     if rank == 0:
-        old = final.with_name(f".{final.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        if final.exists():
-            final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
+        _swap_into_place(tmp, final)
     dist.barrier()  # nobody reads or rewrites the checkpoint before it is in place
+
+
+RENAME_EXCHANGE = 2  # linux/fs.h: renameat2 swaps the two names in one step
+AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the names of ``a`` and ``b`` atomically (Linux ``renameat2(RENAME_EXCHANGE)``);
+    False where the system or file system cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0
+
+
+def _swap_into_place(tmp: Path, final: Path) -> None:
+    """Put the finished checkpoint ``tmp`` at ``final``, then delete the one it replaces.
+
+    Moving the old folder aside and the new one in took two renames: a SIGKILL (or a SIGTERM,
+    which ends a rank at once under torch's launcher) between them left no checkpoint at
+    ``final``, only hidden copies, and ``--resume`` said it was not a checkpoint. Where the system
+    can swap two names in one step there is no such moment."""
+    if final.exists() and _exchange(tmp, final):
+        shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the replaced checkpoint
+        return
+    old = final.with_name(f".{final.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def load_checkpoint(path: str | Path, run: TrainState) -> dict[str, Any]:
