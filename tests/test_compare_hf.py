@@ -472,6 +472,42 @@ def test_ctrl_c_keeps_the_finished_runs_writes_the_report_and_exits_130(tmp_path
     assert (tmp_path / REPORT_MD).is_file() and (tmp_path / "commands.log").read_text().count("started") == 1
 
 
+def test_a_second_comparison_on_a_busy_folder_is_refused_and_runs_nothing(tmp_path, monkeypatch, capsys):
+    """Two `--resume` runs on one folder each ran the rows neither had recorded and appended
+    each row twice to runs.jsonl. The second is refused (exit 2, naming the holder) before it
+    reads runs.jsonl or runs a row; once the first has ended, the folder is free."""
+    import os
+
+    import memtrain.bench.hf.cli as cli
+    from memtrain.files.lock import FolderLock
+
+    ran = []
+    monkeypatch.setattr(cli, "run_rows", lambda *a, **k: ran.append(a))
+    argv = ["--presets", "baseline", "--no-maxbatch", "--out", str(tmp_path), "--resume"]
+    with FolderLock(tmp_path, "compare_hf"):  # the first comparison, still running
+        assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and str(os.getpid()) in err[0], err
+    assert not ran and not (tmp_path / "commands.log").exists()
+    assert main(argv) != 2 and len(ran) == 1  # the rows ran (stubbed: the report has none, exit 1)
+
+
+def test_sigterm_is_ctrl_c_the_report_is_written_and_the_exit_is_130(tmp_path):
+    """A scheduler's SIGTERM ended the comparison by the signal's default action: no report of the
+    runs already recorded, exit -15. It now stops like Ctrl-C."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal, sys, time\n"
+            "import memtrain.bench.hf.cli as cli\n"
+            "cli.run_rows = lambda *a, **k: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(30))\n"
+            f"sys.exit(cli.main(['--presets', 'baseline', '--no-maxbatch', '--out', {str(tmp_path)!r}]))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("interrupted: the runs that finished are in")
+    assert (tmp_path / REPORT_MD).is_file()
+
+
 def test_ctrl_c_while_a_pair_runs_kills_both_workers(monkeypatch):
     import os
     import subprocess

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -96,6 +97,49 @@ def test_launcher_checks_input_before_starting_any_rank(small_corpus, tmp_path, 
     assert not started and not (tmp_path / "out").exists()  # nothing started, nothing written
 
 
+def test_a_meta_json_that_lies_about_its_rank_count_is_refused_naming_the_rank_file(small_corpus, tmp_path, capsys,
+                                                                                    monkeypatch):
+    """A 2-rank checkpoint whose meta.json says 1 rank was resumed by `--nproc-per-node 1`, on
+    another global batch and without rank 1's state, silently. The rank files it holds give the
+    count away: the resume is refused naming the file, whatever --nproc-per-node says."""
+    started = []
+    monkeypatch.setattr("memtrain.distributed.launch.launch", lambda *a: started.append(a) or 0)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    run = {**TINY_MODEL, **RUN, "data": str(small_corpus), "out": str(tmp_path / "out"), "distributed": "ddp"}
+    ckpt = _sharded_checkpoint(tmp_path / "a", run, rank1=None)
+    torch.save(torch.load(ckpt / "rank-0.pt", weights_only=True), ckpt / "rank-1.pt")
+    meta = json.loads((ckpt / "meta.json").read_text())
+    (ckpt / "meta.json").write_text(json.dumps({**meta, "world_size": 1}))
+    for n in ("1", "2"):
+        assert main(["train", *cli_flags(run), "--resume", str(ckpt), "--nproc-per-node", n]) == 2
+        line = _one_error_line(capsys.readouterr().err)
+        assert "is damaged: it says 1 ranks wrote it, but it holds rank-1.pt" in line, line
+    assert not started and not (tmp_path / "out").exists()
+
+
+def test_more_cpu_ranks_than_the_host_memory_holds_are_refused_before_any_starts(small_corpus, tmp_path, capsys,
+                                                                                monkeypatch):
+    """`--nproc-per-node 1000` on the CPU started 1000 interpreters on a 23 GiB host until the kernel
+    killed them (minutes, then no line). Each rank takes at least the launcher's own memory: the
+    count is checked against what the host has available, and the line names a count that fits."""
+    from memtrain.training import size_check
+
+    started = []
+    monkeypatch.setattr("memtrain.distributed.launch.launch", lambda *a: started.append(a) or 0)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(size_check, "host_available_bytes", lambda: 10 * 2**30)  # 10 GiB available
+    statm = tmp_path / "statm"
+    statm.write_text(f"100000 {2**28 // os.sysconf('SC_PAGE_SIZE')} 0 0 0 0 0\n")  # 256 MiB resident
+    monkeypatch.setattr(size_check, "STATM", statm)
+    run = {**TINY_MODEL, **RUN, "data": str(small_corpus), "out": str(tmp_path / "out"), "distributed": "ddp"}
+    assert main(["train", *cli_flags(run), "--nproc-per-node", "1000"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "1000 CPU ranks of at least 256 MiB each" in line and "use --nproc-per-node 40 or fewer" in line
+    assert not started and not (tmp_path / "out").exists()
+    assert main(["train", *cli_flags(run), "--nproc-per-node", "40"]) == 0  # 40 x 256 MiB = 10 GiB fits
+    assert len(started) == 1
+
+
 def test_launched_ranks_refuse_together_and_the_line_is_said_once(small_corpus, tmp_path):
     """rank-1.pt is corrupt: only rank 1 can see it. Every rank exits 2, rank 0 says rank
     1's reason (the ``rank 1:`` prefix is only in rank 0's line), and the launcher prints it
@@ -115,7 +159,8 @@ def test_launched_ranks_refuse_together_and_the_line_is_said_once(small_corpus, 
 
 def test_report_failures_prefers_the_refusal_and_its_own_line(capsys):
     def failure(code: int, message: object = "", stamp: int = 0):
-        return SimpleNamespace(exitcode=code, message=message, timestamp=stamp, signal_name=lambda: "SIGTERM")
+        return SimpleNamespace(exitcode=code, message=message, timestamp=stamp,
+                               signal_name=lambda: signal.Signals(-code).name)
 
     line = "error: rank 1: --data 'x' not found"
     # rank 0 was stopped by the launcher's SIGTERM, rank 1 refused its input
@@ -124,7 +169,7 @@ def test_report_failures_prefers_the_refusal_and_its_own_line(capsys):
     assert report_failures({0: failure(1, {"message": "error: RuntimeError: boom"}, 5), 1: failure(-15)}) == 1
     assert capsys.readouterr().err == "error: RuntimeError: boom\n"
     assert report_failures({0: failure(-9)}) == 1  # no line anywhere: say who and how
-    assert _one_error_line(capsys.readouterr().err).startswith("error: rank 0 ended with signal SIGTERM")
+    assert _one_error_line(capsys.readouterr().err).startswith("error: rank 0 ended with signal SIGKILL")
     # torch's agent saw only rank 1 fail; rank 0's own line (from the launcher's folder) wins
     said = {0: ("error: rank 1: bad shard", 2), 1: ("error: bad shard", 2)}
     assert report_failures({1: failure(2, {"message": "error: bad shard"})}, said) == 2
@@ -163,6 +208,22 @@ def test_an_interrupted_launch_is_one_line_and_exit_130(monkeypatch, capsys):
     monkeypatch.setattr(module, "run", interrupted)
     assert module.launch(2, ["train"]) == 130
     assert _one_error_line(capsys.readouterr().err).startswith("error: interrupted; the ranks were stopped")
+
+
+def test_report_failures_names_the_rank_that_ended_first_not_the_one_torch_stopped(capsys):
+    """Seen from a 2-rank run: rank 1 SIGKILLed, torch's agent then SIGTERMs rank 0. The line named
+    rank 0 and SIGTERM (exit 1). A SIGTERM to one rank (both end by SIGTERM) said the same,
+    though the run was interrupted: now exit 130, as SIGTERM to the launcher."""
+    def failure(code: int):
+        return SimpleNamespace(exitcode=code, message="", timestamp=0,
+                               signal_name=lambda: signal.Signals(-code).name if code < 0 else "")
+
+    assert report_failures({0: failure(-15), 1: failure(-9)}) == 1
+    assert _one_error_line(capsys.readouterr().err).startswith("error: rank 1 ended with signal SIGKILL")
+    assert report_failures({0: failure(-15), 1: failure(1)}) == 1
+    assert _one_error_line(capsys.readouterr().err).startswith("error: rank 1 ended with exit code 1")
+    assert report_failures({0: failure(-15), 1: failure(-15)}) == 130
+    assert _one_error_line(capsys.readouterr().err).startswith("error: interrupted: a rank was sent SIGTERM")
 
 
 def test_error_line_goes_into_torchelastics_error_file(tmp_path, monkeypatch):

@@ -123,6 +123,39 @@ def test_sharded_checkpoint_round_trips_through_the_safe_reader(one_rank_group, 
     assert torch.equal(s1["state"][0]["exp_avg"], s2["state"][0]["exp_avg"])
 
 
+def test_a_sharded_save_stopped_while_it_replaces_the_last_one_keeps_a_checkpoint_at_its_path(one_rank_group,
+                                                                                              tmp_path, monkeypatch):
+    """The replacing save moved the previous checkpoint aside, then the new one in: a rank killed
+    between the two renames (SIGKILL; SIGTERM ends a rank at once under torch's launcher) left
+    nothing at --save, and --resume said it was no checkpoint. The names are now swapped in one
+    step: stopped at the same point (as the new folder would take the name), the path still holds a
+    whole checkpoint, and an uninterrupted save replaces it."""
+    from memtrain.checkpoints.distributed import load_checkpoint, save_checkpoint
+
+    cfg = build_config({**TINY_MODEL, **RUN, "steps": 4, "distributed": "ddp"})
+    run = _run_state(cfg)
+    run.step, run.losses = 1, [3.0]
+    save_checkpoint(tmp_path / "ck", run)
+    run.step, run.losses = 2, [3.0, 2.0]
+
+    rename = Path.rename
+
+    def killed(self, target):  # DCP renames its own files; this is the new folder taking ck's name
+        if self.name == ".ck.tmp" and Path(target).name == "ck":
+            raise KeyboardInterrupt("the rank is killed here")
+        return rename(self, target)
+
+    with monkeypatch.context() as m:
+        m.setattr(Path, "rename", killed)
+        with pytest.raises(KeyboardInterrupt):
+            save_checkpoint(tmp_path / "ck", run)
+            raise KeyboardInterrupt("no rename: the swap was one step")  # where the system swaps names
+    assert load_checkpoint(tmp_path / "ck", _run_state(cfg))["step"] in (1, 2)
+    save_checkpoint(tmp_path / "ck", run)
+    assert load_checkpoint(tmp_path / "ck", _run_state(cfg))["step"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".ck")) == []
+
+
 def test_torchrun_resume_of_a_crafted_checkpoint_exits_2_without_running_it(small_corpus, tmp_path):
     marker = tmp_path / "touched"
     run = {**TINY_MODEL, **RUN, "steps": 4, "data": str(small_corpus), "progress": False, "distributed": "ddp"}

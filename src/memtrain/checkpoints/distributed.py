@@ -26,6 +26,7 @@ ddp, zero2 and fsdp read one another's checkpoints, since DCP stores tensors by 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -139,6 +140,26 @@ def _rank_file(root: Path, rank: int) -> Path:
     return root / f"rank-{rank}.pt"
 
 
+def rank_files_beyond(root: Path, world: int) -> list[str]:
+    """The ``rank-R.pt`` files in ``root`` of ranks ``R >= world``. A save writes one per rank into a
+    fresh folder, so any such file means meta.json's ``world_size`` is not the count that wrote it:
+    a meta.json saying 1 rank for a 2-rank checkpoint was resumed by 1 rank, on another global batch
+    and rank 1's state dropped, without a word."""
+    found = []
+    for f in root.glob("rank-*.pt"):
+        index = f.name[len("rank-"):-len(".pt")]
+        if index.isdigit() and int(index) >= world:
+            found.append(f.name)
+    return sorted(found, key=lambda name: int(name[len("rank-"):-len(".pt")]))
+
+
+def check_rank_count(p: Path, world: int) -> None:
+    """meta.json's ``world_size`` agrees with the rank files the checkpoint holds."""
+    beyond = rank_files_beyond(p, world)
+    if beyond:
+        raise damaged(p / META, DamagedCheckpoint(f"it says {world} ranks wrote it, but it holds {', '.join(beyond)}"))
+
+
 def save_checkpoint(path: str | Path, run: TrainState) -> None:
     """Write everything needed to continue after ``run.step`` (a collective: every rank calls it)."""
 
@@ -183,13 +204,42 @@ def save_checkpoint(path: str | Path, run: TrainState) -> None:
         (tmp / META).write_text(json.dumps(meta, indent=1))
     dist.barrier()  # every rank has written its part
     if rank == 0:
-        old = final.with_name(f".{final.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        if final.exists():
-            final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
+        _swap_into_place(tmp, final)
     dist.barrier()  # nobody reads or rewrites the checkpoint before it is in place
+
+
+RENAME_EXCHANGE = 2  # linux/fs.h: renameat2 swaps the two names in one step
+AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the names of ``a`` and ``b`` atomically (Linux ``renameat2(RENAME_EXCHANGE)``);
+    False where the system or file system cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0
+
+
+def _swap_into_place(tmp: Path, final: Path) -> None:
+    """Put the finished checkpoint ``tmp`` at ``final``, then delete the one it replaces.
+
+    Moving the old folder aside and the new one in took two renames: a SIGKILL (or a SIGTERM,
+    which ends a rank at once under torch's launcher) between them left no checkpoint at
+    ``final``, only hidden copies, and ``--resume`` said it was not a checkpoint. Where the system
+    can swap two names in one step there is no such moment."""
+    if final.exists() and _exchange(tmp, final):
+        shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the replaced checkpoint
+        return
+    old = final.with_name(f".{final.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def load_checkpoint(path: str | Path, run: TrainState) -> dict[str, Any]:
@@ -256,6 +306,7 @@ def _checked_parts(p: Path, optimizer: Any) -> tuple[dict[str, Any], dict[str, A
             f"checkpoint {str(p)!r} was written by {meta['world_size']} ranks, this run has {world}; "
             f"resume with torchrun --nproc_per_node {meta['world_size']}"
         )
+    check_rank_count(p, world)
     local = _zero1_local(optimizer)
     if (meta["strategy"] == "zero1") != (local is not None):
         raise ConfigError(f"checkpoint {str(p)!r} was written with --distributed {meta['strategy']}; resume with the same strategy")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import tempfile
 from typing import Any, Optional, Sequence
@@ -70,7 +71,10 @@ def report_failures(failures: dict[int, Any], said: Optional[dict[int, tuple[str
     also of ranks torch's agent stopped before it saw them fail; ``failures``: torchelastic's
     ``ProcessFailure`` by global rank, for ranks that said nothing. A refusal of input (2)
     wins over what it caused in the others; among refusals, the lowest rank's line (rank 0
-    names the rank that refused: ``error: rank 1: ...``)."""
+    names the rank that refused: ``error: rank 1: ...``). torch's agent stops the surviving ranks
+    with SIGTERM once one failed, so among ranks that said nothing the cause is one that ended
+    otherwise (SIGKILL, a crash, an exit code); when all ended by SIGTERM, one was sent it from
+    outside: the run was interrupted (130), as SIGTERM to the launcher is."""
     for wanted in (2, 130):
         chosen = sorted(r for r, (_, code) in (said or {}).items() if code == wanted)
         if chosen:
@@ -90,8 +94,13 @@ def report_failures(failures: dict[int, Any], said: Optional[dict[int, tuple[str
         first = min(said_ranks, key=lambda r: failures[r].timestamp)
         sys.stderr.write(f"{lines[first]}\n")
         return 1
-    f = failures[ranks[0]]
+    causes = [r for r in ranks if failures[r].exitcode != -signal.SIGTERM]
+    if not causes:  # every rank ended by SIGTERM and none said why: one was sent it from outside
+        sys.stderr.write("error: interrupted: a rank was sent SIGTERM; the ranks were stopped, "
+                         "results written so far are kept\n")
+        return 130
+    f = failures[causes[0]]
     how = f"signal {f.signal_name()}" if f.exitcode < 0 else f"exit code {f.exitcode}"
-    sys.stderr.write(f"error: rank {ranks[0]} ended with {how} without a message; "
+    sys.stderr.write(f"error: rank {causes[0]} ended with {how} without a message; "
                      "set MEMTRAIN_DEBUG=1 for its traceback\n")
     return 1

@@ -52,7 +52,7 @@ from memtrain.training.resume_check import (
 )
 from memtrain.training.run_paths import anchored, launch_dir
 from memtrain.training.sinks import LOGGER_FOLDERS, parse_report_to
-from memtrain.training.size_check import check_model_size
+from memtrain.training.size_check import check_cpu_rank_count, check_model_size
 
 
 # --------------------------------------------------------------------------- destinations
@@ -446,6 +446,8 @@ def check_before_launch(cfg: RunConfig, nproc: int) -> None:
     check_combination(cfg, device)
     if device.type == "cuda":
         check_gpu_count(nproc)
+    else:
+        check_cpu_rank_count(nproc)
     if cfg.train.resume:
         check_sharded_resume(cfg.train.resume, nproc)
 

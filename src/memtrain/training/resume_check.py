@@ -377,6 +377,9 @@ def check_sharded_resume(path: str | Path, nproc: int) -> None:
 
         # else the line below asked for --nproc-per-node None (or -5, or "two")
         raise damaged(p, DamagedCheckpoint(f"its meta.json's world_size is {world!r}, not a count of ranks"))
+    from memtrain.checkpoints.distributed import check_rank_count  # torch: only for --resume
+
+    check_rank_count(p, world)  # before the count is compared: a lying count names the wrong fix
     if world != nproc:
         raise ConfigError(f"checkpoint {str(p)!r} was written by {world} ranks; resume with --nproc-per-node {world}")
     missing = [f"rank-{r}.pt" for r in range(nproc) if not (p / f"rank-{r}.pt").is_file()]

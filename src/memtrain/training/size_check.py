@@ -125,3 +125,33 @@ def check_model_size(m: ModelConfig, device: Any = "cpu", precision: str = "fp32
         raise ConfigError(f"the model's {params:,} parameters take {params * weight_bytes / 2**30:,.1f} GiB, more than "
                           f"{device}'s {on_device / 2**30:,.1f} GiB; choose a smaller model "
                           "(memtrain plan finds what fits)")
+
+
+# This process's resident memory (Linux); a module constant so a test can point it at a crafted reading.
+STATM = Path("/proc/self/statm")
+
+
+def own_resident_bytes() -> Optional[int]:
+    """This process's resident memory now (``/proc/self/statm``'s second field, in pages);
+    None where the kernel does not say (not Linux)."""
+    fields = (_read_small(STATM) or "").split()
+    if len(fields) < 2 or not fields[1].isdigit():
+        return None
+    return int(fields[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_cpu_rank_count(nproc: int) -> None:
+    """Refuse more CPU ranks than the host's available memory holds, before any starts.
+
+    On CUDA the GPU count bounds ``--nproc-per-node``; on the CPU nothing did, and
+    ``--nproc-per-node 1000`` started 1000 interpreters on the host until the kernel killed them
+    (minutes of thrashing, then a silent end). Each rank imports torch and memtrain as this
+    launcher has by now, so this process's own resident memory is a lower bound of what one rank
+    takes, before any model: N of them must fit in what the host has available."""
+    per_rank, available = own_resident_bytes(), host_available_bytes()
+    if per_rank is None or available is None or nproc * per_rank <= available:
+        return
+    fits = max(1, available // per_rank)
+    raise ConfigError(f"--nproc-per-node {nproc} starts {nproc} CPU ranks of at least {per_rank / 2**20:,.0f} MiB each "
+                      f"(this launcher's own memory, before a model), {nproc * per_rank / 2**30:,.1f} GiB in all, "
+                      f"but the host has {available / 2**30:,.1f} GiB available; use --nproc-per-node {fits} or fewer")

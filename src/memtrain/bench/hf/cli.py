@@ -27,7 +27,9 @@ from memtrain.bench.hf.rows import (
 from memtrain.bench.scales import SCALE_BUDGET, SCALE_MAX_BATCH, SCALES
 from memtrain.bench.technique_sets import TECHNIQUES
 from memtrain.config.run import ConfigError, parse_size
+from memtrain.files.lock import FolderLock
 from memtrain.files.results import open_append, out_folder_problem, write_all
+from memtrain.runtime.signals import sigterm_as_interrupt
 
 DESCRIPTION = "memtrain vs Hugging Face Trainer: the same model, tokens and schedule, the same meters."
 
@@ -217,7 +219,20 @@ def main(argv: list[str], prog: str = DEFAULT_PROG) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    out.mkdir(parents=True, exist_ok=True)
+    # One comparison per folder at a time: two `--resume` runs on one folder both ran the rows
+    # neither had recorded and appended each twice. The lock is taken before runs.jsonl is read.
+    try:
+        with FolderLock(out, "compare_hf"), sigterm_as_interrupt():
+            return run_in_folder(opts, out, rows, maxbatch, settings, command, start)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def run_in_folder(opts: argparse.Namespace, out: Path, rows: list[dict[str, Any]], maxbatch: Optional[dict[str, Any]],
+                  settings: dict[str, Any], command: str, start: float) -> int:
+    """The comparison in ``out``, whose lock this process holds: the runs not yet recorded, then
+    the report (or only the report, or the profiles); the exit code."""
     skipped = read_runs_counted(out).skipped if (out / RUNS_FILE).is_file() else 0
     if skipped:  # said once; the report and --resume read only the runs
         print(f"warning: skipped {skipped} unreadable line(s) of {out / RUNS_FILE} (torn by a kill or a full disk, "
