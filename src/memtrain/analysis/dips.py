@@ -1,9 +1,9 @@
 """Searching the largest batch that fits: grow, bisect, and look past a non-monotone peak.
 
 The caching-allocator model's device total is not monotone in the batch: batch 32 of memtrain's
-GPT (bf16, SDPA, seq 256) is modelled at 6.33 GiB where batch 31 is 7.64 GiB, and batch 41 below batch 40 (``step_need`` on the
-default card; tests/test_maxbatch_dips.py). A bisection
-assumes a monotone peak: on a spike it stops below the largest batch that fits (maxbatch's CUDA
+GPT (bf16, SDPA, seq 256) is modelled at 6.33 GiB where batch 31 is 7.64 GiB, and batch 41 below
+batch 40 (``step_need`` on the default card; tests/test_maxbatch_dips.py). A bisection assumes a
+monotone peak: on a spike it stops below the largest batch that fits (maxbatch's CUDA
 model answered 39 under 8 GiB where 41 fits). Every answer a bisection gives was itself probed and
 fits; it can only be too small. :func:`climb_past_dips` looks a few batches past it.
 """
@@ -52,11 +52,11 @@ def climb_past_dips(fits: Callable[[int], bool], found: int, cap: int, window: i
         above = next((j for j in range(min(k + window, cap), k, -1) if fits(j)), None)
         if above is None:
             return k
-        k = _grow_from(fits, above, cap)
+        k = grow_from(fits, above, cap)
     return k
 
 
-def _grow_from(fits: Callable[[int], bool], lo: int, cap: int) -> int:
+def grow_from(fits: Callable[[int], bool], lo: int, cap: int) -> int:
     """The largest k in [lo, cap] found by doubling steps up from ``lo`` (which fits), then bisecting."""
     step, hi = 1, None
     while hi is None and lo < cap:

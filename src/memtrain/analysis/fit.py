@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
 from memtrain.analysis.advice import save_memory_clause, size_text
-from memtrain.analysis.dips import bisect_fitting, climb_past_dips, largest_fitting
+from memtrain.analysis.dips import bisect_fitting, climb_past_dips, grow_from, largest_fitting
 from memtrain.analysis.estimate import Arch, Estimate, estimate
 from memtrain.analysis.limits import MAX_WIDTH
 from memtrain.analysis.plan import default_space, plan
@@ -46,27 +46,19 @@ def largest_fitting_from(fits: Callable[[int], bool], cap: int, start: int, star
     guess ``start`` whose answer ``start_fits`` is known: step away from it in doubling steps until
     the answer flips, then bisect. A guess off by a few costs a few probes, not a search from 1.
     None when not even 1 fits."""
-    lo: Optional[int] = start if start_fits else None  # fits
-    hi: Optional[int] = None if start_fits else start  # does not fit
-    step = 1
-    if lo is not None:
-        while hi is None and lo < cap:
-            k = min(lo + step, cap)
-            if fits(k):
-                lo, step = k, step * 2
-            else:
-                hi = k
-    else:
-        assert hi is not None
-        while lo is None:
-            k = max(hi - step, 1)
-            if fits(k):
-                lo = k
-            elif k == 1:
-                return None
-            else:
-                hi, step = k, step * 2
-    return lo if hi is None else bisect_fitting(fits, lo, hi)
+    if start_fits:
+        return grow_from(fits, start, cap)
+    lo: Optional[int] = None  # fits
+    hi, step = start, 1  # hi does not fit
+    while lo is None:
+        k = max(hi - step, 1)
+        if fits(k):
+            lo = k
+        elif k == 1:
+            return None
+        else:
+            hi, step = k, step * 2
+    return bisect_fitting(fits, lo, hi)
 
 
 def largest_batch(need: Callable[[RunConfig], float], cfg: RunConfig, budget_bytes: float, multiple_of: int = 1,
