@@ -225,6 +225,18 @@ def test_the_allocator_model_reads_the_gpu_kinds():
     assert own == []
 
 
+def test_hopper_cards_get_torchs_hopper_cublas_workspace():
+    """torch's default cuBLAS workspace is 4096 KiB x 8 (32 MiB) on compute capability 9.x and
+    :4096:2:16:8 (8.125 MiB) before it (CublasHandlePool.cpp); the H200 is an sm90 card, yet it
+    took the default facts' pre-Hopper workspace, so a two-step replay on it placed a 4x smaller
+    workspace (and the batches where a cached segment is split, docs/estimation.md)."""
+    hopper, before = 4096 * 1024 * 8, 4096 * 1024 * 2 + 16 * 1024 * 8
+    for name in ("h100", "NVIDIA H100 80GB HBM3", "h200", "NVIDIA H200", "h200-nvl", "NVIDIA H200 NVL"):
+        assert K.allocator_facts(name).cublas_workspace_bytes == hopper, name
+    for name in ("a100", "rtx-4090", "l4", "t4", "an unknown card", None):
+        assert K.allocator_facts(name).cublas_workspace_bytes == before, name
+
+
 def test_plan_cost_model_keys_are_the_registrys():
     from memtrain.analysis import plan
 

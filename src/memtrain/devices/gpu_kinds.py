@@ -90,12 +90,15 @@ _WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8
 # (typical published figures, not measured here); they differ by driver and CUDA version.
 _H100_ALLOC = AllocatorFacts("h100", 787_283_968, _HOPPER_WORKSPACE, context_measured=True, loose_names=("h100",),
                              context_source="benchmarks/results/gpu-h100/allocator-check")
+# H200: the H100's die (sm90), so torch picks the Hopper workspace; its context is ASSUMED to be the
+# H100's measured one (the same sm90 kernels of torch's libraries), not measured on an H200.
+_H200_ALLOC = AllocatorFacts("h200", _H100_ALLOC.cuda_context_bytes, _HOPPER_WORKSPACE, loose_names=("h200",))
 _A100_ALLOC = AllocatorFacts("a100", 440 * MiB, _WORKSPACE, loose_names=("a100",))
 _RTX4090_ALLOC = AllocatorFacts("rtx4090", 380 * MiB, _WORKSPACE, loose_names=("rtx4090", "4090"))
 # Any other GPU: an assumption.
 DEFAULT_ALLOCATOR = AllocatorFacts("default", 500 * MiB, _WORKSPACE)
 # In the order a loose name is tried.
-_LOOSE_ALLOCATORS = (_H100_ALLOC, _A100_ALLOC, _RTX4090_ALLOC)
+_LOOSE_ALLOCATORS = (_H100_ALLOC, _H200_ALLOC, _A100_ALLOC, _RTX4090_ALLOC)
 
 
 @dataclass(frozen=True)
@@ -131,8 +134,9 @@ GPU_KINDS: dict[str, GpuKind] = {
                       fp8=1670.5 * T),
     # H200 is the H100 SXM die with 141 GB of HBM3e; its memory is measured (the module's docstring).
     "h200": _kind("H200 SXM", 989.4 * T, 989.4 * T, 494.7 * T, 66.9 * T, 4800 * GBs, 150_109_880_320,
-                  memory_measured=True, fp8=1978.9 * T),
-    "h200-nvl": _kind("H200 NVL", 835.5 * T, 835.5 * T, 417.5 * T, 60.0 * T, 4800 * GBs, 141 * GiB, fp8=1670.5 * T),
+                  _H200_ALLOC, memory_measured=True, fp8=1978.9 * T),
+    "h200-nvl": _kind("H200 NVL", 835.5 * T, 835.5 * T, 417.5 * T, 60.0 * T, 4800 * GBs, 141 * GiB, _H200_ALLOC,
+                      fp8=1670.5 * T),
     # Ampere data centre.
     "a100-40gb-sxm": _kind("A100 40GB SXM", 312 * T, 312 * T, 156 * T, 19.5 * T, 1555 * GBs, 40 * GiB, _A100_ALLOC),
     "a100-80gb-sxm": _kind("A100 80GB SXM", 312 * T, 312 * T, 156 * T, 19.5 * T, 2039 * GBs, 80 * GiB, _A100_ALLOC),
