@@ -43,6 +43,7 @@ from typing import Any, Callable, Optional
 # A leaf import (not memtrain.config.run), as in every module of memtrain.files: config reads its
 # files through this package (config.file: files.json_text, files.guard), so files imports no config.
 from memtrain.errors import ConfigError
+from memtrain.files.guard import regular_file_problem
 from memtrain.files.json_text import bounded_jsonl_lines, dumps, loads_bounded
 
 LOCK_NAME = ".memtrain.lock"
@@ -63,6 +64,21 @@ TRAIN_FILES = (RESULT_NAME, METRICS_NAME, LOCK_NAME)  # those memtrain train wri
 # setting bounds every reader of such a file.
 MAX_WHOLE_JSON_BYTES = 256 << 20
 
+
+
+def read_result(folder: str | Path) -> Optional[dict[str, Any]]:
+    """The JSON object in ``FOLDER/result.json``, or None where there is none memtrain may read:
+    absent, not a regular file of the folder (a FIFO, a link out), over MAX_WHOLE_JSON_BYTES, or
+    not a JSON object. For readers that only ask what a run recorded; one that must refuse a bad
+    file in its own words reads it itself."""
+    path = Path(folder) / RESULT_NAME
+    if regular_file_problem(path, path.parent, max_bytes=MAX_WHOLE_JSON_BYTES) is not None:
+        return None
+    try:
+        recorded = loads_bounded(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return recorded if isinstance(recorded, dict) else None
 
 # --------------------------------------------------------------------------- safe writes
 # NAME.memtrain-<pid>.<random>.tmp: the writer's pid tells a later run whether it is gone.

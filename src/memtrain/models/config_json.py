@@ -13,7 +13,6 @@ from typing import Any, Optional
 
 from memtrain.errors import ConfigError, shortened
 from memtrain.files import results
-from memtrain.files.json_text import loads_bounded
 
 
 def json_object(path: Path, what: str) -> dict[str, Any]:
@@ -38,14 +37,8 @@ def json_object(path: Path, what: str) -> dict[str, Any]:
 def _saved_by_run(folder: Path) -> tuple[bool, Optional[str]]:
     """Whether the ``result.json`` in ``folder`` could be read, and the ``--save`` its run
     recorded (None: the run saved no checkpoint). Read bounded: the folder is any folder."""
-    path = folder / "result.json"
-    try:
-        if path.stat().st_size > results.MAX_WHOLE_JSON_BYTES:
-            return False, None
-        recorded = loads_bounded(path.read_bytes())
-    except (OSError, ValueError):
-        return False, None
-    config = recorded.get("config") if isinstance(recorded, dict) else None
+    recorded = results.read_result(folder)
+    config = recorded.get("config") if recorded is not None else None
     train = config.get("train") if isinstance(config, dict) else None
     if not isinstance(train, dict) or "save" not in train:
         return False, None

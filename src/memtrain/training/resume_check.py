@@ -315,14 +315,8 @@ def result_written_at(out: str | Path, step: int) -> bool:
     that step belongs to is finished, and resuming it would only replace its result (its step
     times and memory, measured while it trained) with an evaluation's. A file that is not a
     readable result of that step is left to :func:`memtrain.training.preflight.check_resumed_out`."""
-    path = Path(out) / RESULT_NAME
-    if regular_file_problem(path, path.parent, max_bytes=results.MAX_WHOLE_JSON_BYTES) is not None:
-        return False  # absent, or nothing this check may open (a FIFO, a link out, a huge file)
-    try:
-        recorded = loads_bounded(path.read_bytes())
-    except (OSError, ValueError):
-        return False
-    return isinstance(recorded, dict) and recorded.get("steps") == step
+    recorded = results.read_result(out)  # None: absent, or nothing this check may open (a FIFO, a huge file)
+    return recorded is not None and recorded.get("steps") == step
 
 
 def data_of(config: dict[str, Any]) -> Optional[str]:
