@@ -24,7 +24,8 @@ TINY_FLAGS = [*cli_flags(TINY_MODEL), "--batch-size", "1", "--seq-len", "16", "-
 ])
 def test_instruction_and_chat_records_are_refused_saying_what_memtrain_trains_on(tmp_path, capsys, record, field):
     """Naming a prompt field would train on prompts alone and a messages list is no text: the one
-    error line says memtrain trains on one packed text field, how to make one, and writes nothing."""
+    error line names --data-format for chat and prompt-completion records, how to make a text field
+    of other instruction records, and writes nothing."""
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps(record) + "\n" for _ in range(20)))
     out = tmp_path / "run"
@@ -32,7 +33,7 @@ def test_instruction_and_chat_records_are_refused_saying_what_memtrain_trains_on
     assert main([*argv, *(["--text-field", field] if field else [])]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: "), err
-    assert "apply_chat_template" in err and "no prompt masking" in err
+    assert "--data-format chat" in err and "--data-format prompt-completion" in err and "--text-field" in err
     assert not out.exists()
 
 
@@ -41,7 +42,7 @@ def test_a_text_field_named_like_none_of_those_gets_no_instruction_hint(tmp_path
     data.write_text("".join(json.dumps({"body": "a post"}) + "\n" for _ in range(20)))
     assert main(["train", "--data", str(data), "--steps", "1", "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
-    assert "field 'text' not found" in err and "apply_chat_template" not in err
+    assert "field 'text' not found" in err and "--data-format" not in err
 
 
 def test_a_text_field_that_is_one_part_of_an_instruction_record_is_warned_once(tmp_path, capsys):

@@ -144,6 +144,10 @@ class ModelConfig:
 
 
 # --------------------------------------------------------------------------- data
+# --data-format: what a structured record holds (memtrain.data.records renders the record kinds).
+DATA_FORMATS = ("text", "chat", "prompt-completion", "auto")
+
+
 @dataclass
 class DataConfig:
     """Where the text comes from and how it becomes token blocks."""
@@ -161,6 +165,13 @@ class DataConfig:
         None,
         "Field holding the text in structured sources (default: 'Body' for Posts.xml and "
         "mikex86/stackoverflow-posts, else 'text').",
+    )
+    data_format: str = _f(
+        "text",
+        "What a structured record holds: 'text' (one text field, --text-field), 'chat' (a 'messages' list of "
+        "{role, content}, or ShareGPT's 'conversations' of {from, value}, rendered with the model's chat template), "
+        "'prompt-completion' (TRL's 'prompt' and 'completion': strings joined, message lists rendered with the "
+        "chat template) or 'auto' (told from the first record's fields).",
     )
     strip_html: bool = _f(False, "Remove HTML tags and unescape entities (Stack Overflow bodies are HTML).")
     max_documents: Optional[int] = _f(
@@ -191,6 +202,10 @@ class DataConfig:
         require(self.text_field is None or not plain,
                 f"--text-field {self.text_field} names a field of a structured --data (.jsonl, .json, .parquet, .csv, "
                 f"Posts.xml, hf:...); --data {self.data} is plain text: give that --data or drop --text-field")
+        require(self.data_format in DATA_FORMATS,
+                f"unknown --data-format {self.data_format!r}; choose one of {', '.join(DATA_FORMATS)}")
+        if self.data_format != "text":
+            self._check_record_format(plain)
         require(self.hf_split == "train" or self.data.startswith("hf:"),
                 f"--hf-split {self.hf_split} picks a split of an hf: --data; --data {self.data} has none: give "
                 "--data hf:NAME or drop --hf-split")
@@ -208,6 +223,21 @@ class DataConfig:
             self.max_documents is None or self.max_documents > 0,
             f"--max-documents must be positive, got {self.max_documents}",
         )
+
+    def _check_record_format(self, plain: bool) -> None:
+        """A --data-format other than text reads whole records: refused where --data holds no
+        records (plain text, a Posts.xml dump) and beside the text-only options."""
+        flag = f"--data-format {self.data_format}"
+        xml = not glob.has_magic(self.data) and self.data.lower().endswith(".xml")
+        require(not plain and not xml,
+                f"{flag} reads records (.jsonl, .json, .parquet, hf:...); --data {self.data} is plain text: give "
+                "records or drop --data-format")
+        require(self.text_field is None,
+                f"{flag} reads the records' own fields (messages, conversations, prompt, completion); drop "
+                "--text-field, which names the text of --data-format text")
+        require(not self.strip_html,
+                f"{flag} renders records with a chat template, whose markup --strip-html would remove; drop "
+                "--strip-html")
 
 
 # --------------------------------------------------------------------------- techniques

@@ -28,6 +28,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from memtrain.config.run import DataConfig, effective_cache_dir
+from memtrain.data.records import TemplatedText, make_renderer, template_refusal
 from memtrain.data.sources import iter_documents, source_identity
 from memtrain.data.tokenizer import (
     ENCODE_PIECE_CHARS,
@@ -79,6 +80,8 @@ def prepare_tokens(cfg: DataConfig, progress: Optional[bool] = None, tokenizer: 
     model's own tokenizer (memtrain.models.tokenizer.HFTokenizer: ``name``, ``n_vocab``,
     ``eot_id``, ``encode_batch``); ids that do not fit uint16 are stored as uint32.
     """
+    if cfg.data_format == "chat" and (refusal := template_refusal(cfg.data_format, tokenizer)) is not None:
+        raise refusal  # said before the cache is looked at: a rendered entry needs the template
     root = cache_root(cfg)
     final = root / cache_key(cfg, tokenizer)
     if not cfg.no_cache:
@@ -166,8 +169,21 @@ def cache_key(cfg: DataConfig, tokenizer: Any = None) -> str:
         else _tokenizer_meta(tokenizer),
         "val_fraction": cfg.val_fraction,
         "split_seed": cfg.split_seed,
+        **_format_identity(cfg, tokenizer),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _format_identity(cfg: DataConfig, tokenizer: Any) -> dict[str, Any]:
+    """What a --data-format other than text adds to the key: the format and a SHA-256 of the
+    chat template that renders its records (the tokenizer's identity hashes its files, not a
+    chat_template.jinja beside them, and a changed template must not reuse the old ids). Empty
+    for text, so text entries keep their keys."""
+    if cfg.data_format == "text":
+        return {}
+    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    digest = hashlib.sha256(template.encode()).hexdigest() if template else None
+    return {"data_format": cfg.data_format, "chat_template": digest}
 
 
 def assign_validation(rng: np.random.Generator, n_docs: int, val_fraction: float) -> np.ndarray:
@@ -205,14 +221,15 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenize
         bar = stack.enter_context(
             tqdm(total=cfg.max_documents, unit="doc", desc="tokenizing", disable=not shows_progress(progress), dynamic_ncols=True)
         )
-        for batch in _batched(iter_documents(cfg), BATCH_DOCS, BATCH_CHARS):
+        for batch in _batched(_documents(cfg, tokenizer), BATCH_DOCS, BATCH_CHARS):
             is_val = assign_validation(rng, len(batch), cfg.val_fraction)
             t0 = time.perf_counter()
             encoded = _encode_documents(encode, batch, dtype)
             encode_s += time.perf_counter() - t0
             for split, chosen in (("train", ~is_val), ("val", is_val)):
                 ids = _concat_with_eot([e for e, c in zip(encoded, chosen) if c], tok_meta["eot_id"], dtype,
-                                       tok_meta.get("prefix_ids", ()))
+                                       tok_meta.get("prefix_ids", ()),
+                                       [isinstance(d, TemplatedText) for d, c in zip(batch, chosen) if c])
                 files[split].write(ids.tobytes())
                 docs[split] += int(chosen.sum())
                 tokens[split] += len(ids)
@@ -223,6 +240,7 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenize
         "source": source_identity(cfg),
         "data": cfg.data,
         "tokenizer": tok_meta,
+        **_format_identity(cfg, tokenizer),
         "dtype": dtype.name,
         "n_train_docs": docs["train"],
         "n_val_docs": docs["val"],
@@ -233,6 +251,13 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenize
         "elapsed_s": time.perf_counter() - start,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def _documents(cfg: DataConfig, tokenizer: Any) -> Iterator[str]:
+    """The source's documents; a --data-format other than text renders its records."""
+    if cfg.data_format == "text":
+        return iter_documents(cfg)
+    return iter_documents(cfg, make_renderer(cfg.data_format, tokenizer))
 
 
 Encoder = Any  # list[str] -> list[list[int]]
@@ -267,11 +292,21 @@ def _tokenizer_meta(tokenizer: Any) -> dict[str, Any]:
 
 
 def _concat_with_eot(encoded: list[Any], eot_id: int = EOT_ID, dtype: Any = TOKEN_DTYPE,
-                     prefix: Sequence[int] = ()) -> np.ndarray:
-    """One array: each document's ids, after ``prefix`` (a tokenizer's bos), then the end-of-text id."""
+                     prefix: Sequence[int] = (), templated: Optional[Sequence[bool]] = None) -> np.ndarray:
+    """One array: each document's ids, after ``prefix`` (a tokenizer's bos), then the end-of-text id.
+
+    A ``templated`` document (a record rendered by a chat template, which writes its own bos)
+    gets no ``prefix``, and no end-of-text id when its ids already end with one (TRL's rule for
+    adding eos): the template closed it."""
     eot = np.array([eot_id], dtype=dtype)
-    lead = (np.array(prefix, dtype=dtype),) if len(prefix) else ()
-    parts = [p for ids in encoded for p in (*lead, np.asarray(ids, dtype=dtype), eot)]
+    lead = np.array(prefix, dtype=dtype)
+    parts = []
+    for i, ids in enumerate(encoded):
+        ids = np.asarray(ids, dtype=dtype)
+        if templated is not None and templated[i]:
+            parts += [ids] if len(ids) and ids[-1] == eot_id else [ids, eot]
+        else:
+            parts += [lead, ids, eot] if len(prefix) else [ids, eot]
     return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
@@ -324,7 +359,8 @@ MAX_META_BYTES = 2**20  # the writer's meta.json is under 1 KiB; a larger one is
 def _identity(cfg: DataConfig, tokenizer: Any) -> dict[str, Any]:
     """What the meta.json of this run's entry records of its source and tokenizer, as JSON reads
     it back (lists for tuples)."""
-    return json.loads(json.dumps({"source": source_identity(cfg), "tokenizer": _tokenizer_meta(tokenizer)}))
+    return json.loads(json.dumps({"source": source_identity(cfg), "tokenizer": _tokenizer_meta(tokenizer),
+                                  **_format_identity(cfg, tokenizer)}))
 
 
 def _load_entry(entry: Path, from_cache: bool, expected: Optional[dict[str, Any]] = None) -> TokenSplits | None:

@@ -38,6 +38,7 @@ from memtrain.config.run import ConfigError, DataConfig
 from memtrain.data.default_corpus import DEFAULT_CORPUS_VERSION, default_documents
 from memtrain.data.html_text import html_to_text
 from memtrain.data.json_records import check_json_nesting, check_json_records, first_bad_json_line
+from memtrain.data.records import Render
 from memtrain.data.tokenizer import cut_before_word
 from memtrain.errors import first_line
 from memtrain.files.guard import folder_entry_problems, special_file_kind, visible_entries
@@ -70,13 +71,15 @@ TXT_MAX_LINE_CHARS = 1 << 20
 
 
 # --------------------------------------------------------------------------- entry points
-def iter_documents(cfg: DataConfig) -> Iterator[str]:
+def iter_documents(cfg: DataConfig, render: Optional[Render] = None) -> Iterator[str]:
     """Yield the documents of ``cfg.data`` in a fixed order.
 
     HTML is stripped when ``cfg.strip_html`` is set, empty documents are skipped and at most
     ``cfg.max_documents`` are yielded. A source with no documents raises ConfigError.
+    ``render`` (:func:`memtrain.data.records.make_renderer`, --data-format other than text) makes
+    each structured record's document; a record it returns None for is read by its text field.
     """
-    docs: Iterable[str] = _raw_documents(cfg)
+    docs: Iterable[str] = _raw_documents(cfg, render)
     if cfg.strip_html:
         docs = map(html_to_text, docs)
     docs = (d for d in docs if d and not d.isspace())
@@ -174,13 +177,13 @@ def default_text_field(cfg: DataConfig, kind: str) -> str:
     return "Body" if kind in ("xml", STACKOVERFLOW_HF) else "text"
 
 
-def _raw_documents(cfg: DataConfig) -> Iterator[str]:
+def _raw_documents(cfg: DataConfig, render: Optional[Render] = None) -> Iterator[str]:
     """Dispatch on ``cfg.data``; documents may still be empty or hold HTML."""
     if cfg.data == DEFAULT_SOURCE:
         return iter(default_documents())
     if cfg.data.startswith("hf:"):
-        return _hf_documents(cfg)
-    return _local_documents(resolve_local_files(cfg.data), cfg)
+        return _hf_documents(cfg, render)
+    return _local_documents(resolve_local_files(cfg.data), cfg, render)
 
 
 # --------------------------------------------------------------------------- local files
@@ -298,7 +301,7 @@ def _no_file_matches(pattern: str, check: str) -> ConfigError:
     return ConfigError(f"no file matches {pattern!r}; {check}")
 
 
-def _local_documents(files: list[Path], cfg: DataConfig) -> Iterator[str]:
+def _local_documents(files: list[Path], cfg: DataConfig, render: Optional[Render] = None) -> Iterator[str]:
     """Documents of each file in order, each file read by its suffix."""
     for path in files:
         suffix = path.suffix.lower()
@@ -308,7 +311,7 @@ def _local_documents(files: list[Path], cfg: DataConfig) -> Iterator[str]:
             yield from _xml_documents(path, default_text_field(cfg, "xml"))
         else:
             builder = STRUCTURED_BUILDERS[suffix]
-            yield from _structured_documents(builder, [path], default_text_field(cfg, builder), str(path))
+            yield from _structured_documents(builder, [path], default_text_field(cfg, builder), str(path), render)
 
 
 def _txt_documents(path: Path) -> Iterator[str]:
@@ -428,22 +431,22 @@ def check_dataset_folder(folder: Path, data: str) -> None:
                           "only regular files inside it, remove or replace that entry")
 
 
-def _hf_documents(cfg: DataConfig) -> Iterator[str]:
+def _hf_documents(cfg: DataConfig, render: Optional[Render] = None) -> Iterator[str]:
     """Documents of an ``hf:`` source: a Hub data set streamed, a ``save_to_disk`` folder through
     ``datasets.load_from_disk``, other local files through ``datasets.load_dataset``."""
     kind, target = _parse_hf(cfg.data)
     if kind == "hub":
-        yield from _hub_documents(target, cfg)
+        yield from _hub_documents(target, cfg, render)
     elif kind == "dir":
         root = Path(target)
         check_json_nesting(sorted(p for p in root.rglob("*") if p.is_file() and not _hidden(p, root)
                                    and p.suffix.lower() in JSON_SUFFIXES))
         load = _load_saved if is_saved_dataset(root) else _load_dataset
         ds = load(target, split=cfg.hf_split, label=target)
-        yield from _dataset_texts(ds, default_text_field(cfg, "text"), target)
+        yield from _dataset_texts(ds, default_text_field(cfg, "text"), target, render=render)
     else:
         for path in _match_files(target, cfg.data):
-            yield from _structured_documents(kind, [path], default_text_field(cfg, kind), str(path))
+            yield from _structured_documents(kind, [path], default_text_field(cfg, kind), str(path), render)
 
 
 def is_saved_dataset(folder: Path) -> bool:
@@ -516,17 +519,18 @@ def _load_saved(path: str, *, split: str, label: str) -> Any:
     return ds
 
 
-def _hub_documents(name: str, cfg: DataConfig) -> Iterator[str]:
+def _hub_documents(name: str, cfg: DataConfig, render: Optional[Render] = None) -> Iterator[str]:
     """A dataset streamed from the Hugging Face Hub, with network failures as ConfigError."""
     field = default_text_field(cfg, name)
     ds = _load_dataset(name, split=cfg.hf_split, label=name, hub=True)
     try:
-        yield from _dataset_texts(ds, field, name)
+        yield from _dataset_texts(ds, field, name, render=render)
     except ConnectionError as exc:
         raise ConfigError(_hub_unreachable(name, exc)) from None
 
 
-def _structured_documents(builder: str, files: list[Path], field: str, label: str) -> Iterator[str]:
+def _structured_documents(builder: str, files: list[Path], field: str, label: str,
+                          render: Optional[Render] = None) -> Iterator[str]:
     """Texts of local .jsonl/.json/.parquet/.csv files via the ``datasets`` packaged builders."""
     # An empty file makes the datasets builders end with a bare StopIteration (a RuntimeError
     # inside this generator); it holds no documents, so leave it out and say so if none remain.
@@ -539,7 +543,7 @@ def _structured_documents(builder: str, files: list[Path], field: str, label: st
         check_json_records(files)
         locate = functools.partial(first_bad_json_line, files, label)
     ds = _load_dataset(builder, data_files=[str(p) for p in files], split="train", label=label)
-    yield from _dataset_texts(ds, field, label, locate)
+    yield from _dataset_texts(ds, field, label, locate, render)
 
 
 def _load_dataset(path: str, *, split: str, label: str, hub: bool = False, **kwargs: Any) -> Any:
@@ -582,8 +586,11 @@ def _hub_unreachable(name: str, exc: BaseException) -> str:
 
 
 def _dataset_texts(ds: Iterable[dict[str, Any]], field: str, label: str,
-                   locate: Optional[Callable[[], Optional[str]]] = None) -> Iterator[str]:
+                   locate: Optional[Callable[[], Optional[str]]] = None,
+                   render: Optional[Render] = None) -> Iterator[str]:
     """The ``field`` of every record; a missing field or a non-text value is a ConfigError.
+    ``render`` (a --data-format other than text) makes a record's document instead, where it
+    returns one.
 
     Records are pulled one at a time inside ``try`` so that a parse error in the file
     becomes a ConfigError, while errors raised by the consumer are left alone. ``locate``
@@ -602,6 +609,10 @@ def _dataset_texts(ds: Iterable[dict[str, Any]], field: str, label: str,
             raise
         except (ValueError, OSError, pa.ArrowException, datasets.exceptions.DatasetsError) as exc:
             raise ConfigError(_unreadable(label, exc, locate)) from None
+        rendered = render(record, index, label) if render is not None else None
+        if rendered is not None:
+            yield rendered
+            continue
         if field not in record:
             raise ConfigError(
                 f"field {field!r} not found in record {index} of {label!r} "
@@ -627,13 +638,15 @@ INSTRUCTION_FIELDS = frozenset({"messages", "conversations", "prompt", "completi
 
 
 def _instruction_hint(record: dict[str, Any]) -> str:
-    """What memtrain does with instruction or chat records, when ``record`` looks like one: it
-    trains on one text field (packed, every token a target); nothing formats or masks turns."""
+    """What memtrain does with instruction or chat records, when ``record`` looks like one: TRL's
+    conversational and prompt-completion records are read with ``--data-format``; other
+    instruction records (Alpaca's instruction/output) need their text written to one field."""
     if not INSTRUCTION_FIELDS & set(map(str, record)):
         return ""
-    return ("; for instruction or chat records, write each one's whole text to one field first (e.g. "
-            "tokenizer.apply_chat_template(messages, tokenize=False)): memtrain trains on one text field, packed, "
-            "every token a target (no chat template, no prompt masking)")
+    return ("; for chat records (messages, or ShareGPT's conversations) give --data-format chat, for prompt and "
+            "completion fields --data-format prompt-completion (--data-format auto tells them apart), with a --model "
+            "whose tokenizer has a chat template; other instruction records: write each one's whole text to one "
+            "field and name it with --text-field")
 
 
 def _warn_part_of_a_record(field: str, record: dict[str, Any]) -> None:

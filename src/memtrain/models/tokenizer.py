@@ -9,6 +9,7 @@ two tokenizers never share cached tokens.
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any, Optional
 
 from memtrain.config.run import ConfigError, RunConfig
@@ -44,6 +45,28 @@ class HFTokenizer:
         # result in indexing errors" is about one document run whole, while memtrain packs documents
         # into --seq-len blocks (checked against max_position_embeddings): a long document is no error.
         return self.tok(texts, add_special_tokens=False, verbose=False)["input_ids"]
+
+    @property
+    def chat_template(self) -> Optional[str]:
+        """The chat template the tokenizer renders conversations with (None without one); a
+        tokenizer holding several named templates gives them as one JSON text, so that the token
+        cache's key changes when any of them does."""
+        template = getattr(self.tok, "chat_template", None)
+        if not template:
+            return None
+        return template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """``messages`` rendered by the chat template as text, without a generation prompt (a
+        conversation to train on, as TRL's SFTTrainer renders one); a template's own refusal
+        (jinja's TemplateError: roles that do not alternate) is a ValueError."""
+        # jinja2 comes with transformers, which this tokenizer was loaded with: imported only here
+        from jinja2 import TemplateError
+
+        try:
+            return str(self.tok.apply_chat_template(messages, tokenize=False))
+        except TemplateError as exc:
+            raise ValueError(first_line(exc)) from None
 
 
 def leading_special_ids(tok: Any) -> list[int]:

@@ -23,6 +23,9 @@ from memtrain.models.spec import every_decoder_linear
 from memtrain.training.run_paths import anchored, launch_dir, same_file, same_place
 from memtrain.training.schedule import lr_lambda
 
+# Settings newer than some checkpoints, with the value every run had before they existed: a
+# checkpoint that lacks one resumes as a run with that value.
+ADDED_LATER: dict[str, Any] = {"data_format": "text"}
 # Keys that may differ between the saved run and the resumed one: where output goes, how it
 # is shown, how fast it runs, and implementation choices that compute the same numbers.
 MAY_DIFFER: frozenset[str] = frozenset({
@@ -195,7 +198,8 @@ def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
         for key, value in values.items():
             if key in MAY_DIFFER:
                 continue
-            old = old_section.get(key, "<missing>")  # type: ignore[union-attr]  # old_section is a dict: non-dicts were replaced by {}
+            # A setting added after the checkpoint was saved ran as its default then.
+            old = old_section.get(key, ADDED_LATER.get(key, "<missing>"))  # type: ignore[union-attr]  # old_section is a dict: non-dicts were replaced by {}
             if not same_place(key, old, value) and not _same_lora_targets(key, old, value):
                 diffs.append(f"{key}: {old!r} -> {value!r}")
     return diffs

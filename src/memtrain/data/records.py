@@ -1,0 +1,150 @@
+"""Instruction and chat records as documents: ``--data-format chat | prompt-completion | auto``.
+
+TRL's two dataset formats a fine-tuner brings, read as TRL's ``SFTTrainer`` reads them:
+
+* conversational: ``{"messages": [{"role": ..., "content": ...}, ...]}`` (or ShareGPT's
+  ``{"conversations": [{"from": "human", "value": ...}, ...]}``), rendered by the model's own
+  chat template (``tokenizer.apply_chat_template(messages, tokenize=False)``, no generation
+  prompt);
+* prompt-completion: ``{"prompt": ..., "completion": ...}``: two strings are joined
+  (prompt + completion), two message lists are rendered as one conversation by the template.
+
+A rendered conversation is a :class:`TemplatedText`: the template writes the conversation's
+own markers (a bos where the model has one), so the cache adds no bos before it (a second one
+would follow); a plain prompt + completion is an ordinary document. The template is rendered
+by transformers in jinja's sandbox: it cannot run Python.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Protocol
+
+from memtrain.errors import ConfigError, first_line
+
+CHAT_FIELDS = ("messages", "conversations")
+PROMPT_FIELDS = ("prompt", "completion")
+# ShareGPT's speaker names -> chat roles (TRL's maybe_convert_to_chatml uses the same map).
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system", "tool": "tool"}
+
+Render = Callable[[dict[str, Any], int, str], Optional[str]]
+
+
+class ChatTokenizer(Protocol):
+    """What rendering needs of a model's tokenizer (memtrain.models.tokenizer.HFTokenizer)."""
+
+    name: str
+
+    @property
+    def chat_template(self) -> Optional[str]: ...
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str: ...
+
+
+class TemplatedText(str):
+    """A record rendered by a chat template: framed by the template (no bos added before it)."""
+
+
+def record_kind(record: dict[str, Any]) -> str:
+    """``chat``, ``prompt-completion`` or ``text``: which format ``record``'s fields are (--data-format auto)."""
+    if any(f in record for f in CHAT_FIELDS):
+        return "chat"
+    if all(f in record for f in PROMPT_FIELDS):
+        return "prompt-completion"
+    return "text"
+
+
+def no_template_reason(tokenizer: Optional[ChatTokenizer]) -> Optional[str]:
+    """Why ``tokenizer`` cannot render a conversation (None: it can)."""
+    if tokenizer is None:
+        return "memtrain's GPT reads GPT-2's BPE, which has no chat template"
+    if not tokenizer.chat_template:
+        return "the --model's tokenizer has no chat template (tokenizer_config.json's chat_template or chat_template.jinja)"
+    return None
+
+
+def template_refusal(fmt: str, tokenizer: Optional[ChatTokenizer]) -> Optional[ConfigError]:
+    """The one-line refusal of rendering records as ``fmt`` with ``tokenizer``, or None."""
+    why = no_template_reason(tokenizer)
+    if why is None:
+        return None
+    return ConfigError(f"--data-format {fmt} renders conversations with the model's chat template, and {why}; give "
+                       "--model a folder whose tokenizer has one, or write each record's text to one field and use "
+                       "--data-format text --text-field NAME")
+
+
+def make_renderer(fmt: str, tokenizer: Optional[ChatTokenizer]) -> Render:
+    """``render(record, index, label)``: the document of one record read as ``fmt``; None for a
+    record that is plain text under ``auto`` (the caller reads its text field)."""
+
+    def render(record: dict[str, Any], index: int, label: str) -> Optional[str]:
+        kind = record_kind(record) if fmt == "auto" else fmt
+        if kind == "text":
+            return None
+        where = f"record {index} of {label!r}"
+        if kind == "chat":
+            return _render(tokenizer, chat_messages(record, where), where)
+        return _prompt_completion(record, tokenizer, where)
+
+    return render
+
+
+def chat_messages(record: dict[str, Any], where: str) -> list[dict[str, str]]:
+    """The record's conversation as ``{"role", "content"}`` messages (ShareGPT's from/value mapped)."""
+    field = next((f for f in CHAT_FIELDS if f in record), None)
+    if field is None:
+        raise ConfigError(f"{where} has no {' or '.join(repr(f) for f in CHAT_FIELDS)} field (fields: "
+                          f"{', '.join(map(str, record))}); give chat records or choose another --data-format")
+    return messages_of(record[field], f"{where}'s {field!r}")
+
+
+def messages_of(value: Any, where: str) -> list[dict[str, str]]:
+    """``value`` as a non-empty list of ``{"role", "content"}`` messages; ShareGPT's ``{"from", "value"}``
+    turns are mapped to roles. Anything else is a ConfigError naming ``where``."""
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"{where} is not a non-empty list of messages; write it as "
+                          '[{"role": "user", "content": "..."}, ...]')
+    return [_message(m, f"{where} message {i}") for i, m in enumerate(value, 1)]
+
+
+def _message(m: Any, where: str) -> dict[str, str]:
+    if isinstance(m, dict) and "from" in m and "role" not in m:  # ShareGPT
+        role = SHAREGPT_ROLES.get(str(m["from"]))
+        if role is None:
+            raise ConfigError(f"{where} is from {m['from']!r}, a speaker ShareGPT's format does not name; use one of "
+                              f"{', '.join(SHAREGPT_ROLES)}")
+        m = {"role": role, "content": m.get("value")}
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        raise ConfigError(f"{where} is not a message with text 'role' and 'content'; write it as "
+                          '{"role": "user", "content": "..."}')
+    return {**m, "role": m["role"], "content": m["content"]}
+
+
+def _prompt_completion(record: dict[str, Any], tokenizer: Optional[ChatTokenizer], where: str) -> str:
+    """TRL's rule: two strings are joined; two message lists are one conversation, rendered."""
+    missing = [f for f in PROMPT_FIELDS if f not in record]
+    if missing:
+        raise ConfigError(f"{where} has no {' or '.join(repr(f) for f in missing)} field (fields: "
+                          f"{', '.join(map(str, record))}); give prompt-completion records or choose another --data-format")
+    prompt, completion = record["prompt"], record["completion"]
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return prompt + completion
+    if isinstance(prompt, list) and isinstance(completion, list):
+        return _render(tokenizer, messages_of(prompt, f"{where}'s 'prompt'") +
+                       messages_of(completion, f"{where}'s 'completion'"), where, "prompt-completion")
+    raise ConfigError(f"{where}'s prompt and completion are {type(prompt).__name__} and {type(completion).__name__}; "
+                      "give both as text or both as lists of messages")
+
+
+def _render(tokenizer: Optional[ChatTokenizer], messages: list[dict[str, str]], where: str,
+            fmt: str = "chat") -> TemplatedText:
+    """``messages`` through the tokenizer's chat template; a template's own refusal (roles that
+    do not alternate, a role it does not know) is a ConfigError naming the record."""
+    refusal = template_refusal(fmt, tokenizer)
+    if refusal is not None:
+        raise refusal
+    assert tokenizer is not None
+    try:
+        return TemplatedText(tokenizer.render_chat(messages))
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:  # jinja2's TemplateError too
+        raise ConfigError(f"the chat template refused {where}: {first_line(exc)}; fix the record or remove it") from None

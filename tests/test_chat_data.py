@@ -1,0 +1,221 @@
+"""Chat and prompt-completion records (TRL's dataset formats), --data-format: each conversation's ids
+are the tokenizer's own apply_chat_template ids, closed by eos as every document is; plain prompt +
+completion strings are one ordinary document; a changed template never reuses cached ids; our GPT or
+a tokenizer without a template is one error line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import _small_corpus_texts
+from memtrain.cli import main
+
+pytest.importorskip("transformers")
+pytest.importorskip("datasets")
+
+# Qwen2's ChatML (the default system turn, <|im_start|> / <|im_end|>), and a Llama-2-like template that
+# writes the bos itself and closes each answer with eos, for a tokenizer that also adds bos to a text.
+CHATML = ("{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
+          "You are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n"
+          "{{ message['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+          "{% endif %}")
+LLAMA2 = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}[INST] {{ message['content'] }}"
+          " [/INST]{% elif message['role'] == 'assistant' %} {{ message['content'] }}{{ eos_token }}{% else %}"
+          "<<SYS>>{{ message['content'] }}<</SYS>>{% endif %}{% endfor %}")
+
+CONVERSATIONS = [
+    [{"role": "user", "content": f"How do I sort list {i}?"},
+     {"role": "assistant", "content": f"Use sorted(x{i}) or x{i}.sort()."},
+     {"role": "user", "content": "And in reverse?"},
+     {"role": "assistant", "content": "Pass reverse=True."}] if i % 3 else
+    [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": f"What is {i} + 1?"},
+     {"role": "assistant", "content": f"{i + 1}."}]
+    for i in range(60)
+]
+
+
+def _chat_folder(root: Path, template: str | None, family: str = "qwen2") -> Path:
+    """A config-only tiny Qwen2 (ChatML specials, eos <|im_end|>, no bos) or Llama (<s> added before a
+    text, eos </s>) with its own byte-level BPE and ``template`` as its chat template."""
+    # tokenizers and transformers are optional extras: imported only by the tests that need them
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] if family == "qwen2" else ["<pad>", "<s>", "</s>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    texts = _small_corpus_texts() + [m["content"] for c in CONVERSATIONS for m in c]
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    kw = {"chat_template": template} if template else {}
+    if family == "qwen2":
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", **kw)
+        config = Qwen2Config(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                             eos_token_id=fast.eos_token_id)
+    else:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", **kw)
+        config = LlamaConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                             bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    root.mkdir(parents=True)
+    fast.save_pretrained(root)
+    config.save_pretrained(root)
+    return root
+
+
+def _records(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _tokens(tmp_path: Path, data: Path, model: Path | None, **kw):
+    from memtrain.config.run import build_config
+    from memtrain.data import prepare_tokens
+    from memtrain.models.families import data_tokenizer
+
+    settings = {"data": str(data), "cache_dir": str(tmp_path / "cache"), "val_fraction": 0.2, **kw}
+    if model is not None:
+        settings.update(model=str(model), seq_len=32)
+    cfg = build_config(settings)
+    tokenizer = data_tokenizer(cfg)
+    return prepare_tokens(cfg.data, progress=False, tokenizer=tokenizer), tokenizer
+
+
+def _expected(tok, split_of: list[bool], eos: int, val: bool) -> list[int]:
+    """apply_chat_template's ids of each record of one split, in order, each closed by eos unless it
+    already ends with it."""
+    out: list[int] = []
+    for messages, in_val in zip(CONVERSATIONS, split_of):
+        if in_val != val:
+            continue
+        ids = list(tok.apply_chat_template(messages, tokenize=True, return_dict=False))
+        out += ids if ids[-1] == eos else ids + [eos]
+    return out
+
+
+def _split_of(n: int, val_fraction: float = 0.2, seed: int = 1234) -> list[bool]:
+    from memtrain.data.cache import assign_validation
+
+    return assign_validation(np.random.default_rng(seed), n, val_fraction).tolist()
+
+
+@pytest.mark.parametrize("family, template", [("qwen2", CHATML), ("llama", LLAMA2)])
+def test_chat_records_are_the_tokenizers_own_chat_template_ids_closed_by_eos(tmp_path, family, template):
+    """Every record's ids are tokenizer.apply_chat_template(messages, tokenize=True), then eos (none
+    added after a template that closed the record with it); the template's bos is the only one (the
+    Llama tokenizer's own bos before a text is not added again). ShareGPT's from/value turns give the
+    same ids as the same conversation in messages."""
+    model = _chat_folder(tmp_path / family, template, family)
+    data = _records(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    splits, tokenizer = _tokens(tmp_path, data, model, data_format="chat")
+    tok, eos = tokenizer.tok, tokenizer.eot_id
+    split_of = _split_of(len(CONVERSATIONS))
+    assert splits.n_train_docs == split_of.count(False) and splits.n_val_docs == split_of.count(True)
+    assert np.asarray(splits.train).tolist() == _expected(tok, split_of, eos, val=False)
+    assert np.asarray(splits.val).tolist() == _expected(tok, split_of, eos, val=True)
+    if family == "llama":  # the template's bos, once per record
+        assert int((np.asarray(splits.train) == tok.bos_token_id).sum()) == splits.n_train_docs
+
+    speakers = {"user": "human", "assistant": "gpt", "system": "system"}
+    sharegpt = _records(tmp_path / "sharegpt.jsonl", [
+        {"conversations": [{"from": speakers[m["role"]], "value": m["content"]} for m in c]} for c in CONVERSATIONS])
+    same, _ = _tokens(tmp_path, sharegpt, model, data_format="auto")
+    assert np.array_equal(same.train, splits.train) and np.array_equal(same.val, splits.val)
+
+
+def test_prompt_completion_records_join_strings_and_render_message_lists(tmp_path):
+    """TRL's rule: a prompt and a completion that are strings are one document, prompt + completion
+    (framed as any text: the --data-format text ids of the joined field); message lists are one
+    conversation through the template."""
+    model = _chat_folder(tmp_path / "qwen2", CHATML)
+    pairs = [(f"Question {i}: how do I sort a list?", f" Use sorted(x{i}).") for i in range(40)]
+    plain = _records(tmp_path / "pc.jsonl", [{"prompt": p, "completion": c} for p, c in pairs])
+    joined = _records(tmp_path / "text.jsonl", [{"text": p + c} for p, c in pairs])
+    got, _ = _tokens(tmp_path, plain, model, data_format="prompt-completion")
+    want, _ = _tokens(tmp_path, joined, model)
+    assert np.array_equal(got.train, want.train) and np.array_equal(got.val, want.val)
+
+    convs = _records(tmp_path / "pc-chat.jsonl", [{"prompt": c[:-1], "completion": c[-1:]} for c in CONVERSATIONS])
+    as_pc, _ = _tokens(tmp_path, convs, model, data_format="auto")
+    as_chat, _ = _tokens(tmp_path, _records(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS]),
+                         model, data_format="chat")
+    assert np.array_equal(as_pc.train, as_chat.train)
+
+
+def test_a_changed_chat_template_does_not_reuse_cached_ids(tmp_path):
+    """The template is part of the cache key: the same records under another template (a changed
+    chat_template.jinja, which the tokenizer's file hash does not cover) are rendered again."""
+    model = _chat_folder(tmp_path / "qwen2", CHATML)
+    data = _records(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    first, tokenizer = _tokens(tmp_path, data, model, data_format="chat")
+    assert (model / "chat_template.jinja").is_file()  # where transformers saves a template
+    (model / "chat_template.jinja").write_text(CHATML.replace("You are a helpful assistant.", "Be terse."))
+    second, tokenizer2 = _tokens(tmp_path, data, model, data_format="chat")
+    assert tokenizer2.name == tokenizer.name  # the tokenizer's identity alone would have reused the entry
+    assert not second.from_cache and first.cache_path != second.cache_path
+    system = tokenizer2.tok("Be terse.", add_special_tokens=False)["input_ids"]
+    assert len(second.train) < len(first.train) and len(system) > 0
+
+
+def test_chat_data_without_a_chat_template_is_one_error_line(tmp_path, capsys):
+    """Our GPT (GPT-2's BPE) and a --model whose tokenizer has no template cannot render a
+    conversation: one error line naming what to do, nothing written."""
+    data = _records(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    plain = _chat_folder(tmp_path / "plain", None)
+    for model in ([], ["--model", str(plain)]):
+        out = tmp_path / f"run{len(model)}"
+        assert main(["train", "--data", str(data), "--data-format", "chat", *model, "--steps", "1", "--seq-len", "16",
+                     "--batch-size", "1", "--no-progress", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: --data-format chat renders conversations"), err
+        assert ("GPT-2's BPE" in err) if not model else ("no chat template" in err)
+        assert "--data-format text --text-field" in err and not out.exists()
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--data-format", "chat", "--text-field", "messages"], "drop --text-field"),
+    (["--data-format", "chat", "--strip-html"], "drop --strip-html"),
+    (["--data-format", "prompt-completion", "--data", "default"], "is plain text"),
+    (["--data-format", "chats"], "unknown --data-format 'chats'"),
+])
+def test_record_formats_refuse_what_they_cannot_read(tmp_path, capsys, flags, says):
+    data = _records(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    assert main(["train", "--data", str(data), *flags, "--steps", "1", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err
+
+
+def test_a_record_the_template_or_the_format_cannot_read_is_named(tmp_path):
+    from memtrain.config.run import ConfigError
+
+    model = _chat_folder(tmp_path / "qwen2", CHATML)
+    bad = _records(tmp_path / "bad.jsonl", [{"messages": CONVERSATIONS[0]}, {"messages": [{"role": "user"}]}])
+    with pytest.raises(ConfigError, match=r"record 2 of .*'messages' message 1 is not a message with text 'role'"):
+        _tokens(tmp_path, bad, model, data_format="chat")
+    mixed = _records(tmp_path / "mixed.jsonl", [{"prompt": "a", "completion": [{"role": "user", "content": "b"}]}])
+    with pytest.raises(ConfigError, match="prompt and completion are str and list"):
+        _tokens(tmp_path, mixed, model, data_format="prompt-completion")
+    strict = _chat_folder(tmp_path / "strict", "{{ raise_exception('Conversation roles must alternate') }}")
+    good = _records(tmp_path / "good.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    with pytest.raises(ConfigError, match="the chat template refused record 1 of .*roles must alternate"):
+        _tokens(tmp_path, good, strict, data_format="chat")
+
+
+def test_a_checkpoint_saved_before_data_format_existed_resumes_as_text():
+    """A saved config without data_format ran on text: it resumes as --data-format text, and is
+    another run's under any other format."""
+    from memtrain.config.run import build_config
+    from memtrain.training.resume_check import config_differences
+
+    now = build_config({}).to_dict()
+    saved = {**now, "data": {k: v for k, v in now["data"].items() if k != "data_format"}}
+    assert config_differences(saved, now) == []
+    chat = {**now, "data": {**now["data"], "data_format": "chat"}}
+    assert config_differences(saved, chat) == ["data_format: 'text' -> 'chat'"]
