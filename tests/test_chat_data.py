@@ -219,3 +219,209 @@ def test_a_checkpoint_saved_before_data_format_existed_resumes_as_text():
     assert config_differences(saved, now) == []
     chat = {**now, "data": {**now["data"], "data_format": "chat"}}
     assert config_differences(saved, chat) == ["data_format: 'text' -> 'chat'"]
+
+
+# ChatML with transformers' {% generation %} tags around each answer (its content and end of turn):
+# apply_chat_template(return_assistant_tokens_mask=True) then marks the answers itself, the oracle of
+# the turn-by-turn renders memtrain compares for a template without the tags.
+CHATML_TAGGED = CHATML.replace("<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n",
+                               "<|im_start|>{{ message['role'] }}\n{% if message['role'] == 'assistant' %}"
+                               "{% generation %}{{ message['content'] }}<|im_end|>\n{% endgeneration %}{% else %}"
+                               "{{ message['content'] }}<|im_end|>\n{% endif %}")
+
+
+def _masks_per_record(splits, tok, eos, records, split_of, val: bool):
+    """Each record's (ids, mask) cut from one split's stream, by the lengths of its framed ids."""
+    ids, mask = np.asarray(splits.val if val else splits.train), np.asarray(splits.val_mask if val else splits.train_mask)
+    out, at = [], 0
+    for messages, in_val in zip(records, split_of):
+        if in_val != val:
+            continue
+        own = list(tok.apply_chat_template(messages, tokenize=True, return_dict=False))
+        n = len(own) + (own[-1] != eos)
+        assert ids[at:at + len(own)].tolist() == own
+        out.append((own, mask[at:at + n].tolist()))
+        at += n
+    assert at == len(ids)
+    return out
+
+
+def test_answers_only_marks_each_assistant_turn_as_transformers_generation_tags_do(tmp_path):
+    """--loss-on completion: the target mask beside the ids is 1 on exactly the tokens transformers'
+    assistant mask marks for the same template with {% generation %} tags (each answer and its
+    <|im_end|>), found without the tags by rendering the turns one by one; the eos that closes a record
+    ending with an answer is a target. The ids are --loss-on all's."""
+    model = _chat_folder(tmp_path / "qwen2", CHATML)
+    data = _records(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    splits, tokenizer = _tokens(tmp_path, data, model, data_format="chat", loss_on="completion")
+    plain, _ = _tokens(tmp_path, data, model, data_format="chat")
+    assert np.array_equal(splits.train, plain.train) and plain.train_mask is None
+    tok, eos = tokenizer.tok, tokenizer.eot_id
+    split_of = _split_of(len(CONVERSATIONS))
+    for val in (False, True):
+        for (own, mask), messages in zip(_masks_per_record(splits, tok, eos, CONVERSATIONS, split_of, val),
+                                         [c for c, v in zip(CONVERSATIONS, split_of) if v == val]):
+            oracle = tok.apply_chat_template(messages, chat_template=CHATML_TAGGED, tokenize=True, return_dict=True,
+                                             return_assistant_tokens_mask=True)
+            assert oracle["input_ids"] == own
+            assert mask[:len(own)] == oracle["assistant_masks"]
+            assert mask[len(own):] == [1]  # the closing eos: the record ends with an answer
+    assert 0 < int(np.asarray(splits.train_mask).sum()) < len(splits.train)
+
+
+def test_a_prompt_completion_records_targets_are_its_completion_and_eos(tmp_path):
+    """TRL's completion_only_loss: strings: the completion's tokens and the eos added after it;
+    message lists: after the prompt's render with its generation prompt. The bos a Llama tokenizer
+    adds before the text is a prompt token."""
+    model = _chat_folder(tmp_path / "llama", LLAMA2, "llama")
+    pairs = [(f"Question {i}: how do I sort a list?", f" Use sorted(x{i}).") for i in range(40)]
+    data = _records(tmp_path / "pc.jsonl", [{"prompt": p, "completion": c} for p, c in pairs])
+    splits, tokenizer = _tokens(tmp_path, data, model, data_format="prompt-completion", loss_on="completion")
+    tok, eos = tokenizer.tok, tokenizer.eot_id
+    ids, mask = np.asarray(splits.train).tolist(), np.asarray(splits.train_mask).tolist()
+    at = 0
+    for (p, c), in_val in zip(pairs, _split_of(len(pairs))):
+        if in_val:
+            continue
+        own = tok(p + c, add_special_tokens=False)["input_ids"]
+        n_prompt = len(tok(p, add_special_tokens=False)["input_ids"])
+        assert ids[at:at + len(own) + 2] == [tok.bos_token_id, *own, eos]
+        assert own[:n_prompt] == tok(p, add_special_tokens=False)["input_ids"]  # no merge across the boundary here
+        assert mask[at:at + len(own) + 2] == [0] * (1 + n_prompt) + [1] * (len(own) - n_prompt) + [1]
+        at += len(own) + 2
+    assert at == len(ids)
+
+    chat = _chat_folder(tmp_path / "qwen2", CHATML)
+    convs = _records(tmp_path / "pc-chat.jsonl", [{"prompt": c[:-1], "completion": c[-1:]} for c in CONVERSATIONS])
+    got, tokenizer = _tokens(tmp_path, convs, chat, data_format="auto", loss_on="completion")
+    tok, eos = tokenizer.tok, tokenizer.eot_id
+    split_of = _split_of(len(CONVERSATIONS))
+    for (own, mask), messages in zip(_masks_per_record(got, tok, eos, CONVERSATIONS, split_of, False),
+                                     [c for c, v in zip(CONVERSATIONS, split_of) if not v]):
+        prompt = tok.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert mask == [0] * len(prompt) + [1] * (len(own) - len(prompt)) + [1]
+
+
+def _hf_style_loss(model, block: np.ndarray, mask: np.ndarray) -> float:
+    """transformers' own loss of the blocks: labels are the tokens, -100 where the mask says a token is no
+    target (the prompt's), input_ids the whole block; the model shifts them and averages F.cross_entropy."""
+    import torch
+
+    block = block.astype(np.int64)
+    labels = np.where(mask == 1, block, -100)
+    with torch.no_grad():
+        return float(model.lm(input_ids=torch.from_numpy(block), labels=torch.from_numpy(labels)).loss)
+
+
+@pytest.mark.parametrize("loss", ["standard", "chunked"])
+def test_the_loss_on_answers_is_transformers_loss_with_prompt_labels_ignored(tmp_path, loss):
+    """A training batch and a validation batch of --loss-on completion: memtrain's loss (standard and
+    chunked kernels) equals transformers' loss of the same blocks with labels -100 on the prompt's
+    tokens; a batch holding no answer gives 0 and zero gradients (every kernel's 0/0 would be NaN)."""
+    import torch
+
+    from memtrain.config.run import build_config
+    from memtrain.data import make_train_loader, make_val_batches, prepare_tokens
+    from memtrain.models.families import data_tokenizer
+    from memtrain.techniques import make_precision
+    from memtrain.training.step import build_state
+
+    model_dir = _chat_folder(tmp_path / "qwen2", CHATML)
+    data = _records(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    cfg = build_config({"model": str(model_dir), "data": str(data), "cache_dir": str(tmp_path / "cache"), "seq_len": 32,
+                        "data_format": "chat", "loss_on": "completion", "val_fraction": 0.2, "loss": loss,
+                        "loss_chunk": 16, "dropout": 0.0})
+    splits = prepare_tokens(cfg.data, progress=False, tokenizer=data_tokenizer(cfg))
+    torch.manual_seed(0)
+    state = build_state(cfg, torch.device("cpu"), make_precision("fp32", torch.device("cpu")))
+    model = state.model
+    loader = make_train_loader(splits.train, 32, 4, seed=1, mask=splits.train_mask)
+    x, y = loader.next_batch()
+    order = loader._sampler().epoch_order(0)[:4]
+    blocks = np.stack([np.asarray(splits.train[i * 33:(i + 1) * 33]) for i in order])
+    masks = np.stack([np.asarray(splits.train_mask[i * 33:(i + 1) * 33]) for i in order])
+    assert np.array_equal(x.numpy(), blocks[:, :-1]) and (y == -100).any() and (y != -100).any()
+    with torch.no_grad():
+        ours = float(model(x, y))
+    assert ours == pytest.approx(_hf_style_loss(model, blocks, masks), rel=1e-5)
+
+    (vx, vy), = make_val_batches(splits.val, 32, 2, 2, mask=splits.val_mask)
+    vblocks, vmasks = np.asarray(splits.val[:66]).reshape(2, 33), np.asarray(splits.val_mask[:66]).reshape(2, 33)
+    with torch.no_grad():
+        assert float(model(vx, vy)) == pytest.approx(_hf_style_loss(model, vblocks, vmasks), rel=1e-5)
+
+    prompt_only = torch.full_like(y, -100)
+    lost = model(x, prompt_only)
+    lost.backward()
+    assert float(lost) == 0.0
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() and not g.any() for g in grads)
+
+
+def test_plain_text_keeps_the_ids_it_had_before_data_formats(small_corpus, tmp_path):
+    """The text path is untouched: the small corpus's GPT-2 ids hash as they did before --data-format
+    and --loss-on existed (pinned on the commit before them), with no target mask."""
+    import hashlib
+
+    splits, _ = _tokens(tmp_path, small_corpus, None, val_fraction=0.05)
+    assert splits.train_mask is None and splits.val_mask is None
+    assert (len(splits.train), len(splits.val)) == (18002, 1438)
+    assert hashlib.sha256(np.asarray(splits.train).tobytes()).hexdigest() == \
+        "855868dbaf890a37a5263aeae6ede3eb19e1ffe51112b2560cb0b56facc99dec"
+    assert hashlib.sha256(np.asarray(splits.val).tobytes()).hexdigest() == \
+        "d270f40d4555bceec6bd518da6af135410c0b7161756f8d469ccea7bff3ea1b9"
+
+
+def test_our_gpt_trains_on_the_completions_of_plain_prompt_completion_records(tmp_path, capsys):
+    """Plain-string prompt-completion needs no template: our GPT (GPT-2's BPE, offsets from its ids)
+    trains on the completions; result.json counts the answer tokens the losses average and the
+    summary line says val loss is over them. Data without an answer, or validation blocks without
+    one, are one error line before the first step."""
+    from memtrain.data.tokenizer import get_tokenizer
+
+    pairs = [(f"Question {i}: how do I sort a list?", f" Use sorted(x{i}).") for i in range(60)]
+    data = _records(tmp_path / "pc.jsonl", [{"prompt": p, "completion": c} for p, c in pairs])
+    splits, _ = _tokens(tmp_path, data, None, data_format="prompt-completion", loss_on="completion")
+    gpt2 = get_tokenizer()
+    p, c = pairs[0]
+    n_prompt, n_all = len(gpt2.encode_ordinary(p)), len(gpt2.encode_ordinary(p + c))
+    first = 0 if not _split_of(len(pairs))[0] else None
+    assert first == 0  # the first record is a training one
+    assert np.asarray(splits.train_mask[:n_all + 1]).tolist() == [0] * n_prompt + [1] * (n_all - n_prompt) + [1]
+
+    out = tmp_path / "run"
+    run = ["--steps", "2", "--seq-len", "16", "--batch-size", "2", "--val-blocks", "4", "--val-fraction", "0.2",
+           "--no-progress", "--cache-dir", str(tmp_path / "cache")]
+    gpt = ["--d-model", "32", "--n-heads", "4", "--n-layers", "2", "--d-ff", "64", "--max-seq-len", "64"]
+    assert main(["train", "--data", str(data), "--loss-on", "completion", "--data-format", "prompt-completion", *gpt, *run,
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    result = json.loads((out / "result.json").read_text())
+    d = result["data"]
+    assert 0 < d["val_target_tokens_evaluated"] < d["val_tokens_evaluated"] and d["train_target_tokens"] < d["train_tokens"]
+    assert f"on the {d['val_target_tokens_evaluated']:,} answer tokens of" in printed
+    assert all(np.isfinite(result["loss_history"]))
+
+    model = _chat_folder(tmp_path / "qwen2", CHATML)  # conversations without an assistant turn: no answer
+    asked = _records(tmp_path / "asked.jsonl", [{"messages": c[:1]} for c in CONVERSATIONS])
+    assert main(["train", "--model", str(model), "--data", str(asked), "--loss-on", "completion", "--data-format", "chat",
+                 *run, "--out", str(tmp_path / "r2")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds no answer token" in err and not (tmp_path / "r2").exists()
+    assert main(["train", "--data", str(data), "--loss-on", "completion", "--data-format", "text",
+                 "--out", str(tmp_path / "r3")]) == 2
+    assert "--data-format text has none" in capsys.readouterr().err
+
+
+def test_a_template_that_renders_first_turns_otherwise_later_is_refused_for_answers_only(tmp_path):
+    """A template whose render of the first turns changes once more follow (here: it opens with the
+    number of turns) leaves no prefix to tell answers from prompts: --loss-on completion names the
+    record and --loss-on all; --loss-on all renders it as it is."""
+    from memtrain.config.run import ConfigError
+
+    model = _chat_folder(tmp_path / "qwen2", "{{ messages | length }}" + CHATML)
+    data = _records(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    with pytest.raises(ConfigError, match=r"renders the first turns of record 1 of .* differently .*--loss-on all"):
+        _tokens(tmp_path, data, model, data_format="chat", loss_on="completion")
+    splits, _ = _tokens(tmp_path, data, model, data_format="chat")
+    assert splits.train_mask is None and len(splits.train)

@@ -628,6 +628,10 @@ def _val_span(result: dict[str, Any]) -> str:
     """What the val loss covers: --val-blocks blocks, not the whole held-out split as the Trainer's eval."""
     data = result.get("data") or {}
     n, held_out = data.get("val_tokens_evaluated"), data.get("val_tokens")
+    answers = data.get("val_target_tokens_evaluated")
+    if answers is not None and n and held_out:  # --loss-on completion: the average is over answers only
+        return (f" (on the {answers:,} answer tokens of {n:,} of {held_out:,} held-out tokens; --loss-on completion, "
+                "--val-blocks)")
     return f" (on {n:,} of {held_out:,} held-out tokens; --val-blocks)" if n and held_out else ""
 
 

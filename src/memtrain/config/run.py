@@ -146,6 +146,7 @@ class ModelConfig:
 # --------------------------------------------------------------------------- data
 # --data-format: what a structured record holds (memtrain.data.records renders the record kinds).
 DATA_FORMATS = ("text", "chat", "prompt-completion", "auto")
+LOSS_ON = ("all", "completion")  # --loss-on: every token a target, or a record's answers only
 
 
 @dataclass
@@ -172,6 +173,13 @@ class DataConfig:
         "{role, content}, or ShareGPT's 'conversations' of {from, value}, rendered with the model's chat template), "
         "'prompt-completion' (TRL's 'prompt' and 'completion': strings joined, message lists rendered with the "
         "chat template) or 'auto' (told from the first record's fields).",
+    )
+    loss_on: str = _f(
+        "all",
+        "Which tokens are targets: 'all' (every token) or 'completion' (a record's answers only: the assistant's "
+        "turns of a conversation, the completion of a prompt-completion record; TRL's assistant_only_loss and "
+        "completion_only_loss; the others' targets are -100, and validation loss averages answer tokens only). "
+        "'completion' needs --data-format chat, prompt-completion or auto.",
     )
     strip_html: bool = _f(False, "Remove HTML tags and unescape entities (Stack Overflow bodies are HTML).")
     max_documents: Optional[int] = _f(
@@ -206,6 +214,10 @@ class DataConfig:
                 f"unknown --data-format {self.data_format!r}; choose one of {', '.join(DATA_FORMATS)}")
         if self.data_format != "text":
             self._check_record_format(plain)
+        require(self.loss_on in LOSS_ON, f"unknown --loss-on {self.loss_on!r}; choose one of {', '.join(LOSS_ON)}")
+        require(self.loss_on == "all" or self.data_format != "text",
+                f"--loss-on {self.loss_on} trains on the answers of chat or prompt-completion records; --data-format "
+                "text has none: give --data-format chat, prompt-completion or auto, or drop --loss-on")
         require(self.hf_split == "train" or self.data.startswith("hf:"),
                 f"--hf-split {self.hf_split} picks a split of an hf: --data; --data {self.data} has none: give "
                 "--data hf:NAME or drop --hf-split")

@@ -28,7 +28,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from memtrain.config.run import DataConfig, effective_cache_dir
-from memtrain.data.records import TemplatedText, make_renderer, template_refusal
+from memtrain.data.records import RecordText, make_renderer, template_refusal
 from memtrain.data.sources import iter_documents, source_identity
 from memtrain.data.tokenizer import (
     ENCODE_PIECE_CHARS,
@@ -70,6 +70,10 @@ class TokenSplits:
     tokens_per_s: float | None  # BPE encoding speed of this run; None when read from the cache
     cache_path: str
     tokenizer: str = TOKENIZER_NAME  # the name of the tokenizer that produced the ids (meta.json's)
+    # --loss-on completion: 1 where the token is a target (a record's answer), beside each split's
+    # ids (memory-mapped uint8); None when every token is one.
+    train_mask: Optional[np.ndarray] = None
+    val_mask: Optional[np.ndarray] = None
 
 
 def prepare_tokens(cfg: DataConfig, progress: Optional[bool] = None, tokenizer: Any = None) -> TokenSplits:
@@ -183,7 +187,9 @@ def _format_identity(cfg: DataConfig, tokenizer: Any) -> dict[str, Any]:
         return {}
     template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
     digest = hashlib.sha256(template.encode()).hexdigest() if template else None
-    return {"data_format": cfg.data_format, "chat_template": digest}
+    # --loss-on completion writes a target mask beside the ids (its entries alone hold one).
+    answers = {"loss_on": cfg.loss_on} if cfg.loss_on != "all" else {}
+    return {"data_format": cfg.data_format, "chat_template": digest, **answers}
 
 
 def assign_validation(rng: np.random.Generator, n_docs: int, val_fraction: float) -> np.ndarray:
@@ -218,19 +224,32 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenize
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
         files: dict[str, BinaryIO] = {s: stack.enter_context(open(out / f"{s}.bin", "wb")) for s in SPLITS}
+        masked = cfg.loss_on == "completion"
+        mask_files = {s: stack.enter_context(open(out / f"{s}.mask", "wb")) for s in SPLITS} if masked else {}
+        targets = {s: 0 for s in SPLITS}
         bar = stack.enter_context(
             tqdm(total=cfg.max_documents, unit="doc", desc="tokenizing", disable=not shows_progress(progress), dynamic_ncols=True)
         )
         for batch in _batched(_documents(cfg, tokenizer), BATCH_DOCS, BATCH_CHARS):
             is_val = assign_validation(rng, len(batch), cfg.val_fraction)
             t0 = time.perf_counter()
-            encoded = _encode_documents(encode, batch, dtype)
+            if masked:
+                encoded, doc_masks = _encode_masked(tokenizer, batch, dtype)
+            else:
+                encoded = _encode_documents(encode, batch, dtype)
             encode_s += time.perf_counter() - t0
             for split, chosen in (("train", ~is_val), ("val", is_val)):
+                kept = [d for d, c in zip(batch, chosen) if c]
                 ids = _concat_with_eot([e for e, c in zip(encoded, chosen) if c], tok_meta["eot_id"], dtype,
-                                       tok_meta.get("prefix_ids", ()),
-                                       [isinstance(d, TemplatedText) for d, c in zip(batch, chosen) if c])
+                                       tok_meta.get("prefix_ids", ()), [_templated(d) for d in kept])
                 files[split].write(ids.tobytes())
+                if masked:
+                    mask = _concat_masks([m for m, c in zip(doc_masks, chosen) if c], kept,
+                                         [e for e, c in zip(encoded, chosen) if c], tok_meta["eot_id"],
+                                         len(tok_meta.get("prefix_ids", ())))
+                    assert len(mask) == len(ids), "a target mask must frame its documents as the ids do"
+                    mask_files[split].write(mask.tobytes())
+                    targets[split] += int(mask.sum())
                 docs[split] += int(chosen.sum())
                 tokens[split] += len(ids)
             bar.update(len(batch))
@@ -246,6 +265,7 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenize
         "n_val_docs": docs["val"],
         "n_train_tokens": tokens["train"],
         "n_val_tokens": tokens["val"],
+        **({"n_train_targets": targets["train"], "n_val_targets": targets["val"]} if masked else {}),
         "tokens_per_s": sum(tokens.values()) / max(encode_s, 1e-9),
         "encode_s": encode_s,
         "elapsed_s": time.perf_counter() - start,
@@ -254,10 +274,77 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenize
 
 
 def _documents(cfg: DataConfig, tokenizer: Any) -> Iterator[str]:
-    """The source's documents; a --data-format other than text renders its records."""
+    """The source's documents; a --data-format other than text renders its records (with their
+    answers' spans under --loss-on completion)."""
     if cfg.data_format == "text":
         return iter_documents(cfg)
-    return iter_documents(cfg, make_renderer(cfg.data_format, tokenizer))
+    return iter_documents(cfg, make_renderer(cfg.data_format, tokenizer, answers=cfg.loss_on == "completion"))
+
+
+def _templated(doc: str) -> bool:
+    """Whether a chat template rendered ``doc`` (it then frames itself: no bos is added)."""
+    return isinstance(doc, RecordText) and doc.templated
+
+
+def _answers(doc: str) -> Optional[tuple[tuple[int, int], ...]]:
+    """The character spans of ``doc``'s answers; None for plain text, whose every token is a target."""
+    return doc.answers if isinstance(doc, RecordText) else None
+
+
+def _token_offsets(tokenizer: Any, docs: list[str]) -> list[tuple[list[int], np.ndarray, np.ndarray]]:
+    """Each document's ids with each id's start and end character: a model's tokenizer gives
+    them with its ids; GPT-2's BPE by decoding its ids with offsets. A document is encoded whole
+    (not in pieces), so its offsets hold however its tokens merge."""
+    out = []
+    if tokenizer is None:
+        gpt2 = get_tokenizer()
+        for doc in docs:
+            ids = gpt2.encode_ordinary(doc)
+            starts = np.asarray(gpt2.decode_with_offsets(ids)[1], dtype=np.int64)
+            ends = np.append(starts[1:], len(doc)) if len(ids) else starts
+            out.append((ids, starts, ends))
+        return out
+    for ids, offsets in tokenizer.encode_offsets(docs):
+        spans = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+        out.append((ids, spans[:, 0], spans[:, 1]))
+    return out
+
+
+def _encode_masked(tokenizer: Any, docs: list[str], dtype: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The ids of each document and its target mask (1: a target, uint8): a token is a target
+    when its characters overlap an answer's span (transformers' rule for its assistant masks:
+    a token that a boundary cuts counts as the answer's); every token of plain text is one."""
+    ids_out, masks = [], []
+    for doc, (ids, starts, ends) in zip(docs, _token_offsets(tokenizer, docs)):
+        mask = np.ones(len(ids), dtype=np.uint8)
+        spans = _answers(doc)
+        if spans is not None:
+            ends = np.maximum(ends, starts + 1)  # a token of no characters (one a template adds) at its start
+            hit = np.zeros(len(ids), dtype=bool)
+            for lo, hi in spans:
+                hit |= (starts < hi) & (ends > lo)
+            mask = hit.astype(np.uint8)
+        ids_out.append(np.array(ids, dtype=dtype))
+        masks.append(mask)
+    return ids_out, masks
+
+
+def _concat_masks(masks: list[np.ndarray], docs: list[str], encoded: list[np.ndarray], eot_id: int,
+                  n_prefix: int) -> np.ndarray:
+    """The target mask of :func:`_concat_with_eot`'s array, framed alike: a bos added before a
+    document and its closing eos are targets in plain text; in a record with answers the bos
+    is not, and the eos is when the record ends with an answer (TRL's completion ends with the
+    eos it adds)."""
+    parts = []
+    for mask, doc, ids in zip(masks, docs, encoded):
+        spans = _answers(doc)
+        closing = np.array([spans is None or any(hi >= len(doc) for _, hi in spans)], dtype=np.uint8)
+        if _templated(doc):
+            parts += [mask] if len(ids) and ids[-1] == eot_id else [mask, closing]
+        else:
+            lead = np.full(n_prefix, 1 if spans is None else 0, dtype=np.uint8)
+            parts += [lead, mask, closing]
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
 
 
 Encoder = Any  # list[str] -> list[list[int]]
@@ -408,6 +495,9 @@ def _load_entry(entry: Path, from_cache: bool, expected: Optional[dict[str, Any]
         # step with an index error; one pass over the tokens (GB/s) rebuilds the entry instead.
         if n and int(arrays[split].max()) >= n_vocab:
             return None
+    masks = _load_masks(entry, meta, sizes)
+    if masks is None:
+        return None
     return TokenSplits(
         train=arrays["train"],
         val=arrays["val"],
@@ -417,4 +507,23 @@ def _load_entry(entry: Path, from_cache: bool, expected: Optional[dict[str, Any]
         tokens_per_s=None if from_cache else tokens_per_s,
         cache_path=str(entry),
         tokenizer=tok_name if isinstance(tok_name, str) else TOKENIZER_NAME,
+        train_mask=masks.get("train"),
+        val_mask=masks.get("val"),
     )
+
+
+def _load_masks(entry: Path, meta: dict[str, Any], sizes: dict[str, int]) -> Optional[dict[str, np.ndarray]]:
+    """The entry's target masks ({} for an entry without them: every token a target), or None when
+    they are inconsistent with its ids (the entry is then rebuilt). Each must be a regular file of
+    the entry, one byte per token, every byte 0 or 1."""
+    if "n_train_targets" not in meta:
+        return {}
+    masks = {}
+    for split in SPLITS:
+        path, n = entry / f"{split}.mask", sizes[split]
+        if regular_file_problem(path, entry) is not None or path.stat().st_size != n:
+            return None
+        masks[split] = np.memmap(path, dtype=np.uint8, mode="r") if n else np.zeros(0, np.uint8)
+        if n and int(masks[split].max()) > 1:
+            return None
+    return masks

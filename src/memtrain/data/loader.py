@@ -2,9 +2,10 @@
 
 The token stream is cut into non-overlapping blocks of ``seq_len + 1`` tokens; block ``i``
 gives the input ``x`` (its first ``seq_len`` tokens) and the target ``y`` (the same tokens
-shifted by one). Training visits the blocks in a seeded permutation per epoch, so the batch
-order is a pure function of (seed, epoch, batch index): that is what makes an exact resume
-possible with nothing more than two integers in the checkpoint.
+shifted by one; with a target mask, ``--loss-on completion``, -100 where a token is a
+prompt's). Training visits the blocks in a seeded permutation per epoch, so the batch order is
+a pure function of (seed, epoch, batch index): that is what makes an exact resume possible with
+nothing more than two integers in the checkpoint.
 
 Usage::
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -29,19 +30,24 @@ from memtrain.data.cache import TokenSplits
 from memtrain.data.sources import TEXT_SUFFIXES, TXT_DOC_CHARS
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+# The target of a token that is no target (--loss-on completion: a prompt's): every loss ignores it,
+# as torch's cross_entropy and transformers' labels do.
+IGNORE_INDEX = -100
 
 
 class BlockDataset(Dataset):
     """Non-overlapping blocks of ``seq_len + 1`` tokens; item ``i`` is ``(x, y)``, int64, length ``seq_len``.
 
     The tail shorter than one block is dropped. ``tokens`` is usually a read-only np.memmap:
-    a block is copied out of it only when requested.
+    a block is copied out of it only when requested. ``mask`` (--loss-on completion; as long as
+    ``tokens``, 1 where the token is a target): a target whose token is not one is IGNORE_INDEX in ``y``.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
+    def __init__(self, tokens: np.ndarray, seq_len: int, mask: Optional[np.ndarray] = None) -> None:
         if seq_len <= 0:
             raise ConfigError(f"--seq-len must be positive, got {seq_len}")
         self.tokens = tokens
+        self.mask = mask
         self.seq_len = seq_len
         self.block_len = seq_len + 1
         self.n_blocks = len(tokens) // self.block_len
@@ -56,6 +62,8 @@ class BlockDataset(Dataset):
             raise IndexError(f"block {index} out of range for {self.n_blocks} blocks")
         start = index * self.block_len
         block = torch.from_numpy(np.asarray(self.tokens[start : start + self.block_len], dtype=np.int64))
+        if self.mask is not None:
+            return block[:-1], self._masked(block[1:], self.mask[start + 1 : start + self.block_len])
         return block[:-1], block[1:]
 
     def batch(self, indices: list[int]) -> Batch:
@@ -70,7 +78,24 @@ class BlockDataset(Dataset):
             raise IndexError(f"blocks {list(indices)} out of range for {self.n_blocks} blocks")
         rows = np.asarray(self.tokens[starts[:, None] + np.arange(self.block_len)], dtype=np.int64)
         block = torch.from_numpy(rows)
+        if self.mask is not None:
+            y = self._masked(block[:, 1:].contiguous(), self.mask[starts[:, None] + np.arange(1, self.block_len)])
+            return block[:, :-1].contiguous(), y
         return block[:, :-1].contiguous(), block[:, 1:].contiguous()
+
+    @staticmethod
+    def _masked(y: torch.Tensor, mask: np.ndarray) -> torch.Tensor:
+        """``y`` (a copy, never the tokens' map) with IGNORE_INDEX where ``mask`` is 0."""
+        return y.masked_fill(torch.from_numpy(np.asarray(mask) == 0), IGNORE_INDEX)
+
+    def target_blocks(self, count: int) -> torch.Tensor:
+        """The targets of the first ``count`` blocks, (count, seq_len) int64: the blocks' tokens
+        after their first, IGNORE_INDEX where the mask says a token is no target."""
+        y = self.blocks(count)[:, 1:].contiguous()
+        if self.mask is None:
+            return y
+        mask = np.asarray(self.mask[: count * self.block_len]).reshape(count, self.block_len)[:, 1:]
+        return self._masked(y, mask)
 
     def blocks(self, count: int) -> torch.Tensor:
         """The first ``count`` blocks as one (count, seq_len + 1) int64 tensor."""
@@ -81,16 +106,19 @@ class BlockDataset(Dataset):
     # spawned (rather than forked); a whole-file map travels as its file name instead.
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        tokens = self.tokens
-        if isinstance(tokens, np.memmap) and _is_whole_file_map(tokens):
-            state["tokens"] = ("memmap", str(tokens.filename), tokens.dtype.str, int(tokens.offset), len(tokens))
+        for key in ("tokens", "mask"):
+            arr = state.get(key)
+            if isinstance(arr, np.memmap) and _is_whole_file_map(arr):
+                state[key] = ("memmap", str(arr.filename), arr.dtype.str, int(arr.offset), len(arr))
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        tokens = state["tokens"]
-        if isinstance(tokens, tuple) and tokens[0] == "memmap":
-            _, filename, dtype, offset, length = tokens
-            state["tokens"] = np.memmap(filename, dtype=np.dtype(dtype), mode="r", offset=offset, shape=(length,))
+        for key in ("tokens", "mask"):
+            arr = state.get(key)
+            if isinstance(arr, tuple) and arr[0] == "memmap":
+                _, filename, dtype, offset, length = arr
+                state[key] = np.memmap(filename, dtype=np.dtype(dtype), mode="r", offset=offset, shape=(length,))
+        state.setdefault("mask", None)
         self.__dict__.update(state)
 
 
@@ -260,11 +288,13 @@ def make_train_loader(
     prefetch_factor: int | None = None,
     rank: int = 0,
     world_size: int = 1,
+    mask: Optional[np.ndarray] = None,
 ) -> TrainLoader:
-    """A :class:`TrainLoader` over ``tokens``; ConfigError if they do not fill one global batch."""
+    """A :class:`TrainLoader` over ``tokens`` (and their target ``mask``, --loss-on completion);
+    ConfigError if they do not fill one global batch."""
     if batch_size <= 0:
         raise ConfigError(f"--batch-size must be positive, got {batch_size}")
-    dataset = BlockDataset(tokens, seq_len)
+    dataset = BlockDataset(tokens, seq_len, mask)
     needed = batch_size * world_size
     if len(dataset) < needed:
         shape = f"{batch_size} x {world_size} ranks" if world_size > 1 else f"{batch_size}"
@@ -304,21 +334,27 @@ def check_split_documents(splits: TokenSplits, data: DataConfig) -> None:
                       "use more data")
 
 
-def make_val_batches(tokens: np.ndarray, seq_len: int, n_blocks: int, batch_size: int) -> list[Batch]:
-    """The first ``min(n_blocks, available)`` validation blocks, in order, as (x, y) batches.
+def make_val_batches(tokens: np.ndarray, seq_len: int, n_blocks: int, batch_size: int,
+                     mask: Optional[np.ndarray] = None) -> list[Batch]:
+    """The first ``min(n_blocks, available)`` validation blocks, in order, as (x, y) batches
+    (``mask``: --loss-on completion's targets, IGNORE_INDEX elsewhere in ``y``).
 
     A fixed subset, so every evaluation (and every technique in a benchmark) measures loss
     on the same tokens. The last batch may be smaller than ``batch_size``.
     """
     if n_blocks <= 0 or batch_size <= 0:
         raise ConfigError(f"--val-blocks and --batch-size must be positive, got {n_blocks} and {batch_size}")
-    dataset = BlockDataset(tokens, seq_len)
+    dataset = BlockDataset(tokens, seq_len, mask)
     if len(dataset) == 0:
         raise ConfigError(
             f"validation split has {len(tokens):,} tokens, fewer than one block needs ({seq_len + 1:,}); "
             f"raise --val-fraction, use more data or lower --seq-len"
         )
-    blocks = dataset.blocks(min(n_blocks, len(dataset)))
+    count = min(n_blocks, len(dataset))
+    blocks = dataset.blocks(count)
+    if mask is not None:
+        return list(zip((chunk[:, :-1].contiguous() for chunk in torch.split(blocks, batch_size)),
+                        torch.split(dataset.target_blocks(count), batch_size)))
     return [
         (chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous())
         for chunk in torch.split(blocks, batch_size)

@@ -9,10 +9,17 @@ TRL's two dataset formats a fine-tuner brings, read as TRL's ``SFTTrainer`` read
 * prompt-completion: ``{"prompt": ..., "completion": ...}``: two strings are joined
   (prompt + completion), two message lists are rendered as one conversation by the template.
 
-A rendered conversation is a :class:`TemplatedText`: the template writes the conversation's
-own markers (a bos where the model has one), so the cache adds no bos before it (a second one
-would follow); a plain prompt + completion is an ordinary document. The template is rendered
-by transformers in jinja's sandbox: it cannot run Python.
+A rendered conversation is a :class:`RecordText` marked ``templated``: the template writes the
+conversation's own markers (a bos where the model has one), so the cache adds no bos before it (a
+second one would follow); a plain prompt + completion is an ordinary document. The template is
+rendered by transformers in jinja's sandbox: it cannot run Python.
+
+With ``--loss-on completion`` a record also carries the character spans of its answers (TRL's
+``assistant_only_loss`` / ``completion_only_loss``): each assistant turn from the end of its
+header (the template's generation prompt) to the end of its render (its end-of-turn marker
+included), found by rendering the conversation turn by turn and comparing the prefixes, which
+works for templates without transformers' ``{% generation %}`` tags; the completion of a
+prompt-completion record. The cache turns the spans into a per-token target mask.
 """
 
 from __future__ import annotations
@@ -38,11 +45,22 @@ class ChatTokenizer(Protocol):
     @property
     def chat_template(self) -> Optional[str]: ...
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str: ...
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str: ...
 
 
-class TemplatedText(str):
-    """A record rendered by a chat template: framed by the template (no bos added before it)."""
+class RecordText(str):
+    """A record's document: ``templated`` when a chat template rendered it (framed by the
+    template: no bos added before it), and the character spans of its answers (``answers``,
+    None when the run trains on every token)."""
+
+    templated: bool
+    answers: Optional[tuple[tuple[int, int], ...]]
+
+    def __new__(cls, text: str, templated: bool, answers: Optional[list[tuple[int, int]]] = None) -> RecordText:
+        self = super().__new__(cls, text)
+        self.templated = templated
+        self.answers = None if answers is None else tuple(answers)
+        return self
 
 
 def record_kind(record: dict[str, Any]) -> str:
@@ -73,9 +91,10 @@ def template_refusal(fmt: str, tokenizer: Optional[ChatTokenizer]) -> Optional[C
                        "--data-format text --text-field NAME")
 
 
-def make_renderer(fmt: str, tokenizer: Optional[ChatTokenizer]) -> Render:
+def make_renderer(fmt: str, tokenizer: Optional[ChatTokenizer], answers: bool = False) -> Render:
     """``render(record, index, label)``: the document of one record read as ``fmt``; None for a
-    record that is plain text under ``auto`` (the caller reads its text field)."""
+    record that is plain text under ``auto`` (the caller reads its text field). ``answers``
+    (``--loss-on completion``): each document carries its answers' character spans."""
 
     def render(record: dict[str, Any], index: int, label: str) -> Optional[str]:
         kind = record_kind(record) if fmt == "auto" else fmt
@@ -83,8 +102,10 @@ def make_renderer(fmt: str, tokenizer: Optional[ChatTokenizer]) -> Render:
             return None
         where = f"record {index} of {label!r}"
         if kind == "chat":
-            return _render(tokenizer, chat_messages(record, where), where)
-        return _prompt_completion(record, tokenizer, where)
+            messages = chat_messages(record, where)
+            text = _render(tokenizer, messages, where)
+            return RecordText(text, True, _chat_answers(tokenizer, messages, text, where) if answers else None)
+        return _prompt_completion(record, tokenizer, where, answers)
 
     return render
 
@@ -120,24 +141,32 @@ def _message(m: Any, where: str) -> dict[str, str]:
     return {**m, "role": m["role"], "content": m["content"]}
 
 
-def _prompt_completion(record: dict[str, Any], tokenizer: Optional[ChatTokenizer], where: str) -> str:
-    """TRL's rule: two strings are joined; two message lists are one conversation, rendered."""
+def _prompt_completion(record: dict[str, Any], tokenizer: Optional[ChatTokenizer], where: str,
+                       answers: bool) -> RecordText:
+    """TRL's rule: two strings are joined; two message lists are one conversation, rendered. The
+    answer is the completion: after the prompt (rendered with its generation prompt), to the end."""
     missing = [f for f in PROMPT_FIELDS if f not in record]
     if missing:
         raise ConfigError(f"{where} has no {' or '.join(repr(f) for f in missing)} field (fields: "
                           f"{', '.join(map(str, record))}); give prompt-completion records or choose another --data-format")
     prompt, completion = record["prompt"], record["completion"]
     if isinstance(prompt, str) and isinstance(completion, str):
-        return prompt + completion
+        text = prompt + completion
+        return RecordText(text, False, [(len(prompt), len(text))] if answers else None)
     if isinstance(prompt, list) and isinstance(completion, list):
-        return _render(tokenizer, messages_of(prompt, f"{where}'s 'prompt'") +
-                       messages_of(completion, f"{where}'s 'completion'"), where, "prompt-completion")
+        asked = messages_of(prompt, f"{where}'s 'prompt'")
+        text = _render(tokenizer, asked + messages_of(completion, f"{where}'s 'completion'"), where, "prompt-completion")
+        if not answers:
+            return RecordText(text, True)
+        before = _render(tokenizer, asked, where, "prompt-completion", add_generation_prompt=True)
+        _check_prefix(text, before, where)
+        return RecordText(text, True, [(len(before), len(text))])
     raise ConfigError(f"{where}'s prompt and completion are {type(prompt).__name__} and {type(completion).__name__}; "
                       "give both as text or both as lists of messages")
 
 
 def _render(tokenizer: Optional[ChatTokenizer], messages: list[dict[str, str]], where: str,
-            fmt: str = "chat") -> TemplatedText:
+            fmt: str = "chat", add_generation_prompt: bool = False) -> str:
     """``messages`` through the tokenizer's chat template; a template's own refusal (roles that
     do not alternate, a role it does not know) is a ConfigError naming the record."""
     refusal = template_refusal(fmt, tokenizer)
@@ -145,6 +174,36 @@ def _render(tokenizer: Optional[ChatTokenizer], messages: list[dict[str, str]], 
         raise refusal
     assert tokenizer is not None
     try:
-        return TemplatedText(tokenizer.render_chat(messages))
+        return tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt)
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:  # jinja2's TemplateError too
-        raise ConfigError(f"the chat template refused {where}: {first_line(exc)}; fix the record or remove it") from None
+        part = " (its turns up to an answer, for --loss-on completion)" if add_generation_prompt else ""
+        raise ConfigError(f"the chat template refused {where}{part}: {first_line(exc)}; fix the record or remove it"
+                          + ("; or give --loss-on all" if part else "")) from None
+
+
+def _chat_answers(tokenizer: Optional[ChatTokenizer], messages: list[dict[str, str]], text: str,
+                  where: str) -> list[tuple[int, int]]:
+    """The character spans of ``text`` (the whole conversation rendered) that the assistant's
+    turns add: for turn k, from the render of turns 0..k-1 with the generation prompt (the
+    assistant's header) to the render of turns 0..k. An assistant turn that opens the
+    conversation counts from the start."""
+    spans = []
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:k], where, add_generation_prompt=True) if k else ""
+        after = _render(tokenizer, messages[:k + 1], where)
+        _check_prefix(after, before, where)
+        _check_prefix(text, after, where)
+        spans.append((len(before), len(after)))
+    return spans
+
+
+def _check_prefix(text: str, prefix: str, where: str) -> None:
+    """Refuse a template that renders the first turns of ``where`` otherwise once more follow
+    (one that drops earlier turns' reasoning, or dates each render): its answers cannot be
+    told from its prompt by comparing renders."""
+    if not text.startswith(prefix):
+        raise ConfigError(f"the chat template renders the first turns of {where} differently once later turns follow, "
+                          "so its answers cannot be told from its prompt; give --loss-on all, or a template that "
+                          "renders a conversation's first turns alike")

@@ -40,6 +40,22 @@ def standard_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     return F.cross_entropy(logits.float(), targets, ignore_index=-100)
 
 
+def answer_targets(targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``targets`` made safe for a loss, and its weight: 1.0 when they hold a target, 0.0 when
+    every one is ignored (-100; ``--loss-on completion``'s micro-batch of prompt tokens only).
+
+    Every loss kernel divides by the count of targets, so such a micro-batch's loss is 0 / 0
+    (NaN) and so is its gradient. Its first target is set to token 0 instead, so the kernel
+    divides by one, and the weight, multiplying the loss, leaves it 0 with a zero gradient.
+    Decided on the device: no host sync. A micro-batch with a target is left as it is (the
+    weight's 1.0 multiplies exactly)."""
+    has = (targets != -100).any()
+    flat = targets.reshape(-1)
+    first = torch.arange(flat.numel(), device=flat.device) == 0
+    safe = torch.where(has | ~first, flat, torch.zeros_like(flat)).view_as(targets)
+    return safe, has.to(torch.float32)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -122,6 +138,8 @@ class GPT(nn.Module):
             # Weight tying (Press & Wolf 2017): one (V x d) matrix serves input and output.
             self.lm_head.weight = self.wte.weight
         self.loss_fn: LossFn = standard_lm_loss
+        # --loss-on completion: a micro-batch may hold no target at all (answer_targets).
+        self.answers_only = False
         self.apply(lambda m: self._init_weights(m, cfg.vocab_size))
         # GPT-2: scale the residual projections by 1/sqrt(2 * n_layers) so the residual
         # stream's variance does not grow with depth.
@@ -164,6 +182,9 @@ class GPT(nn.Module):
         h = self.hidden_states(idx)
         if targets is None:
             return F.linear(h, self.head_weight())
+        if self.answers_only:
+            y, weight = answer_targets(targets.reshape(-1))
+            return self.loss_fn(h.reshape(-1, h.shape[-1]), self.head_weight(), y) * weight
         return self.loss_fn(h.reshape(-1, h.shape[-1]), self.head_weight(), targets.reshape(-1))
 
     def num_parameters(self, trainable_only: bool = False, exclude_positional: bool = False) -> int:

@@ -31,7 +31,7 @@ from memtrain.config.run import ConfigError, RunConfig
 from memtrain.errors import first_line
 from memtrain.models.auto_config import load_config
 from memtrain.models.depth import apply_layer_count
-from memtrain.models.gpt import LossFn, standard_lm_loss
+from memtrain.models.gpt import LossFn, answer_targets, standard_lm_loss
 from memtrain.models.hub_access import from_pretrained_kwargs, offline_reason
 from memtrain.models.source import ModelSource, refuse_pickled_weights, resolve
 from memtrain.models.spec import window_refusal
@@ -59,6 +59,8 @@ class HFCausalLM(nn.Module):
         self.lm = lm
         self.source_spec = source.spec
         self.loss_fn: LossFn = standard_lm_loss
+        # --loss-on completion: a micro-batch may hold no target at all (gpt.answer_targets).
+        self.answers_only = False
         self.vocab_size = int(lm.config.vocab_size)
         # Gemma 2 squashes the logits with cap * tanh(logits / cap) before the softmax: the
         # standard loss applies it (see forward); the fused losses, which never hold the
@@ -106,6 +108,14 @@ class HFCausalLM(nn.Module):
         if targets is None:
             return self._capped(head(h))
         h2, y = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+        if self.answers_only:
+            y, weight = answer_targets(y)
+            return self._loss(h2, y) * weight
+        return self._loss(h2, y)
+
+    def _loss(self, h2: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The mean loss of hidden states ``h2`` (tokens x d) against targets ``y``."""
+        head = self.head
         if self.logit_softcap is not None:
             return F.cross_entropy(self._capped(head(h2).float()), y, ignore_index=-100)
         if getattr(head, "bias", None) is not None:

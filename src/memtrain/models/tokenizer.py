@@ -46,6 +46,17 @@ class HFTokenizer:
         # into --seq-len blocks (checked against max_position_embeddings): a long document is no error.
         return self.tok(texts, add_special_tokens=False, verbose=False)["input_ids"]
 
+    def encode_offsets(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """Each text's ids (those of :meth:`encode_batch`) and each id's character span in it."""
+        try:
+            out = self.tok(texts, add_special_tokens=False, verbose=False, return_offsets_mapping=True)
+        except NotImplementedError:  # transformers' Python tokenizers keep no offsets; the Rust ones do
+            raise ConfigError(f"--loss-on completion needs each token's place in the text, which tokenizer {self.name!r} "
+                              f"({type(self.tok).__name__}) does not give; use a fast tokenizer (tokenizer.json) or "
+                              "--loss-on all") from None
+        return [(list(ids), [tuple(o) for o in offsets])  # type: ignore[misc]  # offsets are (start, end) pairs
+                for ids, offsets in zip(out["input_ids"], out["offset_mapping"])]
+
     @property
     def chat_template(self) -> Optional[str]:
         """The chat template the tokenizer renders conversations with (None without one); a
@@ -56,15 +67,16 @@ class HFTokenizer:
             return None
         return template if isinstance(template, str) else json.dumps(template, sort_keys=True)
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
         """``messages`` rendered by the chat template as text, without a generation prompt (a
-        conversation to train on, as TRL's SFTTrainer renders one); a template's own refusal
-        (jinja's TemplateError: roles that do not alternate) is a ValueError."""
+        conversation to train on, as TRL's SFTTrainer renders one) unless asked (the prompt
+        before an answer); a template's own refusal (jinja's TemplateError: roles that do not
+        alternate) is a ValueError."""
         # jinja2 comes with transformers, which this tokenizer was loaded with: imported only here
         from jinja2 import TemplateError
 
         try:
-            return str(self.tok.apply_chat_template(messages, tokenize=False))
+            return str(self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt))
         except TemplateError as exc:
             raise ValueError(first_line(exc)) from None
 

@@ -179,5 +179,6 @@ def prepare_hf_model(model: HFCausalLM, cfg: RunConfig, device: torch.device, pr
     apply_fp8(model, tech)  # the decoder's Linears; the LM head stays in BF16
     apply_checkpointing(model, tech)
     apply_loss(model, tech, device)
+    model.answers_only = cfg.data.loss_on == "completion"  # a micro-batch may then hold no target
     compiled = apply_compile(model, tech)
     return apply_distributed(compiled, tech, device, precision)  # last: it shards the final modules

@@ -51,6 +51,7 @@ def prepare_gpt(model: torch.nn.Module, cfg: RunConfig, device: torch.device, pr
     apply_attention(model, tech, device, precision)
     apply_checkpointing(model, tech)
     apply_loss(model, tech, device)
+    model.answers_only = cfg.data.loss_on == "completion"  # a micro-batch may then hold no target
     model = apply_compile(model, tech)  # type: ignore[assignment]  # compile returns a wrapper module around the GPT
     return apply_distributed(model, tech, device, precision)
 

@@ -20,15 +20,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
 from memtrain.analysis.flops import counted_flops_per_step, rule_flops_per_token
 from memtrain.checkpoints.exact import load_checkpoint, save_checkpoint
-from memtrain.config.run import RunConfig, effective_cache_dir
+from memtrain.config.run import ConfigError, RunConfig, effective_cache_dir
 from memtrain.data import check_split_documents, data_fingerprint, make_train_loader, make_val_batches, prepare_tokens
 from memtrain.data.device_feed import DeviceFeed
+from memtrain.data.loader import IGNORE_INDEX
 from memtrain.devices.advice import mfu_for_run, reference_rate_now, run_device_facts
 from memtrain.distributed.rank_errors import agreement, launched_by_memtrain
 from memtrain.distributed.session import DistContext, distributed_session
@@ -76,12 +78,22 @@ def evaluate(model: nn.Module, batches: list[Batch], precision: Precision, devic
     model.eval()
     losses, weights = [], []
     for x, y in batches:
+        # Weighted by its targets: every token of text, the answer tokens under --loss-on
+        # completion (a batch without one has no loss to add).
+        weight = target_count(y)
+        if weight == 0:
+            continue
         with precision.autocast():
             loss = model(x.to(device), y.to(device))
         losses.append(float(loss))
-        weights.append(y.numel())
+        weights.append(weight)
     model.train(was_training)
     return sum(loss * w for loss, w in zip(losses, weights)) / sum(weights)
+
+
+def target_count(y: torch.Tensor) -> int:
+    """How many of ``y``'s targets the loss averages: all of them, less those ignored (-100)."""
+    return y.numel() - int((y == IGNORE_INDEX).sum())
 
 
 @dataclass
@@ -275,8 +287,10 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         # Pinning speeds a copy to a GPU only; without one, torch cannot pin (it raises).
         num_workers=cfg.data.num_workers, pin_memory=cfg.data.pin_memory and device.type == "cuda",
         prefetch_factor=cfg.data.prefetch_factor, rank=dist_ctx.rank, world_size=dist_ctx.world_size,
+        mask=splits.train_mask,
     ), device)
-    val_batches = make_val_batches(splits.val, t.seq_len, cfg.data.val_blocks, t.batch_size)
+    val_batches = make_val_batches(splits.val, t.seq_len, cfg.data.val_blocks, t.batch_size, mask=splits.val_mask)
+    check_answers(splits, val_batches, cfg)
     clock.lap("data")
     if t.resume:
         load_ckpt(t.resume, state)  # sets state.step and state.losses
@@ -327,6 +341,8 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         result["setup_time_s"] = {**clock.laps, "first_step": timer.first_step_s}
         # What val_loss averages: the first --val-blocks blocks of the held-out split, not all of it.
         result["data"]["val_tokens_evaluated"] = sum(int(y.numel()) for _, y in val_batches)
+        if splits.train_mask is not None:  # --loss-on completion: what the losses average
+            result["data"].update(answer_counts(splits, val_batches))
         result.update(dist_ctx.result_fields(memory))  # distributed: "ranks" (memory per rank), "distributed"
     except BaseException:
         if not dist_ctx.enabled:  # a sharded save is collective: one rank's failure would hang it
@@ -334,6 +350,30 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         raise
     _write_outputs(result, state, on_result, save_ckpt, end_step, logger.failure)
     return result
+
+
+def check_answers(splits: Any, val_batches: list[Batch], cfg: RunConfig) -> None:
+    """--loss-on completion: refused before the first step when the training split holds no answer
+    token (every step's loss would be 0) or the evaluated validation blocks hold none (no
+    validation loss to average)."""
+    if splits.train_mask is None:
+        return
+    if not int(np.asarray(splits.train_mask).sum()):
+        raise ConfigError(f"--loss-on completion: the training split of --data {cfg.data.data} holds no answer token "
+                          "(no assistant turn, no completion); check the records or give --loss-on all")
+    if not sum(target_count(y) for _, y in val_batches):
+        raise ConfigError(f"--loss-on completion: the {len(val_batches)} validation batch(es) (--val-blocks "
+                          f"{cfg.data.val_blocks}) hold no answer token to average; raise --val-blocks or --val-fraction")
+
+
+def answer_counts(splits: Any, val_batches: list[Batch]) -> dict[str, int]:
+    """result.json's ``data`` counts of target (answer) tokens under --loss-on completion: each
+    split's, and those of the evaluated validation blocks, which val_loss averages."""
+    return {
+        "train_target_tokens": int(np.asarray(splits.train_mask).sum()),
+        "val_target_tokens": int(np.asarray(splits.val_mask).sum()),
+        "val_target_tokens_evaluated": sum(target_count(y) for _, y in val_batches),
+    }
 
 
 def _run_memory(meter: Optional[MemoryMeter], device: torch.device, ran_steps: bool) -> dict[str, Any]:
