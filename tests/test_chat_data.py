@@ -425,3 +425,35 @@ def test_a_template_that_renders_first_turns_otherwise_later_is_refused_for_answ
         _tokens(tmp_path, data, model, data_format="chat", loss_on="completion")
     splits, _ = _tokens(tmp_path, data, model, data_format="chat")
     assert splits.train_mask is None and len(splits.train)
+
+
+def test_a_chat_template_reaching_for_python_is_stopped_by_the_sandbox(tmp_path):
+    """A template is code in a file memtrain reads: transformers renders it in jinja's immutable
+    sandbox, so one that reaches for Python's classes is refused (one line naming the record), never run."""
+    from memtrain.config.run import ConfigError
+
+    model = _chat_folder(tmp_path / "qwen2", "{{ ''.__class__.__mro__[1].__subclasses__() }}" + CHATML)
+    data = _records(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    with pytest.raises(ConfigError, match=r"the chat template refused record 1 of .*unsafe"):
+        _tokens(tmp_path, data, model, data_format="chat")
+
+
+@pytest.mark.parametrize("damage", ["byte", "short", "missing"])
+def test_a_damaged_target_mask_in_the_cache_is_rebuilt(tmp_path, damage):
+    """A cached entry's mask that is not one 0/1 byte per id (a byte 2, a truncated or missing file)
+    is not used: the entry is tokenized again, with the same mask."""
+    model = _chat_folder(tmp_path / "qwen2", CHATML)
+    data = _records(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    first, _ = _tokens(tmp_path, data, model, data_format="chat", loss_on="completion")
+    want = np.asarray(first.train_mask).copy()
+    mask = Path(first.cache_path) / "train.mask"
+    del first
+    if damage == "byte":
+        with open(mask, "r+b") as f:
+            f.write(b"\x02")
+    elif damage == "short":
+        mask.write_bytes(mask.read_bytes()[:-1])
+    else:
+        mask.unlink()
+    again, _ = _tokens(tmp_path, data, model, data_format="chat", loss_on="completion")
+    assert not again.from_cache and np.array_equal(np.asarray(again.train_mask), want)
