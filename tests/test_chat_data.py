@@ -457,3 +457,17 @@ def test_a_damaged_target_mask_in_the_cache_is_rebuilt(tmp_path, damage):
         mask.unlink()
     again, _ = _tokens(tmp_path, data, model, data_format="chat", loss_on="completion")
     assert not again.from_cache and np.array_equal(np.asarray(again.train_mask), want)
+
+
+def test_validation_blocks_without_an_answer_are_one_error_line(tmp_path, capsys):
+    """--loss-on completion with a validation block of prompt tokens only (here: one block of 8, inside
+    the first record's system turn) has no validation loss to average: one line before the first step."""
+    model = _chat_folder(tmp_path / "qwen2", CHATML)
+    data = _records(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(model), "--data", str(data), "--data-format", "chat", "--loss-on", "completion",
+                 "--seq-len", "8", "--batch-size", "1", "--val-blocks", "1", "--val-fraction", "0.2", "--steps", "1",
+                 "--no-progress", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "validation batch(es) (--val-blocks 1) hold no answer token" in err, err
+    assert not out.exists()

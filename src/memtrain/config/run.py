@@ -172,7 +172,7 @@ class DataConfig:
         "What a structured record holds: 'text' (one text field, --text-field), 'chat' (a 'messages' list of "
         "{role, content}, or ShareGPT's 'conversations' of {from, value}, rendered with the model's chat template), "
         "'prompt-completion' (TRL's 'prompt' and 'completion': strings joined, message lists rendered with the "
-        "chat template) or 'auto' (told from the first record's fields).",
+        "chat template) or 'auto' (each record read as the format its fields are).",
     )
     loss_on: str = _f(
         "all",
