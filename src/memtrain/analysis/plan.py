@@ -19,6 +19,7 @@ plus the optimizer step as memory traffic. Its job is to order candidates sensib
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import shlex
@@ -612,13 +613,10 @@ def _fit_target_batch(search: _Search, sets: list[dict[str, Any]], target: int, 
         # The largest micro-batch that fits (peak grows with the micro-batch): bisect.
         lo, hi, best = 0, len(micros) - 1, None
         at_one: Optional[float] = None  # the peak at micro-batch 1, where it was found
-        micro_peaks: dict[int, tuple[float, str]] = {}  # by index in micros; each modelled once
 
-        def micro_peak(j: int, t: dict[str, Any] = t,
-                       micro_peaks: dict[int, tuple[float, str]] = micro_peaks) -> tuple[float, str]:
-            if j not in micro_peaks:
-                micro_peaks[j] = peak(at(t, micros[j], target // micros[j]))
-            return micro_peaks[j]
+        @functools.cache  # by index in micros; each modelled once: the climb revisits the bisection's
+        def micro_peak(j: int, t: dict[str, Any] = t) -> tuple[float, str]:
+            return peak(at(t, micros[j], target // micros[j]))
 
         while lo <= hi:
             mid = (lo + hi) // 2
@@ -661,24 +659,25 @@ def _fit_max_batch(search: _Search, sets: list[dict[str, Any]], max_batch_limit:
     smallest: Optional[_Smallest] = None
     at, peak, limit = search.at, search.peak, search.limit
     for t in sets:
-        p, ph = peak(at(t, 1, 1))
+        @functools.cache  # each batch modelled once: the climb revisits the bisection's
+        def peak_at(b: int, t: dict[str, Any] = t) -> tuple[float, str]:
+            return peak(at(t, b, 1))
+
+        p, ph = peak_at(1)
         visited += 1
         if p > limit:
             if smallest is None or p < smallest[0]:
                 smallest = (p, t, 1, 1)
             unfit.append(Candidate(dict(t), 1, 1, p, ph, 0.0, fits=False))
             continue
-        peaks = {1: (p, ph)}
 
-        def batch_fits(b: int, t: dict[str, Any] = t, peaks: dict[int, tuple[float, str]] = peaks) -> bool:
-            if b not in peaks:  # each batch modelled once: the climb revisits the bisection's
-                peaks[b] = peak(at(t, b, 1))
-            return peaks[b][0] <= limit
+        def batch_fits(b: int) -> bool:
+            return peak_at(b)[0] <= limit
 
         # Grow by doubling, then bisect; then look past a spike of the modelled peak (the
         # allocator model's total can fall as the batch grows: memtrain.analysis.dips).
         b = climb_past_dips(batch_fits, largest_fitting(batch_fits, max_batch_limit), max_batch_limit)
-        p, ph = peaks[b]
+        p, ph = peak_at(b)
         c = at(t, b, 1)
         cost = search.cost_of(c)
         per_token = cost / (b * search.cfg.train.seq_len)
