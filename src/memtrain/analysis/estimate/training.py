@@ -94,6 +94,41 @@ def _validate(cfg: RunConfig, arch: Arch, device_type: str) -> None:
         raise ConfigError(f"--trace-device/--device-type {device_type!r}: use cpu or cuda")
 
 
+def _zero1_state(cfg: RunConfig, trainable: list[ParamInfo], world_size: int, step_kernel: str,
+                 adapter_bytes: float) -> dict[str, Any]:
+    """memtrain's ZeRO-1 gives each rank the dim-0 chunk of every tensor (ceil(rows/N) rows,
+    the last ranks fewer): the rank with the most state (rank 0) is reported, with every rank's
+    optimizer state and that rank's optimizer-step scratch."""
+    tech = cfg.technique
+    ranks = _zero1_partition(trainable, world_size)
+    per_rank = [predicted_optimizer_state(ps, tech.optim, adapter_bytes, tech.optim_block)[0] for ps in ranks]
+    worst = per_rank.index(max(per_rank))
+    return {"rank": worst, "optimizer_per_rank": per_rank,
+            "scratch": optimizer_temporaries(ranks[worst], step_kernel, adapter_bytes, cfg.train.weight_decay,
+                                             tech.precision)}
+
+
+def _shard_divisors(shard: str, n: int) -> dict[str, int]:
+    """What one of ``n`` ranks holds of the weights, gradients and optimizer state, as the divisor
+    of each: ZeRO-1 shards the optimizer state, ZeRO-2 the gradients too, FSDP the weights too."""
+    shard_div = {"weights": 1, "gradients": 1, "optimizer": 1}
+    if n > 1 and shard in ("zero1", "zero2", "fsdp"):
+        shard_div["optimizer"] = n
+        if shard in ("zero2", "fsdp"):
+            shard_div["gradients"] = n
+        if shard == "fsdp":
+            shard_div["weights"] = n
+    return shard_div
+
+
+def _by_category(peak_tags: dict[str, float]) -> dict[str, float]:
+    """The peak's bytes by memory category (every category, 0 where none)."""
+    by_category = {c: 0.0 for c in MEMORY_CATEGORIES}
+    for tag, v in peak_tags.items():
+        by_category[_CATEGORY_OF[tag]] += v
+    return by_category
+
+
 def estimate(  # noqa: C901 - the step timeline in order; splits with the analysis package
     cfg: RunConfig,
     arch: Arch = GPT2_ARCH,
@@ -165,26 +200,13 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     # the CPU's per-tensor loop with its scratch.
     step_kernel = optimizer_kernel(tech.optim, tech.precision, device_type)
     opt_tmp = optimizer_temporaries(trainable, step_kernel, adapter_bytes, t.weight_decay, tech.precision)
-    zero1: Optional[dict[str, Any]] = None
-    if shard == "zero1" and world_size > 1 and sum(p.repeat for p in trainable) <= _ZERO1_MAX_TENSORS:
-        # memtrain's ZeRO-1 gives each rank the dim-0 chunk of every tensor (ceil(rows/N) rows,
-        # the last ranks fewer): the rank with the most state (rank 0) is reported.
-        ranks = _zero1_partition(trainable, world_size)
-        per_rank = [predicted_optimizer_state(ps, tech.optim, adapter_bytes, tech.optim_block)[0] for ps in ranks]
-        worst = per_rank.index(max(per_rank))
-        zero1 = {"rank": worst, "optimizer_per_rank": per_rank,
-                 "scratch": optimizer_temporaries(ranks[worst], step_kernel, adapter_bytes, t.weight_decay,
-                                                  tech.precision)}
+    zero1 = (_zero1_state(cfg, trainable, world_size, step_kernel, adapter_bytes)
+             if shard == "zero1" and world_size > 1 and sum(p.repeat for p in trainable) <= _ZERO1_MAX_TENSORS
+             else None)
 
     # ---- sharding (one rank's share)
     n = world_size
-    shard_div = {"weights": 1, "gradients": 1, "optimizer": 1}
-    if n > 1 and shard in ("zero1", "zero2", "fsdp"):
-        shard_div["optimizer"] = n
-        if shard in ("zero2", "fsdp"):
-            shard_div["gradients"] = n
-        if shard == "fsdp":
-            shard_div["weights"] = n
+    shard_div = _shard_divisors(shard, n)
 
     if gpu is not None and device_type == "cuda" and _compress:
         if m.n_layers > 1024:
@@ -322,9 +344,7 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
         ).to_dict()
 
     peak_tags = sim.peak_tags
-    by_category = {c: 0.0 for c in MEMORY_CATEGORIES}
-    for tag, v in peak_tags.items():
-        by_category[_CATEGORY_OF[tag]] += v
+    by_category = _by_category(peak_tags)
     act_layer = layer_activation_bytes(cfg, arch, dm, not lora)
     act_layer_none = layer_activation_bytes(cfg, arch, dm, not lora, "none")
     expl = explanation_lines(cfg, arch, dm, params, n_params, n_train, weights, opt_bytes, opt_lines, act_layer_none,
