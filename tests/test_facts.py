@@ -238,11 +238,11 @@ def test_hopper_cards_get_torchs_hopper_cublas_workspace():
 
 
 def test_plan_cost_model_keys_are_the_registrys():
-    from memtrain.analysis import plan
+    from memtrain.analysis import step_time
 
-    for profile in plan.DEVICE_PROFILES.values():
+    for profile in step_time.DEVICE_PROFILES.values():
         assert set(profile["flops"]) == set(F.PRECISION_FACTS)
-    assert set(plan.OPTIMIZER_TRAFFIC) == set(F.OPTIMIZER_STATE_RULES)
+    assert set(step_time.OPTIMIZER_TRAFFIC) == set(F.OPTIMIZER_STATE_RULES)
 
 
 def test_model_names_have_one_list():
