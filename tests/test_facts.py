@@ -62,6 +62,7 @@ _ONE_HOME = [
     ("GPU peak FLOP/s", r"989\.4\s*\*", KINDS),
     ("GPU memory", r"85_017_493_504", KINDS),
     ("CUDA context", r"787_283_968", KINDS),
+    ("PCIe 4.0 x16 pinned copies", r"\b25e9\b|\b25\s*\*\s*GBs\b", KINDS),
     ("caching-allocator sizes", r"\b(?:MIN_BLOCK|SMALL_SIZE|SMALL_BUFFER|LARGE_BUFFER|MIN_LARGE_ALLOC|ROUND_LARGE)\s*=", KINDS),
     ("GPU name patterns", r"\\\\?bh100\\\\?b", KINDS),
     ("allocator GPU keys", r'"rtx4090"\s*:', None),

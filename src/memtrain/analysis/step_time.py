@@ -17,7 +17,7 @@ from memtrain.analysis.estimate import GPT2_ARCH, Arch, param_count
 from memtrain.analysis.estimate.compile_budget import recompute_share
 from memtrain.analysis.estimate.params import head_widths
 from memtrain.config.run import RunConfig
-from memtrain.devices.gpu_kinds import GPU_KINDS
+from memtrain.devices.gpu_kinds import GPU_KINDS, PCIE4_X16_PINNED_COPY
 from memtrain.techniques.facts import checkpoint_policy, optimizer_kernel, precision_facts
 
 __all__ = ["DEVICE_PROFILES", "FP8_PEAK_RATIO", "HOST_BANDWIDTH", "MATH_ATTENTION_PENALTY", "OPTIMIZER_TRAFFIC",
@@ -44,11 +44,10 @@ FP8_PEAK_RATIO: float = _H100_PEAKS["fp8"] / _H100_PEAKS["bf16"]  # type: ignore
 DEVICE_PROFILES["cuda"]["flops"]["fp8"] = DEVICE_PROFILES["cuda"]["flops"]["bf16"] * FP8_PEAK_RATIO
 DEVICE_PROFILES["cpu"]["flops"]["fp8"] = DEVICE_PROFILES["cpu"]["flops"]["bf16"]
 # Host link bandwidth (bytes/s, each way) that --offload-activations' copies run at, when plan is
-# given no --host-bandwidth. CUDA: PCIe 4.0 x16 carries 32 GB/s each way on paper and pinned
-# copies reach about 25 GB/s of it (CUDA's bandwidthTest figure for such a link; PCIe 5.0 x16
-# doubles it, NVLink-C2C on a Grace Hopper reaches ~450 GB/s each way): an assumption, so a
-# measured or stated figure is better. CPU: the copy stays in RAM, at the profile's bandwidth.
-HOST_BANDWIDTH: dict[str, float] = {"cuda": 25e9, "cpu": DEVICE_PROFILES["cpu"]["bandwidth"]}
+# given no --host-bandwidth. CUDA: a PCIe 4.0 x16 link's pinned copies (its fact and source:
+# memtrain.devices.gpu_kinds), an assumption, so a measured or stated figure is better. CPU: the
+# copy stays in RAM, at the profile's bandwidth.
+HOST_BANDWIDTH: dict[str, float] = {"cuda": PCIE4_X16_PINNED_COPY, "cpu": DEVICE_PROFILES["cpu"]["bandwidth"]}
 # Bytes of memory traffic per trainable parameter in one optimizer step (read/write of
 # weights, gradients and states; kernel-launch overhead folded in for the per-tensor loop).
 OPTIMIZER_TRAFFIC = {"adamw": 40, "adamw-foreach": 28, "adamw-fused": 24, "sgd": 16, "adafactor": 24,

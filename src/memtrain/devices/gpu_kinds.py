@@ -49,7 +49,7 @@ from typing import Optional
 from memtrain.techniques.facts import MATMUL_TYPES
 
 __all__ = ["AllocatorFacts", "DEFAULT_ALLOCATOR", "GPU_KINDS", "GpuKind", "LARGE_BUFFER", "MIN_BLOCK", "MIN_LARGE_ALLOC",
-           "ROUND_LARGE", "SMALL_BUFFER", "SMALL_SIZE", "allocator_facts", "gpu_kind", "gpu_table_key", "has_fp8",
+           "PCIE4_X16_PINNED_COPY", "ROUND_LARGE", "SMALL_BUFFER", "SMALL_SIZE", "allocator_facts", "gpu_kind", "gpu_table_key", "has_fp8",
            "named_gpu_key", "peak_of", "unknown_gpu_line"]
 
 T = 1e12  # TFLOP/s
@@ -80,6 +80,12 @@ class AllocatorFacts:
     loose_names: tuple[str, ...] = ()
     context_source: str = ""
 
+
+# The host link a GPU's pinned host copies run over (bytes/s, each way): PCIe 4.0 x16 carries
+# 32 GB/s each way on paper and pinned copies reach about 25 GB/s of it (CUDA's bandwidthTest
+# figure for such a link; PCIe 5.0 x16 doubles it, NVLink-C2C on a Grace Hopper reaches ~450 GB/s
+# each way).
+PCIE4_X16_PINNED_COPY = 25 * GBs
 
 # The caching allocator's block and segment sizes: torch's c10/cuda/CUDACachingAllocator.cpp
 # (kMinBlockSize, kSmallSize, kSmallBuffer, kLargeBuffer, kMinLargeAlloc, kRoundLarge), the same
