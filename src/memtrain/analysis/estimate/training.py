@@ -94,6 +94,27 @@ def _validate(cfg: RunConfig, arch: Arch, device_type: str) -> None:
         raise ConfigError(f"--trace-device/--device-type {device_type!r}: use cpu or cuda")
 
 
+def _shard_kind(shard: str) -> str:
+    """The sharding the estimate models for a ``--shard``/``--distributed`` choice: DeepSpeed's
+    ZeRO-2 is ``zero2``, its ZeRO-3 ``fsdp``; any other is itself."""
+    return {"deepspeed-zero2": "zero2", "deepspeed-zero3": "fsdp"}.get(shard, shard)
+
+
+def _gathered_weights(params: list[ParamInfo], shard: str, n: int, dtype_bytes: float, blocks: int,
+                      ) -> tuple[float, dict[int, float]]:
+    """What FSDP2 (zero2, fsdp) all-gathers on one of ``n`` ranks, in ``dtype_bytes`` a value: the root
+    group's bytes (embeddings, final norm, tied head: gathered at the first forward and kept until
+    its post-backward at the end of backward, the whole step; 0 without FSDP2), and under zero2
+    each simulated block's (its full weights from its forward until its post-backward reshards
+    them, reshard_after_backward being on by default, as the block's backward ends)."""
+    root = (sum(p.numel * p.repeat * dtype_bytes for p in params if p.block is None)
+            if n > 1 and shard in ("zero2", "fsdp") else 0.0)
+    if shard != "zero2" or n <= 1:
+        return root, {}
+    # Without ``repeat``: a lumped period repeats what the measured one allocates and frees.
+    return root, {j: sum(p.numel * dtype_bytes for p in params if p.block == j) for j in range(blocks)}
+
+
 def _zero1_state(cfg: RunConfig, trainable: list[ParamInfo], world_size: int, step_kernel: str,
                  adapter_bytes: float) -> dict[str, Any]:
     """memtrain's ZeRO-1 gives each rank the dim-0 chunk of every tensor (ceil(rows/N) rows,
@@ -155,11 +176,7 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     device_type = device_type or ("cpu" if cfg.train.device == "cpu" else "cuda")
     _validate(cfg, arch, device_type)
     m, tech, t = cfg.model, cfg.technique, cfg.train
-    shard = shard or tech.distributed
-    if shard in ("deepspeed-zero2",):
-        shard = "zero2"
-    if shard in ("deepspeed-zero3",):
-        shard = "fsdp"
+    shard = _shard_kind(shard or tech.distributed)
     if world_size < 1:
         raise ConfigError(f"--world-size must be >= 1, got {world_size}")
     check_analytic_size(m)
@@ -219,20 +236,11 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
         sim.events = []
     sim.at("start", "weights and optimizer state")
     w_rank = weights / shard_div["weights"]
-    gathered_dtype = ab if autocast else pb  # FSDP2's MixedPrecisionPolicy gathers bf16 under autocast
-    # FSDP2 (zero2, fsdp): the root group (embeddings, final norm, tied head) is gathered at the
-    # first forward and kept until its post-backward at the end of backward: the whole step.
-    gathered_bytes = (sum(p.numel * p.repeat * gathered_dtype for p in params if p.block is None)
-                      if n > 1 and shard in ("zero2", "fsdp") else 0.0)
-    gathered_blocks: dict[int, float] = {}  # zero2: a simulated block's gathered weights
     if shard == "zero2" and n > 1:
-        # FSDP2 with reshard_after_forward=False: each rank holds its 1/N shard, and each block's
-        # all-gathered full weights from its forward until its post-backward reshards them
-        # (reshard_after_backward, on by default), as the block's backward ends.
+        # FSDP2 with reshard_after_forward=False: each rank holds its 1/N shard (_gathered_weights).
         w_rank = weights / n
-        # Without ``repeat``: a lumped period repeats what the measured one allocates and frees.
-        gathered_blocks = {j: sum(p.numel * gathered_dtype for p in params if p.block == j)
-                           for j in range(comp.blocks)}
+    gathered_dtype = ab if autocast else pb  # FSDP2's MixedPrecisionPolicy gathers bf16 under autocast
+    gathered_bytes, gathered_blocks = _gathered_weights(params, shard, n, gathered_dtype, comp.blocks)
     opt_share = zero1["optimizer_per_rank"][zero1["rank"]] if zero1 else opt_bytes / shard_div["optimizer"]
     tmp_share = zero1["scratch"] if zero1 else opt_tmp / shard_div["optimizer"]
     # _first_step (the allocator replay's first step): no optimizer state yet (created lazily
