@@ -70,13 +70,11 @@ def closure(roots: list[tuple[str, set[str]]], skip: set[str]) -> tuple[set[str]
     return seen - skip, missing
 
 
-def requirements(extra: str) -> list[tuple[str, set[str]]]:
-    """The (name, extras) roots of the core (``extra == "core"``: its dependencies) or of the
-    core plus one extra, from pyproject.toml, memtrain's own extras expanded."""
-    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
-    texts = list(project["dependencies"])
-    todo = [] if extra == "core" else [extra]
-    done: set[str] = set()
+def extra_requirements(project: dict, extra: str) -> list[str]:
+    """The requirement texts one extra of pyproject.toml's ``project`` table adds, memtrain's own
+    extras (``memtrain[lowbit]``) expanded, each extra once."""
+    texts: list[str] = []
+    todo, done = [extra], set()
     while todo:
         e = todo.pop()
         if e in done:
@@ -88,6 +86,16 @@ def requirements(extra: str) -> list[tuple[str, set[str]]]:
                 todo += sorted(req.extras)
             else:
                 texts.append(text)
+    return texts
+
+
+def requirements(extra: str) -> list[tuple[str, set[str]]]:
+    """The (name, extras) roots of the core (``extra == "core"``: its dependencies) or of the
+    core plus one extra, from pyproject.toml, memtrain's own extras expanded."""
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    texts = list(project["dependencies"])
+    if extra != "core":
+        texts += extra_requirements(project, extra)
     return [(Requirement(t).name, set(Requirement(t).extras)) for t in texts]
 
 

@@ -16,7 +16,8 @@ import torch
 import torch._functorch.config as functorch_config
 
 from memtrain.analysis.depth_trace import NotAffine, extrapolated_trace
-from memtrain.analysis.plan import COMPILE_BUDGETS, default_space, plan, step_cost
+from memtrain.analysis.plan import COMPILE_BUDGETS, default_space, plan
+from memtrain.analysis.step_time import step_cost
 from memtrain.bench.runner import BenchOptions, resolve_rows
 from memtrain.bench.technique_sets import DEFAULT_TECHNIQUES, TECHNIQUES, default_techniques, describe
 from memtrain.cli import main

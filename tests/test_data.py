@@ -536,6 +536,23 @@ def test_json_records_that_are_not_objects_are_named_so(text, words, tmp_path: P
         docs_of(lines)
 
 
+@pytest.mark.parametrize("name", ["cut.json", "cut.jsonl"])
+def test_a_first_record_cut_inside_a_utf8_character_by_the_64_kib_peek_is_read(name, tmp_path: Path) -> None:
+    """Preflight peeks at a JSON data file's head twice: 64K characters (decoded, bad bytes
+    replaced) for the first record's kind and 64 KiB of bytes for whether it is an array read
+    whole. A first record whose text crosses byte 65536 inside a two-byte character is read, in
+    either layout, not refused for a broken character neither reader owns."""
+    start = len('[{"text": "' if name.endswith(".json") else '{"text": "')  # ASCII: a byte a character
+    text = "a" * ((start + 1) % 2) + "é" * 40000  # 80,000 bytes of é, from an odd byte of the file
+    record = json.dumps({"text": text}, ensure_ascii=False)
+    body = f"[{record}]" if name.endswith(".json") else record + "\n"
+    first_e = body.encode().index("é".encode())
+    assert (65536 - first_e) % 2 == 1  # byte 65536 ends inside an é, not between two
+    path = tmp_path / name
+    path.write_text(body, encoding="utf-8")
+    assert docs_of(path) == [text]
+
+
 @pytest.mark.parametrize("name, text, words", [
     ("a.jsonl", "not json\n", "line 1 is not valid JSON (Expecting value at column 1)"),
     ("b.jsonl", "nope\n", "line 1 is not valid JSON"),

@@ -62,6 +62,8 @@ _ONE_HOME = [
     ("GPU peak FLOP/s", r"989\.4\s*\*", KINDS),
     ("GPU memory", r"85_017_493_504", KINDS),
     ("CUDA context", r"787_283_968", KINDS),
+    ("PCIe 4.0 x16 pinned copies", r"\b25e9\b|\b25\s*\*\s*GBs\b", KINDS),
+    ("caching-allocator sizes", r"\b(?:MIN_BLOCK|SMALL_SIZE|SMALL_BUFFER|LARGE_BUFFER|MIN_LARGE_ALLOC|ROUND_LARGE)\s*=", KINDS),
     ("GPU name patterns", r"\\\\?bh100\\\\?b", KINDS),
     ("allocator GPU keys", r'"rtx4090"\s*:', None),
 ]
@@ -238,11 +240,11 @@ def test_hopper_cards_get_torchs_hopper_cublas_workspace():
 
 
 def test_plan_cost_model_keys_are_the_registrys():
-    from memtrain.analysis import plan
+    from memtrain.analysis import step_time
 
-    for profile in plan.DEVICE_PROFILES.values():
+    for profile in step_time.DEVICE_PROFILES.values():
         assert set(profile["flops"]) == set(F.PRECISION_FACTS)
-    assert set(plan.OPTIMIZER_TRAFFIC) == set(F.OPTIMIZER_STATE_RULES)
+    assert set(step_time.OPTIMIZER_TRAFFIC) == set(F.OPTIMIZER_STATE_RULES)
 
 
 def test_model_names_have_one_list():

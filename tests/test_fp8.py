@@ -223,7 +223,7 @@ def test_plan_searches_fp8_only_for_fp8_gpus(device_type, gpu, has):
 
 
 def test_plan_costs_fp8_from_the_peak_ratio():
-    from memtrain.analysis.plan import DEVICE_PROFILES, FP8_PEAK_RATIO, step_cost
+    from memtrain.analysis.step_time import DEVICE_PROFILES, FP8_PEAK_RATIO, step_cost
 
     assert FP8_PEAK_RATIO == pytest.approx(2.0, rel=0.001)
     assert DEVICE_PROFILES["cuda"]["flops"]["fp8"] == DEVICE_PROFILES["cuda"]["flops"]["bf16"] * FP8_PEAK_RATIO

@@ -71,7 +71,7 @@ def test_plans_flops_per_token_are_the_counted_forward(gemma):
     that with backward."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from memtrain.analysis.plan import _flops_per_token
+    from memtrain.analysis.step_time import _flops_per_token
 
     model, x = _model(gemma), _tokens()
     with FlopCounterMode(display=False) as fc:

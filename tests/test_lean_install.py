@@ -5,6 +5,7 @@ extra holds what the tests use, and every extra the code names exists."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -31,19 +32,11 @@ def _extra_closure(project: dict, extra: str) -> set[str]:
     """Distribution names an extra installs, memtrain's own extras expanded (lowercase names)."""
     from packaging.requirements import Requirement
 
-    names, todo, done = set(), [extra], set()
-    while todo:
-        e = todo.pop()
-        if e in done:
-            continue
-        done.add(e)
-        for text in project["optional-dependencies"][e]:
-            req = Requirement(text)
-            if req.name == "memtrain":
-                todo += list(req.extras)
-            else:
-                names.add(req.name.lower())
-    return names
+    spec = importlib.util.spec_from_file_location("install_size", ROOT / "benchmarks" / "install_size.py")
+    assert spec is not None and spec.loader is not None
+    install_size = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(install_size)
+    return {Requirement(text).name.lower() for text in install_size.extra_requirements(project, extra)}
 
 
 # --------------------------------------------------------------------------- pyproject

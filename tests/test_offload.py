@@ -127,7 +127,8 @@ def test_estimate_gives_device_host_and_transfer_bytes_the_meter_measures(checkp
 
 def test_plan_offers_offload_under_a_tight_budget_and_charges_its_copies():
     from memtrain.analysis.estimate import estimate
-    from memtrain.analysis.plan import offload_exposed_s, plan, step_cost
+    from memtrain.analysis.plan import plan
+    from memtrain.analysis.step_time import offload_exposed_s, step_cost
 
     cfg = build_config(dict(TINY, batch_size=1, seq_len=256, max_seq_len=256, device="cuda"))
     space = {"precision": ["bf16"], "attention": ["sdpa"], "checkpointing": ["none", "full"], "loss": ["standard"],

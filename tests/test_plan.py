@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from memtrain.analysis.estimate import estimate
-from memtrain.analysis.plan import candidate_config, plan, step_cost
+from memtrain.analysis.plan import candidate_config, plan
+from memtrain.analysis.step_time import step_cost
 from memtrain.cli import main
 from memtrain.config.run import ConfigError, build_config
 

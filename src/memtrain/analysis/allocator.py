@@ -4,8 +4,8 @@ The estimator's timeline (and MemoryMeter) count live tensor bytes. Users read s
 ``torch.cuda.max_memory_allocated`` (rounded blocks), ``max_memory_reserved`` (the segments the
 allocator took from the driver and keeps cached) and ``nvidia-smi`` (reserved + the CUDA context
 + libraries' workspaces). This module is a model of ``c10/cuda/CUDACachingAllocator.cpp`` (torch
-2.x, default settings, one stream, no ``expandable_segments``), hand-written because torch has
-no CPU-side simulator of it:
+2.x, default settings, one stream, no ``expandable_segments``; its sizes are in
+:mod:`memtrain.devices.gpu_kinds`), hand-written because torch has no CPU-side simulator of it:
 
 * every request is rounded up to a multiple of 512 bytes (``kMinBlockSize``);
 * requests <= 1 MiB (``kSmallSize``) are served from the small pool, carved out of 2 MiB
@@ -32,7 +32,15 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from memtrain.devices.gpu_kinds import allocator_facts
+from memtrain.devices.gpu_kinds import (
+    LARGE_BUFFER,
+    MIN_BLOCK,
+    MIN_LARGE_ALLOC,
+    ROUND_LARGE,
+    SMALL_BUFFER,
+    SMALL_SIZE,
+    allocator_facts,
+)
 
 __all__ = [
     "CachingAllocator",
@@ -42,12 +50,6 @@ __all__ = [
 ]
 
 MiB = 1 << 20
-MIN_BLOCK = 512
-SMALL_SIZE = 1 * MiB
-SMALL_BUFFER = 2 * MiB
-LARGE_BUFFER = 20 * MiB
-MIN_LARGE_ALLOC = 10 * MiB
-ROUND_LARGE = 2 * MiB
 
 # What a process holds on the device outside torch's cache (the CUDA context, as nvidia-smi
 # shows it after a training step) and the cuBLAS workspace, per GPU kind: in the one table of

@@ -19,6 +19,7 @@ fit (``memtrain plan``'s search over technique sets and micro-batch splits,
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
@@ -67,12 +68,9 @@ def largest_batch(need: Callable[[RunConfig], float], cfg: RunConfig, budget_byt
     (``need`` of the config at that batch), or None when not even one fits. A batch that fits
     above a spike of the modelled peak up to DIP_WINDOW batches wide is found."""
 
-    seen: dict[int, bool] = {}  # each batch probed once: the climb below revisits the bisection's
-
+    @functools.cache  # each batch probed once: the climb below revisits the bisection's
     def fits(k: int) -> bool:
-        if k not in seen:
-            seen[k] = need(cfg.replace(batch_size=k * multiple_of)) <= budget_bytes
-        return seen[k]
+        return need(cfg.replace(batch_size=k * multiple_of)) <= budget_bytes
 
     # The modelled peak can dip as the batch grows (memtrain.analysis.dips): look past the bisection.
     return climb_past_dips(fits, largest_fitting(fits, cap), cap) if fits(1) else None

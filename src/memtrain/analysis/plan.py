@@ -4,21 +4,20 @@
    each the largest micro-batch (a divisor of the target batch, the rest made up by gradient
    accumulation) whose *estimated* peak, plus a safety margin, fits the budget
    (:func:`memtrain.analysis.estimate.estimate`).
-2. Rank the sets that fit by a relative step-time model (:func:`step_cost`).
+2. Rank the sets that fit by a relative step-time model
+   (:func:`memtrain.analysis.step_time.step_cost`).
 3. Optionally verify the best one by training it for a few steps and comparing the tracked
    peak with the prediction: :func:`verify_config` is the run, :func:`verification` the
    comparison; ``memtrain plan --verify`` trains it through memtrain.training, so this search
    imports no training code (and no torch for memtrain's GPT).
 
-The cost model is a model, not a measurement (docs/estimation.md gives its table): FLOPs of the
-step (6 x parameters x tokens + attention, plus what checkpointing recomputes), divided by a
-device throughput that depends on precision and on how full a micro-batch keeps the device,
-plus the optimizer step as memory traffic. Its job is to order candidates sensibly; use
-``memtrain bench`` to time the ones that matter.
+The cost model (:mod:`memtrain.analysis.step_time`) is a model, not a measurement: its job is
+to order candidates sensibly; use ``memtrain bench`` to time the ones that matter.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import shlex
@@ -30,141 +29,23 @@ from tqdm.auto import tqdm
 
 from memtrain.analysis.advice import ADVICE_LORA_RANK, size_text
 from memtrain.analysis.dips import climb_past_dips, largest_fitting
-from memtrain.analysis.estimate import GPT2_ARCH, Arch, estimate, param_count
-from memtrain.analysis.estimate.compile_budget import interpolated_budget, recompute_share
+from memtrain.analysis.estimate import GPT2_ARCH, Arch, estimate
+from memtrain.analysis.estimate.compile_budget import interpolated_budget
 from memtrain.analysis.estimate.hf import hf_arch, modelled_arch, why_not_modelled
-from memtrain.analysis.estimate.params import head_widths
+from memtrain.analysis.step_time import HOST_BANDWIDTH, offload_exposed_s, step_cost
 from memtrain.config.run import ConfigError, RunConfig
 from memtrain.config.train_flags import train_flags
-from memtrain.devices.gpu_kinds import GPU_KINDS, allocator_facts, has_fp8
+from memtrain.devices.gpu_kinds import allocator_facts, has_fp8
 from memtrain.models.spec import cost_arch, is_gpt_preset
 from memtrain.runtime.extras import cpu_only_torch
 from memtrain.runtime.notices import shows_progress
 from memtrain.techniques.facts import (
     ADAMW_KERNELS,
     BF16_PURE_OPTIMS,
-    checkpoint_policy,
-    optimizer_kernel,
     precision_facts,
 )
 
-__all__ = ["Candidate", "PlanResult", "DEVICE_PROFILES", "HOST_BANDWIDTH", "default_space", "offload_exposed_s", "plan",
-           "step_cost", "verification", "verify_config"]
-
-
-# --------------------------------------------------------------------------- the cost model
-# Per device type: matmul throughput by precision (FLOP/s, the order of magnitude of what eager
-# PyTorch reaches, not the datasheet), memory bandwidth for the optimizer step, and the
-# micro-batch size (tokens) at which the device runs at half its throughput.
-DEVICE_PROFILES: dict[str, dict[str, Any]] = {
-    "cuda": {"flops": {"fp32": 40e12, "tf32": 120e12, "bf16": 250e12, "fp16": 250e12, "bf16-pure": 280e12},
-             "bandwidth": 2.0e12, "half_tokens": 2048},
-    # CPUs without AMX/AVX512-BF16 emulate bf16 matmuls through fp32: not faster, usually slower.
-    "cpu": {"flops": {"fp32": 1.0e11, "tf32": 1.0e11, "bf16": 0.8e11, "fp16": 0.5e11, "bf16-pure": 0.8e11},
-            "bandwidth": 2.0e10, "half_tokens": 64},
-}
-# --precision fp8 runs the block Linears' matmuls on FP8 tensor cores and the rest (attention
-# core, LM head) in BF16 (memtrain.techniques.fp8): its rate is the BF16 rate times the FP8/BF16
-# ratio of the H100 SXM's datasheet peaks (memtrain.devices.gpu_kinds: 2.0; 2.0 to 2.02 on the
-# other kinds with FP8), charged to the block matmuls only (step_cost). A CPU never runs it (the device check refuses
-# it); its entry is the BF16 rate so the table has every precision.
-_H100_PEAKS = GPU_KINDS["h100-sxm"].flops
-FP8_PEAK_RATIO: float = _H100_PEAKS["fp8"] / _H100_PEAKS["bf16"]  # type: ignore[operator]  # both listed for H100
-DEVICE_PROFILES["cuda"]["flops"]["fp8"] = DEVICE_PROFILES["cuda"]["flops"]["bf16"] * FP8_PEAK_RATIO
-DEVICE_PROFILES["cpu"]["flops"]["fp8"] = DEVICE_PROFILES["cpu"]["flops"]["bf16"]
-# Host link bandwidth (bytes/s, each way) that --offload-activations' copies run at, when plan is
-# given no --host-bandwidth. CUDA: PCIe 4.0 x16 carries 32 GB/s each way on paper and pinned
-# copies reach about 25 GB/s of it (CUDA's bandwidthTest figure for such a link; PCIe 5.0 x16
-# doubles it, NVLink-C2C on a Grace Hopper reaches ~450 GB/s each way): an assumption, so a
-# measured or stated figure is better. CPU: the copy stays in RAM, at the profile's bandwidth.
-HOST_BANDWIDTH: dict[str, float] = {"cuda": 25e9, "cpu": DEVICE_PROFILES["cpu"]["bandwidth"]}
-# Bytes of memory traffic per trainable parameter in one optimizer step (read/write of
-# weights, gradients and states; kernel-launch overhead folded in for the per-tensor loop).
-OPTIMIZER_TRAFFIC = {"adamw": 40, "adamw-foreach": 28, "adamw-fused": 24, "sgd": 16, "adafactor": 24,
-                     "adamw-8bit": 24, "adamw-4bit": 24, "adamw-bnb-8bit": 16}
-# Extra time of the attention core (QK^T, softmax, AV) when the (s x s) scores are materialized,
-# relative to a fused kernel: the softmax and masking passes are memory-bound.
-MATH_ATTENTION_PENALTY = {"cuda": 2.0, "cpu": 1.0}
-# Selective checkpointing recomputes only the cheap (elementwise) ops: charged as this share of
-# a block's forward.
-SELECTIVE_RECOMPUTE_SHARE = 0.05
-
-
-def _flops_per_token(cfg: RunConfig, arch: Arch) -> dict[str, float]:
-    """Forward FLOPs per token: block matmuls, attention core, LM head (2 per multiply-add).
-    q and the attention's output are ``q`` wide and k and v ``kv`` (heads and key/value heads
-    times the head width: ``Arch.head_dim`` where a transformers config sets one apart from
-    d_model / n_heads)."""
-    m, s = cfg.model, cfg.train.seq_len
-    q, kv = head_widths(m, arch)
-    mlp = (3 if arch.mlp == "swiglu" else 2) * m.d_model * m.d_ff
-    block = 2 * (m.d_model * (q + 2 * kv) + q * m.d_model + mlp)
-    window = cfg.technique.window
-    keys = min(window, s) if window else s
-    attn = 2 * 2 * keys * q  # QK^T and AV, every query head
-    head = 2 * m.padded_vocab_size * m.d_model
-    return {"blocks": block * m.n_layers, "attention": attn * m.n_layers, "head": head}
-
-
-def step_cost(cfg: RunConfig, device_type: str, arch: Arch = GPT2_ARCH) -> tuple[float, dict[str, float]]:
-    """Modelled seconds of one optimizer step (``batch_size x grad_accum`` sequences)."""
-    prof = DEVICE_PROFILES[device_type]
-    tech, t = cfg.technique, cfg.train
-    f = _flops_per_token(cfg, arch)
-    tokens = t.batch_size * t.grad_accum * t.seq_len
-    attn = f["attention"] * (MATH_ATTENTION_PENALTY[device_type] if _materialized(cfg, device_type) else 1.0)
-    fwd_blocks = f["blocks"] + attn
-    train = 3 * (fwd_blocks + f["head"])
-    policy = checkpoint_policy(tech.checkpointing)
-    kind = policy.kind
-    L = cfg.model.n_layers
-    if kind == "full":
-        recompute = fwd_blocks
-    elif kind == "selective":
-        # Megatron's selective: the attention core reruns up to what backward needs: q k^T
-        # (half the attention matmul FLOPs); probs @ v does not rerun (checkpoint's early stop).
-        recompute = 0.5 * attn
-    elif kind == "selective-matmul":
-        recompute = SELECTIVE_RECOMPUTE_SHARE * fwd_blocks
-    elif policy.mixed:
-        recompute = fwd_blocks * policy.n_checkpointed(L) / L
-    elif tech.compile and tech.compile_memory_budget is not None:
-        # Between none and full: a share of full checkpointing's recompute (compile_budget's model).
-        recompute = fwd_blocks * recompute_share(tech.compile_memory_budget)
-    else:
-        recompute = 0.0
-    if tech.loss == "chunked":
-        train += 0.02 * 3 * f["head"]  # the per-chunk loop and its casts
-    micro_tokens = t.batch_size * t.seq_len
-    efficiency = micro_tokens / (micro_tokens + prof["half_tokens"])
-    rate = prof["flops"][tech.precision] * efficiency
-    compute = (train + recompute) * tokens / rate
-    if precision_facts(tech.precision).fp8:
-        # Only the block Linears (and their recompute) run in FP8; attention and head at BF16's rate.
-        fp8_share = f["blocks"] / fwd_blocks
-        fp8_flops = (3 * f["blocks"] + recompute * fp8_share) * tokens
-        compute = fp8_flops / rate + ((train + recompute) * tokens - fp8_flops) / (prof["flops"]["bf16"] * efficiency)
-    trainable = param_count(cfg.model, arch, tech)[1]
-    kernel = optimizer_kernel(tech.optim, tech.precision, device_type)  # plain adamw is the fused kernel on CUDA
-    optimizer = OPTIMIZER_TRAFFIC.get(kernel, 32) * trainable / prof["bandwidth"]
-    return compute + optimizer, {"compute_s": compute, "recompute_flops_per_token": recompute,
-                                 "optimizer_s": optimizer, "micro_batch_efficiency": efficiency}
-
-
-def offload_exposed_s(d2h_bytes: float, h2d_bytes: float, compute_s: float, host_bandwidth: float) -> float:
-    """Seconds of --offload-activations' copies that compute does not hide: the device-to-host
-    copies overlap the forward (a third of the step's compute), the host-to-device ones the
-    backward (the rest); what a copy takes beyond its phase's compute is added to the step."""
-    forward = compute_s / 3
-    return (max(0.0, d2h_bytes / host_bandwidth - forward)
-            + max(0.0, h2d_bytes / host_bandwidth - (compute_s - forward)))
-
-
-def _materialized(cfg: RunConfig, device_type: str) -> bool:
-    tech = cfg.technique
-    if tech.attention == "math":
-        return True
-    return tech.attention == "sdpa" and device_type == "cpu" and cfg.model.dropout > 0
+__all__ = ["Candidate", "PlanResult", "default_space", "plan", "verification", "verify_config"]
 
 
 # --------------------------------------------------------------------------- enumeration
@@ -612,13 +493,10 @@ def _fit_target_batch(search: _Search, sets: list[dict[str, Any]], target: int, 
         # The largest micro-batch that fits (peak grows with the micro-batch): bisect.
         lo, hi, best = 0, len(micros) - 1, None
         at_one: Optional[float] = None  # the peak at micro-batch 1, where it was found
-        micro_peaks: dict[int, tuple[float, str]] = {}  # by index in micros; each modelled once
 
-        def micro_peak(j: int, t: dict[str, Any] = t,
-                       micro_peaks: dict[int, tuple[float, str]] = micro_peaks) -> tuple[float, str]:
-            if j not in micro_peaks:
-                micro_peaks[j] = peak(at(t, micros[j], target // micros[j]))
-            return micro_peaks[j]
+        @functools.cache  # by index in micros; each modelled once: the climb revisits the bisection's
+        def micro_peak(j: int, t: dict[str, Any] = t) -> tuple[float, str]:
+            return peak(at(t, micros[j], target // micros[j]))
 
         while lo <= hi:
             mid = (lo + hi) // 2
@@ -661,24 +539,25 @@ def _fit_max_batch(search: _Search, sets: list[dict[str, Any]], max_batch_limit:
     smallest: Optional[_Smallest] = None
     at, peak, limit = search.at, search.peak, search.limit
     for t in sets:
-        p, ph = peak(at(t, 1, 1))
+        @functools.cache  # each batch modelled once: the climb revisits the bisection's
+        def peak_at(b: int, t: dict[str, Any] = t) -> tuple[float, str]:
+            return peak(at(t, b, 1))
+
+        p, ph = peak_at(1)
         visited += 1
         if p > limit:
             if smallest is None or p < smallest[0]:
                 smallest = (p, t, 1, 1)
             unfit.append(Candidate(dict(t), 1, 1, p, ph, 0.0, fits=False))
             continue
-        peaks = {1: (p, ph)}
 
-        def batch_fits(b: int, t: dict[str, Any] = t, peaks: dict[int, tuple[float, str]] = peaks) -> bool:
-            if b not in peaks:  # each batch modelled once: the climb revisits the bisection's
-                peaks[b] = peak(at(t, b, 1))
-            return peaks[b][0] <= limit
+        def batch_fits(b: int) -> bool:
+            return peak_at(b)[0] <= limit
 
         # Grow by doubling, then bisect; then look past a spike of the modelled peak (the
         # allocator model's total can fall as the batch grows: memtrain.analysis.dips).
         b = climb_past_dips(batch_fits, largest_fitting(batch_fits, max_batch_limit), max_batch_limit)
-        p, ph = peaks[b]
+        p, ph = peak_at(b)
         c = at(t, b, 1)
         cost = search.cost_of(c)
         per_token = cost / (b * search.cfg.train.seq_len)

@@ -30,7 +30,7 @@ within minutes on 2 CPU cores"). So:
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -122,6 +122,21 @@ COMPILED_OPTIMS = tuple(LOW_BIT_BLOCK)  # torchao's low-bit AdamWs (memtrain.tec
 CPU_OPTIM_SUBSTITUTE = "adafactor"
 
 
+def _substituted(rows: list[tuple[str, RunConfig]],
+                 substitute: Callable[[RunConfig], Optional[tuple[dict[str, Any], RunConfig]]],
+                 ) -> tuple[list[tuple[str, RunConfig]], dict[str, dict[str, Any]]]:
+    """Each row, replaced where ``substitute`` gives (what changed, the row's new config), in
+    order; and what changed, by row name."""
+    out: list[tuple[str, RunConfig]] = []
+    subs: dict[str, dict[str, Any]] = {}
+    for name, cfg in rows:
+        change = substitute(cfg)
+        if change is not None:
+            subs[name], cfg = change
+        out.append((name, cfg))
+    return out, subs
+
+
 def adapt_compiled_optims(rows: list[tuple[str, RunConfig]], device_type: str, substitute: bool
                           ) -> tuple[list[tuple[str, RunConfig]], dict[str, dict[str, Any]], list[str]]:
     """On a CPU, the default list's (``substitute``) low-bit AdamW rows run Adafactor instead.
@@ -137,8 +152,6 @@ def adapt_compiled_optims(rows: list[tuple[str, RunConfig]], device_type: str, s
     installed = importlib.util.find_spec("torchao") is not None
     if installed and device_type != "cpu":
         return rows, {}, []
-    out: list[tuple[str, RunConfig]] = []
-    subs: dict[str, dict[str, Any]] = {}
     if installed:
         where, reason = "On this CPU", ("torchao compiles its low-bit AdamW update on first use, ~95 s on 2 CPU "
                                         "cores with a cold compile cache")
@@ -146,12 +159,15 @@ def adapt_compiled_optims(rows: list[tuple[str, RunConfig]], device_type: str, s
     else:
         where, reason = "Without torchao", "torchao, the lowbit extra, is not installed"
         todo = "pip install 'memtrain[lowbit]' to run torchao's optimizer."
-    for name, cfg in rows:
+
+    def adafactor(cfg: RunConfig) -> Optional[tuple[dict[str, Any], RunConfig]]:
         optim = cfg.technique.optim
-        if optim in COMPILED_OPTIMS:
-            subs[name] = {"from": optim, "to": CPU_OPTIM_SUBSTITUTE, "reason": reason, "where": where}
-            cfg = cfg.replace(optim=CPU_OPTIM_SUBSTITUTE)
-        out.append((name, cfg))
+        if optim not in COMPILED_OPTIMS:
+            return None
+        return ({"from": optim, "to": CPU_OPTIM_SUBSTITUTE, "reason": reason, "where": where},
+                cfg.replace(optim=CPU_OPTIM_SUBSTITUTE))
+
+    out, subs = _substituted(rows, adafactor)
     notes = []
     if subs:
         notes.append(f"low-bit AdamW rows of the default list run {CPU_OPTIM_SUBSTITUTE} "
@@ -177,16 +193,16 @@ def adapt_window_kernels(rows: list[tuple[str, RunConfig]], device_type: str, su
     """
     if not substitute or device_type != "cuda":
         return rows, {}, []
-    out: list[tuple[str, RunConfig]] = []
-    subs: dict[str, dict[str, Any]] = {}
     kernel = window_kernel()
     reason = "SDPA's flash kernel takes no mask on CUDA, so it cannot run a sliding window"
-    for name, cfg in rows:
+
+    def windowed(cfg: RunConfig) -> Optional[tuple[dict[str, Any], RunConfig]]:
         tech = cfg.technique
-        if tech.attention == "flash" and tech.window is not None:
-            subs[name] = {"from": "flash", "to": kernel, "reason": reason}
-            cfg = cfg.replace(attention=kernel)
-        out.append((name, cfg))
+        if tech.attention != "flash" or tech.window is None:
+            return None
+        return {"from": "flash", "to": kernel, "reason": reason}, cfg.replace(attention=kernel)
+
+    out, subs = _substituted(rows, windowed)
     notes = []
     if subs:
         notes.append(f"windowed flash rows of the default list run the {kernel} kernel on CUDA ({reason}): "

@@ -48,8 +48,9 @@ from typing import Optional
 
 from memtrain.techniques.facts import MATMUL_TYPES
 
-__all__ = ["AllocatorFacts", "DEFAULT_ALLOCATOR", "GPU_KINDS", "GpuKind", "allocator_facts", "gpu_kind",
-           "gpu_table_key", "has_fp8", "named_gpu_key", "peak_of", "unknown_gpu_line"]
+__all__ = ["AllocatorFacts", "DEFAULT_ALLOCATOR", "GPU_KINDS", "GpuKind", "LARGE_BUFFER", "MIN_BLOCK", "MIN_LARGE_ALLOC",
+           "PCIE4_X16_PINNED_COPY", "ROUND_LARGE", "SMALL_BUFFER", "SMALL_SIZE", "allocator_facts", "gpu_kind", "gpu_table_key", "has_fp8",
+           "named_gpu_key", "peak_of", "unknown_gpu_line"]
 
 T = 1e12  # TFLOP/s
 GBs = 1e9  # GB/s (decimal, as datasheets state bandwidth)
@@ -79,6 +80,22 @@ class AllocatorFacts:
     loose_names: tuple[str, ...] = ()
     context_source: str = ""
 
+
+# The host link a GPU's pinned host copies run over (bytes/s, each way): PCIe 4.0 x16 carries
+# 32 GB/s each way on paper and pinned copies reach about 25 GB/s of it (CUDA's bandwidthTest
+# figure for such a link; PCIe 5.0 x16 doubles it, NVLink-C2C on a Grace Hopper reaches ~450 GB/s
+# each way).
+PCIE4_X16_PINNED_COPY = 25 * GBs
+
+# The caching allocator's block and segment sizes: torch's c10/cuda/CUDACachingAllocator.cpp
+# (kMinBlockSize, kSmallSize, kSmallBuffer, kLargeBuffer, kMinLargeAlloc, kRoundLarge), the same
+# on every GPU kind; memtrain.analysis.allocator replays them.
+MIN_BLOCK = 512  # every request rounded up to a multiple of this
+SMALL_SIZE = 1 * MiB  # requests up to this come from the small pool
+SMALL_BUFFER = 2 * MiB  # the small pool's segment
+LARGE_BUFFER = 20 * MiB  # a large-pool segment for a request under MIN_LARGE_ALLOC
+MIN_LARGE_ALLOC = 10 * MiB
+ROUND_LARGE = 2 * MiB  # a larger request's segment: the request rounded up to this
 
 # torch's default CUBLAS_WORKSPACE_CONFIG: 4096 KiB x 8 on Hopper, 4096 KiB x 2 + 16 KiB x 8 before it.
 _HOPPER_WORKSPACE = 4096 * 1024 * 8

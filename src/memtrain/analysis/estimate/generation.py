@@ -78,6 +78,36 @@ def mlp_width_factor(arch: Arch) -> int:
     return 4 if arch.mlp == "gelu_new" else 2
 
 
+def _layer_windows(window: Optional[int], sliding_layers: Optional[Sequence[bool]], n_layers: int,
+                   ) -> list[Optional[int]]:
+    """Each layer's window (None: a full-attention layer, whose cache keeps every position)."""
+    if window is not None and window < 2:
+        raise ValueError("a sliding window keeps at least 2 positions")
+    if sliding_layers is not None and len(sliding_layers) != n_layers:
+        raise ValueError(f"sliding_layers names {len(sliding_layers)} layers of {n_layers}")
+    return [window if (sliding_layers is None or slides) else None for slides in (sliding_layers or [True] * n_layers)]
+
+
+def _prefill_attention(arch: Arch, token_bytes: float, d: int, qw: int, kvw: int, cache_prompt: float,
+                       layer_cache: float) -> tuple[float, float]:
+    """The prefill's last-layer attention candidate: the bytes its attention holds at its largest
+    (``token_bytes``: the prompt's tokens times the compute dtype's bytes) and the KV cache
+    written by then."""
+    if arch.name == "gpt2":
+        # At c_proj: ln_1's output, c_attn's (q is a view of it; SDPA's output takes its layout,
+        # so no copy) and SDPA's output; this layer's k/v are in the cache.
+        return token_bytes * (d + (qw + 2 * kvw) + qw), cache_prompt
+    if arch.fused_proj:
+        # Phi-3, after SDPA: the normed input, the fused q/k/v output (v is a view of it), q
+        # after rope (its cat makes it contiguous as (b, h, s, hd)), SDPA's output in that
+        # layout and the transpose's contiguous copy; this layer's k/v are in the cache.
+        return token_bytes * (d + (qw + 2 * kvw) + 3 * qw), cache_prompt
+    # rope, before the cache update: the normed input, q, k, v, and q's three temporaries
+    # (q * cos, the rotated q times sin, their sum); then k's three beside q's result,
+    # which is the larger where k is as wide as q (no grouped heads).
+    return token_bytes * (d + max(4 * qw + 2 * kvw, 2 * qw + 5 * kvw)), cache_prompt - layer_cache
+
+
 def estimate_generate(m: ModelConfig, arch: Arch, batch: int, prompt: int, new_tokens: int,
                       weights_dtype: str, sampling: bool = True, window: Optional[int] = None,
                       sliding_layers: Optional[Sequence[bool]] = None) -> dict[str, Any]:
@@ -102,12 +132,7 @@ def estimate_generate(m: ModelConfig, arch: Arch, batch: int, prompt: int, new_t
     N = b * s
     gpt2 = arch.name == "gpt2"
     final_len = s + new_tokens - 1
-    if window is not None and window < 2:
-        raise ValueError("a sliding window keeps at least 2 positions")
-    if sliding_layers is not None and len(sliding_layers) != L:
-        raise ValueError(f"sliding_layers names {len(sliding_layers)} layers of {L}")
-    # Each layer's window (None: a full-attention layer, whose cache keeps every position).
-    windows = [window if (sliding_layers is None or slides) else None for slides in (sliding_layers or [True] * L)]
+    windows = _layer_windows(window, sliding_layers, L)
     weights = n_params * wb
     cache = sum(kv_cache_bytes(1, b, kvw, _stored(s, new_tokens, w), a) for w in windows)
     cache_prompt = kv_cache_bytes(L, b, kvw, s, a)
@@ -120,21 +145,7 @@ def estimate_generate(m: ModelConfig, arch: Arch, batch: int, prompt: int, new_t
     # The prefill: what the model holds across its layers, then the last layer's two candidates:
     # its attention (a cache of `attn_cache` bytes written by then) and its MLP (all of it).
     held = _held_bytes(arch, m, b, s, a)
-    if gpt2:
-        # At c_proj: ln_1's output, c_attn's (q is a view of it; SDPA's output takes its layout,
-        # so no copy) and SDPA's output; this layer's k/v are in the cache.
-        attn, attn_cache = N * a * (d + (qw + 2 * kvw) + qw), cache_prompt
-    else:
-        if arch.fused_proj:
-            # Phi-3, after SDPA: the normed input, the fused q/k/v output (v is a view of it), q
-            # after rope (its cat makes it contiguous as (b, h, s, hd)), SDPA's output in that
-            # layout and the transpose's contiguous copy; this layer's k/v are in the cache.
-            attn, attn_cache = N * a * (d + (qw + 2 * kvw) + 3 * qw), cache_prompt
-        else:
-            # rope, before the cache update: the normed input, q, k, v, and q's three temporaries
-            # (q * cos, the rotated q times sin, their sum); then k's three beside q's result,
-            # which is the larger where k is as wide as q (no grouped heads).
-            attn, attn_cache = N * a * (d + max(4 * qw + 2 * kvw, 2 * qw + 5 * kvw)), cache_prompt - layer_cache
+    attn, attn_cache = _prefill_attention(arch, N * a, d, qw, kvw, cache_prompt, layer_cache)
     if masked:
         held += s * s  # the bool windowed mask, the model's local until it returns
     mlp = _mlp_bytes(arch, m, N, a)

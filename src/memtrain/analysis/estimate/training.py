@@ -94,6 +94,62 @@ def _validate(cfg: RunConfig, arch: Arch, device_type: str) -> None:
         raise ConfigError(f"--trace-device/--device-type {device_type!r}: use cpu or cuda")
 
 
+def _shard_kind(shard: str) -> str:
+    """The sharding the estimate models for a ``--shard``/``--distributed`` choice: DeepSpeed's
+    ZeRO-2 is ``zero2``, its ZeRO-3 ``fsdp``; any other is itself."""
+    return {"deepspeed-zero2": "zero2", "deepspeed-zero3": "fsdp"}.get(shard, shard)
+
+
+def _gathered_weights(params: list[ParamInfo], shard: str, n: int, dtype_bytes: float, blocks: int,
+                      ) -> tuple[float, dict[int, float]]:
+    """What FSDP2 (zero2, fsdp) all-gathers on one of ``n`` ranks, in ``dtype_bytes`` a value: the root
+    group's bytes (embeddings, final norm, tied head: gathered at the first forward and kept until
+    its post-backward at the end of backward, the whole step; 0 without FSDP2), and under zero2
+    each simulated block's (its full weights from its forward until its post-backward reshards
+    them, reshard_after_backward being on by default, as the block's backward ends)."""
+    root = (sum(p.numel * p.repeat * dtype_bytes for p in params if p.block is None)
+            if n > 1 and shard in ("zero2", "fsdp") else 0.0)
+    if shard != "zero2" or n <= 1:
+        return root, {}
+    # Without ``repeat``: a lumped period repeats what the measured one allocates and frees.
+    return root, {j: sum(p.numel * dtype_bytes for p in params if p.block == j) for j in range(blocks)}
+
+
+def _zero1_state(cfg: RunConfig, trainable: list[ParamInfo], world_size: int, step_kernel: str,
+                 adapter_bytes: float) -> dict[str, Any]:
+    """memtrain's ZeRO-1 gives each rank the dim-0 chunk of every tensor (ceil(rows/N) rows,
+    the last ranks fewer): the rank with the most state (rank 0) is reported, with every rank's
+    optimizer state and that rank's optimizer-step scratch."""
+    tech = cfg.technique
+    ranks = _zero1_partition(trainable, world_size)
+    per_rank = [predicted_optimizer_state(ps, tech.optim, adapter_bytes, tech.optim_block)[0] for ps in ranks]
+    worst = per_rank.index(max(per_rank))
+    return {"rank": worst, "optimizer_per_rank": per_rank,
+            "scratch": optimizer_temporaries(ranks[worst], step_kernel, adapter_bytes, cfg.train.weight_decay,
+                                             tech.precision)}
+
+
+def _shard_divisors(shard: str, n: int) -> dict[str, int]:
+    """What one of ``n`` ranks holds of the weights, gradients and optimizer state, as the divisor
+    of each: ZeRO-1 shards the optimizer state, ZeRO-2 the gradients too, FSDP the weights too."""
+    shard_div = {"weights": 1, "gradients": 1, "optimizer": 1}
+    if n > 1 and shard in ("zero1", "zero2", "fsdp"):
+        shard_div["optimizer"] = n
+        if shard in ("zero2", "fsdp"):
+            shard_div["gradients"] = n
+        if shard == "fsdp":
+            shard_div["weights"] = n
+    return shard_div
+
+
+def _by_category(peak_tags: dict[str, float]) -> dict[str, float]:
+    """The peak's bytes by memory category (every category, 0 where none)."""
+    by_category = {c: 0.0 for c in MEMORY_CATEGORIES}
+    for tag, v in peak_tags.items():
+        by_category[_CATEGORY_OF[tag]] += v
+    return by_category
+
+
 def estimate(  # noqa: C901 - the step timeline in order; splits with the analysis package
     cfg: RunConfig,
     arch: Arch = GPT2_ARCH,
@@ -120,11 +176,7 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     device_type = device_type or ("cpu" if cfg.train.device == "cpu" else "cuda")
     _validate(cfg, arch, device_type)
     m, tech, t = cfg.model, cfg.technique, cfg.train
-    shard = shard or tech.distributed
-    if shard in ("deepspeed-zero2",):
-        shard = "zero2"
-    if shard in ("deepspeed-zero3",):
-        shard = "fsdp"
+    shard = _shard_kind(shard or tech.distributed)
     if world_size < 1:
         raise ConfigError(f"--world-size must be >= 1, got {world_size}")
     check_analytic_size(m)
@@ -165,26 +217,13 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     # the CPU's per-tensor loop with its scratch.
     step_kernel = optimizer_kernel(tech.optim, tech.precision, device_type)
     opt_tmp = optimizer_temporaries(trainable, step_kernel, adapter_bytes, t.weight_decay, tech.precision)
-    zero1: Optional[dict[str, Any]] = None
-    if shard == "zero1" and world_size > 1 and sum(p.repeat for p in trainable) <= _ZERO1_MAX_TENSORS:
-        # memtrain's ZeRO-1 gives each rank the dim-0 chunk of every tensor (ceil(rows/N) rows,
-        # the last ranks fewer): the rank with the most state (rank 0) is reported.
-        ranks = _zero1_partition(trainable, world_size)
-        per_rank = [predicted_optimizer_state(ps, tech.optim, adapter_bytes, tech.optim_block)[0] for ps in ranks]
-        worst = per_rank.index(max(per_rank))
-        zero1 = {"rank": worst, "optimizer_per_rank": per_rank,
-                 "scratch": optimizer_temporaries(ranks[worst], step_kernel, adapter_bytes, t.weight_decay,
-                                                  tech.precision)}
+    zero1 = (_zero1_state(cfg, trainable, world_size, step_kernel, adapter_bytes)
+             if shard == "zero1" and world_size > 1 and sum(p.repeat for p in trainable) <= _ZERO1_MAX_TENSORS
+             else None)
 
     # ---- sharding (one rank's share)
     n = world_size
-    shard_div = {"weights": 1, "gradients": 1, "optimizer": 1}
-    if n > 1 and shard in ("zero1", "zero2", "fsdp"):
-        shard_div["optimizer"] = n
-        if shard in ("zero2", "fsdp"):
-            shard_div["gradients"] = n
-        if shard == "fsdp":
-            shard_div["weights"] = n
+    shard_div = _shard_divisors(shard, n)
 
     if gpu is not None and device_type == "cuda" and _compress:
         if m.n_layers > 1024:
@@ -197,20 +236,11 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
         sim.events = []
     sim.at("start", "weights and optimizer state")
     w_rank = weights / shard_div["weights"]
-    gathered_dtype = ab if autocast else pb  # FSDP2's MixedPrecisionPolicy gathers bf16 under autocast
-    # FSDP2 (zero2, fsdp): the root group (embeddings, final norm, tied head) is gathered at the
-    # first forward and kept until its post-backward at the end of backward: the whole step.
-    gathered_bytes = (sum(p.numel * p.repeat * gathered_dtype for p in params if p.block is None)
-                      if n > 1 and shard in ("zero2", "fsdp") else 0.0)
-    gathered_blocks: dict[int, float] = {}  # zero2: a simulated block's gathered weights
     if shard == "zero2" and n > 1:
-        # FSDP2 with reshard_after_forward=False: each rank holds its 1/N shard, and each block's
-        # all-gathered full weights from its forward until its post-backward reshards them
-        # (reshard_after_backward, on by default), as the block's backward ends.
+        # FSDP2 with reshard_after_forward=False: each rank holds its 1/N shard (_gathered_weights).
         w_rank = weights / n
-        # Without ``repeat``: a lumped period repeats what the measured one allocates and frees.
-        gathered_blocks = {j: sum(p.numel * gathered_dtype for p in params if p.block == j)
-                           for j in range(comp.blocks)}
+    gathered_dtype = ab if autocast else pb  # FSDP2's MixedPrecisionPolicy gathers bf16 under autocast
+    gathered_bytes, gathered_blocks = _gathered_weights(params, shard, n, gathered_dtype, comp.blocks)
     opt_share = zero1["optimizer_per_rank"][zero1["rank"]] if zero1 else opt_bytes / shard_div["optimizer"]
     tmp_share = zero1["scratch"] if zero1 else opt_tmp / shard_div["optimizer"]
     # _first_step (the allocator replay's first step): no optimizer state yet (created lazily
@@ -322,9 +352,7 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
         ).to_dict()
 
     peak_tags = sim.peak_tags
-    by_category = {c: 0.0 for c in MEMORY_CATEGORIES}
-    for tag, v in peak_tags.items():
-        by_category[_CATEGORY_OF[tag]] += v
+    by_category = _by_category(peak_tags)
     act_layer = layer_activation_bytes(cfg, arch, dm, not lora)
     act_layer_none = layer_activation_bytes(cfg, arch, dm, not lora, "none")
     expl = explanation_lines(cfg, arch, dm, params, n_params, n_train, weights, opt_bytes, opt_lines, act_layer_none,

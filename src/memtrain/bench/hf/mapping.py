@@ -227,17 +227,10 @@ def _computes_in_bf16(cfg: RunConfig) -> bool:
     return precision_facts(cfg.technique.precision).matmul_type == "bf16"
 
 
-def hf_plan(cfg: RunConfig, device_type: str) -> HFPlan:  # noqa: C901 - one branch per technique; splits when techniques carry their own HF mapping
-    """Map ``cfg``'s techniques onto Trainer settings for a run on ``device_type``."""
+def _map_precision(cfg: RunConfig, plan: HFPlan, cuda: bool, args: dict[str, Any], mapping: list[str], closest: list[str],
+                   none: list[str]) -> None:
+    """The precision: a Trainer flag (bf16, fp16, tf32), or what the Trainer lacks."""
     t = cfg.technique
-    args: dict[str, Any] = {}
-    mapping: list[str] = []
-    closest: list[str] = []  # memory-only techniques the Trainer lacks
-    none: list[str] = []  # differences in what is computed
-    cuda = device_type == "cuda"
-    plan = HFPlan(status="matched")
-
-    # -- precision
     if t.precision == "fp32":
         if cuda:
             args["tf32"] = False
@@ -276,7 +269,11 @@ def hf_plan(cfg: RunConfig, device_type: str) -> HFPlan:  # noqa: C901 - one bra
                     "flag; FP8 goes through accelerate's mixed_precision='fp8' with torchao or Transformer "
                     "Engine, outside the Trainer's arguments)")
 
-    # -- attention
+
+def _map_attention(cfg: RunConfig, plan: HFPlan, cuda: bool, args: dict[str, Any], mapping: list[str], closest: list[str],
+                   none: list[str]) -> None:
+    """The attention: the model's attn_implementation (a ``--model`` row's own choice)."""
+    t = cfg.technique
     hf_model = is_hf(cfg)
     if hf_model:
         _transformers_model_attention(cfg, plan, mapping, none)
@@ -299,7 +296,11 @@ def hf_plan(cfg: RunConfig, device_type: str) -> HFPlan:  # noqa: C901 - one bra
         plan.attn_implementation = "flash_attention_2"
         mapping.append("attention flash-attn -> attn_implementation='flash_attention_2'")
 
-    # -- activation checkpointing
+
+def _map_checkpointing(cfg: RunConfig, plan: HFPlan, cuda: bool, args: dict[str, Any], mapping: list[str], closest: list[str],
+                       none: list[str]) -> None:
+    """Activation checkpointing: the Trainer checkpoints whole layers, every N-th."""
+    t = cfg.technique
     policy = checkpoint_policy(t.checkpointing)
     kind, every = policy.kind, policy.period(cfg.model.n_layers)
     if kind != "none":
@@ -315,7 +316,11 @@ def hf_plan(cfg: RunConfig, device_type: str) -> HFPlan:  # noqa: C901 - one bra
             closest.append(f"--checkpointing {kind}: the Trainer checkpoints whole layers only "
                            "(no selective activation checkpointing); the HF side runs full checkpointing")
 
-    # -- loss
+
+def _map_loss(cfg: RunConfig, plan: HFPlan, cuda: bool, args: dict[str, Any], mapping: list[str], closest: list[str],
+              none: list[str]) -> None:
+    """The chunked loss: Liger's fused linear cross-entropy where it runs."""
+    t = cfg.technique
     if t.loss == "chunked":
         why = _liger_refusal(cfg, _model_type(cfg), cuda)
         if why is None:
@@ -325,7 +330,11 @@ def hf_plan(cfg: RunConfig, device_type: str) -> HFPlan:  # noqa: C901 - one bra
             closest.append(f"--loss chunked: {why}, and the model's own forward has no other chunked loss; "
                            "the HF side materializes the full logits")
 
-    # -- optimizer
+
+def _map_optimizer(cfg: RunConfig, plan: HFPlan, cuda: bool, args: dict[str, Any], mapping: list[str], closest: list[str],
+                   none: list[str]) -> None:
+    """The optimizer: TrainingArguments.optim and its arguments."""
+    t = cfg.technique
     optim = trainer_optim(t.optim)
     if optim is None:
         none.append(f"--optim {t.optim}: no TrainingArguments.optim equivalent")
@@ -360,7 +369,12 @@ def hf_plan(cfg: RunConfig, device_type: str) -> HFPlan:  # noqa: C901 - one bra
             none.append("--optim adamw-bnb-8bit: bitsandbytes needs CUDA")
         mapping.append(f"optim {t.optim} -> optim='{optim}'{note}")
 
-    # -- LoRA
+
+def _map_lora(cfg: RunConfig, plan: HFPlan, cuda: bool, args: dict[str, Any], mapping: list[str], closest: list[str],
+              none: list[str]) -> None:
+    """LoRA: the same peft LoraConfig on both sides."""
+    t = cfg.technique
+    hf_model = is_hf(cfg)
     if t.lora_rank and hf_model:
         # on this side's turn: the package imports no torch before the lockstep baton
         from memtrain.techniques.hf_mapping import lora_target_modules
@@ -384,7 +398,11 @@ def hf_plan(cfg: RunConfig, device_type: str) -> HFPlan:  # noqa: C901 - one bra
         mapping.append(f"lora_rank {t.lora_rank} -> peft.get_peft_model(LoraConfig(r={t.lora_rank}, "
                        f"lora_alpha={t.lora_alpha:g}, target_modules={plan.lora['target_modules']}))")
 
-    # -- compile
+
+def _map_compile(cfg: RunConfig, plan: HFPlan, cuda: bool, args: dict[str, Any], mapping: list[str], closest: list[str],
+                 none: list[str]) -> None:
+    """torch.compile: torch_compile and its mode."""
+    t = cfg.technique
     if t.compile:
         args["torch_compile"] = True
         if t.compile_mode != "default":
@@ -399,7 +417,12 @@ def hf_plan(cfg: RunConfig, device_type: str) -> HFPlan:  # noqa: C901 - one bra
         if cuda and t.precision in ("fp32",):
             mapping.append("note: with torch_compile=True and tf32 unset, the Trainer turns TF32 on (CUDA)")
 
-    # -- model and loop
+
+def _map_model_and_loop(cfg: RunConfig, plan: HFPlan, cuda: bool, args: dict[str, Any], mapping: list[str], closest: list[str],
+                        none: list[str]) -> None:
+    """The model, QLoRA, what one process cannot compare, gradient accumulation."""
+    t = cfg.technique
+    hf_model = is_hf(cfg)
     if t.qlora:
         _qlora(cfg, plan, cuda, mapping, closest, none)
     if hf_model:
@@ -418,6 +441,20 @@ def hf_plan(cfg: RunConfig, device_type: str) -> HFPlan:  # noqa: C901 - one bra
         args["gradient_accumulation_steps"] = cfg.train.grad_accum
         mapping.append(f"grad_accum {cfg.train.grad_accum} -> gradient_accumulation_steps={cfg.train.grad_accum}")
 
+
+_MAPPING_STEPS = (_map_precision, _map_attention, _map_checkpointing, _map_loss, _map_optimizer, _map_lora, _map_compile, _map_model_and_loop)
+
+
+def hf_plan(cfg: RunConfig, device_type: str) -> HFPlan:
+    """Map ``cfg``'s techniques onto Trainer settings for a run on ``device_type``."""
+    args: dict[str, Any] = {}
+    mapping: list[str] = []
+    closest: list[str] = []  # memory-only techniques the Trainer lacks
+    none: list[str] = []  # differences in what is computed
+    cuda = device_type == "cuda"
+    plan = HFPlan(status="matched")
+    for step in _MAPPING_STEPS:  # in this order: the mapping lines follow it
+        step(cfg, plan, cuda, args, mapping, closest, none)
     plan.training_args = args
     plan.mapping = mapping
     if none:

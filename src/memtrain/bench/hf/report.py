@@ -121,8 +121,8 @@ def _repetitions(report: dict[str, Any], settings: dict[str, Any]) -> str:
     return str(min(counts)) if len(counts) == 1 else f"{min(counts)} to {max(counts)}"
 
 
-def render_markdown(report: dict[str, Any]) -> str:  # noqa: C901 - one flat section per table, in reading order
-    """The report as Markdown: provenance, values, ratios, breakdowns, mapping, raw runs."""
+def _provenance_lines(report: dict[str, Any]) -> list[str]:
+    """The report's head: command, commit, hardware, settings, and how to read its figures."""
     env, s = report["env"], report["settings"]
     lines = [
         "# memtrain vs Hugging Face Trainer",
@@ -157,6 +157,14 @@ def render_markdown(report: dict[str, Any]) -> str:  # noqa: C901 - one flat sec
            " Val PPL: both sides start from the same weights, but each follows its own learning-rate "
            "schedule (memtrain's; the Trainer's cosine_with_min_lr), so after a short run the PPL ratio "
            "mostly compares the schedules; --exact-schedule gives the Trainer memtrain's."),
+    ]
+    return lines
+
+
+def _results_lines(report: dict[str, Any]) -> list[str]:
+    """The results table: each preset's peak, step time, tokens/s, val PPL and max batch, both sides."""
+    s = report["settings"]
+    lines = [
         "",
         "## Results",
         "",
@@ -183,6 +191,12 @@ def render_markdown(report: dict[str, Any]) -> str:  # noqa: C901 - one flat sec
             f"| {cell(o, 'tokens_per_s', lambda x: num(x, '{:,.0f}'))} | {cell(t, 'tokens_per_s', lambda x: num(x, '{:,.0f}'))} "
             f"| {cell(o, 'val_ppl', lambda x: num(x, '{:,.1f}'))} | {cell(t, 'val_ppl', lambda x: num(x, '{:,.1f}'))} "
             f"| {cell(o, 'max_batch', batch)} | {cell(t, 'max_batch', batch)} |")
+    return lines
+
+
+def _ratio_lines(report: dict[str, Any]) -> list[str]:
+    """The ratios table (ours / theirs), with the per-step-pair ratio to trust for speed."""
+    lines: list[str] = []
     lines += ["", "## Ratios (ours / theirs)", "",
               "| preset | peak | step time | step time, per run pair | step time, per step pair: median [IQR] (n) "
               "| tokens/s | val PPL | max batch | steps overlapping, s |",
@@ -197,6 +211,12 @@ def render_markdown(report: dict[str, Any]) -> str:  # noqa: C901 - one flat sec
         lines.append(f"| {e['preset']} | {num(r['peak_bytes'])} | {num(r['step_time_s'])} | {pairs} | {per_step} "
                      f"| {num(r['tokens_per_s'])} | {num(r['val_ppl'], '{:.3f}')} | {num(r['max_batch'])} "
                      f"| {num(sum(e.get('step_overlap_s') or [0.0]), '{:.1f}')} |")
+    return lines
+
+
+def _allocator_lines(report: dict[str, Any]) -> list[str]:
+    """The CUDA allocator peaks table, where any row has them (nothing otherwise)."""
+    lines: list[str] = []
     if any((e["sides"].get("ours", {}).get("max_allocated_bytes") is not None) for e in report["rows"]):
         lines += ["", "## CUDA allocator peaks (whole run)", "",
                   "| preset | max allocated MiB ours | HF | max reserved MiB ours | HF |", "|---|---:|---:|---:|---:|"]
@@ -204,6 +224,12 @@ def render_markdown(report: dict[str, Any]) -> str:  # noqa: C901 - one flat sec
             o, t = e["sides"].get("ours", {}), e["sides"].get("theirs", {})
             lines.append(f"| {e['preset']} | {mib(o.get('max_allocated_bytes'))} | {mib(t.get('max_allocated_bytes'))} "
                          f"| {mib(o.get('max_reserved_bytes'))} | {mib(t.get('max_reserved_bytes'))} |")
+    return lines
+
+
+def _category_lines(report: dict[str, Any]) -> list[str]:
+    """Memory at the peak by category, a line per preset and side that finished."""
+    lines: list[str] = []
     lines += ["", "## Memory at the peak, by category (MiB)", "",
               "| preset | side | " + " | ".join(MEMORY_CATEGORIES) + " | peak phase "
               "| traced peak at run batch | params (trainable) |",
@@ -217,6 +243,12 @@ def render_markdown(report: dict[str, Any]) -> str:  # noqa: C901 - one flat sec
             lines.append(f"| {e['preset']} | {side} | " + " | ".join(mib(c.get(k)) for k in MEMORY_CATEGORIES)
                          + f" | {d.get('peak_phase')} | {mib(d.get('traced_peak_at_run_batch'))} "
                          f"| {num(d.get('parameters'), '{:,}')} ({num(d.get('trainable_parameters'), '{:,}')}) |")
+    return lines
+
+
+def _mapping_lines(report: dict[str, Any]) -> list[str]:
+    """How each preset maps onto the Trainer: its settings, mapping lines and what HF lacks."""
+    lines: list[str] = []
     lines += ["", "## How each preset maps onto the Trainer", ""]
     for e in report["rows"]:
         lines.append(f"- **{e['preset']}** ({e['hf_status']}; attention `{e['attention']}`, "
@@ -226,12 +258,24 @@ def render_markdown(report: dict[str, Any]) -> str:  # noqa: C901 - one flat sec
             lines.append(f"  - {m}")
         for m in e["hf_missing"]:
             lines.append(f"  - missing in HF: {m}")
+    return lines
+
+
+def _failure_lines(report: dict[str, Any]) -> list[str]:
+    """The runs that did not finish, where any did (nothing otherwise)."""
+    lines: list[str] = []
     failures = [(e["preset"], side, d) for e in report["rows"] for side, d in e["sides"].items()
                 if e["hf_status"] != "none" and d.get("status") not in ("ok", None)]
     if failures:
         lines += ["", "## Runs that did not finish", ""]
         for name, side, d in failures:
             lines.append(f"- {name} / {side}: {d.get('status')}: {d.get('error')}")
+    return lines
+
+
+def _run_lines(report: dict[str, Any]) -> list[str]:
+    """Every run, one line each."""
+    lines: list[str] = []
     lines += ["", "## Every run", "", "| rep | preset | side | ran | step s median | p10 | p90 | peak MiB | val PPL | run wall s |",
               "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["runs"]:
@@ -240,6 +284,16 @@ def render_markdown(report: dict[str, Any]) -> str:  # noqa: C901 - one flat sec
         lines.append(f"| {r['rep']} | {r['preset']} | {r['side']} | {r['position']} | {num(st.get('median'))} "
                      f"| {num(st.get('p10'))} | {num(st.get('p90'))} | {mib((res.get('memory') or {}).get('peak_bytes'))} "
                      f"| {num(res.get('val_ppl'), '{:,.1f}')} | {num(res.get('process_wall_s'), '{:.0f}')} |")
+    return lines
+
+
+_SECTIONS = (_provenance_lines, _results_lines, _ratio_lines, _allocator_lines, _category_lines, _mapping_lines,
+             _failure_lines, _run_lines)
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """The report as Markdown: provenance, values, ratios, breakdowns, mapping, raw runs."""
+    lines = [line for section in _SECTIONS for line in section(report)]  # in reading order
     return "\n".join(lines) + "\n"
 
 
