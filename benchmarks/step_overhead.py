@@ -1,6 +1,7 @@
 """The host's cost per training step: memtrain's loop against a plain PyTorch loop and HF Trainer.
 
     python benchmarks/step_overhead.py [--steps 200] [--skip 20] [--repeats 5] [--log-every 1] [--no-hf]
+        [--profile N]
 
 On a model so small that its arithmetic is negligible (d_model 8, one layer, sequence 8,
 batch 1), a step's wall time is the host's work: the framework's Python, its hooks, meters,
@@ -19,8 +20,9 @@ hide. Three loops train the same model for ``--steps`` steps, side by side in on
 
 Each loop's ms/step is the wall time from the end of step ``--skip`` to the end of the last
 step, over those steps (the first steps build optimizer state and run memtrain's meters). The
-minimum over ``--repeats`` runs is printed, with the ratio to the plain loop. The output names
-the command, commit, CPU and torch.
+minimum over ``--repeats`` runs is printed, with the ratio to the plain loop. ``--profile N``
+then runs memtrain's loop once more under cProfile and prints its N most costly functions of
+its own. The output names the command, commit, CPU and torch.
 """
 
 from __future__ import annotations
@@ -63,6 +65,36 @@ def memtrain_loop(cfg: RunConfig, skip: int) -> float:
     marks: list[float] = []
     train(cfg, log_metrics=True, on_step=lambda done, total, median: marks.append(time.perf_counter()))
     return _ms_per_step(marks, skip)
+
+
+def profile_memtrain_loop(cfg: RunConfig, top: int) -> None:
+    """cProfile of one ``memtrain train`` loop (the steps only, not the setup or the result):
+    the ``top`` functions of memtrain and the standard library's json by their own time per step."""
+    import cProfile  # only for --profile
+    import pstats  # only for --profile
+
+    from memtrain.training import train as train_module  # the loop's class, to profile it alone
+
+    profiler, real_run = cProfile.Profile(), train_module._Loop.run
+
+    def profiled(loop: Any, *args: Any, **kwargs: Any) -> None:
+        profiler.enable()
+        try:
+            real_run(loop, *args, **kwargs)
+        finally:
+            profiler.disable()
+
+    train_module._Loop.run = profiled  # type: ignore[method-assign]
+    try:
+        train(cfg, log_metrics=True)
+    finally:
+        train_module._Loop.run = real_run  # type: ignore[method-assign]
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    rows = sorted(((tt, nc, f"{Path(file).name}:{line}({name})") for (file, line, name), (_, nc, tt, _, _)
+                   in stats.items() if "memtrain" in file or "json" in file), reverse=True)[:top]
+    print(f"memtrain's own functions in {cfg.train.steps} steps under cProfile (own time, µs per step):")
+    for tt, calls, where in rows:
+        print(f"  {tt / cfg.train.steps * 1e6:8.1f}  {calls:6d} calls  {where}")
 
 
 def plain_loop(cfg: RunConfig, skip: int) -> float:
@@ -139,6 +171,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--log-every", type=int, default=1, help="memtrain's metrics.jsonl line every N steps")
     p.add_argument("--no-hf", action="store_true", help="leave out the transformers rows")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also print the N memtrain functions with the most own time per step (cProfile)")
     args = p.parse_args()
     torch.set_num_threads(1)  # the host's own work, not how a kernel spreads over cores
     warnings.filterwarnings("ignore")
@@ -165,6 +199,8 @@ def main() -> None:
                 if "model" in model:
                     times.setdefault(f"{name}: transformers.Trainer", []).append(
                         trainer_loop(cfg(model), args.skip, str(Path(tmp, "hf"))))
+        if args.profile:
+            profile_memtrain_loop(cfg(sides[-1][1]), args.profile)
     print(f"command: python benchmarks/{Path(__file__).name} {' '.join(sys.argv[1:])}".rstrip())
     print(f"commit: {git_commit()}; torch {torch.__version__}; {platform.python_implementation()} "
           f"{platform.python_version()}; CPU: {_cpu_name()} ({os.cpu_count()} cores, 1 intra-op thread)")
