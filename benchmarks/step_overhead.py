@@ -174,6 +174,10 @@ def main() -> None:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also print the N memtrain functions with the most own time per step (cProfile)")
     args = p.parse_args()
+    if not 1 <= args.skip < args.steps:
+        p.error(f"--skip {args.skip} must be at least 1 and below --steps {args.steps}")
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats} must be at least 1")
     torch.set_num_threads(1)  # the host's own work, not how a kernel spreads over cores
     warnings.filterwarnings("ignore")
     times: dict[str, list[float]] = {}
