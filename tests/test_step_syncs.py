@@ -150,3 +150,15 @@ def test_without_metrics_lines_no_steady_step_reads_the_device(tiny_run, monkeyp
     assert [dict(c) for c in intervals[METERED:-1]] == [{}] * (STEPS - METERED - 1)
     assert sum(intervals[-1].values()) == 1  # the last read: every step's loss since the metered ones
     assert len(result["loss_history"]) == STEPS
+
+
+def test_a_long_stretch_without_reads_is_read_every_read_every_max_steps(tiny_run, monkeypatch):
+    """No metrics line, evaluation or checkpoint: the losses are still read every READ_EVERY_MAX
+    steps (a diverged loss stops the run within that many), one step late, in one read."""
+    monkeypatch.setattr(train_module, "READ_EVERY_MAX", 4)
+    intervals, result = _count(monkeypatch, {**tiny_run, "steps": STEPS}, log_metrics=False)
+    # the metered steps 1-2 are read as they end; then steps 3-6 make a group (read once step 7 is
+    # queued), 7-10 another (read at 11), 11-12 the last, read at the end
+    reads = [k for k, c in enumerate(intervals, start=1) if c]
+    assert reads == [1, 2, 7, 11, STEPS] and all(sum(c.values()) == 1 for c in intervals if c), intervals
+    assert len(result["loss_history"]) == STEPS
