@@ -1,4 +1,4 @@
-"""A step's scalars (its loss, its gradient norm) read by the host without stalling the device.
+"""Steps' scalars (their losses, a gradient norm) read by the host without stalling the device.
 
 Reading a CUDA tensor's value (``float(t)``, ``t.item()``) copies it to the host on the current
 stream, and a stream runs its work in order: the read waits for every kernel queued before it.
@@ -16,8 +16,8 @@ while the host reads, logs and fetches. A plain ``float(loss)`` at that point wo
 step N+1 as well.
 
 torch offers the pieces (pinned memory, non-blocking copies, events) but no "read later"
-object, so this small one is written here; CPU tensors, and runs that read at once, pass
-through ``float`` unchanged.
+object, so this small one is written here; CPU tensors, and runs that read at once, are read on
+demand (one ``tolist`` of the stacked tensor; floats as they are).
 """
 
 from __future__ import annotations
