@@ -1,12 +1,14 @@
 """What keeps the default `memtrain bench` within minutes on 2 CPU cores: rows import only what
 they use, the max-batch search confirms the analytic answer in two probes, and on a CPU the
-default list's low-bit AdamW rows run Adafactor (no inductor compile), saying so."""
+default list's low-bit AdamW rows run Adafactor (no inductor compile), saying so; a row writes
+its ETA heartbeat once, not at every step."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -183,6 +185,36 @@ def test_a_bad_memory_budget_is_refused_before_any_warning_or_folder(tmp_path, c
     err = capsys.readouterr().err
     assert err.startswith("error:") and err.count("\n") == 1 and "'lots'" in err, err
     assert not out.exists()
+
+
+def test_a_row_writes_its_heartbeat_once_not_at_every_step(tmp_path, monkeypatch):
+    """The ETA needs one heartbeat with a step time; an fsynced write at every step was host time
+    in every step of every bench row."""
+    import memtrain.bench.worker as worker
+    import memtrain.training.train as train_module
+    from memtrain.config.run import RunConfig
+
+    writes: list[dict] = []
+    real_write = worker.write_json_atomic
+
+    def write(path, payload, *args):
+        if Path(path).name == "hb.json":
+            writes.append(payload)
+        else:
+            real_write(path, payload, *args)
+
+    monkeypatch.setattr(worker, "write_json_atomic", write)
+
+    def forty_steps(cfg, progress=None, on_step=None):
+        for done in range(1, 41):
+            on_step(done, 40, None if done <= 3 else 0.25)  # three steps of timing warm-up
+        raise RuntimeError("stop after the steps")
+
+    monkeypatch.setattr(train_module, "train", forty_steps)
+    spec, out = tmp_path / "spec.json", tmp_path / "out.json"
+    spec.write_text(json.dumps({"config": RunConfig().to_dict(), "heartbeat": str(tmp_path / "hb.json")}))
+    assert worker.main([str(spec), str(out)]) == 0
+    assert writes == [{"done": 4, "total": 40, "step_s": 0.25}]
 
 
 def test_a_row_whose_cpu_allocation_failed_is_out_of_memory(tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """The table-writing scripts of benchmarks/ keep what earlier runs wrote: a file, a folder or a
 link where their output goes is refused in one line (exit 2) before any row runs, bad arguments
-too, and rows are written as they finish, so a late failure loses none before it."""
+too, and rows are written as they finish, so a late failure loses none before it. step_overhead.py
+runs at toy size and names its commit and CPU."""
 
 from __future__ import annotations
 
@@ -106,3 +107,19 @@ def test_the_resumable_tables_skip_a_torn_line_and_never_write_through_a_link(tm
     _refused(speed.main, ["--label", "after", "--rows", "llama-3-8b", "--out", str(tmp_path / "s")],
              "give model:set pairs", capsys)
     _refused(speed.main, ["--label", "after", "--out", str(planted / "file.md")], "is a file", capsys)
+
+
+def test_step_overhead_prints_each_loop_with_its_commit_and_cpu_and_refuses_a_bad_skip(monkeypatch, capsys):
+    """A smoke run at toy size (the figures themselves are docs/performance.md's, not a test's)."""
+    main = _load("step_overhead").main
+    monkeypatch.setattr(sys, "argv", ["step_overhead.py", "--steps", "23", "--skip", "20", "--repeats", "1",
+                                      "--no-hf", "--log-every", "5"])
+    main()
+    out = capsys.readouterr().out
+    assert "commit:" in out and "CPU:" in out and "command: python benchmarks/step_overhead.py --steps 23" in out
+    rows = [line for line in out.splitlines() if line.startswith("| GPT")]
+    assert [r.split("|")[1].strip() for r in rows] == ["GPT, vocab 50257: plain PyTorch loop",
+                                                       "GPT, vocab 50257: memtrain train"]
+    assert all(float(r.split("|")[2]) > 0 for r in rows)
+    monkeypatch.setattr(sys, "argv", ["step_overhead.py", "--steps", "20", "--skip", "20"])
+    _refused(lambda argv: main(), [], "--skip 20 must be at least 1 and below --steps 20", capsys)

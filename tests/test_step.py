@@ -202,3 +202,33 @@ def test_a_model_family_plugs_in_at_one_seam(monkeypatch):
     assert seen == ["build", "prepare"] and models.family_of(cfg) is family
     assert math.isfinite(run_step(state, random_micro_batches(cfg, 2, CPU)))
     assert models.family_of(_cfg()).name == "gpt"
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_clipping_walks_the_models_modules_once_not_at_every_step(lora_rank):
+    """``model.parameters()`` visits every submodule (thousands in a peft-wrapped model): the
+    clip's parameter list is made once per model, and clips the same gradients as the walk did."""
+    cfg = _cfg(lora_rank=lora_rank)
+    torch.manual_seed(0)
+    state, twin = build_state(cfg, CPU), build_state(cfg, CPU)
+    twin.model.load_state_dict(state.model.state_dict())
+    real, walks = state.model.parameters, []
+
+    def parameters(*args, **kwargs):
+        walks.append(1)
+        return real(*args, **kwargs)
+
+    state.model.parameters = parameters  # an instance attribute: what the step calls on this model
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        micro = random_micro_batches(cfg, cfg.train.batch_size, CPU, g)
+        run_step(state, micro)
+        for p in twin.model.parameters():  # the walk of every step, as the step made it before
+            p.grad = None
+        loss = sum(twin.model(x, y) for x, y in micro)
+        loss.backward()
+        expected = torch.nn.utils.clip_grad_norm_([p for p in twin.model.parameters() if p.grad is not None],
+                                                  cfg.train.grad_clip)
+        twin.optimizer.step()
+        assert torch.equal(state.precision.last_grad_norm, expected)
+    assert len(walks) == 1

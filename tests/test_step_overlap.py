@@ -1,10 +1,11 @@
 """The loop's overlap of steps: a single-process GPU run queues step N+1 before it reads step N's
 loss (memtrain.training.readings), and times steps with device events instead of synchronizing.
 
-Forced on the CPU here, it must give the same run, read each loss one step late, read at once
-where an evaluation or a checkpoint needs the step, and stop a diverged run before a checkpoint
-keeps it. The GPU tests check what only CUDA shows: the read waits for its own step and not for
-work queued after it, and event timing covers the device's work."""
+Forced on the CPU here, it must give the same run, read the losses together where a metrics line,
+an evaluation, a checkpoint or the end needs them (after the next step is queued, or before it where
+the model is needed) and never between, and stop a diverged run before a checkpoint keeps it. The
+GPU tests check what only CUDA shows: the read waits for its own step and not for work queued after
+it, and event timing covers the device's work."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def _spy(monkeypatch) -> list[str]:
     queued, not read), ``read`` (a queued step's loss read), ``save`` (a checkpoint)."""
     events: list[str] = []
     real_queue, real_run, real_loss, real_save = (train_module.queue_run_step, train_module.run_step,
-                                                  StepReadings.loss, train_module.save_checkpoint)
+                                                  StepReadings.losses, train_module.save_checkpoint)
 
     def queue(*a, **k):
         events.append("queue")
@@ -63,8 +64,8 @@ def _spy(monkeypatch) -> list[str]:
         events.append("sync")
         return real_run(*a, **k)
 
-    def loss(self):
-        if isinstance(self._loss, torch.Tensor):  # a queued step's loss (a run step's is a float)
+    def losses(self):
+        if isinstance(self._values, torch.Tensor) and self._read is None:  # queued steps' losses, one read
             events.append("read")
         return real_loss(self)
 
@@ -74,17 +75,19 @@ def _spy(monkeypatch) -> list[str]:
 
     monkeypatch.setattr(train_module, "queue_run_step", queue)
     monkeypatch.setattr(train_module, "run_step", run)
-    monkeypatch.setattr(StepReadings, "loss", loss)
+    monkeypatch.setattr(StepReadings, "losses", losses)
     monkeypatch.setattr(train_module, "save_checkpoint", save)
     return events
 
 
-def test_an_overlapped_run_is_the_same_run(tiny_run, tmp_path, monkeypatch):
-    base = {**tiny_run, "steps": 7, "eval_every": 3, "dropout": 0.1}
+@pytest.mark.parametrize("log_every", [1, 4])
+def test_an_overlapped_run_is_the_same_run(tiny_run, tmp_path, monkeypatch, log_every):
+    base = {**tiny_run, "steps": 7, "eval_every": 3, "dropout": 0.1, "log_every": log_every}
     plain = train(build_config({**base, "out": str(tmp_path / "plain")}), log_metrics=True)
     _force_overlap(monkeypatch)
     lagged = train(build_config({**base, "out": str(tmp_path / "lagged")}), log_metrics=True)
     assert lagged["loss_history"] == plain["loss_history"] and len(plain["loss_history"]) == 7
+    assert lagged["train_loss_mean"] == plain["train_loss_mean"] and lagged["train_loss"] == plain["train_loss"]
     assert lagged["val_history"] == plain["val_history"] and lagged["val_loss"] == plain["val_loss"]
     assert lagged["step_time_s"]["median"] > 0 and lagged["data_wait_share"] is not None
     same = ("step", "loss", "lr", "grad_norm", "val_loss")
@@ -92,17 +95,40 @@ def test_an_overlapped_run_is_the_same_run(tiny_run, tmp_path, monkeypatch):
             == [{k: m.get(k) for k in same} for m in _metrics(plain["config"]["train"]["out"])])
 
 
-def test_each_loss_is_read_after_the_next_step_is_queued_except_where_the_step_is_needed(
+def test_losses_are_read_together_where_a_step_is_needed_and_never_between(
         tiny_run, tmp_path, monkeypatch):
-    """Metered steps (the first two) run and are read at once; a step that a checkpoint (every
-    4) or the end needs is read before the next one is queued."""
+    """Metered steps (the first two) run and are read at once; the losses of the steps up to
+    one that a checkpoint (every 4) or the end needs are read together, in one read, before
+    the next step is queued; no step between is read (no metrics lines in this run)."""
     _force_overlap(monkeypatch)
     events = _spy(monkeypatch)
     train(build_config({**tiny_run, "steps": 9, "save": str(tmp_path / "ck.pt"), "save_every": 4}))
     assert events == ["sync", "sync",
-                      "queue", "queue", "read", "read", "save4",
-                      "queue", "queue", "read", "queue", "read", "queue", "read", "read", "save8",
+                      "queue", "queue", "read", "save4",
+                      "queue", "queue", "queue", "queue", "read", "save8",
                       "queue", "read", "save9"]
+
+
+def test_a_metrics_line_reads_the_steps_since_the_last_read_after_the_next_step_is_queued(
+        tiny_run, monkeypatch):
+    _force_overlap(monkeypatch)
+    events = _spy(monkeypatch)
+    result = train(build_config({**tiny_run, "steps": 9, "log_every": 3}), log_metrics=True)
+    # step 3 logs: steps 3 read after 4 is queued; step 6 logs: steps 4-6 read after 7 is queued
+    assert events == ["sync", "sync", "queue", "queue", "read", "queue", "queue", "queue", "read",
+                      "queue", "queue", "read"]
+    assert [m["step"] for m in _metrics(result["config"]["train"]["out"]) if "loss" in m] == [3, 6, 9]
+
+
+def test_an_overlapped_run_resumes_exactly(tiny_run, tmp_path, monkeypatch):
+    """Stopped at a checkpoint and resumed, an overlapped run reading its losses in groups has
+    the loss history of one uninterrupted run."""
+    _force_overlap(monkeypatch)
+    whole = train(build_config({**tiny_run, "steps": 9, "out": str(tmp_path / "whole")}))
+    ck = str(tmp_path / "ck.pt")
+    train(build_config({**tiny_run, "steps": 9, "stop_after": 5, "save": ck, "out": str(tmp_path / "first")}))
+    resumed = train(build_config({**tiny_run, "steps": 9, "resume": ck, "out": str(tmp_path / "second")}))
+    assert resumed["loss_history"] == whole["loss_history"] and len(whole["loss_history"]) == 9
 
 
 def test_without_overlap_every_step_is_read_at_once(tiny_run, monkeypatch):
@@ -135,7 +161,7 @@ def test_a_diverged_loss_stops_an_overlapped_run_before_a_checkpoint_keeps_it(ti
     cfg = build_config({**tiny_run, "steps": 9, "save": str(ck), "save_every": 3})
     with pytest.raises(LossDiverged, match="became nan at step 5"):
         train(cfg)
-    assert queued[-1] == 6  # step 6 was queued: the read is one step late
+    assert queued[-1] == 6  # step 5 is read with step 6, the next one a checkpoint needs
     state = build_state(cfg, torch.device("cpu"), schedule=True)
     state.loader = _Position()
     load_checkpoint(str(ck), state)
@@ -215,10 +241,10 @@ def test_sync_steps_may_change_on_resume(tiny_run, tmp_path):
 @needs_cuda
 def test_a_reading_waits_for_its_own_step_and_not_for_work_queued_after_it():
     x = torch.randn(256, 256, device="cuda")
-    readings = StepReadings((x @ x).sum(), torch.tensor(2.0, device="cuda"), defer=True)
+    readings = StepReadings([(x @ x).sum()], torch.tensor(2.0, device="cuda"), defer=True)
     expected = float((x @ x).sum())  # a synchronous read of the same value, for comparison
     torch.cuda._sleep(2_000_000_000)  # about a second of device time, queued after the reading
-    assert readings.loss() == expected and readings.grad_norm() == 2.0
+    assert readings.losses() == [expected] and readings.grad_norm() == 2.0
     assert not torch.cuda.current_stream().query()  # the sleep still runs: the read did not wait for it
     torch.cuda.synchronize()
 

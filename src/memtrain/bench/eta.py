@@ -1,7 +1,7 @@
 """Per-row and whole-bench ETA, printed once per row after its first timed step.
 
-Each row's worker writes a small heartbeat file after every optimizer step (steps done, steps
-in all, median timed-step time so far, or null during the timing warm-up). Once a row has a
+Each row's worker writes a small heartbeat file once, after its first timed step (steps done,
+steps in all, the timed-step time so far; ``memtrain.bench.worker.heartbeat_writer``). Once a row has a
 timed step, the row's remaining training time is (steps left x median step); what a row spends
 outside training (start-up, evaluation, the max-batch search, the estimate) is taken from the
 rows already finished in this bench (their wall time minus their training time), and rows not

@@ -21,7 +21,7 @@ import sys
 import traceback
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 from memtrain.analysis.estimate.method import estimate_step, model_arch
 from memtrain.config.run import ConfigError, build_config
@@ -31,6 +31,31 @@ from memtrain.runtime.extras import quiet_third_party
 from memtrain.runtime.notices import SlowPrecisionWarning
 
 
+def heartbeat_writer(path: Optional[str]) -> Optional[Callable[[int, int, Any], None]]:
+    """train()'s ``on_step`` for a row: the heartbeat file the runner reads for the row's and the
+    bench's ETA (:mod:`memtrain.bench.eta`), written once, at the first timed step.
+
+    The ETA is said once per row, from the first heartbeat that carries a step time; one written
+    at every step (an fsynced write and a rename: milliseconds, docs/performance.md "Host work per
+    step") cost each step that much host time, more than a small model's whole step on a GPU. A
+    lost write costs nothing but the ETA line."""
+    if not path:
+        return None
+    written = False
+
+    def on_step(done: int, total: int, step_s: Any) -> None:
+        nonlocal written
+        if written or step_s is None:  # said already, or still in the timing warm-up: no ETA to give
+            return
+        written = True
+        try:
+            write_json_atomic(Path(path), {"done": done, "total": total, "step_s": step_s})
+        except OSError:
+            pass
+
+    return on_step
+
+
 def run_row(spec: dict[str, Any]) -> dict[str, Any]:
     """Train, then search the max batch, then estimate; each part's failure is recorded."""
     from memtrain.training.train import train  # torch loads only when this runs
@@ -38,15 +63,7 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
     cfg = build_config(spec["config"])
     heartbeat = spec.get("heartbeat")
 
-    def on_step(done: int, total: int, step_s: Any) -> None:
-        # The runner reads this to show the row's and the bench's ETA (a lost write costs nothing).
-        if heartbeat:
-            try:
-                write_json_atomic(Path(heartbeat), {"done": done, "total": total, "step_s": step_s})
-            except OSError:
-                pass
-
-    result: dict[str, Any] = train(cfg, progress=spec.get("progress"), on_step=on_step)
+    result: dict[str, Any] = train(cfg, progress=spec.get("progress"), on_step=heartbeat_writer(heartbeat))
     result["status"] = "ok"
     mb = spec.get("maxbatch")
     if mb and mb.get("known"):

@@ -18,7 +18,7 @@ import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -469,9 +469,24 @@ class _Queued:
     """A step whose work is queued: what the loop reports of it once its values are read."""
 
     done: int  # optimizer steps completed once it has run
-    readings: StepReadings  # its loss and, on a step that logs, its gradient norm
+    loss: Union[torch.Tensor, float]  # its mean loss: a 0-d device tensor until read, or a float
+    grad_norm: Optional[torch.Tensor]  # on a step that logs: its gradient norm, else None
     started: float  # host clock when it began (tokens/s on the progress bar)
     logged: Optional[dict[str, Any]]  # its metrics line's host-side values (lr, live memory), or None
+
+
+@dataclass
+class _ReadGroup:
+    """Consecutive queued steps whose values are read together, once (:class:`StepReadings`)."""
+
+    steps: list[_Queued]
+    readings: StepReadings
+
+
+# The most steps an overlapped run queues without reading their losses when nothing else asks
+# for a read (no metrics line, evaluation or checkpoint in between): a diverged loss stops the
+# run within this many steps, and the host runs at most this far ahead of the device.
+READ_EVERY_MAX = 100
 
 
 @dataclass
@@ -479,12 +494,15 @@ class _Loop:
     """The step loop of one run: data wait, metered steps, NaN stop, logging, evaluation and
     periodic checkpoints around :func:`memtrain.training.step.run_step`.
 
-    With ``overlap`` (a single-process GPU run, see :func:`overlaps_steps`) the loop queues
-    step N+1 before it reads step N's loss, so the device always has a step to run while the
-    host reads, logs and fetches. A step is read at once where something must see the model
-    as that step left it: an evaluation, a checkpoint, the last step, and the metered steps.
-    A diverged loss then stops the run one step later than without overlap, and always before
-    a checkpoint could keep it.
+    With ``overlap`` (a single-process GPU run, see :func:`overlaps_steps`) each step's loss
+    stays on the device until a step must be read: one that writes a metrics line, the metered
+    steps, one that something after it needs the model as it left (an evaluation, a checkpoint,
+    the last step), or the ``READ_EVERY_MAX``-th since the last read. The steps since the last
+    read are then read together, in one host read (HF Trainer likewise reads its loss at logging
+    steps only), and the read waits until the next step is queued, so the device always has a
+    step to run while the host reads, logs and fetches; a step whose model is needed is read
+    before the next is queued. A diverged loss stops the run at that read, naming its step, and
+    always before a checkpoint could keep it. Without overlap every step is read as it ends.
     """
 
     state: TrainState
@@ -497,7 +515,8 @@ class _Loop:
     on_step: Optional[StepCallback]
     mean: Callable[[float], float]  # the mean over ranks (DistContext.mean)
     overlap: bool = False
-    _queued: deque[_Queued] = field(default_factory=deque)
+    _open: list[_Queued] = field(default_factory=list)  # queued steps not yet in a read group
+    _groups: deque[_ReadGroup] = field(default_factory=deque)  # read groups whose values are unread
     _last_read: float = 0.0  # host clock when the last step's values were read
     _save_failed: bool = False  # a periodic checkpoint could not be written (said once)
 
@@ -511,12 +530,29 @@ class _Loop:
             logs = self._logs(step + 1, end_step)
             lr = step_lr(state.scheduler) if logs else 0.0  # this step's, before the scheduler moves on
             with self.timer.step():
-                readings = self._one_step(micro, step - start_step, metered, logs)
+                loss = self._one_step(micro, step - start_step, metered)
                 state.scheduler.step()
             logged = _host_scalars(lr, state.device) if logs else None
-            self._queued.append(_Queued(step + 1, readings, started, logged))
-            lag = self.overlap and not metered and not self._acts(step + 1, end_step)
-            self._read_queued(keep=1 if lag else 0, start_step=start_step, end_step=end_step, bar=bar)
+            grad_norm = state.precision.last_grad_norm if logs else None
+            self._open.append(_Queued(step + 1, loss, grad_norm, started, logged))
+            if self.on_step is not None:  # from the host's clocks and the timer: no read of the device
+                self.on_step(step + 1 - start_step, end_step - start_step,
+                             percentile(self.timer.step_times, 50) if self.timer.step_times else None)
+            acts = self._acts(step + 1, end_step)
+            if not self.overlap or metered or logs or acts or len(self._open) >= READ_EVERY_MAX:
+                self._close_group()
+            lag = self.overlap and not metered and not acts
+            # Under lag the group closed by this step stays unread until the next step is queued.
+            keep = 1 if lag and self._groups and self._groups[-1].steps[-1].done == step + 1 else 0
+            self._read_groups(keep=keep, start_step=start_step, end_step=end_step, bar=bar)
+
+    def _close_group(self) -> None:
+        """The open steps become one read group: their losses (and the last one's gradient norm,
+        when it logs) stacked into one tensor and, under overlap, copied to the host now, right
+        behind the last step's work (:class:`StepReadings`)."""
+        steps, self._open = self._open, []
+        self._groups.append(_ReadGroup(steps, StepReadings([q.loss for q in steps], steps[-1].grad_norm,
+                                                           defer=self.overlap)))
 
     def _logs(self, done: int, end_step: int) -> bool:
         """Whether step ``done`` writes a metrics line."""
@@ -529,51 +565,51 @@ class _Loop:
         return (done == end_step or bool(t.eval_every and done % t.eval_every == 0)
                 or bool(t.save and t.save_every and done % t.save_every == 0))
 
-    def _one_step(self, micro: list[Batch], index: int, metered: bool, logs: bool) -> StepReadings:
-        """One step, metered when it is one of METERED_STEPS; its loss (and, when it logs,
-        its gradient norm), read now or later. While the device runs an unmetered step the
-        host fetches the next step's batches (the feed's ``prefetch``: a no-op on a CPU); a
-        metered step fetches none, so the meter sees the step's tensors only."""
+    def _one_step(self, micro: list[Batch], index: int, metered: bool) -> Union[torch.Tensor, float]:
+        """One step, metered when it is one of METERED_STEPS; its mean loss, read now (a float)
+        or, under overlap, left on the device (a 0-d tensor). While the device runs an unmetered
+        step the host fetches the next step's batches (the feed's ``prefetch``: a no-op on a
+        CPU); a metered step fetches none, so the meter sees the step's tensors only."""
         state, meter = self.state, self.meter if metered else None
         group = state.cfg.train.grad_accum
         if self.overlap and meter is None:
             total = queue_run_step(state, micro)
-            readings = StepReadings(total, state.precision.last_grad_norm if logs else None, defer=True)
             state.loader.prefetch(group)
-            return readings
+            return total
         with meter if meter is not None else contextlib.nullcontext():
             if meter is not None and index == METERED_STEPS[-1]:
                 meter.reset_peak()
-            loss = run_step(state, micro, meter,
+            return run_step(state, micro, meter,
                             before_wait=None if meter is not None else lambda: state.loader.prefetch(group))
-        return StepReadings(loss, state.precision.last_grad_norm if logs else None)
 
-    def _read_queued(self, keep: int, start_step: int, end_step: int, bar: _Progress) -> None:
-        """Read the queued steps' values, oldest first, until ``keep`` remain; report each
-        (NaN stop, loss history, progress bar, metrics line, evaluation, checkpoint)."""
+    def _read_groups(self, keep: int, start_step: int, end_step: int, bar: _Progress) -> None:
+        """Read the closed groups' values, oldest first, until ``keep`` groups remain; report each
+        step (NaN stop, loss history, progress bar, metrics line, evaluation, checkpoint)."""
         state = self.state
-        while len(self._queued) > keep:
-            q = self._queued.popleft()
-            loss = self.mean(q.readings.loss())  # the global batch's loss, the same on every rank
-            if not math.isfinite(loss):  # the same value on every rank: all stop together
-                raise LossDiverged(f"the training loss became {loss} at step {q.done}; lower --lr "
-                                   f"(now {state.cfg.train.lr:g}) or keep --grad-clip on; checkpoints written "
-                                   f"before are intact")
-            state.losses.append(loss)
-            state.step = q.done
+        while len(self._groups) > keep:
+            g = self._groups.popleft()
+            losses = g.readings.losses()  # one read for the group's steps
             now = time.perf_counter()
-            tokens_per_s = self.tokens_per_step / max(now - max(q.started, self._last_read), 1e-9)
+            # The group's throughput: its steps' tokens over the host time since the last read
+            # (with one step a group, each step's own rate, as before groups).
+            tokens_per_s = self.tokens_per_step * len(g.steps) / max(now - max(g.steps[0].started, self._last_read), 1e-9)
             self._last_read = now
-            bar.update(loss, tokens_per_s)
-            self._after_step(q, start_step, end_step, loss, tokens_per_s)
+            for q, read in zip(g.steps, losses):
+                loss = self.mean(read)  # the global batch's loss, the same on every rank
+                if not math.isfinite(loss):  # the same value on every rank: all stop together
+                    raise LossDiverged(f"the training loss became {loss} at step {q.done}; lower --lr "
+                                       f"(now {state.cfg.train.lr:g}) or keep --grad-clip on; checkpoints written "
+                                       f"before are intact")
+                state.losses.append(loss)
+                state.step = q.done
+                bar.update(loss, tokens_per_s)
+                self._after_step(q, g.readings, start_step, end_step, loss, tokens_per_s)
 
-    def _after_step(self, q: _Queued, start_step: int, end_step: int, loss: float, tokens_per_s: float) -> None:
+    def _after_step(self, q: _Queued, readings: StepReadings, start_step: int, end_step: int, loss: float,
+                    tokens_per_s: float) -> None:
         state, t, logger, done = self.state, self.state.cfg.train, self.logger, q.done
-        if q.logged is not None:
-            logger.log(done, _step_scalars(loss, q.logged, q.readings.grad_norm(), tokens_per_s), force=True)
-        if self.on_step is not None:
-            self.on_step(done - start_step, end_step - start_step,
-                         percentile(self.timer.step_times, 50) if self.timer.step_times else None)
+        if q.logged is not None:  # the last step of its group: the group's gradient norm is its own
+            logger.log(done, _step_scalars(loss, q.logged, readings.grad_norm(), tokens_per_s), force=True)
         if t.eval_every and done % t.eval_every == 0 and done < end_step:
             v = evaluate(state.model, self.val_batches, state.precision, state.device)
             state.val_history.append({"step": done, "val_loss": v, "val_ppl": math.exp(min(v, 50))})
