@@ -141,3 +141,29 @@ def test_data_parallel_ranks_weigh_their_micro_batches_by_the_global_answer_coun
     for p in procs:
         p.join(timeout=60)
     assert got[0] == pytest.approx([3 * 2 / 32, 9 * 2 / 32]) and got[1] == pytest.approx([20 * 2 / 32, 0.0])
+
+
+def test_a_transformers_models_accumulated_step_is_the_trainers(tmp_path):
+    """A tiny Qwen2 trained by memtrain: the step's gradient equals the Trainer's, whose micro-batch
+    losses are the model's own loss with ``num_items_in_batch`` (the step's answer-token count), summed."""
+    pytest.importorskip("transformers")
+    from test_chat_data import CHATML, _chat_folder
+
+    model_dir = _chat_folder(tmp_path / "qwen2", CHATML)
+    cfg = build_config({"model": str(model_dir), "data": "chat.jsonl", "data_format": "chat", "loss_on": "completion",
+                        "seq_len": SEQ, "optim": "sgd", "lr": 1.0, "weight_decay": 0.0, "warmup_steps": 0,
+                        "grad_clip": 0.0, "batch_size": 2, "grad_accum": 2, "dropout": 0.0})
+    torch.manual_seed(0)
+    state = build_state(cfg, CPU, make_precision("fp32", CPU))
+    tokens, mask = _tokens_and_mask()
+    micro = DeviceFeed(make_train_loader(tokens, SEQ, 2, seed=3, mask=mask), CPU).next_group(2)
+    lm = copy.deepcopy(state.model.lm)
+    items = torch.tensor(sum(micro.target_counts))
+    for x, y in micro:  # the Trainer's training_step: loss already divided by num_items_in_batch
+        lm(input_ids=x, labels=y, shift_labels=y, num_items_in_batch=items).loss.backward()
+    before = [p.detach().clone() for p in state.model.lm.parameters()]
+    run_step(state, micro)
+    moved = [b - p.detach() for b, p in zip(before, state.model.lm.parameters())]
+    for (name, p), g in zip(lm.named_parameters(), moved):
+        want = p.grad if p.grad is not None else torch.zeros_like(p)
+        assert torch.allclose(g, want, atol=1e-6, rtol=1e-4), name
