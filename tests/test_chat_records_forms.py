@@ -108,3 +108,20 @@ def test_records_rendered_before_tools_reached_the_template_are_tokenized_again(
     keys = cache.cache_key(chat, chatml), cache.cache_key(text)
     monkeypatch.setattr(cache, "RENDER_VERSION", 1)
     assert cache.cache_key(chat, chatml) != keys[0] and cache.cache_key(text) == keys[1]
+
+
+def test_loss_on_completion_over_records_auto_reads_as_text_is_one_error_line(tmp_path, capsys):
+    """--data-format auto over records that are all text: --loss-on completion trained on every token,
+    while the summary said it averaged answer tokens."""
+    from memtrain.cli import main
+
+    model = _chat_folder(tmp_path / "qwen2", CHATML)
+    data = tmp_path / "text.jsonl"
+    data.write_text("".join(f'{{"text": "plain text record number {i} with a few words"}}\n' for i in range(200)))
+    out = tmp_path / "run"
+    argv = ["train", "--model", str(model), "--data", str(data), "--data-format", "auto", "--loss-on", "completion",
+            "--steps", "1", "--seq-len", "16", "--batch-size", "2", "--cache-dir", str(tmp_path / "cache"), "--out", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --loss-on completion: every token") and "found no chat or prompt-completion" in err[-1]
+    assert not (out / "result.json").exists()
