@@ -167,3 +167,35 @@ def test_a_transformers_models_accumulated_step_is_the_trainers(tmp_path):
     for (name, p), g in zip(lm.named_parameters(), moved):
         want = p.grad if p.grad is not None else torch.zeros_like(p)
         assert torch.allclose(g, want, atol=1e-6, rtol=1e-4), name
+
+
+class _Engine:
+    """What deepspeed_train_step uses of DeepSpeed's engine: a forward returning the micro-batch's
+    mean loss, a backward that divides by the accumulation steps (as the engine's does) and a step."""
+
+    def __init__(self, losses: list[float], steps: int) -> None:
+        self.losses, self.steps, self.backed = iter(losses), steps, []
+
+    def __call__(self, x, y):
+        return torch.tensor(next(self.losses), requires_grad=True)
+
+    def backward(self, loss):
+        self.backed.append(float(loss) / self.steps)
+
+    def step(self):
+        pass
+
+
+def test_deepspeeds_step_weighs_micro_batches_by_their_answer_tokens():
+    """The engine divides each micro-batch's loss by the accumulation steps itself: the step hands
+    it count_i / total x steps, so what it back-propagates sums to the mean over all answer tokens."""
+    from memtrain.distributed.deepspeed_engine import deepspeed_train_step
+
+    micro = MicroBatches([(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long))] * 2)
+    micro.target_counts = [1, 3]
+    engine = _Engine([2.0, 6.0], steps=2)  # means over 1 and 3 answer tokens: sums 2 and 18
+    loss = deepspeed_train_step(engine, micro, None, None, 0.0, CPU)
+    assert sum(engine.backed) == pytest.approx((2.0 + 18.0) / 4) and loss == pytest.approx(5.0)
+    plain = _Engine([2.0, 6.0], steps=2)  # text data: the engine's own mean of the micro-batches
+    assert deepspeed_train_step(plain, [(x, y) for x, y in micro], None, None, 0.0, CPU) == pytest.approx(4.0)
+    assert sum(plain.backed) == pytest.approx(4.0)
