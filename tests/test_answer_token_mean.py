@@ -121,10 +121,26 @@ def _rank_scales(rank: int, world: int, port: int, out) -> None:
         dist.destroy_process_group()
 
 
-def test_data_parallel_ranks_weigh_their_micro_batches_by_the_global_answer_count():
-    """Two gloo ranks with 12 and 20 answer tokens: each micro-batch's loss is scaled by
-    count * ranks / 32 (the Trainer's average_tokens_across_devices, its default), so the ranks'
-    averaged gradients are the mean over all 32 answer tokens."""
+def _ddp_rank_step(rank: int, world: int, port: int, out) -> None:
+    """One DDP step of rank ``rank`` over its two micro-batches of the shared data; its parameters after."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        state = _state("standard")
+        state.model = torch.nn.parallel.DistributedDataParallel(state.model)
+        state.no_sync = state.model.no_sync
+        tokens, mask = _tokens_and_mask(16)
+        micro = DeviceFeed(make_train_loader(tokens, SEQ, 2, seed=3, mask=mask, rank=rank, world_size=world), CPU).next_group(2)
+        run_step(state, micro)
+        # numpy copies: a tensor would travel as shared memory that dies with this process
+        out.put((rank, [p.detach().numpy().copy() for p in state.model.module.parameters()],
+                 [(x.numpy().copy(), y.numpy().copy()) for x, y in micro]))
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(target, world: int = 2) -> dict:
     import socket
 
     import torch.multiprocessing as mp
@@ -134,12 +150,35 @@ def test_data_parallel_ranks_weigh_their_micro_batches_by_the_global_answer_coun
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_rank_scales, args=(r, 2, port, out)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, world, port, out)) for r in range(world)]
     for p in procs:
         p.start()
-    got = dict(out.get(timeout=120) for _ in procs)
+    got = dict((r, rest) for r, *rest in (out.get(timeout=180) for _ in procs))
     for p in procs:
         p.join(timeout=60)
+    return got
+
+
+def test_a_ddp_step_is_the_gradient_of_one_batch_holding_every_ranks_micro_batches():
+    """Two DDP ranks (gloo), two micro-batches each, unequal answer counts: the step moves the
+    weights by the gradient of the mean over all answer tokens of the four micro-batches."""
+    got = _spawn(_ddp_rank_step)
+    micro = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in got[0][1] + got[1][1]]
+    # Unequal within a rank and between the ranks (a rank-local mean would then be another gradient).
+    assert len({int((y != IGNORE_INDEX).sum()) for _, y in micro}) > 1
+    assert sum(int((y != IGNORE_INDEX).sum()) for _, y in micro[:2]) != sum(int((y != IGNORE_INDEX).sum()) for _, y in micro[2:])
+    state = _state("standard")
+    want = _grads_of_one_batch(copy.deepcopy(state.model), micro)
+    for params in (got[0][0], got[1][0]):
+        for before, after, w in zip(state.model.parameters(), params, want):
+            assert torch.allclose(before.detach() - torch.from_numpy(after), w, atol=1e-6, rtol=1e-4)
+
+
+def test_data_parallel_ranks_weigh_their_micro_batches_by_the_global_answer_count():
+    """Two gloo ranks with 12 and 20 answer tokens: each micro-batch's loss is scaled by
+    count * ranks / 32 (the Trainer's average_tokens_across_devices, its default), so the ranks'
+    averaged gradients are the mean over all 32 answer tokens."""
+    got = {r: v[0] for r, v in _spawn(_rank_scales).items()}
     assert got[0] == pytest.approx([3 * 2 / 32, 9 * 2 / 32]) and got[1] == pytest.approx([20 * 2 / 32, 0.0])
 
 
