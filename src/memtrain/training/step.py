@@ -27,7 +27,8 @@ prepare_context=None) -> TrainState``
 ``train_step(model, micro_batches, optimizer, precision, grad_clip, device, meter=None,
 no_sync=None, micro_context=None, optimizer_context=None, forward_context=None,
 before_wait=None) -> float``
-    One optimizer step: micro-batch loop (autocast, loss / N, scaled backward) -> unscale ->
+    One optimizer step: micro-batch loop (autocast, loss / N or, for :class:`memtrain.data.loader.MicroBatches`
+    with target counts, times each one's share of the step's targets; scaled backward) -> unscale ->
     clip -> step (skipped-step count under a GradScaler) -> zero_grad, with the meter's
     phases. ``micro_context`` / ``optimizer_context`` wrap each micro-batch's forward+backward
     and the optimizer phase (the profiler's op-class ranges); ``forward_context`` each forward
