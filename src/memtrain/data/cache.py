@@ -28,7 +28,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from memtrain.config.run import DataConfig, effective_cache_dir
-from memtrain.data.records import RecordText, make_renderer, template_refusal
+from memtrain.data.records import RENDER_VERSION, RecordText, make_renderer, template_refusal
 from memtrain.data.sources import iter_documents, source_identity
 from memtrain.data.tokenizer import (
     ENCODE_PIECE_CHARS,
@@ -189,7 +189,9 @@ def _format_identity(cfg: DataConfig, tokenizer: Any) -> dict[str, Any]:
     digest = hashlib.sha256(template.encode()).hexdigest() if template else None
     # --loss-on completion writes a target mask beside the ids (its entries alone hold one).
     answers = {"loss_on": cfg.loss_on} if cfg.loss_on != "all" else {}
-    return {"data_format": cfg.data_format, "chat_template": digest, **answers}
+    # How records become text: a cached entry of an older rendering (before tools reached the
+    # template) must not be reused.
+    return {"data_format": cfg.data_format, "chat_template": digest, "render_version": RENDER_VERSION, **answers}
 
 
 def assign_validation(rng: np.random.Generator, n_docs: int, val_fraction: float) -> np.ndarray:

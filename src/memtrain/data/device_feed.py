@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from memtrain.data.loader import Batch, TrainLoader
+from memtrain.data.loader import Batch, MicroBatches, TrainLoader, host_target_count
 
 __all__ = ["DeviceFeed"]
 
@@ -71,16 +71,22 @@ class DeviceFeed:
         if self.ahead and self._ready is None:
             self._ready = self._fetch(group)
 
-    def next_group(self, group: int) -> list[Batch]:
+    def next_group(self, group: int) -> MicroBatches:
         """The next ``group`` micro-batches, on the device (their copies may still be in flight
-        on the current stream, which orders them before any kernel that reads them)."""
+        on the current stream, which orders them before any kernel that reads them). Under a
+        target mask (--loss-on completion) each one's answer-token count is taken here, from
+        the host tensors, before the copy: the step weighs each micro-batch by it with no sync."""
         if self._ready is not None and len(self._ready) == group:
             batches, self._ready = self._ready, None
         else:
             self._drop_ready()
             batches = self._fetch(group)
         self._position = self.loader.state_dict()
-        return [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in batches]
+        out = MicroBatches((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+                           for x, y in batches)
+        if self.loader.dataset.mask is not None:
+            out.target_counts = [host_target_count(y) for _, y in batches]
+        return out
 
     def _drop_ready(self) -> None:
         """Forget the group fetched ahead and put the loader back where the caller stands."""

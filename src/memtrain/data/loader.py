@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from memtrain.config.run import ConfigError, DataConfig
@@ -33,6 +34,40 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 # The target of a token that is no target (--loss-on completion: a prompt's): every loss ignores it,
 # as torch's cross_entropy and transformers' labels do.
 IGNORE_INDEX = -100
+
+
+class MicroBatches(list):
+    """One step's micro-batches (a list of :data:`Batch`), with ``target_counts``: each one's
+    count of targets (not IGNORE_INDEX), counted on the host from the loader's CPU tensors, so
+    the step can average over the answer tokens of the whole accumulated batch as transformers'
+    Trainer does (``num_items_in_batch``) without reading anything back from the device.
+    None where every micro-batch holds the same count (text data: every token a target)."""
+
+    target_counts: Optional[list[int]] = None
+
+    def loss_scales(self, device: torch.device) -> Optional[list[Union[float, torch.Tensor]]]:
+        """What each micro-batch's mean loss is multiplied by so that the step's gradient is that
+        of the mean over every target of the accumulated (global) batch: count_i / total, times
+        the ranks over the global total where data parallelism averages gradients over ranks (as
+        the Trainer's ``average_tokens_across_devices``, on by default). None without counts:
+        the caller divides by the micro-batch count, as it always did (text data, bit for bit)."""
+        if self.target_counts is None:
+            return None
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if world == 1:
+            total = sum(self.target_counts)
+            # A step without any answer token: each micro-batch's loss is already 0 (answer_targets).
+            return [count / total if total else 0.0 for count in self.target_counts]
+        # The global count, summed on the device: the all-reduce is queued, never read by the host.
+        total_t = torch.tensor(float(sum(self.target_counts)), dtype=torch.float64, device=device)
+        dist.all_reduce(total_t)
+        per_token = (world / total_t.clamp_min(1.0))
+        return [(per_token * count).float() for count in self.target_counts]
+
+
+def host_target_count(y: torch.Tensor) -> int:
+    """How many of host tensor ``y``'s targets a loss averages (those not IGNORE_INDEX)."""
+    return int(y.ne(IGNORE_INDEX).sum())
 
 
 class BlockDataset(Dataset):

@@ -24,15 +24,24 @@ prompt-completion record. The cache turns the spans into a per-token target mask
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Callable, Optional, Protocol
 
 from memtrain.errors import ConfigError, first_line
 
+# Raised when a record's rendering changes (its text or its answer spans), so cached ids of the
+# old rendering are not reused (part of the token cache's key for every format but text).
+RENDER_VERSION = 2
 CHAT_FIELDS = ("messages", "conversations")
 PROMPT_FIELDS = ("prompt", "completion")
 # ShareGPT's speaker names -> chat roles (TRL's maybe_convert_to_chatml uses the same map).
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "tool": "tool"}
+
+# The roles chat templates know (OpenAI's and transformers' chat formats).
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer", "function", "ipython")
+# Other formats' names for them, which a template would render as some unknown role.
+ROLE_SYNONYMS = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant"}
 
 Render = Callable[[dict[str, Any], int, str], Optional[str]]
 
@@ -45,7 +54,8 @@ class ChatTokenizer(Protocol):
     @property
     def chat_template(self) -> Optional[str]: ...
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str: ...
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
+                    tools: Optional[list[Any]] = None) -> str: ...
 
 
 class RecordText(str):
@@ -102,15 +112,25 @@ def make_renderer(fmt: str, tokenizer: Optional[ChatTokenizer], answers: bool = 
             return None
         where = f"record {index} of {label!r}"
         if kind == "chat":
-            messages = chat_messages(record, where)
-            text = _render(tokenizer, messages, where)
-            return RecordText(text, True, _chat_answers(tokenizer, messages, text, where) if answers else None)
+            messages, tools = chat_messages(record, where), record_tools(record, where)
+            text = _render(tokenizer, messages, where, tools=tools)
+            return RecordText(text, True, _chat_answers(tokenizer, messages, text, where, tools) if answers else None)
         return _prompt_completion(record, tokenizer, where, answers)
 
     return render
 
 
-def chat_messages(record: dict[str, Any], where: str) -> list[dict[str, str]]:
+def record_tools(record: dict[str, Any], where: str) -> Optional[list[Any]]:
+    """The record's ``tools`` (function definitions), given to the template as TRL gives them
+    (``apply_chat_template(messages, tools=...)``: a tool-aware template writes them into the
+    prompt); None without any."""
+    tools = record.get("tools")
+    if tools is None or isinstance(tools, list):
+        return tools
+    raise ConfigError(f"{where}'s 'tools' is {type(tools).__name__}; give a list of tool (function) definitions or none")
+
+
+def chat_messages(record: dict[str, Any], where: str) -> list[dict[str, Any]]:
     """The record's conversation as ``{"role", "content"}`` messages (ShareGPT's from/value mapped)."""
     field = next((f for f in CHAT_FIELDS if f in record), None)
     if field is None:
@@ -119,7 +139,7 @@ def chat_messages(record: dict[str, Any], where: str) -> list[dict[str, str]]:
     return messages_of(record[field], f"{where}'s {field!r}")
 
 
-def messages_of(value: Any, where: str) -> list[dict[str, str]]:
+def messages_of(value: Any, where: str) -> list[dict[str, Any]]:
     """``value`` as a non-empty list of ``{"role", "content"}`` messages; ShareGPT's ``{"from", "value"}``
     turns are mapped to roles. Anything else is a ConfigError naming ``where``."""
     if not isinstance(value, list) or not value:
@@ -128,17 +148,52 @@ def messages_of(value: Any, where: str) -> list[dict[str, str]]:
     return [_message(m, f"{where} message {i}") for i, m in enumerate(value, 1)]
 
 
-def _message(m: Any, where: str) -> dict[str, str]:
+def _message(m: Any, where: str) -> dict[str, Any]:
     if isinstance(m, dict) and "from" in m and "role" not in m:  # ShareGPT
         role = SHAREGPT_ROLES.get(str(m["from"]))
         if role is None:
             raise ConfigError(f"{where} is from {m['from']!r}, a speaker ShareGPT's format does not name; use one of "
                               f"{', '.join(SHAREGPT_ROLES)}")
         m = {"role": role, "content": m.get("value")}
+    if isinstance(m, dict) and isinstance(m.get("content"), list):
+        m = {**m, "content": _text_of_parts(m["content"], where)}
+    if isinstance(m, dict) and m.get("tool_calls") and m.get("content") is None:
+        # An assistant turn that only calls tools: given to the template as it is, as TRL does.
+        return {**m, "role": _role(m.get("role"), where)}
     if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
         raise ConfigError(f"{where} is not a message with text 'role' and 'content'; write it as "
                           '{"role": "user", "content": "..."}')
-    return {**m, "role": m["role"], "content": m["content"]}
+    return {**m, "role": _role(m["role"], where), "content": m["content"]}
+
+
+def _text_of_parts(parts: list[Any], where: str) -> str:
+    """The text of a content given as parts (the multimodal form ``[{"type": "text", "text": ...}]``,
+    which TRL accepts): the text parts joined as a template that reads parts writes them, one after
+    the other. Any other part (an image) is refused: memtrain trains on text."""
+    texts = []
+    for i, part in enumerate(parts, 1):
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ConfigError(f"{where}'s content part {i} is {kind!r}, not a text part; memtrain trains on text: give "
+                              'the content as a string or as [{"type": "text", "text": "..."}] parts')
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _role(role: Any, where: str) -> str:
+    """``role``, unless it is a misspelling of a chat role ('assitant', 'User'): a template renders any
+    role it is given, so a misspelled assistant turn would silently become a prompt (no target under
+    --loss-on completion). A role unlike every known one (a template's own) is kept."""
+    if not isinstance(role, str):
+        raise ConfigError(f"{where} is not a message with text 'role' and 'content'; write it as "
+                          '{"role": "user", "content": "..."}')
+    if role in CHAT_ROLES:
+        return role
+    near = [ROLE_SYNONYMS[role.lower()]] if role.lower() in ROLE_SYNONYMS else \
+        difflib.get_close_matches(role.lower(), CHAT_ROLES, n=1, cutoff=0.75)
+    if near:
+        raise ConfigError(f"{where} has role {role!r}; did you mean {near[0]!r}? (roles: {', '.join(CHAT_ROLES)})")
+    return role
 
 
 def _prompt_completion(record: dict[str, Any], tokenizer: Optional[ChatTokenizer], where: str,
@@ -154,19 +209,20 @@ def _prompt_completion(record: dict[str, Any], tokenizer: Optional[ChatTokenizer
         text = prompt + completion
         return RecordText(text, False, [(len(prompt), len(text))] if answers else None)
     if isinstance(prompt, list) and isinstance(completion, list):
-        asked = messages_of(prompt, f"{where}'s 'prompt'")
-        text = _render(tokenizer, asked + messages_of(completion, f"{where}'s 'completion'"), where, "prompt-completion")
+        asked, tools = messages_of(prompt, f"{where}'s 'prompt'"), record_tools(record, where)
+        text = _render(tokenizer, asked + messages_of(completion, f"{where}'s 'completion'"), where, "prompt-completion",
+                       tools=tools)
         if not answers:
             return RecordText(text, True)
-        before = _render(tokenizer, asked, where, "prompt-completion", add_generation_prompt=True)
+        before = _render(tokenizer, asked, where, "prompt-completion", add_generation_prompt=True, tools=tools)
         _check_prefix(text, before, where)
         return RecordText(text, True, [(len(before), len(text))])
     raise ConfigError(f"{where}'s prompt and completion are {type(prompt).__name__} and {type(completion).__name__}; "
                       "give both as text or both as lists of messages")
 
 
-def _render(tokenizer: Optional[ChatTokenizer], messages: list[dict[str, str]], where: str,
-            fmt: str = "chat", add_generation_prompt: bool = False) -> str:
+def _render(tokenizer: Optional[ChatTokenizer], messages: list[dict[str, Any]], where: str,
+            fmt: str = "chat", add_generation_prompt: bool = False, tools: Optional[list[Any]] = None) -> str:
     """``messages`` through the tokenizer's chat template; a template's own refusal (roles that
     do not alternate, a role it does not know) is a ConfigError naming the record."""
     refusal = template_refusal(fmt, tokenizer)
@@ -174,15 +230,15 @@ def _render(tokenizer: Optional[ChatTokenizer], messages: list[dict[str, str]], 
         raise refusal
     assert tokenizer is not None
     try:
-        return tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt)
+        return tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools)
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:  # jinja2's TemplateError too
         part = " (its turns up to an answer, for --loss-on completion)" if add_generation_prompt else ""
         raise ConfigError(f"the chat template refused {where}{part}: {first_line(exc)}; fix the record or remove it"
                           + ("; or give --loss-on all" if part else "")) from None
 
 
-def _chat_answers(tokenizer: Optional[ChatTokenizer], messages: list[dict[str, str]], text: str,
-                  where: str) -> list[tuple[int, int]]:
+def _chat_answers(tokenizer: Optional[ChatTokenizer], messages: list[dict[str, Any]], text: str,
+                  where: str, tools: Optional[list[Any]] = None) -> list[tuple[int, int]]:
     """The character spans of ``text`` (the whole conversation rendered) that the assistant's
     turns add: for turn k, from the render of turns 0..k-1 with the generation prompt (the
     assistant's header) to the render of turns 0..k. An assistant turn that opens the
@@ -191,8 +247,9 @@ def _chat_answers(tokenizer: Optional[ChatTokenizer], messages: list[dict[str, s
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:k], where, add_generation_prompt=True) if k else ""
-        after = _render(tokenizer, messages[:k + 1], where)
+        before = _render(tokenizer, messages[:k], where, add_generation_prompt=True, tools=tools) if k else ""
+        # The last turn's render is the whole conversation's, already rendered.
+        after = text if k == len(messages) - 1 else _render(tokenizer, messages[:k + 1], where, tools=tools)
         _check_prefix(after, before, where)
         _check_prefix(text, after, where)
         spans.append((len(before), len(after)))

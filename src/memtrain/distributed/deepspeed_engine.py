@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from memtrain.config.run import RunConfig
+from memtrain.data.loader import MicroBatches
 
 
 def deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
@@ -39,11 +40,17 @@ def deepspeed_train_step(engine: Any, micro_batches: list, optimizer: Any, preci
     clips and steps the optimizer itself (on the last micro-batch). ``before_wait`` runs after
     the last micro-batch's step is queued, as in ``train_step``."""
     losses = []
-    for x, y in micro_batches:
+    n = len(micro_batches)
+    # --loss-on completion: each micro-batch's share of the step's answer tokens (the engine
+    # divides by the accumulation steps itself, so the share is given times n).
+    scales = micro_batches.loss_scales(device) if isinstance(micro_batches, MicroBatches) else None
+    for i, (x, y) in enumerate(micro_batches):
         loss = engine(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+        if scales is not None:
+            loss = loss * (scales[i] * n)
         engine.backward(loss)
         engine.step()
         losses.append(loss.detach())
     if before_wait is not None:
         before_wait()
-    return sum(float(v) for v in losses) / len(micro_batches)
+    return sum(float(v) for v in losses) / n

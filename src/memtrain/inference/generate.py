@@ -61,6 +61,7 @@ class Codec:
     # the tokenizer has no template), and the id that ends a turn there (the reply is cut at it).
     chat: Optional[Callable[[str], list[int]]] = None
     end_id: Optional[int] = None
+    eos_id: Optional[int] = None  # a reply also ends at eos, where that comes before the turn's end
 
 
 def gpt2_codec() -> Codec:
@@ -75,7 +76,7 @@ def transformers_codec(tok: Any) -> Codec:
     prefix = leading_special_ids(tok)
     return Codec(lambda text: prefix + list(tok(text, add_special_tokens=False)["input_ids"]),
                  lambda ids: tok.decode(ids, clean_up_tokenization_spaces=False), _start_id(tok, prefix), len(tok),
-                 _chat_encoder(tok), tok.eos_token_id)
+                 _chat_encoder(tok), turn_end_id(tok), tok.eos_token_id)
 
 
 def _chat_encoder(tok: Any) -> Optional[Callable[[str], list[int]]]:
@@ -88,9 +89,31 @@ def _chat_encoder(tok: Any) -> Optional[Callable[[str], list[int]]]:
                                                      tokenize=True, return_dict=False))
 
 
-def chat_reply(ids: list[int], end_id: Optional[int]) -> list[int]:
-    """A sampled reply up to its end-of-turn id (sampling runs the full --max-new-tokens)."""
-    return ids[:ids.index(end_id)] if end_id is not None and end_id in ids else ids
+def turn_end_id(tok: Any) -> Optional[int]:
+    """The id the chat template closes an assistant's turn with: the first special token it writes
+    after an answer (ChatML's <|im_end|>, Llama 3's <|eot_id|>). Not always eos: a base model's
+    tokenizer (Qwen2.5's <|endoftext|>) ends documents with another token than its template ends
+    turns with, and a reply cut at eos ran on through the turn's end. eos when the template writes
+    no special token there (or cannot render a two-turn conversation)."""
+    from jinja2 import TemplateError  # comes with transformers, which loaded ``tok``: imported where used
+
+    marker = "\u2603 reply end"
+    try:
+        text = str(tok.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": marker}],
+                                           tokenize=False))
+    except (TemplateError, ValueError, TypeError, KeyError, IndexError):  # the template's own refusal: use eos
+        return tok.eos_token_id
+    after = text[text.rfind(marker) + len(marker):] if marker in text else ""
+    special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    ids = tok(after, add_special_tokens=False)["input_ids"] if after else []
+    return next((int(i) for i in ids if i in special), tok.eos_token_id)
+
+
+def chat_reply(ids: list[int], end_id: Optional[int], eos_id: Optional[int] = None) -> list[int]:
+    """A sampled reply up to its end-of-turn id, or eos if that comes first (sampling runs the
+    full --max-new-tokens)."""
+    stops = [ids.index(i) for i in (end_id, eos_id) if i is not None and i in ids]
+    return ids[:min(stops)] if stops else ids
 
 
 def _start_id(tok: Any, prefix: list[int]) -> Optional[int]:
@@ -273,4 +296,4 @@ def generate(model_path: Path, prompt: str, max_new_tokens: int, temperature: fl
     x = torch.tensor([ids] * num_samples, device=place)
     y = sample_ids(hf, x, settings)
     rows = [row[len(ids):].tolist() for row in y]
-    return [codec.decode(chat_reply(row, codec.end_id) if chat else row) for row in rows]
+    return [codec.decode(chat_reply(row, codec.end_id, codec.eos_id) if chat else row) for row in rows]

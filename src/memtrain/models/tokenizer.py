@@ -67,7 +67,8 @@ class HFTokenizer:
             return None
         return template if isinstance(template, str) else json.dumps(template, sort_keys=True)
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
+                    tools: Optional[list[Any]] = None) -> str:
         """``messages`` rendered by the chat template as text, without a generation prompt (a
         conversation to train on, as TRL's SFTTrainer renders one) unless asked (the prompt
         before an answer); a template's own refusal (jinja's TemplateError: roles that do not
@@ -76,7 +77,8 @@ class HFTokenizer:
         from jinja2 import TemplateError
 
         try:
-            return str(self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt))
+            return str(self.tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                    add_generation_prompt=add_generation_prompt))
         except TemplateError as exc:
             raise ValueError(first_line(exc)) from None
 

@@ -27,7 +27,8 @@ prepare_context=None) -> TrainState``
 ``train_step(model, micro_batches, optimizer, precision, grad_clip, device, meter=None,
 no_sync=None, micro_context=None, optimizer_context=None, forward_context=None,
 before_wait=None) -> float``
-    One optimizer step: micro-batch loop (autocast, loss / N, scaled backward) -> unscale ->
+    One optimizer step: micro-batch loop (autocast, loss / N or, for :class:`memtrain.data.loader.MicroBatches`
+    with target counts, times each one's share of the step's targets; scaled backward) -> unscale ->
     clip -> step (skipped-step count under a GradScaler) -> zero_grad, with the meter's
     phases. ``micro_context`` / ``optimizer_context`` wrap each micro-batch's forward+backward
     and the optimizer phase (the profiler's op-class ranges); ``forward_context`` each forward
@@ -60,6 +61,7 @@ import torch.nn as nn
 
 from memtrain.analysis.flops.rules import model_rule_params
 from memtrain.config.run import RunConfig
+from memtrain.data.loader import MicroBatches
 from memtrain.metrics import MemoryMeter, reset_device_peak
 from memtrain.models.families import build_model
 from memtrain.techniques import Precision, build_optimizer, make_precision, prepare_model
@@ -159,7 +161,9 @@ def queue_step(
     returns the mean loss as a 0-d tensor there, not read (see :func:`train_step`).
 
     Each micro-batch loss is scaled by 1/N so the summed gradients equal the gradient of the
-    mean loss over the large batch (gradient accumulation). ``no_sync`` (data parallel)
+    mean loss over the large batch (gradient accumulation); micro-batches that carry their
+    target counts (:class:`memtrain.data.loader.MicroBatches`, --loss-on completion) by their
+    share of the step's targets instead, so the mean is over every answer token of the step. ``no_sync`` (data parallel)
     suppresses the gradient all-reduce on all but the last micro-batch. ``forward_context``
     wraps each forward alone (activation offloading's saved-tensor hooks).
     """
@@ -169,13 +173,16 @@ def queue_step(
     n = len(micro_batches)
     total = torch.zeros((), device=device)
     scaler = precision.scaler
+    # --loss-on completion: each micro-batch weighted by its share of the step's answer tokens
+    # (MicroBatches.loss_scales); otherwise 1/N, as ever.
+    scales = micro_batches.loss_scales(device) if isinstance(micro_batches, MicroBatches) else None
     for i, (x, y) in enumerate(micro_batches):
         x = x.to(device, non_blocking=True)
         y = y.to(device, non_blocking=True)
         sync_ctx = no_sync() if (no_sync is not None and i < n - 1) else contextlib.nullcontext()
         with sync_ctx, around_micro():
             with phase("forward"), precision.autocast(), around_forward():
-                loss = model(x, y) / n
+                loss = model(x, y) / n if scales is None else model(x, y) * scales[i]
             with phase("backward"):
                 (scaler.scale(loss) if scaler is not None else loss).backward()
         total += loss.detach()

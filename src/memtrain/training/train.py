@@ -358,9 +358,16 @@ def check_answers(splits: Any, val_batches: list[Batch], cfg: RunConfig) -> None
     validation loss to average)."""
     if splits.train_mask is None:
         return
-    if not int(np.asarray(splits.train_mask).sum()):
+    targets = int(np.asarray(splits.train_mask).sum())
+    if not targets:
         raise ConfigError(f"--loss-on completion: the training split of --data {cfg.data.data} holds no answer token "
                           "(no assistant turn, no completion); check the records or give --loss-on all")
+    if targets == len(splits.train_mask):
+        # Every token a target: no record had a prompt (--data-format auto read them all as text),
+        # so --loss-on completion would train as --loss-on all while saying it averages answers.
+        raise ConfigError(f"--loss-on completion: every token of the training split of --data {cfg.data.data} is a "
+                          f"target (--data-format {cfg.data.data_format} found no chat or prompt-completion record, "
+                          "only text); give such records or drop --loss-on")
     if not sum(target_count(y) for _, y in val_batches):
         raise ConfigError(f"--loss-on completion: the {len(val_batches)} validation batch(es) (--val-blocks "
                           f"{cfg.data.val_blocks}) hold no answer token to average; raise --val-blocks or --val-fraction")

@@ -1,0 +1,127 @@
+"""Chat records in the forms users bring besides plain ``{"role", "content"}`` strings: content as a
+list of text parts, tool calls and tool definitions, misspelled roles, and turns that hold no answer."""
+
+from __future__ import annotations
+
+import pytest
+
+from memtrain.config.run import ConfigError
+from memtrain.data.records import make_renderer
+
+pytest.importorskip("transformers")
+
+from test_chat_data import CHATML, _chat_folder  # noqa: E402  (the tests' tiny Qwen2 folder)
+
+# ChatML that writes tool definitions into the system turn and an assistant's tool calls as JSON, as
+# Qwen2.5's template does (reduced).
+TOOLS_CHATML = (
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] %}"
+    "{{ message['content'] }}{% endif %}{% if message['tool_calls'] %}{% for c in message['tool_calls'] %}"
+    "<tool_call>{{ c['function']['name'] }}</tool_call>{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _tokenizer(folder):
+    from memtrain.config.run import build_config
+    from memtrain.models.families import data_tokenizer
+
+    return data_tokenizer(build_config({"model": str(folder), "data": "chat.jsonl", "data_format": "chat"}))
+
+
+@pytest.fixture(scope="module")
+def chatml(tmp_path_factory):
+    return _tokenizer(_chat_folder(tmp_path_factory.mktemp("m") / "qwen2", CHATML))
+
+
+def _render(tokenizer, record, fmt="chat"):
+    return make_renderer(fmt, tokenizer, answers=True)(record, 1, "chat.jsonl")
+
+
+def test_content_as_text_parts_is_the_content_as_a_string(chatml):
+    plain = [{"role": "user", "content": "Sort it?"}, {"role": "assistant", "content": "Use sorted(x)."}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Sort "}, {"type": "text", "text": "it?"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "Use sorted(x)."}]}]
+    want, got = _render(chatml, {"messages": plain}), _render(chatml, {"messages": parts})
+    assert got == want and got.answers == want.answers and got.answers
+    image = [{"role": "user", "content": [{"type": "image", "url": "a.png"}, {"type": "text", "text": "What?"}]}]
+    with pytest.raises(ConfigError, match=r"record 1 .* message 1's content part 1 is 'image', not a text part"):
+        _render(chatml, {"messages": image})
+
+
+@pytest.mark.parametrize("role, meant", [("assitant", "assistant"), ("Assistant", "assistant"), ("usr", "user"),
+                                         ("gpt", "assistant"), ("human", "user"), ("systen", "system")])
+def test_a_misspelled_role_is_one_error_naming_the_role_meant(chatml, role, meant):
+    """A template renders any role: 'assitant' was a prompt turn, so --loss-on completion silently
+    trained on nothing of it."""
+    record = {"messages": [{"role": "user", "content": "Hi"}, {"role": role, "content": "Hello."}]}
+    with pytest.raises(ConfigError, match=f"has role '{role}'; did you mean '{meant}'"):
+        _render(chatml, record)
+
+
+def test_a_role_of_the_templates_own_is_kept(chatml):
+    record = {"messages": [{"role": "narrator", "content": "Night."}, {"role": "assistant", "content": "Hello."}]}
+    assert "<|im_start|>narrator\nNight." in _render(chatml, record)
+
+
+def test_turns_without_an_answer_have_no_target_span(chatml):
+    """An empty answer trains on its end-of-turn marker only (as a {% generation %} span of the same
+    template marks it); a trailing user turn and a system-only record hold no target."""
+    empty = _render(chatml, {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}]})
+    (start, end), = empty.answers
+    assert empty[start:end] == "<|im_end|>\n"
+    trailing = _render(chatml, {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"},
+                                             {"role": "user", "content": "Bye"}]})
+    assert [trailing[a:b] for a, b in trailing.answers] == ["Yo<|im_end|>\n"]
+    assert _render(chatml, {"messages": [{"role": "system", "content": "Be brief."}]}).answers == ()
+
+
+def test_tool_calls_and_tool_definitions_reach_the_template_as_trl_gives_them(tmp_path):
+    """An assistant turn with tool_calls and no content was refused ("not a message with text 'role'
+    and 'content'"); a record's tools were not given to the template. Both now render as
+    apply_chat_template(messages, tools=tools) renders them, the call inside the answer's span."""
+    tokenizer = _tokenizer(_chat_folder(tmp_path / "tools", TOOLS_CHATML))
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    messages = [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "tool_calls": [call]},
+                {"role": "tool", "content": "5 C"}, {"role": "assistant", "content": "It is 5 C."}]
+    text = _render(tokenizer, {"messages": messages, "tools": tools})
+    assert text == tokenizer.tok.apply_chat_template(messages, tools=tools, tokenize=False)
+    assert text.startswith("<|im_start|>system\nTools: get_weather")
+    assert [text[a:b] for a, b in text.answers] == ["<tool_call>get_weather</tool_call><|im_end|>\n",
+                                                    "It is 5 C.<|im_end|>\n"]
+    with pytest.raises(ConfigError, match="'tools' is str; give a list"):
+        _render(tokenizer, {"messages": messages, "tools": "get_weather"})
+
+
+def test_records_rendered_before_tools_reached_the_template_are_tokenized_again(chatml, monkeypatch, tmp_path):
+    """The cache key of record formats holds the rendering's version (an entry whose records were
+    rendered without their tools is not reused); text data keeps its key."""
+    from memtrain.config.run import build_config
+    from memtrain.data import cache
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "Hi"}]}\n')
+    chat = build_config({"model": "tiny-llama", "data": str(data), "data_format": "chat"}).data
+    text = build_config({"data": str(data)}).data
+    keys = cache.cache_key(chat, chatml), cache.cache_key(text)
+    monkeypatch.setattr(cache, "RENDER_VERSION", 1)
+    assert cache.cache_key(chat, chatml) != keys[0] and cache.cache_key(text) == keys[1]
+
+
+def test_loss_on_completion_over_records_auto_reads_as_text_is_one_error_line(tmp_path, capsys):
+    """--data-format auto over records that are all text: --loss-on completion trained on every token,
+    while the summary said it averaged answer tokens."""
+    from memtrain.cli import main
+
+    model = _chat_folder(tmp_path / "qwen2", CHATML)
+    data = tmp_path / "text.jsonl"
+    data.write_text("".join(f'{{"text": "plain text record number {i} with a few words"}}\n' for i in range(200)))
+    out = tmp_path / "run"
+    argv = ["train", "--model", str(model), "--data", str(data), "--data-format", "auto", "--loss-on", "completion",
+            "--steps", "1", "--seq-len", "16", "--batch-size", "2", "--cache-dir", str(tmp_path / "cache"), "--out", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --loss-on completion: every token") and "found no chat or prompt-completion" in err[-1]
+    assert not (out / "result.json").exists()
