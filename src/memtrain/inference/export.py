@@ -38,6 +38,7 @@ import errno
 import os
 import re
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -490,8 +491,10 @@ def _new_directory(out: Path) -> Iterator[Path]:
             if code not in ROOM_ERRNOS:
                 raise
             raise OSError(code, os.strerror(code), str(out)) from None
-        # mkdtemp makes the folder owner-only (0700): the model folder gets a plain mkdir's mode.
+        # mkdtemp makes the folder owner-only (0700): the model folder gets a plain mkdir's mode,
+        # and its files open's, as every other file memtrain writes (safetensors wrote 0600).
         os.chmod(tmp, 0o777 & ~umask())
+        _plain_modes(tmp)
         try:
             os.replace(tmp, out)  # onto an empty directory too (POSIX rename)
         except OSError as exc:
@@ -502,6 +505,22 @@ def _new_directory(out: Path) -> Iterator[Path]:
                               "replaced: give a new directory") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _plain_modes(folder: Path) -> None:
+    """Give the regular files under ``folder`` the mode ``open`` creates (0666 less the umask) and
+    its subfolders a plain mkdir's. safetensors writes a weights file owner-only (0600), so an
+    export's ``model.safetensors`` could not be read by the group or other users who read its
+    config.json, tokenizer and a checkpoint saved under the same umask. Links are left as they are."""
+    files, folders = 0o666 & ~umask(), 0o777 & ~umask()
+    for root, dirs, names in os.walk(folder):
+        for name in dirs:
+            if not os.path.islink(os.path.join(root, name)):
+                os.chmod(os.path.join(root, name), folders)
+        for name in names:
+            path = os.path.join(root, name)
+            if stat.S_ISREG(os.lstat(path).st_mode):
+                os.chmod(path, files)
 
 
 def export_hf(ckpt: str | Path, out: str | Path, adapter_only: bool = False) -> dict[str, Any]:
