@@ -90,11 +90,17 @@ def read_checkpoint(ckpt: str | Path) -> tuple[dict[str, Any], RunConfig]:
         check_weights(state["model"])
     except DamagedCheckpoint as exc:
         raise ConfigError(f"checkpoint {str(p)!r} is damaged: {exc}; export a checkpoint memtrain wrote") from None
+    # The run's relative --model (and data) are relative to the folder it was launched from,
+    # as for --resume (memtrain.training.run_paths): an export from another folder reads the
+    # model folder the run trained, never a folder of the same name here.
+    saved = anchored(state["config"], launch_dir(state, p))
+    gone = _missing_model_folder(saved)
+    if gone is not None:
+        raise ConfigError(f"checkpoint {str(p)!r}: its run's --model {gone!r} does not exist here (a run folder "
+                          "copied from another machine, or the model folder moved); put that model folder at "
+                          f"{gone!r} (a symbolic link to it works) and run this again")
     try:
-        # The run's relative --model (and data) are relative to the folder it was launched from,
-        # as for --resume (memtrain.training.run_paths): an export from another folder reads the
-        # model folder the run trained, never a folder of the same name here.
-        cfg = build_config(anchored(state["config"], launch_dir(state, p)))
+        cfg = build_config(saved)
     except ConfigError as exc:
         raise ConfigError(f"checkpoint {str(p)!r}: the config of the run that wrote it cannot be used here ({exc}); "
                           "run where its --model is readable (a relative path is read from the current folder)") from None
@@ -104,6 +110,18 @@ def read_checkpoint(ckpt: str | Path) -> tuple[dict[str, Any], RunConfig]:
     per_param = trained_dtype(state["model"]).itemsize if is_hf(cfg) else BUILD_BYTES_PER_PARAM
     check_model_size(cfg.model, host_bytes_per_param=per_param)
     return state, cfg
+
+
+def _missing_model_folder(saved: Any) -> Optional[str]:
+    """The run's ``--model`` of a checkpoint's saved config when it is an absolute path (a
+    relative one was made absolute against the run's launch folder) that does not exist here;
+    None otherwise. Said as what it is: "cannot be used here (... is not a preset, a bundled
+    config, ...)" listed model names for a folder that merely lives elsewhere now."""
+    model = saved.get("model") if isinstance(saved, dict) else None
+    spec = model.get("model") if isinstance(model, dict) else None
+    if isinstance(spec, str) and os.path.isabs(spec) and not os.path.lexists(spec):
+        return spec
+    return None
 
 
 def load_trained(ckpt: str | Path, merge: bool = True) -> tuple[nn.Module, RunConfig]:
