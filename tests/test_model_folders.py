@@ -799,3 +799,21 @@ def test_a_config_without_a_vocabulary_is_one_line_naming_the_field(tmp_path, ca
     proc = subprocess.run([sys.executable, "-m", "memtrain", "estimate", "--model", str(tmp_path / "m")],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and "has vocab_size" in _one_error_line(proc.stderr)
+
+
+@pytest.mark.parametrize("model_type", [["llama"], 7, {"name": "llama"}])
+def test_a_model_type_that_is_no_name_is_one_line_naming_the_field(tmp_path, capsys, model_type):
+    """A config.json whose model_type is a list, a number or an object (a damaged download) was said
+    to have "no 'model_type'; it is not a transformers config.json": the field is named with its
+    value on every verb."""
+    from tiny_families import tiny_config
+
+    tiny_config("llama", 1).save_pretrained(tmp_path / "m")
+    config = tmp_path / "m" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "model_type": model_type}))
+    for argv in (["estimate", "--model", str(tmp_path / "m")], ["generate", str(tmp_path / "m")],
+                 ["train", "--model", str(tmp_path / "m"), "--steps", "1", "--out", str(tmp_path / "o")]):
+        assert main(argv) == 2, argv
+        line = _one_error_line(capsys.readouterr().err)
+        assert f"config.json' has model_type {model_type!r}, where a family's name such as 'llama' belongs" in line
+    assert not (tmp_path / "o").exists()

@@ -83,7 +83,11 @@ def read_config_json(path: Path) -> dict[str, Any]:
     refuse_bad_scales(data, shown)
     _refuse_no_vocabulary(data, shown)
     model_type = data.get("model_type")
-    if not isinstance(model_type, str) or not model_type:
+    if model_type is not None and not isinstance(model_type, str):
+        # A list or a number there is a damaged config, not another kind of file: say which field.
+        raise ConfigError(f"{shown!r} has model_type {shortened(repr(model_type), 60)}, where a family's name such as "
+                          "'llama' belongs; fix the config.json")
+    if not model_type:
         raise ConfigError(f"{shown!r} has no 'model_type'; it is not a transformers config.json")
     if model_type not in _shipped_model_types():
         raise ConfigError(f"{shown!r} has model_type {model_type!r}, which this transformers does not ship (custom "
