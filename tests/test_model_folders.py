@@ -817,3 +817,25 @@ def test_a_model_type_that_is_no_name_is_one_line_naming_the_field(tmp_path, cap
         line = _one_error_line(capsys.readouterr().err)
         assert f"config.json' has model_type {model_type!r}, where a family's name such as 'llama' belongs" in line
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json"])
+def test_a_config_json_past_16_mib_is_refused_from_its_size_on_every_verb(tokenizer_dir, corpus, tmp_path, capsys,
+                                                                           name):
+    """A model's config.json holds tens of kilobytes; one padded to 100 MB was parsed several times
+    over (a train took 360 MB more memory), up to the 256 MiB of a tokenizer.json. Past
+    16 MiB (a --config file's limit) it is refused from its size, unread, by every verb; a
+    tokenizer.json of that size (Gemma's is 33 MB) is still read."""
+    model = model_folder(tmp_path / "m", tokenizer_dir, weights=True)
+    with open(model / name, "ab") as f:
+        f.truncate((16 << 20) + 1)  # sparse: nothing is written
+    capsys.readouterr()
+    for argv in (_flags(model, corpus, tmp_path / "o"), ["estimate", "--model", str(model)],
+                 ["generate", str(model), "--max-new-tokens", "2"]):
+        assert main(argv) == 2, argv
+        line = _one_error_line(capsys.readouterr().err)
+        assert f"{name}' is larger than 16,777,216 bytes" in line, line
+    assert not (tmp_path / "o").exists()
+    from memtrain.models import source
+
+    assert source._read_whole_limit(model / "tokenizer.json") == source.MAX_READ_WHOLE_BYTES > 33 << 20
