@@ -839,3 +839,23 @@ def test_a_config_json_past_16_mib_is_refused_from_its_size_on_every_verb(tokeni
     from memtrain.models import source
 
     assert source._read_whole_limit(model / "tokenizer.json") == source.MAX_READ_WHOLE_BYTES > 33 << 20
+
+
+@pytest.mark.parametrize("factor", [0, -1, "x"])
+def test_a_rope_factor_below_one_or_no_number_is_one_line_before_building(tmp_path, capsys, factor):
+    """transformers only warns of a rope_scaling factor that is no number of at least 1: a factor
+    of 0 trained to a NaN loss said to need a lower --lr (exit 1), a string failed as "cannot read
+    the weights", -1 trained on positions turned backwards. One line naming the field, exit 2."""
+    from tiny_families import tiny_config
+
+    tiny_config("llama", 1).save_pretrained(tmp_path / "m")
+    config = tmp_path / "m" / "config.json"
+    rope = {"rope_type": "linear", "factor": factor, "rope_theta": 10000.0}
+    config.write_text(json.dumps({**json.loads(config.read_text()), "rope_scaling": rope, "rope_parameters": rope}))
+    # (estimate's analytic figures do not depend on the factor: it answers, as for any config it reads.)
+    for argv in (["generate", str(tmp_path / "m")],
+                 ["train", "--model", str(tmp_path / "m"), "--steps", "1", "--out", str(tmp_path / "o")]):
+        assert main(argv) == 2, argv
+        line = _one_error_line(capsys.readouterr().err)
+        assert f"its config.json's rope_scaling factor {factor} is not a number of at least 1" in line, line
+    assert not (tmp_path / "o").exists()
