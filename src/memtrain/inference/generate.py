@@ -96,9 +96,9 @@ def _chat_encoder(tok: Any) -> Optional[Callable[[str], list[int]]]:
 def chat_ids(tok: Any, text: str) -> list[int]:
     """``text`` as a user message framed by ``tok``'s chat template, as token ids. The template
     comes with the model folder: it is rendered first as text, within
-    :data:`CHAT_TEMPLATE_SECONDS` (a nested loop of jinja's largest ranges ran for hours), and the
-    text must hold at most :data:`MAX_CHAT_CHARS` characters before the tokenizer sees it (a
-    template printing ``'x' * 2000000000`` had the tokenizer run without end); a template that
+    :data:`CHAT_TEMPLATE_SECONDS` (a nested loop of jinja's largest ranges, 10**10 iterations, was
+    still running after 60 s), and the text must hold at most :data:`MAX_CHAT_CHARS` characters
+    before the tokenizer sees it (a template printing ``'x' * 2000000000`` had it tokenized); a template that
     fails (its own ``raise_exception``, the sandbox's refusal) is one line naming it."""
     messages = [{"role": "user", "content": text}]
 
