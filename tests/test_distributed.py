@@ -381,3 +381,42 @@ def test_the_deepspeed_step_returns_the_mean_loss_and_calls_before_wait_after_it
                                 before_wait=lambda: events.append("fetch"))
     assert loss == 2.0
     assert events == ["backward", "step", "backward", "step", "fetch"]
+
+
+def test_a_sharded_checkpoint_at_the_last_step_resumes_to_the_runs_result(small_corpus, tmp_path):
+    """`train --resume CKPT --nproc-per-node 2` of an fsdp checkpoint at its run's last step whose
+    result.json is gone runs the final evaluation only and writes the result the run wrote (the
+    same losses and perplexity, every rank listed), with every memory figure null as no step ran:
+    `ranks[].sharded_state` too, which held the figures of the zero-gradient optimizer step that
+    restoring a sharded optimizer runs (gradients one bias short of the run's). A second resume,
+    the result written, is refused and keeps it."""
+    out = tmp_path / "o"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEMTRAIN_CACHE": str(tmp_path / "cache")}
+    flags = cli_flags({**TINY_MODEL, "seq_len": 16, "batch_size": 2, "steps": 2, "warmup_steps": 0, "val_blocks": 2,
+                       "data": str(small_corpus), "distributed": "fsdp", "progress": False, "device": "cpu"})
+
+    def memtrain(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "memtrain", "train", *args], capture_output=True, text=True,
+                              timeout=TIMEOUT_S, env=env)
+
+    first = memtrain(*flags, "--nproc-per-node", "2", "--out", str(out), "--save", str(out / "ck"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    full = json.loads((out / "result.json").read_text())
+    (out / "result.json").unlink()
+    resumed = memtrain("--resume", str(out / "ck"), "--nproc-per-node", "2", "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "no step ran" in resumed.stdout
+    got = json.loads((out / "result.json").read_text())
+    assert got.keys() == full.keys()
+    for key in ("val_loss", "val_ppl", "loss_history", "train_loss", "steps", "tokens"):
+        assert got[key] == full[key], key
+    assert got["steps_run"] == 0 and got["memory"]["peak_bytes"] is None
+    assert [r["rank"] for r in got["ranks"]] == [0, 1] and got["distributed"] == full["distributed"]
+    assert all(r["peak_bytes"] is None and r["sharded_state"] is None for r in got["ranks"]), got["ranks"]
+    assert all(r["sharded_state"]["gradients"] > 0 for r in full["ranks"])
+    last = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["step"] == 2 and last["val_loss"] == full["val_loss"] and last["resumed_from_step"] == 2
+    before = (out / "result.json").read_bytes()
+    again = memtrain("--resume", str(out / "ck"), "--nproc-per-node", "2", "--no-progress")
+    assert again.returncode == 2 and "holds its result" in again.stderr
+    assert (out / "result.json").read_bytes() == before

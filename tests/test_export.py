@@ -176,3 +176,24 @@ def test_generate_is_seeded_from_checkpoint_and_export(tmp_path, capsys):
     capsys.readouterr()
     assert main(["generate", str(out), *args]) == 0
     assert capsys.readouterr().out == first
+
+
+def test_an_exports_files_have_the_mode_the_umask_gives(tmp_path, capsys):
+    """Every file of an export, the weights included, and the folder get the mode `open` and
+    `mkdir` give under the umask, as the checkpoint and result.json do: safetensors wrote
+    model.safetensors 0600, so another user who could read the export's config.json and tokenizer
+    (and the checkpoint) could not load the model."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        ckpt = _train(tmp_path)
+        out = tmp_path / "hf"
+        assert main(["export", str(ckpt), str(out)]) == 0
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert "model.safetensors" in modes and "config.json" in modes
+    assert modes == dict.fromkeys(modes, 0o644), {k: oct(v) for k, v in modes.items()}
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755 and stat.S_IMODE(ckpt.stat().st_mode) == 0o644

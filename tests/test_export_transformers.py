@@ -974,3 +974,23 @@ def test_a_bf16_pure_adapter_says_it_was_trained_on_the_bf16_base(pretrained_lla
         on_rounded_base = peft.PeftModel.from_pretrained(rounded, str(adapter)).eval()(idx).logits
     assert (on_fp32_base - exact).abs().max().item() > 1e-4  # what the note warns of
     assert (on_rounded_base - exact).abs().max().item() < 1e-5  # what it advises
+
+
+def test_a_checkpoint_whose_model_folder_is_gone_names_the_path_to_restore(scratch_llama, corpus, tmp_path, capsys):
+    """A run folder copied from another machine: the checkpoint's --model is an absolute path
+    that does not exist here. export and generate said it "is not a preset, a bundled config, ...",
+    listing model names, and to "run where its --model is readable"; they now name the path to
+    put the model folder at, and a link there to a copy exports."""
+    model = tmp_path / "machine1" / "model"
+    shutil.copytree(scratch_llama, model)
+    ckpt = _train(model, corpus, tmp_path, "--steps", "1")
+    shutil.rmtree(tmp_path / "machine1")
+    capsys.readouterr()
+    for argv in (["export", str(ckpt), str(tmp_path / "hf")], ["generate", str(ckpt), "--max-new-tokens", "2"]):
+        assert main(argv) == 2
+        line = _one_error_line(capsys.readouterr().err)
+        assert f"its run's --model '{model}' does not exist here" in line and "is not a preset" not in line, line
+    assert not (tmp_path / "hf").exists()
+    (tmp_path / "machine1").mkdir()
+    model.symlink_to(scratch_llama, target_is_directory=True)
+    assert main(["export", str(ckpt), str(tmp_path / "hf")]) == 0

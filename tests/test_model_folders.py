@@ -799,3 +799,63 @@ def test_a_config_without_a_vocabulary_is_one_line_naming_the_field(tmp_path, ca
     proc = subprocess.run([sys.executable, "-m", "memtrain", "estimate", "--model", str(tmp_path / "m")],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and "has vocab_size" in _one_error_line(proc.stderr)
+
+
+@pytest.mark.parametrize("model_type", [["llama"], 7, {"name": "llama"}])
+def test_a_model_type_that_is_no_name_is_one_line_naming_the_field(tmp_path, capsys, model_type):
+    """A config.json whose model_type is a list, a number or an object (a damaged download) was said
+    to have "no 'model_type'; it is not a transformers config.json": the field is named with its
+    value on every verb."""
+    from tiny_families import tiny_config
+
+    tiny_config("llama", 1).save_pretrained(tmp_path / "m")
+    config = tmp_path / "m" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "model_type": model_type}))
+    for argv in (["estimate", "--model", str(tmp_path / "m")], ["generate", str(tmp_path / "m")],
+                 ["train", "--model", str(tmp_path / "m"), "--steps", "1", "--out", str(tmp_path / "o")]):
+        assert main(argv) == 2, argv
+        line = _one_error_line(capsys.readouterr().err)
+        assert f"config.json' has model_type {model_type!r}, where a family's name such as 'llama' belongs" in line
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json"])
+def test_a_config_json_past_16_mib_is_refused_from_its_size_on_every_verb(tokenizer_dir, corpus, tmp_path, capsys,
+                                                                           name):
+    """A model's config.json holds tens of kilobytes; one padded to 100 MB was parsed several times
+    over (a train took 360 MB more memory), up to the 256 MiB of a tokenizer.json. Past
+    16 MiB (a --config file's limit) it is refused from its size, unread, by every verb; a
+    tokenizer.json of that size (Gemma's is 33 MB) is still read."""
+    model = model_folder(tmp_path / "m", tokenizer_dir, weights=True)
+    with open(model / name, "ab") as f:
+        f.truncate((16 << 20) + 1)  # sparse: nothing is written
+    capsys.readouterr()
+    for argv in (_flags(model, corpus, tmp_path / "o"), ["estimate", "--model", str(model)],
+                 ["generate", str(model), "--max-new-tokens", "2"]):
+        assert main(argv) == 2, argv
+        line = _one_error_line(capsys.readouterr().err)
+        assert f"{name}' is larger than 16,777,216 bytes" in line, line
+    assert not (tmp_path / "o").exists()
+    from memtrain.models import source
+
+    assert source._read_whole_limit(model / "tokenizer.json") == source.MAX_READ_WHOLE_BYTES > 33 << 20
+
+
+@pytest.mark.parametrize("factor", [0, -1, "x"])
+def test_a_rope_factor_below_one_or_no_number_is_one_line_before_building(tmp_path, capsys, factor):
+    """transformers only warns of a rope_scaling factor that is no number of at least 1: a factor
+    of 0 trained to a NaN loss said to need a lower --lr (exit 1), a string failed as "cannot read
+    the weights", -1 trained on positions turned backwards. One line naming the field, exit 2."""
+    from tiny_families import tiny_config
+
+    tiny_config("llama", 1).save_pretrained(tmp_path / "m")
+    config = tmp_path / "m" / "config.json"
+    rope = {"rope_type": "linear", "factor": factor, "rope_theta": 10000.0}
+    config.write_text(json.dumps({**json.loads(config.read_text()), "rope_scaling": rope, "rope_parameters": rope}))
+    # (estimate's analytic figures do not depend on the factor: it answers, as for any config it reads.)
+    for argv in (["generate", str(tmp_path / "m")],
+                 ["train", "--model", str(tmp_path / "m"), "--steps", "1", "--out", str(tmp_path / "o")]):
+        assert main(argv) == 2, argv
+        line = _one_error_line(capsys.readouterr().err)
+        assert f"its config.json's rope_scaling factor {factor} is not a number of at least 1" in line, line
+    assert not (tmp_path / "o").exists()

@@ -151,3 +151,29 @@ def test_generate_chat_frames_the_prompt_with_the_chat_template_and_prints_the_r
     assert main(["generate", str(plain), "--chat", "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: --chat: ") and "has no chat template" in err
+
+
+@pytest.mark.parametrize("template, words", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{{ messages[0]['content'] }}",
+     "did not render within 1 s"),
+    ("{{ 'x' * 5000000 }}{{ messages[0]['content'] }}", "made a prompt of 5,000,002 characters from 2"),
+    ("{{ raise_exception('no system turn') }}", "fails (TemplateError: no system turn)"),
+    ("{{ ''.__class__.__mro__ }}", "fails (SecurityError: access to attribute '__class__'"),
+])
+def test_a_chat_template_that_loops_grows_or_fails_is_one_line(tmp_path, capsys, monkeypatch, template, words):
+    """A model folder's chat template is the folder's code, run in jinja's sandbox: one that loops
+    (10**10 iterations) or printed a 2 GB text was still running when stopped after 60 s, a text of
+    millions of characters went to the tokenizer whole, and one that raised (its own raise_exception, the sandbox's
+    refusal) was exit 1 with the library's words. Each is one line, exit 2, before any weight is read."""
+    import memtrain.inference.generate as generate
+
+    monkeypatch.setattr(generate, "CHAT_TEMPLATE_SECONDS", 1.0, raising=False)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = _llama_folder(tmp_path / "chat", False, chat_template=template)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder))).save_pretrained(folder)
+    capsys.readouterr()  # the test's own saving bars
+    assert main(["generate", str(folder), "--chat", "--prompt", "hi", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: the tokenizer's chat template ") and words in err, err
+    assert "without --chat" in err

@@ -240,3 +240,25 @@ def test_memtrains_launch_variables_set_by_mistake_are_one_line_not_a_silent_kil
     (tmp_path / "left").mkdir()  # what a SIGKILLed launcher leaves behind
     died = version(str(gone.pid), MEMTRAIN_ERROR_DIR=str(tmp_path / "left"))
     assert died.returncode == -signal.SIGKILL and died.stdout == ""
+
+
+def test_a_folder_holding_only_a_killed_launchers_lock_is_taken_without_a_word(small_corpus, tmp_path, capsys):
+    """A launcher SIGKILLed before its ranks wrote anything leaves `--out` holding only
+    `.memtrain.lock`: its holder line and one writer line per rank, every process gone. The next
+    train takes the folder as a new one: it trains, writes its result, says nothing about the lock
+    (no warning, no note), and the lock file then names only itself."""
+    gone = [int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                               text=True).stdout) for _ in range(3)]
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / LOCK_NAME).write_text(f"memtrain train --nproc-per-node 2 (pid {gone[0]})\n"
+                                 f"writer: memtrain train rank 0 (pid {gone[1]}, started 1)\n"
+                                 f"writer: memtrain train rank 1 (pid {gone[2]}, started 1)\n")
+    flags = cli_flags({**TINY_MODEL, "data": str(small_corpus), "seq_len": 16, "batch_size": 1, "steps": 1,
+                       "warmup_steps": 0, "val_blocks": 1, "progress": False, "cache_dir": str(tmp_path / "cache")})
+    assert main(["train", *flags, "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "lock" not in err and "warning" not in err and "error" not in err, err
+    assert json.loads((out / "result.json").read_text())["steps"] == 1
+    assert sorted(p.name for p in out.iterdir()) == sorted([LOCK_NAME, "metrics.jsonl", "result.json"])
+    assert (out / LOCK_NAME).read_text() == f"memtrain train (pid {os.getpid()})\n"  # the dead writers gone with it

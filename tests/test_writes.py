@@ -962,3 +962,23 @@ def test_a_file_size_limit_in_export_and_the_token_cache_is_one_line_naming_the_
     assert proc.returncode == 1
     assert _one_error_line(proc.stderr).startswith(f"error: file too large writing {cache}: ")
     assert not out.exists() and not [p for p in cache.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_a_newline_or_terminal_escape_in_an_out_path_stays_one_wrote_line(small_corpus, tmp_path, capsys):
+    """`--out` (and export's folder) may hold any byte but / and NUL: a newline split the last line,
+    `wrote OUT/result.json`, in two (a script reading it took the second half for the path), and an
+    escape sequence in the name reached the terminal. Both are written as escapes, as the `error:`
+    lines write them; the files are written at the name given."""
+    out = tmp_path / "run\nx\x1b[2J"
+    flags = cli_flags({"d_model": 32, "n_heads": 2, "n_layers": 1, "d_ff": 64, "data": str(small_corpus),
+                       "seq_len": 16, "batch_size": 1, "steps": 1, "warmup_steps": 0, "val_blocks": 1,
+                       "progress": False, "cache_dir": str(tmp_path / "cache")})
+    assert main(["train", *flags, "--out", str(out), "--save", str(out / "c.pt")]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-1] == f"wrote {tmp_path}/run\\nx\\x1b[2J/result.json"
+    assert json.loads((out / "result.json").read_text())["steps"] == 1
+    pytest.importorskip("transformers")
+    hf = tmp_path / "hf\nmodel"
+    assert main(["export", str(out / "c.pt"), str(hf)]) == 0
+    wrote = [line for line in capsys.readouterr().out.splitlines() if line.startswith("wrote ")]
+    assert len(wrote) == 1 and wrote[0].startswith(f"wrote {tmp_path}/hf\\nmodel: ") and (hf / "config.json").is_file()

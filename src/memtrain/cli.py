@@ -614,7 +614,7 @@ def cmd_train(args: argparse.Namespace) -> int:
               + (" (torch.compile compiles in it)" if first is not None and cfg.technique.compile else ""))
     if mem.get("by_module"):
         print("\n".join(module_table_lines(mem["by_module"], cfg.train.module_top, fmt_bytes)))
-    print(f"wrote {out / 'result.json'}")
+    print(f"wrote {one_line(str(out / 'result.json'))}")  # a newline in --out stays one line
     return 0
 
 

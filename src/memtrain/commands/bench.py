@@ -31,6 +31,7 @@ from memtrain.cli import add_config_flags, fmt_bytes, register
 from memtrain.config.argtypes import batch_count, positive_float, rank_count, user_path
 from memtrain.config.file import load_config_file
 from memtrain.config.run import SECTIONS, ConfigError, parse_size
+from memtrain.errors import one_line
 from memtrain.files.results import OUT_FILES, TRAIN_FILES
 from memtrain.report import write_report
 from memtrain.training.preflight import (
@@ -217,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
         return 130
     summary = write_report(opts.out, techniques=opts.techniques, settings=settings, replace_links=True)
     print((opts.out / "report.md").read_text())
-    print(f"wrote {opts.out}/results.jsonl, report.md, report.csv, report.json and {len(summary['plots'])} plots")
+    print(f"wrote {one_line(str(opts.out))}/results.jsonl, report.md, report.csv, report.json and {len(summary['plots'])} plots")
     warn_skipped_lines(opts.out, summary)
     if summary["missing"]:
         print(f"error: partial report: no row for {', '.join(summary['missing'])}", file=sys.stderr)

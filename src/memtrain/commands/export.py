@@ -6,6 +6,7 @@ import argparse
 
 from memtrain.cli import register
 from memtrain.config.argtypes import user_path
+from memtrain.errors import one_line
 from memtrain.training.preflight import check_writable_dir
 
 
@@ -54,13 +55,13 @@ def run(args: argparse.Namespace) -> int:
     check_writable_dir(args.out_dir, "OUT_DIR")
     res = export_hf(args.checkpoint, args.out_dir, adapter_only=args.adapter_only)
     if args.adapter_only:
-        print(f"wrote {res['out']}: {res['kind']}, {res['parameters']:,} parameters; load with "
+        print(f"wrote {one_line(str(res['out']))}: {res['kind']}, {res['parameters']:,} parameters; load with "
               f"peft.PeftModel.from_pretrained(base_model, {res['out']!r})")
         if (note := adapter_note(res)) is not None:
             print(note)
         return 0
     merged = " (LoRA merged)" if res["lora_merged"] else ""
-    print(f"wrote {res['out']}: {res['kind']}, {res['parameters']:,} parameters{merged}; "
+    print(f"wrote {one_line(str(res['out']))}: {res['kind']}, {res['parameters']:,} parameters{merged}; "
           f"load with transformers.AutoModelForCausalLM.from_pretrained({res['out']!r})")
     return 0
 

@@ -20,6 +20,7 @@ from memtrain.analysis.flops.roofline import flops_report, resolve_roof
 from memtrain.cli import LOOP_ONLY_FIELDS, MODULE_TABLE_FIELDS, add_config_flags, config_from_args, register
 from memtrain.config.argtypes import gpu_name, user_path
 from memtrain.config.run import ConfigError
+from memtrain.errors import one_line
 from memtrain.files.results import refuse_odd_destination
 from memtrain.report.labels import model_label
 from memtrain.report.roofline import plot_roofline
@@ -181,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(render(report))
         if args.plot:
-            print(f"wrote {args.plot}")
+            print(f"wrote {one_line(str(args.plot))}")
     return 0
 
 

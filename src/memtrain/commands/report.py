@@ -9,6 +9,7 @@ from memtrain.cli import register
 from memtrain.commands.bench import warn_skipped_lines
 from memtrain.config.argtypes import user_path
 from memtrain.config.run import ConfigError
+from memtrain.errors import one_line
 from memtrain.files.bench_store import bench_results_file, read_results_counted, row_settings
 from memtrain.files.lock import FolderLock
 from memtrain.report import write_report
@@ -43,7 +44,7 @@ def _report(out: Path, args: argparse.Namespace) -> int:
     summary = write_report(out, read=read, settings=args.settings)
     print((out / "report.md").read_text())
     warn_skipped_lines(out, summary)
-    print(f"wrote {out}/report.md, report.csv, report.json and {len(summary['plots'])} plots")
+    print(f"wrote {one_line(str(out))}/report.md, report.csv, report.json and {len(summary['plots'])} plots")
     return 0
 
 

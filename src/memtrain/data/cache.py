@@ -127,7 +127,9 @@ def _tokenize_uncached(cfg: DataConfig, root: Path, exc: OSError, progress: Opti
     ``tokenizer`` is the same one a cached entry would be built with (None: GPT-2 BPE), so the
     ids never depend on whether the cache could be written."""
 
-    print(f"warning: token cache {str(root)!r} is not writable ({exc.strerror or type(exc).__name__}); "
+    # mkdir says "File exists" (or "Not a directory") of a file where the folder goes: name it.
+    why = "a file is in its path" if exc.errno in (errno.EEXIST, errno.ENOTDIR) else exc.strerror or type(exc).__name__
+    print(f"warning: token cache {str(root)!r} is not writable ({why}); "
           "tokenizing without a cache (set MEMTRAIN_CACHE to a writable folder)", file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix="memtrain-tokens-"))
     try:

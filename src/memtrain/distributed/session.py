@@ -116,11 +116,16 @@ class DistContext:
         process group they reference can be freed when the session ends."""
         self.state = self.local_optimizer = self.train_step = None
 
-    def result_fields(self, memory: dict[str, Any]) -> dict[str, Any]:
-        """``ranks`` (every rank's memory dict, gathered) and ``distributed`` for the result."""
+    def result_fields(self, memory: dict[str, Any], ran_steps: bool = True) -> dict[str, Any]:
+        """``ranks`` (every rank's memory dict, gathered) and ``distributed`` for the result.
+        ``ran_steps`` False (a run resumed at its last step, which only evaluates): no
+        ``sharded_state`` either, as no other memory figure; its counter saw only the optimizer
+        step that restoring a sharded optimizer state runs with zero gradients (one bias short of
+        the run's gradients), not a training step."""
         if not self.enabled:
             return {}
-        local = {"rank": self.rank, **memory, "sharded_state": self.state.to_dict() if self.state else None}
+        sharded = self.state.to_dict() if self.state and ran_steps else None
+        local = {"rank": self.rank, **memory, "sharded_state": sharded}
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, local)
         return {

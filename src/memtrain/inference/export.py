@@ -38,6 +38,7 @@ import errno
 import os
 import re
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -89,11 +90,17 @@ def read_checkpoint(ckpt: str | Path) -> tuple[dict[str, Any], RunConfig]:
         check_weights(state["model"])
     except DamagedCheckpoint as exc:
         raise ConfigError(f"checkpoint {str(p)!r} is damaged: {exc}; export a checkpoint memtrain wrote") from None
+    # The run's relative --model (and data) are relative to the folder it was launched from,
+    # as for --resume (memtrain.training.run_paths): an export from another folder reads the
+    # model folder the run trained, never a folder of the same name here.
+    saved = anchored(state["config"], launch_dir(state, p))
+    gone = _missing_model_folder(saved)
+    if gone is not None:
+        raise ConfigError(f"checkpoint {str(p)!r}: its run's --model {gone!r} does not exist here (a run folder "
+                          "copied from another machine, or the model folder moved); put that model folder at "
+                          f"{gone!r} (a symbolic link to it works) and run this again")
     try:
-        # The run's relative --model (and data) are relative to the folder it was launched from,
-        # as for --resume (memtrain.training.run_paths): an export from another folder reads the
-        # model folder the run trained, never a folder of the same name here.
-        cfg = build_config(anchored(state["config"], launch_dir(state, p)))
+        cfg = build_config(saved)
     except ConfigError as exc:
         raise ConfigError(f"checkpoint {str(p)!r}: the config of the run that wrote it cannot be used here ({exc}); "
                           "run where its --model is readable (a relative path is read from the current folder)") from None
@@ -103,6 +110,18 @@ def read_checkpoint(ckpt: str | Path) -> tuple[dict[str, Any], RunConfig]:
     per_param = trained_dtype(state["model"]).itemsize if is_hf(cfg) else BUILD_BYTES_PER_PARAM
     check_model_size(cfg.model, host_bytes_per_param=per_param)
     return state, cfg
+
+
+def _missing_model_folder(saved: Any) -> Optional[str]:
+    """The run's ``--model`` of a checkpoint's saved config when it is an absolute path (a
+    relative one was made absolute against the run's launch folder) that does not exist here;
+    None otherwise. Said as what it is: "cannot be used here (... is not a preset, a bundled
+    config, ...)" listed model names for a folder that merely lives elsewhere now."""
+    model = saved.get("model") if isinstance(saved, dict) else None
+    spec = model.get("model") if isinstance(model, dict) else None
+    if isinstance(spec, str) and os.path.isabs(spec) and not os.path.lexists(spec):
+        return spec
+    return None
 
 
 def load_trained(ckpt: str | Path, merge: bool = True) -> tuple[nn.Module, RunConfig]:
@@ -490,8 +509,10 @@ def _new_directory(out: Path) -> Iterator[Path]:
             if code not in ROOM_ERRNOS:
                 raise
             raise OSError(code, os.strerror(code), str(out)) from None
-        # mkdtemp makes the folder owner-only (0700): the model folder gets a plain mkdir's mode.
+        # mkdtemp makes the folder owner-only (0700): the model folder gets a plain mkdir's mode,
+        # and its files open's, as every other file memtrain writes (safetensors wrote 0600).
         os.chmod(tmp, 0o777 & ~umask())
+        _plain_modes(tmp)
         try:
             os.replace(tmp, out)  # onto an empty directory too (POSIX rename)
         except OSError as exc:
@@ -502,6 +523,22 @@ def _new_directory(out: Path) -> Iterator[Path]:
                               "replaced: give a new directory") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _plain_modes(folder: Path) -> None:
+    """Give the regular files under ``folder`` the mode ``open`` creates (0666 less the umask) and
+    its subfolders a plain mkdir's. safetensors writes a weights file owner-only (0600), so an
+    export's ``model.safetensors`` could not be read by the group or other users who read its
+    config.json, tokenizer and a checkpoint saved under the same umask. Links are left as they are."""
+    files, folders = 0o666 & ~umask(), 0o777 & ~umask()
+    for root, dirs, names in os.walk(folder):
+        for name in dirs:
+            if not os.path.islink(os.path.join(root, name)):
+                os.chmod(os.path.join(root, name), folders)
+        for name in names:
+            path = os.path.join(root, name)
+            if stat.S_ISREG(os.lstat(path).st_mode):
+                os.chmod(path, files)
 
 
 def export_hf(ckpt: str | Path, out: str | Path, adapter_only: bool = False) -> dict[str, Any]:

@@ -45,8 +45,13 @@ from memtrain.models.placement import place_weights
 from memtrain.models.source import TOKENIZER_FILES, refuse_pickled_weights, safetensors_files
 from memtrain.models.spec import attention_of_model_type, config_positions
 from memtrain.models.tokenizer import leading_special_ids, load_tokenizer
+from memtrain.runtime.signals import TimeLimitExceeded, time_limit
 from memtrain.techniques.facts import DTYPE_MATMUL_TYPE, GENERATE_DTYPES
 from memtrain.training.size_check import check_model_size
+
+# A chat template renders one short message in milliseconds; these bound one that does not.
+CHAT_TEMPLATE_SECONDS = 10.0
+MAX_CHAT_CHARS = 4 << 20  # far past any model's context: a framed prompt longer is the template's doing
 
 
 @dataclass(frozen=True)
@@ -82,11 +87,41 @@ def transformers_codec(tok: Any) -> Codec:
 def _chat_encoder(tok: Any) -> Optional[Callable[[str], list[int]]]:
     """One user message through the tokenizer's chat template with the assistant's turn opened,
     as transformers' chat pipeline frames it (the template supplies any bos); None without one.
-    transformers renders the template in jinja's sandbox: it cannot run Python."""
+    transformers renders the template in jinja's sandbox: it cannot run Python, but it can loop
+    for ever or build text of any length, so the render is bounded (:func:`chat_ids`)."""
     if not getattr(tok, "chat_template", None):
         return None
-    return lambda text: list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                     tokenize=True, return_dict=False))
+    return lambda text: chat_ids(tok, text)
+
+
+def chat_ids(tok: Any, text: str) -> list[int]:
+    """``text`` as a user message framed by ``tok``'s chat template, as token ids. The template
+    comes with the model folder: it is rendered first as text, within
+    :data:`CHAT_TEMPLATE_SECONDS` (a nested loop of jinja's largest ranges, 10**10 iterations, was
+    still running after 60 s), and the text must hold at most :data:`MAX_CHAT_CHARS` characters
+    before the tokenizer sees it (a template printing ``'x' * 2000000000`` had it tokenized); a template that
+    fails (its own ``raise_exception``, the sandbox's refusal) is one line naming it."""
+    messages = [{"role": "user", "content": text}]
+
+    def render(tokenize: bool) -> Any:
+        try:
+            with time_limit(CHAT_TEMPLATE_SECONDS):
+                return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize,
+                                               return_dict=False)
+        except TimeLimitExceeded:
+            raise ConfigError(f"the tokenizer's chat template did not render within {CHAT_TEMPLATE_SECONDS:g} s; "
+                              "fix its chat_template, or give the prompt as text without --chat") from None
+        except Exception as exc:  # the template is the folder's: whatever it raises is its fault, not ours
+            raise ConfigError(f"the tokenizer's chat template fails ({type(exc).__name__}: {first_line(exc)}); "
+                              "fix its chat_template, or give the prompt as text without --chat") from None
+
+    framed = render(tokenize=False)
+    if len(framed) > MAX_CHAT_CHARS:
+        raise ConfigError(f"the tokenizer's chat template made a prompt of {len(framed):,} characters from "
+                          f"{len(text):,} (at most {MAX_CHAT_CHARS:,}); fix its chat_template, or give the prompt "
+                          "as text without --chat")
+    # Rendered again with the ids: transformers' own tokenizing of its render, so the ids are its.
+    return list(render(tokenize=True))
 
 
 def turn_end_id(tok: Any) -> Optional[int]:

@@ -45,7 +45,7 @@ def load_config(spec: str) -> Any:
     try:
         # One code path for a Hub repository, a directory and a config.json file; an offline Hub
         # is read from the local cache only (hub_access: seconds instead of half a minute of retries).
-        with _rope_type_warning_dropped():
+        with _rope_type_warning_dropped() as bad_factor:
             cfg = AutoConfig.from_pretrained(src.repo or str(src.config_path), trust_remote_code=False,
                                              **from_pretrained_kwargs(src.repo))
     except Exception as exc:  # noqa: BLE001 - OSError, bad JSON, or transformers' validation of a field
@@ -55,6 +55,11 @@ def load_config(spec: str) -> Any:
         why = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
         why = why if len(why) <= 400 else why[:397] + "..."
         raise ConfigError(f"cannot read the model config of --model {spec!r}: {why}{offline_hint(src.repo)}") from None
+    if bad_factor:
+        # transformers only warns: a factor of 0 trained to a NaN loss said to need a lower --lr, a
+        # string failed as "cannot read the weights".
+        raise ConfigError(f"--model {spec!r}: its config.json's rope_scaling factor {bad_factor[0]} is not a number of "
+                          "at least 1; fix it, or remove rope_scaling")
     if getattr(cfg, "is_encoder_decoder", False):
         raise ConfigError(f"--model {spec!r} is an encoder-decoder ({cfg.model_type}); memtrain trains causal LMs")
     _refuse_unbuildable(cfg, spec)
@@ -110,17 +115,25 @@ _ROPE_VALIDATOR = re.compile(r"_validate_(\w+)_rope_parameters")
 _UNKNOWN_ROPE_WARNING = "Missing validation function in 'RotaryEmbeddingConfigMixin'"
 
 
+# What transformers logs, reading a config, of a rope scaling factor that is no number of at least 1
+# (linear, dynamic, yarn, longrope, llama3); the value follows "got ".
+_BAD_FACTOR_WARNING = "`rope_parameters`'s factor field must be a float or int >= 1, got "
+
+
 @contextlib.contextmanager
-def _rope_type_warning_dropped() -> Iterator[None]:
+def _rope_type_warning_dropped() -> Iterator[list[str]]:
     """transformers' warning about an unknown rope type kept off stderr while a config is read:
-    :func:`_refuse_unknown_rope_type` refuses that config in its one ``error:`` line."""
+    :func:`_refuse_unknown_rope_type` refuses that config in its one ``error:`` line. Its warning
+    about a bad rope factor is kept off too, its value put in the list yielded: the caller refuses it."""
     rope_log = logging.getLogger("transformers.modeling_rope_utils")
-    drop = _DropMessage(_UNKNOWN_ROPE_WARNING)
+    drop, factors = _DropMessage(_UNKNOWN_ROPE_WARNING), _DropMessage(_BAD_FACTOR_WARNING)
     rope_log.addFilter(drop)
+    rope_log.addFilter(factors)
     try:
-        yield
+        yield factors.dropped
     finally:
         rope_log.removeFilter(drop)
+        rope_log.removeFilter(factors)
 
 
 class _DropMessage(logging.Filter):
@@ -129,9 +142,14 @@ class _DropMessage(logging.Filter):
     def __init__(self, prefix: str) -> None:
         super().__init__()
         self.prefix = prefix
+        self.dropped: list[str] = []  # what followed the prefix in each message dropped
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.getMessage()).startswith(self.prefix)
+        message = str(record.getMessage())
+        if not message.startswith(self.prefix):
+            return True
+        self.dropped.append(message[len(self.prefix):])
+        return False
 
 
 def _hub_file(repo: str, name: str, spec: str) -> Path:

@@ -14,12 +14,22 @@ from typing import Any, Optional
 from memtrain.errors import ConfigError, shortened
 from memtrain.files import results
 
+# A model's config.json and generation_config.json hold hyper-parameters: tens of kilobytes (a
+# classifier's label map a few megabytes). Each is parsed several times (memtrain's checks,
+# transformers' config, the run's own copy), so 100 MB of padding cost a train 360 MB more memory;
+# past this (a --config file's limit) one is refused from its size, unread.
+CONFIG_FILES = ("config.json", "generation_config.json")
+MAX_CONFIG_JSON_BYTES = 16 << 20
+
 
 def json_object(path: Path, what: str) -> dict[str, Any]:
     """The JSON object in ``path`` (a model folder's config or tokenizer config); a crafted file
     is one error line, never a crash. Python's json, not memtrain's bounded reader: tokenizer
     configs hold 31-digit integers (transformers' "no limit" model_max_length)."""
     try:
+        if path.name in CONFIG_FILES and path.stat().st_size > MAX_CONFIG_JSON_BYTES:
+            raise ConfigError(f"{str(path)!r} is larger than {MAX_CONFIG_JSON_BYTES:,} bytes, the most memtrain lets "
+                              "transformers read whole into memory; replace it with the model's own file")
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise ConfigError(f"cannot read {str(path)!r} as JSON (not UTF-8 text); fix or replace {what}") from None
@@ -83,7 +93,11 @@ def read_config_json(path: Path) -> dict[str, Any]:
     refuse_bad_scales(data, shown)
     _refuse_no_vocabulary(data, shown)
     model_type = data.get("model_type")
-    if not isinstance(model_type, str) or not model_type:
+    if model_type is not None and not isinstance(model_type, str):
+        # A list or a number there is a damaged config, not another kind of file: say which field.
+        raise ConfigError(f"{shown!r} has model_type {shortened(repr(model_type), 60)}, where a family's name such as "
+                          "'llama' belongs; fix the config.json")
+    if not model_type:
         raise ConfigError(f"{shown!r} has no 'model_type'; it is not a transformers config.json")
     if model_type not in _shipped_model_types():
         raise ConfigError(f"{shown!r} has model_type {model_type!r}, which this transformers does not ship (custom "

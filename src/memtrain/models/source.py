@@ -26,7 +26,7 @@ from typing import Optional
 from memtrain.config.presets import PRESETS
 from memtrain.errors import ConfigError
 from memtrain.files.guard import TOO_LARGE, folder_entry_problems, special_file_kind, visible_entries
-from memtrain.models.config_json import json_object
+from memtrain.models.config_json import CONFIG_FILES, MAX_CONFIG_JSON_BYTES, json_object
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 HUB_PREFIX = "hf:"
@@ -243,6 +243,8 @@ def check_model_folder(folder: Path, spec: str) -> None:
 
 
 def _read_whole_limit(entry: Path) -> Optional[int]:
+    if entry.name in CONFIG_FILES and entry.parent.name not in READ_SUBFOLDERS:
+        return min(MAX_CONFIG_JSON_BYTES, MAX_READ_WHOLE_BYTES)
     return MAX_READ_WHOLE_BYTES if entry.suffix.lower() in READ_WHOLE_SUFFIXES else None
 
 

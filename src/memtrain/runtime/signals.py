@@ -134,3 +134,29 @@ def stated_launcher() -> int | None:
     raise ConfigError(f"{LAUNCHED_ENV}=1 and {LAUNCHER_PID_ENV}={raw!r} are set, but memtrain's launcher did not "
                       f"start this process (pid {raw} is not its parent); unset {LAUNCHED_ENV}, {LAUNCHER_PID_ENV} "
                       f"and {ERROR_DIR_ENV}: `memtrain train --nproc-per-node N` sets them for its ranks")
+
+
+class TimeLimitExceeded(Exception):
+    """Raised inside :func:`time_limit`'s block when its time is up."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise :class:`TimeLimitExceeded` inside the block once ``seconds`` of wall time have passed
+    (``SIGALRM``; main thread only, else no limit). For Python code of unknown cost that a file
+    supplies (a model folder's chat template): the exception comes between two bytecodes, so a
+    single long C call ends first. The previous handler and timer are restored on leaving."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        raise TimeLimitExceeded(f"{seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -343,7 +343,8 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         result["data"]["val_tokens_evaluated"] = sum(int(y.numel()) for _, y in val_batches)
         if splits.train_mask is not None:  # --loss-on completion: what the losses average
             result["data"].update(answer_counts(splits, val_batches))
-        result.update(dist_ctx.result_fields(memory))  # distributed: "ranks" (memory per rank), "distributed"
+        # distributed: "ranks" (memory per rank), "distributed"
+        result.update(dist_ctx.result_fields(memory, ran_steps=end_step > start_step))
     except BaseException:
         if not dist_ctx.enabled:  # a sharded save is collective: one rank's failure would hang it
             _save_trained_steps(state, save_ckpt, end_step)
