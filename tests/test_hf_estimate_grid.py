@@ -816,9 +816,21 @@ SWEPT_5151 = [
     ('llama', {'hidden_size': 6, 'intermediate_size': 20, 'num_hidden_layers': 3, 'num_attention_heads': 1, 'num_key_value_heads': 1, 'vocab_size': 131, 'tie_word_embeddings': True},
      {'batch_size': 2, 'seq_len': 3, 'precision': 'fp16', 'attention': 'math', 'checkpointing': 'sqrt', 'loss': 'standard', 'grad_accum': 2, 'lora_rank': 1, 'qlora': True, 'optim': 'sgd'}),
 ]
-# Swept cases still outside 1% (strict expected failures, each with its figure). None at present.
-SWEPT_GAPS: list = []
-SWEPT_GAP_FIGURES: tuple[str, ...] = ()
+# Swept cases still outside 1% (strict expected failures, each with its figure): from the sweeps of
+# checkpointing variants (seeds 8181 and 8282), two Gemma models under bf16-pure with SDPA and the
+# chunked loss, whose forward peaks in the last micro-batch's loss about 550 B above the estimate
+# (the same loss on Llama and Gemma of width 16 is 480-690 B under the trace in the forward, within
+# 1% there), and a one-head Phi-3 of width 2 under bf16 autocast with eager attention (466 B).
+SWEPT_GAPS: list = [
+    ('gemma', {'hidden_size': 16, 'intermediate_size': 8, 'num_hidden_layers': 1, 'num_attention_heads': 4, 'num_key_value_heads': 4, 'vocab_size': 61, 'tie_word_embeddings': True, 'head_dim': 4},
+     {'batch_size': 2, 'seq_len': 24, 'precision': 'bf16-pure', 'attention': 'sdpa', 'checkpointing': 'sqrt', 'loss': 'chunked', 'grad_accum': 3, 'loss_chunk': 50}),
+    ('gemma', {'hidden_size': 24, 'intermediate_size': 3, 'num_hidden_layers': 3, 'num_attention_heads': 3, 'num_key_value_heads': 1, 'vocab_size': 130, 'tie_word_embeddings': False, 'head_dim': 8},
+     {'batch_size': 4, 'seq_len': 2, 'precision': 'bf16-pure', 'attention': 'sdpa', 'checkpointing': 'every:3', 'loss': 'chunked', 'grad_accum': 2, 'loss_chunk': 5, 'lora_rank': 1, 'lora_dropout': 0.1}),
+    ('phi3', {'hidden_size': 2, 'intermediate_size': 12, 'num_hidden_layers': 2, 'num_attention_heads': 1, 'num_key_value_heads': 1, 'vocab_size': 17, 'tie_word_embeddings': True},
+     {'batch_size': 5, 'seq_len': 17, 'precision': 'bf16', 'attention': 'math', 'checkpointing': 'every:2', 'loss': 'chunked', 'grad_accum': 1, 'loss_chunk': 50}),
+]
+SWEPT_GAP_FIGURES: tuple[str, ...] = ("-1.01% forward (53,638 B of 54,184 B)", "-1.12% forward (50,706 B of 51,281 B)",
+                                      "-1.09% forward (42,258 B of 42,724 B)")
 _FIXED_IDS = {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}
 
 
