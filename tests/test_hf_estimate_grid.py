@@ -758,6 +758,23 @@ PHI3_CONTIGUOUS_QK = [
     ('phi3', {'hidden_size': 16, 'intermediate_size': 18, 'num_hidden_layers': 1, 'num_attention_heads': 2, 'num_key_value_heads': 2, 'vocab_size': 97, 'tie_word_embeddings': False, 'attention_dropout': 0.1, 'resid_pdrop': 0.0, 'embd_pdrop': 0.0},
      {'batch_size': 5, 'seq_len': 23, 'precision': 'bf16', 'attention': 'sdpa', 'checkpointing': 'none', 'loss': 'chunked', 'grad_accum': 1, 'loss_chunk': 7}),
 ]
+# SDPA's math path (attention dropout on the CPU) in float32 with one head: Phi-3's v, a slice of the
+# fused q/k/v output, folds into bmm's batch dimension, so the second matmul reads it in place and its
+# save keeps the whole fused output (648 B here), where the estimate counted a copy of v (216 B):
+# -1.80% forward, -1.46% backward (the seed-7272 sweep's case, rebuilt: 3 x 9 tokens, LoRA dropout).
+PHI3_SDPA_V_IN_PLACE = [
+    ('phi3', {'hidden_size': 2, 'intermediate_size': 4, 'num_hidden_layers': 1, 'num_attention_heads': 1, 'num_key_value_heads': 1, 'vocab_size': 61, 'attention_dropout': 0.1},
+     {'batch_size': 3, 'seq_len': 9, 'precision': 'fp32', 'attention': 'sdpa', 'checkpointing': 'none', 'loss': 'standard', 'lora_rank': 2, 'lora_dropout': 0.1}),
+]
+# The same contiguous q and k under eager attention (a random sweep of checkpointing variants, seed
+# 8181): q @ k^T reads them in place at any batch and head count; the estimate counted copies of both
+# (2 x 5,120 B a layer): +5.65% backward (every:2 over one layer, LoRA with dropout, 4 x 5 tokens).
+PHI3_EAGER_QK = [
+    ('phi3', {'hidden_size': 64, 'intermediate_size': 3, 'num_hidden_layers': 1, 'num_attention_heads': 4, 'num_key_value_heads': 4, 'vocab_size': 17, 'tie_word_embeddings': True},
+     {'batch_size': 4, 'seq_len': 5, 'precision': 'fp32', 'attention': 'math', 'checkpointing': 'every:2', 'loss': 'standard', 'grad_accum': 2, 'lora_rank': 2, 'lora_dropout': 0.1}),
+    ('phi3', {'hidden_size': 64, 'intermediate_size': 3, 'num_hidden_layers': 2, 'num_attention_heads': 4, 'num_key_value_heads': 4, 'vocab_size': 17},
+     {'batch_size': 4, 'seq_len': 5, 'precision': 'fp32', 'attention': 'math', 'checkpointing': 'none', 'loss': 'standard', 'lora_rank': 2}),
+]
 # A sweep of 400 random configurations (seed 6161: GPT-2, Gemma, Phi-3 and our GPT; fp16, bf16-pure,
 # LoRA with dropout on a subset of targets, every checkpointing mode, windows, the chunked loss,
 # batch 1, 1-3 tokens) left two transformers cases outside 1%. Under autocast with LoRA dropout, peft's
@@ -799,9 +816,21 @@ SWEPT_5151 = [
     ('llama', {'hidden_size': 6, 'intermediate_size': 20, 'num_hidden_layers': 3, 'num_attention_heads': 1, 'num_key_value_heads': 1, 'vocab_size': 131, 'tie_word_embeddings': True},
      {'batch_size': 2, 'seq_len': 3, 'precision': 'fp16', 'attention': 'math', 'checkpointing': 'sqrt', 'loss': 'standard', 'grad_accum': 2, 'lora_rank': 1, 'qlora': True, 'optim': 'sgd'}),
 ]
-# Swept cases still outside 1% (strict expected failures, each with its figure). None at present.
-SWEPT_GAPS: list = []
-SWEPT_GAP_FIGURES: tuple[str, ...] = ()
+# Swept cases still outside 1% (strict expected failures, each with its figure): from the sweeps of
+# checkpointing variants (seeds 8181 and 8282), two Gemma models under bf16-pure with SDPA and the
+# chunked loss, whose forward peaks in the last micro-batch's loss about 550 B above the estimate
+# (the same loss on Llama and Gemma of width 16 is 480-690 B under the trace in the forward, within
+# 1% there), and a one-head Phi-3 of width 2 under bf16 autocast with eager attention (466 B).
+SWEPT_GAPS: list = [
+    ('gemma', {'hidden_size': 16, 'intermediate_size': 8, 'num_hidden_layers': 1, 'num_attention_heads': 4, 'num_key_value_heads': 4, 'vocab_size': 61, 'tie_word_embeddings': True, 'head_dim': 4},
+     {'batch_size': 2, 'seq_len': 24, 'precision': 'bf16-pure', 'attention': 'sdpa', 'checkpointing': 'sqrt', 'loss': 'chunked', 'grad_accum': 3, 'loss_chunk': 50}),
+    ('gemma', {'hidden_size': 24, 'intermediate_size': 3, 'num_hidden_layers': 3, 'num_attention_heads': 3, 'num_key_value_heads': 1, 'vocab_size': 130, 'tie_word_embeddings': False, 'head_dim': 8},
+     {'batch_size': 4, 'seq_len': 2, 'precision': 'bf16-pure', 'attention': 'sdpa', 'checkpointing': 'every:3', 'loss': 'chunked', 'grad_accum': 2, 'loss_chunk': 5, 'lora_rank': 1, 'lora_dropout': 0.1}),
+    ('phi3', {'hidden_size': 2, 'intermediate_size': 12, 'num_hidden_layers': 2, 'num_attention_heads': 1, 'num_key_value_heads': 1, 'vocab_size': 17, 'tie_word_embeddings': True},
+     {'batch_size': 5, 'seq_len': 17, 'precision': 'bf16', 'attention': 'math', 'checkpointing': 'every:2', 'loss': 'chunked', 'grad_accum': 1, 'loss_chunk': 50}),
+]
+SWEPT_GAP_FIGURES: tuple[str, ...] = ("-1.01% forward (53,638 B of 54,184 B)", "-1.12% forward (50,706 B of 51,281 B)",
+                                      "-1.09% forward (42,258 B of 42,724 B)")
 _FIXED_IDS = {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}
 
 
@@ -826,7 +855,9 @@ def _swept_gaps() -> list:
 
 @pytest.mark.parametrize("case", _swept_params(ONE_POSITION, {0}) + _swept_params(SWEPT, SWEPT_DEFAULT)
                          + _swept_params(SWEPT_AGAIN, {0}) + _swept_params(ONE_HEAD, {0})
-                         + _swept_params(PHI3_CONTIGUOUS_QK, {0}) + _swept_params(SWEPT_DROPOUT, {0})
+                         + _swept_params(PHI3_CONTIGUOUS_QK, {0}) + _swept_params(PHI3_SDPA_V_IN_PLACE, {0})
+                         + _swept_params(PHI3_EAGER_QK, {0})
+                         + _swept_params(SWEPT_DROPOUT, {0})
                          + _swept_params(SWEPT_V_LOCAL, {0}) + _swept_params(SWEPT_5151, {0, 1, 2})
                          + _swept_gaps())
 def test_swept_axes_within_one_percent_of_the_trace(case, tmp_path_factory):
