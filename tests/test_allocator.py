@@ -298,3 +298,14 @@ def test_max_split_size_boundaries_are_inclusive():
     c.free(c.malloc(240 * MiB))
     c.malloc(222 * MiB)  # 240 < 222 + 20 MiB: the cached block is taken whole
     assert c.reserved == 240 * MiB and c.allocated == 240 * MiB
+
+
+def test_reset_peak_restarts_the_allocated_peak_and_keeps_the_reserved_segments():
+    """torch.cuda.reset_peak_memory_stats between steps: max_memory_allocated counts from there,
+    while the segments reserved before stay in max_memory_reserved."""
+    events = [("alloc", 1, 100 * MiB), ("free", 1, 0), ("reset_peak", 0, 0), ("alloc", 2, 10 * MiB)]
+    m = replay(events, "a100")
+    ws = m.cublas_workspace
+    assert m.allocated == ws + 10 * MiB  # the 10 MiB split off the cached 100 MiB block
+    # The A100's 8.125 MiB workspace sits in a 20 MiB segment (below kMinLargeAlloc).
+    assert m.reserved == m.reserved_first_step == 20 * MiB + 100 * MiB
