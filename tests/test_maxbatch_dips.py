@@ -137,3 +137,16 @@ def test_plan_micro_batch_goes_past_a_spike_among_the_divisors(monkeypatch, caps
                  "--optims", "adamw", "--json"]) == 0
     cands = json.loads(capsys.readouterr().out)["candidates"]
     assert cands and {(c["batch_size"], c["grad_accum"]) for c in cands} == {(20, 2)}  # it was (5, 8)
+
+
+def test_largest_batch_counts_in_multiples() -> None:
+    """--multiple-of 4 (a batch per rank times ranks): k counts multiples, the need is of k x 4."""
+    cfg = build_config({}, {})
+    asked: list[int] = []
+
+    def need(c) -> float:
+        asked.append(c.train.batch_size)
+        return float(c.train.batch_size)
+
+    assert largest_batch(need, cfg, 26.0, multiple_of=4, cap=64) == 6  # batch 24; 28 needs 28
+    assert asked and all(b % 4 == 0 for b in asked)
