@@ -242,3 +242,70 @@ def test_adamw_on_cuda_is_estimated_as_the_fused_kernel_it_runs():
              for dev in ("cpu", "cuda") for o in ("adamw", "adamw-fused")}
     assert peaks["cuda", "adamw"] == peaks["cuda", "adamw-fused"]
     assert peaks["cpu", "adamw"] > peaks["cpu", "adamw-fused"]
+
+
+def test_a_fractional_request_rounds_up_to_the_next_block():
+    """Estimated sizes can be fractional (4-bit states are half a byte per element): a request of
+    512.25 bytes needs 513 bytes, so a second 512-byte unit, as torch rounds up the bytes."""
+    assert round_size(512.25) == 1024
+    assert round_size(0.5) == 512
+
+
+def test_a_request_of_exactly_10_mib_gets_its_own_rounded_segment_not_20_mib():
+    """kMinLargeAlloc is exclusive (``size < kMinLargeAlloc`` takes the 20 MiB buffer)."""
+    a = CachingAllocator()
+    a.malloc(10 * MiB)
+    assert a.reserved == 10 * MiB
+    b = CachingAllocator()
+    b.malloc(10 * MiB - 512)
+    assert b.reserved == 20 * MiB
+
+
+def test_a_small_block_splits_when_exactly_512_bytes_would_remain():
+    """Small pool: split when the remainder is >= kMinBlockSize (512 B), so the remainder serves
+    the next 512-byte request without a new segment."""
+    a = CachingAllocator()
+    a.malloc(1 * MiB)
+    a.malloc(1 * MiB - 512)  # leaves exactly 512 B of the 2 MiB small segment: split off
+    assert a.allocated == 2 * MiB - 512
+    a.malloc(512)
+    assert a.segments_created == 1 and a.reserved == 2 * MiB
+
+
+def test_a_large_block_keeps_a_remainder_of_exactly_1_mib():
+    """Large pool: split only when the remainder is > kSmallSize (1 MiB): a 19 MiB request in a
+    20 MiB segment takes all of it (allocated counts 20 MiB); 19 MiB - 512 B leaves 1 MiB + 512 B, split off."""
+    a = CachingAllocator()
+    a.malloc(19 * MiB)
+    assert a.allocated == 20 * MiB
+    b = CachingAllocator()
+    b.malloc(19 * MiB - 512)
+    assert b.allocated == 19 * MiB - 512
+
+
+def test_max_split_size_boundaries_are_inclusive():
+    """get_free_block refuses a block of exactly max_split_size to a normal request, and a block
+    exactly kLargeBuffer larger than an oversize request."""
+    a = CachingAllocator(max_split_size=200 * MiB)
+    a.free(a.malloc(200 * MiB))  # a block of exactly max_split_size is oversize
+    a.malloc(100 * MiB)
+    assert a.reserved == 300 * MiB
+    b = CachingAllocator(max_split_size=200 * MiB)
+    b.free(b.malloc(240 * MiB))
+    b.malloc(220 * MiB)  # 240 == 220 + 20 MiB: refused, a new segment
+    assert b.reserved == 460 * MiB
+    c = CachingAllocator(max_split_size=200 * MiB)
+    c.free(c.malloc(240 * MiB))
+    c.malloc(222 * MiB)  # 240 < 222 + 20 MiB: the cached block is taken whole
+    assert c.reserved == 240 * MiB and c.allocated == 240 * MiB
+
+
+def test_reset_peak_restarts_the_allocated_peak_and_keeps_the_reserved_segments():
+    """torch.cuda.reset_peak_memory_stats between steps: max_memory_allocated counts from there,
+    while the segments reserved before stay in max_memory_reserved."""
+    events = [("alloc", 1, 100 * MiB), ("free", 1, 0), ("reset_peak", 0, 0), ("alloc", 2, 10 * MiB)]
+    m = replay(events, "a100")
+    ws = m.cublas_workspace
+    assert m.allocated == ws + 10 * MiB  # the 10 MiB split off the cached 100 MiB block
+    # The A100's 8.125 MiB workspace sits in a 20 MiB segment (below kMinLargeAlloc).
+    assert m.reserved == m.reserved_first_step == 20 * MiB + 100 * MiB

@@ -700,3 +700,28 @@ def test_hf_dir_of_txt_is_one_document_per_line_as_its_help_and_the_readme_say(
     assert "a .txt in hf:DIR is one document per line" in train_help
     readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
     assert "a `.txt` read through `hf:` is one document per line" in readme
+
+
+def test_strip_html_lists_inline_breaks_pre_and_a_stray_close() -> None:
+    """Each list item on its own "- " line; a source line break between inline elements is a word
+    space (none after a block); one inside <pre> is kept; a stray </script> hides nothing after it."""
+    assert html_to_text("<ul><li>one</li><li>two</li></ul>after") == "- one\n- two\nafter"
+    assert html_to_text("<p>a</p>\n<p>b <b>x</b>\n<i>y</i></p>") == "a\n\nb x y"
+    assert html_to_text("<pre><code>x = 1</code>\n<code>y = 2</code></pre>") == "x = 1\ny = 2"
+    assert html_to_text("</script>text<script>hidden()</script> shown") == "text shown"
+
+
+def test_every_setting_that_changes_the_tokens_changes_the_cache_key(tmp_path: Path) -> None:
+    """Two runs whose tokens differ must never share an entry: each field of the key, changed
+    alone, gives another key (the tokenizer's name, size, end-of-text id and bos prefix too)."""
+    from types import SimpleNamespace
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in corpus(5)])
+    base = cache_key(cfg(path))
+    changed = {"text_field": "body", "max_documents": 3, "val_fraction": 0.2, "split_seed": 7}
+    for field, value in changed.items():
+        assert cache_key(cfg(path, **{field: value})) != base, field
+    tok = SimpleNamespace(name="org/model", n_vocab=32000, eot_id=2, prefix_ids=[])
+    keys = {cache_key(cfg(path), SimpleNamespace(**{**vars(tok), **change}))
+            for change in ({}, {"name": "org/other"}, {"n_vocab": 32001}, {"eot_id": 0}, {"prefix_ids": [1]})}
+    assert len(keys) == 5 and base not in keys

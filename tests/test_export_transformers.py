@@ -289,6 +289,9 @@ def test_adapter_config_is_written_as_peft_writes_one_and_the_same_every_time(pr
     assert set(ours[0]["target_modules"]) == set(theirs["target_modules"])
     assert ours[0]["target_modules"] == sorted(ours[0]["target_modules"])
     assert ours[0] == ours[1]
+    # What PeftModel.from_pretrained(base, DIR) reads: the rank, the scale, the task and the base.
+    for key in ("r", "lora_alpha", "task_type", "peft_type", "base_model_name_or_path"):
+        assert ours[0][key] == theirs[key], key
 
 
 def test_adapter_only_is_refused_where_it_cannot_be_used(pretrained_llama, scratch_llama, corpus, tmp_path, capsys):

@@ -256,3 +256,35 @@ def test_model_names_have_one_list():
     assert "llama3-8b" not in names and "llama-3-8b" in names
     keys = [source._name_key(n) for n in names]
     assert len(keys) == len(set(keys))
+
+
+@pytest.mark.parametrize("name", ["NVIDIA GeForce RTX 4090 D", "rtx 4090 d", "NVIDIA GeForce RTX 3090 Ti"])
+def test_a_cut_down_or_faster_sibling_is_not_its_namesakes_kind(name):
+    """The RTX 4090 D has fewer SMs than the 4090 and the 3090 Ti more than the 3090: their peak
+    FLOP/s are not the table's, so no kind answers (MFU is not computed against a wrong peak)."""
+    assert K.gpu_table_key(name) is None
+
+
+@pytest.mark.parametrize("name,label", [("NVIDIA GeForce RTX 4090 D", "rtx4090"), ("H-200", "h200"),
+                                        ("a-100 custom", "a100")])
+def test_the_allocator_facts_take_a_loose_spelling_squashed(name, label):
+    """A spelling no pattern resolves still gets its family's allocator facts: the name is matched
+    with spaces and dashes squashed out."""
+    assert K.allocator_facts(name).label == label
+
+
+def test_the_h200_assumes_the_h100s_measured_context():
+    """Same Hopper die and driver stack: the H200's context is the H100's measured figure, not the
+    default 500 MiB guess (the measured flag stays the H100's own)."""
+    h100, h200 = K.allocator_facts("h100"), K.allocator_facts("h200")
+    assert h200.cuda_context_bytes == h100.cuda_context_bytes != K.DEFAULT_ALLOCATOR.cuda_context_bytes
+    assert h100.context_measured and not h200.context_measured
+
+
+def test_datasheet_figures_keep_their_units():
+    """Bandwidth is decimal GB/s on every datasheet; an unmeasured memory is the datasheet's GB
+    read as GiB (the module's docstring): a GiB bandwidth or a decimal memory is a unit mix-up."""
+    for key, kind in K.GPU_KINDS.items():
+        assert (kind.mem_bandwidth / 1e9).is_integer(), key
+        if kind.memory_bytes is not None and not kind.memory_measured:
+            assert kind.memory_bytes % (1 << 30) == 0, key

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from memtrain.analysis.dips import DIP_WINDOW, climb_past_dips, largest_fitting
+from memtrain.analysis.dips import DIP_WINDOW, climb_past_dips, grow_from, largest_fitting
 from memtrain.analysis.fit import largest_batch, step_need
 from memtrain.analysis.maxbatch import analytic_arch, estimated_max_batch
 from memtrain.cli import main
@@ -31,6 +31,34 @@ def test_a_spike_stops_the_bisection_short_and_the_climb_goes_past_it() -> None:
     assert climb_past_dips(_spiked, 47, 64) == 50
     assert climb_past_dips(_spiked, 47, 49) == 49  # never past the bound
     assert climb_past_dips(lambda k: k <= 50, 50, 64) == 50  # monotone: nothing changes
+
+
+@pytest.mark.parametrize("cap", range(1, 12))
+def test_the_searches_reach_the_cap_when_everything_fits(cap: int) -> None:
+    assert largest_fitting(lambda k: True, cap) == cap
+    assert grow_from(lambda k: True, 1, cap) == cap
+
+
+def test_a_spike_one_narrower_than_the_window_is_climbed_and_one_as_wide_is_not() -> None:
+    """DIP_WINDOW is 4 (the module's docstring: the spikes seen are one or two batches wide, so
+    four leaves a margin): a spike of three batches above the answer is passed, one of four is
+    where the search stops."""
+    assert DIP_WINDOW == 4
+    assert climb_past_dips(lambda k: k <= 50 and k not in (46, 47, 48), 45, 64) == 50
+    assert climb_past_dips(lambda k: k <= 50 and k not in (46, 47, 48, 49), 45, 64) == 45
+
+
+def test_grow_from_doubles_its_steps() -> None:
+    """Each probe is an estimate (a traced step on a large model takes seconds): from 1 to an
+    edge near a million the search takes about 2 log2(edge) probes, not a probe per batch."""
+    probes: list[int] = []
+
+    def fits(k: int) -> bool:
+        probes.append(k)
+        return k <= 600_000
+
+    assert grow_from(fits, 1, 1 << 20) == 600_000
+    assert len(probes) <= 2 * 20 + 2
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -109,3 +137,16 @@ def test_plan_micro_batch_goes_past_a_spike_among_the_divisors(monkeypatch, caps
                  "--optims", "adamw", "--json"]) == 0
     cands = json.loads(capsys.readouterr().out)["candidates"]
     assert cands and {(c["batch_size"], c["grad_accum"]) for c in cands} == {(20, 2)}  # it was (5, 8)
+
+
+def test_largest_batch_counts_in_multiples() -> None:
+    """--multiple-of 4 (a batch per rank times ranks): k counts multiples, the need is of k x 4."""
+    cfg = build_config({}, {})
+    asked: list[int] = []
+
+    def need(c) -> float:
+        asked.append(c.train.batch_size)
+        return float(c.train.batch_size)
+
+    assert largest_batch(need, cfg, 26.0, multiple_of=4, cap=64) == 6  # batch 24; 28 needs 28
+    assert asked and all(b % 4 == 0 for b in asked)

@@ -177,3 +177,21 @@ def test_a_chat_template_that_loops_grows_or_fails_is_one_line(tmp_path, capsys,
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: the tokenizer's chat template ") and words in err, err
     assert "without --chat" in err
+
+
+def test_generate_chat_prints_the_reply_up_to_its_end_of_turn(tmp_path, capsys, monkeypatch):
+    """The sampled ids run past the end of the turn (sampling runs --max-new-tokens): --chat
+    prints what comes before the eos only."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    import memtrain.inference.generate as gen
+
+    folder = _llama_folder(tmp_path / "chat", False, chat_template=CHAT_TEMPLATE)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder))).save_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    said, after = tok("sort it", add_special_tokens=False)["input_ids"], tok("then more", add_special_tokens=False)["input_ids"]
+    monkeypatch.setattr(gen, "sample_ids", lambda hf, x, settings: torch.cat(
+        [x, torch.tensor([said + [EOS] + after] * x.shape[0])], dim=1))
+    assert main(["generate", str(folder), "--chat", "--prompt", "How?", "--max-new-tokens", "12"]) == 0
+    assert capsys.readouterr().out == tok.decode(said, clean_up_tokenization_spaces=False) + "\n"

@@ -234,3 +234,28 @@ def test_a_command_printing_a_path_that_is_not_utf8_exits_0_under_a_strict_stdou
     assert proc.returncode == 0, proc.stderr.decode(errors="replace")
     assert b"wrote " + bytes(tmp_path) + b"/o\\udcfe/result.json" in proc.stdout
     assert json.loads((Path(out) / "result.json").read_text())["steps"] == 1
+
+
+def test_read_result_returns_only_a_json_object_it_may_read(tmp_path, monkeypatch):
+    """results.read_result: the object in FOLDER/result.json, None for anything else (absent, not
+    an object, not JSON, a FIFO, a link out of the folder, over MAX_WHOLE_JSON_BYTES)."""
+    from memtrain.files import results
+
+    run = tmp_path / "run"
+    run.mkdir()
+    assert results.read_result(run) is None  # absent
+    (run / "result.json").write_text('{"steps": 3}')
+    assert results.read_result(run) == {"steps": 3}
+    monkeypatch.setattr(results, "MAX_WHOLE_JSON_BYTES", 8)  # the file is 12 bytes
+    assert results.read_result(run) is None
+    monkeypatch.undo()
+    for text in ("[1, 2]", "not json"):
+        (run / "result.json").write_text(text)
+        assert results.read_result(run) is None, text
+    (run / "result.json").unlink()
+    os.mkfifo(run / "result.json")  # opening it would block the reader
+    assert results.read_result(run) is None
+    (run / "result.json").unlink()
+    (tmp_path / "elsewhere.json").write_text('{"steps": 3}')
+    (run / "result.json").symlink_to(tmp_path / "elsewhere.json")
+    assert results.read_result(run) is None

@@ -232,3 +232,23 @@ def test_clipping_walks_the_models_modules_once_not_at_every_step(lora_rank):
         twin.optimizer.step()
         assert torch.equal(state.precision.last_grad_norm, expected)
     assert len(walks) == 1
+
+
+@pytest.mark.parametrize("warmup", [0, 3])
+def test_linear_schedule_is_transformers_linear_schedule_floored_at_min_lr_ratio(warmup):
+    """--schedule linear: transformers' get_linear_schedule_with_warmup (min_lr_ratio 0), and with a
+    floor, the same line lifted to end at min_lr_ratio."""
+    from transformers import get_linear_schedule_with_warmup
+
+    from memtrain.training.schedule import lr_lambda
+
+    steps = 12
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    theirs = get_linear_schedule_with_warmup(opt, warmup, steps).lr_lambdas[0]
+    ours = lr_lambda(build_config({"schedule": "linear", "min_lr_ratio": 0.0, "steps": steps, "warmup_steps": warmup}))
+    for step in range(warmup, steps + 1):  # transformers' warm-up starts at 0, memtrain's at 1/warmup
+        assert ours(step) == pytest.approx(theirs(step), abs=1e-12), step
+    floored = lr_lambda(build_config({"schedule": "linear", "min_lr_ratio": 0.1, "steps": steps,
+                                      "warmup_steps": warmup}))
+    for step in range(warmup, steps + 1):
+        assert floored(step) == pytest.approx(0.1 + 0.9 * theirs(step), abs=1e-12), step

@@ -598,3 +598,16 @@ def test_a_checkpoint_of_a_run_that_differs_in_a_number_deciding_setting_is_refu
     diffs = config_differences(saved, now)
     assert any(d.startswith(f"{key}: ") for d in diffs), diffs
     assert config_differences(saved, build_config({**base, "out": "elsewhere", "attention": "sdpa"}).to_dict()) == []
+
+
+def test_a_resumed_runs_train_loss_mean_covers_the_steps_it_ran(tiny_run, tmp_path):
+    """train_loss_mean is the Trainer's train_loss: the mean over the steps this invocation ran,
+    so a run stopped at 3 of 6 and resumed averages steps 4-6, not the whole loss history."""
+    base = {**tiny_run, "steps": 6}
+    ckpt = tmp_path / "part.pt"
+    train(build_config({**base, "stop_after": 3, "save": str(ckpt)}))
+    resumed = train(build_config({**base, "resume": str(ckpt)}))
+    history = resumed["loss_history"]
+    assert len(history) == 6 and resumed["steps_run"] == 3
+    assert resumed["train_loss_mean"] == pytest.approx(sum(history[3:]) / 3)
+    assert resumed["train_loss_mean"] != pytest.approx(sum(history) / 6)

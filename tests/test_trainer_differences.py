@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from memtrain.cli import main
+from memtrain.config.run import build_config
+from memtrain.data.cache import prepare_tokens
 
 
 def test_a_run_without_save_says_so_and_its_folder_is_named_as_one_that_saved_nothing(tiny_run, tmp_path, capsys):
@@ -58,6 +60,8 @@ def test_the_summary_says_what_its_losses_average_and_result_json_has_the_traine
     assert result["train_loss_mean"] == pytest.approx(sum(history) / 12)  # the Trainer's train_loss
     data = result["data"]
     assert data["val_tokens_evaluated"] == tiny_run["val_blocks"] * tiny_run["seq_len"] < data["val_tokens"]
+    splits = prepare_tokens(build_config({**tiny_run, "steps": 12}).data, progress=False)  # the run's cached entry
+    assert (data["train_tokens"], data["val_tokens"]) == (len(splits.train), len(splits.val))
     assert (f"train loss {result['train_loss']:.4f} (mean of the last 10 steps)" in out
             and f"(on {data['val_tokens_evaluated']:,} of {data['val_tokens']:,} held-out tokens; --val-blocks)" in out), out
 
