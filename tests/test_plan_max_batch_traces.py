@@ -65,7 +65,8 @@ def test_the_fastest_set_is_raised_to_its_largest_batch(traced):
         return cfg.replace(**best.techniques, batch_size=b, grad_accum=1)
 
     assert _modelled_peak(at(best.batch_size)) <= limit < _modelled_peak(at(best.batch_size + 1))
-    assert len(traced) <= 8 and not any("trace cap" in n for n in res.notes)
+    # The quick figure's own answer and the batch above it: two traces where it is right.
+    assert len(traced) == 2 and not any("trace cap" in n for n in res.notes)
 
 
 def test_max_traces_flag_caps_and_says_so(traced, capsys):

@@ -385,7 +385,8 @@ class _Search:
         self.evaluated = 0
         self.pruned = False
         self.modelled_inside = 0  # traced plans: candidates whose peak is the analytic model's (far inside the limit)
-        self.trace_capped = 0  # plan --max-batch, traced: sets whose batch the trace cap left at the modelled one
+        self.trace_capped = 0  # plan --max-batch, traced: sets whose batch the trace cap left below their largest
+        self.raise_cut = False  # the set being raised met the trace cap
 
     def count_beside_tensors(self) -> None:
         """What the card holds besides the live tensors, for certain: its CUDA context and the first
@@ -616,16 +617,31 @@ def _at_max_batch(search: _Search, t: dict[str, Any], b: int, p: float, ph: str)
 
 def _traced_raise(search: _Search, t: dict[str, Any], found: int, cap: int, max_traces: int,
                   peak_at: Callable[[int], tuple[float, str]]) -> tuple[int, float, str]:
-    """Set ``t``'s batch ``found`` (it fits) raised by bisecting with traces below the first batch
-    the quick figure puts far over the limit, while traces are left; with its peak."""
+    """Set ``t``'s batch ``found`` (it fits) raised with traces while traces are left, below the
+    first batch the quick figure puts far over the limit; with its peak. As maxbatch's traced
+    search: the quick figure's own answer and the batch above it are traced first (two traces
+    where the figure is right, within 1% of the trace on the families it claims), then bisected."""
     def traced_fits(b: int) -> bool:
-        return search.traces < max_traces and peak_at(b)[0] <= search.limit
+        if search.traces >= max_traces:
+            search.raise_cut = True  # the cap, not the memory, stopped this raise
+            return False
+        return peak_at(b)[0] <= search.limit
 
     def not_far_over(b: int) -> bool:
         return search.surely_fits(search.at(t, b, 1)) is not False
 
+    def modelled_fits(b: int) -> bool:
+        quick = search.quick_peak(search.at(t, b, 1))
+        return quick is not None and quick[0] <= search.limit
+
     top = largest_fitting(not_far_over, cap)  # milliseconds: the quick figure only; top + 1 is far over (or the cap's)
-    b = bisect_fitting(traced_fits, found, top + 1)
+    guess = min(max(largest_fitting(modelled_fits, cap), found), top)
+    if guess > found and not traced_fits(guess):
+        b = bisect_fitting(traced_fits, found, guess)
+    elif guess >= top or not traced_fits(guess + 1):
+        b = guess
+    else:
+        b = bisect_fitting(traced_fits, guess + 1, top + 1)
     return (b, *peak_at(b))
 
 
@@ -638,8 +654,10 @@ def _raise_fastest(search: _Search, fits: list[Candidate], raise_to: list[Callab
         if search.traces >= max_traces:
             search.trace_capped += 1
             continue
+        search.raise_cut = False
         b, p, ph = raise_to[i]()
         fits[i] = _at_max_batch(search, fits[i].techniques, b, p, ph)
+        search.trace_capped += search.raise_cut
 
 
 def _ranked(fits: list[Candidate], max_batch: bool) -> list[Candidate]:
@@ -696,9 +714,9 @@ def _notes(search: _Search, space: dict[str, list[Any]], arch_notes: list[str]) 
         else:
             notes.append("peaks traced under fake tensors (transformers model; deep ones from 2 + 3 layer probes)")
     if search.trace_capped:
-        notes.append(f"trace cap reached (--max-traces, {search.traces} traced): {search.trace_capped} set(s) keep the "
-                     f"batch the analytic model of their layers fits with {TRACE_PRUNE_SLACK - 1:.0%} kept, which "
-                     "fits but may be below their largest")
+        notes.append(f"trace cap reached (--max-traces, {search.traces} traced): {search.trace_capped} set(s) keep a "
+                     f"batch that fits (the analytic model of their layers' with {TRACE_PRUNE_SLACK - 1:.0%} kept, "
+                     "or the largest traced) but may be below their largest")
     if "compile_memory_budget" in space:
         notes.append("compile budget candidates: peak and recompute interpolated between checkpointing none and "
                      "full (docs/estimation.md), not traced; `memtrain estimate --compile --compile-memory-budget F "
