@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 from tqdm.auto import tqdm
 
 from memtrain.analysis.advice import ADVICE_LORA_RANK, size_text
-from memtrain.analysis.dips import climb_past_dips, largest_fitting
+from memtrain.analysis.dips import bisect_fitting, climb_past_dips, largest_fitting
 from memtrain.analysis.estimate import GPT2_ARCH, Arch, estimate
 from memtrain.analysis.estimate.compile_budget import interpolated_budget
 from memtrain.analysis.estimate.hf import hf_arch, modelled_arch, why_not_modelled
@@ -243,6 +243,10 @@ PRUNE_SLACK = 1.01
 # five times the analytic model's largest difference from the trace on the families it claims
 # (tests/test_hf_estimate_grid.py).
 TRACE_PRUNE_SLACK = 1.05
+# plan --max-batch on a traced model: the traces at most (one candidate config each). A trace near the
+# limit takes seconds, and a minute at a few thousand sequences under the chunked loss (its loop runs
+# once per chunk), so tracing every set's bisection took over 13 minutes for tiny-llama under 8 GiB.
+MAX_BATCH_TRACES = 8
 
 
 def _short_label(c: RunConfig) -> str:
@@ -295,6 +299,7 @@ def plan(
     gpu: Optional[str] = None,
     host_bandwidth: Optional[float] = None,
     progress: Optional[bool] = False,
+    max_traces: int = MAX_BATCH_TRACES,
     _prune: bool = True,
 ) -> PlanResult:
     """Rank technique sets that fit ``budget_bytes`` (with ``margin`` of safety) by modelled
@@ -304,7 +309,8 @@ def plan(
     card holds, the caching-allocator model's reserved memory plus that GPU kind's CUDA context
     (:mod:`memtrain.analysis.allocator`), instead of the live tensor bytes. ``host_bandwidth``
     (bytes/s each way, default :data:`HOST_BANDWIDTH`) costs --offload-activations' copies
-    (:func:`offload_exposed_s`). ``progress``: a bar on stderr counting the slow calls (a trace
+    (:func:`offload_exposed_s`). ``max_traces`` (``max_batch`` on a traced model): at most that many
+    candidate configs traced (:func:`_fit_max_batch`). ``progress``: a bar on stderr counting the slow calls (a trace
     takes seconds at full size, an allocator replay a tenth of one); None: only on a terminal
     (:func:`memtrain.runtime.notices.shows_progress`).
 
@@ -340,7 +346,7 @@ def plan(
         if not max_batch:
             fits, unfit, visited, smallest, order = _fit_target_batch(search, sets, target, top, baseline)
         else:
-            fits, unfit, visited, smallest = _fit_max_batch(search, sets, max_batch_limit)
+            fits, unfit, visited, smallest = _fit_max_batch(search, sets, max_batch_limit, max_traces)
             order = sets
         fits = _ranked(fits, max_batch)
         ranked = len(fits)
@@ -379,6 +385,8 @@ class _Search:
         self.evaluated = 0
         self.pruned = False
         self.modelled_inside = 0  # traced plans: candidates whose peak is the analytic model's (far inside the limit)
+        self.trace_capped = 0  # plan --max-batch, traced: sets whose batch the trace cap left below their largest
+        self.raise_cut = False  # the set being raised met the trace cap
 
     def count_beside_tensors(self) -> None:
         """What the card holds besides the live tensors, for certain: its CUDA context and the first
@@ -412,6 +420,21 @@ class _Search:
                 self.steps[key] = estimate(c, self.arch, self.device_type,
                                            gpu=self.gpu if self.device_type == "cuda" else None)
         return self.steps[key]
+
+    @property
+    def traces(self) -> int:
+        """How many candidate configs were traced (0 for the analytic models)."""
+        return len(self.steps) if self.traced else 0
+
+    def surely_fits(self, c: RunConfig) -> Optional[bool]:
+        """Without a trace: True where the quick figure puts ``c`` inside the limit whatever the
+        trace would add, False where far over it, None where only a trace can tell."""
+        quick = self.quick_peak(c)
+        if quick is None:
+            return None
+        if quick[0] * quick[2] <= self.limit:
+            return True
+        return False if quick[0] > self.limit * quick[2] else None
 
     def transfer(self, c: RunConfig) -> tuple[float, float]:
         """Bytes --offload-activations copies each way in one step (estimated or traced)."""
@@ -529,19 +552,38 @@ def _fit_target_batch(search: _Search, sets: list[dict[str, Any]], target: int, 
 
 
 def _fit_max_batch(search: _Search, sets: list[dict[str, Any]], max_batch_limit: int,
+                   max_traces: int = MAX_BATCH_TRACES,
                    ) -> tuple[list[Candidate], list[Candidate], int, Optional[_Smallest]]:
     """Each set at the largest batch that fits (micro-batch = batch, no accumulation, at most
     ``max_batch_limit``): the sets that fit, those that fit not even batch 1, how many sets were
-    visited, and the smallest option found."""
+    visited, and the smallest option found.
+
+    Traced (a transformers model), at most ``max_traces`` candidates are traced: first each set's
+    batch is the largest the quick figure (the analytic model of its layers) says fits whatever the
+    trace adds, tracing only where there is no such figure; then the fastest sets, in their order,
+    are raised by bisecting with traces up to the batch the quick figure puts far over the limit,
+    until the traces are spent. A set left at its first batch fits (within 5% of the largest)."""
     fits: list[Candidate] = []
     unfit: list[Candidate] = []  # each set that fits no micro-batch, at micro-batch 1
     visited = 0
     smallest: Optional[_Smallest] = None
     at, peak, limit = search.at, search.peak, search.limit
+    capped = search.traced
+    raise_to: list[Callable[[], tuple[int, float, str]]] = []  # per fitting set: its traced bisection
     for t in sets:
         @functools.cache  # each batch modelled once: the climb revisits the bisection's
         def peak_at(b: int, t: dict[str, Any] = t) -> tuple[float, str]:
             return peak(at(t, b, 1))
+
+        def batch_fits(b: int) -> bool:
+            return peak_at(b)[0] <= limit
+
+        def untraced_fits(b: int, t: dict[str, Any] = t) -> bool:
+            """The quick figure's answer; a trace only where there is none and traces are left."""
+            c = at(t, b, 1)
+            if search.quick_peak(c) is None:  # a family the analytic model does not claim: only traces tell
+                return search.traces < max_traces and batch_fits(b)
+            return search.surely_fits(c) is True  # near the limit: left to _traced_raise
 
         p, ph = peak_at(1)
         visited += 1
@@ -551,18 +593,71 @@ def _fit_max_batch(search: _Search, sets: list[dict[str, Any]], max_batch_limit:
             unfit.append(Candidate(dict(t), 1, 1, p, ph, 0.0, fits=False))
             continue
 
-        def batch_fits(b: int) -> bool:
-            return peak_at(b)[0] <= limit
-
-        # Grow by doubling, then bisect; then look past a spike of the modelled peak (the
-        # allocator model's total can fall as the batch grows: memtrain.analysis.dips).
-        b = climb_past_dips(batch_fits, largest_fitting(batch_fits, max_batch_limit), max_batch_limit)
+        if capped:
+            # A tensor trace's peak (live bytes) grows with the batch: no dips to climb past.
+            b = largest_fitting(untraced_fits, max_batch_limit)
+        else:
+            # Grow by doubling, then bisect; then look past a spike of the modelled peak (the
+            # allocator model's total can fall as the batch grows: memtrain.analysis.dips).
+            b = climb_past_dips(batch_fits, largest_fitting(batch_fits, max_batch_limit), max_batch_limit)
         p, ph = peak_at(b)
-        c = at(t, b, 1)
-        cost = search.cost_of(c)
-        per_token = cost / (b * search.cfg.train.seq_len)
-        fits.append(Candidate(dict(t), b, 1, p, ph, per_token, 1.0))
+        fits.append(_at_max_batch(search, t, b, p, ph))
+        if capped:
+            raise_to.append(functools.partial(_traced_raise, search, t, b, max_batch_limit, max_traces, peak_at))
+    if capped:
+        _raise_fastest(search, fits, raise_to, max_traces)
     return fits, unfit, visited, smallest
+
+
+def _at_max_batch(search: _Search, t: dict[str, Any], b: int, p: float, ph: str) -> Candidate:
+    """Set ``t`` at batch ``b`` (peak ``p`` in phase ``ph``), costed per token."""
+    cost = search.cost_of(search.at(t, b, 1))
+    return Candidate(dict(t), b, 1, p, ph, cost / (b * search.cfg.train.seq_len), 1.0)
+
+
+def _traced_raise(search: _Search, t: dict[str, Any], found: int, cap: int, max_traces: int,
+                  peak_at: Callable[[int], tuple[float, str]]) -> tuple[int, float, str]:
+    """Set ``t``'s batch ``found`` (it fits) raised with traces while traces are left, below the
+    first batch the quick figure puts far over the limit; with its peak. As maxbatch's traced
+    search: the quick figure's own answer and the batch above it are traced first (two traces
+    where the figure is right, within 1% of the trace on the families it claims), then bisected."""
+    def traced_fits(b: int) -> bool:
+        if search.traces >= max_traces:
+            search.raise_cut = True  # the cap, not the memory, stopped this raise
+            return False
+        return peak_at(b)[0] <= search.limit
+
+    def not_far_over(b: int) -> bool:
+        return search.surely_fits(search.at(t, b, 1)) is not False
+
+    def modelled_fits(b: int) -> bool:
+        quick = search.quick_peak(search.at(t, b, 1))
+        return quick is not None and quick[0] <= search.limit
+
+    top = largest_fitting(not_far_over, cap)  # milliseconds: the quick figure only; top + 1 is far over (or the cap's)
+    guess = min(max(largest_fitting(modelled_fits, cap), found), top)
+    if guess > found and not traced_fits(guess):
+        b = bisect_fitting(traced_fits, found, guess)
+    elif guess >= top or not traced_fits(guess + 1):
+        b = guess
+    else:
+        b = bisect_fitting(traced_fits, guess + 1, top + 1)
+    return (b, *peak_at(b))
+
+
+def _raise_fastest(search: _Search, fits: list[Candidate], raise_to: list[Callable[[], tuple[int, float, str]]],
+                   max_traces: int) -> None:
+    """The fitting sets, fastest first, raised by :func:`_traced_raise` until the traces are spent;
+    those left count in ``search.trace_capped``."""
+    order = sorted(range(len(fits)), key=lambda i: (fits[i].step_time_s, -fits[i].batch_size))
+    for i in order:
+        if search.traces >= max_traces:
+            search.trace_capped += 1
+            continue
+        search.raise_cut = False
+        b, p, ph = raise_to[i]()
+        fits[i] = _at_max_batch(search, fits[i].techniques, b, p, ph)
+        search.trace_capped += search.raise_cut
 
 
 def _ranked(fits: list[Candidate], max_batch: bool) -> list[Candidate]:
@@ -618,6 +713,10 @@ def _notes(search: _Search, space: dict[str, list[Any]], arch_notes: list[str]) 
                          "the trace on this family)")
         else:
             notes.append("peaks traced under fake tensors (transformers model; deep ones from 2 + 3 layer probes)")
+    if search.trace_capped:
+        notes.append(f"trace cap reached (--max-traces, {search.traces} traced): {search.trace_capped} set(s) keep a "
+                     f"batch that fits (the analytic model of their layers' with {TRACE_PRUNE_SLACK - 1:.0%} kept, "
+                     "or the largest traced) but may be below their largest")
     if "compile_memory_budget" in space:
         notes.append("compile budget candidates: peak and recompute interpolated between checkpointing none and "
                      "full (docs/estimation.md), not traced; `memtrain estimate --compile --compile-memory-budget F "

@@ -13,7 +13,15 @@ from typing import Any, Optional
 from memtrain.analysis.estimate import estimate
 from memtrain.analysis.estimate.hf import hf_arch, why_not_modelled
 from memtrain.analysis.fit import context_line, length_search_bound, longest_context, step_need
-from memtrain.analysis.plan import Candidate, candidate_config, default_space, plan, verification, verify_config
+from memtrain.analysis.plan import (
+    MAX_BATCH_TRACES,
+    Candidate,
+    candidate_config,
+    default_space,
+    plan,
+    verification,
+    verify_config,
+)
 from memtrain.cli import LOOP_ONLY_FIELDS, MODULE_TABLE_FIELDS, add_config_flags, defaults_note, fmt_bytes, register
 from memtrain.commands.bench import warn_skipped_lines
 from memtrain.commands.estimate import (
@@ -49,7 +57,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "the card's memory from the GPU table.")
     p.add_argument("--max-batch", nargs="?", type=batch_count, const=4096, default=None, metavar="N",
                    help="Find each set's largest batch, up to N (default 4096), instead of keeping "
-                        "--batch-size x --grad-accum. N is the search's upper bound, as in maxbatch and bench.")
+                        "--batch-size x --grad-accum. N is the search's upper bound, as in maxbatch and bench. "
+                        "On a transformers model at most --max-traces candidates are traced.")
+    p.add_argument("--max-traces", type=batch_count, default=MAX_BATCH_TRACES, metavar="N",
+                   help=f"With --max-batch on a transformers model: trace at most N candidates (default "
+                        f"{MAX_BATCH_TRACES}; one takes seconds, a minute at thousands of sequences). Each set "
+                        "first gets the batch the analytic model of its layers fits with 5%% kept; the fastest "
+                        "are then raised by traces while any are left, and the output says when the cap was reached.")
     add_max_len_flag(p, "The recommended set's longest context")
     p.add_argument("--margin", type=float, default=0.10, help="Safety margin on predictions (default 0.10).")
     p.add_argument("--top", type=int, default=5, help="How many choices to show (default 5).")
@@ -139,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     res = plan(cfg, budget, device_type, arch, max_batch=args.max_batch is not None, margin=args.margin,
                top=10**6, space=space, max_batch_limit=args.max_batch or 4096, gpu=card,
                host_bandwidth=parse_rate(args.host_bandwidth) if args.host_bandwidth else None,
-               progress=False if args.json else None)
+               progress=False if args.json else None, max_traces=args.max_traces)
 
     techs = [{**asdict(cfg.technique), **c.techniques} for c in res.candidates]
     rec = fewest_changes_first(techs)[0]  # the fastest of those that change the numerics least

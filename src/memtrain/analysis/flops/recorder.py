@@ -11,6 +11,7 @@ from memtrain.analysis.flops.classes import (
     NO_FLOP_OPS,
     WRITE_ONLY,
     ClassCount,
+    Shaped,
     classify,
 )
 
@@ -117,10 +118,40 @@ def _elementwise_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> float:
     return 0.0
 
 
-def _leaf_module(parents: Iterable[str]) -> str:
-    """The innermost running module among the tracker's parents (``Global`` when none)."""
+def _innermost_modules(parents: Iterable[str]) -> list[str]:
+    """The deepest running modules among the tracker's parents, sorted (``["Global"]`` when none).
+    Several when sibling modules' backward passes are open together (a Llama MLP's ``act_fn`` and
+    ``up_proj`` both receive their gradients from the one ``act(gate) * up`` product)."""
     names = [p for p in parents if p != "Global"]
-    return max(names, key=lambda n: n.count(".")) if names else "Global"
+    if not names:
+        return ["Global"]
+    depth = max(n.count(".") for n in names)
+    return sorted(n for n in names if n.count(".") == depth)
+
+
+def _common_ancestor(names: list[str]) -> str:
+    """The deepest module path that every one of ``names`` lies in."""
+    parts = [n.split(".") for n in names]
+    shared = []
+    for level in zip(*parts):
+        if len(set(level)) > 1:
+            break
+        shared.append(level[0])
+    return ".".join(shared) or "Global"
+
+
+def backward_class(parents: Iterable[str], op: str, tensors: list[Shaped], vocab: int) -> str:
+    """The class of a backward op run while the tracker holds ``parents`` (a set: its order
+    changes with the hash seed, so the answer must not depend on it). Among sibling modules
+    open at the same depth, the class they agree on; where they disagree (``act_fn``, ``other``,
+    beside ``up_proj``, ``mlp_fc``) the op is none of the projections' own (a Linear's backward
+    is its matmuls, decided the same way by every sibling of its kind) but the module around
+    them: the class of their common ancestor, the one the op's forward ran in."""
+    deepest = _innermost_modules(parents)
+    classes = {classify(n, op, tensors, vocab) for n in deepest}
+    if len(classes) == 1:
+        return classes.pop()
+    return classify(_common_ancestor(deepest), op, tensors, vocab)
 
 
 def make_recorder(model: Any, tracker: Any, registry: dict, vocab: int, profile: bool = False) -> Any:
@@ -173,13 +204,16 @@ def make_recorder(model: Any, tracker: Any, registry: dict, vocab: int, profile:
                 return func(*args, **kwargs)
             name = func._overloadpacket.__name__
             phase = self.phase
+            shaped = list(_tensors((args, kwargs)))
             if self.stack or _CORE_STACK:
                 module = self.stack[-1] if self.stack else _CORE_STACK[-1]
                 if phase == "backward":
                     phase = "recompute"
+                cls = classify(module, name, shaped, vocab)
+            elif phase == "backward":
+                cls = backward_class(tracker.parents, name, shaped, vocab)
             else:
-                module = _leaf_module(tracker.parents) if phase == "backward" else "GPT"
-            cls = classify(module, name, _tensors((args, kwargs)), vocab)
+                cls = classify("GPT", name, shaped, vocab)
             if profile:
                 with torch.profiler.record_function(f"mt::{cls}"):
                     return func(*args, **kwargs)
