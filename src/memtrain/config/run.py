@@ -416,8 +416,10 @@ class TrainConfig:
     sync_steps: bool = _f(
         False,
         "Wait for the device after every step: the loss is read at once and each step is timed by the "
-        "host clock. Off, a single-process GPU run queues step N+1 before reading step N's loss (the "
-        "device never idles while the host logs or fetches) and times steps with CUDA events. No effect on a CPU.",
+        "host clock. Off, a single-process GPU run keeps the losses on the device and reads those of the "
+        "steps since the last read together, once per metrics line (--log-every), evaluation, checkpoint "
+        "or 100 steps, after queuing the next step (the device never idles while the host logs or "
+        "fetches), and times steps with CUDA events. No effect on a CPU.",
     )
     out: str = _f("runs/train", "Output directory (result.json is written there).")
     save: Optional[str] = _f(None, "Write a checkpoint to this file at the end (atomically): what export, generate "
