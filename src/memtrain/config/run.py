@@ -399,8 +399,9 @@ class TrainConfig:
     warmup_steps: int = _f(
         200,
         "Linear warm-up steps W up to --lr: step s (from 0) runs at (s + 1) / W of it, so the first step "
-        "already learns. When no setting names it, it is capped at "
-        "10%% of --steps (the 200 is the seed's one-epoch warm-up; a 30-step run would never reach --lr).",
+        "already learns. When --steps is set and no setting names the warm-up, it is capped at "
+        "10%% of --steps (a 30-step run would never reach --lr); with neither set, the default 200-step run "
+        "warms up over all 200 (the seed's one-epoch warm-up).",
     )
     schedule: str = _f("cosine", "Learning-rate shape after warm-up: cosine|linear|constant (linear: straight down "
                        "to --min-lr-ratio, the Trainer's default shape with --min-lr-ratio 0).")
