@@ -83,5 +83,6 @@ def test_the_worked_example_runs_as_written_on_a_tiny_chat_model(tmp_path, monke
             assert result["config"]["data"]["data_format"] == "chat"
             assert result["config"]["data"]["loss_on"] == "completion"
             assert 0 < result["data"]["val_target_tokens_evaluated"] < result["data"]["val_tokens_evaluated"]
+            assert result["data"]["val_documents"] == 2 and "two held-out conversations" in _section()
         else:
             assert out.strip(), err  # a reply was printed
