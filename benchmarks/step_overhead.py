@@ -164,15 +164,22 @@ def tiny_tokenizer_model(folder: Path, corpus: str) -> None:
     (folder / "config.json").write_text(json.dumps(config))
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--skip", type=int, default=20, help="steps left out at the start (optimizer state, meters)")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--log-every", type=int, default=1, help="memtrain's metrics.jsonl line every N steps")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps a loop runs, each repeat (default 200)")
+    p.add_argument("--skip", type=int, default=20,
+                   help="steps left out at the start (optimizer state, meters) (default 20)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="runs of each loop, interleaved; the table shows the best (default 5)")
+    p.add_argument("--log-every", type=int, default=1, help="memtrain's metrics.jsonl line every N steps (default 1)")
     p.add_argument("--no-hf", action="store_true", help="leave out the transformers rows")
     p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="also print the N memtrain functions with the most own time per step (cProfile)")
+                   help="also print the N memtrain functions with the most own time per step (cProfile; default 0: none)")
+    return p
+
+
+def main() -> None:
+    p = _parser()
     args = p.parse_args()
     if not 1 <= args.skip < args.steps:
         p.error(f"--skip {args.skip} must be at least 1 and below --steps {args.steps}")

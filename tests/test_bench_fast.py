@@ -279,3 +279,22 @@ def test_data_without_a_document_is_refused_before_any_row_or_folder(tmp_path, c
     err = capsys.readouterr().err
     assert err.startswith("error:") and err.count("\n") == 1 and "d." in err, err
     assert not out.exists()
+
+
+def test_chat_records_pass_the_benchs_data_check_and_our_gpt_is_told_why_not(tmp_path):
+    """The bench read a chat file's first record without the model's template, as text: every
+    --data-format chat bench was refused with "field 'text' not found" (naming the very
+    --data-format given). The check renders records as the rows do; our GPT, without a template,
+    gets train's line about it."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("datasets")
+    from memtrain.bench.runner import check_rows_data
+    from memtrain.config.run import ConfigError, build_config
+    from test_chat_data import CHATML, CONVERSATIONS, _chat_folder, _records
+
+    folder = _chat_folder(tmp_path / "model", CHATML)
+    data = _records(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS[:4]])
+    chat = {"data": str(data), "data_format": "chat", "loss_on": "completion"}
+    check_rows_data([("baseline", build_config({**chat, "model": str(folder), "seq_len": 32}))])
+    with pytest.raises(ConfigError, match="chat template"):
+        check_rows_data([("baseline", build_config({**chat, **TINY_MODEL}))])

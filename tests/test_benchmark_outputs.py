@@ -123,3 +123,17 @@ def test_step_overhead_prints_each_loop_with_its_commit_and_cpu_and_refuses_a_ba
     assert all(float(r.split("|")[2]) > 0 for r in rows)
     monkeypatch.setattr(sys, "argv", ["step_overhead.py", "--steps", "20", "--skip", "20"])
     _refused(lambda argv: main(), [], "--skip 20 must be at least 1 and below --steps 20", capsys)
+
+
+def test_step_overhead_help_gives_each_options_meaning_and_default(monkeypatch, capsys):
+    """--steps and --repeats had neither: the docs' "steps 21-200, best of 5" are these defaults."""
+    main = _load("step_overhead").main
+    monkeypatch.setattr(sys, "argv", ["step_overhead.py", "--help"])
+    with pytest.raises(SystemExit) as done:
+        main()
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help
+    for option, default in (("--steps STEPS", 200), ("--skip SKIP", 20), ("--repeats REPEATS", 5),
+                            ("--log-every LOG_EVERY", 1)):
+        described = text.split(option)[-1].split(" --")[0]
+        assert f"(default {default})" in described, (option, described)

@@ -69,3 +69,18 @@ def test_generate_chat_on_a_chat_run_and_its_export_frames_and_cuts_as_the_templ
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     reply = new[:new.index(im_end)] if im_end in new else new
     assert printed[0] == printed[1] == tok.decode(reply, clean_up_tokenization_spaces=False) + "\n"
+
+
+def test_chat_without_a_prompt_frames_an_empty_user_message_as_the_help_says(tmp_path, capsys):
+    """--prompt's help gave only its text default ("start of a document"); under --chat the
+    default is framed as an empty user message, which the help now says."""
+    from memtrain.inference.generate import transformers_codec
+
+    _, tok = _base_model_folder(tmp_path)
+    empty = tok.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True, tokenize=True,
+                                    return_dict=False)
+    assert transformers_codec(tok).chat("") == list(empty)
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "with --chat, an empty user message" in text

@@ -612,3 +612,20 @@ def test_profile_phases_builds_our_model_on_the_device_in_its_weight_dtype(monke
     with pytest.raises(Built):
         profile_phases(build_config(TINY, {"steps": 2, "precision": "bf16-pure"}), steps=1, top_ops=1)
     assert seen == [("build_base_model", torch.bfloat16)]
+
+
+def test_a_floored_linear_schedule_is_refused_as_the_trainer_has_no_twin(tmp_path, capsys):
+    """The Trainer's ``linear`` decays to 0: a memtrain linear schedule with the default
+    --min-lr-ratio 0.1 was run beside it as "the same schedule", the two sides at different rates
+    after the warm-up. It is one error line, before any row runs; ratio 0 or --exact-schedule runs."""
+    from memtrain.bench.hf.cli import parse_args, resolve
+
+    base = ["--steps", "4", "--techniques", "baseline", "--no-maxbatch", "--set", "schedule=linear"]
+    out = tmp_path / "cmp"
+    assert main([*base, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "min_lr_ratio=0" in err and "--exact-schedule" in err, err
+    assert not (out / RUNS_FILE).exists()
+    for more in (["--set", "min_lr_ratio=0"], ["--exact-schedule"]):
+        rows, _, _ = resolve(parse_args([*base, *more]))
+        assert rows[0]["config"].train.schedule == "linear"

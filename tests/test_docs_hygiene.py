@@ -245,3 +245,62 @@ def test_every_test_the_docs_cite_exists():
             if name not in every:
                 missing.append(f"{doc.relative_to(ROOT)}: ::{name}")
     assert not missing, "the docs cite tests that do not exist: " + "; ".join(missing)
+
+
+def _moved_targets() -> list[tuple[str, list[str]]]:
+    """(new home, names said to live there) of each ``-> `home` (`a`, `b`)`` (or ``(`a`, `b`) ->
+    `home```) in the Unreleased ``### Moved`` section: the list counts only where the parentheses
+    open with nothing but backticked names (up to a colon or semicolon)."""
+    text = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8").split("## Unreleased", 1)[1].split("\n## ", 1)[0]
+    moved = " ".join(text.split("### Moved", 1)[1].split("\n### ", 1)[0].split()) if "### Moved" in text else ""
+
+    def names(inside: str) -> list[str]:
+        head = re.split(r"[:;]", inside, maxsplit=1)[0].strip()
+        return re.findall(r"`(\w+)`", head) if re.fullmatch(r"`\w+`(, `\w+`)*", head) else []
+
+    found = [(home, names(inside)) for home, inside in
+             re.findall(r"-> `((?:memtrain\.)?[a-z_][\w.]*)`(?: \(([^()]*)\))?", moved)]
+    found += [(home, names(inside)) for inside, home in
+              re.findall(r"\(([^()]*)\) -> `((?:memtrain\.)?[a-z_][\w.]*)`", moved)]
+    return [(home if home.startswith("memtrain.") else f"memtrain.{home}", listed) for home, listed in found]
+
+
+def test_the_moved_scan_reads_both_orders_and_only_plain_name_lists(monkeypatch):
+    entry = ("## Unreleased\n\n### Moved\n\n- `memtrain.a`'s model -> `memtrain.b` (`f`, `G`), no aliases;\n"
+             "  the sizes (`X`, `Y`: torch's constants) -> `memtrain.c`; `m.d` -> `memtrain.e` (the seam `z` stays)\n"
+             "\n### Fixed\n\n- -> `memtrain.nope` (`q`)\n\n## 0.1.0\n")
+    real = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: entry if self.name == "CHANGELOG.md" else real(self, *a, **k))
+    assert sorted(_moved_targets()) == [("memtrain.b", ["f", "G"]), ("memtrain.c", []), ("memtrain.c", ["X", "Y"]),
+                                        ("memtrain.e", [])]
+
+
+def test_every_unreleased_move_names_a_home_that_holds_its_names():
+    """A ``### Moved`` entry tells a user where to import from now: the home must resolve and hold
+    each name listed for it (a later move or rename would leave the entry pointing nowhere)."""
+    missing = [f"{home}.{name}" if name else home for home, listed in _moved_targets()
+               for name in (listed or [""]) if not _resolves(f"{home}.{name}" if name else home)]
+    assert not missing, "CHANGELOG ### Moved names homes or names the code does not have: " + "; ".join(missing)
+
+
+def test_the_planners_cost_model_figures_in_the_docs_are_the_codes():
+    """docs/estimation.md states the step-time model's device rates, micro-batch efficiency and
+    optimizer traffic; they live in memtrain.analysis.step_time (moved there from plan), and a
+    change to either must change both."""
+    from memtrain.analysis.step_time import DEVICE_PROFILES, OPTIMIZER_TRAFFIC
+
+    text = " ".join((ROOT / "docs" / "estimation.md").read_text(encoding="utf-8")
+                    .split("## The planner's cost model", 1)[1].split())
+    cuda, cpu = DEVICE_PROFILES["cuda"], DEVICE_PROFILES["cpu"]
+    tf, gf = (lambda x: f"{x / 1e12:g}"), (lambda x: f"{x / 1e9:g}")
+    rates = (f"CUDA fp32 {tf(cuda['flops']['fp32'])}, tf32 {tf(cuda['flops']['tf32'])}, bf16 and fp16 "
+             f"{tf(cuda['flops']['bf16'])}, bf16-pure {tf(cuda['flops']['bf16-pure'])} TFLOP/s; CPU fp32 and tf32 "
+             f"{gf(cpu['flops']['fp32'])}, bf16 {gf(cpu['flops']['bf16'])}, fp16 {gf(cpu['flops']['fp16'])} GFLOP/s")
+    assert cuda["flops"]["bf16"] == cuda["flops"]["fp16"] and cpu["flops"]["fp32"] == cpu["flops"]["tf32"]
+    assert rates in text, rates
+    assert f"T0 = {cuda['half_tokens']} on CUDA, {cpu['half_tokens']} on CPU" in text
+    o = OPTIMIZER_TRAFFIC
+    assert o["adamw-8bit"] == o["adamw-4bit"]
+    traffic = (f"plain AdamW {o['adamw']} B, foreach {o['adamw-foreach']}, fused {o['adamw-fused']}, 8-bit and 4-bit "
+               f"{o['adamw-8bit']}, bitsandbytes 8-bit {o['adamw-bnb-8bit']}, Adafactor {o['adafactor']}, SGD {o['sgd']}")
+    assert traffic in text, traffic

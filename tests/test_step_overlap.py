@@ -303,3 +303,16 @@ def test_the_loop_counts_no_idling_after_an_evaluation_or_a_checkpoint(tiny_run,
     # evaluations after steps 2 and 4, a save after 3 (the last step's evaluation and save are the final ones)
     assert skipped == [2, 3, 4]
     assert result["device_idle_share"] is not None and 0 <= result["device_idle_share"] < 1
+
+
+def test_the_sync_steps_help_says_when_an_overlapped_run_reads_its_losses():
+    """--sync-steps' help said an overlapped run reads step N's loss after queuing step N+1 (every
+    step, one late), which the loop stopped doing when it began reading once per metrics line: the
+    help names the metrics line and the loop's cap on unread steps."""
+    from memtrain.config.run import TrainConfig
+    from memtrain.training.train import READ_EVERY_MAX
+
+    text = " ".join(TrainConfig.__dataclass_fields__["sync_steps"].metadata["help"].split())
+    assert "reading step N's loss" not in text
+    assert "once per metrics line (--log-every)" in text
+    assert f"or {READ_EVERY_MAX} steps" in text

@@ -82,6 +82,14 @@ def test_the_warmup_help_states_the_ramp_the_schedule_runs():
     assert [f(s) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
 
 
+def test_the_warmup_help_says_the_cap_needs_a_steps():
+    """The help said the warm-up is capped at 10% of --steps "when no setting names it", but a run
+    that sets neither keeps 200 warm-up steps of its 200: the cap follows a --steps given."""
+    text = " ".join(next(f.metadata["help"] for f in fields(TrainConfig) if f.name == "warmup_steps").split())
+    assert "When no setting names it" not in text and "When --steps is set" in text
+    assert build_config({}).train.warmup_steps == 200 and build_config({"steps": 200}).train.warmup_steps == 20
+
+
 @pytest.mark.parametrize("lora", [0, 4])
 def test_resume_continues_exactly(tiny_run, tmp_path, lora):
     """Stop after 4 of 8 steps, resume, and get the same losses as one uninterrupted run, with

@@ -103,17 +103,19 @@ def check_rows_data(rows: list[tuple[str, RunConfig]]) -> None:
     says, if not), checked before the folder, its lock or a row exists: an empty or unreadable
     data file made every row fail alone ("invalid") and the bench exit 1 after writing a report
     of failed rows. Reading stops at the first document; a Hub dataset is left to its rows."""
-    from memtrain.data.sources import iter_documents  # reads the data: only once a bench runs
+    from memtrain.data.cache import check_first_document  # reads the data: only once a bench runs
+    from memtrain.models.tokenizer import data_tokenizer  # transformers' tokenizer: only for structured records
 
     checked: set[str] = set()
     for _, cfg in rows:
         data = cfg.data
-        key = repr(data)
+        key = repr(data) + repr(cfg.model.model)
         if key in checked or data.data.startswith("hf:"):
             continue
         checked.add(key)
-        for _ in iter_documents(data):
-            break
+        # Chat and prompt-completion records are documents only once the model's template renders
+        # them: read without it, every record lacked the text field and the bench was refused.
+        check_first_document(data, data_tokenizer(cfg) if data.data_format != "text" else None)
 
 
 def hardware_name(device: Any) -> str:

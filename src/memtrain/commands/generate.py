@@ -29,7 +29,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", type=user_path, help="Checkpoint file (train --save; memtrain's GPT or a transformers --model) or a "
                    "directory written by `memtrain export`. A folder is read with safetensors weights only; one whose "
                    "config names custom code (auto_map) is refused.")
-    p.add_argument("--prompt", type=utf8_text, default="", help="Text to continue (default: start of a document).")
+    p.add_argument("--prompt", type=utf8_text, default="", help="Text to continue (default: start of a document; with --chat, an empty user "
+                   "message).")
     p.add_argument("--chat", action="store_true",
                    help="--prompt is a user message: frame it with the tokenizer's chat template (assistant turn "
                         "opened, as transformers' chat pipeline does) and print the reply, cut at the end of its "

@@ -399,8 +399,9 @@ class TrainConfig:
     warmup_steps: int = _f(
         200,
         "Linear warm-up steps W up to --lr: step s (from 0) runs at (s + 1) / W of it, so the first step "
-        "already learns. When no setting names it, it is capped at "
-        "10%% of --steps (the 200 is the seed's one-epoch warm-up; a 30-step run would never reach --lr).",
+        "already learns. When --steps is set and no setting names the warm-up, it is capped at "
+        "10%% of --steps (a 30-step run would never reach --lr); with neither set, the default 200-step run "
+        "warms up over all 200 (the seed's one-epoch warm-up).",
     )
     schedule: str = _f("cosine", "Learning-rate shape after warm-up: cosine|linear|constant (linear: straight down "
                        "to --min-lr-ratio, the Trainer's default shape with --min-lr-ratio 0).")
@@ -416,8 +417,10 @@ class TrainConfig:
     sync_steps: bool = _f(
         False,
         "Wait for the device after every step: the loss is read at once and each step is timed by the "
-        "host clock. Off, a single-process GPU run queues step N+1 before reading step N's loss (the "
-        "device never idles while the host logs or fetches) and times steps with CUDA events. No effect on a CPU.",
+        "host clock. Off, a single-process GPU run keeps the losses on the device and reads those of the "
+        "steps since the last read together, once per metrics line (--log-every), evaluation, checkpoint "
+        "or 100 steps, after queuing the next step (the device never idles while the host logs or "
+        "fetches), and times steps with CUDA events. No effect on a CPU.",
     )
     out: str = _f("runs/train", "Output directory (result.json is written there).")
     save: Optional[str] = _f(None, "Write a checkpoint to this file at the end (atomically): what export, generate "

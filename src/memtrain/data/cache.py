@@ -277,6 +277,16 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenize
     }
 
 
+def check_first_document(cfg: DataConfig, tokenizer: Any = None) -> None:
+    """Read ``cfg``'s source up to its first document as :func:`prepare_tokens` reads it (a chat
+    format's template checked, structured records rendered with ``tokenizer``): a ConfigError
+    with the line ``train`` would say when it cannot, without tokenizing anything."""
+    if cfg.data_format == "chat" and (refusal := template_refusal(cfg.data_format, tokenizer)) is not None:
+        raise refusal
+    for _ in _documents(cfg, tokenizer):
+        break
+
+
 def _documents(cfg: DataConfig, tokenizer: Any) -> Iterator[str]:
     """The source's documents; a --data-format other than text renders its records (with their
     answers' spans under --loss-on completion)."""

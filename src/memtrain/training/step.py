@@ -28,7 +28,7 @@ prepare_context=None) -> TrainState``
 no_sync=None, micro_context=None, optimizer_context=None, forward_context=None,
 before_wait=None) -> float``
     One optimizer step: micro-batch loop (autocast, loss / N or, for :class:`memtrain.data.loader.MicroBatches`
-    with target counts, times each one's share of the step's targets; scaled backward) -> unscale ->
+    with target counts, the loss times its share of the step's targets instead; scaled backward) -> unscale ->
     clip -> step (skipped-step count under a GradScaler) -> zero_grad, with the meter's
     phases. ``micro_context`` / ``optimizer_context`` wrap each micro-batch's forward+backward
     and the optimizer phase (the profiler's op-class ranges); ``forward_context`` each forward
@@ -37,7 +37,9 @@ before_wait=None) -> float``
     (the loop fetches the next batch there: :meth:`memtrain.data.device_feed.DeviceFeed.prefetch`).
 ``queue_step(...) -> Tensor``
     ``train_step`` without the read: the step queued, its mean loss a 0-d tensor on the device
-    (the loop reads it after queueing the next step: :mod:`memtrain.training.readings`).
+    (the loop reads the losses of the steps since its last read together, once per metrics line,
+    evaluation, checkpoint or ``READ_EVERY_MAX`` steps, after queueing the next step:
+    :mod:`memtrain.training.readings`).
 ``run_step(state, micro_batches, meter=None, *, before_wait=None, **contexts) -> float``
     ``train_step`` (or the distributed wrap's replacement) on ``state``.
 ``queue_run_step(state, micro_batches, **contexts) -> Tensor``

@@ -97,6 +97,8 @@ def resolve(opts: argparse.Namespace) -> tuple[list[dict[str, Any]], Optional[di
         overrides[key.strip().replace("-", "_")] = value.strip()
     techniques = [p.strip() for p in opts.techniques.split(",") if p.strip()]
     rows = resolve_rows(opts.scale, techniques, overrides, device.type)
+    if not opts.exact_schedule:
+        _refuse_unmatched_schedule(rows)
     budget = opts.budget or (SCALE_BUDGET.get(opts.scale) if device.type == "cpu" else None)
     if device.type == "cpu" and budget is None:
         budget = "1GiB"
@@ -109,6 +111,17 @@ def resolve(opts: argparse.Namespace) -> tuple[list[dict[str, Any]], Optional[di
     if opts.repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {opts.repeats}")
     return rows, maxbatch, budget
+
+
+def _refuse_unmatched_schedule(rows: list[dict[str, Any]]) -> None:
+    """The Trainer's ``linear`` decays to 0 and has no floor: a memtrain linear schedule floored at
+    --min-lr-ratio above 0 has no Trainer twin, so the two sides would train at different rates."""
+    for row in rows:
+        t = row["config"].train
+        if t.schedule == "linear" and t.min_lr_ratio != 0:
+            raise ConfigError(f"schedule linear with min_lr_ratio {t.min_lr_ratio:g}: the Trainer's linear schedule "
+                              "decays to 0; add --set min_lr_ratio=0, or --exact-schedule to give the Trainer "
+                              "memtrain's schedule")
 
 
 def settings_of(opts: argparse.Namespace, rows: list[dict[str, Any]], maxbatch: Optional[dict[str, Any]],
