@@ -546,6 +546,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from memtrain.training.train import train  # torch-free --help/estimate/plan
 
     cfg = config_from_args(args, resumed=True)
+    cfg.data.check_answer_source()  # before a note is printed or a rank launched (train() checks it again)
     if getattr(args, "nproc_per_node", None) and not launched_by_memtrain():
         return _launch_ranks(args, cfg)
     out = Path(cfg.train.out)
