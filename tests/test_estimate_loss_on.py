@@ -1,0 +1,115 @@
+"""``--loss-on completion`` in the estimate: the answers-only loss (memtrain.models.gpt.answer_targets)
+makes an int64 copy of the targets and a float32 weight per micro-batch, which the analytic model
+counts op by op (memtrain.analysis.estimate.head_nodes.answer_nodes). Checked against the fake-tensor
+trace of the same step, which runs the answers-only path (the model is built with ``answers_only``
+set from the config): each phase's change from ``--loss-on all`` is the trace's to the byte, for
+every loss kernel, our GPT and transformers models, gradient accumulation 1 and 3, LoRA or not."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import sys
+import types
+
+import pytest
+
+import memtrain.techniques.loss as loss_mod
+from memtrain.analysis.estimate.method import estimate_step, model_arch
+from memtrain.analysis.trace import trace_step
+from memtrain.config.run import build_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SHAPE = {"batch_size": 2, "seq_len": 32, "device": "cpu"}
+N = 2 * 32  # targets per micro-batch
+ANSWERS_BYTES = 8 * N + 4  # the int64 copy of the targets and the float32 weight
+GPT = {"vocab_size": 384, "d_model": 64, "n_heads": 4, "n_layers": 2, "d_ff": 128, "max_seq_len": 64, "dropout": 0.0}
+# Our GPT with the chunked loss (one chunk), LoRA and three micro-batches: the forward is the peak phase.
+FORWARD_PEAK = {"loss": "chunked", "loss_chunk": 64, "grad_accum": 3, "lora_rank": 4}
+PHASES = ("forward", "backward", "optimizer")
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory) -> dict[str, str]:
+    transformers = pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("loss-on")
+    configs = {
+        "llama": transformers.LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
+        "gpt2": transformers.GPT2Config(vocab_size=384, n_embd=64, n_layer=2, n_head=4, n_positions=64),
+    }
+    for name, c in configs.items():
+        c.save_pretrained(root / name)
+    return {name: str(root / name) for name in configs}
+
+
+def _config(model: str, tech: dict, loss_on: str, hf_dirs: dict[str, str]):
+    base = GPT if model == "gpt" else {"model": hf_dirs[model]}
+    return build_config({**base, **SHAPE, **tech, "loss_on": loss_on})
+
+
+def _phases(model: str, tech: dict, hf_dirs: dict[str, str]) -> dict[str, dict[str, tuple[int, int]]]:
+    """Per --loss-on: each phase's (estimated, traced) peak."""
+    out = {}
+    for loss_on in ("all", "completion"):
+        cfg = _config(model, tech, loss_on, hf_dirs)
+        est = estimate_step(cfg, "cpu", model_arch(cfg))
+        assert est.method == "analytic"
+        traced = trace_step(cfg)
+        out[loss_on] = {p: (int(est.json["phase_peaks"][p]), traced["phase_peaks"][p]) for p in PHASES}
+    return out
+
+
+@pytest.mark.parametrize("model,tech", [
+    ("gpt", {}),
+    ("gpt", {"grad_accum": 3, "lora_rank": 4}),
+    ("gpt", {"loss": "chunked", "loss_chunk": 16, "grad_accum": 3}),
+    ("gpt", FORWARD_PEAK),
+    ("gpt", {"loss": "naive", "precision": "bf16"}),
+    ("llama", {}),
+    ("llama", {"loss": "chunked", "loss_chunk": 16, "grad_accum": 3}),
+    ("llama", {"lora_rank": 4, "precision": "bf16", "grad_accum": 3}),
+    ("gpt2", {"loss": "chunked", "lora_rank": 4}),
+], ids=["gpt-standard", "gpt-standard-accum3-lora", "gpt-chunked-accum3", "gpt-chunked-accum3-lora",
+        "gpt-naive-bf16", "llama-standard", "llama-chunked-accum3", "llama-lora-bf16-accum3", "gpt2-chunked-lora"])
+def test_the_answers_only_loss_changes_each_phase_as_the_trace_does(model, tech, hf_dirs):
+    got = _phases(model, tech, hf_dirs)
+    for phase in PHASES:
+        est_change = got["completion"][phase][0] - got["all"][phase][0]
+        traced_change = got["completion"][phase][1] - got["all"][phase][1]
+        assert est_change == traced_change, (phase, est_change, traced_change)
+    # The copy and the weight live through the loss, where the forward peaks.
+    assert got["completion"]["forward"][1] - got["all"]["forward"][1] == ANSWERS_BYTES
+
+
+def test_where_the_forward_peaks_the_estimate_is_within_one_percent_of_the_trace(hf_dirs):
+    cfg = _config("gpt", FORWARD_PEAK, "completion", hf_dirs)
+    est = estimate_step(cfg, "cpu", model_arch(cfg)).json
+    traced = trace_step(cfg)
+    assert est["peak_phase"] == traced["peak_phase"] == "forward"
+    assert abs(est["peak_bytes"] / traced["peak_bytes"] - 1) < 0.01
+    plain = estimate_step(_config("gpt", FORWARD_PEAK, "all", hf_dirs), "cpu", model_arch(cfg)).json
+    assert est["peak_bytes"] - plain["peak_bytes"] == ANSWERS_BYTES
+
+
+@pytest.fixture
+def cce_traceable(monkeypatch):
+    """A stand-in cut_cross_entropy that imports (fake tensors take memtrain's
+    _CutCrossEntropyBuffers, never the library), and no refusal of it on the CPU
+    (as tests/test_estimate_cce.py)."""
+    module = types.ModuleType("cut_cross_entropy")
+    module.linear_cross_entropy = lambda *a, **k: pytest.fail("the trace called the library")  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cut_cross_entropy", module)
+    monkeypatch.setattr(loss_mod, "loss_kernel_refusal", lambda *a: None)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: importlib.machinery.ModuleSpec(name, None)
+                        if name == "cut_cross_entropy" else real(name, *a, **k))
+
+
+@pytest.mark.usefixtures("cce_traceable")
+def test_cut_cross_entropy_under_answers_only_changes_each_phase_as_the_trace_does(hf_dirs):
+    got = _phases("gpt", {"loss": "chunked", "loss_kernel": "cce", "precision": "bf16", "grad_accum": 3}, hf_dirs)
+    for phase in PHASES:
+        assert got["completion"][phase][0] - got["all"][phase][0] == got["completion"][phase][1] - got["all"][phase][1]
+    assert got["completion"]["forward"][1] - got["all"]["forward"][1] == ANSWERS_BYTES
