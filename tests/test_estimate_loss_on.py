@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import json
 import sys
 import types
 
@@ -17,6 +18,7 @@ import pytest
 import memtrain.techniques.loss as loss_mod
 from memtrain.analysis.estimate.method import estimate_step, model_arch
 from memtrain.analysis.trace import trace_step
+from memtrain.cli import main
 from memtrain.config.run import build_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -25,6 +27,8 @@ SHAPE = {"batch_size": 2, "seq_len": 32, "device": "cpu"}
 N = 2 * 32  # targets per micro-batch
 ANSWERS_BYTES = 8 * N + 4  # the int64 copy of the targets and the float32 weight
 GPT = {"vocab_size": 384, "d_model": 64, "n_heads": 4, "n_layers": 2, "d_ff": 128, "max_seq_len": 64, "dropout": 0.0}
+GPT_FLAGS = ["--vocab-size", "384", "--d-model", "64", "--n-heads", "4", "--n-layers", "2", "--d-ff", "128",
+             "--max-seq-len", "64", "--dropout", "0", "--seq-len", "32", "--device", "cpu"]
 # Our GPT with the chunked loss (one chunk), LoRA and three micro-batches: the forward is the peak phase.
 FORWARD_PEAK = {"loss": "chunked", "loss_chunk": 64, "grad_accum": 3, "lora_rank": 4}
 PHASES = ("forward", "backward", "optimizer")
@@ -113,3 +117,51 @@ def test_cut_cross_entropy_under_answers_only_changes_each_phase_as_the_trace_do
     for phase in PHASES:
         assert got["completion"][phase][0] - got["all"][phase][0] == got["completion"][phase][1] - got["all"][phase][1]
     assert got["completion"]["forward"][1] - got["all"]["forward"][1] == ANSWERS_BYTES
+
+
+def _json(capsys, argv: list[str]) -> dict:
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _forward_peak_flags() -> list[str]:
+    return GPT_FLAGS + ["--loss", "chunked", "--loss-chunk", "64", "--grad-accum", "3", "--lora-rank", "4"]
+
+
+def test_estimate_takes_loss_on_without_data_and_traces_the_answers_only_step(capsys):
+    argv = ["estimate", *_forward_peak_flags(), "--batch-size", "2", "--trace", "--json"]
+    plain = _json(capsys, argv)
+    answers = _json(capsys, argv + ["--loss-on", "completion"])
+    assert answers["peak_bytes"] - plain["peak_bytes"] == ANSWERS_BYTES
+    assert answers["trace"]["peak_bytes"] - plain["trace"]["peak_bytes"] == ANSWERS_BYTES
+    assert main(["estimate", *GPT_FLAGS, "--loss-on", "answers"]) == 2
+    assert "unknown --loss-on 'answers'" in capsys.readouterr().err
+
+
+def test_maxbatch_probes_the_answers_only_step(capsys):
+    # One loss chunk (256 tokens) for every probed batch: the forward stays the peak phase.
+    flags = GPT_FLAGS + ["--loss", "chunked", "--loss-chunk", "256", "--grad-accum", "3", "--lora-rank", "4"]
+    argv = ["maxbatch", *flags, "--memory-budget", "1.5MiB", "--method", "trace", "--json"]
+    plain = {p["batch_size"]: p["peak_bytes"] for p in _json(capsys, argv)["probes"]}
+    answers = {p["batch_size"]: p["peak_bytes"] for p in _json(capsys, argv + ["--loss-on", "completion"])["probes"]}
+    both = sorted(set(plain) & set(answers))
+    assert both
+    for b in both:  # a micro-batch of b sequences: b x 32 targets
+        assert answers[b] - plain[b] == 8 * b * 32 + 4
+
+
+def test_plan_carries_loss_on_into_the_train_command_and_names_the_records_it_needs(capsys):
+    argv = ["plan", *GPT_FLAGS, "--batch-size", "2", "--budget", "4MiB", "--loss-on", "completion"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("best: memtrain train "))
+    assert "--loss-on completion" in lines[at]
+    assert "--data-format chat, prompt-completion or auto" in lines[at + 1]
+    plain = ["plan", *GPT_FLAGS, "--batch-size", "2", "--budget", "4MiB"]
+    assert main(plain) == 0
+    assert "--loss-on" not in capsys.readouterr().out
+    # --verify would train on the embedded text, which has no answers: refused before any output.
+    assert main(argv + ["--verify"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("error: --verify trains on the run's data")
