@@ -165,3 +165,11 @@ def test_plan_carries_loss_on_into_the_train_command_and_names_the_records_it_ne
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.startswith("error: --verify trains on the run's data")
+
+
+def test_inference_mode_refuses_loss_on_completion(capsys):
+    """generate computes no loss: --loss-on completion would be silently ignored there."""
+    assert main(["estimate", *GPT_FLAGS, "--mode", "inference", "--loss-on", "completion"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--loss-on is a training setting" in err
+    assert main(["estimate", *GPT_FLAGS, "--mode", "inference", "--new-tokens", "8", "--loss-on", "all", "--json"]) == 0

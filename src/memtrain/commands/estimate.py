@@ -348,7 +348,7 @@ TRAINING_ONLY_SETTINGS = (
     "precision", "checkpointing", "loss", "loss_chunk", "loss_kernel", "optim", "optim_block",
     "adafactor_relative_step", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "qlora", "compile",
     "compile_mode", "compile_scope", "compile_memory_budget", "distributed", "cpu_offload",
-    "offload_activations", "grad_accum",
+    "offload_activations", "grad_accum", "loss_on",
 )
 
 
