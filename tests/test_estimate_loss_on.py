@@ -133,6 +133,7 @@ def test_estimate_takes_loss_on_without_data_and_traces_the_answers_only_step(ca
     plain = _json(capsys, argv)
     answers = _json(capsys, argv + ["--loss-on", "completion"])
     assert answers["peak_bytes"] - plain["peak_bytes"] == ANSWERS_BYTES
+    assert answers["shape"]["loss_on"] == "completion" and "loss_on" not in plain["shape"]
     assert answers["trace"]["peak_bytes"] - plain["trace"]["peak_bytes"] == ANSWERS_BYTES
     assert main(["estimate", *GPT_FLAGS, "--loss-on", "answers"]) == 2
     assert "unknown --loss-on 'answers'" in capsys.readouterr().err

@@ -377,7 +377,9 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
         rules=rule,
         shape={"arch": arch.name, "d_model": m.d_model, "n_layers": m.n_layers, "n_heads": m.n_heads,
                "d_ff": m.d_ff, "vocab": m.padded_vocab_size, "tied": not m.untie_embeddings,
-               "batch_size": t.batch_size, "seq_len": t.seq_len, "grad_accum": t.grad_accum},
+               "batch_size": t.batch_size, "seq_len": t.seq_len, "grad_accum": t.grad_accum,
+               # Named only off its default, so that every other estimate's JSON stays as it was.
+               **({"loss_on": cfg.data.loss_on} if cfg.data.loss_on != "all" else {})},
         world_size=n,
         shard=shard if n > 1 else "none",
         offload=offload_figures(sim, graph, t.grad_accum) if tech.offload_activations else None,
