@@ -298,3 +298,18 @@ def test_chat_records_pass_the_benchs_data_check_and_our_gpt_is_told_why_not(tmp
     check_rows_data([("baseline", build_config({**chat, "model": str(folder), "seq_len": 32}))])
     with pytest.raises(ConfigError, match="chat template"):
         check_rows_data([("baseline", build_config({**chat, **TINY_MODEL}))])
+
+
+def test_answers_only_over_text_data_is_refused_before_any_row_or_folder(tmp_path, capsys):
+    """--loss-on completion over --data-format text: train's one error: line (the config no longer
+    refuses it, so that estimate, plan and maxbatch can size such a step without data)."""
+    from memtrain.cli import main
+
+    data = tmp_path / "d.txt"
+    data.write_text("some text\n")
+    out = tmp_path / "b"
+    assert main(["bench", "--techniques", "baseline", "--no-maxbatch", "--data", str(data), "--loss-on", "completion",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --loss-on completion") and err.count("\n") == 1, err
+    assert not out.exists()

@@ -41,6 +41,7 @@ from memtrain.config.layers import given_settings, model_default_attention, refu
 from memtrain.config.run import (
     SECTIONS,
     ConfigError,
+    DataConfig,
     ModelConfig,
     RunConfig,
     TrainConfig,
@@ -243,6 +244,24 @@ def add_config_flags(parser: argparse.ArgumentParser, sections: Sequence[str] = 
                 else:
                     group.add_argument("--" + f.name, dest=f.name, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     _add_aliases(parser, added)
+
+
+# What the verbs that size a step without reading data (estimate, plan, maxbatch) add to train's
+# --loss-on help: they cannot count a batch's answer tokens, so they size the step that has some.
+LOSS_ON_SIZED = (" Here no data is read (no --data, no --data-format): 'completion' sizes the step of such a run, "
+                 "assuming every micro-batch holds answer tokens (the answers-only loss: an int64 copy of the "
+                 "targets and a float32 weight per micro-batch).")
+
+
+def add_loss_on_flag(parser: argparse.ArgumentParser) -> None:
+    """train's ``--loss-on`` (the same name, help and default), for a verb that takes no data
+    section: its help adds :data:`LOSS_ON_SIZED`. A config file's ``loss_on`` reaches the verb as
+    ever (config_from_args reads every section of it)."""
+    f = next(f for f in fields(DataConfig) if f.name == "loss_on")
+    group = parser.add_argument_group("data options")
+    group.add_argument("--loss-on", dest=f.name, default=argparse.SUPPRESS, metavar=_type_name(f).upper(),
+                       help=f"{f.metadata.get('help', '')}{LOSS_ON_SIZED} (default: {f.default})")
+    group.add_argument("--loss_on", dest=f.name, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def _refuse_foreign_keys_in_file(args: argparse.Namespace, file_layer: dict[str, Any]) -> None:
@@ -546,6 +565,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from memtrain.training.train import train  # torch-free --help/estimate/plan
 
     cfg = config_from_args(args, resumed=True)
+    cfg.data.check_answer_source()  # before a note is printed or a rank launched (train() checks it again)
     if getattr(args, "nproc_per_node", None) and not launched_by_memtrain():
         return _launch_ranks(args, cfg)
     out = Path(cfg.train.out)

@@ -109,6 +109,7 @@ def check_rows_data(rows: list[tuple[str, RunConfig]]) -> None:
     checked: set[str] = set()
     for _, cfg in rows:
         data = cfg.data
+        data.check_answer_source()  # --loss-on completion over text: train's one line, before any row
         key = repr(data) + repr(cfg.model.model)
         if key in checked or data.data.startswith("hf:"):
             continue

@@ -11,6 +11,7 @@ from memtrain.cli import (
     LOOP_ONLY_FIELDS,
     MODULE_TABLE_FIELDS,
     add_config_flags,
+    add_loss_on_flag,
     config_from_args,
     defaults_note,
     fmt_bytes,
@@ -45,6 +46,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "measure on CUDA, trace elsewhere.")
     p.add_argument("--json", action="store_true", help="Print JSON only.")
     add_config_flags(p, ("model", "technique", "train"), exclude=(*LOOP_ONLY_FIELDS, *MODULE_TABLE_FIELDS))
+    add_loss_on_flag(p)  # --loss-on completion: the answers-only step, sized without data
 
 
 def run(args: argparse.Namespace) -> int:

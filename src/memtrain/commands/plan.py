@@ -22,7 +22,15 @@ from memtrain.analysis.plan import (
     verification,
     verify_config,
 )
-from memtrain.cli import LOOP_ONLY_FIELDS, MODULE_TABLE_FIELDS, add_config_flags, defaults_note, fmt_bytes, register
+from memtrain.cli import (
+    LOOP_ONLY_FIELDS,
+    MODULE_TABLE_FIELDS,
+    add_config_flags,
+    add_loss_on_flag,
+    defaults_note,
+    fmt_bytes,
+    register,
+)
 from memtrain.commands.bench import warn_skipped_lines
 from memtrain.commands.estimate import (
     add_device_type_flag,
@@ -88,6 +96,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "on cuda (PCIe 4.0 x16, pinned copies).")
     p.add_argument("--json", action="store_true", help="Print JSON only.")
     add_config_flags(p, ("model", "technique", "train"), exclude=(*LOOP_ONLY_FIELDS, *MODULE_TABLE_FIELDS, "model"))  # --model is add_model_choice's
+    add_loss_on_flag(p)  # --loss-on completion: the answers-only step, sized without data
 
 
 def parse_rate(text: str) -> float:
@@ -165,8 +174,7 @@ def run(args: argparse.Namespace) -> int:
     measured, beyond, rel_noise, row_noises = (_measured_effects(args.results, techs) if args.results
                                                else ([None] * len(techs), [None] * len(techs), None, [None] * len(techs)))
     if args.verify:
-        if arch is not None and arch.name != "gpt2":
-            raise ConfigError(f"--verify trains our GPT-2-style model; --model {args.preset} can only be planned")
+        _check_verify(args, cfg, arch)
         res.verified = _verify(cfg, res.candidates[rec], args.verify_steps)
     out = res.to_dict()
     for c, t, m, b, n in zip(out["candidates"], techs, measured, beyond, row_noises):
@@ -194,6 +202,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {r[0]:>{w[0]}}  {r[1]:>{w[1]}}  {r[2]:>{w[2]}}  {r[3]:<{w[3]}}  {r[4]}")
     best = out["candidates"][rec]
     print(f"best: memtrain train {best['config_flags']}")
+    if cfg.data.loss_on == "completion" and cfg.data.data_format == "text":
+        print("  (--loss-on completion: add the records it trains on, --data FILE --data-format chat, "
+              "prompt-completion or auto)")
     if rec != 0 and best["numerics_standard"]:
         print(f"  (#{shown[rec] + 1}, the fastest numerically standard choice; #1 is faster but: {out['candidates'][0]['numerics']})")
     elif rec != 0:
@@ -281,6 +292,16 @@ def _longest_context(cfg: Any, arch: Any, cand: Candidate, device_type: str, bud
         return float(estimate(c, arch, device_type).peak_bytes)
 
     return longest_context(need, at, budget / (1 + margin), cand.batch_size, max_len=max_len)
+
+
+def _check_verify(args: argparse.Namespace, cfg: Any, arch: Any) -> None:
+    """--verify trains the recommended set: refused where that run cannot train (before any output)."""
+    if arch is not None and arch.name != "gpt2":
+        raise ConfigError(f"--verify trains our GPT-2-style model; --model {args.preset} can only be planned")
+    if cfg.data.loss_on == "completion" and cfg.data.data_format == "text":
+        # The check's run trains on the config's data: the embedded text has no answers.
+        raise ConfigError("--verify trains on the run's data, and --loss-on completion needs records of chats or "
+                          "prompt-completions: give data and data_format in a --config file, or drop --verify")
 
 
 def _verify(cfg: Any, cand: Candidate, steps: int) -> dict[str, Any]:

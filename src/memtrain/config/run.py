@@ -215,9 +215,6 @@ class DataConfig:
         if self.data_format != "text":
             self._check_record_format(plain)
         require(self.loss_on in LOSS_ON, f"unknown --loss-on {self.loss_on!r}; choose one of {', '.join(LOSS_ON)}")
-        require(self.loss_on == "all" or self.data_format != "text",
-                f"--loss-on {self.loss_on} trains on the answers of chat or prompt-completion records; --data-format "
-                "text has none: give --data-format chat, prompt-completion or auto, or drop --loss-on")
         require(self.hf_split == "train" or self.data.startswith("hf:"),
                 f"--hf-split {self.hf_split} picks a split of an hf: --data; --data {self.data} has none: give "
                 "--data hf:NAME or drop --hf-split")
@@ -235,6 +232,14 @@ class DataConfig:
             self.max_documents is None or self.max_documents > 0,
             f"--max-documents must be positive, got {self.max_documents}",
         )
+
+    def check_answer_source(self) -> None:
+        """--loss-on completion reads its targets from records: refused over --data-format text.
+        Checked where data is read (train), not in ``__post_init__``: estimate, plan and maxbatch
+        take --loss-on to size such a step and read no data."""
+        require(self.loss_on == "all" or self.data_format != "text",
+                f"--loss-on {self.loss_on} trains on the answers of chat or prompt-completion records; --data-format "
+                "text has none: give --data-format chat, prompt-completion or auto, or drop --loss-on")
 
     def _check_record_format(self, plain: bool) -> None:
         """A --data-format other than text reads whole records: refused where --data holds no

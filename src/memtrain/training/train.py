@@ -175,6 +175,7 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
         launched = launched_by_memtrain()  # the launcher holds OUT's lock for its ranks
         with agreement():
             # A longer --steps on --resume keeps the saved warm-up, before the configs are compared.
+            cfg.data.check_answer_source()  # --loss-on completion needs records, before anything is read or written
             stretched = continue_longer(cfg) is not None
             # A checkpoint of another run is refused before tokenizing, and before its own --out
             # and --save are compared (a changed flag is then said as a resume's difference).

@@ -91,6 +91,9 @@ def explanation_lines(cfg: RunConfig, arch: Arch, dm: Dims, params: list[ParamIn
            else "Cut Cross-Entropy: no logits stored; N x 4 B log-sum-exp kept, backward makes grad_h (N x d) and "
                 f"grad_w (V x d) at {dm.a:g} B" if tech.loss_kernel == "cce"
            else f"chunk {min(effective_loss_chunk(tech.loss_chunk, device_type, cfg.model.vocab_size), N)} x V in flight + grad_h (N x d) + fp32 grad_w (V x d)"),
+        *([f"--loss-on completion: + N x 8 B int64 targets made safe for the loss ({N * 8:,} B; the standard loss "
+           "keeps them to its backward, the fused ones to the forward's end) + a 4 B weight kept to the backward; "
+           "every micro-batch assumed to hold answer tokens"] if cfg.data.loss_on == "completion" else []),
         f"checkpointing {tech.checkpointing}: "
         + {"none": "all blocks keep their activations",
            "full": "each block keeps only its input; one block is recomputed at a time in backward",

@@ -4,6 +4,7 @@ full logits; memtrain's chunked loss: chunk x vocab at a time; Cut Cross-Entropy
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from memtrain.analysis.estimate.basic_nodes import norm_stats_bytes
 from memtrain.analysis.estimate.dims import Dims
@@ -14,11 +15,25 @@ from memtrain.config.archs import Arch
 from memtrain.config.run import ModelConfig, TechniqueConfig
 from memtrain.techniques.facts import aligned_vocab, cce_forward_locks, cce_lock_table_shape, effective_loss_chunk
 
+# --loss-on completion (memtrain.models.gpt.answer_targets): the targets made safe for the loss (an
+# int64 copy) and the float32 weight the loss is multiplied by.
+ANSWER_TARGETS = "answers.y"
+ANSWER_WEIGHT = "answers.w"
+
 
 def head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, trainable: bool,
-               grads_exist: bool, n_blocks: int) -> list[Node]:
+               grads_exist: bool, n_blocks: int, answers_only: bool = False) -> list[Node]:
     """Final norm, LM head and loss (standard: full logits; chunked: fused, chunk x vocab).
-    ``n_blocks``: the simulated blocks, the last of which makes the head's input."""
+    ``n_blocks``: the simulated blocks, the last of which makes the head's input.
+    ``answers_only`` (--loss-on completion): the loss runs on :func:`answer_nodes`' targets and
+    is multiplied by their weight."""
+    nodes = _head_nodes(dm, m, tech, arch, trainable, n_blocks)
+    return with_answer_targets(nodes, dm.n, tech.loss) if answers_only else nodes
+
+
+def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, trainable: bool,
+                n_blocks: int) -> list[Node]:
+    """:func:`head_nodes` with every token a target."""
     N, d, V, a, r = dm.n, dm.d, dm.V, dm.a, dm.r
     x = f"blocks.{n_blocks}.in"
     layer = arch.norm == "layernorm"
@@ -160,3 +175,37 @@ def _chunk_steps(c: int, V: int, d: int, a: float, cuda: bool, grad_w: bool) -> 
     if grad_w and a != 4:
         steps += [("alloc", "gw", V * d * a), ("free", "gw", 0.0)]
     return steps + [("free", "g", 0.0)]
+
+
+def answer_nodes(n: int) -> list[Node]:
+    """``answer_targets(targets.reshape(-1))`` of our GPT's and the transformers wrapper's forward
+    (``--loss-on completion``), tensor by tensor over ``n`` targets: ``(targets != -100).any()``
+    (a bool per target, then one byte, ``has``), ``arange(n) == 0`` (int64, then a bool per
+    target, ``first``), ``has | ~first`` (two bool tensors, one freed), ``zeros_like`` (int64) and
+    the ``where`` they feed, whose int64 output is the loss's targets; ``has.to(float32)`` is the
+    weight (4 bytes)."""
+    steps: tuple[tuple[str, str, float], ...] = (
+        ("alloc", "ne", n), ("alloc", "has", 1), ("free", "ne", 0.0),
+        ("alloc", "arange", n * 8), ("alloc", "first", n), ("free", "arange", 0.0),
+        ("alloc", "not_first", n), ("alloc", "cond", n), ("free", "not_first", 0.0),
+        ("alloc", "zeros", n * 8), ("outputs", "", 0.0), ("free", "cond", 0.0), ("free", "zeros", 0.0))
+    return [Node("answer_targets", out=[(ANSWER_TARGETS, n * 8)], inputs=[TARGETS], fwd_steps=steps),
+            Node("answer_weight", out=[(ANSWER_WEIGHT, 4)])]
+
+
+def with_answer_targets(nodes: list[Node], n: int, loss: str) -> list[Node]:
+    """``nodes`` (the head, every token a target) as ``--loss-on completion`` runs it: the
+    :func:`answer_nodes` after the targets, the loss kernel reading their targets (the standard
+    and naive losses' nll_loss saves them for its backward; the chunked and CCE kernels save none,
+    and the forward's local holds them until it returns), then ``loss * weight``, which saves
+    the weight and is the step's loss (the backward's first node: it hands the kernel's output
+    its gradient, 4 bytes as the step's own 1/N product was, and lets the weight go)."""
+    at = next(i for i, node in enumerate(nodes) if node.name == "targets") + 1
+    kernel = nodes[-1]
+    saves_targets = loss in ("standard", "naive")
+    kernel = replace(kernel, name="loss.kernel", inputs=kernel.inputs + [ANSWER_TARGETS],
+                     saves=kernel.saves + ([ANSWER_TARGETS] if saves_targets else []))
+    out_key = kernel.out_keys()[0]
+    weighted = Node("loss", out=[("loss.weighted", 4)], inputs=[out_key, ANSWER_WEIGHT, ANSWER_TARGETS],
+                    saves=[ANSWER_WEIGHT], grads=[(out_key, 0.0)], tag=kernel.tag)
+    return nodes[:at] + answer_nodes(n) + nodes[at:-1] + [kernel, weighted]

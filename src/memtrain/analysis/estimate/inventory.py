@@ -64,6 +64,7 @@ def block_segments(cfg: RunConfig, arch: Arch, dm: Dims, trainable_base: bool, g
                              lazy_recompute=True, held_inputs=held_inputs))
     # (The simulated depth is passed, not set on a copy of cfg.model: a transformers model's
     # ModelConfig mirrors its config.json again on every copy, n_layers included.)
-    segs.append(Segment("head", head_nodes(dm, m, tech, arch, trainable_base, grads_exist, comp.blocks)))
+    segs.append(Segment("head", head_nodes(dm, m, tech, arch, trainable_base, grads_exist, comp.blocks,
+                                           answers_only=cfg.data.loss_on == "completion")))
     assert L == comp.blocks + comp.lumps * comp.period
     return segs

@@ -251,6 +251,8 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     # (``Precision.last_grad_norm``, in the gradients' dtype, replaced by this step's clip). A
     # few bytes, but a model a few bytes wide holds little else.
     sim.alloc(4.0, "activations")
+    if world_size > 1 and cfg.data.loss_on == "completion":
+        _answer_loss_scales(sim, t.grad_accum)
     if t.grad_clip > 0 and not _first_step:
         sim.alloc(adapter_bytes, "temporaries")
     if shard == "fsdp" and n > 1:
@@ -375,7 +377,9 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
         rules=rule,
         shape={"arch": arch.name, "d_model": m.d_model, "n_layers": m.n_layers, "n_heads": m.n_heads,
                "d_ff": m.d_ff, "vocab": m.padded_vocab_size, "tied": not m.untie_embeddings,
-               "batch_size": t.batch_size, "seq_len": t.seq_len, "grad_accum": t.grad_accum},
+               "batch_size": t.batch_size, "seq_len": t.seq_len, "grad_accum": t.grad_accum,
+               # Named only off its default, so that every other estimate's JSON stays as it was.
+               **({"loss_on": cfg.data.loss_on} if cfg.data.loss_on != "all" else {})},
         world_size=n,
         shard=shard if n > 1 else "none",
         offload=offload_figures(sim, graph, t.grad_accum) if tech.offload_activations else None,
@@ -387,6 +391,25 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
                   if zero1 else {}),
                "device_type": device_type, **({"_device_memory": device_memory} if device_memory else {})},
     )
+
+
+def _answer_loss_scales(sim: Simulator, micro_batches: int) -> None:
+    """--loss-on completion under data parallelism: ``MicroBatches.loss_scales`` weighs each
+    micro-batch by the global answer count, all-reduced on the device before the first forward.
+    The float64 count (made, reduced in place), its ``clamp_min`` and ``ranks / clamped`` (torch's
+    ``__rtruediv__``: a reciprocal, freed, times ranks), then per micro-batch a float64 product and
+    its float32 cast: the casts (4 bytes each) are the step's scales, kept to its end; the float64
+    values go as the method returns. (On one process the scales are Python floats: nothing on the
+    device.)"""
+    count, clamped, reciprocal, per_token = (sim.alloc(8.0, "activations") for _ in range(4))
+    sim.free(reciprocal)
+    sim.free(clamped)
+    for _ in range(micro_batches):
+        product = sim.alloc(8.0, "activations")
+        sim.alloc(4.0, "activations")
+        sim.free(product)
+    sim.free(count)
+    sim.free(per_token)
 
 
 def offload_figures(sim: Simulator, graph: Graph, grad_accum: int) -> dict[str, float]:
