@@ -472,3 +472,37 @@ def test_validation_blocks_without_an_answer_are_one_error_line(tmp_path, capsys
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "validation batch(es) (--val-blocks 1) hold no answer token" in err, err
     assert not out.exists()
+
+
+LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+@pytest.mark.parametrize("fmt, record, words", [
+    ("chat", {"messages": [{"role": "user", "content": "loop"}, {"role": "assistant", "content": "ok"}]},
+     "did not render within 1 s"),
+    ("prompt-completion", {"prompt": [{"role": "user", "content": "grow"}],
+                           "completion": [{"role": "assistant", "content": "ok"}]},
+     "made a text of 5,000,"),
+])
+def test_a_chat_template_that_loops_or_grows_on_one_record_is_one_line_naming_it(tmp_path, capsys, monkeypatch, fmt,
+                                                                                  record, words):
+    """The template comes with the model folder and renders every record: one that loops (10**10
+    iterations) hung training-data preparation, one that printed millions of characters had them
+    tokenized. Each render is bounded as generate --chat's is: one line naming the record, exit 2,
+    nothing written."""
+    import memtrain.models.tokenizer as tokenizer
+
+    monkeypatch.setattr(tokenizer, "CHAT_TEMPLATE_SECONDS", 1.0)
+    template = ("{% if messages[0]['content'] == 'loop' %}" + LOOPS + "{% endif %}"
+                "{% if messages[0]['content'] == 'grow' %}{{ 'x' * 5000000 }}{% endif %}" + CHATML)
+    model = _chat_folder(tmp_path / "qwen2", template)
+    fine = [{"messages": c} for c in CONVERSATIONS[:2]] if fmt == "chat" else \
+        [{"prompt": c[:-1], "completion": c[-1:]} for c in CONVERSATIONS[:2]]
+    data = _records(tmp_path / "records.jsonl", [*fine, record])
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(model), "--data", str(data), "--data-format", fmt, "--steps", "1",
+                 "--seq-len", "16", "--batch-size", "1", "--no-progress", "--cache-dir", str(tmp_path / "cache"),
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: the --model's chat template ") and words in err, err
+    assert "for record 3 of " in err and "fix the chat_template" in err and not out.exists()

@@ -116,6 +116,39 @@ def test_python_dash_m_and_help():
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and "Traceback" not in proc.stderr
 
 
+# Prints the exit code, then which of the heavy modules the command imported.
+_IMPORTS_AFTER = ("import json, sys\nfrom memtrain.cli import main\nrc = main(sys.argv[1:])\n"
+                  "print(json.dumps([rc, [m for m in ('torch', 'transformers', 'sympy', 'memtrain.analysis.trace') "
+                  "if m in sys.modules]]))")
+
+
+@pytest.mark.parametrize("argv, says, not_imported", [
+    (["maxbatch", "--device", "cpu"], "on CPU the max batch needs a budget",
+     ["memtrain.analysis.trace", "sympy", "torch", "transformers"]),
+    (["maxbatch", "--device", "cpu", "--search", "seq-len"], "on CPU the longest context needs a budget",
+     ["memtrain.analysis.trace", "sympy", "torch", "transformers"]),
+    (["maxbatch", "--budget", "1GiB", "--multiple-of", "8", "--max-batch", "4"], "--multiple-of 8 is larger than",
+     ["memtrain.analysis.trace", "sympy", "torch", "transformers"]),
+    # --device auto: whether CUDA is here is torch's to say, so torch loads, but nothing of the search.
+    (["maxbatch"], "on CPU the max batch needs a budget", ["memtrain.analysis.trace", "sympy", "transformers"]),
+    (["plan"], "plan needs a budget", ["memtrain.analysis.trace", "sympy", "torch", "transformers"]),
+])
+def test_argument_errors_come_before_the_heavy_imports(argv, says, not_imported):
+    """maxbatch's refusals that need no model (no budget off CUDA, --multiple-of past --max-batch)
+    came after the search's modules loaded (torch, the tracer, FSDP, sympy): ~12 s for a line.
+    Each is now said with none of them imported (torch only where --device auto asks it for CUDA)."""
+    if argv == ["maxbatch"]:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("a CUDA device is here: maxbatch needs no budget")
+    proc = subprocess.run([sys.executable, "-c", _IMPORTS_AFTER, *argv, "--model", "tiny-llama"], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.stderr.count("\n") == 1 and says in proc.stderr, proc.stderr
+    rc, imported = json.loads(proc.stdout)
+    assert rc == 2 and not set(not_imported) & set(imported), proc.stdout
+
+
 @pytest.mark.parametrize("verb", ["estimate", "plan"])
 def test_model_help_names_every_bundled_config_and_what_is_analytic(verb, capsys):
     """estimate's and plan's --model help left out tiny-llama and tiny-gpt2 and called every

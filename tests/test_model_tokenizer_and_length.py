@@ -156,7 +156,7 @@ def test_generate_chat_frames_the_prompt_with_the_chat_template_and_prints_the_r
 @pytest.mark.parametrize("template, words", [
     ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{{ messages[0]['content'] }}",
      "did not render within 1 s"),
-    ("{{ 'x' * 5000000 }}{{ messages[0]['content'] }}", "made a prompt of 5,000,002 characters from 2"),
+    ("{{ 'x' * 5000000 }}{{ messages[0]['content'] }}", "made a text of 5,000,002 characters (at most 4,194,304) from a prompt of 2"),
     ("{{ raise_exception('no system turn') }}", "fails (TemplateError: no system turn)"),
     ("{{ ''.__class__.__mro__ }}", "fails (SecurityError: access to attribute '__class__'"),
 ])
@@ -165,9 +165,9 @@ def test_a_chat_template_that_loops_grows_or_fails_is_one_line(tmp_path, capsys,
     (10**10 iterations) or printed a 2 GB text was still running when stopped after 60 s, a text of
     millions of characters went to the tokenizer whole, and one that raised (its own raise_exception, the sandbox's
     refusal) was exit 1 with the library's words. Each is one line, exit 2, before any weight is read."""
-    import memtrain.inference.generate as generate
+    import memtrain.models.tokenizer as tokenizer
 
-    monkeypatch.setattr(generate, "CHAT_TEMPLATE_SECONDS", 1.0, raising=False)
+    monkeypatch.setattr(tokenizer, "CHAT_TEMPLATE_SECONDS", 1.0)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     folder = _llama_folder(tmp_path / "chat", False, chat_template=template)

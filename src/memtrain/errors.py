@@ -10,12 +10,19 @@ import errno
 import re
 from typing import Optional
 
-__all__ = ["ConfigError", "denied_access", "first_line", "is_out_of_memory", "name_too_long", "one_line", "out_of_room",
+__all__ = ["ChatTemplateLimit", "ConfigError", "denied_access", "first_line", "is_out_of_memory", "name_too_long", "one_line", "out_of_room",
            "require", "shortened", "typed_first_line"]
 
 
 class ConfigError(ValueError):
     """Bad user input. The message is one line that names the problem and the fix."""
+
+
+class ChatTemplateLimit(ValueError):
+    """A model's chat template that ran past its time or rendered past its size bound
+    (memtrain.models.tokenizer.bounded_chat_template); the message says which, as a phrase that
+    follows "the chat template". Here, not beside the bound: the data pipeline names it without
+    importing the model code."""
 
 
 def require(cond: bool, message: str) -> None:

@@ -39,6 +39,7 @@ from memtrain.analysis.fit import (
     length_search_bound,
     longest_context,
     past_the_bound,
+    require_search_budget,
     step_need,
 )
 from memtrain.analysis.maxbatch import analytic_arch, measured_step_peak, resolve_method
@@ -149,8 +150,7 @@ def find_longest_context(  # noqa: C901 - guess, confirm, search outward: one se
     ``budget_bytes`` (or, on CUDA without a budget, the device). See the module docstring."""
 
     device = resolve_device(cfg.train.device)
-    if device.type != "cuda" and budget_bytes is None:
-        raise ConfigError("on CPU the longest context needs a budget; pass --memory-budget, e.g. 4GiB")
+    require_search_budget(device.type, budget_bytes, "the longest context")
     step, bound = length_search_bound(cfg, max_len, multiple_of)
     cap = bound.max_len // step
     method = resolve_method(method, device.type)

@@ -62,6 +62,26 @@ def largest_fitting_from(fits: Callable[[int], bool], cap: int, start: int, star
     return bisect_fitting(fits, lo, hi)
 
 
+def require_search_budget(device_type: str, budget_bytes: Optional[int], what: str) -> None:
+    """A search off CUDA (the max batch, the longest context) has no device memory to fill: a
+    budget is needed. Torch-free, so the command says it before the search's modules load (they
+    took ~10 s to import before this line was said)."""
+    if device_type != "cuda" and budget_bytes is None:
+        raise ConfigError(f"on CPU {what} needs a budget; pass --memory-budget, e.g. 4GiB")
+
+
+def check_batch_bounds(max_batch: Optional[int], multiple_of: int) -> int:
+    """The batch search's upper bound (``max_batch``, default 4096), refusing a ``multiple_of``
+    that leaves no batch to search; torch-free for the same reason as :func:`require_search_budget`."""
+    limit = max_batch or 4096
+    if multiple_of < 1:
+        raise ConfigError(f"--multiple-of must be >= 1, got {multiple_of}")
+    if multiple_of > limit:  # no batch to search: refused before any probe
+        raise ConfigError(f"--multiple-of {multiple_of:,} is larger than the search's bound --max-batch {limit:,}; "
+                          "lower --multiple-of or raise --max-batch")
+    return limit
+
+
 def largest_batch(need: Callable[[RunConfig], float], cfg: RunConfig, budget_bytes: float, multiple_of: int = 1,
                   cap: int = DEFAULT_SEARCH_CAP) -> Optional[int]:
     """The largest k <= ``cap`` whose batch ``k * multiple_of`` needs at most ``budget_bytes``

@@ -24,7 +24,14 @@ from tqdm.auto import tqdm
 from memtrain.analysis.advice import save_memory_clause, size_text
 from memtrain.analysis.estimate import estimate
 from memtrain.analysis.estimate.hf import modelled_arch, why_not_modelled
-from memtrain.analysis.fit import largest_batch, largest_fitting, largest_fitting_from, step_need
+from memtrain.analysis.fit import (
+    check_batch_bounds,
+    largest_batch,
+    largest_fitting,
+    largest_fitting_from,
+    require_search_budget,
+    step_need,
+)
 from memtrain.analysis.trace import trace_peak_bytes
 from memtrain.config.run import ConfigError, RunConfig
 from memtrain.metrics import MemoryMeter, device_peak_memory
@@ -189,14 +196,8 @@ def find_max_batch(  # noqa: C901 - grow then bisect, each with OOM and budget e
     """Search the largest batch (a multiple of ``multiple_of``, at most ``max_batch``) that fits."""
 
     device = resolve_device(cfg.train.device)
-    if device.type != "cuda" and budget_bytes is None:
-        raise ConfigError("on CPU the max batch needs a budget; pass --memory-budget, e.g. 4GiB")
-    limit = max_batch or 4096
-    if multiple_of < 1:
-        raise ConfigError(f"--multiple-of must be >= 1, got {multiple_of}")
-    if multiple_of > limit:  # no batch to search: refused before any probe
-        raise ConfigError(f"--multiple-of {multiple_of:,} is larger than the search's bound --max-batch {limit:,}; "
-                          "lower --multiple-of or raise --max-batch")
+    require_search_budget(device.type, budget_bytes, "the max batch")
+    limit = check_batch_bounds(max_batch, multiple_of)
     method = resolve_method(method, device.type)
     if probe is None:
         probe = traced_step_peak if method == "trace" else measured_step_peak

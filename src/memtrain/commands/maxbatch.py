@@ -6,7 +6,13 @@ import argparse
 import json
 from typing import Any, Optional
 
-from memtrain.analysis.fit import DEFAULT_LENGTH_MULTIPLE, budget_for, longer_fits_mark
+from memtrain.analysis.fit import (
+    DEFAULT_LENGTH_MULTIPLE,
+    budget_for,
+    check_batch_bounds,
+    longer_fits_mark,
+    require_search_budget,
+)
 from memtrain.cli import (
     LOOP_ONLY_FIELDS,
     MODULE_TABLE_FIELDS,
@@ -56,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     base = {"seq_len": getattr(args, "window", None) or 1} if args.search == "seq-len" else None
     cfg = config_from_args(args, base=base, derive_max_seq_len=True)
     budget = parse_size(args.memory_budget) if args.memory_budget else None
+    _refuse_before_the_search(args, cfg, budget)
     rc = _run_seq_len(args, cfg, budget) if args.search == "seq-len" else _run_batch(args, cfg, budget)
     # The defaults estimate, plan and train name shape this answer too; the length search sets
     # --seq-len itself, so it is not a default there.
@@ -103,6 +110,33 @@ def _check_search_flags(args: argparse.Namespace) -> None:
     if args.search == "batch" and args.max_len is not None:
         raise ConfigError("--max-len bounds the length search: add --search seq-len, or drop --max-len and bound the "
                           "batch search with --max-batch N")
+
+
+def _refuse_before_the_search(args: argparse.Namespace, cfg: Any, budget: Optional[int]) -> None:
+    """The search's refusals that need no model (a budget off CUDA, the batch bounds), said
+    before its modules load: the tracer, FSDP and sympy took ~10 s to import before the line came.
+    The search checks the same again (the same functions) for callers of the library."""
+    if args.search == "batch":
+        check_batch_bounds(args.max_search, args.multiple_of or 1)
+    if args.gpu is not None or args.device_type == "cuda":
+        return  # the CUDA model's path: a card's memory can be the budget (_run_cuda_model says)
+    device_type = _device_type_before_search(cfg.train.device)
+    if device_type is not None:
+        require_search_budget(device_type, budget, "the max batch" if args.search == "batch" else "the longest context")
+
+
+def _device_type_before_search(name: str) -> Optional[str]:
+    """``cpu`` or ``cuda`` for --device cpu or auto; None for any other name, which
+    ``resolve_device`` checks as the search starts (an unknown name or a missing GPU is its line)."""
+    if name == "cpu":
+        return "cpu"
+    if name != "auto":
+        return None
+    # Whether a CUDA device is here is torch's to say (CUDA_VISIBLE_DEVICES, the driver): torch
+    # alone, not the search's modules, loads for it.
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _search_batch(cfg: Any) -> int:

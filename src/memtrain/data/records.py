@@ -27,7 +27,7 @@ from __future__ import annotations
 import difflib
 from typing import Any, Callable, Optional, Protocol
 
-from memtrain.errors import ConfigError, first_line
+from memtrain.errors import ChatTemplateLimit, ConfigError, first_line
 
 # Raised when a record's rendering changes (its text or its answer spans), so cached ids of the
 # old rendering are not reused (part of the token cache's key for every format but text).
@@ -224,13 +224,18 @@ def _prompt_completion(record: dict[str, Any], tokenizer: Optional[ChatTokenizer
 def _render(tokenizer: Optional[ChatTokenizer], messages: list[dict[str, Any]], where: str,
             fmt: str = "chat", add_generation_prompt: bool = False, tools: Optional[list[Any]] = None) -> str:
     """``messages`` through the tokenizer's chat template; a template's own refusal (roles that
-    do not alternate, a role it does not know) is a ConfigError naming the record."""
+    do not alternate, a role it does not know) is a ConfigError naming the record, and so is a
+    render that passes the template's bounds (time, size: each render on its own), which the
+    template, not the record, is to blame for."""
     refusal = template_refusal(fmt, tokenizer)
     if refusal is not None:
         raise refusal
     assert tokenizer is not None
     try:
         return tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+    except ChatTemplateLimit as exc:
+        raise ConfigError(f"the --model's chat template {exc} for {where}; fix the chat_template in its "
+                          "tokenizer_config.json (or chat_template.jinja), or give --data-format text") from None
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:  # jinja2's TemplateError too
         part = " (its turns up to an answer, for --loss-on completion)" if add_generation_prompt else ""
         raise ConfigError(f"the chat template refused {where}{part}: {first_line(exc)}; fix the record or remove it"

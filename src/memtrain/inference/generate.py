@@ -35,7 +35,7 @@ import torch
 
 from memtrain.config.run import ConfigError, ModelConfig, RunConfig, build_config
 from memtrain.data.tokenizer import EOT_ID, N_VOCAB, get_tokenizer
-from memtrain.errors import first_line
+from memtrain.errors import ChatTemplateLimit, first_line
 from memtrain.inference.export import load_trained, require_transformers, to_hf_model
 from memtrain.models.config_json import read_config_json, refuse_custom_tokenizer
 from memtrain.models.families import data_tokenizer
@@ -44,14 +44,9 @@ from memtrain.models.hf import ATTN_IMPLEMENTATION, load_pretrained_lm
 from memtrain.models.placement import place_weights
 from memtrain.models.source import TOKENIZER_FILES, refuse_pickled_weights, safetensors_files
 from memtrain.models.spec import attention_of_model_type, config_positions
-from memtrain.models.tokenizer import leading_special_ids, load_tokenizer
-from memtrain.runtime.signals import TimeLimitExceeded, time_limit
+from memtrain.models.tokenizer import bounded_chat_template, leading_special_ids, load_tokenizer
 from memtrain.techniques.facts import DTYPE_MATMUL_TYPE, GENERATE_DTYPES
 from memtrain.training.size_check import check_model_size
-
-# A chat template renders one short message in milliseconds; these bound one that does not.
-CHAT_TEMPLATE_SECONDS = 10.0
-MAX_CHAT_CHARS = 4 << 20  # far past any model's context: a framed prompt longer is the template's doing
 
 
 @dataclass(frozen=True)
@@ -96,30 +91,25 @@ def _chat_encoder(tok: Any) -> Optional[Callable[[str], list[int]]]:
 
 def chat_ids(tok: Any, text: str) -> list[int]:
     """``text`` as a user message framed by ``tok``'s chat template, as token ids. The template
-    comes with the model folder: it is rendered first as text, within
-    :data:`CHAT_TEMPLATE_SECONDS` (a nested loop of jinja's largest ranges, 10**10 iterations, was
-    still running after 60 s), and the text must hold at most :data:`MAX_CHAT_CHARS` characters
-    before the tokenizer sees it (a template printing ``'x' * 2000000000`` had it tokenized); a template that
-    fails (its own ``raise_exception``, the sandbox's refusal) is one line naming it."""
+    comes with the model folder: it is rendered first as text, within the bounds of
+    :func:`memtrain.models.tokenizer.bounded_chat_template` (time, and size before the tokenizer
+    sees it); a template that fails (its own ``raise_exception``, the sandbox's refusal) or
+    passes a bound is one line naming it."""
     messages = [{"role": "user", "content": text}]
+    advice = "fix its chat_template, or give the prompt as text without --chat"
 
     def render(tokenize: bool) -> Any:
         try:
-            with time_limit(CHAT_TEMPLATE_SECONDS):
-                return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize,
-                                               return_dict=False)
-        except TimeLimitExceeded:
-            raise ConfigError(f"the tokenizer's chat template did not render within {CHAT_TEMPLATE_SECONDS:g} s; "
-                              "fix its chat_template, or give the prompt as text without --chat") from None
+            return bounded_chat_template(tok, messages, tokenize=tokenize, add_generation_prompt=True,
+                                         return_dict=False)
+        except ChatTemplateLimit as exc:
+            raise ConfigError(f"the tokenizer's chat template {exc} from a prompt of {len(text):,} characters; "
+                              f"{advice}") from None
         except Exception as exc:  # the template is the folder's: whatever it raises is its fault, not ours
             raise ConfigError(f"the tokenizer's chat template fails ({type(exc).__name__}: {first_line(exc)}); "
-                              "fix its chat_template, or give the prompt as text without --chat") from None
+                              f"{advice}") from None
 
-    framed = render(tokenize=False)
-    if len(framed) > MAX_CHAT_CHARS:
-        raise ConfigError(f"the tokenizer's chat template made a prompt of {len(framed):,} characters from "
-                          f"{len(text):,} (at most {MAX_CHAT_CHARS:,}); fix its chat_template, or give the prompt "
-                          "as text without --chat")
+    render(tokenize=False)  # the text first: its size is bounded before any tokenizing
     # Rendered again with the ids: transformers' own tokenizing of its render, so the ids are its.
     return list(render(tokenize=True))
 
@@ -129,14 +119,15 @@ def turn_end_id(tok: Any) -> Optional[int]:
     after an answer (ChatML's <|im_end|>, Llama 3's <|eot_id|>). Not always eos: a base model's
     tokenizer (Qwen2.5's <|endoftext|>) ends documents with another token than its template ends
     turns with, and a reply cut at eos ran on through the turn's end. eos when the template writes
-    no special token there (or cannot render a two-turn conversation)."""
+    no special token there (or cannot render a two-turn conversation within its bounds)."""
     from jinja2 import TemplateError  # comes with transformers, which loaded ``tok``: imported where used
 
     marker = "\u2603 reply end"
     try:
-        text = str(tok.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": marker}],
-                                           tokenize=False))
-    except (TemplateError, ValueError, TypeError, KeyError, IndexError):  # the template's own refusal: use eos
+        text = str(bounded_chat_template(tok, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": marker}]))
+    # The template's own refusal, or its bounds passed (a ValueError): use eos; --chat, which
+    # needs the template, then says what is wrong with it.
+    except (TemplateError, ValueError, TypeError, KeyError, IndexError):
         return tok.eos_token_id
     after = text[text.rfind(marker) + len(marker):] if marker in text else ""
     special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}

@@ -13,12 +13,34 @@ import json
 from typing import Any, Optional
 
 from memtrain.config.run import ConfigError, RunConfig
-from memtrain.errors import first_line
+from memtrain.errors import ChatTemplateLimit, first_line
 from memtrain.models.auto_config import load_config
 from memtrain.models.hf import quiet_transformers
 from memtrain.models.hub_access import from_pretrained_kwargs
 from memtrain.models.source import TOKENIZER_FILES, TOKENIZER_ID_FILES, resolve
 from memtrain.models.spec import is_gpt_preset
+from memtrain.runtime.signals import TimeLimitExceeded, time_limit
+
+# A chat template renders one conversation in milliseconds; these bound one that does not (the
+# template comes with the model folder: jinja's sandbox stops it running Python, not looping).
+CHAT_TEMPLATE_SECONDS = 10.0
+MAX_CHAT_CHARS = 4 << 20  # far past any model's context: a render longer is the template's doing
+
+
+def bounded_chat_template(tok: Any, messages: list[dict[str, Any]], tokenize: bool = False, **kwargs: Any) -> Any:
+    """``tok.apply_chat_template(messages, ...)`` within :data:`CHAT_TEMPLATE_SECONDS`, its text
+    at most :data:`MAX_CHAT_CHARS` characters; else :class:`ChatTemplateLimit`. A nested loop of
+    jinja's largest ranges (10**10 iterations) was still running after 60 s, and a template
+    printing ``'x' * 2000000000`` had its text tokenized. ``tokenize=True`` returns the ids (their
+    text is not measured: render the text first). The template's own errors pass through."""
+    try:
+        with time_limit(CHAT_TEMPLATE_SECONDS):
+            out = tok.apply_chat_template(messages, tokenize=tokenize, **kwargs)
+    except TimeLimitExceeded:
+        raise ChatTemplateLimit(f"did not render within {CHAT_TEMPLATE_SECONDS:g} s") from None
+    if not tokenize and len(out) > MAX_CHAT_CHARS:
+        raise ChatTemplateLimit(f"made a text of {len(out):,} characters (at most {MAX_CHAT_CHARS:,})")
+    return out
 
 
 class HFTokenizer:
@@ -72,13 +94,14 @@ class HFTokenizer:
         """``messages`` rendered by the chat template as text, without a generation prompt (a
         conversation to train on, as TRL's SFTTrainer renders one) unless asked (the prompt
         before an answer); a template's own refusal (jinja's TemplateError: roles that do not
-        alternate) is a ValueError."""
+        alternate) is a ValueError, and one that loops or grows past its bounds a
+        :class:`ChatTemplateLimit` (a ValueError too), each render bounded on its own."""
         # jinja2 comes with transformers, which this tokenizer was loaded with: imported only here
         from jinja2 import TemplateError
 
         try:
-            return str(self.tok.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                    add_generation_prompt=add_generation_prompt))
+            return str(bounded_chat_template(self.tok, messages, tools=tools,
+                                             add_generation_prompt=add_generation_prompt))
         except TemplateError as exc:
             raise ValueError(first_line(exc)) from None
 
