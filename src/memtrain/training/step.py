@@ -63,7 +63,6 @@ import torch.nn as nn
 
 from memtrain.analysis.flops.rules import model_rule_params
 from memtrain.config.run import RunConfig
-from memtrain.data.loader import MicroBatches
 from memtrain.metrics import MemoryMeter, reset_device_peak
 from memtrain.models.families import build_model
 from memtrain.techniques import Precision, build_optimizer, make_precision, prepare_model
@@ -177,7 +176,10 @@ def queue_step(
     scaler = precision.scaler
     # --loss-on completion: each micro-batch weighted by its share of the step's answer tokens
     # (MicroBatches.loss_scales); otherwise 1/N, as ever.
-    scales = micro_batches.loss_scales(device) if isinstance(micro_batches, MicroBatches) else None
+    # Read by name, not isinstance: importing memtrain.data here would pull the tokenizers (tiktoken)
+    # into every traced estimate, which needs no data.
+    loss_scales = getattr(micro_batches, "loss_scales", None)
+    scales = loss_scales(device) if loss_scales is not None else None
     for i, (x, y) in enumerate(micro_batches):
         x = x.to(device, non_blocking=True)
         y = y.to(device, non_blocking=True)
