@@ -544,9 +544,6 @@ class _Loop:
             logged = _host_scalars(lr, state.device) if logs else None
             grad_norm = state.precision.last_grad_norm if logs else None
             self._open.append(_Queued(step + 1, loss, grad_norm, started, logged))
-            if self.on_step is not None:  # from the host's clocks and the timer: no read of the device
-                self.on_step(step + 1 - start_step, end_step - start_step,
-                             percentile(self.timer.step_times, 50) if self.timer.step_times else None)
             acts = self._acts(step + 1, end_step)
             if not self.overlap or metered or logs or acts or len(self._open) >= READ_EVERY_MAX:
                 self._close_group()
@@ -554,6 +551,11 @@ class _Loop:
             # Under lag the group closed by this step stays unread until the next step is queued.
             keep = 1 if lag and self._groups and self._groups[-1].steps[-1].done == step + 1 else 0
             self._read_groups(keep=keep, start_step=start_step, end_step=end_step, bar=bar)
+            # After the step's reading (where the step is read now: its metrics line is written
+            # before the callback sees the step); from the host's clocks: no read of the device.
+            if self.on_step is not None:
+                self.on_step(step + 1 - start_step, end_step - start_step,
+                             percentile(self.timer.step_times, 50) if self.timer.step_times else None)
 
     def _close_group(self) -> None:
         """The open steps become one read group: their losses (and the last one's gradient norm,
