@@ -407,3 +407,29 @@ def test_a_train_whose_terminal_closes_without_a_sighup_finishes(small_corpus, t
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_time_limit_rearms_the_outer_real_time_timer_it_borrowed():
+    """time_limit (a chat template's render) takes the process's one real-time timer: an outer
+    timer (pytest-timeout's, an embedding program's) was cancelled for good when the block ended."""
+    from memtrain.runtime.signals import TimeLimitExceeded, time_limit
+
+    fired: list[int] = []
+    previous = signal.signal(signal.SIGALRM, lambda *_: fired.append(1))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 30.0)
+        with time_limit(5.0):
+            pass
+        left, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 25.0 < left <= 30.0, left  # re-armed with what it had left
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        with pytest.raises(TimeLimitExceeded):
+            with time_limit(0.01):
+                while True:
+                    pass
+        left, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 0 < left <= 0.05
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert not fired  # the outer handler never ran inside the block: the limit's did

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any, Iterator
 
 from memtrain.distributed.rank_errors import ERROR_DIR_ENV, LAUNCHED_ENV, launched_by_memtrain
@@ -154,9 +155,14 @@ def time_limit(seconds: float) -> Iterator[None]:
         raise TimeLimitExceeded(f"{seconds:g} s")
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    started = time.monotonic()
+    # The process's one real-time timer: an outer one (an embedding program's, pytest-timeout's) is
+    # re-armed with what it had left when the block ends, so this limit does not cancel it.
+    outer_left, outer_interval = signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        if outer_left > 0:
+            signal.setitimer(signal.ITIMER_REAL, max(outer_left - (time.monotonic() - started), 1e-3), outer_interval)
