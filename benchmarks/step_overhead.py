@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from memtrain.config.run import RunConfig, build_config
+from memtrain.devices.probe import cpu_model
 from memtrain.runtime.env import git_commit
 from memtrain.training.step import build_state, random_micro_batches
 from memtrain.training.train import train
@@ -214,23 +215,13 @@ def main() -> None:
             profile_memtrain_loop(cfg(sides[-1][1]), args.profile)
     print(f"command: python benchmarks/{Path(__file__).name} {' '.join(sys.argv[1:])}".rstrip())
     print(f"commit: {git_commit()}; torch {torch.__version__}; {platform.python_implementation()} "
-          f"{platform.python_version()}; CPU: {_cpu_name()} ({os.cpu_count()} cores, 1 intra-op thread)")
+          f"{platform.python_version()}; CPU: {cpu_model()} ({os.cpu_count()} cores, 1 intra-op thread)")
     print(f"ms per step over steps {args.skip + 1}-{args.steps}, best of {args.repeats} (all runs in brackets):")
     print("| loop | ms/step | vs plain | runs |\n|---|---:|---:|---|")
     for label, xs in times.items():
         plain = min(times[label.split(":")[0] + ": plain PyTorch loop"])
         print(f"| {label} | {min(xs):.3f} | {min(xs) / plain:.2f} | {', '.join(f'{x:.2f}' for x in xs)} |")
 
-
-def _cpu_name() -> str:
-    """The CPU's model name (Linux's /proc/cpuinfo), else what platform knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import platform
 import subprocess
 import sys
 import time
@@ -30,19 +29,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_models_table import BASE, MODELS, SETS  # noqa: E402
 from memtrain.config.argtypes import positive_int  # noqa: E402
+from memtrain.devices.probe import cpu_model  # noqa: E402
 from memtrain.files.results import append_jsonl, out_folder_problem, read_jsonl, write_text_atomic  # noqa: E402
 
 GIB = 2**30
 
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                                            text=True).stdout.strip()
     recorded = {(r.get("model"), r.get("set")): r for r in read_jsonl(Path(args.recorded)).rows}
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"label": args.label, "commit": commit, "cpu": _cpu_name(), "torch": torch.__version__,
+    meta = {"label": args.label, "commit": commit, "cpu": cpu_model(), "torch": torch.__version__,
             "threads": args.threads, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     start = time.perf_counter()
     trace_any_depth(build_config({**BASE, **SETS[rows[0][1]], "model": rows[0][0]}), "cpu")  # warm-up
