@@ -235,3 +235,24 @@ def tiny_run_state(cfg, batch_index: int = 3):
     cpu = torch.device("cpu")
     return TrainState(cfg, cpu, model, opt, make_precision("fp32", cpu), model.num_parameters(),
                       scheduler=sched, loader=Position())
+
+
+@pytest.fixture
+def cce_traceable(monkeypatch):
+    """A stand-in cut_cross_entropy that imports (a trace never calls it: fake tensors take
+    memtrain's _CutCrossEntropyBuffers), and no refusal of it on the CPU: what an estimate or a
+    trace of ``--loss-kernel cce`` needs where the library is absent."""
+    import importlib.machinery
+    import importlib.util
+    import sys
+    import types
+
+    import memtrain.techniques.loss as loss_mod  # imported here: conftest stays free of memtrain at import
+
+    module = types.ModuleType("cut_cross_entropy")
+    module.linear_cross_entropy = lambda *a, **k: pytest.fail("the trace called the library")  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cut_cross_entropy", module)
+    monkeypatch.setattr(loss_mod, "loss_kernel_refusal", lambda *a: None)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: importlib.machinery.ModuleSpec(name, None)
+                        if name == "cut_cross_entropy" else real(name, *a, **k))

@@ -11,36 +11,18 @@ gradient (the estimate summed them before: +49 KB on the tied rows below)."""
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
-import sys
-import types
-
 import pytest
 
-import memtrain.techniques.loss as loss_mod
 from memtrain.analysis.estimate import estimate
 from memtrain.analysis.trace import trace_step
 from memtrain.config.run import build_config
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+# cce_traceable (conftest.py): a stand-in library for every test here
+pytestmark = pytest.mark.usefixtures("one_thread", "cce_traceable")
 
 SHAPE = {"batch_size": 3, "seq_len": 40, "device": "cpu", "loss": "chunked", "loss_kernel": "cce"}
 OURS = {"d_model": 104, "n_heads": 4, "n_layers": 3, "d_ff": 216, "vocab_size": 5003, "max_seq_len": 64,
         "dropout": 0.0}
-
-
-@pytest.fixture(autouse=True)
-def cce_traceable(monkeypatch):
-    """A stand-in cut_cross_entropy that imports (the trace never calls it: fake tensors take
-    _CutCrossEntropyBuffers), and no refusal of it on the CPU."""
-    module = types.ModuleType("cut_cross_entropy")
-    module.linear_cross_entropy = lambda *a, **k: pytest.fail("the trace called the library")  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "cut_cross_entropy", module)
-    monkeypatch.setattr(loss_mod, "loss_kernel_refusal", lambda *a: None)
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: importlib.machinery.ModuleSpec(name, None)
-                        if name == "cut_cross_entropy" else real(name, *a, **k))
 
 
 # The estimate's forward and backward peaks against the trace's, in bytes. memtrain's own chunked

@@ -7,15 +7,10 @@ every loss kernel, our GPT and transformers models, gradient accumulation 1 and 
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import json
-import sys
-import types
 
 import pytest
 
-import memtrain.techniques.loss as loss_mod
 from memtrain.analysis.estimate.method import estimate_step, model_arch
 from memtrain.analysis.trace import trace_step
 from memtrain.cli import main
@@ -99,20 +94,6 @@ def test_where_the_forward_peaks_the_estimate_is_within_one_percent_of_the_trace
     assert abs(est["peak_bytes"] / traced["peak_bytes"] - 1) < 0.01
     plain = estimate_step(_config("gpt", FORWARD_PEAK, "all", hf_dirs), "cpu", model_arch(cfg)).json
     assert est["peak_bytes"] - plain["peak_bytes"] == ANSWERS_BYTES
-
-
-@pytest.fixture
-def cce_traceable(monkeypatch):
-    """A stand-in cut_cross_entropy that imports (fake tensors take memtrain's
-    _CutCrossEntropyBuffers, never the library), and no refusal of it on the CPU
-    (as tests/test_estimate_cce.py)."""
-    module = types.ModuleType("cut_cross_entropy")
-    module.linear_cross_entropy = lambda *a, **k: pytest.fail("the trace called the library")  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "cut_cross_entropy", module)
-    monkeypatch.setattr(loss_mod, "loss_kernel_refusal", lambda *a: None)
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: importlib.machinery.ModuleSpec(name, None)
-                        if name == "cut_cross_entropy" else real(name, *a, **k))
 
 
 @pytest.mark.usefixtures("cce_traceable")
