@@ -256,3 +256,16 @@ def cce_traceable(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: importlib.machinery.ModuleSpec(name, None)
                         if name == "cut_cross_entropy" else real(name, *a, **k))
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """dynamo's caches and counters emptied before and after the test: its graph and recompile
+    counts are the test's own, and no compiled frame outlives it."""
+    import torch  # imported here: conftest stays light at import
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()

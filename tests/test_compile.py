@@ -22,12 +22,7 @@ from memtrain.techniques.loss import apply_loss
 CFG = ModelConfig(vocab_size=512, d_model=64, n_heads=4, n_layers=2, d_ff=128, max_seq_len=64, dropout=0.0)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # conftest.py: counts are each test's own
 
 
 @pytest.fixture(scope="module")

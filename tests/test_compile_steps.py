@@ -32,12 +32,7 @@ CPU = torch.device("cpu")
 VOCAB = 256
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # conftest.py: counts are each test's own
 
 
 def _answer_steps(steps: int, accum: int = 3, seq: int = 16) -> list[MicroBatches]:
