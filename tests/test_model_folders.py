@@ -46,6 +46,17 @@ def _one_error_line(err: str) -> str:
     return lines[0]
 
 
+def _llama_folder_with(tmp_path: Path, **fields: object) -> Path:
+    """A one-layer tiny Llama folder (``tmp_path / "m"``) whose config.json has ``fields`` set."""
+    from tiny_families import tiny_config
+
+    folder = tmp_path / "m"
+    tiny_config("llama", 1).save_pretrained(folder)
+    config = folder / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), **fields}))
+    return folder
+
+
 @contextlib.contextmanager
 def unblocks(fifo: Path, after_s: float = 60.0):
     """Should anything block opening ``fifo`` for reading, open and close its write end after
@@ -784,11 +795,7 @@ def test_a_scale_field_that_is_no_number_is_one_line_naming_it(tmp_path, capsys,
 def test_a_config_without_a_vocabulary_is_one_line_naming_the_field(tmp_path, capfd, vocab):
     """transformers logged a line for each special token outside the empty vocabulary before the
     refusal, which named a flag (--vocab-size) the user never gave."""
-    from tiny_families import tiny_config
-
-    tiny_config("llama", 1).save_pretrained(tmp_path / "m")
-    config = tmp_path / "m" / "config.json"
-    config.write_text(json.dumps({**json.loads(config.read_text()), "vocab_size": vocab}))
+    _llama_folder_with(tmp_path, vocab_size=vocab)
     for argv in (["estimate", "--model", str(tmp_path / "m")], ["generate", str(tmp_path / "m")],
                  ["train", "--model", str(tmp_path / "m"), "--steps", "1", "--out", str(tmp_path / "o")]):
         assert main(argv) == 2, argv
@@ -806,11 +813,7 @@ def test_a_model_type_that_is_no_name_is_one_line_naming_the_field(tmp_path, cap
     """A config.json whose model_type is a list, a number or an object (a damaged download) was said
     to have "no 'model_type'; it is not a transformers config.json": the field is named with its
     value on every verb."""
-    from tiny_families import tiny_config
-
-    tiny_config("llama", 1).save_pretrained(tmp_path / "m")
-    config = tmp_path / "m" / "config.json"
-    config.write_text(json.dumps({**json.loads(config.read_text()), "model_type": model_type}))
+    _llama_folder_with(tmp_path, model_type=model_type)
     for argv in (["estimate", "--model", str(tmp_path / "m")], ["generate", str(tmp_path / "m")],
                  ["train", "--model", str(tmp_path / "m"), "--steps", "1", "--out", str(tmp_path / "o")]):
         assert main(argv) == 2, argv
@@ -846,12 +849,8 @@ def test_a_rope_factor_below_one_or_no_number_is_one_line_before_building(tmp_pa
     """transformers only warns of a rope_scaling factor that is no number of at least 1: a factor
     of 0 trained to a NaN loss said to need a lower --lr (exit 1), a string failed as "cannot read
     the weights", -1 trained on positions turned backwards. One line naming the field, exit 2."""
-    from tiny_families import tiny_config
-
-    tiny_config("llama", 1).save_pretrained(tmp_path / "m")
-    config = tmp_path / "m" / "config.json"
     rope = {"rope_type": "linear", "factor": factor, "rope_theta": 10000.0}
-    config.write_text(json.dumps({**json.loads(config.read_text()), "rope_scaling": rope, "rope_parameters": rope}))
+    _llama_folder_with(tmp_path, rope_scaling=rope, rope_parameters=rope)
     # (estimate's analytic figures do not depend on the factor: it answers, as for any config it reads.)
     for argv in (["generate", str(tmp_path / "m")],
                  ["train", "--model", str(tmp_path / "m"), "--steps", "1", "--out", str(tmp_path / "o")]):
