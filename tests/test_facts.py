@@ -209,6 +209,35 @@ def test_rtx4090_spellings_are_one_kind_for_flops_memory_and_the_allocator(alias
     assert replay([], alias).cuda_context == kind.allocator.cuda_context_bytes
 
 
+@pytest.mark.parametrize("name, key", [("NVIDIA B200", "b200"), ("b200", "b200"), ("NVIDIA GB200", "gb200"),
+                                       ("gb200", "gb200"), ("NVIDIA L40", "l40"), ("l40", "l40"), ("NVIDIA L40S", "l40s"),
+                                       ("NVIDIA RTX A6000", "rtx-a6000"), ("rtx a6000", "rtx-a6000"), ("a6000", "rtx-a6000")])
+def test_current_cards_answer_to_the_names_cuda_prints(name, key):
+    """`--gpu b200` (and the name torch.cuda.get_device_name gives a B200, GB200, L40 or RTX A6000)
+    was "no GPU kind memtrain knows" on flops, estimate, plan and maxbatch: each is now a kind."""
+    assert K.gpu_table_key(name) == key and K.named_gpu_key(name) == key
+
+
+@pytest.mark.parametrize("name", ["NVIDIA GeForce RTX 5090", "NVIDIA RTX 6000 Ada Generation",
+                                  "NVIDIA RTX PRO 6000 Blackwell Workstation Edition", "NVIDIA H20"])
+def test_cards_without_a_sourced_dense_rate_are_no_kind_and_no_neighbour(name):
+    """A card whose dense tensor rate was not found in a datasheet stays unknown; it must not be
+    taken for a neighbour whose name it contains (the RTX 6000 Ada for the A6000, the H20 for the H200)."""
+    assert K.gpu_table_key(name) is None
+
+
+def test_blackwell_kinds_hold_the_briefs_dense_rates_and_the_default_context():
+    """The table holds dense rates: the B200's FP8 is twice its BF16, which is twice its TF32 (the
+    technical brief's sparse column doubles each); its CUDA context is the unmeasured default."""
+    b200, gb200 = K.GPU_KINDS["b200"], K.GPU_KINDS["gb200"]
+    assert (b200.flops["bf16"], b200.flops["tf32"], b200.flops["fp8"]) == (2250e12, 1100e12, 4500e12)
+    assert (gb200.flops["bf16"], gb200.flops["tf32"], gb200.flops["fp8"]) == (2500e12, 1250e12, 5000e12)
+    assert b200.memory_bytes == 180 * 2**30 and gb200.memory_bytes is None  # GB200: --budget
+    for kind in (b200, gb200):
+        assert kind.allocator is not None and not kind.allocator.context_measured
+        assert kind.allocator.cuda_context_bytes == K.DEFAULT_ALLOCATOR.cuda_context_bytes
+
+
 def test_the_allocator_model_reads_the_gpu_kinds():
     from memtrain.analysis import allocator
 
@@ -233,9 +262,10 @@ def test_hopper_cards_get_torchs_hopper_cublas_workspace():
     took the default facts' pre-Hopper workspace, so a two-step replay on it placed a 4x smaller
     workspace (and the batches where a cached segment is split, docs/estimation.md)."""
     hopper, before = 4096 * 1024 * 8, 4096 * 1024 * 2 + 16 * 1024 * 8
-    for name in ("h100", "NVIDIA H100 80GB HBM3", "h200", "NVIDIA H200", "h200-nvl", "NVIDIA H200 NVL"):
+    for name in ("h100", "NVIDIA H100 80GB HBM3", "h200", "NVIDIA H200", "h200-nvl", "NVIDIA H200 NVL",
+                 "NVIDIA B200", "NVIDIA GB200"):
         assert K.allocator_facts(name).cublas_workspace_bytes == hopper, name
-    for name in ("a100", "rtx-4090", "l4", "t4", "an unknown card", None):
+    for name in ("a100", "rtx-4090", "l4", "l40", "NVIDIA RTX A6000", "t4", "an unknown card", None):
         assert K.allocator_facts(name).cublas_workspace_bytes == before, name
 
 

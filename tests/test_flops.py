@@ -262,7 +262,8 @@ def test_every_verb_refuses_a_gpu_name_no_kind_answers_to(capsys, verb, name):
 @pytest.mark.parametrize("name, key", [("NVIDIA A100-SXM4-80GB", "a100-80gb-sxm"), ("Tesla V100S-PCIE-32GB", "v100s-pcie"),
                                        ("NVIDIA GeForce RTX 4090", "rtx-4090"), ("NVIDIA H100 80GB HBM3", "h100-sxm"),
                                        ("a100-80gb", "a100-80gb-sxm"), ("rtx4090", "rtx-4090"), ("4090", "rtx-4090"),
-                                       ("H100", "h100-sxm"), ("t4", "t4")])
+                                       ("H100", "h100-sxm"), ("t4", "t4"), ("b200", "b200"), ("NVIDIA B200", "b200"),
+                                       ("NVIDIA GB200", "gb200"), ("NVIDIA L40", "l40"), ("NVIDIA RTX A6000", "rtx-a6000")])
 def test_gpu_names_as_cuda_prints_them_and_short_names_still_resolve(capsys, name, key):
     from memtrain.devices.gpu_kinds import named_gpu_key
 

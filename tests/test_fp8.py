@@ -96,12 +96,13 @@ def test_fp8_peaks_come_from_the_gpu_kinds():
 
     assert K.GPU_KINDS["h100-sxm"].flops["fp8"] == pytest.approx(1978.9e12)
     assert K.GPU_KINDS["h200"].flops["fp8"] == pytest.approx(1978.9e12)
-    # Exactly the Hopper and Ada kinds (compute capability 8.9+) have an FP8 rate, above their BF16 one.
+    # Exactly the Hopper, Ada and Blackwell kinds (compute capability 8.9+) have an FP8 rate, above their BF16 one.
     with_fp8 = {key for key, kind in K.GPU_KINDS.items() if kind.flops["fp8"] is not None}
-    assert with_fp8 == {"h100-sxm", "h100-pcie", "h100-nvl", "h200", "h200-nvl", "l4", "l40s", "rtx-4090"}
+    assert with_fp8 == {"h100-sxm", "h100-pcie", "h100-nvl", "h200", "h200-nvl", "l4", "l40s", "l40", "rtx-4090",
+                        "b200", "gb200"}
     assert all(K.GPU_KINDS[k].flops["fp8"] > K.GPU_KINDS[k].flops["bf16"] for k in with_fp8)
     assert [n for n in ("h100", "h200", "l4", "l40s", "rtx4090") if not K.has_fp8(n)] == []
-    assert [n for n in ("a100", "v100", "t4", "rtx-3090", "cpu", None, "unknown card") if K.has_fp8(n)] == []
+    assert [n for n in ("a100", "v100", "t4", "rtx-3090", "a6000", "cpu", None, "unknown card") if K.has_fp8(n)] == []
     h100 = PEAK_FLOPS["h100-sxm"]
     assert peak_flops(h100, "fp8") == K.GPU_KINDS["h100-sxm"].flops["fp8"]
     assert mfu(1978.9e12, 2.0, h100, "fp8") == pytest.approx(0.5)

@@ -27,6 +27,24 @@ Sources (dense figures, sparse ones halved where only those are printed):
 - L4, L40S, A10, T4, V100: their NVIDIA datasheets.
 - RTX 4090: "NVIDIA Ada GPU Architecture" whitepaper, appendix table for GeForce RTX 4090.
 - RTX 3090: "NVIDIA Ampere GA102 GPU Architecture" whitepaper, GeForce RTX 3090 table.
+- Blackwell (B200, GB200): NVIDIA's "Blackwell architecture technical brief" per-GPU table, as
+  tabulated in Glenn Lockwood's B200 notes (glennklockwood.com/garden/processors/B200): the HGX
+  B200 at 1,000 W and the GB200's B200 at 1,200 W, dense (its sparse column is twice these). FP8
+  is the dense FP8 Tensor rate; HBM3e at 8 TB/s. B200 memory: the DGX/HGX B200 datasheet's
+  1,440 GB over 8 GPUs (180 GB each; nvidia-smi on an HGX B200 prints 179 GB, Vultr's "HGX B200
+  hardware overview"). GB200: no single figure (the GB200 systems expose different capacities
+  per GPU), so it needs --budget, as the V100.
+- L40: NVIDIA L40 datasheet (the L40/L40S table: TF32 90.5 | 181*, BF16/FP16 181.05 | 362.1*,
+  FP8 362 | 724*, * with sparsity; FP32 90.5; 48 GB GDDR6 at 864 GB/s).
+- RTX A6000: NVIDIA RTX A6000 datasheet as compared in Microway's "In-Depth Comparison of NVIDIA
+  Ampere GPU Accelerators" (FP16/BF16 tensor 154.8 dense, 309.7 sparse; FP32 38.7; 48 GB GDDR6 at
+  768 GB/s). Its TF32 rate is half its BF16 one (77.4), the GA102 ratio that the A40 datasheet
+  prints (TF32 74.8 against BF16 149.7): derived, not printed in the sources found.
+- Not in the table, for want of a sourced dense tensor rate (they resolve to no kind; name the
+  closest one): RTX 5090 and RTX PRO 6000 Blackwell (sparse or FP4 "AI TOPS" figures only; the
+  GeForce FP32-accumulate rate is not printed), RTX 6000 Ada (FP32 and bandwidth only), H20 (no
+  NVIDIA datasheet; no FP8 rate found). AMD cards (MI300X) are not modelled: the allocator facts
+  (cuBLAS workspace, CUDA context) and the FP8 rules here are NVIDIA's.
 - A10G: AWS-only part without an NVIDIA datasheet; figures as compared against the A10 in
   Baseten's "NVIDIA A10 vs A10G for ML model inference" (same 600 GB/s memory, half the
   A10's tensor rate, a higher FP32 rate).
@@ -114,8 +132,13 @@ _A100_ALLOC = AllocatorFacts("a100", 440 * MiB, _WORKSPACE, loose_names=("a100",
 _RTX4090_ALLOC = AllocatorFacts("rtx4090", 380 * MiB, _WORKSPACE, loose_names=("rtx4090", "4090"))
 # Any other GPU: an assumption.
 DEFAULT_ALLOCATOR = AllocatorFacts("default", 500 * MiB, _WORKSPACE)
+# Blackwell (B200, GB200: sm100): torch gives compute capability 9, 10, 11 and 12 the 32 MiB
+# workspace (CublasHandlePool.cpp, "32MiB for Hopper and Blackwell"; 9.0 only in older releases).
+# Their context is the default assumption: not measured on a Blackwell card.
+_BLACKWELL_ALLOC = AllocatorFacts("blackwell", DEFAULT_ALLOCATOR.cuda_context_bytes, _HOPPER_WORKSPACE,
+                                  loose_names=("b200",))
 # In the order a loose name is tried.
-_LOOSE_ALLOCATORS = (_H100_ALLOC, _H200_ALLOC, _A100_ALLOC, _RTX4090_ALLOC)
+_LOOSE_ALLOCATORS = (_H100_ALLOC, _H200_ALLOC, _A100_ALLOC, _RTX4090_ALLOC, _BLACKWELL_ALLOC)
 
 
 @dataclass(frozen=True)
@@ -154,6 +177,12 @@ GPU_KINDS: dict[str, GpuKind] = {
                   _H200_ALLOC, memory_measured=True, fp8=1978.9 * T),
     "h200-nvl": _kind("H200 NVL", 835.5 * T, 835.5 * T, 417.5 * T, 60.0 * T, 4800 * GBs, 141 * GiB, _H200_ALLOC,
                       fp8=1670.5 * T),
+    # Blackwell data centre (rates and memory: the module's docstring). CUDA context: the default
+    # assumption, not measured on these cards.
+    "b200": _kind("B200", 2250 * T, 2250 * T, 1100 * T, 80 * T, 8000 * GBs, 180 * GiB, _BLACKWELL_ALLOC,
+                  fp8=4500 * T),
+    "gb200": _kind("GB200", 2500 * T, 2500 * T, 1250 * T, 90 * T, 8000 * GBs, None, _BLACKWELL_ALLOC,
+                   fp8=5000 * T),
     # Ampere data centre.
     "a100-40gb-sxm": _kind("A100 40GB SXM", 312 * T, 312 * T, 156 * T, 19.5 * T, 1555 * GBs, 40 * GiB, _A100_ALLOC),
     "a100-80gb-sxm": _kind("A100 80GB SXM", 312 * T, 312 * T, 156 * T, 19.5 * T, 2039 * GBs, 80 * GiB, _A100_ALLOC),
@@ -166,6 +195,9 @@ GPU_KINDS: dict[str, GpuKind] = {
     # Ada data centre.
     "l4": _kind("L4", 121 * T, 121 * T, 60 * T, 30.3 * T, 300 * GBs, 24 * GiB, fp8=242.5 * T),
     "l40s": _kind("L40S", 362.05 * T, 362.05 * T, 183 * T, 91.6 * T, 864 * GBs, 48 * GiB, fp8=733 * T),
+    "l40": _kind("L40", 181.05 * T, 181.05 * T, 90.5 * T, 90.5 * T, 864 * GBs, 48 * GiB, fp8=362 * T),
+    # Ampere workstation (full-rate FP32 accumulate, unlike GeForce).
+    "rtx-a6000": _kind("RTX A6000", 154.8 * T, 154.8 * T, 77.4 * T, 38.7 * T, 768 * GBs, 48 * GiB),
     # GeForce (FP32-accumulate tensor rates).
     "rtx-4090": _kind("RTX 4090", 165.2 * T, 165.2 * T, 82.6 * T, 82.6 * T, 1008 * GBs, 24 * GiB, _RTX4090_ALLOC,
                       fp8=330.3 * T),
@@ -180,6 +212,8 @@ GPU_KINDS: dict[str, GpuKind] = {
 # The names each kind answers to. First match wins, so variants come before the bare model name.
 # Patterns run on the lowercased name with punctuation turned into spaces, e.g. "nvidia a100 sxm4 80gb".
 _PATTERNS: list[tuple[str, str]] = [
+    (r"\bgb200\b", "gb200"),
+    (r"\bb200\b", "b200"),
     (r"\bh100\b.*\bnvl\b", "h100-nvl"),
     (r"\bh100\b.*\bpcie\b", "h100-pcie"),
     (r"\bh100\b", "h100-sxm"),
@@ -192,7 +226,10 @@ _PATTERNS: list[tuple[str, str]] = [
     (r"\ba10g\b", "a10g"),
     (r"\ba10\b", "a10"),
     (r"\bl40s\b", "l40s"),
+    (r"\bl40\b", "l40"),
     (r"\bl4\b", "l4"),
+    # "NVIDIA RTX A6000"; the RTX 6000 Ada Generation is another card.
+    (r"\ba6000\b", "rtx-a6000"),
     # "rtx4090" (estimate --gpu's spelling) as well as "RTX 4090"; the China-market 4090 D is a
     # different part, as is the 3090 Ti.
     (r"(?:\b|(?<=rtx))4090\b(?!\s*d\b)", "rtx-4090"),
