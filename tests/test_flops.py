@@ -380,25 +380,49 @@ def test_a_mixture_of_experts_step_counts_its_experts(tmp_path):
     assert totals[2] - totals[1] == 6 * tokens * 3 * hidden * inter * layers
 
 
-def test_lora_on_a_mixture_of_experts_model_is_one_refusal_and_train_uses_the_rule(tmp_path, capsys):
-    """LoRA's all-linear on Mixtral adapts its router and expert tensors with peft's ParamWrapper,
-    which re-registers them in every forward: under the count's fake tensors that failed with an
-    AssertionError about aten.set_ (exit 1). `flops` refuses it in one line (exit 2), and a LoRA
-    run on such a model still reports the 6ND rule's FLOPs."""
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_lora_on_a_mixture_of_experts_model_counts_the_expert_adapters_as_peft_runs_them(tmp_path, capsys, family):
+    """peft's all-linear on Mixtral and Qwen3-MoE adapts the attention Linears and, through ParamWrapper, the
+    router and the stacked expert tensors, which it re-registers in every forward: under the
+    count's fake tensors that failed (an AssertionError about aten.set_), then was refused in one
+    line (exit 2) and train fell back to the 6ND rule. The count now runs, fake equals real, and
+    it equals what torch's FlopCounterMode counts on a plain transformers + peft step of the same
+    model and batch (with the formulas torch 2.13 lacks on CPU: grouped_mm, CPU flash attention),
+    adapter parameters included."""
     transformers = pytest.importorskip("transformers")
-    pytest.importorskip("peft")
-    from memtrain.analysis.flops import counted_flops_per_step
+    peft = pytest.importorskip("peft")
+    from torch.utils.flop_counter import FlopCounterMode
 
-    d = tmp_path / "mixtral"
-    transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=2, vocab_size=384, max_position_embeddings=64,
-                               num_local_experts=4, num_experts_per_tok=2).save_pretrained(d)
-    assert main(["flops", "--model", str(d), "--seq-len", "16", "--batch-size", "2", "--lora-rank", "2"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"error: memtrain flops cannot count --lora-rank on --model {d}: ")
-    assert "count it without --lora-rank" in err[0]
-    with pytest.raises(ConfigError):
-        counted_flops_per_step(build_config({"model": str(d), "seq_len": 16, "batch_size": 2, "lora_rank": 2}))
+    from memtrain.analysis.flops import counted_flops_per_step
+    from memtrain.analysis.flops.count import _extra_flop_formulas
+
+    d = tmp_path / family
+    shape = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=384,
+                 max_position_embeddings=64, num_experts_per_tok=2)
+    moe = (transformers.MixtralConfig(intermediate_size=64, num_local_experts=4, **shape) if family == "mixtral" else
+           transformers.Qwen3MoeConfig(moe_intermediate_size=16, num_experts=4, head_dim=8, **shape))
+    moe.save_pretrained(d)
+    flags = ["--model", str(d), "--seq-len", "16", "--batch-size", "2", "--lora-rank", "2"]
+    assert main(["flops", "--json", *flags]) == 0
+    assert json.loads(capsys.readouterr().out)["total_flops"] > 0
+    # SDPA, as transformers builds the model (and as the command line defaults a --model to)
+    cfg = _counting_config(build_config({"model": str(d), "seq_len": 16, "batch_size": 2, "lora_rank": 2,
+                                         "attention": "sdpa"}))
+    _, fake_total, _, trainable, _ = _trace(cfg, fake=True)
+    assert _trace(cfg, fake=False)[1] == fake_total
+
+    torch.manual_seed(0)
+    plain = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(moe),
+                                peft.LoraConfig(r=2, target_modules="all-linear", lora_dropout=0.0))
+    wrapped = {n.rsplit(".", 1)[-1] for n, m in plain.named_modules() if type(m).__name__ == "ParamWrapper"}
+    assert {"experts", "gate"} <= wrapped  # peft adapts the experts and the router: the case counted here
+    assert plain.get_nb_trainable_parameters()[0] == trainable
+    x = torch.randint(0, 384, (2, 16))
+    with FlopCounterMode(display=False, custom_mapping=_extra_flop_formulas()) as fc:
+        plain(input_ids=x, labels=x).loss.backward()
+    assert fc.get_total_flops() == fake_total
+    assert counted_flops_per_step(build_config({"model": str(d), "seq_len": 16, "batch_size": 2,
+                                                "lora_rank": 2}))["model_flops"] > 0
 
 
 def test_the_rule_of_a_mixture_of_experts_model_counts_the_experts_a_token_meets(tmp_path):

@@ -200,13 +200,14 @@ def _traced_step(cfg: RunConfig, fake: bool) -> Traced:
     n_params = base.num_parameters()
     rule_params = model_rule_params(base)
     model = prepare_model(base, cfg, torch.device("cpu"), precision)
-    if fake:
-        _refuse_adapted_parameters(model, cfg)
     model.train()
     _use_fused_dropout(model)
     # Parameters are real (uninitialized) CPU tensors: modules built inside FakeTensorMode
     # cannot be moved with .to(), which prepare_model does. Everything the step computes is fake.
-    with CpuStepFakeMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+    fake_mode = CpuStepFakeMode(allow_non_fake_inputs=True) if fake else None
+    if fake_mode is not None and _has_adapted_parameters(model):
+        _make_parameters_fake(model, fake_mode)
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
         trainable = sum({id(p): p.numel() for p in model.parameters() if p.requires_grad}.values())
         idx = torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len))
         targets = torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len))
@@ -228,17 +229,32 @@ def _traced_step(cfg: RunConfig, fake: bool) -> Traced:
     return table, total, n_params, trainable, rule_params
 
 
-def _refuse_adapted_parameters(model: Any, cfg: RunConfig) -> None:
-    """peft adapts a mixture-of-experts model's router and stacked expert tensors (LoRA's
-    all-linear on Mixtral, Qwen3-MoE: tensors of no Linear layer) by re-registering them as
-    parametrized tensors inside every forward: a metadata change on the real parameters the
-    count builds, which fake tensors cannot make (an AssertionError about ``aten.set_``, exit 1).
-    Refused in one line instead."""
-    wrapped = next((name for name, m in model.named_modules() if type(m).__name__ == "ParamWrapper"), None)
-    if wrapped is not None:
-        raise ConfigError(f"memtrain flops cannot count --lora-rank on --model {cfg.model.model}: LoRA adapts tensors "
-                          f"of it that belong to no Linear layer (e.g. {wrapped.removeprefix('lm.')}), which peft "
-                          "re-registers in every forward and the count cannot trace yet; count it without --lora-rank")
+def _has_adapted_parameters(model: Any) -> bool:
+    """Whether peft adapts tensors of ``model`` that belong to no Linear layer: a mixture-of-experts
+    layer's router and stacked expert tensors (peft's ``all-linear`` on Mixtral gives them
+    ``target_parameters``), each wrapped in a ``ParamWrapper``."""
+    return any(type(m).__name__ == "ParamWrapper" for m in model.modules())
+
+
+def _make_parameters_fake(model: Any, mode: Any) -> None:
+    """Swap every parameter and buffer of ``model`` for a fake tensor of ``mode`` (same shape,
+    dtype, requires_grad; a tied parameter stays one tensor). peft's ``ParamWrapper``
+    re-registers the tensor it adapts as a parametrization in every forward, which ``set_``s the
+    parameter: a metadata change that a fake mode refuses on a real tensor (an AssertionError
+    about ``aten.set_``) and makes on a fake one. Counting needs shapes only, so nothing is lost."""
+    # torch loads only when this runs: the CLI's start-up and the analytic commands import this module
+    import torch.nn as nn
+
+    fakes: dict[int, Any] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                if id(p) not in fakes:
+                    fakes[id(p)] = nn.Parameter(mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
+                module._parameters[name] = fakes[id(p)]
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = mode.from_tensor(b)
 
 
 # Models deeper than this are counted per layer kind (below), not traced whole.
