@@ -27,6 +27,8 @@ the check comes before its weights are read at all.
 
 from __future__ import annotations
 
+import copy
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -45,6 +47,7 @@ from memtrain.models.placement import place_weights
 from memtrain.models.source import TOKENIZER_FILES, refuse_pickled_weights, safetensors_files
 from memtrain.models.spec import attention_of_model_type, config_positions
 from memtrain.models.tokenizer import bounded_chat_template, leading_special_ids, load_tokenizer
+from memtrain.runtime.notices import NoticeWarning
 from memtrain.techniques.facts import DTYPE_MATMUL_TYPE, GENERATE_DTYPES
 from memtrain.training.size_check import check_model_size
 
@@ -266,8 +269,29 @@ def sample_ids(hf: Any, x: torch.Tensor, settings: Any, **extra: Any) -> torch.T
     # repetition_penalty and top_p, a num_beams) changed what was sampled, and num_beams 0 ended in
     # ZeroDivisionError. A default config in its place leaves the command line's settings alone.
     hf.generation_config = require_transformers().GenerationConfig()
+    if not cache_counts_positions(hf.config):
+        # In the settings, not as generate's keyword: transformers deprecates passing both.
+        settings = copy.deepcopy(settings)
+        settings.use_cache = False
+        warnings.warn(NoticeWarning(f"a {hf.config.model_type} model without attention layers samples without a cache "
+                                    "(transformers' cache of only recurrent layers cannot say how many positions it "
+                                    "holds): each new token reruns the whole sequence, the same text, slower"),
+                      stacklevel=2)
     with torch.no_grad():
         return hf.generate(x, attention_mask=torch.ones_like(x), generation_config=settings, **extra)
+
+
+def cache_counts_positions(config: Any) -> bool:
+    """Whether the cache transformers' ``generate`` builds for a model of ``config`` has a layer
+    that counts the positions it holds (an attention layer's). A model whose layers are all
+    recurrent (a RecurrentGemma, Qwen3-Next, LFM2 or Jamba of only recurrent blocks: a tiny one
+    whose block pattern's attention falls beyond its depth) gets a cache of recurrent layers only,
+    and transformers 5's mask builder asks that cache its length before the first token: a
+    ValueError ("get_seq_length can only be called on Attention layers")."""
+    from transformers.cache_utils import CacheLayerMixin, DynamicCache
+
+    layers = DynamicCache(config=config).layers
+    return not layers or any(isinstance(layer, CacheLayerMixin) for layer in layers)
 
 
 # What generate calls once the prompt is tokenized and before any weight reaches the device:
