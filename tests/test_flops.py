@@ -272,6 +272,20 @@ def test_gpu_names_as_cuda_prints_them_and_short_names_still_resolve(capsys, nam
     assert json.loads(capsys.readouterr().out)["gpu"]["key"] == key
 
 
+@pytest.mark.parametrize("verb", [["estimate"], ["maxbatch"], ["plan"]])
+def test_every_verb_takes_a_b200_by_the_name_cuda_prints(capsys, verb):
+    """`--gpu b200` was "no GPU kind memtrain knows" on every verb; its memory is now the budget."""
+    assert main([*verb, "--gpu", "NVIDIA B200", *_flags(TINY)]) == 0
+
+
+def test_a_gb200_has_no_single_memory_figure_so_plan_asks_for_a_budget(capsys):
+    """The GB200's per-GPU memory differs between its systems: no figure in the table, one line."""
+    assert main(["plan", "--gpu", "gb200", *_flags(TINY)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --gpu gb200: its memory is not in the GPU table; add --memory-budget SIZE"]
+    assert main(["plan", "--gpu", "gb200", "--memory-budget", "180GiB", *_flags(TINY)]) == 0
+
+
 def test_no_bf16_tensor_cores_is_a_config_error():
     with pytest.raises(ConfigError, match="--precision fp32, tf32, fp16 "):
         resolve_roof("t4", "bf16")
