@@ -31,7 +31,7 @@ from memtrain.errors import ChatTemplateLimit, ConfigError, first_line
 
 # Raised when a record's rendering changes (its text or its answer spans), so cached ids of the
 # old rendering are not reused (part of the token cache's key for every format but text).
-RENDER_VERSION = 2
+RENDER_VERSION = 3  # 3: text parts joined by a space
 CHAT_FIELDS = ("messages", "conversations")
 PROMPT_FIELDS = ("prompt", "completion")
 # ShareGPT's speaker names -> chat roles (TRL's maybe_convert_to_chatml uses the same map).
@@ -166,10 +166,17 @@ def _message(m: Any, where: str) -> dict[str, Any]:
     return {**m, "role": _role(m["role"], where), "content": m["content"]}
 
 
+# What separates the text parts of one message's content: transformers' own flattening of parts for a
+# text-only model (`transformers serve`, ``BaseHandler.get_processor_inputs_from_messages`` for
+# ``Modality.LLM``: ``" ".join``). A text-only template (Qwen2.5's, Llama 3's) writes ``message['content']``
+# as one string, so parts must become one first.
+PART_SEPARATOR = " "
+
+
 def _text_of_parts(parts: list[Any], where: str) -> str:
     """The text of a content given as parts (the multimodal form ``[{"type": "text", "text": ...}]``,
-    which TRL accepts): the text parts joined as a template that reads parts writes them, one after
-    the other. Any other part (an image) is refused: memtrain trains on text."""
+    which TRL accepts): the text parts joined by :data:`PART_SEPARATOR`, as transformers flattens
+    them for a text-only model. Any other part (an image) is refused: memtrain trains on text."""
     texts = []
     for i, part in enumerate(parts, 1):
         if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
@@ -177,7 +184,7 @@ def _text_of_parts(parts: list[Any], where: str) -> str:
             raise ConfigError(f"{where}'s content part {i} is {kind!r}, not a text part; memtrain trains on text: give "
                               'the content as a string or as [{"type": "text", "text": "..."}] parts')
         texts.append(part["text"])
-    return "".join(texts)
+    return PART_SEPARATOR.join(texts)
 
 
 def _role(role: Any, where: str) -> str:
