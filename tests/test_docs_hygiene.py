@@ -304,3 +304,24 @@ def test_the_planners_cost_model_figures_in_the_docs_are_the_codes():
     traffic = (f"plain AdamW {o['adamw']} B, foreach {o['adamw-foreach']}, fused {o['adamw-fused']}, 8-bit and 4-bit "
                f"{o['adamw-8bit']}, bitsandbytes 8-bit {o['adamw-bnb-8bit']}, Adafactor {o['adafactor']}, SGD {o['sgd']}")
     assert traffic in text, traffic
+
+
+# The chat features Unreleased adds: a fix to one of them before any release refines its ### Added entry.
+UNRELEASED_CHAT_FLAGS = ("--chat", "--data-format chat", "--loss-on completion")
+
+
+def _unreleased_bullets(section: str) -> list[str]:
+    """The entries of one ``### section`` of CHANGELOG.md's Unreleased, each joined onto one line."""
+    text = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8").split("## Unreleased", 1)[1].split("\n## ", 1)[0]
+    body = text.split(f"### {section}", 1)[1].split("\n### ", 1)[0]
+    return [" ".join(b.split()) for b in re.split(r"\n- ", "\n" + body) if b.strip()]
+
+
+def test_fixes_to_unreleased_chat_features_are_part_of_their_added_entries():
+    """A user reading Unreleased sees what the chat features do, not a list of fixes to features never
+    released (Fixed held nine such entries): every chat flag is in Added and named by no Fixed entry."""
+    added, fixed = " ".join(_unreleased_bullets("Added")), _unreleased_bullets("Fixed")
+    flag = {f: re.compile(re.escape(f) + r"(?![\w-])") for f in UNRELEASED_CHAT_FLAGS}
+    assert all(flag[f].search(added) for f in UNRELEASED_CHAT_FLAGS)
+    stray = [f"{f}: {entry[:80]}" for entry in fixed for f in UNRELEASED_CHAT_FLAGS if flag[f].search(entry)]
+    assert not stray, "fixes of unreleased chat features belong in their ### Added entries: " + "; ".join(stray)
