@@ -85,7 +85,7 @@ def record_kind(record: dict[str, Any]) -> str:
 def no_template_reason(tokenizer: Optional[ChatTokenizer]) -> Optional[str]:
     """Why ``tokenizer`` cannot render a conversation (None: it can)."""
     if tokenizer is None:
-        return "memtrain's GPT reads GPT-2's BPE, which has no chat template"
+        return "memtrain's GPT reads GPT-2's BPE, which has no chat template of its own"
     if not tokenizer.chat_template:
         return "the --model's tokenizer has no chat template (tokenizer_config.json's chat_template or chat_template.jinja)"
     return None
@@ -97,8 +97,8 @@ def template_refusal(fmt: str, tokenizer: Optional[ChatTokenizer]) -> Optional[C
     if why is None:
         return None
     return ConfigError(f"--data-format {fmt} renders conversations with the model's chat template, and {why}; give "
-                       "--model a folder whose tokenizer has one, or write each record's text to one field and use "
-                       "--data-format text --text-field NAME")
+                       "--chat-template FILE (a .jinja template), or --model a folder whose tokenizer has one, or write "
+                       "each record's text to one field and use --data-format text --text-field NAME")
 
 
 def make_renderer(fmt: str, tokenizer: Optional[ChatTokenizer], answers: bool = False) -> Render:
@@ -241,8 +241,10 @@ def _render(tokenizer: Optional[ChatTokenizer], messages: list[dict[str, Any]], 
     try:
         return tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools)
     except ChatTemplateLimit as exc:
-        raise ConfigError(f"the --model's chat template {exc} for {where}; fix the chat_template in its "
-                          "tokenizer_config.json (or chat_template.jinja), or give --data-format text") from None
+        given = getattr(tokenizer, "template_file", None)  # --chat-template's, not the model folder's
+        fix = (f"fix {given!r}" if given else "fix the chat_template in its tokenizer_config.json (or chat_template.jinja)")
+        raise ConfigError(f"the {'--chat-template' if given else '--model'}'s chat template {exc} for {where}; {fix}, "
+                          "or give --data-format text") from None
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:  # jinja2's TemplateError too
         part = " (its turns up to an answer, for --loss-on completion)" if add_generation_prompt else ""
         raise ConfigError(f"the chat template refused {where}{part}: {first_line(exc)}; fix the record or remove it"
