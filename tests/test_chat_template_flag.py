@@ -90,6 +90,13 @@ def test_our_gpt_trains_on_chat_data_with_a_given_template_and_export_and_genera
     capsys.readouterr()
     assert main(["generate", str(ckpt), "--chat", "--prompt", "How do I sort?", "--max-new-tokens", "2"]) == 0
 
+    template.unlink()  # a plain prompt needs no template; --chat says where the run's file was
+    assert main(["generate", str(ckpt), "--prompt", "How do I", "--max-new-tokens", "2"]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(ckpt), "--chat", "--prompt", "How do I sort?", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--chat-template {str(template)!r} not found" in err and "put it back" in err
+
 
 def test_chat_template_kwargs_reach_every_render_the_cache_key_and_generate(tmp_path):
     """{"enable_thinking": false} reaches the template (Qwen3's empty think block opens each answer's

@@ -163,11 +163,13 @@ def _start_id(tok: Any, prefix: list[int]) -> Optional[int]:
 
 
 # --------------------------------------------------------------------------- what to sample from
-def from_checkpoint(path: Path) -> tuple[Any, Codec, RunConfig]:
-    """A checkpoint's model as a transformers model, its tokenizer, and the run config it was
-    trained with."""
+def from_checkpoint(path: Path, chat: bool = True) -> tuple[Any, Codec, RunConfig]:
+    """A checkpoint's model as a transformers model, its tokenizer (framing ``chat`` prompts with
+    the run's template), and the run config it was trained with."""
     model, cfg = load_trained(path)
-    tok = data_tokenizer(cfg)  # with the run's --chat-template (and kwargs), where it gave one
+    # With the run's --chat-template (and kwargs), read only for --chat: a plain prompt samples
+    # without it, even where the file is gone since.
+    tok = data_tokenizer(cfg if chat else dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, chat_template=None)))
     if isinstance(model, GPT):
         codec = gpt2_codec() if tok is None else with_run_chat(gpt2_codec(), tok.tok, tok.template_kwargs)
         return to_hf_model(model, cfg), codec, cfg
@@ -310,7 +312,7 @@ def generate(model_path: Path, prompt: str, max_new_tokens: int, temperature: fl
     if folder is not None:
         codec, cfg, config, weights_dtype = folder.codec, folder.cfg, folder.config, asked or torch.float32
     else:
-        loaded, codec, cfg = from_checkpoint(model_path)
+        loaded, codec, cfg = from_checkpoint(model_path, chat)
         config, weights_dtype = loaded.config, asked or next(loaded.parameters()).dtype
     if chat:
         if codec.chat is None:

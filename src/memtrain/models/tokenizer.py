@@ -191,7 +191,8 @@ def run_chat_template(cfg: RunConfig) -> Optional[str]:
     path = Path(cfg.data.chat_template).expanduser()
     shown = f"--chat-template {cfg.data.chat_template!r}"
     if not path.exists():
-        raise ConfigError(f"{shown} not found; give the path of a .jinja chat template file")
+        raise ConfigError(f"{shown} not found; give the path of a .jinja chat template file (a run's checkpoint "
+                          "reads the file where the run did: put it back there)")
     why = regular_file_problem(path, path.parent, max_bytes=MAX_CHAT_TEMPLATE_BYTES)
     if why is not None:
         raise ConfigError(f"{shown} is {why}; give a .jinja chat template file")
