@@ -220,3 +220,21 @@ def test_a_config_files_mapping_is_the_same_kwargs_as_the_flags_json(tmp_path):
     from_flag = build_config({"data": "chat.jsonl", "data_format": "chat",
                               "chat_template_kwargs": '{"tone": "dry", "enable_thinking": false}'}).data.chat_template_kwargs
     assert from_file == from_flag == '{"enable_thinking": false, "tone": "dry"}'
+
+
+def test_a_relative_template_is_read_where_the_run_was_launched(tmp_path, monkeypatch):
+    """A run's relative --chat-template is relative to the folder it was launched from, as its --data
+    is: `export` from another folder found no file there."""
+    from transformers import AutoTokenizer
+
+    project = tmp_path / "proj"
+    project.mkdir()
+    _records(project / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    _template(project, CHATML)
+    monkeypatch.chdir(project)
+    assert main(["train", "--data", "chat.jsonl", "--data-format", "chat", "--chat-template", "chat.jinja", *GPT,
+                 "--steps", "1", "--seq-len", "32", "--batch-size", "2", "--val-fraction", "0.2", "--no-progress",
+                 "--cache-dir", str(tmp_path / "cache"), "--out", "run", "--save", "run/ck.pt"]) == 0
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", str(project / "run" / "ck.pt"), "exp"]) == 0
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "exp")).chat_template == CHATML
