@@ -238,3 +238,27 @@ def test_a_relative_template_is_read_where_the_run_was_launched(tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     assert main(["export", str(project / "run" / "ck.pt"), "exp"]) == 0
     assert AutoTokenizer.from_pretrained(str(tmp_path / "exp")).chat_template == CHATML
+
+
+def test_a_template_edited_in_place_is_other_data_for_resume_and_bench(tmp_path, capsys):
+    """The data fingerprint (what --resume and a bench's settings compare) held the records' files only:
+    a --chat-template edited in place resumed the data position on other tokens and called a bench's rows
+    done. It holds the file's content; without a template it is what it was."""
+    from memtrain.config.run import build_config
+    from memtrain.data.sources import data_fingerprint
+
+    data = _records(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    template = _template(tmp_path, CHATML)
+    plain = build_config({"data": str(data), "data_format": "chat"}).data
+    given = build_config({"data": str(data), "data_format": "chat", "chat_template": str(template)}).data
+    assert data_fingerprint(plain) == data_fingerprint(build_config({"data": str(data)}).data)
+    ckpt = tmp_path / "run" / "ck.pt"
+    assert _run(tmp_path, data, "--data-format", "chat", "--chat-template", str(template), *GPT, "--steps", "1",
+                "--save", str(ckpt)) == 0
+    before = data_fingerprint(given)
+    template.write_text(CHATML.replace("You are a helpful assistant.", "Be terse."))
+    assert data_fingerprint(given) != before
+    capsys.readouterr()
+    assert main(["train", "--resume", str(ckpt), "--steps", "3", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "or the --chat-template file that renders it, changed since" in err, err
