@@ -5,6 +5,7 @@ keys the token cache, reaches export and generate --chat; memtrain's GPT trains 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -157,6 +158,9 @@ def _bad_template(tmp_path: Path, kind: str) -> Path:
     if kind == "folder":
         (tmp_path / "dir.jinja").mkdir()
         return tmp_path / "dir.jinja"
+    if kind == "fifo":  # opened, it would block the run for ever
+        os.mkfifo(tmp_path / "pipe.jinja")
+        return tmp_path / "pipe.jinja"
     path = tmp_path / f"{kind}.jinja"
     if kind == "large":
         path.write_text("x" * ((1 << 20) + 1))
@@ -170,7 +174,7 @@ def _bad_template(tmp_path: Path, kind: str) -> Path:
 
 
 @pytest.mark.parametrize("kind, says", [
-    ("missing", "not found"), ("folder", "not a regular file"), ("large", "larger than 1,048,576 bytes"),
+    ("missing", "not found"), ("folder", "not a regular file"), ("fifo", "is a FIFO"), ("large", "larger than 1,048,576 bytes"),
     ("binary", "is not UTF-8 text"), ("syntax", "is not a jinja template"), ("empty", "is empty"),
 ])
 def test_a_template_file_that_cannot_be_one_is_one_line_before_anything_is_written(tmp_path, capsys, kind, says):
@@ -262,3 +266,16 @@ def test_a_template_edited_in_place_is_other_data_for_resume_and_bench(tmp_path,
     assert main(["train", "--resume", str(ckpt), "--steps", "3", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "or the --chat-template file that renders it, changed since" in err, err
+
+
+def test_a_template_given_through_a_link_is_read(tmp_path):
+    """The file is the user's own: a link to a template kept elsewhere is followed (its target checked)."""
+    from memtrain.config.run import build_config
+    from memtrain.models.tokenizer import run_chat_template
+
+    (tmp_path / "shared").mkdir()
+    target = _template(tmp_path / "shared", CHATML)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "chat.jinja").symlink_to(target)
+    cfg = build_config({"data": "chat.jsonl", "data_format": "chat", "chat_template": str(tmp_path / "run" / "chat.jinja")})
+    assert run_chat_template(cfg) == CHATML

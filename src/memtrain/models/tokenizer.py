@@ -193,7 +193,9 @@ def run_chat_template(cfg: RunConfig) -> Optional[str]:
     if not path.exists():
         raise ConfigError(f"{shown} not found; give the path of a .jinja chat template file (a run's checkpoint "
                           "reads the file where the run did: put it back there)")
-    why = regular_file_problem(path, path.parent, max_bytes=MAX_CHAT_TEMPLATE_BYTES)
+    # A link to a template elsewhere is followed (the file is the user's own, not a folder's part);
+    # a FIFO or device is never opened, and the size is checked before the read.
+    why = regular_file_problem(path, path.resolve().parent, max_bytes=MAX_CHAT_TEMPLATE_BYTES)
     if why is not None:
         raise ConfigError(f"{shown} is {why}; give a .jinja chat template file")
     try:
@@ -212,8 +214,11 @@ def _check_template_syntax(text: str, shown: str) -> None:
     first record. Compiling runs nothing of the template."""
     # transformers and jinja2 (one of its requirements) load only where a template is given
     from jinja2 import TemplateError
-    from transformers.utils.chat_template_utils import _compile_jinja_template
 
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # a transformers without it (its private name): the first render names the error
+        return
     try:
         _compile_jinja_template(text)
     except TemplateError as exc:
