@@ -279,3 +279,25 @@ def test_a_template_given_through_a_link_is_read(tmp_path):
     (tmp_path / "run" / "chat.jinja").symlink_to(target)
     cfg = build_config({"data": "chat.jsonl", "data_format": "chat", "chat_template": str(tmp_path / "run" / "chat.jinja")})
     assert run_chat_template(cfg) == CHATML
+
+
+def test_a_base_model_run_exports_the_given_template_and_generates_with_it(tmp_path):
+    """A transformers folder without a template, trained with --chat-template: the exported tokenizer
+    holds the file's template, and generate --chat on the checkpoint frames a prompt as the export does."""
+    from transformers import AutoTokenizer
+
+    from memtrain.inference.generate import from_checkpoint
+
+    base = _chat_folder(tmp_path / "base", None)
+    data = _records(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    template = _template(tmp_path, CHATML)
+    ckpt = tmp_path / "run" / "ck.pt"
+    assert _run(tmp_path, data, "--model", str(base), "--data-format", "chat", "--chat-template", str(template),
+                "--steps", "1", "--save", str(ckpt)) == 0
+    assert main(["export", str(ckpt), str(tmp_path / "exp")]) == 0
+    exported = AutoTokenizer.from_pretrained(str(tmp_path / "exp"))
+    assert exported.chat_template == CHATML and AutoTokenizer.from_pretrained(str(base)).chat_template is None
+    asked = [{"role": "user", "content": "Hi"}]
+    _, codec, _ = from_checkpoint(ckpt)
+    assert codec.chat("Hi") == list(exported.apply_chat_template(asked, add_generation_prompt=True, tokenize=True,
+                                                                 return_dict=False))
