@@ -327,3 +327,22 @@ def test_the_benchs_line_per_row_says_its_perplexity_is_over_answer_tokens(monke
     err = capsys.readouterr().err
     assert f"[chunked] ok: val ppl {answers['val_ppl']:.1f} (on answer tokens only), step" in err
     assert f"[baseline] ok: val ppl {plain['val_ppl']:.1f}, step" in err
+
+
+@pytest.mark.parametrize("answers", [False, True])
+def test_the_scatter_plot_says_its_perplexity_is_over_answer_tokens(tmp_path, monkeypatch, answers):
+    """The memory vs step time plot labels each point with its perplexity: over answer tokens only under
+    --loss-on completion, which its title now says."""
+    import json as json_module
+
+    import memtrain.report.plots as plots
+    from memtrain.report import write_report
+
+    titles = []
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path, dpi=120: titles.append(fig.axes[0].get_title()))
+    rows = _answers_rows() if answers else ROWS
+    (tmp_path / "results.jsonl").write_text("".join(json_module.dumps(r) + "\n" for r in rows))
+    write_report(tmp_path)
+    scatter = [t for t in titles if t.startswith("Memory vs step time")]
+    assert len(scatter) == 1
+    assert ("over answer tokens" in scatter[0]) == answers
