@@ -176,7 +176,7 @@ def test_chat_data_without_a_chat_template_is_one_error_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("error: --data-format chat renders conversations"), err
         assert ("GPT-2's BPE" in err) if not model else ("no chat template" in err)
-        assert "--data-format text --text-field" in err and not out.exists()
+        assert "--data-format text --text-field" in err and "--chat-template FILE" in err and not out.exists()
 
 
 @pytest.mark.parametrize("flags, says", [

@@ -38,12 +38,19 @@ def _render(tokenizer, record, fmt="chat"):
     return make_renderer(fmt, tokenizer, answers=True)(record, 1, "chat.jsonl")
 
 
-def test_content_as_text_parts_is_the_content_as_a_string(chatml):
-    plain = [{"role": "user", "content": "Sort it?"}, {"role": "assistant", "content": "Use sorted(x)."}]
-    parts = [{"role": "user", "content": [{"type": "text", "text": "Sort "}, {"type": "text", "text": "it?"}]},
+def test_content_as_text_parts_is_the_content_as_transformers_flattens_it(chatml):
+    """Text parts become one string as transformers flattens them for a text-only model
+    (`transformers serve`'s get_processor_inputs_from_messages, Modality.LLM): parts "Sort it?" and
+    "Keep it." were glued into "Sort it?Keep it."."""
+    from transformers.cli.serving.utils import BaseHandler, Modality
+
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Sort it?"}, {"type": "text", "text": "Keep it."}]},
              {"role": "assistant", "content": [{"type": "text", "text": "Use sorted(x)."}]}]
-    want, got = _render(chatml, {"messages": plain}), _render(chatml, {"messages": parts})
+    flat = BaseHandler.get_processor_inputs_from_messages(parts, Modality.LLM)
+    assert flat[0]["content"] == "Sort it? Keep it."  # the oracle's rule, which the renders below must follow
+    want, got = _render(chatml, {"messages": flat}), _render(chatml, {"messages": parts})
     assert got == want and got.answers == want.answers and got.answers
+    assert "Sort it? Keep it." in got
     image = [{"role": "user", "content": [{"type": "image", "url": "a.png"}, {"type": "text", "text": "What?"}]}]
     with pytest.raises(ConfigError, match=r"record 1 .* message 1's content part 1 is 'image', not a text part"):
         _render(chatml, {"messages": image})

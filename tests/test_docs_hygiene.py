@@ -304,3 +304,4 @@ def test_the_planners_cost_model_figures_in_the_docs_are_the_codes():
     traffic = (f"plain AdamW {o['adamw']} B, foreach {o['adamw-foreach']}, fused {o['adamw-fused']}, 8-bit and 4-bit "
                f"{o['adamw-8bit']}, bitsandbytes 8-bit {o['adamw-bnb-8bit']}, Adafactor {o['adafactor']}, SGD {o['sgd']}")
     assert traffic in text, traffic
+

@@ -288,3 +288,61 @@ def test_each_column_shows_its_own_figure_in_its_unit():
     cells = _table(breakdown, "Method", "probe")
     assert [cells[f"{c.capitalize()} (MiB)"] for c in CATS] == ["1.0", "4.0", "2.0", "3.0", "5.0"]
     assert cells["Peak (MiB)"] == "1536.0"
+
+
+def _answers_rows() -> list[dict]:
+    """ROWS as --loss-on completion rows: their val_ppl averages the answer tokens only."""
+    return [{**r, "config": {**r["config"], "data": {"data": "chat.jsonl", "data_format": "chat",
+                                                     "loss_on": "completion"}}} for r in ROWS]
+
+
+def test_a_perplexity_over_answer_tokens_is_labelled_so_under_its_own_key():
+    """--loss-on completion rows: the Val PPL column (and the noise table's) averaged answer tokens only
+    and said nothing; the header names them and a line says so, while report.json/csv keep val_ppl.
+    Rows over every token keep the plain header."""
+    rows = _answers_rows()
+    md = markdown_report(rows, [])
+    assert "| Val PPL (answer tokens) |" in md and "| Val PPL |" not in md
+    assert "over the answer tokens of the validation blocks only (`--loss-on completion`)" in md
+    assert all("val_ppl" in rec for rec in table_rows(rows))
+    plain = markdown_report(ROWS, [])
+    assert "| Val PPL |" in plain and "answer tokens" not in plain
+
+
+def test_the_benchs_line_per_row_says_its_perplexity_is_over_answer_tokens(monkeypatch, capsys, tmp_path):
+    """bench's stderr line per finished row: `val ppl X (on answer tokens only)` under --loss-on completion."""
+    import memtrain.commands.bench as bench_command
+    from memtrain.cli import main
+
+    answers, plain = _answers_rows()[0], ROWS[0]
+
+    def fake_run_bench(opts, on_row=None, **resolved):
+        on_row("chunked", answers)
+        on_row("baseline", plain)
+        raise KeyboardInterrupt  # stop where the report would be written
+
+    monkeypatch.setattr(bench_command, "run_bench", fake_run_bench)
+    main(["bench", "--techniques", "baseline", "--out", str(tmp_path / "b"), "--no-maxbatch", "--steps", "2",
+          "--no-progress"])
+    err = capsys.readouterr().err
+    assert f"[chunked] ok: val ppl {answers['val_ppl']:.1f} (on answer tokens only), step" in err
+    assert f"[baseline] ok: val ppl {plain['val_ppl']:.1f}, step" in err
+
+
+@pytest.mark.parametrize("answers", [False, True])
+def test_the_scatter_plot_says_its_perplexity_is_over_answer_tokens(tmp_path, monkeypatch, answers):
+    """The memory vs step time plot labels each point with its perplexity: over answer tokens only under
+    --loss-on completion, which its title now says."""
+    import json as json_module
+
+    import memtrain.report.plots as plots
+    from memtrain.report import write_report
+
+    titles = []
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path, dpi=120: titles.append(fig.axes[0].get_title()))
+    rows = _answers_rows() if answers else ROWS
+    (tmp_path / "results.jsonl").write_text("".join(json_module.dumps(r) + "\n" for r in rows))
+    write_report(tmp_path)
+    scatter = [t for t in titles if t.startswith("Memory vs step time")]
+    assert len(scatter) == 1
+    assert ("over answer tokens" in scatter[0]) == answers

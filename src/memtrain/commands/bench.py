@@ -34,6 +34,7 @@ from memtrain.config.run import SECTIONS, ConfigError, parse_size
 from memtrain.errors import one_line
 from memtrain.files.results import OUT_FILES, TRAIN_FILES
 from memtrain.report import write_report
+from memtrain.report.labels import ppl_words
 from memtrain.training.preflight import (
     check_folder_room,
     check_name_room,
@@ -192,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         elif row.get("status") == "ok":
             mb = (row.get("max_batch") or {}).get("batch_size")
             searched = f", max batch {mb}" if mb is not None else ""  # --no-maxbatch, or a distributed row
-            print(f"[{name}] ok: val ppl {row['val_ppl']:.1f}, step {row['step_time_s']['median']:.3f} s, "
+            print(f"[{name}] ok: {ppl_words(row, row['val_ppl'])}, step {row['step_time_s']['median']:.3f} s, "
                   f"tracked peak {fmt_bytes(row['memory']['peak_bytes'])}{searched}", file=sys.stderr)
         else:
             print(f"[{name}] {row.get('status')}: {row.get('error')}", file=sys.stderr)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import glob
+import json
 import math
 import os
 from dataclasses import dataclass, field, fields
@@ -149,6 +150,45 @@ DATA_FORMATS = ("text", "chat", "prompt-completion", "auto")
 LOSS_ON = ("all", "completion")  # --loss-on: every token a target, or a record's answers only
 
 
+# apply_chat_template's own arguments and the variables transformers sets itself: a
+# --chat-template-kwargs key among them would collide with memtrain's call ("got multiple values").
+TEMPLATE_RESERVED = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs", "sanitize_control_tokens",
+})
+
+
+def template_kwargs_text(value: Any) -> Optional[str]:
+    """--chat-template-kwargs as canonical JSON text (sorted keys: one spelling, one cache key), or
+    None when not given; a config file's mapping is taken as the object it is. Anything but an object
+    of plain values (text, numbers, booleans, null) under names the template can read is a
+    ConfigError saying what to write."""
+    if value is None:
+        return None
+    hint = "; write a JSON object of plain values, e.g. '{\"enable_thinking\": false}'"
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--chat-template-kwargs is not JSON ({exc.msg} at character {exc.pos}){hint}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"--chat-template-kwargs is a JSON {type(value).__name__}, not an object{hint}")
+    for key, item in value.items():
+        require(isinstance(key, str) and key.isidentifier(),
+                f"--chat-template-kwargs key {key!r} is not a name a template can read{hint}")
+        require(key not in TEMPLATE_RESERVED,
+                f"--chat-template-kwargs key {key!r} is an argument memtrain gives apply_chat_template itself; drop it")
+        require(item is None or isinstance(item, (str, int, float, bool)),
+                f"--chat-template-kwargs value of {key!r} is a {type(item).__name__}{hint}")
+    return json.dumps(value, sort_keys=True)
+
+
+def template_kwargs(text: Optional[str]) -> dict[str, Any]:
+    """The variables a validated --chat-template-kwargs gives the template ({} without any)."""
+    return json.loads(text) if text else {}
+
+
 @dataclass
 class DataConfig:
     """Where the text comes from and how it becomes token blocks."""
@@ -180,6 +220,20 @@ class DataConfig:
         "turns of a conversation, the completion of a prompt-completion record; TRL's assistant_only_loss and "
         "completion_only_loss; the others' targets are -100, and validation loss averages answer tokens only). "
         "'completion' needs --data-format chat, prompt-completion or auto.",
+    )
+    chat_template: Optional[str] = _f(
+        None,
+        "A chat template file (.jinja text, at most 1 MiB) that renders the records of --data-format chat, "
+        "prompt-completion or auto in place of the --model tokenizer's own (TRL's chat_template_path), e.g. for a "
+        "base model without one; with memtrain's GPT (GPT-2's BPE has none) it makes chat data trainable. Rendered "
+        "as a model's own template is (jinja's sandbox, 10 s and 4 Mi characters a render); its hash keys the token "
+        "cache; export writes it into the exported tokenizer and generate --chat on the run's checkpoint uses it.",
+    )
+    chat_template_kwargs: Optional[str] = _f(
+        None,
+        "A JSON object of plain values (text, numbers, true, false, null) given to the chat template as variables "
+        "(TRL's chat_template_kwargs), e.g. '{\"enable_thinking\": false}' for Qwen3's template; part of the token "
+        "cache's key; generate --chat on the run's checkpoint renders with them too.",
     )
     strip_html: bool = _f(False, "Remove HTML tags and unescape entities (Stack Overflow bodies are HTML).")
     max_documents: Optional[int] = _f(
@@ -214,6 +268,13 @@ class DataConfig:
                 f"unknown --data-format {self.data_format!r}; choose one of {', '.join(DATA_FORMATS)}")
         if self.data_format != "text":
             self._check_record_format(plain)
+        self.chat_template_kwargs = template_kwargs_text(self.chat_template_kwargs)
+        for flag, value in (("--chat-template", self.chat_template), ("--chat-template-kwargs", self.chat_template_kwargs)):
+            require(value is None or self.data_format != "text",
+                    f"{flag} renders the records of --data-format chat, prompt-completion or auto; --data-format text "
+                    f"renders none: give one of those formats or drop {flag}")
+        require(self.chat_template is None or self.chat_template.strip() != "",
+                "--chat-template is empty; give a .jinja file or drop --chat-template")
         require(self.loss_on in LOSS_ON, f"unknown --loss-on {self.loss_on!r}; choose one of {', '.join(LOSS_ON)}")
         require(self.hf_split == "train" or self.data.startswith("hf:"),
                 f"--hf-split {self.hf_split} picks a split of an hf: --data; --data {self.data} has none: give "
@@ -609,7 +670,15 @@ def field_index() -> dict[str, str]:
 
 
 def _coerce(cls: type, name: str, value: Any) -> Any:
-    """Coerce a value from a file or string into the field's declared type."""
+    """Coerce a value from a file or string into the field's declared type; a config file's mapping
+    for --chat-template-kwargs is the JSON object the flag takes."""
+    if name == "chat_template_kwargs" and isinstance(value, dict):
+        return template_kwargs_text(value)
+    return _coerce_scalar(cls, name, value)
+
+
+def _coerce_scalar(cls: type, name: str, value: Any) -> Any:
+    """Coerce a scalar from a file or string into the field's declared type."""
     f = {f.name: f for f in fields(cls)}[name]
     t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     optional = t.startswith("Optional[")

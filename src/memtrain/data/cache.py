@@ -193,7 +193,11 @@ def _format_identity(cfg: DataConfig, tokenizer: Any) -> dict[str, Any]:
     answers = {"loss_on": cfg.loss_on} if cfg.loss_on != "all" else {}
     # How records become text: a cached entry of an older rendering (before tools reached the
     # template) must not be reused.
-    return {"data_format": cfg.data_format, "chat_template": digest, "render_version": RENDER_VERSION, **answers}
+    # --chat-template-kwargs change what the template writes (Qwen3's enable_thinking); keyed only
+    # when given, so entries made without them keep their keys.
+    kwargs = {"chat_template_kwargs": cfg.chat_template_kwargs} if cfg.chat_template_kwargs else {}
+    return {"data_format": cfg.data_format, "chat_template": digest, "render_version": RENDER_VERSION, **answers,
+            **kwargs}
 
 
 def assign_validation(rng: np.random.Generator, n_docs: int, val_fraction: float) -> np.ndarray:

@@ -31,7 +31,7 @@ from memtrain.errors import ChatTemplateLimit, ConfigError, first_line
 
 # Raised when a record's rendering changes (its text or its answer spans), so cached ids of the
 # old rendering are not reused (part of the token cache's key for every format but text).
-RENDER_VERSION = 2
+RENDER_VERSION = 3  # 3: text parts joined by a space
 CHAT_FIELDS = ("messages", "conversations")
 PROMPT_FIELDS = ("prompt", "completion")
 # ShareGPT's speaker names -> chat roles (TRL's maybe_convert_to_chatml uses the same map).
@@ -85,7 +85,7 @@ def record_kind(record: dict[str, Any]) -> str:
 def no_template_reason(tokenizer: Optional[ChatTokenizer]) -> Optional[str]:
     """Why ``tokenizer`` cannot render a conversation (None: it can)."""
     if tokenizer is None:
-        return "memtrain's GPT reads GPT-2's BPE, which has no chat template"
+        return "memtrain's GPT reads GPT-2's BPE, which has no chat template of its own"
     if not tokenizer.chat_template:
         return "the --model's tokenizer has no chat template (tokenizer_config.json's chat_template or chat_template.jinja)"
     return None
@@ -97,8 +97,8 @@ def template_refusal(fmt: str, tokenizer: Optional[ChatTokenizer]) -> Optional[C
     if why is None:
         return None
     return ConfigError(f"--data-format {fmt} renders conversations with the model's chat template, and {why}; give "
-                       "--model a folder whose tokenizer has one, or write each record's text to one field and use "
-                       "--data-format text --text-field NAME")
+                       "--chat-template FILE (a .jinja template), or --model a folder whose tokenizer has one, or write "
+                       "each record's text to one field and use --data-format text --text-field NAME")
 
 
 def make_renderer(fmt: str, tokenizer: Optional[ChatTokenizer], answers: bool = False) -> Render:
@@ -166,10 +166,17 @@ def _message(m: Any, where: str) -> dict[str, Any]:
     return {**m, "role": _role(m["role"], where), "content": m["content"]}
 
 
+# What separates the text parts of one message's content: transformers' own flattening of parts for a
+# text-only model (`transformers serve`, ``BaseHandler.get_processor_inputs_from_messages`` for
+# ``Modality.LLM``: ``" ".join``). A text-only template (Qwen2.5's, Llama 3's) writes ``message['content']``
+# as one string, so parts must become one first.
+PART_SEPARATOR = " "
+
+
 def _text_of_parts(parts: list[Any], where: str) -> str:
     """The text of a content given as parts (the multimodal form ``[{"type": "text", "text": ...}]``,
-    which TRL accepts): the text parts joined as a template that reads parts writes them, one after
-    the other. Any other part (an image) is refused: memtrain trains on text."""
+    which TRL accepts): the text parts joined by :data:`PART_SEPARATOR`, as transformers flattens
+    them for a text-only model. Any other part (an image) is refused: memtrain trains on text."""
     texts = []
     for i, part in enumerate(parts, 1):
         if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
@@ -177,7 +184,7 @@ def _text_of_parts(parts: list[Any], where: str) -> str:
             raise ConfigError(f"{where}'s content part {i} is {kind!r}, not a text part; memtrain trains on text: give "
                               'the content as a string or as [{"type": "text", "text": "..."}] parts')
         texts.append(part["text"])
-    return "".join(texts)
+    return PART_SEPARATOR.join(texts)
 
 
 def _role(role: Any, where: str) -> str:
@@ -234,8 +241,10 @@ def _render(tokenizer: Optional[ChatTokenizer], messages: list[dict[str, Any]], 
     try:
         return tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools)
     except ChatTemplateLimit as exc:
-        raise ConfigError(f"the --model's chat template {exc} for {where}; fix the chat_template in its "
-                          "tokenizer_config.json (or chat_template.jinja), or give --data-format text") from None
+        given = getattr(tokenizer, "template_file", None)  # --chat-template's, not the model folder's
+        fix = (f"fix {given!r}" if given else "fix the chat_template in its tokenizer_config.json (or chat_template.jinja)")
+        raise ConfigError(f"the {'--chat-template' if given else '--model'}'s chat template {exc} for {where}; {fix}, "
+                          "or give --data-format text") from None
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:  # jinja2's TemplateError too
         part = " (its turns up to an answer, for --loss-on completion)" if add_generation_prompt else ""
         raise ConfigError(f"the chat template refused {where}{part}: {first_line(exc)}; fix the record or remove it"

@@ -132,6 +132,9 @@ def source_identity(cfg: DataConfig) -> dict[str, Any]:
 FINGERPRINT_WHOLE_BYTES = 16 << 20
 FINGERPRINT_BLOCK_BYTES = 64 << 10
 FINGERPRINT_BLOCKS = 32
+# A --chat-template is at most 1 MiB (memtrain.models.tokenizer.MAX_CHAT_TEMPLATE_BYTES); a byte past it
+# changes nothing here, as the file is refused when read.
+MAX_TEMPLATE_HASH_BYTES = (1 << 20) + 1
 
 
 def data_fingerprint(cfg: DataConfig) -> str:
@@ -140,21 +143,37 @@ def data_fingerprint(cfg: DataConfig) -> str:
     Local files contribute their sizes and contents (sampled beyond FINGERPRINT_WHOLE_BYTES:
     an edit that keeps a large file's size and misses every sampled block goes unseen), not
     their paths or modification times, so a copied or touched file still resumes. The default
-    corpus and Hub datasets contribute their identity (Python version; name and split).
+    corpus and Hub datasets contribute their identity (Python version; name and split). A
+    ``--chat-template`` file contributes its content: it renders every record.
     """
     identity = source_identity(cfg)
     h = hashlib.sha256(identity["kind"].encode())
     files = identity.get("files")
     if files is None:
         h.update(json.dumps(identity, sort_keys=True).encode())
-        return h.hexdigest()
-    for f in files:
+    for f in files or ():
         h.update(f"\n{f['size']}\n".encode())
         try:
             _hash_content(Path(f["path"]), int(f["size"]), h)
         except OSError as exc:
             raise ConfigError(f"cannot read {f['path']!r} ({exc.strerror or type(exc).__name__}); check --data") from None
+    _hash_chat_template(cfg, h)
     return h.hexdigest()
+
+
+def _hash_chat_template(cfg: DataConfig, h: Any) -> None:
+    """Feed ``--chat-template``'s content to ``h`` (nothing without one, so other fingerprints stay as
+    they were): the file renders every record, so an edit in place is other data at the same paths
+    (a bench's rows run again, a resume is refused). A file that cannot be read adds nothing here:
+    reading it as the template says what is wrong."""
+    if cfg.chat_template is None:
+        return
+    path = Path(cfg.chat_template).expanduser()
+    if special_file_kind(path) is not None or not path.is_file():
+        return
+    h.update(b"\nchat_template\n")
+    with path.open("rb") as fh:
+        h.update(fh.read(MAX_TEMPLATE_HASH_BYTES))  # a template past memtrain's limit is refused when read
 
 
 def _hash_content(path: Path, size: int, h: Any) -> None:

@@ -58,6 +58,7 @@ from memtrain.models.hf import HFCausalLM, build_hf_model, quiet_transformers
 from memtrain.models.hub_access import from_pretrained_kwargs
 from memtrain.models.placement import place_weights
 from memtrain.models.source import resolve
+from memtrain.models.tokenizer import GPT2_TRANSFORMERS_NAME, run_chat_template
 from memtrain.runtime.extras import import_extra
 from memtrain.techniques.hf_mapping import apply_hf_lora
 from memtrain.techniques.lora import apply_lora, merge_adapters_in_place, merge_lora
@@ -363,8 +364,10 @@ def to_hf_model(model: GPT, cfg: RunConfig, padded_vocab: bool = False) -> Any:
     return hf.eval()
 
 
-def save_tokenizer(out: Path) -> None:
-    """GPT-2's tokenizer files (vocab.json, merges.txt, tokenizer.json, ...) into ``out``.
+def save_tokenizer(out: Path, chat_template: Optional[str] = None) -> None:
+    """GPT-2's tokenizer files (vocab.json, merges.txt, tokenizer.json, ...) into ``out``, with
+    ``chat_template`` (the run's --chat-template) where given, so ``apply_chat_template`` works on
+    the export.
 
     vocab.json and merges.txt are OpenAI's encoder.json and vocab.bpe under the names
     transformers reads; its GPT-2 tokenizer class then loads them and writes the rest
@@ -376,16 +379,18 @@ def save_tokenizer(out: Path) -> None:
     shutil.copyfile(d / "encoder.json", out / "vocab.json")
     shutil.copyfile(d / "vocab.bpe", out / "merges.txt")
     tok = transformers.GPT2TokenizerFast.from_pretrained(str(out), trust_remote_code=False)
+    if chat_template is not None:
+        tok.chat_template = chat_template
     tok.save_pretrained(str(out))
 
 
 # --------------------------------------------------------------------------- a transformers model
 def save_model_tokenizer(cfg: RunConfig, out: Path) -> None:
     """The tokenizer a transformers model was trained with (memtrain.models.data_tokenizer):
-    its own, or GPT-2's when its folder had none."""
+    its own, or GPT-2's when its folder had none; holding the run's --chat-template where given."""
     tok = data_tokenizer(cfg)
-    if tok is None:
-        save_tokenizer(out)
+    if tok is None or tok.name == GPT2_TRANSFORMERS_NAME:
+        save_tokenizer(out, None if tok is None else tok.chat_template)
     else:
         tok.tok.save_pretrained(str(out))
 
@@ -566,9 +571,10 @@ def export_hf(ckpt: str | Path, out: str | Path, adapter_only: bool = False) -> 
     else:
         gpt = _load_gpt(state["model"], cfg, Path(ckpt))
         hf = to_hf_model(gpt, cfg)
+        template = run_chat_template(cfg)  # read before the folder is made: a file gone since is one line
         with _new_directory(out) as tmp, quiet_transformers():
             hf.save_pretrained(str(tmp), safe_serialization=True)
-            save_tokenizer(tmp)
+            save_tokenizer(tmp, template)
         n, kind = gpt.num_parameters(), "GPT2LMHeadModel"
     return {"out": str(out), "kind": kind, "parameters": n, "lora_merged": lora and not adapter_only,
             "qlora": bool(cfg.technique.qlora), "precision": cfg.technique.precision,

@@ -28,6 +28,7 @@ the check comes before its weights are read at all.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +47,7 @@ from memtrain.models.hf import ATTN_IMPLEMENTATION, load_pretrained_lm
 from memtrain.models.placement import place_weights
 from memtrain.models.source import TOKENIZER_FILES, refuse_pickled_weights, safetensors_files
 from memtrain.models.spec import attention_of_model_type, config_positions
-from memtrain.models.tokenizer import bounded_chat_template, leading_special_ids, load_tokenizer
+from memtrain.models.tokenizer import GPT2_TRANSFORMERS_NAME, bounded_chat_template, leading_special_ids, load_tokenizer
 from memtrain.runtime.notices import NoticeWarning
 from memtrain.techniques.facts import DTYPE_MATMUL_TYPE, GENERATE_DTYPES
 from memtrain.training.size_check import check_model_size
@@ -73,38 +74,47 @@ def gpt2_codec() -> Codec:
     return Codec(tok.encode_ordinary, tok.decode, EOT_ID, N_VOCAB)
 
 
-def transformers_codec(tok: Any) -> Codec:
+def transformers_codec(tok: Any, template_kwargs: Optional[dict[str, Any]] = None) -> Codec:
     """A transformers tokenizer; a prompt is framed as training framed a document: after the
-    tokenizer's bos when it adds one (Llama), which an empty prompt then starts from."""
+    tokenizer's bos when it adds one (Llama), which an empty prompt then starts from.
+    ``template_kwargs``: the run's --chat-template-kwargs, given to every chat render."""
     prefix = leading_special_ids(tok)
+    kwargs = template_kwargs or {}
     return Codec(lambda text: prefix + list(tok(text, add_special_tokens=False)["input_ids"]),
                  lambda ids: tok.decode(ids, clean_up_tokenization_spaces=False), _start_id(tok, prefix), len(tok),
-                 _chat_encoder(tok), turn_end_id(tok), tok.eos_token_id)
+                 _chat_encoder(tok, kwargs), turn_end_id(tok, kwargs), tok.eos_token_id)
 
 
-def _chat_encoder(tok: Any) -> Optional[Callable[[str], list[int]]]:
+def with_run_chat(codec: Codec, tok: Any, template_kwargs: dict[str, Any]) -> Codec:
+    """``codec`` (memtrain's GPT-2 BPE) that frames --chat prompts with ``tok``, transformers' GPT-2
+    tokenizer holding the run's --chat-template: plain prompts keep tiktoken's ids and start."""
+    return dataclasses.replace(codec, chat=_chat_encoder(tok, template_kwargs), end_id=turn_end_id(tok, template_kwargs),
+                               eos_id=tok.eos_token_id)
+
+
+def _chat_encoder(tok: Any, template_kwargs: dict[str, Any]) -> Optional[Callable[[str], list[int]]]:
     """One user message through the tokenizer's chat template with the assistant's turn opened,
     as transformers' chat pipeline frames it (the template supplies any bos); None without one.
     transformers renders the template in jinja's sandbox: it cannot run Python, but it can loop
     for ever or build text of any length, so the render is bounded (:func:`chat_ids`)."""
     if not getattr(tok, "chat_template", None):
         return None
-    return lambda text: chat_ids(tok, text)
+    return lambda text: chat_ids(tok, text, template_kwargs)
 
 
-def chat_ids(tok: Any, text: str) -> list[int]:
-    """``text`` as a user message framed by ``tok``'s chat template, as token ids. The template
-    comes with the model folder: it is rendered first as text, within the bounds of
-    :func:`memtrain.models.tokenizer.bounded_chat_template` (time, and size before the tokenizer
-    sees it); a template that fails (its own ``raise_exception``, the sandbox's refusal) or
-    passes a bound is one line naming it."""
+def chat_ids(tok: Any, text: str, template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
+    """``text`` as a user message framed by ``tok``'s chat template (given ``template_kwargs``), as
+    token ids. The template comes with the model folder (or the run's --chat-template): it is rendered
+    first as text, within the bounds of :func:`memtrain.models.tokenizer.bounded_chat_template`
+    (time, and size before the tokenizer sees it); a template that fails (its own
+    ``raise_exception``, the sandbox's refusal) or passes a bound is one line naming it."""
     messages = [{"role": "user", "content": text}]
     advice = "fix its chat_template, or give the prompt as text without --chat"
 
     def render(tokenize: bool) -> Any:
         try:
             return bounded_chat_template(tok, messages, tokenize=tokenize, add_generation_prompt=True,
-                                         return_dict=False)
+                                         return_dict=False, **(template_kwargs or {}))
         except ChatTemplateLimit as exc:
             raise ConfigError(f"the tokenizer's chat template {exc} from a prompt of {len(text):,} characters; "
                               f"{advice}") from None
@@ -117,7 +127,7 @@ def chat_ids(tok: Any, text: str) -> list[int]:
     return list(render(tokenize=True))
 
 
-def turn_end_id(tok: Any) -> Optional[int]:
+def turn_end_id(tok: Any, template_kwargs: Optional[dict[str, Any]] = None) -> Optional[int]:
     """The id the chat template closes an assistant's turn with: the first special token it writes
     after an answer (ChatML's <|im_end|>, Llama 3's <|eot_id|>). Not always eos: a base model's
     tokenizer (Qwen2.5's <|endoftext|>) ends documents with another token than its template ends
@@ -127,7 +137,8 @@ def turn_end_id(tok: Any) -> Optional[int]:
 
     marker = "\u2603 reply end"
     try:
-        text = str(bounded_chat_template(tok, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": marker}]))
+        text = str(bounded_chat_template(tok, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": marker}],
+                                         **(template_kwargs or {})))
     # The template's own refusal, or its bounds passed (a ValueError): use eos; --chat, which
     # needs the template, then says what is wrong with it.
     except (TemplateError, ValueError, TypeError, KeyError, IndexError):
@@ -155,14 +166,21 @@ def _start_id(tok: Any, prefix: list[int]) -> Optional[int]:
 
 
 # --------------------------------------------------------------------------- what to sample from
-def from_checkpoint(path: Path) -> tuple[Any, Codec, RunConfig]:
-    """A checkpoint's model as a transformers model, its tokenizer, and the run config it was
-    trained with."""
+def from_checkpoint(path: Path, chat: bool = True) -> tuple[Any, Codec, RunConfig]:
+    """A checkpoint's model as a transformers model, its tokenizer (framing ``chat`` prompts with
+    the run's template), and the run config it was trained with."""
     model, cfg = load_trained(path)
+    # With the run's --chat-template (and kwargs), read only for --chat: a plain prompt samples
+    # without it, even where the file is gone since.
+    tok = data_tokenizer(cfg if chat else dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, chat_template=None)))
     if isinstance(model, GPT):
-        return to_hf_model(model, cfg), gpt2_codec(), cfg
-    tok = data_tokenizer(cfg)
-    return model.lm, gpt2_codec() if tok is None else transformers_codec(tok.tok), cfg
+        codec = gpt2_codec() if tok is None else with_run_chat(gpt2_codec(), tok.tok, tok.template_kwargs)
+        return to_hf_model(model, cfg), codec, cfg
+    if tok is None:
+        return model.lm, gpt2_codec(), cfg
+    if tok.name == GPT2_TRANSFORMERS_NAME:  # a folder without tokenizer files, given --chat-template
+        return model.lm, with_run_chat(gpt2_codec(), tok.tok, tok.template_kwargs), cfg
+    return model.lm, transformers_codec(tok.tok, tok.template_kwargs), cfg
 
 
 @dataclass(frozen=True)
@@ -318,7 +336,7 @@ def generate(model_path: Path, prompt: str, max_new_tokens: int, temperature: fl
     if folder is not None:
         codec, cfg, config, weights_dtype = folder.codec, folder.cfg, folder.config, asked or torch.float32
     else:
-        loaded, codec, cfg = from_checkpoint(model_path)
+        loaded, codec, cfg = from_checkpoint(model_path, chat)
         config, weights_dtype = loaded.config, asked or next(loaded.parameters()).dtype
     if chat:
         if codec.chat is None:

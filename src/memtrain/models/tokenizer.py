@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any, Optional
 
-from memtrain.config.run import ConfigError, RunConfig
+from memtrain.config.run import ConfigError, RunConfig, template_kwargs
 from memtrain.errors import ChatTemplateLimit, first_line
+from memtrain.files.guard import regular_file_problem
 from memtrain.models.auto_config import load_config
 from memtrain.models.hf import quiet_transformers
 from memtrain.models.hub_access import from_pretrained_kwargs
@@ -25,6 +29,10 @@ from memtrain.runtime.signals import TimeLimitExceeded, time_limit
 # template comes with the model folder: jinja's sandbox stops it running Python, not looping).
 CHAT_TEMPLATE_SECONDS = 10.0
 MAX_CHAT_CHARS = 4 << 20  # far past any model's context: a render longer is the template's doing
+# A --chat-template file is read whole: the Hub's largest templates are tens of KB.
+MAX_CHAT_TEMPLATE_BYTES = 1 << 20
+# The cache identity of GPT-2's BPE read through transformers (memtrain's GPT given --chat-template).
+GPT2_TRANSFORMERS_NAME = "gpt2-transformers"
 
 
 def bounded_chat_template(tok: Any, messages: list[dict[str, Any]], tokenize: bool = False, **kwargs: Any) -> Any:
@@ -47,9 +55,13 @@ class HFTokenizer:
     """The interface ``memtrain.data.prepare_tokens`` uses: ``name``, ``n_vocab``, ``eot_id``,
     ``prefix_ids``, ``encode_batch``."""
 
-    def __init__(self, tok: Any, identity: str) -> None:
+    def __init__(self, tok: Any, identity: str, template_kwargs: Optional[dict[str, Any]] = None) -> None:
         self.tok = tok
         self.name = identity
+        # --chat-template-kwargs: variables every render of the chat template gets (TRL's chat_template_kwargs).
+        self.template_kwargs = dict(template_kwargs or {})
+        # --chat-template's path when that file, not the model folder, gave the template (errors name it).
+        self.template_file: Optional[str] = None
         self.n_vocab = len(tok)  # base vocabulary plus added tokens: the largest id + 1
         eot = tok.eos_token_id
         if eot is None:
@@ -101,7 +113,7 @@ class HFTokenizer:
 
         try:
             return str(bounded_chat_template(self.tok, messages, tools=tools,
-                                             add_generation_prompt=add_generation_prompt))
+                                             add_generation_prompt=add_generation_prompt, **self.template_kwargs))
         except TemplateError as exc:
             raise ValueError(first_line(exc)) from None
 
@@ -132,10 +144,13 @@ def _identity(load_id: str, directory: Any) -> str:
 def data_tokenizer(cfg: RunConfig) -> Optional[HFTokenizer]:
     """The tokenizer for ``cfg``'s data: None (memtrain's GPT-2 BPE) for our GPT, or for a
     transformers model without tokenizer files trained from scratch whose vocabulary holds
-    GPT-2's; else the model's own tokenizer. A vocabulary the model cannot embed is an error."""
+    GPT-2's; else the model's own tokenizer. A vocabulary the model cannot embed is an error.
+    With ``--chat-template FILE`` the tokenizer renders with that template (and its kwargs): GPT-2's
+    BPE is then transformers' (the same ids as memtrain's for text), which can render one."""
     spec = cfg.model.model
+    template, kwargs = run_chat_template(cfg), template_kwargs(cfg.data.chat_template_kwargs)
     if is_gpt_preset(spec):
-        return None
+        return None if template is None else _given_template(gpt2_chat_tokenizer(template, kwargs), cfg)
     assert spec is not None
     src = resolve(spec)
     vocab = int(load_config(spec).vocab_size)
@@ -150,13 +165,85 @@ def data_tokenizer(cfg: RunConfig) -> Optional[HFTokenizer]:
         if vocab < N_VOCAB:
             raise ConfigError(f"--model {spec!r} has no tokenizer files and its vocab_size {vocab} is smaller than "
                               f"GPT-2's {N_VOCAB}; add a tokenizer (tokenizer.json) to the directory")
-        return None
+        return None if template is None else _given_template(gpt2_chat_tokenizer(template, kwargs), cfg)
     tok = load_tokenizer(src.load_id, f"--model {spec!r}", repo=src.repo)
-    wrapped = HFTokenizer(tok, _identity(src.load_id, src.directory))
+    if template is not None:
+        tok.chat_template = template  # as TRL's chat_template_path sets it; save_pretrained writes it
+    wrapped = _given_template(HFTokenizer(tok, _identity(src.load_id, src.directory), kwargs), cfg)
     if wrapped.n_vocab > vocab:
         raise ConfigError(f"the tokenizer of --model {spec!r} has {wrapped.n_vocab} tokens but the model embeds only "
                           f"vocab_size {vocab}; use the model's own tokenizer or raise vocab_size in config.json")
     return wrapped
+
+
+def _given_template(tok: HFTokenizer, cfg: RunConfig) -> HFTokenizer:
+    """``tok`` marked as rendering the run's ``--chat-template`` file, where one was given."""
+    tok.template_file = cfg.data.chat_template
+    return tok
+
+
+def run_chat_template(cfg: RunConfig) -> Optional[str]:
+    """The text of the run's ``--chat-template`` file (None without one), read as a small UTF-8
+    file and checked to be a jinja template (compiled in transformers' sandboxed environment,
+    never rendered here); a file that is none is a ConfigError saying what to change."""
+    if cfg.data.chat_template is None:
+        return None
+    path = Path(cfg.data.chat_template).expanduser()
+    shown = f"--chat-template {cfg.data.chat_template!r}"
+    if not path.exists():
+        raise ConfigError(f"{shown} not found; give the path of a .jinja chat template file (a run's checkpoint "
+                          "reads the file where the run did: put it back there)")
+    # A link to a template elsewhere is followed (the file is the user's own, not a folder's part);
+    # a FIFO or device is never opened, and the size is checked before the read.
+    why = regular_file_problem(path, path.resolve().parent, max_bytes=MAX_CHAT_TEMPLATE_BYTES)
+    if why is not None:
+        raise ConfigError(f"{shown} is {why}; give a .jinja chat template file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{shown} is not UTF-8 text; give a .jinja chat template file") from None
+    if not text.strip():
+        raise ConfigError(f"{shown} is empty; give a .jinja chat template file")
+    _check_template_syntax(text, shown)
+    return text
+
+
+def _check_template_syntax(text: str, shown: str) -> None:
+    """Compile ``text`` as transformers compiles a chat template (its immutable sandbox, its
+    ``{% generation %}`` tag): a syntax error is named before any record is read, not blamed on the
+    first record. Compiling runs nothing of the template."""
+    # transformers and jinja2 (one of its requirements) load only where a template is given
+    from jinja2 import TemplateError
+
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # a transformers without it (its private name): the first render names the error
+        return
+    try:
+        _compile_jinja_template(text)
+    except TemplateError as exc:
+        raise ConfigError(f"{shown} is not a jinja template ({first_line(exc)}); fix the file") from None
+
+
+def gpt2_chat_tokenizer(template: str, kwargs: dict[str, Any]) -> HFTokenizer:
+    """memtrain's GPT-2 BPE as transformers' GPT-2 tokenizer (from the package's own vocabulary
+    files: no download) rendering ``template``: its ids of a text are tiktoken's, and it can render
+    a conversation, which tiktoken cannot."""
+    # The Rust tokenizer (offsets for --loss-on completion) in transformers 4 and 5; 5's stubs do not
+    # list the name. Imported here, as the GPT-2 files below: a model's build (every traced estimate)
+    # needs neither transformers' tokenizers nor memtrain.data (tiktoken, the data pipeline).
+    from transformers import GPT2TokenizerFast  # type: ignore[attr-defined]
+
+    from memtrain.data.tokenizer import vocab_dir  # tiktoken's package: loaded only for a given template
+
+    with tempfile.TemporaryDirectory(prefix="memtrain-gpt2-") as tmp:
+        # transformers reads GPT-2's files by these names (export writes them so too)
+        shutil.copyfile(vocab_dir() / "encoder.json", Path(tmp) / "vocab.json")
+        shutil.copyfile(vocab_dir() / "vocab.bpe", Path(tmp) / "merges.txt")
+        with quiet_transformers():
+            tok = GPT2TokenizerFast.from_pretrained(tmp, trust_remote_code=False)
+    tok.chat_template = template
+    return HFTokenizer(tok, GPT2_TRANSFORMERS_NAME, kwargs)
 
 
 def load_tokenizer(load_id: str, what: str, repo: Optional[str] = None) -> Any:

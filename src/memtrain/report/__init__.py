@@ -20,6 +20,7 @@ from memtrain.files.results import (
     refuse_odd_destination,
     write_text_atomic,
 )
+from memtrain.report.labels import answers_only
 from memtrain.report.plots import write_plots
 from memtrain.report.tables import csv_text, markdown_report, table_rows
 
@@ -58,6 +59,6 @@ def write_report(out: Path, techniques: Optional[list[str]] = None, plots: bool 
         summary = {"settings": chosen, "other_settings": [{"settings": sid, "techniques": t} for sid, t in other],
                    **summary}
     write_text_atomic(out / js, dumps(summary, indent=2) + "\n")
-    drawn = write_plots(records, out) if plots else []
+    drawn = write_plots(records, out, answers_only(rows)) if plots else []
     return {"rows": len(rows), "missing": missing, "plots": [str(p) for p in drawn], "skipped_lines": read.skipped,
             "settings": chosen, "other_settings": other}

@@ -5,9 +5,30 @@ from __future__ import annotations
 from pathlib import PurePath
 from typing import Any
 
-__all__ = ["OPTIM_NAMES", "method_cell", "model_label"]
+__all__ = ["ANSWERS_PPL_NOTE", "OPTIM_NAMES", "answers_only", "method_cell", "model_label", "ppl_header", "ppl_words"]
 
 OPTIM_NAMES = {"adafactor": "Adafactor", "adamw-4bit": "4-bit AdamW", "adamw-8bit": "8-bit AdamW"}
+
+# Said beside a perplexity of --loss-on completion rows: it is over the answer tokens only, a figure
+# not comparable with a perplexity over every token (the result key stays val_ppl).
+ANSWERS_PPL_NOTE = "answer tokens"
+
+
+def answers_only(rows: list[dict[str, Any]]) -> bool:
+    """Whether the finished ``rows`` trained with ``--loss-on completion``, so that their ``val_ppl``
+    averages the answer tokens of the validation blocks only (the rows of one report share it)."""
+    return any(str(((r.get("config") or {}).get("data") or {}).get("loss_on")) == "completion"
+               for r in rows if r.get("status") == "ok")
+
+
+def ppl_header(rows: list[dict[str, Any]]) -> str:
+    """The perplexity column's header: ``Val PPL``, naming the answer tokens when that is what it is over."""
+    return f"Val PPL ({ANSWERS_PPL_NOTE})" if answers_only(rows) else "Val PPL"
+
+
+def ppl_words(row: dict[str, Any], ppl: float) -> str:
+    """A row's perplexity in a sentence (``val ppl 12.3``), naming the answer tokens when it is over them."""
+    return f"val ppl {ppl:.1f}" + (f" (on {ANSWERS_PPL_NOTE} only)" if answers_only([row]) else "")
 
 
 def method_cell(rec: dict[str, Any]) -> str:

@@ -29,6 +29,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from memtrain.report.labels import ppl_header
+
 __all__ = ["FACTOR", "SEED_SUFFIX", "NUDGE_SUFFIX", "Twin", "twin_of", "validation_sample", "ppl_noise",
            "row_precision", "precision_yardsticks", "yardstick", "row_noise", "quality_vs_noise", "noise_markdown",
            "is_noise_twin", "fmt_noise", "step_noise", "faster_beyond_noise"]
@@ -263,7 +265,7 @@ def noise_markdown(rows: list[dict[str, Any]], labels: Optional[dict[str, str]] 
         "",
         _noise_paragraph(q, rows),
         "",
-        "| Method | Val PPL | vs " + q["base"] + " | noise | x noise | beyond noise? |",
+        "| Method | " + ppl_header(rows) + " | vs " + q["base"] + " | noise | x noise | beyond noise? |",
         "|---|---:|---:|---:|---:|---|",
     ]
     for r in q["rows"]:

@@ -113,8 +113,9 @@ def _bar(records: list[dict[str, Any]], key: str, label: str, title: str, path: 
     save_figure(fig, path)
 
 
-def plot_memory_vs_time(records: list[dict[str, Any]], path: Path) -> None:
-    """Scatter: tracked peak (x) vs median step time (y), labelled with validation perplexity.
+def plot_memory_vs_time(records: list[dict[str, Any]], path: Path, answers: bool = False) -> None:
+    """Scatter: tracked peak (x) vs median step time (y), labelled with validation perplexity
+    (``answers``: over the answer tokens only, --loss-on completion, which the title says).
     Down and left is better; the label says what it cost in quality."""
     plt = _plt()
     recs = [r for r in records if r.get("peak_tracked_bytes") is not None and r.get("step_time_s") is not None]
@@ -124,7 +125,8 @@ def plot_memory_vs_time(records: list[dict[str, Any]], path: Path) -> None:
     ax.scatter(xs, ys, s=60, color="#C44E52", zorder=3)
     ax.set_xlabel("tracked peak memory (GiB)")
     ax.set_ylabel("median step time (s)")
-    ax.set_title(_title("Memory vs step time (label: validation perplexity)", records), fontsize=11)
+    what = "validation perplexity over answer tokens" if answers else "validation perplexity"
+    ax.set_title(_title(f"Memory vs step time (label: {what})", records), fontsize=11)
     ax.grid(True, alpha=0.3)
     if xs:
         ax.set_xlim(0, max(xs) * 1.25)
@@ -191,8 +193,9 @@ def place_labels(ax: Any, points: list[tuple[float, float]], labels: list[str], 
     return placed
 
 
-def write_plots(records: list[dict[str, Any]], out: Path) -> list[Path]:
-    """Write every plot that has data (the first MAX_PLOT_ROWS rows); return the paths written."""
+def write_plots(records: list[dict[str, Any]], out: Path, answers: bool = False) -> list[Path]:
+    """Write every plot that has data (the first MAX_PLOT_ROWS rows); return the paths written.
+    ``answers``: the rows' perplexity is over answer tokens only (--loss-on completion)."""
     records = records[:MAX_PLOT_ROWS]
     written = []
     peak, step, batch, scatter = (out / name for name in PLOT_FILES)
@@ -210,6 +213,6 @@ def write_plots(records: list[dict[str, Any]], out: Path) -> list[Path]:
              lambda r: f"{r['max_batch']:.0f}" + ("+" if r.get("max_batch_capped") else ""))
         written.append(batch)
     if _ok(records, "step_time_s") and _ok(records, "peak_tracked_bytes"):
-        plot_memory_vs_time(records, scatter)
+        plot_memory_vs_time(records, scatter, answers)
         written.append(scatter)
     return written

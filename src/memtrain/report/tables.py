@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 from memtrain.config.run import DEFAULT_MODULE_TOP, ConfigError, TechniqueConfig, build_config
 from memtrain.config.train_flags import dormant_settings
 from memtrain.report.by_module import is_module_table, module_markdown
-from memtrain.report.labels import OPTIM_NAMES, hardware_text, method_cell
+from memtrain.report.labels import ANSWERS_PPL_NOTE, OPTIM_NAMES, answers_only, hardware_text, method_cell, ppl_header
 from memtrain.report.noise import noise_markdown
 from memtrain.report.recommend import max_batch_capped, recommendation, zero_categories, zero_notes
 from memtrain.techniques.facts import MEMORY_CATEGORIES
@@ -248,7 +248,8 @@ def markdown_report(rows: list[dict[str, Any]], missing: list[str], header: Call
         ]
         parts += device_lines(rows) + shared_technique_lines(rows) + [""]
     header_time = time_header(rows)
-    columns = [(header_time if h == TIME_HEADER else h, k, f) for h, k, f in COLUMNS]
+    columns = [(header_time if h == TIME_HEADER else ppl_header(rows) if k == "val_ppl" else h, k, f)
+               for h, k, f in COLUMNS]
     parts += [markdown_table(records, columns), ""]
     parts += substitution_lines(rows) + optim_substitution_lines(rows) + attention_substitution_lines(rows)
     parts += mfu_lines(rows)
@@ -263,6 +264,10 @@ def markdown_report(rows: list[dict[str, Any]], missing: list[str], header: Call
         "(grow, then bisect) against the budget named in the rows' `max_batch` records.",
         "",
     ]
+    if answers_only(rows):  # the result key stays val_ppl: the header and this line say what it averages
+        parts += [f"Val PPL ({ANSWERS_PPL_NOTE}) is exp of the validation loss over the answer tokens of the "
+                  "validation blocks only (`--loss-on completion`): not comparable with a perplexity over every "
+                  "token.", ""]
     if len(records) > MAX_PLOT_ROWS:
         parts += [f"The plots show the first {MAX_PLOT_ROWS} of the {len(records)} rows.", ""]
     if any(r.get("max_batch_capped") for r in records):

@@ -351,8 +351,9 @@ def check_resume_data(cfg: RunConfig, saved: Optional[str]) -> None:
     from memtrain.data.sources import data_fingerprint  # reads the data's files only when resuming
 
     if saved is not None and data_fingerprint(cfg.data) != saved:
+        changed = "its content, or the --chat-template file that renders it," if cfg.data.chat_template else "its content"
         raise ConfigError(f"--data {cfg.data.data!r} does not hold the data checkpoint {cfg.train.resume!r} was "
-                          "trained on (its content changed since); resume with that data, or start a new run "
+                          f"trained on ({changed} changed since); resume with that data, or start a new run "
                           "without --resume")
 
 

@@ -1,6 +1,6 @@
 """Where a saved run's relative paths point, from wherever it is resumed.
 
-A run config records ``--out``, ``--save``, ``--data`` and ``--model`` as they were typed, so a
+A run config records ``--out``, ``--save``, ``--data``, ``--chat-template`` and ``--model`` as they were typed, so a
 relative one is relative to the folder the run was launched from. A checkpoint records that
 folder (``cwd``); ``train --resume CKPT`` from another folder then continues in the run's own
 ``--out`` and ``--save`` and reads its own data, instead of starting a second copy of the run
@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 # The run settings that name files or folders, by config section.
-PATH_SETTINGS: dict[str, tuple[str, ...]] = {"train": ("out", "save"), "data": ("data",), "model": ("model",)}
+PATH_SETTINGS: dict[str, tuple[str, ...]] = {"train": ("out", "save"), "data": ("data", "chat_template"),
+                                             "model": ("model",)}
 # Settings that may also hold a name that is no path ("default", "hf:ORG/NAME", a bundled model):
 # taken as a path only where one exists.
 MAYBE_NAMES = frozenset({"data", "model"})
