@@ -72,8 +72,14 @@ class LossDiverged(RuntimeError):
 
 
 @torch.no_grad()
+@torch.compiler.set_stance("force_eager")
 def evaluate(model: nn.Module, batches: list[Batch], precision: Precision, device: torch.device) -> float:
-    """Mean token loss over the fixed validation batches."""
+    """Mean token loss over the fixed validation batches.
+
+    Run uncompiled under ``--compile`` (torch's ``force_eager`` stance): in eval mode and without
+    gradients the compiled model is another graph, and compiling it (again for a smaller last
+    batch) costs far more than it saves in the few evaluations of a run (the figures:
+    docs/performance.md, "One compile per run"). HF Trainer evaluates its uncompiled model too."""
     was_training = model.training
     model.eval()
     losses, weights = [], []
