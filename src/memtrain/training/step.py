@@ -150,7 +150,8 @@ def _found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -
     comparison, a cast and the add). torch's ``GradScaler.step`` itself reads this flag on the
     host (``.item()``) before a for-loop or foreach optimizer's step, and hands it to a fused one
     on the device; memtrain reads it nowhere (tests/test_step_syncs.py)."""
-    state = scaler._per_optimizer_states.get(id(optimizer), {})
+    # A disabled scaler (enabled=False) keeps no per-optimizer state at all.
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer), {})
     flags = list(state.get("found_inf_per_device", {}).values())
     if not flags:
         return None
