@@ -132,3 +132,29 @@ def test_a_text_run_with_steps_read_together_compiles_once(tiny_run, monkeypatch
     assert frames == [1] * 5, frames
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert compiled["loss_history"] == pytest.approx(eager["loss_history"], rel=1e-5)
+
+
+def test_evaluations_of_a_compiled_run_compile_nothing_more(tiny_run, monkeypatch):
+    """--compile with --eval-every: the evaluations (every 2 steps and at the end, in eval mode and
+    without gradients, a smaller last batch among them) run the model uncompiled, as HF Trainer
+    evaluates its own, so the run compiles its training graph once and nothing else (a second
+    graph, and a third for the smaller batch, cost 27 s of compiling on a CPU for the seed GPT),
+    and its validation losses are the uncompiled run's."""
+    from memtrain.techniques import order
+    from memtrain.training import train as train_mod
+
+    counter = CompileCounterWithBackend("aot_eager")
+    monkeypatch.setattr(order, "apply_compile", functools.partial(apply_compile, backend=counter))
+    # 5 validation blocks at batch 4: a full batch and a smaller last one
+    run = {**tiny_run, "steps": 4, "eval_every": 2, "val_blocks": 5, "warmup_timing_steps": 1}
+    frames: list[int] = []
+    compiled = train_mod.train(build_config({**run, "compile": True}), track_memory=False,
+                               on_step=lambda *a: frames.append(counter.frame_count))
+    eager = train_mod.train(build_config({**run, "out": run["out"] + "-eager"}), track_memory=False)
+
+    assert frames == [1] * 4, frames  # the evaluation after step 2 compiled nothing
+    assert counter.frame_count == 1  # nor did the final one
+    assert [v["step"] for v in compiled["val_history"]] == [2]
+    assert compiled["val_loss"] == pytest.approx(eager["val_loss"], rel=1e-5)
+    assert [v["val_loss"] for v in compiled["val_history"]] == pytest.approx(
+        [v["val_loss"] for v in eager["val_history"]], rel=1e-5)

@@ -29,6 +29,7 @@ from memtrain.metrics import (
     percentile,
     reset_device_peak,
 )
+from memtrain.metrics.timing import RunningMedian
 
 
 def mlp(device: str | None = None) -> nn.Module:
@@ -473,6 +474,46 @@ def test_percentile_matches_numpy() -> None:
             assert percentile(xs, q) == pytest.approx(np.percentile(xs, q))
     with pytest.raises(ValueError):
         percentile([], 50)
+
+
+class _Compared(float):
+    """A float that counts the comparisons made on it (how much work a median did)."""
+
+    count = 0
+
+    def __lt__(self, other: object) -> bool:
+        _Compared.count += 1
+        return float(self) < float(other)  # type: ignore[arg-type]
+
+    def __gt__(self, other: object) -> bool:
+        _Compared.count += 1
+        return float(self) > float(other)  # type: ignore[arg-type]
+
+
+def test_the_running_median_is_the_percentile_after_every_step_in_log_n_comparisons() -> None:
+    """StepTimer.median_so_far (train's on_step median) after every step equals percentile(·, 50)
+    of the steps so far, to the last bit, with ties and warm-up; and the whole run's medians cost
+    O(n log n) comparisons, where sorting the list at every step cost O(n² log n)."""
+    rng = np.random.default_rng(0)
+    values = np.round(rng.random(2000), 2).tolist()  # rounded: many ties
+    timer = StepTimer(warmup=3)
+    for i, v in enumerate(values):
+        timer.record(v)
+        kept = values[3:i + 1]
+        assert timer.median_so_far() == (percentile(kept, 50) if kept else None)
+    assert timer.summary().median == timer.median_so_far()
+
+    _Compared.count = 0
+    median = RunningMedian()
+    for v in values:
+        median.add(_Compared(v))
+        median.value()
+    n = len(values)
+    assert _Compared.count <= 3 * n * math.log2(n), _Compared.count  # about 2 heap walks an add
+    _Compared.count = 0
+    for k in range(1, 200):  # what a per-step sort costs over just the first 200 steps
+        sorted(_Compared(v) for v in values[:k])
+    assert _Compared.count > 3 * n * math.log2(n)
 
 
 # --------------------------------------------------------------------------- MFU

@@ -93,6 +93,20 @@ def test_grad_scaler_skips_and_counts_overflowing_step():
     assert not torch.equal(before["wpe.weight"], model.wpe.weight)
 
 
+def test_a_disabled_grad_scaler_steps_and_counts_no_skipped_step():
+    """A GradScaler built with enabled=False keeps no found-inf state: the step runs the optimizer
+    as a plain one and the skipped-step count stays 0."""
+    torch.manual_seed(0)
+    model = GPT(SMALL)
+    prec = make_precision("fp32", CPU)
+    prec.scaler = torch.amp.GradScaler("cpu", enabled=False)
+    opt = build_optimizer(model, TechniqueConfig(), TrainConfig(lr=1e-2))
+    before = model.wpe.weight.detach().clone()
+    train_step(model, [_batch()], opt, prec, 1.0, CPU)
+    assert prec.skipped_steps == 0
+    assert not torch.equal(before, model.wpe.weight)
+
+
 def test_fp16_clips_and_logs_the_unscaled_gradient_norm():
     """Under a GradScaler the gradients are unscaled before clipping: the norm clipped and logged
     is the true one (as an FP32 step's), not the loss scale (65536) times it, which would clip

@@ -9,7 +9,9 @@ step's launch and the next's. The steady path: no read at all between two metric
 one read (the losses since the last read and the logged step's gradient norm, in one tensor)
 at a step that writes one, under every technique that changes the step (LoRA, accumulation,
 clipping, the fp16 loss scaler, the chunked loss) and for a transformers model, whose own
-causal-mask builder reads the position ids once per forward, as it does under HF Trainer.
+causal-mask builder reads the position ids once per forward, as it does under HF Trainer. Under
+fp16 with a for-loop or foreach optimizer torch's GradScaler reads its found-inf flag at every
+step; that read is counted apart, and memtrain adds none beside it.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ class _Reads:
         if "/torch/optim/" in frame.f_code.co_filename:
             # torch's for-loop and foreach optimizers read their step count, a tensor they keep on
             # the host (on CUDA the default AdamW is the fused one, which reads nothing): no wait.
+            return
+        if frame.f_code.co_filename.endswith("/torch/amp/grad_scaler.py"):
+            self.intervals[-1][f"{what} in torch's GradScaler"] += 1  # its own read, not memtrain's
             return
         while frame is not None and "/torch/" in frame.f_code.co_filename:  # the caller outside torch
             frame = frame.f_back  # type: ignore[assignment]
@@ -162,3 +167,20 @@ def test_a_long_stretch_without_reads_is_read_every_read_every_max_steps(tiny_ru
     reads = [k for k, c in enumerate(intervals, start=1) if c]
     assert reads == [1, 2, 7, 11, STEPS] and all(sum(c.values()) == 1 for c in intervals if c), intervals
     assert len(result["loss_history"]) == STEPS
+
+
+@pytest.mark.parametrize("optim", ["adamw-foreach", "adamw"])  # adamw: the for-loop kernel on a CPU
+def test_fp16_with_a_non_fused_optimizer_reads_only_torchs_own_found_inf_flag(tiny_run, monkeypatch, optim):
+    """torch's GradScaler.step reads its found-inf flag on the host (``.item()``) before a for-loop
+    or foreach optimizer's step, at every step (HF Trainer's step runs the same GradScaler.step);
+    memtrain adds no read of its own: every steady step reads that flag once, and otherwise only
+    at metrics lines, as under the fused AdamW."""
+    run = {**tiny_run, "steps": STEPS, "log_every": EVERY, "precision": "fp16", "optim": optim}
+    intervals, result = _count(monkeypatch, run)
+    assert len(result["loss_history"]) == STEPS and result["optimizer_kernel"] != "fused"
+    scaler = "item in torch's GradScaler"
+    assert [c[scaler] for c in intervals] == [1] * STEPS, intervals
+    ours = [collections.Counter({k: n for k, n in c.items() if k != scaler}) for c in intervals]
+    read_at = {done + 1 for done in range(METERED + 1, STEPS) if done % EVERY == 0}
+    for k, counter in enumerate(ours[METERED:-1], start=METERED + 1):
+        assert sum(counter.values()) == (k in read_at), (k, counter)

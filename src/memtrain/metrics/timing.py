@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import heapq
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -11,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepTimer", "TimingStats", "percentile", "synchronize"]
+__all__ = ["RunningMedian", "StepTimer", "TimingStats", "percentile", "synchronize"]
 
 
 def synchronize(device: str | torch.device | None) -> None:
@@ -49,6 +50,40 @@ def percentile(values: Sequence[float], q: float) -> float:
     lo = math.floor(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+class RunningMedian:
+    """The median of the values added so far, kept as they come: ``percentile(values, 50)``
+    after every ``add`` without sorting all of them again.
+
+    The loop reports the timed-step median after every step (``train``'s ``on_step``); sorting
+    the whole list each time cost O(n log n) a step, O(n² log n) a run, where n reaches the run's
+    step count. Two heaps (the lower half as a max-heap of negated values, the upper half as a
+    min-heap) make each ``add`` O(log n) and ``value`` O(1), the textbook streaming median.
+    """
+
+    def __init__(self) -> None:
+        self._low: list[float] = []  # negated: heapq keeps min-heaps only
+        self._high: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self._low) + len(self._high)
+
+    def add(self, x: float) -> None:
+        # Into the lower half through the upper one, then rebalance: the lower half holds the
+        # extra value when the count is odd.
+        heapq.heappush(self._low, -heapq.heappushpop(self._high, x))
+        if len(self._low) > len(self._high) + 1:
+            heapq.heappush(self._high, -heapq.heappop(self._low))
+
+    def value(self) -> float | None:
+        """The median (the mean of the two middle values for an even count), None when empty."""
+        if not self._low:
+            return None
+        if len(self._low) > len(self._high):
+            return -self._low[0]
+        lo, hi = -self._low[0], self._high[0]
+        return lo + (hi - lo) * 0.5  # percentile()'s interpolation, to the last bit
 
 
 @dataclass
@@ -141,6 +176,7 @@ class StepTimer:
         self._seen = 0
         self._pending_wait = 0.0
         self._step_times: list[float] = []
+        self._median = RunningMedian()  # of _step_times, kept per step (median_so_far)
         self.data_waits: list[float] = []
         self.first_step_s: float | None = None
         # overlap: (start mark, end mark, data wait, the previous step's end mark or None) per step
@@ -153,6 +189,12 @@ class StepTimer:
         """The timed steps' times so far, in seconds (with ``overlap``: those the device has finished)."""
         self._read_marks(wait=False)
         return self._step_times
+
+    def median_so_far(self) -> float | None:
+        """The median of the timed steps so far (those the device has finished, with
+        ``overlap``), None before the first; O(1) a call, for a per-step progress report."""
+        self._read_marks(wait=False)
+        return self._median.value()
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -220,6 +262,7 @@ class StepTimer:
         if self._seen <= self.warmup:
             return
         self._step_times.append(float(step_s))
+        self._median.add(float(step_s))
         self.data_waits.append(float(wait))
         self.idle_gaps.append(max(0.0, float(idle_s)) if idle_s is not None else 0.0)
 

@@ -71,10 +71,13 @@ class Precision:
         self._skipped_read, self._skipped_pending = count, None
 
     def count_skipped(self, skipped: torch.Tensor) -> None:
-        """Add a step's skipped flag (a 0-d device tensor) to the count without reading it: a read
-        here would make the host wait for every step's optimizer on a GPU."""
-        flag = skipped.to(torch.int64)
-        self._skipped_pending = flag if self._skipped_pending is None else self._skipped_pending + flag
+        """Add a step's skipped flag (a 0-d device tensor, bool or 0/1) to the count without
+        reading it: a read here would make the host wait for every step's optimizer on a GPU.
+        The count is a float32 tensor (exact to 2**24 steps) added to in place: one kernel a step."""
+        if self._skipped_pending is None:
+            self._skipped_pending = skipped.detach().to(torch.float32, copy=True)
+        else:
+            self._skipped_pending.add_(skipped)
 
     def autocast(self) -> ContextManager:
         if self.autocast_dtype is None:

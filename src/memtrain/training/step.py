@@ -130,19 +130,34 @@ def _optimizer_phase(model: nn.Module, optimizer: torch.optim.Optimizer, precisi
         params = [p for p in _trainable_parameters(model) if p.grad is not None]
         precision.last_grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     if scaler is not None:
-        # The scale as a device tensor: GradScaler.get_scale() reads it to the host, which would
-        # make the host wait for the step twice (with a fused optimizer the step itself does not).
-        scale = scaler._get_scale_async()
-        scale_before = None if scale is None else scale.clone()  # update() changes it in place
         scaler.step(optimizer)
+        found_inf = _found_inf(scaler, optimizer)  # before update(), which forgets it
+        if found_inf is not None:
+            precision.count_skipped(found_inf)
         scaler.update()
-        scale = scaler._get_scale_async()
-        if scale is not None and scale_before is not None:
-            # GradScaler skips the step when it finds inf/nan and lowers the scale.
-            precision.count_skipped(scale < scale_before)
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def _found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> Optional[torch.Tensor]:
+    """Whether GradScaler skipped this step, as the 0-d device flag its ``unscale_`` found
+    (1.0: an inf or NaN gradient); None when the scaler is off.
+
+    The flag is read from the scaler's per-optimizer state (no public accessor): a skipped step
+    counted from it costs no host read, and one kernel (:meth:`Precision.count_skipped`'s add),
+    where comparing the scale before and after ``update()`` cost four (a copy of the scale, the
+    comparison, a cast and the add). torch's ``GradScaler.step`` itself reads this flag on the
+    host (``.item()``) before a for-loop or foreach optimizer's step, and hands it to a fused one
+    on the device; memtrain reads it nowhere (tests/test_step_syncs.py)."""
+    # A disabled scaler (enabled=False) keeps no per-optimizer state at all.
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer), {})
+    flags = list(state.get("found_inf_per_device", {}).values())
+    if not flags:
+        return None
+    if len(flags) == 1:
+        return flags[0]
+    return sum(f.to(flags[0].device) for f in flags) > 0  # a model over devices: skipped if any saw one
 
 
 def queue_step(
@@ -172,7 +187,7 @@ def queue_step(
     around_micro = micro_context or contextlib.nullcontext
     around_forward = forward_context or contextlib.nullcontext
     n = len(micro_batches)
-    total = torch.zeros((), device=device)
+    total: Optional[torch.Tensor] = None
     scaler = precision.scaler
     # --loss-on completion: each micro-batch weighted by its share of the step's answer tokens
     # (MicroBatches.loss_scales); otherwise 1/N, as ever.
@@ -186,13 +201,38 @@ def queue_step(
         sync_ctx = no_sync() if (no_sync is not None and i < n - 1) else contextlib.nullcontext()
         with sync_ctx, around_micro():
             with phase("forward"), precision.autocast(), around_forward():
-                loss = model(x, y) / n if scales is None else model(x, y) * scales[i]
+                loss = _weighted(model(x, y), n, None if scales is None else scales[i])
             with phase("backward"):
                 (scaler.scale(loss) if scaler is not None else loss).backward()
-        total += loss.detach()
+        total = _add_loss(total, loss, n)
     with phase("optimizer"), (optimizer_context or contextlib.nullcontext)():
         _optimizer_phase(model, optimizer, precision, grad_clip)
-    return total
+    return total if total is not None else torch.zeros((), device=device)  # no micro-batch: no loss
+
+
+def _add_loss(total: Optional[torch.Tensor], loss: torch.Tensor, n: int) -> torch.Tensor:
+    """The step's loss so far plus a micro-batch's ``loss``, in float32 (as ``float(loss)`` reads).
+
+    A step of one micro-batch returns its loss itself: a zero-filled total and an add were two
+    more kernels a step on a GPU (tests/test_step_overhead.py lists what a step adds to a plain
+    loop). Under accumulation the first loss is copied into a total of its own, which later ones
+    are added to in place: from the second micro-batch on each then holds the same tensors as the
+    one before, which the traced estimate's cap on micro-batches relies on
+    (memtrain.analysis.trace.TRACED_MICRO_BATCHES)."""
+    if total is None and n == 1:
+        return loss.detach().float()  # the loss itself when it is float32 already
+    if total is None:
+        return loss.detach().to(torch.float32, copy=True)
+    return total.add_(loss.detach())
+
+
+def _weighted(loss: torch.Tensor, n: int, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """A micro-batch's share of the step's mean loss: times its share of the step's targets
+    (``scale``), else 1/``n``. A step of one micro-batch is its loss as it is: ``loss / 1`` is
+    exact, and costs a kernel in the forward and another in the backward on a GPU."""
+    if scale is not None:
+        return loss * scale
+    return loss / n if n > 1 else loss
 
 
 def train_step(

@@ -36,7 +36,7 @@ from memtrain.distributed.rank_errors import agreement, launched_by_memtrain
 from memtrain.distributed.session import DistContext, distributed_session
 from memtrain.files.lock import FolderLock, file_lock, register_writer
 from memtrain.files.results import remove_stale_temps
-from memtrain.metrics import MemoryMeter, StepTimer, device_peak_memory, percentile, reset_device_peak, synchronize
+from memtrain.metrics import MemoryMeter, StepTimer, device_peak_memory, reset_device_peak, synchronize
 from memtrain.metrics.state import ShardedStateBytes
 from memtrain.models.families import data_tokenizer
 from memtrain.runtime.env import environment, resolve_device, seed_everything
@@ -72,8 +72,14 @@ class LossDiverged(RuntimeError):
 
 
 @torch.no_grad()
+@torch.compiler.set_stance("force_eager")
 def evaluate(model: nn.Module, batches: list[Batch], precision: Precision, device: torch.device) -> float:
-    """Mean token loss over the fixed validation batches."""
+    """Mean token loss over the fixed validation batches.
+
+    Run uncompiled under ``--compile`` (torch's ``force_eager`` stance): in eval mode and without
+    gradients the compiled model is another graph, and compiling it (again for a smaller last
+    batch) costs far more than it saves in the few evaluations of a run (the figures:
+    docs/performance.md, "One compile per run"). HF Trainer evaluates its uncompiled model too."""
     was_training = model.training
     model.eval()
     losses, weights = [], []
@@ -553,9 +559,9 @@ class _Loop:
             self._read_groups(keep=keep, start_step=start_step, end_step=end_step, bar=bar)
             # After the step's reading (where the step is read now: its metrics line is written
             # before the callback sees the step); from the host's clocks: no read of the device.
+            # The median is kept as steps are timed (StepTimer.median_so_far), not sorted anew.
             if self.on_step is not None:
-                self.on_step(step + 1 - start_step, end_step - start_step,
-                             percentile(self.timer.step_times, 50) if self.timer.step_times else None)
+                self.on_step(step + 1 - start_step, end_step - start_step, self.timer.median_so_far())
 
     def _close_group(self) -> None:
         """The open steps become one read group: their losses (and the last one's gradient norm,

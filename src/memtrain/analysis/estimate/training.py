@@ -247,8 +247,8 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     # by the first optimizer step) and no previous step's logits (--loss naive).
     state_sids = [sim.alloc(w_rank, "weights")] + ([] if _first_step else [sim.alloc(opt_share, "optimizer")])
     # The step's 0-d tensors: train_step's float32 loss total (the first micro-batch's loss, or
-    # its copy under accumulation, alive to the end of the step; counted from the start, so the
-    # forward of a step of one micro-batch is 4 bytes above the trace) and, with clipping, the previous step's total gradient norm
+    # its copy under accumulation, alive to the end of the step; counted from the start, so in a
+    # one-micro-batch step's forward these are 4 bytes the trace does not hold yet) and, with clipping, the previous step's total gradient norm
     # (``Precision.last_grad_norm``, in the gradients' dtype, replaced by this step's clip). A
     # few bytes, but a model a few bytes wide holds little else.
     sim.alloc(4.0, "activations")
