@@ -816,21 +816,26 @@ SWEPT_5151 = [
     ('llama', {'hidden_size': 6, 'intermediate_size': 20, 'num_hidden_layers': 3, 'num_attention_heads': 1, 'num_key_value_heads': 1, 'vocab_size': 131, 'tie_word_embeddings': True},
      {'batch_size': 2, 'seq_len': 3, 'precision': 'fp16', 'attention': 'math', 'checkpointing': 'sqrt', 'loss': 'standard', 'grad_accum': 2, 'lora_rank': 1, 'qlora': True, 'optim': 'sgd'}),
 ]
-# Swept cases still outside 1% (strict expected failures, each with its figure): from the sweeps of
-# checkpointing variants (seeds 8181 and 8282), two Gemma models under bf16-pure with SDPA and the
-# chunked loss, whose forward peaks in the last micro-batch's loss about 550 B above the estimate
-# (the same loss on Llama and Gemma of width 16 is 480-690 B under the trace in the forward, within
-# 1% there), and a one-head Phi-3 of width 2 under bf16 autocast with eager attention (466 B).
-SWEPT_GAPS: list = [
+# The eager chunked loss's per-row tensors (memtrain.techniques.loss._chunk_step): its log-sum-exp,
+# per-token loss and second valid mask are locals alive until the chunk returns, beside the float32
+# logit gradient and its low-precision cast, where the forward peaks under a 16-bit compute dtype;
+# left out (9 bytes a row), these forward peaks were under the trace (sweeps of checkpointing
+# variants, seeds 8181 and 8282): a bf16-pure Gemma over 2 x 24 tokens -1.01% (546 B of 54,184 B),
+# a one-head Phi-3 of width 2 under bf16 autocast with eager attention -1.09% (466 B of 42,724 B).
+CHUNK_ROW_STATS = [
     ('gemma', {'hidden_size': 16, 'intermediate_size': 8, 'num_hidden_layers': 1, 'num_attention_heads': 4, 'num_key_value_heads': 4, 'vocab_size': 61, 'tie_word_embeddings': True, 'head_dim': 4},
      {'batch_size': 2, 'seq_len': 24, 'precision': 'bf16-pure', 'attention': 'sdpa', 'checkpointing': 'sqrt', 'loss': 'chunked', 'grad_accum': 3, 'loss_chunk': 50}),
-    ('gemma', {'hidden_size': 24, 'intermediate_size': 3, 'num_hidden_layers': 3, 'num_attention_heads': 3, 'num_key_value_heads': 1, 'vocab_size': 130, 'tie_word_embeddings': False, 'head_dim': 8},
-     {'batch_size': 4, 'seq_len': 2, 'precision': 'bf16-pure', 'attention': 'sdpa', 'checkpointing': 'every:3', 'loss': 'chunked', 'grad_accum': 2, 'loss_chunk': 5, 'lora_rank': 1, 'lora_dropout': 0.1}),
     ('phi3', {'hidden_size': 2, 'intermediate_size': 12, 'num_hidden_layers': 2, 'num_attention_heads': 1, 'num_key_value_heads': 1, 'vocab_size': 17, 'tie_word_embeddings': True},
      {'batch_size': 5, 'seq_len': 17, 'precision': 'bf16', 'attention': 'math', 'checkpointing': 'every:2', 'loss': 'chunked', 'grad_accum': 1, 'loss_chunk': 50}),
 ]
-SWEPT_GAP_FIGURES: tuple[str, ...] = ("-1.01% forward (53,638 B of 54,184 B)", "-1.12% forward (50,706 B of 51,281 B)",
-                                      "-1.09% forward (42,258 B of 42,724 B)")
+# Swept cases still outside 1% (strict expected failures, each with its figure): a bf16-pure Gemma
+# under LoRA with SDPA and the chunked loss, 4 x 2 tokens, whose forward peaks in the loss 530 B
+# above the estimate (not yet located).
+SWEPT_GAPS: list = [
+    ('gemma', {'hidden_size': 24, 'intermediate_size': 3, 'num_hidden_layers': 3, 'num_attention_heads': 3, 'num_key_value_heads': 1, 'vocab_size': 130, 'tie_word_embeddings': False, 'head_dim': 8},
+     {'batch_size': 4, 'seq_len': 2, 'precision': 'bf16-pure', 'attention': 'sdpa', 'checkpointing': 'every:3', 'loss': 'chunked', 'grad_accum': 2, 'loss_chunk': 5, 'lora_rank': 1, 'lora_dropout': 0.1}),
+]
+SWEPT_GAP_FIGURES: tuple[str, ...] = ("-1.03% forward (50,751 B of 51,281 B)",)
 _FIXED_IDS = {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}
 
 
@@ -859,7 +864,7 @@ def _swept_gaps() -> list:
                          + _swept_params(PHI3_EAGER_QK, {0})
                          + _swept_params(SWEPT_DROPOUT, {0})
                          + _swept_params(SWEPT_V_LOCAL, {0}) + _swept_params(SWEPT_5151, {0, 1, 2})
-                         + _swept_gaps())
+                         + _swept_params(CHUNK_ROW_STATS, {0, 1}) + _swept_gaps())
 def test_swept_axes_within_one_percent_of_the_trace(case, tmp_path_factory):
     from memtrain.analysis.estimate.hf import analytic_estimate
     from memtrain.analysis.trace import trace_step

@@ -167,14 +167,34 @@ def _chunk_steps(c: int, V: int, d: int, a: float, cuda: bool, grad_w: bool) -> 
     if cuda:
         steps += [("alloc", "logits", c * V * a), ("alloc", "g", c * V * a), ("free", "logits", 0.0)]
     elif a == 4:
-        steps += [("alloc", "g", c * V * 4)]
+        steps += [("alloc", "g", c * V * 4)] + _eager_row_stats(c)
     else:
-        steps += [("alloc", "logits", c * V * a), ("alloc", "logits32", c * V * 4), ("free", "logits", 0.0),
-                  ("alloc", "g", c * V * a), ("free", "logits32", 0.0)]
+        steps += [("alloc", "logits", c * V * a), ("alloc", "logits32", c * V * 4), ("free", "logits", 0.0)]
+        steps += _eager_row_stats(c) + [("alloc", "g", c * V * a), ("free", "logits32", 0.0)]
     steps += [("alloc", "gh", c * d * a), ("free", "gh", 0.0)]
     if grad_w and a != 4:
         steps += [("alloc", "gw", V * d * a), ("free", "gw", 0.0)]
-    return steps + [("free", "g", 0.0)]
+    # _chunk_step's locals lse, per_token and valid go as it returns, after the matmuls.
+    return steps + [("free", "g", 0.0), ("free", "lse", 0.0), ("free", "per_token", 0.0), ("free", "valid", 0.0)]
+
+
+def _eager_row_stats(c: int) -> list[tuple[str, str, float]]:
+    """The eager chunk's per-row tensors on its ``c`` float32 logits, in the order
+    memtrain.techniques.loss._chunk_stats and _chunk_step make them: the log-sum-exp (float32),
+    the valid mask (a bool per row), the safe targets (int64, after a 0-d int64 zero), the target
+    logit and ``lse - target_logit`` (float32), the per-token loss (float32, after a 0-d float32
+    zero) and its 0-d sum; then, building the gradient in place, a second mask, its int64 safe
+    targets and the float32 ``-valid``. ``lse``, ``per_token`` and the second mask are
+    _chunk_step's locals, alive until it returns (after the low-precision cast and the matmuls):
+    left out, a bf16-pure Gemma's forward peak was 432 B (c = 48) under the trace."""
+    return [("alloc", "lse", c * 4), ("alloc", "valid0", c), ("alloc", "zero_i64", 8), ("alloc", "safe0", c * 8),
+            ("free", "zero_i64", 0.0), ("alloc", "target_logit", c * 4), ("alloc", "diff", c * 4),
+            ("alloc", "zero_f32", 4), ("alloc", "per_token", c * 4), ("free", "zero_f32", 0.0),
+            ("free", "diff", 0.0), ("free", "valid0", 0.0), ("free", "safe0", 0.0), ("free", "target_logit", 0.0),
+            ("alloc", "sum", 4), ("free", "sum", 0.0),
+            ("alloc", "valid", c), ("alloc", "zero_i64", 8), ("alloc", "safe", c * 8), ("free", "zero_i64", 0.0),
+            ("alloc", "valid_f32", c * 4), ("alloc", "neg", c * 4), ("free", "valid_f32", 0.0),
+            ("free", "safe", 0.0), ("free", "neg", 0.0)]
 
 
 def answer_nodes(n: int) -> list[Node]:
