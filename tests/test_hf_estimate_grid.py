@@ -828,14 +828,18 @@ CHUNK_ROW_STATS = [
     ('phi3', {'hidden_size': 2, 'intermediate_size': 12, 'num_hidden_layers': 2, 'num_attention_heads': 1, 'num_key_value_heads': 1, 'vocab_size': 17, 'tie_word_embeddings': True},
      {'batch_size': 5, 'seq_len': 17, 'precision': 'bf16', 'attention': 'math', 'checkpointing': 'every:2', 'loss': 'chunked', 'grad_accum': 1, 'loss_chunk': 50}),
 ]
-# Swept cases still outside 1% (strict expected failures, each with its figure): a bf16-pure Gemma
-# under LoRA with SDPA and the chunked loss, 4 x 2 tokens, whose forward peaks in the loss 530 B
-# above the estimate (not yet located).
-SWEPT_GAPS: list = [
+# Gemma's norm multiplies by ``1 + w.float()``, a float32 (d,) tensor the product saves for the
+# input's gradient: left out (96 B a norm here, five norms kept), a bf16-pure Gemma under LoRA over
+# 4 x 2 tokens with the chunked loss was -1.03% forward (50,751 B of 51,281 B, after the chunked
+# loss's per-row tensors above; -1.12% before them).
+GEMMA_ONE_PLUS_W = [
     ('gemma', {'hidden_size': 24, 'intermediate_size': 3, 'num_hidden_layers': 3, 'num_attention_heads': 3, 'num_key_value_heads': 1, 'vocab_size': 130, 'tie_word_embeddings': False, 'head_dim': 8},
      {'batch_size': 4, 'seq_len': 2, 'precision': 'bf16-pure', 'attention': 'sdpa', 'checkpointing': 'every:3', 'loss': 'chunked', 'grad_accum': 2, 'loss_chunk': 5, 'lora_rank': 1, 'lora_dropout': 0.1}),
 ]
-SWEPT_GAP_FIGURES: tuple[str, ...] = ("-1.03% forward (50,751 B of 51,281 B)",)
+# Swept cases still outside 1% (strict expected failures, each with its figure, as
+# "-1.2% forward (A B of B B)"). None at present.
+SWEPT_GAPS: list = []
+SWEPT_GAP_FIGURES: tuple[str, ...] = ()
 _FIXED_IDS = {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}
 
 
@@ -864,7 +868,8 @@ def _swept_gaps() -> list:
                          + _swept_params(PHI3_EAGER_QK, {0})
                          + _swept_params(SWEPT_DROPOUT, {0})
                          + _swept_params(SWEPT_V_LOCAL, {0}) + _swept_params(SWEPT_5151, {0, 1, 2})
-                         + _swept_params(CHUNK_ROW_STATS, {0, 1}) + _swept_gaps())
+                         + _swept_params(CHUNK_ROW_STATS, {0, 1}) + _swept_params(GEMMA_ONE_PLUS_W, {0})
+                         + _swept_gaps())
 def test_swept_axes_within_one_percent_of_the_trace(case, tmp_path_factory):
     from memtrain.analysis.estimate.hf import analytic_estimate
     from memtrain.analysis.trace import trace_step

@@ -25,7 +25,7 @@ transformers decoder layer differs from it in three ways that matter for memory,
   transpose's ``.contiguous()`` copies it.
 * Gemma (``Arch.norm_offset``, ``Arch.embed_scale``): its RMSNorm multiplies by ``1 + w`` in
   float32 and casts back at the end (the normalized tensor the weight's gradient keeps is
-  float32), the embedding's output is scaled by sqrt(hidden) into a new tensor, and its
+  float32, and so is the ``1 + w`` the input's gradient keeps), the embedding's output is scaled by sqrt(hidden) into a new tensor, and its
   tanh-GELU gate is SiLU's for memory (one kernel each way, saving its input). Its head is
   tied (the estimator's tied weight).
 * A head_dim other than hidden / heads (Gemma-7B, Mistral-Nemo: ``Arch.head_dim``) makes q, the
