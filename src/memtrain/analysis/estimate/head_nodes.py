@@ -27,12 +27,12 @@ def head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, trai
     ``n_blocks``: the simulated blocks, the last of which makes the head's input.
     ``answers_only`` (--loss-on completion): the loss runs on :func:`answer_nodes`' targets and
     is multiplied by their weight."""
-    nodes = _head_nodes(dm, m, tech, arch, trainable, n_blocks)
+    nodes = _head_nodes(dm, m, tech, arch, trainable, n_blocks, answers_only)
     return with_answer_targets(nodes, dm.n, tech.loss) if answers_only else nodes
 
 
 def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, trainable: bool,
-                n_blocks: int) -> list[Node]:
+                n_blocks: int, answers_only: bool = False) -> list[Node]:
     """:func:`head_nodes` with every token a target."""
     N, d, V, a, r = dm.n, dm.d, dm.V, dm.a, dm.r
     x = f"blocks.{n_blocks}.in"
@@ -58,7 +58,7 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
         # every layer (hf_model_input_nodes) and ``inputs_embeds``, the first layer's input.
         nodes[0].inputs += list(layer_args(dm, arch, tech.attention)) + ["blocks.0.in"]
     if tech.loss == "chunked" and tech.loss_kernel == "cce":
-        return nodes + _cce_nodes(dm, head, trainable)
+        return nodes + _cce_nodes(dm, head, trainable, keeps_valids=answers_only)
     if tech.loss == "chunked":
         c = min(effective_loss_chunk(tech.loss_chunk, "cuda" if dm.cuda else "cpu", m.vocab_size), N)
         # _ChunkedLinearCrossEntropy.forward, tensor by tensor (the caching allocator places each
@@ -116,14 +116,16 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
     return nodes
 
 
-def _cce_nodes(dm: Dims, head: str, trainable: bool) -> list[Node]:
+def _cce_nodes(dm: Dims, head: str, trainable: bool, keeps_valids: bool = False) -> list[Node]:
     """``--loss-kernel cce``: Cut Cross-Entropy as memtrain calls it (memtrain.techniques.loss's
     ``cce_lm_loss`` and ``_CutCrossEntropyBuffers``, which lists what the library allocates).
     The hidden states and the head are cast to the compute dtype where they are not in it, and
     both casts are kept for backward with one float32 log-sum-exp per token; no logits are ever
     stored. Backward makes both gradients in the compute dtype (zero-filled, with int32 lock
     tables), which the casts' backward turns into the float32 ones. A frozen head (LoRA) gets no
-    gradient but is still cast and kept."""
+    gradient but is still cast and kept. ``keeps_valids`` (``--loss-on completion``, whose prompt
+    targets are ignored): the library keeps its int32 index of the valid targets with its saved
+    tensors until backward, sized (as the log-sum-exp) for every target: an upper bound."""
     N, d, V, a, r = dm.n, dm.d, dm.V, dm.a, dm.r
     nodes: list[Node] = []
     xin, w_saved = "hf", []
@@ -140,14 +142,22 @@ def _cce_nodes(dm: Dims, head: str, trainable: bool) -> list[Node]:
     # Forward, in the library's order: the valid-target mask and its nonzero() (int64, an int32
     # copy), dropped when every target counts; the log-sum-exp (an output: kept); 128-token locks
     # and the float32 target-logit dot, freed on return.
-    steps: tuple[tuple[str, str, float], ...] = (
+    index: tuple[tuple[str, str, float], ...] = (
         ("alloc", "mask", N), ("alloc", "index", N * 8), ("free", "mask", 0.0), ("alloc", "index32", N * 4),
-        ("free", "index", 0.0), ("free", "index32", 0.0), ("outputs", "", 0.0),
-        ("alloc", "locks", cce_forward_locks(N) * 4), ("alloc", "neg_dot", N * 4))
+        ("free", "index", 0.0))
+    kept: list[str] = []
+    if keeps_valids:
+        # The int32 copy is the valid targets' index, saved with the log-sum-exp.
+        nodes.append(Node("cce.valids", out=[("cce.valids", N * 4)], tag="logits",
+                          fwd_steps=(index[0], index[1], index[2], ("outputs", "", 0.0), index[4])))
+        index, kept = (), ["cce.valids"]
+    else:
+        index += (("free", "index32", 0.0),)
+    steps = index + (("outputs", "", 0.0), ("alloc", "locks", cce_forward_locks(N) * 4), ("alloc", "neg_dot", N * 4))
     lock_tables = sum(math.prod(cce_lock_table_shape(rows, d)) * 4 for rows in (N, V))
     # The caller's hidden states ("hf") stay alive through the call, cast or not.
-    nodes.append(Node("loss", out=[("cce.lse", N * 4), ("loss", 4)], inputs=sorted({"hf", xin}) + w_saved,
-                      saves=[xin] + w_saved + ["cce.lse"], fwd_steps=steps, tag="logits", grad_out=("loss",),
+    nodes.append(Node("loss", out=[("cce.lse", N * 4), ("loss", 4)], inputs=sorted({"hf", xin}) + w_saved + kept,
+                      saves=[xin] + w_saved + ["cce.lse"] + kept, fwd_steps=steps, tag="logits", grad_out=("loss",),
                       grads=[(xin, N * d * a)] + w_grad, scratch=lock_tables))
     return nodes
 
