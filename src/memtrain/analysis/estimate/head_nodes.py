@@ -111,7 +111,8 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
     # standard_lm_loss's local holds the low-precision logits until cross_entropy returns, and
     # the caller the hidden state it handed over (the final norm's output; under autocast not the
     # cast the matmul saved, and under LoRA saved by nothing: the head is frozen).
-    nodes.append(Node("loss", out=[("loss", 8)], inputs=["logp", "logits", "hf"], saves=["logp"], tag="logits",
+    # (nll_loss saves the targets too: the loader's labels, pinned, which an offloader copies.)
+    nodes.append(Node("loss", out=[("loss", 8)], inputs=["logp", "logits", "hf"], saves=["logp", TARGETS], tag="logits",
                        grads=[("logp", N * V * 4)]))
     return nodes
 
@@ -234,7 +235,7 @@ def with_answer_targets(nodes: list[Node], n: int, loss: str) -> list[Node]:
     kernel = nodes[-1]
     saves_targets = loss in ("standard", "naive")
     kernel = replace(kernel, name="loss.kernel", inputs=kernel.inputs + [ANSWER_TARGETS],
-                     saves=kernel.saves + ([ANSWER_TARGETS] if saves_targets else []))
+                     saves=[k for k in kernel.saves if k != TARGETS] + ([ANSWER_TARGETS] if saves_targets else []))
     out_key = kernel.out_keys()[0]
     weighted = Node("loss", out=[("loss.weighted", 4)], inputs=[out_key, ANSWER_WEIGHT, ANSWER_TARGETS],
                     saves=[ANSWER_WEIGHT], grads=[(out_key, 0.0)], tag=kernel.tag)
