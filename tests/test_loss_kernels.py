@@ -78,7 +78,7 @@ def test_a_library_kernel_runs_only_when_asked_for(kernel, kernels_installed, mo
 
 def test_a_kernel_that_does_not_import_is_one_line(kernels_installed, monkeypatch):
     """Found by importlib but failing to import: the error names the import that shows why."""
-    monkeypatch.setattr(loss_mod, "_cce_loss", lambda: None)
+    monkeypatch.setattr(loss_mod, "_cce_loss", lambda *a: None)
     with pytest.raises(ConfigError, match="cut_cross_entropy is installed but does not import.*import cut_cross_entropy"):
         loss_mod.make_loss_fn(TechniqueConfig(loss="chunked", loss_kernel="cce", precision="bf16"), torch.device("cuda"))
 
@@ -234,6 +234,22 @@ def test_cce_under_fake_tensors_makes_its_buffers_and_gradients_of_the_right_sha
         frozen = w.detach()
         (gh,) = torch.autograd.grad(cce(h.to(torch.bfloat16), frozen.to(torch.bfloat16), t), (h,))
         assert gh.dtype == torch.float32
+    assert recorded_cce == []
+
+
+def test_cce_under_fake_tensors_keeps_the_valid_index_where_targets_may_be_ignored(recorded_cce):
+    """Cut Cross-Entropy drops its int32 index of the valid targets when every target counts and
+    keeps it with its saved tensors otherwise (``--loss-on completion``'s prompt tokens): the
+    stand-in saves one int32 per target (an upper bound) only when told targets may be ignored."""
+    with FakeTensorMode() as mode:
+        h, w, t = (mode.from_tensor(x) for x in make_inputs())
+        h = h.requires_grad_()
+        for ignores, kept in ((False, []), (True, [(torch.int32, (h.shape[0],))])):
+            loss = loss_mod._cce_loss(ignores)(h.to(torch.bfloat16), w.to(torch.bfloat16), t)
+            node = loss.grad_fn  # the kernel's node (its float32 loss's .float() makes none)
+            assert type(node).__name__ == "_CutCrossEntropyBuffersBackward"
+            saved = [(x.dtype, tuple(x.shape)) for x in node.saved_tensors if x.dtype == torch.int32]
+            assert saved == kept
     assert recorded_cce == []
 
 

@@ -125,6 +125,21 @@ def test_estimate_gives_device_host_and_transfer_bytes_the_meter_measures(checkp
     assert "offload" not in plain.to_dict() and est.to_dict()["offload"]["host_peak_bytes"] > 0
 
 
+@pytest.mark.parametrize("loss_on", ["all", "completion"])
+def test_estimate_moves_the_token_ids_the_embedding_and_the_loss_save(loss_on):
+    """8 x 64 tokens: the loader's int64 ids (4 KiB a micro-batch), which the lookup saves for its
+    weight's gradient, and its labels, which nll_loss saves (under --loss-on completion their
+    answers-only copy instead), pass the size floor and go to the host with the activations; the
+    estimate left both out (24,576 B, 12,288 B under completion, below the offloader's count over
+    three micro-batches)."""
+    from memtrain.analysis.estimate import estimate
+
+    over = dict(batch_size=8, seq_len=64, grad_accum=3, loss_on=loss_on)
+    est = estimate(build_config(dict(TINY, offload_activations=True, **over)), device_type="cpu").offload
+    _, counts = _measure(offload_activations=True, **over)
+    assert (est["d2h_bytes_per_step"], est["h2d_bytes_per_step"]) == (counts.d2h_bytes, counts.h2d_bytes)
+
+
 def test_plan_offers_offload_under_a_tight_budget_and_charges_its_copies():
     from memtrain.analysis.estimate import estimate
     from memtrain.analysis.plan import plan

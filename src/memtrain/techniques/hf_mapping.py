@@ -178,7 +178,8 @@ def prepare_hf_model(model: HFCausalLM, cfg: RunConfig, device: torch.device, pr
         _check_qlora_shards(model, tech, device)
     apply_fp8(model, tech)  # the decoder's Linears; the LM head stays in BF16
     apply_checkpointing(model, tech)
-    apply_loss(model, tech, device)
-    model.answers_only = cfg.data.loss_on == "completion"  # a micro-batch may then hold no target
+    answers_only = cfg.data.loss_on == "completion"  # a micro-batch may then hold no target
+    apply_loss(model, tech, device, ignores_targets=answers_only)
+    model.answers_only = answers_only
     compiled = apply_compile(model, tech)
     return apply_distributed(compiled, tech, device, precision)  # last: it shards the final modules

@@ -364,48 +364,55 @@ class _CutCrossEntropyBuffers(torch.autograd.Function):
     tensors cannot enter its Triton kernels, so the trace (and the estimate checked against it)
     sees these instead. Read from cut-cross-entropy 25.1.1 (``cce.py``, ``cce_lse_forward.py``,
     ``indexed_dot.py``, ``cce_backward.py``, ``utils.py``), as memtrain calls it: exact (no
-    gradient filter, so no per-vocabulary average and no sort), every target valid (the valid
-    positions' index list is then dropped; ignored targets would keep one int32 per valid token).
+    gradient filter, so no per-vocabulary average and no sort).
 
-    Forward: the valid-target mask and its ``nonzero()`` (int64, then an int32 copy: freed), one
-    float32 log-sum-exp per token (kept for backward with both operands), 128-token locks and the
-    float32 target-logit dot (freed). Backward: the gradients of both operands in the compute
-    dtype, zero-filled, and two int32 lock tables."""
+    Forward: the valid-target mask and its ``nonzero()`` (int64, then an int32 copy), one float32
+    log-sum-exp per token (kept for backward with both operands), 128-token locks and the float32
+    target-logit dot (freed). The int32 copy, the valid positions' index, is dropped when every
+    target counts (``_build_flat_valids`` returns None); where some may be ignored
+    (``keeps_valids``: ``--loss-on completion``'s prompt tokens) the library keeps it with its
+    saved tensors until backward. Sized here as if every target were valid (the library's index
+    and log-sum-exp hold one entry per valid target): an upper bound, as the fake targets' values
+    are unknown. Backward: the gradients of both operands in the compute dtype, zero-filled, and
+    two int32 lock tables."""
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, e: torch.Tensor, c: torch.Tensor,  # type: ignore[override]
-                targets: torch.Tensor) -> torch.Tensor:
+                targets: torch.Tensor, keeps_valids: bool) -> torch.Tensor:
         n = e.shape[0]
         mask = targets != IGNORE_INDEX
         index = mask.new_empty((n, 1), dtype=torch.int64)  # nonzero()'s shape when every target counts
         del mask
-        index32 = index.to(torch.int32)
-        del index, index32  # all valid: _build_flat_valids returns None
+        valids = index.to(torch.int32)
+        del index
+        kept = (valids.squeeze(1),) if keeps_valids else ()  # (a view, as the library's)
+        del valids
         lse = e.new_empty((n,), dtype=torch.float32)
         locks = e.new_zeros((cce_forward_locks(n),), dtype=torch.int32)
         neg_dot = e.new_zeros((n,), dtype=torch.float32)
         loss = neg_dot.add_(lse).mean()
         del locks, neg_dot
-        ctx.save_for_backward(e, c, lse)
+        ctx.save_for_backward(e, c, lse, *kept)
         return loss
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor):  # type: ignore[override]
-        e, c, lse = ctx.saved_tensors  # type: ignore[attr-defined]  # autograd ctx carries what forward saved
+        e, c, lse, *_ = ctx.saved_tensors  # type: ignore[attr-defined]  # autograd ctx carries what forward saved
         de = torch.zeros_like(e)
         need_dc = ctx.needs_input_grad[1]  # type: ignore[attr-defined]  # autograd ctx carries it
         dc = torch.zeros_like(c, dtype=e.dtype) if need_dc else None
         de_locks = e.new_zeros(cce_lock_table_shape(e.shape[0], e.shape[1]), dtype=torch.int32)
         dc_locks = c.new_zeros(cce_lock_table_shape(c.shape[0], c.shape[1]), dtype=torch.int32)
         del de_locks, dc_locks
-        return de, None if dc is None else dc.to(c.dtype), None
+        return de, None if dc is None else dc.to(c.dtype), None, None
 
 
-def _cce_loss() -> Optional[LossFn]:
+def _cce_loss(ignores_targets: bool = False) -> Optional[LossFn]:
     """Apple's Cut Cross-Entropy (``cut_cross_entropy.linear_cross_entropy``), when installed
     (CUDA + Triton only): the logits are made block by block in on-chip memory, never in the
     device's memory. Under the tracer's fake tensors, where a Triton kernel cannot run,
-    :class:`_CutCrossEntropyBuffers` makes its buffers instead."""
+    :class:`_CutCrossEntropyBuffers` makes its buffers instead (``ignores_targets``: some targets
+    may be ignored, so the library keeps its index of the valid ones)."""
     try:
         from cut_cross_entropy import linear_cross_entropy
     except Exception:  # noqa: BLE001 - not only ImportError: a Triton it does not fit raises others
@@ -418,7 +425,7 @@ def _cce_loss() -> Optional[LossFn]:
         with torch.autocast(hidden.device.type, enabled=False):
             e, c = hidden.to(dt), weight.to(dt)
             if is_fake(hidden):
-                loss = _CutCrossEntropyBuffers.apply(e, c, targets)
+                loss = _CutCrossEntropyBuffers.apply(e, c, targets, ignores_targets)
             else:
                 loss = linear_cross_entropy(e, c, targets, ignore_index=IGNORE_INDEX, reduction="mean",
                                             filter_eps=CCE_FILTER_EPS)
@@ -429,14 +436,15 @@ def _cce_loss() -> Optional[LossFn]:
 
 # --loss-kernel -> (the module its loss imports, the maker of its loss, given memtrain's own: Liger's
 # runs it under fake tensors). Looked up at call time (the lambdas), so that a test can stand in for either kernel.
-_FOREIGN_LOSSES: dict[str, tuple[str, Callable[[LossFn], Optional[LossFn]]]] = {
-    "liger": ("liger_kernel.transformers", lambda own: _liger_loss(own)),
-    "cce": ("cut_cross_entropy", lambda own: _cce_loss()),
+_FOREIGN_LOSSES: dict[str, tuple[str, Callable[[LossFn, bool], Optional[LossFn]]]] = {
+    "liger": ("liger_kernel.transformers", lambda own, ignores: _liger_loss(own)),
+    "cce": ("cut_cross_entropy", lambda own, ignores: _cce_loss(ignores)),
 }
 
 
-def make_loss_fn(tech: TechniqueConfig, device: torch.device) -> LossFn:
-    """The ``model.loss_fn`` that ``tech.loss`` names for ``device``."""
+def make_loss_fn(tech: TechniqueConfig, device: torch.device, ignores_targets: bool = False) -> LossFn:
+    """The ``model.loss_fn`` that ``tech.loss`` names for ``device``; ``ignores_targets``: some
+    targets may be ignored (-100, ``--loss-on completion``)."""
     if tech.loss == "standard":
         return standard_lm_loss
     if tech.loss == "chunked":
@@ -447,7 +455,7 @@ def make_loss_fn(tech: TechniqueConfig, device: torch.device) -> LossFn:
             raise ConfigError(refusal)
         if tech.loss_kernel in _FOREIGN_LOSSES:
             module, make = _FOREIGN_LOSSES[tech.loss_kernel]
-            foreign = make(own)
+            foreign = make(own, ignores_targets)
             if foreign is None:  # found by find_spec but failed to import
                 raise ConfigError(f"--loss-kernel {tech.loss_kernel}: {module} is installed but does not import "
                                   f"(python -c 'import {module}' shows why); drop --loss-kernel")
@@ -481,6 +489,6 @@ class NaiveLoss:
 
 
 
-def apply_loss(model: nn.Module, tech: TechniqueConfig, device: torch.device) -> None:
-    """Set ``model.loss_fn`` as ``tech.loss`` says."""
-    model.loss_fn = make_loss_fn(tech, device)  # type: ignore[assignment]  # torch types nn.Module attributes as Tensor | Module
+def apply_loss(model: nn.Module, tech: TechniqueConfig, device: torch.device, ignores_targets: bool = False) -> None:
+    """Set ``model.loss_fn`` as ``tech.loss`` says (``ignores_targets``: see :func:`make_loss_fn`)."""
+    model.loss_fn = make_loss_fn(tech, device, ignores_targets)  # type: ignore[assignment]  # torch types nn.Module attributes as Tensor | Module

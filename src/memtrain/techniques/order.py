@@ -50,8 +50,9 @@ def prepare_gpt(model: torch.nn.Module, cfg: RunConfig, device: torch.device, pr
     apply_fp8(model, tech)
     apply_attention(model, tech, device, precision)
     apply_checkpointing(model, tech)
-    apply_loss(model, tech, device)
-    model.answers_only = cfg.data.loss_on == "completion"  # a micro-batch may then hold no target
+    answers_only = cfg.data.loss_on == "completion"  # a micro-batch may then hold no target
+    apply_loss(model, tech, device, ignores_targets=answers_only)
+    model.answers_only = answers_only
     model = apply_compile(model, tech)  # type: ignore[assignment]  # compile returns a wrapper module around the GPT
     return apply_distributed(model, tech, device, precision)
 

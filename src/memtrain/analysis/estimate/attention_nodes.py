@@ -12,7 +12,7 @@ from typing import Optional
 
 from memtrain.analysis.estimate.basic_nodes import dropout, rename_key
 from memtrain.analysis.estimate.dims import Dims
-from memtrain.analysis.estimate.hf_nodes import CAUSAL_MASK
+from memtrain.analysis.estimate.hf_nodes import CAUSAL_MASK, rope_k_apart
 from memtrain.analysis.estimate.simulator import Node
 
 
@@ -469,16 +469,20 @@ def _eager_hf_attention_nodes(nodes: list[Node], dm: Dims, p: str, qkv_keys: lis
     # Phi-3's rope ends in a cat, so its q and k are contiguous (b, h, s, hd): q @ k^T reads q and
     # the transposed view of k in place at any batch and head count, as SDPA's math path does
     # (counted as copies, a 4-head Phi-3 with LoRA over 4 x 5 tokens was +6.6% forward).
-    # (Under autocast the casts of rope's float32 q and k are new tensors, counted as copies.
-    # With grouped heads q is read in place too, but the save of q alone is not modelled: its
-    # copy stands for it.)
+    # (Under autocast the casts of rope's float32 q and k are new tensors, counted as copies.)
     qk_in_place = own_fold or (dm.fused_proj and not repeated)
-    k_src = f"{qkv}.locals" if kv_locals[0] else qkv
+    # With grouped heads Phi-3's q is read in place too (k is repeat_kv's copy or view): the
+    # matmul saves rope's storage itself for k's gradient (counted as a copy of q, a 4-head
+    # Phi-3 with 2 k/v heads under LoRA was +2.1% forward).
+    q_in_place = (in_place or qk_in_place or dm.fused_proj) and not kv_locals[0]
+    # Rope's k, where it is a storage apart from q (hf_nodes.rope_k_apart), else with q in ``qkv``.
+    k_rope = f"{qkv}.k" if rope_k_apart(dm, dm.fused_proj, "math", kv_locals[0]) else qkv
+    k_src = f"{qkv}.locals" if kv_locals[0] else k_rope
     k_saved = f"{p}.kc16" if k_cast else (k_src if in_place or (qk_in_place and not kv_locals[0]) else
                                            (f"{p}.kt" if view_kv else f"{p}.kc"))
     if repeated:
         nodes.append(Node(f"{p}.repeat_k", out=[(f"{p}.kc", 0.0 if view_kv else N * d * (4 if k_cast else a))],
-                           inputs=[qkv], grads=[(k, N * kvw * a)] if k_grad else []))
+                           inputs=[k_rope], grads=[(k, N * kvw * a)] if k_grad else []))
         nodes.append(Node(f"{p}.repeat_v", out=[(f"{p}.vc", 0.0 if view_kv else N * d * a)], inputs=[qkv],
                            grads=[(v, N * kvw * a)] if v_grad else []))
         if in_place:
@@ -486,18 +490,19 @@ def _eager_hf_attention_nodes(nodes: list[Node], dm: Dims, p: str, qkv_keys: lis
         elif view_kv:
             v_saved = [f"{p}.vt"]
     if view_kv and not in_place and not k_cast:
-        nodes.append(Node(f"{p}.kcopy", out=[(f"{p}.kt", N * d * a)], inputs=[qkv]))
+        nodes.append(Node(f"{p}.kcopy", out=[(f"{p}.kt", N * d * a)], inputs=[k_rope]))
     # Each matmul keeps one operand's copy for the other operand's gradient: q's (``qc``,
     # not otherwise held) only when k requires one, k's only when q does; the
     # probabilities only when v requires one, v's copy only when they do.
-    # (At batch 1 the matmul reads rope's q in place too: ``qc`` is q itself, kept by ``qkv``'s
-    # save there, unless autocast casts a float32 q.)
-    q_bytes = 0.0 if (in_place or qk_in_place) and not kv_locals[0] else N * d * a
+    # (Where the matmul reads rope's q in place, at batch 1 too, it saves rope's storage ``qkv``
+    # for k's gradient, unless autocast casts a float32 q.)
+    q_bytes = 0.0 if q_in_place else N * d * a
+    q_saved = qkv if q_in_place else f"{p}.qc"
     nodes.append(Node(f"{p}.qk", out=[(f"{p}.qc", q_bytes)] + ([] if repeated else [(f"{p}.kc", q_bytes)])
                        + ([(k_saved, N * d * a)] if k_cast else [])
                        + [(f"{p}.s0", sc * a)], inputs=[qkv] + ([f"{p}.kc"] if repeated else [])
                        + ([k_saved] if k_saved == f"{p}.kt" else []),
-                       saves=[f"{p}.qc"] * k_grad + [k_saved] * q_grad, matmul=True, grad_out=(f"{p}.s0",),
+                       saves=[q_saved] * k_grad + [k_saved] * q_grad, matmul=True, grad_out=(f"{p}.s0",),
                        keep=(f"{p}.s0",),
                        grads=[(q, N * d * a)] * q_grad + [(k_in, N * d * a)] * k_grad))
     probs = _scores_softmax(nodes, dm, p, sc, s * s, "math")

@@ -16,6 +16,7 @@ from memtrain.analysis.estimate.hf_nodes import (
     hf_norm_node,
     hf_rope_node,
     masked_kv_dtypes,
+    rope_k_apart,
 )
 from memtrain.analysis.estimate.linear_nodes import linear, runs_nf4
 from memtrain.analysis.estimate.params import has_bias, lora_adapted, lora_split
@@ -130,7 +131,8 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
             needs["in"])
         if rope:
             nodes.append(hf_rope_node(dm, [f"{p}.qkv0"], f"{p}.qkv", v_view=arch.fused_proj,
-                                      kernel_casts=tech.attention == "math"))
+                                      kernel_casts=tech.attention == "math",
+                                      k_apart=rope_k_apart(dm, arch.fused_proj, tech.attention, rope_locals)))
     start = len(nodes)
     # A transformers layer's window is in the mask the model builds (hf_model_input_nodes), not in
     # memtrain's banded kernel: its eager attention is the unwindowed one for memory.
@@ -279,6 +281,8 @@ def _hf_attention_locals(dm: Dims, p: str, arch: Arch, rope_locals: bool, attent
     held = [f"{p}.ln1"]
     if arch.positional == "rope":
         held += ([f"{p}.qkv.locals"] + [f"{p}.qkv"] * (attention == "math")) if rope_locals else [f"{p}.qkv"]
+        if rope_k_apart(dm, arch.fused_proj, attention, rope_locals):
+            held.append(f"{p}.qkv.k")
         if dm.masked_sdpa:
             held.append(f"{p}.qkv.kv")
     if arch.fused_proj:

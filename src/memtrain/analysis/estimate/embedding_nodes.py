@@ -31,6 +31,15 @@ def embedding_nodes(dm: Dims, arch: Arch, trainable: bool, attention: str) -> li
     GPT2Model.forward builds, in the embeddings' dtype, for every layer.)"""
     N, d, s, pe = dm.n, dm.d, dm.s, dm.p
     nodes = [Node("wte", out=[("tok", N * d * pe)], grads=[("param:wte.weight", 0.0)] if trainable else [])]
+    if trainable:
+        # The lookup saves its int64 indices for the weight's gradient: the loader's token ids,
+        # counted from GPT-2's view of them (INPUT_IDS, below), never by the meter elsewhere; an
+        # activation offloader moves them either way (left out, 8 bytes a token each way were
+        # missing from the bytes moved).
+        if arch.gpt2_layers:
+            nodes[0].inputs, nodes[0].saves = [INPUT_IDS], [INPUT_IDS]
+        else:
+            nodes[0].external = ((INPUT_IDS, N * 8),)
     if arch.gpt2_layers:
         # GPT2Model.forward's ``input_ids.view(-1, s)``: the meter counts the step's token ids
         # (made by the data loader, outside it) from this first op that shows them, until the

@@ -27,12 +27,12 @@ def head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, trai
     ``n_blocks``: the simulated blocks, the last of which makes the head's input.
     ``answers_only`` (--loss-on completion): the loss runs on :func:`answer_nodes`' targets and
     is multiplied by their weight."""
-    nodes = _head_nodes(dm, m, tech, arch, trainable, n_blocks)
+    nodes = _head_nodes(dm, m, tech, arch, trainable, n_blocks, answers_only)
     return with_answer_targets(nodes, dm.n, tech.loss) if answers_only else nodes
 
 
 def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, trainable: bool,
-                n_blocks: int) -> list[Node]:
+                n_blocks: int, answers_only: bool = False) -> list[Node]:
     """:func:`head_nodes` with every token a target."""
     N, d, V, a, r = dm.n, dm.d, dm.V, dm.a, dm.r
     x = f"blocks.{n_blocks}.in"
@@ -58,7 +58,7 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
         # every layer (hf_model_input_nodes) and ``inputs_embeds``, the first layer's input.
         nodes[0].inputs += list(layer_args(dm, arch, tech.attention)) + ["blocks.0.in"]
     if tech.loss == "chunked" and tech.loss_kernel == "cce":
-        return nodes + _cce_nodes(dm, head, trainable)
+        return nodes + _cce_nodes(dm, head, trainable, keeps_valids=answers_only)
     if tech.loss == "chunked":
         c = min(effective_loss_chunk(tech.loss_chunk, "cuda" if dm.cuda else "cpu", m.vocab_size), N)
         # _ChunkedLinearCrossEntropy.forward, tensor by tensor (the caching allocator places each
@@ -111,19 +111,22 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
     # standard_lm_loss's local holds the low-precision logits until cross_entropy returns, and
     # the caller the hidden state it handed over (the final norm's output; under autocast not the
     # cast the matmul saved, and under LoRA saved by nothing: the head is frozen).
-    nodes.append(Node("loss", out=[("loss", 8)], inputs=["logp", "logits", "hf"], saves=["logp"], tag="logits",
+    # (nll_loss saves the targets too: the loader's labels, pinned, which an offloader copies.)
+    nodes.append(Node("loss", out=[("loss", 8)], inputs=["logp", "logits", "hf"], saves=["logp", TARGETS], tag="logits",
                        grads=[("logp", N * V * 4)]))
     return nodes
 
 
-def _cce_nodes(dm: Dims, head: str, trainable: bool) -> list[Node]:
+def _cce_nodes(dm: Dims, head: str, trainable: bool, keeps_valids: bool = False) -> list[Node]:
     """``--loss-kernel cce``: Cut Cross-Entropy as memtrain calls it (memtrain.techniques.loss's
     ``cce_lm_loss`` and ``_CutCrossEntropyBuffers``, which lists what the library allocates).
     The hidden states and the head are cast to the compute dtype where they are not in it, and
     both casts are kept for backward with one float32 log-sum-exp per token; no logits are ever
     stored. Backward makes both gradients in the compute dtype (zero-filled, with int32 lock
     tables), which the casts' backward turns into the float32 ones. A frozen head (LoRA) gets no
-    gradient but is still cast and kept."""
+    gradient but is still cast and kept. ``keeps_valids`` (``--loss-on completion``, whose prompt
+    targets are ignored): the library keeps its int32 index of the valid targets with its saved
+    tensors until backward, sized (as the log-sum-exp) for every target: an upper bound."""
     N, d, V, a, r = dm.n, dm.d, dm.V, dm.a, dm.r
     nodes: list[Node] = []
     xin, w_saved = "hf", []
@@ -140,14 +143,22 @@ def _cce_nodes(dm: Dims, head: str, trainable: bool) -> list[Node]:
     # Forward, in the library's order: the valid-target mask and its nonzero() (int64, an int32
     # copy), dropped when every target counts; the log-sum-exp (an output: kept); 128-token locks
     # and the float32 target-logit dot, freed on return.
-    steps: tuple[tuple[str, str, float], ...] = (
+    index: tuple[tuple[str, str, float], ...] = (
         ("alloc", "mask", N), ("alloc", "index", N * 8), ("free", "mask", 0.0), ("alloc", "index32", N * 4),
-        ("free", "index", 0.0), ("free", "index32", 0.0), ("outputs", "", 0.0),
-        ("alloc", "locks", cce_forward_locks(N) * 4), ("alloc", "neg_dot", N * 4))
+        ("free", "index", 0.0))
+    kept: list[str] = []
+    if keeps_valids:
+        # The int32 copy is the valid targets' index, saved with the log-sum-exp.
+        nodes.append(Node("cce.valids", out=[("cce.valids", N * 4)], tag="logits",
+                          fwd_steps=(index[0], index[1], index[2], ("outputs", "", 0.0), index[4])))
+        index, kept = (), ["cce.valids"]
+    else:
+        index += (("free", "index32", 0.0),)
+    steps = index + (("outputs", "", 0.0), ("alloc", "locks", cce_forward_locks(N) * 4), ("alloc", "neg_dot", N * 4))
     lock_tables = sum(math.prod(cce_lock_table_shape(rows, d)) * 4 for rows in (N, V))
     # The caller's hidden states ("hf") stay alive through the call, cast or not.
-    nodes.append(Node("loss", out=[("cce.lse", N * 4), ("loss", 4)], inputs=sorted({"hf", xin}) + w_saved,
-                      saves=[xin] + w_saved + ["cce.lse"], fwd_steps=steps, tag="logits", grad_out=("loss",),
+    nodes.append(Node("loss", out=[("cce.lse", N * 4), ("loss", 4)], inputs=sorted({"hf", xin}) + w_saved + kept,
+                      saves=[xin] + w_saved + ["cce.lse"] + kept, fwd_steps=steps, tag="logits", grad_out=("loss",),
                       grads=[(xin, N * d * a)] + w_grad, scratch=lock_tables))
     return nodes
 
@@ -167,14 +178,34 @@ def _chunk_steps(c: int, V: int, d: int, a: float, cuda: bool, grad_w: bool) -> 
     if cuda:
         steps += [("alloc", "logits", c * V * a), ("alloc", "g", c * V * a), ("free", "logits", 0.0)]
     elif a == 4:
-        steps += [("alloc", "g", c * V * 4)]
+        steps += [("alloc", "g", c * V * 4)] + _eager_row_stats(c)
     else:
-        steps += [("alloc", "logits", c * V * a), ("alloc", "logits32", c * V * 4), ("free", "logits", 0.0),
-                  ("alloc", "g", c * V * a), ("free", "logits32", 0.0)]
+        steps += [("alloc", "logits", c * V * a), ("alloc", "logits32", c * V * 4), ("free", "logits", 0.0)]
+        steps += _eager_row_stats(c) + [("alloc", "g", c * V * a), ("free", "logits32", 0.0)]
     steps += [("alloc", "gh", c * d * a), ("free", "gh", 0.0)]
     if grad_w and a != 4:
         steps += [("alloc", "gw", V * d * a), ("free", "gw", 0.0)]
-    return steps + [("free", "g", 0.0)]
+    # _chunk_step's locals lse, per_token and valid go as it returns, after the matmuls.
+    return steps + [("free", "g", 0.0), ("free", "lse", 0.0), ("free", "per_token", 0.0), ("free", "valid", 0.0)]
+
+
+def _eager_row_stats(c: int) -> list[tuple[str, str, float]]:
+    """The eager chunk's per-row tensors on its ``c`` float32 logits, in the order
+    memtrain.techniques.loss._chunk_stats and _chunk_step make them: the log-sum-exp (float32),
+    the valid mask (a bool per row), the safe targets (int64, after a 0-d int64 zero), the target
+    logit and ``lse - target_logit`` (float32), the per-token loss (float32, after a 0-d float32
+    zero) and its 0-d sum; then, building the gradient in place, a second mask, its int64 safe
+    targets and the float32 ``-valid``. ``lse``, ``per_token`` and the second mask are
+    _chunk_step's locals, alive until it returns (after the low-precision cast and the matmuls):
+    left out, a bf16-pure Gemma's forward peak was 432 B (c = 48) under the trace."""
+    return [("alloc", "lse", c * 4), ("alloc", "valid0", c), ("alloc", "zero_i64", 8), ("alloc", "safe0", c * 8),
+            ("free", "zero_i64", 0.0), ("alloc", "target_logit", c * 4), ("alloc", "diff", c * 4),
+            ("alloc", "zero_f32", 4), ("alloc", "per_token", c * 4), ("free", "zero_f32", 0.0),
+            ("free", "diff", 0.0), ("free", "valid0", 0.0), ("free", "safe0", 0.0), ("free", "target_logit", 0.0),
+            ("alloc", "sum", 4), ("free", "sum", 0.0),
+            ("alloc", "valid", c), ("alloc", "zero_i64", 8), ("alloc", "safe", c * 8), ("free", "zero_i64", 0.0),
+            ("alloc", "valid_f32", c * 4), ("alloc", "neg", c * 4), ("free", "valid_f32", 0.0),
+            ("free", "safe", 0.0), ("free", "neg", 0.0)]
 
 
 def answer_nodes(n: int) -> list[Node]:
@@ -204,7 +235,7 @@ def with_answer_targets(nodes: list[Node], n: int, loss: str) -> list[Node]:
     kernel = nodes[-1]
     saves_targets = loss in ("standard", "naive")
     kernel = replace(kernel, name="loss.kernel", inputs=kernel.inputs + [ANSWER_TARGETS],
-                     saves=kernel.saves + ([ANSWER_TARGETS] if saves_targets else []))
+                     saves=[k for k in kernel.saves if k != TARGETS] + ([ANSWER_TARGETS] if saves_targets else []))
     out_key = kernel.out_keys()[0]
     weighted = Node("loss", out=[("loss.weighted", 4)], inputs=[out_key, ANSWER_WEIGHT, ANSWER_TARGETS],
                     saves=[ANSWER_WEIGHT], grads=[(out_key, 0.0)], tag=kernel.tag)

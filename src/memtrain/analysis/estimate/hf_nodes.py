@@ -8,7 +8,7 @@ from typing import Any
 
 from memtrain.analysis.estimate.simulator import Node
 
-__all__ = ["CAUSAL_MASK", "FULL_MASK", "ROPE_TABLES", "gelu_new_nodes", "held_locals", "masked_kv_dtypes", "hf_model_input_nodes", "hf_model_inputs", "hf_norm_node", "hf_rope_node"]
+__all__ = ["CAUSAL_MASK", "FULL_MASK", "ROPE_TABLES", "gelu_new_nodes", "held_locals", "masked_kv_dtypes", "hf_model_input_nodes", "hf_model_inputs", "hf_norm_node", "hf_rope_node", "rope_k_apart"]
 
 # Keys of what a transformers Llama-style model makes once for all its layers (hf_model_input_nodes).
 ROPE_TABLES = "rope.cos_sin"
@@ -25,7 +25,8 @@ def hf_norm_node(dm: Any, name: str, src: str, out: str, trainable: bool, input_
     weight) the normalized tensor in the stream's dtype; the output is read by the projections
     (saved by them). ``input_grad``: whether ``src`` requires a gradient. ``offset``: Gemma's
     ``(normalized * (1 + w.float())).type_as(x)``: the normalized tensor the weight's gradient
-    keeps is float32, and the float32 product is cast back at the end. ``residual``: ``src`` is a
+    keeps is float32, the float32 ``1 + w`` the input's gradient keeps, and the float32 product is
+    cast back at the end. ``residual``: ``src`` is a
     block's residual stream, whose gradient from the residual add arrives before the norm's."""
     N, d, r = dm.n, dm.d, dm.r
     # On a float32 stream x32 is ``src`` itself: the rstd multiply's gradient for it is summed with
@@ -43,10 +44,17 @@ def hf_norm_node(dm: Any, name: str, src: str, out: str, trainable: bool, input_
     # gradient: not when neither the input nor the weight needs one (the first layer's norm
     # under LoRA reads the frozen embedding's output: autograd records nothing there).
     saves = ([x32, f"{name}.stats"] if (input_grad or trainable) else []) + ([f"{name}.nrm"] if trainable else [])
+    if offset:
+        # Gemma's ``1 + w.float()``: a float32 (d,) tensor the weight product saves for the
+        # normalized tensor's gradient (as it saves that tensor for the weight's), so for as long
+        # as the input needs one; left out (96 B a norm at width 24, five norms kept), a bf16-pure
+        # Gemma under LoRA over 4 x 2 tokens was -1.03% under the trace's forward peak.
+        outs.append((f"{name}.onep", d * 4))
+        saves += [f"{name}.onep"] if input_grad else []
     return Node(name, out=outs, inputs=[src], saves=saves, grad_out=(out,),
                  grads=([(src, N * d * r)] if input_grad else []) + ([(f"param:{name}.weight", 0.0)] if trainable else []),
                  fwd_scratch=N * d * _norm_forward_above_outputs(r, offset, input_grad or trainable, trainable),
-                 scratch=high * N * d * 4, releases_first=(f"{name}.nrm",))
+                 scratch=high * N * d * 4, releases_first=(f"{name}.nrm", f"{name}.onep"))
 
 
 def _norm_forward_above_outputs(r: float, offset: bool, x32_saved: bool, nrm_saved: bool) -> float:
@@ -116,8 +124,17 @@ def hf_model_inputs(attention: str, masked_sdpa: bool = False, full_mask: bool =
             + ((FULL_MASK,) if attention == "math" and full_mask else ()))
 
 
+def rope_k_apart(dm: Any, fused_proj: bool, attention: str, rope_locals: bool) -> bool:
+    """Whether rope's k is a storage apart from its q (``<out>.k``): Phi-3's eager attention with
+    grouped k/v heads (``fused_proj``, ``attention`` math, fewer k/v heads than q heads; not
+    rope's float32 ``rope_locals``). Rope's cat makes q contiguous, which q @ k^T reads in place
+    and saves for k's gradient, while k is read through repeat_kv's copy (or its matmul's): k
+    goes when the attention returns, q with the scores' backward."""
+    return fused_proj and attention == "math" and dm.kv != dm.qw and not rope_locals
+
+
 def hf_rope_node(dm: Any, qkv: list[str], out: str, v_view: bool = False, kernel_casts: bool = False,
-                 v32: bool = False, v_apart: bool = False) -> Any:
+                 v32: bool = False, v_apart: bool = False, k_apart: bool = False) -> Any:
     """apply_rotary_pos_emb: new q and k (``q * cos + rotate_half(q) * sin``); v passes on. For
     memory the q/k/v triple stays one storage (what SDPA saves); the forward's scratch is the
     products and the ``cat`` of rotate_half. ``qkv``: the projections' output, one key (the
@@ -125,7 +142,8 @@ def hf_rope_node(dm: Any, qkv: list[str], out: str, v_view: bool = False, kernel
     of the one fused output (Phi-3's qkv_proj), which the attention keeps itself: ``out`` is
     then the new q and k alone. ``v_apart``: v is a storage of its own, ``<out>.v``, apart from
     SDPA's casts of q and k (autocast with the fused kernel, :func:`held_locals`) or from rope's q
-    and k (eager attention reading v in place)."""
+    and k (eager attention reading v in place). ``k_apart``: k is a storage of its own, ``<out>.k``
+    (:func:`rope_k_apart`)."""
     N, d, kv, a = dm.n, dm.qw, dm.kv, dm.a  # (d: q's width, n_heads x head_dim)
     widths = [d + 2 * kv] if len(qkv) == 1 else [d, kv, kv]
     # The products save cos and sin (ROPE_TABLES), views of the model's tables. The forward, q's
@@ -170,6 +188,8 @@ def hf_rope_node(dm: Any, qkv: list[str], out: str, v_view: bool = False, kernel
         # q @ k^T's (as one storage with q and k it stayed to the scores' backward: +3.0% backward
         # where the softmax's backward was the peak, one head over 5 x 40 tokens).
         outs = [(out, N * (d + kv) * a), (f"{out}.v", N * kv * a)]
+    elif k_apart:
+        outs = [(out, N * d * a), (f"{out}.k", N * kv * a)]
     elif dm.masked_sdpa:
         # SDPA with a mask keeps q and the repeated k and v: rope's k (and v) go when the attention
         # returns, so they are a storage apart, ``out.kv`` (Phi-3: k alone; v is a view of the fused

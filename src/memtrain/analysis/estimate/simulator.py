@@ -158,6 +158,10 @@ class Node:
     # parameters are tensors of their own, whose .grad it makes when its own backward runs, this
     # share of the entry's bytes (the ``param:`` placeholders: that share of the entry's size).
     param_share: float = 1.0
+    # Saved tensors made outside the meter, (key, bytes): the data loader's token ids, which an
+    # embedding saves for its weight's gradient. Never device bytes here (the meter never sees
+    # them), but an activation offloader copies them to the host and back like any save.
+    external: tuple[tuple[str, float], ...] = ()
 
     def sac_kept(self) -> tuple[str, ...]:
         """Outputs selective checkpointing keeps (those of the matmul/attention kernel itself)."""
@@ -327,11 +331,16 @@ class Graph:
         """Copy ``key`` to the host if offloading takes it; whether it did (or had)."""
         if not self._offloading or self.offload_min is None or key not in self.store:
             return False
+        return self._offload_bytes(key, self.sim.live[self.store[key]][0])
+
+    def _offload_bytes(self, key: str, nbytes: float) -> bool:
+        """:meth:`_offload` of ``nbytes`` saved as ``key`` (a storage or a :attr:`Node.external`)."""
+        if not self._offloading or self.offload_min is None:
+            return False
         entry = self.off.get(key)
         if entry is not None:
             entry.waiting += 1
             return True
-        nbytes = self.sim.live[self.store[key]][0]
         if nbytes < self.offload_min:
             return False
         entry = _Offloaded(key, nbytes, len(self.off_list))
@@ -405,6 +414,8 @@ class Graph:
                 for k in n.saves:
                     if k in self.store and not self._offload(k):
                         self.saved_refs[k] = self.saved_refs.get(k, 0) + 1
+                for k, nbytes in n.external:
+                    self._offload_bytes(k, nbytes)
             if n.hold:
                 held.extend(o[0] for o in n.out)
             if n.name in self.after_forward:
@@ -535,7 +546,7 @@ class Graph:
         for n in reversed(nodes):
             keys = n.out_keys()
             has_grad = any(k in self.grad_sid for k in keys)
-            offloaded = [k for k in n.saves if k in self.off]
+            offloaded = [k for k in [*n.saves, *(k for k, _ in n.external)] if k in self.off]
             for k in offloaded:
                 self._unpack(k)
             composite = has_grad and n.releases_first is not None
