@@ -89,6 +89,18 @@ def test_a_step_without_any_answer_token_changes_nothing():
     assert all(torch.equal(b, p) for b, p in zip(before, state.model.parameters()))
 
 
+@pytest.mark.parametrize("loss", ["standard", "chunked", "naive"])
+def test_our_gpts_loss_on_a_micro_batch_without_an_answer_is_zero_with_zero_gradients(loss):
+    """Prompt tokens only: a loss kernel would divide 0 by 0 (NaN). The model's own loss is 0 and its
+    gradient zero, whatever a step then scales it by (as the transformers model's loss is)."""
+    model = _state(loss).model
+    x = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    got = model(x, torch.full((2, SEQ), IGNORE_INDEX))
+    got.backward()
+    assert float(got) == 0.0
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
 def test_text_data_steps_are_bit_for_bit_the_mean_of_micro_batch_means():
     """Text data: no counts are taken and each micro-batch's loss is divided by their number, exactly
     as before answer-token weighting existed (the same bits, not merely close)."""

@@ -433,3 +433,66 @@ def test_a_time_limit_rearms_the_outer_real_time_timer_it_borrowed():
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     assert not fired  # the outer handler never ran inside the block: the limit's did
+
+
+def _outer_timer_cleared():
+    """Cancel the outer real-time timer (pytest-timeout's) for a test of time_limit without one; re-arm it after."""
+    left, interval = signal.setitimer(signal.ITIMER_REAL, 0)
+    return lambda: signal.setitimer(signal.ITIMER_REAL, left, interval) if left > 0 else None
+
+
+def test_a_time_limit_that_ended_leaves_no_alarm_and_the_programs_own_handler():
+    """Without an outer timer (a plain `memtrain train` rendering its chat records) a limit that ended
+    in time must never go off later (SIGALRM's default action ends the process), and a program's own
+    SIGALRM handler is the one its next alarm runs."""
+    from memtrain.runtime.signals import time_limit
+
+    fired: list[int] = []
+    rearm = _outer_timer_cleared()
+    previous = signal.signal(signal.SIGALRM, lambda *_: fired.append(1))
+    try:
+        with time_limit(0.05):
+            pass
+        time.sleep(0.3)
+        assert not fired  # the limit's alarm is gone with its block
+        signal.setitimer(signal.ITIMER_REAL, 0.01)
+        time.sleep(0.3)
+        assert fired == [1]  # the program's alarm, its handler
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        rearm()
+
+
+def test_a_time_limit_gives_the_outer_timer_back_less_the_time_it_took_and_with_its_interval():
+    """The outer timer is due when it was due: the block's time counts against it, and a periodic one
+    keeps its period."""
+    from memtrain.runtime.signals import time_limit
+
+    rearm = _outer_timer_cleared()
+    previous = signal.signal(signal.SIGALRM, lambda *_: None)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 30.0, 7.0)
+        with time_limit(5.0):
+            time.sleep(1.0)
+        left, interval = signal.getitimer(signal.ITIMER_REAL)
+        assert left <= 29.0 and interval == pytest.approx(7.0)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        rearm()
+
+
+def test_a_time_limit_stops_its_block_at_its_time():
+    from memtrain.runtime.signals import TimeLimitExceeded, time_limit
+
+    rearm = _outer_timer_cleared()
+    started = time.monotonic()
+    try:
+        with pytest.raises(TimeLimitExceeded):
+            with time_limit(0.2):
+                while True:
+                    pass
+    finally:
+        rearm()
+    assert 0.2 <= time.monotonic() - started < 1.5

@@ -84,3 +84,17 @@ def test_chat_without_a_prompt_frames_an_empty_user_message_as_the_help_says(tmp
         main(["generate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "with --chat, an empty user message" in text
+
+
+def test_the_end_of_turn_is_the_first_special_token_after_the_answer_not_the_text_before_it(tmp_path):
+    """Llama 2's template closes an answer with a space, then eos: the reply ends at the eos, not at
+    the space's token (which would cut every reply at its first space)."""
+    from transformers import AutoTokenizer
+
+    from memtrain.inference.generate import transformers_codec
+
+    spaced = ("{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+              "{% else %} {{ m['content'] }} {{ eos_token }}{% endif %}{% endfor %}")
+    tok = AutoTokenizer.from_pretrained(str(_chat_folder(tmp_path / "llama", spaced, family="llama")))
+    assert tok(" </s>", add_special_tokens=False)["input_ids"][0] != tok.eos_token_id  # the space is a token
+    assert transformers_codec(tok).end_id == tok.eos_token_id

@@ -54,10 +54,14 @@ def test_content_as_text_parts_is_the_content_as_transformers_flattens_it(chatml
     image = [{"role": "user", "content": [{"type": "image", "url": "a.png"}, {"type": "text", "text": "What?"}]}]
     with pytest.raises(ConfigError, match=r"record 1 .* message 1's content part 1 is 'image', not a text part"):
         _render(chatml, {"messages": image})
+    captioned = [{"role": "user", "content": [{"type": "image", "text": "a cat"}]}]  # its caption is no text part
+    with pytest.raises(ConfigError, match="content part 1 is 'image', not a text part"):
+        _render(chatml, {"messages": captioned})
 
 
 @pytest.mark.parametrize("role, meant", [("assitant", "assistant"), ("Assistant", "assistant"), ("usr", "user"),
-                                         ("gpt", "assistant"), ("human", "user"), ("systen", "system")])
+                                         ("gpt", "assistant"), ("human", "user"), ("systen", "system"),
+                                         ("Human", "user"), ("ASSISTANT", "assistant")])
 def test_a_misspelled_role_is_one_error_naming_the_role_meant(chatml, role, meant):
     """A template renders any role: 'assitant' was a prompt turn, so --loss-on completion silently
     trained on nothing of it."""
@@ -66,9 +70,42 @@ def test_a_misspelled_role_is_one_error_naming_the_role_meant(chatml, role, mean
         _render(chatml, record)
 
 
-def test_a_role_of_the_templates_own_is_kept(chatml):
-    record = {"messages": [{"role": "narrator", "content": "Night."}, {"role": "assistant", "content": "Hello."}]}
-    assert "<|im_start|>narrator\nNight." in _render(chatml, record)
+@pytest.mark.parametrize("role", ["narrator", "observation", "tool_response", "available_tools"])
+def test_a_role_of_the_templates_own_is_kept(chatml, role):
+    """Roles some templates define (ChatGLM3's observation, Granite's tool_response and
+    available_tools) are no misspelling of a known one."""
+    record = {"messages": [{"role": role, "content": "Night."}, {"role": "assistant", "content": "Hello."}]}
+    assert f"<|im_start|>{role}\nNight." in _render(chatml, record)
+
+
+def test_a_message_with_a_role_keeps_it_beside_a_stray_from_field(chatml):
+    """ShareGPT's from/value is read only where a message has no role: a message with both is read by its role."""
+    record = {"messages": [{"role": "user", "content": "Hi", "from": "human"}, {"role": "assistant", "content": "Yo"}]}
+    assert _render(chatml, record) == _render(chatml, {"messages": [{"role": "user", "content": "Hi"},
+                                                                    {"role": "assistant", "content": "Yo"}]})
+
+
+@pytest.mark.parametrize("record, field", [({"messages": []}, "'messages'"),
+                                           ({"prompt": [], "completion": [{"role": "assistant", "content": "Yo"}]},
+                                            "'prompt'")])
+def test_an_empty_conversation_is_one_error_naming_the_field(chatml, record, field):
+    fmt = "chat" if "messages" in record else "prompt-completion"
+    with pytest.raises(ConfigError, match=f"record 1 of 'chat.jsonl'.s {field} is not a non-empty list of messages"):
+        _render(chatml, record, fmt)
+
+
+def test_a_record_with_a_prompt_and_no_completion_is_text_under_auto(chatml):
+    """--data-format auto reads a record as prompt-completion only when it has both fields; one with a
+    prompt alone is a text record (its --text-field read by the caller), not a refusal."""
+    render = make_renderer("auto", chatml, answers=True)
+    assert render({"prompt": "Sort it?", "text": "Sort it with sorted(x)."}, 1, "chat.jsonl") is None
+    assert render({"prompt": "Sort it?", "completion": " With sorted(x)."}, 1, "chat.jsonl").answers == ((8, 24),)
+
+
+def test_an_assistant_turn_that_opens_a_conversation_is_an_answer_from_its_start(chatml):
+    text = _render(chatml, {"messages": [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Hi"}]})
+    (start, end), = text.answers
+    assert start == 0 and text[:end].endswith("<|im_start|>assistant\nHello.<|im_end|>\n")
 
 
 def test_turns_without_an_answer_have_no_target_span(chatml):
@@ -100,6 +137,42 @@ def test_tool_calls_and_tool_definitions_reach_the_template_as_trl_gives_them(tm
                                                     "It is 5 C.<|im_end|>\n"]
     with pytest.raises(ConfigError, match="'tools' is str; give a list"):
         _render(tokenizer, {"messages": messages, "tools": "get_weather"})
+    # A prompt-completion record's tools reach the template too, prompt and completion alike.
+    paired = _render(tokenizer, {"prompt": messages[:1], "completion": messages[3:], "tools": tools}, "prompt-completion")
+    assert paired == tokenizer.tok.apply_chat_template([messages[0], messages[3]], tools=tools, tokenize=False)
+    assert [paired[a:b] for a, b in paired.answers] == ["It is 5 C.<|im_end|>\n"]
+
+
+# Drops an earlier assistant turn's content, as a reasoning model's template drops earlier turns'
+# thinking: a turn renders otherwise once a later turn follows it.
+DROPS_EARLIER = CHATML.replace("{{ message['content'] }}", "{% if message['role'] == 'assistant' and not loop.last %}"
+                               "(earlier){% else %}{{ message['content'] }}{% endif %}")
+
+
+@pytest.mark.parametrize("template, record, fmt", [
+    (DROPS_EARLIER, {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"},
+                                  {"role": "user", "content": "Bye"}]}, "chat"),
+    ("{{ messages | length }}" + CHATML, {"prompt": [{"role": "user", "content": "Hi"}],
+                                         "completion": [{"role": "assistant", "content": "Yo"}]}, "prompt-completion"),
+])
+def test_a_template_whose_first_turns_render_otherwise_later_has_no_answers_to_tell(tmp_path, template, record, fmt):
+    """Its answers cannot be told from its prompt by comparing renders: refused for --loss-on
+    completion, naming --loss-on all, under which it renders as it is."""
+    tokenizer = _tokenizer(_chat_folder(tmp_path / "m", template))
+    with pytest.raises(ConfigError, match="renders the first turns of record 1 .* differently .*give --loss-on all"):
+        _render(tokenizer, record, fmt)
+    assert make_renderer(fmt, tokenizer)(record, 1, "chat.jsonl").answers is None
+
+
+def test_a_template_refusing_the_turns_before_an_answer_names_loss_on_all(tmp_path):
+    """The answers are found by rendering the turns before each one with the generation prompt; a
+    template that refuses that render is named with --loss-on all, which needs no such render."""
+    refuses = CHATML + "{% if add_generation_prompt %}{{ raise_exception('no generation prompt') }}{% endif %}"
+    tokenizer = _tokenizer(_chat_folder(tmp_path / "m", refuses))
+    record = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}
+    with pytest.raises(ConfigError, match=r"refused record 1 .*\(its turns up to an answer, for --loss-on completion\): "
+                                          r"no generation prompt; fix the record or remove it; or give --loss-on all"):
+        _render(tokenizer, record)
 
 
 def test_records_rendered_before_tools_reached_the_template_are_tokenized_again(chatml, monkeypatch, tmp_path):

@@ -187,13 +187,19 @@ def test_an_exports_files_have_the_mode_the_umask_gives(tmp_path, capsys):
     import stat
 
     old = os.umask(0o022)
+    exports = {}
     try:
         ckpt = _train(tmp_path)
-        out = tmp_path / "hf"
-        assert main(["export", str(ckpt), str(out)]) == 0
+        # 0o007: a group that shares its files (the group may write them, others nothing).
+        for mask in (0o022, 0o007):
+            os.umask(mask)
+            exports[mask] = tmp_path / f"hf-{mask:03o}"
+            assert main(["export", str(ckpt), str(exports[mask])]) == 0
     finally:
         os.umask(old)
-    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
-    assert "model.safetensors" in modes and "config.json" in modes
-    assert modes == dict.fromkeys(modes, 0o644), {k: oct(v) for k, v in modes.items()}
-    assert stat.S_IMODE(out.stat().st_mode) == 0o755 and stat.S_IMODE(ckpt.stat().st_mode) == 0o644
+    for mask, out in exports.items():
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+        assert "model.safetensors" in modes and "config.json" in modes
+        assert modes == dict.fromkeys(modes, 0o666 & ~mask), {k: oct(v) for k, v in modes.items()}
+        assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~mask
+    assert stat.S_IMODE(ckpt.stat().st_mode) == 0o644

@@ -33,6 +33,14 @@ def test_metrics_jsonl_has_one_line_per_step_and_matches_result(tmp_path, capsys
     assert lines[-1]["val_loss"] == pytest.approx(result["val_loss"])
 
 
+def test_a_run_without_clipping_logs_each_step_with_no_gradient_norm(tmp_path, capsys):
+    """--grad-clip 0 computes no gradient norm: each line says none, and the run ends as any other."""
+    out = tmp_path / "r"
+    assert main([*RUN, "--grad-clip", "0", "--out", str(out)]) == 0
+    steps = [ln for ln in _lines(out) if "loss" in ln]
+    assert [ln["step"] for ln in steps] == [1, 2, 3, 4] and all(ln.get("grad_norm") is None for ln in steps)
+
+
 def test_a_run_that_dies_keeps_its_curve(tmp_path, monkeypatch, capsys):
     import memtrain.training.train as T
 

@@ -179,6 +179,25 @@ def test_a_chat_template_that_loops_grows_or_fails_is_one_line(tmp_path, capsys,
     assert "without --chat" in err
 
 
+class _RendersText:
+    """apply_chat_template's part of a tokenizer: a text of ``n`` characters."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def apply_chat_template(self, messages, tokenize=False, **kwargs):
+        return "x" * self.n
+
+
+def test_a_chat_render_of_the_size_bound_passes_and_one_character_more_is_refused():
+    from memtrain.errors import ChatTemplateLimit
+    from memtrain.models.tokenizer import MAX_CHAT_CHARS, bounded_chat_template
+
+    assert len(bounded_chat_template(_RendersText(MAX_CHAT_CHARS), [])) == MAX_CHAT_CHARS
+    with pytest.raises(ChatTemplateLimit, match=rf"made a text of {MAX_CHAT_CHARS + 1:,} characters \(at most {MAX_CHAT_CHARS:,}\)"):
+        bounded_chat_template(_RendersText(MAX_CHAT_CHARS + 1), [])
+
+
 def test_generate_chat_prints_the_reply_up_to_its_end_of_turn(tmp_path, capsys, monkeypatch):
     """The sampled ids run past the end of the turn (sampling runs --max-new-tokens): --chat
     prints what comes before the eos only."""

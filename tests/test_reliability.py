@@ -204,10 +204,11 @@ def test_disk_full_at_the_final_save_keeps_result_and_previous_checkpoint(tiny_r
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ck.pt")) == ["ck.pt"]
 
 
-def test_non_finite_loss_stops_the_run_and_writes_no_nan(tiny_run, capsys, monkeypatch):
-    monkeypatch.setattr("memtrain.training.step.train_step", lambda *a, **kw: float("nan"))
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_non_finite_loss_stops_the_run_and_writes_no_nan(tiny_run, capsys, monkeypatch, value):
+    monkeypatch.setattr("memtrain.training.step.train_step", lambda *a, **kw: float(value))
     assert main(["train", *cli_flags(tiny_run)]) == 1
-    assert "the training loss became nan at step 1" in _one_error_line(capsys.readouterr().err)
+    assert f"the training loss became {value} at step 1" in _one_error_line(capsys.readouterr().err)
     assert not (Path(tiny_run["out"]) / "result.json").exists()
 
 

@@ -131,6 +131,16 @@ def test_an_overlapped_run_resumes_exactly(tiny_run, tmp_path, monkeypatch):
     assert resumed["loss_history"] == whole["loss_history"] and len(whole["loss_history"]) == 9
 
 
+@pytest.mark.parametrize("losses", [[torch.tensor(1.1), torch.tensor(2.3)], [1.1, 2.3]])
+def test_readings_give_the_steps_losses_and_the_last_ones_gradient_norm_apart(losses):
+    """Read as one tensor or one by one, the losses are the steps' only, exactly as float() reads
+    each, and the norm comes on its own."""
+    want = [float(v) for v in losses]
+    readings = StepReadings(losses, torch.tensor(0.7))
+    assert readings.losses() == want and readings.grad_norm() == float(torch.tensor(0.7))
+    assert StepReadings(losses).losses() == want and StepReadings(losses).grad_norm() is None
+
+
 def test_without_overlap_every_step_is_read_at_once(tiny_run, monkeypatch):
     events = _spy(monkeypatch)
     train(build_config({**tiny_run, "steps": 5}))
