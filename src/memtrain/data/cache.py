@@ -55,7 +55,8 @@ SPLITS = ("train", "val")
 CACHE_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO})
 TMP_PREFIX = ".tmp-"  # entries being written: .tmp-<pid>-<random>
 
-assert N_VOCAB <= np.iinfo(TOKEN_DTYPE).max + 1
+# An internal invariant of the two constants above (no input changes it): checked at import by
+# tests/test_token_cache.py, not by an assert that `python -O` would drop.
 
 
 @dataclass
@@ -117,7 +118,12 @@ def prepare_tokens(cfg: DataConfig, progress: Optional[bool] = None, tokenizer: 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone after a successful rename; cleans up after a failure
     splits = _load_entry(final, from_cache=False)
-    assert splits is not None, f"cache entry {final} vanished right after it was written"
+    if splits is None:
+        # A real event, not an invariant: another process may replace or remove the entry between
+        # the rename and this read (a concurrent run's publish of the same key, a cache cleaner).
+        raise OSError(errno.ENOENT, "the token cache entry could not be read back right after it was written "
+                      "(another process replaced or removed it); run again, or set MEMTRAIN_CACHE to a folder "
+                      "of this run's own", str(final))
     return splits
 
 
@@ -138,7 +144,11 @@ def _tokenize_uncached(cfg: DataConfig, root: Path, exc: OSError, progress: Opti
         splits = _load_entry(tmp, from_cache=False)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # the memmaps stay readable after the unlink (POSIX)
-    assert splits is not None, "tokens written to a temporary folder could not be read back"
+    if splits is None:
+        # Nothing else writes this private folder: the ids themselves failed the reader's checks
+        # (an id at or past the tokenizer's n_vocab, a size that differs), a fault to report.
+        raise RuntimeError(f"the tokens written to {str(tmp)!r} do not read back as written (an id past the "
+                           "tokenizer's vocabulary, or a size that differs); report it with the --data and --model used")
     splits.cache_path = ""
     return splits
 
@@ -251,7 +261,7 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenize
                     mask = _concat_masks([m for m, c in zip(doc_masks, chosen) if c], kept,
                                          [e for e, c in zip(encoded, chosen) if c], tok_meta["eot_id"],
                                          len(tok_meta.get("prefix_ids", ())))
-                    assert len(mask) == len(ids), "a target mask must frame its documents as the ids do"
+                    _check_mask_frames_ids(mask, ids)
                     mask_files[split].write(mask.tobytes())
                     targets[split] += int(mask.sum())
                 docs[split] += int(chosen.sum())
@@ -275,6 +285,16 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenize
         "elapsed_s": time.perf_counter() - start,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def _check_mask_frames_ids(mask: np.ndarray, ids: np.ndarray) -> None:
+    """A target mask that does not frame its ids one for one would train on the wrong tokens,
+    silently: a RuntimeError (not an assert, which ``python -O`` drops) stops the run before the
+    entry is written. The two arrays come from the same documents and offsets, so this is a
+    fault of memtrain's or the tokenizer's (offsets that are not one per id), not of the input."""
+    if len(mask) != len(ids):
+        raise RuntimeError(f"a --loss-on completion target mask of {len(mask):,} tokens frames {len(ids):,} ids; "
+                           "the tokenizer's offsets do not match its ids: report it with the --model used")
 
 
 def check_first_document(cfg: DataConfig, tokenizer: Any = None) -> None:
