@@ -331,6 +331,32 @@ def test_a_target_mask_that_does_not_frame_its_ids_stops_the_run(tmp_path: Path,
     assert not [p for p in (tmp_path / "cache").iterdir() if not p.name.startswith(".")]
 
 
+def test_data_replaced_while_it_is_tokenized_is_refused_and_no_entry_is_kept(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file replaced while its tokens are written mixed two versions under the first one's key,
+    and the entry's meta.json recorded the second (read again at the end): the run is refused in
+    one line and nothing is published; the same file left alone tokenizes as before."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in corpus(1200)])
+    real = cache_mod.iter_documents
+
+    def replaced_midway(c, *rest):
+        for i, doc in enumerate(real(c, *rest)):
+            if i == 700:  # after one batch has been written
+                replacement = write_jsonl(tmp_path / "new.jsonl", [{"text": t} for t in corpus(30)])
+                os.replace(replacement, path)
+            yield doc
+
+    monkeypatch.setattr(cache_mod, "iter_documents", replaced_midway)
+    with pytest.raises(ConfigError, match="changed while it was being read"):
+        prepare_tokens(cfg(path), progress=False)
+    assert list((tmp_path / "cache").iterdir()) == []
+    monkeypatch.setattr(cache_mod, "iter_documents", real)
+    splits = prepare_tokens(cfg(path), progress=False)
+    meta = json.loads((Path(splits.cache_path) / "meta.json").read_text())
+    assert meta["source"] == json.loads(json.dumps(source_identity(cfg(path))))
+    assert splits.n_train_docs + splits.n_val_docs == 30
+
+
 def test_split_is_seeded_per_document(tmp_path: Path) -> None:
     texts = corpus(300)
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in texts])

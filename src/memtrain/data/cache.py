@@ -27,7 +27,7 @@ from typing import Any, BinaryIO, Optional
 import numpy as np
 from tqdm.auto import tqdm
 
-from memtrain.config.run import DataConfig, effective_cache_dir
+from memtrain.config.run import ConfigError, DataConfig, effective_cache_dir
 from memtrain.data.records import RENDER_VERSION, RecordText, make_renderer, template_refusal
 from memtrain.data.sources import iter_documents, source_identity
 from memtrain.data.tokenizer import (
@@ -232,6 +232,7 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenize
         encode = tokenizer.encode_batch
     tok_meta = _tokenizer_meta(tokenizer)
     dtype = _token_dtype(tok_meta["n_vocab"])
+    started = source_identity(cfg)  # the files as reading starts: the entry records these
     docs = {s: 0 for s in SPLITS}
     tokens = {s: 0 for s in SPLITS}
     encode_s = 0.0
@@ -268,9 +269,10 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenize
                 tokens[split] += len(ids)
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{sum(tokens.values()) / max(encode_s, 1e-9):,.0f}", refresh=False)
+    _refuse_changed_source(cfg, started)
     return {
         "format_version": FORMAT_VERSION,
-        "source": source_identity(cfg),
+        "source": started,
         "data": cfg.data,
         "tokenizer": tok_meta,
         **_format_identity(cfg, tokenizer),
@@ -285,6 +287,19 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenize
         "elapsed_s": time.perf_counter() - start,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def _refuse_changed_source(cfg: DataConfig, started: dict[str, Any]) -> None:
+    """A ConfigError when ``--data``'s files changed while they were tokenized (replaced, edited,
+    a file added to a glob or removed): the tokens would mix two versions, under the key of the
+    first, and the entry recorded the second. Said before the entry is published."""
+    try:
+        now = source_identity(cfg)
+    except (ConfigError, OSError):  # a file removed meanwhile: changed too
+        now = None
+    if now != started:
+        raise ConfigError(f"--data {cfg.data!r} changed while it was being read (a file replaced, edited, added or "
+                          "removed); run again once it has stopped changing")
 
 
 def _check_mask_frames_ids(mask: np.ndarray, ids: np.ndarray) -> None:

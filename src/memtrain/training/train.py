@@ -277,11 +277,14 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     if dist_ctx.enabled:  # what this rank holds of the state, the result's ranks[].sharded_state
         dist_ctx.state = ShardedStateBytes(state.model, state.optimizer, dist_ctx.local_optimizer or state.optimizer)
 
-    # Then data; nothing is written before both succeeded.
+    # Then data; nothing is written before both succeeded. The fingerprint checkpoints save (and
+    # --resume compares) is of the content as reading starts: tokenizing refuses files that change
+    # under it, so it is the content the tokens came from (taken after, it named a file replaced
+    # while the run tokenized its predecessor).
+    state.data_fingerprint = data_fingerprint(cfg.data)
     with dist_ctx.main_first():  # rank 0 fills the token cache, the other ranks then read it
         splits = prepare_tokens(cfg.data, progress=show, tokenizer=data_tokenizer(cfg))
     check_split_documents(splits, cfg.data)
-    state.data_fingerprint = data_fingerprint(cfg.data)  # saved in checkpoints, checked by --resume
     # The next step's batches are fetched while this one runs, on a GPU (memtrain.data.device_feed).
     state.loader = DeviceFeed(make_train_loader(
         splits.train, t.seq_len, t.batch_size, seed=t.seed,
