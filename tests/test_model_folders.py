@@ -858,3 +858,27 @@ def test_a_rope_factor_below_one_or_no_number_is_one_line_before_building(tmp_pa
         line = _one_error_line(capsys.readouterr().err)
         assert f"its config.json's rope_scaling factor {factor} is not a number of at least 1" in line, line
     assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------------------ --resume compares --model by content
+def test_resume_compares_the_model_folder_by_its_config_not_its_path(tokenizer_dir, corpus, tmp_path, capsys):
+    """A checkpoint records its transformers --model's config.json fields: the same model moved to
+    another folder resumes (its path alone was refused as another run's), and another model copied
+    to the checkpoint's path (another activation: every size the run config mirrors the same) is
+    refused naming the field (it resumed silently, on another model's numbers)."""
+    model = model_folder(tmp_path / "m", tokenizer_dir)
+    ckpt, out = tmp_path / "ckpt.pt", tmp_path / "o"
+    assert main(_flags(model, corpus, out, steps=4, stop_after=2, save=str(ckpt))) == 0
+    capsys.readouterr()
+    moved = tmp_path / "moved"
+    shutil.move(model, moved)
+    assert main(_flags(moved, corpus, out, steps=4, stop_after=3, resume=str(ckpt), save=str(ckpt))) == 0, \
+        capsys.readouterr().err
+    assert json.loads((out / "result.json").read_text())["steps"] == 3
+    capsys.readouterr()
+    other = model_folder(tmp_path / "m", tokenizer_dir, activation_function="relu")  # at the checkpoint's path
+    assert main(_flags(other, corpus, out, steps=4, resume=str(ckpt), save=str(ckpt))) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"--model {str(model)!r} is not the model checkpoint" in line, line
+    assert 'activation_function "gelu_new" -> "relu"' in line, line
+    assert json.loads((out / "result.json").read_text())["steps"] == 3  # nothing lost

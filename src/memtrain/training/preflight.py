@@ -46,6 +46,7 @@ from memtrain.training.resume_check import (
     continue_longer,
     data_of,
     differences_from_this_run,
+    resumed_model_as,
     saved_run,
     saved_state,
     shown_differences,
@@ -311,7 +312,7 @@ def check_resumed_out(out: Path, cfg: RunConfig) -> None:
     if not isinstance(config, dict):
         raise ConfigError(f"--out {str(out)!r} holds a result.json that records no run config; a resumed run would "
                           "replace it: choose a new --out")
-    data_as = None
+    data_as = model_as = None
     if cfg.train.resume:  # written by the resumed run from the folder it was launched from
         state = saved_state(cfg.train.resume)
         where = launch_dir(state, cfg.train.resume)
@@ -319,7 +320,8 @@ def check_resumed_out(out: Path, cfg: RunConfig) -> None:
         # The data was compared with the checkpoint's (check_resume, by content where it moved):
         # the result.json's run is the checkpoint's where it records the checkpoint's data.
         data_as = data_of(anchored(state["config"], where))
-    diffs = differences_from_this_run(config, cfg, data_as=data_as)
+        model_as = resumed_model_as(cfg, anchored(state["config"], where))  # the model too, by its config.json
+    diffs = differences_from_this_run(config, cfg, data_as=data_as, model_as=model_as)
     if diffs:
         raise ConfigError(f"--out {str(out)!r} holds the result.json of a different run ({shown_differences(diffs, 4)}); resuming there "
                           "would replace it: choose a new --out, or the resumed run's own")

@@ -39,6 +39,7 @@ from memtrain.files.results import remove_stale_temps
 from memtrain.metrics import MemoryMeter, StepTimer, device_peak_memory, percentile, reset_device_peak, synchronize
 from memtrain.metrics.state import ShardedStateBytes
 from memtrain.models.families import data_tokenizer
+from memtrain.models.identity import model_config_identity
 from memtrain.runtime.env import environment, resolve_device, seed_everything
 from memtrain.runtime.notices import QLoRASkipWarning, shows_progress
 from memtrain.techniques import Precision, make_precision
@@ -282,6 +283,7 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     # under it, so it is the content the tokens came from (taken after, it named a file replaced
     # while the run tokenized its predecessor).
     state.data_fingerprint = data_fingerprint(cfg.data)
+    state.model_config = model_config_identity(cfg.model.model)  # saved in checkpoints, checked by --resume
     with dist_ctx.main_first():  # rank 0 fills the token cache, the other ranks then read it
         splits = prepare_tokens(cfg.data, progress=show, tokenizer=data_tokenizer(cfg))
     check_split_documents(splits, cfg.data)
