@@ -37,6 +37,11 @@ class PartOfARecordWarning(NoticeWarning):
     """--text-field names one part of an instruction record (its prompt): the rest is not trained on."""
 
 
+class ConfigFieldWarning(NoticeWarning):
+    """A transformers config.json field the model's family has no setting of: a likely
+    misspelling (transformers keeps it and ignores it), or an attention field memtrain leaves out."""
+
+
 class QLoRASkipWarning(NoticeWarning):
     """--qlora leaves some frozen weights unquantized (their size does not fit NF4's blocks)."""
 
