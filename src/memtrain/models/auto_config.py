@@ -19,11 +19,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from memtrain.errors import ConfigError
+from memtrain.errors import ConfigError, ConfigFieldWarning
 from memtrain.models.config_json import read_config_json, refuse_custom_tokenizer
 from memtrain.models.hub_access import from_pretrained_kwargs, offline_hint
 from memtrain.models.source import resolve
-from memtrain.runtime.notices import ConfigFieldWarning
 
 
 @functools.lru_cache(maxsize=32)

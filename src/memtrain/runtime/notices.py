@@ -8,7 +8,11 @@ import sys
 import warnings
 from typing import Any, Optional
 
-__all__ = ["NoticeWarning", "PartOfARecordWarning", "QLoRASkipWarning", "SlowPrecisionWarning", "install_warning_format", "random_base_warning",
+# Defined in memtrain.errors (a leaf): models.auto_config warns with ConfigFieldWarning, and this
+# module's random_base_warning reads models.spec, so a home here would close an import circle.
+from memtrain.errors import ConfigFieldWarning, NoticeWarning
+
+__all__ = ["ConfigFieldWarning", "NoticeWarning", "PartOfARecordWarning", "QLoRASkipWarning", "SlowPrecisionWarning", "install_warning_format", "random_base_warning",
            "shows_progress"]
 
 
@@ -25,21 +29,12 @@ def shows_progress(requested: Optional[bool] = None) -> bool:
         return False
 
 
-class NoticeWarning(UserWarning):
-    """A warning memtrain gives the user about their run: shown as one ``warning:`` line."""
-
-
 class SlowPrecisionWarning(NoticeWarning):
     """The run's precision has no native kernel on this device (slow matmuls)."""
 
 
 class PartOfARecordWarning(NoticeWarning):
     """--text-field names one part of an instruction record (its prompt): the rest is not trained on."""
-
-
-class ConfigFieldWarning(NoticeWarning):
-    """A transformers config.json field the model's family has no setting of: a likely
-    misspelling (transformers keeps it and ignores it), or an attention field memtrain leaves out."""
 
 
 class QLoRASkipWarning(NoticeWarning):
