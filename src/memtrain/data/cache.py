@@ -40,6 +40,7 @@ from memtrain.data.tokenizer import (
     get_tokenizer,
 )
 from memtrain.files.guard import regular_file_problem
+from memtrain.files.json_file import read_json_file
 from memtrain.runtime.notices import shows_progress
 
 # Bump when the on-disk layout or the way documents are rendered changes.
@@ -507,16 +508,14 @@ def _load_entry(entry: Path, from_cache: bool, expected: Optional[dict[str, Any]
     meta.json was read without end), and meta.json small. With ``expected`` (:func:`_identity`),
     an entry whose meta.json records another source or tokenizer (copied or moved in from
     another key) is not this run's: its ids were used, and result.json named its tokenizer."""
-    for name in ("meta.json", *(f"{s}.bin" for s in SPLITS)):
-        limit = MAX_META_BYTES if name == "meta.json" else None  # the splits' .bin files are any size
-        if regular_file_problem(entry / name, entry, max_bytes=limit) is not None:
-            return None
+    if any(regular_file_problem(entry / f"{s}.bin", entry) is not None for s in SPLITS):
+        return None  # the splits' .bin files are any size
     try:
-        meta = json.loads((entry / "meta.json").read_text())
+        meta = read_json_file(entry / "meta.json", MAX_META_BYTES, root=entry)
         sizes = {s: int(meta[f"n_{s}_tokens"]) for s in SPLITS}
         docs = {s: int(meta[f"n_{s}_docs"]) for s in SPLITS}
         tokens_per_s = meta.get("tokens_per_s")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # JsonFileProblem is a ValueError
         return None
     if meta.get("format_version") != FORMAT_VERSION or min(sizes.values()) < 0:
         return None
