@@ -22,7 +22,11 @@ class ChatTemplateLimit(ValueError):
     """A model's chat template that ran past its time or rendered past its size bound
     (memtrain.models.tokenizer.bounded_chat_template); the message says which, as a phrase that
     follows "the chat template". Here, not beside the bound: the data pipeline names it without
-    importing the model code."""
+    importing the model code. ``max_chars``: the size bound it passed (None: the time bound)."""
+
+    def __init__(self, message: str, max_chars: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.max_chars = max_chars
 
 
 class NoticeWarning(UserWarning):
