@@ -30,7 +30,7 @@ from memtrain.config.run import ConfigError, RunConfig
 from memtrain.errors import shortened
 from memtrain.files import results
 from memtrain.files.json_text import loads_bounded
-from memtrain.files.lock import check_lock_file
+from memtrain.files.lock import check_lock_file, refuse_folder_in_use
 from memtrain.files.results import (
     LOCK_NAME,
     METRICS_NAME,
@@ -441,6 +441,7 @@ def check_before_launch(cfg: RunConfig, nproc: int) -> None:
                           "(or zero1, zero2, fsdp)")
     continue_longer(cfg)  # a longer --steps on --resume keeps the saved warm-up, before the configs are compared
     check_resume(cfg)  # before --out and --save are compared (train's order)
+    refuse_folder_in_use(Path(cfg.train.out))  # a running run's folder: said as in use, as train says it
     check_destinations(cfg, fresh_out=True)
     check_vocab(cfg)
     device = resolve_device(cfg.train.device)

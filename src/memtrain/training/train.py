@@ -34,7 +34,7 @@ from memtrain.data.loader import IGNORE_INDEX
 from memtrain.devices.advice import mfu_for_run, reference_rate_now, run_device_facts
 from memtrain.distributed.rank_errors import agreement, launched_by_memtrain
 from memtrain.distributed.session import DistContext, distributed_session
-from memtrain.files.lock import FolderLock, file_lock, register_writer
+from memtrain.files.lock import FolderLock, file_lock, refuse_folder_in_use, register_writer
 from memtrain.files.results import remove_stale_temps
 from memtrain.metrics import MemoryMeter, StepTimer, device_peak_memory, percentile, reset_device_peak, synchronize
 from memtrain.metrics.state import ShardedStateBytes
@@ -181,7 +181,10 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
             # A checkpoint of another run is refused before tokenizing, and before its own --out
             # and --save are compared (a changed flag is then said as a resume's difference).
             check_resume(cfg)
-            # Never a run that cannot write its result, nor one that would overwrite another's.
+            # Never a run that cannot write its result, nor one that would overwrite another's. A
+            # folder a running run holds is said as in use (a launcher's ranks write under its lock).
+            if lock_out and dist_ctx.is_main and not launched:
+                refuse_folder_in_use(Path(cfg.train.out))
             check_destinations(cfg, fresh_out=log_metrics)
             check_vocab(cfg)
             check_model_size(cfg.model, dist_ctx.device, cfg.technique.precision)  # a shape that cannot be built, refused before building
