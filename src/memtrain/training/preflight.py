@@ -29,7 +29,7 @@ from typing import Any, Iterable, Optional
 from memtrain.config.run import ConfigError, RunConfig
 from memtrain.errors import shortened
 from memtrain.files import results
-from memtrain.files.json_text import loads_bounded
+from memtrain.files.json_file import TOO_BIG, JsonFileProblem, read_json_file
 from memtrain.files.lock import check_lock_file, refuse_folder_in_use
 from memtrain.files.results import (
     LOCK_NAME,
@@ -300,13 +300,13 @@ def check_resumed_out(out: Path, cfg: RunConfig) -> None:
     path = out / RESULT_NAME
     if not os.path.lexists(path):
         return
-    size, limit = path.stat().st_size, results.MAX_WHOLE_JSON_BYTES
-    if size > limit:  # read whole below: a huge (or sparse) file would be, into memory
-        raise ConfigError(f"--out {str(out)!r} holds a result.json of {size:,} bytes, more than memtrain reads back "
-                          f"({limit:,}); a resumed run would replace it: choose a new --out")
-    try:
-        recorded = loads_bounded(path.read_bytes())
-    except (OSError, ValueError):
+    limit = results.MAX_WHOLE_JSON_BYTES
+    try:  # a huge (or sparse) file is refused from its size, never read whole into memory
+        recorded = read_json_file(path, limit)
+    except JsonFileProblem as exc:
+        if exc.kind == TOO_BIG:
+            raise ConfigError(f"--out {str(out)!r} holds a result.json of {path.stat().st_size:,} bytes, more than "
+                              f"memtrain reads back ({limit:,}); a resumed run would replace it: choose a new --out") from None
         recorded = None
     config = recorded.get("config") if isinstance(recorded, dict) else None
     if not isinstance(config, dict):

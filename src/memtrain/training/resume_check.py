@@ -16,8 +16,7 @@ from typing import Any, Iterable, Optional
 
 from memtrain.config.run import ConfigError, RunConfig, build_config, field_index, flatten
 from memtrain.files import results
-from memtrain.files.guard import regular_file_problem
-from memtrain.files.json_text import loads_bounded
+from memtrain.files.json_file import NOT_A_FILE, TOO_BIG, JsonFileProblem, read_json_file
 from memtrain.files.results import RESULT_NAME
 from memtrain.models.identity import identity_differences, model_config_identity
 from memtrain.models.spec import every_decoder_linear
@@ -62,14 +61,12 @@ def saved_state(path: str | Path) -> dict[str, Any]:
         meta_path = p / "meta.json"
         if not meta_path.is_file():
             raise ConfigError(f"--resume {str(p)!r} is a directory without meta.json; it is not a memtrain checkpoint")
-        # e.g. a link out of the checkpoint, or a file too large to read whole (a sparse one)
-        why = regular_file_problem(meta_path, p, max_bytes=results.MAX_WHOLE_JSON_BYTES)
-        if why is not None:
-            raise ConfigError(f"checkpoint {str(p)!r} is refused: its meta.json is {why}; resume only from "
-                              "checkpoints memtrain wrote")
         try:
-            state = loads_bounded(meta_path.read_text())
-        except (OSError, UnicodeDecodeError, ValueError):
+            state = read_json_file(meta_path, results.MAX_WHOLE_JSON_BYTES, root=p)
+        except JsonFileProblem as exc:
+            if exc.kind in (NOT_A_FILE, TOO_BIG):  # a link out of the checkpoint, a file too large to read whole
+                raise ConfigError(f"checkpoint {str(p)!r} is refused: its meta.json is {exc}; resume only from "
+                                  "checkpoints memtrain wrote") from None
             raise ConfigError(f"cannot read {str(meta_path)!r}; it is not a memtrain checkpoint") from None
     elif p.is_file():
         # memtrain.checkpoints imports torch: loaded only for --resume
@@ -404,7 +401,7 @@ def check_sharded_resume(path: str | Path, nproc: int) -> None:
     if not p.is_dir():
         raise ConfigError(f"{str(p)!r} is not a distributed checkpoint directory; a single-process checkpoint "
                           "resumes without --distributed and without --nproc-per-node")
-    meta = loads_bounded((p / "meta.json").read_text())  # saved_run (check_resume) has read it
+    meta = saved_state(p)  # its meta.json, read bounded and checked as saved_run (check_resume) reads it
     world = meta.get("world_size") if isinstance(meta, dict) else None
     if not (isinstance(world, int) and not isinstance(world, bool) and world > 0):
         from memtrain.checkpoints.exact import DamagedCheckpoint, damaged  # torch: only for --resume
