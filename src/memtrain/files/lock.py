@@ -109,16 +109,19 @@ def refuse_folder_in_use(folder: Path, what: str = "memtrain", flag: str = "--ou
         fd = os.open(Path(folder) / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return  # no lock file (or not one to open): the lock's own checks say so when it is taken
-    with os.fdopen(fd, "r", errors="replace") as fh:
+    try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return
+            return  # a folder or FIFO there: check_lock_file and the lock itself refuse it in their words
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = (fh.read(200).strip().splitlines() or ["another process"])[0]
-            raise FolderLock(Path(folder), what, flag)._in_use(holder) from None
+            text = os.read(fd, 200).decode("utf-8", "replace")
+            raise FolderLock(Path(folder), what, flag)._in_use((text.strip().splitlines() or ["another process"])[0]) \
+                from None
         fcntl.flock(fd, fcntl.LOCK_UN)
-        live = _live_writers(fh.read(MAX_LOCK_CHARS))
+        live = _live_writers(os.read(fd, MAX_LOCK_CHARS).decode("utf-8", "replace"))
+    finally:
+        os.close(fd)
     if live:  # the ranks of a launcher that died still write there
         raise FolderLock(Path(folder), what, flag)._in_use(live[0])
 
