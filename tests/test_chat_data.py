@@ -506,3 +506,26 @@ def test_a_chat_template_that_loops_or_grows_on_one_record_is_one_line_naming_it
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: the --model's chat template ") and words in err, err
     assert "for record 3 of " in err and "fix the chat_template" in err and not out.exists()
+
+
+@pytest.mark.parametrize("fmt", ["chat", "prompt-completion"])
+def test_a_record_too_long_to_render_is_blamed_on_the_record_not_the_template(tmp_path, capsys, fmt):
+    """A record whose own messages hold more characters than a render may (4 Mi) passed the bound
+    through no fault of the template, yet its line said "fix the chat_template": it names the
+    record's size and says to split it."""
+    from memtrain.models.tokenizer import MAX_CHAT_CHARS
+
+    model = _chat_folder(tmp_path / "qwen2", CHATML)
+    long = [{"role": "user", "content": "word " * (MAX_CHAT_CHARS // 5 + 10)}, {"role": "assistant", "content": "ok"}]
+    fine = [{"messages": c} for c in CONVERSATIONS[:2]] if fmt == "chat" else \
+        [{"prompt": c[:-1], "completion": c[-1:]} for c in CONVERSATIONS[:2]]
+    record = {"messages": long} if fmt == "chat" else {"prompt": long[:1], "completion": long[1:]}
+    data = _records(tmp_path / "records.jsonl", [*fine, record])
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(model), "--data", str(data), "--data-format", fmt, "--steps", "1",
+                 "--seq-len", "16", "--batch-size", "1", "--no-progress", "--cache-dir", str(tmp_path / "cache"),
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: record 3 of "), err
+    assert f"characters of messages, more than one rendered record may ({MAX_CHAT_CHARS:,})" in err, err
+    assert "split the conversation" in err and "fix the chat_template" not in err and not out.exists()

@@ -149,6 +149,42 @@ def test_argument_errors_come_before_the_heavy_imports(argv, says, not_imported)
     assert rc == 2 and not set(not_imported) & set(imported), proc.stdout
 
 
+@pytest.mark.parametrize("argv", [
+    ["maxbatch", "--budget", "1GiB"], ["maxbatch", "--search", "seq-len", "--budget", "1GiB"],
+    ["train", "--out", "{tmp}/run"], ["bench", "--out", "{tmp}/bench", "--techniques", "baseline"],
+    ["generate", "{tmp}/model", "--prompt", "hi"], ["estimate"], ["plan", "--budget", "1GiB"], ["flops"],
+])
+def test_a_device_memtrain_does_not_run_on_is_refused_from_the_argument(argv, tmp_path):
+    """--device mps (or any name but auto, cpu, cuda[:N]) is one line, exit 2, before torch or any
+    verb's machinery loads: maxbatch, train, bench and generate said it after seconds of imports,
+    and estimate, plan and flops answered as if for a CPU. Nothing is written."""
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    proc = subprocess.run([sys.executable, "-c", _IMPORTS_AFTER, *argv, "--device", "mps"], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.stderr == "error: --device 'mps' is not supported; use auto, cpu, cuda or cuda:N\n", proc.stderr
+    rc, imported = json.loads(proc.stdout)
+    assert rc == 2 and imported == [], proc.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv", [["maxbatch", "--budget", "1GiB"], ["train", "--out", "{tmp}/run"],
+                                  ["generate", "{tmp}/model", "--prompt", "hi"]])
+def test_a_cuda_device_that_is_not_here_is_refused_before_the_verbs_imports(argv, tmp_path):
+    """--device cuda without a GPU loads torch alone to ask for it, never the search, the
+    training loop or transformers."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    proc = subprocess.run([sys.executable, "-c", _IMPORTS_AFTER, *argv, "--device", "cuda"], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.stderr.count("\n") == 1 and "no CUDA GPU is visible" in proc.stderr, proc.stderr
+    rc, imported = json.loads(proc.stdout)
+    assert rc == 2 and imported == ["torch"], proc.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("verb", ["estimate", "plan"])
 def test_model_help_names_every_bundled_config_and_what_is_analytic(verb, capsys):
     """estimate's and plan's --model help left out tiny-llama and tiny-gpt2 and called every

@@ -301,6 +301,62 @@ def test_interrupted_run_leaves_no_entry(tmp_path: Path, monkeypatch: pytest.Mon
     assert not prepare_tokens(cfg(path), progress=False).from_cache
 
 
+def test_the_id_width_holds_gpt2s_vocabulary() -> None:
+    """The constant check cache.py once made with an assert (gone under ``python -O``)."""
+    assert cache_mod.N_VOCAB <= np.iinfo(cache_mod.TOKEN_DTYPE).max + 1
+
+
+def test_an_entry_that_cannot_be_read_back_is_an_error_not_an_assert(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache entry another process removes between its rename and the read, or tokens of a private
+    folder that fail the reader's checks, are errors that say so (an assert vanished under
+    ``python -O``, and the run went on with None)."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in corpus(20)])
+    monkeypatch.setattr(cache_mod, "_load_entry", lambda *a, **k: None)
+    with pytest.raises(OSError, match="could not be read back right after it was written"):
+        prepare_tokens(cfg(path), progress=False)
+    with pytest.raises(RuntimeError, match="do not read back as written"):
+        cache_mod._tokenize_uncached(cfg(path), tmp_path / "cache", OSError(30, "Read-only file system"), False, None)
+
+
+def test_a_target_mask_that_does_not_frame_its_ids_stops_the_run(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """--loss-on completion: a mask one token short of its ids would shift every target; it is an
+    error naming both lengths (an assert, dropped by ``python -O``, was all that stopped it)."""
+    path = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": f"Q{i}?", "completion": f" A{i}."} for i in range(10)])
+    real = cache_mod._concat_masks
+    monkeypatch.setattr(cache_mod, "_concat_masks", lambda *a: real(*a)[:-1])
+    with pytest.raises(RuntimeError, match="target mask of .* frames .* ids"):
+        prepare_tokens(cfg(path, data_format="prompt-completion", loss_on="completion"), progress=False)
+    assert not [p for p in (tmp_path / "cache").iterdir() if not p.name.startswith(".")]
+
+
+def test_data_replaced_while_it_is_tokenized_is_refused_and_no_entry_is_kept(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file replaced while its tokens are written mixed two versions under the first one's key,
+    and the entry's meta.json recorded the second (read again at the end): the run is refused in
+    one line and nothing is published; the same file left alone tokenizes as before."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in corpus(1200)])
+    real = cache_mod.iter_documents
+
+    def replaced_midway(c, *rest):
+        for i, doc in enumerate(real(c, *rest)):
+            if i == 700:  # after one batch has been written
+                replacement = write_jsonl(tmp_path / "new.jsonl", [{"text": t} for t in corpus(30)])
+                os.replace(replacement, path)
+            yield doc
+
+    monkeypatch.setattr(cache_mod, "iter_documents", replaced_midway)
+    with pytest.raises(ConfigError, match="changed while it was being read"):
+        prepare_tokens(cfg(path), progress=False)
+    assert list((tmp_path / "cache").iterdir()) == []
+    monkeypatch.setattr(cache_mod, "iter_documents", real)
+    splits = prepare_tokens(cfg(path), progress=False)
+    meta = json.loads((Path(splits.cache_path) / "meta.json").read_text())
+    assert meta["source"] == json.loads(json.dumps(source_identity(cfg(path))))
+    assert splits.n_train_docs + splits.n_val_docs == 30
+
+
 def test_split_is_seeded_per_document(tmp_path: Path) -> None:
     texts = corpus(300)
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in texts])

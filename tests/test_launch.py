@@ -280,6 +280,23 @@ def test_train_holds_its_out_folder_like_a_bench(tiny_run, capsys, monkeypatch):
         pass
 
 
+def test_a_second_train_on_the_folder_of_a_running_one_is_told_it_is_in_use(tiny_run, capsys):
+    """The running train has written metrics.jsonl: a second train on its folder was told the folder
+    "already holds metrics.jsonl of an earlier run" and to continue it with --resume. It is told the
+    folder is in use, by whom, and to wait; the running run's files are untouched."""
+    run = {**tiny_run, "steps": 2, "warmup_steps": 1, "warmup_timing_steps": 1, "val_blocks": 1}
+    out = Path(run["out"])
+    with FolderLock(out, "memtrain train"):  # the first run, still running
+        (out / "metrics.jsonl").write_text('{"step": 1}\n')
+        assert main(["train", *cli_flags(run)]) == 2
+        line = _one_error_line(capsys.readouterr().err)
+        assert f"--out {str(out)!r} is in use by memtrain train (pid {os.getpid()})" in line, line
+        assert "wait for it to finish" in line and "earlier run" not in line
+        assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert main(["train", *cli_flags(run)]) == 2  # the run ended: its files are said as an earlier run's
+    assert "already holds metrics.jsonl of an earlier run" in _one_error_line(capsys.readouterr().err)
+
+
 def test_a_train_whose_checks_passed_before_another_finished_on_its_out_never_replaces_its_results(
         tiny_run, capsys, monkeypatch):
     """Two trains on one --out, the second checked before the first took the folder and

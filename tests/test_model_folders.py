@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -858,3 +859,77 @@ def test_a_rope_factor_below_one_or_no_number_is_one_line_before_building(tmp_pa
         line = _one_error_line(capsys.readouterr().err)
         assert f"its config.json's rope_scaling factor {factor} is not a number of at least 1" in line, line
     assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------------------ --resume compares --model by content
+def test_resume_compares_the_model_folder_by_its_config_not_its_path(tokenizer_dir, corpus, tmp_path, capsys):
+    """A checkpoint records its transformers --model's config.json fields: the same model moved to
+    another folder resumes (its path alone was refused as another run's), and another model copied
+    to the checkpoint's path (another activation: every size the run config mirrors the same) is
+    refused naming the field (it resumed silently, on another model's numbers)."""
+    model = model_folder(tmp_path / "m", tokenizer_dir)
+    ckpt, out = tmp_path / "ckpt.pt", tmp_path / "o"
+    assert main(_flags(model, corpus, out, steps=4, stop_after=2, save=str(ckpt))) == 0
+    capsys.readouterr()
+    moved = tmp_path / "moved"
+    shutil.move(model, moved)
+    assert main(_flags(moved, corpus, out, steps=4, stop_after=3, resume=str(ckpt), save=str(ckpt))) == 0, \
+        capsys.readouterr().err
+    assert json.loads((out / "result.json").read_text())["steps"] == 3
+    capsys.readouterr()
+    other = model_folder(tmp_path / "m", tokenizer_dir, activation_function="relu")  # at the checkpoint's path
+    assert main(_flags(other, corpus, out, steps=4, resume=str(ckpt), save=str(ckpt))) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"--model {str(model)!r} is not the model checkpoint" in line, line
+    assert 'activation_function "gelu_new" -> "relu"' in line, line
+    assert json.loads((out / "result.json").read_text())["steps"] == 3  # nothing lost
+
+
+# ------------------------------------------------------------------------------ config.json fields a family has no setting of
+def _llama_copy(llama_dir: Path, folder: Path, edit) -> Path:
+    shutil.copytree(llama_dir, folder)
+    config = folder / "config.json"
+    config.write_text(json.dumps(edit(json.loads(config.read_text()))))
+    return folder
+
+
+def test_a_sliding_window_on_a_family_without_one_is_left_out_and_said(llama_dir, corpus, tmp_path, capsys):
+    """transformers keeps a Llama config.json's sliding_window as an attribute: its layers ignore it,
+    but generate's cache read it and kept only the last 8 keys, while training and the estimate
+    attended over every key; and train took --window on such a Llama (training without one) where
+    estimate refused it. memtrain leaves the field out, says so in one warning line, and refuses
+    --window as estimate does; the cache then keeps every key, as the estimate counts."""
+    from memtrain.models.auto_config import load_config
+    from memtrain.runtime.notices import ConfigFieldWarning
+
+    model = _llama_copy(llama_dir, tmp_path / "m", lambda c: {**c, "sliding_window": 8})
+    out = tmp_path / "o"
+    with pytest.warns(ConfigFieldWarning, match="config.json's sliding_window 8 is no llama setting"):
+        assert main(["train", "--model", str(model), "--window", "4", *cli_flags({**RUN, "data": str(corpus),
+                                                                                   "out": str(out)})]) == 2
+    assert not out.exists()
+    cache = transformers.DynamicCache(config=load_config(str(model)))
+    assert not any(layer.is_sliding for layer in cache.layers)
+    capsys.readouterr()
+    assert main(["estimate", "--model", str(model), "--mode", "inference", "--seq-len", "16", "--new-tokens", "16",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cache_window"] is None
+
+
+def test_a_misspelt_config_field_is_named_with_the_field_it_resembles(llama_dir, tmp_path):
+    """num_hiden_layers: transformers keeps it, ignores it, and builds its default 32 layers: one
+    warning line names the field meant and the default it leaves."""
+    from memtrain.models.auto_config import load_config
+    from memtrain.runtime.notices import ConfigFieldWarning
+
+    def misspelt(c):
+        c["num_hiden_layers"] = c.pop("num_hidden_layers")
+        return c
+
+    model = _llama_copy(llama_dir, tmp_path / "m", misspelt)
+    with pytest.warns(ConfigFieldWarning, match="num_hiden_layers is no llama setting .*num_hidden_layers keeps its "
+                                                "default 32.*did you mean num_hidden_layers"):
+        assert load_config(str(model)).num_hidden_layers == 32
+    with warnings.catch_warnings():  # a field spelt right, or one of another name, is no warning
+        warnings.simplefilter("error", ConfigFieldWarning)
+        load_config(str(_llama_copy(llama_dir, tmp_path / "ok", lambda c: {**c, "my_note": "x"})))

@@ -47,6 +47,7 @@ from memtrain.config.run import (
     TrainConfig,
     build_config,
     check_cache_env,
+    check_device_name,
     field_index,
     flatten,
     unknown_option_line,
@@ -561,10 +562,22 @@ def _after_run_notes(cfg: Any, longer: Optional[str], moved: Optional[str]) -> N
             sys.stderr.write(line + "\n")
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from memtrain.training.train import train  # torch-free --help/estimate/plan
+def refuse_device_not_here(name: str) -> None:
+    """Refuse a --device that is not supported, or a CUDA one that is not here, from the argument,
+    before a verb loads its machinery (train's and maxbatch's modules took seconds to import before
+    the line came). A CUDA name loads torch alone to ask for the device."""
+    check_device_name(name)
+    if name.startswith("cuda"):
+        from memtrain.runtime.env import resolve_device  # torch: only to ask whether the GPU is here
 
+        resolve_device(name)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, resumed=True)
+    refuse_device_not_here(cfg.train.device)
+    from memtrain.training.train import train  # after the refusals that need no model: seconds to import
+
     cfg.data.check_answer_source()  # before a note is printed or a rank launched (train() checks it again)
     if getattr(args, "nproc_per_node", None) and not launched_by_memtrain():
         return _launch_ranks(args, cfg)

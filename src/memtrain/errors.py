@@ -10,7 +10,7 @@ import errno
 import re
 from typing import Optional
 
-__all__ = ["ChatTemplateLimit", "ConfigError", "denied_access", "first_line", "is_out_of_memory", "name_too_long", "one_line", "out_of_room",
+__all__ = ["ChatTemplateLimit", "ConfigError", "ConfigFieldWarning", "NoticeWarning", "denied_access", "first_line", "is_out_of_memory", "name_too_long", "one_line", "out_of_room",
            "require", "shortened", "typed_first_line"]
 
 
@@ -22,7 +22,22 @@ class ChatTemplateLimit(ValueError):
     """A model's chat template that ran past its time or rendered past its size bound
     (memtrain.models.tokenizer.bounded_chat_template); the message says which, as a phrase that
     follows "the chat template". Here, not beside the bound: the data pipeline names it without
-    importing the model code."""
+    importing the model code. ``max_chars``: the size bound it passed (None: the time bound)."""
+
+    def __init__(self, message: str, max_chars: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.max_chars = max_chars
+
+
+class NoticeWarning(UserWarning):
+    """A warning memtrain gives the user about their run: shown as one ``warning:`` line
+    (memtrain.runtime.notices.install_warning_format). Here, a leaf, so that a reader of model
+    configs below the runtime layer can give one."""
+
+
+class ConfigFieldWarning(NoticeWarning):
+    """A transformers config.json field the model's family has no setting of: a likely
+    misspelling (transformers keeps it and ignores it), or an attention field memtrain leaves out."""
 
 
 def require(cond: bool, message: str) -> None:

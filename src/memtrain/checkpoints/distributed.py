@@ -199,6 +199,7 @@ def save_checkpoint(path: str | Path, run: TrainState) -> None:
             "strategy": cfg.technique.distributed,
             "config": cfg.to_dict(),
             "data_fingerprint": run.data_fingerprint,  # --resume refuses other data at the same path
+            "model_config": run.model_config,  # --resume compares the --model by its config.json
             "cwd": os.getcwd(),  # what its relative paths are relative to (memtrain.training.run_paths)
         }
         (tmp / META).write_text(json.dumps(meta, indent=1))

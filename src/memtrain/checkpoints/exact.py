@@ -361,6 +361,7 @@ def save_checkpoint(path: str | Path, run: TrainState) -> None:
         **rng_and_scaler_state(run.precision),
         "config": run.cfg.to_dict(),
         "data_fingerprint": run.data_fingerprint,  # --resume refuses other data at the same path
+        "model_config": run.model_config,  # --resume compares the --model by its config.json
         "cwd": os.getcwd(),  # what its relative paths are relative to (memtrain.training.run_paths)
     }
     # A temporary file beside ``path``, then a rename: a failure or a kill mid-save leaves the

@@ -27,7 +27,7 @@ from memtrain.bench.technique_sets import (
     default_techniques,
     noise_twin,
 )
-from memtrain.cli import add_config_flags, fmt_bytes, register
+from memtrain.cli import add_config_flags, fmt_bytes, refuse_device_not_here, register
 from memtrain.config.argtypes import batch_count, positive_float, rank_count, user_path
 from memtrain.config.file import load_config_file
 from memtrain.config.run import SECTIONS, ConfigError, parse_size
@@ -161,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in vars(args).items() if k in known}
     scale = resolve_scale(args)
     check_options(args)
+    # Every row would refuse it, each in its own process: said once, before any row (or torch) starts.
+    refuse_device_not_here(str(overrides.get("device") or "auto"))
 
     default_list = args.techniques is None
     if default_list:

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from memtrain.analysis.estimate.generation import DEFAULT_NEW_TOKENS, TOP_K
 from memtrain.analysis.limits import MAX_WIDTH
-from memtrain.cli import allocation_of, register
+from memtrain.cli import allocation_of, refuse_device_not_here, register
 from memtrain.config.argtypes import (
     batch_count,
     int_in,
@@ -102,6 +102,7 @@ def free_memory(device: Any, host_available: Optional[int]) -> Optional[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_device_not_here(args.device)  # before transformers loads: seconds for one line
     from memtrain.inference.generate import generate  # torch-free --help/estimate/plan
 
     # Read before a checkpoint's model is loaded: the estimate the reading is held against

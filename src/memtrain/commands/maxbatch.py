@@ -21,6 +21,7 @@ from memtrain.cli import (
     config_from_args,
     defaults_note,
     fmt_bytes,
+    refuse_device_not_here,
     register,
 )
 from memtrain.commands.estimate import add_device_type_flag, add_gpu_flag, add_max_len_flag, refuse_gpu_off_cuda
@@ -121,17 +122,17 @@ def _refuse_before_the_search(args: argparse.Namespace, cfg: Any, budget: Option
     if args.gpu is not None or args.device_type == "cuda":
         return  # the CUDA model's path: a card's memory can be the budget (_run_cuda_model says)
     device_type = _device_type_before_search(cfg.train.device)
-    if device_type is not None:
-        require_search_budget(device_type, budget, "the max batch" if args.search == "batch" else "the longest context")
+    require_search_budget(device_type, budget, "the max batch" if args.search == "batch" else "the longest context")
 
 
-def _device_type_before_search(name: str) -> Optional[str]:
-    """``cpu`` or ``cuda`` for --device cpu or auto; None for any other name, which
-    ``resolve_device`` checks as the search starts (an unknown name or a missing GPU is its line)."""
-    if name == "cpu":
+def _device_type_before_search(name: str) -> str:
+    """``cpu`` or ``cuda`` for the --device given (the config refused a name that is none of
+    auto, cpu, cuda[:N]); a CUDA device that is not here is refused (torch alone loads for it)."""
+    if name.startswith("cpu"):
         return "cpu"
     if name != "auto":
-        return None
+        refuse_device_not_here(name)  # a CUDA device that is not here: said before the search's imports
+        return "cuda"
     # Whether a CUDA device is here is torch's to say (CUDA_VISIBLE_DEVICES, the driver): torch
     # alone, not the search's modules, loads for it.
     import torch

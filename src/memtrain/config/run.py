@@ -21,6 +21,7 @@ import glob
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
@@ -566,6 +567,7 @@ class TrainConfig:
         require(not bad, f"unknown --report-to {bad[0] if bad else ''!r}; choose none, tensorboard or wandb (comma-separated)")
         require(self.stop_after is None or 0 < self.stop_after <= self.steps,
                 f"--stop-after must be between 1 and --steps ({self.steps}), got {self.stop_after}")
+        check_device_name(self.device)
         self._check_module_table()
 
     def _check_module_table(self) -> None:
@@ -576,6 +578,20 @@ class TrainConfig:
         if not self.memory_by_module:
             named = "--module-depth" if self.module_depth is not None else "--module-top" if self.module_top != DEFAULT_MODULE_TOP else None
             require(named is None, f"{named} shapes the table of --memory-by-module: add --memory-by-module (or drop {named})")
+
+
+# The device names memtrain runs on (torch.device's spelling of them): anything else (mps, xpu,
+# a typo) is refused from the argument itself, torch-free, before a verb imports its machinery.
+_DEVICE_NAME = re.compile(r"(auto|cpu(:\d+)?|cuda(:\d+)?)")
+
+
+def check_device_name(name: str) -> None:
+    """ConfigError unless ``name`` is auto, cpu or cuda[:N]. Whether a CUDA device is here is
+    torch's to say (``runtime.env.resolve_device``); this check needs no import, so every verb says
+    it as its config is built: `maxbatch --device mps` refused after the search's modules loaded
+    (seconds), and estimate, plan and flops answered as if for a CPU."""
+    require(_DEVICE_NAME.fullmatch(name) is not None,
+            f"--device {name!r} is not supported; use auto, cpu, cuda or cuda:N")
 
 
 CACHE_ENV = "MEMTRAIN_CACHE"

@@ -27,7 +27,7 @@ from typing import Any, BinaryIO, Optional
 import numpy as np
 from tqdm.auto import tqdm
 
-from memtrain.config.run import DataConfig, effective_cache_dir
+from memtrain.config.run import ConfigError, DataConfig, effective_cache_dir
 from memtrain.data.records import RENDER_VERSION, RecordText, make_renderer, template_refusal
 from memtrain.data.sources import iter_documents, source_identity
 from memtrain.data.tokenizer import (
@@ -40,6 +40,7 @@ from memtrain.data.tokenizer import (
     get_tokenizer,
 )
 from memtrain.files.guard import regular_file_problem
+from memtrain.files.json_file import read_json_file
 from memtrain.runtime.notices import shows_progress
 
 # Bump when the on-disk layout or the way documents are rendered changes.
@@ -55,7 +56,8 @@ SPLITS = ("train", "val")
 CACHE_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO})
 TMP_PREFIX = ".tmp-"  # entries being written: .tmp-<pid>-<random>
 
-assert N_VOCAB <= np.iinfo(TOKEN_DTYPE).max + 1
+# An internal invariant of the two constants above (no input changes it): checked at import by
+# tests/test_token_cache.py, not by an assert that `python -O` would drop.
 
 
 @dataclass
@@ -117,7 +119,12 @@ def prepare_tokens(cfg: DataConfig, progress: Optional[bool] = None, tokenizer: 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone after a successful rename; cleans up after a failure
     splits = _load_entry(final, from_cache=False)
-    assert splits is not None, f"cache entry {final} vanished right after it was written"
+    if splits is None:
+        # A real event, not an invariant: another process may replace or remove the entry between
+        # the rename and this read (a concurrent run's publish of the same key, a cache cleaner).
+        raise OSError(errno.ENOENT, "the token cache entry could not be read back right after it was written "
+                      "(another process replaced or removed it); run again, or set MEMTRAIN_CACHE to a folder "
+                      "of this run's own", str(final))
     return splits
 
 
@@ -138,7 +145,11 @@ def _tokenize_uncached(cfg: DataConfig, root: Path, exc: OSError, progress: Opti
         splits = _load_entry(tmp, from_cache=False)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # the memmaps stay readable after the unlink (POSIX)
-    assert splits is not None, "tokens written to a temporary folder could not be read back"
+    if splits is None:
+        # Nothing else writes this private folder: the ids themselves failed the reader's checks
+        # (an id at or past the tokenizer's n_vocab, a size that differs), a fault to report.
+        raise RuntimeError(f"the tokens written to {str(tmp)!r} do not read back as written (an id past the "
+                           "tokenizer's vocabulary, or a size that differs); report it with the --data and --model used")
     splits.cache_path = ""
     return splits
 
@@ -226,6 +237,7 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenize
         encode = tokenizer.encode_batch
     tok_meta = _tokenizer_meta(tokenizer)
     dtype = _token_dtype(tok_meta["n_vocab"])
+    started = source_identity(cfg)  # the files as reading starts: the entry records these
     docs = {s: 0 for s in SPLITS}
     tokens = {s: 0 for s in SPLITS}
     encode_s = 0.0
@@ -255,16 +267,17 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenize
                     mask = _concat_masks([m for m, c in zip(doc_masks, chosen) if c], kept,
                                          [e for e, c in zip(encoded, chosen) if c], tok_meta["eot_id"],
                                          len(tok_meta.get("prefix_ids", ())))
-                    assert len(mask) == len(ids), "a target mask must frame its documents as the ids do"
+                    _check_mask_frames_ids(mask, ids)
                     mask_files[split].write(mask.tobytes())
                     targets[split] += int(mask.sum())
                 docs[split] += int(chosen.sum())
                 tokens[split] += len(ids)
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{sum(tokens.values()) / max(encode_s, 1e-9):,.0f}", refresh=False)
+    _refuse_changed_source(cfg, started)
     return {
         "format_version": FORMAT_VERSION,
-        "source": source_identity(cfg),
+        "source": started,
         "data": cfg.data,
         "tokenizer": tok_meta,
         **_format_identity(cfg, tokenizer),
@@ -279,6 +292,29 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenize
         "elapsed_s": time.perf_counter() - start,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def _refuse_changed_source(cfg: DataConfig, started: dict[str, Any]) -> None:
+    """A ConfigError when ``--data``'s files changed while they were tokenized (replaced, edited,
+    a file added to a glob or removed): the tokens would mix two versions, under the key of the
+    first, and the entry recorded the second. Said before the entry is published."""
+    try:
+        now = source_identity(cfg)
+    except (ConfigError, OSError):  # a file removed meanwhile: changed too
+        now = None
+    if now != started:
+        raise ConfigError(f"--data {cfg.data!r} changed while it was being read (a file replaced, edited, added or "
+                          "removed); run again once it has stopped changing")
+
+
+def _check_mask_frames_ids(mask: np.ndarray, ids: np.ndarray) -> None:
+    """A target mask that does not frame its ids one for one would train on the wrong tokens,
+    silently: a RuntimeError (not an assert, which ``python -O`` drops) stops the run before the
+    entry is written. The two arrays come from the same documents and offsets, so this is a
+    fault of memtrain's or the tokenizer's (offsets that are not one per id), not of the input."""
+    if len(mask) != len(ids):
+        raise RuntimeError(f"a --loss-on completion target mask of {len(mask):,} tokens frames {len(ids):,} ids; "
+                           "the tokenizer's offsets do not match its ids: report it with the --model used")
 
 
 def check_first_document(cfg: DataConfig, tokenizer: Any = None) -> None:
@@ -476,16 +512,14 @@ def _load_entry(entry: Path, from_cache: bool, expected: Optional[dict[str, Any]
     meta.json was read without end), and meta.json small. With ``expected`` (:func:`_identity`),
     an entry whose meta.json records another source or tokenizer (copied or moved in from
     another key) is not this run's: its ids were used, and result.json named its tokenizer."""
-    for name in ("meta.json", *(f"{s}.bin" for s in SPLITS)):
-        limit = MAX_META_BYTES if name == "meta.json" else None  # the splits' .bin files are any size
-        if regular_file_problem(entry / name, entry, max_bytes=limit) is not None:
-            return None
+    if any(regular_file_problem(entry / f"{s}.bin", entry) is not None for s in SPLITS):
+        return None  # the splits' .bin files are any size
     try:
-        meta = json.loads((entry / "meta.json").read_text())
+        meta = read_json_file(entry / "meta.json", MAX_META_BYTES, root=entry)
         sizes = {s: int(meta[f"n_{s}_tokens"]) for s in SPLITS}
         docs = {s: int(meta[f"n_{s}_docs"]) for s in SPLITS}
         tokens_per_s = meta.get("tokens_per_s")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # JsonFileProblem is a ValueError
         return None
     if meta.get("format_version") != FORMAT_VERSION or min(sizes.values()) < 0:
         return None

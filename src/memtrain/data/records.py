@@ -241,6 +241,13 @@ def _render(tokenizer: Optional[ChatTokenizer], messages: list[dict[str, Any]], 
     try:
         return tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools)
     except ChatTemplateLimit as exc:
+        held = _text_chars(messages)
+        if exc.max_chars is not None and held > exc.max_chars:
+            # The record's own text passes the bound: the template did nothing wrong, and its advice
+            # ("fix the chat_template") sent the user to the wrong file.
+            raise ConfigError(f"{where} holds {held:,} characters of messages, more than one rendered record may "
+                              f"({exc.max_chars:,}); split the conversation into shorter records, or give long text "
+                              "as --data-format text") from None
         given = getattr(tokenizer, "template_file", None)  # --chat-template's, not the model folder's
         fix = (f"fix {given!r}" if given else "fix the chat_template in its tokenizer_config.json (or chat_template.jinja)")
         raise ConfigError(f"the {'--chat-template' if given else '--model'}'s chat template {exc} for {where}; {fix}, "
@@ -249,6 +256,21 @@ def _render(tokenizer: Optional[ChatTokenizer], messages: list[dict[str, Any]], 
         part = " (its turns up to an answer, for --loss-on completion)" if add_generation_prompt else ""
         raise ConfigError(f"the chat template refused {where}{part}: {first_line(exc)}; fix the record or remove it"
                           + ("; or give --loss-on all" if part else "")) from None
+
+
+def _text_chars(value: Any) -> int:
+    """The characters of every string in ``value`` (messages, their parts, tool calls), walked
+    without recursion: what a record brings to its render before the template adds anything."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total
 
 
 def _chat_answers(tokenizer: Optional[ChatTokenizer], messages: list[dict[str, Any]], text: str,

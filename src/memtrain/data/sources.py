@@ -42,7 +42,7 @@ from memtrain.data.records import Render
 from memtrain.data.tokenizer import cut_before_word
 from memtrain.errors import first_line
 from memtrain.files.guard import folder_entry_problems, special_file_kind, visible_entries
-from memtrain.files.json_text import loads_bounded
+from memtrain.files.json_file import JsonFileProblem, read_json_file
 from memtrain.runtime.extras import import_extra, quiet_datasets
 from memtrain.runtime.notices import PartOfARecordWarning
 
@@ -481,14 +481,17 @@ MAX_SAVED_JSON_BYTES = 16 << 20
 
 def _saved_json(path: Path, label: str) -> dict[str, Any]:
     """A save_to_disk folder's JSON file (state.json, dataset_info.json, dataset_dict.json) as an
-    object, else ConfigError naming it."""
+    object, else ConfigError naming it. Read by the one bounded reader of JSON files
+    (:func:`memtrain.files.json_file.read_json_file`): a FIFO in the folder blocked the run for ever
+    (its size, 0, passed the bound), a link out of the folder was followed."""
     try:
-        value = loads_bounded(path.read_bytes()) if path.stat().st_size <= MAX_SAVED_JSON_BYTES else None
-    except (OSError, ValueError):
-        value = None
+        value = read_json_file(path, MAX_SAVED_JSON_BYTES, root=path.parent)
+        why = "" if isinstance(value, dict) else f", a JSON {type(value).__name__}"
+    except JsonFileProblem as exc:
+        value, why = None, f" ({exc})"
     if not isinstance(value, dict):
-        raise ConfigError(f"cannot load {label!r} (a save_to_disk folder): {path.name} is not the JSON object "
-                          "datasets writes; save the dataset again or give its data files")
+        raise ConfigError(f"cannot load {label!r} (a save_to_disk folder): {path.name} is not the JSON object datasets "
+                          f"writes{why}; save the dataset again or give its data files")
     return value
 
 

@@ -100,6 +100,32 @@ def check_lock_file(folder: Path, flag: str = "--out") -> None:
         raise _lock_refusal(Path(folder), flag, mode)
 
 
+def refuse_folder_in_use(folder: Path, what: str = "memtrain", flag: str = "--out") -> None:
+    """Refuse, before the checks of what ``folder`` holds, a folder whose lock another process
+    holds now: a second ``train`` on the folder of one still running was told the folder "already
+    holds metrics.jsonl of an earlier run" and to continue it with --resume. Only tries the lock
+    (never waits, creates or writes anything); the lock itself is still taken where the run starts."""
+    try:
+        fd = os.open(Path(folder) / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return  # no lock file (or not one to open): the lock's own checks say so when it is taken
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return  # a folder or FIFO there: check_lock_file and the lock itself refuse it in their words
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = os.read(fd, 200).decode("utf-8", "replace")
+            raise FolderLock(Path(folder), what, flag)._in_use((text.strip().splitlines() or ["another process"])[0]) \
+                from None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        live = _live_writers(os.read(fd, MAX_LOCK_CHARS).decode("utf-8", "replace"))
+    finally:
+        os.close(fd)
+    if live:  # the ranks of a launcher that died still write there
+        raise FolderLock(Path(folder), what, flag)._in_use(live[0])
+
+
 def _open_lock_file(path: Path, flag: str, folder: Path) -> Any:
     """The lock file opened for reading and writing (created when absent). Anything but a
     regular file there (a folder, a FIFO, a socket, a symbolic link) is refused: reading a FIFO

@@ -43,7 +43,7 @@ from typing import Any, Callable, Optional
 # A leaf import (not memtrain.config.run), as in every module of memtrain.files: config reads its
 # files through this package (config.file: files.json_text, files.guard), so files imports no config.
 from memtrain.errors import ConfigError
-from memtrain.files.guard import regular_file_problem
+from memtrain.files.json_file import JsonFileProblem, read_json_file
 from memtrain.files.json_text import bounded_jsonl_lines, dumps, loads_bounded
 
 LOCK_NAME = ".memtrain.lock"
@@ -72,11 +72,9 @@ def read_result(folder: str | Path) -> Optional[dict[str, Any]]:
     not a JSON object. For readers that only ask what a run recorded; one that must refuse a bad
     file in its own words reads it itself."""
     path = Path(folder) / RESULT_NAME
-    if regular_file_problem(path, path.parent, max_bytes=MAX_WHOLE_JSON_BYTES) is not None:
-        return None
     try:
-        recorded = loads_bounded(path.read_bytes())
-    except (OSError, ValueError):
+        recorded = read_json_file(path, MAX_WHOLE_JSON_BYTES, root=path.parent)
+    except JsonFileProblem:
         return None
     return recorded if isinstance(recorded, dict) else None
 

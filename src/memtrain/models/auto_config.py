@@ -10,14 +10,16 @@ it torch) is imported when a config is read, not when this module is.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import logging
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from memtrain.errors import ConfigError
+from memtrain.errors import ConfigError, ConfigFieldWarning
 from memtrain.models.config_json import read_config_json, refuse_custom_tokenizer
 from memtrain.models.hub_access import from_pretrained_kwargs, offline_hint
 from memtrain.models.source import resolve
@@ -37,7 +39,7 @@ def load_config(spec: str) -> Any:
     config_path = src.config_path if src.repo is None else _hub_file(src.repo, "config.json", spec)
     try:
         assert config_path is not None
-        read_config_json(config_path)
+        data = read_config_json(config_path)
         if src.directory is not None:
             refuse_custom_tokenizer(src.directory)
     except ConfigError as exc:
@@ -63,7 +65,47 @@ def load_config(spec: str) -> Any:
     if getattr(cfg, "is_encoder_decoder", False):
         raise ConfigError(f"--model {spec!r} is an encoder-decoder ({cfg.model_type}); memtrain trains causal LMs")
     _refuse_unbuildable(cfg, spec)
+    _settle_stray_fields(cfg, data, spec)
     return cfg
+
+
+# Attention fields transformers' generate cache reads from any config (cache_utils'
+# get_layer_types_and_kwargs: a layer with one keeps only that many keys), while only the families
+# whose config class has the field attend that way. A stray one on a Llama (whose layers ignore it)
+# left training and the estimate attending over every key and generate over the last few.
+CACHE_ATTENTION_FIELDS = ("sliding_window", "attention_chunk_size")
+# How close (difflib's ratio) an unknown field must be to a family's field to be called its misspelling.
+MISSPELLING_CUTOFF = 0.85
+
+
+def family_fields(cfg: Any) -> frozenset[str]:
+    """The field names the family of ``cfg`` has: those of its config class's defaults, and the
+    other names its ``attribute_map`` gives them (GPT-2's ``num_hidden_layers`` for ``n_layer``)."""
+    cls = type(cfg)
+    return frozenset(cls().to_dict()) | frozenset(getattr(cls, "attribute_map", None) or {})
+
+
+def _settle_stray_fields(cfg: Any, data: dict[str, Any], spec: str) -> None:
+    """What config.json holds that ``cfg``'s family has no setting of (transformers keeps every
+    such field as an attribute, and its layers ignore it): an attention field its generate cache
+    would read (:data:`CACHE_ATTENTION_FIELDS`) is removed, so that generate attends as training
+    and the estimate do; a field named like one of the family's is a likely misspelling. Each is
+    one ``warning:`` line."""
+    known = family_fields(cfg)
+    stray = [name for name in data if name not in known and not name.startswith("_")]
+    for name in stray:
+        if name in CACHE_ATTENTION_FIELDS and getattr(cfg, name, None) is not None:
+            with contextlib.suppress(AttributeError):
+                delattr(cfg, name)
+            warnings.warn(f"--model {spec!r}: config.json's {name} {data[name]!r} is no {cfg.model_type} setting: its "
+                          f"layers attend to every position, and memtrain leaves the field out (transformers' generate "
+                          f"cache would have kept only the last {data[name]!r} keys)", ConfigFieldWarning, stacklevel=2)
+            continue
+        twin = difflib.get_close_matches(name, sorted(known), n=1, cutoff=MISSPELLING_CUTOFF)
+        if twin and twin[0] not in data:
+            warnings.warn(f"--model {spec!r}: config.json's {name} is no {cfg.model_type} setting (transformers ignores "
+                          f"it, and {twin[0]} keeps its default {getattr(cfg, twin[0], None)!r}); did you mean "
+                          f"{twin[0]}?", ConfigFieldWarning, stacklevel=2)
 
 
 # The config fields naming a layer's activation (Llama's family, Gemma, GPT-2 and OPT).

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from memtrain.errors import ConfigError, shortened
 from memtrain.files import results
+from memtrain.files.json_file import NOT_A_FILE, NOT_JSON, NOT_UTF8, TOO_BIG, JsonFileProblem, read_json_file
 
 # A model's config.json and generation_config.json hold hyper-parameters: tens of kilobytes (a
 # classifier's label map a few megabytes). Each is parsed several times (memtrain's checks,
@@ -24,24 +25,34 @@ MAX_CONFIG_JSON_BYTES = 16 << 20
 
 def json_object(path: Path, what: str) -> dict[str, Any]:
     """The JSON object in ``path`` (a model folder's config or tokenizer config); a crafted file
-    is one error line, never a crash. Python's json, not memtrain's bounded reader: tokenizer
-    configs hold 31-digit integers (transformers' "no limit" model_max_length)."""
+    is one error line, never a crash. Read by the one reader of JSON files
+    (:func:`memtrain.files.json_file.read_json_file`), with Python's json rather than memtrain's
+    bounded parse: tokenizer configs hold 31-digit integers (transformers' "no limit"
+    model_max_length). config.json and generation_config.json are bounded by size
+    (MAX_CONFIG_JSON_BYTES); a tokenizer config by the folder's read-whole limit, checked before."""
+    limit = MAX_CONFIG_JSON_BYTES if path.name in CONFIG_FILES else None
     try:
-        if path.name in CONFIG_FILES and path.stat().st_size > MAX_CONFIG_JSON_BYTES:
-            raise ConfigError(f"{str(path)!r} is larger than {MAX_CONFIG_JSON_BYTES:,} bytes, the most memtrain lets "
-                              "transformers read whole into memory; replace it with the model's own file")
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"cannot read {str(path)!r} as JSON (not UTF-8 text); fix or replace {what}") from None
-    except OSError as exc:  # unreadable: the file may be a fine config
-        raise ConfigError(f"cannot read {str(path)!r} ({exc.strerror or type(exc).__name__}); check its permissions") from None
-    try:
-        data = json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        raise ConfigError(f"cannot read {str(path)!r} as JSON ({type(exc).__name__}); fix or replace {what}") from None
+        data = read_json_file(path, limit, bounded=False)
+    except JsonFileProblem as exc:
+        raise ConfigError(_json_object_refusal(path, what, exc)) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{str(path)!r} holds a JSON {type(data).__name__}, not an object; fix or replace {what}")
     return data
+
+
+def _json_object_refusal(path: Path, what: str, exc: JsonFileProblem) -> str:
+    """:func:`json_object`'s line for a file it could not read, by the kind of problem."""
+    shown = str(path)
+    if exc.kind == TOO_BIG:
+        return (f"{shown!r} is larger than {MAX_CONFIG_JSON_BYTES:,} bytes, the most memtrain lets transformers read "
+                "whole into memory; replace it with the model's own file")
+    if exc.kind == NOT_UTF8:
+        return f"cannot read {shown!r} as JSON (not UTF-8 text); fix or replace {what}"
+    if exc.kind == NOT_JSON:
+        return f"cannot read {shown!r} as JSON ({str(exc)[len('not JSON ('):-1]}); fix or replace {what}"
+    if exc.kind == NOT_A_FILE:
+        return f"{shown!r} is {exc}; give a model folder whose {path.name} is a file"
+    return f"cannot read {shown!r} {str(exc)[len('unreadable '):]}; check its permissions"
 
 
 def _saved_by_run(folder: Path) -> tuple[bool, Optional[str]]:

@@ -47,7 +47,7 @@ def bounded_chat_template(tok: Any, messages: list[dict[str, Any]], tokenize: bo
     except TimeLimitExceeded:
         raise ChatTemplateLimit(f"did not render within {CHAT_TEMPLATE_SECONDS:g} s") from None
     if not tokenize and len(out) > MAX_CHAT_CHARS:
-        raise ChatTemplateLimit(f"made a text of {len(out):,} characters (at most {MAX_CHAT_CHARS:,})")
+        raise ChatTemplateLimit(f"made a text of {len(out):,} characters (at most {MAX_CHAT_CHARS:,})", MAX_CHAT_CHARS)
     return out
 
 

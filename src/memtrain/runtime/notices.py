@@ -8,7 +8,11 @@ import sys
 import warnings
 from typing import Any, Optional
 
-__all__ = ["NoticeWarning", "PartOfARecordWarning", "QLoRASkipWarning", "SlowPrecisionWarning", "install_warning_format", "random_base_warning",
+# Defined in memtrain.errors (a leaf): models.auto_config warns with ConfigFieldWarning, and this
+# module's random_base_warning reads models.spec, so a home here would close an import circle.
+from memtrain.errors import ConfigFieldWarning, NoticeWarning
+
+__all__ = ["ConfigFieldWarning", "NoticeWarning", "PartOfARecordWarning", "QLoRASkipWarning", "SlowPrecisionWarning", "install_warning_format", "random_base_warning",
            "shows_progress"]
 
 
@@ -23,10 +27,6 @@ def shows_progress(requested: Optional[bool] = None) -> bool:
         return bool(sys.stderr.isatty())
     except (AttributeError, ValueError):  # no stderr (None under pythonw), or a closed one
         return False
-
-
-class NoticeWarning(UserWarning):
-    """A warning memtrain gives the user about their run: shown as one ``warning:`` line."""
 
 
 class SlowPrecisionWarning(NoticeWarning):

@@ -29,8 +29,8 @@ from typing import Any, Iterable, Optional
 from memtrain.config.run import ConfigError, RunConfig
 from memtrain.errors import shortened
 from memtrain.files import results
-from memtrain.files.json_text import loads_bounded
-from memtrain.files.lock import check_lock_file
+from memtrain.files.json_file import TOO_BIG, JsonFileProblem, read_json_file
+from memtrain.files.lock import check_lock_file, refuse_folder_in_use
 from memtrain.files.results import (
     LOCK_NAME,
     METRICS_NAME,
@@ -46,6 +46,7 @@ from memtrain.training.resume_check import (
     continue_longer,
     data_of,
     differences_from_this_run,
+    resumed_model_as,
     saved_run,
     saved_state,
     shown_differences,
@@ -299,19 +300,19 @@ def check_resumed_out(out: Path, cfg: RunConfig) -> None:
     path = out / RESULT_NAME
     if not os.path.lexists(path):
         return
-    size, limit = path.stat().st_size, results.MAX_WHOLE_JSON_BYTES
-    if size > limit:  # read whole below: a huge (or sparse) file would be, into memory
-        raise ConfigError(f"--out {str(out)!r} holds a result.json of {size:,} bytes, more than memtrain reads back "
-                          f"({limit:,}); a resumed run would replace it: choose a new --out")
-    try:
-        recorded = loads_bounded(path.read_bytes())
-    except (OSError, ValueError):
+    limit = results.MAX_WHOLE_JSON_BYTES
+    try:  # a huge (or sparse) file is refused from its size, never read whole into memory
+        recorded = read_json_file(path, limit)
+    except JsonFileProblem as exc:
+        if exc.kind == TOO_BIG:
+            raise ConfigError(f"--out {str(out)!r} holds a result.json of {path.stat().st_size:,} bytes, more than "
+                              f"memtrain reads back ({limit:,}); a resumed run would replace it: choose a new --out") from None
         recorded = None
     config = recorded.get("config") if isinstance(recorded, dict) else None
     if not isinstance(config, dict):
         raise ConfigError(f"--out {str(out)!r} holds a result.json that records no run config; a resumed run would "
                           "replace it: choose a new --out")
-    data_as = None
+    data_as = model_as = None
     if cfg.train.resume:  # written by the resumed run from the folder it was launched from
         state = saved_state(cfg.train.resume)
         where = launch_dir(state, cfg.train.resume)
@@ -319,7 +320,8 @@ def check_resumed_out(out: Path, cfg: RunConfig) -> None:
         # The data was compared with the checkpoint's (check_resume, by content where it moved):
         # the result.json's run is the checkpoint's where it records the checkpoint's data.
         data_as = data_of(anchored(state["config"], where))
-    diffs = differences_from_this_run(config, cfg, data_as=data_as)
+        model_as = resumed_model_as(cfg, anchored(state["config"], where))  # the model too, by its config.json
+    diffs = differences_from_this_run(config, cfg, data_as=data_as, model_as=model_as)
     if diffs:
         raise ConfigError(f"--out {str(out)!r} holds the result.json of a different run ({shown_differences(diffs, 4)}); resuming there "
                           "would replace it: choose a new --out, or the resumed run's own")
@@ -439,6 +441,7 @@ def check_before_launch(cfg: RunConfig, nproc: int) -> None:
                           "(or zero1, zero2, fsdp)")
     continue_longer(cfg)  # a longer --steps on --resume keeps the saved warm-up, before the configs are compared
     check_resume(cfg)  # before --out and --save are compared (train's order)
+    refuse_folder_in_use(Path(cfg.train.out))  # a running run's folder: said as in use, as train says it
     check_destinations(cfg, fresh_out=True)
     check_vocab(cfg)
     device = resolve_device(cfg.train.device)

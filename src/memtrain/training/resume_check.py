@@ -16,9 +16,9 @@ from typing import Any, Iterable, Optional
 
 from memtrain.config.run import ConfigError, RunConfig, build_config, field_index, flatten
 from memtrain.files import results
-from memtrain.files.guard import regular_file_problem
-from memtrain.files.json_text import loads_bounded
+from memtrain.files.json_file import NOT_A_FILE, TOO_BIG, JsonFileProblem, read_json_file
 from memtrain.files.results import RESULT_NAME
+from memtrain.models.identity import identity_differences, model_config_identity
 from memtrain.models.spec import every_decoder_linear
 from memtrain.training.run_paths import anchored, launch_dir, same_file, same_place
 from memtrain.training.schedule import lr_lambda
@@ -61,14 +61,12 @@ def saved_state(path: str | Path) -> dict[str, Any]:
         meta_path = p / "meta.json"
         if not meta_path.is_file():
             raise ConfigError(f"--resume {str(p)!r} is a directory without meta.json; it is not a memtrain checkpoint")
-        # e.g. a link out of the checkpoint, or a file too large to read whole (a sparse one)
-        why = regular_file_problem(meta_path, p, max_bytes=results.MAX_WHOLE_JSON_BYTES)
-        if why is not None:
-            raise ConfigError(f"checkpoint {str(p)!r} is refused: its meta.json is {why}; resume only from "
-                              "checkpoints memtrain wrote")
         try:
-            state = loads_bounded(meta_path.read_text())
-        except (OSError, UnicodeDecodeError, ValueError):
+            state = read_json_file(meta_path, results.MAX_WHOLE_JSON_BYTES, root=p)
+        except JsonFileProblem as exc:
+            if exc.kind in (NOT_A_FILE, TOO_BIG):  # a link out of the checkpoint, a file too large to read whole
+                raise ConfigError(f"checkpoint {str(p)!r} is refused: its meta.json is {exc}; resume only from "
+                                  "checkpoints memtrain wrote") from None
             raise ConfigError(f"cannot read {str(meta_path)!r}; it is not a memtrain checkpoint") from None
     elif p.is_file():
         # memtrain.checkpoints imports torch: loaded only for --resume
@@ -212,16 +210,20 @@ def _same_lora_targets(key: str, old: Any, new: Any) -> bool:
     return key == "lora_targets" and isinstance(old, str) and every_decoder_linear(old) and every_decoder_linear(new)
 
 
-def differences_from_this_run(saved: dict[str, Any], cfg: RunConfig, data_as: Optional[str] = None) -> list[str]:
+def differences_from_this_run(saved: dict[str, Any], cfg: RunConfig, data_as: Optional[str] = None,
+                              model_as: Optional[str] = None) -> list[str]:
     """:func:`config_differences` of a saved config (a checkpoint's, a result.json's) from this
     run: none where it is this run's, or, when this run trains a resumed run longer
     (:func:`continue_longer`), that run's (the same settings with its shorter ``--steps``).
     ``data_as``: the ``--data`` to compare as this run's, where the run's own data path is not
     the one to compare (resuming, the data was compared with the checkpoint's by its content:
-    a copied or moved data file still resumes; :func:`check_resume`)."""
+    a copied or moved data file still resumes; :func:`check_resume`). ``model_as``: the same for
+    ``--model``, compared by its config.json (:func:`_check_resume_model`)."""
     now = cfg.to_dict()
     if data_as is not None:
         now = {**now, "data": {**now["data"], "data": data_as}}
+    if model_as is not None:  # the same model at another path (compared by its config.json)
+        now = {**now, "model": {**now["model"], "model": model_as}}
     diffs = config_differences(saved, now)
     shorter = getattr(cfg.train, "continues_steps", None)
     if diffs and shorter is not None:  # the larger --steps is no difference: only the others are
@@ -280,10 +282,11 @@ def check_resume(cfg: RunConfig) -> None:
     if not cfg.train.resume:
         return
     saved, step, fingerprint = saved_run(cfg.train.resume)
-    diffs = differences_from_this_run(saved, cfg)
+    model_as = resumed_model_as(cfg, saved)
+    diffs = differences_from_this_run(saved, cfg, model_as=model_as)
     moved = any(d.startswith("data: ") for d in diffs) and _holds_the_saved_data(cfg, fingerprint)
     if moved:  # the same data at another path: its content is the checkpoint's
-        diffs = differences_from_this_run(saved, cfg, data_as=data_of(saved))
+        diffs = differences_from_this_run(saved, cfg, data_as=data_of(saved), model_as=model_as)
     if diffs:
         what = "model" if any(d.split(":")[0] in saved.get("model", {}) for d in diffs) else "run"
         raise ConfigError(f"checkpoint {cfg.train.resume!r} does not fit this {what}: it was saved by a different run "
@@ -300,6 +303,36 @@ def check_resume(cfg: RunConfig) -> None:
         raise ConfigError(f"--resume {cfg.train.resume!r} is at step {step}, this run ends at step {end}{held}; {more}")
     if not moved:  # a moved file's content was compared above already
         check_resume_data(cfg, fingerprint)
+
+
+def saved_model_config(path: str | Path) -> Optional[dict[str, Any]]:
+    """The transformers --model's config.json fields a checkpoint saved (None in checkpoints of
+    memtrain's GPT, of a Hub model, or older than the field)."""
+    value = saved_state(path).get("model_config")
+    return value if isinstance(value, dict) else None
+
+
+def resumed_model_as(cfg: RunConfig, saved: dict[str, Any]) -> Optional[str]:
+    """Compare this run's transformers ``--model`` with the one the checkpoint trained, by the
+    content of its config.json (:mod:`memtrain.models.identity`), not its path: another model at
+    the checkpoint's path is refused naming the fields that differ (its path alone matched, so it
+    resumed, or was refused only where a mirrored size differed); the same model moved or copied
+    elsewhere resumes. Returns the saved ``--model`` to compare as this run's where the two
+    configs agree (None: compare the paths, as for a checkpoint older than the saved config)."""
+    saved_config = saved_model_config(cfg.train.resume or "")
+    if saved_config is None:
+        return None
+    now = model_config_identity(cfg.model.model)
+    if now is None:
+        return None  # memtrain's GPT, or a Hub name: the run config's fields compare them
+    differ = identity_differences(saved_config, now)
+    if differ:
+        raise ConfigError(f"--model {cfg.model.model!r} is not the model checkpoint {cfg.train.resume!r} was trained "
+                          f"from: its config.json differs ({shown_differences(differ, 4)}); give that model's folder, "
+                          "or start a new run without --resume")
+    section = saved.get("model")
+    spec = section.get("model") if isinstance(section, dict) else None
+    return spec if isinstance(spec, str) else None
 
 
 def finished_result(cfg: RunConfig, saved: dict[str, Any], step: int) -> Optional[Path]:
@@ -369,7 +402,7 @@ def check_sharded_resume(path: str | Path, nproc: int) -> None:
     if not p.is_dir():
         raise ConfigError(f"{str(p)!r} is not a distributed checkpoint directory; a single-process checkpoint "
                           "resumes without --distributed and without --nproc-per-node")
-    meta = loads_bounded((p / "meta.json").read_text())  # saved_run (check_resume) has read it
+    meta = saved_state(p)  # its meta.json, read bounded and checked as saved_run (check_resume) reads it
     world = meta.get("world_size") if isinstance(meta, dict) else None
     if not (isinstance(world, int) and not isinstance(world, bool) and world > 0):
         from memtrain.checkpoints.exact import DamagedCheckpoint, damaged  # torch: only for --resume

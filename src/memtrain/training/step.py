@@ -284,6 +284,9 @@ class TrainState:
     # SHA-256 of the training data's content (memtrain.data.sources.data_fingerprint), saved in
     # checkpoints so that --resume refuses other data at the same path; None when unknown.
     data_fingerprint: Optional[str] = None
+    # A transformers --model's config.json fields (memtrain.models.identity), saved in checkpoints
+    # so that --resume compares the model by content, not path; None for memtrain's GPT.
+    model_config: Optional[dict[str, Any]] = None
     losses: list[float] = field(default_factory=list)  # one training loss per completed step
     # The evaluations so far (--eval-every): {"step", "val_loss", "val_ppl"} each. Checkpointed,
     # so that a resumed run's result.json lists those before the interruption too.

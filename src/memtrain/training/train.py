@@ -34,11 +34,12 @@ from memtrain.data.loader import IGNORE_INDEX
 from memtrain.devices.advice import mfu_for_run, reference_rate_now, run_device_facts
 from memtrain.distributed.rank_errors import agreement, launched_by_memtrain
 from memtrain.distributed.session import DistContext, distributed_session
-from memtrain.files.lock import FolderLock, file_lock, register_writer
+from memtrain.files.lock import FolderLock, file_lock, refuse_folder_in_use, register_writer
 from memtrain.files.results import remove_stale_temps
 from memtrain.metrics import MemoryMeter, StepTimer, device_peak_memory, reset_device_peak, synchronize
 from memtrain.metrics.state import ShardedStateBytes
 from memtrain.models.families import data_tokenizer
+from memtrain.models.identity import model_config_identity
 from memtrain.runtime.env import environment, resolve_device, seed_everything
 from memtrain.runtime.notices import QLoRASkipWarning, shows_progress
 from memtrain.techniques import Precision, make_precision
@@ -186,7 +187,10 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
             # A checkpoint of another run is refused before tokenizing, and before its own --out
             # and --save are compared (a changed flag is then said as a resume's difference).
             check_resume(cfg)
-            # Never a run that cannot write its result, nor one that would overwrite another's.
+            # Never a run that cannot write its result, nor one that would overwrite another's. A
+            # folder a running run holds is said as in use (a launcher's ranks write under its lock).
+            if lock_out and dist_ctx.is_main and not launched:
+                refuse_folder_in_use(Path(cfg.train.out))
             check_destinations(cfg, fresh_out=log_metrics)
             check_vocab(cfg)
             check_model_size(cfg.model, dist_ctx.device, cfg.technique.precision)  # a shape that cannot be built, refused before building
@@ -283,11 +287,15 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     if dist_ctx.enabled:  # what this rank holds of the state, the result's ranks[].sharded_state
         dist_ctx.state = ShardedStateBytes(state.model, state.optimizer, dist_ctx.local_optimizer or state.optimizer)
 
-    # Then data; nothing is written before both succeeded.
+    # Then data; nothing is written before both succeeded. The fingerprint checkpoints save (and
+    # --resume compares) is of the content as reading starts: tokenizing refuses files that change
+    # under it, so it is the content the tokens came from (taken after, it named a file replaced
+    # while the run tokenized its predecessor).
+    state.data_fingerprint = data_fingerprint(cfg.data)
+    state.model_config = model_config_identity(cfg.model.model)  # saved in checkpoints, checked by --resume
     with dist_ctx.main_first():  # rank 0 fills the token cache, the other ranks then read it
         splits = prepare_tokens(cfg.data, progress=show, tokenizer=data_tokenizer(cfg))
     check_split_documents(splits, cfg.data)
-    state.data_fingerprint = data_fingerprint(cfg.data)  # saved in checkpoints, checked by --resume
     # The next step's batches are fetched while this one runs, on a GPU (memtrain.data.device_feed).
     state.loader = DeviceFeed(make_train_loader(
         splits.train, t.seq_len, t.batch_size, seed=t.seed,
