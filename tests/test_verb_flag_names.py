@@ -17,7 +17,7 @@ def _verb_parser(verb: str) -> argparse.ArgumentParser:
     return subparsers.choices[verb]
 
 
-@pytest.mark.parametrize("verb", ["estimate", "plan", "maxbatch"])
+@pytest.mark.parametrize("verb", ["estimate", "plan", "maxbatch", "bench"])
 def test_the_budget_verbs_take_both_names_of_the_budget(verb):
     options = _verb_parser(verb)._option_string_actions
     assert "--memory-budget" in options and "--budget" in options, verb
