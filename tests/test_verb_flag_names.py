@@ -22,6 +22,7 @@ def test_the_budget_verbs_take_both_names_of_the_budget(verb):
     options = _verb_parser(verb)._option_string_actions
     assert "--memory-budget" in options and "--budget" in options, verb
     assert options["--memory-budget"] is options["--budget"], f"{verb}: the two names set one option"
+    assert options["--budget"].metavar == "SIZE", f"{verb}: --help shows one placeholder for a size on every verb"
 
 
 def test_estimate_memory_budget_gives_the_fit_verdict_of_budget(capsys):
