@@ -363,6 +363,31 @@ def test_a_qlora_adapter_says_it_was_trained_on_the_nf4_base(tmp_path_factory, t
     assert "NF4" not in capsys.readouterr().out  # a LoRA run's adapter needs no such note
 
 
+def test_a_qlora_run_that_quantized_nothing_gets_no_nf4_note(tmp_path_factory, tokenizer_files, corpus, tmp_path,
+                                                             capsys):
+    """A --qlora run on weights too small for NF4's blocks keeps them all in full precision (train
+    warns so); its adapters were trained on the base as from_pretrained loads it, yet --adapter-only
+    said they were trained on an NF4 base and sent the user to load it in 4 bits."""
+    pytest.importorskip("torchao")
+    peft = pytest.importorskip("peft")
+    d = make_model_dir(tmp_path_factory.mktemp("q0"), "llama", tokenizer_files, weights=True)
+    ckpt = _train(d, corpus, tmp_path, "--lora-rank", "4", "--qlora")
+    from memtrain.inference.export import quantized_weight_count, read_checkpoint
+
+    assert quantized_weight_count(read_checkpoint(ckpt)[0]["model"]) == 0  # every weight too small for NF4
+    capsys.readouterr()
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    assert main(["export", str(ckpt), str(adapter), "--adapter-only"]) == 0
+    assert "NF4" not in capsys.readouterr().out
+    assert main(["export", str(ckpt), str(merged)]) == 0
+    idx = _tokens()
+    with torch.no_grad():
+        base = transformers.AutoModelForCausalLM.from_pretrained(str(d)).eval()
+        on_full_base = peft.PeftModel.from_pretrained(base, str(adapter)).eval()(idx).logits
+        trained = transformers.AutoModelForCausalLM.from_pretrained(str(merged)).eval()(idx).logits
+    assert (on_full_base - trained).abs().max().item() < 1e-5  # the full-precision base is the trained one
+
+
 def test_export_refuses_a_busy_destination_and_leaves_nothing_behind(scratch_llama, corpus, tmp_path, capsys):
     ckpt = _train(scratch_llama, corpus, tmp_path, "--steps", "1")
     (tmp_path / "file").write_text("x")

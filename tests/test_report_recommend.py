@@ -346,3 +346,17 @@ def test_the_scatter_plot_says_its_perplexity_is_over_answer_tokens(tmp_path, mo
     scatter = [t for t in titles if t.startswith("Memory vs step time")]
     assert len(scatter) == 1
     assert ("over answer tokens" in scatter[0]) == answers
+
+
+def test_the_recommendation_states_a_small_models_peaks_in_mib_or_kib():
+    """The peaks of a small model's rows (1.10 MiB and 843.81 KiB on a 2-layer Qwen2 at seq 32) read
+    `peak 0.001 GiB` for each: the sentence named no difference between them. From 10 MiB up the
+    peak stays in GiB to 3 decimals, as the table's column has it."""
+    rows = [_row("fp32", 0.283, 1.10 * 2**20, 5.83), _row("lora", 0.076, 843.81 * 2**10, 5.99)]
+    rec = _rec_section(rows)
+    assert "0.001 GiB" not in rec
+    assert "**lora**, 0.076 s/step (p10-p90 0.076-0.076), peak 843.81 KiB." in rec
+    from memtrain.report.recommend import peak_text  # after the report's own lines: they are the fix
+
+    assert peak_text(1.10 * 2**20) == "1.10 MiB" and peak_text(0.2 * 2**30) == "0.200 GiB"
+    assert peak_text(0.01 * 2**30) == "0.010 GiB" and peak_text(0.0099 * 2**30) == "10.14 MiB"

@@ -17,6 +17,7 @@ import os
 import pkgutil
 import re
 import sys
+import time
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -562,6 +563,30 @@ def _after_run_notes(cfg: Any, longer: Optional[str], moved: Optional[str]) -> N
             sys.stderr.write(line + "\n")
 
 
+def _written_since(path: Optional[str], started: float) -> bool:
+    """Whether ``path`` (a checkpoint file, or a sharded checkpoint's folder) was written at or
+    after ``started``: by this run, not left there by an earlier one."""
+    if not path:
+        return False
+    try:
+        return os.stat(path).st_mtime >= started - 1  # a coarse filesystem clock rounds down
+    except OSError:
+        return False
+
+
+def _resume_note(save: Optional[str], started: float) -> str:
+    """The line an interrupted train writes before its ``error: interrupted`` one: where the
+    steps it trained are kept and the command that continues them. The interrupt said only that
+    results were kept, and a user had to know that --save-every's file holds the run."""
+    if _written_since(save, started):
+        return (f"note: the steps trained up to the last checkpoint are in {one_line(str(save))}; "
+                f"`memtrain train --resume {one_line(str(save))}` continues the run")
+    if save:
+        return (f"note: no checkpoint was written before the interrupt; --save-every N writes {one_line(str(save))} "
+                "every N steps, for --resume")
+    return "note: no --save: the trained steps were not kept; --save FILE --save-every N keeps them for --resume"
+
+
 def refuse_device_not_here(name: str) -> None:
     """Refuse a --device that is not supported, or a CUDA one that is not here, from the argument,
     before a verb loads its machinery (train's and maxbatch's modules took seconds to import before
@@ -602,8 +627,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     # on the folder is refused (exit 2). Under memtrain's launcher the launcher holds it and the
     # ranks add themselves as its writers.
     warn = _warn_after_first_step(random_base_warning(cfg) if main_rank else None)
+    started = time.time()
     try:
         result = train(cfg, on_result=write_result, log_metrics=True, lock_out=True, on_step=warn)
+    except KeyboardInterrupt:
+        if main_rank:
+            sys.stderr.write(_resume_note(cfg.train.save, started) + "\n")
+        raise
     except Exception as exc:
         if not is_out_of_memory(exc) or env is not None:  # under torchrun each rank says its own
             raise
@@ -647,6 +677,8 @@ def cmd_train(args: argparse.Namespace) -> int:
               + (" (torch.compile compiles in it)" if first is not None and cfg.technique.compile else ""))
     if mem.get("by_module"):
         print("\n".join(module_table_lines(mem["by_module"], cfg.train.module_top, fmt_bytes)))
+    if _written_since(cfg.train.save, started):  # before result.json's line, which scripts read as the last
+        print(f"wrote {one_line(str(cfg.train.save))} (--resume, export and generate read it)")
     print(f"wrote {one_line(str(out / 'result.json'))}")  # a newline in --out stays one line
     return 0
 

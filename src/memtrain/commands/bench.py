@@ -110,7 +110,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", dest="bench_out", type=user_path, default="runs/bench", help="Results folder (default runs/bench).")
     p.add_argument("--force", action="store_true", help="Rerun rows already in results.jsonl.")
     p.add_argument("--no-maxbatch", action="store_true", help="Skip the max-batch search of each row.")
-    p.add_argument("--memory-budget", default=None, help="Budget for the max-batch search, e.g. 8GiB "
+    # --budget too, as estimate, plan and maxbatch take both names of the budget.
+    p.add_argument("--memory-budget", "--budget", dest="memory_budget", default=None, metavar="SIZE",
+                   help="Budget for the max-batch search, e.g. 8GiB "
                    "(default: the device's memory on CUDA; on CPU the scale's budget, "
                    f"{', '.join(f'{k} {v}' for k, v in SCALE_BUDGET.items() if v)}, else 1GiB, through the tracked meter).")
     p.add_argument("--max-batch", type=batch_count, default=None, help="Upper bound of the max-batch search (default: the scale's, "

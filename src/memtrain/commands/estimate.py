@@ -147,10 +147,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_gpu_flag(p, "With CUDA kernels: also model PyTorch's caching allocator and report allocated, reserved "
                     "and device total (nvidia-smi) for this GPU kind (h100, a100, rtx4090, ...; a card not "
                     "listed: --device-type cuda --budget SIZE, a default CUDA context stated as an assumption).")
-    p.add_argument("--budget", default=None, metavar="SIZE",
+    # --memory-budget too: plan and maxbatch take both names, and estimate's refusal of it named
+    # --compile-memory-budget, another setting, as the flag meant.
+    p.add_argument("--budget", "--memory-budget", dest="budget", default=None, metavar="SIZE",
                    help="Memory to fit in, e.g. 24GiB: a verdict line (fits, headroom, largest batch, and the cheapest "
                         "changes that fit the asked batch); with CUDA kernels counted as the card holds it (caching "
-                        "allocator + CUDA context). --gpu alone takes the card's memory as the budget.")
+                        "allocator + CUDA context). --gpu alone takes the card's memory as the budget. "
+                        "--memory-budget: maxbatch's and plan's name.")
     add_max_len_flag(p, "With --budget or --gpu, the fit verdict's longest context")
     p.add_argument("--trace", action="store_true",
                    help="Also run one real step under fake tensors (nothing allocated) and compare.")

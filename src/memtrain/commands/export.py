@@ -40,8 +40,10 @@ BF16_PURE_ADAPTER_NOTE = ("note: these adapters were trained on the base rounded
 
 
 def adapter_note(res: dict) -> str | None:
-    """The note an --adapter-only export needs when the run's base was stored rounded (NF4, bf16)."""
-    if res["qlora"]:
+    """The note an --adapter-only export needs when the run's base was stored rounded (NF4, bf16).
+    A --qlora run that quantized no weight (each too small for NF4's blocks) trained on the base as
+    from_pretrained loads it: the NF4 note would send the user to a 4-bit base it never had."""
+    if res["qlora"] and res.get("quantized_weights", 1):
         return QLORA_ADAPTER_NOTE
     if res.get("precision") == "bf16-pure":
         return BF16_PURE_ADAPTER_NOTE

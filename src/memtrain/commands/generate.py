@@ -39,7 +39,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     # temperature, a seed or count beyond 64 bits would otherwise fail deep inside torch.
     p.add_argument("--max-new-tokens", type=token_count, default=DEFAULT_NEW_TOKENS,
                    help=f"Tokens to sample (default {DEFAULT_NEW_TOKENS}); memtrain estimate --mode inference --new-tokens "
-                        "N predicts the memory.")
+                        "N predicts the memory. Every one is sampled and, without --chat, printed: a plain sample "
+                        "does not stop at the eos, whose text (e.g. <|im_end|>, <|endoftext|>) it prints where "
+                        "drawn; --chat cuts the reply at its end of turn.")
     p.add_argument("--temperature", type=sampling_temperature, default=0.8,
                    help="Softmax temperature: 0 = greedy, else finite and at least 1e-30 (default 0.8).")
     p.add_argument("--top-k", type=int_in(0, MAX_WIDTH, "a token count"), default=TOP_K,

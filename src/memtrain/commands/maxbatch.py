@@ -30,7 +30,7 @@ from memtrain.config.run import ConfigError, parse_size
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--memory-budget", "--budget", dest="memory_budget", default=None,
+    p.add_argument("--memory-budget", "--budget", dest="memory_budget", default=None, metavar="SIZE",
                    help="Budget, e.g. 8GiB (required on CPU; on CUDA default: the device, or the --gpu card). "
                         "--budget: plan's name.")
     add_device_type_flag(p, "cuda: measure on the CUDA device; without one, answer with the CUDA model (CUDA kernels' "

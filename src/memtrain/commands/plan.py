@@ -60,7 +60,7 @@ from memtrain.report.noise import (
 
 def add_args(p: argparse.ArgumentParser) -> None:
     add_model_choice(p)
-    p.add_argument("--memory-budget", "--budget", dest="budget", default=None,
+    p.add_argument("--memory-budget", "--budget", dest="budget", default=None, metavar="SIZE",
                    help="Memory budget, e.g. 24GiB or 1.5GB (--budget is the older name). Default with --gpu: "
                         "the card's memory from the GPU table.")
     p.add_argument("--max-batch", nargs="?", type=batch_count, const=4096, default=None, metavar="N",

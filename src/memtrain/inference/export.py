@@ -549,7 +549,7 @@ def _plain_modes(folder: Path) -> None:
 def export_hf(ckpt: str | Path, out: str | Path, adapter_only: bool = False) -> dict[str, Any]:
     """Write ``out`` as a transformers-loadable directory (or, ``adapter_only``, a peft
     adapter); return a summary: ``out``, ``kind``, ``parameters``, ``lora_merged``, ``qlora``,
-    ``precision`` (the run's), ``files``."""
+    ``quantized_weights`` (how many base weights the run held in 4 bits), ``precision`` (the run's), ``files``."""
     out = Path(out)
     check_new_directory(out)  # before the checkpoint is read: a refusal costs nothing
     state, cfg = read_checkpoint(ckpt)
@@ -577,5 +577,15 @@ def export_hf(ckpt: str | Path, out: str | Path, adapter_only: bool = False) -> 
             save_tokenizer(tmp, template)
         n, kind = gpt.num_parameters(), "GPT2LMHeadModel"
     return {"out": str(out), "kind": kind, "parameters": n, "lora_merged": lora and not adapter_only,
-            "qlora": bool(cfg.technique.qlora), "precision": cfg.technique.precision,
-            "files": sorted(p.name for p in out.iterdir())}
+            "qlora": bool(cfg.technique.qlora), "quantized_weights": quantized_weight_count(state["model"]),
+            "precision": cfg.technique.precision, "files": sorted(p.name for p in out.iterdir())}
+
+
+def quantized_weight_count(weights: dict[str, Any]) -> int:
+    """How many of a checkpoint's weights a --qlora run stored in 4 bits: torchao's NF4 tensors,
+    or bitsandbytes' packed integer ones. A --qlora run on weights too small for NF4's blocks
+    stores none (train warns that they stay unquantized), and then trained on the base as
+    from_pretrained loads it."""
+    return sum(1 for name, value in weights.items()
+               if hasattr(value, "get_original_weight")
+               or (name.endswith(".weight") and isinstance(value, torch.Tensor) and not value.is_floating_point()))

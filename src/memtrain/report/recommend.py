@@ -102,12 +102,21 @@ def recommendation(records: list[dict[str, Any]], rows: list[dict[str, Any]], bu
         lines += _fastest_lines(fits, noise, where, within)
     else:
         peaks = [r["peak_tracked_bytes"] for r in ok if r.get("peak_tracked_bytes")]
-        smallest_peak = f"the smallest peak is {min(peaks) / GIB:.3f} GiB" if peaks else "no row has a tracked peak"
+        smallest_peak = f"the smallest peak is {peak_text(min(peaks))}" if peaks else "no row has a tracked peak"
         lines.append(f"- No row {where}; {smallest_peak}.")
     lines += _step_noise_lines(noise)
     lines += _ppl_lines(ok, rows)
     lines.append("")
     return lines
+
+
+def peak_text(n: float) -> str:
+    """A peak as the recommendation states it: GiB to 3 decimals, as the table's column has it,
+    from 10 MiB up; a smaller one in MiB or KiB, where 3 decimals of GiB read 0.001 for every row
+    of a small model (1.10 MiB and 0.82 MiB alike) and named no difference."""
+    if n >= 0.01 * GIB:
+        return f"{n / GIB:.3f} GiB"
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.2f} KiB"
 
 
 def _peak(r: dict[str, Any]) -> float:
@@ -127,19 +136,19 @@ def _fastest_lines(fits: list[dict[str, Any]], noise: Optional[dict[str, Any]], 
     if len(tied) == 1:
         pick = fastest
         lines = [f"- Fastest row that {where}: **{method_cell(pick)}**, {pick['step_time_s']:.3f} s/step{_spread(pick)}, "
-                 f"peak {pick['peak_tracked_bytes'] / GIB:.3f} GiB."]
+                 f"peak {peak_text(pick['peak_tracked_bytes'])}."]
     else:
         pick = min(tied, key=_peak)
         names = ", ".join(f"{method_cell(r)} ({r['step_time_s']:.3f} s/step)" for r in tied)
         lines = [f"- Fastest rows that {where.replace('fits', 'fit', 1)}: {names} are equally fast within noise; "
                  "of them the smallest tracked "
                  f"peak: **{method_cell(pick)}**, {pick['step_time_s']:.3f} s/step{_spread(pick)}, "
-                 f"peak {pick['peak_tracked_bytes'] / GIB:.3f} GiB."]
+                 f"peak {peak_text(pick['peak_tracked_bytes'])}."]
     near = [r for r in fits if r["step_time_s"] <= fastest["step_time_s"] * (1 + within) or r in tied]
     smallest = min(near, key=_peak)
     or_noise = " or within noise of it" if len(tied) > 1 else ""
     lines.append(f"- Smallest memory within {within:.0%} of that step time{or_noise}: **{method_cell(smallest)}**, "
-                 f"peak {smallest['peak_tracked_bytes'] / GIB:.3f} GiB, {smallest['step_time_s']:.3f} s/step.")
+                 f"peak {peak_text(smallest['peak_tracked_bytes'])}, {smallest['step_time_s']:.3f} s/step.")
     return lines
 
 
