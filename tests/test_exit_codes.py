@@ -161,7 +161,7 @@ def test_a_full_disk_while_exporting_is_the_disk_full_line(checkpoint, tmp_path,
     "error: SafetensorError: Error while serializing: I/O error: No space left on device"."""
     import memtrain.inference.export as export
 
-    def full(out):
+    def full(*_args, **_kwargs):
         raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
 
     monkeypatch.setattr(export, "save_tokenizer", full)
