@@ -398,6 +398,19 @@ def test_report_of_1000_rows_takes_seconds(tmp_path):
     assert "The plots show the first 40 of the 1000 rows" in (tmp_path / "report.md").read_text()
 
 
+def test_a_row_named_with_half_a_surrogate_pair_is_plotted_as_its_escape(tmp_path, capsys):
+    from memtrain.report.plots import plain_label
+
+    # "\ud800" is valid JSON; "\udcff" is how Python holds a file name's undecodable byte.
+    assert plain_label("a\ud800b$\udcff") == "a\\ud800b\\$\\udcff"
+    good = (DATA / "bench_results.jsonl").read_text().splitlines()
+    (tmp_path / "results.jsonl").write_text("\n".join([good[0].replace('"baseline"', '"base\\ud800line"'), *good[1:]]) + "\n")
+    # matplotlib refused the name (TypeError): exit 1 after report.md and report.csv were written.
+    assert main(["report", str(tmp_path)]) == 0, capsys.readouterr().err
+    assert len(list(tmp_path.glob("*.png"))) == 4
+    assert "base\\ud800line" in (tmp_path / "report.csv").read_text(encoding="utf-8", errors="backslashreplace")
+
+
 # --------------------------------------------------------------------------- 6. config files
 @pytest.mark.parametrize("suffix, text", [
     (".json", '{"d_model": ' + _deep(100_000) + "}"),

@@ -42,9 +42,15 @@ def save_figure(fig: Any, path: Path, dpi: Any = 120) -> None:
 
 
 def plain_label(text: Any) -> str:
-    """``text`` as matplotlib shows it literally: a ``$`` would start mathtext, and a name
-    from a results file with an unbalanced one would fail the whole plot."""
-    return str(text).replace("$", r"\$")
+    """``text`` as matplotlib shows it literally: a ``$`` would start mathtext (a name from a
+    results file with an unbalanced one would fail the whole plot), and half a surrogate pair is
+    written as its escape."""
+    text = str(text)
+    # Half a surrogate pair (a file name's undecodable byte as Python holds it, or a row's
+    # "\ud800") is drawn as its escape, as report.md writes it: matplotlib's text layout takes
+    # only real text, and refused the whole plot with a TypeError (exit 1).
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text.replace("$", r"\$")
 
 
 def run_context(records: list[dict[str, Any]]) -> str:
@@ -55,7 +61,7 @@ def run_context(records: list[dict[str, Any]]) -> str:
 
     parts = []
     if shared("scale"):
-        parts.append(f"scale {shared('scale')}")
+        parts.append(f"scale {plain_label(shared('scale'))}")
     if shared("batch_size") and shared("seq_len"):
         parts.append(f"batch {shared('batch_size')} x seq {shared('seq_len')}")
     if shared("steps"):
