@@ -380,6 +380,23 @@ def test_plan_results_and_a_resumed_bench_read_hostile_rows(tmp_path):
     assert _measured_effects(str(tmp_path), [{"precision": "bf16"}]) == ([None], [None], None, [None])
 
 
+def test_a_results_file_past_the_size_limit_is_refused_before_a_byte_is_read(tmp_path, capsys):
+    from memtrain.files import results
+
+    limit = getattr(results, "MAX_JSONL_FILE_BYTES", 32 << 20)
+    path = tmp_path / "results.jsonl"
+    path.write_text((DATA / "bench_results.jsonl").read_text())
+    os.truncate(path, limit + 1)  # sparse: no disk, no memory
+    for argv in (["report", str(tmp_path)], ["plan", "--budget", "8GiB", "--results", str(tmp_path)]):
+        start = time.monotonic()
+        # Every byte was read: a sparse 8 GiB file held `memtrain report` 47 s, exit 0.
+        assert main(argv) == 2
+        assert time.monotonic() - start < 5
+        line = _one_error_line(capsys.readouterr().err)
+        assert f"{limit + 1:,} bytes" in line and "give another folder" in line
+    assert not list(tmp_path.glob("report*")) and not list(tmp_path.glob("*.png"))  # nothing written
+
+
 def test_report_of_1000_rows_takes_seconds(tmp_path):
     from memtrain.report import write_report
     from test_report_recommend import ROWS
