@@ -380,6 +380,23 @@ def test_plan_results_and_a_resumed_bench_read_hostile_rows(tmp_path):
     assert _measured_effects(str(tmp_path), [{"precision": "bf16"}]) == ([None], [None], None, [None])
 
 
+def test_a_results_file_past_the_size_limit_is_refused_before_a_byte_is_read(tmp_path, capsys):
+    from memtrain.files import results
+
+    limit = getattr(results, "MAX_JSONL_FILE_BYTES", 32 << 20)
+    path = tmp_path / "results.jsonl"
+    path.write_text((DATA / "bench_results.jsonl").read_text())
+    os.truncate(path, limit + 1)  # sparse: no disk, no memory
+    for argv in (["report", str(tmp_path)], ["plan", "--budget", "8GiB", "--results", str(tmp_path)]):
+        start = time.monotonic()
+        # Every byte was read: a sparse 8 GiB file held `memtrain report` 47 s, exit 0.
+        assert main(argv) == 2
+        assert time.monotonic() - start < 5
+        line = _one_error_line(capsys.readouterr().err)
+        assert f"{limit + 1:,} bytes" in line and "give another folder" in line
+    assert not list(tmp_path.glob("report*")) and not list(tmp_path.glob("*.png"))  # nothing written
+
+
 def test_report_of_1000_rows_takes_seconds(tmp_path):
     from memtrain.report import write_report
     from test_report_recommend import ROWS
@@ -396,6 +413,36 @@ def test_report_of_1000_rows_takes_seconds(tmp_path):
     # CPU time, not wall time (the machine may be shared): it was beyond 10 minutes.
     assert time.process_time() - start < 60
     assert "The plots show the first 40 of the 1000 rows" in (tmp_path / "report.md").read_text()
+
+
+def test_a_row_with_a_name_of_200k_characters_is_plotted_in_seconds_and_tabled_whole(tmp_path):
+    from memtrain.report import write_report
+
+    rows = (DATA / "bench_results.jsonl").read_text().splitlines()
+    long_row = json.loads(rows[0])
+    name = "A" * 100_000 + "Z" * 100_000
+    long_row["technique"] = name
+    (tmp_path / "results.jsonl").write_text("\n".join([json.dumps(long_row), *rows[1:]]) + "\n")
+    start = time.process_time()
+    summary = write_report(tmp_path)
+    # CPU time, not wall time (the machine may be shared): it took 159 s when the plots drew the
+    # whole name (a 5-million-character one had not finished after 200 s).
+    assert time.process_time() - start < 30
+    assert len(summary["plots"]) == 4
+    assert name in (tmp_path / "report.csv").read_text()  # the table keeps the name whole
+
+
+def test_a_row_named_with_half_a_surrogate_pair_is_plotted_as_its_escape(tmp_path, capsys):
+    from memtrain.report.plots import plain_label
+
+    # "\ud800" is valid JSON; "\udcff" is how Python holds a file name's undecodable byte.
+    assert plain_label("a\ud800b$\udcff") == "a\\ud800b\\$\\udcff"
+    good = (DATA / "bench_results.jsonl").read_text().splitlines()
+    (tmp_path / "results.jsonl").write_text("\n".join([good[0].replace('"baseline"', '"base\\ud800line"'), *good[1:]]) + "\n")
+    # matplotlib refused the name (TypeError): exit 1 after report.md and report.csv were written.
+    assert main(["report", str(tmp_path)]) == 0, capsys.readouterr().err
+    assert len(list(tmp_path.glob("*.png"))) == 4
+    assert "base\\ud800line" in (tmp_path / "report.csv").read_text(encoding="utf-8", errors="backslashreplace")
 
 
 # --------------------------------------------------------------------------- 6. config files

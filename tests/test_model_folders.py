@@ -933,3 +933,18 @@ def test_a_misspelt_config_field_is_named_with_the_field_it_resembles(llama_dir,
     with warnings.catch_warnings():  # a field spelt right, or one of another name, is no warning
         warnings.simplefilter("error", ConfigFieldWarning)
         load_config(str(_llama_copy(llama_dir, tmp_path / "ok", lambda c: {**c, "my_note": "x"})))
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, "[1, 2]", "{not json"])
+def test_a_garbled_generation_config_json_is_named_by_train_and_generate(tokenizer_dir, corpus, tmp_path, capsys, text):
+    """transformers reads generation_config.json while it loads the weights: a garbled one was said
+    as "cannot read the weights of --model DIR (RecursionError ...); its *.safetensors files must be
+    complete", the wrong file. It is checked with config.json, before the weights."""
+    model = model_folder(tmp_path / "m", tokenizer_dir, weights=True)
+    (model / "generation_config.json").write_text(text)
+    capsys.readouterr()
+    for argv in (_flags(model, corpus, tmp_path / "o"), ["generate", str(model), "--max-new-tokens", "1"]):
+        assert main(argv) == 2
+        line = _one_error_line(capsys.readouterr().err)
+        assert "generation_config.json" in line and "safetensors" not in line, line
+    assert not (tmp_path / "o").exists()

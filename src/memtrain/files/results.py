@@ -20,7 +20,8 @@ docs/reliability.md hold for every command alike:
   line stays alone and the new row is intact.
 - :func:`read_jsonl`: every JSON object line; torn, non-UTF-8, non-object and hostile lines
   (nested deeper than MAX_JSON_DEPTH, an integer longer than MAX_INT_DIGITS, a non-finite
-  number) are skipped and counted, never fatal (a caller decides whether to warn).
+  number) are skipped and counted, never fatal (a caller decides whether to warn); a file over
+  MAX_JSONL_FILE_BYTES is refused from its size.
 - JSON text is parsed bounded and written strict by :mod:`memtrain.files.json_text`.
 - the bench's ``results.jsonl`` store of rows is read and appended by :mod:`memtrain.files.bench_store`.
 - the ``--out`` folder lock (``LOCK_NAME``) is taken and held by :mod:`memtrain.files.lock`.
@@ -63,6 +64,12 @@ TRAIN_FILES = (RESULT_NAME, METRICS_NAME, LOCK_NAME)  # those memtrain train wri
 # Its readers look it up on this module at each call (``results.MAX_WHOLE_JSON_BYTES``), so that one
 # setting bounds every reader of such a file.
 MAX_WHOLE_JSON_BYTES = 256 << 20
+# The largest JSON-lines file (a bench's results.jsonl, compare_hf's runs.jsonl) memtrain reads.
+# A bench row is about 7 KB (the committed results: 8 rows in 52-70 KB), so this is some 4,500
+# rows. Its lines are read in bounded pieces, but every byte was read and every row held: a
+# sparse 8 GiB results.jsonl held `memtrain report` 47 s, and 30,000 rows of 840 bytes (25 MB)
+# took 31 s and 470 MB. Looked up at each call, as MAX_WHOLE_JSON_BYTES is.
+MAX_JSONL_FILE_BYTES = 32 << 20
 
 
 
@@ -385,12 +392,17 @@ class JsonlRead:
 
 
 def read_jsonl(path: Path) -> JsonlRead:
-    """Every JSON object line of ``path`` (missing file: none); other lines are counted."""
+    """Every JSON object line of ``path`` (missing file: none); other lines are counted.
+    ConfigError for a file over MAX_JSONL_FILE_BYTES, from its size, before a byte is read."""
     path = Path(path)
     read = JsonlRead()
     if not path.is_file():
         return read
     with open(path, "rb") as fh:
+        size, limit = os.fstat(fh.fileno()).st_size, MAX_JSONL_FILE_BYTES
+        if size > limit:
+            raise ConfigError(f"{str(path)!r} is {size:,} bytes, more than memtrain reads of a results file "
+                              f"({limit:,}, some 4,500 bench rows); move it aside or give another folder")
         for raw in bounded_jsonl_lines(fh):
             if raw is None:  # too long to be a row
                 read.skipped += 1

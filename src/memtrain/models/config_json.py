@@ -19,7 +19,8 @@ from memtrain.files.json_file import NOT_A_FILE, NOT_JSON, NOT_UTF8, TOO_BIG, Js
 # classifier's label map a few megabytes). Each is parsed several times (memtrain's checks,
 # transformers' config, the run's own copy), so 100 MB of padding cost a train 360 MB more memory;
 # past this (a --config file's limit) one is refused from its size, unread.
-CONFIG_FILES = ("config.json", "generation_config.json")
+GENERATION_CONFIG = "generation_config.json"
+CONFIG_FILES = ("config.json", GENERATION_CONFIG)
 MAX_CONFIG_JSON_BYTES = 16 << 20
 
 
@@ -113,7 +114,17 @@ def read_config_json(path: Path) -> dict[str, Any]:
     if model_type not in _shipped_model_types():
         raise ConfigError(f"{shown!r} has model_type {model_type!r}, which this transformers does not ship (custom "
                           "code is never run); use a model type transformers ships, or upgrade transformers")
+    _check_generation_config(path.parent / GENERATION_CONFIG)
     return data
+
+
+def _check_generation_config(path: Path) -> None:
+    """A model folder's generation_config.json, when there, must be a JSON object: transformers
+    reads it while loading the weights, and a garbled one (100,000 levels deep) was said as
+    "cannot read the weights of --model DIR (RecursionError ...); its *.safetensors files must be
+    complete", sending the user to the wrong file."""
+    if path.is_file():
+        json_object(path, "the generation_config.json (or remove it: transformers then derives one)")
 
 
 def refuse_non_finite(data: dict[str, Any], shown: str) -> None:

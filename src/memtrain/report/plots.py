@@ -41,10 +41,27 @@ def save_figure(fig: Any, path: Path, dpi: Any = 120) -> None:
         plt.close(fig)
 
 
+# The most characters of a name a plot draws. matplotlib lays text out in time linear in its
+# length: a row named with 200,000 characters took `memtrain report` 159 s, one of 5 million
+# had not finished after 200 s. The longest technique name a bench has written is 114.
+MAX_LABEL_CHARS = 160
+
+
 def plain_label(text: Any) -> str:
-    """``text`` as matplotlib shows it literally: a ``$`` would start mathtext, and a name
-    from a results file with an unbalanced one would fail the whole plot."""
-    return str(text).replace("$", r"\$")
+    """``text`` as matplotlib shows it literally: a ``$`` would start mathtext (a name from a
+    results file with an unbalanced one would fail the whole plot), and half a surrogate pair is
+    written as its escape. At most MAX_LABEL_CHARS characters are kept: a longer name keeps its
+    start and end around an ellipsis (the tables show it whole), so that names differing only at
+    their end stay apart."""
+    text = str(text)
+    if len(text) > MAX_LABEL_CHARS:
+        tail = MAX_LABEL_CHARS // 3
+        text = f"{text[:MAX_LABEL_CHARS - tail - 1]}\u2026{text[-tail:]}"
+    # Half a surrogate pair (a file name's undecodable byte as Python holds it, or a row's
+    # "\ud800") is drawn as its escape, as report.md writes it: matplotlib's text layout takes
+    # only real text, and refused the whole plot with a TypeError (exit 1).
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text.replace("$", r"\$")
 
 
 def run_context(records: list[dict[str, Any]]) -> str:
@@ -55,7 +72,7 @@ def run_context(records: list[dict[str, Any]]) -> str:
 
     parts = []
     if shared("scale"):
-        parts.append(f"scale {shared('scale')}")
+        parts.append(f"scale {plain_label(shared('scale'))}")
     if shared("batch_size") and shared("seq_len"):
         parts.append(f"batch {shared('batch_size')} x seq {shared('seq_len')}")
     if shared("steps"):
