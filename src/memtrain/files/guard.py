@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["file_kind", "folder_entry_problems", "inside", "regular_file_problem", "special_file_kind",
+__all__ = ["file_kind", "folder_entry_problems", "inside", "regular_file_problem", "special_file_kind", "stat_problem",
            "unknown_home", "visible_entries"]
 
 
@@ -83,6 +83,12 @@ def regular_file_problem(path: Path, root: Path, link_roots: Iterable[Path] = ()
         st = path.stat()
     elif not inside(path.parent.resolve() / path.name, roots):
         return f"outside {str(roots[0])!r}"
+    return stat_problem(st, max_bytes)
+
+
+def stat_problem(st: os.stat_result, max_bytes: Optional[int]) -> Optional[str]:
+    """None when ``st`` is a regular file's of at most ``max_bytes``; else why not (the words
+    every reader's line quotes)."""
     if not stat.S_ISREG(st.st_mode):
         return f"{file_kind(st.st_mode)}, not a regular file"
     if max_bytes is not None and st.st_size > max_bytes:

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from pathlib import Path
 from typing import Any, Optional
 
-from memtrain.files.guard import TOO_LARGE, file_kind, regular_file_problem
+from memtrain.files.guard import TOO_LARGE, regular_file_problem, stat_problem
 from memtrain.files.json_text import loads_bounded
 
 # What kind of problem a JsonFileProblem is, for a caller whose words differ by kind.
@@ -58,8 +57,4 @@ def _file_problem(path: Path, max_bytes: Optional[int]) -> Optional[str]:
         st = os.stat(path)
     except OSError as exc:
         return f"unreadable ({exc.strerror or type(exc).__name__})"
-    if not stat.S_ISREG(st.st_mode):
-        return f"{file_kind(st.st_mode)}, not a regular file"
-    if max_bytes is not None and st.st_size > max_bytes:
-        return f"{TOO_LARGE} {max_bytes:,} bytes"
-    return None
+    return stat_problem(st, max_bytes)
