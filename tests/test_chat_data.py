@@ -477,6 +477,20 @@ def test_validation_blocks_without_an_answer_are_one_error_line(tmp_path, capsys
 LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 
 
+def _two_fine_records(fmt: str) -> list[dict]:
+    """Two well-formed records of ``fmt`` (chat or prompt-completion), for a bad third one to follow."""
+    if fmt == "chat":
+        return [{"messages": c} for c in CONVERSATIONS[:2]]
+    return [{"prompt": c[:-1], "completion": c[-1:]} for c in CONVERSATIONS[:2]]
+
+
+def _train_one_step(model: Path, data: Path, fmt: str, tmp_path: Path, out: Path) -> int:
+    """train's exit code for one tiny step on ``data`` read as ``fmt``."""
+    return main(["train", "--model", str(model), "--data", str(data), "--data-format", fmt, "--steps", "1",
+                 "--seq-len", "16", "--batch-size", "1", "--no-progress", "--cache-dir", str(tmp_path / "cache"),
+                 "--out", str(out)])
+
+
 @pytest.mark.parametrize("fmt, record, words", [
     ("chat", {"messages": [{"role": "user", "content": "loop"}, {"role": "assistant", "content": "ok"}]},
      "did not render within 1 s"),
@@ -496,13 +510,10 @@ def test_a_chat_template_that_loops_or_grows_on_one_record_is_one_line_naming_it
     template = ("{% if messages[0]['content'] == 'loop' %}" + LOOPS + "{% endif %}"
                 "{% if messages[0]['content'] == 'grow' %}{{ 'x' * 5000000 }}{% endif %}" + CHATML)
     model = _chat_folder(tmp_path / "qwen2", template)
-    fine = [{"messages": c} for c in CONVERSATIONS[:2]] if fmt == "chat" else \
-        [{"prompt": c[:-1], "completion": c[-1:]} for c in CONVERSATIONS[:2]]
+    fine = _two_fine_records(fmt)
     data = _records(tmp_path / "records.jsonl", [*fine, record])
     out = tmp_path / "run"
-    assert main(["train", "--model", str(model), "--data", str(data), "--data-format", fmt, "--steps", "1",
-                 "--seq-len", "16", "--batch-size", "1", "--no-progress", "--cache-dir", str(tmp_path / "cache"),
-                 "--out", str(out)]) == 2
+    assert _train_one_step(model, data, fmt, tmp_path, out) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: the --model's chat template ") and words in err, err
     assert "for record 3 of " in err and "fix the chat_template" in err and not out.exists()
@@ -517,14 +528,11 @@ def test_a_record_too_long_to_render_is_blamed_on_the_record_not_the_template(tm
 
     model = _chat_folder(tmp_path / "qwen2", CHATML)
     long = [{"role": "user", "content": "word " * (MAX_CHAT_CHARS // 5 + 10)}, {"role": "assistant", "content": "ok"}]
-    fine = [{"messages": c} for c in CONVERSATIONS[:2]] if fmt == "chat" else \
-        [{"prompt": c[:-1], "completion": c[-1:]} for c in CONVERSATIONS[:2]]
+    fine = _two_fine_records(fmt)
     record = {"messages": long} if fmt == "chat" else {"prompt": long[:1], "completion": long[1:]}
     data = _records(tmp_path / "records.jsonl", [*fine, record])
     out = tmp_path / "run"
-    assert main(["train", "--model", str(model), "--data", str(data), "--data-format", fmt, "--steps", "1",
-                 "--seq-len", "16", "--batch-size", "1", "--no-progress", "--cache-dir", str(tmp_path / "cache"),
-                 "--out", str(out)]) == 2
+    assert _train_one_step(model, data, fmt, tmp_path, out) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: record 3 of "), err
     assert f"characters of messages, more than one rendered record may ({MAX_CHAT_CHARS:,})" in err, err
