@@ -337,6 +337,16 @@ def test_qlora_checkpoint_exports_dequantized_and_merged(tmp_path_factory, token
     assert (ours - theirs).abs().max().item() < 1e-5
 
 
+def _adapter_on_full_base_and_merged_logits(peft, base_dir: Path, adapter: Path, merged: Path):
+    """Logits of the exported adapter on the base folder loaded in full precision, and of the merged export."""
+    idx = _tokens()
+    with torch.no_grad():
+        base = transformers.AutoModelForCausalLM.from_pretrained(str(base_dir)).eval()
+        on_full_base = peft.PeftModel.from_pretrained(base, str(adapter)).eval()(idx).logits
+        trained = transformers.AutoModelForCausalLM.from_pretrained(str(merged)).eval()(idx).logits
+    return on_full_base, trained
+
+
 def test_a_qlora_adapter_says_it_was_trained_on_the_nf4_base(tmp_path_factory, tokenizer_files, corpus, tmp_path,
                                                             capsys):
     """A QLoRA run's adapters on the full-precision base are not the trained model (the NF4
@@ -352,11 +362,7 @@ def test_a_qlora_adapter_says_it_was_trained_on_the_nf4_base(tmp_path_factory, t
     note = capsys.readouterr().out.splitlines()[-1]
     assert note.startswith("note: these adapters were trained on the base in NF4 (--qlora)") and "load_in_4bit" in note
     assert main(["export", str(ckpt), str(merged)]) == 0
-    idx = _tokens()
-    with torch.no_grad():
-        base = transformers.AutoModelForCausalLM.from_pretrained(str(d)).eval()
-        on_full_base = peft.PeftModel.from_pretrained(base, str(adapter)).eval()(idx).logits
-        trained = transformers.AutoModelForCausalLM.from_pretrained(str(merged)).eval()(idx).logits
+    on_full_base, trained = _adapter_on_full_base_and_merged_logits(peft, d, adapter, merged)
     assert (on_full_base - trained).abs().max().item() > 1e-3  # what the note warns of
     assert main(["export", str(_train(d, corpus, tmp_path / "plain", "--lora-rank", "4")), str(tmp_path / "a2"),
                  "--adapter-only"]) == 0
@@ -380,11 +386,7 @@ def test_a_qlora_run_that_quantized_nothing_gets_no_nf4_note(tmp_path_factory, t
     assert main(["export", str(ckpt), str(adapter), "--adapter-only"]) == 0
     assert "NF4" not in capsys.readouterr().out
     assert main(["export", str(ckpt), str(merged)]) == 0
-    idx = _tokens()
-    with torch.no_grad():
-        base = transformers.AutoModelForCausalLM.from_pretrained(str(d)).eval()
-        on_full_base = peft.PeftModel.from_pretrained(base, str(adapter)).eval()(idx).logits
-        trained = transformers.AutoModelForCausalLM.from_pretrained(str(merged)).eval()(idx).logits
+    on_full_base, trained = _adapter_on_full_base_and_merged_logits(peft, d, adapter, merged)
     assert (on_full_base - trained).abs().max().item() < 1e-5  # the full-precision base is the trained one
 
 
