@@ -19,14 +19,18 @@ import functools
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
 
 from conftest import TINY_MODEL
 from memtrain.config.run import ModelConfig, TechniqueConfig, TrainConfig, build_config
 from memtrain.data.loader import IGNORE_INDEX, MicroBatches, host_target_count
 from memtrain.models.gpt import GPT
-from memtrain.techniques import make_precision
+from memtrain.techniques import make_precision, order
+from memtrain.techniques.compile import apply_compile
 from memtrain.techniques.loss import apply_loss
 from memtrain.techniques.optim import build_optimizer
+from memtrain.training import train as train_mod
 from memtrain.training.step import _found_inf, train_step
 
 CPU = torch.device("cpu")
@@ -110,13 +114,6 @@ def test_a_compiled_run_with_evaluations_compiles_one_training_graph_on_cuda(tin
     after steps 2 and 4 with a smaller last batch): one dynamo frame from the first step to the
     end, no graph break; the evaluations ran uncompiled (force_eager). A counting backend
     (aot_eager beneath it) counts the frames without building kernels."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-    from torch._dynamo.utils import counters
-
-    from memtrain.techniques import order
-    from memtrain.techniques.compile import apply_compile
-    from memtrain.training import train as train_mod
-
     counter = CompileCounterWithBackend("aot_eager")
     monkeypatch.setattr(order, "apply_compile", functools.partial(apply_compile, backend=counter))
     run = {**tiny_run, "steps": 4, "eval_every": 2, "val_blocks": 5, "warmup_timing_steps": 1,
