@@ -17,7 +17,9 @@ six *parts*, each one device command of under 10 minutes, run in priority order:
     profile where the compiled seed step's time goes with the standard and the chunked loss
             (benchmarks/loss_profile.py: step times, host vs device time, top operators), the
             library loss kernels (Cut Cross-Entropy, Liger) beside memtrain's on the seed GPT and
-            Qwen2.5-0.5B, and the compiled seed step with --sync-steps, beside build's overlapped one
+            Qwen2.5-0.5B, and the compiled seed step with --sync-steps, beside build's overlapped one;
+            optional (dropped first when the part runs late): the compiled seed step under --loss-on
+            completion beside --loss-on all (benchmarks/loss_on_step.py)
     inference  `estimate --mode inference` against a measured generate on CUDA kernels, and
             `--gpu`'s fit figure against the device's used memory (benchmarks/generate_check.py)
 
@@ -28,7 +30,8 @@ Each step writes into a work folder outside ``--out`` (one log and one result fo
 after every step the whole work folder is packed into ``OUT/PART.tar.gz`` and ``OUT/PART.md``
 (each step's command, exit code, wall time and headline figures) is rewritten, so a part cut
 off by its time limit still returns everything it finished, in two files. A step is skipped,
-and says so, when its time estimate no longer fits before ``--deadline``.
+and says so, when its time estimate no longer fits before ``--deadline``; an *optional* step also
+when it would leave too little time for the required steps after it (it yields to them).
 
 On the GPU machine (wheels of the packages its image lacks: benchmarks/gpu_wheels.sh, carried
 as ``.whl``):
@@ -108,6 +111,10 @@ class Step:
     # how its headline is read (:func:`headline`): train (result.json), compare (compare_hf.md),
     # markdown (the table of the .md it wrote), table (the table it printed), log (its last lines)
     kind: str
+    # An optional step yields to the required steps after it: it runs only when the time left
+    # covers its estimate and theirs (:func:`_time_needed`), so a part that runs late drops it
+    # first. A part's required steps fit its deadline; its optional ones may not.
+    optional: bool = False
 
 
 def _compare(s: Sizes, out: Path, *args: str) -> list[str]:
@@ -139,6 +146,15 @@ def _loss_profile(s: Sizes, out: Path, variants: str) -> list[str]:
     return [PY, str(ROOT / "benchmarks" / "loss_profile.py"), "--device", s.device, "--batch-size", str(s.seed_batch),
             "--seq-len", str(s.seed_seq), "--out", str(out), "--variants", variants,
             *(["--compile"] if s.compile else ["--steps", "2", "--warmup", "1", "--d-model", "64"])]
+
+
+def _loss_on_step(s: Sizes, out: Path) -> list[str]:
+    """benchmarks/loss_on_step.py: --loss-on completion beside --loss-on all, the seed GPT's batch
+    compiled on a GPU (a toy model on a CPU)."""
+    toy = ["--d-model", "64", "--n-layers", "2", "--n-heads", "4", "--d-ff", "128", "--steps", "3"]
+    return [PY, str(ROOT / "benchmarks" / "loss_on_step.py"), "--device", s.device, "--batch-size", str(s.seed_batch),
+            "--seq-len", str(s.seed_seq), "--precision", "bf16", "--attention", s.attention, "--out", str(out),
+            *(["--compile", "--steps", "20"] if s.compile else toy)]
 
 
 def _seed_train(s: Sizes, *extra: str) -> list[str]:
@@ -271,6 +287,11 @@ STEPS: list[Step] = [
          "what overlapping steps buys: build's seed-compiled with --sync-steps (every step waited for, the loss "
          "read at once, host-clock timing); its step time and data wait beside seed-compiled's", 70,
          lambda s, out: _train(s, out, *_seed_train(s, "--sync-steps")), "train"),
+    Step("seed-loss-on", "profile",
+         "what --loss-on completion costs a step: the compiled seed GPT (batch 64 x 256, BF16, flash), half of "
+         "each block the answer, beside --loss-on all on the same ids in one run (benchmarks/loss_on_step.py: "
+         "first and median step, max allocated); optional, dropped first when the part runs late", 100,
+         lambda s, out: _loss_on_step(s, out), "table", optional=True),
 ]
 PARTS = ["hf", "build", "seed", "checks", "profile", "inference"]
 # --part picked: the steps --only names, from any part, in the order named (a session's own list
@@ -444,21 +465,33 @@ def _part_steps(name: str, only: Optional[list[str]]) -> list[Step]:
     return [s for s in STEPS if s.part == name and (only is None or s.name in only)]
 
 
+def _time_needed(steps: list[Step], i: int) -> tuple[float, str]:
+    """The seconds step ``i`` of ``steps`` needs left to run, and what they are: its estimate, and
+    for an optional step the estimates of the required steps after it too (it yields to them)."""
+    step = steps[i]
+    if not step.optional:
+        return step.est_s, f"estimate {step.est_s:.0f} s"
+    after = sum(s.est_s for s in steps[i + 1:] if not s.optional)
+    return step.est_s + after, f"optional: estimate {step.est_s:.0f} s and {after:.0f} s of required steps after it"
+
+
 def run_part(name: str, sizes: Sizes, out: Path, work: Path, deadline_s: float, env: dict[str, str],
              only: Optional[list[str]], header: list[str]) -> int:
     """Run the part's steps in order within ``deadline_s``; the number of failed steps."""
     start = time.monotonic()
     part = Part(name, work / name, out, header + _machine(env))
     failed = 0
-    for step in _part_steps(name, only):
+    steps = _part_steps(name, only)
+    for i, step in enumerate(steps):
         folder = part.work / step.name
         folder.mkdir(parents=True, exist_ok=True)
         argv = step.argv(sizes, folder)
         left = deadline_s - (time.monotonic() - start)
         record: dict[str, Any] = {"step": step.name, "checks": step.checks, "command": shlex.join(argv),
                                   "est_s": step.est_s, "rc": None, "wall_s": 0.0}
-        if sizes is FULL and left < step.est_s:
-            part.add({**record, "status": f"skipped: {left:.0f} s left of the part's deadline, estimate {step.est_s:.0f} s"})
+        needed, why = _time_needed(steps, i)
+        if sizes is FULL and left < needed:
+            part.add({**record, "status": f"skipped: {left:.0f} s left of the part's deadline, {why}"})
             continue
         log = folder / "log.txt"
         print(f"[{name}] {step.name}: {record['command']}", flush=True)
@@ -500,9 +533,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.list:
         for p in PARTS:
             steps = [s for s in STEPS if s.part == p]
-            print(f"{p} ({sum(s.est_s for s in steps):.0f} s estimated on an H100):")
+            print(f"{p} ({sum(s.est_s for s in steps if not s.optional):.0f} s estimated on an H100, "
+                  f"{sum(s.est_s for s in steps if s.optional):.0f} s more if time allows):")
             for s in steps:
-                print(f"  {s.name} ({s.est_s:.0f} s): {s.checks}")
+                print(f"  {s.name} ({s.est_s:.0f} s{', optional' if s.optional else ''}): {s.checks}")
         return 0
     if args.part is None or args.out is None:
         ap.error("--part and --out are needed (or --list)")
