@@ -74,12 +74,14 @@ def test_the_tracker_changes_nothing_the_meter_measures(tables):
 
 def test_the_standard_losss_logits_lead_the_activations(tables):
     """Under the standard FP32 loss the (tokens x vocab) log-probabilities are kept for backward:
-    the loss holds them, the largest activation entry; the tied LM-head weight belongs to wte."""
+    the loss holds them, the largest activation entry, with its own 0-d float32 output (a step of
+    one micro-batch keeps that as the step's loss); the tied LM-head weight belongs to wte."""
     table = tables["plain"].by_module
     cfg = build_config(TINY)
+    assert cfg.train.grad_accum == 1
     logits = cfg.train.batch_size * cfg.train.seq_len * cfg.model.vocab_size * 4
     top = max(table["modules"], key=lambda r: r["activations"])
-    assert top["module"] == LOSS and top["activations"] == logits
+    assert top["module"] == LOSS and top["activations"] == logits + 4
     wte = next(r for r in table["modules"] if r["module"] == "wte")
     assert wte["parameters"] == cfg.model.padded_vocab_size * cfg.model.d_model * 4
     assert not any(r["module"] == "lm_head" for r in table["modules"])  # tied: no second copy

@@ -25,7 +25,8 @@ Who owns a storage:
 * ``(optimizer)``: the optimizer step's scratch, the clipping and unscaling of the optimizer
   phase, and optimizer state of tensors the model does not own;
 * ``(model)``: the model's own forward outside its children (the embedding sum of our GPT);
-* ``(outside modules)``: the rest (``loss / grad_accum`` under accumulation, the step's loss total).
+* ``(outside modules)``: the rest (``loss / grad_accum`` and the step's loss total under accumulation;
+  a step of one micro-batch keeps the loss module's own output as its loss).
 
 Paths are ``named_modules`` names with wrapper levels left out (a module, other than a
 container, holding nothing but one child: memtrain's transformers wrapper ``lm``, DDP's
