@@ -263,7 +263,8 @@ def longest_context(need: Callable[[RunConfig], float], cfg: RunConfig, budget_b
                     multiple_of: Optional[int] = None, max_len: Optional[int] = None) -> dict[str, Any]:
     """The longest sequence length (a multiple of :func:`length_multiple`, at most the bound of
     :func:`context_bound`) whose step at micro-batch ``batch`` needs at most ``budget_bytes``
-    (``need`` of the config at that length), by the grow-then-bisect of :func:`largest_fitting`.
+    (``need`` of the config at that length), by the grow-then-bisect of :func:`largest_fitting`,
+    then :func:`climb_past_dips` (the caching-allocator model's need is not monotone in the length).
 
     The ``longest_context`` entry of ``estimate --json``'s ``fit`` and of ``plan --json``:
     ``seq_len`` (None: not even the shortest length fits), its ``peak_bytes``, the next length
