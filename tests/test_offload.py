@@ -232,3 +232,33 @@ def test_a_bad_host_bandwidth_is_one_line_naming_a_rate(rate, capsys):
     assert main(["plan", "--budget", "8GiB", "--device-type", "cuda", f"--host-bandwidth={rate}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: --host-bandwidth '{rate}'") and "64GB/s" in err[0]
+
+
+_GPT2 = dict(n_embd=32, n_inner=64, n_layer=2, n_head=2, vocab_size=128, n_positions=256, bos_token_id=0, eos_token_id=0)
+
+
+@pytest.mark.parametrize("model", ["ours", "gpt2"])
+@pytest.mark.parametrize("batch, seq", [(2, 32), (1, 128), (2, 96), (1, 255), (2, 128)])
+def test_a_layernorms_mean_and_rstd_meet_the_size_floor_each(model, batch, seq, tmp_path_factory):
+    """LayerNorm saves its float32 mean and rstd as two tensors of 4 bytes a token. Between 128
+    and 255 tokens each is under the offloader's 1 KiB floor and stays on the device; counted as
+    one tensor of 8 bytes a token the estimate moved 8 N bytes a norm more than the trace (5 norms:
+    5,120 B at 128 tokens, 7,680 at 192, 10,200 at 255). Below 128 both stay, from 256 both go."""
+    from memtrain.analysis.estimate import estimate
+    from memtrain.analysis.estimate.hf import analytic_estimate
+    from memtrain.analysis.trace import trace_step
+
+    tech = dict(batch_size=batch, seq_len=seq, device="cpu", offload_activations=True)
+    if model == "ours":
+        cfg = build_config(dict(TINY, max_seq_len=256, **tech))
+        est = estimate(cfg, device_type="cpu").offload
+    else:
+        transformers = pytest.importorskip("transformers")
+        root = tmp_path_factory.getbasetemp() / "gpt2-offload"
+        if not root.exists():
+            transformers.GPT2Config(**_GPT2).save_pretrained(root)
+        cfg = build_config({"model": str(root), **tech})
+        est = analytic_estimate(cfg, "cpu").offload
+    assert OFFLOAD_MIN_BYTES == 1024  # the floor the figures above assume
+    traced = trace_step(cfg, "cpu")["offload"]
+    assert (est["d2h_bytes_per_step"], est["h2d_bytes_per_step"]) == (traced["d2h_bytes"], traced["h2d_bytes"])

@@ -35,7 +35,7 @@ from memtrain.models.spec import is_hf, rotary_positions
 
 __all__ = ["ContextBound", "DEFAULT_LENGTH_MULTIPLE", "FitVerdict", "at_seq_len", "bisect_fitting", "budget_for",
            "context_bound", "context_line", "fit_verdict", "largest_batch", "largest_fitting", "largest_fitting_from",
-           "length_multiple", "length_search_bound", "longer_fits_mark", "longest_context", "past_the_bound",
+           "length_multiple", "length_search_bound", "less_need_clause", "longer_fits_mark", "longest_context", "past_the_bound",
            "step_need", "verdict_head"]
 
 GiB = 1 << 30
@@ -125,10 +125,11 @@ class ContextBound:
     # (--max-len), our GPT's learned table takes more rows (--max-seq-len).
     beyond: str = "memtrain maxbatch --search seq-len --max-len N searches past them"
 
-    def capped_note(self, length: int, past: Optional[PastBound] = None) -> str:
+    def capped_note(self, length: int, past: Optional[PastBound] = None, peak: Optional[float] = None) -> str:
         """Why a search that found ``length`` == its bound stopped there. ``past``: the probe of
         the next length past the bound (:func:`past_the_bound`), which says whether the memory
-        would have stopped it too; None where it could not be probed (then only the bound is said)."""
+        would have stopped it too; None where it could not be probed (then only the bound is said).
+        ``peak``: ``length``'s need, to say so where the length past the bound needs less."""
         positions = self.model_positions is not None and length == self.model_positions == self.max_len
         if past is None:
             return (f"the search stopped at the model's {length:,} positions; {self.beyond}" if positions else
@@ -136,11 +137,12 @@ class ContextBound:
         nxt, need, fits = past
         if fits:
             assert need is not None  # fitting takes a peak
+            less = less_need_clause(length, peak, need)
             if positions:
                 return (f"{length:,} is the model's position count, not the memory's limit: {nxt:,} fits too "
-                        f"({size_text(need)}); {self.beyond}")
+                        f"({size_text(need)}{less}); {self.beyond}")
             return (f"{length:,} is the search's upper bound, not the memory's: raise --max-len to search further "
-                    f"({nxt:,} fits too: {size_text(need)})")
+                    f"({nxt:,} fits too: {size_text(need)}{less})")
         over = "runs out of device memory" if need is None else f"does not fit ({size_text(need)})"
         what = "the model's position count" if positions else "the search's upper bound"
         return f"{length:,} is {what} and the memory's limit too: {nxt:,} {over}"
@@ -261,7 +263,8 @@ def longest_context(need: Callable[[RunConfig], float], cfg: RunConfig, budget_b
                     multiple_of: Optional[int] = None, max_len: Optional[int] = None) -> dict[str, Any]:
     """The longest sequence length (a multiple of :func:`length_multiple`, at most the bound of
     :func:`context_bound`) whose step at micro-batch ``batch`` needs at most ``budget_bytes``
-    (``need`` of the config at that length), by the grow-then-bisect of :func:`largest_fitting`.
+    (``need`` of the config at that length), by the grow-then-bisect of :func:`largest_fitting`,
+    then :func:`climb_past_dips` (the caching-allocator model's need is not monotone in the length).
 
     The ``longest_context`` entry of ``estimate --json``'s ``fit`` and of ``plan --json``:
     ``seq_len`` (None: not even the shortest length fits), its ``peak_bytes``, the next length
@@ -281,18 +284,31 @@ def longest_context(need: Callable[[RunConfig], float], cfg: RunConfig, budget_b
     def fits(k: int) -> bool:
         return need_at(k) <= budget_bytes
 
-    found = largest_fitting(fits, cap) if fits(1) else None
+    # The caching-allocator model's device total is not monotone in the length (its 2 MiB segment
+    # rounding, best fit and the 1 MiB / 10 MiB pool thresholds): Llama-3-8B LoRA on an RTX 4090
+    # needs less at 8,256 tokens than at 8,128. Look past the bisection, as the batch search does.
+    found = climb_past_dips(fits, largest_fitting(fits, cap), cap) if fits(1) else None
     nxt = None if found is None else (found + 1 if found < cap else None)
     past = past_the_bound(cfg, bound, step, batch, need, lambda p: p is not None and p <= budget_bytes) \
         if found == cap else None
+    capped_note = bound.capped_note(found * step, past, need_at(found)) if found == cap else None
     return {"batch_size": batch, "seq_len": None if found is None else found * step,
             "peak_bytes": None if found is None else int(round(need_at(found))),
             "next_seq_len": None if nxt is None else nxt * step,
             "next_peak_bytes": None if nxt is None else int(round(need_at(nxt))),
             "shortest_peak_bytes": int(round(need_at(1))), "capped": found == cap,
             "multiple_of": step, "max_len": bound.max_len, "note": bound.note,
-            "capped_note": bound.capped_note(found * step, past) if found == cap else None,
+            "capped_note": capped_note,
             "past_fits": None if past is None else past[2]}
+
+
+def less_need_clause(length: int, peak: Optional[float], past_need: float) -> str:
+    """Where the length past a search's bound needs ``past_need``, less than ``length``'s ``peak``:
+    a clause saying that a longer context needing less is the need's shape, not a slip ("" otherwise)."""
+    if peak is None or past_need >= peak:
+        return ""
+    return (f"; less than {length:,}'s {size_text(peak)}: the caching-allocator model's need is not monotone in "
+            "the length, its segments rounded to 2 MiB and reused best-fit")
 
 
 def longer_fits_mark(capped: bool, past_fits: Optional[bool]) -> str:

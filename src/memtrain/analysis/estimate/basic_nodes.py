@@ -38,11 +38,14 @@ def dropout(nodes: list[Node], dm: Dims, name: str, x: str, out: str, numel: flo
                        made_before_save=() if dm.cuda else (mask,)))
 
 
-def norm_stats_bytes(dm: Dims, layer: bool) -> float:
-    """Bytes of a norm's saved statistics: LayerNorm's mean and rstd per token, RMSNorm's rstd.
-    The CPU LayerNorm kernel makes them in its input's dtype where the weights share it (bf16-pure:
-    2 bytes; +1.4% forward over the trace at 4 bytes, 7 layers of width 12), float32 otherwise
-    (autocast runs it in float32) and on CUDA."""
+def norm_stats(dm: Dims, layer: bool, name: str) -> list[tuple[str, float]]:
+    """A norm's saved statistics, one (key, bytes) per tensor: LayerNorm's mean and rstd per token
+    (``name.mean``, ``name.rstd``), RMSNorm's rstd. Two tensors, not one of twice the size: each
+    meets --offload-activations' size floor on its own (between 128 and 255 float32 tokens neither
+    does, and both stay on the device). The CPU LayerNorm kernel makes them in its input's dtype
+    where the weights share it (bf16-pure: 2 bytes; +1.4% forward over the trace at 4 bytes, 7
+    layers of width 12), float32 otherwise (autocast runs it in float32) and on CUDA."""
     if not layer:
-        return dm.n * 4
-    return 2 * dm.n * (4 if dm.cuda else dm.r)
+        return [(f"{name}.rstd", dm.n * 4)]
+    per = dm.n * (4 if dm.cuda else dm.r)
+    return [(f"{name}.mean", per), (f"{name}.rstd", per)]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Optional
 
 from memtrain.analysis.estimate.attention_nodes import attention_nodes, float32_weights_dropped, resolve_backend
-from memtrain.analysis.estimate.basic_nodes import dropout, norm_stats_bytes
+from memtrain.analysis.estimate.basic_nodes import dropout, norm_stats
 from memtrain.analysis.estimate.dims import Dims
 from memtrain.analysis.estimate.hf_nodes import (
     gelu_new_nodes,
@@ -72,8 +72,9 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
         if trainable_base and layer and dm.bias:
             pg.append((f"param:{name}.bias", 0.0))
         recorded = src_grad or trainable_base
-        nodes.append(Node(name, out=[(out, N * d * r), (f"{name}.stats", norm_stats_bytes(dm, layer))],
-                           inputs=[src], saves=[src, f"{name}.stats"] if recorded else [], grad_out=(out,),
+        stats = norm_stats(dm, layer, name)
+        nodes.append(Node(name, out=[(out, N * d * r), *stats],
+                           inputs=[src], saves=[src, *(k for k, _ in stats)] if recorded else [], grad_out=(out,),
                            grads=[(src, N * d * r)] + pg if recorded else []))
 
     def lin(short: str, name: str, src: str, out: str, n_in: int, n_out: int, src_bytes: float, src_grad: bool,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from memtrain.analysis.estimate.basic_nodes import norm_stats_bytes
+from memtrain.analysis.estimate.basic_nodes import norm_stats
 from memtrain.analysis.estimate.dims import Dims
 from memtrain.analysis.estimate.embedding_nodes import TARGETS, layer_args
 from memtrain.analysis.estimate.hf_nodes import hf_norm_node
@@ -41,8 +41,9 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
     pg = [("param:ln_f.weight", 0.0)] if trainable else []
     if trainable and layer and dm.bias:
         pg.append(("param:ln_f.bias", 0.0))
-    nodes = [Node("ln_f", out=[("hf", N * d * r), ("ln_f.stats", norm_stats_bytes(dm, layer))], inputs=[x],
-                   saves=[x, "ln_f.stats"], grad_out=("hf",), grads=[(x, N * d * r)] + pg)]
+    stats = norm_stats(dm, layer, "ln_f")
+    nodes = [Node("ln_f", out=[("hf", N * d * r), *stats], inputs=[x],
+                   saves=[x, *(k for k, _ in stats)], grad_out=("hf",), grads=[(x, N * d * r)] + pg)]
     if dm.hf and not layer:
         nodes = [hf_norm_node(dm, "ln_f", x, "hf", trainable, offset=arch.norm_offset)]
     # The loss's ``targets.reshape(-1)`` (our GPT's forward and memtrain's transformers wrapper,
