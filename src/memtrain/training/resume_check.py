@@ -16,6 +16,7 @@ from typing import Any, Iterable, Optional
 
 from memtrain.config.run import ConfigError, RunConfig, build_config, field_index, flatten
 from memtrain.files import results
+from memtrain.files.guard import special_file_kind
 from memtrain.files.json_file import NOT_A_FILE, TOO_BIG, JsonFileProblem, read_json_file
 from memtrain.files.results import RESULT_NAME
 from memtrain.models.identity import identity_differences, model_config_identity
@@ -79,7 +80,9 @@ def saved_state(path: str | Path) -> dict[str, Any]:
         except Exception as exc:  # truncated, foreign, or holding more than plain data
             raise unreadable_checkpoint(p, exc) from None
     else:
-        raise ConfigError(f"checkpoint {str(p)!r} not found; check --resume")
+        kind = special_file_kind(p)  # a FIFO (never opened: it would block), a device: named, not "not found"
+        found = "not found" if kind is None else f"is {kind}, not a file"
+        raise ConfigError(f"checkpoint {str(p)!r} {found}; check --resume")
     if not isinstance(state, dict) or not isinstance(state.get("config"), dict) or not isinstance(state.get("step"), int):
         raise ConfigError(f"checkpoint {str(p)!r} holds no run config or step; it was not written by this memtrain version")
     # A negative step, else check_resume, comparing it with this run's end, asks for another --stop-after.
