@@ -47,7 +47,13 @@ from memtrain.techniques.optim import check_optimizer_installed
 from memtrain.training.nudge import nudge_weights
 from memtrain.training.preflight import check_destinations, check_vocab
 from memtrain.training.readings import StepReadings
-from memtrain.training.resume_check import check_resume, continue_longer, saved_run, unchecked_data_warning
+from memtrain.training.resume_check import (
+    check_resume,
+    continue_longer,
+    resuming_line,
+    saved_run,
+    unchecked_data_warning,
+)
 from memtrain.training.sinks import MetricsLogger, live_memory
 from memtrain.training.size_check import check_model_size
 from memtrain.training.step import (
@@ -186,7 +192,7 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
             stretched = continue_longer(cfg) is not None
             # A checkpoint of another run is refused before tokenizing, and before its own --out
             # and --save are compared (a changed flag is then said as a resume's difference).
-            check_resume(cfg)
+            resumed_at = check_resume(cfg)
             # Never a run that cannot write its result, nor one that would overwrite another's. A
             # folder a running run holds is said as in use (a launcher's ranks write under its lock).
             if lock_out and dist_ctx.is_main and not launched:
@@ -200,6 +206,8 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
                 if cfg.train.save:
                     held.enter_context(file_lock(Path(cfg.train.save), "memtrain train", "--save"))
                 remove_stale_writes(cfg)
+        if log_metrics and dist_ctx.is_main and resumed_at is not None:  # the train command: its log says where it picked up
+            print(resuming_line(cfg, resumed_at), flush=True)
         # After the agreement: the holder (rank 0 or the launcher) has the lock file by now.
         if lock_out and dist_ctx.enabled and (launched or not dist_ctx.is_main):
             register_writer(Path(cfg.train.out), f"memtrain train rank {dist_ctx.rank}")
