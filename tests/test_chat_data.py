@@ -192,6 +192,31 @@ def test_record_formats_refuse_what_they_cannot_read(tmp_path, capsys, flags, sa
     assert err.count("\n") == 1 and says in err, err
 
 
+def test_a_file_mixing_chat_and_prompt_completion_records_names_both_under_auto(tmp_path, capsys):
+    """A file of chat and prompt-completion records under --data-format auto was refused saying only
+    that record 4's 'messages' was no list of messages (the file's columns give each record every
+    field, None where it has none). The line names both formats and the first record of each, in
+    either order; a file of one format still reads, a prompt-completion file beside a chat file too."""
+    model = _chat_folder(tmp_path / "qwen2", CHATML)
+    chats = [{"messages": c} for c in CONVERSATIONS[:3]]
+    pairs = [{"prompt": c[:-1], "completion": c[-1:]} for c in CONVERSATIONS[3:6]]
+    for name, records, first, then in (("cp", chats + pairs, ("chat", 1), ("prompt-completion", 4)),
+                                       ("pc", pairs[:2] + chats, ("prompt-completion", 1), ("chat", 3))):
+        data = _records(tmp_path / f"{name}.jsonl", records)
+        assert main(["train", "--model", str(model), "--data", str(data), "--data-format", "auto", "--seq-len", "32",
+                     "--steps", "1", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        assert (f"--data-format auto found {first[0]} records (the first: record {first[1]}) and {then[0]} records "
+                f"(the first: record {then[1]}) in '{data}'") in err, err
+    apart = tmp_path / "apart"
+    apart.mkdir()
+    _records(apart / "a.jsonl", chats)
+    _records(apart / "b.jsonl", pairs)
+    splits, _ = _tokens(tmp_path, apart, model, data_format="auto")
+    assert splits.n_train_docs + splits.n_val_docs == len(chats) + len(pairs)
+
+
 def test_a_record_the_template_or_the_format_cannot_read_is_named(tmp_path):
     from memtrain.config.run import ConfigError
 

@@ -407,6 +407,21 @@ def test_a_fifo_given_as_data_or_checkpoint_is_named_as_one(tmp_path: Path, caps
     _assert_one_error_line(code, err, "absent.pt' not found")
 
 
+def test_a_fifo_or_device_given_to_resume_is_named_as_one(tmp_path: Path, capsys) -> None:
+    """`train --resume` of a FIFO or a device (/dev/zero) said "not found; check --resume", though
+    the path exists; it says what the path is, as --data and generate's checkpoint do, and opens
+    neither (a FIFO would block)."""
+    fifo = tmp_path / "pipe.pt"
+    os.mkfifo(fifo)
+    for ckpt, kind in ((fifo, "a FIFO"), (Path("/dev/zero"), "a character device")):
+        code, err = _code_and_err(["train", "--resume", str(ckpt), "--steps", "1", "--out", str(tmp_path / "o")],
+                                  capsys)
+        _assert_one_error_line(code, err, f"checkpoint '{ckpt}' is {kind}, not a file; check --resume")
+    code, err = _code_and_err(["train", "--resume", str(tmp_path / "absent.pt"), "--out", str(tmp_path / "o")], capsys)
+    _assert_one_error_line(code, err, "absent.pt' not found; check --resume")
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_fifo_or_device_as_config_or_results_is_named_as_one(tmp_path: Path, capsys) -> None:
     """--config, `report DIR`'s and `plan --results DIR`'s results.jsonl that exist as a FIFO or a
     device (a link to /dev/zero) said "not found; check the --config path", though the path is

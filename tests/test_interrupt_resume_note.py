@@ -58,3 +58,20 @@ def test_a_finished_run_names_the_checkpoint_it_wrote(tmp_path, capsys):
     assert printed[-2].startswith(f"wrote {ckpt} ")
     assert main([*RUN, "--out", str(tmp_path / "n")]) == 0
     assert not any(line.startswith("wrote ") and ".pt" in line for line in capsys.readouterr().out.splitlines())
+
+
+def test_a_resumed_run_says_at_which_step_it_resumes(tmp_path, monkeypatch, capsys):
+    """A resumed run said nothing of where it picked up: its log showed only the final "steps 4"
+    summary. It starts with one line naming the saved step, the run's end and the checkpoint; the
+    summary and the last line are unchanged."""
+    _interrupt_after_step(monkeypatch, 3)
+    out, ckpt = tmp_path / "r", tmp_path / "r" / "c.pt"
+    assert main([*RUN, "--out", str(out), "--save", str(ckpt), "--save-every", "2"]) == 130
+    assert "resuming" not in capsys.readouterr().out  # a fresh run resumes nothing
+    monkeypatch.undo()
+    assert main(["train", "--resume", str(ckpt), "--no-progress"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    said = [line for line in printed if line.startswith("resuming")]
+    assert said == [f"resuming at step 2 of 4 from {str(ckpt)!r}"], printed
+    assert printed.index(said[0]) < next(i for i, line in enumerate(printed) if line.startswith("steps 4 "))
+    assert printed[-1] == f"wrote {out / 'result.json'}"

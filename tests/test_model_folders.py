@@ -827,7 +827,7 @@ def test_a_model_type_that_is_no_name_is_one_line_naming_the_field(tmp_path, cap
 def test_a_config_json_past_16_mib_is_refused_from_its_size_on_every_verb(tokenizer_dir, corpus, tmp_path, capsys,
                                                                            name):
     """A model's config.json holds tens of kilobytes; one padded to 100 MB was parsed several times
-    over (a train took 360 MB more memory), up to the 256 MiB of a tokenizer.json. Past
+    over (a train took 360 MB more memory), up to the 256 MiB of any file read whole. Past
     16 MiB (a --config file's limit) it is refused from its size, unread, by every verb; a
     tokenizer.json of that size (Gemma's is 33 MB) is still read."""
     model = model_folder(tmp_path / "m", tokenizer_dir, weights=True)
@@ -842,7 +842,29 @@ def test_a_config_json_past_16_mib_is_refused_from_its_size_on_every_verb(tokeni
     assert not (tmp_path / "o").exists()
     from memtrain.models import source
 
-    assert source._read_whole_limit(model / "tokenizer.json") == source.MAX_READ_WHOLE_BYTES > 33 << 20
+    assert source._read_whole_limit(model / "tokenizer.json") == source.MAX_TOKENIZER_FILE_BYTES > 33 << 20
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "vocab.json", "merges.txt"])
+def test_a_tokenizer_file_past_64_mib_is_refused_from_its_size(tokenizer_dir, corpus, tmp_path, capsys, name):
+    """A tokenizer's files were bounded only by the 256 MiB of any file read whole, and parsing one
+    takes many times its size in memory, all spent before a vocabulary too large is refused. Past
+    64 MiB (about twice Gemma 3's 33 MB tokenizer.json) it is refused from its size, unread: one
+    line naming the file and the bound. A .json of that size no tokenizer reads (a
+    chat template list) keeps the 256 MiB bound."""
+    from memtrain.models import source
+
+    model = model_folder(tmp_path / "m", tokenizer_dir, weights=True)
+    with open(model / name, "ab") as f:
+        f.truncate((64 << 20) + 1)  # sparse: nothing is written
+    capsys.readouterr()
+    for argv in (_flags(model, corpus, tmp_path / "o"), ["estimate", "--model", str(model)]):
+        assert main(argv) == 2, argv
+        line = _one_error_line(capsys.readouterr().err)
+        assert f"{name!r} is larger than 67,108,864 bytes" in line, line
+    assert not (tmp_path / "o").exists()
+    assert source._read_whole_limit(model / "additional_chat_templates" / "tokenizer.json") == 256 << 20
+    assert source._read_whole_limit(model / "notes.json") == 256 << 20
 
 
 @pytest.mark.parametrize("factor", [0, -1, "x"])

@@ -503,7 +503,9 @@ class TrainConfig:
     )
     progress: Optional[bool] = _f(
         None, "Show a progress bar on stderr: --progress always, --no-progress never; unset, only when stderr "
-        "is a terminal (a captured stderr keeps an error: as its one line).")
+        "is a terminal (a captured stderr keeps an error: as its one line). Unset, train writes a plain line "
+        "to a stderr that is a file or pipe once a phase (tokenizing, training) has run 5 s, then at most "
+        "every 30 s.")
     report_to: str = _f(
         "none",
         "Where live metrics go besides OUT/metrics.jsonl (always written by train): "

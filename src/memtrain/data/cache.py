@@ -41,7 +41,7 @@ from memtrain.data.tokenizer import (
 )
 from memtrain.files.guard import regular_file_problem
 from memtrain.files.json_file import read_json_file
-from memtrain.runtime.notices import shows_progress
+from memtrain.runtime.notices import ProgressLines, shows_progress
 
 # Bump when the on-disk layout or the way documents are rendered changes.
 FORMAT_VERSION = 1
@@ -78,11 +78,13 @@ class TokenSplits:
     val_mask: Optional[np.ndarray] = None
 
 
-def prepare_tokens(cfg: DataConfig, progress: Optional[bool] = None, tokenizer: Any = None) -> TokenSplits:
+def prepare_tokens(cfg: DataConfig, progress: Optional[bool] = None, tokenizer: Any = None,
+                   lines: bool = False) -> TokenSplits:
     """Tokens of ``cfg.data``, split by document; read from the cache when an entry exists.
 
     ``cfg.no_cache`` tokenizes again and replaces the entry. ``progress`` shows a tqdm bar
-    (documents, tokens/s) on stderr while tokenizing (None: only on a terminal). ``tokenizer`` (None: GPT-2 BPE) is a
+    (documents, tokens/s) on stderr while tokenizing (None: only on a terminal); ``lines``, where
+    no bar is drawn, a plain line now and then (:class:`memtrain.runtime.notices.ProgressLines`). ``tokenizer`` (None: GPT-2 BPE) is a
     model's own tokenizer (memtrain.models.tokenizer.HFTokenizer: ``name``, ``n_vocab``,
     ``eot_id``, ``encode_batch``); ids that do not fit uint16 are stored as uint32.
     """
@@ -99,9 +101,9 @@ def prepare_tokens(cfg: DataConfig, progress: Optional[bool] = None, tokenizer: 
         _clean_stale_tmp(root)
         tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-", dir=root))
     except OSError as exc:
-        return _tokenize_uncached(cfg, root, exc, progress, tokenizer)
+        return _tokenize_uncached(cfg, root, exc, progress, tokenizer, lines)
     try:
-        meta = _write_tokens(cfg, tmp, progress, tokenizer)
+        meta = _write_tokens(cfg, tmp, progress, tokenizer, lines)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))  # written last: marks a complete entry
         _publish(tmp, final)
     except OSError as exc:
@@ -115,7 +117,7 @@ def prepare_tokens(cfg: DataConfig, progress: Optional[bool] = None, tokenizer: 
         # The cache's disk filled (or failed) while the entry was written: the cache only saves
         # time, so the run goes on as with an unwritable cache (the folder is cleaned first).
         shutil.rmtree(tmp, ignore_errors=True)
-        return _tokenize_uncached(cfg, root, exc, progress, tokenizer)
+        return _tokenize_uncached(cfg, root, exc, progress, tokenizer, lines)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone after a successful rename; cleans up after a failure
     splits = _load_entry(final, from_cache=False)
@@ -128,7 +130,8 @@ def prepare_tokens(cfg: DataConfig, progress: Optional[bool] = None, tokenizer: 
     return splits
 
 
-def _tokenize_uncached(cfg: DataConfig, root: Path, exc: OSError, progress: Optional[bool], tokenizer: Any) -> TokenSplits:
+def _tokenize_uncached(cfg: DataConfig, root: Path, exc: OSError, progress: Optional[bool], tokenizer: Any,
+                       lines: bool = False) -> TokenSplits:
     """Tokenize into a private temporary folder when the cache cannot be written (read-only
     file system, a file in the way, no permission): the run goes on, only slower next time.
     ``tokenizer`` is the same one a cached entry would be built with (None: GPT-2 BPE), so the
@@ -140,7 +143,7 @@ def _tokenize_uncached(cfg: DataConfig, root: Path, exc: OSError, progress: Opti
           "tokenizing without a cache (set MEMTRAIN_CACHE to a writable folder)", file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix="memtrain-tokens-"))
     try:
-        meta = _write_tokens(cfg, tmp, progress, tokenizer)
+        meta = _write_tokens(cfg, tmp, progress, tokenizer, lines)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         splits = _load_entry(tmp, from_cache=False)
     finally:
@@ -226,7 +229,8 @@ def _token_dtype(n_vocab: int) -> np.dtype:
     return np.dtype(TOKEN_DTYPE) if n_vocab <= np.iinfo(TOKEN_DTYPE).max + 1 else np.dtype(np.uint32)
 
 
-def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenizer: Any = None) -> dict[str, Any]:
+def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenizer: Any = None,
+                  lines: bool = False) -> dict[str, Any]:
     """Tokenize the source into ``out/train.bin`` and ``out/val.bin``; return the metadata."""
     rng = np.random.default_rng(cfg.split_seed)
     threads = default_threads()
@@ -247,9 +251,11 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenize
         masked = cfg.loss_on == "completion"
         mask_files = {s: stack.enter_context(open(out / f"{s}.mask", "wb")) for s in SPLITS} if masked else {}
         targets = {s: 0 for s in SPLITS}
+        drawn = shows_progress(progress)
         bar = stack.enter_context(
-            tqdm(total=cfg.max_documents, unit="doc", desc="tokenizing", disable=not shows_progress(progress), dynamic_ncols=True)
+            tqdm(total=cfg.max_documents, unit="doc", desc="tokenizing", disable=not drawn, dynamic_ncols=True)
         )
+        said = ProgressLines("tokenizing", lines and not drawn, total=cfg.max_documents, unit="documents")
         for batch in _batched(_documents(cfg, tokenizer), BATCH_DOCS, BATCH_CHARS):
             is_val = assign_validation(rng, len(batch), cfg.val_fraction)
             t0 = time.perf_counter()
@@ -273,7 +279,10 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenize
                 docs[split] += int(chosen.sum())
                 tokens[split] += len(ids)
             bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{sum(tokens.values()) / max(encode_s, 1e-9):,.0f}", refresh=False)
+            tokens_per_s = f"{sum(tokens.values()) / max(encode_s, 1e-9):,.0f}"
+            bar.set_postfix(tok_s=tokens_per_s, refresh=False)
+            said.update(said.done + len(batch), f"{tokens_per_s} tokens/s")
+        said.close()
     _refuse_changed_source(cfg, started)
     return {
         "format_version": FORMAT_VERSION,

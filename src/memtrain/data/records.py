@@ -82,6 +82,27 @@ def record_kind(record: dict[str, Any]) -> str:
     return "text"
 
 
+def filled_kind(record: dict[str, Any]) -> Optional[str]:
+    """``chat`` or ``prompt-completion`` by the fields that hold a value, else None. A JSON file
+    read through ``datasets`` gives every record every column of the file, None where a record
+    lacks it: a prompt-completion record of a file that also holds chat records has a
+    ``messages`` of None, which :func:`record_kind` takes for a chat record."""
+    if any(record.get(f) is not None for f in CHAT_FIELDS):
+        return "chat"
+    if all(record.get(f) is not None for f in PROMPT_FIELDS):
+        return "prompt-completion"
+    return None
+
+
+def mixed_formats(label: str, first: tuple[str, int], other: tuple[str, int]) -> ConfigError:
+    """The refusal of a file that holds records of two formats under --data-format auto, naming
+    both and where each starts (it said only that a record's 'messages' was no list of messages)."""
+    (kind_a, at_a), (kind_b, at_b) = first, other
+    return ConfigError(f"--data-format auto found {kind_a} records (the first: record {at_a}) and {kind_b} records (the "
+                       f"first: record {at_b}) in {label!r}; one file holds one format: split it into a file per format "
+                       "or write every record in one of them")
+
+
 def no_template_reason(tokenizer: Optional[ChatTokenizer]) -> Optional[str]:
     """Why ``tokenizer`` cannot render a conversation (None: it can)."""
     if tokenizer is None:
@@ -106,8 +127,17 @@ def make_renderer(fmt: str, tokenizer: Optional[ChatTokenizer], answers: bool = 
     record that is plain text under ``auto`` (the caller reads its text field). ``answers``
     (``--loss-on completion``): each document carries its answers' character spans."""
 
+    first_kind: dict[str, tuple[str, int]] = {}  # under auto: each file's first format and its record
+
     def render(record: dict[str, Any], index: int, label: str) -> Optional[str]:
-        kind = record_kind(record) if fmt == "auto" else fmt
+        kind = fmt
+        if fmt == "auto":
+            filled = filled_kind(record)
+            kind = filled or record_kind(record)  # no format filled: record_kind's reading says what is wrong
+            if filled is not None:
+                seen = first_kind.setdefault(label, (filled, index))
+                if seen[0] != filled:
+                    raise mixed_formats(label, seen, (filled, index))
         if kind == "text":
             return None
         where = f"record {index} of {label!r}"

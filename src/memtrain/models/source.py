@@ -48,6 +48,10 @@ READ_SUBFOLDERS = ("additional_chat_templates",)
 # (a sparse file) took 73 s and 16 GB of memory before its refusal, where the machine had that much.
 READ_WHOLE_SUFFIXES = (".json", ".txt", ".model", ".jinja")
 MAX_READ_WHOLE_BYTES = 256 << 20
+# A tokenizer's own files (TOKENIZER_ID_FILES) have a lower bound: parsing one takes many times
+# its size in memory, all of it spent before a vocabulary too large is refused. Real models'
+# stay well under it: Gemma 3's tokenizer.json is about 33 MB, Llama 3's about 9 MB, Qwen's 7 MB.
+MAX_TOKENIZER_FILE_BYTES = 64 << 20
 
 
 def bundled_names() -> list[str]:
@@ -245,6 +249,8 @@ def check_model_folder(folder: Path, spec: str) -> None:
 def _read_whole_limit(entry: Path) -> Optional[int]:
     if entry.name in CONFIG_FILES and entry.parent.name not in READ_SUBFOLDERS:
         return min(MAX_CONFIG_JSON_BYTES, MAX_READ_WHOLE_BYTES)
+    if entry.name in TOKENIZER_ID_FILES and entry.parent.name not in READ_SUBFOLDERS:
+        return min(MAX_TOKENIZER_FILE_BYTES, MAX_READ_WHOLE_BYTES)
     return MAX_READ_WHOLE_BYTES if entry.suffix.lower() in READ_WHOLE_SUFFIXES else None
 
 

@@ -4,16 +4,18 @@ loads anything heavy, and the torch-free plan can ask about its bar)."""
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 # Defined in memtrain.errors (a leaf): models.auto_config warns with ConfigFieldWarning, and this
 # module's random_base_warning reads models.spec, so a home here would close an import circle.
 from memtrain.errors import ConfigFieldWarning, NoticeWarning
 
 __all__ = ["ConfigFieldWarning", "NoticeWarning", "PartOfARecordWarning", "QLoRASkipWarning", "SlowPrecisionWarning", "install_warning_format", "random_base_warning",
-           "shows_progress"]
+           "ProgressLines", "shows_lines", "shows_progress"]
 
 
 def shows_progress(requested: Optional[bool] = None) -> bool:
@@ -27,6 +29,70 @@ def shows_progress(requested: Optional[bool] = None) -> bool:
         return bool(sys.stderr.isatty())
     except (AttributeError, ValueError):  # no stderr (None under pythonw), or a closed one
         return False
+
+
+def shows_lines(requested: Optional[bool] = None) -> bool:
+    """Whether plain progress lines (:class:`ProgressLines`) take the place of a bar: progress
+    neither asked for nor refused (--progress / --no-progress unset) and stderr a file or a pipe,
+    a log, not a terminal. A stream without a file descriptor (an in-process capture) is no log."""
+    if requested is not None:
+        return False
+    try:
+        return not os.isatty(sys.stderr.fileno())
+    except (AttributeError, ValueError, OSError):  # no stderr, a closed one, or one with no descriptor
+        return False
+
+
+def _now() -> float:
+    """The clock :class:`ProgressLines` reads (looked up at each use, so a test can set a fake one)."""
+    return time.monotonic()
+
+
+class ProgressLines:
+    """Plain progress lines on a stderr that is no terminal, where no bar is drawn (a piped or
+    nohup'd run printed nothing for ~25 s while it tokenized and trained, so its log showed no
+    life). Nothing before ``first_after`` seconds of the phase (a quick run or a refusal stays
+    silent: an ``error:`` line stays the one line a script reads), then one line at most every
+    ``every`` seconds, and a closing line once any was written. Lines go to stderr: stdout's
+    last line is what scripts parse. ``clock`` is injectable so a test need not wait."""
+
+    def __init__(self, what: str, enabled: bool, total: Optional[int] = None, unit: str = "",
+                 clock: Optional[Callable[[], float]] = None, first_after: float = 5.0, every: float = 30.0) -> None:
+        self.what, self.enabled, self.total, self.unit = what, enabled, total, unit
+        self.clock, self.first_after, self.every = clock or _now, first_after, every
+        self.start = self.clock() if enabled else 0.0
+        self.last: Optional[float] = None  # when the last line was written
+        self.done = 0
+
+    def _counted(self) -> str:
+        of = f"/{self.total:,}" if self.total is not None else ""
+        return f"{self.unit} {self.done:,}{of}" if self.unit == "step" else f"{self.done:,}{of} {self.unit}".rstrip()
+
+    def update(self, done: int, detail: str = "") -> None:
+        """``done`` units so far (a count, not an increment); a line when one is due."""
+        self.done = done
+        if not self.enabled:
+            return
+        now = self.clock()
+        if now - self.start < self.first_after or (self.last is not None and now - self.last < self.every):
+            return
+        self.last = now
+        extra = f", {detail}" if detail else ""
+        self._write(f"{self.what}: {self._counted()} ({now - self.start:,.0f} s{extra})")
+
+    def close(self) -> None:
+        """A line saying the phase ended, where a line said it was going on."""
+        if self.enabled and self.last is not None:
+            self._write(f"{self.what}: done, {self._counted()} in {self.clock() - self.start:,.0f} s")
+            self.last = None
+
+    @staticmethod
+    def _write(line: str) -> None:
+        try:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+        except (AttributeError, ValueError, OSError):  # no stderr, a closed one or a gone pipe: progress is no reason to fail
+            pass
 
 
 class SlowPrecisionWarning(NoticeWarning):

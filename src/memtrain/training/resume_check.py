@@ -16,6 +16,7 @@ from typing import Any, Iterable, Optional
 
 from memtrain.config.run import ConfigError, RunConfig, build_config, field_index, flatten
 from memtrain.files import results
+from memtrain.files.guard import special_file_kind
 from memtrain.files.json_file import NOT_A_FILE, TOO_BIG, JsonFileProblem, read_json_file
 from memtrain.files.results import RESULT_NAME
 from memtrain.models.identity import identity_differences, model_config_identity
@@ -79,7 +80,9 @@ def saved_state(path: str | Path) -> dict[str, Any]:
         except Exception as exc:  # truncated, foreign, or holding more than plain data
             raise unreadable_checkpoint(p, exc) from None
     else:
-        raise ConfigError(f"checkpoint {str(p)!r} not found; check --resume")
+        kind = special_file_kind(p)  # a FIFO (never opened: it would block), a device: named, not "not found"
+        found = "not found" if kind is None else f"is {kind}, not a file"
+        raise ConfigError(f"checkpoint {str(p)!r} {found}; check --resume")
     if not isinstance(state, dict) or not isinstance(state.get("config"), dict) or not isinstance(state.get("step"), int):
         raise ConfigError(f"checkpoint {str(p)!r} holds no run config or step; it was not written by this memtrain version")
     # A negative step, else check_resume, comparing it with this run's end, asks for another --stop-after.
@@ -272,15 +275,25 @@ def continue_longer(cfg: RunConfig) -> Optional[str]:
     return f"{head}: the {t.schedule} schedule now spans {t.steps} steps, so the LR at step {step} moves from {was:.3g} to {now:.3g}"
 
 
+def resuming_line(cfg: RunConfig, step: int) -> str:
+    """The line a resumed run starts with: the step it continues from, the step it ends at, and
+    the checkpoint, so that a log says where the run picked up (the summary's "steps N" gives
+    only where it ended)."""
+    t = cfg.train
+    end = f"{t.steps}" if t.stop_after is None else f"{t.steps} (stopping after step {t.stop_after})"
+    return f"resuming at step {step} of {end} from {str(t.resume)!r}"  # repr: a newline in the path stays one line
+
+
 def shown_differences(diffs: list[str], most: int) -> str:
     """The first ``most`` of :func:`config_differences`' lines, and how many more there are."""
     return "; ".join(diffs[:most]) + (f"; and {len(diffs) - most} more" if len(diffs) > most else "")
 
 
-def check_resume(cfg: RunConfig) -> None:
-    """Refuse ``--resume`` of a checkpoint from a different run (see the module docstring)."""
+def check_resume(cfg: RunConfig) -> Optional[int]:
+    """Refuse ``--resume`` of a checkpoint from a different run (see the module docstring).
+    Returns the step the checkpoint resumes at (None without ``--resume``)."""
     if not cfg.train.resume:
-        return
+        return None
     saved, step, fingerprint = saved_run(cfg.train.resume)
     model_as = resumed_model_as(cfg, saved)
     diffs = differences_from_this_run(saved, cfg, model_as=model_as)
@@ -303,6 +316,7 @@ def check_resume(cfg: RunConfig) -> None:
         raise ConfigError(f"--resume {cfg.train.resume!r} is at step {step}, this run ends at step {end}{held}; {more}")
     if not moved:  # a moved file's content was compared above already
         check_resume_data(cfg, fingerprint)
+    return step
 
 
 def saved_model_config(path: str | Path) -> Optional[dict[str, Any]]:

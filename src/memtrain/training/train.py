@@ -41,13 +41,19 @@ from memtrain.metrics.state import ShardedStateBytes
 from memtrain.models.families import data_tokenizer
 from memtrain.models.identity import model_config_identity
 from memtrain.runtime.env import environment, resolve_device, seed_everything
-from memtrain.runtime.notices import QLoRASkipWarning, shows_progress
+from memtrain.runtime.notices import ProgressLines, QLoRASkipWarning, shows_lines, shows_progress
 from memtrain.techniques import Precision, make_precision
 from memtrain.techniques.optim import check_optimizer_installed
 from memtrain.training.nudge import nudge_weights
 from memtrain.training.preflight import check_destinations, check_vocab
 from memtrain.training.readings import StepReadings
-from memtrain.training.resume_check import check_resume, continue_longer, saved_run, unchecked_data_warning
+from memtrain.training.resume_check import (
+    check_resume,
+    continue_longer,
+    resuming_line,
+    saved_run,
+    unchecked_data_warning,
+)
 from memtrain.training.sinks import MetricsLogger, live_memory
 from memtrain.training.size_check import check_model_size
 from memtrain.training.step import (
@@ -105,25 +111,32 @@ def target_count(y: torch.Tensor) -> int:
 
 @dataclass
 class _Progress:
-    """A tqdm bar that is silent when disabled."""
+    """A tqdm bar that is silent when disabled; with ``plain`` (no bar: stderr is no terminal),
+    a plain line now and then instead (:class:`memtrain.runtime.notices.ProgressLines`)."""
 
     total: int
     initial: int
     enabled: bool
+    plain: bool = False
     bar: Any = field(default=None)
+    lines: Any = field(default=None)
 
     def __post_init__(self) -> None:
         if self.enabled:
             self.bar = tqdm(total=self.total, initial=self.initial, desc="train", unit="step", dynamic_ncols=True)
+        self.lines = ProgressLines("train", self.plain and not self.enabled, total=self.total, unit="step")
+        self.lines.done = self.initial
 
     def update(self, loss: float, tokens_per_s: float) -> None:
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
             self.bar.update(1)
+        self.lines.update(self.lines.done + 1, f"loss {loss:.3f}, {tokens_per_s:,.0f} tokens/s")
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+        self.lines.close()
 
 
 def _flops_per_rank_step(cfg: RunConfig, n_params: int, rule_dropped_params: Optional[int] = None) -> tuple[float, str]:
@@ -186,7 +199,7 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
             stretched = continue_longer(cfg) is not None
             # A checkpoint of another run is refused before tokenizing, and before its own --out
             # and --save are compared (a changed flag is then said as a resume's difference).
-            check_resume(cfg)
+            resumed_at = check_resume(cfg)
             # Never a run that cannot write its result, nor one that would overwrite another's. A
             # folder a running run holds is said as in use (a launcher's ranks write under its lock).
             if lock_out and dist_ctx.is_main and not launched:
@@ -200,6 +213,8 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
                 if cfg.train.save:
                     held.enter_context(file_lock(Path(cfg.train.save), "memtrain train", "--save"))
                 remove_stale_writes(cfg)
+        if log_metrics and dist_ctx.is_main and resumed_at is not None:  # the train command: its log says where it picked up
+            print(resuming_line(cfg, resumed_at), flush=True)
         # After the agreement: the holder (rank 0 or the launcher) has the lock file by now.
         if lock_out and dist_ctx.enabled and (launched or not dist_ctx.is_main):
             register_writer(Path(cfg.train.out), f"memtrain train rank {dist_ctx.rank}")
@@ -254,7 +269,10 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
            log_metrics: bool = False, on_step: Optional[StepCallback] = None,
            stretched: bool = False) -> dict[str, Any]:
     t = cfg.train
-    show = shows_progress(t.progress if progress is None else progress) and dist_ctx.is_main
+    requested = t.progress if progress is None else progress
+    show = shows_progress(requested) and dist_ctx.is_main
+    # The train command, unasked and writing stderr to a log: plain lines, so the log shows life.
+    plain = log_metrics and dist_ctx.is_main and not show and shows_lines(requested)
     device = dist_ctx.device
     seed_everything(t.seed)
     # Distributed runs save a sharded checkpoint directory (torch.distributed.checkpoint).
@@ -294,7 +312,7 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     state.data_fingerprint = data_fingerprint(cfg.data)
     state.model_config = model_config_identity(cfg.model.model)  # saved in checkpoints, checked by --resume
     with dist_ctx.main_first():  # rank 0 fills the token cache, the other ranks then read it
-        splits = prepare_tokens(cfg.data, progress=show, tokenizer=data_tokenizer(cfg))
+        splits = prepare_tokens(cfg.data, progress=show, tokenizer=data_tokenizer(cfg), lines=plain)
     check_split_documents(splits, cfg.data)
     # The next step's batches are fetched while this one runs, on a GPU (memtrain.data.device_feed).
     state.loader = DeviceFeed(make_train_loader(
@@ -331,7 +349,7 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     loop = _Loop(state, timer, meter, logger, save_ckpt, val_batches, tokens_per_step, on_step,
                  dist_ctx.mean, overlap)
     wall_start = time.perf_counter()
-    bar = _Progress(total=end_step, initial=start_step, enabled=show)
+    bar = _Progress(total=end_step, initial=start_step, enabled=show, plain=plain)
     try:
         loop.run(start_step, end_step, bar)
     except BaseException:

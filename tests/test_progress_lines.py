@@ -1,0 +1,70 @@
+"""A run whose stderr is a log (a pipe, a file, nohup) and not a terminal drew no bar and wrote
+nothing for as long as it tokenized and trained (~25 s of silence): plain lines show it is alive,
+none in a quick run's first seconds, then at most one every 30 s, and one closing each phase that
+wrote any. Checked with a fake clock, not by waiting."""
+
+from __future__ import annotations
+
+from itertools import count
+
+import memtrain.runtime.notices as notices
+from memtrain.cli import main
+from memtrain.runtime.notices import ProgressLines
+from test_metrics_log import RUN
+
+
+def _clock(seconds: list[float]):
+    return lambda: seconds[0]
+
+
+def test_lines_wait_five_seconds_then_come_at_most_every_thirty(capsys):
+    now = [100.0]
+    lines = ProgressLines("train", True, total=200, unit="step", clock=_clock(now))
+    for at, step in ((1, 1), (4.9, 2)):
+        now[0] = 100 + at
+        lines.update(step)
+    assert capsys.readouterr().err == ""  # a run (or a refusal) inside its first seconds says nothing
+    now[0] = 105
+    lines.update(10, "loss 3.210")
+    assert capsys.readouterr().err == "train: step 10/200 (5 s, loss 3.210)\n"
+    for at, step in ((20, 11), (34.9, 12)):  # less than 30 s after the last line
+        now[0] = 100 + at
+        lines.update(step)
+    assert capsys.readouterr().err == ""
+    now[0] = 135
+    lines.update(13)
+    now[0] = 140
+    lines.close()
+    assert capsys.readouterr().err == "train: step 13/200 (35 s)\ntrain: done, step 13/200 in 40 s\n"
+
+
+def test_a_phase_that_wrote_nothing_closes_silently_and_a_disabled_one_never_writes(capsys):
+    now = [0.0]
+    quiet = ProgressLines("tokenizing", True, unit="documents", clock=_clock(now))
+    quiet.update(500)
+    quiet.close()
+    off = ProgressLines("tokenizing", False, unit="documents", clock=_clock(now))
+    now[0] = 1000
+    off.update(500)
+    off.close()
+    assert capsys.readouterr().err == ""
+
+
+def test_train_writes_plain_lines_to_a_log_and_leaves_stdout_as_it_was(tmp_path, monkeypatch, capfd):
+    """With stderr a file (capfd), the train command writes a tokenizing and a train line and their
+    closing lines; stdout's last line is result.json's still. --no-progress, and stderr that is no
+    file (an in-process capture), write none."""
+    ticks = count(0, 7)  # each look at the clock: 7 s later
+    monkeypatch.setattr(notices, "_now", lambda: float(next(ticks)))
+    run = [a for a in RUN if a != "--no-progress"] + ["--cache-dir", str(tmp_path / "cache")]
+    assert main([*run, "--out", str(tmp_path / "a")]) == 0
+    captured = capfd.readouterr()
+    err = [line for line in captured.err.splitlines() if line.startswith(("tokenizing:", "train:"))]
+    assert len(err) == 4, err
+    assert err[0].startswith("tokenizing: ") and err[0].endswith(" tokens/s)"), err
+    assert err[1].startswith("tokenizing: done, ") and err[1].endswith(" s"), err
+    assert err[2].startswith("train: step 1/4 (7 s, loss "), err  # the first step, 7 s into the phase
+    assert err[3].startswith("train: done, step 4/4 in "), err
+    assert captured.out.splitlines()[-1] == f"wrote {tmp_path / 'a' / 'result.json'}"
+    assert main([*run, "--no-cache", "--no-progress", "--out", str(tmp_path / "b")]) == 0
+    assert "tokenizing:" not in capfd.readouterr().err
