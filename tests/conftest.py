@@ -6,6 +6,7 @@ import atexit
 import gc
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -27,6 +28,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     _WORKER_TMP = tempfile.mkdtemp(prefix=f"memtrain-tests-{os.environ['PYTEST_XDIST_WORKER']}-")
     os.environ["TMPDIR"] = tempfile.tempdir = _WORKER_TMP
     atexit.register(shutil.rmtree, _WORKER_TMP, ignore_errors=True)
+
+# The signal tests send SIGINT, SIGTERM and SIGHUP to the commands they start and expect them
+# handled. A disposition of "ignore" is inherited across exec: a test run started as a background
+# job of a non-interactive shell ignores SIGINT, one under nohup ignores SIGHUP, and the commands it
+# started then ignored them too (memtrain keeps an inherited ignore, as nohup means it), so those
+# tests timed out or saw exit 0. Put the defaults back in this process (each xdist worker imports
+# this file), so every command a test starts begins as from a terminal.
+for _name in ("SIGINT", "SIGHUP", "SIGTERM"):
+    _sig = getattr(signal, _name, None)
+    if _sig is not None and signal.getsignal(_sig) == signal.SIG_IGN:
+        signal.signal(_sig, signal.default_int_handler if _sig == signal.SIGINT else signal.SIG_DFL)
 
 SHARED_SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "stackoverflow_posts_sample.xml"
 

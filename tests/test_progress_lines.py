@@ -56,7 +56,10 @@ def test_train_writes_plain_lines_to_a_log_and_leaves_stdout_as_it_was(tmp_path,
     file (an in-process capture), write none."""
     ticks = count(0, 7)  # each look at the clock: 7 s later
     monkeypatch.setattr(notices, "_now", lambda: float(next(ticks)))
-    run = [a for a in RUN if a != "--no-progress"] + ["--cache-dir", str(tmp_path / "cache")]
+    # A cache of this test's own: the token cache ($MEMTRAIN_CACHE, over --cache-dir) is shared by a
+    # worker's tests, and an entry an earlier test wrote for the same corpus means no tokenizing.
+    monkeypatch.setenv("MEMTRAIN_CACHE", str(tmp_path / "cache"))
+    run = [a for a in RUN if a != "--no-progress"]
     assert main([*run, "--out", str(tmp_path / "a")]) == 0
     captured = capfd.readouterr()
     err = [line for line in captured.err.splitlines() if line.startswith(("tokenizing:", "train:"))]
