@@ -792,17 +792,23 @@ def test_a_scale_field_that_is_no_number_is_one_line_naming_it(tmp_path, capsys,
     refuse_bad_scales({"model_type": "minicpm3", "scale_depth": None, "dim_model_base": None}, "c")  # its no-op scales
 
 
+def _every_verb_refuses_the_folder(tmp_path: Path, capture, words: str) -> None:
+    """estimate, generate and train on the folder tmp_path/m: each exit 2 with one error line holding
+    ``words``, and train writes no run folder."""
+    for argv in (["estimate", "--model", str(tmp_path / "m")], ["generate", str(tmp_path / "m")],
+                 ["train", "--model", str(tmp_path / "m"), "--steps", "1", "--out", str(tmp_path / "o")]):
+        assert main(argv) == 2, argv
+        assert words in _one_error_line(capture.readouterr().err), argv
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("vocab", [0, -5])
 def test_a_config_without_a_vocabulary_is_one_line_naming_the_field(tmp_path, capfd, vocab):
     """transformers logged a line for each special token outside the empty vocabulary before the
     refusal, which named a flag (--vocab-size) the user never gave."""
     _llama_folder_with(tmp_path, vocab_size=vocab)
-    for argv in (["estimate", "--model", str(tmp_path / "m")], ["generate", str(tmp_path / "m")],
-                 ["train", "--model", str(tmp_path / "m"), "--steps", "1", "--out", str(tmp_path / "o")]):
-        assert main(argv) == 2, argv
-        line = _one_error_line(capfd.readouterr().err)
-        assert f"config.json' has vocab_size {vocab}; a model needs a vocabulary of at least one token" in line
-    assert not (tmp_path / "o").exists()
+    _every_verb_refuses_the_folder(tmp_path, capfd,
+                                   f"config.json' has vocab_size {vocab}; a model needs a vocabulary of at least one token")
     # transformers' log handler holds the stderr it found at import: only a process of its own shows it.
     proc = subprocess.run([sys.executable, "-m", "memtrain", "estimate", "--model", str(tmp_path / "m")],
                           capture_output=True, text=True, timeout=600)
@@ -815,12 +821,8 @@ def test_a_model_type_that_is_no_name_is_one_line_naming_the_field(tmp_path, cap
     to have "no 'model_type'; it is not a transformers config.json": the field is named with its
     value on every verb."""
     _llama_folder_with(tmp_path, model_type=model_type)
-    for argv in (["estimate", "--model", str(tmp_path / "m")], ["generate", str(tmp_path / "m")],
-                 ["train", "--model", str(tmp_path / "m"), "--steps", "1", "--out", str(tmp_path / "o")]):
-        assert main(argv) == 2, argv
-        line = _one_error_line(capsys.readouterr().err)
-        assert f"config.json' has model_type {model_type!r}, where a family's name such as 'llama' belongs" in line
-    assert not (tmp_path / "o").exists()
+    _every_verb_refuses_the_folder(tmp_path, capsys, f"config.json' has model_type {model_type!r}, where a family's "
+                                                      "name such as 'llama' belongs")
 
 
 @pytest.mark.parametrize("name", ["config.json", "generation_config.json"])
