@@ -48,7 +48,7 @@ import torch.nn as nn
 
 from memtrain.checkpoints.exact import DamagedCheckpoint, check_weights, read_state
 from memtrain.config.run import ConfigError, RunConfig, build_config
-from memtrain.data.tokenizer import EOT_ID, vocab_dir
+from memtrain.data.tokenizer import EOT_ID
 from memtrain.files.results import umask
 from memtrain.models import is_hf
 from memtrain.models.config_json import json_object, run_folder_hint
@@ -58,7 +58,7 @@ from memtrain.models.hf import HFCausalLM, build_hf_model, quiet_transformers
 from memtrain.models.hub_access import from_pretrained_kwargs
 from memtrain.models.placement import place_weights
 from memtrain.models.source import resolve
-from memtrain.models.tokenizer import GPT2_TRANSFORMERS_NAME, run_chat_template
+from memtrain.models.tokenizer import GPT2_TRANSFORMERS_NAME, gpt2_tokenizer_in, run_chat_template
 from memtrain.runtime.extras import import_extra
 from memtrain.techniques.hf_mapping import apply_hf_lora
 from memtrain.techniques.lora import apply_lora, merge_adapters_in_place, merge_lora
@@ -373,12 +373,8 @@ def save_tokenizer(out: Path, chat_template: Optional[str] = None) -> None:
     transformers reads; its GPT-2 tokenizer class then loads them and writes the rest
     (tokenizer.json, tokenizer_config.json), whatever its major version calls its arguments.
     """
-    transformers = require_transformers()
-
-    d = vocab_dir()
-    shutil.copyfile(d / "encoder.json", out / "vocab.json")
-    shutil.copyfile(d / "vocab.bpe", out / "merges.txt")
-    tok = transformers.GPT2TokenizerFast.from_pretrained(str(out), trust_remote_code=False)
+    require_transformers()  # its one-line refusal where transformers is not installed
+    tok = gpt2_tokenizer_in(out)
     if chat_template is not None:
         tok.chat_template = chat_template
     tok.save_pretrained(str(out))

@@ -229,21 +229,26 @@ def gpt2_chat_tokenizer(template: str, kwargs: dict[str, Any]) -> HFTokenizer:
     """memtrain's GPT-2 BPE as transformers' GPT-2 tokenizer (from the package's own vocabulary
     files: no download) rendering ``template``: its ids of a text are tiktoken's, and it can render
     a conversation, which tiktoken cannot."""
+    with tempfile.TemporaryDirectory(prefix="memtrain-gpt2-") as tmp, quiet_transformers():
+        tok = gpt2_tokenizer_in(Path(tmp))
+    tok.chat_template = template
+    return HFTokenizer(tok, GPT2_TRANSFORMERS_NAME, kwargs)
+
+
+def gpt2_tokenizer_in(folder: Path) -> Any:
+    """transformers' GPT-2 tokenizer of memtrain's own BPE files, written into ``folder`` first
+    (OpenAI's encoder.json and vocab.bpe as vocab.json and merges.txt, the names transformers reads:
+    no download); export keeps them there, a chat template's tokenizer reads them from a scratch folder."""
     # The Rust tokenizer (offsets for --loss-on completion) in transformers 4 and 5; 5's stubs do not
     # list the name. Imported here, as the GPT-2 files below: a model's build (every traced estimate)
     # needs neither transformers' tokenizers nor memtrain.data (tiktoken, the data pipeline).
     from transformers import GPT2TokenizerFast  # type: ignore[attr-defined]
 
-    from memtrain.data.tokenizer import vocab_dir  # tiktoken's package: loaded only for a given template
+    from memtrain.data.tokenizer import vocab_dir  # tiktoken's package: loaded only where GPT-2's files are wanted
 
-    with tempfile.TemporaryDirectory(prefix="memtrain-gpt2-") as tmp:
-        # transformers reads GPT-2's files by these names (export writes them so too)
-        shutil.copyfile(vocab_dir() / "encoder.json", Path(tmp) / "vocab.json")
-        shutil.copyfile(vocab_dir() / "vocab.bpe", Path(tmp) / "merges.txt")
-        with quiet_transformers():
-            tok = GPT2TokenizerFast.from_pretrained(tmp, trust_remote_code=False)
-    tok.chat_template = template
-    return HFTokenizer(tok, GPT2_TRANSFORMERS_NAME, kwargs)
+    shutil.copyfile(vocab_dir() / "encoder.json", folder / "vocab.json")
+    shutil.copyfile(vocab_dir() / "vocab.bpe", folder / "merges.txt")
+    return GPT2TokenizerFast.from_pretrained(str(folder), trust_remote_code=False)
 
 
 def load_tokenizer(load_id: str, what: str, repo: Optional[str] = None) -> Any:
