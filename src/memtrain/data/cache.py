@@ -56,8 +56,8 @@ SPLITS = ("train", "val")
 CACHE_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO})
 TMP_PREFIX = ".tmp-"  # entries being written: .tmp-<pid>-<random>
 
-# An internal invariant of the two constants above (no input changes it): checked at import by
-# tests/test_token_cache.py, not by an assert that `python -O` would drop.
+# GPT-2's ids fit TOKEN_DTYPE: an internal invariant of two constants (no input changes it),
+# checked by tests/test_data.py rather than by an assert at import that `python -O` would drop.
 
 
 @dataclass
