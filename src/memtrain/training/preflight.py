@@ -320,7 +320,7 @@ def check_resumed_out(out: Path, cfg: RunConfig) -> None:
         # The data was compared with the checkpoint's (check_resume, by content where it moved):
         # the result.json's run is the checkpoint's where it records the checkpoint's data.
         data_as = data_of(anchored(state["config"], where))
-        model_as = resumed_model_as(cfg, anchored(state["config"], where))  # the model too, by its config.json
+        model_as = resumed_model_as(cfg, anchored(state["config"], where), state)  # the model too, by its config.json
     diffs = differences_from_this_run(config, cfg, data_as=data_as, model_as=model_as)
     if diffs:
         raise ConfigError(f"--out {str(out)!r} holds the result.json of a different run ({shown_differences(diffs, 4)}); resuming there "

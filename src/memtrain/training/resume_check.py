@@ -48,7 +48,11 @@ def saved_run(path: str | Path) -> tuple[dict[str, Any], int, Optional[str]]:
 
     Reads no tensor data: a sharded checkpoint's meta.json, or a single file memory-mapped
     with ``weights_only=True`` (only the small entries are touched)."""
-    state = saved_state(path)
+    return run_of_state(saved_state(path), path)
+
+
+def run_of_state(state: dict[str, Any], path: str | Path) -> tuple[dict[str, Any], int, Optional[str]]:
+    """:func:`saved_run` of a checkpoint's :func:`saved_state` already read from ``path``."""
     fingerprint = state.get("data_fingerprint")
     config = anchored(state["config"], launch_dir(state, path))
     return config, state["step"], fingerprint if isinstance(fingerprint, str) else None
@@ -294,8 +298,9 @@ def check_resume(cfg: RunConfig) -> Optional[int]:
     Returns the step the checkpoint resumes at (None without ``--resume``)."""
     if not cfg.train.resume:
         return None
-    saved, step, fingerprint = saved_run(cfg.train.resume)
-    model_as = resumed_model_as(cfg, saved)
+    state = saved_state(cfg.train.resume)  # read once: the run's config and the model's config.json
+    saved, step, fingerprint = run_of_state(state, cfg.train.resume)
+    model_as = resumed_model_as(cfg, saved, state)
     diffs = differences_from_this_run(saved, cfg, model_as=model_as)
     moved = any(d.startswith("data: ") for d in diffs) and _holds_the_saved_data(cfg, fingerprint)
     if moved:  # the same data at another path: its content is the checkpoint's
@@ -319,21 +324,22 @@ def check_resume(cfg: RunConfig) -> Optional[int]:
     return step
 
 
-def saved_model_config(path: str | Path) -> Optional[dict[str, Any]]:
-    """The transformers --model's config.json fields a checkpoint saved (None in checkpoints of
-    memtrain's GPT, of a Hub model, or older than the field)."""
-    value = saved_state(path).get("model_config")
+def saved_model_config(state: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The transformers --model's config.json fields a checkpoint's :func:`saved_state` holds (None
+    in checkpoints of memtrain's GPT, of a Hub model, or older than the field)."""
+    value = state.get("model_config")
     return value if isinstance(value, dict) else None
 
 
-def resumed_model_as(cfg: RunConfig, saved: dict[str, Any]) -> Optional[str]:
+def resumed_model_as(cfg: RunConfig, saved: dict[str, Any], state: dict[str, Any]) -> Optional[str]:
     """Compare this run's transformers ``--model`` with the one the checkpoint trained, by the
     content of its config.json (:mod:`memtrain.models.identity`), not its path: another model at
     the checkpoint's path is refused naming the fields that differ (its path alone matched, so it
     resumed, or was refused only where a mirrored size differed); the same model moved or copied
     elsewhere resumes. Returns the saved ``--model`` to compare as this run's where the two
-    configs agree (None: compare the paths, as for a checkpoint older than the saved config)."""
-    saved_config = saved_model_config(cfg.train.resume or "")
+    configs agree (None: compare the paths, as for a checkpoint older than the saved config).
+    ``saved``: the checkpoint's run config; ``state``: its :func:`saved_state`."""
+    saved_config = saved_model_config(state)
     if saved_config is None:
         return None
     now = model_config_identity(cfg.model.model)
