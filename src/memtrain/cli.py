@@ -266,6 +266,19 @@ def add_loss_on_flag(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--loss_on", dest=f.name, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
+PACKING_SIZED = (" Here no data is read: a step is sized as one of either packing, batch x --seq-len positions (a padded "
+                 "row computes as many as a packed block).")
+
+
+def add_packing_flag(parser: argparse.ArgumentParser) -> None:
+    """train's ``--packing`` for a verb that takes no data section (estimate, plan, maxbatch): the
+    memory of a step does not depend on it (the same batch x seq_len shape), and the help says so."""
+    f = next(f for f in fields(DataConfig) if f.name == "packing")
+    group = parser.add_argument_group("data options")
+    group.add_argument("--packing", dest=f.name, default=argparse.SUPPRESS, metavar=_type_name(f).upper(),
+                       help=f"{f.metadata.get('help', '')}{PACKING_SIZED} (default: {f.default})")
+
+
 def _refuse_foreign_keys_in_file(args: argparse.Namespace, file_layer: dict[str, Any]) -> None:
     """A config file holds run settings (the model, data, technique and train sections), not the
     command's own options: ``memory_budget`` in maxbatch's file was refused as "unknown option
@@ -658,7 +671,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if result["steps_run"]:
         print(
             f"step time {result['step_time_s']['median'] * 1000:.1f} ms (median)  "
-            f"{result['tokens_per_s']:,.0f} tokens/s  {result['steps_run']} steps in {result['total_time_s']:.1f} s  "
+            f"{result['tokens_per_s']:,.0f} tokens/s{_padding_span(result)}  {result['steps_run']} steps in {result['total_time_s']:.1f} s  "
             f"tracked peak {fmt_bytes(mem.get('peak_bytes'))}"
             # On a CPU the "device" is the host itself: the time between steps is loop work, not idling.
             + (f"  device idle between steps {result['device_idle_share']:.1%}"
@@ -697,7 +710,16 @@ def _val_span(result: dict[str, Any]) -> str:
     if answers is not None and n and held_out:  # --loss-on completion: the average is over answers only
         return (f" (on the {answers:,} answer tokens of {n:,} of {held_out:,} held-out tokens; --loss-on completion, "
                 "--val-blocks)")
+    real = (result.get("padding") or {}).get("val_targets_evaluated")
+    if real is not None and n and held_out:  # --packing pad: the average is over real targets only
+        return f" (on the {real:,} real targets of {n:,} padded positions; --packing pad, --val-blocks)"
     return f" (on {n:,} of {held_out:,} held-out tokens; --val-blocks)" if n and held_out else ""
+
+
+def _padding_span(result: dict[str, Any]) -> str:
+    """--packing pad: tokens/s counts every computed position; say how many were real tokens."""
+    pad, real = result.get("pad_fraction"), result.get("real_tokens_per_s")
+    return f" ({real:,.0f} real, {pad:.1%} of positions padding)" if pad and real is not None else ""
 
 
 def _warn_after_first_step(warning: Optional[str]) -> Optional[Callable[[int, int, Optional[float]], None]]:

@@ -17,6 +17,7 @@ from memtrain.cli import (
     LOOP_ONLY_FIELDS,
     add_config_flags,
     add_loss_on_flag,
+    add_packing_flag,
     config_from_args,
     defaults_note,
     fmt_bytes,
@@ -166,6 +167,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="Print JSON only.")
     add_config_flags(p, ("model", "technique", "train"), exclude=(*LOOP_ONLY_FIELDS, "model"))  # --model is add_model_choice's
     add_loss_on_flag(p)  # --loss-on completion: the answers-only step, sized without data
+    add_packing_flag(p)  # --packing pad: the same batch x seq_len step, taken so a train command's flags fit
 
 
 def _parameter_words(total: int, adapters: int, trainable: int) -> str:
@@ -351,7 +353,7 @@ TRAINING_ONLY_SETTINGS = (
     "precision", "checkpointing", "loss", "loss_chunk", "loss_kernel", "optim", "optim_block",
     "adafactor_relative_step", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "qlora", "compile",
     "compile_mode", "compile_scope", "compile_memory_budget", "distributed", "cpu_offload",
-    "offload_activations", "grad_accum", "loss_on",
+    "offload_activations", "grad_accum", "loss_on", "packing",
 )
 
 

@@ -27,6 +27,7 @@ from memtrain.cli import (
     MODULE_TABLE_FIELDS,
     add_config_flags,
     add_loss_on_flag,
+    add_packing_flag,
     defaults_note,
     fmt_bytes,
     register,
@@ -97,6 +98,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="Print JSON only.")
     add_config_flags(p, ("model", "technique", "train"), exclude=(*LOOP_ONLY_FIELDS, *MODULE_TABLE_FIELDS, "model"))  # --model is add_model_choice's
     add_loss_on_flag(p)  # --loss-on completion: the answers-only step, sized without data
+    add_packing_flag(p)  # --packing pad: the same batch x seq_len step, taken so a train command's flags fit
 
 
 def parse_rate(text: str) -> float:

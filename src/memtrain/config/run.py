@@ -149,6 +149,7 @@ class ModelConfig:
 # --data-format: what a structured record holds (memtrain.data.records renders the record kinds).
 DATA_FORMATS = ("text", "chat", "prompt-completion", "auto")
 LOSS_ON = ("all", "completion")  # --loss-on: every token a target, or a record's answers only
+PACKINGS = ("concat", "pad")  # --packing: records joined into one stream, or one record per padded row
 
 
 # apply_chat_template's own arguments and the variables transformers sets itself: a
@@ -222,6 +223,14 @@ class DataConfig:
         "completion_only_loss; the others' targets are -100, and validation loss averages answer tokens only). "
         "'completion' needs --data-format chat, prompt-completion or auto.",
     )
+    packing: str = _f(
+        "concat",
+        "How records become rows of --seq-len tokens: 'concat' (each record followed by <|endoftext|>/eos, joined into "
+        "one stream cut into blocks: attention crosses records, nothing is padded; run_clm's and TRL's packing=True) or "
+        "'pad' (one record per row, truncated at --seq-len + 1 tokens, right-padded; padded positions are no targets "
+        "(-100) and the losses average real targets only; TRL SFTTrainer's default, packing=False). result.json's "
+        "pad_fraction is the share of padded positions.",
+    )
     chat_template: Optional[str] = _f(
         None,
         "A chat template file (.jinja text, at most 1 MiB) that renders the records of --data-format chat, "
@@ -277,6 +286,7 @@ class DataConfig:
         require(self.chat_template is None or self.chat_template.strip() != "",
                 "--chat-template is empty; give a .jinja file or drop --chat-template")
         require(self.loss_on in LOSS_ON, f"unknown --loss-on {self.loss_on!r}; choose one of {', '.join(LOSS_ON)}")
+        require(self.packing in PACKINGS, f"unknown --packing {self.packing!r}; choose one of {', '.join(PACKINGS)}")
         require(self.hf_split == "train" or self.data.startswith("hf:"),
                 f"--hf-split {self.hf_split} picks a split of an hf: --data; --data {self.data} has none: give "
                 "--data hf:NAME or drop --hf-split")
@@ -294,6 +304,12 @@ class DataConfig:
             self.max_documents is None or self.max_documents > 0,
             f"--max-documents must be positive, got {self.max_documents}",
         )
+
+    @property
+    def ignores_targets(self) -> bool:
+        """Whether some targets are -100 (ignored): a prompt's under --loss-on completion, a pad's
+        under --packing pad; the losses then average the others only."""
+        return self.loss_on == "completion" or self.packing == "pad"
 
     def check_answer_source(self) -> None:
         """--loss-on completion reads its targets from records: refused over --data-format text.

@@ -3,7 +3,9 @@
 A cache entry is a directory named by a SHA-256 key of everything that determines its
 content (source identity, text options, tokenizer, split settings, FORMAT_VERSION). It
 holds ``train.bin`` and ``val.bin`` (uint16 token ids, each document followed by
-``<|endoftext|>``) and ``meta.json``. Entries are written into a temporary directory and
+``<|endoftext|>``), ``train.idx`` and ``val.idx`` (int64: where each document starts in its
+split's ids, then the split's length; ``--packing pad`` makes a row of each document) and
+``meta.json``. Entries are written into a temporary directory and
 renamed into place in one step, so an interrupted run never leaves a half-written entry;
 the arrays are memory-mapped on load, so a corpus larger than RAM still trains.
 """
@@ -76,6 +78,11 @@ class TokenSplits:
     # ids (memory-mapped uint8); None when every token is one.
     train_mask: Optional[np.ndarray] = None
     val_mask: Optional[np.ndarray] = None
+    # Where each document starts in its split's ids, then the split's length (int64, n_docs + 1):
+    # the boundaries the tokenizing drew (a chat template may write an eos inside a record, so they
+    # are never searched for). None for an entry written before they were stored.
+    train_offsets: Optional[np.ndarray] = None
+    val_offsets: Optional[np.ndarray] = None
 
 
 def prepare_tokens(cfg: DataConfig, progress: Optional[bool] = None, tokenizer: Any = None,
@@ -94,7 +101,9 @@ def prepare_tokens(cfg: DataConfig, progress: Optional[bool] = None, tokenizer: 
     final = root / cache_key(cfg, tokenizer)
     if not cfg.no_cache:
         cached = _load_entry(final, from_cache=True, expected=_identity(cfg, tokenizer))
-        if cached is not None:
+        # An entry written before the record offsets were stored serves --packing concat as ever;
+        # --packing pad needs them, so it tokenizes again and replaces the entry (same key, same ids).
+        if cached is not None and (cfg.packing != "pad" or cached.train_offsets is not None):
             return cached
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -248,6 +257,7 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenize
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
         files: dict[str, BinaryIO] = {s: stack.enter_context(open(out / f"{s}.bin", "wb")) for s in SPLITS}
+        offset_files = {s: stack.enter_context(open(out / f"{s}.idx", "wb")) for s in SPLITS}
         masked = cfg.loss_on == "completion"
         mask_files = {s: stack.enter_context(open(out / f"{s}.mask", "wb")) for s in SPLITS} if masked else {}
         targets = {s: 0 for s in SPLITS}
@@ -266,9 +276,11 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenize
             encode_s += time.perf_counter() - t0
             for split, chosen in (("train", ~is_val), ("val", is_val)):
                 kept = [d for d, c in zip(batch, chosen) if c]
-                ids = _concat_with_eot([e for e, c in zip(encoded, chosen) if c], tok_meta["eot_id"], dtype,
-                                       tok_meta.get("prefix_ids", ()), [_templated(d) for d in kept])
+                records = _framed_records([e for e, c in zip(encoded, chosen) if c], tok_meta["eot_id"], dtype,
+                                          tok_meta.get("prefix_ids", ()), [_templated(d) for d in kept])
+                ids = np.concatenate(records) if records else np.zeros(0, dtype)
                 files[split].write(ids.tobytes())
+                offset_files[split].write(_record_starts(records, tokens[split]).tobytes())
                 if masked:
                     mask = _concat_masks([m for m, c in zip(doc_masks, chosen) if c], kept,
                                          [e for e, c in zip(encoded, chosen) if c], tok_meta["eot_id"],
@@ -283,6 +295,8 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenize
             bar.set_postfix(tok_s=tokens_per_s, refresh=False)
             said.update(said.done + len(batch), f"{tokens_per_s} tokens/s")
         said.close()
+        for split in SPLITS:  # each split's offsets end with its length: a row's end is the next start
+            offset_files[split].write(np.array([tokens[split]], dtype=np.int64).tobytes())
     _refuse_changed_source(cfg, started)
     return {
         "format_version": FORMAT_VERSION,
@@ -296,6 +310,7 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenize
         "n_train_tokens": tokens["train"],
         "n_val_tokens": tokens["val"],
         **({"n_train_targets": targets["train"], "n_val_targets": targets["val"]} if masked else {}),
+        "record_offsets": True,  # train.idx and val.idx are in the entry (not in the key: the ids are the same)
         "tokens_per_s": sum(tokens.values()) / max(encode_s, 1e-9),
         "encode_s": encode_s,
         "elapsed_s": time.perf_counter() - start,
@@ -443,21 +458,37 @@ def _tokenizer_meta(tokenizer: Any) -> dict[str, Any]:
 
 def _concat_with_eot(encoded: list[Any], eot_id: int = EOT_ID, dtype: Any = TOKEN_DTYPE,
                      prefix: Sequence[int] = (), templated: Optional[Sequence[bool]] = None) -> np.ndarray:
-    """One array: each document's ids, after ``prefix`` (a tokenizer's bos), then the end-of-text id.
+    """One array: each document's ids, after ``prefix`` (a tokenizer's bos), then the end-of-text id
+    (:func:`_framed_records`, joined)."""
+    records = _framed_records(encoded, eot_id, dtype, prefix, templated)
+    return np.concatenate(records) if records else np.zeros(0, dtype)
+
+
+def _framed_records(encoded: list[Any], eot_id: int = EOT_ID, dtype: Any = TOKEN_DTYPE,
+                    prefix: Sequence[int] = (), templated: Optional[Sequence[bool]] = None) -> list[np.ndarray]:
+    """Each document's ids as the stream holds them: after ``prefix`` (a tokenizer's bos), then the
+    end-of-text id.
 
     A ``templated`` document (a record rendered by a chat template, which writes its own bos)
     gets no ``prefix``, and no end-of-text id when its ids already end with one (TRL's rule for
     adding eos): the template closed it."""
     eot = np.array([eot_id], dtype=dtype)
     lead = np.array(prefix, dtype=dtype)
-    parts = []
+    records = []
     for i, ids in enumerate(encoded):
         ids = np.asarray(ids, dtype=dtype)
         if templated is not None and templated[i]:
-            parts += [ids] if len(ids) and ids[-1] == eot_id else [ids, eot]
+            parts = [ids] if len(ids) and ids[-1] == eot_id else [ids, eot]
         else:
-            parts += [lead, ids, eot] if len(prefix) else [ids, eot]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype)
+            parts = [lead, ids, eot] if len(prefix) else [ids, eot]
+        records.append(np.concatenate(parts))
+    return records
+
+
+def _record_starts(records: list[np.ndarray], start: int) -> np.ndarray:
+    """Where each of ``records`` starts in its split's ids, the first at ``start`` (int64)."""
+    lengths = np.array([len(r) for r in records], dtype=np.int64)
+    return start + np.concatenate(([0], np.cumsum(lengths)[:-1])) if len(records) else np.zeros(0, np.int64)
 
 
 def _batched(items: Iterable[str], n: int, max_chars: Optional[int] = None) -> Iterator[list[str]]:
@@ -557,7 +588,8 @@ def _load_entry(entry: Path, from_cache: bool, expected: Optional[dict[str, Any]
         if n and int(arrays[split].max()) >= n_vocab:
             return None
     masks = _load_masks(entry, meta, sizes)
-    if masks is None:
+    offsets = _load_offsets(entry, meta, sizes, docs)
+    if masks is None or offsets is None:
         return None
     return TokenSplits(
         train=arrays["train"],
@@ -570,6 +602,8 @@ def _load_entry(entry: Path, from_cache: bool, expected: Optional[dict[str, Any]
         tokenizer=tok_name if isinstance(tok_name, str) else TOKENIZER_NAME,
         train_mask=masks.get("train"),
         val_mask=masks.get("val"),
+        train_offsets=offsets.get("train"),
+        val_offsets=offsets.get("val"),
     )
 
 
@@ -588,3 +622,24 @@ def _load_masks(entry: Path, meta: dict[str, Any], sizes: dict[str, int]) -> Opt
         if n and int(masks[split].max()) > 1:
             return None
     return masks
+
+
+def _load_offsets(entry: Path, meta: dict[str, Any], sizes: dict[str, int],
+                  docs: dict[str, int]) -> Optional[dict[str, np.ndarray]]:
+    """The entry's record offsets ({} for an entry written before they were stored: --packing pad
+    tokenizes again), or None when they are inconsistent with its ids (the entry is then rebuilt).
+    Each must be a regular file of the entry holding n_docs + 1 int64 values that start at 0, never
+    decrease and end at the split's length: a row cut from them then never reads past the ids."""
+    if meta.get("record_offsets") is not True:
+        return {}
+    offsets = {}
+    for split in SPLITS:
+        path, n = entry / f"{split}.idx", docs[split] + 1
+        if regular_file_problem(path, entry) is not None or path.stat().st_size != n * 8:
+            return None
+        # Read whole (8 bytes a document, small beside the ids) rather than mapped: checked once here.
+        values = np.fromfile(path, dtype=np.int64)
+        if values[0] != 0 or values[-1] != sizes[split] or (n > 1 and bool((np.diff(values) < 0).any())):
+            return None
+        offsets[split] = values
+    return offsets

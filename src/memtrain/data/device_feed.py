@@ -74,7 +74,7 @@ class DeviceFeed:
     def next_group(self, group: int) -> MicroBatches:
         """The next ``group`` micro-batches, on the device (their copies may still be in flight
         on the current stream, which orders them before any kernel that reads them). Under a
-        target mask (--loss-on completion) each one's answer-token count is taken here, from
+        target mask (--loss-on completion) or padding (--packing pad) each one's answer-token count is taken here, from
         the host tensors, before the copy: the step weighs each micro-batch by it with no sync."""
         if self._ready is not None and len(self._ready) == group:
             batches, self._ready = self._ready, None
@@ -84,7 +84,7 @@ class DeviceFeed:
         self._position = self.loader.state_dict()
         out = MicroBatches((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
                            for x, y in batches)
-        if self.loader.dataset.mask is not None:
+        if self.loader.dataset.ignores_targets:  # --loss-on completion's prompts, --packing pad's pads
             out.target_counts = [host_target_count(y) for _, y in batches]
         return out
 

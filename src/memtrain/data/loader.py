@@ -87,6 +87,11 @@ class BlockDataset(Dataset):
         self.block_len = seq_len + 1
         self.n_blocks = len(tokens) // self.block_len
 
+    @property
+    def ignores_targets(self) -> bool:
+        """Whether a batch's targets may hold IGNORE_INDEX (then counted per micro-batch)."""
+        return self.mask is not None
+
     def __len__(self) -> int:
         return self.n_blocks
 
@@ -155,6 +160,76 @@ class BlockDataset(Dataset):
                 state[key] = np.memmap(filename, dtype=np.dtype(dtype), mode="r", offset=offset, shape=(length,))
         state.setdefault("mask", None)
         self.__dict__.update(state)
+
+
+class RecordRows(BlockDataset):
+    """--packing pad: one row per record (TRL SFTTrainer's default, ``packing=False``). Row ``i``
+    holds record ``i``'s ids (its eos included) cut at ``seq_len + 1`` tokens, right-padded; ``x``
+    is its first ``seq_len`` tokens, ``y`` the same shifted by one, IGNORE_INDEX past the record's
+    end (and, with ``mask``, where a token is no target).
+
+    Right padding under a causal model needs no attention mask and no position ids: a real token
+    attends only to the tokens before it, all real, and sits at the same position as in an
+    unpadded row; the pads' own outputs are never targets. ``offsets`` (the cache's, n_records + 1
+    values: each record's start, then the split's length) are the boundaries the tokenizing drew.
+    A record of one token (an eos alone: nothing to predict) gets no row."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, offsets: np.ndarray,
+                 mask: Optional[np.ndarray] = None) -> None:
+        super().__init__(tokens, seq_len, mask)
+        starts, ends = np.asarray(offsets[:-1], dtype=np.int64), np.asarray(offsets[1:], dtype=np.int64)
+        kept = ends - starts >= 2
+        self.starts = starts[kept]
+        self.lengths = np.minimum(ends[kept] - self.starts, self.block_len)  # tokens of each row
+        self.n_blocks = len(self.starts)
+        self.n_truncated = int((ends[kept] - self.starts > self.block_len).sum())
+        self.n_skipped = int((~kept).sum())
+
+    @property
+    def ignores_targets(self) -> bool:
+        return True
+
+    def pad_fraction(self, count: Optional[int] = None) -> float:
+        """The share of the first ``count`` rows' ``seq_len`` input positions that are padding."""
+        lengths = self.lengths[:count]
+        return 0.0 if not len(lengths) else 1.0 - float((lengths - 1).sum()) / (len(lengths) * self.seq_len)
+
+    def __getitem__(self, index: int) -> Batch:
+        if index < 0:
+            index += self.n_blocks
+        if not 0 <= index < self.n_blocks:
+            raise IndexError(f"row {index} out of range for {self.n_blocks} rows")
+        x, y = self.batch([index])
+        return x[0], y[0]
+
+    def batch(self, indices: list[int]) -> Batch:
+        """Rows ``indices`` as one ``(x, y)`` batch, each (len(indices), seq_len) int64, gathered
+        in one vectorized read as :meth:`BlockDataset.batch` does."""
+        rows = np.asarray(indices, dtype=np.int64)
+        if rows.size and (rows.min() < 0 or rows.max() >= self.n_blocks):
+            raise IndexError(f"rows {list(indices)} out of range for {self.n_blocks} rows")
+        return self._rows(self.starts[rows], self.lengths[rows])
+
+    def _rows(self, starts: np.ndarray, lengths: np.ndarray) -> Batch:
+        """Rows of ``lengths`` tokens from ``starts``, padded to ``block_len``: ``x`` pads with id 0
+        (any id: no real token attends to it), ``y`` with IGNORE_INDEX."""
+        cols = np.arange(self.block_len)
+        real = cols[None, :] < lengths[:, None]
+        where = np.where(real, starts[:, None] + cols, 0)  # a pad reads id 0's place, then is overwritten
+        block = torch.from_numpy(np.where(real, np.asarray(self.tokens[where], dtype=np.int64), 0))
+        targets = real[:, 1:]
+        if self.mask is not None:
+            targets = targets & (np.asarray(self.mask[where[:, 1:]]) == 1)
+        y = block[:, 1:].masked_fill(torch.from_numpy(~targets), IGNORE_INDEX)
+        return block[:, :-1].contiguous(), y.contiguous()
+
+    def target_blocks(self, count: int) -> torch.Tensor:
+        return self._rows(self.starts[:count], self.lengths[:count])[1]
+
+    def blocks(self, count: int) -> torch.Tensor:
+        """The first ``count`` rows' inputs and last target token, (count, seq_len + 1) int64 (pads 0)."""
+        x, y = self._rows(self.starts[:count], self.lengths[:count])
+        return torch.cat([x, y[:, -1:].clamp_min(0)], dim=1)
 
 
 def _is_whole_file_map(arr: np.memmap) -> bool:
@@ -324,13 +399,23 @@ def make_train_loader(
     rank: int = 0,
     world_size: int = 1,
     mask: Optional[np.ndarray] = None,
+    offsets: Optional[np.ndarray] = None,
 ) -> TrainLoader:
     """A :class:`TrainLoader` over ``tokens`` (and their target ``mask``, --loss-on completion);
-    ConfigError if they do not fill one global batch."""
+    with record ``offsets`` (--packing pad), one padded row per record. ConfigError if they do
+    not fill one global batch."""
     if batch_size <= 0:
         raise ConfigError(f"--batch-size must be positive, got {batch_size}")
-    dataset = BlockDataset(tokens, seq_len, mask)
     needed = batch_size * world_size
+    if offsets is not None:
+        rows = RecordRows(tokens, seq_len, offsets, mask)
+        if len(rows) < needed:
+            shape = f"{batch_size} x {world_size} ranks" if world_size > 1 else f"{batch_size}"
+            raise ConfigError(f"--packing pad: the training split has {len(rows):,} records of two tokens or more "
+                              f"(one row each), fewer than one batch needs ({shape} = {needed:,}); use more data or "
+                              "lower --batch-size")
+        return TrainLoader(rows, batch_size, seed, num_workers, pin_memory, prefetch_factor, rank, world_size)
+    dataset = BlockDataset(tokens, seq_len, mask)
     if len(dataset) < needed:
         shape = f"{batch_size} x {world_size} ranks" if world_size > 1 else f"{batch_size}"
         raise ConfigError(
@@ -370,24 +455,28 @@ def check_split_documents(splits: TokenSplits, data: DataConfig) -> None:
 
 
 def make_val_batches(tokens: np.ndarray, seq_len: int, n_blocks: int, batch_size: int,
-                     mask: Optional[np.ndarray] = None) -> list[Batch]:
+                     mask: Optional[np.ndarray] = None, offsets: Optional[np.ndarray] = None) -> list[Batch]:
     """The first ``min(n_blocks, available)`` validation blocks, in order, as (x, y) batches
-    (``mask``: --loss-on completion's targets, IGNORE_INDEX elsewhere in ``y``).
+    (``mask``: --loss-on completion's targets, IGNORE_INDEX elsewhere in ``y``; ``offsets``:
+    --packing pad, a block is a record's padded row).
 
     A fixed subset, so every evaluation (and every technique in a benchmark) measures loss
     on the same tokens. The last batch may be smaller than ``batch_size``.
     """
     if n_blocks <= 0 or batch_size <= 0:
         raise ConfigError(f"--val-blocks and --batch-size must be positive, got {n_blocks} and {batch_size}")
-    dataset = BlockDataset(tokens, seq_len, mask)
+    dataset = BlockDataset(tokens, seq_len, mask) if offsets is None else RecordRows(tokens, seq_len, offsets, mask)
     if len(dataset) == 0:
+        if offsets is not None:
+            raise ConfigError("--packing pad: the validation split holds no record of two tokens or more (one row "
+                              "each); raise --val-fraction or use more data")
         raise ConfigError(
             f"validation split has {len(tokens):,} tokens, fewer than one block needs ({seq_len + 1:,}); "
             f"raise --val-fraction, use more data or lower --seq-len"
         )
     count = min(n_blocks, len(dataset))
     blocks = dataset.blocks(count)
-    if mask is not None:
+    if dataset.ignores_targets:
         return list(zip((chunk[:, :-1].contiguous() for chunk in torch.split(blocks, batch_size)),
                         torch.split(dataset.target_blocks(count), batch_size)))
     return [

@@ -179,7 +179,8 @@ def prepare_hf_model(model: HFCausalLM, cfg: RunConfig, device: torch.device, pr
     apply_fp8(model, tech)  # the decoder's Linears; the LM head stays in BF16
     apply_checkpointing(model, tech)
     answers_only = cfg.data.loss_on == "completion"  # a micro-batch may then hold no target
-    apply_loss(model, tech, device, ignores_targets=answers_only)
+    # --packing pad's pads are ignored targets too (every row holds a real one: answers_only stays off)
+    apply_loss(model, tech, device, ignores_targets=cfg.data.ignores_targets)
     model.answers_only = answers_only
     compiled = apply_compile(model, tech)
     return apply_distributed(compiled, tech, device, precision)  # last: it shards the final modules

@@ -51,7 +51,8 @@ def prepare_gpt(model: torch.nn.Module, cfg: RunConfig, device: torch.device, pr
     apply_attention(model, tech, device, precision)
     apply_checkpointing(model, tech)
     answers_only = cfg.data.loss_on == "completion"  # a micro-batch may then hold no target
-    apply_loss(model, tech, device, ignores_targets=answers_only)
+    # --packing pad's pads are ignored targets too (every row holds a real one: answers_only stays off)
+    apply_loss(model, tech, device, ignores_targets=cfg.data.ignores_targets)
     model.answers_only = answers_only
     model = apply_compile(model, tech)  # type: ignore[assignment]  # compile returns a wrapper module around the GPT
     return apply_distributed(model, tech, device, precision)

@@ -26,7 +26,7 @@ from memtrain.training.schedule import lr_lambda
 
 # Settings newer than some checkpoints, with the value every run had before they existed: a
 # checkpoint that lacks one resumes as a run with that value.
-ADDED_LATER: dict[str, Any] = {"data_format": "text", "loss_on": "all"}
+ADDED_LATER: dict[str, Any] = {"data_format": "text", "loss_on": "all", "packing": "concat"}
 # Keys that may differ between the saved run and the resumed one: where output goes, how it
 # is shown, how fast it runs, and implementation choices that compute the same numbers.
 MAY_DIFFER: frozenset[str] = frozenset({

@@ -30,7 +30,7 @@ from memtrain.checkpoints.exact import load_checkpoint, save_checkpoint
 from memtrain.config.run import ConfigError, RunConfig, effective_cache_dir
 from memtrain.data import check_split_documents, data_fingerprint, make_train_loader, make_val_batches, prepare_tokens
 from memtrain.data.device_feed import DeviceFeed
-from memtrain.data.loader import IGNORE_INDEX
+from memtrain.data.loader import IGNORE_INDEX, RecordRows
 from memtrain.devices.advice import mfu_for_run, reference_rate_now, run_device_facts
 from memtrain.distributed.rank_errors import agreement, launched_by_memtrain
 from memtrain.distributed.session import DistContext, distributed_session
@@ -320,9 +320,12 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         # Pinning speeds a copy to a GPU only; without one, torch cannot pin (it raises).
         num_workers=cfg.data.num_workers, pin_memory=cfg.data.pin_memory and device.type == "cuda",
         prefetch_factor=cfg.data.prefetch_factor, rank=dist_ctx.rank, world_size=dist_ctx.world_size,
-        mask=splits.train_mask,
+        mask=splits.train_mask, offsets=_pad_offsets(cfg, splits.train_offsets),
     ), device)
-    val_batches = make_val_batches(splits.val, t.seq_len, cfg.data.val_blocks, t.batch_size, mask=splits.val_mask)
+    val_batches = make_val_batches(splits.val, t.seq_len, cfg.data.val_blocks, t.batch_size, mask=splits.val_mask,
+                                   offsets=_pad_offsets(cfg, splits.val_offsets))
+    if dist_ctx.is_main and (said := truncation_line(state.loader.loader.dataset)) is not None:
+        print(said, file=sys.stderr)
     check_answers(splits, val_batches, cfg)
     clock.lap("data")
     if t.resume:
@@ -376,6 +379,7 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         result["data"]["val_tokens_evaluated"] = sum(int(y.numel()) for _, y in val_batches)
         if splits.train_mask is not None:  # --loss-on completion: what the losses average
             result["data"].update(answer_counts(splits, val_batches))
+        result.update(padding_fields(state.loader.loader.dataset, val_batches, result["tokens_per_s"]))
         # distributed: "ranks" (memory per rank), "distributed"
         result.update(dist_ctx.result_fields(memory, ran_steps=end_step > start_step))
     except BaseException:
@@ -384,6 +388,46 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         raise
     _write_outputs(result, state, on_result, save_ckpt, end_step, logger.failure)
     return result
+
+
+def _pad_offsets(cfg: RunConfig, offsets: Optional[np.ndarray]) -> Optional[np.ndarray]:
+    """A split's record offsets where --packing pad makes a row of each record, else None (the
+    stream is cut into blocks). prepare_tokens tokenized again where an entry had none."""
+    if cfg.data.packing != "pad":
+        return None
+    if offsets is None:  # an invariant of prepare_tokens, said as a fault rather than a crash in the loader
+        raise RuntimeError("--packing pad: the token cache entry holds no record offsets; run again with --no-cache")
+    return offsets
+
+
+def truncation_line(rows: Any) -> Optional[str]:
+    """--packing pad: one line saying how many training records were longer than a row (cut, as
+    TRL cuts them silently at max_length) and how many held nothing to predict (skipped)."""
+    if not isinstance(rows, RecordRows) or not (rows.n_truncated or rows.n_skipped):
+        return None
+    total = rows.n_blocks + rows.n_skipped
+    parts = [f"{rows.n_truncated:,} of {total:,} training records are longer than a row (--seq-len + 1 = "
+             f"{rows.block_len:,} tokens) and were truncated"] if rows.n_truncated else []
+    if rows.n_skipped:
+        parts.append(f"{rows.n_skipped:,} held a single token (nothing to predict) and were skipped")
+    return "note: --packing pad: " + "; ".join(parts) + (" (raise --seq-len to keep more)" if rows.n_truncated else "")
+
+
+def padding_fields(rows: Any, val_batches: list[Batch], tokens_per_s: Optional[float]) -> dict[str, Any]:
+    """result.json's padding figures: ``pad_fraction`` (the share of the training rows' input
+    positions that are padding: 0 when records are packed), ``real_tokens_per_s`` (tokens_per_s,
+    which counts every computed position, less the padded ones) and, under --packing pad, the
+    records truncated and skipped and the evaluated validation rows' pad share."""
+    pad = rows.pad_fraction() if isinstance(rows, RecordRows) else 0.0
+    fields: dict[str, Any] = {"pad_fraction": pad,
+                              "real_tokens_per_s": None if tokens_per_s is None else tokens_per_s * (1.0 - pad)}
+    if isinstance(rows, RecordRows):
+        positions = sum(int(x.numel()) for x, _ in val_batches)
+        real = sum(int(y.ne(IGNORE_INDEX).sum()) for _, y in val_batches) if positions else 0
+        fields["padding"] = {"train_rows": rows.n_blocks, "truncated_records": rows.n_truncated,
+                             "skipped_records": rows.n_skipped,
+                             "val_targets_evaluated": real, "val_pad_fraction": 1.0 - real / positions if positions else 0.0}
+    return fields
 
 
 def check_answers(splits: Any, val_batches: list[Batch], cfg: RunConfig) -> None:

@@ -437,6 +437,9 @@ def _map_model_and_loop(cfg: RunConfig, plan: HFPlan, cuda: bool, args: dict[str
         none.append(f"--distributed {t.distributed}: this comparison runs one process per side")
     if t.cpu_offload:
         none.append("--cpu-offload: needs FSDP; this comparison runs one process per side")
+    if cfg.data.packing != "concat":
+        none.append(f"--packing {cfg.data.packing}: the Trainer side trains on packed blocks (run_clm's group_texts); "
+                    "drop --packing")
     if cfg.train.grad_accum > 1:
         args["gradient_accumulation_steps"] = cfg.train.grad_accum
         mapping.append(f"grad_accum {cfg.train.grad_accum} -> gradient_accumulation_steps={cfg.train.grad_accum}")
