@@ -156,6 +156,16 @@ def test_loss_on_completion_and_pad_combine(tmp_path):
     x, y = RecordRows(splits.train, 32, splits.train_offsets, splits.train_mask).batch([0])
     want = [t if i + 1 >= n_prompt else -100 for i, t in enumerate(ids[1:])] + [-100] * (32 - len(ids) + 1)
     assert y[0].tolist() == want and x[0, : len(ids)].tolist() == ids
+    # result.json's pad share counts pads only: the prompts' -100 are no padding
+    from memtrain.training.train import padding_fields
+
+    rows = RecordRows(splits.train, 32, splits.train_offsets, splits.train_mask)
+    val = make_val_batches(splits.val, 32, 4, 2, mask=splits.val_mask, offsets=splits.val_offsets)
+    got = padding_fields(rows, splits.val, splits.val_offsets, val, 100.0)
+    plain = RecordRows(splits.val, 32, splits.val_offsets)
+    assert got["padding"]["val_pad_fraction"] == pytest.approx(plain.pad_fraction(4))
+    assert got["padding"]["val_targets_evaluated"] == sum(int((y != -100).sum()) for _, y in val)
+    assert got["pad_fraction"] == pytest.approx(RecordRows(splits.train, 32, splits.train_offsets).pad_fraction())
 
 
 def test_concat_keeps_its_cache_key_and_pad_shares_the_entry():

@@ -379,7 +379,8 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         result["data"]["val_tokens_evaluated"] = sum(int(y.numel()) for _, y in val_batches)
         if splits.train_mask is not None:  # --loss-on completion: what the losses average
             result["data"].update(answer_counts(splits, val_batches))
-        result.update(padding_fields(state.loader.loader.dataset, val_batches, result["tokens_per_s"]))
+        result.update(padding_fields(state.loader.loader.dataset, splits.val, splits.val_offsets, val_batches,
+                                     result["tokens_per_s"]))
         # distributed: "ranks" (memory per rank), "distributed"
         result.update(dist_ctx.result_fields(memory, ran_steps=end_step > start_step))
     except BaseException:
@@ -413,20 +414,22 @@ def truncation_line(rows: Any) -> Optional[str]:
     return "note: --packing pad: " + "; ".join(parts) + (" (raise --seq-len to keep more)" if rows.n_truncated else "")
 
 
-def padding_fields(rows: Any, val_batches: list[Batch], tokens_per_s: Optional[float]) -> dict[str, Any]:
+def padding_fields(rows: Any, val_tokens: np.ndarray, val_offsets: Optional[np.ndarray], val_batches: list[Batch],
+                   tokens_per_s: Optional[float]) -> dict[str, Any]:
     """result.json's padding figures: ``pad_fraction`` (the share of the training rows' input
     positions that are padding: 0 when records are packed), ``real_tokens_per_s`` (tokens_per_s,
     which counts every computed position, less the padded ones) and, under --packing pad, the
-    records truncated and skipped and the evaluated validation rows' pad share."""
+    records truncated and skipped, the targets val_loss averages and the evaluated validation
+    rows' pad share (from the rows' lengths: --loss-on completion's prompts are no padding)."""
     pad = rows.pad_fraction() if isinstance(rows, RecordRows) else 0.0
     fields: dict[str, Any] = {"pad_fraction": pad,
                               "real_tokens_per_s": None if tokens_per_s is None else tokens_per_s * (1.0 - pad)}
-    if isinstance(rows, RecordRows):
-        positions = sum(int(x.numel()) for x, _ in val_batches)
-        real = sum(int(y.ne(IGNORE_INDEX).sum()) for _, y in val_batches) if positions else 0
+    if isinstance(rows, RecordRows) and val_offsets is not None:
+        evaluated = sum(len(x) for x, _ in val_batches)
         fields["padding"] = {"train_rows": rows.n_blocks, "truncated_records": rows.n_truncated,
                              "skipped_records": rows.n_skipped,
-                             "val_targets_evaluated": real, "val_pad_fraction": 1.0 - real / positions if positions else 0.0}
+                             "val_targets_evaluated": sum(int(y.ne(IGNORE_INDEX).sum()) for _, y in val_batches),
+                             "val_pad_fraction": RecordRows(val_tokens, rows.seq_len, val_offsets).pad_fraction(evaluated)}
     return fields
 
 
