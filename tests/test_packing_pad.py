@@ -286,3 +286,19 @@ def test_a_template_that_writes_eos_inside_a_record_still_gives_one_row_per_reco
     only_first = [i != in_val.index(False) for i in range(len(CONVERSATIONS))]  # the first training record alone
     first = _expected(tok.tok, only_first, eos, val=False)
     assert x[0, : len(first) - 1].tolist() == first[:-1] and int((y[0] != -100).sum()) == len(first) - 1
+
+
+def test_estimate_sizes_a_pad_step_as_a_concat_one_and_the_trainer_comparison_refuses_pad(capsys):
+    """estimate takes --packing (a train command's flags fit) and answers the same bytes: the step is
+    batch x seq_len either way. bench's Trainer side packs as run_clm does: pad is no equivalent."""
+    from memtrain.bench.hf.mapping import hf_plan
+
+    small = ["--d-model", "32", "--n-heads", "2", "--n-layers", "1", "--seq-len", "32", "--batch-size", "2", "--json"]
+    answers = []
+    for packing in ("concat", "pad"):
+        assert main(["estimate", "--packing", packing, *small]) == 0
+        answers.append(json.loads(capsys.readouterr().out))
+    assert answers[0]["bytes"] == answers[1]["bytes"] and answers[0]["peak_bytes"] == answers[1]["peak_bytes"]
+    plan = hf_plan(build_config({"packing": "pad"}), "cpu")
+    assert plan.status == "none" and any("--packing pad" in m for m in plan.missing)
+    assert not any("--packing" in m for m in hf_plan(build_config({}), "cpu").missing)
