@@ -302,3 +302,14 @@ def test_estimate_sizes_a_pad_step_as_a_concat_one_and_the_trainer_comparison_re
     plan = hf_plan(build_config({"packing": "pad"}), "cpu")
     assert plan.status == "none" and any("--packing pad" in m for m in plan.missing)
     assert not any("--packing" in m for m in hf_plan(build_config({}), "cpu").missing)
+
+
+def test_the_bench_report_says_tokens_per_s_counts_the_pads():
+    """A report with a padded row says what Tokens/s counts and each row's real rate; none without."""
+    from memtrain.report.tables import padding_lines
+
+    pad = {"status": "ok", "technique": "baseline", "pad_fraction": 0.525, "real_tokens_per_s": 30.1}
+    concat = {"status": "ok", "technique": "bf16", "pad_fraction": 0.0, "real_tokens_per_s": 67.0}
+    lines = padding_lines([pad, concat])
+    assert "baseline: 52.5% padding, 30 real tokens/s" in lines[0] and "bf16" not in lines[0]
+    assert padding_lines([concat, {"status": "ok", "technique": "old row"}]) == []

@@ -268,6 +268,7 @@ def markdown_report(rows: list[dict[str, Any]], missing: list[str], header: Call
         parts += [f"Val PPL ({ANSWERS_PPL_NOTE}) is exp of the validation loss over the answer tokens of the "
                   "validation blocks only (`--loss-on completion`): not comparable with a perplexity over every "
                   "token.", ""]
+    parts += padding_lines(rows)
     if len(records) > MAX_PLOT_ROWS:
         parts += [f"The plots show the first {MAX_PLOT_ROWS} of the {len(records)} rows.", ""]
     if any(r.get("max_batch_capped") for r in records):
@@ -319,6 +320,22 @@ def other_settings_lines(other: list[tuple[str, list[str]]], folder: str) -> lis
     return [f"**Other settings**: results.jsonl also holds {count} row{'s' if count != 1 else ''} run under other "
             f"settings, not compared here: settings {named}{more}. "
             f"{md_code(f'memtrain report {folder} --settings ID')} reports those of settings ID.", ""]
+
+
+def padding_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Under --packing pad, Tokens/s counts the padded positions each step computes: a line with
+    each padded row's share of padding and its real tokens/s (result.json's pad_fraction and
+    real_tokens_per_s); nothing where no row padded."""
+    padded = [r for r in rows if r.get("status") == "ok" and isinstance(r.get("pad_fraction"), (int, float))
+              and r["pad_fraction"] > 0]
+    if not padded:
+        return []
+    each = "; ".join(f"{r.get('description') or r.get('technique')}: {r['pad_fraction']:.1%} padding"
+                     + (f", {r['real_tokens_per_s']:,.0f} real tokens/s"
+                        if isinstance(r.get("real_tokens_per_s"), (int, float)) else "")
+                     for r in padded)
+    return [f"Tokens/s counts every computed position, padded ones included (`--packing pad`: one record per "
+            f"row): {each}.", ""]
 
 
 def module_lines(rows: list[dict[str, Any]]) -> list[str]:
