@@ -260,3 +260,18 @@ def test_bench_refuses_a_missing_val_file_before_its_folder_exists(files, tmp_pa
                  "--no-maxbatch", "--out", str(out)]) == 2
     err = _one_error_line(capsys.readouterr().err)
     assert str(missing) in err and "--val-data" in err and not out.exists()
+
+
+def test_a_relative_val_data_resumes_from_another_folder(files, tmp_path, monkeypatch):
+    """--resume CKPT alone from another folder reads the run's own relative --val-data (anchored at
+    the folder the run was launched from, as --data is), not a val.jsonl beside the new folder."""
+    monkeypatch.chdir(files["val"].parent)
+    run = {**RUN, "data": files["train"].name, "val_data": files["val"].name, "steps": 3, "stop_after": 2,
+           "save": str(tmp_path / "half" / "ck.pt"), "out": str(tmp_path / "half")}
+    assert main(["train", *cli_flags(run)]) == 0
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["train", "--resume", str(tmp_path / "half" / "ck.pt")]) == 0
+    result = json.loads((tmp_path / "half" / "result.json").read_text())
+    assert result["steps"] == 3 and result["config"]["data"]["val_data"] == str(files["val"])

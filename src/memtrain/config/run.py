@@ -250,8 +250,8 @@ class DataConfig:
     val_data: Optional[str] = _f(
         None,
         "A separate validation source, any source --data takes (e.g. val.jsonl beside --data train.jsonl: "
-        "TRL's eval_dataset), read with the same --text-field, --data-format, --loss-on, chat template and "
-        "--strip-html. All of --data then trains (no --val-fraction is held out) and validation reads the "
+        "TRL's eval_dataset), read with the same --text-field, --data-format, --loss-on, chat template, "
+        "--strip-html and --max-documents. All of --data then trains (no --val-fraction is held out) and validation reads the "
         "first --val-blocks blocks of it. None: validate on --val-fraction of --data.",
     )
     val_split: Optional[str] = _f(

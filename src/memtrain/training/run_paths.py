@@ -1,6 +1,6 @@
 """Where a saved run's relative paths point, from wherever it is resumed.
 
-A run config records ``--out``, ``--save``, ``--data``, ``--chat-template`` and ``--model`` as they were typed, so a
+A run config records ``--out``, ``--save``, ``--data``, ``--val-data``, ``--chat-template`` and ``--model`` as they were typed, so a
 relative one is relative to the folder the run was launched from. A checkpoint records that
 folder (``cwd``); ``train --resume CKPT`` from another folder then continues in the run's own
 ``--out`` and ``--save`` and reads its own data, instead of starting a second copy of the run
