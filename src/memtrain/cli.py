@@ -559,6 +559,26 @@ def _print_data_lines(data: str) -> None:
         print(line, file=sys.stderr if line.startswith("warning:") else sys.stdout, flush=True)
 
 
+def _print_val_data_lines(data: Any) -> None:
+    """What a validation source of its own (--val-data) reads, as :func:`_print_data_lines` says
+    it of --data, and a warning on stderr when it is the training data itself."""
+    # memtrain.data imports torch: train needs it anyway
+    from memtrain.data.sources import local_data_lines
+    from memtrain.data.validation import same_source_warning
+
+    val_cfg = data.validation_config()
+    if val_cfg is None:
+        return
+    for line in local_data_lines(val_cfg.data):
+        if line.startswith("warning:"):
+            print(line.replace("--data", "--val-data", 1), file=sys.stderr, flush=True)
+        else:
+            print(f"val {line}", flush=True)
+    warning = same_source_warning(data)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+
+
 def _after_run_notes(cfg: Any, longer: Optional[str], moved: Optional[str]) -> None:
     """The notes train writes to stderr after its run (after it, so that a failure's stderr stays
     its one error: line): a defaulted warm-up, no --save, a longer run continued, a moved checkpoint."""
@@ -627,6 +647,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(note, flush=True)
     if main_rank:
         _print_data_lines(cfg.data.data)
+        _print_val_data_lines(cfg.data)
     moved = getattr(cfg, "resume_note", None)  # said after the run, as --steps longer is
     longer = continue_longer(cfg)  # said after the run (below), as the warm-up's note is
 
@@ -703,17 +724,22 @@ def _train_loss_span(result: dict[str, Any]) -> str:
 
 
 def _val_span(result: dict[str, Any]) -> str:
-    """What the val loss covers: --val-blocks blocks, not the whole held-out split as the Trainer's eval."""
+    """What the val loss covers: --val-blocks blocks, not the whole held-out split as the Trainer's
+    eval, of the source result.json's ``data.val_source`` names (--val-data, --val-split)."""
     data = result.get("data") or {}
     n, held_out = data.get("val_tokens_evaluated"), data.get("val_tokens")
+    if not (n and held_out):
+        return ""
+    source = data.get("val_source")
+    own = isinstance(source, str) and not source.startswith("--val-fraction")  # a source of its own
+    where = f"the {held_out:,} tokens of {source}" if own else f"{held_out:,} held-out tokens"
     answers = data.get("val_target_tokens_evaluated")
-    if answers is not None and n and held_out:  # --loss-on completion: the average is over answers only
-        return (f" (on the {answers:,} answer tokens of {n:,} of {held_out:,} held-out tokens; --loss-on completion, "
-                "--val-blocks)")
+    if answers is not None:  # --loss-on completion: the average is over answers only
+        return f" (on the {answers:,} answer tokens of {n:,} of {where}; --loss-on completion, --val-blocks)"
     real = (result.get("padding") or {}).get("val_targets_evaluated")
-    if real is not None and n and held_out:  # --packing pad: the average is over real targets only
-        return f" (on the {real:,} real targets of {n:,} padded positions; --packing pad, --val-blocks)"
-    return f" (on {n:,} of {held_out:,} held-out tokens; --val-blocks)" if n and held_out else ""
+    if real is not None:  # --packing pad: the average is over real targets only
+        return f" (on the {real:,} real targets of {n:,} padded positions of {where}; --packing pad, --val-blocks)"
+    return f" (on {n:,} of {where}; --val-blocks)"
 
 
 def _padding_span(result: dict[str, Any]) -> str:

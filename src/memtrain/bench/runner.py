@@ -26,7 +26,15 @@ from memtrain.bench.process import clean_stale_row_dirs, row_tmpdir, start_row, 
 from memtrain.bench.scales import SCALE_BUDGET, SCALE_MAX_BATCH, fitted_scale_overrides, row_base_layers
 from memtrain.bench.technique_sets import describe, noise_twin, technique_overrides
 from memtrain.config.layers import normalized_layers, refuse_long_warmup, warmup_named
-from memtrain.config.run import ConfigError, RunConfig, TechniqueConfig, build_config, flatten, parse_size
+from memtrain.config.run import (
+    ConfigError,
+    RunConfig,
+    TechniqueConfig,
+    build_config,
+    flatten,
+    parse_size,
+    val_data_message,
+)
 from memtrain.files.bench_store import append_result, read_results, row_settings, rows_under, select_rows
 from memtrain.files.lock import FolderLock
 from memtrain.files.results import remove_stale_temps
@@ -116,7 +124,23 @@ def check_rows_data(rows: list[tuple[str, RunConfig]]) -> None:
         checked.add(key)
         # Chat and prompt-completion records are documents only once the model's template renders
         # them: read without it, every record lacked the text field and the bench was refused.
-        check_first_document(data, data_tokenizer(cfg) if data.data_format != "text" else None)
+        tokenizer = data_tokenizer(cfg) if data.data_format != "text" else None
+        check_first_document(data, tokenizer)
+        _check_val_first_document(data, tokenizer)
+
+
+def _check_val_first_document(data: Any, tokenizer: Any) -> None:
+    """A local validation source of its own (--val-data) holds a document, as :func:`check_rows_data`
+    checks --data: every row validates on it; the line names --val-data."""
+    from memtrain.data.cache import check_first_document  # reads the data: only once a bench runs
+
+    val = data.validation_config()
+    if val is None or val.data.startswith("hf:"):
+        return
+    try:
+        check_first_document(val, tokenizer)
+    except ConfigError as exc:
+        raise ConfigError(val_data_message(str(exc))) from None
 
 
 def hardware_name(device: Any) -> str:

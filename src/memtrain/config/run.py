@@ -51,6 +51,9 @@ from memtrain.techniques.facts import (
 # The memtrain cache folder (token cache, device probe rates) when neither MEMTRAIN_CACHE nor
 # --cache-dir names one.
 DEFAULT_CACHE_DIR = "~/.cache/memtrain"
+# The held-out split's defaults: a --val-data run refuses any other value (DataConfig._check_validation_source).
+DEFAULT_VAL_FRACTION = 0.05
+DEFAULT_SPLIT_SEED = 1234
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -250,9 +253,22 @@ class DataConfig:
         None, "Read at most this many documents (needed to bound a streamed hub dataset)."
     )
     hf_split: str = _f("train", "Split of a Hugging Face dataset.")
-    val_fraction: float = _f(0.05, "Share of documents held out for validation (split by document, seeded).")
+    val_fraction: float = _f(DEFAULT_VAL_FRACTION, "Share of documents held out for validation (split by document, seeded).")
     val_blocks: int = _f(32, "Validation blocks evaluated (a fixed subset of the held-out set).")
-    split_seed: int = _f(1234, "Seed of the train/validation document split (independent of --seed).")
+    split_seed: int = _f(DEFAULT_SPLIT_SEED, "Seed of the train/validation document split (independent of --seed).")
+    val_data: Optional[str] = _f(
+        None,
+        "A separate validation source, any source --data takes (e.g. val.jsonl beside --data train.jsonl: "
+        "TRL's eval_dataset), read with the same --text-field, --data-format, --loss-on, chat template, "
+        "--strip-html and --max-documents. All of --data then trains (no --val-fraction is held out) and validation reads the "
+        "first --val-blocks blocks of it. None: validate on --val-fraction of --data.",
+    )
+    val_split: Optional[str] = _f(
+        None,
+        "The split of an hf: validation source to validate on (e.g. 'validation' or 'test'): of --val-data, "
+        "or of --data itself when --val-data is not given (all of --data's --hf-split then trains). "
+        "None: --hf-split's.",
+    )
     cache_dir: str = _f(
         DEFAULT_CACHE_DIR,
         "Directory of the token cache (memmaps keyed by source, tokenizer and options) and of the "
@@ -292,6 +308,7 @@ class DataConfig:
                 "--data hf:NAME or drop --hf-split")
         require(0.0 < self.val_fraction < 1.0, f"--val-fraction must be in (0, 1), got {self.val_fraction}")
         require(self.val_blocks > 0, f"--val-blocks must be positive, got {self.val_blocks}")
+        self._check_validation_source()
         require(self.num_workers >= 0, f"--num-workers must be >= 0, got {self.num_workers}")
         check_at_most("--num-workers", self.num_workers, MAX_RANKS)
         require(self.prefetch_factor is None or self.prefetch_factor >= 1,
@@ -310,6 +327,45 @@ class DataConfig:
         """Whether some targets are -100 (ignored): a prompt's under --loss-on completion, a pad's
         under --packing pad; the losses then average the others only."""
         return self.loss_on == "completion" or self.packing == "pad"
+
+    def validation_config(self) -> Optional["DataConfig"]:
+        """The DataConfig of the separate validation source (--val-data, or --val-split of an hf:
+        --data): its source and split, every text option of --data's; None when validation is held
+        out of --data (--val-fraction)."""
+        source = self.val_data if self.val_data is not None else (self.data if self.val_split is not None else None)
+        if source is None:
+            return None
+        return dataclasses.replace(self, data=source, hf_split=self.val_split or self.hf_split,
+                                   val_data=None, val_split=None)
+
+    def _check_validation_source(self) -> None:
+        """--val-data and --val-split: refused where they cannot be read as given, and beside the
+        settings of the held-out split they replace (--val-fraction, --split-seed): refused rather
+        than ignored, as a flag of a technique that is off is, since a run that took a fraction
+        out of nothing would record a split it never made. A value equal to the default asks
+        nothing (a config file may spell every key)."""
+        if self.val_data is None and self.val_split is None:
+            return
+        require(self.val_data is None or self.val_data.strip() != "",
+                "--val-data is empty; give a file, a folder, a glob, 'default' or hf:NAME, or drop --val-data")
+        _check_homes(("--val-data", self.val_data))
+        source = self.val_data if self.val_data is not None else self.data
+        require(self.val_split is None or source.startswith("hf:"),
+                f"--val-split {self.val_split} picks a split of an hf: validation source; "
+                f"{'--val-data' if self.val_data is not None else '--data'} {source} has none: give --val-data hf:NAME "
+                "or drop --val-split")
+        require(self.val_split is None or self.val_split.strip() != "",
+                "--val-split is empty; give a split name (validation, test) or drop --val-split")
+        flag = f"--val-data {self.val_data}" if self.val_data is not None else f"--val-split {self.val_split}"
+        for name, default in (("val_fraction", DEFAULT_VAL_FRACTION), ("split_seed", DEFAULT_SPLIT_SEED)):
+            value = getattr(self, name)
+            require(value == default,
+                    f"--{name.replace('_', '-')} {value} splits --data into train and validation; {flag} validates "
+                    f"on its own source and trains on all of --data: drop --{name.replace('_', '-')} (or {flag})")
+        try:
+            self.validation_config()  # the text options checked against the validation source's kind
+        except ConfigError as exc:
+            raise ConfigError(val_data_message(str(exc))) from None
 
     def check_answer_source(self) -> None:
         """--loss-on completion reads its targets from records: refused over --data-format text.
@@ -333,6 +389,13 @@ class DataConfig:
         require(not self.strip_html,
                 f"{flag} renders records with a chat template, whose markup --strip-html would remove; drop "
                 "--strip-html")
+
+
+def val_data_message(line: str) -> str:
+    """A line said of --data, said of the validation source it was about: its checks and readers
+    name the flag of the source they were given, which there is --val-data (``--data-format``
+    and the other ``--data-*`` flags are kept)."""
+    return re.sub(r"--data(?![-\w])", "--val-data", line)
 
 
 # --------------------------------------------------------------------------- techniques

@@ -1,6 +1,6 @@
 """Data pipeline: text source -> GPT-2 tokens -> cached train/validation split -> batches.
 
-    splits = prepare_tokens(cfg.data)                       # cached on disk, memory-mapped
+    splits = prepare_splits(cfg.data)                       # cached on disk, memory-mapped
     check_split_documents(splits, cfg.data)                 # each split holds a document
     loader = make_train_loader(splits.train, seq_len, batch_size, seed)
     x, y = loader.next_batch()                              # resumable: loader.state_dict()
@@ -20,6 +20,7 @@ from memtrain.data.loader import (
 )
 from memtrain.data.sources import data_fingerprint, iter_documents, source_identity
 from memtrain.data.tokenizer import EOT_ID, N_VOCAB, TOKENIZER_NAME, encode_batch, get_tokenizer
+from memtrain.data.validation import check_val_tokens, prepare_splits, same_source_warning, validation_source_name
 
 __all__ = [
     "BlockDataset",
@@ -33,6 +34,7 @@ __all__ = [
     "cache_key",
     "cache_root",
     "check_split_documents",
+    "check_val_tokens",
     "data_fingerprint",
     "default_documents",
     "encode_batch",
@@ -41,6 +43,9 @@ __all__ = [
     "iter_documents",
     "make_train_loader",
     "make_val_batches",
+    "prepare_splits",
     "prepare_tokens",
+    "same_source_warning",
     "source_identity",
+    "validation_source_name",
 ]

@@ -86,19 +86,21 @@ class TokenSplits:
 
 
 def prepare_tokens(cfg: DataConfig, progress: Optional[bool] = None, tokenizer: Any = None,
-                   lines: bool = False) -> TokenSplits:
+                   lines: bool = False, whole: bool = False) -> TokenSplits:
     """Tokens of ``cfg.data``, split by document; read from the cache when an entry exists.
 
     ``cfg.no_cache`` tokenizes again and replaces the entry. ``progress`` shows a tqdm bar
     (documents, tokens/s) on stderr while tokenizing (None: only on a terminal); ``lines``, where
     no bar is drawn, a plain line now and then (:class:`memtrain.runtime.notices.ProgressLines`). ``tokenizer`` (None: GPT-2 BPE) is a
     model's own tokenizer (memtrain.models.tokenizer.HFTokenizer: ``name``, ``n_vocab``,
-    ``eot_id``, ``encode_batch``); ids that do not fit uint16 are stored as uint32.
+    ``eot_id``, ``encode_batch``); ids that do not fit uint16 are stored as uint32. ``whole``: no
+    document is held out (every one in ``train``; a source of its own validates, --val-data), an
+    entry of its own whatever --val-fraction and --split-seed say.
     """
     if cfg.data_format == "chat" and (refusal := template_refusal(cfg.data_format, tokenizer)) is not None:
         raise refusal  # said before the cache is looked at: a rendered entry needs the template
     root = cache_root(cfg)
-    final = root / cache_key(cfg, tokenizer)
+    final = root / cache_key(cfg, tokenizer, whole)
     if not cfg.no_cache:
         cached = _load_entry(final, from_cache=True, expected=_identity(cfg, tokenizer))
         # An entry written before the record offsets were stored serves --packing concat as ever;
@@ -110,9 +112,9 @@ def prepare_tokens(cfg: DataConfig, progress: Optional[bool] = None, tokenizer: 
         _clean_stale_tmp(root)
         tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-", dir=root))
     except OSError as exc:
-        return _tokenize_uncached(cfg, root, exc, progress, tokenizer, lines)
+        return _tokenize_uncached(cfg, root, exc, progress, tokenizer, lines, whole)
     try:
-        meta = _write_tokens(cfg, tmp, progress, tokenizer, lines)
+        meta = _write_tokens(cfg, tmp, progress, tokenizer, lines, whole)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))  # written last: marks a complete entry
         _publish(tmp, final)
     except OSError as exc:
@@ -126,7 +128,7 @@ def prepare_tokens(cfg: DataConfig, progress: Optional[bool] = None, tokenizer: 
         # The cache's disk filled (or failed) while the entry was written: the cache only saves
         # time, so the run goes on as with an unwritable cache (the folder is cleaned first).
         shutil.rmtree(tmp, ignore_errors=True)
-        return _tokenize_uncached(cfg, root, exc, progress, tokenizer, lines)
+        return _tokenize_uncached(cfg, root, exc, progress, tokenizer, lines, whole)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone after a successful rename; cleans up after a failure
     splits = _load_entry(final, from_cache=False)
@@ -140,7 +142,7 @@ def prepare_tokens(cfg: DataConfig, progress: Optional[bool] = None, tokenizer: 
 
 
 def _tokenize_uncached(cfg: DataConfig, root: Path, exc: OSError, progress: Optional[bool], tokenizer: Any,
-                       lines: bool = False) -> TokenSplits:
+                       lines: bool = False, whole: bool = False) -> TokenSplits:
     """Tokenize into a private temporary folder when the cache cannot be written (read-only
     file system, a file in the way, no permission): the run goes on, only slower next time.
     ``tokenizer`` is the same one a cached entry would be built with (None: GPT-2 BPE), so the
@@ -152,7 +154,7 @@ def _tokenize_uncached(cfg: DataConfig, root: Path, exc: OSError, progress: Opti
           "tokenizing without a cache (set MEMTRAIN_CACHE to a writable folder)", file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix="memtrain-tokens-"))
     try:
-        meta = _write_tokens(cfg, tmp, progress, tokenizer, lines)
+        meta = _write_tokens(cfg, tmp, progress, tokenizer, lines, whole)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         splits = _load_entry(tmp, from_cache=False)
     finally:
@@ -185,8 +187,9 @@ def cache_root(cfg: DataConfig) -> Path:
     return Path(effective_cache_dir(cfg)).expanduser()
 
 
-def cache_key(cfg: DataConfig, tokenizer: Any = None) -> str:
-    """SHA-256 of everything that decides the cached tokens (no file content is read)."""
+def cache_key(cfg: DataConfig, tokenizer: Any = None, whole: bool = False) -> str:
+    """SHA-256 of everything that decides the cached tokens (no file content is read); ``whole``
+    (nothing held out) keys no split settings, so a source's whole entry serves any run."""
     payload = {
         "format_version": FORMAT_VERSION,
         "source": source_identity(cfg),
@@ -196,8 +199,8 @@ def cache_key(cfg: DataConfig, tokenizer: Any = None) -> str:
         "hf_split": cfg.hf_split,
         "tokenizer": {"name": TOKENIZER_NAME, "n_vocab": N_VOCAB} if tokenizer is None
         else _tokenizer_meta(tokenizer),
-        "val_fraction": cfg.val_fraction,
-        "split_seed": cfg.split_seed,
+        "val_fraction": 0.0 if whole else cfg.val_fraction,
+        "split_seed": None if whole else cfg.split_seed,
         **_format_identity(cfg, tokenizer),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
@@ -239,7 +242,7 @@ def _token_dtype(n_vocab: int) -> np.dtype:
 
 
 def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenizer: Any = None,
-                  lines: bool = False) -> dict[str, Any]:
+                  lines: bool = False, whole: bool = False) -> dict[str, Any]:
     """Tokenize the source into ``out/train.bin`` and ``out/val.bin``; return the metadata."""
     rng = np.random.default_rng(cfg.split_seed)
     threads = default_threads()
@@ -267,7 +270,7 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenize
         )
         said = ProgressLines("tokenizing", lines and not drawn, total=cfg.max_documents, unit="documents")
         for batch in _batched(_documents(cfg, tokenizer), BATCH_DOCS, BATCH_CHARS):
-            is_val = assign_validation(rng, len(batch), cfg.val_fraction)
+            is_val = assign_validation(rng, len(batch), 0.0 if whole else cfg.val_fraction)
             t0 = time.perf_counter()
             if masked:
                 encoded, doc_masks = _encode_masked(tokenizer, batch, dtype)

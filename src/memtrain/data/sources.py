@@ -34,7 +34,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from memtrain.config.run import ConfigError, DataConfig
+from memtrain.config.run import ConfigError, DataConfig, val_data_message
 from memtrain.data.default_corpus import DEFAULT_CORPUS_VERSION, default_documents
 from memtrain.data.html_text import html_to_text
 from memtrain.data.json_records import check_json_nesting, check_json_records, first_bad_json_line
@@ -144,7 +144,10 @@ def data_fingerprint(cfg: DataConfig) -> str:
     an edit that keeps a large file's size and misses every sampled block goes unseen), not
     their paths or modification times, so a copied or touched file still resumes. The default
     corpus and Hub datasets contribute their identity (Python version; name and split). A
-    ``--chat-template`` file contributes its content: it renders every record.
+    ``--chat-template`` file contributes its content: it renders every record. A validation source
+    of its own (--val-data, --val-split) contributes its fingerprint: a resume refuses other
+    validation text at the same path as it refuses other training text (a fingerprint without one
+    is as it always was).
     """
     identity = source_identity(cfg)
     h = hashlib.sha256(identity["kind"].encode())
@@ -158,6 +161,12 @@ def data_fingerprint(cfg: DataConfig) -> str:
         except OSError as exc:
             raise ConfigError(f"cannot read {f['path']!r} ({exc.strerror or type(exc).__name__}); check --data") from None
     _hash_chat_template(cfg, h)
+    val_cfg = cfg.validation_config()
+    if val_cfg is not None:
+        try:
+            h.update(b"\nval_data\n" + data_fingerprint(val_cfg).encode())
+        except ConfigError as exc:
+            raise ConfigError(val_data_message(str(exc))) from None
     return h.hexdigest()
 
 

@@ -240,10 +240,13 @@ def markdown_report(rows: list[dict[str, Any]], missing: list[str], header: Call
         env = first_ok.get("env", {})
         spec = raw_first_ok["config"]["model"].get("model")  # a transformers --model (None: memtrain's GPT)
         named = f"{md_code(str(spec))}, " if spec else ""
+        # What every row's perplexity was read on (result.json's data.val_source; rows before it have none).
+        source = (raw_first_ok.get("data") or {}).get("val_source")
+        read_on = f" Val PPL read on {md_code(str(source))}." if source else ""
         parts += [
             f"Model: {named}d_model {m['d_model']}, {m['n_layers']} layers, {m['n_heads']} heads, d_ff {m['d_ff']}, "
             f"vocab {m['vocab_size']}; batch {t['batch_size']} x seq {t['seq_len']}, {t['steps']} steps, "
-            f"lr {t['lr']}, warm-up {t['warmup_steps']}. Data: {md_code(raw_first_ok['config']['data']['data'])}.",
+            f"lr {t['lr']}, warm-up {t['warmup_steps']}. Data: {md_code(raw_first_ok['config']['data']['data'])}.{read_on}",
             f"Hardware: {hardware_text(env)}; torch {env.get('torch')}; memtrain commit {env.get('commit') or 'unknown'}.",
         ]
         parts += device_lines(rows) + shared_technique_lines(rows) + [""]

@@ -405,6 +405,13 @@ def check_resume_data(cfg: RunConfig, saved: Optional[str]) -> None:
 
     if saved is not None and data_fingerprint(cfg.data) != saved:
         changed = "its content, or the --chat-template file that renders it," if cfg.data.chat_template else "its content"
+        if cfg.data.validation_config() is not None:  # the fingerprint covers both sources: name both
+            # memtrain.data imports torch: loaded only here, as above
+            from memtrain.data.validation import validation_source_name
+
+            raise ConfigError(f"--data {cfg.data.data!r} and {validation_source_name(cfg.data)} do not hold the data "
+                              f"checkpoint {cfg.train.resume!r} was trained and validated on ({changed} changed since); "
+                              "resume with that data, or start a new run without --resume")
         raise ConfigError(f"--data {cfg.data.data!r} does not hold the data checkpoint {cfg.train.resume!r} was "
                           f"trained on ({changed} changed since); resume with that data, or start a new run "
                           "without --resume")

@@ -1,6 +1,6 @@
 """Where a saved run's relative paths point, from wherever it is resumed.
 
-A run config records ``--out``, ``--save``, ``--data``, ``--chat-template`` and ``--model`` as they were typed, so a
+A run config records ``--out``, ``--save``, ``--data``, ``--val-data``, ``--chat-template`` and ``--model`` as they were typed, so a
 relative one is relative to the folder the run was launched from. A checkpoint records that
 folder (``cwd``); ``train --resume CKPT`` from another folder then continues in the run's own
 ``--out`` and ``--save`` and reads its own data, instead of starting a second copy of the run
@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 # The run settings that name files or folders, by config section.
-PATH_SETTINGS: dict[str, tuple[str, ...]] = {"train": ("out", "save"), "data": ("data", "chat_template"),
+PATH_SETTINGS: dict[str, tuple[str, ...]] = {"train": ("out", "save"), "data": ("data", "chat_template", "val_data"),
                                              "model": ("model",)}
 # Settings that may also hold a name that is no path ("default", "hf:ORG/NAME", a bundled model):
 # taken as a path only where one exists.
-MAYBE_NAMES = frozenset({"data", "model"})
+MAYBE_NAMES = frozenset({"data", "val_data", "model"})
 
 
 def launch_dir(state: dict[str, Any], checkpoint: str | Path) -> Optional[str]:

@@ -28,7 +28,15 @@ from tqdm.auto import tqdm
 from memtrain.analysis.flops import counted_flops_per_step, rule_flops_per_token
 from memtrain.checkpoints.exact import load_checkpoint, save_checkpoint
 from memtrain.config.run import ConfigError, RunConfig, effective_cache_dir
-from memtrain.data import check_split_documents, data_fingerprint, make_train_loader, make_val_batches, prepare_tokens
+from memtrain.data import (
+    check_split_documents,
+    check_val_tokens,
+    data_fingerprint,
+    make_train_loader,
+    make_val_batches,
+    prepare_splits,
+    validation_source_name,
+)
 from memtrain.data.device_feed import DeviceFeed
 from memtrain.data.loader import IGNORE_INDEX, RecordRows
 from memtrain.devices.advice import mfu_for_run, reference_rate_now, run_device_facts
@@ -312,8 +320,9 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     state.data_fingerprint = data_fingerprint(cfg.data)
     state.model_config = model_config_identity(cfg.model.model)  # saved in checkpoints, checked by --resume
     with dist_ctx.main_first():  # rank 0 fills the token cache, the other ranks then read it
-        splits = prepare_tokens(cfg.data, progress=show, tokenizer=data_tokenizer(cfg), lines=plain)
+        splits = prepare_splits(cfg.data, progress=show, tokenizer=data_tokenizer(cfg), lines=plain)
     check_split_documents(splits, cfg.data)
+    check_val_tokens(splits, cfg.data, t.seq_len)
     # The next step's batches are fetched while this one runs, on a GPU (memtrain.data.device_feed).
     state.loader = DeviceFeed(make_train_loader(
         splits.train, t.seq_len, t.batch_size, seed=t.seed,
@@ -377,6 +386,8 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         result["setup_time_s"] = {**clock.laps, "first_step": timer.first_step_s}
         # What val_loss averages: the first --val-blocks blocks of the held-out split, not all of it.
         result["data"]["val_tokens_evaluated"] = sum(int(y.numel()) for _, y in val_batches)
+        # What val_loss was read on: --val-data, a --val-split, or the held-out share of --data.
+        result["data"]["val_source"] = validation_source_name(cfg.data)
         if splits.train_mask is not None:  # --loss-on completion: what the losses average
             result["data"].update(answer_counts(splits, val_batches))
         result.update(padding_fields(state.loader.loader.dataset, splits.val, splits.val_offsets, val_batches,
@@ -451,7 +462,10 @@ def check_answers(splits: Any, val_batches: list[Batch], cfg: RunConfig) -> None
                           "only text); give such records or drop --loss-on")
     if not sum(target_count(y) for _, y in val_batches):
         raise ConfigError(f"--loss-on completion: the {len(val_batches)} validation batch(es) (--val-blocks "
-                          f"{cfg.data.val_blocks}) hold no answer token to average; raise --val-blocks or --val-fraction")
+                          f"{cfg.data.val_blocks}) hold no answer token to average (read on "
+                          f"{validation_source_name(cfg.data)}); raise --val-blocks"
+                          + (" or give --val-data records with answers" if cfg.data.validation_config()
+                             else " or --val-fraction"))
 
 
 def answer_counts(splits: Any, val_batches: list[Batch]) -> dict[str, int]:

@@ -273,7 +273,7 @@ def run_theirs(cfg: RunConfig, track_memory: bool = True, exact_schedule: bool =
     import transformers
 
     # on this side's turn: the package imports no torch before the lockstep baton
-    from memtrain.data import check_split_documents, make_val_batches, prepare_tokens
+    from memtrain.data import check_split_documents, check_val_tokens, make_val_batches, prepare_splits
 
     # on this side's turn: the package imports no torch before the lockstep baton
     from memtrain.metrics import device_peak_memory
@@ -293,8 +293,9 @@ def run_theirs(cfg: RunConfig, track_memory: bool = True, exact_schedule: bool =
     if plan.matmul_precision:
         torch.set_float32_matmul_precision(plan.matmul_precision)
 
-    splits = prepare_tokens(cfg.data, progress=False, tokenizer=data_tokenizer(cfg))
+    splits = prepare_splits(cfg.data, progress=False, tokenizer=data_tokenizer(cfg))  # --val-data as train reads it
     check_split_documents(splits, cfg.data)
+    check_val_tokens(splits, cfg.data, t.seq_len)
     train_ds = hf_train_dataset(splits.train, cfg)
     val_batches = make_val_batches(splits.val, t.seq_len, cfg.data.val_blocks, t.batch_size)
 
