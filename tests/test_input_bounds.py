@@ -197,6 +197,40 @@ def test_a_long_line_of_a_text_file_is_read_in_pieces_cut_at_word_breaks():
     assert pieces[0] == "short line\n" and all(p.startswith(" word") for p in pieces[2:-2])
 
 
+_PARQUET_PEAK = textwrap.dedent("""
+    import sys
+    import pyarrow as pa
+    from memtrain.config.run import DataConfig
+    from memtrain.data.sources import iter_documents
+    n = sum(1 for _ in iter_documents(DataConfig(data=sys.argv[1])))
+    print(n, pa.default_memory_pool().max_memory())
+""")
+
+
+def test_a_parquet_row_group_that_decodes_to_gigabytes_is_read_a_few_rows_at_a_time(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    # One 256 KiB text in 400 rows, dictionary-encoded and compressed: a file of a few hundred
+    # bytes whose one row group decodes to 100 MiB (15,000 such rows would be 3.7 GiB).
+    text = "word " * 52_429
+    rows = 400
+    column = pa.DictionaryArray.from_arrays(pa.array([0] * rows, pa.int32()), pa.array([text]))
+    path = tmp_path / "bomb.parquet"
+    pq.write_table(pa.table({"text": column}), path, compression="zstd", row_group_size=rows)
+    assert path.stat().st_size < 4096
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    proc = subprocess.run([sys.executable, "-c", _PARQUET_PEAK, str(path)], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    documents, arrow_peak = map(int, proc.stdout.split())
+    assert documents == rows  # every row read
+    # pyarrow's own count of the bytes it held at once: the whole row group (122 MiB) when
+    # datasets' builder read it; a batch of PARQUET_BATCH_ROWS rows now.
+    decoded = rows * len(text)
+    assert arrow_peak < decoded // 2, f"pyarrow held {arrow_peak >> 20} MiB at once for {decoded >> 20} MiB of rows"
+
+
 # --------------------------------------------------------------------------- 3. absurd model sizes
 @pytest.mark.parametrize("flags", [
     {"n_layers": 10**9}, {"d_ff": 10**12}, {"vocab_size": 10**12}, {"max_seq_len": 10**10},
