@@ -231,6 +231,48 @@ def test_a_parquet_row_group_that_decodes_to_gigabytes_is_read_a_few_rows_at_a_t
     assert arrow_peak < decoded // 2, f"pyarrow held {arrow_peak >> 20} MiB at once for {decoded >> 20} MiB of rows"
 
 
+def test_an_xml_dump_of_elements_other_than_rows_is_read_in_bounded_memory(tmp_path):
+    """Only <row> elements were cleared: 141 MB of <post> elements held 1.5 GB. Python's own count
+    of the bytes it held at once (tracemalloc) stays a fraction of the file's size now."""
+    import tracemalloc
+
+    from memtrain.data import sources
+
+    path = tmp_path / "Posts.xml"
+    post = '<post Id="1" Body="hello world, this is text"/>\n'
+    path.write_text("<posts><group>" + post * 200_000 + '</group><row Body="the one row"/></posts>')
+    tracemalloc.start()
+    try:
+        docs = list(sources.iter_documents(DataConfig(data=str(path))))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert docs == ["the one row"]
+    assert peak < path.stat().st_size // 4, f"held {peak:,} bytes at once for a {path.stat().st_size:,}-byte file"
+
+
+@pytest.mark.parametrize("hostile", ["attribute", "text", "dtd", "depth"])
+def test_an_xml_tag_too_long_or_nesting_too_deep_is_one_line(tmp_path, capsys, monkeypatch, hostile):
+    """A 1 GB Body attribute (or text, or DTD) was held whole by the parser, several times over;
+    elements nested a million deep were each held open. One error: line naming the file now."""
+    from memtrain.data import sources
+
+    monkeypatch.setattr(sources, "MAX_XML_TAG_BYTES", 1 << 20)  # 1 MiB: a fast test
+    rows = "".join(f'<row Body="post {i} of the dump"/>\n' for i in range(20))
+    big = "x" * (3 << 20)
+    body = {"attribute": f'<posts>{rows}<row Body="{big}"/></posts>',
+            "text": f"<posts>{rows}{big}</posts>",
+            "dtd": f'<!DOCTYPE posts [<!ENTITY e "{big}">]><posts>{rows}</posts>',
+            "depth": f"<posts>{rows}" + "<a>" * 300 + "</a>" * 300 + "</posts>"}[hostile]
+    path = tmp_path / "Posts.xml"
+    path.write_text(body)
+    out = tmp_path / "out"
+    assert main(["train", *cli_flags({**RUN, "data": str(path), "steps": 1, "out": str(out)})]) == 2
+    err = _one_error_line(capsys.readouterr().err)
+    assert str(path) in err and ("deeper than 256" if hostile == "depth" else "longer than 1 MiB") in err, err
+    assert not out.exists()
+
+
 # --------------------------------------------------------------------------- 3. absurd model sizes
 @pytest.mark.parametrize("flags", [
     {"n_layers": 10**9}, {"d_ff": 10**12}, {"vocab_size": 10**12}, {"max_seq_len": 10**10},

@@ -371,41 +371,92 @@ def _bounded_text_lines(f: Any, limit: int) -> Iterator[str]:
         yield carry
 
 
+# An XML dump is read in pieces of this many bytes.
+XML_READ_BYTES = 1 << 16
+# The most bytes read without the parser completing a tag: one start tag (a row's attributes, a
+# post's Body among them), one text or one DTD that long is refused. The parser holds it whole,
+# several times over, as it does a JSON line (data.json_records.MAX_JSON_RECORD_BYTES, the same
+# bound); a Stack Exchange row is a few KiB.
+MAX_XML_TAG_BYTES = 64 << 20
+# Elements open at once: a Stack Exchange dump nests two (the root and its rows); JSON data has
+# the same bound (files.json_text.MAX_JSON_DEPTH). Each open element is held until it ends.
+MAX_XML_DEPTH = 256
+
+
 def _xml_documents(path: Path, field: str) -> Iterator[str]:
     """The ``field`` attribute of every ``<row>`` of a Stack Exchange dump, read incrementally.
 
-    Each row is cleared once read, and detached from the root, so memory stays flat however
-    large the dump is. Rows without the attribute are skipped (dumps omit empty ones); if no
-    row has it, the field name is wrong.
+    Every element is detached from its parent and cleared once it ends, whatever its name, so
+    memory holds only the open elements (at most MAX_XML_DEPTH) and the tag being read (at most
+    MAX_XML_TAG_BYTES): clearing only ``<row>`` elements kept every other one (a 141 MB file of
+    ``<post>`` elements held 1.5 GB). Rows without the attribute are skipped (dumps omit empty
+    ones); if no row has it, the field name is wrong. Entities are expat's: an external one is
+    never read, and expansion past its amplification limit is a parse error.
     """
     n_rows, n_with_field, first_attrs = 0, 0, ""
-    with path.open("rb") as f:  # bytes: the parser honours the XML encoding declaration
-        events = ET.iterparse(f, events=("start", "end"))
-        root = None
-        while True:
-            try:
-                event, elem = next(events)
-            except StopIteration:
-                break
-            except ET.ParseError as exc:
-                raise ConfigError(_xml_error(path, exc)) from None
-            if root is None:
-                root = elem
-            if event != "end" or elem.tag != "row":
-                continue
-            n_rows += 1
-            first_attrs = first_attrs or ", ".join(elem.attrib)
-            text = elem.get(field)
-            elem.clear()
-            root.clear()
-            if text is not None:
-                n_with_field += 1
-                yield text
+    for elem in _xml_ended_elements(path):
+        if elem.tag != "row":
+            continue
+        n_rows += 1
+        first_attrs = first_attrs or ", ".join(elem.attrib)
+        text = elem.get(field)
+        if text is not None:
+            n_with_field += 1
+            yield text
     if n_rows and not n_with_field:
         raise ConfigError(
             f"field {field!r} not found in any of the {n_rows:,} rows of {str(path)!r} "
             f"(attributes: {first_attrs}); set --text-field"
         )
+
+
+def _xml_ended_elements(path: Path) -> Iterator[ET.Element]:
+    """Each element of an XML file as it ends, then detached from its parent and cleared (keep
+    nothing of it past the next ``next``); a parse error or a bound passed is a ConfigError."""
+    parser: ET.XMLPullParser[ET.Element] = ET.XMLPullParser(events=("start", "end"))
+    open_elements: list[ET.Element] = []
+    pending = 0  # bytes fed since the parser last completed a tag
+    with path.open("rb") as f:  # bytes: the parser honours the XML encoding declaration
+        while True:
+            chunk = f.read(XML_READ_BYTES)
+            if chunk:
+                parser.feed(chunk)
+            else:
+                parser.close()
+            pending += len(chunk)
+            for event, elem in _xml_events(parser, path):
+                pending = 0
+                if event == "start":
+                    open_elements.append(elem)
+                    if len(open_elements) > MAX_XML_DEPTH:
+                        raise ConfigError(f"{str(path)!r} nests XML elements deeper than {MAX_XML_DEPTH} levels; "
+                                          "a Stack Exchange dump nests two (<posts><row .../></posts>)")
+                    continue
+                open_elements.pop()
+                yield elem
+                # The parent lets go of it. Events come once a piece is parsed, so the parent may
+                # hold later siblings already; children end in order, so this one is its first.
+                if open_elements and len(open_elements[-1]) and open_elements[-1][0] is elem:
+                    del open_elements[-1][0]
+                elem.clear()
+            if pending > MAX_XML_TAG_BYTES:
+                offset = f.tell() - pending
+                raise ConfigError(f"{str(path)!r} holds a tag, a text or a DTD longer than {MAX_XML_TAG_BYTES >> 20} "
+                                  f"MiB from byte {offset:,}; a Stack Exchange row is a few KiB, check that the file "
+                                  "is an XML dump")
+            if not chunk:
+                return
+
+
+def _xml_events(parser: ET.XMLPullParser[ET.Element], path: Path) -> Iterator[tuple[str, Any]]:
+    """The parser's events so far, its parse error as the ConfigError naming the position."""
+    try:
+        for event in parser.read_events():
+            # Only "start" and "end" were asked for, each (event, element); the stubs' union of
+            # every event also holds 1-tuples.
+            yield event[0], event[1]  # type: ignore[misc]
+    except ET.ParseError as exc:
+        raise ConfigError(_xml_error(path, exc)) from None
 
 
 def _xml_error(path: Path, exc: ET.ParseError) -> str:
