@@ -115,6 +115,34 @@ def test_a_jsonl_line_too_long_for_a_record_is_refused_before_any_reader_holds_i
     assert not out.exists()
 
 
+@pytest.mark.parametrize("data", ["file", "hf-dir"])
+@pytest.mark.parametrize("layout", ["one-line", "quoted-lines"])
+def test_a_csv_record_too_long_is_refused_before_its_reader_holds_it(tmp_path, capsys, monkeypatch, layout, data):
+    """pandas (datasets' csv reader) held a 100 MB field whole, several times over (317 MB); a
+    record is bounded as a JSON line is, on one line or spread over the lines of a quoted field."""
+    from memtrain.data import json_records
+
+    monkeypatch.setattr(json_records, "MAX_JSON_RECORD_BYTES", 1 << 20)  # 1 MiB: a fast test
+    words = "word " * 20_000  # 100 KB
+    rows = [f'"post {i}, a ""quoted"" word"' for i in range(3)]
+    huge = {"one-line": '"' + words * 21 + '"', "quoted-lines": '"' + "\n".join([words] * 21) + '"'}[layout]
+    path = tmp_path / "d" / "posts.csv"
+    path.parent.mkdir()
+    path.write_text("\n".join(["text", *rows, huge, '"after"']) + "\n")
+    out = tmp_path / "out"
+    given = str(path) if data == "file" else f"hf:{path.parent}"
+    assert main(["train", *cli_flags({**RUN, "data": given, "steps": 1, "out": str(out)})]) == 2
+    err = _one_error_line(capsys.readouterr().err)
+    assert f"{str(path)!r}: the record on line 5 is longer than 1 MiB" in err, err
+    assert not out.exists()
+    # A field just under the bound, over many lines, and a quote inside an unquoted field still read.
+    path.write_text("\n".join(["text", 'a 5" screen', '"' + "\n".join([words] * 9) + '"', "after"]) + "\n")
+    from memtrain.data import sources
+
+    docs = list(sources.iter_documents(DataConfig(data=str(path))))
+    assert docs[0] == 'a 5" screen' and len(docs[1]) == 9 * len(words) + 8 and docs[2] == "after"
+
+
 @pytest.mark.parametrize("layout", ["one-line", "pretty", "hf-dir"])
 def test_a_json_array_too_large_to_read_whole_is_refused_from_its_size(tmp_path, capsys, monkeypatch, layout):
     """datasets' json reader holds a .json array whole, several times over (64.6 MB of records

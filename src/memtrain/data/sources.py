@@ -20,6 +20,7 @@ message naming the problem and the fix.
 
 from __future__ import annotations
 
+import csv
 import functools
 import glob
 import hashlib
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from memtrain.config.run import ConfigError, DataConfig
+from memtrain.data import json_records
 from memtrain.data.default_corpus import DEFAULT_CORPUS_VERSION, default_documents
 from memtrain.data.html_text import html_to_text
 from memtrain.data.json_records import check_json_nesting, check_json_records, first_bad_json_line
@@ -510,8 +512,9 @@ def _hf_documents(cfg: DataConfig, render: Optional[Render] = None) -> Iterator[
         yield from _hub_documents(target, cfg, render)
     elif kind == "dir":
         root = Path(target)
-        check_json_nesting(sorted(p for p in root.rglob("*") if p.is_file() and not _hidden(p, root)
-                                   and p.suffix.lower() in JSON_SUFFIXES))
+        files = sorted(p for p in root.rglob("*") if p.is_file() and not _hidden(p, root))
+        check_json_nesting([p for p in files if p.suffix.lower() in JSON_SUFFIXES])
+        check_csv_records([p for p in files if p.suffix.lower() == ".csv"])
         load = _load_saved if is_saved_dataset(root) else _load_dataset
         ds = load(target, split=cfg.hf_split, label=target)
         yield from _dataset_texts(ds, default_text_field(cfg, "text"), target, render=render)
@@ -614,6 +617,8 @@ def _structured_documents(builder: str, files: list[Path], field: str, label: st
     if builder == "parquet":
         yield from _dataset_texts(_parquet_records(files), field, label, render=render)
         return
+    if builder == "csv":
+        check_csv_records(files)
     locate = None
     if builder == "json":
         check_json_nesting(files)
@@ -622,6 +627,61 @@ def _structured_documents(builder: str, files: list[Path], field: str, label: st
     ds = _load_dataset(builder, data_files=[str(p) for p in files], split="train", label=label)
     yield from _dataset_texts(ds, field, label, locate, render)
 
+
+
+def check_csv_records(files: list[Path]) -> None:
+    """Refuse a CSV record (a line, or the lines of a quoted field that spans several) longer than
+    ``json_records.MAX_JSON_RECORD_BYTES`` (a JSON line's bound), naming the file and the line it
+    starts on, before datasets' reader (pandas) sees it: it holds a record whole, several times over (a 100 MB field grew the
+    process by 317 MB; a 1 GB one, by gigabytes), as the JSON readers hold a line. Python's csv
+    reader finds where records end (quoting as pandas reads it); it is given lines of bounded
+    length, so no more than the bound is held here either."""
+    for path in files:
+        with path.open("r", encoding="utf-8", errors="replace", newline="") as fh:
+            record = _CsvRecordBytes(path, fh)
+            previous = csv.field_size_limit()
+            # The default (128 KiB) is a real field's size; the record's bound below comes first.
+            csv.field_size_limit(json_records.MAX_JSON_RECORD_BYTES)
+            try:
+                _scan_csv_records(record)
+            finally:
+                csv.field_size_limit(previous)
+
+
+def _scan_csv_records(record: _CsvRecordBytes) -> None:
+    """Read every record of ``record``'s file (for their sizes). A line Python's reader calls
+    malformed is left to datasets' reader to name, in its words; the scan goes on after it."""
+    while True:
+        try:
+            for _ in csv.reader(record):
+                record.start_next()
+            return
+        except csv.Error:
+            record.start_next()
+
+
+class _CsvRecordBytes:
+    """The lines of a CSV file for :func:`csv.reader`, counting the characters of the record being
+    read; past ``json_records.MAX_JSON_RECORD_BYTES`` (one line, or the lines of one record) a ConfigError."""
+
+    def __init__(self, path: Path, fh: Any) -> None:
+        self.path, self.fh = path, fh
+        self.size, self.line, self.first_line = 0, 0, 1
+
+    def start_next(self) -> None:
+        """The reader returned a record: the next one starts on the next line."""
+        self.size, self.first_line = 0, self.line + 1
+
+    def __iter__(self) -> Iterator[str]:
+        while line := self.fh.readline(json_records.MAX_JSON_RECORD_BYTES + 1):
+            self.line += 1
+            self.size += len(line)
+            if self.size > json_records.MAX_JSON_RECORD_BYTES:
+                raise ConfigError(f"{str(self.path)!r}: the record on line {self.first_line} is longer than "
+                                  f"{json_records.MAX_JSON_RECORD_BYTES >> 20} MiB, more than memtrain reads as one record (its "
+                                  "reader holds a record whole, several times over); split it into records, or give "
+                                  "the text as a .txt file (read in pieces)")
+            yield line
 
 # Rows decoded at a time from a parquet file. datasets' parquet builder decodes a whole row group
 # at once, and a row group's size on disk says nothing of its size decoded: a 530-byte file (one
