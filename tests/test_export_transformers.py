@@ -527,6 +527,22 @@ def _edit_weights(d: Path, edit) -> None:
     save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
 
 
+def _edit_header(d: Path, edit) -> None:
+    """Rewrite model.safetensors' JSON header through ``edit(header, first_tensor_name)``, the
+    tensor bytes kept: a header that lies about what the bytes hold."""
+    raw = (d / "model.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    edit(header, next(k for k in header if k != "__metadata__"))
+    text = json.dumps(header).encode()
+    (d / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+
+
+def _overlap(header: dict, first: str) -> None:
+    second = next(k for k in header if k not in ("__metadata__", first))
+    header[second]["data_offsets"] = header[first]["data_offsets"]
+
+
 def _replace_with_dir(path: Path) -> None:
     path.unlink()
     path.mkdir()
@@ -551,6 +567,13 @@ CORRUPT_FOLDERS = {
     "weights-garbage": lambda d: (d / "model.safetensors").write_bytes(os.urandom(4096)),
     "weights-empty": lambda d: (d / "model.safetensors").write_bytes(b""),
     "weights-a-folder": lambda d: _replace_with_dir(d / "model.safetensors"),
+    # safetensors' header checked before any byte is mapped: a 2 GiB header length, shapes whose
+    # size overflows, offsets past the end or shared by two tensors, a dtype that does not exist
+    "header-length-2gib": lambda d: (d / "model.safetensors").write_bytes((2 << 30).to_bytes(8, "little") + b"{}"),
+    "header-huge-shape": lambda d: _edit_header(d, lambda h, k: h[k].update(shape=[2**31, 2**31, 2**31])),
+    "header-offset-past-end": lambda d: _edit_header(d, lambda h, k: h[k].update(data_offsets=[0, 2**62])),
+    "header-offsets-overlap": lambda d: _edit_header(d, _overlap),
+    "header-unknown-dtype": lambda d: _edit_header(d, lambda h, k: h[k].update(dtype="F99")),
     "weights-shape-mismatch": lambda d: _edit_weights(d, lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(3, 3)})),
     "weights-missing-tensor": lambda d: _edit_weights(d, lambda t: t.pop("model.layers.0.mlp.up_proj.weight")),
     "weights-absent": lambda d: (d / "model.safetensors").unlink(),

@@ -115,6 +115,34 @@ def test_a_jsonl_line_too_long_for_a_record_is_refused_before_any_reader_holds_i
     assert not out.exists()
 
 
+@pytest.mark.parametrize("data", ["file", "hf-dir"])
+@pytest.mark.parametrize("layout", ["one-line", "quoted-lines"])
+def test_a_csv_record_too_long_is_refused_before_its_reader_holds_it(tmp_path, capsys, monkeypatch, layout, data):
+    """pandas (datasets' csv reader) held a 100 MB field whole, several times over (317 MB); a
+    record is bounded as a JSON line is, on one line or spread over the lines of a quoted field."""
+    from memtrain.data import json_records
+
+    monkeypatch.setattr(json_records, "MAX_JSON_RECORD_BYTES", 1 << 20)  # 1 MiB: a fast test
+    words = "word " * 20_000  # 100 KB
+    rows = [f'"post {i}, a ""quoted"" word"' for i in range(3)]
+    huge = {"one-line": '"' + words * 21 + '"', "quoted-lines": '"' + "\n".join([words] * 21) + '"'}[layout]
+    path = tmp_path / "d" / "posts.csv"
+    path.parent.mkdir()
+    path.write_text("\n".join(["text", *rows, huge, '"after"']) + "\n")
+    out = tmp_path / "out"
+    given = str(path) if data == "file" else f"hf:{path.parent}"
+    assert main(["train", *cli_flags({**RUN, "data": given, "steps": 1, "out": str(out)})]) == 2
+    err = _one_error_line(capsys.readouterr().err)
+    assert f"{str(path)!r}: the record on line 5 is longer than 1 MiB" in err, err
+    assert not out.exists()
+    # A field just under the bound, over many lines, and a quote inside an unquoted field still read.
+    path.write_text("\n".join(["text", 'a 5" screen', '"' + "\n".join([words] * 9) + '"', "after"]) + "\n")
+    from memtrain.data import sources
+
+    docs = list(sources.iter_documents(DataConfig(data=str(path))))
+    assert docs[0] == 'a 5" screen' and len(docs[1]) == 9 * len(words) + 8 and docs[2] == "after"
+
+
 @pytest.mark.parametrize("layout", ["one-line", "pretty", "hf-dir"])
 def test_a_json_array_too_large_to_read_whole_is_refused_from_its_size(tmp_path, capsys, monkeypatch, layout):
     """datasets' json reader holds a .json array whole, several times over (64.6 MB of records
@@ -195,6 +223,82 @@ def test_a_long_line_of_a_text_file_is_read_in_pieces_cut_at_word_breaks():
     pieces = list(_bounded_text_lines(io.StringIO(text), 1000))
     assert "".join(pieces) == text and max(map(len, pieces)) <= 1000
     assert pieces[0] == "short line\n" and all(p.startswith(" word") for p in pieces[2:-2])
+
+
+_PARQUET_PEAK = textwrap.dedent("""
+    import sys
+    import pyarrow as pa
+    from memtrain.config.run import DataConfig
+    from memtrain.data.sources import iter_documents
+    n = sum(1 for _ in iter_documents(DataConfig(data=sys.argv[1])))
+    print(n, pa.default_memory_pool().max_memory())
+""")
+
+
+def test_a_parquet_row_group_that_decodes_to_gigabytes_is_read_a_few_rows_at_a_time(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    # One 256 KiB text in 400 rows, dictionary-encoded and compressed: a file of a few hundred
+    # bytes whose one row group decodes to 100 MiB (15,000 such rows would be 3.7 GiB).
+    text = "word " * 52_429
+    rows = 400
+    column = pa.DictionaryArray.from_arrays(pa.array([0] * rows, pa.int32()), pa.array([text]))
+    path = tmp_path / "bomb.parquet"
+    pq.write_table(pa.table({"text": column}), path, compression="zstd", row_group_size=rows)
+    assert path.stat().st_size < 4096
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    proc = subprocess.run([sys.executable, "-c", _PARQUET_PEAK, str(path)], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    documents, arrow_peak = map(int, proc.stdout.split())
+    assert documents == rows  # every row read
+    # pyarrow's own count of the bytes it held at once: the whole row group (122 MiB) when
+    # datasets' builder read it; a batch of PARQUET_BATCH_ROWS rows now.
+    decoded = rows * len(text)
+    assert arrow_peak < decoded // 2, f"pyarrow held {arrow_peak >> 20} MiB at once for {decoded >> 20} MiB of rows"
+
+
+def test_an_xml_dump_of_elements_other_than_rows_is_read_in_bounded_memory(tmp_path):
+    """Only <row> elements were cleared: 141 MB of <post> elements held 1.5 GB. Python's own count
+    of the bytes it held at once (tracemalloc) stays a fraction of the file's size now."""
+    import tracemalloc
+
+    from memtrain.data import sources
+
+    path = tmp_path / "Posts.xml"
+    post = '<post Id="1" Body="hello world, this is text"/>\n'
+    path.write_text("<posts><group>" + post * 200_000 + '</group><row Body="the one row"/></posts>')
+    tracemalloc.start()
+    try:
+        docs = list(sources.iter_documents(DataConfig(data=str(path))))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert docs == ["the one row"]
+    assert peak < path.stat().st_size // 4, f"held {peak:,} bytes at once for a {path.stat().st_size:,}-byte file"
+
+
+@pytest.mark.parametrize("hostile", ["attribute", "text", "dtd", "depth"])
+def test_an_xml_tag_too_long_or_nesting_too_deep_is_one_line(tmp_path, capsys, monkeypatch, hostile):
+    """A 1 GB Body attribute (or text, or DTD) was held whole by the parser, several times over;
+    elements nested a million deep were each held open. One error: line naming the file now."""
+    from memtrain.data import sources
+
+    monkeypatch.setattr(sources, "MAX_XML_TAG_BYTES", 1 << 20)  # 1 MiB: a fast test
+    rows = "".join(f'<row Body="post {i} of the dump"/>\n' for i in range(20))
+    big = "x" * (3 << 20)
+    body = {"attribute": f'<posts>{rows}<row Body="{big}"/></posts>',
+            "text": f"<posts>{rows}{big}</posts>",
+            "dtd": f'<!DOCTYPE posts [<!ENTITY e "{big}">]><posts>{rows}</posts>',
+            "depth": f"<posts>{rows}" + "<a>" * 300 + "</a>" * 300 + "</posts>"}[hostile]
+    path = tmp_path / "Posts.xml"
+    path.write_text(body)
+    out = tmp_path / "out"
+    assert main(["train", *cli_flags({**RUN, "data": str(path), "steps": 1, "out": str(out)})]) == 2
+    err = _one_error_line(capsys.readouterr().err)
+    assert str(path) in err and ("deeper than 256" if hostile == "depth" else "longer than 1 MiB") in err, err
+    assert not out.exists()
 
 
 # --------------------------------------------------------------------------- 3. absurd model sizes

@@ -8,8 +8,9 @@
 * ``hf:NAME``: a Hugging Face dataset, streamed. ``hf:`` followed by a local directory,
   or ``hf:json:GLOB`` / ``hf:parquet:GLOB`` / ``hf:csv:GLOB``, reads local data through the
   same code, which is how this path works (and is tested) without the Hub.
-* local files or a glob: ``.txt``, ``.jsonl``/``.json``, ``.parquet``, ``.csv``; structured
-  files go through ``datasets`` so they share the Hugging Face path.
+* local files or a glob: ``.txt``, ``.jsonl``/``.json``, ``.parquet``, ``.csv``; ``.jsonl``,
+  ``.json`` and ``.csv`` go through ``datasets`` so they share the Hugging Face path, ``.parquet``
+  through pyarrow a few rows at a time (datasets decodes a whole row group at once).
 * any ``.xml`` file: a Stack Exchange dump such as ``Posts.xml``, read incrementally.
 
 :func:`iter_documents` is the one entry point; :func:`source_identity` describes the
@@ -19,6 +20,7 @@ message naming the problem and the fix.
 
 from __future__ import annotations
 
+import csv
 import functools
 import glob
 import hashlib
@@ -35,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from memtrain.config.run import ConfigError, DataConfig, val_data_message
+from memtrain.data import json_records
 from memtrain.data.default_corpus import DEFAULT_CORPUS_VERSION, default_documents
 from memtrain.data.html_text import html_to_text
 from memtrain.data.json_records import check_json_nesting, check_json_records, first_bad_json_line
@@ -379,41 +382,92 @@ def _bounded_text_lines(f: Any, limit: int) -> Iterator[str]:
         yield carry
 
 
+# An XML dump is read in pieces of this many bytes.
+XML_READ_BYTES = 1 << 16
+# The most bytes read without the parser completing a tag: one start tag (a row's attributes, a
+# post's Body among them), one text or one DTD that long is refused. The parser holds it whole,
+# several times over, as it does a JSON line (data.json_records.MAX_JSON_RECORD_BYTES, the same
+# bound); a Stack Exchange row is a few KiB.
+MAX_XML_TAG_BYTES = 64 << 20
+# Elements open at once: a Stack Exchange dump nests two (the root and its rows); JSON data has
+# the same bound (files.json_text.MAX_JSON_DEPTH). Each open element is held until it ends.
+MAX_XML_DEPTH = 256
+
+
 def _xml_documents(path: Path, field: str) -> Iterator[str]:
     """The ``field`` attribute of every ``<row>`` of a Stack Exchange dump, read incrementally.
 
-    Each row is cleared once read, and detached from the root, so memory stays flat however
-    large the dump is. Rows without the attribute are skipped (dumps omit empty ones); if no
-    row has it, the field name is wrong.
+    Every element is detached from its parent and cleared once it ends, whatever its name, so
+    memory holds only the open elements (at most MAX_XML_DEPTH) and the tag being read (at most
+    MAX_XML_TAG_BYTES): clearing only ``<row>`` elements kept every other one (a 141 MB file of
+    ``<post>`` elements held 1.5 GB). Rows without the attribute are skipped (dumps omit empty
+    ones); if no row has it, the field name is wrong. Entities are expat's: an external one is
+    never read, and expansion past its amplification limit is a parse error.
     """
     n_rows, n_with_field, first_attrs = 0, 0, ""
-    with path.open("rb") as f:  # bytes: the parser honours the XML encoding declaration
-        events = ET.iterparse(f, events=("start", "end"))
-        root = None
-        while True:
-            try:
-                event, elem = next(events)
-            except StopIteration:
-                break
-            except ET.ParseError as exc:
-                raise ConfigError(_xml_error(path, exc)) from None
-            if root is None:
-                root = elem
-            if event != "end" or elem.tag != "row":
-                continue
-            n_rows += 1
-            first_attrs = first_attrs or ", ".join(elem.attrib)
-            text = elem.get(field)
-            elem.clear()
-            root.clear()
-            if text is not None:
-                n_with_field += 1
-                yield text
+    for elem in _xml_ended_elements(path):
+        if elem.tag != "row":
+            continue
+        n_rows += 1
+        first_attrs = first_attrs or ", ".join(elem.attrib)
+        text = elem.get(field)
+        if text is not None:
+            n_with_field += 1
+            yield text
     if n_rows and not n_with_field:
         raise ConfigError(
             f"field {field!r} not found in any of the {n_rows:,} rows of {str(path)!r} "
             f"(attributes: {first_attrs}); set --text-field"
         )
+
+
+def _xml_ended_elements(path: Path) -> Iterator[ET.Element]:
+    """Each element of an XML file as it ends, then detached from its parent and cleared (keep
+    nothing of it past the next ``next``); a parse error or a bound passed is a ConfigError."""
+    parser: ET.XMLPullParser[ET.Element] = ET.XMLPullParser(events=("start", "end"))
+    open_elements: list[ET.Element] = []
+    pending = 0  # bytes fed since the parser last completed a tag
+    with path.open("rb") as f:  # bytes: the parser honours the XML encoding declaration
+        while True:
+            chunk = f.read(XML_READ_BYTES)
+            if chunk:
+                parser.feed(chunk)
+            else:
+                parser.close()
+            pending += len(chunk)
+            for event, elem in _xml_events(parser, path):
+                pending = 0
+                if event == "start":
+                    open_elements.append(elem)
+                    if len(open_elements) > MAX_XML_DEPTH:
+                        raise ConfigError(f"{str(path)!r} nests XML elements deeper than {MAX_XML_DEPTH} levels; "
+                                          "a Stack Exchange dump nests two (<posts><row .../></posts>)")
+                    continue
+                open_elements.pop()
+                yield elem
+                # The parent lets go of it. Events come once a piece is parsed, so the parent may
+                # hold later siblings already; children end in order, so this one is its first.
+                if open_elements and len(open_elements[-1]) and open_elements[-1][0] is elem:
+                    del open_elements[-1][0]
+                elem.clear()
+            if pending > MAX_XML_TAG_BYTES:
+                offset = f.tell() - pending
+                raise ConfigError(f"{str(path)!r} holds a tag, a text or a DTD longer than {MAX_XML_TAG_BYTES >> 20} "
+                                  f"MiB from byte {offset:,}; a Stack Exchange row is a few KiB, check that the file "
+                                  "is an XML dump")
+            if not chunk:
+                return
+
+
+def _xml_events(parser: ET.XMLPullParser[ET.Element], path: Path) -> Iterator[tuple[str, Any]]:
+    """The parser's events so far, its parse error as the ConfigError naming the position."""
+    try:
+        for event in parser.read_events():
+            # Only "start" and "end" were asked for, each (event, element); the stubs' union of
+            # every event also holds 1-tuples.
+            yield event[0], event[1]  # type: ignore[misc]
+    except ET.ParseError as exc:
+        raise ConfigError(_xml_error(path, exc)) from None
 
 
 def _xml_error(path: Path, exc: ET.ParseError) -> str:
@@ -467,8 +521,9 @@ def _hf_documents(cfg: DataConfig, render: Optional[Render] = None) -> Iterator[
         yield from _hub_documents(target, cfg, render)
     elif kind == "dir":
         root = Path(target)
-        check_json_nesting(sorted(p for p in root.rglob("*") if p.is_file() and not _hidden(p, root)
-                                   and p.suffix.lower() in JSON_SUFFIXES))
+        files = sorted(p for p in root.rglob("*") if p.is_file() and not _hidden(p, root))
+        check_json_nesting([p for p in files if p.suffix.lower() in JSON_SUFFIXES])
+        check_csv_records([p for p in files if p.suffix.lower() == ".csv"])
         load = _load_saved if is_saved_dataset(root) else _load_dataset
         ds = load(target, split=cfg.hf_split, label=target)
         yield from _dataset_texts(ds, default_text_field(cfg, "text"), target, render=render)
@@ -568,6 +623,11 @@ def _structured_documents(builder: str, files: list[Path], field: str, label: st
     files = [p for p in files if p.stat().st_size > 0]
     if not files:
         raise ConfigError(f"{label!r} is empty (0 bytes); check --data")
+    if builder == "parquet":
+        yield from _dataset_texts(_parquet_records(files), field, label, render=render)
+        return
+    if builder == "csv":
+        check_csv_records(files)
     locate = None
     if builder == "json":
         check_json_nesting(files)
@@ -575,6 +635,83 @@ def _structured_documents(builder: str, files: list[Path], field: str, label: st
         locate = functools.partial(first_bad_json_line, files, label)
     ds = _load_dataset(builder, data_files=[str(p) for p in files], split="train", label=label)
     yield from _dataset_texts(ds, field, label, locate, render)
+
+
+
+def check_csv_records(files: list[Path]) -> None:
+    """Refuse a CSV record (a line, or the lines of a quoted field that spans several) longer than
+    ``json_records.MAX_JSON_RECORD_BYTES`` (a JSON line's bound), naming the file and the line it
+    starts on, before datasets' reader (pandas) sees it: it holds a record whole, several times over (a 100 MB field grew the
+    process by 317 MB; a 1 GB one, by gigabytes), as the JSON readers hold a line. Python's csv
+    reader finds where records end (quoting as pandas reads it); it is given lines of bounded
+    length, so no more than the bound is held here either."""
+    for path in files:
+        with path.open("r", encoding="utf-8", errors="replace", newline="") as fh:
+            record = _CsvRecordBytes(path, fh)
+            previous = csv.field_size_limit()
+            # The default (128 KiB) is a real field's size; the record's bound below comes first.
+            csv.field_size_limit(json_records.MAX_JSON_RECORD_BYTES)
+            try:
+                _scan_csv_records(record)
+            finally:
+                csv.field_size_limit(previous)
+
+
+def _scan_csv_records(record: _CsvRecordBytes) -> None:
+    """Read every record of ``record``'s file (for their sizes). A line Python's reader calls
+    malformed is left to datasets' reader to name, in its words; the scan goes on after it."""
+    while True:
+        try:
+            for _ in csv.reader(record):
+                record.start_next()
+            return
+        except csv.Error:
+            record.start_next()
+
+
+class _CsvRecordBytes:
+    """The lines of a CSV file for :func:`csv.reader`, counting the characters of the record being
+    read; past ``json_records.MAX_JSON_RECORD_BYTES`` (one line, or the lines of one record) a ConfigError."""
+
+    def __init__(self, path: Path, fh: Any) -> None:
+        self.path, self.fh = path, fh
+        self.size, self.line, self.first_line = 0, 0, 1
+
+    def start_next(self) -> None:
+        """The reader returned a record: the next one starts on the next line."""
+        self.size, self.first_line = 0, self.line + 1
+
+    def __iter__(self) -> Iterator[str]:
+        while line := self.fh.readline(json_records.MAX_JSON_RECORD_BYTES + 1):
+            self.line += 1
+            self.size += len(line)
+            if self.size > json_records.MAX_JSON_RECORD_BYTES:
+                raise ConfigError(f"{str(self.path)!r}: the record on line {self.first_line} is longer than "
+                                  f"{json_records.MAX_JSON_RECORD_BYTES >> 20} MiB, more than memtrain reads as one record (its "
+                                  "reader holds a record whole, several times over); split it into records, or give "
+                                  "the text as a .txt file (read in pieces)")
+            yield line
+
+# Rows decoded at a time from a parquet file. datasets' parquet builder decodes a whole row group
+# at once, and a row group's size on disk says nothing of its size decoded: a 530-byte file (one
+# 1 MB string, dictionary-encoded, repeated in 1,500 rows) held 2.8 GB before its first record
+# (15,000 rows would be 15 GB). pyarrow's ParquetFile decodes page by page, PARQUET_BATCH_ROWS
+# rows at a time, so memory follows the rows in hand, not the row group.
+PARQUET_BATCH_ROWS = 64
+
+
+def _parquet_records(files: list[Path]) -> Iterator[dict[str, Any]]:
+    """The rows of local parquet files as dicts (the records datasets' builder gives), decoded
+    PARQUET_BATCH_ROWS at a time. pyarrow's errors (a file that is not parquet, a corrupt page)
+    come from the first ``next`` and are said by :func:`_dataset_texts` as datasets' are."""
+    import_extra("pyarrow")  # the extra memtrain[hub]; a line naming it where it is missing
+    # Imported here: only parquet sources need it, and pyarrow takes a moment to import.
+    import pyarrow.parquet as pq
+
+    for path in files:
+        with pq.ParquetFile(path) as parquet:
+            for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS):
+                yield from batch.to_pylist()
 
 
 def _load_dataset(path: str, *, split: str, label: str, hub: bool = False, **kwargs: Any) -> Any:
