@@ -134,6 +134,10 @@ class _Progress:
             self.bar.update(1)
         self.lines.update(self.lines.done + 1, f"loss {loss:.3f}, {tokens_per_s:,.0f} tokens/s")
 
+    def stop(self) -> None:
+        """The run failed or was interrupted: its plain lines stop without a closing "done" line."""
+        self.lines.stop()
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
@@ -357,6 +361,7 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     try:
         loop.run(start_step, end_step, bar)
     except BaseException:
+        bar.stop()  # no "done" line, and no heartbeat line after the run's error line
         logger.close(discard_if_empty=True)  # a failed first step leaves the folder as it found it
         raise
     finally:
