@@ -126,6 +126,27 @@ def test_an_update_due_in_time_leaves_the_heartbeat_silent(capsys):
         "tokenizing: done, 50 documents in 36 s"]
 
 
+def test_a_run_that_moves_writes_its_own_lines_not_the_heartbeats(capsys):
+    """Steps every 2 s: the heartbeat, waking when a line is due, wrote "still running" in place of
+    every step line (their loss and tokens/s lost). It writes only after `every` s without an update."""
+    now = [0.0]
+    lines = ProgressLines("train", True, total=100, unit="step", clock=_clock(now), wait=lambda stop, s: stop.wait())
+    for step in range(1, 41):
+        now[0] = 2.0 * step
+        lines.beat()  # the heartbeat, waking as each line falls due
+        lines.update(step, "loss 3.2")
+        lines.beat()
+    assert lines._seconds_to_next() == 30.0  # it sleeps until 30 s after the last update, not at once again
+    now[0] = 80 + 29.9  # a step stalls: nothing yet
+    lines.beat()
+    now[0] = 80 + 30
+    lines.beat()
+    lines.stop()
+    assert capsys.readouterr().err.splitlines() == [
+        "train: step 3/100 (6 s, loss 3.2)", "train: step 18/100 (36 s, loss 3.2)",
+        "train: step 33/100 (66 s, loss 3.2)", "train: still running at step 40/100 (110 s)"]
+
+
 def test_a_stopped_phase_writes_nothing_more(capsys):
     """A failed or interrupted phase (stop(), or leaving its with block) writes no closing line,
     and its heartbeat none after the run's error line."""

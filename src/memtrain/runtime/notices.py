@@ -78,6 +78,7 @@ class ProgressLines:
         self.clock, self.first_after, self.every = clock or _now, first_after, every
         self.start = self.clock() if enabled else 0.0
         self.last: Optional[float] = None  # when the last line was written
+        self.touched: Optional[float] = None  # when update() was last called: the work still moves
         self.done = 0
         self._lock = threading.Lock()  # one line at a time, from update() or the heartbeat
         self._ended = threading.Event()  # set by close() / stop(): no line after the phase's last
@@ -103,10 +104,16 @@ class ProgressLines:
         seconds after the last line."""
         return now - self.start >= self.first_after and (self.last is None or now - self.last >= self.every)
 
+    def _heartbeat_due_at(self) -> float:
+        """When the heartbeat writes its next line: where a line is due and :meth:`update` has not
+        been called for ``every`` seconds (work that moves writes its own lines, with their
+        detail; the heartbeat's took their place at every cadence of a steady run)."""
+        line_due = self.start + self.first_after if self.last is None else self.last + self.every
+        return line_due if self.touched is None else max(line_due, self.touched + self.every)
+
     def _seconds_to_next(self) -> float:
-        """How long the heartbeat waits before it looks again: until the next line would be due."""
-        due_at = self.start + self.first_after if self.last is None else self.last + self.every
-        return max(due_at - self.clock(), 0.0)
+        """How long the heartbeat waits before it looks again: until its next line would be due."""
+        return max(self._heartbeat_due_at() - self.clock(), 0.0)
 
     def update(self, done: int, detail: str = "") -> None:
         """``done`` units so far (a count, not an increment); a line when one is due."""
@@ -114,7 +121,7 @@ class ProgressLines:
         if not self.enabled:
             return
         with self._lock:
-            now = self.clock()
+            now = self.touched = self.clock()
             if self._ended.is_set() or not self._due(now):
                 return
             self.last = now
@@ -122,11 +129,11 @@ class ProgressLines:
             self._write(f"{self.what}: {self._counted()} ({now - self.start:,.0f} s{extra})")
 
     def beat(self) -> None:
-        """The heartbeat's line: where a line is due and no :meth:`update` wrote it, a line
-        saying the phase is still at work on what follows ``done``."""
+        """The heartbeat's line: where a line is due and no :meth:`update` came for ``every``
+        seconds, a line saying the phase is still at work on what follows ``done``."""
         with self._lock:
             now = self.clock()
-            if self._ended.is_set() or not self._due(now):
+            if self._ended.is_set() or now < self._heartbeat_due_at():
                 return
             self.last = now
             self._write(f"{self.what}: still running at {self._counted()} ({now - self.start:,.0f} s)")
