@@ -196,7 +196,7 @@ def test_a_file_mixing_chat_and_prompt_completion_records_names_both_under_auto(
     """A file of chat and prompt-completion records under --data-format auto was refused saying only
     that record 4's 'messages' was no list of messages (the file's columns give each record every
     field, None where it has none). The line names both formats and the first record of each, in
-    either order; a file of one format still reads, a prompt-completion file beside a chat file too."""
+    either order; a file of one format still reads."""
     model = _chat_folder(tmp_path / "qwen2", CHATML)
     chats = [{"messages": c} for c in CONVERSATIONS[:3]]
     pairs = [{"prompt": c[:-1], "completion": c[-1:]} for c in CONVERSATIONS[3:6]]
@@ -209,12 +209,34 @@ def test_a_file_mixing_chat_and_prompt_completion_records_names_both_under_auto(
         assert err.count("\n") == 1, err
         assert (f"--data-format auto found {first[0]} records (the first: record {first[1]}) and {then[0]} records "
                 f"(the first: record {then[1]}) in '{data}'") in err, err
+    splits, _ = _tokens(tmp_path, _records(tmp_path / "one.jsonl", chats), model, data_format="auto")
+    assert splits.n_train_docs + splits.n_val_docs == len(chats)
+
+
+def test_a_folder_of_a_chat_file_and_a_prompt_completion_file_is_refused_as_one_file_is(tmp_path):
+    """A folder of a chat file and a prompt-completion file passed --data-format auto unnoticed where
+    one file mixing them was refused: one --data is one dataset of one format (TRL's SFTTrainer reads
+    the format off the first record; datasets refuses JSON files whose columns differ). The line
+    names the first record of each format and its file; a folder of files of one format still reads."""
+    from memtrain.config.run import ConfigError
+
+    model = _chat_folder(tmp_path / "qwen2", CHATML)
+    chats = [{"messages": c} for c in CONVERSATIONS[:3]]
+    pairs = [{"prompt": c[:-1], "completion": c[-1:]} for c in CONVERSATIONS[3:6]]
     apart = tmp_path / "apart"
     apart.mkdir()
-    _records(apart / "a.jsonl", chats)
-    _records(apart / "b.jsonl", pairs)
-    splits, _ = _tokens(tmp_path, apart, model, data_format="auto")
-    assert splits.n_train_docs + splits.n_val_docs == len(chats) + len(pairs)
+    a, b = _records(apart / "a.jsonl", chats), _records(apart / "b.jsonl", pairs)
+    with pytest.raises(ConfigError) as refused:
+        _tokens(tmp_path, apart, model, data_format="auto")
+    assert str(refused.value).startswith(f"--data-format auto found chat records (the first: record 1 of '{a}') and "
+                                         f"prompt-completion records (the first: record 1 of '{b}'); one --data holds "
+                                         "one format"), refused.value
+    same = tmp_path / "same"
+    same.mkdir()
+    _records(same / "a.jsonl", chats[:2])
+    _records(same / "b.jsonl", chats[2:])
+    splits, _ = _tokens(tmp_path, same, model, data_format="auto")
+    assert splits.n_train_docs + splits.n_val_docs == len(chats)
 
 
 def test_a_record_the_template_or_the_format_cannot_read_is_named(tmp_path):

@@ -5,6 +5,7 @@ wrote any. Checked with a fake clock, not by waiting."""
 
 from __future__ import annotations
 
+import threading
 from itertools import count
 
 import memtrain.runtime.notices as notices
@@ -56,6 +57,8 @@ def test_train_writes_plain_lines_to_a_log_and_leaves_stdout_as_it_was(tmp_path,
     file (an in-process capture), write none."""
     ticks = count(0, 7)  # each look at the clock: 7 s later
     monkeypatch.setattr(notices, "_now", lambda: float(next(ticks)))
+    # The heartbeat (its own test below) waits until its phase ends: only update()'s lines here.
+    monkeypatch.setattr(notices, "_wait_for", lambda stop, seconds: stop.wait())
     # A cache of this test's own: the token cache ($MEMTRAIN_CACHE, over --cache-dir) is shared by a
     # worker's tests, and an entry an earlier test wrote for the same corpus means no tokenizing.
     monkeypatch.setenv("MEMTRAIN_CACHE", str(tmp_path / "cache"))
@@ -71,3 +74,97 @@ def test_train_writes_plain_lines_to_a_log_and_leaves_stdout_as_it_was(tmp_path,
     assert captured.out.splitlines()[-1] == f"wrote {tmp_path / 'a' / 'result.json'}"
     assert main([*run, "--no-cache", "--no-progress", "--out", str(tmp_path / "b")]) == 0
     assert "tokenizing:" not in capfd.readouterr().err
+
+
+class _Beats:
+    """A heartbeat wait for a fake clock: each wait moves the clock by the time asked, and after
+    ``lines`` waits it blocks until the phase ends (``reached`` is set then), so a test needs no
+    sleep and no real time passes."""
+
+    def __init__(self, now: list[float], lines: int) -> None:
+        self.now, self.lines, self.asked = now, lines, []
+        self.reached = threading.Event()
+
+    def __call__(self, stop: threading.Event, seconds: float) -> bool:
+        if len(self.asked) == self.lines:
+            self.reached.set()
+            return stop.wait()
+        self.asked.append(seconds)
+        self.now[0] += seconds
+        return stop.is_set()
+
+
+def test_work_that_outlasts_the_cadence_still_writes_lines_while_it_runs(capsys):
+    """One tokenizing batch or a first step of minutes called no update(): nothing was written
+    until it ended, and a log looked hung. The heartbeat writes at the same cadence meanwhile."""
+    now = [100.0]
+    beats = _Beats(now, lines=3)
+    lines = ProgressLines("train", True, total=200, unit="step", clock=_clock(now), wait=beats)
+    assert beats.reached.wait(30)  # an event the heartbeat sets, not a sleep
+    assert beats.asked == [5.0, 30.0, 30.0]  # the first line after 5 s, then one every 30 s
+    assert capsys.readouterr().err.splitlines() == [
+        "train: still running at step 0/200 (5 s)", "train: still running at step 0/200 (35 s)",
+        "train: still running at step 0/200 (65 s)"]
+    lines.update(1, "loss 3.2")  # the step ends 1 s after the heartbeat's line: not due yet
+    now[0] += 1
+    lines.close()
+    assert capsys.readouterr().err == "train: done, step 1/200 in 66 s\n"
+    assert lines._heartbeat is None  # stopped and joined by close()
+
+
+def test_an_update_due_in_time_leaves_the_heartbeat_silent(capsys):
+    now = [0.0]
+    lines = ProgressLines("tokenizing", True, unit="documents", clock=_clock(now), wait=lambda stop, s: stop.wait())
+    now[0] = 6
+    lines.update(50)
+    lines.beat()  # what the heartbeat does when it wakes: nothing, a line was written just now
+    now[0] = 36
+    lines.beat()
+    lines.close()
+    assert capsys.readouterr().err.splitlines() == [
+        "tokenizing: 50 documents (6 s)", "tokenizing: still running at 50 documents (36 s)",
+        "tokenizing: done, 50 documents in 36 s"]
+
+
+def test_a_run_that_moves_writes_its_own_lines_not_the_heartbeats(capsys):
+    """Steps every 2 s: the heartbeat, waking when a line is due, wrote "still running" in place of
+    every step line (their loss and tokens/s lost). It writes only after `every` s without an update."""
+    now = [0.0]
+    lines = ProgressLines("train", True, total=100, unit="step", clock=_clock(now), wait=lambda stop, s: stop.wait())
+    for step in range(1, 41):
+        now[0] = 2.0 * step
+        lines.beat()  # the heartbeat, waking as each line falls due
+        lines.update(step, "loss 3.2")
+        lines.beat()
+    assert lines._seconds_to_next() == 30.0  # it sleeps until 30 s after the last update, not at once again
+    now[0] = 80 + 29.9  # a step stalls: nothing yet
+    lines.beat()
+    now[0] = 80 + 30
+    lines.beat()
+    lines.stop()
+    assert capsys.readouterr().err.splitlines() == [
+        "train: step 3/100 (6 s, loss 3.2)", "train: step 18/100 (36 s, loss 3.2)",
+        "train: step 33/100 (66 s, loss 3.2)", "train: still running at step 40/100 (110 s)"]
+
+
+def test_a_stopped_phase_writes_nothing_more(capsys):
+    """A failed or interrupted phase (stop(), or leaving its with block) writes no closing line,
+    and its heartbeat none after the run's error line."""
+    now = [0.0]
+    with ProgressLines("tokenizing", True, unit="documents", clock=_clock(now),
+                       wait=lambda stop, s: stop.wait()) as lines:
+        now[0] = 6
+        lines.update(50)
+    heard = capsys.readouterr().err
+    now[0] = 600
+    lines.beat()
+    lines.update(60)
+    lines.close()
+    assert heard == "tokenizing: 50 documents (6 s)\n" and capsys.readouterr().err == ""
+
+
+def test_a_disabled_phase_starts_no_heartbeat():
+    before = threading.active_count()
+    lines = ProgressLines("train", False, total=3, unit="step")
+    assert lines._heartbeat is None and threading.active_count() == before
+    lines.close()

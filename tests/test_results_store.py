@@ -265,3 +265,43 @@ def test_read_result_returns_only_a_json_object_it_may_read(tmp_path, monkeypatc
     (tmp_path / "elsewhere.json").write_text('{"steps": 3}')
     (run / "result.json").symlink_to(tmp_path / "elsewhere.json")
     assert results.read_result(run) is None
+
+
+def _many_benches(folder: Path) -> list[dict]:
+    """results.jsonl of benches appended to one folder: the 3 rows of tests/data under two settings
+    ids in turn, 40 times, each row's numbers its own, with torn and wrong-shaped lines among them."""
+    base = [json.loads(line) for line in (DATA / "bench_results.jsonl").read_text().splitlines()]
+    rows = [{**row, "settings_hash": sid, "val_ppl": 100.0 + i, "row_wall_s": float(i)}
+            for i in range(40) for sid in ("aa", "bb") for row in base]
+    lines = [json.dumps(r) for r in rows]
+    lines[7:7] = ['{"technique": "torn', '{"technique": 5, "status": "ok"}']
+    (folder / "results.jsonl").write_text("\n".join(lines) + "\n")
+    return rows
+
+
+@pytest.mark.parametrize("settings", [None, "aa"])
+def test_report_holds_the_latest_row_per_technique_and_settings_not_every_row(tmp_path, monkeypatch, settings):
+    """`memtrain report` held every row of results.jsonl (30,000 rows: 470 MB) where it shows the
+    latest of each technique: it streams them now and keeps 3 techniques x 2 settings of 240 rows,
+    and writes the report the full read writes (tables, the other settings' line, the skipped count)."""
+    import memtrain.commands.report as report_command  # patched here: the rows the command hands on
+    from memtrain.files.bench_store import read_results_counted
+    from memtrain.report import write_report
+
+    _many_benches(tmp_path)
+    held: list[int] = []
+    real = report_command.write_report
+
+    def counting(out, **kwargs):
+        held.append(len(kwargs["read"].rows))
+        return real(out, **kwargs)
+    monkeypatch.setattr(report_command, "write_report", counting)
+    assert main(["report", str(tmp_path), *(["--settings", settings] if settings else [])]) == 0
+    assert held == [6]
+    full = tmp_path / "full"
+    full.mkdir()
+    summary = write_report(full, read=read_results_counted(tmp_path), settings=settings, plots=False)
+    assert summary["skipped_lines"] == 2 and summary["other_settings"]  # the other settings are named
+    for name in ("report.json", "report.csv"):
+        assert (tmp_path / name).read_text() == (full / name).read_text()
+    assert (tmp_path / "report.md").read_text() == (full / "report.md").read_text().replace(str(full), str(tmp_path))

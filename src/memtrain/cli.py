@@ -73,7 +73,13 @@ from memtrain.runtime.notices import install_warning_format, random_base_warning
 from memtrain.runtime.signals import bind_rank_to_launcher, sigterm_as_interrupt
 from memtrain.runtime.streams import tolerant_std_streams
 from memtrain.training.preflight import check_before_launch
-from memtrain.training.resume_check import continue_longer, moved_checkpoint_note, resumed_settings
+from memtrain.training.resume_check import (
+    continue_longer,
+    moved_checkpoint_note,
+    resume_state,
+    resumed_settings,
+    saved_state,
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -321,10 +327,12 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = 
     given = given_settings(file_layer, flags)  # the user's settings, read once
     resume = given.get("resume") if resumed else None
     moved_from = None  # the --save a moved or copied checkpoint was written as
+    entries = None  # the checkpoint's small entries, read once: the run's checks take them from cfg
     if resume:
         launched = bool(getattr(args, "nproc_per_node", None)) or "WORLD_SIZE" in os.environ
         out_given = "out" in given
-        taken, moved_from = resumed_settings(str(resume), launched, out_given)
+        entries = saved_state(str(resume))
+        taken, moved_from = resumed_settings(str(resume), launched, out_given, entries)
         base = {**(base or {}), **taken}
     layers = [base or {}, file_layer, flags]
     merged = given_settings(*layers)
@@ -349,6 +357,8 @@ def config_from_args(args: argparse.Namespace, base: Optional[dict[str, Any]] = 
     cfg.given_settings = frozenset(merged)  # type: ignore[attr-defined]  # read with getattr(..., None)
     # And, for train to say after the run, the outputs a moved checkpoint did not lend.
     cfg.resume_note = moved_checkpoint_note(cfg, moved_from, given)  # type: ignore[attr-defined]
+    if entries is not None and cfg.train.resume == os.path.expanduser(str(resume)):  # for resume_state: read no more
+        cfg.resumed_state = (cfg.train.resume, entries)  # type: ignore[attr-defined]
     return cfg
 
 
@@ -649,7 +659,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         _print_data_lines(cfg.data.data)
         _print_val_data_lines(cfg.data)
     moved = getattr(cfg, "resume_note", None)  # said after the run, as --steps longer is
-    longer = continue_longer(cfg)  # said after the run (below), as the warm-up's note is
+    longer = continue_longer(cfg, resume_state(cfg))  # said after the run (below), as the warm-up's note is
 
     def write_result(result: dict) -> None:  # before the final checkpoint (see train())
         if main_rank:

@@ -10,7 +10,7 @@ from memtrain.commands.bench import warn_skipped_lines
 from memtrain.config.argtypes import user_path
 from memtrain.config.run import ConfigError
 from memtrain.errors import one_line
-from memtrain.files.bench_store import bench_results_file, read_results_counted, row_settings
+from memtrain.files.bench_store import bench_results_file, read_results_latest, row_settings
 from memtrain.files.lock import FolderLock
 from memtrain.report import write_report
 
@@ -35,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _report(out: Path, args: argparse.Namespace) -> int:
     # Read and check the rows before writing: a file with no rows must not replace a good report.
-    read = read_results_counted(out)
+    # Streamed: only the latest row of each technique under each settings is kept.
+    read = read_results_latest(out)
     if not read.rows:
         skipped = f" ({read.skipped} unreadable line(s) skipped)" if read.skipped else ""
         raise ConfigError(f"{out}/results.jsonl holds no rows{skipped}; run memtrain bench first")

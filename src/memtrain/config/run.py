@@ -217,7 +217,7 @@ class DataConfig:
         "What a structured record holds: 'text' (one text field, --text-field), 'chat' (a 'messages' list of "
         "{role, content}, or ShareGPT's 'conversations' of {from, value}, rendered with the model's chat template), "
         "'prompt-completion' (TRL's 'prompt' and 'completion': strings joined, message lists rendered with the "
-        "chat template) or 'auto' (each record read as the format its fields are).",
+        "chat template) or 'auto' (each record read as the format its fields are; one --data holds one format).",
     )
     loss_on: str = _f(
         "all",

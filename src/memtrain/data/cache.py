@@ -268,7 +268,9 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenize
         bar = stack.enter_context(
             tqdm(total=cfg.max_documents, unit="doc", desc="tokenizing", disable=not drawn, dynamic_ncols=True)
         )
-        said = ProgressLines("tokenizing", lines and not drawn, total=cfg.max_documents, unit="documents")
+        # Entered: a failed batch stops its heartbeat, with no closing line (close() below writes it).
+        said = stack.enter_context(
+            ProgressLines("tokenizing", lines and not drawn, total=cfg.max_documents, unit="documents"))
         for batch in _batched(_documents(cfg, tokenizer), BATCH_DOCS, BATCH_CHARS):
             is_val = assign_validation(rng, len(batch), 0.0 if whole else cfg.val_fraction)
             t0 = time.perf_counter()

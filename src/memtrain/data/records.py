@@ -94,13 +94,19 @@ def filled_kind(record: dict[str, Any]) -> Optional[str]:
     return None
 
 
-def mixed_formats(label: str, first: tuple[str, int], other: tuple[str, int]) -> ConfigError:
-    """The refusal of a file that holds records of two formats under --data-format auto, naming
-    both and where each starts (it said only that a record's 'messages' was no list of messages)."""
-    (kind_a, at_a), (kind_b, at_b) = first, other
-    return ConfigError(f"--data-format auto found {kind_a} records (the first: record {at_a}) and {kind_b} records (the "
-                       f"first: record {at_b}) in {label!r}; one file holds one format: split it into a file per format "
-                       "or write every record in one of them")
+def mixed_formats(first: tuple[str, int, str], other: tuple[str, int, str]) -> ConfigError:
+    """The refusal of a ``--data`` that holds records of two formats under --data-format auto,
+    naming both and where each starts (it said only that a record's 'messages' was no list of
+    messages). One file or a folder of files: one --data is one dataset, and a dataset holds one
+    format, as TRL's (its SFTTrainer reads the format off the first record, and ``datasets``
+    refuses JSON files whose columns differ)."""
+    (kind_a, at_a, file_a), (kind_b, at_b, file_b) = first, other
+    if file_a == file_b:
+        where = f"(the first: record {at_a}) and {kind_b} records (the first: record {at_b}) in {file_a!r}"
+    else:
+        where = f"(the first: record {at_a} of {file_a!r}) and {kind_b} records (the first: record {at_b} of {file_b!r})"
+    return ConfigError(f"--data-format auto found {kind_a} records {where}; one --data holds one format: write every "
+                       "record in one of them, or train on each format in a run of its own")
 
 
 def no_template_reason(tokenizer: Optional[ChatTokenizer]) -> Optional[str]:
@@ -127,7 +133,9 @@ def make_renderer(fmt: str, tokenizer: Optional[ChatTokenizer], answers: bool = 
     record that is plain text under ``auto`` (the caller reads its text field). ``answers``
     (``--loss-on completion``): each document carries its answers' character spans."""
 
-    first_kind: dict[str, tuple[str, int]] = {}  # under auto: each file's first format and its record
+    # Under auto: the first record's format, its number and its file. Across the whole --data, not
+    # per file: a folder of a chat file and a prompt-completion file mixes them as one file would.
+    first: list[tuple[str, int, str]] = []
 
     def render(record: dict[str, Any], index: int, label: str) -> Optional[str]:
         kind = fmt
@@ -135,9 +143,10 @@ def make_renderer(fmt: str, tokenizer: Optional[ChatTokenizer], answers: bool = 
             filled = filled_kind(record)
             kind = filled or record_kind(record)  # no format filled: record_kind's reading says what is wrong
             if filled is not None:
-                seen = first_kind.setdefault(label, (filled, index))
-                if seen[0] != filled:
-                    raise mixed_formats(label, seen, (filled, index))
+                if not first:
+                    first.append((filled, index, label))
+                if first[0][0] != filled:
+                    raise mixed_formats(first[0], (filled, index, label))
         if kind == "text":
             return None
         where = f"record {index} of {label!r}"

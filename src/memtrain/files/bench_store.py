@@ -15,7 +15,14 @@ from typing import Any, Optional
 
 from memtrain.errors import ConfigError
 from memtrain.files.guard import file_kind
-from memtrain.files.results import BENCH_RESULTS, JsonlRead, append_jsonl, drop_planted_link, read_checked_jsonl
+from memtrain.files.results import (
+    BENCH_RESULTS,
+    JsonlRead,
+    append_jsonl,
+    drop_planted_link,
+    iter_jsonl,
+    read_checked_jsonl,
+)
 
 
 def finite_number(x: Any) -> bool:
@@ -122,6 +129,34 @@ def read_results_counted(out: Path) -> JsonlRead:
     """The bench rows of ``results.jsonl`` and the count of lines that were not rows (torn by
     a kill or a full disk, not a JSON object, or not shaped like a bench row)."""
     return read_checked_jsonl(Path(out) / BENCH_RESULTS, bench_row_problem)
+
+
+def read_results_latest(out: Path) -> JsonlRead:
+    """What a report reads of ``results.jsonl``: the rows streamed one at a time and folded, so
+    that only the latest row of each technique under each settings is held (a folder appended
+    to by many benches held every row: 30,000 rows took `memtrain report` 470 MB), and the
+    count of lines that were not rows, as :func:`read_results_counted` counts them.
+
+    The rows kept come in an order that gives :func:`latest_settings`, :func:`rows_under` with
+    :func:`select_rows`, :func:`other_settings` and ``memtrain report --settings``' list the
+    answers they give on every row: the settings groups by their last row's place in the file,
+    and within a group each technique at the place it was first seen."""
+    seen = 0  # the rows read so far: each row's place in the file
+    latest: dict[str, dict[str, tuple[int, dict[str, Any]]]] = {}  # settings -> technique -> (first seen, row)
+    last_place: dict[str, int] = {}  # settings -> its last row's place
+    skipped = 0
+    for row in iter_jsonl(Path(out) / BENCH_RESULTS):
+        if row is None or bench_row_problem(row) is not None:
+            skipped += 1
+            continue
+        sid, technique = row_settings(row), row["technique"]  # a string: bench_row_problem checked it
+        group = latest.setdefault(sid, {})
+        group[technique] = (group[technique][0] if technique in group else seen, row)
+        last_place[sid] = seen
+        seen += 1
+    rows = [row for sid in sorted(latest, key=last_place.__getitem__)
+            for _, row in sorted(latest[sid].values(), key=lambda placed: placed[0])]
+    return JsonlRead(rows=rows, skipped=skipped)
 
 
 def read_results(out: Path) -> list[dict[str, Any]]:

@@ -36,7 +36,7 @@ import shutil
 import stat
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -391,13 +391,15 @@ class JsonlRead:
     skipped: int = 0
 
 
-def read_jsonl(path: Path) -> JsonlRead:
-    """Every JSON object line of ``path`` (missing file: none); other lines are counted.
-    ConfigError for a file over MAX_JSONL_FILE_BYTES, from its size, before a byte is read."""
+def iter_jsonl(path: Path) -> Iterator[Optional[dict[str, Any]]]:
+    """Each non-blank line of ``path`` as it is read: its JSON object, or None for a line that is
+    no row (torn, too long, not JSON, not an object); nothing for a missing file. A reader that
+    folds the rows as they come (:func:`memtrain.files.bench_store.read_results_latest`) holds
+    one at a time. ConfigError for a file over MAX_JSONL_FILE_BYTES, from its size, before a
+    byte is read."""
     path = Path(path)
-    read = JsonlRead()
     if not path.is_file():
-        return read
+        return
     with open(path, "rb") as fh:
         size, limit = os.fstat(fh.fileno()).st_size, MAX_JSONL_FILE_BYTES
         if size > limit:
@@ -405,7 +407,7 @@ def read_jsonl(path: Path) -> JsonlRead:
                               f"({limit:,}, some 4,500 bench rows); move it aside or give another folder")
         for raw in bounded_jsonl_lines(fh):
             if raw is None:  # too long to be a row
-                read.skipped += 1
+                yield None
                 continue
             raw = raw.strip()
             if not raw:
@@ -413,12 +415,20 @@ def read_jsonl(path: Path) -> JsonlRead:
             try:
                 value = loads_bounded(raw.decode("utf-8"))
             except (UnicodeDecodeError, ValueError):
-                read.skipped += 1
+                yield None
                 continue
-            if isinstance(value, dict):
-                read.rows.append(value)
-            else:
-                read.skipped += 1
+            yield value if isinstance(value, dict) else None
+
+
+def read_jsonl(path: Path) -> JsonlRead:
+    """Every JSON object line of ``path`` (missing file: none); other lines are counted.
+    ConfigError for a file over MAX_JSONL_FILE_BYTES, from its size, before a byte is read."""
+    read = JsonlRead()
+    for value in iter_jsonl(path):
+        if value is None:
+            read.skipped += 1
+        else:
+            read.rows.append(value)
     return read
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from memtrain.files.bench_store import latest_settings, other_settings, read_results_counted, rows_under, select_rows
+from memtrain.files.bench_store import latest_settings, other_settings, read_results_latest, rows_under, select_rows
 from memtrain.files.json_text import dumps
 from memtrain.files.results import (
     PLOT_FILES,
@@ -44,7 +44,7 @@ def write_report(out: Path, techniques: Optional[list[str]] = None, plots: bool 
             drop_planted_link(out / name)
         refuse_odd_destination(out / name, f"{str(out / name)!r}")
     if read is None:
-        read = read_results_counted(out)
+        read = read_results_latest(out)  # the latest row per technique and settings, as the report needs
     chosen = settings if settings is not None else latest_settings(read.rows)
     rows = select_rows(rows_under(read.rows, chosen), techniques)
     other = other_settings(read.rows, chosen)

@@ -46,6 +46,7 @@ from memtrain.training.resume_check import (
     continue_longer,
     data_of,
     differences_from_this_run,
+    resume_state,
     resumed_model_as,
     saved_run,
     saved_state,
@@ -144,10 +145,12 @@ def check_writable_file(path: str | Path, flag: str) -> None:
     check_name_room(p.parent, [p.name], flag)
 
 
-def check_destinations(cfg: RunConfig, fresh_out: bool = False) -> None:
+def check_destinations(cfg: RunConfig, fresh_out: bool = False, resumed: Optional[dict[str, Any]] = None) -> None:
     """Every place this run will write, checked before anything runs. ``fresh_out`` (the
     ``train`` command, which writes result.json and metrics.jsonl): a folder holding an earlier
-    run's results is refused unless this run resumes."""
+    run's results is refused unless this run resumes. ``resumed``: the ``--resume``
+    checkpoint's small entries, where the caller read them already
+    (:func:`memtrain.training.resume_check.resume_state`)."""
     t = cfg.train
     check_writable_dir(t.out, "--out")
     if t.save is not None:
@@ -155,7 +158,7 @@ def check_destinations(cfg: RunConfig, fresh_out: bool = False) -> None:
             check_writable_dir(t.save, "--save")  # a sharded checkpoint is a directory
         else:
             check_writable_file(t.save, "--save")
-        check_save_target(cfg)
+        check_save_target(cfg, resumed)
     out = Path(t.out)  # "~" already expanded (TrainConfig)
     check_name_room(out, TRAIN_FILES, "--out")
     check_out_outside_data(out, cfg.data.data, TRAIN_FILES)
@@ -164,7 +167,7 @@ def check_destinations(cfg: RunConfig, fresh_out: bool = False) -> None:
     if fresh_out and not t.resume:
         check_fresh_out(out)
     elif fresh_out:
-        check_resumed_out(out, cfg)
+        check_resumed_out(out, cfg, resumed)
 
 
 def check_logger_folders(out: Path, report_to: str) -> None:
@@ -291,12 +294,13 @@ def check_fresh_out(out: Path) -> None:
                           "--out, or continue that run with --resume CHECKPOINT")
 
 
-def check_resumed_out(out: Path, cfg: RunConfig) -> None:
+def check_resumed_out(out: Path, cfg: RunConfig, resumed: Optional[dict[str, Any]] = None) -> None:
     """A resumed run replaces ``result.json`` and appends to ``metrics.jsonl``: allowed in its own
     folder (or a new one), refused where the result.json was written by a different run (other
     settings that decide the numbers, as :func:`check_resume` compares them), whose result and
     loss curve it would overwrite and extend. A folder with only ``metrics.jsonl`` (a run killed
-    before its result) cannot be told apart and is continued."""
+    before its result) cannot be told apart and is continued. ``resumed``: as
+    :func:`check_destinations` takes it."""
     path = out / RESULT_NAME
     if not os.path.lexists(path):
         return
@@ -314,7 +318,7 @@ def check_resumed_out(out: Path, cfg: RunConfig) -> None:
                           "replace it: choose a new --out")
     data_as = model_as = None
     if cfg.train.resume:  # written by the resumed run from the folder it was launched from
-        state = saved_state(cfg.train.resume)
+        state = saved_state(cfg.train.resume) if resumed is None else resumed
         where = launch_dir(state, cfg.train.resume)
         config = anchored(config, where)
         # The data was compared with the checkpoint's (check_resume, by content where it moved):
@@ -327,10 +331,12 @@ def check_resumed_out(out: Path, cfg: RunConfig) -> None:
                           "would replace it: choose a new --out, or the resumed run's own")
 
 
-def check_save_target(cfg: RunConfig) -> None:
+def check_save_target(cfg: RunConfig, resumed: Optional[dict[str, Any]] = None) -> None:
     """``--save`` replaces only what memtrain wrote: a checkpoint (or an empty file, for a
     single-file checkpoint; an empty folder, for a sharded one) or a new name; never a link,
-    a device, a FIFO, the data file or a file memtrain writes in ``--out``."""
+    a device, a FIFO, the data file or a file memtrain writes in ``--out``. ``resumed``: as
+    :func:`check_destinations` takes it (a ``--save`` that is the resumed checkpoint is not
+    read again)."""
     save = Path(cfg.train.save or "")  # "~" already expanded (TrainConfig)
     sharded = cfg.technique.distributed != "none"
     try:
@@ -350,6 +356,8 @@ def check_save_target(cfg: RunConfig) -> None:
         raise ConfigError(f"--save {str(save)!r} is the training data (--data); give another path")
     if st is None:
         return
+    if resumed is not None and _resumes_from(save, cfg):
+        return  # the checkpoint this run resumes: check_resume compared it with this run already
     saved: Optional[dict[str, Any]] = None
     if sharded:
         if stat.S_ISDIR(st.st_mode) and any(save.iterdir()) and not (save / "meta.json").is_file():
@@ -439,10 +447,11 @@ def check_before_launch(cfg: RunConfig, nproc: int) -> None:
     if cfg.technique.distributed == "none":
         raise ConfigError(f"--nproc-per-node {nproc} starts data-parallel ranks; add --distributed ddp "
                           "(or zero1, zero2, fsdp)")
-    continue_longer(cfg)  # a longer --steps on --resume keeps the saved warm-up, before the configs are compared
-    check_resume(cfg)  # before --out and --save are compared (train's order)
+    resumed = resume_state(cfg)  # the checkpoint's small entries, read once for every check below
+    continue_longer(cfg, resumed)  # a longer --steps on --resume keeps the saved warm-up, before the configs are compared
+    check_resume(cfg, resumed)  # before --out and --save are compared (train's order)
     refuse_folder_in_use(Path(cfg.train.out))  # a running run's folder: said as in use, as train says it
-    check_destinations(cfg, fresh_out=True)
+    check_destinations(cfg, fresh_out=True, resumed=resumed)
     check_vocab(cfg)
     device = resolve_device(cfg.train.device)
     check_model_size(cfg.model, device, cfg.technique.precision)

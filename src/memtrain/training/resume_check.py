@@ -40,15 +40,16 @@ MAY_DIFFER: frozenset[str] = frozenset({
 })
 
 
-def saved_run(path: str | Path) -> tuple[dict[str, Any], int, Optional[str]]:
+def saved_run(path: str | Path, state: Optional[dict[str, Any]] = None) -> tuple[dict[str, Any], int, Optional[str]]:
     """The saved config, step and data fingerprint (None in checkpoints that predate it) of a
     checkpoint (single file or sharded directory). The config's relative paths are made
     absolute against the folder the run was launched from, where that is not this process's
     (:mod:`memtrain.training.run_paths`).
 
     Reads no tensor data: a sharded checkpoint's meta.json, or a single file memory-mapped
-    with ``weights_only=True`` (only the small entries are touched)."""
-    return run_of_state(saved_state(path), path)
+    with ``weights_only=True`` (only the small entries are touched). ``state``: its
+    :func:`saved_state`, where the caller read it already (:func:`resume_state`)."""
+    return run_of_state(saved_state(path) if state is None else state, path)
 
 
 def run_of_state(state: dict[str, Any], path: str | Path) -> tuple[dict[str, Any], int, Optional[str]]:
@@ -58,9 +59,15 @@ def run_of_state(state: dict[str, Any], path: str | Path) -> tuple[dict[str, Any
     return config, state["step"], fingerprint if isinstance(fingerprint, str) else None
 
 
+# The entries of a single-file checkpoint that :func:`saved_state` keeps: the run's config and step,
+# what --resume compares, and the folder its paths are relative to. The tensors (weights, optimizer
+# state) stay in the file, for load_checkpoint to read once the run is checked.
+SMALL_ENTRIES: tuple[str, ...] = ("format", "step", "config", "data_fingerprint", "model_config", "cwd")
+
+
 def saved_state(path: str | Path) -> dict[str, Any]:
     """A checkpoint's small entries (config, step, fingerprint, launch folder), checked to hold a
-    run config and a step."""
+    run config and a step. A run reads them once (:func:`resume_state`) and passes them on."""
     p = Path(path).expanduser()
     if p.is_dir():
         meta_path = p / "meta.json"
@@ -78,11 +85,14 @@ def saved_state(path: str | Path) -> dict[str, Any]:
         from memtrain.checkpoints.exact import load_plain, unreadable_checkpoint
 
         try:
-            state = load_plain(p, mmap=True)
+            loaded = load_plain(p, mmap=True)
         except ConfigError:  # it says what to install
             raise
         except Exception as exc:  # truncated, foreign, or holding more than plain data
             raise unreadable_checkpoint(p, exc) from None
+        # Only the small entries are kept: a run holds them from its checks to its end, and the
+        # memory-mapped tensors would keep the file mapped all that time.
+        state = {k: loaded[k] for k in SMALL_ENTRIES if k in loaded} if isinstance(loaded, dict) else loaded
     else:
         kind = special_file_kind(p)  # a FIFO (never opened: it would block), a device: named, not "not found"
         found = "not found" if kind is None else f"is {kind}, not a file"
@@ -99,6 +109,20 @@ def saved_state(path: str | Path) -> dict[str, Any]:
     return state
 
 
+def resume_state(cfg: RunConfig) -> Optional[dict[str, Any]]:
+    """The :func:`saved_state` of this run's ``--resume`` (None without one), read once per run:
+    the one the command line read to take the saved settings (``cfg.resumed_state``, kept for its
+    path), else read now. Every check of the run (:func:`continue_longer`, :func:`check_resume`,
+    the destinations' checks) and the run itself take it from here, so the checkpoint is opened
+    for its small entries once, not once per check."""
+    if not cfg.train.resume:
+        return None
+    kept = getattr(cfg, "resumed_state", None)
+    if isinstance(kept, tuple) and len(kept) == 2 and kept[0] == cfg.train.resume:
+        return kept[1]
+    return saved_state(cfg.train.resume)
+
+
 # The saved settings a resumed run does not take from its checkpoint: which checkpoint it resumes
 # and where it stops, and what belongs to the machine it runs on now (the device, the loader's
 # workers, the token cache), which the saved config recorded for another machine.
@@ -111,8 +135,8 @@ NOT_RESUMED: frozenset[str] = frozenset({
 LAUNCH_SETTINGS: frozenset[str] = frozenset({"distributed", "cpu_offload"})
 
 
-def resumed_settings(path: str | Path, launched: bool = False,
-                     out_given: bool = False) -> tuple[dict[str, Any], Optional[str]]:
+def resumed_settings(path: str | Path, launched: bool = False, out_given: bool = False,
+                     state: Optional[dict[str, Any]] = None) -> tuple[dict[str, Any], Optional[str]]:
     """The settings ``train --resume CKPT`` starts from: the checkpoint's saved run config
     (model, data, schedule, techniques, its ``--out`` and ``--save``; with ``launched``, a run
     started as ranks, its data-parallel strategy too), so that ``--resume CKPT`` alone continues
@@ -128,8 +152,9 @@ def resumed_settings(path: str | Path, launched: bool = False,
     when that is the folder its run wrote to (:func:`lends_out`); else nowhere: one ConfigError
     saying to add ``--out``. A file anyone could have placed at a path names no folder for this
     run to write into, and a default folder (runs/train, where a moved checkpoint's run once
-    wrote) is one the user did not name."""
-    saved, _, _ = saved_run(path)
+    wrote) is one the user did not name. ``state``: the checkpoint's :func:`saved_state`, where
+    the caller read it already."""
+    saved, _, _ = saved_run(path, state)
     if not launched and Path(path).expanduser().is_dir():
         check_sharded_resume(path, 1)  # a ranks' checkpoint: says how many ranks resume it
     index = field_index()
@@ -244,7 +269,7 @@ def _count_or_none(value: Any) -> Optional[int]:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
-def continue_longer(cfg: RunConfig) -> Optional[str]:
+def continue_longer(cfg: RunConfig, state: Optional[dict[str, Any]] = None) -> Optional[str]:
     """Train longer: ``--resume`` with a ``--steps`` larger than the saved run's continues that
     run, its LR schedule stretched over the new ``--steps`` from the step it resumes at (as the
     Trainer does when it resumes with a larger ``max_steps``): under the cosine schedule the LR
@@ -254,11 +279,12 @@ def continue_longer(cfg: RunConfig) -> Optional[str]:
 
     Returns the line that says so (None when this run does not resume a shorter run), and
     sets ``cfg.train.warmup_steps`` to the saved warm-up where it was defaulted. Called before
-    the other checks compare the saved config with this one (:func:`check_resume`)."""
+    the other checks compare the saved config with this one (:func:`check_resume`). ``state``:
+    the checkpoint's :func:`saved_state` (read here where not given)."""
     t = cfg.train
     if not t.resume:
         return None
-    saved, step, _ = saved_run(t.resume)
+    saved, step, _ = saved_run(t.resume, state)
     saved_train: dict[str, Any] = saved["train"] if isinstance(saved.get("train"), dict) else {}
     before, warmup = _count_or_none(saved_train.get("steps")), _count_or_none(saved_train.get("warmup_steps"))
     if before is None or t.steps <= before:
@@ -293,12 +319,14 @@ def shown_differences(diffs: list[str], most: int) -> str:
     return "; ".join(diffs[:most]) + (f"; and {len(diffs) - most} more" if len(diffs) > most else "")
 
 
-def check_resume(cfg: RunConfig) -> Optional[int]:
+def check_resume(cfg: RunConfig, state: Optional[dict[str, Any]] = None) -> Optional[int]:
     """Refuse ``--resume`` of a checkpoint from a different run (see the module docstring).
-    Returns the step the checkpoint resumes at (None without ``--resume``)."""
+    Returns the step the checkpoint resumes at (None without ``--resume``). ``state``: the
+    checkpoint's :func:`saved_state` (read here where not given)."""
     if not cfg.train.resume:
         return None
-    state = saved_state(cfg.train.resume)  # read once: the run's config and the model's config.json
+    if state is None:
+        state = saved_state(cfg.train.resume)  # read once: the run's config and the model's config.json
     saved, step, fingerprint = run_of_state(state, cfg.train.resume)
     model_as = resumed_model_as(cfg, saved, state)
     diffs = differences_from_this_run(saved, cfg, model_as=model_as)

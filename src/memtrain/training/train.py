@@ -58,8 +58,9 @@ from memtrain.training.readings import StepReadings
 from memtrain.training.resume_check import (
     check_resume,
     continue_longer,
+    resume_state,
     resuming_line,
-    saved_run,
+    run_of_state,
     unchecked_data_warning,
 )
 from memtrain.training.sinks import MetricsLogger, live_memory
@@ -141,6 +142,10 @@ class _Progress:
             self.bar.update(1)
         self.lines.update(self.lines.done + 1, f"loss {loss:.3f}, {tokens_per_s:,.0f} tokens/s")
 
+    def stop(self) -> None:
+        """The run failed or was interrupted: its plain lines stop without a closing "done" line."""
+        self.lines.stop()
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
@@ -204,15 +209,16 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
         with agreement():
             # A longer --steps on --resume keeps the saved warm-up, before the configs are compared.
             cfg.data.check_answer_source()  # --loss-on completion needs records, before anything is read or written
-            stretched = continue_longer(cfg) is not None
+            resumed = resume_state(cfg)  # the checkpoint's small entries, read once for the run
+            stretched = continue_longer(cfg, resumed) is not None
             # A checkpoint of another run is refused before tokenizing, and before its own --out
             # and --save are compared (a changed flag is then said as a resume's difference).
-            resumed_at = check_resume(cfg)
+            resumed_at = check_resume(cfg, resumed)
             # Never a run that cannot write its result, nor one that would overwrite another's. A
             # folder a running run holds is said as in use (a launcher's ranks write under its lock).
             if lock_out and dist_ctx.is_main and not launched:
                 refuse_folder_in_use(Path(cfg.train.out))
-            check_destinations(cfg, fresh_out=log_metrics)
+            check_destinations(cfg, fresh_out=log_metrics, resumed=resumed)
             check_vocab(cfg)
             check_model_size(cfg.model, dist_ctx.device, cfg.technique.precision)  # a shape that cannot be built, refused before building
             check_optimizer_installed(cfg.technique)  # an absent optional package, before anything is built
@@ -226,7 +232,9 @@ def train(cfg: RunConfig, progress: Optional[bool] = None, track_memory: bool = 
         # After the agreement: the holder (rank 0 or the launcher) has the lock file by now.
         if lock_out and dist_ctx.enabled and (launched or not dist_ctx.is_main):
             register_writer(Path(cfg.train.out), f"memtrain train rank {dist_ctx.rank}")
-        return _train(cfg, dist_ctx, progress, track_memory, on_result, log_metrics, on_step, stretched)
+        # An older checkpoint records no data fingerprint: the run says once that nothing was compared.
+        unchecked = resumed is not None and run_of_state(resumed, cfg.train.resume or "")[2] is None
+        return _train(cfg, dist_ctx, progress, track_memory, on_result, log_metrics, on_step, stretched, unchecked)
 
 
 def follow_new_schedule(scheduler: Any) -> None:
@@ -275,7 +283,7 @@ def _step_scalars(loss: float, logged: dict[str, Any], grad_norm: Optional[float
 def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], track_memory: bool,
            on_result: Optional[Callable[[dict[str, Any]], None]] = None,
            log_metrics: bool = False, on_step: Optional[StepCallback] = None,
-           stretched: bool = False) -> dict[str, Any]:
+           stretched: bool = False, unchecked_data: bool = False) -> dict[str, Any]:
     t = cfg.train
     requested = t.progress if progress is None else progress
     show = shows_progress(requested) and dist_ctx.is_main
@@ -341,7 +349,7 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         load_ckpt(t.resume, state)  # sets state.step and state.losses
         if stretched:
             follow_new_schedule(state.scheduler)
-        if dist_ctx.is_main and saved_run(t.resume)[2] is None:  # an older checkpoint: nothing was compared
+        if dist_ctx.is_main and unchecked_data:  # an older checkpoint: nothing was compared
             print(unchecked_data_warning(cfg), file=sys.stderr)
         clock.lap("resume")
     start_step = state.step
@@ -365,6 +373,7 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     try:
         loop.run(start_step, end_step, bar)
     except BaseException:
+        bar.stop()  # no "done" line, and no heartbeat line after the run's error line
         logger.close(discard_if_empty=True)  # a failed first step leaves the folder as it found it
         raise
     finally:
