@@ -145,12 +145,18 @@ def test_eta_line_after_first_timed_step(tmp_path):
     assert eta.line("a", hb, 2.0) is None  # still in the timing warm-up
     hb.write_text(json.dumps({"done": 4, "total": 20, "step_s": 0.5}))
     line = eta.line("a", hb, 4.0)
-    assert line == "[a] eta: 0.50 s/step, row ~8s left + evaluation and max-batch search; bench ~32s left (2 more rows after this)"
+    # Before a row has finished, both figures leave out evaluation and the max-batch search, and say
+    # so (the bench's said "~32s left" of a bench whose max-batch searches took minutes).
+    assert line == ("[a] eta: 0.50 s/step, row ~8s left + evaluation and max-batch search; bench ~32s left + each "
+                    "row's evaluation and max-batch search (2 more rows after this)")
     assert eta.line("a", hb, 5.0) is None  # once per row
     eta.row_finished({"row_wall_s": 20.0, "total_time_s": 10.0})
     hb.write_text(json.dumps({"done": 10, "total": 20, "step_s": 1.0}))
     # 10 steps left (10 s) + overhead 10 s of which 2 s (elapsed 12 - trained 10) already spent.
     assert eta.line("b", hb, 12.0) == "[b] eta: 1.00 s/step, row ~18s left; bench ~38s left (1 more row after this)"
+    last = BenchEta(rows_to_run=1)
+    assert last.line("c", hb, 12.0) == ("[c] eta: 1.00 s/step, row ~10s left + evaluation and max-batch search; "
+                                        "bench ~10s left + evaluation and max-batch search (0 more rows after this)")
     assert fmt_duration(75) == "1m15s" and fmt_duration(3 * 3600 + 120) == "3h02m"
 
 

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from memtrain.cli import main
-from memtrain.data.sources import files_summary, local_data_lines, same_data_warning
+from memtrain.data.sources import decimal_size, files_summary, local_data_lines, same_data_warning
 
 
 @pytest.fixture(autouse=True)
@@ -36,8 +36,19 @@ def test_summary_counts_each_kind_and_the_size(tmp_path: Path) -> None:
     folder = _same_posts_three_ways(tmp_path / "d")
     files = sorted(folder.iterdir())
     size = sum(p.stat().st_size for p in files)
-    assert files_summary(files) == f"data: 3 files (1 .json, 1 .jsonl, 1 .parquet), {size / 1e6:.1f} MB"
-    assert files_summary(files[:1]) == f"data: 1 file (1 .json), {files[0].stat().st_size / 1e6:.1f} MB"
+    assert files_summary(files) == f"data: 3 files (1 .json, 1 .jsonl, 1 .parquet), {size / 1e3:.1f} kB"
+    assert files_summary(files[:1]) == f"data: 1 file (1 .json), {files[0].stat().st_size / 1e3:.1f} kB"
+
+
+def test_summary_sizes_a_small_file_in_its_own_unit_not_as_zero_mb(tmp_path: Path) -> None:
+    """A chat file of a few records printed as ``0.0 MB``, which reads as empty."""
+    small, large = tmp_path / "chat.jsonl", tmp_path / "big.txt"
+    small.write_bytes(b"x" * 1400)
+    large.write_bytes(b"x" * 2_100_000)
+    assert files_summary([small]) == "data: 1 file (1 .jsonl), 1.4 kB"
+    assert files_summary([large]).endswith(", 2.1 MB")
+    assert [decimal_size(n) for n in (0, 999, 1000, 999_949, 3_200_000_000)] == ["0 B", "999 B", "1.0 kB", "999.9 kB",
+                                                                                  "3.2 GB"]
 
 
 def test_same_name_in_two_formats_warns_and_other_names_do_not(tmp_path: Path) -> None:

@@ -305,3 +305,46 @@ def test_the_planners_cost_model_figures_in_the_docs_are_the_codes():
                f"{o['adamw-8bit']}, bitsandbytes 8-bit {o['adamw-bnb-8bit']}, Adafactor {o['adafactor']}, SGD {o['sgd']}")
     assert traffic in text, traffic
 
+
+
+# How the docs write each family of memtrain.analysis.estimate.hf.MODELLED (its model_type keys).
+FAMILY_NAMES = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "phi3": "Phi-3", "gemma": "Gemma",
+                "gpt2": "GPT-2"}
+
+
+def _names_in(text: str, start: str, end: str) -> list[str]:
+    """The comma/``and``-separated names between ``start`` and the next ``end`` of ``text`` (whitespace
+    joined, as a wrapped paragraph reads), backticks dropped."""
+    flat = " ".join(text.split())
+    assert start in flat, f"the docs lost the sentence that opens with {start!r}"
+    inside = flat.split(start, 1)[1].split(end, 1)[0]
+    return [name.strip(" `") for name in re.split(r",\s*|\s+and\s+", inside) if name.strip(" `")]
+
+
+def test_the_families_the_docs_say_estimate_models_analytically_are_the_codes():
+    """README and docs/estimation.md each list the transformers families estimate answers without a
+    trace; a family added to (or dropped from) MODELLED must change both lists."""
+    from memtrain.analysis.estimate.hf import MODELLED
+
+    expected = sorted(FAMILY_NAMES[family] for family in MODELLED)
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    estimation = (ROOT / "docs" / "estimation.md").read_text(encoding="utf-8")
+    assert sorted(_names_in(readme, "`estimate` answers ", " analytically")) == expected
+    assert sorted(_names_in(estimation, "the transformers families of `MODELLED` (", ")")) == expected
+
+
+def test_the_bundled_configs_the_readme_and_help_name_are_the_shipped_files():
+    """The README's and ``--model``'s help list of bundled transformers configs names each file of
+    memtrain/models/configs, and nothing else: a config shipped but unlisted is one a newcomer never
+    finds, one listed but not shipped an ``error:`` on the first try."""
+    from memtrain.config.run import ModelConfig
+
+    shipped = sorted(p.stem for p in (SRC / "models" / "configs").glob("*.json"))
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    clause = readme.split("a bundled full-size config (", 1)[1].split(" or `hf:ORG/NAME`", 1)[0]
+    assert sorted(re.findall(r"`([^`]+)`", clause)) == shipped, clause
+    help_text = ModelConfig.__dataclass_fields__["model"].metadata["help"]
+    clause = help_text.split("a bundled config (", 1)[1].split(") or hf:", 1)[0]
+    # "llama-3-8b, ..., qwen2.5-0.5b; tiny-llama and tiny-gpt2 train in seconds on a CPU" -> the names
+    names = re.findall(r"(?<![\w.-])([a-z][a-z0-9.]*-[a-z0-9.-]*[a-z0-9])(?![\w.-])", clause)
+    assert sorted(names) == shipped, clause

@@ -335,3 +335,17 @@ def test_the_cache_at_the_peak_is_the_cache_written_by_then(tmp_path, capsys):
     assert fp32["peak_phase"] == bf16["peak_phase"] == "prefill (the last layer before its MLP)"
     assert fp32["kv_cache_at_peak"] == 4 * layer  # rope on q, layer 1's cache not written yet
     assert bf16["kv_cache_at_peak"] == 2 * 2 * layer  # the post-attention RMSNorm: both layers'
+
+
+def test_the_default_weights_dtype_is_named_beside_what_generate_loads(capsys):
+    """estimate --mode inference sizes bf16 weights by default where memtrain generate loads them as
+    stored (float32 for a folder saved in it): the `defaults used:` line names the default, and
+    only when --weights-dtype was not given; the JSON holds the dtype sized either way."""
+    flags = ["estimate", "--mode", "inference", "--model", "tiny-llama", "--seq-len", "16", "--new-tokens", "4"]
+    assert main(flags) == 0
+    note = capsys.readouterr().out.strip().splitlines()[-1]
+    assert note.startswith("defaults used: ") and "weights-dtype bf16 (memtrain generate loads the weights as stored" in note
+    assert main([*flags, "--weights-dtype", "bf16"]) == 0
+    assert "weights-dtype" not in capsys.readouterr().out
+    assert main([*flags, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["weights_dtype"] == "bf16"

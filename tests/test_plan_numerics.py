@@ -56,6 +56,21 @@ def test_plan_falls_back_to_the_fastest_when_every_choice_changes_as_much(capsys
     assert out["recommended"] == 0 and not out["candidates"][0]["numerics_standard"]
 
 
+def test_plan_names_the_lora_asked_as_the_users_not_as_no_standard_choice(capsys):
+    """plan never adds or drops LoRA: with --lora-rank every candidate trains adapters only. It said
+    "no numerically standard choice fits" under any budget, as if a larger one would buy one; the
+    LoRA asked is named as the user's, and the pick is judged on the choices plan made."""
+    args = [a for a in ARGS if a != "--json"]
+    assert main([*args, "--lora-rank", "8", "--memory-budget", "24GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "no numerically standard choice" not in out
+    assert "the fastest numerically standard choice (apart from what you asked: LoRA: trains adapters only" in out
+    assert "#1 is faster but: " in out and "LoRA" not in out.split("#1 is faster but: ", 1)[1].splitlines()[0]
+    assert main([*args, "--precisions", "bf16", "--optims", "adamw", "--lora-rank", "8",
+                 "--memory-budget", "24GiB"]) == 0
+    assert "(a numerically standard choice (apart from what you asked: LoRA" in capsys.readouterr().out
+
+
 def test_plan_shows_the_measured_ppl_effect(tmp_path, capsys):
     if not (RESULTS / "results.jsonl").is_file():
         pytest.skip("recorded bench results not in this checkout")

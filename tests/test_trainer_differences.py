@@ -66,6 +66,15 @@ def test_the_summary_says_what_its_losses_average_and_result_json_has_the_traine
             and f"(on {data['val_tokens_evaluated']:,} of {data['val_tokens']:,} held-out tokens; --val-blocks)" in out), out
 
 
+def test_the_summary_counts_one_step_in_the_singular(tiny_run, capsys):
+    """A one-step run (a resume that adds one step, a smoke test) printed "1 steps in"."""
+    from conftest import cli_flags
+
+    assert main(["train", *cli_flags({**tiny_run, "steps": 1, "warmup_steps": 1, "warmup_timing_steps": 0})]) == 0
+    out = capsys.readouterr().out
+    assert "  1 step in " in out and "1 steps" not in out, out
+
+
 def test_trains_defaults_line_names_the_optimizer_defaults_the_trainer_sets_otherwise(small_corpus, tmp_path, capsys,
                                                                                         one_thread):
     """A fine-tune of a transformers model at memtrain's lr 3e-4, weight decay 0.1 and beta2 0.95

@@ -702,7 +702,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if result["steps_run"]:
         print(
             f"step time {result['step_time_s']['median'] * 1000:.1f} ms (median)  "
-            f"{result['tokens_per_s']:,.0f} tokens/s{_padding_span(result)}  {result['steps_run']} steps in {result['total_time_s']:.1f} s  "
+            f"{result['tokens_per_s']:,.0f} tokens/s{_padding_span(result)}  {result['steps_run']} "
+            f"step{'' if result['steps_run'] == 1 else 's'} in {result['total_time_s']:.1f} s  "
             f"tracked peak {fmt_bytes(mem.get('peak_bytes'))}"
             # On a CPU the "device" is the host itself: the time between steps is loop work, not idling.
             + (f"  device idle between steps {result['device_idle_share']:.1%}"

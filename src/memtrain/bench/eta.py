@@ -6,7 +6,8 @@ timed step, the row's remaining training time is (steps left x median step); wha
 outside training (start-up, evaluation, the max-batch search, the estimate) is taken from the
 rows already finished in this bench (their wall time minus their training time), and rows not
 yet started are assumed to take as long as the finished ones on average (or this row's own
-estimate while none has finished). An estimate, said to be one.
+estimate while none has finished, the row's and the bench's figures then saying that they leave
+out evaluation and the max-batch search). An estimate, said to be one.
 """
 
 from __future__ import annotations
@@ -73,5 +74,10 @@ class BenchEta:
         per_row = (sum(self.finished_walls) / len(self.finished_walls)) if self.finished_walls else this_row
         rows_after = max(0, self.rows_to_run - len(self.finished_walls) - 1)
         total_left = row_left + rows_after * per_row
+        # Until a row finishes, nothing measured how long the rest of a row takes: the whole
+        # bench's figure leaves it out as the row's does, and says so (the max-batch search alone can
+        # take many times a row's training).
+        bench_note = note if not note or not rows_after else " + each row's evaluation and max-batch search"
         return (f"[{name}] eta: {float(step_s):.2f} s/step, row ~{fmt_duration(row_left)} left{note}; "
-                f"bench ~{fmt_duration(total_left)} left ({rows_after} more row{'s' if rows_after != 1 else ''} after this)")
+                f"bench ~{fmt_duration(total_left)} left{bench_note} "
+                f"({rows_after} more row{'s' if rows_after != 1 else ''} after this)")

@@ -134,7 +134,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "sequences of a --seq-len-token prompt and --new-tokens sampled tokens (weights, KV cache, "
                         "the prompt's forward, sampling), analytic; with --new-tokens 0, one forward of memtrain's GPT "
                         "over every position without autograd. Default train.")
-    p.add_argument("--weights-dtype", choices=("fp32", "bf16", "fp16", "int8"), default="bf16",
+    # None until resolved (bf16) by _run_inference: the `defaults used:` line names the default only
+    # when it was not given.
+    p.add_argument("--weights-dtype", choices=("fp32", "bf16", "fp16", "int8"), default=None,
                    help="Inference mode: the dtype the weights are stored in and computed in (default bf16; "
                         "memtrain generate itself loads float32; int8 only with --new-tokens 0).")
     p.add_argument("--new-tokens", type=int_in(0, MAX_WIDTH, "a token count"), default=DEFAULT_NEW_TOKENS, metavar="N",
@@ -188,9 +190,23 @@ def run(args: argparse.Namespace) -> int:
     # generate's estimate is SDPA's whatever the training default: no attention default to name
     generate = args.mode == "inference" and args.new_tokens > 0
     note = defaults_note(cfg.replace(attention="sdpa") if generate else cfg)
+    if args.mode == "inference" and getattr(args, "weights_dtype_defaulted", False):
+        note = _with_default(note, WEIGHTS_DTYPE_DEFAULT_NOTE)
     if rc == 0 and note and not args.json:
         print(note)
     return rc
+
+
+# estimate --mode inference sizes bf16 weights unless told, where generate loads them as stored
+# (float32, unless the run trained in bf16): the two answers differ by the weights' factor 2.
+DEFAULT_WEIGHTS_DTYPE = "bf16"
+WEIGHTS_DTYPE_DEFAULT_NOTE = ("weights-dtype bf16 (memtrain generate loads the weights as stored: float32 unless "
+                              "the run trained in bf16; --weights-dtype fp32 sizes that)")
+
+
+def _with_default(note: Optional[str], part: str) -> str:
+    """``note`` (a ``defaults used:`` line, or None) with ``part`` added to it."""
+    return f"{note}; {part}" if note else f"defaults used: {part}"
 
 
 def _run(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
@@ -377,6 +393,8 @@ def _run_inference(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
         raise ConfigError("--trace traces a training step; --mode inference is analytic (checked against a measured "
                           "generate in the tests), drop --trace")
     _refuse_training_settings(cfg)
+    args.weights_dtype_defaulted = args.weights_dtype is None
+    args.weights_dtype = args.weights_dtype or DEFAULT_WEIGHTS_DTYPE
     if args.new_tokens == 0:
         if arch is None:
             raise ConfigError("--new-tokens 0 (one forward of every position) is modelled for memtrain's GPT only; "

@@ -46,7 +46,7 @@ from memtrain.commands.estimate import (
 from memtrain.config.argtypes import batch_count, positive_int, user_path
 from memtrain.config.run import ConfigError, parse_size
 from memtrain.devices.gpu_kinds import has_fp8
-from memtrain.devices.numerics import fewest_changes_first, is_standard, numerics_key, numerics_note
+from memtrain.devices.numerics import fewest_changes_first, is_standard, numerics_changes, numerics_key, numerics_note
 from memtrain.files.bench_store import bench_results_file, latest_settings, read_results_counted, rows_under
 from memtrain.report.noise import (
     FACTOR,
@@ -149,6 +149,35 @@ def _budget(args: argparse.Namespace) -> tuple[int, str]:
     return found
 
 
+def asked_changes(cfg: Any) -> list[str]:
+    """The numerics changes every candidate shares because the command asked for them: plan searches
+    precision, attention, checkpointing, loss and optimizer, never LoRA or a sliding window, so
+    ``--lora-rank`` or ``--window`` given to plan is no choice of the plan's to report as one."""
+    tech = cfg.technique
+    return numerics_changes({"lora_rank": tech.lora_rank or tech.qlora, "window": tech.window})
+
+
+def _print_pick_note(rec: int, number: int, techs: list[dict[str, Any]], asked: list[str]) -> None:
+    """The line under ``best:`` that says why the pick is not #1, or that it changes the numerics.
+    A change the user asked for (``asked``, e.g. LoRA) is named once as theirs: with ``--lora-rank``
+    every candidate trains adapters only, and calling none of them standard would tell a fine-tuner
+    that a larger budget could buy a standard run."""
+    def beyond_asked(tech: dict[str, Any]) -> list[str]:
+        return [note for note in numerics_changes(tech) if note not in asked]
+
+    pick, fastest = beyond_asked(techs[rec]), beyond_asked(techs[0])
+    standard = "numerically standard choice" + (f" (apart from what you asked: {'; '.join(asked)})" if asked else "")
+    if rec != 0 and not pick:
+        print(f"  (#{number}, the fastest {standard}; #1 is faster but: {'; '.join(fastest)})")
+    elif rec != 0:
+        print(f"  (no {standard} fits; #{number} is the fastest that changes the least: "
+              f"{'; '.join(pick)}; #1 is faster but: {'; '.join(fastest)})")
+    elif pick:
+        print(f"  (no {standard} fits; this one: {'; '.join(pick)})")
+    elif asked:
+        print(f"  (a {standard})")
+
+
 def run(args: argparse.Namespace) -> int:
     cfg, arch = resolve_model(args)
     device_type = device_type_for(args, cfg)
@@ -207,13 +236,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg.data.loss_on == "completion" and cfg.data.data_format == "text":
         print("  (--loss-on completion: add the records it trains on, --data FILE --data-format chat, "
               "prompt-completion or auto)")
-    if rec != 0 and best["numerics_standard"]:
-        print(f"  (#{shown[rec] + 1}, the fastest numerically standard choice; #1 is faster but: {out['candidates'][0]['numerics']})")
-    elif rec != 0:
-        print(f"  (no numerically standard choice fits; #{shown[rec] + 1} is the fastest that changes the least: "
-              f"{best['numerics']}; #1 is faster but: {out['candidates'][0]['numerics']})")
-    elif not best["numerics_standard"]:
-        print(f"  (no numerically standard choice fits; this one: {best['numerics']})")
+    _print_pick_note(rec, shown[rec] + 1, techs, asked_changes(cfg))
     note = defaults_note(candidate_config(cfg, res.candidates[rec]))  # the recommended choice's defaults
     if note:
         print(note)

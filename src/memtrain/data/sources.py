@@ -276,7 +276,17 @@ def files_summary(files: list[Path]) -> str:
         kinds[p.suffix.lower()] = kinds.get(p.suffix.lower(), 0) + 1
     size = sum(p.stat().st_size for p in files)
     counts = ", ".join(f"{n} {suffix}" for suffix, n in kinds.items())
-    return f"data: {len(files)} file{'' if len(files) == 1 else 's'} ({counts}), {size / 1e6:.1f} MB"
+    return f"data: {len(files)} file{'' if len(files) == 1 else 's'} ({counts}), {decimal_size(size)}"
+
+
+def decimal_size(size: int) -> str:
+    """``size`` bytes in the largest decimal unit it reaches, to one decimal (``512 B``, ``1.4 kB``,
+    ``2.1 MB``, ``3.2 GB``), as ``ls -h --si`` and file managers show a file's size.
+    MB alone printed a small chat file as ``0.0 MB``, which reads as empty."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} B"
 
 
 def same_data_warning(files: list[Path]) -> Optional[str]:
