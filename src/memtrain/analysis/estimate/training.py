@@ -422,6 +422,19 @@ def offload_figures(sim: Simulator, graph: Graph, grad_accum: int) -> dict[str, 
             "transfer_bytes_per_step": (graph.d2h + graph.h2d) * grad_accum}
 
 
+def traced_offload(traced: dict[str, Any]) -> dict[str, int]:
+    """The ``offload`` entry of a traced step (memtrain.analysis.trace runs the offloader itself):
+    what it held on the host and moved, under :func:`offload_figures`' names so the estimate and
+    the trace read side by side, then the offloader's counts of saved tensors it copied
+    (``tensors``) and left on the device (``kept_small``, ``kept_parameters``)."""
+    moved = traced["offload"]
+    return {"host_peak_bytes": int(traced.get("offloaded_peak_bytes", 0)),
+            "host_at_peak_bytes": int(traced.get("offloaded_at_peak_bytes", 0)),
+            "d2h_bytes_per_step": int(moved["d2h_bytes"]), "h2d_bytes_per_step": int(moved["h2d_bytes"]),
+            "transfer_bytes_per_step": int(moved["d2h_bytes"] + moved["h2d_bytes"]),
+            **{k: int(moved[k]) for k in ("tensors", "kept_small", "kept_parameters") if k in moved}}
+
+
 def _lazy_optimizer_state(trainable: list[ParamInfo], pbytes: dict[str, float], optim: str, div: int,
                           total: float) -> list[float]:
     """The optimizer state tensors in the order the first ``optimizer.step()`` creates them:
