@@ -135,7 +135,9 @@ def _cce_nodes(dm: Dims, head: str, trainable: bool, keeps_valids: bool = False)
     tables), which the casts' backward turns into the float32 ones. A frozen head (LoRA) gets no
     gradient but is still cast and kept. ``keeps_valids`` (``--loss-on completion``, whose prompt
     targets are ignored): the library keeps its int32 index of the valid targets with its saved
-    tensors until backward, sized (as the log-sum-exp) for every target: an upper bound."""
+    tensors until backward, sized (as the log-sum-exp) for every target: an upper bound. It saves
+    the targets as well (``ctx.save_for_backward(e, c, bias, lse, params.targets, ...)``, cce.py):
+    the loader's labels, pinned anyway, which an offloader copies to the host."""
     N, d, V, a, r = dm.n, dm.d, dm.V, dm.a, dm.r
     nodes: list[Node] = []
     xin, w_saved = "hf", []
@@ -167,7 +169,7 @@ def _cce_nodes(dm: Dims, head: str, trainable: bool, keeps_valids: bool = False)
     lock_tables = sum(math.prod(cce_lock_table_shape(rows, d)) * 4 for rows in (N, V))
     # The caller's hidden states ("hf") stay alive through the call, cast or not.
     nodes.append(Node("loss", out=[("cce.lse", N * 4), (LOSS, 4)], inputs=sorted({"hf", xin}) + w_saved + kept,
-                      saves=[xin] + w_saved + ["cce.lse"] + kept, fwd_steps=steps, tag="logits", grad_out=("loss",),
+                      saves=[xin] + w_saved + ["cce.lse", TARGETS] + kept, fwd_steps=steps, tag="logits", grad_out=("loss",),
                       grads=[(xin, N * d * a)] + w_grad, scratch=lock_tables))
     return nodes
 
@@ -236,13 +238,14 @@ def answer_nodes(n: int) -> list[Node]:
 def with_answer_targets(nodes: list[Node], n: int, loss: str) -> list[Node]:
     """``nodes`` (the head, every token a target) as ``--loss-on completion`` runs it: the
     :func:`answer_nodes` after the targets, the loss kernel reading their targets (the standard
-    and naive losses' nll_loss saves them for its backward; the chunked and CCE kernels save none,
-    and the forward's local holds them until it returns), then ``loss * weight``, which saves
+    and naive losses' nll_loss and Cut Cross-Entropy save them for their backward, wherever the
+    kernel saves the labels; memtrain's chunked loss saves none, and the forward's local holds
+    them until it returns), then ``loss * weight``, which saves
     the weight and is the step's loss (the backward's first node: it hands the kernel's output
     its gradient, 4 bytes as the step's own 1/N product was, and lets the weight go)."""
     at = next(i for i, node in enumerate(nodes) if node.name == "targets") + 1
     kernel = nodes[-1]
-    saves_targets = loss in ("standard", "naive")
+    saves_targets = TARGETS in kernel.saves
     kernel = replace(kernel, name="loss.kernel", inputs=kernel.inputs + [ANSWER_TARGETS],
                      saves=[k for k in kernel.saves if k != TARGETS] + ([ANSWER_TARGETS] if saves_targets else []))
     out_key = kernel.out_keys()[0]
