@@ -73,3 +73,47 @@ def test_a_transformers_model_with_cce_is_estimated_as_traced(tmp_path):
     cfg = build_config({"model": str(tmp_path), **SHAPE, "precision": "bf16", "attention": "sdpa"})
     gaps = _gaps(analytic_estimate(cfg, "cpu").phase_peaks, trace_step(cfg, "cpu"))
     assert all(abs(g) <= TOLERANCE_BYTES for g in gaps.values()), gaps
+
+
+
+def test_the_stand_in_saves_the_targets_as_the_library_does():
+    """Cut Cross-Entropy saves its targets for backward (``ctx.save_for_backward(e, c, bias, lse,
+    params.targets, params.valids, logit_avg)``, the library's cce.py); the stand-in the trace
+    runs saved the operands and the log-sum-exp only."""
+    import torch
+
+    from memtrain.techniques.loss import _CutCrossEntropyBuffers
+
+    saved: list[torch.Tensor] = []
+    e = torch.randn(6, 4, requires_grad=True)
+    c = torch.randn(11, 4, requires_grad=True)
+    targets = torch.arange(6)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        _CutCrossEntropyBuffers.apply(e, c, targets, False)
+    assert any(t is targets or (t.dtype == torch.int64 and t.data_ptr() == targets.data_ptr()) for t in saved)
+
+
+@pytest.mark.parametrize("loss_on", ["all", "completion"])
+def test_cce_saves_its_targets_and_an_offloader_moves_them(loss_on):
+    """Under --offload-activations at 4 x 40 tokens (1,280 B of int64 labels, past the 1 KiB floor)
+    the library's saved targets go to the host with the rest; the stand-in and the estimate left
+    them out (1,280 B a step fewer each way than on CUDA), and under --loss-on completion the
+    answers-only copy, which the library keeps for backward, was freed as the forward returned.
+    The estimate's loss node now saves them, and moves what the trace's offloader moves."""
+    from memtrain.analysis.estimate.dims import run_dims
+    from memtrain.analysis.estimate.embedding_nodes import TARGETS
+    from memtrain.analysis.estimate.head_nodes import ANSWER_TARGETS, head_nodes
+    from memtrain.config.archs import GPT2_ARCH
+
+    cfg = build_config({**OURS, **SHAPE, "batch_size": 4, "precision": "bf16", "offload_activations": True,
+                        "loss_on": loss_on})
+    dm = run_dims(cfg, GPT2_ARCH, "cpu")
+    kernel = head_nodes(dm, cfg.model, cfg.technique, GPT2_ARCH, True, True, 1,
+                        answers_only=loss_on == "completion")
+    saved = {k for node in kernel if node.name in ("loss", "loss.kernel") for k in node.saves}
+    assert (ANSWER_TARGETS if loss_on == "completion" else TARGETS) in saved
+    traced = trace_step(cfg, "cpu")
+    est = estimate(cfg, device_type="cpu")
+    assert traced["offload"]["d2h_bytes"] == est.offload["d2h_bytes_per_step"]
+    gaps = _gaps(est.phase_peaks, traced)
+    assert all(abs(g) <= TOLERANCE_BYTES for g in gaps.values()), gaps

@@ -39,7 +39,8 @@ def test_the_found_length_fits_and_the_next_does_not_by_the_tracked_meter():
     budget = measured_length_peak(at_seq_len(cfg, 96, bound, 2))  # real steps, tracked meter
     res = find_longest_context(cfg, budget_bytes=budget, batch=2, multiple_of=32, progress=False)
     assert (res.seq_len, res.next_seq_len, res.batch_size) == (96, 128, 2)
-    assert res.guess_method == "analytic" and len(res.probes) == 2  # the guess and the next length
+    # The guess, the next length, and the climb's look past it (DIP_WINDOW lengths above the answer).
+    assert res.guess_method == "analytic" and [p["seq_len"] for p in res.probes] == [96, 128, 224, 192, 160]
     # Checked independently of the traced search: real steps of each length, counted by the meter.
     assert res.peak_bytes == budget
     nxt = measured_length_peak(at_seq_len(cfg, 128, bound, 2))
@@ -80,7 +81,8 @@ def test_without_an_analytic_guess_a_fitted_guess_finds_the_same_length(monkeypa
     assert res.peak_bytes == budget < res.next_peak_bytes
     full = find_longest_context(cfg, budget_bytes=budget, batch=1, multiple_of=32, max_len=512, progress=False,
                                 method="measure", probe=probe)
-    assert full.seq_len == 160 and len(res.probes) < len(full.probes)  # the fit saved probes
+    # Both climb DIP_WINDOW lengths past the answer; the fit's three probes stand in for the search from 1.
+    assert full.seq_len == 160 and len(res.probes) <= len(full.probes)
 
 
 def test_a_fixed_position_table_bounds_the_search():
@@ -343,3 +345,27 @@ def test_a_length_past_the_positions_that_needs_less_is_said_to_be_the_models_sh
     assert code == 0, err
     assert re.search(r"8,256 fits too \([\d.]+ GiB; less than 8,192's [\d.]+ GiB: the caching-allocator model's "
                      r"need is not monotone in the length", out), out
+
+
+@pytest.mark.parametrize("method, guess", [("trace", None), ("measure", None), ("trace", 4)])
+def test_the_probed_length_search_climbs_past_a_length_that_needs_more(monkeypatch, method, guess):
+    """A stand-in probe whose peak is not monotone in the length (as CUDA's allocator can be): 128
+    tokens need more than the budget, 160 and 192 fit, 224 does not. The probed search only
+    bisected, stopping at 96 (from 1, or from the guess of 128); it climbs now, as the estimate's
+    own search and plan's do (one shared search: fit.largest_fitting_past_dips)."""
+    import memtrain.analysis.context as ctx
+
+    budget = 1000
+
+    def probe(c):  # a spike at 128 tokens, the rest rising with the length
+        n = c.train.seq_len
+        return 2 * budget if n == 128 else (budget - 1 if n <= 192 else budget + 1)
+
+    monkeypatch.setattr(ctx, "_analytic_guess", lambda *a, **k: guess)
+    monkeypatch.setattr(ctx, "_fitted_guess", lambda *a, **k: None)
+    res = find_longest_context(_tiny(), budget_bytes=budget, batch=1, multiple_of=32, max_len=512,
+                               progress=False, method=method, probe=probe)
+    assert (res.seq_len, res.next_seq_len) == (192, 224)
+    assert res.peak_bytes <= budget < res.next_peak_bytes
+    assert {p["seq_len"] for p in res.probes if not p["fits"]} >= {128, 224}  # the spike was seen, and passed
+    assert len({p["seq_len"] for p in res.probes}) == len(res.probes)  # each length probed once

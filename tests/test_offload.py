@@ -262,3 +262,38 @@ def test_a_layernorms_mean_and_rstd_meet_the_size_floor_each(model, batch, seq, 
     assert OFFLOAD_MIN_BYTES == 1024  # the floor the figures above assume
     traced = trace_step(cfg, "cpu")["offload"]
     assert (est["d2h_bytes_per_step"], est["h2d_bytes_per_step"]) == (traced["d2h_bytes"], traced["h2d_bytes"])
+
+
+def _estimate_json(argv, capsys):
+    import json
+
+    assert main(["estimate", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("model", ["ours", "gpt2", "gpt2-full-trace"])
+def test_estimate_trace_json_carries_what_the_traced_offloader_moved(model, capsys, tmp_path_factory):
+    """`estimate --trace --json` put the traced step's peak and categories in ``trace`` but left
+    out what its offloader moved and held on the host: ``trace.offload`` now has them under the
+    analytic ``offload`` entry's names (and the offloader's tensor counts), so the two compare key
+    by key; a traced transformers estimate (--full-trace) gives the same entry as its ``offload``."""
+    flags = ["--batch-size", "2", "--seq-len", "64", "--offload-activations", "--device", "cpu"]
+    if model == "ours":
+        argv = ["--d-model", "32", "--n-heads", "2", "--n-layers", "2", "--vocab-size", "512", *flags, "--trace"]
+    else:
+        transformers = pytest.importorskip("transformers")
+        root = tmp_path_factory.getbasetemp() / "gpt2-offload"
+        if not root.exists():
+            transformers.GPT2Config(**_GPT2).save_pretrained(root)
+        argv = ["--model", str(root), *flags, "--trace" if model == "gpt2" else "--full-trace"]
+    out = _estimate_json(argv, capsys)
+    traced = out["trace"]["offload"]
+    assert traced["d2h_bytes_per_step"] == traced["h2d_bytes_per_step"] > 0
+    assert traced["transfer_bytes_per_step"] == 2 * traced["d2h_bytes_per_step"]
+    assert 0 < traced["host_at_peak_bytes"] <= traced["host_peak_bytes"] and traced["tensors"] > 0
+    if model == "gpt2-full-trace":
+        assert out["offload"] == traced  # the trace is the estimate
+    else:  # the analytic model moves the traced bytes at these sizes (see the size-floor test above)
+        assert out["offload"]["d2h_bytes_per_step"] == traced["d2h_bytes_per_step"]
+    assert main(["estimate", *argv]) == 0
+    assert "traced host copies (peak)" in capsys.readouterr().out

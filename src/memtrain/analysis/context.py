@@ -12,6 +12,9 @@ tensors, or measured), which decide the answer: the found length fits and the ne
   else at most linearly) and solves it for the budget.
 * The confirmation: two probes (the guess fits, the next length does not); where they disagree
   the search steps outward from the guess and bisects (:func:`memtrain.analysis.fit.largest_fitting_from`).
+  Then it climbs past a spike: the ``DIP_WINDOW`` lengths above the answer are probed and the
+  search goes on from the longest that fits (:func:`memtrain.analysis.fit.largest_fitting_past_dips`,
+  the estimate's and plan's search too): a measured peak need not be monotone in the length.
 * A traced probe of a transformers model traces two shallow copies of it and extends every
   category to the real depth (:mod:`memtrain.analysis.depth_trace`): an 8B probe costs seconds
   at any length, not the minutes of 32 traced layers.
@@ -34,8 +37,7 @@ from memtrain.analysis.depth_trace import trace_any_depth
 from memtrain.analysis.estimate.hf import modelled_arch
 from memtrain.analysis.fit import (
     at_seq_len,
-    largest_fitting,
-    largest_fitting_from,
+    largest_fitting_past_dips,
     length_search_bound,
     longest_context,
     past_the_bound,
@@ -182,10 +184,10 @@ def find_longest_context(  # noqa: C901 - guess, confirm, search outward: one se
             if guess is None and method == "trace":
                 guess = _fitted_guess(peak_at, budget_bytes, cap)
                 how = "fitted" if guess is not None else None
-        if guess:  # 0: by the estimate nothing fits; the shortest length's probe decides
-            found = largest_fitting_from(fits, cap, guess, fits(guess))
-        else:
-            found = largest_fitting(fits, cap) if fits(1) else None
+        # 0: by the estimate nothing fits; the shortest length's probe decides. A measured peak
+        # (CUDA's allocator) need not be monotone in the length: the search climbs past a spike as
+        # the estimate's own (fit.longest_context) and plan's do.
+        found = largest_fitting_past_dips(fits, cap, guess or None)
         if found is None:
             raise _nothing_fits(cfg, device.type, step, batch, peaks.get(1), budget_bytes)
         nxt = found + 1 if found < cap else None

@@ -31,7 +31,7 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-from memtrain.analysis.estimate.training import estimate
+from memtrain.analysis.estimate.training import estimate, traced_offload
 from memtrain.analysis.trace import trace_step
 from memtrain.config.run import RunConfig
 from memtrain.models import is_hf
@@ -186,5 +186,8 @@ def traced_estimate(cfg: Any, device_type: str, full_trace: bool = False) -> dic
         "analytic_approximation": analytic,
         "trace": {"peak_bytes": traced["peak_bytes"], "by_category": cats, "peak_phase": traced["peak_phase"],
                   "device_type": traced["device_type"], "error": 0.0,
-                  **{k: traced[k] for k in ("optimizer_step",) if k in traced}},
+                  **{k: traced[k] for k in ("optimizer_step",) if k in traced},
+                  **({"offload": traced_offload(traced)} if "offload" in traced else {})},
+        # --offload-activations: the traced offloader's host bytes, where an analytic estimate has its own
+        **({"offload": traced_offload(traced)} if "offload" in traced else {}),
     }

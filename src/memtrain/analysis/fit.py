@@ -35,6 +35,7 @@ from memtrain.models.spec import is_hf, rotary_positions
 
 __all__ = ["ContextBound", "DEFAULT_LENGTH_MULTIPLE", "FitVerdict", "at_seq_len", "bisect_fitting", "budget_for",
            "context_bound", "context_line", "fit_verdict", "largest_batch", "largest_fitting", "largest_fitting_from",
+           "largest_fitting_past_dips",
            "length_multiple", "length_search_bound", "less_need_clause", "longer_fits_mark", "longest_context", "past_the_bound",
            "step_need", "verdict_head"]
 
@@ -60,6 +61,18 @@ def largest_fitting_from(fits: Callable[[int], bool], cap: int, start: int, star
         else:
             hi, step = k, step * 2
     return bisect_fitting(fits, lo, hi)
+
+
+def largest_fitting_past_dips(fits: Callable[[int], bool], cap: int, start: Optional[int] = None) -> Optional[int]:
+    """The largest k in [1, cap] with ``fits(k)`` where fitting need not be monotone: a monotone
+    search (outward from a guess ``start`` by :func:`largest_fitting_from`, else grow-then-bisect
+    from 1), then :func:`climb_past_dips` past a spike up to DIP_WINDOW values wide. None when the
+    monotone search finds nothing (not even 1 fits). ``fits`` should cache: the climb revisits."""
+    if start:
+        found = largest_fitting_from(fits, cap, start, fits(start))
+    else:
+        found = largest_fitting(fits, cap) if fits(1) else None
+    return None if found is None else climb_past_dips(fits, found, cap)
 
 
 def require_search_budget(device_type: str, budget_bytes: Optional[int], what: str) -> None:
@@ -93,7 +106,7 @@ def largest_batch(need: Callable[[RunConfig], float], cfg: RunConfig, budget_byt
         return need(cfg.replace(batch_size=k * multiple_of)) <= budget_bytes
 
     # The modelled peak can dip as the batch grows (memtrain.analysis.dips): look past the bisection.
-    return climb_past_dips(fits, largest_fitting(fits, cap), cap) if fits(1) else None
+    return largest_fitting_past_dips(fits, cap)
 
 
 # ---------------------------------------------------------------------------- the longest context
@@ -287,7 +300,7 @@ def longest_context(need: Callable[[RunConfig], float], cfg: RunConfig, budget_b
     # The caching-allocator model's device total is not monotone in the length (its 2 MiB segment
     # rounding, best fit and the 1 MiB / 10 MiB pool thresholds): Llama-3-8B LoRA on an RTX 4090
     # needs less at 8,256 tokens than at 8,128. Look past the bisection, as the batch search does.
-    found = climb_past_dips(fits, largest_fitting(fits, cap), cap) if fits(1) else None
+    found = largest_fitting_past_dips(fits, cap)
     nxt = None if found is None else (found + 1 if found < cap else None)
     past = past_the_bound(cfg, bound, step, batch, need, lambda p: p is not None and p <= budget_bytes) \
         if found == cap else None

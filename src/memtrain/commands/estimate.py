@@ -12,6 +12,7 @@ from memtrain.analysis.estimate.generation import DEFAULT_NEW_TOKENS
 from memtrain.analysis.estimate.hf import why_not_modelled
 from memtrain.analysis.estimate.inference import estimate_generate_run
 from memtrain.analysis.estimate.method import HF_ANALYTIC_MODEL, StepEstimate, estimate_step
+from memtrain.analysis.estimate.training import traced_offload
 from memtrain.analysis.limits import MAX_WIDTH
 from memtrain.cli import (
     LOOP_ONLY_FIELDS,
@@ -261,6 +262,7 @@ def _run(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
     if traced is not None:
         rows.append(("traced peak (fake tensors)", fmt_bytes(traced["peak_bytes"]),
                      f"{traced['peak_phase']}; {_trace_error_words(out['trace'])}"))
+    rows += _offload_rows(out.get("offload"), out.get("trace"))
     rows += _compile_budget_rows(out)
     print(_table(rows))
     _print_loss_kernel(out)
@@ -521,6 +523,7 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
     rows = [("component at the peak", "bytes", "")]
     rows += [(k, fmt_bytes(v), "") for k, v in out["trace"]["by_category"].items()]
     rows.append(("peak", fmt_bytes(out["peak_bytes"]), f"{out['peak_phase']}"))
+    rows += _offload_rows(None, out["trace"])
     print(_table(rows))
     print(f"  {out['note']}, in {out['trace_seconds']:.1f} s ({out['device_type']} kernels); "
           f"not analytic: {out['not_analytic']}")
@@ -566,6 +569,7 @@ def _run_hf_analytic(args: argparse.Namespace, step: StepEstimate, device_type: 
         tr = out["trace"]
         rows.append(("traced peak (fake tensors)", fmt_bytes(tr["peak_bytes"]),
                      f"{tr['peak_phase']}, {tr['method']}; {_trace_error_words(tr)}"))
+    rows += _offload_rows(out.get("offload"), out.get("trace"))
     print(_table(rows))
     print(f"  {out['note']}")
     _print_loss_kernel(out)
@@ -641,6 +645,8 @@ def _trace_check(traced: dict[str, Any], est: Any, **how: Any) -> dict[str, Any]
     (its step was traced eagerly: an upper bound) and ``error_before_optimizer``, the error on
     the larger of the forward and backward peaks, which that bound does not touch."""
     extra: dict[str, Any] = {k: traced[k] for k in ("compile", "optimizer_step") if k in traced}
+    if "offload" in traced:
+        extra["offload"] = traced_offload(traced)
     if "optimizer_step" in traced:
         mine = max(est.phase_peaks.get(p, 0.0) for p in _BEFORE_OPTIMIZER)
         theirs = max(traced["phase_peaks"].get(p, 0.0) for p in _BEFORE_OPTIMIZER)
@@ -648,6 +654,22 @@ def _trace_check(traced: dict[str, Any], est: Any, **how: Any) -> dict[str, Any]
     return {"peak_bytes": traced["peak_bytes"], "by_category": traced["by_category"],
             "peak_phase": traced["peak_phase"], "device_type": traced["device_type"], **how, **extra,
             "error": est.peak_bytes / traced["peak_bytes"] - 1 if traced["peak_bytes"] else None}
+
+
+def _offload_rows(analytic: Optional[dict[str, Any]], check: Optional[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """--offload-activations' rows: the host copies the estimate and (with --trace) the traced
+    offloader hold at most and move each way in a step; none without the flag."""
+    rows = []
+    if analytic:
+        rows.append(("host copies (peak)", fmt_bytes(analytic["host_peak_bytes"]),
+                     f"{fmt_bytes(analytic['d2h_bytes_per_step'])} to the host, "
+                     f"{fmt_bytes(analytic['h2d_bytes_per_step'])} back a step"))
+    moved = (check or {}).get("offload")
+    if moved:
+        rows.append(("traced host copies (peak)", fmt_bytes(moved["host_peak_bytes"]),
+                     f"{fmt_bytes(moved['d2h_bytes_per_step'])} to the host, "
+                     f"{fmt_bytes(moved['h2d_bytes_per_step'])} back a step; {moved.get('tensors', 0)} tensors"))
+    return rows
 
 
 def _trace_error_words(check: dict[str, Any]) -> str:

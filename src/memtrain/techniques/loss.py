@@ -367,7 +367,7 @@ class _CutCrossEntropyBuffers(torch.autograd.Function):
     gradient filter, so no per-vocabulary average and no sort).
 
     Forward: the valid-target mask and its ``nonzero()`` (int64, then an int32 copy), one float32
-    log-sum-exp per token (kept for backward with both operands), 128-token locks and the float32
+    log-sum-exp per token (kept for backward with both operands and the targets), 128-token locks and the float32
     target-logit dot (freed). The int32 copy, the valid positions' index, is dropped when every
     target counts (``_build_flat_valids`` returns None); where some may be ignored
     (``keeps_valids``: ``--loss-on completion``'s prompt tokens) the library keeps it with its
@@ -392,7 +392,9 @@ class _CutCrossEntropyBuffers(torch.autograd.Function):
         neg_dot = e.new_zeros((n,), dtype=torch.float32)
         loss = neg_dot.add_(lse).mean()
         del locks, neg_dot
-        ctx.save_for_backward(e, c, lse, *kept)
+        # The library saves its targets too (``params.targets``, the flattened input: the caller's
+        # tensor itself, never a copy here), so an offloader copies them to the host as it does there.
+        ctx.save_for_backward(e, c, lse, targets, *kept)
         return loss
 
     @staticmethod

@@ -18,6 +18,10 @@ from memtrain.techniques.facts import aligned_vocab, cce_forward_locks, cce_lock
 # --loss-on completion (memtrain.models.gpt.answer_targets): the targets made safe for the loss (an
 # int64 copy) and the float32 weight the loss is multiplied by.
 ANSWER_TARGETS = "answers.y"
+# The 0-d float32 loss the loss kernel returns, and under --loss-on completion its product with
+# the answer weight: the step's loss (training.step_loss_key).
+LOSS = "loss"
+WEIGHTED_LOSS = "loss.weighted"
 ANSWER_WEIGHT = "answers.w"
 
 
@@ -82,8 +86,11 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
         # ctx, cannot be stolen by AccumulateGrad, which clones it into .grad (or adds it in).
         # (A frozen head, as under LoRA, gets no grad_w: need_grad_weight is False.)
         gw = Vw * d * 4 if trainable else 0.0
-        nodes.append(Node("loss", out=[("loss.grad_h", N * d * r), ("loss.grad_w", gw)],
-                           inputs=["hf"], saves=["loss.grad_h", "loss.grad_w"], fwd_steps=tuple(steps),
+        # Its first output is the 0-d float32 loss it returns (a step of one micro-batch keeps it),
+        # here made where its float32 accumulator is (before the chunks: the two are never both
+        # counted at a peak), and 1 / n_valid, a float32 0-d saved for backward.
+        nodes.append(Node("loss", out=[(LOSS, 4), ("loss.grad_h", N * d * r), ("loss.grad_w", gw), ("loss.inv_n", 4)],
+                           inputs=["hf"], saves=["loss.grad_h", "loss.grad_w", "loss.inv_n"], fwd_steps=tuple(steps),
                            tag="logits", grad_from={"hf": "loss.grad_h", f"param:{head}": "loss.grad_w"},
                            grads=[("hf", N * d * r)] + ([(f"param:{head}", 0.0)] if trainable else [])))
         return nodes
@@ -112,9 +119,10 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
     # standard_lm_loss's local holds the low-precision logits until cross_entropy returns, and
     # the caller the hidden state it handed over (the final norm's output; under autocast not the
     # cast the matmul saved, and under LoRA saved by nothing: the head is frozen).
-    # (nll_loss saves the targets too: the loader's labels, pinned, which an offloader copies.)
-    nodes.append(Node("loss", out=[("loss", 8)], inputs=["logp", "logits", "hf"], saves=["logp", TARGETS], tag="logits",
-                       grads=[("logp", N * V * 4)]))
+    # nll_loss returns the 0-d loss and its 0-d float32 total_weight, which it saves for its
+    # backward with the targets (the loader's labels, pinned, which an offloader copies).
+    nodes.append(Node("loss", out=[(LOSS, 4), ("loss.total_weight", 4)], inputs=["logp", "logits", "hf"],
+                       saves=["logp", TARGETS, "loss.total_weight"], tag="logits", grads=[("logp", N * V * 4)]))
     return nodes
 
 
@@ -127,7 +135,9 @@ def _cce_nodes(dm: Dims, head: str, trainable: bool, keeps_valids: bool = False)
     tables), which the casts' backward turns into the float32 ones. A frozen head (LoRA) gets no
     gradient but is still cast and kept. ``keeps_valids`` (``--loss-on completion``, whose prompt
     targets are ignored): the library keeps its int32 index of the valid targets with its saved
-    tensors until backward, sized (as the log-sum-exp) for every target: an upper bound."""
+    tensors until backward, sized (as the log-sum-exp) for every target: an upper bound. It saves
+    the targets as well (``ctx.save_for_backward(e, c, bias, lse, params.targets, ...)``, cce.py):
+    the loader's labels, pinned anyway, which an offloader copies to the host."""
     N, d, V, a, r = dm.n, dm.d, dm.V, dm.a, dm.r
     nodes: list[Node] = []
     xin, w_saved = "hf", []
@@ -158,8 +168,8 @@ def _cce_nodes(dm: Dims, head: str, trainable: bool, keeps_valids: bool = False)
     steps = index + (("outputs", "", 0.0), ("alloc", "locks", cce_forward_locks(N) * 4), ("alloc", "neg_dot", N * 4))
     lock_tables = sum(math.prod(cce_lock_table_shape(rows, d)) * 4 for rows in (N, V))
     # The caller's hidden states ("hf") stay alive through the call, cast or not.
-    nodes.append(Node("loss", out=[("cce.lse", N * 4), ("loss", 4)], inputs=sorted({"hf", xin}) + w_saved + kept,
-                      saves=[xin] + w_saved + ["cce.lse"] + kept, fwd_steps=steps, tag="logits", grad_out=("loss",),
+    nodes.append(Node("loss", out=[("cce.lse", N * 4), (LOSS, 4)], inputs=sorted({"hf", xin}) + w_saved + kept,
+                      saves=[xin] + w_saved + ["cce.lse", TARGETS] + kept, fwd_steps=steps, tag="logits", grad_out=("loss",),
                       grads=[(xin, N * d * a)] + w_grad, scratch=lock_tables))
     return nodes
 
@@ -228,16 +238,17 @@ def answer_nodes(n: int) -> list[Node]:
 def with_answer_targets(nodes: list[Node], n: int, loss: str) -> list[Node]:
     """``nodes`` (the head, every token a target) as ``--loss-on completion`` runs it: the
     :func:`answer_nodes` after the targets, the loss kernel reading their targets (the standard
-    and naive losses' nll_loss saves them for its backward; the chunked and CCE kernels save none,
-    and the forward's local holds them until it returns), then ``loss * weight``, which saves
+    and naive losses' nll_loss and Cut Cross-Entropy save them for their backward, wherever the
+    kernel saves the labels; memtrain's chunked loss saves none, and the forward's local holds
+    them until it returns), then ``loss * weight``, which saves
     the weight and is the step's loss (the backward's first node: it hands the kernel's output
     its gradient, 4 bytes as the step's own 1/N product was, and lets the weight go)."""
     at = next(i for i, node in enumerate(nodes) if node.name == "targets") + 1
     kernel = nodes[-1]
-    saves_targets = loss in ("standard", "naive")
+    saves_targets = TARGETS in kernel.saves
     kernel = replace(kernel, name="loss.kernel", inputs=kernel.inputs + [ANSWER_TARGETS],
                      saves=[k for k in kernel.saves if k != TARGETS] + ([ANSWER_TARGETS] if saves_targets else []))
     out_key = kernel.out_keys()[0]
-    weighted = Node("loss", out=[("loss.weighted", 4)], inputs=[out_key, ANSWER_WEIGHT, ANSWER_TARGETS],
+    weighted = Node("loss", out=[(WEIGHTED_LOSS, 4)], inputs=[out_key, ANSWER_WEIGHT, ANSWER_TARGETS],
                     saves=[ANSWER_WEIGHT], grads=[(out_key, 0.0)], tag=kernel.tag)
     return nodes[:at] + answer_nodes(n) + nodes[at:-1] + [kernel, weighted]

@@ -13,6 +13,9 @@ from typing import Any, Optional
 from memtrain.config.run import RunConfig
 from memtrain.techniques.facts import OFFLOAD_PREFETCH, checkpoint_policy
 
+# loss.backward()'s seed: a 0-d float32 gradient of the (float32) loss.
+LOSS_GRAD_BYTES = 4.0
+
 # The JSON contract's component names (training._CATEGORY_OF maps each to a meter category).
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "temporaries")
 
@@ -256,6 +259,7 @@ class Graph:
         # workspace of its own there (memtrain.analysis.device_replay).
         self.backward_gemm_at: Optional[int] = None
         self._in_backward = False
+        self._loss_grad: Optional[int] = None  # the loss gradient's storage while it lives (backward)
         # Actions run as the backward of segment i ends (before a lumped period's backward is
         # measured): FSDP2's post-backward of a block's parameter group (training._FSDPReduce).
         self.after_backward: dict[int, Any] = {}
@@ -568,6 +572,9 @@ class Graph:
                     self._release(k)
             for k in offloaded:
                 self._done_with(k)
+            if n.name == "loss":
+                self.sim.free(self._loss_grad)
+                self._loss_grad = None
             self._sum_late()
             self._sum_tied()
 
@@ -684,6 +691,9 @@ class Graph:
         # is live in the backward phase before anything is freed (its peak under gradient
         # accumulation with the chunked loss, whose backward frees before it allocates).
         self.sim.at("backward", "loss backward")
+        # The loss's gradient (autograd's 0-d float32 ones) lives until the first node's backward
+        # (the node named "loss") has run.
+        self._loss_grad = self.sim.alloc(LOSS_GRAD_BYTES, "temporaries")
         self.sim.count_live()
         lump = self.comp is not None and self.comp.lumps > 0
         for idx in range(len(self.segments) - 1, -1, -1):

@@ -9,6 +9,7 @@ from memtrain.analysis.device_replay import StepTimeline, replay_two_steps
 from memtrain.analysis.estimate.dims import precision_bytes, run_dims
 from memtrain.analysis.estimate.embedding_nodes import TOKEN_KEYS, token_id_bytes
 from memtrain.analysis.estimate.explain import explanation_lines, layer_activation_bytes
+from memtrain.analysis.estimate.head_nodes import LOSS, WEIGHTED_LOSS
 from memtrain.analysis.estimate.inventory import block_segments
 from memtrain.analysis.estimate.optimizer import clip_scratch, optimizer_temporaries, predicted_optimizer_state
 from memtrain.analysis.estimate.params import ParamInfo, block_param_table
@@ -246,12 +247,15 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     # _first_step (the allocator replay's first step): no optimizer state yet (created lazily
     # by the first optimizer step) and no previous step's logits (--loss naive).
     state_sids = [sim.alloc(w_rank, "weights")] + ([] if _first_step else [sim.alloc(opt_share, "optimizer")])
-    # The step's 0-d tensors: train_step's float32 loss total (the first micro-batch's loss, or
-    # its copy under accumulation, alive to the end of the step; counted from the start, so in a
-    # one-micro-batch step's forward these are 4 bytes the trace does not hold yet) and, with clipping, the previous step's total gradient norm
-    # (``Precision.last_grad_norm``, in the gradients' dtype, replaced by this step's clip). A
-    # few bytes, but a model a few bytes wide holds little else.
-    sim.alloc(4.0, "activations")
+    # The step's 0-d tensors: train_step's float32 loss total, alive to the end of the step, and,
+    # with clipping, the previous step's total gradient norm (``Precision.last_grad_norm``, in the
+    # gradients' dtype, replaced by this step's clip). A few bytes, but a model a few bytes wide
+    # holds little else. A step of one micro-batch keeps the loss node's own output as its total
+    # (step_loss_key): it appears with the loss, not before the forward. Under accumulation the
+    # total is a copy of the first loss, counted from the start.
+    kept_loss = step_loss_key(cfg)
+    if kept_loss is None:
+        sim.alloc(4.0, "activations")
     if world_size > 1 and cfg.data.loss_on == "completion":
         _answer_loss_scales(sim, t.grad_accum)
     if t.grad_clip > 0 and not _first_step:
@@ -306,6 +310,8 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     # micro-batches until it ends (embedding_nodes.TOKEN_KEYS); by the last micro-batch every earlier
     # one's are counted.
     graph.pinned.update(TOKEN_KEYS)
+    if kept_loss is not None:
+        graph.pinned.add(kept_loss)
     if t.grad_accum > 1:
         sim.at("forward", "earlier micro-batches' token ids")
         sim.alloc((t.grad_accum - 1) * token_id_bytes(dm, arch), "activations")
@@ -394,6 +400,17 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
     )
 
 
+def step_loss_key(cfg: RunConfig) -> Optional[str]:
+    """The loss node output train_step keeps as the step's loss total, or None where the total is
+    a tensor of its own (under accumulation: a copy of the first loss). With one micro-batch
+    ``_add_loss`` returns the loss itself: the kernel's 0-d output, or ``loss * weight`` under
+    --loss-on completion. (Data parallelism's answer scale multiplies that once more: a 0-d
+    product that replaces the model's loss as it is made, the same 4 bytes.)"""
+    if cfg.train.grad_accum > 1:
+        return None
+    return WEIGHTED_LOSS if cfg.data.loss_on == "completion" else LOSS
+
+
 def _answer_loss_scales(sim: Simulator, micro_batches: int) -> None:
     """--loss-on completion under data parallelism: ``MicroBatches.loss_scales`` weighs each
     micro-batch by the global answer count, all-reduced on the device before the first forward.
@@ -420,6 +437,19 @@ def offload_figures(sim: Simulator, graph: Graph, grad_accum: int) -> dict[str, 
     return {"host_peak_bytes": sim.host_peak, "host_at_peak_bytes": sim.host_at_peak,
             "d2h_bytes_per_step": graph.d2h * grad_accum, "h2d_bytes_per_step": graph.h2d * grad_accum,
             "transfer_bytes_per_step": (graph.d2h + graph.h2d) * grad_accum}
+
+
+def traced_offload(traced: dict[str, Any]) -> dict[str, int]:
+    """The ``offload`` entry of a traced step (memtrain.analysis.trace runs the offloader itself):
+    what it held on the host and moved, under :func:`offload_figures`' names so the estimate and
+    the trace read side by side, then the offloader's counts of saved tensors it copied
+    (``tensors``) and left on the device (``kept_small``, ``kept_parameters``)."""
+    moved = traced["offload"]
+    return {"host_peak_bytes": int(traced.get("offloaded_peak_bytes", 0)),
+            "host_at_peak_bytes": int(traced.get("offloaded_at_peak_bytes", 0)),
+            "d2h_bytes_per_step": int(moved["d2h_bytes"]), "h2d_bytes_per_step": int(moved["h2d_bytes"]),
+            "transfer_bytes_per_step": int(moved["d2h_bytes"] + moved["h2d_bytes"]),
+            **{k: int(moved[k]) for k in ("tensors", "kept_small", "kept_parameters") if k in moved}}
 
 
 def _lazy_optimizer_state(trainable: list[ParamInfo], pbytes: dict[str, float], optim: str, div: int,
