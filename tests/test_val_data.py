@@ -295,3 +295,34 @@ def test_packing_pad_makes_a_row_of_each_val_file_record(files, tmp_path, monkey
     result = json.loads((out / "result.json").read_text())
     assert result["padding"]["val_targets_evaluated"] == sum(min(n, RUN["seq_len"] + 1) - 1
                                                             for n in lengths[:RUN["val_blocks"]])
+
+
+@pytest.mark.parametrize("val_data, says", [
+    ("hf:nosuch/name", "cannot reach the Hugging Face Hub for 'nosuch/name'"),
+    ("{tmp}/missing.jsonl", "no file matches"),
+])
+def test_an_unreadable_val_source_is_refused_before_data_is_tokenized(files, tmp_path, capsys, monkeypatch,
+                                                                      val_data, says):
+    """A --val-data that cannot be read (a Hub name while the Hub is unreachable, a path that is not
+    there) is the run's one error line before a single --data document is tokenized: on a large
+    corpus that is minutes saved. Counted at the encoder; the Hub is faked (no connection opened)."""
+    from memtrain.data import cache, sources
+
+    encoded: list[int] = []
+    real_encode, real_load = cache._encode_documents, sources._load_dataset
+    monkeypatch.setattr(cache, "_encode_documents",
+                        lambda enc, docs, dtype: (encoded.append(len(docs)), real_encode(enc, docs, dtype))[1])
+
+    def unreachable_hub(path: str, *, split: str, label: str, hub: bool = False, **kwargs):
+        if hub:  # what _load_dataset says of a Hub it cannot reach
+            raise ConfigError(sources._hub_unreachable(label, ConnectionError("no network")))
+        return real_load(path, split=split, label=label, **kwargs)
+
+    monkeypatch.setattr(sources, "_load_dataset", unreachable_hub)
+    out = tmp_path / "run"
+    run = {**RUN, "data": str(files["train"]), "val_data": val_data.format(tmp=tmp_path), "out": str(out)}
+    assert main(["train", *cli_flags(run)]) == 2
+    err = _one_error_line(capsys.readouterr().err)
+    assert says in err and "--val-data" in err, err
+    assert encoded == []  # not one document of --data was tokenized
+    assert not out.exists()
