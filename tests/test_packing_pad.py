@@ -313,3 +313,23 @@ def test_the_bench_report_says_tokens_per_s_counts_the_pads():
     lines = padding_lines([pad, concat])
     assert "baseline: 52.5% padding, 30 real tokens/s" in lines[0] and "bf16" not in lines[0]
     assert padding_lines([concat, {"status": "ok", "technique": "old row"}]) == []
+
+
+def test_the_truncation_line_names_each_split_and_says_the_row_once():
+    """truncation_line of record rows built from offsets: a split with nothing cut or skipped is
+    not mentioned, the row's length is said in the first part that cuts, and skipped validation
+    records are said to be validation records."""
+    from memtrain.training.train import truncation_line
+
+    tokens = np.arange(100) % 50
+    short = RecordRows(tokens, 8, np.array([0, 5, 9, 14]))            # records of 5, 4, 5: none cut
+    cut = RecordRows(tokens, 8, np.array([0, 20, 21, 26, 40]))         # 20 (cut), 1 (skipped), 5, 14 (cut)
+    assert truncation_line(short, short, 3) is None
+    line = truncation_line(short, cut, 2)
+    assert line == ("note: --packing pad: 2 of 4 validation records are longer than a row (--seq-len + 1 = 9 "
+                    "tokens) and were truncated (1 of the 2 rows val_loss is read on); 1 validation record held "
+                    "a single token (nothing to predict) and was skipped (raise --seq-len to keep more)")
+    both = truncation_line(cut, cut, 3)
+    assert both is not None and both.count("--seq-len + 1") == 1 and "2 of 4 training records" in both
+    assert "(2 of the 3 rows val_loss is read on)" in both
+    assert truncation_line(cut) is not None and "validation" not in truncation_line(cut)

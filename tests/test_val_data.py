@@ -326,3 +326,27 @@ def test_an_unreadable_val_source_is_refused_before_data_is_tokenized(files, tmp
     assert says in err and "--val-data" in err, err
     assert encoded == []  # not one document of --data was tokenized
     assert not out.exists()
+
+
+def test_packing_pad_counts_the_val_records_longer_than_a_row(files, tmp_path, capsys):
+    """--packing pad: the one note line says how many --val-data records were cut at a row (and how
+    many of the rows val_loss is read on), beside the training records' count; result.json's
+    padding adds the validation split's counts under val_ keys."""
+    texts = [t if i % 3 == 0 else " ".join(t.split()[:3]) for i, t in enumerate(files["val_texts"])]
+    val = _jsonl(tmp_path / "mixed.jsonl", texts)
+    lengths = [len(_gpt2_stream([t])) for t in texts]
+    row = RUN["seq_len"] + 1
+    longer, evaluated_longer = sum(n > row for n in lengths), sum(n > row for n in lengths[:RUN["val_blocks"]])
+    assert 0 < longer < len(texts) and evaluated_longer == 1  # the data holds what the test is about
+    out = tmp_path / "run"
+    run = {**RUN, "data": str(files["train"]), "val_data": str(val), "packing": "pad", "out": str(out)}
+    assert main(["train", *cli_flags(run)]) == 0
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("note: --packing pad")]
+    assert len(lines) == 1, lines
+    assert (f"{longer} of {len(texts)} validation records are longer than a row and were truncated "
+            f"({evaluated_longer} of the {RUN['val_blocks']} rows val_loss is read on)") in lines[0], lines[0]
+    assert "training records are longer than a row (--seq-len + 1 = 17 tokens)" in lines[0]
+    padding = json.loads((out / "result.json").read_text())["padding"]
+    assert padding["val_truncated_records"] == longer and padding["val_skipped_records"] == 0
+    assert padding["val_truncated_evaluated"] == evaluated_longer
+    assert padding["truncated_records"] == sum(len(_gpt2_stream([t])) > row for t in files["train_texts"])
