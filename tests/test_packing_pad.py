@@ -333,3 +333,27 @@ def test_the_truncation_line_names_each_split_and_says_the_row_once():
     assert both is not None and both.count("--seq-len + 1") == 1 and "2 of 4 training records" in both
     assert "(2 of the 3 rows val_loss is read on)" in both
     assert truncation_line(cut) is not None and "validation" not in truncation_line(cut)
+
+
+@pytest.mark.slow
+def test_pad_losses_hold_under_grad_accum_and_loader_workers(tmp_path):
+    """--packing pad's rows hold different numbers of real targets, so a step of two micro-batches
+    must weight each by its share of the step's targets (not 1/2) to train as one batch of both:
+    batch 2 x --grad-accum 2 gives batch 4's losses, and a loader worker process
+    (--num-workers 1) gives the same batches, so the same losses, as the main process."""
+    data = _records(tmp_path / "r.jsonl", _texts())
+    common = ["--data", str(data), "--packing", "pad", "--steps", "4", "--seq-len", "16", "--val-blocks", "4",
+              "--val-fraction", "0.2", "--no-progress", "--lr", "1e-2", "--warmup-steps", "1",
+              "--dropout", "0", "--cache-dir", str(tmp_path / "cache"), *GPT]  # no dropout: no draw differs
+
+    def losses(name: str, *extra: str) -> tuple[list[float], float]:
+        assert main(["train", *common, *extra, "--out", str(tmp_path / name)]) == 0
+        result = json.loads((tmp_path / name / "result.json").read_text())
+        return result["loss_history"], result["val_loss"]
+
+    whole, whole_val = losses("whole", "--batch-size", "4")
+    accum, accum_val = losses("accum", "--batch-size", "2", "--grad-accum", "2")
+    worker, worker_val = losses("worker", "--batch-size", "4", "--num-workers", "1")
+    assert len(whole) == 4 and len(set(whole)) > 1  # steps that trained: the losses move
+    assert accum == pytest.approx(whole, rel=1e-5) and accum_val == pytest.approx(whole_val, rel=1e-5)
+    assert worker == whole and worker_val == whole_val
