@@ -313,3 +313,47 @@ def test_the_bench_report_says_tokens_per_s_counts_the_pads():
     lines = padding_lines([pad, concat])
     assert "baseline: 52.5% padding, 30 real tokens/s" in lines[0] and "bf16" not in lines[0]
     assert padding_lines([concat, {"status": "ok", "technique": "old row"}]) == []
+
+
+def test_the_truncation_line_names_each_split_and_says_the_row_once():
+    """truncation_line of record rows built from offsets: a split with nothing cut or skipped is
+    not mentioned, the row's length is said in the first part that cuts, and skipped validation
+    records are said to be validation records."""
+    from memtrain.training.train import truncation_line
+
+    tokens = np.arange(100) % 50
+    short = RecordRows(tokens, 8, np.array([0, 5, 9, 14]))            # records of 5, 4, 5: none cut
+    cut = RecordRows(tokens, 8, np.array([0, 20, 21, 26, 40]))         # 20 (cut), 1 (skipped), 5, 14 (cut)
+    assert truncation_line(short, short, 3) is None
+    line = truncation_line(short, cut, 2)
+    assert line == ("note: --packing pad: 2 of 4 validation records are longer than a row (--seq-len + 1 = 9 "
+                    "tokens) and were truncated (1 of the 2 rows val_loss is read on); 1 validation record held "
+                    "a single token (nothing to predict) and was skipped (raise --seq-len to keep more)")
+    both = truncation_line(cut, cut, 3)
+    assert both is not None and both.count("--seq-len + 1") == 1 and "2 of 4 training records" in both
+    assert "(2 of the 3 rows val_loss is read on)" in both
+    assert truncation_line(cut) is not None and "validation" not in truncation_line(cut)
+
+
+@pytest.mark.slow
+def test_pad_losses_hold_under_grad_accum_and_loader_workers(tmp_path):
+    """--packing pad's rows hold different numbers of real targets, so a step of two micro-batches
+    must weight each by its share of the step's targets (not 1/2) to train as one batch of both:
+    batch 2 x --grad-accum 2 gives batch 4's losses, and a loader worker process
+    (--num-workers 1) gives the same batches, so the same losses, as the main process."""
+    data = _records(tmp_path / "r.jsonl", _texts())
+    common = ["--data", str(data), "--packing", "pad", "--steps", "4", "--seq-len", "16", "--val-blocks", "4",
+              "--val-fraction", "0.2", "--no-progress", "--lr", "1e-2", "--warmup-steps", "1",
+              "--dropout", "0", "--cache-dir", str(tmp_path / "cache"), *GPT]  # no dropout: no draw differs
+
+    def losses(name: str, *extra: str) -> tuple[list[float], float]:
+        assert main(["train", *common, *extra, "--out", str(tmp_path / name)]) == 0
+        result = json.loads((tmp_path / name / "result.json").read_text())
+        return result["loss_history"], result["val_loss"]
+
+    whole, whole_val = losses("whole", "--batch-size", "4")
+    accum, accum_val = losses("accum", "--batch-size", "2", "--grad-accum", "2")
+    worker, worker_val = losses("worker", "--batch-size", "4", "--num-workers", "1")
+    assert len(whole) == 4 and len(set(whole)) > 1  # steps that trained: the losses move
+    assert accum == pytest.approx(whole, rel=1e-5) and accum_val == pytest.approx(whole_val, rel=1e-5)
+    assert worker == whole and worker_val == whole_val

@@ -295,3 +295,58 @@ def test_packing_pad_makes_a_row_of_each_val_file_record(files, tmp_path, monkey
     result = json.loads((out / "result.json").read_text())
     assert result["padding"]["val_targets_evaluated"] == sum(min(n, RUN["seq_len"] + 1) - 1
                                                             for n in lengths[:RUN["val_blocks"]])
+
+
+@pytest.mark.parametrize("val_data, says", [
+    ("hf:nosuch/name", "cannot reach the Hugging Face Hub for 'nosuch/name'"),
+    ("{tmp}/missing.jsonl", "no file matches"),
+])
+def test_an_unreadable_val_source_is_refused_before_data_is_tokenized(files, tmp_path, capsys, monkeypatch,
+                                                                      val_data, says):
+    """A --val-data that cannot be read (a Hub name while the Hub is unreachable, a path that is not
+    there) is the run's one error line before a single --data document is tokenized: on a large
+    corpus that is minutes saved. Counted at the encoder; the Hub is faked (no connection opened)."""
+    from memtrain.data import cache, sources
+
+    encoded: list[int] = []
+    real_encode, real_load = cache._encode_documents, sources._load_dataset
+    monkeypatch.setattr(cache, "_encode_documents",
+                        lambda enc, docs, dtype: (encoded.append(len(docs)), real_encode(enc, docs, dtype))[1])
+
+    def unreachable_hub(path: str, *, split: str, label: str, hub: bool = False, **kwargs):
+        if hub:  # what _load_dataset says of a Hub it cannot reach
+            raise ConfigError(sources._hub_unreachable(label, ConnectionError("no network")))
+        return real_load(path, split=split, label=label, **kwargs)
+
+    monkeypatch.setattr(sources, "_load_dataset", unreachable_hub)
+    out = tmp_path / "run"
+    run = {**RUN, "data": str(files["train"]), "val_data": val_data.format(tmp=tmp_path), "out": str(out)}
+    assert main(["train", *cli_flags(run)]) == 2
+    err = _one_error_line(capsys.readouterr().err)
+    assert says in err and "--val-data" in err, err
+    assert encoded == []  # not one document of --data was tokenized
+    assert not out.exists()
+
+
+def test_packing_pad_counts_the_val_records_longer_than_a_row(files, tmp_path, capsys):
+    """--packing pad: the one note line says how many --val-data records were cut at a row (and how
+    many of the rows val_loss is read on), beside the training records' count; result.json's
+    padding adds the validation split's counts under val_ keys."""
+    texts = [t if i % 3 == 0 else " ".join(t.split()[:3]) for i, t in enumerate(files["val_texts"])]
+    val = _jsonl(tmp_path / "mixed.jsonl", texts)
+    lengths = [len(_gpt2_stream([t])) for t in texts]
+    row = RUN["seq_len"] + 1
+    longer, evaluated_longer = sum(n > row for n in lengths), sum(n > row for n in lengths[:RUN["val_blocks"]])
+    assert 0 < longer < len(texts) and evaluated_longer == 1  # the data holds what the test is about
+    out = tmp_path / "run"
+    run = {**RUN, "data": str(files["train"]), "val_data": str(val), "packing": "pad", "out": str(out)}
+    assert main(["train", *cli_flags(run)]) == 0
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("note: --packing pad")]
+    assert len(lines) == 1, lines
+    assert (f"{longer} of {len(texts)} validation records are longer than a row and were truncated "
+            f"({evaluated_longer} of the {RUN['val_blocks']} rows val_loss is read on)") in lines[0], lines[0]
+    assert "training records are longer than a row (--seq-len + 1 = 17 tokens)" in lines[0]
+    padding = json.loads((out / "result.json").read_text())["padding"]
+    assert padding["val_truncated_records"] == longer and padding["val_skipped_records"] == 0
+    assert padding["val_truncated_evaluated"] == evaluated_longer
+    assert padding["truncated_records"] == sum(len(_gpt2_stream([t])) > row for t in files["train_texts"])

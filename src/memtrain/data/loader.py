@@ -182,8 +182,14 @@ class RecordRows(BlockDataset):
         self.starts = starts[kept]
         self.lengths = np.minimum(ends[kept] - self.starts, self.block_len)  # tokens of each row
         self.n_blocks = len(self.starts)
-        self.n_truncated = int((ends[kept] - self.starts > self.block_len).sum())
+        self._cut = ends[kept] - self.starts > self.block_len  # each row's record: longer than the row
+        self.n_truncated = int(self._cut.sum())
         self.n_skipped = int((~kept).sum())
+
+    def truncated_rows(self, count: Optional[int] = None) -> int:
+        """How many of the first ``count`` rows (all: None) hold a record cut at ``seq_len + 1``:
+        of a validation split's, those its loss is read on (the first --val-blocks)."""
+        return int(self._cut[:count].sum())
 
     @property
     def ignores_targets(self) -> bool:

@@ -27,15 +27,19 @@ def prepare_splits(cfg: DataConfig, progress: Optional[bool] = None, tokenizer: 
                    lines: bool = False) -> TokenSplits:
     """The train and validation tokens of ``cfg``: :func:`prepare_tokens`' document split of
     ``--data``, or, with a validation source, all of ``--data`` as ``train`` and all of that
-    source as ``val`` (a ConfigError about it names --val-data)."""
+    source as ``val`` (a ConfigError about it names --val-data), the validation source read first."""
     val_cfg = cfg.validation_config()
     if val_cfg is None:
         return prepare_tokens(cfg, progress, tokenizer, lines)
-    train = prepare_tokens(cfg, progress, tokenizer, lines, whole=True)
+    # The validation source first: it is read (a Hub name resolved, every record checked) before
+    # --data is tokenized, so an unreadable one is refused in seconds rather than after minutes of
+    # tokenizing a large corpus; it is usually the smaller of the two. Each is cached on its own,
+    # so the order changes no token.
     try:
         val = prepare_tokens(val_cfg, progress, tokenizer, lines, whole=True)
     except ConfigError as exc:
         raise ConfigError(val_data_message(str(exc))) from None
+    train = prepare_tokens(cfg, progress, tokenizer, lines, whole=True)
     return dataclasses.replace(
         train, val=val.train, n_val_docs=val.n_train_docs, val_mask=val.train_mask, val_offsets=val.train_offsets,
         from_cache=train.from_cache and val.from_cache,

@@ -341,7 +341,8 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
     ), device)
     val_batches = make_val_batches(splits.val, t.seq_len, cfg.data.val_blocks, t.batch_size, mask=splits.val_mask,
                                    offsets=_pad_offsets(cfg, splits.val_offsets))
-    if dist_ctx.is_main and (said := truncation_line(state.loader.loader.dataset)) is not None:
+    if dist_ctx.is_main and (said := truncation_line(state.loader.loader.dataset,
+                                                     _val_rows(cfg, splits), _rows_in(val_batches))) is not None:
         print(said, file=sys.stderr)
     check_answers(splits, val_batches, cfg)
     clock.lap("data")
@@ -421,17 +422,50 @@ def _pad_offsets(cfg: RunConfig, offsets: Optional[np.ndarray]) -> Optional[np.n
     return offsets
 
 
-def truncation_line(rows: Any) -> Optional[str]:
-    """--packing pad: one line saying how many training records were longer than a row (cut, as
-    TRL cuts them silently at max_length) and how many held nothing to predict (skipped)."""
-    if not isinstance(rows, RecordRows) or not (rows.n_truncated or rows.n_skipped):
+def _val_rows(cfg: RunConfig, splits: Any) -> Optional[RecordRows]:
+    """The validation split's record rows under --packing pad (None under concat): what its
+    truncation counts are read from (make_val_batches builds the same rows for the batches)."""
+    offsets = _pad_offsets(cfg, splits.val_offsets)
+    return None if offsets is None else RecordRows(splits.val, cfg.train.seq_len, offsets)
+
+
+def _rows_in(batches: list[Batch]) -> int:
+    """The rows of ``batches``: the validation rows val_loss is read on."""
+    return sum(len(x) for x, _ in batches)
+
+
+def truncation_line(rows: Any, val_rows: Optional[RecordRows] = None, evaluated: int = 0) -> Optional[str]:
+    """--packing pad: one line saying, of each split, how many records were longer than a row (cut,
+    as TRL cuts them silently at max_length) and how many held nothing to predict (skipped); of
+    the validation split also how many of the ``evaluated`` rows val_loss reads were cut."""
+    if not isinstance(rows, RecordRows):
         return None
-    total = rows.n_blocks + rows.n_skipped
-    parts = [f"{rows.n_truncated:,} of {total:,} training records are longer than a row (--seq-len + 1 = "
-             f"{rows.block_len:,} tokens) and were truncated"] if rows.n_truncated else []
+    parts = _split_truncation(rows, "training")
+    if val_rows is not None:
+        parts += _split_truncation(val_rows, "validation", evaluated, said_row=bool(rows.n_truncated))
+    if not parts:
+        return None
+    truncated = rows.n_truncated or (val_rows is not None and val_rows.n_truncated)
+    return "note: --packing pad: " + "; ".join(parts) + (" (raise --seq-len to keep more)" if truncated else "")
+
+
+def _split_truncation(rows: RecordRows, split: str, evaluated: Optional[int] = None,
+                      said_row: bool = False) -> list[str]:
+    """The parts of :func:`truncation_line` said of one split (none where nothing was cut or
+    skipped); the row's length is said once, in the first part that speaks of it."""
+    parts = []
+    if rows.n_truncated:
+        row = "a row" if said_row else f"a row (--seq-len + 1 = {rows.block_len:,} tokens)"
+        part = f"{rows.n_truncated:,} of {rows.n_blocks + rows.n_skipped:,} {split} records are longer than {row} " \
+               "and were truncated"
+        if evaluated is not None:
+            part += f" ({rows.truncated_rows(evaluated):,} of the {evaluated:,} rows val_loss is read on)"
+        parts.append(part)
     if rows.n_skipped:
-        parts.append(f"{rows.n_skipped:,} held a single token (nothing to predict) and were skipped")
-    return "note: --packing pad: " + "; ".join(parts) + (" (raise --seq-len to keep more)" if rows.n_truncated else "")
+        whose = "" if split == "training" else f" {split} record{'' if rows.n_skipped == 1 else 's'}"
+        were = "was" if rows.n_skipped == 1 else "were"
+        parts.append(f"{rows.n_skipped:,}{whose} held a single token (nothing to predict) and {were} skipped")
+    return parts
 
 
 def padding_fields(rows: Any, val_tokens: np.ndarray, val_offsets: Optional[np.ndarray], val_batches: list[Batch],
@@ -439,17 +473,22 @@ def padding_fields(rows: Any, val_tokens: np.ndarray, val_offsets: Optional[np.n
     """result.json's padding figures: ``pad_fraction`` (the share of the training rows' input
     positions that are padding: 0 when records are packed), ``real_tokens_per_s`` (tokens_per_s,
     which counts every computed position, less the padded ones) and, under --packing pad, the
-    records truncated and skipped, the targets val_loss averages and the evaluated validation
-    rows' pad share (from the rows' lengths: --loss-on completion's prompts are no padding)."""
+    records truncated and skipped (of the training split, and ``val_``: of the validation split,
+    with ``val_truncated_evaluated`` of the rows val_loss is read on), the targets val_loss
+    averages and the evaluated validation rows' pad share (from the rows' lengths: --loss-on
+    completion's prompts are no padding)."""
     pad = rows.pad_fraction() if isinstance(rows, RecordRows) else 0.0
     fields: dict[str, Any] = {"pad_fraction": pad,
                               "real_tokens_per_s": None if tokens_per_s is None else tokens_per_s * (1.0 - pad)}
     if isinstance(rows, RecordRows) and val_offsets is not None:
-        evaluated = sum(len(x) for x, _ in val_batches)
+        evaluated = _rows_in(val_batches)
+        val_rows = RecordRows(val_tokens, rows.seq_len, val_offsets)
         fields["padding"] = {"train_rows": rows.n_blocks, "truncated_records": rows.n_truncated,
                              "skipped_records": rows.n_skipped,
                              "val_targets_evaluated": sum(int(y.ne(IGNORE_INDEX).sum()) for _, y in val_batches),
-                             "val_pad_fraction": RecordRows(val_tokens, rows.seq_len, val_offsets).pad_fraction(evaluated)}
+                             "val_pad_fraction": val_rows.pad_fraction(evaluated),
+                             "val_truncated_records": val_rows.n_truncated, "val_skipped_records": val_rows.n_skipped,
+                             "val_truncated_evaluated": val_rows.truncated_rows(evaluated)}
     return fields
 
 
