@@ -33,7 +33,7 @@ def prepare_splits(cfg: DataConfig, progress: Optional[bool] = None, tokenizer: 
         return prepare_tokens(cfg, progress, tokenizer, lines)
     train = prepare_tokens(cfg, progress, tokenizer, lines, whole=True)
     try:
-        val = prepare_tokens(val_cfg, progress, tokenizer, lines, whole=True)
+        val = prepare_tokens(val_cfg, progress, tokenizer, lines, whole=True, named=validation_source_name(cfg))
     except ConfigError as exc:
         raise ConfigError(val_data_message(str(exc))) from None
     return dataclasses.replace(
