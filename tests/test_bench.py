@@ -47,6 +47,47 @@ def test_report_command(tmp_path, capsys):
     assert "nothing' not found; memtrain report takes a folder that memtrain bench wrote" in capsys.readouterr().err
 
 
+def test_report_of_an_interrupted_bench_names_its_unfinished_rows(small_corpus, tmp_path, monkeypatch, capsys):
+    """`memtrain report` on the folder of a bench interrupted in its second row rewrote report.md
+    without the bench's "**Partial**: 1 of 2 techniques ..." line: each row records its bench's
+    list (bench_techniques), and the report names those with no row as the bench did."""
+    import memtrain.bench.runner as runner
+
+    finished = json.loads((DATA / "bench_results.jsonl").read_text().splitlines()[0])  # an ok baseline row
+
+    def row(name, cfg, opts, eta=None, known_max_batch=None):
+        if name == "chunked-loss":  # its folder made, then Ctrl-C (or SIGTERM) before its result
+            runner.row_folder(opts.out, name).mkdir(parents=True)
+            raise KeyboardInterrupt
+        return dict(finished)
+
+    monkeypatch.setattr(runner, "run_row_subprocess", row)
+    out = tmp_path / "b"
+    opts = BenchOptions(techniques=["baseline", "chunked-loss"], out=out, maxbatch=False, progress=False, eta=False,
+                        overrides={**TINY_MODEL, "data": str(small_corpus), "device": "cpu"})
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(opts)
+    partial = "**Partial**: 1 of 2 techniques have no result yet (chunked-loss)."
+    assert partial in (out / "report.md").read_text()  # the bench's own report
+    assert read_results(out)[0]["bench_techniques"] == ["baseline", "chunked-loss"]
+    assert main(["report", str(out)]) == 0
+    assert partial in capsys.readouterr().out and partial in (out / "report.md").read_text()
+    report = json.loads((out / "report.json").read_text())
+    assert report["partial"] is True and report["missing"] == ["chunked-loss"]
+
+
+def test_report_without_recorded_bench_lists_names_nothing_missing(tmp_path):
+    """Rows written before the bench recorded its list (the synthetic ones) claim no missing row;
+    a hand-edited list of the wrong shape is skipped like a torn line."""
+    shutil.copy(DATA / "bench_results.jsonl", tmp_path / "results.jsonl")
+    summary = write_report(tmp_path, plots=False)
+    assert summary["missing"] == [] and "**Partial**" not in (tmp_path / "report.md").read_text()
+    with (tmp_path / "results.jsonl").open("a") as f:
+        f.write(json.dumps({"technique": "lora", "status": "error", "error": "x", "bench_techniques": "lora,x"}) + "\n")
+    summary = write_report(tmp_path, plots=False)
+    assert summary["skipped_lines"] == 1 and summary["missing"] == []
+
+
 def test_presets_resolve_for_both_scales():
     for scale in ("quick", "seed"):
         rows = resolve_rows(BenchOptions(techniques=list(TECHNIQUES), scale=scale))

@@ -151,6 +151,33 @@ def test_bench_help_shows_what_the_scales_run(capsys):
     assert "==SUPPRESS==" not in text
 
 
+def test_bench_help_quotes_no_train_default_that_a_scale_replaces(capsys):
+    """No flag a scale sets says train's own default in its words: --steps said "one epoch is 200
+    steps by default" and --warmup-steps "the default 200-step run warms up over all 200" while the
+    default scale runs 40 steps with a 5-step warm-up."""
+    import re
+    from dataclasses import fields
+
+    import pytest
+
+    from memtrain.bench.scales import SCALES
+    from memtrain.cli import main
+    from memtrain.config.run import SECTIONS
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    defaults = {f.name: f.default for cls in SECTIONS.values() for f in fields(cls)}
+    keys = sorted({key for scale in SCALES.values() for key in scale})
+    for key in keys:
+        flag = "--" + key.replace("_", "-") + " "
+        entry = re.split(r" --[a-z][\w-]* [A-Z]+ ", text.rsplit(flag, 1)[1], maxsplit=1)[0]
+        words = entry.split("(default: the scale's:")[0]  # the help less the scale's defaults
+        assert not re.search(rf"(?<![\d.]){re.escape(str(defaults[key]))}(?![\d.])", words), (key, words)
+    steps = text.rsplit("--steps INT ", 1)[1]
+    assert "by default" not in steps.split("--grad-accum")[0]
+
+
 def test_the_quick_scale_shows_each_memory_technique_in_the_max_batch_column():
     """At the default scale and its CPU budget, the analytic estimator (which the traced search
     starts from and confirms) gives each memory-saving row of the default list a max batch

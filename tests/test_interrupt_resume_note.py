@@ -50,6 +50,34 @@ def test_an_interrupt_before_any_checkpoint_says_none_was_kept(tmp_path, monkeyp
     assert not (out / "c.pt").exists()
 
 
+def test_an_interrupt_while_tokenizing_says_the_run_stopped_before_its_first_step(tmp_path, monkeypatch, capsys):
+    """Stopped while it tokenized, a run given --save-every 1 was told "--save-every N writes ...
+    every N steps", as if the flag were missing: it says it stopped before its first step."""
+    import memtrain.training.train as training
+
+    def tokenizing(*args, **kwargs):
+        raise KeyboardInterrupt  # Ctrl-C while the data is read and tokenized
+
+    monkeypatch.setattr(training, "prepare_splits", tokenizing)
+    out = tmp_path / "r"
+    assert main([*RUN, "--out", str(out), "--save", str(out / "c.pt"), "--save-every", "1"]) == 130
+    note = capsys.readouterr().err.strip().splitlines()[-2]
+    assert note == (f"note: the run stopped before its first step (while it read the data or built the model), "
+                    f"so nothing was saved to {out / 'c.pt'} yet"), note
+    assert not (out / "c.pt").exists()
+
+
+def test_an_interrupt_before_the_first_periodic_checkpoint_names_the_flag_given(tmp_path, monkeypatch, capsys):
+    """One step into a run that checkpoints every 2, the note says it stopped before that first
+    checkpoint, not that --save-every would write one."""
+    _interrupt_after_step(monkeypatch, 1)
+    out = tmp_path / "r"
+    assert main([*RUN, "--out", str(out), "--save", str(out / "c.pt"), "--save-every", "2"]) == 130
+    note = capsys.readouterr().err.strip().splitlines()[-2]
+    assert "stopped after 1 step, before its first --save-every 2 checkpoint" in note, note
+    assert "writes" not in note
+
+
 def test_a_finished_run_names_the_checkpoint_it_wrote(tmp_path, capsys):
     out, ckpt = tmp_path / "r", tmp_path / "r" / "c.pt"
     assert main([*RUN, "--out", str(out), "--save", str(ckpt)]) == 0

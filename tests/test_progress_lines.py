@@ -65,15 +65,37 @@ def test_train_writes_plain_lines_to_a_log_and_leaves_stdout_as_it_was(tmp_path,
     run = [a for a in RUN if a != "--no-progress"]
     assert main([*run, "--out", str(tmp_path / "a")]) == 0
     captured = capfd.readouterr()
-    err = [line for line in captured.err.splitlines() if line.startswith(("tokenizing:", "train:"))]
-    assert len(err) == 4, err
-    assert err[0].startswith("tokenizing: ") and err[0].endswith(" tokens/s)"), err
-    assert err[1].startswith("tokenizing: done, ") and err[1].endswith(" s"), err
+    err = [line for line in captured.err.splitlines() if line.startswith(("tokenizing ", "train:", "validating:"))]
+    assert len(err) == 6, err
+    assert err[0].startswith("tokenizing --data default: ") and err[0].endswith(" tokens/s)"), err
+    assert err[1].startswith("tokenizing --data default: done, ") and err[1].endswith(" s"), err
     assert err[2].startswith("train: step 1/4 (7 s, loss "), err  # the first step, 7 s into the phase
     assert err[3].startswith("train: done, step 4/4 in "), err
+    # The final validation, after the train phase's closing line, has lines of its own.
+    assert err[4:] == ["validating: 1/1 batches (7 s)", "validating: done, 1/1 batches in 14 s"], err
     assert captured.out.splitlines()[-1] == f"wrote {tmp_path / 'a' / 'result.json'}"
     assert main([*run, "--no-cache", "--no-progress", "--out", str(tmp_path / "b")]) == 0
-    assert "tokenizing:" not in capfd.readouterr().err
+    assert "tokenizing" not in capfd.readouterr().err
+
+
+def test_each_tokenizing_line_names_its_source(tmp_path, monkeypatch, capfd):
+    """A run with a validation source of its own tokenizes twice: both phases' lines said
+    "tokenizing"; each names the source it reads, --data's and --val-data's."""
+    ticks = count(0, 7)
+    monkeypatch.setattr(notices, "_now", lambda: float(next(ticks)))
+    monkeypatch.setattr(notices, "_wait_for", lambda stop, seconds: stop.wait())
+    monkeypatch.setenv("MEMTRAIN_CACHE", str(tmp_path / "cache"))
+    text = "".join(f'{{"text": "document {i} of the test, with words enough for a block or two."}}\n'
+                   for i in range(40))
+    (tmp_path / "train.jsonl").write_text(text)
+    (tmp_path / "val.jsonl").write_text(text.replace("document", "page"))
+    run = [a for a in RUN if a != "--no-progress"]
+    assert main([*run, "--data", str(tmp_path / "train.jsonl"), "--val-data", str(tmp_path / "val.jsonl"),
+                 "--out", str(tmp_path / "a")]) == 0
+    err = [line for line in capfd.readouterr().err.splitlines() if line.startswith("tokenizing")]
+    assert [line.split(": ")[0] for line in err] == [f"tokenizing --data {tmp_path / 'train.jsonl'}"] * 2 + [
+        f"tokenizing --val-data {tmp_path / 'val.jsonl'}"] * 2, err
+    assert [": done, " in line for line in err] == [False, True, False, True], err
 
 
 class _Beats:

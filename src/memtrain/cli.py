@@ -617,13 +617,25 @@ def _written_since(path: Optional[str], started: float) -> bool:
         return False
 
 
-def _resume_note(save: Optional[str], started: float) -> str:
+def _resume_note(save: Optional[str], started: float, steps_done: Optional[int] = None,
+                 save_every: int = 0) -> str:
     """The line an interrupted train writes before its ``error: interrupted`` one: where the
     steps it trained are kept and the command that continues them. The interrupt said only that
-    results were kept, and a user had to know that --save-every's file holds the run."""
+    results were kept, and a user had to know that --save-every's file holds the run.
+    ``steps_done``: the steps this run finished before the interrupt (None: not counted);
+    ``save_every``: the run's --save-every. A run stopped while it read, tokenized or built had
+    trained nothing, and was told to add the --save-every it had given."""
     if _written_since(save, started):
         return (f"note: the steps trained up to the last checkpoint are in {one_line(str(save))}; "
                 f"`memtrain train --resume {one_line(str(save))}` continues the run")
+    if steps_done == 0:
+        where = f" to {one_line(str(save))}" if save else ""
+        return (f"note: the run stopped before its first step (while it read the data or built the model), "
+                f"so nothing was saved{where} yet")
+    if save and save_every and steps_done is not None:
+        return (f"note: no checkpoint was written before the interrupt: the run stopped after {steps_done} "
+                f"step{'' if steps_done == 1 else 's'}, before its first --save-every {save_every} checkpoint "
+                f"to {one_line(str(save))}")
     if save:
         return (f"note: no checkpoint was written before the interrupt; --save-every N writes {one_line(str(save))} "
                 "every N steps, for --resume")
@@ -670,13 +682,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     # finally blocks run, scratch is removed, exit 130. The --out lock: a second train or bench
     # on the folder is refused (exit 2). Under memtrain's launcher the launcher holds it and the
     # ranks add themselves as its writers.
-    warn = _warn_after_first_step(random_base_warning(cfg) if main_rank else None)
+    steps = _StepCount(_warn_after_first_step(random_base_warning(cfg) if main_rank else None))
     started = time.time()
     try:
-        result = train(cfg, on_result=write_result, log_metrics=True, lock_out=True, on_step=warn)
+        result = train(cfg, on_result=write_result, log_metrics=True, lock_out=True, on_step=steps)
     except KeyboardInterrupt:
         if main_rank:
-            sys.stderr.write(_resume_note(cfg.train.save, started) + "\n")
+            sys.stderr.write(_resume_note(cfg.train.save, started, steps.done, cfg.train.save_every) + "\n")
         raise
     except Exception as exc:
         if not is_out_of_memory(exc) or env is not None:  # under torchrun each rank says its own
@@ -757,6 +769,20 @@ def _padding_span(result: dict[str, Any]) -> str:
     """--packing pad: tokens/s counts every computed position; say how many were real tokens."""
     pad, real = result.get("pad_fraction"), result.get("real_tokens_per_s")
     return f" ({real:,.0f} real, {pad:.1%} of positions padding)" if pad and real is not None else ""
+
+
+class _StepCount:
+    """train()'s ``on_step`` that keeps how many steps this run has finished (what an interrupted
+    run's note says) and passes each step on to ``then``."""
+
+    def __init__(self, then: Optional[Callable[[int, int, Optional[float]], None]]) -> None:
+        self.done = 0
+        self.then = then
+
+    def __call__(self, done: int, total: int, median_s: Optional[float]) -> None:
+        self.done = done  # before ``then``, which may raise (Ctrl-C arrives anywhere)
+        if self.then is not None:
+            self.then(done, total, median_s)
 
 
 def _warn_after_first_step(warning: Optional[str]) -> Optional[Callable[[int, int, Optional[float]], None]]:

@@ -384,7 +384,9 @@ def _run_rows(opts: BenchOptions, rows: list[tuple[str, RunConfig]], substituted
         result.update({"technique": name, "description": describe(name), "scale": opts.scale,
                        "config_hash": key[1], "named_settings": sorted(technique_overrides(name, opts.scale)),
                        "settings_hash": sid, "max_batch_search": settings["max_batch_search"], "nproc": opts.nproc,
-                       "device_name": settings["device_name"], "data_fingerprint": settings["data_fingerprint"]})
+                       "device_name": settings["device_name"], "data_fingerprint": settings["data_fingerprint"],
+                       # The bench's whole list: `memtrain report` names the rows an interrupted bench never finished.
+                       "bench_techniques": names})
         if name in substituted:
             result["substituted"] = substituted[name]
         if optim_subs and name in optim_subs:

@@ -125,8 +125,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_config_flags(p, ("data", "model", "train"), exclude=("out", "save", "resume", "save_every", "report_to",
                                                             "log_every"),
                      helps={"stop_after": "Stop each row after this many optimizer steps, its schedule still "
-                                          "spanning --steps (a row saves no checkpoint)."})
+                                          "spanning --steps (a row saves no checkpoint).",
+                            **SCALE_FLAG_HELPS})
     show_scale_defaults(p)
+
+
+# The help of flags whose train help quotes train's own defaults (a 200-step run, its 200-step
+# warm-up): a bench row runs its scale's (bench/scales.py), which show_scale_defaults appends.
+SCALE_FLAG_HELPS = {
+    "steps": "Optimizer steps of every row.",
+    "warmup_steps": "Linear warm-up steps W up to --lr: step s (from 0) runs at (s + 1) / W of it, so the first "
+                    "step already learns. When --steps is shorter than the scale's warm-up and no setting names "
+                    "the warm-up, it is capped at 10%% of --steps (the rows would never reach --lr).",
+}
 
 
 def show_scale_defaults(p: argparse.ArgumentParser) -> None:

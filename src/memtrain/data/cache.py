@@ -41,6 +41,7 @@ from memtrain.data.tokenizer import (
     encoding_pieces,
     get_tokenizer,
 )
+from memtrain.errors import one_line
 from memtrain.files.guard import regular_file_problem
 from memtrain.files.json_file import read_json_file
 from memtrain.runtime.notices import ProgressLines, shows_progress
@@ -86,7 +87,7 @@ class TokenSplits:
 
 
 def prepare_tokens(cfg: DataConfig, progress: Optional[bool] = None, tokenizer: Any = None,
-                   lines: bool = False, whole: bool = False) -> TokenSplits:
+                   lines: bool = False, whole: bool = False, named: Optional[str] = None) -> TokenSplits:
     """Tokens of ``cfg.data``, split by document; read from the cache when an entry exists.
 
     ``cfg.no_cache`` tokenizes again and replaces the entry. ``progress`` shows a tqdm bar
@@ -95,7 +96,9 @@ def prepare_tokens(cfg: DataConfig, progress: Optional[bool] = None, tokenizer: 
     model's own tokenizer (memtrain.models.tokenizer.HFTokenizer: ``name``, ``n_vocab``,
     ``eot_id``, ``encode_batch``); ids that do not fit uint16 are stored as uint32. ``whole``: no
     document is held out (every one in ``train``; a source of its own validates, --val-data), an
-    entry of its own whatever --val-fraction and --split-seed say.
+    entry of its own whatever --val-fraction and --split-seed say. ``named``: the source in the
+    plain lines' words (default ``--data DATA``): a run with a validation source of its own
+    tokenizes twice, and both phases' lines said only "tokenizing".
     """
     if cfg.data_format == "chat" and (refusal := template_refusal(cfg.data_format, tokenizer)) is not None:
         raise refusal  # said before the cache is looked at: a rendered entry needs the template
@@ -112,9 +115,9 @@ def prepare_tokens(cfg: DataConfig, progress: Optional[bool] = None, tokenizer: 
         _clean_stale_tmp(root)
         tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-", dir=root))
     except OSError as exc:
-        return _tokenize_uncached(cfg, root, exc, progress, tokenizer, lines, whole)
+        return _tokenize_uncached(cfg, root, exc, progress, tokenizer, lines, whole, named)
     try:
-        meta = _write_tokens(cfg, tmp, progress, tokenizer, lines, whole)
+        meta = _write_tokens(cfg, tmp, progress, tokenizer, lines, whole, named)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))  # written last: marks a complete entry
         _publish(tmp, final)
     except OSError as exc:
@@ -128,7 +131,7 @@ def prepare_tokens(cfg: DataConfig, progress: Optional[bool] = None, tokenizer: 
         # The cache's disk filled (or failed) while the entry was written: the cache only saves
         # time, so the run goes on as with an unwritable cache (the folder is cleaned first).
         shutil.rmtree(tmp, ignore_errors=True)
-        return _tokenize_uncached(cfg, root, exc, progress, tokenizer, lines, whole)
+        return _tokenize_uncached(cfg, root, exc, progress, tokenizer, lines, whole, named)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone after a successful rename; cleans up after a failure
     splits = _load_entry(final, from_cache=False)
@@ -142,7 +145,7 @@ def prepare_tokens(cfg: DataConfig, progress: Optional[bool] = None, tokenizer: 
 
 
 def _tokenize_uncached(cfg: DataConfig, root: Path, exc: OSError, progress: Optional[bool], tokenizer: Any,
-                       lines: bool = False, whole: bool = False) -> TokenSplits:
+                       lines: bool = False, whole: bool = False, named: Optional[str] = None) -> TokenSplits:
     """Tokenize into a private temporary folder when the cache cannot be written (read-only
     file system, a file in the way, no permission): the run goes on, only slower next time.
     ``tokenizer`` is the same one a cached entry would be built with (None: GPT-2 BPE), so the
@@ -154,7 +157,7 @@ def _tokenize_uncached(cfg: DataConfig, root: Path, exc: OSError, progress: Opti
           "tokenizing without a cache (set MEMTRAIN_CACHE to a writable folder)", file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix="memtrain-tokens-"))
     try:
-        meta = _write_tokens(cfg, tmp, progress, tokenizer, lines, whole)
+        meta = _write_tokens(cfg, tmp, progress, tokenizer, lines, whole, named)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         splits = _load_entry(tmp, from_cache=False)
     finally:
@@ -242,8 +245,9 @@ def _token_dtype(n_vocab: int) -> np.dtype:
 
 
 def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenizer: Any = None,
-                  lines: bool = False, whole: bool = False) -> dict[str, Any]:
-    """Tokenize the source into ``out/train.bin`` and ``out/val.bin``; return the metadata."""
+                  lines: bool = False, whole: bool = False, named: Optional[str] = None) -> dict[str, Any]:
+    """Tokenize the source into ``out/train.bin`` and ``out/val.bin``; return the metadata.
+    ``named``: the source in the plain lines' words (None: ``--data DATA``)."""
     rng = np.random.default_rng(cfg.split_seed)
     threads = default_threads()
     if tokenizer is None:
@@ -270,7 +274,8 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenize
         )
         # Entered: a failed batch stops its heartbeat, with no closing line (close() below writes it).
         said = stack.enter_context(
-            ProgressLines("tokenizing", lines and not drawn, total=cfg.max_documents, unit="documents"))
+            ProgressLines(f"tokenizing {one_line(named or '--data ' + cfg.data)}", lines and not drawn,
+                          total=cfg.max_documents, unit="documents"))
         for batch in _batched(_documents(cfg, tokenizer), BATCH_DOCS, BATCH_CHARS):
             is_val = assign_validation(rng, len(batch), 0.0 if whole else cfg.val_fraction)
             t0 = time.perf_counter()

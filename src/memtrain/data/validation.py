@@ -36,7 +36,7 @@ def prepare_splits(cfg: DataConfig, progress: Optional[bool] = None, tokenizer: 
     # tokenizing a large corpus; it is usually the smaller of the two. Each is cached on its own,
     # so the order changes no token.
     try:
-        val = prepare_tokens(val_cfg, progress, tokenizer, lines, whole=True)
+        val = prepare_tokens(val_cfg, progress, tokenizer, lines, whole=True, named=validation_source_name(cfg))
     except ConfigError as exc:
         raise ConfigError(val_data_message(str(exc))) from None
     train = prepare_tokens(cfg, progress, tokenizer, lines, whole=True)

@@ -76,6 +76,9 @@ def bench_row_problem(row: dict[str, Any]) -> Optional[str]:
     for key, kind in _OPTIONAL_TYPES.items():
         if key in row and not isinstance(row[key], kind):
             return f"{key} has the wrong type"
+    listed = row.get("bench_techniques", [])
+    if not isinstance(listed, list) or not all(isinstance(t, str) for t in listed):
+        return "bench_techniques must be a list of names"
     if row.get("status") != "ok":
         return None
     problem = _config_problem(row.get("config"))
@@ -181,6 +184,16 @@ def select_rows(all_rows: list[dict[str, Any]], techniques: Optional[list[str]] 
             latest[technique] = r
     order = techniques or list(latest)
     return [latest[t] for t in order if t in latest]
+
+
+def techniques_asked(rows: list[dict[str, Any]]) -> list[str]:
+    """Every technique the benches of ``rows`` were asked to run (each row's ``bench_techniques``,
+    its bench's whole list; rows written before it was recorded name none), in the order the
+    benches listed them. Those with no row are what an interrupted bench left unfinished."""
+    asked: dict[str, None] = {}
+    for row in rows:
+        asked.update(dict.fromkeys(row.get("bench_techniques") or []))
+    return list(asked)
 
 
 # The settings id of rows that record none (``settings_hash``): written before the bench recorded

@@ -10,7 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from memtrain.files.bench_store import latest_settings, other_settings, read_results_latest, rows_under, select_rows
+from memtrain.files.bench_store import (
+    latest_settings,
+    other_settings,
+    read_results_latest,
+    rows_under,
+    select_rows,
+    techniques_asked,
+)
 from memtrain.files.json_text import dumps
 from memtrain.files.results import (
     PLOT_FILES,
@@ -35,6 +42,8 @@ def write_report(out: Path, techniques: Optional[list[str]] = None, plots: bool 
     ``read``: the rows of results.jsonl already read (and checked) by the caller. ``settings``:
     the settings id whose rows are reported (:func:`~memtrain.files.bench_store.row_settings`;
     default: those of the row appended last); the others are counted in one line.
+    ``techniques``: the rows to report, in order, and those with no row named missing (default:
+    every row under the settings; missing, those the rows' benches listed and never finished).
     ``replace_links``: a bench's own report, whose names it checked before its first row: a link
     planted there since is replaced (:func:`~memtrain.files.results.drop_planted_link`), rather
     than stopping the bench with rows left to run."""
@@ -49,7 +58,10 @@ def write_report(out: Path, techniques: Optional[list[str]] = None, plots: bool 
     rows = select_rows(rows_under(read.rows, chosen), techniques)
     other = other_settings(read.rows, chosen)
     present = {r.get("technique") for r in rows}
-    missing = [t for t in (techniques or []) if t not in present]
+    # Without a list (memtrain report DIR): the lists the rows' benches were run with, so that a
+    # report rebuilt from an interrupted bench still names the rows it never finished.
+    asked = techniques if techniques is not None else techniques_asked(rows)
+    missing = [t for t in asked if t not in present]
     records = table_rows(rows)
     md, csv, js = REPORT_FILES
     write_text_atomic(out / md, markdown_report(rows, missing, other=other, folder=str(out)) + "\n")

@@ -89,8 +89,10 @@ class LossDiverged(RuntimeError):
 
 @torch.no_grad()
 @torch.compiler.set_stance("force_eager")
-def evaluate(model: nn.Module, batches: list[Batch], precision: Precision, device: torch.device) -> float:
-    """Mean token loss over the fixed validation batches.
+def evaluate(model: nn.Module, batches: list[Batch], precision: Precision, device: torch.device,
+             on_batch: Optional[Callable[[int], None]] = None) -> float:
+    """Mean token loss over the fixed validation batches; ``on_batch`` is told how many batches
+    are done after each (the final validation's plain lines).
 
     Run uncompiled under ``--compile`` (torch's ``force_eager`` stance): in eval mode and without
     gradients the compiled model is another graph, and compiling it (again for a smaller last
@@ -99,18 +101,30 @@ def evaluate(model: nn.Module, batches: list[Batch], precision: Precision, devic
     was_training = model.training
     model.eval()
     losses, weights = [], []
-    for x, y in batches:
+    for done, (x, y) in enumerate(batches, 1):
         # Weighted by its targets: every token of text, the answer tokens under --loss-on
         # completion (a batch without one has no loss to add).
         weight = target_count(y)
-        if weight == 0:
-            continue
-        with precision.autocast():
-            loss = model(x.to(device), y.to(device))
-        losses.append(float(loss))
-        weights.append(weight)
+        if weight != 0:
+            with precision.autocast():
+                loss = model(x.to(device), y.to(device))
+            losses.append(float(loss))
+            weights.append(weight)
+        if on_batch is not None:
+            on_batch(done)
     model.train(was_training)
     return sum(loss * w for loss, w in zip(losses, weights)) / sum(weights)
+
+
+def _final_validation(model: nn.Module, batches: list[Batch], precision: Precision, device: torch.device,
+                      plain: bool) -> float:
+    """:func:`evaluate` after the last step, with plain lines of its own (``plain``: no bar,
+    stderr a log): the train phase's lines close before it, and a long validation (a large
+    --val-blocks, a big model) wrote nothing while it ran."""
+    with ProgressLines("validating", plain, total=len(batches), unit="batches") as said:
+        val_loss = evaluate(model, batches, precision, device, on_batch=said.update)
+        said.close()
+    return val_loss
 
 
 def target_count(y: torch.Tensor) -> int:
@@ -386,7 +400,7 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         # (none timed where the run resumed at its last step: no MFU to refer to it).
         rate_now = reference_rate_now(caps) if end_step > start_step else None
 
-        val_loss = evaluate(state.model, val_batches, precision, device)
+        val_loss = _final_validation(state.model, val_batches, precision, device, plain)
         logger.log(end_step, {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, force=True)
         logger.close()
 
