@@ -297,3 +297,43 @@ def test_estimate_trace_json_carries_what_the_traced_offloader_moved(model, caps
         assert out["offload"]["d2h_bytes_per_step"] == traced["d2h_bytes_per_step"]
     assert main(["estimate", *argv]) == 0
     assert "traced host copies (peak)" in capsys.readouterr().out
+
+
+
+_HOST_AT_PEAK_CASES = [
+    ("ours", 2, 1, 64, "none", "standard"), ("ours", 2, 1, 128, "none", "chunked"), ("ours", 3, 1, 128, "none", "standard"),
+    ("ours", 3, 4, 64, "none", "chunked"), ("ours", 2, 4, 128, "full", "standard"), ("ours", 3, 1, 64, "full", "chunked"),
+    ("gpt2", 2, 1, 64, "none", "standard"), ("gpt2", 2, 1, 128, "none", "chunked"), ("gpt2", 3, 4, 64, "none", "standard"),
+]
+
+
+@pytest.mark.parametrize("model, layers, batch, seq, checkpointing, loss", _HOST_AT_PEAK_CASES)
+def test_estimate_holds_the_traced_host_bytes_at_the_device_peak(model, layers, batch, seq, checkpointing, loss,
+                                                                tmp_path_factory):
+    """``host_at_peak_bytes`` is what the offloader's host copies hold when the device reaches its
+    peak. A Linear's bias gradient is summed by autograd's engine after the matmul's backward has
+    returned, and by then the device copy of the input it brought back for the last time is gone
+    (the host copy stays until the saved variables are released). The estimate kept that copy
+    through the sum, which tied the MLP's output Linear with the activation's backward after it
+    and put the peak one op early, with one more activation on the host (our GPT, 2 layers at
+    1 x 64: 708,608 B for the traced 446,464)."""
+    from memtrain.analysis.estimate import estimate
+    from memtrain.analysis.estimate.hf import analytic_estimate
+    from memtrain.analysis.trace import trace_step
+
+    tech = dict(batch_size=batch, seq_len=seq, device="cpu", offload_activations=True, checkpointing=checkpointing,
+                loss=loss)
+    if model == "ours":  # the default MLP width (TINY's narrow one never ties the two ops)
+        cfg = build_config(dict(vocab_size=512, d_model=32, n_heads=2, n_layers=layers, max_seq_len=256, **tech))
+        est = estimate(cfg, device_type="cpu").offload
+    else:
+        transformers = pytest.importorskip("transformers")
+        root = tmp_path_factory.getbasetemp() / f"gpt2-offload-{layers}"
+        if not root.exists():
+            transformers.GPT2Config(**{**_GPT2, "n_layer": layers}).save_pretrained(root)
+        cfg = build_config({"model": str(root), **tech})
+        est = analytic_estimate(cfg, "cpu").offload
+    traced = trace_step(cfg, "cpu")
+    assert est is not None and 0 < traced["offloaded_at_peak_bytes"] <= traced["offloaded_peak_bytes"]
+    assert est["host_at_peak_bytes"] == traced["offloaded_at_peak_bytes"]
+    assert est["host_peak_bytes"] == traced["offloaded_peak_bytes"]

@@ -206,7 +206,7 @@ def linear(nodes: list[Node], dm: Dims, name: str, x: str, out: str, n_in: int, 
     weight_saved = extra if dm.autocast else [w_in]
     nodes.append(Node(name, out=[(base_out, N * n_out * a)], inputs=[x] + extra,
                        saves=([x] if keeps_input else []) + (weight_saved if keeps_weight else []), grads=grads, matmul=True,
-                       param_share=param_share))
+                       param_share=param_share, reduced_grads=1 if trainable_base and bias else 0))
     # Under autocast peft's adapters on our GPT (float32, as on a transformers base) make the
     # casts _peft_lora counts: a bf16 input's float32 copy, lora_A's own bf16 copy of its input
     # (the base's cast is another) and the adapters' cached weight copies.

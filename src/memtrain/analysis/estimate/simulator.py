@@ -165,6 +165,11 @@ class Node:
     # embedding saves for its weight's gradient. Never device bytes here (the meter never sees
     # them), but an activation offloader copies them to the host and back like any save.
     external: tuple[tuple[str, float], ...] = ()
+    # How many of ``grads`` (the last ones) autograd's engine makes after the op's backward
+    # function has returned: a broadcast input's gradient summed to its shape (validate_outputs'
+    # sum_to), which is how addmm's bias gets its gradient. By then the function's locals are
+    # gone, among them the device copies an activation offloader handed it for the last time.
+    reduced_grads: int = 0
 
     def sac_kept(self) -> tuple[str, ...]:
         """Outputs selective checkpointing keeps (those of the matmul/attention kernel itself)."""
@@ -355,7 +360,7 @@ class Graph:
         return True
 
     def _bring_back(self, entry: "_Offloaded") -> None:
-        if entry.back is None:
+        if entry.back is None and not entry.returned:
             entry.back = self.sim.alloc(entry.nbytes, "temporaries")
             self.h2d += entry.nbytes
 
@@ -374,6 +379,17 @@ class Graph:
                 ahead += 1
             j -= 1
         return entry.back
+
+    def _function_returned(self, keys: list[str]) -> None:
+        """The op's backward function has returned: the device copies it unpacked for the last
+        time (its locals) are freed, while their host copies stay until autograd releases the
+        op's saved variables (:meth:`_done_with`), as torch's engine does."""
+        for key in set(keys):
+            entry = self.off.get(key)
+            if entry is not None and entry.waiting <= keys.count(key):
+                self.sim.free(entry.back)
+                entry.back = None
+                entry.returned = True
 
     def _done_with(self, key: str) -> None:
         """One saved variable of ``key`` has run its backward: the last frees both copies."""
@@ -560,7 +576,12 @@ class Graph:
                 through = next((self.grad_sid[k] for k in keys if k in self.grad_sid), None)
                 self.sim.transient(n.scratch_first)
                 start = len(self.sim.events) if self.sim.events is not None else 0
-                for key, nbytes in n.grads:
+                made = len(n.grads) - n.reduced_grads
+                for key, nbytes in n.grads[:made]:
+                    self._grad_alloc(n, key, nbytes, through)
+                if made < len(n.grads):
+                    self._function_returned(offloaded)
+                for key, nbytes in n.grads[made:]:
                     self._grad_alloc(n, key, nbytes, through)
                 if n.grads:
                     self._note_gemm(n, start)
@@ -785,6 +806,7 @@ class _Offloaded:
     index: int
     waiting: int = 1
     back: Optional[int] = None
+    returned: bool = False  # its last reader's function has returned (its device copy freed)
 
 
 class _Later:
