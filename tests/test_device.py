@@ -120,7 +120,7 @@ def test_train_warns_up_front_before_any_step(tiny_run, monkeypatch):
     CPU without native BF16 is the slow path this test must not take)."""
     import memtrain.training.train as T
 
-    monkeypatch.setattr(T, "prepare_tokens", _stop_at_data)
+    monkeypatch.setattr(T, "prepare_splits", _stop_at_data)
     monkeypatch.setenv(D.FORCE_BF16_ENV, "0")
     with pytest.warns(SlowPrecisionWarning, match=r"bf16 matmul here .*this CPU has no native BF16"), \
             pytest.raises(_Stop):

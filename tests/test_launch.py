@@ -251,7 +251,7 @@ def _refusals_while_training(monkeypatch, second_holder) -> list[str]:
     import memtrain.training.train as train_module
 
     refused: list[str] = []
-    real = train_module.prepare_tokens
+    real = train_module.prepare_splits
 
     def during_the_run(*a, **kw):
         try:
@@ -261,7 +261,7 @@ def _refusals_while_training(monkeypatch, second_holder) -> list[str]:
             refused.append(str(exc))
         return real(*a, **kw)
 
-    monkeypatch.setattr(train_module, "prepare_tokens", during_the_run)
+    monkeypatch.setattr(train_module, "prepare_splits", during_the_run)
     return refused
 
 

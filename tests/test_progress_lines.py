@@ -93,8 +93,9 @@ def test_each_tokenizing_line_names_its_source(tmp_path, monkeypatch, capfd):
     assert main([*run, "--data", str(tmp_path / "train.jsonl"), "--val-data", str(tmp_path / "val.jsonl"),
                  "--out", str(tmp_path / "a")]) == 0
     err = [line for line in capfd.readouterr().err.splitlines() if line.startswith("tokenizing")]
-    assert [line.split(": ")[0] for line in err] == [f"tokenizing --data {tmp_path / 'train.jsonl'}"] * 2 + [
-        f"tokenizing --val-data {tmp_path / 'val.jsonl'}"] * 2, err
+    # The validation source is read first (an unreadable one is refused before --data is tokenized).
+    assert [line.split(": ")[0] for line in err] == [f"tokenizing --val-data {tmp_path / 'val.jsonl'}"] * 2 + [
+        f"tokenizing --data {tmp_path / 'train.jsonl'}"] * 2, err
     assert [": done, " in line for line in err] == [False, True, False, True], err
 
 
