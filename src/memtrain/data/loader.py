@@ -413,17 +413,13 @@ def make_train_loader(
     if batch_size <= 0:
         raise ConfigError(f"--batch-size must be positive, got {batch_size}")
     needed = batch_size * world_size
-    if offsets is not None:
-        rows = RecordRows(tokens, seq_len, offsets, mask)
-        if len(rows) < needed:
-            shape = f"{batch_size} x {world_size} ranks" if world_size > 1 else f"{batch_size}"
-            raise ConfigError(f"--packing pad: the training split has {len(rows):,} records of two tokens or more "
-                              f"(one row each), fewer than one batch needs ({shape} = {needed:,}); use more data or "
-                              "lower --batch-size")
-        return TrainLoader(rows, batch_size, seed, num_workers, pin_memory, prefetch_factor, rank, world_size)
-    dataset = BlockDataset(tokens, seq_len, mask)
+    dataset = BlockDataset(tokens, seq_len, mask) if offsets is None else RecordRows(tokens, seq_len, offsets, mask)
     if len(dataset) < needed:
         shape = f"{batch_size} x {world_size} ranks" if world_size > 1 else f"{batch_size}"
+        if offsets is not None:
+            raise ConfigError(f"--packing pad: the training split has {len(dataset):,} records of two tokens or more "
+                              f"(one row each), fewer than one batch needs ({shape} = {needed:,}); use more data or "
+                              "lower --batch-size")
         raise ConfigError(
             f"training corpus has {len(tokens):,} tokens, fewer than one batch needs "
             f"({shape} x {seq_len + 1} = {needed * (seq_len + 1):,}); "
