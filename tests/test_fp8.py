@@ -283,8 +283,11 @@ def test_fp8_trains_compiled_on_an_fp8_gpu_close_to_bf16():
     cfgs = {p: build_config({"precision": p, "d_model": 256, "n_heads": 4, "n_layers": 2, "d_ff": 1024,
                              "seq_len": 128, "vocab_size": 512, "max_seq_len": 128, "dropout": 0.0,
                              "attention": "sdpa", "compile": True}) for p in ("bf16", "fp8")}
+    # One batch of random tokens, six steps on it: the model memorises it, so a loss that trains falls
+    # well below its start (in FP32 on a CPU: 6.28 -> 4.20). Six fresh random batches would not do:
+    # their loss sits at the entropy of uniform tokens (ln 512 = 6.24) however well the model trains.
     g = torch.Generator().manual_seed(0)
-    batches = [tuple(torch.randint(0, 512, (8, 128), generator=g).to(dev) for _ in range(2)) for _ in range(6)]
+    batch = tuple(torch.randint(0, 512, (8, 128), generator=g).to(dev) for _ in range(2))
     losses = {}
     for name, cfg in cfgs.items():
         prec = make_precision(name, dev)
@@ -292,7 +295,10 @@ def test_fp8_trains_compiled_on_an_fp8_gpu_close_to_bf16():
         model = prepare_model(GPT(cfg.model), cfg, dev, prec)
         assert (type(model.blocks[0].mlp.fc).__name__ == "Float8Linear") is (name == "fp8")
         opt = build_optimizer(model, TechniqueConfig(precision=name), TrainConfig(lr=1e-3, weight_decay=0.0))
-        losses[name] = [train_step(model, [b], opt, prec, 1.0, dev) for b in batches]
-    assert losses["fp8"][-1] < losses["fp8"][0]
+        losses[name] = [train_step(model, [batch], opt, prec, 1.0, dev) for _ in range(6)]
+    assert losses["fp8"][-1] < 0.9 * losses["fp8"][0]
+    # The same weights at the first step: only the matmuls' precision differs. Later steps follow
+    # trajectories that the rounding has moved apart a little.
+    assert losses["fp8"][0] == pytest.approx(losses["bf16"][0], rel=0.02)
     for lf, lb in zip(losses["fp8"], losses["bf16"]):
-        assert lf == pytest.approx(lb, rel=0.02)
+        assert lf == pytest.approx(lb, rel=0.05)

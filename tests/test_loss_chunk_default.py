@@ -1,5 +1,7 @@
 """``--loss-chunk 0`` (the default) runs 256 tokens a chunk on a CPU and, on CUDA, the largest power
-of two from 256 to 1024 whose logits hold at most 2^26 values (1024 for GPT-2's vocabulary); the loss
+1024, halved (down to 256) while its logits would hold more than 2^28 values (1024 for every
+vocabulary up to 262,144 tokens: each chunk's pass over the weight gradient grows with the
+vocabulary, so a large head needs large chunks as much as a small one); the loss
 and the analytic estimate resolve it the same way; the CUDA path's logits and weight gradient are
 laid out ``aligned_vocab`` wide in the estimate too."""
 
@@ -21,9 +23,11 @@ def test_the_default_chunk_is_picked_by_device_and_vocabulary():
     assert TechniqueConfig().loss_chunk == 0
     assert effective_loss_chunk(0, "cpu", 50257) == effective_loss_chunk(0, "cpu", 151936) == LOSS_CHUNK_CPU == 256
     assert effective_loss_chunk(0, "mps", 50257) == 256  # any other device as a CPU
-    # CUDA: GPT-2's 50257 (50304 aligned) -> 1024; Llama-3's 128256 -> 512; Qwen2.5's 151936 and
-    # Gemma's 256000 -> 256; a small vocabulary is capped at 1024
-    for vocab, chunk in ((50257, 1024), (128256, 512), (151936, 256), (256000, 256), (32000, 1024), (97, 1024)):
+    # CUDA: GPT-2's 50257 (50304 aligned), Llama-3's 128256, Qwen2.5's 151936, Gemma's 256000 and
+    # Gemma-3's 262144 (1024 x 262144 = 2^28 exactly) -> 1024; past 2^18 rows 512, past 2^19 256, never
+    # fewer; a small vocabulary is capped at 1024
+    for vocab, chunk in ((50257, 1024), (128256, 1024), (151936, 1024), (256000, 1024), (262144, 1024),
+                         (262145, 512), (524288, 512), (524289, 256), (4_000_000, 256), (32000, 1024), (97, 1024)):
         assert effective_loss_chunk(0, "cuda", vocab) == effective_loss_chunk(0, "cuda:1", vocab) == chunk, vocab
     assert effective_loss_chunk(512, "cuda", 50257) == effective_loss_chunk(512, "cpu", 50257) == 512  # given: kept
 

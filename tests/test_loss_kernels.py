@@ -281,14 +281,25 @@ def test_cce_is_absent_without_the_package(monkeypatch):
     assert loss_mod._cce_loss() is None
 
 
+# How far each kernel's gradients may sit from the standard loss's (both under BF16 autocast), as
+# (largest element error / largest element, norm of the error / norm): Liger accumulates in FP32.
+# Cut Cross-Entropy 25.1.1 adds each vocabulary block's share of the hidden states' gradient into a
+# BF16 buffer (cce_backward.py: ``tl_lock_add`` into ``de``, in ``e``'s dtype; the library has no FP32
+# option), one rounding per block: 5000 rows in blocks of 128 put single elements 3% of the largest
+# away and the whole 1% (a CPU simulation of that accumulation; an H200 measured 3.3% of the largest,
+# 58 of 64,000 elements past 2%). A wrong gradient (a missed block, a wrong scale) is off by far more.
+_GRAD_TOLERANCE = {"liger": (2e-2, 1e-2), "cce": (8e-2, 3e-2)}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kernel,module,package", [("cce", "cut_cross_entropy", "cut-cross-entropy"),
                                                    ("liger", "liger_kernel.transformers", "liger-kernel")])
 def test_cuda_library_kernel_matches_the_standard_loss(kernel, module, package):
-    """Cut Cross-Entropy's kernel (exact: no gradient filter) and Liger's fused linear
-    cross-entropy (FP32 accumulation), as memtrain calls them, against the standard loss under
-    bf16 autocast: the numerics behind the runbook's loss-kernels timings."""
+    """Cut Cross-Entropy's kernel (exact: no gradient filter, but BF16 accumulation of the hidden
+    states' gradient across vocabulary blocks) and Liger's fused linear cross-entropy (FP32
+    accumulation), as memtrain calls them, against the standard loss under bf16 autocast: the
+    numerics behind the runbook's loss-kernels timings."""
     pytest.importorskip(module, reason=f"--loss-kernel {kernel} needs {package}")
     dev = torch.device("cuda")
     fn = loss_mod.make_loss_fn(TechniqueConfig(loss="chunked", loss_kernel=kernel, precision="bf16"), dev)
@@ -298,8 +309,11 @@ def test_cuda_library_kernel_matches_the_standard_loss(kernel, module, package):
         ref = standard_lm_loss(hidden, weight, targets)
         out = fn(hidden, weight, targets)
     torch.testing.assert_close(out, ref.float(), rtol=1e-2, atol=0)
+    largest, whole = _GRAD_TOLERANCE[kernel]
     for o, r in zip(torch.autograd.grad(out, (hidden, weight)), torch.autograd.grad(ref, (hidden, weight))):
-        torch.testing.assert_close(o.float(), r.float(), rtol=0, atol=2e-2 * float(r.abs().max()))
+        o, r = o.float(), r.float()
+        torch.testing.assert_close(o, r, rtol=0, atol=largest * float(r.abs().max()))
+        assert float((o - r).norm()) <= whole * float(r.norm())
 
 
 def _kernel_config(kernel: str, **train):

@@ -430,9 +430,9 @@ class TechniqueConfig:
     loss_chunk: int = _f(
         0,
         "Tokens per chunk for --loss chunked; 0 (default) picks by device: 256 on a CPU (256 x 50257 "
-        "fp32 logits = 51 MB alive at a time); on CUDA, where each chunk is one compiled call and small "
-        "chunks cost host time, the largest power of two from 256 to 1024 whose logits hold at most 2^26 "
-        "values (1024 for GPT-2's vocabulary, 512 for Llama-3's, 256 for Qwen2.5's; docs/techniques.md). "
+        "fp32 logits = 51 MB alive at a time); on CUDA, where each chunk costs one compiled call and one "
+        "pass over the weight gradient, 1024, halved (down to 256) while its logits would hold more than "
+        "2^28 values (1024 for every vocabulary up to 262,144 tokens; docs/techniques.md). "
         "Ignored by --loss-kernel liger and cce, which pick their own blocks.",
     )
     loss_kernel: str = _f(

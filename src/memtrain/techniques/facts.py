@@ -535,16 +535,22 @@ def aligned_vocab(vocab: int, multiple: int = LOSS_ALIGN_VOCAB) -> int:
 
 # --loss-chunk 0 (the default): tokens per chunk by device. On a CPU the chunk's buffers set the
 # step's peak and its launches cost little, so small chunks keep it low: 256 tokens. On CUDA each
-# chunk is one compiled call whose host time a small chunk cannot hide: on an H200
-# (benchmarks/results/gpu-h200) the seed GPT's eager step took 25.5 ms at 256 tokens a chunk, 13.6 ms
-# at 1024 and 16.2 ms at 4096 (the standard loss: 29.6 ms), with 1.03, 1.17 and 1.75 GiB allocated.
-# So on CUDA the chunk is the largest power of two from 256 to 1024 tokens whose logits hold at most
-# LOSS_CHUNK_CUDA_VALUES values (128 MiB in BF16): 1024 for GPT-2's vocabulary, 512 for Llama-3's,
-# 256 for Qwen2.5's. A larger vocabulary gives each chunk more arithmetic to hide its call behind,
-# and keeps the chunk's buffers, which a memory-bound run pays for, near the CPU default's.
+# chunk costs a fixed price that a small chunk cannot hide: its compiled call's host time, and one
+# pass over the (V x d) weight gradient (``g.t() @ h`` written in the compute dtype, then added into
+# the float32 grad_w: about 12 V d bytes of device traffic a chunk, whatever the chunk's size). That
+# pass grows with the vocabulary as the chunk's arithmetic does, so a larger vocabulary does not hide
+# it better: the chunk has to be large everywhere. Measured: on an H200 (benchmarks/results/gpu-h200)
+# the seed GPT's eager step took 25.5 ms at 256 tokens a chunk, 13.6 ms at 1024 and 16.2 ms at 4096
+# (the standard loss: 29.6 ms), with 1.03, 1.17 and 1.75 GiB allocated; Qwen2.5-0.5B (151,936-token
+# head, batch 4 x 1024) took 109.3 ms a step at 256 against the standard loss's 85.3 ms (1.28x), and
+# on an H100 (benchmarks/results/gpu-h100/runbook-2026-11-26) 85.6 / 75.9 / 74.1 ms at 256 / 1024 /
+# 4096 against 82.0 ms, with 13.52 / 14.06 / 15.51 GiB allocated against 19.61. So on CUDA the chunk is
+# 1024 tokens, halved (down to 256) only while its logits would hold more than LOSS_CHUNK_CUDA_VALUES
+# values (512 MiB in BF16): 1024 for every vocabulary up to 262,144 (GPT-2's, Llama-3's, Qwen2.5's,
+# Gemma's), 512 past it.
 LOSS_CHUNK_CPU = 256
 LOSS_CHUNK_CUDA_MAX = 1024
-LOSS_CHUNK_CUDA_VALUES = 2**26
+LOSS_CHUNK_CUDA_VALUES = 2**28
 
 
 def effective_loss_chunk(loss_chunk: int, device_type: str, vocab: int) -> int:

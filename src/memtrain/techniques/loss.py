@@ -34,7 +34,8 @@ fused into a read of the logits and one write of their gradient, the matmuls cuB
 are laid out 64 columns wide there (:data:`ALIGN_VOCAB`; GPT-2's 50257 would leave cuBLAS its
 slow unaligned kernels), the padding masked. Each call still costs host time, so small chunks
 cost more than their arithmetic: ``--loss-chunk 0`` (the default) runs up to 1024 tokens a chunk
-on CUDA (1024 for GPT-2's vocabulary, fewer for larger ones) and 256 on a CPU
+on CUDA (1024 for every vocabulary up to 262,144 tokens: each chunk also makes one pass over
+the (V x d) weight gradient, which a small chunk cannot hide either) and 256 on a CPU
 (:func:`memtrain.techniques.facts.effective_loss_chunk`). On an H200 the
 seed GPT's eager step took 13.6 ms with it against the standard loss's 29.6 ms; compiled, 11.1 ms
 against 8.7 ms, and 8.8 ms under ``--compile-mode reduce-overhead``, whose CUDA graphs replay the

@@ -342,7 +342,11 @@ def _map_optimizer(cfg: RunConfig, plan: HFPlan, cuda: bool, args: dict[str, Any
         args["optim"] = optim
         note = ""
         if t.optim == "adamw":
-            note = " (memtrain uses foreach=False; HF passes no foreach: the same on CPU, foreach on CUDA)"
+            # What memtrain.techniques.optim.default_adamw_kernel picks, without probing the device here.
+            note = (" (memtrain: torch's fused AdamW kernel on CUDA where it exists, else foreach; HF passes no "
+                    "kernel choice, which torch runs as foreach on CUDA: the same update)" if cuda else
+                    " (both the per-tensor loop on a CPU: memtrain passes foreach=False, HF nothing, which torch "
+                    "runs the same way there)")
         elif t.optim == "adafactor":
             note = (" (transformers.Adafactor, scale_parameter=False, relative_step=False: --lr is the step size "
                     "on both sides; memtrain's torch.optim.Adafactor with its parameter-scale floor eps2 = 1)")
