@@ -191,3 +191,25 @@ def test_a_disabled_phase_starts_no_heartbeat():
     lines = ProgressLines("train", False, total=3, unit="step")
     assert lines._heartbeat is None and threading.active_count() == before
     lines.close()
+
+
+def test_the_tokenizing_bar_names_the_source_it_reads(tmp_path, monkeypatch):
+    """On a terminal the tqdm bar said only "tokenizing", for --data and for --val-data alike; it
+    names its source as the plain lines do. The bars' descriptions are read at tqdm's seam."""
+    from memtrain.config.run import DataConfig
+    from memtrain.data import cache, prepare_splits
+
+    descriptions: list[str] = []
+    real_tqdm = cache.tqdm
+
+    def recording_tqdm(*args, **kwargs):
+        descriptions.append(kwargs["desc"])
+        return real_tqdm(*args, **{**kwargs, "disable": True})  # drawn as on a terminal, shown nowhere
+
+    monkeypatch.setattr(cache, "tqdm", recording_tqdm)
+    for name in ("train", "val"):
+        (tmp_path / f"{name}.txt").write_text(f"Some {name} text to tokenize, a sentence or two.\n")
+    data = DataConfig(data=str(tmp_path / "train.txt"), val_data=str(tmp_path / "val.txt"),
+                      cache_dir=str(tmp_path / "cache"))
+    prepare_splits(data, progress=True)
+    assert descriptions == [f"tokenizing --val-data {tmp_path / 'val.txt'}", f"tokenizing --data {tmp_path / 'train.txt'}"]

@@ -97,7 +97,7 @@ def prepare_tokens(cfg: DataConfig, progress: Optional[bool] = None, tokenizer: 
     ``eot_id``, ``encode_batch``); ids that do not fit uint16 are stored as uint32. ``whole``: no
     document is held out (every one in ``train``; a source of its own validates, --val-data), an
     entry of its own whatever --val-fraction and --split-seed say. ``named``: the source in the
-    plain lines' words (default ``--data DATA``): a run with a validation source of its own
+    bar's and the plain lines' words (default ``--data DATA``): a run with a validation source of its own
     tokenizes twice, and both phases' lines said only "tokenizing".
     """
     if cfg.data_format == "chat" and (refusal := template_refusal(cfg.data_format, tokenizer)) is not None:
@@ -269,13 +269,14 @@ def _write_tokens(cfg: DataConfig, out: Path, progress: Optional[bool], tokenize
         mask_files = {s: stack.enter_context(open(out / f"{s}.mask", "wb")) for s in SPLITS} if masked else {}
         targets = {s: 0 for s in SPLITS}
         drawn = shows_progress(progress)
+        # The bar and the plain lines name the source alike: with --val-data, two phases tokenize.
+        phase = f"tokenizing {one_line(named or '--data ' + cfg.data)}"
         bar = stack.enter_context(
-            tqdm(total=cfg.max_documents, unit="doc", desc="tokenizing", disable=not drawn, dynamic_ncols=True)
+            tqdm(total=cfg.max_documents, unit="doc", desc=phase, disable=not drawn, dynamic_ncols=True)
         )
         # Entered: a failed batch stops its heartbeat, with no closing line (close() below writes it).
         said = stack.enter_context(
-            ProgressLines(f"tokenizing {one_line(named or '--data ' + cfg.data)}", lines and not drawn,
-                          total=cfg.max_documents, unit="documents"))
+            ProgressLines(phase, lines and not drawn, total=cfg.max_documents, unit="documents"))
         for batch in _batched(_documents(cfg, tokenizer), BATCH_DOCS, BATCH_CHARS):
             is_val = assign_validation(rng, len(batch), 0.0 if whole else cfg.val_fraction)
             t0 = time.perf_counter()
