@@ -146,6 +146,26 @@ def test_settings_that_cannot_go_with_val_data_are_one_line(files, tmp_path, cap
     assert says in _one_error_line(capsys.readouterr().err) and not out.exists()
 
 
+@pytest.mark.parametrize("flag, says", [
+    ("--val-data", "--val-data is empty; give a file, a folder, a glob, 'default' or hf:NAME, or drop --val-data"),
+    ("--val-split", "--val-split is empty; give a split name (validation, test) or drop --val-split"),
+    ("--data", "--data is empty; give a file, a folder, a glob, 'default' or hf:NAME"),
+])
+def test_an_empty_source_flag_is_refused_not_read_as_unset(files, tmp_path, capsys, flag, says):
+    """``--val-data ""`` (a shell variable never set) was read as no --val-data: the run validated
+    on a share of --data without a word. It is refused in one line, as ``--data ""`` is, and as a
+    config file's empty string; "none" still says unset."""
+    out = tmp_path / "run"
+    run = {**RUN, "data": str(files["train"]), "out": str(out)}
+    assert main(["train", *cli_flags(run), flag, ""]) == 2
+    assert _one_error_line(capsys.readouterr().err) == f"error: {says}"
+    assert not out.exists()
+    key = flag[2:].replace("-", "_")
+    with pytest.raises(ConfigError, match=f"{flag} is empty"):
+        build_config({key: ""})
+    assert build_config({"val_data": "none"}).data.val_data is None
+
+
 def test_the_default_val_fraction_spelled_out_beside_val_data_is_taken():
     """A config file may spell every key: the default --val-fraction asks for no split."""
     cfg = build_config({"val_data": "v.jsonl", "val_fraction": 0.05, "split_seed": 1234})

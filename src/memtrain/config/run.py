@@ -349,13 +349,13 @@ class DataConfig:
         require(self.val_data is None or self.val_data.strip() != "",
                 "--val-data is empty; give a file, a folder, a glob, 'default' or hf:NAME, or drop --val-data")
         _check_homes(("--val-data", self.val_data))
+        require(self.val_split is None or self.val_split.strip() != "",
+                "--val-split is empty; give a split name (validation, test) or drop --val-split")
         source = self.val_data if self.val_data is not None else self.data
         require(self.val_split is None or source.startswith("hf:"),
                 f"--val-split {self.val_split} picks a split of an hf: validation source; "
                 f"{'--val-data' if self.val_data is not None else '--data'} {source} has none: give --val-data hf:NAME "
                 "or drop --val-split")
-        require(self.val_split is None or self.val_split.strip() != "",
-                "--val-split is empty; give a split name (validation, test) or drop --val-split")
         flag = f"--val-data {self.val_data}" if self.val_data is not None else f"--val-split {self.val_split}"
         for name, default in (("val_fraction", DEFAULT_VAL_FRACTION), ("split_seed", DEFAULT_SPLIT_SEED)):
             value = getattr(self, name)
@@ -766,6 +766,13 @@ def field_index() -> dict[str, str]:
     return index
 
 
+# Optional sources whose empty value is a mistake, not a way to say "unset": "" stays "" for them, so
+# that DataConfig's check refuses it in one line ("--val-data is empty; ... or drop --val-data").
+# Read as None, `--val-data ""` (a shell variable that was never set) silently validated on a
+# share of --data instead. "none" or "null" still says unset, as for every optional field.
+EMPTY_IS_REFUSED = frozenset({"val_data", "val_split", "chat_template"})
+
+
 def _coerce(cls: type, name: str, value: Any) -> Any:
     """Coerce a value from a file or string into the field's declared type; a config file's mapping
     for --chat-template-kwargs is the JSON object the flag takes."""
@@ -789,7 +796,8 @@ def _coerce_scalar(cls: type, name: str, value: Any) -> Any:
     if isinstance(value, (dict, list)):
         raise ConfigError(f"--{name.replace('_', '-')} expects {base}, got a {type(value).__name__}")
     if isinstance(value, str) and optional and value.lower() in ("none", "null", ""):
-        return None
+        if not (value == "" and name in EMPTY_IS_REFUSED):
+            return None
     try:
         if base == "bool":
             if isinstance(value, str):
