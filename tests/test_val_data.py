@@ -164,6 +164,8 @@ def test_an_empty_source_flag_is_refused_not_read_as_unset(files, tmp_path, caps
     with pytest.raises(ConfigError, match=f"{flag} is empty"):
         build_config({key: ""})
     assert build_config({"val_data": "none"}).data.val_data is None
+    with pytest.raises(ConfigError, match="--chat-template is empty"):  # the other source-like setting
+        build_config({"data": "x.jsonl", "data_format": "chat", "chat_template": ""})
 
 
 def test_the_default_val_fraction_spelled_out_beside_val_data_is_taken():
