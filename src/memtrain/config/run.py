@@ -773,6 +773,14 @@ def field_index() -> dict[str, str]:
 EMPTY_IS_REFUSED = frozenset({"val_data", "val_split", "chat_template"})
 
 
+def _says_unset(name: str, value: Any) -> bool:
+    """Whether ``value`` of optional field ``name`` means None: "none", "null", and "" except for
+    the fields of EMPTY_IS_REFUSED."""
+    if not isinstance(value, str) or value.lower() not in ("none", "null", ""):
+        return False
+    return not (value == "" and name in EMPTY_IS_REFUSED)
+
+
 def _coerce(cls: type, name: str, value: Any) -> Any:
     """Coerce a value from a file or string into the field's declared type; a config file's mapping
     for --chat-template-kwargs is the JSON object the flag takes."""
@@ -795,9 +803,8 @@ def _coerce_scalar(cls: type, name: str, value: Any) -> Any:
         raise ConfigError(f"--{name.replace('_', '-')} expects {base}, got {value!r}")
     if isinstance(value, (dict, list)):
         raise ConfigError(f"--{name.replace('_', '-')} expects {base}, got a {type(value).__name__}")
-    if isinstance(value, str) and optional and value.lower() in ("none", "null", ""):
-        if not (value == "" and name in EMPTY_IS_REFUSED):
-            return None
+    if optional and _says_unset(name, value):
+        return None
     try:
         if base == "bool":
             if isinstance(value, str):
