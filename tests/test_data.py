@@ -184,7 +184,91 @@ def test_hf_local_directory(tmp_path: Path) -> None:
         docs_of(f"hf:{tmp_path / 'absent'}")
 
 
-def test_hf_hub_unreachable_is_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def fake_hub(monkeypatch: pytest.MonkeyPatch):
+    """huggingface_hub's HTTP client, answering from ``answer(request)`` (a response, or an
+    exception raised as the transport would): no connection is opened. Yields the dataset-card
+    requests made (the library's own other requests, such as its once-a-day registry fetch, are
+    answered 404 and not listed). The client factory is the library's public seam."""
+    import huggingface_hub
+    from huggingface_hub.utils import _http
+
+    if not hasattr(huggingface_hub, "set_client_factory"):
+        pytest.skip("huggingface_hub < 1 has no client factory")
+    httpx = pytest.importorskip("huggingface_hub.utils").httpx
+    requests: list = []
+    answer = {"card": lambda request: httpx.Response(200, headers={"ETag": '"e"', "X-Repo-Commit": "c" * 40})}
+
+    def handle(request):
+        if not request.url.path.endswith("/README.md"):
+            return httpx.Response(404)
+        requests.append(request)
+        return answer["card"](request)
+
+    saved = _http._GLOBAL_CLIENT_FACTORY
+    huggingface_hub.set_client_factory(lambda: httpx.Client(transport=httpx.MockTransport(handle)))
+    yield requests, answer
+    huggingface_hub.set_client_factory(saved)
+
+
+def test_an_unreachable_hub_is_asked_once_then_one_line(monkeypatch: pytest.MonkeyPatch, fake_hub) -> None:
+    """With no answer from the Hub (no network, a firewall), datasets' download tried the card six
+    times with back-off (about 24 s) before the error. One HEAD request is made, with a timeout of
+    a few seconds and no retry, and its failure is the one line, saying what to do; datasets is
+    never called. Counted at the transport, not timed."""
+    import datasets
+    from huggingface_hub.utils import httpx
+
+    from memtrain.data import prepare_splits, sources
+
+    requests, answer = fake_hub
+
+    def no_route(request):
+        raise httpx.ConnectError("Name or service not known", request=request)
+
+    answer["card"] = no_route
+    called: list = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: called.append(a) or [])
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    for flag, data in (("--data", cfg("hf:owner/name")),
+                       ("--val-data", DataConfig(data="default", val_data="hf:owner/name"))):
+        with pytest.raises(ConfigError) as err:
+            prepare_splits(data)
+        line = str(err.value)
+        assert line.startswith(f"cannot reach the Hugging Face Hub at {datasets.config.HF_ENDPOINT} for 'owner/name' "
+                               "(Name or service not known); "), line
+        for hint in (f"local file (e.g. {flag} posts.parquet", "HF_HUB_OFFLINE=1", "HF_ENDPOINT=URL"):
+            assert hint in line, line
+        assert "\n" not in line
+    assert [(r.method, r.url.path) for r in requests] == [("HEAD", "/datasets/owner/name/resolve/main/README.md")] * 2
+    timeout = requests[0].extensions["timeout"]
+    assert timeout["connect"] == timeout["read"] == sources.HUB_PROBE_TIMEOUT_S
+    assert called == []
+
+
+def test_a_reachable_hub_and_an_offline_cache_hit_still_load(monkeypatch: pytest.MonkeyPatch, fake_hub) -> None:
+    """Any answer from the Hub (the card, or a 404 for a set without one) lets datasets go on as
+    before; with HF_HUB_OFFLINE=1 nothing is sent and datasets reads its cache (faked here: the
+    records it would return). HF_HUB_ETAG_TIMEOUT, huggingface_hub's own knob, sets the wait."""
+    import datasets
+    from huggingface_hub.utils import httpx
+
+    requests, answer = fake_hub
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, split, streaming, **kw: [{"text": f"{name} doc"}])
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    assert docs_of("hf:owner/name") == ["owner/name doc"]
+    answer["card"] = lambda request: httpx.Response(404, headers={"X-Error-Code": "EntryNotFound"})
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 30)  # as the library reads HF_HUB_ETAG_TIMEOUT=30
+    assert docs_of("hf:owner/other") == ["owner/other doc"]
+    assert [r.url.path.split("/")[3] for r in requests] == ["name", "other"]
+    assert requests[1].extensions["timeout"]["connect"] == 30
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    assert docs_of("hf:owner/cached") == ["owner/cached doc"]
+    assert len(requests) == 2  # offline: not one request
+
+
+def test_hf_hub_unreachable_is_config_error(monkeypatch: pytest.MonkeyPatch, fake_hub) -> None:
     import datasets
 
     def offline(*args, **kwargs):
@@ -199,7 +283,7 @@ def test_hf_hub_unreachable_is_config_error(monkeypatch: pytest.MonkeyPatch) -> 
     }
 
 
-def test_hub_stackoverflow_defaults_to_body(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hub_stackoverflow_defaults_to_body(monkeypatch: pytest.MonkeyPatch, fake_hub) -> None:
     import datasets
 
     seen = {}

@@ -734,10 +734,13 @@ def _load_dataset(path: str, *, split: str, label: str, hub: bool = False, **kwa
 
     if "trust_remote_code" in inspect.signature(datasets.load_dataset).parameters:
         kwargs["trust_remote_code"] = False  # datasets < 4 can run a Hub dataset's script; never
+    if hub:
+        check_hub_reachable(label, datasets)
     try:
         return datasets.load_dataset(path, split=split, streaming=True, **kwargs)
     except ConnectionError as exc:
-        raise ConfigError(_hub_unreachable(label, exc)) from None
+        raise ConfigError(_hub_unreachable(label, exc, datasets.config.HF_ENDPOINT,
+                                           offline=bool(datasets.config.HF_HUB_OFFLINE))) from None
     except datasets.exceptions.DatasetNotFoundError:
         raise ConfigError(
             f"dataset {label!r} not found on the Hugging Face Hub; check the name in --data hf:{label}"
@@ -756,10 +759,83 @@ def _load_dataset(path: str, *, split: str, label: str, hub: bool = False, **kwa
                           "use a dataset of data files") from None
 
 
-def _hub_unreachable(name: str, exc: BaseException) -> str:
+# Seconds the one reachability request may wait for the Hub, to connect and then for its answer.
+# The Hub answers a HEAD in well under a second; a firewall that drops packets never answers.
+# HF_HUB_ETAG_TIMEOUT (huggingface_hub's own timeout for this very request) overrides it.
+HUB_PROBE_TIMEOUT_S = 5.0
+
+
+def check_hub_reachable(name: str, datasets: Any) -> None:
+    """One HEAD request for Hub dataset ``name``'s card, without retries, before ``datasets`` is
+    called; a ConfigError (:func:`_hub_unreachable`) when no answer comes.
+
+    Why: ``datasets.load_dataset`` fetches the card through huggingface_hub's download, which on a
+    network error tries six times with back-off (1+2+4+8+8 s): an unreachable Hub (no network, a
+    firewall) was about 24 s of silence before the error. The request is the library's own
+    (``get_hf_file_metadata``: its session, proxies, token and HF_ENDPOINT; no retry unless asked),
+    so nothing here opens a socket itself (memtrain.models.hub_access, for models, opens a TCP
+    connection: it cannot tell through a proxy and skips the check there; this request goes
+    through the proxy the library uses, and tells a Hub that answers from a host that only
+    accepts connections). Any answer (a 404 for a missing card, a 401 for a gated
+    set) means the Hub is reachable: datasets then goes on as before and says the rest. In offline
+    mode (HF_HUB_OFFLINE=1) nothing is sent: datasets reads its cache, as it always did."""
+    if datasets.config.HF_HUB_OFFLINE:
+        return
+    # Imported here: it comes with datasets (the extra memtrain[hub]), which only these sources need.
+    import huggingface_hub
+    from huggingface_hub.utils import HfHubHTTPError  # exported here by every version datasets >= 2.19 takes
+
+    endpoint = datasets.config.HF_ENDPOINT
+    url = huggingface_hub.hf_hub_url(name, datasets.config.REPOCARD_FILENAME, repo_type="dataset", endpoint=endpoint)
+    try:
+        huggingface_hub.get_hf_file_metadata(url, timeout=_hub_probe_timeout(), endpoint=endpoint)
+    except HfHubHTTPError:
+        return  # the Hub answered (it is an OSError too: caught before the network errors below)
+    except ValueError:
+        return  # a name or URL huggingface_hub's checks refuse: datasets names it in its own words
+    except _network_errors() as exc:
+        raise ConfigError(_hub_unreachable(name, exc, endpoint)) from None
+
+
+def _hub_probe_timeout() -> float:
+    """HUB_PROBE_TIMEOUT_S, or HF_HUB_ETAG_TIMEOUT where the user set it (huggingface_hub's knob
+    for how long its metadata request waits: a slow link or mirror needs more). Read as the
+    library reads it (its parsed constant, set where it differs from the default), so that one
+    value means the same to both."""
+    # Imported here: it comes with datasets (the extra memtrain[hub]), which only hub sources need.
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_ETAG_TIMEOUT != constants.DEFAULT_ETAG_TIMEOUT:
+        return float(constants.HF_HUB_ETAG_TIMEOUT)
+    return HUB_PROBE_TIMEOUT_S
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """What a request that got no answer raises: OSError (requests' errors in huggingface_hub < 1,
+    OfflineModeIsEnabled, socket errors) and the transport errors of the HTTP library huggingface_hub
+    sends with (``huggingface_hub.utils.httpx``: httpx or its fork httpx2, by version)."""
+    errors: list[type[BaseException]] = [OSError]
+    try:
+        from huggingface_hub.utils import httpx  # local: the hub's HTTP library, where it names one
+        errors.append(httpx.TransportError)
+    except (ImportError, AttributeError):
+        pass
+    return tuple(errors)
+
+
+def _hub_unreachable(name: str, exc: BaseException, endpoint: Optional[str] = None, offline: bool = False) -> str:
+    """The one line for a Hub dataset that could not be read for want of an answer: what was
+    tried (the endpoint, the library's reason) and what to do. ``offline``: HF_HUB_OFFLINE was set
+    and the dataset is not in the datasets cache."""
+    if offline:
+        return (f"{name!r} is not in the datasets cache and HF_HUB_OFFLINE is set, so the Hub was not asked "
+                f"({first_line(exc)}); unset HF_HUB_OFFLINE to stream it, or download the data and pass a local "
+                f"file (e.g. --data posts.parquet or --data hf:parquet:'data/*.parquet')")
+    where = f" at {endpoint}" if endpoint else ""
     return (
-        f"cannot reach the Hugging Face Hub for {name!r} ({first_line(exc)}); download the data "
-        f"and pass a local file, e.g. --data posts.parquet or --data hf:parquet:'data/*.parquet'"
+        f"cannot reach the Hugging Face Hub{where} for {name!r} ({first_line(exc) or type(exc).__name__}); download "
+        f"the data and pass a local file (e.g. --data posts.parquet or --data hf:parquet:'data/*.parquet'), set "
+        f"HF_HUB_OFFLINE=1 to read a copy already in the datasets cache, or HF_ENDPOINT=URL to use a mirror"
     )
 
 
