@@ -117,3 +117,23 @@ def test_cce_saves_its_targets_and_an_offloader_moves_them(loss_on):
     assert traced["offload"]["d2h_bytes"] == est.offload["d2h_bytes_per_step"]
     gaps = _gaps(est.phase_peaks, traced)
     assert all(abs(g) <= TOLERANCE_BYTES for g in gaps.values()), gaps
+
+
+def test_a_pad_step_keeps_the_librarys_index_of_valid_targets_as_traced():
+    """--packing pad always has ignored targets (its pads are -100), so the library keeps its int32
+    index of the valid ones to backward, as under --loss-on completion; the estimate sized a pad
+    step as a concat one (every target valid, the index dropped), so its forward peak in the
+    kernel missed what the trace holds there."""
+    concat = build_config({**OURS, **SHAPE, "precision": "bf16"})
+    pad = build_config({**OURS, **SHAPE, "precision": "bf16", "packing": "pad"})
+    assert pad.data.ignores_targets and not concat.data.ignores_targets
+    est = {name: estimate(cfg, device_type="cpu").phase_peaks for name, cfg in (("concat", concat), ("pad", pad))}
+    traced = {name: trace_step(cfg, "cpu")["phase_peaks"] for name, cfg in (("concat", concat), ("pad", pad))}
+    # The kernel's forward holds the index, the log-sum-exp and the target-logit dot (4 B a token
+    # each) and its locks and output: 8 B above the int64 nonzero() and its int32 copy it holds
+    # when every target counts (tests/test_estimate_loss_on.py, the same under --loss-on completion).
+    assert traced["pad"]["forward"] - traced["concat"]["forward"] == 8
+    for phase in ("forward", "backward", "optimizer"):
+        assert est["pad"][phase] - est["concat"][phase] == traced["pad"][phase] - traced["concat"][phase], phase
+    for name in est:
+        assert all(abs(g) <= TOLERANCE_BYTES for g in _gaps(est[name], {"phase_peaks": traced[name]}).values())

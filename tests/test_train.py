@@ -125,6 +125,21 @@ def test_a_resumed_runs_result_lists_the_evaluations_before_the_interruption(tin
     assert "is damaged: its val_history is" in capsys.readouterr().err
 
 
+def test_a_run_stopped_at_an_evaluation_step_keeps_that_evaluation(tiny_run, tmp_path):
+    """--eval-every 2, stopped at step 4 and resumed: the stopped run's final validation is step 4's
+    evaluation, but it was kept nowhere (the loop leaves its last step's evaluation to the final
+    validation, and the resumed run starts after it), so the resumed result lacked step 4's entry."""
+    base = {**tiny_run, "steps": 6, "eval_every": 2}
+    full = train(build_config(base))
+    assert [e["step"] for e in full["val_history"]] == [2, 4]
+    ckpt = tmp_path / "part.pt"
+    half = train(build_config({**base, "stop_after": 4, "save": str(ckpt)}))
+    assert half["val_history"] == full["val_history"] and half["val_loss"] == full["val_history"][1]["val_loss"]
+    assert torch.load(ckpt, weights_only=True)["val_history"] == full["val_history"]
+    resumed = train(build_config({**base, "resume": str(ckpt)}))
+    assert resumed["val_history"] == full["val_history"] and resumed["val_loss"] == full["val_loss"]
+
+
 def _logged_lrs(out) -> dict[int, float]:
     import json
     from pathlib import Path

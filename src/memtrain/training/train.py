@@ -401,6 +401,7 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         rate_now = reference_rate_now(caps) if end_step > start_step else None
 
         val_loss = _final_validation(state.model, val_batches, precision, device, plain)
+        record_stop_evaluation(state, end_step, val_loss)
         logger.log(end_step, {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}, force=True)
         logger.close()
 
@@ -424,6 +425,18 @@ def _train(cfg: RunConfig, dist_ctx: DistContext, progress: Optional[bool], trac
         raise
     _write_outputs(result, state, on_result, save_ckpt, end_step, logger.failure)
     return result
+
+
+def record_stop_evaluation(state: TrainState, end_step: int, val_loss: float) -> None:
+    """A run stopped by --stop-after at an --eval-every step: its final validation is that step's
+    evaluation (the same weights, the same batches), kept in ``state.val_history`` for result.json and
+    the checkpoint. The loop skips the evaluation of its last step, which the final validation
+    replaces; the run that resumes starts after it, so the uninterrupted run's entry was missing."""
+    t = state.cfg.train
+    stopped_early = end_step < t.steps
+    at_evaluation = bool(t.eval_every) and end_step % t.eval_every == 0
+    if stopped_early and at_evaluation and not any(e["step"] == end_step for e in state.val_history):
+        state.val_history.append({"step": end_step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
 
 
 def _pad_offsets(cfg: RunConfig, offsets: Optional[np.ndarray]) -> Optional[np.ndarray]:

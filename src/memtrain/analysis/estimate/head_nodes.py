@@ -26,18 +26,22 @@ ANSWER_WEIGHT = "answers.w"
 
 
 def head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, trainable: bool,
-               grads_exist: bool, n_blocks: int, answers_only: bool = False) -> list[Node]:
+               grads_exist: bool, n_blocks: int, answers_only: bool = False,
+               ignores_targets: bool = False) -> list[Node]:
     """Final norm, LM head and loss (standard: full logits; chunked: fused, chunk x vocab).
     ``n_blocks``: the simulated blocks, the last of which makes the head's input.
     ``answers_only`` (--loss-on completion): the loss runs on :func:`answer_nodes`' targets and
-    is multiplied by their weight."""
-    nodes = _head_nodes(dm, m, tech, arch, trainable, n_blocks, answers_only)
+    is multiplied by their weight. ``ignores_targets`` (DataConfig.ignores_targets: --loss-on
+    completion's prompts, --packing pad's pads): some targets are -100, which Cut Cross-Entropy
+    answers with an index of the valid ones kept to backward (--packing pad has no answer copy or
+    weight: every row holds a target)."""
+    nodes = _head_nodes(dm, m, tech, arch, trainable, n_blocks, answers_only or ignores_targets)
     return with_answer_targets(nodes, dm.n, tech.loss) if answers_only else nodes
 
 
 def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, trainable: bool,
-                n_blocks: int, answers_only: bool = False) -> list[Node]:
-    """:func:`head_nodes` with every token a target."""
+                n_blocks: int, ignores_targets: bool = False) -> list[Node]:
+    """:func:`head_nodes` before the answers-only copy (``ignores_targets``: some targets are -100)."""
     N, d, V, a, r = dm.n, dm.d, dm.V, dm.a, dm.r
     x = f"blocks.{n_blocks}.in"
     layer = arch.norm == "layernorm"
@@ -63,7 +67,7 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
         # every layer (hf_model_input_nodes) and ``inputs_embeds``, the first layer's input.
         nodes[0].inputs += list(layer_args(dm, arch, tech.attention)) + ["blocks.0.in"]
     if tech.loss == "chunked" and tech.loss_kernel == "cce":
-        return nodes + _cce_nodes(dm, head, trainable, keeps_valids=answers_only)
+        return nodes + _cce_nodes(dm, head, trainable, keeps_valids=ignores_targets)
     if tech.loss == "chunked":
         c = min(effective_loss_chunk(tech.loss_chunk, "cuda" if dm.cuda else "cpu", m.vocab_size), N)
         # _ChunkedLinearCrossEntropy.forward, tensor by tensor (the caching allocator places each
@@ -133,8 +137,8 @@ def _cce_nodes(dm: Dims, head: str, trainable: bool, keeps_valids: bool = False)
     both casts are kept for backward with one float32 log-sum-exp per token; no logits are ever
     stored. Backward makes both gradients in the compute dtype (zero-filled, with int32 lock
     tables), which the casts' backward turns into the float32 ones. A frozen head (LoRA) gets no
-    gradient but is still cast and kept. ``keeps_valids`` (``--loss-on completion``, whose prompt
-    targets are ignored): the library keeps its int32 index of the valid targets with its saved
+    gradient but is still cast and kept. ``keeps_valids`` (``--loss-on completion``'s prompt
+    targets or ``--packing pad``'s pads are ignored): the library keeps its int32 index of the valid targets with its saved
     tensors until backward, sized (as the log-sum-exp) for every target: an upper bound. It saves
     the targets as well (``ctx.save_for_backward(e, c, bias, lse, params.targets, ...)``, cce.py):
     the loader's labels, pinned anyway, which an offloader copies to the host."""

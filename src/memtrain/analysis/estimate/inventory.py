@@ -65,6 +65,7 @@ def block_segments(cfg: RunConfig, arch: Arch, dm: Dims, trainable_base: bool, g
     # (The simulated depth is passed, not set on a copy of cfg.model: a transformers model's
     # ModelConfig mirrors its config.json again on every copy, n_layers included.)
     segs.append(Segment("head", head_nodes(dm, m, tech, arch, trainable_base, grads_exist, comp.blocks,
-                                           answers_only=cfg.data.loss_on == "completion")))
+                                           answers_only=cfg.data.loss_on == "completion",
+                                           ignores_targets=cfg.data.ignores_targets)))
     assert L == comp.blocks + comp.lumps * comp.period
     return segs
