@@ -198,6 +198,15 @@ STEPS: list[Step] = [
                                  "--techniques", f"{LLAMA_LORA}+checkpointing=full,{LLAMA_LORA}",
                                  "--set", "batch_size=1", "--set", f"seq_len={s.long_seq}", "--profile", "12"),
          "markdown"),
+    Step("hf-qwen05-ckpt-profile", "build",
+         "checkpointing's cost no higher than HF's: where memtrain's checkpointed Qwen2.5-0.5B step spends the time "
+         "the Trainer's does not (per-phase times and top operators of both steps, with and without checkpointing; "
+         "on an H200 memtrain's checkpointing added 94 ms, the Trainer's 83 ms); optional", 150,
+         lambda s, out: _compare(s, out, "--model", s.mid_model, "--techniques",
+                                 "precision=bf16+attention=sdpa+checkpointing=full,precision=bf16+attention=sdpa",
+                                 "--set", f"batch_size={s.mid_batch}", "--set", f"seq_len={s.mid_seq}",
+                                 "--set", "val_blocks=2", "--profile", "12"),
+         "markdown", optional=True),
     Step("lora-optimizer", "build",
          "the bf16-pure LoRA optimizer step: torchao's per-tensor compiled AdamW vs memtrain's bucketed one vs "
          "flat buffers vs torch's fused FP32 AdamW, 112 adapter tensors (the 8-layer shape's)", 60,

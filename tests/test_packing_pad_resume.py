@@ -97,7 +97,10 @@ def _assert_same_run(full: dict[str, Any], resumed: dict[str, Any], tmp_path: Pa
         assert r["real_tokens_per_s"] == pytest.approx(r["tokens_per_s"] * (1 - r["pad_fraction"]))
 
 
-@pytest.mark.parametrize("extra", [{}, {"grad_accum": 2}, {"eval_every": 3}],
+# Three `train` runs a test: the plain case and --val-data (which covers grad-accum and eval-every
+# too) run by default, the other variants with the slow tests (`-m slow`).
+@pytest.mark.parametrize("extra", [{}, pytest.param({"grad_accum": 2}, marks=pytest.mark.slow),
+                                   pytest.param({"eval_every": 3}, marks=pytest.mark.slow)],
                          ids=["plain", "grad-accum-2", "eval-every-3"])
 def test_a_pad_run_resumed_is_the_uninterrupted_run(tmp_path, monkeypatch, extra):
     log = _RowLog(monkeypatch)
@@ -123,6 +126,7 @@ def test_a_pad_run_with_its_own_val_data_resumes_exactly(tmp_path, monkeypatch):
     _assert_same_run(full, resumed, tmp_path)
 
 
+@pytest.mark.slow
 def test_answers_only_pad_run_resumes_exactly(tmp_path, monkeypatch):
     """--loss-on completion over prompt-completion records under --packing pad: the prompts' and the
     pads' targets are both -100 and every micro-batch is weighed by its answer tokens."""
@@ -136,6 +140,7 @@ def test_answers_only_pad_run_resumes_exactly(tmp_path, monkeypatch):
     _assert_same_run(full, resumed, tmp_path)
 
 
+@pytest.mark.slow
 def test_a_pad_run_resumed_from_its_periodic_checkpoint(tmp_path, monkeypatch):
     """A --save-every 2 run stopped at step 4 saved a checkpoint at step 2 on the way; resumed from a
     copy of that one it trains steps 3 and 4 again, on the same rows, and ends as the uninterrupted
