@@ -13,6 +13,7 @@ import pytest
 import memtrain.bench.runner as runner
 from conftest import TINY_MODEL
 from memtrain.bench.runner import BenchOptions, read_results, run_bench
+from memtrain.bench.technique_sets import describe
 from memtrain.cli import main
 from memtrain.files import bench_record
 from memtrain.files.bench_record import (
@@ -239,3 +240,17 @@ def test_a_bench_refuses_a_link_at_its_record_before_any_row_runs(tmp_path, caps
     assert err.startswith("error:") and "bench_record.json" in err
     assert target.read_text() == "keep me" and not (out / "results.jsonl").exists()
 
+
+def test_the_baseline_is_labelled_by_its_device_and_keeps_its_name(small_corpus, tmp_path, monkeypatch):
+    """TF32 is a CUDA mode: on a CPU the baseline's label said "Baseline (TF32/FP32)". Its label
+    now names FP32 there; its name (which rows are matched by) is unchanged."""
+    assert describe("baseline", "cpu") == "Baseline (FP32)"
+    assert describe("baseline", "cuda") == describe("baseline") == "Baseline (TF32/FP32)"
+    assert describe("baseline-seed2", "cpu") == "Baseline (FP32), seed + 1 (noise)"
+    assert describe("bf16", "cpu") == describe("bf16", "cuda")
+    out = tmp_path / "b"
+    _patch_rows(monkeypatch)
+    run_bench(_opts(out, small_corpus, ["baseline"]))
+    (row,) = read_results(out)
+    assert row["technique"] == "baseline" and row["description"] == "Baseline (FP32)"
+    assert "| Baseline (FP32) |" in (out / "report.md").read_text()

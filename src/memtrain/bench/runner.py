@@ -393,7 +393,7 @@ def _run_rows(opts: BenchOptions, rows: list[tuple[str, RunConfig]], substituted
             eta.row_finished(result)
         # named_settings: what the row's name sets, so that the report tells them from settings
         # every row shares (a --config key, memtrain.report.tables.shared_technique_lines).
-        result.update({"technique": name, "description": describe(name), "scale": opts.scale,
+        result.update({"technique": name, "description": describe(name, settings["device"]), "scale": opts.scale,
                        "config_hash": key[1], "named_settings": sorted(technique_overrides(name, opts.scale)),
                        "settings_hash": sid, "max_batch_search": settings["max_batch_search"], "nproc": opts.nproc,
                        "device_name": settings["device_name"], "data_fingerprint": settings["data_fingerprint"],
