@@ -62,7 +62,7 @@ def test_a_max_batch_search_asked_later_runs_the_row_again(fake_rows, tmp_path, 
     assert _ran(searched) == [True]
     assert "[baseline] settings changed since its earlier row (max-batch search); running it again" \
         in capsys.readouterr().err
-    assert "| Baseline (TF32/FP32) | 4 |" in (out / "report.md").read_text()
+    assert "| Baseline (FP32) | 4 |" in (out / "report.md").read_text()  # a CPU row: no TF32
     assert _ran(searched) == [False]  # the same settings again: done
     # Every search setting is part of the row's settings, and so are the processes per row.
     assert _ran(_opts(out, maxbatch=True, memory_budget="200MiB", max_batch=16)) == [True]
@@ -203,7 +203,7 @@ def test_report_never_mixes_rows_of_different_settings(fake_rows, tmp_path, caps
     md = (out / "report.md").read_text()
     assert md == bench_md  # `report DIR` agrees with what the bench wrote
     assert "batch 4 x seq 32, 3 steps" in md and "Chunked LM-head loss" not in md
-    assert md.count("| Baseline (TF32/FP32) |") == 2  # the main table and the breakdown: one row
+    assert md.count("| Baseline (FP32) |") == 2  # the main table and the breakdown: one row
     assert (f"**Other settings**: results.jsonl also holds 2 rows run under other settings, not compared here: "
             f"settings `{old}` (baseline, chunked-loss). `memtrain report {out} --settings ID` reports those of "
             "settings ID.") in md

@@ -35,6 +35,7 @@ from memtrain.config.run import (
     parse_size,
     val_data_message,
 )
+from memtrain.files.bench_record import new_record, record_bench
 from memtrain.files.bench_store import append_result, read_results, row_settings, rows_under, select_rows
 from memtrain.files.lock import FolderLock
 from memtrain.files.results import remove_stale_temps
@@ -64,6 +65,7 @@ class BenchOptions:
     # kernel on this device run in the nearest native one (bench/device_rows.py).
     substitute_slow: bool = False
     eta: bool = True  # print per-row and bench ETA lines on stderr
+    command: str = ""  # the command line, for the bench record (memtrain.files.bench_record)
 
 
 def config_hash(config: dict[str, Any]) -> str:
@@ -345,7 +347,17 @@ def run_bench(opts: BenchOptions, on_row: Optional[Callable[[str, dict[str, Any]
         for note in notes + optim_notes + attention_notes + fp8_notes:
             print(f"warning: {note}", file=sys.stderr, flush=True)
         remove_stale_temps(opts.out)  # a report write of an earlier bench that was SIGKILL'd
+        write_bench_record(opts, [name for name, _ in rows], settings)
         return _run_rows(opts, rows, substituted, on_row, optim_subs, attention_subs, settings)
+
+
+def write_bench_record(opts: BenchOptions, names: list[str], settings: dict[str, Any]) -> None:
+    """Record what this bench was asked to run before its first row: interrupted before it
+    appends a row (its first rows found done), it leaves no row naming its list, and the record
+    lets `memtrain report` name its missing rows all the same."""
+    problem = record_bench(opts.out, new_record(names, settings_hash(settings), opts.command))
+    if problem is not None:
+        print(f"warning: {problem}", file=sys.stderr, flush=True)
 
 
 def _run_rows(opts: BenchOptions, rows: list[tuple[str, RunConfig]], substituted: dict[str, Any],
@@ -381,7 +393,7 @@ def _run_rows(opts: BenchOptions, rows: list[tuple[str, RunConfig]], substituted
             eta.row_finished(result)
         # named_settings: what the row's name sets, so that the report tells them from settings
         # every row shares (a --config key, memtrain.report.tables.shared_technique_lines).
-        result.update({"technique": name, "description": describe(name), "scale": opts.scale,
+        result.update({"technique": name, "description": describe(name, settings["device"]), "scale": opts.scale,
                        "config_hash": key[1], "named_settings": sorted(technique_overrides(name, opts.scale)),
                        "settings_hash": sid, "max_batch_search": settings["max_batch_search"], "nproc": opts.nproc,
                        "device_name": settings["device_name"], "data_fingerprint": settings["data_fingerprint"],

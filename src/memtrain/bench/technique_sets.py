@@ -154,10 +154,20 @@ def technique_overrides(name: str, scale: str) -> dict[str, Any]:
     return overrides
 
 
-def describe(name: str) -> str:
+# The baseline's label off CUDA: TF32 is a CUDA tensor-core mode (torch.backends.cuda.matmul);
+# a CPU (or MPS) baseline computes in plain FP32.
+BASELINE_OFF_CUDA = "Baseline (FP32)"
+
+
+def describe(name: str, device_type: Optional[str] = None) -> str:
+    """The label a report shows for row ``name`` (its ``description``; rows are matched across
+    runs by their name, never by this). ``device_type``: what the row runs on ("cpu", "cuda");
+    the baseline's label names TF32 only on CUDA (None: unknown, the CUDA label as before)."""
     twin = noise_twin(name)
     if twin is not None and twin.kind == "nudge":
-        return f"{describe(twin.base)}, weights nudged {twin.nudge_seed} (noise)"
+        return f"{describe(twin.base, device_type)}, weights nudged {twin.nudge_seed} (noise)"
     if twin is not None:
-        return f"{describe(twin.base)}, seed + 1 (noise)"
+        return f"{describe(twin.base, device_type)}, seed + 1 (noise)"
+    if name == "baseline" and device_type not in (None, "cuda"):
+        return BASELINE_OFF_CUDA
     return DESCRIPTIONS.get(name, name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -200,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
         timeout_s=args.row_timeout,
         nproc=args.nproc,
         progress=overrides.get("progress"),
+        command=shlex.join(["memtrain", *getattr(args, "_argv", ["bench"])]),
     )
 
     def on_row(name: str, row: dict) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from memtrain.cli import register
@@ -45,6 +46,8 @@ def _report(out: Path, args: argparse.Namespace) -> int:
     summary = write_report(out, read=read, settings=args.settings)
     print((out / "report.md").read_text())
     warn_skipped_lines(out, summary)
+    if summary["record_problem"]:  # the report is built all the same, from the rows' own lists
+        print(f"warning: {one_line(summary['record_problem'])}; the rows' own lists name what is missing", file=sys.stderr)
     print(f"wrote {one_line(str(out))}/report.md, report.csv, report.json and {len(summary['plots'])} plots")
     return 0
 

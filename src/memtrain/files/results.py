@@ -50,12 +50,14 @@ from memtrain.files.json_text import bounded_jsonl_lines, dumps, loads_bounded
 LOCK_NAME = ".memtrain.lock"
 # The bench store: one row per line, appended as each row finishes (see memtrain.bench).
 BENCH_RESULTS = "results.jsonl"
+# What each bench run into the folder was asked to run, written before its first row (memtrain.files.bench_record).
+BENCH_RECORD = "bench_record.json"
 RESULT_NAME = "result.json"  # memtrain train's result
 METRICS_NAME = "metrics.jsonl"  # memtrain train's loss curve (memtrain.training.sinks)
 REPORT_FILES = ("report.md", "report.csv", "report.json")  # memtrain.report
 PLOT_FILES = ("peak_memory.png", "step_time.png", "max_batch.png", "memory_vs_time.png")  # memtrain.report.plots
 # Every name memtrain writes in an output folder: none may be a link, and --save is none of them.
-OUT_FILES = (RESULT_NAME, METRICS_NAME, LOCK_NAME, BENCH_RESULTS, *REPORT_FILES, *PLOT_FILES)
+OUT_FILES = (RESULT_NAME, METRICS_NAME, LOCK_NAME, BENCH_RESULTS, BENCH_RECORD, *REPORT_FILES, *PLOT_FILES)
 TRAIN_FILES = (RESULT_NAME, METRICS_NAME, LOCK_NAME)  # those memtrain train writes
 
 # The largest JSON file memtrain reads back whole: a train's result.json and a sharded checkpoint's

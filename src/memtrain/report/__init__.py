@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+from memtrain.files.bench_record import read_bench_records, techniques_recorded
 from memtrain.files.bench_store import (
     latest_settings,
     other_settings,
@@ -58,9 +59,7 @@ def write_report(out: Path, techniques: Optional[list[str]] = None, plots: bool 
     rows = select_rows(rows_under(read.rows, chosen), techniques)
     other = other_settings(read.rows, chosen)
     present = {r.get("technique") for r in rows}
-    # Without a list (memtrain report DIR): the lists the rows' benches were run with, so that a
-    # report rebuilt from an interrupted bench still names the rows it never finished.
-    asked = techniques if techniques is not None else techniques_asked(rows)
+    asked, record_problem = (techniques, None) if techniques is not None else _asked_in_folder(out, rows, chosen)
     missing = [t for t in asked if t not in present]
     records = table_rows(rows)
     md, csv, js = REPORT_FILES
@@ -73,4 +72,15 @@ def write_report(out: Path, techniques: Optional[list[str]] = None, plots: bool 
     write_text_atomic(out / js, dumps(summary, indent=2) + "\n")
     drawn = write_plots(records, out, answers_only(rows)) if plots else []
     return {"rows": len(rows), "missing": missing, "plots": [str(p) for p in drawn], "skipped_lines": read.skipped,
-            "settings": chosen, "other_settings": other}
+            "settings": chosen, "other_settings": other, "record_problem": record_problem}
+
+
+def _asked_in_folder(out: Path, rows: list[dict[str, Any]], settings: Optional[str]) -> tuple[list[str], Optional[str]]:
+    """What the benches of ``out`` under ``settings`` were asked to run (memtrain report DIR, which
+    is given no list), and why the bench record was not read, or None. The lists the rows' benches
+    ran with (``bench_techniques``), then those of the recorded benches: a bench interrupted before
+    it appended a row (its first rows found done) is named by its record only. A folder with no
+    record (benched before it was written) is reported from its rows alone, as it was."""
+    records = read_bench_records(out)
+    recorded = techniques_recorded(records.benches, settings)
+    return list(dict.fromkeys(techniques_asked(rows) + recorded)), records.problem

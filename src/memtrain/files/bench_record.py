@@ -1,0 +1,175 @@
+"""The bench's record of what it was asked to run, ``OUT/bench_record.json``.
+
+Each row appended to ``results.jsonl`` names its bench's whole list (``bench_techniques``), so a
+report rebuilt from an interrupted bench names the rows it never finished. A bench interrupted
+before it appended any row (its first rows were already done, so it skipped them) left nothing
+saying what it was asked: this record, written before the first row runs, says it. It holds the
+newest :data:`MAX_RECORDS` benches run into the folder, each with its planned rows, its settings
+id (``settings_hash``, as its rows record it), its command line and when it started.
+
+The file is replaced atomically (:func:`memtrain.files.results.write_json_atomic`) and read as
+data only, bounded: a link, a file that is not regular, one over :data:`MAX_RECORD_BYTES`, one
+that is not JSON or not of this shape is refused with one line of why (the caller warns and goes
+on without it); an entry of the wrong shape is left out and counted.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import stat
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Optional
+
+from memtrain.files.guard import file_kind
+from memtrain.files.json_text import dumps, loads_bounded
+from memtrain.files.results import BENCH_RECORD, write_json_atomic
+
+RECORD_VERSION = 1
+# The newest benches kept: a folder benched again and again keeps a bounded file.
+MAX_RECORDS = 100
+# A record is a few hundred bytes (a list of names and a command line): 100 of them fit in far
+# less. Anything larger is not ours, and is refused from its size before a byte is read.
+MAX_RECORD_BYTES = 1 << 20
+MAX_TECHNIQUES = 256  # names in one bench's list (the default list has about ten)
+MAX_NAME_CHARS = 512  # one name (key=value+key=value rows are the longest)
+MAX_TEXT_CHARS = 4096  # the command line, the start time
+_CUT = " ..."  # ends a command line cut to MAX_TEXT_CHARS
+_SETTINGS_ID = re.compile(r"[0-9a-f]{1,64}")  # what the bench writes as settings_hash
+
+
+@dataclass
+class BenchRecords:
+    """The benches recorded in a folder (oldest first) and, when the file or some of its entries
+    could not be used, why (one line, for a warning)."""
+
+    benches: list[dict[str, Any]] = field(default_factory=list)
+    problem: Optional[str] = None
+
+
+def new_record(techniques: list[str], settings: str, command: str) -> dict[str, Any]:
+    """One bench's record: its planned rows, its settings id, its command line, its start (UTC)."""
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    if len(command) > MAX_TEXT_CHARS:  # a list of hundreds of rows: its start says which bench it was
+        command = command[:MAX_TEXT_CHARS - len(_CUT)] + _CUT
+    return {"techniques": list(techniques), "settings_hash": settings, "command": command, "started": started}
+
+
+def _text(value: Any, most: int = MAX_TEXT_CHARS) -> bool:
+    return isinstance(value, str) and len(value) <= most
+
+
+def record_problem(entry: Any) -> Optional[str]:
+    """Why ``entry`` is not a bench record memtrain wrote, or None when it is."""
+    if not isinstance(entry, dict):
+        return "an entry is not an object"
+    names = entry.get("techniques")
+    if not isinstance(names, list) or len(names) > MAX_TECHNIQUES or not all(_text(n, MAX_NAME_CHARS) and n for n in names):
+        return f"techniques must be a list of at most {MAX_TECHNIQUES} names of at most {MAX_NAME_CHARS} characters"
+    sid = entry.get("settings_hash")
+    if not isinstance(sid, str) or not _SETTINGS_ID.fullmatch(sid):
+        return "settings_hash must be the hex id a bench writes"
+    if not all(_text(entry.get(k)) for k in ("command", "started")):
+        return "command and started must be text"
+    return None
+
+
+def _read_bytes(path: Path) -> bytes:
+    """The bytes of ``path``, a regular file of at most MAX_RECORD_BYTES, opened without following
+    a link (O_NOFOLLOW: a link swapped in after a check is refused too) nor blocking on a FIFO.
+    ValueError, in words, for anything else. Hand-written: the project's whole-file JSON reader
+    (files.json_file) follows a link that leads inside the folder, and this file is never a link."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError("it is a symbolic link (memtrain reads no record through a link)") from None
+        raise ValueError(f"unreadable ({exc.strerror or type(exc).__name__})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"it is {file_kind(st.st_mode)}, not a regular file")
+        if st.st_size > MAX_RECORD_BYTES:
+            raise ValueError(f"it is {st.st_size:,} bytes, more than a bench record holds ({MAX_RECORD_BYTES:,})")
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            data = fh.read(MAX_RECORD_BYTES + 1)  # a file that grew since fstat is read no further
+        if len(data) > MAX_RECORD_BYTES:
+            raise ValueError(f"it grew past {MAX_RECORD_BYTES:,} bytes while read")
+        return data
+    except OSError as exc:
+        raise ValueError(f"unreadable ({exc.strerror or type(exc).__name__})") from None
+    finally:
+        os.close(fd)
+
+
+def _parse(data: bytes) -> list[Any]:
+    """The ``benches`` list of a record file's bytes; ValueError, in words, when it has none."""
+    try:
+        value = loads_bounded(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError("it is not UTF-8 text") from None
+    except (ValueError, RecursionError):
+        raise ValueError("it is not JSON (torn by a kill, or edited)") from None
+    if not isinstance(value, dict) or not isinstance(value.get("benches"), list):
+        raise ValueError('it is not an object with a "benches" list')
+    if value.get("version") != RECORD_VERSION:
+        raise ValueError(f"its version is {value.get('version')!r}, not {RECORD_VERSION}")
+    return value["benches"]
+
+
+def read_bench_records(out: Path) -> BenchRecords:
+    """The benches recorded in ``out`` (none when there is no record: a folder of a bench from
+    before the record, whose report names what its rows' ``bench_techniques`` name). Never raises
+    for what the file holds: a problem is returned, in one line, for the caller to warn."""
+    path = Path(out) / BENCH_RECORD
+    if not os.path.lexists(path):
+        return BenchRecords()
+    try:
+        entries = _parse(_read_bytes(path))
+    except ValueError as exc:
+        return BenchRecords(problem=f"{str(path)!r} was not read: {exc}")
+    benches = [e for e in entries if record_problem(e) is None]
+    if len(benches) == len(entries):
+        return BenchRecords(benches=benches)
+    first = next(p for p in map(record_problem, entries) if p is not None)
+    return BenchRecords(benches=benches,
+                        problem=f"{str(path)!r}: {len(entries) - len(benches)} entr(ies) of the wrong shape left out ({first})")
+
+
+def record_bench(out: Path, record: dict[str, Any]) -> Optional[str]:
+    """Add ``record`` to ``out``'s bench record (the newest MAX_RECORDS kept, fewer where they
+    would not fit MAX_RECORD_BYTES) and replace the file atomically. Returns a line for the caller
+    to warn with, or None: the earlier file was not read (it is replaced: what it held could not
+    be used), or this bench's list is too large to record (nothing is written). A link planted
+    since the bench checked its names is replaced, its target untouched (``replace_link``), as
+    the bench's other files are."""
+    path = Path(out) / BENCH_RECORD
+    problem = record_problem(record)
+    if problem is not None:
+        return f"this bench is not recorded in {str(path)!r} ({problem})"
+    earlier = read_bench_records(out)
+    benches = (earlier.benches + [record])[-MAX_RECORDS:]
+    # The oldest go first until the file is one its reader reads (long lists fill it sooner).
+    while benches and len(dumps(_payload(benches), indent=2).encode()) + 1 > MAX_RECORD_BYTES:
+        benches = benches[1:]
+    if not benches:
+        return f"this bench is not recorded in {str(path)!r} (its list is over {MAX_RECORD_BYTES:,} bytes)"
+    write_json_atomic(path, _payload(benches), replace_link=True)
+    return None if earlier.problem is None else f"{earlier.problem}; the file is rewritten with what could be read and this bench"
+
+
+def _payload(benches: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"version": RECORD_VERSION, "benches": benches}
+
+
+def techniques_recorded(benches: list[dict[str, Any]], settings: Optional[str]) -> list[str]:
+    """Every technique the recorded benches that ran under ``settings`` were asked to run, in the
+    order they listed them (each once)."""
+    asked: dict[str, None] = {}
+    for bench in benches:
+        if bench["settings_hash"] == settings:
+            asked.update(dict.fromkeys(bench["techniques"]))
+    return list(asked)
