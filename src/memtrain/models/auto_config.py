@@ -56,6 +56,9 @@ def load_config(spec: str) -> Any:
         # multiple ..."): every line is kept, joined into one.
         why = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
         why = why if len(why) <= 400 else why[:397] + "..."
+        odd = _ODD_ROTARY_ERROR.search(why)
+        if odd is not None:  # transformers' refusal, in the words memtrain gives every rotary family
+            raise ConfigError(_odd_rotary_head_line(spec, data, int(odd.group(1)))) from None
         raise ConfigError(f"cannot read the model config of --model {spec!r}: {why}{offline_hint(src.repo)}") from None
     if bad_factor:
         # transformers only warns: a factor of 0 trained to a NaN loss said to need a lower --lr, a
@@ -65,6 +68,7 @@ def load_config(spec: str) -> Any:
     if getattr(cfg, "is_encoder_decoder", False):
         raise ConfigError(f"--model {spec!r} is an encoder-decoder ({cfg.model_type}); memtrain trains causal LMs")
     _refuse_unbuildable(cfg, spec)
+    _refuse_odd_rotary_head(cfg, data, spec)
     _settle_stray_fields(cfg, data, spec)
     return cfg
 
@@ -149,6 +153,80 @@ def _refuse_unknown_rope_type(cfg: Any, spec: str) -> None:
         if not isinstance(rope_type, str) or rope_type not in known:
             raise ConfigError(f"--model {spec!r}: its config.json's rope_scaling type {rope_type!r} is no rotary "
                               f"embedding transformers knows; use one of {', '.join(known)}, or remove rope_scaling")
+
+
+def rotary_head_dim(c: Any) -> int:
+    """The head width a transformers config ``c`` gives its rotary embedding: its ``head_dim``, else
+    ``hidden_size // num_attention_heads`` (transformers' ``_compute_default_rope_parameters``)."""
+    return int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+
+
+def _rotary_widths(c: Any, head_dim: int) -> list[int]:
+    """How many of a head's ``head_dim`` channels the rotary embedding of ``c`` turns, per layer
+    kind: GPT-J's ``rotary_dim``, else ``head_dim x partial_rotary_factor`` of each
+    ``rope_parameters`` entry (one, or one per layer type: Gemma-3). Empty where ``c`` has no
+    rotary embedding (GPT-2, OPT; Falcon with ALiBi) or transformers cannot say one head width
+    (a heterogeneous config)."""
+    if getattr(c, "alibi", False) or getattr(c, "is_heterogeneous", False):
+        return []
+    rotary_dim = getattr(c, "rotary_dim", None)
+    if isinstance(rotary_dim, int) and not isinstance(rotary_dim, bool):
+        return [rotary_dim]
+    parameters = getattr(c, "rope_parameters", None)
+    if not isinstance(parameters, dict) or not parameters:
+        return []
+    entries = [parameters] if "rope_type" in parameters or "rope_theta" in parameters else list(parameters.values())
+    factor = getattr(c, "partial_rotary_factor", None) or 1.0
+    return [int(head_dim * float(p.get("partial_rotary_factor", factor))) for p in entries if isinstance(p, dict)]
+
+
+def _refuse_odd_rotary_head(cfg: Any, data: dict[str, Any], spec: str) -> None:
+    """Refuse a rotary embedding that turns a whole head of odd width: its cos/sin tables are
+    ``2 x ceil(width / 2)`` wide, one channel wider than q and k, and the first forward fails
+    (``RuntimeError: The size of tensor a (19) must match the size of tensor b (20)``, exit 1) in
+    train, a trace and generate, while the analytic estimate, plan and maxbatch answered. transformers
+    refuses it itself only where the config has a head_dim field (Llama, Mistral, Gemma) and the head
+    is wider than 4 (load_config gives that refusal these words); Qwen2, Phi-3, GPT-NeoX and others
+    reached the model. A partial rotary embedding narrower than the head is left to the family (an odd
+    width runs in Phi-3's and GPT-NeoX's layers, which slice q by the table's width). ``data``:
+    config.json's fields, which the line names."""
+    try:
+        head_dim = rotary_head_dim(cfg)
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+        return  # no head count (Mamba) or no whole size: mirrored_fields names it
+    if head_dim % 2 and head_dim in _rotary_widths(cfg, head_dim):
+        raise ConfigError(_odd_rotary_head_line(spec, data, head_dim))
+
+
+# What transformers' validate_rope says of a fully rotated odd head (head_dim > 4): the width follows.
+_ODD_ROTARY_ERROR = re.compile(r"RoPE requires an even rotary dimension, but got `head_dim`=(\d+)")
+# Families whose attention takes config.json's head_dim (``getattr(config, "head_dim", ...)`` in the
+# family's modeling file, transformers 5.24; tests/test_odd_head_dim.py holds each to its source):
+# the others' heads (GPT-NeoX's, StableLM's) are hidden_size / num_attention_heads wide, whatever it says.
+HEAD_DIM_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "phi", "olmo",
+                               "starcoder2"})
+
+
+def _odd_rotary_head_line(spec: str, data: dict[str, Any], head_dim: int) -> str:
+    """The one line refusing an odd ``head_dim`` that a rotary embedding turns whole: where
+    config.json's fields (``data``) make that width, and what to change there."""
+    why = f"--model {spec!r}: rotary position embeddings need an even head dimension, but head_dim = {head_dim}"
+    if data.get("head_dim") == head_dim:  # set apart from the hidden size: only head_dim changes it
+        return f"{why} (config.json's head_dim); set an even head_dim in its config.json (e.g. {head_dim + 1})"
+    hidden = next((data[n] for n in ("hidden_size", "n_embd") if _whole(data.get(n))), None)
+    heads = next((data[n] for n in ("num_attention_heads", "n_head") if _whole(data.get(n))), None)
+    source = f" from hidden_size {hidden} / {heads} heads" if hidden and heads and hidden // heads == head_dim else ""
+    fix = "use a hidden_size and num_attention_heads giving an even head_dim"
+    if heads:
+        fix += f" (e.g. hidden_size {(head_dim + 1) * heads} for {heads} heads)"
+    if data.get("model_type") in HEAD_DIM_FAMILIES:
+        fix += f", or set an even head_dim in its config.json (e.g. {head_dim + 1})"
+    return f"{why}{source}; {fix}"
+
+
+def _whole(value: Any) -> bool:
+    """Whether a config.json value is a positive whole number (JSON's true is no size)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 # The check transformers runs for each rope type it knows (RotaryEmbeddingConfigMixin's methods).

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 from typing import Any, Optional
 
 from memtrain.errors import ConfigError
-from memtrain.models.auto_config import load_config
+from memtrain.models.auto_config import load_config, rotary_head_dim
 from memtrain.models.config_json import json_object, refuse_custom_tokenizer, refuse_non_finite
 from memtrain.models.source import resolve
 
@@ -97,6 +97,10 @@ def _read_light_config(spec: str) -> Optional[SimpleNamespace]:
     _post_init(c)
     if c.hidden_size % c.num_attention_heads:
         return None  # transformers refuses it (validate_architecture): its message, not ours
+    if c.model_type != "gpt2" and rotary_head_dim(c) % 2:
+        # An odd head the family's rotary embedding turns whole: the model cannot run, and
+        # load_config refuses it in one line (auto_config._refuse_odd_rotary_head).
+        return None
     return c
 
 
