@@ -389,3 +389,25 @@ def test_a_checkpointed_gpt2_layer_offloads_the_causal_mask_it_is_handed(family,
     # The device peak too: the mask leaves the device after the forward and comes back for the
     # recompute (GPT-2 at 1 x 64 tokens, full: +2.3% before, now within 0.01%).
     assert est.peak_bytes == pytest.approx(traced["peak_bytes"], rel=0.005)
+
+
+@pytest.mark.parametrize("family, checkpointing, precision", [("llama", "none", "fp32"), ("llama", "full", "fp32"),
+                                                              ("gpt2", "none", "bf16")])
+def test_lora_linears_sum_no_bias_gradient_and_hold_the_traced_host_bytes(family, checkpointing, precision,
+                                                                       tmp_path_factory):
+    """The engine's after-return bias-gradient sum (``Node.reduced_grads``) belongs to a Linear
+    whose bias trains. Under LoRA peft freezes the base Linear, bias included, and its adapters
+    have none, so the estimate models no such sum there (``linear_nodes.linear``: only a trainable
+    base), and the host bytes at the device peak are the traced offloader's (2 layers at 4 x 64
+    tokens; GPT-2's Conv1D biases under autocast, Llama's bias-free projections)."""
+    from memtrain.analysis.estimate.hf import analytic_estimate
+    from memtrain.analysis.trace import trace_step
+
+    root = _tiny_hf_config(family, 2, tmp_path_factory)
+    cfg = build_config({"model": str(root), "batch_size": 4, "seq_len": 64, "device": "cpu", "lora_rank": 4,
+                        "offload_activations": True, "checkpointing": checkpointing, "precision": precision})
+    est = analytic_estimate(cfg, "cpu")
+    traced = trace_step(cfg, "cpu")
+    assert est.offload is not None and traced["offloaded_at_peak_bytes"] > 0
+    assert est.offload["host_at_peak_bytes"] == traced["offloaded_at_peak_bytes"]
+    assert est.offload["host_peak_bytes"] == traced["offloaded_peak_bytes"]
