@@ -74,3 +74,12 @@ def layer_args(dm: Dims, arch: Arch, attention: str) -> tuple[str, ...]:
     if arch.gpt2_layers:
         return (CAUSAL_MASK,) if attention == "math" else ()
     return hf_model_inputs(attention, dm.masked_sdpa, dm.full_mask) if dm.hf else ()
+
+
+def layer_positional_args(arch: Arch, attention: str) -> tuple[str, ...]:
+    """Of :func:`layer_args`, those the model hands its layers as positional arguments, which
+    torch's non-reentrant checkpoint saves through the saved-tensor hooks (an activation offloader
+    copies them to the host: ``Segment.packed_inputs``) where it keeps keyword arguments by
+    reference: GPT2Model passes its eager causal mask as GPT2Block's third argument; Llama-style
+    models pass theirs, and the rotary tables, by keyword."""
+    return (CAUSAL_MASK,) if arch.gpt2_layers and attention == "math" else ()

@@ -56,7 +56,9 @@ transformers decoder layer differs from it in three ways that matter for memory,
   the whole q/k/v output); ``resid_pdrop`` and ``embd_pdrop`` keep their masks. The modules' locals
   count under checkpointing: GPT2Block holds the attention's output (and, eager, its weights)
   until it returns, GPT2Model the token and position embeddings (and the causal mask) until
-  ln_f, the loss the hidden state it was handed. The tied head is the estimator's tied weight.
+  ln_f, the loss the hidden state it was handed. GPT2Model hands a layer the causal mask as a
+  positional argument, which a checkpoint saves through the saved-tensor hooks, so an activation
+  offloader copies it to the host (``Segment.packed_inputs``). The tied head is the estimator's tied weight.
   Not modelled (traced, with the reason): an activation other than gelu_new and gelu (or gelu
   under LoRA), cross
   attention, eager ``reorder_and_upcast_attn`` and dropouts some zero and some not

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from memtrain.analysis.estimate.block_nodes import block_nodes
 from memtrain.analysis.estimate.dims import Dims
-from memtrain.analysis.estimate.embedding_nodes import embedding_nodes, layer_args
+from memtrain.analysis.estimate.embedding_nodes import embedding_nodes, layer_args, layer_positional_args
 from memtrain.analysis.estimate.head_nodes import head_nodes
 from memtrain.analysis.estimate.hf_nodes import CAUSAL_MASK, FULL_MASK
 from memtrain.analysis.estimate.simulator import Compression, Segment
@@ -38,6 +38,7 @@ def block_segments(cfg: RunConfig, arch: Arch, dm: Dims, trainable_base: bool, g
     mode = "selective" if kind == "selective-matmul" else "full"
     segs = [Segment("embedding", embedding_nodes(dm, arch, trainable_base, tech.attention))]
     model_inputs = layer_args(dm, arch, tech.attention)
+    positional = layer_positional_args(arch, tech.attention)
     for j in range(comp.blocks):
         i = comp.real(j)
         nodes = block_nodes(dm, j, arch, tech, trainable_base)
@@ -61,7 +62,8 @@ def block_segments(cfg: RunConfig, arch: Arch, dm: Dims, trainable_base: bool, g
         # LoRA the last adapter's B product is not recomputed.
         segs.append(Segment(f"block {i}", nodes,
                              checkpoint=mode if policy.whole_block(i, L) else "none", input_key=f"blocks.{j}.in",
-                             lazy_recompute=True, held_inputs=held_inputs))
+                             lazy_recompute=True, held_inputs=held_inputs,
+                             packed_inputs=tuple(k for k in held_inputs if k in positional)))
     # (The simulated depth is passed, not set on a copy of cfg.model: a transformers model's
     # ModelConfig mirrors its config.json again on every copy, n_layers included.)
     segs.append(Segment("head", head_nodes(dm, m, tech, arch, trainable_base, grads_exist, comp.blocks,

@@ -208,6 +208,11 @@ class Segment:
     # The checkpointed function's other tensor arguments (transformers' layers get the model's
     # causal mask and rotary tables): the checkpoint keeps them until the segment's backward ends.
     held_inputs: tuple[str, ...] = ()
+    # Of ``held_inputs``, those handed as positional arguments: torch's non-reentrant checkpoint
+    # saves its positional arguments through the saved-tensor hooks (so an activation offloader
+    # copies them, once per storage however many layers save it) and keyword arguments only by
+    # reference (on the device). GPT2Model passes its causal mask positionally.
+    packed_inputs: tuple[str, ...] = ()
 
     def records(self) -> bool:
         """Whether any op of the segment saves a tensor for backward. torch's non-reentrant
@@ -379,6 +384,27 @@ class Graph:
                 ahead += 1
             j -= 1
         return entry.back
+
+    def _unpack_held(self, keys: list[str]) -> tuple[list[int], float]:
+        """A checkpointed segment's recompute unpacks the held inputs it saved to the host
+        (``Segment.packed_inputs``), after its input. One copy serves every layer that saved it:
+        the offloader keeps the device copy it brought back until the last of them has unpacked
+        it. Returns the device copies that last unpack handed over (freed as the recompute ends)
+        and their host bytes (freed as the segment's backward ends, with its saved inputs)."""
+        returned: list[int] = []
+        host = 0.0
+        for key in keys:
+            entry = self.off[key]
+            back = self._unpack(key)
+            entry.waiting -= 1
+            if entry.waiting > 0:
+                continue
+            del self.off[key]
+            self.off_list[entry.index] = None
+            if back is not None:
+                returned.append(back)
+            host += entry.nbytes
+        return returned, host
 
     def _function_returned(self, keys: list[str]) -> None:
         """The op's backward function has returned: the device copies it unpacked for the last
@@ -701,7 +727,7 @@ class Graph:
             if seg.input_key and seg.input_key in self.store and not self._offload(seg.input_key):
                 self.saved_refs[seg.input_key] = self.saved_refs.get(seg.input_key, 0) + 1
             for k in seg.held_inputs:
-                if k in self.store:
+                if k in self.store and not (k in seg.packed_inputs and self._offload(k)):
                     self.saved_refs[k] = self.saved_refs.get(k, 0) + 1
         keep = {k for n in seg.nodes for k in n.sac_kept()} if seg.checkpoint == "selective" else set()
         held += self._run_forward(seg.nodes, False, None, keep, later)
@@ -736,6 +762,8 @@ class Graph:
         label = "loss backward" if seg.name == "head" else f"backward {seg.name}"
         nodes = seg.nodes
         back, ckpt_host = None, 0.0
+        # Held inputs the forward copied to the host (checked before the recompute unpacks them).
+        off_held = [k for k in seg.packed_inputs if k in self.off] if seg.checkpoint != "none" and seg.records() else []
         if seg.checkpoint != "none":
             # Recompute up to the last op whose tensors backward needs (non-reentrant
             # checkpoint stops there); the recomputed saves live until their op's backward.
@@ -754,6 +782,8 @@ class Graph:
                 self.off_list[entry.index] = None
                 self.store[key] = back
                 ckpt_host = entry.nbytes
+            returned, held_host = self._unpack_held(off_held)
+            ckpt_host += held_host
             # A tensor that an op past the stop would read (the base output and the input of a
             # LoRA Linear whose adapter is the last saver) lives until the recompute stops.
             recompute = list(seg.nodes[: last_saver + 1])
@@ -770,17 +800,20 @@ class Graph:
             past_stop = {k for n in seg.nodes[last_saver + 1:] for k in n.inputs} & made
             held = self._run_forward(recompute, True, "temporaries", past_stop, set())
             self._flush(held + sorted(past_stop))
+            # The checkpoint's unpack hook held the inputs it unpacked until the recompute ended.
+            for sid in returned:
+                sim.free(sid)
         sim.at("backward", label)
         self._backward_nodes(nodes)
         if seg.checkpoint != "none" and seg.records() and seg.input_key and seg.input_key in self.saved_refs:
             self._release(seg.input_key)
         if seg.checkpoint != "none" and seg.records():
             for k in seg.held_inputs:
-                if k in self.saved_refs:
+                if k in self.saved_refs and k not in off_held:
                     self._release(k)
         if seg.checkpoint == "selective":
             self._free_unconsumed_kept(seg)
-        if seg.checkpoint != "none" and back is not None:
+        if ckpt_host:
             sim.host_free(ckpt_host)
 
     def _free_unconsumed_kept(self, seg: Segment) -> None:
