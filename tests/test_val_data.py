@@ -168,6 +168,25 @@ def test_an_empty_source_flag_is_refused_not_read_as_unset(files, tmp_path, caps
         build_config({"data": "x.jsonl", "data_format": "chat", "chat_template": ""})
 
 
+@pytest.mark.parametrize("flag, says", [
+    ("--save", "--save is empty; give a file path or drop --save"),
+    ("--resume", "--resume is empty; give a checkpoint path or drop --resume"),
+])
+def test_an_empty_checkpoint_path_is_refused_not_read_as_unset(files, tmp_path, capsys, flag, says):
+    """``--save ""`` was read as no --save (the run saved nothing, silently) and ``--resume ""`` as
+    no --resume (it trained from scratch): both are one line now, on the command line and in a
+    config file; "none" still says unset."""
+    out = tmp_path / "run"
+    run = {**RUN, "data": str(files["train"]), "out": str(out)}
+    assert main(["train", *cli_flags(run), flag, ""]) == 2
+    assert _one_error_line(capsys.readouterr().err) == f"error: {says}"
+    assert not out.exists()
+    key = flag[2:]
+    with pytest.raises(ConfigError, match=f"{flag} is empty"):
+        build_config({key: ""})
+    assert getattr(build_config({key: "none"}).train, key) is None
+
+
 def test_the_default_val_fraction_spelled_out_beside_val_data_is_taken():
     """A config file may spell every key: the default --val-fraction asks for no split."""
     cfg = build_config({"val_data": "v.jsonl", "val_fraction": 0.05, "split_seed": 1234})

@@ -770,7 +770,9 @@ def field_index() -> dict[str, str]:
 # that DataConfig's check refuses it in one line ("--val-data is empty; ... or drop --val-data").
 # Read as None, `--val-data ""` (a shell variable that was never set) silently validated on a
 # share of --data instead. "none" or "null" still says unset, as for every optional field.
-EMPTY_IS_REFUSED = frozenset({"val_data", "val_split", "chat_template"})
+# --save "" and --resume "" likewise: read as None, a run asked to checkpoint saved nothing, and a run
+# asked to resume started from scratch, both without a word (TrainConfig refuses them in one line).
+EMPTY_IS_REFUSED = frozenset({"val_data", "val_split", "chat_template", "save", "resume"})
 
 
 def _says_unset(name: str, value: Any) -> bool:
