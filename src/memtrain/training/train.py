@@ -436,7 +436,13 @@ def record_stop_evaluation(state: TrainState, end_step: int, val_loss: float) ->
     stopped_early = end_step < t.steps
     at_evaluation = bool(t.eval_every) and end_step % t.eval_every == 0
     if stopped_early and at_evaluation and not any(e["step"] == end_step for e in state.val_history):
-        state.val_history.append({"step": end_step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
+        state.val_history.append(evaluation_entry(end_step, val_loss))
+
+
+def evaluation_entry(step: int, val_loss: float) -> dict[str, float]:
+    """One ``val_history`` entry: the step, its validation loss and perplexity (exp capped at 50
+    nats, as every PPL memtrain prints)."""
+    return {"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}
 
 
 def _pad_offsets(cfg: RunConfig, offsets: Optional[np.ndarray]) -> Optional[np.ndarray]:
@@ -791,7 +797,7 @@ class _Loop:
             logger.log(done, _step_scalars(loss, q.logged, readings.grad_norm(), tokens_per_s), force=True)
         if t.eval_every and done % t.eval_every == 0 and done < end_step:
             v = evaluate(state.model, self.val_batches, state.precision, state.device)
-            state.val_history.append({"step": done, "val_loss": v, "val_ppl": math.exp(min(v, 50))})
+            state.val_history.append(evaluation_entry(done, v))
             logger.log(done, state.val_history[-1], force=True)
             self.timer.skip_gap()  # the evaluation was work, not the device idling
         # Not at the last step: the final checkpoint follows result.json there, so a run stopped
