@@ -159,3 +159,27 @@ def test_a_bench_rows_estimate_of_memtrains_gpt_is_the_commands(capsys):
                 "attention": "math"}
     row = row_estimate(build_config(settings))
     assert row == _cli_json(capsys, ["estimate", "--json", *_flags(settings)])
+
+
+def test_a_cuda_trace_on_a_cpu_only_torch_is_refused_before_anything_loads():
+    """--trace (or --memory-by-module) with CUDA kernels on a CPU-only build is the trace's own
+    one-line refusal, said before transformers loads and the config is read (it came after both:
+    seconds of imports for one line)."""
+    from memtrain.runtime.extras import cpu_only_torch
+
+    if not cpu_only_torch():
+        pytest.skip("a CUDA build of torch traces with CUDA kernels")
+    code = """
+        import contextlib, io
+        from memtrain.cli import main
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            rcs = [main(["estimate", "--model", "llama-3-8b", "--device-type", "cuda", "--trace"]),
+                   main(["estimate", "--model", "tiny-gpt2", "--trace-device", "cuda", "--memory-by-module"]),
+                   main(["estimate", "--trace", "--device-type", "cuda"])]
+        lines = err.getvalue().strip().splitlines()
+        assert rcs == [2, 2, 2], rcs
+        assert len(lines) == 3 and all("needs a CUDA build of torch" in line for line in lines), lines
+    """
+    seen = _loaded_after(code)
+    assert not any(seen.values()), seen

@@ -54,6 +54,7 @@ from memtrain.metrics import MemoryMeter
 from memtrain.models.families import build_model
 from memtrain.models.hf import same_paths_as_eager
 from memtrain.models.spec import is_hf
+from memtrain.runtime.extras import cuda_trace_refusal
 from memtrain.techniques.compile import apply_compile
 from memtrain.techniques.facts import precision_facts, torchao_compiled_step
 from memtrain.techniques.precision import make_precision
@@ -257,10 +258,7 @@ def trace_step(cfg: RunConfig, device_type: str = "cpu", steps: int = 2) -> dict
         raise ConfigError(f"--trace runs every layer under fake tensors: at most {MAX_TRACE_LAYERS} layers, got "
                           f"{cfg.model.n_layers}; drop --trace for the analytic estimate, which answers any depth")
     if device_type == "cuda" and not cuda_trace_supported():
-        raise ConfigError(
-            "--trace-device cuda needs a CUDA build of torch (fake CUDA tensors cannot run autograd "
-            f"in this CPU-only build, torch {torch.__version__}); use --trace-device cpu, or the "
-            "analytic estimate (its cuda kernel facts: 1-byte dropout masks, fused SDPA with dropout)")
+        raise ConfigError(cuda_trace_refusal())
     if precision_facts(cfg.technique.precision).fp8 and device_type != "cuda":
         raise ConfigError("--precision fp8 runs on FP8 tensor cores only, so its step is traced with CUDA kernels: "
                           "use --trace-device cuda (a CUDA build of torch) or the analytic estimate (drop --trace)")

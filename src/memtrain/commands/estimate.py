@@ -30,7 +30,7 @@ from memtrain.config.presets import PRESETS, preset
 from memtrain.config.run import ConfigError, parse_size
 from memtrain.models.source import bundled_names
 from memtrain.report.by_module import module_table_lines
-from memtrain.runtime.extras import cpu_only_torch
+from memtrain.runtime.extras import cpu_only_torch, cuda_trace_refusal
 from memtrain.techniques.facts import foreign_loss_kernel
 
 
@@ -213,6 +213,7 @@ def _with_default(note: Optional[str], part: str) -> str:
 def _run(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
     _check_module_table(args, cfg)
     _check_max_len(args)
+    _check_cuda_trace(args, cfg)
     if args.mode == "inference":
         return _run_inference(args, cfg, arch)
     if arch is None:
@@ -591,6 +592,17 @@ def _trace_any_depth(cfg: Any, device_type: str) -> dict[str, Any]:
     from memtrain.analysis.depth_trace import trace_any_depth  # the torch line, crossed on --trace only
 
     return trace_any_depth(cfg, device_type)
+
+
+def _check_cuda_trace(args: argparse.Namespace, cfg: Any) -> None:
+    """A trace asked for (--trace, --full-trace, --memory-by-module) with CUDA kernels on a
+    CPU-only torch is refused before anything loads: the trace's own check sits behind
+    transformers' import and the config's load (8-25 s on 2 cores before the same one line)."""
+    asked = args.trace or args.full_trace or cfg.train.memory_by_module
+    if not asked or args.mode != "train":
+        return
+    if (args.trace_device or device_type_for(args, cfg)) == "cuda" and cpu_only_torch():
+        raise ConfigError(cuda_trace_refusal())
 
 
 def _check_module_table(args: argparse.Namespace, cfg: Any) -> None:

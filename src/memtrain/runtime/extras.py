@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.metadata
 import importlib.util
 import logging
 import os
@@ -92,3 +93,20 @@ def cpu_only_torch() -> bool:
         return False
     builds = re.findall(r"^(cuda|hip)\b[^=\n]*=\s*(.+)$", text, flags=re.M)
     return len(builds) == 2 and all(v.strip() == "None" for _, v in builds)
+
+
+def cuda_trace_refusal() -> str:
+    """The one line refusing a trace with CUDA kernels on a torch without CUDA (fake CUDA tensors
+    cannot run autograd there): said by the trace itself and, before anything loads, by
+    ``memtrain estimate``."""
+    return ("--trace-device cuda needs a CUDA build of torch (fake CUDA tensors cannot run autograd "
+            f"in this CPU-only build, torch {_installed_version('torch')}); use --trace-device cpu, or the "
+            "analytic estimate (its cuda kernel facts: 1-byte dropout masks, fused SDPA with dropout)")
+
+
+def _installed_version(package: str) -> str:
+    """``package``'s installed version from its metadata (no import: torch's costs seconds)."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
