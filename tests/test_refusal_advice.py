@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from memtrain.analysis.advice import model_state_bytes, save_memory_clause
+from memtrain.analysis.advice import model_state_bytes, save_memory_clause, size_text
 from memtrain.cli import main
 from memtrain.config.run import build_config
 
@@ -98,7 +98,7 @@ def test_a_transformers_lora_run_is_told_of_qlora_with_its_figure(tmp_path):
     assert both is not None and together is not None
     # The smallest state first; what all of them leave together now counts QLoRA too.
     assert f"shrink them with --lora-rank 16 --qlora (to {both / 2**20:.2f} MiB), " in full.text, full.text
-    assert full.text.endswith(f"; together to {together / 2**20:.2f} MiB"), full.text
+    assert full.text.endswith(f"; together to {size_text(together)}"), full.text
 
 
 def test_estimate_budget_names_the_state_flags_when_no_technique_set_fits(capsys):
@@ -110,3 +110,15 @@ def test_estimate_budget_names_the_state_flags_when_no_technique_set_fits(capsys
     assert line.startswith("fit: does not fit 5.00 MiB: needs ")  # not "0.00 GiB"
     assert "no technique set or micro-batch split fits batch 8: the weights, gradients and optimizer state alone " \
            "need " in line and "shrink them with --lora-rank 16 (to " in line
+
+
+@pytest.mark.parametrize(("n", "text"), [(1024, "1.00 KiB"), (2**20 - 1, "1024.00 KiB"), (2**20, "1.00 MiB"),
+                                         (3 * 2**28, "768.00 MiB"), (3 * 2**30, "3.00 GiB")])
+def test_a_size_under_a_mib_is_said_in_kib_not_rounded_to_nothing(n, text):
+    """A budget of 1KiB read "the budget of 0.00 MiB" in max-batch's refusal."""
+    assert size_text(n) == text
+
+
+def test_maxbatch_names_a_kib_budget_as_given(capsys):
+    assert main(["maxbatch", "--budget", "1KiB", "--n-layers", "1"]) == 2
+    assert "the budget of 1.00 KiB" in capsys.readouterr().err

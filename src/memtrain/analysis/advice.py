@@ -108,7 +108,10 @@ def _state_changes(cfg: RunConfig, device_type: str) -> list[tuple[str, dict[str
 
 
 def size_text(n: float) -> str:
-    """Bytes in MiB under a GiB (a small model's state or step), else in GiB (also fit's verdicts)."""
+    """Bytes in MiB under a GiB (a small model's state or step), else in GiB (also fit's verdicts);
+    in KiB under 1 MiB, where MiB would round a budget like 1KiB to "0.00 MiB"."""
+    if n < 2**20:
+        return f"{n / 2**10:.2f} KiB"
     return f"{n / 2**20:.2f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
 
 
