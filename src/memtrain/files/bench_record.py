@@ -43,10 +43,12 @@ _SETTINGS_ID = re.compile(r"[0-9a-f]{1,64}")  # what the bench writes as setting
 @dataclass
 class BenchRecords:
     """The benches recorded in a folder (oldest first) and, when the file or some of its entries
-    could not be used, why (one line, for a warning)."""
+    could not be used, why (one line, for a warning). ``found``: the folder has a record file
+    (False: a folder benched before the record existed)."""
 
     benches: list[dict[str, Any]] = field(default_factory=list)
     problem: Optional[str] = None
+    found: bool = True
 
 
 def new_record(techniques: list[str], settings: str, command: str) -> dict[str, Any]:
@@ -118,7 +120,7 @@ def read_bench_records(out: Path) -> BenchRecords:
     for what the file holds: a problem is returned, in one line, for the caller to warn."""
     path = Path(out) / BENCH_RECORD
     if not os.path.lexists(path):
-        return BenchRecords()
+        return BenchRecords(found=False)
     try:
         entries = _benches(_read_value(path))
     except ValueError as exc:
@@ -166,3 +168,33 @@ def techniques_recorded(benches: list[dict[str, Any]], settings: Optional[str]) 
             asked.update(dict.fromkeys(bench["techniques"]))
     return list(asked)
 
+
+def plans_no_row(records: BenchRecords) -> bool:
+    """Whether a record file was read whole and names no planned row (no bench, or only benches
+    with an empty list: a hand edit, since a bench records a list of at least one row)."""
+    return records.found and records.problem is None and not any(b["techniques"] for b in records.benches)
+
+
+@dataclass
+class UnrunBench:
+    """A bench settings id of the record that no row of results.jsonl ran under: its benches were
+    interrupted before their first row was appended. ``techniques``: every row they planned (each
+    once); ``started`` and ``command``: those of the newest of them."""
+
+    settings: str
+    techniques: list[str]
+    started: str
+    command: str
+
+
+def unrun_benches(benches: list[dict[str, Any]], settings_with_rows: set[str]) -> list[UnrunBench]:
+    """The recorded benches whose settings no row ran under (``settings_with_rows``: the settings
+    ids of results.jsonl's rows), one per settings id, the newest first; benches that planned no
+    row are left out."""
+    newest: dict[str, dict[str, Any]] = {}
+    for bench in benches:  # oldest first: the last one seen of each settings is its newest
+        if bench["techniques"] and bench["settings_hash"] not in settings_with_rows:
+            newest.pop(bench["settings_hash"], None)
+            newest[bench["settings_hash"]] = bench
+    return [UnrunBench(sid, techniques_recorded(benches, sid), bench["started"], bench["command"])
+            for sid, bench in reversed(newest.items())]
