@@ -272,7 +272,7 @@ def test_a_reachable_hub_and_an_offline_cache_hit_still_load(monkeypatch: pytest
 def test_a_gateway_answering_for_an_unreachable_hub_is_one_line(monkeypatch: pytest.MonkeyPatch, fake_hub,
                                                                  status: int) -> None:
     """A proxy or gateway answering 502/503/504 (the Hub behind it did not answer) was taken for
-    the Hub's answer: datasets then asked for the card six times with back-off (about 23 s) and
+    the Hub's answer: datasets then asked for the card again, with 1+2+4+8+8 s of back-off, and
     said it found no data file. It is the unreachable Hub's one line, naming the status and the
     endpoint; one request, datasets never called."""
     import datasets

@@ -787,7 +787,7 @@ def check_hub_reachable(name: str, datasets: Any) -> None:
 
     A proxy or gateway that answers 502/503/504 (Bad Gateway, Service Unavailable, Gateway
     Timeout: the Hub behind it did not answer) is no answer from the Hub: datasets retried it as
-    it retries a network error (about 24 s), so it is refused here in the same one line, naming
+    it retries a network error (1+2+4+8+8 s of back-off), so it is refused here in the same one line, naming
     the status. 401/403/404 come from the Hub itself, which is reachable."""
     if hub_offline(datasets):
         return
