@@ -183,6 +183,16 @@ def test_a_folder_whose_only_bench_appended_no_row_says_so(tmp_path, capsys, res
     assert "memtrain bench" in capsys.readouterr().err.split(";", 1)[1]
 
 
+def test_a_fifo_at_results_jsonl_is_said_as_it_was_whatever_the_record(tmp_path, capsys):
+    out = tmp_path / "b"
+    out.mkdir()
+    (out / "bench_record.json").write_text(_record_text(_bench(["baseline"])))
+    os.mkfifo(out / "results.jsonl")
+    assert main(["report", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "is a FIFO, not a file" in err and "bench_record.json" not in err
+
+
 @pytest.mark.parametrize("record", [_record_text(), _record_text(_bench([]))], ids=["no bench", "an empty list"])
 def test_a_record_that_plans_no_row_is_one_warning(tmp_path, capsys, record):
     """A record read whole that names no planned row (hand-edited: a bench records at least one)

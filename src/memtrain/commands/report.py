@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from memtrain.errors import one_line
 from memtrain.files.bench_record import read_bench_records, unrun_benches
 from memtrain.files.bench_store import bench_results_file, read_results_latest, row_settings
 from memtrain.files.lock import FolderLock
+from memtrain.files.results import BENCH_RESULTS
 from memtrain.report import write_report
 from memtrain.report.tables import unrun_sentence
 
@@ -32,7 +34,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         bench_results_file(out, "memtrain report")
     except ConfigError as exc:
-        raise ConfigError(_unrun_instead(out, str(exc))) from None
+        if out.is_dir() and not os.path.lexists(out / BENCH_RESULTS):  # not a FIFO or folder in its place
+            raise ConfigError(_unrun_instead(out, str(exc))) from None
+        raise
     # Held while the report is built: a bench still running in DIR writes its report at its end,
     # and ours, from the rows of the moment, could land after it and be the one left.
     with FolderLock(out, "memtrain report", flag="DIR", cleanup_if_unused=True):
@@ -62,8 +66,6 @@ def _unrun_instead(out: Path, error: str) -> str:
     names benches that planned rows, what happened instead: they were interrupted before their
     first row was appended (the error's advice, "a folder that memtrain bench wrote" or "run
     memtrain bench first", would mislead), and what to do."""
-    if not out.is_dir():
-        return error
     unrun = unrun_benches(read_bench_records(out).benches, set())
     if not unrun:
         return error
