@@ -54,7 +54,9 @@ def write_report(out: Path, techniques: Optional[list[str]] = None, plots: bool 
     the settings id whose rows are reported (:func:`~memtrain.files.bench_store.row_settings`;
     default: those of the row appended last); the others are counted in one line.
     ``techniques``: the rows to report, in order, and those with no row named missing (default:
-    every row under the settings; missing, those the rows' benches listed and never finished).
+    every row under the settings; missing, those the rows' benches listed and never finished; and
+    the benches of bench_record.json whose settings no row ran under, named in report.md's
+    ``**Not run**`` line and report.json's ``unrun_benches``).
     ``replace_links``: a bench's own report, whose names it checked before its first row: a link
     planted there since is replaced (:func:`~memtrain.files.results.drop_planted_link`), rather
     than stopping the bench with rows left to run."""
