@@ -127,6 +127,85 @@ def test_recorded_benches_under_the_reported_settings_name_their_missing_rows(tm
     assert summary["missing"] == ["bf16", "ckpt-bf16"] and summary["record_problem"] is None
 
 
+def test_a_recorded_bench_whose_settings_have_no_row_is_named_in_one_line(tmp_path, capsys):
+    """A bench run under other settings (here, ffff00) and interrupted before its first row left
+    rows of none of its settings: the report of the folder's other rows said nothing of it. One
+    line names it (settings, planned rows, start, command line) in report.md, and report.json
+    lists it; benches whose settings have rows are not named."""
+    out = _folder(tmp_path / "b")
+    newer = {**_bench(["baseline", "bf16"], sid="ffff00"), "command": "memtrain bench --steps 5"}
+    (out / "bench_record.json").write_text(_record_text(_bench(["baseline"]), _bench(["lora"], sid="ffff00"), newer))
+    assert main(["report", str(out)]) == 0
+    captured = capsys.readouterr()
+    line = ("**Not run**: bench_record.json names 1 bench that appended no row to results.jsonl (interrupted "
+            "before its first row finished): settings `ffff00` (lora, baseline, bf16), started "
+            "2026-12-01T00:00:00+00:00, `memtrain bench --steps 5`. Run it again to report its rows.")
+    assert line in captured.out and line in (out / "report.md").read_text()
+    assert captured.err == ""
+    report = json.loads((out / "report.json").read_text())
+    assert report["unrun_benches"] == [{"settings": "ffff00", "techniques": ["lora", "baseline", "bf16"],
+                                        "started": "2026-12-01T00:00:00+00:00", "command": "memtrain bench --steps 5"}]
+    assert report["missing"] == [] and [r["technique"] for r in report["rows"]] == ["baseline"]
+    (out / "bench_record.json").write_text(_record_text(_bench(["baseline", "bf16"])))
+    assert main(["report", str(out)]) == 0
+    assert "Not run" not in capsys.readouterr().out
+    assert "unrun_benches" not in json.loads((out / "report.json").read_text())
+
+
+def test_several_unrun_benches_are_one_bounded_line(tmp_path):
+    out = _folder(tmp_path / "b")
+    (out / "bench_record.json").write_text(_record_text(*(_bench([f"t{i}"], sid=f"{i:04x}") for i in range(5))))
+    summary = write_report(out, plots=False)
+    assert [u.settings for u in summary["unrun_benches"]] == ["0004", "0003", "0002", "0001", "0000"]
+    (line,) = [x for x in (out / "report.md").read_text().splitlines() if x.startswith("**Not run**")]
+    assert "names 5 benches" in line and "; 2 more (report.json lists them)" in line and "`0001`" not in line
+    assert len(json.loads((out / "report.json").read_text())["unrun_benches"]) == 5
+
+
+@pytest.mark.parametrize("results", ["absent", "no rows"])
+def test_a_folder_whose_only_bench_appended_no_row_says_so(tmp_path, capsys, results):
+    """A first bench interrupted before its first row leaves bench_record.json and no row: the
+    report said "not found; memtrain report takes a folder that memtrain bench wrote" (it is one)
+    or "run memtrain bench first". Its one error line names the bench and says to run it again."""
+    out = tmp_path / "b"
+    out.mkdir()
+    (out / "bench_record.json").write_text(_record_text(_bench(["baseline", "bf16"])))
+    if results == "no rows":
+        (out / "results.jsonl").write_text("")
+    assert main(["report", str(out)]) == 2
+    err = capsys.readouterr().err
+    fact = f"{str(out / 'results.jsonl')!r} not found" if results == "absent" else f"{out}/results.jsonl holds no rows"
+    assert err == (f"error: {fact}: bench_record.json names 1 bench that appended no row to results.jsonl (interrupted "
+                   f"before its first row finished): settings {SID} (baseline, bf16), started 2026-12-01T00:00:00+00:00, "
+                   "memtrain bench. Run it again to report its rows\n")
+    (out / "bench_record.json").write_text(_record_text())  # nothing planned: the error as it was
+    assert main(["report", str(out)]) == 2
+    assert "memtrain bench" in capsys.readouterr().err.split(";", 1)[1]
+
+
+def test_a_fifo_at_results_jsonl_is_said_as_it_was_whatever_the_record(tmp_path, capsys):
+    out = tmp_path / "b"
+    out.mkdir()
+    (out / "bench_record.json").write_text(_record_text(_bench(["baseline"])))
+    os.mkfifo(out / "results.jsonl")
+    assert main(["report", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "is a FIFO, not a file" in err and "bench_record.json" not in err
+
+
+@pytest.mark.parametrize("record", [_record_text(), _record_text(_bench([]))], ids=["no bench", "an empty list"])
+def test_a_record_that_plans_no_row_is_one_warning(tmp_path, capsys, record):
+    """A record read whole that names no planned row (hand-edited: a bench records at least one)
+    was taken in silence; it is said as an unreadable record is, and the report built."""
+    out = _folder(tmp_path / "b")
+    (out / "bench_record.json").write_text(record)
+    assert main(["report", str(out)]) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert err == [f"warning: {str(out / 'bench_record.json')!r} names no planned row (no bench, or only empty lists); "
+                   "the rows' own lists name what is missing"]
+    assert json.loads((out / "report.json").read_text())["missing"] == []
+
+
 def _fifo(path: Path) -> None:
     os.mkfifo(path)
 
@@ -142,6 +221,11 @@ def _outside_link(path: Path) -> None:
     path.symlink_to(target)
 
 
+def _inside_link(path: Path) -> None:
+    (path.parent / "record-copy.json").write_text(_record_text(_bench(["baseline", "evil"])))
+    path.symlink_to(path.parent / "record-copy.json")
+
+
 HOSTILE = {
     "truncated": (lambda p: p.write_text(_record_text(_bench(["baseline", "evil"]))[:40]), "not JSON"),
     "not utf-8": (lambda p: p.write_bytes(b'{"version": 1, "benches": ["\xff"]}'), "not UTF-8"),
@@ -152,6 +236,7 @@ HOSTILE = {
                       "not JSON"),
     "huge": (_huge, "more than a bench record holds"),
     "link outside": (_outside_link, "symbolic link"),
+    "link inside": (_inside_link, "symbolic link"),  # a result.json's reader would follow it; this one reads no link
     "FIFO": (_fifo, "FIFO"),
     "a folder": (lambda p: p.mkdir(), "directory"),
 }

@@ -268,6 +268,100 @@ def test_a_reachable_hub_and_an_offline_cache_hit_still_load(monkeypatch: pytest
     assert len(requests) == 2  # offline: not one request
 
 
+@pytest.mark.parametrize("status", [502, 503, 504])
+def test_a_gateway_answering_for_an_unreachable_hub_is_one_line(monkeypatch: pytest.MonkeyPatch, fake_hub,
+                                                                 status: int) -> None:
+    """A proxy or gateway answering 502/503/504 (the Hub behind it did not answer) was taken for
+    the Hub's answer: datasets then asked for the card again, with 1+2+4+8+8 s of back-off, and
+    said it found no data file. It is the unreachable Hub's one line, naming the status and the
+    endpoint; one request, datasets never called."""
+    import datasets
+    from huggingface_hub.utils import httpx
+
+    requests, answer = fake_hub
+    answer["card"] = lambda request: httpx.Response(status)
+    called: list = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: called.append(a) or [])
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    with pytest.raises(ConfigError) as err:
+        docs_of("hf:owner/name")
+    line = str(err.value)
+    assert line.startswith(f"cannot reach the Hugging Face Hub at {datasets.config.HF_ENDPOINT} for 'owner/name' "
+                           f"(the endpoint answered {status} "), line
+    for hint in ("HF_HUB_OFFLINE=1", "local file (e.g. --data posts.parquet", "HF_ENDPOINT=URL"):
+        assert hint in line, line
+    assert "\n" not in line and len(requests) == 1 and called == []
+
+
+@pytest.mark.parametrize("status", [401, 403, 404])
+def test_the_hubs_own_refusals_still_let_datasets_go_on(monkeypatch: pytest.MonkeyPatch, fake_hub, status: int) -> None:
+    """401/403 (a gated set) and 404 (no card) come from the Hub itself: it is reachable, and
+    datasets goes on to say the rest in its own words."""
+    import datasets
+    from huggingface_hub.utils import httpx
+
+    requests, answer = fake_hub
+    answer["card"] = lambda request: httpx.Response(status, headers={"X-Error-Code": "GatedRepo"})
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, split, streaming, **kw: [{"text": f"{name} doc"}])
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    assert docs_of("hf:owner/name") == ["owner/name doc"]
+    assert len(requests) == 1
+
+
+@pytest.mark.parametrize("env, offline", [
+    ({"HF_HUB_OFFLINE": "1"}, True), ({"HF_HUB_OFFLINE": "true"}, True), ({"HF_HUB_OFFLINE": "YES"}, True),
+    ({"TRANSFORMERS_OFFLINE": "on"}, True), ({"HF_DATASETS_OFFLINE": "1"}, True),
+    ({"HF_DATASETS_OFFLINE": "0", "HF_HUB_OFFLINE": "1"}, False),  # datasets' own variable decides, as it reads them
+    ({"HF_HUB_OFFLINE": "0"}, False), ({"HF_HUB_OFFLINE": "no"}, False), ({}, False),
+])
+def test_offline_mode_set_after_datasets_was_imported_is_seen(monkeypatch: pytest.MonkeyPatch, fake_hub,
+                                                                env: dict, offline: bool) -> None:
+    """datasets reads HF_HUB_OFFLINE once, at import (datasets.config.HF_HUB_OFFLINE): set later
+    (a notebook, a wrapper script), it went unseen and the Hub was asked. The environment is read
+    as the libraries read it, and datasets resolves the set offline (its switch on for the call,
+    put back after); nothing is sent."""
+    import datasets
+
+    from memtrain.data import sources
+
+    requests, _ = fake_hub
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)  # as read at import, before the variable was set
+    seen: list = []
+
+    def load(name, split, streaming, **kw):
+        seen.append(datasets.config.HF_HUB_OFFLINE)
+        return [{"text": f"{name} doc"}]
+
+    monkeypatch.setattr(datasets, "load_dataset", load)
+    assert sources.hub_offline(datasets) is offline
+    assert docs_of("hf:owner/cached") == ["owner/cached doc"]
+    assert len(requests) == (0 if offline else 1)
+    assert seen == [offline] and datasets.config.HF_HUB_OFFLINE is False
+
+
+def test_offline_set_late_and_not_cached_names_offline_mode(monkeypatch: pytest.MonkeyPatch, fake_hub) -> None:
+    """With offline mode set after the import and the set not in the cache, datasets' error is
+    the offline line (unset HF_HUB_OFFLINE ...), not the unreachable Hub's."""
+    import datasets
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+
+    def not_cached(*args, **kwargs):
+        assert datasets.config.HF_HUB_OFFLINE is True
+        raise ConnectionError("Couldn't reach the Hugging Face Hub for dataset 'owner/absent': offline mode is enabled")
+
+    monkeypatch.setattr(datasets, "load_dataset", not_cached)
+    with pytest.raises(ConfigError, match="not in the datasets cache and HF_HUB_OFFLINE is set"):
+        docs_of("hf:owner/absent")
+    assert fake_hub[0] == []
+
+
 def test_hf_hub_unreachable_is_config_error(monkeypatch: pytest.MonkeyPatch, fake_hub) -> None:
     import datasets
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -11,9 +12,12 @@ from memtrain.commands.bench import warn_skipped_lines
 from memtrain.config.argtypes import user_path
 from memtrain.config.run import ConfigError
 from memtrain.errors import one_line
+from memtrain.files.bench_record import read_bench_records, unrun_benches
 from memtrain.files.bench_store import bench_results_file, read_results_latest, row_settings
 from memtrain.files.lock import FolderLock
+from memtrain.files.results import BENCH_RESULTS
 from memtrain.report import write_report
+from memtrain.report.tables import unrun_sentence
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -27,7 +31,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     out = Path(args.dir)
-    bench_results_file(out, "memtrain report")
+    try:
+        bench_results_file(out, "memtrain report")
+    except ConfigError as exc:
+        if out.is_dir() and not os.path.lexists(out / BENCH_RESULTS):  # not a FIFO or folder in its place
+            raise ConfigError(_unrun_instead(out, str(exc))) from None
+        raise
     # Held while the report is built: a bench still running in DIR writes its report at its end,
     # and ours, from the rows of the moment, could land after it and be the one left.
     with FolderLock(out, "memtrain report", flag="DIR", cleanup_if_unused=True):
@@ -40,7 +49,7 @@ def _report(out: Path, args: argparse.Namespace) -> int:
     read = read_results_latest(out)
     if not read.rows:
         skipped = f" ({read.skipped} unreadable line(s) skipped)" if read.skipped else ""
-        raise ConfigError(f"{out}/results.jsonl holds no rows{skipped}; run memtrain bench first")
+        raise ConfigError(_unrun_instead(out, f"{out}/results.jsonl holds no rows{skipped}; run memtrain bench first"))
     if args.settings is not None:
         check_settings(out, read.rows, args.settings)
     summary = write_report(out, read=read, settings=args.settings)
@@ -50,6 +59,18 @@ def _report(out: Path, args: argparse.Namespace) -> int:
         print(f"warning: {one_line(summary['record_problem'])}; the rows' own lists name what is missing", file=sys.stderr)
     print(f"wrote {one_line(str(out))}/report.md, report.csv, report.json and {len(summary['plots'])} plots")
     return 0
+
+
+def _unrun_instead(out: Path, error: str) -> str:
+    """``error`` (results.jsonl missing, or holding no row), or, where the folder's bench record
+    names benches that planned rows, what happened instead: they were interrupted before their
+    first row was appended (the error's advice, "a folder that memtrain bench wrote" or "run
+    memtrain bench first", would mislead), and what to do."""
+    unrun = unrun_benches(read_bench_records(out).benches, set())
+    if not unrun:
+        return error
+    what = error.split(";", 1)[0]  # the fact ("... not found", "... holds no rows"), without its advice
+    return one_line(f"{what}: {unrun_sentence(unrun, str, str)}")
 
 
 def check_settings(out: Path, rows: list[dict], settings: str) -> None:

@@ -20,13 +20,16 @@ message naming the problem and the fix.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import functools
 import glob
 import hashlib
+import http
 import inspect
 import itertools
 import json
+import os
 import platform
 import re
 import sys
@@ -734,13 +737,14 @@ def _load_dataset(path: str, *, split: str, label: str, hub: bool = False, **kwa
 
     if "trust_remote_code" in inspect.signature(datasets.load_dataset).parameters:
         kwargs["trust_remote_code"] = False  # datasets < 4 can run a Hub dataset's script; never
-    if hub:
+    offline = hub_offline(datasets)
+    if hub and not offline:
         check_hub_reachable(label, datasets)
     try:
-        return datasets.load_dataset(path, split=split, streaming=True, **kwargs)
+        with _datasets_offline(datasets, offline):
+            return datasets.load_dataset(path, split=split, streaming=True, **kwargs)
     except ConnectionError as exc:
-        raise ConfigError(_hub_unreachable(label, exc, datasets.config.HF_ENDPOINT,
-                                           offline=bool(datasets.config.HF_HUB_OFFLINE))) from None
+        raise ConfigError(_hub_unreachable(label, exc, datasets.config.HF_ENDPOINT, offline=offline)) from None
     except datasets.exceptions.DatasetNotFoundError:
         raise ConfigError(
             f"dataset {label!r} not found on the Hugging Face Hub; check the name in --data hf:{label}"
@@ -776,10 +780,16 @@ def check_hub_reachable(name: str, datasets: Any) -> None:
     so nothing here opens a socket itself (memtrain.models.hub_access, for models, opens a TCP
     connection: it cannot tell through a proxy and skips the check there; this request goes
     through the proxy the library uses, and tells a Hub that answers from a host that only
-    accepts connections). Any answer (a 404 for a missing card, a 401 for a gated
+    accepts connections). Any other answer (a 404 for a missing card, a 401 or 403 for a gated
     set) means the Hub is reachable: datasets then goes on as before and says the rest. In offline
-    mode (HF_HUB_OFFLINE=1) nothing is sent: datasets reads its cache, as it always did."""
-    if datasets.config.HF_HUB_OFFLINE:
+    mode (HF_HUB_OFFLINE=1, read as :func:`hub_offline` reads it) nothing is sent: datasets reads
+    its cache, as it always did.
+
+    A proxy or gateway that answers 502/503/504 (Bad Gateway, Service Unavailable, Gateway
+    Timeout: the Hub behind it did not answer) is no answer from the Hub: datasets retried it as
+    it retries a network error (1+2+4+8+8 s of back-off), so it is refused here in the same one line, naming
+    the status. 401/403/404 come from the Hub itself, which is reachable."""
+    if hub_offline(datasets):
         return
     # Imported here: it comes with datasets (the extra memtrain[hub]), which only these sources need.
     import huggingface_hub
@@ -789,12 +799,68 @@ def check_hub_reachable(name: str, datasets: Any) -> None:
     url = huggingface_hub.hf_hub_url(name, datasets.config.REPOCARD_FILENAME, repo_type="dataset", endpoint=endpoint)
     try:
         huggingface_hub.get_hf_file_metadata(url, timeout=_hub_probe_timeout(), endpoint=endpoint)
-    except HfHubHTTPError:
-        return  # the Hub answered (it is an OSError too: caught before the network errors below)
+    except HfHubHTTPError as exc:  # an answer (it is an OSError too: caught before the network errors below)
+        status = _gateway_status(exc)
+        if status is not None:
+            raise ConfigError(_hub_unreachable(name, exc, endpoint, reason=_gateway_reason(status))) from None
+        return  # the Hub answered: datasets goes on and names a missing or gated set in its own words
     except ValueError:
         return  # a name or URL huggingface_hub's checks refuse: datasets names it in its own words
     except _network_errors() as exc:
         raise ConfigError(_hub_unreachable(name, exc, endpoint)) from None
+
+
+# What a proxy or gateway answers when the server behind it does not: Bad Gateway, Service
+# Unavailable, Gateway Timeout. huggingface_hub retries these as it retries a network error.
+GATEWAY_STATUSES = frozenset({502, 503, 504})
+
+
+def _gateway_status(exc: BaseException) -> Optional[int]:
+    """The HTTP status of ``exc``'s response when it is one of GATEWAY_STATUSES, else None (the
+    response is ``exc.response`` in huggingface_hub's HTTP error of every version)."""
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    return status if status in GATEWAY_STATUSES else None
+
+
+def _gateway_reason(status: int) -> str:
+    """The words for a gateway's answer: the status, its name, and what it means here."""
+    return (f"the endpoint answered {status} {http.HTTPStatus(status).phrase}, a proxy's or gateway's answer when the "
+            "Hub behind it cannot be reached")
+
+
+def hub_offline(datasets: Any) -> bool:
+    """Whether the Hub is not to be asked: datasets' offline switch (``datasets.config.HF_HUB_OFFLINE``),
+    or the environment's as it is now. datasets reads the environment once, when it is imported, so
+    HF_HUB_OFFLINE=1 set afterwards (in a notebook, a test, a wrapper script) went unseen and the Hub
+    was asked. Read as datasets reads it: HF_DATASETS_OFFLINE where set, else HF_HUB_OFFLINE or
+    TRANSFORMERS_OFFLINE (huggingface_hub's own variables), true when huggingface_hub's
+    ``ENV_VARS_TRUE_VALUES`` hold it upper-cased (1, ON, YES, TRUE)."""
+    if datasets.config.HF_HUB_OFFLINE:
+        return True
+    # Imported here: it comes with datasets (the extra memtrain[hub]), which only these sources need.
+    from huggingface_hub import constants
+
+    value = os.environ.get("HF_DATASETS_OFFLINE")
+    if value is None:
+        value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
+    return value is not None and value.upper() in constants.ENV_VARS_TRUE_VALUES
+
+
+@contextlib.contextmanager
+def _datasets_offline(datasets: Any, offline: bool) -> Iterator[None]:
+    """datasets' offline switch on while ``load_dataset`` resolves a dataset, when the environment
+    set it after datasets read it (:func:`hub_offline`): the library then reads its cache and sends
+    nothing, as it would have had the variable been set before its import. datasets has no
+    per-call switch for this (its ``DownloadConfig(local_files_only=True)`` does not reach the
+    card's download), so its own module constant is set, and put back after."""
+    if not offline or datasets.config.HF_HUB_OFFLINE:
+        yield
+        return
+    datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE = False
 
 
 def _hub_probe_timeout() -> float:
@@ -823,17 +889,18 @@ def _network_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-def _hub_unreachable(name: str, exc: BaseException, endpoint: Optional[str] = None, offline: bool = False) -> str:
+def _hub_unreachable(name: str, exc: BaseException, endpoint: Optional[str] = None, offline: bool = False,
+                     reason: Optional[str] = None) -> str:
     """The one line for a Hub dataset that could not be read for want of an answer: what was
-    tried (the endpoint, the library's reason) and what to do. ``offline``: HF_HUB_OFFLINE was set
-    and the dataset is not in the datasets cache."""
+    tried (the endpoint, the library's reason, or ``reason`` in its place) and what to do.
+    ``offline``: HF_HUB_OFFLINE was set and the dataset is not in the datasets cache."""
     if offline:
         return (f"{name!r} is not in the datasets cache and HF_HUB_OFFLINE is set, so the Hub was not asked "
                 f"({first_line(exc)}); unset HF_HUB_OFFLINE to stream it, or download the data and pass a local "
                 f"file (e.g. --data posts.parquet or --data hf:parquet:'data/*.parquet')")
     where = f" at {endpoint}" if endpoint else ""
     return (
-        f"cannot reach the Hugging Face Hub{where} for {name!r} ({first_line(exc) or type(exc).__name__}); download "
+        f"cannot reach the Hugging Face Hub{where} for {name!r} ({reason or first_line(exc) or type(exc).__name__}); download "
         f"the data and pass a local file (e.g. --data posts.parquet or --data hf:parquet:'data/*.parquet'), set "
         f"HF_HUB_OFFLINE=1 to read a copy already in the datasets cache, or HF_ENDPOINT=URL to use a mirror"
     )

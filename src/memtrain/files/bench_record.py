@@ -15,17 +15,16 @@ on without it); an entry of the wrong shape is left out and counted.
 
 from __future__ import annotations
 
-import errno
 import os
 import re
-import stat
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Optional
 
-from memtrain.files.guard import file_kind
-from memtrain.files.json_text import dumps, loads_bounded
+from memtrain.files import json_file
+from memtrain.files.json_file import JsonFileProblem, read_json_file
+from memtrain.files.json_text import dumps
 from memtrain.files.results import BENCH_RECORD, write_json_atomic
 
 RECORD_VERSION = 1
@@ -44,10 +43,12 @@ _SETTINGS_ID = re.compile(r"[0-9a-f]{1,64}")  # what the bench writes as setting
 @dataclass
 class BenchRecords:
     """The benches recorded in a folder (oldest first) and, when the file or some of its entries
-    could not be used, why (one line, for a warning)."""
+    could not be used, why (one line, for a warning). ``found``: the folder has a record file
+    (False: a folder benched before the record existed)."""
 
     benches: list[dict[str, Any]] = field(default_factory=list)
     problem: Optional[str] = None
+    found: bool = True
 
 
 def new_record(techniques: list[str], settings: str, command: str) -> dict[str, Any]:
@@ -77,42 +78,35 @@ def record_problem(entry: Any) -> Optional[str]:
     return None
 
 
-def _read_bytes(path: Path) -> bytes:
-    """The bytes of ``path``, a regular file of at most MAX_RECORD_BYTES, opened without following
-    a link (O_NOFOLLOW: a link swapped in after a check is refused too) nor blocking on a FIFO.
-    ValueError, in words, for anything else. Hand-written: the project's whole-file JSON reader
-    (files.json_file) follows a link that leads inside the folder, and this file is never a link."""
+def _read_value(path: Path) -> Any:
+    """The JSON value in ``path``, a regular file of at most MAX_RECORD_BYTES, read through the
+    project's one bounded reader (:func:`memtrain.files.json_file.read_json_file`) with links
+    refused: this file is never a link (opened with O_NOFOLLOW, so a link swapped in after the
+    check is refused too), where the reader's other callers follow one that stays in their
+    folder. ValueError in this record's words for anything else."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise ValueError("it is a symbolic link (memtrain reads no record through a link)") from None
-        raise ValueError(f"unreadable ({exc.strerror or type(exc).__name__})") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"it is {file_kind(st.st_mode)}, not a regular file")
-        if st.st_size > MAX_RECORD_BYTES:
-            raise ValueError(f"it is {st.st_size:,} bytes, more than a bench record holds ({MAX_RECORD_BYTES:,})")
-        with os.fdopen(os.dup(fd), "rb") as fh:
-            data = fh.read(MAX_RECORD_BYTES + 1)  # a file that grew since fstat is read no further
-        if len(data) > MAX_RECORD_BYTES:
-            raise ValueError(f"it grew past {MAX_RECORD_BYTES:,} bytes while read")
-        return data
-    except OSError as exc:
-        raise ValueError(f"unreadable ({exc.strerror or type(exc).__name__})") from None
-    finally:
-        os.close(fd)
+        return read_json_file(path, MAX_RECORD_BYTES, follow_links=False)
+    except JsonFileProblem as exc:
+        raise ValueError(_problem_words(exc)) from None
 
 
-def _parse(data: bytes) -> list[Any]:
-    """The ``benches`` list of a record file's bytes; ValueError, in words, when it has none."""
-    try:
-        value = loads_bounded(data.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise ValueError("it is not UTF-8 text") from None
-    except (ValueError, RecursionError):
-        raise ValueError("it is not JSON (torn by a kill, or edited)") from None
+def _problem_words(exc: JsonFileProblem) -> str:
+    """Why the record was not read, as its warning says it (``it is ...``)."""
+    if exc.kind == json_file.LINK:
+        return "it is a symbolic link (memtrain reads no record through a link)"
+    if exc.kind == json_file.TOO_BIG:
+        if exc.size is None:  # it grew past the bound while read
+            return f"it {exc}"
+        return f"it is {exc.size:,} bytes, more than a bench record holds ({MAX_RECORD_BYTES:,})"
+    if exc.kind == json_file.NOT_JSON:
+        return "it is not JSON (torn by a kill, or edited)"
+    if exc.kind == json_file.UNREADABLE:
+        return str(exc)
+    return f"it is {exc}"  # a FIFO, a directory ... "not a regular file"; "not UTF-8 text"
+
+
+def _benches(value: Any) -> list[Any]:
+    """The ``benches`` list of a record file's value; ValueError, in words, when it has none."""
     if not isinstance(value, dict) or not isinstance(value.get("benches"), list):
         raise ValueError('it is not an object with a "benches" list')
     if value.get("version") != RECORD_VERSION:
@@ -126,9 +120,9 @@ def read_bench_records(out: Path) -> BenchRecords:
     for what the file holds: a problem is returned, in one line, for the caller to warn."""
     path = Path(out) / BENCH_RECORD
     if not os.path.lexists(path):
-        return BenchRecords()
+        return BenchRecords(found=False)
     try:
-        entries = _parse(_read_bytes(path))
+        entries = _benches(_read_value(path))
     except ValueError as exc:
         return BenchRecords(problem=f"{str(path)!r} was not read: {exc}")
     benches = [e for e in entries if record_problem(e) is None]
@@ -173,3 +167,34 @@ def techniques_recorded(benches: list[dict[str, Any]], settings: Optional[str]) 
         if bench["settings_hash"] == settings:
             asked.update(dict.fromkeys(bench["techniques"]))
     return list(asked)
+
+
+def plans_no_row(records: BenchRecords) -> bool:
+    """Whether a record file was read whole and names no planned row (no bench, or only benches
+    with an empty list: a hand edit, since a bench records a list of at least one row)."""
+    return records.found and records.problem is None and not any(b["techniques"] for b in records.benches)
+
+
+@dataclass
+class UnrunBench:
+    """A bench settings id of the record that no row of results.jsonl ran under: its benches were
+    interrupted before their first row was appended. ``techniques``: every row they planned (each
+    once); ``started`` and ``command``: those of the newest of them."""
+
+    settings: str
+    techniques: list[str]
+    started: str
+    command: str
+
+
+def unrun_benches(benches: list[dict[str, Any]], settings_with_rows: set[str]) -> list[UnrunBench]:
+    """The recorded benches whose settings no row ran under (``settings_with_rows``: the settings
+    ids of results.jsonl's rows), one per settings id, the newest first; benches that planned no
+    row are left out."""
+    newest: dict[str, dict[str, Any]] = {}
+    for bench in benches:  # oldest first: the last one seen of each settings is its newest
+        if bench["techniques"] and bench["settings_hash"] not in settings_with_rows:
+            newest.pop(bench["settings_hash"], None)
+            newest[bench["settings_hash"]] = bench
+    return [UnrunBench(sid, techniques_recorded(benches, sid), bench["started"], bench["command"])
+            for sid, bench in reversed(newest.items())]

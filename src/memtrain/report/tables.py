@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional
 
 from memtrain.config.run import DEFAULT_MODULE_TOP, ConfigError, TechniqueConfig, build_config
 from memtrain.config.train_flags import dormant_settings
+from memtrain.files.bench_record import UnrunBench
 from memtrain.report.by_module import is_module_table, module_markdown
 from memtrain.report.labels import ANSWERS_PPL_NOTE, OPTIM_NAMES, answers_only, hardware_text, method_cell, ppl_header
 from memtrain.report.noise import noise_markdown
@@ -220,11 +221,13 @@ def csv_text(records: list[dict[str, Any]]) -> str:
 
 
 def markdown_report(rows: list[dict[str, Any]], missing: list[str], header: Callable[[], str] | None = None,
-                    other: Optional[list[tuple[str, list[str]]]] = None, folder: str = "DIR") -> str:
+                    other: Optional[list[tuple[str, list[str]]]] = None, folder: str = "DIR",
+                    unrun: Optional[list[UnrunBench]] = None) -> str:
     """The whole report.md: settings, main table, memory breakdown, failures, provenance.
     Every string from the rows is shown as literal text (:func:`markdown_safe`). ``rows`` ran
     under one set of bench settings; ``other``: the other settings of the results folder
-    ``folder`` with their techniques (:func:`memtrain.files.bench_store.other_settings`), named in one line."""
+    ``folder`` with their techniques (:func:`memtrain.files.bench_store.other_settings`), named in one line;
+    ``unrun``: the benches of its record that appended no row, named in one line."""
     raw_first_ok = next((r for r in rows if r.get("status") == "ok"), None)
     rows, missing = markdown_safe(rows), [md_text(m) for m in missing]
     records = table_rows(rows)
@@ -233,6 +236,7 @@ def markdown_report(rows: list[dict[str, Any]], missing: list[str], header: Call
         parts += [f"**Partial**: {len(missing)} of {len(missing) + len(rows)} techniques have no result yet "
                   f"({', '.join(missing)}).", ""]
     parts += other_settings_lines(other or [], folder)
+    parts += unrun_lines(unrun or [])
     first_ok = next((r for r in rows if r.get("status") == "ok"), None)
     if first_ok is not None and raw_first_ok is not None:
         t = first_ok["config"]["train"]
@@ -323,6 +327,28 @@ def other_settings_lines(other: list[tuple[str, list[str]]], folder: str) -> lis
     return [f"**Other settings**: results.jsonl also holds {count} row{'s' if count != 1 else ''} run under other "
             f"settings, not compared here: settings {named}{more}. "
             f"{md_code(f'memtrain report {folder} --settings ID')} reports those of settings ID.", ""]
+
+
+def unrun_sentence(unrun: list[UnrunBench], code: Callable[[Any], str], text: Callable[[Any], str]) -> str:
+    """One sentence naming the recorded benches that appended no row (:func:`memtrain.files.bench_record.unrun_benches`):
+    each one's settings, planned rows, start and command line (the first MAX_OTHER_SETTINGS;
+    report.json lists them all), and what to do. ``code``/``text``: how a value is shown (Markdown
+    code span and literal text in report.md; as it is in an error line)."""
+    count = len(unrun)
+    named = "; ".join(f"settings {code(u.settings)} ({', '.join(text(t) for t in u.techniques)}), started "
+                      f"{text(u.started)}" + (f", {code(u.command)}" if u.command else "")
+                      for u in unrun[:MAX_OTHER_SETTINGS])
+    more = f"; {count - MAX_OTHER_SETTINGS} more (report.json lists them)" if count > MAX_OTHER_SETTINGS else ""
+    return (f"bench_record.json names {count} bench{'es' if count != 1 else ''} that appended no row to results.jsonl "
+            f"(interrupted before {'their' if count != 1 else 'its'} first row finished): {named}{more}. "
+            f"Run {'them' if count != 1 else 'it'} again to report {'their' if count != 1 else 'its'} rows")
+
+
+def unrun_lines(unrun: list[UnrunBench]) -> list[str]:
+    """report.md's line for the recorded benches that appended no row; none when there are none."""
+    if not unrun:
+        return []
+    return [f"**Not run**: {unrun_sentence(unrun, md_code, md_text)}.", ""]
 
 
 def padding_lines(rows: list[dict[str, Any]]) -> list[str]:
