@@ -201,7 +201,9 @@ STEPS: list[Step] = [
     Step("hf-qwen05-ckpt-profile", "build",
          "checkpointing's cost no higher than HF's: where memtrain's checkpointed Qwen2.5-0.5B step spends the time "
          "the Trainer's does not (per-phase times and top operators of both steps, with and without checkpointing; "
-         "on an H200 memtrain's checkpointing added 94 ms, the Trainer's 83 ms); optional", 150,
+         "profile.md's 'What checkpointing adds, per side': added phase times, the operators and kernels whose added "
+         "calls differ between the sides (none on a CPU: tests/test_checkpointing_parity.py), the most added CUDA "
+         "time; on an H200 memtrain's checkpointing added 94 ms, the Trainer's 83 ms); optional", 150,
          lambda s, out: _compare(s, out, "--model", s.mid_model, "--techniques",
                                  "precision=bf16+attention=sdpa+checkpointing=full,precision=bf16+attention=sdpa",
                                  "--set", f"batch_size={s.mid_batch}", "--set", f"seq_len={s.mid_seq}",

@@ -22,7 +22,7 @@ from memtrain.bench.hf.hf_model import build_hf_model  # noqa: E402
 from memtrain.bench.hf.lockstep import Baton, run_pair, window_overlap_s  # noqa: E402
 from memtrain.bench.hf.mapping import TRAINER_LOW_BIT_BLOCK, hf_plan  # noqa: E402
 from memtrain.bench.hf.probe import hf_step_peak, profile_phases  # noqa: E402
-from memtrain.bench.hf.report import aggregate, render_markdown  # noqa: E402
+from memtrain.bench.hf.report import aggregate, checkpointing_cost_lines, render_markdown  # noqa: E402
 from memtrain.bench.hf.rows import REPORT_JSON, REPORT_MD, RUNS_FILE, config_hash, resolve_rows  # noqa: E402
 from memtrain.bench.hf.trainer_side import (  # noqa: E402
     _checkpointing_for_installed,
@@ -583,10 +583,46 @@ def test_profile_phases_times_every_phase():
         assert all(result[side][k] > 0 for k in ("forward", "backward", "optimizer"))
         assert result[side]["step"] >= result[side]["forward"]
         assert "aten::" in result[side]["top_ops"]
+        ops = result[side]["ops"]  # every operator's calls and self time per profiled step
+        assert ops["aten::mm"]["count"] > 0 and ops["aten::mm"]["self_ms"] > 0
     # memtrain's GPT has no host sync in forward or backward; the Trainer's (GPT-2 in transformers)
     # is counted too: at most one, in transformers' causal-mask builder (5.24 reads the position ids)
     assert result["ours"]["host_syncs"] == {"count": 0, "sites": "none"}
     assert result["theirs"]["host_syncs"]["count"] in (0, 1), result["theirs"]["host_syncs"]
+
+
+def _profile(forward: float, backward: float, ops: dict[str, tuple[float, float]]) -> dict:
+    return {"forward": forward, "backward": backward, "optimizer": 0.01, "step": forward + backward + 0.01,
+            "ops": {op: {"count": n, "self_ms": ms} for op, (n, ms) in ops.items()}}
+
+
+def test_checkpointing_cost_names_what_one_side_adds_and_the_other_does_not():
+    """profile.md's "What checkpointing adds" section (the GPU runbook's hf-qwen05-ckpt-profile):
+    each side's row with checkpointing less its row without; an operator that one side's recompute
+    runs more often is listed with both counts, and the added device time by operator."""
+    plain = {"ours": _profile(0.030, 0.060, {"aten::mm": (10, 5.0), "aten::copy_": (4, 0.5)}),
+             "theirs": _profile(0.031, 0.061, {"aten::mm": (10, 5.0), "aten::copy_": (4, 0.5)})}
+    ckpt = {"ours": _profile(0.031, 0.100, {"aten::mm": (14, 7.0), "aten::copy_": (8, 1.5)}),
+            "theirs": _profile(0.032, 0.090, {"aten::mm": (14, 7.0), "aten::copy_": (6, 1.0)})}
+    text = "\n".join(checkpointing_cost_lines(plain, ckpt, "CUDA"))
+    assert "| ours | +1.0 | +40.0 | +0.0 | +41.0 | +8 |" in text
+    assert "| theirs | +1.0 | +29.0 | +0.0 | +30.0 | +6 |" in text
+    assert "| `aten::copy_` | +4.0 | +2.0 |" in text  # ours copies twice as often: named
+    assert "`aten::mm` | +4.0" not in text.split("Most added")[0]  # the same on both sides: not listed
+    assert "| `aten::mm` | +2.00 | +2.00 |" in text.split("Most added")[1]
+    # the same recompute on both sides: said in words
+    same = "\n".join(checkpointing_cost_lines(plain, {**ckpt, "theirs": ckpt["ours"]}, "CPU"))
+    assert "none: each side adds the same calls" in same and "self CPU time" in same
+
+
+def test_a_checkpointed_row_is_paired_with_the_same_row_without_checkpointing():
+    from memtrain.bench.hf.report import _plain_twin
+
+    rows = [{"preset": p, "config": build_config(TINY, {"precision": "bf16", **tech})} for p, tech in
+            (("ckpt", {"checkpointing": "full"}), ("chunked", {"loss": "chunked"}), ("plain", {}))]
+    assert _plain_twin(rows[0], rows) is rows[2]
+    assert _plain_twin(rows[2], rows) is None  # no checkpointing: nothing to subtract
+    assert _plain_twin(rows[0], rows[:2]) is None  # no plain twin profiled: no section
 
 
 def test_profile_phases_builds_our_model_on_the_device_in_its_weight_dtype(monkeypatch):

@@ -30,6 +30,13 @@ Policies (L = number of blocks):
   recomputed. The recompute costs almost no FLOPs. (This was ``selective`` before
   ``selective`` became the paper's policy.)
 
+Cost against transformers' own ``gradient_checkpointing_enable(gradient_checkpointing_kwargs=
+{"use_reentrant": False})`` on a transformers model: the same call (``torch.utils.checkpoint``,
+non-reentrant, RNG state preserved) around the same function (each decoder layer's ``forward``;
+the rotary cos/sin and the causal mask are built once by the model, outside the layers; the
+final norm and the loss stay outside), so a checkpointed step recomputes the same FLOPs and runs
+the same aten operators (tests/test_checkpointing_parity.py counts both).
+
 Numerics: non-reentrant ``torch.utils.checkpoint`` with ``preserve_rng_state=True``
 restores the RNG state before the recompute, so dropout draws the same masks and the loss
 and every gradient are bitwise equal to the model without checkpointing (tested).
@@ -109,7 +116,14 @@ def checkpointed_call(
     *args: Any,
     **kwargs: Any,
 ) -> Any:
-    """Run ``forward`` under non-reentrant checkpointing (RNG state preserved for dropout)."""
+    """Run ``forward`` under non-reentrant checkpointing (RNG state preserved for dropout).
+
+    Without gradients (evaluation, generation) it runs ``forward`` as is: no backward will
+    replay it, and ``checkpoint`` would still save the CPU and device RNG states and set up its
+    saved-tensor hooks at every call. transformers' own ``GradientCheckpointingLayer`` skips it
+    the same way."""
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
     extra = {"context_fn": context_fn} if context_fn is not None else {}
     return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)  # type: ignore[arg-type]  # context_fn is one of checkpoint's keyword arguments
 

@@ -189,6 +189,10 @@ def hf_step_peak(cfg: RunConfig, batch: int, fake: Optional[bool] = None) -> Opt
             torch.cuda.empty_cache()
 
 
+# Steps of each side under torch.profiler (after the timed ones): its operator tables are their sums.
+PROFILED_STEPS = 3
+
+
 class _PhaseSeam:
     """``train_step``'s ``meter`` argument for a plain ``phase(name)`` function."""
 
@@ -199,7 +203,8 @@ class _PhaseSeam:
 def profile_phases(cfg: RunConfig, steps: int, top_ops: int = 12) -> dict[str, Any]:
     """Forward / backward / optimizer time of ours and of the Trainer-equivalent step, in one
     process, alternating step by step (which side goes first alternates too), after 3 warm-up
-    steps each; plus each side's top operators (torch.profiler, self CPU/CUDA time, 3 steps) and
+    steps each; plus each side's top operators (torch.profiler, self CPU/CUDA time, 3 steps), every
+    operator's and kernel's calls and self time per step (``ops``: :func:`per_step_ops`) and
     the host syncs in one step's forward and backward (:func:`_count_host_syncs`).
 
     For finding *where* one side is slower; the lockstep runs are the comparison itself (here
@@ -276,10 +281,12 @@ def profile_phases(cfg: RunConfig, steps: int, top_ops: int = 12) -> dict[str, A
         result[side]["step"] = statistics.median(sum(r.values()) for r in recs)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with profile(activities=activities) as prof:
-            for _ in range(3):
+            for _ in range(PROFILED_STEPS):
                 run(side, None)
         sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-        result[side]["top_ops"] = prof.key_averages().table(sort_by=sort, row_limit=top_ops)
+        events = prof.key_averages()
+        result[side]["top_ops"] = events.table(sort_by=sort, row_limit=top_ops)
+        result[side]["ops"] = per_step_ops(events, device, steps=PROFILED_STEPS)
 
     def ours_step(phase: Callable[[str], Any]) -> None:
         train_step(ours, micro, ours_opt, precision, t.grad_clip, device, _PhaseSeam(phase))  # type: ignore[arg-type]  # only .phase is read
@@ -288,6 +295,21 @@ def profile_phases(cfg: RunConfig, steps: int, top_ops: int = 12) -> dict[str, A
     result["ours"]["host_syncs"] = _count_host_syncs(cfg, ours_step)
     result["theirs"]["host_syncs"] = _count_host_syncs(cfg, lambda phase: hf.step(micro, phase))
     return result
+
+
+def per_step_ops(events: Any, device: torch.device, steps: int) -> dict[str, dict[str, float]]:
+    """Each profiled operator (and, on a GPU, each kernel) by name: calls per step and self time
+    per step in milliseconds (the device's on CUDA, the host's elsewhere), from the profiler's
+    ``key_averages`` over ``steps`` steps. Two rows' tables subtract to what a technique adds
+    (:func:`memtrain.bench.hf.report.checkpointing_cost_lines`)."""
+    def self_us(e: Any) -> float:
+        if device.type != "cuda":
+            return float(e.self_cpu_time_total)
+        # torch >= 2.4 names it for any device; the CUDA name is the older one
+        device_us = getattr(e, "self_device_time_total", None)
+        return float(device_us if device_us is not None else getattr(e, "self_cuda_time_total", 0.0))
+
+    return {e.key: {"count": e.count / steps, "self_ms": self_us(e) / 1e3 / steps} for e in events}
 
 
 def _count_host_syncs(cfg: RunConfig, step: Callable[[Callable[[str], Any]], None]) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -367,6 +368,53 @@ def write_report(out: Path, rows: list[dict[str, Any]], settings: dict[str, Any]
     return report
 
 
+def _added(ckpt: dict[str, dict[str, float]], plain: dict[str, dict[str, float]], key: str) -> dict[str, float]:
+    """Per operator, ``key`` (count or self_ms per step) of ``ckpt`` less that of ``plain``."""
+    return {op: ckpt.get(op, {}).get(key, 0.0) - plain.get(op, {}).get(key, 0.0) for op in set(ckpt) | set(plain)}
+
+
+def checkpointing_cost_lines(plain: dict[str, Any], ckpt: dict[str, Any], device_time: str, top: int = 10) -> list[str]:
+    """What checkpointing adds to each side's step, from the profiles (:func:`profile_phases`) of a
+    row without it (``plain``) and the same row with it (``ckpt``): phase times; the operators
+    and kernels whose added calls per step differ between the sides (none: both run the same
+    recompute); the operators with the most added self time (``device_time``: CUDA or CPU)."""
+    lines = ["| side | forward | backward | optimizer | step | operator + kernel calls |", "|---|---:|---:|---:|---:|---:|"]
+    calls, times = {}, {}
+    for side in SIDES:
+        calls[side] = _added(ckpt[side].get("ops", {}), plain[side].get("ops", {}), "count")
+        times[side] = _added(ckpt[side].get("ops", {}), plain[side].get("ops", {}), "self_ms")
+        lines.append(f"| {side} | " + " | ".join(f"{(ckpt[side][k] - plain[side][k]) * 1000:+.1f}" for k in
+                                                  ("forward", "backward", "optimizer", "step"))
+                     + f" | {sum(calls[side].values()):+.0f} |")
+    ours, theirs = SIDES
+    differ = sorted((op for op in set(calls[ours]) | set(calls[theirs])
+                     if abs(calls[ours].get(op, 0.0) - calls[theirs].get(op, 0.0)) > 1e-9),
+                    key=lambda op: -abs(calls[ours].get(op, 0.0) - calls[theirs].get(op, 0.0)))
+    lines += ["", "Operators and kernels whose added calls per step differ between the sides:", ""]
+    if differ:
+        lines += [f"| operator | {ours} | {theirs} |", "|---|---:|---:|"]
+        lines += [f"| `{op[:90]}` | {calls[ours].get(op, 0.0):+.1f} | {calls[theirs].get(op, 0.0):+.1f} |"
+                  for op in differ[:top]]
+    else:
+        lines.append("none: each side adds the same calls of the same operators and kernels.")
+    by_time = sorted(set(times[ours]) | set(times[theirs]),
+                     key=lambda op: -max(times[ours].get(op, 0.0), times[theirs].get(op, 0.0)))
+    lines += ["", f"Most added self {device_time} time per step (ms):", "",
+              f"| operator | {ours} | {theirs} |", "|---|---:|---:|"]
+    lines += [f"| `{op[:90]}` | {times[ours].get(op, 0.0):+.2f} | {times[theirs].get(op, 0.0):+.2f} |"
+              for op in by_time[:top]]
+    return lines
+
+
+def _plain_twin(row: dict[str, Any], rows: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """The row that is ``row`` without checkpointing (None: ``row`` has none, or no such row)."""
+    tech = row["config"].technique
+    if tech.checkpointing == "none":
+        return None
+    plain = dataclasses.replace(tech, checkpointing="none")
+    return next((r for r in rows if r["config"].technique == plain), None)
+
+
 def write_profiles(out: Path, rows: list[dict[str, Any]], steps: int, command: str) -> int:
     """``--profile``: per-phase medians of both sides for every row with a Trainer counterpart."""
     from memtrain.bench.hf.probe import profile_phases  # the step machinery (torch, transformers) only when profiling
@@ -384,10 +432,12 @@ def write_profiles(out: Path, rows: list[dict[str, Any]], steps: int, command: s
              "| preset | side | forward | backward | optimizer | step | host syncs |",
              "|---|---|---:|---:|---:|---:|---:|"]
     details = []
+    profiled: list[tuple[dict[str, Any], dict[str, Any]]] = []
     for row in rows:
         if row["plan"].status == "none":
             continue
         res = profile_phases(row["config"], steps)
+        profiled.append((row, res))
         for side in SIDES:
             r = res[side]
             syncs = r["host_syncs"]["count"]
@@ -396,6 +446,15 @@ def write_profiles(out: Path, rows: list[dict[str, Any]], steps: int, command: s
             details += ["", f"### {row['preset']}: {side}", "", f"Host syncs: {r['host_syncs']['sites']}", "",
                         "```", r["top_ops"].rstrip(), "```"]
         print("\n".join(lines[-2:]), flush=True)
+    device_time = "CUDA" if env.get("device_type") == "cuda" else "CPU"
+    for row, res in profiled:
+        twin = _plain_twin(row, [r for r, _ in profiled])
+        if twin is not None:
+            plain_res = next(r for t, r in profiled if t is twin)
+            lines += ["", f"## What checkpointing adds, per side: {row['preset']} less {twin['preset']}", "",
+                      "Milliseconds per step (medians) and calls per profiled step, the row with "
+                      "checkpointing less the row without.", "",
+                      *checkpointing_cost_lines(plain_res, res, device_time)]
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "profile.md", "\n".join(lines + ["", "## Top operators (3 steps)"] + details) + "\n")
     return 0
