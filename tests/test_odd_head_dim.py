@@ -183,18 +183,32 @@ PARTIAL_WIDTHS = {  # id: (model_type, config.json fields, whether transformers'
                                         "partial_rotary_factor": 0.5}, False),
     "llama-rope_parameters-0.25": ("llama", {"hidden_size": 80, "num_attention_heads": 4, "rope_parameters": {
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}, False),
+    # a factor over 1 or below 0: no width of the head (tables wider than it, or none)
+    "range-glm-1.5": ("glm", {"hidden_size": 80, "num_attention_heads": 4, "head_dim": 20,
+                              "partial_rotary_factor": 1.5}, True),
+    "range-phi3-1.5": ("phi3", {"hidden_size": 80, "num_attention_heads": 4, "partial_rotary_factor": 1.5}, True),
+    "range-gpt_neox--0.5": ("gpt_neox", {"hidden_size": 80, "num_attention_heads": 4, "rotary_pct": -0.5}, True),
+    "range-nemotron-1.5": ("nemotron", {"hidden_size": 80, "num_attention_heads": 4, "partial_rotary_factor": 1.5},
+                           True),
+    "range-stablelm-1.5": ("stablelm", {"hidden_size": 80, "num_attention_heads": 4, "partial_rotary_factor": 1.5},
+                           True),
+    "range-stablelm-0": ("stablelm", {"hidden_size": 80, "num_attention_heads": 4, "partial_rotary_factor": 0.0},
+                         False),
+    "range-llama-1.5": ("llama", {"hidden_size": 80, "num_attention_heads": 4, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.5}}, False),
 }
 
 
 def _forward_fails(model_type: str, fields: dict) -> bool:
-    """Whether transformers' own model of the config fails one forward and backward on the CPU."""
+    """Whether transformers' own model of the config fails to build, or to run one forward and
+    backward on the CPU."""
     import torch
 
     config = transformers.AutoConfig.for_model(model_type, **{**SMALL, **fields})
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
     ids = torch.randint(1, 100, (2, 8))
     try:
+        model = transformers.AutoModelForCausalLM.from_config(config)
         model(input_ids=ids, labels=ids).loss.backward()
     except RuntimeError:
         return True
@@ -210,7 +224,8 @@ def test_memtrain_refuses_exactly_the_partial_rotary_widths_transformers_cannot_
     if fails:
         assert code == 2
         err = _one_error_line(capsys)
-        assert "rotary" in err and ("rotary_dim" in err or "even number" in err), err
+        said = "from 0 to 1" if case.startswith("range-") else "even number"
+        assert "rotary" in err and ("rotary_dim" in err or said in err), err
     else:
         assert code == 0, capsys.readouterr().err
         assert json.loads(capsys.readouterr().out)["peak_bytes"] > 0
@@ -219,11 +234,12 @@ def test_memtrain_refuses_exactly_the_partial_rotary_widths_transformers_cannot_
 def test_the_refused_families_are_those_that_slice_at_their_own_width():
     """OWN_WIDTH_FAMILIES names the families whose crash the table above shows; each of them, and no
     family of the table that runs an odd width, slices q at a width it computes itself."""
-    from memtrain.models.auto_config import OWN_WIDTH_FAMILIES
+    from memtrain.models.auto_config import OWN_WIDTH_FAMILIES, TABLE_WIDTH_FAMILIES
 
-    crashing = {t for t, f, fails in PARTIAL_WIDTHS.values() if fails}
+    crashing = {t for case, (t, f, fails) in PARTIAL_WIDTHS.items() if fails and not case.startswith("range-")}
     running_odd = {"gpt_neox", "phi3", "glm", "nemotron"}
     assert crashing == OWN_WIDTH_FAMILIES and not running_odd & OWN_WIDTH_FAMILIES
+    assert running_odd <= TABLE_WIDTH_FAMILIES and not TABLE_WIDTH_FAMILIES & OWN_WIDTH_FAMILIES
 
 
 PARTIAL_FIX = {  # model_type, config.json fields, the field the line names, its proposed value

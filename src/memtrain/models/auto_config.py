@@ -70,7 +70,7 @@ def load_config(spec: str) -> Any:
         raise ConfigError(f"--model {spec!r} is an encoder-decoder ({cfg.model_type}); memtrain trains causal LMs")
     _refuse_unbuildable(cfg, spec)
     _refuse_odd_rotary_head(cfg, data, spec)
-    _refuse_odd_partial_rotary(cfg, data, spec)
+    _refuse_unrunnable_partial_rotary(cfg, data, spec)
     _settle_stray_fields(cfg, data, spec)
     return cfg
 
@@ -263,15 +263,20 @@ def _odd_rotary_head_line(spec: str, data: dict[str, Any], head_dim: int) -> str
 OWN_WIDTH_FAMILIES = frozenset({"stablelm", "phi", "persimmon", "gpt_neox_japanese", "gptj", "codegen"})
 # Of those, the families whose width is config.json's rotary_dim, a number of channels.
 ROTARY_DIM_FAMILIES = frozenset({"gptj", "codegen"})
+# Families whose layers cut q and k at the table's width (above) and so fail the first forward, as
+# the OWN_WIDTH_FAMILIES do, on a partial_rotary_factor over 1 (tables wider than the head) or below
+# 0 (no table: torch.arange's "upper bound and lower bound inconsistent"). Llama's family, Qwen2 and
+# Gemma turn the whole head whatever the factor says, and run. transformers 5.24; tests run each.
+TABLE_WIDTH_FAMILIES = frozenset({"gpt_neox", "phi3", "glm", "glm4", "nemotron", "minimax_m2"})
 
 
-def _refuse_odd_partial_rotary(cfg: Any, data: dict[str, Any], spec: str) -> None:
+def _refuse_unrunnable_partial_rotary(cfg: Any, data: dict[str, Any], spec: str) -> None:
     """Refuse a partial rotary width the layers of an :data:`OWN_WIDTH_FAMILIES` family cannot
     run: an odd one, and a GPT-J or CodeGen ``rotary_dim`` that is no even width from 2 to the
     head's (0 and a wider one fail the forward too). An odd head turned whole is
     :func:`_refuse_odd_rotary_head`'s, which runs first."""
     model_type = getattr(cfg, "model_type", None)
-    if model_type not in OWN_WIDTH_FAMILIES:
+    if model_type not in OWN_WIDTH_FAMILIES | TABLE_WIDTH_FAMILIES:
         return
     try:
         head_dim = rotary_head_dim(cfg)
@@ -283,7 +288,9 @@ def _refuse_odd_partial_rotary(cfg: Any, data: dict[str, Any], spec: str) -> Non
             raise ConfigError(_rotary_dim_line(spec, model_type, head_dim, width))
         return
     for width in _rotary_widths(cfg, head_dim):
-        if width % 2:
+        if not 0 <= width <= head_dim:
+            raise ConfigError(_partial_factor_range_line(spec, data, cfg, head_dim, width))
+        if width % 2 and model_type in OWN_WIDTH_FAMILIES:
             raise ConfigError(_partial_rotary_line(spec, data, cfg, head_dim, width))
 
 
@@ -300,15 +307,30 @@ def _partial_rotary_line(spec: str, data: dict[str, Any], cfg: Any, head_dim: in
     turns of a ``head_dim``-wide head: the config.json field that sets the factor, and a factor
     that turns one channel more (an even width)."""
     field = _partial_factor_field(data)
-    parameters = getattr(cfg, "rope_parameters", None)  # where transformers puts the factor, whichever field set it
-    factor = parameters.get("partial_rotary_factor") if isinstance(parameters, dict) else None
-    given = "" if field in data or "." in field else f", the {cfg.model_type} default"
-    line = (f"--model {spec!r}: {cfg.model_type}'s layers turn int(head_dim {head_dim} x {field} {factor}{given}) = "
-            f"{width} channels of each head, and rotary position embeddings need an even number")
+    line = (f"{_partial_width_said(spec, data, cfg, head_dim, width)}, and rotary position embeddings need an even "
+            "number")
     better = _factor_turning(head_dim, width + 1)
     if better is None:  # no factor of 6 decimals turns it (not met for heads up to 4096)
         return f"{line}; set {field} in its config.json to one giving an even width"
     return f"{line}; set {field} in its config.json to {better} ({width + 1} channels)"
+
+
+def _partial_factor_range_line(spec: str, data: dict[str, Any], cfg: Any, head_dim: int, width: int) -> str:
+    """The one line refusing a partial rotary factor over 1 or below 0: its ``width`` is no number
+    of a ``head_dim``-wide head's channels."""
+    return (f"{_partial_width_said(spec, data, cfg, head_dim, width)}, which a {head_dim}-channel head does not have; "
+            f"set {_partial_factor_field(data)} in its config.json to a number from 0 to 1")
+
+
+def _partial_width_said(spec: str, data: dict[str, Any], cfg: Any, head_dim: int, width: int) -> str:
+    """How ``cfg``'s layers come to turn ``width`` channels of each head: the factor, the
+    config.json field that sets it (or that it is the family's default) and the head width."""
+    field = _partial_factor_field(data)
+    parameters = getattr(cfg, "rope_parameters", None)  # where transformers puts the factor, whichever field set it
+    factor = parameters.get("partial_rotary_factor") if isinstance(parameters, dict) else None
+    given = "" if field in data or "." in field else f", the {cfg.model_type} default"
+    return (f"--model {spec!r}: {cfg.model_type}'s layers turn int(head_dim {head_dim} x {field} {factor}{given}) = "
+            f"{width} channels of each head")
 
 
 def _partial_factor_field(data: dict[str, Any]) -> str:
