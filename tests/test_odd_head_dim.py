@@ -373,3 +373,15 @@ def test_transformers_odd_head_refusal_is_reworded_only_when_recognised(tmp_path
     else:  # transformers' own words, whole
         shown = " ".join(str(exc).split())
         assert "cannot read the model config of --model" in err and shown in err and WORDS not in err, err
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"partial_rotary_factor": "abc"}, "partial_rotary_factor"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": "x"}},
+     "rope_parameters.partial_rotary_factor"),
+])
+def test_a_partial_rotary_factor_that_is_no_number_is_refused_in_one_line(tmp_path, capsys, fields, field):
+    """float() of it raised a ValueError with a traceback hint (exit 1)."""
+    spec = _write(tmp_path, "stablelm", **SMALL, hidden_size=80, num_attention_heads=4, **fields)
+    assert main(["estimate", "--model", spec, "--seq-len", "16"]) == 2
+    assert f"its config.json's {field} is not a number; set it to a number from 0 to 1" in _one_error_line(capsys)

@@ -287,7 +287,12 @@ def _refuse_unrunnable_partial_rotary(cfg: Any, data: dict[str, Any], spec: str)
         if width % 2 or not 0 < width <= head_dim:
             raise ConfigError(_rotary_dim_line(spec, model_type, head_dim, width))
         return
-    for width in _rotary_widths(cfg, head_dim):
+    try:
+        widths = _rotary_widths(cfg, head_dim)
+    except (TypeError, ValueError):  # float() of a factor that is no number: the layers fail the same way
+        raise ConfigError(f"--model {spec!r}: its config.json's {_partial_factor_field(data)} is not a number; set it "
+                          "to a number from 0 to 1") from None
+    for width in widths:
         if not 0 <= width <= head_dim:
             raise ConfigError(_partial_factor_range_line(spec, data, cfg, head_dim, width))
         if width % 2 and model_type in OWN_WIDTH_FAMILIES:
