@@ -1,7 +1,7 @@
 """The ``transformers.PretrainedConfig`` of a transformers ``--model`` (:func:`load_config`):
 read by AutoConfig after memtrain's own checks of its config.json (:mod:`memtrain.models.config_json`),
 then refused where transformers would read it and fail to build a model (an unknown activation,
-a head_dim of 0, a rope type it has no embedding for).
+a head_dim of 0, a rope type it has no embedding for, a rotary width its layers cannot turn).
 
 Nothing read here can execute code: ``trust_remote_code`` is never set. transformers (and with
 it torch) is imported when a config is read, not when this module is.
@@ -13,6 +13,7 @@ import contextlib
 import difflib
 import functools
 import logging
+import math
 import re
 import warnings
 from collections.abc import Iterator
@@ -56,9 +57,9 @@ def load_config(spec: str) -> Any:
         # multiple ..."): every line is kept, joined into one.
         why = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
         why = why if len(why) <= 400 else why[:397] + "..."
-        odd = _ODD_ROTARY_ERROR.search(why)
+        odd = _odd_head_transformers_refused(exc)
         if odd is not None:  # transformers' refusal, in the words memtrain gives every rotary family
-            raise ConfigError(_odd_rotary_head_line(spec, data, int(odd.group(1)))) from None
+            raise ConfigError(_odd_rotary_head_line(spec, data, odd)) from None
         raise ConfigError(f"cannot read the model config of --model {spec!r}: {why}{offline_hint(src.repo)}") from None
     if bad_factor:
         # transformers only warns: a factor of 0 trained to a NaN loss said to need a lower --lr, a
@@ -69,6 +70,7 @@ def load_config(spec: str) -> Any:
         raise ConfigError(f"--model {spec!r} is an encoder-decoder ({cfg.model_type}); memtrain trains causal LMs")
     _refuse_unbuildable(cfg, spec)
     _refuse_odd_rotary_head(cfg, data, spec)
+    _refuse_unrunnable_partial_rotary(cfg, data, spec)
     _settle_stray_fields(cfg, data, spec)
     return cfg
 
@@ -198,8 +200,30 @@ def _refuse_odd_rotary_head(cfg: Any, data: dict[str, Any], spec: str) -> None:
         raise ConfigError(_odd_rotary_head_line(spec, data, head_dim))
 
 
-# What transformers' validate_rope says of a fully rotated odd head (head_dim > 4): the width follows.
-_ODD_ROTARY_ERROR = re.compile(r"RoPE requires an even rotary dimension, but got `head_dim`=(\d+)")
+# The field and value transformers' rope check (validate_rope) names when it refuses a fully rotated
+# odd head (head_dim > 4): "RoPE requires an even rotary dimension, but got `head_dim`=19 with ...",
+# transformers 5.24. Only the field and its value are read, so a rewording of the rest of the
+# sentence still matches; a refusal without them is shown as transformers worded it.
+_REFUSED_HEAD_DIM = re.compile(r"`?head_dim`?\s*=\s*(\d+)")
+_ROTARY_WORD = re.compile(r"rotary|rope", re.IGNORECASE)
+
+
+def _odd_head_transformers_refused(exc: BaseException) -> int | None:
+    """The odd head width in transformers' refusal ``exc`` to read a config whose rotary embedding
+    turns a whole head of odd width: its rope check's ``ValueError`` (raised as is, or the cause of
+    huggingface_hub's class validation error) naming an odd ``head_dim``. None for any other
+    failure, which the caller shows untouched."""
+    cause = exc if isinstance(exc, ValueError) else exc.__cause__
+    if not isinstance(cause, ValueError):
+        return None
+    text = str(cause)
+    named = _REFUSED_HEAD_DIM.search(text)
+    if named is None or _ROTARY_WORD.search(text) is None:
+        return None
+    width = int(named.group(1))
+    return width if width % 2 else None
+
+
 # Families whose attention takes config.json's head_dim (``getattr(config, "head_dim", ...)`` in the
 # family's modeling file, transformers 5.24; tests/test_odd_head_dim.py holds each to its source):
 # the others' heads (GPT-NeoX's, StableLM's) are hidden_size / num_attention_heads wide, whatever it says.
@@ -211,6 +235,11 @@ def _odd_rotary_head_line(spec: str, data: dict[str, Any], head_dim: int) -> str
     """The one line refusing an odd ``head_dim`` that a rotary embedding turns whole: where
     config.json's fields (``data``) make that width, and what to change there."""
     why = f"--model {spec!r}: rotary position embeddings need an even head dimension, but head_dim = {head_dim}"
+    if data.get("alibi") is True:
+        # Falcon with ALiBi turns no channel, and its layers run an odd head; transformers' rope
+        # check reads every Falcon config all the same, and refuses it before memtrain sees it.
+        why = (f"--model {spec!r}: transformers reads no Falcon config with an odd head dimension, even with alibi "
+               f"(which turns no channel), but head_dim = {head_dim}")
     if data.get("head_dim") == head_dim:  # set apart from the hidden size: only head_dim changes it
         return f"{why} (config.json's head_dim); set an even head_dim in its config.json (e.g. {head_dim + 1})"
     hidden = next((data[n] for n in ("hidden_size", "n_embd") if _whole(data.get(n))), None)
@@ -222,6 +251,107 @@ def _odd_rotary_head_line(spec: str, data: dict[str, Any], head_dim: int) -> str
     if data.get("model_type") in HEAD_DIM_FAMILIES:
         fix += f", or set an even head_dim in its config.json (e.g. {head_dim + 1})"
     return f"{why}{source}; {fix}"
+
+
+# Families whose attention slices q and k at the rotary width it computes itself
+# (``int(head_dim x partial_rotary_factor)``; GPT-J's and CodeGen's ``rotary_dim``) while the cos/sin
+# tables it multiplies them by are ``2 x ceil(width / 2)`` wide: an odd width fails the first
+# forward ("The size of tensor a (5) must match the size of tensor b (6)", exit 1). The other
+# families taking a partial width (GPT-NeoX, Phi-3, GLM, Nemotron, ...) slice at the table's width
+# and run an odd one, turning one channel more. transformers 5.24; tests/test_odd_head_dim.py runs
+# a forward of each.
+OWN_WIDTH_FAMILIES = frozenset({"stablelm", "phi", "persimmon", "gpt_neox_japanese", "gptj", "codegen"})
+# Of those, the families whose width is config.json's rotary_dim, a number of channels.
+ROTARY_DIM_FAMILIES = frozenset({"gptj", "codegen"})
+# Families whose layers cut q and k at the table's width (above) and so fail the first forward, as
+# the OWN_WIDTH_FAMILIES do, on a partial_rotary_factor over 1 (tables wider than the head) or below
+# 0 (no table: torch.arange's "upper bound and lower bound inconsistent"). Llama's family, Qwen2 and
+# Gemma turn the whole head whatever the factor says, and run. transformers 5.24; tests run each.
+TABLE_WIDTH_FAMILIES = frozenset({"gpt_neox", "phi3", "glm", "glm4", "nemotron", "minimax_m2"})
+
+
+def _refuse_unrunnable_partial_rotary(cfg: Any, data: dict[str, Any], spec: str) -> None:
+    """Refuse a partial rotary width the layers of an :data:`OWN_WIDTH_FAMILIES` family cannot
+    run: an odd one, and a GPT-J or CodeGen ``rotary_dim`` that is no even width from 2 to the
+    head's (0 and a wider one fail the forward too). An odd head turned whole is
+    :func:`_refuse_odd_rotary_head`'s, which runs first."""
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in OWN_WIDTH_FAMILIES | TABLE_WIDTH_FAMILIES:
+        return
+    try:
+        head_dim = rotary_head_dim(cfg)
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+        return  # no whole head width: mirrored_fields names it
+    if model_type in ROTARY_DIM_FAMILIES:
+        width = cfg.rotary_dim  # transformers' config check makes it a whole number
+        if width % 2 or not 0 < width <= head_dim:
+            raise ConfigError(_rotary_dim_line(spec, model_type, head_dim, width))
+        return
+    try:
+        widths = _rotary_widths(cfg, head_dim)
+    except (TypeError, ValueError):  # float() of a factor that is no number: the layers fail the same way
+        raise ConfigError(f"--model {spec!r}: its config.json's {_partial_factor_field(data)} is not a number; set it "
+                          "to a number from 0 to 1") from None
+    for width in widths:
+        if not 0 <= width <= head_dim:
+            raise ConfigError(_partial_factor_range_line(spec, data, cfg, head_dim, width))
+        if width % 2 and model_type in OWN_WIDTH_FAMILIES:
+            raise ConfigError(_partial_rotary_line(spec, data, cfg, head_dim, width))
+
+
+def _rotary_dim_line(spec: str, model_type: str, head_dim: int, width: int) -> str:
+    """The one line refusing GPT-J's or CodeGen's ``rotary_dim`` ``width`` of a ``head_dim``-wide head."""
+    even = min(max(2, width + width % 2), head_dim - head_dim % 2)
+    return (f"--model {spec!r}: {model_type}'s rotary_dim must be an even number of channels from 2 to the head "
+            f"width {head_dim}, but rotary_dim = {width}; set rotary_dim in its config.json to an even number such "
+            f"as {even}")
+
+
+def _partial_rotary_line(spec: str, data: dict[str, Any], cfg: Any, head_dim: int, width: int) -> str:
+    """The one line refusing the odd ``width`` channels that ``cfg``'s ``partial_rotary_factor``
+    turns of a ``head_dim``-wide head: the config.json field that sets the factor, and a factor
+    that turns one channel more (an even width)."""
+    field = _partial_factor_field(data)
+    line = (f"{_partial_width_said(spec, data, cfg, head_dim, width)}, and rotary position embeddings need an even "
+            "number")
+    better = _factor_turning(head_dim, width + 1)
+    if better is None:  # no factor of 6 decimals turns it (not met for heads up to 4096)
+        return f"{line}; set {field} in its config.json to one giving an even width"
+    return f"{line}; set {field} in its config.json to {better} ({width + 1} channels)"
+
+
+def _partial_factor_range_line(spec: str, data: dict[str, Any], cfg: Any, head_dim: int, width: int) -> str:
+    """The one line refusing a partial rotary factor over 1 or below 0: its ``width`` is no number
+    of a ``head_dim``-wide head's channels."""
+    return (f"{_partial_width_said(spec, data, cfg, head_dim, width)}, which a {head_dim}-channel head does not have; "
+            f"set {_partial_factor_field(data)} in its config.json to a number from 0 to 1")
+
+
+def _partial_width_said(spec: str, data: dict[str, Any], cfg: Any, head_dim: int, width: int) -> str:
+    """How ``cfg``'s layers come to turn ``width`` channels of each head: the factor, the
+    config.json field that sets it (or that it is the family's default) and the head width."""
+    field = _partial_factor_field(data)
+    parameters = getattr(cfg, "rope_parameters", None)  # where transformers puts the factor, whichever field set it
+    factor = parameters.get("partial_rotary_factor") if isinstance(parameters, dict) else None
+    given = "" if field in data or "." in field else f", the {cfg.model_type} default"
+    return (f"--model {spec!r}: {cfg.model_type}'s layers turn int(head_dim {head_dim} x {field} {factor}{given}) = "
+            f"{width} channels of each head")
+
+
+def _partial_factor_field(data: dict[str, Any]) -> str:
+    """The config.json field that sets a family's partial rotary factor: inside rope_parameters or
+    rope_scaling, GPT-NeoX's rotary_pct, else partial_rotary_factor (also where it is the default)."""
+    for holder in ("rope_parameters", "rope_scaling"):
+        if isinstance(data.get(holder), dict) and "partial_rotary_factor" in data[holder]:
+            return f"{holder}.partial_rotary_factor"
+    return "rotary_pct" if "rotary_pct" in data else "partial_rotary_factor"
+
+
+def _factor_turning(head_dim: int, width: int) -> float | None:
+    """The smallest factor of six decimals whose ``int(head_dim x factor)`` (how transformers
+    derives the width) is ``width``: the plain quotient can land a float step below it (58 / 100)."""
+    start = math.ceil(width / head_dim * 1e6)
+    return next((k / 1e6 for k in range(start - 1, start + 3) if int(head_dim * (k / 1e6)) == width), None)
 
 
 def _whole(value: Any) -> bool:
