@@ -69,6 +69,7 @@ def load_config(spec: str) -> Any:
     if getattr(cfg, "is_encoder_decoder", False):
         raise ConfigError(f"--model {spec!r} is an encoder-decoder ({cfg.model_type}); memtrain trains causal LMs")
     _refuse_unbuildable(cfg, spec)
+    _refuse_kv_heads(cfg, data, spec)
     _refuse_odd_rotary_head(cfg, data, spec)
     _refuse_unrunnable_partial_rotary(cfg, data, spec)
     _settle_stray_fields(cfg, data, spec)
@@ -134,6 +135,23 @@ def _refuse_unbuildable(cfg: Any, spec: str) -> None:
         raise ConfigError(f"--model {spec!r}: its config.json's head_dim {head_dim!r} is not a positive whole number; "
                           "fix it, or remove it (hidden_size / num_attention_heads is taken)")
     _refuse_unknown_rope_type(cfg, spec)
+
+
+def _refuse_kv_heads(cfg: Any, data: dict[str, Any], spec: str) -> None:
+    """A ``num_key_value_heads`` that is not a positive divisor of ``num_attention_heads``: each
+    key/value head serves a whole group of query heads, and transformers builds such a model, then
+    fails at the first forward (a tensor size mismatch, or a division by zero), exit 1. StableLM
+    takes 32 where the field is unset, whatever the number of heads."""
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv = getattr(cfg, "num_key_value_heads", None)
+    if not isinstance(heads, int) or isinstance(heads, bool) or not isinstance(kv, int) or isinstance(kv, bool):
+        return  # a family without grouped heads, or a value transformers' own checks name
+    if kv >= 1 and heads % kv == 0:
+        return
+    where = "" if "num_key_value_heads" in data else f" ({cfg.model_type}'s default where config.json leaves it unset)"
+    raise ConfigError(f"--model {spec!r}: num_key_value_heads {kv}{where} does not divide num_attention_heads {heads}; "
+                      f"set num_key_value_heads in its config.json to a divisor of {heads} ({heads} for plain "
+                      "multi-head attention)")
 
 
 def _rope_types(parameters: Any) -> list[Any]:

@@ -101,6 +101,9 @@ def _read_light_config(spec: str) -> Optional[SimpleNamespace]:
         # An odd head the family's rotary embedding turns whole: the model cannot run, and
         # load_config refuses it in one line (auto_config._refuse_odd_rotary_head).
         return None
+    kv = getattr(c, "num_key_value_heads", None)
+    if isinstance(kv, int) and (kv < 1 or c.num_attention_heads % kv):
+        return None  # the model cannot run: load_config refuses it in one line (auto_config._refuse_kv_heads)
     return c
 
 
