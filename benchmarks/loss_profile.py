@@ -102,13 +102,14 @@ def per_op_chunk_step(backend: str = "inductor") -> Callable[..., None]:
     eager_step = loss_module._chunk_step
 
     def step(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, grad_h_rows: Optional[torch.Tensor],
-             grad_w: Optional[torch.Tensor], loss_sum: torch.Tensor, fused: Any, vocab: int) -> None:
+             grad_w: Optional[torch.Tensor], loss_sum: torch.Tensor, fused: Any, vocab: int,
+             fp32_addmm: bool = False) -> None:
         if fused is None:
-            eager_step(h, w, t, grad_h_rows, grad_w, loss_sum, None, vocab)
+            eager_step(h, w, t, grad_h_rows, grad_w, loss_sum, None, vocab, fp32_addmm)
             return
         chunk_loss, g = compiled(h @ w.t(), t, vocab)
         loss_sum += chunk_loss
-        loss_module._accumulate(grad_h_rows, grad_w, g, h, w)
+        loss_module._accumulate(grad_h_rows, grad_w, g, h, w, fp32_addmm)
 
     return step
 
