@@ -25,7 +25,10 @@ GPT's 27.9 ms against Liger's 31.8 ms. Liger sizes its chunks from vocab / hidde
 Qwen's 151,936 x 896 head), which makes many small matmuls.
 
 Precision matches the standard loss: under autocast the logits are computed in the autocast
-dtype (as ``F.linear`` would), the softmax statistics in float32.
+dtype (as ``F.linear`` would), the softmax statistics in float32. The weight gradient is
+accumulated across chunks in float32; each chunk's 16-bit product is rounded once before it is
+added, unless ``MEMTRAIN_LOSS_FP32_ADDMM=1`` (CUDA, opt-in until timed) adds it in the GEMM's
+float32 epilogue (:func:`_addmm_fp32_`).
 
 Speed on a GPU: on CUDA each chunk's whole body (the logits matmul, the element-wise logit gradient
 ``softmax - onehot``, ``g @ w`` and ``g.t() @ h``) is one function compiled by inductor
