@@ -19,7 +19,8 @@ six *parts*, each one device command of under 10 minutes, run in priority order:
             library loss kernels (Cut Cross-Entropy, Liger) beside memtrain's on the seed GPT and
             Qwen2.5-0.5B, and the compiled seed step with --sync-steps, beside build's overlapped one;
             optional (dropped first when the part runs late): the compiled seed step under --loss-on
-            completion beside --loss-on all (benchmarks/loss_on_step.py)
+            completion beside --loss-on all (benchmarks/loss_on_step.py), and the chunked loss's
+            float32-epilogue addmm beside its default accumulation on the seed GPT and Qwen2.5-0.5B
     inference  `estimate --mode inference` against a measured generate on CUDA kernels, and
             `--gpu`'s fit figure against the device's used memory (benchmarks/generate_check.py)
 
@@ -146,6 +147,15 @@ def _loss_profile(s: Sizes, out: Path, variants: str) -> list[str]:
     return [PY, str(ROOT / "benchmarks" / "loss_profile.py"), "--device", s.device, "--batch-size", str(s.seed_batch),
             "--seq-len", str(s.seed_seq), "--out", str(out), "--variants", variants,
             *(["--compile"] if s.compile else ["--steps", "2", "--warmup", "1", "--d-model", "64"])]
+
+
+def _qwen_loss_profile(s: Sizes, out: Path, variants: str) -> list[str]:
+    """benchmarks/loss_profile.py on Qwen2.5-0.5B (batch 4 x 1024; tiny-llama on a CPU), fewer steps
+    than the seed's: each compiled variant compiles the 24-layer model anew."""
+    return [PY, str(ROOT / "benchmarks" / "loss_profile.py"), "--device", s.device, "--model", s.mid_model,
+            "--batch-size", str(s.mid_batch), "--seq-len", str(s.mid_seq), "--out", str(out), "--variants", variants,
+            *(["--compile", "--steps", "3", "--warmup", "2", "--timed", "8"] if s.compile
+              else ["--steps", "1", "--warmup", "1", "--timed", "1"])]
 
 
 def _loss_on_step(s: Sizes, out: Path) -> list[str]:
@@ -287,6 +297,22 @@ STEPS: list[Step] = [
                          *([str(out), "qwen-standard", "qwen-chunked", "qwen-cce"] if s.device == "cuda"
                            else ["--help"])],
          "table"),
+    Step("loss-addmm", "profile",
+         "the chunked loss's weight gradient added in the GEMM's float32 epilogue (MEMTRAIN_LOSS_FP32_ADDMM=1: "
+         "8 V d bytes a chunk, no bf16 rounding) against the default bf16 product added into float32 (~12 V d), "
+         "seed GPT batch 64 x 256: chunks 1024 and 256, compiled and eager, and the addmm inside the compiled "
+         "chunk body (inductor splits it); decides whether it becomes the CUDA default; optional", 150,
+         lambda s, out: _loss_profile(s, out, "chunked-1024,chunked-1024-addmm,chunked-1024-addmm-inductor,"
+                                      "chunked-256,chunked-256-addmm,standard,chunked-1024-eager,"
+                                      "chunked-1024-addmm-eager"),
+         "markdown", optional=True),
+    Step("qwen-loss-addmm", "profile",
+         "the float32-epilogue addmm on Qwen2.5-0.5B's 151,936-token head (batch 4 x 1024, bf16, sdpa), where the "
+         "weight gradient's traffic is largest: chunk 1024 with and without it, eager and compiled, beside the "
+         "standard loss; optional", 240,
+         lambda s, out: _qwen_loss_profile(s, out, "standard-eager,chunked-1024-eager,chunked-1024-addmm-eager,"
+                                           "chunked-1024,chunked-1024-addmm"),
+         "markdown", optional=True),
     Step("generate", "inference",
          "estimate --mode inference within 1% of generate's tracked peak on CUDA kernels (Qwen2.5-0.5B, Llama-3-8B, "
          "Mistral-7B's shape, a prompt past its 4096 window); max allocated / reserved and the device's used memory "

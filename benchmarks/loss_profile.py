@@ -22,10 +22,18 @@ makes of the whole loss when it sees it); ``chunked-N-loop`` (each chunk's ops l
 around one compiled logit gradient, :func:`per_op_chunk_step`, as before the one-call body);
 ``chunked-N-unaligned`` (the logits exactly vocab columns wide, as before the aligned layout);
 ``liger`` and ``cce`` (``--loss-kernel liger|cce``: the library's kernel, outside the compiled graph;
-``cce`` exact, as memtrain calls it, ``cce-filter`` with Cut Cross-Entropy's own gradient filter). Any
+``cce`` exact, as memtrain calls it, ``cce-filter`` with Cut Cross-Entropy's own gradient filter);
+``chunked-N-addmm`` (the weight gradient added with the float32-epilogue ``addmm(..., out_dtype=float32,
+out=grad_w)`` after each compiled chunk call, as ``MEMTRAIN_LOSS_FP32_ADDMM=1`` runs it; every other
+variant runs the default accumulation, whatever the environment says) and ``chunked-N-addmm-inductor``
+(that addmm inside the compiled chunk body, where inductor splits it into a float32 matmul and an
+add); both CUDA only, skipped elsewhere or where torch's kernel lacks the overload. Any
 variant ending in ``-cudagraphs`` runs with ``--compile-mode reduce-overhead``: with ``--compile``
 on a GPU, CUDA graphs replay the compiled forward and backward in one launch each, which says how
 much of a step is launch cost (their max allocated leaves out the graphs' own pool: read reserved).
+Any variant ending in ``-eager`` runs without ``--compile`` (the chunk bodies are compiled on CUDA
+all the same), so one run holds eager and compiled rows. ``--model`` profiles a transformers model
+(``--model qwen2.5-0.5b``: its 151,936-token head) instead of the seed GPT.
 Each variant's step time is the median of steps timed without the profiler (``--timed``), which
 adds host time to every operator it records.
 A variant that fails is recorded with its error, and the next one runs. A library kernel that
@@ -34,6 +42,8 @@ with memtrain's reason.
 
     python benchmarks/loss_profile.py --device cuda --compile --out /tmp/loss-profile
     python benchmarks/loss_profile.py --device cpu --batch-size 2 --seq-len 64 --d-model 64 --steps 2
+    python benchmarks/loss_profile.py --device cuda --model qwen2.5-0.5b --batch-size 4 --seq-len 1024 \
+        --variants standard-eager,chunked-1024-eager,chunked-1024-addmm-eager --out /tmp/qwen-addmm
 
 Writes OUT/loss_profile.json and OUT/loss_profile.md after each variant (a later failure loses
 none before it). Timing figures are for comparing the variants of one run, on one machine.
@@ -63,32 +73,39 @@ from memtrain.techniques.facts import loss_kernel_refusal
 from memtrain.techniques.precision import make_precision
 from memtrain.training.step import build_state, random_micro_batches, run_step
 
-VARIANT_HOW = ("", "outside", "traced", "loop", "unaligned")
+VARIANT_HOW = ("", "outside", "traced", "loop", "unaligned", "addmm", "addmm-inductor")
+# The variants that run the float32-epilogue addmm (CUDA only).
+ADDMM_HOW = ("addmm", "addmm-inductor")
 # The library kernels' variants: name -> (--loss-kernel, how its loss runs).
 LIBRARY_VARIANTS = {"liger": ("liger", ""), "cce": ("cce", ""), "cce-filter": ("cce", "filter")}
 
 
 CUDA_GRAPHS = "-cudagraphs"
+EAGER = "-eager"
 
 
 def parse_variant(name: str) -> tuple[dict[str, Any], str]:
     """A variant's config overrides and how its loss runs (one of VARIANT_HOW); ValueError naming
     the accepted forms. A ``-cudagraphs`` suffix on any variant compiles it with
-    ``--compile-mode reduce-overhead`` (CUDA graphs: one launch replays the compiled graph)."""
+    ``--compile-mode reduce-overhead`` (CUDA graphs: one launch replays the compiled graph); an
+    ``-eager`` suffix runs it without ``--compile``."""
     base, graphs = (name[:-len(CUDA_GRAPHS)], True) if name.endswith(CUDA_GRAPHS) else (name, False)
-    mode = {"compile_mode": "reduce-overhead"} if graphs else {}
+    base, eager = (base[:-len(EAGER)], True) if base.endswith(EAGER) else (base, False)
+    if graphs and eager:
+        raise ValueError(f"variant {name!r}: CUDA graphs replay a compiled step; drop {EAGER} or {CUDA_GRAPHS}")
+    mode = {"compile_mode": "reduce-overhead"} if graphs else {"compile": False} if eager else {}
     if base == "standard":
         return {"loss": "standard", **mode}, ""
     if base in LIBRARY_VARIANTS:
         kernel, how = LIBRARY_VARIANTS[base]
         return {"loss": "chunked", "loss_kernel": kernel, **mode}, how
-    parts = base.split("-")
-    if parts[0] == "chunked" and 2 <= len(parts) <= 3 and parts[1].isdigit() and int(parts[1]) > 0 \
+    parts = base.split("-", 2)
+    if parts[0] == "chunked" and len(parts) >= 2 and parts[1].isdigit() and int(parts[1]) > 0 \
             and (len(parts) == 2 or parts[2] in VARIANT_HOW[1:]):
         return {"loss": "chunked", "loss_chunk": int(parts[1]), **mode}, parts[2] if len(parts) == 3 else ""
     raise ValueError(f"unknown variant {name!r}: use standard, chunked-N, chunked-N-outside, chunked-N-traced, "
-                     f"chunked-N-loop, chunked-N-unaligned, liger, cce or cce-filter, each optionally ending in "
-                     f"{CUDA_GRAPHS}")
+                     f"chunked-N-loop, chunked-N-unaligned, chunked-N-addmm, chunked-N-addmm-inductor, liger, cce "
+                     f"or cce-filter, each optionally ending in {CUDA_GRAPHS} or {EAGER}")
 
 
 def per_op_chunk_step(backend: str = "inductor") -> Callable[..., None]:
@@ -102,23 +119,52 @@ def per_op_chunk_step(backend: str = "inductor") -> Callable[..., None]:
     eager_step = loss_module._chunk_step
 
     def step(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, grad_h_rows: Optional[torch.Tensor],
-             grad_w: Optional[torch.Tensor], loss_sum: torch.Tensor, fused: Any, vocab: int) -> None:
+             grad_w: Optional[torch.Tensor], loss_sum: torch.Tensor, fused: Any, vocab: int,
+             fp32_addmm: bool = False) -> None:
         if fused is None:
-            eager_step(h, w, t, grad_h_rows, grad_w, loss_sum, None, vocab)
+            eager_step(h, w, t, grad_h_rows, grad_w, loss_sum, None, vocab, fp32_addmm)
             return
         chunk_loss, g = compiled(h @ w.t(), t, vocab)
         loss_sum += chunk_loss
-        loss_module._accumulate(grad_h_rows, grad_w, g, h, w)
+        loss_module._accumulate(grad_h_rows, grad_w, g, h, w, fp32_addmm)
 
     return step
+
+
+def inductor_addmm_chunk_body(backend: str = "inductor") -> Callable[..., None]:
+    """The chunk body with the float32-epilogue addmm inside the compiled call (compiled with
+    ``backend``): inductor decomposes ``addmm.dtype`` into ``mm(out_dtype=float32)`` and an add
+    (see the comment above :data:`memtrain.techniques.loss.FP32_ADDMM_ENV`), so this times what the
+    library's variant avoids by running the addmm after the compiled call."""
+    def body(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, grad_h_rows: Optional[torch.Tensor],
+             grad_w: Optional[torch.Tensor], loss_sum: torch.Tensor, vocab: int) -> None:
+        g = loss_module._chunk_head(h, w, t, grad_h_rows, loss_sum, vocab)
+        if grad_w is not None:
+            grad_w.copy_(torch.addmm(grad_w, g.t(), h, out_dtype=torch.float32))
+
+    return torch.compile(body, backend=backend)
+
+
+def _addmm_refusal(how: str, device: torch.device) -> Optional[str]:
+    """Why a float32-epilogue addmm variant cannot run here (its kernel is CUDA's, and torch's may
+    lack the overload), or None."""
+    if how not in ADDMM_HOW:
+        return None
+    if device.type != "cuda":
+        return f"the float32-epilogue addmm (addmm.dtype_out) is a CUDA kernel; --device is {device.type}"
+    if not loss_module._fp32_addmm_supported(device):
+        return (f"torch {torch.__version__}'s CUDA addmm does not add a 16-bit product into a float32 tensor "
+                "(addmm.dtype_out)")
+    return None
 
 
 @contextlib.contextmanager
 def _loss_placement(state: Any, how: str) -> Iterator[None]:
     """Leave the loss out of the compiled graph ("outside"), trace its chunk loop into it
     ("traced"), run the per-op chunk step ("loop"), lay the logits out exactly vocab columns wide
-    ("unaligned") or turn Cut Cross-Entropy's own gradient filter on ("filter"); everything is put back
-    afterwards."""
+    ("unaligned"), turn Cut Cross-Entropy's own gradient filter on ("filter"), add the weight
+    gradient with the float32-epilogue addmm after each compiled chunk call ("addmm") or inside it
+    ("addmm-inductor"); everything is put back afterwards."""
     if how == "outside":
         state.model.loss_fn = torch.compiler.disable(state.model.loss_fn)
     previous = loss_module._chunked_forward_op, loss_module._chunk_step
@@ -127,6 +173,13 @@ def _loss_placement(state: Any, how: str) -> Iterator[None]:
     if how == "loop":  # the loop looks its step up at each chunk, on the operator's path and the eager one
         loss_module._chunk_step = per_op_chunk_step()
     align, cce_filter = loss_module.ALIGN_VOCAB, loss_module.CCE_FILTER_EPS
+    fp32_addmm, compiled_body = loss_module.FP32_ADDMM, loss_module._compiled_chunk_body
+    # Only the addmm variant runs the library's float32-epilogue path: a MEMTRAIN_LOSS_FP32_ADDMM=1
+    # in the environment must not relabel the others.
+    loss_module.FP32_ADDMM = how == "addmm"
+    if how == "addmm-inductor":  # the one-call body, the addmm inside it
+        body = inductor_addmm_chunk_body()
+        loss_module._compiled_chunk_body = lambda: body  # type: ignore[assignment]  # the cached maker, swapped
     if how == "unaligned":  # the logits exactly vocab columns wide, as before the aligned layout
         loss_module.ALIGN_VOCAB = 1
     if how == "filter":  # Cut Cross-Entropy skipping its backward's blocks below bf16's eps / 32
@@ -136,6 +189,7 @@ def _loss_placement(state: Any, how: str) -> Iterator[None]:
     finally:
         loss_module._chunked_forward_op, loss_module._chunk_step = previous
         loss_module.ALIGN_VOCAB, loss_module.CCE_FILTER_EPS = align, cce_filter
+        loss_module.FP32_ADDMM, loss_module._compiled_chunk_body = fp32_addmm, compiled_body
 
 
 def profile_variant(overrides: dict[str, Any], steps: int, warmup: int, top: int, how: str = "",
@@ -207,6 +261,12 @@ def _profile_steps(state: Any, cfg: Any, device: torch.device, steps: int, warmu
     }
 
 
+def _variant_refusal(extra: dict[str, Any], how: str, device: torch.device) -> Optional[str]:
+    """Why a variant cannot run here (a library kernel's, :func:`_library_refusal`, or the float32-epilogue
+    addmm's, :func:`_addmm_refusal`), or None."""
+    return _library_refusal(extra, device) or _addmm_refusal(how, device)
+
+
 def _library_refusal(extra: dict[str, Any], device: torch.device) -> Optional[str]:
     """Why a library kernel's variant cannot run here (its package is not installed, or it is
     Triton code and the device is not CUDA), or None: memtrain's refusal, as train gives it."""
@@ -243,16 +303,34 @@ def _markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def base_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings every variant shares (each variant's own overrides go on top)."""
+    cuda = args.device.startswith("cuda")
+    base: dict[str, Any] = {"device": args.device, "batch_size": args.batch_size, "seq_len": args.seq_len,
+                            "precision": "bf16" if cuda else "fp32",
+                            # flash is the seed GPT's kernel; a transformers model runs sdpa
+                            "attention": "flash" if cuda and not args.model else "sdpa",
+                            "compile": args.compile}
+    if args.model:
+        base["model"] = args.model
+    if args.d_model:
+        base.update(d_model=args.d_model, d_ff=4 * args.d_model)
+    return base
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line (a test reads the runbook's commands through it)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batch-size", type=positive_int, default=64)
     ap.add_argument("--seq-len", type=positive_int, default=256)
     ap.add_argument("--d-model", type=positive_int, default=None, help="a smaller model for a quick look")
+    ap.add_argument("--model", default=None, help="a transformers model instead of the seed GPT (as memtrain "
+                    "train --model takes it: qwen2.5-0.5b, a config.json or a folder); attention sdpa")
     ap.add_argument("--variants", default="standard,chunked-256,chunked-1024",
                     help="comma-separated: standard, chunked-N, chunked-N-outside, chunked-N-traced, "
-                         "chunked-N-loop, chunked-N-unaligned, liger, cce, cce-filter, each optionally ending in "
-                         "-cudagraphs (see above)")
+                         "chunked-N-loop, chunked-N-unaligned, chunked-N-addmm, chunked-N-addmm-inductor, liger, "
+                         "cce, cce-filter, each optionally ending in -eager or -cudagraphs (see above)")
     ap.add_argument("--compile", action="store_true", help="--compile for every variant")
     ap.add_argument("--steps", type=positive_int, default=6, help="profiled steps per variant (default 6)")
     ap.add_argument("--warmup", type=positive_int, default=3, help="steps before timing (default 3; the first "
@@ -261,6 +339,11 @@ def main(argv: list[str] | None = None) -> int:
                     "(default 20; 0: the profiled steps' times)")
     ap.add_argument("--top", type=positive_int, default=25, help="operators listed per variant (default 25)")
     ap.add_argument("--out", default="benchmarks/results/loss-profile")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     try:
         variants = [(v, *parse_variant(v)) for v in args.variants.split(",") if v]
@@ -268,14 +351,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--variants: {e}")
     if not variants:
         ap.error("--variants: name at least one (standard, chunked-N, ...)")
+    if args.model is not None and args.d_model:
+        ap.error("--d-model resizes the seed GPT; --model names its own shape (drop one)")
+    if args.model is not None and not args.model.strip():
+        ap.error("--model is empty; name a model (qwen2.5-0.5b) or drop --model for the seed GPT")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error(f"--device {args.device}: no CUDA device here (torch {torch.__version__}); use --device cpu")
-    base: dict[str, Any] = {"device": args.device, "batch_size": args.batch_size, "seq_len": args.seq_len,
-                            "precision": "bf16" if args.device.startswith("cuda") else "fp32",
-                            "attention": "flash" if args.device.startswith("cuda") else "sdpa",
-                            "compile": args.compile}
-    if args.d_model:
-        base.update(d_model=args.d_model, d_ff=4 * args.d_model)
+    base = base_overrides(args)
     out = Path(args.out)
     problem = benchmark_out_problem(out, "loss_profile.json")
     if problem:
@@ -286,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__, "device_name": device_name(device)}
     rows: list[dict[str, Any]] = []
     for name, extra, how in variants:
-        skip = _library_refusal(extra, device)
+        skip = _variant_refusal(extra, how, device)
         if skip is not None:
             # Not installed, or not a kernel for this device: the row is left out with the reason
             # (a failure would read as a defect of the kernel, the others' device time unspent).

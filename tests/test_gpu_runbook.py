@@ -84,6 +84,13 @@ def test_full_size_commands_parse_with_todays_flags(step, tmp_path, monkeypatch)
         for loss_on in script.VARIANTS:  # each variant's run config through the config's own checks
             cfg = build_config(script._settings(args, loss_on))
             assert (cfg.train.device, cfg.data.loss_on, cfg.technique.compile) == ("cuda", loss_on, True)
+    elif argv[1].endswith("loss_profile.py"):
+        script = _load("loss_profile")
+        args = script.parser().parse_args(argv[2:])
+        for variant in args.variants.split(","):  # each variant's run config through the config's own checks
+            extra, _ = script.parse_variant(variant)
+            cfg = build_config({**script.base_overrides(args), **extra})
+            assert cfg.train.device == "cuda"
     elif argv[1:3] == ["-m", "pytest"]:
         assert "gpu" in argv and "--co" not in argv
     elif argv[0] == "bash" and argv[1].endswith("loss_kernel_ab.sh"):
@@ -644,3 +651,64 @@ def test_allocator_check_measures_under_the_allocator_defaults_its_model_assumes
     data = json.loads((tmp_path / "a" / "allocator_check.json").read_text())
     assert data["allocator_conf_dropped"] == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert "allocator defaults" in capsys.readouterr().err
+
+
+def test_the_fp32_addmm_steps_are_optional_profile_steps_timing_both_accumulations():
+    """loss-addmm (seed GPT) and qwen-loss-addmm (Qwen2.5-0.5B) time the float32-epilogue addmm beside
+    the default accumulation at the same chunk, eager and compiled, in one run each; --only takes them."""
+    profile = _load("loss_profile")
+    steps = {s.name: s for s in runbook.STEPS}
+    for name, model in (("loss-addmm", None), ("qwen-loss-addmm", "qwen2.5-0.5b")):
+        step = steps[name]
+        assert step.optional and step.part == "profile"
+        argv = step.argv(runbook.FULL, Path("/tmp/out"))
+        args = profile.parser().parse_args(argv[2:])
+        assert args.model == model and args.compile
+        variants = args.variants.split(",")
+        for plain in [v for v in variants if "-addmm" in v]:  # each addmm row has its default twin
+            assert plain.replace("-addmm-inductor", "").replace("-addmm", "") in variants, plain
+        assert {profile.parse_variant(v)[0].get("compile", True) for v in variants} == {True, False}
+    assert [s.name for s in runbook._part_steps("profile", ["qwen-loss-addmm", "loss-addmm"])] == \
+        ["loss-addmm", "qwen-loss-addmm"]
+    assert [s.name for s in runbook._part_steps(runbook.PICKED, ["qwen-loss-addmm", "loss-addmm"])] == \
+        ["qwen-loss-addmm", "loss-addmm"]
+
+
+def test_loss_profile_addmm_and_eager_variants(tmp_path, monkeypatch):
+    """``-addmm`` runs the library's float32-epilogue path (that variant only: the environment variable
+    does not relabel the others), ``-addmm-inductor`` swaps in a compiled body holding the addmm,
+    ``-eager`` drops --compile; on a CPU the addmm rows are skipped naming why, the others run."""
+    from memtrain.techniques import loss
+
+    profile = _load("loss_profile")
+    assert profile.parse_variant("chunked-1024-addmm") == ({"loss": "chunked", "loss_chunk": 1024}, "addmm")
+    assert profile.parse_variant("chunked-64-addmm-inductor-eager") == (
+        {"loss": "chunked", "loss_chunk": 64, "compile": False}, "addmm-inductor")
+    assert profile.parse_variant("standard-eager") == ({"loss": "standard", "compile": False}, "")
+    with pytest.raises(ValueError, match="drop -eager or -cudagraphs"):
+        profile.parse_variant("chunked-64-eager-cudagraphs")
+    with pytest.raises(ValueError, match="optionally ending in -cudagraphs or -eager"):
+        profile.parse_variant("chunked-64-addmm-triton")
+    monkeypatch.setenv(loss.FP32_ADDMM_ENV, "1")
+    state = types.SimpleNamespace(model=types.SimpleNamespace(loss_fn=None))
+    before, body = loss.FP32_ADDMM, loss._compiled_chunk_body
+    with profile._loss_placement(state, "addmm"):
+        assert loss.FP32_ADDMM is True and loss.fp32_addmm_requested()
+    with profile._loss_placement(state, ""):
+        assert loss.FP32_ADDMM is False and not loss.fp32_addmm_requested()
+    with profile._loss_placement(state, "addmm-inductor"):
+        assert loss.FP32_ADDMM is False and loss._compiled_chunk_body is not body
+    assert loss.FP32_ADDMM is before and loss._compiled_chunk_body is body
+    # Where they cannot run: a CPU, or a CUDA torch whose addmm lacks the overload.
+    assert "CUDA kernel" in profile._addmm_refusal("addmm", torch.device("cpu"))
+    monkeypatch.setattr(loss, "_fp32_addmm_supported", lambda device: False)
+    assert "addmm.dtype_out" in profile._addmm_refusal("addmm-inductor", torch.device("cuda"))
+    monkeypatch.setattr(loss, "_fp32_addmm_supported", lambda device: True)
+    assert profile._addmm_refusal("addmm", torch.device("cuda")) is None
+    assert profile._addmm_refusal("", torch.device("cpu")) is None
+    assert profile.main(["--device", "cpu", "--batch-size", "1", "--seq-len", "16", "--d-model", "32",
+                         "--variants", "chunked-16-addmm,chunked-16-eager", "--steps", "1", "--warmup", "1",
+                         "--timed", "0", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "loss_profile.json").read_text())["rows"]
+    assert rows[0]["skipped"].startswith("the float32-epilogue addmm (addmm.dtype_out) is a CUDA kernel")
+    assert rows[1]["config"]["compile"] is False and rows[1]["step_s_median"] > 0

@@ -25,7 +25,10 @@ GPT's 27.9 ms against Liger's 31.8 ms. Liger sizes its chunks from vocab / hidde
 Qwen's 151,936 x 896 head), which makes many small matmuls.
 
 Precision matches the standard loss: under autocast the logits are computed in the autocast
-dtype (as ``F.linear`` would), the softmax statistics in float32.
+dtype (as ``F.linear`` would), the softmax statistics in float32. The weight gradient is
+accumulated across chunks in float32; each chunk's 16-bit product is rounded once before it is
+added, unless ``MEMTRAIN_LOSS_FP32_ADDMM=1`` (CUDA, opt-in until timed) adds it in the GEMM's
+float32 epilogue (:func:`_addmm_fp32_`).
 
 Speed on a GPU: on CUDA each chunk's whole body (the logits matmul, the element-wise logit gradient
 ``softmax - onehot``, ``g @ w`` and ``g.t() @ h``) is one function compiled by inductor
@@ -53,6 +56,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from typing import Callable, Optional
 
 import torch
@@ -119,19 +123,27 @@ def _logit_gradient(logits_lp: torch.Tensor, targets: torch.Tensor, vocab: int) 
 ALIGN_VOCAB = LOSS_ALIGN_VOCAB
 
 
-def _chunk_body(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, grad_h_rows: Optional[torch.Tensor],
-                grad_w: Optional[torch.Tensor], loss_sum: torch.Tensor, vocab: int) -> None:
-    """One chunk's whole work as one function, for inductor: the logits matmul, the logit
-    gradient (:func:`_logit_gradient`), ``g @ w`` written into the chunk's rows of grad_h,
-    ``g.t() @ h`` added into the float32 grad_w and the chunk's loss added into ``loss_sum``.
-
-    On CUDA this runs compiled, one call per chunk: run op by op from Python, the chunk's eight
-    or so launches cost more host time than the device spends on them (on an H200 the compiled
-    seed GPT's step was bound by that loop: benchmarks/results/gpu-h200)."""
+def _chunk_head(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, grad_h_rows: Optional[torch.Tensor],
+                loss_sum: torch.Tensor, vocab: int) -> torch.Tensor:
+    """One chunk's work up to the weight gradient: the logits matmul, the logit gradient
+    (:func:`_logit_gradient`), ``g @ w`` written into the chunk's rows of grad_h and the chunk's
+    loss added into ``loss_sum``; returns ``g`` (the logits' dtype)."""
     chunk_loss, g = _logit_gradient(h @ w.t(), t, vocab)
     loss_sum.add_(chunk_loss)
     if grad_h_rows is not None:
         grad_h_rows.copy_(g @ w)
+    return g
+
+
+def _chunk_body(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, grad_h_rows: Optional[torch.Tensor],
+                grad_w: Optional[torch.Tensor], loss_sum: torch.Tensor, vocab: int) -> None:
+    """One chunk's whole work as one function, for inductor: :func:`_chunk_head`, then
+    ``g.t() @ h`` added into the float32 grad_w (the product rounded to the compute dtype first).
+
+    On CUDA this runs compiled, one call per chunk: run op by op from Python, the chunk's eight
+    or so launches cost more host time than the device spends on them (on an H200 the compiled
+    seed GPT's step was bound by that loop: benchmarks/results/gpu-h200)."""
+    g = _chunk_head(h, w, t, grad_h_rows, loss_sum, vocab)
     if grad_w is not None:
         grad_w.add_(g.t() @ h)  # float32 accumulation, whatever the compute dtype
 
@@ -143,6 +155,97 @@ ChunkBody = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.T
 @functools.lru_cache(maxsize=1)
 def _compiled_chunk_body() -> ChunkBody:
     return torch.compile(_chunk_body)  # type: ignore[return-value]  # compile keeps the signature
+
+
+# ---- The weight gradient's float32 accumulation in the GEMM's epilogue (opt-in until timed on a GPU)
+#
+# The default adds each chunk's ``g.t() @ h`` into the float32 grad_w as a separate product: with a
+# 16-bit compute dtype the matmul writes its (V x d) output rounded to that dtype (2 V d bytes), which
+# is read back with grad_w and grad_w written (10 V d): about 12 V d bytes of memory traffic and one
+# 16-bit rounding of every chunk's product. ``torch.addmm(grad_w, g.t(), h, out_dtype=torch.float32,
+# out=grad_w)`` (aten ``addmm.dtype_out``, CUDA only; an earlier form of its kernel refused a float32
+# ``self`` beside 16-bit operands, "self and mat2 must have the same dtype", hence the probe
+# :func:`_fp32_addmm_supported`) lets cuBLAS add the float32 accumulator into grad_w in its epilogue: grad_w read and written once (8 V d bytes), no rounding of the product.
+#
+# What inductor does with it (read in torch 2.13's source): ``addmm.dtype`` and ``addmm.dtype_out`` are
+# in its decomposition table (torch/_decomp/decompositions.py ``addmm_dtype``: ``mm(out_dtype=float32)``
+# then ``+ self``), and ``mm`` with an ``out_dtype`` lowers to the extern ``at::mm_dtype_out`` kernel
+# (torch/_inductor/kernel/mm.py ``tuned_mm``; a Triton template only under max-autotune). Inside the
+# compiled chunk body the epilogue would thus be lost: a float32 product written and read back, a
+# separate add kernel, 16 V d bytes. So this path runs the compiled :func:`_chunk_head` and then the
+# addmm eagerly, one more launch per chunk (:func:`_fp32_addmm_chunk_body`);
+# benchmarks/loss_profile.py times both (``chunked-N-addmm`` and ``chunked-N-addmm-inductor``).
+FP32_ADDMM_ENV = "MEMTRAIN_LOSS_FP32_ADDMM"
+# None: as the environment variable says ("1": on); True or False: forced (a benchmark times both
+# in one process: benchmarks/loss_profile.py).
+FP32_ADDMM: Optional[bool] = None
+
+
+def fp32_addmm_env_problem() -> Optional[str]:
+    """A one-line refusal of a ``MEMTRAIN_LOSS_FP32_ADDMM`` value other than unset, empty, 0 or 1."""
+    value = os.environ.get(FP32_ADDMM_ENV, "")
+    if value in ("", "0", "1"):
+        return None
+    return f"{FP32_ADDMM_ENV}={value!r}: set it to 1 (the chunked loss's float32-epilogue addmm) or 0, or unset it"
+
+
+def fp32_addmm_requested() -> bool:
+    """Whether the float32-epilogue accumulation is asked for (:data:`FP32_ADDMM`, else the environment)."""
+    if FP32_ADDMM is not None:
+        return FP32_ADDMM
+    return os.environ.get(FP32_ADDMM_ENV, "") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _fp32_addmm_supported(device: torch.device) -> bool:
+    """Whether this torch's kernel for ``device`` adds a 16-bit product into a float32 tensor in
+    place (``addmm.dtype_out``): one 1 x 1 try, once per device and process (it reads the result
+    back: one host sync). Its absence (a torch without the ``out_dtype`` overload, a kernel that
+    refuses the float32 ``self``, a backend without the operator) reads as False and today's path runs."""
+    try:
+        one = torch.ones((1, 1), dtype=torch.bfloat16, device=device)
+        acc = torch.ones((1, 1), dtype=torch.float32, device=device)
+        torch.addmm(acc, one, one, out_dtype=torch.float32, out=acc)
+        return float(acc) == 2.0
+    except (RuntimeError, NotImplementedError, TypeError):  # no such overload, or a kernel that refuses it
+        return False
+
+
+def _fp32_addmm_path(device: torch.device, compute_dtype: torch.dtype, fake: bool, need_grad_weight: bool) -> bool:
+    """Whether the chunk loop adds each chunk's weight gradient with :func:`_addmm_fp32_`: asked for,
+    a real CUDA tensor (fake tensors, the estimator's, keep today's path and its buffers), a 16-bit
+    compute dtype (in float32 ``addmm_`` already adds without rounding) and a kernel that takes it."""
+    return (need_grad_weight and device.type == "cuda" and not fake
+            and compute_dtype in (torch.bfloat16, torch.float16)
+            and fp32_addmm_requested() and _fp32_addmm_supported(device))
+
+
+def _uses_fp32_addmm(hidden: torch.Tensor, compute_dtype: torch.dtype, need_grad_weight: bool) -> bool:
+    """:func:`_fp32_addmm_path` for this forward's hidden states. The device is looked at first:
+    elsewhere than CUDA is_fake is not called (dynamo cannot trace it, and a chunk loop traced into
+    a compiled graph, benchmarks/loss_profile.py's "traced", runs this)."""
+    return hidden.device.type == "cuda" and _fp32_addmm_path(hidden.device, compute_dtype, is_fake(hidden),
+                                                             need_grad_weight)
+
+
+def _addmm_fp32_(grad_w: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """``grad_w += g.t() @ h`` with the 16-bit product accumulated in float32 and added into the
+    float32 ``grad_w`` in the GEMM's epilogue, in place (``out=grad_w``)."""
+    return torch.addmm(grad_w, g.t(), h, out_dtype=torch.float32, out=grad_w)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_chunk_head() -> Callable[..., torch.Tensor]:
+    return torch.compile(_chunk_head)
+
+
+def _fp32_addmm_chunk_body(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, grad_h_rows: Optional[torch.Tensor],
+                           grad_w: Optional[torch.Tensor], loss_sum: torch.Tensor, vocab: int) -> None:
+    """:func:`_chunk_body` with the weight gradient added by :func:`_addmm_fp32_`, outside the
+    compiled call (inside it inductor would split the addmm into a matmul and an add: see above)."""
+    g = _compiled_chunk_head()(h, w, t, grad_h_rows, loss_sum, vocab)
+    if grad_w is not None:
+        _addmm_fp32_(grad_w, g, h)
 
 
 def _fused_chunk_body(hidden: torch.Tensor) -> Optional[ChunkBody]:
@@ -160,6 +263,9 @@ def _chunked_forward(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor]:
     """The loss sum, the unscaled gradients (float32 for the weight) and ``1 / n_valid``."""
     fused = _fused_chunk_body(hidden)
+    fp32_addmm = _uses_fp32_addmm(hidden, compute_dtype, need_grad_weight)
+    if fused is not None and fp32_addmm:
+        fused = _fp32_addmm_chunk_body
     # Casts are explicit below; autocast must not recast inside the loop.
     with torch.autocast(hidden.device.type, enabled=False):
         h_all = hidden.to(compute_dtype)
@@ -183,19 +289,20 @@ def _chunked_forward(
         for start in range(0, n, chunk):
             rows = slice(start, start + chunk)
             _chunk_step(h_all[rows], w, targets[rows], None if grad_h is None else grad_h[rows], grad_w, loss_sum,
-                        fused, vocab)
+                        fused, vocab, fp32_addmm)
     # The real rows of an aligned grad_w (a view: no copy).
     return loss_sum, grad_h, None if grad_w is None else grad_w[:vocab], inv_n
 
 
 def _chunk_step(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, grad_h_rows: Optional[torch.Tensor],
                 grad_w: Optional[torch.Tensor], loss_sum: torch.Tensor, fused: Optional[ChunkBody],
-                vocab: int) -> None:
+                vocab: int, fp32_addmm: bool = False) -> None:
     """One chunk (``h``: its hidden states in the compute dtype): its loss added into
     ``loss_sum``, its logit gradient's contributions written into ``grad_h_rows`` (the chunk's
     rows of grad_h) and added into ``grad_w``. ``fused``: CUDA's compiled :func:`_chunk_body`
     (``w`` may then have padding rows past ``vocab``), else the in-place eager body below, whose
-    buffers the estimator's trace sees."""
+    buffers the estimator's trace sees. ``fp32_addmm``: the eager body adds the weight gradient
+    with :func:`_addmm_fp32_` (:func:`_fp32_addmm_path` chose it)."""
     if fused is not None:
         fused(h, w, t, grad_h_rows, grad_w, loss_sum, vocab)
         return
@@ -212,7 +319,7 @@ def _chunk_step(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, grad_h_rows: 
     g.mul_(valid.unsqueeze(1))
     g_lp = g.to(h.dtype)  # the same tensor when computing in float32
     del logits, g  # the float32 buffer goes before the matmuls' outputs arrive
-    _accumulate(grad_h_rows, grad_w, g_lp, h, w)
+    _accumulate(grad_h_rows, grad_w, g_lp, h, w, fp32_addmm)
 
 
 @torch.library.custom_op("memtrain::chunked_linear_cross_entropy", mutates_args=())
@@ -285,12 +392,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def _accumulate(grad_h_rows: Optional[torch.Tensor], grad_w: Optional[torch.Tensor], g_lp: torch.Tensor,
-                h: torch.Tensor, w: torch.Tensor) -> None:
-    """Add one chunk's contribution to the hidden-state and LM-head weight gradients."""
+                h: torch.Tensor, w: torch.Tensor, fp32_addmm: bool = False) -> None:
+    """Add one chunk's contribution to the hidden-state and LM-head weight gradients
+    (``fp32_addmm``: the weight's with :func:`_addmm_fp32_`)."""
     if grad_h_rows is not None:
         grad_h_rows.copy_(g_lp @ w)
     if grad_w is not None:
-        if g_lp.dtype == torch.float32:
+        if fp32_addmm:
+            _addmm_fp32_(grad_w, g_lp, h)
+        elif g_lp.dtype == torch.float32:
             grad_w.addmm_(g_lp.t(), h)
         else:
             grad_w += g_lp.t() @ h
@@ -451,6 +561,9 @@ def make_loss_fn(tech: TechniqueConfig, device: torch.device, ignores_targets: b
     if tech.loss == "standard":
         return standard_lm_loss
     if tech.loss == "chunked":
+        env_problem = fp32_addmm_env_problem()
+        if env_problem is not None:  # refused before the first step, not in its forward
+            raise ConfigError(env_problem)
         # --loss-chunk 0 is resolved at each call, from the hidden states' device and the head's rows.
         own = functools.partial(chunked_lm_loss, chunk=tech.loss_chunk)
         refusal = loss_kernel_refusal(tech.loss, tech.loss_kernel, device.type)
