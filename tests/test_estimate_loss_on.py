@@ -128,6 +128,22 @@ def test_estimate_takes_loss_on_without_data_and_traces_the_answers_only_step(ca
     assert "unknown --loss-on 'answers'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_estimate_names_its_packing_in_the_json_shape_and_the_header(model, capsys, hf_dirs):
+    """``shape`` named ``loss_on`` but not ``packing``, though a pad step is sized apart from a
+    concat one (its pads are ignored targets): both JSON shapes now name it, and a pad step's
+    header line says so (a concat step's, the default, stays as it was)."""
+    flags = GPT_FLAGS if model == "gpt" else ["--model", hf_dirs[model], "--seq-len", "32", "--device", "cpu"]
+    concat = _json(capsys, ["estimate", *flags, "--json"])
+    pad = _json(capsys, ["estimate", *flags, "--packing", "pad", "--json"])
+    assert (concat["shape"]["packing"], pad["shape"]["packing"]) == ("concat", "pad")
+    assert main(["estimate", *flags, "--packing", "pad", "--loss-on", "completion"]) == 0
+    header = capsys.readouterr().out.splitlines()[:2]
+    assert any("x accum 1, packing pad, loss on completion, " in line for line in header), header
+    assert main(["estimate", *flags]) == 0
+    assert "packing" not in capsys.readouterr().out
+
+
 def test_maxbatch_probes_the_answers_only_step(capsys):
     # One loss chunk (256 tokens) for every probed batch: the forward stays the peak phase.
     flags = GPT_FLAGS + ["--loss", "chunked", "--loss-chunk", "256", "--grad-accum", "3", "--lora-rank", "4"]

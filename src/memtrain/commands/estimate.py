@@ -180,6 +180,15 @@ def _parameter_words(total: int, adapters: int, trainable: int) -> str:
     return f"{total:,} parameters ({trainable:,} trainable)"
 
 
+def _data_words(cfg: Any) -> str:
+    """The step's data settings off their defaults, for the header line after the batch shape:
+    ``--packing pad`` (its pads are ignored targets: a pad step is sized apart from a concat one)
+    and ``--loss-on completion``; "" for a default step (its header stays as it was)."""
+    words = ([f"packing {cfg.data.packing}"] if cfg.data.packing != "concat" else []) + (
+        [f"loss on {cfg.data.loss_on}"] if cfg.data.loss_on != "all" else [])
+    return "".join(f", {w}" for w in words)
+
+
 def _table(rows: list[tuple[str, str, str]]) -> str:
     w = [max(len(r[i]) for r in rows) for i in range(3)]
     return "\n".join(f"  {a:<{w[0]}}  {b:>{w[1]}}  {c}" for a, b, c in rows)
@@ -244,7 +253,7 @@ def _run(args: argparse.Namespace, cfg: Any, arch: Any) -> int:
     m, t = cfg.model, cfg.train
     print(f"{arch.name} d_model {m.d_model}, {m.n_layers} layers, {m.n_heads} heads, vocab {m.padded_vocab_size}: "
           f"{_parameter_words(est.parameters, est.adapter_parameters, est.trainable_parameters)}")
-    print(f"batch {t.batch_size} x seq {t.seq_len} x accum {t.grad_accum}, {cfg.technique.precision}, "
+    print(f"batch {t.batch_size} x seq {t.seq_len} x accum {t.grad_accum}{_data_words(cfg)}, {cfg.technique.precision}, "
           f"attention {cfg.technique.attention}, checkpointing {cfg.technique.checkpointing}, "
           f"loss {cfg.technique.loss}, optim {cfg.technique.optim} ({device_type} kernels"
           + (f", {est.shard} over {est.world_size} ranks, per rank" if est.world_size > 1 else "") + ")")
@@ -518,7 +527,7 @@ def _run_traced(args: argparse.Namespace, cfg: Any) -> int:
     words = _parameter_words(out["parameters"], out["adapter_parameters"], out["trainable_parameters"])
     print(f"{cfg.model.model}: {words}, d_model {m.d_model}, {m.n_layers} "
           f"layers, vocab {m.vocab_size}; "
-          f"batch {t.batch_size} x seq {t.seq_len} x accum {t.grad_accum}, {tech.precision}, attention {tech.attention}, "
+          f"batch {t.batch_size} x seq {t.seq_len} x accum {t.grad_accum}{_data_words(cfg)}, {tech.precision}, attention {tech.attention}, "
           f"checkpointing {tech.checkpointing}, loss {tech.loss}, optim {tech.optim}"
           + (f", LoRA r{tech.lora_rank}" if tech.lora_rank else "") + (" + NF4 base (QLoRA)" if tech.qlora else ""))
     rows = [("component at the peak", "bytes", "")]
@@ -558,7 +567,7 @@ def _run_hf_analytic(args: argparse.Namespace, step: StepEstimate, device_type: 
         return 0
     t, tech = cfg.train, cfg.technique
     print(f"{cfg.model.model}: {_parameter_words(est.parameters, est.adapter_parameters, est.trainable_parameters)}; "
-          f"batch {t.batch_size} x seq {t.seq_len} x accum {t.grad_accum}, {tech.precision}, attention {tech.attention}, "
+          f"batch {t.batch_size} x seq {t.seq_len} x accum {t.grad_accum}{_data_words(cfg)}, {tech.precision}, attention {tech.attention}, "
           f"checkpointing {tech.checkpointing}, loss {tech.loss}, optim {tech.optim}"
           + (f", LoRA r{tech.lora_rank}" if tech.lora_rank else "") + (" + NF4 base (QLoRA)" if tech.qlora else "")
           + (f"; {est.shard} over {est.world_size} ranks, per rank" if est.world_size > 1 else ""))

@@ -389,6 +389,21 @@ def _folds(dm: Dims) -> bool:
     return dm.b == 1 or dm.h == 1
 
 
+def eager_reads_v_in_place(dm: Dims) -> bool:
+    """Whether transformers' eager attention of a Llama-style layer reads rope's v in place, so
+    that the probabilities' matmul alone saves v's storage and its backward frees it, before
+    q @ k^T's: where repeat_kv hands v on as a view and the view folds into bmm's batch
+    dimension. As many k/v heads as q heads: v itself, folding at batch 1 or with one head
+    (:func:`_folds`). One k/v head: repeat_kv's ``expand`` + ``reshape`` is a view (stride 0
+    across the heads), folding at batch 1 only (at batch 2 and up the matmul copies it). Counted
+    in one storage with q and k, the one-k/v-head case held v to the scores' backward: a tiny
+    Llama (2 heads, 1 k/v head) at 1 x 64 tokens under an activation offloader had 81,920 B on
+    the host at the device peak for the traced 77,824."""
+    if dm.kv == dm.qw:
+        return _folds(dm)
+    return dm.kv * dm.h == dm.qw and dm.b == 1
+
+
 def _fused_v_folds(dm: Dims, kind: str, upcast: bool) -> bool:
     """Whether SDPA's math path reads Phi-3's v, a slice of the fused q/k/v output, in
     place: in float32 (no upcast copy) where its (b, h, s, hd) view folds into bmm's batch dimension
@@ -483,10 +498,12 @@ def _eager_hf_attention_nodes(nodes: list[Node], dm: Dims, p: str, qkv_keys: lis
     if repeated:
         nodes.append(Node(f"{p}.repeat_k", out=[(f"{p}.kc", 0.0 if view_kv else N * d * (4 if k_cast else a))],
                            inputs=[k_rope], grads=[(k, N * kvw * a)] if k_grad else []))
-        nodes.append(Node(f"{p}.repeat_v", out=[(f"{p}.vc", 0.0 if view_kv else N * d * a)], inputs=[qkv],
-                           grads=[(v, N * kvw * a)] if v_grad else []))
+        nodes.append(Node(f"{p}.repeat_v", out=[(f"{p}.vc", 0.0 if view_kv else N * d * a)],
+                           inputs=[v_src or qkv], grads=[(v, N * kvw * a)] if v_grad else []))
         if in_place:
-            v_saved = qkv_keys
+            # The view of rope's v (its own storage ``v_src`` where the caller made it one:
+            # eager_reads_v_in_place), saved for the probabilities' gradient.
+            v_saved = [v_src] if v_src is not None else qkv_keys
         elif view_kv:
             v_saved = [f"{p}.vt"]
     if view_kv and not in_place and not k_cast:

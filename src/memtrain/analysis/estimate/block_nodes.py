@@ -7,7 +7,12 @@ from __future__ import annotations
 
 from typing import Optional
 
-from memtrain.analysis.estimate.attention_nodes import attention_nodes, float32_weights_dropped, resolve_backend
+from memtrain.analysis.estimate.attention_nodes import (
+    attention_nodes,
+    eager_reads_v_in_place,
+    float32_weights_dropped,
+    resolve_backend,
+)
 from memtrain.analysis.estimate.basic_nodes import dropout, norm_stats
 from memtrain.analysis.estimate.dims import Dims
 from memtrain.analysis.estimate.hf_nodes import (
@@ -115,10 +120,9 @@ def block_nodes(dm: Dims, i: int, arch: Arch, tech: TechniqueConfig, trainable_b
     rope_locals = dm.hf and arch.positional == "rope" and held_locals(dm)
     # Rope's v as a storage of its own (hf_nodes.hf_rope_node), held until o_proj has run: apart
     # from the fused SDPA kernel's casts of q and k under autocast, and from rope's q and k where
-    # eager attention reads v in place (its views fold into bmm's batch: as many k/v heads as q
-    # heads, and batch 1 or one head).
-    eager_v_in_place = (dm.repeat_kv and tech.attention == "math" and not rope_locals and dm.kv == dm.qw
-                        and (dm.b == 1 or dm.h == 1))
+    # eager attention reads v in place (attention_nodes.eager_reads_v_in_place).
+    eager_v_in_place = (dm.repeat_kv and tech.attention == "math" and not rope_locals
+                        and eager_reads_v_in_place(dm))
     v_apart = (per_qkv and arch.positional == "rope" and not v32 and not dm.masked_sdpa
                and ((rope_locals and resolve_backend(tech.attention, None, dm) == "flash") or eager_v_in_place))
     if per_qkv:

@@ -52,7 +52,10 @@ def embedding_nodes(dm: Dims, arch: Arch, trainable: bool, attention: str) -> li
     src = "tok"
     if arch.positional == "learned":
         nodes.append(Node("pos", out=[("pos_idx", s * 8)]))
-        nodes.append(Node("wpe", out=[("posemb", s * d * pe)], inputs=["pos_idx"], saves=["pos_idx"],
+        # The lookup saves its position ids for the weight's gradient only: a frozen table (LoRA)
+        # saves nothing (kept, an offloader moved s x 8 bytes more each way than the trace, GPT-2
+        # under LoRA from 128 tokens).
+        nodes.append(Node("wpe", out=[("posemb", s * d * pe)], inputs=["pos_idx"], saves=["pos_idx"] if trainable else [],
                            grads=[("param:wpe.weight", 0.0)] if trainable else []))
         # Broadcast add: the token side's gradient passes through, the position side is summed.
         nodes.append(Node("embed_add", out=[("emb", N * d * pe)], inputs=["tok", "posemb"],

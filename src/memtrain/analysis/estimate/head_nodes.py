@@ -58,6 +58,11 @@ def _head_nodes(dm: Dims, m: ModelConfig, tech: TechniqueConfig, arch: Arch, tra
     # after the final norm): from there the meter counts the micro-batch's int64 labels, which
     # the step's list of batches holds through the optimizer step (TOKEN_KEYS, pinned).
     nodes.append(Node("targets", out=[(TARGETS, N * 8)]))
+    if arch.positional == "learned":
+        # The position ids are a local of the model's forward (our GPT's hidden_states,
+        # GPT2Model.forward) until it returns, after ln_f, saved for backward or not (a frozen
+        # table under LoRA saves nothing).
+        nodes[0].inputs.append("pos_idx")
     if arch.gpt2_layers:
         # GPT2Model.forward's locals (the token and position embeddings, the causal mask) live
         # until it returns, after ln_f.

@@ -445,21 +445,21 @@ class Graph:
             split = next((j for j, step in enumerate(steps) if step[0] == "outputs"), 0)
             scratch: dict[str, int] = {}
             self._scratch_steps(steps[:split], scratch, tag_override or n.tag)
-            for o in n.out:
-                key, nbytes = o[0], o[1]
-                if key in self.store:
-                    continue  # selective checkpointing: output cached from the forward pass
-                tag = tag_override or (o[2] if len(o) > 2 else n.tag)
-                self.store[key] = self.sim.alloc(nbytes, tag)
+            # Autograd packs the saves of what the op has made by then (``made_before_save``: the
+            # CPU dropout's noise, an input of its product) before the rest of its outputs exist,
+            # so an offloader's host copy of them is made first.
+            early = [o for o in n.out if o[0] in n.made_before_save]
+            self._alloc_outputs(n, early, tag_override)
+            packed_early = [k for k in n.saves if k in n.made_before_save] if keep_saves else []
+            self._keep_saves(packed_early)
+            self._alloc_outputs(n, [o for o in n.out if o[0] not in n.made_before_save], tag_override)
             self._note_gemm(n, start)  # a recompute in backward runs on autograd's thread
             self.sim.transient(n.fwd_scratch, tag_override or n.tag)
             self._scratch_steps(steps[split:], scratch, tag_override or n.tag)
             for sid in scratch.values():
                 self.sim.free(sid)
             if keep_saves:
-                for k in n.saves:
-                    if k in self.store and not self._offload(k):
-                        self.saved_refs[k] = self.saved_refs.get(k, 0) + 1
+                self._keep_saves([k for k in n.saves if k not in packed_early])
                 for k, nbytes in n.external:
                     self._offload_bytes(k, nbytes)
             if n.hold:
@@ -587,6 +587,23 @@ class Graph:
                 self._release(self._shared.pop(sid))
             else:
                 self.sim.free(sid)
+
+    def _alloc_outputs(self, n: Node, outs: list[tuple], tag_override: Optional[str]) -> None:
+        """Allocate ``outs`` (some of ``n.out``) in the forward, but those a selective
+        checkpoint cached from the forward pass."""
+        for o in outs:
+            key, nbytes = o[0], o[1]
+            if key in self.store:
+                continue  # selective checkpointing: output cached from the forward pass
+            tag = tag_override or (o[2] if len(o) > 2 else n.tag)
+            self.store[key] = self.sim.alloc(nbytes, tag)
+
+    def _keep_saves(self, keys: list[str]) -> None:
+        """Autograd keeps ``keys`` (saved by one op) for the backward: copied to the host where
+        an activation offloader takes them, else held on the device by one more saved reference."""
+        for k in keys:
+            if k in self.store and not self._offload(k):
+                self.saved_refs[k] = self.saved_refs.get(k, 0) + 1
 
     def _backward_nodes(self, nodes: list[Node]) -> None:
         for n in reversed(nodes):

@@ -386,7 +386,10 @@ def estimate(  # noqa: C901 - the step timeline in order; splits with the analys
                "d_ff": m.d_ff, "vocab": m.padded_vocab_size, "tied": not m.untie_embeddings,
                "batch_size": t.batch_size, "seq_len": t.seq_len, "grad_accum": t.grad_accum,
                # Named only off its default, so that every other estimate's JSON stays as it was.
-               **({"loss_on": cfg.data.loss_on} if cfg.data.loss_on != "all" else {})},
+               **({"loss_on": cfg.data.loss_on} if cfg.data.loss_on != "all" else {}),
+               # Always named: a pad step differs from a concat one (--packing pad's pads are
+               # ignored targets, which Cut Cross-Entropy keeps an index for), so the shape says which.
+               "packing": cfg.data.packing},
         world_size=n,
         shard=shard if n > 1 else "none",
         offload=offload_figures(sim, graph, t.grad_accum) if tech.offload_activations else None,
