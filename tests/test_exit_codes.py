@@ -615,3 +615,16 @@ def test_a_failures_type_and_first_line_name_it_in_one_line():
     assert typed_first_line(ValueError("\n  bad field\nTraceback details\n")) == "ValueError: bad field"
     assert typed_first_line(RuntimeError()) == "RuntimeError: "
     assert error_line(OSError("disk gone\nmore")) == "error: OSError: disk gone (set MEMTRAIN_DEBUG=1 for the traceback)"
+
+
+def test_a_value_starting_with_a_dash_is_said_to_read_as_a_flag(capsys):
+    """`--budget -1GiB`: argparse reads -1GiB as a flag and says only "expected one argument";
+    the line says how to pass it, and that spelling reaches the value's own check."""
+    code, err = _code_and_err(["plan", "--budget", "-1GiB"], capsys)
+    _assert_one_error_line(code, err, "write --budget=-1GiB")
+    code, err = _code_and_err(["plan", "--budget=-1GiB"], capsys)
+    _assert_one_error_line(code, err, "is not positive")
+    # A flag given where the value belongs is no value with a dash: no hint.
+    code, err = _code_and_err(["train", "--out", "o", "--steps", "--lr", "1"], capsys)
+    _assert_one_error_line(code, err, "expected one argument")
+    assert "reads as a flag" not in err, err

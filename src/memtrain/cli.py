@@ -81,6 +81,9 @@ from memtrain.training.resume_check import (
     saved_state,
 )
 
+# argparse's words for an option given without its value (its aliases joined by "/").
+_EXPECTED_ONE = re.compile(r"argument (\S+): expected one argument$")
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad flag as one ``error:`` line and exit code 2.
@@ -93,9 +96,29 @@ class _Parser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
+    def parse_known_args(self, args: Optional[Sequence[str]] = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        # Kept for error(): argparse's message does not say which value it read as a flag.
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> None:  # type: ignore[override]
-        sys.stderr.write(one_line(f"error: {message}; see '{self.prog} --help'") + "\n")
+        sys.stderr.write(one_line(f"error: {message}{self._dash_value_hint(message)}; see '{self.prog} --help'") + "\n")
         raise SystemExit(2)
+
+    def _dash_value_hint(self, message: str) -> str:
+        """For "argument --budget: expected one argument" where the value given starts with a dash
+        (``--budget -1GiB``): argparse read it as a flag; ``--budget=-1GiB`` reaches the value's own
+        check, which then says what is wrong with it."""
+        named = _EXPECTED_ONE.match(message)
+        argv = getattr(self, "_argv", [])
+        if named is None:
+            return ""
+        flags = set(named.group(1).split("/"))
+        for flag, value in zip(argv, argv[1:]):
+            if flag in flags and value.startswith("-") and value not in self._option_string_actions:
+                return f" ({flag} {value}: a value starting with '-' reads as a flag; write {flag}={value})"
+        return ""
+
 
     def reject_unknown(self, extra: Sequence[str]) -> None:
         """Refuse options this command does not know, naming the closest known one."""
