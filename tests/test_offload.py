@@ -355,6 +355,21 @@ def _tiny_hf_config(family: str, layers: int, tmp_path_factory):
     return root
 
 
+def _offload_estimate_and_trace(cfg):
+    """The analytic estimate and the fake-tensor trace of ``cfg``'s step under offload, with the
+    host bytes of both (at the device's peak, at the host's own peak) asserted equal."""
+    # Imported here, as the other transformers tests of this file do: transformers loads with them.
+    from memtrain.analysis.estimate.hf import analytic_estimate
+    from memtrain.analysis.trace import trace_step
+
+    est = analytic_estimate(cfg, "cpu")
+    traced = trace_step(cfg, "cpu")
+    assert est.offload is not None and traced["offloaded_at_peak_bytes"] > 0
+    assert est.offload["host_at_peak_bytes"] == traced["offloaded_at_peak_bytes"]
+    assert est.offload["host_peak_bytes"] == traced["offloaded_peak_bytes"]
+    return est, traced
+
+
 _MASK_CASES = [
     ("gpt2", 2, 4, 128, "full"), ("gpt2", 2, 1, 64, "full"), ("gpt2", 3, 4, 64, "full"), ("gpt2", 3, 1, 128, "full"),
     ("gpt2", 3, 1, 64, "every:2"), ("gpt2", 2, 4, 128, "none"),
@@ -373,18 +388,11 @@ def test_a_checkpointed_gpt2_layer_offloads_the_causal_mask_it_is_handed(family,
     The estimate kept the mask on the device and left it off the host: GPT-2, 2 layers at 4 x 128,
     201,728 B on the host at the peak for the traced 463,872 (603,136 B at most for 865,280).
     Llama-style models pass their mask by keyword: nothing of it moves."""
-    from memtrain.analysis.estimate.hf import analytic_estimate
-    from memtrain.analysis.trace import trace_step
-
     root = _tiny_hf_config(family, layers, tmp_path_factory)
     cfg = build_config({"model": str(root), "batch_size": batch, "seq_len": seq, "device": "cpu",
                         "offload_activations": True, "checkpointing": checkpointing})
     assert cfg.technique.attention == "math"  # eager attention: GPT2Model builds the float mask
-    est = analytic_estimate(cfg, "cpu")
-    traced = trace_step(cfg, "cpu")
-    assert est.offload is not None and traced["offloaded_at_peak_bytes"] > 0
-    assert est.offload["host_at_peak_bytes"] == traced["offloaded_at_peak_bytes"]
-    assert est.offload["host_peak_bytes"] == traced["offloaded_peak_bytes"]
+    est, traced = _offload_estimate_and_trace(cfg)
     assert est.offload["d2h_bytes_per_step"] == traced["offload"]["d2h_bytes"]
     # The device peak too: the mask leaves the device after the forward and comes back for the
     # recompute (GPT-2 at 1 x 64 tokens, full: +2.3% before, now within 0.01%).
@@ -399,18 +407,11 @@ def test_eager_attention_at_batch_1_frees_one_kv_heads_v_before_the_scores_backw
     backward, the device peak of a tiny Llama without checkpointing. Counted in one storage with
     q and k, v stayed on the host to the scores' backward: 81,920 B at the peak for the traced
     77,824 at 64 tokens, 230,400 for 222,208 at 128, the device peak +0.7% over the trace."""
-    from memtrain.analysis.estimate.hf import analytic_estimate
-    from memtrain.analysis.trace import trace_step
-
     root = _tiny_hf_config("llama", layers, tmp_path_factory)
     cfg = build_config({"model": str(root), "batch_size": 1, "seq_len": seq, "device": "cpu",
                         "offload_activations": True, "checkpointing": "none"})
     assert cfg.technique.attention == "math" and _LLAMA["num_key_value_heads"] == 1
-    est = analytic_estimate(cfg, "cpu")
-    traced = trace_step(cfg, "cpu")
-    assert est.offload is not None and traced["offloaded_at_peak_bytes"] > 0
-    assert est.offload["host_at_peak_bytes"] == traced["offloaded_at_peak_bytes"]
-    assert est.offload["host_peak_bytes"] == traced["offloaded_peak_bytes"]
+    est, traced = _offload_estimate_and_trace(cfg)
     assert est.offload["d2h_bytes_per_step"] == traced["offload"]["d2h_bytes"]
     assert est.peak_bytes == pytest.approx(traced["peak_bytes"], rel=0.002)
 
@@ -449,14 +450,7 @@ def test_lora_linears_sum_no_bias_gradient_and_hold_the_traced_host_bytes(family
     have none, so the estimate models no such sum there (``linear_nodes.linear``: only a trainable
     base), and the host bytes at the device peak are the traced offloader's (2 layers at 4 x 64
     tokens; GPT-2's Conv1D biases under autocast, Llama's bias-free projections)."""
-    from memtrain.analysis.estimate.hf import analytic_estimate
-    from memtrain.analysis.trace import trace_step
-
     root = _tiny_hf_config(family, 2, tmp_path_factory)
     cfg = build_config({"model": str(root), "batch_size": 4, "seq_len": 64, "device": "cpu", "lora_rank": 4,
                         "offload_activations": True, "checkpointing": checkpointing, "precision": precision})
-    est = analytic_estimate(cfg, "cpu")
-    traced = trace_step(cfg, "cpu")
-    assert est.offload is not None and traced["offloaded_at_peak_bytes"] > 0
-    assert est.offload["host_at_peak_bytes"] == traced["offloaded_at_peak_bytes"]
-    assert est.offload["host_peak_bytes"] == traced["offloaded_peak_bytes"]
+    est, traced = _offload_estimate_and_trace(cfg)
