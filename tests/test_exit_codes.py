@@ -510,6 +510,14 @@ def test_unreadable_inputs_are_named_with_the_reason(tmp_path: Path, capsys, mon
             raise PermissionError(13, "Permission denied", str(self))
         return real_read_text(self, *args, **kwargs)
 
+    real_os_open = os.open
+
+    def refusing_os_open(path, *args, **kwargs):
+        # The bounded JSON reader (files.json_file) opens a descriptor, not a Path.
+        if os.path.basename(os.fspath(path)) == "config.json":
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_os_open(path, *args, **kwargs)
+
     data = tmp_path / "corpus.txt"
     data.write_text(small_corpus.read_text())
     model = tmp_path / "model"
@@ -519,6 +527,7 @@ def test_unreadable_inputs_are_named_with_the_reason(tmp_path: Path, capsys, mon
     checkpoint.write_bytes(b"PK")
     monkeypatch.setattr(pathlib.Path, "open", refusing_open)
     monkeypatch.setattr(pathlib.Path, "read_text", refusing_read_text)
+    monkeypatch.setattr(os, "open", refusing_os_open)
     monkeypatch.setattr(exact, "load_plain", lambda p, **kw: (_ for _ in ()).throw(PermissionError(13, "Permission denied", str(p))))
     out = tmp_path / "out"
     code, err = _code_and_err(["train", "--data", str(data), "--steps", "1", "--out", str(out)], capsys)
