@@ -61,7 +61,9 @@ def test_a_config_that_leaves_every_field_out_gets_transformers_defaults(tmp_pat
                "tie_word_embeddings": True, "attention_dropout": 0.1}),
     ("qwen2", {"num_hidden_layers": 6, "use_sliding_window": True, "max_window_layers": 4}),  # layer_types derived
     ("qwen2", {"num_hidden_layers": 3, "sliding_window": 64}),  # sliding_window dropped: use_sliding_window off
-    ("mistral", {"hidden_size": 64, "num_attention_heads": 4, "sliding_window": None, "head_dim": None}),
+    # Mistral's default 8 k/v heads must divide the heads (tests/test_kv_heads.py): 2 of 4 here.
+    ("mistral", {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": None,
+                 "head_dim": None}),
     ("gpt2", {"n_embd": 96, "n_head": 6, "n_layer": 3, "n_inner": None}),  # d_ff 4 x n_embd
     ("gpt2", {"n_embd": 64, "n_head": 4, "n_inner": 200, "n_positions": 96, "activation_function": "gelu",
               "attn_pdrop": 0, "resid_pdrop": 0.0, "embd_pdrop": 0.2, "tie_word_embeddings": False,
